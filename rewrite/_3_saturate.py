@@ -1,0 +1,267 @@
+"""Stage 3, saturate: run the rulesets over the e-graph, under limits.
+
+Each iteration:
+
+1. egglog derives facts (``NonNeg``, ``Pos``, ``NonZero``) to saturation;
+2. egglog runs every rule's query once, recording matches in a relation;
+3. the Python side reads the new matches, checks guards, verifies each match
+   by looking the left-hand side up at the real shapes, and builds the
+   right-hand side (a JAX function traced at those shapes, or a procedure);
+4. everything built is inserted in one batch.
+
+It stops when an iteration changes nothing (saturated), or at a limit: the
+iteration count, the e-graph's size in rows, or wall time. A rule that
+matches too often is banned for a few iterations, with its allowance and ban
+doubling each time (egg's back-off scheduler), so one explosive rule cannot
+starve the rest. Stopping early is always safe: the e-graph still holds the
+input program, so extraction finds a program at least as good.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import time
+from typing import Any, Callable, Sequence
+
+import jax
+
+from ._2_load import Unsupported, load_closed
+from ._egraph import EGraph, Snapshot
+from ._intern import TYPES
+from ._pattern import present
+from ._rules import Body, Match, Procedure, Rule, Ruleset, Value, _short, _spec
+
+log = logging.getLogger("rewrite")
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """Bounds on saturation. When one is hit, the best program found so far is used.
+
+    ``iterations``: rounds of matching. ``nodes``: rows in the e-graph
+    (nodes, names, facts and matches together). ``seconds``: wall time for
+    saturation. ``matches``: new matches a rule may act on in one iteration
+    before it is banned for ``ban`` iterations (both double on each ban).
+
+    >>> from rewrite import Limits
+    >>> Limits(seconds=2.0).iterations
+    30
+    """
+
+    iterations: int = 30
+    nodes: int = 500_000
+    seconds: float = 20.0
+    matches: int = 2_000
+    ban: int = 2
+
+
+@dataclasses.dataclass
+class RuleStats:
+    fired: int = 0
+    matched: int = 0
+    rejected: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    banned: int = 0
+    seconds: float = 0.0
+    examples: list[tuple[Any, Any]] = dataclasses.field(default_factory=list)  # (avals, root source)
+
+
+@dataclasses.dataclass
+class _Active:
+    rule: Rule
+    ruleset: Ruleset
+    relations: list[tuple[str, list[tuple[str, str]]]]  # relation name, binds (var, sort)
+    seen: set = dataclasses.field(default_factory=set)
+    allowance: int = 0
+    ban_length: int = 0
+    banned_until: int = -1
+
+
+class Engine:
+    """The state of one saturation: the e-graph, the active rules, and what the rules see."""
+
+    def __init__(self, egraph: EGraph, entries: Sequence[tuple[Rule, Ruleset]], limits: Limits) -> None:
+        self.egraph = egraph
+        self.limits = limits
+        self.stats: dict[str, RuleStats] = collections.OrderedDict()
+        self.active: list[_Active] = []
+        self.snapshot: Snapshot | None = None  # type: ignore[assignment]
+        self.iterations = 0
+        self.warnings: list[str] = []
+        lines = ["(ruleset match)"]
+        for i, (rule, owner) in enumerate(entries):
+            rels = []
+            for j, q in enumerate(rule.queries):
+                rel = f"M{i}_{j}"
+                sorts = ["Term"] + [s for _, s in q.binds]
+                lines.append(f"(relation {rel} ({' '.join(sorts)}))")
+                args = " ".join([q.root] + [v for v, _ in q.binds])
+                lines.append(f'(rule ({q.text}) (({rel} {args})) :ruleset match :name "{rel}")')
+                rels.append((rel, q.binds))
+            self.active.append(_Active(rule, owner, rels, allowance=limits.matches, ban_length=limits.ban))
+            self.stats[rule.name] = RuleStats()
+        egraph.declare("\n".join(lines))
+
+    # ------------------------------------------------------------------ the loop
+    def run(self) -> str:
+        start = time.perf_counter()
+        limits = self.limits
+        if not self.active:
+            self.snapshot = self.egraph.snapshot()
+            return "saturated"
+        for it in range(limits.iterations):
+            self.iterations = it + 1
+            self.egraph.run("facts", saturate=True)
+            self.egraph.run("match")
+            self.snapshot = self.egraph.snapshot()
+            if self.snapshot.num_rows > limits.nodes:
+                return "node limit"
+            if time.perf_counter() - start > limits.seconds:
+                return "time limit"
+            waiting = False
+            for act in self.active:
+                if it < act.banned_until:
+                    waiting = True
+                    continue
+                rows = [(rel, binds, r) for rel, binds in act.relations for r in self.snapshot.rows(rel)]
+                new = [(rel, binds, r) for rel, binds, r in rows if (rel, tuple(r.inputs)) not in act.seen]
+                if len(new) > act.allowance:
+                    act.banned_until = it + act.ban_length
+                    act.allowance *= 2
+                    act.ban_length *= 2
+                    self.stats[act.rule.name].banned += 1
+                    log.debug("rule %r banned until iteration %d (%d new matches)", act.rule.name, act.banned_until, len(new))
+                    waiting = True
+                    continue
+                t = time.perf_counter()
+                for rel, binds, r in new:
+                    if self._apply(act, binds, r.inputs):
+                        act.seen.add((rel, tuple(r.inputs)))
+                    if time.perf_counter() - start > limits.seconds:
+                        self.stats[act.rule.name].seconds += time.perf_counter() - t
+                        self.egraph.flush()
+                        return "time limit"
+                self.stats[act.rule.name].seconds += time.perf_counter() - t
+            changed = self.egraph.flush()
+            if not changed and not waiting:
+                self.snapshot = self.egraph.snapshot()
+                return "saturated"
+        return "iteration limit"
+
+    # ------------------------------------------------------------------ one match
+    def _apply(self, act: _Active, binds: list[tuple[str, str]], inputs: Sequence[Any]) -> bool:
+        """Act on one match. Returns whether it is settled (never to be looked at again)."""
+        rule, stats = act.rule, self.stats[act.rule.name]
+        stats.matched += 1
+        root, vals = inputs[0], inputs[1:]
+        snap = self.snapshot
+        eg = self.egraph
+        eg.origin = rule.name
+        eg.source = eg.vsource[snap.name(root)]
+        try:
+            if rule.is_pat:
+                sorts = {n: s for n, (_, s) in zip(rule.var_names, binds)}
+                to_int = eg.eg.value_to_i64
+                bound = {n: (to_int(v) if sorts[n] == "i64" else v) for n, v in zip(rule.var_names, vals)}
+                return self._apply_procedure(act, root, bound, sorts)
+            values = [self.value(c) for c in vals]
+            if rule.when is not None:
+                ok = rule.when(*values)
+                if not ok:
+                    stats.rejected["guard"] += 1
+                    return not any(v.read_facts for v in values)
+            avals = tuple(v.aval for v in values)
+            try:
+                lhs, rhs = rule.traced(avals)
+            except Exception as e:
+                stats.rejected["untraceable"] += 1
+                log.debug("rule %r cannot be traced at %s: %s", rule.name, avals, e)
+                return True
+            if present(eg, lhs, list(vals)) != root:
+                stats.rejected["unverified"] += 1
+                return True
+            if rule.is_procedural:
+                return self._apply_procedure(act, root, dict(zip(rule.var_names, vals)),
+                                             {n: "Term" for n in rule.var_names})
+            (out,), _ = load_closed(rhs, [snap.name(c) for c in vals], eg)
+            self._union(rule, snap.name(root), out, avals)
+            return True
+        except Unsupported as e:
+            stats.rejected["unsupported"] += 1
+            log.debug("rule %r: %s", rule.name, e)
+            return True
+        finally:
+            eg.origin = None
+            eg.source = None
+
+    def _apply_procedure(self, act: _Active, root: Any, bindings: dict[str, Any], sorts: dict[str, str]) -> bool:
+        rule, stats = act.rule, self.stats[act.rule.name]
+        m = Match(self, rule, bindings, sorts, root)
+        if rule.is_pat and rule.when is not None and not rule.when(m):
+            stats.rejected["guard"] += 1
+            return True
+        try:
+            result = rule.rhs(m)
+        except Unsupported:
+            raise
+        except Exception as e:
+            stats.rejected["error"] += 1
+            msg = f"rule {rule.name!r} raised {type(e).__name__}: {e}"
+            if msg not in self.warnings:
+                self.warnings.append(msg)
+                log.warning(msg)
+            return True
+        if result is None:
+            stats.rejected["declined"] += 1
+            return True
+        pairs = result if isinstance(result, list) else [(m.root, result)]
+        for a, b in pairs:
+            self._union(rule, a.name, b.name, None)
+        return True
+
+    def _union(self, rule: Rule, root_name: int, out: int, avals: Any) -> None:
+        """Put ``out`` in the class of ``root_name``, if their types agree."""
+        stats = self.stats[rule.name]
+        want = TYPES[self.egraph.vtype[root_name]]
+        got = TYPES[self.egraph.vtype[out]]
+        if want != got:
+            stats.rejected["type"] += 1
+            msg = (f"rule {rule.name!r} built {_short(got)} for a match of type {_short(want)}"
+                   + (f" at inputs ({', '.join(_short(a) for a in avals)})" if avals else "") + "; skipped")
+            if msg not in self.warnings:
+                self.warnings.append(msg)
+                log.warning(msg)
+            return
+        self.egraph.union(root_name, out)
+        stats.fired += 1
+        if avals is not None and len(stats.examples) < 3:
+            stats.examples.append((avals, self.egraph.vsource[root_name]))
+
+    # ------------------------------------------------------------------ what rules see
+    def value(self, x: Any) -> Value:
+        """A :class:`Value` for a class of the current snapshot, or for a V id."""
+        snap = self.snapshot
+        if isinstance(x, int):
+            cls = snap.cls_of_name[x] if x < len(snap.cls_of_name) else None
+            return Value(TYPES[self.egraph.vtype[x]], x, cls, self)
+        return Value(snap.aval(x), snap.name(x), x, self)
+
+    def body(self, body_cls: Any) -> Body:
+        snap = self.snapshot
+        (_, (scope, outs)), *_ = snap.nodes[body_cls]
+        return Body(scope, [self.value(c) for c in snap.list_items(outs)])
+
+    def users(self, v: Value) -> list[tuple[Value, Any]]:
+        from ._rules import Node
+
+        if v.cls is None:
+            return []
+        return [(self.value(parent), Node(self, ctor, args))
+                for parent, (ctor, args) in self.snapshot.parents.get(v.cls, [])]
+
+    def insert_traced(self, fn: Callable[..., Any], inputs: Sequence[Value]) -> Any:
+        closed = jax.make_jaxpr(fn)(*[_spec(v.aval) for v in inputs])
+        outs, _ = load_closed(closed, [v.name for v in inputs], self.egraph)
+        vals = [Value(TYPES[self.egraph.vtype[o]], o, None, self) for o in outs]
+        return vals[0] if len(vals) == 1 else tuple(vals)

@@ -1,0 +1,200 @@
+"""Stage 4, extract: choose one node per e-class, minimising the cost model.
+
+The extractor reads the frozen e-graph, not egglog's own extractor: egglog's
+default counts a shared node once per use (tree cost) and overflows on large
+DAGs, and its DAG-aware extractor is too slow at our sizes (see
+``docs/design.md``).
+
+1. A bottom-up pass in the style of Knuth's generalisation of Dijkstra's
+   algorithm gives every class its cheapest node, given its children's
+   costs. A node is only considered once all its children are settled, so
+   the choice is acyclic by construction.
+2. The same pass over the input program's own nodes gives the input program
+   (after common-subexpression elimination).
+3. Both are costed as DAGs: each class once per scope, bodies costed once per
+   execution of their loop. The cheaper wins, so the result never costs more
+   than the input, and with no rules it is the input.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import math
+from typing import Any, Callable, Iterable, Sequence
+
+from . import _terms
+from ._cost import CostModel, NodeInfo
+from ._egraph import Snapshot
+from ._intern import PARAMS, TYPES, TupleType
+
+_CONTAINERS = {"TNil", "TCons", "Body", "BNil", "BCons"}
+_LEAVES = {"Lit": "literal", "Const": "const", "Param": "param", "Tok": "token"}
+
+
+@dataclasses.dataclass
+class Extraction:
+    choice: dict[Any, tuple]     # class -> chosen e-node (ctor, args)
+    cost: float
+    original_cost: float
+    rewritten: bool              # False when the input program was kept
+
+
+class Extractor:
+    def __init__(self, snap: Snapshot, model: CostModel) -> None:
+        self.snap = snap
+        self.model = model
+        self._own: dict[tuple, float] = {}
+
+    # ------------------------------------------------------------------ node facts
+    def children(self, ctor: str, args: tuple) -> list[Any]:
+        return [a for s, a in zip(_terms.ctor_arg_sorts(ctor), args) if s != "i64"]
+
+    def info(self, cls: Any, ctor: str, args: tuple, choice: dict[Any, tuple], body_costs: tuple = ()) -> NodeInfo:
+        snap = self.snap
+        sorts = _terms.ctor_arg_sorts(ctor)
+        out_t = snap.aval(cls)
+        outs = tuple(out_t) if isinstance(out_t, TupleType) else (out_t,)
+        if ctor in _LEAVES:
+            return NodeInfo(_LEAVES[ctor], _terms.SPECIAL, {}, (), outs)
+        if ctor == "Proj":
+            tup, index = args
+            of_ctor, of_args = choice[tup]
+            of_params = PARAMS.params(of_args[-1]) if of_ctor not in _LEAVES and of_ctor != "Proj" else {}
+            of_op = PARAMS.prim(of_args[-1]).name if of_ctor not in _LEAVES and of_ctor != "Proj" else of_ctor
+            return NodeInfo("proj", _terms.SPECIAL, of_params, (snap.aval(tup),), outs, index=index, of=of_op)
+        pid = args[-1]
+        ins: list[Any] = []
+        for s, a in zip(sorts, args):
+            if s == "Term" and not (ctor == "Effect" and a is args[0]):
+                ins.append(snap.aval(a))
+            elif s == "TList":
+                ins.extend(snap.aval(x) for x in snap.list_items(a))
+        spec = _terms.BY_CTOR.get(ctor)
+        family = spec.family if spec is not None else _terms.OPAQUE
+        return NodeInfo(PARAMS.prim(pid).name, family, PARAMS.params(pid), tuple(ins), outs, body_costs)
+
+    def own(self, cls: Any, ctor: str, args: tuple, choice: dict[Any, tuple]) -> float:
+        """A node's own cost, for nodes without bodies."""
+        if ctor in _CONTAINERS:
+            return 0.0
+        key = (cls, ctor, args, choice[args[0]] if ctor == "Proj" else None)
+        found = self._own.get(key)
+        if found is None:
+            found = self._own[key] = float(self.model(self.info(cls, ctor, args, choice)))
+            if not found >= 0.0:
+                raise ValueError(f"cost model returned {found!r} for {ctor}; costs must be non-negative numbers")
+        return found
+
+    def body_classes(self, ctor: str, args: tuple) -> list[Any]:
+        """The Body classes of a nested node, in order."""
+        spec = _terms.BY_CTOR.get(ctor)
+        if spec is None or spec.family != _terms.NESTED:
+            return []
+        out = []
+        for letter, a in zip(spec.layout, args):
+            if letter == "B":
+                out.append(a)
+            elif letter == "N":
+                out.extend(self.snap.list_items(a))
+        return out
+
+    # ------------------------------------------------------------------ tree pass
+    def tree(self, allowed: Callable[[Any, str, tuple], bool] | None = None) -> tuple[dict, dict]:
+        """Cheapest node per class (children settled first). Returns (cost, choice)."""
+        entries: list[tuple[Any, str, tuple, list[Any]]] = []
+        parents: dict[Any, list[int]] = {}
+        pending: list[int] = []
+        heap: list[tuple[float, int]] = []
+        cost: dict[Any, float] = {}
+        choice: dict[Any, tuple] = {}
+        for cls, ns in self.snap.nodes.items():
+            for ctor, args in ns:
+                if allowed is not None and not allowed(cls, ctor, args):
+                    continue
+                kids = list(dict.fromkeys(self.children(ctor, args)))
+                i = len(entries)
+                entries.append((cls, ctor, args, kids))
+                pending.append(len(kids))
+                for k in kids:
+                    parents.setdefault(k, []).append(i)
+                if not kids:
+                    heap.append((self.own(cls, ctor, args, choice), i))
+        heapq.heapify(heap)
+        while heap:
+            c, i = heapq.heappop(heap)
+            cls, ctor, args, _ = entries[i]
+            if cls in cost:
+                continue
+            cost[cls] = c
+            choice[cls] = (ctor, args)
+            for p in parents.get(cls, ()):
+                pending[p] -= 1
+                if pending[p] == 0:
+                    pcls, pctor, pargs, pkids = entries[p]
+                    if pcls not in cost:
+                        heapq.heappush(heap, (self._total(pcls, pctor, pargs, pkids, cost, choice), p))
+        return cost, choice
+
+    def _total(self, cls: Any, ctor: str, args: tuple, kids: list[Any], cost: dict, choice: dict) -> float:
+        bodies = self.body_classes(ctor, args)
+        if bodies:
+            info = self.info(cls, ctor, args, choice, tuple(cost[b] for b in bodies))
+            own = float(self.model(info))
+            skip = set(bodies) | {a for s, a in zip(_terms.ctor_arg_sorts(ctor), args) if s == "BList"}
+            return own + sum(cost[k] for k in kids if k not in skip)
+        return self.own(cls, ctor, args, choice) + sum(cost[k] for k in kids)
+
+    # ------------------------------------------------------------------ DAG cost
+    def dag_cost(self, choice: dict[Any, tuple], roots: Iterable[Any]) -> float:
+        """Each class once per scope; a body once per execution of its node."""
+        body_memo: dict[Any, float] = {}
+
+        def scope(start: Iterable[Any]) -> float:
+            total = 0.0
+            seen: set[Any] = set()
+            stack = list(start)
+            while stack:
+                c = stack.pop()
+                if c in seen:
+                    continue
+                seen.add(c)
+                ctor, args = choice[c]
+                bodies = self.body_classes(ctor, args)
+                if bodies:
+                    bcosts = []
+                    for b in bodies:
+                        if b not in body_memo:
+                            _, (_, outs) = choice[b]
+                            body_memo[b] = scope(self.snap.list_items(outs))
+                        bcosts.append(body_memo[b])
+                    total += float(self.model(self.info(c, ctor, args, choice, tuple(bcosts))))
+                    skip = {a for s, a in zip(_terms.ctor_arg_sorts(ctor), args) if s in ("Region", "BList")}
+                    stack.extend(k for k in self.children(ctor, args) if k not in skip)
+                else:
+                    total += self.own(c, ctor, args, choice)
+                    stack.extend(self.children(ctor, args))
+            return total
+
+        return scope(roots)
+
+
+def extract(snap: Snapshot, roots: Sequence[Any], model: CostModel, original: set[tuple] | None) -> Extraction:
+    """Choose the program to emit. ``original`` holds the input program's nodes, canonicalised."""
+    ex = Extractor(snap, model)
+    _, choice = ex.tree()
+    missing = [r for r in roots if r not in choice]
+    if missing:
+        raise RuntimeError("extraction found no finite-cost program for an output; the e-graph is malformed")
+    cost = ex.dag_cost(choice, roots)
+    if original is None:
+        return Extraction(choice, cost, cost, True)
+    _, orig_choice = ex.tree(lambda cls, ctor, args: ctor in _CONTAINERS or (ctor, args) in original)
+    if any(r not in orig_choice for r in roots):
+        # The input program's nodes no longer cover the outputs (a rule merged
+        # classes in a way the original selection cannot express); keep the rewrite.
+        return Extraction(choice, cost, math.inf, True)
+    orig_cost = ex.dag_cost(orig_choice, roots)
+    if cost < orig_cost:
+        return Extraction(choice, cost, orig_cost, True)
+    return Extraction(orig_choice, orig_cost, orig_cost, False)

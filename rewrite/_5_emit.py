@@ -1,0 +1,213 @@
+"""Stage 5, emit: turn the chosen nodes back into a ``ClosedJaxpr``.
+
+Each scope (the program, and every loaded body) is emitted on its own:
+post-order from its outputs, one equation per chosen operation node, in an
+order that respects data and the effect token. A body becomes the
+``ClosedJaxpr`` its primitive's params expect, with its inputs in the order
+the node records. Avals come from the e-graph's per-class types, params from
+the params table, and source locations from the equation that first made
+each class, so profiles and errors still point at the user's code.
+
+JAX's own dead-code elimination then removes loop outputs that nothing reads
+(a scan's stacked output that a rewrite made redundant, say).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+from jax._src import core, source_info_util
+from jax._src.interpreters import partial_eval as pe
+
+from . import _terms
+from ._egraph import Snapshot
+from ._intern import EFFECTS, PARAMS, TYPES, TupleType
+from ._rules import literal_value
+
+
+class EmitError(RuntimeError):
+    pass
+
+
+_TOKEN = object()  # the effect token is an ordering edge only; jaxprs thread effects themselves
+_BODY_DEBUG = core.DebugInfo("rewrite", "body emitted by rewrite", None, None)
+
+
+class _Scope:
+    def __init__(self, em: "Emitter", scope: int, params: dict[int, core.Var]) -> None:
+        self.em = em
+        self.scope = scope
+        self.params = params
+        self.env: dict[Any, Any] = {}
+        self.eqns: list[core.JaxprEqn] = []
+        self.constvars: list[core.Var] = []
+        self.consts: list[Any] = []
+        self.effects: set[Any] = set()
+        self._const_index: dict[int, core.Var] = {}
+
+    def atoms(self, roots: Sequence[Any]) -> list[Any]:
+        self._emit_all(roots)
+        return [self.env[r] for r in roots]
+
+    def _children(self, ctor: str, args: tuple) -> list[Any]:
+        out = []
+        for s, a in zip(_terms.ctor_arg_sorts(ctor), args):
+            if s == "Term":
+                out.append(a)
+            elif s == "TList":
+                out.extend(self.em.snap.list_items(a))
+        return out
+
+    def _emit_all(self, roots: Sequence[Any]) -> None:
+        choice = self.em.choice
+        stack: list[tuple[Any, bool]] = [(r, False) for r in reversed(roots)]
+        on_path: set[Any] = set()
+        while stack:
+            cls, done = stack.pop()
+            if cls in self.env:
+                continue
+            ctor, args = choice[cls]
+            if done:
+                on_path.discard(cls)
+                self.env[cls] = self._emit(cls, ctor, args)
+                continue
+            if cls in on_path:
+                raise EmitError("the chosen program has a cycle")
+            on_path.add(cls)
+            stack.append((cls, True))
+            for k in reversed(self._children(ctor, args)):
+                if k not in self.env:
+                    stack.append((k, False))
+
+    def _emit(self, cls: Any, ctor: str, args: tuple) -> Any:
+        em = self.em
+        snap = em.snap
+        if ctor == "Param":
+            scope, index = args
+            if scope != self.scope or index not in self.params:
+                raise EmitError(f"input {index} of scope {scope} used in scope {self.scope}")
+            return self.params[index]
+        if ctor == "Lit":
+            lit_id, type_id = args
+            aval = TYPES[type_id]
+            return core.Literal(np.asarray(literal_value(lit_id, aval.dtype), dtype=aval.dtype), aval)
+        if ctor == "Const":
+            (h,) = args
+            var = self._const_index.get(h)
+            if var is None:
+                var = self._const_index[h] = core.Var(snap.aval(cls))
+                self.constvars.append(var)
+                self.consts.append(em.consts[h])
+            return var
+        if ctor == "Tok":
+            return _TOKEN
+        if ctor == "Proj":
+            tup, index = args
+            return self.env[tup][index]
+        pid = args[-1]
+        prim = PARAMS.prim(pid)
+        params = dict(PARAMS.params(pid))
+        source = em.source(cls)
+        out_t = snap.aval(cls)
+        out_avals = list(out_t) if isinstance(out_t, TupleType) else [out_t]
+        effects: Any = core.no_effects
+        if ctor == "Effect":
+            invars = [self.env[a] for a in snap.list_items(args[1])]
+            out_avals = out_avals[:-1]
+            effects = em.effects_of(pid)
+        elif ctor == "Opaque":
+            invars = [self.env[a] for a in snap.list_items(args[0])]
+        else:
+            spec = _terms.BY_CTOR[ctor]
+            invars = [self.env[a] for a in self._children(ctor, args)]
+            if spec.family == _terms.NESTED:
+                params = self._nested_params(spec, args, params, len(out_avals), len(invars))
+        outvars = [core.Var(a) for a in out_avals]
+        self.effects |= set(effects)
+        self.eqns.append(core.new_jaxpr_eqn(invars, outvars, prim, params, effects, source))
+        if ctor == "Effect":
+            return outvars + [_TOKEN]
+        if isinstance(out_t, TupleType):
+            return outvars
+        return outvars[0]
+
+    def _nested_params(self, spec: _terms.OpSpec, args: tuple, params: dict, n_out: int, n_in: int) -> dict:
+        em = self.em
+        if spec.prim == "scan":
+            order = params.pop("_order")
+            params["jaxpr"] = em.body(args[0], order, closed=True)
+        elif spec.prim == "while":
+            n_cond = params["cond_nconsts"] + n_out
+            n_body = params["body_nconsts"] + n_out
+            params["cond_jaxpr"] = em.body(args[0], tuple(range(n_cond)), closed=True)
+            params["body_jaxpr"] = em.body(args[1], tuple(range(n_body)), closed=True)
+        elif spec.prim == "cond":
+            order = tuple(range(n_in - 1))
+            params["branches"] = tuple(em.body(b, order, closed=True) for b in em.snap.list_items(args[0]))
+        elif spec.prim == "jit":
+            params["jaxpr"] = em.body(args[0], tuple(range(n_in)), closed=True)
+        elif spec.prim == "shard_map":
+            params["jaxpr"] = em.body(args[0], tuple(range(n_in)), closed=False)
+        return params
+
+
+class Emitter:
+    def __init__(self, snap: Snapshot, choice: dict[Any, tuple], egraph: Any) -> None:
+        self.snap = snap
+        self.choice = choice
+        self.egraph = egraph
+        self.consts = egraph.consts
+
+    def source(self, cls: Any) -> Any:
+        src = self.egraph.vsource[self.snap.name(cls)]
+        return src if src is not None else source_info_util.new_source_info()
+
+    def effects_of(self, pid: int) -> Any:
+        return EFFECTS[pid]
+
+    def param_aval(self, scope: int, index: int) -> Any:
+        cls = self.egraph.lookup("Param", [self.egraph.int_value(scope), self.egraph.int_value(index)])
+        if cls is None:
+            raise EmitError(f"scope {scope} has no input {index}")
+        return self.snap.aval(cls)
+
+    def body(self, body_cls: Any, order: Sequence[int], *, closed: bool) -> Any:
+        ctor, (scope, outs) = self.choice[body_cls]
+        params = {i: core.Var(self.param_aval(scope, i)) for i in order}
+        sc = _Scope(self, scope, params)
+        outvars = sc.atoms(self.snap.list_items(outs))
+        if any(o is _TOKEN for o in outvars):
+            raise EmitError("a body cannot return an effect token")
+        if sc.effects:
+            raise EmitError("a loaded body acquired effects")
+        invars = [params[i] for i in order]
+        if not closed:
+            if sc.constvars:
+                raise EmitError("a shard_map body cannot hold constants")
+            return core.Jaxpr([], invars, outvars, sc.eqns, core.no_effects, _BODY_DEBUG)
+        jaxpr = core.Jaxpr(sc.constvars, invars, outvars, sc.eqns, core.no_effects, _BODY_DEBUG)
+        return core.ClosedJaxpr(jaxpr, sc.consts)
+
+    def program(self, in_avals: Sequence[Any], outs: Sequence[Any], token: Any, debug_info: Any) -> core.ClosedJaxpr:
+        invars = {i: core.Var(a) for i, a in enumerate(in_avals)}
+        sc = _Scope(self, 0, invars)
+        roots = list(outs) + ([token] if token is not None else [])
+        atoms = sc.atoms(roots)
+        outvars = atoms[: len(outs)]
+        jaxpr = core.Jaxpr(sc.constvars, [invars[i] for i in range(len(in_avals))], outvars, sc.eqns,
+                           core.join_effects(*(e.effects for e in sc.eqns)) if sc.eqns else core.no_effects,
+                           debug_info)
+        return core.ClosedJaxpr(jaxpr, sc.consts)
+
+
+def dce(closed: core.ClosedJaxpr) -> core.ClosedJaxpr:
+    """Drop equations and loop outputs nothing reads, keeping every input, output and effect."""
+    jaxpr = closed.jaxpr
+    new, _ = pe.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars), instantiate=True)
+    return core.ClosedJaxpr(new, closed.consts)
+
+
+def emit(snap: Snapshot, choice: dict[Any, tuple], egraph: Any, in_avals: Sequence[Any], outs: Sequence[Any],
+         token: Any, debug_info: Any) -> core.ClosedJaxpr:
+    return dce(Emitter(snap, choice, egraph).program(in_avals, outs, token, debug_info))

@@ -1,0 +1,193 @@
+"""Stage 6, evaluate: the function that ``@rewrite`` returns.
+
+It traces once per input signature (the tree structure, shapes, dtypes and
+weak types of the arguments, plus static arguments), rewrites, caches the
+result, and evaluates the rewritten jaxpr by binding its primitives. That
+binding happens under whatever transformation is active, so the result
+composes with ``jit``, ``grad``, ``vjp``, ``vmap`` and sharded inputs like any
+JAX code. A repeated call with the same signature never saturates again.
+
+A failure inside the rewriter never reaches the user's program: it is
+reported as a :class:`RewriteWarning` and the original program runs. Set
+``strict=True`` (or ``REWRITE_STRICT=1``) to raise instead.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import threading
+import time
+import warnings
+from typing import Any, Callable, Sequence
+
+import jax
+from jax._src import core
+
+from ._1_trace import Traced, aval_key, split_static, trace
+from ._3_saturate import Limits
+from ._cost import resolve
+from ._pipeline import Result, run_pipeline
+from ._rules import Rule, Ruleset, as_ruleset
+
+log = logging.getLogger("rewrite")
+
+
+class RewriteWarning(UserWarning):
+    """The rewriter could not finish and kept (part of) the original program."""
+
+
+class RewriteLimitWarning(RewriteWarning):
+    """Saturation stopped at a limit; the best program found so far is used."""
+
+
+def _strict(flag: bool | None) -> bool:
+    if flag is not None:
+        return flag
+    return os.environ.get("REWRITE_STRICT", "") not in ("", "0", "false", "False")
+
+
+def entries_of(rulesets: Any) -> list[tuple[Rule, Ruleset]]:
+    if isinstance(rulesets, (Ruleset, Rule)):
+        rulesets = [rulesets]
+    out: list[tuple[Rule, Ruleset]] = []
+    seen: dict[str, int] = {}
+    for rs in rulesets:
+        for r, owner in as_ruleset(rs).entries():
+            if r.name in seen:
+                if out[seen[r.name]][0] is r:
+                    continue
+                raise ValueError(f"two different rules are named {r.name!r}; rule names must be unique")
+            seen[r.name] = len(out)
+            out.append((r, owner))
+    return out
+
+
+def fallback_result(traced: Traced, stopped: str) -> Result:
+    return Result(before=traced.closed, after=traced.closed, cost_before=float("nan"), cost_after=float("nan"),
+                  stopped=stopped, iterations=0, rows=0, times={}, stats={}, rewritten=False, warnings=[stopped])
+
+
+def check_signature(before: core.ClosedJaxpr, after: core.ClosedJaxpr) -> None:
+    if list(before.in_avals) != list(after.in_avals):
+        raise RuntimeError(f"rewritten program takes {after.in_avals}, not {before.in_avals}")
+    b = [(a.shape, a.dtype, a.weak_type) for a in before.out_avals]
+    a = [(x.shape, x.dtype, x.weak_type) for x in after.out_avals]
+    if a != b:
+        raise RuntimeError(f"rewritten program returns {after.out_avals}, not {before.out_avals}")
+
+
+class Rewritten:
+    """A function whose program is rewritten once per input signature. Made by :func:`rewrite`."""
+
+    def __init__(self, fn: Callable[..., Any], rulesets: Any, cost_model: Any, limits: Limits | None,
+                 static_argnums: Sequence[int], static_argnames: Sequence[str], strict: bool | None) -> None:
+        functools.update_wrapper(self, fn)
+        self.fn = fn
+        self.entries = entries_of(rulesets)
+        self.cost_model = resolve(cost_model)
+        self.limits = limits or Limits()
+        self.static_argnums = tuple(static_argnums)
+        self.static_argnames = tuple(static_argnames)
+        self.strict = strict
+        self._cache: dict[Any, tuple[Traced, Result]] = {}
+        self._lock = threading.Lock()
+        self._warned: set[str] = set()
+        self.rewrites = 0  # how many times a program was rewritten (cache misses)
+
+    def _prepare(self, args: tuple, kwargs: dict) -> tuple[Any, list[Any], tuple[Traced, Result]]:
+        dyn_args, dyn_kwargs, stat_args, stat_kwargs = split_static(args, kwargs, self.static_argnums,
+                                                                    self.static_argnames)
+        flat, in_tree = jax.tree_util.tree_flatten((dyn_args, dyn_kwargs))
+        key = (in_tree, tuple(aval_key(x) for x in flat), stat_args, stat_kwargs)
+        entry = self._cache.get(key)
+        if entry is None:
+            with self._lock:
+                entry = self._cache.get(key)
+                if entry is None:
+                    avals = [jax.typeof(x) for x in flat]
+                    t = time.perf_counter()
+                    traced = trace(self.fn, avals, in_tree, stat_args, stat_kwargs, len(args))
+                    trace_time = time.perf_counter() - t
+                    entry = (traced, self._rewrite(traced))
+                    entry[1].times["trace"] = trace_time
+                    self._cache[key] = entry
+                    self.rewrites += 1
+        return key, flat, entry
+
+    def _rewrite(self, traced: Traced) -> Result:
+        name = getattr(self.fn, "__name__", "function")
+        try:
+            result = run_pipeline(traced, self.entries, self.cost_model, self.limits)
+            check_signature(traced.closed, result.after)
+        except Exception as e:
+            if _strict(self.strict):
+                raise
+            msg = f"rewrite of {name!r} failed ({type(e).__name__}: {e}); running it unchanged"
+            warnings.warn(RewriteWarning(msg), stacklevel=4)
+            log.warning(msg)
+            return fallback_result(traced, f"error: {type(e).__name__}: {e}")
+        if result.stopped != "saturated" and result.stopped not in self._warned:
+            self._warned.add(result.stopped)
+            warnings.warn(RewriteLimitWarning(
+                f"rewrite of {name!r} stopped at the {result.stopped} after {result.iterations} iterations "
+                f"({result.rows} e-graph rows); using the best program found so far"), stacklevel=4)
+        for w in result.warnings:
+            if w not in self._warned:
+                self._warned.add(w)
+                warnings.warn(RewriteWarning(w), stacklevel=4)
+        fired = {k: s.fired for k, s in result.stats.items() if s.fired}
+        log.info("rewrote %s: cost %.4g -> %.4g, %s, fired %s", name, result.cost_before, result.cost_after,
+                 result.stopped, fired)
+        return result
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        _, flat, (traced, result) = self._prepare(args, kwargs)
+        closed = result.after
+        outs = core.eval_jaxpr(closed.jaxpr, closed.consts, *flat)
+        return jax.tree_util.tree_unflatten(traced.out_tree, outs)
+
+    def jaxpr(self, *args: Any, **kwargs: Any) -> core.ClosedJaxpr:
+        """The rewritten program for these arguments' signature."""
+        return self._prepare(args, kwargs)[2][1].after
+
+    def result(self, *args: Any, **kwargs: Any) -> Result:
+        return self._prepare(args, kwargs)[2][1]
+
+    def __get__(self, obj: Any, objtype: Any = None) -> Any:
+        # Methods: bind like a plain function would.
+        return self if obj is None else functools.partial(self, obj)
+
+    def __repr__(self) -> str:
+        return f"<rewritten {getattr(self.fn, '__name__', 'function')}: {len(self.entries)} rules, {len(self._cache)} cached signatures>"
+
+
+def rewrite(fn: Callable[..., Any] | None = None, *, rulesets: Any = (), cost_model: Any = None,
+            limits: Limits | None = None, static_argnums: Sequence[int] = (), static_argnames: Sequence[str] = (),
+            strict: bool | None = None) -> Any:
+    """Rewrite ``fn``'s program with the given rulesets; returns a function with the same signature.
+
+    Usable directly or as a decorator. The program is traced once per input
+    signature, saturated with the rules, and the cheapest equivalent program
+    under ``cost_model`` runs in its place. ``limits`` bounds saturation.
+
+    >>> import jax, jax.numpy as jnp
+    >>> from rewrite import rewrite, rule, Ruleset
+    >>> double_angle = Ruleset("trig", [rule(lambda x: 2 * jnp.sin(x) * jnp.cos(x),
+    ...                                      lambda x: jnp.sin(2 * x), name="double_angle")], soundness="identity")
+    >>> @rewrite(rulesets=[double_angle])
+    ... def f(x):
+    ...     return 2 * jnp.sin(x) * jnp.cos(x)
+    >>> x = jnp.linspace(0.0, 1.0, 5)
+    >>> bool(jnp.allclose(f(x), jnp.sin(2 * x), atol=1e-6))
+    True
+    >>> [e.primitive.name for e in f.jaxpr(x).eqns]
+    ['mul', 'sin']
+    """
+    if fn is None:
+        return functools.partial(rewrite, rulesets=rulesets, cost_model=cost_model, limits=limits,
+                                 static_argnums=static_argnums, static_argnames=static_argnames, strict=strict)
+    if not callable(fn):
+        raise TypeError(f"rewrite() takes a function, got {type(fn).__name__}")
+    return Rewritten(fn, rulesets, cost_model, limits, static_argnums, static_argnames, strict)

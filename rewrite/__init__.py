@@ -1,0 +1,32 @@
+"""Rewrite JAX programs with user-written rules, checked by property tests.
+
+A function's jaxpr is loaded into an egglog e-graph, saturated with rulesets,
+and the cheapest equivalent program under a cost model is emitted back as a
+jaxpr that runs under ``jit``, ``grad``, ``vmap`` and sharding like any JAX
+code. The pipeline's stages are the numbered modules ``_1_trace`` to
+``_6_evaluate``; ``_pipeline.run_pipeline`` reads them top to bottom.
+"""
+
+from ._3_saturate import Limits
+from ._6_evaluate import RewriteLimitWarning, RewriteWarning, Rewritten, rewrite
+from ._cost import AnalyticCost, NodeInfo
+from ._pattern import Pat
+from ._rules import Match, Rule, Ruleset, Tolerance, Value, procedural, rule
+
+__all__ = [
+    "AnalyticCost",
+    "Limits",
+    "Match",
+    "NodeInfo",
+    "Pat",
+    "RewriteLimitWarning",
+    "RewriteWarning",
+    "Rewritten",
+    "Rule",
+    "Ruleset",
+    "Tolerance",
+    "Value",
+    "procedural",
+    "rewrite",
+    "rule",
+]

@@ -1,0 +1,366 @@
+"""The runtime around one egglog e-graph: batched insertion, naming, lookups and snapshots.
+
+Three facts about egglog 13 shape this module (see ``docs/design.md``):
+
+* Inserting one big nested term is quadratic, and so is parsing one big
+  program text. Nodes are therefore built as binding objects and inserted in
+  chunks, each chunk the head of a rule with an empty body that runs once.
+* A Python value cannot be spliced into an egglog expression. Every ``Term``
+  e-class the Python side may need to name again therefore carries a name
+  node ``(V id)``, and the Python side keeps, per name, the class's abstract
+  value (its shape and dtype), where it came from in the source, and which
+  rule made it.
+* ``freeze()`` is fast. A :class:`Snapshot` built from it answers the
+  questions the saturation loop and the extractor ask.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Iterable, Sequence
+
+import jax.numpy as jnp
+import numpy as np
+from egglog import bindings as eb
+
+from . import _terms
+from ._intern import LITERALS, TYPES, content_hash
+
+_SPAN = eb.PanicSpan()
+_CHUNK = 200
+
+
+def call(name: str, *args: Any) -> Any:
+    return eb.Call(_SPAN, name, list(args))
+
+
+def int_lit(n: int) -> Any:
+    return eb.Lit(_SPAN, eb.Int(int(n)))
+
+
+def var(name: str) -> Any:
+    return eb.Var(_SPAN, name)
+
+
+def v_expr(vid: int) -> Any:
+    return call("V", int_lit(vid))
+
+
+@dataclasses.dataclass(frozen=True)
+class ListRef:
+    """A ``TList`` (or ``BList``) built from named classes: its key and its egglog expression."""
+
+    key: tuple
+    expr: Any = dataclasses.field(default=None, compare=False, hash=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class BodyRef:
+    scope: int
+    outs: ListRef
+
+
+class EGraph:
+    """One e-graph: the egglog instance plus the Python-side tables for its named classes."""
+
+    def __init__(self) -> None:
+        self.eg = eb.EGraph()
+        self.eg.run_program(*self.eg.parse_program(_terms.schema()))
+        self.vtype: list[int] = []          # V id -> type id
+        self.vsource: list[Any] = []        # V id -> source_info of the equation that made it
+        self.vorigin: list[str | None] = []  # V id -> name of the rule that made it, None for the program
+        self.consts: dict[int, np.ndarray] = {}
+        self.facts_seeded: list[tuple[str, int]] = []
+        self._memo: dict[tuple, int] = {}
+        self._pending: list[Any] = []
+        self._chunks = 0
+        self._ints: dict[int, Any] = {}
+        self._next_scope = 1  # scope 0 is the program's own
+        self.origin: str | None = None     # rule name stamped on nodes made now
+        self.source: Any = None            # source_info stamped on nodes made now
+        self.fresh: list[int] = []         # V ids made since the caller last cleared this
+        self.defs: list[tuple[str, tuple]] = []  # V id -> the node it was made for (args as given)
+
+    # ------------------------------------------------------------------ building
+    def new_scope(self) -> int:
+        self._next_scope += 1
+        return self._next_scope - 1
+
+    def term(self, ctor: str, args: Sequence[Any], type_id: int, source: Any = None) -> int:
+        """Insert (lazily) a ``Term`` node and return the V id naming its class.
+
+        ``args`` follow the constructor's sorts: V ids for ``Term``, ints for
+        ``i64``, :class:`ListRef`/:class:`BodyRef` for the container sorts.
+        """
+        key = (ctor, tuple(a.key if isinstance(a, ListRef) else a for a in _keys(args)))
+        found = self._memo.get(key)
+        if found is not None:
+            return found
+        sorts = _terms.ctor_arg_sorts(ctor)
+        if len(sorts) != len(args):
+            raise TypeError(f"constructor {ctor} takes {len(sorts)} arguments, got {len(args)}")
+        exprs = [self._expr(sort, a) for sort, a in zip(sorts, args)]
+        vid = self._new_name(type_id, source)
+        self.defs.append((ctor, tuple(args)))
+        self._pending.append(eb.Union(_SPAN, v_expr(vid), call(ctor, *exprs)))
+        self._memo[key] = vid
+        return vid
+
+    def canonical(self, snap: "Snapshot", vid: int) -> tuple[str, tuple] | None:
+        """The node name ``vid`` was made for, with its arguments as classes of ``snap``."""
+        ctor, args = self.defs[vid]
+        out = []
+        for s, a in zip(_terms.ctor_arg_sorts(ctor), args):
+            if s == "Term":
+                out.append(snap.cls_of_name[a])
+            elif s == "i64":
+                out.append(a)
+            else:
+                c = self._container(snap, a)
+                if c is None:
+                    return None
+                out.append(c)
+        return ctor, tuple(out)
+
+    def _container(self, snap: "Snapshot", ref: Any) -> Any:
+        if isinstance(ref, BodyRef):
+            outs = self._container(snap, ref.outs)
+            return None if outs is None else self.lookup("Body", [self.int_value(ref.scope), outs])
+        kind, *items = ref.key
+        if kind == "T":
+            lst = self.lookup("TNil", [])
+            for vid in reversed(items):
+                lst = None if lst is None else self.lookup("TCons", [snap.cls_of_name[vid], lst])
+            return lst
+        lst = self.lookup("BNil", [])
+        for scope, outs_key in reversed(items):
+            outs = self._container(snap, ListRef(outs_key))
+            body = None if outs is None else self.lookup("Body", [self.int_value(scope), outs])
+            lst = None if lst is None or body is None else self.lookup("BCons", [body, lst])
+        return lst
+
+    def _new_name(self, type_id: int, source: Any) -> int:
+        vid = len(self.vtype)
+        self.vtype.append(type_id)
+        self.vsource.append(source if source is not None else self.source)
+        self.vorigin.append(self.origin)
+        self.fresh.append(vid)
+        return vid
+
+    def _expr(self, sort: str, a: Any) -> Any:
+        if sort == "Term":
+            return v_expr(a)
+        if sort == "i64":
+            return int_lit(a)
+        if isinstance(a, ListRef):
+            return a.expr
+        if isinstance(a, BodyRef):
+            return call("Body", int_lit(a.scope), a.outs.expr)
+        raise TypeError(f"cannot use {a!r} as {sort}")
+
+    def tlist(self, refs: Iterable[int]) -> ListRef:
+        refs = tuple(refs)
+        expr = call("TNil")
+        for r in reversed(refs):
+            expr = call("TCons", v_expr(r), expr)
+        return ListRef(("T",) + refs, expr)
+
+    def body(self, scope: int, outs: Iterable[int]) -> BodyRef:
+        return BodyRef(scope, self.tlist(outs))
+
+    def blist(self, bodies: Iterable[BodyRef]) -> ListRef:
+        bodies = tuple(bodies)
+        expr = call("BNil")
+        for b in reversed(bodies):
+            expr = call("BCons", self._expr("Region", b), expr)
+        return ListRef(("B",) + tuple((b.scope, b.outs.key) for b in bodies), expr)
+
+    def literal(self, value: Any, aval: Any) -> int:
+        n = self.num_names
+        vid = self.term("Lit", [LITERALS.intern_value(value), TYPES.intern_aval(aval)], TYPES.intern_aval(aval))
+        if vid == n:
+            self._seed_facts(vid, value)
+        return vid
+
+    def const(self, array: Any, aval: Any) -> int:
+        h = content_hash(array)
+        self.consts.setdefault(h, np.asarray(array))
+        n = self.num_names
+        vid = self.term("Const", [h], TYPES.intern_aval(aval))
+        if vid == n:
+            self._seed_facts(vid, array)
+        return vid
+
+    def _seed_facts(self, vid: int, value: Any) -> None:
+        """Facts known from a constant's value (floating constants only; see ``_terms.FACTS``)."""
+        a = np.asarray(value)
+        if not jnp.issubdtype(a.dtype, jnp.floating):  # jnp knows bfloat16 and the other ml_dtypes
+            return
+        a = a.astype(np.float64)
+        nan = np.isnan(a)
+        if np.all((a > 0) | nan):
+            self.assert_fact("Pos", vid)
+        if np.all(~np.signbit(a) | nan):
+            self.assert_fact("NonNeg", vid)
+        if np.all(a != 0):
+            self.assert_fact("NonZero", vid)
+
+    def union(self, a: int, b: int) -> None:
+        if a != b:
+            self._pending.append(eb.Union(_SPAN, v_expr(a), v_expr(b)))
+
+    def assert_fact(self, fact: str, vid: int) -> None:
+        self._pending.append(eb.Expr_(_SPAN, call(fact, v_expr(vid))))
+        self.facts_seeded.append((fact, vid))
+
+    @property
+    def num_names(self) -> int:
+        return len(self.vtype)
+
+    def flush(self) -> bool:
+        """Insert everything pending. Returns whether the e-graph changed."""
+        if not self._pending:
+            return False
+        commands = []
+        for start in range(0, len(self._pending), _CHUNK):
+            name = f"load{self._chunks}"
+            self._chunks += 1
+            commands += [
+                eb.AddRuleset(_SPAN, name),
+                eb.RuleCommand(eb.Rule(_SPAN, self._pending[start:start + _CHUNK], [], name, name)),
+                eb.RunSchedule(eb.Run(_SPAN, eb.RunConfig(name))),
+            ]
+        self._pending = []
+        outputs = self.eg.run_program(*commands)
+        return any(getattr(o, "report", None) is not None and o.report.updated for o in outputs)
+
+    # ------------------------------------------------------------------ running
+    def declare(self, program: str) -> None:
+        self.eg.run_program(*self.eg.parse_program(program))
+
+    def run(self, ruleset: str, *, saturate: bool = False) -> Any:
+        sched = eb.Run(_SPAN, eb.RunConfig(ruleset))
+        if saturate:
+            sched = eb.Saturate(_SPAN, sched)
+        (out,) = self.eg.run_program(eb.RunSchedule(sched))
+        return out.report
+
+    # ------------------------------------------------------------------ reading
+    def int_value(self, n: int) -> Any:
+        v = self._ints.get(n)
+        if v is None:
+            v = self._ints[n] = self.eg.eval_expr(int_lit(n))[1]
+        return v
+
+    def lookup(self, ctor: str, args: Sequence[Any]) -> Any:
+        """The class of an existing node, or ``None``. Never inserts."""
+        return self.eg.lookup_function(ctor, list(args))
+
+    def snapshot(self) -> "Snapshot":
+        self.flush()
+        return Snapshot(self)
+
+
+def _keys(args: Sequence[Any]) -> Iterable[Any]:
+    for a in args:
+        if isinstance(a, BodyRef):
+            yield ("body", a.scope, a.outs.key)
+        else:
+            yield a
+
+
+class Snapshot:
+    """A frozen view of the e-graph: classes, their nodes, names and types.
+
+    Class ids are egglog ``Value`` objects, canonical for this snapshot only.
+    Node tables are converted lazily; the saturation loop usually needs only
+    the names and the match relations.
+    """
+
+    def __init__(self, egraph: EGraph) -> None:
+        self.egraph = egraph
+        self.frozen = egraph.eg.freeze()
+        self.functions = self.frozen.functions
+        to_int = egraph.eg.value_to_i64
+        rows = self.functions["V"].rows
+        n = egraph.num_names
+        cls_of: list[Any] = [None] * n
+        name_of: dict[Any, int] = {}
+        for r in rows:
+            vid = to_int(r.inputs[0])
+            cls_of[vid] = r.output
+            old = name_of.get(r.output)
+            if old is None or vid < old:
+                name_of[r.output] = vid
+        self.cls_of_name = cls_of
+        self.name_of_cls = name_of
+        self._nodes: dict[Any, list[tuple]] | None = None
+        self._parents: dict[Any, list[tuple]] | None = None
+
+    @property
+    def num_rows(self) -> int:
+        return sum(len(f.rows) for f in self.functions.values())
+
+    def rows(self, function: str) -> list[Any]:
+        f = self.functions.get(function)
+        return [] if f is None else f.rows
+
+    def name(self, cls: Any) -> int:
+        return self.name_of_cls[cls]
+
+    def type_id(self, cls: Any) -> int:
+        return self.egraph.vtype[self.name_of_cls[cls]]
+
+    def aval(self, cls: Any) -> Any:
+        return TYPES[self.type_id(cls)]
+
+    # -- node tables (built on first use)
+    @property
+    def nodes(self) -> dict[Any, list[tuple]]:
+        """Class -> list of e-nodes ``(ctor, args)``; args are classes or ints per the constructor's sorts."""
+        if self._nodes is None:
+            self._build_nodes()
+        return self._nodes  # type: ignore[return-value]
+
+    def _build_nodes(self) -> None:
+        to_int = self.egraph.eg.value_to_i64
+        nodes: dict[Any, list[tuple]] = {}
+        for fname, fn in self.functions.items():
+            if fname == "V" or fn.output_sort not in _terms.EXTRACTABLE_SORTS:
+                continue
+            sorts = _terms.ctor_arg_sorts(fname)
+            int_pos = [i for i, s in enumerate(sorts) if s == "i64"]
+            for r in fn.rows:
+                if r.subsumed:
+                    continue
+                args = list(r.inputs)
+                for i in int_pos:
+                    args[i] = to_int(args[i])
+                nodes.setdefault(r.output, []).append((fname, tuple(args)))
+        self._nodes = nodes
+
+    @property
+    def parents(self) -> dict[Any, list[tuple]]:
+        """Class -> list of ``(parent class, e-node)`` that use it directly."""
+        if self._parents is None:
+            parents: dict[Any, list[tuple]] = {}
+            for cls, ns in self.nodes.items():
+                for node in ns:
+                    for a in node[1]:
+                        if not isinstance(a, int):
+                            parents.setdefault(a, []).append((cls, node))
+            self._parents = parents
+        return self._parents
+
+    def list_items(self, lst: Any) -> list[Any]:
+        """The elements of a ``TList`` or ``BList`` class."""
+        out = []
+        while True:
+            (ctor, args), *_ = self.nodes[lst]
+            if ctor in ("TNil", "BNil"):
+                return out
+            out.append(args[0])
+            lst = args[1]
+
+    def has_fact(self, fact: str, cls: Any) -> bool:
+        return self.egraph.eg.lookup_function(fact, [cls]) is not None

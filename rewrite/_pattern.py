@@ -1,0 +1,329 @@
+"""Patterns: what a rule's left-hand side looks for, and the check that a match is real.
+
+A left-hand side is a JAX function. Tracing it and walking the jaxpr with the
+loader, but with a :class:`QueryBuilder` instead of an inserter, gives an
+egglog query whose variables are the function's arguments. Parameters that
+depend on shapes (axes, broadcast shapes, slice bounds, ...) are left as
+wildcards, so one query serves inputs of any shape.
+
+A query is only a filter. Before a rewrite is applied, the :class:`Verifier`
+traces the left-hand side again at the matched classes' actual shapes and
+dtypes, and looks every resulting node up in the e-graph, read-only. The
+rewrite goes ahead only if the traced term is present and lands in the
+matched class. So ``lhs(inputs)`` is provably what was matched, and
+``rhs(inputs)`` is then what the rule claims it equals. A loose query can cost
+time, never correctness.
+
+:class:`Pat` is the lower-level pattern language for procedural rules, whose
+right-hand side is Python code over the match (tinygrad style). It reaches
+what a JAX function cannot spell: a scan's body, a projection, any params.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+from jax._src import core
+
+from . import _terms
+from ._2_load import load_closed
+from ._intern import LITERALS, TYPES, content_hash
+
+#: Families whose params are shapes, axes or bounds: wildcards in queries.
+_SHAPE_FAMILIES = {_terms.LAYOUT, _terms.TRANSPOSE, _terms.REDUCE, _terms.CONTRACT, _terms.INDEX}
+
+
+class PatternError(ValueError):
+    """A left-hand side that cannot be a pattern."""
+
+
+@dataclasses.dataclass
+class Query:
+    """An egglog query. ``atoms`` bind the variables; ``root`` and ``binds`` name what a match records."""
+
+    atoms: list[str]
+    root: str
+    binds: list[tuple[str, str]]  # (egglog variable, sort), in the order the match relation stores them
+
+    @property
+    def text(self) -> str:
+        return " ".join(self.atoms)
+
+
+def _egg_var(name: str) -> str:
+    return "v_" + "".join(ch if ch.isalnum() else "_" for ch in name)
+
+
+class QueryBuilder:
+    """A loader builder that writes egglog query atoms instead of inserting nodes."""
+
+    def __init__(self) -> None:
+        self.atoms: list[str] = []
+        self._memo: dict[tuple, str] = {}
+        self._n = 0
+
+    def fresh(self, prefix: str) -> str:
+        self._n += 1
+        return f"_{prefix}{self._n}"
+
+    def term(self, ctor: str, args: Sequence[Any], type_id: int, source: Any = None) -> str:
+        spec = _terms.BY_CTOR.get(ctor)
+        parts = [str(a) for a in args]
+        if spec is not None and spec.family in _SHAPE_FAMILIES:
+            parts[-1] = self.fresh("p")
+        key = (ctor, tuple(parts))
+        found = self._memo.get(key)
+        if found is not None:
+            return found
+        v = self.fresh("t")
+        self.atoms.append(f"(= {v} ({ctor} {' '.join(parts)}))")
+        self._memo[key] = v
+        return v
+
+    def tlist(self, refs: Sequence[str]) -> str:
+        expr = "(TNil)"
+        for r in reversed(refs):
+            expr = f"(TCons {r} {expr})"
+        return expr
+
+    def literal(self, value: Any, aval: Any) -> str:
+        # Literals match by value, whatever their dtype: a pattern traced in
+        # float32 also matches a float64 or int32 program.
+        key = ("Lit", LITERALS.intern_value(value))
+        found = self._memo.get(key)
+        if found is not None:
+            return found
+        v = self.fresh("t")
+        self.atoms.append(f"(= {v} (Lit {LITERALS.intern_value(value)} {self.fresh('d')}))")
+        self._memo[key] = v
+        return v
+
+    def const(self, array: Any, aval: Any) -> str:
+        return self.term("Const", [content_hash(array)], 0)
+
+    def body(self, scope: int, outs: Sequence[str]) -> str:
+        raise PatternError("a left-hand side cannot contain a primitive with a body (scan, cond, while...); "
+                           "write it as a procedural rule with Pat")
+
+    blist = body
+
+    def new_scope(self) -> int:
+        raise PatternError("a left-hand side cannot contain a primitive with a body (scan, cond, while...); "
+                           "write it as a procedural rule with Pat")
+
+
+def compile_traced(closed: core.ClosedJaxpr, names: Sequence[str]) -> Query:
+    """The query for a traced left-hand side whose inputs are the pattern variables ``names``."""
+    qb = QueryBuilder()
+    inputs = [_egg_var(n) for n in names]
+    (out,), token = load_closed(closed, inputs, qb)
+    if out in inputs:
+        raise PatternError("the left-hand side is a bare pattern variable; it would match every term")
+    if not qb.atoms:
+        raise PatternError("the left-hand side has no operation to match")
+    tokens = set(" ".join(qb.atoms).replace("(", " ").replace(")", " ").split())
+    missing = [n for n, v in zip(names, inputs) if v not in tokens]
+    if missing:
+        raise PatternError(f"pattern variable {missing[0]!r} is not used by the left-hand side, "
+                           "so a match could not bind it")
+    return Query(qb.atoms, out, [(v, "Term") for v in inputs])
+
+
+class NotPresent(Exception):
+    pass
+
+
+class Verifier:
+    """A loader builder that looks every node up, read-only, and fails if one is absent."""
+
+    def __init__(self, egraph: Any) -> None:
+        self.egraph = egraph
+
+    def _find(self, ctor: str, values: list[Any]) -> Any:
+        found = self.egraph.lookup(ctor, values)
+        if found is None:
+            raise NotPresent(ctor)
+        return found
+
+    def term(self, ctor: str, args: Sequence[Any], type_id: int, source: Any = None) -> Any:
+        sorts = _terms.ctor_arg_sorts(ctor)
+        values = [self.egraph.int_value(a) if s == "i64" else a for s, a in zip(sorts, args)]
+        return self._find(ctor, values)
+
+    def tlist(self, refs: Sequence[Any]) -> Any:
+        lst = self._find("TNil", [])
+        for r in reversed(refs):
+            lst = self._find("TCons", [r, lst])
+        return lst
+
+    def literal(self, value: Any, aval: Any) -> Any:
+        return self.term("Lit", [LITERALS.intern_value(value), TYPES.intern_aval(aval)], 0)
+
+    def const(self, array: Any, aval: Any) -> Any:
+        return self.term("Const", [content_hash(array)], 0)
+
+    def body(self, scope: int, outs: Sequence[Any]) -> Any:
+        raise NotPresent("body")
+
+    blist = body
+
+    def new_scope(self) -> int:
+        raise NotPresent("body")
+
+
+def present(egraph: Any, closed: core.ClosedJaxpr, inputs: Sequence[Any]) -> Any:
+    """The class of ``closed(*inputs)`` if every node of it is in the e-graph, else ``None``."""
+    try:
+        (out,), _ = load_closed(closed, list(inputs), Verifier(egraph))
+    except NotPresent:
+        return None
+    return out
+
+
+# ---------------------------------------------------------------------- Pat
+class Pat:
+    """A pattern for procedural rules.
+
+    ``Pat.var("x")`` matches any term and binds it. ``Pat("reduce_sum", x,
+    name="r", params="p")`` matches a ``reduce_sum`` of whatever ``x``
+    matches, with any params; ``name`` binds the node's class and ``params``
+    its params. Primitives with list operands (``select_n``, ``concatenate``)
+    take a Python list or a single ``Pat.var`` bound to the whole list.
+    Primitives with bodies take ``body=``/``bodies=`` names. ``Pat.proj(p, i)``
+    matches component ``i`` (an int, or a name to bind it) of a multi-result
+    node.
+
+    >>> from rewrite import Pat
+    >>> p = Pat("reduce_sum", Pat.proj(Pat("scan", name="s", body="b", args="xs"), "k"), name="r", params="rp")
+    >>> sorted(p.names())
+    ['b', 'k', 'r', 'rp', 's', 'xs']
+    """
+
+    def __init__(self, prim: str, *operands: Any, name: str | None = None, params: str | None = None,
+                 body: str | None = None, bodies: Sequence[str] | str | None = None, args: str | None = None) -> None:
+        if prim not in _terms.BY_PRIM and prim not in ("proj", "var", "lit", "opaque"):
+            raise PatternError(f"Pat: unknown primitive {prim!r}; the term language has no constructor for it")
+        self.prim = prim
+        self.operands = operands
+        self.name = name
+        self.params = params
+        self.body = body
+        self.bodies = bodies
+        self.args = args
+        self.index: Any = None
+        self.value: Any = None
+
+    @classmethod
+    def var(cls, name: str) -> "Pat":
+        p = cls("var", name=name)
+        return p
+
+    @classmethod
+    def proj(cls, of: "Pat", index: int | str, name: str | None = None) -> "Pat":
+        p = cls("proj", of, name=name)
+        p.index = index
+        return p
+
+    @classmethod
+    def lit(cls, value: Any, name: str | None = None) -> "Pat":
+        p = cls("lit", name=name)
+        p.value = value
+        return p
+
+    def names(self) -> set[str]:
+        out = {n for n in (self.name, self.params, self.body, self.args) if n}
+        if isinstance(self.index, str):
+            out.add(self.index)
+        if isinstance(self.bodies, str):
+            out.add(self.bodies)
+        for o in self.operands:
+            if isinstance(o, Pat):
+                out |= o.names()
+            elif isinstance(o, (list, tuple)):
+                for x in o:
+                    out |= x.names()
+        return out
+
+    def __repr__(self) -> str:
+        if self.prim == "var":
+            return f"Pat.var({self.name!r})"
+        return f"Pat({self.prim!r}, {', '.join(map(repr, self.operands))})"
+
+
+def compile_pat(pat: Pat) -> tuple[Query, list[str]]:
+    """The query for a :class:`Pat`, and the names it binds in the order the match stores them."""
+    if pat.prim == "var":
+        raise PatternError("a pattern cannot be a bare variable; it would match every term")
+    qb = QueryBuilder()
+    binds: dict[str, tuple[str, str]] = {}
+
+    def bind(name: str | None, v: str, sort: str) -> str:
+        if name is None:
+            return v
+        if name in binds:
+            if binds[name][1] != sort:
+                raise PatternError(f"name {name!r} is bound both as {binds[name][1]} and {sort}")
+            qb.atoms.append(f"(= {binds[name][0]} {v})")
+            return binds[name][0]
+        binds[name] = (v, sort)
+        return v
+
+    def walk(p: Any, sort: str = "Term") -> str:
+        if isinstance(p, (list, tuple)):
+            expr = "(TNil)"
+            for x in reversed(p):
+                expr = f"(TCons {walk(x)} {expr})"
+            return expr
+        if p.prim == "var":
+            if p.name in binds:
+                return binds[p.name][0]
+            v = _egg_var(p.name)
+            binds[p.name] = (v, sort)
+            return v
+        if p.prim == "lit":
+            v = qb.fresh("t")
+            qb.atoms.append(f"(= {v} (Lit {LITERALS.intern_value(p.value)} {qb.fresh('d')}))")
+            return bind(p.name, v, "Term")
+        if p.prim == "proj":
+            of = walk(p.operands[0])
+            idx = str(p.index) if isinstance(p.index, int) else _name_var(p.index, "i64")
+            v = qb.fresh("t")
+            qb.atoms.append(f"(= {v} (Proj {of} {idx}))")
+            return bind(p.name, v, "Term")
+        spec = _terms.BY_PRIM[p.prim]
+        parts: list[str] = []
+        ops = list(p.operands)
+        body_names = iter([p.body] if p.body else list(p.bodies) if isinstance(p.bodies, (list, tuple)) else [])
+        for letter in spec.layout:
+            if letter == "T":
+                parts.append(walk(ops.pop(0)) if ops else qb.fresh("a"))
+            elif letter == "L":
+                if p.args is not None:
+                    parts.append(_name_var(p.args, "TList"))
+                elif ops:
+                    rest = ops.pop(0)
+                    parts.append(walk(rest, "TList") if isinstance(rest, Pat) else walk(rest))
+                else:
+                    parts.append(qb.fresh("l"))
+            elif letter == "B":
+                nm = next(body_names, None)
+                parts.append(_name_var(nm, "Region") if nm else qb.fresh("b"))
+            elif letter == "N":
+                parts.append(_name_var(p.bodies, "BList") if isinstance(p.bodies, str) else qb.fresh("n"))
+        parts.append(_name_var(p.params, "i64") if p.params else qb.fresh("p"))
+        v = qb.fresh("t")
+        qb.atoms.append(f"(= {v} ({spec.ctor} {' '.join(parts)}))")
+        return bind(p.name, v, "Term")
+
+    def _name_var(name: str, sort: str) -> str:
+        if name in binds:
+            if binds[name][1] != sort:
+                raise PatternError(f"name {name!r} is bound both as {binds[name][1]} and {sort}")
+            return binds[name][0]
+        v = _egg_var(name)
+        binds[name] = (v, sort)
+        return v
+
+    root = walk(pat)
+    return Query(qb.atoms, root, [(v, s) for _, (v, s) in binds.items()]), list(binds)

@@ -1,0 +1,94 @@
+"""The whole rewrite, one stage after another: trace, load, saturate, extract, emit.
+
+:func:`run_pipeline` is the function to read first. Each stage lives in its
+own module, numbered in the order they run. Stage 6 (evaluating the result,
+with caching per input signature) is in ``_6_evaluate.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Any, Sequence
+
+from jax._src import core
+
+from ._1_trace import Traced
+from ._2_load import TOKEN_AVAL, load_closed
+from ._3_saturate import Engine, Limits, RuleStats
+from ._4_extract import extract
+from ._5_emit import emit
+from ._cost import CostModel
+from ._egraph import EGraph
+from ._intern import TYPES
+from ._rules import Rule, Ruleset
+
+log = logging.getLogger("rewrite")
+
+
+@dataclasses.dataclass
+class Result:
+    before: core.ClosedJaxpr
+    after: core.ClosedJaxpr
+    cost_before: float
+    cost_after: float
+    stopped: str
+    iterations: int
+    rows: int
+    times: dict[str, float]
+    stats: dict[str, RuleStats]
+    rewritten: bool
+    warnings: list[str]
+    # kept for reports that look deeper (explain's provenance, to_dot)
+    egraph: EGraph | None = None
+    choice: dict | None = None
+    snapshot: Any = None
+    roots: list | None = None
+    original: set | None = None
+
+
+def run_pipeline(traced: Traced, entries: Sequence[tuple[Rule, Ruleset]], model: CostModel, limits: Limits,
+                 keep: bool = False) -> Result:
+    """Rewrite one traced program with the given rules. Stage times are recorded in ``Result.times``."""
+    times = {"trace": 0.0}
+    closed = traced.closed
+
+    # Stage 2: load. The program's inputs are the Params of scope 0; its
+    # effects, if any, are threaded on a token that starts at (Tok 0).
+    t = time.perf_counter()
+    eg = EGraph()
+    inputs = [eg.term("Param", [0, i], TYPES.intern_aval(a)) for i, a in enumerate(closed.in_avals)]
+    token = eg.term("Tok", [0], TYPES.intern_aval(TOKEN_AVAL)) if closed.jaxpr.effects else None
+    outs, token = load_closed(closed, inputs, eg, token)
+    program_names = eg.num_names
+    eg.flush()
+    times["load"] = time.perf_counter() - t
+
+    # Stage 3: saturate, under limits.
+    t = time.perf_counter()
+    engine = Engine(eg, entries, limits)
+    stopped = engine.run()
+    times["saturate"] = time.perf_counter() - t
+
+    # Stage 4: extract the cheapest program; the input program is always a candidate.
+    t = time.perf_counter()
+    snap = eg.snapshot()
+    original = {key for vid in range(program_names) if (key := eg.canonical(snap, vid)) is not None}
+    roots = [snap.cls_of_name[o] for o in outs]
+    token_root = snap.cls_of_name[token] if token is not None else None
+    ex = extract(snap, roots + ([token_root] if token_root is not None else []), model, original)
+    times["extract"] = time.perf_counter() - t
+
+    # Stage 5: emit a ClosedJaxpr with the same signature.
+    t = time.perf_counter()
+    after = emit(snap, ex.choice, eg, closed.in_avals, roots, token_root, closed.jaxpr.debug_info)
+    times["emit"] = time.perf_counter() - t
+
+    return Result(
+        before=closed, after=after, cost_before=ex.original_cost, cost_after=ex.cost, stopped=stopped,
+        iterations=engine.iterations, rows=snap.num_rows, times=times, stats=dict(engine.stats),
+        rewritten=ex.rewritten, warnings=list(engine.warnings),
+        egraph=eg if keep else None, choice=ex.choice if keep else None, snapshot=snap if keep else None,
+        roots=roots if keep else None, original=original if keep else None,
+    )

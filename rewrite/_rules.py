@@ -1,0 +1,562 @@
+"""Rules and rulesets: the Python DSL.
+
+A rule is two JAX functions of the same pattern variables::
+
+    rule(lambda x: 2 * jnp.sin(x) * jnp.cos(x), lambda x: jnp.sin(2 * x), name="double_angle")
+
+The left-hand side is traced once per probe shape when the rule is defined
+(that is when a malformed rule fails, with an error naming it) and compiled
+into egglog queries. At rewrite time both sides are traced again at the
+matched classes' real shapes and dtypes: the left side to verify the match,
+the right side to build the replacement, so axes and shapes in the right side
+adapt to whatever was matched.
+
+A rule whose right side needs Python logic (new params, a new scan) wraps it
+in :func:`procedural`; its left side can then also be a :class:`Pat`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import itertools
+from typing import Any, Callable, Iterable, Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax._src import core
+
+from ._intern import LITERALS, PARAMS, TYPES
+from ._pattern import Pat, PatternError, Query, compile_pat, compile_traced
+
+SOUNDNESS = ("exact", "identity", "fastmath")
+
+#: Pattern variables are traced at these shapes (float32) when no example is given.
+PROBE_SHAPES: tuple[tuple[int, ...], ...] = ((), (3,), (3, 3), (3, 3, 3))
+
+
+@dataclasses.dataclass(frozen=True)
+class Tolerance:
+    """How far an ``identity`` or ``fastmath`` rule may move a float32 result.
+
+    For other float dtypes both bounds scale with machine epsilon, so a
+    bfloat16 program gets a bfloat16-sized tolerance.
+
+    >>> Tolerance(rtol=1e-6, atol=0.0).for_dtype(np.float64)[0] < 1e-14
+    True
+    """
+
+    rtol: float = 1e-5
+    atol: float = 1e-6
+
+    def for_dtype(self, dtype: Any) -> tuple[float, float]:
+        dtype = np.dtype(dtype)
+        if not jnp.issubdtype(dtype, jnp.inexact):
+            return 0.0, 0.0
+        scale = float(jnp.finfo(dtype).eps) / float(jnp.finfo(np.float32).eps)
+        return self.rtol * scale, self.atol * scale
+
+
+class Procedure:
+    """A right-hand side written as Python code over the match. See :func:`procedural`."""
+
+    def __init__(self, fn: Callable[["Match"], Any]) -> None:
+        if not callable(fn):
+            raise TypeError(f"procedural() takes a function, got {type(fn).__name__}")
+        self.fn = fn
+        self.__name__ = getattr(fn, "__name__", "procedure")
+        self.__doc__ = getattr(fn, "__doc__", None)
+
+    def __call__(self, m: "Match") -> Any:
+        return self.fn(m)
+
+
+def procedural(fn: Callable[["Match"], Any]) -> Procedure:
+    """Mark a right-hand side as a procedure of the :class:`Match` rather than a JAX function.
+
+    The procedure returns a :class:`Term` to put in the matched class, or
+    ``None`` to decline this match. It builds terms with :meth:`Match.trace`.
+
+    >>> import jax.numpy as jnp
+    >>> from rewrite import rule, procedural
+    >>> @procedural
+    ... def halve_if_even(m):
+    ...     x = m["x"]
+    ...     return m.trace(lambda v: v * 0.5, x) if x.shape and x.shape[-1] % 2 == 0 else None
+    >>> r = rule(lambda x: x / 2.0, halve_if_even, name="div2")
+    """
+    return Procedure(fn)
+
+
+class Rule:
+    """One named rewrite. Build it with :func:`rule`."""
+
+    def __init__(self, name: str, lhs: Any, rhs: Any, when: Callable[..., bool] | None,
+                 example: tuple[Any, ...] | None, var_names: list[str], queries: list[Query],
+                 probes: list[tuple[Any, ...]]) -> None:
+        self.name = name
+        self.lhs = lhs
+        self.rhs = rhs
+        self.when = when
+        self.example = example
+        self.var_names = var_names
+        self.queries = queries
+        self.probes = probes
+        self._traced: dict[tuple, Any] = {}
+
+    @property
+    def is_pat(self) -> bool:
+        return isinstance(self.lhs, Pat)
+
+    @property
+    def is_procedural(self) -> bool:
+        return isinstance(self.rhs, Procedure)
+
+    def traced(self, avals: tuple[Any, ...]) -> tuple[core.ClosedJaxpr, core.ClosedJaxpr | None]:
+        """Both sides traced at these avals (cached). Raises if either side cannot be traced there."""
+        found = self._traced.get(avals)
+        if found is None:
+            try:
+                specs = [_spec(a) for a in avals]
+                lhs = jax.make_jaxpr(self.lhs)(*specs)
+                rhs = None if self.is_procedural else jax.make_jaxpr(self.rhs)(*specs)
+                found = (lhs, rhs)
+            except Exception as e:  # a rule need not apply at every shape
+                found = e
+            self._traced[avals] = found
+        if isinstance(found, Exception):
+            raise found
+        return found
+
+    def __repr__(self) -> str:
+        return f"<rule {self.name!r}>"
+
+
+def _spec(aval: Any) -> Any:
+    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=getattr(aval, "weak_type", False))
+
+
+def _short(aval: Any) -> str:
+    s = aval.str_short() if hasattr(aval, "str_short") else str(aval)
+    return s + (" (weak)" if getattr(aval, "weak_type", False) else "")
+
+
+def rule(lhs: Any, rhs: Any, *, name: str, when: Callable[..., bool] | None = None,
+         example: Any = None) -> Rule:
+    """Define a rewrite ``lhs -> rhs``.
+
+    ``lhs`` and ``rhs`` are functions of the pattern variables, written with
+    ``jax.numpy`` and ``lax``. A pattern variable matches any tensor unless
+    ``when`` rejects it. Literal constants match equal constants of any dtype.
+
+    ``when`` is a predicate over the matched variables, called with one
+    :class:`Value` per pattern variable in order. It can read shapes and
+    dtypes and the facts the e-graph knows (``x.nonneg``, ``x.positive``,
+    ``x.nonzero``).
+
+    ``example`` gives the shapes and dtypes to trace the sides at (a tuple
+    with one array or ``jax.ShapeDtypeStruct`` per variable, or one for all).
+    Without it the sides are traced at float32 scalars, vectors, matrices and
+    rank-3 arrays, and the rule must hold at every one of them that it traces at.
+
+    >>> import jax.numpy as jnp
+    >>> from rewrite import rule
+    >>> r = rule(lambda x: 2 * jnp.sin(x) * jnp.cos(x), lambda x: jnp.sin(2 * x), name="double_angle")
+    >>> r.name, r.var_names
+    ('double_angle', ['x'])
+    >>> rule(lambda x: x.sum(0), lambda x: x, name="bad")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ValueError: rule 'bad': rhs gives f32[3], lhs gives f32[]...
+    """
+    if not isinstance(name, str) or not name.strip():
+        raise ValueError("rule(): name= must be a non-empty string")
+    if when is not None and not callable(when):
+        raise ValueError(f"rule {name!r}: when= must be a callable, got {type(when).__name__}")
+    if isinstance(lhs, Pat):
+        if not isinstance(rhs, Procedure):
+            raise ValueError(f"rule {name!r}: a Pat left-hand side needs a procedural right-hand side "
+                             "(wrap it with rewrite.procedural)")
+        try:
+            query, names = compile_pat(lhs)
+        except PatternError as e:
+            raise ValueError(f"rule {name!r}: {e}") from None
+        return Rule(name, lhs, rhs, when, None, names, [query], [])
+    if not callable(lhs):
+        raise ValueError(f"rule {name!r}: lhs is not callable (got {type(lhs).__name__})")
+    if not isinstance(rhs, Procedure) and not callable(rhs):
+        raise ValueError(f"rule {name!r}: rhs is not callable (got {type(rhs).__name__})")
+    names = _positional_names(name, "lhs", lhs)
+    if not isinstance(rhs, Procedure):
+        rhs_names = _positional_names(name, "rhs", rhs)
+        if len(rhs_names) != len(names):
+            raise ValueError(f"rule {name!r}: lhs takes {len(names)} pattern variables {names}, "
+                             f"rhs takes {len(rhs_names)} {rhs_names}")
+    probes = _probes(name, names, example)
+    queries: list[Query] = []
+    seen: set[str] = set()
+    traced_at: list[tuple[Any, ...]] = []
+    first_error: Exception | None = None
+    for avals in probes:
+        if when is not None and not _guard_allows(when, avals):
+            continue
+        try:
+            lhs_closed = jax.make_jaxpr(lhs)(*[_spec(a) for a in avals])
+        except Exception as e:
+            first_error = first_error or e
+            continue
+        if len(lhs_closed.out_avals) != 1:
+            raise ValueError(f"rule {name!r}: lhs must return one array, it returns {len(lhs_closed.out_avals)}")
+        if not isinstance(rhs, Procedure):
+            try:
+                rhs_closed = jax.make_jaxpr(rhs)(*[_spec(a) for a in avals])
+            except Exception as e:
+                raise ValueError(f"rule {name!r}: rhs cannot be traced at "
+                                 f"({', '.join(_short(a) for a in avals)}): {e}") from None
+            if len(rhs_closed.out_avals) != 1:
+                raise ValueError(f"rule {name!r}: rhs must return one array, it returns {len(rhs_closed.out_avals)}")
+            l, r = lhs_closed.out_avals[0], rhs_closed.out_avals[0]
+            if (l.shape, l.dtype, l.weak_type) != (r.shape, r.dtype, r.weak_type):
+                raise ValueError(f"rule {name!r}: rhs gives {_short(r)}, lhs gives {_short(l)} "
+                                 f"for inputs ({', '.join(_short(a) for a in avals)})")
+        try:
+            query = compile_traced(lhs_closed, names)
+        except PatternError as e:
+            raise ValueError(f"rule {name!r}: {e}") from None
+        traced_at.append(avals)
+        if query.text not in seen:
+            seen.add(query.text)
+            queries.append(query)
+    if not queries:
+        why = f": {first_error}" if first_error else ""
+        raise ValueError(f"rule {name!r}: lhs cannot be traced at any probe shape{why}; give example=")
+    ex = tuple(probes[0]) if example is not None else None
+    return Rule(name, lhs, rhs, when, ex, names, queries, traced_at)
+
+
+def _positional_names(rule_name: str, side: str, fn: Callable[..., Any]) -> list[str]:
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        raise ValueError(f"rule {rule_name!r}: cannot read the signature of {side}") from None
+    names = []
+    for p in sig.parameters.values():
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            raise ValueError(f"rule {rule_name!r}: {side} must name its pattern variables (no *args/**kwargs)")
+        if p.kind == p.KEYWORD_ONLY:
+            raise ValueError(f"rule {rule_name!r}: {side} has keyword-only parameter {p.name!r}")
+        if p.default is p.empty:
+            names.append(p.name)
+    if not names:
+        raise ValueError(f"rule {rule_name!r}: {side} takes no pattern variables")
+    return names
+
+
+def _probes(name: str, names: list[str], example: Any) -> list[tuple[Any, ...]]:
+    if example is None:
+        return [tuple(core.ShapedArray(s, np.dtype(np.float32)) for _ in names) for s in PROBE_SHAPES]
+    items = example if isinstance(example, (tuple, list)) else [example] * len(names)
+    if len(items) != len(names):
+        raise ValueError(f"rule {name!r}: example= gives {len(items)} inputs for {len(names)} pattern variables")
+    avals = []
+    for x in items:
+        try:
+            avals.append(core.ShapedArray(tuple(x.shape), np.dtype(x.dtype), weak_type=getattr(x, "weak_type", False)))
+        except AttributeError:
+            raise ValueError(f"rule {name!r}: example= entries need .shape and .dtype, got {type(x).__name__}") from None
+    return [tuple(avals)]
+
+
+def _guard_allows(when: Callable[..., bool], avals: Sequence[Any]) -> bool:
+    """Would the guard let these shapes through? Facts are unknown here and read as true."""
+    try:
+        return bool(when(*[Value.from_aval(a) for a in avals]))
+    except Exception:
+        return False
+
+
+# ---------------------------------------------------------------------- what rules see
+class Value:
+    """A matched term as a guard or a procedural rule sees it.
+
+    Shape and dtype are exact. Facts (``positive``, ``nonneg``, ``nonzero``)
+    hold for floating values only and are never true of integers, where
+    overflow breaks them.
+    """
+
+    def __init__(self, aval: Any, name: int | None = None, cls: Any = None, engine: Any = None) -> None:
+        self.aval = aval
+        self.name = name          # the V id naming the class
+        self.cls = cls            # egglog class id in the current snapshot, if it existed then
+        self._engine = engine
+        self.read_facts = False
+
+    @classmethod
+    def from_aval(cls, aval: Any) -> "Value":
+        v = cls(aval)
+        v._assume_facts = True  # type: ignore[attr-defined]
+        return v
+
+    shape = property(lambda self: tuple(self.aval.shape))
+    dtype = property(lambda self: np.dtype(self.aval.dtype))
+    ndim = property(lambda self: len(self.aval.shape))
+    size = property(lambda self: int(np.prod(self.aval.shape, dtype=np.int64)))
+    weak_type = property(lambda self: bool(getattr(self.aval, "weak_type", False)))
+    is_floating = property(lambda self: bool(jnp.issubdtype(self.aval.dtype, jnp.floating)))
+
+    def _fact(self, fact: str) -> bool:
+        self.read_facts = True
+        if getattr(self, "_assume_facts", False):
+            return True
+        if self._engine is None or self.cls is None or not self.is_floating:
+            return False
+        return self._engine.snapshot.has_fact(fact, self.cls)
+
+    positive = property(lambda self: self._fact("Pos"))
+    nonneg = property(lambda self: self._fact("NonNeg"))
+    nonzero = property(lambda self: self._fact("NonZero"))
+
+    @property
+    def nodes(self) -> list["Node"]:
+        """The e-nodes in this class: every known way to compute it."""
+        if self._engine is None or self.cls is None:
+            return []
+        return [Node(self._engine, c, a) for c, a in self._engine.snapshot.nodes.get(self.cls, [])]
+
+    def node(self, prim: str) -> "Node | None":
+        """One e-node of this class that applies ``prim``, if there is one."""
+        for n in self.nodes:
+            if n.prim == prim:
+                return n
+        return None
+
+    @property
+    def literal(self) -> Any:
+        """The scalar value if this class contains a literal, else ``None``."""
+        for n in self.nodes:
+            if n.ctor == "Lit":
+                return literal_value(n.args[0], self.dtype)
+        return None
+
+    @property
+    def constant(self) -> Any:
+        """The value (numpy) if this class is a literal or constant array, else ``None``."""
+        for n in self.nodes:
+            if n.ctor == "Lit":
+                return np.asarray(literal_value(n.args[0], self.dtype), dtype=self.dtype)
+            if n.ctor == "Const":
+                return self._engine.egraph.consts.get(n.args[0])
+        return None
+
+    def __repr__(self) -> str:
+        return f"<value {_short(self.aval)}>"
+
+
+def literal_value(lit_id: int, dtype: Any) -> Any:
+    kind, v = LITERALS[lit_id]
+    if kind == "num":
+        f = float(v)
+        if np.issubdtype(np.dtype(dtype), np.integer):
+            return int(f)
+        return f
+    if kind == "complex":
+        return complex(v)
+    return v
+
+
+class Node:
+    """One e-node: a primitive applied to classes."""
+
+    def __init__(self, engine: Any, ctor: str, args: tuple) -> None:
+        from . import _terms
+
+        self._engine = engine
+        self.ctor = ctor
+        self.args = args
+        spec = _terms.BY_CTOR.get(ctor)
+        self.spec = spec
+        sorts = _terms.ctor_arg_sorts(ctor)
+        self._sorts = sorts
+        if spec is not None or ctor in ("Opaque", "Effect"):
+            pid = args[-1]
+            self.prim = PARAMS.prim(pid).name
+            self.params = PARAMS.params(pid)
+            self.pid = pid
+        else:
+            self.prim = ctor.lower()
+            self.params = {}
+            self.pid = None
+
+    @property
+    def operands(self) -> list[Value]:
+        """Operand values, with list operands spread out in order."""
+        out = []
+        snap = self._engine.snapshot
+        for s, a in zip(self._sorts, self.args):
+            if s == "Term":
+                out.append(self._engine.value(a))
+            elif s == "TList":
+                out.extend(self._engine.value(x) for x in snap.list_items(a))
+        return out
+
+    def __repr__(self) -> str:
+        return f"<node {self.prim}>"
+
+
+class Term(Value):
+    """A term built during a procedural rule (or an existing class). Hand it back, or build on it."""
+
+
+class Body:
+    """A loaded body (of scan, while, cond, jit): its scope id and output values."""
+
+    def __init__(self, scope: int, outs: list[Value]) -> None:
+        self.scope = scope
+        self.outs = outs
+
+    def __repr__(self) -> str:
+        return f"<body scope={self.scope} outs={len(self.outs)}>"
+
+
+class Match:
+    """One match of a procedural rule: its bindings, and the means to build a replacement."""
+
+    def __init__(self, engine: Any, rule: Rule, bindings: dict[str, Any], sorts: dict[str, str], root: Any) -> None:
+        self._engine = engine
+        self.rule = rule
+        self._bindings = bindings
+        self._sorts = sorts
+        self.root = engine.value(root)
+
+    def __getitem__(self, name: str) -> Value:
+        if self._sorts.get(name) != "Term":
+            raise KeyError(f"{name!r} is not a term binding of rule {self.rule.name!r}")
+        return self._engine.value(self._bindings[name])
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._bindings
+
+    def params(self, name: str) -> dict[str, Any]:
+        return PARAMS.params(self._bindings[name])
+
+    def int(self, name: str) -> int:
+        return int(self._bindings[name])
+
+    def list(self, name: str) -> list[Value]:
+        return [self._engine.value(c) for c in self._engine.snapshot.list_items(self._bindings[name])]
+
+    def body(self, name: str) -> Body:
+        return self._engine.body(self._bindings[name])
+
+    def bodies(self, name: str) -> list[Body]:
+        return [self._engine.body(b) for b in self._engine.snapshot.list_items(self._bindings[name])]
+
+    @property
+    def engine(self) -> Any:
+        return self._engine
+
+    def trace(self, fn: Callable[..., Any], *inputs: Value) -> Any:
+        """Insert ``fn(*inputs)``, traced at the inputs' avals; returns its result term(s)."""
+        return self._engine.insert_traced(fn, inputs)
+
+    def users(self, v: Value) -> list[tuple[Value, Node]]:
+        """Every e-node that uses ``v`` directly, with the class it computes."""
+        return self._engine.users(v)
+
+
+# ---------------------------------------------------------------------- rulesets
+class Ruleset:
+    """A named collection of rules with a soundness class. Rulesets compose with ``+``.
+
+    ``soundness`` is ``"exact"`` (bitwise-equal results, NaN equal to NaN),
+    ``"identity"`` (true in real arithmetic; within ``tolerance`` on finite
+    inputs) or ``"fastmath"`` (may change results; within ``tolerance`` on
+    ordinary values). A composite keeps each part's class, and its parts are
+    reachable as attributes.
+
+    >>> import jax.numpy as jnp
+    >>> from rewrite import rule, Ruleset
+    >>> a = Ruleset("a", [rule(lambda x: -(-x), lambda x: x, name="negneg")])
+    >>> b = Ruleset("b", [rule(lambda x: x * 1.0, lambda x: x, name="mul1")])
+    >>> both = a + b
+    >>> [r.name for r in both], both.a is a
+    (['negneg', 'mul1'], True)
+    """
+
+    def __init__(self, name: str, rules: Iterable[Rule | "Ruleset"] = (), *, soundness: str = "exact",
+                 tolerance: Tolerance | None = None, description: str = "", limits: Any = None) -> None:
+        if soundness not in SOUNDNESS:
+            raise ValueError(f"ruleset {name!r}: soundness must be one of {SOUNDNESS}, got {soundness!r}")
+        self.name = name
+        self.soundness = soundness
+        self.tolerance = tolerance if tolerance is not None else (
+            None if soundness == "exact" else Tolerance() if soundness == "identity" else Tolerance(1e-4, 1e-5))
+        self.description = description
+        self.limits = limits
+        self.rules: list[Rule] = []
+        self.parts: list[Ruleset] = []
+        for r in rules:
+            if isinstance(r, Ruleset):
+                self.parts.append(r)
+            elif isinstance(r, Rule):
+                self.rules.append(r)
+            else:
+                raise TypeError(f"ruleset {name!r}: expected rules or rulesets, got {type(r).__name__}")
+        names = [r.name for r, _ in self.entries()]
+        dups = sorted({n for n in names if names.count(n) > 1})
+        if dups:
+            raise ValueError(f"ruleset {name!r}: rule name {dups[0]!r} appears twice")
+
+    def entries(self) -> list[tuple[Rule, "Ruleset"]]:
+        """Every rule with the ruleset that gives its soundness class, depth first, without duplicates."""
+        out: list[tuple[Rule, Ruleset]] = [(r, self) for r in self.rules]
+        seen = {id(r) for r in self.rules}
+        for p in self.parts:
+            for r, owner in p.entries():
+                if id(r) not in seen:
+                    seen.add(id(r))
+                    out.append((r, owner))
+        return out
+
+    def __iter__(self) -> Iterator[Rule]:
+        return iter([r for r, _ in self.entries()])
+
+    def __len__(self) -> int:
+        return len(self.entries())
+
+    def __add__(self, other: "Ruleset") -> "Ruleset":
+        if not isinstance(other, Ruleset):
+            return NotImplemented
+        order = SOUNDNESS.index
+        weakest = max(self.soundness, other.soundness, key=order)
+        return Ruleset(f"{self.name}+{other.name}", [self, other], soundness=weakest)
+
+    def __getattr__(self, name: str) -> "Ruleset":
+        for p in self.__dict__.get("parts", ()):
+            if p.name == name:
+                return p
+            try:
+                return getattr(p, name)
+            except AttributeError:
+                pass
+        raise AttributeError(f"ruleset {self.__dict__.get('name')!r} has no part {name!r}")
+
+    def rule(self, name: str) -> Rule:
+        for r, _ in self.entries():
+            if r.name == name:
+                return r
+        raise KeyError(f"ruleset {self.name!r} has no rule {name!r}")
+
+    def __repr__(self) -> str:
+        return f"<Ruleset {self.name!r}: {len(self)} rules, {self.soundness}>"
+
+
+def as_ruleset(x: Any) -> Ruleset:
+    if isinstance(x, Ruleset):
+        return x
+    if isinstance(x, Rule):
+        return Ruleset(x.name, [x], soundness="identity")
+    if isinstance(x, Iterable):
+        items = list(x)
+        return Ruleset("+".join(getattr(i, "name", "?") for i in items) or "empty", [as_ruleset(i) for i in items])
+    raise TypeError(f"rulesets= takes Ruleset or Rule objects, got {type(x).__name__}")
