@@ -1,9 +1,11 @@
 """Stage 1, trace: a Python function and its arguments become a ``ClosedJaxpr``.
 
 Arguments and results may be any pytrees. The jaxpr takes and returns their
-flattened leaves; the tree structures are kept so stage 6 can rebuild them.
-Static arguments (``static_argnums``/``static_argnames``, as in ``jax.jit``)
-are baked into the trace and become part of the cache key.
+flattened array leaves; the tree structures are kept so stage 6 can rebuild
+them. Leaves that are not arrays (Python numbers, an equinox module's
+activation function, a string, a dtype) are static, as under
+``eqx.filter_jit``: baked into the trace and part of the cache key. So are ``static_argnums`` and
+``static_argnames``, as in ``jax.jit``.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import dataclasses
 from typing import Any, Callable, Sequence
 
 import jax
+import numpy as np
 from jax._src import core
 
 
@@ -20,6 +23,39 @@ class Traced:
     closed: core.ClosedJaxpr
     in_tree: Any
     out_tree: Any
+    dynamic: tuple[bool, ...]  # which leaves of the input tree are traced
+    out_static: tuple[tuple[int, Any], ...] = ()  # output leaves that are not arrays: (position, value)
+
+    def outputs(self, values: Sequence[Any]) -> Any:
+        """Rebuild the output pytree from the jaxpr's results."""
+        it = iter(values)
+        static = dict(self.out_static)
+        n = len(values) + len(static)
+        return jax.tree_util.tree_unflatten(self.out_tree, [static[i] if i in static else next(it) for i in range(n)])
+
+
+@dataclasses.dataclass(frozen=True)
+class Static:
+    """A leaf baked into the trace."""
+
+    value: Any
+
+    def key(self) -> Any:
+        try:
+            hash(self.value)
+            return ("hash", type(self.value), self.value)
+        except TypeError:
+            return ("id", id(self.value))
+
+
+def is_traced_leaf(x: Any) -> bool:
+    """Arrays and tracers are traced; everything else, Python numbers included, is static.
+
+    This is ``eqx.filter_jit``'s rule, and the right one under an outer
+    transformation too: whatever the outer trace made concrete arrives here
+    concrete and may steer Python control flow.
+    """
+    return isinstance(x, (jax.Array, np.ndarray, np.generic, core.Tracer))
 
 
 def split_static(args: tuple, kwargs: dict, static_argnums: Sequence[int], static_argnames: Sequence[str]
@@ -39,21 +75,42 @@ def aval_key(x: Any) -> Any:
             getattr(aval, "sharding", None), getattr(aval, "vma", None))
 
 
-def trace(fn: Callable[..., Any], flat_avals: Sequence[Any], in_tree: Any, stat_args: tuple, stat_kwargs: tuple,
+def leaf_specs(flat: Sequence[Any]) -> tuple[list[Any], tuple]:
+    """Per leaf: its aval if traced, else ``Static``. Also a hashable key for the cache."""
+    specs: list[Any] = []
+    key = []
+    for x in flat:
+        if is_traced_leaf(x):
+            specs.append(jax.typeof(x))
+            key.append(aval_key(x))
+        else:
+            s = Static(x)
+            specs.append(s)
+            key.append(s.key())
+    return specs, tuple(key)
+
+
+def trace(fn: Callable[..., Any], specs: Sequence[Any], in_tree: Any, stat_args: tuple, stat_kwargs: tuple,
           n_args: int) -> Traced:
-    """Trace ``fn`` on inputs of the given avals (the leaves of ``(dynamic args, dynamic kwargs)``)."""
+    """Trace ``fn`` on leaves described by ``specs`` (avals for traced leaves, :class:`Static` otherwise)."""
     out_tree_box: list[Any] = []
     statics = dict(stat_args)
+    dynamic = tuple(not isinstance(s, Static) for s in specs)
 
-    def flat_fn(*flat: Any) -> list[Any]:
-        dyn_args, dyn_kwargs = jax.tree_util.tree_unflatten(in_tree, flat)
-        it = iter(dyn_args)
-        args = [statics[i] if i in statics else next(it) for i in range(n_args)]
+    def flat_fn(*dyn: Any) -> list[Any]:
+        it = iter(dyn)
+        leaves = [next(it) if d else s.value for s, d in zip(specs, dynamic)]
+        dyn_args, dyn_kwargs = jax.tree_util.tree_unflatten(in_tree, leaves)
+        it_args = iter(dyn_args)
+        args = [statics[i] if i in statics else next(it_args) for i in range(n_args)]
         out = fn(*args, **dyn_kwargs, **dict(stat_kwargs))
-        leaves, out_tree = jax.tree_util.tree_flatten(out)
-        out_tree_box.append(out_tree)
-        return leaves
+        out_leaves, out_tree = jax.tree_util.tree_flatten(out)
+        out_static = tuple((i, v) for i, v in enumerate(out_leaves) if not is_traced_leaf(v))
+        out_tree_box.append((out_tree, out_static))
+        return [v for v in out_leaves if is_traced_leaf(v)]
 
-    specs = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=getattr(a, "weak_type", False)) for a in flat_avals]
-    closed = jax.make_jaxpr(flat_fn)(*specs)
-    return Traced(closed, in_tree, out_tree_box[-1])
+    sds = [jax.ShapeDtypeStruct(s.shape, s.dtype, weak_type=getattr(s, "weak_type", False))
+           for s, d in zip(specs, dynamic) if d]
+    closed = jax.make_jaxpr(flat_fn)(*sds)
+    out_tree, out_static = out_tree_box[-1]
+    return Traced(closed, in_tree, out_tree, dynamic, out_static)

@@ -223,6 +223,9 @@ class Engine:
     def _union(self, rule: Rule, root_name: int, out: int, avals: Any) -> None:
         """Put ``out`` in the class of ``root_name``, if their types agree."""
         stats = self.stats[rule.name]
+        known = self.snapshot.cls_of_name
+        if out < len(known) and known[out] is not None and known[out] == known[root_name]:
+            return  # already one class: a match seen again after a merge
         want = TYPES[self.egraph.vtype[root_name]]
         got = TYPES[self.egraph.vtype[out]]
         if want != got:

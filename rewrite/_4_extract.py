@@ -198,3 +198,17 @@ def extract(snap: Snapshot, roots: Sequence[Any], model: CostModel, original: se
     if cost < orig_cost:
         return Extraction(choice, cost, orig_cost, True)
     return Extraction(orig_choice, orig_cost, orig_cost, False)
+
+
+def reachable(snap: Snapshot, choice: dict[Any, tuple], roots: Iterable[Any]) -> set[Any]:
+    """Every class the chosen program uses, inside bodies too."""
+    seen: set[Any] = set()
+    stack = list(roots)
+    while stack:
+        c = stack.pop()
+        if c in seen:
+            continue
+        seen.add(c)
+        ctor, args = choice[c]
+        stack.extend(a for s, a in zip(_terms.ctor_arg_sorts(ctor), args) if s != "i64")
+    return seen

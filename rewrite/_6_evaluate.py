@@ -25,7 +25,7 @@ from typing import Any, Callable, Sequence
 import jax
 from jax._src import core
 
-from ._1_trace import Traced, aval_key, split_static, trace
+from ._1_trace import Static, Traced, leaf_specs, split_static, trace
 from ._3_saturate import Limits
 from ._cost import resolve
 from ._pipeline import Result, run_pipeline
@@ -99,21 +99,23 @@ class Rewritten:
     def _prepare(self, args: tuple, kwargs: dict) -> tuple[Any, list[Any], tuple[Traced, Result]]:
         dyn_args, dyn_kwargs, stat_args, stat_kwargs = split_static(args, kwargs, self.static_argnums,
                                                                     self.static_argnames)
-        flat, in_tree = jax.tree_util.tree_flatten((dyn_args, dyn_kwargs))
-        key = (in_tree, tuple(aval_key(x) for x in flat), stat_args, stat_kwargs)
+        leaves, in_tree = jax.tree_util.tree_flatten((dyn_args, dyn_kwargs))
+        specs, leaf_key = leaf_specs(leaves)
+        key = (in_tree, leaf_key, tuple((i, Static(v).key()) for i, v in stat_args),
+               tuple((k, Static(v).key()) for k, v in stat_kwargs))
         entry = self._cache.get(key)
         if entry is None:
             with self._lock:
                 entry = self._cache.get(key)
                 if entry is None:
-                    avals = [jax.typeof(x) for x in flat]
                     t = time.perf_counter()
-                    traced = trace(self.fn, avals, in_tree, stat_args, stat_kwargs, len(args))
+                    traced = trace(self.fn, specs, in_tree, stat_args, stat_kwargs, len(args))
                     trace_time = time.perf_counter() - t
                     entry = (traced, self._rewrite(traced))
                     entry[1].times["trace"] = trace_time
                     self._cache[key] = entry
                     self.rewrites += 1
+        flat = [x for x, d in zip(leaves, entry[0].dynamic) if d]
         return key, flat, entry
 
     def _rewrite(self, traced: Traced) -> Result:
@@ -146,7 +148,7 @@ class Rewritten:
         _, flat, (traced, result) = self._prepare(args, kwargs)
         closed = result.after
         outs = core.eval_jaxpr(closed.jaxpr, closed.consts, *flat)
-        return jax.tree_util.tree_unflatten(traced.out_tree, outs)
+        return traced.outputs(outs)
 
     def jaxpr(self, *args: Any, **kwargs: Any) -> core.ClosedJaxpr:
         """The rewritten program for these arguments' signature."""

@@ -11,6 +11,7 @@ from ._3_saturate import Limits
 from ._6_evaluate import RewriteLimitWarning, RewriteWarning, Rewritten, rewrite
 from ._cost import AnalyticCost, NodeInfo
 from ._pattern import Pat
+from ._report import Report, explain
 from ._rules import Match, Rule, Ruleset, Tolerance, Value, procedural, rule
 
 __all__ = [
@@ -19,6 +20,7 @@ __all__ = [
     "Match",
     "NodeInfo",
     "Pat",
+    "Report",
     "RewriteLimitWarning",
     "RewriteWarning",
     "Rewritten",
@@ -26,6 +28,7 @@ __all__ = [
     "Ruleset",
     "Tolerance",
     "Value",
+    "explain",
     "procedural",
     "rewrite",
     "rule",

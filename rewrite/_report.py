@@ -1,0 +1,211 @@
+"""``explain``: what a rewrite did, in a form a person can read.
+
+A :class:`Report` holds the program before and after, their costs under the
+model, which rules fired (matched, verified and applied) and how many of the
+nodes they built made it into the result, why saturation stopped, and the
+time each stage took. ``str(report)`` gives a summary and then a diff of the
+two jaxprs; :meth:`Report.rules` lists each rule with its two sides;
+:meth:`Report.to_dot` draws a small e-graph.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import difflib
+import math
+import time
+from typing import Any, Sequence
+
+import jax
+from jax._src import core
+
+from ._1_trace import leaf_specs, split_static, trace
+from ._3_saturate import Limits, RuleStats
+from ._4_extract import reachable
+from ._6_evaluate import check_signature, entries_of
+from ._cost import resolve
+from ._pipeline import Result, run_pipeline
+from ._rules import Rule, Ruleset, _short
+
+
+def count_eqns(closed: Any) -> int:
+    """Equations in a jaxpr, counting those inside bodies (scan, cond, jit, ...) too."""
+    jaxpr = closed.jaxpr if isinstance(closed, core.ClosedJaxpr) else closed
+    return sum(1 + sum(count_eqns(sub) for sub in core.jaxprs_in_params(e.params)) for e in jaxpr.eqns)
+
+
+def primitive_counts(closed: Any) -> collections.Counter:
+    jaxpr = closed.jaxpr if isinstance(closed, core.ClosedJaxpr) else closed
+    out: collections.Counter = collections.Counter()
+    for e in jaxpr.eqns:
+        out[e.primitive.name] += 1
+        for sub in core.jaxprs_in_params(e.params):
+            out += primitive_counts(sub)
+    return out
+
+
+@dataclasses.dataclass
+class Report:
+    """What :func:`explain` found. ``str(report)`` reads well; the fields are for programs."""
+
+    before: core.ClosedJaxpr
+    after: core.ClosedJaxpr
+    cost_before: float
+    cost_after: float
+    fired: dict[str, int]
+    used: dict[str, int]
+    stopped: str
+    times: dict[str, float]
+    iterations: int
+    egraph_rows: int
+    rejected: dict[str, dict[str, int]]
+    warnings: list[str]
+    rulesets: list[tuple[Rule, Ruleset]]
+    result: Result = dataclasses.field(repr=False)
+
+    @property
+    def eqns_before(self) -> int:
+        return count_eqns(self.before)
+
+    @property
+    def eqns_after(self) -> int:
+        return count_eqns(self.after)
+
+    @property
+    def saved(self) -> float:
+        """The fraction of the model's cost the rewrite removed."""
+        if not self.cost_before or math.isnan(self.cost_before) or math.isinf(self.cost_before):
+            return 0.0
+        return 1.0 - self.cost_after / self.cost_before
+
+    def summary(self) -> str:
+        lines = [
+            f"cost {self.cost_before:,.0f} -> {self.cost_after:,.0f} ({self.saved:+.1%} saved), "
+            f"equations {self.eqns_before} -> {self.eqns_after}",
+            f"stopped: {self.stopped} after {self.iterations} iteration(s), {self.egraph_rows:,} e-graph rows",
+            "time: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in self.times.items()),
+        ]
+        if self.fired:
+            width = max(len(k) for k in self.fired)
+            lines.append("rules fired (in result):")
+            for name, n in sorted(self.fired.items(), key=lambda kv: -kv[1]):
+                lines.append(f"  {name:<{width}}  {n:>4} ({self.used.get(name, 0)})")
+        else:
+            lines.append("no rule fired")
+        rej = {k: v for k, v in self.rejected.items() if v}
+        if rej:
+            lines.append("matches not applied: " + "; ".join(
+                f"{k}: " + ", ".join(f"{n} {why}" for why, n in sorted(v.items())) for k, v in rej.items()))
+        for w in self.warnings:
+            lines.append(f"warning: {w}")
+        return "\n".join(lines)
+
+    def diff(self, context: int = 2) -> str:
+        a = str(self.before).splitlines()
+        b = str(self.after).splitlines()
+        return "\n".join(difflib.unified_diff(a, b, "before", "after", lineterm="", n=context))
+
+    def rules(self) -> str:
+        """Each rule that fired, with its left and right sides as jaxprs at a shape it fired at."""
+        out = []
+        stats = self.result.stats
+        for rule, owner in self.rulesets:
+            if not self.fired.get(rule.name):
+                continue
+            st = stats[rule.name]
+            out.append(f"{rule.name} [{owner.name}, {owner.soundness}]: fired {st.fired}, "
+                       f"{self.used.get(rule.name, 0)} node(s) in the result")
+            if st.examples and not rule.is_pat:
+                avals, src = st.examples[0]
+                try:
+                    lhs, rhs = rule.traced(avals)
+                except Exception:
+                    continue
+                where = _where(src)
+                out.append(f"  at ({', '.join(_short(a) for a in avals)}){where}")
+                out.append("  before: " + _indent(lhs))
+                if rhs is not None:
+                    out.append("  after:  " + _indent(rhs))
+        return "\n".join(out) if out else "no rule fired"
+
+    def to_dot(self, max_classes: int = 200) -> str:
+        """The final e-graph in Graphviz DOT: clusters are classes, chosen nodes are bold."""
+        from ._report_dot import to_dot
+
+        return to_dot(self.result, max_classes)
+
+    def __str__(self) -> str:
+        parts = [self.summary()]
+        d = self.diff()
+        if d:
+            parts.append(d)
+        return "\n".join(parts)
+
+
+def _where(src: Any) -> str:
+    try:
+        from jax._src import source_info_util
+
+        frame = source_info_util.user_frame(src.traceback) if src is not None else None
+        return f" in {frame.file_name}:{frame.start_line}" if frame is not None else ""
+    except Exception:
+        return ""
+
+
+def _indent(closed: core.ClosedJaxpr) -> str:
+    return str(closed).replace("\n", "\n          ")
+
+
+def provenance(result: Result) -> dict[str, int]:
+    """How many chosen nodes each rule built (nodes the input program already had are not counted)."""
+    eg, snap, choice = result.egraph, result.snapshot, result.choice
+    if eg is None or choice is None:
+        return {}
+    made_by: dict[tuple, str] = {}
+    for vid, origin in enumerate(eg.vorigin):
+        if origin is not None:
+            key = eg.canonical(snap, vid)
+            if key is not None and key not in made_by:
+                made_by[key] = origin
+    used: collections.Counter = collections.Counter()
+    for cls in reachable(snap, choice, result.roots or []):
+        node = choice[cls]
+        if node in result.original:  # type: ignore[operator]
+            continue
+        origin = made_by.get(node)
+        if origin is not None:
+            used[origin] += 1
+    return dict(used)
+
+
+def explain(fn: Any, *args: Any, rulesets: Any = (), cost_model: Any = None, limits: Limits | None = None,
+            static_argnums: Sequence[int] = (), static_argnames: Sequence[str] = (), **kwargs: Any) -> Report:
+    """Rewrite ``fn`` at these arguments and report what happened.
+
+    >>> import jax.numpy as jnp
+    >>> from rewrite import explain, rule, Ruleset
+    >>> rs = Ruleset("mine", [rule(lambda x: x * 1.0, lambda x: x, name="mul_one")])
+    >>> report = explain(lambda x: jnp.sin(x * 1.0), jnp.ones(3), rulesets=[rs])
+    >>> report.fired
+    {'mul_one': 1}
+    >>> print(report.summary().splitlines()[0])
+    cost 53 -> 51 (+3.8% saved), equations 2 -> 1
+    """
+    entries = entries_of(rulesets)
+    dyn_args, dyn_kwargs, stat_args, stat_kwargs = split_static(args, kwargs, static_argnums, static_argnames)
+    leaves, in_tree = jax.tree_util.tree_flatten((dyn_args, dyn_kwargs))
+    t = time.perf_counter()
+    traced = trace(fn, leaf_specs(leaves)[0], in_tree, stat_args, stat_kwargs, len(args))
+    trace_time = time.perf_counter() - t
+    result = run_pipeline(traced, entries, resolve(cost_model), limits or Limits(), keep=True)
+    result.times["trace"] = trace_time
+    result.times = {k: result.times[k] for k in ("trace", "load", "saturate", "extract", "emit")}
+    check_signature(traced.closed, result.after)
+    return Report(
+        before=result.before, after=result.after, cost_before=result.cost_before, cost_after=result.cost_after,
+        fired={k: s.fired for k, s in result.stats.items() if s.fired},
+        used=provenance(result), stopped=result.stopped, times=result.times, iterations=result.iterations,
+        egraph_rows=result.rows, rejected={k: dict(s.rejected) for k, s in result.stats.items()},
+        warnings=result.warnings, rulesets=entries, result=result,
+    )
