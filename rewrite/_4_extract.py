@@ -179,6 +179,14 @@ class Extractor:
         return scope(roots)
 
 
+def input_cost(snap: Snapshot, outs: Sequence[int], token: int | None, model: CostModel) -> float:
+    """The cost of the program as loaded (before any rule ran), under ``model``."""
+    roots = [snap.cls_of_name[o] for o in outs] + ([snap.cls_of_name[token]] if token is not None else [])
+    ex = Extractor(snap, model)
+    _, choice = ex.tree()
+    return ex.dag_cost(choice, roots)
+
+
 def extract(snap: Snapshot, roots: Sequence[Any], model: CostModel, original: set[tuple] | None) -> Extraction:
     """Choose the program to emit. ``original`` holds the input program's nodes, canonicalised."""
     ex = Extractor(snap, model)

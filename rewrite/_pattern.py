@@ -89,8 +89,9 @@ class QueryBuilder:
 
     def literal(self, value: Any, aval: Any) -> str:
         # Literals match by value, whatever their dtype: a pattern traced in
-        # float32 also matches a float64 or int32 program.
-        key = ("Lit", LITERALS.intern_value(value))
+        # float32 also matches a float64 or int32 program. Two literals of one
+        # value but different types (weak and strong 0.0, say) stay distinct.
+        key = ("Lit", LITERALS.intern_value(value), TYPES.intern_aval(aval))
         found = self._memo.get(key)
         if found is not None:
             return found

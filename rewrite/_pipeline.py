@@ -17,7 +17,7 @@ from jax._src import core
 from ._1_trace import Traced
 from ._2_load import TOKEN_AVAL, load_closed
 from ._3_saturate import Engine, Limits, RuleStats
-from ._4_extract import extract
+from ._4_extract import extract, input_cost
 from ._5_emit import emit
 from ._cost import CostModel
 from ._egraph import EGraph
@@ -63,6 +63,7 @@ def run_pipeline(traced: Traced, entries: Sequence[tuple[Rule, Ruleset]], model:
     outs, token = load_closed(closed, inputs, eg, token)
     program_names = eg.num_names
     eg.flush()
+    cost_before = input_cost(eg.snapshot(), outs, token, model)
     times["load"] = time.perf_counter() - t
 
     # Stage 3: saturate, under limits.
@@ -86,7 +87,7 @@ def run_pipeline(traced: Traced, entries: Sequence[tuple[Rule, Ruleset]], model:
     times["emit"] = time.perf_counter() - t
 
     return Result(
-        before=closed, after=after, cost_before=ex.original_cost, cost_after=ex.cost, stopped=stopped,
+        before=closed, after=after, cost_before=cost_before, cost_after=ex.cost, stopped=stopped,
         iterations=engine.iterations, rows=snap.num_rows, times=times, stats=dict(engine.stats),
         rewritten=ex.rewritten, warnings=list(engine.warnings),
         egraph=eg if keep else None, choice=ex.choice if keep else None, snapshot=snap if keep else None,

@@ -138,7 +138,7 @@ def _spec(aval: Any) -> Any:
 
 
 def _short(aval: Any) -> str:
-    s = aval.str_short() if hasattr(aval, "str_short") else str(aval)
+    s = aval.str_short(short_dtypes=True) if hasattr(aval, "str_short") else str(aval)
     return s + (" (weak)" if getattr(aval, "weak_type", False) else "")
 
 

@@ -1,0 +1,228 @@
+"""The pipeline's promises: unknown primitives pass through, effects keep their number and order,
+limits stop cleanly, the cost model is replaceable, results are cached per signature, and an
+internal failure never reaches the user's program."""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax._src import core
+from jax.experimental import io_callback
+from jax.extend.core import Primitive
+from jax.interpreters import mlir
+
+from rewrite import AnalyticCost, Limits, RewriteLimitWarning, RewriteWarning, Ruleset, explain, rewrite, rule
+from rewrite._report import count_eqns, primitive_counts
+
+# ---------------------------------------------------------------- unknown primitives
+twice_p = Primitive("twice_for_test")
+twice_p.def_impl(lambda x: 2 * x)
+twice_p.def_abstract_eval(lambda x: core.ShapedArray(x.shape, x.dtype))
+mlir.register_lowering(twice_p, mlir.lower_fun(lambda x: 2 * x, multiple_results=False))
+
+
+def test_unknown_primitive_is_opaque_and_survives():
+    def f(x):
+        return twice_p.bind(jnp.sin(x)) + twice_p.bind(jnp.sin(x))
+
+    r = rewrite(f)
+    x = jnp.arange(3.0)
+    np.testing.assert_allclose(jax.jit(r)(x), f(x))
+    counts = primitive_counts(r.jaxpr(x))
+    assert counts["twice_for_test"] == 1 and counts["sin"] == 1  # opaque nodes are shared too
+
+
+# ---------------------------------------------------------------- effects
+def test_callbacks_run_as_often_and_in_order():
+    log = []
+
+    def f(x):
+        jax.debug.callback(lambda v: log.append(("a", float(v))), x[0])
+        y = jnp.sin(x)
+        jax.debug.callback(lambda v: log.append(("b", float(v))), y[0])
+        jax.debug.callback(lambda v: log.append(("a", float(v))), x[0])  # same as the first: must not merge
+        return y * 2
+
+    x = jnp.arange(1.0, 4.0)
+    f(x)
+    want = list(log)
+    log.clear()
+    jax.effects_barrier()
+    r = rewrite(f)
+    out = r(x)
+    jax.effects_barrier()
+    assert log == want
+    assert primitive_counts(r.jaxpr(x))["debug_callback"] == 3
+    np.testing.assert_allclose(out, f(x))
+
+
+def test_io_callback_is_never_duplicated_or_dropped():
+    calls = []
+
+    def cb(v):
+        calls.append(np.asarray(v))
+        return np.asarray(v) * 2
+
+    def f(x):
+        a = io_callback(cb, jax.ShapeDtypeStruct(x.shape, x.dtype), x, ordered=True)
+        b = io_callback(cb, jax.ShapeDtypeStruct(x.shape, x.dtype), x, ordered=True)  # identical call
+        unused = io_callback(cb, jax.ShapeDtypeStruct(x.shape, x.dtype), x + 1, ordered=True)  # noqa: F841
+        return a + b
+
+    r = rewrite(f)
+    x = jnp.arange(3.0)
+    out = jax.jit(r)(x)
+    jax.effects_barrier()
+    assert len(calls) == 3
+    np.testing.assert_allclose(out, 4 * x)
+    assert primitive_counts(r.jaxpr(x))["io_callback"] == 3
+
+
+# ---------------------------------------------------------------- limits
+def _exploding():
+    # Commutativity and both directions of associativity on a chain of adds enumerate every
+    # bracketing and order: the classic e-graph blow-up.
+    return Ruleset("explode", [
+        rule(lambda a, b: a + b, lambda a, b: b + a, name="comm"),
+        rule(lambda a, b, c: (a + b) + c, lambda a, b, c: a + (b + c), name="assoc_r"),
+        rule(lambda a, b, c: a + (b + c), lambda a, b, c: (a + b) + c, name="assoc_l"),
+    ], soundness="fastmath")
+
+
+@pytest.mark.parametrize("limits,reason", [
+    (Limits(iterations=3), "iteration limit"),
+    (Limits(nodes=3000), "node limit"),
+    (Limits(seconds=0.5, iterations=10_000, nodes=10**9), "time limit"),
+])
+def test_limits_stop_and_keep_the_best_program(limits, reason):
+    def f(*xs):
+        return jnp.sin(sum(xs))
+
+    xs = [jnp.full((3,), float(i)) for i in range(10)]
+    r = rewrite(f, rulesets=[_exploding()], limits=limits)
+    with pytest.warns(RewriteLimitWarning, match=reason):
+        out = r(*xs)
+    np.testing.assert_allclose(out, f(*xs), rtol=1e-6)
+    res = r.result(*xs)
+    assert res.stopped == reason
+    assert res.cost_after <= res.cost_before
+    assert count_eqns(res.after) <= count_eqns(res.before)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        r(*xs)  # warned once; a cached signature stays quiet
+
+
+# ---------------------------------------------------------------- cost model
+def test_cost_model_is_replaceable():
+    rs = Ruleset("exp", [rule(lambda x, y: jnp.exp(x) * jnp.exp(y), lambda x, y: jnp.exp(x + y), name="exp_add")],
+                 soundness="identity")
+
+    def f(x, y):
+        return jnp.exp(x) * jnp.exp(y)
+
+    x, y = jnp.linspace(0, 1, 8), jnp.linspace(1, 2, 8)
+    default = rewrite(f, rulesets=[rs])
+    assert primitive_counts(default.jaxpr(x, y))["exp"] == 1  # one transcendental instead of two
+
+    def adds_are_ruinous(node):
+        return 1e9 if node.op == "add" else AnalyticCost()(node)
+
+    custom = rewrite(f, rulesets=[rs], cost_model=adds_are_ruinous)
+    assert primitive_counts(custom.jaxpr(x, y)) == {"exp": 2, "mul": 1}
+    np.testing.assert_allclose(custom(x, y), f(x, y))
+
+
+def test_bad_cost_model_is_reported():
+    r = rewrite(lambda x: x + 1, cost_model=lambda node: -1.0, strict=True)
+    with pytest.raises(ValueError, match="non-negative"):
+        r(jnp.ones(2))
+
+
+# ---------------------------------------------------------------- caching and signatures
+def test_cache_per_signature():
+    calls = []
+
+    def f(x, scale):
+        calls.append(1)
+        return x * scale
+
+    r = rewrite(f)
+    r(jnp.ones(3), 2.0)
+    r(jnp.ones(3) * 5, 2.0)
+    assert r.rewrites == 1 and len(calls) == 1  # same signature: no new trace, no new saturation
+    r(jnp.ones(4), 2.0)
+    r(jnp.ones(3), 3.0)  # Python numbers are static
+    assert r.rewrites == 3
+    jax.jit(r, static_argnums=1)(jnp.ones(3), 2.0)  # a tracer of the same aval hits the cache
+    assert r.rewrites == 3
+
+
+def test_pytrees_kwargs_and_static_args():
+    def f(params, x, *, mode, n):
+        out = {"y": params["w"] @ x, "aux": [params["b"] * n]}
+        return (out, mode)
+
+    r = rewrite(f, static_argnames=("n",))
+    params = {"w": jnp.ones((2, 3)), "b": jnp.arange(2.0)}
+    got = r(params, jnp.ones(3), mode="train", n=3)
+    want = f(params, jnp.ones(3), mode="train", n=3)
+    assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(want)
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+        np.testing.assert_allclose(a, b) if not isinstance(a, str) else None
+    assert got[1] == "train"
+
+
+def test_method_decoration():
+    class Model:
+        scale = 3.0
+
+        @rewrite
+        def apply(self, x):
+            return x * self.scale
+
+    np.testing.assert_allclose(Model().apply(jnp.ones(2)), 3.0)
+
+
+# ---------------------------------------------------------------- failures stay inside
+def test_internal_failure_falls_back(monkeypatch):
+    import rewrite._pipeline as pipeline
+
+    def broken(*a, **k):
+        raise RuntimeError("simulated bug")
+
+    monkeypatch.setattr(pipeline, "extract", broken)
+    r = rewrite(lambda x: jnp.sin(x) + 1, strict=False)
+    with pytest.warns(RewriteWarning, match="simulated bug"):
+        out = r(jnp.ones(3))
+    np.testing.assert_allclose(out, jnp.sin(1.0) + 1)
+
+
+def test_explain_reads_well():
+    rs = Ruleset("mine", [rule(lambda x: x * 1.0, lambda x: x, name="mul_one")])
+    report = explain(lambda x: jnp.sin(x * 1.0) + jnp.sin(x), jnp.ones(3), rulesets=[rs])
+    text = str(report)
+    assert "mul_one" in text and "saturated" in text and "--- before" in text
+    assert report.fired == {"mul_one": 1}
+    assert report.cost_after < report.cost_before
+    assert set(report.times) == {"trace", "load", "saturate", "extract", "emit"}
+    assert report.eqns_after == 2  # sin(x) shared, plus the add
+
+
+def test_nested_bodies_are_rewritten():
+    rs = Ruleset("mine", [rule(lambda x: x * 1.0, lambda x: x, name="mul_one")])
+
+    def f(xs):
+        def body(c, x):
+            return c + x * 1.0, lax.cond(x.sum() > 0, lambda v: v * 1.0, lambda v: -v, x)
+        c, ys = lax.scan(body, jnp.zeros(3), xs)
+        return c, ys, jax.jit(lambda z: z * 1.0, donate_argnums=0)(c + 2)
+
+    xs = jnp.arange(12.0).reshape(4, 3) - 5
+    r = rewrite(f, rulesets=[rs])
+    for a, b in zip(r(xs), f(xs)):
+        np.testing.assert_allclose(a, b)
+    assert primitive_counts(r.jaxpr(xs))["mul"] == 0
+    assert primitive_counts(r.jaxpr(xs))["jit"] == 1  # a jit with donation is kept, not inlined

@@ -1,0 +1,188 @@
+"""The rule DSL: definition-time validation, matching semantics, guards, procedural rules."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+from rewrite import Pat, Ruleset, explain, procedural, rewrite, rule
+from rewrite._report import primitive_counts
+
+
+# ---------------------------------------------------------------- malformed rules fail when defined
+@pytest.mark.parametrize("make,message", [
+    (lambda: rule(lambda x: x.sum(0), lambda x: x, name="shape"), r"rule 'shape': rhs gives f32\[3\], lhs gives f32\[\]"),
+    (lambda: rule(lambda x: jnp.sin(x), lambda x: x > 0, name="dtype"), r"rule 'dtype': rhs gives bool\[\], lhs gives f32\[\]"),
+    (lambda: rule(1, lambda x: x, name="lhs"), r"rule 'lhs': lhs is not callable"),
+    (lambda: rule(lambda x: jnp.sin(x), "x", name="rhs"), r"rule 'rhs': rhs is not callable"),
+    (lambda: rule(lambda x: jnp.sin(x), lambda x: x.reshape(7), name="trace"), r"rule 'trace': rhs cannot be traced"),
+    (lambda: rule(lambda x: x, lambda x: x + 0, name="bare"), r"rule 'bare': .*bare pattern variable"),
+    (lambda: rule(lambda x, y: jnp.sin(x), lambda x, y: jnp.sin(y), name="unused"),
+     r"rule 'unused': pattern variable 'y' is not used"),
+    (lambda: rule(lambda x, y: x * y, lambda x: x, name="arity"), r"rule 'arity': lhs takes 2 pattern variables"),
+    (lambda: rule(lambda *xs: xs[0], lambda x: x, name="varargs"), r"rule 'varargs': lhs must name its pattern variables"),
+    (lambda: rule(lambda x: jnp.sin(x), lambda x: x, name=""), r"name= must be a non-empty string"),
+    (lambda: rule(lambda x: lax.scan(lambda c, a: (c + a, a), 0.0, x)[0], lambda x: x.sum(), name="body"),
+     r"rule 'body': .*body"),
+    (lambda: rule(Pat("sin", Pat.var("x")), lambda x: x, name="pat"), r"rule 'pat': a Pat left-hand side needs a procedural"),
+    (lambda: rule(lambda x: jnp.sin(x), lambda x: x, name="guard", when=3), r"rule 'guard': when= must be a callable"),
+    (lambda: rule(lambda x: jnp.sin(x), lambda x: (x, x), name="tuple"), r"rule 'tuple': rhs must return one array"),
+])
+def test_malformed_rules_fail_at_definition(make, message):
+    with pytest.raises(ValueError, match=message):
+        make()
+
+
+def test_duplicate_names_in_a_ruleset():
+    r1 = rule(lambda x: x * 1.0, lambda x: x, name="same")
+    r2 = rule(lambda x: x + 0.0, lambda x: x, name="same")
+    with pytest.raises(ValueError, match="rule name 'same' appears twice"):
+        Ruleset("dup", [r1, r2])
+
+
+# ---------------------------------------------------------------- matching
+def test_user_rule_rewrites_and_report_names_it():
+    softplus_rule = rule(lambda x: jnp.log(1.0 + jnp.exp(x)), lambda x: jnp.logaddexp(x, 0.0), name="stable_softplus")
+    rs = Ruleset("mine", [softplus_rule], soundness="identity")
+
+    def f(x):
+        return jnp.log(1.0 + jnp.exp(x)) * 2
+
+    x = jnp.array([-100.0, 0.0, 100.0])
+    report = explain(f, x, rulesets=[rs])
+    assert report.fired == {"stable_softplus": 1}
+    assert "stable_softplus" in str(report)
+    out = rewrite(f, rulesets=[rs])(x)
+    assert np.isfinite(np.asarray(out)).all()  # the rewritten program no longer overflows at 100
+
+
+def test_literals_match_across_dtypes():
+    # Written with a Python int, the literal is 1.0 in float programs and 1 in int programs.
+    # (``x * 1.0`` at an int32 x is a float multiplication in JAX, and rightly does not match.)
+    rs = Ruleset("one", [rule(lambda x: x * 1, lambda x: x, name="mul_one")])
+    ints = rewrite(lambda i: i * 1 + 3, rulesets=[rs])
+    assert "mul" not in primitive_counts(ints.jaxpr(jnp.arange(4)))
+    with jax.enable_x64(True):
+        doubles = rewrite(lambda x: x * 1.0, rulesets=[rs])
+        x = jnp.arange(3, dtype=jnp.float64)
+        assert "mul" not in primitive_counts(doubles.jaxpr(x))
+        np.testing.assert_array_equal(doubles(x), x)
+
+
+def test_negative_zero_is_not_zero():
+    # x + (-0.0) -> x is exact; x + 0.0 -> x is not (it turns -0.0 into +0.0). The literal keys differ.
+    rs = Ruleset("zero", [rule(lambda x: x + (-0.0), lambda x: x, name="add_neg_zero")])
+    r = rewrite(lambda x: x + 0.0, rulesets=[rs])
+    x = jnp.array([-0.0])
+    assert np.signbit(np.asarray(r(x)))[0] == False  # noqa: E712  (kept: +0.0 result)
+    assert primitive_counts(r.jaxpr(x))["add"] == 1
+
+
+def test_shape_dependent_patterns_are_verified():
+    rs = Ruleset("sum", [rule(lambda x: jnp.sum(x * 2.0, axis=0), lambda x: 2.0 * jnp.sum(x, axis=0), name="pull")],
+                 soundness="identity")
+    x = jnp.ones((3, 4, 5))
+    axis1 = explain(lambda x: jnp.sum(x * 2.0, axis=1), x, rulesets=[rs])
+    assert axis1.fired == {} and axis1.rejected["pull"].get("unverified", 0) >= 1  # wildcard axes, exact check
+    axis0 = explain(lambda x: jnp.sum(x * 2.0, axis=0), x, rulesets=[rs])
+    assert axis0.fired == {"pull": 1}
+
+
+def test_jnp_helpers_match_at_any_rank():
+    rs = Ruleset("relu", [rule(lambda x: jnp.where(x > 0, x, 0.0), lambda x: jnp.maximum(x, 0.0), name="relu")],
+                 soundness="identity")
+    for shape in [(), (4,), (2, 3, 4, 5)]:
+        x = jnp.linspace(-1, 1, math.prod(shape)).reshape(shape)
+        r = explain(lambda x: jnp.where(x > 0, x, 0.0), x, rulesets=[rs])
+        assert r.fired == {"relu": 1}, shape
+
+
+def test_patterns_match_inside_bodies():
+    rs = Ruleset("one", [rule(lambda x: x * 1.0, lambda x: x, name="mul_one")])
+
+    def f(xs):
+        return lax.scan(lambda c, x: (c + x * 1.0, lax.cond(c.sum() > 0, lambda v: v * 1.0, lambda v: v, x)), 0.0, xs)
+
+    xs = jnp.arange(4.0) - 1
+    r = rewrite(f, rulesets=[rs])
+    assert primitive_counts(r.jaxpr(xs))["mul"] == 0
+    for a, b in zip(r(xs), f(xs)):
+        np.testing.assert_array_equal(a, b)
+
+
+# ---------------------------------------------------------------- guards
+def test_guards_see_facts():
+    rs = Ruleset("abs", [rule(lambda x: jnp.abs(x), lambda x: x, name="abs_nonneg", when=lambda x: x.nonneg)])
+    y = jnp.linspace(-2, 2, 5)
+    known = explain(lambda y: jnp.abs(jnp.exp(y)), y, rulesets=[rs])
+    assert known.fired == {"abs_nonneg": 1}
+    unknown = explain(lambda y: jnp.abs(jnp.sin(y)), y, rulesets=[rs])
+    assert unknown.fired == {}
+    squares = explain(lambda y: jnp.abs(y * y + 1.0), y, rulesets=[rs])  # y*y >= 0, 1 >= 0: the sum too
+    assert squares.fired == {"abs_nonneg": 1}
+
+
+def test_guards_see_shapes_and_dtypes():
+    rs = Ruleset("g", [rule(lambda x: x * 1.0, lambda x: x, name="only_matrices", when=lambda x: x.ndim == 2)])
+    assert explain(lambda x: x * 1.0, jnp.ones((2, 2)), rulesets=[rs]).fired == {"only_matrices": 1}
+    assert explain(lambda x: x * 1.0, jnp.ones(3), rulesets=[rs]).fired == {}
+
+
+def test_facts_are_never_claimed_for_integers():
+    # abs(INT_MIN) is negative: a fact derived for integers would make this rule unsound.
+    rs = Ruleset("abs", [rule(lambda x: jnp.abs(x), lambda x: x, name="abs_nonneg", when=lambda x: x.nonneg)])
+    i = jnp.array([-(2 ** 31)], dtype=jnp.int32)
+    r = rewrite(lambda i: jnp.abs(jnp.abs(i)), rulesets=[rs])
+    np.testing.assert_array_equal(r(i), jnp.abs(jnp.abs(i)))
+    assert primitive_counts(r.jaxpr(i))["abs"] == 2
+
+
+# ---------------------------------------------------------------- procedural rules
+@procedural
+def _sum_of_broadcast_scalar(m):
+    """reduce_sum(broadcast_in_dim(s)) -> s * n, when every broadcast element is summed."""
+    s, total = m["s"], m.root
+    if s.ndim != 0 or total.ndim != 0:
+        return None
+    n = math.prod(m.params("bp")["shape"])
+    return m.trace(lambda s: s * jnp.asarray(n, s.dtype), s)
+
+
+def test_procedural_rule_with_pat():
+    r = rule(Pat("reduce_sum", Pat("broadcast_in_dim", Pat.var("s"), params="bp")), _sum_of_broadcast_scalar,
+             name="sum_of_broadcast")
+    rs = Ruleset("proc", [r], soundness="identity")
+
+    def f(a):
+        return jnp.sum(jnp.broadcast_to(a, (4, 5)))
+
+    a = jnp.float32(1.5)
+    report = explain(f, a, rulesets=[rs])
+    assert report.fired == {"sum_of_broadcast": 1}
+    assert "reduce_sum" not in primitive_counts(report.after)
+    np.testing.assert_allclose(rewrite(f, rulesets=[rs])(a), 30.0)
+
+
+def test_procedural_rhs_with_traced_lhs():
+    @procedural
+    def halve_if_even(m):
+        x = m["x"]
+        return m.trace(lambda v: v * 0.5, x) if x.shape and x.shape[-1] % 2 == 0 else None
+
+    rs = Ruleset("div", [rule(lambda x: x / 2.0, halve_if_even, name="div2")], soundness="identity")
+    assert explain(lambda x: x / 2.0, jnp.ones(4), rulesets=[rs]).fired == {"div2": 1}
+    assert explain(lambda x: x / 2.0, jnp.ones(3), rulesets=[rs]).fired == {}
+
+
+def test_ill_typed_procedure_is_skipped_with_a_warning():
+    @procedural
+    def wrong(m):
+        return m.trace(lambda v: v.sum(), m["x"])
+
+    rs = Ruleset("w", [rule(lambda x: jnp.sin(x), wrong, name="wrong")])
+    with pytest.warns(UserWarning, match="rule 'wrong' built f32"):
+        out = rewrite(lambda x: jnp.sin(x), rulesets=[rs])(jnp.ones(3))
+    np.testing.assert_allclose(out, jnp.sin(jnp.ones(3)))
