@@ -185,8 +185,9 @@ def _load_scan(eqn: core.JaxprEqn, args: list[Any], b: Builder, source: Any) -> 
     body = _closed_body(b, eqn.params["jaxpr"])
     n = len(eqn.params["jaxpr"].in_avals)
     # The body's jaxpr takes its Params in this order. Rules that add a carry
-    # append a Param and insert its index here, so the rest of the body stays shared.
-    return _nested(b, eqn, "Scan", [body], args, {"_order": tuple(range(n))}, source)
+    # append a Param and insert its index here, so the rest of the body stays
+    # shared. Params named _rw_* are annotations the emitter drops.
+    return _nested(b, eqn, "Scan", [body], args, {"_rw_order": tuple(range(n))}, source)
 
 
 def _load_while(eqn: core.JaxprEqn, args: list[Any], b: Builder, source: Any) -> list[Any]:

@@ -263,8 +263,74 @@ class Engine:
         return [(self.value(parent), Node(self, ctor, args))
                 for parent, (ctor, args) in self.snapshot.parents.get(v.cls, [])]
 
+    def _fresh(self, vid: int) -> Value:
+        return Value(TYPES[self.egraph.vtype[vid]], vid, None, self)
+
+    def build_param(self, scope: int, index: int, aval: Any) -> Value:
+        return self._fresh(self.egraph.term("Param", [scope, index], TYPES.intern_aval(aval)))
+
+    def build_literal(self, value: Any, aval: Any) -> Value:
+        return self._fresh(self.egraph.literal(value, aval))
+
+    def build_node(self, prim: Any, operands: Sequence[Value], params: dict[str, Any], out_avals: Sequence[Any],
+                   bodies: Sequence[Body]) -> Any:
+        from . import _terms
+        from ._intern import PARAMS
+
+        if isinstance(prim, str):
+            prim = _primitive(prim)
+        eg = self.egraph
+        pid = PARAMS.intern_params(prim, params)
+        spec = _terms.BY_PRIM.get(prim.name)
+        args: list[Any] = []
+        names = [v.name for v in operands]
+        if spec is None:
+            ctor, args = "Opaque", [eg.tlist(names)]
+        else:
+            ctor = spec.ctor
+            body_refs = [eg.body(b.scope, [o.name for o in b.outs]) for b in bodies]
+            it = iter(names)
+            for letter in spec.layout:
+                if letter == "T":
+                    args.append(next(it))
+                elif letter == "L":
+                    args.append(eg.tlist(list(it)))
+                elif letter == "B":
+                    args.append(body_refs.pop(0))
+                elif letter == "N":
+                    args.append(eg.blist(body_refs))
+                    body_refs = []
+            if next(it, None) is not None:
+                raise ValueError(f"{prim.name}: too many operands for layout {spec.layout!r}")
+        args.append(pid)
+        multi = prim.multiple_results or (spec is not None and spec.family == _terms.NESTED)
+        if not multi:
+            (aval,) = out_avals
+            return self._fresh(eg.term(ctor, args, TYPES.intern_aval(aval)))
+        tup = eg.term(ctor, args, TYPES.intern_tuple(tuple(out_avals)))
+        return tuple(self._fresh(eg.term("Proj", [tup, i], TYPES.intern_aval(a))) for i, a in enumerate(out_avals))
+
     def insert_traced(self, fn: Callable[..., Any], inputs: Sequence[Value]) -> Any:
         closed = jax.make_jaxpr(fn)(*[_spec(v.aval) for v in inputs])
         outs, _ = load_closed(closed, [v.name for v in inputs], self.egraph)
         vals = [Value(TYPES[self.egraph.vtype[o]], o, None, self) for o in outs]
         return vals[0] if len(vals) == 1 else tuple(vals)
+
+
+def _primitive(name: str) -> Any:
+    """The JAX primitive called ``name`` (those the term table knows, and any seen in a loaded program)."""
+    from ._intern import PARAMS
+
+    for i in range(len(PARAMS)):
+        prim = PARAMS[i][0]
+        if prim.name == name:
+            return prim
+    import jax.extend.core.primitives as prims
+    from jax._src.lax import control_flow, lax, slicing
+
+    for mod in (lax, slicing, control_flow, prims):
+        for attr in dir(mod):
+            p = getattr(mod, attr)
+            if getattr(p, "name", None) == name and hasattr(p, "bind"):
+                return p
+    raise ValueError(f"no primitive named {name!r}")

@@ -11,9 +11,11 @@ DAGs, and its DAG-aware extractor is too slow at our sizes (see
    the choice is acyclic by construction.
 2. The same pass over the input program's own nodes gives the input program
    (after common-subexpression elimination).
-3. Both are costed as DAGs: each class once per scope, bodies costed once per
-   execution of their loop. The cheaper wins, so the result never costs more
-   than the input, and with no rules it is the input.
+3. :class:`LocalSearch` improves both under the true DAG cost (each class
+   once per scope, a body once per execution of its loop), switching one
+   class, or all the outputs of one loop, at a time.
+4. The cheapest candidate wins, and the input program is one of them, so the
+   result never costs more than the input; with no rules it is the input.
 """
 
 from __future__ import annotations
@@ -179,6 +181,149 @@ class Extractor:
         return scope(roots)
 
 
+class LocalSearch:
+    """Improve a choice under the true DAG cost by switching one class, or one loop, at a time.
+
+    Reference counts over the chosen program give each move's cost change
+    without re-costing the whole program. A *group move* switches every chosen
+    projection of one multi-result node (a scan, say) to the matching
+    projections of another: a rewrite that replaces a loop pays off only when
+    all of the old loop's outputs move at once, which no single move sees.
+    Moves are only taken when they lower the cost and keep the program acyclic.
+    Only the program's own scope is searched; bodies keep the bottom-up pass's choice.
+    """
+
+    def __init__(self, ex: Extractor, choice: dict[Any, tuple], roots: Sequence[Any]) -> None:
+        self.ex = ex
+        self.choice = dict(choice)
+        self.roots = list(roots)
+        self.ref: dict[Any, int] = {}
+        self.cost = 0.0
+        self._body_memo: dict[Any, float] = {}
+        for r in self.roots:
+            self._inc(r)
+
+    def kids(self, node: tuple) -> list[Any]:
+        ctor, args = node
+        return [a for s, a in zip(_terms.ctor_arg_sorts(ctor), args) if s in ("Term", "TList")]
+
+    def own(self, c: Any, node: tuple) -> float:
+        ctor, args = node
+        bodies = self.ex.body_classes(ctor, args)
+        if not bodies:
+            return self.ex.own(c, ctor, args, self.choice)
+        costs = []
+        for b in bodies:
+            if b not in self._body_memo:
+                _, (_, outs) = self.choice[b]
+                self._body_memo[b] = self.ex.dag_cost(self.choice, self.ex.snap.list_items(outs))
+            costs.append(self._body_memo[b])
+        return float(self.ex.model(self.ex.info(c, ctor, args, self.choice, tuple(costs))))
+
+    def _inc(self, c: Any) -> None:
+        stack = [c]
+        while stack:
+            x = stack.pop()
+            n = self.ref.get(x, 0) + 1
+            self.ref[x] = n
+            if n == 1:
+                node = self.choice[x]
+                self.cost += self.own(x, node)
+                stack.extend(self.kids(node))
+
+    def _dec(self, c: Any) -> None:
+        stack = [c]
+        while stack:
+            x = stack.pop()
+            n = self.ref[x] - 1
+            self.ref[x] = n
+            if n == 0:
+                node = self.choice[x]
+                self.cost -= self.own(x, node)
+                stack.extend(self.kids(node))
+
+    def _set(self, c: Any, node: tuple) -> None:
+        old = self.choice[c]
+        for k in self.kids(node):
+            self._inc(k)
+        self.cost -= self.own(c, old)
+        self.choice[c] = node
+        self.cost += self.own(c, node)
+        for k in self.kids(old):
+            self._dec(k)
+
+    def _reaches(self, start: Iterable[Any], target: set[Any]) -> bool:
+        seen: set[Any] = set()
+        stack = list(start)
+        while stack:
+            x = stack.pop()
+            if x in target:
+                return True
+            if x in seen:
+                continue
+            seen.add(x)
+            stack.extend(self.kids(self.choice[x]))
+        return False
+
+    def _try(self, c: Any, alt: tuple) -> bool:
+        """Switch ``c`` to ``alt``; if ``alt`` projects a multi-result node, move that node's siblings too."""
+        before = self.cost
+        applied: list[tuple[Any, tuple]] = []
+
+        def apply(x: Any, node: tuple) -> None:
+            applied.append((x, self.choice[x]))
+            self._set(x, node)
+
+        apply(c, alt)
+        if alt[0] == "Proj":
+            new_tup = alt[1][0]
+            olds = []
+            for parent, node in self.ex.snap.parents.get(new_tup, ()):
+                cur = self.choice.get(parent)
+                if (node[0] == "Proj" and cur is not None and cur[0] == "Proj" and cur[1][0] != new_tup
+                        and self.ref.get(parent, 0) > 0 and cur[1][0] not in olds):
+                    olds.append(cur[1][0])
+            for old_tup in olds:
+                for x, node in self._group(old_tup, new_tup):
+                    apply(x, node)
+        moved = {x for x, _ in applied}
+        new_kids = [k for x, _ in applied for k in self.kids(self.choice[x])]
+        if self.cost < before - 1e-9 * max(1.0, abs(before)) and not self._reaches(new_kids, moved):
+            return True
+        for x, node in reversed(applied):
+            self._set(x, node)
+        return False
+
+    def run(self, passes: int = 4) -> dict[Any, tuple]:
+        nodes = self.ex.snap.nodes
+        for _ in range(passes):
+            improved = False
+            for c in [c for c in list(self.ref) if len(nodes.get(c, ())) > 1]:
+                for alt in nodes[c]:
+                    if self.ref.get(c, 0) == 0:
+                        break
+                    if alt == self.choice[c] or alt[0] in _CONTAINERS or any(
+                            k not in self.choice for k in self.kids(alt)):
+                        continue
+                    if self._try(c, alt):
+                        improved = True
+            if not improved:
+                break
+        return self.choice
+
+    def _group(self, old_tup: Any, new_tup: Any) -> list[tuple[Any, tuple]]:
+        """Chosen projections of ``old_tup`` still in use, each with ``new_tup``'s matching projection."""
+        moves = []
+        for parent, node in self.ex.snap.parents.get(old_tup, ()):
+            if node[0] != "Proj" or self.choice.get(parent) != node or self.ref.get(parent, 0) == 0:
+                continue
+            for alt in self.ex.snap.nodes[parent]:
+                if alt[0] == "Proj" and alt[1][0] == new_tup:
+                    moves.append((parent, alt))
+                    break
+        return moves
+
+
 def input_cost(snap: Snapshot, outs: Sequence[int], token: int | None, model: CostModel) -> float:
     """The cost of the program as loaded (before any rule ran), under ``model``."""
     roots = [snap.cls_of_name[o] for o in outs] + ([snap.cls_of_name[token]] if token is not None else [])
@@ -190,22 +335,28 @@ def input_cost(snap: Snapshot, outs: Sequence[int], token: int | None, model: Co
 def extract(snap: Snapshot, roots: Sequence[Any], model: CostModel, original: set[tuple] | None) -> Extraction:
     """Choose the program to emit. ``original`` holds the input program's nodes, canonicalised."""
     ex = Extractor(snap, model)
-    _, choice = ex.tree()
-    missing = [r for r in roots if r not in choice]
+    _, tree_choice = ex.tree()
+    missing = [r for r in roots if r not in tree_choice]
     if missing:
         raise RuntimeError("extraction found no finite-cost program for an output; the e-graph is malformed")
-    cost = ex.dag_cost(choice, roots)
-    if original is None:
-        return Extraction(choice, cost, cost, True)
-    _, orig_choice = ex.tree(lambda cls, ctor, args: ctor in _CONTAINERS or (ctor, args) in original)
-    if any(r not in orig_choice for r in roots):
-        # The input program's nodes no longer cover the outputs (a rule merged
-        # classes in a way the original selection cannot express); keep the rewrite.
-        return Extraction(choice, cost, math.inf, True)
-    orig_cost = ex.dag_cost(orig_choice, roots)
-    if cost < orig_cost:
-        return Extraction(choice, cost, orig_cost, True)
-    return Extraction(orig_choice, orig_cost, orig_cost, False)
+    candidates = [(LocalSearch(ex, tree_choice, roots).run(), True)]
+    orig_cost = math.inf
+    if original is not None:
+        _, orig_choice = ex.tree(lambda cls, ctor, args: ctor in _CONTAINERS or (ctor, args) in original)
+        if all(r in orig_choice for r in roots):
+            orig_cost = ex.dag_cost(orig_choice, roots)
+            candidates.append((orig_choice, False))
+            # Search from the input program too: a rewrite may pay off only from there.
+            candidates.append((LocalSearch(ex, {**tree_choice, **orig_choice}, roots).run(), True))
+    best = None
+    for choice, rewritten in candidates:
+        cost = ex.dag_cost(choice, roots)
+        if best is None or cost < best[1] - 1e-9 * abs(best[1]) or (not rewritten and cost <= best[1]):
+            best = (choice, cost, rewritten)
+    choice, cost, rewritten = best  # type: ignore[misc]
+    if original is not None and not rewritten:
+        cost = orig_cost
+    return Extraction(choice, cost, orig_cost, rewritten)
 
 
 def reachable(snap: Snapshot, choice: dict[Any, tuple], roots: Iterable[Any]) -> set[Any]:

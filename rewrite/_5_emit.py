@@ -123,6 +123,8 @@ class _Scope:
             invars = [self.env[a] for a in self._children(ctor, args)]
             if spec.family == _terms.NESTED:
                 params = self._nested_params(spec, args, params, len(out_avals), len(invars))
+        # Keys starting with _rw_ are annotations that rules keep on nodes; JAX never sees them.
+        params = {k: v for k, v in params.items() if not k.startswith("_rw_")}
         outvars = [core.Var(a) for a in out_avals]
         self.effects |= set(effects)
         self.eqns.append(core.new_jaxpr_eqn(invars, outvars, prim, params, effects, source))
@@ -135,7 +137,7 @@ class _Scope:
     def _nested_params(self, spec: _terms.OpSpec, args: tuple, params: dict, n_out: int, n_in: int) -> dict:
         em = self.em
         if spec.prim == "scan":
-            order = params.pop("_order")
+            order = params.pop("_rw_order")
             params["jaxpr"] = em.body(args[0], order, closed=True)
         elif spec.prim == "while":
             n_cond = params["cond_nconsts"] + n_out

@@ -459,6 +459,25 @@ class Match:
         """Insert ``fn(*inputs)``, traced at the inputs' avals; returns its result term(s)."""
         return self._engine.insert_traced(fn, inputs)
 
+    def param(self, scope: int, index: int, aval: Any) -> Value:
+        """Input ``index`` of body scope ``scope`` (a new index adds an input to that body)."""
+        return self._engine.build_param(scope, index, aval)
+
+    def literal(self, value: Any, aval: Any) -> Value:
+        return self._engine.build_literal(value, aval)
+
+    def node(self, prim: Any, operands: Sequence[Value], params: dict[str, Any], out_avals: Sequence[Any], *,
+             bodies: Sequence[Body] = ()) -> Any:
+        """Insert one application of ``prim`` (a primitive or its name) and return its result(s).
+
+        For primitives with bodies, pass ``bodies`` (each a :class:`Body`,
+        e.g. ``Body(scope, outs)``) and params without the body jaxprs; a
+        scan's params carry ``_rw_order``, the body's input indices in jaxpr order. Params whose
+        names start with ``_rw_`` are annotations for rules and are dropped when the program is emitted.
+        Multi-result primitives return a tuple.
+        """
+        return self._engine.build_node(prim, operands, params, out_avals, bodies)
+
     def users(self, v: Value) -> list[tuple[Value, Node]]:
         """Every e-node that uses ``v`` directly, with the class it computes."""
         return self._engine.users(v)
