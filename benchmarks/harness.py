@@ -1,0 +1,143 @@
+"""How every benchmark here measures: side by side, in one process, interleaved, after a warm-up.
+
+A *case* is one program in several variants (``standard``, ``rewritten``,
+``hand-written``, ...) that take the same arguments. :func:`measure` compiles
+every variant with ``jax.jit``, reads temp memory from
+``compiled.memory_analysis()`` and flops/transcendentals/bytes from
+``compiled.cost_analysis()``, warms each up, then times them in rounds; each
+round runs every variant once in a shuffled order, so drift in the machine's
+speed hits all variants alike. Ratios are ``time(baseline) / time(variant)``
+over the per-round medians: above 1 means faster than the baseline.
+
+Timing runs should hold ``/tmp/bench.lock`` (``flock``) so two benchmarks on
+this shared machine never time each other.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import statistics
+import time
+from typing import Any, Callable, Sequence
+
+import jax
+
+MiB = 1024 * 1024
+
+
+@dataclasses.dataclass
+class Stats:
+    """Compile-time facts about one variant."""
+
+    temp_bytes: int
+    argument_bytes: int
+    output_bytes: int
+    flops: float
+    transcendentals: float
+    bytes_accessed: float
+
+
+@dataclasses.dataclass
+class Row:
+    """One case measured: per variant, the median time and the compile-time stats."""
+
+    case: str
+    baseline: str
+    seconds: dict[str, float]
+    spread: dict[str, float]  # (p75 - p25) / median of the per-round times
+    stats: dict[str, Stats]
+    rounds: int
+
+    def ratio(self, variant: str) -> float:
+        return self.seconds[self.baseline] / self.seconds[variant]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "case": self.case, "baseline": self.baseline, "rounds": self.rounds,
+            "variants": {
+                v: {"seconds": self.seconds[v], "ratio": self.ratio(v), "spread": self.spread[v],
+                    **dataclasses.asdict(self.stats[v])}
+                for v in self.seconds
+            },
+        }
+
+
+def compile_stats(fn: Callable[..., Any], *args: Any) -> tuple[Any, Stats]:
+    """Compile ``fn`` and read what XLA says about it."""
+    compiled = jax.jit(fn).lower(*args).compile()
+    mem = compiled.memory_analysis()
+    cost = compiled.cost_analysis()
+    if isinstance(cost, (list, tuple)):  # older JAX returned one dict per device
+        cost = cost[0] if cost else {}
+    cost = cost or {}
+    return compiled, Stats(
+        temp_bytes=int(getattr(mem, "temp_size_in_bytes", 0) or 0),
+        argument_bytes=int(getattr(mem, "argument_size_in_bytes", 0) or 0),
+        output_bytes=int(getattr(mem, "output_size_in_bytes", 0) or 0),
+        flops=float(cost.get("flops", 0.0)),
+        transcendentals=float(cost.get("transcendentals", 0.0)),
+        bytes_accessed=float(cost.get("bytes accessed", 0.0)),
+    )
+
+
+def _run_once(compiled: Any, args: Sequence[Any], inner: int) -> float:
+    t = time.perf_counter()
+    for _ in range(inner):
+        out = compiled(*args)
+    jax.block_until_ready(out)
+    return (time.perf_counter() - t) / inner
+
+
+def measure(case: str, variants: dict[str, Callable[..., Any]], args: Sequence[Any], *, baseline: str = "standard",
+            rounds: int = 15, warmup: int = 3, min_round_seconds: float = 0.02, seed: int = 0,
+            progress: Callable[[str], None] | None = None) -> Row:
+    """Time ``variants`` (same arguments) interleaved; see the module docstring."""
+    if baseline not in variants:
+        raise ValueError(f"baseline {baseline!r} is not one of {list(variants)}")
+    compiled: dict[str, Any] = {}
+    stats: dict[str, Stats] = {}
+    for name, fn in variants.items():
+        compiled[name], stats[name] = compile_stats(fn, *args)
+    # Pick a repetition count per call so that each timed block is long enough to trust.
+    inner: dict[str, int] = {}
+    for name, c in compiled.items():
+        for _ in range(warmup):
+            _run_once(c, args, 1)
+        one = max(_run_once(c, args, 1), 1e-6)
+        inner[name] = max(1, int(min_round_seconds / one))
+    rng = random.Random(seed)
+    samples: dict[str, list[float]] = {n: [] for n in variants}
+    order = list(variants)
+    for r in range(rounds):
+        rng.shuffle(order)
+        for name in order:
+            samples[name].append(_run_once(compiled[name], args, inner[name]))
+        if progress is not None:
+            progress(f"{case}: round {r + 1}/{rounds}")
+    med = {n: statistics.median(s) for n, s in samples.items()}
+    spread = {}
+    for n, s in samples.items():
+        q = statistics.quantiles(s, n=4) if len(s) >= 4 else [s[0], s[0], s[-1]]
+        spread[n] = (q[2] - q[0]) / med[n] if med[n] else 0.0
+    return Row(case, baseline, med, spread, stats, rounds)
+
+
+def format_rows(rows: Sequence[Row], variants: Sequence[str] | None = None) -> str:
+    """A Markdown table: time, ratio to the baseline, temp memory, flops and transcendentals per variant."""
+    if not rows:
+        return ""
+    names = list(variants or rows[0].seconds)
+    head = ["case"] + [f"{v} {k}" for v in names for k in ("ms", "ratio", "temp MiB", "GFLOP", "transc. M")]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for row in rows:
+        cells = [row.case]
+        for v in names:
+            if v not in row.seconds:
+                cells += ["-"] * 5
+                continue
+            st = row.stats[v]
+            cells += [f"{row.seconds[v] * 1e3:.3f}", f"{row.ratio(v):.2f}x", f"{st.temp_bytes / MiB:.1f}",
+                      f"{st.flops / 1e9:.3f}", f"{st.transcendentals / 1e6:.2f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
