@@ -89,6 +89,7 @@ class Engine:
         self.snapshot: Snapshot | None = None  # type: ignore[assignment]
         self.iterations = 0
         self.warnings: list[str] = []
+        self._prefer: tuple[Snapshot, dict] | None = None  # the bottom-up choice, for Match.function
         lines = ["(ruleset match)"]
         for i, (rule, owner) in enumerate(entries):
             rels = []
@@ -264,7 +265,8 @@ class Engine:
                 for parent, (ctor, args) in self.snapshot.parents.get(v.cls, [])]
 
     def _fresh(self, vid: int) -> Value:
-        return Value(TYPES[self.egraph.vtype[vid]], vid, None, self)
+        # A node that was already in the e-graph (an existing Param, say) keeps its class.
+        return self.value(vid)
 
     def build_param(self, scope: int, index: int, aval: Any) -> Value:
         return self._fresh(self.egraph.term("Param", [scope, index], TYPES.intern_aval(aval)))
@@ -309,6 +311,33 @@ class Engine:
             return self._fresh(eg.term(ctor, args, TYPES.intern_aval(aval)))
         tup = eg.term(ctor, args, TYPES.intern_tuple(tuple(out_avals)))
         return tuple(self._fresh(eg.term("Proj", [tup, i], TYPES.intern_aval(a))) for i, a in enumerate(out_avals))
+
+    def fresh_index(self, scope: int) -> int:
+        return self.egraph.fresh_input(scope)
+
+    def function(self, outs: Sequence[Value], inputs: Sequence[Value]) -> Callable[..., list] | None:
+        """``outs`` as a JAX function of ``inputs`` (classes of this snapshot), or ``None``."""
+        from jax._src import core
+
+        from ._4_extract import Extractor, choose_slice
+        from ._5_emit import EmitError, emit_slice
+        from ._cost import DEFAULT
+
+        snap = self.snapshot
+        out_cls = [v.cls for v in outs]
+        in_cls = [v.cls for v in inputs]
+        if any(c is None for c in out_cls + in_cls):
+            raise ValueError("Match.function takes values that exist in the e-graph (not ones built by this match)")
+        if self._prefer is None or self._prefer[0] is not snap:
+            self._prefer = (snap, Extractor(snap, DEFAULT).tree()[1])
+        choice = choose_slice(snap, out_cls, set(in_cls), self._prefer[1])
+        if choice is None:
+            return None
+        try:
+            closed = emit_slice(snap, choice, self.egraph, in_cls, out_cls)
+        except EmitError:
+            return None
+        return core.jaxpr_as_fun(closed)
 
     def insert_traced(self, fn: Callable[..., Any], inputs: Sequence[Value]) -> Any:
         closed = jax.make_jaxpr(fn)(*[_spec(v.aval) for v in inputs])

@@ -203,6 +203,21 @@ class Emitter:
         return core.ClosedJaxpr(jaxpr, sc.consts)
 
 
+def emit_slice(snap: Snapshot, choice: dict[Any, tuple], egraph: Any, inputs: Sequence[Any],
+               roots: Sequence[Any]) -> core.ClosedJaxpr:
+    """The chosen nodes that compute ``roots`` from the classes ``inputs``, as a closed jaxpr."""
+    em = Emitter(snap, choice, egraph)
+    sc = _Scope(em, -1, {})
+    invars = [core.Var(snap.aval(c)) for c in inputs]
+    for c, v in zip(inputs, invars):
+        sc.env.setdefault(c, v)
+    outvars = sc.atoms(list(roots))
+    if sc.effects or any(o is _TOKEN for o in outvars):
+        raise EmitError("a slice of the program cannot carry effects")
+    jaxpr = core.Jaxpr(sc.constvars, invars, outvars, sc.eqns, core.no_effects, _BODY_DEBUG)
+    return core.ClosedJaxpr(jaxpr, sc.consts)
+
+
 def dce(closed: core.ClosedJaxpr) -> core.ClosedJaxpr:
     """Drop equations and loop outputs nothing reads, keeping every input, output and effect."""
     jaxpr = closed.jaxpr

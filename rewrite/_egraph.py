@@ -76,6 +76,7 @@ class EGraph:
         self._chunks = 0
         self._ints: dict[int, Any] = {}
         self._next_scope = 1  # scope 0 is the program's own
+        self._next_input: dict[int, int] = {}  # scope -> an input index no Param of it uses yet
         self.origin: str | None = None     # rule name stamped on nodes made now
         self.source: Any = None            # source_info stamped on nodes made now
         self.fresh: list[int] = []         # V ids made since the caller last cleared this
@@ -85,6 +86,17 @@ class EGraph:
     def new_scope(self) -> int:
         self._next_scope += 1
         return self._next_scope - 1
+
+    def fresh_input(self, scope: int) -> int:
+        """An input index of body ``scope`` that no ``Param`` uses, reserved for the caller.
+
+        Two rules that each add an input to one shared body (an accumulator,
+        say) must not both take the same index: ``Param(scope, i)`` is one
+        e-node, and its type would be whichever rule made it first.
+        """
+        i = self._next_input.get(scope, 0)
+        self._next_input[scope] = i + 1
+        return i
 
     def term(self, ctor: str, args: Sequence[Any], type_id: int, source: Any = None) -> int:
         """Insert (lazily) a ``Term`` node and return the V id naming its class.
@@ -100,6 +112,9 @@ class EGraph:
         if len(sorts) != len(args):
             raise TypeError(f"constructor {ctor} takes {len(sorts)} arguments, got {len(args)}")
         exprs = [self._expr(sort, a) for sort, a in zip(sorts, args)]
+        if ctor == "Param":
+            scope, index = args
+            self._next_input[scope] = max(self._next_input.get(scope, 0), index + 1)
         vid = self._new_name(type_id, source)
         self.defs.append((ctor, tuple(args)))
         self._pending.append(eb.Union(_SPAN, v_expr(vid), call(ctor, *exprs)))

@@ -463,8 +463,33 @@ class Match:
         """Input ``index`` of body scope ``scope`` (a new index adds an input to that body)."""
         return self._engine.build_param(scope, index, aval)
 
+    def fresh_index(self, scope: int) -> int:
+        """An input index of body ``scope`` that nothing uses yet: pass it to :meth:`param`.
+
+        A rule that adds an input to a body (an accumulator carry, a new
+        ``xs``) takes its index from here, so that two rules adding inputs to
+        one shared body never give the same ``Param`` two meanings.
+        """
+        return self._engine.fresh_index(scope)
+
     def literal(self, value: Any, aval: Any) -> Value:
         return self._engine.build_literal(value, aval)
+
+    def function(self, outs: Sequence[Value], inputs: Sequence[Value]) -> Callable[..., list] | None:
+        """The terms ``outs`` read back as a JAX function of the terms ``inputs``, or ``None``.
+
+        Both are values of the e-graph as it stood when the match was made
+        (a body's outputs and its ``Param`` inputs, say). The function takes
+        one array per input and returns a list, one per output; it uses
+        nothing but its inputs, so ``None`` means the outputs depend on
+        something else (a loop's carry, for instance). Trace it into the
+        e-graph with :meth:`trace`, under ``jax.vmap`` or ``jax.checkpoint``
+        if need be::
+
+            f = m.function([body.outs[k]], xs_params)          # one step's output from its xs
+            ys = m.trace(lambda *xs: jax.vmap(f)(*xs)[0], *xs)  # all steps at once
+        """
+        return self._engine.function(outs, inputs)
 
     def node(self, prim: Any, operands: Sequence[Value], params: dict[str, Any], out_avals: Sequence[Any], *,
              bodies: Sequence[Body] = ()) -> Any:
