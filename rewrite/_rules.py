@@ -388,6 +388,11 @@ class Node:
             self.pid = None
 
     @property
+    def primitive(self) -> Any:
+        """The JAX primitive this node applies (``None`` for structural nodes), ready to ``bind``."""
+        return None if self.pid is None else PARAMS.prim(self.pid)
+
+    @property
     def operands(self) -> list[Value]:
         """Operand values, with list operands spread out in order."""
         out = []
