@@ -265,8 +265,14 @@ class LocalSearch:
             stack.extend(self.kids(self.choice[x]))
         return False
 
-    def _try(self, c: Any, alt: tuple) -> bool:
-        """Switch ``c`` to ``alt``; if ``alt`` projects a multi-result node, move that node's siblings too."""
+    def _try(self, c: Any, alt: tuple, adopt: bool = False) -> bool:
+        """Switch ``c`` to ``alt``; if ``alt`` projects a multi-result node, move that node's siblings too.
+
+        With ``adopt``, every class in use that the new node offers moves to
+        it as well: a loop that computes several of the program's results
+        (two reductions hoisted into one loop, say) pays only when all of
+        them move at once.
+        """
         before = self.cost
         applied: list[tuple[Any, tuple]] = []
 
@@ -286,6 +292,10 @@ class LocalSearch:
             for old_tup in olds:
                 for x, node in self._group(old_tup, new_tup):
                     apply(x, node)
+            if adopt:
+                for parent, node in self.ex.snap.parents.get(new_tup, ()):
+                    if node[0] == "Proj" and self.ref.get(parent, 0) > 0 and self.choice.get(parent) != node:
+                        apply(parent, node)
         moved = {x for x, _ in applied}
         new_kids = [k for x, _ in applied for k in self.kids(self.choice[x])]
         if self.cost < before - 1e-9 * max(1.0, abs(before)) and not self._reaches(new_kids, moved):
@@ -305,7 +315,7 @@ class LocalSearch:
                     if alt == self.choice[c] or alt[0] in _CONTAINERS or any(
                             k not in self.choice for k in self.kids(alt)):
                         continue
-                    if self._try(c, alt):
+                    if self._try(c, alt) or (alt[0] == "Proj" and self._try(c, alt, adopt=True)):
                         improved = True
             if not improved:
                 break
@@ -324,6 +334,44 @@ class LocalSearch:
         return moves
 
 
+def search(ex: Extractor, choice: dict[Any, tuple], roots: Sequence[Any]) -> dict[Any, tuple]:
+    """Local search over the program's scope, then inside the bodies it runs (innermost first), then again.
+
+    A rewrite inside a loop body (a loop nested in a loop, say) is decided
+    there: the body's own choice is improved under the body's DAG cost, which
+    the outer loop multiplies by its trip count.
+    """
+    choice = LocalSearch(ex, choice, roots).run()
+    before = dict(choice)
+    choice = _search_bodies(ex, choice, roots, set())
+    if choice != before:
+        choice = LocalSearch(ex, choice, roots).run()
+    return choice
+
+
+def _search_bodies(ex: Extractor, choice: dict[Any, tuple], roots: Sequence[Any], done: set[Any]) -> dict[Any, tuple]:
+    seen: set[Any] = set()
+    stack = list(roots)
+    bodies: list[Any] = []
+    while stack:  # the nested nodes of this scope (not entering their bodies)
+        c = stack.pop()
+        if c in seen:
+            continue
+        seen.add(c)
+        ctor, args = choice[c]
+        bodies.extend(ex.body_classes(ctor, args))
+        skip = {a for srt, a in zip(_terms.ctor_arg_sorts(ctor), args) if srt in ("Region", "BList")}
+        stack.extend(k for k in ex.children(ctor, args) if k not in skip)
+    for b in bodies:
+        if b in done:
+            continue
+        done.add(b)
+        outs = ex.snap.list_items(choice[b][1][1])
+        choice = _search_bodies(ex, choice, outs, done)
+        choice = LocalSearch(ex, choice, outs).run()
+    return choice
+
+
 def input_cost(snap: Snapshot, outs: Sequence[int], token: int | None, model: CostModel) -> float:
     """The cost of the program as loaded (before any rule ran), under ``model``."""
     roots = [snap.cls_of_name[o] for o in outs] + ([snap.cls_of_name[token]] if token is not None else [])
@@ -339,7 +387,7 @@ def extract(snap: Snapshot, roots: Sequence[Any], model: CostModel, original: se
     missing = [r for r in roots if r not in tree_choice]
     if missing:
         raise RuntimeError("extraction found no finite-cost program for an output; the e-graph is malformed")
-    candidates = [(LocalSearch(ex, tree_choice, roots).run(), True)]
+    candidates = [(search(ex, tree_choice, roots), True)]
     orig_cost = math.inf
     if original is not None:
         _, orig_choice = ex.tree(lambda cls, ctor, args: ctor in _CONTAINERS or (ctor, args) in original)
@@ -347,7 +395,7 @@ def extract(snap: Snapshot, roots: Sequence[Any], model: CostModel, original: se
             orig_cost = ex.dag_cost(orig_choice, roots)
             candidates.append((orig_choice, False))
             # Search from the input program too: a rewrite may pay off only from there.
-            candidates.append((LocalSearch(ex, {**tree_choice, **orig_choice}, roots).run(), True))
+            candidates.append((search(ex, {**tree_choice, **orig_choice}, roots), True))
     best = None
     for choice, rewritten in candidates:
         cost = ex.dag_cost(choice, roots)
