@@ -10,6 +10,11 @@ each class, so profiles and errors still point at the user's code.
 
 JAX's own dead-code elimination then removes loop outputs that nothing reads
 (a scan's stacked output that a rewrite made redundant, say).
+
+One annotation changes what is emitted: a scan whose params carry
+``_rw_remat`` (set by the rule that built the loop) gets its body wrapped in
+``jax.checkpoint`` (:func:`checkpointed`), which decides what ``jax.grad`` of
+the emitted program stores per step. Other ``_rw_*`` params are dropped.
 """
 
 from __future__ import annotations
@@ -139,6 +144,9 @@ class _Scope:
         if spec.prim == "scan":
             order = params.pop("_rw_order")
             params["jaxpr"] = em.body(args[0], order, closed=True)
+            if params.get("_rw_remat"):
+                params["jaxpr"] = checkpointed(params["jaxpr"], params["num_carry"], params["num_consts"],
+                                               params["_rw_remat"])
         elif spec.prim == "while":
             n_cond = params["cond_nconsts"] + n_out
             n_body = params["body_nconsts"] + n_out
@@ -201,6 +209,58 @@ class Emitter:
                            core.join_effects(*(e.effects for e in sc.eqns)) if sc.eqns else core.no_effects,
                            debug_info)
         return core.ClosedJaxpr(jaxpr, sc.consts)
+
+
+#: What a loop body built by a rule may ask autodiff to keep (``_rw_remat`` on a scan's params).
+REMAT_POLICIES = ("carries", "nothing")
+_CARRY_NAME = "_rw_carry"
+
+
+def checkpointed(body: core.ClosedJaxpr, num_carry: int, num_consts: int, what: str) -> core.ClosedJaxpr:
+    """``body`` (a scan body) wrapped in ``jax.checkpoint``.
+
+    A rule that builds a loop knows which of its per-step values are cheap to
+    recompute; ``jax.grad`` of the emitted program would otherwise stack every
+    residual of every step. ``"carries"`` saves each step's new carry and
+    recomputes the rest from it; ``"nothing"`` saves only the body's inputs.
+    Without differentiation the checkpoint lowers to the body itself.
+    """
+    import jax
+
+    if what not in REMAT_POLICIES:
+        raise EmitError(f"unknown remat policy {what!r}; expected one of {REMAT_POLICIES}")
+    if what == "carries":
+        body = core.ClosedJaxpr(_name_carries(body.jaxpr, num_carry), body.consts)
+        policy = jax.checkpoint_policies.save_only_these_names(_CARRY_NAME)
+    else:
+        policy = None
+    return jax.make_jaxpr(jax.checkpoint(core.jaxpr_as_fun(body), prevent_cse=False, policy=policy))(
+        *body.in_avals)
+
+
+def _name_carries(jaxpr: core.Jaxpr, num_carry: int) -> core.Jaxpr:
+    """Name each new carry where it is computed, and make every later use read the named value.
+
+    A checkpoint policy saves named values only; naming the outputs alone
+    would leave the uses inside the body (the ones autodiff needs) unnamed.
+    """
+    from jax._src.ad_checkpoint import name_p
+
+    targets = {v for v in jaxpr.outvars[:num_carry] if isinstance(v, core.Var)} - set(jaxpr.invars)
+    sub: dict[core.Var, core.Var] = {}
+
+    def read(a: Any) -> Any:
+        return sub.get(a, a) if isinstance(a, core.Var) else a
+
+    eqns = []
+    for e in jaxpr.eqns:
+        eqns.append(e.replace(invars=[read(a) for a in e.invars]))
+        for o in e.outvars:
+            if o in targets and o not in sub:
+                sub[o] = core.Var(o.aval)
+                eqns.append(core.new_jaxpr_eqn([o], [sub[o]], name_p, {"name": _CARRY_NAME}, core.no_effects,
+                                               e.source_info))
+    return jaxpr.replace(eqns=eqns, outvars=[read(a) for a in jaxpr.outvars])
 
 
 def emit_slice(snap: Snapshot, choice: dict[Any, tuple], egraph: Any, inputs: Sequence[Any],
