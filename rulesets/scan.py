@@ -1,0 +1,470 @@
+"""``rulesets.scan``: move work into and out of ``lax.scan`` loops (JAX issue #4968, seed 001).
+
+A loss over a scan's stacked outputs materialises a ``(length, batch, ...)``
+array only to reduce it. The ``hoist`` rules compute such reductions inside
+the loop instead: a reduction over the scan axis becomes an accumulator in the
+carry, and one over the other axes makes each step emit its reduced slice.
+Elementwise work between the loop and the reduction moves in with it
+(``mean((ys - y) ** 2)``: ``y`` becomes an ``xs`` input of the loop, operands
+that do not vary with the step become loop constants). The ``lift`` rule does
+the opposite for per-step outputs that never read the carry: they are
+computed outside the loop, for all steps at once, as one vectorised op. Every
+rule builds a new loop next to the old one and hands it all of the old loop's
+outputs; extraction keeps whichever program the cost model prefers, so an
+output that is also used elsewhere is only hoisted when that pays.
+
+Floating point: hoisting changes the order of summation (a running sum
+instead of XLA's reduction tree), so the pack's class is ``identity``. A sum
+of ``n`` terms moves by at most about ``n * eps * sum(|terms|)``; the pack's
+:data:`TOLERANCE` covers sums of up to ~10^4 float32 terms of like sign.
+Accumulators of float16/bfloat16 sums are kept in float32. Max and min are
+exact. Apply the pack only when you name it.
+
+Autodiff: a loop built by ``hoist`` asks the emitter (``_rw_remat``) to wrap
+its body in ``jax.checkpoint`` saving only the carries, so that
+``jax.grad`` of the rewritten program stores the carry history and recomputes
+each step's other values (the per-step loss residual ``2 * (o_t - y_t)``
+among them) instead of stacking them. Without differentiation the checkpoint
+is free. See ``benchmarks/results/scan.md``.
+
+>>> import jax, jax.numpy as jnp
+>>> from jax import lax
+>>> from rewrite import rewrite
+>>> from rulesets.scan import scan   # or: import rulesets; rulesets.scan
+>>> def loss(h0, xs, y):
+...     _, ys = lax.scan(lambda h, x: (jnp.tanh(h + x), h * x), h0, xs)
+...     return jnp.mean((ys - y) ** 2)
+>>> h0, xs, y = jnp.ones(64), jnp.ones((16, 64)), jnp.zeros((16, 64))
+>>> fast = rewrite(loss, rulesets=[scan])
+>>> bool(jnp.allclose(fast(h0, xs, y), loss(h0, xs, y), rtol=1e-5))
+True
+>>> [e.primitive.name for e in fast.jaxpr(h0, xs, y).eqns]  # no stacked output, no reduction outside
+['broadcast_in_dim', 'scan', 'div']
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax._src import core
+
+from rewrite import Pat, Ruleset, Tolerance, procedural, rule
+from rewrite._rules import Body, Match, Value
+from rewrite._terms import ELEMENTWISE, TRANSCENDENTAL
+
+#: How far a rewrite of this pack may move a float32 result (see the module docstring).
+TOLERANCE = Tolerance(rtol=2e-5, atol=1e-5)
+
+#: Reductions that can run as a carry, with the binary op that accumulates them.
+_ACCUMULATE: dict[str, Callable[[Any, Any], Any]] = {"reduce_sum": lax.add, "reduce_max": lax.max,
+                                                       "reduce_min": lax.min}
+_POINTWISE = (ELEMENTWISE, TRANSCENDENTAL)
+
+
+class _Decline(Exception):
+    """This match cannot be rewritten (the procedure returns None)."""
+
+
+def _step_aval(aval: Any) -> Any:
+    """The aval of one step's slice of a stacked array, as ``lax.scan`` types it."""
+    return core.mapped_aval(aval.shape[0], 0, aval)
+
+
+def _stacked_aval(aval: Any, length: int) -> Any:
+    return core.unmapped_aval(length, 0, aval)
+
+
+class _Loop:
+    """One matched scan, and a copy of it being built: the inputs and outputs a rule adds.
+
+    The copy shares the old body's scope: new inputs are fresh ``Param``s of
+    that scope, inserted into ``_rw_order`` where ``lax.scan`` expects them
+    (constants, then carries, then ``xs``), so the rest of the body is reused
+    as it is.
+    """
+
+    def __init__(self, m: Match) -> None:
+        self.m = m
+        self.s = m["s"]
+        self.sp = m.params("sp")
+        self.length = int(self.sp["length"])
+        self.nc = int(self.sp["num_carry"])
+        self.ncon = int(self.sp["num_consts"])
+        self.body = m.body("b")
+        self.args = m.list("args")
+        self.scope = self.body.scope
+        self.order = tuple(self.sp["_rw_order"])
+        self.consts: list[tuple[int, Value]] = []         # (body input index, outer value)
+        self.carries: list[tuple[int, Value, Value]] = []  # (index, initial value, next value)
+        self.xs: list[tuple[int, Value]] = []
+        self.ys: list[Value] = []                          # per-step values of new stacked outputs
+        self.inputs: dict[Any, Value] = {}                 # outer class -> the body input it became
+
+    # ------------------------------------------------------------------ reading the loop
+    def projections(self) -> list[tuple[Value, int]]:
+        """Every projection of the old loop that the e-graph holds: (its class, which output)."""
+        return [(user, node.args[1]) for user, node in self.m.users(self.s) if node.ctor == "Proj"]
+
+    def stacked(self) -> dict[Any, int]:
+        """Class of each stacked output (``ys``) of the old loop -> its output index."""
+        return {v.cls: i for v, i in self.projections() if i >= self.nc}
+
+    def param(self, position: int) -> Value:
+        """The body input at jaxpr position ``position`` (consts, carries, xs), as the body sees it."""
+        arg = self.args[position]
+        aval = arg.aval if position < self.ncon + self.nc else _step_aval(arg.aval)
+        return self.m.param(self.scope, self.order[position], aval)
+
+    # ------------------------------------------------------------------ adding to the copy
+    def state(self) -> tuple:
+        return len(self.consts), len(self.carries), len(self.xs), len(self.ys), dict(self.inputs)
+
+    def restore(self, state: tuple) -> None:
+        nc, ncar, nx, ny, inputs = state
+        del self.consts[nc:], self.carries[ncar:], self.xs[nx:], self.ys[ny:]
+        self.inputs = inputs
+
+    def const(self, outer: Value) -> Value:
+        """``outer`` (loop-invariant) as a body input: an existing constant of the loop, or a new one."""
+        found = self.inputs.get(outer.cls)
+        if found is not None:
+            return found
+        for j in range(self.ncon):
+            if self.args[j].cls == outer.cls and self.args[j].aval == outer.aval:
+                found = self.param(j)
+                break
+        else:
+            i = self.m.fresh_index(self.scope)
+            found = self.m.param(self.scope, i, outer.aval)
+            self.consts.append((i, outer))
+        if outer.cls is not None:
+            self.inputs[outer.cls] = found
+        return found
+
+    def xs_input(self, outer: Value) -> Value:
+        """``outer`` (stacked along the loop's axis) as a per-step body input."""
+        key = ("xs", outer.cls)
+        found = self.inputs.get(key)
+        if found is not None:
+            return found
+        for j in range(self.ncon + self.nc, len(self.args)):
+            if self.args[j].cls == outer.cls and self.args[j].aval == outer.aval:
+                found = self.param(j)
+                break
+        else:
+            i = self.m.fresh_index(self.scope)
+            found = self.m.param(self.scope, i, _step_aval(outer.aval))
+            self.xs.append((i, outer))
+        self.inputs[key] = found
+        return found
+
+    def carry(self, init: Value) -> tuple[int, Value]:
+        """A new carry starting at ``init``; returns its position among the new carries and its body input."""
+        i = self.m.fresh_index(self.scope)
+        p = self.m.param(self.scope, i, init.aval)
+        self.carries.append((i, init, p))  # the next value is set by set_next
+        return len(self.carries) - 1, p
+
+    def set_next(self, j: int, nxt: Value) -> None:
+        i, init, _ = self.carries[j]
+        self.carries[j] = (i, init, nxt)
+
+    # ------------------------------------------------------------------ building the copy
+    def build(self, drop: Sequence[int] = (), **annotations: Any) -> tuple[tuple[Value, ...], Callable[[int], int]]:
+        """Insert the copy: old outputs (less ``drop``), then what was added. Returns its results and
+        a map from an old output index to the copy's."""
+        ncon, nc, order, args = self.ncon, self.nc, self.order, self.args
+        c_idx = tuple(i for i, _ in self.consts)
+        k_idx = tuple(i for i, _, _ in self.carries)
+        x_idx = tuple(i for i, _ in self.xs)
+        new_order = order[:ncon] + c_idx + order[ncon:ncon + nc] + k_idx + order[ncon + nc:] + x_idx
+        operands = (args[:ncon] + [v for _, v in self.consts] + args[ncon:ncon + nc]
+                    + [v for _, v, _ in self.carries] + args[ncon + nc:] + [v for _, v in self.xs])
+        old_avals = list(self.s.aval)
+        kept = [i for i in range(nc, len(old_avals)) if i not in set(drop)]
+        outs = (self.body.outs[:nc] + [n for _, _, n in self.carries] + [self.body.outs[i] for i in kept]
+                + self.ys)
+        avals = (old_avals[:nc] + [v.aval for _, v, _ in self.carries] + [old_avals[i] for i in kept]
+                 + [_stacked_aval(y.aval, self.length) for y in self.ys])
+        params = dict(self.sp, num_consts=ncon + len(c_idx), num_carry=nc + len(k_idx), _rw_order=new_order,
+                      **annotations)
+        if "linear" in params:
+            params["linear"] = (tuple(params["linear"][:ncon]) + (False,) * len(c_idx)
+                                + tuple(params["linear"][ncon:ncon + nc]) + (False,) * len(k_idx)
+                                + tuple(params["linear"][ncon + nc:]) + (False,) * len(x_idx))
+        res = self.m.node("scan", operands, params, avals, bodies=[Body(self.scope, outs)])
+        where = {i: i for i in range(nc)}
+        where.update({i: nc + len(k_idx) + n for n, i in enumerate(kept)})
+        return res, where.__getitem__
+
+    def handover(self, res: Sequence[Value], where: Callable[[int], int], drop: Sequence[int] = ()
+                 ) -> list[tuple[Value, Value]]:
+        """Unions that give every output of the old loop (not dropped) to the copy."""
+        return [(v, res[where(i)]) for v, i in self.projections() if i not in set(drop)]
+
+
+# ---------------------------------------------------------------------- hoisting reductions
+class _Reach:
+    """Does a class depend on the old loop? Such a value cannot feed the loop's copy."""
+
+    def __init__(self, target: Any) -> None:
+        self.target = target
+        self.memo: dict[Any, bool] = {}
+
+    def __call__(self, v: Value) -> bool:
+        stack, seen, found = [v], set(), False
+        while stack and not found:
+            x = stack.pop()
+            if x.cls is None or x.cls in seen:
+                continue
+            if x.cls == self.target or self.memo.get(x.cls):
+                found = True
+                break
+            if self.memo.get(x.cls) is False:
+                continue
+            seen.add(x.cls)
+            for n in x.nodes:
+                stack.extend(n.operands)
+        if not found:
+            for c in seen:
+                self.memo[c] = False
+        else:
+            self.memo[v.cls] = True
+        return found
+
+
+def _pointwise(node: Any) -> bool:
+    return node.spec is not None and node.spec.family in _POINTWISE
+
+
+def _step_value(loop: _Loop, v: Value, stacked: dict[Any, int], reach: _Reach, memo: dict, path: set) -> Value:
+    """Step ``t``'s slice of the outer value ``v`` (stacked along the loop axis), built in the body."""
+    m, T = loop.m, loop.length
+    if v.cls in memo:
+        return memo[v.cls]
+    if v.cls in path:
+        raise _Decline("cycle")
+    path.add(v.cls)
+    try:
+        out = _step_value_uncached(loop, v, stacked, reach, memo, path)
+    finally:
+        path.discard(v.cls)
+    memo[v.cls] = out
+    return out
+
+
+def _invariant(loop: _Loop, v: Value, reach: _Reach, squeeze: bool) -> Value:
+    """``v``, the same at every step, as a body value; ``squeeze`` drops its leading axis (of size 1)."""
+    if v.literal is not None and v.ndim == 0:
+        return v  # literals belong to no scope
+    if reach(v):
+        raise _Decline("a loop-invariant operand depends on the loop")
+    if squeeze:
+        v = loop.m.trace(lambda a: lax.squeeze(a, (0,)), v)
+    return loop.const(v)
+
+
+def _step_value_uncached(loop: _Loop, v: Value, stacked: dict[Any, int], reach: _Reach, memo: dict,
+                         path: set) -> Value:
+    m, T = loop.m, loop.length
+    if v.cls in stacked:
+        return loop.body.outs[stacked[v.cls]]
+    if v.ndim == 0 or (v.shape[0] == 1 and T != 1):
+        return _invariant(loop, v, reach, squeeze=v.ndim > 0)
+    if v.shape[0] != T:
+        raise _Decline(f"{v} is not stacked along the loop axis")
+    for node in v.nodes:
+        try:
+            if _pointwise(node):
+                ops = [_step_value(loop, o, stacked, reach, memo, path) for o in node.operands]
+                prim, params = node.primitive, node.params
+                return m.trace(lambda *a: prim.bind(*a, **params), *ops)
+            if node.prim == "broadcast_in_dim":
+                (x,) = node.operands
+                shape, dims = node.params["shape"], tuple(node.params["broadcast_dimensions"])
+                rest = {k: val for k, val in node.params.items() if k not in ("shape", "broadcast_dimensions")}
+                if rest.get("sharding") is not None:
+                    continue
+                on_axis = bool(dims) and dims[0] == 0  # the operand's first axis is the loop axis
+                if on_axis and x.shape[0] == T and T != 1:
+                    inner = _step_value(loop, x, stacked, reach, memo, path)
+                else:  # the operand does not vary along the loop axis
+                    inner = _invariant(loop, x, reach, squeeze=on_axis)
+                step_dims = tuple(d - 1 for d in (dims[1:] if on_axis else dims))
+                return m.trace(lambda a: lax.broadcast_in_dim(a, tuple(shape[1:]), step_dims), inner)
+        except _Decline:
+            continue
+    if reach(v):
+        raise _Decline(f"{v} depends on the loop through an operation that cannot move into it")
+    return loop.xs_input(v)
+
+
+def _identity(prim: str, dtype: Any) -> Any:
+    if prim == "reduce_sum":
+        return 0
+    if jnp.issubdtype(dtype, jnp.floating):
+        return -np.inf if prim == "reduce_max" else np.inf
+    info = jnp.iinfo(dtype)
+    return info.min if prim == "reduce_max" else info.max
+
+
+def _reductions(loop: _Loop, stacked: dict[Any, int], limit: int = 256) -> list[tuple[Value, Any]]:
+    """Reductions reached from the stacked outputs through pointwise ops and broadcasts: (class, node)."""
+    m, T = loop.m, loop.length
+    frontier = [v for v, i in loop.projections() if i >= loop.nc]
+    seen = {v.cls for v in frontier}
+    found: dict[Any, tuple[Value, Any]] = {}
+    while frontier and len(seen) < limit:
+        v = frontier.pop()
+        for parent, node in m.users(v):
+            if node.prim in _ACCUMULATE:
+                if parent.cls not in found:
+                    found[parent.cls] = (parent, node)
+            elif (_pointwise(node) or node.prim == "broadcast_in_dim") and parent.ndim and parent.shape[0] == T:
+                if parent.cls not in seen:
+                    seen.add(parent.cls)
+                    frontier.append(parent)
+    return list(found.values())
+
+
+def hoist_reductions(m: Match, remat: str | None = "carries") -> Any:
+    """``reduce(f(ys, ...))`` over a scan's stacked ``ys`` -> the reduction computed in a copy of the loop.
+
+    Over the scan axis, an accumulator carry; over other axes only, a new
+    per-step output. ``f`` is any chain of pointwise ops and broadcasts; its
+    other operands become ``xs`` inputs (stacked along the scan axis) or loop
+    constants. Every reduction of the loop's outputs moves into one copy,
+    whose body is checkpointed for autodiff with the policy ``remat``.
+    """
+    loop = _Loop(m)
+    if loop.sp.get("_rw_hoisted"):
+        return None  # a loop this rule built: its own reductions are already inside
+    stacked = loop.stacked()
+    if not stacked:
+        return None
+    reach = _Reach(loop.s.cls)
+    memo: dict[Any, Value] = {}
+    results: list[tuple[Value, Callable[[Sequence[Value]], Value]]] = []
+    for root, node in _reductions(loop, stacked):
+        saved, saved_memo = loop.state(), dict(memo)
+        try:
+            results.append((root, _hoist_one(loop, root, node, stacked, reach, memo)))
+        except _Decline:
+            loop.restore(saved)
+            memo = saved_memo
+    if not results:
+        return None
+    res, where = loop.build(_rw_hoisted=True, **({"_rw_remat": remat} if remat else {}))
+    pairs = loop.handover(res, where)
+    for root, read in results:
+        out = read(res)
+        if out.aval != root.aval:
+            return None
+        pairs.append((root, out))
+    return pairs
+
+
+def _hoist_one(loop: _Loop, root: Value, node: Any, stacked: dict[Any, int], reach: _Reach, memo: dict
+               ) -> Callable[[Sequence[Value]], Value]:
+    """Move one reduction into the loop; returns how to read its result from the copy's results."""
+    m = loop.m
+    (operand,) = node.operands
+    axes = tuple(node.params["axes"])
+    if operand.ndim == 0 or operand.shape[0] != loop.length:
+        raise _Decline("not a reduction of a stacked value")
+    dtype = root.dtype
+    if not (jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer)):
+        raise _Decline(f"accumulating {dtype} is not supported")
+    prim, params = node.primitive, node.params
+    step = _step_value(loop, operand, stacked, reach, memo, set())
+    inner = tuple(a - 1 for a in axes if a != 0)
+    if inner:
+        step = m.trace(lambda e: prim.bind(e, **dict(params, axes=inner)), step)
+    if 0 not in axes:  # each step emits its reduced slice
+        loop.ys.append(step)
+        k = len(loop.ys) - 1
+        return lambda res: res[len(res) - len(loop.ys) + k]
+    # An accumulator. Narrow floats accumulate in float32 and round once at the end.
+    acc_dtype = np.dtype(np.float32) if jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize < 4 else dtype
+    if acc_dtype != dtype:
+        step = m.trace(lambda e: e.astype(acc_dtype), step)
+    ident = _identity(node.prim, acc_dtype)
+    init = m.trace(lambda: lax.full(root.shape, ident, acc_dtype))
+    if init.aval != step.aval:
+        raise _Decline(f"accumulator {init.aval} does not match the step's {step.aval}")
+    j, acc = loop.carry(init)
+    loop.set_next(j, m.trace(_ACCUMULATE[node.prim], acc, step))
+
+    def read(res: Sequence[Value]) -> Value:
+        final = res[loop.nc + j]
+        return final if acc_dtype == dtype else m.trace(lambda a: a.astype(dtype), final)
+
+    return read
+
+
+# ---------------------------------------------------------------------- lifting carry-independent outputs
+def lift_independent(m: Match) -> Any:
+    """Stacked ``y_t = f(consts, x_t)`` that never reads the carry -> ``vmap(f)(consts, xs)`` outside the loop.
+
+    The copy of the loop no longer computes or stacks ``y``; when nothing
+    else of the loop is used, the loop disappears.
+    """
+    loop = _Loop(m)
+    used = sorted({i for _, i in loop.projections() if i >= loop.nc})
+    if not used:
+        return None
+    ncon, nc = loop.ncon, loop.nc
+    positions = list(range(ncon)) + list(range(ncon + nc, len(loop.args)))
+    inputs = [loop.param(p) for p in positions]
+    outer = [loop.args[p] for p in positions]
+    in_axes = tuple(None if p < ncon else 0 for p in positions)
+    lifted: dict[int, Value] = {}
+    for k in used:
+        f = m.function([loop.body.outs[k]], inputs)
+        if f is None:
+            continue
+        batched = jax.vmap(lambda *a, f=f: f(*a)[0], in_axes=in_axes, axis_size=loop.length)
+        y = m.trace(batched, *outer)
+        if y.aval == loop.s.aval[k]:
+            lifted[k] = y
+    if not lifted:
+        return None
+    res, where = loop.build(drop=tuple(lifted))
+    return loop.handover(res, where, drop=tuple(lifted)) + [
+        (v, lifted[i]) for v, i in loop.projections() if i in lifted]
+
+
+# ---------------------------------------------------------------------- the pack
+_SCAN = Pat("scan", name="s", body="b", args="args", params="sp")
+
+
+def make(remat: str | None = "carries") -> Ruleset:
+    """The pack, with the checkpoint policy of the loops it builds.
+
+    ``remat`` is what ``jax.grad`` of a rewritten program keeps per step of a
+    loop that ``hoist`` built: ``"carries"`` (the default: the carry history,
+    and recompute the rest), ``"nothing"`` (only the body's inputs: least
+    memory, most recomputation) or ``None`` (no checkpoint: JAX stacks every
+    residual). Forward programs are the same under all three.
+
+    >>> make(remat="nothing").rule("hoist_reductions").name
+    'hoist_reductions'
+    """
+    hoist = Ruleset("hoist", [
+        rule(_SCAN, procedural(lambda m: hoist_reductions(m, remat)), name="hoist_reductions"),  # reduce(f(ys, xs, c)) -> carry acc / per-step output
+    ], soundness="identity", tolerance=TOLERANCE,
+        description="reductions of a scan's stacked outputs, computed inside the loop")
+    lift = Ruleset("lift", [
+        rule(_SCAN, procedural(lift_independent), name="lift_independent"),  # ys[t] = f(c, xs[t]) -> vmap(f)(c, xs)
+    ], soundness="identity", tolerance=TOLERANCE,
+        description="per-step outputs that never read the carry, computed outside the loop at once")
+    return Ruleset("scan", [hoist, lift], soundness="identity", tolerance=TOLERANCE,
+                   description="move reductions into scans and carry-independent work out of them")
+
+
+scan = make()
+hoist, lift = scan.hoist, scan.lift
