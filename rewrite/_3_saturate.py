@@ -261,8 +261,19 @@ class Engine:
 
         if v.cls is None:
             return []
-        return [(self.value(parent), Node(self, ctor, args))
-                for parent, (ctor, args) in self.snapshot.parents.get(v.cls, [])]
+        parents = self.snapshot.parents
+        out = []
+        seen = set()
+        stack = list(parents.get(v.cls, []))
+        while stack:
+            parent, (ctor, args) = stack.pop()
+            if ctor == "TCons":  # an operand list (a scan's args, select_n's cases): its user is what holds it
+                if parent not in seen:
+                    seen.add(parent)
+                    stack.extend(parents.get(parent, []))
+            elif ctor not in ("Body", "BCons"):  # a body's outputs are not used in this scope
+                out.append((self.value(parent), Node(self, ctor, args)))
+        return out
 
     def _fresh(self, vid: int) -> Value:
         # A node that was already in the e-graph (an existing Param, say) keeps its class.
