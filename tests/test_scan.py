@@ -1,0 +1,341 @@
+"""``rulesets.scan``: reductions hoisted into loops, carry-independent outputs lifted out of them.
+
+Each case checks three things: the rule fired, the emitted program has the
+shape the rule promises (the reduction inside the body, the stacked output
+gone, the loop gone), and its values match the original within the pack's
+tolerance. A property test does the same on random scan programs, reversed,
+unrolled and nested among them.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from jax import lax
+from jax._src import core
+
+import rulesets
+from rewrite import AnalyticCost, Pat, Ruleset, explain, procedural, rewrite, rule
+from rewrite._report import primitive_counts
+
+SCAN = rulesets.scan  # the Ruleset (access the package attribute before importing the module)
+scan_module = __import__("sys").modules["rulesets.scan"]
+TOL = dict(rtol=1e-4, atol=1e-5)
+
+
+def scans(closed):
+    """The scan equations of a jaxpr, outermost first, bodies included."""
+    jaxpr = closed.jaxpr if isinstance(closed, core.ClosedJaxpr) else closed
+    out = []
+    for e in jaxpr.eqns:
+        if e.primitive.name == "scan":
+            out.append(e)
+        for sub in core.jaxprs_in_params(e.params):
+            out.extend(scans(sub))
+    return out
+
+
+def top_prims(closed):
+    return [e.primitive.name for e in closed.jaxpr.eqns]
+
+
+def body_prims(eqn):
+    return primitive_counts(eqn.params["jaxpr"])
+
+
+def check(fn, *args, rulesets=(SCAN,), tol=TOL, cost_model=None):
+    """Rewrite ``fn``, compare it with the original at ``args``, and return the report."""
+    report = explain(fn, *args, rulesets=list(rulesets), cost_model=cost_model)
+    got = jax.jit(core.jaxpr_as_fun(report.after))(*jax.tree.leaves(args))
+    want = jax.tree.leaves(jax.jit(fn)(*args))
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g, np.float64), np.asarray(w, np.float64), **tol)
+    return report
+
+
+# ---------------------------------------------------------------------- an RNN with an MSE loss
+T, B, H, I, O = 12, 8, 6, 2, 16
+_k = jax.random.split(jax.random.PRNGKey(0), 5)
+P = dict(W=jax.random.normal(_k[0], (H, H)) * 0.4, U=jax.random.normal(_k[1], (I, H)) * 0.4,
+         V=jax.random.normal(_k[2], (H, O)) * 0.4)
+XS = jax.random.normal(_k[3], (T, B, I))
+YS = jax.random.normal(_k[4], (T, B, O))
+
+
+def rnn(p, xs, reverse=False, unroll=1):
+    def step(h, x):
+        h = jnp.tanh(h @ p["W"] + x @ p["U"])
+        return h, h @ p["V"]
+
+    return lax.scan(step, jnp.zeros((xs.shape[1], H)), xs, reverse=reverse, unroll=unroll)
+
+
+def mse(p, xs, ys):
+    return jnp.mean((rnn(p, xs)[1] - ys) ** 2)
+
+
+def test_mse_moves_into_the_loop():
+    report = check(mse, P, XS, YS)
+    assert report.fired.get("hoist_reductions")
+    (loop,) = scans(report.after)
+    assert top_prims(report.after) == ["broadcast_in_dim", "scan", "div"]  # h0, the loop, the mean's division
+    inside = body_prims(loop)
+    assert inside["reduce_sum"] == 1 and inside["integer_pow"] == 1 and inside["sub"] == 1
+    # ys entered the loop as an xs input; the accumulator is a scalar carry.
+    assert loop.params["num_carry"] == 2 and any(v.aval.shape == (T, B, O) for v in loop.invars)
+    assert [v.aval.shape for v in loop.outvars] == [(B, H), ()]
+
+
+def test_invariant_operands_are_broadcast_into_the_loop():
+    def loss(p, xs, ys, bias):
+        return jnp.mean((rnn(p, xs)[1] * 2.0 - ys + bias) ** 2)  # bias: (O,), the same at every step
+
+    bias = jnp.linspace(-1.0, 1.0, O)
+    report = check(loss, P, XS, YS, bias)
+    (loop,) = scans(report.after)
+    assert "reduce_sum" not in top_prims(report.after)
+    assert any(v.aval.shape == (O,) or v.aval.shape == (1, O) for v in loop.invars[:loop.params["num_consts"]])
+
+
+def test_several_reductions_share_one_loop():
+    def loss(p, xs, ys):
+        os = rnn(p, xs)[1]
+        return jnp.mean((os - ys) ** 2) + 0.5 * jnp.mean(jnp.abs(os - ys)), jnp.max(os), jnp.min(os, axis=(0, 2))
+
+    report = check(loss, P, XS, YS)
+    (loop,) = scans(report.after)
+    inside = body_prims(loop)
+    assert inside["reduce_sum"] == 2 and inside["reduce_max"] == 1 and inside["reduce_min"] == 1
+    assert not {"reduce_sum", "reduce_max", "reduce_min"} & set(top_prims(report.after))
+
+
+def test_reduction_over_other_axes_becomes_a_per_step_output():
+    def loss(p, xs):
+        return jnp.sum(rnn(p, xs)[1] ** 2, axis=(1, 2))
+
+    report = check(loss, P, XS)
+    (loop,) = scans(report.after)
+    assert top_prims(report.after) == ["broadcast_in_dim", "scan"]
+    assert [v.aval.shape for v in loop.outvars] == [(B, H), (T,)]
+
+
+def test_outputs_used_elsewhere_keep_the_loop_unless_hoisting_pays():
+    def loss(p, xs, ys):
+        os = rnn(p, xs)[1]
+        return jnp.mean((os - ys) ** 2), os
+
+    report = check(loss, P, XS, YS)
+    assert report.fired.get("hoist_reductions")   # the alternative was built ...
+    assert not report.used.get("hoist_reductions")  # ... and not chosen: os is stacked anyway
+    assert len(scans(report.after)) == 1 and "reduce_sum" in top_prims(report.after)
+
+
+@pytest.mark.parametrize("variant", ["reverse", "unroll", "jit", "nested"])
+def test_reverse_unrolled_jitted_and_nested_loops(variant):
+    if variant == "reverse":
+        loss = lambda p, xs, ys: jnp.mean((rnn(p, xs, reverse=True)[1] - ys) ** 2)  # noqa: E731
+    elif variant == "unroll":
+        loss = lambda p, xs, ys: jnp.mean((rnn(p, xs, unroll=3)[1] - ys) ** 2)  # noqa: E731
+    elif variant == "jit":
+        loss = jax.jit(mse)
+    else:  # the RNN's loop inside an outer loop over three targets
+        def loss(p, xs, ys):
+            def outer(c, y):
+                return c + jnp.mean((rnn(p, xs * c)[1] - y) ** 2), None
+            return lax.scan(outer, 1.0, jnp.stack([ys, -ys, 2 * ys]))[0]
+    report = check(loss, P, XS, YS)
+    assert report.fired.get("hoist_reductions") and report.used.get("hoist_reductions")
+    inner = scans(report.after)[-1]
+    assert body_prims(inner)["reduce_sum"] == 1
+    if variant == "reverse":
+        assert inner.params["reverse"]
+    if variant == "unroll":
+        assert inner.params["unroll"] == 3
+    if variant == "nested":
+        outer = scans(report.after)[0]
+        assert outer.params["length"] == 3 and inner.params["length"] == T
+        assert primitive_counts(outer.params["jaxpr"])["integer_pow"] == 1  # only the hoisted one, inside
+
+
+def test_values_that_depend_on_the_loop_stay_outside():
+    def loss(p, xs):
+        h, os = rnn(p, xs)
+        return jnp.sum(os * jnp.sum(h))  # the final carry cannot feed the loop that computes it
+
+    report = check(loss, P, XS)
+    assert "hoist_reductions" not in report.used
+
+
+def test_narrow_floats_accumulate_in_float32():
+    def loss(p, xs):
+        return jnp.sum(rnn(p, xs)[1].astype(jnp.bfloat16))
+
+    report = check(loss, P, XS, tol=dict(rtol=2e-2, atol=2e-2))
+    (loop,) = scans(report.after)
+    assert [v.aval.dtype for v in loop.outvars][1] == jnp.float32
+    assert report.after.out_avals[0].dtype == jnp.bfloat16
+
+
+# ---------------------------------------------------------------------- the seed (JAX issue #4968)
+def seed(x1, x2, y):
+    return jnp.square(y - lax.scan(lambda c, xs: (jnp.sin(c), jnp.cos(xs)), x1, x2)[1]).mean()
+
+
+SEED_ARGS = (jnp.ones((15, 12)), jax.random.normal(jax.random.PRNGKey(3), (30, 15, 12)),
+             jax.random.normal(jax.random.PRNGKey(4), (30, 15, 12)))
+
+
+def test_seed_reduction_inside_the_body():
+    report = check(seed, *SEED_ARGS, rulesets=[SCAN.hoist])
+    (loop,) = scans(report.after)
+    assert body_prims(loop)["reduce_sum"] == 1 and body_prims(loop)["cos"] == 1
+    assert "sin" not in body_prims(loop)  # the dropped carry is dead code now
+    assert top_prims(report.after) == ["scan", "div"]
+    assert "reduce_sum[axes=(0, 1)" in str(loop.params["jaxpr"])
+
+
+def test_seed_loop_disappears():
+    report = check(seed, *SEED_ARGS)
+    assert report.used.get("lift_independent")
+    assert not scans(report.after)
+    assert top_prims(report.after) == ["cos", "sub", "square", "reduce_sum", "div"]
+
+
+def test_lift_keeps_the_carry_and_stacks_only_what_needs_it():
+    def f(c, xs, w):
+        return lax.scan(lambda c, x: (jnp.sin(c) + x, (c * x, jnp.cos(x) * w)), c, xs)
+
+    report = check(f, jnp.ones(4), jax.random.normal(jax.random.PRNGKey(1), (7, 4)), jnp.float32(2.0),
+                   rulesets=[SCAN.lift])
+    (loop,) = scans(report.after)
+    assert [v.aval.shape for v in loop.outvars] == [(4,), (7, 4)]  # c * x still needs the carry
+    assert "cos" not in body_prims(loop) and "cos" in top_prims(report.after)
+
+
+# ---------------------------------------------------------------------- gradients
+def _stacked_outputs(closed):
+    return [v.aval.shape for e in scans(closed) if not e.params["reverse"] for v in e.outvars
+            if v.aval.shape[:1] == (T,)]
+
+
+def test_grad_of_the_rewritten_loss_stacks_only_carries():
+    fast = rewrite(mse, rulesets=[SCAN])
+    g = jax.jit(jax.grad(fast))(P, XS, YS)
+    want = jax.jit(jax.grad(mse))(P, XS, YS)
+    for k in P:
+        np.testing.assert_allclose(g[k], want[k], **TOL)
+    # The per-step loss residual 2 * (o_t - y_t), (T, B, O), is recomputed, not stacked; only
+    # hidden states (T, B, H) are kept for the backward loop.
+    assert _stacked_outputs(jax.make_jaxpr(jax.grad(fast))(P, XS, YS)) == [(T, B, H), (T, B, H)]
+    assert (T, B, O) in _stacked_outputs(jax.make_jaxpr(jax.grad(mse))(P, XS, YS))
+    plain = rewrite(mse, rulesets=[scan_module.make(remat=None)])
+    assert (T, B, O) in _stacked_outputs(jax.make_jaxpr(jax.grad(plain))(P, XS, YS))
+    least = rewrite(mse, rulesets=[scan_module.make(remat="nothing")])
+    assert _stacked_outputs(jax.make_jaxpr(jax.grad(least))(P, XS, YS)) == [(T, B, H)]
+    np.testing.assert_allclose(jax.jit(jax.grad(least))(P, XS, YS)["W"], want["W"], **TOL)
+
+
+# ---------------------------------------------------------------------- random scan programs
+@st.composite
+def scan_programs(draw):
+    """A random loss over a random scan: (function, arguments, whether the stacked outputs are only reduced)."""
+    length = draw(st.integers(1, 5))
+    width = draw(st.integers(1, 3))
+    reverse = draw(st.booleans())
+    unroll = draw(st.sampled_from([1, 2]))
+    nested = draw(st.booleans())
+    n_out = draw(st.integers(1, 2))
+    kinds = draw(st.lists(st.sampled_from(["sum", "mean", "max", "min", "sum_other", "mse", "l1"]),
+                          min_size=1, max_size=3))
+    outs = [draw(st.sampled_from(["carry", "free", "mixed"])) for _ in range(n_out)]
+    axis0 = draw(st.booleans())
+    also_return = draw(st.booleans())
+    seed_ = draw(st.integers(0, 2 ** 16))
+
+    def body(c, x, w):
+        new = jnp.tanh(c * w + x)
+        ys = []
+        for kind in outs:
+            ys.append({"carry": c * 2.0 - x, "free": jnp.sin(x) * w, "mixed": new + jnp.cos(x)}[kind])
+        return new, tuple(ys)
+
+    def one_loop(c0, xs, y, w):
+        _, ys = lax.scan(lambda c, x: body(c, x, w), c0, xs, reverse=reverse, unroll=unroll)
+        total = 0.0
+        for i, kind in enumerate(kinds):
+            v = ys[i % n_out]
+            if kind == "sum":
+                total = total + jnp.sum(v, axis=0 if axis0 else None).sum()
+            elif kind == "mean":
+                total = total + jnp.mean(v * w + 1.0)
+            elif kind == "max":
+                total = total + jnp.max(v, axis=0 if axis0 else None).sum()
+            elif kind == "min":
+                total = total + jnp.min(v)
+            elif kind == "sum_other":
+                total = total + (jnp.sum(v, axis=(1, 2)) * jnp.arange(v.shape[0])).sum()
+            elif kind == "mse":
+                total = total + jnp.mean((v - y) ** 2)
+            else:
+                total = total + jnp.mean(jnp.abs(v - y))
+        return (total, ys[0]) if also_return else total
+
+    if nested:
+        def fn(c0, xs, y, w):
+            def outer(acc, scale):
+                r = one_loop(c0 * scale, xs, y, w)
+                return acc + (r[0] if also_return else r), None
+            return lax.scan(outer, 0.0, jnp.array([1.0, -0.5]))[0]
+    else:
+        fn = one_loop
+    k = jax.random.split(jax.random.PRNGKey(seed_), 3)
+    args = (jax.random.normal(k[0], (2, width)), jax.random.normal(k[1], (length, 2, width)),
+            jax.random.normal(k[2], (length, 2, width)), jnp.float32(0.7))
+    return fn, args, not also_return
+
+
+#: Random programs are tiny, where a loop's per-step overhead and a stacked write cost about the
+#: same; weighting bytes more makes extraction take the rewritten loops, which is what is tested.
+BYTE_HEAVY = AnalyticCost(byte=5.0)
+
+
+@given(scan_programs())
+def test_random_scan_programs_keep_their_values(program):
+    fn, args, stacked_only_reduced = program
+    report = check(fn, *args, cost_model=BYTE_HEAVY)
+    assert report.fired.get("hoist_reductions")  # every program reduces a stacked output
+    if stacked_only_reduced:  # then some loop was replaced: reductions moved in, or outputs lifted out
+        assert report.used.get("hoist_reductions") or report.used.get("lift_independent")
+
+
+# ---------------------------------------------------------------------- the Match helpers the pack builds on
+def test_match_function_reads_back_only_what_its_inputs_determine():
+    seen = {}
+
+    @procedural
+    def probe(m):
+        sp, body, args = m.params("sp"), m.body("b"), m.list("xs")
+        nc, ncon, order = sp["num_carry"], sp["num_consts"], sp["_rw_order"]
+        avals = [a.aval if j < ncon + nc else core.mapped_aval(a.shape[0], 0, a.aval) for j, a in enumerate(args)]
+        params = [m.param(body.scope, i, a) for i, a in zip(order, avals)]
+        free = params[:ncon] + params[ncon + nc:]
+        seen["carry"] = m.function([body.outs[nc]], free)       # c * x reads the carry
+        seen["free"] = m.function([body.outs[nc + 1]], free)    # cos(x) * w does not
+        seen["fresh"] = {m.fresh_index(body.scope), m.fresh_index(body.scope)} & set(order)
+        seen["users"] = sorted(n.prim for _, n in m.users(args[ncon + nc]))
+        return None
+
+    rs = Ruleset("probe", [rule(Pat("scan", name="s", body="b", args="xs", params="sp"), probe, name="probe")])
+
+    def f(w, c, xs):
+        return lax.scan(lambda c, x: (jnp.sin(c) * w + x, (c * x, jnp.cos(x) * w)), c, xs)
+
+    w, c, xs = jnp.float32(2.0), jnp.ones(3), jnp.arange(12.0).reshape(4, 3)
+    explain(f, w, c, xs, rulesets=[rs])
+    assert seen["carry"] is None
+    np.testing.assert_allclose(seen["free"](w, xs[1])[0], jnp.cos(xs[1]) * w, rtol=1e-6)
+    assert seen["fresh"] == set()
+    assert seen["users"] == ["scan"]  # the scan holds xs in its operand list
