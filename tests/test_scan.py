@@ -294,7 +294,9 @@ def scan_programs(draw):
     k = jax.random.split(jax.random.PRNGKey(seed_), 3)
     args = (jax.random.normal(k[0], (2, width)), jax.random.normal(k[1], (length, 2, width)),
             jax.random.normal(k[2], (length, 2, width)), jnp.float32(0.7))
-    return fn, args, not also_return
+    # With a step of one or two elements a stacked write costs no more than the loop's own
+    # bookkeeping, and keeping the original is right.
+    return fn, args, not also_return and length * width >= 4
 
 
 #: Random programs are tiny, where a loop's per-step overhead and a stacked write cost about the
