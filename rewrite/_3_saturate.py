@@ -348,7 +348,12 @@ class Engine:
             closed = emit_slice(snap, choice, self.egraph, in_cls, out_cls)
         except EmitError:
             return None
-        return core.jaxpr_as_fun(closed)
+        fn = core.jaxpr_as_fun(closed)
+        read = {a for e in closed.jaxpr.eqns for a in e.invars if isinstance(a, core.Var)}
+        read |= {a for a in closed.jaxpr.outvars if isinstance(a, core.Var)}
+        fn.jaxpr = closed  # type: ignore[attr-defined]
+        fn.uses = tuple(v in read for v in closed.jaxpr.invars)  # type: ignore[attr-defined]
+        return fn
 
     def insert_traced(self, fn: Callable[..., Any], inputs: Sequence[Value]) -> Any:
         closed = jax.make_jaxpr(fn)(*[_spec(v.aval) for v in inputs])

@@ -487,7 +487,9 @@ class Match:
         (a body's outputs and its ``Param`` inputs, say). The function takes
         one array per input and returns a list, one per output; it uses
         nothing but its inputs, so ``None`` means the outputs depend on
-        something else (a loop's carry, for instance). Trace it into the
+        something else (a loop's carry, for instance). Its ``jaxpr`` attribute
+        is the closed jaxpr it runs, and ``uses`` says, per input, whether
+        the outputs read it. Trace it into the
         e-graph with :meth:`trace`, under ``jax.vmap`` or ``jax.checkpoint``
         if need be::
 

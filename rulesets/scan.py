@@ -103,6 +103,9 @@ class _Loop:
         self.xs: list[tuple[int, Value]] = []
         self.ys: list[Value] = []                          # per-step values of new stacked outputs
         self.inputs: dict[Any, Value] = {}                 # outer class -> the body input it became
+        self.needed: set[int] = set()                      # positions of old xs inputs the additions read
+        self.recompute = False                             # may rebuild another loop's stacked output here
+        self.no_leaf: set[Any] = set()                     # outer classes that must not become xs inputs
 
     # ------------------------------------------------------------------ reading the loop
     def projections(self) -> list[tuple[Value, int]]:
@@ -121,12 +124,12 @@ class _Loop:
 
     # ------------------------------------------------------------------ adding to the copy
     def state(self) -> tuple:
-        return len(self.consts), len(self.carries), len(self.xs), len(self.ys), dict(self.inputs)
+        return len(self.consts), len(self.carries), len(self.xs), len(self.ys), dict(self.inputs), set(self.needed)
 
     def restore(self, state: tuple) -> None:
-        nc, ncar, nx, ny, inputs = state
+        nc, ncar, nx, ny, inputs, needed = state
         del self.consts[nc:], self.carries[ncar:], self.xs[nx:], self.ys[ny:]
-        self.inputs = inputs
+        self.inputs, self.needed = inputs, needed
 
     def const(self, outer: Value) -> Value:
         """``outer`` (loop-invariant) as a body input: an existing constant of the loop, or a new one."""
@@ -154,6 +157,7 @@ class _Loop:
         for j in range(self.ncon + self.nc, len(self.args)):
             if self.args[j].cls == outer.cls and self.args[j].aval == outer.aval:
                 found = self.param(j)
+                self.needed.add(j)
                 break
         else:
             i = self.m.fresh_index(self.scope)
@@ -174,28 +178,35 @@ class _Loop:
         self.carries[j] = (i, init, nxt)
 
     # ------------------------------------------------------------------ building the copy
-    def build(self, drop: Sequence[int] = (), **annotations: Any) -> tuple[tuple[Value, ...], Callable[[int], int]]:
+    def build(self, drop: Sequence[int] = (), drop_xs: Sequence[int] = (), body_outs: Sequence[Value] | None = None,
+              **annotations: Any) -> tuple[tuple[Value, ...], Callable[[int], int]]:
         """Insert the copy: old outputs (less ``drop``), then what was added. Returns its results and
-        a map from an old output index to the copy's."""
+        a map from an old output index to the copy's.
+
+        ``drop_xs`` removes ``xs`` inputs (positions among the loop's operands); ``body_outs``
+        replaces the old body's outputs (it must not read the dropped inputs).
+        """
         ncon, nc, order, args = self.ncon, self.nc, self.order, self.args
+        old_outs = list(self.body.outs if body_outs is None else body_outs)
         c_idx = tuple(i for i, _ in self.consts)
         k_idx = tuple(i for i, _, _ in self.carries)
         x_idx = tuple(i for i, _ in self.xs)
-        new_order = order[:ncon] + c_idx + order[ncon:ncon + nc] + k_idx + order[ncon + nc:] + x_idx
+        xs_kept = [j for j in range(ncon + nc, len(args)) if j not in set(drop_xs)]
+        new_order = (order[:ncon] + c_idx + order[ncon:ncon + nc] + k_idx + tuple(order[j] for j in xs_kept)
+                     + x_idx)
         operands = (args[:ncon] + [v for _, v in self.consts] + args[ncon:ncon + nc]
-                    + [v for _, v, _ in self.carries] + args[ncon + nc:] + [v for _, v in self.xs])
+                    + [v for _, v, _ in self.carries] + [args[j] for j in xs_kept] + [v for _, v in self.xs])
         old_avals = list(self.s.aval)
         kept = [i for i in range(nc, len(old_avals)) if i not in set(drop)]
-        outs = (self.body.outs[:nc] + [n for _, _, n in self.carries] + [self.body.outs[i] for i in kept]
-                + self.ys)
+        outs = old_outs[:nc] + [n for _, _, n in self.carries] + [old_outs[i] for i in kept] + self.ys
         avals = (old_avals[:nc] + [v.aval for _, v, _ in self.carries] + [old_avals[i] for i in kept]
                  + [_stacked_aval(y.aval, self.length) for y in self.ys])
         params = dict(self.sp, num_consts=ncon + len(c_idx), num_carry=nc + len(k_idx), _rw_order=new_order,
                       **annotations)
         if "linear" in params:
-            params["linear"] = (tuple(params["linear"][:ncon]) + (False,) * len(c_idx)
-                                + tuple(params["linear"][ncon:ncon + nc]) + (False,) * len(k_idx)
-                                + tuple(params["linear"][ncon + nc:]) + (False,) * len(x_idx))
+            lin = tuple(params["linear"])
+            params["linear"] = (lin[:ncon] + (False,) * len(c_idx) + lin[ncon:ncon + nc] + (False,) * len(k_idx)
+                                + tuple(lin[j] for j in xs_kept) + (False,) * len(x_idx))
         res = self.m.node("scan", operands, params, avals, bodies=[Body(self.scope, outs)])
         where = {i: i for i in range(nc)}
         where.update({i: nc + len(k_idx) + n for n, i in enumerate(kept)})
@@ -298,9 +309,58 @@ def _step_value_uncached(loop: _Loop, v: Value, stacked: dict[Any, int], reach: 
                 return m.trace(lambda a: lax.broadcast_in_dim(a, tuple(shape[1:]), step_dims), inner)
         except _Decline:
             continue
+    if loop.recompute:
+        for node in v.nodes:
+            if node.ctor == "Proj":
+                found = _recompute(loop, node, reach)
+                if found is not None:
+                    return found
+    if v.cls in loop.no_leaf:
+        raise _Decline(f"{v} would only be read as it is")
     if reach(v):
         raise _Decline(f"{v} depends on the loop through an operation that cannot move into it")
     return loop.xs_input(v)
+
+
+def _recompute(loop: _Loop, proj: Any, reach: _Reach) -> Value | None:
+    """Step ``t`` of another loop's stacked output, rebuilt in this loop's body, or ``None``.
+
+    The other loop (same length) must compute it from its constants, its
+    ``xs`` and its other stacked outputs that this loop already reads; never
+    from its carry. Step ``t`` of every stacked array is row ``t``, whichever
+    way either loop runs.
+    """
+    m = loop.m
+    (tup,) = proj.operands
+    k = proj.args[1]
+    f = tup.node("scan")
+    if f is None or reach(tup):
+        return None
+    fp = f.params
+    fnc, fncon = int(fp["num_carry"]), int(fp["num_consts"])
+    if int(fp["length"]) != loop.length or k < fnc:
+        return None
+    fbody = m.engine.body(f.args[0])
+    fargs = f.operands
+    forder = fp["_rw_order"]
+    fparams = [m.param(fbody.scope, forder[p], fargs[p].aval if p < fncon + fnc else _step_aval(fargs[p].aval))
+               for p in range(len(fargs))]
+    read = {}  # other stacked outputs of that loop that this loop already reads: output index -> position
+    for j in range(loop.ncon + loop.nc, len(loop.args)):
+        for n in loop.args[j].nodes:
+            if n.ctor == "Proj" and n.args[0] == tup.cls and n.args[1] >= fnc and n.args[1] != k:
+                read.setdefault(n.args[1], j)
+    inputs = fparams[:fncon] + fparams[fncon + fnc:] + [fbody.outs[i] for i in read]
+    g = m.function([fbody.outs[k]], inputs)
+    if g is None:
+        return None
+    try:
+        values = ([_invariant(loop, a, reach, squeeze=False) for a in fargs[:fncon]]
+                  + [loop.xs_input(a) for a in fargs[fncon + fnc:]]
+                  + [loop.xs_input(loop.args[j]) for j in read.values()])
+    except _Decline:
+        return None
+    return m.trace(lambda *a: g(*a)[0], *values)
 
 
 def _identity(prim: str, dtype: Any) -> Any:
@@ -406,6 +466,49 @@ def _hoist_one(loop: _Loop, root: Value, node: Any, stacked: dict[Any, int], rea
     return read
 
 
+# ---------------------------------------------------------------------- computing inputs inside the loop
+def sink_inputs(m: Match) -> Any:
+    """``xs`` input ``z = f(a, b, ...)`` of a scan, stacked outside -> ``z[t] = f(a[t], b[t], ...)`` inside.
+
+    ``f`` is a chain of pointwise ops and broadcasts over arrays stacked along
+    the scan axis and loop invariants, and may end in another loop's stacked
+    output that that loop computes from its ``xs``, its constants and stacked
+    outputs this loop reads anyway (``1 - h_t``, ``h_t @ V``): that output is
+    recomputed here instead of stored. This is the loop fusion that
+    ``jax.grad``'s backward program needs: its residuals and cotangents are
+    elementwise functions of the forward loop's outputs.
+    """
+    loop = _Loop(m)
+    depth = int(loop.sp.get("_rw_sunk", 0))
+    if depth >= 3:
+        return None
+    loop.recompute = True
+    reach = _Reach(loop.s.cls)
+    memo: dict[Any, Value] = {}
+    inside: dict[int, Value] = {}
+    for j in range(loop.ncon + loop.nc, len(loop.args)):
+        z = loop.args[j]
+        saved, saved_memo = loop.state(), dict(memo)
+        loop.no_leaf = {z.cls}
+        try:
+            inside[j] = _step_value(loop, z, {}, reach, memo, set())
+        except _Decline:
+            loop.restore(saved)
+            memo = saved_memo
+    loop.no_leaf = set()
+    drop = {j: v for j, v in inside.items() if j not in loop.needed}
+    if not drop:
+        return None
+    params = [loop.param(p) for p in range(len(loop.args))]
+    body = m.function(loop.body.outs, params)
+    if body is None:
+        return None
+    outs = m.trace(lambda *a: tuple(body(*a)), *[drop.get(p, params[p]) for p in range(len(loop.args))])
+    outs = list(outs) if isinstance(outs, tuple) else [outs]
+    res, where = loop.build(drop_xs=tuple(drop), body_outs=outs, _rw_sunk=depth + 1)
+    return loop.handover(res, where)
+
+
 # ---------------------------------------------------------------------- lifting carry-independent outputs
 def lift_independent(m: Match) -> Any:
     """Stacked ``y_t = f(consts, x_t)`` that never reads the carry -> ``vmap(f)(consts, xs)`` outside the loop.
@@ -458,13 +561,17 @@ def make(remat: str | None = "carries") -> Ruleset:
         rule(_SCAN, procedural(lambda m: hoist_reductions(m, remat)), name="hoist_reductions"),  # reduce(f(ys, xs, c)) -> carry acc / per-step output
     ], soundness="identity", tolerance=TOLERANCE,
         description="reductions of a scan's stacked outputs, computed inside the loop")
+    sink = Ruleset("sink", [
+        rule(_SCAN, procedural(sink_inputs), name="sink_inputs"),  # xs = f(a, b) stacked outside -> f(a[t], b[t]) inside
+    ], soundness="identity", tolerance=TOLERANCE,
+        description="inputs of a scan computed inside it from what they are made of")
     lift = Ruleset("lift", [
         rule(_SCAN, procedural(lift_independent), name="lift_independent"),  # ys[t] = f(c, xs[t]) -> vmap(f)(c, xs)
     ], soundness="identity", tolerance=TOLERANCE,
         description="per-step outputs that never read the carry, computed outside the loop at once")
-    return Ruleset("scan", [hoist, lift], soundness="identity", tolerance=TOLERANCE,
+    return Ruleset("scan", [hoist, sink, lift], soundness="identity", tolerance=TOLERANCE,
                    description="move reductions into scans and carry-independent work out of them")
 
 
 scan = make()
-hoist, lift = scan.hoist, scan.lift
+hoist, sink, lift = scan.hoist, scan.sink, scan.lift
