@@ -84,6 +84,10 @@ class AnalyticCost:
     iteration: float = 40.0
     #: assumed trip count of a while loop
     while_trips: float = 10.0
+    #: extra charge per byte of a loop's stacked output, on top of writing it: the memory it
+    #: holds (in a backward program, until the backward loop reads it). Raise it to trade
+    #: recomputation for memory; 0 prices time only.
+    stacked: float = 0.0
 
     def __call__(self, n: NodeInfo) -> float:
         fam = n.family
@@ -91,7 +95,7 @@ class AnalyticCost:
         if fam == _terms.SPECIAL:
             if n.op == "proj":
                 if n.of == "scan" and n.index is not None and n.index >= n.params.get("num_carry", 0):
-                    return self.node + self.byte * nbytes(out[0])  # the stacked output is written
+                    return self.node + (self.byte + self.stacked) * nbytes(out[0])  # the stacked output is written
                 return 0.0
             return 0.0
         if fam == _terms.ELEMENTWISE:
