@@ -54,6 +54,7 @@ from jax._src import core
 
 from rewrite import Pat, Ruleset, Tolerance, procedural, rule
 from rewrite._rules import Body, Match, Value
+from rewrite import _terms
 from rewrite._terms import ELEMENTWISE, TRANSCENDENTAL
 
 #: How far a rewrite of this pack may move a float32 result (see the module docstring).
@@ -104,7 +105,7 @@ class _Loop:
         self.ys: list[Value] = []                          # per-step values of new stacked outputs
         self.inputs: dict[Any, Value] = {}                 # outer class -> the body input it became
         self.needed: set[int] = set()                      # positions of old xs inputs the additions read
-        self.recompute = False                             # may rebuild another loop's stacked output here
+        self.recompute: str | None = None                  # may rebuild other loops' outputs here: "cheap", "all"
         self.no_leaf: set[Any] = set()                     # outer classes that must not become xs inputs
 
     # ------------------------------------------------------------------ reading the loop
@@ -351,16 +352,25 @@ def _recompute(loop: _Loop, proj: Any, reach: _Reach) -> Value | None:
             if n.ctor == "Proj" and n.args[0] == tup.cls and n.args[1] >= fnc and n.args[1] != k:
                 read.setdefault(n.args[1], j)
     inputs = fparams[:fncon] + fparams[fncon + fnc:] + [fbody.outs[i] for i in read]
+    outer = ([(a, False) for a in fargs[:fncon]] + [(a, True) for a in fargs[fncon + fnc:]]
+             + [(loop.args[j], True) for j in read.values()])
     g = m.function([fbody.outs[k]], inputs)
     if g is None:
         return None
+    if loop.recompute == "cheap" and any(_CHEAP.get(e.primitive.name) is None for e in g.jaxpr.jaxpr.eqns):
+        return None
+    inputs = [v for v, u in zip(inputs, g.uses) if u]
+    outer = [o for o, u in zip(outer, g.uses) if u]
+    g = m.function([fbody.outs[k]], inputs)  # of what it reads, so nothing else is kept for it
     try:
-        values = ([_invariant(loop, a, reach, squeeze=False) for a in fargs[:fncon]]
-                  + [loop.xs_input(a) for a in fargs[fncon + fnc:]]
-                  + [loop.xs_input(loop.args[j]) for j in read.values()])
+        values = [loop.xs_input(a) if stacked else _invariant(loop, a, reach, squeeze=False) for a, stacked in outer]
     except _Decline:
         return None
     return m.trace(lambda *a: g(*a)[0], *values)
+
+
+#: What "cheap" recomputation may contain: arithmetic and layout, no transcendentals, contractions or loops.
+_CHEAP = {spec.prim: True for spec in _terms.SPECS if spec.family in (_terms.ELEMENTWISE, _terms.LAYOUT)}
 
 
 def _identity(prim: str, dtype: Any) -> Any:
@@ -474,15 +484,28 @@ def sink_inputs(m: Match) -> Any:
     the scan axis and loop invariants, and may end in another loop's stacked
     output that that loop computes from its ``xs``, its constants and stacked
     outputs this loop reads anyway (``1 - h_t``, ``h_t @ V``): that output is
-    recomputed here instead of stored. This is the loop fusion that
+    then recomputed here instead of stored. This is the loop fusion that
     ``jax.grad``'s backward program needs: its residuals and cotangents are
-    elementwise functions of the forward loop's outputs.
+    elementwise functions of the forward loop's outputs. Three copies are
+    offered: without recomputation, recomputing only arithmetic, and
+    recomputing anything; extraction weighs the work against the storage.
     """
-    loop = _Loop(m)
-    depth = int(loop.sp.get("_rw_sunk", 0))
-    if depth >= 3:
+    depth = int(m.params("sp").get("_rw_sunk", 0))
+    if depth >= 3:  # each copy drops an input; a few rounds reach everything worth moving
         return None
-    loop.recompute = True
+    pairs: list[tuple[Value, Value]] = []
+    seen: set = set()
+    for recompute in (None, "cheap", "all"):
+        found = _sink(m, recompute, depth)
+        if found is not None and found[0] not in seen:
+            seen.add(found[0])
+            pairs += found[1]
+    return pairs or None
+
+
+def _sink(m: Match, recompute: str | None, depth: int) -> tuple[Any, list[tuple[Value, Value]]] | None:
+    loop = _Loop(m)
+    loop.recompute = recompute
     reach = _Reach(loop.s.cls)
     memo: dict[Any, Value] = {}
     inside: dict[int, Value] = {}
@@ -506,7 +529,7 @@ def sink_inputs(m: Match) -> Any:
     outs = m.trace(lambda *a: tuple(body(*a)), *[drop.get(p, params[p]) for p in range(len(loop.args))])
     outs = list(outs) if isinstance(outs, tuple) else [outs]
     res, where = loop.build(drop_xs=tuple(drop), body_outs=outs, _rw_sunk=depth + 1)
-    return loop.handover(res, where)
+    return res[0].name, loop.handover(res, where)
 
 
 # ---------------------------------------------------------------------- lifting carry-independent outputs
