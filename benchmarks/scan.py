@@ -168,9 +168,10 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("cases", nargs="*", default=list(CASES), help=f"any of {list(CASES)}")
     ap.add_argument("--quick", action="store_true", help="fewer rounds")
+    ap.add_argument("--rounds", type=int, help="timing rounds (default 15, 5 with --quick)")
     ap.add_argument("--json", help="also write the rows here")
     opts = ap.parse_args(argv)
-    rounds = 5 if opts.quick else 15
+    rounds = opts.rounds or (5 if opts.quick else 15)
     rows = []
     print(f"jax {jax.__version__} on {jax.devices()[0].platform}, {jax.device_count()} device(s)", flush=True)
     for name in opts.cases:

@@ -6,10 +6,14 @@ the loop instead: a reduction over the scan axis becomes an accumulator in the
 carry, and one over the other axes makes each step emit its reduced slice.
 Elementwise work between the loop and the reduction moves in with it
 (``mean((ys - y) ** 2)``: ``y`` becomes an ``xs`` input of the loop, operands
-that do not vary with the step become loop constants). The ``lift`` rule does
-the opposite for per-step outputs that never read the carry: they are
-computed outside the loop, for all steps at once, as one vectorised op. Every
-rule builds a new loop next to the old one and hands it all of the old loop's
+that do not vary with the step become loop constants). The ``sink`` rule
+does the same for what feeds a loop: an ``xs`` input built outside from
+stacked arrays is computed step by step inside, and another loop's stacked
+output may be recomputed there instead of stored (the loop fusion that the
+backward program of ``jax.grad`` needs). The ``lift`` rule goes the other
+way for per-step outputs that never read the carry: they are computed
+outside the loop, for all steps at once, as one vectorised op. Every rule
+builds a new loop next to the old one and hands it all of the old loop's
 outputs; extraction keeps whichever program the cost model prefers, so an
 output that is also used elsewhere is only hoisted when that pays.
 
@@ -20,12 +24,15 @@ of ``n`` terms moves by at most about ``n * eps * sum(|terms|)``; the pack's
 Accumulators of float16/bfloat16 sums are kept in float32. Max and min are
 exact. Apply the pack only when you name it.
 
-Autodiff: a loop built by ``hoist`` asks the emitter (``_rw_remat``) to wrap
-its body in ``jax.checkpoint`` saving only the carries, so that
-``jax.grad`` of the rewritten program stores the carry history and recomputes
-each step's other values (the per-step loss residual ``2 * (o_t - y_t)``
-among them) instead of stacking them. Without differentiation the checkpoint
-is free. See ``benchmarks/results/scan.md``.
+Autodiff, two ways. ``jax.grad(rewrite(loss))``: a loop built by ``hoist``
+asks the emitter (``_rw_remat``) to wrap its body in ``jax.checkpoint``
+saving only the carries, so the gradient stores the carry history and
+recomputes each step's other values (the loss residual ``2 * (o_t - y_t)``
+among them) instead of stacking them; without differentiation the checkpoint
+is free (:func:`make` picks another policy). ``rewrite(jax.grad(loss))``:
+``sink`` moves the cotangent and the cheap residuals into the backward loop;
+with ``AnalyticCost(stacked=...)`` pricing stacked memory it recomputes whole
+steps. Measurements are in ``benchmarks/results/scan.md``.
 
 >>> import jax, jax.numpy as jnp
 >>> from jax import lax
@@ -568,6 +575,27 @@ def lift_independent(m: Match) -> Any:
 _SCAN = Pat("scan", name="s", body="b", args="args", params="sp")
 
 
+def _mse_of_loop(h0, xs, y):
+    """Where ``hoist_reductions`` applies: a mean squared error over a loop's stacked outputs."""
+    _, ys = lax.scan(lambda h, x: (jnp.tanh(h + x), h * x), h0, xs)
+    return jnp.mean((ys - y) ** 2)
+
+
+def _loop_into_loop(c0, xs, w):
+    """Where ``sink_inputs`` applies: one loop's outputs, combined elementwise, feed a second loop."""
+    _, (a, b) = lax.scan(lambda c, x: (jnp.tanh(c * w + x), (c * 2.0 + x, x * w)), c0, xs)
+    return lax.scan(lambda c, z: (c * 0.5 + z * c, jnp.sum(z * c)), c0, a * w + b)
+
+
+def _seed(x1, x2, y):
+    """Where ``lift_independent`` applies: the seed's loop, whose stacked output never reads the carry."""
+    return jnp.square(y - lax.scan(lambda c, x: (jnp.sin(c), jnp.cos(x)), x1, x2)[1]).mean()
+
+
+def _f32(*shape: int) -> Any:
+    return jax.ShapeDtypeStruct(shape, jnp.float32)
+
+
 def make(remat: str | None = "carries") -> Ruleset:
     """The pack, with the checkpoint policy of the loops it builds.
 
@@ -581,15 +609,18 @@ def make(remat: str | None = "carries") -> Ruleset:
     'hoist_reductions'
     """
     hoist = Ruleset("hoist", [
-        rule(_SCAN, procedural(lambda m: hoist_reductions(m, remat)), name="hoist_reductions"),  # reduce(f(ys, xs, c)) -> carry acc / per-step output
+        rule(_SCAN, procedural(lambda m: hoist_reductions(m, remat)), name="hoist_reductions",  # reduce(f(ys, xs, c)) -> carry acc / per-step output
+             example=(_mse_of_loop, (_f32(64), _f32(16, 64), _f32(16, 64)))),
     ], soundness="identity", tolerance=TOLERANCE,
         description="reductions of a scan's stacked outputs, computed inside the loop")
     sink = Ruleset("sink", [
-        rule(_SCAN, procedural(sink_inputs), name="sink_inputs"),  # xs = f(a, b) stacked outside -> f(a[t], b[t]) inside
+        rule(_SCAN, procedural(sink_inputs), name="sink_inputs",  # xs = f(a, b) stacked outside -> f(a[t], b[t]) inside
+             example=(_loop_into_loop, (_f32(8, 64), _f32(16, 8, 64), _f32()))),
     ], soundness="identity", tolerance=TOLERANCE,
         description="inputs of a scan computed inside it from what they are made of")
     lift = Ruleset("lift", [
-        rule(_SCAN, procedural(lift_independent), name="lift_independent"),  # ys[t] = f(c, xs[t]) -> vmap(f)(c, xs)
+        rule(_SCAN, procedural(lift_independent), name="lift_independent",  # ys[t] = f(c, xs[t]) -> vmap(f)(c, xs)
+             example=(_seed, (_f32(10, 5, 8), _f32(30, 15, 12), _f32(30, 15, 12)))),
     ], soundness="identity", tolerance=TOLERANCE,
         description="per-step outputs that never read the carry, computed outside the loop at once")
     return Ruleset("scan", [hoist, sink, lift], soundness="identity", tolerance=TOLERANCE,
