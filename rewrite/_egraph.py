@@ -67,7 +67,7 @@ class EGraph:
         self.eg = eb.EGraph()
         self.eg.run_program(*self.eg.parse_program(_terms.schema()))
         self.vtype: list[int] = []          # V id -> type id
-        self.vsource: list[Any] = []        # V id -> source_info of the equation that made it
+        self.vsource: list[Any] = []        # V id -> Origin (source_info, ctx) of the equation that made it
         self.vorigin: list[str | None] = []  # V id -> name of the rule that made it, None for the program
         self.consts: dict[int, np.ndarray] = {}
         self.facts_seeded: list[tuple[str, int]] = []
@@ -77,7 +77,7 @@ class EGraph:
         self._ints: dict[int, Any] = {}
         self._next_scope = 1  # scope 0 is the program's own
         self.origin: str | None = None     # rule name stamped on nodes made now
-        self.source: Any = None            # source_info stamped on nodes made now
+        self.source: Any = None            # Origin stamped on nodes made now (a rule's match root)
         self.fresh: list[int] = []         # V ids made since the caller last cleared this
         self.defs: list[tuple[str, tuple]] = []  # V id -> the node it was made for (args as given)
 
@@ -142,7 +142,9 @@ class EGraph:
     def _new_name(self, type_id: int, source: Any) -> int:
         vid = len(self.vtype)
         self.vtype.append(type_id)
-        self.vsource.append(source if source is not None else self.source)
+        # Nodes a rule builds take the matched root's origin: errors and profiles then point
+        # at the user's program, and the equation context matches the scope it lives in.
+        self.vsource.append(self.source if self.source is not None else source)
         self.vorigin.append(self.origin)
         self.fresh.append(vid)
         return vid

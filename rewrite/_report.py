@@ -147,7 +147,7 @@ def _where(src: Any) -> str:
     try:
         from jax._src import source_info_util
 
-        frame = source_info_util.user_frame(src.traceback) if src is not None else None
+        frame = source_info_util.user_frame(src.source_info.traceback) if src is not None else None
         return f" in {frame.file_name}:{frame.start_line}" if frame is not None else ""
     except Exception:
         return ""

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax._src import core
 
+from ._1_trace import trace_at
 from ._intern import LITERALS, PARAMS, TYPES
 from ._pattern import Pat, PatternError, Query, compile_pat, compile_traced
 
@@ -94,7 +95,7 @@ class Rule:
 
     def __init__(self, name: str, lhs: Any, rhs: Any, when: Callable[..., bool] | None,
                  example: tuple[Any, ...] | None, var_names: list[str], queries: list[Query],
-                 probes: list[tuple[Any, ...]]) -> None:
+                 probes: list[tuple[Any, ...]], manual_queries: list[Query] | None = None) -> None:
         self.name = name
         self.lhs = lhs
         self.rhs = rhs
@@ -102,6 +103,7 @@ class Rule:
         self.example = example
         self.var_names = var_names
         self.queries = queries
+        self.manual_queries = manual_queries or []  # extra variants for shard_map bodies
         self.probes = probes
         self._traced: dict[tuple, Any] = {}
 
@@ -118,9 +120,8 @@ class Rule:
         found = self._traced.get(avals)
         if found is None:
             try:
-                specs = [_spec(a) for a in avals]
-                lhs = jax.make_jaxpr(self.lhs)(*specs)
-                rhs = None if self.is_procedural else jax.make_jaxpr(self.rhs)(*specs)
+                lhs = trace_at(self.lhs, avals)
+                rhs = None if self.is_procedural else trace_at(self.rhs, avals)
                 found = (lhs, rhs)
             except Exception as e:  # a rule need not apply at every shape
                 found = e
@@ -131,10 +132,6 @@ class Rule:
 
     def __repr__(self) -> str:
         return f"<rule {self.name!r}>"
-
-
-def _spec(aval: Any) -> Any:
-    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=getattr(aval, "weak_type", False))
 
 
 def _short(aval: Any) -> str:
@@ -194,6 +191,7 @@ def rule(lhs: Any, rhs: Any, *, name: str, when: Callable[..., bool] | None = No
                              f"rhs takes {len(rhs_names)} {rhs_names}")
     probes = _probes(name, names, example)
     queries: list[Query] = []
+    manual: list[Query] = []
     seen: set[str] = set()
     traced_at: list[tuple[Any, ...]] = []
     first_error: Exception | None = None
@@ -201,7 +199,7 @@ def rule(lhs: Any, rhs: Any, *, name: str, when: Callable[..., bool] | None = No
         if when is not None and not _guard_allows(when, avals):
             continue
         try:
-            lhs_closed = jax.make_jaxpr(lhs)(*[_spec(a) for a in avals])
+            lhs_closed = trace_at(lhs, avals)
         except Exception as e:
             first_error = first_error or e
             continue
@@ -209,7 +207,7 @@ def rule(lhs: Any, rhs: Any, *, name: str, when: Callable[..., bool] | None = No
             raise ValueError(f"rule {name!r}: lhs must return one array, it returns {len(lhs_closed.out_avals)}")
         if not isinstance(rhs, Procedure):
             try:
-                rhs_closed = jax.make_jaxpr(rhs)(*[_spec(a) for a in avals])
+                rhs_closed = trace_at(rhs, avals)
             except Exception as e:
                 raise ValueError(f"rule {name!r}: rhs cannot be traced at "
                                  f"({', '.join(_short(a) for a in avals)}): {e}") from None
@@ -227,11 +225,13 @@ def rule(lhs: Any, rhs: Any, *, name: str, when: Callable[..., bool] | None = No
         if query.text not in seen:
             seen.add(query.text)
             queries.append(query)
+            if "(Lit " in query.text:
+                manual.append(compile_traced(lhs_closed, names, pvary_literals=True))
     if not queries:
         why = f": {first_error}" if first_error else ""
         raise ValueError(f"rule {name!r}: lhs cannot be traced at any probe shape{why}; give example=")
     ex = tuple(probes[0]) if example is not None else None
-    return Rule(name, lhs, rhs, when, ex, names, queries, traced_at)
+    return Rule(name, lhs, rhs, when, ex, names, queries, traced_at, manual)
 
 
 def _positional_names(rule_name: str, side: str, fn: Callable[..., Any]) -> list[str]:
