@@ -56,7 +56,10 @@ def size(aval: Any) -> int:
 
 def nbytes(aval: Any) -> int:
     dtype = getattr(aval, "dtype", None)
-    return 0 if dtype is None else size(aval) * np.dtype(dtype).itemsize
+    if dtype is None:
+        return 0
+    itemsize = getattr(dtype, "itemsize", None)  # extended dtypes (PRNG keys) carry their own
+    return size(aval) * (itemsize if isinstance(itemsize, int) else np.dtype(dtype).itemsize)
 
 
 _SLOW_ELEMENTWISE = {"div": 4.0, "rem": 6.0, "integer_pow": 2.0, "sqrt": 1.0, "rsqrt": 1.0}

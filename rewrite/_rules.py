@@ -298,7 +298,7 @@ class Value:
         return v
 
     shape = property(lambda self: tuple(self.aval.shape))
-    dtype = property(lambda self: np.dtype(self.aval.dtype))
+    dtype = property(lambda self: self.aval.dtype)
     ndim = property(lambda self: len(self.aval.shape))
     size = property(lambda self: int(np.prod(self.aval.shape, dtype=np.int64)))
     weak_type = property(lambda self: bool(getattr(self.aval, "weak_type", False)))
