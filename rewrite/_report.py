@@ -135,6 +135,12 @@ class Report:
 
         return to_dot(self.result, max_classes)
 
+    def to_svg(self, max_classes: int = 200) -> str:
+        """:meth:`to_dot`, rendered by Graphviz's ``dot`` program (which must be installed)."""
+        from ._report_dot import to_svg
+
+        return to_svg(self.to_dot(max_classes))
+
     def __str__(self) -> str:
         parts = [self.summary()]
         d = self.diff()

@@ -244,3 +244,14 @@ def test_random_keys_behave_as_before(make_key):
         np.testing.assert_array_equal(got, want)
     keys = jax.random.split(key, 3)
     np.testing.assert_array_equal(jax.vmap(r, in_axes=(0, None))(keys, x)[1], jax.vmap(f, in_axes=(0, None))(keys, x)[1])
+
+
+def test_to_dot_draws_classes_and_choices():
+    rs = Ruleset("trig", [rule(lambda x: 2 * jnp.sin(x) * jnp.cos(x), lambda x: jnp.sin(2 * x), name="double_angle")],
+                 soundness="identity")
+    report = explain(lambda x: 2 * jnp.sin(x) * jnp.cos(x), jnp.ones(3), rulesets=[rs])
+    dot = report.to_dot()
+    assert dot.startswith("digraph egraph {") and dot.rstrip().endswith("}")
+    assert "cos" in dot and "sin" in dot
+    assert dot.count("style=\"bold,filled\"") == 4  # the program sin(2 * x): param, literal, mul, sin
+    assert dot.count("subgraph cluster_") >= 4
