@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import logging
 import time
 from typing import Any, Callable, Sequence
@@ -320,8 +321,9 @@ class Engine:
         return vals[0] if len(vals) == 1 else tuple(vals)
 
 
+@functools.lru_cache(maxsize=None)
 def _primitive(name: str) -> Any:
-    """The JAX primitive called ``name`` (those the term table knows, and any seen in a loaded program)."""
+    """The JAX primitive called ``name``: one seen in a loaded program, or one of lax's."""
     from ._intern import PARAMS
 
     for i in range(len(PARAMS)):

@@ -576,6 +576,7 @@ def as_ruleset(x: Any) -> Ruleset:
     if isinstance(x, Rule):
         return Ruleset(x.name, [x], soundness="identity")
     if isinstance(x, Iterable):
-        items = list(x)
-        return Ruleset("+".join(getattr(i, "name", "?") for i in items) or "empty", [as_ruleset(i) for i in items])
+        parts = [as_ruleset(i) for i in x]
+        weakest = max((p.soundness for p in parts), key=SOUNDNESS.index, default="exact")
+        return Ruleset("+".join(p.name for p in parts) or "empty", parts, soundness=weakest)
     raise TypeError(f"rulesets= takes Ruleset or Rule objects, got {type(x).__name__}")
