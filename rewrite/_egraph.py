@@ -38,10 +38,6 @@ def int_lit(n: int) -> Any:
     return eb.Lit(_SPAN, eb.Int(int(n)))
 
 
-def var(name: str) -> Any:
-    return eb.Var(_SPAN, name)
-
-
 def v_expr(vid: int) -> Any:
     return call("V", int_lit(vid))
 
@@ -70,7 +66,6 @@ class EGraph:
         self.vsource: list[Any] = []        # V id -> Origin (source_info, ctx) of the equation that made it
         self.vorigin: list[str | None] = []  # V id -> name of the rule that made it, None for the program
         self.consts: dict[int, np.ndarray] = {}
-        self.facts_seeded: list[tuple[str, int]] = []
         self._memo: dict[tuple, int] = {}
         self._pending: list[Any] = []
         self._chunks = 0
@@ -78,7 +73,6 @@ class EGraph:
         self._next_scope = 1  # scope 0 is the program's own
         self.origin: str | None = None     # rule name stamped on nodes made now
         self.source: Any = None            # Origin stamped on nodes made now (a rule's match root)
-        self.fresh: list[int] = []         # V ids made since the caller last cleared this
         self.defs: list[tuple[str, tuple]] = []  # V id -> the node it was made for (args as given)
 
     # ------------------------------------------------------------------ building
@@ -146,7 +140,6 @@ class EGraph:
         # at the user's program, and the equation context matches the scope it lives in.
         self.vsource.append(self.source if self.source is not None else source)
         self.vorigin.append(self.origin)
-        self.fresh.append(vid)
         return vid
 
     def _expr(self, sort: str, a: Any) -> Any:
@@ -213,7 +206,6 @@ class EGraph:
 
     def assert_fact(self, fact: str, vid: int) -> None:
         self._pending.append(eb.Expr_(_SPAN, call(fact, v_expr(vid))))
-        self.facts_seeded.append((fact, vid))
 
     @property
     def num_names(self) -> int:
