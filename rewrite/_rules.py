@@ -44,6 +44,8 @@ class Tolerance:
     For other float dtypes both bounds scale with machine epsilon, so a
     bfloat16 program gets a bfloat16-sized tolerance.
 
+    >>> import numpy as np
+    >>> from rewrite import Tolerance
     >>> Tolerance(rtol=1e-6, atol=0.0).for_dtype(np.float64)[0] < 1e-14
     True
     """
@@ -91,7 +93,22 @@ def procedural(fn: Callable[["Match"], Any]) -> Procedure:
 
 
 class Rule:
-    """One named rewrite. Build it with :func:`rule`."""
+    """One named rewrite. Build it with :func:`rule`.
+
+    ``var_names`` are the pattern variables, ``queries`` the compiled egglog
+    queries, ``probes`` the avals the sides were traced at when it was defined;
+    :meth:`traced` gives both sides at any avals.
+
+    >>> import jax.numpy as jnp
+    >>> from jax.core import ShapedArray
+    >>> from rewrite import rule
+    >>> r = rule(lambda x: jnp.log(1.0 + x), lambda x: jnp.log1p(x), name="log1p")
+    >>> r.var_names, len(r.queries), [p[0].shape for p in r.probes]
+    (['x'], 1, [(), (3,), (3, 3), (3, 3, 3)])
+    >>> lhs, rhs = r.traced((ShapedArray((5,), jnp.float32),))
+    >>> [e.primitive.name for e in lhs.eqns], [e.primitive.name for e in rhs.eqns]
+    (['add', 'log'], ['log1p'])
+    """
 
     def __init__(self, name: str, lhs: Any, rhs: Any, when: Callable[..., bool] | None,
                  example: tuple[Any, ...] | None, var_names: list[str], queries: list[Query],
@@ -281,7 +298,20 @@ class Value:
 
     Shape and dtype are exact. Facts (``positive``, ``nonneg``, ``nonzero``)
     hold for floating values only and are never true of integers, where
-    overflow breaks them.
+    overflow breaks them. NaN never contradicts a fact.
+
+    >>> import jax.numpy as jnp
+    >>> from rewrite import Ruleset, explain, rule
+    >>> seen = []
+    >>> def guard(v):
+    ...     seen.append((v.shape, v.ndim, v.nonneg, v.positive))
+    ...     return v.nonneg
+    >>> r = rule(lambda v: jnp.abs(v), lambda v: v, name="abs_nonneg", when=guard)
+    >>> seen.clear()  # the calls made while the rule was defined
+    >>> explain(lambda t: jnp.abs(jnp.exp(t)), jnp.ones((2, 5)), rulesets=[Ruleset("a", [r])]).fired
+    {'abs_nonneg': 1}
+    >>> sorted(set(seen))  # exp(t) is never negative, but it may underflow to zero
+    [((2, 5), 2, True, False)]
     """
 
     def __init__(self, aval: Any, name: int | None = None, cls: Any = None, engine: Any = None) -> None:
@@ -419,7 +449,30 @@ class Body:
 
 
 class Match:
-    """One match of a procedural rule: its bindings, and the means to build a replacement."""
+    """One match of a procedural rule: its bindings, and the means to build a replacement.
+
+    ``m[name]`` is a term binding (a :class:`Value`); ``m.params(name)``,
+    ``m.int(name)``, ``m.list(name)``, ``m.body(name)`` read the other kinds of
+    :class:`Pat` binding; ``m.root`` is the matched class. :meth:`trace`,
+    :meth:`node`, :meth:`literal` and :meth:`param` build new terms.
+
+    >>> import math
+    >>> import jax.numpy as jnp
+    >>> from rewrite import Pat, Ruleset, explain, procedural, rule
+    >>> @procedural
+    ... def sum_of_broadcast(m):
+    ...     s = m["s"]
+    ...     if s.ndim != 0 or m.root.ndim != 0:
+    ...         return None
+    ...     n = math.prod(m.params("bp")["shape"])
+    ...     return m.trace(lambda s: s * jnp.asarray(n, s.dtype), s)
+    >>> r = rule(Pat("reduce_sum", Pat("broadcast_in_dim", Pat.var("s"), params="bp")), sum_of_broadcast,
+    ...          name="sum_of_broadcast")
+    >>> report = explain(lambda a: jnp.sum(jnp.broadcast_to(a, (4, 5))), jnp.float32(1.5),
+    ...                  rulesets=[Ruleset("p", [r], soundness="identity")])
+    >>> report.fired, [e.primitive.name for e in report.after.eqns]
+    ({'sum_of_broadcast': 1}, ['mul'])
+    """
 
     def __init__(self, engine: Any, rule: Rule, bindings: dict[str, Any], sorts: dict[str, str], root: Any) -> None:
         self._engine = engine
