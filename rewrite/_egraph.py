@@ -24,7 +24,7 @@ import numpy as np
 from egglog import bindings as eb
 
 from . import _terms
-from ._intern import LITERALS, TYPES, content_hash
+from ._intern import LITERALS, PARAMS, TYPES, content_hash
 
 _SPAN = eb.PanicSpan()
 _CHUNK = 200
@@ -97,6 +97,8 @@ class EGraph:
         vid = self._new_name(type_id, source)
         self.defs.append((ctor, tuple(args)))
         self._pending.append(eb.Union(_SPAN, v_expr(vid), call(ctor, *exprs)))
+        if ctor == "IntegerPow" and PARAMS.params(args[-1]).get("y", 1) % 2 == 0:
+            self._pending.append(eb.Expr_(_SPAN, call("EvenPow", int_lit(args[-1]))))
         self._memo[key] = vid
         return vid
 
@@ -191,13 +193,14 @@ class EGraph:
         a = np.asarray(value)
         if not jnp.issubdtype(a.dtype, jnp.floating):  # jnp knows bfloat16 and the other ml_dtypes
             return
+        tiny = float(jnp.finfo(a.dtype).tiny)  # subnormals count as zero: XLA:CPU flushes them
         a = a.astype(np.float64)
         nan = np.isnan(a)
-        if np.all((a > 0) | nan):
+        if np.all((a >= tiny) | nan):
             self.assert_fact("Pos", vid)
         if np.all(~np.signbit(a) | nan):
             self.assert_fact("NonNeg", vid)
-        if np.all(a != 0):
+        if np.all((np.abs(a) >= tiny) | nan):
             self.assert_fact("NonZero", vid)
 
     def union(self, a: int, b: int) -> None:

@@ -102,7 +102,7 @@ class Report:
         ]
         if self.fired:
             width = max(len(k) for k in self.fired)
-            lines.append("rules fired (in result):")
+            lines.append("rules fired (nodes they built that the result uses):")
             for name, n in sorted(self.fired.items(), key=lambda kv: -kv[1]):
                 lines.append(f"  {name:<{width}}  {n:>4} ({self.used.get(name, 0)})")
         else:

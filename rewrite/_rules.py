@@ -298,7 +298,9 @@ class Value:
 
     Shape and dtype are exact. Facts (``positive``, ``nonneg``, ``nonzero``)
     hold for floating values only and are never true of integers, where
-    overflow breaks them. NaN never contradicts a fact.
+    overflow breaks them. NaN never contradicts a fact, and ``positive`` and
+    ``nonzero`` exclude subnormals, which XLA:CPU treats as zero (see
+    ``rewrite._terms.FACTS``). NaN never contradicts a fact.
 
     >>> import jax.numpy as jnp
     >>> from rewrite import Ruleset, explain, rule
