@@ -58,10 +58,13 @@ def _egg_var(name: str) -> str:
 class QueryBuilder:
     """A loader builder that writes egglog query atoms instead of inserting nodes."""
 
-    def __init__(self) -> None:
+    def __init__(self, pvary_literals: bool = False) -> None:
         self.atoms: list[str] = []
         self._memo: dict[tuple, str] = {}
         self._n = 0
+        # Inside a shard_map body JAX casts literals with pvary before combining them with
+        # varying values; this variant of the query looks through that cast.
+        self.pvary_literals = pvary_literals
 
     def fresh(self, prefix: str) -> str:
         self._n += 1
@@ -97,6 +100,10 @@ class QueryBuilder:
             return found
         v = self.fresh("t")
         self.atoms.append(f"(= {v} (Lit {LITERALS.intern_value(value)} {self.fresh('d')}))")
+        if self.pvary_literals:
+            cast = self.fresh("t")
+            self.atoms.append(f"(= {cast} (Opaque (TCons {v} (TNil)) {self.fresh('p')}))")
+            v = cast
         self._memo[key] = v
         return v
 
@@ -114,9 +121,13 @@ class QueryBuilder:
                            "write it as a procedural rule with Pat")
 
 
-def compile_traced(closed: core.ClosedJaxpr, names: Sequence[str]) -> Query:
-    """The query for a traced left-hand side whose inputs are the pattern variables ``names``."""
-    qb = QueryBuilder()
+def compile_traced(closed: core.ClosedJaxpr, names: Sequence[str], pvary_literals: bool = False) -> Query:
+    """The query for a traced left-hand side whose inputs are the pattern variables ``names``.
+
+    With ``pvary_literals``, every literal may also sit under a one-operand cast
+    (``pvary`` in a shard_map body); the verifier checks the real structure.
+    """
+    qb = QueryBuilder(pvary_literals)
     inputs = [_egg_var(n) for n in names]
     (out,), token = load_closed(closed, inputs, qb)
     if out in inputs:

@@ -68,7 +68,7 @@ def run_pipeline(traced: Traced, entries: Sequence[tuple[Rule, Ruleset]], model:
 
     # Stage 3: saturate, under limits.
     t = time.perf_counter()
-    engine = Engine(eg, entries, limits)
+    engine = Engine(eg, entries, limits, manual=_has_primitive(closed.jaxpr, "pvary"))
     stopped = engine.run()
     times["saturate"] = time.perf_counter() - t
 
@@ -93,3 +93,9 @@ def run_pipeline(traced: Traced, entries: Sequence[tuple[Rule, Ruleset]], model:
         egraph=eg if keep else None, choice=ex.choice if keep else None, snapshot=snap if keep else None,
         roots=roots if keep else None, original=original if keep else None,
     )
+
+
+def _has_primitive(jaxpr: core.Jaxpr, name: str) -> bool:
+    return any(e.primitive.name == name or any(_has_primitive(getattr(j, "jaxpr", j), name)
+                                               for j in core.jaxprs_in_params(e.params))
+               for e in jaxpr.eqns)
