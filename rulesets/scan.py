@@ -59,10 +59,8 @@ import numpy as np
 from jax import lax
 from jax._src import core
 
-from rewrite import Pat, Ruleset, Tolerance, procedural, rule
+from rewrite import Pat, Ruleset, Tolerance, _terms, procedural, rule
 from rewrite._rules import Body, Match, Value
-from rewrite import _terms
-from rewrite._terms import ELEMENTWISE, TRANSCENDENTAL
 
 #: How far a rewrite of this pack may move a float32 result (see the module docstring).
 TOLERANCE = Tolerance(rtol=2e-5, atol=1e-5)
@@ -70,7 +68,7 @@ TOLERANCE = Tolerance(rtol=2e-5, atol=1e-5)
 #: Reductions that can run as a carry, with the binary op that accumulates them.
 _ACCUMULATE: dict[str, Callable[[Any, Any], Any]] = {"reduce_sum": lax.add, "reduce_max": lax.max,
                                                        "reduce_min": lax.min}
-_POINTWISE = (ELEMENTWISE, TRANSCENDENTAL)
+_POINTWISE = (_terms.ELEMENTWISE, _terms.TRANSCENDENTAL)
 
 
 class _Decline(Exception):
@@ -369,6 +367,8 @@ def _recompute(loop: _Loop, proj: Any, reach: _Reach) -> Value | None:
     inputs = [v for v, u in zip(inputs, g.uses) if u]
     outer = [o for o, u in zip(outer, g.uses) if u]
     g = m.function([fbody.outs[k]], inputs)  # of what it reads, so nothing else is kept for it
+    if g is None:
+        return None
     try:
         values = [loop.xs_input(a) if stacked else _invariant(loop, a, reach, squeeze=False) for a, stacked in outer]
     except _Decline:
