@@ -22,7 +22,7 @@ from rewrite._report import primitive_counts
 
 SCAN = rulesets.scan  # the Ruleset (access the package attribute before importing the module)
 scan_module = __import__("sys").modules["rulesets.scan"]
-TOL = dict(rtol=1e-4, atol=1e-5)
+TOL = dict(rtol=SCAN.tolerance.rtol, atol=SCAN.tolerance.atol)  # the pack's documented tolerance
 
 
 def scans(closed):
