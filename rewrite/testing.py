@@ -57,16 +57,25 @@ __all__ = [
     "inputs_like",
     "mismatch",
     "programs",
+    "soundness_of",
     "value_bound",
 ]
 
 
 class VacuousCheckWarning(UserWarning):
-    """A check ran but compared a program with itself: no rule changed it."""
+    """A check ran but compared a program with itself: no rule changed it.
+
+    >>> import warnings, jax.numpy as jnp
+    >>> with warnings.catch_warnings(record=True) as caught:
+    ...     warnings.simplefilter("always")
+    ...     _ = assert_equivalent(jnp.sin, jnp.ones(2), max_examples=2)
+    >>> caught[0].category.__name__
+    'VacuousCheckWarning'
+    """
 
 
 # ====================================================================== values
-#: How each class compares results when no tolerance applies (identity rules on integers, say).
+#: What an exact comparison means, quoted in failure messages.
 _EXACT_NOTE = "exact: equal bits, any NaN equal to any NaN, a subnormal equal to the zero of its sign"
 
 #: fastmath rules are checked on "ordinary" values: normal floats of magnitude at most this, and zero.
@@ -166,10 +175,6 @@ def elements(dtype: Any, soundness: str = "exact") -> st.SearchStrategy:
     if dtype == jnp.bfloat16:  # drawn as float32, then rounded to the nearest bfloat16
         floats = floats.map(lambda v: float(np.asarray(v, dtype)))
     return st.one_of(st.sampled_from(specials), floats)
-
-
-#: Input domains that establish a fact a guard asks for (see ``_wrap``).
-DOMAINS = ("any", "nonneg", "positive", "negative")
 
 
 def _domain_values(a: np.ndarray, domain: str) -> np.ndarray:
@@ -365,15 +370,33 @@ def _scalar(v: Any) -> str:
     return repr(v.item())
 
 
-def _show(a: Any) -> str:
+def _show(a: Any, indent: int = 6) -> str:
+    """An array as ``dtype[shape] values``, continuation lines indented to line up under the values."""
     a = np.asarray(a)
-    body = np.array2string(a, threshold=24, max_line_width=110, separator=", ", floatmode="maxprec")
-    body = body.replace("\n", "\n      ")
-    return f"{a.dtype}{list(a.shape)} {body}"
+    head = f"{a.dtype}{list(a.shape)} "
+    body = np.array2string(a, threshold=24, max_line_width=110, separator=", ", floatmode="maxprec",
+                           prefix=" " * (indent + len(head)))
+    return head + body
+
+
+def soundness_of(rulesets: Any) -> tuple[str, Tolerance | None]:
+    """The weakest soundness class among the rulesets' rules, and the widest tolerance of that class.
+
+    This is what :func:`assert_equivalent` draws values for and compares
+    with; ``None`` means bit for bit. Give it to :func:`inputs_like` when
+    drawing inputs for a program rewritten with these rulesets.
+
+    >>> from rewrite import rule, Ruleset, Tolerance
+    >>> a = Ruleset("a", [rule(lambda x: -(-x), lambda x: x, name="neg_neg")])
+    >>> b = Ruleset("b", [rule(lambda x: x - x, lambda x: 0 * x, name="sub_self")], soundness="identity",
+    ...             tolerance=Tolerance(1e-4, 0.0))
+    >>> soundness_of([a]), soundness_of([a, b])
+    (('exact', None), ('identity', Tolerance(rtol=0.0001, atol=0.0)))
+    """
+    return _tolerance(entries_of(rulesets))
 
 
 def _tolerance(entries: Sequence[tuple[Rule, Ruleset]]) -> tuple[str, Tolerance | None]:
-    """The weakest class among the rules' owners, and the widest tolerance among owners of that class."""
     owners = {id(o): o for _, o in entries}.values()
     if not owners:
         return "exact", None
@@ -442,7 +465,17 @@ class _Reference:
 # ====================================================================== check_ruleset
 @dataclasses.dataclass
 class RuleCheck:
-    """How one rule was checked: the cases it was rewritten in, examples compared, cases skipped and why."""
+    """How one rule was checked: the cases it was rewritten in, examples compared, cases skipped and why.
+
+    A case is one program the rule was exercised on: its inputs' shapes and
+    dtypes, and the domain drawn for each (``nonneg``, ``positive``,
+    ``negative`` when a guard asks for facts), or ``as constants``.
+
+    >>> from rewrite import rule, Ruleset
+    >>> r = rule(lambda x: abs(x), lambda x: x, name="abs_nonneg", when=lambda x: x.nonneg)
+    >>> check_ruleset(Ruleset("r", [r]), max_examples=2).rules["abs_nonneg"].cases[0]
+    '(x: f32[] nonneg)'
+    """
 
     rule: str
     ruleset: str
@@ -460,7 +493,14 @@ class RuleCheck:
 
 @dataclasses.dataclass
 class CheckReport:
-    """What :func:`check_ruleset` checked, rule by rule. ``str(report)`` lists it."""
+    """What :func:`check_ruleset` checked, rule by rule (each a :class:`RuleCheck`). ``str(report)`` lists it.
+
+    >>> from rewrite import rule, Ruleset
+    >>> report = check_ruleset(Ruleset("r", [rule(lambda x: -(-x), lambda x: x, name="neg_neg")]), max_examples=3)
+    >>> print(report)
+    check_ruleset('r'): 1 rule(s), 3 examples
+      neg_neg [r, exact]: 3 examples over 4 case(s): (x: f32[]); (x: f32[3]); (x: f32[3,3]); (x: f32[3,3,3])
+    """
 
     ruleset: str
     rules: dict[str, RuleCheck] = dataclasses.field(default_factory=dict)
@@ -491,6 +531,9 @@ class _Case:
     constant: bool = False
     reference: Any = None
     rhs: Callable[..., Any] | None = None  # the right side as a program, for rules whose rhs contains the lhs
+
+    def __repr__(self) -> str:  # hypothesis shows the drawn case
+        return self.describe()
 
     def describe(self) -> str:
         parts = []
@@ -702,8 +745,8 @@ def _failure(rule: Rule, owner: Ruleset, case: _Case, vals: Sequence[Any], want:
         lines.append(f"    {n} = {_show(v)}")
     for i, (w, g) in enumerate(zip(want, got)):
         tag = f"[{i}]" if len(want) > 1 else ""
-        lines.append(f"  original{tag}  = {_show(w)}")
-        lines.append(f"  rewritten{tag} = {_show(g)}")
+        lines.append(f"  original{tag}  = {_show(w, 14 + len(tag))}")
+        lines.append(f"  rewritten{tag} = {_show(g, 14 + len(tag))}")
     if case.after is not None:
         lines.append("  rewritten program: " + str(case.after).replace("\n", "\n    "))
     return AssertionError("\n".join(lines))
@@ -814,8 +857,14 @@ def _float_leaf(x: Any) -> bool:
 
 
 def _widened(args: Any) -> Any:
-    return jax.tree_util.tree_map(
-        lambda x: np.asarray(x).astype(_wide(x.dtype)) if is_traced_leaf(x) and hasattr(x, "dtype") else x, args)
+    """Inexact array leaves in float64 (numpy stays numpy, jax stays jax); call with x64 enabled."""
+    def widen(x: Any) -> Any:
+        if not (is_traced_leaf(x) and hasattr(x, "dtype")):
+            return x
+        wide = np.asarray(x).astype(_wide(x.dtype))
+        return wide if isinstance(x, (np.ndarray, np.generic)) else jnp.asarray(wide)
+
+    return jax.tree_util.tree_map(widen, args)
 
 
 def _reference_outputs(fn: Callable[..., Any], args: Any) -> list[Any] | None:
@@ -844,11 +893,11 @@ class _Equivalence:
     def fail(self, args: Any, what: str, why: str, want: Any = None, got: Any = None) -> AssertionError:
         lines = [f"{self.name}: the rewritten program differs from the original in {what}: {why}", "  inputs:"]
         for path, leaf in jax.tree_util.tree_flatten_with_path(args)[0]:
-            shown = _show(leaf) if hasattr(leaf, "dtype") else repr(leaf)
-            lines.append(f"    args{jax.tree_util.keystr(path)} = {shown}")
+            key = f"    args{jax.tree_util.keystr(path)} = "
+            lines.append(key + (_show(leaf, len(key)) if hasattr(leaf, "dtype") else repr(leaf)))
         if want is not None:
-            lines.append(f"  original  = {_show(want)}")
-            lines.append(f"  rewritten = {_show(got)}")
+            lines.append(f"  original  = {_show(want, 14)}")
+            lines.append(f"  rewritten = {_show(got, 14)}")
         if self.fired:
             lines.append("  rules that fired: " + ", ".join(f"{k} ({n})" for k, n in self.fired.items()))
         if isinstance(self.fn, RandomProgram):
@@ -859,8 +908,8 @@ class _Equivalence:
                 reference: Callable[[], list[Any] | None] | None) -> None:
         w_leaves, w_tree = jax.tree_util.tree_flatten_with_path(want)
         g_leaves, g_tree = jax.tree_util.tree_flatten(got)
-        if w_tree != jax.tree_util.tree_structure(want) or jax.tree_util.tree_structure(want) != g_tree:
-            raise self.fail(args, what, f"structure {g_tree} instead of {jax.tree_util.tree_structure(want)}")
+        if w_tree != g_tree:
+            raise self.fail(args, what, f"structure {g_tree} instead of {w_tree}")
         soundness = self.soundness if tolerance is not None else "exact"
         ref: list[Any] | None = None
         for i, ((path, w), g) in enumerate(zip(w_leaves, g_leaves)):
@@ -985,11 +1034,11 @@ def assert_same_results(fn: Callable[..., Any], *args: Any, rulesets: Any = (), 
     searches). Comparison and tolerances are as in :func:`assert_equivalent`;
     gradients use a cotangent of ones. Returns the rewrite's result.
 
-    >>> import jax.numpy as jnp
-    >>> from hypothesis import given, strategies as st
+    >>> from hypothesis import given, settings, strategies as st
     >>> from rewrite import rule, Ruleset
     >>> mine = Ruleset("mine", [rule(lambda x: -(-x), lambda x: x, name="neg_neg")])
-    >>> @given(programs(max_ops=4), st.data())
+    >>> @settings(max_examples=5, deadline=None)
+    ... @given(programs(max_ops=4), st.data())
     ... def fuzz(program, data):
     ...     args = data.draw(inputs_like(program.args, "exact"))
     ...     assert_same_results(program, *args, rulesets=[mine])
@@ -1171,7 +1220,16 @@ def _draw_ops(draw: Any, shapes: list[tuple], n_ops: int, kinds: Sequence[str], 
 
 @dataclasses.dataclass(frozen=True)
 class RandomProgram:
-    """A random JAX program drawn by :func:`programs`. Call it like a function; ``args`` gives its inputs."""
+    """A random JAX program drawn by :func:`programs`. Call it like a function; ``args`` gives its inputs.
+
+    Its ``repr`` is a listing, so a failing fuzz example reads as a program.
+
+    >>> from hypothesis import find, settings
+    >>> p = find(programs(), lambda p: len(p.ops) >= 2, settings=settings(database=None, max_examples=100))
+    >>> outs = p(*p.example_args())
+    >>> print(repr(p).splitlines()[0])  # doctest: +ELLIPSIS
+    RandomProgram(v0: float32[...
+    """
 
     inputs: tuple[tuple[int, ...], ...]
     dtype: Any
@@ -1247,8 +1305,9 @@ def programs(draw: Any, max_ops: int = 6, max_inputs: int = 3, dtype: Any = np.f
     leading axis and a ``cond``, each with a small random body. The program
     returns every value nothing else uses.
 
-    >>> from hypothesis import given
-    >>> @given(programs(max_ops=4))
+    >>> from hypothesis import given, settings
+    >>> @settings(max_examples=10, deadline=None)
+    ... @given(programs(max_ops=4))
     ... def runs(p):
     ...     out = p(*p.example_args())
     >>> runs()

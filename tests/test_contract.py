@@ -33,9 +33,8 @@ from rewrite.testing import (
     check_ruleset,
     inputs_like,
     programs,
+    soundness_of,
 )
-from rewrite.testing import _tolerance
-from rewrite._6_evaluate import entries_of
 
 from .corpus import corpus
 from .local_rulesets import local
@@ -86,7 +85,7 @@ def test_corpus_keeps_values_budget_and_cost(name, ruleset, program, fn, args):
 
 @pytest.mark.parametrize("name,ruleset", RULESETS, ids=IDS)
 def test_random_programs_keep_values_budget_and_cost(name, ruleset):
-    soundness, _ = _tolerance(entries_of([ruleset]))
+    soundness, _ = soundness_of([ruleset])
     changed = []
 
     @given(programs(), st.data())

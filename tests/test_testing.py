@@ -7,7 +7,6 @@ cover the primitives they claim and survive the round trip bit for bit.
 """
 
 import math
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -15,10 +14,9 @@ import numpy as np
 import pytest
 from hypothesis import find, given, settings
 from hypothesis import strategies as st
-from jax import lax
 from jax._src import core
 
-from rewrite import Pat, Ruleset, Tolerance, procedural, rewrite, rule
+from rewrite import Pat, Ruleset, Tolerance, procedural, rule
 from rewrite._report import count_eqns, primitive_counts
 from rewrite.testing import (
     VacuousCheckWarning,
