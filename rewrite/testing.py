@@ -35,6 +35,7 @@ from hypothesis import strategies as st
 from jax import lax
 from jax._src import core
 
+from . import _terms
 from ._1_trace import is_traced_leaf, trace
 from ._3_saturate import Limits
 from ._4_extract import _CONTAINERS, Extractor
@@ -720,23 +721,32 @@ def _recording(rule: Rule) -> tuple[Rule, list[int]]:
     return twin, roots
 
 
-def _forced(result: Result, closed: core.ClosedJaxpr, vids: Sequence[int]) -> core.ClosedJaxpr | None:
+def _forced(result: Result, closed: core.ClosedJaxpr, vids: Sequence[int], ctor: str | None = None
+            ) -> core.ClosedJaxpr | None:
     """The program with the rule's work taken wherever it acted, even where it costs more.
 
     Normal extraction keeps the input program on ties and when a rewrite
     costs more, so a rule such as ``x*y -> y*x`` would be compared with
-    itself. Here the node each matched name was made for is barred from its
-    class, so the class must be computed another way, which only the rule
-    can have added. ``None`` when no matched class has another way.
+    itself. Here the matched node is barred from each matched class, so the
+    class must be computed another way, which only the rule can have added.
+    The matched node is the node each name in ``vids`` was made for; for a
+    :class:`Pat` rule, whose recorded names are whatever names the matched
+    classes had, it is every node of the input program in those classes
+    with the pattern's constructor ``ctor``. ``None`` when no matched class
+    has another way.
     """
     eg, snap = result.egraph, result.snapshot
     barred: dict[Any, set] = {}
     for vid in vids:
         cls = snap.cls_of_name[vid]
-        node = eg.canonical(snap, vid)
-        if node is None or len(snap.nodes.get(cls, ())) < 2:
-            continue
-        barred.setdefault(cls, set()).add(node)
+        nodes = snap.nodes.get(cls, ())
+        if ctor is not None:
+            bar = {n for n in nodes if n[0] == ctor and n in (result.original or ())}
+        else:
+            node = eg.canonical(snap, vid)
+            bar = {node} if node is not None else set()
+        if bar and len(nodes) > len(bar):
+            barred.setdefault(cls, set()).update(bar)
     if not barred:
         return None
     ex = Extractor(snap, AnalyticCost())
@@ -744,6 +754,12 @@ def _forced(result: Result, closed: core.ClosedJaxpr, vids: Sequence[int]) -> co
     if any(r not in choice for r in result.roots or []):
         return None
     return emit(snap, choice, eg, closed.in_avals, result.roots, None, closed.jaxpr.debug_info)
+
+
+def _pat_ctor(pat: Any) -> str:
+    """The constructor of the node a :class:`Pat` matches at its root."""
+    special = {"proj": "Proj", "lit": "Lit", "opaque": "Opaque"}
+    return special.get(pat.prim) or _terms.BY_PRIM[pat.prim].ctor
 
 
 def _rewrite_case(rule: Rule, owner: Ruleset, fn: Callable[..., Any], avals: tuple[Any, ...],
@@ -769,7 +785,7 @@ def _rewrite_case(rule: Rule, owner: Ruleset, fn: Callable[..., Any], avals: tup
         why = ", ".join(f"{n} {k}" for k, n in sorted(stats.rejected.items())) or "no match"
         raise _NotExercised(f"did not fire ({why})")
     vids = roots if rule.is_pat else list(result.out_names or [])
-    after = _forced(result, traced.closed, vids)
+    after = _forced(result, traced.closed, vids, _pat_ctor(rule.lhs) if rule.is_pat else None)
     if after is None and rhs_program is not None:
         after = _trace_at(rhs_program, avals).closed
     if after is None:
@@ -833,7 +849,7 @@ def _failure(rule: Rule, owner: Ruleset, case: _Case, vals: Sequence[Any], want:
     lines = [f"rule {rule.name!r} [{owner.name}, {owner.soundness}] does not hold: {why}",
              f"  case {case.describe()}" + (" (inputs of the rule's example program)" if rule.is_pat else "")]
     for n, v in zip(case.names, vals):
-        lines.append(f"    {n} = {_show(v)}")
+        lines.append(f"    {n} = {_show(v, 7 + len(n))}")
     for i, (w, g) in enumerate(zip(want, got)):
         tag = f"[{i}]" if len(want) > 1 else ""
         lines.append(f"  original{tag}  = {_show(w, 14 + len(tag))}")

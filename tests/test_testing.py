@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from hypothesis import find, given, settings
 from hypothesis import strategies as st
+from jax import lax
 from jax._src import core
 
 from rewrite import Pat, Ruleset, Tolerance, procedural, rule
@@ -207,6 +208,19 @@ def test_pat_rules_are_checked_on_their_example_program():
                                                          (jnp.float32(0),)))], soundness="exact"))
     with pytest.raises(AssertionError, match=r"needs an example program: rule\(\.\.\., example=\(fn, args\)\)"):
         check_ruleset(Ruleset("pat", [_pat_rule()], soundness="identity"))
+
+
+def test_pat_rules_are_checked_inside_loop_bodies():
+    # The rule fires twice in the body: once on x * 1.0, and again after that class has merged
+    # with x. The check must take x, not bar both ways to compute it.
+    body = (lambda c0, xs: lax.scan(lambda c, x: (c + x * 1.0, jnp.sin(x * 1.0)), c0, xs),
+            (jax.ShapeDtypeStruct((3,), jnp.float32), jax.ShapeDtypeStruct((4, 3), jnp.float32)))
+    drop = procedural(lambda m: m["x"])
+    check_ruleset(Ruleset("g", [rule(Pat("mul", Pat.var("x"), Pat.lit(1.0)), drop, name="mul_one", example=body)]))
+    shift = procedural(lambda m: m.trace(lambda v: v + 1.0, m["x"]))
+    with pytest.raises(AssertionError, match=r"rule 'shift' .* does not hold[\s\S]*scan\["):
+        check_ruleset(Ruleset("b", [rule(Pat("mul", Pat.var("x"), Pat.lit(1.0)), shift, name="shift",
+                                         example=body)], soundness="fastmath"))
 
 
 # ---------------------------------------------------------------- values and comparison
