@@ -355,4 +355,4 @@ def test_corpus_keeps_every_bit_and_never_raises_cost():
         assert report.cost_after <= report.cost_before, name
         reports.append(report)
     args = [array_leaves(a) for _, _, a in programs]
-    Side(reports, args, [n for n, _, _ in programs]).check_exact(args)
+    Side(reports, args, [n for n, _, _ in programs], reference="corpus").check_exact(args)
