@@ -24,9 +24,8 @@ from hypothesis import strategies as st
 
 import rulesets
 from rewrite import Limits, Ruleset, explain, rule
-from rewrite._report import primitive_counts
 
-from .packcheck import Side, array_leaves, assert_close, corpus_programs, only
+from .packcheck import Side, array_leaves, corpus_programs, only
 
 ALGEBRA = rulesets.algebra
 FASTMATH = rulesets.fastmath
