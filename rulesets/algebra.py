@@ -474,6 +474,8 @@ algebra = Ruleset("algebra", [
     rule(lambda x: x + 0, lambda x: x, name="add_zero_int", when=_integer, example=_INT),     # x + 0 -> x  (integers only)
     rule(lambda x: (-0.0) - x, lambda x: -x, name="neg_zero_sub"),                             # (-0.0) - x -> -x
     rule(lambda x: 0 - x, lambda x: -x, name="zero_sub_int", when=_integer, example=_INT),    # 0 - x -> -x  (integers only)
+    rule(lambda x: x * 0, lambda x: jnp.zeros_like(x), name="mul_zero_int", when=_integer, example=_INT),  # x * 0 -> 0  (integers only)
+    rule(lambda x: x - x, lambda x: jnp.zeros_like(x), name="sub_self_int", when=_integer, example=_INT),  # x - x -> 0  (integers only)
     rule(lambda x: x * -1, lambda x: -x, name="mul_neg_one"),                                  # x * -1 -> -x
     rule(lambda x: -(-x), lambda x: x, name="neg_neg"),                                        # -(-x) -> x
     rule(lambda x, y: lax.sub(x, -y), lambda x, y: lax.add(x, y), name="sub_neg"),             # x - (-y) -> x + y

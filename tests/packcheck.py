@@ -28,6 +28,16 @@ from rewrite._1_trace import is_traced_leaf
 from .corpus import corpus
 
 
+def examples(ci: int) -> int:
+    """Hypothesis examples for a test whose every example checks many rules at once.
+
+    ``ci`` under the quick default profile; the ``thorough`` profile's count otherwise.
+    """
+    from hypothesis import settings
+
+    return ci if settings.default.max_examples <= 25 else settings.default.max_examples
+
+
 def specials(dtype: Any) -> list[Any]:
     """Values every exact rule must survive: signed zeros, infinities, NaN, subnormals, extremes."""
     dtype = np.dtype(dtype)

@@ -26,8 +26,8 @@ import rulesets
 from rewrite import Ruleset, explain, rule
 from rewrite._report import primitive_counts
 
-from .packcheck import (Side, array_leaves, arrays, assert_same_bits, corpus_programs, only, special_array,
-                        specials)
+from .packcheck import (Side, array_leaves, arrays, assert_same_bits, corpus_programs, examples, only,
+                        special_array, specials)
 
 ALGEBRA = rulesets.algebra
 F32, I32, BF16, F16, I8, BOOL = (np.dtype(t) for t in (np.float32, np.int32, jnp.bfloat16, np.float16, np.int8,
@@ -58,6 +58,10 @@ CASES = [
     ("neg_zero_sub", lambda x: -0.0 - x, [(F32, V)], "fires"),
     ("zero_sub_int", lambda x: 0 - x, [(I32, V)], "fires"),
     ("zero_sub_int", lambda x: 0.0 - x, [(F32, V)], "declines"),
+    ("mul_zero_int", lambda x: x * 0, [(I32, V)], "cheaper"),
+    ("mul_zero_int", lambda x: x * 0.0, [(F32, V)], "declines"),  # inf * 0 is NaN
+    ("sub_self_int", lambda x: (x + 3) - (x + 3), [(I32, V)], "cheaper"),
+    ("sub_self_int", lambda x: x - x, [(F32, V)], "declines"),  # inf - inf is NaN
     ("mul_neg_one", lambda x: x * -1.0, [(F32, V)], "fires"),
     ("mul_neg_one", lambda x: x * -1, [(I32, V)], "fires"),
     ("neg_neg", lambda x: -(-x), [(F32, V)], "cheaper"),
@@ -180,7 +184,7 @@ def test_rules_keep_every_bit_on_special_values():
         side.check_exact([_special_args(c[2], shift) for c in CASES], eager=True)
 
 
-@settings(max_examples=25)
+@settings(max_examples=examples(10))
 @given(data=st.data())
 def test_rules_keep_every_bit_on_random_inputs(data):
     args = [[data.draw(arrays(d, s)) for d, s in c[2]] for c in CASES]
@@ -221,7 +225,7 @@ def _sides(dtype_name: str):
 
 
 @pytest.mark.parametrize("dtype", list(_DTYPES))
-@settings(max_examples=10)
+@settings(max_examples=examples(5))
 @given(data=st.data())
 def test_two_function_rule_sides_agree(dtype, data):
     side, arity = _sides(dtype)
@@ -301,7 +305,7 @@ def test_folding_on_a_grid_of_special_literals(dtype):
     assert len(report.after.eqns) < len(report.before.eqns) // 2  # all but subnormal operands fold
 
 
-@settings(max_examples=6)
+@settings(max_examples=examples(6))
 @given(values=st.lists(st.floats(width=32), min_size=3, max_size=3))
 def test_folding_random_float_literals(values):
     values = [np.float32(v) for v in values]

@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 import rulesets
 from rewrite import Limits, Ruleset, explain, rule
 
-from .packcheck import Side, array_leaves, corpus_programs, only
+from .packcheck import Side, array_leaves, corpus_programs, examples, only
 
 ALGEBRA = rulesets.algebra
 FASTMATH = rulesets.fastmath
@@ -132,7 +132,7 @@ def _all_cases():
     return Side([_report(i) for i in range(len(CASES))], [c[2] for c in CASES], [c[0] for c in CASES])
 
 
-@settings(max_examples=25)
+@settings(max_examples=examples(15))
 @given(data=st.data())
 def test_rules_stay_within_tolerance_on_ordinary_values(data):
     args = [[data.draw(c[3](s)) for s in c[2]] for c in CASES]
