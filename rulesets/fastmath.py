@@ -25,7 +25,8 @@ from jax import lax
 
 from rewrite import Limits, Pat, Ruleset, Tolerance, procedural, rule
 
-__all__ = ["fastmath", "reassociate", "reciprocal", "cancel", "fuse_reductions", "distribute", "signed_zeros"]
+__all__ = ["fastmath", "reassociate", "reciprocal", "cancel", "fuse_reductions", "distribute", "powers",
+           "signed_zeros"]
 
 X = Pat.var("x")
 
@@ -146,6 +147,44 @@ distribute = Ruleset("distribute", [
     description="factor common multiplicands and divisors: values of one sign, within 1e-5 relative")
 
 
+# ---------------------------------------------------------------------- powers
+# rulesets.algebra folds only the powers whose rounding XLA's repeated
+# squaring reproduces exactly; these fold any, within a few roundings.
+_MAX_EXPONENT = 64
+
+
+def _base(m, n: int):
+    """The base x, unless folding to x^n could loop or leave the tolerance."""
+    x = m["x"]
+    if not _floating(x) or x.literal is not None or n == 0 or abs(n) > _MAX_EXPONENT:
+        return None
+    for cls, node in m.users(x):  # a class equal to its own square would gain x^2, x^4, ... forever
+        if cls.cls == x.cls and (node.prim == "square" or (node.prim == "integer_pow" and node.params["y"] != 1)
+                                 or (node.prim == "mul" and all(o.cls == x.cls for o in node.operands))):
+            return None
+    return x
+
+
+def _power(n_of):
+    @procedural
+    def power(m):
+        n = n_of(m)
+        x = _base(m, n)
+        return None if x is None else m.trace(lambda v: lax.integer_pow(v, n), x)
+    return power
+
+
+powers = Ruleset("powers", [
+    rule(Pat("integer_pow", Pat("integer_pow", X, params="p"), params="q"),
+         _power(lambda m: m.params("p")["y"] * m.params("q")["y"]), name="pow_pow_any"),        # (x^a)^b -> x^(a*b)
+    rule(Pat("mul", Pat("integer_pow", X, params="p"), Pat("integer_pow", X, params="q")),
+         _power(lambda m: m.params("p")["y"] + m.params("q")["y"]), name="mul_pows_any"),        # x^a * x^b -> x^(a+b)
+    rule(Pat("mul", X, Pat("integer_pow", X, params="q")),
+         _power(lambda m: m.params("q")["y"] + 1), name="mul_x_pow_any"),                         # x * x^a -> x^(a+1)
+], soundness="fastmath", tolerance=Tolerance(rtol=2e-6, atol=0.0),
+    description="fold products and powers of powers: a few roundings, exponents up to 64")
+
+
 # ---------------------------------------------------------------------- signed_zeros
 signed_zeros = Ruleset("signed_zeros", [
     rule(lambda x: x + 0.0, lambda x: x, name="add_zero", when=_floating),                 # x + 0.0 -> x  (-0.0 + 0.0 is +0.0)
@@ -155,6 +194,6 @@ signed_zeros = Ruleset("signed_zeros", [
     description="ignore the sign of zero: equal as numbers, -0.0 may become +0.0")
 
 
-fastmath = Ruleset("fastmath", [reassociate, reciprocal, cancel, fuse_reductions, distribute, signed_zeros],
+fastmath = Ruleset("fastmath", [reassociate, reciprocal, cancel, fuse_reductions, distribute, powers, signed_zeros],
                    soundness="fastmath", tolerance=Tolerance(rtol=1e-5, atol=1e-6),
                    description="every fastmath toggle")

@@ -191,6 +191,18 @@ def test_rules_keep_every_bit_on_random_inputs(data):
     _all_cases().check_exact(args)
 
 
+@pytest.mark.parametrize("folded,direct", [
+    (lambda x: (x ** 3) ** 2, lambda x: x ** 6),
+    (lambda x: x ** 2 * x ** 3, lambda x: x ** 5),
+    (lambda x: (x ** -2) ** 2, lambda x: x ** -4),
+], ids=["(x^3)^2 vs x^6", "x^2*x^3 vs x^5", "(x^-2)^2 vs x^-4"])
+def test_integer_pow_foldings_left_out_are_not_exact(folded, direct):
+    """Why pow_pow and mul_pows decline these: XLA's repeated squaring rounds them differently."""
+    x = jax.random.uniform(jax.random.PRNGKey(0), (4096,), minval=0.5, maxval=2.0)
+    both = jax.jit(lambda x: (folded(x), direct(x)))(x)
+    assert (np.asarray(both[0]) != np.asarray(both[1])).any()
+
+
 # ---------------------------------------------------------------------- two-function rules, side by side
 # lhs(x) against rhs(x) under jit at several dtypes: the rule's claim itself,
 # whatever the extractor picks. All rules of one dtype share two compilations.

@@ -29,7 +29,7 @@ from .packcheck import Side, array_leaves, corpus_programs, examples, only
 
 ALGEBRA = rulesets.algebra
 FASTMATH = rulesets.fastmath
-TOGGLES = ["reassociate", "reciprocal", "cancel", "fuse_reductions", "distribute", "signed_zeros"]
+TOGGLES = ["reassociate", "reciprocal", "cancel", "fuse_reductions", "distribute", "powers", "signed_zeros"]
 V, M = (7,), (4, 5)
 
 
@@ -87,6 +87,10 @@ CASES = [
     ("factor_sub", lambda a, b, c: a * b - a * c, [V, V, V], positive, "cheaper"),
     ("factor_div", lambda a, b, c: a / c + b / c, [V, V, V], positive, "cheaper"),
     ("sum_scalar_mul", lambda x, s: jnp.sum(x * s[0]), [M, (1,)], positive, "cheaper"),
+    ("pow_pow_any", lambda x: (x ** 3) ** 2, [V], positive, "cheaper"),
+    ("pow_pow_any", lambda x: (x ** -2) ** 3, [V], positive, "cheaper"),
+    ("mul_pows_any", lambda x: x ** 2 * x ** 3, [V], positive, "cheaper"),
+    ("mul_x_pow_any", lambda x: x * x ** 6, [V], positive, "cheaper"),
     ("add_zero", lambda x: x + 0.0, [V], ordinary, "cheaper"),
     ("zero_sub", lambda x: 0.0 - x, [V], ordinary, "fires"),
     ("neg_sub", lambda a, b: -(a - b), [V, V], ordinary, "cheaper"),
