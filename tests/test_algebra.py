@@ -331,6 +331,24 @@ def test_folding_random_float_literals(values):
     assert_same_bits(after(x), before(x), context="folding (eager)")
 
 
+def test_float64_programs():
+    """With x64 enabled: float64 folding, the f32 -> f64 -> f32 round trip, identities at float64."""
+    with jax.enable_x64(True):
+        def f(x, y):
+            wide = x.astype(jnp.float64).astype(jnp.float32)          # convert_convert -> x
+            folded = y * (jnp.float64(0.1) + jnp.float64(0.2))       # fold_add, in float64
+            return wide, -(-folded) * 1, jnp.float64(1e300) * jnp.float64(1e10) + y  # overflow folds to inf
+
+        x = special_array(F32, (24,))
+        y = special_array(np.float64, (24,), shift=5)
+        report = explain(f, x, y, rulesets=[ALGEBRA])
+        assert {"convert_convert", "fold_add", "fold_mul", "neg_neg", "mul_one"} <= set(report.fired), report.fired
+        assert report.after.eqns and all(e.primitive.name != "convert_element_type" for e in report.after.eqns)
+        after = jax.jit(jax.extend.core.jaxpr_as_fun(report.after))
+        before = jax.jit(jax.extend.core.jaxpr_as_fun(report.before))
+        assert_same_bits(after(x, y), before(x, y), context="float64")
+
+
 # ---------------------------------------------------------------------- composition
 def test_user_rule_matches_through_commutation():
     """A user rule written for 2*sin(x)*cos(x) matches cos(x)*(sin(x)*2) once algebra adds commutativity."""
