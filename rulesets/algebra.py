@@ -19,6 +19,14 @@ with ``jit`` there, and constant folding declines subnormal operands and
 results altogether. Folding also declines float16/bfloat16, which XLA may
 compute with excess precision. Anything only approximately true belongs in
 ``rulesets.fastmath``.
+
+>>> import jax.numpy as jnp, rulesets
+>>> from rewrite import explain
+>>> report = explain(lambda x: -(-x) * 1 + (x ** 2) ** 2, jnp.ones(3), rulesets=[rulesets.algebra])
+>>> sorted(report.fired)
+['add_comm', 'add_neg', 'mul_comm', 'mul_one', 'neg_neg', 'pow_pow', 'pow_two']
+>>> [e.primitive.name for e in report.after.eqns]
+['square', 'square', 'add']
 """
 
 from __future__ import annotations

@@ -149,6 +149,15 @@ def _special_args(specs, shift=0):
     return [special_array(d, s, shift=shift * (k + 1)) for k, (d, s) in enumerate(specs)]
 
 
+def test_importing_a_pack_module_keeps_the_pack_name_bound_to_its_ruleset():
+    import importlib
+    import sys
+
+    importlib.import_module("rulesets.algebra")
+    setattr(rulesets, "algebra", sys.modules["rulesets.algebra"])  # what the import system does
+    assert rulesets.algebra is ALGEBRA and isinstance(rulesets.BUILTIN["algebra"], Ruleset)
+
+
 def test_every_rule_has_a_case():
     covered = {c[0] for c in CASES} | {r.name for r in _FOLD_RULES}
     assert {r.name for r in ALGEBRA} - covered == set()
