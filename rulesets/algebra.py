@@ -26,7 +26,7 @@ compute with excess precision. Anything only approximately true belongs in
 >>> sorted(report.fired)
 ['add_comm', 'add_neg', 'mul_comm', 'mul_one', 'neg_neg', 'pow_pow', 'pow_two']
 >>> [e.primitive.name for e in report.after.eqns]
-['square', 'square', 'add']
+['integer_pow', 'add']
 """
 
 from __future__ import annotations
