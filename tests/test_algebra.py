@@ -337,7 +337,9 @@ def test_folding_random_float_literals(values):
     program = _folding_program(values, F32)
     x = jnp.zeros((), F32)
     report = _explain_quietly(program, x, rulesets=[_FOLD_RULES])
-    assert report.fired.get("fold_add", 0) >= 1
+    tiny = 2 * float(np.finfo(np.float32).tiny)
+    if all(v == 0 or not abs(v) < tiny for v in values):  # near-subnormal operands are declined
+        assert report.fired.get("fold_add", 0) >= 1
     after = jax.extend.core.jaxpr_as_fun(report.after)
     before = jax.extend.core.jaxpr_as_fun(report.before)
     assert_same_bits(jax.jit(after)(x), jax.jit(before)(x), context="folding (jit)")
