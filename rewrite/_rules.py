@@ -592,7 +592,9 @@ class Ruleset:
     ``"identity"`` (true in real arithmetic; within ``tolerance`` on finite
     inputs) or ``"fastmath"`` (may change results; within ``tolerance`` on
     ordinary values). A composite keeps each part's class, and its parts are
-    reachable as attributes.
+    reachable as attributes. ``limits`` (a :class:`rewrite.Limits`) sets the
+    back-off of this ruleset's own rules: how many new matches one may act on
+    per iteration (``matches``) before it is banned, and for how long (``ban``).
 
     >>> import jax.numpy as jnp
     >>> from rewrite import rule, Ruleset
