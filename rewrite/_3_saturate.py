@@ -46,6 +46,8 @@ class Limits:
     (nodes, names, facts and matches together). ``seconds``: wall time for
     saturation. ``matches``: new matches a rule may act on in one iteration
     before it is banned for ``ban`` iterations (both double on each ban).
+    A :class:`Ruleset` given ``limits=`` uses its ``matches`` and ``ban`` for
+    its own rules instead; the run's limits bound everything else.
 
     >>> from rewrite import Limits
     >>> Limits(seconds=2.0).iterations
@@ -103,7 +105,10 @@ class Engine:
                 args = " ".join([q.root] + [v for v, _ in q.binds])
                 lines.append(f'(rule ({q.text}) (({rel} {args})) :ruleset match :name "{rel}")')
                 rels.append((rel, q.binds))
-            self.active.append(_Active(rule, owner, rels, allowance=limits.matches, ban_length=limits.ban))
+            # A ruleset may set its own back-off (say, a tighter allowance for
+            # associativity); the run's limits govern everything else.
+            backoff = owner.limits if owner.limits is not None else limits
+            self.active.append(_Active(rule, owner, rels, allowance=backoff.matches, ban_length=backoff.ban))
             self.stats[rule.name] = RuleStats()
         egraph.declare("\n".join(lines))
 

@@ -202,6 +202,8 @@ class Pat:
     matches, with any params; ``name`` binds the node's class and ``params``
     its params. Primitives with list operands (``select_n``, ``concatenate``)
     take a Python list or a single ``Pat.var`` bound to the whole list.
+    ``Pat.lit(2.0)`` matches a literal of that value (of any dtype), and
+    ``Pat.lit(name="c")`` any literal, for rules that compute with constants.
     Primitives with bodies take ``body=``/``bodies=`` names. ``Pat.proj(p, i)``
     matches component ``i`` (an int, or a name to bind it) of a multi-result
     node.
@@ -238,7 +240,8 @@ class Pat:
         return p
 
     @classmethod
-    def lit(cls, value: Any, name: str | None = None) -> "Pat":
+    def lit(cls, value: Any = None, name: str | None = None) -> "Pat":
+        """A literal scalar: of this value, or any literal when ``value`` is ``None``."""
         p = cls("lit", name=name)
         p.value = value
         return p
@@ -295,7 +298,8 @@ def compile_pat(pat: Pat) -> tuple[Query, list[str]]:
             return v
         if p.prim == "lit":
             v = qb.fresh("t")
-            qb.atoms.append(f"(= {v} (Lit {LITERALS.intern_value(p.value)} {qb.fresh('d')}))")
+            value = qb.fresh("k") if p.value is None else LITERALS.intern_value(p.value)
+            qb.atoms.append(f"(= {v} (Lit {value} {qb.fresh('d')}))")
             return bind(p.name, v, "Term")
         if p.prim == "proj":
             of = walk(p.operands[0])

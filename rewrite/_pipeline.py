@@ -46,6 +46,7 @@ class Result:
     snapshot: Any = None
     roots: list | None = None
     original: set | None = None
+    out_names: list | None = None  # the V names of the program's outputs, for checks that extract their own way
 
 
 def run_pipeline(traced: Traced, entries: Sequence[tuple[Rule, Ruleset]], model: CostModel, limits: Limits,
@@ -91,7 +92,7 @@ def run_pipeline(traced: Traced, entries: Sequence[tuple[Rule, Ruleset]], model:
         iterations=engine.iterations, rows=snap.num_rows, times=times, stats=dict(engine.stats),
         rewritten=ex.rewritten, warnings=list(engine.warnings),
         egraph=eg if keep else None, choice=ex.choice if keep else None, snapshot=snap if keep else None,
-        roots=roots if keep else None, original=original if keep else None,
+        roots=roots if keep else None, original=original if keep else None, out_names=list(outs) if keep else None,
     )
 
 

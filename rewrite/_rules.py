@@ -112,7 +112,8 @@ class Rule:
 
     def __init__(self, name: str, lhs: Any, rhs: Any, when: Callable[..., bool] | None,
                  example: tuple[Any, ...] | None, var_names: list[str], queries: list[Query],
-                 probes: list[tuple[Any, ...]], manual_queries: list[Query] | None = None) -> None:
+                 probes: list[tuple[Any, ...]], manual_queries: list[Query] | None = None,
+                 program: tuple[Callable[..., Any], tuple[Any, ...]] | None = None) -> None:
         self.name = name
         self.lhs = lhs
         self.rhs = rhs
@@ -122,6 +123,9 @@ class Rule:
         self.queries = queries
         self.manual_queries = manual_queries or []  # extra variants for shard_map bodies
         self.probes = probes
+        #: For a :class:`Pat` rule, ``(fn, avals)``: a program the rule applies in, given with
+        #: ``example=``, on which :func:`rewrite.testing.check_ruleset` exercises the rule.
+        self.program = program
         self._traced: dict[tuple, Any] = {}
 
     @property
@@ -174,6 +178,13 @@ def rule(lhs: Any, rhs: Any, *, name: str, when: Callable[..., bool] | None = No
     Without it the sides are traced at float32 scalars, vectors, matrices and
     rank-3 arrays, and the rule must hold at every one of them that it traces at.
 
+    A :class:`Pat` left-hand side has no function to trace, so ``example``
+    is instead a pair ``(fn, args)``: a program in which the rule applies and
+    its arguments (arrays or ``jax.ShapeDtypeStruct``, one per argument of
+    ``fn``). It is traced once, to fail early, and kept as ``rule.program``
+    for :func:`rewrite.testing.check_ruleset`, which rewrites that program
+    with the rule alone and compares it with the original on drawn inputs.
+
     >>> import jax.numpy as jnp
     >>> from rewrite import rule
     >>> r = rule(lambda x: 2 * jnp.sin(x) * jnp.cos(x), lambda x: jnp.sin(2 * x), name="double_angle")
@@ -182,6 +193,18 @@ def rule(lhs: Any, rhs: Any, *, name: str, when: Callable[..., bool] | None = No
     >>> rule(lambda x: x.sum(0), lambda x: x, name="bad")  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ValueError: rule 'bad': rhs gives f32[3], lhs gives f32[]...
+
+    A procedural rule over a :class:`Pat`, with an example program:
+
+    >>> import jax
+    >>> from rewrite import Pat, procedural
+    >>> @procedural
+    ... def sum_of_neg(m):
+    ...     return m.trace(lambda x: -jnp.sum(x, axis=tuple(m.params("r")["axes"])), m["x"])
+    >>> r = rule(Pat("reduce_sum", Pat("neg", Pat.var("x")), params="r"), sum_of_neg, name="sum_of_neg",
+    ...          example=(lambda x: jnp.sum(-x, axis=0), (jax.ShapeDtypeStruct((3, 4), jnp.float32),)))
+    >>> r.program[1]
+    (ShapedArray(float32[3,4]),)
     """
     if not isinstance(name, str) or not name.strip():
         raise ValueError("rule(): name= must be a non-empty string")
@@ -195,7 +218,8 @@ def rule(lhs: Any, rhs: Any, *, name: str, when: Callable[..., bool] | None = No
             query, names = compile_pat(lhs)
         except PatternError as e:
             raise ValueError(f"rule {name!r}: {e}") from None
-        return Rule(name, lhs, rhs, when, None, names, [query], [])
+        program = _example_program(name, example) if example is not None else None
+        return Rule(name, lhs, rhs, when, None, names, [query], [], program=program)
     if not callable(lhs):
         raise ValueError(f"rule {name!r}: lhs is not callable (got {type(lhs).__name__})")
     if not isinstance(rhs, Procedure) and not callable(rhs):
@@ -282,6 +306,28 @@ def _probes(name: str, names: list[str], example: Any) -> list[tuple[Any, ...]]:
         except AttributeError:
             raise ValueError(f"rule {name!r}: example= entries need .shape and .dtype, got {type(x).__name__}") from None
     return [tuple(avals)]
+
+
+def _example_program(name: str, example: Any) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+    """Validate a Pat rule's ``example=(fn, args)`` and return ``(fn, avals)``."""
+    if not (isinstance(example, (tuple, list)) and len(example) == 2 and callable(example[0])):
+        raise ValueError(f"rule {name!r}: a Pat rule's example= is a pair (fn, args): a program the rule "
+                         "applies in and its example arguments")
+    fn, args = example
+    if not isinstance(args, (tuple, list)):
+        args = (args,)
+    avals = []
+    for x in args:
+        try:
+            avals.append(core.ShapedArray(tuple(x.shape), np.dtype(x.dtype), weak_type=getattr(x, "weak_type", False)))
+        except AttributeError:
+            raise ValueError(f"rule {name!r}: example= arguments need .shape and .dtype, got {type(x).__name__}") from None
+    try:
+        trace_at(fn, avals)
+    except Exception as e:
+        raise ValueError(f"rule {name!r}: the example program cannot be traced at "
+                         f"({', '.join(_short(a) for a in avals)}): {e}") from None
+    return fn, tuple(avals)
 
 
 def _guard_allows(when: Callable[..., bool], avals: Sequence[Any]) -> bool:
@@ -578,7 +624,9 @@ class Ruleset:
     ``"identity"`` (true in real arithmetic; within ``tolerance`` on finite
     inputs) or ``"fastmath"`` (may change results; within ``tolerance`` on
     ordinary values). A composite keeps each part's class, and its parts are
-    reachable as attributes.
+    reachable as attributes. ``limits`` (a :class:`rewrite.Limits`) sets the
+    back-off of this ruleset's own rules: how many new matches one may act on
+    per iteration (``matches``) before it is banned, and for how long (``ban``).
 
     >>> import jax.numpy as jnp
     >>> from rewrite import rule, Ruleset
