@@ -512,6 +512,8 @@ def sink_inputs(m: Match) -> Any:
 
 def _sink(m: Match, recompute: str | None, depth: int) -> tuple[Any, list[tuple[Value, Value]]] | None:
     loop = _Loop(m)
+    if not loop.projections():
+        return None  # nothing reads this loop (a backward loop whose results are all dropped, say)
     loop.recompute = recompute
     reach = _Reach(loop.s.cls)
     memo: dict[Any, Value] = {}
@@ -536,7 +538,7 @@ def _sink(m: Match, recompute: str | None, depth: int) -> tuple[Any, list[tuple[
     outs = m.trace(lambda *a: tuple(body(*a)), *[drop.get(p, params[p]) for p in range(len(loop.args))])
     outs = list(outs) if isinstance(outs, tuple) else [outs]
     res, where = loop.build(drop_xs=tuple(drop), body_outs=outs, _rw_sunk=depth + 1)
-    return res[0].name, loop.handover(res, where)
+    return tuple(v.name for v in res), loop.handover(res, where)
 
 
 # ---------------------------------------------------------------------- lifting carry-independent outputs
