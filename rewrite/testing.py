@@ -42,6 +42,7 @@ from ._4_extract import _CONTAINERS, Extractor
 from ._5_emit import emit
 from ._6_evaluate import entries_of, rewrite
 from ._cost import AnalyticCost
+from ._intern import TupleType
 from ._pipeline import Result, run_pipeline
 from ._programs import RandomProgram, programs
 from ._rules import SOUNDNESS, Procedure, Rule, Ruleset, Tolerance, Value, _short
@@ -712,7 +713,9 @@ def _recording(rule: Rule) -> tuple[Rule, list[int]]:
     def record(m: Any) -> Any:
         out = proc(m)
         if isinstance(out, list):
-            roots.extend(a.name for a, _ in out)
+            # A rule that replaces a loop hands its outputs over (the pairs), and the loop itself
+            # (the matched class, a tuple) is what must not be taken any more.
+            roots.extend([m.root.name] * bool(out) + [a.name for a, _ in out])
         elif out is not None:
             roots.append(m.root.name)
         return out
@@ -746,7 +749,9 @@ def _forced(result: Result, closed: core.ClosedJaxpr, vids: Sequence[int], ctor:
         else:
             node = eg.canonical(snap, vid)
             bar = {node} if node is not None else set()
-        if bar and len(nodes) > len(bar):
+        # A multi-result node (a loop) is barred even though its class has no other node: its
+        # projections must then come from what the rule built, or the roots cannot be computed.
+        if bar and (len(nodes) > len(bar) or isinstance(snap.aval(cls), TupleType)):
             barred.setdefault(cls, set()).update(bar)
     if not barred:
         return None
