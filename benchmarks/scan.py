@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from typing import Any, Callable
 
 import jax
@@ -30,9 +29,9 @@ from jax.ad_checkpoint import checkpoint_name
 import rulesets
 from benchmarks.harness import MiB, Row, measure
 from rewrite import AnalyticCost, rewrite
+from rulesets.scan import make
 
 SCAN = rulesets.scan
-scan_pack = sys.modules["rulesets.scan"]
 NAMED_H = "h"
 
 
@@ -121,8 +120,8 @@ def rnn_case(batch: int):
     grad = {
         "standard": jax.grad(rnn_mse),
         "rewritten": jax.grad(rewrite(rnn_mse, rulesets=[SCAN])),
-        "rewritten, remat=nothing": jax.grad(rewrite(rnn_mse, rulesets=[scan_pack.make(remat="nothing")])),
-        "rewritten, remat=None": jax.grad(rewrite(rnn_mse, rulesets=[scan_pack.make(remat=None)])),
+        "rewritten, remat=nothing": jax.grad(rewrite(rnn_mse, rulesets=[make(remat="nothing")])),
+        "rewritten, remat=None": jax.grad(rewrite(rnn_mse, rulesets=[make(remat=None)])),
         "rewrite(grad)": rewrite(jax.grad(rnn_mse), rulesets=[SCAN]),
         "rewrite(grad), stacked=100": rewrite(jax.grad(rnn_mse), rulesets=[SCAN], cost_model=AnalyticCost(stacked=100.0)),
         "hand: accumulator": jax.grad(rnn_accumulator),

@@ -37,12 +37,12 @@ steps. Measurements are in ``benchmarks/results/scan.md``.
 >>> import jax, jax.numpy as jnp
 >>> from jax import lax
 >>> from rewrite import rewrite
->>> from rulesets.scan import scan   # or: import rulesets; rulesets.scan
+>>> import rulesets
 >>> def loss(h0, xs, y):
 ...     _, ys = lax.scan(lambda h, x: (jnp.tanh(h + x), h * x), h0, xs)
 ...     return jnp.mean((ys - y) ** 2)
 >>> h0, xs, y = jnp.ones(64), jnp.ones((16, 64)), jnp.zeros((16, 64))
->>> fast = rewrite(loss, rulesets=[scan])
+>>> fast = rewrite(loss, rulesets=[rulesets.scan])
 >>> bool(jnp.allclose(fast(h0, xs, y), loss(h0, xs, y), rtol=1e-5))
 True
 >>> [e.primitive.name for e in fast.jaxpr(h0, xs, y).eqns]  # no stacked output, no reduction outside
