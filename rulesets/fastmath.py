@@ -58,6 +58,17 @@ def _floating(*xs) -> bool:
     return all(jnp.issubdtype(x.dtype, jnp.floating) for x in xs)
 
 
+# Zero is an ordinary value, and a division by it is not: x/x -> 1 would turn 0/0 (NaN) into
+# 1, and a/c + b/c -> (a + b)/c turns 0/0 + 1/0 (NaN) into 1/0 (inf). Rules that cancel or
+# merge divisions ask for a divisor that the facts prove nonzero.
+def _nonzero_float(x) -> bool:
+    return _floating(x) and x.nonzero
+
+
+def _nonzero_divisor(a, b, c) -> bool:
+    return _floating(a, b, c) and c.nonzero
+
+
 # ---------------------------------------------------------------------- reassociate
 # Associativity in both directions, with algebra's commutativity, reaches
 # every bracketing and order of a chain: exponential in its length. So these
@@ -116,7 +127,7 @@ reciprocal = Ruleset("reciprocal", [
 # ---------------------------------------------------------------------- cancel
 cancel = Ruleset("cancel", [
     rule(lambda x: x - x, lambda x: jnp.zeros_like(x), name="sub_self", when=_floating),   # x - x -> 0  (not for inf, NaN)
-    rule(lambda x: x / x, lambda x: jnp.ones_like(x), name="div_self", when=_floating),    # x / x -> 1  (not for 0, inf, NaN)
+    rule(lambda x: x / x, lambda x: jnp.ones_like(x), name="div_self", when=_nonzero_float),  # x / x -> 1, x != 0  (not for inf, NaN)
     rule(lambda x: x * 0, lambda x: jnp.zeros_like(x), name="mul_zero", when=_floating),   # x * 0 -> 0  (not for inf, NaN; sign of zero)
 ], soundness="fastmath", tolerance=Tolerance(rtol=0.0, atol=0.0),
     description="cancel x-x, x/x, x*0: exact on finite nonzero values, wrong for inf and NaN")
@@ -185,7 +196,7 @@ distribute = Ruleset("distribute", [
     rule(lambda a, b, c: lax.sub(lax.mul(a, b), lax.mul(a, c)), lambda a, b, c: lax.mul(a, lax.sub(b, c)),
          name="factor_sub", when=_floating),  # a*b - a*c -> a*(b - c)
     rule(lambda a, b, c: lax.add(lax.div(a, c), lax.div(b, c)), lambda a, b, c: lax.div(lax.add(a, b), c),
-         name="factor_div", when=_floating),  # a/c + b/c -> (a + b)/c
+         name="factor_div", when=_nonzero_divisor),  # a/c + b/c -> (a + b)/c, c != 0
     rule(Pat("reduce_sum", Pat("mul", X, Pat.var("s")), params="p"), _pull_scalar_out_of_sum,
          name="sum_scalar_mul", example=_ex_sum_scalar_mul),                                       # sum(x * s) -> sum(x) * s  (scalar s)
 ], soundness="fastmath", tolerance=Tolerance(rtol=1e-5, atol=1e-6),
