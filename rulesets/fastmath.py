@@ -125,10 +125,24 @@ reciprocal = Ruleset("reciprocal", [
 
 
 # ---------------------------------------------------------------------- cancel
+def _not_visibly_nonfinite(x) -> bool:
+    """Fastmath may assume finite values, but not against a constant that is plainly inf or NaN."""
+    c = x.constant
+    return c is None or bool(np.all(np.isfinite(c)))
+
+
+def _cancellable(x) -> bool:
+    return _floating(x) and _not_visibly_nonfinite(x)
+
+
+def _cancellable_nonzero(x) -> bool:
+    return _nonzero_float(x) and _not_visibly_nonfinite(x)
+
+
 cancel = Ruleset("cancel", [
-    rule(lambda x: x - x, lambda x: jnp.zeros_like(x), name="sub_self", when=_floating),   # x - x -> 0  (not for inf, NaN)
-    rule(lambda x: x / x, lambda x: jnp.ones_like(x), name="div_self", when=_nonzero_float),  # x / x -> 1, x != 0  (not for inf, NaN)
-    rule(lambda x: x * 0, lambda x: jnp.zeros_like(x), name="mul_zero", when=_floating),   # x * 0 -> 0  (not for inf, NaN; sign of zero)
+    rule(lambda x: x - x, lambda x: jnp.zeros_like(x), name="sub_self", when=_cancellable),   # x - x -> 0  (not for inf, NaN)
+    rule(lambda x: x / x, lambda x: jnp.ones_like(x), name="div_self", when=_cancellable_nonzero),  # x / x -> 1, x != 0  (not for inf, NaN)
+    rule(lambda x: x * 0, lambda x: jnp.zeros_like(x), name="mul_zero", when=_cancellable),   # x * 0 -> 0  (not for inf, NaN; sign of zero)
 ], soundness="fastmath", tolerance=Tolerance(rtol=0.0, atol=0.0),
     description="cancel x-x, x/x, x*0: exact on finite nonzero values, wrong for inf and NaN")
 

@@ -23,7 +23,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import rulesets
-from rewrite import Limits, Ruleset, explain, rule
+from rewrite import Limits, Ruleset, explain, rewrite, rule
 
 from .packcheck import Side, array_leaves, corpus_programs, examples, only
 
@@ -239,3 +239,12 @@ def test_corpus_stays_close_and_never_raises_cost():
     names = [n for n, _, _ in programs]
     close = [None if n == "float64_free_literals" else (1e-3, 1e-3) for n in names]
     Side(reports, args, names, reference="corpus").check_close(args, close)
+
+
+def test_cancel_leaves_visible_infinities_alone():
+    # fastmath may assume finite values, but not for a constant that is plainly inf or NaN
+    report = explain(lambda x: x * 0 + jnp.float32(jnp.inf) * 0 + (jnp.float32(jnp.nan) - jnp.float32(jnp.nan)),
+                     jnp.ones(3), rulesets=[rulesets.fastmath.cancel])
+    assert report.fired == {"mul_zero": 1}  # only x * 0
+    assert np.isnan(np.asarray(rewrite(lambda x: jnp.float32(jnp.inf) * 0 + x, rulesets=[rulesets.fastmath.cancel])(
+        jnp.ones(3)))).all()
