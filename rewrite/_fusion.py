@@ -18,11 +18,14 @@ an extractor's choice:
 * An operation whose inputs are larger than its output and that some
   consumer cannot absorb is stored, not duplicated
   (``ComputeGloballyUnfusible``).
-* A floating ``reduce_sum``/``reduce_max``/``reduce_min`` becomes a library
-  reduction that absorbs only plain arithmetic (``mul``, ``add``, ``sub``,
-  ``neg``, broadcasts); a transcendental feeding it is computed in a loop of
-  its own and stored, even when another loop recomputes it. This is why
-  JAX's VJP of ``sin(a*x)**2/a`` evaluates ``sin(a*x)`` twice.
+* A floating ``reduce_sum``/``reduce_max``/``reduce_min`` of 4096 elements
+  or more becomes a library (YNN) reduction that absorbs only plain
+  arithmetic (``mul``, ``add``, ``sub``, ``neg``, broadcasts) that it alone
+  reads; a transcendental feeding it is computed in a loop of its own and
+  stored, even when another loop recomputes it. This is why JAX's VJP of
+  ``sin(a*x)**2/a`` evaluates ``sin(a*x)`` twice. (Smaller reductions are
+  loop fusions that absorb anything; XLA may also merge sibling ones, which
+  the model does not.)
 * ``sin`` and ``cos`` of one argument in one loop cost about one of them
   (LLVM merges them into ``sincos``).
 
@@ -48,6 +51,8 @@ bessel_i1e""".split())
 #: What a library (YNN) reduction fusion absorbs from its producers.
 LIBRARY_OK = frozenset("add sub mul neg max min broadcast_in_dim reshape squeeze convert_element_type".split())
 LIBRARY_REDUCTIONS = frozenset("reduce_sum reduce_max reduce_min".split())
+#: Smaller reductions stay ordinary loop fusions (measured: 2048 elements do, 4096 do not).
+LIBRARY_MIN_ELEMENTS = 4096
 #: Layout and index operations a loop fusion computes from its inputs' elements.
 _LOOP_OTHER = frozenset("broadcast_in_dim reshape squeeze rev transpose slice pad concatenate iota dynamic_slice "
                         "dynamic_update_slice".split())
@@ -259,7 +264,8 @@ def _kind_of(op: Op) -> str:
     if op.family in (_terms.ELEMENTWISE, _terms.TRANSCENDENTAL) or op.prim in _LOOP_OTHER or elementwise_call(op):
         return LOOP
     if op.family == _terms.REDUCE:
-        if op.prim in LIBRARY_REDUCTIONS and op.in_avals and _is_float(op.in_avals[0]):
+        if (op.prim in LIBRARY_REDUCTIONS and op.in_avals and _is_float(op.in_avals[0])
+                and _size(op.in_avals[0]) >= LIBRARY_MIN_ELEMENTS):
             return LIBRARY
         return REDUCE
     return OTHER
