@@ -11,7 +11,9 @@ computes the primal output nobody reads. The rules here undo that.
   of ``mul``, ``div``, ``neg`` and ``integer_pow``; :func:`simplify`
   combines its leaves: equal bases add their exponents (``x**-2 * x**2``; a
   cancellation only where the base is known non-zero), ``sin(x)*cos(x)``
-  becomes ``sin(2x)/2``, several ``exp`` become one, literals fold; and the
+  becomes ``sin(2x)/2``, ``sinh(x)/cosh(x)`` becomes ``tanh(x)``,
+  ``exp(x)/(1+exp(x))`` becomes ``logistic(x)`` (the derivatives of
+  ``log cosh`` and ``softplus``), several ``exp`` become one, literals fold; and the
   replacement keeps every subtree the change did not touch (:func:`pieces`),
   so the rest of the program, and what XLA stores, stays as it was. One
   procedural rule per product primitive does this, so no commutativity or
@@ -213,13 +215,14 @@ class Simplified:
 
     tree: Factor
     drop: set[int]
-    new: list[tuple[str, Any, int]]   # (kind, value or [(k, value)], power); kind "v", "sin2" or "exp"
+    new: list[tuple[str, Any, int]]   # (kind, value or [(k, value)], power); kind "exp" or one of _DERIVED
     coeff: float
     changes: list[str]
 
 
 def simplify(tree: Factor, *, fastmath: bool = False) -> Simplified:
-    """Combine a product's leaves: powers of one base, ``sin(x)*cos(x)``, several ``exp``, literals.
+    """Combine a product's leaves: powers of one base, ``sin(x)*cos(x)``, ``sinh(x)/cosh(x)``,
+    ``exp(x)/(1+exp(x))``, several ``exp``, literals.
 
     Powers of opposite signs cancel only when the base is known to be
     non-zero (a fact), or under ``fastmath``; otherwise the positive and the
@@ -284,6 +287,55 @@ def simplify(tree: Factor, *, fastmath: bool = False) -> Simplified:
             out.new.append(("sin2", arg, -kn))
             out.coeff *= 2.0 ** kn
         out.changes.append("double_angle")
+    # sinh(x) / cosh(x) = tanh(x), one cheap function for two costly ones.
+    coshes = {}
+    for name, (v, pos, neg) in power.items():
+        c = _node(v, "cosh")
+        if c is not None:
+            coshes[c.operands[0].name] = name
+    for name, (v, pos, neg) in list(power.items()):
+        sh = _node(v, "sinh")
+        if sh is None or sh.operands[0].name not in coshes:
+            continue
+        cname = coshes[sh.operands[0].name]
+        cv, cpos, cneg = power[cname]
+        k, k2 = min(pos, cneg), min(neg, cpos)
+        if not (k or k2) or cv.aval != v.aval:
+            continue
+        power[name] = (v, pos - k, neg - k2)
+        power[cname] = (cv, cpos - k2, cneg - k)
+        for f in bases[name] + bases[cname]:
+            out.drop.add(id(f))
+        if k - k2:
+            out.new.append(("tanh", sh.operands[0], k - k2))
+        out.changes.append("tanh")
+    # exp(x) / (1 + exp(x)) = logistic(x), and 1 / (1 + exp(x)) = logistic(-x).
+    for name, (v, pos, neg) in list(power.items()):
+        add = _node(v, "add") if neg else None
+        if add is None or len(add.operands) != 2:
+            continue
+        a, b = add.operands
+        other = b if a.literal == 1.0 else a if b.literal == 1.0 else None
+        ex = _node(other, "exp") if other is not None and other.aval == v.aval else None
+        if ex is None:
+            continue
+        arg = ex.operands[0]
+        k = min(neg, power[other.name][1]) if other.name in power else 0
+        for f in bases[name]:
+            out.drop.add(id(f))
+        if k:
+            ov, opos, oneg = power[other.name]
+            power[other.name] = (ov, opos - k, oneg)
+            for f in bases[other.name]:
+                out.drop.add(id(f))
+            out.new.append(("logistic", arg, k))
+        if neg - k:
+            inner = _node(arg, "neg")
+            # 1 / (1 + exp(-y)) is logistic(y) itself
+            out.new.append(("logistic", inner.operands[0], neg - k) if inner is not None
+                           else ("logistic_neg", arg, neg - k))
+        power[name] = (v, pos, 0)
+        out.changes.append("logistic")
     # Every exp in one: exp(a)^i * exp(b)^j = exp(i*a + j*b).
     exps = []
     for name, (v, pos, neg) in power.items():
@@ -306,6 +358,16 @@ def simplify(tree: Factor, *, fastmath: bool = False) -> Simplified:
             if neg:
                 out.new.append(("v", v, -neg))
     return out
+
+
+#: How a replacement factor is computed from its argument.
+_DERIVED: dict[str, Callable[[Any], Any]] = {
+    "v": lambda x: x,
+    "sin2": lambda x: jnp.sin(2 * x),
+    "tanh": jnp.tanh,
+    "logistic": lax.logistic,
+    "logistic_neg": lambda x: lax.logistic(-x),
+}
 
 
 def _power(b: Any, k: int) -> Any:
@@ -334,7 +396,7 @@ def build(m: Any, coeff: float, kept: list[tuple[Value, int]], new: list[tuple[s
                 base = jnp.exp(arg)
             else:
                 x = next(it)
-                base = jnp.sin(2 * x) if kind == "sin2" else x
+                base = _DERIVED[kind](x)
             (num if e > 0 else den).append(_power(base, abs(e)))
         top, bottom = _prod(num), _prod(den)
         if top is None and bottom is None:
@@ -537,7 +599,7 @@ explog = Ruleset("derivatives_explog", [
 ], soundness="identity")
 
 products = Ruleset("derivatives_products", [
-    rule(Pat("mul", X, Y), _normalize(False), name="prod_mul"),                                             # x*y: powers of one base, sin·cos -> sin 2x / 2, exp·exp
+    rule(Pat("mul", X, Y), _normalize(False), name="prod_mul"),                                             # x*y: powers, sin·cos -> sin 2x / 2, sinh/cosh -> tanh, exp/(1+exp) -> σ, exp·exp
     rule(Pat("div", X, Y), _normalize(False), name="prod_div"),                                             # x/y: the same, across the division
     rule(Pat("integer_pow", X), _normalize(False), name="prod_pow"),                                        # x**n of a product
 ], soundness="identity")

@@ -159,6 +159,9 @@ CASES = [
     ("prod_mul", lambda x, y: (jnp.exp(x) + 1.0) * (y / (jnp.exp(x) + 1.0)), [S, S], "any"),  # exp(x) < inf
     ("prod_div", lambda x, y: (y * (jnp.abs(x) + 1.0)) / (jnp.abs(x) + 1.0), [S, S], "wide"),
     ("prod_div", lambda x: 1.0 / (jnp.sin(x) * jnp.cos(x)), [S], "moderate"),
+    ("prod_div", lambda x, g: (g * jnp.sinh(x)) / (2.0 * jnp.cosh(x)), [S, S], "any"),       # tanh
+    ("prod_mul", lambda x, g: (g / (1.0 + jnp.exp(x))) * jnp.exp(x), [S, S], "any"),        # logistic
+    ("prod_div", lambda x, g: g / (1.0 + jnp.exp(-x)) + g / (jnp.exp(x) + 1.0), [S, S], "wide"),
     ("prod_pow", lambda x: (x * x) ** 3, [S], "moderate"),
     ("red_pull", lambda x, b: jnp.sum(x * b[None, :], axis=0), [S, V], "sum"),
     ("red_pull", lambda x, b: jnp.sum(-(2.0 * x) / b[None, :] * b[None, :] ** 2, axis=0), [S, V], "pos"),
