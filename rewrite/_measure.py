@@ -182,6 +182,25 @@ def pin_duplicates(closed: core.ClosedJaxpr, model: AnalyticCost) -> core.Closed
     return core.ClosedJaxpr(new, closed.consts)
 
 
+def _outside_traces(fn: Callable[..., Any], *args: Any) -> Any:
+    """Run ``fn`` on a fresh thread: a rewrite often happens while an outer ``jit`` or ``grad`` is tracing,
+    and JAX's trace state is per thread, so arrays made there are concrete and programs really run."""
+    box: dict[str, Any] = {}
+
+    def work() -> None:
+        try:
+            box["value"] = fn(*args)
+        except BaseException as e:  # re-raised on the caller's thread
+            box["error"] = e
+
+    t = threading.Thread(target=work, name="rewrite-measure")
+    t.start()
+    t.join()
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
 def choose(model: Measured, programs: Sequence[core.ClosedJaxpr]) -> tuple[core.ClosedJaxpr, Timing]:
     """Time ``programs`` (cheapest predicted first), plus a pinned variant of the first; return the fastest."""
     programs = list(programs[: model.top_k])
@@ -198,7 +217,7 @@ def choose(model: Measured, programs: Sequence[core.ClosedJaxpr]) -> tuple[core.
         found = _CACHE.get(key)
     if found is not None:
         return programs[found], Timing([None] * len(programs), found, labels, cached=True)
-    seconds = time_programs(programs, model)
+    seconds = _outside_traces(time_programs, programs, model)
     ok = [(s, i) for i, s in enumerate(seconds) if s is not None]
     chosen = min(ok)[1] if ok else 0
     with _LOCK:
