@@ -86,18 +86,30 @@ class Program:
 
     @classmethod
     def from_jaxpr(cls, closed: Any, node_cost: Callable[[Any], float] | None = None) -> "Program":
-        """The top-level equations of a ``ClosedJaxpr`` (bodies are costed whole by ``node_cost``)."""
+        """The top-level equations of a ``ClosedJaxpr`` (bodies are costed whole by ``node_cost``).
+
+        Equal equations are one operation, as after XLA's common-subexpression
+        elimination: ``sin(a*x) * cos(a*x)`` traces ``a*x`` twice, and XLA
+        computes it once, and the two functions of it as one ``sincos``.
+        """
         from jax._src import core
 
         from ._cost import NodeInfo
+        from ._intern import PARAMS
 
         ops: list[Op] = []
         env: dict[Any, int] = {}
+        seen: dict[tuple, int] = {}
+
+        lits: dict[tuple, int] = {}
 
         def read(atom: Any) -> int:
             if isinstance(atom, core.Literal):
-                ops.append(Op("literal", _terms.SPECIAL, {}, (), (), (atom.aval,)))
-                return len(ops) - 1
+                key = (repr(atom.val), str(atom.aval))
+                if key not in lits:
+                    ops.append(Op("literal", _terms.SPECIAL, {}, (), (), (atom.aval,)))
+                    lits[key] = len(ops) - 1
+                return lits[key]
             return env[atom]
 
         jaxpr = closed.jaxpr
@@ -106,10 +118,16 @@ class Program:
             env[v] = len(ops) - 1
         for eqn in jaxpr.eqns:
             args = tuple(read(a) for a in eqn.invars)
+            if not eqn.effects and len(eqn.outvars) == 1:
+                key = (PARAMS.intern_params(eqn.primitive, eqn.params), args)
+                if key in seen:
+                    env[eqn.outvars[0]] = seen[key]
+                    continue
+                seen[key] = len(ops)
             spec = _terms.BY_PRIM.get(eqn.primitive.name)
             family = spec.family if spec is not None else _terms.OPAQUE
             outs = tuple(v.aval for v in eqn.outvars)
-            op = Op(eqn.primitive.name, family, eqn.params, args, tuple(a.aval for a in eqn.invars), outs)
+            op = Op(eqn.primitive.name, family, eqn.params, args, tuple(a.aval for a in eqn.invars), outs, key=eqn)
             if _kind_of(op) == OTHER and node_cost is not None:
                 op.own = float(node_cost(NodeInfo(op.prim, family, eqn.params, op.in_avals, outs)))
             ops.append(op)

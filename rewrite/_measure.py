@@ -155,15 +155,9 @@ def pin_duplicates(closed: core.ClosedJaxpr, model: AnalyticCost) -> core.Closed
     prog = Program.from_jaxpr(closed, model)
     homes, _ = model.fusion_model().fuse(prog)
     jaxpr = closed.jaxpr
-    # Program ops and equations line up: inputs first, then each equation (plus literal and projection ops).
-    eqn_of_op: dict[int, core.JaxprEqn] = {}
-    it = iter(jaxpr.eqns)
-    for i, op in enumerate(prog.ops):
-        if op.prim in ("param", "literal", "proj"):
-            continue
-        eqn_of_op[i] = next(it)
-    pinned = {eqn_of_op[i].outvars[0] for i, hs in homes.items()
-              if len(hs) > 1 and prog.ops[i].family == _terms.TRANSCENDENTAL and i in eqn_of_op}
+    pinned = {prog.ops[i].key.outvars[0] for i, hs in homes.items()
+              if len(hs) > 1 and prog.ops[i].family == _terms.TRANSCENDENTAL
+              and isinstance(prog.ops[i].key, core.JaxprEqn)}
     if not pinned:
         return None
     subst: dict[Any, Any] = {}

@@ -63,9 +63,11 @@ def test_fusion_model_predicts_transcendentals_xla_computes(fn):
 def test_fusion_model_ranks_the_seed_variants():
     model = AnalyticCost()
     price = {f.__name__: model.program(Program.from_jaxpr(jax.make_jaxpr(f)(*ARGS), model))
-             for f in (jax_vjp, shared, double_angle, split)}
-    # sin(ax) twice (JAX) or three times (hand-written) loses to sin(ax) once plus sin(2ax) once
-    assert price["split"] < price["jax_vjp"] < min(price["shared"], price["double_angle"])
+             for f in (jax_vjp, shared, double_angle, split, reference)}
+    # sin(ax) twice (JAX) or three times (hand-written) loses to sin(ax) once plus sin(2ax) once;
+    # the reference, one loop with sin and cos of one argument (after CSE: a*x is traced twice), wins.
+    assert price["reference"] < price["split"] < price["jax_vjp"] < min(price["shared"], price["double_angle"])
+    assert price["jax_vjp"] / price["reference"] > 1.6  # measured: 1.7-1.9x
 
 
 def test_measured_mode_times_candidates_and_caches():
