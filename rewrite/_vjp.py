@@ -15,7 +15,10 @@ two and wrapped in a ``jax.custom_vjp``:
   keeping only the inputs and recomputing, keeping every value the forward
   computes that the backward reads, or any set in between that a greedy
   descent finds cheaper, each priced as two programs that XLA compiles
-  apart (``AnalyticCost.program``).
+  apart (``AnalyticCost.program``), in two uses weighted alike: a training
+  step, which reads the outputs, and ``jax.grad``, which drops them (and
+  XLA the forward work only they needed). Both the joint extraction and
+  one for the gradients alone are tried.
 * Without differentiation, the primal function runs: the forward program
   extracted on its own, so inference pays nothing for the backward pass.
 
@@ -338,31 +341,25 @@ class RewrittenVJP(Rewritten):
             cls = eg.lookup("Param", [eg.int_value(0), eg.int_value(i)])
             if cls is not None:
                 params[i] = cls
-        choice = res.choice
         model = self.cost_model
         t0 = time.perf_counter()
         considered: list[Split] = []
-        if prices_programs(model):
-            ex = Extractor(snap, model)
-            pricer = ProgramPricer(ex, model)
-
-            def price(residuals: list[Any]) -> float:
-                fwd_cost = pricer(choice, list(f_roots) + list(residuals))
-                from ._fusion import Program
-
-                prog = Program.from_choice(ex, choice, b_roots, lambda c, nd: pricer.own(c, nd, choice),
-                                           pricer._templates, inputs=frozenset(residuals))
-                return fwd_cost + pricer.fusion(prog)
-        else:
-            ex = Extractor(snap, model)
-
-            def price(residuals: list[Any]) -> float:
-                stop = set(residuals)
-                b = scope_classes(snap, choice, b_roots, stop) - stop
-                f = scope_classes(snap, choice, list(f_roots) + list(residuals))
-                return sum(ex.own(c, *choice[c], choice) for c in b | f if choice[c][0] not in ("TNil", "TCons"))
-
-        split = choose_residuals(snap, choice, f_roots, b_roots, params, n, price, considered)
+        # Two extractions: for a training step (outputs and gradients both used) and for the gradients
+        # alone (jax.grad drops the value, and XLA the forward work only the value needed). Each split is
+        # priced in both uses, weighted alike, and the cheapest (choice, split) wins.
+        ex = Extractor(snap, model)
+        tree = ex.tree()[1]
+        grads_only = extract(snap, b_roots, model, res.original).choice
+        best: tuple[float, dict, Split] | None = None
+        for name, choice in (("joint", res.choice), ("gradients", {**tree, **grads_only})):
+            price = self._pricer(snap, choice, f_roots, b_roots)
+            tried: list[Split] = []
+            split = choose_residuals(snap, choice, f_roots, b_roots, params, n, price, tried)
+            considered += [dataclasses.replace(t, policy=f"{name}:{t.policy}") for t in tried]
+            if best is None or split.cost < best[0]:
+                best = (split.cost, choice, dataclasses.replace(split, policy=f"{name}:{split.policy}"))
+        assert best is not None
+        _, choice, split = best
         times["residuals"] = time.perf_counter() - t0
         fwd, bwd = emit_split(snap, choice, eg, in_avals, ct_avals, f_roots, b_roots, split.residuals)
         # The primal function alone: extracted for the outputs only, so inference skips the backward pass.
@@ -371,6 +368,34 @@ class RewrittenVJP(Rewritten):
         check_signature(closed, forward)
         fn = custom_vjp_function(forward, fwd, bwd, n, dif_in, dif_out)
         return VJPResult(forward, fwd, bwd, split, considered, res, dif_in, dif_out, fn, times)
+
+    def _pricer(self, snap: Any, choice: dict, f_roots: Sequence[Any], b_roots: Sequence[Any]
+                ) -> Callable[[list[Any]], float]:
+        """The price of a split of ``choice``: a training step's plus a gradient alone's."""
+        model = self.cost_model
+        ex = Extractor(snap, model)
+        if prices_programs(model):
+            from ._fusion import Program
+
+            pricer = ProgramPricer(ex, model)
+
+            def program(roots: Sequence[Any], inputs: frozenset = frozenset()) -> float:
+                prog = Program.from_choice(ex, choice, roots, lambda c, nd: pricer.own(c, nd, choice),
+                                           pricer._templates, inputs=inputs)
+                return pricer.fusion(prog)
+        else:
+            def program(roots: Sequence[Any], inputs: frozenset = frozenset()) -> float:
+                stop = set(inputs)
+                cs = scope_classes(snap, choice, roots, stop) - stop
+                return sum(ex.own(c, *choice[c], choice) for c in cs)
+
+        def price(residuals: list[Any]) -> float:
+            bwd = program(b_roots, frozenset(residuals))
+            train = program(list(f_roots) + list(residuals))
+            alone = program(list(residuals)) if residuals else 0.0
+            return train + alone + 2 * bwd
+
+        return price
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         _, flat, (traced, result) = self._prepare(args, kwargs)
