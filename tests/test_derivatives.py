@@ -186,7 +186,7 @@ def test_rule_keeps_values(name, fn, shapes, domain):
     before, programs, owner = programs_using(fn, args, name)
     elements = DOMAINS[domain]
 
-    @settings(max_examples=10)
+    @settings(max_examples=8)
     @given(st.tuples(*[hnp.arrays(F32, s, elements=elements) for s in shapes]))
     def prop(inputs):
         for p in programs:
