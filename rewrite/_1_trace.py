@@ -10,6 +10,7 @@ activation function, a string, a dtype) are static, as under
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any, Callable, Sequence
 
@@ -109,8 +110,59 @@ def trace(fn: Callable[..., Any], specs: Sequence[Any], in_tree: Any, stat_args:
         out_tree_box.append((out_tree, out_static))
         return [v for v in out_leaves if is_traced_leaf(v)]
 
-    sds = [jax.ShapeDtypeStruct(s.shape, s.dtype, weak_type=getattr(s, "weak_type", False))
-           for s, d in zip(specs, dynamic) if d]
-    closed = jax.make_jaxpr(flat_fn)(*sds)
+    avals = [s for s, d in zip(specs, dynamic) if d]
+    with _context(avals):
+        closed = jax.make_jaxpr(flat_fn)(*[spec_of(a) for a in avals])
     out_tree, out_static = out_tree_box[-1]
     return Traced(closed, in_tree, out_tree, dynamic, out_static)
+
+
+def spec_of(aval: Any) -> Any:
+    """A ``ShapeDtypeStruct`` that traces exactly like ``aval``: weak type, and inside a
+    ``shard_map`` body its manual mesh and varying axes too."""
+    kwargs: dict[str, Any] = {"weak_type": bool(getattr(aval, "weak_type", False))}
+    mesh = _mesh_of(aval)
+    if mesh is not None:
+        kwargs["sharding"] = aval.sharding
+        kwargs["manual_axis_type"] = getattr(aval, "manual_axis_type", None)
+    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, **kwargs)
+
+
+def _mesh_of(aval: Any) -> Any:
+    sharding = getattr(aval, "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    return mesh if mesh is not None and getattr(mesh, "axis_names", ()) else None
+
+
+@contextlib.contextmanager
+def _context(avals: Sequence[Any]):
+    """Enter the mesh context these avals were made in, if they carry a mesh.
+
+    With explicit sharding, every value's type names the mesh, and values made
+    inside the trace (a broadcast literal, say) take the context's mesh; inside
+    a ``shard_map`` body JAX also tracks which manual axes each value varies
+    over and inserts ``pvary``. Tracing without the right context gives values
+    of another type than the program's.
+    """
+    from jax._src import config
+    from jax._src.mesh import AxisType
+    from jax.sharding import use_abstract_mesh
+
+    mesh = next((m for m in map(_mesh_of, avals) if m is not None), None)
+    if mesh is None:
+        yield
+        return
+    manual = tuple(n for n, t in zip(mesh.axis_names, mesh.axis_types) if t == AxisType.Manual)
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(use_abstract_mesh(mesh))
+        if manual:
+            varying = any(getattr(getattr(a, "manual_axis_type", None), "varying", None) for a in avals)
+            stack.enter_context(core.extend_axis_env_nd([(n, mesh.shape[n]) for n in manual]))
+            stack.enter_context(config._check_vma(bool(varying)))
+        yield
+
+
+def trace_at(fn: Callable[..., Any], avals: Sequence[Any]) -> core.ClosedJaxpr:
+    """``jax.make_jaxpr(fn)`` at exactly these avals (see :func:`spec_of`)."""
+    with _context(avals):
+        return jax.make_jaxpr(fn)(*[spec_of(a) for a in avals])

@@ -16,7 +16,7 @@ present in the e-graph (:class:`rewrite._pattern.Verifier`).
 
 from __future__ import annotations
 
-from typing import Any, Protocol, Sequence
+from typing import Any, NamedTuple, Protocol, Sequence
 
 import numpy as np
 from jax._src import core
@@ -25,6 +25,15 @@ from . import _terms
 from ._intern import EFFECTS, PARAMS, TYPES
 
 TOKEN_AVAL = core.abstract_token
+
+
+class Origin(NamedTuple):
+    """Where an equation came from, kept so that what is emitted from it can say the same:
+    its source location, and its context (the abstract mesh inside a shard_map body, say),
+    which ``eval_jaxpr`` re-enters when it binds the equation."""
+
+    source_info: Any
+    ctx: Any
 
 
 class Builder(Protocol):
@@ -79,10 +88,10 @@ def _constant(b: Builder, value: Any, aval: Any) -> Any:
 def load_eqn(eqn: core.JaxprEqn, args: list[Any], b: Builder, token: Any) -> tuple[list[Any], Any]:
     prim = eqn.primitive
     name = prim.name
-    source = eqn.source_info
+    source = Origin(eqn.source_info, eqn.ctx)
     out_avals = [v.aval for v in eqn.outvars]
 
-    if eqn.effects:
+    if side_effects(eqn.effects):
         if token is None:
             raise Unsupported(f"effectful '{name}' where no effect token is threaded")
         pid = PARAMS.intern_params(prim, eqn.params)
@@ -97,18 +106,18 @@ def load_eqn(eqn: core.JaxprEqn, args: list[Any], b: Builder, token: Any) -> tup
         return outs, token
 
     loader = _NESTED.get(name)
+    spec = _terms.BY_PRIM.get(name)
     if loader is not None:
         try:
             return loader(eqn, args, b, source), token
         except Unsupported:
-            pass  # kept whole, as an opaque node
+            spec = None  # kept whole, as an opaque node
 
-    spec = _terms.BY_PRIM.get(name)
     if spec is not None and _fits(spec, args):
         if name == "convert_element_type" and _is_literal_retype(eqn):
             lit = eqn.invars[0]
             return [b.literal(np.asarray(lit.val, dtype=out_avals[0].dtype), out_avals[0])], token
-        pid = PARAMS.intern_params(prim, eqn.params)
+        pid = _intern(eqn)
         fixed = spec.layout.count("T")
         cargs: list[Any] = list(args[:fixed])
         if "L" in spec.layout:
@@ -118,11 +127,17 @@ def load_eqn(eqn: core.JaxprEqn, args: list[Any], b: Builder, token: Any) -> tup
             return _project(b, b.term(spec.ctor, cargs, TYPES.intern_tuple(tuple(out_avals)), source), out_avals, source), token
         return [b.term(spec.ctor, cargs, TYPES.intern_aval(out_avals[0]), source)], token
 
-    pid = PARAMS.intern_params(prim, eqn.params)
+    pid = _intern(eqn)
     if prim.multiple_results:
         tup = b.term("Opaque", [b.tlist(args), pid], TYPES.intern_tuple(tuple(out_avals)), source)
         return _project(b, tup, out_avals, source), token
     return [b.term("Opaque", [b.tlist(args), pid], TYPES.intern_aval(out_avals[0]), source)], token
+
+
+def side_effects(effects: Any) -> set[Any]:
+    """The effects that order matters for. A ``NamedAxisEffect`` only records that a
+    collective names a mesh axis (``psum`` inside ``shard_map``): such equations are pure."""
+    return {e for e in effects if not isinstance(e, core.NamedAxisEffect)}
 
 
 def _fits(spec: _terms.OpSpec, args: list[Any]) -> bool:
@@ -136,6 +151,13 @@ def _is_literal_retype(eqn: core.JaxprEqn) -> bool:
     out = eqn.outvars[0].aval
     return (isinstance(x, core.Literal) and x.aval.dtype == out.dtype and x.aval.shape == out.shape == ()
             and eqn.params.get("sharding") is None)
+
+
+def _intern(eqn: core.JaxprEqn) -> int:
+    pid = PARAMS.intern_params(eqn.primitive, eqn.params)
+    if eqn.effects:
+        EFFECTS.setdefault(pid, eqn.effects)  # axis-name effects, re-attached when emitted
+    return pid
 
 
 def _project(b: Builder, tup: Any, avals: Sequence[Any], source: Any) -> list[Any]:

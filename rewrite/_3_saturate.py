@@ -21,17 +21,19 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import logging
 import time
 from typing import Any, Callable, Sequence
 
 import jax
 
+from ._1_trace import trace_at
 from ._2_load import Unsupported, load_closed
 from ._egraph import EGraph, Snapshot
 from ._intern import TYPES
 from ._pattern import present
-from ._rules import Body, Match, Procedure, Rule, Ruleset, Value, _short, _spec
+from ._rules import Body, Match, Procedure, Rule, Ruleset, Value, _short
 
 log = logging.getLogger("rewrite")
 
@@ -44,6 +46,8 @@ class Limits:
     (nodes, names, facts and matches together). ``seconds``: wall time for
     saturation. ``matches``: new matches a rule may act on in one iteration
     before it is banned for ``ban`` iterations (both double on each ban).
+    A :class:`Ruleset` given ``limits=`` uses its ``matches`` and ``ban`` for
+    its own rules instead; the run's limits bound everything else.
 
     >>> from rewrite import Limits
     >>> Limits(seconds=2.0).iterations
@@ -81,7 +85,8 @@ class _Active:
 class Engine:
     """The state of one saturation: the e-graph, the active rules, and what the rules see."""
 
-    def __init__(self, egraph: EGraph, entries: Sequence[tuple[Rule, Ruleset]], limits: Limits) -> None:
+    def __init__(self, egraph: EGraph, entries: Sequence[tuple[Rule, Ruleset]], limits: Limits,
+                 manual: bool = False) -> None:
         self.egraph = egraph
         self.limits = limits
         self.stats: dict[str, RuleStats] = collections.OrderedDict()
@@ -92,14 +97,17 @@ class Engine:
         lines = ["(ruleset match)"]
         for i, (rule, owner) in enumerate(entries):
             rels = []
-            for j, q in enumerate(rule.queries):
+            for j, q in enumerate(rule.queries + (rule.manual_queries if manual else [])):
                 rel = f"M{i}_{j}"
                 sorts = ["Term"] + [s for _, s in q.binds]
                 lines.append(f"(relation {rel} ({' '.join(sorts)}))")
                 args = " ".join([q.root] + [v for v, _ in q.binds])
                 lines.append(f'(rule ({q.text}) (({rel} {args})) :ruleset match :name "{rel}")')
                 rels.append((rel, q.binds))
-            self.active.append(_Active(rule, owner, rels, allowance=limits.matches, ban_length=limits.ban))
+            # A ruleset may set its own back-off (say, a tighter allowance for
+            # associativity); the run's limits govern everything else.
+            backoff = owner.limits if owner.limits is not None else limits
+            self.active.append(_Active(rule, owner, rels, allowance=backoff.matches, ban_length=backoff.ban))
             self.stats[rule.name] = RuleStats()
         egraph.declare("\n".join(lines))
 
@@ -230,7 +238,8 @@ class Engine:
         got = TYPES[self.egraph.vtype[out]]
         if want != got:
             stats.rejected["type"] += 1
-            msg = (f"rule {rule.name!r} built {_short(got)} for a match of type {_short(want)}"
+            g, w = (_short(got), _short(want)) if _short(got) != _short(want) else (repr(got), repr(want))
+            msg = (f"rule {rule.name!r} built {g} for a match of type {w}"
                    + (f" at inputs ({', '.join(_short(a) for a in avals)})" if avals else "") + "; skipped")
             if msg not in self.warnings:
                 self.warnings.append(msg)
@@ -311,14 +320,15 @@ class Engine:
         return tuple(self._fresh(eg.term("Proj", [tup, i], TYPES.intern_aval(a))) for i, a in enumerate(out_avals))
 
     def insert_traced(self, fn: Callable[..., Any], inputs: Sequence[Value]) -> Any:
-        closed = jax.make_jaxpr(fn)(*[_spec(v.aval) for v in inputs])
+        closed = trace_at(fn, [v.aval for v in inputs])
         outs, _ = load_closed(closed, [v.name for v in inputs], self.egraph)
         vals = [Value(TYPES[self.egraph.vtype[o]], o, None, self) for o in outs]
         return vals[0] if len(vals) == 1 else tuple(vals)
 
 
+@functools.lru_cache(maxsize=None)
 def _primitive(name: str) -> Any:
-    """The JAX primitive called ``name`` (those the term table knows, and any seen in a loaded program)."""
+    """The JAX primitive called ``name``: one seen in a loaded program, or one of lax's."""
     from ._intern import PARAMS
 
     for i in range(len(PARAMS)):

@@ -18,10 +18,12 @@ from typing import Any, Sequence
 
 import numpy as np
 from jax._src import core, source_info_util
+from jax._src.literals import TypedNdArray
 from jax._src.interpreters import partial_eval as pe
 
 from . import _terms
 from ._egraph import Snapshot
+from ._2_load import side_effects
 from ._intern import EFFECTS, PARAMS, TYPES, TupleType
 from ._rules import literal_value
 
@@ -91,7 +93,9 @@ class _Scope:
         if ctor == "Lit":
             lit_id, type_id = args
             aval = TYPES[type_id]
-            return core.Literal(np.asarray(literal_value(lit_id, aval.dtype), dtype=aval.dtype), aval)
+            # TypedNdArray, as JAX's own tracer makes literals: it keeps the exact dtype and weak type.
+            value = TypedNdArray(np.asarray(literal_value(lit_id, aval.dtype), dtype=aval.dtype), aval)
+            return core.Literal(value, aval)
         if ctor == "Const":
             (h,) = args
             var = self._const_index.get(h)
@@ -108,14 +112,13 @@ class _Scope:
         pid = args[-1]
         prim = PARAMS.prim(pid)
         params = dict(PARAMS.params(pid))
-        source = em.source(cls)
+        source, ctx = em.origin(cls)
         out_t = snap.aval(cls)
         out_avals = list(out_t) if isinstance(out_t, TupleType) else [out_t]
-        effects: Any = core.no_effects
+        effects: Any = EFFECTS.get(pid, core.no_effects)
         if ctor == "Effect":
             invars = [self.env[a] for a in snap.list_items(args[1])]
             out_avals = out_avals[:-1]
-            effects = em.effects_of(pid)
         elif ctor == "Opaque":
             invars = [self.env[a] for a in snap.list_items(args[0])]
         else:
@@ -123,11 +126,12 @@ class _Scope:
             invars = [self.env[a] for a in self._children(ctor, args)]
             if spec.family == _terms.NESTED:
                 params = self._nested_params(spec, args, params, len(out_avals), len(invars))
+                effects = _nested_effects(spec.prim, params)
         # Keys starting with _rw_ are annotations that rules keep on nodes; JAX never sees them.
         params = {k: v for k, v in params.items() if not k.startswith("_rw_")}
         outvars = [core.Var(a) for a in out_avals]
         self.effects |= set(effects)
-        self.eqns.append(core.new_jaxpr_eqn(invars, outvars, prim, params, effects, source))
+        self.eqns.append(core.new_jaxpr_eqn(invars, outvars, prim, params, effects, source, ctx))
         if ctor == "Effect":
             return outvars + [_TOKEN]
         if isinstance(out_t, TupleType):
@@ -161,12 +165,11 @@ class Emitter:
         self.egraph = egraph
         self.consts = egraph.consts
 
-    def source(self, cls: Any) -> Any:
-        src = self.egraph.vsource[self.snap.name(cls)]
-        return src if src is not None else source_info_util.new_source_info()
-
-    def effects_of(self, pid: int) -> Any:
-        return EFFECTS[pid]
+    def origin(self, cls: Any) -> tuple[Any, Any]:
+        origin = self.egraph.vsource[self.snap.name(cls)]
+        if origin is None:
+            return source_info_util.new_source_info(), None
+        return origin.source_info, origin.ctx
 
     def param_aval(self, scope: int, index: int) -> Any:
         cls = self.egraph.lookup("Param", [self.egraph.int_value(scope), self.egraph.int_value(index)])
@@ -181,14 +184,15 @@ class Emitter:
         outvars = sc.atoms(self.snap.list_items(outs))
         if any(o is _TOKEN for o in outvars):
             raise EmitError("a body cannot return an effect token")
-        if sc.effects:
-            raise EmitError("a loaded body acquired effects")
+        if side_effects(sc.effects):
+            raise EmitError("a loaded body acquired side effects")
+        effects = core.join_effects(*(e.effects for e in sc.eqns)) if sc.eqns else core.no_effects
         invars = [params[i] for i in order]
         if not closed:
             if sc.constvars:
                 raise EmitError("a shard_map body cannot hold constants")
-            return core.Jaxpr([], invars, outvars, sc.eqns, core.no_effects, _BODY_DEBUG)
-        jaxpr = core.Jaxpr(sc.constvars, invars, outvars, sc.eqns, core.no_effects, _BODY_DEBUG)
+            return core.Jaxpr([], invars, outvars, sc.eqns, effects, _BODY_DEBUG)
+        jaxpr = core.Jaxpr(sc.constvars, invars, outvars, sc.eqns, effects, _BODY_DEBUG)
         return core.ClosedJaxpr(jaxpr, sc.consts)
 
     def program(self, in_avals: Sequence[Any], outs: Sequence[Any], token: Any, debug_info: Any) -> core.ClosedJaxpr:
@@ -201,6 +205,18 @@ class Emitter:
                            core.join_effects(*(e.effects for e in sc.eqns)) if sc.eqns else core.no_effects,
                            debug_info)
         return core.ClosedJaxpr(jaxpr, sc.consts)
+
+
+def _nested_effects(prim: str, params: dict) -> Any:
+    """A nested equation's effects: its bodies', less the axes a shard_map binds itself."""
+    bodies = [params[k] for k in ("jaxpr", "cond_jaxpr", "body_jaxpr") if k in params] + list(params.get("branches", ()))
+    effects = set()
+    for b in bodies:
+        effects |= set(b.effects)
+    if prim == "shard_map":
+        bound = params.get("newly_manual_axes", frozenset())
+        effects = {e for e in effects if not (isinstance(e, core.NamedAxisEffect) and e.name in bound)}
+    return effects
 
 
 def dce(closed: core.ClosedJaxpr) -> core.ClosedJaxpr:

@@ -35,11 +35,41 @@ log = logging.getLogger("rewrite")
 
 
 class RewriteWarning(UserWarning):
-    """The rewriter could not finish and kept (part of) the original program."""
+    """The rewriter could not finish and kept (part of) the original program.
+
+    Issued for an internal failure (the original program then runs; with
+    ``strict=True`` or ``REWRITE_STRICT=1`` it raises instead) and for a rule
+    that built a value of the wrong type or raised (skipped at that match).
+
+    >>> import warnings
+    >>> import jax.numpy as jnp
+    >>> from rewrite import RewriteWarning, procedural, rewrite, rule
+    >>> wrong = rule(lambda x: jnp.sin(x), procedural(lambda m: m.trace(lambda v: v.sum(), m["x"])), name="wrong")
+    >>> with warnings.catch_warnings(record=True) as caught:
+    ...     warnings.simplefilter("always")
+    ...     out = rewrite(jnp.sin, rulesets=[wrong])(jnp.zeros(3))
+    >>> [w.category.__name__ for w in caught], out.tolist()
+    (['RewriteWarning'], [0.0, 0.0, 0.0])
+    """
 
 
 class RewriteLimitWarning(RewriteWarning):
-    """Saturation stopped at a limit; the best program found so far is used."""
+    """Saturation stopped at a limit; the best program found so far is used.
+
+    Issued once per rewritten function and reason (``iteration limit``,
+    ``node limit``, ``time limit``).
+
+    >>> import warnings
+    >>> import jax.numpy as jnp
+    >>> from rewrite import Limits, RewriteLimitWarning, rewrite, rule
+    >>> comm = rule(lambda a, b: a + b, lambda a, b: b + a, name="comm")
+    >>> f = rewrite(lambda x, y, z: x + y + z, rulesets=[comm], limits=Limits(iterations=1))
+    >>> with warnings.catch_warnings(record=True) as caught:
+    ...     warnings.simplefilter("always")
+    ...     out = f(jnp.ones(2), jnp.ones(2), jnp.ones(2))
+    >>> [w.category is RewriteLimitWarning for w in caught], f.result(jnp.ones(2), jnp.ones(2), jnp.ones(2)).stopped
+    ([True], 'iteration limit')
+    """
 
 
 def _strict(flag: bool | None) -> bool:
@@ -79,7 +109,22 @@ def check_signature(before: core.ClosedJaxpr, after: core.ClosedJaxpr) -> None:
 
 
 class Rewritten:
-    """A function whose program is rewritten once per input signature. Made by :func:`rewrite`."""
+    """A function whose program is rewritten once per input signature. Made by :func:`rewrite`.
+
+    Calling it runs the rewritten program; :meth:`jaxpr` gives that program and
+    :meth:`result` the whole pipeline result (costs, stop reason, per-rule
+    stats) for a signature, rewriting it first if needed. ``rewrites`` counts
+    the signatures rewritten so far and ``__wrapped__`` is the original function.
+
+    >>> import jax, jax.numpy as jnp
+    >>> from rewrite import rewrite
+    >>> f = rewrite(lambda x: jnp.sin(x) * 2 + jnp.sin(x) * 2)  # no rules: duplicates still merge
+    >>> [e.primitive.name for e in f.jaxpr(jnp.ones(3)).eqns]
+    ['sin', 'mul', 'add']
+    >>> _ = f(jnp.ones(3)), jax.jit(f)(jnp.zeros(3)), f(jnp.ones(4))
+    >>> f.rewrites
+    2
+    """
 
     def __init__(self, fn: Callable[..., Any], rulesets: Any, cost_model: Any, limits: Limits | None,
                  static_argnums: Sequence[int], static_argnames: Sequence[str], strict: bool | None) -> None:

@@ -38,7 +38,21 @@ class NodeInfo:
     ``op`` is the primitive name (``"sin"``, ``"scan"``, ...), or one of
     ``"literal"``, ``"const"``, ``"param"``, ``"token"``, ``"proj"`` for
     structural nodes. For ``"proj"``, ``of`` is the projected node's op,
-    ``params`` its params, and ``index`` which result is taken.
+    ``params`` its params, and ``index`` which result is taken. For nodes with
+    bodies (scan, while, cond, jit, shard_map), ``body_costs`` holds the cost of
+    one execution of each body. A cost model is any callable from ``NodeInfo``
+    to a non-negative float:
+
+    >>> import jax.numpy as jnp
+    >>> from jax.core import ShapedArray
+    >>> from rewrite import AnalyticCost, NodeInfo
+    >>> def adds_are_ruinous(node):
+    ...     return 1e9 if node.op == "add" else AnalyticCost()(node)
+    >>> v = ShapedArray((8,), jnp.float32)
+    >>> adds_are_ruinous(NodeInfo("add", "elementwise", {}, (v, v), (v,)))
+    1000000000.0
+    >>> adds_are_ruinous(NodeInfo("exp", "transcendental", {}, (v,), (v,)))
+    129.0
     """
 
     op: str
@@ -61,7 +75,10 @@ def size(aval: Any) -> int:
 
 def nbytes(aval: Any) -> int:
     dtype = getattr(aval, "dtype", None)
-    return 0 if dtype is None else size(aval) * np.dtype(dtype).itemsize
+    if dtype is None:
+        return 0
+    itemsize = getattr(dtype, "itemsize", None)  # extended dtypes (PRNG keys) carry their own
+    return size(aval) * (itemsize if isinstance(itemsize, int) else np.dtype(dtype).itemsize)
 
 
 def _table() -> dict[str, Any]:

@@ -24,7 +24,7 @@ import numpy as np
 from egglog import bindings as eb
 
 from . import _terms
-from ._intern import LITERALS, TYPES, content_hash
+from ._intern import LITERALS, PARAMS, TYPES, content_hash
 
 _SPAN = eb.PanicSpan()
 _CHUNK = 200
@@ -36,10 +36,6 @@ def call(name: str, *args: Any) -> Any:
 
 def int_lit(n: int) -> Any:
     return eb.Lit(_SPAN, eb.Int(int(n)))
-
-
-def var(name: str) -> Any:
-    return eb.Var(_SPAN, name)
 
 
 def v_expr(vid: int) -> Any:
@@ -67,18 +63,16 @@ class EGraph:
         self.eg = eb.EGraph()
         self.eg.run_program(*self.eg.parse_program(_terms.schema()))
         self.vtype: list[int] = []          # V id -> type id
-        self.vsource: list[Any] = []        # V id -> source_info of the equation that made it
+        self.vsource: list[Any] = []        # V id -> Origin (source_info, ctx) of the equation that made it
         self.vorigin: list[str | None] = []  # V id -> name of the rule that made it, None for the program
         self.consts: dict[int, np.ndarray] = {}
-        self.facts_seeded: list[tuple[str, int]] = []
         self._memo: dict[tuple, int] = {}
         self._pending: list[Any] = []
         self._chunks = 0
         self._ints: dict[int, Any] = {}
         self._next_scope = 1  # scope 0 is the program's own
         self.origin: str | None = None     # rule name stamped on nodes made now
-        self.source: Any = None            # source_info stamped on nodes made now
-        self.fresh: list[int] = []         # V ids made since the caller last cleared this
+        self.source: Any = None            # Origin stamped on nodes made now (a rule's match root)
         self.defs: list[tuple[str, tuple]] = []  # V id -> the node it was made for (args as given)
 
     # ------------------------------------------------------------------ building
@@ -103,6 +97,8 @@ class EGraph:
         vid = self._new_name(type_id, source)
         self.defs.append((ctor, tuple(args)))
         self._pending.append(eb.Union(_SPAN, v_expr(vid), call(ctor, *exprs)))
+        if ctor == "IntegerPow" and PARAMS.params(args[-1]).get("y", 1) % 2 == 0:
+            self._pending.append(eb.Expr_(_SPAN, call("EvenPow", int_lit(args[-1]))))
         self._memo[key] = vid
         return vid
 
@@ -142,9 +138,10 @@ class EGraph:
     def _new_name(self, type_id: int, source: Any) -> int:
         vid = len(self.vtype)
         self.vtype.append(type_id)
-        self.vsource.append(source if source is not None else self.source)
+        # Nodes a rule builds take the matched root's origin: errors and profiles then point
+        # at the user's program, and the equation context matches the scope it lives in.
+        self.vsource.append(self.source if self.source is not None else source)
         self.vorigin.append(self.origin)
-        self.fresh.append(vid)
         return vid
 
     def _expr(self, sort: str, a: Any) -> Any:
@@ -196,13 +193,14 @@ class EGraph:
         a = np.asarray(value)
         if not jnp.issubdtype(a.dtype, jnp.floating):  # jnp knows bfloat16 and the other ml_dtypes
             return
+        tiny = float(jnp.finfo(a.dtype).tiny)  # subnormals count as zero: XLA:CPU flushes them
         a = a.astype(np.float64)
         nan = np.isnan(a)
-        if np.all((a > 0) | nan):
+        if np.all((a >= tiny) | nan):
             self.assert_fact("Pos", vid)
         if np.all(~np.signbit(a) | nan):
             self.assert_fact("NonNeg", vid)
-        if np.all(a != 0):
+        if np.all((np.abs(a) >= tiny) | nan):
             self.assert_fact("NonZero", vid)
 
     def union(self, a: int, b: int) -> None:
@@ -211,7 +209,6 @@ class EGraph:
 
     def assert_fact(self, fact: str, vid: int) -> None:
         self._pending.append(eb.Expr_(_SPAN, call(fact, v_expr(vid))))
-        self.facts_seeded.append((fact, vid))
 
     @property
     def num_names(self) -> int:

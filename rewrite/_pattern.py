@@ -58,10 +58,13 @@ def _egg_var(name: str) -> str:
 class QueryBuilder:
     """A loader builder that writes egglog query atoms instead of inserting nodes."""
 
-    def __init__(self) -> None:
+    def __init__(self, pvary_literals: bool = False) -> None:
         self.atoms: list[str] = []
         self._memo: dict[tuple, str] = {}
         self._n = 0
+        # Inside a shard_map body JAX casts literals with pvary before combining them with
+        # varying values; this variant of the query looks through that cast.
+        self.pvary_literals = pvary_literals
 
     def fresh(self, prefix: str) -> str:
         self._n += 1
@@ -97,6 +100,10 @@ class QueryBuilder:
             return found
         v = self.fresh("t")
         self.atoms.append(f"(= {v} (Lit {LITERALS.intern_value(value)} {self.fresh('d')}))")
+        if self.pvary_literals:
+            cast = self.fresh("t")
+            self.atoms.append(f"(= {cast} (Opaque (TCons {v} (TNil)) {self.fresh('p')}))")
+            v = cast
         self._memo[key] = v
         return v
 
@@ -114,9 +121,13 @@ class QueryBuilder:
                            "write it as a procedural rule with Pat")
 
 
-def compile_traced(closed: core.ClosedJaxpr, names: Sequence[str]) -> Query:
-    """The query for a traced left-hand side whose inputs are the pattern variables ``names``."""
-    qb = QueryBuilder()
+def compile_traced(closed: core.ClosedJaxpr, names: Sequence[str], pvary_literals: bool = False) -> Query:
+    """The query for a traced left-hand side whose inputs are the pattern variables ``names``.
+
+    With ``pvary_literals``, every literal may also sit under a one-operand cast
+    (``pvary`` in a shard_map body); the verifier checks the real structure.
+    """
+    qb = QueryBuilder(pvary_literals)
     inputs = [_egg_var(n) for n in names]
     (out,), token = load_closed(closed, inputs, qb)
     if out in inputs:
@@ -191,6 +202,8 @@ class Pat:
     matches, with any params; ``name`` binds the node's class and ``params``
     its params. Primitives with list operands (``select_n``, ``concatenate``)
     take a Python list or a single ``Pat.var`` bound to the whole list.
+    ``Pat.lit(2.0)`` matches a literal of that value (of any dtype), and
+    ``Pat.lit(name="c")`` any literal, for rules that compute with constants.
     Primitives with bodies take ``body=``/``bodies=`` names. ``Pat.proj(p, i)``
     matches component ``i`` (an int, or a name to bind it) of a multi-result
     node.
@@ -227,7 +240,8 @@ class Pat:
         return p
 
     @classmethod
-    def lit(cls, value: Any, name: str | None = None) -> "Pat":
+    def lit(cls, value: Any = None, name: str | None = None) -> "Pat":
+        """A literal scalar: of this value, or any literal when ``value`` is ``None``."""
         p = cls("lit", name=name)
         p.value = value
         return p
@@ -284,7 +298,8 @@ def compile_pat(pat: Pat) -> tuple[Query, list[str]]:
             return v
         if p.prim == "lit":
             v = qb.fresh("t")
-            qb.atoms.append(f"(= {v} (Lit {LITERALS.intern_value(p.value)} {qb.fresh('d')}))")
+            value = qb.fresh("k") if p.value is None else LITERALS.intern_value(p.value)
+            qb.atoms.append(f"(= {v} (Lit {value} {qb.fresh('d')}))")
             return bind(p.name, v, "Term")
         if p.prim == "proj":
             of = walk(p.operands[0])

@@ -46,6 +46,7 @@ class Result:
     snapshot: Any = None
     roots: list | None = None
     original: set | None = None
+    out_names: list | None = None  # the V names of the program's outputs, for checks that extract their own way
     #: what cost_model="measure" timed (rewrite/_measure.py), else None
     timing: Any = None
 
@@ -70,7 +71,7 @@ def run_pipeline(traced: Traced, entries: Sequence[tuple[Rule, Ruleset]], model:
 
     # Stage 3: saturate, under limits.
     t = time.perf_counter()
-    engine = Engine(eg, entries, limits)
+    engine = Engine(eg, entries, limits, manual=_has_primitive(closed.jaxpr, "pvary"))
     stopped = engine.run()
     times["saturate"] = time.perf_counter() - t
 
@@ -104,5 +105,12 @@ def run_pipeline(traced: Traced, entries: Sequence[tuple[Rule, Ruleset]], model:
         iterations=engine.iterations, rows=snap.num_rows, times=times, stats=dict(engine.stats),
         rewritten=ex.rewritten, warnings=list(engine.warnings),
         egraph=eg if keep else None, choice=ex.choice if keep else None, snapshot=snap if keep else None,
-        roots=roots if keep else None, original=original if keep else None, timing=timing,
+        roots=roots if keep else None, original=original if keep else None, out_names=list(outs) if keep else None,
+        timing=timing,
     )
+
+
+def _has_primitive(jaxpr: core.Jaxpr, name: str) -> bool:
+    return any(e.primitive.name == name or any(_has_primitive(getattr(j, "jaxpr", j), name)
+                                               for j in core.jaxprs_in_params(e.params))
+               for e in jaxpr.eqns)

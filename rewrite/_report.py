@@ -47,7 +47,21 @@ def primitive_counts(closed: Any) -> collections.Counter:
 
 @dataclasses.dataclass
 class Report:
-    """What :func:`explain` found. ``str(report)`` reads well; the fields are for programs."""
+    """What :func:`explain` found. ``str(report)`` reads well; the fields are for programs.
+
+    ``fired`` counts each rule's applications and ``used`` the nodes it built that
+    are in ``after``; ``rejected`` counts, per rule and reason, the matches it did
+    not act on (``guard``, ``unverified``, ``type``, ``declined``, ...).
+
+    >>> import jax.numpy as jnp
+    >>> from rewrite import explain, rule, Ruleset
+    >>> clamp = rule(lambda v: jnp.maximum(v, 0.0), lambda v: v, name="clamp_nonneg", when=lambda v: v.nonneg)
+    >>> report = explain(lambda x: jnp.maximum(jnp.exp(x), 0.0), jnp.ones(3), rulesets=[Ruleset("c", [clamp])])
+    >>> report.fired, report.stopped, (report.eqns_before, report.eqns_after)
+    ({'clamp_nonneg': 1}, 'saturated', (2, 1))
+    >>> explain(lambda x: jnp.maximum(x, 0.0), jnp.ones(3), rulesets=[Ruleset("c", [clamp])]).rejected
+    {'clamp_nonneg': {'guard': 1}}
+    """
 
     before: core.ClosedJaxpr
     after: core.ClosedJaxpr
@@ -88,7 +102,7 @@ class Report:
         ]
         if self.fired:
             width = max(len(k) for k in self.fired)
-            lines.append("rules fired (in result):")
+            lines.append("rules fired (nodes they built that the result uses):")
             for name, n in sorted(self.fired.items(), key=lambda kv: -kv[1]):
                 lines.append(f"  {name:<{width}}  {n:>4} ({self.used.get(name, 0)})")
         else:
@@ -135,6 +149,12 @@ class Report:
 
         return to_dot(self.result, max_classes)
 
+    def to_svg(self, max_classes: int = 200) -> str:
+        """:meth:`to_dot`, rendered by Graphviz's ``dot`` program (which must be installed)."""
+        from ._report_dot import to_svg
+
+        return to_svg(self.to_dot(max_classes))
+
     def __str__(self) -> str:
         parts = [self.summary()]
         d = self.diff()
@@ -147,7 +167,7 @@ def _where(src: Any) -> str:
     try:
         from jax._src import source_info_util
 
-        frame = source_info_util.user_frame(src.traceback) if src is not None else None
+        frame = source_info_util.user_frame(src.source_info.traceback) if src is not None else None
         return f" in {frame.file_name}:{frame.start_line}" if frame is not None else ""
     except Exception:
         return ""

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax._src import core
 
+from ._1_trace import trace_at
 from ._intern import LITERALS, PARAMS, TYPES
 from ._pattern import Pat, PatternError, Query, compile_pat, compile_traced
 
@@ -43,6 +44,8 @@ class Tolerance:
     For other float dtypes both bounds scale with machine epsilon, so a
     bfloat16 program gets a bfloat16-sized tolerance.
 
+    >>> import numpy as np
+    >>> from rewrite import Tolerance
     >>> Tolerance(rtol=1e-6, atol=0.0).for_dtype(np.float64)[0] < 1e-14
     True
     """
@@ -90,11 +93,27 @@ def procedural(fn: Callable[["Match"], Any]) -> Procedure:
 
 
 class Rule:
-    """One named rewrite. Build it with :func:`rule`."""
+    """One named rewrite. Build it with :func:`rule`.
+
+    ``var_names`` are the pattern variables, ``queries`` the compiled egglog
+    queries, ``probes`` the avals the sides were traced at when it was defined;
+    :meth:`traced` gives both sides at any avals.
+
+    >>> import jax.numpy as jnp
+    >>> from jax.core import ShapedArray
+    >>> from rewrite import rule
+    >>> r = rule(lambda x: jnp.log(1.0 + x), lambda x: jnp.log1p(x), name="log1p")
+    >>> r.var_names, len(r.queries), [p[0].shape for p in r.probes]
+    (['x'], 1, [(), (3,), (3, 3), (3, 3, 3)])
+    >>> lhs, rhs = r.traced((ShapedArray((5,), jnp.float32),))
+    >>> [e.primitive.name for e in lhs.eqns], [e.primitive.name for e in rhs.eqns]
+    (['add', 'log'], ['log1p'])
+    """
 
     def __init__(self, name: str, lhs: Any, rhs: Any, when: Callable[..., bool] | None,
                  example: tuple[Any, ...] | None, var_names: list[str], queries: list[Query],
-                 probes: list[tuple[Any, ...]]) -> None:
+                 probes: list[tuple[Any, ...]], manual_queries: list[Query] | None = None,
+                 program: tuple[Callable[..., Any], tuple[Any, ...]] | None = None) -> None:
         self.name = name
         self.lhs = lhs
         self.rhs = rhs
@@ -102,7 +121,11 @@ class Rule:
         self.example = example
         self.var_names = var_names
         self.queries = queries
+        self.manual_queries = manual_queries or []  # extra variants for shard_map bodies
         self.probes = probes
+        #: For a :class:`Pat` rule, ``(fn, avals)``: a program the rule applies in, given with
+        #: ``example=``, on which :func:`rewrite.testing.check_ruleset` exercises the rule.
+        self.program = program
         self._traced: dict[tuple, Any] = {}
 
     @property
@@ -118,9 +141,8 @@ class Rule:
         found = self._traced.get(avals)
         if found is None:
             try:
-                specs = [_spec(a) for a in avals]
-                lhs = jax.make_jaxpr(self.lhs)(*specs)
-                rhs = None if self.is_procedural else jax.make_jaxpr(self.rhs)(*specs)
+                lhs = trace_at(self.lhs, avals)
+                rhs = None if self.is_procedural else trace_at(self.rhs, avals)
                 found = (lhs, rhs)
             except Exception as e:  # a rule need not apply at every shape
                 found = e
@@ -131,10 +153,6 @@ class Rule:
 
     def __repr__(self) -> str:
         return f"<rule {self.name!r}>"
-
-
-def _spec(aval: Any) -> Any:
-    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=getattr(aval, "weak_type", False))
 
 
 def _short(aval: Any) -> str:
@@ -160,6 +178,13 @@ def rule(lhs: Any, rhs: Any, *, name: str, when: Callable[..., bool] | None = No
     Without it the sides are traced at float32 scalars, vectors, matrices and
     rank-3 arrays, and the rule must hold at every one of them that it traces at.
 
+    A :class:`Pat` left-hand side has no function to trace, so ``example``
+    is instead a pair ``(fn, args)``: a program in which the rule applies and
+    its arguments (arrays or ``jax.ShapeDtypeStruct``, one per argument of
+    ``fn``). It is traced once, to fail early, and kept as ``rule.program``
+    for :func:`rewrite.testing.check_ruleset`, which rewrites that program
+    with the rule alone and compares it with the original on drawn inputs.
+
     >>> import jax.numpy as jnp
     >>> from rewrite import rule
     >>> r = rule(lambda x: 2 * jnp.sin(x) * jnp.cos(x), lambda x: jnp.sin(2 * x), name="double_angle")
@@ -168,6 +193,18 @@ def rule(lhs: Any, rhs: Any, *, name: str, when: Callable[..., bool] | None = No
     >>> rule(lambda x: x.sum(0), lambda x: x, name="bad")  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ValueError: rule 'bad': rhs gives f32[3], lhs gives f32[]...
+
+    A procedural rule over a :class:`Pat`, with an example program:
+
+    >>> import jax
+    >>> from rewrite import Pat, procedural
+    >>> @procedural
+    ... def sum_of_neg(m):
+    ...     return m.trace(lambda x: -jnp.sum(x, axis=tuple(m.params("r")["axes"])), m["x"])
+    >>> r = rule(Pat("reduce_sum", Pat("neg", Pat.var("x")), params="r"), sum_of_neg, name="sum_of_neg",
+    ...          example=(lambda x: jnp.sum(-x, axis=0), (jax.ShapeDtypeStruct((3, 4), jnp.float32),)))
+    >>> r.program[1]
+    (ShapedArray(float32[3,4]),)
     """
     if not isinstance(name, str) or not name.strip():
         raise ValueError("rule(): name= must be a non-empty string")
@@ -181,7 +218,8 @@ def rule(lhs: Any, rhs: Any, *, name: str, when: Callable[..., bool] | None = No
             query, names = compile_pat(lhs)
         except PatternError as e:
             raise ValueError(f"rule {name!r}: {e}") from None
-        return Rule(name, lhs, rhs, when, None, names, [query], [])
+        program = _example_program(name, example) if example is not None else None
+        return Rule(name, lhs, rhs, when, None, names, [query], [], program=program)
     if not callable(lhs):
         raise ValueError(f"rule {name!r}: lhs is not callable (got {type(lhs).__name__})")
     if not isinstance(rhs, Procedure) and not callable(rhs):
@@ -194,6 +232,7 @@ def rule(lhs: Any, rhs: Any, *, name: str, when: Callable[..., bool] | None = No
                              f"rhs takes {len(rhs_names)} {rhs_names}")
     probes = _probes(name, names, example)
     queries: list[Query] = []
+    manual: list[Query] = []
     seen: set[str] = set()
     traced_at: list[tuple[Any, ...]] = []
     first_error: Exception | None = None
@@ -201,7 +240,7 @@ def rule(lhs: Any, rhs: Any, *, name: str, when: Callable[..., bool] | None = No
         if when is not None and not _guard_allows(when, avals):
             continue
         try:
-            lhs_closed = jax.make_jaxpr(lhs)(*[_spec(a) for a in avals])
+            lhs_closed = trace_at(lhs, avals)
         except Exception as e:
             first_error = first_error or e
             continue
@@ -209,7 +248,7 @@ def rule(lhs: Any, rhs: Any, *, name: str, when: Callable[..., bool] | None = No
             raise ValueError(f"rule {name!r}: lhs must return one array, it returns {len(lhs_closed.out_avals)}")
         if not isinstance(rhs, Procedure):
             try:
-                rhs_closed = jax.make_jaxpr(rhs)(*[_spec(a) for a in avals])
+                rhs_closed = trace_at(rhs, avals)
             except Exception as e:
                 raise ValueError(f"rule {name!r}: rhs cannot be traced at "
                                  f"({', '.join(_short(a) for a in avals)}): {e}") from None
@@ -227,11 +266,13 @@ def rule(lhs: Any, rhs: Any, *, name: str, when: Callable[..., bool] | None = No
         if query.text not in seen:
             seen.add(query.text)
             queries.append(query)
+            if "(Lit " in query.text:
+                manual.append(compile_traced(lhs_closed, names, pvary_literals=True))
     if not queries:
         why = f": {first_error}" if first_error else ""
         raise ValueError(f"rule {name!r}: lhs cannot be traced at any probe shape{why}; give example=")
     ex = tuple(probes[0]) if example is not None else None
-    return Rule(name, lhs, rhs, when, ex, names, queries, traced_at)
+    return Rule(name, lhs, rhs, when, ex, names, queries, traced_at, manual)
 
 
 def _positional_names(rule_name: str, side: str, fn: Callable[..., Any]) -> list[str]:
@@ -267,6 +308,28 @@ def _probes(name: str, names: list[str], example: Any) -> list[tuple[Any, ...]]:
     return [tuple(avals)]
 
 
+def _example_program(name: str, example: Any) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+    """Validate a Pat rule's ``example=(fn, args)`` and return ``(fn, avals)``."""
+    if not (isinstance(example, (tuple, list)) and len(example) == 2 and callable(example[0])):
+        raise ValueError(f"rule {name!r}: a Pat rule's example= is a pair (fn, args): a program the rule "
+                         "applies in and its example arguments")
+    fn, args = example
+    if not isinstance(args, (tuple, list)):
+        args = (args,)
+    avals = []
+    for x in args:
+        try:
+            avals.append(core.ShapedArray(tuple(x.shape), np.dtype(x.dtype), weak_type=getattr(x, "weak_type", False)))
+        except AttributeError:
+            raise ValueError(f"rule {name!r}: example= arguments need .shape and .dtype, got {type(x).__name__}") from None
+    try:
+        trace_at(fn, avals)
+    except Exception as e:
+        raise ValueError(f"rule {name!r}: the example program cannot be traced at "
+                         f"({', '.join(_short(a) for a in avals)}): {e}") from None
+    return fn, tuple(avals)
+
+
 def _guard_allows(when: Callable[..., bool], avals: Sequence[Any]) -> bool:
     """Would the guard let these shapes through? Facts are unknown here and read as true."""
     try:
@@ -281,7 +344,22 @@ class Value:
 
     Shape and dtype are exact. Facts (``positive``, ``nonneg``, ``nonzero``)
     hold for floating values only and are never true of integers, where
-    overflow breaks them.
+    overflow breaks them. NaN never contradicts a fact, and ``positive`` and
+    ``nonzero`` exclude subnormals, which XLA:CPU treats as zero (see
+    ``rewrite._terms.FACTS``). NaN never contradicts a fact.
+
+    >>> import jax.numpy as jnp
+    >>> from rewrite import Ruleset, explain, rule
+    >>> seen = []
+    >>> def guard(v):
+    ...     seen.append((v.shape, v.ndim, v.nonneg, v.positive))
+    ...     return v.nonneg
+    >>> r = rule(lambda v: jnp.abs(v), lambda v: v, name="abs_nonneg", when=guard)
+    >>> seen.clear()  # the calls made while the rule was defined
+    >>> explain(lambda t: jnp.abs(jnp.exp(t)), jnp.ones((2, 5)), rulesets=[Ruleset("a", [r])]).fired
+    {'abs_nonneg': 1}
+    >>> sorted(set(seen))  # exp(t) is never negative, but it may underflow to zero
+    [((2, 5), 2, True, False)]
     """
 
     def __init__(self, aval: Any, name: int | None = None, cls: Any = None, engine: Any = None) -> None:
@@ -298,7 +376,7 @@ class Value:
         return v
 
     shape = property(lambda self: tuple(self.aval.shape))
-    dtype = property(lambda self: np.dtype(self.aval.dtype))
+    dtype = property(lambda self: self.aval.dtype)
     ndim = property(lambda self: len(self.aval.shape))
     size = property(lambda self: int(np.prod(self.aval.shape, dtype=np.int64)))
     weak_type = property(lambda self: bool(getattr(self.aval, "weak_type", False)))
@@ -419,7 +497,30 @@ class Body:
 
 
 class Match:
-    """One match of a procedural rule: its bindings, and the means to build a replacement."""
+    """One match of a procedural rule: its bindings, and the means to build a replacement.
+
+    ``m[name]`` is a term binding (a :class:`Value`); ``m.params(name)``,
+    ``m.int(name)``, ``m.list(name)``, ``m.body(name)`` read the other kinds of
+    :class:`Pat` binding; ``m.root`` is the matched class. :meth:`trace`,
+    :meth:`node`, :meth:`literal` and :meth:`param` build new terms.
+
+    >>> import math
+    >>> import jax.numpy as jnp
+    >>> from rewrite import Pat, Ruleset, explain, procedural, rule
+    >>> @procedural
+    ... def sum_of_broadcast(m):
+    ...     s = m["s"]
+    ...     if s.ndim != 0 or m.root.ndim != 0:
+    ...         return None
+    ...     n = math.prod(m.params("bp")["shape"])
+    ...     return m.trace(lambda s: s * jnp.asarray(n, s.dtype), s)
+    >>> r = rule(Pat("reduce_sum", Pat("broadcast_in_dim", Pat.var("s"), params="bp")), sum_of_broadcast,
+    ...          name="sum_of_broadcast")
+    >>> report = explain(lambda a: jnp.sum(jnp.broadcast_to(a, (4, 5))), jnp.float32(1.5),
+    ...                  rulesets=[Ruleset("p", [r], soundness="identity")])
+    >>> report.fired, [e.primitive.name for e in report.after.eqns]
+    ({'sum_of_broadcast': 1}, ['mul'])
+    """
 
     def __init__(self, engine: Any, rule: Rule, bindings: dict[str, Any], sorts: dict[str, str], root: Any) -> None:
         self._engine = engine
@@ -491,7 +592,9 @@ class Ruleset:
     ``"identity"`` (true in real arithmetic; within ``tolerance`` on finite
     inputs) or ``"fastmath"`` (may change results; within ``tolerance`` on
     ordinary values). A composite keeps each part's class, and its parts are
-    reachable as attributes.
+    reachable as attributes. ``limits`` (a :class:`rewrite.Limits`) sets the
+    back-off of this ruleset's own rules: how many new matches one may act on
+    per iteration (``matches``) before it is banned, and for how long (``ban``).
 
     >>> import jax.numpy as jnp
     >>> from rewrite import rule, Ruleset
@@ -576,6 +679,7 @@ def as_ruleset(x: Any) -> Ruleset:
     if isinstance(x, Rule):
         return Ruleset(x.name, [x], soundness="identity")
     if isinstance(x, Iterable):
-        items = list(x)
-        return Ruleset("+".join(getattr(i, "name", "?") for i in items) or "empty", [as_ruleset(i) for i in items])
+        parts = [as_ruleset(i) for i in x]
+        weakest = max((p.soundness for p in parts), key=SOUNDNESS.index, default="exact")
+        return Ruleset("+".join(p.name for p in parts) or "empty", parts, soundness=weakest)
     raise TypeError(f"rulesets= takes Ruleset or Rule objects, got {type(x).__name__}")

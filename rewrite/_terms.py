@@ -125,8 +125,10 @@ SORTS = ("Term", "TList", "Region", "BList")
 #: about every element of a tensor, and NaN never contradicts one (a guard must
 #: not make a rule unsound on NaN inputs):
 #:   NonNeg  - the sign bit is clear, or NaN: +0.0, positive, +inf.
-#:   Pos     - greater than zero, or NaN.
-#:   NonZero - neither +0.0 nor -0.0 (NaN allowed).
+#:   Pos     - at least the smallest normal number, or +inf, or NaN.
+#:   NonZero - magnitude at least the smallest normal number, or infinite, or NaN.
+#: Pos and NonZero exclude subnormals because XLA:CPU flushes them to zero: on
+#: that backend 1e-45 + 0 is 0, so a subnormal cannot be relied on to be nonzero.
 FACTS = ("NonNeg", "Pos", "NonZero")
 
 #: The rules that derive facts, in egglog syntax. Every one is sound under the
@@ -174,6 +176,7 @@ FACT_RULES = r"""
 (rule ((= e (Squeeze x p)) (Pos x)) ((Pos e)) :ruleset facts :name "squeeze-pos")
 (rule ((= e (Squeeze x p)) (NonZero x)) ((NonZero e)) :ruleset facts :name "squeeze-nonzero")
 (rule ((= e (Neg x p)) (NonZero x)) ((NonZero e)) :ruleset facts :name "neg-nonzero")
+(rule ((= e (IntegerPow x p)) (EvenPow p)) ((NonNeg e)) :ruleset facts :name "even-pow-nonneg")
 """
 
 
@@ -186,6 +189,8 @@ def schema() -> str:
         lines.append(f"(constructor {spec.ctor} ({' '.join(spec.arg_sorts)}) Term)")
     for fact in FACTS:
         lines.append(f"(relation {fact} (Term))")
+    # params ids of integer_pow with an even exponent, seeded when such a node is inserted
+    lines.append("(relation EvenPow (i64))")
     lines.append("(ruleset facts)")
     lines.append(FACT_RULES)
     return "\n".join(lines)

@@ -23,9 +23,28 @@ True
 from __future__ import annotations
 
 import importlib
+import sys
+import types
 from typing import Any
 
 PACKS = ("algebra", "fastmath", "scan", "derivatives")
+
+
+class _Packs(types.ModuleType):
+    """This package, whose pack names stay bound to their rulesets.
+
+    Importing a submodule (``import rulesets.algebra``, as ``pytest
+    --doctest-modules`` does) binds its name in the package to the module;
+    here the name is bound to the pack's ruleset instead.
+    """
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in PACKS and isinstance(value, types.ModuleType) and hasattr(value, name):
+            value = getattr(value, name)
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Packs
 
 
 def _load(name: str) -> Any:

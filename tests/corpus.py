@@ -19,7 +19,9 @@ _key = jax.random.PRNGKey(0)
 
 
 def _rand(*shape, seed=0, dtype=jnp.float32):
-    return jax.random.normal(jax.random.PRNGKey(seed), shape, dtype)
+    # numpy's generator, not jax.random: each jax.random shape is an XLA compile, and the corpus
+    # has dozens of shapes (most of the corpus's build time went there).
+    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), dtype)
 
 
 def seed000(x, a):
@@ -150,9 +152,10 @@ def _grad(f, argnums=0):
     return g
 
 
+@functools.cache
 def corpus():
     x = _rand(32, 16, 8)
-    a = jax.random.uniform(_key, (8,), minval=0.5, maxval=2.0)
+    a = jnp.asarray(np.random.default_rng(0).uniform(0.5, 2.0, (8,)), jnp.float32)
     params = _mlp_params()
     xm, ym = _rand(5, 8, seed=4), jax.nn.one_hot(jnp.arange(5) % 4, 4)
     rnn_p = (_rand(6, 6, seed=5) * 0.3, _rand(3, 6, seed=6) * 0.3, _rand(6, 2, seed=7) * 0.3)

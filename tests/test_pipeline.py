@@ -226,3 +226,32 @@ def test_nested_bodies_are_rewritten():
         np.testing.assert_allclose(a, b)
     assert primitive_counts(r.jaxpr(xs))["mul"] == 0
     assert primitive_counts(r.jaxpr(xs))["jit"] == 1  # a jit with donation is kept, not inlined
+
+
+@pytest.mark.parametrize("make_key", [jax.random.PRNGKey, jax.random.key], ids=["raw_uint32", "typed_key"])
+def test_random_keys_behave_as_before(make_key):
+    def f(key, x):
+        k1, k2 = jax.random.split(key)
+        noise = jax.random.normal(k1, x.shape)
+        keep = jax.random.bernoulli(k2, 0.5, x.shape)
+        return jnp.where(keep, x + noise, 0.0), jax.random.uniform(k1, ())  # k1 used twice: same bits both times
+
+    key, x = make_key(0), jnp.ones(5)
+    r = rewrite(f)
+    for got, want in zip(r(key, x), f(key, x)):
+        np.testing.assert_array_equal(got, want)
+    for got, want in zip(jax.jit(r)(key, x), jax.jit(f)(key, x)):
+        np.testing.assert_array_equal(got, want)
+    keys = jax.random.split(key, 3)
+    np.testing.assert_array_equal(jax.vmap(r, in_axes=(0, None))(keys, x)[1], jax.vmap(f, in_axes=(0, None))(keys, x)[1])
+
+
+def test_to_dot_draws_classes_and_choices():
+    rs = Ruleset("trig", [rule(lambda x: 2 * jnp.sin(x) * jnp.cos(x), lambda x: jnp.sin(2 * x), name="double_angle")],
+                 soundness="identity")
+    report = explain(lambda x: 2 * jnp.sin(x) * jnp.cos(x), jnp.ones(3), rulesets=[rs])
+    dot = report.to_dot()
+    assert dot.startswith("digraph egraph {") and dot.rstrip().endswith("}")
+    assert "cos" in dot and "sin" in dot
+    assert dot.count("style=\"bold,filled\"") == 4  # the program sin(2 * x): param, literal, mul, sin
+    assert dot.count("subgraph cluster_") >= 4

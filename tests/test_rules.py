@@ -30,6 +30,10 @@ from rewrite._report import primitive_counts
     (lambda: rule(Pat("sin", Pat.var("x")), lambda x: x, name="pat"), r"rule 'pat': a Pat left-hand side needs a procedural"),
     (lambda: rule(lambda x: jnp.sin(x), lambda x: x, name="guard", when=3), r"rule 'guard': when= must be a callable"),
     (lambda: rule(lambda x: jnp.sin(x), lambda x: (x, x), name="tuple"), r"rule 'tuple': rhs must return one array"),
+    (lambda: rule(Pat("sin", Pat.var("x")), procedural(lambda m: None), name="pex", example=(jnp.ones(3),)),
+     r"rule 'pex': a Pat rule's example= is a pair \(fn, args\)"),
+    (lambda: rule(Pat("sin", Pat.var("x")), procedural(lambda m: None), name="pex2",
+                  example=(lambda x: x.reshape(7), (jnp.ones(3),))), r"rule 'pex2': the example program cannot be traced"),
 ])
 def test_malformed_rules_fail_at_definition(make, message):
     with pytest.raises(ValueError, match=message):

@@ -1,0 +1,154 @@
+"""What rewriting costs: time per pipeline stage against XLA's own compile, on transformer steps.
+
+For transformer programs of increasing size (forward, gradient, and a full SGD
+training step), this measures the equations in the program, XLA's
+``jax.jit(f).lower(...).compile()`` time, and the rewriter's time per stage
+(trace, load, saturate, extract, emit), with no rules and with the given
+rulesets. It also times a repeated call with the same signature (the cache)
+and the process's memory growth while the e-graph is alive.
+
+Run: ``python -m benchmarks.overhead [--rulesets algebra,derivatives] [--quick]``.
+Writes ``benchmarks/results/overhead.md`` and ``overhead.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import pathlib
+import time
+
+import jax
+
+from benchmarks.programs import transformer_step
+from rewrite import Limits, explain, rewrite
+from rewrite._report import count_eqns
+
+RESULTS = pathlib.Path(__file__).parent / "results"
+STAGES = ("trace", "load", "saturate", "extract", "emit")
+
+
+def rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def xla_compile_seconds(fn, args) -> float:
+    t = time.perf_counter()
+    jax.jit(fn).lower(*args).compile()
+    return time.perf_counter() - t
+
+
+def load_rulesets(names: str) -> list:
+    import rulesets
+
+    out = []
+    for name in [n for n in names.split(",") if n]:
+        try:
+            out.append(getattr(rulesets, name))
+        except AttributeError:
+            print(f"  (ruleset {name!r} is not available; skipped)")
+    return out
+
+
+def measure_program(label: str, fn, args, rulesets: list, limits: Limits) -> dict:
+    gc.collect()
+    n = count_eqns(jax.make_jaxpr(fn)(*args))
+    compile_s = xla_compile_seconds(fn, args)
+    row = {"program": label, "eqns": n, "xla_compile_s": compile_s}
+    for tag, rs in (("empty", []), ("rules", rulesets)):
+        if tag == "rules" and not rs:
+            continue
+        before = rss_mib()
+        report = explain(fn, *args, rulesets=rs, limits=limits)
+        grown = rss_mib() - before
+        total = sum(report.times.values())
+        row[tag] = {"times": dict(report.times), "total_s": total, "rows": report.egraph_rows,
+                    "eqns_after": report.eqns_after, "stopped": report.stopped, "rss_growth_mib": grown,
+                    "fired": sum(report.fired.values()), "cost_ratio": report.cost_after / report.cost_before}
+        del report
+    # the cache: a second call with the same signature only evaluates
+    r = rewrite(fn, rulesets=rulesets, limits=limits)
+    jax.block_until_ready(jax.jit(r)(*args))
+    t = time.perf_counter()
+    r.jaxpr(*args)
+    row["cached_call_s"] = time.perf_counter() - t
+    row["rewrites_after_two_calls"] = r.rewrites
+    return row
+
+
+def table(rows: list[dict], rules_label: str) -> str:
+    head = ("| program | eqns | XLA compile s | rewrite s (no rules) | " + " | ".join(STAGES)
+            + f" | rewrite s ({rules_label}) | ratio to XLA | e-graph rows | RSS growth MiB | eqns after | cached call ms |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        e = r["empty"]
+        ru = r.get("rules", e)
+        lines.append(
+            f"| {r['program']} | {r['eqns']} | {r['xla_compile_s']:.2f} | {e['total_s']:.2f} | "
+            + " | ".join(f"{ru['times'][s]:.2f}" for s in STAGES)
+            + f" | {ru['total_s']:.2f} | {ru['total_s'] / r['xla_compile_s']:.2f} | {ru['rows']:,} | "
+            f"{ru['rss_growth_mib']:.0f} | {ru['eqns_after']} | {r['cached_call_s'] * 1e3:.2f} |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: pathlib.Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    xs = [r["eqns"] for r in rows]
+    ax.plot(xs, [r["xla_compile_s"] for r in rows], "o-", label="XLA lower+compile")
+    ax.plot(xs, [r["empty"]["total_s"] for r in rows], "s-", label="rewrite, no rules")
+    if "rules" in rows[0]:
+        ax.plot(xs, [r["rules"]["total_s"] for r in rows], "^-", label="rewrite, with rules")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("equations (recursive count)")
+    ax.set_ylabel("seconds")
+    ax.set_title("Rewrite overhead vs XLA compile (transformer programs)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rulesets", default="algebra,derivatives")
+    ap.add_argument("--quick", action="store_true", help="two small programs only")
+    ap.add_argument("--out", default=str(RESULTS))
+    args = ap.parse_args()
+    rs = load_rulesets(args.rulesets)
+    label = "+".join(r.name for r in rs) or "none"
+    programs = [("forward, 1 layer", 1, "forward"), ("step, 2 layers", 2, "step"), ("grad, 6 layers", 6, "grad"),
+                ("step, 6 layers", 6, "step"), ("step, 20 layers", 20, "step")]
+    if args.quick:
+        programs = programs[:2]
+    rows = []
+    for name, layers, kind in programs:
+        fn, fargs = transformer_step(layers, kind=kind)
+        print(f"{name} ...", flush=True)
+        rows.append(measure_program(name, fn, fargs, rs, Limits(seconds=60)))
+        r = rows[-1]
+        print(f"  {r['eqns']} eqns: XLA {r['xla_compile_s']:.2f}s, rewrite {r['empty']['total_s']:.2f}s (no rules)"
+              + (f", {r['rules']['total_s']:.2f}s ({label})" if "rules" in r else ""), flush=True)
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    md = ["# Rewrite overhead", "",
+          f"Machine: {jax.devices()[0].platform.upper()}, {__import__('os').cpu_count()} cores. "
+          "Times in seconds; one run each (compile times vary run to run by ~10%).", "",
+          table(rows, label), ""]
+    (out / "overhead.md").write_text("\n".join(md))
+    plot(rows, out / "overhead.png")
+    print("\n".join(md))
+    print(f"wrote {out / 'overhead.md'} and {out / 'overhead.png'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,137 @@
+"""The contract every ruleset keeps, checked for every built-in pack, like optax's common optimizer test.
+
+One list, ``RULESETS``: every pack in ``rulesets.BUILTIN``, plus a local
+ruleset with a rule of every kind so the contract runs before the packs land.
+Each ruleset must
+
+* hold rule by rule, in its own soundness class (``check_ruleset``);
+* terminate within its budget (``ruleset.limits``, or the default ``Limits``);
+* keep values within its class tolerance, on the corpus and on random programs;
+* never raise the cost under the default cost model.
+
+The hypothesis profile sets how hard this looks. Under ``ci`` (the default)
+every corpus program is rewritten within budget and cost, but values are
+compared on a few inputs for a subset of it that covers its features (running
+a large program eagerly compiles each of its operations, seconds apiece), and
+on a few dozen random programs. ``HYPOTHESIS_PROFILE=thorough`` compares
+values on the whole corpus with many more inputs and programs.
+"""
+
+import os
+import warnings
+
+import jax
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import rulesets
+from rewrite import Limits, RewriteLimitWarning, explain, rewrite
+from rewrite.testing import (
+    VacuousCheckWarning,
+    assert_equivalent,
+    assert_same_results,
+    check_ruleset,
+    inputs_like,
+    programs,
+    soundness_of,
+)
+
+from .corpus import corpus
+from .local_rulesets import local
+
+RULESETS = sorted(rulesets.BUILTIN.items()) + [("local", local)]
+IDS = [name for name, _ in RULESETS]
+CORPUS = corpus()
+
+THOROUGH = os.environ.get("HYPOTHESIS_PROFILE") == "thorough"
+
+#: Under ci, values are compared on these: scalars and grads, scan, dot and softmax, nested control
+#: flow (scan, cond, while, jit), pytrees with integers (optax), integers and booleans, literals.
+CI_VALUES = {"seed000_grad", "seed001", "attention", "nested", "optax_adam", "int_and_bool",
+             "float64_free_literals"}
+
+#: Saturation checks the clock between batches of matches, so it may overrun its limit by one batch.
+GRACE_SECONDS = 2.0
+
+
+def _keeps_budget_and_cost(ruleset, result, what):
+    limits = ruleset.limits or Limits()
+    assert result.stopped in ("saturated", "iteration limit", "node limit", "time limit"), (what, result.stopped)
+    assert result.times["saturate"] <= limits.seconds + GRACE_SECONDS, (what, result.times)
+    assert result.iterations <= limits.iterations, (what, result.iterations)
+    assert result.cost_after <= result.cost_before * (1 + 1e-9), (what, result.cost_before, result.cost_after)
+
+
+@pytest.mark.parametrize("name,ruleset", RULESETS, ids=IDS)
+def test_rules_hold(name, ruleset):
+    report = check_ruleset(ruleset)
+    assert set(report.rules) == {r.name for r in ruleset}
+
+
+@pytest.mark.parametrize("program,fn,args", CORPUS, ids=[c[0] for c in CORPUS])
+@pytest.mark.parametrize("name,ruleset", RULESETS, ids=IDS)
+def test_corpus_keeps_values_budget_and_cost(name, ruleset, program, fn, args):
+    limits = ruleset.limits or Limits()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", VacuousCheckWarning)  # most packs leave most programs alone
+        warnings.simplefilter("ignore", RewriteLimitWarning)  # stopping at a limit is within the budget
+        if THOROUGH or program in CI_VALUES:
+            result = assert_equivalent(fn, *args, rulesets=[ruleset], limits=limits,
+                                       max_examples=max(2, settings.default.max_examples // 10))
+        else:
+            result = rewrite(fn, rulesets=[ruleset], limits=limits, strict=True).result(*args)
+    _keeps_budget_and_cost(ruleset, result, program)
+
+
+class _Seeded:
+    """A random program whose inputs pass through -(-x) and whose outputs through x * 1.
+
+    Random programs rarely contain what a given rule looks for. The local ruleset is here to
+    exercise the contract, so its programs are seeded with what two of its rules rewrite; the
+    rewrite then has to keep the rest of the program intact around them.
+    """
+
+    __name__ = "seeded_random_program"
+
+    def __init__(self, program):
+        self.program = program
+        self.args = program.args
+
+    def __call__(self, *xs):
+        out = self.program(*[-(-x) for x in xs])
+        return jax.tree_util.tree_map(lambda o: o * 1, out)
+
+    def __repr__(self):
+        return f"{self.program!r}\n  (inputs through -(-x), outputs through x * 1)"
+
+
+@pytest.mark.parametrize("name,ruleset", RULESETS, ids=IDS)
+def test_random_programs_keep_values_budget_and_cost(name, ruleset):
+    soundness, _ = soundness_of([ruleset])
+    changed = []
+
+    @given(programs(), st.data())
+    def run(program, data):
+        if ruleset is local:
+            program = _Seeded(program)
+        args = data.draw(inputs_like(program.args, soundness), label="args")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RewriteLimitWarning)
+            result = assert_same_results(program, *args, rulesets=[ruleset], limits=ruleset.limits or Limits())
+        _keeps_budget_and_cost(ruleset, result, repr(program))
+        if any(s.fired for s in result.stats.values()):
+            changed.append(program)
+
+    run()
+    if not changed:
+        warnings.warn(VacuousCheckWarning(f"no rule of {name!r} fired on any random program"))
+    if ruleset is local:  # the local ruleset is here to exercise the contract: it must
+        assert changed, "no local rule fired on a random program"
+
+
+def test_the_local_ruleset_fires_on_the_corpus():
+    fired = set()
+    for _, fn, args in CORPUS:
+        fired |= set(explain(fn, *args, rulesets=[local]).fired)
+    assert fired, "no local rule fired on any corpus program"
