@@ -347,6 +347,8 @@ class ProgramPricer:
         self.model = model
         self.fusion = model.fusion_model() if hasattr(model, "fusion_model") else None
         self._templates: dict = {}
+        self._shared: dict = {}
+        self._nested: bool | None = None
         self._bodies: dict = {}
         self.evaluations = 0
 
@@ -357,16 +359,27 @@ class ProgramPricer:
             return self.ex.own(c, ctor, args, choice)
         costs = []
         for b in bodies:
-            if b not in self._bodies:
+            # A body's cost depends on the choice inside it, which differs between candidates (searches
+            # switch classes of the program's own scope only, so it is fixed within one search).
+            key = (id(choice), b)
+            if key not in self._bodies:
                 _, (_, outs) = choice[b]
-                self._bodies[b] = self.ex.dag_cost(choice, self.ex.snap.list_items(outs))
-            costs.append(self._bodies[b])
+                self._bodies[key] = self.ex.dag_cost(choice, self.ex.snap.list_items(outs))
+            costs.append(self._bodies[key])
         return float(self.model(self.ex.info(c, ctor, args, choice, tuple(costs))))
 
     def program(self, choice: dict[Any, tuple], roots: Sequence[Any]) -> Any:
         from ._fusion import Program
 
-        return Program.from_choice(self.ex, choice, roots, lambda c, n: self.own(c, n, choice), self._templates)
+        templates = self._templates.setdefault(id(choice), {}) if self._has_bodies(choice, roots) else self._shared
+        return Program.from_choice(self.ex, choice, roots, lambda c, n: self.own(c, n, choice), templates)
+
+    def _has_bodies(self, choice: dict[Any, tuple], roots: Sequence[Any]) -> bool:
+        """Whether the program has nested nodes, whose prices depend on the choice (so no sharing of prices)."""
+        if self._nested is None:
+            self._nested = any(_terms.BY_CTOR.get(ctor) is not None and _terms.BY_CTOR[ctor].family == _terms.NESTED
+                               for ns in self.ex.snap.nodes.values() for ctor, _ in ns)
+        return self._nested
 
     def __call__(self, choice: dict[Any, tuple], roots: Sequence[Any]) -> float:
         self.evaluations += 1

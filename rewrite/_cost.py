@@ -29,6 +29,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from . import _terms
+from ._fusion import CHEAP as _CHEAP
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,8 +126,20 @@ class AnalyticCost:
     #: price whole programs as XLA fuses them (:meth:`program`); ``False`` sums node costs only
     fusion: bool = True
 
-    def elementwise(self, op: str, family: str) -> float:
-        """Nanoseconds per element of ``op`` inside a fused loop."""
+    def elementwise(self, op: str, family: str, params: Mapping[str, Any] | None = None) -> float:
+        """Nanoseconds per element of ``op`` inside a fused loop.
+
+        Arithmetic too cheap to measure apart from noise (XLA's cheap
+        operations) is counted in ``flop``: one each, and ``integer_pow`` one
+        more than its multiplications (it is never cheaper than writing them
+        out). The rest is priced as measured.
+        """
+        if op == "integer_pow":
+            y = abs(int((params or {}).get("y", 2)))
+            muls = max(1, y.bit_length() - 1 + bin(y).count("1") - 1)
+            return self.flop * (muls + 1) + (self.ops.get("div", self.flop) if (params or {}).get("y", 2) < 0 else 0.0)
+        if op in _CHEAP:
+            return self.flop
         found = self.ops.get(op)
         if found is not None:
             return found
@@ -142,7 +155,7 @@ class AnalyticCost:
                 return 0.0
             return 0.0
         if fam in (_terms.ELEMENTWISE, _terms.TRANSCENDENTAL):
-            return self.node + self.elementwise(n.op, fam) * sum(size(a) for a in out)
+            return self.node + self.elementwise(n.op, fam, n.params) * sum(size(a) for a in out)
         if fam == _terms.LAYOUT:
             return self.node + 0.05 * self.flop * sum(size(a) for a in out)
         if fam == _terms.TRANSPOSE:
@@ -192,7 +205,10 @@ class AnalyticCost:
 
         return FusionModel(self.ops, byte=self.byte, reduce=self.reduce, launch=self.launch,
                            default=self.transcendental, cheap=self.flop, node=self.node,
-                           library_op=self.library_op)
+                           library_op=self.library_op, tiebreak=self._op_price)
+
+    def _op_price(self, op: Any) -> float:
+        return self(NodeInfo(op.prim, op.family, op.params, op.in_avals, op.out_avals))
 
     def program(self, prog: Any) -> float:
         """The predicted cost of a whole program (a :class:`rewrite._fusion.Program`), fusion included."""

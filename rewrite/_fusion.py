@@ -24,8 +24,8 @@ an extractor's choice:
   reads; a transcendental feeding it is computed in a loop of its own and
   stored, even when another loop recomputes it. This is why JAX's VJP of
   ``sin(a*x)**2/a`` evaluates ``sin(a*x)`` twice. (Smaller reductions are
-  loop fusions that absorb anything; XLA may also merge sibling ones, which
-  the model does not.)
+  loop fusions that absorb anything, and fuse into their one consumer loop;
+  XLA may also merge sibling ones, which the model does not.)
 * ``sin`` and ``cos`` of one argument in one loop cost about one of them
   (LLVM merges them into ``sincos``).
 
@@ -48,6 +48,10 @@ from . import _terms
 EXPENSIVE = frozenset("""exp exp2 expm1 log log1p logistic tanh sqrt rsqrt cbrt pow atan2 erf erfc erf_inv
 lgamma digamma igamma igammac zeta div rem sinh cosh asin acos atan asinh acosh atanh bessel_i0e
 bessel_i1e""".split())
+#: XLA's cheap elementwise operations (``IsExpensive`` is false, for reals): their cost is below what can be
+#: measured apart from memory traffic, so they are counted, one ``cheap`` each, not priced from the table.
+CHEAP = frozenset("""add sub mul neg max min abs sign floor ceil round select_n clamp and or xor not eq ne lt le gt ge
+square copy convert_element_type shift_left shift_right_arithmetic shift_right_logical add_any is_finite""".split())
 #: What a library (YNN) reduction fusion absorbs from its producers.
 LIBRARY_OK = frozenset("add sub mul neg max min broadcast_in_dim reshape squeeze convert_element_type".split())
 LIBRARY_REDUCTIONS = frozenset("reduce_sum reduce_max reduce_min".split())
@@ -59,6 +63,8 @@ _LOOP_OTHER = frozenset("broadcast_in_dim reshape squeeze rev transpose slice pa
 _FREE = frozenset("broadcast_in_dim reshape squeeze convert_element_type copy".split())
 
 LEAF, VIEW, LOOP, LIBRARY, REDUCE, OTHER = "leaf", "view", "loop", "library", "reduce", "other"
+#: The weight of the node-by-node price that breaks ties between programs that fuse alike.
+TIEBREAK = 1e-3
 
 
 @dataclasses.dataclass
@@ -337,14 +343,19 @@ class FusionModel:
     tile), ``launch`` per kernel, ``default`` the
     price of a transcendental missing from ``ns`` and ``cheap`` of any other
     elementwise primitive. ``node`` is charged per operation evaluated, so
-    that of two programs XLA runs alike the one with fewer equations wins.
+    that of two programs XLA runs alike the one with fewer equations wins,
+    and ``tiebreak`` (a node price, weighted by ``TIEBREAK``) so that of two
+    programs that fuse alike the one a node-by-node model prefers wins
+    (``x * (1/3)`` over ``x / 3``, which XLA compiles to the same loop).
     """
 
     def __init__(self, ns: Mapping[str, float], *, byte: float, reduce: float, launch: float, default: float,
-                 cheap: float, node: float = 0.0, library_op: float | None = None) -> None:
+                 cheap: float, node: float = 0.0, library_op: float | None = None,
+                 tiebreak: Callable[[Op], float] | None = None) -> None:
         self.ns = dict(ns)
         self.node = node
         self.library_op = library_op
+        self.tiebreak = tiebreak
         self.byte = byte
         self.reduce = reduce
         self.launch = launch
@@ -367,6 +378,14 @@ class FusionModel:
             kind = kinds[i]
             if kind in (LEAF, VIEW):
                 continue
+            if kind == REDUCE and i not in outputs:
+                # A small reduction is a loop XLA can fuse into its one consumer loop (never duplicated).
+                need = set().union(*(homes.get(u, set()) for u in users[i])) if users[i] else set()
+                if not need:
+                    continue
+                if len(need) == 1 and roots[next(iter(need))] in (LOOP, REDUCE):
+                    homes[i] = need
+                    continue
             if kind != LOOP:
                 homes[i] = {i}
                 roots[i] = kind
@@ -429,10 +448,9 @@ class FusionModel:
         if op.prim == "integer_pow":
             y = abs(int(op.params.get("y", 2)))
             muls = max(1, y.bit_length() - 1 + bin(y).count("1") - 1)
-            return muls * self.ns.get("mul", self.cheap) + (self.ns.get("div", self.cheap)
-                                                             if op.params.get("y", 2) < 0 else 0.0)
-        if op.prim == "div" and prog is not None and _scaled_by_small(prog, op):
-            return self.ns.get("mul", self.cheap)
+            return muls * self.cheap + (self.ns.get("div", self.cheap) if op.params.get("y", 2) < 0 else 0.0)
+        if op.prim in CHEAP or (op.prim == "div" and prog is not None and _scaled_by_small(prog, op)):
+            return self.cheap
         if op.family == _terms.OPAQUE:
             return self._inner_ns(inner_jaxpr(op.params))
         found = self.ns.get(op.prim)
@@ -481,13 +499,15 @@ class FusionModel:
                         continue
                     reads.add(a)
             cost = self.launch + self.node * len(comp)
+            if self.tiebreak is not None:
+                cost += TIEBREAK * sum(self.tiebreak(ops[i]) for i in comp)
             sincos: dict[int, set[str]] = {}
             for i in comp:
                 op = ops[i]
                 if op.prim in ("sin", "cos") and op.args:
                     sincos.setdefault(op.args[0], set()).add(op.prim)
                     continue
-                if i == r and kind in (LIBRARY, REDUCE):
+                if (i == r and kind in (LIBRARY, REDUCE)) or _kind_of(op) == REDUCE:
                     cost += _size(op.in_avals[0]) * self.reduce
                 elif kind == LIBRARY and self.library_op is not None:
                     cost += _size(op.out_avals[0]) * self.library_op

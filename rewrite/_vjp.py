@@ -378,10 +378,11 @@ class RewrittenVJP(Rewritten):
             from ._fusion import Program
 
             pricer = ProgramPricer(ex, model)
+            templates: dict = {}
 
             def program(roots: Sequence[Any], inputs: frozenset = frozenset()) -> float:
                 prog = Program.from_choice(ex, choice, roots, lambda c, nd: pricer.own(c, nd, choice),
-                                           pricer._templates, inputs=inputs)
+                                           templates, inputs=inputs)
                 return pricer.fusion(prog)
         else:
             def program(roots: Sequence[Any], inputs: frozenset = frozenset()) -> float:
