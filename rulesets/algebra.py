@@ -47,6 +47,23 @@ _INT = jax.ShapeDtypeStruct((3,), jnp.int32)
 _BOOL_F32 = (jax.ShapeDtypeStruct((3,), jnp.bool_), jax.ShapeDtypeStruct((3,), jnp.float32))
 
 
+def _f32(*shape: int) -> tuple[jax.ShapeDtypeStruct]:
+    """The arguments of a ``Pat`` rule's example program: one float32 array of this shape."""
+    return (jax.ShapeDtypeStruct(shape, jnp.float32),)
+
+
+def _example_at(args: tuple) -> Callable[[Callable], tuple[Callable, tuple]]:
+    """Make a function the ``example=(fn, args)`` of a ``Pat`` rule: a program it applies in, at ``args``.
+
+    A Pat rule has no left-side function to trace, so ``check_ruleset`` checks it
+    on such a program; each section below defines its rules' examples.
+    """
+    return lambda fn: (fn, args)
+
+
+_V = _f32(7)
+
+
 def _real(x: Value) -> bool:
     # complex square is lowered differently from complex multiplication
     return not jnp.issubdtype(x.dtype, jnp.complexfloating)
@@ -151,6 +168,41 @@ def _transpose_broadcast(m):
     return m.trace(lambda v: lax.broadcast_in_dim(v, out.shape, dims), m["x"])
 
 
+_M, _M1, _SCALAR = _f32(3, 5), _f32(1, 3, 5), _f32()
+
+
+# JAX drops a reshape, squeeze or transpose that changes nothing when it traces one, so such
+# ops only come from other rewrites or from binding the primitive directly, as here.
+@_example_at(_M)
+def _ex_reshape_identity(x):
+    return lax.reshape_p.bind(x, new_sizes=x.shape, dimensions=None, sharding=None)
+
+
+@_example_at(_M)
+def _ex_squeeze_identity(x):
+    return lax.squeeze_p.bind(x, dimensions=())
+
+
+@_example_at(_M)
+def _ex_transpose_identity(x):
+    return lax.transpose_p.bind(x, permutation=(0, 1))
+
+
+@_example_at(_M + _SCALAR)
+def _ex_reshape_broadcast(x, s):  # both cases: an expand_dims, and a broadcast scalar
+    return x[None].reshape(15), jnp.broadcast_to(s, (4, 6)).reshape(3, 8)
+
+
+@_example_at(_M + _SCALAR)
+def _ex_squeeze_broadcast(x, s):
+    return jnp.squeeze(x[None], 0), jnp.squeeze(jnp.broadcast_to(s, (1, 4)), 0)
+
+
+@_example_at(_f32(2, 3, 4))
+def _ex_transpose_transpose(x):  # one pair cancels, the other composes
+    return x.transpose(1, 2, 0).transpose(2, 0, 1), x.transpose(1, 2, 0).transpose(1, 0, 2)
+
+
 # ---------------------------------------------------------------------- reductions over size-1 axes
 @procedural
 def _reduce_unit_axes(m):
@@ -172,6 +224,11 @@ def _arg_unit_axes(m):
     if any(x.shape[a] != 1 for a in p["axes"]):
         return None
     return m.trace(lambda v: lax.full(out.shape, 0, out.dtype), x)
+
+
+def _unit_axis(reduce: Callable, dtype: Any = jnp.float32) -> tuple[Callable, tuple]:
+    """An example program for a reduction rule: ``reduce`` over the size-1 middle axis of a (4, 1, 3) array."""
+    return (lambda x: reduce(x, axis=1)), (jax.ShapeDtypeStruct((4, 1, 3), dtype),)
 
 
 # ---------------------------------------------------------------------- integer_pow
@@ -234,6 +291,21 @@ def _mul_x_pow(m):
     return _pow_product(m, m.params("q")["y"], 1)
 
 
+@_example_at(_V)
+def _ex_pow_pow(x):
+    return (x ** 2) ** 3
+
+
+@_example_at(_V)
+def _ex_mul_pows(x):
+    return x ** 4 * x ** 3
+
+
+@_example_at(_V)
+def _ex_mul_x_pow(x):
+    return x * x ** 4
+
+
 # ---------------------------------------------------------------------- converts
 def _exact_conversion(src: np.dtype, dst: np.dtype) -> bool:
     """Does converting every value of ``src`` to ``dst`` keep it exactly (including -0.0, inf, NaN)?"""
@@ -260,6 +332,13 @@ def _exact_conversion(src: np.dtype, dst: np.dtype) -> bool:
 
 
 _IEEE = {np.dtype(t) for t in (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64)}
+_INT8_BF16 = (jax.ShapeDtypeStruct((3,), jnp.int8), jax.ShapeDtypeStruct((3,), jnp.bfloat16))
+
+
+@_example_at(_INT8_BF16)
+def _ex_convert_convert(q, h):
+    """Dequantize int8 through int32 (one convert instead); a bfloat16 round trip through float32 (none)."""
+    return q.astype(jnp.int32).astype(jnp.float32) * 0.5, h.astype(jnp.float32).astype(jnp.bfloat16)
 
 
 @procedural
@@ -468,6 +547,99 @@ def _fold2(prim: str) -> Pat:
 
 _A, _AB = ("a",), ("a", "b")
 
+
+# Constant expressions inside computations, as users write them. Their literals are normal
+# numbers: folding declines subnormal and near-subnormal operands and results.
+@_example_at(_V)
+def _ex_fold_neg(x):  # a negative slope, and a mask's fill value
+    return jnp.where(x > 0, x * -jnp.float32(0.5), -jnp.float32(jnp.inf))
+
+
+@_example_at(_V)
+def _ex_fold_abs(x):
+    return x * jnp.abs(jnp.float32(-0.5))
+
+
+@_example_at(_V)
+def _ex_fold_sqrt(x):  # attention's 1/sqrt(d)
+    return x / jnp.sqrt(jnp.float32(2.0))
+
+
+@_example_at(_V)
+def _ex_fold_square(x):
+    return x * jnp.square(jnp.float32(0.1))
+
+
+@_example_at(_V)
+def _ex_fold_integer_pow(x):  # a decay over ten steps
+    return x * jnp.float32(0.99) ** 10
+
+
+@_example_at(_V)
+def _ex_fold_convert(x):  # relu6: jnp.clip converts its integer bounds
+    return jnp.clip(x, 0, 6)
+
+
+@_example_at(_V)
+def _ex_fold_add(x):
+    return x + (jnp.float32(0.1) + jnp.float32(0.2))
+
+
+@_example_at(_V)
+def _ex_fold_sub(x):
+    return x - (jnp.float32(1.0) - jnp.float32(0.9))
+
+
+@_example_at(_V)
+def _ex_fold_mul(x):
+    return x * (jnp.float32(2.0) * jnp.float32(np.pi))
+
+
+@_example_at(_V)
+def _ex_fold_div(x):
+    return x * (jnp.float32(1.0) / jnp.float32(3.0))
+
+
+@_example_at(_V)
+def _ex_fold_max(x):
+    return jnp.maximum(x, jnp.maximum(jnp.float32(-1.0), jnp.float32(0.5)))
+
+
+@_example_at(_V)
+def _ex_fold_min(x):
+    return jnp.minimum(x, jnp.minimum(jnp.float32(6.0), jnp.float32(np.inf)))
+
+
+def _ex_compare(op: Callable[[Any, Any], Any]) -> tuple[Callable, tuple]:
+    """An example for a comparison: branches chosen by comparing constants (ordinary, signed zeros, NaN)."""
+
+    def program(x):
+        pairs = [(0.5, 2.0), (-0.0, 0.0), (np.nan, 1.0)]
+        return [jnp.where(op(jnp.float32(a), jnp.float32(b)), x, -x) for a, b in pairs]
+
+    return program, _V
+
+
+@_example_at((_INT,))
+def _ex_fold_and(x):
+    return x & (jnp.int32(0xF0) & jnp.int32(0x3C))
+
+
+@_example_at((_INT,))
+def _ex_fold_or(x):
+    return x | (jnp.int32(1) | jnp.int32(4))
+
+
+@_example_at((_INT,))
+def _ex_fold_not(x):  # round down to a multiple of 8
+    return x & ~jnp.int32(7)
+
+
+@_example_at(_V)
+def _ex_fold_select(x):  # a flag fixed when the program is written
+    return jnp.where(True, jnp.maximum(x, 0.0), x)
+
+
 # ---------------------------------------------------------------------- the pack
 # Rules of two or more variables use lax, not jnp operators: jnp converts a
 # weak-typed scalar operand (a literal) before an op with an array, so the
@@ -505,62 +677,86 @@ algebra = Ruleset("algebra", [
     rule(lambda x: lax.integer_pow(x, 2), lambda x: lax.square(x), name="pow_two", when=_real),  # x^2 -> square(x)
     rule(lambda x: lax.square(x), lambda x: lax.integer_pow(x, 2), name="square_pow", when=_real),  # square(x) -> x^2
     rule(lambda x: x * x, lambda x: lax.square(x), name="mul_self", when=_real),               # x * x -> square(x)
-    rule(Pat("integer_pow", Pat("integer_pow", X, params="pi"), params="po"), _pow_pow, name="pow_pow"),  # (x^2^k)^b -> x^(2^k b)
+    rule(Pat("integer_pow", Pat("integer_pow", X, params="pi"), params="po"), _pow_pow, name="pow_pow",
+         example=_ex_pow_pow),                                                                     # (x^2^k)^b -> x^(2^k b)
     rule(Pat("mul", Pat("integer_pow", X, params="p"), Pat("integer_pow", X, params="q")), _mul_pows,
-         name="mul_pows"),                                                                     # x^2^k * x^b -> x^(2^k+b), b <= 2^k
-    rule(Pat("mul", X, Pat("integer_pow", X, params="q")), _mul_x_pow, name="mul_x_pow"),      # x * x^2^k -> x^(2^k+1)
+         name="mul_pows", example=_ex_mul_pows),                                                   # x^2^k * x^b -> x^(2^k+b), b <= 2^k
+    rule(Pat("mul", X, Pat("integer_pow", X, params="q")), _mul_x_pow, name="mul_x_pow",
+         example=_ex_mul_x_pow),                                                                   # x * x^2^k -> x^(2^k+1)
     # layout
-    rule(Pat("reshape", X, params="p"), _drop_if_same_type, name="reshape_identity"),          # reshape(x) -> x  (same shape)
-    rule(Pat("squeeze", X, params="p"), _drop_if_same_type, name="squeeze_identity"),          # squeeze(x, ()) -> x
-    rule(Pat("transpose", X, params="p"), _transpose_identity, name="transpose_identity"),     # transpose(x, id) -> x
-    rule(_chain("reshape", "reshape"), _collapse("reshape", "reshape"), name="reshape_reshape"),  # reshape(reshape(x)) -> reshape(x)
-    rule(_chain("reshape", "squeeze"), _collapse("reshape", "squeeze"), name="reshape_squeeze"),  # reshape(squeeze(x)) -> reshape(x)
+    rule(Pat("reshape", X, params="p"), _drop_if_same_type, name="reshape_identity",
+         example=_ex_reshape_identity),                                                            # reshape(x) -> x  (same shape)
+    rule(Pat("squeeze", X, params="p"), _drop_if_same_type, name="squeeze_identity",
+         example=_ex_squeeze_identity),                                                            # squeeze(x, ()) -> x
+    rule(Pat("transpose", X, params="p"), _transpose_identity, name="transpose_identity",
+         example=_ex_transpose_identity),                                                          # transpose(x, id) -> x
+    rule(_chain("reshape", "reshape"), _collapse("reshape", "reshape"), name="reshape_reshape",
+         example=(lambda x: x.reshape(15).reshape(5, 3), _M)),                                     # reshape(reshape(x)) -> reshape(x)
+    rule(_chain("reshape", "squeeze"), _collapse("reshape", "squeeze"), name="reshape_squeeze",
+         example=(lambda x: jnp.squeeze(x, 0).reshape(5, 3), _M1)),                                # reshape(squeeze(x)) -> reshape(x)
     rule(_chain("reshape", "broadcast_in_dim"), _collapse("reshape", "broadcast_in_dim"),
-         name="reshape_broadcast"),                                        # reshape(expand_dims(x)) -> reshape(x); reshape(bcast(s)) -> bcast(s)
-    rule(_chain("squeeze", "reshape"), _collapse("squeeze", "reshape"), name="squeeze_reshape"),  # squeeze(reshape(x)) -> reshape(x)
-    rule(_chain("squeeze", "squeeze"), _collapse("squeeze", "squeeze"), name="squeeze_squeeze"),  # squeeze(squeeze(x)) -> reshape(x)
+         name="reshape_broadcast", example=_ex_reshape_broadcast),  # reshape(expand_dims(x)) -> reshape(x); reshape(bcast(s)) -> bcast(s)
+    rule(_chain("squeeze", "reshape"), _collapse("squeeze", "reshape"), name="squeeze_reshape",
+         example=(lambda x: jnp.squeeze(x.reshape(1, 15, 1), (0, 2)), _M)),                        # squeeze(reshape(x)) -> reshape(x)
+    rule(_chain("squeeze", "squeeze"), _collapse("squeeze", "squeeze"), name="squeeze_squeeze",
+         example=(lambda x: jnp.squeeze(jnp.squeeze(x, 0), 1), _f32(1, 3, 1, 5))),                 # squeeze(squeeze(x)) -> reshape(x)
     rule(_chain("squeeze", "broadcast_in_dim"), _collapse("squeeze", "broadcast_in_dim"),
-         name="squeeze_broadcast"),                                        # squeeze(expand_dims(x)) -> reshape(x); squeeze(bcast(s)) -> bcast(s)
+         name="squeeze_broadcast", example=_ex_squeeze_broadcast),  # squeeze(expand_dims(x)) -> reshape(x); squeeze(bcast(s)) -> bcast(s)
     rule(_chain("broadcast_in_dim", "reshape"), _collapse("broadcast_in_dim", "reshape"),
-         name="expand_reshape"),                                           # expand_dims(reshape(x)) -> reshape(x)
+         name="expand_reshape", example=(lambda x: x.reshape(15)[None], _M)),                      # expand_dims(reshape(x)) -> reshape(x)
     rule(_chain("broadcast_in_dim", "squeeze"), _collapse("broadcast_in_dim", "squeeze"),
-         name="expand_squeeze"),                                           # expand_dims(squeeze(x)) -> reshape(x)
-    rule(_chain("broadcast_in_dim", "broadcast_in_dim"), _broadcast_broadcast, name="broadcast_broadcast"),  # bcast(bcast(x)) -> bcast(x)
-    rule(_chain("transpose", "transpose"), _transpose_transpose, name="transpose_transpose"),  # transpose(transpose(x, p), q) -> transpose(x, p[q])
-    rule(_chain("transpose", "broadcast_in_dim"), _transpose_broadcast, name="transpose_broadcast"),  # transpose(bcast(x)) -> bcast(x)
+         name="expand_squeeze", example=(lambda x: jnp.squeeze(x, 0)[:, None], _M1)),              # expand_dims(squeeze(x)) -> reshape(x)
+    rule(_chain("broadcast_in_dim", "broadcast_in_dim"), _broadcast_broadcast, name="broadcast_broadcast",
+         example=(lambda x: jnp.broadcast_to(jnp.broadcast_to(x, (4, 5)), (2, 4, 5)), _f32(5))),   # bcast(bcast(x)) -> bcast(x)
+    rule(_chain("transpose", "transpose"), _transpose_transpose, name="transpose_transpose",
+         example=_ex_transpose_transpose),  # transpose(transpose(x, p), q) -> transpose(x, p[q])
+    rule(_chain("transpose", "broadcast_in_dim"), _transpose_broadcast, name="transpose_broadcast",
+         example=(lambda x: jnp.broadcast_to(x, (4, 5)).T, _f32(5))),                              # transpose(bcast(x)) -> bcast(x)
     # reductions over axes of size 1
-    rule(Pat("reduce_sum", X, params="p"), _reduce_unit_axes, name="sum_unit_axes"),           # sum(x, size-1 axes) -> reshape(x)
-    rule(Pat("reduce_prod", X, params="p"), _reduce_unit_axes, name="prod_unit_axes"),         # prod(x, size-1 axes) -> reshape(x)
-    rule(Pat("reduce_max", X, params="p"), _reduce_unit_axes, name="max_unit_axes"),           # max(x, size-1 axes) -> reshape(x)
-    rule(Pat("reduce_min", X, params="p"), _reduce_unit_axes, name="min_unit_axes"),           # min(x, size-1 axes) -> reshape(x)
-    rule(Pat("reduce_and", X, params="p"), _reduce_unit_axes, name="and_unit_axes"),           # all(x, size-1 axes) -> reshape(x)
-    rule(Pat("reduce_or", X, params="p"), _reduce_unit_axes, name="or_unit_axes"),             # any(x, size-1 axes) -> reshape(x)
-    rule(Pat("argmax", X, params="p"), _arg_unit_axes, name="argmax_unit_axes"),               # argmax(x, size-1 axis) -> 0
-    rule(Pat("argmin", X, params="p"), _arg_unit_axes, name="argmin_unit_axes"),               # argmin(x, size-1 axis) -> 0
+    rule(Pat("reduce_sum", X, params="p"), _reduce_unit_axes, name="sum_unit_axes",
+         example=_unit_axis(jnp.sum)),                                                             # sum(x, size-1 axes) -> reshape(x)
+    rule(Pat("reduce_prod", X, params="p"), _reduce_unit_axes, name="prod_unit_axes",
+         example=_unit_axis(jnp.prod)),                                                            # prod(x, size-1 axes) -> reshape(x)
+    rule(Pat("reduce_max", X, params="p"), _reduce_unit_axes, name="max_unit_axes",
+         example=_unit_axis(jnp.max)),                                                             # max(x, size-1 axes) -> reshape(x)
+    rule(Pat("reduce_min", X, params="p"), _reduce_unit_axes, name="min_unit_axes",
+         example=_unit_axis(jnp.min)),                                                             # min(x, size-1 axes) -> reshape(x)
+    rule(Pat("reduce_and", X, params="p"), _reduce_unit_axes, name="and_unit_axes",
+         example=_unit_axis(jnp.all, jnp.bool_)),                                                  # all(x, size-1 axes) -> reshape(x)
+    rule(Pat("reduce_or", X, params="p"), _reduce_unit_axes, name="or_unit_axes",
+         example=_unit_axis(jnp.any, jnp.bool_)),                                                  # any(x, size-1 axes) -> reshape(x)
+    rule(Pat("argmax", X, params="p"), _arg_unit_axes, name="argmax_unit_axes",
+         example=_unit_axis(jnp.argmax)),                                                          # argmax(x, size-1 axis) -> 0
+    rule(Pat("argmin", X, params="p"), _arg_unit_axes, name="argmin_unit_axes",
+         example=_unit_axis(jnp.argmin)),                                                          # argmin(x, size-1 axis) -> 0
     # converts
     rule(Pat("convert_element_type", Pat("convert_element_type", X, name="y"), params="po"), _convert_convert,
-         name="convert_convert"),                                          # convert(convert(x, wider), B) -> convert(x, B); -> x when B is x's type
+         name="convert_convert", example=_ex_convert_convert),  # convert(convert(x, wider), B) -> convert(x, B); -> x when B is x's type
     # constant folding (literal operands)
-    rule(Pat("neg", _lit("a")), _fold(_float_op(np.negative), _A), name="fold_neg"),          # -c -> c'
-    rule(Pat("abs", _lit("a")), _fold(_float_op(np.abs), _A), name="fold_abs"),               # |c| -> c'
-    rule(Pat("sqrt", _lit("a")), _fold(_float_only(np.sqrt), _A), name="fold_sqrt"),          # sqrt(c) -> c'
-    rule(Pat("square", _lit("a")), _fold(_float_op(lambda a: a * a), _A), name="fold_square"),  # square(c) -> c'
-    rule(Pat("integer_pow", Pat.lit(name="c"), params="p"), _fold_integer_pow, name="fold_integer_pow"),  # c^n -> c'
-    rule(Pat("convert_element_type", Pat.lit(name="c")), _fold_convert, name="fold_convert"),  # convert(c) -> c'
-    rule(_fold2("add"), _fold(_float_op(np.add), _AB), name="fold_add"),                      # a + b -> c
-    rule(_fold2("sub"), _fold(_float_op(np.subtract), _AB), name="fold_sub"),                 # a - b -> c
-    rule(_fold2("mul"), _fold(_float_op(np.multiply), _AB), name="fold_mul"),                 # a * b -> c
-    rule(_fold2("div"), _fold(_float_only(np.divide), _AB), name="fold_div"),                 # a / b -> c  (floats)
-    rule(_fold2("max"), _fold(_minmax(True), _AB), name="fold_max"),                          # max(a, b) -> c
-    rule(_fold2("min"), _fold(_minmax(False), _AB), name="fold_min"),                         # min(a, b) -> c
-    rule(_fold2("eq"), _fold(_compare(np.equal), _AB), name="fold_eq"),                       # a == b -> bool
-    rule(_fold2("ne"), _fold(_compare(np.not_equal), _AB), name="fold_ne"),                   # a != b -> bool
-    rule(_fold2("lt"), _fold(_compare(np.less), _AB), name="fold_lt"),                        # a < b -> bool
-    rule(_fold2("le"), _fold(_compare(np.less_equal), _AB), name="fold_le"),                  # a <= b -> bool
-    rule(_fold2("gt"), _fold(_compare(np.greater), _AB), name="fold_gt"),                     # a > b -> bool
-    rule(_fold2("ge"), _fold(_compare(np.greater_equal), _AB), name="fold_ge"),               # a >= b -> bool
-    rule(_fold2("and"), _fold(_int_or_bool_op(np.bitwise_and), _AB), name="fold_and"),        # a & b -> c
-    rule(_fold2("or"), _fold(_int_or_bool_op(np.bitwise_or), _AB), name="fold_or"),           # a | b -> c
-    rule(Pat("not", _lit("a")), _fold(_int_or_bool_op(np.invert), _A), name="fold_not"),      # ~a -> c
-    rule(Pat("select_n", Pat.lit(name="p"), args="cases"), _fold_select, name="fold_select"),  # select_n(c, *xs) -> xs[c]
+    rule(Pat("neg", _lit("a")), _fold(_float_op(np.negative), _A), name="fold_neg", example=_ex_fold_neg),  # -c -> c'
+    rule(Pat("abs", _lit("a")), _fold(_float_op(np.abs), _A), name="fold_abs", example=_ex_fold_abs),  # |c| -> c'
+    rule(Pat("sqrt", _lit("a")), _fold(_float_only(np.sqrt), _A), name="fold_sqrt", example=_ex_fold_sqrt),  # sqrt(c) -> c'
+    rule(Pat("square", _lit("a")), _fold(_float_op(lambda a: a * a), _A), name="fold_square",
+         example=_ex_fold_square),                                                                 # square(c) -> c'
+    rule(Pat("integer_pow", Pat.lit(name="c"), params="p"), _fold_integer_pow, name="fold_integer_pow",
+         example=_ex_fold_integer_pow),                                                            # c^n -> c'
+    rule(Pat("convert_element_type", Pat.lit(name="c")), _fold_convert, name="fold_convert",
+         example=_ex_fold_convert),                                                                # convert(c) -> c'
+    rule(_fold2("add"), _fold(_float_op(np.add), _AB), name="fold_add", example=_ex_fold_add),     # a + b -> c
+    rule(_fold2("sub"), _fold(_float_op(np.subtract), _AB), name="fold_sub", example=_ex_fold_sub),  # a - b -> c
+    rule(_fold2("mul"), _fold(_float_op(np.multiply), _AB), name="fold_mul", example=_ex_fold_mul),  # a * b -> c
+    rule(_fold2("div"), _fold(_float_only(np.divide), _AB), name="fold_div", example=_ex_fold_div),  # a / b -> c  (floats)
+    rule(_fold2("max"), _fold(_minmax(True), _AB), name="fold_max", example=_ex_fold_max),         # max(a, b) -> c
+    rule(_fold2("min"), _fold(_minmax(False), _AB), name="fold_min", example=_ex_fold_min),        # min(a, b) -> c
+    rule(_fold2("eq"), _fold(_compare(np.equal), _AB), name="fold_eq", example=_ex_compare(lax.eq)),  # a == b -> bool
+    rule(_fold2("ne"), _fold(_compare(np.not_equal), _AB), name="fold_ne", example=_ex_compare(lax.ne)),  # a != b -> bool
+    rule(_fold2("lt"), _fold(_compare(np.less), _AB), name="fold_lt", example=_ex_compare(lax.lt)),  # a < b -> bool
+    rule(_fold2("le"), _fold(_compare(np.less_equal), _AB), name="fold_le", example=_ex_compare(lax.le)),  # a <= b -> bool
+    rule(_fold2("gt"), _fold(_compare(np.greater), _AB), name="fold_gt", example=_ex_compare(lax.gt)),  # a > b -> bool
+    rule(_fold2("ge"), _fold(_compare(np.greater_equal), _AB), name="fold_ge", example=_ex_compare(lax.ge)),  # a >= b -> bool
+    rule(_fold2("and"), _fold(_int_or_bool_op(np.bitwise_and), _AB), name="fold_and", example=_ex_fold_and),  # a & b -> c
+    rule(_fold2("or"), _fold(_int_or_bool_op(np.bitwise_or), _AB), name="fold_or", example=_ex_fold_or),  # a | b -> c
+    rule(Pat("not", _lit("a")), _fold(_int_or_bool_op(np.invert), _A), name="fold_not", example=_ex_fold_not),  # ~a -> c
+    rule(Pat("select_n", Pat.lit(name="p"), args="cases"), _fold_select, name="fold_select",
+         example=_ex_fold_select),                                                                 # select_n(c, *xs) -> xs[c]
 ], soundness="exact", description=__doc__.split("\n\n")[0])

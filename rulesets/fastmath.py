@@ -28,6 +28,7 @@ is wrong for ``x = inf``, which is what the ``cancel`` toggle accepts.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -40,8 +41,32 @@ __all__ = ["fastmath", "reassociate", "reciprocal", "cancel", "fuse_reductions",
 X = Pat.var("x")
 
 
+def _f32(*shape: int) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(shape, jnp.float32)
+
+
+def _example_at(*args: jax.ShapeDtypeStruct):
+    """Make a function the ``example=(fn, args)`` of a ``Pat`` rule: a program it applies in, at ``args``.
+
+    A Pat rule has no left-side function to trace, so ``check_ruleset`` checks
+    it on such a program; each toggle defines its rules' examples.
+    """
+    return lambda fn: (fn, args)
+
+
 def _floating(*xs) -> bool:
     return all(jnp.issubdtype(x.dtype, jnp.floating) for x in xs)
+
+
+# Zero is an ordinary value, and a division by it is not: x/x -> 1 would turn 0/0 (NaN) into
+# 1, and a/c + b/c -> (a + b)/c turns 0/0 + 1/0 (NaN) into 1/0 (inf). Rules that cancel or
+# merge divisions ask for a divisor that the facts prove nonzero.
+def _nonzero_float(x) -> bool:
+    return _floating(x) and x.nonzero
+
+
+def _nonzero_divisor(a, b, c) -> bool:
+    return _floating(a, b, c) and c.nonzero
 
 
 # ---------------------------------------------------------------------- reassociate
@@ -79,13 +104,18 @@ def _div_by_constant(m):
     return m.trace(lax.mul, x, m.literal(float(r), c.aval))
 
 
+@_example_at(_f32(4, 5))
+def _ex_div_const(x):  # a mean divides by the count
+    return jnp.mean(x, axis=-1)
+
+
 def _not_reciprocal(x, y) -> bool:
     # 1/y is already a reciprocal; rewriting it to 1 * (1/y) would feed itself
     return _floating(x, y) and x.literal != 1
 
 
 reciprocal = Ruleset("reciprocal", [
-    rule(Pat("div", X, Pat.lit(name="c")), _div_by_constant, name="div_const"),            # x / c -> x * (1/c)
+    rule(Pat("div", X, Pat.lit(name="c")), _div_by_constant, name="div_const", example=_ex_div_const),  # x / c -> x * (1/c)
     # 1.0 / y with jnp, as users write it: its literal is strong, lax.div's is weak, and only
     # the same literal makes the same class
     rule(lambda x, y: lax.div(x, y), lambda x, y: lax.mul(x, 1.0 / y),
@@ -97,7 +127,7 @@ reciprocal = Ruleset("reciprocal", [
 # ---------------------------------------------------------------------- cancel
 cancel = Ruleset("cancel", [
     rule(lambda x: x - x, lambda x: jnp.zeros_like(x), name="sub_self", when=_floating),   # x - x -> 0  (not for inf, NaN)
-    rule(lambda x: x / x, lambda x: jnp.ones_like(x), name="div_self", when=_floating),    # x / x -> 1  (not for 0, inf, NaN)
+    rule(lambda x: x / x, lambda x: jnp.ones_like(x), name="div_self", when=_nonzero_float),  # x / x -> 1, x != 0  (not for inf, NaN)
     rule(lambda x: x * 0, lambda x: jnp.zeros_like(x), name="mul_zero", when=_floating),   # x * 0 -> 0  (not for inf, NaN; sign of zero)
 ], soundness="fastmath", tolerance=Tolerance(rtol=0.0, atol=0.0),
     description="cancel x-x, x/x, x*0: exact on finite nonzero values, wrong for inf and NaN")
@@ -125,9 +155,21 @@ def _sum(name: str, params: str) -> Pat:
     return Pat("reduce_sum", Pat.var(name), params=params)
 
 
+@_example_at(_f32(4, 5), _f32(4, 5))
+def _ex_fuse_sum_add(a, b):  # two losses, summed over the batch
+    return jnp.sum(a, axis=0) + jnp.sum(b, axis=0)
+
+
+@_example_at(_f32(4, 5), _f32(4, 5))
+def _ex_fuse_sum_sub(a, b):
+    return jnp.sum(a, axis=1) - jnp.sum(b, axis=1)
+
+
 fuse_reductions = Ruleset("fuse_reductions", [
-    rule(Pat("add", _sum("a", "p"), _sum("b", "q")), _fuse(lax.add), name="fuse_sum_add"),  # sum(a) + sum(b) -> sum(a + b)
-    rule(Pat("sub", _sum("a", "p"), _sum("b", "q")), _fuse(lax.sub), name="fuse_sum_sub"),  # sum(a) - sum(b) -> sum(a - b)
+    rule(Pat("add", _sum("a", "p"), _sum("b", "q")), _fuse(lax.add), name="fuse_sum_add",
+         example=_ex_fuse_sum_add),                                                                # sum(a) + sum(b) -> sum(a + b)
+    rule(Pat("sub", _sum("a", "p"), _sum("b", "q")), _fuse(lax.sub), name="fuse_sum_sub",
+         example=_ex_fuse_sum_sub),                                                                # sum(a) - sum(b) -> sum(a - b)
 ], soundness="fastmath", tolerance=Tolerance(rtol=1e-5, atol=1e-6),
     description="one reduction instead of two over equal axes: values of one sign, within 1e-5 relative")
 
@@ -143,15 +185,20 @@ def _pull_scalar_out_of_sum(m):
     return m.trace(lambda x, s: lax.mul(jnp.sum(x, axis=axes), s), x, s)
 
 
+@_example_at(_f32(4, 5), _f32())
+def _ex_sum_scalar_mul(x, s):  # a scaled row sum
+    return jnp.sum(x * s, axis=-1)
+
+
 distribute = Ruleset("distribute", [
     rule(lambda a, b, c: lax.add(lax.mul(a, b), lax.mul(a, c)), lambda a, b, c: lax.mul(a, lax.add(b, c)),
          name="factor_add", when=_floating),  # a*b + a*c -> a*(b + c)
     rule(lambda a, b, c: lax.sub(lax.mul(a, b), lax.mul(a, c)), lambda a, b, c: lax.mul(a, lax.sub(b, c)),
          name="factor_sub", when=_floating),  # a*b - a*c -> a*(b - c)
     rule(lambda a, b, c: lax.add(lax.div(a, c), lax.div(b, c)), lambda a, b, c: lax.div(lax.add(a, b), c),
-         name="factor_div", when=_floating),  # a/c + b/c -> (a + b)/c
+         name="factor_div", when=_nonzero_divisor),  # a/c + b/c -> (a + b)/c, c != 0
     rule(Pat("reduce_sum", Pat("mul", X, Pat.var("s")), params="p"), _pull_scalar_out_of_sum,
-         name="sum_scalar_mul"),                                                # sum(x * s) -> sum(x) * s  (scalar s)
+         name="sum_scalar_mul", example=_ex_sum_scalar_mul),                                       # sum(x * s) -> sum(x) * s  (scalar s)
 ], soundness="fastmath", tolerance=Tolerance(rtol=1e-5, atol=1e-6),
     description="factor common multiplicands and divisors: values of one sign, within 1e-5 relative")
 
@@ -183,13 +230,31 @@ def _power(n_of):
     return power
 
 
+@_example_at(_f32(7))
+def _ex_pow_pow_any(x):
+    return (x ** 3) ** 2
+
+
+@_example_at(_f32(7))
+def _ex_mul_pows_any(x):
+    return x ** 2 * x ** 3
+
+
+@_example_at(_f32(7))
+def _ex_mul_x_pow_any(x):
+    return x * x ** 6
+
+
 powers = Ruleset("powers", [
     rule(Pat("integer_pow", Pat("integer_pow", X, params="p"), params="q"),
-         _power(lambda m: m.params("p")["y"] * m.params("q")["y"]), name="pow_pow_any"),        # (x^a)^b -> x^(a*b)
+         _power(lambda m: m.params("p")["y"] * m.params("q")["y"]), name="pow_pow_any",
+         example=_ex_pow_pow_any),                                                                 # (x^a)^b -> x^(a*b)
     rule(Pat("mul", Pat("integer_pow", X, params="p"), Pat("integer_pow", X, params="q")),
-         _power(lambda m: m.params("p")["y"] + m.params("q")["y"]), name="mul_pows_any"),        # x^a * x^b -> x^(a+b)
+         _power(lambda m: m.params("p")["y"] + m.params("q")["y"]), name="mul_pows_any",
+         example=_ex_mul_pows_any),                                                                # x^a * x^b -> x^(a+b)
     rule(Pat("mul", X, Pat("integer_pow", X, params="q")),
-         _power(lambda m: m.params("q")["y"] + 1), name="mul_x_pow_any"),                         # x * x^a -> x^(a+1)
+         _power(lambda m: m.params("q")["y"] + 1), name="mul_x_pow_any",
+         example=_ex_mul_x_pow_any),                                                               # x * x^a -> x^(a+1)
 ], soundness="fastmath", tolerance=Tolerance(rtol=2e-6, atol=0.0),
     description="fold products and powers of powers: a few roundings, exponents up to 64")
 

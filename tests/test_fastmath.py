@@ -80,13 +80,14 @@ CASES = [
     ("div_reciprocal", lambda x, y: x / y + jnp.sin(x) / y + jnp.cos(x) / y, [V, V], positive, "fires"),
     ("div_reciprocal", lambda x, y: x / y + 1.0 / y, [V, V], positive, "cheaper"),  # 1/y is there already
     ("sub_self", lambda x: jnp.sin(x) - jnp.sin(x) + x, [V], ordinary, "cheaper"),
-    ("div_self", lambda x: x / x * 3.0, [V], ordinary, "cheaper"),
+    ("div_self", lambda x: jnp.maximum(x, 1e-3) / jnp.maximum(x, 1e-3) * 3.0, [V], ordinary, "cheaper"),  # x != 0
     ("mul_zero", lambda x: x * 0.0 + jnp.cos(x), [V], ordinary, "cheaper"),
     ("fuse_sum_add", lambda a, b: a.sum(0) + b.sum(0), [M, M], positive, "cheaper"),
     ("fuse_sum_sub", lambda a, b: a.sum(1) - b.sum(1), [M, M], positive, "cheaper"),
     ("factor_add", lambda a, b, c: a * b + a * c, [V, V, V], positive, "cheaper"),
     ("factor_sub", lambda a, b, c: a * b - a * c, [V, V, V], positive, "cheaper"),
-    ("factor_div", lambda a, b, c: a / c + b / c, [V, V, V], positive, "cheaper"),
+    ("factor_div", lambda a, b, c: a / jnp.maximum(c, 1e-3) + b / jnp.maximum(c, 1e-3), [V, V, V], positive,
+     "cheaper"),  # c != 0
     ("sum_scalar_mul", lambda x, s: jnp.sum(x * s[0]), [M, (1,)], positive, "cheaper"),
     ("pow_pow_any", lambda x: (x ** 3) ** 2, [V], positive, "cheaper"),
     ("pow_pow_any", lambda x: (x ** -2) ** 3, [V], positive, "cheaper"),
@@ -170,6 +171,21 @@ def test_cancel_is_wrong_for_infinities_as_documented():
     got = np.asarray(side.jit_after(*side._flat(args))[i][0])
     want = np.asarray(side.jit_before(*side._flat(args))[i][0])
     assert np.isnan(want[0]) and got[0] == np.inf  # sin(inf) - sin(inf) + inf: NaN before, inf after
+
+
+@pytest.mark.parametrize("name,fn", [
+    ("div_self", lambda x, y, z: x / x),
+    ("factor_div", lambda x, y, z: y / x + z / x),
+], ids=["div_self", "factor_div"])
+def test_divisions_by_what_may_be_zero_are_left_alone(name, fn):
+    """Regression: x/x -> 1 and a/c + b/c -> (a + b)/c fired on any divisor, so 0/0 (NaN) became 1, and
+    0/0 + 1/0 (NaN) became inf; check_ruleset found both at a zero divisor. Zero is an ordinary value:
+    they now need a divisor the facts prove nonzero."""
+    x, y, z = np.zeros(3, np.float32), np.zeros(3, np.float32), np.ones(3, np.float32)
+    report = explain(fn, x, y, z, rulesets=[ALGEBRA + only(FASTMATH, name)])
+    assert name not in report.fired and report.rejected[name].get("guard", 0) >= 1, report
+    after = np.asarray(jax.extend.core.jaxpr_as_fun(report.after)(x, y, z)[0])
+    assert np.isnan(after).all()
 
 
 # ---------------------------------------------------------------------- growth
