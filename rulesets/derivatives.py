@@ -57,6 +57,7 @@ import dataclasses
 import math
 from typing import Any, Callable
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -65,6 +66,13 @@ from rewrite import Pat, Ruleset, Value, procedural, rule
 __all__ = ["derivatives", "derivatives_fastmath", "product_tree", "simplify", "pieces", "Factor"]
 
 X, Y = Pat.var("x"), Pat.var("y")
+
+
+def _f32(*shape: int) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(shape, jnp.float32)
+
+
+_S = _f32(3, 4)  # the shape the Pat rules' example programs run at
 
 #: How far :func:`product_tree` looks: product nodes walked, and leaves kept.
 _MAX_NODES = 24
@@ -568,17 +576,32 @@ def _nonneg(x: Value) -> bool:
 
 
 # ---------------------------------------------------------------------- the rules
+# A Pat rule has no function to trace, so each names an example program it fires in (for
+# rewrite.testing.check_ruleset): two float32 arrays of _S's shape unless said otherwise.
+def _add_any(m):
+    return m.trace(lambda u, v: u + v, m["x"], m["y"])
+
+
+def _vjp_of(f):
+    return lambda x, g: jax.vjp(f, x)[1](g)[0]
+
+
+_sum0, _sum1 = (lambda x: jnp.sum(x, axis=0)), (lambda x: jnp.sum(x, axis=1))
+
 # Bitwise exact: IEEE defines x - y as x + (-y), add_any is add, and a sum over
 # size-1 axes adds nothing.
 derivatives_exact = Ruleset("derivatives_exact", [
-    rule(lambda x, y: lax.add(x, -y), lambda x, y: x - y, name="sign_add_neg", when=_floating),             # x + -y -> x - y
-    rule(lambda x, y: lax.add(-x, y), lambda x, y: y - x, name="sign_neg_add", when=_floating),             # -x + y -> y - x
-    rule(lambda x, y: x - (-y), lambda x, y: x + y, name="sign_sub_neg", when=_floating),                   # x - -y -> x + y
-    rule(Pat("add_any", X, Y), procedural(lambda m: m.trace(lambda u, v: u + v, m["x"], m["y"])),
-         name="sign_add_any"),                                                                              # add_any(x, y) -> x + y
-    rule(Pat("reduce_sum", X, params="p"), _sum_size1, name="red_size1"),                                   # sum over size-1 axes -> reshape
-    rule(Pat("reshape", Pat("reshape", X, params="pi"), params="po"), _reshape_chain, name="red_reshape_chain"),  # reshape(reshape(x)) -> reshape(x)
-    rule(Pat("reshape", Pat("neg", X), params="p"), _reshape_neg, name="red_reshape_neg"),                 # reshape(-x) -> -reshape(x)
+    rule(lambda x, y: lax.add(x, -y), lambda x, y: x - y, name="sign_add_neg", when=_floating),  # x + -y -> x - y
+    rule(lambda x, y: lax.add(-x, y), lambda x, y: y - x, name="sign_neg_add", when=_floating),  # -x + y -> y - x
+    rule(lambda x, y: x - (-y), lambda x, y: x + y, name="sign_sub_neg", when=_floating),        # x - -y -> x + y
+    rule(Pat("add_any", X, Y), procedural(_add_any), name="sign_add_any",                         # add_any(x, y) -> x + y
+         example=(_vjp_of(lambda v: v * jnp.sin(v)), (_S, _S))),
+    rule(Pat("reduce_sum", X, params="p"), _sum_size1, name="red_size1",                          # sum over size-1 axes -> reshape
+         example=(_sum1, (_f32(3, 1, 4),))),
+    rule(Pat("reshape", Pat("reshape", X, params="pi"), params="po"), _reshape_chain,             # reshape(reshape(x)) -> reshape(x)
+         name="red_reshape_chain", example=(lambda x: x.reshape(12).reshape(2, 6), (_S,))),
+    rule(Pat("reshape", Pat("neg", X), params="p"), _reshape_neg, name="red_reshape_neg",         # reshape(-x) -> -reshape(x)
+         example=(lambda x: (-(x.reshape(12))).reshape(3, 4), (_S,))),
 ], soundness="exact")
 
 trig = Ruleset("derivatives_trig", [
@@ -589,7 +612,7 @@ trig = Ruleset("derivatives_trig", [
     rule(lambda x: 1.0 - jnp.sin(x) ** 2, lambda x: jnp.cos(x) ** 2, name="trig_one_minus_sin2"),         # 1 - sin²x -> cos²x
     rule(lambda x: 1.0 - jnp.cos(x) ** 2, lambda x: jnp.sin(x) ** 2, name="trig_one_minus_cos2"),         # 1 - cos²x -> sin²x
     rule(lambda x: jnp.cos(x) ** 2 - jnp.sin(x) ** 2, lambda x: jnp.cos(2 * x), name="trig_cos_double"),  # cos²x - sin²x -> cos 2x
-    rule(lambda x: jnp.tan(x), lambda x: jnp.sin(x) / jnp.cos(x), name="trig_tan"),                         # tan x -> sin x / cos x (shares sin and cos)
+    rule(lambda x: jnp.tan(x), lambda x: jnp.sin(x) / jnp.cos(x), name="trig_tan"),                         # tan x -> sin x / cos x (shares them)
 ], soundness="identity")
 
 explog = Ruleset("derivatives_explog", [
@@ -599,30 +622,40 @@ explog = Ruleset("derivatives_explog", [
 ], soundness="identity")
 
 products = Ruleset("derivatives_products", [
-    rule(Pat("mul", X, Y), _normalize(False), name="prod_mul"),                                             # x*y: powers, sin·cos -> sin 2x / 2, sinh/cosh -> tanh, exp/(1+exp) -> σ, exp·exp
-    rule(Pat("div", X, Y), _normalize(False), name="prod_div"),                                             # x/y: the same, across the division
-    rule(Pat("integer_pow", X), _normalize(False), name="prod_pow"),                                        # x**n of a product
+    rule(Pat("mul", X, Y), _normalize(False), name="prod_mul",        # x*y: powers of a base; sin·cos -> sin 2x / 2; sinh/cosh -> tanh
+         example=(lambda x, g: g * (2.0 * jnp.sin(x)) * jnp.cos(x), (_S, _S))),  # exp/(1+exp) -> σ; exp·exp -> exp(+)
+    rule(Pat("div", X, Y), _normalize(False), name="prod_div",        # x/y: the same, across the division
+         example=(lambda x, g: (g * jnp.sinh(x)) / (2.0 * jnp.cosh(x)), (_S, _S))),
+    rule(Pat("integer_pow", X), _normalize(False), name="prod_pow",   # (x*x)**3 -> x**6
+         example=(lambda x: (x * x) ** 3, (_S,))),
 ], soundness="identity")
 
 reductions = Ruleset("derivatives_reductions", [
-    rule(Pat("reduce_sum", X, params="p"), _sum_pull, name="red_pull"),                                     # sum(b*x) -> b*sum(x), b broadcast on the axes
-    rule(Pat("reduce_sum", Pat("neg", X), params="p"), _sum_neg, name="red_sum_neg"),                      # sum(-x) -> -sum(x)
-    rule(Pat("neg", Pat("reduce_sum", X, params="p")), _neg_sum, name="red_neg_sum"),                      # -sum(x) -> sum(-x)
-    rule(Pat("add", Pat("reduce_sum", X, params="p1"), Pat("reduce_sum", Y, params="p2")), _merge(lax.add),
-         name="red_merge_add"),                                                                             # sum x + sum y -> sum(x + y)
-    rule(Pat("sub", Pat("reduce_sum", X, params="p1"), Pat("reduce_sum", Y, params="p2")), _merge(lax.sub),
-         name="red_merge_sub"),                                                                             # sum x - sum y -> sum(x - y)
-    rule(Pat("reduce_sum", Pat("add", X, Y, name="s"), params="p"), _split(lax.add), name="red_split_add"),  # sum(x + y) -> sum x + sum y
-    rule(Pat("reduce_sum", Pat("sub", X, Y, name="s"), params="p"), _split(lax.sub), name="red_split_sub"),  # sum(x - y) -> sum x - sum y
+    rule(Pat("reduce_sum", X, params="p"), _sum_pull, name="red_pull",                             # sum(b*x) -> b*sum(x), b broadcast on the axes
+         example=(lambda x, b: _sum0(x * b[None, :]), (_S, _f32(4)))),
+    rule(Pat("reduce_sum", Pat("neg", X), params="p"), _sum_neg, name="red_sum_neg",               # sum(-x) -> -sum(x)
+         example=(lambda x: _sum0(-x), (_S,))),
+    rule(Pat("neg", Pat("reduce_sum", X, params="p")), _neg_sum, name="red_neg_sum",               # -sum(x) -> sum(-x)
+         example=(lambda x, y: -_sum0(x) + _sum0(y), (_S, _S))),
+    rule(Pat("add", Pat("reduce_sum", X, params="p1"), Pat("reduce_sum", Y, params="p2")),         # sum x + sum y -> sum(x + y)
+         _merge(lax.add), name="red_merge_add", example=(lambda x, y: _sum0(x) + _sum0(y), (_S, _S))),
+    rule(Pat("sub", Pat("reduce_sum", X, params="p1"), Pat("reduce_sum", Y, params="p2")),         # sum x - sum y -> sum(x - y)
+         _merge(lax.sub), name="red_merge_sub", example=(lambda x, y: _sum1(x) - _sum1(y), (_S, _S))),
+    rule(Pat("reduce_sum", Pat("add", X, Y, name="s"), params="p"), _split(lax.add),               # sum(x + y) -> sum x + sum y
+         name="red_split_add", example=(lambda x, y: _sum0(x + y), (_S, _S))),
+    rule(Pat("reduce_sum", Pat("sub", X, Y, name="s"), params="p"), _split(lax.sub),               # sum(x - y) -> sum x - sum y
+         name="red_split_sub", example=(lambda x, y: jnp.sum(x - y, axis=(0, 1)), (_S, _S))),
 ], soundness="identity")
 
-#: Cancellations without a non-zero fact: ``a * (g / a) -> g``. Not part of ``derivatives``.
+#: Cancellations without a non-zero fact, and log x + log y: not part of ``derivatives``.
 derivatives_fastmath = Ruleset("derivatives_fastmath", [
-    rule(Pat("mul", X, Y), _normalize(True), name="prod_mul_cancel"),                                       # x * (y / x) -> y, x unknown
-    rule(Pat("div", X, Y), _normalize(True), name="prod_div_cancel"),                                       # (x * y) / x -> y, x unknown
+    rule(Pat("mul", X, Y), _normalize(True), name="prod_mul_cancel",                               # x * (y / x) -> y, x unknown
+         example=(lambda a, g: a * (g / a), (_S, _S))),
+    rule(Pat("div", X, Y), _normalize(True), name="prod_div_cancel",                               # (x * y) / x -> y, x unknown
+         example=(lambda a, g: (a * g) / a, (_S, _S))),
     # one log instead of two, but x*y underflows where log x + log y does not (1e-7 * 1e-32)
-    rule(lambda x, y: jnp.log(x) + jnp.log(y), lambda x, y: jnp.log(x * y), name="explog_log_add",
-         when=lambda x, y: _nonneg(x) and _nonneg(y)),                                                      # log x + log y -> log(xy), x, y >= 0
+    rule(lambda x, y: jnp.log(x) + jnp.log(y), lambda x, y: jnp.log(x * y), name="explog_log_add",  # log x + log y -> log(xy), x, y >= 0
+         when=lambda x, y: _nonneg(x) and _nonneg(y)),
 ], soundness="fastmath")
 
 derivatives = Ruleset("derivatives", [derivatives_exact, trig, explog, products, reductions], soundness="identity",
