@@ -14,8 +14,16 @@ DAGs, and its DAG-aware extractor is too slow at our sizes (see
 3. :class:`LocalSearch` improves both under the true DAG cost (each class
    once per scope, a body once per execution of its loop), switching one
    class, or all the outputs of one loop, at a time.
-4. The cheapest candidate wins, and the input program is one of them, so the
+4. When the cost model also prices whole programs (``AnalyticCost.program``:
+   what XLA fuses, stores and recomputes, ``rewrite/_fusion.py``), the
+   candidates are priced that way, and :class:`ProgramSearch` refines the
+   best with single-class switches under that price: whether a value is
+   stored or recomputed in every loop that reads it depends on the whole
+   program, which no sum of node costs sees.
+5. The cheapest candidate wins, and the input program is one of them, so the
    result never costs more than the input; with no rules it is the input.
+   The distinct candidates stay available, cheapest first, for
+   ``cost_model="measure"`` to time.
 """
 
 from __future__ import annotations
@@ -40,6 +48,8 @@ class Extraction:
     cost: float
     original_cost: float
     rewritten: bool              # False when the input program was kept
+    #: distinct candidate programs, cheapest first: (choice, cost, rewritten)
+    candidates: list[tuple[dict[Any, tuple], float, bool]] = dataclasses.field(default_factory=list)
 
 
 class Extractor:
@@ -372,12 +382,153 @@ def _search_bodies(ex: Extractor, choice: dict[Any, tuple], roots: Sequence[Any]
     return choice
 
 
+def prices_programs(model: Any) -> bool:
+    """Does ``model`` price whole programs (fusion included) as well as nodes?"""
+    return bool(getattr(model, "fusion", False)) and callable(getattr(model, "program", None))
+
+
+class ProgramPricer:
+    """The whole-program price of a choice under ``model.program``, with per-node work cached."""
+
+    def __init__(self, ex: "Extractor", model: Any) -> None:
+        self.ex = ex
+        self.model = model
+        self.fusion = model.fusion_model() if hasattr(model, "fusion_model") else None
+        self._templates: dict = {}
+        self._shared: dict = {}
+        self._nested: bool | None = None
+        self._bodies: dict = {}
+        self.evaluations = 0
+
+    def own(self, c: Any, node: tuple, choice: dict[Any, tuple]) -> float:
+        ctor, args = node
+        bodies = self.ex.body_classes(ctor, args)
+        if not bodies:
+            return self.ex.own(c, ctor, args, choice)
+        costs = []
+        for b in bodies:
+            # A body's cost depends on the choice inside it, which differs between candidates (searches
+            # switch classes of the program's own scope only, so it is fixed within one search).
+            key = (id(choice), b)
+            if key not in self._bodies:
+                _, (_, outs) = choice[b]
+                self._bodies[key] = self.ex.dag_cost(choice, self.ex.snap.list_items(outs))
+            costs.append(self._bodies[key])
+        return float(self.model(self.ex.info(c, ctor, args, choice, tuple(costs))))
+
+    def program(self, choice: dict[Any, tuple], roots: Sequence[Any]) -> Any:
+        from ._fusion import Program
+
+        templates = self._templates.setdefault(id(choice), {}) if self._has_bodies(choice, roots) else self._shared
+        return Program.from_choice(self.ex, choice, roots, lambda c, n: self.own(c, n, choice), templates)
+
+    def _has_bodies(self, choice: dict[Any, tuple], roots: Sequence[Any]) -> bool:
+        """Whether the program has nested nodes, whose prices depend on the choice (so no sharing of prices)."""
+        if self._nested is None:
+            self._nested = any(_terms.BY_CTOR.get(ctor) is not None and _terms.BY_CTOR[ctor].family == _terms.NESTED
+                               for ns in self.ex.snap.nodes.values() for ctor, _ in ns)
+        return self._nested
+
+    def __call__(self, choice: dict[Any, tuple], roots: Sequence[Any]) -> float:
+        self.evaluations += 1
+        prog = self.program(choice, roots)
+        return float(self.fusion(prog)) if self.fusion is not None else float(self.model.program(prog))
+
+
+class ProgramSearch:
+    """Improve a choice under a whole-program price by switching one class at a time.
+
+    Every move is priced by re-pricing the whole program, so this runs only
+    on programs of at most ``max_classes`` classes, for at most
+    ``max_evaluations`` prices. A move is kept when it lowers the price and
+    keeps the program acyclic. Bodies keep their choice.
+    """
+
+    def __init__(self, ex: "Extractor", pricer: ProgramPricer, choice: dict[Any, tuple], roots: Sequence[Any], *,
+                 max_classes: int = 400, max_evaluations: int = 3000) -> None:
+        self.ex = ex
+        self.pricer = pricer
+        self.choice = dict(choice)
+        self.roots = list(roots)
+        self.max_classes = max_classes
+        self.max_evaluations = max_evaluations
+
+    def _kids(self, node: tuple) -> list[Any]:
+        ctor, args = node
+        return [a for s, a in zip(_terms.ctor_arg_sorts(ctor), args) if s in ("Term", "TList")]
+
+    def _program_classes(self) -> list[Any]:
+        seen: set[Any] = set()
+        order: list[Any] = []
+        stack = list(self.roots)
+        while stack:
+            c = stack.pop()
+            if c in seen:
+                continue
+            seen.add(c)
+            order.append(c)
+            stack.extend(self._kids(self.choice[c]))
+        return order
+
+    def _reaches(self, start: Iterable[Any], target: Any) -> bool:
+        seen: set[Any] = set()
+        stack = list(start)
+        while stack:
+            x = stack.pop()
+            if x == target:
+                return True
+            if x in seen:
+                continue
+            seen.add(x)
+            stack.extend(self._kids(self.choice[x]))
+        return False
+
+    def run(self, passes: int = 3) -> tuple[dict[Any, tuple], float]:
+        nodes = self.ex.snap.nodes
+        best = self.pricer(self.choice, self.roots)
+        start = self.pricer.evaluations
+        for _ in range(passes):
+            classes = self._program_classes()
+            if len(classes) > self.max_classes:
+                break
+            improved = False
+            for c in classes:
+                alts = nodes.get(c, ())
+                if len(alts) < 2:
+                    continue
+                for alt in alts:
+                    if self.pricer.evaluations - start >= self.max_evaluations:
+                        return self.choice, best
+                    cur = self.choice[c]
+                    if alt == cur or alt[0] in _CONTAINERS or any(k not in self.choice for k in self._kids(alt)):
+                        continue
+                    if self._reaches(self._kids(alt), c):
+                        continue
+                    self.choice[c] = alt
+                    price = self.pricer(self.choice, self.roots)
+                    if price < best - 1e-9 * max(1.0, abs(best)):
+                        best = price
+                        improved = True
+                    else:
+                        self.choice[c] = cur
+            if not improved:
+                break
+        return self.choice, best
+
+
 def input_cost(snap: Snapshot, outs: Sequence[int], token: int | None, model: CostModel) -> float:
     """The cost of the program as loaded (before any rule ran), under ``model``."""
     roots = [snap.cls_of_name[o] for o in outs] + ([snap.cls_of_name[token]] if token is not None else [])
     ex = Extractor(snap, model)
     _, choice = ex.tree()
+    if prices_programs(model):
+        return ProgramPricer(ex, model)(choice, roots)
     return ex.dag_cost(choice, roots)
+
+
+def _signature(ex: "Extractor", choice: dict[Any, tuple], roots: Sequence[Any]) -> frozenset:
+    """The chosen nodes a program uses: equal signatures are the same program."""
+    return frozenset((c, choice[c]) for c in reachable(ex.snap, choice, roots))
 
 
 def extract(snap: Snapshot, roots: Sequence[Any], model: CostModel, original: set[tuple] | None) -> Extraction:
@@ -388,23 +539,40 @@ def extract(snap: Snapshot, roots: Sequence[Any], model: CostModel, original: se
     if missing:
         raise RuntimeError("extraction found no finite-cost program for an output; the e-graph is malformed")
     candidates = [(search(ex, tree_choice, roots), True)]
-    orig_cost = math.inf
+    orig_choice = None
     if original is not None:
         _, orig_choice = ex.tree(lambda cls, ctor, args: ctor in _CONTAINERS or (ctor, args) in original)
         if all(r in orig_choice for r in roots):
-            orig_cost = ex.dag_cost(orig_choice, roots)
             candidates.append((orig_choice, False))
             # Search from the input program too: a rewrite may pay off only from there.
             candidates.append((search(ex, {**tree_choice, **orig_choice}, roots), True))
-    best = None
-    for choice, rewritten in candidates:
-        cost = ex.dag_cost(choice, roots)
-        if best is None or cost < best[1] - 1e-9 * abs(best[1]) or (not rewritten and cost <= best[1]):
+        else:
+            orig_choice = None
+    if prices_programs(model):
+        price = ProgramPricer(ex, model)
+        priced = [(c, price(c, roots), r) for c, r in candidates]
+        # Refine the two best rewritten candidates under the whole-program price.
+        for c, _, r in sorted([p for p in priced if p[2]], key=lambda p: p[1])[:2]:
+            refined, cost = ProgramSearch(ex, price, c, roots).run()
+            priced.append((refined, cost, True))
+        if orig_choice is not None:
+            refined, cost = ProgramSearch(ex, price, {**tree_choice, **orig_choice}, roots).run()
+            priced.append((refined, cost, True))
+    else:
+        priced = [(c, ex.dag_cost(c, roots), r) for c, r in candidates]
+    distinct: dict[frozenset, tuple[dict, float, bool]] = {}
+    for choice, cost, rewritten in priced:
+        key = _signature(ex, choice, roots)
+        old = distinct.get(key)
+        if old is None or (old[2] and not rewritten):  # the same program as the input is the input
+            distinct[key] = (choice, cost, rewritten)
+    ranked = sorted(distinct.values(), key=lambda t: (t[1], t[2]))
+    best = ranked[0]
+    orig_cost = next((c for _, c, r in ranked if not r), math.inf)
+    for choice, cost, rewritten in ranked:  # ties go to the input program
+        if not rewritten and cost <= best[1] * (1 + 1e-9):
             best = (choice, cost, rewritten)
-    choice, cost, rewritten = best  # type: ignore[misc]
-    if original is not None and not rewritten:
-        cost = orig_cost
-    return Extraction(choice, cost, orig_cost, rewritten)
+    return Extraction(best[0], best[1], orig_cost, best[2], ranked)
 
 
 def choose_slice(snap: Snapshot, roots: Sequence[Any], inputs: set[Any], prefer: dict[Any, tuple]

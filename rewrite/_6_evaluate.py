@@ -212,12 +212,18 @@ class Rewritten:
 
 def rewrite(fn: Callable[..., Any] | None = None, *, rulesets: Any = (), cost_model: Any = None,
             limits: Limits | None = None, static_argnums: Sequence[int] = (), static_argnames: Sequence[str] = (),
-            strict: bool | None = None) -> Any:
+            strict: bool | None = None, vjp: bool = False) -> Any:
     """Rewrite ``fn``'s program with the given rulesets; returns a function with the same signature.
 
     Usable directly or as a decorator. The program is traced once per input
     signature, saturated with the rules, and the cheapest equivalent program
     under ``cost_model`` runs in its place. ``limits`` bounds saturation.
+    ``cost_model`` is ``None``/``"analytic"`` (predicted), ``"measure"``
+    (the best candidates timed on the backend) or a callable.
+
+    With ``vjp=True`` the result is a ``jax.custom_vjp`` whose backward pass
+    is JAX's own VJP of ``fn`` rewritten together with the forward pass, the
+    residuals chosen by the cost model (``rewrite/_vjp.py``).
 
     >>> import jax, jax.numpy as jnp
     >>> from rewrite import rewrite, rule, Ruleset
@@ -234,7 +240,12 @@ def rewrite(fn: Callable[..., Any] | None = None, *, rulesets: Any = (), cost_mo
     """
     if fn is None:
         return functools.partial(rewrite, rulesets=rulesets, cost_model=cost_model, limits=limits,
-                                 static_argnums=static_argnums, static_argnames=static_argnames, strict=strict)
+                                 static_argnums=static_argnums, static_argnames=static_argnames, strict=strict,
+                                 vjp=vjp)
     if not callable(fn):
         raise TypeError(f"rewrite() takes a function, got {type(fn).__name__}")
+    if vjp:
+        from ._vjp import RewrittenVJP
+
+        return RewrittenVJP(fn, rulesets, cost_model, limits, static_argnums, static_argnames, strict)
     return Rewritten(fn, rulesets, cost_model, limits, static_argnums, static_argnames, strict)

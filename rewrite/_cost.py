@@ -6,13 +6,18 @@ and, for nodes with bodies, what one execution of each body costs. The
 extractor adds node costs over the chosen program, counting a shared node
 once.
 
-The default, :class:`AnalyticCost`, counts flops, weights transcendentals,
-and charges bytes where XLA materialises arrays: reductions and contractions
-read their inputs, transposes and copies write their outputs, loops write
-their stacked outputs. Elementwise chains are treated as fused, so they cost
-their arithmetic only. The weights are calibrated for XLA:CPU
-(``benchmarks/calibrate.py``); any consistent scale works, since only
-comparisons matter.
+The default, :class:`AnalyticCost`, prices in nanoseconds measured on the
+backend (``benchmarks/calibrate.py`` writes the table to
+``rewrite/_calibration.py``): each elementwise primitive at its own measured
+price (on XLA:CPU ``sin`` costs fifty multiplications and ``exp`` five),
+bytes where XLA materialises arrays, and flops of contractions. Elementwise
+chains are treated as fused, so they cost their arithmetic only. A node
+cost cannot see which values XLA stores and which it recomputes in every
+loop that reads them, so :meth:`AnalyticCost.program` also prices whole
+candidate programs the way XLA fuses them (``rewrite/_fusion.py``); the
+extractor uses it to choose among candidates and to refine the best.
+``cost_model="measure"`` goes further and times the best candidates on the
+backend itself (``rewrite/_measure.py``).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from . import _terms
+from ._fusion import CHEAP as _CHEAP
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,8 +52,9 @@ class NodeInfo:
     >>> v = ShapedArray((8,), jnp.float32)
     >>> adds_are_ruinous(NodeInfo("add", "elementwise", {}, (v, v), (v,)))
     1000000000.0
-    >>> adds_are_ruinous(NodeInfo("exp", "transcendental", {}, (v,), (v,)))
-    129.0
+    >>> adds_are_ruinous(NodeInfo("exp", "transcendental", {}, (v,), (v,))) == AnalyticCost()(
+    ...     NodeInfo("exp", "transcendental", {}, (v,), (v,)))
+    True
     """
 
     op: str
@@ -76,35 +83,72 @@ def nbytes(aval: Any) -> int:
     return size(aval) * (itemsize if isinstance(itemsize, int) else np.dtype(dtype).itemsize)
 
 
-_SLOW_ELEMENTWISE = {"div": 4.0, "rem": 6.0, "integer_pow": 2.0, "sqrt": 1.0, "rsqrt": 1.0}
+def _table() -> dict[str, Any]:
+    from ._calibration import CPU
+
+    return CPU
 
 
 @dataclasses.dataclass(frozen=True)
 class AnalyticCost:
-    """The default cost model: flops, weighted transcendentals and materialised bytes.
+    """The default cost model: measured per-element prices, materialised bytes and flops, in nanoseconds.
+
+    ``ops`` maps a primitive to nanoseconds per element inside a fused loop;
+    primitives missing from it cost ``flop`` (cheap elementwise) or
+    ``transcendental``. ``byte`` prices a byte that XLA writes or reads where
+    an array materialises, ``dot`` a flop of a contraction, ``reduce`` an
+    element a reduction adds up, ``launch`` one kernel. Defaults come from
+    the calibration table of this backend.
 
     >>> import jax.numpy as jnp
     >>> from jax.core import ShapedArray
     >>> from rewrite import AnalyticCost, NodeInfo
     >>> a = ShapedArray((1000,), jnp.float32)
     >>> m = AnalyticCost()
-    >>> m(NodeInfo("sin", "transcendental", {}, (a,), (a,))) > m(NodeInfo("mul", "elementwise", {}, (a, a), (a,)))
+    >>> m(NodeInfo("sin", "transcendental", {}, (a,), (a,))) > m(NodeInfo("exp", "transcendental", {}, (a,), (a,)))
     True
     """
 
-    flop: float = 1.0
-    transcendental: float = 16.0
-    byte: float = 0.35
+    flop: float = dataclasses.field(default_factory=lambda: _table()["elementwise_ns"].get("mul", 0.02))
+    transcendental: float = 2.0
+    byte: float = dataclasses.field(default_factory=lambda: _table()["byte"])
     #: a fixed charge per node; it breaks ties in favour of fewer equations
-    node: float = 1.0
+    node: float = 5.0
     #: per loop iteration, for the loop's own bookkeeping
-    iteration: float = 40.0
+    iteration: float = 1000.0
     #: assumed trip count of a while loop
     while_trips: float = 10.0
     #: extra charge per byte of a loop's stacked output, on top of writing it: the memory it
     #: holds (in a backward program, until the backward loop reads it). Raise it to trade
     #: recomputation for memory; 0 prices time only.
     stacked: float = 0.0
+    ops: Mapping[str, float] = dataclasses.field(default_factory=lambda: dict(_table()["elementwise_ns"]))
+    dot: float = dataclasses.field(default_factory=lambda: _table()["dot_flop"])
+    reduce: float = dataclasses.field(default_factory=lambda: _table()["reduce_per_element"])
+    launch: float = dataclasses.field(default_factory=lambda: _table()["launch"])
+    #: per element of each operation fused into a library (YNN) reduction
+    library_op: float = dataclasses.field(default_factory=lambda: _table().get("library_op", 0.3))
+    #: price whole programs as XLA fuses them (:meth:`program`); ``False`` sums node costs only
+    fusion: bool = True
+
+    def elementwise(self, op: str, family: str, params: Mapping[str, Any] | None = None) -> float:
+        """Nanoseconds per element of ``op`` inside a fused loop.
+
+        Arithmetic too cheap to measure apart from noise (XLA's cheap
+        operations) is counted in ``flop``: one each, and ``integer_pow`` one
+        more than its multiplications (it is never cheaper than writing them
+        out). The rest is priced as measured.
+        """
+        if op == "integer_pow":
+            y = abs(int((params or {}).get("y", 2)))
+            muls = max(1, y.bit_length() - 1 + bin(y).count("1") - 1)
+            return self.flop * (muls + 1) + (self.ops.get("div", self.flop) if (params or {}).get("y", 2) < 0 else 0.0)
+        if op in _CHEAP:
+            return self.flop
+        found = self.ops.get(op)
+        if found is not None:
+            return found
+        return self.transcendental if family == _terms.TRANSCENDENTAL else self.flop
 
     def __call__(self, n: NodeInfo) -> float:
         fam = n.family
@@ -115,22 +159,24 @@ class AnalyticCost:
                     return self.node + (self.byte + self.stacked) * nbytes(out[0])  # the stacked output is written
                 return 0.0
             return 0.0
-        if fam == _terms.ELEMENTWISE:
-            return self.node + self.flop * _SLOW_ELEMENTWISE.get(n.op, 1.0) * sum(size(a) for a in out)
-        if fam == _terms.TRANSCENDENTAL:
-            return self.node + self.transcendental * sum(size(a) for a in out)
+        if fam in (_terms.ELEMENTWISE, _terms.TRANSCENDENTAL):
+            return self.node + self.elementwise(n.op, fam, n.params) * sum(size(a) for a in out)
         if fam == _terms.LAYOUT:
             return self.node + 0.05 * self.flop * sum(size(a) for a in out)
         if fam == _terms.TRANSPOSE:
             return self.node + self.byte * sum(nbytes(a) for a in out)
         if fam == _terms.REDUCE:
-            return self.node + self.flop * sum(size(a) for a in n.in_avals) + self.byte * sum(nbytes(a) for a in n.in_avals)
+            return self.node + self.reduce * sum(size(a) for a in n.in_avals) + self.byte * sum(nbytes(a) for a in n.in_avals)
         if fam == _terms.CONTRACT:
-            return self.node + self.flop * _dot_flops(n) + self.byte * (sum(nbytes(a) for a in n.in_avals) + nbytes(out[0]))
+            return self.node + self.dot * _dot_flops(n) + self.byte * (sum(nbytes(a) for a in n.in_avals) + nbytes(out[0]))
         if fam == _terms.INDEX:
             return self.node + self.byte * sum(nbytes(a) for a in out)
         if fam == _terms.NESTED:
             return self.node + self._nested(n)
+        inner = _inner(n.params) if fam == _terms.OPAQUE else None
+        if inner is not None:
+            # a call XLA inlines (custom_jvp_call, custom_vjp_call, remat): what its body costs
+            return self.node + self._body(inner)
         # opaque or effectful: it reads its operands and writes its results
         return self.node + self.flop * sum(size(a) for a in out) + self.byte * (
             sum(nbytes(a) for a in n.in_avals) + sum(nbytes(a) for a in out))
@@ -147,6 +193,38 @@ class AnalyticCost:
             return max(bodies, default=0.0) + self.iteration
         return sum(bodies)
 
+    def _body(self, jaxpr: Any) -> float:
+        total = 0.0
+        for e in jaxpr.eqns:
+            spec = _terms.BY_PRIM.get(e.primitive.name)
+            family = spec.family if spec is not None else _terms.OPAQUE
+            if family == _terms.NESTED:
+                family = _terms.OPAQUE  # a nested call's bodies are priced through _inner
+            total += self(NodeInfo(e.primitive.name, family, e.params, tuple(v.aval for v in e.invars),
+                                   tuple(v.aval for v in e.outvars)))
+        return total
+
+    def fusion_model(self) -> Any:
+        """The whole-program model with this model's prices (see ``rewrite/_fusion.py``)."""
+        from ._fusion import FusionModel
+
+        return FusionModel(self.ops, byte=self.byte, reduce=self.reduce, launch=self.launch,
+                           default=self.transcendental, cheap=self.flop, node=self.node,
+                           library_op=self.library_op, tiebreak=self._op_price)
+
+    def _op_price(self, op: Any) -> float:
+        return self(NodeInfo(op.prim, op.family, op.params, op.in_avals, op.out_avals))
+
+    def program(self, prog: Any) -> float:
+        """The predicted cost of a whole program (a :class:`rewrite._fusion.Program`), fusion included."""
+        return self.fusion_model()(prog)
+
+
+def _inner(params: Mapping[str, Any]) -> Any:
+    from ._fusion import inner_jaxpr
+
+    return inner_jaxpr(params)
+
 
 def _dot_flops(n: NodeInfo) -> float:
     (lc, rc), (lb, rb) = n.params["dimension_numbers"]
@@ -159,9 +237,14 @@ DEFAULT = AnalyticCost()
 
 
 def resolve(model: Any) -> CostModel:
-    """``None`` or ``"analytic"`` gives the default model; a callable is used as is."""
+    """``None`` or ``"analytic"`` gives the default model, ``"measure"`` times candidates on the backend
+    (:class:`rewrite._measure.Measured`); a callable is used as is."""
     if model is None or model == "analytic":
         return DEFAULT
+    if model == "measure":
+        from ._measure import Measured
+
+        return Measured()
     if callable(model):
         return model
-    raise ValueError(f"cost_model= must be None, 'analytic' or a callable NodeInfo -> float, got {model!r}")
+    raise ValueError(f"cost_model= must be None, 'analytic', 'measure' or a callable NodeInfo -> float, got {model!r}")

@@ -47,6 +47,8 @@ class Result:
     roots: list | None = None
     original: set | None = None
     out_names: list | None = None  # the V names of the program's outputs, for checks that extract their own way
+    #: what cost_model="measure" timed (rewrite/_measure.py), else None
+    timing: Any = None
 
 
 def run_pipeline(traced: Traced, entries: Sequence[tuple[Rule, Ruleset]], model: CostModel, limits: Limits,
@@ -87,12 +89,24 @@ def run_pipeline(traced: Traced, entries: Sequence[tuple[Rule, Ruleset]], model:
     after = emit(snap, ex.choice, eg, closed.in_avals, roots, token_root, closed.jaxpr.debug_info)
     times["emit"] = time.perf_counter() - t
 
+    # cost_model="measure": the best candidates are timed on the backend (rewrite/_measure.py).
+    timing = None
+    if getattr(model, "measured", False) and len(ex.candidates) > 1:
+        from ._measure import choose
+
+        t = time.perf_counter()
+        programs = [emit(snap, c, eg, closed.in_avals, roots, token_root, closed.jaxpr.debug_info)
+                    if c is not ex.choice else after for c, _, _ in ex.candidates]
+        after, timing = choose(model, programs)
+        times["measure"] = time.perf_counter() - t
+
     return Result(
         before=closed, after=after, cost_before=cost_before, cost_after=ex.cost, stopped=stopped,
         iterations=engine.iterations, rows=snap.num_rows, times=times, stats=dict(engine.stats),
         rewritten=ex.rewritten, warnings=list(engine.warnings),
         egraph=eg if keep else None, choice=ex.choice if keep else None, snapshot=snap if keep else None,
         roots=roots if keep else None, original=original if keep else None, out_names=list(outs) if keep else None,
+        timing=timing,
     )
 
 

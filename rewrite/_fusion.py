@@ -1,0 +1,550 @@
+"""What XLA will actually run: a whole program's cost after fusion, predicted from its structure.
+
+A node-by-node cost cannot see fusion. XLA compiles elementwise chains into
+one loop per *materialised* value, and the cost of a program is the cost of
+those loops: the arithmetic each does (an operation duplicated into two
+loops is paid twice) plus the bytes each reads and writes. Whether a value
+is materialised or recomputed depends on all of its consumers, so it is a
+property of the chosen program, not of a node. This module replays the
+decisions XLA:CPU's fusion passes make (``cpu_instruction_fusion.cc``,
+``instruction_fusion.cc`` and the library reduction fusion), on a jaxpr or on
+an extractor's choice:
+
+* Cheap elementwise operations (``IsExpensive`` is false: ``mul``, ``add``,
+  ``select_n``, broadcasts, and, for real numbers, ``sin``, ``cos``,
+  ``tan``) are duplicated into every loop that reads them.
+* Expensive ones (``exp``, ``log``, ``tanh``, float ``div``, ``sqrt``, ...)
+  read by more than one loop are computed once and stored.
+* An operation whose inputs are larger than its output and that some
+  consumer cannot absorb is stored, not duplicated
+  (``ComputeGloballyUnfusible``).
+* A floating ``reduce_sum``/``reduce_max``/``reduce_min`` of 4096 elements
+  or more becomes a library (YNN) reduction that absorbs only plain
+  arithmetic (``mul``, ``add``, ``sub``, ``neg``, broadcasts) that it alone
+  reads; a transcendental feeding it is computed in a loop of its own and
+  stored, even when another loop recomputes it. This is why JAX's VJP of
+  ``sin(a*x)**2/a`` evaluates ``sin(a*x)`` twice. (Smaller reductions are
+  loop fusions that absorb anything, and fuse into their one consumer loop;
+  XLA may also merge sibling ones, which the model does not.)
+* ``sin`` and ``cos`` of one argument in one loop cost about one of them
+  (LLVM merges them into ``sincos``).
+
+Costs are nanoseconds per element and per byte from
+``benchmarks/calibrate.py``. The prediction is a model: ``cost_model="measure"``
+times the best candidates on the real backend instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+import numpy as np
+
+from . import _terms
+
+#: XLA:CPU's ``IsExpensive``: producers it will not duplicate into two consumers.
+EXPENSIVE = frozenset("""exp exp2 expm1 log log1p logistic tanh sqrt rsqrt cbrt pow atan2 erf erfc erf_inv
+lgamma digamma igamma igammac zeta div rem sinh cosh asin acos atan asinh acosh atanh bessel_i0e
+bessel_i1e""".split())
+#: XLA's cheap elementwise operations (``IsExpensive`` is false, for reals): their cost is below what can be
+#: measured apart from memory traffic, so they are counted, one ``cheap`` each, not priced from the table.
+CHEAP = frozenset("""add sub mul neg max min abs sign floor ceil round select_n clamp and or xor not eq ne lt le gt ge
+square copy convert_element_type shift_left shift_right_arithmetic shift_right_logical add_any is_finite""".split())
+#: What a library (YNN) reduction fusion absorbs from its producers.
+LIBRARY_OK = frozenset("add sub mul neg max min broadcast_in_dim reshape squeeze convert_element_type".split())
+LIBRARY_REDUCTIONS = frozenset("reduce_sum reduce_max reduce_min".split())
+#: Smaller reductions stay ordinary loop fusions (measured: 2048 elements do, 4096 do not).
+LIBRARY_MIN_ELEMENTS = 4096
+#: Layout and index operations a loop fusion computes from its inputs' elements.
+_LOOP_OTHER = frozenset("broadcast_in_dim reshape squeeze rev transpose slice pad concatenate iota dynamic_slice "
+                        "dynamic_update_slice".split())
+_FREE = frozenset("broadcast_in_dim reshape squeeze convert_element_type copy".split())
+
+LEAF, VIEW, LOOP, LIBRARY, REDUCE, OTHER = "leaf", "view", "loop", "library", "reduce", "other"
+#: The weight of the node-by-node price that breaks ties between programs that fuse alike.
+TIEBREAK = 1e-3
+
+
+@dataclasses.dataclass
+class Op:
+    """One operation of a program, as the fusion model sees it."""
+
+    prim: str
+    family: str
+    params: Mapping[str, Any]
+    args: tuple[int, ...]
+    in_avals: tuple[Any, ...]
+    out_avals: tuple[Any, ...]
+    #: For ops the model does not fuse (dots, loops, opaque calls): their cost from the node model.
+    own: float = 0.0
+    #: The class (or variable) this op computes, for reading the decisions back.
+    key: Any = None
+
+
+@dataclasses.dataclass
+class Program:
+    """Operations in topological order, and which of them the program returns."""
+
+    ops: list[Op]
+    outputs: list[int]
+
+    @classmethod
+    def from_jaxpr(cls, closed: Any, node_cost: Callable[[Any], float] | None = None) -> "Program":
+        """The top-level equations of a ``ClosedJaxpr`` (bodies are costed whole by ``node_cost``).
+
+        Equal equations are one operation, as after XLA's common-subexpression
+        elimination: ``sin(a*x) * cos(a*x)`` traces ``a*x`` twice, and XLA
+        computes it once, and the two functions of it as one ``sincos``.
+        """
+        from jax._src import core
+
+        from ._cost import NodeInfo
+        from ._intern import PARAMS
+
+        ops: list[Op] = []
+        env: dict[Any, int] = {}
+        seen: dict[tuple, int] = {}
+
+        lits: dict[tuple, int] = {}
+
+        def read(atom: Any) -> int:
+            if isinstance(atom, core.Literal):
+                key = (repr(atom.val), str(atom.aval))
+                if key not in lits:
+                    ops.append(Op("literal", _terms.SPECIAL, {}, (), (), (atom.aval,)))
+                    lits[key] = len(ops) - 1
+                return lits[key]
+            return env[atom]
+
+        jaxpr = closed.jaxpr
+        for v in list(jaxpr.constvars) + list(jaxpr.invars):
+            ops.append(Op("param", _terms.SPECIAL, {}, (), (), (v.aval,), key=v))
+            env[v] = len(ops) - 1
+        for eqn in jaxpr.eqns:
+            args = tuple(read(a) for a in eqn.invars)
+            if not eqn.effects and len(eqn.outvars) == 1:
+                key = (PARAMS.intern_params(eqn.primitive, eqn.params), args)
+                if key in seen:
+                    env[eqn.outvars[0]] = seen[key]
+                    continue
+                seen[key] = len(ops)
+            spec = _terms.BY_PRIM.get(eqn.primitive.name)
+            family = spec.family if spec is not None else _terms.OPAQUE
+            outs = tuple(v.aval for v in eqn.outvars)
+            op = Op(eqn.primitive.name, family, eqn.params, args, tuple(a.aval for a in eqn.invars), outs, key=eqn)
+            if _kind_of(op) == OTHER and node_cost is not None:
+                op.own = float(node_cost(NodeInfo(op.prim, family, eqn.params, op.in_avals, outs)))
+            ops.append(op)
+            tup = len(ops) - 1
+            if len(eqn.outvars) == 1:
+                env[eqn.outvars[0]] = tup
+            else:
+                for i, v in enumerate(eqn.outvars):
+                    ops.append(Op("proj", _terms.SPECIAL, {}, (tup,), (), (v.aval,), key=i))
+                    env[v] = len(ops) - 1
+        outputs = [read(a) for a in jaxpr.outvars]
+        return cls(ops, outputs)
+
+
+    @classmethod
+    def from_choice(cls, ex: Any, choice: Mapping[Any, tuple], roots: Sequence[Any],
+                    own: Callable[[Any, tuple], float], cache: dict | None = None,
+                    inputs: frozenset | set = frozenset()) -> "Program":
+        """The program an extractor's ``choice`` makes at ``roots`` (its own scope; bodies costed by ``own``).
+
+        Classes in ``inputs`` are the program's inputs: read, not computed.
+        """
+        from ._cost import NodeInfo  # noqa: F401  (ex.info builds them)
+
+        cache = {} if cache is None else cache
+        index: dict[Any, int] = {}
+        ops: list[Op] = []
+        order: list[Any] = []
+        seen: set[Any] = set()
+        stack: list[tuple[Any, bool]] = [(r, False) for r in reversed(list(roots))]
+        while stack:
+            c, done = stack.pop()
+            if done:
+                if c not in index:
+                    order.append(c)
+                    index[c] = -1
+                continue
+            if c in seen:
+                continue
+            seen.add(c)
+            stack.append((c, True))
+            if c in inputs:
+                continue
+            node = choice[c]
+            for k in reversed(_term_kids(ex, node)):
+                if k not in seen:
+                    stack.append((k, False))
+        for c in order:
+            if c in inputs:
+                index[c] = len(ops)
+                ops.append(Op("param", _terms.SPECIAL, {}, (), (), (ex.snap.aval(c),), key=c))
+                continue
+            node = choice[c]
+            key = (c, node)
+            tmpl = cache.get(key)
+            if tmpl is None:
+                tmpl = cache[key] = _template(ex, c, node, choice, own)
+            prim, family, params, in_avals, out_avals, own_cost = tmpl
+            args = tuple(index[k] for k in _term_kids(ex, node))
+            index[c] = len(ops)
+            ops.append(Op(prim, family, params, args, in_avals, out_avals, own_cost, key=c))
+        return cls(ops, [index[r] for r in roots])
+
+
+_LEAF_CTORS = {"Lit": "literal", "Const": "const", "Param": "param", "Tok": "token"}
+
+
+def _term_kids(ex: Any, node: tuple) -> list[Any]:
+    ctor, args = node
+    out: list[Any] = []
+    for s, a in zip(_terms.ctor_arg_sorts(ctor), args):
+        if s == "Term":
+            out.append(a)
+        elif s == "TList":
+            out.extend(ex.snap.list_items(a))
+    return out
+
+
+def _template(ex: Any, c: Any, node: tuple, choice: Mapping[Any, tuple], own: Callable[[Any, tuple], float]) -> tuple:
+    ctor, args = node
+    if ctor in _LEAF_CTORS:
+        return _LEAF_CTORS[ctor], _terms.SPECIAL, {}, (), (ex.snap.aval(c),), 0.0
+    if ctor == "Proj":
+        # What the node model charges a projection: a loop's stacked output is written (and,
+        # with ``stacked``, held); fusion has no say in that, so it is added as it is.
+        return "proj", _terms.SPECIAL, {}, (), (ex.snap.aval(c),), float(own(c, node))
+    info = ex.info(c, ctor, args, choice)
+    op = Op(info.op, info.family, info.params, (), info.in_avals, info.out_avals)
+    cost = float(own(c, node)) if _kind_of(op) == OTHER else 0.0
+    return info.op, info.family, info.params, info.in_avals, info.out_avals, cost
+
+
+def _nbytes(aval: Any) -> int:
+    shape = getattr(aval, "shape", None)
+    dtype = getattr(aval, "dtype", None)
+    if shape is None or dtype is None:
+        return 0
+    try:
+        return int(math.prod(shape)) * np.dtype(dtype).itemsize
+    except TypeError:
+        return 0
+
+
+def _size(aval: Any) -> int:
+    shape = getattr(aval, "shape", None)
+    return 0 if shape is None else int(math.prod(shape))
+
+
+def _true_rank(aval: Any) -> int:
+    return sum(1 for d in getattr(aval, "shape", ()) if d != 1)
+
+
+def _is_float(aval: Any) -> bool:
+    dtype = getattr(aval, "dtype", None)
+    try:
+        return dtype is not None and np.issubdtype(np.dtype(dtype), np.inexact)
+    except TypeError:  # bfloat16 and friends are floating too
+        return dtype is not None and "float" in str(dtype)
+
+
+def inner_jaxpr(params: Mapping[str, Any]) -> Any:
+    """The jaxpr a call-like primitive (``custom_jvp_call``, ``custom_vjp_call``, ``remat``) evaluates, if any."""
+    for k in ("call_jaxpr", "jaxpr", "fun_jaxpr"):
+        j = params.get(k)
+        if j is not None and hasattr(j, "eqns" if not hasattr(j, "jaxpr") else "jaxpr"):
+            return j.jaxpr if hasattr(j, "jaxpr") else j
+    return None
+
+
+def elementwise_call(op: Op) -> bool:
+    """A call XLA inlines whose body is elementwise only: it fuses like one elementwise operation."""
+    if op.family != _terms.OPAQUE or len(op.out_avals) != 1:
+        return False
+    j = inner_jaxpr(op.params)
+    if j is None:
+        return False
+    return all(_elementwise_eqn(e) for e in j.eqns)
+
+
+def _elementwise_eqn(e: Any) -> bool:
+    name = e.primitive.name
+    spec = _terms.BY_PRIM.get(name)
+    if spec is not None:
+        return spec.family in (_terms.ELEMENTWISE, _terms.TRANSCENDENTAL) or name in _LOOP_OTHER
+    j = inner_jaxpr(e.params)
+    return j is not None and len(e.outvars) == 1 and all(_elementwise_eqn(x) for x in j.eqns)
+
+
+def _kind_of(op: Op) -> str:
+    if op.prim in ("param", "literal", "const", "token"):
+        return LEAF
+    if op.prim == "proj":
+        return VIEW
+    if op.family in (_terms.ELEMENTWISE, _terms.TRANSCENDENTAL) or op.prim in _LOOP_OTHER or elementwise_call(op):
+        return LOOP
+    if op.family == _terms.REDUCE:
+        if (op.prim in LIBRARY_REDUCTIONS and op.in_avals and _is_float(op.in_avals[0])
+                and _size(op.in_avals[0]) >= LIBRARY_MIN_ELEMENTS):
+            return LIBRARY
+        return REDUCE
+    return OTHER
+
+
+def _scaled_by_small(prog: "Program", op: Op) -> bool:
+    """``x / b`` with ``b`` smaller than the result: XLA multiplies by the reciprocal of ``b`` instead."""
+    return (op.prim == "div" and len(op.args) == 2
+            and _size(prog.ops[op.args[1]].out_avals[0]) < _size(op.out_avals[0]))
+
+
+def _expensive(op: Op, prog: "Program | None" = None) -> bool:
+    if op.prim == "integer_pow":
+        return op.params.get("y", 2) < 0
+    if op.prim in ("div", "rem"):
+        if prog is not None and _scaled_by_small(prog, op):
+            return False
+        return _is_float(op.out_avals[0])
+    return op.prim in EXPENSIVE
+
+
+def _library_ok(prog: "Program", i: int) -> bool:
+    op = prog.ops[i]
+    if op.prim in LIBRARY_OK:
+        return True
+    if op.prim == "integer_pow":
+        return op.params.get("y", 2) > 0  # lowered to multiplications
+    return _scaled_by_small(prog, op)
+
+
+@dataclasses.dataclass
+class Fusion:
+    """One kernel the model predicts: its root, what it computes, reads and writes, and its cost."""
+
+    root: int
+    kind: str
+    computes: list[int]
+    reads: list[int]
+    cost: float
+
+
+class FusionModel:
+    """Price whole programs the way XLA:CPU fuses them. See the module docstring.
+
+    ``ns`` maps a primitive to nanoseconds per element inside a fused loop
+    (``"sincos"`` prices a ``sin`` and ``cos`` of one argument in one loop);
+    ``byte`` is nanoseconds per byte a kernel reads or writes, ``reduce`` per
+    element a reduction adds up, ``library_op`` per element of each
+    operation a library reduction runs (it works tile by tile, one operation
+    at a time, so a broadcast or a multiply there costs a pass over a
+    tile), ``launch`` per kernel, ``default`` the
+    price of a transcendental missing from ``ns`` and ``cheap`` of any other
+    elementwise primitive. ``node`` is charged per operation evaluated, so
+    that of two programs XLA runs alike the one with fewer equations wins,
+    and ``tiebreak`` (a node price, weighted by ``TIEBREAK``) so that of two
+    programs that fuse alike the one a node-by-node model prefers wins
+    (``x * (1/3)`` over ``x / 3``, which XLA compiles to the same loop).
+    """
+
+    def __init__(self, ns: Mapping[str, float], *, byte: float, reduce: float, launch: float, default: float,
+                 cheap: float, node: float = 0.0, library_op: float | None = None,
+                 tiebreak: Callable[[Op], float] | None = None) -> None:
+        self.ns = dict(ns)
+        self.node = node
+        self.library_op = library_op
+        self.tiebreak = tiebreak
+        self.byte = byte
+        self.reduce = reduce
+        self.launch = launch
+        self.default = default
+        self.cheap = cheap
+
+    # ------------------------------------------------------------------ fusion decisions
+    def fuse(self, prog: Program) -> tuple[dict[int, set[int]], dict[int, str]]:
+        """Which kernels compute each op (``homes``), and the kind of each kernel root."""
+        ops = prog.ops
+        users: list[list[int]] = [[] for _ in ops]
+        for i, op in enumerate(ops):
+            for a in set(op.args):
+                users[a].append(i)
+        outputs = set(prog.outputs)
+        kinds = [_kind_of(op) for op in ops]
+        homes: dict[int, set[int]] = {}
+        roots: dict[int, str] = {}
+        for i in range(len(ops) - 1, -1, -1):
+            kind = kinds[i]
+            if kind in (LEAF, VIEW):
+                continue
+            if kind == REDUCE and i not in outputs:
+                # A small reduction is a loop XLA can fuse into its one consumer loop (never duplicated).
+                need = set().union(*(homes.get(u, set()) for u in users[i])) if users[i] else set()
+                if not need:
+                    continue
+                if len(need) == 1 and roots[next(iter(need))] in (LOOP, REDUCE):
+                    homes[i] = need
+                    continue
+            if kind != LOOP:
+                homes[i] = {i}
+                roots[i] = kind
+                continue
+            need: set[int] = set()
+            for u in users[i]:
+                need |= homes.get(u, set())
+            if not need and i not in outputs:
+                continue  # every reader is dead
+            op = ops[i]
+            accept = {r for r in need if self._absorbs(roots[r], prog, i, len(need))}
+            reject = need - accept
+            if i in outputs or not need:
+                homes[i], roots[i] = {i}, LOOP
+            elif _expensive(op, prog) and len(need) > 1:
+                homes[i], roots[i] = {i}, LOOP
+            elif reject:
+                if self._duplicable(prog, i):
+                    homes[i], roots[i] = accept | {i}, LOOP  # stored for some, recomputed by the rest
+                else:
+                    homes[i], roots[i] = {i}, LOOP
+            else:
+                homes[i] = accept
+        return homes, roots
+
+    @staticmethod
+    def _absorbs(root_kind: str, prog: Program, i: int, readers: int) -> bool:
+        """Can a kernel of this kind compute op ``i`` itself? (``readers``: how many kernels need it.)"""
+        if root_kind in (LOOP, REDUCE):
+            return True
+        if root_kind == LIBRARY:
+            # A library reduction takes plain arithmetic it alone reads; it never duplicates.
+            return readers == 1 and _library_ok(prog, i)
+        return False
+
+    @staticmethod
+    def _duplicable(prog: Program, i: int) -> bool:
+        """XLA's test for duplicating a producer that some consumer cannot absorb."""
+        op = prog.ops[i]
+        out_rank = max((_true_rank(a) for a in op.out_avals), default=0)
+        large = 0
+        in_elems = 0
+        for a in set(op.args):
+            src = prog.ops[a]
+            aval = src.out_avals[0] if src.out_avals else None
+            in_elems += _size(aval)
+            if src.prim in ("literal", "iota", "broadcast_in_dim"):
+                continue
+            if _true_rank(aval) >= out_rank:
+                large += 1
+        if large <= 1 or op.prim == "broadcast_in_dim":
+            return True
+        return in_elems <= sum(_size(a) for a in op.out_avals)
+
+    # ------------------------------------------------------------------ prices
+    def op_ns(self, op: Op, prog: Program | None = None) -> float:
+        """Nanoseconds per element of one op inside a fused loop."""
+        if op.prim in _FREE or op.prim in ("literal", "iota"):
+            return 0.0
+        if op.prim == "integer_pow":
+            y = abs(int(op.params.get("y", 2)))
+            muls = max(1, y.bit_length() - 1 + bin(y).count("1") - 1)
+            return muls * self.cheap + (self.ns.get("div", self.cheap) if op.params.get("y", 2) < 0 else 0.0)
+        if op.prim in CHEAP or (op.prim == "div" and prog is not None and _scaled_by_small(prog, op)):
+            return self.cheap
+        if op.family == _terms.OPAQUE:
+            return self._inner_ns(inner_jaxpr(op.params))
+        found = self.ns.get(op.prim)
+        if found is not None:
+            return found
+        return self.default if op.family == _terms.TRANSCENDENTAL or _expensive(op) else self.cheap
+
+    def _inner_ns(self, jaxpr: Any) -> float:
+        total = 0.0
+        for e in jaxpr.eqns:
+            spec = _terms.BY_PRIM.get(e.primitive.name)
+            inner = inner_jaxpr(e.params)
+            if spec is None and inner is not None:
+                total += self._inner_ns(inner)
+                continue
+            op = Op(e.primitive.name, spec.family if spec else _terms.OPAQUE, e.params, (),
+                    tuple(v.aval for v in e.invars), tuple(v.aval for v in e.outvars))
+            total += self.op_ns(op) + self.node
+        return total
+
+    def kernels(self, prog: Program) -> list[Fusion]:
+        """The kernels the program compiles to, each with its predicted cost."""
+        homes, roots = self.fuse(prog)
+        ops = prog.ops
+        members: dict[int, list[int]] = {r: [] for r in roots}
+        for i, hs in homes.items():
+            for r in hs:
+                if r in members:
+                    members[r].append(i)
+        out = []
+        for r, kind in roots.items():
+            comp = members[r]
+            inside = set(comp)
+            root_op = ops[r]
+            if kind == OTHER:
+                reads = sorted({a for a in root_op.args})
+                out.append(Fusion(r, kind, [r], reads, root_op.own + self.launch + self.node))
+                continue
+            reads: set[int] = set()
+            for i in comp:
+                for a in ops[i].args:
+                    if a in inside:
+                        continue
+                    src = ops[a]
+                    if src.prim == "literal":
+                        continue
+                    reads.add(a)
+            cost = self.launch + self.node * len(comp)
+            if self.tiebreak is not None:
+                cost += TIEBREAK * sum(self.tiebreak(ops[i]) for i in comp)
+            sincos: dict[int, set[str]] = {}
+            for i in comp:
+                op = ops[i]
+                if op.prim in ("sin", "cos") and op.args:
+                    sincos.setdefault(op.args[0], set()).add(op.prim)
+                    continue
+                if (i == r and kind in (LIBRARY, REDUCE)) or _kind_of(op) == REDUCE:
+                    cost += _size(op.in_avals[0]) * self.reduce
+                elif kind == LIBRARY and self.library_op is not None:
+                    cost += _size(op.out_avals[0]) * self.library_op
+                else:
+                    cost += _size(op.out_avals[0]) * self.op_ns(op, prog)
+            for arg, which in sincos.items():
+                elems = _size(ops[arg].out_avals[0])
+                if len(which) == 2:
+                    cost += elems * self.ns.get("sincos", self.ns.get("sin", self.default) * 1.3)
+                else:
+                    cost += elems * self.ns.get(next(iter(which)), self.default)
+            cost += self.byte * (sum(_nbytes(ops[a].out_avals[0]) for a in reads if ops[a].out_avals)
+                                 + sum(_nbytes(a) for a in root_op.out_avals))
+            out.append(Fusion(r, kind, sorted(comp), sorted(reads), cost))
+        return out
+
+    def __call__(self, prog: Program) -> float:
+        views = sum(op.own for op in prog.ops if op.prim == "proj")  # loops' stacked outputs
+        return float(sum(k.cost for k in self.kernels(prog)) + views)
+
+    def describe(self, prog: Program) -> str:
+        """One line per predicted kernel: what it computes and what it costs (for reports and tests)."""
+        lines = []
+        for k in sorted(self.kernels(prog), key=lambda k: k.root):
+            names = [prog.ops[i].prim for i in k.computes]
+            lines.append(f"{k.kind:8s} {prog.ops[k.root].prim:14s} {k.cost:12.1f}  computes {' '.join(names)}; "
+                         f"reads {len(k.reads)}")
+        return "\n".join(lines)
+
+
+def ops_in(prog: Program, kernels: Iterable[Fusion]) -> dict[str, int]:
+    """How many times each primitive is evaluated across kernels (duplicates counted)."""
+    counts: dict[str, int] = {}
+    for k in kernels:
+        for i in k.computes:
+            p = prog.ops[i].prim
+            counts[p] = counts.get(p, 0) + 1
+    return counts

@@ -1,0 +1,422 @@
+"""``rewrite(fn, vjp=True)``: a function whose backward pass is JAX's own VJP of ``fn``, rewritten.
+
+JAX differentiates a program one primitive at a time, so its backward pass
+repeats work the forward pass did, and misses identities that a person
+deriving the gradient by hand would use. Here the function and its VJP are
+traced together, as one program ``(primals, cotangents) -> (outputs,
+gradients)``, and that program goes through the ordinary pipeline: loaded
+into one e-graph, where the forward's ``sin(a*x)`` and the backward's are
+one class; saturated with the rulesets; extracted. The result is split in
+two and wrapped in a ``jax.custom_vjp``:
+
+* ``fwd(primals) -> (outputs, residuals)`` and ``bwd(residuals, cotangents)
+  -> gradients``. The *residuals* are what the backward pass reads from the
+  forward pass. The cost model chooses them (:func:`choose_residuals`):
+  keeping only the inputs and recomputing, keeping every value the forward
+  computes that the backward reads, or any set in between that a greedy
+  descent finds cheaper, each priced as two programs that XLA compiles
+  apart (``AnalyticCost.program``), in two uses weighted alike: a training
+  step, which reads the outputs, and ``jax.grad``, which drops them (and
+  XLA the forward work only they needed). Both the joint extraction and
+  one for the gradients alone are tried.
+* Without differentiation, the primal function runs: the forward program
+  extracted on its own, so inference pays nothing for the backward pass.
+
+``fn`` may itself contain ``jax.grad`` or ``jax.vjp`` (a whole training
+step): its trace is an ordinary program, and its VJP is JAX's second-order
+one. Integer inputs get no gradient (``None``, which JAX reads as zero).
+
+>>> import jax, jax.numpy as jnp
+>>> from rewrite import rewrite
+>>> from rulesets.derivatives import derivatives
+>>> f = rewrite(lambda x, a: jnp.sin(a * x) ** 2 / a, rulesets=[derivatives], vjp=True)
+>>> x, a = jnp.linspace(-1.0, 1.0, 4), jnp.float32(1.5)
+>>> g = jax.grad(lambda x, a: f(x, a).sum(), argnums=(0, 1))(x, a)
+>>> want = jax.grad(lambda x, a: (jnp.sin(a * x) ** 2 / a).sum(), argnums=(0, 1))(x, a)
+>>> all(bool(jnp.allclose(p, q, atol=1e-6)) for p, q in zip(g, want))
+True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+import warnings
+from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
+from jax._src import core
+
+from . import _terms
+from ._1_trace import Traced
+from ._4_extract import Extractor, ProgramPricer, extract, prices_programs
+from ._5_emit import Emitter, _Scope, dce
+from ._6_evaluate import RewriteWarning, Rewritten, _strict, check_signature
+from ._pipeline import Result, run_pipeline
+
+log = logging.getLogger("rewrite")
+
+
+def _inexact(aval: Any) -> bool:
+    return bool(np.issubdtype(np.dtype(aval.dtype), np.inexact)) if hasattr(aval, "dtype") else False
+
+
+def joint_program(closed: core.ClosedJaxpr) -> tuple[core.ClosedJaxpr, list[int], list[int]]:
+    """``(primals, cotangents of the float outputs) -> (outputs, gradients of the float inputs)``, traced.
+
+    Returns the program and the positions of the float inputs and outputs.
+    """
+    in_avals, out_avals = closed.in_avals, closed.out_avals
+    dif_in = [i for i, a in enumerate(in_avals) if _inexact(a)]
+    dif_out = [i for i, a in enumerate(out_avals) if _inexact(a)]
+    n = len(in_avals)
+    fn = core.jaxpr_as_fun(closed)
+
+    def joint(*args: Any) -> list[Any]:
+        primals, cts = list(args[:n]), args[n:]
+
+        def of_floats(*fl: Any) -> list[Any]:
+            xs = list(primals)
+            for i, v in zip(dif_in, fl):
+                xs[i] = v
+            return list(fn(*xs))
+
+        outs, pullback = jax.vjp(of_floats, *[primals[i] for i in dif_in])
+        full = [np.zeros(a.shape, jax.dtypes.float0) for a in out_avals]
+        for i, c in zip(dif_out, cts):
+            full[i] = c
+        return list(outs) + list(pullback(full))
+
+    specs = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type) for a in in_avals]
+    specs += [jax.ShapeDtypeStruct(out_avals[i].shape, out_avals[i].dtype) for i in dif_out]
+    return jax.make_jaxpr(joint)(*specs), dif_in, dif_out
+
+
+# ---------------------------------------------------------------------- residuals
+def _kids(snap: Any, node: tuple) -> list[Any]:
+    ctor, args = node
+    out: list[Any] = []
+    for s, a in zip(_terms.ctor_arg_sorts(ctor), args):
+        if s == "Term":
+            out.append(a)
+        elif s == "TList":
+            out.extend(snap.list_items(a))
+    return out
+
+
+def scope_classes(snap: Any, choice: dict, roots: Sequence[Any], stop: set | frozenset = frozenset()) -> set:
+    """Classes the program's own scope computes for ``roots`` (not inside bodies), not looking past ``stop``."""
+    seen: set[Any] = set()
+    stack = list(roots)
+    while stack:
+        c = stack.pop()
+        if c in seen:
+            continue
+        seen.add(c)
+        if c not in stop:
+            stack.extend(_kids(snap, choice[c]))
+    return seen
+
+
+@dataclasses.dataclass
+class Split:
+    """A forward/backward split: residual classes, and the predicted cost of the two programs."""
+
+    policy: str
+    residuals: list[Any]
+    cost: float
+
+
+def _is_free(snap: Any, choice: dict, c: Any) -> bool:
+    """Literals and constants: the backward pass has them without saving them."""
+    return choice[c][0] in ("Lit", "Const")
+
+
+def frontier(snap: Any, choice: dict, b_roots: Sequence[Any], forward: set, *, expand: set | frozenset = frozenset()
+             ) -> list[Any]:
+    """What the backward pass reads from the forward: classes the forward computes, met walking back from
+    the gradients (classes in ``expand`` are recomputed instead, so the walk goes through them)."""
+    out: list[Any] = []
+    seen: set[Any] = set()
+    stack = list(b_roots)
+    while stack:
+        c = stack.pop()
+        if c in seen:
+            continue
+        seen.add(c)
+        ctor = choice[c][0]
+        if ctor in ("Lit", "Const", "Tok"):
+            continue
+        if c in forward and (c not in expand or ctor == "Param"):
+            out.append(c)
+            continue
+        stack.extend(_kids(snap, choice[c]))
+    return out
+
+
+def choose_residuals(snap: Any, choice: dict, f_roots: Sequence[Any], b_roots: Sequence[Any],
+                     params: dict[int, Any], n_primals: int, price: Callable[[list[Any]], float],
+                     tried: list[Split] | None = None) -> Split:
+    """Pick what the backward pass reads from the forward pass; ``price(residuals)`` prices a split.
+
+    Candidates: only inputs (recompute everything), the whole frontier
+    (reuse everything), then a greedy descent from the cheaper of the two
+    that recomputes one residual at a time while the price falls. Every
+    split priced is appended to ``tried``.
+    """
+    tried = [] if tried is None else tried
+    inner_price = price
+
+    def price(residuals: list[Any], policy: str = "greedy") -> float:  # noqa: F811
+        cost = inner_price(residuals)
+        tried.append(Split(policy, list(residuals), cost))
+        return cost
+
+    forward = scope_classes(snap, choice, f_roots)
+    inputs = {c for i, c in params.items() if i < n_primals}
+    forward |= inputs
+    # Recompute everything: walk through every computed class to the inputs.
+    recompute = frontier(snap, choice, b_roots, forward, expand=forward - inputs)
+    reuse = frontier(snap, choice, b_roots, forward)
+    splits = [Split("recompute", recompute, price(recompute, "recompute")), Split("reuse", reuse, price(reuse, "reuse"))]
+    best = min(splits, key=lambda s: s.cost)
+    expand: set[Any] = set(forward - inputs - set(best.residuals)) if best.policy == "recompute" else set()
+    current = list(best.residuals)
+    improved = True
+    while improved and best.policy != "recompute":
+        improved = False
+        for r in sorted(current, key=lambda c: -_nbytes_of(snap, c)):
+            if r in inputs:
+                continue
+            trial_expand = expand | {r}
+            trial = frontier(snap, choice, b_roots, forward, expand=trial_expand)
+            cost = price(trial)
+            if cost < best.cost - 1e-9 * abs(best.cost):
+                best = Split("greedy", trial, cost)
+                expand, current, improved = trial_expand, trial, True
+                break
+    return best
+
+
+def _nbytes_of(snap: Any, c: Any) -> int:
+    a = snap.aval(c)
+    try:
+        return int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize
+    except Exception:
+        return 0
+
+
+# ---------------------------------------------------------------------- emission
+_FWD_DEBUG = core.DebugInfo("rewrite", "forward pass emitted by rewrite(vjp=True)", None, None)
+_BWD_DEBUG = core.DebugInfo("rewrite", "backward pass emitted by rewrite(vjp=True)", None, None)
+
+
+def emit_split(snap: Any, choice: dict, egraph: Any, in_avals: Sequence[Any], ct_avals: Sequence[Any],
+               f_roots: Sequence[Any], b_roots: Sequence[Any], residuals: Sequence[Any]
+               ) -> tuple[core.ClosedJaxpr, core.ClosedJaxpr]:
+    """The forward program (primals -> outputs + residuals) and the backward (residuals + cotangents -> grads)."""
+    em = Emitter(snap, choice, egraph)
+    fwd = dce(em.program(in_avals, list(f_roots) + list(residuals), None, _FWD_DEBUG))
+    debug_info = _BWD_DEBUG
+    n = len(in_avals)
+    params = {n + j: core.Var(a) for j, a in enumerate(ct_avals)}
+    res_vars = [core.Var(snap.aval(c)) for c in residuals]
+    sc = _Scope(em, 0, params)
+    for c, v in zip(residuals, res_vars):
+        sc.env[c] = v
+    outs = sc.atoms(list(b_roots))
+    invars = res_vars + [params[n + j] for j in range(len(ct_avals))]
+    eff = core.join_effects(*(e.effects for e in sc.eqns)) if sc.eqns else core.no_effects
+    jaxpr = core.Jaxpr(sc.constvars, invars, outs, sc.eqns, eff, debug_info)
+    return fwd, dce(core.ClosedJaxpr(jaxpr, sc.consts))
+
+
+# ---------------------------------------------------------------------- the function
+@dataclasses.dataclass
+class VJPResult:
+    """One signature's rewrite: the primal program, the forward/backward split, and the joint pipeline's result."""
+
+    forward: core.ClosedJaxpr
+    fwd: core.ClosedJaxpr
+    bwd: core.ClosedJaxpr
+    split: Split
+    splits_considered: list[Split]
+    joint: Result
+    dif_in: list[int]
+    dif_out: list[int]
+    function: Callable[..., Any]
+    times: dict[str, float]
+
+    @property
+    def after(self) -> core.ClosedJaxpr:
+        return self.forward
+
+    @property
+    def before(self) -> core.ClosedJaxpr:
+        return self.joint.before
+
+    @property
+    def stats(self) -> Any:
+        return self.joint.stats
+
+    @property
+    def stopped(self) -> str:
+        return self.joint.stopped
+
+    @property
+    def warnings(self) -> list[str]:
+        return self.joint.warnings
+
+
+def custom_vjp_function(forward: core.ClosedJaxpr, fwd: core.ClosedJaxpr, bwd: core.ClosedJaxpr, n_in: int,
+                        dif_in: Sequence[int], dif_out: Sequence[int]) -> Callable[..., Any]:
+    """A ``jax.custom_vjp`` over flat arguments from the three programs."""
+    prim_f, fwd_f, bwd_f = core.jaxpr_as_fun(forward), core.jaxpr_as_fun(fwd), core.jaxpr_as_fun(bwd)
+    n_out = len(forward.out_avals)
+
+    @jax.custom_vjp
+    def f(*xs: Any) -> tuple:
+        return tuple(prim_f(*xs))
+
+    def f_fwd(*xs: Any) -> tuple:
+        r = fwd_f(*xs)
+        return tuple(r[:n_out]), tuple(r[n_out:])
+
+    def f_bwd(res: tuple, cts: tuple) -> tuple:
+        grads = bwd_f(*res, *[cts[i] for i in dif_out])
+        out: list[Any] = [None] * n_in
+        for i, gr in zip(dif_in, grads):
+            out[i] = gr
+        return tuple(out)
+
+    f.defvjp(f_fwd, f_bwd)
+    return f
+
+
+@dataclasses.dataclass
+class _Unchanged:
+    """The fallback after a failure: the original program, differentiated by JAX."""
+
+    after: core.ClosedJaxpr
+    times: dict[str, float]
+
+
+class RewrittenVJP(Rewritten):
+    """A function whose VJP is JAX's VJP of ``fn`` rewritten, as a ``jax.custom_vjp``. Made by ``rewrite(vjp=True)``."""
+
+    def _rewrite(self, traced: Traced) -> Any:
+        name = getattr(self.fn, "__name__", "function")
+        try:
+            return self._build(traced)
+        except Exception as e:
+            if _strict(self.strict):
+                raise
+            msg = f"rewrite of the VJP of {name!r} failed ({type(e).__name__}: {e}); using JAX's own"
+            warnings.warn(RewriteWarning(msg), stacklevel=4)
+            log.warning(msg)
+            return _Unchanged(traced.closed, {})
+
+    def _build(self, traced: Traced) -> VJPResult:
+        closed = traced.closed
+        if closed.jaxpr.effects:
+            raise ValueError("vjp=True needs a program without effects (its backward pass may not repeat them)")
+        t0 = time.perf_counter()
+        joint, dif_in, dif_out = joint_program(closed)
+        times = {"trace_vjp": time.perf_counter() - t0}
+        jt = Traced(joint, traced.in_tree, traced.out_tree, traced.dynamic)
+        res = run_pipeline(jt, self.entries, self.cost_model, self.limits, keep=True)
+        check_signature(joint, res.after)
+        times.update(res.times)
+        snap, eg = res.snapshot, res.egraph
+        n_out = len(closed.out_avals)
+        roots = res.roots
+        f_roots, b_roots = roots[:n_out], roots[n_out:]
+        n = len(closed.in_avals)
+        in_avals = list(closed.in_avals)
+        ct_avals = [closed.out_avals[i] for i in dif_out]
+        params = {}
+        for i in range(n + len(ct_avals)):
+            cls = eg.lookup("Param", [eg.int_value(0), eg.int_value(i)])
+            if cls is not None:
+                params[i] = cls
+        model = self.cost_model
+        t0 = time.perf_counter()
+        considered: list[Split] = []
+        # Two extractions: for a training step (outputs and gradients both used) and for the gradients
+        # alone (jax.grad drops the value, and XLA the forward work only the value needed). Each split is
+        # priced in both uses, weighted alike, and the cheapest (choice, split) wins.
+        ex = Extractor(snap, model)
+        tree = ex.tree()[1]
+        grads_only = extract(snap, b_roots, model, res.original).choice
+        best: tuple[float, dict, Split] | None = None
+        for name, choice in (("joint", res.choice), ("gradients", {**tree, **grads_only})):
+            price = self._pricer(snap, choice, f_roots, b_roots)
+            tried: list[Split] = []
+            split = choose_residuals(snap, choice, f_roots, b_roots, params, n, price, tried)
+            considered += [dataclasses.replace(t, policy=f"{name}:{t.policy}") for t in tried]
+            if best is None or split.cost < best[0]:
+                best = (split.cost, choice, dataclasses.replace(split, policy=f"{name}:{split.policy}"))
+        assert best is not None
+        _, choice, split = best
+        times["residuals"] = time.perf_counter() - t0
+        fwd, bwd = emit_split(snap, choice, eg, in_avals, ct_avals, f_roots, b_roots, split.residuals)
+        # The primal function alone: extracted for the outputs only, so inference skips the backward pass.
+        prim = extract(snap, f_roots, model, res.original)
+        forward = dce(Emitter(snap, prim.choice, eg).program(in_avals, f_roots, None, closed.jaxpr.debug_info))
+        check_signature(closed, forward)
+        fn = custom_vjp_function(forward, fwd, bwd, n, dif_in, dif_out)
+        return VJPResult(forward, fwd, bwd, split, considered, res, dif_in, dif_out, fn, times)
+
+    def _pricer(self, snap: Any, choice: dict, f_roots: Sequence[Any], b_roots: Sequence[Any]
+                ) -> Callable[[list[Any]], float]:
+        """The price of a split of ``choice``: a training step's plus a gradient alone's."""
+        model = self.cost_model
+        ex = Extractor(snap, model)
+        if prices_programs(model):
+            from ._fusion import Program
+
+            pricer = ProgramPricer(ex, model)
+            templates: dict = {}
+
+            def program(roots: Sequence[Any], inputs: frozenset = frozenset()) -> float:
+                prog = Program.from_choice(ex, choice, roots, lambda c, nd: pricer.own(c, nd, choice),
+                                           templates, inputs=inputs)
+                return pricer.fusion(prog)
+        else:
+            def program(roots: Sequence[Any], inputs: frozenset = frozenset()) -> float:
+                stop = set(inputs)
+                cs = scope_classes(snap, choice, roots, stop) - stop
+                return sum(ex.own(c, *choice[c], choice) for c in cs)
+
+        def price(residuals: list[Any]) -> float:
+            bwd = program(b_roots, frozenset(residuals))
+            train = program(list(f_roots) + list(residuals))
+            alone = program(list(residuals)) if residuals else 0.0
+            return train + alone + 2 * bwd
+
+        return price
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        _, flat, (traced, result) = self._prepare(args, kwargs)
+        if isinstance(result, _Unchanged):
+            outs = core.eval_jaxpr(traced.closed.jaxpr, traced.closed.consts, *flat)
+        else:
+            outs = result.function(*flat)
+        return traced.outputs(list(outs))
+
+    def jaxpr(self, *args: Any, **kwargs: Any) -> core.ClosedJaxpr:
+        """The primal program for these arguments' signature."""
+        return self._prepare(args, kwargs)[2][1].after
+
+    def vjp_jaxprs(self, *args: Any, **kwargs: Any) -> tuple[core.ClosedJaxpr, core.ClosedJaxpr]:
+        """The forward (primals -> outputs + residuals) and backward (residuals + cotangents -> gradients) programs."""
+        result = self._prepare(args, kwargs)[2][1]
+        if isinstance(result, _Unchanged):
+            raise RuntimeError("the VJP was not rewritten (see the RewriteWarning); JAX's own is used")
+        return result.fwd, result.bwd
+
+    def __repr__(self) -> str:
+        return (f"<rewritten VJP of {getattr(self.fn, '__name__', 'function')}: {len(self.entries)} rules, "
+                f"{len(self._cache)} cached signatures>")

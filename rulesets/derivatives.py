@@ -1,0 +1,662 @@
+"""``rulesets.derivatives``: identities that make autodiff's backward passes as cheap as hand-derived ones.
+
+JAX builds a VJP mechanically: every primitive's transpose rule is applied
+in turn, so the backward pass of ``sin(a*x)**2 / a`` multiplies ``2*sin``
+by ``cos`` where one ``sin(2ax)`` would do, divides by ``a`` and multiplies
+by ``a`` again, keeps the gradient of ``a`` as two full-size reductions
+glued together by reshapes, negations and sums over size-1 axes, and still
+computes the primal output nobody reads. The rules here undo that.
+
+* **Products** are rewritten as a whole. :func:`product_tree` reads a tree
+  of ``mul``, ``div``, ``neg`` and ``integer_pow``; :func:`simplify`
+  combines its leaves: equal bases add their exponents (``x**-2 * x**2``; a
+  cancellation only where the base is known non-zero), ``sin(x)*cos(x)``
+  becomes ``sin(2x)/2``, ``sinh(x)/cosh(x)`` becomes ``tanh(x)``,
+  ``exp(x)/(1+exp(x))`` becomes ``logistic(x)`` (the derivatives of
+  ``log cosh`` and ``softplus``), several ``exp`` become one, literals fold; and the
+  replacement keeps every subtree the change did not touch (:func:`pieces`),
+  so the rest of the program, and what XLA stores, stays as it was. One
+  procedural rule per product primitive does this, so no commutativity or
+  associativity rule is needed to find ``2*sin*cos`` spread over a chain.
+* **Reductions**: a factor constant along the reduced axes moves out of
+  ``reduce_sum``; sums over the same axes merge (and split); ``neg``
+  commutes with ``reduce_sum``; sums over size-1 axes are reshapes.
+* **Trigonometry, exp and log**: Pythagoras, ``cos(-x)``, double angles,
+  ``tan`` as ``sin/cos`` (so it shares them), ``log(exp(x))``,
+  ``exp(log(x))`` for non-negative ``x``, ``1 - logistic(x)``.
+* **Dead primal code** needs no rule: extraction starts from the outputs, so
+  a primal value that no gradient reads is never emitted.
+
+The pack is ``identity`` class: true in real arithmetic, and on finite
+inputs never further from the exact result than the original program, up
+to the tolerance (``tests/test_derivatives.py`` checks each rule against
+the program evaluated in float64). Its ``derivatives_exact`` part changes
+no bit of any result. Rewrites that fail that test live in
+:data:`derivatives_fastmath` (``fastmath`` class), which no other pack
+includes: cancellations without a fact that the value is non-zero
+(``a * (g / a) -> g`` turns the NaN at ``a = 0`` into a number), and
+``log x + log y -> log(x*y)``, whose product underflows where the sum of
+logs does not.
+
+Rule names carry a topic prefix (``trig_``, ``explog_``, ``prod_``, ``red_``,
+``sign_``) so they never collide with another pack's names.
+
+>>> import jax, jax.numpy as jnp
+>>> from rewrite import rewrite
+>>> from rulesets.derivatives import derivatives
+>>> def f(x):
+...     return 2.0 * jnp.sin(x) * jnp.cos(x)
+>>> g = rewrite(f, rulesets=[derivatives])
+>>> [e.primitive.name for e in g.jaxpr(jnp.ones(3)).eqns]
+['mul', 'sin']
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from rewrite import Pat, Ruleset, Value, procedural, rule
+
+__all__ = ["derivatives", "derivatives_fastmath", "product_tree", "simplify", "pieces", "Factor"]
+
+X, Y = Pat.var("x"), Pat.var("y")
+
+
+def _f32(*shape: int) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(shape, jnp.float32)
+
+
+_S = _f32(3, 4)  # the shape the Pat rules' example programs run at
+
+#: How far :func:`product_tree` looks: product nodes walked, and leaves kept.
+_MAX_NODES = 24
+_MAX_FACTORS = 10
+
+
+# ---------------------------------------------------------------------- products as trees of factors
+@dataclasses.dataclass(eq=False)
+class Factor:
+    """A node of a product tree: a value raised to ``e`` in the whole product.
+
+    ``op`` is ``"leaf"`` (a value that is not a product), ``"lit"`` (a scalar
+    literal ``lit``), or the product primitive that made ``value``
+    (``"mul"``, ``"div"``, ``"neg"``, ``"integer_pow"``) with its
+    ``children``.
+    """
+
+    value: Value
+    e: int
+    op: str
+    children: list["Factor"] = dataclasses.field(default_factory=list)
+    lit: float = 1.0
+
+    def leaves(self) -> list["Factor"]:
+        if not self.children:
+            return [self]
+        return [leaf for c in self.children for leaf in c.leaves()]
+
+
+def _product_node(v: Value) -> Any:
+    """The node that makes ``v`` a product, preferring the oldest (the program's own) of several."""
+    best = None
+    for n in v.nodes:
+        if n.prim in ("mul", "div", "neg", "integer_pow"):
+            age = max((o.name for o in n.operands), default=0)
+            if best is None or age < best[0]:
+                best = (age, n)
+    return None if best is None else best[1]
+
+
+def _node(v: Value, prim: str) -> Any:
+    return v.node(prim) if v.cls is not None else None
+
+
+def product_tree(v: Value) -> Factor | None:
+    """The tree of ``mul``, ``div``, ``neg`` and ``integer_pow`` at ``v`` (at most ``_MAX_NODES`` of them).
+
+    ``None`` when ``v`` is not a floating product. Of several product nodes
+    in one class the oldest is followed, so that a class rewritten before is
+    read the way the program wrote it.
+    """
+    if not v.is_floating or v.weak_type or _product_node(v) is None:
+        return None
+    budget = [_MAX_NODES]
+
+    def walk(w: Value, e: int) -> Factor:
+        lit = w.literal if w.ndim == 0 else None
+        if isinstance(lit, float) and math.isfinite(lit):
+            return Factor(w, e, "lit", lit=lit)
+        node = _product_node(w) if budget[0] > 0 else None
+        if node is None:
+            return Factor(w, e, "leaf")
+        budget[0] -= 1
+        ops = node.operands
+        if node.prim == "mul":
+            kids = [walk(ops[0], e), walk(ops[1], e)]
+        elif node.prim == "div":
+            kids = [walk(ops[0], e), walk(ops[1], -e)]
+        elif node.prim == "neg":
+            kids = [walk(ops[0], e)]
+        else:
+            kids = [walk(ops[0], e * int(node.params["y"]))]
+        return Factor(w, e, node.prim, kids)
+
+    tree = walk(v, 1)
+    if len(tree.leaves()) > _MAX_FACTORS:
+        return None
+    return tree
+
+
+def pieces(tree: Factor, drop: Callable[[Factor], bool]) -> tuple[float, list[tuple[Value, int]]]:
+    """What is left of the product without the dropped leaves: maximal untouched subtrees, and a coefficient.
+
+    Subtrees that contain no dropped leaf are kept whole, as the values the
+    program already has, so a rewrite changes as little of the program as it
+    can (XLA decides what to store by the shape of the expression). Literals
+    and negations on the paths to dropped leaves fold into the coefficient.
+    """
+    coeff = 1.0
+    out: list[tuple[Value, int]] = []
+    touched: dict[int, bool] = {}
+
+    def has_drop(n: Factor) -> bool:
+        found = touched.get(id(n))
+        if found is None:
+            found = touched[id(n)] = drop(n) if not n.children else any(has_drop(c) for c in n.children)
+        return found
+
+    def go(n: Factor) -> None:
+        nonlocal coeff
+        if not has_drop(n):
+            if n.op == "lit":
+                coeff *= n.lit ** n.e
+            else:
+                out.append((n.value, n.e))
+            return
+        if n.op == "neg":
+            coeff *= (-1.0) ** n.e
+        for c in n.children:
+            go(c)
+
+    go(tree)
+    return coeff, out
+
+
+def split(tree: Factor, pred: Callable[[Factor], bool]) -> tuple[float, list[tuple[Value, int]], list[tuple[Value, int]]]:
+    """Split a product into maximal subtrees whose leaves all satisfy ``pred``, and those whose leaves none do.
+
+    Literals and negations on mixed paths fold into the coefficient.
+    """
+    coeff = 1.0
+    yes: list[tuple[Value, int]] = []
+    no: list[tuple[Value, int]] = []
+
+    def go(n: Factor) -> None:
+        nonlocal coeff
+        marks = {pred(f) for f in n.leaves()}
+        if marks == {True}:
+            if n.op == "lit":
+                coeff *= n.lit ** n.e
+            else:
+                yes.append((n.value, n.e))
+        elif marks == {False}:
+            no.append((n.value, n.e))
+        else:
+            if n.op == "neg":
+                coeff *= (-1.0) ** n.e
+            for c in n.children:
+                go(c)
+
+    go(tree)
+    return coeff, yes, no
+
+
+@dataclasses.dataclass
+class Simplified:
+    """A product tree after :func:`simplify`: leaves to drop, what replaces them, and the coefficient."""
+
+    tree: Factor
+    drop: set[int]
+    new: list[tuple[str, Any, int]]   # (kind, value or [(k, value)], power); kind "exp" or one of _DERIVED
+    coeff: float
+    changes: list[str]
+
+
+def simplify(tree: Factor, *, fastmath: bool = False) -> Simplified:
+    """Combine a product's leaves: powers of one base, ``sin(x)*cos(x)``, ``sinh(x)/cosh(x)``,
+    ``exp(x)/(1+exp(x))``, several ``exp``, literals.
+
+    Powers of opposite signs cancel only when the base is known to be
+    non-zero (a fact), or under ``fastmath``; otherwise the positive and the
+    negative powers combine separately.
+    """
+    leaves = tree.leaves()
+    out = Simplified(tree, set(), [], 1.0, [])
+    lits = [f for f in leaves if f.op == "lit"]
+    if len(lits) >= 2:
+        for f in lits:
+            out.drop.add(id(f))
+            out.coeff *= f.lit ** f.e
+        out.changes.append("literals")
+    bases: dict[int, list[Factor]] = {}
+    for f in leaves:
+        if f.op == "leaf":
+            bases.setdefault(f.value.name, []).append(f)
+    # Powers of one base.
+    power: dict[int, tuple[Value, int, int]] = {}  # name -> (value, positive power, negative power)
+    for name, fs in bases.items():
+        pos = sum(f.e for f in fs if f.e > 0)
+        neg = -sum(f.e for f in fs if f.e < 0)
+        power[name] = (fs[0].value, pos, neg)
+    for name, (v, pos, neg) in list(power.items()):
+        fs = bases[name]
+        if pos and neg and (fastmath or v.nonzero):
+            k = min(pos, neg)
+            power[name] = (v, pos - k, neg - k)
+            out.changes.append("cancel")
+        elif sum(1 for f in fs if f.e > 0) < 2 and sum(1 for f in fs if f.e < 0) < 2:
+            continue
+        else:
+            out.changes.append("power")
+        for f in fs:
+            out.drop.add(id(f))
+    # sin(x)^p * cos(x)^q: a pair is sin(2x)/2 (a pair of reciprocals, 2/sin(2x)).
+    sins = {}
+    for name, (v, pos, neg) in power.items():
+        s = _node(v, "sin")
+        if s is not None:
+            sins[s.operands[0].name] = name
+    for name, (v, pos, neg) in list(power.items()):
+        c = _node(v, "cos")
+        if c is None or c.operands[0].name not in sins:
+            continue
+        sname = sins[c.operands[0].name]
+        sv, spos, sneg = power[sname]
+        if sv.aval != v.aval:
+            continue
+        arg = c.operands[0]
+        kp, kn = min(spos, pos), min(sneg, neg)
+        if not (kp or kn):
+            continue
+        power[sname] = (sv, spos - kp, sneg - kn)
+        power[name] = (v, pos - kp, neg - kn)
+        for f in bases[sname] + bases[name]:
+            out.drop.add(id(f))
+        if kp:
+            out.new.append(("sin2", arg, kp))
+            out.coeff *= 0.5 ** kp
+        if kn:
+            out.new.append(("sin2", arg, -kn))
+            out.coeff *= 2.0 ** kn
+        out.changes.append("double_angle")
+    # sinh(x) / cosh(x) = tanh(x), one cheap function for two costly ones.
+    coshes = {}
+    for name, (v, pos, neg) in power.items():
+        c = _node(v, "cosh")
+        if c is not None:
+            coshes[c.operands[0].name] = name
+    for name, (v, pos, neg) in list(power.items()):
+        sh = _node(v, "sinh")
+        if sh is None or sh.operands[0].name not in coshes:
+            continue
+        cname = coshes[sh.operands[0].name]
+        cv, cpos, cneg = power[cname]
+        k, k2 = min(pos, cneg), min(neg, cpos)
+        if not (k or k2) or cv.aval != v.aval:
+            continue
+        power[name] = (v, pos - k, neg - k2)
+        power[cname] = (cv, cpos - k2, cneg - k)
+        for f in bases[name] + bases[cname]:
+            out.drop.add(id(f))
+        if k - k2:
+            out.new.append(("tanh", sh.operands[0], k - k2))
+        out.changes.append("tanh")
+    # exp(x) / (1 + exp(x)) = logistic(x), and 1 / (1 + exp(x)) = logistic(-x).
+    for name, (v, pos, neg) in list(power.items()):
+        add = _node(v, "add") if neg else None
+        if add is None or len(add.operands) != 2:
+            continue
+        a, b = add.operands
+        other = b if a.literal == 1.0 else a if b.literal == 1.0 else None
+        ex = _node(other, "exp") if other is not None and other.aval == v.aval else None
+        if ex is None:
+            continue
+        arg = ex.operands[0]
+        k = min(neg, power[other.name][1]) if other.name in power else 0
+        for f in bases[name]:
+            out.drop.add(id(f))
+        if k:
+            ov, opos, oneg = power[other.name]
+            power[other.name] = (ov, opos - k, oneg)
+            for f in bases[other.name]:
+                out.drop.add(id(f))
+            out.new.append(("logistic", arg, k))
+        if neg - k:
+            inner = _node(arg, "neg")
+            # 1 / (1 + exp(-y)) is logistic(y) itself
+            out.new.append(("logistic", inner.operands[0], neg - k) if inner is not None
+                           else ("logistic_neg", arg, neg - k))
+        power[name] = (v, pos, 0)
+        out.changes.append("logistic")
+    # Every exp in one: exp(a)^i * exp(b)^j = exp(i*a + j*b).
+    exps = []
+    for name, (v, pos, neg) in power.items():
+        ex = _node(v, "exp")
+        if ex is not None and (pos or neg):
+            exps.append((name, ex.operands[0], pos - neg))
+    if len(exps) >= 2:
+        for name, _, _ in exps:
+            v, _, _ = power[name]
+            power[name] = (v, 0, 0)
+            for f in bases[name]:
+                out.drop.add(id(f))
+        out.new.append(("exp", [(k, a) for _, a, k in exps], 1))
+        out.changes.append("exp")
+    for name, fs in bases.items():
+        if id(fs[0]) in out.drop:
+            v, pos, neg = power[name]
+            if pos:
+                out.new.append(("v", v, pos))
+            if neg:
+                out.new.append(("v", v, -neg))
+    return out
+
+
+#: How a replacement factor is computed from its argument.
+_DERIVED: dict[str, Callable[[Any], Any]] = {
+    "v": lambda x: x,
+    "sin2": lambda x: jnp.sin(2 * x),
+    "tanh": jnp.tanh,
+    "logistic": lax.logistic,
+    "logistic_neg": lambda x: lax.logistic(-x),
+}
+
+
+def _power(b: Any, k: int) -> Any:
+    return b if k == 1 else lax.integer_pow(b, k)
+
+
+def build(m: Any, coeff: float, kept: list[tuple[Value, int]], new: list[tuple[str, Any, int]],
+          shape: tuple[int, ...], dtype: Any) -> Any:
+    """Insert ``coeff * prod(kept) * prod(new)`` (negative powers divide) as a term of ``shape`` and ``dtype``."""
+    inputs: list[Value] = [v for v, _ in kept]
+    for kind, v, _ in new:
+        inputs.extend([a for _, a in v] if kind == "exp" else [v])
+
+    def fn(*vals: Any) -> Any:
+        it = iter(vals)
+        num, den = [], []
+        for (_, e), x in zip(kept, it):
+            (num if e > 0 else den).append(_power(x, abs(e)))
+        for kind, v, e in new:
+            if kind == "exp":
+                arg = None
+                for k, _ in v:
+                    a = next(it)
+                    term = a if k == 1 else -a if k == -1 else k * a
+                    arg = term if arg is None else arg + term
+                base = jnp.exp(arg)
+            else:
+                x = next(it)
+                base = _DERIVED[kind](x)
+            (num if e > 0 else den).append(_power(base, abs(e)))
+        top, bottom = _prod(num), _prod(den)
+        if top is None and bottom is None:
+            return jnp.full(shape, coeff, dtype)
+        if top is None:
+            out = coeff / bottom
+        else:
+            out = top if bottom is None else top / bottom
+            out = -out if coeff == -1.0 else out if coeff == 1.0 else coeff * out
+        return jnp.broadcast_to(out.astype(dtype), shape)
+
+    return m.trace(fn, *inputs)
+
+
+def _prod(xs: list[Any]) -> Any:
+    out = None
+    for x in xs:
+        out = x if out is None else out * x
+    return out
+
+
+def _normalize(fastmath: bool) -> Any:
+    @procedural
+    def normalize(m):
+        root = m.root
+        tree = product_tree(root)
+        if tree is None:
+            return None
+        simp = simplify(tree, fastmath=fastmath)
+        if not simp.changes or (fastmath and "cancel" not in simp.changes):
+            return None  # nothing saved (under fastmath: the identity pack makes the rest)
+        coeff, kept = pieces(tree, lambda f: id(f) in simp.drop)
+        return build(m, coeff * simp.coeff, kept, simp.new, root.shape, root.dtype)
+
+    return normalize
+
+
+# ---------------------------------------------------------------------- reductions
+def _axes(m: Any, name: str) -> tuple[int, ...] | None:
+    p = m.params(name)
+    if p.get("out_sharding") is not None:
+        return None
+    return tuple(p["axes"])
+
+
+@procedural
+def _sum_pull(m):
+    """``sum(b * x) -> b * sum(x)`` when ``b`` is broadcast along the reduced axes (and coefficients)."""
+    axes = _axes(m, "p")
+    x, out = m["x"], m.root
+    if axes is None or not x.is_floating:
+        return None
+    tree = product_tree(x)
+    if tree is None:
+        return None
+    ndim = x.ndim
+
+    def const(f: Factor) -> bool:
+        shape = f.value.shape
+        return f.op == "lit" or len(shape) == 0 or (len(shape) == ndim and all(shape[a] == 1 for a in axes))
+
+    coeff, outer, inner = split(tree, const)
+    if not inner or (not outer and coeff == 1.0):
+        return None
+    keep = [a for a in range(ndim) if a not in axes]
+    inner_v = build(m, 1.0, inner, [], x.shape, x.dtype)
+
+    def fn(s: Any, *cs: Any) -> Any:
+        total = jnp.sum(s, axis=axes)
+        num, den = [], []
+        for (_, e), c in zip(outer, cs):
+            if c.ndim:
+                c = lax.reshape(c, tuple(c.shape[a] for a in keep))
+            (num if e > 0 else den).append(_power(c, abs(e)))
+        if num:
+            total = _prod(num) * total
+        if den:
+            total = total / _prod(den)
+        if coeff == -1.0:
+            total = -total
+        elif coeff != 1.0:
+            total = coeff * total
+        return jnp.broadcast_to(total.astype(out.dtype), out.shape)
+
+    return m.trace(fn, inner_v, *[v for v, _ in outer])
+
+
+@procedural
+def _sum_size1(m):
+    """A sum over axes of size 1 only is a reshape."""
+    axes = _axes(m, "p")
+    x, out = m["x"], m.root
+    if axes is None or any(x.shape[a] != 1 for a in axes):
+        return None
+    return m.trace(lambda v: lax.reshape(v, out.shape), x)
+
+
+@procedural
+def _sum_neg(m):
+    """``sum(-x) -> -sum(x)``."""
+    axes = _axes(m, "p")
+    if axes is None:
+        return None
+    return m.trace(lambda v: -jnp.sum(v, axis=axes), m["x"])
+
+
+@procedural
+def _neg_sum(m):
+    """``-sum(x) -> sum(-x)``: the other direction, so a negated sum can merge with another sum."""
+    axes = _axes(m, "p")
+    if axes is None:
+        return None
+    return m.trace(lambda v: jnp.sum(-v, axis=axes), m["x"])
+
+
+def _merge(op: Callable[[Any, Any], Any]) -> Any:
+    @procedural
+    def merge(m):
+        a, b = _axes(m, "p1"), _axes(m, "p2")
+        x, y = m["x"], m["y"]
+        if a is None or a != b or x.aval != y.aval:
+            return None
+        return m.trace(lambda u, v: jnp.sum(op(u, v), axis=a), x, y)
+
+    return merge
+
+
+def _split(op: Callable[[Any, Any], Any]) -> Any:
+    @procedural
+    def split(m):
+        axes = _axes(m, "p")
+        x, y, s = m["x"], m["y"], m["s"]
+        if axes is None or x.aval != s.aval or y.aval != s.aval:
+            return None
+        return m.trace(lambda u, v: op(jnp.sum(u, axis=axes), jnp.sum(v, axis=axes)), x, y)
+
+    return split
+
+
+@procedural
+def _reshape_chain(m):
+    """``reshape(reshape(x))`` is one reshape, or ``x`` when the shape comes back."""
+    x, out = m["x"], m.root
+    pi, po = m.params("pi"), m.params("po")
+    if any(p.get("dimensions") is not None or p.get("sharding") is not None for p in (pi, po)):
+        return None
+    if x.aval == out.aval:
+        return x
+    return m.trace(lambda v: lax.reshape(v, out.shape), x)
+
+
+@procedural
+def _reshape_neg(m):
+    """``reshape(-x) -> -reshape(x)``: lets a negation reach the sum it came from."""
+    p = m.params("p")
+    if p.get("dimensions") is not None or p.get("sharding") is not None:
+        return None
+    shape = m.root.shape
+    return m.trace(lambda v: -lax.reshape(v, shape), m["x"])
+
+
+# ---------------------------------------------------------------------- guards
+def _floating(*vs: Value) -> bool:
+    return all(v.is_floating for v in vs)
+
+
+def _nonneg(x: Value) -> bool:
+    return x.is_floating and x.nonneg
+
+
+# ---------------------------------------------------------------------- the rules
+# A Pat rule has no function to trace, so each names an example program it fires in (for
+# rewrite.testing.check_ruleset): two float32 arrays of _S's shape unless said otherwise.
+def _add_any(m):
+    return m.trace(lambda u, v: u + v, m["x"], m["y"])
+
+
+def _vjp_of(f):
+    return lambda x, g: jax.vjp(f, x)[1](g)[0]
+
+
+_sum0, _sum1 = (lambda x: jnp.sum(x, axis=0)), (lambda x: jnp.sum(x, axis=1))
+
+# Bitwise exact: IEEE defines x - y as x + (-y), add_any is add, and a sum over
+# size-1 axes adds nothing.
+derivatives_exact = Ruleset("derivatives_exact", [
+    rule(lambda x, y: lax.add(x, -y), lambda x, y: x - y, name="sign_add_neg", when=_floating),  # x + -y -> x - y
+    rule(lambda x, y: lax.add(-x, y), lambda x, y: y - x, name="sign_neg_add", when=_floating),  # -x + y -> y - x
+    rule(lambda x, y: x - (-y), lambda x, y: x + y, name="sign_sub_neg", when=_floating),        # x - -y -> x + y
+    rule(Pat("add_any", X, Y), procedural(_add_any), name="sign_add_any",                         # add_any(x, y) -> x + y
+         example=(_vjp_of(lambda v: v * jnp.sin(v)), (_S, _S))),
+    rule(Pat("reduce_sum", X, params="p"), _sum_size1, name="red_size1",                          # sum over size-1 axes -> reshape
+         example=(_sum1, (_f32(3, 1, 4),))),
+    rule(Pat("reshape", Pat("reshape", X, params="pi"), params="po"), _reshape_chain,             # reshape(reshape(x)) -> reshape(x)
+         name="red_reshape_chain", example=(lambda x: x.reshape(12).reshape(2, 6), (_S,))),
+    rule(Pat("reshape", Pat("neg", X), params="p"), _reshape_neg, name="red_reshape_neg",         # reshape(-x) -> -reshape(x)
+         example=(lambda x: (-(x.reshape(12))).reshape(3, 4), (_S,))),
+], soundness="exact")
+
+trig = Ruleset("derivatives_trig", [
+    rule(lambda x: jnp.cos(-x), lambda x: jnp.cos(x), name="trig_cos_neg"),                                 # cos(-x) -> cos(x)
+    rule(lambda x: jnp.sin(-x), lambda x: -jnp.sin(x), name="trig_sin_neg"),                                # sin(-x) -> -sin(x)
+    rule(lambda x: jnp.sin(x) ** 2 + jnp.cos(x) ** 2, lambda x: jnp.ones_like(x), name="trig_pythagoras"),  # sin²x + cos²x -> 1
+    rule(lambda x: jnp.cos(x) ** 2 + jnp.sin(x) ** 2, lambda x: jnp.ones_like(x), name="trig_pythagoras_r"),  # cos²x + sin²x -> 1
+    rule(lambda x: 1.0 - jnp.sin(x) ** 2, lambda x: jnp.cos(x) ** 2, name="trig_one_minus_sin2"),         # 1 - sin²x -> cos²x
+    rule(lambda x: 1.0 - jnp.cos(x) ** 2, lambda x: jnp.sin(x) ** 2, name="trig_one_minus_cos2"),         # 1 - cos²x -> sin²x
+    rule(lambda x: jnp.cos(x) ** 2 - jnp.sin(x) ** 2, lambda x: jnp.cos(2 * x), name="trig_cos_double"),  # cos²x - sin²x -> cos 2x
+    rule(lambda x: jnp.tan(x), lambda x: jnp.sin(x) / jnp.cos(x), name="trig_tan"),                         # tan x -> sin x / cos x (shares them)
+], soundness="identity")
+
+explog = Ruleset("derivatives_explog", [
+    rule(lambda x: jnp.log(jnp.exp(x)), lambda x: x, name="explog_log_exp"),                                # log(exp x) -> x
+    rule(lambda x: jnp.exp(jnp.log(x)), lambda x: x, name="explog_exp_log", when=_nonneg),                  # exp(log x) -> x, x >= 0
+    rule(lambda x: 1.0 - lax.logistic(x), lambda x: lax.logistic(-x), name="explog_one_minus_logistic"),   # 1 - σ(x) -> σ(-x)
+], soundness="identity")
+
+products = Ruleset("derivatives_products", [
+    rule(Pat("mul", X, Y), _normalize(False), name="prod_mul",        # x*y: powers of a base; sin·cos -> sin 2x / 2; sinh/cosh -> tanh
+         example=(lambda x, g: g * (2.0 * jnp.sin(x)) * jnp.cos(x), (_S, _S))),  # exp/(1+exp) -> σ; exp·exp -> exp(+)
+    rule(Pat("div", X, Y), _normalize(False), name="prod_div",        # x/y: the same, across the division
+         example=(lambda x, g: (g * jnp.sinh(x)) / (2.0 * jnp.cosh(x)), (_S, _S))),
+    rule(Pat("integer_pow", X), _normalize(False), name="prod_pow",   # (x*x)**3 -> x**6
+         example=(lambda x: (x * x) ** 3, (_S,))),
+], soundness="identity")
+
+reductions = Ruleset("derivatives_reductions", [
+    rule(Pat("reduce_sum", X, params="p"), _sum_pull, name="red_pull",                             # sum(b*x) -> b*sum(x), b broadcast on the axes
+         example=(lambda x, b: _sum0(x * b[None, :]), (_S, _f32(4)))),
+    rule(Pat("reduce_sum", Pat("neg", X), params="p"), _sum_neg, name="red_sum_neg",               # sum(-x) -> -sum(x)
+         example=(lambda x: _sum0(-x), (_S,))),
+    rule(Pat("neg", Pat("reduce_sum", X, params="p")), _neg_sum, name="red_neg_sum",               # -sum(x) -> sum(-x)
+         example=(lambda x, y: -_sum0(x) + _sum0(y), (_S, _S))),
+    rule(Pat("add", Pat("reduce_sum", X, params="p1"), Pat("reduce_sum", Y, params="p2")),         # sum x + sum y -> sum(x + y)
+         _merge(lax.add), name="red_merge_add", example=(lambda x, y: _sum0(x) + _sum0(y), (_S, _S))),
+    rule(Pat("sub", Pat("reduce_sum", X, params="p1"), Pat("reduce_sum", Y, params="p2")),         # sum x - sum y -> sum(x - y)
+         _merge(lax.sub), name="red_merge_sub", example=(lambda x, y: _sum1(x) - _sum1(y), (_S, _S))),
+    rule(Pat("reduce_sum", Pat("add", X, Y, name="s"), params="p"), _split(lax.add),               # sum(x + y) -> sum x + sum y
+         name="red_split_add", example=(lambda x, y: _sum0(x + y), (_S, _S))),
+    rule(Pat("reduce_sum", Pat("sub", X, Y, name="s"), params="p"), _split(lax.sub),               # sum(x - y) -> sum x - sum y
+         name="red_split_sub", example=(lambda x, y: jnp.sum(x - y, axis=(0, 1)), (_S, _S))),
+], soundness="identity")
+
+#: Cancellations without a non-zero fact, and log x + log y: not part of ``derivatives``.
+derivatives_fastmath = Ruleset("derivatives_fastmath", [
+    rule(Pat("mul", X, Y), _normalize(True), name="prod_mul_cancel",                               # x * (y / x) -> y, x unknown
+         example=(lambda a, g: a * (g / a), (_S, _S))),
+    rule(Pat("div", X, Y), _normalize(True), name="prod_div_cancel",                               # (x * y) / x -> y, x unknown
+         example=(lambda a, g: (a * g) / a, (_S, _S))),
+    # one log instead of two, but x*y underflows where log x + log y does not (1e-7 * 1e-32)
+    rule(lambda x, y: jnp.log(x) + jnp.log(y), lambda x, y: jnp.log(x * y), name="explog_log_add",  # log x + log y -> log(xy), x, y >= 0
+         when=lambda x, y: _nonneg(x) and _nonneg(y)),
+], soundness="fastmath")
+
+derivatives = Ruleset("derivatives", [derivatives_exact, trig, explog, products, reductions], soundness="identity",
+                      description="identities that make autodiff's backward passes as fast as hand-derived ones")

@@ -1,0 +1,279 @@
+"""``rulesets.derivatives``: every rule checked on random inputs, and what the pack does to real VJPs.
+
+Each rule is checked in the program it fires in, not only as an equation:
+the program is saturated with that one rule, and for every class where the
+rule built a node, a program that *uses* that node is emitted (the
+extractor's choice, with that class switched to the rule's node) and run
+against the original on inputs drawn by hypothesis. So a rule is tested
+even where the cost model would not pick it.
+
+* ``exact`` rules: bit for bit (any NaN equals any NaN), on inputs that
+  include 0, -0.0, infinities and NaN.
+* ``identity`` rules: against the same program evaluated in float64, the
+  rewritten program may be no further from that reference than the
+  original is, plus the pack's tolerance (relative to the output's scale);
+  and where the reference is not finite (``a * (g / a)`` at ``a = 0``) it
+  must not invent a finite value. A rewrite that underflows where the
+  original did not (``log x + log y -> log(x*y)``) fails this; one that
+  avoids the original's overflow (``log(exp(100)) -> 100``) passes.
+* ``fastmath`` rules: the same, on ordinary values, without the
+  non-finite condition.
+"""
+
+from __future__ import annotations
+
+import math
+
+import hypothesis.extra.numpy as hnp
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jax._src import core
+
+from rewrite import AnalyticCost, Ruleset, explain, rewrite
+from rewrite._4_extract import Extractor
+from rewrite._5_emit import EmitError, emit
+from rewrite._report import primitive_counts
+from rulesets.derivatives import derivatives, derivatives_fastmath
+
+F32 = np.float32
+
+DOMAINS = {
+    "any": st.floats(-50, 50, width=32),
+    "sum": st.one_of(st.floats(-100, 100, width=32), st.floats(-2.0**66, 2.0**66, width=32)),
+    "wide": st.one_of(st.floats(-100, 100, width=32), st.floats(-2.0**66, 2.0**66, width=32),
+                      st.floats(-2.0**-66, 2.0**-66, width=32)),
+    "moderate": st.floats(-8, 8, width=32),
+    "pos": st.floats(0.015625, 64.0, width=32),
+    "special": st.one_of(st.floats(-1e3, 1e3, width=32), st.sampled_from([0.0, -0.0, math.inf, -math.inf, math.nan])),
+}
+
+
+def _rule_owner(name):
+    for pack in (derivatives, derivatives_fastmath):
+        for r, owner in pack.entries():
+            if r.name == name:
+                return r, owner
+    raise KeyError(name)
+
+
+def programs_using(fn, args, rule_name):
+    """Programs in which a node the rule built is used, one per class it built a node in."""
+    rule, owner = _rule_owner(rule_name)
+    report = explain(fn, *args, rulesets=[Ruleset(rule_name, [rule], soundness=owner.soundness,
+                                                  tolerance=owner.tolerance)])
+    assert report.fired.get(rule_name, 0) >= 1, f"{rule_name} did not fire: {report.summary()}"
+    res = report.result
+    eg, snap = res.egraph, res.snapshot
+    full = {**Extractor(snap, AnalyticCost()).tree()[1], **res.choice}
+    out = []
+    seen = set()
+    for vid, origin in enumerate(eg.vorigin):
+        if origin != rule_name:
+            continue
+        node = eg.canonical(snap, vid)
+        cls = snap.cls_of_name[vid]
+        if node is None or cls is None or node not in snap.nodes.get(cls, ()) or res.choice.get(cls) == node:
+            continue
+        choice = dict(full)
+        choice[cls] = node
+        try:
+            prog = emit(snap, choice, eg, res.before.in_avals, res.roots, None, res.before.jaxpr.debug_info)
+        except EmitError:
+            continue  # this switch would make a cycle
+        key = str(prog)
+        if key not in seen and key != str(res.before):
+            seen.add(key)
+            out.append(prog)
+    if str(res.after) != str(res.before) and str(res.after) not in seen:
+        out.append(res.after)
+    assert out, f"{rule_name} fired but no program can use what it built"
+    return res.before, out, owner
+
+
+def _bits_equal(a, b):
+    a, b = np.asarray(a), np.asarray(b)
+    both_nan = np.isnan(a) & np.isnan(b)
+    same = a.view(np.uint32) == b.view(np.uint32)
+    return bool(np.all(both_nan | same))
+
+
+def check(before, after, owner, inputs, fn, domain):
+    want = jax.jit(core.jaxpr_as_fun(before))(*inputs)
+    got = jax.jit(core.jaxpr_as_fun(after))(*inputs)
+    if owner.soundness == "exact":
+        for w, g in zip(want, got):
+            assert _bits_equal(w, g), (w, g)
+        return
+    with jax.enable_x64(True):
+        ref = jax.tree_util.tree_leaves(jax.jit(fn)(*[np.asarray(x, np.float64) for x in inputs]))
+        # A sum may be reassociated (XLA reorders sums itself): its scale is that of its terms.
+        mag = jax.tree_util.tree_leaves(jax.jit(fn)(*[np.abs(np.asarray(x, np.float64)) for x in inputs])) \
+            if domain == "sum" else ref
+    for w, g, r, m in zip(want, got, ref, mag):
+        w, g, r = np.asarray(w, np.float64), np.asarray(g, np.float64), np.asarray(r, np.float64)
+        rtol, atol = owner.tolerance.for_dtype(np.float32)
+        finite = np.isfinite(r)
+        m = np.asarray(m, np.float64)
+        scale = np.max(np.abs(np.where(np.isfinite(m), m, 0)), initial=0.0)
+        with np.errstate(all="ignore"):  # inf - inf where the masks below look away
+            old_err = np.where(np.isfinite(w), np.abs(w - r), np.inf)
+            new_err = np.where(np.isfinite(g), np.abs(g - r), np.inf)
+        bad = finite & ~(new_err <= old_err + atol + rtol * scale)
+        assert not bad.any(), f"rewrite moved away from the float64 result: ref {r[bad]}, before {w[bad]}, after {g[bad]}"
+        if owner.soundness == "identity":
+            invented = ~finite & np.isfinite(g) & ~np.isfinite(w)
+            assert not invented.any(), f"rewrite made a finite value where the math has none: {g[invented]}"
+
+
+S = (3, 4)
+V = (4,)
+CASES = [
+    # rule, function, input shapes, domain
+    ("sign_add_neg", lambda x, y: x + (-y), [S, S], "special"),
+    ("sign_neg_add", lambda x, y: (-x) + y, [S, S], "special"),
+    ("sign_sub_neg", lambda x, y: x - (-y), [S, S], "special"),
+    ("sign_add_any", lambda x, g: jax.vjp(lambda v: v * jnp.sin(v), x)[1](g)[0], [S, S], "special"),
+    ("red_size1", lambda x: jnp.sum(x, axis=1), [(3, 1, 4)], "special"),
+    ("red_reshape_chain", lambda x: x.reshape(12).reshape(2, 6), [S], "special"),
+    ("red_reshape_neg", lambda x: (-(x.reshape(12))).reshape(3, 4), [S], "special"),
+    ("trig_cos_neg", lambda x: jnp.cos(-x), [S], "moderate"),
+    ("trig_sin_neg", lambda x: jnp.sin(-x) * jnp.sin(x), [S], "moderate"),
+    ("trig_pythagoras", lambda x: jnp.sin(x) ** 2 + jnp.cos(x) ** 2, [S], "moderate"),
+    ("trig_pythagoras_r", lambda x: jnp.cos(x) ** 2 + jnp.sin(x) ** 2, [S], "moderate"),
+    ("trig_one_minus_sin2", lambda x: 1.0 - jnp.sin(x) ** 2, [S], "moderate"),
+    ("trig_one_minus_cos2", lambda x: 1.0 - jnp.cos(x) ** 2, [S], "moderate"),
+    ("trig_cos_double", lambda x: jnp.cos(x) ** 2 - jnp.sin(x) ** 2, [S], "moderate"),
+    ("trig_tan", lambda x: jnp.tan(x) + jnp.sin(x) * jnp.cos(x), [S], "moderate"),
+    ("explog_log_exp", lambda x: jnp.log(jnp.exp(x)), [S], "wide"),
+    ("explog_exp_log", lambda x: jnp.exp(jnp.log(jnp.abs(x))), [S], "wide"),
+    ("explog_log_add", lambda x, y: jnp.log(jnp.abs(x)) + jnp.log(y * y), [S, S], "pos"),
+    ("explog_one_minus_logistic", lambda x: 1.0 - jax.nn.sigmoid(x), [S], "wide"),
+    ("prod_mul", lambda x: 2.0 * jnp.sin(x) * jnp.cos(x), [S], "moderate"),
+    ("prod_mul", lambda x, g: (g * (2.0 * jnp.sin(x))) * jnp.cos(x) * 3.0, [S, S], "moderate"),
+    ("prod_mul", lambda x: (x ** 2) * (x ** 3) * x, [S], "wide"),
+    ("prod_mul", lambda x, y: jnp.exp(x) * jnp.exp(y) * jnp.exp(-x), [S, S], "moderate"),
+    ("prod_mul", lambda x, y: (jnp.exp(x) + 1.0) * (y / (jnp.exp(x) + 1.0)), [S, S], "any"),  # exp(x) < inf
+    ("prod_div", lambda x, y: (y * (jnp.abs(x) + 1.0)) / (jnp.abs(x) + 1.0), [S, S], "wide"),
+    ("prod_div", lambda x: 1.0 / (jnp.sin(x) * jnp.cos(x)), [S], "moderate"),
+    ("prod_div", lambda x, g: (g * jnp.sinh(x)) / (2.0 * jnp.cosh(x)), [S, S], "any"),       # tanh
+    ("prod_mul", lambda x, g: (g / (1.0 + jnp.exp(x))) * jnp.exp(x), [S, S], "any"),        # logistic
+    ("prod_div", lambda x, g: g / (1.0 + jnp.exp(-x)) + g / (jnp.exp(x) + 1.0), [S, S], "wide"),
+    ("prod_pow", lambda x: (x * x) ** 3, [S], "moderate"),
+    ("red_pull", lambda x, b: jnp.sum(x * b[None, :], axis=0), [S, V], "sum"),
+    ("red_pull", lambda x, b: jnp.sum(-(2.0 * x) / b[None, :] * b[None, :] ** 2, axis=0), [S, V], "pos"),
+    ("red_sum_neg", lambda x: jnp.sum(-x, axis=0), [S], "sum"),
+    ("red_neg_sum", lambda x, y: -jnp.sum(x, axis=0) + jnp.sum(y, axis=0), [S, S], "sum"),
+    ("red_merge_add", lambda x, y: jnp.sum(x, axis=0) + jnp.sum(y, axis=0), [S, S], "sum"),
+    ("red_merge_sub", lambda x, y: jnp.sum(x, axis=1) - jnp.sum(y, axis=1), [S, S], "sum"),
+    ("red_split_add", lambda x, y: jnp.sum(x + y, axis=0), [S, S], "sum"),
+    ("red_split_sub", lambda x, y: jnp.sum(x - y, axis=(0, 1)), [S, S], "sum"),
+    ("prod_mul_cancel", lambda a, g: a * (g / a), [S, S], "pos"),
+    ("prod_div_cancel", lambda a, g: (a * g) / a, [S, S], "pos"),
+]
+
+
+def _id(case):
+    return case[0]
+
+
+@pytest.mark.parametrize("name,fn,shapes,domain", CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)])
+def test_rule_keeps_values(name, fn, shapes, domain):
+    args = [jnp.ones(s, F32) * 0.5 for s in shapes]
+    before, programs, owner = programs_using(fn, args, name)
+    elements = DOMAINS[domain]
+
+    @settings(max_examples=8)
+    @given(st.tuples(*[hnp.arrays(F32, s, elements=elements) for s in shapes]))
+    def prop(inputs):
+        for p in programs:
+            check(before, p, owner, [jnp.asarray(x) for x in inputs], fn, domain)
+
+    prop()
+
+
+def test_every_rule_has_a_case():
+    names = {r.name for r, _ in derivatives.entries()} | {r.name for r, _ in derivatives_fastmath.entries()}
+    assert names == {c[0] for c in CASES}
+
+
+def test_fastmath_cancellations_stay_out_of_the_identity_pack():
+    # a * (g / a) -> g turns the NaN at a = 0 into g: without a fact, only the fastmath part does it.
+    def f(a, g):
+        return a * (g / a)
+
+    a = jnp.array([0.0, 2.0])
+    g = jnp.array([3.0, 3.0])
+    kept = rewrite(f, rulesets=[derivatives])
+    assert primitive_counts(kept.jaxpr(a, g))["div"] == 1
+    assert np.isnan(kept(a, g)[0])
+    fast = rewrite(f, rulesets=[derivatives, derivatives_fastmath])
+    assert fast.jaxpr(a, g).eqns == []
+    assert derivatives.soundness == "identity" and derivatives_fastmath.soundness == "fastmath"
+    # With a fact that a is non-zero, the identity pack cancels too.
+    pos = rewrite(lambda z, g: f(jnp.exp(z) + 1.0, g), rulesets=[derivatives])
+    assert primitive_counts(pos.jaxpr(a, g)).get("div", 0) == 0
+
+
+# ---------------------------------------------------------------- the seed's VJP
+def seed(x, a):
+    return jnp.sin(a * x) ** 2 / a
+
+
+def seed_vjp(x, a, g):
+    return jax.vjp(seed, x, a)[1](g)
+
+
+def test_seed_vjp_is_simplified():
+    # Large enough for XLA:CPU's library reductions, whose limits decide what the cost model prefers.
+    x = jax.random.normal(jax.random.PRNGKey(0), (8, 64, 32))
+    a = jnp.linspace(0.5, 2.0, 32)
+    g = jax.random.normal(jax.random.PRNGKey(1), x.shape)
+    r = rewrite(seed_vjp, rulesets=[derivatives])
+    before = primitive_counts(jax.make_jaxpr(seed_vjp)(x, a, g))
+    after = primitive_counts(r.jaxpr(x, a, g))
+    assert before["div"] == 2 and after["div"] <= 1          # the dead primal division is gone
+    assert after["reduce_sum"] <= 2 < before["reduce_sum"]  # no sums over size-1 axes, no reshape round trips
+    assert "cos" not in after and after["sin"] == 2           # 2 sin(ax) cos(ax) is sin(2ax)
+    assert "add_any" not in after and "neg" not in after
+    for p, q in zip(r(x, a, g), seed_vjp(x, a, g)):
+        np.testing.assert_allclose(p, q, rtol=2e-5, atol=2e-5)
+
+
+def _mlp(params, x, y):
+    h = x
+    for w, b in params[:-1]:
+        h = jax.nn.gelu(h @ w + b)
+    w, b = params[-1]
+    return -jnp.mean(jnp.sum(jax.nn.log_softmax(h @ w + b) * y, axis=-1))
+
+
+def _layernorm(x, g, b):
+    mu = x.mean(-1, keepdims=True)
+    var = ((x - mu) ** 2).mean(-1, keepdims=True)
+    return ((x - mu) * jax.lax.rsqrt(var + 1e-5) * g + b).sum()
+
+
+def _rand(*shape, seed=0):
+    return jax.random.normal(jax.random.PRNGKey(seed), shape)
+
+
+def test_pack_on_gradients_keeps_values():
+    sizes = [8, 16, 4]
+    params = [(_rand(m, n, seed=i), _rand(n, seed=10 + i)) for i, (m, n) in enumerate(zip(sizes[:-1], sizes[1:]))]
+    cases = [
+        (jax.grad(lambda x, a: seed(x, a).sum(), (0, 1)), (_rand(4, 8, 16), jnp.linspace(0.5, 2.0, 16))),
+        (jax.grad(_mlp), (params, _rand(5, 8, seed=4), jax.nn.one_hot(jnp.arange(5) % 4, 4))),
+        (jax.grad(_layernorm, (0, 1, 2)), (_rand(4, 8), _rand(8, seed=1), _rand(8, seed=2))),
+        (jax.grad(lambda x, w: jax.nn.log_sigmoid(x * w).sum(), (0, 1)), (_rand(6, 8), _rand(8, seed=3))),
+    ]
+    for fn, args in cases:
+        r = rewrite(fn, rulesets=[derivatives])
+        got, want = jax.tree_util.tree_leaves(jax.jit(r)(*args)), jax.tree_util.tree_leaves(jax.jit(fn)(*args))
+        res = r.result(*args)
+        assert res.cost_after <= res.cost_before
+        for p, q in zip(got, want):
+            np.testing.assert_allclose(p, q, rtol=1e-4, atol=1e-5)

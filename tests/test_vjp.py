@@ -1,0 +1,176 @@
+"""``rewrite(fn, vjp=True)``: gradients equal JAX's under jit and vmap, the residuals are the cost
+model's choice, and programs that already contain ``jax.grad`` (training steps) rewrite correctly."""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from rewrite import RewriteWarning, rewrite
+from rewrite._report import primitive_counts
+from rulesets.derivatives import derivatives
+
+
+def seed(x, a):
+    return jnp.sin(a * x) ** 2 / a
+
+
+def _rand(*shape, seed=0):
+    return jax.random.normal(jax.random.PRNGKey(seed), shape)
+
+
+def _close(got, want, tol=2e-5):
+    for p, q in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+        np.testing.assert_allclose(p, q, rtol=tol, atol=tol)
+
+
+X, A = _rand(4, 8, 16), jnp.linspace(0.5, 2.0, 16)
+
+
+def test_seed_vjp_equals_jax_and_reads_the_forward():
+    # Large enough that XLA:CPU reduces with its library kernels (tiny arrays are launch-bound).
+    X, A = _rand(8, 64, 32), jnp.linspace(0.5, 2.0, 32)
+    r = rewrite(seed, rulesets=[derivatives], vjp=True)
+    g = _rand(8, 64, 32, seed=1)
+    out, pb = jax.vjp(r, X, A)
+    want_out, want_pb = jax.vjp(seed, X, A)
+    _close(out, want_out)
+    _close(pb(g), want_pb(g))
+    fwd, bwd = r.vjp_jaxprs(X, A)
+    # The backward pass reads sin(ax)**2 from the forward and needs one transcendental, sin(2ax).
+    assert primitive_counts(bwd).get("cos", 0) == 0 and primitive_counts(bwd)["sin"] == 1
+    res = r.result(X, A)
+    assert {"joint:recompute", "joint:reuse", "gradients:recompute", "gradients:reuse"} <= {
+        s.policy for s in res.splits_considered}
+    assert res.split.cost == min(s.cost for s in res.splits_considered)
+    assert not res.split.policy.endswith("recompute")  # recomputing sin(ax) costs more than reading it
+    # Without differentiation only the forward runs.
+    assert "cos" not in primitive_counts(r.jaxpr(X, A))
+
+
+def test_grad_under_jit_and_vmap():
+    r = rewrite(seed, rulesets=[derivatives], vjp=True)
+    loss_r = lambda x, a: r(x, a).sum()  # noqa: E731
+    loss = lambda x, a: seed(x, a).sum()  # noqa: E731
+    _close(jax.jit(jax.grad(loss_r, (0, 1)))(X, A), jax.grad(loss, (0, 1))(X, A))
+    per_example = jax.vmap(jax.grad(loss_r, (0, 1)), in_axes=(0, None))
+    _close(per_example(X, A), jax.vmap(jax.grad(loss, (0, 1)), in_axes=(0, None))(X, A))
+    _close(jax.jit(jax.vmap(r, in_axes=(0, None)))(X, A), seed(X, A))
+
+
+def test_residuals_are_chosen_by_cost():
+    # Only inputs are worth keeping for x*y: recomputing is free, storing a product is not.
+    r = rewrite(lambda x, y: jnp.sin(x) * y, rulesets=[derivatives], vjp=True)
+    x, y = _rand(64, 64), _rand(64, 64, seed=1)
+    res = r.result(x, y)
+    assert res.split.cost == min(s.cost for s in res.splits_considered)
+    fwd, _ = r.vjp_jaxprs(x, y)
+    assert len(fwd.out_avals) == 1 + len(res.split.residuals)
+    _close(jax.grad(lambda x, y: r(x, y).sum(), (0, 1))(x, y),
+           jax.grad(lambda x, y: (jnp.sin(x) * y).sum(), (0, 1))(x, y))
+
+
+def test_integer_inputs_and_several_outputs():
+    def f(x, n, w):
+        y = jnp.tanh(x @ w) * n
+        return {"y": y, "count": n + 1, "s": jnp.exp(-y).sum()}
+
+    r = rewrite(f, rulesets=[derivatives], vjp=True)
+    x, w, n = _rand(5, 3), _rand(3, 3, seed=1), jnp.int32(2)
+    _close(r(x, n, w), f(x, n, w))
+    loss = lambda f: lambda x, w: f(x, n, w)["s"] + f(x, n, w)["y"].sum()  # noqa: E731
+    _close(jax.grad(loss(r), (0, 1))(x, w), jax.grad(loss(f), (0, 1))(x, w))
+
+
+def _mlp_loss(params, x, y):
+    h = x
+    for w, b in params[:-1]:
+        h = jax.nn.gelu(h @ w + b)
+    w, b = params[-1]
+    return -jnp.mean(jnp.sum(jax.nn.log_softmax(h @ w + b) * y, axis=-1))
+
+
+def _params():
+    sizes = [8, 16, 4]
+    return [(_rand(m, n, seed=i) * 0.3, _rand(n, seed=10 + i) * 0.1) for i, (m, n) in enumerate(zip(sizes[:-1], sizes[1:]))]
+
+
+def _step(loss, opt=None):
+    opt = opt or optax.adam(1e-2)
+
+    def step(params, state, x, y):
+        l, g = jax.value_and_grad(loss)(params, x, y)
+        updates, state = opt.update(g, state, params)
+        return optax.apply_updates(params, updates), state, l
+
+    return step, opt
+
+
+def test_training_step_with_a_rewritten_loss():
+    params, x, y = _params(), _rand(6, 8, seed=4), jax.nn.one_hot(jnp.arange(6) % 4, 4)
+    fast = rewrite(_mlp_loss, rulesets=[derivatives], vjp=True)
+    step_r, opt = _step(fast)
+    step, _ = _step(_mlp_loss)
+    sr = s = opt.init(params)
+    pr = p = params
+    for _ in range(3):
+        pr, sr, lr = jax.jit(step_r)(pr, sr, x, y)
+        p, s, l = jax.jit(step)(p, s, x, y)
+        np.testing.assert_allclose(lr, l, rtol=1e-5, atol=1e-6)
+    _close(pr, p, tol=1e-4)
+
+
+def test_training_step_containing_grad_is_rewritten():
+    params, x, y = _params(), _rand(6, 8, seed=4), jax.nn.one_hot(jnp.arange(6) % 4, 4)
+    step, opt = _step(_mlp_loss, optax.sgd(1e-2, momentum=0.9))
+    state = opt.init(params)
+    r = rewrite(step, rulesets=[derivatives])
+    _close(jax.jit(r)(params, state, x, y), jax.jit(step)(params, state, x, y), tol=1e-5)
+    res = r.result(params, state, x, y)
+    assert res.cost_after <= res.cost_before and any(s.fired for s in res.stats.values())
+
+
+def test_vjp_of_a_function_that_contains_grad():
+    # A meta-gradient: differentiate through one SGD step; JAX's VJP of it is second order.
+    def inner_step(w, x):
+        g = jax.grad(lambda w: (jnp.sin(x @ w) ** 2).sum())(w)
+        return w - 0.1 * g
+
+    def outer(w, x):
+        return (inner_step(w, x) ** 2).sum()
+
+    w, x = _rand(3, 2) * 0.5, _rand(4, 3, seed=1)
+    r = rewrite(outer, rulesets=[derivatives], vjp=True)
+    np.testing.assert_allclose(jax.jit(r)(w, x), jax.jit(outer)(w, x), rtol=1e-5)
+    _close(jax.jit(jax.grad(r))(w, x), jax.jit(jax.grad(outer))(w, x), tol=1e-4)
+
+
+def test_failure_falls_back_to_jax(monkeypatch):
+    import rewrite._vjp as vjp_mod
+
+    def broken(*a, **k):
+        raise RuntimeError("simulated")
+
+    monkeypatch.setattr(vjp_mod, "choose_residuals", broken)
+    r = rewrite(seed, rulesets=[derivatives], vjp=True, strict=False)
+    with pytest.warns(RewriteWarning, match="simulated"):
+        g = jax.grad(lambda x, a: r(x, a).sum())(X, A)
+    _close(g, jax.grad(lambda x, a: seed(x, a).sum())(X, A))
+    strict = rewrite(seed, rulesets=[derivatives], vjp=True, strict=True)
+    with pytest.raises(RuntimeError, match="simulated"):
+        strict(X, A)
+
+
+def test_effects_are_refused():
+    def f(x):
+        jax.debug.callback(lambda v: None, x[0])
+        return jnp.sin(x)
+
+    r = rewrite(f, vjp=True, strict=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        np.testing.assert_allclose(jax.grad(lambda x: r(x).sum())(jnp.ones(3)), jnp.cos(jnp.ones(3)))
+    assert any("effects" in str(w.message) for w in caught)
