@@ -57,8 +57,17 @@ class Extractor:
         self.snap = snap
         self.model = model
         self._own: dict[tuple, float] = {}
+        self._kids: dict[tuple, list[Any]] = {}
 
     # ------------------------------------------------------------------ node facts
+    def term_kids(self, node: tuple) -> list[Any]:
+        """The ``Term``/``TList`` children of ``node`` (not bodies), memoised: searches ask often."""
+        found = self._kids.get(node)
+        if found is None:
+            ctor, args = node
+            found = self._kids[node] = [a for s, a in zip(_terms.ctor_arg_sorts(ctor), args) if s in ("Term", "TList")]
+        return found
+
     def children(self, ctor: str, args: tuple) -> list[Any]:
         return [a for s, a in zip(_terms.ctor_arg_sorts(ctor), args) if s != "i64"]
 
@@ -214,8 +223,7 @@ class LocalSearch:
             self._inc(r)
 
     def kids(self, node: tuple) -> list[Any]:
-        ctor, args = node
-        return [a for s, a in zip(_terms.ctor_arg_sorts(ctor), args) if s in ("Term", "TList")]
+        return self.ex.term_kids(node)
 
     def own(self, c: Any, node: tuple) -> float:
         ctor, args = node
@@ -454,8 +462,7 @@ class ProgramSearch:
         self.max_evaluations = max_evaluations
 
     def _kids(self, node: tuple) -> list[Any]:
-        ctor, args = node
-        return [a for s, a in zip(_terms.ctor_arg_sorts(ctor), args) if s in ("Term", "TList")]
+        return self.ex.term_kids(node)
 
     def _program_classes(self) -> list[Any]:
         seen: set[Any] = set()
@@ -483,9 +490,10 @@ class ProgramSearch:
             stack.extend(self._kids(self.choice[x]))
         return False
 
-    def run(self, passes: int = 3) -> tuple[dict[Any, tuple], float]:
+    def run(self, passes: int = 3, known: float | None = None) -> tuple[dict[Any, tuple], float]:
+        """Improve the choice; ``known`` is the starting choice's price, if already computed."""
         nodes = self.ex.snap.nodes
-        best = self.pricer(self.choice, self.roots)
+        best = self.pricer(self.choice, self.roots) if known is None else known
         start = self.pricer.evaluations
         for _ in range(passes):
             classes = self._program_classes()
@@ -550,13 +558,26 @@ def extract(snap: Snapshot, roots: Sequence[Any], model: CostModel, original: se
             orig_choice = None
     if prices_programs(model):
         price = ProgramPricer(ex, model)
-        priced = [(c, price(c, roots), r) for c, r in candidates]
-        # Refine the two best rewritten candidates under the whole-program price.
-        for c, _, r in sorted([p for p in priced if p[2]], key=lambda p: p[1])[:2]:
-            refined, cost = ProgramSearch(ex, price, c, roots).run()
-            priced.append((refined, cost, True))
+        known: dict[frozenset, float] = {}  # each distinct program is priced once
+
+        def price_of(choice: dict[Any, tuple]) -> tuple[frozenset, float]:
+            key = _signature(ex, choice, roots)
+            if key not in known:
+                known[key] = price(choice, roots)
+            return key, known[key]
+
+        priced = [(c, price_of(c)[1], r) for c, r in candidates]
+        # Refine the two best rewritten candidates, and the input, under the whole-program price.
+        starts = [c for c, _, r in sorted([p for p in priced if p[2]], key=lambda p: p[1])[:2]]
         if orig_choice is not None:
-            refined, cost = ProgramSearch(ex, price, {**tree_choice, **orig_choice}, roots).run()
+            starts.append({**tree_choice, **orig_choice})
+        refined_from: set[frozenset] = set()
+        for c in starts:
+            key, cost = price_of(c)
+            if key in refined_from:
+                continue
+            refined_from.add(key)
+            refined, cost = ProgramSearch(ex, price, c, roots).run(known=cost)
             priced.append((refined, cost, True))
     else:
         priced = [(c, ex.dag_cost(c, roots), r) for c, r in candidates]

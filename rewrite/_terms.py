@@ -198,10 +198,14 @@ def schema() -> str:
 
 def ctor_arg_sorts(ctor: str) -> tuple[str, ...]:
     """Argument sorts of any constructor, structural or operation."""
-    spec = BY_CTOR.get(ctor)
-    if spec is not None:
-        return spec.arg_sorts
-    return _STRUCTURAL_ARGS[ctor]
+    found = _ARG_SORTS.get(ctor)
+    if found is None:
+        spec = BY_CTOR.get(ctor)
+        found = _ARG_SORTS[ctor] = spec.arg_sorts if spec is not None else _STRUCTURAL_ARGS[ctor]
+    return found
+
+
+_ARG_SORTS: dict[str, tuple[str, ...]] = {}  # extraction asks this hundreds of thousands of times
 
 
 def ctor_sort(ctor: str) -> str:
