@@ -17,8 +17,8 @@ last. The default is a quick run (about two minutes on two cores); ``--full``
 takes the seeds' whole size ranges. Timings should hold the benchmark lock::
 
     flock /tmp/bench.lock python -m benchmarks                 # quick
-    flock /tmp/bench.lock python -m benchmarks --full          # every size (many minutes)
-    python -m benchmarks --cases seed001 --rounds 3 --out /tmp/demo
+    flock /tmp/bench.lock python -m benchmarks --full          # every size (three to four minutes on 2 cores)
+    python -m benchmarks --cases seed001 --rounds 3 --out demo-out
     python -m benchmarks --smoke                               # seconds; checks the plumbing, not speed
 """
 
@@ -273,7 +273,8 @@ def plot(rows: list[Row], cases_: list[Case], out: Path) -> list[str]:
 def machine(load: tuple) -> str:
     dev = jax.devices()[0]
     return (f"jax {jax.__version__}, backend {dev.platform.upper()} ({getattr(dev, 'device_kind', '?')}), "
-            f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}; "
+            f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
+            + ("; no GPU was available" if dev.platform == "cpu" else "") + "; "
             f"load average {load[0]:.1f}, {load[1]:.1f}, {load[2]:.1f} at the start")
 
 
@@ -305,7 +306,9 @@ def report(rows: list[Row], cases_: list[Case], first_run: dict[str, dict[str, f
         "* **Seed 001** (`benchmarks/scan.py`): a loss over a `lax.scan`'s stacked output; rewritten is "
         "`rewrite(loss, rulesets=[rulesets.scan])`, which computes the reduction inside the loop (or, as "
         "here, deletes a loop nothing depends on). **RNN**: an RNN with an MSE loss; the rewrite sums the "
-        "loss in the loop's carry, as the hand-written accumulator does; for gradients the gain is memory.",
+        "loss in the loop's carry, as the hand-written accumulator does; for gradients the gain is mostly "
+        "memory (`remat=nothing` is `rulesets.scan.make(remat=\"nothing\")`, which recomputes the loop body "
+        "instead of saving its carries, like `jax.checkpoint` over the hand-written body).",
         "",
     ]
     for png in pngs:
@@ -336,7 +339,7 @@ def _relative(text: str) -> str:
 def main(argv: list[str] | None = None) -> Path:
     ap = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.splitlines()[0])
     size = ap.add_mutually_exclusive_group()
-    size.add_argument("--full", action="store_true", help="the seeds' full size ranges (many minutes)")
+    size.add_argument("--full", action="store_true", help="the seeds' full size ranges (a few minutes)")
     size.add_argument("--smoke", action="store_true", help="the tiniest sizes, one round: checks that it all runs")
     ap.add_argument("--cases", default=",".join(GROUPS), help=f"comma-separated subset of {','.join(GROUPS)}")
     ap.add_argument("--sizes", help="seed 000's sizes T, comma-separated (overrides the mode's)")
