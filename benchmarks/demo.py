@@ -343,7 +343,7 @@ def main(argv: list[str] | None = None) -> Path:
     size.add_argument("--smoke", action="store_true", help="the tiniest sizes, one round: checks that it all runs")
     ap.add_argument("--cases", default=",".join(GROUPS), help=f"comma-separated subset of {','.join(GROUPS)}")
     ap.add_argument("--sizes", help="seed 000's sizes T, comma-separated (overrides the mode's)")
-    ap.add_argument("--rounds", type=int, help="timed rounds per case (default: quick 5, full 9, smoke 1)")
+    ap.add_argument("--rounds", type=int, help="timed rounds per case (default: quick 7, full 9, smoke 1)")
     ap.add_argument("--out", help="folder for the report and plots (default: a new one under benchmarks/out/)")
     ap.add_argument("--quiet", action="store_true", help="no progress lines")
     opts = ap.parse_args(argv)
