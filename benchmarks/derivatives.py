@@ -145,11 +145,14 @@ def as_value_and_grad(fn):
     return step
 
 
-def variants(fn, hands: dict, *, floor=None, wrap=as_vjp) -> dict:
+def variants(fn, hands: dict, *, floor=None, wrap=as_vjp, extras: bool = True) -> dict:
+    """``jax``, the hand-derived ``hands``, ``rewritten``; with ``extras`` the other rewrites too (see above)."""
     out = {"jax": wrap(fn)}
     for name, h in hands.items():
         out[name] = wrap(h)
     out["rewritten"] = wrap(rewrite(fn, rulesets=[derivatives], vjp=True))
+    if not extras:
+        return out
     out["rewritten_program"] = rewrite(wrap(fn), rulesets=[derivatives])
     out["measured"] = wrap(rewrite(fn, rulesets=[derivatives], vjp=True, cost_model="measure"))
     out["fastmath"] = wrap(rewrite(fn, rulesets=[derivatives, derivatives_fastmath], vjp=True))
@@ -166,9 +169,17 @@ def inputs(T: int, positive: bool = True):
     return x, a, g
 
 
-def check(vs: dict, args) -> None:
+SEED_HANDS = {"hand_sin2ax": seed_sin2ax, "hand_shared": seed_shared}
+
+
+def seed_case(T: int, *, extras: bool = True, floor: bool = True) -> tuple[tuple, dict]:
+    """Seed 000 at ``x`` of shape ``(B, T, C)``: its arguments ``(x, a, g)`` and its variants (see :func:`variants`)."""
+    return inputs(T), variants(seed, SEED_HANDS, floor=seed_floor if floor else None, extras=extras)
+
+
+def check(vs: dict, args, baseline: str = "jax") -> None:
     """Every variant that is a VJP computes JAX's gradients (tolerance for float32 reassociation)."""
-    want = jax.tree_util.tree_leaves(jax.jit(vs["jax"])(*args))
+    want = jax.tree_util.tree_leaves(jax.jit(vs[baseline])(*args))
     for name, fn in vs.items():
         if name == "floor":
             continue
@@ -195,8 +206,7 @@ def run(rounds: int, sizes: list[int], progress: bool) -> tuple[list[Row], list[
     say = (lambda s: print(s, file=sys.stderr, flush=True)) if progress else None
     seed_rows, other_rows, step_rows, preds = [], [], [], {}
     for T in sizes:
-        args = inputs(T)
-        vs = variants(seed, {"hand_sin2ax": seed_sin2ax, "hand_shared": seed_shared}, floor=seed_floor)
+        args, vs = seed_case(T)
         check(vs, args)
         preds[f"seed T={T}"] = predicted(vs, args)
         seed_rows.append(measure(f"seed000 T={T}", vs, args, baseline="jax", rounds=rounds, progress=say))
@@ -207,7 +217,7 @@ def run(rounds: int, sizes: list[int], progress: bool) -> tuple[list[Row], list[
         check(vs, args)
         preds[f"{name} T={T}"] = predicted(vs, args)
         other_rows.append(measure(f"{name} T={T}", vs, args, baseline="jax", rounds=rounds, progress=say))
-    vs = variants(seed, {"hand_sin2ax": seed_sin2ax, "hand_shared": seed_shared}, wrap=as_value_and_grad)
+    vs = variants(seed, SEED_HANDS, wrap=as_value_and_grad)
     check(vs, args)
     step_rows.append(measure(f"seed000 value_and_grad T={T}", vs, args, baseline="jax", rounds=rounds, progress=say))
     return seed_rows, other_rows, step_rows, preds

@@ -98,10 +98,14 @@ def measure(case: str, variants: dict[str, Callable[..., Any]], args: Sequence[A
     compiled: dict[str, Any] = {}
     stats: dict[str, Stats] = {}
     for name, fn in variants.items():
+        if progress is not None:
+            progress(f"{case}: compiling {name}")
         compiled[name], stats[name] = compile_stats(fn, *args)
     # Pick a repetition count per call so that each timed block is long enough to trust.
     inner: dict[str, int] = {}
     for name, c in compiled.items():
+        if progress is not None:
+            progress(f"{case}: warming up {name}")
         for _ in range(warmup):
             _run_once(c, args, 1)
         one = max(_run_once(c, args, 1), 1e-6)
@@ -121,6 +125,17 @@ def measure(case: str, variants: dict[str, Callable[..., Any]], args: Sequence[A
         q = statistics.quantiles(s, n=4) if len(s) >= 4 else [s[0], s[0], s[-1]]
         spread[n] = (q[2] - q[0]) / med[n] if med[n] else 0.0
     return Row(case, baseline, med, spread, stats, rounds)
+
+
+def format_variants(row: Row) -> str:
+    """One case as a Markdown table, variants down: time, ratio to the baseline, spread, temp memory, cost."""
+    lines = [f"| variant | ms | vs {row.baseline} | spread | temp MiB | GFLOP | transc. M |",
+             "|---|---|---|---|---|---|---|"]
+    for v, s in row.seconds.items():
+        st = row.stats[v]
+        lines.append(f"| {v} | {s * 1e3:.3f} | {row.ratio(v):.2f}x | {row.spread[v]:.0%} | "
+                     f"{st.temp_bytes / MiB:.1f} | {st.flops / 1e9:.3f} | {st.transcendentals / 1e6:.2f} |")
+    return "\n".join(lines)
 
 
 def format_rows(rows: Sequence[Row], variants: Sequence[str] | None = None) -> str:
