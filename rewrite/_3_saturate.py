@@ -27,6 +27,7 @@ import time
 from typing import Any, Callable, Sequence
 
 import jax
+import numpy as np
 
 from ._1_trace import trace_at
 from ._2_load import Unsupported, load_closed
@@ -95,6 +96,8 @@ class Engine:
         self.iterations = 0
         self.warnings: list[str] = []
         self._prefer: tuple[Snapshot, dict] | None = None  # the bottom-up choice, for Match.function
+        #: Traces of rule-built functions in this run, by code, closure and avals (see _trace_key).
+        self._traced: dict[Any, Any] = {}
         lines = ["(ruleset match)"]
         for i, (rule, owner) in enumerate(entries):
             rels = []
@@ -365,10 +368,56 @@ class Engine:
         return fn
 
     def insert_traced(self, fn: Callable[..., Any], inputs: Sequence[Value]) -> Any:
-        closed = trace_at(fn, [v.aval for v in inputs])
+        avals = [v.aval for v in inputs]
+        key = _trace_key(fn, avals)
+        closed = self._traced.get(key) if key is not None else None
+        if closed is None:
+            closed = trace_at(fn, avals)
+            if key is not None:
+                self._traced[key] = closed
         outs, _ = load_closed(closed, [v.name for v in inputs], self.egraph)
         vals = [Value(TYPES[self.egraph.vtype[o]], o, None, self) for o in outs]
         return vals[0] if len(vals) == 1 else tuple(vals)
+
+
+def _trace_key(fn: Callable[..., Any], avals: Sequence[Any]) -> Any:
+    """A key under which ``fn`` traced at ``avals`` is the same jaxpr every time, or ``None``.
+
+    Procedural rules build their replacements as small closures (a sum over
+    these axes, a product of these factors), and the same closure is built
+    again and again across matches and iterations: tracing it is most of a
+    rule's cost. The key is the function's code, its defaults and a snapshot
+    of its closure, taken when it is called (so a list mutated later does not
+    matter); only plain values key it: numbers, strings, dtypes, tuples and
+    lists of them, and functions without a closure. Anything else (an
+    e-graph ``Value``, an object) makes the trace uncached.
+    """
+    try:
+        code = fn.__code__
+        cells = tuple(_plain(c.cell_contents) for c in (fn.__closure__ or ()))
+        defaults = _plain(fn.__defaults__ or ())
+        kwdefaults = _plain(tuple(sorted((fn.__kwdefaults__ or {}).items())))
+        return (code, cells, defaults, kwdefaults, tuple(avals))
+    except (AttributeError, TypeError, ValueError):  # not a plain function, or a closure over an object
+        return None
+
+
+def _plain(x: Any, depth: int = 0) -> Any:
+    if depth > 4:
+        raise TypeError("nested too deep")
+    if isinstance(x, (float, complex)):
+        return (type(x), repr(x))  # 0.0 and -0.0 are equal, and NaN is not equal to itself
+    if x is None or isinstance(x, (bool, int, str)):
+        return (type(x), x)
+    if isinstance(x, (tuple, list)):
+        return (type(x), tuple(_plain(y, depth + 1) for y in x))
+    if isinstance(x, np.dtype) or (isinstance(x, type) and issubclass(x, np.generic)):
+        return ("dtype", np.dtype(x).str)
+    if callable(x) and getattr(x, "__closure__", 0) is None and hasattr(x, "__code__"):
+        return ("fn", x)  # a module-level function: its identity is its meaning
+    if callable(x) and isinstance(getattr(x, "__name__", None), str) and not hasattr(x, "__dict__"):
+        return ("builtin", x)  # a builtin or ufunc-like callable without state
+    raise TypeError(type(x).__name__)
 
 
 @functools.lru_cache(maxsize=None)

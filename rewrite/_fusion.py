@@ -201,15 +201,20 @@ class Program:
 _LEAF_CTORS = {"Lit": "literal", "Const": "const", "Param": "param", "Tok": "token"}
 
 
-def _term_kids(ex: Any, node: tuple) -> list[Any]:
+def node_kids(snap: Any, node: tuple) -> list[Any]:
+    """The term classes ``node`` reads, list members spelled out (bodies are not read)."""
     ctor, args = node
     out: list[Any] = []
     for s, a in zip(_terms.ctor_arg_sorts(ctor), args):
         if s == "Term":
             out.append(a)
         elif s == "TList":
-            out.extend(ex.snap.list_items(a))
+            out.extend(snap.list_items(a))
     return out
+
+
+def _term_kids(ex: Any, node: tuple) -> list[Any]:
+    return node_kids(ex.snap, node)
 
 
 def _template(ex: Any, c: Any, node: tuple, choice: Mapping[Any, tuple], own: Callable[[Any, tuple], float]) -> tuple:

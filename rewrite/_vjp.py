@@ -49,11 +49,11 @@ import jax
 import numpy as np
 from jax._src import core
 
-from . import _terms
 from ._1_trace import Traced
 from ._4_extract import Extractor, ProgramPricer, extract, prices_programs
 from ._5_emit import Emitter, _Scope, dce
 from ._6_evaluate import RewriteWarning, Rewritten, _strict, check_signature
+from ._fusion import node_kids
 from ._pipeline import Result, run_pipeline
 
 log = logging.getLogger("rewrite")
@@ -95,15 +95,7 @@ def joint_program(closed: core.ClosedJaxpr) -> tuple[core.ClosedJaxpr, list[int]
 
 
 # ---------------------------------------------------------------------- residuals
-def _kids(snap: Any, node: tuple) -> list[Any]:
-    ctor, args = node
-    out: list[Any] = []
-    for s, a in zip(_terms.ctor_arg_sorts(ctor), args):
-        if s == "Term":
-            out.append(a)
-        elif s == "TList":
-            out.extend(snap.list_items(a))
-    return out
+_kids = node_kids
 
 
 def scope_classes(snap: Any, choice: dict, roots: Sequence[Any], stop: set | frozenset = frozenset()) -> set:
