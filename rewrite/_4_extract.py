@@ -29,6 +29,7 @@ DAGs, and its DAG-aware extractor is too slow at our sizes (see
 from __future__ import annotations
 
 import dataclasses
+import functools
 import heapq
 import math
 from typing import Any, Callable, Iterable, Sequence
@@ -67,6 +68,61 @@ class Extractor:
             ctor, args = node
             found = self._kids[node] = [a for s, a in zip(_terms.ctor_arg_sorts(ctor), args) if s in ("Term", "TList")]
         return found
+
+    @functools.cached_property
+    def rank(self) -> dict[Any, int]:
+        """A rank per class such that a class can reach another, under any choice, only if its rank
+        is at least the other's (equal ranks: one strongly connected component of the e-graph).
+
+        Tarjan's algorithm numbers the components sinks first; searches use it to stop a walk
+        early when it checks that a move keeps the program acyclic.
+        """
+        nodes = self.snap.nodes
+        edges = {c: sorted({k for n in ns for k in self.term_kids(n)}, key=repr) for c, ns in nodes.items()}
+        index: dict[Any, int] = {}
+        low: dict[Any, int] = {}
+        on_stack: set[Any] = set()
+        stack: list[Any] = []
+        rank: dict[Any, int] = {}
+        counter = components = 0
+        for start in nodes:
+            if start in index:
+                continue
+            work = [(start, iter(edges.get(start, ())))]
+            index[start] = low[start] = counter
+            counter += 1
+            stack.append(start)
+            on_stack.add(start)
+            while work:
+                v, it = work[-1]
+                advanced = False
+                for w in it:
+                    if w not in index:
+                        index[w] = low[w] = counter
+                        counter += 1
+                        stack.append(w)
+                        on_stack.add(w)
+                        work.append((w, iter(edges.get(w, ()))))
+                        advanced = True
+                        break
+                    if w in on_stack:
+                        low[v] = min(low[v], index[w])
+                if advanced:
+                    continue
+                work.pop()
+                if work:
+                    u = work[-1][0]
+                    low[u] = min(low[u], low[v])
+                if low[v] == index[v]:
+                    comp = components
+                    components += 1
+                    while True:
+                        w = stack.pop()
+                        on_stack.discard(w)
+                        rank[w] = comp
+                        if w == v:
+                            break
+        return rank
 
     def children(self, ctor: str, args: tuple) -> list[Any]:
         return [a for s, a in zip(_terms.ctor_arg_sorts(ctor), args) if s != "i64"]
@@ -271,16 +327,19 @@ class LocalSearch:
             self._dec(k)
 
     def _reaches(self, start: Iterable[Any], target: set[Any]) -> bool:
+        rank = self.ex.rank
+        lo = min(rank.get(t, -1) for t in target)  # nothing ranked below every target reaches one
+        kids, choice = self.ex.term_kids, self.choice
         seen: set[Any] = set()
         stack = list(start)
         while stack:
             x = stack.pop()
             if x in target:
                 return True
-            if x in seen:
+            if x in seen or rank.get(x, lo) < lo:
                 continue
             seen.add(x)
-            stack.extend(self.kids(self.choice[x]))
+            stack.extend(kids(choice[x]))
         return False
 
     def _try(self, c: Any, alt: tuple, adopt: bool = False) -> bool:
