@@ -78,7 +78,7 @@ class Extractor:
         early when it checks that a move keeps the program acyclic.
         """
         nodes = self.snap.nodes
-        edges = {c: sorted({k for n in ns for k in self.term_kids(n)}, key=repr) for c, ns in nodes.items()}
+        edges = {c: list({k for n in ns for k in self.term_kids(n)}) for c, ns in nodes.items()}
         index: dict[Any, int] = {}
         low: dict[Any, int] = {}
         on_stack: set[Any] = set()
@@ -123,6 +123,23 @@ class Extractor:
                         if w == v:
                             break
         return rank
+
+    def reaches(self, choice: dict[Any, tuple], start: Iterable[Any], targets: set[Any]) -> bool:
+        """Whether the program ``choice`` makes reaches a class of ``targets`` from ``start`` (a cycle check)."""
+        rank = self.rank
+        lo = min(rank.get(t, -1) for t in targets)  # nothing ranked below every target reaches one
+        kids = self.term_kids
+        seen: set[Any] = set()
+        stack = list(start)
+        while stack:
+            x = stack.pop()
+            if x in targets:
+                return True
+            if x in seen or rank.get(x, lo) < lo:
+                continue
+            seen.add(x)
+            stack.extend(kids(choice[x]))
+        return False
 
     def children(self, ctor: str, args: tuple) -> list[Any]:
         return [a for s, a in zip(_terms.ctor_arg_sorts(ctor), args) if s != "i64"]
@@ -326,22 +343,6 @@ class LocalSearch:
         for k in self.kids(old):
             self._dec(k)
 
-    def _reaches(self, start: Iterable[Any], target: set[Any]) -> bool:
-        rank = self.ex.rank
-        lo = min(rank.get(t, -1) for t in target)  # nothing ranked below every target reaches one
-        kids, choice = self.ex.term_kids, self.choice
-        seen: set[Any] = set()
-        stack = list(start)
-        while stack:
-            x = stack.pop()
-            if x in target:
-                return True
-            if x in seen or rank.get(x, lo) < lo:
-                continue
-            seen.add(x)
-            stack.extend(kids(choice[x]))
-        return False
-
     def _try(self, c: Any, alt: tuple, adopt: bool = False) -> bool:
         """Switch ``c`` to ``alt``; if ``alt`` projects a multi-result node, move that node's siblings too.
 
@@ -375,7 +376,7 @@ class LocalSearch:
                         apply(parent, node)
         moved = {x for x, _ in applied}
         new_kids = [k for x, _ in applied for k in self.kids(self.choice[x])]
-        if self.cost < before - 1e-9 * max(1.0, abs(before)) and not self._reaches(new_kids, moved):
+        if self.cost < before - 1e-9 * max(1.0, abs(before)) and not self.ex.reaches(self.choice, new_kids, moved):
             return True
         for x, node in reversed(applied):
             self._set(x, node)
@@ -536,19 +537,6 @@ class ProgramSearch:
             stack.extend(self._kids(self.choice[c]))
         return order
 
-    def _reaches(self, start: Iterable[Any], target: Any) -> bool:
-        seen: set[Any] = set()
-        stack = list(start)
-        while stack:
-            x = stack.pop()
-            if x == target:
-                return True
-            if x in seen:
-                continue
-            seen.add(x)
-            stack.extend(self._kids(self.choice[x]))
-        return False
-
     def run(self, passes: int = 3, known: float | None = None) -> tuple[dict[Any, tuple], float]:
         """Improve the choice; ``known`` is the starting choice's price, if already computed."""
         nodes = self.ex.snap.nodes
@@ -569,7 +557,7 @@ class ProgramSearch:
                     cur = self.choice[c]
                     if alt == cur or alt[0] in _CONTAINERS or any(k not in self.choice for k in self._kids(alt)):
                         continue
-                    if self._reaches(self._kids(alt), c):
+                    if self.ex.reaches(self.choice, self._kids(alt), {c}):
                         continue
                     self.choice[c] = alt
                     price = self.pricer(self.choice, self.roots)

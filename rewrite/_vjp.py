@@ -95,9 +95,6 @@ def joint_program(closed: core.ClosedJaxpr) -> tuple[core.ClosedJaxpr, list[int]
 
 
 # ---------------------------------------------------------------------- residuals
-_kids = node_kids
-
-
 def scope_classes(snap: Any, choice: dict, roots: Sequence[Any], stop: set | frozenset = frozenset()) -> set:
     """Classes the program's own scope computes for ``roots`` (not inside bodies), not looking past ``stop``."""
     seen: set[Any] = set()
@@ -108,7 +105,7 @@ def scope_classes(snap: Any, choice: dict, roots: Sequence[Any], stop: set | fro
             continue
         seen.add(c)
         if c not in stop:
-            stack.extend(_kids(snap, choice[c]))
+            stack.extend(node_kids(snap, choice[c]))
     return seen
 
 
@@ -144,7 +141,7 @@ def frontier(snap: Any, choice: dict, b_roots: Sequence[Any], forward: set, *, e
         if c in forward and (c not in expand or ctor == "Param"):
             out.append(c)
             continue
-        stack.extend(_kids(snap, choice[c]))
+        stack.extend(node_kids(snap, choice[c]))
     return out
 
 
