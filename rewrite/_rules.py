@@ -299,13 +299,15 @@ def _probes(name: str, names: list[str], example: Any) -> list[tuple[Any, ...]]:
     items = example if isinstance(example, (tuple, list)) else [example] * len(names)
     if len(items) != len(names):
         raise ValueError(f"rule {name!r}: example= gives {len(items)} inputs for {len(names)} pattern variables")
-    avals = []
-    for x in items:
-        try:
-            avals.append(core.ShapedArray(tuple(x.shape), np.dtype(x.dtype), weak_type=getattr(x, "weak_type", False)))
-        except AttributeError:
-            raise ValueError(f"rule {name!r}: example= entries need .shape and .dtype, got {type(x).__name__}") from None
-    return [tuple(avals)]
+    return [tuple(_example_aval(name, x, "entries") for x in items)]
+
+
+def _example_aval(name: str, x: Any, what: str) -> Any:
+    """The aval of one ``example=`` input (an array or a ``ShapeDtypeStruct``)."""
+    try:
+        return core.ShapedArray(tuple(x.shape), np.dtype(x.dtype), weak_type=getattr(x, "weak_type", False))
+    except AttributeError:
+        raise ValueError(f"rule {name!r}: example= {what} need .shape and .dtype, got {type(x).__name__}") from None
 
 
 def _example_program(name: str, example: Any) -> tuple[Callable[..., Any], tuple[Any, ...]]:
@@ -316,12 +318,7 @@ def _example_program(name: str, example: Any) -> tuple[Callable[..., Any], tuple
     fn, args = example
     if not isinstance(args, (tuple, list)):
         args = (args,)
-    avals = []
-    for x in args:
-        try:
-            avals.append(core.ShapedArray(tuple(x.shape), np.dtype(x.dtype), weak_type=getattr(x, "weak_type", False)))
-        except AttributeError:
-            raise ValueError(f"rule {name!r}: example= arguments need .shape and .dtype, got {type(x).__name__}") from None
+    avals = [_example_aval(name, x, "arguments") for x in args]
     try:
         trace_at(fn, avals)
     except Exception as e:
