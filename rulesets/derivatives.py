@@ -388,16 +388,20 @@ def build(m: Any, coeff: float, kept: list[tuple[Value, int]], new: list[tuple[s
     inputs: list[Value] = [v for v, _ in kept]
     for kind, v, _ in new:
         inputs.extend([a for _, a in v] if kind == "exp" else [v])
+    # The closure holds plain data only (exponents, kinds, shapes), so that the
+    # same replacement met again (in another layer, say) reuses its trace.
+    kept_e = [e for _, e in kept]
+    new_e = [(kind, [k for k, _ in v] if kind == "exp" else None, e) for kind, v, e in new]
 
     def fn(*vals: Any) -> Any:
         it = iter(vals)
         num, den = [], []
-        for (_, e), x in zip(kept, it):
+        for e, x in zip(kept_e, it):
             (num if e > 0 else den).append(_power(x, abs(e)))
-        for kind, v, e in new:
+        for kind, ks, e in new_e:
             if kind == "exp":
                 arg = None
-                for k, _ in v:
+                for k in ks:
                     a = next(it)
                     term = a if k == 1 else -a if k == -1 else k * a
                     arg = term if arg is None else arg + term
@@ -471,11 +475,13 @@ def _sum_pull(m):
         return None
     keep = [a for a in range(ndim) if a not in axes]
     inner_v = build(m, 1.0, inner, [], x.shape, x.dtype)
+    outer_e = [e for _, e in outer]
+    out_shape, out_dtype = out.shape, out.dtype  # plain data in the closure: see build
 
     def fn(s: Any, *cs: Any) -> Any:
         total = jnp.sum(s, axis=axes)
         num, den = [], []
-        for (_, e), c in zip(outer, cs):
+        for e, c in zip(outer_e, cs):
             if c.ndim:
                 c = lax.reshape(c, tuple(c.shape[a] for a in keep))
             (num if e > 0 else den).append(_power(c, abs(e)))
@@ -487,7 +493,7 @@ def _sum_pull(m):
             total = -total
         elif coeff != 1.0:
             total = coeff * total
-        return jnp.broadcast_to(total.astype(out.dtype), out.shape)
+        return jnp.broadcast_to(total.astype(out_dtype), out_shape)
 
     return m.trace(fn, inner_v, *[v for v, _ in outer])
 
@@ -499,7 +505,8 @@ def _sum_size1(m):
     x, out = m["x"], m.root
     if axes is None or any(x.shape[a] != 1 for a in axes):
         return None
-    return m.trace(lambda v: lax.reshape(v, out.shape), x)
+    shape = out.shape
+    return m.trace(lambda v: lax.reshape(v, shape), x)
 
 
 @procedural
@@ -553,7 +560,8 @@ def _reshape_chain(m):
         return None
     if x.aval == out.aval:
         return x
-    return m.trace(lambda v: lax.reshape(v, out.shape), x)
+    shape = out.shape
+    return m.trace(lambda v: lax.reshape(v, shape), x)
 
 
 @procedural
