@@ -7,7 +7,7 @@ training step), this measures the equations in the program, XLA's
 rulesets. It also times a repeated call with the same signature (the cache)
 and the process's memory growth while the e-graph is alive.
 
-Run: ``python -m benchmarks.overhead [--rulesets algebra,derivatives] [--quick]``.
+Run: ``python -m benchmarks.overhead [--rulesets algebra,derivatives] [--quick] [--rounds 3]``.
 Writes ``benchmarks/results/overhead.md`` and ``overhead.png``.
 """
 
@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import gc
 import pathlib
+import statistics
 import time
 
 import jax
@@ -37,8 +38,13 @@ def rss_mib() -> float:
 
 
 def xla_compile_seconds(fn, args) -> float:
+    """``jax.jit(fn).lower(*args).compile()`` from scratch: a fresh wrapper each time, since JAX caches
+    the compiled executable of a function it has jitted before."""
+    def fresh(*a):
+        return fn(*a)
+
     t = time.perf_counter()
-    jax.jit(fn).lower(*args).compile()
+    jax.jit(fresh).lower(*args).compile()
     return time.perf_counter() - t
 
 
@@ -54,22 +60,40 @@ def load_rulesets(names: str) -> list:
     return out
 
 
-def measure_program(label: str, fn, args, rulesets: list, limits: Limits) -> dict:
+def measure_program(label: str, fn, args, rulesets: list, limits: Limits, rounds: int = 3) -> dict:
+    """One row: XLA's compile, the rewrite with no rules and with ``rulesets``, interleaved.
+
+    After one warm-up of each, ``rounds`` rounds each run XLA's
+    ``lower().compile()``, then the rewrite without rules, then with them;
+    every figure is the median over the rounds (stage times are those of the
+    median run), so a burst of load from another job moves one round, not the
+    row.
+    """
     gc.collect()
     n = count_eqns(jax.make_jaxpr(fn)(*args))
-    compile_s = xla_compile_seconds(fn, args)
-    row = {"program": label, "eqns": n, "xla_compile_s": compile_s}
-    for tag, rs in (("empty", []), ("rules", rulesets)):
-        if tag == "rules" and not rs:
-            continue
-        before = rss_mib()
-        report = explain(fn, *args, rulesets=rs, limits=limits)
-        grown = rss_mib() - before
-        total = sum(report.times.values())
-        row[tag] = {"times": dict(report.times), "total_s": total, "rows": report.egraph_rows,
-                    "eqns_after": report.eqns_after, "stopped": report.stopped, "rss_growth_mib": grown,
-                    "fired": sum(report.fired.values()), "cost_ratio": report.cost_after / report.cost_before}
-        del report
+    kinds = [("empty", [])] + ([("rules", rulesets)] if rulesets else [])
+    runs: dict[str, list] = {"xla": []} | {tag: [] for tag, _ in kinds}
+    for i in range(rounds + 1):
+        compile_s = xla_compile_seconds(fn, args)
+        if i:
+            runs["xla"].append(compile_s)
+        for tag, rs in kinds:
+            gc.collect()
+            before = rss_mib()
+            report = explain(fn, *args, rulesets=rs, limits=limits)
+            grown = rss_mib() - before
+            if i:
+                runs[tag].append({"times": dict(report.times), "total_s": sum(report.times.values()),
+                                  "rows": report.egraph_rows, "eqns_after": report.eqns_after,
+                                  "stopped": report.stopped, "rss_growth_mib": grown,
+                                  "fired": sum(report.fired.values()),
+                                  "cost_ratio": report.cost_after / report.cost_before})
+            del report
+    row = {"program": label, "eqns": n, "xla_compile_s": statistics.median(runs["xla"]), "rounds": rounds,
+           "xla_runs_s": runs["xla"]}
+    for tag, _ in kinds:
+        ordered = sorted(runs[tag], key=lambda r: r["total_s"])
+        row[tag] = ordered[(len(ordered) - 1) // 2] | {"runs_s": [r["total_s"] for r in runs[tag]]}
     # the cache: a second call with the same signature only evaluates
     r = rewrite(fn, rulesets=rulesets, limits=limits)
     jax.block_until_ready(jax.jit(r)(*args))
@@ -141,6 +165,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rulesets", default="algebra,derivatives")
     ap.add_argument("--quick", action="store_true", help="two small programs only")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds after a warm-up (medians)")
     ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args()
     rs = load_rulesets(args.rulesets)
@@ -153,7 +178,7 @@ def main() -> None:
     for name, layers, kind in programs:
         fn, fargs = transformer_step(layers, kind=kind)
         print(f"{name} ...", flush=True)
-        rows.append(measure_program(name, fn, fargs, rs, Limits(seconds=60)))
+        rows.append(measure_program(name, fn, fargs, rs, Limits(seconds=60), args.rounds))
         r = rows[-1]
         print(f"  {r['eqns']} eqns: XLA {r['xla_compile_s']:.2f}s, rewrite {r['empty']['total_s']:.2f}s (no rules)"
               + (f", {r['rules']['total_s']:.2f}s ({label})" if "rules" in r else ""), flush=True)
@@ -161,7 +186,8 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     md = ["# Rewrite overhead", "",
           f"Machine: {jax.devices()[0].platform.upper()}, {__import__('os').cpu_count()} cores. "
-          "Times in seconds; one run each (compile times vary run to run by ~10%).", "",
+          f"Times in seconds: medians of {args.rounds} interleaved rounds (XLA compile, rewrite without rules, "
+          "rewrite with rules) after a warm-up round; stage times are those of the median run.", "",
           table(rows, label), "", targets(rows, label), ""]
     (out / "overhead.md").write_text("\n".join(md))
     plot(rows, out / "overhead.png")

@@ -98,6 +98,7 @@ class Engine:
         self._prefer: tuple[Snapshot, dict] | None = None  # the bottom-up choice, for Match.function
         #: Traces of rule-built functions in this run, by code, closure and avals (see _trace_key).
         self._traced: dict[Any, Any] = {}
+        self._nodes: tuple[Any, dict[Any, list]] = (None, {})  # nodes_of's views, for one snapshot
         lines = ["(ruleset match)"]
         for i, (rule, owner) in enumerate(entries):
             rels = []
@@ -262,6 +263,19 @@ class Engine:
             cls = snap.cls_of_name[x] if x < len(snap.cls_of_name) else None
             return Value(TYPES[self.egraph.vtype[x]], x, cls, self)
         return Value(snap.aval(x), snap.name(x), x, self)
+
+    def nodes_of(self, cls: Any) -> list[Any]:
+        """The :class:`Node` views of a class of the current snapshot, built once per snapshot
+        (procedural rules walk the same classes many times in one iteration)."""
+        from ._rules import Node
+
+        snap = self.snapshot
+        if self._nodes[0] is not snap:
+            self._nodes = (snap, {})
+        found = self._nodes[1].get(cls)
+        if found is None:
+            found = self._nodes[1][cls] = [Node(self, c, a) for c, a in snap.nodes.get(cls, [])]
+        return found
 
     def body(self, body_cls: Any) -> Body:
         snap = self.snapshot

@@ -7,7 +7,9 @@ with caching per input signature) is in ``_6_evaluate.py``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import logging
 import time
 from typing import Any, Sequence
@@ -54,6 +56,34 @@ class Result:
 def run_pipeline(traced: Traced, entries: Sequence[tuple[Rule, Ruleset]], model: CostModel, limits: Limits,
                  keep: bool = False) -> Result:
     """Rewrite one traced program with the given rules. Stage times are recorded in ``Result.times``."""
+    with _collect_young_only():
+        return _run(traced, entries, model, limits, keep)
+
+
+@contextlib.contextmanager
+def _collect_young_only():
+    """While the rewrite runs, the garbage collector leaves alone the objects that existed before it.
+
+    A rewrite allocates many small objects, which triggers Python's full
+    collections, and each of those walks every object in the process (JAX's
+    and the user's included): on a 1,500-equation training step that was
+    0.1-0.25 s of a 1.5 s rewrite. ``gc.freeze`` moves what exists now out
+    of the collector's sight and ``gc.unfreeze`` puts it back afterwards, so
+    nothing is leaked and later collections see everything again. A process
+    that froze objects itself, or turned the collector off, is left as it is.
+    """
+    if gc.get_freeze_count() or not gc.isenabled():
+        yield
+        return
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
+def _run(traced: Traced, entries: Sequence[tuple[Rule, Ruleset]], model: CostModel, limits: Limits,
+         keep: bool) -> Result:
     times = {"trace": 0.0}
     closed = traced.closed
 

@@ -186,6 +186,42 @@ def test_method_decoration():
     np.testing.assert_allclose(Model().apply(jnp.ones(2)), 3.0)
 
 
+# ---------------------------------------------------------------- the garbage collector
+def test_collector_state_is_restored(monkeypatch):
+    """The rewrite hides older objects from full collections while it runs, and only then."""
+    import gc
+
+    import rewrite._pipeline as pipeline
+
+    seen = []
+    real = pipeline.extract
+
+    def spy(*a, **k):
+        seen.append(gc.get_freeze_count())
+        return real(*a, **k)
+
+    monkeypatch.setattr(pipeline, "extract", spy)
+    explain(lambda x: jnp.sin(x) * 2.0 + 1.0, jnp.ones(3))
+    assert seen[-1] > 0 and gc.get_freeze_count() == 0  # frozen during, put back after
+
+    def broken(*a, **k):
+        raise RuntimeError("simulated bug")
+
+    monkeypatch.setattr(pipeline, "extract", broken)
+    with pytest.raises(RuntimeError):
+        explain(lambda x: jnp.cos(x) * 3.0, jnp.ones(3))
+    assert gc.get_freeze_count() == 0  # put back after a failure too
+
+    monkeypatch.setattr(pipeline, "extract", spy)
+    gc.freeze()  # a process that froze objects itself keeps exactly what it froze
+    try:
+        frozen = gc.get_freeze_count()
+        explain(lambda x: jnp.tan(x) * 4.0, jnp.ones(3))
+        assert seen[-1] == frozen and gc.get_freeze_count() == frozen
+    finally:
+        gc.unfreeze()
+
+
 # ---------------------------------------------------------------- failures stay inside
 def test_internal_failure_falls_back(monkeypatch):
     import rewrite._pipeline as pipeline
