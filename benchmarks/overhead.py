@@ -73,6 +73,7 @@ def measure_program(label: str, fn, args, rulesets: list, limits: Limits, rounds
     n = count_eqns(jax.make_jaxpr(fn)(*args))
     kinds = [("empty", [])] + ([("rules", rulesets)] if rulesets else [])
     runs: dict[str, list] = {"xla": []} | {tag: [] for tag, _ in kinds}
+    first_growth: dict[str, float] = {}
     for i in range(rounds + 1):
         compile_s = xla_compile_seconds(fn, args)
         if i:
@@ -82,10 +83,12 @@ def measure_program(label: str, fn, args, rulesets: list, limits: Limits, rounds
             before = rss_mib()
             report = explain(fn, *args, rulesets=rs, limits=limits)
             grown = rss_mib() - before
+            if not i:
+                first_growth[tag] = grown  # later rounds reuse memory the first one took from the system
             if i:
                 runs[tag].append({"times": dict(report.times), "total_s": sum(report.times.values()),
                                   "rows": report.egraph_rows, "eqns_after": report.eqns_after,
-                                  "stopped": report.stopped, "rss_growth_mib": grown,
+                                  "stopped": report.stopped, "rss_growth_mib": first_growth[tag],
                                   "fired": sum(report.fired.values()),
                                   "cost_ratio": report.cost_after / report.cost_before})
             del report
@@ -106,7 +109,7 @@ def measure_program(label: str, fn, args, rulesets: list, limits: Limits, rounds
 
 def table(rows: list[dict], rules_label: str) -> str:
     head = ("| program | eqns | XLA compile s | rewrite s (no rules) | " + " | ".join(STAGES)
-            + f" | rewrite s ({rules_label}) | ratio to XLA | e-graph rows | RSS growth MiB | eqns after | cached call ms |")
+            + f" | rewrite s ({rules_label}) | ratio to XLA | e-graph rows | RSS growth MiB (first run) | eqns after | cached call ms |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         e = r["empty"]
@@ -135,6 +138,16 @@ def targets(rows: list[dict], label: str) -> str:
              f"* at {large['eqns']} equations, {total(large) / large['xla_compile_s']:.2f}x (target: at most 1x);",
              f"* from {small['eqns']} to {large['eqns']} equations ({large['eqns'] / small['eqns']:.1f}x), the rewrite "
              f"grew {total(large) / total(small):.1f}x and XLA's compile {large['xla_compile_s'] / small['xla_compile_s']:.1f}x."]
+    return "\n".join(lines)
+
+
+def spread(rows: list[dict], label: str) -> str:
+    """Every round's time, so that a reader sees how far the medians can be trusted."""
+    lines = ["Every round (seconds):", ""]
+    for r in rows:
+        ru = r.get("rules", r["empty"])
+        lines.append(f"* {r['program']}: XLA " + ", ".join(f"{t:.2f}" for t in r["xla_runs_s"])
+                     + f"; rewrite ({label if 'rules' in r else 'no rules'}) " + ", ".join(f"{t:.2f}" for t in ru["runs_s"]))
     return "\n".join(lines)
 
 
@@ -188,7 +201,7 @@ def main() -> None:
           f"Machine: {jax.devices()[0].platform.upper()}, {__import__('os').cpu_count()} cores. "
           f"Times in seconds: medians of {args.rounds} interleaved rounds (XLA compile, rewrite without rules, "
           "rewrite with rules) after a warm-up round; stage times are those of the median run.", "",
-          table(rows, label), "", targets(rows, label), ""]
+          table(rows, label), "", targets(rows, label), "", spread(rows, label), ""]
     (out / "overhead.md").write_text("\n".join(md))
     plot(rows, out / "overhead.png")
     print("\n".join(md))

@@ -18,11 +18,10 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import Any, Callable
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 

@@ -26,7 +26,6 @@ import logging
 import time
 from typing import Any, Callable, Sequence
 
-import jax
 import numpy as np
 
 from ._1_trace import trace_at
@@ -34,7 +33,7 @@ from ._2_load import Unsupported, load_closed
 from ._egraph import EGraph, Snapshot
 from ._intern import TYPES
 from ._pattern import present
-from ._rules import Body, Match, Procedure, Rule, Ruleset, Value, _short
+from ._rules import Body, Match, Rule, Ruleset, Value, _short
 
 log = logging.getLogger("rewrite")
 

@@ -37,7 +37,7 @@ from typing import Any, Callable, Iterable, Sequence
 from . import _terms
 from ._cost import CostModel, NodeInfo
 from ._egraph import Snapshot
-from ._intern import PARAMS, TYPES, TupleType
+from ._intern import PARAMS, TupleType
 
 _CONTAINERS = {"TNil", "TCons", "Body", "BNil", "BCons"}
 _LEAVES = {"Lit": "literal", "Const": "const", "Param": "param", "Tok": "token"}

@@ -156,8 +156,6 @@ class Program:
 
         Classes in ``inputs`` are the program's inputs: read, not computed.
         """
-        from ._cost import NodeInfo  # noqa: F401  (ex.info builds them)
-
         cache = {} if cache is None else cache
         index: dict[Any, int] = {}
         ops: list[Op] = []

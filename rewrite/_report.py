@@ -21,7 +21,7 @@ import jax
 from jax._src import core
 
 from ._1_trace import leaf_specs, split_static, trace
-from ._3_saturate import Limits, RuleStats
+from ._3_saturate import Limits
 from ._4_extract import reachable
 from ._6_evaluate import check_signature, entries_of
 from ._cost import resolve

@@ -63,12 +63,11 @@ def to_dot(result: Any, max_classes: int = 200) -> str:
     edges = []
     for c in order:
         i = ids[c]
-        sort = "Term"
         try:
             aval = snap.aval(c)
             title = getattr(aval, "str_short", lambda **k: str(aval))(short_dtypes=True) if hasattr(aval, "shape") else "tuple"
         except KeyError:
-            title, sort = "", "list"
+            title = ""
         lines.append(f"  subgraph cluster_{i} {{ style=dashed; color=gray; label=\"{html.escape(title)}\";")
         lines.append(f"    anchor_{i} [shape=point, style=invis];")
         for j, (ctor, args) in enumerate(snap.nodes.get(c, [])):

@@ -19,16 +19,14 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import itertools
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jax._src import core
 
 from ._1_trace import trace_at
-from ._intern import LITERALS, PARAMS, TYPES
+from ._intern import LITERALS, PARAMS
 from ._pattern import Pat, PatternError, Query, compile_pat, compile_traced
 
 SOUNDNESS = ("exact", "identity", "fastmath")

@@ -92,7 +92,7 @@ reassociate = Ruleset("reassociate", [
 @procedural
 def _div_by_constant(m):
     """x / c -> x * (1/c), with 1/c computed once, here, when it is a normal number."""
-    x, c, out = m["x"], m["c"], m.root
+    x, c = m["x"], m["c"]
     if not _floating(x, c) or c.literal is None:
         return None
     v = float(c.literal)

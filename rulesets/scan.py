@@ -260,7 +260,6 @@ def _pointwise(node: Any) -> bool:
 
 def _step_value(loop: _Loop, v: Value, stacked: dict[Any, int], reach: _Reach, memo: dict, path: set) -> Value:
     """Step ``t``'s slice of the outer value ``v`` (stacked along the loop axis), built in the body."""
-    m, T = loop.m, loop.length
     if v.cls in memo:
         return memo[v.cls]
     if v.cls in path:
