@@ -98,6 +98,7 @@ class Engine:
         #: Traces of rule-built functions in this run, by code, closure and avals (see _trace_key).
         self._traced: dict[Any, Any] = {}
         self._nodes: tuple[Any, dict[Any, list]] = (None, {})  # nodes_of's views, for one snapshot
+        self._root_only: tuple[Any, set] = (None, set())  # (rule, root) pairs done reading the root alone
         lines = ["(ruleset match)"]
         for i, (rule, owner) in enumerate(entries):
             rels = []
@@ -209,7 +210,23 @@ class Engine:
 
     def _apply_procedure(self, act: _Active, root: Any, bindings: dict[str, Any], sorts: dict[str, str]) -> bool:
         rule, stats = act.rule, self.stats[act.rule.name]
+        snap = self.snapshot
+        if self._root_only[0] is not snap:
+            self._root_only = (snap, set())
+        if (id(rule), root) in self._root_only[1]:
+            # Another match at this root already ran this rule in this snapshot, reading the root
+            # alone: it would do the same again (the union is made, or the rule declined).
+            stats.rejected["same root"] += 1
+            return True
         m = Match(self, rule, bindings, sorts, root)
+        try:
+            return self._run_procedure(m, stats)
+        finally:
+            if not m.read_bindings:
+                self._root_only[1].add((id(rule), root))
+
+    def _run_procedure(self, m: Match, stats: RuleStats) -> bool:
+        rule = m.rule
         if rule.is_pat and rule.when is not None and not rule.when(m):
             stats.rejected["guard"] += 1
             return True

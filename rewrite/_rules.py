@@ -531,29 +531,36 @@ class Match:
         self._bindings = bindings
         self._sorts = sorts
         self.root = engine.value(root)
+        #: Whether the rule read a binding (not only the root): a rule that did not would act the
+        #: same on every match at this root, so the engine acts on the first one only.
+        self.read_bindings = False
+
+    def _bound(self, name: str) -> Any:
+        self.read_bindings = True
+        return self._bindings[name]
 
     def __getitem__(self, name: str) -> Value:
         if self._sorts.get(name) != "Term":
             raise KeyError(f"{name!r} is not a term binding of rule {self.rule.name!r}")
-        return self._engine.value(self._bindings[name])
+        return self._engine.value(self._bound(name))
 
     def __contains__(self, name: str) -> bool:
         return name in self._bindings
 
     def params(self, name: str) -> dict[str, Any]:
-        return PARAMS.params(self._bindings[name])
+        return PARAMS.params(self._bound(name))
 
     def int(self, name: str) -> int:
-        return int(self._bindings[name])
+        return int(self._bound(name))
 
     def list(self, name: str) -> list[Value]:
-        return [self._engine.value(c) for c in self._engine.snapshot.list_items(self._bindings[name])]
+        return [self._engine.value(c) for c in self._engine.snapshot.list_items(self._bound(name))]
 
     def body(self, name: str) -> Body:
-        return self._engine.body(self._bindings[name])
+        return self._engine.body(self._bound(name))
 
     def bodies(self, name: str) -> list[Body]:
-        return [self._engine.body(b) for b in self._engine.snapshot.list_items(self._bindings[name])]
+        return [self._engine.body(b) for b in self._engine.snapshot.list_items(self._bound(name))]
 
     @property
     def engine(self) -> Any:

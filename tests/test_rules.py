@@ -181,6 +181,51 @@ def test_procedural_rhs_with_traced_lhs():
     assert explain(lambda x: x / 2.0, jnp.ones(3), rulesets=[rs]).fired == {}
 
 
+def test_a_procedure_reading_only_its_root_runs_once_per_root():
+    """Two matches at one class in one snapshot: a procedure that read only ``m.root`` would act the
+    same on the second, so it is not run again; one that read a binding is."""
+    from rewrite._2_load import load_closed
+    from rewrite._3_saturate import Engine, Limits
+    from rewrite._egraph import EGraph
+    from rewrite._intern import TYPES
+
+    calls = {"root": 0, "binding": 0}
+
+    @procedural
+    def root_only(m):
+        calls["root"] += 1
+        assert m.root.shape == (3,)
+        return None
+
+    @procedural
+    def reads_x(m):
+        calls["binding"] += 1
+        assert m["x"].shape == (3,)
+        return None
+
+    rules = [rule(Pat("mul", Pat.var("x"), Pat.var("y")), root_only, name="root_only"),
+             rule(Pat("mul", Pat.var("x"), Pat.var("y")), reads_x, name="reads_x")]
+    owner = Ruleset("probe", rules)
+    closed = jax.make_jaxpr(lambda a, b: a * b)(jnp.ones(3), jnp.ones(3))
+    eg = EGraph()
+    ins = [eg.term("Param", [0, i], TYPES.intern_aval(v)) for i, v in enumerate(closed.in_avals)]
+    (out,), _ = load_closed(closed, ins, eg)
+    eg.flush()
+    engine = Engine(eg, [(r, owner) for r in rules], Limits())
+    engine.snapshot = eg.snapshot()
+    acts = {a.rule.name: a for a in engine.active}
+    root = engine.snapshot.cls_of_name[out]
+    a, b = (engine.snapshot.cls_of_name[v] for v in ins)
+    for name in ("root_only", "reads_x"):
+        for x, y in ((a, b), (b, a)):  # the same root, matched two ways
+            engine._apply_procedure(acts[name], root, {"x": x, "y": y}, {"x": "Term", "y": "Term"})
+    assert calls == {"root": 1, "binding": 2}
+    assert engine.stats["root_only"].rejected == {"declined": 1, "same root": 1}
+    engine.snapshot = eg.snapshot()  # a new snapshot: the class may have changed, so it runs again
+    engine._apply_procedure(acts["root_only"], root, {"x": a, "y": b}, {"x": "Term", "y": "Term"})
+    assert calls["root"] == 2
+
+
 def test_ill_typed_procedure_is_skipped_with_a_warning():
     @procedural
     def wrong(m):
