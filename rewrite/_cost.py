@@ -122,6 +122,12 @@ class AnalyticCost:
     #: holds (in a backward program, until the backward loop reads it). Raise it to trade
     #: recomputation for memory; 0 prices time only.
     stacked: float = 0.0
+    #: charge per byte of the program's predicted peak of temporaries (arrays that kernels
+    #: write and other kernels read, outputs and inputs excluded; see ``_fusion.peak_temp_bytes``),
+    #: with whole-program pricing. The default is ``byte``: holding an array at the peak costs
+    #: as much as writing it once more, so of two programs about as fast the one that holds
+    #: less memory wins. 0 prices time only; raise it to trade time for memory.
+    memory: float = dataclasses.field(default_factory=lambda: _table()["byte"])
     ops: Mapping[str, float] = dataclasses.field(default_factory=lambda: dict(_table()["elementwise_ns"]))
     dot: float = dataclasses.field(default_factory=lambda: _table()["dot_flop"])
     reduce: float = dataclasses.field(default_factory=lambda: _table()["reduce_per_element"])
@@ -210,7 +216,7 @@ class AnalyticCost:
 
         return FusionModel(self.ops, byte=self.byte, reduce=self.reduce, launch=self.launch,
                            default=self.transcendental, cheap=self.flop, node=self.node,
-                           library_op=self.library_op, tiebreak=self._op_price)
+                           library_op=self.library_op, tiebreak=self._op_price, memory=self.memory)
 
     def _op_price(self, op: Any) -> float:
         return self(NodeInfo(op.prim, op.family, op.params, op.in_avals, op.out_avals))

@@ -352,12 +352,14 @@ class FusionModel:
     and ``tiebreak`` (a node price, weighted by ``TIEBREAK``) so that of two
     programs that fuse alike the one a node-by-node model prefers wins
     (``x * (1/3)`` over ``x / 3``, which XLA compiles to the same loop).
+    ``memory`` is charged per byte of :func:`peak_temp_bytes`.
     """
 
     def __init__(self, ns: Mapping[str, float], *, byte: float, reduce: float, launch: float, default: float,
                  cheap: float, node: float = 0.0, library_op: float | None = None,
-                 tiebreak: Callable[[Op], float] | None = None) -> None:
+                 tiebreak: Callable[[Op], float] | None = None, memory: float = 0.0) -> None:
         self.ns = dict(ns)
+        self.memory = memory
         self.node = node
         self.library_op = library_op
         self.tiebreak = tiebreak
@@ -531,7 +533,11 @@ class FusionModel:
 
     def __call__(self, prog: Program) -> float:
         views = sum(op.own for op in prog.ops if op.prim == "proj")  # loops' stacked outputs
-        return float(sum(k.cost for k in self.kernels(prog)) + views)
+        kernels = self.kernels(prog)
+        cost = sum(k.cost for k in kernels) + views
+        if self.memory:
+            cost += self.memory * peak_temp_bytes(prog, kernels)
+        return float(cost)
 
     def describe(self, prog: Program) -> str:
         """One line per predicted kernel: what it computes and what it costs (for reports and tests)."""
@@ -541,6 +547,31 @@ class FusionModel:
             lines.append(f"{k.kind:8s} {prog.ops[k.root].prim:14s} {k.cost:12.1f}  computes {' '.join(names)}; "
                          f"reads {len(k.reads)}")
         return "\n".join(lines)
+
+
+def peak_temp_bytes(prog: Program, kernels: Sequence[Fusion]) -> int:
+    """The predicted peak of temporary memory: the largest, over kernels, of the temporaries one
+    kernel reads plus the one it writes.
+
+    A temporary is an array one kernel writes and another reads; the program's
+    inputs and outputs are not (``memory_analysis`` counts them apart). Every
+    array a kernel reads or writes is alive while it runs, whatever order
+    the compiler schedules kernels in; XLA's scheduler, which frees each
+    array after its last reader, usually needs no more than that. Two
+    reductions merged into one kernel, for instance, keep both of their
+    inputs alive at once, where two kernels would hold one each.
+    """
+    outputs = set(prog.outputs)
+    written = {k.root for k in kernels}
+
+    def temp(i: int) -> int:
+        op = prog.ops[i]
+        made_by = op.args[0] if op.prim == "proj" else i  # a loop's output is written by the loop
+        if i in outputs or made_by not in written or op.prim in ("param", "literal", "const", "token"):
+            return 0
+        return sum(_nbytes(a) for a in op.out_avals)
+
+    return max((sum(temp(a) for a in k.reads) + temp(k.root) for k in kernels), default=0)
 
 
 def ops_in(prog: Program, kernels: Iterable[Fusion]) -> dict[str, int]:
