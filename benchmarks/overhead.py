@@ -14,6 +14,7 @@ Writes ``benchmarks/results/overhead.md`` and ``overhead.png``.
 from __future__ import annotations
 
 import argparse
+import datetime
 import gc
 import pathlib
 import statistics
@@ -201,7 +202,13 @@ def main() -> None:
           f"Machine: {jax.devices()[0].platform.upper()}, {__import__('os').cpu_count()} cores. "
           f"Times in seconds: medians of {args.rounds} interleaved rounds (XLA compile, rewrite without rules, "
           "rewrite with rules) after a warm-up round; stage times are those of the median run.", "",
-          table(rows, label), "", targets(rows, label), "", spread(rows, label), ""]
+          table(rows, label), "", targets(rows, label), "", spread(rows, label), "",
+          f"Run by `flock /tmp/bench.lock python -m benchmarks.overhead` on {datetime.date.today()} "
+          f"(jax {jax.__version__}). The rewrite's stages are trace (JAX tracing the function), load "
+          "(the jaxpr into the e-graph, and the input program's price), saturate (the rules), extract "
+          "(choosing and pricing candidates) and emit. The cached call is a second call with the same "
+          "signature: it never saturates again. RSS growth is the process's resident memory after the "
+          "first rewrite of each program less before it: an upper bound on the e-graph's own memory.", ""]
     (out / "overhead.md").write_text("\n".join(md))
     plot(rows, out / "overhead.png")
     print("\n".join(md))
