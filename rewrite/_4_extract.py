@@ -557,6 +557,8 @@ class ProgramSearch:
                     cur = self.choice[c]
                     if alt == cur or alt[0] in _CONTAINERS or any(k not in self.choice for k in self._kids(alt)):
                         continue
+                    if _permuted(self.ex, alt, cur):
+                        continue  # the same operation on the same operands (a*b for b*a): the same program price
                     if self.ex.reaches(self.choice, self._kids(alt), {c}):
                         continue
                     self.choice[c] = alt
@@ -569,6 +571,14 @@ class ProgramSearch:
             if not improved:
                 break
         return self.choice, best
+
+
+def _permuted(ex: "Extractor", a: tuple, b: tuple) -> bool:
+    """Whether two nodes apply one primitive, with the same parameters, to the same operands in another order."""
+    if a[0] != b[0] or a[0] in _LEAVES or a[0] == "Proj" or a[1][-1] != b[1][-1]:
+        return False
+    ka, kb = ex.term_kids(a), ex.term_kids(b)
+    return len(ka) == len(kb) and sorted(ka, key=repr) == sorted(kb, key=repr)
 
 
 def input_cost(snap: Snapshot, outs: Sequence[int], token: int | None, model: CostModel) -> float:
