@@ -139,11 +139,21 @@ def targets(rows: list[dict], label: str) -> str:
     def each(rs):
         return "; ".join(f"{r['program']} ({r['eqns']} eqns) {ratio(r):.2f}x" for r in rs)
 
+    def verdict(rs, bound):
+        steps = [r for r in rs if r["program"].startswith("step")] or rs
+        ok = max(map(ratio, steps)) <= bound
+        return f"for the training step{'' if ok else ' NOT'} met" if steps is not rs else ("met" if ok else "NOT met")
+
     small, large = near(1500), near(4500)
-    lines = [f"Targets with {label}:",
-             f"* about 1,500 equations, at most 0.5x XLA's compile time: {each(small)}; "
-             f"{'met' if max(map(ratio, small)) <= 0.5 else 'NOT met'};",
-             f"* about 4,500 equations, at most 1x: {each(large)}; {'met' if max(map(ratio, large)) <= 1 else 'NOT met'};"]
+    lines = [f"Targets with {label} (the issue states them for training steps; every program near each size "
+             "is listed):",
+             f"* about 1,500 equations, at most 0.5x XLA's compile time: {each(small)}; {verdict(small, 0.5)};",
+             f"* about 4,500 equations, at most 1x: {each(large)}; {verdict(large, 1.0)};"]
+    for rs, bound in ((small, 0.5), (large, 1.0)):
+        for r in rs:
+            if ratio(r) > bound:
+                lines.append(f"* over {bound}x: {r['program']} ({r['eqns']} eqns): XLA compiles it in "
+                             f"{r['xla_compile_s']:.2f} s and the rewrite takes {total(r):.2f} s.")
     by_kind: dict[str, list[dict]] = {}
     for r in rows:
         by_kind.setdefault(r["program"].split(",")[0], []).append(r)
