@@ -180,18 +180,27 @@ def elements(dtype: Any, soundness: str = "exact") -> st.SearchStrategy:
     return st.one_of(st.sampled_from(specials), floats)
 
 
+def _into_domain(x: Any, domain: str, abs_: Callable, maximum: Callable, neg: Callable) -> Any:
+    """Move values into a domain with the given operations: ``|x|``, ``max(|x|, tiny)`` or its negation.
+
+    Drawn values (numpy, :func:`_domain_values`) and traced inputs (``_wrap``)
+    go through this one function, so the two always agree.
+    """
+    if domain == "any" or not _is_float(x.dtype):
+        return x
+    tiny = np.asarray(jnp.finfo(x.dtype).smallest_normal, x.dtype)
+    if domain == "nonneg":
+        return abs_(x)
+    if domain == "positive":
+        return maximum(abs_(x), tiny)
+    if domain == "negative":
+        return neg(maximum(abs_(x), tiny))
+    raise ValueError(f"unknown domain {domain!r}")
+
+
 def _domain_values(a: np.ndarray, domain: str) -> np.ndarray:
     """Move drawn values into a domain, the same way ``_wrap`` does in the program, so both agree."""
-    if domain == "any" or not _is_float(a.dtype):
-        return a
-    tiny = np.asarray(jnp.finfo(a.dtype).smallest_normal, a.dtype)
-    if domain == "nonneg":
-        return np.abs(a)
-    if domain == "positive":
-        return np.maximum(np.abs(a), tiny)
-    if domain == "negative":
-        return -np.maximum(np.abs(a), tiny)
-    raise ValueError(f"unknown domain {domain!r}")
+    return _into_domain(a, domain, np.abs, np.maximum, np.negative)
 
 
 def arrays(shape: Sequence[int], dtype: Any, soundness: str = "exact", domain: str = "any") -> st.SearchStrategy:
@@ -695,14 +704,7 @@ def _guard_domains(rule: Rule, avals: tuple[Any, ...]) -> tuple[list[tuple[str, 
 
 def _wrap(domain: str, x: Any) -> Any:
     """Establish the fact a domain stands for, by operations the fact rules know; the identity on its values."""
-    if domain == "any" or not _is_float(x.dtype):
-        return x
-    tiny = np.asarray(jnp.finfo(x.dtype).smallest_normal, x.dtype)
-    if domain == "nonneg":
-        return lax.abs(x)
-    if domain == "positive":
-        return jnp.maximum(lax.abs(x), tiny)
-    return lax.neg(jnp.maximum(lax.abs(x), tiny))
+    return _into_domain(x, domain, lax.abs, jnp.maximum, lax.neg)
 
 
 def _recording(rule: Rule) -> tuple[Rule, list[int]]:

@@ -11,6 +11,8 @@ from jax import lax
 from rewrite import Pat, Ruleset, explain, procedural, rewrite, rule
 from rewrite._report import primitive_counts
 
+from .local_rulesets import _sum_of_broadcast
+
 
 # ---------------------------------------------------------------- malformed rules fail when defined
 @pytest.mark.parametrize("make,message", [
@@ -145,18 +147,8 @@ def test_facts_are_never_claimed_for_integers():
 
 
 # ---------------------------------------------------------------- procedural rules
-@procedural
-def _sum_of_broadcast_scalar(m):
-    """reduce_sum(broadcast_in_dim(s)) -> s * n, when every broadcast element is summed."""
-    s, total = m["s"], m.root
-    if s.ndim != 0 or total.ndim != 0:
-        return None
-    n = math.prod(m.params("bp")["shape"])
-    return m.trace(lambda s: s * jnp.asarray(n, s.dtype), s)
-
-
 def test_procedural_rule_with_pat():
-    r = rule(Pat("reduce_sum", Pat("broadcast_in_dim", Pat.var("s"), params="bp")), _sum_of_broadcast_scalar,
+    r = rule(Pat("reduce_sum", Pat("broadcast_in_dim", Pat.var("s"), params="bp")), _sum_of_broadcast,
              name="sum_of_broadcast")
     rs = Ruleset("proc", [r], soundness="identity")
 
