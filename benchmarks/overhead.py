@@ -123,6 +123,14 @@ def table(rows: list[dict], rules_label: str) -> str:
     return "\n".join(lines)
 
 
+def by_kind(rows: list[dict]) -> dict[str, list[dict]]:
+    """Rows grouped by program kind ("forward", "grad", "step"), each group smallest first."""
+    groups: dict[str, list[dict]] = {}
+    for r in sorted(rows, key=lambda r: r["eqns"]):
+        groups.setdefault(r["program"].split(",")[0], []).append(r)
+    return groups
+
+
 def targets(rows: list[dict], label: str) -> str:
     """The issue's targets, read off this run: half of XLA's compile at ~1,500 equations, at most
     XLA's at ~4,500, and about linear growth. Every program within 30% of a size counts."""
@@ -154,11 +162,8 @@ def targets(rows: list[dict], label: str) -> str:
             if ratio(r) > bound:
                 lines.append(f"* over {bound}x: {r['program']} ({r['eqns']} eqns): XLA compiles it in "
                              f"{r['xla_compile_s']:.2f} s and the rewrite takes {total(r):.2f} s.")
-    by_kind: dict[str, list[dict]] = {}
-    for r in rows:
-        by_kind.setdefault(r["program"].split(",")[0], []).append(r)
-    for kind, rs in by_kind.items():
-        a, b = min(rs, key=lambda r: r["eqns"]), max(rs, key=lambda r: r["eqns"])
+    for kind, rs in by_kind(rows).items():
+        a, b = rs[0], rs[-1]
         if a is not b:
             lines.append(f"* {kind}, from {a['eqns']} to {b['eqns']} equations ({b['eqns'] / a['eqns']:.1f}x): the "
                          f"rewrite grew {total(b) / total(a):.1f}x and XLA's compile "
@@ -183,10 +188,7 @@ def plot(rows: list[dict], path: pathlib.Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.5, 4))
-    kinds: dict[str, list[dict]] = {}
-    for r in sorted(rows, key=lambda r: r["eqns"]):
-        kinds.setdefault(r["program"].split(",")[0], []).append(r)
-    for (kind, rs), color in zip(kinds.items(), ("C0", "C1", "C2", "C3")):
+    for (kind, rs), color in zip(by_kind(rows).items(), ("C0", "C1", "C2", "C3")):
         xs = [r["eqns"] for r in rs]
         ax.plot(xs, [r["xla_compile_s"] for r in rs], "o--", color=color, label=f"{kind}: XLA lower+compile")
         ax.plot(xs, [r.get("rules", r["empty"])["total_s"] for r in rs], "^-", color=color,

@@ -91,14 +91,11 @@ class Engine:
         self.limits = limits
         self.stats: dict[str, RuleStats] = collections.OrderedDict()
         self.active: list[_Active] = []
-        self.snapshot: Snapshot | None = None  # type: ignore[assignment]
+        self.snapshot = None  # type: ignore[assignment]  # (also empties the per-snapshot caches)
         self.iterations = 0
         self.warnings: list[str] = []
-        self._prefer: tuple[Snapshot, dict] | None = None  # the bottom-up choice, for Match.function
         #: Traces of rule-built functions in this run, by code, closure and avals (see _trace_key).
         self._traced: dict[Any, Any] = {}
-        self._nodes: tuple[Any, dict[Any, list]] = (None, {})  # nodes_of's views, for one snapshot
-        self._root_only: tuple[Any, set] = (None, set())  # (rule, root) pairs done reading the root alone
         lines = ["(ruleset match)"]
         for i, (rule, owner) in enumerate(entries):
             rels = []
@@ -117,6 +114,19 @@ class Engine:
         egraph.declare("\n".join(lines))
 
     # ------------------------------------------------------------------ the loop
+    @property
+    def snapshot(self) -> Snapshot:
+        """The e-graph as the rules of this iteration see it."""
+        return self._snapshot
+
+    @snapshot.setter
+    def snapshot(self, snap: Snapshot | None) -> None:
+        # What is derived from a snapshot is kept with it, and dropped with it.
+        self._snapshot = snap
+        self._prefer: dict | None = None  # the bottom-up choice, for Match.function
+        self._nodes: dict[Any, list] = {}  # nodes_of's views
+        self._root_only: set[tuple[int, Any]] = set()  # (rule, root) pairs done reading the root alone
+
     def run(self) -> str:
         start = time.perf_counter()
         limits = self.limits
@@ -210,10 +220,7 @@ class Engine:
 
     def _apply_procedure(self, act: _Active, root: Any, bindings: dict[str, Any], sorts: dict[str, str]) -> bool:
         rule, stats = act.rule, self.stats[act.rule.name]
-        snap = self.snapshot
-        if self._root_only[0] is not snap:
-            self._root_only = (snap, set())
-        if (id(rule), root) in self._root_only[1]:
+        if (id(rule), root) in self._root_only:
             # Another match at this root already ran this rule in this snapshot, reading the root
             # alone: it would do the same again (the union is made, or the rule declined).
             stats.rejected["same root"] += 1
@@ -223,7 +230,7 @@ class Engine:
             return self._run_procedure(m, stats)
         finally:
             if not m.read_bindings:
-                self._root_only[1].add((id(rule), root))
+                self._root_only.add((id(rule), root))
 
     def _run_procedure(self, m: Match, stats: RuleStats) -> bool:
         rule = m.rule
@@ -285,12 +292,9 @@ class Engine:
         (procedural rules walk the same classes many times in one iteration)."""
         from ._rules import Node
 
-        snap = self.snapshot
-        if self._nodes[0] is not snap:
-            self._nodes = (snap, {})
-        found = self._nodes[1].get(cls)
+        found = self._nodes.get(cls)
         if found is None:
-            found = self._nodes[1][cls] = [Node(self, c, a) for c, a in snap.nodes.get(cls, [])]
+            found = self._nodes[cls] = [Node(self, c, a) for c, a in self.snapshot.nodes.get(cls, [])]
         return found
 
     def body(self, body_cls: Any) -> Body:
@@ -381,9 +385,9 @@ class Engine:
         in_cls = [v.cls for v in inputs]
         if any(c is None for c in out_cls + in_cls):
             raise ValueError("Match.function takes values that exist in the e-graph (not ones built by this match)")
-        if self._prefer is None or self._prefer[0] is not snap:
-            self._prefer = (snap, Extractor(snap, DEFAULT).tree()[1])
-        choice = choose_slice(snap, out_cls, set(in_cls), self._prefer[1])
+        if self._prefer is None:
+            self._prefer = Extractor(snap, DEFAULT).tree()[1]
+        choice = choose_slice(snap, out_cls, set(in_cls), self._prefer)
         if choice is None:
             return None
         try:

@@ -394,10 +394,7 @@ class Value:
         """The e-nodes in this class: every known way to compute it."""
         if self._engine is None or self.cls is None:
             return []
-        nodes_of = getattr(self._engine, "nodes_of", None)
-        if nodes_of is not None:
-            return list(nodes_of(self.cls))
-        return [Node(self._engine, c, a) for c, a in self._engine.snapshot.nodes.get(self.cls, [])]
+        return list(self._engine.nodes_of(self.cls))
 
     def node(self, prim: str) -> "Node | None":
         """One e-node of this class that applies ``prim``, if there is one."""
