@@ -117,6 +117,15 @@ def _node(v: Value, prim: str) -> Any:
     return v.node(prim) if v.cls is not None else None
 
 
+def _lit_power(lit: float, e: int) -> float | None:
+    """``lit ** e`` if it is a finite number; ``None`` for 0 to a negative power, an overflow, inf or NaN."""
+    try:
+        v = lit ** e
+    except (ZeroDivisionError, OverflowError):
+        return None
+    return v if math.isfinite(v) else None
+
+
 def product_tree(v: Value) -> Factor | None:
     """The tree of ``mul``, ``div``, ``neg`` and ``integer_pow`` at ``v`` (at most ``_MAX_NODES`` of them).
 
@@ -130,7 +139,7 @@ def product_tree(v: Value) -> Factor | None:
 
     def walk(w: Value, e: int) -> Factor:
         lit = w.literal if w.ndim == 0 else None
-        if isinstance(lit, float) and math.isfinite(lit):
+        if isinstance(lit, float) and _lit_power(lit, e) is not None:
             return Factor(w, e, "lit", lit=lit)
         node = _product_node(w) if budget[0] > 0 else None
         if node is None:
@@ -441,6 +450,8 @@ def _normalize(fastmath: bool) -> Any:
         if not simp.changes or (fastmath and "cancel" not in simp.changes):
             return None  # nothing saved (under fastmath: the identity pack makes the rest)
         coeff, kept = pieces(tree, lambda f: id(f) in simp.drop)
+        if not math.isfinite(coeff * simp.coeff):
+            return None  # literals whose product overflows
         return build(m, coeff * simp.coeff, kept, simp.new, root.shape, root.dtype)
 
     return normalize
@@ -471,7 +482,7 @@ def _sum_pull(m):
         return f.op == "lit" or len(shape) == 0 or (len(shape) == ndim and all(shape[a] == 1 for a in axes))
 
     coeff, outer, inner = split(tree, const)
-    if not inner or (not outer and coeff == 1.0):
+    if not inner or (not outer and coeff == 1.0) or not math.isfinite(coeff):
         return None
     keep = [a for a in range(ndim) if a not in axes]
     inner_v = build(m, 1.0, inner, [], x.shape, x.dtype)

@@ -195,6 +195,18 @@ def test_rule_keeps_values(name, fn, shapes, domain):
     prop()
 
 
+@pytest.mark.parametrize("fn", [
+    lambda x: (x * 2.0) / 0.0,                       # a literal 0 to a negative power
+    lambda x: 3.0 / (x * 0.0) * 2.0,
+    lambda x: jnp.sum(x * 0.0 / 0.0 * x, 0),
+    lambda x: (x * 1e30) ** 20 * 2.0,                # literals whose product overflows
+], ids=["div_zero", "reciprocal_zero", "sum_of_div_zero", "overflow"])
+def test_a_literal_the_product_rules_cannot_power_is_declined_not_raised(fn):
+    # Found by the thorough hypothesis profile: prod_div raised ZeroDivisionError on 0.0 ** -1.
+    report = explain(fn, jnp.ones((3, 2)), rulesets=[derivatives])
+    assert not report.warnings, report.warnings
+
+
 def test_every_rule_has_a_case():
     names = {r.name for r, _ in derivatives.entries()} | {r.name for r, _ in derivatives_fastmath.entries()}
     assert names == {c[0] for c in CASES}
