@@ -91,12 +91,9 @@ def _identity_layout(x: Value, r: Value, p: dict) -> bool:
 
 def _reshape_like(params: dict, src: Value, dst: Value) -> bool:
     """Does this op only relabel the dimensions, keeping elements in row-major order?"""
-    if params.get("sharding") is not None:
-        return False
-    if params.prim == "reshape":
-        return params.get("dimensions") is None
-    # a squeeze, or a broadcast that adds no elements (it only inserts size-1 dimensions)
-    return params.prim == "squeeze" or src.size == dst.size
+    # a reshape without dimensions=, a squeeze, or a broadcast that adds no elements (only size-1 dimensions)
+    return params.get("sharding") is None and (params.get("dimensions") is None if params.prim == "reshape"
+                                               else params.prim == "squeeze" or src.size == dst.size)
 
 
 @procedural
@@ -187,9 +184,7 @@ _MUL_X_POW = Pat("mul", X, Pat("integer_pow", X, params="q"))                   
 # ---------------------------------------------------------------------- converts
 def _exact_conversion(src: np.dtype, dst: np.dtype) -> bool:
     """Does converting every value of ``src`` to ``dst`` keep it exactly (including -0.0, inf, NaN)?"""
-    if src == dst:
-        return True
-    if src == np.bool_:
+    if src == dst or src == np.bool_:
         return True
     if dst == np.bool_:
         return False
@@ -256,55 +251,25 @@ def _tiny(x: np.ndarray) -> bool:
     return v != 0.0 and v < 2 * float(np.finfo(x.dtype).tiny)
 
 
-def _float_op(op: Callable[..., Any]) -> Callable[..., Any]:
-    """``op`` computed in float64 for float operands (exact, or one rounding that float64->float32 cannot spoil)."""
-
-    def compute(*vals: np.ndarray) -> Any:
-        if vals[0].dtype in _FOLD_FLOATS:
-            if vals[0].dtype == np.float32:
-                return op(*[v.astype(np.float64) for v in vals])
-            return op(*vals)
-        if jnp.issubdtype(vals[0].dtype, jnp.integer):
-            return op(*vals)  # numpy integer arithmetic wraps around, as XLA's does
-        return None
-
-    return compute
-
-
-def _float_only(op: Callable[..., Any]) -> Callable[..., Any]:
-    def compute(*vals: np.ndarray) -> Any:
-        return _float_op(op)(*vals) if vals[0].dtype in _FOLD_FLOATS else None
-    return compute
-
-
-def _minmax(pick_max: bool) -> Callable[..., Any]:
+def _minmax(op: Callable[..., Any]) -> Callable[..., Any]:
     def compute(a: np.ndarray, b: np.ndarray) -> Any:
-        if a.dtype == np.bool_:
-            return None
-        if a.dtype in _FOLD_FLOATS:
-            if np.isnan(a) or np.isnan(b):
-                return np.asarray(np.nan, a.dtype)  # lax.max and lax.min propagate NaN
-            if a == 0 and b == 0 and np.signbit(a) != np.signbit(b):
-                return None  # which zero comes out differs between backends
-        return np.maximum(a, b) if pick_max else np.minimum(a, b)
+        if a.dtype in _FOLD_FLOATS and a == 0 and b == 0 and np.signbit(a) != np.signbit(b):
+            return None  # which zero comes out differs between backends
+        return op(a, b)  # NaN propagates, as through lax.max and lax.min
     return compute
 
 
-def _int_or_bool_op(op: Callable[..., Any]) -> Callable[..., Any]:
-    def compute(*vals: np.ndarray) -> Any:
-        d = vals[0].dtype
-        return op(*vals) if d == np.bool_ or jnp.issubdtype(d, jnp.integer) else None
-    return compute
-
-
-_FOLDS: dict[str, Callable[..., Any]] = {
-    "neg": _float_op(np.negative), "abs": _float_op(np.abs), "sqrt": _float_only(np.sqrt),
-    "square": _float_op(lambda a: a * a), "not": _int_or_bool_op(np.invert),
-    "add": _float_op(np.add), "sub": _float_op(np.subtract), "mul": _float_op(np.multiply),
-    "div": _float_only(np.divide), "max": _minmax(True), "min": _minmax(False),
-    "and": _int_or_bool_op(np.bitwise_and), "or": _int_or_bool_op(np.bitwise_or),
-    # IEEE comparisons: NaN is unordered, -0.0 == 0.0
-    "eq": np.equal, "ne": np.not_equal, "lt": np.less, "le": np.less_equal, "gt": np.greater, "ge": np.greater_equal,
+# Each folded operation, and the kinds of operands it folds. Floats are computed in float64:
+# exact, or one rounding that rounding again to float32 cannot spoil. Integers wrap around in
+# numpy as in XLA. Comparisons are IEEE's: NaN is unordered, -0.0 == 0.0.
+_NUM, _BITS, _ANY = {"float", "int"}, {"int", "bool"}, {"float", "int", "bool"}
+_FOLDS: dict[str, tuple[Callable[..., Any], set[str]]] = {
+    "neg": (np.negative, _NUM), "abs": (np.abs, _NUM), "sqrt": (np.sqrt, {"float"}), "square": (np.square, _NUM),
+    "add": (np.add, _NUM), "sub": (np.subtract, _NUM), "mul": (np.multiply, _NUM), "div": (np.divide, {"float"}),
+    "max": (_minmax(np.maximum), _NUM), "min": (_minmax(np.minimum), _NUM),
+    "not": (np.invert, _BITS), "and": (np.bitwise_and, _BITS), "or": (np.bitwise_or, _BITS),
+    "eq": (np.equal, _ANY), "ne": (np.not_equal, _ANY), "lt": (np.less, _ANY), "le": (np.less_equal, _ANY),
+    "gt": (np.greater, _ANY), "ge": (np.greater_equal, _ANY),
 }
 _FOLD_UNARY = frozenset(_FOLDS) & (ops.UNARY | ops.UNARY_TRANSCENDENTAL)
 _FOLD_BINARY = frozenset(_FOLDS) & ops.BINARY
@@ -312,22 +277,18 @@ _FOLD_BINARY = frozenset(_FOLDS) & ops.BINARY
 
 @procedural
 def _fold(m):
-    """An operation of ``_FOLDS`` applied to literals, computed here in the operands' dtype, or declined."""
+    """An operation of ``_FOLDS`` applied to literals, computed here, or declined."""
     out, operands = m.root, [m[n] for n in ("a", "b") if n in m]
-    compute = _FOLDS[m.params("p").prim]
-    if not all(_foldable_dtype(v.dtype) for v in operands + [out]):
-        return None
+    compute, kinds = _FOLDS[m.params("p").prim]
     lits = [v.literal for v in operands]
-    if any(v is None for v in lits):
+    if not all(_foldable_dtype(v.dtype) for v in operands + [out]) or any(v is None for v in lits):
         return None
     vals = [np.asarray(v, dtype=o.dtype) for v, o in zip(lits, operands)]
-    if any(_tiny(v) for v in vals):
+    kind = "float" if vals[0].dtype in _FOLD_FLOATS else "bool" if vals[0].dtype == np.bool_ else "int"
+    if kind not in kinds or any(_tiny(v) for v in vals):
         return None
     with np.errstate(all="ignore"):
-        result = compute(*vals)
-        if result is None:
-            return None
-        result = np.asarray(result)
+        result = np.asarray(compute(*[v.astype(np.float64) if kind == "float" else v for v in vals]))
         if out.dtype in _FOLD_FLOATS:
             wide = result.astype(np.float64)
             result = wide.astype(out.dtype)  # rounds once more: harmless after one float64 op
