@@ -131,10 +131,12 @@ class Params(dict):
         return self.primitive.bind(*operands, **self)
 
     def __getattr__(self, key: str) -> Any:
+        if key.startswith("__") or key == "primitive":
+            raise AttributeError(key)
         try:
             return self[key]
         except KeyError:
-            raise AttributeError(f"{self.get('prim', 'params')} has no param {key!r}") from None
+            raise AttributeError(f"{self.primitive.name} has no param {key!r}") from None
 
     def __repr__(self) -> str:
         return f"Params({self.prim}, {dict.__repr__(self)})"
