@@ -14,6 +14,7 @@ reported as a :class:`RewriteWarning` and the original program runs. Set
 
 from __future__ import annotations
 
+import collections
 import functools
 import logging
 import os
@@ -28,6 +29,7 @@ from jax._src import core
 from ._1_trace import Static, Traced, leaf_specs, split_static, trace
 from ._3_saturate import Limits
 from ._cost import resolve
+from ._grad import Program, bind_if_differentiated
 from ._pipeline import Result, run_pipeline
 from ._rules import Rule, Ruleset, as_ruleset
 
@@ -140,6 +142,9 @@ class Rewritten:
         self._lock = threading.Lock()
         self._warned: set[str] = set()
         self.rewrites = 0  # how many times a program was rewritten (cache misses)
+        #: derivative programs rewritten so far, by transformation ("vjp", "jvp"); see rewrite/_grad.py
+        self.derivative_rewrites: collections.Counter = collections.Counter()
+        self._programs: dict[Any, Any] = {}
 
     def _prepare(self, args: tuple, kwargs: dict) -> tuple[Any, list[Any], tuple[Traced, Result]]:
         dyn_args, dyn_kwargs, stat_args, stat_kwargs = split_static(args, kwargs, self.static_argnums,
@@ -190,10 +195,46 @@ class Rewritten:
         return result
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        _, flat, (traced, result) = self._prepare(args, kwargs)
+        key, flat, (traced, result) = self._prepare(args, kwargs)
         closed = result.after
-        outs = core.eval_jaxpr(closed.jaxpr, closed.consts, *flat)
+        # Under grad/jvp the derivative rules run derivative programs rewritten for them (rewrite/_grad.py).
+        outs = bind_if_differentiated(lambda: self._program(key, traced, closed), traced, flat)
+        if outs is None:
+            outs = core.eval_jaxpr(closed.jaxpr, closed.consts, *flat)
         return traced.outputs(outs)
+
+    def _program(self, key: Any, traced: Traced, forward: core.ClosedJaxpr) -> Any:
+        program = self._programs.get(key)
+        if program is None:
+            with self._lock:
+                program = self._programs.setdefault(key, Program(self, traced, forward))
+        return program
+
+    def grad_result(self, *args: Any, **kwargs: Any) -> Any:
+        """The rewritten VJP for these arguments' signature (:class:`rewrite._vjp.VJPResult`), built if needed.
+
+        It is what ``jax.grad``/``jax.vjp`` of this function run: the forward
+        program (``.fwd``: primals -> outputs + residuals), the backward one
+        (``.bwd``: residuals + cotangents -> gradients), the residual split
+        chosen and the splits considered. ``None`` if its rewrite failed.
+        """
+        key, _, (traced, result) = self._prepare(args, kwargs)
+        return self._program(key, traced, result.after).vjp()
+
+    def vjp_jaxprs(self, *args: Any, **kwargs: Any) -> tuple[core.ClosedJaxpr, core.ClosedJaxpr]:
+        """The forward (primals -> outputs + residuals) and backward (residuals + cotangents -> gradients) programs."""
+        built = self.grad_result(*args, **kwargs)
+        if built is None:
+            raise RuntimeError("the VJP was not rewritten (see the RewriteWarning); JAX differentiates the forward")
+        return built.fwd, built.bwd
+
+    def jvp_jaxpr(self, *args: Any, **kwargs: Any) -> core.ClosedJaxpr:
+        """The JVP program that ``jax.jvp`` of this function runs: (primals, tangents) -> (outputs, tangents)."""
+        key, _, (traced, result) = self._prepare(args, kwargs)
+        built = self._program(key, traced, result.after).jvp()
+        if built is None:
+            raise RuntimeError("the JVP was not rewritten (see the RewriteWarning); JAX differentiates the forward")
+        return built.program
 
     def jaxpr(self, *args: Any, **kwargs: Any) -> core.ClosedJaxpr:
         """The rewritten program for these arguments' signature."""
