@@ -262,9 +262,13 @@ def rewrite(fn: Callable[..., Any] | None = None, *, rulesets: Any = (), cost_mo
     ``cost_model`` is ``None``/``"analytic"`` (predicted), ``"measure"``
     (the best candidates timed on the backend) or a callable.
 
-    With ``vjp=True`` the result is a ``jax.custom_vjp`` whose backward pass
-    is JAX's own VJP of ``fn`` rewritten together with the forward pass, the
-    residuals chosen by the cost model (``rewrite/_vjp.py``).
+    Differentiating the result runs programs rewritten for the derivative
+    asked for (``rewrite/_grad.py``): ``jax.grad``/``jax.vjp`` run ``fn``'s
+    VJP rewritten as one program and split into forward and backward passes
+    at the residuals the cost model prefers; ``jax.jvp``/``jax.jacfwd`` run
+    ``fn``'s JVP rewritten. Each is rewritten the first time it is asked for,
+    once per signature. ``vjp=True`` (a ``jax.custom_vjp`` over the same
+    split, rewritten eagerly, without forward mode) is deprecated.
 
     >>> import jax, jax.numpy as jnp
     >>> from rewrite import rewrite, rule, Ruleset
@@ -287,6 +291,10 @@ def rewrite(fn: Callable[..., Any] | None = None, *, rulesets: Any = (), cost_mo
         raise TypeError(f"rewrite() takes a function, got {type(fn).__name__}")
     if vjp:
         from ._vjp import RewrittenVJP
+
+        warnings.warn("rewrite(..., vjp=True) is deprecated: the plain decorator already runs the rewritten VJP "
+                      "under jax.grad/jax.vjp (and the rewritten JVP under jax.jvp, which vjp=True cannot)",
+                      DeprecationWarning, stacklevel=2)
 
         return RewrittenVJP(fn, rulesets, cost_model, limits, static_argnums, static_argnames, strict)
     return Rewritten(fn, rulesets, cost_model, limits, static_argnums, static_argnames, strict)
