@@ -251,14 +251,19 @@ def explain(fn: Any, *args: Any, rulesets: Any = (), cost_model: Any = None, lim
             from ._vjp import build_vjp
 
             entries = entries_of(rulesets)
-            traced = _trace(fn, args, kwargs, static_argnums, static_argnames)[0]
+            traced, trace_time = _trace(fn, args, kwargs, static_argnums, static_argnames)
             gradient = build_vjp(traced, entries, resolve(cost_model), limits or Limits(), primal=False)
+            gradient.times["trace"] = trace_time
         result = gradient.joint
         after = _composed(gradient)
+        t = gradient.times
+        # trace: the function and its VJP; residuals: choosing the forward/backward split
+        times = {"trace": t.get("trace", 0.0) + t.get("trace_vjp", 0.0),
+                 **{k: t.get(k, 0.0) for k in ("load", "saturate", "extract", "emit", "residuals")}}
         return Report(
             before=result.before, after=after, cost_before=result.cost_before, cost_after=result.cost_after,
             fired={k: s.fired for k, s in result.stats.items() if s.fired}, used=provenance(result),
-            stopped=result.stopped, times=dict(gradient.times), iterations=result.iterations,
+            stopped=result.stopped, times=times, iterations=result.iterations,
             egraph_rows=result.rows, rejected={k: dict(s.rejected) for k, s in result.stats.items()},
             warnings=result.warnings, rulesets=entries, result=result, gradient=gradient,
         )
