@@ -113,6 +113,8 @@ def test_vmap_jit_and_nesting():
         return lambda x, a: jax.lax.scan(lambda c, xi: (c + f(xi, a).sum(), None), 0.0, x)[0]
 
     _close(jax.grad(scanned(r), (0, 1))(X, A), jax.grad(scanned(seed), (0, 1))(X, A), tol=1e-4)
+    # checkpoint and scan differentiate by JVP and partial evaluation: the rewritten JVP, transposed by JAX
+    _close(jax.grad(lambda x, a: jax.checkpoint(r)(x, a).sum(), (0, 1))(X, A), jax.grad(loss, (0, 1))(X, A))
     _close(jax.jit(jax.vmap(r, in_axes=(0, None)))(X, A), seed(X, A))
     # Staged without differentiation, the call is its equations, not an opaque primitive.
     assert "rewritten" not in primitive_counts(jax.make_jaxpr(r)(X, A))
