@@ -106,6 +106,13 @@ class Program:
                     self._jvp = self._build("jvp")
         return self._jvp
 
+    def _of_forward(self) -> Traced:
+        # The derivative programs start from the rewritten forward program: JAX's derivative of it is
+        # what ran before, so it is always a candidate (nothing gets slower), and what the forward
+        # rules chose (an accurate form, a loop's checkpoint policy) holds for the gradient too.
+        t = self.traced
+        return Traced(self.forward, t.in_tree, t.out_tree, t.dynamic)
+
     def _build(self, kind: str) -> Any:
         from ._6_evaluate import RewriteWarning, _strict, check_signature
         from ._pipeline import run_pipeline
@@ -116,9 +123,9 @@ class Program:
         t = time.perf_counter()
         try:
             if kind == "vjp":
-                built: Any = build_vjp(self.traced, owner.entries, owner.cost_model, owner.limits, primal=False)
+                built: Any = build_vjp(self._of_forward(), owner.entries, owner.cost_model, owner.limits, primal=False)
             else:
-                program, dif_in, dif_out = jvp_program(self.traced.closed)
+                program, dif_in, dif_out = jvp_program(self.forward)
                 jt = Traced(program, self.traced.in_tree, self.traced.out_tree, self.traced.dynamic)
                 result = run_pipeline(jt, owner.entries, owner.cost_model, owner.limits)
                 check_signature(program, result.after)
