@@ -164,7 +164,8 @@ def explain_examples() -> list[tuple[str, str]]:
 
     out.append(("Seed 000's VJP (`explain(f, x, a, rulesets=[rulesets.derivatives], grad=True)` for "
                 "`f = sin(a*x)**2/a`, x of shape (32, 8, 64)): the program `jax.vjp` of `rewrite(f)` runs, "
-                "JAX's VJP before and the rewritten forward and backward passes after. Transcendental equations before: "
+                "JAX's VJP before and the rewritten forward and backward passes after. "
+                "Transcendental equations before: "
                 f"{transcendental(report.before)}; after: {transcendental(report.after)}.",
                 report.summary()))
     return out
@@ -300,7 +301,8 @@ def report(rows: list[Row], cases_: list[Case], first_run: dict[str, dict[str, f
         summary_table(rows),
         "",
         "Every rewritten gradient is the plain decorator under `jax.grad`/`jax.vjp` "
-        "(`jax.grad(rewrite(f, rulesets=[...]))`): what runs is `f`'s VJP rewritten as one program, split "
+        "(`jax.grad(rewrite(f, rulesets=[...]))`): what runs is the VJP of the rewritten `f`, rewritten "
+        "again as one program and split "
         "into forward and backward passes at the residuals the cost model prefers (`rewrite/_grad.py`).",
         "",
         "* **Seed 000** (`benchmarks/derivatives.py`): the VJP of `sin(a*x)**2 / a`; standard is JAX's own "

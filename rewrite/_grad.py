@@ -11,14 +11,17 @@ transformation) and reusing it after:
 
 * **Reverse mode** (``grad``, ``vjp``, ``value_and_grad``, ``jacrev``). JAX
   linearizes a primitive with its *linearization rule* and then transposes
-  the linear part. Ours runs the forward half of the function's VJP rewritten
-  jointly with its backward half (``rewrite/_vjp.py``: one e-graph, the
+  the linear part. Ours runs the forward half of the VJP of the rewritten
+  forward program, rewritten jointly with its backward half (``rewrite/_vjp.py``: one e-graph, the
   residuals chosen by the cost model) and returns the chosen residuals; the
   linear part is a second primitive, ``rewritten_vjp_linear``, whose
   transpose rule is the rewritten backward half. So the program that runs is
-  exactly the split ``rewrite(fn, vjp=True)`` builds.
+  the split ``rewrite(fn, vjp=True)`` builds, from the rewritten forward program
+  rather than the original: JAX's own derivative of that program (what ran
+  before) is always a candidate, and the forward's choices (an accurate form,
+  a loop's checkpoint policy) hold for the gradient too.
 * **Forward mode** (``jvp``, ``jacfwd``; ``linearize``, whose linear part is
-  evaluated rather than transposed). The JVP rule runs the function's JVP,
+  evaluated rather than transposed). The JVP rule runs the rewritten program's JVP,
   ``(primals, tangents) -> (outputs, output tangents)``, rewritten as one
   program. A ``jax.custom_vjp`` has no JVP, which is why ``vjp=True`` cannot
   do this.

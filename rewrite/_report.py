@@ -220,8 +220,8 @@ def explain(fn: Any, *args: Any, rulesets: Any = (), cost_model: Any = None, lim
     """Rewrite ``fn`` at these arguments and report what happened.
 
     With ``grad=True`` the report is about the program that ``jax.grad`` and
-    ``jax.vjp`` of ``rewrite(fn)`` run: ``before`` is JAX's VJP of ``fn`` as
-    one program ``(primals, cotangents) -> (outputs, gradients)``, ``after``
+    ``jax.vjp`` of ``rewrite(fn)`` run: ``before`` is JAX's VJP of ``fn``'s
+    rewritten program as one program ``(primals, cotangents) -> (outputs, gradients)``, ``after``
     the rewritten forward and backward passes composed the same way, and
     ``gradient`` the split (residuals chosen, splits priced). Given a
     function made by :func:`rewrite` (and no ``rulesets``), it reports that
@@ -242,18 +242,13 @@ def explain(fn: Any, *args: Any, rulesets: Any = (), cost_model: Any = None, lim
     (1, 0)
     """
     if grad:
-        if isinstance(fn, Rewritten) and not rulesets:
-            gradient = fn.grad_result(*args, **kwargs)
-            if gradient is None:
-                raise RuntimeError("the VJP was not rewritten (see the RewriteWarning)")
-            entries = fn.entries
-        else:
-            from ._vjp import build_vjp
-
-            entries = entries_of(rulesets)
-            traced, trace_time = _trace(fn, args, kwargs, static_argnums, static_argnames)
-            gradient = build_vjp(traced, entries, resolve(cost_model), limits or Limits(), primal=False)
-            gradient.times["trace"] = trace_time
+        # What jax.grad of rewrite(fn) runs: the VJP of the rewritten forward program, rewritten.
+        if not (isinstance(fn, Rewritten) and not rulesets):
+            fn = Rewritten(fn, rulesets, cost_model, limits, static_argnums, static_argnames, strict=None)
+        gradient = fn.grad_result(*args, **kwargs)
+        if gradient is None:
+            raise RuntimeError("the VJP was not rewritten (see the RewriteWarning)")
+        entries = fn.entries
         result = gradient.joint
         after = _composed(gradient)
         t = gradient.times
