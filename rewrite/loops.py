@@ -6,8 +6,8 @@ inputs, which outer values stay the same at every step) and describes a copy
 of it being built: :meth:`Loop.add_const`, :meth:`Loop.add_xs`,
 :meth:`Loop.add_carry` and :meth:`Loop.add_output` extend it,
 :meth:`Loop.per_step` moves outer work that acts step by step into the body
-(elementwise chains, broadcasts, ``dot_general``, ``reshape``, ``transpose``
-and reductions that leave the loop's axis alone), and :meth:`Loop.build`
+(elementwise chains, broadcasts, ``dot_general``, ``reshape``, ``transpose``,
+slices and reductions that leave the loop's axis alone), and :meth:`Loop.build`
 inserts the copy next to the old loop. :meth:`Loop.handover` then gives
 every output of the old loop to the copy, so extraction can keep whichever
 program the cost model prefers. The copy shares the old body's scope: the
@@ -114,6 +114,11 @@ def is_pointwise(node: Node) -> bool:
     True
     """
     return node.spec is not None and node.spec.family in _POINTWISE
+
+
+def _key(v: Value) -> Any:
+    """What names ``v`` in a rule's memo: its class, or for a term built during the rule (no class yet) its name."""
+    return v.cls if v.cls is not None else ("new", v.name)
 
 
 class _Reach:
@@ -233,7 +238,7 @@ class Loop:
 
     def add_const(self, outer: Value) -> Value:
         """``outer`` (the same at every step) as a body input: an existing constant of the loop, or a new one."""
-        found = self._inputs.get(outer.cls)
+        found = self._inputs.get(_key(outer))
         if found is not None:
             return found
         for j in range(self.num_consts):
@@ -244,13 +249,12 @@ class Loop:
             i = self.m.fresh_index(self.scope)
             found = self.m.param(self.scope, i, outer.aval)
             self._consts.append((i, outer))
-        if outer.cls is not None:
-            self._inputs[outer.cls] = found
+        self._inputs[_key(outer)] = found
         return found
 
     def add_xs(self, outer: Value) -> Value:
         """``outer`` (stacked along the loop's axis) as a per-step body input: an existing ``xs`` or a new one."""
-        key = ("xs", outer.cls)
+        key = ("xs", _key(outer))
         found = self._inputs.get(key)
         if found is not None:
             return found
@@ -362,7 +366,7 @@ class Loop:
 
     # ------------------------------------------------------------------ moving work in
     def _step(self, v: Value, axis: int, stacked: dict[Any, int], path: set) -> Value:
-        key = (v.cls, axis)
+        key = (_key(v), axis)
         if key in self._memo:
             return self._memo[key]
         if key in path:
@@ -555,7 +559,19 @@ def _dot_step(loop: Loop, node: Node, v: Value, axis: int, step: Callable) -> Va
     return loop.m.trace(lambda x, y: prim.bind(x, y, **params), a, b)
 
 
+def _slice_step(loop: Loop, node: Node, v: Value, axis: int, step: Callable) -> Value:
+    (x,) = node.operands
+    start, limit = tuple(node.params["start_indices"]), tuple(node.params["limit_indices"])
+    strides = tuple(node.params["strides"] or (1,) * x.ndim)
+    if (start[axis], limit[axis], strides[axis]) != (0, x.shape[axis], 1):
+        raise Decline("a slice along the loop's axis")
+    inner = step(x, axis)
+    cut = lambda t: t[:axis] + t[axis + 1:]  # noqa: E731
+    return loop.m.trace(lambda a: lax.slice(a, cut(start), cut(limit), cut(strides)), inner)
+
+
 _MOVES: dict[str, Callable[..., Value]] = {
+    "slice": _slice_step,
     "broadcast_in_dim": _broadcast_step,
     "transpose": _transpose_step,
     "reshape": _reshape_step,
