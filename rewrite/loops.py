@@ -66,10 +66,13 @@ from . import _terms
 from ._pattern import Pat
 from ._rules import Body, Match, Node, Value
 
-__all__ = ["SCAN", "Decline", "Loop", "is_pointwise", "stacked_aval", "step_aval"]
+__all__ = ["SCAN", "WHILE", "Body", "Decline", "Loop", "adds_one", "is_pointwise", "stacked_aval", "step_aval"]
 
 #: The pattern a loop rule matches: any scan. Its bindings (``s``, ``b``, ``args``, ``sp``) are what :class:`Loop` reads.
 SCAN = Pat("scan", name="s", body="b", args="args", params="sp")
+#: The pattern of a ``while`` loop: ``cb`` and ``bb`` bind its condition and body, ``args`` its operands (the
+#: condition's constants, the body's constants, then the carries), ``wp`` its params.
+WHILE = Pat("while", name="w", bodies=["cb", "bb"], args="args", params="wp")
 
 _POINTWISE = (_terms.ELEMENTWISE, _terms.TRANSCENDENTAL)
 
@@ -114,6 +117,21 @@ def is_pointwise(node: Node) -> bool:
     True
     """
     return node.spec is not None and node.spec.family in _POINTWISE
+
+
+def adds_one(v: Value, of: Value) -> bool:
+    """Whether the e-graph knows ``v`` as ``of + 1`` (a loop counter's next value).
+
+    >>> from rewrite.loops import adds_one
+    >>> callable(adds_one)
+    True
+    """
+    for n in v.nodes:
+        if n.prim == "add" and len(n.operands) == 2:
+            a, b = n.operands
+            if (a.cls == of.cls and b.literal == 1) or (b.cls == of.cls and a.literal == 1):
+                return True
+    return False
 
 
 def _key(v: Value) -> Any:
@@ -197,6 +215,23 @@ class Loop:
         arg = self.args[position]
         aval = arg.aval if position < self.num_consts + self.num_carry else step_aval(arg.aval)
         return self.m.param(self.scope, self._order[position], aval)
+
+    def counters(self) -> dict[int, int]:
+        """Carries that count steps: carry number -> its value at the first step (a known integer).
+
+        A counter starts at a constant and its next value is itself plus one,
+        as ``fori_loop`` writes it; at step ``j`` (in the order the loop runs,
+        which for a reverse loop is not row order) it holds ``start + j``.
+        """
+        found = {}
+        for k in range(self.num_carry):
+            init = self.args[self.num_consts + k]
+            start = init.constant
+            if start is None or init.ndim or not np.issubdtype(init.dtype, np.integer):
+                continue
+            if adds_one(self.body.outs[k], self.input(self.num_consts + k)):
+                found[k] = int(start)
+        return found
 
     def consumers(self, limit: int = 256) -> list[tuple[Value, Node]]:
         """Uses of the stacked outputs reached through work that :meth:`per_step` can move into the loop.
@@ -314,10 +349,11 @@ class Loop:
 
     # ------------------------------------------------------------------ building the copy
     def build(self, drop: Sequence[int] = (), drop_xs: Sequence[int] = (), body_outs: Sequence[Value] | None = None,
-              **annotations: Any) -> tuple[Value, ...]:
+              drop_carries: Sequence[int] = (), **annotations: Any) -> tuple[Value, ...]:
         """Insert the copy and return its results: the old outputs (less ``drop``), then what was added.
 
-        ``drop_xs`` removes ``xs`` inputs (positions among the loop's operands); ``body_outs``
+        ``drop_xs`` removes ``xs`` inputs (positions among the loop's operands), ``drop_carries``
+        carries (numbers among the carries; nothing the copy computes may read them); ``body_outs``
         replaces the old body's outputs (they must not read the dropped inputs). ``annotations``
         (names starting with ``_rw_``) are params for rules to read, dropped when the program is
         emitted; a rule marks the loops it built with one so as not to act on them again.
@@ -328,24 +364,28 @@ class Loop:
         k_idx = tuple(i for i, _, _ in self._carries)
         x_idx = tuple(i for i, _ in self._xs)
         xs_kept = [j for j in range(ncon + nc, len(args)) if j not in set(drop_xs)]
-        new_order = (order[:ncon] + c_idx + order[ncon:ncon + nc] + k_idx + tuple(order[j] for j in xs_kept)
-                     + x_idx)
-        operands = (args[:ncon] + [v for _, v in self._consts] + args[ncon:ncon + nc]
+        ck = [k for k in range(nc) if k not in set(drop_carries)]  # carries kept
+        nk = len(ck)
+        new_order = (order[:ncon] + c_idx + tuple(order[ncon + k] for k in ck) + k_idx
+                     + tuple(order[j] for j in xs_kept) + x_idx)
+        operands = (args[:ncon] + [v for _, v in self._consts] + [args[ncon + k] for k in ck]
                     + [v for _, v, _ in self._carries] + [args[j] for j in xs_kept] + [v for _, v in self._xs])
         old_avals = list(self.scan.aval)
         kept = [i for i in range(nc, len(old_avals)) if i not in set(drop)]
-        outs = old_outs[:nc] + [n for _, _, n in self._carries] + [old_outs[i] for i in kept] + self._ys
-        avals = (old_avals[:nc] + [v.aval for _, v, _ in self._carries] + [old_avals[i] for i in kept]
+        outs = ([old_outs[k] for k in ck] + [n for _, _, n in self._carries] + [old_outs[i] for i in kept]
+                + self._ys)
+        avals = ([old_avals[k] for k in ck] + [v.aval for _, v, _ in self._carries] + [old_avals[i] for i in kept]
                  + [stacked_aval(y.aval, self.length) for y in self._ys])
-        params = dict(self.params, num_consts=ncon + len(c_idx), num_carry=nc + len(k_idx), _rw_order=new_order,
+        params = dict(self.params, num_consts=ncon + len(c_idx), num_carry=nk + len(k_idx), _rw_order=new_order,
                       **annotations)
         if "linear" in params:
             lin = tuple(params["linear"])
-            params["linear"] = (lin[:ncon] + (False,) * len(c_idx) + lin[ncon:ncon + nc] + (False,) * len(k_idx)
-                                + tuple(lin[j] for j in xs_kept) + (False,) * len(x_idx))
+            params["linear"] = (lin[:ncon] + (False,) * len(c_idx) + tuple(lin[ncon + k] for k in ck)
+                                + (False,) * len(k_idx) + tuple(lin[j] for j in xs_kept) + (False,) * len(x_idx))
         res = self.m.node("scan", operands, params, avals, bodies=[Body(self.scope, outs)])
-        self._where = {i: i for i in range(nc)}
-        self._where.update({i: nc + len(k_idx) + n for n, i in enumerate(kept)})
+        self._where = {k: n for n, k in enumerate(ck)}
+        self._where.update({i: nk + len(k_idx) + n for n, i in enumerate(kept)})
+        self._new_carries_at = nk
         return res
 
     def result(self, res: Sequence[Value], i: int) -> Value:
@@ -354,15 +394,15 @@ class Loop:
 
     def carry_result(self, res: Sequence[Value], j: int) -> Value:
         """The final value of new carry ``j`` among the copy's results ``res``."""
-        return res[self.num_carry + j]
+        return res[self._new_carries_at + j]
 
     def output_result(self, res: Sequence[Value], k: int) -> Value:
         """New stacked output ``k`` among the copy's results ``res``."""
         return res[len(res) - len(self._ys) + k]
 
     def handover(self, res: Sequence[Value], drop: Sequence[int] = ()) -> list[tuple[Value, Value]]:
-        """Unions that give every output of the old loop (not dropped) to the copy."""
-        return [(v, self.result(res, i)) for v, i in self.outputs() if i not in set(drop)]
+        """Unions that give every output of the old loop (not dropped, nor a dropped carry) to the copy."""
+        return [(v, self.result(res, i)) for v, i in self.outputs() if i not in set(drop) and i in self._where]
 
     # ------------------------------------------------------------------ moving work in
     def _step(self, v: Value, axis: int, stacked: dict[Any, int], path: set) -> Value:

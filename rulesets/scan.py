@@ -59,7 +59,7 @@ import numpy as np
 from jax import lax
 
 from rewrite import Ruleset, Tolerance, procedural, rule
-from rewrite.loops import SCAN, Decline, Loop
+from rewrite.loops import SCAN, WHILE, Body, Decline, Loop, adds_one
 
 #: How far a rewrite of this pack may move a float32 result (see the module docstring).
 TOLERANCE = Tolerance(rtol=2e-5, atol=1e-5)
@@ -234,6 +234,147 @@ def lift_independent(m) -> Any:
     return loop.handover(res, drop=tuple(lifted)) + [(v, lifted[i]) for v, i in loop.outputs() if i in lifted]
 
 
+# ---------------------------------------------------------------------- fori_loop buffers
+def buffer_to_output(m) -> Any:
+    """A carried buffer whose row ``i`` a counted loop sets each step -> a stacked output of the loop.
+
+    ``fori_loop`` bodies store each step's value with ``buf.at[i].set(v)``
+    (a ``scatter``) or ``dynamic_update_slice(buf, v[None], (i, 0, ...))``,
+    where ``i`` is a counter carry (a known start, plus one per step). When
+    nothing else in the loop reads the buffer and the rows written are
+    distinct and in range (read off by evaluating the index at every step),
+    the copy of the loop stacks ``v`` instead, and the buffer is its initial
+    value with those rows replaced (the stacked output itself when every row
+    is written in order). Then the other rules treat it as any stacked output.
+    """
+    loop = Loop(m)
+    counters = loop.counters()
+    if loop.length < 1 or not counters:
+        return None
+    found = []
+    for k in range(loop.num_carry):
+        if k not in counters:
+            with loop.attempt():
+                found.append((k, *_buffer_rows(loop, k, counters)))
+    if not found:
+        return None
+    outs = [(k, loop.add_output(step), rows) for k, step, rows in found]
+    res = loop.build(drop_carries=[k for k, _, _ in found])
+    pairs = loop.handover(res)
+    finals = {k: _written(m, loop.args[loop.num_consts + k], loop.output_result(res, j), rows) for k, j, rows in outs}
+    return pairs + [(v, finals[i]) for v, i in loop.outputs() if i in finals]
+
+
+def _buffer_rows(loop: Loop, k: int, counters: dict[int, int]) -> tuple[Any, np.ndarray]:
+    """Carry ``k`` as a buffer: the body value written each step, and the row it lands in, per stacked row."""
+    m, T = loop.m, loop.length
+    buf, buf_in = loop.args[loop.num_consts + k], loop.input(loop.num_consts + k)
+    if buf.ndim == 0:
+        raise Decline("not a buffer")
+    for node in loop.body.outs[k].nodes:
+        ops = node.operands
+        if not ops or ops[0].cls != buf_in.cls:
+            continue
+        if node.prim == "dynamic_update_slice" and ops[1].shape == (1,) + buf.shape[1:]:
+            update, index, rest = ops[1], ops[2], ops[3:]
+            step = m.trace(lambda u: lax.squeeze(u, (0,)), update)
+        elif node.prim == "scatter" and _sets_one_row(node.params, buf.ndim) and ops[1].shape == (1,) \
+                and ops[2].shape == buf.shape[1:]:
+            update, index, rest, step = ops[2], ops[1], [], ops[2]
+        else:
+            continue
+        others = [loop.input(p) for p in range(len(loop.args)) if p != loop.num_consts + k]
+        keep = [o for j, o in enumerate(loop.body.outs) if j != k] + [update, index, *rest]
+        if m.function(keep, others) is None:
+            raise Decline("the loop reads the buffer otherwise")
+        for c, start in counters.items():
+            at = m.function([index, *rest], [loop.input(loop.num_consts + c)])
+            if at is None:
+                continue
+            steps = np.arange(start, start + T, dtype=loop.args[loop.num_consts + c].dtype)
+            values = [np.asarray(v).reshape(T, -1) for v in jax.vmap(lambda i, at=at: at(i))(steps)]
+            if any(np.any(v != 0) for v in values[1:]):
+                raise Decline("the write is not at a whole row")
+            rows = values[0][:, 0].astype(np.int64)
+            if loop.reverse:  # stacked row p is written at step T - 1 - p
+                rows = rows[::-1]
+            if len(set(rows.tolist())) != T or rows.min() < 0 or rows.max() >= buf.shape[0]:
+                raise Decline("rows written twice or out of range")
+            return step, rows
+    raise Decline("no row write of a counter")
+
+
+def _sets_one_row(params: dict, ndim: int) -> bool:
+    dn = params["dimension_numbers"]
+    return (params.get("update_jaxpr") is None and tuple(dn.update_window_dims) == tuple(range(ndim - 1))
+            and tuple(dn.inserted_window_dims) == (0,) and tuple(dn.scatter_dims_to_operand_dims) == (0,)
+            and not tuple(dn.operand_batching_dims) and not tuple(dn.scatter_indices_batching_dims))
+
+
+def _written(m, init: Any, ys: Any, rows: np.ndarray) -> Any:
+    """``init`` with row ``rows[p]`` replaced by ``ys[p]``."""
+    r0, n = int(rows[0]), init.shape[0]
+    if np.array_equal(rows, np.arange(r0, r0 + len(rows))):
+        if r0 == 0 and len(rows) == n:
+            return ys
+        return m.trace(lambda b, y: lax.dynamic_update_slice(b, y, (r0,) + (0,) * (b.ndim - 1)), init, ys)
+    return m.trace(lambda b, y: b.at[rows].set(y, unique_indices=True), init, ys)
+
+
+#: The params a scan built from a ``while`` takes besides its body, length and input counts.
+_SCAN_PARAMS = {k: v for k, v in jax.make_jaxpr(lambda c: lax.scan(lambda c, _: (c, None), c, None, length=1))(
+    0.0).eqns[0].params.items() if k not in ("jaxpr", "length", "num_consts", "num_carry")}
+
+
+def while_to_scan(m) -> Any:
+    """``while`` whose condition reads only a counter carry and constants -> a ``scan`` of the trip count.
+
+    The trip count is found by evaluating the condition at the counter's
+    values (up to 2^20 steps); the scan runs the same body as many times, so
+    the loop's results are exactly the same. ``lax.fori_loop`` with bounds
+    that are not Python ints writes such loops.
+    """
+    wp, args = m.params("wp"), m.list("args")
+    cond, body = m.body("cb"), m.body("bb")
+    cnc, bnc = int(wp["cond_nconsts"]), int(wp["body_nconsts"])
+    carries = args[cnc + bnc:]
+    cond_in = [m.param(cond.scope, i, a.aval) for i, a in enumerate(args[:cnc] + carries)]
+    test = m.function([cond.outs[0]], cond_in)
+    if test is None:
+        return None
+    used = [i for i, u in enumerate(test.uses) if u]
+    fixed = {i: args[i].constant for i in used if i < cnc}
+    counted = [i - cnc for i in used if i >= cnc]
+    if any(v is None for v in fixed.values()) or len(counted) != 1:
+        return None
+    (k,) = counted
+    start = carries[k].constant
+    me = m.param(body.scope, bnc + k, carries[k].aval)
+    if start is None or carries[k].ndim or not np.issubdtype(carries[k].dtype, np.integer) \
+            or not adds_one(body.outs[k], me):
+        return None
+    cap = 1 << 20
+    steps = np.arange(int(start), int(start) + cap, dtype=carries[k].dtype)
+    vals = [fixed[i] if i < cnc else None for i in range(len(cond_in))]
+
+    def at(i):
+        return test(*[i if j == cnc + k else (v if v is not None else jnp.zeros(cond_in[j].shape, cond_in[j].dtype))
+                      for j, v in enumerate(vals)])[0]
+
+    go = np.asarray(jax.vmap(at)(steps))
+    if go.all():
+        return None
+    trip = int(np.argmin(go))
+    if trip < 1:
+        return None
+    params = dict(_SCAN_PARAMS, length=trip, num_consts=bnc, num_carry=len(carries), _rw_order=tuple(range(bnc + len(carries))))
+    if "linear" in params:
+        params["linear"] = (False,) * (bnc + len(carries))
+    w = m["w"]
+    res = m.node("scan", args[cnc:], params, list(w.aval), bodies=[Body(body.scope, body.outs)])
+    return [(user, res[node.args[1]]) for user, node in m.users(w) if node.ctor == "Proj"]
+
+
 # ---------------------------------------------------------------------- the pack
 def _mse_of_loop(h0, xs, y):
     """Where ``hoist_reductions`` applies: a mean squared error over a loop's stacked outputs."""
@@ -250,6 +391,18 @@ def _loop_into_loop(c0, xs, w):
 def _seed(x1, x2, y):
     """Where ``lift_independent`` applies: the seed's loop, whose stacked output never reads the carry."""
     return jnp.square(y - lax.scan(lambda c, x: (jnp.sin(c), jnp.cos(x)), x1, x2)[1]).mean()
+
+
+def _fori_buffer(x):
+    """Where ``buffer_to_output`` applies: a ``fori_loop`` storing each step's value in row ``i`` of a buffer."""
+    buf = jnp.zeros((8,) + x.shape, x.dtype)
+    _, buf = lax.fori_loop(0, 8, lambda i, c: (jnp.tanh(c[0]), c[1].at[i].set(c[0] * 2.0)), (x, buf))
+    return jnp.sum(buf ** 2)
+
+
+def _counted_while(x, n):
+    """Where ``while_to_scan`` applies: a counted loop whose bound is a constant of the program."""
+    return lax.while_loop(lambda c: c[0] < 6, lambda c: (c[0] + 1, jnp.sin(c[1]) + n), (0, x))[1]
 
 
 def _f32(*shape: int) -> Any:
@@ -283,9 +436,15 @@ def make(remat: str | None = "carries") -> Ruleset:
              example=(_seed, (_f32(10, 5, 8), _f32(30, 15, 12), _f32(30, 15, 12)))),
     ], soundness="identity", tolerance=TOLERANCE,
         description="per-step outputs that never read the carry, computed outside the loop at once")
-    return Ruleset("scan", [hoist, sink, lift], soundness="identity", tolerance=TOLERANCE,
+    buffers = Ruleset("buffers", [
+        rule(WHILE, procedural(while_to_scan), name="while_to_scan",  # while(i < n) with i += 1 -> scan(length=n - i0)
+             example=(_counted_while, (_f32(4), _f32()))),
+        rule(SCAN, procedural(buffer_to_output), name="buffer_to_output",  # carry buf.at[i].set(v) -> stacked v
+             example=(_fori_buffer, (_f32(5),))),
+    ], soundness="exact", description="counted loops as scans, and buffers they write row by row as stacked outputs")
+    return Ruleset("scan", [hoist, sink, lift, buffers], soundness="identity", tolerance=TOLERANCE,
                    description="move reductions into scans and carry-independent work out of them")
 
 
 scan = make()
-hoist, sink, lift = scan.hoist, scan.sink, scan.lift
+hoist, sink, lift, buffers = scan.hoist, scan.sink, scan.lift, scan.buffers
