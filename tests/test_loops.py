@@ -22,6 +22,9 @@ import rulesets
 from rewrite import AnalyticCost, Ruleset, explain, procedural, rewrite, rule
 from rewrite.loops import SCAN, Decline, Loop
 
+#: A rule that raises is a bug (it must decline instead); the engine only warns, so make the warning fail here.
+pytestmark = pytest.mark.filterwarnings("error::rewrite.RewriteWarning")
+
 PACK = rulesets.scan
 TOL = dict(rtol=PACK.tolerance.rtol, atol=PACK.tolerance.atol)
 #: Random programs are tiny: price the memory a stacked output holds so that extraction takes the rewritten
@@ -244,3 +247,89 @@ def test_loop_api_adds_an_output_and_a_carry_and_declines_cleanly():
     assert report.fired.get("count") and seen["reverse"] and seen["length"] == 4
     assert seen["count"].shape == () and seen["count"].dtype == jnp.int32
     close(jax.jit(core.jaxpr_as_fun(report.after))(c, xs), f(c, xs))
+
+
+# ---------------------------------------------------------------------- fori_loop buffers
+@st.composite
+def buffer_programs(draw):
+    """A counted loop writing one row of a carried buffer per step: (fn, args, what is expected)."""
+    length = draw(st.integers(1, 6))
+    extra = draw(st.sampled_from([0, 0, 2]))          # buffer rows the loop does not write
+    start = draw(st.integers(0, extra))
+    write = draw(st.sampled_from(["at_set", "dus"]))
+    form = draw(st.sampled_from(["fori", "scan_reverse", "while"]))
+    reads_buffer = draw(st.booleans() if length > 1 else st.just(False))  # the body also reads the buffer
+    loss = draw(st.sampled_from(["sum_sq", "max", "returned"]))
+    seed = draw(st.integers(0, 2 ** 16))
+    n_rows = length + extra
+
+    def put(buf, i, v):
+        if write == "at_set":
+            return buf.at[i].set(v)
+        return lax.dynamic_update_slice(buf, v[None], (i,) + (0,) * v.ndim)
+
+    def step(i, c, w):
+        x, buf = c
+        new = jnp.tanh(x * w + 0.1 * i.astype(x.dtype))
+        if reads_buffer:
+            new = new + buf[jnp.maximum(i - 1, 0)]
+        return new, put(buf, i, x * 2.0 - w)
+
+    def fn(x, w):
+        buf0 = jnp.full((n_rows,) + x.shape, 0.5, x.dtype)
+        if form == "fori":
+            _, buf = lax.fori_loop(start, start + length, lambda i, c: step(i, c, w), (x, buf0))
+        elif form == "while":
+            _, _, buf = lax.while_loop(lambda c: c[0] < start + length,
+                                       lambda c: (c[0] + 1, *step(c[0], c[1:], w)), (start, x, buf0))
+        else:  # a counter in a reverse scan: step j still writes row start + j
+            def body(c, _):
+                i, x, buf = c
+                return (i + 1, *step(i, (x, buf), w)), None
+            _, _, buf = lax.scan(body, (start, x, buf0), None, length=length, reverse=True)[0]
+        if loss == "sum_sq":
+            return jnp.sum(buf ** 2)
+        if loss == "max":
+            return jnp.max(buf)
+        return buf
+
+    fn.__qualname__ = (f"buffer(length={length}, extra={extra}, start={start}, write={write}, form={form}, "
+                       f"reads_buffer={reads_buffer}, loss={loss})")
+    k = jax.random.split(jax.random.PRNGKey(seed), 2)
+    args = (jax.random.normal(k[0], (2, 3)), jax.random.normal(k[1], ()) * 0.5 + 1.0)
+    return fn, args, dict(reads_buffer=reads_buffer, loss=loss, form=form, whole=extra == 0)
+
+
+#: A while loop's trip count is priced as ``while_trips``; at least the programs' own makes the comparison fair.
+FAIR_WHILE = AnalyticCost(stacked=1000.0, while_trips=10.0)
+
+
+@settings(max_examples=10)
+@given(buffer_programs())
+def test_random_buffers_become_stacked_outputs(program):
+    fn, args, what = program
+    # jax.grad cannot differentiate the original while loop (its trip count is dynamic to JAX)
+    report = check(fn, *args, cost_model=FAIR_WHILE, grad=what["loss"] != "returned" and what["form"] != "while")
+    if what["form"] == "while":
+        assert report.fired.get("while_to_scan")
+    if what["reads_buffer"]:
+        assert not report.used.get("buffer_to_output")
+    else:
+        assert report.fired.get("buffer_to_output")
+        if what["whole"] and what["loss"] == "sum_sq":  # the whole buffer is written, then only reduced
+            assert report.used.get("hoist_reductions")
+            assert all(v.aval.ndim < 3 for e in scans(report.after) for v in e.outvars)
+
+
+def test_fori_buffer_loss_holds_no_buffer():
+    def loss(x):
+        buf = jnp.zeros((16,) + x.shape)
+        _, buf = lax.fori_loop(0, 16, lambda i, c: (jnp.tanh(c[0]), c[1].at[i].set(c[0] * 2.0)), (x, buf))
+        return jnp.sum(buf ** 2)
+
+    x = jnp.linspace(-1.0, 1.0, 64)
+    report = check(loss, x, cost_model=None, grad=True)
+    assert report.used.get("hoist_reductions")
+    (loop,) = scans(report.after)
+    assert [v.aval.shape for v in loop.outvars] == [(64,), ()]  # the state and the accumulator
+    assert "scatter" not in {e.primitive.name for e in loop.params["jaxpr"].jaxpr.eqns}
