@@ -333,3 +333,25 @@ def test_fori_buffer_loss_holds_no_buffer():
     (loop,) = scans(report.after)
     assert [v.aval.shape for v in loop.outvars] == [(64,), ()]  # the state and the accumulator
     assert "scatter" not in {e.primitive.name for e in loop.params["jaxpr"].jaxpr.eqns}
+
+
+# ---------------------------------------------------------------------- saying why
+def test_explain_prices_a_loop_rewrite_it_did_not_choose():
+    p = lstm_params(jax.random.PRNGKey(0))
+    xs, ys = jax.random.normal(jax.random.PRNGKey(1), (T, B, I)), jnp.zeros((T, B, 2))
+
+    def loss(p, xs, ys):
+        hs = lstm(p, xs)
+        return jnp.mean((hs @ p["V"] - ys) ** 2), hs  # hs is stacked anyway: hoisting only adds work
+
+    report = explain(loss, p, xs, ys, rulesets=[PACK])
+    assert report.fired.get("hoist_reductions") and not report.used.get("hoist_reductions")
+    why = report.why("hoist_reductions")
+    assert why.kept == pytest.approx(report.cost_after, rel=1e-6)  # the price extraction chose
+    assert why.declined != why.kept and why.drivers  # the operations whose prices differ
+    assert why.verdict == ("declined" if why.declined > why.kept else "missed")
+    assert f"hoist_reductions: kept {why.kept:,.0f}, with it {why.declined:,.0f}" in report.summary()
+    # A rewrite that was chosen is not listed; a rule that built nothing has nothing to price.
+    chosen = explain(lambda p, xs, ys: loss(p, xs, ys)[0], p, xs, ys, rulesets=[PACK], cost_model=BYTE_HEAVY)
+    assert chosen.used.get("hoist_reductions") and "hoist_reductions: kept" not in chosen.summary()
+    assert report.why("lift_independent") is None
