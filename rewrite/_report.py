@@ -140,7 +140,8 @@ class Report:
         if self.model is None or self.result.egraph is None:
             return []
         names = [k for k in self.fired if not self.used.get(k) and builds_loops(self.result, k)]
-        return [d for d in (self.why(k) for k in names) if d is not None]
+        # a rule whose nodes reach nothing when forced in was superseded (a later rewrite built on it)
+        return [d for d in (self.why(k) for k in names) if d is not None and not d.note]
 
     def diff(self, context: int = 2) -> str:
         a = str(self.before).splitlines()
