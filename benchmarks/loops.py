@@ -89,7 +89,7 @@ def flax_case() -> tuple[tuple, dict[str, Callable]]:
 
         def step(carry, inp):
             state, acc = carry
-            state, h = cell.apply({"params": p["RNN_0"]["cell"]}, state, inp[0])
+            state, h = cell.apply({"params": p["LSTMCell_0"]}, state, inp[0])
             return (state, acc + jnp.sum((dense.apply({"params": p["Dense_0"]}, h) - inp[1]) ** 2)), None
 
         zeros = jnp.zeros((B, H))
