@@ -140,8 +140,9 @@ class Report:
         if self.model is None or self.result.egraph is None:
             return []
         names = [k for k in self.fired if not self.used.get(k) and builds_loops(self.result, k)]
-        # a rule whose nodes reach nothing when forced in was superseded (a later rewrite built on it)
-        return [d for d in (self.why(k) for k in names) if d is not None and not d.note]
+        # a rule whose nodes reach nothing when forced in was superseded (a later rewrite built on it);
+        # one whose program prices the same as the kept one was a tie, which goes to what was kept
+        return [d for d in (self.why(k) for k in names) if d is not None and not d.note and d.drivers]
 
     def diff(self, context: int = 2) -> str:
         a = str(self.before).splitlines()

@@ -200,6 +200,7 @@ class Loop:
         #: Outer classes that :meth:`per_step` must not take in as they are (as a new ``xs`` input).
         self.no_leaf: set[Any] = set()
         self.depends_on_loop = _Reach(self.scan.cls)
+        self._input_names: set[Any] = set()
 
     # ------------------------------------------------------------------ reading the loop
     def outputs(self) -> list[tuple[Value, int]]:
@@ -214,7 +215,15 @@ class Loop:
         """The body input at jaxpr position ``position`` (consts, carries, xs), as the body sees it."""
         arg = self.args[position]
         aval = arg.aval if position < self.num_consts + self.num_carry else step_aval(arg.aval)
-        return self.m.param(self.scope, self._order[position], aval)
+        return self._seen_input(self.m.param(self.scope, self._order[position], aval))
+
+    def is_input(self, v: Value) -> bool:
+        """Whether ``v`` is a body input, old or added: nothing was computed to get it."""
+        return v.name in self._input_names
+
+    def _seen_input(self, v: Value) -> Value:
+        self._input_names.add(v.name)
+        return v
 
     def counters(self) -> dict[int, int]:
         """Carries that count steps: carry number -> its value at the first step (a known integer).
@@ -282,7 +291,7 @@ class Loop:
                 break
         else:
             i = self.m.fresh_index(self.scope)
-            found = self.m.param(self.scope, i, outer.aval)
+            found = self._seen_input(self.m.param(self.scope, i, outer.aval))
             self._consts.append((i, outer))
         self._inputs[_key(outer)] = found
         return found
@@ -300,7 +309,7 @@ class Loop:
                 break
         else:
             i = self.m.fresh_index(self.scope)
-            found = self.m.param(self.scope, i, step_aval(outer.aval))
+            found = self._seen_input(self.m.param(self.scope, i, step_aval(outer.aval)))
             self._xs.append((i, outer))
         self._inputs[key] = found
         return found

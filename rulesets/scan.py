@@ -188,7 +188,10 @@ def _sink(m, recompute: str | None, depth: int) -> tuple[Any, list] | None:
         z = loop.args[j]
         loop.no_leaf = {z.cls}
         with loop.attempt():
-            inside[j] = loop.per_step(z, stacked={})
+            step = loop.per_step(z, stacked={})
+            if loop.is_input(step):
+                raise Decline("nothing to compute inside: the input would be read as it is")
+            inside[j] = step
     loop.no_leaf = set()
     drop = {j: v for j, v in inside.items() if j not in loop.needed}
     if not drop:
