@@ -4,9 +4,14 @@ A loss over a scan's stacked outputs materialises a ``(length, batch, ...)``
 array only to reduce it. The ``hoist`` rules compute such reductions inside
 the loop instead: a reduction over the scan axis becomes an accumulator in the
 carry, and one over the other axes makes each step emit its reduced slice.
-Elementwise work between the loop and the reduction moves in with it
-(``mean((ys - y) ** 2)``: ``y`` becomes an ``xs`` input of the loop, operands
-that do not vary with the step become loop constants). The ``sink`` rule
+Work between the loop and the reduction that acts step by step moves in with
+it: elementwise chains, broadcasts, readouts (``dot_general`` with weights),
+reshapes and transposes that keep the loop's axis (``mean((ys @ V + b - y)
+** 2)``: ``y`` becomes an ``xs`` input of the loop, ``V`` and ``b`` loop
+constants). The ``buffers`` rules read ``fori_loop`` code: a ``while``
+counted to a constant becomes a scan, and a buffer the loop writes row by
+row at its counter (``buf.at[i].set(v)``) becomes a stacked output, which
+the other rules then treat as any other. The ``sink`` rule
 does the same for what feeds a loop: an ``xs`` input built outside from
 stacked arrays is computed step by step inside, and another loop's stacked
 output may be recomputed there instead of stored (the loop fusion that the
