@@ -235,25 +235,7 @@ def _load_shard_map(eqn: core.JaxprEqn, args: list[Any], b: Builder, source: Any
     return _nested(b, eqn, "ShardMap", [body], args, {}, source)
 
 
-def _load_custom_call(eqn: core.JaxprEqn, args: list[Any], b: Builder, source: Any) -> list[Any]:
-    ctor = _terms.BY_PRIM[eqn.primitive.name].ctor
-    # the body's debug info names the call in printed jaxprs: kept for the emitter
-    extra = {"_rw_debug": eqn.params["call_jaxpr"].jaxpr.debug_info}
-    return _nested(b, eqn, ctor, [_closed_body(b, eqn.params["call_jaxpr"])], args, extra, source)
-
-
-def _load_checkpoint(eqn: core.JaxprEqn, args: list[Any], b: Builder, source: Any) -> list[Any]:
-    jaxpr = eqn.params["jaxpr"]
-    if jaxpr.constvars or jaxpr.effects:
-        raise Unsupported("checkpoint body with constants or effects")
-    body = _load_body(b, jaxpr, (), [v.aval for v in jaxpr.invars])
-    return _nested(b, eqn, "Checkpoint", [body], args, {"_rw_debug": jaxpr.debug_info}, source)
-
-
 _NESTED = {
-    "custom_jvp_call": _load_custom_call,
-    "custom_vjp_call": _load_custom_call,
-    "remat2": _load_checkpoint,
     "scan": _load_scan,
     "while": _load_while,
     "cond": _load_cond,

@@ -163,14 +163,6 @@ class _Scope:
             params["jaxpr"] = em.body(args[0], tuple(range(n_in)), closed=True)
         elif spec.prim == "shard_map":
             params["jaxpr"] = em.body(args[0], tuple(range(n_in)), closed=False)
-        elif spec.prim in ("custom_jvp_call", "custom_vjp_call"):
-            body = em.body(args[0], tuple(range(n_in)), closed=True)
-            debug = params.get("_rw_debug")
-            params["call_jaxpr"] = body if debug is None else core.ClosedJaxpr(body.jaxpr.replace(debug_info=debug),
-                                                                               body.consts)
-        elif spec.prim == "remat2":
-            body = em.body(args[0], tuple(range(n_in)), closed=False)
-            params["jaxpr"] = body if params.get("_rw_debug") is None else body.replace(debug_info=params["_rw_debug"])
         return params
 
 
@@ -225,8 +217,7 @@ class Emitter:
 
 def _nested_effects(prim: str, params: dict) -> Any:
     """A nested equation's effects: its bodies', less the axes a shard_map binds itself."""
-    bodies = ([params[k] for k in ("jaxpr", "cond_jaxpr", "body_jaxpr", "call_jaxpr") if k in params]
-              + list(params.get("branches", ())))
+    bodies = [params[k] for k in ("jaxpr", "cond_jaxpr", "body_jaxpr") if k in params] + list(params.get("branches", ()))
     effects = set()
     for b in bodies:
         effects |= set(b.effects)

@@ -95,11 +95,6 @@ SPECS: tuple[OpSpec, ...] = tuple(
         OpSpec("cond", "Cond", "NL", NESTED, ("branches",)),
         OpSpec("jit", "Jit", "BL", NESTED, ("jaxpr",)),
         OpSpec("shard_map", "ShardMap", "BL", NESTED, ("jaxpr",)),
-        # calls with a user's derivative rule, and jax.checkpoint: the primal body is loaded so rules act
-        # there; the derivative rule (a param) is kept as it is
-        OpSpec("custom_jvp_call", "CustomJvpCall", "BL", NESTED, ("call_jaxpr",)),
-        OpSpec("custom_vjp_call", "CustomVjpCall", "BL", NESTED, ("call_jaxpr",)),
-        OpSpec("remat2", "Checkpoint", "BL", NESTED, ("jaxpr",)),
     ]
 )
 
