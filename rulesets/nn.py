@@ -140,32 +140,60 @@ def one_hot_of(v: Value) -> tuple[Value, int, int] | None:
 _MAX_PEEL = 8
 
 
-def _peel(w: Value, axis: int) -> tuple[Value, list[tuple[int, Value]]]:
-    """``w`` as ``base + sum(sign * term)``, each term constant along ``axis`` (size 1 there, broadcast by the ``add`` or ``sub``).
+def _peel(w: Value, axis: int) -> tuple[Value, list[tuple[int, bool, Value]]]:
+    """``w`` as ``base + sum(sign * term)``, each term constant along ``axis``.
 
-    Gathering ``w`` along ``axis`` is then gathering ``base`` and adding the
-    terms, so a gather from ``log_softmax(x)`` reads ``x`` itself and the
-    log-probabilities are never stored: ``x[y] - max(x) - log(sum(exp(x - max(x))))``.
+    A term is a value of size 1 along ``axis`` that an ``add`` or ``sub``
+    broadcasts, or the normaliser of ``log(softmax(z))`` (``flag`` true: the
+    term is the log of the value): gathering ``w`` along ``axis`` is then
+    gathering ``base`` and adding the terms, so a gather from
+    ``log_softmax(x)`` reads ``x`` itself and the log-probabilities are never
+    stored: ``x[y] - max(x) - log(sum(exp(x - max(x))))``.
     """
-    terms: list[tuple[int, Value]] = []
+    terms: list[tuple[int, bool, Value]] = []
     sign = 1
     for _ in range(_MAX_PEEL):
         node = w.node("sub") or w.node("add")
-        if node is None or len(node.operands) != 2:
+        if node is not None and len(node.operands) == 2:
+            a, b = node.operands
+            if b.ndim == w.ndim and b.shape[axis] == 1 and a.shape == w.shape and b.dtype == w.dtype:
+                terms.append((sign if node.prim == "add" else -sign, False, b))
+                w = a
+                continue
+            if node.prim == "add" and a.ndim == w.ndim and a.shape[axis] == 1 and b.shape == w.shape and a.dtype == w.dtype:
+                terms.append((sign, False, a))
+                w = b
+                continue
+        found = _log_of_softmax(w, axis)
+        if found is None:
             break
-        a, b = node.operands
-        if b.ndim == w.ndim and b.shape[axis] == 1 and a.shape == w.shape and b.dtype == w.dtype:
-            terms.append((sign if node.prim == "add" else -sign, b))
-            w = a
-        elif node.prim == "add" and a.ndim == w.ndim and a.shape[axis] == 1 and b.shape == w.shape and a.dtype == w.dtype:
-            terms.append((sign, a))
-            w = b
-        else:
-            break
+        z, normaliser = found
+        terms.append((-sign, True, normaliser))
+        w = z
     return w, terms
 
 
-def _gathered(axis: int, n: int, full: tuple[int, ...], axes: tuple[int, ...], signs: tuple[int, ...]):
+def _log_of_softmax(w: Value, axis: int) -> tuple[Value, Value] | None:
+    """``(z, s)`` when ``w`` is ``log(exp(z) / s)``, ``s = sum(exp(z), axis)`` kept as size 1 along ``axis``,
+    and ``z`` is shifted by its maximum (so ``log(s)`` cannot overflow): ``w = z - log(s)``."""
+    log = w.node("log")
+    div = log.operands[0].node("div") if log is not None else None
+    if div is None:
+        return None
+    e, s = div.operands
+    ex, b = e.node("exp"), s.node("broadcast_in_dim")
+    if ex is None or b is None or len(b.operands) != 1 or s.shape[axis] != 1 or s.ndim != w.ndim:
+        return None
+    red = b.operands[0].node("reduce_sum")
+    if red is None or tuple(red.params["axes"]) != (axis,) or red.operands[0].name != e.name:
+        return None
+    if not _keeps_axes(b.params, (axis,), w.shape):
+        return None
+    z = ex.operands[0]
+    return (z, s) if _max_shifted(z, (axis,)) else None
+
+
+def _gathered(axis: int, n: int, full: tuple[int, ...], axes: tuple[int, ...], kinds: tuple[tuple[int, bool], ...]):
     """``sum(one_hot(labels) * w, axes)`` as a gather: ``w`` at the labels, 0 where a label is out of range.
 
     ``w`` is ``base + sum(sign * term)`` (:func:`_peel`); only ``base`` is gathered.
@@ -177,7 +205,8 @@ def _gathered(axis: int, n: int, full: tuple[int, ...], axes: tuple[int, ...], s
         inside = (labels >= 0) & (labels < n)
         index = lax.clamp(jnp.zeros((), labels.dtype), labels, jnp.full((), n - 1, labels.dtype))
         picked = jnp.take_along_axis(base, index, axis=axis, mode="clip")
-        for sign, term in zip(signs, terms):
+        for (sign, log), term in zip(kinds, terms):
+            term = jnp.log(term) if log else term
             picked = picked + term if sign > 0 else picked - term
         picked = jnp.where(inside, picked, jnp.zeros((), base.dtype))
         return jnp.sum(picked, axis=axes)
@@ -204,8 +233,8 @@ def _one_hot_sum(m):
         if prod.dtype != w.dtype:
             return None
         base, terms = _peel(w, axis)
-        signs = tuple(s for s, _ in terms)
-        return m.trace(_gathered(axis, n, w.shape, axes, signs), labels, base, *[t for _, t in terms])
+        kinds = tuple((sign, log) for sign, log, _ in terms)
+        return m.trace(_gathered(axis, n, w.shape, axes, kinds), labels, base, *[t for _, _, t in terms])
     return None
 
 

@@ -251,31 +251,50 @@ def _builds_one_hot(jaxpr, shape):
 _GATHER = {}
 
 
-def _gather_program():
-    """The one-hot loss at (6, V) with the gather taken (at this size the cost model would keep the one-hot form)."""
-    if not _GATHER:
-        _GATHER["fn"] = _forced("nn_one_hot_sum", _one_hot_loss, _aval(6, V), _aval(6, dtype=jnp.int32))
-    return _GATHER["fn"]
+def _gather_program(loss):
+    """``loss`` at (6, V) with the gather taken (at this size the cost model would keep the one-hot form)."""
+    if loss not in _GATHER:
+        _GATHER[loss] = _forced("nn_one_hot_sum", loss, _aval(6, V), _aval(6, dtype=jnp.int32))
+    return _GATHER[loss]
 
 
-@settings(max_examples=20)
-@given(arrays((6, V), np.float32, "identity"),
-       st.lists(st.integers(-3, V + 3), min_size=6, max_size=6))
-def test_one_hot_cross_entropy_is_a_gather(logits, labels):
+def _written_log_softmax(logits, labels):
+    return -jnp.sum(jax.nn.one_hot(labels, logits.shape[-1]) * jnp.log(jax.nn.softmax(logits)), -1).mean()
+
+
+def _written_logsumexp(logits, labels):
+    log_p = logits - jax.nn.logsumexp(logits, -1, keepdims=True)
+    return -jnp.sum(jax.nn.one_hot(labels, logits.shape[-1]) * log_p, -1).mean()
+
+
+LOSSES = pytest.mark.parametrize("loss", [_one_hot_loss, _written_log_softmax, _written_logsumexp],
+                                 ids=["optax", "log_of_softmax", "minus_logsumexp"])
+
+
+@LOSSES
+def test_one_hot_cross_entropy_is_a_gather(loss):
     """Loss and gradient of the gather equal those of the one-hot form, labels out of range included
     (their one-hot rows are zeros: they add nothing to the loss)."""
-    labels = np.asarray(labels, np.int32)
-    new = _gather_program()
-    want, got = np.asarray(_one_hot_loss(logits, labels)), np.asarray(new(logits, labels)[0])
-    why = mismatch(want, got, soundness="identity", tolerance=TOL, reference=_f64(_one_hot_loss, logits, labels))
-    assert why is None, why
-    g_want = np.asarray(jax.grad(_one_hot_loss)(logits, labels))
-    g_got = np.asarray(jax.grad(lambda x, y: new(x, y)[0])(logits, labels))
-    why = mismatch(g_want, g_got, soundness="identity", tolerance=TOL,
-                   reference=_f64(jax.grad(_one_hot_loss), logits, labels))
-    assert why is None, why
-    if ((labels >= 0) & (labels < V)).all():  # in range, it is the integer-label loss
-        assert np.allclose(got, np.asarray(_int_loss(logits, labels)), rtol=1e-5, atol=1e-5)
+    new = _gather_program(loss)
+
+    @settings(max_examples=12)
+    @given(arrays((6, V), np.float32, "identity"), st.lists(st.integers(-3, V + 3), min_size=6, max_size=6))
+    def run(logits, labels):
+        labels = np.asarray(labels, np.int32)
+        want, got = np.asarray(loss(logits, labels)), np.asarray(new(logits, labels)[0])
+        why = mismatch(want, got, soundness="identity", tolerance=TOL, reference=_f64(loss, logits, labels))
+        assert why is None, why
+        g_want = np.asarray(jax.grad(loss)(logits, labels))
+        g_got = np.asarray(jax.grad(lambda x, y: new(x, y)[0])(logits, labels))
+        why = mismatch(g_want, g_got, soundness="identity", tolerance=TOL, reference=_f64(jax.grad(loss), logits, labels))
+        assert why is None, why
+        if ((labels >= 0) & (labels < V)).all():  # in range, it is the integer-label loss
+            assert np.allclose(got, np.asarray(_int_loss(logits, labels)), rtol=1e-5, atol=1e-5)
+
+    run()
+    program = jax.make_jaxpr(new)(jnp.zeros((6, V)), jnp.zeros(6, jnp.int32)).jaxpr
+    gathered = [e for e in program.eqns if e.primitive.name == "gather"]
+    assert [e.invars[0] for e in gathered] == [program.invars[0]]   # the logits themselves are read
 
 
 def test_one_hot_array_is_never_built():
@@ -291,18 +310,23 @@ def test_one_hot_array_is_never_built():
         assert "gather" in {e.primitive.name for e in _eqns(program)}
 
 
-def test_one_hot_gradient_holds_no_full_size_temporary():
-    """value_and_grad of the rewritten loss holds what the integer-label loss holds, not an N x V array."""
+@LOSSES
+def test_one_hot_gradient_holds_no_full_size_temporary(loss):
+    """Loss, and value_and_grad of the rewritten loss, hold what the integer-label loss holds, not an
+    N x V array: the gather reads the logits, through the log-softmax's shift and normaliser."""
     n, v = 256, 4096
     logits, labels = jnp.zeros((n, v)), jnp.arange(n) % v
+    new = rewrite(loss, rulesets=[nn])
+    np.testing.assert_allclose(new(logits, labels), loss(logits, labels), rtol=1e-6)
     temp = {}
-    for name, fn in [("one_hot", _one_hot_loss), ("rewritten", rewrite(_one_hot_loss, rulesets=[nn])),
-                     ("integer", _int_loss)]:
-        mem = jax.jit(jax.value_and_grad(fn)).lower(logits, labels).compile().memory_analysis()
-        temp[name] = mem.temp_size_in_bytes
+    for name, fn in [("one_hot", loss), ("rewritten", new), ("integer", _int_loss)]:
+        for kind, program in (("loss", fn), ("value_and_grad", jax.value_and_grad(fn))):
+            mem = jax.jit(program).lower(logits, labels).compile().memory_analysis()
+            temp[name, kind] = mem.temp_size_in_bytes
     full = n * v * 4
-    assert temp["one_hot"] >= full, temp
-    assert temp["rewritten"] < full / 8 and temp["rewritten"] <= 2 * temp["integer"] + 4096, temp
+    assert temp["one_hot", "loss"] >= full and temp["one_hot", "value_and_grad"] >= full, temp
+    for kind in ("loss", "value_and_grad"):
+        assert temp["rewritten", kind] < full / 8 and temp["rewritten", kind] <= 2 * temp["integer", kind] + 4096, temp
 
 
 def test_sum_of_one_hot_products_any_axis():
