@@ -238,28 +238,6 @@ def _one_hot_sum(m):
     return None
 
 
-def _select_at(axis: int, n: int, full: tuple[int, ...]):
-    """``one_hot(labels) * w`` as ``w`` where the label is, 0 elsewhere: no array of ones and zeros."""
-    def fn(labels: Any, w: Any) -> Any:
-        hit = lax.broadcasted_iota(labels.dtype, full, axis) == labels
-        return jnp.where(hit, w, jnp.zeros((), w.dtype))
-
-    return fn
-
-
-@procedural
-def _one_hot_mul(m):
-    """``one_hot(y) * w -> where(iota == y, w, 0)``: the cotangent of a one-hot product, without the one-hot array."""
-    x, y = m["x"], m["y"]
-    for oh, w in ((x, y), (y, x)):
-        found = one_hot_of(oh)
-        if found is None or oh.shape != w.shape or oh.dtype != w.dtype:
-            continue
-        labels, axis, n = found
-        return m.trace(_select_at(axis, n, w.shape), labels, w)
-    return None
-
-
 def _one_hot_ce(logits: Any, labels: Any) -> Any:
     return -jnp.sum(jax.nn.one_hot(labels, logits.shape[-1]) * jax.nn.log_softmax(logits), axis=-1)
 
@@ -360,8 +338,6 @@ _ONE_MINUS_SIGMOID = _derivatives.rule("explog_one_minus_logistic")
 nn_one_hot = Ruleset("nn_one_hot", [
     rule(Pat("reduce_sum", Pat("mul", X, Y), params="r"), _one_hot_sum, name="nn_one_hot_sum",  # sum(one_hot(y) * w) -> w[y]
          example=(_one_hot_ce, (_f32(4, 8), _i32(4)))),
-    rule(Pat("mul", X, Y), _one_hot_mul, name="nn_one_hot_mul",                               # one_hot(y) * w -> where(iota == y, w, 0)
-         example=(lambda w, y: jax.nn.one_hot(y, 8) * w, (_f32(4, 8), _i32(4)))),
 ], soundness="identity")
 
 nn_stable = Ruleset("nn_stable", [
