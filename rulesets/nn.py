@@ -287,7 +287,7 @@ def _log_softmax_from(axes: tuple[int, ...], shifted: bool):
 def _log_softmax(m):
     """``log(exp(z) / sum(exp(z))) -> z - log(sum(exp(z)))``, shifting ``z`` by its maximum first if it is not."""
     r, b = m.params("r"), m.params("b")
-    z, out = m["x"], m.root
+    z = m["x"]
     if r.get("out_sharding") is not None or not z.is_floating:
         return None
     axes = tuple(r["axes"])
