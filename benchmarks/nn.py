@@ -22,6 +22,8 @@ Variants, all taking the same arguments:
   of it where there is a gradient (JAX differentiates the rewritten loss).
 * ``rewritten_program``: the whole gradient program (or training step) rewritten,
   ``rewrite(jax.value_and_grad(loss), rulesets=[rulesets.nn])``.
+* ``rewritten_program_derivatives``: the same with ``rulesets.derivatives`` too,
+  whose rules simplify the backward pass JAX built for the one-hot form.
 * ``integer``: the hand-written integer-label form,
   ``optax.softmax_cross_entropy_with_integer_labels(logits, labels)``.
 
@@ -47,6 +49,7 @@ import optax
 
 from benchmarks.harness import MiB, Row, format_variants, measure
 from rewrite import rewrite
+from rulesets.derivatives import derivatives
 from rulesets.nn import nn
 
 N, V = 1024, 32_000
@@ -70,7 +73,9 @@ def lm_cases():
                "integer": lm_integer}
     grads = {"one_hot": vg(lm_one_hot), "one_hot_aa": _again(vg(lm_one_hot)),
              "rewritten": vg(rewrite(lm_one_hot, rulesets=[nn])),
-             "rewritten_program": rewrite(vg(lm_one_hot), rulesets=[nn]), "integer": vg(lm_integer)}
+             "rewritten_program": rewrite(vg(lm_one_hot), rulesets=[nn]),
+             "rewritten_program_derivatives": rewrite(vg(lm_one_hot), rulesets=[nn, derivatives]),
+             "integer": vg(lm_integer)}
     return [(f"lm N={N} V={V} forward", forward, args), (f"lm N={N} V={V} value_and_grad", grads, args)]
 
 
@@ -107,7 +112,9 @@ def mlp_cases():
 
     variants = {"one_hot": step(loss_one_hot), "one_hot_aa": _again(step(loss_one_hot)),
                 "rewritten": step(rewrite(loss_one_hot, rulesets=[nn])),
-                "rewritten_program": rewrite(step(loss_one_hot), rulesets=[nn]), "integer": step(loss_integer)}
+                "rewritten_program": rewrite(step(loss_one_hot), rulesets=[nn]),
+                "rewritten_program_derivatives": rewrite(step(loss_one_hot), rulesets=[nn, derivatives]),
+                "integer": step(loss_integer)}
     return [(f"flax MLP train step, batch {BATCH}, {CLASSES} classes", variants, (params, x, y))]
 
 
