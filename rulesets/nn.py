@@ -205,7 +205,9 @@ def _gathered(axis: int, n: int, full: tuple[int, ...], axes: tuple[int, ...], k
         inside = (labels >= 0) & (labels < n)
         index = lax.clamp(jnp.zeros((), labels.dtype), labels, jnp.full((), n - 1, labels.dtype))
         picked = jnp.take_along_axis(base, index, axis=axis, mode="clip")
-        for (sign, log), term in zip(kinds, terms):
+        # innermost term first: the order the program subtracts them in (x - max, then - log(sum)), so
+        # that the label's own value rounds as it did, not as (x[y] - log(sum)) - max would
+        for (sign, log), term in reversed(list(zip(kinds, terms))):
             term = jnp.log(term) if log else term
             picked = picked + term if sign > 0 else picked - term
         picked = jnp.where(inside, picked, jnp.zeros((), base.dtype))

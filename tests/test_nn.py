@@ -392,3 +392,16 @@ def test_pack_is_registered():
     import rulesets
 
     assert rulesets.BUILTIN["nn"] is nn and nn.soundness == "identity"
+
+
+def test_gather_rounds_as_the_program_does():
+    """The gathered value is x[y] - max - log(sum), subtracted in the program's order: at a label on the
+    row's maximum, (x[y] - log(sum)) - max would round x[y] - log(sum) at the scale of x and lose digits."""
+    def per_row(logits, labels):
+        return optax.softmax_cross_entropy(logits, jax.nn.one_hot(labels, 8))
+
+    x = np.zeros((2, 8), F32)
+    x[1, 1], x[1, 7] = 64.0, 59.0
+    y = np.asarray([-5, 1], np.int32)
+    new = _forced("nn_one_hot_sum", per_row, _aval(2, 8), _aval(2, dtype=jnp.int32))
+    np.testing.assert_array_equal(np.asarray(new(x, y)[0]), np.asarray(per_row(x, y)))
