@@ -33,6 +33,9 @@ from rulesets.nn import nn
 
 F32 = np.float32
 TOL = nn.nn_stable.tolerance
+#: Half the active hypothesis profile's examples per property (12 under ``ci``): each example runs
+#: the original and the rewrite, and their gradients.
+EXAMPLES = max(8, settings.default.max_examples // 2)
 
 
 def _aval(*shape, dtype=jnp.float32):
@@ -128,7 +131,7 @@ def test_values_and_gradients_on_finite_inputs(case):
     old_g, new_g = grad_of(fn), grad_of(new)
     ref_g = jax.grad(lambda x: jnp.sum(fn(x)))
 
-    @settings(max_examples=15)
+    @settings(max_examples=EXAMPLES)
     @given(arrays(shape, np.float32, "identity"))
     def run(x):
         want, got = np.asarray(jax.jit(fn)(x)), np.asarray(jax.jit(new)(x)[0])
@@ -165,7 +168,7 @@ def test_log_of_one_minus_sigmoid_and_binary_cross_entropy():
     assert _close_to(got, _softplus64(z64) - y64 * z64)
 
 
-@settings(max_examples=20)
+@settings(max_examples=EXAMPLES)
 @given(arrays((4,), np.float32, "identity"), arrays((4,), np.float32, "identity"))
 def test_binary_cross_entropy_on_finite_inputs(z, y):
     """Against the true loss and gradient (a stable float64 formula: the written one cancels in float64
@@ -197,7 +200,7 @@ def _log_softmax0(x):
     return jnp.log(jax.nn.softmax(x, axis=0)) * 2.0
 
 
-@settings(max_examples=15)
+@settings(max_examples=EXAMPLES)
 @given(arrays((5, 3), np.float32, "identity"))
 def test_log_softmax_values_and_gradients(x):
     """The softmax over axis 0, in a program, with its gradient; where the written form's gradient is
@@ -278,7 +281,7 @@ def test_one_hot_cross_entropy_is_a_gather(loss):
     (their one-hot rows are zeros: they add nothing to the loss)."""
     new = _gather_program(loss)
 
-    @settings(max_examples=12)
+    @settings(max_examples=EXAMPLES)
     @given(arrays((6, V), np.float32, "identity"), st.lists(st.integers(-3, V + 3), min_size=6, max_size=6))
     def run(logits, labels):
         labels = np.asarray(labels, np.int32)
