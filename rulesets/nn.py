@@ -31,20 +31,21 @@ bit equal (``tests/test_nn.py`` checks each rule at the class tolerance on
 finite inputs, and on inputs where the written form overflows or
 underflows checks that the rewritten one is finite and within 1e-4 of a
 float64 result; ``docs/nn.md`` shows both). The cost model chooses between
-the forms like any others: the gathers and ``log_softmax`` save work and
-are taken; a stable form that costs more than the form it replaces on this
+the forms like any others: the gathers (on arrays of more than a few
+thousand elements), ``log_softmax`` of a softmax, the log-sigmoid and the
+softplus forms save work and are taken; a stable form that costs more than the form it replaces on this
 backend (``log1p`` is slower than ``log`` on XLA:CPU, ``logsumexp`` adds a
 pass for the maximum) is in the e-graph but is taken only under a cost
 model that prefers it (``docs/nn.md`` says which).
 
-Rule names start with ``nn_``.
+Rule names start with ``nn_``, but for the rule shared with ``rulesets.derivatives``.
 
 >>> import jax, jax.numpy as jnp
 >>> from rewrite import explain
 >>> from rulesets.nn import nn
 >>> def loss(logits, labels):
-...     return -jnp.sum(jax.nn.one_hot(labels, 8) * jax.nn.log_softmax(logits), axis=-1)
->>> r = explain(loss, jnp.zeros((4, 8)), jnp.arange(4), rulesets=[nn])
+...     return -jnp.sum(jax.nn.one_hot(labels, 512) * jax.nn.log_softmax(logits), axis=-1)
+>>> r = explain(loss, jnp.zeros((32, 512)), jnp.arange(32), rulesets=[nn])
 >>> r.fired["nn_one_hot_sum"]
 1
 >>> "gather" in {e.primitive.name for e in r.after.eqns}

@@ -27,7 +27,8 @@ from hypothesis import strategies as st
 from jax._src.core import jaxpr_as_fun
 
 from rewrite import explain, rewrite
-from rewrite.testing import _rewrite_case, arrays, mismatch
+from rewrite.testing import arrays, mismatch
+from rewrite.testing._check_rule import _rewrite_case
 import rulesets
 from rulesets.nn import nn
 
