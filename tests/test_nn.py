@@ -393,8 +393,6 @@ def test_softplus_is_not_rewritten_inside_itself():
 
 
 def test_pack_is_registered():
-    import rulesets
-
     assert rulesets.BUILTIN["nn"] is nn and nn.soundness == "identity"
 
 
@@ -409,3 +407,12 @@ def test_gather_rounds_as_the_program_does():
     y = np.asarray([-5, 1], np.int32)
     new = _forced("nn_one_hot_sum", per_row, _aval(2, 8), _aval(2, dtype=jnp.int32))
     np.testing.assert_array_equal(np.asarray(new(x, y)[0]), np.asarray(per_row(x, y)))
+
+
+def test_composes_with_the_other_packs():
+    """The rule shared with rulesets.derivatives is one object, so the packs add up without a name clash."""
+    both = rulesets.algebra + rulesets.derivatives + nn
+    names = [r.name for r in both]
+    assert len(names) == len(set(names)) and "explog_one_minus_logistic" in names
+    r = explain(lambda z: jnp.log(1.0 - jax.nn.sigmoid(z)), jnp.ones(3), rulesets=[both])
+    assert r.fired.get("nn_log_sigmoid") and "log" not in {e.primitive.name for e in r.after.eqns}
