@@ -79,6 +79,9 @@ def contractions(draw):
         owners = draw(st.sets(st.sampled_from("abc"), min_size=1, max_size=3))
         kept = draw(st.booleans()) or len(owners) == 1
         where.append((owners, kept))
+    # b and c always share a summed label, so that pairing them is no outer product and the rule acts
+    where.append(({"b", "c"}, False))
+    sizes.append(draw(st.integers(1, 3)))
     # for (a b) c, a label of a or b alone that c lacks must be kept
     for i, (owners, kept) in enumerate(where):
         if len(owners & {"a", "b"}) == 1 and "c" not in owners and not kept:
@@ -106,7 +109,7 @@ def contractions(draw):
         return lax.dot_general(lax.dot_general(a, b, dn1), c, dn2)
 
     shapes = [tuple(sizes[l] for l in labels[k]) for k in "abc"]
-    letters = "ijklmn"
+    letters = "ijklmno"
     spec = ",".join("".join(letters[l] for l in labels[k]) for k in "abc") + "->" + "".join(letters[l] for l in lo)
     return shapes, fn, spec
 
