@@ -153,17 +153,19 @@ def programs(rng: np.random.Generator) -> list[tuple[str, Callable, Callable, li
     return out
 
 
-def run_programs(rounds: int, progress: bool) -> list[Row]:
-    rows = []
+def run_programs(rounds: int, progress: bool) -> tuple[list[Row], dict[str, bool]]:
+    rows, same = [], {}
     for case, fn, best, args in programs(np.random.default_rng(2)):
         rewritten = rewrite(fn, rulesets=[linalg])
+        seen = explain(fn, *args, rulesets=[linalg])
+        same[case] = str(seen.before) == str(seen.after)
         np.testing.assert_allclose(np.asarray(jax.jit(rewritten)(*args)), np.asarray(jax.jit(fn)(*args)),
                                    rtol=2e-3, atol=2e-3)
         rows.append(measure(case, {"standard": fn, "rewritten": rewritten, "best": best, "aa": fn}, args,
                             rounds=rounds, min_round_seconds=0.02))
         if progress:
             print(case, {k: f"{v * 1e3:.2f} ms" for k, v in rows[-1].seconds.items()}, flush=True)
-    return rows
+    return rows, same
 
 
 # ---------------------------------------------------------------------- report
@@ -171,7 +173,8 @@ def _g(x: float) -> str:
     return f"{x / 1e6:.3f}"
 
 
-def report(chain_rows: list[dict], chain_times: list[Row], rows: list[Row], rounds: int, load: tuple) -> str:
+def report(chain_rows: list[dict], chain_times: list[Row], rows: list[Row], same: dict[str, bool], rounds: int,
+           load: tuple) -> str:
     date = datetime.date.today().isoformat()
     equal = sum(r["jaxpr"] == r["opt_einsum"] and r["rewritten"] == r["best"] for r in chain_rows)
     lines = [
@@ -207,13 +210,15 @@ def report(chain_rows: list[dict], chain_times: list[Row], rows: list[Row], roun
         lines.append(f"| {n} | {catalan} | {max(r['rows'] for r in rs)} | {max(r['saturate_s'] for r in rs):.2f} | "
                      f"{max(r['explain_s'] for r in rs):.2f} |")
     lines += ["", "## Attention, low rank, reductions, and programs that must not get worse", "",
+              "`unchanged`: the rewritten program is the written one, equation for equation.", "",
               "| case | ms written | ms rewritten | ms best | rewritten vs written | aa | GFLOP written | "
-              "GFLOP rewritten | GFLOP best |", "|---|---|---|---|---|---|---|---|---|"]
+              "GFLOP rewritten | GFLOP best | unchanged |", "|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         s, st = row.seconds, row.stats
         lines.append(f"| {row.case} | {s['standard'] * 1e3:.3f} | {s['rewritten'] * 1e3:.3f} | {s['best'] * 1e3:.3f} | "
                      f"{row.ratio('rewritten'):.2f}x | {row.ratio('aa'):.2f}x | {st['standard'].flops / 1e9:.4f} | "
-                     f"{st['rewritten'].flops / 1e9:.4f} | {st['best'].flops / 1e9:.4f} |")
+                     f"{st['rewritten'].flops / 1e9:.4f} | {st['best'].flops / 1e9:.4f} | "
+                     f"{'yes' if same[row.case] else 'no'} |")
     return "\n".join(lines) + "\n"
 
 
@@ -227,8 +232,8 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     load = os.getloadavg()
     chain_rows, chain_times = run_chains(chains(args.per_length, args.seed), args.rounds, args.progress)
-    rows = run_programs(args.rounds, args.progress)
-    text = report(chain_rows, chain_times, rows, args.rounds, load)
+    rows, same = run_programs(args.rounds, args.progress)
+    text = report(chain_rows, chain_times, rows, same, args.rounds, load)
     print(text)
     if args.write:
         out = Path(__file__).resolve().parent / "results"
