@@ -29,7 +29,8 @@ dimension numbers; a rule declines whenever its replacement is not a
 * **Factors** constant along some dimensions move in and out of products:
   scalars (``(s A) B = s (A B) = A (s B)``, attention's ``/ sqrt(d)``), and
   arrays broadcast along an operand's dimensions (row scalings move to the
-  result, column scalings to the other operand).
+  result, column scalings to the other operand). A factor only moves to a
+  smaller array than the one it scales, so it never moves back.
 * **Distributivity**: ``A x + A y -> A (x + y)``, ``A x + B x -> (A + B) x``,
   and the same for ``-``.
 * **Reductions of products**: a sum over a dimension of one operand is taken
@@ -366,7 +367,12 @@ def _factors_of(x: Value) -> list[tuple[str, Value, Value, tuple]]:
 
 def _factor_out(side: str) -> Callable:
     """A factor of one operand that runs along the result's dimensions moves to the result; one that runs
-    along contracted (or batch) dimensions moves to the other operand."""
+    along contracted (or batch) dimensions moves to the other operand.
+
+    A factor only ever moves to a smaller array than the one it scales (here and in :func:`_factor_in`):
+    that is where it can be cheaper, and it keeps a factor from moving back and forth, and from
+    settling on every operand of every sub-product of a chain.
+    """
 
     @procedural
     def factor_out(m):
@@ -384,7 +390,7 @@ def _factor_out(side: str) -> Callable:
         for op, rest, f, dims in _factors_of(x):
             along = tuple(None if d is None else lx[d] for d in dims)
             used = {l for l in along if l is not None}
-            if used <= set(lo):  # along the result: (f a) b -> f (a b)
+            if used <= set(lo) and m.root.size < x.size:  # along the result: (f a) b -> f (a b)
                 how = _placement(f, along, lo, m.root.shape)
 
                 def fn(f, r, o, how=how, op=op, lhs=side == "lhs"):
@@ -392,7 +398,7 @@ def _factor_out(side: str) -> Callable:
                     return _scale(op, _place(f, how), d)
 
                 found.append(m.trace(fn, f, rest, other))
-            if used <= set(lother):  # along contracted or batch dimensions: (f a) b -> a (f b)
+            if used <= set(lother) and other.size < x.size:  # along contracted or batch dims: (f a) b -> a (f b)
                 how = _placement(f, along, lother, other.shape)
 
                 def fn(f, r, o, how=how, op=op, lhs=side == "lhs"):
@@ -430,7 +436,7 @@ def _factor_in(op: str) -> Callable:
         dn, precision, dtype = params["dimension_numbers"], params.get("precision"), params.get("preferred_element_type")
         out = []
         for lhs, (x, lx) in ((True, (a, la)), (False, (b, lb))):
-            if not used <= set(lx):
+            if not used <= set(lx) or x.size >= d.size:
                 continue
             how = _placement(small, along, lx, x.shape)
 
@@ -553,7 +559,7 @@ linalg = Ruleset("linalg", [
     # factors
     rule(Pat("dot_general", A, B, params="p"), _factor_out("lhs"), name="la_factor_out_lhs",
          example=(lambda s, r, c, a, b: ((s * a) @ b, (r[:, None] * a) @ b, (a * c[None, :]) @ b),
-                  (_f32(), _f32(3), _f32(4), _M34, _M45))),                                                 # (f a) b -> f (a b) or a (f b)
+                  (_f32(), _f32(3), _f32(8), _f32(3, 8), _f32(8, 2)))),                                                 # (f a) b -> f (a b) or a (f b)
     rule(Pat("dot_general", A, B, params="p"), _factor_out("rhs"), name="la_factor_out_rhs",
          example=(lambda a, b, c: a @ (b / 2.0) + a @ (b * c[None, :]), (_M34, _M45, _V5))),       # a (f b) -> f (a b) or (f a) b
     rule(Pat("mul", F, Pat("dot_general", A, B, params="p", name="d")), _factor_in("mul"), name="la_factor_in_mul",
