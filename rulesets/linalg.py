@@ -35,7 +35,10 @@ dimension numbers; a rule declines whenever its replacement is not a
   and the same for ``-``.
 * **Reductions of products**: a sum over a dimension of one operand is taken
   before the product (``sum(A B, 0) = sum(A, 0) B``), a sum over a batch
-  dimension becomes a contraction, and ``trace(A B) = sum(A * B^T)``.
+  dimension becomes a contraction, and ``trace(A B) = sum(A * B^T)``. The
+  diagonal of a product is not covered yet: ``jnp.diagonal`` is a ``cond``
+  over the platform, which a rule's left side cannot spell, and a ``Pat``
+  rule would have to check both branches.
 
 The pack is ``identity`` class: every rule is an identity of real (and of
 integer wrap-around) arithmetic, and reordering a float product changes its
