@@ -47,9 +47,6 @@ from benchmarks.harness import Row, compile_stats, measure
 from rewrite import explain, rewrite
 from rulesets.linalg import linalg
 
-LETTERS = "abcdefghijklmnop"
-
-
 def dot_flops(jaxpr: Any) -> int:
     """The flops of a jaxpr's ``dot_general`` (2 per multiply-add, as XLA and opt_einsum count), exactly."""
     total = 0
@@ -74,7 +71,8 @@ def chain(*ms: Any) -> Any:
 
 
 def chain_spec(n: int) -> str:
-    return ",".join(LETTERS[i] + LETTERS[i + 1] for i in range(n)) + "->" + LETTERS[0] + LETTERS[n]
+    sym = opt_einsum.get_symbol
+    return ",".join(sym(i) + sym(i + 1) for i in range(n)) + "->" + sym(0) + sym(n)
 
 
 def chains(per_length: int, seed: int) -> list[tuple[str, list[int]]]:
@@ -109,6 +107,23 @@ def run_chains(cases: list[tuple[str, list[int]]], rounds: int, progress: bool) 
     return rows, timed
 
 
+def run_long(lengths: list[int], seed: int) -> list[dict]:
+    """Saturation of longer chains (no timing of the programs): how the e-graph and its time grow past 8."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for n in lengths:
+        dims = [int(x) for x in rng.integers(1, 513, size=n + 1)]
+        args = [jax.ShapeDtypeStruct((dims[i], dims[i + 1]), jnp.float32) for i in range(n)]
+        _, info = opt_einsum.contract_path(chain_spec(n), *[a.shape for a in args], shapes=True, optimize="optimal"
+                                           if n <= 10 else "dp")
+        start = time.perf_counter()
+        report = explain(chain, *[jnp.zeros(a.shape) for a in args], rulesets=[linalg])
+        out.append({"n": n, "dims": dims, "jaxpr": dot_flops(report.after), "opt_einsum": int(info.opt_cost),
+                    "explain_s": time.perf_counter() - start, "saturate_s": report.result.times["saturate"],
+                    "iterations": report.iterations, "rows": report.egraph_rows, "stopped": report.stopped})
+    return out
+
+
 # ---------------------------------------------------------------------- the other programs
 def attention(q: Any, k: Any, v: Any) -> Any:
     s = jnp.einsum("bhnd,bhmd->bhnm", q, k) / jnp.sqrt(jnp.float32(q.shape[-1]))
@@ -126,6 +141,9 @@ def programs(rng: np.random.Generator) -> list[tuple[str, Callable, Callable, li
     b, h, n, d = 2, 4, 2048, 64
     out.append((f"attention b={b} h={h} N={n} d={d}", attention, attention_best,
                 [_rand(rng, b, h, n, d) for _ in range(3)]))
+    qkv = [_rand(rng, 4096, 64) for _ in range(3)]
+    out.append(("attention as in the issue: (Q K^T) V, N=4096 d=64", lambda q, k, v: (q @ k.T) @ v,
+                lambda q, k, v: q @ (k.T @ v), qkv))
     x_small = lambda x, a, b: x @ (a @ b)   # noqa: E731
     x_left = lambda x, a, b: (x @ a) @ b    # noqa: E731
     # small rank: (x A) B is best
@@ -174,7 +192,7 @@ def _g(x: float) -> str:
 
 
 def report(chain_rows: list[dict], chain_times: list[Row], rows: list[Row], same: dict[str, bool], rounds: int,
-           load: tuple) -> str:
+           load: tuple, long: list[dict] = ()) -> str:
     date = datetime.date.today().isoformat()
     equal = sum(r["jaxpr"] == r["opt_einsum"] and r["rewritten"] == r["best"] for r in chain_rows)
     lines = [
@@ -206,9 +224,20 @@ def report(chain_rows: list[dict], chain_times: list[Row], rows: list[Row], same
               "the e-graph holds one class per contiguous sub-chain):", "",
               "| n | bracketings | e-graph rows | saturate s (max) | explain s (max) |", "|---|---|---|---|---|"]
     for n, rs in sorted(by_n.items()):
-        catalan = int(np.prod([(n - 1 + k) / k for k in range(2, n)])) if n > 2 else 1
+        catalan = int(round(np.prod([(n - 1 + k) / k for k in range(2, n)])))
         lines.append(f"| {n} | {catalan} | {max(r['rows'] for r in rs)} | {max(r['saturate_s'] for r in rs):.2f} | "
                      f"{max(r['explain_s'] for r in rs):.2f} |")
+    if long:
+        lines += ["", "Longer chains (saturation only; `optimal` is opt_einsum's `optimal` up to 10 matrices, its "
+                  "dynamic programme `dp` beyond):", "",
+                  "| n | bracketings | e-graph rows | iterations | stopped | saturate s | explain s | rewritten MFLOP "
+                  "| optimal MFLOP | = |", "|---|---|---|---|---|---|---|---|---|---|"]
+        for r in long:
+            n = r["n"]
+            catalan = int(round(np.prod([(n - 1 + k) / k for k in range(2, n)])))
+            lines.append(f"| {n} | {catalan} | {r['rows']} | {r['iterations']} | {r['stopped']} | "
+                         f"{r['saturate_s']:.2f} | {r['explain_s']:.2f} | {_g(r['jaxpr'])} | {_g(r['opt_einsum'])} | "
+                         f"{'yes' if r['jaxpr'] == r['opt_einsum'] else '**no**'} |")
     lines += ["", "## Attention, low rank, reductions, and programs that must not get worse", "",
               "`unchanged`: the rewritten program is the written one, equation for equation.", "",
               "| case | ms written | ms rewritten | ms best | rewritten vs written | aa | GFLOP written | "
@@ -229,11 +258,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--write", action="store_true", help="write benchmarks/results/linalg.md")
     ap.add_argument("--progress", action="store_true")
+    ap.add_argument("--long", default="10,12,16", help="longer chains to saturate (no timing); empty for none")
     args = ap.parse_args(argv)
     load = os.getloadavg()
     chain_rows, chain_times = run_chains(chains(args.per_length, args.seed), args.rounds, args.progress)
+    long = run_long([int(n) for n in args.long.split(",") if n], args.seed)
     rows, same = run_programs(args.rounds, args.progress)
-    text = report(chain_rows, chain_times, rows, same, args.rounds, load)
+    text = report(chain_rows, chain_times, rows, same, args.rounds, load, long)
     print(text)
     if args.write:
         out = Path(__file__).resolve().parent / "results"
