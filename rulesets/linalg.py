@@ -198,7 +198,6 @@ def _pairings(m: Any, nested: str) -> Any:
     operands = [(a, la), (b, lb), (c, lc)]
     # the pairs that are not the program's own: (b, c) after (a b) c, (a, b) after a (b c), and (a, c)
     pairs = [(1, 2, 0), (0, 2, 1)] if nested == "lhs" else [(0, 1, 2), (0, 2, 1)]
-    precision, dtype = params.get("precision"), params.get("preferred_element_type")
     found = []
     for i, j, k in pairs:
         (x, lx), (y, ly), (z, lz) = operands[i], operands[j], operands[k]
@@ -216,13 +215,16 @@ def _pairings(m: Any, nested: str) -> Any:
             continue
         dn_out, natural = outer
         perm = _perm(natural, lo)
-
-        def fn(x, y, z, dn_in=dn_in, dn_out=dn_out, perm=perm, z_first=z_first):
-            xy = _dot(x, y, dn_in, precision, dtype)
-            r = _dot(z, xy, dn_out, precision, dtype) if z_first else _dot(xy, z, dn_out, precision, dtype)
-            return r if perm is None else lax.transpose(r, perm)
-
-        found.append(m.trace(fn, x, y, z))
+        # Built node by node rather than traced: a chain meets each of its O(n^2) sub-products at
+        # shapes of its own, and tracing each would be most of saturation's time.
+        size = {l: d for v, lv in operands for l, d in zip(lv, v.shape)}
+        xy = m.node("dot_general", [x, y], {**m.params("po"), "dimension_numbers": dn_in},
+                    [out.aval.update(shape=tuple(size[l] for l in lxy), weak_type=False)])
+        r = m.node("dot_general", [z, xy] if z_first else [xy, z], {**m.params("po"), "dimension_numbers": dn_out},
+                   [out.aval.update(shape=tuple(size[l] for l in natural), weak_type=False)])
+        if perm is not None:
+            r = m.node("transpose", [r], {"permutation": perm}, [out.aval])
+        found.append(r)
     if not found:
         return None
     return found[0] if len(found) == 1 else [(out, t) for t in found]
