@@ -187,6 +187,9 @@ def run_programs(rounds: int, progress: bool) -> tuple[list[Row], dict[str, bool
 
 
 # ---------------------------------------------------------------------- report
+NOTE = ("Any time difference between such a program's `written` and `rewritten` columns is therefore the "
+        "machine's noise, of the size the `aa` column (the written program against itself) shows; the flops "
+        "columns are what the rewrite changes.")
 def _g(x: float) -> str:
     return f"{x / 1e6:.3f}"
 
@@ -239,7 +242,7 @@ def report(chain_rows: list[dict], chain_times: list[Row], rows: list[Row], same
                          f"{r['saturate_s']:.2f} | {r['explain_s']:.2f} | {_g(r['jaxpr'])} | {_g(r['opt_einsum'])} | "
                          f"{'yes' if r['jaxpr'] == r['opt_einsum'] else '**no**'} |")
     lines += ["", "## Attention, low rank, reductions, and programs that must not get worse", "",
-              "`unchanged`: the rewritten program is the written one, equation for equation.", "",
+              "`unchanged`: the rewritten program is the written one, equation for equation. " + NOTE, "",
               "| case | ms written | ms rewritten | ms best | rewritten vs written | aa | GFLOP written | "
               "GFLOP rewritten | GFLOP best | unchanged |", "|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:

@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from jax import lax
 
 from rewrite import Ruleset, explain, rewrite
-from rewrite.testing import _NotExercised, _evaluate, _rewrite_case
+from rewrite.testing._check_rule import _NotExercised, _evaluate, _rewrite_case
 from rulesets.linalg import linalg
 
 RULES = {r.name: r for r in linalg}
@@ -258,3 +258,25 @@ def test_the_pack_is_registered():
     assert rulesets.BUILTIN["linalg"] is linalg
     assert all(n.startswith("la_") for n in RULES)
     assert isinstance(linalg, Ruleset) and linalg.soundness == "identity"
+
+
+def test_gradients_of_a_rewritten_product_match():
+    def f(q, k, v):
+        return jnp.sum(jnp.tanh((q @ k.T) @ v / 4.0))
+
+    rng = np.random.default_rng(3)
+    q, k, v = (jnp.asarray(rng.standard_normal((64, 8)), jnp.float32) for _ in range(3))
+    fast = rewrite(f, rulesets=[linalg])
+    assert explain(f, q, k, v, rulesets=[linalg]).fired
+    for got, want in zip(jax.grad(fast, argnums=(0, 1, 2))(q, k, v), jax.grad(f, argnums=(0, 1, 2))(q, k, v)):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_with_algebra_a_scaled_chain_still_takes_the_optimal_order():
+    import rulesets
+
+    shapes = [(40, 3), (3, 50), (50, 2), (2, 60), (60, 5)]
+    args = [jnp.ones(s) for s in shapes]
+    report = explain(lambda *ms: 2.0 * _chain(*ms), *args, rulesets=[rulesets.algebra + linalg])
+    assert report.stopped == "saturated"
+    assert _dot_flops(report.after) == _optimal_flops(shapes)
