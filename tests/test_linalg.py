@@ -114,7 +114,7 @@ def contractions(draw):
     return shapes, fn, spec
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(contractions(), st.integers(0, 2 ** 16))
 def test_reassociation_is_exact_on_random_contractions(case, seed):
     shapes, fn, spec = case
