@@ -13,7 +13,7 @@ Four groups, each program written the way a user would write it:
 * **low rank**: ``x (A B)`` and ``(x A) B``, in the regime where the rank is
   small (``(x A) B`` is best) and where it is large and ``x`` is tall
   (``x (A B)`` is best).
-* **reductions**: ``trace(A B)``, ``sum(A B, 0)``.
+* **reductions**: ``trace(A B)``, ``diagonal(A B)``, ``sum(A B, 0)``.
 * **never worse**: products already in their best order, and programs
   without products, keep their flops and time.
 
@@ -156,6 +156,7 @@ def programs(rng: np.random.Generator) -> list[tuple[str, Callable, Callable, li
     out.append(("wide r=1024: (x A) B", x_left, x_small, wide))
     ab = [_rand(rng, 1024, 1024), _rand(rng, 1024, 1024)]
     out.append(("trace(A B) 1024", lambda a, b: jnp.trace(a @ b), lambda a, b: jnp.sum(a * b.T), ab))
+    out.append(("diagonal(A B) 1024", lambda a, b: jnp.diagonal(a @ b), lambda a, b: jnp.sum(a * b.T, axis=1), ab))
     out.append(("sum(A B, 0) 1024", lambda a, b: jnp.sum(a @ b, axis=0), lambda a, b: jnp.sum(a, axis=0) @ b, ab))
     # never worse
     mv = [_rand(rng, 2048, 2048), _rand(rng, 2048, 2048), _rand(rng, 2048)]

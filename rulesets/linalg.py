@@ -35,10 +35,12 @@ dimension numbers; a rule declines whenever its replacement is not a
   and the same for ``-``.
 * **Reductions of products**: a sum over a dimension of one operand is taken
   before the product (``sum(A B, 0) = sum(A, 0) B``), a sum over a batch
-  dimension becomes a contraction, and ``trace(A B) = sum(A * B^T)``. The
-  diagonal of a product is not covered yet: ``jnp.diagonal`` is a ``cond``
-  over the platform, which a rule's left side cannot spell, and a ``Pat``
-  rule would have to check both branches.
+  dimension becomes a contraction, ``trace(A B) = sum(A * B^T)``, and
+  ``diagonal(A B) = sum(A * B^T, 1)``. ``jnp.diagonal`` is a ``cond`` over the
+  platform (a gather, or a masked sum for Mosaic); the rule checks that each
+  branch is linear in the matrix and agrees with its diagonal on random
+  integer matrices, a randomised identity test, before it replaces the
+  ``cond``.
 
 The pack is ``identity`` class: every rule is an identity of real (and of
 integer wrap-around) arithmetic, and reordering a float product changes its
@@ -66,7 +68,9 @@ import math
 from typing import Any, Callable, Sequence
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from rewrite import Pat, Ruleset, Tolerance, Value, procedural, rule
@@ -518,6 +522,83 @@ def _sum_of_product(m):
     return m.trace(fn, a, b)
 
 
+# ---------------------------------------------------------------------- the diagonal of a product
+#: Primitives through which a value flows linearly (``mul`` when its other operand does not read it).
+_LINEAR = {"gather", "mul", "reduce_sum", "convert_element_type", "broadcast_in_dim", "reshape", "squeeze",
+           "transpose"}
+
+
+def _linear_in(closed: Any, k: int) -> bool:
+    """Is the jaxpr's output a linear function of its input ``k`` (every other input held fixed)?"""
+    jaxpr = closed.jaxpr
+    dep = {jaxpr.invars[k]}
+    for e in jaxpr.eqns:
+        reads = [i for i, v in enumerate(e.invars) if not isinstance(v, jax.extend.core.Literal) and v in dep]
+        if not reads:
+            continue
+        name = e.primitive.name
+        if name not in _LINEAR or (name == "mul" and len(reads) != 1) or (name == "gather" and reads != [0]) \
+                or (name == "convert_element_type" and not jnp.issubdtype(e.outvars[0].aval.dtype, jnp.floating)):
+            return False
+        dep.update(e.outvars)
+    return True
+
+
+def _is_diagonal(m: Any, body: Any, w: Value, q: Value, mask: Any) -> bool:
+    """Does this branch of ``cond(platform, w, q)`` compute the diagonal of ``q``?
+
+    It must be linear in ``q`` (its jaxpr says so), and agree with the diagonal on two random integer
+    matrices: two linear maps that differ agree on a random point of a grid of 2001^(n*n) points with
+    probability at most 1/2001, so this is a randomised identity test, whose two draws are exact in
+    float32 and fixed by a seed (a rule's result depends on nothing but its match).
+    """
+    try:
+        g = m.function(body.outs, [m.param(body.scope, 0, w.aval), m.param(body.scope, 1, q.aval)])
+    except ValueError:
+        return False
+    if g is None or len(body.outs) != 1 or not _linear_in(g.jaxpr, 1):
+        return False
+    rng = np.random.default_rng(0)
+    for _ in range(2):
+        x = rng.integers(-1000, 1001, size=q.shape).astype(q.dtype)
+        (got,) = g(mask, x)
+        if not np.array_equal(np.asarray(got), np.diagonal(x)):
+            return False
+    return True
+
+
+@procedural
+def _diagonal_of_product(m):
+    """``diagonal(a b) -> sum(a * b^T, 1)``: ``jnp.diagonal`` is a ``cond`` over the platform, checked branch by branch."""
+    params = _dot_params(m, "p")
+    a, b, w, q, i = m["a"], m["b"], m["w"], m["q"], m["i"]
+    (lc, rc), (lb, _) = params["dimension_numbers"] if params is not None else ((None, None), (None, None))
+    if params is None or lb or a.ndim != 2 or b.ndim != 2 or q.shape[0] != q.shape[1] or not q.is_floating \
+            or not _same_dtype(params, a, b) or i.node("platform_index") is None:
+        return None
+    if q.size > 1 << 22:
+        return None  # the check evaluates the branches at q's size
+    bodies = m.bodies("br")
+    fmask = m.function([w], [])
+    if fmask is None or len(bodies) != 2:
+        return None
+    (mask,) = fmask()
+    if not all(_is_diagonal(m, body, w, q, np.asarray(mask)) for body in bodies):
+        return None
+    a_rows, b_cols = 1 - lc[0], 1 - rc[0]  # the free dimension of each
+
+    def fn(a, b):
+        a = a if a_rows == 0 else a.T
+        b = b.T if b_cols == 1 else b
+        return jnp.sum(a * b, axis=1)
+
+    # a cond's results are projections of it: the diagonal is its only one
+    out = [u for u, node in m.users(m.root) if node.ctor == "Proj" and node.args[1] == 0]
+    if len(out) != 1 or out[0].aval != q.aval.update(shape=q.shape[:1]):
+        return None
+    return [(out[0], m.trace(fn, a, b))]
+
+
 # ---------------------------------------------------------------------- guards and examples
 def _f32(*shape: int) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(shape, jnp.float32)
@@ -586,6 +667,9 @@ linalg = Ruleset("linalg", [
     rule(Pat("reduce_sum", _PRODUCT, params="r"), _sum_of_product, name="la_sum_product",
          example=(lambda a, b: (jnp.sum(a @ b, axis=0), jnp.sum(jnp.einsum("bij,bjk->bik", a[None], b[None]), (0, 2))),
                   (_M34, _M45))),                                                                 # sum(a b, 0) -> sum(a, 0) b
+    rule(Pat("cond", [Pat.var("i"), Pat.var("w"), Pat("dot_general", A, B, params="p", name="q")], bodies="br"),
+         _diagonal_of_product, name="la_diagonal_product",
+         example=(lambda a, b: jnp.diagonal(a @ b), (_M34, _M43))),                                # diagonal(a b) -> sum(a * b^T, 1)
     rule(lambda a, b: jnp.trace(a @ b), lambda a, b: jnp.sum(a * b.T), name="la_trace_product",
          when=lambda a, b: _numeric(a, b), example=(_M34, _M43)),                                  # trace(a b) -> sum(a * b^T)
 ], soundness="identity", tolerance=_REORDERING, description=__doc__.split("\n\n")[0])

@@ -280,3 +280,11 @@ def test_with_algebra_a_scaled_chain_still_takes_the_optimal_order():
     report = explain(lambda *ms: 2.0 * _chain(*ms), *args, rulesets=[rulesets.algebra + linalg])
     assert report.stopped == "saturated"
     assert _dot_flops(report.after) == _optimal_flops(shapes)
+
+
+def test_the_diagonal_of_a_product_skips_the_product_and_an_offset_one_is_left_alone():
+    a, b = jnp.ones((64, 32)), jnp.ones((32, 64))
+    report = explain(lambda a, b: jnp.diagonal(a @ b), a, b, rulesets=[linalg])
+    assert report.fired.get("la_diagonal_product") == 1 and _dot_flops(report.after) == 0
+    report = explain(lambda a, b: jnp.diagonal(a @ b, offset=1), a, b, rulesets=[linalg])
+    assert "la_diagonal_product" not in report.fired
