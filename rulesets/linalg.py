@@ -562,7 +562,8 @@ def _is_diagonal(m: Any, body: Any, w: Value, q: Value, mask: Any) -> bool:
     for _ in range(2):
         x = rng.integers(-1000, 1001, size=q.shape).astype(q.dtype)
         try:
-            (got,) = g(mask, x)
+            with jax.ensure_compile_time_eval():  # evaluate now, even while a jit traces the rewritten function
+                (got,) = g(mask, x)
         except Exception:  # a branch that cannot run here is no diagonal we can vouch for
             return False
         if not np.array_equal(np.asarray(got), np.diagonal(x)):
@@ -585,7 +586,8 @@ def _diagonal_of_product(m):
     fmask = m.function([w], [])
     if fmask is None or len(bodies) != 2:
         return None
-    (mask,) = fmask()
+    with jax.ensure_compile_time_eval():
+        (mask,) = fmask()
     if not all(_is_diagonal(m, body, w, q, np.asarray(mask)) for body in bodies):
         return None
     a_rows, b_cols = 1 - lc[0], 1 - rc[0]  # the free dimension of each

@@ -286,5 +286,8 @@ def test_the_diagonal_of_a_product_skips_the_product_and_an_offset_one_is_left_a
     a, b = jnp.ones((64, 32)), jnp.ones((32, 64))
     report = explain(lambda a, b: jnp.diagonal(a @ b), a, b, rulesets=[linalg])
     assert report.fired.get("la_diagonal_product") == 1 and _dot_flops(report.after) == 0
+    # and while jit traces the rewritten function (the rule evaluates the cond's branches to check them)
+    traced = jax.make_jaxpr(rewrite(lambda a, b: jnp.diagonal(a @ b), rulesets=[linalg]))(a, b)
+    assert "dot_general" not in str(traced)
     report = explain(lambda a, b: jnp.diagonal(a @ b, offset=1), a, b, rulesets=[linalg])
     assert "la_diagonal_product" not in report.fired
