@@ -13,6 +13,7 @@ from ._cost import AnalyticCost, NodeInfo
 from ._pattern import Pat
 from ._report import Report, explain
 from ._rules import Match, Rule, Ruleset, Tolerance, Value, procedural, rule
+from . import loops  # noqa: E402  (the loop API: rewrite.loops.Loop, rewrite.loops.SCAN)
 
 __all__ = [
     "AnalyticCost",
@@ -29,6 +30,7 @@ __all__ = [
     "Tolerance",
     "Value",
     "explain",
+    "loops",
     "procedural",
     "rewrite",
     "rule",

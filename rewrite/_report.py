@@ -77,6 +77,7 @@ class Report:
     warnings: list[str]
     rulesets: list[tuple[Rule, Ruleset]]
     result: Result = dataclasses.field(repr=False)
+    model: Any = dataclasses.field(default=None, repr=False)  # the cost model, to price what was declined
     #: with ``explain(..., grad=True)``: the VJP's forward/backward split (:class:`rewrite._vjp.VJPResult`)
     gradient: Any = dataclasses.field(default=None, repr=False)
 
@@ -113,6 +114,10 @@ class Report:
         if rej:
             lines.append("matches not applied: " + "; ".join(
                 f"{k}: " + ", ".join(f"{n} {why}" for why, n in sorted(v.items())) for k, v in rej.items()))
+        not_chosen = self.declined()
+        if not_chosen:
+            lines.append("loop rewrites built and not chosen (the model's prices):")
+            lines.extend(f"  {d}" for d in not_chosen)
         if self.gradient is not None:
             g = self.gradient
             nbytes = sum(_nbytes(v.aval) for v in g.fwd.jaxpr.outvars[len(g.fwd.out_avals) - len(g.split.residuals):])
@@ -122,6 +127,30 @@ class Report:
         for w in self.warnings:
             lines.append(f"warning: {w}")
         return "\n".join(lines)
+
+    def why(self, rule: str) -> Any:
+        """Why ``rule``'s rewrite is not in the result: a :class:`rewrite._why.Declined` with the price kept,
+        the price with the rule's nodes in the program, and the operations whose prices differ most;
+        ``None`` if the rule built nothing or the report kept no e-graph."""
+        from ._why import declined
+
+        if self.model is None:
+            return None
+        cache = self.__dict__.setdefault("_why", {})
+        if rule not in cache:
+            cache[rule] = declined(self.result, self.model, rule)
+        return cache[rule]
+
+    def declined(self) -> list[Any]:
+        """:meth:`why` for every rule that fired, built a loop, and has nothing in the result."""
+        from ._why import builds_loops
+
+        if self.model is None or self.result.egraph is None:
+            return []
+        names = [k for k in self.fired if not self.used.get(k) and builds_loops(self.result, k)]
+        # a rule whose nodes reach nothing when forced in was superseded (a later rewrite built on it);
+        # one whose program prices the same as the kept one was a tie, which goes to what was kept
+        return [d for d in (self.why(k) for k in names) if d is not None and not d.note and d.drivers]
 
     def diff(self, context: int = 2) -> str:
         a = str(self.before).splitlines()
@@ -264,7 +293,8 @@ def explain(fn: Any, *args: Any, rulesets: Any = (), cost_model: Any = None, lim
         )
     entries = entries_of(rulesets)
     traced, trace_time = _trace(fn, args, kwargs, static_argnums, static_argnames)
-    result = run_pipeline(traced, entries, resolve(cost_model), limits or Limits(), keep=True)
+    model = resolve(cost_model)
+    result = run_pipeline(traced, entries, model, limits or Limits(), keep=True)
     result.times["trace"] = trace_time
     result.times = {k: result.times[k] for k in ("trace", "load", "saturate", "extract", "emit")}
     check_signature(traced.closed, result.after)
@@ -273,7 +303,7 @@ def explain(fn: Any, *args: Any, rulesets: Any = (), cost_model: Any = None, lim
         fired={k: s.fired for k, s in result.stats.items() if s.fired},
         used=provenance(result), stopped=result.stopped, times=result.times, iterations=result.iterations,
         egraph_rows=result.rows, rejected={k: dict(s.rejected) for k, s in result.stats.items()},
-        warnings=result.warnings, rulesets=entries, result=result,
+        warnings=result.warnings, rulesets=entries, result=result, model=model,
     )
 
 
