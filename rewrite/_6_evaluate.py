@@ -172,12 +172,15 @@ class Rewritten:
 
     def _rewrite(self, traced: Traced) -> Result:
         """The result for one traced program: from the disk cache, else rewritten (and guarded) and stored."""
+        t = time.perf_counter()
         key = self._disk_key(traced)
+        key_time = time.perf_counter() - t
         if key is not None:
             t = time.perf_counter()
             found = self.disk.load(key, traced.closed)
             if found is not None:
                 result = _cache.result_from(traced.closed, *found, where=str(self.disk.file(key)))
+                result.times["cache_key"] = key_time
                 result.times["cache_load"] = time.perf_counter() - t
                 self.loaded += 1
                 log.info("rewrite of %s read from the cache: %s", getattr(self.fn, "__name__", "function"),
@@ -188,6 +191,7 @@ class Rewritten:
         if self.guard is not None and not failed:
             self._guard(result)
         if key is not None and not failed:
+            result.times["cache_key"] = key_time
             self.disk.store(key, None if result.after is traced.closed else result.after, _cache.result_meta(result),
                             traced.closed)
         return result
