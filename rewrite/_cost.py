@@ -26,6 +26,7 @@ import dataclasses
 import math
 from typing import Any, Callable, Mapping
 
+import jax
 import numpy as np
 
 from . import _terms
@@ -84,9 +85,11 @@ def nbytes(aval: Any) -> int:
 
 
 def _table() -> dict[str, Any]:
-    from ._calibration import CPU
+    """The calibration table of the default backend (``rewrite/_calibration.py``), else the CPU's."""
+    from . import _calibration
 
-    return CPU
+    name = _calibration.BACKENDS.get(jax.default_backend(), _calibration.BACKENDS["cpu"])
+    return getattr(_calibration, name)
 
 
 @dataclasses.dataclass(frozen=True)
