@@ -173,11 +173,11 @@ class Rewritten:
     def _rewrite(self, traced: Traced) -> Result:
         """The result for one traced program: from the disk cache, else rewritten (and guarded) and stored."""
         t = time.perf_counter()
-        key = self._disk_key(traced)
+        key, program = self._disk_key(traced)
         key_time = time.perf_counter() - t
         if key is not None:
             t = time.perf_counter()
-            found = self.disk.load(key, traced.closed)
+            found = self.disk.load(key, traced.closed, program)
             if found is not None:
                 result = _cache.result_from(traced.closed, *found, where=str(self.disk.file(key)))
                 result.times["cache_key"] = key_time
@@ -193,17 +193,20 @@ class Rewritten:
         if key is not None and not failed:
             result.times["cache_key"] = key_time
             self.disk.store(key, None if result.after is traced.closed else result.after, _cache.result_meta(result),
-                            traced.closed)
+                            traced.closed, program)
         return result
 
-    def _disk_key(self, traced: Traced) -> str | None:
+    def _disk_key(self, traced: Traced) -> tuple[str | None, str | None]:
+        """The disk cache's key for this program, and the program's own fingerprint; ``None`` if uncacheable."""
         if self.disk is None:
-            return None
+            return None, None
         try:
-            return _cache.make_key(traced.closed, self.entries, self.cost_model, self.limits, guard=self.guard)
+            program = _cache.program_fingerprint(traced.closed)
+            return _cache.make_key(traced.closed, self.entries, self.cost_model, self.limits, program,
+                                   guard=self.guard), program
         except _cache.Unstable as e:
             log.debug("rewrite cache off for %s: %s", getattr(self.fn, "__name__", "function"), e)
-            return None
+            return None, None
 
     def _guard(self, result: Result) -> None:
         t = time.perf_counter()

@@ -250,9 +250,10 @@ def model_fingerprint(model: Any) -> str:
 
 
 def make_key(closed: core.ClosedJaxpr, entries: Sequence[tuple[Any, Any]], model: Any, limits: Any,
-             **extra: Any) -> str:
-    """The cache key of rewriting ``closed`` so. Raises :class:`Unstable` when a part cannot be hashed."""
-    parts = {"program": program_fingerprint(closed), "rules": rules_fingerprint(entries),
+             program: str | None = None, **extra: Any) -> str:
+    """The cache key of rewriting ``closed`` so (``program``: its :func:`program_fingerprint`, if known).
+    Raises :class:`Unstable` when a part cannot be hashed."""
+    parts = {"program": program or program_fingerprint(closed), "rules": rules_fingerprint(entries),
              "model": model_fingerprint(model), "limits": fingerprint(limits),
              "extra": fingerprint(sorted(extra.items())), "env": environment()}
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
@@ -358,9 +359,6 @@ class _Writer:
         t = type(x)
         if t in (bool, int, float, str, type(None)):
             return x
-        i = self.find(x)
-        if i is not None:
-            return ("orig", i)
         if t in (tuple, list):
             return (t.__name__, [self.value(v) for v in x])
         if t is dict:
@@ -381,6 +379,10 @@ class _Writer:
 
         if isinstance(x, (literals.TypedInt, literals.TypedFloat, literals.TypedComplex)):
             return ("typed", t.__name__, t.__mro__[1](x), str(x.dtype))
+        # what is not plain data (a custom_jvp's rule, a mesh, a source location) by its place in the original
+        i = self.find(x)
+        if i is not None:
+            return ("orig", i)
         if isinstance(x, core.JaxprEqnContext):
             return ("ctx", x.compute_type, x.threefry_partitionable, self.value(x.cur_abstract_mesh),
                     x.remove_size_one_mesh_axis, self.value(None if x.xla_metadata is None
@@ -646,7 +648,7 @@ class DiskCache:
         """``(header, blob)``, or ``None`` if there is no entry; raises :class:`CacheError` if it is unusable."""
         try:
             data = self.file(key).read_bytes()
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             return None
         if not data.startswith(MAGIC):
             raise CacheError("not a cache entry of this format (bad magic)")
@@ -669,15 +671,21 @@ class DiskCache:
         return header, payload[8 + n:]
 
     # -- programs
-    def store(self, key: str, program: core.ClosedJaxpr | None, meta: dict, original: core.ClosedJaxpr) -> bool:
-        """Store ``program`` (``None``: the original is the answer) with ``meta`` (JSON data). False if not stored."""
+    def store(self, key: str, program: core.ClosedJaxpr | None, meta: dict, original: core.ClosedJaxpr,
+              original_fingerprint: str | None = None) -> bool:
+        """Store ``program`` (``None``: the original is the answer) with ``meta`` (JSON data). False if not stored.
+
+        ``original`` is the traced program ``program`` was made from: what the two share is stored by place
+        in it, and a load checks that it is given the same program (``original_fingerprint``, if known, is
+        its :func:`program_fingerprint`)."""
         try:
             blob = b"" if program is None else dumps_program(program, original)
         except Unserialisable as e:
             log.debug("rewrite cache: not storing %s: %s", key[:12], e)
             return False
         header = {"format": FORMAT, "key": key, "env": environment(), "meta": meta,
-                  "program": program is not None, "signature": _signature(original)}
+                  "program": program is not None, "signature": _signature(original),
+                  "original": original_fingerprint or program_fingerprint(original)}
         try:
             self.write(key, header, blob)
         except OSError as e:
@@ -686,7 +694,8 @@ class DiskCache:
             return False
         return True
 
-    def load(self, key: str, original: core.ClosedJaxpr) -> tuple[core.ClosedJaxpr | None, dict] | None:
+    def load(self, key: str, original: core.ClosedJaxpr, original_fingerprint: str | None = None
+             ) -> tuple[core.ClosedJaxpr | None, dict] | None:
         """``(program, meta)`` stored under ``key``, checked against ``original``, the fresh trace;
         ``program`` is ``None`` where the original was kept. ``None`` if missing or unusable (with a warning)."""
         try:
@@ -696,6 +705,8 @@ class DiskCache:
             header, blob = found
             if header.get("signature") != _signature(original):
                 raise CacheError("stored for a program of another signature")
+            if header.get("original") != (original_fingerprint or program_fingerprint(original)):
+                raise CacheError("stored for another program")
             program = None
             if header.get("program"):
                 try:
@@ -707,7 +718,11 @@ class DiskCache:
 
                 check_signature(original, program)
             return program, header.get("meta", {})
-        except (CacheError, RuntimeError, OSError) as e:
+        except OSError as e:
+            self._warn(f"cannot read the rewrite cache in {self.path} ({type(e).__name__}: {e}); rewriting afresh",
+                       once=f"read {self.path}")
+            return None
+        except (CacheError, RuntimeError) as e:
             self._warn(f"rewrite cache entry {self.file(key)} is unusable ({e}); rewriting afresh")
             return None
 

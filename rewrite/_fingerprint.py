@@ -33,6 +33,10 @@ VERSIONED = frozenset({"jax", "jaxlib", "numpy", "egglog", "ml_dtypes", "opt_ein
                        "builtins", "__future__"}) | frozenset(getattr(sys, "stdlib_module_names", ()))
 
 
+#: Code flags that say where a function was defined (inside another, say), not what it does.
+_WHERE_DEFINED = 0x10 | 0x40  # CO_NESTED, CO_NOFREE
+
+
 class Unstable(Exception):
     """This value has no fingerprint that another process would reproduce."""
 
@@ -201,7 +205,8 @@ class _Walker:
 
     def _code(self, code: types.CodeType) -> None:
         self.put("code", code.co_code, code.co_names, code.co_varnames, code.co_freevars, code.co_cellvars,
-                 code.co_argcount, code.co_kwonlyargcount, code.co_posonlyargcount, code.co_flags)
+                 code.co_argcount, code.co_kwonlyargcount, code.co_posonlyargcount,
+                 code.co_flags & ~_WHERE_DEFINED)
         for c in code.co_consts:
             if isinstance(c, types.CodeType):
                 self._code(c)
