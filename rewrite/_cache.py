@@ -370,7 +370,10 @@ class _Writer:
         if isinstance(x, core.Primitive):
             if _primitive(x.name) is x:
                 return ("prim", x.name)
-            raise Unserialisable(f"primitive {x.name!r} cannot be found by name")
+            i = self.find(x)  # a library's own primitive (equinox has some) that the original uses
+            if i is None:
+                raise Unserialisable(f"primitive {x.name!r} cannot be found by name")
+            return ("orig", i)
         if isinstance(x, np.dtype):
             return ("dtype", str(x))
         if isinstance(x, (np.ndarray, np.generic)) or _jax_array(x):
