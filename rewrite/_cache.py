@@ -408,7 +408,7 @@ class _Writer:
         if i is not None:
             return ("orig", i)
         a = np.asarray(x)
-        if a.dtype == object or a.dtype.kind == "V":
+        if a.dtype == object or not _dtype_by_name(a.dtype):
             raise Unserialisable(f"an array of {a.dtype}")
         return ("array", str(a.dtype), a.shape, np.ascontiguousarray(a).tobytes(), _jax_array(x))
 
@@ -470,6 +470,16 @@ def _dce_wrapped(x: Any) -> Any:
         f = next((v for v in cells.values() if callable(v) and hasattr(v, "__code__")), None)
         seen += 1
     return None
+
+
+def _dtype_by_name(dtype: Any) -> bool:
+    """Can this dtype be found again by its name (bfloat16 and the other ml_dtypes too)?"""
+    import jax.numpy as jnp
+
+    try:
+        return jnp.dtype(str(dtype)) == dtype
+    except TypeError:
+        return False
 
 
 def _jax_array(x: Any) -> bool:

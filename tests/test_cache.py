@@ -74,6 +74,38 @@ def test_a_second_instance_loads_the_stored_program_and_it_runs_alike(tmp_path):
                                jax.vmap(program, (0, None))(jnp.stack([x, -x]), w), rtol=1e-5, atol=1e-5)
 
 
+@jax.custom_vjp
+def _clipped(x):
+    return x
+
+
+_clipped.defvjp(lambda x: (x, None), lambda _, g: (jnp.clip(g, -1.0, 1.0),))
+
+KINDS = {
+    "while": (lambda x: jax.lax.while_loop(lambda c: c[0] < 5, lambda c: (c[0] + 1, c[1] * 1.5), (0, x))[1],
+              (jnp.ones(3),)),
+    "cond": (lambda x, p: jax.lax.cond(p > 0, jnp.sin, jnp.cos, x), (jnp.ones(3), jnp.float32(1))),
+    "nested_jit": (lambda x: jax.jit(lambda y: jnp.exp(y) * 2.0)(x) + 1, (jnp.ones(3),)),
+    "custom_vjp": (lambda x: _clipped(x * 2.0).sum(), (jnp.ones(3),)),
+    "grad_of_custom_vjp": (jax.grad(lambda x: _clipped(jnp.sin(x)).sum()), (jnp.ones(3),)),
+    "remat_grad": (jax.grad(lambda x: jax.checkpoint(lambda y: jnp.sin(jnp.sin(y)))(x).sum()), (jnp.ones(3),)),
+    "bfloat16": (lambda x: (x * jnp.bfloat16(3)).astype(jnp.float32), (jnp.ones(3, jnp.bfloat16),)),
+    "typed_key": (lambda k, x: x + jax.random.normal(k, x.shape), (jax.random.key(0), jnp.ones(3))),
+    "callback": (lambda x: (jax.debug.callback(lambda v: None, x), x * 2)[1], (jnp.ones(3),)),
+    "gather_and_ints": (lambda x, i: x[i, ::2].sum() + jnp.arange(3)[i[0]], (jnp.ones((4, 5)), jnp.arange(4))),
+}
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_programs_of_every_kind_load_alike(tmp_path, kind):
+    fn, args = KINDS[kind]
+    first, second = fresh_and_loaded(fn, args, tmp_path, rulesets=[TRIG])
+    assert second.loaded == 1
+    assert str(second.jaxpr(*args)) == str(first.jaxpr(*args))
+    for p, q in zip(jax.tree_util.tree_leaves(second(*args)), jax.tree_util.tree_leaves(fn(*args))):
+        np.testing.assert_array_equal(np.asarray(p, np.float32), np.asarray(q, np.float32))
+
+
 def _mesh():
     return jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto, AxisType.Auto))
 
