@@ -529,7 +529,9 @@ class _Reader:
             import jax.numpy as jnp
 
             a = np.frombuffer(data, dtype=jnp.dtype(dtype)).reshape(shape).copy()
-            return jnp.asarray(a) if on_device else (a if shape else a[()])
+            # numpy, even for what was a jax.Array: a load may happen while an outer jit traces, where
+            # making a jax.Array would bind into that trace
+            return a if shape or on_device else a[()]
         if tag == "typed":
             from jax._src import literals
 
