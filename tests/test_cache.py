@@ -428,3 +428,18 @@ def test_an_entry_is_refused_for_another_program_of_the_same_signature(tmp_path)
         assert cache.load("cd" * 32, original=b) is None
     program, _ = cache.load("cd" * 32, original=a)
     np.testing.assert_allclose(core.jaxpr_as_fun(program)(jnp.ones(4))[0], jnp.sin(1.0) * 3.0, rtol=1e-6)
+
+
+def test_guard_never_runs_a_program_with_effects():
+    calls = []
+
+    def f(x):
+        jax.debug.callback(lambda v: calls.append(1), x)
+        return 2 * jnp.sin(x) * jnp.cos(x)
+
+    r = rewrite(f, rulesets=[TRIG], guard=True, cache=False)
+    result = r.result(jnp.ones(3))
+    assert calls == [] and result.rewritten
+    assert result.guard.kept == "rewritten" and "effects" in result.guard.reason
+    r(jnp.ones(3))
+    assert calls == [1]
