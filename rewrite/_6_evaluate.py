@@ -204,8 +204,9 @@ class Rewritten:
             program = _cache.program_fingerprint(traced.closed)
             return _cache.make_key(traced.closed, self.entries, self.cost_model, self.limits, program,
                                    guard=self.guard), program
-        except _cache.Unstable as e:
-            log.debug("rewrite cache off for %s: %s", getattr(self.fn, "__name__", "function"), e)
+        except Exception as e:  # Unstable: a rule or a param with no stable identity
+            log.debug("rewrite cache off for %s: %s: %s", getattr(self.fn, "__name__", "function"),
+                      type(e).__name__, e)
             return None, None
 
     def _guard(self, result: Result) -> None:

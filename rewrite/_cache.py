@@ -695,12 +695,13 @@ class DiskCache:
         its :func:`program_fingerprint`)."""
         try:
             blob = b"" if program is None else dumps_program(program, original)
-        except Unserialisable as e:
-            log.debug("rewrite cache: not storing %s: %s", key[:12], e)
+            header = {"format": FORMAT, "key": key, "env": environment(), "meta": meta,
+                      "program": program is not None, "signature": _signature(original),
+                      "original": original_fingerprint or program_fingerprint(original)}
+            json.dumps(header)
+        except Exception as e:  # Unserialisable, or a param object that fails in a way of its own
+            log.debug("rewrite cache: not storing %s: %s: %s", key[:12], type(e).__name__, e)
             return False
-        header = {"format": FORMAT, "key": key, "env": environment(), "meta": meta,
-                  "program": program is not None, "signature": _signature(original),
-                  "original": original_fingerprint or program_fingerprint(original)}
         try:
             self.write(key, header, blob)
         except OSError as e:
@@ -737,7 +738,7 @@ class DiskCache:
             self._warn(f"cannot read the rewrite cache in {self.path} ({type(e).__name__}: {e}); rewriting afresh",
                        once=f"read {self.path}")
             return None
-        except (CacheError, RuntimeError) as e:
+        except Exception as e:  # CacheError, a signature mismatch, or anything a damaged entry provokes
             self._warn(f"rewrite cache entry {self.file(key)} is unusable ({e}); rewriting afresh")
             return None
 
