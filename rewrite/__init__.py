@@ -10,12 +10,14 @@ code. The pipeline's stages are the numbered modules ``_1_trace`` to
 from ._3_saturate import Limits
 from ._6_evaluate import RewriteLimitWarning, RewriteWarning, Rewritten, rewrite
 from ._cost import AnalyticCost, NodeInfo
+from ._guard import Guard
 from ._pattern import Pat
 from ._report import Report, explain
 from ._rules import Match, Rule, Ruleset, Tolerance, Value, procedural, rule
 
 __all__ = [
     "AnalyticCost",
+    "Guard",
     "Limits",
     "Match",
     "NodeInfo",
