@@ -26,7 +26,11 @@ and renamed into place, so concurrent writers never leave a torn file. On
 load the checksum, the format and the versions are checked, the program is
 type-checked (``jax.core.check_jaxpr``) and its signature compared with the
 fresh trace's; any failure warns (:class:`RewriteWarning`) and rewrites
-afresh, and the new result replaces the entry.
+afresh, and the new result replaces the entry. Entries of other versions
+are not found (the versions are in the key) and stay on disk until the
+directory is emptied. As with JAX's compilation cache, the directory must be
+trusted: a stored program holds pickled params, so whoever can write there
+can run code in the processes that read it.
 
 Other callers store their own programs under a key derived from a
 function's (:meth:`DiskCache.derive`), with :meth:`DiskCache.store` and
@@ -46,9 +50,9 @@ True
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
-import io
 import json
 import logging
 import os
@@ -655,7 +659,7 @@ class DiskCache:
                 os.fsync(f.fileno())
             os.replace(tmp, target)
         except BaseException:
-            with _quiet():
+            with contextlib.suppress(OSError):
                 os.unlink(tmp)
             raise
 
@@ -757,14 +761,6 @@ class DiskCache:
 def _signature(closed: core.ClosedJaxpr) -> list:
     """The program's input and output avals, as they read back from the entry's JSON header."""
     return json.loads(json.dumps([[aval_key(a) for a in closed.in_avals], [aval_key(a) for a in closed.out_avals]]))
-
-
-class _quiet:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: Any) -> bool:
-        return exc[0] is not None and issubclass(exc[0], OSError)
 
 
 # ---------------------------------------------------------------------- for Rewritten

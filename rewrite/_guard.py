@@ -26,7 +26,6 @@ import contextlib
 import dataclasses
 import gc
 import logging
-from typing import Any
 
 from jax._src import core
 
