@@ -86,13 +86,18 @@ class Unserialisable(Exception):
 # ---------------------------------------------------------------------- where
 
 
+def user_dir() -> pathlib.Path:
+    """The user's cache directory for this library: ``$XDG_CACHE_HOME/jax-rewrite``, else ``~/.cache/jax-rewrite``."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return pathlib.Path(base) / "jax-rewrite"
+
+
 def default_dir() -> pathlib.Path | None:
-    """The cache directory when ``rewrite`` is given no ``cache=``: ``$JAX_REWRITE_CACHE_DIR``, else XDG's."""
+    """The cache directory when ``rewrite`` is given no ``cache=``: ``$JAX_REWRITE_CACHE_DIR``, else :func:`user_dir`."""
     env = os.environ.get(ENV)
     if env is not None:
         return None if env.strip().lower() in _OFF else pathlib.Path(env).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return pathlib.Path(base) / "jax-rewrite"
+    return user_dir()
 
 
 def resolve(cache: Any) -> "DiskCache | None":
@@ -106,8 +111,7 @@ def resolve(cache: Any) -> "DiskCache | None":
     if cache is False:
         return None
     if cache is True:
-        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-        return DiskCache(pathlib.Path(base) / "jax-rewrite")
+        return DiskCache(user_dir())
     if isinstance(cache, (str, os.PathLike)):
         return DiskCache(pathlib.Path(cache).expanduser())
     raise TypeError(f"cache= takes None, a bool, a directory or a DiskCache, got {type(cache).__name__}")
@@ -119,7 +123,6 @@ def resolve(cache: Any) -> "DiskCache | None":
 @functools.lru_cache(maxsize=1)
 def environment() -> dict[str, str]:
     """The versions a stored program depends on, this library's sources included."""
-    import egglog
     import jax
     import jaxlib
 
@@ -128,17 +131,20 @@ def environment() -> dict[str, str]:
     for p in sorted(root.glob("*.py")):
         h.update(p.name.encode())
         h.update(p.read_bytes())
-    try:
-        from importlib.metadata import version
-
-        lib = version("jax-rewrite")
-    except Exception:
-        lib = "unknown"
     devices = jax.devices()
     return {"format": str(FORMAT), "python": sys.version.split()[0], "jax": jax.__version__,
-            "jaxlib": jaxlib.__version__, "egglog": getattr(egglog, "__version__", "unknown"),
-            "jax-rewrite": f"{lib}+{h.hexdigest()[:16]}", "backend": jax.default_backend(),
+            "jaxlib": jaxlib.__version__, "egglog": _version("egglog"),
+            "jax-rewrite": f"{_version('jax-rewrite')}+{h.hexdigest()[:16]}", "backend": jax.default_backend(),
             "device": f"{len(devices)}x {devices[0].device_kind}" if devices else "none"}
+
+
+def _version(dist: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return "unknown"
 
 
 def aval_key(aval: Any) -> tuple:
@@ -620,6 +626,10 @@ def loads_program(data: bytes, original: core.ClosedJaxpr) -> core.ClosedJaxpr:
 # ---------------------------------------------------------------------- the store
 
 
+_WARNED: set[str] = set()  # what this process was warned of once (a directory it cannot write)
+_LOCK = threading.Lock()
+
+
 class CacheError(Exception):
     """An entry that cannot be used: corrupt, truncated, of another format or version, or not this program."""
 
@@ -629,8 +639,6 @@ class DiskCache:
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = pathlib.Path(path)
-        self._warned: set[str] = set()
-        self._lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"<DiskCache {str(self.path)!r}>"
@@ -749,11 +757,11 @@ class DiskCache:
     def _warn(self, msg: str, once: str | None = None) -> None:
         from ._6_evaluate import RewriteWarning
 
-        with self._lock:
+        with _LOCK:
             if once is not None:
-                if once in self._warned:
+                if once in _WARNED:
                     return
-                self._warned.add(once)
+                _WARNED.add(once)
         log.warning(msg)
         warnings.warn(RewriteWarning(msg), stacklevel=5)
 
