@@ -128,8 +128,8 @@ def environment() -> dict[str, str]:
 
     h = hashlib.sha256()
     root = pathlib.Path(__file__).parent
-    for p in sorted(root.glob("*.py")):
-        h.update(p.name.encode())
+    for p in sorted(root.rglob("*.py")):
+        h.update(str(p.relative_to(root)).encode())
         h.update(p.read_bytes())
     devices = jax.devices()
     return {"format": str(FORMAT), "python": sys.version.split()[0], "jax": jax.__version__,
