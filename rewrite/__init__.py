@@ -10,6 +10,7 @@ code. The pipeline's stages are the numbered modules ``_1_trace`` to
 from ._3_saturate import Limits
 from ._6_evaluate import RewriteLimitWarning, RewriteWarning, Rewritten, rewrite
 from ._cost import AnalyticCost, NodeInfo
+from ._guard import Guard
 from ._pattern import Pat
 from ._report import Report, explain
 from ._rules import Match, Rule, Ruleset, Tolerance, Value, procedural, rule
@@ -17,6 +18,7 @@ from . import loops  # noqa: E402  (the loop API: rewrite.loops.Loop, rewrite.lo
 
 __all__ = [
     "AnalyticCost",
+    "Guard",
     "Limits",
     "Match",
     "NodeInfo",
