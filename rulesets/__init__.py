@@ -12,14 +12,19 @@ loaded on first use (defining a rule traces it, which takes a moment):
   inside the loop; carry-independent work lifted out of loops.
 * ``rulesets.derivatives`` (identity): identities that make autodiff's
   backward passes as fast as hand-derived ones.
+* ``rulesets.nn`` (identity): the idioms of model code in their lean and
+  stable forms: one-hot products as gathers, ``log_softmax``, softplus.
+* ``rulesets.linalg`` (identity): matrix products reordered and simplified
+  by their shapes (associativity, transposes, factors, distributivity,
+  reductions of products).
 
 ``BUILTIN`` maps each available pack's name to its ruleset.
 
 >>> import rulesets
 >>> sorted(rulesets.BUILTIN) == sorted(n for n in rulesets.PACKS if n in rulesets.BUILTIN)
 True
->>> [n for n in dir(rulesets) if not n.startswith("__")]
-['BUILTIN', 'PACKS', 'algebra', 'derivatives', 'fastmath', 'scan']
+>>> sorted(n for n in dir(rulesets) if not n.startswith("__")) == sorted(rulesets.PACKS + ("BUILTIN", "PACKS"))
+True
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ import sys as _sys
 import types as _types
 from typing import Any as _Any
 
-PACKS = ("algebra", "fastmath", "scan", "derivatives")
+PACKS = ("algebra", "fastmath", "scan", "derivatives", "nn", "linalg")
 
 
 class _Packs(_types.ModuleType):

@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import re
+import warnings
 from pathlib import Path
 from typing import Any, Callable
 
@@ -188,7 +189,50 @@ def _cases() -> list[Case]:
         lambda: (jax.grad(bs.rnn_mse), _rnn(), scan_pack(), {"cost_model": _stacked100()}))
     for name in ("seed001_grad", "rnn_mse_grad", "nested", "eqx_gru_scan", "eqx_gru_scan_grad"):
         add("scan", f"corpus_{name}", f"tests.corpus: {name}", lambda n=name: (*_corpus(n), scan_pack(), {}))
+
+    # nn: the benchmark's one-hot language-model loss (small, but large enough that the gather is taken).
+    from benchmarks import nn as bn
+
+    nn_pack = lambda: [_pack("nn")]  # noqa: E731
+    add("nn", "lm_loss", "benchmarks.nn: rewrite(lm_one_hot) at N=32, V=512",
+        lambda: (bn.lm_one_hot, _lm(), nn_pack(), {}))
+    add("nn", "lm_value_and_grad", "benchmarks.nn: jax.value_and_grad(rewrite(lm_one_hot)) at N=32, V=512",
+        lambda: (bn.lm_one_hot, _lm(), nn_pack(), {"outer": jax.value_and_grad}))
+    add("nn", "lm_rewrite_value_and_grad", "benchmarks.nn: rewrite(jax.value_and_grad(lm_one_hot)) at N=32, V=512",
+        lambda: (jax.value_and_grad(bn.lm_one_hot), _lm(), nn_pack(), {}))
+    for name in ("jax_nn", "mlp_loss", "attention"):
+        add("nn", f"corpus_{name}", f"tests.corpus: {name}", lambda n=name: (*_corpus(n), nn_pack(), {}))
+
+    # linalg: programs with products (the transformer's attention and MLP, the corpus's) and the benchmark's own.
+    for kind in ("forward", "step"):
+        add("linalg", f"transformer_{kind}",
+            f"benchmarks.programs.transformer_step(1, d=8, batch=2, seq=4, kind={kind!r})",
+            lambda k=kind: (*_transformer(k), [_pack("linalg")], {}))
+    for name in ("attention", "attention_grad", "mlp_loss", "mlp_grad"):
+        add("linalg", f"corpus_{name}", f"tests.corpus: {name}", lambda n=name: (*_corpus(n), [_pack("linalg")], {}))
+    add("linalg", "linear_attention", "benchmarks.linalg.attention at (1, 2, 16, 4)",
+        lambda: (_linalg_bench().attention, _ones((1, 2, 16, 4), (1, 2, 16, 4), (1, 2, 16, 4)), [_pack("linalg")], {}))
+    add("linalg", "chain5", "benchmarks.linalg.chain of five matrices, 9x30x2x17x40x3",
+        lambda: (_linalg_bench().chain, _ones((9, 30), (30, 2), (2, 17), (17, 40), (40, 3)), [_pack("linalg")], {}))
     return out
+
+
+def _lm() -> tuple:
+    import jax.numpy as jnp
+
+    return jnp.linspace(-3.0, 3.0, 32 * 512, dtype=jnp.float32).reshape(32, 512), jnp.arange(32) * 15 % 512
+
+
+def _linalg_bench() -> Any:
+    from benchmarks import linalg
+
+    return linalg
+
+
+def _ones(*shapes: tuple[int, ...]) -> tuple:
+    import jax.numpy as jnp
+
+    return tuple(jnp.ones(s) for s in shapes)
 
 
 def _stacked100() -> Any:
@@ -238,7 +282,9 @@ def render(case: Case) -> str:
     options = dict(options)
     outer = options.pop("outer", None)
     outer_args = options.pop("outer_args", args)
-    rewritten = rewrite(fn, rulesets=packs, **options)
+    with warnings.catch_warnings():  # vjp=True is deprecated; its golden files keep what it still does
+        warnings.filterwarnings("ignore", r"rewrite\(\.\.\., vjp=True\)", DeprecationWarning)
+        rewritten = rewrite(fn, rulesets=packs, **options)
     result = rewritten.result(*args)
     lines = [HEADER.rstrip("\n"),
              f"program: {case.source}",
