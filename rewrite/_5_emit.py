@@ -129,9 +129,9 @@ class _Scope:
         else:
             spec = _terms.BY_CTOR[ctor]
             invars = [self.env[a] for a in self._children(ctor, args)]
-            if spec.family == _terms.NESTED:
-                params = self._nested_params(spec, args, params, len(out_avals), len(invars))
-                effects = _nested_effects(spec.prim, params)
+            if spec.emit is not None:  # a primitive with bodies: its hook rebuilds them from their classes
+                params = spec.emit(em, params, self._bodies(spec, args), len(out_avals), len(invars))
+                effects = _nested_effects(spec, params)
         # Keys starting with _rw_ are annotations that rules keep on nodes; JAX never sees them.
         params = {k: v for k, v in params.items() if not k.startswith("_rw_")}
         outvars = [core.Var(a) for a in out_avals]
@@ -143,27 +143,10 @@ class _Scope:
             return outvars
         return outvars[0]
 
-    def _nested_params(self, spec: _terms.OpSpec, args: tuple, params: dict, n_out: int, n_in: int) -> dict:
-        em = self.em
-        if spec.prim == "scan":
-            order = params.pop("_rw_order")
-            params["jaxpr"] = em.body(args[0], order, closed=True)
-            if params.get("_rw_remat"):
-                params["jaxpr"] = checkpointed(params["jaxpr"], params["num_carry"], params["num_consts"],
-                                               params["_rw_remat"])
-        elif spec.prim == "while":
-            n_cond = params["cond_nconsts"] + n_out
-            n_body = params["body_nconsts"] + n_out
-            params["cond_jaxpr"] = em.body(args[0], tuple(range(n_cond)), closed=True)
-            params["body_jaxpr"] = em.body(args[1], tuple(range(n_body)), closed=True)
-        elif spec.prim == "cond":
-            order = tuple(range(n_in - 1))
-            params["branches"] = tuple(em.body(b, order, closed=True) for b in em.snap.list_items(args[0]))
-        elif spec.prim == "jit":
-            params["jaxpr"] = em.body(args[0], tuple(range(n_in)), closed=True)
-        elif spec.prim == "shard_map":
-            params["jaxpr"] = em.body(args[0], tuple(range(n_in)), closed=False)
-        return params
+    def _bodies(self, spec: _terms.OpSpec, args: tuple) -> list[Any]:
+        """The body arguments of a nested node, one per ``B`` (a class) or ``N`` (a list of classes)."""
+        list_items = self.em.snap.list_items
+        return [a if letter == "B" else list_items(a) for letter, a in zip(spec.layout, args) if letter in "BN"]
 
 
 class Emitter:
@@ -215,16 +198,14 @@ class Emitter:
         return core.ClosedJaxpr(jaxpr, sc.consts)
 
 
-def _nested_effects(prim: str, params: dict) -> Any:
-    """A nested equation's effects: its bodies', less the axes a shard_map binds itself."""
-    bodies = [params[k] for k in ("jaxpr", "cond_jaxpr", "body_jaxpr") if k in params] + list(params.get("branches", ()))
+def _nested_effects(spec: _terms.OpSpec, params: dict) -> Any:
+    """A nested equation's effects: its bodies', less the axes it binds itself (a shard_map's manual axes)."""
     effects = set()
-    for b in bodies:
-        effects |= set(b.effects)
-    if prim == "shard_map":
-        bound = params.get("newly_manual_axes", frozenset())
-        effects = {e for e in effects if not (isinstance(e, core.NamedAxisEffect) and e.name in bound)}
-    return effects
+    for k in spec.body_params:
+        for b in params[k] if isinstance(params[k], (tuple, list)) else (params[k],):
+            effects |= set(b.effects)
+    bound = params.get("newly_manual_axes", frozenset())
+    return {e for e in effects if not (isinstance(e, core.NamedAxisEffect) and e.name in bound)}
 
 
 #: What a loop body built by a rule may ask autodiff to keep (``_rw_remat`` on a scan's params).

@@ -29,58 +29,10 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from . import _terms
-from ._fusion import CHEAP as _CHEAP
-
-
-@dataclasses.dataclass(frozen=True)
-class NodeInfo:
-    """What a cost model sees of one e-node.
-
-    ``op`` is the primitive name (``"sin"``, ``"scan"``, ...), or one of
-    ``"literal"``, ``"const"``, ``"param"``, ``"token"``, ``"proj"`` for
-    structural nodes. For ``"proj"``, ``of`` is the projected node's op,
-    ``params`` its params, and ``index`` which result is taken. For nodes with
-    bodies (scan, while, cond, jit, shard_map), ``body_costs`` holds the cost of
-    one execution of each body. A cost model is any callable from ``NodeInfo``
-    to a non-negative float:
-
-    >>> import jax.numpy as jnp
-    >>> from jax.core import ShapedArray
-    >>> from rewrite import AnalyticCost, NodeInfo
-    >>> def adds_are_ruinous(node):
-    ...     return 1e9 if node.op == "add" else AnalyticCost()(node)
-    >>> v = ShapedArray((8,), jnp.float32)
-    >>> adds_are_ruinous(NodeInfo("add", "elementwise", {}, (v, v), (v,)))
-    1000000000.0
-    >>> adds_are_ruinous(NodeInfo("exp", "transcendental", {}, (v,), (v,))) == AnalyticCost()(
-    ...     NodeInfo("exp", "transcendental", {}, (v,), (v,)))
-    True
-    """
-
-    op: str
-    family: str
-    params: Mapping[str, Any]
-    in_avals: tuple[Any, ...]
-    out_avals: tuple[Any, ...]
-    body_costs: tuple[float, ...] = ()
-    index: int | None = None
-    of: str | None = None
+from ._primitives import NodeInfo, inner_jaxpr, nbytes, size  # noqa: F401  (NodeInfo, size, nbytes: public here)
 
 
 CostModel = Callable[[NodeInfo], float]
-
-
-def size(aval: Any) -> int:
-    shape = getattr(aval, "shape", None)
-    return 0 if shape is None else int(math.prod(shape))
-
-
-def nbytes(aval: Any) -> int:
-    dtype = getattr(aval, "dtype", None)
-    if dtype is None:
-        return 0
-    itemsize = getattr(dtype, "itemsize", None)  # extended dtypes (PRNG keys) carry their own
-    return size(aval) * (itemsize if isinstance(itemsize, int) else np.dtype(dtype).itemsize)
 
 
 def _table() -> dict[str, Any]:
@@ -145,11 +97,11 @@ class AnalyticCost:
         more than its multiplications (it is never cheaper than writing them
         out). The rest is priced as measured.
         """
-        if op == "integer_pow":
-            y = abs(int((params or {}).get("y", 2)))
-            muls = max(1, y.bit_length() - 1 + bin(y).count("1") - 1)
-            return self.flop * (muls + 1) + (self.ops.get("div", self.flop) if (params or {}).get("y", 2) < 0 else 0.0)
-        if op in _CHEAP:
+        spec = _terms.spec_of(op)
+        if spec.unrolled is not None:
+            muls, divs = spec.unrolled(params or {})
+            return self.flop * (muls + 1) + divs * self.ops.get("div", self.flop)
+        if spec.cheap:
             return self.flop
         found = self.ops.get(op)
         if found is not None:
@@ -157,55 +109,52 @@ class AnalyticCost:
         return self.transcendental if family == _terms.TRANSCENDENTAL else self.flop
 
     def __call__(self, n: NodeInfo) -> float:
-        fam = n.family
-        out = n.out_avals
-        if fam == _terms.SPECIAL:
-            if n.op == "proj":
-                if n.of == "scan" and n.index is not None and n.index >= n.params.get("num_carry", 0):
-                    return self.node + (self.byte + self.stacked) * nbytes(out[0])  # the stacked output is written
-                return 0.0
-            return 0.0
-        if fam in (_terms.ELEMENTWISE, _terms.TRANSCENDENTAL):
-            return self.node + self.elementwise(n.op, fam, n.params) * sum(size(a) for a in out)
-        if fam == _terms.LAYOUT:
-            return self.node + 0.05 * self.flop * sum(size(a) for a in out)
-        if fam == _terms.TRANSPOSE:
-            return self.node + self.byte * sum(nbytes(a) for a in out)
-        if fam == _terms.REDUCE:
-            return self.node + self.reduce * sum(size(a) for a in n.in_avals) + self.byte * sum(nbytes(a) for a in n.in_avals)
-        if fam == _terms.CONTRACT:
-            return self.node + self.dot * _dot_flops(n) + self.byte * (sum(nbytes(a) for a in n.in_avals) + nbytes(out[0]))
-        if fam == _terms.INDEX:
-            return self.node + self.byte * sum(nbytes(a) for a in out)
-        if fam == _terms.NESTED:
-            return self.node + self._nested(n)
-        inner = _inner(n.params) if fam == _terms.OPAQUE else None
+        spec = _terms.BY_PRIM.get(n.op)
+        if spec is not None and spec.price is not None and n.family == spec.family:
+            return self.node + spec.price(self, n)
+        return _BY_FAMILY.get(n.family, AnalyticCost._opaque)(self, n)
+
+    def _special(self, n: NodeInfo) -> float:
+        if n.op == "proj" and n.index is not None:
+            of = _terms.BY_PRIM.get(n.of or "")
+            if of is not None and of.stacks is not None and of.stacks(n.params, n.index):
+                return self.node + (self.byte + self.stacked) * nbytes(n.out_avals[0])  # the stacked output is written
+        return 0.0
+
+    def _pointwise(self, n: NodeInfo) -> float:
+        return self.node + self.elementwise(n.op, n.family, n.params) * sum(size(a) for a in n.out_avals)
+
+    def _layout(self, n: NodeInfo) -> float:
+        return self.node + 0.05 * self.flop * sum(size(a) for a in n.out_avals)
+
+    def _written(self, n: NodeInfo) -> float:
+        return self.node + self.byte * sum(nbytes(a) for a in n.out_avals)
+
+    def _reduce(self, n: NodeInfo) -> float:
+        return self.node + self.reduce * sum(size(a) for a in n.in_avals) + self.byte * sum(nbytes(a) for a in n.in_avals)
+
+    def _contract(self, n: NodeInfo) -> float:
+        return self.node + self.dot * _dot_flops(n) + self.byte * (sum(nbytes(a) for a in n.in_avals) + nbytes(n.out_avals[0]))
+
+    def _nested(self, n: NodeInfo) -> float:
+        return self.node + sum(n.body_costs)  # a call (jit, shard_map): what its bodies cost
+
+    def _opaque(self, n: NodeInfo) -> float:
+        inner = inner_jaxpr(n.params) if n.family == _terms.OPAQUE else None
         if inner is not None:
             # a call XLA inlines (custom_jvp_call, custom_vjp_call, remat): what its body costs
             return self.node + self._body(inner)
         # opaque or effectful: it reads its operands and writes its results
+        out = n.out_avals
         return self.node + self.flop * sum(size(a) for a in out) + self.byte * (
             sum(nbytes(a) for a in n.in_avals) + sum(nbytes(a) for a in out))
-
-    def _nested(self, n: NodeInfo) -> float:
-        bodies = n.body_costs
-        if n.op == "scan":
-            length = n.params.get("length", 1)
-            carry = sum(nbytes(a) for a in n.out_avals[: n.params.get("num_carry", 0)])
-            return length * (bodies[0] + self.iteration + self.byte * carry)
-        if n.op == "while":
-            return self.while_trips * (sum(bodies) + self.iteration)
-        if n.op == "cond":
-            return max(bodies, default=0.0) + self.iteration
-        return sum(bodies)
 
     def _body(self, jaxpr: Any) -> float:
         total = 0.0
         for e in jaxpr.eqns:
-            spec = _terms.BY_PRIM.get(e.primitive.name)
-            family = spec.family if spec is not None else _terms.OPAQUE
+            family = _terms.family_of(e.primitive.name)
             if family == _terms.NESTED:
-                family = _terms.OPAQUE  # a nested call's bodies are priced through _inner
+                family = _terms.OPAQUE  # a nested call's bodies are priced through inner_jaxpr
             total += self(NodeInfo(e.primitive.name, family, e.params, tuple(v.aval for v in e.invars),
                                    tuple(v.aval for v in e.outvars)))
         return total
@@ -226,18 +175,26 @@ class AnalyticCost:
         return self.fusion_model()(prog)
 
 
-def _inner(params: Mapping[str, Any]) -> Any:
-    from ._fusion import inner_jaxpr
-
-    return inner_jaxpr(params)
-
-
 def _dot_flops(n: NodeInfo) -> float:
     (lc, rc), (lb, rb) = n.params["dimension_numbers"]
     lhs, rhs = n.in_avals[:2]
     contract = math.prod(lhs.shape[d] for d in lc)
     return 2.0 * size(n.out_avals[0]) * contract
 
+
+#: How :class:`AnalyticCost` prices a node of each family, unless its record has a ``price`` hook.
+_BY_FAMILY: dict[str, Callable[[AnalyticCost, NodeInfo], float]] = {
+    _terms.SPECIAL: AnalyticCost._special,
+    _terms.ELEMENTWISE: AnalyticCost._pointwise,
+    _terms.TRANSCENDENTAL: AnalyticCost._pointwise,
+    _terms.LAYOUT: AnalyticCost._layout,
+    _terms.TRANSPOSE: AnalyticCost._written,
+    _terms.REDUCE: AnalyticCost._reduce,
+    _terms.CONTRACT: AnalyticCost._contract,
+    _terms.INDEX: AnalyticCost._written,
+    _terms.NESTED: AnalyticCost._nested,
+    _terms.OPAQUE: AnalyticCost._opaque,
+}
 
 DEFAULT = AnalyticCost()
 
