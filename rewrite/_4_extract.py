@@ -38,6 +38,7 @@ from . import _terms
 from ._cost import CostModel, NodeInfo
 from ._egraph import Snapshot
 from ._intern import PARAMS, TupleType
+from ._walk import children, operands, term_children, walk
 
 _CONTAINERS = {"TNil", "TCons", "Body", "BNil", "BCons"}
 _LEAVES = {"Lit": "literal", "Const": "const", "Param": "param", "Tok": "token"}
@@ -65,8 +66,7 @@ class Extractor:
         """The ``Term``/``TList`` children of ``node`` (not bodies), memoised: searches ask often."""
         found = self._kids.get(node)
         if found is None:
-            ctor, args = node
-            found = self._kids[node] = [a for s, a in zip(_terms.ctor_arg_sorts(ctor), args) if s in ("Term", "TList")]
+            found = self._kids[node] = term_children(node)
         return found
 
     @functools.cached_property
@@ -129,24 +129,14 @@ class Extractor:
         rank = self.rank
         lo = min(rank.get(t, -1) for t in targets)  # nothing ranked below every target reaches one
         kids = self.term_kids
-        seen: set[Any] = set()
-        stack = list(start)
-        while stack:
-            x = stack.pop()
-            if x in targets:
-                return True
-            if x in seen or rank.get(x, lo) < lo:
-                continue
-            seen.add(x)
-            stack.extend(kids(choice[x]))
-        return False
+        # nothing below the targets' rank is walked through
+        return any(x in targets for x in walk(start, lambda x: () if rank.get(x, lo) < lo else kids(choice[x])))
 
     def children(self, ctor: str, args: tuple) -> list[Any]:
-        return [a for s, a in zip(_terms.ctor_arg_sorts(ctor), args) if s != "i64"]
+        return children((ctor, args))
 
     def info(self, cls: Any, ctor: str, args: tuple, choice: dict[Any, tuple], body_costs: tuple = ()) -> NodeInfo:
         snap = self.snap
-        sorts = _terms.ctor_arg_sorts(ctor)
         out_t = snap.aval(cls)
         outs = tuple(out_t) if isinstance(out_t, TupleType) else (out_t,)
         if ctor in _LEAVES:
@@ -158,14 +148,9 @@ class Extractor:
             of_op = PARAMS.prim(of_args[-1]).name if of_ctor not in _LEAVES and of_ctor != "Proj" else of_ctor
             return NodeInfo("proj", _terms.SPECIAL, of_params, (snap.aval(tup),), outs, index=index, of=of_op)
         pid = args[-1]
-        ins: list[Any] = []
-        for s, a in zip(sorts, args):
-            if s == "Term" and not (ctor == "Effect" and a is args[0]):
-                ins.append(snap.aval(a))
-            elif s == "TList":
-                ins.extend(snap.aval(x) for x in snap.list_items(a))
-        spec = _terms.BY_CTOR.get(ctor)
-        family = spec.family if spec is not None else _terms.OPAQUE
+        reads = operands(snap, (ctor, args))
+        ins = [snap.aval(a) for a in (reads[1:] if ctor == "Effect" else reads)]  # not an effect's token
+        family = _terms.BY_CTOR.get(ctor, _terms.DEFAULT).family
         return NodeInfo(PARAMS.prim(pid).name, family, PARAMS.params(pid), tuple(ins), outs, body_costs)
 
     def own(self, cls: Any, ctor: str, args: tuple, choice: dict[Any, tuple]) -> float:
@@ -246,13 +231,7 @@ class Extractor:
 
         def scope(start: Iterable[Any]) -> float:
             total = 0.0
-            seen: set[Any] = set()
-            stack = list(start)
-            while stack:
-                c = stack.pop()
-                if c in seen:
-                    continue
-                seen.add(c)
+            for c in walk(start, lambda c: self.term_kids(choice[c])):
                 ctor, args = choice[c]
                 bodies = self.body_classes(ctor, args)
                 if bodies:
@@ -263,11 +242,8 @@ class Extractor:
                             body_memo[b] = scope(self.snap.list_items(outs))
                         bcosts.append(body_memo[b])
                     total += float(self.model(self.info(c, ctor, args, choice, tuple(bcosts))))
-                    skip = {a for s, a in zip(_terms.ctor_arg_sorts(ctor), args) if s in ("Region", "BList")}
-                    stack.extend(k for k in self.children(ctor, args) if k not in skip)
                 else:
                     total += self.own(c, ctor, args, choice)
-                    stack.extend(self.children(ctor, args))
             return total
 
         return scope(roots)
@@ -428,18 +404,9 @@ def search(ex: Extractor, choice: dict[Any, tuple], roots: Sequence[Any]) -> dic
 
 
 def _search_bodies(ex: Extractor, choice: dict[Any, tuple], roots: Sequence[Any], done: set[Any]) -> dict[Any, tuple]:
-    seen: set[Any] = set()
-    stack = list(roots)
     bodies: list[Any] = []
-    while stack:  # the nested nodes of this scope (not entering their bodies)
-        c = stack.pop()
-        if c in seen:
-            continue
-        seen.add(c)
-        ctor, args = choice[c]
-        bodies.extend(ex.body_classes(ctor, args))
-        skip = {a for srt, a in zip(_terms.ctor_arg_sorts(ctor), args) if srt in ("Region", "BList")}
-        stack.extend(k for k in ex.children(ctor, args) if k not in skip)
+    for c in walk(roots, lambda c: ex.term_kids(choice[c])):  # the nested nodes of this scope, not their bodies
+        bodies.extend(ex.body_classes(*choice[c]))
     for b in bodies:
         if b in done:
             continue
@@ -525,17 +492,7 @@ class ProgramSearch:
         return self.ex.term_kids(node)
 
     def _program_classes(self) -> list[Any]:
-        seen: set[Any] = set()
-        order: list[Any] = []
-        stack = list(self.roots)
-        while stack:
-            c = stack.pop()
-            if c in seen:
-                continue
-            seen.add(c)
-            order.append(c)
-            stack.extend(self._kids(self.choice[c]))
-        return order
+        return list(walk(self.roots, lambda c: self._kids(self.choice[c])))
 
     def run(self, passes: int = 3, known: float | None = None) -> tuple[dict[Any, tuple], float]:
         """Improve the choice; ``known`` is the starting choice's price, if already computed."""
@@ -687,7 +644,7 @@ def choose_slice(snap: Snapshot, roots: Sequence[Any], inputs: set[Any], prefer:
             if ctor == "Body":
                 kids = [(args[1], scopes | {args[0]})]
             else:
-                kids = [(a, scopes) for srt, a in zip(_terms.ctor_arg_sorts(ctor), args) if srt != "i64"]
+                kids = [(a, scopes) for a in children((ctor, args))]
             if all(visit(k, sc) for k, sc in kids):
                 choice[c] = (ctor, args)
                 ok = True
@@ -707,13 +664,4 @@ def choose_slice(snap: Snapshot, roots: Sequence[Any], inputs: set[Any], prefer:
 
 def reachable(snap: Snapshot, choice: dict[Any, tuple], roots: Iterable[Any]) -> set[Any]:
     """Every class the chosen program uses, inside bodies too."""
-    seen: set[Any] = set()
-    stack = list(roots)
-    while stack:
-        c = stack.pop()
-        if c in seen:
-            continue
-        seen.add(c)
-        ctor, args = choice[c]
-        stack.extend(a for s, a in zip(_terms.ctor_arg_sorts(ctor), args) if s != "i64")
-    return seen
+    return set(walk(roots, lambda c: children(choice[c])))

@@ -30,6 +30,7 @@ from . import _terms
 from ._egraph import Snapshot
 from ._2_load import side_effects
 from ._intern import EFFECTS, PARAMS, TYPES, TupleType
+from ._walk import CycleError, operands, postorder
 from ._rules import literal_value
 
 
@@ -57,35 +58,13 @@ class _Scope:
         self._emit_all(roots)
         return [self.env[r] for r in roots]
 
-    def _children(self, ctor: str, args: tuple) -> list[Any]:
-        out = []
-        for s, a in zip(_terms.ctor_arg_sorts(ctor), args):
-            if s == "Term":
-                out.append(a)
-            elif s == "TList":
-                out.extend(self.em.snap.list_items(a))
-        return out
-
     def _emit_all(self, roots: Sequence[Any]) -> None:
-        choice = self.em.choice
-        stack: list[tuple[Any, bool]] = [(r, False) for r in reversed(roots)]
-        on_path: set[Any] = set()
-        while stack:
-            cls, done = stack.pop()
-            if cls in self.env:
-                continue
-            ctor, args = choice[cls]
-            if done:
-                on_path.discard(cls)
-                self.env[cls] = self._emit(cls, ctor, args)
-                continue
-            if cls in on_path:
-                raise EmitError("the chosen program has a cycle")
-            on_path.add(cls)
-            stack.append((cls, True))
-            for k in reversed(self._children(ctor, args)):
-                if k not in self.env:
-                    stack.append((k, False))
+        choice, snap = self.em.choice, self.em.snap
+        try:
+            for cls in postorder(roots, lambda c: operands(snap, choice[c]), done=self.env):
+                self.env[cls] = self._emit(cls, *choice[cls])
+        except CycleError as e:
+            raise EmitError(str(e)) from None
 
     def _emit(self, cls: Any, ctor: str, args: tuple) -> Any:
         em = self.em
@@ -124,11 +103,9 @@ class _Scope:
         if ctor == "Effect":
             invars = [self.env[a] for a in snap.list_items(args[1])]
             out_avals = out_avals[:-1]
-        elif ctor == "Opaque":
-            invars = [self.env[a] for a in snap.list_items(args[0])]
         else:
-            spec = _terms.BY_CTOR[ctor]
-            invars = [self.env[a] for a in self._children(ctor, args)]
+            spec = _terms.BY_CTOR.get(ctor, _terms.DEFAULT)
+            invars = [self.env[a] for a in operands(snap, (ctor, args))]
             if spec.emit is not None:  # a primitive with bodies: its hook rebuilds them from their classes
                 params = spec.emit(em, params, self._bodies(spec, args), len(out_avals), len(invars))
                 effects = _nested_effects(spec, params)

@@ -44,6 +44,7 @@ import numpy as np
 
 from . import _terms
 from ._primitives import NodeInfo, inner_jaxpr, is_float as _is_float
+from ._walk import operands, postorder
 
 # What XLA:CPU does with each primitive lives in its record (rewrite/_primitives.py); these sets are views of it.
 #: XLA:CPU's ``IsExpensive``: producers it will not duplicate into two consumers (``div`` and ``rem`` when
@@ -153,26 +154,8 @@ class Program:
         cache = {} if cache is None else cache
         index: dict[Any, int] = {}
         ops: list[Op] = []
-        order: list[Any] = []
-        seen: set[Any] = set()
-        stack: list[tuple[Any, bool]] = [(r, False) for r in reversed(list(roots))]
-        while stack:
-            c, done = stack.pop()
-            if done:
-                if c not in index:
-                    order.append(c)
-                    index[c] = -1
-                continue
-            if c in seen:
-                continue
-            seen.add(c)
-            stack.append((c, True))
-            if c in inputs:
-                continue
-            node = choice[c]
-            for k in reversed(_term_kids(ex, node)):
-                if k not in seen:
-                    stack.append((k, False))
+        snap = ex.snap
+        order = list(postorder(list(roots), lambda c: () if c in inputs else operands(snap, choice[c])))
         for c in order:
             if c in inputs:
                 index[c] = len(ops)
@@ -184,29 +167,13 @@ class Program:
             if tmpl is None:
                 tmpl = cache[key] = _template(ex, c, node, choice, own)
             prim, family, params, in_avals, out_avals, own_cost = tmpl
-            args = tuple(index[k] for k in _term_kids(ex, node))
+            args = tuple(index[k] for k in operands(snap, node))
             index[c] = len(ops)
             ops.append(Op(prim, family, params, args, in_avals, out_avals, own_cost, key=c))
         return cls(ops, [index[r] for r in roots])
 
 
 _LEAF_CTORS = {"Lit": "literal", "Const": "const", "Param": "param", "Tok": "token"}
-
-
-def node_kids(snap: Any, node: tuple) -> list[Any]:
-    """The term classes ``node`` reads, list members spelled out (bodies are not read)."""
-    ctor, args = node
-    out: list[Any] = []
-    for s, a in zip(_terms.ctor_arg_sorts(ctor), args):
-        if s == "Term":
-            out.append(a)
-        elif s == "TList":
-            out.extend(snap.list_items(a))
-    return out
-
-
-def _term_kids(ex: Any, node: tuple) -> list[Any]:
-    return node_kids(ex.snap, node)
 
 
 def _template(ex: Any, c: Any, node: tuple, choice: Mapping[Any, tuple], own: Callable[[Any, tuple], float]) -> tuple:
