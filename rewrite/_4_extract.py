@@ -418,8 +418,8 @@ def _search_bodies(ex: Extractor, choice: dict[Any, tuple], roots: Sequence[Any]
 
 
 def prices_programs(model: Any) -> bool:
-    """Does ``model`` price whole programs (fusion included) as well as nodes?"""
-    return bool(getattr(model, "fusion", False)) and callable(getattr(model, "program", None))
+    """Does ``model`` declare a whole-program price (:attr:`rewrite.CostModel.prices_programs`)?"""
+    return isinstance(model, CostModel) and bool(model.prices_programs)
 
 
 class ProgramPricer:
@@ -428,7 +428,6 @@ class ProgramPricer:
     def __init__(self, ex: "Extractor", model: Any) -> None:
         self.ex = ex
         self.model = model
-        self.fusion = model.fusion_model() if hasattr(model, "fusion_model") else None
         self._templates: dict = {}
         self._shared: dict = {}
         self._nested: bool | None = None
@@ -467,7 +466,11 @@ class ProgramPricer:
     def __call__(self, choice: dict[Any, tuple], roots: Sequence[Any]) -> float:
         self.evaluations += 1
         prog = self.program(choice, roots)
-        return float(self.fusion(prog)) if self.fusion is not None else float(self.model.program(prog))
+        return self.price(prog)
+
+    def price(self, prog: Any) -> float:
+        """The model's whole-program price of ``prog``."""
+        return float(self.model.program(prog))
 
 
 class ProgramSearch:

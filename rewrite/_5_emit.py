@@ -145,6 +145,10 @@ class Emitter:
             raise EmitError(f"scope {scope} has no input {index}")
         return self.snap.aval(cls)
 
+    @staticmethod
+    def checkpointed(body: core.ClosedJaxpr, num_carry: int, num_consts: int, what: str) -> core.ClosedJaxpr:
+        return checkpointed(body, num_carry, num_consts, what)
+
     def body(self, body_cls: Any, order: Sequence[int], *, closed: bool) -> Any:
         ctor, (scope, outs) = self.choice[body_cls]
         params = {i: core.Var(self.param_aval(scope, i)) for i in order}

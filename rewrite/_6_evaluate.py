@@ -27,7 +27,7 @@ from jax._src import core
 
 from ._1_trace import Static, Traced, leaf_specs, split_static, trace
 from ._3_saturate import Limits
-from ._cost import resolve
+from ._measure import resolve
 from ._pipeline import Result, run_pipeline
 from ._rules import Rule, Ruleset, as_ruleset
 

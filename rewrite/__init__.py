@@ -9,16 +9,21 @@ code. The pipeline's stages are the numbered modules ``_1_trace`` to
 
 from ._3_saturate import Limits
 from ._6_evaluate import RewriteLimitWarning, RewriteWarning, Rewritten, rewrite
-from ._cost import AnalyticCost, NodeInfo
+from ._cost import AnalyticCost, CostModel, NodeCost, NodeInfo
+from ._primitives import GROUPS, OpSpec, register_primitive
 from ._pattern import Pat
 from ._report import Report, explain
 from ._rules import Match, Rule, Ruleset, Tolerance, Value, procedural, rule
 
 __all__ = [
     "AnalyticCost",
+    "CostModel",
+    "GROUPS",
     "Limits",
     "Match",
+    "NodeCost",
     "NodeInfo",
+    "OpSpec",
     "Pat",
     "Report",
     "RewriteLimitWarning",
@@ -30,6 +35,7 @@ __all__ = [
     "Value",
     "explain",
     "procedural",
+    "register_primitive",
     "rewrite",
     "rule",
 ]

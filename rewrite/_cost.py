@@ -1,10 +1,25 @@
 """Cost models: what extraction minimises.
 
-A cost model is any callable from :class:`NodeInfo` to a non-negative float.
-It sees one node at a time: its primitive, params, operand and result avals,
-and, for nodes with bodies, what one execution of each body costs. The
-extractor adds node costs over the chosen program, counting a shared node
-once.
+A cost model is a :class:`CostModel`, a protocol of up to three parts, each
+one declared:
+
+1. a *node price* (always): ``model(node)``, from :class:`NodeInfo` (one node:
+   its primitive, params, operand and result avals, and for nodes with
+   bodies what one execution of each body costs) to a non-negative float.
+   The extractor adds node prices over the chosen program, counting a shared
+   node once;
+2. a *whole-program price* (if ``prices_programs``): ``model.program(prog)``
+   prices a whole candidate program (a :class:`rewrite._fusion.Program`),
+   which a sum of node prices cannot: what XLA fuses, stores and recomputes.
+   The extractor then chooses among candidates, and refines the best, by it;
+3. a *measured final choice* (if ``measures``): ``model.choose(programs)``
+   picks among the best candidates, cheapest predicted first, after they are
+   emitted (timing them on the backend, say).
+
+A plain function ``NodeInfo -> float`` is accepted as a node price alone
+(:class:`NodeCost`), with a warning: it cannot price whole programs, so it
+turns that part off. Wrap it in :class:`NodeCost` to say that is meant, or
+subclass :class:`AnalyticCost` to keep whole-program pricing.
 
 The default, :class:`AnalyticCost`, prices in nanoseconds measured on the
 backend (``benchmarks/calibrate.py`` writes the table to
@@ -22,17 +37,83 @@ backend itself (``rewrite/_measure.py``).
 
 from __future__ import annotations
 
+import abc
 import dataclasses
+import functools
 import math
-from typing import Any, Callable, Mapping
-
-import numpy as np
+import os
+import sys
+import warnings
+import weakref
+from typing import Any, Callable, ClassVar, Mapping, Sequence
 
 from . import _terms
+from ._fusion import FusionModel
 from ._primitives import NodeInfo, inner_jaxpr, nbytes, size  # noqa: F401  (NodeInfo, size, nbytes: public here)
 
 
-CostModel = Callable[[NodeInfo], float]
+class CostModel(abc.ABC):
+    """The cost-model protocol: a node price, and, when declared, a whole-program price and a measured choice.
+
+    Subclass it and define ``__call__``; set ``prices_programs = True`` and
+    define :meth:`program`, or ``measures = True`` and define :meth:`choose`,
+    to provide those parts. The extractor uses exactly what the flags
+    declare, nothing else.
+
+    >>> import jax.numpy as jnp
+    >>> from rewrite import CostModel, rewrite
+    >>> class CountNodes(CostModel):  # every operation costs one: the fewest equations win
+    ...     def __call__(self, node):
+    ...         return 0.0 if node.family == "special" else 1.0
+    >>> CountNodes().prices_programs, CountNodes().measures
+    (False, False)
+    >>> f = rewrite(lambda x: jnp.sin(x) * 1.0, cost_model=CountNodes())
+    >>> float(f(jnp.float32(0.5))) == float(jnp.sin(jnp.float32(0.5)))
+    True
+    """
+
+    #: whether :meth:`program` prices whole programs (the extractor then chooses by it)
+    prices_programs: ClassVar[bool] = False
+    #: whether :meth:`choose` makes the final choice among emitted candidates
+    measures: ClassVar[bool] = False
+
+    @abc.abstractmethod
+    def __call__(self, node: NodeInfo) -> float:
+        """The price of one node: a non-negative float; only comparisons matter."""
+
+    def program(self, prog: Any) -> float:
+        """The price of a whole program (a :class:`rewrite._fusion.Program`); used when ``prices_programs``."""
+        raise NotImplementedError(f"{type(self).__name__} does not price whole programs")
+
+    def choose(self, programs: Sequence[Any]) -> tuple[Any, Any]:
+        """The program to emit, of ``programs`` (closed jaxprs, cheapest predicted first), and a report of
+        how it was chosen (:class:`rewrite._measure.Timing`, say); used when ``measures``."""
+        raise NotImplementedError(f"{type(self).__name__} does not choose among measured programs")
+
+
+class NodeCost(CostModel):
+    """A node price alone, from a function ``NodeInfo -> float``: no whole-program price, no measuring.
+
+    >>> import jax.numpy as jnp
+    >>> from rewrite import AnalyticCost, NodeCost, rewrite
+    >>> model = NodeCost(lambda node: 1e9 if node.op == "add" else AnalyticCost()(node))
+    >>> model.prices_programs
+    False
+    >>> f = rewrite(lambda x: x + 1.0, cost_model=model)
+    >>> float(f(jnp.float32(1.0)))
+    2.0
+    """
+
+    def __init__(self, fn: Callable[[NodeInfo], float]) -> None:
+        if not callable(fn):
+            raise TypeError(f"NodeCost takes a function NodeInfo -> float, got {fn!r}")
+        self.fn = fn
+
+    def __call__(self, node: NodeInfo) -> float:
+        return self.fn(node)
+
+    def __repr__(self) -> str:
+        return f"NodeCost({getattr(self.fn, '__qualname__', self.fn)})"
 
 
 def _table() -> dict[str, Any]:
@@ -42,8 +123,15 @@ def _table() -> dict[str, Any]:
 
 
 @dataclasses.dataclass(frozen=True)
-class AnalyticCost:
+class AnalyticCost(CostModel):
     """The default cost model: measured per-element prices, materialised bytes and flops, in nanoseconds.
+
+    It provides a node price (``__call__``) and, with ``fusion=True`` (the
+    default), a whole-program price (:meth:`program`: XLA's fusion replayed,
+    ``rewrite/_fusion.py``). In the whole-program price the node price only
+    breaks ties and prices the kernels the fusion model does not fuse (dots,
+    loops, calls); a subclass that changes ``__call__`` so that it decides
+    more should pass ``fusion=False`` or override :meth:`program` as well.
 
     ``ops`` maps a primitive to nanoseconds per element inside a fused loop;
     primitives missing from it cost ``flop`` (cheap elementwise) or
@@ -159,10 +247,12 @@ class AnalyticCost:
                                    tuple(v.aval for v in e.outvars)))
         return total
 
-    def fusion_model(self) -> Any:
-        """The whole-program model with this model's prices (see ``rewrite/_fusion.py``)."""
-        from ._fusion import FusionModel
+    @property
+    def prices_programs(self) -> bool:  # type: ignore[override]
+        return self.fusion
 
+    def fusion_model(self) -> FusionModel:
+        """The whole-program model with this model's prices (see ``rewrite/_fusion.py``)."""
         return FusionModel(self.ops, byte=self.byte, reduce=self.reduce, launch=self.launch,
                            default=self.transcendental, cheap=self.flop, node=self.node,
                            library_op=self.library_op, tiebreak=self._op_price, memory=self.memory)
@@ -170,9 +260,13 @@ class AnalyticCost:
     def _op_price(self, op: Any) -> float:
         return self(NodeInfo(op.prim, op.family, op.params, op.in_avals, op.out_avals))
 
+    @functools.cached_property
+    def _fusion(self) -> FusionModel:
+        return self.fusion_model()
+
     def program(self, prog: Any) -> float:
         """The predicted cost of a whole program (a :class:`rewrite._fusion.Program`), fusion included."""
-        return self.fusion_model()(prog)
+        return self._fusion(prog)
 
 
 def _dot_flops(n: NodeInfo) -> float:
@@ -199,15 +293,34 @@ _BY_FAMILY: dict[str, Callable[[AnalyticCost, NodeInfo], float]] = {
 DEFAULT = AnalyticCost()
 
 
-def resolve(model: Any) -> CostModel:
-    """``None`` or ``"analytic"`` gives the default model, ``"measure"`` times candidates on the backend
-    (:class:`rewrite._measure.Measured`); a callable is used as is."""
-    if model is None or model == "analytic":
-        return DEFAULT
-    if model == "measure":
-        from ._measure import Measured
+_warned: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
-        return Measured()
-    if callable(model):
+
+def _outside_package() -> int:
+    """The stack level of the first caller outside this package (where a warning should point)."""
+    here = os.path.dirname(__file__)
+    frame, level = sys._getframe(2), 2
+    while frame is not None and frame.f_code.co_filename.startswith(here):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def as_cost_model(model: Any) -> CostModel:
+    """``model`` as a :class:`CostModel`: a plain function becomes a node price alone (:class:`NodeCost`),
+    with a warning, once per function, that whole-program pricing is off."""
+    if isinstance(model, CostModel):
         return model
-    raise ValueError(f"cost_model= must be None, 'analytic', 'measure' or a callable NodeInfo -> float, got {model!r}")
+    if not callable(model):
+        raise ValueError(f"cost_model= must be None, 'analytic', 'measure' or a CostModel (or a function "
+                         f"NodeInfo -> float), got {model!r}")
+    try:
+        first = model not in _warned
+        _warned.add(model)
+    except TypeError:  # not weakly referable: warn every time
+        first = True
+    if first:
+        warnings.warn(f"cost_model={getattr(model, '__qualname__', model)} is a plain function: it prices nodes "
+                      "only, so whole-program (fusion) pricing is off. Pass NodeCost(fn) to say that is meant, or "
+                      "subclass AnalyticCost to keep whole-program pricing.", UserWarning,
+                      stacklevel=_outside_package())
+    return NodeCost(model)

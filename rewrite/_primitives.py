@@ -153,8 +153,9 @@ class OpSpec:
       :class:`Unsupported` keeps the equation whole, as an opaque node.
     * ``emit(em, params, bodies, n_out, n_in)``: the params of the emitted
       equation, its bodies rebuilt with ``em.body(cls, order, closed=...)``
-      (``rewrite/_5_emit.py``); ``bodies`` has one entry per ``B`` (a class)
-      or ``N`` (a list of classes) of the layout.
+      (``rewrite/_5_emit.py``; ``em.checkpointed`` wraps a scan body in
+      ``jax.checkpoint``); ``bodies`` has one entry per ``B`` (a class) or
+      ``N`` (a list of classes) of the layout.
     * ``price(model, node)``: the node's price under :class:`rewrite.AnalyticCost`
       ``model`` (without its fixed ``node`` charge), from ``node.body_costs``.
     * ``stacks(params, index)``: whether result ``index`` is an array the node
@@ -351,10 +352,8 @@ def _scan_emit(em: Any, params: dict, bodies: list, n_out: int, n_in: int) -> di
     order = params.pop("_rw_order")
     params["jaxpr"] = em.body(bodies[0], order, closed=True)
     if params.get("_rw_remat"):
-        from ._5_emit import checkpointed
-
-        params["jaxpr"] = checkpointed(params["jaxpr"], params["num_carry"], params["num_consts"],
-                                       params["_rw_remat"])
+        params["jaxpr"] = em.checkpointed(params["jaxpr"], params["num_carry"], params["num_consts"],
+                                          params["_rw_remat"])
     return params
 
 
@@ -539,17 +538,16 @@ def register_primitive(spec: OpSpec, *, replace: bool = False) -> OpSpec:
     family (or its ``price`` hook). ``replace=True`` replaces the record of a
     primitive already in the table (the constructor must keep its name).
 
-    >>> import jax, jax.numpy as jnp
+    >>> import jax.numpy as jnp
     >>> from jax.extend.core import Primitive
-    >>> from rewrite import OpSpec, register_primitive, rewrite, rule, Ruleset
+    >>> from rewrite import OpSpec, Ruleset, explain, register_primitive, rule
     >>> twice_p = Primitive("doc_twice")
-    >>> twice_p.def_impl(lambda x: 2 * x)
-    >>> twice_p.def_abstract_eval(lambda x: x)
+    >>> _ = twice_p.def_impl(lambda x: 2 * x)
+    >>> _ = twice_p.def_abstract_eval(lambda x: x)
     >>> _ = register_primitive(OpSpec("doc_twice", "T", "elementwise"))
-    >>> from rewrite import Pat
-    >>> f = rewrite(lambda x: jnp.sin(twice_p.bind(x)))
-    >>> float(f(jnp.float32(1.0))) == float(jnp.sin(2.0))
-    True
+    >>> halve = rule(lambda x: twice_p.bind(x) * 0.5, lambda x: x, name="halve_twice")
+    >>> explain(lambda x: twice_p.bind(x) * 0.5, jnp.ones(3), rulesets=[Ruleset("doc", [halve])]).fired
+    {'halve_twice': 1}
     """
     if not isinstance(spec, OpSpec):
         raise TypeError(f"register_primitive takes an OpSpec, got {type(spec).__name__}")

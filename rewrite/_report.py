@@ -24,7 +24,7 @@ from ._1_trace import leaf_specs, split_static, trace
 from ._3_saturate import Limits
 from ._4_extract import reachable
 from ._6_evaluate import check_signature, entries_of
-from ._cost import resolve
+from ._measure import resolve
 from ._pipeline import Result, run_pipeline
 from ._rules import Rule, Ruleset, _short
 

@@ -355,7 +355,7 @@ class RewrittenVJP(Rewritten):
             def program(roots: Sequence[Any], inputs: frozenset = frozenset()) -> float:
                 prog = Program.from_choice(ex, choice, roots, lambda c, nd: pricer.own(c, nd, choice),
                                            templates, inputs=inputs)
-                return pricer.fusion(prog)
+                return pricer.price(prog)
         else:
             def program(roots: Sequence[Any], inputs: frozenset = frozenset()) -> float:
                 stop = set(inputs)
