@@ -1,10 +1,11 @@
 """Stage 2, load: every equation of a jaxpr becomes an e-node.
 
 The walk is the textbook jaxpr interpreter (an environment, ``read``, a loop
-over equations) with a table keyed by primitive name. A primitive in the
-term table becomes its typed constructor; one that owns bodies (scan, while,
-cond, jit, shard_map) gets its bodies loaded too, each in a scope of its own;
-everything else becomes an ``Opaque`` node with its params kept whole, so an
+over equations) with the table of primitives (``rewrite/_primitives.py``). A
+primitive becomes its record's constructor; a record's ``load`` hook builds
+nodes with bodies (scan, while, cond, jit, shard_map: each body loaded in a
+scope of its own, through :class:`_Loading`); a primitive without a record
+gets the default one, an ``Opaque`` node with its params kept whole, so an
 unknown primitive is never an error. Equations with effects are threaded on
 a token so that nothing can drop, duplicate or reorder them.
 

@@ -548,6 +548,8 @@ def register_primitive(spec: OpSpec, *, replace: bool = False) -> OpSpec:
     >>> halve = rule(lambda x: twice_p.bind(x) * 0.5, lambda x: x, name="halve_twice")
     >>> explain(lambda x: twice_p.bind(x) * 0.5, jnp.ones(3), rulesets=[Ruleset("doc", [halve])]).fired
     {'halve_twice': 1}
+    >>> from rewrite._primitives import unregister
+    >>> unregister("doc_twice")  # leave the table as the other examples expect it
     """
     if not isinstance(spec, OpSpec):
         raise TypeError(f"register_primitive takes an OpSpec, got {type(spec).__name__}")
@@ -571,6 +573,15 @@ def register_primitive(spec: OpSpec, *, replace: bool = False) -> OpSpec:
     BY_CTOR[spec.ctor] = spec
     _rebuild_groups()
     return spec
+
+
+def unregister(prim: str) -> None:
+    """Remove a primitive :func:`register_primitive` added (tests and examples clean up with it)."""
+    spec = BY_PRIM.get(prim)
+    if spec is None or spec in SPECS:
+        raise ValueError(f"{prim!r} is not a registered primitive")
+    del BY_PRIM[prim], BY_CTOR[spec.ctor]
+    _rebuild_groups()
 
 
 # The term language's structural constructors (rewrite/_terms.py), which no primitive may take.

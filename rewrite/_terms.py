@@ -1,10 +1,11 @@
 """The term language: how a jaxpr is spelled inside the e-graph.
 
-This module is only data. It names one egglog constructor per supported JAX
-primitive, says how each constructor lays out its operands, and generates the
-egglog declarations (sorts, constructors, fact relations and the rules that
-derive facts). The loader, the saturation loop, the extractor and the emitter
-all read this table; none of them hard-codes a primitive.
+This module is only data, derived from the table of primitives
+(``rewrite/_primitives.py``: one record per primitive, which names its egglog
+constructor and says how it lays out its operands). It adds the structural
+constructors and generates the egglog declarations (sorts, constructors,
+fact relations and the rules that derive facts). ``SPECS``, ``BY_PRIM``,
+``BY_CTOR`` and the family constants are the table's, re-exported.
 
 Every operation constructor ends in an ``i64`` that names its parameters
 (``P``): an id into :data:`rewrite._intern.PARAMS`, which holds the primitive

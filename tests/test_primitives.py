@@ -11,7 +11,7 @@ from jax.extend.core import Primitive
 
 from rewrite import GROUPS, AnalyticCost, NodeInfo, OpSpec, Ruleset, explain, register_primitive, rewrite, rule
 from rewrite import _terms
-from rewrite._primitives import BY_PRIM, DEFAULT, Fact, spec_of
+from rewrite._primitives import BY_PRIM, DEFAULT, Fact, spec_of, unregister
 
 
 def _prims(closed):
@@ -47,8 +47,8 @@ twice_p = Primitive("test_twice")
 twice_p.def_impl(lambda x: 2 * x)
 twice_p.def_abstract_eval(lambda x: x)
 mlir.register_lowering(twice_p, mlir.lower_fun(lambda x: 2 * x, multiple_results=False))
-register_primitive(OpSpec("test_twice", "T", "elementwise", groups=("scaling",),
-                          facts=(Fact("test-twice-nonneg", "NonNeg", "(NonNeg x)"),)))
+TWICE = OpSpec("test_twice", "T", "elementwise", groups=("scaling",),
+               facts=(Fact("test-twice-nonneg", "NonNeg", "(NonNeg x)"),))
 
 
 def test_a_registered_primitive_is_matched_priced_grouped_and_given_facts():
@@ -98,11 +98,21 @@ def _call_emit(em, params, bodies, n_out, n_in):
     return params
 
 
-register_primitive(OpSpec(
-    "test_call", "BL", "nested", body_params=("jaxpr",),
-    load=lambda ld: ld.nested([ld.closed_body(ld.eqn.params["jaxpr"])]),
-    emit=_call_emit,
-    price=lambda model, node: 2.0 * sum(node.body_costs)))
+CALL = OpSpec("test_call", "BL", "nested", body_params=("jaxpr",),
+              load=lambda ld: ld.nested([ld.closed_body(ld.eqn.params["jaxpr"])]),
+              emit=_call_emit,
+              price=lambda model, node: 2.0 * sum(node.body_costs))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def registered():
+    """The two entries, in the table for this module's tests only (the table is global)."""
+    register_primitive(TWICE)
+    register_primitive(CALL)
+    yield
+    unregister("test_twice")
+    unregister("test_call")
+    assert "test_twice" not in GROUPS["unary"]
 
 
 def _called(x, y):
