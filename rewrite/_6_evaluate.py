@@ -33,6 +33,10 @@ from ._rules import Rule, Ruleset, as_ruleset
 
 log = logging.getLogger("rewrite")
 
+#: What ``rewrite(vjp=True)`` makes: ``rewrite/_vjp.py``'s ``RewrittenVJP``, which builds on
+#: :class:`Rewritten` (so it imports this module, not the other way round) and sets this on import.
+VJP: Any = None
+
 
 class RewriteWarning(UserWarning):
     """The rewriter could not finish and kept (part of) the original program.
@@ -245,7 +249,5 @@ def rewrite(fn: Callable[..., Any] | None = None, *, rulesets: Any = (), cost_mo
     if not callable(fn):
         raise TypeError(f"rewrite() takes a function, got {type(fn).__name__}")
     if vjp:
-        from ._vjp import RewrittenVJP
-
-        return RewrittenVJP(fn, rulesets, cost_model, limits, static_argnums, static_argnames, strict)
+        return VJP(fn, rulesets, cost_model, limits, static_argnums, static_argnames, strict)
     return Rewritten(fn, rulesets, cost_model, limits, static_argnums, static_argnames, strict)

@@ -9,6 +9,7 @@ code. The pipeline's stages are the numbered modules ``_1_trace`` to
 
 from ._3_saturate import Limits
 from ._6_evaluate import RewriteLimitWarning, RewriteWarning, Rewritten, rewrite
+from . import _vjp  # noqa: F401,E402  (rewrite(vjp=True)'s class, which builds on Rewritten)
 from ._cost import AnalyticCost, CostModel, NodeCost, NodeInfo
 from ._primitives import GROUPS, OpSpec, register_primitive
 from ._pattern import Pat

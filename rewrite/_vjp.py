@@ -52,6 +52,7 @@ from jax._src import core
 from ._1_trace import Traced
 from ._4_extract import Extractor, ProgramPricer, extract, prices_programs
 from ._5_emit import Emitter, _Scope, dce
+from . import _6_evaluate
 from ._6_evaluate import RewriteWarning, Rewritten, _strict, check_signature
 from ._walk import operands, walk
 from ._pipeline import Result, run_pipeline
@@ -392,3 +393,6 @@ class RewrittenVJP(Rewritten):
     def __repr__(self) -> str:
         return (f"<rewritten VJP of {getattr(self.fn, '__name__', 'function')}: {len(self.entries)} rules, "
                 f"{len(self._cache)} cached signatures>")
+
+
+_6_evaluate.VJP = RewrittenVJP
