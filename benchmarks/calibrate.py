@@ -28,6 +28,7 @@ import pprint
 import statistics
 import sys
 from pathlib import Path
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -35,8 +36,24 @@ from jax import lax
 
 from benchmarks.harness import _run_once
 
-N = 1 << 22  # elements: 16 MiB of float32, larger than the caches
-MIN_NS = 0.01  # the least an elementwise operation is priced at
+MIN_NS = 0.01  # the least an elementwise operation is priced at (CPU)
+
+
+def _sizes() -> tuple[int, int]:
+    """Elements per array, and how many times each operation is applied per element.
+
+    On a CPU, 4M float32 elements (16 MiB) exceed the caches and one application of an
+    operation shows above the noise. A GPU's L2 holds 50 MB or more and its arithmetic is
+    a hundred times faster than its memory: arrays of 64M elements (256 MiB), and each
+    operation applied 32 times to distinct arguments in one fused kernel, so its arithmetic
+    is seen above the memory traffic.
+    """
+    if jax.default_backend() == "cpu":
+        return 1 << 22, 1
+    return 1 << 26, 32
+
+
+N, REPEAT = _sizes()
 
 #: primitive -> (function of x, input domain) where the domain is "any", "pos" or "unit".
 ELEMENTWISE = {
@@ -129,12 +146,25 @@ def measure_ops(rounds: int, progress: bool) -> dict[str, float]:
     """ns per element of each primitive inside a fused loop, net of reading and writing the array."""
     args = (_inputs("any"), _inputs("pos"), _inputs("unit"))
     slot = {"any": 0, "pos": 1, "unit": 2}
-    variants = {"base": lambda a, p, u: a + 1.0}
+    # Each of REPEAT applications gets its own argument (x + k/1024), so XLA cannot share them;
+    # the base program does the same additions without the operation.
+    shifts = [k / 1024.0 for k in range(REPEAT)]
+
+    def applied(f: Callable, i: int) -> Callable:
+        def program(*xs: jax.Array) -> jax.Array:
+            x = xs[i]
+            if REPEAT == 1:
+                return f(x) + 1.0
+            return sum(f(x + s) for s in shifts)
+        return program
+
+    variants = {"base": applied(lambda x: x, 0)}
     for n, (fn, dom) in ELEMENTWISE.items():
-        variants[n] = (lambda f, i: lambda *xs: f(xs[i]) + 1.0)(fn, slot[dom])
+        variants[n] = applied(fn, slot[dom])
     net = _paired(variants, args, "base", rounds, progress)
     # Cheap operations cost less than the noise; a floor keeps them above zero, so fewer is still better.
-    return {n: max(t / N * 1e9, MIN_NS) for n, t in net.items()}
+    floor = MIN_NS if REPEAT == 1 else MIN_NS / 100
+    return {n: max(t / (N * REPEAT) * 1e9, floor) for n, t in net.items()}
 
 
 def measure_memory(rounds: int, progress: bool) -> dict[str, float]:
@@ -203,13 +233,16 @@ def main(argv: list[str] | None = None) -> None:
         "date": datetime.date.today().isoformat(),
         "load_average": [round(x, 2) for x in os.getloadavg()],
         "jax": jax.__version__,
-        "elementwise_ns": {k: round(v, 4) for k, v in sorted(ops.items())},
-        **{k: round(v, 6) for k, v in mem.items()},
+        "elementwise_ns": {k: float(f"{v:.4g}") for k, v in sorted(ops.items())},
+        **{k: float(f"{v:.6g}") for k, v in mem.items()},
     }
     history = [{k: round(v, 6) for k, v in mem.items()}]
-    if args.merge:
-        from rewrite._calibration import CPU as old
+    from rewrite import _calibration
 
+    key = table["platform"].upper()
+    tables = {name: getattr(_calibration, name) for name in _calibration.BACKENDS.values()}
+    if args.merge:
+        old = tables.get(key, {"elementwise_ns": {}})
         for k, v in old["elementwise_ns"].items():
             table["elementwise_ns"][k] = min(v, table["elementwise_ns"].get(k, v))
         history = list(old.get("memory_runs", [])) + history
@@ -222,15 +255,17 @@ def main(argv: list[str] | None = None) -> None:
     table["memory_runs"] = history
     print(json.dumps(table, indent=1))
     if args.write:
+        tables[key] = table
         path = Path(__file__).resolve().parent.parent / "rewrite" / "_calibration.py"
+        body = "\n\n".join(f"{name} = " + pprint.pformat(t, sort_dicts=False, width=110) for name, t in tables.items())
+        backends = {t["platform"]: name for name, t in tables.items()}
         path.write_text(
-            '"""Measured costs on one backend, written by ``benchmarks/calibrate.py``; do not edit by hand.\n\n'
-            "Nanoseconds per element (per byte, per flop, per kernel) on the machine named below, the fastest\n"
-            "of several runs under the load recorded. Only ratios matter to extraction; rerun the script to\n"
-            "calibrate another machine.\n"
-            '"""\n\nCPU = ' + pprint.pformat(table, sort_dicts=False, width=110) + "\n")
+            '"""Measured costs per backend, written by ``benchmarks/calibrate.py``; do not edit by hand.\n\n'
+            "Nanoseconds per element (per byte, per flop, per kernel) on the machine each table names, the\n"
+            "fastest of several runs under the load recorded. Only ratios matter to extraction; rerun the\n"
+            "script on a backend to calibrate it. ``BACKENDS`` maps ``jax.default_backend()`` to its table.\n"
+            '"""\n\n' + body + "\n\nBACKENDS = " + pprint.pformat(backends) + "\n")
         print(f"wrote {path}", file=sys.stderr)
-
 
 if __name__ == "__main__":
     main()

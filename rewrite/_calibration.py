@@ -1,8 +1,8 @@
-"""Measured costs on one backend, written by ``benchmarks/calibrate.py``; do not edit by hand.
+"""Measured costs per backend, written by ``benchmarks/calibrate.py``; do not edit by hand.
 
-Nanoseconds per element (per byte, per flop, per kernel) on the machine named below, the fastest
-of several runs under the load recorded. Only ratios matter to extraction; rerun the script to
-calibrate another machine.
+Nanoseconds per element (per byte, per flop, per kernel) on the machine each table names, the
+fastest of several runs under the load recorded. Only ratios matter to extraction; rerun the
+script on a backend to calibrate it. ``BACKENDS`` maps ``jax.default_backend()`` to its table.
 """
 
 CPU = {'platform': 'cpu',
@@ -93,3 +93,70 @@ CPU = {'platform': 'cpu',
                   'library_broadcast': 0.146274,
                   'launch': 212.502598,
                   'dot_flop': 0.015872}]}
+
+GPU = {'platform': 'gpu',
+ 'device': 'NVIDIA H100 80GB HBM3',
+ 'machine': 'x86_64',
+ 'date': '2026-11-23',
+ 'load_average': [0.85, 0.41, 0.16],
+ 'jax': '0.11.2',
+ 'elementwise_ns': {'abs': 0.0001,
+                    'acos': 0.0007428,
+                    'acosh': 0.001276,
+                    'add': 0.0001,
+                    'asin': 0.0007084,
+                    'asinh': 0.001305,
+                    'atan': 0.000586,
+                    'atan2': 0.001335,
+                    'atanh': 0.001134,
+                    'cbrt': 0.0005372,
+                    'cos': 0.006449,
+                    'cosh': 0.0006986,
+                    'digamma': 0.07105,
+                    'div': 0.0002365,
+                    'erf': 0.0008065,
+                    'erf_inv': 0.002601,
+                    'erfc': 0.003651,
+                    'exp': 0.0002524,
+                    'exp2': 0.0002776,
+                    'expm1': 0.0009369,
+                    'floor': 0.0001629,
+                    'integer_pow': 0.0001,
+                    'lgamma': 0.0231,
+                    'log': 0.0008085,
+                    'log1p': 0.0008774,
+                    'logistic': 0.0005416,
+                    'max': 0.0001,
+                    'mul': 0.0001,
+                    'neg': 0.0001,
+                    'pow': 0.005926,
+                    'rem': 0.003091,
+                    'round': 0.0001618,
+                    'rsqrt': 0.0001622,
+                    'select_n': 0.0001,
+                    'sign': 0.0001655,
+                    'sin': 0.006212,
+                    'sincos': 0.02071,
+                    'sinh': 0.0008546,
+                    'sqrt': 0.0001607,
+                    'tan': 0.004033,
+                    'tanh': 0.0007334},
+ 'byte': 0.000319,
+ 'copy_per_element': 0.002151,
+ 'reduce_per_element': 0.0,
+ 'reduce_read_per_element': 0.000841,
+ 'library_op': 0.0,
+ 'library_broadcast': 3.5e-05,
+ 'launch': 565.498867,
+ 'dot_flop': 4e-06,
+ 'runs': 2,
+ 'memory_runs': [{'byte': 0.000319,
+                  'copy_per_element': 0.002151,
+                  'reduce_per_element': 0.0,
+                  'reduce_read_per_element': 0.000841,
+                  'library_op': 0.0,
+                  'library_broadcast': 3.5e-05,
+                  'launch': 565.498867,
+                  'dot_flop': 4e-06}]}
+
+BACKENDS = {'cpu': 'CPU', 'gpu': 'GPU'}

@@ -47,6 +47,8 @@ import warnings
 import weakref
 from typing import Any, Callable, ClassVar, Mapping, Sequence
 
+import jax
+
 from . import _terms
 from ._fusion import FusionModel
 from ._primitives import NodeInfo, inner_jaxpr, nbytes, size  # noqa: F401  (NodeInfo, size, nbytes: public here)
@@ -117,9 +119,11 @@ class NodeCost(CostModel):
 
 
 def _table() -> dict[str, Any]:
-    from ._calibration import CPU
+    """The calibration table of the default backend (``rewrite/_calibration.py``), else the CPU's."""
+    from . import _calibration
 
-    return CPU
+    name = _calibration.BACKENDS.get(jax.default_backend(), _calibration.BACKENDS["cpu"])
+    return getattr(_calibration, name)
 
 
 @dataclasses.dataclass(frozen=True)

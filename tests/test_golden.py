@@ -1,0 +1,46 @@
+"""Each built-in pack still does to the seed and corpus programs what its golden file says.
+
+A failure prints which sections differ (before, rules fired, after, ...) and a
+unified diff. If the change is meant, regenerate the files with
+``python -m tests.golden --update`` and commit them with the change, so that
+review sees what the packs now do. ``GOLDEN_PROGRAMS_ONLY=1`` ignores which
+rules fired (for a change that renames rules and claims the programs are the same).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from .golden import HERE, cases, check, compare, stale
+
+PROGRAMS_ONLY = os.environ.get("GOLDEN_PROGRAMS_ONLY", "") not in ("", "0")
+
+
+@pytest.mark.parametrize("case", cases(), ids=lambda c: c.key)
+def test_golden(case):
+    report = check(case, programs_only=PROGRAMS_ONLY)
+    if report is not None:
+        pytest.fail(report + "\n\nIf this change is meant: python -m tests.golden --update " + case.key, pytrace=False)
+
+
+def test_every_pack_has_golden_files_and_none_is_stale():
+    import rulesets
+
+    assert {c.pack for c in cases()} == set(rulesets.PACKS)
+    assert not stale(), f"golden files no case writes (python -m tests.golden --update removes them): {stale()}"
+    assert all(c.path.parent.parent == HERE for c in cases())
+
+
+def test_a_changed_program_is_reported_with_a_diff():
+    case = next(c for c in cases() if c.key == "algebra/seed000")
+    text = case.path.read_text()
+    changed = text.replace(" sin ", " cos ", 1)
+    assert changed != text
+    report = compare(text, changed, name=case.key)
+    assert report.startswith("golden algebra/seed000 differs in: before")
+    assert "-" in report and "+" in report and " cos " in report
+    renamed = text.replace("## rules fired\n", "## rules fired\nrenamed_rule 1\n")
+    assert compare(text, renamed) is not None
+    assert compare(text, renamed, programs_only=True) is None
