@@ -223,7 +223,8 @@ def rewrite(fn: Callable[..., Any] | None = None, *, rulesets: Any = (), cost_mo
     signature, saturated with the rules, and the cheapest equivalent program
     under ``cost_model`` runs in its place. ``limits`` bounds saturation.
     ``cost_model`` is ``None``/``"analytic"`` (predicted), ``"measure"``
-    (the best candidates timed on the backend) or a callable.
+    (the best candidates timed on the backend) or a :class:`rewrite.CostModel`
+    (a plain function is a node price alone: :class:`rewrite.NodeCost`).
 
     With ``vjp=True`` the result is a ``jax.custom_vjp`` whose backward pass
     is JAX's own VJP of ``fn`` rewritten together with the forward pass, the
