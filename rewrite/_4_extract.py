@@ -41,7 +41,7 @@ from ._intern import PARAMS, TupleType
 from ._walk import children, operands, term_children, walk
 
 _CONTAINERS = {"TNil", "TCons", "Body", "BNil", "BCons"}
-_LEAVES = {"Lit": "literal", "Const": "const", "Param": "param", "Tok": "token"}
+_LEAVES = _terms.LEAVES
 
 
 @dataclasses.dataclass

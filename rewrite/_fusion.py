@@ -173,7 +173,7 @@ class Program:
         return cls(ops, [index[r] for r in roots])
 
 
-_LEAF_CTORS = {"Lit": "literal", "Const": "const", "Param": "param", "Tok": "token"}
+_LEAF_CTORS = _terms.LEAVES
 
 
 def _template(ex: Any, c: Any, node: tuple, choice: Mapping[Any, tuple], own: Callable[[Any, tuple], float]) -> tuple:

@@ -45,6 +45,9 @@ STRUCTURAL: tuple[tuple[str, tuple[str, ...], str], ...] = (
 
 SORTS = ("Term", "TList", "Region", "BList")
 
+#: The structural constructors that are values with no operands, and the op a cost model sees for each.
+LEAVES = {"Lit": "literal", "Const": "const", "Param": "param", "Tok": "token"}
+
 #: Facts the engine derives about values. Guards read them. Each is a claim
 #: about every element of a tensor, and NaN never contradicts one (a guard must
 #: not make a rule unsound on NaN inputs):
