@@ -12,9 +12,9 @@ from ._6_evaluate import RewriteLimitWarning, RewriteWarning, Rewritten, rewrite
 from . import _vjp  # noqa: F401,E402  (rewrite(vjp=True)'s class, which builds on Rewritten)
 from ._cost import AnalyticCost, CostModel, NodeCost, NodeInfo
 from ._primitives import GROUPS, OpSpec, register_primitive
-from ._pattern import Pat
+from ._pattern import Ops, Pat, ops
 from ._report import Report, explain
-from ._rules import Match, Rule, Ruleset, Tolerance, Value, procedural, rule
+from ._rules import Match, Params, Rule, Ruleset, Tolerance, Value, procedural, rule
 
 __all__ = [
     "AnalyticCost",
@@ -25,6 +25,8 @@ __all__ = [
     "NodeCost",
     "NodeInfo",
     "OpSpec",
+    "Ops",
+    "Params",
     "Pat",
     "Report",
     "RewriteLimitWarning",
@@ -35,6 +37,7 @@ __all__ = [
     "Tolerance",
     "Value",
     "explain",
+    "ops",
     "procedural",
     "register_primitive",
     "rewrite",
