@@ -26,7 +26,6 @@ from hypothesis import strategies as st
 from jax import lax
 from jax._src import core
 
-from .. import _terms
 from .._1_trace import trace
 from .._3_saturate import Limits
 from .._4_extract import _CONTAINERS, Extractor
