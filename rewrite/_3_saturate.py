@@ -47,7 +47,10 @@ class Limits:
     saturation. ``matches``: new matches a rule may act on in one iteration
     before it is banned for ``ban`` iterations (both double on each ban).
     A :class:`Ruleset` given ``limits=`` uses its ``matches`` and ``ban`` for
-    its own rules instead; the run's limits bound everything else.
+    its own rules instead, and runs them in its first ``iterations`` rounds
+    only (rules that reach every bracketing of a chain, such as
+    associativity, grow the e-graph exponentially in the rounds they run);
+    the run's limits bound everything else.
 
     >>> from rewrite import Limits
     >>> Limits(seconds=2.0).iterations
@@ -80,6 +83,8 @@ class _Active:
     allowance: int = 0
     ban_length: int = 0
     banned_until: int = -1
+    #: the rule runs in iterations below this one only (its ruleset's ``limits.iterations``)
+    last: int | None = None
 
 
 class Engine:
@@ -109,7 +114,9 @@ class Engine:
             # A ruleset may set its own back-off (say, a tighter allowance for
             # associativity); the run's limits govern everything else.
             backoff = owner.limits if owner.limits is not None else limits
-            self.active.append(_Active(rule, owner, rels, allowance=backoff.matches, ban_length=backoff.ban))
+            last = owner.limits.iterations if owner.limits is not None else None
+            self.active.append(_Active(rule, owner, rels, allowance=backoff.matches, ban_length=backoff.ban,
+                                       last=last))
             self.stats[rule.name] = RuleStats()
         egraph.declare("\n".join(lines))
 
@@ -144,6 +151,8 @@ class Engine:
                 return "time limit"
             waiting = False
             for act in self.active:
+                if act.last is not None and it >= act.last:
+                    continue  # its ruleset's rounds are over
                 if it < act.banned_until:
                     waiting = True
                     continue

@@ -60,6 +60,8 @@ class Extractor:
         self.model = model
         self._own: dict[tuple, float] = {}
         self._kids: dict[tuple, list[Any]] = {}
+        self._operands: dict[tuple, list[Any]] = {}
+        self._all_kids: dict[tuple, list[Any]] = {}
 
     # ------------------------------------------------------------------ node facts
     def term_kids(self, node: tuple) -> list[Any]:
@@ -67,6 +69,20 @@ class Extractor:
         found = self._kids.get(node)
         if found is None:
             found = self._kids[node] = term_children(node)
+        return found
+
+    def operands(self, node: tuple) -> list[Any]:
+        """The term classes ``node`` reads, list members spelled out (``_walk.operands``), memoised."""
+        found = self._operands.get(node)
+        if found is None:
+            found = self._operands[node] = operands(self.snap, node)
+        return found
+
+    def all_kids(self, node: tuple) -> list[Any]:
+        """Every child class of ``node``, bodies included (``_walk.children``), memoised."""
+        found = self._all_kids.get(node)
+        if found is None:
+            found = self._all_kids[node] = children(node)
         return found
 
     @functools.cached_property
@@ -432,7 +448,10 @@ class ProgramPricer:
         self._shared: dict = {}
         self._nested: bool | None = None
         self._bodies: dict = {}
+        self._known: dict[tuple, float] = {}
         self.evaluations = 0
+        #: how many prices were asked for, and how many of those were of a program priced before
+        self.asked = 0
 
     def own(self, c: Any, node: tuple, choice: dict[Any, tuple]) -> float:
         ctor, args = node
@@ -464,9 +483,19 @@ class ProgramPricer:
         return self._nested
 
     def __call__(self, choice: dict[Any, tuple], roots: Sequence[Any]) -> float:
-        self.evaluations += 1
-        prog = self.program(choice, roots)
-        return self.price(prog)
+        """The price of the program ``choice`` makes at ``roots``; each distinct program is priced once.
+
+        A program is the set of chosen nodes it uses (bodies included), so
+        a search that tries a move it tried before, or that reaches from
+        another start a program it priced already, is answered from memory.
+        """
+        self.asked += 1
+        key = (tuple(roots), _signature(self.ex, choice, roots))
+        found = self._known.get(key)
+        if found is None:
+            self.evaluations += 1
+            found = self._known[key] = self.price(self.program(choice, roots))
+        return found
 
     def price(self, prog: Any) -> float:
         """The model's whole-program price of ``prog``."""
@@ -507,10 +536,11 @@ class ProgramSearch:
             if len(classes) > self.max_classes:
                 break
             improved = False
+            live = set(classes)
             for c in classes:
                 alts = nodes.get(c, ())
-                if len(alts) < 2:
-                    continue
+                if len(alts) < 2 or c not in live:
+                    continue  # a class an earlier move left out of the program: no move of it changes the price
                 for alt in alts:
                     if self.pricer.evaluations - start >= self.max_evaluations:
                         return self.choice, best
@@ -526,6 +556,9 @@ class ProgramSearch:
                     if price < best - 1e-9 * max(1.0, abs(best)):
                         best = price
                         improved = True
+                        live = set(self._program_classes())
+                        if c not in live:
+                            break
                     else:
                         self.choice[c] = cur
             if not improved:
@@ -553,7 +586,8 @@ def input_cost(snap: Snapshot, outs: Sequence[int], token: int | None, model: Co
 
 def _signature(ex: "Extractor", choice: dict[Any, tuple], roots: Sequence[Any]) -> frozenset:
     """The chosen nodes a program uses: equal signatures are the same program."""
-    return frozenset((c, choice[c]) for c in reachable(ex.snap, choice, roots))
+    kids = ex.all_kids
+    return frozenset((c, choice[c]) for c in walk(roots, lambda c: kids(choice[c])))
 
 
 def extract(snap: Snapshot, roots: Sequence[Any], model: CostModel, original: set[tuple] | None) -> Extraction:
@@ -607,8 +641,10 @@ def extract(snap: Snapshot, roots: Sequence[Any], model: CostModel, original: se
     ranked = sorted(distinct.values(), key=lambda t: (t[1], t[2]))
     best = ranked[0]
     orig_cost = next((c for _, c, r in ranked if not r), math.inf)
-    for choice, cost, rewritten in ranked:  # ties go to the input program
-        if not rewritten and cost <= best[1] * (1 + 1e-9):
+    # Ties go to the input program, and so do savings smaller than the model's ``min_saving``.
+    keep_below = max(0.0, float(getattr(model, "min_saving", 0.0) or 0.0))
+    for choice, cost, rewritten in ranked:
+        if not rewritten and cost <= best[1] * (1 + 1e-9) + keep_below * cost:
             best = (choice, cost, rewritten)
     return Extraction(best[0], best[1], orig_cost, best[2], ranked)
 

@@ -78,6 +78,9 @@ class Op:
     own: float = 0.0
     #: The class (or variable) this op computes, for reading the decisions back.
     key: Any = None
+    #: Facts about the op that do not depend on the program around it (its kind, its tie-break price),
+    #: shared by every program an extraction builds with this node: a search prices hundreds of them.
+    memo: dict | None = dataclasses.field(default=None, repr=False, compare=False)
 
 
 @dataclasses.dataclass
@@ -155,7 +158,8 @@ class Program:
         index: dict[Any, int] = {}
         ops: list[Op] = []
         snap = ex.snap
-        order = list(postorder(list(roots), lambda c: () if c in inputs else operands(snap, choice[c])))
+        reads = getattr(ex, "operands", None) or (lambda node: operands(snap, node))
+        order = list(postorder(list(roots), lambda c: () if c in inputs else reads(choice[c])))
         for c in order:
             if c in inputs:
                 index[c] = len(ops)
@@ -166,10 +170,10 @@ class Program:
             tmpl = cache.get(key)
             if tmpl is None:
                 tmpl = cache[key] = _template(ex, c, node, choice, own)
-            prim, family, params, in_avals, out_avals, own_cost = tmpl
-            args = tuple(index[k] for k in operands(snap, node))
+            prim, family, params, in_avals, out_avals, own_cost, memo = tmpl
+            args = tuple(index[k] for k in reads(node))
             index[c] = len(ops)
-            ops.append(Op(prim, family, params, args, in_avals, out_avals, own_cost, key=c))
+            ops.append(Op(prim, family, params, args, in_avals, out_avals, own_cost, key=c, memo=memo))
         return cls(ops, [index[r] for r in roots])
 
 
@@ -179,15 +183,15 @@ _LEAF_CTORS = _terms.LEAVES
 def _template(ex: Any, c: Any, node: tuple, choice: Mapping[Any, tuple], own: Callable[[Any, tuple], float]) -> tuple:
     ctor, args = node
     if ctor in _LEAF_CTORS:
-        return _LEAF_CTORS[ctor], _terms.SPECIAL, {}, (), (ex.snap.aval(c),), 0.0
+        return _LEAF_CTORS[ctor], _terms.SPECIAL, {}, (), (ex.snap.aval(c),), 0.0, {}
     if ctor == "Proj":
         # What the node model charges a projection: a loop's stacked output is written (and,
         # with ``stacked``, held); fusion has no say in that, so it is added as it is.
-        return "proj", _terms.SPECIAL, {}, (), (ex.snap.aval(c),), float(own(c, node))
+        return "proj", _terms.SPECIAL, {}, (), (ex.snap.aval(c),), float(own(c, node)), {}
     info = ex.info(c, ctor, args, choice)
     op = Op(info.op, info.family, info.params, (), info.in_avals, info.out_avals)
     cost = float(own(c, node)) if _kind_of(op) == OTHER else 0.0
-    return info.op, info.family, info.params, info.in_avals, info.out_avals, cost
+    return info.op, info.family, info.params, info.in_avals, info.out_avals, cost, {}
 
 
 def _nbytes(aval: Any) -> int:
@@ -242,6 +246,17 @@ def _kind_of(op: Op) -> str:
             return LIBRARY
         return REDUCE
     return OTHER
+
+
+def _kind(op: Op) -> str:
+    """``_kind_of(op)``, remembered in the op's memo when it has one."""
+    memo = op.memo
+    if memo is None:
+        return _kind_of(op)
+    found = memo.get("kind")
+    if found is None:
+        found = memo["kind"] = _kind_of(op)
+    return found
 
 
 def _scaled_by_small(prog: "Program", op: Op) -> bool:
@@ -314,7 +329,7 @@ class FusionModel:
             for a in set(op.args):
                 users[a].append(i)
         outputs = set(prog.outputs)
-        kinds = [_kind_of(op) for op in ops]
+        kinds = [_kind(op) for op in ops]
         homes: dict[int, set[int]] = {}
         roots: dict[int, str] = {}
         for i in range(len(ops) - 1, -1, -1):
@@ -443,14 +458,14 @@ class FusionModel:
                     reads.add(a)
             cost = self.launch + self.node * len(comp)
             if self.tiebreak is not None:
-                cost += TIEBREAK * sum(self.tiebreak(ops[i]) for i in comp)
+                cost += TIEBREAK * sum(self._tiebreak(ops[i]) for i in comp)
             sincos: dict[int, set[str]] = {}
             for i in comp:
                 op = ops[i]
                 if op.prim in ("sin", "cos") and op.args:
                     sincos.setdefault(op.args[0], set()).add(op.prim)
                     continue
-                if (i == r and kind in (LIBRARY, REDUCE)) or _kind_of(op) == REDUCE:
+                if (i == r and kind in (LIBRARY, REDUCE)) or _kind(op) == REDUCE:
                     cost += _size(op.in_avals[0]) * self.reduce
                 elif kind == LIBRARY and self.library_op is not None:
                     cost += _size(op.out_avals[0]) * self.library_op
@@ -466,6 +481,16 @@ class FusionModel:
                                  + sum(_nbytes(a) for a in root_op.out_avals))
             out.append(Fusion(r, kind, sorted(comp), sorted(reads), cost))
         return out
+
+    def _tiebreak(self, op: Op) -> float:
+        memo = op.memo
+        if memo is None:
+            return self.tiebreak(op)  # type: ignore[misc]
+        key = ("tiebreak", id(self))  # one memo may meet two models (a search and a report, say)
+        found = memo.get(key)
+        if found is None:
+            found = memo[key] = self.tiebreak(op)  # type: ignore[misc]
+        return found
 
     def __call__(self, prog: Program) -> float:
         views = sum(op.own for op in prog.ops if op.prim == "proj")  # loops' stacked outputs

@@ -79,7 +79,7 @@ reassociate = Ruleset("reassociate", [
          name="mul_assoc_right", when=_floating),                              # (a * b) * c -> a * (b * c)
     rule(lambda a, b, c: lax.mul(a, lax.mul(b, c)), lambda a, b, c: lax.mul(lax.mul(a, b), c),
          name="mul_assoc_left", when=_floating),                               # a * (b * c) -> (a * b) * c
-], soundness="fastmath", tolerance=Tolerance(rtol=1e-5, atol=1e-6), limits=Limits(matches=200, ban=2),
+], soundness="fastmath", tolerance=Tolerance(rtol=1e-5, atol=1e-6), limits=Limits(matches=200, ban=2, iterations=4),
     description="reorder chains of + and *: values of one sign, within 1e-5 relative")
 
 
