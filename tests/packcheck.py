@@ -1,5 +1,9 @@
 """A small local helper for the rule-pack tests: inputs with special values, and exact or tolerant comparison.
 
+Random inputs come from ``rewrite.testing``'s strategies (``arrays(shape, dtype)``
+draws exact-class values); :func:`special_array` cycles through the same
+special values, so the pack tests and ``check_ruleset`` try the same ones.
+
 ``exact`` means bitwise-equal results where any NaN equals any NaN. XLA:CPU
 flushes subnormals to zero at run time (FTZ/DAZ, see
 ``test_xla_cpu_flushes_subnormals_at_run_time``) but not when it simplifies
@@ -14,8 +18,6 @@ from __future__ import annotations
 import sys
 from typing import Any, Callable, Sequence
 
-import hypothesis.extra.numpy as hnp
-import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -24,6 +26,7 @@ import jax.extend.core  # noqa: F401  (jaxpr_as_fun)
 
 from rewrite import Ruleset
 from rewrite._1_trace import is_traced_leaf
+from rewrite.testing._strategies import _specials
 
 from .corpus import corpus
 
@@ -39,42 +42,9 @@ def examples(ci: int) -> int:
 
 
 def specials(dtype: Any) -> list[Any]:
-    """Values every exact rule must survive: signed zeros, infinities, NaN, subnormals, extremes."""
-    dtype = np.dtype(dtype)
-    if dtype == np.bool_:
-        return [False, True]
-    if jnp.issubdtype(dtype, jnp.integer):
-        info = jnp.iinfo(dtype)
-        return sorted({0, 1, -1 if info.min < 0 else 2, 2, 3, 7, int(info.min), int(info.min) + 1, int(info.max),
-                       int(info.max) - 1})
-    info = jnp.finfo(dtype)
-    tiny, big = float(info.tiny), float(info.max)
-    smallest = float(info.smallest_subnormal)
-    return [0.0, -0.0, 1.0, -1.0, 2.0, 0.5, -3.0, 1.5, np.inf, -np.inf, np.nan, -np.nan, tiny, -tiny,
-            tiny / 4, -tiny / 8, smallest, -smallest, big, -big, big / 2, 1e-3, 7.25, -1e4]
-
-
-def elements(dtype: Any) -> st.SearchStrategy:
-    """Random scalars of ``dtype``, often one of :func:`specials`."""
-    dtype = np.dtype(dtype)
-    if dtype == np.bool_:
-        return st.booleans()
-    if jnp.issubdtype(dtype, jnp.integer):
-        info = jnp.iinfo(dtype)
-        return st.one_of(st.sampled_from(specials(dtype)), st.integers(int(info.min), int(info.max)))
-    width = {2: 16, 4: 32, 8: 64}[dtype.itemsize]
-    floats = st.floats(width=min(width, 32) if dtype != np.float64 else 64, allow_nan=True, allow_infinity=True,
-                       allow_subnormal=True)
-    return st.one_of(st.sampled_from(specials(dtype)), floats)
-
-
-def arrays(dtype: Any, shape: Sequence[int]) -> st.SearchStrategy:
-    return hnp.arrays(np.dtype(dtype), tuple(shape), elements=elements(dtype).map(lambda v: _cast(v, dtype)))
-
-
-def _cast(v: Any, dtype: Any) -> Any:
-    with np.errstate(all="ignore"):
-        return np.asarray(v).astype(dtype)
+    """Values every exact rule must survive: ``rewrite.testing``'s list for the exact class (signed zeros,
+    infinities, NaN, subnormals, extremes), which its strategies draw from too."""
+    return _specials(dtype, "exact")
 
 
 def special_array(dtype: Any, shape: Sequence[int], shift: int = 0) -> np.ndarray:

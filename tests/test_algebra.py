@@ -25,9 +25,9 @@ from jax import lax
 import rulesets
 from rewrite import Ruleset, explain, rule
 from rewrite._report import primitive_counts
+from rewrite.testing import arrays
 
-from .packcheck import (Side, array_leaves, arrays, assert_same_bits, corpus_programs, examples, only,
-                        special_array, specials)
+from .packcheck import Side, array_leaves, assert_same_bits, corpus_programs, examples, only, special_array, specials
 
 ALGEBRA = rulesets.algebra
 F32, I32, BF16, F16, I8, BOOL = (np.dtype(t) for t in (np.float32, np.int32, jnp.bfloat16, np.float16, np.int8,
@@ -201,7 +201,7 @@ def test_rules_keep_every_bit_on_special_values():
 @settings(max_examples=examples(10))
 @given(data=st.data())
 def test_rules_keep_every_bit_on_random_inputs(data):
-    args = [[data.draw(arrays(d, s)) for d, s in c[2]] for c in CASES]
+    args = [[data.draw(arrays(s, d)) for d, s in c[2]] for c in CASES]
     _all_cases().check_exact(args)
 
 
@@ -258,7 +258,7 @@ def test_two_function_rule_sides_agree(dtype, data):
     d = _DTYPES[dtype]
     assert len(arity) >= 10, side.names
     side.check_exact([[special_array(d, (11,), shift=3 * k) for k in range(n)] for n in arity])
-    side.check_exact([[data.draw(arrays(d, (11,))) for _ in range(n)] for n in arity])
+    side.check_exact([[data.draw(arrays((11,), d)) for _ in range(n)] for n in arity])
 
 
 # ---------------------------------------------------------------------- constant folding

@@ -13,13 +13,15 @@ import os
 
 import pytest
 
-from .golden import HERE, cases, check, compare, stale
+from .golden import HERE, cases, check, compare, on_backend, stale
 
 PROGRAMS_ONLY = os.environ.get("GOLDEN_PROGRAMS_ONLY", "") not in ("", "0")
 
 
 @pytest.mark.parametrize("case", cases(), ids=lambda c: c.key)
 def test_golden(case):
+    if on_backend() is not None:
+        pytest.skip(on_backend())
     report = check(case, programs_only=PROGRAMS_ONLY)
     if report is not None:
         pytest.fail(report + "\n\nIf this change is meant: python -m tests.golden --update " + case.key, pytrace=False)

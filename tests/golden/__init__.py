@@ -16,11 +16,14 @@ After a deliberate change, regenerate them and read the diff before committing::
 
 The same relaxation in the test: ``GOLDEN_PROGRAMS_ONLY=1 python -m pytest tests/test_golden.py``.
 
-What is recorded is what every run on every machine must reproduce: jaxprs
+What is recorded is what every run on a CPU backend must reproduce: jaxprs
 print with deterministic variable names, and the analytic cost model prices
-with the checked-in calibration table. Nothing measured (timings,
+with the checked-in CPU calibration table. Nothing measured (timings,
 ``cost_model="measure"``) is recorded. The only normalisation is of object
 addresses (``<function f at 0x...>``) that JAX prints in some parameters.
+On another backend the cost model reads that backend's table and may choose
+other programs, so the files are made and compared on CPU only (see
+:data:`BACKEND`); run with ``JAX_PLATFORMS=cpu`` on a machine with a GPU.
 
 Sizes are small so that the whole comparison takes seconds; the programs are
 the benchmarks' own (``benchmarks/programs.py``, ``derivatives.py``,
@@ -41,6 +44,17 @@ HERE = Path(__file__).resolve().parent
 HEADER = ("# Golden file, written by `python -m tests.golden --update`: do not edit by hand.\n"
           "# What a built-in pack does to one program (tests/golden/__init__.py says how it is made).\n")
 RULES = "rules fired"  # the section that --programs-only ignores
+#: The backend whose calibration table the recorded programs were priced with.
+BACKEND = "cpu"
+
+
+def on_backend() -> str | None:
+    """``None`` when this process prices as the golden files were priced, else why it does not."""
+    backend = jax.default_backend()
+    if backend == BACKEND:
+        return None
+    return (f"golden files are made on the {BACKEND} backend (its calibration table prices the programs); "
+            f"this process runs on {backend}: set JAX_PLATFORMS={BACKEND}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -307,6 +321,9 @@ def stale() -> list[Path]:
 
 def update(case: Case, out: Path | None = None) -> bool:
     """Write one case's golden file (under ``out`` instead of this folder if given); True if it changed."""
+    why = on_backend()
+    if why is not None:
+        raise RuntimeError(why)
     path = case.path if out is None else Path(out) / case.pack / f"{case.name}.txt"
     text = render(case)
     if path.exists() and path.read_text() == text:

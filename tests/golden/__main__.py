@@ -7,7 +7,7 @@ import sys
 import time
 from pathlib import Path
 
-from tests.golden import HERE, check, select, stale, update
+from tests.golden import HERE, check, on_backend, select, stale, update
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -19,6 +19,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--programs-only", action="store_true", help="with --check: ignore which rules fired")
     ap.add_argument("--out", type=Path, help="with --update: write under this folder instead (to compare two runs)")
     opts = ap.parse_args(argv)
+    if on_backend() is not None:
+        ap.error(on_backend())
     chosen = select(opts.cases)
     failed = 0
     for case in chosen:

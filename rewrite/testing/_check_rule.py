@@ -1,0 +1,480 @@
+"""``check_ruleset``: each rule on its own, forced to act, compared on drawn inputs.
+
+A rule's left side (or a :class:`Pat` rule's example program) is traced at
+the shapes and dtypes the rule was defined at, with inputs routed through
+operations that establish the facts its guard asks for; the program is
+rewritten with that rule alone; extraction is forced to take what the rule
+built, so that a rewrite the cost model would refuse is still checked; and
+the two programs are run eagerly on inputs hypothesis draws in the owner's
+soundness class. A rule that never fires fails: a check that compares a
+program with itself proves nothing.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+import itertools
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from hypothesis import given
+from hypothesis import strategies as st
+from jax import lax
+from jax._src import core
+
+from .. import _terms
+from .._1_trace import trace
+from .._3_saturate import Limits
+from .._4_extract import _CONTAINERS, Extractor
+from .._5_emit import emit
+from .._6_evaluate import entries_of
+from .._cost import AnalyticCost
+from .._intern import TupleType
+from .._pipeline import Result, run_pipeline
+from .._rules import Procedure, Rule, Ruleset, Value, _short
+from ._compare import _Evidence, _show, _spreads
+from ._strategies import _into_domain, _is_float, _settings, _wide, arrays
+
+
+def _evaluate(closed: core.ClosedJaxpr, args: Sequence[Any]) -> list[np.ndarray]:
+    """Run a jaxpr eagerly, one primitive at a time, as the program itself would run outside jit."""
+    return [np.asarray(o) for o in core.eval_jaxpr(closed.jaxpr, closed.consts, *args)]
+
+
+def _trace_at(fn: Callable[..., Any], avals: Sequence[Any]):
+    in_tree = jax.tree_util.tree_structure((tuple(range(len(avals))), {}))
+    return trace(fn, list(avals), in_tree, (), (), len(avals))
+
+
+class _Reference:
+    """A program traced again at float64, for the true result; ``None`` results where that is impossible."""
+
+    def __init__(self, fn: Callable[..., Any], avals: Sequence[Any]) -> None:
+        self.fn = fn
+        self.avals = tuple(avals)
+        self._closed: Any = None
+        self._failed = not any(_wide(a.dtype) != np.dtype(a.dtype) for a in avals)  # nothing to widen
+
+    def __call__(self, args: Sequence[Any]) -> list[Any] | None:
+        if self._failed:
+            return None
+        try:
+            with jax.enable_x64(True):
+                if self._closed is None:
+                    wide = [core.ShapedArray(a.shape, _wide(a.dtype), weak_type=False) for a in self.avals]
+                    self._closed = jax.make_jaxpr(self.fn)(*[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in wide])
+                outs = _evaluate(self._closed, [np.asarray(a).astype(_wide(np.asarray(a).dtype)) for a in args])
+        except Exception:
+            self._failed = True
+            return None
+        return outs
+
+
+@dataclasses.dataclass
+class RuleCheck:
+    """How one rule was checked: the cases it was rewritten in, examples compared, cases skipped and why.
+
+    A case is one program the rule was exercised on: its inputs' shapes and
+    dtypes, and the domain drawn for each (``nonneg``, ``positive``,
+    ``negative`` when a guard asks for facts), or ``as constants``.
+
+    >>> from rewrite import rule, Ruleset
+    >>> r = rule(lambda x: abs(x), lambda x: x, name="abs_nonneg", when=lambda x: x.nonneg)
+    >>> check_ruleset(Ruleset("r", [r]), max_examples=2).rules["abs_nonneg"].cases[0]
+    '(x: f32[] nonneg)'
+    """
+
+    rule: str
+    ruleset: str
+    soundness: str
+    cases: list[str] = dataclasses.field(default_factory=list)
+    examples: int = 0
+    skipped: list[str] = dataclasses.field(default_factory=list)
+
+    def __str__(self) -> str:
+        lines = [f"{self.rule} [{self.ruleset}, {self.soundness}]: {self.examples} examples over "
+                 f"{len(self.cases)} case(s): {'; '.join(self.cases)}"]
+        lines += [f"    not exercised: {s}" for s in self.skipped]
+        return "\n".join(lines)
+
+
+@dataclasses.dataclass
+class CheckReport:
+    """What :func:`check_ruleset` checked, rule by rule (each a :class:`RuleCheck`). ``str(report)`` lists it.
+
+    >>> from rewrite import rule, Ruleset
+    >>> report = check_ruleset(Ruleset("r", [rule(lambda x: -(-x), lambda x: x, name="neg_neg")]), max_examples=3)
+    >>> print(report)
+    check_ruleset('r'): 1 rule(s), 3 examples
+      neg_neg [r, exact]: 3 examples over 4 case(s): (x: f32[]); (x: f32[3]); (x: f32[3,3]); (x: f32[3,3,3])
+    """
+
+    ruleset: str
+    rules: dict[str, RuleCheck] = dataclasses.field(default_factory=dict)
+
+    @property
+    def examples(self) -> int:
+        return sum(r.examples for r in self.rules.values())
+
+    def __str__(self) -> str:
+        head = f"check_ruleset({self.ruleset!r}): {len(self.rules)} rule(s), {self.examples} examples"
+        return "\n".join([head] + [f"  {r}" for r in self.rules.values()])
+
+
+class _NotExercised(Exception):
+    """The rule did not act on a case's program; the reason says why."""
+
+
+@dataclasses.dataclass
+class _Case:
+    """One program a rule is checked on: inputs' avals and domains, the original and the forced rewrite."""
+
+    fn: Callable[..., Any]
+    avals: tuple[Any, ...]
+    names: tuple[str, ...]
+    domains: tuple[str, ...]
+    before: Any = None
+    after: Any = None
+    constant: bool = False
+    reference: Any = None
+    rhs: Callable[..., Any] | None = None  # the right side as a program, for rules whose rhs contains the lhs
+    _as_params: Any = None
+
+    def __repr__(self) -> str:  # hypothesis shows the drawn case
+        return self.describe()
+
+    def original(self, args: Sequence[Any]) -> list[Any]:
+        """The original program's results as a function of the drawn values (constants or not)."""
+        if self.constant:
+            if self._as_params is None:
+                self._as_params = _trace_at(self.fn, self.avals).closed
+            return _evaluate(self._as_params, args)
+        return _evaluate(self.before, args)
+
+    def describe(self) -> str:
+        parts = []
+        for n, a, d in zip(self.names, self.avals, self.domains):
+            parts.append(f"{n}: {_short(a)}" + ("" if d == "any" else f" {d}"))
+        return "(" + ", ".join(parts) + ")" + (" as constants" if self.constant else "")
+
+
+_FACTS_OF = {"any": frozenset(), "nonneg": frozenset({"NonNeg"}), "nonzero": frozenset({"NonZero"}),
+             "positive": frozenset({"Pos", "NonNeg", "NonZero"})}
+_WEAKER = {"any": set(), "nonneg": {"any"}, "nonzero": {"any"}, "positive": {"any", "nonneg", "nonzero"}}
+
+
+class _GuardView(Value):
+    """What a guard sees while we ask it which facts it needs: the facts we choose, and no nodes."""
+
+    def __init__(self, aval: Any, facts: frozenset) -> None:
+        super().__init__(aval)
+        self._given = facts
+        self.wants_nodes = False
+
+    def _fact(self, fact: str) -> bool:
+        self.read_facts = True
+        return self.is_floating and fact in self._given
+
+    @property
+    def nodes(self) -> list:  # literal, constant and node() read this too
+        self.wants_nodes = True
+        return []
+
+
+def _guard_domains(rule: Rule, avals: tuple[Any, ...]) -> tuple[list[tuple[str, ...]], bool]:
+    """The weakest fact domains per variable under which the guard accepts these avals, and whether it reads nodes.
+
+    ``nonzero`` is split into ``positive`` and ``negative``: no derivation
+    rule gives NonZero to a tensor of mixed signs.
+    """
+    if rule.when is None:
+        return [("any",) * len(avals)], False
+    choices = [tuple(_FACTS_OF) if _is_float(a.dtype) else ("any",) for a in avals]
+    passing = []
+    wants_nodes = False
+    for combo in itertools.product(*choices):
+        views = [_GuardView(a, _FACTS_OF[d]) for a, d in zip(avals, combo)]
+        try:
+            ok = bool(rule.when(*views))
+        except Exception:
+            ok = False
+        wants_nodes |= any(v.wants_nodes for v in views)
+        if ok:
+            passing.append(combo)
+
+    def weaker(a: tuple, b: tuple) -> bool:  # a strictly weaker than b
+        return a != b and all(x == y or x in _WEAKER[y] for x, y in zip(a, b))
+
+    minimal = [c for c in passing if not any(weaker(o, c) for o in passing)]
+    out: list[tuple[str, ...]] = []
+    for combo in minimal:
+        options = [("positive", "negative") if d == "nonzero" else (d,) for d in combo]
+        for expanded in itertools.product(*options):
+            if expanded not in out:
+                out.append(expanded)
+    return out, wants_nodes
+
+
+def _wrap(domain: str, x: Any) -> Any:
+    """Establish the fact a domain stands for, by operations the fact rules know; the identity on its values."""
+    return _into_domain(x, domain, lax.abs, jnp.maximum, lax.neg)
+
+
+def _recording(rule: Rule) -> tuple[Rule, list[int]]:
+    """A copy of a procedural rule that notes the class names it replaces, for the forced extraction."""
+    roots: list[int] = []
+    proc = rule.rhs
+
+    def record(m: Any) -> Any:
+        out = proc(m)
+        if isinstance(out, list):
+            # A rule that replaces a loop hands its outputs over (the pairs), and the loop itself
+            # (the matched class, a tuple) is what must not be taken any more.
+            roots.extend([m.root.name] * bool(out) + [a.name for a, _ in out])
+        elif out is not None:
+            roots.append(m.root.name)
+        return out
+
+    twin = copy.copy(rule)
+    twin.rhs = Procedure(record)
+    return twin, roots
+
+
+def _forced(result: Result, closed: core.ClosedJaxpr, vids: Sequence[int], ctor: str | None = None
+            ) -> core.ClosedJaxpr | None:
+    """The program with the rule's work taken wherever it acted, even where it costs more.
+
+    Normal extraction keeps the input program on ties and when a rewrite
+    costs more, so a rule such as ``x*y -> y*x`` would be compared with
+    itself. Here the matched node is barred from each matched class, so the
+    class must be computed another way, which only the rule can have added.
+    The matched node is the node each name in ``vids`` was made for; for a
+    :class:`Pat` rule, whose recorded names are whatever names the matched
+    classes had, it is every node of the input program in those classes
+    with the pattern's constructor ``ctor``. ``None`` when no matched class
+    has another way.
+    """
+    eg, snap = result.egraph, result.snapshot
+    barred: dict[Any, set] = {}
+    for vid in vids:
+        cls = snap.cls_of_name[vid]
+        nodes = snap.nodes.get(cls, ())
+        if ctor is not None:
+            bar = {n for n in nodes if n[0] == ctor and n in (result.original or ())}
+        else:
+            node = eg.canonical(snap, vid)
+            bar = {node} if node is not None else set()
+        # A multi-result node (a loop) is barred even though its class has no other node: its
+        # projections must then come from what the rule built, or the roots cannot be computed.
+        if bar and (len(nodes) > len(bar) or isinstance(snap.aval(cls), TupleType)):
+            barred.setdefault(cls, set()).update(bar)
+    if not barred:
+        return None
+    ex = Extractor(snap, AnalyticCost())
+    _, choice = ex.tree(lambda cls, ctor, args: ctor in _CONTAINERS or (ctor, args) not in barred.get(cls, ()))
+    if any(r not in choice for r in result.roots or []):
+        return None
+    return emit(snap, choice, eg, closed.in_avals, result.roots, None, closed.jaxpr.debug_info)
+
+
+def _pat_ctor(pat: Any) -> str:
+    """The constructor of the node a :class:`Pat` matches at its root."""
+    special = {"proj": "Proj", "lit": "Lit", "opaque": "Opaque"}
+    return special.get(pat.prim) or _terms.BY_PRIM[pat.prim].ctor
+
+
+def _rewrite_case(rule: Rule, owner: Ruleset, fn: Callable[..., Any], avals: tuple[Any, ...],
+                  rhs_program: Callable[..., Any] | None = None) -> tuple[Any, Any]:
+    """Rewrite ``fn`` at ``avals`` with ``rule`` alone; return (original, forced rewrite) or raise _NotExercised.
+
+    A right-hand side that contains the left-hand side (``abs(x) -> abs(abs(x))``) puts a node in
+    the matched class that needs the class itself, which no extraction can take. When the rule
+    fired but cannot be forced for that reason, ``rhs_program`` (the right side as a function of
+    the same inputs) is traced and compared instead.
+    """
+    traced = _trace_at(fn, avals)
+    if traced.closed.jaxpr.effects:
+        raise _NotExercised("the program has effects")
+    checked, roots = _recording(rule) if rule.is_pat else (rule, [])
+    result = run_pipeline(traced, [(checked, owner)], AnalyticCost(), owner.limits or Limits(), keep=True)
+    problems = [w for w in result.warnings if f"rule {rule.name!r}" in w]
+    if problems:
+        raise AssertionError(f"rule {rule.name!r} [{owner.name}, {owner.soundness}] failed while rewriting "
+                             f"at ({', '.join(_short(a) for a in avals)}): " + "; ".join(problems))
+    stats = result.stats[rule.name]
+    if not stats.fired:
+        why = ", ".join(f"{n} {k}" for k, n in sorted(stats.rejected.items())) or "no match"
+        raise _NotExercised(f"did not fire ({why})")
+    vids = roots if rule.is_pat else list(result.out_names or [])
+    after = _forced(result, traced.closed, vids, _pat_ctor(rule.lhs) if rule.is_pat else None)
+    if after is None and rhs_program is not None:
+        after = _trace_at(rhs_program, avals).closed
+    if after is None:
+        raise _NotExercised("fired, but what it built can only be computed through the matched value itself")
+    try:
+        core.check_jaxpr(after.jaxpr)
+    except Exception as e:
+        raise AssertionError(f"rule {rule.name!r} [{owner.name}]: the rewritten program is ill-formed: {e}") from None
+    return traced.closed, after
+
+
+def _cases(rule: Rule, owner: Ruleset) -> tuple[list[_Case], list[str], bool]:
+    """Every program the rule can be checked on with drawn inputs, the cases it could not act on, and
+    whether a guard reads the matched nodes (so inputs must be constants)."""
+    cases: list[_Case] = []
+    skipped: list[str] = []
+    wants_nodes = False
+    if rule.is_pat:
+        if rule.program is None:
+            return [], ["a Pat rule needs an example program: rule(..., example=(fn, args))"], False
+        fn, avals = rule.program
+        candidates = [_Case(fn, avals, tuple(f"arg{i}" for i in range(len(avals))), ("any",) * len(avals))]
+    else:
+        candidates = []
+        for avals in rule.probes:
+            domains, nodes = _guard_domains(rule, avals)
+            wants_nodes |= nodes
+            if not domains:
+                skipped.append(f"({', '.join(_short(a) for a in avals)}): the guard rejects every domain")
+            for combo in domains:
+                def program(*xs: Any, _combo: tuple = combo, _side: Callable = rule.lhs) -> Any:
+                    return _side(*[_wrap(d, x) for d, x in zip(_combo, xs)])
+
+                case = _Case(program, avals, tuple(rule.var_names), combo)
+                if not rule.is_procedural:
+                    case.rhs = functools.partial(program, _side=rule.rhs)
+                candidates.append(case)
+    for case in candidates:
+        try:
+            case.before, case.after = _rewrite_case(rule, owner, case.fn, case.avals, case.rhs)
+        except _NotExercised as e:
+            skipped.append(f"{case.describe()}: {e}")
+            continue
+        case.reference = _Reference(case.fn, case.avals)
+        cases.append(case)
+    return cases, skipped, wants_nodes
+
+
+def _constant_cases(rule: Rule) -> list[_Case]:
+    """Cases whose inputs are baked in as constants, drawn anew each example, for guards that read values."""
+    if rule.is_pat:
+        fn, avals = rule.program  # type: ignore[misc]
+        names = tuple(f"arg{i}" for i in range(len(avals)))
+        return [_Case(fn, avals, names, ("any",) * len(avals), constant=True, reference=_Reference(fn, avals))]
+    return [_Case(rule.lhs, avals, tuple(rule.var_names), ("any",) * len(avals), constant=True,
+                  reference=_Reference(rule.lhs, avals)) for avals in rule.probes]
+
+
+def _failure(rule: Rule, owner: Ruleset, case: _Case, vals: Sequence[Any], want: Sequence[Any],
+             got: Sequence[Any], why: str) -> AssertionError:
+    lines = [f"rule {rule.name!r} [{owner.name}, {owner.soundness}] does not hold: {why}",
+             f"  case {case.describe()}" + (" (inputs of the rule's example program)" if rule.is_pat else "")]
+    for n, v in zip(case.names, vals):
+        lines.append(f"    {n} = {_show(v, 7 + len(n))}")
+    for i, (w, g) in enumerate(zip(want, got)):
+        tag = f"[{i}]" if len(want) > 1 else ""
+        lines.append(f"  original{tag}  = {_show(w, 14 + len(tag))}")
+        lines.append(f"  rewritten{tag} = {_show(g, 14 + len(tag))}")
+    if case.after is not None:
+        lines.append("  rewritten program: " + str(case.after).replace("\n", "\n    "))
+    return AssertionError("\n".join(lines))
+
+
+def _check_rule(rule: Rule, owner: Ruleset, max_examples: int | None) -> RuleCheck:
+    report = RuleCheck(rule.name, owner.name, owner.soundness)
+    cases, skipped, wants_nodes = _cases(rule, owner)
+    report.skipped = skipped
+    constant = False
+    if not cases and (wants_nodes or rule.is_procedural) and (not rule.is_pat or rule.program is not None):
+        # The rule may need to see values (a guard reading .constant, a procedure that declines
+        # unknown inputs): try again with inputs baked in as constants, rewritten per example.
+        cases = _constant_cases(rule)
+        constant = True
+    if not cases:
+        raise AssertionError(
+            f"rule {rule.name!r} [{owner.name}, {owner.soundness}] was never exercised, so it cannot be checked:\n"
+            + "\n".join(f"  {s}" for s in skipped)
+            + "\n  Give example= with shapes and dtypes where it applies (for a Pat rule, example=(fn, args)).")
+    soundness, tolerance = owner.soundness, owner.tolerance
+    fired = [0]
+
+    def run(data: Any) -> None:
+        case = data.draw(st.sampled_from(cases), label="case") if len(cases) > 1 else cases[0]
+        vals = [data.draw(arrays(a.shape, a.dtype, soundness, d), label=n)
+                for n, a, d in zip(case.names, case.avals, case.domains)]
+        if case.constant:
+            bound = [jnp.asarray(v) for v in vals]  # jax arrays, so the program's operations are traced
+            try:
+                before, after = _rewrite_case(rule, owner, functools.partial(case.fn, *bound), ())
+            except _NotExercised:
+                return
+            shown, args = dataclasses.replace(case, before=before, after=after), []
+        else:
+            shown, before, after, args = case, case.before, case.after, vals
+        fired[0] += 1
+        want = _evaluate(before, args)
+        got = _evaluate(after, args)
+        evidence = _Evidence(lambda: case.reference(vals), lambda: _spreads(case.original, vals, want))
+        for i, (w, g) in enumerate(zip(want, got)):
+            why = evidence.mismatch(i, w, g, soundness, tolerance)
+            if why is not None:
+                raise _failure(rule, owner, shown, vals, want, got, why)
+
+    _settings(max_examples)(given(st.data())(run))()
+    if constant and not fired[0]:
+        raise AssertionError(
+            f"rule {rule.name!r} [{owner.name}, {owner.soundness}] was never exercised: it did not fire on "
+            "parameters nor on any drawn constant inputs:\n" + "\n".join(f"  {s}" for s in skipped))
+    report.cases = [c.describe() for c in cases]
+    report.examples = fired[0]
+    return report
+
+
+def check_ruleset(ruleset: Any, *, max_examples: int | None = None) -> CheckReport:
+    """Check every rule of ``ruleset`` on drawn inputs; raise ``AssertionError`` naming each rule that fails.
+
+    Each rule is checked on its own, in its owner's soundness class. Its
+    left-hand side, traced at the shapes and dtypes it was defined at (its
+    probes, or ``example=``) and that its guard allows, is a program; that
+    program is rewritten with this rule alone, and the rewrite is forced to
+    use what the rule built even where the cost model would not. A rule that
+    never fires fails the check: a check that compares a program with itself
+    proves nothing. Guards that ask for facts (``x.positive``) are met by
+    drawing inputs through operations that establish the fact; guards and
+    procedures that read values (``x.constant``) get their inputs as
+    constants. A :class:`Pat` rule is checked on its ``example=(fn, args)``
+    program. The original and the rewritten program are then compared on
+    inputs hypothesis draws, shrinking any failure to a small
+    counterexample, which the error shows with both results.
+
+    ``max_examples`` is per rule; the active hypothesis profile decides when
+    it is ``None``. Returns a :class:`CheckReport` of what was checked.
+
+    >>> import jax.numpy as jnp
+    >>> from rewrite import rule, Ruleset
+    >>> good = Ruleset("good", [rule(lambda x: -(-x), lambda x: x, name="neg_neg")])
+    >>> print(check_ruleset(good, max_examples=5).rules["neg_neg"].examples)
+    5
+    >>> bad = Ruleset("bad", [rule(lambda x: x - x, lambda x: jnp.zeros_like(x), name="sub_self")])
+    >>> check_ruleset(bad, max_examples=50)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    AssertionError: check_ruleset('bad'): 1 of 1 rule(s) failed...
+    rule 'sub_self' [bad, exact] does not hold: at []: original nan, rewritten 0.0 ...
+    """
+    entries = entries_of(ruleset)
+    name = getattr(ruleset, "name", None) or "+".join(o.name for o in {id(o): o for _, o in entries}.values())
+    report = CheckReport(name)
+    failures = []
+    for rule, owner in entries:
+        try:
+            report.rules[rule.name] = _check_rule(rule, owner, max_examples)
+        except AssertionError as e:
+            failures.append(str(e))
+    if failures:
+        raise AssertionError(f"check_ruleset({name!r}): {len(failures)} of {len(entries)} rule(s) failed\n"
+                             + "\n\n".join(failures))
+    return report

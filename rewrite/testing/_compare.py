@@ -1,0 +1,248 @@
+"""What "the same result" means in each soundness class, and the evidence that settles a close call.
+
+:func:`mismatch` compares one original result with its rewrite: bit for bit
+for ``exact`` (any NaN equal to any NaN, a subnormal equal to the zero of its
+sign), within a tolerance for ``identity`` and ``fastmath``. Where a
+tolerance is exceeded, two pieces of evidence may still acquit the rewrite:
+the true result computed in float64 (the rewrite may be the more accurate
+one), and how far the original itself moves when its inputs move by a few
+ulps (its own conditioning). ``_Evidence`` computes them only once a
+mismatch is found. :func:`soundness_of` gives the class and tolerance a set
+of rulesets is compared under.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .._6_evaluate import entries_of
+from .._rules import SOUNDNESS, Rule, Ruleset, Tolerance
+from ._strategies import _is_complex, _is_float, _like, _wide
+
+#: What an exact comparison means, quoted in failure messages.
+_EXACT_NOTE = "exact: equal bits, any NaN equal to any NaN, a subnormal equal to the zero of its sign"
+
+
+def _as_real(a: np.ndarray) -> np.ndarray:
+    """Complex values as pairs of reals, so one comparison serves both."""
+    if _is_complex(a.dtype):
+        part = np.float64 if a.dtype == np.complex128 else np.float32
+        return np.stack([a.real.astype(part), a.imag.astype(part)], axis=-1)
+    return a
+
+
+def _bitwise_equal(want: np.ndarray, got: np.ndarray) -> np.ndarray:
+    # float64 holds every narrower float exactly, so equal float64 values and sign bits mean equal bits,
+    # NaN payloads aside. XLA on CPU flushes subnormal results to zero, and its own simplifier drops
+    # x*1 under jit, so a subnormal and the zero of its sign are one value here.
+    tiny = float(jnp.finfo(want.dtype).smallest_normal)
+    w, g = want.astype(np.float64), got.astype(np.float64)
+    w = np.where(np.abs(w) < tiny, np.copysign(0.0, w), w)
+    g = np.where(np.abs(g) < tiny, np.copysign(0.0, g), g)
+    return (np.isnan(w) & np.isnan(g)) | ((w == g) & (np.signbit(w) == np.signbit(g)))
+
+
+def _close(want: np.ndarray, got: np.ndarray, rtol: float, atol: float) -> np.ndarray:
+    w, g = want.astype(np.float64), got.astype(np.float64)
+    with np.errstate(invalid="ignore", over="ignore"):
+        near = np.isfinite(w) & np.isfinite(g) & (np.abs(w - g) <= atol + rtol * np.abs(w))
+    return (np.isnan(w) & np.isnan(g)) | (w == g) | near
+
+
+def _no_worse(want: np.ndarray, got: np.ndarray, ref: np.ndarray, rtol: float, atol: float) -> np.ndarray:
+    """Where the rewrite is within tolerance of the true result (``ref``), or no further from it than the original."""
+    w, g, r = want.astype(np.float64), got.astype(np.float64), ref.astype(np.float64)
+    with np.errstate(invalid="ignore", over="ignore"):
+        slack = np.where(np.isfinite(w), np.abs(w - r), 0.0)
+        near = np.isfinite(r) & np.isfinite(g) & (np.abs(g - r) <= atol + rtol * np.abs(r) + slack)
+    return near | (g == r) | (np.isnan(g) & np.isnan(r))
+
+
+#: Inputs are nudged by this many ulps (relative, each way) to measure a program's own conditioning.
+_NUDGE_ULPS = 8
+
+
+def _nudged(args: Any, sign: int) -> Any:
+    """Every inexact array leaf scaled by ``1 + sign * _NUDGE_ULPS * eps``, keeping its kind of array."""
+    def nudge(x: Any) -> Any:
+        if not (hasattr(x, "dtype") and hasattr(x, "shape") and (_is_float(x.dtype) or _is_complex(x.dtype))):
+            return x
+        a = np.asarray(x)
+        eps = float(jnp.finfo(a.dtype).eps)
+        out = (a.astype(_wide(a.dtype)) * (1.0 + sign * _NUDGE_ULPS * eps)).astype(a.dtype)
+        return out if isinstance(x, (np.ndarray, np.generic)) else _like(x, out)
+
+    return jax.tree_util.tree_map(nudge, args)
+
+
+def _spreads(run: Callable[[Any], list[Any]], args: Any, want: Sequence[Any]) -> list[Any]:
+    """Per output, how far the original's result moves when its inputs are nudged (non-finite moves count 0)."""
+    out: list[Any] = [None] * len(want)
+    try:
+        runs = [run(_nudged(args, s)) for s in (1, -1)]
+    except Exception:
+        return out
+    for i, w in enumerate(want):
+        w = np.asarray(w)
+        if not (_is_float(w.dtype) or _is_complex(w.dtype)):
+            continue
+        moved = np.zeros(_as_real(w).shape)
+        for r in runs:
+            o = np.asarray(r[i])
+            if o.shape != w.shape:
+                break
+            with np.errstate(invalid="ignore", over="ignore"):
+                d = np.abs(_as_real(o).astype(np.float64) - _as_real(w).astype(np.float64))
+            moved = np.maximum(moved, np.where(np.isfinite(d), d, 0.0))
+        else:
+            out[i] = moved if not _is_complex(w.dtype) else moved.max(axis=-1, keepdims=False)
+    return out
+
+
+def _within_spread(want: np.ndarray, got: np.ndarray, spread: np.ndarray, rtol: float, atol: float) -> np.ndarray:
+    """Where the rewrite moved the result no more than nudging the inputs by a few ulps moves the original."""
+    w, g, d = want.astype(np.float64), got.astype(np.float64), spread.astype(np.float64)
+    with np.errstate(invalid="ignore", over="ignore"):
+        return np.isfinite(w) & np.isfinite(g) & (np.abs(g - w) <= atol + rtol * np.abs(w) + d)
+
+
+def mismatch(want: Any, got: Any, *, soundness: str = "exact", tolerance: Tolerance | None = None,
+             reference: Any = None, spread: Any = None) -> str | None:
+    """Why ``got`` does not stand in for ``want`` under a soundness class, or ``None`` if it does.
+
+    ``exact`` (and any comparison without ``tolerance``) asks for equal bits,
+    counting any NaN equal to any NaN and a subnormal equal to the zero of its
+    sign (XLA on CPU flushes subnormal results). ``identity`` and ``fastmath``
+    ask for floats within ``tolerance`` (scaled to the dtype), NaN where the
+    original has NaN and the same infinities; integers and booleans stay
+    exact. Where ``reference``, the true result computed in higher
+    precision, is given, an element also passes if the rewrite is within
+    tolerance of it, or no further from it than the original is: a rewrite
+    may be more accurate than the program it replaces (no overflow where the
+    original overflowed, no cancellation where the original cancelled).
+    Where ``spread`` is given (how far the original's result moves when its
+    inputs move by a few ulps), an element also passes if the rewrite moved
+    it no further than that: a rounding difference that the program's own
+    conditioning amplifies (``sin`` of a large argument, a cancellation) is
+    not the rule's fault.
+
+    >>> import numpy as np
+    >>> mismatch(np.float32([0.0, np.nan]), np.float32([0.0, -np.nan])) is None
+    True
+    >>> print(mismatch(np.float32([0.0]), np.float32([-0.0])))
+    at [0]: original 0.0, rewritten -0.0 (exact: equal bits, any NaN equal to any NaN, a subnormal equal to the zero of its sign)
+    >>> from rewrite import Tolerance
+    >>> mismatch(np.float32([1.0]), np.float32([1.000001]), soundness="identity", tolerance=Tolerance()) is None
+    True
+    """
+    want, got = np.asarray(want), np.asarray(got)
+    if want.shape != got.shape or want.dtype != got.dtype:
+        return f"rewritten gives {got.dtype}{list(got.shape)}, original {want.dtype}{list(want.shape)}"
+    inexact = _is_float(want.dtype) or _is_complex(want.dtype)
+    if not inexact:
+        ok = want == got
+        note = "exact"
+    elif tolerance is None or soundness == "exact":
+        ok = _bitwise_equal(_as_real(want), _as_real(got))
+        note = _EXACT_NOTE
+    else:
+        rtol, atol = tolerance.for_dtype(want.dtype)
+        w, g = _as_real(want), _as_real(got)
+        ok = _close(w, g, rtol, atol)
+        note = f"{soundness}: rtol {rtol:.3g}, atol {atol:.3g}"
+        if not ok.all() and reference is not None and np.shape(reference) == want.shape:
+            ok = ok | _no_worse(w, g, _as_real(np.asarray(reference)), rtol, atol)
+            note += ", or no further than the original from the float64 result"
+        if not ok.all() and spread is not None and np.shape(spread) == want.shape:
+            d = np.asarray(spread)
+            d = np.stack([d, d], axis=-1) if _is_complex(want.dtype) else d
+            ok = ok | _within_spread(w, g, d, rtol, atol)
+            note += f", or within the original's own spread under {_NUDGE_ULPS}-ulp input changes"
+    if inexact and _is_complex(want.dtype):
+        ok = ok.all(axis=-1)
+    if np.all(ok):
+        return None
+    bad = np.argwhere(~np.asarray(ok))
+    n = len(bad)
+    idx = tuple(int(i) for i in bad[0])
+    where = f"[{', '.join(map(str, idx))}]" if idx else "[]"
+    line = f"at {where}: original {_scalar(want[idx])}, rewritten {_scalar(got[idx])}"
+    if reference is not None and inexact and np.shape(reference) == want.shape:
+        line += f", float64 result {_scalar(np.asarray(reference)[idx])}"
+    if spread is not None and inexact and np.shape(spread) == want.shape:
+        line += f", spread {_scalar(np.asarray(spread)[idx])}"
+    more = f"; {n - 1} more element(s) differ" if n > 1 else ""
+    return f"{line} ({note}){more}"
+
+
+def _scalar(v: Any) -> str:
+    v = np.asarray(v)
+    if _is_float(v.dtype):
+        return repr(float(v))
+    return repr(v.item())
+
+
+def _show(a: Any, indent: int = 6) -> str:
+    """An array as ``dtype[shape] values``, continuation lines indented to line up under the values."""
+    a = np.asarray(a)
+    head = f"{a.dtype}{list(a.shape)} "
+    body = np.array2string(a, threshold=24, max_line_width=110, separator=", ", floatmode="maxprec",
+                           prefix=" " * (indent + len(head)))
+    return head + body
+
+
+def soundness_of(rulesets: Any) -> tuple[str, Tolerance | None]:
+    """The weakest soundness class among the rulesets' rules, and the widest tolerance of that class.
+
+    This is what :func:`assert_equivalent` draws values for and compares
+    with; ``None`` means bit for bit. Give it to :func:`inputs_like` when
+    drawing inputs for a program rewritten with these rulesets.
+
+    >>> from rewrite import rule, Ruleset, Tolerance
+    >>> a = Ruleset("a", [rule(lambda x: -(-x), lambda x: x, name="neg_neg")])
+    >>> b = Ruleset("b", [rule(lambda x: x - x, lambda x: 0 * x, name="sub_self")], soundness="identity",
+    ...             tolerance=Tolerance(1e-4, 0.0))
+    >>> soundness_of([a]), soundness_of([a, b])
+    (('exact', None), ('identity', Tolerance(rtol=0.0001, atol=0.0)))
+    """
+    return _tolerance(entries_of(rulesets))
+
+
+def _tolerance(entries: Sequence[tuple[Rule, Ruleset]]) -> tuple[str, Tolerance | None]:
+    owners = {id(o): o for _, o in entries}.values()
+    if not owners:
+        return "exact", None
+    weakest = max((o.soundness for o in owners), key=SOUNDNESS.index)
+    if weakest == "exact":
+        return weakest, None
+    tols = [o.tolerance for o in owners if o.tolerance is not None and o.soundness != "exact"]
+    return weakest, Tolerance(max(t.rtol for t in tols), max(t.atol for t in tols))
+
+
+class _Evidence:
+    """What settles a tolerance mismatch, computed only once one is found: the float64 result
+    and how far the original moves when its inputs are nudged by a few ulps."""
+
+    def __init__(self, reference: Callable[[], list[Any] | None] | None,
+                 spreads: Callable[[], list[Any]] | None) -> None:
+        self._reference = reference
+        self._spreads = spreads
+        self._got: tuple[list[Any], list[Any]] | None = None
+
+    def mismatch(self, i: int, want: Any, got: Any, soundness: str, tolerance: Tolerance | None) -> str | None:
+        why = mismatch(want, got, soundness=soundness, tolerance=tolerance)
+        if why is None or tolerance is None or soundness == "exact":
+            return why
+        if self._got is None:
+            refs = (self._reference() if self._reference is not None else None) or []
+            spreads = self._spreads() if self._spreads is not None else []
+            self._got = (refs, spreads)
+        refs, spreads = self._got
+        ref = refs[i] if i < len(refs) and hasattr(refs[i], "shape") else None
+        spread = spreads[i] if i < len(spreads) else None
+        return mismatch(want, got, soundness=soundness, tolerance=tolerance, reference=ref, spread=spread)
+
