@@ -51,7 +51,7 @@ import jax
 
 from . import _terms
 from ._fusion import FusionModel
-from ._primitives import NodeInfo, inner_jaxpr, nbytes, size  # noqa: F401  (NodeInfo, size, nbytes: public here)
+from ._primitives import BY_PRIM, DEFAULT as _OPAQUE_SPEC, NodeInfo, inner_jaxpr, nbytes, size  # noqa: F401
 
 
 class CostModel(abc.ABC):
@@ -211,7 +211,7 @@ class AnalyticCost(CostModel):
         more than its multiplications (it is never cheaper than writing them
         out). The rest is priced as measured.
         """
-        spec = _terms.spec_of(op)
+        spec = BY_PRIM.get(op, _OPAQUE_SPEC)
         if spec.unrolled is not None:
             muls, divs = spec.unrolled(params or {})
             return self.flop * (muls + 1) + divs * self.ops.get("div", self.flop)
@@ -223,7 +223,7 @@ class AnalyticCost(CostModel):
         return self.transcendental if family == _terms.TRANSCENDENTAL else self.flop
 
     def __call__(self, n: NodeInfo) -> float:
-        spec = _terms.BY_PRIM.get(n.op)
+        spec = BY_PRIM.get(n.op)
         if spec is not None and spec.price is not None and n.family == spec.family:
             return self.node + spec.price(self, n)
         return _BY_FAMILY.get(n.family, AnalyticCost._opaque)(self, n)

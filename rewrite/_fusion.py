@@ -43,7 +43,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import numpy as np
 
 from . import _terms
-from ._primitives import NodeInfo, inner_jaxpr, is_float as _is_float
+from ._primitives import BY_PRIM, DEFAULT, NodeInfo, inner_jaxpr, is_float as _is_float
 from ._walk import operands, postorder
 
 # What XLA:CPU does with each primitive lives in its record (rewrite/_primitives.py); these sets are views of it.
@@ -237,7 +237,7 @@ def _kind_of(op: Op) -> str:
         return LEAF
     if op.prim == "proj":
         return VIEW
-    spec = _terms.spec_of(op.prim)
+    spec = BY_PRIM.get(op.prim, DEFAULT)
     if spec.fusion == "loop" or elementwise_call(op):
         return LOOP
     if op.family == _terms.REDUCE:
@@ -268,12 +268,12 @@ def _scaled_by_small(prog: "Program", op: Op) -> bool:
 def _expensive(op: Op, prog: "Program | None" = None) -> bool:
     if prog is not None and _scaled_by_small(prog, op):
         return False
-    return _terms.spec_of(op.prim).is_expensive(op.params, op.out_avals)
+    return BY_PRIM.get(op.prim, DEFAULT).is_expensive(op.params, op.out_avals)
 
 
 def _library_ok(prog: "Program", i: int) -> bool:
     op = prog.ops[i]
-    return _terms.spec_of(op.prim).library_absorbs(op.params, op.out_avals) or _scaled_by_small(prog, op)
+    return BY_PRIM.get(op.prim, DEFAULT).library_absorbs(op.params, op.out_avals) or _scaled_by_small(prog, op)
 
 
 @dataclasses.dataclass
@@ -401,7 +401,7 @@ class FusionModel:
     # ------------------------------------------------------------------ prices
     def op_ns(self, op: Op, prog: Program | None = None) -> float:
         """Nanoseconds per element of one op inside a fused loop."""
-        spec = _terms.spec_of(op.prim)
+        spec = BY_PRIM.get(op.prim, DEFAULT)
         if spec.free or op.prim == "literal":
             return 0.0
         if spec.unrolled is not None:

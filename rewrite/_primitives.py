@@ -181,19 +181,18 @@ class OpSpec:
     emit: Callable[..., dict] | None = None
     price: Callable[[Any, NodeInfo], float] | None = None
     stacks: Callable[[Mapping[str, Any], int], bool] | None = None
+    #: ``loop``, ``reduce`` or ``other``; by default its family's (:data:`FUSION_KIND`)
+    fusion: str = ""
 
     def __post_init__(self) -> None:
         if not self.ctor:
             object.__setattr__(self, "ctor", _camel(self.prim))
+        if not self.fusion:
+            object.__setattr__(self, "fusion", FUSION_KIND.get(self.family, "other"))
 
     @property
     def arg_sorts(self) -> tuple[str, ...]:
         return tuple(_LAYOUT_SORT[c] for c in self.layout) + ("i64",)
-
-    @property
-    def fusion(self) -> str:
-        """``loop``, ``reduce`` or ``other``: see :data:`FUSION_KIND`."""
-        return FUSION_KIND[self.family]
 
     def is_expensive(self, params: Mapping[str, Any], out_avals: Sequence[Any]) -> bool:
         return _flag(self.expensive, params, out_avals)
@@ -557,6 +556,8 @@ def register_primitive(spec: OpSpec, *, replace: bool = False) -> OpSpec:
         raise ValueError(f"{spec.prim!r}: a primitive needs a name and a layout of T, B, N and at most one L")
     if spec.family not in FAMILIES or spec.family == OPAQUE:
         raise ValueError(f"{spec.prim!r}: family must be one of {FAMILIES[:-1]}, got {spec.family!r}")
+    if spec.fusion not in ("loop", "reduce", "other"):
+        raise ValueError(f"{spec.prim!r}: fusion must be 'loop', 'reduce' or 'other', got {spec.fusion!r}")
     if (spec.family == NESTED) != bool(set(spec.layout) & {"B", "N"}):
         raise ValueError(f"{spec.prim!r}: a primitive has bodies (B or N in its layout) exactly when it is nested")
     if spec.family == NESTED and (spec.load is None or spec.emit is None or not spec.body_params):
