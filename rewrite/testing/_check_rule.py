@@ -281,7 +281,7 @@ def _forced(result: Result, closed: core.ClosedJaxpr, vids: Sequence[int], ctor:
 
 
 def _pat_ctor(pat: Any) -> set[str]:
-    """The constructors of the nodes a :class:`Pat` matches at its root."""
+    """The constructors of the nodes a :class:`Pat` matches at its root (one, or a group's)."""
     return pat.ctors()
 
 
