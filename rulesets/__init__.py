@@ -12,6 +12,8 @@ loaded on first use (defining a rule traces it, which takes a moment):
   inside the loop; carry-independent work lifted out of loops.
 * ``rulesets.derivatives`` (identity): identities that make autodiff's
   backward passes as fast as hand-derived ones.
+* ``rulesets.nn`` (identity): the idioms of model code in their lean and
+  stable forms: one-hot products as gathers, ``log_softmax``, softplus.
 
 ``BUILTIN`` maps each available pack's name to its ruleset.
 
@@ -29,7 +31,7 @@ import sys as _sys
 import types as _types
 from typing import Any as _Any
 
-PACKS = ("algebra", "fastmath", "scan", "derivatives")
+PACKS = ("algebra", "fastmath", "scan", "derivatives", "nn")
 
 
 class _Packs(_types.ModuleType):

@@ -188,7 +188,26 @@ def _cases() -> list[Case]:
         lambda: (jax.grad(bs.rnn_mse), _rnn(), scan_pack(), {"cost_model": _stacked100()}))
     for name in ("seed001_grad", "rnn_mse_grad", "nested", "eqx_gru_scan", "eqx_gru_scan_grad"):
         add("scan", f"corpus_{name}", f"tests.corpus: {name}", lambda n=name: (*_corpus(n), scan_pack(), {}))
+
+    # nn: the benchmark's one-hot language-model loss (small, but large enough that the gather is taken).
+    from benchmarks import nn as bn
+
+    nn_pack = lambda: [_pack("nn")]  # noqa: E731
+    add("nn", "lm_loss", "benchmarks.nn: rewrite(lm_one_hot) at N=32, V=512",
+        lambda: (bn.lm_one_hot, _lm(), nn_pack(), {}))
+    add("nn", "lm_value_and_grad", "benchmarks.nn: jax.value_and_grad(rewrite(lm_one_hot)) at N=32, V=512",
+        lambda: (bn.lm_one_hot, _lm(), nn_pack(), {"outer": jax.value_and_grad}))
+    add("nn", "lm_rewrite_value_and_grad", "benchmarks.nn: rewrite(jax.value_and_grad(lm_one_hot)) at N=32, V=512",
+        lambda: (jax.value_and_grad(bn.lm_one_hot), _lm(), nn_pack(), {}))
+    for name in ("jax_nn", "mlp_loss", "attention"):
+        add("nn", f"corpus_{name}", f"tests.corpus: {name}", lambda n=name: (*_corpus(n), nn_pack(), {}))
     return out
+
+
+def _lm() -> tuple:
+    import jax.numpy as jnp
+
+    return jnp.linspace(-3.0, 3.0, 32 * 512, dtype=jnp.float32).reshape(32, 512), jnp.arange(32) * 15 % 512
 
 
 def _stacked100() -> Any:

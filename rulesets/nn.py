@@ -1,0 +1,363 @@
+"""``rulesets.nn``: the idioms of model code in their lean and stable forms.
+
+Model code often computes a quantity in a form that is wasteful or that
+overflows, and XLA keeps it as written. Cross-entropy against one-hot labels
+(``optax.softmax_cross_entropy(logits, jax.nn.one_hot(labels, V))``) builds
+an N x V array of zeros and ones, multiplies the log-probabilities by it and
+adds the products up, where a gather of N values would do; and
+``jnp.log(jax.nn.softmax(x))`` underflows to ``-inf`` where
+``jax.nn.log_softmax(x)`` is finite. The rules here rewrite such forms:
+
+* **One-hot products are gathers.** ``sum(one_hot(y) * v, axis)`` becomes
+  ``v`` gathered at ``y`` along ``axis`` (:func:`one_hot_of` reads the
+  one-hot array off the program: ``convert(eq(labels, iota))``, the way
+  ``jax.nn.one_hot`` and ``y[:, None] == jnp.arange(V)`` trace). A label
+  out of range, for which the one-hot row is all zeros, gives 0 here too.
+  The one-hot array is never built, for the loss and for its gradient.
+* **Logarithms of normalised exponentials** keep their logarithm outside the
+  exponential: ``log(softmax(x)) -> log_softmax(x)``,
+  ``log(sum(exp(x))) -> logsumexp(x)``.
+* **Logarithms of sigmoids are softplus**: ``log(sigmoid(z)) -> -softplus(-z)``;
+  with ``1 - sigmoid(z) -> sigmoid(-z)`` (shared with ``rulesets.derivatives``)
+  that makes ``log(1 - sigmoid(z))`` into ``-softplus(z)``, and binary
+  cross-entropy on probabilities, ``-(y log p + (1-y) log(1-p))`` with
+  ``p = sigmoid(z)``, into ``y softplus(-z) + (1-y) softplus(z)``, on logits.
+* **Near one**, ``log(1 + x) -> log1p(x)``, ``exp(x) - 1 -> expm1(x)``,
+  ``log(1 + exp(x))`` and ``log1p(exp(x))`` are ``softplus(x)``.
+
+The pack is ``identity`` class: each rule is true in real arithmetic, and
+the rewritten program is *more* accurate than the written one, not bit for
+bit equal (``tests/test_nn.py`` checks each rule at the class tolerance on
+finite inputs, and on inputs where the written form overflows or
+underflows checks that the rewritten one is finite and within 1e-4 of a
+float64 result; ``docs/nn.md`` shows both). The cost model chooses between
+the forms like any others: the gathers (on arrays of more than a few
+thousand elements), ``log_softmax`` of a softmax, the log-sigmoid and the
+softplus forms save work and are taken; a stable form that costs more than the form it replaces on this
+backend (``log1p`` is slower than ``log`` on XLA:CPU, ``logsumexp`` adds a
+pass for the maximum) is in the e-graph but is taken only under a cost
+model that prefers it (``docs/nn.md`` says which).
+
+Rule names start with ``nn_``, but for the rule shared with ``rulesets.derivatives``.
+
+>>> import jax, jax.numpy as jnp
+>>> from rewrite import explain
+>>> from rulesets.nn import nn
+>>> def loss(logits, labels):
+...     return -jnp.sum(jax.nn.one_hot(labels, 512) * jax.nn.log_softmax(logits), axis=-1)
+>>> r = explain(loss, jnp.zeros((32, 512)), jnp.arange(32), rulesets=[nn])
+>>> r.fired["nn_one_hot_sum"]
+1
+>>> "gather" in {e.primitive.name for e in r.after.eqns}
+True
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from rewrite import Pat, Ruleset, Value, procedural, rule
+from rulesets.derivatives import derivatives as _derivatives
+
+__all__ = ["nn", "one_hot_of"]
+
+X, Y = Pat.var("x"), Pat.var("y")
+
+
+def _f32(*shape: int) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(shape, jnp.float32)
+
+
+def _i32(*shape: int) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(shape, jnp.int32)
+
+
+# ---------------------------------------------------------------------- one-hot arrays
+def _iota_axis(v: Value) -> tuple[int, int] | None:
+    """``(axis, n)`` when ``v`` counts 0, 1, ..., n-1 along ``axis`` and is constant along every other axis."""
+    node = v.node("iota")
+    if node is not None:
+        p = node.params
+        if p.get("sharding") is not None or tuple(p["shape"]) != v.shape:
+            return None
+        return int(p["dimension"]), int(v.shape[int(p["dimension"])])
+    node = v.node("broadcast_in_dim")  # jnp.arange(n) broadcast against the labels
+    if node is None or node.params.get("sharding") is not None:
+        return None
+    src = node.operands[0]
+    inner = src.node("iota")
+    dims = tuple(node.params["broadcast_dimensions"])
+    if inner is None or src.ndim != 1 or len(dims) != 1 or len(node.operands) != 1:
+        return None
+    if inner.params.get("sharding") is not None:
+        return None
+    axis = dims[0]
+    if any(d != 1 for i, d in enumerate(v.shape) if i != axis):
+        return None
+    return axis, int(src.shape[0])
+
+
+def one_hot_of(v: Value) -> tuple[Value, int, int] | None:
+    """``(labels, axis, n)`` when ``v`` is a one-hot array: ``labels == iota`` along ``axis``, converted.
+
+    ``labels`` is the integer operand of the comparison, of ``v``'s rank,
+    with size 1 along ``axis``; ``n`` is the number of classes. This is how
+    ``jax.nn.one_hot(y, n)`` traces (``eq`` of the labels, broadcast to a
+    trailing axis of size 1, against an ``iota``, then ``convert``), and
+    how ``(y[:, None] == jnp.arange(n)).astype(...)`` does. ``None`` for
+    anything else: another comparison, labels that are not integers, a
+    one-hot array not along one axis.
+    """
+    if not v.is_floating:
+        return None
+    conv = v.node("convert_element_type")
+    if conv is None or conv.params.get("sharding") is not None:
+        return None
+    b = conv.operands[0]
+    eq = b.node("eq") if b.dtype == np.bool_ else None
+    if eq is None or len(eq.operands) != 2:
+        return None
+    for labels, counter in (eq.operands, eq.operands[::-1]):
+        if not jnp.issubdtype(labels.dtype, jnp.integer) or labels.dtype != counter.dtype:
+            continue
+        found = _iota_axis(counter)
+        if found is None:
+            continue
+        axis, n = found
+        if labels.ndim != v.ndim or counter.ndim != v.ndim or labels.shape[axis] != 1 or v.shape[axis] != n:
+            continue
+        if any(d not in (1, s) for d, s in zip(labels.shape, v.shape)):
+            continue
+        return labels, axis, n
+    return None
+
+
+#: How many additions and subtractions a gather is moved through, at most.
+_MAX_PEEL = 8
+
+
+def _peel(w: Value, axis: int) -> tuple[Value, list[tuple[int, bool, Value]]]:
+    """``w`` as ``base + sum(sign * term)``, each term constant along ``axis``.
+
+    A term is a value of size 1 along ``axis`` that an ``add`` or ``sub``
+    broadcasts, or the normaliser of ``log(softmax(z))`` (``flag`` true: the
+    term is the log of the value): gathering ``w`` along ``axis`` is then
+    gathering ``base`` and adding the terms, so a gather from
+    ``log_softmax(x)`` reads ``x`` itself and the log-probabilities are never
+    stored: ``x[y] - max(x) - log(sum(exp(x - max(x))))``.
+    """
+    terms: list[tuple[int, bool, Value]] = []
+    sign = 1
+    for _ in range(_MAX_PEEL):
+        node = w.node("sub") or w.node("add")
+        if node is not None and len(node.operands) == 2:
+            a, b = node.operands
+            if b.ndim == w.ndim and b.shape[axis] == 1 and a.shape == w.shape and b.dtype == w.dtype:
+                terms.append((sign if node.prim == "add" else -sign, False, b))
+                w = a
+                continue
+            if node.prim == "add" and a.ndim == w.ndim and a.shape[axis] == 1 and b.shape == w.shape and a.dtype == w.dtype:
+                terms.append((sign, False, a))
+                w = b
+                continue
+        found = _log_of_softmax(w, axis)
+        if found is None:
+            break
+        z, normaliser = found
+        terms.append((-sign, True, normaliser))
+        w = z
+    return w, terms
+
+
+def _log_of_softmax(w: Value, axis: int) -> tuple[Value, Value] | None:
+    """``(z, s)`` when ``w`` is ``log(exp(z) / s)``, ``s = sum(exp(z), axis)`` kept as size 1 along ``axis``,
+    and ``z`` is shifted by its maximum (so ``log(s)`` cannot overflow): ``w = z - log(s)``."""
+    log = w.node("log")
+    div = log.operands[0].node("div") if log is not None else None
+    if div is None:
+        return None
+    e, s = div.operands
+    ex, b = e.node("exp"), s.node("broadcast_in_dim")
+    if ex is None or b is None or len(b.operands) != 1 or s.shape[axis] != 1 or s.ndim != w.ndim:
+        return None
+    red = b.operands[0].node("reduce_sum")
+    if red is None or tuple(red.params["axes"]) != (axis,) or red.operands[0].name != e.name:
+        return None
+    if not _keeps_axes(b.params, (axis,), w.shape):
+        return None
+    z = ex.operands[0]
+    return (z, s) if _max_shifted(z, (axis,)) else None
+
+
+def _gathered(axis: int, n: int, full: tuple[int, ...], axes: tuple[int, ...], kinds: tuple[tuple[int, bool], ...]):
+    """``sum(one_hot(labels) * w, axes)`` as a gather: ``w`` at the labels, 0 where a label is out of range.
+
+    ``w`` is ``base + sum(sign * term)`` (:func:`_peel`); only ``base`` is gathered.
+    """
+    at = tuple(1 if i == axis else d for i, d in enumerate(full))
+
+    def fn(labels: Any, base: Any, *terms: Any) -> Any:
+        labels = jnp.broadcast_to(labels, at)
+        inside = (labels >= 0) & (labels < n)
+        index = lax.clamp(jnp.zeros((), labels.dtype), labels, jnp.full((), n - 1, labels.dtype))
+        picked = jnp.take_along_axis(base, index, axis=axis, mode="clip")
+        # innermost term first: the order the program subtracts them in (x - max, then - log(sum)), so
+        # that the label's own value rounds as it did, not as (x[y] - log(sum)) - max would
+        for (sign, log), term in reversed(list(zip(kinds, terms))):
+            term = jnp.log(term) if log else term
+            picked = picked + term if sign > 0 else picked - term
+        picked = jnp.where(inside, picked, jnp.zeros((), base.dtype))
+        return jnp.sum(picked, axis=axes)
+
+    return fn
+
+
+@procedural
+def _one_hot_sum(m):
+    """``sum(one_hot(y) * w, axes) -> sum(w[y], axes)``, when the one-hot axis is among ``axes``."""
+    p = m.params("r")
+    if p.get("out_sharding") is not None:
+        return None
+    axes = tuple(p["axes"])
+    prod = m.root
+    x, y = m["x"], m["y"]
+    for oh, w in ((x, y), (y, x)):
+        found = one_hot_of(oh)
+        if found is None:
+            continue
+        labels, axis, n = found
+        if axis not in axes or oh.shape != w.shape or w.dtype != oh.dtype or not w.is_floating:
+            continue
+        if prod.dtype != w.dtype:
+            return None
+        base, terms = _peel(w, axis)
+        kinds = tuple((sign, log) for sign, log, _ in terms)
+        return m.trace(_gathered(axis, n, w.shape, axes, kinds), labels, base, *[t for _, _, t in terms])
+    return None
+
+
+def _one_hot_ce(logits: Any, labels: Any) -> Any:
+    return -jnp.sum(jax.nn.one_hot(labels, logits.shape[-1]) * jax.nn.log_softmax(logits), axis=-1)
+
+
+# ---------------------------------------------------------------------- normalised exponentials
+def _max_shifted(x: Value, axes: tuple[int, ...]) -> bool:
+    """Whether ``x`` is ``a - stop_gradient(max(a, axes))``, broadcast back: the shift ``jax.nn.softmax`` makes."""
+    sub = x.node("sub")
+    if sub is None:
+        return False
+    a, s = sub.operands
+    sg = s.node("stop_gradient")
+    s = sg.operands[0] if sg is not None else s
+    b = s.node("broadcast_in_dim")
+    if b is None or len(b.operands) != 1:
+        return False
+    mx = b.operands[0]
+    clamp = mx.node("max")  # max(-inf, m): jax.nn.softmax's guard against an empty axis
+    if clamp is not None:
+        lo, hi = clamp.operands
+        mx = hi if lo.literal == -np.inf else lo if hi.literal == -np.inf else mx
+    rm = mx.node("reduce_max")
+    return (rm is not None and rm.operands[0].name == a.name and tuple(rm.params["axes"]) == axes
+            and _keeps_axes(b.params, axes, a.shape))
+
+
+def _keeps_axes(bcast: dict[str, Any], axes: tuple[int, ...], shape: tuple[int, ...]) -> bool:
+    """Whether a broadcast puts a reduction over ``axes`` of an array of ``shape`` back where it was:
+    its kept axes in order, the reduced ones of size 1 (``keepdims``) or full."""
+    kept = tuple(i for i in range(len(shape)) if i not in axes)
+    out = tuple(bcast["shape"])
+    return (tuple(bcast["broadcast_dimensions"]) == kept and bcast.get("sharding") is None and len(out) == len(shape)
+            and all(o == s or (i in axes and o == 1) for i, (o, s) in enumerate(zip(out, shape))))
+
+
+def _log_softmax_from(axes: tuple[int, ...], shifted: bool):
+    def fn(z: Any) -> Any:
+        if not shifted:
+            return jax.nn.log_softmax(z, axis=axes)
+        # z is already x - max(x): its log-normaliser cannot overflow, as in jax.nn.log_softmax.
+        return z - jnp.log(jnp.sum(jnp.exp(z), axis=axes, keepdims=True))
+
+    return fn
+
+
+@procedural
+def _log_softmax(m):
+    """``log(exp(z) / sum(exp(z))) -> z - log(sum(exp(z)))``, shifting ``z`` by its maximum first if it is not."""
+    r, b = m.params("r"), m.params("b")
+    z = m["x"]
+    if r.get("out_sharding") is not None or not z.is_floating:
+        return None
+    axes = tuple(r["axes"])
+    if not _keeps_axes(b, axes, z.shape):
+        return None
+    return m.trace(_log_softmax_from(axes, _max_shifted(z, axes)), z)
+
+
+def _logsumexp_over(axes: tuple[int, ...]):
+    return lambda z: jax.nn.logsumexp(z, axis=axes)
+
+
+@procedural
+def _logsumexp(m):
+    """``log(sum(exp(z))) -> logsumexp(z)``, unless ``z`` is already shifted by its maximum."""
+    r = m.params("r")
+    z = m["x"]
+    if r.get("out_sharding") is not None or not z.is_floating:
+        return None
+    axes = tuple(r["axes"])
+    if _max_shifted(z, axes):
+        return None  # cannot overflow: the stable form already
+    return m.trace(_logsumexp_over(axes), z)
+
+
+def _softmax_log(x: Any) -> Any:
+    return jnp.log(jax.nn.softmax(x, axis=-1))
+
+
+def _softplus(x: Any) -> Any:
+    return jax.nn.softplus(x)
+
+
+def _not_softplus_body(x: Value) -> bool:
+    """Whether ``x`` is not ``-|d|``: ``log1p(exp(-|d|))`` is how ``softplus`` itself is computed
+    (inside ``logaddexp``), stable already; rewriting it to ``softplus`` would nest one in another."""
+    neg = x.node("neg")
+    return neg is None or neg.operands[0].node("abs") is None
+
+
+# ---------------------------------------------------------------------- the pack
+#: ``1 - σ(z) -> σ(-z)`` is ``rulesets.derivatives``' rule, shared (one rule object, so the packs compose):
+#: with ``nn_log_sigmoid`` it turns ``log(1 - σ(z))`` into ``-softplus(z)``, and binary cross-entropy
+#: on probabilities into ``y softplus(-z) + (1 - y) softplus(z)``, on logits. A rule from ``log(1 - σ(z))``
+#: itself could not be checked against the program in float64, which cancels to ``log(0)`` there too.
+_ONE_MINUS_SIGMOID = _derivatives.rule("explog_one_minus_logistic")
+
+nn_one_hot = Ruleset("nn_one_hot", [
+    rule(Pat("reduce_sum", Pat("mul", X, Y), params="r"), _one_hot_sum, name="nn_one_hot_sum",  # sum(one_hot(y) * w) -> w[y]
+         example=(_one_hot_ce, (_f32(4, 8), _i32(4)))),
+], soundness="identity")
+
+nn_stable = Ruleset("nn_stable", [
+    rule(Pat("log", Pat("div", Pat("exp", X),                                                  # log(softmax(z)) -> log_softmax(z)
+                        Pat("broadcast_in_dim", Pat("reduce_sum", Pat("exp", X), params="r"), params="b"))),
+         _log_softmax, name="nn_log_softmax", example=(_softmax_log, (_f32(4, 8),))),
+    rule(Pat("log", Pat("reduce_sum", Pat("exp", X), params="r")), _logsumexp,                 # log(sum(exp(z))) -> logsumexp(z)
+         name="nn_logsumexp", example=(lambda z: jnp.log(jnp.sum(jnp.exp(z), axis=-1)), (_f32(4, 8),))),
+    rule(lambda z: jnp.log(lax.logistic(z)), lambda z: -_softplus(-z), name="nn_log_sigmoid"),           # log(σ(z)) -> -softplus(-z)
+    _ONE_MINUS_SIGMOID,                                                                         # 1 - σ(z) -> σ(-z), so log(1 - σ(z)) -> -softplus(z)
+    rule(lambda x: jnp.log(1.0 + x), lambda x: jnp.log1p(x), name="nn_log1p"),                 # log(1 + x) -> log1p(x)
+    rule(lambda x: jnp.log(x + 1.0), lambda x: jnp.log1p(x), name="nn_log1p_r"),               # log(x + 1) -> log1p(x)
+    rule(lambda x: jnp.exp(x) - 1.0, lambda x: jnp.expm1(x), name="nn_expm1"),                 # exp(x) - 1 -> expm1(x)
+    rule(lambda x: jnp.log(1.0 + jnp.exp(x)), _softplus, name="nn_softplus"),                  # log(1 + exp(x)) -> softplus(x)
+    rule(lambda x: jnp.log(jnp.exp(x) + 1.0), _softplus, name="nn_softplus_r"),                # log(exp(x) + 1) -> softplus(x)
+    rule(lambda x: jnp.log1p(jnp.exp(x)), _softplus, name="nn_softplus_log1p",                 # log1p(exp(x)) -> softplus(x)
+         when=_not_softplus_body),
+], soundness="identity")
+
+nn = Ruleset("nn", [nn_one_hot, nn_stable], soundness="identity")
