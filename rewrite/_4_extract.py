@@ -510,10 +510,11 @@ class ProgramSearch:
     Every move is priced by re-pricing the whole program, so this runs only
     on programs of at most ``max_classes`` classes, for at most
     ``max_evaluations`` prices of distinct programs, and at most
-    ``per_class`` per class of the program it starts from: on the ecosystem
-    suite the last improving move came before that budget (two per class)
-    ran out, and the moves after it only confirmed that none improves. A move is kept when it lowers the price and
-    keeps the program acyclic. Bodies keep their choice.
+    ``per_class`` per class of the program it starts from (at least 64): on
+    the ecosystem suite the last improving move came within one price per
+    class, and the moves after it only confirmed that none improves. A move
+    is kept when it lowers the price and keeps the program acyclic. Bodies
+    keep their choice.
 
     Searches from several starts may share ``visited``, the programs every
     search has passed through: a search that reaches a program another one
@@ -522,7 +523,7 @@ class ProgramSearch:
     """
 
     def __init__(self, ex: "Extractor", pricer: ProgramPricer, choice: dict[Any, tuple], roots: Sequence[Any], *,
-                 max_classes: int = 400, max_evaluations: int = 3000, per_class: float = 2.0,
+                 max_classes: int = 400, max_evaluations: int = 3000, per_class: float = 1.0,
                  visited: set | None = None) -> None:
         self.per_class = per_class
         self.visited = set() if visited is None else visited
