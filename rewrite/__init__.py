@@ -15,6 +15,7 @@ from ._primitives import GROUPS, OpSpec, register_primitive
 from ._pattern import Ops, Pat, ops
 from ._report import Report, explain
 from ._rules import Match, Params, Rule, Ruleset, Tolerance, Value, procedural, rule
+from . import loops  # noqa: E402  (the loop API: rewrite.loops.Loop, rewrite.loops.SCAN)
 
 __all__ = [
     "AnalyticCost",
@@ -37,6 +38,7 @@ __all__ = [
     "Tolerance",
     "Value",
     "explain",
+    "loops",
     "ops",
     "procedural",
     "register_primitive",

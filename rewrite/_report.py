@@ -80,6 +80,7 @@ class Report:
     #: what one call of the program costs whatever it computes (dispatch, and each buffer in or out),
     #: in the model's units: :meth:`rewrite.AnalyticCost.fixed`; 0 for models that do not say
     fixed_cost: float = 0.0
+    model: Any = dataclasses.field(default=None, repr=False)  # the cost model, to price what was declined
 
     @property
     def eqns_before(self) -> int:
@@ -133,9 +134,37 @@ class Report:
         if rej:
             lines.append("matches not applied: " + "; ".join(
                 f"{k}: " + ", ".join(f"{n} {why}" for why, n in sorted(v.items())) for k, v in rej.items()))
+        not_chosen = self.declined()
+        if not_chosen:
+            lines.append("loop rewrites built and not chosen (the model's prices):")
+            lines.extend(f"  {d}" for d in not_chosen)
         for w in self.warnings:
             lines.append(f"warning: {w}")
         return "\n".join(lines)
+
+    def why(self, rule: str) -> Any:
+        """Why ``rule``'s rewrite is not in the result: a :class:`rewrite._why.Declined` with the price kept,
+        the price with the rule's nodes in the program, and the operations whose prices differ most;
+        ``None`` if the rule built nothing or the report kept no e-graph."""
+        from ._why import declined
+
+        if self.model is None:
+            return None
+        cache = self.__dict__.setdefault("_why", {})
+        if rule not in cache:
+            cache[rule] = declined(self.result, self.model, rule)
+        return cache[rule]
+
+    def declined(self) -> list[Any]:
+        """:meth:`why` for every rule that fired, built a loop, and has nothing in the result."""
+        from ._why import builds_loops
+
+        if self.model is None or self.result.egraph is None:
+            return []
+        names = [k for k in self.fired if not self.used.get(k) and builds_loops(self.result, k)]
+        # a rule whose nodes reach nothing when forced in was superseded (a later rewrite built on it);
+        # one whose program prices the same as the kept one was a tie, which goes to what was kept
+        return [d for d in (self.why(k) for k in names) if d is not None and not d.note and d.drivers]
 
     def diff(self, context: int = 2) -> str:
         a = str(self.before).splitlines()
@@ -250,7 +279,7 @@ def explain(fn: Any, *args: Any, rulesets: Any = (), cost_model: Any = None, lim
         fired={k: s.fired for k, s in result.stats.items() if s.fired},
         used=provenance(result), stopped=result.stopped, times=result.times, iterations=result.iterations,
         egraph_rows=result.rows, rejected={k: dict(s.rejected) for k, s in result.stats.items()},
-        warnings=result.warnings, rulesets=entries, result=result,
+        warnings=result.warnings, rulesets=entries, result=result, model=model,
         fixed_cost=_fixed_cost(model, traced.closed),
     )
 

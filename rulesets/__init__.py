@@ -14,6 +14,9 @@ loaded on first use (defining a rule traces it, which takes a moment):
   backward passes as fast as hand-derived ones.
 * ``rulesets.nn`` (identity): the idioms of model code in their lean and
   stable forms: one-hot products as gathers, ``log_softmax``, softplus.
+* ``rulesets.linalg`` (identity): matrix products reordered and simplified
+  by their shapes (associativity, transposes, factors, distributivity,
+  reductions of products).
 
 ``BUILTIN`` maps each available pack's name to its ruleset.
 
@@ -31,7 +34,7 @@ import sys as _sys
 import types as _types
 from typing import Any as _Any
 
-PACKS = ("algebra", "fastmath", "scan", "derivatives", "nn")
+PACKS = ("algebra", "fastmath", "scan", "derivatives", "nn", "linalg")
 
 
 class _Packs(_types.ModuleType):

@@ -201,6 +201,18 @@ def _cases() -> list[Case]:
         lambda: (jax.value_and_grad(bn.lm_one_hot), _lm(), nn_pack(), {}))
     for name in ("jax_nn", "mlp_loss", "attention"):
         add("nn", f"corpus_{name}", f"tests.corpus: {name}", lambda n=name: (*_corpus(n), nn_pack(), {}))
+
+    # linalg: programs with products (the transformer's attention and MLP, the corpus's) and the benchmark's own.
+    for kind in ("forward", "step"):
+        add("linalg", f"transformer_{kind}",
+            f"benchmarks.programs.transformer_step(1, d=8, batch=2, seq=4, kind={kind!r})",
+            lambda k=kind: (*_transformer(k), [_pack("linalg")], {}))
+    for name in ("attention", "attention_grad", "mlp_loss", "mlp_grad"):
+        add("linalg", f"corpus_{name}", f"tests.corpus: {name}", lambda n=name: (*_corpus(n), [_pack("linalg")], {}))
+    add("linalg", "linear_attention", "benchmarks.linalg.attention at (1, 2, 16, 4)",
+        lambda: (_linalg_bench().attention, _ones((1, 2, 16, 4), (1, 2, 16, 4), (1, 2, 16, 4)), [_pack("linalg")], {}))
+    add("linalg", "chain5", "benchmarks.linalg.chain of five matrices, 9x30x2x17x40x3",
+        lambda: (_linalg_bench().chain, _ones((9, 30), (30, 2), (2, 17), (17, 40), (40, 3)), [_pack("linalg")], {}))
     return out
 
 
@@ -208,6 +220,18 @@ def _lm() -> tuple:
     import jax.numpy as jnp
 
     return jnp.linspace(-3.0, 3.0, 32 * 512, dtype=jnp.float32).reshape(32, 512), jnp.arange(32) * 15 % 512
+
+
+def _linalg_bench() -> Any:
+    from benchmarks import linalg
+
+    return linalg
+
+
+def _ones(*shapes: tuple[int, ...]) -> tuple:
+    import jax.numpy as jnp
+
+    return tuple(jnp.ones(s) for s in shapes)
 
 
 def _stacked100() -> Any:

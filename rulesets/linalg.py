@@ -1,0 +1,680 @@
+"""``rulesets.linalg``: matrix products ordered and simplified by their shapes.
+
+XLA computes a product of matrices in the order it is written. Linear
+attention written ``(Q K^T) V`` builds an N x N matrix that ``Q (K^T V)``
+never needs (N=4096, d=64: 64 ms against 0.8 ms), and ``(A B) x`` multiplies
+two matrices where ``A (B x)`` multiplies two vectors. The rules here put every
+equivalent form of a product into the e-graph, and the cost model, which
+prices a ``dot_general`` by its flops, picks the cheapest: a chain of
+products ends up in the order of fewest flops (the matrix-chain order), and a
+program already in its best form keeps it.
+
+Every rule reads a ``dot_general`` as an einsum: each dimension of its
+operands gets a label, shared labels are batch or contracted dimensions.
+That is how the rules understand every form JAX writes a product in (``@``,
+``jnp.matmul``, ``jnp.dot``, ``jnp.einsum``, ``jnp.tensordot``, with batch
+dimensions such as attention heads) and how they build the replacement's
+dimension numbers; a rule declines whenever its replacement is not a
+``dot_general`` (a label that one operand alone would have to sum, say).
+
+* **Associativity**: ``(A B) C`` and ``A (B C)``, and for contractions that
+  are not chains, the pairing of the outer operand with the other inner one.
+  A chain of n products has Catalan-many bracketings, but they share their
+  sub-products: the e-graph holds one class per contiguous sub-chain, O(n^2)
+  classes and O(n^3) nodes, and extraction over it is the classic
+  matrix-chain dynamic programme.
+* **Transposes** fold into the dimension numbers of the product that reads
+  them (``A @ K.T`` contracts ``K``'s last axis), and a transposed product is
+  the product of the operands swapped (``(A B)^T = B^T A^T``).
+* **Factors** constant along some dimensions move in and out of products:
+  scalars (``(s A) B = s (A B) = A (s B)``, attention's ``/ sqrt(d)``), and
+  arrays broadcast along an operand's dimensions (row scalings move to the
+  result, column scalings to the other operand). A factor only moves to a
+  smaller array than the one it scales, so it never moves back.
+* **Distributivity**: ``A x + A y -> A (x + y)``, ``A x + B x -> (A + B) x``,
+  and the same for ``-``.
+* **Reductions of products**: a sum over a dimension of one operand is taken
+  before the product (``sum(A B, 0) = sum(A, 0) B``), a sum over a batch
+  dimension becomes a contraction, ``trace(A B) = sum(A * B^T)``, and
+  ``diagonal(A B) = sum(A * B^T, 1)``. ``jnp.diagonal`` is a ``cond`` over the
+  platform (a gather, or a masked sum for Mosaic); the rule checks that each
+  branch is linear in the matrix and agrees with its diagonal on random
+  integer matrices, a randomised identity test, before it replaces the
+  ``cond``.
+
+The pack is ``identity`` class: every rule is an identity of real (and of
+integer wrap-around) arithmetic, and reordering a float product changes its
+rounding, hence the tolerance (``tests/test_linalg.py`` also checks every rule
+exactly, on small integers in float64). Products that mix dtypes (``int8``
+operands accumulated in ``int32``, say) are left alone. Rule names start with
+``la_``.
+
+>>> import jax.numpy as jnp
+>>> from rewrite import explain
+>>> from rulesets.linalg import linalg
+>>> def f(a, b, x):
+...     return (a @ b) @ x
+>>> report = explain(f, jnp.ones((64, 64)), jnp.ones((64, 64)), jnp.ones(64), rulesets=[linalg])
+>>> report.fired["la_assoc_left"]
+1
+>>> [e.params["dimension_numbers"] for e in report.after.eqns]   # a @ (b @ x): two matrix-vector products
+[(((1,), (0,)), ((), ())), (((1,), (0,)), ((), ()))]
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.extend.core
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from rewrite import Pat, Ruleset, Tolerance, Value, procedural, rule
+
+__all__ = ["linalg"]
+
+A, B, C, F = Pat.var("a"), Pat.var("b"), Pat.var("c"), Pat.var("f")
+
+Labels = tuple  # one label (an int) per dimension
+
+
+# ---------------------------------------------------------------------- a dot_general as an einsum
+class _Einsum:
+    """Labels for the operands and results of one or two nested ``dot_general``.
+
+    Each operand gets fresh labels; :meth:`dot` unifies the labels that a
+    product's dimension numbers pair, and gives the labels of its result
+    (batch, then the lhs's free dimensions, then the rhs's, as
+    ``dot_general`` lays it out).
+    """
+
+    def __init__(self) -> None:
+        self._fresh = itertools.count()
+        self._parent: dict[int, int] = {}
+
+    def operand(self, ndim: int) -> list[int]:
+        return [next(self._fresh) for _ in range(ndim)]
+
+    def find(self, label: int) -> int:
+        while self._parent.get(label, label) != label:
+            label = self._parent[label]
+        return label
+
+    def dot(self, lhs: Sequence[int], rhs: Sequence[int], dn: Any) -> list[int]:
+        (lc, rc), (lb, rb) = dn
+        for i, j in zip(tuple(lc) + tuple(lb), tuple(rc) + tuple(rb)):
+            a, b = self.find(lhs[i]), self.find(rhs[j])
+            if a != b:
+                self._parent[b] = a
+        paired_l, paired_r = set(lc) | set(lb), set(rc) | set(rb)
+        return ([lhs[i] for i in lb] + [lhs[i] for i in range(len(lhs)) if i not in paired_l]
+                + [rhs[j] for j in range(len(rhs)) if j not in paired_r])
+
+    def resolve(self, labels: Sequence[int]) -> Labels:
+        return tuple(self.find(x) for x in labels)
+
+
+def _dims(x: Labels, y: Labels, out: Sequence[int]) -> tuple[Any, Labels] | None:
+    """Dimension numbers contracting operands labelled ``x`` and ``y`` into a result with the labels ``out``.
+
+    Returns the dimension numbers and the labels of the ``dot_general``'s own
+    result (``out`` up to a permutation; batch dimensions are ordered as in
+    ``out``), or ``None`` when no ``dot_general`` computes it: a label of one
+    operand that the result lacks (it would have to be summed first), a label
+    of the result that neither operand has, or a label twice in one operand.
+    """
+    keep = set(out)
+    if len(set(x)) != len(x) or len(set(y)) != len(y) or len(keep) != len(out):
+        return None
+    if not keep <= set(x) | set(y):
+        return None
+    if any(l not in keep for l in x if l not in y) or any(l not in keep for l in y if l not in x):
+        return None
+    batch = [l for l in out if l in x and l in y]
+    contract = [l for l in x if l in y and l not in keep]
+    dn = ((tuple(x.index(l) for l in contract), tuple(y.index(l) for l in contract)),
+          (tuple(x.index(l) for l in batch), tuple(y.index(l) for l in batch)))
+    natural = tuple(batch) + tuple(l for l in x if l not in y) + tuple(l for l in y if l not in x)
+    return dn, natural
+
+
+def _perm(natural: Labels, out: Sequence[int]) -> tuple[int, ...] | None:
+    """The transpose taking a result laid out as ``natural`` to ``out``; ``None`` when there is nothing to do."""
+    perm = tuple(natural.index(l) for l in out)
+    return None if perm == tuple(range(len(perm))) else perm
+
+
+def _flops(x: Labels, y: Labels, out: Sequence[int], size: dict[int, int]) -> int:
+    """Multiply-adds of contracting ``x`` and ``y`` into ``out``, doubled (as XLA counts flops)."""
+    contracted = [l for l in set(x) & set(y) if l not in set(out)]
+    return 2 * math.prod(size[l] for l in out) * math.prod(size[l] for l in contracted)
+
+
+# ---------------------------------------------------------------------- what a product may be rebuilt from
+def _dot_params(m: Any, *names: str) -> dict | None:
+    """The shared params of the matched products, or ``None`` if they differ or carry a sharding."""
+    ps = [m.params(n) for n in names]
+    first = ps[0]
+    for p in ps:
+        if p.get("out_sharding") is not None or p.get("precision") != first.get("precision") \
+                or p.get("preferred_element_type") != first.get("preferred_element_type"):
+            return None
+    return first
+
+
+def _same_dtype(params: dict, *values: Value) -> bool:
+    """Do all operands and the accumulation have one dtype? (int8 products accumulated in int32 are left alone.)"""
+    dt = params.get("preferred_element_type")
+    dtypes = {v.dtype for v in values}
+    return len(dtypes) == 1 and (dt is None or dt in dtypes)
+
+
+def _dot(x: Any, y: Any, dn: Any, precision: Any, dtype: Any) -> Any:
+    return lax.dot_general(x, y, dn, precision=precision, preferred_element_type=dtype)
+
+
+# ---------------------------------------------------------------------- associativity
+def _pairings(m: Any, nested: str) -> Any:
+    """The other bracketings of a product of a product (the procedure of ``la_assoc_*``).
+
+    ``nested`` says which operand of the outer product is the inner product.
+    The three operands are read in the order they are written; each pair of
+    them that shares a contracted label (so that pairing them is not an
+    outer product) is multiplied first, the pair in that order, and the result
+    with the third operand in the order the program has them. Declines a pair
+    whose contraction is not a ``dot_general``.
+    """
+    params = _dot_params(m, "pi", "po")
+    a, b, c, out = m["a"], m["b"], m["c"], m.root
+    if params is None or not _same_dtype(params, a, b, c):
+        return None
+    e = _Einsum()
+    la, lb, lc = e.operand(a.ndim), e.operand(b.ndim), e.operand(c.ndim)
+    if nested == "lhs":  # (a b) c
+        lo = e.dot(e.dot(la, lb, m.params("pi")["dimension_numbers"]), lc, m.params("po")["dimension_numbers"])
+    else:                # a (b c)
+        lo = e.dot(la, e.dot(lb, lc, m.params("pi")["dimension_numbers"]), m.params("po")["dimension_numbers"])
+    la, lb, lc, lo = e.resolve(la), e.resolve(lb), e.resolve(lc), e.resolve(lo)
+    operands = [(a, la), (b, lb), (c, lc)]
+    # the pairs that are not the program's own: (b, c) after (a b) c, (a, b) after a (b c), and (a, c)
+    pairs = [(1, 2, 0), (0, 2, 1)] if nested == "lhs" else [(0, 1, 2), (0, 2, 1)]
+    found = []
+    for i, j, k in pairs:
+        (x, lx), (y, ly), (z, lz) = operands[i], operands[j], operands[k]
+        shared = set(lx) & set(ly)
+        keep = set(lz) | set(lo)
+        if not any(l not in keep for l in shared):
+            continue  # an outer product (or a batched one): never the cheaper order
+        inner = _dims(lx, ly, list(dict.fromkeys(l for l in lx + ly if l in keep)))
+        if inner is None:
+            continue
+        dn_in, lxy = inner
+        z_first = k < i  # the third operand is written before the pair: it stays on the left
+        outer = _dims(lz, lxy, lo) if z_first else _dims(lxy, lz, lo)
+        if outer is None:
+            continue
+        dn_out, natural = outer
+        perm = _perm(natural, lo)
+        # Built node by node rather than traced: a chain meets each of its O(n^2) sub-products at
+        # shapes of its own, and tracing each would be most of saturation's time.
+        size = {l: d for v, lv in operands for l, d in zip(lv, v.shape)}
+        xy = m.node("dot_general", [x, y], {**m.params("po"), "dimension_numbers": dn_in},
+                    [out.aval.update(shape=tuple(size[l] for l in lxy), weak_type=False)])
+        r = m.node("dot_general", [z, xy] if z_first else [xy, z], {**m.params("po"), "dimension_numbers": dn_out},
+                   [out.aval.update(shape=tuple(size[l] for l in natural), weak_type=False)])
+        if perm is not None:
+            r = m.node("transpose", [r], {"permutation": perm}, [out.aval])
+        found.append(r)
+    if not found:
+        return None
+    return found[0] if len(found) == 1 else [(out, t) for t in found]
+
+
+@procedural
+def _assoc_left(m):
+    """``(a b) c -> a (b c)`` (and ``(a c) b`` where ``c`` contracts with ``a``)."""
+    return _pairings(m, "lhs")
+
+
+@procedural
+def _assoc_right(m):
+    """``a (b c) -> (a b) c`` (and ``(a c) b`` where ``a`` contracts with ``c``)."""
+    return _pairings(m, "rhs")
+
+
+# ---------------------------------------------------------------------- transposes
+def _fold_transpose(side: str) -> Callable:
+    """A transposed operand read by a product is the untransposed one, with the product's dimension numbers
+    relabelled; declines when the result would need a transpose of its own instead."""
+
+    @procedural
+    def fold(m):
+        params = _dot_params(m, "p")
+        a, b = m["a"], m["b"]
+        if params is None or not _same_dtype(params, a, b):
+            return None
+        perm = tuple(m.params("t")["permutation"])
+        e = _Einsum()
+        la, lb = e.operand(a.ndim), e.operand(b.ndim)
+        src = la if side == "lhs" else lb  # the labels of the transposed value; its operand's follow perm
+        untransposed = [0] * len(src)
+        for i, p in enumerate(perm):
+            untransposed[p] = src[i]
+        lo = e.resolve(e.dot(la, lb, params["dimension_numbers"]))
+        la, lb, untransposed = e.resolve(la), e.resolve(lb), e.resolve(untransposed)
+        found = _dims(untransposed, lb, lo) if side == "lhs" else _dims(la, untransposed, lo)
+        if found is None or _perm(found[1], lo) is not None:
+            return None
+        dn, precision, dtype = found[0], params.get("precision"), params.get("preferred_element_type")
+        return m.trace(lambda x, y: _dot(x, y, dn, precision, dtype), a, b)
+
+    fold.__name__ = f"fold_transpose_{side}"
+    return fold
+
+
+@procedural
+def _transpose_of_product(m):
+    """``transpose(a b)`` is ``a b`` or ``b a`` with other dimension numbers, when one lays the result out so."""
+    params = _dot_params(m, "p")
+    a, b = m["a"], m["b"]
+    if params is None or not _same_dtype(params, a, b):
+        return None
+    e = _Einsum()
+    la, lb = e.operand(a.ndim), e.operand(b.ndim)
+    lo = e.resolve(e.dot(la, lb, params["dimension_numbers"]))
+    la, lb = e.resolve(la), e.resolve(lb)
+    want = [lo[i] for i in m.params("t")["permutation"]]
+    precision, dtype = params.get("precision"), params.get("preferred_element_type")
+    for (x, lx), (y, ly) in (((a, la), (b, lb)), ((b, lb), (a, la))):
+        found = _dims(lx, ly, want)
+        if found is not None and _perm(found[1], want) is None:
+            dn = found[0]
+            return m.trace(lambda u, v: _dot(u, v, dn, precision, dtype), x, y)
+    return None
+
+
+# ---------------------------------------------------------------------- factors
+def _factor(f: Value, like: Value) -> tuple[Value, tuple[int | None, ...]] | None:
+    """``f`` as a factor of an array shaped like ``like``: a small value and, per dimension of it, the
+    dimension of ``like`` it runs along (``None`` for a size-1 dimension); ``None`` if ``f`` is not constant
+    along any dimension of ``like``.
+
+    A factor is a scalar, an array of ``like``'s rank with size-1 dimensions (``mul`` broadcasts those), or a
+    ``broadcast_in_dim`` of a smaller array.
+    """
+    if f.dtype != like.dtype or like.ndim == 0:
+        return None
+    if f.ndim == 0:
+        return f, ()
+    if f.ndim != like.ndim:
+        return None
+    if f.shape != like.shape:
+        if any(s not in (1, t) for s, t in zip(f.shape, like.shape)):
+            return None
+        return f, tuple(d if s != 1 else None for d, s in enumerate(f.shape))
+    for n in f.nodes:
+        if n.prim == "broadcast_in_dim" and n.params.get("sharding") is None:
+            (src,) = n.operands[:1]
+            if src.size < f.size:
+                dims = n.params["broadcast_dimensions"]
+                return src, tuple(d if s != 1 else None for d, s in zip(dims, src.shape))
+    return None
+
+
+def _placement(v: Value, along: Sequence[int | None], target: Sequence[int], shape: Sequence[int]) -> tuple:
+    """Plain data for :func:`_place`: put a factor ``v`` whose dimensions carry the labels ``along`` (``None``:
+    size 1) beside an array labelled ``target`` of this ``shape``."""
+    kept = [i for i, l in enumerate(along) if l is not None]
+    squeezed = tuple(v.shape[i] for i in kept)
+    pos = [target.index(along[i]) for i in kept]
+    order = tuple(sorted(range(len(pos)), key=lambda k: pos[k]))
+    dims = tuple(sorted(pos))
+    out_shape = tuple(shape[j] if j in dims else 1 for j in range(len(shape)))
+    return (squeezed if squeezed != tuple(v.shape) else None,
+            order if order != tuple(range(len(order))) else None,
+            (out_shape, dims) if kept or v.ndim else None)
+
+
+def _place(v: Any, how: tuple) -> Any:
+    squeezed, order, bcast = how
+    if squeezed is not None:
+        v = lax.reshape(v, squeezed)
+    if order is not None:
+        v = lax.transpose(v, order)
+    if bcast is not None and (len(bcast[0]) != v.ndim or bcast[1] != tuple(range(v.ndim))):
+        v = lax.broadcast_in_dim(v, *bcast)
+    return v
+
+
+def _scale(op: str, g: Any, x: Any) -> Any:
+    return lax.mul(g, x) if op == "mul" else lax.div(x, g)
+
+
+def _factors_of(x: Value) -> list[tuple[str, Value, Value, tuple]]:
+    """Each way ``x`` is a factor times (or over) another array: ``(op, rest, factor, its labels' dims)``."""
+    out = []
+    for n in x.nodes:
+        ops = n.operands
+        if n.prim == "mul" and len(ops) == 2:
+            candidates = [(ops[0], ops[1]), (ops[1], ops[0])]
+        elif n.prim == "div" and len(ops) == 2 and x.is_floating:
+            candidates = [(ops[1], ops[0])]
+        else:
+            continue
+        for f, rest in candidates:
+            if rest.aval.shape != x.shape or rest.dtype != x.dtype:
+                continue
+            found = _factor(f, x)
+            if found is not None:
+                out.append((n.prim, rest, found[0], found[1]))
+    return out
+
+
+def _factor_out(side: str) -> Callable:
+    """A factor of one operand that runs along the result's dimensions moves to the result; one that runs
+    along contracted (or batch) dimensions moves to the other operand.
+
+    A factor only ever moves to a smaller array than the one it scales (here and in :func:`_factor_in`):
+    that is where it can be cheaper, and it keeps a factor from moving back and forth, and from
+    settling on every operand of every sub-product of a chain.
+    """
+
+    @procedural
+    def factor_out(m):
+        params = _dot_params(m, "p")
+        a, b = m["a"], m["b"]
+        if params is None or not _same_dtype(params, a, b):
+            return None
+        e = _Einsum()
+        la, lb = e.operand(a.ndim), e.operand(b.ndim)
+        lo = e.resolve(e.dot(la, lb, params["dimension_numbers"]))
+        la, lb = e.resolve(la), e.resolve(lb)
+        dn, precision, dtype = params["dimension_numbers"], params.get("precision"), params.get("preferred_element_type")
+        x, lx, other, lother = (a, la, b, lb) if side == "lhs" else (b, lb, a, la)
+        found = []
+        for op, rest, f, dims in _factors_of(x):
+            along = tuple(None if d is None else lx[d] for d in dims)
+            used = {l for l in along if l is not None}
+            if used <= set(lo) and m.root.size < x.size:  # along the result: (f a) b -> f (a b)
+                how = _placement(f, along, lo, m.root.shape)
+
+                def fn(f, r, o, how=how, op=op, lhs=side == "lhs"):
+                    d = _dot(r, o, dn, precision, dtype) if lhs else _dot(o, r, dn, precision, dtype)
+                    return _scale(op, _place(f, how), d)
+
+                found.append(m.trace(fn, f, rest, other))
+            if used <= set(lother) and other.size < x.size:  # along contracted or batch dims: (f a) b -> a (f b)
+                how = _placement(f, along, lother, other.shape)
+
+                def fn(f, r, o, how=how, op=op, lhs=side == "lhs"):
+                    o = _scale(op, _place(f, how), o)
+                    return _dot(r, o, dn, precision, dtype) if lhs else _dot(o, r, dn, precision, dtype)
+
+                found.append(m.trace(fn, f, rest, other))
+        if not found:
+            return None
+        return found[0] if len(found) == 1 else [(m.root, t) for t in found]
+
+    factor_out.__name__ = f"factor_out_{side}"
+    return factor_out
+
+
+def _factor_in(op: str) -> Callable:
+    """A factor of a product's result moves into the operand whose dimensions it runs along."""
+
+    @procedural
+    def factor_in(m):
+        params = _dot_params(m, "p")
+        a, b, f, d = m["a"], m["b"], m["f"], m["d"]
+        if params is None or not _same_dtype(params, a, b) or (op == "div" and not d.is_floating):
+            return None
+        found = _factor(f, d)
+        if found is None or m.root.aval.shape != d.shape:
+            return None
+        small, dims = found
+        e = _Einsum()
+        la, lb = e.operand(a.ndim), e.operand(b.ndim)
+        lo = e.resolve(e.dot(la, lb, params["dimension_numbers"]))
+        la, lb = e.resolve(la), e.resolve(lb)
+        along = tuple(None if k is None else lo[k] for k in dims)
+        used = {l for l in along if l is not None}
+        dn, precision, dtype = params["dimension_numbers"], params.get("precision"), params.get("preferred_element_type")
+        out = []
+        for lhs, (x, lx) in ((True, (a, la)), (False, (b, lb))):
+            if not used <= set(lx) or x.size >= d.size:
+                continue
+            how = _placement(small, along, lx, x.shape)
+
+            def fn(f, a, b, how=how, lhs=lhs):
+                g = _place(f, how)
+                return _dot(_scale(op, g, a), b, dn, precision, dtype) if lhs else \
+                    _dot(a, _scale(op, g, b), dn, precision, dtype)
+
+            out.append(m.trace(fn, small, a, b))
+        if not out:
+            return None
+        return out[0] if len(out) == 1 else [(m.root, t) for t in out]
+
+    factor_in.__name__ = f"factor_in_{op}"
+    return factor_in
+
+
+# ---------------------------------------------------------------------- distributivity
+def _common(op: str, shared: str) -> Callable:
+    """``a b + a c -> a (b + c)`` (``shared="lhs"``) and ``a c + b c -> (a + b) c``, also for ``-``."""
+
+    @procedural
+    def common(m):
+        params = _dot_params(m, "p", "q")
+        if params is None or m.params("p")["dimension_numbers"] != m.params("q")["dimension_numbers"]:
+            return None
+        a, b, c = m["a"], m["b"], m["c"]
+        x, y = (b, c) if shared == "lhs" else (a, b)
+        if x.aval.shape != y.aval.shape or not _same_dtype(params, a, b, c) or m.root.dtype != a.dtype:
+            return None
+        dn, precision, dtype = params["dimension_numbers"], params.get("precision"), params.get("preferred_element_type")
+        combine = lax.add if op == "add" else lax.sub
+        if shared == "lhs":
+            return m.trace(lambda a, b, c: _dot(a, combine(b, c), dn, precision, dtype), a, b, c)
+        return m.trace(lambda a, b, c: _dot(combine(a, b), c, dn, precision, dtype), a, b, c)
+
+    common.__name__ = f"common_{shared}_{op}"
+    return common
+
+
+# ---------------------------------------------------------------------- reductions of products
+@procedural
+def _sum_of_product(m):
+    """``sum(a b)`` over dimensions of one operand sums that operand first; over a batch dimension, contracts it."""
+    params = _dot_params(m, "p")
+    a, b = m["a"], m["b"]
+    r = m.params("r")
+    if params is None or r.get("out_sharding") is not None or not _same_dtype(params, a, b):
+        return None
+    e = _Einsum()
+    la, lb = e.operand(a.ndim), e.operand(b.ndim)
+    lo = e.resolve(e.dot(la, lb, params["dimension_numbers"]))
+    la, lb = e.resolve(la), e.resolve(lb)
+    summed = {lo[i] for i in r["axes"]}
+    want = [l for l in lo if l not in summed]
+    sum_a = tuple(i for i, l in enumerate(la) if l in summed and l not in lb)
+    sum_b = tuple(i for i, l in enumerate(lb) if l in summed and l not in la)
+    ra = tuple(l for l in la if l not in summed or l in lb)
+    rb = tuple(l for l in lb if l not in summed or l in la)
+    found = _dims(ra, rb, want)
+    if found is None:
+        return None
+    (dn, natural), perm = found, _perm(found[1], want)
+    precision, dtype = params.get("precision"), params.get("preferred_element_type")
+
+    def fn(a, b):
+        if sum_a:
+            a = jnp.sum(a, axis=sum_a)
+        if sum_b:
+            b = jnp.sum(b, axis=sum_b)
+        out = _dot(a, b, dn, precision, dtype)
+        return out if perm is None else lax.transpose(out, perm)
+
+    return m.trace(fn, a, b)
+
+
+# ---------------------------------------------------------------------- the diagonal of a product
+#: Primitives through which a value flows linearly (``mul`` when its other operand does not read it).
+_LINEAR = {"gather", "mul", "reduce_sum", "convert_element_type", "broadcast_in_dim", "reshape", "squeeze",
+           "transpose"}
+
+
+def _linear_in(closed: Any, k: int) -> bool:
+    """Is the jaxpr's output a linear function of its input ``k`` (every other input held fixed)?"""
+    jaxpr = closed.jaxpr
+    dep = {jaxpr.invars[k]}
+    for e in jaxpr.eqns:
+        reads = [i for i, v in enumerate(e.invars) if not isinstance(v, jax.extend.core.Literal) and v in dep]
+        if not reads:
+            continue
+        name = e.primitive.name
+        if name not in _LINEAR or (name == "mul" and len(reads) != 1) or (name == "gather" and reads != [0]) \
+                or (name == "convert_element_type" and not jnp.issubdtype(e.outvars[0].aval.dtype, jnp.floating)):
+            return False
+        dep.update(e.outvars)
+    return True
+
+
+def _is_diagonal(m: Any, body: Any, w: Value, q: Value, mask: Any) -> bool:
+    """Does this branch of ``cond(platform, w, q)`` compute the diagonal of ``q``?
+
+    It must be linear in ``q`` (its jaxpr says so), and agree with the diagonal on two random integer
+    matrices: two linear maps that differ agree on a random point of a grid of 2001^(n*n) points with
+    probability at most 1/2001, so this is a randomised identity test, whose two draws are exact in
+    float32 and fixed by a seed (a rule's result depends on nothing but its match).
+    """
+    try:
+        g = m.function(body.outs, [m.param(body.scope, 0, w.aval), m.param(body.scope, 1, q.aval)])
+    except ValueError:
+        return False
+    if g is None or len(body.outs) != 1 or not _linear_in(g.jaxpr, 1):
+        return False
+    rng = np.random.default_rng(0)
+    for _ in range(2):
+        x = rng.integers(-1000, 1001, size=q.shape).astype(q.dtype)
+        try:
+            with jax.ensure_compile_time_eval():  # evaluate now, even while a jit traces the rewritten function
+                (got,) = g(mask, x)
+        except Exception:  # a branch that cannot run here is no diagonal we can vouch for
+            return False
+        if not np.array_equal(np.asarray(got), np.diagonal(x)):
+            return False
+    return True
+
+
+@procedural
+def _diagonal_of_product(m):
+    """``diagonal(a b) -> sum(a * b^T, 1)``: ``jnp.diagonal`` is a ``cond`` over the platform, checked branch by branch."""
+    params = _dot_params(m, "p")
+    a, b, w, q, i = m["a"], m["b"], m["w"], m["q"], m["i"]
+    (lc, rc), (lb, _) = params["dimension_numbers"] if params is not None else ((None, None), (None, None))
+    if params is None or lb or a.ndim != 2 or b.ndim != 2 or q.shape[0] != q.shape[1] or not q.is_floating \
+            or not _same_dtype(params, a, b) or i.node("platform_index") is None:
+        return None
+    if q.size > 1 << 22:
+        return None  # the check evaluates the branches at q's size
+    bodies = m.bodies("br")
+    fmask = m.function([w], [])
+    if fmask is None or len(bodies) != 2:
+        return None
+    with jax.ensure_compile_time_eval():
+        (mask,) = fmask()
+    if not all(_is_diagonal(m, body, w, q, np.asarray(mask)) for body in bodies):
+        return None
+    a_rows, b_cols = 1 - lc[0], 1 - rc[0]  # the free dimension of each
+
+    def fn(a, b):
+        a = a if a_rows == 0 else a.T
+        b = b.T if b_cols == 1 else b
+        return jnp.sum(a * b, axis=1)
+
+    # a cond's results are projections of it: the diagonal is its only one
+    out = [u for u, node in m.users(m.root) if node.ctor == "Proj" and node.args[1] == 0]
+    if len(out) != 1 or out[0].aval != q.aval.update(shape=q.shape[:1]):
+        return None
+    return [(out[0], m.trace(fn, a, b))]
+
+
+# ---------------------------------------------------------------------- guards and examples
+def _f32(*shape: int) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(shape, jnp.float32)
+
+
+def _numeric(*vs: Value) -> bool:
+    return all(jnp.issubdtype(v.dtype, jnp.number) for v in vs)
+
+
+_M34, _M45, _M53, _M43, _V5 = _f32(3, 4), _f32(4, 5), _f32(5, 3), _f32(4, 3), _f32(5)
+_HEADS = (_f32(2, 3, 6, 4), _f32(2, 3, 6, 4), _f32(2, 3, 6, 5))   # (batch, heads, N, d) queries, keys, values
+
+
+def _ex_attention(q, k, v):
+    """Linear attention with heads, as einsum writes it, scaled."""
+    s = jnp.einsum("bhnd,bhmd->bhnm", q, k) / jnp.sqrt(jnp.float32(q.shape[-1]))
+    return s @ v
+
+
+# ---------------------------------------------------------------------- the pack
+#: Reordering a sum of products moves its result by the rounding of its largest partial sums, which
+#: depends on the terms, not on the result: ``64*64 - 64*64 + 1e-5`` is ``1e-5`` in one order and ``0`` in
+#: another. For float32 operands of magnitude up to 64 (what ``identity`` checks draw) in the example
+#: programs' shapes, the largest partial sums stay below 2^22, whose rounding is below 0.5: hence an
+#: absolute tolerance of 1 (scaled by epsilon for other dtypes). The exact checks in
+#: ``tests/test_linalg.py`` are what pin the rules down.
+_REORDERING = Tolerance(rtol=1e-5, atol=1.0)
+
+_PRODUCT = Pat("dot_general", A, B, params="p")
+
+linalg = Ruleset("linalg", [
+    # associativity
+    rule(Pat("dot_general", Pat("dot_general", A, B, params="pi"), C, params="po"), _assoc_left,
+         name="la_assoc_left", example=(lambda a, b, x: (a @ b) @ x, (_M34, _M45, _V5))),          # (a b) c -> a (b c)
+    rule(Pat("dot_general", A, Pat("dot_general", B, C, params="pi"), params="po"), _assoc_right,
+         name="la_assoc_right", example=(lambda x, a, b: x @ (a @ b), (_f32(3), _M34, _M45))),     # a (b c) -> (a b) c
+    # transposes
+    rule(Pat("dot_general", Pat("transpose", A, params="t"), B, params="p"), _fold_transpose("lhs"),
+         name="la_fold_transpose_lhs", example=(lambda a, b: a.T @ b, (_M43, _M45))),              # a^T b -> dot(a, b), other dims
+    rule(Pat("dot_general", A, Pat("transpose", B, params="t"), params="p"), _fold_transpose("rhs"),
+         name="la_fold_transpose_rhs", example=(lambda q, k: q @ jnp.swapaxes(k, -1, -2), _HEADS[:2])),                        # a b^T -> dot(a, b), other dims
+    rule(Pat("transpose", _PRODUCT, params="t"), _transpose_of_product,
+         name="la_transpose_product", example=(lambda a, b: (a @ b).T, (_M34, _M45))),            # (a b)^T -> b^T a^T
+    # factors
+    rule(Pat("dot_general", A, B, params="p"), _factor_out("lhs"), name="la_factor_out_lhs",
+         example=(lambda s, r, c, a, b: ((s * a) @ b, (r[:, None] * a) @ b, (a * c[None, :]) @ b),
+                  (_f32(), _f32(3), _f32(8), _f32(3, 8), _f32(8, 2)))),                                                 # (f a) b -> f (a b) or a (f b)
+    rule(Pat("dot_general", A, B, params="p"), _factor_out("rhs"), name="la_factor_out_rhs",
+         example=(lambda a, b, c: a @ (b / 2.0) + a @ (b * c[None, :]), (_M34, _M45, _V5))),       # a (f b) -> f (a b) or (f a) b
+    rule(Pat("mul", F, Pat("dot_general", A, B, params="p", name="d")), _factor_in("mul"), name="la_factor_in_mul",
+         example=(lambda s, a, b: s * (a @ b), (_f32(), _M34, _M45))),                            # f (a b) -> (f a) b or a (f b)
+    rule(Pat("mul", Pat("dot_general", A, B, params="p", name="d"), F), _factor_in("mul"), name="la_factor_in_mul_r",
+         example=(lambda r, a, b: (a @ b) * r[:, None], (_f32(3), _M34, _M45))),                  # (a b) f -> (f a) b
+    rule(Pat("div", Pat("dot_general", A, B, params="p", name="d"), F), _factor_in("div"), name="la_factor_in_div",
+         example=(_ex_attention, _HEADS)),                                                         # (a b) / f -> (a / f) b or a (b / f)
+    # distributivity
+    rule(Pat("add", Pat("dot_general", A, B, params="p"), Pat("dot_general", A, C, params="q")), _common("add", "lhs"),
+         name="la_common_lhs_add", example=(lambda a, x, y: a @ x + a @ y, (_M34, _M45, _M45))),   # a b + a c -> a (b + c)
+    rule(Pat("sub", Pat("dot_general", A, B, params="p"), Pat("dot_general", A, C, params="q")), _common("sub", "lhs"),
+         name="la_common_lhs_sub", example=(lambda a, x, y: a @ x - a @ y, (_M34, _f32(4), _f32(4)))),  # a b - a c -> a (b - c)
+    rule(Pat("add", Pat("dot_general", A, C, params="p"), Pat("dot_general", B, C, params="q")), _common("add", "rhs"),
+         name="la_common_rhs_add", example=(lambda a, b, x: a @ x + b @ x, (_M34, _M34, _f32(4)))),  # a c + b c -> (a + b) c
+    rule(Pat("sub", Pat("dot_general", A, C, params="p"), Pat("dot_general", B, C, params="q")), _common("sub", "rhs"),
+         name="la_common_rhs_sub", example=(lambda a, b, x: a @ x - b @ x, (_M34, _M34, _M45))),   # a c - b c -> (a - b) c
+    # reductions of products
+    rule(Pat("reduce_sum", _PRODUCT, params="r"), _sum_of_product, name="la_sum_product",
+         example=(lambda a, b: (jnp.sum(a @ b, axis=0), jnp.sum(jnp.einsum("bij,bjk->bik", a[None], b[None]), (0, 2))),
+                  (_M34, _M45))),                                                                 # sum(a b, 0) -> sum(a, 0) b
+    rule(Pat("cond", [Pat.var("i"), Pat.var("w"), Pat("dot_general", A, B, params="p", name="q")], bodies="br"),
+         _diagonal_of_product, name="la_diagonal_product",
+         example=(lambda a, b: jnp.diagonal(a @ b), (_M34, _M43))),                                # diagonal(a b) -> sum(a * b^T, 1)
+    rule(lambda a, b: jnp.trace(a @ b), lambda a, b: jnp.sum(a * b.T), name="la_trace_product",
+         when=lambda a, b: _numeric(a, b), example=(_M34, _M43)),                                  # trace(a b) -> sum(a * b^T)
+], soundness="identity", tolerance=_REORDERING, description=__doc__.split("\n\n")[0])

@@ -1,0 +1,293 @@
+"""``rulesets.linalg``: each rule exact on small integers, random contractions, and products put in their best order.
+
+``tests/test_contract.py`` checks every rule of the pack at its tolerance on
+drawn float32 inputs (``check_ruleset``). Reordering a float product changes
+its rounding, so that check needs a tolerance; the checks here need none.
+Every rule is forced to act on its example program traced in float64, and
+both programs run on small integers, where every product and sum is exact:
+the two results must be equal bit for bit, as verified optimizers check their
+substitutions. The associativity and transpose rules are also forced on
+random three-operand contractions with random dimension numbers, batch
+dimensions and operand layouts, drawn by hypothesis.
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import opt_einsum
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from jax import lax
+
+from rewrite import Ruleset, explain, rewrite
+from rewrite.testing._check_rule import _NotExercised, _evaluate, _rewrite_case
+from rulesets.linalg import linalg
+
+RULES = {r.name: r for r in linalg}
+
+
+def _program(r):
+    """A rule's example program and its avals (a two-function rule: its left side at its example)."""
+    if r.program is not None:
+        return r.program
+    return r.lhs, r.probes[0]
+
+
+def _small_ints(avals, seed):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(-4, 5, size=a.shape).astype(np.float64) for a in avals]
+
+
+def _forced(r, fn, avals):
+    """The program and the rule's forced rewrite of it, both traced at float64."""
+    wide = tuple(jax.core.ShapedArray(a.shape, np.float64) for a in avals)
+    return _rewrite_case(r, linalg, fn, wide)
+
+
+@pytest.mark.parametrize("name", sorted(RULES))
+def test_rule_is_exact_on_small_integers(name):
+    r = RULES[name]
+    fn, avals = _program(r)
+    with jax.enable_x64(True):
+        before, after = _forced(r, fn, avals)
+        for seed in range(5):
+            args = _small_ints(avals, seed)
+            want, got = _evaluate(before, args), _evaluate(after, args)
+            for w, g in zip(want, got):
+                assert w.dtype == g.dtype == np.float64
+                np.testing.assert_array_equal(g, w, err_msg=f"{name}, seed {seed}")
+
+
+# ---------------------------------------------------------------------- random contractions
+@st.composite
+def contractions(draw):
+    """``(a b) c`` as one nested ``dot_general`` of random labels, operand layouts and dimension numbers.
+
+    Each label is in some of the three operands (or only in the result) and is kept in the result or
+    summed; a label that only one operand has is kept (``dot_general`` never sums one operand alone).
+    Returns the three operands' shapes and a function computing it, with an ``einsum`` spec to check it.
+    """
+    n = draw(st.integers(2, 5))
+    sizes = draw(st.lists(st.integers(1, 3), min_size=n, max_size=n))
+    where = []
+    for _ in range(n):
+        owners = draw(st.sets(st.sampled_from("abc"), min_size=1, max_size=3))
+        kept = draw(st.booleans()) or len(owners) == 1
+        where.append((owners, kept))
+    # b and c always share a summed label, so that pairing them is no outer product and the rule acts
+    where.append(({"b", "c"}, False))
+    sizes.append(draw(st.integers(1, 3)))
+    # for (a b) c, a label of a or b alone that c lacks must be kept
+    for i, (owners, kept) in enumerate(where):
+        if len(owners & {"a", "b"}) == 1 and "c" not in owners and not kept:
+            where[i] = (owners, True)
+    labels = {k: [i for i, (o, _) in enumerate(where) if k in o] for k in "abc"}
+    for k in "abc":
+        labels[k] = draw(st.permutations(labels[k]))
+    out = [i for i, (_, kept) in enumerate(where) if kept]
+
+    def dn(x, y, keep):
+        shared = [l for l in x if l in y]
+        batch = [l for l in shared if l in keep]
+        con = [l for l in shared if l not in keep]
+        free = [l for l in x if l not in y] + [l for l in y if l not in x]
+        dims = ((tuple(x.index(l) for l in con), tuple(y.index(l) for l in con)),
+                (tuple(x.index(l) for l in batch), tuple(y.index(l) for l in batch)))
+        return dims, batch + free
+
+    la, lb, lc = labels["a"], labels["b"], labels["c"]
+    keep_ab = set(lc) | set(out)
+    dn1, lab = dn(la, lb, keep_ab)
+    dn2, lo = dn(lab, lc, set(out))
+
+    def fn(a, b, c):
+        return lax.dot_general(lax.dot_general(a, b, dn1), c, dn2)
+
+    shapes = [tuple(sizes[l] for l in labels[k]) for k in "abc"]
+    letters = "ijklmno"
+    spec = ",".join("".join(letters[l] for l in labels[k]) for k in "abc") + "->" + "".join(letters[l] for l in lo)
+    return shapes, fn, spec
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(contractions(), st.integers(0, 2 ** 16))
+def test_reassociation_is_exact_on_random_contractions(case, seed):
+    shapes, fn, spec = case
+    avals = [jax.core.ShapedArray(s, np.float32) for s in shapes]
+    with jax.enable_x64(True):
+        args = _small_ints(avals, seed)
+        np.testing.assert_array_equal(np.asarray(fn(*args)), np.einsum(spec, *args))  # the program is the einsum
+        try:
+            before, after = _forced(RULES["la_assoc_left"], fn, avals)
+        except _NotExercised:
+            return  # only outer products to pair, or a pairing that is no dot_general: declined
+        assert [e.primitive.name for e in after.eqns].count("dot_general") == 2
+        np.testing.assert_array_equal(_evaluate(after, args)[0], _evaluate(before, args)[0])
+
+
+@settings(max_examples=12, deadline=None)
+@given(st.integers(2, 3), st.integers(2, 4), st.integers(2, 4), st.integers(2, 4), st.integers(0, 2 ** 16),
+       st.sampled_from(["lhs", "rhs", "out"]))
+def test_transposes_fold_exactly_with_batch_dimensions(h, n, m, d, seed, where):
+    def fn(q, k):
+        if where == "lhs":
+            return jnp.swapaxes(q, -1, -2) @ k                      # q^T k
+        if where == "rhs":
+            return q @ jnp.swapaxes(k, -1, -2)                      # q k^T
+        return jnp.swapaxes(jnp.einsum("hnd,hmd->hnm", q, k), -1, -2)   # (q k^T)^T
+    shape_q, shape_k = ((h, d, n), (h, d, m)) if where == "lhs" else ((h, n, d), (h, m, d))
+    name = {"lhs": "la_fold_transpose_lhs", "rhs": "la_fold_transpose_rhs", "out": "la_transpose_product"}[where]
+    avals = [jax.core.ShapedArray(s, np.float32) for s in (shape_q, shape_k)]
+    with jax.enable_x64(True):
+        before, after = _forced(RULES[name], fn, avals)
+        assert "transpose" not in [e.primitive.name for e in after.eqns]
+        args = _small_ints(avals, seed)
+        np.testing.assert_array_equal(_evaluate(after, args)[0], _evaluate(before, args)[0])
+
+
+# ---------------------------------------------------------------------- products in their best order
+def _chain(*ms):
+    out = ms[0]
+    for m in ms[1:]:
+        out = out @ m
+    return out
+
+
+def _dot_flops(jaxpr):
+    total = 0
+    for e in jaxpr.eqns:
+        if e.primitive.name == "dot_general":
+            (lc, _), _ = e.params["dimension_numbers"]
+            k = int(np.prod([e.invars[0].aval.shape[i] for i in lc]))
+            total += 2 * int(np.prod(e.outvars[0].aval.shape)) * k
+    return total
+
+
+def _optimal_flops(shapes):
+    letters = "abcdefghij"
+    spec = ",".join(letters[i] + letters[i + 1] for i in range(len(shapes))) + "->" + letters[0] + letters[len(shapes)]
+    _, info = opt_einsum.contract_path(spec, *shapes, shapes=True, optimize="optimal")
+    return int(info.opt_cost)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_chains_take_the_optimal_order(seed):
+    rng = np.random.default_rng(seed)
+    n = 3 + seed
+    dims = [int(x) for x in rng.integers(1, 65, size=n + 1)]
+    shapes = [(dims[i], dims[i + 1]) for i in range(n)]
+    args = [jnp.asarray(rng.standard_normal(s), jnp.float32) for s in shapes]
+    report = explain(_chain, *args, rulesets=[linalg])
+    assert report.stopped == "saturated"
+    assert _dot_flops(report.after) == _optimal_flops(shapes)
+    np.testing.assert_allclose(rewrite(_chain, rulesets=[linalg])(*args), _chain(*args), rtol=2e-4, atol=2e-4)
+
+
+def test_a_chain_of_eight_saturates_quickly_in_a_polynomial_egraph():
+    dims = [169, 456, 136, 117, 366, 320, 25, 44, 194]
+    shapes = [(dims[i], dims[i + 1]) for i in range(8)]
+    start = time.perf_counter()
+    report = explain(_chain, *[jnp.zeros(s) for s in shapes], rulesets=[linalg])
+    assert time.perf_counter() - start < 30
+    assert report.stopped == "saturated"
+    # one class per contiguous sub-chain (36) with a node per split (84), not Catalan(7) = 429 trees
+    assert report.egraph_rows < 2000
+    assert _dot_flops(report.after) == _optimal_flops(shapes)
+
+
+def test_linear_attention_with_heads_multiplies_keys_and_values_first():
+    def attention(q, k, v):
+        return jnp.einsum("bhnm,bhme->bhne", jnp.einsum("bhnd,bhmd->bhnm", q, k) / 8.0, v)
+
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.standard_normal((2, 3, 256, 16)), jnp.float32) for _ in range(3))
+    report = explain(attention, q, k, v, rulesets=[linalg])
+    shapes = [tuple(e.outvars[0].aval.shape) for e in report.after.eqns if e.primitive.name == "dot_general"]
+    assert (2, 3, 16, 16) in shapes and (2, 3, 256, 256) not in shapes
+    assert _dot_flops(report.after) < _dot_flops(report.before) / 10
+    np.testing.assert_allclose(rewrite(attention, rulesets=[linalg])(q, k, v), attention(q, k, v), rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("fn,shapes", [
+    (lambda a, b, x: a @ (b @ x), [(64, 64), (64, 64), (64,)]),          # already the best order
+    (lambda x, a, b: (x @ a) @ b, [(8, 64), (64, 64), (64, 64)]),        # thin on the left: left to right is best
+    (lambda a, b: jnp.tanh(a) * b + 1.0, [(16, 16), (16, 16)]),          # no product at all
+    (lambda q, k: q @ k.T, [(32, 8), (32, 8)]),                           # one product
+])
+def test_programs_in_their_best_form_keep_their_flops(fn, shapes):
+    args = [jnp.ones(s) for s in shapes]
+    report = explain(fn, *args, rulesets=[linalg])
+    assert _dot_flops(report.after) == _dot_flops(report.before)
+    assert report.cost_after <= report.cost_before
+    assert len(report.after.eqns) <= len(report.before.eqns)
+
+
+def test_reductions_and_traces_of_products_skip_the_product():
+    a, b = jnp.ones((256, 128)), jnp.ones((128, 256))
+    for fn in (lambda a, b: jnp.sum(a @ b, axis=0), lambda a, b: jnp.trace(a @ b)):
+        report = explain(fn, a, b, rulesets=[linalg])
+        assert _dot_flops(report.after) < _dot_flops(report.before) / 100, report.after
+        np.testing.assert_allclose(rewrite(fn, rulesets=[linalg])(a, b), fn(a, b), rtol=1e-5)
+
+
+def test_distributivity_factors_a_shared_operand():
+    a, x, y = jnp.ones((64, 64)), jnp.ones((64, 32)), jnp.ones((64, 32))
+    report = explain(lambda a, x, y: a @ x + a @ y, a, x, y, rulesets=[linalg])
+    assert report.fired.get("la_common_lhs_add") == 1
+    assert [e.primitive.name for e in report.after.eqns] == ["add", "dot_general"]
+
+
+def test_mixed_precision_products_are_left_alone():
+    def f(a, b, x):
+        return lax.dot_general(lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.int32),
+                               x, (((1,), (0,)), ((), ())))
+
+    a, b = jnp.ones((16, 16), jnp.int8), jnp.ones((16, 16), jnp.int8)
+    report = explain(f, a, b, jnp.ones(16, jnp.int32), rulesets=[linalg])
+    assert report.fired == {}
+
+
+def test_the_pack_is_registered():
+    import rulesets
+
+    assert rulesets.BUILTIN["linalg"] is linalg
+    assert all(n.startswith("la_") for n in RULES)
+    assert isinstance(linalg, Ruleset) and linalg.soundness == "identity"
+
+
+def test_gradients_of_a_rewritten_product_match():
+    def f(q, k, v):
+        return jnp.sum(jnp.tanh((q @ k.T) @ v / 4.0))
+
+    rng = np.random.default_rng(3)
+    q, k, v = (jnp.asarray(rng.standard_normal((64, 8)), jnp.float32) for _ in range(3))
+    fast = rewrite(f, rulesets=[linalg])
+    assert explain(f, q, k, v, rulesets=[linalg]).fired
+    for got, want in zip(jax.grad(fast, argnums=(0, 1, 2))(q, k, v), jax.grad(f, argnums=(0, 1, 2))(q, k, v)):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_with_algebra_a_scaled_chain_still_takes_the_optimal_order():
+    import rulesets
+
+    shapes = [(40, 3), (3, 50), (50, 2), (2, 60), (60, 5)]
+    args = [jnp.ones(s) for s in shapes]
+    report = explain(lambda *ms: 2.0 * _chain(*ms), *args, rulesets=[rulesets.algebra + linalg])
+    assert report.stopped == "saturated"
+    assert _dot_flops(report.after) == _optimal_flops(shapes)
+
+
+def test_the_diagonal_of_a_product_skips_the_product_and_an_offset_one_is_left_alone():
+    a, b = jnp.ones((64, 32)), jnp.ones((32, 64))
+    report = explain(lambda a, b: jnp.diagonal(a @ b), a, b, rulesets=[linalg])
+    assert report.fired.get("la_diagonal_product") == 1 and _dot_flops(report.after) == 0
+    # and while jit traces the rewritten function (the rule evaluates the cond's branches to check them)
+    traced = jax.make_jaxpr(rewrite(lambda a, b: jnp.diagonal(a @ b), rulesets=[linalg]))(a, b)
+    assert "dot_general" not in str(traced)
+    report = explain(lambda a, b: jnp.diagonal(a @ b, offset=1), a, b, rulesets=[linalg])
+    assert "la_diagonal_product" not in report.fired
