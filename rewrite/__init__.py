@@ -13,6 +13,7 @@ from . import _vjp  # noqa: F401,E402  (rewrite(vjp=True)'s class, which builds 
 from ._cost import AnalyticCost, CostModel, NodeCost, NodeInfo
 from ._primitives import GROUPS, OpSpec, register_primitive
 from ._pattern import Ops, Pat, ops
+from ._guard import Guard
 from ._report import Report, explain
 from ._rules import Match, Params, Rule, Ruleset, Tolerance, Value, procedural, rule
 from . import loops  # noqa: E402  (the loop API: rewrite.loops.Loop, rewrite.loops.SCAN)
@@ -21,6 +22,7 @@ __all__ = [
     "AnalyticCost",
     "CostModel",
     "GROUPS",
+    "Guard",
     "Limits",
     "Match",
     "NodeCost",
