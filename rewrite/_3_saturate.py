@@ -78,6 +78,8 @@ class RuleStats:
     matched: int = 0
     rejected: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     banned: int = 0
+    #: retired for the rest of the run for outrunning its allowance in a grown e-graph (``Limits.growth``)
+    retired: bool = False
     seconds: float = 0.0
     examples: list[tuple[Any, Any]] = dataclasses.field(default_factory=list)  # (avals, root source)
 
@@ -175,6 +177,7 @@ class Engine:
                 if len(new) > act.allowance and grown:
                     act.last = it  # retired: see Limits.growth
                     self.retired.append(act.rule.name)
+                    self.stats[act.rule.name].retired = True
                     self.stats[act.rule.name].banned += 1
                     log.debug("rule %r retired at iteration %d (%d new matches in a grown e-graph)",
                               act.rule.name, it, len(new))
@@ -199,8 +202,7 @@ class Engine:
             changed = self.egraph.flush()
             if not changed and not waiting:
                 self.snapshot = self.egraph.snapshot()
-                retired = self.retired
-                return "saturated" + (f" ({len(retired)} rule(s) retired: {', '.join(retired)})" if retired else "")
+                return "saturated"  # rules retired in a grown e-graph are listed in ``retired`` and their stats
         return "iteration limit"
 
     # ------------------------------------------------------------------ one match

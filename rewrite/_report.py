@@ -114,13 +114,17 @@ class Report:
             return 1.0
         return before / after
 
+    def _retired(self) -> str:
+        retired = [k for k, st in self.result.stats.items() if getattr(st, "retired", False)]
+        return f" ({len(retired)} rule(s) retired in a grown e-graph: {', '.join(retired)})" if retired else ""
+
     def summary(self) -> str:
         lines = [
             f"cost {self.cost_before:,.0f} -> {self.cost_after:,.0f} ({self.saved:+.1%} saved), "
             f"equations {self.eqns_before} -> {self.eqns_after}",
             f"predicted speed-up per call: {self.predicted_speedup:.2f}x (a call's fixed cost, "
             f"{self.fixed_cost:,.0f}, included)",
-            f"stopped: {self.stopped} after {self.iterations} iteration(s), {self.egraph_rows:,} e-graph rows",
+            f"stopped: {self.stopped}{self._retired()} after {self.iterations} iteration(s), {self.egraph_rows:,} e-graph rows",
             "time: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in self.times.items()),
         ]
         if self.fired:

@@ -95,7 +95,7 @@ def _exploding():
 @pytest.mark.parametrize("limits,reason", [
     (Limits(iterations=3), "iteration limit"),
     (Limits(nodes=3000), "node limit"),
-    (Limits(seconds=0.5, iterations=10_000, nodes=10**9), "time limit"),
+    (Limits(seconds=0.5, iterations=10_000, nodes=10**9, growth=float("inf")), "time limit"),
 ])
 def test_limits_stop_and_keep_the_best_program(limits, reason):
     def f(*xs):
