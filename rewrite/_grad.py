@@ -190,6 +190,10 @@ def jvp_program(closed: core.ClosedJaxpr) -> tuple[core.ClosedJaxpr, list[int], 
 
 
 # ---------------------------------------------------------------------- binding
+#: The linearization rule below follows JAX 0.10's internal protocol (``ad.primitive_linearizations``),
+#: which JAX 0.11 changed; under another JAX, JAX differentiates the rewritten forward program instead.
+_SUPPORTED_JAX = jax.__version_info__[:2] == (0, 10)
+
 def bind_if_differentiated(program_of: Any, traced: Traced, flat: Sequence[Any]) -> list[Any] | None:
     """The outputs, if this call is being differentiated and can be bound as a primitive; else ``None``.
 
@@ -198,6 +202,8 @@ def bind_if_differentiated(program_of: Any, traced: Traced, flat: Sequence[Any])
     trace = core.trace_ctx.trace
     if not isinstance(trace, (ad.JVPTrace, ad.LinearizeTrace)):
         return None
+    if not _SUPPORTED_JAX:
+        return None  # the primitive's rules follow JAX 0.10's internal protocols: differentiate the forward
     closed = traced.closed
     if closed.jaxpr.effects:
         return None  # a derivative program may not repeat or reorder effects: JAX differentiates the forward
