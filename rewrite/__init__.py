@@ -10,15 +10,17 @@ code. The pipeline's stages are the numbered modules ``_1_trace`` to
 from ._3_saturate import Limits
 from ._6_evaluate import RewriteLimitWarning, RewriteWarning, Rewritten, rewrite
 from ._cost import AnalyticCost, NodeInfo
-from ._pattern import Pat
+from ._pattern import Ops, Pat, ops
 from ._report import Report, explain
-from ._rules import Match, Rule, Ruleset, Tolerance, Value, procedural, rule
+from ._rules import Match, Params, Rule, Ruleset, Tolerance, Value, procedural, rule
 
 __all__ = [
     "AnalyticCost",
     "Limits",
     "Match",
     "NodeInfo",
+    "Ops",
+    "Params",
     "Pat",
     "Report",
     "RewriteLimitWarning",
@@ -29,6 +31,7 @@ __all__ = [
     "Tolerance",
     "Value",
     "explain",
+    "ops",
     "procedural",
     "rewrite",
     "rule",

@@ -17,12 +17,16 @@ time, never correctness.
 :class:`Pat` is the lower-level pattern language for procedural rules, whose
 right-hand side is Python code over the match (tinygrad style). It reaches
 what a JAX function cannot spell: a scan's body, a projection, any params.
+One :class:`Pat` can stand for a group of primitives (``Pat(ops.REDUCE, x)``,
+see :data:`ops`): it compiles to one query per member.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+import itertools
+import re
+from typing import Any, Iterable, Sequence
 
 from jax._src import core
 
@@ -36,6 +40,58 @@ _SHAPE_FAMILIES = {_terms.LAYOUT, _terms.TRANSPOSE, _terms.REDUCE, _terms.CONTRA
 
 class PatternError(ValueError):
     """A left-hand side that cannot be a pattern."""
+
+
+# ---------------------------------------------------------------------- operation groups
+def _family(family: str, layout: str | None = None) -> frozenset[str]:
+    """The primitives of one family of the term language (and one operand layout): the only reader of
+    ``_terms`` families here, so that a change to how the table records them is a change to this function."""
+    return frozenset(s.prim for s in _terms.SPECS if s.family == family and (layout is None or s.layout == layout))
+
+
+class Ops:
+    """Groups of primitives, for one :class:`Pat` that stands for every member of a group.
+
+    Each group is a ``frozenset`` of primitive names, so groups combine with
+    set operations (``ops.REDUCE - ops.ARG_REDUCE``). A pattern over a group
+    binds the matched primitive and its params with ``params=`` (a
+    :class:`Params`, whose :meth:`Params.bind` applies the same primitive).
+
+    >>> from rewrite import ops
+    >>> sorted(ops.COMPARISON)
+    ['eq', 'ge', 'gt', 'le', 'lt', 'ne']
+    >>> {"reduce_sum", "argmax"} <= ops.REDUCE, "argmax" in ops.REDUCE - ops.ARG_REDUCE
+    (True, False)
+    >>> "sin" in ops.UNARY_TRANSCENDENTAL and "add" in ops.BINARY
+    True
+    """
+
+    #: Cheap elementwise primitives of one operand (``neg``, ``abs``, ``sign``, ``integer_pow``...).
+    UNARY = _family(_terms.ELEMENTWISE, "T")
+    #: Elementwise primitives of two operands: arithmetic, comparisons, bitwise, shifts.
+    BINARY = _family(_terms.ELEMENTWISE, "TT")
+    #: Transcendental functions of one operand (``sin``, ``exp``, ``log``, ``sqrt``...).
+    UNARY_TRANSCENDENTAL = _family(_terms.TRANSCENDENTAL, "T")
+    #: Transcendental functions of two operands (``pow``, ``atan2``...).
+    BINARY_TRANSCENDENTAL = _family(_terms.TRANSCENDENTAL, "TT")
+    #: Every reduction over axes, ``argmax`` and ``argmin`` included.
+    REDUCE = _family(_terms.REDUCE)
+    #: The reductions that return an index.
+    ARG_REDUCE = frozenset({"argmax", "argmin"}) & REDUCE
+    #: The six comparisons.
+    COMPARISON = frozenset({"eq", "ne", "lt", "le", "gt", "ge"}) & BINARY
+    #: Arithmetic of two operands: ``add sub mul div rem max min``.
+    ARITHMETIC = frozenset({"add", "sub", "mul", "div", "rem", "max", "min"}) & BINARY
+    #: Bitwise and logical operations of two operands.
+    BITWISE = frozenset({"and", "or", "xor"}) & BINARY
+    #: Shape-only operations of one operand (broadcast, reshape, squeeze, rev).
+    LAYOUT = _family(_terms.LAYOUT, "T")
+
+    def __repr__(self) -> str:
+        return "<rewrite.ops: " + " ".join(n for n in vars(Ops) if n.isupper()) + ">"
+
+
+ops = Ops()
 
 
 @dataclasses.dataclass
@@ -142,6 +198,34 @@ def compile_traced(closed: core.ClosedJaxpr, names: Sequence[str], pvary_literal
     return Query(qb.atoms, out, [(v, "Term") for v in inputs])
 
 
+_LIT_ATOM = re.compile(r"^\(= (\S+) \(Lit (\S+) (\S+)\)\)$")
+
+
+def generalize(query: Query, other: Query) -> Query | None:
+    """``query`` with a wildcard for each literal whose value differs in ``other``, or ``None``.
+
+    ``query`` and ``other`` are one left-hand side traced at two sizes. A
+    literal that changes with the size (a mean's divisor, ``x.shape[0]``) is
+    derived from shapes, so the query must not fix its value: the verifier
+    retraces the left side at the matched shapes, which checks it. ``None``
+    when no literal differs, or when the two traces differ in more than
+    literal values (then nothing is generalized).
+    """
+    if len(query.atoms) != len(other.atoms) or query.root != other.root or query.binds != other.binds:
+        return None
+    atoms, changed = [], 0
+    for a, b in zip(query.atoms, other.atoms):
+        if a == b:
+            atoms.append(a)
+            continue
+        ma, mb = _LIT_ATOM.match(a), _LIT_ATOM.match(b)
+        if not (ma and mb and ma.group(1) == mb.group(1) and ma.group(3) == mb.group(3)):
+            return None
+        changed += 1
+        atoms.append(f"(= {ma.group(1)} (Lit _shape{changed} {ma.group(3)}))")
+    return Query(atoms, query.root, query.binds) if changed else None
+
+
 class NotPresent(Exception):
     pass
 
@@ -214,11 +298,25 @@ class Pat:
     ['b', 'k', 'r', 'rp', 's', 'xs']
     """
 
-    def __init__(self, prim: str, *operands: Any, name: str | None = None, params: str | None = None,
-                 body: str | None = None, bodies: Sequence[str] | str | None = None, args: str | None = None) -> None:
-        if prim not in _terms.BY_PRIM and prim not in ("proj", "var", "lit", "opaque"):
-            raise PatternError(f"Pat: unknown primitive {prim!r}; the term language has no constructor for it")
+    def __init__(self, prim: str | Iterable[str], *operands: Any, name: str | None = None,
+                 params: str | None = None, body: str | None = None, bodies: Sequence[str] | str | None = None,
+                 args: str | None = None) -> None:
+        if isinstance(prim, str):
+            members: tuple[str, ...] = (prim,)
+            if prim not in _terms.BY_PRIM and prim not in ("proj", "var", "lit", "opaque"):
+                raise PatternError(f"Pat: unknown primitive {prim!r}; the term language has no constructor for it")
+        else:
+            members = tuple(sorted(prim))
+            unknown = [p for p in members if p not in _terms.BY_PRIM]
+            if not members or unknown:
+                raise PatternError(f"Pat: a group needs known primitives; unknown: {unknown or 'empty group'}")
+            if len({_terms.BY_PRIM[p].layout for p in members}) != 1:
+                raise PatternError("Pat: the primitives of a group must take their operands alike "
+                                   f"(one layout); {members} do not")
+            prim = members[0] if len(members) == 1 else "{" + ",".join(members) + "}"
         self.prim = prim
+        #: The primitives this pattern matches at its root: one, or the members of a group.
+        self.members = members
         self.operands = operands
         self.name = name
         self.params = params
@@ -227,6 +325,26 @@ class Pat:
         self.args = args
         self.index: Any = None
         self.value: Any = None
+
+    @property
+    def is_group(self) -> bool:
+        return len(self.members) > 1
+
+    def ctors(self) -> set[str]:
+        """The constructors of the nodes this pattern matches at its root."""
+        special = {"proj": "Proj", "lit": "Lit", "opaque": "Opaque", "var": "V"}
+        if self.prim in special:
+            return {special[self.prim]}
+        return {_terms.BY_PRIM[p].ctor for p in self.members}
+
+    def param_names(self) -> set[str]:
+        """The names that bind a node's params (``params=``), as opposed to a projection index."""
+        out = {self.params} if self.params else set()
+        for o in self.operands:
+            for x in (o if isinstance(o, (list, tuple)) else [o]):
+                if isinstance(x, Pat):
+                    out |= x.param_names()
+        return out
 
     @classmethod
     def var(cls, name: str) -> "Pat":
@@ -265,9 +383,36 @@ class Pat:
             return f"Pat.var({self.name!r})"
         return f"Pat({self.prim!r}, {', '.join(map(repr, self.operands))})"
 
+    def groups(self) -> list["Pat"]:
+        """The group patterns in this pattern, in the order a query is built."""
+        out = [self] if self.is_group else []
+        for o in self.operands:
+            for x in (o if isinstance(o, (list, tuple)) else [o]):
+                if isinstance(x, Pat):
+                    out += x.groups()
+        return out
 
-def compile_pat(pat: Pat) -> tuple[Query, list[str]]:
-    """The query for a :class:`Pat`, and the names it binds in the order the match stores them."""
+
+def compile_pats(pat: Pat) -> tuple[list[Query], list[str]]:
+    """The queries for a :class:`Pat`, one per choice of a member for each group in it, and the names
+    they bind, in the order a match stores them (the same for every query)."""
+    groups = pat.groups()
+    queries: list[Query] = []
+    names: list[str] | None = None
+    for choice in itertools.product(*[g.members for g in groups]):
+        query, these = compile_pat(pat, {id(g): m for g, m in zip(groups, choice)})
+        assert names is None or these == names, "a group's members bind names in one order"
+        names = these
+        queries.append(query)
+    return queries, names or []
+
+
+def compile_pat(pat: Pat, choice: dict[int, str] | None = None) -> tuple[Query, list[str]]:
+    """The query for a :class:`Pat`, and the names it binds in the order the match stores them.
+
+    ``choice`` picks the member of each group pattern (by ``id``); see :func:`compile_pats`.
+    """
+    choice = choice or {}
     if pat.prim == "var":
         raise PatternError("a pattern cannot be a bare variable; it would match every term")
     qb = QueryBuilder()
@@ -307,7 +452,7 @@ def compile_pat(pat: Pat) -> tuple[Query, list[str]]:
             v = qb.fresh("t")
             qb.atoms.append(f"(= {v} (Proj {of} {idx}))")
             return bind(p.name, v, "Term")
-        spec = _terms.BY_PRIM[p.prim]
+        spec = _terms.BY_PRIM[choice.get(id(p), p.members[0])]
         parts: list[str] = []
         ops = list(p.operands)
         body_names = iter([p.body] if p.body else list(p.bodies) if isinstance(p.bodies, (list, tuple)) else [])

@@ -11,8 +11,14 @@ matched classes' real shapes and dtypes: the left side to verify the match,
 the right side to build the replacement, so axes and shapes in the right side
 adapt to whatever was matched.
 
-A rule whose right side needs Python logic (new params, a new scan) wraps it
-in :func:`procedural`; its left side can then also be a :class:`Pat`.
+A rule whose left side a JAX function cannot spell (any axes, a group of
+primitives, a scan's body) writes it as a :class:`Pat`. Its right side is then
+a function of the pattern's named bindings, traced at the matched shapes::
+
+    rule(Pat("reduce_sum", Pat("neg", X), params="p"), lambda x, p: -p.bind(x), name="sum_neg")
+
+or, when it needs the e-graph itself (users of a class, a loop body), a
+:func:`procedural` function of the whole :class:`Match`.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ from jax._src import core
 
 from ._1_trace import trace_at
 from ._intern import LITERALS, PARAMS
-from ._pattern import Pat, PatternError, Query, compile_pat, compile_traced
+from ._pattern import Pat, PatternError, Query, compile_pats, compile_traced, generalize
 
 SOUNDNESS = ("exact", "identity", "fastmath")
 
@@ -88,6 +94,166 @@ def procedural(fn: Callable[["Match"], Any]) -> Procedure:
     >>> r = rule(lambda x: x / 2.0, halve_if_even, name="div2")
     """
     return Procedure(fn)
+
+
+class Params(dict):
+    """The params of a matched node, bound by a :class:`Pat`'s ``params=``: a dict that also knows its primitive.
+
+    Keys read as attributes too (``p.axes`` for ``p["axes"]``). :meth:`bind`
+    applies the same primitive with the same params to new operands, which is
+    how one rule over a group of primitives (``Pat(ops.REDUCE, ...)``)
+    rebuilds whichever member it matched.
+
+    >>> import jax.numpy as jnp
+    >>> from jax import lax
+    >>> from rewrite import Params
+    >>> p = Params(lax.reduce_sum_p, {"axes": (0,), "out_sharding": None})
+    >>> p.prim, p.axes, p.bind(jnp.ones((2, 3))).shape
+    ('reduce_sum', (0,), (3,))
+    """
+
+    def __init__(self, primitive: Any, params: dict[str, Any]) -> None:
+        super().__init__(params)
+        self.primitive = primitive
+
+    @property
+    def prim(self) -> str:
+        """The primitive's name, e.g. ``"reduce_sum"``."""
+        return self.primitive.name
+
+    @property
+    def sharded(self) -> bool:
+        """Does the node carry an explicit sharding (which a replacement traced by JAX would lose)?"""
+        return self.get("sharding") is not None or self.get("out_sharding") is not None
+
+    def bind(self, *operands: Any) -> Any:
+        """This primitive with these params, applied to ``operands`` (inside a right side's trace)."""
+        return self.primitive.bind(*operands, **self)
+
+    def __getattr__(self, key: str) -> Any:
+        if key.startswith("__") or key == "primitive":
+            raise AttributeError(key)
+        try:
+            return self[key]
+        except KeyError:
+            raise AttributeError(f"{self.primitive.name} has no param {key!r}") from None
+
+    def __repr__(self) -> str:
+        return f"Params({self.prim}, {dict.__repr__(self)})"
+
+
+class _Declined(Exception):
+    """A function right-hand side returned ``None``."""
+
+
+def _named_call(fn: Callable[..., Any], layout: tuple[tuple[str, str, Any], ...]) -> Callable[..., Any]:
+    """``fn`` as a function of the traced inputs, its static bindings rebuilt from ``layout``.
+
+    The closure holds plain data only (names, params ids, counts), so that
+    the engine can reuse the trace of the same replacement met again.
+    """
+    def call(*xs: Any) -> Any:
+        it = iter(xs)
+        kw: dict[str, Any] = {}
+        for name, kind, data in layout:
+            if kind == "term":
+                kw[name] = next(it)
+            elif kind == "list":
+                kw[name] = [next(it) for _ in range(data)]
+            elif kind == "params":
+                kw[name] = Params(PARAMS.prim(data), PARAMS.params(data))
+            else:
+                kw[name] = data
+        out = fn(**kw)
+        if out is None:
+            raise _Declined
+        return out
+
+    return call
+
+
+class _Bindings:
+    """How a :class:`Pat` rule's named bindings are handed to a right side or guard that names them."""
+
+    def __init__(self, rule_name: str, pat: Pat, names: list[str], sorts: dict[str, str], side: str,
+                 fn: Callable[..., Any]) -> None:
+        params = pat.param_names()
+        self.kinds = {n: ("params" if n in params else "index") if sorts[n] == "i64" else
+                      {"Term": "term", "TList": "list"}.get(sorts[n], "body") for n in names}
+        try:
+            wanted = [p.name for p in inspect.signature(fn).parameters.values()]
+        except (TypeError, ValueError):
+            raise ValueError(f"rule {rule_name!r}: cannot read the signature of {side}") from None
+        unknown = [n for n in wanted if n not in self.kinds]
+        if unknown:
+            raise ValueError(f"rule {rule_name!r}: {side} takes {unknown[0]!r}, which the pattern does not bind "
+                             f"(it binds {sorted(self.kinds)})")
+        bodies = [n for n in wanted if self.kinds[n] == "body"]
+        if bodies:
+            raise ValueError(f"rule {rule_name!r}: {side} takes the body {bodies[0]!r}; a rule that reads "
+                             "bodies is procedural (rewrite.procedural)")
+        self.wanted = wanted
+        self.params = [n for n in names if self.kinds[n] == "params"]
+
+    def sharded(self, m: "Match") -> bool:
+        return any(PARAMS.params(m._bound(n)).get("sharding") is not None
+                   or PARAMS.params(m._bound(n)).get("out_sharding") is not None for n in self.params)
+
+    def values(self, m: "Match") -> dict[str, Any]:
+        """The bindings as a guard sees them: values, lists of values, params, indices."""
+        out: dict[str, Any] = {}
+        for n in self.wanted:
+            kind = self.kinds[n]
+            out[n] = (m[n] if kind == "term" else m.list(n) if kind == "list" else m.params(n) if kind == "params"
+                      else m.int(n))
+        return out
+
+
+class _Function(Procedure):
+    """A :class:`Pat` rule's right side written as a function of the pattern's named bindings.
+
+    Term bindings arrive as traced arrays, list bindings as lists of them,
+    ``params=`` bindings as :class:`Params` and projection indices as ints.
+    It returns the replacement, or ``None`` to decline. A match whose bound
+    params carry an explicit sharding is declined: the replacement, traced
+    by JAX, would drop it.
+    """
+
+    def __init__(self, fn: Callable[..., Any], bindings: _Bindings) -> None:
+        super().__init__(fn)
+        self.bindings = bindings
+
+    def __call__(self, m: "Match") -> Any:
+        b = self.bindings
+        if b.sharded(m):
+            return None
+        layout, inputs = [], []
+        for n in b.wanted:
+            kind = b.kinds[n]
+            if kind == "term":
+                inputs.append(m[n])
+                layout.append((n, kind, None))
+            elif kind == "list":
+                items = m.list(n)
+                inputs.extend(items)
+                layout.append((n, kind, len(items)))
+            else:
+                layout.append((n, kind, m._bound(n) if kind == "params" else m.int(n)))
+        try:
+            return m.trace(_named_call(self.fn, tuple(layout)), *inputs)
+        except _Declined:
+            return None
+
+
+class _NamedGuard:
+    """A :class:`Pat` rule's ``when=`` that names the bindings it reads, as its right side does."""
+
+    def __init__(self, fn: Callable[..., bool], bindings: _Bindings) -> None:
+        self.fn = fn
+        self.bindings = bindings
+
+    def __call__(self, m: "Match") -> bool:
+        return bool(self.fn(**self.bindings.values(m)))
 
 
 class Rule:
@@ -209,15 +375,21 @@ def rule(lhs: Any, rhs: Any, *, name: str, when: Callable[..., bool] | None = No
     if when is not None and not callable(when):
         raise ValueError(f"rule {name!r}: when= must be a callable, got {type(when).__name__}")
     if isinstance(lhs, Pat):
-        if not isinstance(rhs, Procedure):
-            raise ValueError(f"rule {name!r}: a Pat left-hand side needs a procedural right-hand side "
-                             "(wrap it with rewrite.procedural)")
+        if not callable(rhs):
+            raise ValueError(f"rule {name!r}: a Pat left-hand side needs a right-hand side that is a function of "
+                             f"its bindings, or procedural (got {type(rhs).__name__})")
         try:
-            query, names = compile_pat(lhs)
+            queries, names = compile_pats(lhs)
         except PatternError as e:
             raise ValueError(f"rule {name!r}: {e}") from None
+        if not isinstance(rhs, Procedure):
+            sorts = dict(zip(names, (s for _, s in queries[0].binds)))
+            bindings = _Bindings(name, lhs, names, sorts, "rhs", rhs)
+            rhs = _Function(rhs, bindings)
+            if when is not None:
+                when = _NamedGuard(when, _Bindings(name, lhs, names, sorts, "when", when))
         program = _example_program(name, example) if example is not None else None
-        return Rule(name, lhs, rhs, when, None, names, [query], [], program=program)
+        return Rule(name, lhs, rhs, when, None, names, queries, [], program=program)
     if not callable(lhs):
         raise ValueError(f"rule {name!r}: lhs is not callable (got {type(lhs).__name__})")
     if not isinstance(rhs, Procedure) and not callable(rhs):
@@ -261,16 +433,36 @@ def rule(lhs: Any, rhs: Any, *, name: str, when: Callable[..., bool] | None = No
         except PatternError as e:
             raise ValueError(f"rule {name!r}: {e}") from None
         traced_at.append(avals)
+        pvary = compile_traced(lhs_closed, names, pvary_literals=True) if "(Lit " in query.text else None
+        if pvary is not None:
+            # A literal that changes with the shapes (a mean's divisor) matches any value; the
+            # verifier retraces the left side at the matched shapes, so the query may be loose.
+            longer, other = _stretched(lhs, avals)
+            loose = generalize(query, compile_traced(other, names)) if other is not None else None
+            if loose is not None:
+                query = loose
+                pvary = generalize(pvary, compile_traced(other, names, pvary_literals=True)) or pvary
+                if longer not in traced_at:
+                    traced_at.append(longer)  # so that checks see the literal at another size
         if query.text not in seen:
             seen.add(query.text)
             queries.append(query)
-            if "(Lit " in query.text:
-                manual.append(compile_traced(lhs_closed, names, pvary_literals=True))
+            if pvary is not None:
+                manual.append(pvary)
     if not queries:
         why = f": {first_error}" if first_error else ""
         raise ValueError(f"rule {name!r}: lhs cannot be traced at any probe shape{why}; give example=")
     ex = tuple(probes[0]) if example is not None else None
     return Rule(name, lhs, rhs, when, ex, names, queries, traced_at, manual)
+
+
+def _stretched(lhs: Callable[..., Any], avals: tuple[Any, ...]) -> tuple[tuple[Any, ...], core.ClosedJaxpr | None]:
+    """``lhs`` traced with every dimension one longer, to tell shape-derived literals from constants."""
+    longer = tuple(a.update(shape=tuple(d + 1 for d in a.shape)) for a in avals)
+    try:
+        return longer, trace_at(lhs, longer)
+    except Exception:
+        return longer, None
 
 
 def _positional_names(rule_name: str, side: str, fn: Callable[..., Any]) -> list[str]:
@@ -544,8 +736,10 @@ class Match:
     def __contains__(self, name: str) -> bool:
         return name in self._bindings
 
-    def params(self, name: str) -> dict[str, Any]:
-        return PARAMS.params(self._bound(name))
+    def params(self, name: str) -> "Params":
+        """The params bound by ``params=name``, as a :class:`Params` (a dict that knows its primitive)."""
+        pid = self._bound(name)
+        return Params(PARAMS.prim(pid), PARAMS.params(pid))
 
     def int(self, name: str) -> int:
         return int(self._bound(name))

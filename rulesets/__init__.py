@@ -23,19 +23,21 @@ loaded on first use (defining a rule traces it, which takes a moment):
 >>> import rulesets
 >>> sorted(rulesets.BUILTIN) == sorted(n for n in rulesets.PACKS if n in rulesets.BUILTIN)
 True
+>>> [n for n in dir(rulesets) if not n.startswith("__")]
+['BUILTIN', 'PACKS', 'algebra', 'derivatives', 'fastmath', 'scan']
 """
 
 from __future__ import annotations
 
-import importlib
-import sys
-import types
-from typing import Any
+import importlib as _importlib
+import sys as _sys
+import types as _types
+from typing import Any as _Any
 
 PACKS = ("algebra", "fastmath", "scan", "derivatives", "nn", "linalg")
 
 
-class _Packs(types.ModuleType):
+class _Packs(_types.ModuleType):
     """This package, whose pack names stay bound to their rulesets.
 
     Importing a submodule (``import rulesets.algebra``, as ``pytest
@@ -43,18 +45,18 @@ class _Packs(types.ModuleType):
     here the name is bound to the pack's ruleset instead.
     """
 
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name in PACKS and isinstance(value, types.ModuleType) and hasattr(value, name):
+    def __setattr__(self, name: str, value: _Any) -> None:
+        if name in PACKS and isinstance(value, _types.ModuleType) and hasattr(value, name):
             value = getattr(value, name)
         super().__setattr__(name, value)
 
 
-sys.modules[__name__].__class__ = _Packs
+_sys.modules[__name__].__class__ = _Packs
 
 
-def _load(name: str) -> Any:
+def _load(name: str) -> _Any:
     try:
-        module = importlib.import_module(f"{__name__}.{name}")
+        module = _importlib.import_module(f"{__name__}.{name}")
     except ModuleNotFoundError as e:
         if e.name == f"{__name__}.{name}":
             raise AttributeError(f"module 'rulesets' has no pack {name!r} (not built yet)") from None
@@ -64,14 +66,14 @@ def _load(name: str) -> Any:
     return value
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> _Any:
     if name in PACKS:
         return _load(name)
     if name == "BUILTIN":
         out = {}
         for pack in PACKS:
             try:
-                out[pack] = getattr(importlib.import_module(__name__), pack)
+                out[pack] = getattr(_importlib.import_module(__name__), pack)
             except AttributeError:
                 continue
         return out
@@ -79,4 +81,5 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted(list(globals()) + list(PACKS) + ["BUILTIN"])
+    """The packs, ``PACKS`` and ``BUILTIN``, and the module's dunders: no imported helper."""
+    return sorted({n for n in globals() if n.startswith("__")} | set(PACKS) | {"PACKS", "BUILTIN"})

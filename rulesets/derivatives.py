@@ -20,7 +20,9 @@ computes the primal output nobody reads. The rules here undo that.
   associativity rule is needed to find ``2*sin*cos`` spread over a chain.
 * **Reductions**: a factor constant along the reduced axes moves out of
   ``reduce_sum``; sums over the same axes merge (and split); ``neg``
-  commutes with ``reduce_sum``; sums over size-1 axes are reshapes.
+  commutes with ``reduce_sum``; reductions over size-1 axes are reshapes
+  (``rulesets.algebra``'s rule, as are ``x + -y -> x - y``, ``x - -y -> x + y``
+  and ``reshape(reshape(x))``: this pack includes those rules, and no copy).
 * **Trigonometry, exp and log**: Pythagoras, ``cos(-x)``, double angles,
   ``tan`` as ``sin/cos`` (so it shares them), ``log(exp(x))``,
   ``exp(log(x))`` for non-negative ``x``, ``1 - logistic(x)``.
@@ -54,18 +56,22 @@ Rule names carry a topic prefix (``trig_``, ``explog_``, ``prod_``, ``red_``,
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+import operator
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
+import rulesets
 from rewrite import Pat, Ruleset, Value, procedural, rule
 
 __all__ = ["derivatives", "derivatives_fastmath", "product_tree", "simplify", "pieces", "Factor"]
 
 X, Y = Pat.var("x"), Pat.var("y")
+_algebra = rulesets.algebra
 
 
 def _f32(*shape: int) -> jax.ShapeDtypeStruct:
@@ -104,17 +110,17 @@ class Factor:
 
 def _product_node(v: Value) -> Any:
     """The node that makes ``v`` a product, preferring the oldest (the program's own) of several."""
-    best = None
-    for n in v.nodes:
-        if n.prim in ("mul", "div", "neg", "integer_pow"):
-            age = max((o.name for o in n.operands), default=0)
-            if best is None or age < best[0]:
-                best = (age, n)
-    return None if best is None else best[1]
+    found = [n for n in v.nodes if n.prim in ("mul", "div", "neg", "integer_pow")]
+    return min(found, key=lambda n: max((o.name for o in n.operands), default=0), default=None)
 
 
-def _node(v: Value, prim: str) -> Any:
-    return v.node(prim) if v.cls is not None else None
+def _lit_power(lit: float, e: int) -> float | None:
+    """``lit ** e`` if it is a finite number; ``None`` for 0 to a negative power, an overflow, inf or NaN."""
+    try:
+        v = lit ** e
+    except (ZeroDivisionError, OverflowError):
+        return None
+    return v if math.isfinite(v) else None
 
 
 def product_tree(v: Value) -> Factor | None:
@@ -130,27 +136,17 @@ def product_tree(v: Value) -> Factor | None:
 
     def walk(w: Value, e: int) -> Factor:
         lit = w.literal if w.ndim == 0 else None
-        if isinstance(lit, float) and math.isfinite(lit):
+        if isinstance(lit, float) and _lit_power(lit, e) is not None:
             return Factor(w, e, "lit", lit=lit)
         node = _product_node(w) if budget[0] > 0 else None
         if node is None:
             return Factor(w, e, "leaf")
         budget[0] -= 1
-        ops = node.operands
-        if node.prim == "mul":
-            kids = [walk(ops[0], e), walk(ops[1], e)]
-        elif node.prim == "div":
-            kids = [walk(ops[0], e), walk(ops[1], -e)]
-        elif node.prim == "neg":
-            kids = [walk(ops[0], e)]
-        else:
-            kids = [walk(ops[0], e * int(node.params["y"]))]
-        return Factor(w, e, node.prim, kids)
+        powers = {"mul": (e, e), "div": (e, -e), "neg": (e,)}.get(node.prim) or (e * int(node.params["y"]),)
+        return Factor(w, e, node.prim, [walk(o, k) for o, k in zip(node.operands, powers)])
 
     tree = walk(v, 1)
-    if len(tree.leaves()) > _MAX_FACTORS:
-        return None
-    return tree
+    return None if len(tree.leaves()) > _MAX_FACTORS else tree
 
 
 def pieces(tree: Factor, drop: Callable[[Factor], bool]) -> tuple[float, list[tuple[Value, int]]]:
@@ -161,37 +157,17 @@ def pieces(tree: Factor, drop: Callable[[Factor], bool]) -> tuple[float, list[tu
     can (XLA decides what to store by the shape of the expression). Literals
     and negations on the paths to dropped leaves fold into the coefficient.
     """
-    coeff = 1.0
-    out: list[tuple[Value, int]] = []
-    touched: dict[int, bool] = {}
-
-    def has_drop(n: Factor) -> bool:
-        found = touched.get(id(n))
-        if found is None:
-            found = touched[id(n)] = drop(n) if not n.children else any(has_drop(c) for c in n.children)
-        return found
-
-    def go(n: Factor) -> None:
-        nonlocal coeff
-        if not has_drop(n):
-            if n.op == "lit":
-                coeff *= n.lit ** n.e
-            else:
-                out.append((n.value, n.e))
-            return
-        if n.op == "neg":
-            coeff *= (-1.0) ** n.e
-        for c in n.children:
-            go(c)
-
-    go(tree)
-    return coeff, out
+    coeff, kept, _ = split(tree, lambda f: not drop(f), into_no=True)
+    return coeff, kept
 
 
-def split(tree: Factor, pred: Callable[[Factor], bool]) -> tuple[float, list[tuple[Value, int]], list[tuple[Value, int]]]:
+def split(tree: Factor, pred: Callable[[Factor], bool], *, into_no: bool = False
+          ) -> tuple[float, list[tuple[Value, int]], list[tuple[Value, int]]]:
     """Split a product into maximal subtrees whose leaves all satisfy ``pred``, and those whose leaves none do.
 
-    Literals and negations on mixed paths fold into the coefficient.
+    Literals and negations on mixed paths fold into the coefficient. With
+    ``into_no``, subtrees whose leaves all fail ``pred`` are taken apart too
+    (their negations fold into the coefficient, their leaves go to the second list).
     """
     coeff = 1.0
     yes: list[tuple[Value, int]] = []
@@ -205,7 +181,7 @@ def split(tree: Factor, pred: Callable[[Factor], bool]) -> tuple[float, list[tup
                 coeff *= n.lit ** n.e
             else:
                 yes.append((n.value, n.e))
-        elif marks == {False}:
+        elif marks == {False} and not (into_no and n.children):
             no.append((n.value, n.e))
         else:
             if n.op == "neg":
@@ -228,6 +204,11 @@ class Simplified:
     changes: list[str]
 
 
+def _by_argument(power: dict[int, tuple[Value, int, int]], prim: str) -> dict[int, int]:
+    """The bases that apply ``prim`` (``sin``, say), by the name of its argument."""
+    return {n.operands[0].name: name for name, (v, _, _) in power.items() if (n := v.node(prim)) is not None}
+
+
 def simplify(tree: Factor, *, fastmath: bool = False) -> Simplified:
     """Combine a product's leaves: powers of one base, ``sin(x)*cos(x)``, ``sinh(x)/cosh(x)``,
     ``exp(x)/(1+exp(x))``, several ``exp``, literals.
@@ -240,9 +221,8 @@ def simplify(tree: Factor, *, fastmath: bool = False) -> Simplified:
     out = Simplified(tree, set(), [], 1.0, [])
     lits = [f for f in leaves if f.op == "lit"]
     if len(lits) >= 2:
-        for f in lits:
-            out.drop.add(id(f))
-            out.coeff *= f.lit ** f.e
+        out.drop.update(id(f) for f in lits)
+        out.coeff = math.prod(f.lit ** f.e for f in lits)
         out.changes.append("literals")
     bases: dict[int, list[Factor]] = {}
     for f in leaves:
@@ -264,16 +244,11 @@ def simplify(tree: Factor, *, fastmath: bool = False) -> Simplified:
             continue
         else:
             out.changes.append("power")
-        for f in fs:
-            out.drop.add(id(f))
+        out.drop.update(id(f) for f in fs)
     # sin(x)^p * cos(x)^q: a pair is sin(2x)/2 (a pair of reciprocals, 2/sin(2x)).
-    sins = {}
-    for name, (v, pos, neg) in power.items():
-        s = _node(v, "sin")
-        if s is not None:
-            sins[s.operands[0].name] = name
+    sins = _by_argument(power, "sin")
     for name, (v, pos, neg) in list(power.items()):
-        c = _node(v, "cos")
+        c = v.node("cos")
         if c is None or c.operands[0].name not in sins:
             continue
         sname = sins[c.operands[0].name]
@@ -286,8 +261,7 @@ def simplify(tree: Factor, *, fastmath: bool = False) -> Simplified:
             continue
         power[sname] = (sv, spos - kp, sneg - kn)
         power[name] = (v, pos - kp, neg - kn)
-        for f in bases[sname] + bases[name]:
-            out.drop.add(id(f))
+        out.drop.update(id(f) for f in bases[sname] + bases[name])
         if kp:
             out.new.append(("sin2", arg, kp))
             out.coeff *= 0.5 ** kp
@@ -296,13 +270,9 @@ def simplify(tree: Factor, *, fastmath: bool = False) -> Simplified:
             out.coeff *= 2.0 ** kn
         out.changes.append("double_angle")
     # sinh(x) / cosh(x) = tanh(x), one cheap function for two costly ones.
-    coshes = {}
-    for name, (v, pos, neg) in power.items():
-        c = _node(v, "cosh")
-        if c is not None:
-            coshes[c.operands[0].name] = name
+    coshes = _by_argument(power, "cosh")
     for name, (v, pos, neg) in list(power.items()):
-        sh = _node(v, "sinh")
+        sh = v.node("sinh")
         if sh is None or sh.operands[0].name not in coshes:
             continue
         cname = coshes[sh.operands[0].name]
@@ -312,50 +282,42 @@ def simplify(tree: Factor, *, fastmath: bool = False) -> Simplified:
             continue
         power[name] = (v, pos - k, neg - k2)
         power[cname] = (cv, cpos - k2, cneg - k)
-        for f in bases[name] + bases[cname]:
-            out.drop.add(id(f))
+        out.drop.update(id(f) for f in bases[name] + bases[cname])
         if k - k2:
             out.new.append(("tanh", sh.operands[0], k - k2))
         out.changes.append("tanh")
     # exp(x) / (1 + exp(x)) = logistic(x), and 1 / (1 + exp(x)) = logistic(-x).
     for name, (v, pos, neg) in list(power.items()):
-        add = _node(v, "add") if neg else None
+        add = v.node("add") if neg else None
         if add is None or len(add.operands) != 2:
             continue
         a, b = add.operands
         other = b if a.literal == 1.0 else a if b.literal == 1.0 else None
-        ex = _node(other, "exp") if other is not None and other.aval == v.aval else None
+        ex = other.node("exp") if other is not None and other.aval == v.aval else None
         if ex is None:
             continue
         arg = ex.operands[0]
         k = min(neg, power[other.name][1]) if other.name in power else 0
-        for f in bases[name]:
-            out.drop.add(id(f))
+        out.drop.update(id(f) for f in bases[name])
         if k:
             ov, opos, oneg = power[other.name]
             power[other.name] = (ov, opos - k, oneg)
-            for f in bases[other.name]:
-                out.drop.add(id(f))
+            out.drop.update(id(f) for f in bases[other.name])
             out.new.append(("logistic", arg, k))
         if neg - k:
-            inner = _node(arg, "neg")
+            inner = arg.node("neg")
             # 1 / (1 + exp(-y)) is logistic(y) itself
             out.new.append(("logistic", inner.operands[0], neg - k) if inner is not None
                            else ("logistic_neg", arg, neg - k))
         power[name] = (v, pos, 0)
         out.changes.append("logistic")
     # Every exp in one: exp(a)^i * exp(b)^j = exp(i*a + j*b).
-    exps = []
-    for name, (v, pos, neg) in power.items():
-        ex = _node(v, "exp")
-        if ex is not None and (pos or neg):
-            exps.append((name, ex.operands[0], pos - neg))
+    exps = [(name, ex.operands[0], pos - neg) for name, (v, pos, neg) in power.items()
+            if (ex := v.node("exp")) is not None and (pos or neg)]
     if len(exps) >= 2:
         for name, _, _ in exps:
-            v, _, _ = power[name]
-            power[name] = (v, 0, 0)
-            for f in bases[name]:
-                out.drop.add(id(f))
+            power[name] = (power[name][0], 0, 0)
+            out.drop.update(id(f) for f in bases[name])
         out.new.append(("exp", [(k, a) for _, a, k in exps], 1))
         out.changes.append("exp")
     for name, fs in bases.items():
@@ -400,12 +362,8 @@ def build(m: Any, coeff: float, kept: list[tuple[Value, int]], new: list[tuple[s
             (num if e > 0 else den).append(_power(x, abs(e)))
         for kind, ks, e in new_e:
             if kind == "exp":
-                arg = None
-                for k in ks:
-                    a = next(it)
-                    term = a if k == 1 else -a if k == -1 else k * a
-                    arg = term if arg is None else arg + term
-                base = jnp.exp(arg)
+                terms = [a if k == 1 else -a if k == -1 else k * a for k, a in zip(ks, it)]
+                base = jnp.exp(functools.reduce(operator.add, terms))
             else:
                 x = next(it)
                 base = _DERIVED[kind](x)
@@ -416,18 +374,18 @@ def build(m: Any, coeff: float, kept: list[tuple[Value, int]], new: list[tuple[s
         if top is None:
             out = coeff / bottom
         else:
-            out = top if bottom is None else top / bottom
-            out = -out if coeff == -1.0 else out if coeff == 1.0 else coeff * out
+            out = _scaled(coeff, top if bottom is None else top / bottom)
         return jnp.broadcast_to(out.astype(dtype), shape)
 
     return m.trace(fn, *inputs)
 
 
 def _prod(xs: list[Any]) -> Any:
-    out = None
-    for x in xs:
-        out = x if out is None else out * x
-    return out
+    return functools.reduce(operator.mul, xs) if xs else None
+
+
+def _scaled(coeff: float, x: Any) -> Any:
+    return -x if coeff == -1.0 else x if coeff == 1.0 else coeff * x
 
 
 def _normalize(fastmath: bool) -> Any:
@@ -441,25 +399,20 @@ def _normalize(fastmath: bool) -> Any:
         if not simp.changes or (fastmath and "cancel" not in simp.changes):
             return None  # nothing saved (under fastmath: the identity pack makes the rest)
         coeff, kept = pieces(tree, lambda f: id(f) in simp.drop)
+        if not math.isfinite(coeff * simp.coeff):
+            return None  # literals whose product overflows
         return build(m, coeff * simp.coeff, kept, simp.new, root.shape, root.dtype)
 
     return normalize
 
 
 # ---------------------------------------------------------------------- reductions
-def _axes(m: Any, name: str) -> tuple[int, ...] | None:
-    p = m.params(name)
-    if p.get("out_sharding") is not None:
-        return None
-    return tuple(p["axes"])
-
-
 @procedural
 def _sum_pull(m):
     """``sum(b * x) -> b * sum(x)`` when ``b`` is broadcast along the reduced axes (and coefficients)."""
-    axes = _axes(m, "p")
-    x, out = m["x"], m.root
-    if axes is None or not x.is_floating:
+    p, x, out = m.params("p"), m["x"], m.root
+    axes = tuple(p.axes)
+    if p.sharded or not x.is_floating:
         return None
     tree = product_tree(x)
     if tree is None:
@@ -471,7 +424,7 @@ def _sum_pull(m):
         return f.op == "lit" or len(shape) == 0 or (len(shape) == ndim and all(shape[a] == 1 for a in axes))
 
     coeff, outer, inner = split(tree, const)
-    if not inner or (not outer and coeff == 1.0):
+    if not inner or (not outer and coeff == 1.0) or not math.isfinite(coeff):
         return None
     keep = [a for a in range(ndim) if a not in axes]
     inner_v = build(m, 1.0, inner, [], x.shape, x.dtype)
@@ -489,89 +442,9 @@ def _sum_pull(m):
             total = _prod(num) * total
         if den:
             total = total / _prod(den)
-        if coeff == -1.0:
-            total = -total
-        elif coeff != 1.0:
-            total = coeff * total
-        return jnp.broadcast_to(total.astype(out_dtype), out_shape)
+        return jnp.broadcast_to(_scaled(coeff, total).astype(out_dtype), out_shape)
 
     return m.trace(fn, inner_v, *[v for v, _ in outer])
-
-
-@procedural
-def _sum_size1(m):
-    """A sum over axes of size 1 only is a reshape."""
-    axes = _axes(m, "p")
-    x, out = m["x"], m.root
-    if axes is None or any(x.shape[a] != 1 for a in axes):
-        return None
-    shape = out.shape
-    return m.trace(lambda v: lax.reshape(v, shape), x)
-
-
-@procedural
-def _sum_neg(m):
-    """``sum(-x) -> -sum(x)``."""
-    axes = _axes(m, "p")
-    if axes is None:
-        return None
-    return m.trace(lambda v: -jnp.sum(v, axis=axes), m["x"])
-
-
-@procedural
-def _neg_sum(m):
-    """``-sum(x) -> sum(-x)``: the other direction, so a negated sum can merge with another sum."""
-    axes = _axes(m, "p")
-    if axes is None:
-        return None
-    return m.trace(lambda v: jnp.sum(-v, axis=axes), m["x"])
-
-
-def _merge(op: Callable[[Any, Any], Any]) -> Any:
-    @procedural
-    def merge(m):
-        a, b = _axes(m, "p1"), _axes(m, "p2")
-        x, y = m["x"], m["y"]
-        if a is None or a != b or x.aval != y.aval:
-            return None
-        return m.trace(lambda u, v: jnp.sum(op(u, v), axis=a), x, y)
-
-    return merge
-
-
-def _split(op: Callable[[Any, Any], Any]) -> Any:
-    @procedural
-    def split(m):
-        axes = _axes(m, "p")
-        x, y, s = m["x"], m["y"], m["s"]
-        if axes is None or x.aval != s.aval or y.aval != s.aval:
-            return None
-        return m.trace(lambda u, v: op(jnp.sum(u, axis=axes), jnp.sum(v, axis=axes)), x, y)
-
-    return split
-
-
-@procedural
-def _reshape_chain(m):
-    """``reshape(reshape(x))`` is one reshape, or ``x`` when the shape comes back."""
-    x, out = m["x"], m.root
-    pi, po = m.params("pi"), m.params("po")
-    if any(p.get("dimensions") is not None or p.get("sharding") is not None for p in (pi, po)):
-        return None
-    if x.aval == out.aval:
-        return x
-    shape = out.shape
-    return m.trace(lambda v: lax.reshape(v, shape), x)
-
-
-@procedural
-def _reshape_neg(m):
-    """``reshape(-x) -> -reshape(x)``: lets a negation reach the sum it came from."""
-    p = m.params("p")
-    if p.get("dimensions") is not None or p.get("sharding") is not None:
-        return None
-    shape = m.root.shape
-    return m.trace(lambda v: -lax.reshape(v, shape), m["x"])
 
 
 # ---------------------------------------------------------------------- guards
@@ -586,32 +459,25 @@ def _nonneg(x: Value) -> bool:
 # ---------------------------------------------------------------------- the rules
 # A Pat rule has no function to trace, so each names an example program it fires in (for
 # rewrite.testing.check_ruleset): two float32 arrays of _S's shape unless said otherwise.
-def _add_any(m):
-    return m.trace(lambda u, v: u + v, m["x"], m["y"])
-
-
 def _vjp_of(f):
     return lambda x, g: jax.vjp(f, x)[1](g)[0]
 
 
 _sum0, _sum1 = (lambda x: jnp.sum(x, axis=0)), (lambda x: jnp.sum(x, axis=1))
+_SUM_SUM = Pat({"add", "sub"}, Pat("reduce_sum", X, params="p"), Pat("reduce_sum", Y, params="q"), params="op")
+_SUM_OF = Pat("reduce_sum", Pat({"add", "sub"}, X, Y, name="s", params="op"), params="p")
 
-# Bitwise exact: IEEE defines x - y as x + (-y), add_any is add, and a sum over
-# size-1 axes adds nothing.
+# Bitwise exact: IEEE defines x - y as x + (-y), add_any is add, and a sum over size-1 axes adds
+# nothing. x + -y, x - -y, reshape(reshape(x)) and reductions over size-1 axes are algebra's rules,
+# used here as they are.
 derivatives_exact = Ruleset("derivatives_exact", [
-    rule(lambda x, y: lax.add(x, -y), lambda x, y: x - y, name="sign_add_neg", when=_floating),  # x + -y -> x - y
+    *[_algebra.rule(n) for n in ("add_neg", "sub_neg", "reduce_unit_axes", "reshape_reshape")],  # x + -y -> x - y; ...
     rule(lambda x, y: lax.add(-x, y), lambda x, y: y - x, name="sign_neg_add", when=_floating),  # -x + y -> y - x
-    rule(lambda x, y: x - (-y), lambda x, y: x + y, name="sign_sub_neg", when=_floating),        # x - -y -> x + y
-    rule(Pat("add_any", X, Y), procedural(_add_any), name="sign_add_any",                         # add_any(x, y) -> x + y
+    rule(Pat("add_any", X, Y), lambda x, y: x + y, name="sign_add_any",                           # add_any(x, y) -> x + y
          example=(_vjp_of(lambda v: v * jnp.sin(v)), (_S, _S))),
-    rule(Pat("reduce_sum", X, params="p"), _sum_size1, name="red_size1",                          # sum over size-1 axes -> reshape
-         example=(_sum1, (_f32(3, 1, 4),))),
-    rule(Pat("reshape", Pat("reshape", X, params="pi"), params="po"), _reshape_chain,             # reshape(reshape(x)) -> reshape(x)
-         name="red_reshape_chain", example=(lambda x: x.reshape(12).reshape(2, 6), (_S,))),
-    rule(Pat("reshape", Pat("neg", X), params="p"), _reshape_neg, name="red_reshape_neg",         # reshape(-x) -> -reshape(x)
-         example=(lambda x: (-(x.reshape(12))).reshape(3, 4), (_S,))),
+    rule(Pat("reshape", Pat("neg", X), params="p"), lambda x, p: -p.bind(x), name="red_reshape_neg",  # reshape(-x) -> -reshape(x)
+         when=lambda p: p.dimensions is None, example=(lambda x: (-(x.reshape(12))).reshape(3, 4), (_S,))),
 ], soundness="exact")
-
 trig = Ruleset("derivatives_trig", [
     rule(lambda x: jnp.cos(-x), lambda x: jnp.cos(x), name="trig_cos_neg"),                                 # cos(-x) -> cos(x)
     rule(lambda x: jnp.sin(-x), lambda x: -jnp.sin(x), name="trig_sin_neg"),                                # sin(-x) -> -sin(x)
@@ -641,18 +507,16 @@ products = Ruleset("derivatives_products", [
 reductions = Ruleset("derivatives_reductions", [
     rule(Pat("reduce_sum", X, params="p"), _sum_pull, name="red_pull",                             # sum(b*x) -> b*sum(x), b broadcast on the axes
          example=(lambda x, b: _sum0(x * b[None, :]), (_S, _f32(4)))),
-    rule(Pat("reduce_sum", Pat("neg", X), params="p"), _sum_neg, name="red_sum_neg",               # sum(-x) -> -sum(x)
+    rule(Pat("reduce_sum", Pat("neg", X), params="p"), lambda x, p: -p.bind(x), name="red_sum_neg",  # sum(-x) -> -sum(x)
          example=(lambda x: _sum0(-x), (_S,))),
-    rule(Pat("neg", Pat("reduce_sum", X, params="p")), _neg_sum, name="red_neg_sum",               # -sum(x) -> sum(-x)
+    rule(Pat("neg", Pat("reduce_sum", X, params="p")), lambda x, p: p.bind(-x), name="red_neg_sum",  # -sum(x) -> sum(-x): merges with a sum
          example=(lambda x, y: -_sum0(x) + _sum0(y), (_S, _S))),
-    rule(Pat("add", Pat("reduce_sum", X, params="p1"), Pat("reduce_sum", Y, params="p2")),         # sum x + sum y -> sum(x + y)
-         _merge(lax.add), name="red_merge_add", example=(lambda x, y: _sum0(x) + _sum0(y), (_S, _S))),
-    rule(Pat("sub", Pat("reduce_sum", X, params="p1"), Pat("reduce_sum", Y, params="p2")),         # sum x - sum y -> sum(x - y)
-         _merge(lax.sub), name="red_merge_sub", example=(lambda x, y: _sum1(x) - _sum1(y), (_S, _S))),
-    rule(Pat("reduce_sum", Pat("add", X, Y, name="s"), params="p"), _split(lax.add),               # sum(x + y) -> sum x + sum y
-         name="red_split_add", example=(lambda x, y: _sum0(x + y), (_S, _S))),
-    rule(Pat("reduce_sum", Pat("sub", X, Y, name="s"), params="p"), _split(lax.sub),               # sum(x - y) -> sum x - sum y
-         name="red_split_sub", example=(lambda x, y: jnp.sum(x - y, axis=(0, 1)), (_S, _S))),
+    rule(_SUM_SUM, lambda x, y, p, op: p.bind(op.bind(x, y)), name="red_merge",                    # sum x ± sum y -> sum(x ± y)  (identity: docs/rules.md)
+         when=lambda x, y, p, q: p.axes == q.axes and x.aval == y.aval,
+         example=(lambda x, y: (_sum0(x) + _sum0(y), _sum1(x) - _sum1(y)), (_S, _S))),
+    rule(_SUM_OF, lambda x, y, p, op: op.bind(p.bind(x), p.bind(y)), name="red_split",            # sum(x ± y) -> sum x ± sum y
+         when=lambda x, y, s: x.aval == s.aval == y.aval,
+         example=(lambda x, y: (_sum0(x + y), jnp.sum(x - y, axis=(0, 1))), (_S, _S))),
 ], soundness="identity")
 
 #: Cancellations without a non-zero fact, and log x + log y: not part of ``derivatives``.

@@ -16,6 +16,10 @@ Cancellation can make the relative error of any reordered sum unbounded, so
 no tolerance is claimed there. Infinities and NaN may change: ``x - x -> 0``
 is wrong for ``x = inf``, which is what the ``cancel`` toggle accepts.
 
+Merging sums (``sum(a) + sum(b) -> sum(a + b)``) is not here: it only
+reassociates additions, as XLA's own reductions do, so it is ``identity``
+class and lives in ``rulesets.derivatives`` (docs/rules.md, section 6).
+
 >>> import jax.numpy as jnp, rulesets
 >>> from rewrite import explain
 >>> report = explain(lambda x: (x * 2.0) * 3.0, jnp.ones(3),
@@ -34,24 +38,15 @@ import numpy as np
 from jax import lax
 
 from rewrite import Limits, Pat, Ruleset, Tolerance, procedural, rule
+from rulesets.algebra import own_power
 
-__all__ = ["fastmath", "reassociate", "reciprocal", "cancel", "fuse_reductions", "distribute", "powers",
-           "signed_zeros"]
+__all__ = ["fastmath", "reassociate", "reciprocal", "cancel", "distribute", "powers", "signed_zeros"]
 
 X = Pat.var("x")
 
 
 def _f32(*shape: int) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(shape, jnp.float32)
-
-
-def _example_at(*args: jax.ShapeDtypeStruct):
-    """Make a function the ``example=(fn, args)`` of a ``Pat`` rule: a program it applies in, at ``args``.
-
-    A Pat rule has no left-side function to trace, so ``check_ruleset`` checks
-    it on such a program; each toggle defines its rules' examples.
-    """
-    return lambda fn: (fn, args)
 
 
 def _floating(*xs) -> bool:
@@ -104,18 +99,14 @@ def _div_by_constant(m):
     return m.trace(lax.mul, x, m.literal(float(r), c.aval))
 
 
-@_example_at(_f32(4, 5))
-def _ex_div_const(x):  # a mean divides by the count
-    return jnp.mean(x, axis=-1)
-
-
 def _not_reciprocal(x, y) -> bool:
     # 1/y is already a reciprocal; rewriting it to 1 * (1/y) would feed itself
     return _floating(x, y) and x.literal != 1
 
 
 reciprocal = Ruleset("reciprocal", [
-    rule(Pat("div", X, Pat.lit(name="c")), _div_by_constant, name="div_const", example=_ex_div_const),  # x / c -> x * (1/c)
+    rule(Pat("div", X, Pat.lit(name="c")), _div_by_constant, name="div_const",
+         example=(lambda x: jnp.mean(x, axis=-1), (_f32(4, 5),))),                   # x / c -> x * (1/c)  (a mean's count)
     # 1.0 / y with jnp, as users write it: its literal is strong, lax.div's is weak, and only
     # the same literal makes the same class
     rule(lambda x, y: lax.div(x, y), lambda x, y: lax.mul(x, 1.0 / y),
@@ -147,63 +138,7 @@ cancel = Ruleset("cancel", [
     description="cancel x-x, x/x, x*0: exact on finite nonzero values, wrong for inf and NaN")
 
 
-# ---------------------------------------------------------------------- fuse_reductions
-def _same_sum(m) -> bool:
-    a, b, p, q = m["a"], m["b"], m.params("p"), m.params("q")
-    return (a.aval == b.aval and tuple(p["axes"]) == tuple(q["axes"])
-            and p.get("out_sharding") is None and q.get("out_sharding") is None and _floating(a))
-
-
-def _fuse(op):
-    @procedural
-    def fuse(m):
-        """sum(a) op sum(b) -> sum(a op b): one reduction instead of two."""
-        if not _same_sum(m):
-            return None
-        axes = tuple(m.params("p")["axes"])
-        return m.trace(lambda a, b: jnp.sum(op(a, b), axis=axes), m["a"], m["b"])
-    return fuse
-
-
-def _sum(name: str, params: str) -> Pat:
-    return Pat("reduce_sum", Pat.var(name), params=params)
-
-
-@_example_at(_f32(4, 5), _f32(4, 5))
-def _ex_fuse_sum_add(a, b):  # two losses, summed over the batch
-    return jnp.sum(a, axis=0) + jnp.sum(b, axis=0)
-
-
-@_example_at(_f32(4, 5), _f32(4, 5))
-def _ex_fuse_sum_sub(a, b):
-    return jnp.sum(a, axis=1) - jnp.sum(b, axis=1)
-
-
-fuse_reductions = Ruleset("fuse_reductions", [
-    rule(Pat("add", _sum("a", "p"), _sum("b", "q")), _fuse(lax.add), name="fuse_sum_add",
-         example=_ex_fuse_sum_add),                                                                # sum(a) + sum(b) -> sum(a + b)
-    rule(Pat("sub", _sum("a", "p"), _sum("b", "q")), _fuse(lax.sub), name="fuse_sum_sub",
-         example=_ex_fuse_sum_sub),                                                                # sum(a) - sum(b) -> sum(a - b)
-], soundness="fastmath", tolerance=Tolerance(rtol=1e-5, atol=1e-6),
-    description="one reduction instead of two over equal axes: values of one sign, within 1e-5 relative")
-
-
 # ---------------------------------------------------------------------- distribute
-@procedural
-def _pull_scalar_out_of_sum(m):
-    """sum(x * s) -> sum(x) * s for a scalar s: n multiplications become one."""
-    x, s, p = m["x"], m["s"], m.params("p")
-    if s.ndim != 0 or not _floating(x, s) or p.get("out_sharding") is not None:
-        return None
-    axes = tuple(p["axes"])
-    return m.trace(lambda x, s: lax.mul(jnp.sum(x, axis=axes), s), x, s)
-
-
-@_example_at(_f32(4, 5), _f32())
-def _ex_sum_scalar_mul(x, s):  # a scaled row sum
-    return jnp.sum(x * s, axis=-1)
-
-
 distribute = Ruleset("distribute", [
     rule(lambda a, b, c: lax.add(lax.mul(a, b), lax.mul(a, c)), lambda a, b, c: lax.mul(a, lax.add(b, c)),
          name="factor_add", when=_floating),  # a*b + a*c -> a*(b + c)
@@ -211,8 +146,9 @@ distribute = Ruleset("distribute", [
          name="factor_sub", when=_floating),  # a*b - a*c -> a*(b - c)
     rule(lambda a, b, c: lax.add(lax.div(a, c), lax.div(b, c)), lambda a, b, c: lax.div(lax.add(a, b), c),
          name="factor_div", when=_nonzero_divisor),  # a/c + b/c -> (a + b)/c, c != 0
-    rule(Pat("reduce_sum", Pat("mul", X, Pat.var("s")), params="p"), _pull_scalar_out_of_sum,
-         name="sum_scalar_mul", example=_ex_sum_scalar_mul),                                       # sum(x * s) -> sum(x) * s  (scalar s)
+    rule(Pat("reduce_sum", Pat("mul", X, Pat.var("s")), params="p"), lambda x, s, p: lax.mul(p.bind(x), s),
+         when=lambda x, s: s.ndim == 0 and _floating(x, s), name="sum_scalar_mul",            # sum(x * s) -> sum(x) * s  (scalar s: one multiplication)
+         example=(lambda x, s: jnp.sum(x * s, axis=-1), (_f32(4, 5), _f32()))),
 ], soundness="fastmath", tolerance=Tolerance(rtol=1e-5, atol=1e-6),
     description="factor common multiplicands and divisors: values of one sign, within 1e-5 relative")
 
@@ -221,54 +157,23 @@ distribute = Ruleset("distribute", [
 # rulesets.algebra folds only the powers whose rounding XLA's repeated
 # squaring reproduces exactly; these fold any, within a few roundings.
 _MAX_EXPONENT = 64
+_POW_POW = Pat("integer_pow", Pat("integer_pow", X, params="p"), params="q")                  # (x^a)^b
+_MUL_POWS = Pat("mul", Pat("integer_pow", X, params="p"), Pat("integer_pow", X, params="q"))  # x^a * x^b
+_MUL_X_POW = Pat("mul", X, Pat("integer_pow", X, params="q"))                                 # x * x^a
 
 
-def _base(m, n: int):
-    """The base x, unless folding to x^n could loop or leave the tolerance."""
-    x = m["x"]
-    if not _floating(x) or x.literal is not None or n == 0 or abs(n) > _MAX_EXPONENT:
-        return None
-    for cls, node in m.users(x):  # a class equal to its own square would gain x^2, x^4, ... forever
-        if cls.cls == x.cls and (node.prim == "square" or (node.prim == "integer_pow" and node.params["y"] != 1)
-                                 or (node.prim == "mul" and all(o.cls == x.cls for o in node.operands))):
-            return None
-    return x
-
-
-def _power(n_of):
-    @procedural
-    def power(m):
-        n = n_of(m)
-        x = _base(m, n)
-        return None if x is None else m.trace(lambda v: lax.integer_pow(v, n), x)
-    return power
-
-
-@_example_at(_f32(7))
-def _ex_pow_pow_any(x):
-    return (x ** 3) ** 2
-
-
-@_example_at(_f32(7))
-def _ex_mul_pows_any(x):
-    return x ** 2 * x ** 3
-
-
-@_example_at(_f32(7))
-def _ex_mul_x_pow_any(x):
-    return x * x ** 6
+def _base(x, n: int) -> bool:
+    """Can x^n replace the product, within the tolerance and without feeding itself?"""
+    return _floating(x) and x.literal is None and n != 0 and abs(n) <= _MAX_EXPONENT and not own_power(x)
 
 
 powers = Ruleset("powers", [
-    rule(Pat("integer_pow", Pat("integer_pow", X, params="p"), params="q"),
-         _power(lambda m: m.params("p")["y"] * m.params("q")["y"]), name="pow_pow_any",
-         example=_ex_pow_pow_any),                                                                 # (x^a)^b -> x^(a*b)
-    rule(Pat("mul", Pat("integer_pow", X, params="p"), Pat("integer_pow", X, params="q")),
-         _power(lambda m: m.params("p")["y"] + m.params("q")["y"]), name="mul_pows_any",
-         example=_ex_mul_pows_any),                                                                # x^a * x^b -> x^(a+b)
-    rule(Pat("mul", X, Pat("integer_pow", X, params="q")),
-         _power(lambda m: m.params("q")["y"] + 1), name="mul_x_pow_any",
-         example=_ex_mul_x_pow_any),                                                               # x * x^a -> x^(a+1)
+    rule(_POW_POW, lambda x, p, q: lax.integer_pow(x, p.y * q.y), when=lambda x, p, q: _base(x, p.y * q.y),
+         name="pow_pow_any", example=(lambda x: (x ** 3) ** 2, (_f32(7),))),                  # (x^a)^b -> x^(a*b)
+    rule(_MUL_POWS, lambda x, p, q: lax.integer_pow(x, p.y + q.y), when=lambda x, p, q: _base(x, p.y + q.y),
+         name="mul_pows_any", example=(lambda x: x ** 2 * x ** 3, (_f32(7),))),                # x^a * x^b -> x^(a+b)
+    rule(_MUL_X_POW, lambda x, q: lax.integer_pow(x, q.y + 1), when=lambda x, q: _base(x, q.y + 1),
+         name="mul_x_pow_any", example=(lambda x: x * x ** 6, (_f32(7),))),                    # x * x^a -> x^(a+1)
 ], soundness="fastmath", tolerance=Tolerance(rtol=2e-6, atol=0.0),
     description="fold products and powers of powers: a few roundings, exponents up to 64")
 
@@ -282,6 +187,6 @@ signed_zeros = Ruleset("signed_zeros", [
     description="ignore the sign of zero: equal as numbers, -0.0 may become +0.0")
 
 
-fastmath = Ruleset("fastmath", [reassociate, reciprocal, cancel, fuse_reductions, distribute, powers, signed_zeros],
+fastmath = Ruleset("fastmath", [reassociate, reciprocal, cancel, distribute, powers, signed_zeros],
                    soundness="fastmath", tolerance=Tolerance(rtol=1e-5, atol=1e-6),
                    description="every fastmath toggle")

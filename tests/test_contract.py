@@ -7,7 +7,9 @@ Each ruleset must
 * hold rule by rule, in its own soundness class (``check_ruleset``);
 * terminate within its budget (``ruleset.limits``, or the default ``Limits``);
 * keep values within its class tolerance, on the corpus and on random programs;
-* never raise the cost under the default cost model.
+* never raise the cost under the default cost model;
+* never raise while building a replacement: a rule that cannot build one declines the match
+  (the engine survives a rule that raises, with a warning, but the contract fails it).
 
 The hypothesis profile sets how hard this looks. Under ``ci`` (the default)
 every corpus program is rewritten within budget and cost, but values are
@@ -21,12 +23,13 @@ import os
 import warnings
 
 import jax
+import jax.numpy as jnp
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import rulesets
-from rewrite import Limits, RewriteLimitWarning, explain, rewrite
+from rewrite import Limits, RewriteLimitWarning, Ruleset, explain, procedural, rewrite, rule
 from rewrite.testing import (
     VacuousCheckWarning,
     assert_equivalent,
@@ -56,6 +59,9 @@ GRACE_SECONDS = 2.0
 
 
 def _keeps_budget_and_cost(ruleset, result, what):
+    raised = {name: s.rejected["error"] for name, s in result.stats.items() if s.rejected.get("error")}
+    assert not raised, (f"rules raised instead of declining on {what}: {raised}; "
+                        + "; ".join(w for w in result.warnings if " raised " in w))
     limits = ruleset.limits or Limits()
     assert result.stopped in ("saturated", "iteration limit", "node limit", "time limit"), (what, result.stopped)
     assert result.times["saturate"] <= limits.seconds + GRACE_SECONDS, (what, result.times)
@@ -128,6 +134,19 @@ def test_random_programs_keep_values_budget_and_cost(name, ruleset):
         warnings.warn(VacuousCheckWarning(f"no rule of {name!r} fired on any random program"))
     if ruleset is local:  # the local ruleset is here to exercise the contract: it must
         assert changed, "no local rule fired on a random program"
+
+
+def test_a_rule_that_raises_fails_the_contract():
+    @procedural
+    def boom(m):
+        raise ZeroDivisionError("0.0 cannot be raised to a negative power")
+
+    bad = Ruleset("bad", [rule(lambda x: x * 2.0, boom, name="boom")], soundness="identity")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = rewrite(lambda x: x * 2.0, rulesets=[bad], strict=True).result(jnp.ones(3))
+    with pytest.raises(AssertionError, match=r"rules raised instead of declining on x \* 2.0: \{'boom': 1\}"):
+        _keeps_budget_and_cost(bad, result, "x * 2.0")
 
 
 def test_the_local_ruleset_fires_on_the_corpus():

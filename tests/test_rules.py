@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 from jax import lax
 
-from rewrite import Pat, Ruleset, explain, procedural, rewrite, rule
+from rewrite import Params, Pat, Ruleset, explain, ops, procedural, rewrite, rule
+from rewrite.testing import check_ruleset
 from rewrite._report import primitive_counts
 
 from .local_rulesets import _sum_of_broadcast
@@ -29,7 +30,10 @@ from .local_rulesets import _sum_of_broadcast
     (lambda: rule(lambda x: jnp.sin(x), lambda x: x, name=""), r"name= must be a non-empty string"),
     (lambda: rule(lambda x: lax.scan(lambda c, a: (c + a, a), 0.0, x)[0], lambda x: x.sum(), name="body"),
      r"rule 'body': .*body"),
-    (lambda: rule(Pat("sin", Pat.var("x")), lambda x: x, name="pat"), r"rule 'pat': a Pat left-hand side needs a procedural"),
+    (lambda: rule(Pat("sin", Pat.var("x")), lambda y: y, name="pat"), r"rule 'pat': rhs takes 'y', which the pattern does not bind"),
+    (lambda: rule(Pat("sin", Pat.var("x")), 1.0, name="pat2"), r"rule 'pat2': a Pat left-hand side needs a right-hand side"),
+    (lambda: rule(Pat("scan", name="s", body="b"), lambda b: b, name="pat3"), r"rule 'pat3': rhs takes the body 'b'"),
+    (lambda: rule(Pat({"neg", "add"}, Pat.var("x")), lambda x: x, name="grp"), r"Pat: the primitives of a group must take their operands alike"),
     (lambda: rule(lambda x: jnp.sin(x), lambda x: x, name="guard", when=3), r"rule 'guard': when= must be a callable"),
     (lambda: rule(lambda x: jnp.sin(x), lambda x: (x, x), name="tuple"), r"rule 'tuple': rhs must return one array"),
     (lambda: rule(Pat("sin", Pat.var("x")), procedural(lambda m: None), name="pex", example=(jnp.ones(3),)),
@@ -227,3 +231,86 @@ def test_ill_typed_procedure_is_skipped_with_a_warning():
     with pytest.warns(UserWarning, match="rule 'wrong' built f32"):
         out = rewrite(lambda x: jnp.sin(x), rulesets=[rs])(jnp.ones(3))
     np.testing.assert_allclose(out, jnp.sin(jnp.ones(3)))
+
+
+# ---------------------------------------------------------------- rules over named bindings and groups
+X = Pat.var("x")
+
+
+def _ops_in(report):
+    return [e.primitive.name for e in report.after.eqns]
+
+
+def test_a_function_of_named_bindings_rewrites_at_any_axes():
+    r = rule(Pat("reduce_sum", Pat("neg", X), params="p"), lambda x, p: -p.bind(x), name="sum_neg",
+             example=(lambda x: jnp.sum(-x, axis=(0, 2)), (jax.ShapeDtypeStruct((2, 3, 4), jnp.float32),)))
+    rs = Ruleset("named", [r], soundness="identity")  # sum(-0.0, +0.0) is +0.0, -sum is -0.0
+    for axes in [(0,), (1, 2), (0, 1, 2)]:
+        report = explain(lambda a: jnp.sum(-a, axis=axes), jnp.ones((2, 3, 4)), rulesets=[rs])
+        assert report.fired == {"sum_neg": 1}
+        assert _ops_in(report) == ["reduce_sum", "neg"]
+        assert report.after.eqns[0].params["axes"] == axes
+    assert set(check_ruleset(rs).rules) == {"sum_neg"}
+
+
+def test_one_pattern_stands_for_a_group_of_primitives():
+    unit = rule(Pat(ops.REDUCE - ops.ARG_REDUCE, X, params="p"),
+                lambda x, p: lax.reshape(x, tuple(d for i, d in enumerate(x.shape) if i not in p.axes)),
+                when=lambda x, p: all(x.shape[a] == 1 for a in p.axes), name="unit_axes")
+    assert len(unit.queries) == len(ops.REDUCE - ops.ARG_REDUCE)
+    rs = Ruleset("g", [unit], soundness="exact")
+    report = explain(lambda a: (jnp.max(a, axis=1), jnp.prod(a, axis=1), jnp.sum(a, axis=0)), jnp.ones((2, 1, 4)),
+                     rulesets=[rs])
+    assert report.fired == {"unit_axes": 2}  # max and prod over the size-1 axis; not the sum over axis 0
+    assert sorted(_ops_in(report)) == ["reduce_sum", "reshape"]
+
+
+def test_params_bind_the_matched_member_of_a_group():
+    seen = []
+
+    def swap(x, y, p):
+        seen.append(p.prim)
+        assert isinstance(p, Params) and p.primitive.name == p.prim
+        return p.bind(y, x)
+
+    r = rule(Pat({"add", "mul", "max"}, X, Pat.var("y"), params="p"), swap, name="swap_any")
+    report = explain(lambda a, b: (a + b) * jnp.maximum(a, b), jnp.ones(3), jnp.ones(3),
+                     rulesets=[Ruleset("s", [r], soundness="exact")])
+    assert sorted(set(seen)) == ["add", "max", "mul"]
+    assert report.fired["swap_any"] >= 3
+
+
+def test_a_function_right_side_declines_with_none_and_guards_name_bindings():
+    calls = []
+    r = rule(Pat("reduce_sum", X, params="p"), lambda x, p: None if calls.append(p.axes) is None else x,
+             name="never")
+    report = explain(lambda a: a.sum(0), jnp.ones((2, 3)), rulesets=[Ruleset("n", [r], soundness="exact")])
+    assert report.fired == {} and calls == [(0,)]
+    guarded = rule(Pat("neg", X, name="n"), lambda x: x, when=lambda n, x: n.ndim > 5, name="guarded")
+    report = explain(lambda a: -a, jnp.ones(3), rulesets=[Ruleset("g", [guarded], soundness="fastmath")])
+    assert report.fired == {}
+
+
+def test_a_match_whose_params_carry_a_sharding_is_declined():
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    mesh = Mesh(np.array(jax.devices()[:1]), ("i",))
+    sh = NamedSharding(mesh, P())
+    r = rule(Pat("reshape", Pat("neg", X), params="p"), lambda x, p: -p.bind(x), name="reshape_neg")
+    rs = Ruleset("r", [r], soundness="exact")
+    assert explain(lambda a: (-a).reshape(6), jnp.ones((2, 3)), rulesets=[rs]).fired == {"reshape_neg": 1}
+    report = explain(lambda a: lax.reshape_p.bind(-a, new_sizes=(6,), dimensions=None, sharding=sh),
+                     jnp.ones((2, 3)), rulesets=[rs])
+    assert report.fired == {} and report.rejected == {"reshape_neg": {"declined": 1}}
+
+
+def test_shape_derived_literals_match_at_every_size():
+    r = rule(lambda x: x.sum(0) / x.shape[0], lambda x: x.sum(0) * (1.0 / x.shape[0]), name="mean_mul")
+    rs = Ruleset("m", [r], soundness="identity")
+    for n in (2, 3, 7):
+        assert explain(lambda a: a.mean(0), jnp.ones((n, 4)), rulesets=[rs]).fired == {"mean_mul": 1}
+    # the literal must still be the shape's: a sum divided by another number is not a mean
+    assert explain(lambda a: a.sum(0) / 5.0, jnp.ones((7, 4)), rulesets=[rs]).fired == {}
+    # constant literals stay exact in the query
+    one = rule(lambda x: x * 1, lambda x: x, name="mul_one")
+    assert all("_shape" not in q.text for q in one.queries)

@@ -26,7 +26,6 @@ from hypothesis import strategies as st
 from jax import lax
 from jax._src import core
 
-from .. import _terms
 from .._1_trace import trace
 from .._3_saturate import Limits
 from .._4_extract import _CONTAINERS, Extractor
@@ -244,7 +243,7 @@ def _recording(rule: Rule) -> tuple[Rule, list[int]]:
     return twin, roots
 
 
-def _forced(result: Result, closed: core.ClosedJaxpr, vids: Sequence[int], ctor: str | None = None
+def _forced(result: Result, closed: core.ClosedJaxpr, vids: Sequence[int], ctor: set[str] | None = None
             ) -> core.ClosedJaxpr | None:
     """The program with the rule's work taken wherever it acted, even where it costs more.
 
@@ -264,7 +263,7 @@ def _forced(result: Result, closed: core.ClosedJaxpr, vids: Sequence[int], ctor:
         cls = snap.cls_of_name[vid]
         nodes = snap.nodes.get(cls, ())
         if ctor is not None:
-            bar = {n for n in nodes if n[0] == ctor and n in (result.original or ())}
+            bar = {n for n in nodes if n[0] in ctor and n in (result.original or ())}
         else:
             node = eg.canonical(snap, vid)
             bar = {node} if node is not None else set()
@@ -281,10 +280,9 @@ def _forced(result: Result, closed: core.ClosedJaxpr, vids: Sequence[int], ctor:
     return emit(snap, choice, eg, closed.in_avals, result.roots, None, closed.jaxpr.debug_info)
 
 
-def _pat_ctor(pat: Any) -> str:
-    """The constructor of the node a :class:`Pat` matches at its root."""
-    special = {"proj": "Proj", "lit": "Lit", "opaque": "Opaque"}
-    return special.get(pat.prim) or _terms.BY_PRIM[pat.prim].ctor
+def _pat_ctor(pat: Any) -> set[str]:
+    """The constructors of the nodes a :class:`Pat` matches at its root (one, or a group's)."""
+    return pat.ctors()
 
 
 def _rewrite_case(rule: Rule, owner: Ruleset, fn: Callable[..., Any], avals: tuple[Any, ...],
