@@ -53,7 +53,7 @@ SEED000_VARIANTS = {
     "hand: shared sin/cos custom_vjp": "hand_shared",
 }
 SCAN_FORWARD = ("standard", "rewritten", "hand: accumulator", "hand: vectorised")
-SCAN_GRAD = ("standard", "rewritten", "rewritten, remat=nothing", "hand: accumulator",
+SCAN_GRAD = ("standard", "rewritten", "rewritten, stacked=100", "hand: accumulator",
              "hand: acc + checkpoint(full)", "hand: vectorised")
 
 # Sizes: quick (the default), full (the seeds' ranges), smoke (the tiniest, for tests).
@@ -155,15 +155,17 @@ def explain_examples() -> list[tuple[str, str]]:
     out.append((f"Seed 001 (`benchmarks.scan.seed`, xs {tuple(x2.shape)}) with `rulesets=[rulesets.scan]`: "
                 "the loss only reads the loop's stacked, carry-independent output, so the loop goes away.",
                 str(report)))
-    args = derivatives.inputs(8)
-    report = explain(derivatives.as_vjp(derivatives.seed), *args, rulesets=[rulesets.derivatives])
+    args = derivatives.inputs(8)[:2]
+    report = explain(derivatives.seed, *args, rulesets=[rulesets.derivatives], grad=True)
 
     def transcendental(closed) -> str:
         c = primitive_counts(closed)
         return ", ".join(f"{p} {c[p]}" for p in ("sin", "cos", "exp", "log", "tanh") if c[p]) or "none"
 
-    out.append(("Seed 000's VJP (`jax.vjp` of `sin(a*x)**2/a`, x of shape (32, 8, 64)) with "
-                "`rulesets=[rulesets.derivatives]`. Transcendental equations before: "
+    out.append(("Seed 000's VJP (`explain(f, x, a, rulesets=[rulesets.derivatives], grad=True)` for "
+                "`f = sin(a*x)**2/a`, x of shape (32, 8, 64)): the program `jax.vjp` of `rewrite(f)` runs, "
+                "JAX's VJP before and the rewritten forward and backward passes after. "
+                "Transcendental equations before: "
                 f"{transcendental(report.before)}; after: {transcendental(report.after)}.",
                 report.summary()))
     return out
@@ -298,17 +300,22 @@ def report(rows: list[Row], cases_: list[Case], first_run: dict[str, dict[str, f
         "",
         summary_table(rows),
         "",
+        "Every rewritten gradient is the plain decorator under `jax.grad`/`jax.vjp` "
+        "(`jax.grad(rewrite(f, rulesets=[...]))`): what runs is the VJP of the rewritten `f`, rewritten "
+        "again as one program and split "
+        "into forward and backward passes at the residuals the cost model prefers (`rewrite/_grad.py`).",
+        "",
         "* **Seed 000** (`benchmarks/derivatives.py`): the VJP of `sin(a*x)**2 / a`; standard is JAX's own "
-        "VJP, rewritten is `rewrite(f, rulesets=[rulesets.derivatives], vjp=True)`, hand-written are the "
+        "VJP, rewritten is `jax.vjp(rewrite(f, rulesets=[rulesets.derivatives]), x, a)`, hand-written are the "
         "seed's hand-derived `custom_vjp`s. The rewrite beats the hand-derived VJPs; on XLA:CPU it does not "
         "beat JAX's VJP by much (the issue's 1.5x is out of reach on this backend for any program that "
         "computes both gradients; see `benchmarks/results/derivatives.md`).",
         "* **Seed 001** (`benchmarks/scan.py`): a loss over a `lax.scan`'s stacked output; rewritten is "
         "`rewrite(loss, rulesets=[rulesets.scan])`, which computes the reduction inside the loop (or, as "
         "here, deletes a loop nothing depends on). **RNN**: an RNN with an MSE loss; the rewrite sums the "
-        "loss in the loop's carry, as the hand-written accumulator does; for gradients the gain is mostly "
-        "memory (`remat=nothing` is `rulesets.scan.make(remat=\"nothing\")`, which recomputes the loop body "
-        "instead of saving its carries, like `jax.checkpoint` over the hand-written body).",
+        "loss in the loop's carry, as the hand-written accumulator does. `stacked=100` is the same with "
+        "`cost_model=AnalyticCost(stacked=100.0)`, which prices the memory a loop's stacked residuals hold, "
+        "so the gradient recomputes them like `jax.checkpoint` over the hand-written body.",
         "",
     ]
     for png in pngs:

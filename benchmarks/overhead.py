@@ -1,7 +1,10 @@
 """What rewriting costs: time per pipeline stage against XLA's own compile, on transformer steps.
 
-For transformer programs of increasing size (forward, gradient, and a full SGD
-training step), this measures the equations in the program, XLA's
+For transformer programs of increasing size (forward, gradient, a full SGD
+training step, and ``vjp``: the rewrite that ``jax.grad(rewrite(loss))`` adds
+on top of the forward one, the loss's VJP rewritten and split into forward and
+backward passes, next to XLA's compile of ``jax.grad(loss)``), this measures
+the equations in the program, XLA's
 ``jax.jit(f).lower(...).compile()`` time, and the rewriter's time per stage
 (trace, load, saturate, extract, emit), with no rules and with the given
 rulesets. It also times a repeated call with the same signature (the cache)
@@ -61,28 +64,31 @@ def load_rulesets(names: str) -> list:
     return out
 
 
-def measure_program(label: str, fn, args, rulesets: list, limits: Limits, rounds: int = 3) -> dict:
+def measure_program(label: str, fn, args, rulesets: list, limits: Limits, rounds: int = 3, grad: bool = False
+                    ) -> dict:
     """One row: XLA's compile, the rewrite with no rules and with ``rulesets``, interleaved.
 
     After one warm-up of each, ``rounds`` rounds each run XLA's
     ``lower().compile()``, then the rewrite without rules, then with them;
     every figure is the median over the rounds (stage times are those of the
     median run), so a burst of load from another job moves one round, not the
-    row.
+    row. With ``grad`` the rewrite is that of ``fn``'s VJP (``explain(..., grad=True)``, what
+    ``jax.grad(rewrite(fn))`` rewrites the first time it runs) and XLA compiles ``jax.grad(fn)``.
     """
     gc.collect()
-    n = count_eqns(jax.make_jaxpr(fn)(*args))
+    compiled = jax.grad(fn) if grad else fn
+    n = count_eqns(jax.make_jaxpr(compiled)(*args))
     kinds = [("empty", [])] + ([("rules", rulesets)] if rulesets else [])
     runs: dict[str, list] = {"xla": []} | {tag: [] for tag, _ in kinds}
     first_growth: dict[str, float] = {}
     for i in range(rounds + 1):
-        compile_s = xla_compile_seconds(fn, args)
+        compile_s = xla_compile_seconds(compiled, args)
         if i:
             runs["xla"].append(compile_s)
         for tag, rs in kinds:
             gc.collect()
             before = rss_mib()
-            report = explain(fn, *args, rulesets=rs, limits=limits)
+            report = explain(fn, *args, rulesets=rs, limits=limits, grad=grad)
             grown = rss_mib() - before
             if not i:
                 first_growth[tag] = grown  # later rounds reuse memory the first one took from the system
@@ -100,11 +106,11 @@ def measure_program(label: str, fn, args, rulesets: list, limits: Limits, rounds
         row[tag] = ordered[(len(ordered) - 1) // 2] | {"runs_s": [r["total_s"] for r in runs[tag]]}
     # the cache: a second call with the same signature only evaluates
     r = rewrite(fn, rulesets=rulesets, limits=limits)
-    jax.block_until_ready(jax.jit(r)(*args))
+    jax.block_until_ready(jax.jit(jax.grad(r) if grad else r)(*args))
     t = time.perf_counter()
-    r.jaxpr(*args)
+    r.grad_result(*args) if grad else r.jaxpr(*args)
     row["cached_call_s"] = time.perf_counter() - t
-    row["rewrites_after_two_calls"] = r.rewrites
+    row["rewrites_after_two_calls"] = r.derivative_rewrites["vjp"] if grad else r.rewrites
     return row
 
 
@@ -124,7 +130,7 @@ def table(rows: list[dict], rules_label: str) -> str:
 
 
 def by_kind(rows: list[dict]) -> dict[str, list[dict]]:
-    """Rows grouped by program kind ("forward", "grad", "step"), each group smallest first."""
+    """Rows grouped by program kind ("forward", "grad", "step", "vjp"), each group smallest first."""
     groups: dict[str, list[dict]] = {}
     for r in sorted(rows, key=lambda r: r["eqns"]):
         groups.setdefault(r["program"].split(",")[0], []).append(r)
@@ -280,7 +286,8 @@ def memory_table(probes: list[dict], label: str) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rulesets", default="algebra,derivatives")
-    ap.add_argument("--quick", action="store_true", help="two small programs only")
+    ap.add_argument("--quick", action="store_true", help="the 2-layer programs only")
+    ap.add_argument("--kinds", help="a comma-separated subset of forward,grad,step,vjp")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds after a warm-up (medians)")
     ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--memory-probe", type=int, metavar="LAYERS", help=argparse.SUPPRESS)
@@ -293,15 +300,19 @@ def main() -> None:
     rs = load_rulesets(args.rulesets)
     label = "+".join(r.name for r in rs) or "none"
     # forward, gradient and SGD step of transformers of 2, 6 and 20 layers (about 500, 1,500 and 4,500
-    # equations for the gradient and the step)
-    programs = [(f"{kind}, {layers} layers", layers, kind) for layers in (2, 6, 20) for kind in ("forward", "grad", "step")]
+    # equations for the gradient and the step), and "vjp": the loss's VJP, rewritten when
+    # jax.grad(rewrite(loss)) first runs
+    programs = [(f"{kind}, {layers} layers", layers, kind) for layers in (2, 6, 20)
+                for kind in ("forward", "grad", "step", "vjp")]
     if args.quick:
-        programs = programs[:3]
+        programs = programs[:4]
+    if args.kinds:
+        programs = [p for p in programs if p[2] in args.kinds.split(",")]
     rows = []
     for name, layers, kind in programs:
-        fn, fargs = transformer_step(layers, kind=kind)
+        fn, fargs = transformer_step(layers, kind="forward" if kind == "vjp" else kind)
         print(f"{name} ...", flush=True)
-        rows.append(measure_program(name, fn, fargs, rs, Limits(seconds=60), args.rounds))
+        rows.append(measure_program(name, fn, fargs, rs, Limits(seconds=60), args.rounds, grad=kind == "vjp"))
         r = rows[-1]
         print(f"  {r['eqns']} eqns: XLA {r['xla_compile_s']:.2f}s, rewrite {r['empty']['total_s']:.2f}s (no rules)"
               + (f", {r['rules']['total_s']:.2f}s ({label})" if "rules" in r else ""), flush=True)
@@ -318,7 +329,10 @@ def main() -> None:
           f"(jax {jax.__version__}). The rewrite's stages are trace (JAX tracing the function), load "
           "(the jaxpr into the e-graph, and the input program's price), saturate (the rules), extract "
           "(choosing and pricing candidates) and emit. The cached call is a second call with the same "
-          "signature: it never saturates again. RSS growth in the first table is the process's resident "
+          "signature: it never saturates again (for `vjp` rows, asking for the cached gradient program). "
+          "A `vjp` row is the rewrite `jax.grad(rewrite(loss))` adds to the forward one the first time a "
+          "gradient is taken (trace includes tracing the VJP; choosing the residuals is in its total, not "
+          "in a stage column), priced against XLA's compile of `jax.grad(loss)`. RSS growth in the first table is the process's resident "
           "memory after the first rewrite of each program less before it, in one process where earlier "
           "programs already took memory; the e-graph memory table measures each program alone.", ""]
     (out / "overhead.md").write_text("\n".join(md))

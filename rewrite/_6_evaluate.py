@@ -14,6 +14,7 @@ reported as a :class:`RewriteWarning` and the original program runs. Set
 
 from __future__ import annotations
 
+import collections
 import functools
 import logging
 import os
@@ -25,9 +26,11 @@ from typing import Any, Callable, Sequence
 import jax
 from jax._src import core
 
+from . import _cache, _guard
 from ._1_trace import Static, Traced, leaf_specs, split_static, trace
 from ._3_saturate import Limits
 from ._cost import resolve
+from ._grad import Program, bind_if_differentiated
 from ._pipeline import Result, run_pipeline
 from ._rules import Rule, Ruleset, as_ruleset
 
@@ -114,7 +117,9 @@ class Rewritten:
     Calling it runs the rewritten program; :meth:`jaxpr` gives that program and
     :meth:`result` the whole pipeline result (costs, stop reason, per-rule
     stats) for a signature, rewriting it first if needed. ``rewrites`` counts
-    the signatures rewritten so far and ``__wrapped__`` is the original function.
+    the signatures rewritten so far, ``loaded`` those of them read from the
+    disk cache instead (their ``result(...).cached`` names the entry), and
+    ``__wrapped__`` is the original function.
 
     >>> import jax, jax.numpy as jnp
     >>> from rewrite import rewrite
@@ -127,7 +132,8 @@ class Rewritten:
     """
 
     def __init__(self, fn: Callable[..., Any], rulesets: Any, cost_model: Any, limits: Limits | None,
-                 static_argnums: Sequence[int], static_argnames: Sequence[str], strict: bool | None) -> None:
+                 static_argnums: Sequence[int], static_argnames: Sequence[str], strict: bool | None,
+                 cache: Any = None, guard: Any = False) -> None:
         functools.update_wrapper(self, fn)
         self.fn = fn
         self.entries = entries_of(rulesets)
@@ -140,6 +146,12 @@ class Rewritten:
         self._lock = threading.Lock()
         self._warned: set[str] = set()
         self.rewrites = 0  # how many times a program was rewritten (cache misses)
+        self.disk = _cache.resolve(cache)  # the disk cache (rewrite/_cache.py), or None
+        self.loaded = 0  # of those, how many were read from the disk cache instead
+        self.guard = _guard.Guard() if guard is True else (guard or None)
+        #: derivative programs rewritten so far, by transformation ("vjp", "jvp"); see rewrite/_grad.py
+        self.derivative_rewrites: collections.Counter = collections.Counter()
+        self._programs: dict[Any, Any] = {}
 
     def _prepare(self, args: tuple, kwargs: dict) -> tuple[Any, list[Any], tuple[Traced, Result]]:
         dyn_args, dyn_kwargs, stat_args, stat_kwargs = split_static(args, kwargs, self.static_argnums,
@@ -164,6 +176,61 @@ class Rewritten:
         return key, flat, entry
 
     def _rewrite(self, traced: Traced) -> Result:
+        """The result for one traced program: from the disk cache, else rewritten (and guarded) and stored."""
+        t = time.perf_counter()
+        key, program = self._disk_key(traced)
+        key_time = time.perf_counter() - t
+        if key is not None:
+            t = time.perf_counter()
+            found = self.disk.load(key, traced.closed, program)
+            if found is not None:
+                result = _cache.result_from(traced.closed, *found, where=str(self.disk.file(key)))
+                result.times["cache_key"] = key_time
+                result.times["cache_load"] = time.perf_counter() - t
+                self.loaded += 1
+                log.info("rewrite of %s read from the cache: %s", getattr(self.fn, "__name__", "function"),
+                         result.cached)
+                return result
+        result = self._rewrite_fresh(traced)
+        failed = result.stopped.startswith("error:")
+        if self.guard is not None and not failed:
+            self._guard(result)
+        if key is not None and not failed:
+            result.times["cache_key"] = key_time
+            self.disk.store(key, None if result.after is traced.closed else result.after, _cache.result_meta(result),
+                            traced.closed, program)
+        return result
+
+    def _disk_key(self, traced: Traced) -> tuple[str | None, str | None]:
+        """The disk cache's key for this program, and the program's own fingerprint; ``None`` if uncacheable."""
+        if self.disk is None:
+            return None, None
+        try:
+            program = _cache.program_fingerprint(traced.closed)
+            return _cache.make_key(traced.closed, self.entries, self.cost_model, self.limits, program,
+                                   guard=self.guard), program
+        except Exception as e:  # Unstable: a rule or a param with no stable identity
+            log.debug("rewrite cache off for %s: %s: %s", getattr(self.fn, "__name__", "function"),
+                      type(e).__name__, e)
+            return None, None
+
+    def _guard(self, result: Result) -> None:
+        t = time.perf_counter()
+        try:
+            if not result.rewritten:
+                result.after, result.guard = result.before, _guard.GuardDecision(
+                    "original", None, None, "the rewrite changed nothing")
+            else:
+                result.after, result.guard = _guard.guard(result.before, result.after, self.guard)
+        except Exception as e:
+            if _strict(self.strict):
+                raise
+            result.guard = _guard.GuardDecision("rewritten", None, None, f"timing failed: {type(e).__name__}: {e}")
+            warnings.warn(RewriteWarning(f"the guard could not time {getattr(self.fn, '__name__', 'function')!r} "
+                                         f"({type(e).__name__}: {e}); keeping the rewritten program"), stacklevel=5)
+        result.times["guard"] = time.perf_counter() - t
+
+    def _rewrite_fresh(self, traced: Traced) -> Result:
         name = getattr(self.fn, "__name__", "function")
         try:
             result = run_pipeline(traced, self.entries, self.cost_model, self.limits)
@@ -190,10 +257,46 @@ class Rewritten:
         return result
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        _, flat, (traced, result) = self._prepare(args, kwargs)
+        key, flat, (traced, result) = self._prepare(args, kwargs)
         closed = result.after
-        outs = core.eval_jaxpr(closed.jaxpr, closed.consts, *flat)
+        # Under grad/jvp the derivative rules run derivative programs rewritten for them (rewrite/_grad.py).
+        outs = bind_if_differentiated(lambda: self._program(key, traced, closed), traced, flat)
+        if outs is None:
+            outs = core.eval_jaxpr(closed.jaxpr, closed.consts, *flat)
         return traced.outputs(outs)
+
+    def _program(self, key: Any, traced: Traced, forward: core.ClosedJaxpr) -> Any:
+        program = self._programs.get(key)
+        if program is None:
+            with self._lock:
+                program = self._programs.setdefault(key, Program(self, traced, forward))
+        return program
+
+    def grad_result(self, *args: Any, **kwargs: Any) -> Any:
+        """The rewritten VJP for these arguments' signature (:class:`rewrite._vjp.VJPResult`), built if needed.
+
+        It is what ``jax.grad``/``jax.vjp`` of this function run: the forward
+        program (``.fwd``: primals -> outputs + residuals), the backward one
+        (``.bwd``: residuals + cotangents -> gradients), the residual split
+        chosen and the splits considered. ``None`` if its rewrite failed.
+        """
+        key, _, (traced, result) = self._prepare(args, kwargs)
+        return self._program(key, traced, result.after).vjp()
+
+    def vjp_jaxprs(self, *args: Any, **kwargs: Any) -> tuple[core.ClosedJaxpr, core.ClosedJaxpr]:
+        """The forward (primals -> outputs + residuals) and backward (residuals + cotangents -> gradients) programs."""
+        built = self.grad_result(*args, **kwargs)
+        if built is None:
+            raise RuntimeError("the VJP was not rewritten (see the RewriteWarning); JAX differentiates the forward")
+        return built.fwd, built.bwd
+
+    def jvp_jaxpr(self, *args: Any, **kwargs: Any) -> core.ClosedJaxpr:
+        """The JVP program that ``jax.jvp`` of this function runs: (primals, tangents) -> (outputs, tangents)."""
+        key, _, (traced, result) = self._prepare(args, kwargs)
+        built = self._program(key, traced, result.after).jvp()
+        if built is None:
+            raise RuntimeError("the JVP was not rewritten (see the RewriteWarning); JAX differentiates the forward")
+        return built.program
 
     def jaxpr(self, *args: Any, **kwargs: Any) -> core.ClosedJaxpr:
         """The rewritten program for these arguments' signature."""
@@ -212,7 +315,7 @@ class Rewritten:
 
 def rewrite(fn: Callable[..., Any] | None = None, *, rulesets: Any = (), cost_model: Any = None,
             limits: Limits | None = None, static_argnums: Sequence[int] = (), static_argnames: Sequence[str] = (),
-            strict: bool | None = None, vjp: bool = False) -> Any:
+            strict: bool | None = None, vjp: bool = False, cache: Any = None, guard: Any = False) -> Any:
     """Rewrite ``fn``'s program with the given rulesets; returns a function with the same signature.
 
     Usable directly or as a decorator. The program is traced once per input
@@ -221,9 +324,21 @@ def rewrite(fn: Callable[..., Any] | None = None, *, rulesets: Any = (), cost_mo
     ``cost_model`` is ``None``/``"analytic"`` (predicted), ``"measure"``
     (the best candidates timed on the backend) or a callable.
 
-    With ``vjp=True`` the result is a ``jax.custom_vjp`` whose backward pass
-    is JAX's own VJP of ``fn`` rewritten together with the forward pass, the
-    residuals chosen by the cost model (``rewrite/_vjp.py``).
+    Differentiating the result runs programs rewritten for the derivative
+    asked for (``rewrite/_grad.py``): ``jax.grad``/``jax.vjp`` run ``fn``'s
+    VJP rewritten as one program and split into forward and backward passes
+    at the residuals the cost model prefers; ``jax.jvp``/``jax.jacfwd`` run
+    ``fn``'s JVP rewritten. Each is rewritten the first time it is asked for,
+    once per signature. ``vjp=True`` (a ``jax.custom_vjp`` over the same
+    split, rewritten eagerly, without forward mode) is deprecated.
+
+    ``cache`` is where rewritten programs are kept across processes
+    (``rewrite/_cache.py``): ``None`` for the default (``$JAX_REWRITE_CACHE_DIR``,
+    else ``~/.cache/jax-rewrite``), a directory, or ``False`` for none. With
+    ``guard=True`` (or a :class:`rewrite._guard.Guard` with timing settings),
+    the first rewrite of each signature times the original and the rewritten
+    program side by side and keeps the faster (``rewrite/_guard.py``); the
+    decision is in ``result(...).guard`` and in the cache entry.
 
     >>> import jax, jax.numpy as jnp
     >>> from rewrite import rewrite, rule, Ruleset
@@ -241,11 +356,16 @@ def rewrite(fn: Callable[..., Any] | None = None, *, rulesets: Any = (), cost_mo
     if fn is None:
         return functools.partial(rewrite, rulesets=rulesets, cost_model=cost_model, limits=limits,
                                  static_argnums=static_argnums, static_argnames=static_argnames, strict=strict,
-                                 vjp=vjp)
+                                 vjp=vjp, cache=cache, guard=guard)
     if not callable(fn):
         raise TypeError(f"rewrite() takes a function, got {type(fn).__name__}")
     if vjp:
         from ._vjp import RewrittenVJP
 
+        warnings.warn("rewrite(..., vjp=True) is deprecated: the plain decorator already runs the rewritten VJP "
+                      "under jax.grad/jax.vjp (and the rewritten JVP under jax.jvp, which vjp=True cannot)",
+                      DeprecationWarning, stacklevel=2)
+
         return RewrittenVJP(fn, rulesets, cost_model, limits, static_argnums, static_argnames, strict)
-    return Rewritten(fn, rulesets, cost_model, limits, static_argnums, static_argnames, strict)
+    return Rewritten(fn, rulesets, cost_model, limits, static_argnums, static_argnames, strict, cache=cache,
+                     guard=guard)

@@ -10,12 +10,15 @@ code. The pipeline's stages are the numbered modules ``_1_trace`` to
 from ._3_saturate import Limits
 from ._6_evaluate import RewriteLimitWarning, RewriteWarning, Rewritten, rewrite
 from ._cost import AnalyticCost, NodeInfo
+from ._guard import Guard
 from ._pattern import Ops, Pat, ops
 from ._report import Report, explain
 from ._rules import Match, Params, Rule, Ruleset, Tolerance, Value, procedural, rule
+from . import loops  # noqa: E402  (the loop API: rewrite.loops.Loop, rewrite.loops.SCAN)
 
 __all__ = [
     "AnalyticCost",
+    "Guard",
     "Limits",
     "Match",
     "NodeInfo",
@@ -31,6 +34,7 @@ __all__ = [
     "Tolerance",
     "Value",
     "explain",
+    "loops",
     "ops",
     "procedural",
     "rewrite",

@@ -51,6 +51,10 @@ class Result:
     out_names: list | None = None  # the V names of the program's outputs, for checks that extract their own way
     #: what cost_model="measure" timed (rewrite/_measure.py), else None
     timing: Any = None
+    #: the disk cache's file this result was read from (rewrite/_cache.py), else None
+    cached: str | None = None
+    #: with rewrite(guard=True): which program the guard kept and the two times (rewrite/_guard.py)
+    guard: Any = None
 
 
 def run_pipeline(traced: Traced, entries: Sequence[tuple[Rule, Ruleset]], model: CostModel, limits: Limits,

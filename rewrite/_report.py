@@ -23,7 +23,7 @@ from jax._src import core
 from ._1_trace import leaf_specs, split_static, trace
 from ._3_saturate import Limits
 from ._4_extract import reachable
-from ._6_evaluate import check_signature, entries_of
+from ._6_evaluate import Rewritten, check_signature, entries_of
 from ._cost import resolve
 from ._pipeline import Result, run_pipeline
 from ._rules import Rule, Ruleset, _short
@@ -77,6 +77,9 @@ class Report:
     warnings: list[str]
     rulesets: list[tuple[Rule, Ruleset]]
     result: Result = dataclasses.field(repr=False)
+    model: Any = dataclasses.field(default=None, repr=False)  # the cost model, to price what was declined
+    #: with ``explain(..., grad=True)``: the VJP's forward/backward split (:class:`rewrite._vjp.VJPResult`)
+    gradient: Any = dataclasses.field(default=None, repr=False)
 
     @property
     def eqns_before(self) -> int:
@@ -111,9 +114,43 @@ class Report:
         if rej:
             lines.append("matches not applied: " + "; ".join(
                 f"{k}: " + ", ".join(f"{n} {why}" for why, n in sorted(v.items())) for k, v in rej.items()))
+        not_chosen = self.declined()
+        if not_chosen:
+            lines.append("loop rewrites built and not chosen (the model's prices):")
+            lines.extend(f"  {d}" for d in not_chosen)
+        if self.gradient is not None:
+            g = self.gradient
+            nbytes = sum(_nbytes(v.aval) for v in g.fwd.jaxpr.outvars[len(g.fwd.out_avals) - len(g.split.residuals):])
+            lines.append(f"gradient: forward and backward rewritten together; residuals: {len(g.split.residuals)} "
+                         f"value(s), {nbytes / 2**20:.2f} MiB ({g.split.policy}, the cheapest of "
+                         f"{len(g.splits_considered)} splits priced)")
         for w in self.warnings:
             lines.append(f"warning: {w}")
         return "\n".join(lines)
+
+    def why(self, rule: str) -> Any:
+        """Why ``rule``'s rewrite is not in the result: a :class:`rewrite._why.Declined` with the price kept,
+        the price with the rule's nodes in the program, and the operations whose prices differ most;
+        ``None`` if the rule built nothing or the report kept no e-graph."""
+        from ._why import declined
+
+        if self.model is None:
+            return None
+        cache = self.__dict__.setdefault("_why", {})
+        if rule not in cache:
+            cache[rule] = declined(self.result, self.model, rule)
+        return cache[rule]
+
+    def declined(self) -> list[Any]:
+        """:meth:`why` for every rule that fired, built a loop, and has nothing in the result."""
+        from ._why import builds_loops
+
+        if self.model is None or self.result.egraph is None:
+            return []
+        names = [k for k in self.fired if not self.used.get(k) and builds_loops(self.result, k)]
+        # a rule whose nodes reach nothing when forced in was superseded (a later rewrite built on it);
+        # one whose program prices the same as the kept one was a tie, which goes to what was kept
+        return [d for d in (self.why(k) for k in names) if d is not None and not d.note and d.drivers]
 
     def diff(self, context: int = 2) -> str:
         a = str(self.before).splitlines()
@@ -163,6 +200,13 @@ class Report:
         return "\n".join(parts)
 
 
+def _nbytes(aval: Any) -> int:
+    try:
+        return int(math.prod(aval.shape)) * aval.dtype.itemsize
+    except Exception:
+        return 0
+
+
 def _where(src: Any) -> str:
     try:
         from jax._src import source_info_util
@@ -200,8 +244,17 @@ def provenance(result: Result) -> dict[str, int]:
 
 
 def explain(fn: Any, *args: Any, rulesets: Any = (), cost_model: Any = None, limits: Limits | None = None,
-            static_argnums: Sequence[int] = (), static_argnames: Sequence[str] = (), **kwargs: Any) -> Report:
+            static_argnums: Sequence[int] = (), static_argnames: Sequence[str] = (), grad: bool = False,
+            **kwargs: Any) -> Report:
     """Rewrite ``fn`` at these arguments and report what happened.
+
+    With ``grad=True`` the report is about the program that ``jax.grad`` and
+    ``jax.vjp`` of ``rewrite(fn)`` run: ``before`` is JAX's VJP of ``fn``'s
+    rewritten program as one program ``(primals, cotangents) -> (outputs, gradients)``, ``after``
+    the rewritten forward and backward passes composed the same way, and
+    ``gradient`` the split (residuals chosen, splits priced). Given a
+    function made by :func:`rewrite` (and no ``rulesets``), it reports that
+    function's own cached program with its own rules.
 
     >>> import jax.numpy as jnp
     >>> from rewrite import explain, rule, Ruleset
@@ -211,14 +264,37 @@ def explain(fn: Any, *args: Any, rulesets: Any = (), cost_model: Any = None, lim
     {'mul_one': 1}
     >>> print(report.summary().splitlines()[0])  # doctest: +ELLIPSIS
     cost ... -> ... saved), equations 2 -> 1
+    >>> from rulesets.derivatives import derivatives
+    >>> g = explain(lambda x: jnp.sin(x) ** 2, jnp.ones(3), rulesets=[derivatives], grad=True)
+    >>> from rewrite._report import primitive_counts
+    >>> primitive_counts(g.before)["cos"], primitive_counts(g.after)["cos"]
+    (1, 0)
     """
+    if grad:
+        # What jax.grad of rewrite(fn) runs: the VJP of the rewritten forward program, rewritten.
+        if not (isinstance(fn, Rewritten) and not rulesets):
+            fn = Rewritten(fn, rulesets, cost_model, limits, static_argnums, static_argnames, strict=None)
+        gradient = fn.grad_result(*args, **kwargs)
+        if gradient is None:
+            raise RuntimeError("the VJP was not rewritten (see the RewriteWarning)")
+        entries = fn.entries
+        result = gradient.joint
+        after = _composed(gradient)
+        t = gradient.times
+        # trace: the function and its VJP; residuals: choosing the forward/backward split
+        times = {"trace": t.get("trace", 0.0) + t.get("trace_vjp", 0.0),
+                 **{k: t.get(k, 0.0) for k in ("load", "saturate", "extract", "emit", "residuals")}}
+        return Report(
+            before=result.before, after=after, cost_before=result.cost_before, cost_after=result.cost_after,
+            fired={k: s.fired for k, s in result.stats.items() if s.fired}, used=provenance(result),
+            stopped=result.stopped, times=times, iterations=result.iterations,
+            egraph_rows=result.rows, rejected={k: dict(s.rejected) for k, s in result.stats.items()},
+            warnings=result.warnings, rulesets=entries, result=result, gradient=gradient,
+        )
     entries = entries_of(rulesets)
-    dyn_args, dyn_kwargs, stat_args, stat_kwargs = split_static(args, kwargs, static_argnums, static_argnames)
-    leaves, in_tree = jax.tree_util.tree_flatten((dyn_args, dyn_kwargs))
-    t = time.perf_counter()
-    traced = trace(fn, leaf_specs(leaves)[0], in_tree, stat_args, stat_kwargs, len(args))
-    trace_time = time.perf_counter() - t
-    result = run_pipeline(traced, entries, resolve(cost_model), limits or Limits(), keep=True)
+    traced, trace_time = _trace(fn, args, kwargs, static_argnums, static_argnames)
+    model = resolve(cost_model)
+    result = run_pipeline(traced, entries, model, limits or Limits(), keep=True)
     result.times["trace"] = trace_time
     result.times = {k: result.times[k] for k in ("trace", "load", "saturate", "extract", "emit")}
     check_signature(traced.closed, result.after)
@@ -227,5 +303,29 @@ def explain(fn: Any, *args: Any, rulesets: Any = (), cost_model: Any = None, lim
         fired={k: s.fired for k, s in result.stats.items() if s.fired},
         used=provenance(result), stopped=result.stopped, times=result.times, iterations=result.iterations,
         egraph_rows=result.rows, rejected={k: dict(s.rejected) for k, s in result.stats.items()},
-        warnings=result.warnings, rulesets=entries, result=result,
+        warnings=result.warnings, rulesets=entries, result=result, model=model,
     )
+
+
+def _trace(fn: Any, args: tuple, kwargs: dict, static_argnums: Sequence[int], static_argnames: Sequence[str]
+           ) -> tuple[Any, float]:
+    dyn_args, dyn_kwargs, stat_args, stat_kwargs = split_static(args, kwargs, static_argnums, static_argnames)
+    leaves, in_tree = jax.tree_util.tree_flatten((dyn_args, dyn_kwargs))
+    t = time.perf_counter()
+    traced = trace(fn, leaf_specs(leaves)[0], in_tree, stat_args, stat_kwargs, len(args))
+    return traced, time.perf_counter() - t
+
+
+def _composed(gradient: Any) -> core.ClosedJaxpr:
+    """The forward and backward programs as one: ``(primals, cotangents) -> (outputs, gradients)``."""
+    fwd, bwd, before = gradient.fwd, gradient.bwd, gradient.joint.before
+    n_in = len(fwd.in_avals)
+    n_out = len(fwd.out_avals) - len(gradient.split.residuals)
+
+    def both(*args: Any) -> list[Any]:
+        outs = core.eval_jaxpr(fwd.jaxpr, fwd.consts, *args[:n_in])
+        grads = core.eval_jaxpr(bwd.jaxpr, bwd.consts, *outs[n_out:], *args[n_in:])
+        return list(outs[:n_out]) + list(grads)
+
+    specs = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type) for a in before.in_avals]
+    return jax.make_jaxpr(both)(*specs)

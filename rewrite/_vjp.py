@@ -29,7 +29,7 @@ one. Integer inputs get no gradient (``None``, which JAX reads as zero).
 >>> import jax, jax.numpy as jnp
 >>> from rewrite import rewrite
 >>> from rulesets.derivatives import derivatives
->>> f = rewrite(lambda x, a: jnp.sin(a * x) ** 2 / a, rulesets=[derivatives], vjp=True)
+>>> f = rewrite(lambda x, a: jnp.sin(a * x) ** 2 / a, rulesets=[derivatives])  # jax.grad runs the split
 >>> x, a = jnp.linspace(-1.0, 1.0, 4), jnp.float32(1.5)
 >>> g = jax.grad(lambda x, a: f(x, a).sum(), argnums=(0, 1))(x, a)
 >>> want = jax.grad(lambda x, a: (jnp.sin(a * x) ** 2 / a).sum(), argnums=(0, 1))(x, a)
@@ -138,7 +138,8 @@ def frontier(snap: Any, choice: dict, b_roots: Sequence[Any], forward: set, *, e
         ctor = choice[c][0]
         if ctor in ("Lit", "Const", "Tok"):
             continue
-        if c in forward and (c not in expand or ctor == "Param"):
+        # A value of several outputs (a call's tuple, before its projections) is not one array to keep.
+        if c in forward and (c not in expand or ctor == "Param") and not isinstance(snap.aval(c), tuple):
             out.append(c)
             continue
         stack.extend(node_kids(snap, choice[c]))
@@ -147,14 +148,16 @@ def frontier(snap: Any, choice: dict, b_roots: Sequence[Any], forward: set, *, e
 
 def choose_residuals(snap: Any, choice: dict, f_roots: Sequence[Any], b_roots: Sequence[Any],
                      params: dict[int, Any], n_primals: int, price: Callable[[list[Any]], float],
-                     tried: list[Split] | None = None) -> Split:
+                     tried: list[Split] | None = None, steps: int | None = None) -> Split:
     """Pick what the backward pass reads from the forward pass; ``price(residuals)`` prices a split.
 
     Candidates: only inputs (recompute everything), the whole frontier
     (reuse everything), then a greedy descent from the cheaper of the two
-    that recomputes one residual at a time while the price falls. Every
-    split priced is appended to ``tried``.
+    that recomputes one residual at a time while the price falls, largest
+    residuals first, each tried once, at most ``steps`` trials
+    (:data:`GREEDY_STEPS`). Every split priced is appended to ``tried``.
     """
+    steps = GREEDY_STEPS if steps is None else steps
     tried = [] if tried is None else tried
     inner_price = price
 
@@ -173,12 +176,16 @@ def choose_residuals(snap: Any, choice: dict, f_roots: Sequence[Any], b_roots: S
     best = min(splits, key=lambda s: s.cost)
     expand: set[Any] = set(forward - inputs - set(best.residuals)) if best.policy == "recompute" else set()
     current = list(best.residuals)
+    seen: set[Any] = set()
     improved = True
     while improved and best.policy != "recompute":
         improved = False
         for r in sorted(current, key=lambda c: -_nbytes_of(snap, c)):
-            if r in inputs:
+            if r in inputs or r in seen:
                 continue
+            if len(seen) >= steps:
+                break
+            seen.add(r)
             trial_expand = expand | {r}
             trial = frontier(snap, choice, b_roots, forward, expand=trial_expand)
             cost = price(trial)
@@ -187,6 +194,13 @@ def choose_residuals(snap: Any, choice: dict, f_roots: Sequence[Any], b_roots: S
                 expand, current, improved = trial_expand, trial, True
                 break
     return best
+
+
+#: How many residuals the greedy descent tries recomputing. Each trial prices two whole programs, and
+#: a transformer's VJP has hundreds of candidate residuals: trying each once and restarting after every
+#: gain took 28 s for a 2-layer one (1,028 splits priced); the largest residuals, tried first, are where
+#: the gains are.
+GREEDY_STEPS = 24
 
 
 def _nbytes_of(snap: Any, c: Any) -> int:
@@ -227,7 +241,7 @@ def emit_split(snap: Any, choice: dict, egraph: Any, in_avals: Sequence[Any], ct
 class VJPResult:
     """One signature's rewrite: the primal program, the forward/backward split, and the joint pipeline's result."""
 
-    forward: core.ClosedJaxpr
+    forward: core.ClosedJaxpr | None  # None when built without the primal program (``primal=False``)
     fwd: core.ClosedJaxpr
     bwd: core.ClosedJaxpr
     split: Split
@@ -235,7 +249,7 @@ class VJPResult:
     joint: Result
     dif_in: list[int]
     dif_out: list[int]
-    function: Callable[..., Any]
+    function: Callable[..., Any] | None
     times: dict[str, float]
 
     @property
@@ -284,6 +298,92 @@ def custom_vjp_function(forward: core.ClosedJaxpr, fwd: core.ClosedJaxpr, bwd: c
     return f
 
 
+def build_vjp(traced: Traced, entries: Sequence[Any], model: Any, limits: Any, primal: bool = True) -> VJPResult:
+    """Rewrite ``traced``'s VJP: the joint program through the pipeline, split at the cheapest residuals.
+
+    ``primal`` also extracts the forward program alone and wraps the three
+    in a ``jax.custom_vjp`` (what ``vjp=True`` returns); without it only the
+    split is built (what the plain decorator's derivative rules run).
+    """
+    closed = traced.closed
+    t0 = time.perf_counter()
+    joint, dif_in, dif_out = joint_program(closed)
+    times = {"trace_vjp": time.perf_counter() - t0}
+    jt = Traced(joint, traced.in_tree, traced.out_tree, traced.dynamic)
+    res = run_pipeline(jt, entries, model, limits, keep=True)
+    check_signature(joint, res.after)
+    times.update(res.times)
+    snap, eg = res.snapshot, res.egraph
+    n_out = len(closed.out_avals)
+    roots = res.roots
+    f_roots, b_roots = roots[:n_out], roots[n_out:]
+    n = len(closed.in_avals)
+    in_avals = list(closed.in_avals)
+    ct_avals = [closed.out_avals[i] for i in dif_out]
+    params = {}
+    for i in range(n + len(ct_avals)):
+        cls = eg.lookup("Param", [eg.int_value(0), eg.int_value(i)])
+        if cls is not None:
+            params[i] = cls
+    t0 = time.perf_counter()
+    considered: list[Split] = []
+    # Two extractions: for a training step (outputs and gradients both used) and for the gradients
+    # alone (jax.grad drops the value, and XLA the forward work only the value needed). Each split is
+    # priced in both uses, weighted alike, and the cheapest (choice, split) wins.
+    ex = Extractor(snap, model)
+    tree = ex.tree()[1]
+    grads_only = extract(snap, b_roots, model, res.original).choice
+    best: tuple[float, dict, Split] | None = None
+    for name, choice in (("joint", res.choice), ("gradients", {**tree, **grads_only})):
+        price = split_pricer(snap, model, choice, f_roots, b_roots)
+        tried: list[Split] = []
+        split = choose_residuals(snap, choice, f_roots, b_roots, params, n, price, tried)
+        considered += [dataclasses.replace(t, policy=f"{name}:{t.policy}") for t in tried]
+        if best is None or split.cost < best[0]:
+            best = (split.cost, choice, dataclasses.replace(split, policy=f"{name}:{split.policy}"))
+    assert best is not None
+    _, choice, split = best
+    times["residuals"] = time.perf_counter() - t0
+    fwd, bwd = emit_split(snap, choice, eg, in_avals, ct_avals, f_roots, b_roots, split.residuals)
+    forward = fn = None
+    if primal:
+        # The primal function alone: extracted for the outputs only, so inference skips the backward pass.
+        prim = extract(snap, f_roots, model, res.original)
+        forward = dce(Emitter(snap, prim.choice, eg).program(in_avals, f_roots, None, closed.jaxpr.debug_info))
+        check_signature(closed, forward)
+        fn = custom_vjp_function(forward, fwd, bwd, n, dif_in, dif_out)
+    return VJPResult(forward, fwd, bwd, split, considered, res, dif_in, dif_out, fn, times)
+
+
+def split_pricer(snap: Any, model: Any, choice: dict, f_roots: Sequence[Any], b_roots: Sequence[Any]
+                 ) -> Callable[[list[Any]], float]:
+    """The price of a split of ``choice``: a training step's plus a gradient alone's."""
+    ex = Extractor(snap, model)
+    if prices_programs(model):
+        from ._fusion import Program
+
+        pricer = ProgramPricer(ex, model)
+        templates: dict = {}
+
+        def program(roots: Sequence[Any], inputs: frozenset = frozenset()) -> float:
+            prog = Program.from_choice(ex, choice, roots, lambda c, nd: pricer.own(c, nd, choice),
+                                       templates, inputs=inputs)
+            return pricer.fusion(prog)
+    else:
+        def program(roots: Sequence[Any], inputs: frozenset = frozenset()) -> float:
+            stop = set(inputs)
+            cs = scope_classes(snap, choice, roots, stop) - stop
+            return sum(ex.own(c, *choice[c], choice) for c in cs)
+
+    def price(residuals: list[Any]) -> float:
+        bwd = program(b_roots, frozenset(residuals))
+        train = program(list(f_roots) + list(residuals))
+        alone = program(list(residuals)) if residuals else 0.0
+        return train + alone + 2 * bwd
+
+    return price
+
+
 @dataclasses.dataclass
 class _Unchanged:
     """The fallback after a failure: the original program, differentiated by JAX."""
@@ -308,84 +408,9 @@ class RewrittenVJP(Rewritten):
             return _Unchanged(traced.closed, {})
 
     def _build(self, traced: Traced) -> VJPResult:
-        closed = traced.closed
-        if closed.jaxpr.effects:
+        if traced.closed.jaxpr.effects:
             raise ValueError("vjp=True needs a program without effects (its backward pass may not repeat them)")
-        t0 = time.perf_counter()
-        joint, dif_in, dif_out = joint_program(closed)
-        times = {"trace_vjp": time.perf_counter() - t0}
-        jt = Traced(joint, traced.in_tree, traced.out_tree, traced.dynamic)
-        res = run_pipeline(jt, self.entries, self.cost_model, self.limits, keep=True)
-        check_signature(joint, res.after)
-        times.update(res.times)
-        snap, eg = res.snapshot, res.egraph
-        n_out = len(closed.out_avals)
-        roots = res.roots
-        f_roots, b_roots = roots[:n_out], roots[n_out:]
-        n = len(closed.in_avals)
-        in_avals = list(closed.in_avals)
-        ct_avals = [closed.out_avals[i] for i in dif_out]
-        params = {}
-        for i in range(n + len(ct_avals)):
-            cls = eg.lookup("Param", [eg.int_value(0), eg.int_value(i)])
-            if cls is not None:
-                params[i] = cls
-        model = self.cost_model
-        t0 = time.perf_counter()
-        considered: list[Split] = []
-        # Two extractions: for a training step (outputs and gradients both used) and for the gradients
-        # alone (jax.grad drops the value, and XLA the forward work only the value needed). Each split is
-        # priced in both uses, weighted alike, and the cheapest (choice, split) wins.
-        ex = Extractor(snap, model)
-        tree = ex.tree()[1]
-        grads_only = extract(snap, b_roots, model, res.original).choice
-        best: tuple[float, dict, Split] | None = None
-        for name, choice in (("joint", res.choice), ("gradients", {**tree, **grads_only})):
-            price = self._pricer(snap, choice, f_roots, b_roots)
-            tried: list[Split] = []
-            split = choose_residuals(snap, choice, f_roots, b_roots, params, n, price, tried)
-            considered += [dataclasses.replace(t, policy=f"{name}:{t.policy}") for t in tried]
-            if best is None or split.cost < best[0]:
-                best = (split.cost, choice, dataclasses.replace(split, policy=f"{name}:{split.policy}"))
-        assert best is not None
-        _, choice, split = best
-        times["residuals"] = time.perf_counter() - t0
-        fwd, bwd = emit_split(snap, choice, eg, in_avals, ct_avals, f_roots, b_roots, split.residuals)
-        # The primal function alone: extracted for the outputs only, so inference skips the backward pass.
-        prim = extract(snap, f_roots, model, res.original)
-        forward = dce(Emitter(snap, prim.choice, eg).program(in_avals, f_roots, None, closed.jaxpr.debug_info))
-        check_signature(closed, forward)
-        fn = custom_vjp_function(forward, fwd, bwd, n, dif_in, dif_out)
-        return VJPResult(forward, fwd, bwd, split, considered, res, dif_in, dif_out, fn, times)
-
-    def _pricer(self, snap: Any, choice: dict, f_roots: Sequence[Any], b_roots: Sequence[Any]
-                ) -> Callable[[list[Any]], float]:
-        """The price of a split of ``choice``: a training step's plus a gradient alone's."""
-        model = self.cost_model
-        ex = Extractor(snap, model)
-        if prices_programs(model):
-            from ._fusion import Program
-
-            pricer = ProgramPricer(ex, model)
-            templates: dict = {}
-
-            def program(roots: Sequence[Any], inputs: frozenset = frozenset()) -> float:
-                prog = Program.from_choice(ex, choice, roots, lambda c, nd: pricer.own(c, nd, choice),
-                                           templates, inputs=inputs)
-                return pricer.fusion(prog)
-        else:
-            def program(roots: Sequence[Any], inputs: frozenset = frozenset()) -> float:
-                stop = set(inputs)
-                cs = scope_classes(snap, choice, roots, stop) - stop
-                return sum(ex.own(c, *choice[c], choice) for c in cs)
-
-        def price(residuals: list[Any]) -> float:
-            bwd = program(b_roots, frozenset(residuals))
-            train = program(list(f_roots) + list(residuals))
-            alone = program(list(residuals)) if residuals else 0.0
-            return train + alone + 2 * bwd
-
-        return price
+        return build_vjp(traced, self.entries, self.cost_model, self.limits)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         _, flat, (traced, result) = self._prepare(args, kwargs)

@@ -213,13 +213,19 @@ def test_collector_state_is_restored(monkeypatch):
     assert gc.get_freeze_count() == 0  # put back after a failure too
 
     monkeypatch.setattr(pipeline, "extract", spy)
-    gc.freeze()  # a process that froze objects itself keeps exactly what it froze
+    # A process that froze objects itself keeps what it froze: the rewrite neither freezes more nor
+    # unfreezes. (The count itself may drop: a frozen object that dies leaves the frozen generation.)
+    real_freeze, real_unfreeze = gc.freeze, gc.unfreeze
+    calls = []
+    monkeypatch.setattr(gc, "freeze", lambda: calls.append("freeze"))
+    monkeypatch.setattr(gc, "unfreeze", lambda: calls.append("unfreeze"))
+    real_freeze()
     try:
-        frozen = gc.get_freeze_count()
+        assert gc.get_freeze_count() > 0
         explain(lambda x: jnp.tan(x) * 4.0, jnp.ones(3))
-        assert seen[-1] == frozen and gc.get_freeze_count() == frozen
+        assert calls == [] and seen[-1] > 0 and gc.get_freeze_count() > 0
     finally:
-        gc.unfreeze()
+        real_unfreeze()
 
 
 # ---------------------------------------------------------------- failures stay inside

@@ -1,5 +1,6 @@
-"""``rewrite(fn, vjp=True)``: gradients equal JAX's under jit and vmap, the residuals are the cost
-model's choice, and programs that already contain ``jax.grad`` (training steps) rewrite correctly."""
+"""``rewrite(fn, vjp=True)`` (deprecated; the plain decorator runs the same split, see test_grad.py):
+gradients equal JAX's under jit and vmap, the residuals are the cost model's choice, and programs
+that already contain ``jax.grad`` (training steps) rewrite correctly."""
 
 import warnings
 
@@ -12,6 +13,8 @@ import pytest
 from rewrite import RewriteWarning, rewrite
 from rewrite._report import primitive_counts
 from rulesets.derivatives import derivatives
+
+pytestmark = pytest.mark.filterwarnings(r"ignore:rewrite\(\.\.\., vjp=True\) is deprecated:DeprecationWarning")
 
 
 def seed(x, a):

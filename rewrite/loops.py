@@ -1,0 +1,630 @@
+"""Rules that act on loops: read a ``lax.scan``'s body, add inputs, outputs and carries, move work in or out.
+
+A loop rule matches a scan with :data:`SCAN` and wraps the match in a
+:class:`Loop`. The ``Loop`` reads the old loop (its outputs, its body's
+inputs, which outer values stay the same at every step) and describes a copy
+of it being built: :meth:`Loop.add_const`, :meth:`Loop.add_xs`,
+:meth:`Loop.add_carry` and :meth:`Loop.add_output` extend it,
+:meth:`Loop.per_step` moves outer work that acts step by step into the body
+(elementwise chains, broadcasts, ``dot_general``, ``reshape``, ``transpose``,
+slices and reductions that leave the loop's axis alone), and :meth:`Loop.build`
+inserts the copy next to the old loop. :meth:`Loop.handover` then gives
+every output of the old loop to the copy, so extraction can keep whichever
+program the cost model prefers. The copy shares the old body's scope: the
+inputs it adds are fresh body inputs, so the rest of the body is reused.
+
+Bookkeeping that every rule would otherwise repeat lives here: the body's
+input order (constants, carries, ``xs``), ``linear`` flags, step avals,
+reverse loops (row ``t`` of a stacked array is step ``t`` whichever way the
+loop runs, so nothing changes), unrolling (kept as it is), and nested loops
+(each body is its own scope, and new input indices come from
+:meth:`Match.fresh_index`, so two rules never give one input two meanings).
+
+A rule that cannot build what it wants raises :class:`Decline` inside a
+``with loop.attempt():`` block (which undoes what the attempt added) or
+returns ``None``.
+
+A loop rule that counts steps: each step's ``x * x`` becomes a new stacked
+output, and the old loop's stacked output is handed over unchanged.
+
+>>> import jax, jax.numpy as jnp
+>>> from jax import lax
+>>> from rewrite import Ruleset, explain, procedural, rule
+>>> from rewrite.loops import SCAN, Loop
+>>> @procedural
+... def sum_squares_inside(m):
+...     loop = Loop(m)
+...     found = [(v, n) for v, n in loop.consumers() if n.prim == "reduce_sum" and n.params["axes"] == (0, 1)]
+...     if loop.params.get("_rw_demo") or not found:
+...         return None
+...     root, node = found[0]
+...     (stacked,) = node.operands
+...     with loop.attempt():
+...         step = loop.per_step(stacked)                    # ys_t ** 2, built in the body
+...         j, acc = loop.add_carry(m.trace(lambda: jnp.zeros((), root.dtype)))
+...         loop.set_carry_next(j, m.trace(lambda a, s: a + jnp.sum(s), acc, step))
+...         res = loop.build(_rw_demo=True)
+...         return loop.handover(res) + [(root, loop.carry_result(res, j))]
+>>> r = rule(SCAN, sum_squares_inside, name="sum_squares_inside")
+>>> def f(h, xs):
+...     return jnp.sum(lax.scan(lambda c, x: (c + x, c * x), h, xs)[1] ** 2)
+>>> report = explain(f, jnp.ones(3), jnp.ones((5, 3)), rulesets=[Ruleset("demo", [r], soundness="identity")])
+>>> sorted(report.fired), [e.primitive.name for e in report.after.eqns]
+(['sum_squares_inside'], ['scan'])
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator, Sequence
+
+import numpy as np
+from jax import lax
+from jax._src import core
+
+from . import _terms
+from ._pattern import Pat
+from ._rules import Body, Match, Node, Value
+
+__all__ = ["SCAN", "WHILE", "Body", "Decline", "Loop", "adds_one", "is_pointwise", "stacked_aval", "step_aval"]
+
+#: The pattern a loop rule matches: any scan. Its bindings (``s``, ``b``, ``args``, ``sp``) are what :class:`Loop` reads.
+SCAN = Pat("scan", name="s", body="b", args="args", params="sp")
+#: The pattern of a ``while`` loop: ``cb`` and ``bb`` bind its condition and body, ``args`` its operands (the
+#: condition's constants, the body's constants, then the carries), ``wp`` its params.
+WHILE = Pat("while", name="w", bodies=["cb", "bb"], args="args", params="wp")
+
+_POINTWISE = (_terms.ELEMENTWISE, _terms.TRANSCENDENTAL)
+
+#: What ``recompute="cheap"`` may rebuild in a loop: arithmetic and layout, no transcendentals, contractions or loops.
+CHEAP = frozenset(spec.prim for spec in _terms.SPECS if spec.family in (_terms.ELEMENTWISE, _terms.LAYOUT))
+
+#: Reductions whose per-step form is the same primitive over fewer axes.
+_REDUCTIONS = ("reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or")
+
+
+class Decline(Exception):
+    """This match cannot be rewritten: raised inside :meth:`Loop.attempt`, or caught by the rule."""
+
+
+def step_aval(aval: Any, axis: int = 0) -> Any:
+    """The aval of one step's slice of an array stacked along ``axis``, as ``lax.scan`` types it.
+
+    >>> from jax.core import ShapedArray
+    >>> import numpy as np
+    >>> step_aval(ShapedArray((5, 3), np.float32)).shape
+    (3,)
+    """
+    return core.mapped_aval(aval.shape[axis], axis, aval)
+
+
+def stacked_aval(aval: Any, length: int) -> Any:
+    """The aval of ``length`` steps of ``aval`` stacked along a new leading axis.
+
+    >>> from jax.core import ShapedArray
+    >>> import numpy as np
+    >>> stacked_aval(ShapedArray((3,), np.float32), 5).shape
+    (5, 3)
+    """
+    return core.unmapped_aval(length, 0, aval)
+
+
+def is_pointwise(node: Node) -> bool:
+    """Whether ``node`` applies its operation element by element (arithmetic, comparisons, ``exp``...).
+
+    >>> from rewrite.loops import is_pointwise
+    >>> callable(is_pointwise)
+    True
+    """
+    return node.spec is not None and node.spec.family in _POINTWISE
+
+
+def adds_one(v: Value, of: Value) -> bool:
+    """Whether the e-graph knows ``v`` as ``of + 1`` (a loop counter's next value).
+
+    >>> from rewrite.loops import adds_one
+    >>> callable(adds_one)
+    True
+    """
+    for n in v.nodes:
+        if n.prim == "add" and len(n.operands) == 2:
+            a, b = n.operands
+            if (a.cls == of.cls and b.literal == 1) or (b.cls == of.cls and a.literal == 1):
+                return True
+    return False
+
+
+def _key(v: Value) -> Any:
+    """What names ``v`` in a rule's memo: its class, or for a term built during the rule (no class yet) its name."""
+    return v.cls if v.cls is not None else ("new", v.name)
+
+
+class _Reach:
+    """Does a class depend on the loop? Such a value cannot feed the loop's copy."""
+
+    def __init__(self, target: Any) -> None:
+        self.target = target
+        self.memo: dict[Any, bool] = {}
+
+    def __call__(self, v: Value) -> bool:
+        stack, seen, found = [v], set(), False
+        while stack and not found:
+            x = stack.pop()
+            if x.cls is None or x.cls in seen:
+                continue
+            if x.cls == self.target or self.memo.get(x.cls):
+                found = True
+                break
+            if self.memo.get(x.cls) is False:
+                continue
+            seen.add(x.cls)
+            for n in x.nodes:
+                stack.extend(n.operands)
+        if not found:
+            for c in seen:
+                self.memo[c] = False
+        else:
+            self.memo[v.cls] = True
+        return found
+
+
+class Loop:
+    """One matched scan, and a copy of it being built. See the module docstring.
+
+    ``Loop(m)`` reads the bindings of :data:`SCAN`; a rule with another
+    pattern names its bindings: ``Loop(m, scan="s", body="b", args="args", params="sp")``.
+    """
+
+    def __init__(self, m: Match, scan: str = "s", body: str = "b", args: str = "args", params: str = "sp") -> None:
+        self.m = m
+        self.scan = m[scan]
+        self.params = m.params(params)
+        self.length = int(self.params["length"])
+        self.reverse = bool(self.params.get("reverse", False))
+        self.num_carry = int(self.params["num_carry"])
+        self.num_consts = int(self.params["num_consts"])
+        self.body = m.body(body)
+        self.args = m.list(args)
+        self.scope = self.body.scope
+        self._order = tuple(self.params["_rw_order"])
+        self._consts: list[tuple[int, Value]] = []         # (body input index, outer value)
+        self._carries: list[tuple[int, Value, Value]] = []  # (index, initial value, next value)
+        self._xs: list[tuple[int, Value]] = []
+        self._ys: list[Value] = []                          # per-step values of new stacked outputs
+        self._inputs: dict[Any, Value] = {}                 # outer class -> the body input it became
+        self._memo: dict[Any, Value] = {}                   # (outer class, axis) -> its step value
+        #: Positions of old ``xs`` inputs that what was added reads (a rule dropping inputs keeps these).
+        self.needed: set[int] = set()
+        #: Whether :meth:`per_step` may rebuild another loop's stacked output here: ``None``, ``"cheap"`` or ``"all"``.
+        self.recompute: str | None = None
+        #: Outer classes that :meth:`per_step` must not take in as they are (as a new ``xs`` input).
+        self.no_leaf: set[Any] = set()
+        self.depends_on_loop = _Reach(self.scan.cls)
+        self._input_names: set[Any] = set()
+
+    # ------------------------------------------------------------------ reading the loop
+    def outputs(self) -> list[tuple[Value, int]]:
+        """Every output of the loop that the e-graph holds: (its value, which output; carries come first)."""
+        return [(user, node.args[1]) for user, node in self.m.users(self.scan) if node.ctor == "Proj"]
+
+    def stacked(self) -> dict[Any, int]:
+        """Class of each stacked output (``ys``) of the loop -> its output index."""
+        return {v.cls: i for v, i in self.outputs() if i >= self.num_carry}
+
+    def input(self, position: int) -> Value:
+        """The body input at jaxpr position ``position`` (consts, carries, xs), as the body sees it."""
+        arg = self.args[position]
+        aval = arg.aval if position < self.num_consts + self.num_carry else step_aval(arg.aval)
+        return self._seen_input(self.m.param(self.scope, self._order[position], aval))
+
+    def is_input(self, v: Value) -> bool:
+        """Whether ``v`` is a body input, old or added: nothing was computed to get it."""
+        return v.name in self._input_names
+
+    def _seen_input(self, v: Value) -> Value:
+        self._input_names.add(v.name)
+        return v
+
+    def counters(self) -> dict[int, int]:
+        """Carries that count steps: carry number -> its value at the first step (a known integer).
+
+        A counter starts at a constant and its next value is itself plus one,
+        as ``fori_loop`` writes it; at step ``j`` (in the order the loop runs,
+        which for a reverse loop is not row order) it holds ``start + j``.
+        """
+        found = {}
+        for k in range(self.num_carry):
+            init = self.args[self.num_consts + k]
+            start = init.constant
+            if start is None or init.ndim or not np.issubdtype(init.dtype, np.integer):
+                continue
+            if adds_one(self.body.outs[k], self.input(self.num_consts + k)):
+                found[k] = int(start)
+        return found
+
+    def consumers(self, limit: int = 256) -> list[tuple[Value, Node]]:
+        """Uses of the stacked outputs reached through work that :meth:`per_step` can move into the loop.
+
+        Each is (the class a node computes, the node); a rule picks those it
+        acts on (reductions, say) and moves their operands in with
+        :meth:`per_step`. The walk passes through pointwise ops, broadcasts,
+        ``dot_general``, reshapes, transposes and reductions of values that
+        still have an axis of the loop's length.
+        """
+        T = self.length
+        frontier = [v for v, i in self.outputs() if i >= self.num_carry]
+        seen = {v.cls for v in frontier}
+        found: dict[Any, tuple[Value, Node]] = {}
+        while frontier and len(seen) < limit:
+            v = frontier.pop()
+            for parent, node in self.m.users(v):
+                if node.ctor in ("Proj", "Scan") or node.spec is None:
+                    continue
+                found.setdefault((parent.cls, node.ctor, node.pid), (parent, node))
+                if T in parent.shape and parent.cls not in seen and (
+                        is_pointwise(node) or node.prim in _MOVES):
+                    seen.add(parent.cls)
+                    frontier.append(parent)
+        return list(found.values())
+
+    # ------------------------------------------------------------------ adding to the copy
+    @contextlib.contextmanager
+    def attempt(self) -> Iterator[None]:
+        """Undo what the block added if it raises :class:`Decline` (which it swallows)."""
+        saved = (len(self._consts), len(self._carries), len(self._xs), len(self._ys), dict(self._inputs),
+                 set(self.needed), dict(self._memo))
+        try:
+            yield
+        except Decline:
+            nc, ncar, nx, ny, inputs, needed, memo = saved
+            del self._consts[nc:], self._carries[ncar:], self._xs[nx:], self._ys[ny:]
+            self._inputs, self.needed, self._memo = inputs, needed, memo
+
+    def add_const(self, outer: Value) -> Value:
+        """``outer`` (the same at every step) as a body input: an existing constant of the loop, or a new one."""
+        found = self._inputs.get(_key(outer))
+        if found is not None:
+            return found
+        for j in range(self.num_consts):
+            if self.args[j].cls == outer.cls and self.args[j].aval == outer.aval:
+                found = self.input(j)
+                break
+        else:
+            i = self.m.fresh_index(self.scope)
+            found = self._seen_input(self.m.param(self.scope, i, outer.aval))
+            self._consts.append((i, outer))
+        self._inputs[_key(outer)] = found
+        return found
+
+    def add_xs(self, outer: Value) -> Value:
+        """``outer`` (stacked along the loop's axis) as a per-step body input: an existing ``xs`` or a new one."""
+        key = ("xs", _key(outer))
+        found = self._inputs.get(key)
+        if found is not None:
+            return found
+        for j in range(self.num_consts + self.num_carry, len(self.args)):
+            if self.args[j].cls == outer.cls and self.args[j].aval == outer.aval:
+                found = self.input(j)
+                self.needed.add(j)
+                break
+        else:
+            i = self.m.fresh_index(self.scope)
+            found = self._seen_input(self.m.param(self.scope, i, step_aval(outer.aval)))
+            self._xs.append((i, outer))
+        self._inputs[key] = found
+        return found
+
+    def add_carry(self, init: Value) -> tuple[int, Value]:
+        """A new carry starting at ``init``: its number (for :meth:`set_carry_next`) and its body input."""
+        i = self.m.fresh_index(self.scope)
+        p = self.m.param(self.scope, i, init.aval)
+        self._carries.append((i, init, p))
+        return len(self._carries) - 1, p
+
+    def set_carry_next(self, j: int, nxt: Value) -> None:
+        """The body value that new carry ``j`` takes for the next step."""
+        i, init, _ = self._carries[j]
+        self._carries[j] = (i, init, nxt)
+
+    def add_output(self, step: Value) -> int:
+        """A new stacked output whose row ``t`` is the body value ``step``; its number (for :meth:`output_result`)."""
+        self._ys.append(step)
+        return len(self._ys) - 1
+
+    def invariant(self, v: Value, squeeze: int | None = None) -> Value:
+        """``v``, the same at every step, as a body value; ``squeeze`` drops that axis (of size 1) first."""
+        if v.literal is not None and v.ndim == 0:
+            return v  # literals belong to no scope
+        if self.depends_on_loop(v):
+            raise Decline("a loop-invariant operand depends on the loop")
+        if squeeze is not None:
+            v = self.m.trace(lambda a: lax.squeeze(a, (squeeze,)), v)
+        return self.add_const(v)
+
+    def per_step(self, v: Value, axis: int = 0, stacked: dict[Any, int] | None = None) -> Value:
+        """Step ``t``'s slice (along ``axis``) of the outer value ``v``, computed in the body.
+
+        The loop's own stacked outputs are read from the body; pointwise
+        work, broadcasts, ``dot_general``, reshapes, transposes and
+        reductions that keep the loop's axis move in, their loop-invariant
+        operands (weights) becoming constants; any other value stacked along
+        ``axis`` becomes a new ``xs`` input. ``stacked`` maps the classes of
+        outputs to read from the body (default: all of the loop's stacked
+        outputs). Raises :class:`Decline` when ``v`` cannot be built per step.
+        """
+        if stacked is None:
+            stacked = self.stacked()
+        return self._step(v, axis, stacked, set())
+
+    # ------------------------------------------------------------------ building the copy
+    def build(self, drop: Sequence[int] = (), drop_xs: Sequence[int] = (), body_outs: Sequence[Value] | None = None,
+              drop_carries: Sequence[int] = (), **annotations: Any) -> tuple[Value, ...]:
+        """Insert the copy and return its results: the old outputs (less ``drop``), then what was added.
+
+        ``drop_xs`` removes ``xs`` inputs (positions among the loop's operands), ``drop_carries``
+        carries (numbers among the carries; nothing the copy computes may read them); ``body_outs``
+        replaces the old body's outputs (they must not read the dropped inputs). ``annotations``
+        (names starting with ``_rw_``) are params for rules to read, dropped when the program is
+        emitted; a rule marks the loops it built with one so as not to act on them again.
+        """
+        ncon, nc, order, args = self.num_consts, self.num_carry, self._order, self.args
+        old_outs = list(self.body.outs if body_outs is None else body_outs)
+        c_idx = tuple(i for i, _ in self._consts)
+        k_idx = tuple(i for i, _, _ in self._carries)
+        x_idx = tuple(i for i, _ in self._xs)
+        xs_kept = [j for j in range(ncon + nc, len(args)) if j not in set(drop_xs)]
+        ck = [k for k in range(nc) if k not in set(drop_carries)]  # carries kept
+        nk = len(ck)
+        new_order = (order[:ncon] + c_idx + tuple(order[ncon + k] for k in ck) + k_idx
+                     + tuple(order[j] for j in xs_kept) + x_idx)
+        operands = (args[:ncon] + [v for _, v in self._consts] + [args[ncon + k] for k in ck]
+                    + [v for _, v, _ in self._carries] + [args[j] for j in xs_kept] + [v for _, v in self._xs])
+        old_avals = list(self.scan.aval)
+        kept = [i for i in range(nc, len(old_avals)) if i not in set(drop)]
+        outs = ([old_outs[k] for k in ck] + [n for _, _, n in self._carries] + [old_outs[i] for i in kept]
+                + self._ys)
+        avals = ([old_avals[k] for k in ck] + [v.aval for _, v, _ in self._carries] + [old_avals[i] for i in kept]
+                 + [stacked_aval(y.aval, self.length) for y in self._ys])
+        params = dict(self.params, num_consts=ncon + len(c_idx), num_carry=nk + len(k_idx), _rw_order=new_order,
+                      **annotations)
+        if "linear" in params:
+            lin = tuple(params["linear"])
+            params["linear"] = (lin[:ncon] + (False,) * len(c_idx) + tuple(lin[ncon + k] for k in ck)
+                                + (False,) * len(k_idx) + tuple(lin[j] for j in xs_kept) + (False,) * len(x_idx))
+        res = self.m.node("scan", operands, params, avals, bodies=[Body(self.scope, outs)])
+        self._where = {k: n for n, k in enumerate(ck)}
+        self._where.update({i: nk + len(k_idx) + n for n, i in enumerate(kept)})
+        self._new_carries_at = nk
+        return res
+
+    def result(self, res: Sequence[Value], i: int) -> Value:
+        """Old output ``i`` among the copy's results ``res``."""
+        return res[self._where[i]]
+
+    def carry_result(self, res: Sequence[Value], j: int) -> Value:
+        """The final value of new carry ``j`` among the copy's results ``res``."""
+        return res[self._new_carries_at + j]
+
+    def output_result(self, res: Sequence[Value], k: int) -> Value:
+        """New stacked output ``k`` among the copy's results ``res``."""
+        return res[len(res) - len(self._ys) + k]
+
+    def handover(self, res: Sequence[Value], drop: Sequence[int] = ()) -> list[tuple[Value, Value]]:
+        """Unions that give every output of the old loop (not dropped, nor a dropped carry) to the copy."""
+        return [(v, self.result(res, i)) for v, i in self.outputs() if i not in set(drop) and i in self._where]
+
+    # ------------------------------------------------------------------ moving work in
+    def _step(self, v: Value, axis: int, stacked: dict[Any, int], path: set) -> Value:
+        key = (_key(v), axis)
+        if key in self._memo:
+            return self._memo[key]
+        if key in path:
+            raise Decline("cycle")
+        path.add(key)
+        try:
+            out = self._step_uncached(v, axis, stacked, path)
+        finally:
+            path.discard(key)
+        self._memo[key] = out
+        return out
+
+    def _step_uncached(self, v: Value, axis: int, stacked: dict[Any, int], path: set) -> Value:
+        m, T = self.m, self.length
+        if v.cls in stacked:
+            if axis != 0:
+                raise Decline("a stacked output read along another axis")
+            return self.body.outs[stacked[v.cls]]
+        if v.ndim == 0:
+            return self.invariant(v)
+        if v.shape[axis] == 1 and T != 1:
+            return self.invariant(v, squeeze=axis)
+        if v.shape[axis] != T:
+            raise Decline(f"{v} is not stacked along axis {axis}")
+        for node in v.nodes:
+            mover = _MOVES.get(node.prim) if not is_pointwise(node) else _pointwise_step
+            if mover is None:
+                continue
+            try:
+                return mover(self, node, v, axis, lambda x, a: self._step(x, a, stacked, path))
+            except Decline:
+                continue
+        if self.recompute and axis == 0:
+            for node in v.nodes:
+                if node.ctor == "Proj":
+                    found = self._recompute(node)
+                    if found is not None:
+                        return found
+        if v.cls in self.no_leaf:
+            raise Decline(f"{v} would only be read as it is")
+        if self.depends_on_loop(v):
+            raise Decline(f"{v} depends on the loop through an operation that cannot move into it")
+        if axis != 0:
+            v = m.trace(lambda a: lax.transpose(a, (axis,) + tuple(d for d in range(a.ndim) if d != axis)), v)
+        return self.add_xs(v)
+
+    def _recompute(self, proj: Node) -> Value | None:
+        """Step ``t`` of another loop's stacked output, rebuilt in this loop's body, or ``None``.
+
+        The other loop (same length) must compute it from its constants, its
+        ``xs`` and its other stacked outputs that this loop already reads; never
+        from its carry. Step ``t`` of every stacked array is row ``t``, whichever
+        way either loop runs.
+        """
+        m = self.m
+        (tup,) = proj.operands
+        k = proj.args[1]
+        f = tup.node("scan")
+        if f is None or self.depends_on_loop(tup):
+            return None
+        fp = f.params
+        fnc, fncon = int(fp["num_carry"]), int(fp["num_consts"])
+        if int(fp["length"]) != self.length or k < fnc:
+            return None
+        fbody = m.engine.body(f.args[0])
+        fargs = f.operands
+        forder = fp["_rw_order"]
+        fparams = [m.param(fbody.scope, forder[p], fargs[p].aval if p < fncon + fnc else step_aval(fargs[p].aval))
+                   for p in range(len(fargs))]
+        read = {}  # other stacked outputs of that loop that this loop already reads: output index -> position
+        for j in range(self.num_consts + self.num_carry, len(self.args)):
+            for n in self.args[j].nodes:
+                if n.ctor == "Proj" and n.args[0] == tup.cls and n.args[1] >= fnc and n.args[1] != k:
+                    read.setdefault(n.args[1], j)
+        inputs = fparams[:fncon] + fparams[fncon + fnc:] + [fbody.outs[i] for i in read]
+        outer = ([(a, False) for a in fargs[:fncon]] + [(a, True) for a in fargs[fncon + fnc:]]
+                 + [(self.args[j], True) for j in read.values()])
+        g = m.function([fbody.outs[k]], inputs)
+        if g is None:
+            return None
+        if self.recompute == "cheap" and any(e.primitive.name not in CHEAP for e in g.jaxpr.jaxpr.eqns):
+            return None
+        inputs = [v for v, u in zip(inputs, g.uses) if u]
+        outer = [o for o, u in zip(outer, g.uses) if u]
+        g = m.function([fbody.outs[k]], inputs)  # of what it reads, so nothing else is kept for it
+        if g is None:
+            return None
+        try:
+            values = [self.add_xs(a) if is_stacked else self.invariant(a) for a, is_stacked in outer]
+        except Decline:
+            return None
+        return m.trace(lambda *a: g(*a)[0], *values)
+
+
+# ---------------------------------------------------------------------- how each kind of work moves in
+# Each mover builds step t of ``v`` (stacked along ``axis``) from ``node``, one of v's e-nodes; ``step(x, a)``
+# gives step t of an operand stacked along its axis ``a``. A mover raises Decline when the node keeps the
+# loop's axis in a way it cannot follow.
+def _drop(dims: Sequence[int], axis: int) -> tuple[int, ...]:
+    """Axis numbers after ``axis`` is removed (``axis`` itself must not be among them)."""
+    return tuple(d - (d > axis) for d in dims)
+
+
+def _pointwise_step(loop: Loop, node: Node, v: Value, axis: int, step: Callable) -> Value:
+    ops = [step(o, axis) if o.ndim == v.ndim else loop.invariant(o) if o.ndim == 0 else _no(o)
+           for o in node.operands]
+    prim, params = node.primitive, node.params
+    return loop.m.trace(lambda *a: prim.bind(*a, **params), *ops)
+
+
+def _no(v: Value) -> Value:
+    raise Decline(f"operand {v} of a pointwise op has another rank")
+
+
+def _broadcast_step(loop: Loop, node: Node, v: Value, axis: int, step: Callable) -> Value:
+    (x,) = node.operands
+    shape, dims = tuple(node.params["shape"]), tuple(node.params["broadcast_dimensions"])
+    if node.params.get("sharding") is not None:
+        raise Decline("a sharded broadcast")
+    if axis in dims:
+        k = dims.index(axis)
+        inner = step(x, k) if x.shape[k] == loop.length and loop.length != 1 else loop.invariant(x, squeeze=k)
+        step_dims = _drop(dims[:k] + dims[k + 1:], axis)
+    else:  # the operand does not vary along the loop axis
+        inner, step_dims = loop.invariant(x), _drop(dims, axis)
+    out_shape = shape[:axis] + shape[axis + 1:]
+    return loop.m.trace(lambda a: lax.broadcast_in_dim(a, out_shape, step_dims), inner)
+
+
+def _transpose_step(loop: Loop, node: Node, v: Value, axis: int, step: Callable) -> Value:
+    (x,) = node.operands
+    perm = tuple(node.params["permutation"])
+    src = perm[axis]
+    inner = step(x, src)
+    new = _drop(perm[:axis] + perm[axis + 1:], src)
+    return loop.m.trace(lambda a: lax.transpose(a, new), inner)
+
+
+def _reshape_step(loop: Loop, node: Node, v: Value, axis: int, step: Callable) -> Value:
+    (x,) = node.operands[:1]
+    if len(node.operands) != 1 or node.params.get("dimensions") is not None:
+        raise Decline("a reshape with dynamic shape or a dimension order")
+    before = int(np.prod(v.shape[:axis], dtype=np.int64))
+    for b in range(x.ndim):
+        if int(np.prod(x.shape[:b], dtype=np.int64)) == before and x.shape[b] == v.shape[axis]:
+            inner = step(x, b)  # row-major order: the loop's axis is the same axis on both sides
+            new = tuple(v.shape[:axis] + v.shape[axis + 1:])
+            return loop.m.trace(lambda a: lax.reshape(a, new), inner)
+    raise Decline("a reshape that mixes the loop's axis with others")
+
+
+def _squeeze_step(loop: Loop, node: Node, v: Value, axis: int, step: Callable) -> Value:
+    (x,) = node.operands
+    dims = tuple(d % x.ndim for d in node.params["dimensions"])
+    kept = [d for d in range(x.ndim) if d not in dims]
+    src = kept[axis]
+    inner = step(x, src)
+    return loop.m.trace(lambda a: lax.squeeze(a, _drop(dims, src)), inner)
+
+
+def _reduce_step(loop: Loop, node: Node, v: Value, axis: int, step: Callable) -> Value:
+    (x,) = node.operands
+    axes = tuple(node.params["axes"])
+    kept = [d for d in range(x.ndim) if d not in axes]
+    src = kept[axis]
+    inner = step(x, src)
+    prim, params = node.primitive, dict(node.params, axes=_drop(axes, src))
+    return loop.m.trace(lambda a: prim.bind(a, **params), inner)
+
+
+def _dot_step(loop: Loop, node: Node, v: Value, axis: int, step: Callable) -> Value:
+    lhs, rhs = node.operands
+    (lc, rc), (lb, rb) = node.params["dimension_numbers"]
+    lc, rc, lb, rb = map(tuple, (lc, rc, lb, rb))
+    lfree = [d for d in range(lhs.ndim) if d not in lc + lb]
+    rfree = [d for d in range(rhs.ndim) if d not in rc + rb]
+    if axis < len(lb):  # a batch axis of both operands
+        la, ra = lb[axis], rb[axis]
+        a, b = step(lhs, la), step(rhs, ra)
+        nb = ((_drop(lc, la), _drop(rc, ra)), (_drop(lb[:axis] + lb[axis + 1:], la), _drop(rb[:axis] + rb[axis + 1:], ra)))
+    elif axis < len(lb) + len(lfree):  # a free axis of the left operand; the right one is the same every step
+        la = lfree[axis - len(lb)]
+        a, b = step(lhs, la), loop.invariant(rhs)
+        nb = ((_drop(lc, la), rc), (_drop(lb, la), rb))
+    else:
+        ra = rfree[axis - len(lb) - len(lfree)]
+        a, b = loop.invariant(lhs), step(rhs, ra)
+        nb = ((lc, _drop(rc, ra)), (lb, _drop(rb, ra)))
+    prim, params = node.primitive, dict(node.params, dimension_numbers=nb)
+    return loop.m.trace(lambda x, y: prim.bind(x, y, **params), a, b)
+
+
+def _slice_step(loop: Loop, node: Node, v: Value, axis: int, step: Callable) -> Value:
+    (x,) = node.operands
+    start, limit = tuple(node.params["start_indices"]), tuple(node.params["limit_indices"])
+    strides = tuple(node.params["strides"] or (1,) * x.ndim)
+    if (start[axis], limit[axis], strides[axis]) != (0, x.shape[axis], 1):
+        raise Decline("a slice along the loop's axis")
+    inner = step(x, axis)
+    cut = lambda t: t[:axis] + t[axis + 1:]  # noqa: E731
+    return loop.m.trace(lambda a: lax.slice(a, cut(start), cut(limit), cut(strides)), inner)
+
+
+_MOVES: dict[str, Callable[..., Value]] = {
+    "slice": _slice_step,
+    "broadcast_in_dim": _broadcast_step,
+    "transpose": _transpose_step,
+    "reshape": _reshape_step,
+    "squeeze": _squeeze_step,
+    "dot_general": _dot_step,
+    **{p: _reduce_step for p in _REDUCTIONS},
+}

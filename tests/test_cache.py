@@ -1,0 +1,445 @@
+"""The disk cache of rewritten programs (rewrite/_cache.py) and the no-regression guard (rewrite/_guard.py).
+
+A stored program loads into a program that runs like the fresh rewrite (values, grad, vmap, jit,
+shardings). Every way an entry can go bad (corrupt bytes, truncation, another format or version,
+another program's entry, an unwritable directory, several writers at once) gives a fresh rewrite
+and a warning, never a wrong program; a rule whose identity cannot be hashed turns caching off.
+"""
+
+import logging
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+import threading
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax._src import core
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from rewrite import AnalyticCost, Limits, RewriteWarning, Ruleset, rewrite, rule
+from rewrite._cache import FORMAT, DiskCache, default_dir, make_key, resolve
+from rewrite._fingerprint import Unstable, fingerprint
+from rewrite._guard import Guard
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+TRIG = Ruleset("trig", [
+    rule(lambda x: 2 * jnp.sin(x) * jnp.cos(x), lambda x: jnp.sin(2 * x), name="double_angle"),
+], soundness="identity")
+
+
+def program(x, w):
+    """A scan, a custom_jvp (relu), a constant array, literals and a rule that fires."""
+    h = jax.nn.relu(x) @ w + jnp.arange(3.0)
+    _, ys = jax.lax.scan(lambda c, a: (c + jnp.sin(a), c * 2.0), jnp.zeros(3), h)
+    return (2 * jnp.sin(ys) * jnp.cos(ys)).sum() + jnp.log1p(jnp.abs(x)).sum()
+
+
+ARGS = (jnp.linspace(-1.0, 1.0, 12).reshape(4, 3), jnp.eye(3) * 0.5)
+
+
+def entries(d):
+    return sorted(pathlib.Path(d).rglob("*.rwx"))
+
+
+def fresh_and_loaded(fn, args, d, **kw):
+    first = rewrite(fn, cache=d, **kw)
+    first.jaxpr(*args)
+    second = rewrite(fn, cache=d, **kw)
+    second.jaxpr(*args)
+    return first, second
+
+
+def test_a_second_instance_loads_the_stored_program_and_it_runs_alike(tmp_path):
+    first, second = fresh_and_loaded(program, ARGS, tmp_path, rulesets=[TRIG])
+    assert (first.loaded, second.loaded) == (0, 1)
+    assert len(entries(tmp_path)) == 1
+    r1, r2 = first.result(*ARGS), second.result(*ARGS)
+    assert r1.cached is None and r2.cached == str(entries(tmp_path)[0])
+    assert str(r2.after) == str(r1.after)
+    assert r2.stats["double_angle"].fired == r1.stats["double_angle"].fired == 1
+    assert (r2.cost_before, r2.cost_after, r2.stopped) == (r1.cost_before, r1.cost_after, r1.stopped)
+    x, w = ARGS
+    np.testing.assert_allclose(second(x, w), program(x, w), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(jax.jit(second)(x, w), jax.jit(first)(x, w), rtol=1e-6)
+    np.testing.assert_allclose(jax.grad(second)(x, w), jax.grad(program)(x, w), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(jax.vmap(second, (0, None))(jnp.stack([x, -x]), w),
+                               jax.vmap(program, (0, None))(jnp.stack([x, -x]), w), rtol=1e-5, atol=1e-5)
+
+
+@jax.custom_vjp
+def _clipped(x):
+    return x
+
+
+_clipped.defvjp(lambda x: (x, None), lambda _, g: (jnp.clip(g, -1.0, 1.0),))
+
+KINDS = {
+    "while": (lambda x: jax.lax.while_loop(lambda c: c[0] < 5, lambda c: (c[0] + 1, c[1] * 1.5), (0, x))[1],
+              (jnp.ones(3),)),
+    "cond": (lambda x, p: jax.lax.cond(p > 0, jnp.sin, jnp.cos, x), (jnp.ones(3), jnp.float32(1))),
+    "nested_jit": (lambda x: jax.jit(lambda y: jnp.exp(y) * 2.0)(x) + 1, (jnp.ones(3),)),
+    "custom_vjp": (lambda x: _clipped(x * 2.0).sum(), (jnp.ones(3),)),
+    "grad_of_custom_vjp": (jax.grad(lambda x: _clipped(jnp.sin(x)).sum()), (jnp.ones(3),)),
+    "remat_grad": (jax.grad(lambda x: jax.checkpoint(lambda y: jnp.sin(jnp.sin(y)))(x).sum()), (jnp.ones(3),)),
+    "bfloat16": (lambda x: (x * jnp.bfloat16(3)).astype(jnp.float32), (jnp.ones(3, jnp.bfloat16),)),
+    "typed_key": (lambda k, x: x + jax.random.normal(k, x.shape), (jax.random.key(0), jnp.ones(3))),
+    "callback": (lambda x: (jax.debug.callback(lambda v: None, x), x * 2)[1], (jnp.ones(3),)),
+    "gather_and_ints": (lambda x, i: x[i, ::2].sum() + jnp.arange(3)[i[0]], (jnp.ones((4, 5)), jnp.arange(4))),
+}
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_programs_of_every_kind_load_alike(tmp_path, kind):
+    fn, args = KINDS[kind]
+    first, second = fresh_and_loaded(fn, args, tmp_path, rulesets=[TRIG])
+    assert second.loaded == 1
+    assert str(second.jaxpr(*args)) == str(first.jaxpr(*args))
+    for p, q in zip(jax.tree_util.tree_leaves(second(*args)), jax.tree_util.tree_leaves(fn(*args))):
+        np.testing.assert_array_equal(np.asarray(p, np.float32), np.asarray(q, np.float32))
+
+
+def _mesh():
+    return jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto, AxisType.Auto))
+
+
+def _constrained(x, w):
+    y = 2 * jnp.sin(x) * jnp.cos(x) @ w
+    return jax.lax.with_sharding_constraint(y * 3, NamedSharding(_mesh(), P("data", None)))
+
+
+def _shard_mapped(x, w):
+    def body(xb, wb):
+        return jax.lax.psum((2 * jnp.sin(xb) * jnp.cos(xb)) @ wb, "model")
+
+    return jax.shard_map(body, mesh=_mesh(), in_specs=(P("data", "model"), P("model", None)),
+                         out_specs=P("data", None))(x, w)
+
+
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 host devices (set by tests/conftest.py)")
+@pytest.mark.parametrize("fn", [_constrained, _shard_mapped], ids=["sharding_constraint", "shard_map"])
+def test_sharded_programs_load_and_keep_their_shardings(tmp_path, fn):
+    mesh = _mesh()
+    x = jax.device_put(jnp.arange(32.0).reshape(8, 4) / 10, NamedSharding(mesh, P("data", "model")))
+    w = jax.device_put(jnp.ones((4, 3)), NamedSharding(mesh, P("model", None)))
+    first, second = fresh_and_loaded(fn, (x, w), tmp_path, rulesets=[TRIG])
+    assert second.loaded == 1
+    assert str(second.jaxpr(x, w)) == str(first.jaxpr(x, w))
+    want, got = jax.jit(fn)(x, w), jax.jit(second)(x, w)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert got.sharding.is_equivalent_to(want.sharding, got.ndim)
+
+
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 host devices (set by tests/conftest.py)")
+def test_explicit_sharding_mode_loads(tmp_path):
+    mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Explicit, AxisType.Explicit))
+    with jax.set_mesh(mesh):
+        x = jax.device_put(jnp.arange(32.0).reshape(8, 4) / 10, NamedSharding(mesh, P("data", "model")))
+        f = lambda x: (2 * jnp.sin(x) * jnp.cos(x)).sum(axis=1)  # noqa: E731
+        first, second = fresh_and_loaded(f, (x,), tmp_path, rulesets=[TRIG])
+        assert second.loaded == 1
+        out, want = jax.jit(second)(x), jax.jit(f)(x)
+        np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
+        assert out.sharding.spec == want.sharding.spec
+
+
+# ---------------------------------------------------------------------- failure modes
+
+
+def _damaged(tmp_path, damage):
+    """Store an entry, damage it, and rewrite again in a new instance: a warning and a fresh rewrite."""
+    first = rewrite(program, rulesets=[TRIG], cache=tmp_path)
+    want = first(*ARGS)
+    (path,) = entries(tmp_path)
+    damage(path)
+    again = rewrite(program, rulesets=[TRIG], cache=tmp_path)
+    with pytest.warns(RewriteWarning, match="unusable"):
+        got = again(*ARGS)
+    assert again.loaded == 0 and again.result(*ARGS).cached is None
+    np.testing.assert_array_equal(got, want)
+    assert str(again.jaxpr(*ARGS)) == str(first.jaxpr(*ARGS))
+    # the fresh result replaced the bad entry
+    third = rewrite(program, rulesets=[TRIG], cache=tmp_path)
+    np.testing.assert_array_equal(third(*ARGS), want)
+    assert third.loaded == 1
+
+
+def test_corrupt_bytes(tmp_path):
+    def flip(path):
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        path.write_bytes(bytes(data))
+
+    _damaged(tmp_path, flip)
+
+
+def test_truncated_entry(tmp_path):
+    _damaged(tmp_path, lambda path: path.write_bytes(path.read_bytes()[: len(path.read_bytes()) // 3]))
+
+
+def test_empty_entry(tmp_path):
+    _damaged(tmp_path, lambda path: path.write_bytes(b""))
+
+
+@pytest.mark.parametrize("field", ["format", "jax", "jax-rewrite"])
+def test_entry_of_another_format_or_version(tmp_path, field):
+    def restamp(path):
+        cache = DiskCache(tmp_path)
+        key = path.stem
+        header, blob = cache.read(key)
+        if field == "format":
+            header["format"] = FORMAT + 1
+        else:
+            header["env"][field] = "0.0.0-other"
+        cache.write(key, header, blob)  # a valid checksum: only the stamp is wrong
+
+    _damaged(tmp_path, restamp)
+
+
+def test_entry_of_another_program_under_this_key(tmp_path):
+    def swap(path):
+        other = tmp_path / "other"
+        rewrite(lambda x, w: jnp.sin(x) @ w, cache=other)(*ARGS)
+        (src,) = entries(other)
+        path.write_bytes(src.read_bytes())
+
+    _damaged(tmp_path, swap)
+
+
+def test_unhashable_rule_turns_the_cache_off_with_a_debug_log(tmp_path, caplog):
+    lock = threading.Lock()  # a closure value with no stable identity
+
+    def guarded(x):
+        with lock:
+            return True
+
+    odd = Ruleset("odd", [rule(lambda x: jnp.sin(x) * 1.0, lambda x: jnp.sin(x), name="odd_mul1", when=guarded)],
+                  soundness="identity")
+    with caplog.at_level(logging.DEBUG, logger="rewrite"):
+        f = rewrite(lambda x: jnp.sin(x) * 1.0, rulesets=[odd], cache=tmp_path)
+        np.testing.assert_allclose(f(jnp.ones(3)), jnp.sin(jnp.ones(3)))
+    assert entries(tmp_path) == []
+    assert any("cache off" in r.getMessage() and "odd_mul1" in r.getMessage() for r in caplog.records)
+    with pytest.raises(Unstable):
+        fingerprint(guarded)
+
+
+def test_unwritable_directory_warns_once_and_rewrites(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    f = rewrite(program, rulesets=[TRIG], cache=blocker / "cache")
+    with pytest.warns(RewriteWarning, match="cannot write the rewrite cache"):
+        got = f(*ARGS)
+    np.testing.assert_allclose(got, program(*ARGS), rtol=1e-5, atol=1e-5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        f(jnp.ones((2, 3)), jnp.eye(3))  # another signature: no second warning for the same directory
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes to read-only directories")
+def test_read_only_directory(tmp_path):
+    tmp_path.chmod(0o500)
+    try:
+        f = rewrite(program, rulesets=[TRIG], cache=tmp_path / "cache")
+        with pytest.warns(RewriteWarning, match="cannot write"):
+            f(*ARGS)
+    finally:
+        tmp_path.chmod(0o700)
+
+
+def test_failed_rename_leaves_no_temporary_file(tmp_path, monkeypatch):
+    def refuse(*a, **k):
+        raise PermissionError("read-only file system")
+
+    monkeypatch.setattr(os, "replace", refuse)
+    f = rewrite(program, rulesets=[TRIG], cache=tmp_path)
+    with pytest.warns(RewriteWarning, match="cannot write"):
+        f(*ARGS)
+    assert [p for p in tmp_path.rglob("*") if p.is_file()] == []
+
+
+WRITER = textwrap.dedent("""
+    import sys, time
+    import jax, jax.numpy as jnp
+    from rewrite._cache import DiskCache
+    closed = jax.make_jaxpr(lambda x: jnp.sin(x) * 2.0)(jnp.ones(64))
+    cache = DiskCache(sys.argv[1])
+    start = float(sys.argv[2])
+    while time.time() < start:
+        time.sleep(0.005)
+    for i in range(40):
+        assert cache.store("ab" * 32, closed, {{"writer": {writer}, "i": i}}, original=closed)
+""")
+
+
+class _waiting_for:
+    def __init__(self, procs):
+        self.procs = procs
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        for p in self.procs:
+            p.wait(timeout=120)
+
+
+def test_concurrent_writers_of_one_key(tmp_path):
+    import time
+
+    start = time.time() + 5.0  # every writer has imported JAX by then, so their stores overlap
+    procs = [subprocess.Popen([sys.executable, "-c", WRITER.format(writer=s), str(tmp_path), str(start)],
+                              cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+             for s in (1, 2, 3)]
+    cache = DiskCache(tmp_path)
+    closed = jax.make_jaxpr(lambda x: jnp.sin(x) * 2.0)(jnp.ones(64))
+    seen = set()
+    with _waiting_for(procs), warnings.catch_warnings():
+        warnings.simplefilter("error")  # a torn entry would warn
+        while any(p.poll() is None for p in procs):
+            found = cache.load("ab" * 32, original=closed)
+            if found is not None:
+                program, meta = found
+                seen.add(meta["writer"])
+                x = jnp.linspace(0, 1, 64)
+                np.testing.assert_allclose(core.jaxpr_as_fun(program)(x)[0], jnp.sin(x) * 2.0, rtol=1e-6)
+    assert [p.returncode for p in procs] == [0, 0, 0]
+    program, meta = cache.load("ab" * 32, original=closed)
+    assert meta["writer"] in (1, 2, 3) and meta["i"] == 39
+    assert [p.name for p in tmp_path.rglob("*") if p.is_file()] == [f"{'ab' * 32}.rwx"]  # no temporaries left
+
+
+# ---------------------------------------------------------------------- the key
+
+
+def test_the_key_follows_rules_models_limits_and_program():
+    closed = jax.make_jaxpr(program)(*ARGS)
+    ents = [(r, TRIG) for r in TRIG]
+    base = make_key(closed, ents, AnalyticCost(), Limits())
+    assert make_key(closed, ents, AnalyticCost(), Limits()) == base
+    same_code = Ruleset("trig", [rule(lambda x: 2 * jnp.sin(x) * jnp.cos(x), lambda x: jnp.sin(2 * x),
+                                      name="double_angle")], soundness="identity")
+    assert make_key(closed, [(r, same_code) for r in same_code], AnalyticCost(), Limits()) == base
+    other_rhs = Ruleset("trig", [rule(lambda x: 2 * jnp.sin(x) * jnp.cos(x), lambda x: jnp.sin(x + x),
+                                      name="double_angle")], soundness="identity")
+    assert make_key(closed, [(r, other_rhs) for r in other_rhs], AnalyticCost(), Limits()) != base
+    fast = Ruleset("trig", list(TRIG), soundness="fastmath")
+    assert make_key(closed, [(r, fast) for r in fast], AnalyticCost(), Limits()) != base
+    assert make_key(closed, ents, AnalyticCost(node=6.0), Limits()) != base
+    assert make_key(closed, ents, AnalyticCost(), Limits(iterations=3)) != base
+    assert make_key(closed, ents, AnalyticCost(), Limits(), guard=Guard()) != base
+    other = jax.make_jaxpr(program)(ARGS[0] * 2, ARGS[1])  # same program, other values: same key
+    assert make_key(other, ents, AnalyticCost(), Limits()) == base
+    wider = jax.make_jaxpr(program)(jnp.ones((5, 3)), ARGS[1])
+    assert make_key(wider, ents, AnalyticCost(), Limits()) != base
+
+
+def test_fingerprints_follow_closures_and_globals():
+    def make(k):
+        return lambda x: x * k
+
+    assert fingerprint(make(2.0)) == fingerprint(make(2.0)) != fingerprint(make(3.0))
+    assert fingerprint(np.arange(3)) != fingerprint(np.arange(3.0))
+    assert fingerprint(jnp.sin) == fingerprint(jnp.sin) != fingerprint(jnp.cos)
+    with pytest.raises(Unstable):
+        fingerprint(iter([1, 2]))
+
+
+def test_where_the_cache_lives(monkeypatch, tmp_path):
+    monkeypatch.delenv("JAX_REWRITE_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert default_dir() == tmp_path / "jax-rewrite"
+    monkeypatch.setenv("JAX_REWRITE_CACHE_DIR", str(tmp_path / "elsewhere"))
+    assert resolve(None).path == tmp_path / "elsewhere"
+    for off in ("", "0", "off", "false", "None"):
+        monkeypatch.setenv("JAX_REWRITE_CACHE_DIR", off)
+        assert resolve(None) is None
+    assert resolve(False) is None and resolve(tmp_path).path == tmp_path
+    assert rewrite(jnp.sin, cache=False).disk is None
+
+
+# ---------------------------------------------------------------------- the guard
+
+# A rule that makes a sum deliberately slow (sorting first), and a cost model that prefers it.
+SLOW = Ruleset("slow", [rule(lambda x: jnp.sum(x), lambda x: jnp.cumsum(jnp.sort(x))[-1], name="sum_by_sorting",
+                             example=(jax.ShapeDtypeStruct((4096,), jnp.float32),))], soundness="identity")
+FAST = Ruleset("fast", [rule(lambda x: jnp.sum(jnp.sort(x)), lambda x: jnp.sum(x), name="sum_unsorted",
+                             example=(jax.ShapeDtypeStruct((4096,), jnp.float32),))], soundness="identity")
+
+
+def _sums_are_ruinous(node):
+    return 1e12 if node.op == "reduce_sum" else AnalyticCost()(node)
+
+
+QUICK = Guard(rounds=5, min_round_seconds=0.005, max_seconds=5.0)
+
+
+def test_guard_keeps_the_original_when_the_rewrite_is_slower(tmp_path):
+    x = jnp.linspace(-1.0, 1.0, 1 << 16)
+    f = rewrite(lambda x: jnp.sum(x), rulesets=[SLOW], cost_model=_sums_are_ruinous, guard=QUICK, cache=tmp_path)
+    out = f(x)
+    result = f.result(x)
+    assert result.stats["sum_by_sorting"].fired == 1 and result.rewritten
+    g = result.guard
+    assert g.kept == "original" and g.seconds_rewritten > g.seconds_original, g
+    assert result.after is result.before
+    np.testing.assert_array_equal(out, jnp.sum(x))
+    assert "kept the original" in str(g)
+    # the decision is stored with the entry: a second instance neither rewrites nor times again
+    again = rewrite(lambda x: jnp.sum(x), rulesets=[SLOW], cost_model=_sums_are_ruinous, guard=QUICK, cache=tmp_path)
+    r2 = again.result(x)
+    assert again.loaded == 1 and "guard" not in r2.times
+    assert r2.guard.kept == "original" and r2.guard.cached and r2.guard.seconds_original == g.seconds_original
+    assert [e.primitive.name for e in r2.after.eqns] == ["reduce_sum"]
+    # without the guard, the slow program is what runs
+    assert "sort" in [e.primitive.name for e in rewrite(lambda x: jnp.sum(x), rulesets=[SLOW],
+                                                        cost_model=_sums_are_ruinous, cache=False).jaxpr(x).eqns]
+
+
+def test_guard_keeps_a_faster_rewrite():
+    x = jnp.linspace(-1.0, 1.0, 1 << 16)
+    f = rewrite(lambda x: jnp.sum(jnp.sort(x)), rulesets=[FAST], guard=QUICK, cache=False)
+    result = f.result(x)
+    assert result.guard.kept == "rewritten", result.guard
+    assert result.guard.seconds_rewritten < result.guard.seconds_original
+    assert "sort" not in [e.primitive.name for e in result.after.eqns]
+    np.testing.assert_allclose(f(x), jnp.sum(x), rtol=1e-5, atol=1e-5)
+
+
+def test_guard_with_nothing_rewritten_does_not_time():
+    f = rewrite(lambda x: jnp.sin(x), guard=True, cache=False)
+    result = f.result(jnp.ones(3))
+    assert result.guard.kept == "original" and result.guard.seconds_original is None
+
+
+def test_an_entry_is_refused_for_another_program_of_the_same_signature(tmp_path):
+    cache = DiskCache(tmp_path)
+    a = jax.make_jaxpr(lambda x: jnp.sin(x) * 3.0)(jnp.ones(4))
+    b = jax.make_jaxpr(lambda x: jnp.sin(x) * 2.0)(jnp.ones(4))
+    assert cache.store("cd" * 32, a, {}, original=a)
+    with pytest.warns(RewriteWarning, match="another program"):
+        assert cache.load("cd" * 32, original=b) is None
+    program, _ = cache.load("cd" * 32, original=a)
+    np.testing.assert_allclose(core.jaxpr_as_fun(program)(jnp.ones(4))[0], jnp.sin(1.0) * 3.0, rtol=1e-6)
+
+
+def test_guard_never_runs_a_program_with_effects():
+    calls = []
+
+    def f(x):
+        jax.debug.callback(lambda v: calls.append(1), x)
+        return 2 * jnp.sin(x) * jnp.cos(x)
+
+    r = rewrite(f, rulesets=[TRIG], guard=True, cache=False)
+    result = r.result(jnp.ones(3))
+    assert calls == [] and result.rewritten
+    assert result.guard.kept == "rewritten" and "effects" in result.guard.reason
+    r(jnp.ones(3))
+    assert calls == [1]

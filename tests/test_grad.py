@@ -1,0 +1,218 @@
+"""The plain ``@rewrite`` under differentiation: every transformation gives JAX's derivatives, reverse
+mode runs the jointly rewritten forward/backward split, forward mode the rewritten JVP, each built
+once per signature and transformation, and only when a derivative is taken (rewrite/_grad.py)."""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from rewrite import RewriteWarning, explain, rewrite
+from rewrite._report import primitive_counts
+from rulesets.derivatives import derivatives
+
+
+def seed(x, a):
+    return jnp.sin(a * x) ** 2 / a
+
+
+def _rand(*shape, seed=0):
+    return jax.random.normal(jax.random.PRNGKey(seed), shape)
+
+
+def _close(got, want, tol=2e-5):
+    got, want = jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)
+    assert len(got) == len(want)
+    for p, q in zip(got, want):
+        if jnp.result_type(q) == jax.dtypes.float0:  # an integer output's tangent
+            assert jnp.result_type(p) == jax.dtypes.float0 and np.shape(p) == np.shape(q)
+            continue
+        np.testing.assert_allclose(p, q, rtol=tol, atol=tol)
+
+
+X, A = _rand(4, 8, 16), jnp.linspace(0.5, 2.0, 16)
+# Large enough that XLA:CPU reduces with its library kernels (tiny arrays are launch-bound).
+X2, A2 = _rand(8, 64, 32), jnp.linspace(0.5, 2.0, 32)
+loss = lambda x, a: seed(x, a).sum()  # noqa: E731
+
+
+def _rewritten():
+    r = rewrite(seed, rulesets=[derivatives])
+    return r, (lambda x, a: r(x, a).sum())
+
+
+def test_reverse_mode_runs_the_rewritten_split_and_builds_it_once():
+    r, loss_r = _rewritten()
+    _ = r(X, A)
+    assert r.derivative_rewrites == {}  # lazy: calling the function rewrites no derivative
+    _close(jax.grad(loss_r, (0, 1))(X, A), jax.grad(loss, (0, 1))(X, A))
+    assert r.derivative_rewrites == {"vjp": 1}
+    _close(jax.value_and_grad(loss_r, (0, 1))(X, A), jax.value_and_grad(loss, (0, 1))(X, A))
+    g = _rand(4, 8, 16, seed=1)
+    out, pb = jax.vjp(r, X, A)
+    want_out, want_pb = jax.vjp(seed, X, A)
+    _close(out, want_out)
+    _close(pb(g), want_pb(g))
+    _close(jax.jit(jax.grad(loss_r, (0, 1)))(X, A), jax.grad(loss, (0, 1))(X, A))
+    assert r.derivative_rewrites == {"vjp": 1}  # one signature, one reverse-mode rewrite
+    _ = jax.grad(loss_r)(X[:2], A)
+    assert r.derivative_rewrites == {"vjp": 2}  # a new signature is a new rewrite
+    # What jax.grad runs is the split. At a size where XLA:CPU reduces with its library kernels the
+    # backward reads sin(ax)**2 and needs one more sine (sin(2ax)) and no cosine; JAX's own has a cosine.
+    fwd, bwd = r.vjp_jaxprs(X2, A2)
+    ran = primitive_counts(jax.make_jaxpr(jax.grad(loss_r, (0, 1)))(X2, A2))
+    for p in ("sin", "cos"):
+        assert ran[p] == primitive_counts(fwd)[p] + primitive_counts(bwd)[p]
+    assert ran["cos"] == 0 and ran["sin"] == 2
+    assert primitive_counts(jax.make_jaxpr(jax.grad(loss, (0, 1)))(X2, A2))["cos"] == 1
+    built = r.grad_result(X, A)
+    assert built.split.cost == min(s.cost for s in built.splits_considered)
+    assert "cos" not in primitive_counts(r.jaxpr(X, A))  # without differentiation only the forward runs
+
+
+def test_forward_mode_runs_the_rewritten_jvp():
+    r, _ = _rewritten()
+    t = (_rand(4, 8, 16, seed=2), _rand(16, seed=3))
+    _close(jax.jvp(r, (X, A), t), jax.jvp(seed, (X, A), t))
+    assert r.derivative_rewrites == {"jvp": 1}
+    jvp = r.jvp_jaxpr(X, A)
+    assert [v.aval.shape for v in jvp.jaxpr.invars] == [(4, 8, 16), (16,), (4, 8, 16), (16,)]
+    ran = primitive_counts(jax.make_jaxpr(lambda x, a, tx, ta: jax.jvp(r, (x, a), (tx, ta)))(X, A, *t))
+    assert ran == primitive_counts(jvp)
+    x1, a1 = X[0, 0, :4], A[:4]
+    _close(jax.jacfwd(r, (0, 1))(x1, a1), jax.jacfwd(seed, (0, 1))(x1, a1), tol=1e-4)
+    _close(jax.jacrev(r, (0, 1))(x1, a1), jax.jacrev(seed, (0, 1))(x1, a1), tol=1e-4)
+    lin_out, lin = jax.linearize(r, X, A)  # linearize evaluates its linear part: the JVP's, not a transpose
+    _close((lin_out, lin(*t)), jax.jvp(seed, (X, A), t))
+
+
+def test_higher_order():
+    r, loss_r = _rewritten()
+    x1, a1 = X[0, 0, :5], A[:5]
+    _close(jax.hessian(loss_r)(x1, a1), jax.hessian(loss)(x1, a1), tol=1e-4)
+    _close(jax.hessian(loss_r, (0, 1))(x1, a1), jax.hessian(loss, (0, 1))(x1, a1), tol=1e-4)
+    gg_r = jax.grad(lambda x, a: jax.grad(loss_r)(x, a).sum(), (0, 1))
+    gg = jax.grad(lambda x, a: jax.grad(loss)(x, a).sum(), (0, 1))
+    _close(jax.jit(gg_r)(X, A), gg(X, A), tol=1e-4)
+    assert r.derivative_rewrites["vjp"] >= 1
+
+
+def test_vmap_jit_and_nesting():
+    r, loss_r = _rewritten()
+    per_example = jax.vmap(jax.grad(loss_r, (0, 1)), in_axes=(0, None))
+    want = jax.vmap(jax.grad(loss, (0, 1)), in_axes=(0, None))(X, A)
+    _close(per_example(X, A), want)
+    _close(jax.jit(per_example)(X, A), want)
+    # grad of a jitted call, a vmapped call, and a call inside scan
+    _close(jax.grad(lambda x, a: jax.jit(r)(x, a).sum(), (0, 1))(X, A), jax.grad(loss, (0, 1))(X, A))
+    _close(jax.grad(lambda x, a: jax.vmap(r, (0, None))(x, a).sum(), (0, 1))(X, A), jax.grad(loss, (0, 1))(X, A))
+
+    def scanned(f):
+        return lambda x, a: jax.lax.scan(lambda c, xi: (c + f(xi, a).sum(), None), 0.0, x)[0]
+
+    _close(jax.grad(scanned(r), (0, 1))(X, A), jax.grad(scanned(seed), (0, 1))(X, A), tol=1e-4)
+    # checkpoint and scan differentiate by JVP and partial evaluation: the rewritten JVP, transposed by JAX
+    _close(jax.grad(lambda x, a: jax.checkpoint(r)(x, a).sum(), (0, 1))(X, A), jax.grad(loss, (0, 1))(X, A))
+    _close(jax.jit(jax.vmap(r, in_axes=(0, None)))(X, A), seed(X, A))
+    # Staged without differentiation, the call is its equations, not an opaque primitive.
+    assert "rewritten" not in primitive_counts(jax.make_jaxpr(r)(X, A))
+    assert "rewritten" not in primitive_counts(jax.make_jaxpr(jax.grad(loss_r))(X, A))
+
+
+def test_integer_inputs_several_outputs_and_partial_argnums():
+    def f(x, n, w):
+        y = jnp.tanh(x @ w) * n
+        return {"y": y, "count": n + 1, "s": jnp.exp(-y).sum()}
+
+    r = rewrite(f, rulesets=[derivatives])
+    x, w, n = _rand(5, 3), _rand(3, 3, seed=1), jnp.int32(2)
+    obj = lambda f: lambda x, w: f(x, n, w)["s"] + f(x, n, w)["y"].sum()  # noqa: E731
+    _close(jax.grad(obj(r), (0, 1))(x, w), jax.grad(obj(f), (0, 1))(x, w))
+    _close(jax.grad(obj(r), 1)(x, w), jax.grad(obj(f), 1)(x, w))  # x's gradient is not asked for
+    t = (_rand(5, 3, seed=5), np.zeros((), jax.dtypes.float0), _rand(3, 3, seed=6))
+    _close(jax.jvp(r, (x, n, w), t), jax.jvp(f, (x, n, w), t))
+
+
+def test_effects_are_differentiated_by_jax_and_run_once():
+    log = []
+
+    def f(x):
+        jax.debug.callback(lambda v: log.append(float(v)), x[0])
+        return jnp.sin(x) ** 2
+
+    r = rewrite(f, rulesets=[derivatives])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RewriteWarning)
+        g = jax.grad(lambda x: r(x).sum())(jnp.ones(3))
+    jax.effects_barrier()
+    np.testing.assert_allclose(g, jnp.sin(2 * jnp.ones(3)), rtol=1e-6)
+    assert log == [1.0] and r.derivative_rewrites == {}
+
+
+def test_failure_warns_and_falls_back(monkeypatch):
+    import rewrite._vjp as vjp_mod
+
+    def broken(*a, **k):
+        raise RuntimeError("simulated")
+
+    monkeypatch.setattr(vjp_mod, "choose_residuals", broken)
+    r = rewrite(seed, rulesets=[derivatives], strict=False)
+    with pytest.warns(RewriteWarning, match="simulated"):
+        g = jax.grad(lambda x, a: r(x, a).sum(), (0, 1))(X, A)
+    _close(g, jax.grad(loss, (0, 1))(X, A))
+    strict = rewrite(seed, rulesets=[derivatives], strict=True)
+    with pytest.raises(RuntimeError, match="simulated"):
+        jax.grad(lambda x, a: strict(x, a).sum())(X, A)
+
+
+def test_explain_shows_the_gradient_program():
+    report = explain(seed, X2, A2, rulesets=[derivatives], grad=True)
+    assert report.gradient is not None and report.gradient.split.residuals is not None
+    assert "cos" in primitive_counts(report.before) and "cos" not in primitive_counts(report.after)
+    assert "residuals" in report.summary()
+    r, loss_r = _rewritten()
+    _ = jax.grad(loss_r)(X, A)
+    again = explain(r, X, A, grad=True)  # a rewritten function: its own rules and cached program
+    assert again.gradient is r.grad_result(X, A) and r.derivative_rewrites == {"vjp": 1}
+
+
+def test_vjp_flag_is_deprecated_and_still_works():
+    with pytest.warns(DeprecationWarning, match="vjp=True"):
+        r = rewrite(seed, rulesets=[derivatives], vjp=True)
+    _close(jax.grad(lambda x, a: r(x, a).sum(), (0, 1))(X, A), jax.grad(loss, (0, 1))(X, A))
+
+
+def test_training_step_with_a_plain_rewritten_loss():
+    from tests.test_vjp import _mlp_loss, _params, _step
+
+    params, x, y = _params(), _rand(6, 8, seed=4), jax.nn.one_hot(jnp.arange(6) % 4, 4)
+    fast = rewrite(_mlp_loss, rulesets=[derivatives])
+    step_r, opt = _step(fast)
+    step, _ = _step(_mlp_loss)
+    sr = s = opt.init(params)
+    pr = p = params
+    for _ in range(3):
+        pr, sr, lr = jax.jit(step_r)(pr, sr, x, y)
+        p, s, l = jax.jit(step)(p, s, x, y)
+        np.testing.assert_allclose(lr, l, rtol=1e-5, atol=1e-6)
+    _close(pr, p, tol=1e-4)
+    assert fast.derivative_rewrites == {"vjp": 1}
+
+
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 host devices (set by tests/conftest.py)")
+def test_sharded_inputs():
+    from jax.sharding import AxisType, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto, AxisType.Auto))
+    x = jax.device_put(_rand(8, 16), NamedSharding(mesh, P("data", "model")))
+    a = jax.device_put(jnp.linspace(0.5, 2.0, 16), NamedSharding(mesh, P("model")))
+    r, loss_r = _rewritten()
+    got = jax.jit(jax.grad(loss_r, (0, 1)))(x, a)
+    want = jax.jit(jax.grad(loss, (0, 1)))(x, a)
+    _close(got, want)
+    for p, q in zip(got, want):
+        assert p.sharding.is_equivalent_to(q.sharding, p.ndim)
+    assert r.derivative_rewrites == {"vjp": 1}

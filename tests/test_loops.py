@@ -1,0 +1,357 @@
+"""Loops as real code writes them: readouts between a loop and its loss, ``fori_loop`` buffers, the loop API.
+
+Each test rewrites a program with :mod:`rulesets.scan`, checks that the rule
+fired and what the emitted program looks like (no stacked hidden states, the
+reduction inside the loop), and compares values, and gradients where the
+rule touches them, with the original within the pack's tolerance. Random
+programs come from hypothesis: recurrent loops with random readouts (weights
+contracted with ``dot_general``, biases broadcast, transposes to batch-major,
+reshapes), random ``fori_loop`` bodies writing a buffer.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jax import lax
+from jax._src import core
+
+import rulesets
+from rewrite import AnalyticCost, Ruleset, explain, procedural, rewrite, rule
+from rewrite.loops import SCAN, Decline, Loop
+
+#: A rule that raises is a bug (it must decline instead); the engine only warns, so make the warning fail here.
+pytestmark = pytest.mark.filterwarnings("error::rewrite.RewriteWarning")
+
+PACK = rulesets.scan
+TOL = dict(rtol=PACK.tolerance.rtol, atol=PACK.tolerance.atol)
+#: Random programs are tiny: price the memory a stacked output holds so that extraction takes the rewritten
+#: loops, which is what is tested (see tests/test_scan.py).
+BYTE_HEAVY = AnalyticCost(stacked=1000.0)
+
+
+def scans(closed):
+    jaxpr = closed.jaxpr if isinstance(closed, core.ClosedJaxpr) else closed
+    out = []
+    for e in jaxpr.eqns:
+        if e.primitive.name in ("scan", "while"):
+            out.append(e)
+        for sub in core.jaxprs_in_params(e.params):
+            out.extend(scans(sub))
+    return out
+
+
+def stacked_shapes(closed, length):
+    """Shapes of every loop output stacked along an axis of the loop's length."""
+    return [v.aval.shape for e in scans(closed) if e.primitive.name == "scan"
+            for v in e.outvars[e.params["num_carry"]:] if v.aval.shape[:1] == (length,)]
+
+
+def close(got, want, tol=TOL):
+    got, want = jax.tree.leaves(got), jax.tree.leaves(want)
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g, np.float64), np.asarray(w, np.float64), **tol)
+
+
+def check(fn, *args, cost_model=BYTE_HEAVY, grad=False):
+    report = explain(fn, *args, rulesets=[PACK], cost_model=cost_model)
+    close(jax.jit(core.jaxpr_as_fun(report.after))(*jax.tree.leaves(args)), jax.jit(fn)(*args))
+    if grad:
+        fast = rewrite(fn, rulesets=[PACK], cost_model=cost_model)
+        close(jax.jit(jax.grad(fast))(*args), jax.jit(jax.grad(fn))(*args), dict(rtol=2e-4, atol=2e-5))
+    return report
+
+
+# ---------------------------------------------------------------------- readouts
+T, B, H, I = 8, 4, 5, 3
+
+
+def lstm_params(key):
+    k = jax.random.split(key, 4)
+    return dict(W=jax.random.normal(k[0], (H + I, 4 * H)) * 0.3, b=jax.random.normal(k[1], (4 * H,)) * 0.1,
+                V=jax.random.normal(k[2], (H, 2)) * 0.3, c=jax.random.normal(k[3], (2,)))
+
+
+def lstm(p, xs, reverse=False, unroll=1):
+    def step(carry, x):
+        h, c = carry
+        i, f, g, o = jnp.split(jnp.concatenate([x, h], -1) @ p["W"] + p["b"], 4, axis=-1)
+        c = jax.nn.sigmoid(f + 1.0) * c + jax.nn.sigmoid(i) * jnp.tanh(g)
+        h = jax.nn.sigmoid(o) * jnp.tanh(c)
+        return (h, c), h
+
+    zeros = jnp.zeros((xs.shape[1], H))
+    return lax.scan(step, (zeros, zeros), xs, reverse=reverse, unroll=unroll)[1]
+
+
+@st.composite
+def readout_programs(draw):
+    """A loss over a readout of an LSTM's stacked hidden states: (fn, args, whether they are only reduced)."""
+    length = draw(st.integers(2, 6))
+    reverse, unroll = draw(st.booleans()), draw(st.sampled_from([1, 2]))
+    batch_major = draw(st.booleans())      # flax's nn.RNN: (batch, time, features)
+    readout = draw(st.sampled_from(["dense", "dense_bias", "scale", "reshape", "einsum_left"]))
+    loss_kinds = draw(st.lists(st.sampled_from(["mse", "l1", "max", "per_step"]), min_size=1, max_size=2))
+    also_return = draw(st.booleans())
+    nested = draw(st.booleans())
+    seed = draw(st.integers(0, 2 ** 16))
+
+    def one(p, xs, ys):
+        hs = lstm(p, xs, reverse, unroll)
+        if batch_major:
+            hs = jnp.swapaxes(hs, 0, 1)
+        if readout == "dense":
+            out = hs @ p["V"]
+        elif readout == "dense_bias":
+            out = hs @ p["V"] + p["c"]
+        elif readout == "scale":
+            out = jnp.tanh(hs[..., :2] * p["c"])
+        elif readout == "reshape":
+            out = (hs.reshape(hs.shape[:2] + (H, 1)) * 2.0)[..., :2, 0]
+        else:  # weights on the left: out[..., o] = sum_h V[h, o] h[..., h]
+            out = jnp.einsum("ho,...h->...o", p["V"], hs)
+        target = jnp.swapaxes(ys, 0, 1) if batch_major else ys
+        total = 0.0
+        for kind in loss_kinds:
+            if kind == "mse":
+                total = total + jnp.mean((out - target) ** 2)
+            elif kind == "l1":
+                total = total + jnp.mean(jnp.abs(out - target))
+            elif kind == "max":
+                total = total + jnp.max(out)
+            else:
+                total = total + jnp.sum(jnp.sum(out ** 2, axis=(0, 2)) * jnp.arange(out.shape[1]))
+        return (total, hs) if also_return else total
+
+    if nested:
+        def fn(p, xs, ys):
+            def outer(acc, scale):
+                r = one(p, xs * scale, ys)
+                return acc + (r[0] if also_return else r), None
+            return lax.scan(outer, 0.0, jnp.array([1.0, -0.5]))[0]
+    else:
+        fn = one
+    fn.__qualname__ = (f"readout(length={length}, reverse={reverse}, unroll={unroll}, batch_major={batch_major}, "
+                       f"readout={readout!r}, loss={loss_kinds}, also_return={also_return}, nested={nested})")
+    k = jax.random.split(jax.random.PRNGKey(seed), 3)
+    args = (lstm_params(k[0]), jax.random.normal(k[1], (length, B, I)), jax.random.normal(k[2], (length, B, 2)))
+    simple = not also_return and not nested and "per_step" not in loss_kinds
+    return fn, args, simple
+
+
+@settings(max_examples=6)  # each example saturates an LSTM body and compiles its gradient
+@given(readout_programs())
+def test_random_readouts_move_into_the_loop(program):
+    fn, args, simple = program
+    report = check(fn, *args, grad=simple)
+    assert report.fired.get("hoist_reductions")
+    if simple:  # the hidden states are only read out and reduced: none are stacked any more
+        assert report.used.get("hoist_reductions")
+        assert stacked_shapes(report.after, args[1].shape[0]) == []
+
+
+def test_readout_with_weights_contracts_inside_the_body():
+    p = lstm_params(jax.random.PRNGKey(0))
+    xs, ys = jax.random.normal(jax.random.PRNGKey(1), (T, B, I)), jnp.zeros((T, B, 2))
+
+    def loss(p, xs, ys):
+        return jnp.mean((lstm(p, xs) @ p["V"] + p["c"] - ys) ** 2)
+
+    report = check(loss, p, xs, ys, grad=True)
+    assert report.used.get("hoist_reductions")
+    (loop,) = scans(report.after)
+    # outside the loop: only the bias reshaped to a step's shape, the initial state, the mean's division
+    assert [e.primitive.name for e in report.after.jaxpr.eqns if e.primitive.name not in ("broadcast_in_dim",
+                                                                                          "squeeze")] == ["scan", "div"]
+    assert stacked_shapes(report.after, T) == []
+    assert loop.params["jaxpr"].jaxpr.eqns  # the readout's weights entered the loop as constants
+    assert any(v.aval.shape == (H, 2) for v in loop.invars[:loop.params["num_consts"]])
+
+
+def test_readout_of_an_output_used_elsewhere_is_only_hoisted_when_it_pays():
+    p = lstm_params(jax.random.PRNGKey(0))
+    xs, ys = jax.random.normal(jax.random.PRNGKey(1), (T, B, I)), jnp.zeros((T, B, 2))
+
+    def loss(p, xs, ys):
+        hs = lstm(p, xs)
+        return jnp.mean((hs @ p["V"] - ys) ** 2), hs
+
+    report = check(loss, p, xs, ys, cost_model=None)
+    assert report.fired.get("hoist_reductions")
+    assert not report.used.get("hoist_reductions")  # hs is stacked anyway
+
+
+def test_haiku_lstm_readout_loss():
+    hk = pytest.importorskip("haiku")
+
+    def f(xs, ys):
+        core_ = hk.LSTM(H)
+        out, _ = hk.dynamic_unroll(core_, xs, core_.initial_state(B))
+        return jnp.mean((hk.Linear(1)(out) - ys) ** 2)
+
+    net = hk.without_apply_rng(hk.transform(f))
+    xs, ys = jax.random.normal(jax.random.PRNGKey(1), (T, B, I)), jnp.ones((T, B, 1))
+    params = net.init(jax.random.PRNGKey(0), xs, ys)
+    report = check(net.apply, params, xs, ys, grad=True)
+    assert report.used.get("hoist_reductions") and stacked_shapes(report.after, T) == []
+
+
+def test_flax_rnn_dense_loss():
+    nn = pytest.importorskip("flax.linen")
+
+    class Model(nn.Module):
+        @nn.compact
+        def __call__(self, xs):
+            return nn.Dense(1)(nn.RNN(nn.LSTMCell(H))(xs))
+
+    model = Model()
+    xs, ys = jax.random.normal(jax.random.PRNGKey(1), (B, T, I)), jnp.ones((B, T, 1))
+    params = model.init(jax.random.PRNGKey(0), xs)
+
+    def loss(params, xs, ys):
+        return jnp.mean((model.apply(params, xs) - ys) ** 2)
+
+    report = check(loss, params, xs, ys, grad=True)
+    assert report.used.get("hoist_reductions") and stacked_shapes(report.after, T) == []
+
+
+# ---------------------------------------------------------------------- the loop API
+def test_loop_api_adds_an_output_and_a_carry_and_declines_cleanly():
+    seen = {}
+
+    @procedural
+    def count(m):
+        loop = Loop(m)
+        if loop.params.get("_rw_counted"):
+            return None
+        seen["reverse"], seen["length"] = loop.reverse, loop.length
+        with loop.attempt():
+            loop.add_output(loop.body.outs[loop.num_carry])
+            raise Decline("undone")
+        assert loop.build(_rw_counted=True)[-1].shape == loop.scan.aval[-1].shape  # nothing was added
+        with loop.attempt():
+            j, acc = loop.add_carry(m.trace(lambda: jnp.zeros((), jnp.int32)))
+            loop.set_carry_next(j, m.trace(lambda a: a + 1, acc))
+        res = loop.build(_rw_counted=True)
+        seen["count"] = loop.carry_result(res, j)
+        return loop.handover(res)
+
+    def f(c, xs):
+        return lax.scan(lambda c, x: (c + x, c * x), c, xs, reverse=True)
+
+    c, xs = jnp.ones(3), jnp.arange(12.0).reshape(4, 3)
+    report = explain(f, c, xs, rulesets=[Ruleset("count", [rule(SCAN, count, name="count")], soundness="identity")])
+    assert report.fired.get("count") and seen["reverse"] and seen["length"] == 4
+    assert seen["count"].shape == () and seen["count"].dtype == jnp.int32
+    close(jax.jit(core.jaxpr_as_fun(report.after))(c, xs), f(c, xs))
+
+
+# ---------------------------------------------------------------------- fori_loop buffers
+@st.composite
+def buffer_programs(draw):
+    """A counted loop writing one row of a carried buffer per step: (fn, args, what is expected)."""
+    length = draw(st.integers(1, 6))
+    extra = draw(st.sampled_from([0, 0, 2]))          # buffer rows the loop does not write
+    start = draw(st.integers(0, extra))
+    write = draw(st.sampled_from(["at_set", "dus"]))
+    form = draw(st.sampled_from(["fori", "scan_reverse", "while"]))
+    reads_buffer = draw(st.booleans() if length > 1 else st.just(False))  # the body also reads the buffer
+    loss = draw(st.sampled_from(["sum_sq", "max", "returned"]))
+    seed = draw(st.integers(0, 2 ** 16))
+    n_rows = length + extra
+
+    def put(buf, i, v):
+        if write == "at_set":
+            return buf.at[i].set(v)
+        return lax.dynamic_update_slice(buf, v[None], (i,) + (0,) * v.ndim)
+
+    def step(i, c, w):
+        x, buf = c
+        new = jnp.tanh(x * w + 0.1 * i.astype(x.dtype))
+        if reads_buffer:
+            new = new + buf[jnp.maximum(i - 1, 0)]
+        return new, put(buf, i, x * 2.0 - w)
+
+    def fn(x, w):
+        buf0 = jnp.full((n_rows,) + x.shape, 0.5, x.dtype)
+        if form == "fori":
+            _, buf = lax.fori_loop(start, start + length, lambda i, c: step(i, c, w), (x, buf0))
+        elif form == "while":
+            _, _, buf = lax.while_loop(lambda c: c[0] < start + length,
+                                       lambda c: (c[0] + 1, *step(c[0], c[1:], w)), (start, x, buf0))
+        else:  # a counter in a reverse scan: step j still writes row start + j
+            def body(c, _):
+                i, x, buf = c
+                return (i + 1, *step(i, (x, buf), w)), None
+            _, _, buf = lax.scan(body, (start, x, buf0), None, length=length, reverse=True)[0]
+        if loss == "sum_sq":
+            return jnp.sum(buf ** 2)
+        if loss == "max":
+            return jnp.max(buf)
+        return buf
+
+    fn.__qualname__ = (f"buffer(length={length}, extra={extra}, start={start}, write={write}, form={form}, "
+                       f"reads_buffer={reads_buffer}, loss={loss})")
+    k = jax.random.split(jax.random.PRNGKey(seed), 2)
+    args = (jax.random.normal(k[0], (2, 3)), jax.random.normal(k[1], ()) * 0.5 + 1.0)
+    return fn, args, dict(reads_buffer=reads_buffer, loss=loss, form=form, whole=extra == 0)
+
+
+#: A while loop's trip count is priced as ``while_trips``; at least the programs' own makes the comparison fair.
+FAIR_WHILE = AnalyticCost(stacked=1000.0, while_trips=10.0)
+
+
+@settings(max_examples=10)
+@given(buffer_programs())
+def test_random_buffers_become_stacked_outputs(program):
+    fn, args, what = program
+    # jax.grad cannot differentiate the original while loop (its trip count is dynamic to JAX)
+    report = check(fn, *args, cost_model=FAIR_WHILE, grad=what["loss"] != "returned" and what["form"] != "while")
+    if what["form"] == "while":
+        assert report.fired.get("while_to_scan")
+    if what["reads_buffer"]:
+        assert not report.used.get("buffer_to_output")
+    else:
+        assert report.fired.get("buffer_to_output")
+        if what["whole"] and what["loss"] == "sum_sq":  # the whole buffer is written, then only reduced
+            assert report.used.get("hoist_reductions")
+            assert all(v.aval.ndim < 3 for e in scans(report.after) for v in e.outvars)
+
+
+def test_fori_buffer_loss_holds_no_buffer():
+    def loss(x):
+        buf = jnp.zeros((16,) + x.shape)
+        _, buf = lax.fori_loop(0, 16, lambda i, c: (jnp.tanh(c[0]), c[1].at[i].set(c[0] * 2.0)), (x, buf))
+        return jnp.sum(buf ** 2)
+
+    x = jnp.linspace(-1.0, 1.0, 64)
+    report = check(loss, x, cost_model=None, grad=True)
+    assert report.used.get("hoist_reductions")
+    (loop,) = scans(report.after)
+    assert [v.aval.shape for v in loop.outvars] == [(64,), ()]  # the state and the accumulator
+    assert "scatter" not in {e.primitive.name for e in loop.params["jaxpr"].jaxpr.eqns}
+
+
+# ---------------------------------------------------------------------- saying why
+def test_explain_prices_a_loop_rewrite_it_did_not_choose():
+    p = lstm_params(jax.random.PRNGKey(0))
+    xs, ys = jax.random.normal(jax.random.PRNGKey(1), (T, B, I)), jnp.zeros((T, B, 2))
+
+    def loss(p, xs, ys):
+        hs = lstm(p, xs)
+        return jnp.mean((hs @ p["V"] - ys) ** 2), hs  # hs is stacked anyway: hoisting only adds work
+
+    report = explain(loss, p, xs, ys, rulesets=[PACK])
+    assert report.fired.get("hoist_reductions") and not report.used.get("hoist_reductions")
+    why = report.why("hoist_reductions")
+    assert why.kept == pytest.approx(report.cost_after, rel=1e-6)  # the price extraction chose
+    assert why.declined != why.kept and why.drivers  # the operations whose prices differ
+    assert why.verdict == ("declined" if why.declined > why.kept else "missed")
+    assert f"hoist_reductions: kept {why.kept:,.0f}, with it {why.declined:,.0f}" in report.summary()
+    # A rewrite that was chosen is not listed; a rule that built nothing has nothing to price.
+    chosen = explain(lambda p, xs, ys: loss(p, xs, ys)[0], p, xs, ys, rulesets=[PACK], cost_model=BYTE_HEAVY)
+    assert chosen.used.get("hoist_reductions") and "hoist_reductions: kept" not in chosen.summary()
+    assert report.why("lift_independent") is None
