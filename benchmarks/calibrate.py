@@ -6,7 +6,9 @@ per element for each elementwise primitive computed inside a fused loop,
 for ``sin`` and ``cos`` of one argument in the same loop (LLVM merges them),
 nanoseconds per byte that a fusion reads or writes, per element that a
 reduction reads, per flop of a matrix product, and the fixed cost of
-launching one fused kernel.
+launching one fused kernel, and the fixed cost of calling a compiled program:
+per call and per input or output buffer (``measure_call``), which no
+rewrite removes and which dominates small programs.
 
 Every figure is a difference of two programs timed side by side in one
 process (``benchmarks/harness.py``): ``op(x) + 1`` against ``x + 1`` on the
@@ -209,6 +211,30 @@ def measure_memory(rounds: int, progress: bool) -> dict[str, float]:
     }
 
 
+def measure_call(rounds: int, progress: bool) -> dict[str, float]:
+    """ns per call of a compiled program, and per input or output buffer it takes or returns.
+
+    Programs of scalars do (almost) no work, so their time is the dispatch:
+    one input and output against eight of each gives the price of a buffer,
+    and the one-buffer program less two buffers the price of a call.
+    """
+    xs = tuple(jnp.float32(k) for k in range(8))
+    one = jax.jit(lambda a: a + 1.0).lower(xs[0]).compile()
+    eight = jax.jit(lambda *a: tuple(v + 1.0 for v in a)).lower(*xs).compile()
+    t1: list[float] = []
+    t8: list[float] = []
+    for _ in range(3):
+        _run_once(one, xs[:1], 100), _run_once(eight, xs, 100)
+    for r in range(max(rounds, 5)):
+        t1.append(_run_once(one, xs[:1], 2000))
+        t8.append(_run_once(eight, xs, 2000))
+        if progress:
+            print(f"call round {r + 1}", file=sys.stderr)
+    # the fastest run is the least disturbed by other users
+    buffer = max((min(t8) - min(t1)) / 14, 0.0)
+    return {"call": max(min(t1) - 2 * buffer, 0.0) * 1e9, "buffer": buffer * 1e9}
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=9)
@@ -218,9 +244,15 @@ def main(argv: list[str] | None = None) -> None:
                     help="combine with the stored table: each elementwise price's lowest value over runs, and the "
                          "median over runs of each memory figure")
     ap.add_argument("--progress", action="store_true")
+    ap.add_argument("--call-only", action="store_true",
+                    help="measure only the per-call and per-buffer cost, and store it in this backend's table")
     args = ap.parse_args(argv)
+    if args.call_only:
+        _call_only(args)
+        return
     ops: dict[str, float] = {}
     mem: dict[str, float] = {}
+    call = measure_call(args.rounds, args.progress)
     for _ in range(args.runs):  # the lowest of several runs: the least disturbed by other users
         for k, v in measure_ops(args.rounds, args.progress).items():
             ops[k] = min(v, ops.get(k, v))
@@ -235,6 +267,7 @@ def main(argv: list[str] | None = None) -> None:
         "jax": jax.__version__,
         "elementwise_ns": {k: float(f"{v:.4g}") for k, v in sorted(ops.items())},
         **{k: float(f"{v:.6g}") for k, v in mem.items()},
+        **{k: round(v, 1) for k, v in call.items()},
     }
     history = [{k: round(v, 6) for k, v in mem.items()}]
     from rewrite import _calibration
@@ -256,16 +289,37 @@ def main(argv: list[str] | None = None) -> None:
     print(json.dumps(table, indent=1))
     if args.write:
         tables[key] = table
-        path = Path(__file__).resolve().parent.parent / "rewrite" / "_calibration.py"
-        body = "\n\n".join(f"{name} = " + pprint.pformat(t, sort_dicts=False, width=110) for name, t in tables.items())
-        backends = {t["platform"]: name for name, t in tables.items()}
-        path.write_text(
-            '"""Measured costs per backend, written by ``benchmarks/calibrate.py``; do not edit by hand.\n\n'
-            "Nanoseconds per element (per byte, per flop, per kernel) on the machine each table names, the\n"
-            "fastest of several runs under the load recorded. Only ratios matter to extraction; rerun the\n"
-            "script on a backend to calibrate it. ``BACKENDS`` maps ``jax.default_backend()`` to its table.\n"
-            '"""\n\n' + body + "\n\nBACKENDS = " + pprint.pformat(backends) + "\n")
-        print(f"wrote {path}", file=sys.stderr)
+        _write(tables)
+
+
+def _call_only(args: argparse.Namespace) -> None:
+    from rewrite import _calibration
+
+    call = measure_call(args.rounds, args.progress)
+    print(json.dumps(call, indent=1))
+    if args.write:
+        tables = {name: dict(getattr(_calibration, name)) for name in _calibration.BACKENDS.values()}
+        key = jax.default_backend().upper()
+        table = tables[key]
+        table.update({k: round(v, 1) for k, v in call.items()})
+        table["call_measured"] = {"date": datetime.date.today().isoformat(), "device": str(jax.devices()[0].device_kind),
+                                  "load_average": [round(x, 2) for x in os.getloadavg()]}
+        table.pop("call_uncalibrated", None)
+        _write(tables)
+
+
+def _write(tables: dict) -> None:
+    path = Path(__file__).resolve().parent.parent / "rewrite" / "_calibration.py"
+    body = "\n\n".join(f"{name} = " + pprint.pformat(t, sort_dicts=False, width=110) for name, t in tables.items())
+    backends = {t["platform"]: name for name, t in tables.items()}
+    path.write_text(
+        '"""Measured costs per backend, written by ``benchmarks/calibrate.py``; do not edit by hand.\n\n'
+        "Nanoseconds per element (per byte, per flop, per kernel) on the machine each table names, the\n"
+        "fastest of several runs under the load recorded. Only ratios matter to extraction; rerun the\n"
+        "script on a backend to calibrate it. ``BACKENDS`` maps ``jax.default_backend()`` to its table.\n"
+        '"""\n\n' + body + "\n\nBACKENDS = " + pprint.pformat(backends) + "\n")
+    print(f"wrote {path}", file=sys.stderr)
+
 
 if __name__ == "__main__":
     main()

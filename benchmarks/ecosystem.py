@@ -557,7 +557,7 @@ def measure_program(prog: Program, config: str, packs: list, *, rounds: int,
                           rounds=rounds, warmup=2, progress=None)
     st = row.stats
     changed = str(report.after) != str(report.before)
-    predicted = report.cost_before / report.cost_after if report.cost_after else math.inf
+    predicted = report.predicted_speedup  # the fixed cost of a call included
     return Result(
         program=prog.name, library=prog.library, kind=prog.kind, config=config, eqns=eqns,
         fired=dict(report.fired), stopped=report.stopped, rows=report.egraph_rows, rewrite_seconds=rewrite_s,
@@ -611,8 +611,9 @@ def markdown(results: list[Result], meta: dict[str, Any]) -> str:
         "compiled copy of itself: the noise to read the speed-up against. Error is the largest difference to "
         "the original under `jit`, relative to each output's largest magnitude; the control is the original "
         "op by op against itself under `jit`. Overhead is the rewrite's time (trace to emit) over XLA's "
-        "`lower().compile()` of the same program; predicted is the cost model's price of the original over "
-        "the rewritten program's.",
+        "`lower().compile()` of the same program; predicted is the cost model's predicted speed-up "
+        "(`Report.predicted_speedup`: the price of the original over the rewritten program's, each with the "
+        "fixed cost of one call, per call and per buffer in or out, added).",
         "",
     ]
     for config, s in summary(results).items():
@@ -637,6 +638,11 @@ def markdown(results: list[Result], meta: dict[str, Any]) -> str:
                 f"{r.flops_before / 1e9:.3f} -> {r.flops_after / 1e9:.3f} | {r.rewrite_seconds:.2f} | "
                 f"{r.compile_seconds:.2f} | {r.overhead:.2f}x | {r.stopped.split(',')[0]} |")
         lines.append("")
+        missed = [r for r in results if r.config == config and r.predicted >= 1.05 and r.ratio < 0.97]
+        if missed:
+            lines += ["Model misses (predicted at least 5% faster, measured below 0.97x):", ""]
+            lines += [f"* {r.program}: predicted {r.predicted:.2f}x, measured {r.ratio:.2f}x (A/A {r.aa_ratio:.2f}x)"
+                      for r in missed] + [""]
     if meta.get("failures"):
         lines += ["## Failures", ""] + [f"* {f}" for f in meta["failures"]] + [""]
     lines += ["## The programs", "", "| program | library | what it is |", "|---|---|---|"]

@@ -1,10 +1,11 @@
 """Stage 2, load: every equation of a jaxpr becomes an e-node.
 
 The walk is the textbook jaxpr interpreter (an environment, ``read``, a loop
-over equations) with a table keyed by primitive name. A primitive in the
-term table becomes its typed constructor; one that owns bodies (scan, while,
-cond, jit, shard_map) gets its bodies loaded too, each in a scope of its own;
-everything else becomes an ``Opaque`` node with its params kept whole, so an
+over equations) with the table of primitives (``rewrite/_primitives.py``). A
+primitive becomes its record's constructor; a record's ``load`` hook builds
+nodes with bodies (scan, while, cond, jit, shard_map: each body loaded in a
+scope of its own, through :class:`_Loading`); a primitive without a record
+gets the default one, an ``Opaque`` node with its params kept whole, so an
 unknown primitive is never an error. Equations with effects are threaded on
 a token so that nothing can drop, duplicate or reorder them.
 
@@ -23,6 +24,7 @@ from jax._src import core
 
 from . import _terms
 from ._intern import EFFECTS, PARAMS, TYPES
+from ._primitives import Unsupported  # noqa: F401  (raised by builders and load hooks)
 
 TOKEN_AVAL = core.abstract_token
 
@@ -44,10 +46,6 @@ class Builder(Protocol):
     def literal(self, value: Any, aval: Any) -> Any: ...
     def const(self, array: Any, aval: Any) -> Any: ...
     def new_scope(self) -> int: ...
-
-
-class Unsupported(Exception):
-    """A jaxpr construct a builder cannot express (patterns reject bodies, say)."""
 
 
 def load_closed(closed: core.ClosedJaxpr, inputs: Sequence[Any], b: Builder, token: Any = None) -> tuple[list[Any], Any]:
@@ -101,37 +99,26 @@ def load_eqn(eqn: core.JaxprEqn, args: list[Any], b: Builder, token: Any) -> tup
         new_token = b.term("Proj", [tup, len(out_avals)], TYPES.intern_aval(TOKEN_AVAL), source)
         return outs, new_token
 
-    if name == "jit" and _transparent_jit(eqn.params):
-        outs, _ = load_closed(eqn.params["jaxpr"], args, b)
-        return outs, token
-
-    loader = _NESTED.get(name)
-    spec = _terms.BY_PRIM.get(name)
-    if loader is not None:
+    spec = _terms.spec_of(name)
+    if spec.load is not None:
         try:
-            return loader(eqn, args, b, source), token
+            outs = spec.load(_Loading(eqn, args, b, source))
         except Unsupported:
-            spec = None  # kept whole, as an opaque node
-
-    if spec is not None and _fits(spec, args):
-        if name == "convert_element_type" and _is_literal_retype(eqn):
-            lit = eqn.invars[0]
-            return [b.literal(np.asarray(lit.val, dtype=out_avals[0].dtype), out_avals[0])], token
-        pid = _intern(eqn)
-        fixed = spec.layout.count("T")
-        cargs: list[Any] = list(args[:fixed])
-        if "L" in spec.layout:
-            cargs.append(b.tlist(args[fixed:]))
-        cargs.append(pid)
-        if prim.multiple_results:
-            return _project(b, b.term(spec.ctor, cargs, TYPES.intern_tuple(tuple(out_avals)), source), out_avals, source), token
-        return [b.term(spec.ctor, cargs, TYPES.intern_aval(out_avals[0]), source)], token
-
+            spec = _terms.DEFAULT  # kept whole, as an opaque node
+        else:
+            if outs is not None:
+                return outs, token
+    if spec.family == _terms.NESTED or not _fits(spec, args):
+        spec = _terms.DEFAULT
     pid = _intern(eqn)
+    fixed = spec.layout.count("T")
+    cargs: list[Any] = list(args[:fixed])
+    if "L" in spec.layout:
+        cargs.append(b.tlist(args[fixed:]))
+    cargs.append(pid)
     if prim.multiple_results:
-        tup = b.term("Opaque", [b.tlist(args), pid], TYPES.intern_tuple(tuple(out_avals)), source)
-        return _project(b, tup, out_avals, source), token
-    return [b.term("Opaque", [b.tlist(args), pid], TYPES.intern_aval(out_avals[0]), source)], token
+        return _project(b, b.term(spec.ctor, cargs, TYPES.intern_tuple(tuple(out_avals)), source), out_avals, source), token
+    return [b.term(spec.ctor, cargs, TYPES.intern_aval(out_avals[0]), source)], token
 
 
 def side_effects(effects: Any) -> set[Any]:
@@ -145,14 +132,6 @@ def _fits(spec: _terms.OpSpec, args: list[Any]) -> bool:
     return len(args) >= fixed if "L" in spec.layout else len(args) == fixed
 
 
-def _is_literal_retype(eqn: core.JaxprEqn) -> bool:
-    """``convert_element_type`` of a literal that only drops weak typing: fold it into the literal."""
-    x = eqn.invars[0]
-    out = eqn.outvars[0].aval
-    return (isinstance(x, core.Literal) and x.aval.dtype == out.dtype and x.aval.shape == out.shape == ()
-            and eqn.params.get("sharding") is None)
-
-
 def _intern(eqn: core.JaxprEqn) -> int:
     pid = PARAMS.intern_params(eqn.primitive, eqn.params)
     if eqn.effects:
@@ -162,22 +141,6 @@ def _intern(eqn: core.JaxprEqn) -> int:
 
 def _project(b: Builder, tup: Any, avals: Sequence[Any], source: Any) -> list[Any]:
     return [b.term("Proj", [tup, i], TYPES.intern_aval(a), source) for i, a in enumerate(avals)]
-
-
-def _transparent_jit(params: dict[str, Any]) -> bool:
-    """A nested ``jit`` that only groups equations: no shardings, layouts, donation or compiler options.
-
-    Inlining it keeps the program's meaning and lets rules see through helpers
-    such as ``jnp.where`` and ``jnp.clip``, which ``jax.numpy`` wraps in ``jit``.
-    """
-    from jax._src.sharding_impls import UnspecifiedValue
-
-    return (all(isinstance(s, UnspecifiedValue) for s in params.get("in_shardings", ()))
-            and all(isinstance(s, UnspecifiedValue) for s in params.get("out_shardings", ()))
-            and all(l is None for l in params.get("in_layouts", ()))
-            and all(l is None for l in params.get("out_layouts", ()))
-            and not any(params.get("donated_invars", ()))
-            and not params.get("compiler_options_kvs"))
 
 
 # ---------------------------------------------------------------------- bodies
@@ -192,53 +155,39 @@ def _closed_body(b: Builder, closed: core.ClosedJaxpr) -> Any:
     return _load_body(b, closed.jaxpr, closed.consts, closed.in_avals)
 
 
-def _nested(b: Builder, eqn: core.JaxprEqn, ctor: str, bodies: list[Any], args: list[Any], extra: dict[str, Any],
-            source: Any) -> list[Any]:
-    spec = _terms.BY_CTOR[ctor]
-    params = {k: v for k, v in eqn.params.items() if k not in spec.body_params}
-    params.update(extra)
-    pid = PARAMS.intern_params(eqn.primitive, params)
-    out_avals = [v.aval for v in eqn.outvars]
-    tup = b.term(ctor, [*bodies, b.tlist(args), pid], TYPES.intern_tuple(tuple(out_avals)), source)
-    return _project(b, tup, out_avals, source)
+class _Loading:
+    """What a record's ``load`` hook (``rewrite/_primitives.py``) works with: the equation, its operand
+    refs, and the ways to load bodies and build the node."""
 
+    def __init__(self, eqn: core.JaxprEqn, args: list[Any], b: Builder, source: Any) -> None:
+        self.eqn, self.args, self.b, self.source = eqn, args, b, source
 
-def _load_scan(eqn: core.JaxprEqn, args: list[Any], b: Builder, source: Any) -> list[Any]:
-    body = _closed_body(b, eqn.params["jaxpr"])
-    n = len(eqn.params["jaxpr"].in_avals)
-    # The body's jaxpr takes its Params in this order. Rules that add a carry
-    # append a Param and insert its index here, so the rest of the body stays
-    # shared. Params named _rw_* are annotations the emitter drops.
-    return _nested(b, eqn, "Scan", [body], args, {"_rw_order": tuple(range(n))}, source)
+    def body(self, jaxpr: core.Jaxpr, consts: Sequence[Any], avals: Sequence[Any]) -> Any:
+        """``jaxpr`` loaded as a body in a scope of its own, its inputs ``Param`` nodes of that scope."""
+        return _load_body(self.b, jaxpr, consts, avals)
 
+    def closed_body(self, closed: core.ClosedJaxpr) -> Any:
+        return _closed_body(self.b, closed)
 
-def _load_while(eqn: core.JaxprEqn, args: list[Any], b: Builder, source: Any) -> list[Any]:
-    cond = _closed_body(b, eqn.params["cond_jaxpr"])
-    body = _closed_body(b, eqn.params["body_jaxpr"])
-    return _nested(b, eqn, "While", [cond, body], args, {}, source)
+    def blist(self, bodies: Sequence[Any]) -> Any:
+        return self.b.blist(bodies)
 
+    def literal(self, value: Any, aval: Any) -> Any:
+        return self.b.literal(value, aval)
 
-def _load_cond(eqn: core.JaxprEqn, args: list[Any], b: Builder, source: Any) -> list[Any]:
-    branches = b.blist([_closed_body(b, br) for br in eqn.params["branches"]])
-    return _nested(b, eqn, "Cond", [branches], args, {}, source)
+    def inline(self, closed: core.ClosedJaxpr) -> list[Any]:
+        """The outputs of ``closed`` loaded in place, its inputs bound to the operands (no node of its own)."""
+        outs, _ = load_closed(closed, self.args, self.b)
+        return outs
 
-
-def _load_jit(eqn: core.JaxprEqn, args: list[Any], b: Builder, source: Any) -> list[Any]:
-    return _nested(b, eqn, "Jit", [_closed_body(b, eqn.params["jaxpr"])], args, {}, source)
-
-
-def _load_shard_map(eqn: core.JaxprEqn, args: list[Any], b: Builder, source: Any) -> list[Any]:
-    jaxpr = eqn.params["jaxpr"]
-    if jaxpr.constvars:
-        raise Unsupported("shard_map body with constants")
-    body = _load_body(b, jaxpr, (), [v.aval for v in jaxpr.invars])
-    return _nested(b, eqn, "ShardMap", [body], args, {}, source)
-
-
-_NESTED = {
-    "scan": _load_scan,
-    "while": _load_while,
-    "cond": _load_cond,
-    "jit": _load_jit,
-    "shard_map": _load_shard_map,
-}
+    def nested(self, bodies: list[Any], extra: dict[str, Any] | None = None) -> list[Any]:
+        """The node over ``bodies`` (in layout order) and the operands; its params lose the body params
+        and gain ``extra``. Returns one projection per result."""
+        eqn, b = self.eqn, self.b
+        spec = _terms.BY_PRIM[eqn.primitive.name]
+        params = {k: v for k, v in eqn.params.items() if k not in spec.body_params}
+        params.update(extra or {})
+        pid = PARAMS.intern_params(eqn.primitive, params)
+        out_avals = [v.aval for v in eqn.outvars]
+        tup = b.term(spec.ctor, [*bodies, b.tlist(self.args), pid], TYPES.intern_tuple(tuple(out_avals)), self.source)
+        return _project(b, tup, out_avals, self.source)

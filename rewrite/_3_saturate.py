@@ -47,8 +47,13 @@ class Limits:
     (nodes, names, facts and matches together). ``seconds``: wall time for
     saturation. ``matches``: new matches a rule may act on in one iteration
     before it is banned for ``ban`` iterations (both double on each ban).
+    ``growth`` retires a rule that outruns its allowance in an e-graph grown
+    past that many times its starting size, instead of banning it for a while.
     A :class:`Ruleset` given ``limits=`` uses its ``matches`` and ``ban`` for
-    its own rules instead; the run's limits bound everything else.
+    its own rules instead, and runs them in its first ``iterations`` rounds
+    only (rules that reach every bracketing of a chain, such as
+    associativity, grow the e-graph exponentially in the rounds they run);
+    the run's limits bound everything else.
 
     >>> from rewrite import Limits
     >>> Limits(seconds=2.0).iterations
@@ -60,6 +65,12 @@ class Limits:
     seconds: float = 20.0
     matches: int = 2_000
     ban: int = 2
+    #: a rule that outruns its allowance once the e-graph holds more than ``growth`` times the rows it
+    #: started with is retired for the rest of the run, not banned for a while: past that size the
+    #: rules that keep matching more are the ones reaching every order and bracketing of a chain
+    #: (commutativity, associativity, and what merges and splits along them), whose matches grow
+    #: exponentially while the rewrites worth having were found early (benchmarks/growth.py).
+    growth: float = 16.0
 
 
 @dataclasses.dataclass
@@ -68,6 +79,8 @@ class RuleStats:
     matched: int = 0
     rejected: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     banned: int = 0
+    #: retired for the rest of the run for outrunning its allowance in a grown e-graph (``Limits.growth``)
+    retired: bool = False
     seconds: float = 0.0
     examples: list[tuple[Any, Any]] = dataclasses.field(default_factory=list)  # (avals, root source)
 
@@ -81,6 +94,8 @@ class _Active:
     allowance: int = 0
     ban_length: int = 0
     banned_until: int = -1
+    #: the rule runs in iterations below this one only (its ruleset's ``limits.iterations``)
+    last: int | None = None
 
 
 class Engine:
@@ -97,6 +112,8 @@ class Engine:
         self.warnings: list[str] = []
         #: The unions made by preferred rules (rule(..., prefer=True)), barred before extraction.
         self.preferred: list[Barred] = []
+        #: rules retired for outrunning their allowance in a grown e-graph (``Limits.growth``)
+        self.retired: list[str] = []
         #: Traces of rule-built functions in this run, by code, closure and avals (see _trace_key).
         self._traced: dict[Any, Any] = {}
         lines = ["(ruleset match)"]
@@ -112,7 +129,9 @@ class Engine:
             # A ruleset may set its own back-off (say, a tighter allowance for
             # associativity); the run's limits govern everything else.
             backoff = owner.limits if owner.limits is not None else limits
-            self.active.append(_Active(rule, owner, rels, allowance=backoff.matches, ban_length=backoff.ban))
+            last = owner.limits.iterations if owner.limits is not None else None
+            self.active.append(_Active(rule, owner, rels, allowance=backoff.matches, ban_length=backoff.ban,
+                                       last=last))
             self.stats[rule.name] = RuleStats()
         egraph.declare("\n".join(lines))
 
@@ -136,22 +155,36 @@ class Engine:
         if not self.active:
             self.snapshot = self.egraph.snapshot()
             return "saturated"
+        start_rows: int | None = None
         for it in range(limits.iterations):
             self.iterations = it + 1
             self.egraph.run("facts", saturate=True)
             self.egraph.run("match")
             self.snapshot = self.egraph.snapshot()
+            if start_rows is None:
+                start_rows = self.snapshot.num_rows
+            grown = self.snapshot.num_rows > limits.growth * start_rows
             if self.snapshot.num_rows > limits.nodes:
                 return "node limit"
             if time.perf_counter() - start > limits.seconds:
                 return "time limit"
             waiting = False
             for act in self.active:
+                if act.last is not None and it >= act.last:
+                    continue  # its ruleset's rounds are over
                 if it < act.banned_until:
                     waiting = True
                     continue
                 rows = [(rel, binds, r) for rel, binds in act.relations for r in self.snapshot.rows(rel)]
                 new = [(rel, binds, r) for rel, binds, r in rows if (rel, tuple(r.inputs)) not in act.seen]
+                if len(new) > act.allowance and grown:
+                    act.last = it  # retired: see Limits.growth
+                    self.retired.append(act.rule.name)
+                    self.stats[act.rule.name].retired = True
+                    self.stats[act.rule.name].banned += 1
+                    log.debug("rule %r retired at iteration %d (%d new matches in a grown e-graph)",
+                              act.rule.name, it, len(new))
+                    continue
                 if len(new) > act.allowance:
                     act.banned_until = it + act.ban_length
                     act.allowance *= 2
@@ -172,7 +205,7 @@ class Engine:
             changed = self.egraph.flush()
             if not changed and not waiting:
                 self.snapshot = self.egraph.snapshot()
-                return "saturated"
+                return "saturated"  # rules retired in a grown e-graph are listed in ``retired`` and their stats
         return "iteration limit"
 
     # ------------------------------------------------------------------ one match

@@ -30,6 +30,7 @@ from . import _terms
 from ._egraph import Snapshot
 from ._2_load import side_effects
 from ._intern import EFFECTS, PARAMS, TYPES, TupleType
+from ._walk import CycleError, operands, postorder
 from ._rules import literal_value
 
 
@@ -57,35 +58,13 @@ class _Scope:
         self._emit_all(roots)
         return [self.env[r] for r in roots]
 
-    def _children(self, ctor: str, args: tuple) -> list[Any]:
-        out = []
-        for s, a in zip(_terms.ctor_arg_sorts(ctor), args):
-            if s == "Term":
-                out.append(a)
-            elif s == "TList":
-                out.extend(self.em.snap.list_items(a))
-        return out
-
     def _emit_all(self, roots: Sequence[Any]) -> None:
-        choice = self.em.choice
-        stack: list[tuple[Any, bool]] = [(r, False) for r in reversed(roots)]
-        on_path: set[Any] = set()
-        while stack:
-            cls, done = stack.pop()
-            if cls in self.env:
-                continue
-            ctor, args = choice[cls]
-            if done:
-                on_path.discard(cls)
-                self.env[cls] = self._emit(cls, ctor, args)
-                continue
-            if cls in on_path:
-                raise EmitError("the chosen program has a cycle")
-            on_path.add(cls)
-            stack.append((cls, True))
-            for k in reversed(self._children(ctor, args)):
-                if k not in self.env:
-                    stack.append((k, False))
+        choice, snap = self.em.choice, self.em.snap
+        try:
+            for cls in postorder(roots, lambda c: operands(snap, choice[c]), done=self.env):
+                self.env[cls] = self._emit(cls, *choice[cls])
+        except CycleError as e:
+            raise EmitError(str(e)) from None
 
     def _emit(self, cls: Any, ctor: str, args: tuple) -> Any:
         em = self.em
@@ -124,14 +103,12 @@ class _Scope:
         if ctor == "Effect":
             invars = [self.env[a] for a in snap.list_items(args[1])]
             out_avals = out_avals[:-1]
-        elif ctor == "Opaque":
-            invars = [self.env[a] for a in snap.list_items(args[0])]
         else:
-            spec = _terms.BY_CTOR[ctor]
-            invars = [self.env[a] for a in self._children(ctor, args)]
-            if spec.family == _terms.NESTED:
-                params = self._nested_params(spec, args, params, len(out_avals), len(invars))
-                effects = _nested_effects(spec.prim, params)
+            spec = _terms.BY_CTOR.get(ctor, _terms.DEFAULT)
+            invars = [self.env[a] for a in operands(snap, (ctor, args))]
+            if spec.emit is not None:  # a primitive with bodies: its hook rebuilds them from their classes
+                params = spec.emit(em, params, self._bodies(spec, args), len(out_avals), len(invars))
+                effects = _nested_effects(spec, params)
         # Keys starting with _rw_ are annotations that rules keep on nodes; JAX never sees them.
         params = {k: v for k, v in params.items() if not k.startswith("_rw_")}
         outvars = [core.Var(a) for a in out_avals]
@@ -143,27 +120,10 @@ class _Scope:
             return outvars
         return outvars[0]
 
-    def _nested_params(self, spec: _terms.OpSpec, args: tuple, params: dict, n_out: int, n_in: int) -> dict:
-        em = self.em
-        if spec.prim == "scan":
-            order = params.pop("_rw_order")
-            params["jaxpr"] = em.body(args[0], order, closed=True)
-            if params.get("_rw_remat"):
-                params["jaxpr"] = checkpointed(params["jaxpr"], params["num_carry"], params["num_consts"],
-                                               params["_rw_remat"])
-        elif spec.prim == "while":
-            n_cond = params["cond_nconsts"] + n_out
-            n_body = params["body_nconsts"] + n_out
-            params["cond_jaxpr"] = em.body(args[0], tuple(range(n_cond)), closed=True)
-            params["body_jaxpr"] = em.body(args[1], tuple(range(n_body)), closed=True)
-        elif spec.prim == "cond":
-            order = tuple(range(n_in - 1))
-            params["branches"] = tuple(em.body(b, order, closed=True) for b in em.snap.list_items(args[0]))
-        elif spec.prim == "jit":
-            params["jaxpr"] = em.body(args[0], tuple(range(n_in)), closed=True)
-        elif spec.prim == "shard_map":
-            params["jaxpr"] = em.body(args[0], tuple(range(n_in)), closed=False)
-        return params
+    def _bodies(self, spec: _terms.OpSpec, args: tuple) -> list[Any]:
+        """The body arguments of a nested node, one per ``B`` (a class) or ``N`` (a list of classes)."""
+        list_items = self.em.snap.list_items
+        return [a if letter == "B" else list_items(a) for letter, a in zip(spec.layout, args) if letter in "BN"]
 
 
 class Emitter:
@@ -184,6 +144,10 @@ class Emitter:
         if cls is None:
             raise EmitError(f"scope {scope} has no input {index}")
         return self.snap.aval(cls)
+
+    @staticmethod
+    def checkpointed(body: core.ClosedJaxpr, num_carry: int, num_consts: int, what: str) -> core.ClosedJaxpr:
+        return checkpointed(body, num_carry, num_consts, what)
 
     def body(self, body_cls: Any, order: Sequence[int], *, closed: bool) -> Any:
         ctor, (scope, outs) = self.choice[body_cls]
@@ -215,16 +179,14 @@ class Emitter:
         return core.ClosedJaxpr(jaxpr, sc.consts)
 
 
-def _nested_effects(prim: str, params: dict) -> Any:
-    """A nested equation's effects: its bodies', less the axes a shard_map binds itself."""
-    bodies = [params[k] for k in ("jaxpr", "cond_jaxpr", "body_jaxpr") if k in params] + list(params.get("branches", ()))
+def _nested_effects(spec: _terms.OpSpec, params: dict) -> Any:
+    """A nested equation's effects: its bodies', less the axes it binds itself (a shard_map's manual axes)."""
     effects = set()
-    for b in bodies:
-        effects |= set(b.effects)
-    if prim == "shard_map":
-        bound = params.get("newly_manual_axes", frozenset())
-        effects = {e for e in effects if not (isinstance(e, core.NamedAxisEffect) and e.name in bound)}
-    return effects
+    for k in spec.body_params:
+        for b in params[k] if isinstance(params[k], (tuple, list)) else (params[k],):
+            effects |= set(b.effects)
+    bound = params.get("newly_manual_axes", frozenset())
+    return {e for e in effects if not (isinstance(e, core.NamedAxisEffect) and e.name in bound)}
 
 
 #: What a loop body built by a rule may ask autodiff to keep (``_rw_remat`` on a scan's params).

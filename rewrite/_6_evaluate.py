@@ -29,13 +29,12 @@ from jax._src import core
 from . import _cache, _guard
 from ._1_trace import Static, Traced, leaf_specs, split_static, trace
 from ._3_saturate import Limits
-from ._cost import resolve
 from ._grad import Program, bind_if_differentiated
+from ._measure import resolve
 from ._pipeline import Result, run_pipeline
 from ._rules import Rule, Ruleset, as_ruleset
 
 log = logging.getLogger("rewrite")
-
 
 class RewriteWarning(UserWarning):
     """The rewriter could not finish and kept (part of) the original program.
@@ -322,7 +321,8 @@ def rewrite(fn: Callable[..., Any] | None = None, *, rulesets: Any = (), cost_mo
     signature, saturated with the rules, and the cheapest equivalent program
     under ``cost_model`` runs in its place. ``limits`` bounds saturation.
     ``cost_model`` is ``None``/``"analytic"`` (predicted), ``"measure"``
-    (the best candidates timed on the backend) or a callable.
+    (the best candidates timed on the backend) or a :class:`rewrite.CostModel`
+    (a plain function is a node price alone: :class:`rewrite.NodeCost`).
 
     Differentiating the result runs programs rewritten for the derivative
     asked for (``rewrite/_grad.py``): ``jax.grad``/``jax.vjp`` run ``fn``'s

@@ -9,19 +9,24 @@ code. The pipeline's stages are the numbered modules ``_1_trace`` to
 
 from ._3_saturate import Limits
 from ._6_evaluate import RewriteLimitWarning, RewriteWarning, Rewritten, rewrite
-from ._cost import AnalyticCost, NodeInfo
-from ._guard import Guard
+from ._cost import AnalyticCost, CostModel, NodeCost, NodeInfo
+from ._primitives import GROUPS, OpSpec, register_primitive
 from ._pattern import Ops, Pat, ops
+from ._guard import Guard
 from ._report import Report, explain
 from ._rules import Match, Params, Rule, Ruleset, Tolerance, Value, procedural, rule
 from . import loops  # noqa: E402  (the loop API: rewrite.loops.Loop, rewrite.loops.SCAN)
 
 __all__ = [
     "AnalyticCost",
+    "CostModel",
+    "GROUPS",
     "Guard",
     "Limits",
     "Match",
+    "NodeCost",
     "NodeInfo",
+    "OpSpec",
     "Ops",
     "Params",
     "Pat",
@@ -37,6 +42,7 @@ __all__ = [
     "loops",
     "ops",
     "procedural",
+    "register_primitive",
     "rewrite",
     "rule",
 ]

@@ -92,7 +92,10 @@ CPU = {'platform': 'cpu',
                   'library_op': 0.103575,
                   'library_broadcast': 0.146274,
                   'launch': 212.502598,
-                  'dot_flop': 0.015872}]}
+                  'dot_flop': 0.015872}],
+ 'call': 4255.4,
+ 'buffer': 1285.5,
+ 'call_measured': {'date': '2026-11-23', 'device': 'cpu', 'load_average': [6.86, 9.76, 10.14]}}
 
 GPU = {'platform': 'gpu',
  'device': 'NVIDIA H100 80GB HBM3',
@@ -157,6 +160,10 @@ GPU = {'platform': 'gpu',
                   'library_op': 0.0,
                   'library_broadcast': 3.5e-05,
                   'launch': 565.498867,
-                  'dot_flop': 4e-06}]}
+                  'dot_flop': 4e-06}],
+ 'call': 10000.0,
+ 'buffer': 500.0,
+ 'call_uncalibrated': 'estimates, not measured: a CUDA launch and JAX C++ dispatch take 5-10 us per call; '
+                      'run python -m benchmarks.calibrate --call-only --write on the GPU'}
 
 BACKENDS = {'cpu': 'CPU', 'gpu': 'GPU'}

@@ -112,8 +112,12 @@ class EGraph:
         vid = self._new_name(type_id, source)
         self.defs.append((ctor, tuple(args)))
         self._pending.append(eb.Union(_SPAN, v_expr(vid), call(ctor, *exprs)))
-        if ctor == "IntegerPow" and PARAMS.params(args[-1]).get("y", 1) % 2 == 0:
-            self._pending.append(eb.Expr_(_SPAN, call("EvenPow", int_lit(args[-1]))))
+        spec = _terms.BY_CTOR.get(ctor)
+        if spec is not None and spec.param_facts:  # facts about its params (an even integer_pow's)
+            params = PARAMS.params(args[-1])
+            for rel, holds in spec.param_facts.items():
+                if holds(params):
+                    self._pending.append(eb.Expr_(_SPAN, call(rel, int_lit(args[-1]))))
         self._memo[key] = vid
         return vid
 

@@ -43,24 +43,21 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import numpy as np
 
 from . import _terms
+from ._primitives import BY_PRIM, DEFAULT, NodeInfo, inner_jaxpr, is_float as _is_float
+from ._walk import operands, postorder
 
-#: XLA:CPU's ``IsExpensive``: producers it will not duplicate into two consumers.
-EXPENSIVE = frozenset("""exp exp2 expm1 log log1p logistic tanh sqrt rsqrt cbrt pow atan2 erf erfc erf_inv
-lgamma digamma igamma igammac zeta div rem sinh cosh asin acos atan asinh acosh atanh bessel_i0e
-bessel_i1e""".split())
+# What XLA:CPU does with each primitive lives in its record (rewrite/_primitives.py); these sets are views of it.
+#: XLA:CPU's ``IsExpensive``: producers it will not duplicate into two consumers (``div`` and ``rem`` when
+#: floating, ``integer_pow`` with a negative exponent: see each record's ``expensive``).
+EXPENSIVE = frozenset(s.prim for s in _terms.SPECS if s.expensive is True or callable(s.expensive))
 #: XLA's cheap elementwise operations (``IsExpensive`` is false, for reals): their cost is below what can be
 #: measured apart from memory traffic, so they are counted, one ``cheap`` each, not priced from the table.
-CHEAP = frozenset("""add sub mul neg max min abs sign floor ceil round select_n clamp and or xor not eq ne lt le gt ge
-square copy convert_element_type shift_left shift_right_arithmetic shift_right_logical add_any is_finite""".split())
-#: What a library (YNN) reduction fusion absorbs from its producers.
-LIBRARY_OK = frozenset("add sub mul neg max min broadcast_in_dim reshape squeeze convert_element_type".split())
-LIBRARY_REDUCTIONS = frozenset("reduce_sum reduce_max reduce_min".split())
+CHEAP = frozenset(s.prim for s in _terms.SPECS if s.cheap)
+#: What a library (YNN) reduction fusion absorbs from its producers (and ``integer_pow`` with a positive exponent).
+LIBRARY_OK = frozenset(s.prim for s in _terms.SPECS if s.library is True)
+LIBRARY_REDUCTIONS = frozenset(s.prim for s in _terms.SPECS if s.library_reduction)
 #: Smaller reductions stay ordinary loop fusions (measured: 2048 elements do, 4096 do not).
 LIBRARY_MIN_ELEMENTS = 4096
-#: Layout and index operations a loop fusion computes from its inputs' elements.
-_LOOP_OTHER = frozenset("broadcast_in_dim reshape squeeze rev transpose slice pad concatenate iota dynamic_slice "
-                        "dynamic_update_slice".split())
-_FREE = frozenset("broadcast_in_dim reshape squeeze convert_element_type copy".split())
 
 LEAF, VIEW, LOOP, LIBRARY, REDUCE, OTHER = "leaf", "view", "loop", "library", "reduce", "other"
 #: The weight of the node-by-node price that breaks ties between programs that fuse alike.
@@ -81,6 +78,9 @@ class Op:
     own: float = 0.0
     #: The class (or variable) this op computes, for reading the decisions back.
     key: Any = None
+    #: Facts about the op that do not depend on the program around it (its kind, its tie-break price),
+    #: shared by every program an extraction builds with this node: a search prices hundreds of them.
+    memo: dict | None = dataclasses.field(default=None, repr=False, compare=False)
 
 
 @dataclasses.dataclass
@@ -100,7 +100,6 @@ class Program:
         """
         from jax._src import core
 
-        from ._cost import NodeInfo
         from ._intern import PARAMS
 
         ops: list[Op] = []
@@ -130,8 +129,7 @@ class Program:
                     env[eqn.outvars[0]] = seen[key]
                     continue
                 seen[key] = len(ops)
-            spec = _terms.BY_PRIM.get(eqn.primitive.name)
-            family = spec.family if spec is not None else _terms.OPAQUE
+            family = _terms.family_of(eqn.primitive.name)
             outs = tuple(v.aval for v in eqn.outvars)
             op = Op(eqn.primitive.name, family, eqn.params, args, tuple(a.aval for a in eqn.invars), outs, key=eqn)
             if _kind_of(op) == OTHER and node_cost is not None:
@@ -159,26 +157,9 @@ class Program:
         cache = {} if cache is None else cache
         index: dict[Any, int] = {}
         ops: list[Op] = []
-        order: list[Any] = []
-        seen: set[Any] = set()
-        stack: list[tuple[Any, bool]] = [(r, False) for r in reversed(list(roots))]
-        while stack:
-            c, done = stack.pop()
-            if done:
-                if c not in index:
-                    order.append(c)
-                    index[c] = -1
-                continue
-            if c in seen:
-                continue
-            seen.add(c)
-            stack.append((c, True))
-            if c in inputs:
-                continue
-            node = choice[c]
-            for k in reversed(_term_kids(ex, node)):
-                if k not in seen:
-                    stack.append((k, False))
+        snap = ex.snap
+        reads = getattr(ex, "operands", None) or (lambda node: operands(snap, node))
+        order = list(postorder(list(roots), lambda c: () if c in inputs else reads(choice[c])))
         for c in order:
             if c in inputs:
                 index[c] = len(ops)
@@ -189,44 +170,28 @@ class Program:
             tmpl = cache.get(key)
             if tmpl is None:
                 tmpl = cache[key] = _template(ex, c, node, choice, own)
-            prim, family, params, in_avals, out_avals, own_cost = tmpl
-            args = tuple(index[k] for k in _term_kids(ex, node))
+            prim, family, params, in_avals, out_avals, own_cost, memo = tmpl
+            args = tuple(index[k] for k in reads(node))
             index[c] = len(ops)
-            ops.append(Op(prim, family, params, args, in_avals, out_avals, own_cost, key=c))
+            ops.append(Op(prim, family, params, args, in_avals, out_avals, own_cost, key=c, memo=memo))
         return cls(ops, [index[r] for r in roots])
 
 
-_LEAF_CTORS = {"Lit": "literal", "Const": "const", "Param": "param", "Tok": "token"}
-
-
-def node_kids(snap: Any, node: tuple) -> list[Any]:
-    """The term classes ``node`` reads, list members spelled out (bodies are not read)."""
-    ctor, args = node
-    out: list[Any] = []
-    for s, a in zip(_terms.ctor_arg_sorts(ctor), args):
-        if s == "Term":
-            out.append(a)
-        elif s == "TList":
-            out.extend(snap.list_items(a))
-    return out
-
-
-def _term_kids(ex: Any, node: tuple) -> list[Any]:
-    return node_kids(ex.snap, node)
+_LEAF_CTORS = _terms.LEAVES
 
 
 def _template(ex: Any, c: Any, node: tuple, choice: Mapping[Any, tuple], own: Callable[[Any, tuple], float]) -> tuple:
     ctor, args = node
     if ctor in _LEAF_CTORS:
-        return _LEAF_CTORS[ctor], _terms.SPECIAL, {}, (), (ex.snap.aval(c),), 0.0
+        return _LEAF_CTORS[ctor], _terms.SPECIAL, {}, (), (ex.snap.aval(c),), 0.0, {}
     if ctor == "Proj":
         # What the node model charges a projection: a loop's stacked output is written (and,
         # with ``stacked``, held); fusion has no say in that, so it is added as it is.
-        return "proj", _terms.SPECIAL, {}, (), (ex.snap.aval(c),), float(own(c, node))
+        return "proj", _terms.SPECIAL, {}, (), (ex.snap.aval(c),), float(own(c, node)), {}
     info = ex.info(c, ctor, args, choice)
     op = Op(info.op, info.family, info.params, (), info.in_avals, info.out_avals)
     cost = float(own(c, node)) if _kind_of(op) == OTHER else 0.0
-    return info.op, info.family, info.params, info.in_avals, info.out_avals, cost
+    return info.op, info.family, info.params, info.in_avals, info.out_avals, cost, {}
 
 
 def _nbytes(aval: Any) -> int:
@@ -249,23 +214,6 @@ def _true_rank(aval: Any) -> int:
     return sum(1 for d in getattr(aval, "shape", ()) if d != 1)
 
 
-def _is_float(aval: Any) -> bool:
-    dtype = getattr(aval, "dtype", None)
-    try:
-        return dtype is not None and np.issubdtype(np.dtype(dtype), np.inexact)
-    except TypeError:  # bfloat16 and friends are floating too
-        return dtype is not None and "float" in str(dtype)
-
-
-def inner_jaxpr(params: Mapping[str, Any]) -> Any:
-    """The jaxpr a call-like primitive (``custom_jvp_call``, ``custom_vjp_call``, ``remat``) evaluates, if any."""
-    for k in ("call_jaxpr", "jaxpr", "fun_jaxpr"):
-        j = params.get(k)
-        if j is not None and hasattr(j, "eqns" if not hasattr(j, "jaxpr") else "jaxpr"):
-            return j.jaxpr if hasattr(j, "jaxpr") else j
-    return None
-
-
 def elementwise_call(op: Op) -> bool:
     """A call XLA inlines whose body is elementwise only: it fuses like one elementwise operation."""
     if op.family != _terms.OPAQUE or len(op.out_avals) != 1:
@@ -277,10 +225,9 @@ def elementwise_call(op: Op) -> bool:
 
 
 def _elementwise_eqn(e: Any) -> bool:
-    name = e.primitive.name
-    spec = _terms.BY_PRIM.get(name)
+    spec = _terms.BY_PRIM.get(e.primitive.name)
     if spec is not None:
-        return spec.family in (_terms.ELEMENTWISE, _terms.TRANSCENDENTAL) or name in _LOOP_OTHER
+        return spec.fusion == "loop"
     j = inner_jaxpr(e.params)
     return j is not None and len(e.outvars) == 1 and all(_elementwise_eqn(x) for x in j.eqns)
 
@@ -290,14 +237,26 @@ def _kind_of(op: Op) -> str:
         return LEAF
     if op.prim == "proj":
         return VIEW
-    if op.family in (_terms.ELEMENTWISE, _terms.TRANSCENDENTAL) or op.prim in _LOOP_OTHER or elementwise_call(op):
+    spec = BY_PRIM.get(op.prim, DEFAULT)
+    if spec.fusion == "loop" or elementwise_call(op):
         return LOOP
     if op.family == _terms.REDUCE:
-        if (op.prim in LIBRARY_REDUCTIONS and op.in_avals and _is_float(op.in_avals[0])
+        if (spec.library_reduction and op.in_avals and _is_float(op.in_avals[0])
                 and _size(op.in_avals[0]) >= LIBRARY_MIN_ELEMENTS):
             return LIBRARY
         return REDUCE
     return OTHER
+
+
+def _kind(op: Op) -> str:
+    """``_kind_of(op)``, remembered in the op's memo when it has one."""
+    memo = op.memo
+    if memo is None:
+        return _kind_of(op)
+    found = memo.get("kind")
+    if found is None:
+        found = memo["kind"] = _kind_of(op)
+    return found
 
 
 def _scaled_by_small(prog: "Program", op: Op) -> bool:
@@ -307,22 +266,14 @@ def _scaled_by_small(prog: "Program", op: Op) -> bool:
 
 
 def _expensive(op: Op, prog: "Program | None" = None) -> bool:
-    if op.prim == "integer_pow":
-        return op.params.get("y", 2) < 0
-    if op.prim in ("div", "rem"):
-        if prog is not None and _scaled_by_small(prog, op):
-            return False
-        return _is_float(op.out_avals[0])
-    return op.prim in EXPENSIVE
+    if prog is not None and _scaled_by_small(prog, op):
+        return False
+    return BY_PRIM.get(op.prim, DEFAULT).is_expensive(op.params, op.out_avals)
 
 
 def _library_ok(prog: "Program", i: int) -> bool:
     op = prog.ops[i]
-    if op.prim in LIBRARY_OK:
-        return True
-    if op.prim == "integer_pow":
-        return op.params.get("y", 2) > 0  # lowered to multiplications
-    return _scaled_by_small(prog, op)
+    return BY_PRIM.get(op.prim, DEFAULT).library_absorbs(op.params, op.out_avals) or _scaled_by_small(prog, op)
 
 
 @dataclasses.dataclass
@@ -378,7 +329,7 @@ class FusionModel:
             for a in set(op.args):
                 users[a].append(i)
         outputs = set(prog.outputs)
-        kinds = [_kind_of(op) for op in ops]
+        kinds = [_kind(op) for op in ops]
         homes: dict[int, set[int]] = {}
         roots: dict[int, str] = {}
         for i in range(len(ops) - 1, -1, -1):
@@ -450,13 +401,13 @@ class FusionModel:
     # ------------------------------------------------------------------ prices
     def op_ns(self, op: Op, prog: Program | None = None) -> float:
         """Nanoseconds per element of one op inside a fused loop."""
-        if op.prim in _FREE or op.prim in ("literal", "iota"):
+        spec = BY_PRIM.get(op.prim, DEFAULT)
+        if spec.free or op.prim == "literal":
             return 0.0
-        if op.prim == "integer_pow":
-            y = abs(int(op.params.get("y", 2)))
-            muls = max(1, y.bit_length() - 1 + bin(y).count("1") - 1)
-            return muls * self.cheap + (self.ns.get("div", self.cheap) if op.params.get("y", 2) < 0 else 0.0)
-        if op.prim in CHEAP or (op.prim == "div" and prog is not None and _scaled_by_small(prog, op)):
+        if spec.unrolled is not None:
+            muls, divs = spec.unrolled(op.params)
+            return muls * self.cheap + divs * self.ns.get("div", self.cheap)
+        if spec.cheap or (prog is not None and _scaled_by_small(prog, op)):
             return self.cheap
         if op.family == _terms.OPAQUE:
             return self._inner_ns(inner_jaxpr(op.params))
@@ -468,12 +419,12 @@ class FusionModel:
     def _inner_ns(self, jaxpr: Any) -> float:
         total = 0.0
         for e in jaxpr.eqns:
-            spec = _terms.BY_PRIM.get(e.primitive.name)
+            spec = _terms.spec_of(e.primitive.name)
             inner = inner_jaxpr(e.params)
-            if spec is None and inner is not None:
+            if spec is _terms.DEFAULT and inner is not None:
                 total += self._inner_ns(inner)
                 continue
-            op = Op(e.primitive.name, spec.family if spec else _terms.OPAQUE, e.params, (),
+            op = Op(e.primitive.name, spec.family, e.params, (),
                     tuple(v.aval for v in e.invars), tuple(v.aval for v in e.outvars))
             total += self.op_ns(op) + self.node
         return total
@@ -507,14 +458,14 @@ class FusionModel:
                     reads.add(a)
             cost = self.launch + self.node * len(comp)
             if self.tiebreak is not None:
-                cost += TIEBREAK * sum(self.tiebreak(ops[i]) for i in comp)
+                cost += TIEBREAK * sum(self._tiebreak(ops[i]) for i in comp)
             sincos: dict[int, set[str]] = {}
             for i in comp:
                 op = ops[i]
                 if op.prim in ("sin", "cos") and op.args:
                     sincos.setdefault(op.args[0], set()).add(op.prim)
                     continue
-                if (i == r and kind in (LIBRARY, REDUCE)) or _kind_of(op) == REDUCE:
+                if (i == r and kind in (LIBRARY, REDUCE)) or _kind(op) == REDUCE:
                     cost += _size(op.in_avals[0]) * self.reduce
                 elif kind == LIBRARY and self.library_op is not None:
                     cost += _size(op.out_avals[0]) * self.library_op
@@ -530,6 +481,16 @@ class FusionModel:
                                  + sum(_nbytes(a) for a in root_op.out_avals))
             out.append(Fusion(r, kind, sorted(comp), sorted(reads), cost))
         return out
+
+    def _tiebreak(self, op: Op) -> float:
+        memo = op.memo
+        if memo is None:
+            return self.tiebreak(op)  # type: ignore[misc]
+        key = ("tiebreak", id(self))  # one memo may meet two models (a search and a report, say)
+        found = memo.get(key)
+        if found is None:
+            found = memo[key] = self.tiebreak(op)  # type: ignore[misc]
+        return found
 
     def __call__(self, prog: Program) -> float:
         views = sum(op.own for op in prog.ops if op.prim == "proj")  # loops' stacked outputs

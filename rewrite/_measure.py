@@ -30,13 +30,14 @@ import random
 import statistics
 import threading
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, ClassVar, Sequence
 
 import jax
 import numpy as np
 from jax._src import core
 
-from ._cost import AnalyticCost
+from ._cost import DEFAULT, AnalyticCost, CostModel, as_cost_model
+from ._fusion import Program
 
 _CACHE: dict[tuple, int] = {}
 _LOCK = threading.Lock()
@@ -51,12 +52,17 @@ class Measured(AnalyticCost):
     ``max_seconds``.
     """
 
+    measures: ClassVar[bool] = True
+
     top_k: int = 4
     rounds: int = 7
     min_round_seconds: float = 0.02
     max_seconds: float = 30.0
     steer: bool = True
-    measured: bool = True
+
+    def choose(self, programs: Sequence[core.ClosedJaxpr]) -> tuple[core.ClosedJaxpr, "Timing"]:
+        """Time the best ``programs`` and keep the fastest (see :func:`choose`)."""
+        return choose(self, programs)
 
 
 @dataclasses.dataclass
@@ -150,7 +156,7 @@ def pin_duplicates(closed: core.ClosedJaxpr, model: AnalyticCost) -> core.Closed
     """
     from jax._src.lax import lax as lax_internal
 
-    from ._fusion import Program, _terms
+    from . import _terms
 
     prog = Program.from_jaxpr(closed, model)
     homes, _ = model.fusion_model().fuse(prog)
@@ -217,3 +223,14 @@ def choose(model: Measured, programs: Sequence[core.ClosedJaxpr]) -> tuple[core.
     with _LOCK:
         _CACHE[key] = chosen
     return programs[chosen], Timing(seconds, chosen, labels)
+
+
+def resolve(model: Any) -> CostModel:
+    """``None`` or ``"analytic"`` gives the default model, ``"measure"`` times candidates on the backend
+    (:class:`Measured`); a :class:`rewrite.CostModel` is used as is, and a plain function as a node price
+    alone (:func:`rewrite._cost.as_cost_model`)."""
+    if model is None or (isinstance(model, str) and model == "analytic"):
+        return DEFAULT
+    if isinstance(model, str) and model == "measure":
+        return Measured()
+    return as_cost_model(model)

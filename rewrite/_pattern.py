@@ -43,19 +43,22 @@ class PatternError(ValueError):
 
 
 # ---------------------------------------------------------------------- operation groups
-def _family(family: str, layout: str | None = None) -> frozenset[str]:
-    """The primitives of one family of the term language (and one operand layout): the only reader of
-    ``_terms`` families here, so that a change to how the table records them is a change to this function."""
-    return frozenset(s.prim for s in _terms.SPECS if s.family == family and (layout is None or s.layout == layout))
+def _group(name: str) -> frozenset[str]:
+    """A group of the table of primitives (:data:`rewrite.GROUPS`), read when asked: a primitive
+    registered later (``register_primitive``) is a member from then on."""
+    from ._primitives import GROUPS
+
+    return frozenset(GROUPS.get(name, ()))
 
 
 class Ops:
     """Groups of primitives, for one :class:`Pat` that stands for every member of a group.
 
-    Each group is a ``frozenset`` of primitive names, so groups combine with
-    set operations (``ops.REDUCE - ops.ARG_REDUCE``). A pattern over a group
-    binds the matched primitive and its params with ``params=`` (a
-    :class:`Params`, whose :meth:`Params.bind` applies the same primitive).
+    Each group is a ``frozenset`` of primitive names, read from the table of
+    primitives (:data:`rewrite.GROUPS`, one fact in one place), so groups
+    combine with set operations (``ops.REDUCE - ops.ARG_REDUCE``). A pattern
+    over a group binds the matched primitive and its params with ``params=``
+    (a :class:`Params`, whose :meth:`Params.bind` applies the same primitive).
 
     >>> from rewrite import ops
     >>> sorted(ops.COMPARISON)
@@ -67,25 +70,25 @@ class Ops:
     """
 
     #: Cheap elementwise primitives of one operand (``neg``, ``abs``, ``sign``, ``integer_pow``...).
-    UNARY = _family(_terms.ELEMENTWISE, "T")
+    UNARY = property(lambda self: _group("unary_elementwise"))
     #: Elementwise primitives of two operands: arithmetic, comparisons, bitwise, shifts.
-    BINARY = _family(_terms.ELEMENTWISE, "TT")
+    BINARY = property(lambda self: _group("binary_elementwise"))
     #: Transcendental functions of one operand (``sin``, ``exp``, ``log``, ``sqrt``...).
-    UNARY_TRANSCENDENTAL = _family(_terms.TRANSCENDENTAL, "T")
+    UNARY_TRANSCENDENTAL = property(lambda self: _group("unary_transcendental"))
     #: Transcendental functions of two operands (``pow``, ``atan2``...).
-    BINARY_TRANSCENDENTAL = _family(_terms.TRANSCENDENTAL, "TT")
+    BINARY_TRANSCENDENTAL = property(lambda self: _group("binary_transcendental"))
     #: Every reduction over axes, ``argmax`` and ``argmin`` included.
-    REDUCE = _family(_terms.REDUCE)
+    REDUCE = property(lambda self: _group("reduce"))
     #: The reductions that return an index.
-    ARG_REDUCE = frozenset({"argmax", "argmin"}) & REDUCE
+    ARG_REDUCE = property(lambda self: _group("arg_reduction"))
     #: The six comparisons.
-    COMPARISON = frozenset({"eq", "ne", "lt", "le", "gt", "ge"}) & BINARY
-    #: Arithmetic of two operands: ``add sub mul div rem max min``.
-    ARITHMETIC = frozenset({"add", "sub", "mul", "div", "rem", "max", "min"}) & BINARY
+    COMPARISON = property(lambda self: _group("comparison"))
+    #: Arithmetic of two operands that folds exactly: ``add sub mul div rem max min``.
+    ARITHMETIC = property(lambda self: frozenset({"add", "sub", "mul", "div", "rem", "max", "min"}) & self.BINARY)
     #: Bitwise and logical operations of two operands.
-    BITWISE = frozenset({"and", "or", "xor"}) & BINARY
+    BITWISE = property(lambda self: frozenset({"and", "or", "xor"}) & self.BINARY)
     #: Shape-only operations of one operand (broadcast, reshape, squeeze, rev).
-    LAYOUT = _family(_terms.LAYOUT, "T")
+    LAYOUT = property(lambda self: _group("layout"))
 
     def __repr__(self) -> str:
         return "<rewrite.ops: " + " ".join(n for n in vars(Ops) if n.isupper()) + ">"

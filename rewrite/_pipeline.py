@@ -129,13 +129,11 @@ def _run(traced: Traced, entries: Sequence[tuple[Rule, Ruleset]], model: CostMod
 
     # cost_model="measure": the best candidates are timed on the backend (rewrite/_measure.py).
     timing = None
-    if getattr(model, "measured", False) and len(ex.candidates) > 1:
-        from ._measure import choose
-
+    if isinstance(model, CostModel) and model.measures and len(ex.candidates) > 1:
         t = time.perf_counter()
         programs = [emit(snap, c, eg, closed.in_avals, roots, token_root, closed.jaxpr.debug_info)
                     if c is not ex.choice else after for c, _, _ in ex.candidates]
-        after, timing = choose(model, programs)
+        after, timing = model.choose(programs)
         times["measure"] = time.perf_counter() - t
 
     return Result(

@@ -15,8 +15,11 @@ import shutil
 import subprocess
 from typing import Any
 
+import itertools
+
 from . import _terms
 from ._4_extract import reachable
+from ._walk import children, walk
 from ._intern import LITERALS, PARAMS
 
 _HIDDEN_PARAMS = {"sharding", "out_sharding", "accuracy", "out_dtype", "_rw_order"}
@@ -46,17 +49,9 @@ def to_dot(result: Any, max_classes: int = 200) -> str:
     snap, choice, roots = result.snapshot, result.choice, result.roots
     if snap is None or choice is None:
         raise ValueError("this report kept no e-graph; use explain() to get one")
-    order: list[Any] = []
-    seen: set[Any] = set()
-    stack = list(roots)
-    while stack and len(order) < max_classes:
-        c = stack.pop()
-        if c in seen:
-            continue
-        seen.add(c)
-        order.append(c)
-        for ctor, args in snap.nodes.get(c, []):
-            stack.extend(a for s, a in zip(_terms.ctor_arg_sorts(ctor), args) if s != "i64")
+    # every node of each class, not only the chosen one: the picture shows the alternatives
+    everything = walk(roots, lambda c: [k for n in snap.nodes.get(c, []) for k in children(n)])
+    order = list(itertools.islice(everything, max_classes))
     ids = {c: i for i, c in enumerate(order)}
     used = reachable(snap, choice, roots)
     lines = ["digraph egraph {", "  compound=true; rankdir=BT; node [shape=box, fontname=monospace, fontsize=10];"]
@@ -74,8 +69,8 @@ def to_dot(result: Any, max_classes: int = 200) -> str:
             chosen = c in used and choice.get(c) == (ctor, args)
             style = ", style=\"bold,filled\", fillcolor=\"#dde8ff\"" if chosen else ""
             lines.append(f"    n{i}_{j} [label=\"{html.escape(_label(ctor, args))}\"{style}];")
-            for s, a in zip(_terms.ctor_arg_sorts(ctor), args):
-                if s != "i64" and a in ids:
+            for a in children((ctor, args)):
+                if a in ids:
                     edges.append(f"  n{i}_{j} -> anchor_{ids[a]} [lhead=cluster_{ids[a]}];")
         lines.append("  }")
     lines += edges

@@ -53,7 +53,7 @@ from ._1_trace import Traced
 from ._4_extract import Extractor, ProgramPricer, extract, prices_programs
 from ._5_emit import Emitter, _Scope, dce
 from ._6_evaluate import RewriteWarning, Rewritten, _strict, check_signature
-from ._fusion import node_kids
+from ._walk import operands, walk
 from ._pipeline import Result, run_pipeline
 
 log = logging.getLogger("rewrite")
@@ -97,16 +97,7 @@ def joint_program(closed: core.ClosedJaxpr) -> tuple[core.ClosedJaxpr, list[int]
 # ---------------------------------------------------------------------- residuals
 def scope_classes(snap: Any, choice: dict, roots: Sequence[Any], stop: set | frozenset = frozenset()) -> set:
     """Classes the program's own scope computes for ``roots`` (not inside bodies), not looking past ``stop``."""
-    seen: set[Any] = set()
-    stack = list(roots)
-    while stack:
-        c = stack.pop()
-        if c in seen:
-            continue
-        seen.add(c)
-        if c not in stop:
-            stack.extend(node_kids(snap, choice[c]))
-    return seen
+    return set(walk(roots, lambda c: () if c in stop else operands(snap, choice[c])))
 
 
 @dataclasses.dataclass
@@ -127,23 +118,16 @@ def frontier(snap: Any, choice: dict, b_roots: Sequence[Any], forward: set, *, e
              ) -> list[Any]:
     """What the backward pass reads from the forward: classes the forward computes, met walking back from
     the gradients (classes in ``expand`` are recomputed instead, so the walk goes through them)."""
-    out: list[Any] = []
-    seen: set[Any] = set()
-    stack = list(b_roots)
-    while stack:
-        c = stack.pop()
-        if c in seen:
-            continue
-        seen.add(c)
+    def read(c: Any) -> bool:  # the backward pass reads c as it is, not what c is computed from
         ctor = choice[c][0]
-        if ctor in ("Lit", "Const", "Tok"):
-            continue
-        # A value of several outputs (a call's tuple, before its projections) is not one array to keep.
-        if c in forward and (c not in expand or ctor == "Param") and not isinstance(snap.aval(c), tuple):
-            out.append(c)
-            continue
-        stack.extend(node_kids(snap, choice[c]))
-    return out
+        return (ctor not in ("Lit", "Const", "Tok") and c in forward and (c not in expand or ctor == "Param")
+                # a value of several outputs (a call's tuple, before its projections) is not one array to keep
+                and not isinstance(snap.aval(c), tuple))
+
+    def kids(c: Any) -> list[Any]:
+        return [] if choice[c][0] in ("Lit", "Const", "Tok") or read(c) else operands(snap, choice[c])
+
+    return [c for c in walk(b_roots, kids) if read(c)]
 
 
 def choose_residuals(snap: Any, choice: dict, f_roots: Sequence[Any], b_roots: Sequence[Any],
@@ -368,7 +352,7 @@ def split_pricer(snap: Any, model: Any, choice: dict, f_roots: Sequence[Any], b_
         def program(roots: Sequence[Any], inputs: frozenset = frozenset()) -> float:
             prog = Program.from_choice(ex, choice, roots, lambda c, nd: pricer.own(c, nd, choice),
                                        templates, inputs=inputs)
-            return pricer.fusion(prog)
+            return pricer.price(prog)
     else:
         def program(roots: Sequence[Any], inputs: frozenset = frozenset()) -> float:
             stop = set(inputs)
@@ -434,3 +418,4 @@ class RewrittenVJP(Rewritten):
     def __repr__(self) -> str:
         return (f"<rewritten VJP of {getattr(self.fn, '__name__', 'function')}: {len(self.entries)} rules, "
                 f"{len(self._cache)} cached signatures>")
+

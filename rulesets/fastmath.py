@@ -69,7 +69,9 @@ def _nonzero_divisor(a, b, c) -> bool:
 # every bracketing and order of a chain: exponential in its length. So these
 # rules get a small allowance of new matches per iteration; past it a rule is
 # banned for a while, with allowance and ban doubling each time (egg's back-off),
-# and the run's node and time limits bound the rest (benchmarks/growth.py).
+# and they run in the first 4 iterations only: what they find that pays (a
+# constant folded across a chain) takes two or three, and each more multiplies
+# the bracketings that the other rules then match (benchmarks/growth.py).
 reassociate = Ruleset("reassociate", [
     rule(lambda a, b, c: lax.add(lax.add(a, b), c), lambda a, b, c: lax.add(a, lax.add(b, c)),
          name="add_assoc_right", when=_floating),                              # (a + b) + c -> a + (b + c)
@@ -79,7 +81,7 @@ reassociate = Ruleset("reassociate", [
          name="mul_assoc_right", when=_floating),                              # (a * b) * c -> a * (b * c)
     rule(lambda a, b, c: lax.mul(a, lax.mul(b, c)), lambda a, b, c: lax.mul(lax.mul(a, b), c),
          name="mul_assoc_left", when=_floating),                               # a * (b * c) -> (a * b) * c
-], soundness="fastmath", tolerance=Tolerance(rtol=1e-5, atol=1e-6), limits=Limits(matches=200, ban=2),
+], soundness="fastmath", tolerance=Tolerance(rtol=1e-5, atol=1e-6), limits=Limits(matches=200, ban=2, iterations=4),
     description="reorder chains of + and *: values of one sign, within 1e-5 relative")
 
 
@@ -139,6 +141,9 @@ cancel = Ruleset("cancel", [
 
 
 # ---------------------------------------------------------------------- distribute
+# With commutativity, a sum of products factors every way its terms share a factor: the same
+# small allowance as reassociate, so a long sum is banned early (and retired once the e-graph
+# has grown, Limits.growth) instead of filling it.
 distribute = Ruleset("distribute", [
     rule(lambda a, b, c: lax.add(lax.mul(a, b), lax.mul(a, c)), lambda a, b, c: lax.mul(a, lax.add(b, c)),
          name="factor_add", when=_floating),  # a*b + a*c -> a*(b + c)
@@ -149,7 +154,7 @@ distribute = Ruleset("distribute", [
     rule(Pat("reduce_sum", Pat("mul", X, Pat.var("s")), params="p"), lambda x, s, p: lax.mul(p.bind(x), s),
          when=lambda x, s: s.ndim == 0 and _floating(x, s), name="sum_scalar_mul",            # sum(x * s) -> sum(x) * s  (scalar s: one multiplication)
          example=(lambda x, s: jnp.sum(x * s, axis=-1), (_f32(4, 5), _f32()))),
-], soundness="fastmath", tolerance=Tolerance(rtol=1e-5, atol=1e-6),
+], soundness="fastmath", tolerance=Tolerance(rtol=1e-5, atol=1e-6), limits=Limits(matches=200, ban=2),
     description="factor common multiplicands and divisors: values of one sign, within 1e-5 relative")
 
 

@@ -164,3 +164,60 @@ def test_memory_price_keeps_the_backward_pass_as_small_as_jax():
     assert temp(default) <= temp(jax_vjp) < 2 * full
     for f in (time_only, default):
         np.testing.assert_allclose(jax.jit(f)(*ARGS)[1], jax_vjp(*ARGS)[1], rtol=2e-5)
+
+
+def test_predicted_speedup_includes_the_fixed_cost_of_a_call():
+    """A call's fixed cost (per call, per buffer) is no saving: it dilutes the predicted speed-up of a small
+    program, leaves ``saved`` alone, and does not change which program is chosen."""
+    from rewrite import explain
+
+    def f(x):
+        return jnp.sin(x) ** 2 + jnp.cos(x) ** 2
+
+    x = jnp.linspace(0.0, 1.0, 16)
+    bare = explain(f, x, rulesets=[derivatives], cost_model=AnalyticCost(call=0.0, buffer=0.0))
+    dear = explain(f, x, rulesets=[derivatives], cost_model=AnalyticCost(call=1e6, buffer=1e5))
+    assert str(bare.after) == str(dear.after) and bare.saved == pytest.approx(dear.saved)
+    assert dear.fixed_cost == pytest.approx(1e6 + 2 * 1e5)
+    assert bare.predicted_speedup == pytest.approx(bare.cost_before / bare.cost_after)
+    assert 1.0 <= dear.predicted_speedup < bare.predicted_speedup
+    assert AnalyticCost().call > 0 and AnalyticCost().buffer > 0  # calibrated on this backend
+
+
+def test_min_saving_keeps_the_input_program_for_a_small_saving():
+    from rewrite import explain
+
+    def f(x, y):  # a large product, and a small sin^2 + cos^2 that the rules turn into 1
+        return x @ y + (jnp.sin(x[0]) ** 2 + jnp.cos(x[0]) ** 2)
+
+    args = (jnp.ones((128, 128)), jnp.ones((128, 128)))
+    found = explain(f, *args, rulesets=[derivatives])
+    assert found.result.rewritten and 0.0 < found.saved < 0.5, found.summary()
+    kept = explain(f, *args, rulesets=[derivatives], cost_model=AnalyticCost(min_saving=0.5))
+    assert not kept.result.rewritten and "sin" in str(kept.after) and "sin" not in str(found.after)
+    half = AnalyticCost(min_saving=found.saved / 2)
+    assert explain(f, *args, rulesets=[derivatives], cost_model=half).result.rewritten
+
+
+def test_extraction_prices_each_distinct_program_once():
+    """The whole-program search asks for many prices; each distinct program is priced once (the pricer's memo)."""
+    from rewrite._4_extract import Extractor, ProgramPricer, ProgramSearch, extract
+    from rewrite import explain
+
+    def f(x):
+        return jnp.sum(jnp.exp(x) * 2.0 + jnp.exp(x) * 3.0) + jnp.sum(x * x)
+
+    report = explain(f, jnp.ones(4096), rulesets=[derivatives])
+    res = report.result
+    model = AnalyticCost()
+    ex = Extractor(res.snapshot, model)
+    pricer = ProgramPricer(ex, model)
+    _, choice = ex.tree()
+    search = ProgramSearch(ex, pricer, choice, res.roots)
+    refined, price = search.run()
+    assert pricer.evaluations <= pricer.asked
+    assert price == pytest.approx(pricer(refined, res.roots))  # remembered, not priced again
+    again = pricer.evaluations
+    pricer(refined, res.roots)
+    assert pricer.evaluations == again
+    assert extract(res.snapshot, res.roots, model, res.original).cost == pytest.approx(report.cost_after)

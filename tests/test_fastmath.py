@@ -204,6 +204,35 @@ def test_reassociation_is_bounded_by_backoff_and_limits():
     assert report.cost_after <= report.cost_before
 
 
+def test_a_twelve_term_sum_saturates_with_associativity_retired_in_a_grown_egraph():
+    """Limits.growth: once the e-graph has grown 16-fold, a rule outrunning its allowance is retired, so the
+    run ends saturated (and says which rules were retired) instead of at a limit; with growth off it does not."""
+    def f(*xs):
+        return jnp.sin(sum(xs[1:], xs[0]))
+
+    xs = [jnp.full((3,), float(i + 1)) for i in range(12)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tamed = explain(f, *xs, rulesets=[ALGEBRA + FASTMATH.reassociate], limits=Limits(seconds=20.0))
+        unscheduled = Ruleset("unscheduled", FASTMATH.reassociate.rules, soundness="fastmath")  # no rounds, no allowance
+        wild = explain(f, *xs, rulesets=[ALGEBRA + unscheduled],
+                       limits=Limits(seconds=5.0, growth=float("inf"), iterations=8))
+    assert tamed.stopped == "saturated" and any(st.retired for st in tamed.result.stats.values())
+    assert "retired in a grown e-graph" in tamed.summary()
+    assert wild.stopped in ("iteration limit", "time limit", "node limit"), wild.stopped
+    assert tamed.egraph_rows < wild.egraph_rows
+    assert tamed.cost_after <= tamed.cost_before
+
+
+def test_a_rulesets_rounds_bound_when_its_rules_run():
+    """A ruleset's ``limits.iterations`` runs its rules in its first rounds only; the other rules go on."""
+    comm = rule(lambda a, b: jax.lax.add(a, b), lambda a, b: jax.lax.add(b, a), name="comm_once")
+    neg = rule(lambda x: -(-x), lambda x: x, name="negneg_late")
+    once = Ruleset("once", [comm], limits=Limits(iterations=0))
+    report = explain(lambda x, y: -(-(x + y)), jnp.ones(2), jnp.ones(2), rulesets=[once, Ruleset("rest", [neg])])
+    assert "comm_once" not in report.fired and report.fired.get("negneg_late") == 1
+
+
 def test_ruleset_limits_set_the_backoff_of_their_own_rules():
     comm = rule(lambda a, b: jax.lax.add(a, b), lambda a, b: jax.lax.add(b, a), name="comm")
     tight = Ruleset("tight", [comm], limits=Limits(matches=1, ban=1))

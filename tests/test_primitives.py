@@ -1,0 +1,152 @@
+"""The table of primitives (rewrite/_primitives.py): one record per primitive, a default for unknown ones,
+and a new primitive, one with a body included, added by one entry."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax._src import core
+from jax._src.interpreters import mlir
+from jax.extend.core import Primitive
+
+from rewrite import GROUPS, AnalyticCost, NodeInfo, OpSpec, Ruleset, explain, register_primitive, rewrite, rule
+from rewrite import _terms
+from rewrite._primitives import BY_PRIM, DEFAULT, Fact, spec_of, unregister
+
+
+def _prims(closed):
+    return [e.primitive.name for e in closed.jaxpr.eqns]
+
+
+# ---------------------------------------------------------------- a primitive the table does not know
+unknown_p = Primitive("test_unknown_halve")
+unknown_p.def_impl(lambda x: x / 2)
+unknown_p.def_abstract_eval(lambda x: x)
+mlir.register_lowering(unknown_p, mlir.lower_fun(lambda x: x / 2, multiple_results=False))
+
+
+def test_an_unknown_primitive_gets_the_default_record_and_comes_back_unchanged():
+    assert spec_of("test_unknown_halve") is DEFAULT and DEFAULT.ctor == "Opaque" and DEFAULT.family == "opaque"
+
+    def f(x):
+        return jnp.sin(unknown_p.bind(x * 1.0))
+
+    mul_one = rule(lambda x: x * 1.0, lambda x: x, name="mul_one")
+    report = explain(f, jnp.ones(3), rulesets=[Ruleset("t", [mul_one])])
+    assert report.fired == {"mul_one": 1}
+    assert _prims(report.after) == ["test_unknown_halve", "sin"]
+    x = jnp.linspace(-1, 1, 3)
+    np.testing.assert_allclose(rewrite(f, rulesets=[Ruleset("t", [mul_one])])(x), f(x))
+    snap, choice = report.result.snapshot, report.result.choice
+    assert any(choice[c][0] == "Opaque" for c in choice)
+    assert not any(n[0] == "TestUnknownHalve" for ns in snap.nodes.values() for n in ns)
+
+
+# ---------------------------------------------------------------- one entry: an elementwise primitive
+twice_p = Primitive("test_twice")
+twice_p.def_impl(lambda x: 2 * x)
+twice_p.def_abstract_eval(lambda x: x)
+mlir.register_lowering(twice_p, mlir.lower_fun(lambda x: 2 * x, multiple_results=False))
+TWICE = OpSpec("test_twice", "T", "elementwise", groups=("scaling",),
+               facts=(Fact("test-twice-nonneg", "NonNeg", "(NonNeg x)"),))
+
+
+def test_a_registered_primitive_is_matched_priced_grouped_and_given_facts():
+    spec = BY_PRIM["test_twice"]
+    assert spec.ctor == "TestTwice" and _terms.ctor_arg_sorts("TestTwice") == ("Term", "i64")
+    assert "test_twice" in GROUPS["scaling"] and "test_twice" in GROUPS["unary"]
+    assert "(TestTwice x p)" in _terms.fact_rules() and "TestTwice" in _terms.schema()
+    v = jax.core.ShapedArray((10,), jnp.float32)
+    assert AnalyticCost()(NodeInfo("test_twice", spec.family, {}, (v,), (v,))) > 0
+    halve = rule(lambda x: twice_p.bind(x) * 0.5, lambda x: x, name="halve_twice")
+    report = explain(lambda x: jnp.cos(twice_p.bind(x) * 0.5), jnp.ones(4), rulesets=[Ruleset("t", [halve])])
+    assert report.fired == {"halve_twice": 1} and _prims(report.after) == ["cos"]
+    # its fact rule fires: twice(|x|) is known non-negative, so the abs of it goes
+    abs_nonneg = rule(lambda v: jnp.abs(v), lambda v: v, name="abs_nonneg", when=lambda v: v.nonneg)
+    report = explain(lambda x: jnp.abs(twice_p.bind(jnp.abs(x))), jnp.ones(4),
+                     rulesets=[Ruleset("t", [abs_nonneg])])
+    assert report.fired == {"abs_nonneg": 1}
+
+
+def test_register_primitive_refuses_what_it_cannot_add():
+    with pytest.raises(ValueError, match="already in the table"):
+        register_primitive(OpSpec("sin", "T", "transcendental"))
+    with pytest.raises(ValueError, match="is taken"):
+        register_primitive(OpSpec("test_other", "T", "elementwise", ctor="Sin"))
+    with pytest.raises(ValueError, match="nested"):
+        register_primitive(OpSpec("test_loop", "BL", "nested"))
+    with pytest.raises(ValueError, match="family"):
+        register_primitive(OpSpec("test_fam", "T", "no such family"))
+
+
+# ---------------------------------------------------------------- one entry: a primitive with a body
+call_p = Primitive("test_call")
+call_p.multiple_results = True
+
+
+def _call_impl(*args, jaxpr):
+    return core.jaxpr_as_fun(jaxpr)(*args)
+
+
+call_p.def_impl(_call_impl)
+call_p.def_abstract_eval(lambda *avals, jaxpr: jaxpr.out_avals)
+mlir.register_lowering(call_p, mlir.lower_fun(_call_impl, multiple_results=True))
+
+
+def _call_emit(em, params, bodies, n_out, n_in):
+    params["jaxpr"] = em.body(bodies[0], tuple(range(n_in)), closed=True)
+    return params
+
+
+CALL = OpSpec("test_call", "BL", "nested", body_params=("jaxpr",),
+              load=lambda ld: ld.nested([ld.closed_body(ld.eqn.params["jaxpr"])]),
+              emit=_call_emit,
+              price=lambda model, node: 2.0 * sum(node.body_costs))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def registered():
+    """The two entries, in the table for this module's tests only (the table is global)."""
+    register_primitive(TWICE)
+    register_primitive(CALL)
+    yield
+    unregister("test_twice")
+    unregister("test_call")
+    assert "test_twice" not in GROUPS["unary"]
+
+
+def _called(x, y):
+    body = jax.make_jaxpr(lambda a, b: [jnp.sin(a * 1.0) + b])(x, y)
+    return call_p.bind(x, y, jaxpr=body)[0]
+
+
+def test_a_nested_primitive_added_by_one_entry_round_trips_and_rules_reach_its_body():
+    x, y = jnp.linspace(-1, 1, 5), jnp.ones(5)
+    mul_one = rule(lambda x: x * 1.0, lambda x: x, name="mul_one")
+    report = explain(_called, x, y, rulesets=[Ruleset("t", [mul_one])])
+    assert report.fired == {"mul_one": 1}
+    (eqn,) = report.after.jaxpr.eqns
+    assert eqn.primitive is call_p and _prims(eqn.params["jaxpr"]) == ["sin", "add"]
+    f = rewrite(_called, rulesets=[Ruleset("t", [mul_one])])
+    np.testing.assert_allclose(f(x, y), _called(x, y))
+    np.testing.assert_allclose(jax.jit(f)(x, y), _called(x, y))
+    # its price hook is what the cost model charges
+    snap, choice = report.result.snapshot, report.result.choice
+    node = next(c for c in choice if choice[c][0] == "TestCall")
+    from rewrite._4_extract import Extractor
+
+    ex = Extractor(snap, AnalyticCost())
+    info = ex.info(node, *choice[node], choice, (10.0,))
+    assert AnalyticCost()(info) == AnalyticCost().node + 20.0
+
+
+def test_families_and_groups_come_from_the_table():
+    assert GROUPS["comparison"] == frozenset("eq ne lt le gt ge".split())
+    assert GROUPS["reduction"] == frozenset("reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or".split())
+    assert {"sin", "exp", "log"} <= GROUPS["unary_transcendental"] and "pow" not in GROUPS["unary_transcendental"]
+    assert {"add", "mul", "div", "max"} <= GROUPS["binary_arithmetic"]
+    for spec in _terms.SPECS:
+        assert spec.prim in GROUPS[spec.family]
+    assert all(_terms.BY_PRIM[p].family in ("elementwise", "transcendental") for p in GROUPS["binary"])
+    with pytest.raises(TypeError):
+        GROUPS["mine"] = frozenset()  # read-only: register_primitive keeps it
