@@ -61,7 +61,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from rewrite import Pat, Ruleset, Value, procedural, rule
+from rewrite import Params, Pat, Ruleset, Value, procedural, rule
 from rulesets.derivatives import derivatives as _derivatives
 
 __all__ = ["nn", "one_hot_of"]
@@ -299,21 +299,9 @@ def _log_softmax(m):
     return m.trace(_log_softmax_from(axes, _max_shifted(z, axes)), z)
 
 
-def _logsumexp_over(axes: tuple[int, ...]):
-    return lambda z: jax.nn.logsumexp(z, axis=axes)
-
-
-@procedural
-def _logsumexp(m):
-    """``log(sum(exp(z))) -> logsumexp(z)``, unless ``z`` is already shifted by its maximum."""
-    r = m.params("r")
-    z = m["x"]
-    if r.get("out_sharding") is not None or not z.is_floating:
-        return None
-    axes = tuple(r["axes"])
-    if _max_shifted(z, axes):
-        return None  # cannot overflow: the stable form already
-    return m.trace(_logsumexp_over(axes), z)
+def _logsumexp_ok(x: Value, r: Params) -> bool:
+    """``log(sum(exp(z)))`` of a ``z`` not already shifted by its maximum (that form cannot overflow)."""
+    return not r.sharded and x.is_floating and not _max_shifted(x, tuple(r.axes))
 
 
 def _softmax_log(x: Any) -> Any:
@@ -347,8 +335,9 @@ nn_stable = Ruleset("nn_stable", [
     rule(Pat("log", Pat("div", Pat("exp", X),                                                                # log(softmax(z)) -> log_softmax(z)
                         Pat("broadcast_in_dim", Pat("reduce_sum", Pat("exp", X), params="r"), params="b"))),
          _log_softmax, prefer=True, name="nn_log_softmax", example=(_softmax_log, (_f32(4, 8),))),
-    rule(Pat("log", Pat("reduce_sum", Pat("exp", X), params="r")), _logsumexp,                               # log(sum(exp(z))) -> logsumexp(z)
-         prefer=True, name="nn_logsumexp", example=(lambda z: jnp.log(jnp.sum(jnp.exp(z), axis=-1)), (_f32(4, 8),))),
+    rule(Pat("log", Pat("reduce_sum", Pat("exp", X), params="r")),                                           # log(sum(exp(z))) -> logsumexp(z)
+         lambda x, r: jax.nn.logsumexp(x, axis=tuple(r.axes)), when=_logsumexp_ok, prefer=True, name="nn_logsumexp",
+         example=(lambda z: jnp.log(jnp.sum(jnp.exp(z), axis=-1)), (_f32(4, 8),))),
     rule(lambda z: jnp.log(lax.logistic(z)), lambda z: -_softplus(-z), prefer=True, name="nn_log_sigmoid"),  # log(σ(z)) -> -softplus(-z)
     _ONE_MINUS_SIGMOID,                                                                                      # 1 - σ(z) -> σ(-z), so log(1 - σ(z)) -> -softplus(z)
     rule(lambda x: jnp.log(1.0 + x), lambda x: jnp.log1p(x), prefer=True, name="nn_log1p"),                  # log(1 + x) -> log1p(x)
