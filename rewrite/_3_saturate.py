@@ -33,6 +33,7 @@ from ._2_load import Unsupported, load_closed
 from ._egraph import EGraph, Snapshot
 from ._intern import TYPES
 from ._pattern import present
+from ._prefer import Barred, lhs_ctors
 from ._rules import Body, Match, Rule, Ruleset, Value, _short
 
 log = logging.getLogger("rewrite")
@@ -109,6 +110,8 @@ class Engine:
         self.snapshot = None  # type: ignore[assignment]  # (also empties the per-snapshot caches)
         self.iterations = 0
         self.warnings: list[str] = []
+        #: The unions made by preferred rules (rule(..., prefer=True)), barred before extraction.
+        self.preferred: list[Barred] = []
         #: rules retired for outrunning their allowance in a grown e-graph (``Limits.growth``)
         self.retired: list[str] = []
         #: Traces of rule-built functions in this run, by code, closure and avals (see _trace_key).
@@ -241,7 +244,7 @@ class Engine:
                 return self._apply_procedure(act, root, dict(zip(rule.var_names, vals)),
                                              {n: "Term" for n in rule.var_names})
             (out,), _ = load_closed(rhs, [snap.name(c) for c in vals], eg)
-            self._union(rule, snap.name(root), out, avals)
+            self._union(rule, snap.name(root), out, avals, lhs)
             return True
         except Unsupported as e:
             stats.rejected["unsupported"] += 1
@@ -289,7 +292,7 @@ class Engine:
             self._union(rule, a.name, b.name, None)
         return True
 
-    def _union(self, rule: Rule, root_name: int, out: int, avals: Any) -> None:
+    def _union(self, rule: Rule, root_name: int, out: int, avals: Any, lhs: Any = None) -> None:
         """Put ``out`` in the class of ``root_name``, if their types agree."""
         stats = self.stats[rule.name]
         known = self.snapshot.cls_of_name
@@ -308,6 +311,8 @@ class Engine:
             return
         self.egraph.union(root_name, out)
         stats.fired += 1
+        if rule.prefer:
+            self.preferred.append(Barred(rule.name, root_name, lhs_ctors(rule, lhs), out))
         if avals is not None and len(stats.examples) < 3:
             stats.examples.append((avals, self.egraph.vsource[root_name]))
 

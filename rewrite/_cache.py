@@ -237,7 +237,7 @@ def rule_fingerprint(rule: Any) -> str:
     found = _RULES.get(rule)
     if found is None:
         found = _RULES[rule] = fingerprint(("rule", rule.name, rule.lhs, rule.rhs, rule.when, rule.example,
-                                            rule.program))
+                                            rule.program) + (("prefer",) if getattr(rule, "prefer", False) else ()))
     return found
 
 

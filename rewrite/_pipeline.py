@@ -19,7 +19,8 @@ from jax._src import core
 from ._1_trace import Traced
 from ._2_load import TOKEN_AVAL, load_closed
 from ._3_saturate import Engine, Limits, RuleStats
-from ._4_extract import extract, input_cost
+from . import _prefer
+from ._4_extract import Extractor, extract, input_cost
 from ._5_emit import emit
 from ._cost import CostModel
 from ._egraph import EGraph
@@ -55,6 +56,8 @@ class Result:
     cached: str | None = None
     #: with rewrite(guard=True): which program the guard kept and the two times (rewrite/_guard.py)
     guard: Any = None
+    #: preferred rules (rule(..., prefer=True)) -> how many classes' choice they forced (rewrite/_prefer.py)
+    preferred: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 def run_pipeline(traced: Traced, entries: Sequence[tuple[Rule, Ruleset]], model: CostModel, limits: Limits,
@@ -112,6 +115,7 @@ def _run(traced: Traced, entries: Sequence[tuple[Rule, Ruleset]], model: CostMod
     # Stage 4: extract the cheapest program; the input program is always a candidate.
     t = time.perf_counter()
     snap = eg.snapshot()
+    forced = _bar_preferred(snap, eg, engine.preferred, model)
     original = {key for vid in range(program_names) if (key := eg.canonical(snap, vid)) is not None}
     roots = [snap.cls_of_name[o] for o in outs]
     token_root = snap.cls_of_name[token] if token is not None else None
@@ -138,8 +142,18 @@ def _run(traced: Traced, entries: Sequence[tuple[Rule, Ruleset]], model: CostMod
         rewritten=ex.rewritten, warnings=list(engine.warnings),
         egraph=eg if keep else None, choice=ex.choice if keep else None, snapshot=snap if keep else None,
         roots=roots if keep else None, original=original if keep else None, out_names=list(outs) if keep else None,
-        timing=timing,
+        timing=timing, preferred=forced,
     )
+
+
+def _bar_preferred(snap: Any, eg: EGraph, notes: list, model: CostModel) -> dict[str, int]:
+    """Take the forms preferred rules replaced out of extraction (rewrite/_prefer.py); per rule, the classes forced."""
+    if not notes:
+        return {}
+    ex = Extractor(snap, model)
+    barred, forced = _prefer.bar(snap, eg, notes, lambda allowed: ex.tree(allowed)[1])
+    _prefer.apply(snap, barred)
+    return forced
 
 
 def _has_primitive(jaxpr: core.Jaxpr, name: str) -> bool:

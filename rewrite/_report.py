@@ -85,6 +85,12 @@ class Report:
     gradient: Any = dataclasses.field(default=None, repr=False)
 
     @property
+    def preferred(self) -> dict[str, int]:
+        """Preferred rules (``rule(..., prefer=True)``) -> in how many classes they barred the matched form,
+        so that extraction took their replacement whatever the model's price."""
+        return dict(self.result.preferred)
+
+    @property
     def eqns_before(self) -> int:
         return count_eqns(self.before)
 
@@ -140,6 +146,9 @@ class Report:
         if rej:
             lines.append("matches not applied: " + "; ".join(
                 f"{k}: " + ", ".join(f"{n} {why}" for why, n in sorted(v.items())) for k, v in rej.items()))
+        if self.result.preferred:
+            lines.append("preferred rules forced the choice (matched form barred): " + ", ".join(
+                f"{k} in {n} class(es)" for k, n in sorted(self.result.preferred.items())))
         not_chosen = self.declined()
         if not_chosen:
             lines.append("loop rewrites built and not chosen (the model's prices):")

@@ -290,6 +290,8 @@ class Rule:
         #: For a :class:`Pat` rule, ``(fn, avals)``: a program the rule applies in, given with
         #: ``example=``, on which :func:`rewrite.testing.check_ruleset` exercises the rule.
         self.program = program
+        #: The replacement is preferred whatever it costs: the matched form is barred where it fired.
+        self.prefer = False
         self._traced: dict[tuple, Any] = {}
 
     @property
@@ -325,7 +327,7 @@ def _short(aval: Any) -> str:
 
 
 def rule(lhs: Any, rhs: Any, *, name: str, when: Callable[..., bool] | None = None,
-         example: Any = None) -> Rule:
+         example: Any = None, prefer: bool = False) -> Rule:
     """Define a rewrite ``lhs -> rhs``.
 
     ``lhs`` and ``rhs`` are functions of the pattern variables, written with
@@ -369,7 +371,21 @@ def rule(lhs: Any, rhs: Any, *, name: str, when: Callable[..., bool] | None = No
     ...          example=(lambda x: jnp.sum(-x, axis=0), (jax.ShapeDtypeStruct((3, 4), jnp.float32),)))
     >>> r.program[1]
     (ShapedArray(float32[3,4]),)
+
+    ``prefer=True`` says the right side is the better program whatever it
+    costs (say, more accurate: ``log(1 + x) -> log1p(x)``): where the rule's
+    replacement is built and joined to the match, extraction may no longer
+    take the matched form in that class (see :mod:`rewrite._prefer`).
+
+    >>> rule(lambda x: jnp.log(1.0 + x), lambda x: jnp.log1p(x), name="log1p", prefer=True).prefer
+    True
     """
+    r = _rule(lhs, rhs, name=name, when=when, example=example)
+    r.prefer = bool(prefer)
+    return r
+
+
+def _rule(lhs: Any, rhs: Any, *, name: str, when: Callable[..., bool] | None, example: Any) -> Rule:
     if not isinstance(name, str) or not name.strip():
         raise ValueError("rule(): name= must be a non-empty string")
     if when is not None and not callable(when):

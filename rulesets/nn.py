@@ -30,13 +30,13 @@ the rewritten program is *more* accurate than the written one, not bit for
 bit equal (``tests/test_nn.py`` checks each rule at the class tolerance on
 finite inputs, and on inputs where the written form overflows or
 underflows checks that the rewritten one is finite and within 1e-4 of a
-float64 result; ``docs/nn.md`` shows both). The cost model chooses between
-the forms like any others: the gathers (on arrays of more than a few
-thousand elements), ``log_softmax`` of a softmax, the log-sigmoid and the
-softplus forms save work and are taken; a stable form that costs more than the form it replaces on this
-backend (``log1p`` is slower than ``log`` on XLA:CPU, ``logsumexp`` adds a
-pass for the maximum) is in the e-graph but is taken only under a cost
-model that prefers it (``docs/nn.md`` says which).
+float64 result; ``docs/nn.md`` shows both). The gathers (on
+arrays of more than a few thousand elements) are taken because they save
+work. The stable forms are rules made with ``prefer=True``: the cost model
+prices time, and some of them cost more than what they replace (``log1p``
+is slower than ``log`` on XLA:CPU, ``logsumexp`` adds a pass for the
+maximum), so where one fires the written form is barred from extraction
+and the stable form runs (``docs/nn.md``).
 
 Rule names start with ``nn_``, but for the rule shared with ``rulesets.derivatives``.
 
@@ -61,7 +61,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from rewrite import Pat, Ruleset, Value, procedural, rule
+from rewrite import Params, Pat, Ruleset, Value, procedural, rule
 from rulesets.derivatives import derivatives as _derivatives
 
 __all__ = ["nn", "one_hot_of"]
@@ -299,21 +299,9 @@ def _log_softmax(m):
     return m.trace(_log_softmax_from(axes, _max_shifted(z, axes)), z)
 
 
-def _logsumexp_over(axes: tuple[int, ...]):
-    return lambda z: jax.nn.logsumexp(z, axis=axes)
-
-
-@procedural
-def _logsumexp(m):
-    """``log(sum(exp(z))) -> logsumexp(z)``, unless ``z`` is already shifted by its maximum."""
-    r = m.params("r")
-    z = m["x"]
-    if r.get("out_sharding") is not None or not z.is_floating:
-        return None
-    axes = tuple(r["axes"])
-    if _max_shifted(z, axes):
-        return None  # cannot overflow: the stable form already
-    return m.trace(_logsumexp_over(axes), z)
+def _logsumexp_ok(x: Value, r: Params) -> bool:
+    """``log(sum(exp(z)))`` of a ``z`` not already shifted by its maximum (that form cannot overflow)."""
+    return not r.sharded and x.is_floating and not _max_shifted(x, tuple(r.axes))
 
 
 def _softmax_log(x: Any) -> Any:
@@ -344,19 +332,20 @@ nn_one_hot = Ruleset("nn_one_hot", [
 ], soundness="identity")
 
 nn_stable = Ruleset("nn_stable", [
-    rule(Pat("log", Pat("div", Pat("exp", X),                                                  # log(softmax(z)) -> log_softmax(z)
+    rule(Pat("log", Pat("div", Pat("exp", X),                                                                # log(softmax(z)) -> log_softmax(z)
                         Pat("broadcast_in_dim", Pat("reduce_sum", Pat("exp", X), params="r"), params="b"))),
-         _log_softmax, name="nn_log_softmax", example=(_softmax_log, (_f32(4, 8),))),
-    rule(Pat("log", Pat("reduce_sum", Pat("exp", X), params="r")), _logsumexp,                 # log(sum(exp(z))) -> logsumexp(z)
-         name="nn_logsumexp", example=(lambda z: jnp.log(jnp.sum(jnp.exp(z), axis=-1)), (_f32(4, 8),))),
-    rule(lambda z: jnp.log(lax.logistic(z)), lambda z: -_softplus(-z), name="nn_log_sigmoid"),           # log(σ(z)) -> -softplus(-z)
-    _ONE_MINUS_SIGMOID,                                                                         # 1 - σ(z) -> σ(-z), so log(1 - σ(z)) -> -softplus(z)
-    rule(lambda x: jnp.log(1.0 + x), lambda x: jnp.log1p(x), name="nn_log1p"),                 # log(1 + x) -> log1p(x)
-    rule(lambda x: jnp.log(x + 1.0), lambda x: jnp.log1p(x), name="nn_log1p_r"),               # log(x + 1) -> log1p(x)
-    rule(lambda x: jnp.exp(x) - 1.0, lambda x: jnp.expm1(x), name="nn_expm1"),                 # exp(x) - 1 -> expm1(x)
-    rule(lambda x: jnp.log(1.0 + jnp.exp(x)), _softplus, name="nn_softplus"),                  # log(1 + exp(x)) -> softplus(x)
-    rule(lambda x: jnp.log(jnp.exp(x) + 1.0), _softplus, name="nn_softplus_r"),                # log(exp(x) + 1) -> softplus(x)
-    rule(lambda x: jnp.log1p(jnp.exp(x)), _softplus, name="nn_softplus_log1p",                 # log1p(exp(x)) -> softplus(x)
+         _log_softmax, prefer=True, name="nn_log_softmax", example=(_softmax_log, (_f32(4, 8),))),
+    rule(Pat("log", Pat("reduce_sum", Pat("exp", X), params="r")),                                           # log(sum(exp(z))) -> logsumexp(z)
+         lambda x, r: jax.nn.logsumexp(x, axis=tuple(r.axes)), when=_logsumexp_ok, prefer=True, name="nn_logsumexp",
+         example=(lambda z: jnp.log(jnp.sum(jnp.exp(z), axis=-1)), (_f32(4, 8),))),
+    rule(lambda z: jnp.log(lax.logistic(z)), lambda z: -_softplus(-z), prefer=True, name="nn_log_sigmoid"),  # log(σ(z)) -> -softplus(-z)
+    _ONE_MINUS_SIGMOID,                                                                                      # 1 - σ(z) -> σ(-z), so log(1 - σ(z)) -> -softplus(z)
+    rule(lambda x: jnp.log(1.0 + x), lambda x: jnp.log1p(x), prefer=True, name="nn_log1p"),                  # log(1 + x) -> log1p(x)
+    rule(lambda x: jnp.log(x + 1.0), lambda x: jnp.log1p(x), prefer=True, name="nn_log1p_r"),                # log(x + 1) -> log1p(x)
+    rule(lambda x: jnp.exp(x) - 1.0, lambda x: jnp.expm1(x), prefer=True, name="nn_expm1"),                  # exp(x) - 1 -> expm1(x)
+    rule(lambda x: jnp.log(1.0 + jnp.exp(x)), _softplus, prefer=True, name="nn_softplus"),                   # log(1 + exp(x)) -> softplus(x)
+    rule(lambda x: jnp.log(jnp.exp(x) + 1.0), _softplus, prefer=True, name="nn_softplus_r"),                 # log(exp(x) + 1) -> softplus(x)
+    rule(lambda x: jnp.log1p(jnp.exp(x)), _softplus, prefer=True, name="nn_softplus_log1p",                  # log1p(exp(x)) -> softplus(x)
          when=_not_softplus_body),
 ], soundness="identity")
 

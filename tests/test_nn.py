@@ -419,3 +419,64 @@ def test_composes_with_the_other_packs():
     assert len(names) == len(set(names)) and "explog_one_minus_logistic" in names
     r = explain(lambda z: jnp.log(1.0 - jax.nn.sigmoid(z)), jnp.ones(3), rulesets=[both])
     assert r.fired.get("nn_log_sigmoid") and "log" not in {e.primitive.name for e in r.after.eqns}
+
+
+# ---------------------------------------------------------------------- preferred at real sizes
+#: (rule, written program, a 1024x32000 input where it overflows or underflows, float64 truth)
+_BIG = (1024, 32000)
+
+
+def _big(fill, spike):
+    x = np.full(_BIG, fill, F32)
+    x[:, 0] = spike
+    return x
+
+
+REAL_SIZE = {
+    "nn_logsumexp": (lambda x: jnp.log(jnp.sum(jnp.exp(x), -1)), lambda: _big(-200.0, -150.0),
+                     lambda x: _logsumexp64(x)),
+    "nn_log_softmax": (lambda x: jnp.log(jnp.exp(x) / jnp.sum(jnp.exp(x), -1, keepdims=True)),
+                       lambda: _big(100.0, 200.0), lambda x: x - _logsumexp64(x)[:, None]),
+    "nn_log1p": (lambda x: jnp.log(1.0 + x), lambda: _big(1e-10, -3e-9), np.log1p),
+    "nn_expm1": (lambda x: jnp.exp(x) - 1.0, lambda: _big(1e-10, -3e-9), np.expm1),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REAL_SIZE))
+def test_preferred_stable_form_runs_at_real_sizes(case):
+    """The time-only cost model prices these stable forms higher; prefer=True makes them what runs."""
+    fn, make, truth = REAL_SIZE[case]
+    x = make()
+    r = explain(fn, x, rulesets=[nn])
+    assert r.preferred.get(case), (case, r.preferred, r.fired)
+    assert case in r.summary() and "preferred rules forced the choice" in r.summary()
+    got = np.asarray(jax.jit(jaxpr_as_fun(r.after))(x)[0], np.float64)
+    want = truth(x.astype(np.float64))
+    written = np.asarray(jax.jit(fn)(x), np.float64)
+    atol = 0.0 if case in NEAR_ONE else 1e-4
+    assert not _close_to(written, want, atol=atol), f"{case}: the written form does not fail"
+    assert np.isfinite(got).all()
+    assert _close_to(got, want, rtol=1e-4, atol=atol), f"{case}: {got.ravel()[:3]} vs {want.ravel()[:3]}"
+    # the written form is also what the model alone would keep: without the preference it is not rewritten
+    plain = explain(fn, x, rulesets=[rewrite_ruleset_without_prefer(case)])
+    assert plain.fired.get(case) and not plain.preferred and not plain.used.get(case)
+
+
+def rewrite_ruleset_without_prefer(name):
+    import copy
+
+    from rewrite import Ruleset
+    r = copy.copy(nn.rule(name))
+    r.prefer = False
+    return Ruleset("plain", [r], soundness="identity")
+
+
+def test_preference_never_leaves_a_class_without_a_program():
+    """A preferred rule whose replacement needs the matched value itself (sin(x) -> sin(sin(x)) * 0 + sin(x))
+    cannot bar it: the bar is lifted and the program still extracts and computes x."""
+    from rewrite import Ruleset, rule
+
+    r = rule(lambda x: jnp.sin(x), lambda x: jnp.sin(jnp.sin(x)) * 0.0 + jnp.sin(x), name="self_ref", prefer=True)
+    rep = explain(lambda x: jnp.sin(x), jnp.ones(3), rulesets=[Ruleset("p", [r], soundness="identity")])
+    assert rep.fired.get("self_ref") and not rep.preferred
+    np.testing.assert_allclose(jaxpr_as_fun(rep.after)(jnp.ones(3))[0], np.sin(1.0), rtol=1e-6)

@@ -308,7 +308,10 @@ def _rewrite_case(rule: Rule, owner: Ruleset, fn: Callable[..., Any], avals: tup
         why = ", ".join(f"{n} {k}" for k, n in sorted(stats.rejected.items())) or "no match"
         raise _NotExercised(f"did not fire ({why})")
     vids = roots if rule.is_pat else list(result.out_names or [])
-    after = _forced(result, traced.closed, vids, _pat_ctor(rule.lhs) if rule.is_pat else None)
+    if result.preferred.get(rule.name):
+        after = result.after  # a preferred rule's matched form was barred already (rewrite/_prefer.py)
+    else:
+        after = _forced(result, traced.closed, vids, _pat_ctor(rule.lhs) if rule.is_pat else None)
     if after is None and rhs_program is not None:
         after = _trace_at(rhs_program, avals).closed
     if after is None:
