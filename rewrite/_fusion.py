@@ -169,7 +169,9 @@ class Program:
             key = (c, node)
             tmpl = cache.get(key)
             if tmpl is None:
-                tmpl = cache[key] = _template(ex, c, node, choice, own)
+                tmpl = _template(ex, c, node, choice, own)
+                if "inner" not in tmpl[6]:  # a fused call's body may differ between choices: not kept
+                    cache[key] = tmpl
             prim, family, params, in_avals, out_avals, own_cost, memo = tmpl
             args = tuple(index[k] for k in reads(node))
             index[c] = len(ops)
@@ -190,8 +192,32 @@ def _template(ex: Any, c: Any, node: tuple, choice: Mapping[Any, tuple], own: Ca
         return "proj", _terms.SPECIAL, {}, (), (ex.snap.aval(c),), float(own(c, node)), {}
     info = ex.info(c, ctor, args, choice)
     op = Op(info.op, info.family, info.params, (), info.in_avals, info.out_avals)
+    inner = _inlined_body(ex, ctor, args, choice, own) if len(info.out_avals) == 1 else None
+    if inner is not None:
+        return info.op, info.family, info.params, info.in_avals, info.out_avals, 0.0, {"kind": LOOP, "inner": inner}
     cost = float(own(c, node)) if _kind_of(op) == OTHER else 0.0
     return info.op, info.family, info.params, info.in_avals, info.out_avals, cost, {}
+
+
+def _inlined_body(ex: Any, ctor: str, args: tuple, choice: Mapping[Any, tuple],
+                  own: Callable[[Any, tuple], float]) -> tuple["Op", ...] | None:
+    """The chosen body of a call XLA inlines (``OpSpec.inlined``), when every operation in it is elementwise.
+
+    Such a call fuses like one elementwise operation (its price: its body's), not as a kernel boundary.
+    """
+    spec = _terms.BY_CTOR.get(ctor)
+    if spec is None or not spec.inlined:
+        return None
+    bodies = ex.body_classes(ctor, args)
+    if len(bodies) != 1:
+        return None
+    outs = ex.snap.list_items(choice[bodies[0]][1][1])
+    if len(outs) != 1:
+        return None
+    body = Program.from_choice(ex, choice, outs, own)
+    if not all(_kind(op) in (LEAF, LOOP) for op in body.ops):
+        return None
+    return tuple(op for op in body.ops if _kind(op) == LOOP)
 
 
 def _nbytes(aval: Any) -> int:
@@ -216,7 +242,7 @@ def _true_rank(aval: Any) -> int:
 
 def elementwise_call(op: Op) -> bool:
     """A call XLA inlines whose body is elementwise only: it fuses like one elementwise operation."""
-    if op.family != _terms.OPAQUE or len(op.out_avals) != 1:
+    if len(op.out_avals) != 1 or not (op.family == _terms.OPAQUE or BY_PRIM.get(op.prim, DEFAULT).inlined):
         return False
     j = inner_jaxpr(op.params)
     if j is None:
@@ -226,7 +252,7 @@ def elementwise_call(op: Op) -> bool:
 
 def _elementwise_eqn(e: Any) -> bool:
     spec = _terms.BY_PRIM.get(e.primitive.name)
-    if spec is not None:
+    if spec is not None and not spec.inlined:
         return spec.fusion == "loop"
     j = inner_jaxpr(e.params)
     return j is not None and len(e.outvars) == 1 and all(_elementwise_eqn(x) for x in j.eqns)
@@ -409,7 +435,10 @@ class FusionModel:
             return muls * self.cheap + divs * self.ns.get("div", self.cheap)
         if spec.cheap or (prog is not None and _scaled_by_small(prog, op)):
             return self.cheap
-        if op.family == _terms.OPAQUE:
+        inner = op.memo.get("inner") if op.memo else None
+        if inner is not None:  # a call fused as its chosen body
+            return sum(self.op_ns(o) + self.node for o in inner)
+        if op.family == _terms.OPAQUE or spec.inlined:
             return self._inner_ns(inner_jaxpr(op.params))
         found = self.ns.get(op.prim)
         if found is not None:
@@ -421,7 +450,7 @@ class FusionModel:
         for e in jaxpr.eqns:
             spec = _terms.spec_of(e.primitive.name)
             inner = inner_jaxpr(e.params)
-            if spec is _terms.DEFAULT and inner is not None:
+            if (spec is _terms.DEFAULT or spec.inlined) and inner is not None:
                 total += self._inner_ns(inner)
                 continue
             op = Op(e.primitive.name, spec.family, e.params, (),

@@ -183,6 +183,9 @@ class OpSpec:
     stacks: Callable[[Mapping[str, Any], int], bool] | None = None
     #: ``loop``, ``reduce`` or ``other``; by default its family's (:data:`FUSION_KIND`)
     fusion: str = ""
+    #: A nested call XLA inlines (``custom_jvp_call``, ``custom_vjp_call``, ``checkpoint``): the fusion
+    #: model fuses it as its body's operations, an elementwise call like an elementwise operation.
+    inlined: bool = False
 
     def __post_init__(self) -> None:
         if not self.ctor:
@@ -423,6 +426,35 @@ def _shard_map_emit(em: Any, params: dict, bodies: list, n_out: int, n_in: int) 
     return params
 
 
+def _custom_load(ld: Any) -> list[Any]:
+    # The derivative rule (``jvp_jaxpr_fun``, ``fwd_jaxpr_thunk``, ``bwd``) stays in the params as it
+    # is, so ``jax.grad`` of the rewritten program still uses it. The body's debug info names the call in
+    # printed jaxprs: kept for the emitter.
+    closed = ld.eqn.params["call_jaxpr"]
+    return ld.nested([ld.closed_body(closed)], {"_rw_debug": closed.jaxpr.debug_info})
+
+
+def _custom_emit(em: Any, params: dict, bodies: list, n_out: int, n_in: int) -> dict:
+    body = em.body(bodies[0], tuple(range(n_in)), closed=True)
+    debug = params.get("_rw_debug")
+    params["call_jaxpr"] = body if debug is None else body.replace(jaxpr=body.jaxpr.replace(debug_info=debug))
+    return params
+
+
+def _checkpoint_load(ld: Any) -> list[Any]:
+    jaxpr = ld.eqn.params["jaxpr"]
+    if jaxpr.constvars or jaxpr.effects:
+        raise Unsupported("checkpoint body with constants or effects")
+    return ld.nested([ld.body(jaxpr, (), [v.aval for v in jaxpr.invars])], {"_rw_debug": jaxpr.debug_info})
+
+
+def _checkpoint_emit(em: Any, params: dict, bodies: list, n_out: int, n_in: int) -> dict:
+    body = em.body(bodies[0], tuple(range(n_in)), closed=False)
+    debug = params.get("_rw_debug")
+    params["jaxpr"] = body if debug is None else body.replace(debug_info=debug)
+    return params
+
+
 def _convert_load(ld: Any) -> list[Any] | None:
     """``convert_element_type`` of a literal that only drops weak typing: fold it into the literal."""
     eqn = ld.eqn
@@ -473,6 +505,14 @@ SPECS: tuple[OpSpec, ...] = tuple(
                price=lambda m, n: max(n.body_costs, default=0.0) + m.iteration),
         OpSpec("jit", "BL", NESTED, body_params=("jaxpr",), load=_jit_load, emit=_call_emit),
         OpSpec("shard_map", "BL", NESTED, body_params=("jaxpr",), load=_shard_map_load, emit=_shard_map_emit),
+        # calls with a user's derivative rule, and jax.checkpoint (``remat2``): the primal body is loaded so
+        # rules act there; the call costs what its body costs and fuses as its body does
+        OpSpec("custom_jvp_call", "BL", NESTED, body_params=("call_jaxpr",), load=_custom_load, emit=_custom_emit,
+               inlined=True),
+        OpSpec("custom_vjp_call", "BL", NESTED, body_params=("call_jaxpr",), load=_custom_load, emit=_custom_emit,
+               inlined=True),
+        OpSpec("remat2", "BL", NESTED, ctor="Checkpoint", body_params=("jaxpr",), load=_checkpoint_load,
+               emit=_checkpoint_emit, inlined=True),
     ]
 )
 

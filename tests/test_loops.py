@@ -355,3 +355,99 @@ def test_explain_prices_a_loop_rewrite_it_did_not_choose():
     chosen = explain(lambda p, xs, ys: loss(p, xs, ys)[0], p, xs, ys, rulesets=[PACK], cost_model=BYTE_HEAVY)
     assert chosen.used.get("hoist_reductions") and "hoist_reductions: kept" not in chosen.summary()
     assert report.why("lift_independent") is None
+# ---------------------------------------------------------------------- bodies behind custom derivatives
+MUL_ONE = Ruleset("mul_one", [rule(lambda x: x * 1.0, lambda x: x, name="mul_one")], soundness="exact")
+
+
+def _custom(kind, inner):
+    """``inner`` behind a custom derivative (whose derivative is deliberately not inner's) or a checkpoint."""
+    if kind == "jvp":
+        f = jax.custom_jvp(inner)
+        f.defjvp(lambda p, t: (f(p[0]), 3.0 * t[0]))  # not inner's derivative: it must survive the rewrite
+        return f
+    if kind == "vjp":
+        f = jax.custom_vjp(inner)
+        f.defvjp(lambda x: (f(x), x), lambda x, g: (g * x * 2.0,))
+        return f
+    return jax.checkpoint(inner)
+
+
+@st.composite
+def custom_programs(draw):
+    kinds = draw(st.lists(st.sampled_from(["jvp", "vjp", "checkpoint"]), min_size=1, max_size=3))
+    bodies = [draw(st.sampled_from(["sin", "tanh_sq", "scan_sum"])) for _ in kinds]
+    nested = draw(st.booleans())  # a custom call inside another's body
+    seed = draw(st.integers(0, 2 ** 16))
+
+    def inner_of(body):
+        if body == "sin":
+            return lambda x: jnp.sin(x * 1.0) * 1.0
+        if body == "tanh_sq":
+            return lambda x: jnp.tanh(x) ** 2 * 1.0
+        return lambda x: x * 1.0 + lax.scan(lambda c, v: (c + v * 1.0, c), jnp.zeros(x.shape[1:]), x)[1]
+
+    fs = [_custom(k, inner_of(b)) for k, b in zip(kinds, bodies)]
+    if nested:
+        outer = fs[0]
+        fs[0] = _custom("vjp", lambda x: outer(x) * 1.0 + 0.5)
+
+    def fn(x):
+        return sum(jnp.sum(f(x) ** 2) for f in fs)
+
+    fn.__qualname__ = f"custom(kinds={kinds}, bodies={bodies}, nested={nested})"
+    return fn, (jax.random.normal(jax.random.PRNGKey(seed), (3, 4)),)
+
+
+def _muls_by_one(closed):
+    jaxpr = closed.jaxpr if isinstance(closed, core.ClosedJaxpr) else closed
+    n = 0
+    for e in jaxpr.eqns:
+        if e.primitive.name == "mul" and any(isinstance(v, core.Literal) and v.val == 1.0 for v in e.invars):
+            n += 1
+        for sub in core.jaxprs_in_params(e.params):
+            n += _muls_by_one(sub)
+    return n
+
+
+@settings(max_examples=10)
+@given(custom_programs())
+def test_rules_act_inside_custom_derivative_and_checkpoint_bodies(program):
+    fn, args = program
+    report = explain(fn, *args, rulesets=[MUL_ONE])
+    assert report.fired.get("mul_one") and _muls_by_one(report.before) > 0
+    assert _muls_by_one(report.after) == 0  # every x * 1.0, in every body, is gone
+    calls = {e.primitive.name for e in report.after.jaxpr.eqns}
+    assert calls & {"custom_jvp_call", "custom_vjp_call", "remat2"}  # the calls are still there
+    fast = rewrite(fn, rulesets=[MUL_ONE])
+    close(jax.jit(fast)(*args), jax.jit(fn)(*args), dict(rtol=1e-6, atol=1e-6))
+    # the user's derivative rules (3 * t, g * 2x) are what jax.grad uses, not the bodies' derivatives
+    close(jax.jit(jax.grad(fast))(*args), jax.jit(jax.grad(fn))(*args), dict(rtol=1e-6, atol=1e-6))
+
+
+def test_scan_pack_acts_inside_a_custom_vjp_body():
+    def inner(xs):
+        _, ys = lax.scan(lambda h, x: (jnp.tanh(h + x), h * x), jnp.zeros(xs.shape[1:]), xs)
+        return jnp.mean(ys ** 2)
+
+    f = jax.custom_vjp(inner)
+    f.defvjp(lambda xs: (f(xs), xs), lambda xs, g: (g * jnp.ones_like(xs),))
+    xs = jax.random.normal(jax.random.PRNGKey(0), (16, 64))
+    report = check(f, xs)
+    assert report.used.get("hoist_reductions")
+    (call,) = [e for e in report.after.jaxpr.eqns if e.primitive.name == "custom_vjp_call"]
+    assert stacked_shapes(call.params["call_jaxpr"], 16) == []
+    fast = rewrite(f, rulesets=[PACK], cost_model=BYTE_HEAVY)
+    np.testing.assert_array_equal(jax.grad(fast)(xs), jnp.ones_like(xs))  # the custom rule, not the body's
+
+
+def test_custom_jvp_rule_is_kept_when_its_body_is_rewritten():
+    # The jvp rule returns a marker (42 * t), far from the body's own derivative: jax.grad of the rewritten
+    # program must still give the marker, while the body's x * 1.0 is gone.
+    f = jax.custom_jvp(lambda x: jnp.sin(x * 1.0) * 1.0)
+    f.defjvp(lambda p, t: (f(p[0]), 42.0 * t[0]))
+    x = jnp.linspace(-2.0, 2.0, 5)
+    report = explain(lambda x: jnp.sum(f(x)), x, rulesets=[MUL_ONE])
+    assert _muls_by_one(report.before) == 2 and _muls_by_one(report.after) == 0
+    fast = rewrite(lambda x: jnp.sum(f(x)), rulesets=[MUL_ONE])
+    np.testing.assert_allclose(fast(x), jnp.sum(jnp.sin(x)), rtol=1e-6)
+    np.testing.assert_array_equal(jax.grad(fast)(x), jnp.full_like(x, 42.0))

@@ -14,8 +14,8 @@
   (``1 - σ(z)`` is 0 for z > 37), so the program run in float64 is no reference.
 * **One-hot labels**: the gather gives the loss and its gradient of the one-hot
   form, labels out of range included, and never builds the one-hot array.
-* **Bodies of ``jax.checkpoint`` and ``custom_jvp``** are opaque to rules
-  today; the tests of what the pack will do inside them are ``xfail(strict=True)``.
+* **Bodies of ``jax.checkpoint`` and ``custom_jvp``** are loaded as nested
+  regions, so the pack acts inside them too (the custom derivative is kept).
 """
 
 from __future__ import annotations
@@ -366,10 +366,8 @@ def test_one_hot_of_other_comparisons_is_left_alone():
 
 
 # ---------------------------------------------------------------------- hidden in bodies
-BODIES = "rules do not act inside custom_jvp_call/custom_vjp_call/checkpoint bodies yet (the loops branch loads them)"
 
 
-@pytest.mark.xfail(strict=True, reason=BODIES)
 def test_one_hot_loss_under_checkpoint():
     loss = jax.checkpoint(_one_hot_loss)
     n, v = 32, 512  # large enough that the cost model takes the gather
@@ -378,7 +376,6 @@ def test_one_hot_loss_under_checkpoint():
     assert r.fired.get("nn_one_hot_sum") and not _builds_one_hot(r.after, (n, v))
 
 
-@pytest.mark.xfail(strict=True, reason=BODIES)
 def test_log_softmax_inside_custom_jvp():
     @jax.custom_jvp
     def log_probs(x):
