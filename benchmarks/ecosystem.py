@@ -601,6 +601,37 @@ def summary(results: list[Result]) -> dict[str, Any]:
     return out
 
 
+#: issue 16's overhead targets, rewrite time over XLA's compile: (median, worst) per configuration
+OVERHEAD_TARGETS = {"identity": (0.3, 1.0), "fastmath": (None, 3.0)}
+
+
+def _stages(r: Result) -> str:
+    """Where a rewrite's time went, largest stage first (``Report.times``)."""
+    st = sorted(r.stage_seconds.items(), key=lambda kv: -kv[1])
+    return ", ".join(f"{k} {v:.2f} s" for k, v in st if v >= 0.005)
+
+
+def targets(results: list[Result]) -> list[str]:
+    """The overhead targets, met or missed, with every program over a worst-case target and its stages."""
+    lines: list[str] = []
+    for config, (median, worst) in OVERHEAD_TARGETS.items():
+        rs = [r for r in results if r.config == config]
+        if not rs:
+            continue
+        got = statistics.median(r.overhead for r in rs)
+        lines += [f"### Overhead targets: {config}", ""]
+        if median is not None:
+            lines.append(f"* median at most {median:.1f}x: {'met' if got <= median else 'missed'} ({got:.2f}x)")
+        over = sorted((r for r in rs if r.overhead > worst), key=lambda r: -r.overhead)
+        lines.append(f"* worst at most {worst:.1f}x: " + ("met" if not over else f"missed by {len(over)} program(s)")
+                     + f" (worst {max(r.overhead for r in rs):.2f}x)")
+        for r in over:
+            lines.append(f"  * {r.program}: {r.rewrite_seconds:.2f} s against a {r.compile_seconds:.2f} s compile "
+                         f"({r.overhead:.2f}x); stages: {_stages(r)}; {r.rows} e-graph rows")
+        lines.append("")
+    return lines
+
+
 def markdown(results: list[Result], meta: dict[str, Any]) -> str:
     lines = [
         "# The ecosystem suite",
@@ -643,6 +674,7 @@ def markdown(results: list[Result], meta: dict[str, Any]) -> str:
             lines += ["Model misses (predicted at least 5% faster, measured below 0.97x):", ""]
             lines += [f"* {r.program}: predicted {r.predicted:.2f}x, measured {r.ratio:.2f}x (A/A {r.aa_ratio:.2f}x)"
                       for r in missed] + [""]
+    lines += targets(results)
     if meta.get("failures"):
         lines += ["## Failures", ""] + [f"* {f}" for f in meta["failures"]] + [""]
     lines += ["## The programs", "", "| program | library | what it is |", "|---|---|---|"]
