@@ -163,24 +163,16 @@ class JVP:
 
 def jvp_program(closed: core.ClosedJaxpr) -> tuple[core.ClosedJaxpr, list[int], list[int]]:
     """``closed``'s JVP traced as one program; returns it and the positions of the float inputs and outputs."""
-    from ._vjp import _inexact
+    from ._vjp import float_positions, of_floats
 
-    in_avals, out_avals = closed.in_avals, closed.out_avals
-    dif_in = [i for i, a in enumerate(in_avals) if _inexact(a)]
-    dif_out = [i for i, a in enumerate(out_avals) if _inexact(a)]
+    in_avals = closed.in_avals
+    dif_in, dif_out = float_positions(closed)
     n = len(in_avals)
     fn = core.jaxpr_as_fun(closed)
 
     def joint(*args: Any) -> list[Any]:
         primals, ts = list(args[:n]), args[n:]
-
-        def of_floats(*fl: Any) -> list[Any]:
-            xs = list(primals)
-            for i, v in zip(dif_in, fl):
-                xs[i] = v
-            return [o for o in fn(*xs)]
-
-        outs, touts = jax.jvp(of_floats, [primals[i] for i in dif_in], list(ts))
+        outs, touts = jax.jvp(of_floats(fn, primals, dif_in), [primals[i] for i in dif_in], list(ts))
         return list(outs) + [touts[i] for i in dif_out]
 
     specs = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type) for a in in_avals]

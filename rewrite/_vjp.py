@@ -63,27 +63,35 @@ def _inexact(aval: Any) -> bool:
     return bool(np.issubdtype(np.dtype(aval.dtype), np.inexact)) if hasattr(aval, "dtype") else False
 
 
+def float_positions(closed: core.ClosedJaxpr) -> tuple[list[int], list[int]]:
+    """The positions of ``closed``'s float inputs and outputs (those a derivative flows through)."""
+    return ([i for i, a in enumerate(closed.in_avals) if _inexact(a)],
+            [i for i, a in enumerate(closed.out_avals) if _inexact(a)])
+
+
+def of_floats(fn: Any, primals: Sequence[Any], dif_in: Sequence[int]) -> Any:
+    """``fn`` as a function of the inputs at ``dif_in`` alone, the others fixed at ``primals``."""
+    def call(*fl: Any) -> list[Any]:
+        xs = list(primals)
+        for i, v in zip(dif_in, fl):
+            xs[i] = v
+        return list(fn(*xs))
+    return call
+
+
 def joint_program(closed: core.ClosedJaxpr) -> tuple[core.ClosedJaxpr, list[int], list[int]]:
     """``(primals, cotangents of the float outputs) -> (outputs, gradients of the float inputs)``, traced.
 
     Returns the program and the positions of the float inputs and outputs.
     """
     in_avals, out_avals = closed.in_avals, closed.out_avals
-    dif_in = [i for i, a in enumerate(in_avals) if _inexact(a)]
-    dif_out = [i for i, a in enumerate(out_avals) if _inexact(a)]
+    dif_in, dif_out = float_positions(closed)
     n = len(in_avals)
     fn = core.jaxpr_as_fun(closed)
 
     def joint(*args: Any) -> list[Any]:
         primals, cts = list(args[:n]), args[n:]
-
-        def of_floats(*fl: Any) -> list[Any]:
-            xs = list(primals)
-            for i, v in zip(dif_in, fl):
-                xs[i] = v
-            return list(fn(*xs))
-
-        outs, pullback = jax.vjp(of_floats, *[primals[i] for i in dif_in])
+        outs, pullback = jax.vjp(of_floats(fn, primals, dif_in), *[primals[i] for i in dif_in])
         full = [np.zeros(a.shape, jax.dtypes.float0) for a in out_avals]
         for i, c in zip(dif_out, cts):
             full[i] = c

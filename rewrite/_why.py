@@ -21,6 +21,7 @@ from typing import Any
 
 from . import _terms
 from ._4_extract import Extractor, ProgramPricer, prices_programs
+from ._walk import walk
 
 
 @dataclasses.dataclass
@@ -96,16 +97,7 @@ def declined(result: Any, model: Any, rule: str) -> Declined | None:
 
 
 def _reach(ex: Extractor, choice: dict, roots: list) -> set:
-    seen: set = set()
-    stack = list(roots)
-    while stack:
-        c = stack.pop()
-        if c in seen or c not in choice:
-            continue
-        seen.add(c)
-        ctor, args = choice[c]
-        stack.extend(ex.children(ctor, args))
-    return seen
+    return {c for c in walk(roots, lambda c: ex.children(*choice[c]) if c in choice else ()) if c in choice}
 
 
 def _cyclic(ex: Extractor, choice: dict, roots: list) -> bool:
@@ -133,33 +125,32 @@ def _breakdown(ex: Extractor, choice: dict, roots: list) -> dict[str, float]:
     """Node prices summed per operation; a body's nodes count once per trip of the loop that runs them."""
     out: collections.Counter = collections.Counter()
 
+    def visit(c: Any, times: float) -> list:
+        """Count ``c``'s price (a nested node's bodies, ``times`` its trips); return the classes it reads."""
+        if c not in choice:
+            return []
+        ctor, args = choice[c]
+        bodies = ex.body_classes(ctor, args)
+        if not bodies:
+            price = ex.own(c, ctor, args, choice)
+            if price:
+                out[ex.info(c, ctor, args, choice).op] += times * price
+            return ex.children(ctor, args)
+        info0 = ex.info(c, ctor, args, choice, tuple(0.0 for _ in bodies))
+        info1 = ex.info(c, ctor, args, choice, tuple(1.0 for _ in bodies))
+        own = float(ex.model(info0))
+        # how often each body runs, as the model counts it
+        trips = (float(ex.model(info1)) - own) / len(bodies)
+        out[f"{info0.op} (its own work)"] += times * own
+        for b in bodies:
+            _, (_, outs) = choice[b]
+            scope(list(ex.snap.list_items(outs)), times * trips)
+        skip = {a for s, a in zip(_terms.ctor_arg_sorts(ctor), args) if s in ("Region", "BList")}
+        return [k for k in ex.children(ctor, args) if k not in skip]
+
     def scope(start: list, times: float) -> None:
-        seen: set = set()
-        stack = list(start)
-        while stack:
-            c = stack.pop()
-            if c in seen or c not in choice:
-                continue
-            seen.add(c)
-            ctor, args = choice[c]
-            bodies = ex.body_classes(ctor, args)
-            if bodies:
-                info0 = ex.info(c, ctor, args, choice, tuple(0.0 for _ in bodies))
-                info1 = ex.info(c, ctor, args, choice, tuple(1.0 for _ in bodies))
-                own = float(ex.model(info0))
-                # how often each body runs, as the model counts it
-                trips = (float(ex.model(info1)) - own) / len(bodies)
-                out[f"{info0.op} (its own work)"] += times * own
-                for b in bodies:
-                    _, (_, outs) = choice[b]
-                    scope(list(ex.snap.list_items(outs)), times * trips)
-                skip = {a for s, a in zip(_terms.ctor_arg_sorts(ctor), args) if s in ("Region", "BList")}
-                stack.extend(k for k in ex.children(ctor, args) if k not in skip)
-            else:
-                price = ex.own(c, ctor, args, choice)
-                if price:
-                    out[ex.info(c, ctor, args, choice).op] += times * price
-                stack.extend(ex.children(ctor, args))
+        for _ in walk(start, lambda c: visit(c, times)):
+            pass
 
     scope(roots, 1.0)
     return dict(out)

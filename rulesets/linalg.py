@@ -166,6 +166,14 @@ def _dot_params(m: Any, *names: str) -> dict | None:
     return first
 
 
+def _labelled(a: Value, b: Value, dimension_numbers: Any) -> tuple[list, list, list]:
+    """Einsum labels of a product's operands and result: ``(la, lb, lo)``, each resolved."""
+    e = _Einsum()
+    la, lb = e.operand(a.ndim), e.operand(b.ndim)
+    lo = e.resolve(e.dot(la, lb, dimension_numbers))
+    return e.resolve(la), e.resolve(lb), lo
+
+
 def _same_dtype(params: dict, *values: Value) -> bool:
     """Do all operands and the accumulation have one dtype? (int8 products accumulated in int32 are left alone.)"""
     dt = params.get("preferred_element_type")
@@ -283,10 +291,7 @@ def _transpose_of_product(m):
     a, b = m["a"], m["b"]
     if params is None or not _same_dtype(params, a, b):
         return None
-    e = _Einsum()
-    la, lb = e.operand(a.ndim), e.operand(b.ndim)
-    lo = e.resolve(e.dot(la, lb, params["dimension_numbers"]))
-    la, lb = e.resolve(la), e.resolve(lb)
+    la, lb, lo = _labelled(a, b, params["dimension_numbers"])
     want = [lo[i] for i in m.params("t")["permutation"]]
     precision, dtype = params.get("precision"), params.get("preferred_element_type")
     for (x, lx), (y, ly) in (((a, la), (b, lb)), ((b, lb), (a, la))):
@@ -389,10 +394,7 @@ def _factor_out(side: str) -> Callable:
         a, b = m["a"], m["b"]
         if params is None or not _same_dtype(params, a, b):
             return None
-        e = _Einsum()
-        la, lb = e.operand(a.ndim), e.operand(b.ndim)
-        lo = e.resolve(e.dot(la, lb, params["dimension_numbers"]))
-        la, lb = e.resolve(la), e.resolve(lb)
+        la, lb, lo = _labelled(a, b, params["dimension_numbers"])
         dn, precision, dtype = params["dimension_numbers"], params.get("precision"), params.get("preferred_element_type")
         x, lx, other, lother = (a, la, b, lb) if side == "lhs" else (b, lb, a, la)
         found = []
@@ -436,10 +438,7 @@ def _factor_in(op: str) -> Callable:
         if found is None or m.root.aval.shape != d.shape:
             return None
         small, dims = found
-        e = _Einsum()
-        la, lb = e.operand(a.ndim), e.operand(b.ndim)
-        lo = e.resolve(e.dot(la, lb, params["dimension_numbers"]))
-        la, lb = e.resolve(la), e.resolve(lb)
+        la, lb, lo = _labelled(a, b, params["dimension_numbers"])
         along = tuple(None if k is None else lo[k] for k in dims)
         used = {l for l in along if l is not None}
         dn, precision, dtype = params["dimension_numbers"], params.get("precision"), params.get("preferred_element_type")
@@ -495,10 +494,7 @@ def _sum_of_product(m):
     r = m.params("r")
     if params is None or r.get("out_sharding") is not None or not _same_dtype(params, a, b):
         return None
-    e = _Einsum()
-    la, lb = e.operand(a.ndim), e.operand(b.ndim)
-    lo = e.resolve(e.dot(la, lb, params["dimension_numbers"]))
-    la, lb = e.resolve(la), e.resolve(lb)
+    la, lb, lo = _labelled(a, b, params["dimension_numbers"])
     summed = {lo[i] for i in r["axes"]}
     want = [l for l in lo if l not in summed]
     sum_a = tuple(i for i, l in enumerate(la) if l in summed and l not in lb)
@@ -508,7 +504,7 @@ def _sum_of_product(m):
     found = _dims(ra, rb, want)
     if found is None:
         return None
-    (dn, natural), perm = found, _perm(found[1], want)
+    dn, perm = found[0], _perm(found[1], want)
     precision, dtype = params.get("precision"), params.get("preferred_element_type")
 
     def fn(a, b):
