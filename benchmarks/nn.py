@@ -50,6 +50,7 @@ import optax
 
 from benchmarks.harness import MiB, Row, format_variants, measure
 from rewrite import rewrite
+from rewrite._report import primitive_counts
 from rulesets.derivatives import derivatives
 from rulesets.nn import nn
 
@@ -128,18 +129,9 @@ def _again(fn):
     return again
 
 
-def _eqns(jaxpr):
-    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
-    for e in jaxpr.eqns:
-        yield e
-        for v in e.params.values():
-            if hasattr(v, "eqns") or hasattr(getattr(v, "jaxpr", None), "eqns"):
-                yield from _eqns(v)
-
-
 def gathers(fn, args) -> bool:
     """Whether the program ``fn`` runs reads the labels with a gather (the rewrite was taken)."""
-    return any(e.primitive.name == "gather" for e in _eqns(jax.make_jaxpr(fn)(*args)))
+    return primitive_counts(jax.make_jaxpr(fn)(*args))["gather"] > 0
 
 
 def _agree(variants, args) -> None:

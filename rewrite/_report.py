@@ -15,7 +15,7 @@ import dataclasses
 import difflib
 import math
 import time
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import jax
 from jax._src import core
@@ -29,20 +29,23 @@ from ._pipeline import Result, run_pipeline
 from ._rules import Rule, Ruleset, _short
 
 
+def equations(closed: Any) -> Iterator[core.JaxprEqn]:
+    """Every equation of a jaxpr, each before those inside its bodies (scan, cond, jit, custom calls, ...)."""
+    jaxpr = closed.jaxpr if isinstance(closed, core.ClosedJaxpr) else closed
+    for e in jaxpr.eqns:
+        yield e
+        for sub in core.jaxprs_in_params(e.params):
+            yield from equations(sub)
+
+
 def count_eqns(closed: Any) -> int:
     """Equations in a jaxpr, counting those inside bodies (scan, cond, jit, ...) too."""
-    jaxpr = closed.jaxpr if isinstance(closed, core.ClosedJaxpr) else closed
-    return sum(1 + sum(count_eqns(sub) for sub in core.jaxprs_in_params(e.params)) for e in jaxpr.eqns)
+    return sum(1 for _ in equations(closed))
 
 
 def primitive_counts(closed: Any) -> collections.Counter:
-    jaxpr = closed.jaxpr if isinstance(closed, core.ClosedJaxpr) else closed
-    out: collections.Counter = collections.Counter()
-    for e in jaxpr.eqns:
-        out[e.primitive.name] += 1
-        for sub in core.jaxprs_in_params(e.params):
-            out += primitive_counts(sub)
-    return out
+    """How often each primitive occurs in a jaxpr, bodies included."""
+    return collections.Counter(e.primitive.name for e in equations(closed))
 
 
 @dataclasses.dataclass

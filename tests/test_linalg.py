@@ -26,6 +26,7 @@ from jax import lax
 
 from rewrite import Ruleset, explain, rewrite
 from rewrite.testing._check_rule import _NotExercised, _evaluate, _rewrite_case
+from benchmarks.linalg import dot_flops
 from rulesets.linalg import linalg
 
 RULES = {r.name: r for r in linalg}
@@ -158,16 +159,6 @@ def _chain(*ms):
     return out
 
 
-def _dot_flops(jaxpr):
-    total = 0
-    for e in jaxpr.eqns:
-        if e.primitive.name == "dot_general":
-            (lc, _), _ = e.params["dimension_numbers"]
-            k = int(np.prod([e.invars[0].aval.shape[i] for i in lc]))
-            total += 2 * int(np.prod(e.outvars[0].aval.shape)) * k
-    return total
-
-
 def _optimal_flops(shapes):
     letters = "abcdefghij"
     spec = ",".join(letters[i] + letters[i + 1] for i in range(len(shapes))) + "->" + letters[0] + letters[len(shapes)]
@@ -184,7 +175,7 @@ def test_chains_take_the_optimal_order(seed):
     args = [jnp.asarray(rng.standard_normal(s), jnp.float32) for s in shapes]
     report = explain(_chain, *args, rulesets=[linalg])
     assert report.stopped == "saturated"
-    assert _dot_flops(report.after) == _optimal_flops(shapes)
+    assert dot_flops(report.after) == _optimal_flops(shapes)
     np.testing.assert_allclose(rewrite(_chain, rulesets=[linalg])(*args), _chain(*args), rtol=2e-4, atol=2e-4)
 
 
@@ -197,7 +188,7 @@ def test_a_chain_of_eight_saturates_quickly_in_a_polynomial_egraph():
     assert report.stopped == "saturated"
     # one class per contiguous sub-chain (36) with a node per split (84), not Catalan(7) = 429 trees
     assert report.egraph_rows < 2000
-    assert _dot_flops(report.after) == _optimal_flops(shapes)
+    assert dot_flops(report.after) == _optimal_flops(shapes)
 
 
 def test_linear_attention_with_heads_multiplies_keys_and_values_first():
@@ -209,7 +200,7 @@ def test_linear_attention_with_heads_multiplies_keys_and_values_first():
     report = explain(attention, q, k, v, rulesets=[linalg])
     shapes = [tuple(e.outvars[0].aval.shape) for e in report.after.eqns if e.primitive.name == "dot_general"]
     assert (2, 3, 16, 16) in shapes and (2, 3, 256, 256) not in shapes
-    assert _dot_flops(report.after) < _dot_flops(report.before) / 10
+    assert dot_flops(report.after) < dot_flops(report.before) / 10
     np.testing.assert_allclose(rewrite(attention, rulesets=[linalg])(q, k, v), attention(q, k, v), rtol=1e-3, atol=1e-3)
 
 
@@ -222,7 +213,7 @@ def test_linear_attention_with_heads_multiplies_keys_and_values_first():
 def test_programs_in_their_best_form_keep_their_flops(fn, shapes):
     args = [jnp.ones(s) for s in shapes]
     report = explain(fn, *args, rulesets=[linalg])
-    assert _dot_flops(report.after) == _dot_flops(report.before)
+    assert dot_flops(report.after) == dot_flops(report.before)
     assert report.cost_after <= report.cost_before
     assert len(report.after.eqns) <= len(report.before.eqns)
 
@@ -231,7 +222,7 @@ def test_reductions_and_traces_of_products_skip_the_product():
     a, b = jnp.ones((256, 128)), jnp.ones((128, 256))
     for fn in (lambda a, b: jnp.sum(a @ b, axis=0), lambda a, b: jnp.trace(a @ b)):
         report = explain(fn, a, b, rulesets=[linalg])
-        assert _dot_flops(report.after) < _dot_flops(report.before) / 100, report.after
+        assert dot_flops(report.after) < dot_flops(report.before) / 100, report.after
         np.testing.assert_allclose(rewrite(fn, rulesets=[linalg])(a, b), fn(a, b), rtol=1e-5)
 
 
@@ -279,13 +270,13 @@ def test_with_algebra_a_scaled_chain_still_takes_the_optimal_order():
     args = [jnp.ones(s) for s in shapes]
     report = explain(lambda *ms: 2.0 * _chain(*ms), *args, rulesets=[rulesets.algebra + linalg])
     assert report.stopped == "saturated"
-    assert _dot_flops(report.after) == _optimal_flops(shapes)
+    assert dot_flops(report.after) == _optimal_flops(shapes)
 
 
 def test_the_diagonal_of_a_product_skips_the_product_and_an_offset_one_is_left_alone():
     a, b = jnp.ones((64, 32)), jnp.ones((32, 64))
     report = explain(lambda a, b: jnp.diagonal(a @ b), a, b, rulesets=[linalg])
-    assert report.fired.get("la_diagonal_product") == 1 and _dot_flops(report.after) == 0
+    assert report.fired.get("la_diagonal_product") == 1 and dot_flops(report.after) == 0
     # and while jit traces the rewritten function (the rule evaluates the cond's branches to check them)
     traced = jax.make_jaxpr(rewrite(lambda a, b: jnp.diagonal(a @ b), rulesets=[linalg]))(a, b)
     assert "dot_general" not in str(traced)

@@ -21,6 +21,7 @@ from jax._src import core
 import rulesets
 from rewrite import AnalyticCost, Ruleset, explain, procedural, rewrite, rule
 from rewrite.loops import SCAN, Decline, Loop
+from rewrite._report import equations
 
 #: A rule that raises is a bug (it must decline instead); the engine only warns, so make the warning fail here.
 pytestmark = pytest.mark.filterwarnings("error::rewrite.RewriteWarning")
@@ -33,14 +34,7 @@ BYTE_HEAVY = AnalyticCost(stacked=1000.0)
 
 
 def scans(closed):
-    jaxpr = closed.jaxpr if isinstance(closed, core.ClosedJaxpr) else closed
-    out = []
-    for e in jaxpr.eqns:
-        if e.primitive.name in ("scan", "while"):
-            out.append(e)
-        for sub in core.jaxprs_in_params(e.params):
-            out.extend(scans(sub))
-    return out
+    return [e for e in equations(closed) if e.primitive.name in ("scan", "while")]
 
 
 def stacked_shapes(closed, length):
@@ -399,14 +393,8 @@ def custom_programs(draw):
 
 
 def _muls_by_one(closed):
-    jaxpr = closed.jaxpr if isinstance(closed, core.ClosedJaxpr) else closed
-    n = 0
-    for e in jaxpr.eqns:
-        if e.primitive.name == "mul" and any(isinstance(v, core.Literal) and v.val == 1.0 for v in e.invars):
-            n += 1
-        for sub in core.jaxprs_in_params(e.params):
-            n += _muls_by_one(sub)
-    return n
+    return sum(e.primitive.name == "mul" and any(isinstance(v, core.Literal) and v.val == 1.0 for v in e.invars)
+               for e in equations(closed))
 
 
 @settings(max_examples=10)

@@ -30,6 +30,7 @@ from hypothesis import strategies as st
 from jax._src.core import jaxpr_as_fun
 
 from rewrite import explain, rewrite
+from rewrite._report import equations
 from rewrite.testing import arrays, mismatch
 from rewrite.testing._check_rule import _rewrite_case
 import rulesets
@@ -240,20 +241,10 @@ def _int_loss(logits, labels):
     return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
 
 
-def _eqns(jaxpr):
-    """Every equation of a program, those of nested jaxprs (jit, custom_jvp_call, checkpoint) included."""
-    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
-    for e in jaxpr.eqns:
-        yield e
-        for v in e.params.values():
-            if hasattr(v, "eqns") or hasattr(getattr(v, "jaxpr", None), "eqns"):
-                yield from _eqns(v)
-
-
 def _builds_one_hot(jaxpr, shape):
     """Whether a program compares labels with an iota at full size: the one-hot array, even fused."""
     return any(e.primitive.name == "eq" and e.outvars[0].aval.shape == shape
-               and jnp.issubdtype(e.invars[0].aval.dtype, jnp.integer) for e in _eqns(jaxpr))
+               and jnp.issubdtype(e.invars[0].aval.dtype, jnp.integer) for e in equations(jaxpr))
 
 
 _GATHER = {}
@@ -315,7 +306,7 @@ def test_one_hot_array_is_never_built():
     assert _builds_one_hot(jax.make_jaxpr(_one_hot_loss)(logits, labels), (n, v))
     for program in (new.jaxpr(logits, labels), jax.make_jaxpr(jax.value_and_grad(new))(logits, labels)):
         assert not _builds_one_hot(program, (n, v))
-        assert "gather" in {e.primitive.name for e in _eqns(program)}
+        assert "gather" in {e.primitive.name for e in equations(program)}
 
 
 @LOSSES

@@ -18,7 +18,7 @@ from jax._src import core
 
 import rulesets
 from rewrite import AnalyticCost, Pat, Ruleset, explain, procedural, rewrite, rule
-from rewrite._report import primitive_counts
+from rewrite._report import equations, primitive_counts
 from rulesets.scan import make
 
 SCAN = rulesets.scan
@@ -27,14 +27,7 @@ TOL = dict(rtol=SCAN.tolerance.rtol, atol=SCAN.tolerance.atol)  # the pack's doc
 
 def scans(closed):
     """The scan equations of a jaxpr, outermost first, bodies included."""
-    jaxpr = closed.jaxpr if isinstance(closed, core.ClosedJaxpr) else closed
-    out = []
-    for e in jaxpr.eqns:
-        if e.primitive.name == "scan":
-            out.append(e)
-        for sub in core.jaxprs_in_params(e.params):
-            out.extend(scans(sub))
-    return out
+    return [e for e in equations(closed) if e.primitive.name == "scan"]
 
 
 def top_prims(closed):
