@@ -160,7 +160,7 @@ def _dot_params(m: Any, *names: str) -> dict | None:
     ps = [m.params(n) for n in names]
     first = ps[0]
     for p in ps:
-        if p.get("out_sharding") is not None or p.get("precision") != first.get("precision") \
+        if p.sharded or p.get("precision") != first.get("precision") \
                 or p.get("preferred_element_type") != first.get("preferred_element_type"):
             return None
     return first
@@ -492,7 +492,7 @@ def _sum_of_product(m):
     params = _dot_params(m, "p")
     a, b = m["a"], m["b"]
     r = m.params("r")
-    if params is None or r.get("out_sharding") is not None or not _same_dtype(params, a, b):
+    if params is None or r.sharded or not _same_dtype(params, a, b):
         return None
     la, lb, lo = _labelled(a, b, params["dimension_numbers"])
     summed = {lo[i] for i in r["axes"]}

@@ -62,15 +62,12 @@ import numpy as np
 from jax import lax
 
 from rewrite import Params, Pat, Ruleset, Value, procedural, rule
+from rulesets.derivatives import _f32
 from rulesets.derivatives import derivatives as _derivatives
 
 __all__ = ["nn", "one_hot_of"]
 
 X, Y = Pat.var("x"), Pat.var("y")
-
-
-def _f32(*shape: int) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(shape, jnp.float32)
 
 
 def _i32(*shape: int) -> jax.ShapeDtypeStruct:
@@ -221,7 +218,7 @@ def _gathered(axis: int, n: int, full: tuple[int, ...], axes: tuple[int, ...], k
 def _one_hot_sum(m):
     """``sum(one_hot(y) * w, axes) -> sum(w[y], axes)``, when the one-hot axis is among ``axes``."""
     p = m.params("r")
-    if p.get("out_sharding") is not None:
+    if p.sharded:
         return None
     axes = tuple(p["axes"])
     prod = m.root
@@ -291,7 +288,7 @@ def _log_softmax(m):
     """``log(exp(z) / sum(exp(z))) -> z - log(sum(exp(z)))``, shifting ``z`` by its maximum first if it is not."""
     r, b = m.params("r"), m.params("b")
     z = m["x"]
-    if r.get("out_sharding") is not None or not z.is_floating:
+    if r.sharded or not z.is_floating:
         return None
     axes = tuple(r["axes"])
     if not _keeps_axes(b, axes, z.shape):
@@ -309,6 +306,8 @@ def _softmax_log(x: Any) -> Any:
 
 
 def _softplus(x: Any) -> Any:
+    # A plain module-level function, not jax.nn.softplus itself (a custom_jvp object): the engine caches
+    # traces of right sides by their code, which a custom_jvp object does not have.
     return jax.nn.softplus(x)
 
 
