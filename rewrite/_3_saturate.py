@@ -112,8 +112,6 @@ class Engine:
         self.warnings: list[str] = []
         #: The unions made by preferred rules (rule(..., prefer=True)), barred before extraction.
         self.preferred: list[Barred] = []
-        #: rules retired for outrunning their allowance in a grown e-graph (``Limits.growth``)
-        self.retired: list[str] = []
         #: Traces of rule-built functions in this run, by code, closure and avals (see _trace_key).
         self._traced: dict[Any, Any] = {}
         lines = ["(ruleset match)"]
@@ -179,7 +177,6 @@ class Engine:
                 new = [(rel, binds, r) for rel, binds, r in rows if (rel, tuple(r.inputs)) not in act.seen]
                 if len(new) > act.allowance and grown:
                     act.last = it  # retired: see Limits.growth
-                    self.retired.append(act.rule.name)
                     self.stats[act.rule.name].retired = True
                     self.stats[act.rule.name].banned += 1
                     log.debug("rule %r retired at iteration %d (%d new matches in a grown e-graph)",
@@ -205,7 +202,7 @@ class Engine:
             changed = self.egraph.flush()
             if not changed and not waiting:
                 self.snapshot = self.egraph.snapshot()
-                return "saturated"  # rules retired in a grown e-graph are listed in ``retired`` and their stats
+                return "saturated"  # rules retired in a grown e-graph say so in their stats (``RuleStats.retired``)
         return "iteration limit"
 
     # ------------------------------------------------------------------ one match

@@ -46,16 +46,8 @@ from . import _terms
 from ._primitives import BY_PRIM, DEFAULT, NodeInfo, inner_jaxpr, is_float as _is_float
 from ._walk import operands, postorder
 
-# What XLA:CPU does with each primitive lives in its record (rewrite/_primitives.py); these sets are views of it.
-#: XLA:CPU's ``IsExpensive``: producers it will not duplicate into two consumers (``div`` and ``rem`` when
-#: floating, ``integer_pow`` with a negative exponent: see each record's ``expensive``).
-EXPENSIVE = frozenset(s.prim for s in _terms.SPECS if s.expensive is True or callable(s.expensive))
-#: XLA's cheap elementwise operations (``IsExpensive`` is false, for reals): their cost is below what can be
-#: measured apart from memory traffic, so they are counted, one ``cheap`` each, not priced from the table.
-CHEAP = frozenset(s.prim for s in _terms.SPECS if s.cheap)
-#: What a library (YNN) reduction fusion absorbs from its producers (and ``integer_pow`` with a positive exponent).
-LIBRARY_OK = frozenset(s.prim for s in _terms.SPECS if s.library is True)
-LIBRARY_REDUCTIONS = frozenset(s.prim for s in _terms.SPECS if s.library_reduction)
+# What XLA:CPU does with each primitive (expensive, cheap, what a library reduction absorbs) lives in its
+# record (rewrite/_primitives.py), which the functions below read.
 #: Smaller reductions stay ordinary loop fusions (measured: 2048 elements do, 4096 do not).
 LIBRARY_MIN_ELEMENTS = 4096
 

@@ -549,7 +549,14 @@ _GROUPS: dict[str, frozenset[str]] = {}
 GROUPS: Mapping[str, frozenset[str]] = types.MappingProxyType(_GROUPS)
 
 
+#: Argument sorts by constructor, as ``_terms.ctor_arg_sorts`` memoises them; state derived from the table,
+#: so it is emptied whenever the table changes (a replaced record may have another layout).
+ARG_SORTS: dict[str, tuple[str, ...]] = {}
+
+
 def _rebuild_groups() -> None:
+    """Refresh what is derived from the table: the groups, and the memoised argument sorts."""
+    ARG_SORTS.clear()
     acc: dict[str, set[str]] = {}
     for spec in BY_PRIM.values():
         for g in _groups_of(spec):

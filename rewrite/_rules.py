@@ -196,8 +196,7 @@ class _Bindings:
         self.params = [n for n in names if self.kinds[n] == "params"]
 
     def sharded(self, m: "Match") -> bool:
-        return any(PARAMS.params(m._bound(n)).get("sharding") is not None
-                   or PARAMS.params(m._bound(n)).get("out_sharding") is not None for n in self.params)
+        return any(m.params(n).sharded for n in self.params)
 
     def values(self, m: "Match") -> dict[str, Any]:
         """The bindings as a guard sees them: values, lists of values, params, indices."""

@@ -24,6 +24,7 @@ from ._primitives import (  # noqa: F401  (the table's names, re-exported for ru
     BY_CTOR, BY_PRIM, CONTRACT, DEFAULT, ELEMENTWISE, FAMILIES, GROUPS, INDEX, LAYOUT, NESTED, OPAQUE, REDUCE,
     SPECIAL, SPECS, TRANSCENDENTAL, TRANSPOSE, OpSpec, family_of, spec_of,
 )
+from ._primitives import ARG_SORTS
 
 #: Structural constructors: (name, argument sorts, result sort). They carry no
 #: params id. ``V`` names an e-class for the Python side and is never extracted.
@@ -102,7 +103,7 @@ def ctor_arg_sorts(ctor: str) -> tuple[str, ...]:
     return found
 
 
-_ARG_SORTS: dict[str, tuple[str, ...]] = {}  # extraction asks this hundreds of thousands of times
+_ARG_SORTS = ARG_SORTS  # extraction asks this hundreds of thousands of times; emptied when the table changes
 
 
 def ctor_sort(ctor: str) -> str:

@@ -21,7 +21,7 @@ from typing import Any
 
 from . import _terms
 from ._4_extract import Extractor, ProgramPricer, prices_programs
-from ._walk import walk
+from ._walk import CycleError, postorder, walk
 
 
 @dataclasses.dataclass
@@ -96,28 +96,20 @@ def declined(result: Any, model: Any, rule: str) -> Declined | None:
     return Declined(rule, float(cost(kept)), float(cost(alt)), [d for d in drivers if d[1] != d[2]])
 
 
+def _kids(ex: Extractor, choice: dict) -> Any:
+    return lambda c: ex.children(*choice[c]) if c in choice else ()
+
+
 def _reach(ex: Extractor, choice: dict, roots: list) -> set:
-    return {c for c in walk(roots, lambda c: ex.children(*choice[c]) if c in choice else ()) if c in choice}
+    return {c for c in walk(roots, _kids(ex, choice)) if c in choice}
 
 
 def _cyclic(ex: Extractor, choice: dict, roots: list) -> bool:
-    state: dict[Any, int] = {}  # 1 on the path, 2 done
-    for r in roots:
-        stack = [(r, False)]
-        while stack:
-            c, leaving = stack.pop()
-            if leaving:
-                state[c] = 2
-                continue
-            s = state.get(c)
-            if s == 1:
-                return True
-            if s == 2 or c not in choice:
-                continue
-            state[c] = 1
-            stack.append((c, True))
-            ctor, args = choice[c]
-            stack.extend((k, False) for k in ex.children(ctor, args) if state.get(k) != 2)
+    try:
+        for _ in postorder(roots, _kids(ex, choice)):
+            pass
+    except CycleError:
+        return True
     return False
 
 
@@ -145,8 +137,7 @@ def _breakdown(ex: Extractor, choice: dict, roots: list) -> dict[str, float]:
         for b in bodies:
             _, (_, outs) = choice[b]
             scope(list(ex.snap.list_items(outs)), times * trips)
-        skip = {a for s, a in zip(_terms.ctor_arg_sorts(ctor), args) if s in ("Region", "BList")}
-        return [k for k in ex.children(ctor, args) if k not in skip]
+        return ex.term_kids((ctor, args))  # what it reads in its own scope (its bodies were priced above)
 
     def scope(start: list, times: float) -> None:
         for _ in walk(start, lambda c: visit(c, times)):

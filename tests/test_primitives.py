@@ -79,6 +79,19 @@ def test_register_primitive_refuses_what_it_cannot_add():
         register_primitive(OpSpec("test_fam", "T", "no such family"))
 
 
+def test_a_replaced_record_with_another_layout_is_read_afresh():
+    # ctor_arg_sorts is memoised for extraction; replacing a record must not leave its old layout behind
+    from rewrite._terms import ctor_arg_sorts
+
+    register_primitive(OpSpec("test_layout", "T", "elementwise", ctor="TestLayout"))
+    try:
+        assert ctor_arg_sorts("TestLayout") == ("Term", "i64")
+        register_primitive(OpSpec("test_layout", "TT", "elementwise", ctor="TestLayout"), replace=True)
+        assert ctor_arg_sorts("TestLayout") == ("Term", "Term", "i64")
+    finally:
+        unregister("test_layout")
+
+
 # ---------------------------------------------------------------- one entry: a primitive with a body
 call_p = Primitive("test_call")
 call_p.multiple_results = True
