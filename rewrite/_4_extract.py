@@ -541,17 +541,19 @@ class ProgramSearch:
         return list(walk(self.roots, lambda c: self._kids(self.choice[c])))
 
     def run(self, passes: int = 3, known: float | None = None) -> tuple[dict[Any, tuple], float]:
-        """Improve the choice; ``known`` is the starting choice's price, if already computed."""
+        """Improve the choice; ``known`` is the starting choice's price, if the pricer computed it already."""
         nodes = self.ex.snap.nodes
         best = self.pricer(self.choice, self.roots) if known is None else known
-        here = (tuple(self.roots), _signature(self.ex, self.choice, self.roots))
+        here = self.pricer.last_key  # the starting program's key: the pricer was last asked for it
         if here in self.visited:
             return self.choice, best
         self.visited.add(here)
         start = self.pricer.evaluations
-        budget = min(self.max_evaluations, max(64, int(self.per_class * len(self._program_classes()))))
-        for _ in range(passes):
-            classes = self._program_classes()
+        classes = self._program_classes()
+        budget = min(self.max_evaluations, max(64, int(self.per_class * len(classes))))
+        for n in range(passes):
+            if n:
+                classes = self._program_classes()
             if len(classes) > self.max_classes:
                 break
             improved = False
@@ -630,14 +632,11 @@ def extract(snap: Snapshot, roots: Sequence[Any], model: CostModel, original: se
         else:
             orig_choice = None
     if prices_programs(model):
-        price = ProgramPricer(ex, model)
-        known: dict[frozenset, float] = {}  # each distinct program is priced once
+        price = ProgramPricer(ex, model)  # each distinct program is priced once
 
         def price_of(choice: dict[Any, tuple]) -> tuple[frozenset, float]:
-            key = _signature(ex, choice, roots)
-            if key not in known:
-                known[key] = price(choice, roots)
-            return key, known[key]
+            cost = price(choice, roots)
+            return price.last_key[1], cost
 
         priced = [(c, price_of(c)[1], r) for c, r in candidates]
         # Refine the best rewritten candidate, and the input, under the whole-program price (a second
