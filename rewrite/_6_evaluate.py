@@ -216,11 +216,9 @@ class Rewritten:
     def _guard(self, result: Result) -> None:
         t = time.perf_counter()
         try:
-            if not result.rewritten:
-                result.after, result.guard = result.before, _guard.GuardDecision(
-                    "original", None, None, "the rewrite changed nothing")
-            else:
-                result.after, result.guard = _guard.guard(result.before, result.after, self.guard)
+            # an unchanged program is passed as ``before`` itself, which the guard keeps without timing
+            after = result.after if result.rewritten else result.before
+            result.after, result.guard = _guard.guard(result.before, after, self.guard)
         except Exception as e:
             if _strict(self.strict):
                 raise

@@ -163,6 +163,7 @@ class JVP:
 
 def jvp_program(closed: core.ClosedJaxpr) -> tuple[core.ClosedJaxpr, list[int], list[int]]:
     """``closed``'s JVP traced as one program; returns it and the positions of the float inputs and outputs."""
+    from ._1_trace import spec_of
     from ._vjp import float_positions, of_floats
 
     in_avals = closed.in_avals
@@ -175,9 +176,7 @@ def jvp_program(closed: core.ClosedJaxpr) -> tuple[core.ClosedJaxpr, list[int], 
         outs, touts = jax.jvp(of_floats(fn, primals, dif_in), [primals[i] for i in dif_in], list(ts))
         return list(outs) + [touts[i] for i in dif_out]
 
-    specs = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type) for a in in_avals]
-    specs += [jax.ShapeDtypeStruct(in_avals[i].shape, in_avals[i].dtype, weak_type=in_avals[i].weak_type)
-              for i in dif_in]
+    specs = [spec_of(a) for a in in_avals] + [spec_of(in_avals[i]) for i in dif_in]
     return jax.make_jaxpr(joint)(*specs), dif_in, dif_out
 
 

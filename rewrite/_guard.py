@@ -22,9 +22,7 @@ True
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import gc
 import logging
 
 from jax._src import core
@@ -76,22 +74,6 @@ class GuardDecision:
         return cls(d["kept"], d.get("seconds_original"), d.get("seconds_rewritten"), d.get("reason", ""), cached)
 
 
-@contextlib.contextmanager
-def _collector_paused():
-    """Collect garbage here, then not while timing: a collection on the timing thread would drop
-    e-graphs of earlier rewrites there, which egglog forbids (they belong to this thread), and would
-    add its pauses to the times."""
-    if not gc.isenabled():
-        yield
-        return
-    gc.collect()
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
-
-
 def guard(before: core.ClosedJaxpr, after: core.ClosedJaxpr, settings: Guard | None = None
           ) -> tuple[core.ClosedJaxpr, GuardDecision]:
     """Time ``before`` and ``after`` side by side and return the faster, with the decision."""
@@ -103,8 +85,7 @@ def guard(before: core.ClosedJaxpr, after: core.ClosedJaxpr, settings: Guard | N
     if not measurable(before):
         return after, GuardDecision("rewritten", None, None, "not timed: the program has effects or sharded inputs")
     # time_programs reads rounds, min_round_seconds and max_seconds from its model argument
-    with _collector_paused():
-        t_before, t_after = _outside_traces(time_programs, [before, after], settings)
+    t_before, t_after = _outside_traces(time_programs, [before, after], settings)
     if t_after is None and t_before is None:
         return after, GuardDecision("rewritten", None, None, "not timed: neither program compiled on its own")
     if t_after is None or (t_before is not None and t_before <= t_after):

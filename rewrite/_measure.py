@@ -24,7 +24,9 @@ True
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import hashlib
 import random
 import statistics
@@ -182,9 +184,26 @@ def pin_duplicates(closed: core.ClosedJaxpr, model: AnalyticCost) -> core.Closed
     return core.ClosedJaxpr(new, closed.consts)
 
 
+@contextlib.contextmanager
+def _collector_paused():
+    """Collect garbage here, then not while timing: a collection on the timing thread would drop
+    e-graphs of earlier rewrites there, which egglog forbids (they belong to this thread), and would
+    add its pauses to the times."""
+    if not gc.isenabled():
+        yield
+        return
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
 def _outside_traces(fn: Callable[..., Any], *args: Any) -> Any:
     """Run ``fn`` on a fresh thread: a rewrite often happens while an outer ``jit`` or ``grad`` is tracing,
-    and JAX's trace state is per thread, so arrays made there are concrete and programs really run."""
+    and JAX's trace state is per thread, so arrays made there are concrete and programs really run.
+    The collector is paused meanwhile (:func:`_collector_paused`)."""
     box: dict[str, Any] = {}
 
     def work() -> None:
@@ -193,9 +212,10 @@ def _outside_traces(fn: Callable[..., Any], *args: Any) -> Any:
         except BaseException as e:  # re-raised on the caller's thread
             box["error"] = e
 
-    t = threading.Thread(target=work, name="rewrite-measure")
-    t.start()
-    t.join()
+    with _collector_paused():
+        t = threading.Thread(target=work, name="rewrite-measure")
+        t.start()
+        t.join()
     if "error" in box:
         raise box["error"]
     return box["value"]

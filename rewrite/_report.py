@@ -20,11 +20,12 @@ from typing import Any, Iterator, Sequence
 import jax
 from jax._src import core
 
-from ._1_trace import leaf_specs, split_static, trace
+from ._1_trace import leaf_specs, spec_of, split_static, trace
 from ._3_saturate import Limits
 from ._4_extract import reachable
 from ._6_evaluate import Rewritten, check_signature, entries_of
 from ._measure import resolve
+from ._primitives import nbytes
 from ._pipeline import Result, run_pipeline
 from ._rules import Rule, Ruleset, _short
 
@@ -158,9 +159,9 @@ class Report:
             lines.extend(f"  {d}" for d in not_chosen)
         if self.gradient is not None:
             g = self.gradient
-            nbytes = sum(_nbytes(v.aval) for v in g.fwd.jaxpr.outvars[len(g.fwd.out_avals) - len(g.split.residuals):])
+            held = sum(nbytes(v.aval) for v in g.fwd.jaxpr.outvars[len(g.fwd.out_avals) - len(g.split.residuals):])
             lines.append(f"gradient: forward and backward rewritten together; residuals: {len(g.split.residuals)} "
-                         f"value(s), {nbytes / 2**20:.2f} MiB ({g.split.policy}, the cheapest of "
+                         f"value(s), {held / 2**20:.2f} MiB ({g.split.policy}, the cheapest of "
                          f"{len(g.splits_considered)} splits priced)")
         for w in self.warnings:
             lines.append(f"warning: {w}")
@@ -237,12 +238,6 @@ class Report:
             parts.append(d)
         return "\n".join(parts)
 
-
-def _nbytes(aval: Any) -> int:
-    try:
-        return int(math.prod(aval.shape)) * aval.dtype.itemsize
-    except Exception:
-        return 0
 
 
 def _where(src: Any) -> str:
@@ -366,8 +361,7 @@ def _composed(gradient: Any) -> core.ClosedJaxpr:
         grads = core.eval_jaxpr(bwd.jaxpr, bwd.consts, *outs[n_out:], *args[n_in:])
         return list(outs[:n_out]) + list(grads)
 
-    specs = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type) for a in before.in_avals]
-    return jax.make_jaxpr(both)(*specs)
+    return jax.make_jaxpr(both)(*[spec_of(a) for a in before.in_avals])
 
 
 def _fixed_cost(model: Any, closed: core.ClosedJaxpr) -> float:

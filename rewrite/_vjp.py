@@ -49,7 +49,7 @@ import jax
 import numpy as np
 from jax._src import core
 
-from ._1_trace import Traced
+from ._1_trace import Traced, spec_of
 from ._4_extract import Extractor, ProgramPricer, extract, prices_programs
 from ._5_emit import Emitter, _Scope, dce
 from ._6_evaluate import RewriteWarning, Rewritten, _strict, check_signature
@@ -97,7 +97,7 @@ def joint_program(closed: core.ClosedJaxpr) -> tuple[core.ClosedJaxpr, list[int]
             full[i] = c
         return list(outs) + list(pullback(full))
 
-    specs = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type) for a in in_avals]
+    specs = [spec_of(a) for a in in_avals]
     specs += [jax.ShapeDtypeStruct(out_avals[i].shape, out_avals[i].dtype) for i in dif_out]
     return jax.make_jaxpr(joint)(*specs), dif_in, dif_out
 
