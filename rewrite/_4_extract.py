@@ -149,7 +149,8 @@ class Extractor:
         return any(x in targets for x in walk(start, lambda x: () if rank.get(x, lo) < lo else kids(choice[x])))
 
     def children(self, ctor: str, args: tuple) -> list[Any]:
-        return children((ctor, args))
+        """:meth:`all_kids` of the node ``(ctor, args)``."""
+        return self.all_kids((ctor, args))
 
     def info(self, cls: Any, ctor: str, args: tuple, choice: dict[Any, tuple], body_costs: tuple = ()) -> NodeInfo:
         snap = self.snap

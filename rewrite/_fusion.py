@@ -43,7 +43,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import numpy as np
 
 from . import _terms
-from ._primitives import BY_PRIM, DEFAULT, NodeInfo, inner_jaxpr, is_float as _is_float
+from ._primitives import NodeInfo, inner_jaxpr, is_float as _is_float, spec_of
 from ._walk import operands, postorder
 
 # What XLA:CPU does with each primitive (expensive, cheap, what a library reduction absorbs) lives in its
@@ -234,7 +234,7 @@ def _true_rank(aval: Any) -> int:
 
 def elementwise_call(op: Op) -> bool:
     """A call XLA inlines whose body is elementwise only: it fuses like one elementwise operation."""
-    if len(op.out_avals) != 1 or not (op.family == _terms.OPAQUE or BY_PRIM.get(op.prim, DEFAULT).inlined):
+    if len(op.out_avals) != 1 or not (op.family == _terms.OPAQUE or spec_of(op.prim).inlined):
         return False
     j = inner_jaxpr(op.params)
     if j is None:
@@ -255,7 +255,7 @@ def _kind_of(op: Op) -> str:
         return LEAF
     if op.prim == "proj":
         return VIEW
-    spec = BY_PRIM.get(op.prim, DEFAULT)
+    spec = spec_of(op.prim)
     if spec.fusion == "loop" or elementwise_call(op):
         return LOOP
     if op.family == _terms.REDUCE:
@@ -286,12 +286,12 @@ def _scaled_by_small(prog: "Program", op: Op) -> bool:
 def _expensive(op: Op, prog: "Program | None" = None) -> bool:
     if prog is not None and _scaled_by_small(prog, op):
         return False
-    return BY_PRIM.get(op.prim, DEFAULT).is_expensive(op.params, op.out_avals)
+    return spec_of(op.prim).is_expensive(op.params, op.out_avals)
 
 
 def _library_ok(prog: "Program", i: int) -> bool:
     op = prog.ops[i]
-    return BY_PRIM.get(op.prim, DEFAULT).library_absorbs(op.params, op.out_avals) or _scaled_by_small(prog, op)
+    return spec_of(op.prim).library_absorbs(op.params, op.out_avals) or _scaled_by_small(prog, op)
 
 
 @dataclasses.dataclass
@@ -419,7 +419,7 @@ class FusionModel:
     # ------------------------------------------------------------------ prices
     def op_ns(self, op: Op, prog: Program | None = None) -> float:
         """Nanoseconds per element of one op inside a fused loop."""
-        spec = BY_PRIM.get(op.prim, DEFAULT)
+        spec = spec_of(op.prim)
         if spec.free or op.prim == "literal":
             return 0.0
         if spec.unrolled is not None:

@@ -84,9 +84,9 @@ class Ops:
     #: The six comparisons.
     COMPARISON = property(lambda self: _group("comparison"))
     #: Arithmetic of two operands that folds exactly: ``add sub mul div rem max min``.
-    ARITHMETIC = property(lambda self: frozenset({"add", "sub", "mul", "div", "rem", "max", "min"}) & self.BINARY)
+    ARITHMETIC = property(lambda self: _group("exact_arithmetic") & self.BINARY)
     #: Bitwise and logical operations of two operands.
-    BITWISE = property(lambda self: frozenset({"and", "or", "xor"}) & self.BINARY)
+    BITWISE = property(lambda self: _group("logical") & self.BINARY)
     #: Shape-only operations of one operand (broadcast, reshape, squeeze, rev).
     LAYOUT = property(lambda self: _group("layout"))
 

@@ -525,6 +525,9 @@ _NAMED_GROUPS = {
     "comparison": "eq ne lt le gt ge",
     "binary_arithmetic": "add add_any sub mul div rem max min pow atan2 nextafter",
     "bitwise": "and or xor not shift_left shift_right_arithmetic shift_right_logical population_count clz",
+    # arithmetic whose constant folding is exact (``ops.ARITHMETIC``) and the logical operations (``ops.BITWISE``)
+    "exact_arithmetic": "add sub mul div rem max min",
+    "logical": "and or xor",
 }
 
 
@@ -544,7 +547,7 @@ _GROUPS: dict[str, frozenset[str]] = {}
 #: Operation groups: group name -> the primitive names in it. Every family is a group
 #: (``"reduce"``, ``"transcendental"``, ...), and so are ``"unary"`` and ``"binary"`` (one or two
 #: operands, elementwise or transcendental), ``"unary_transcendental"``, ``"binary_elementwise"``, ...,
-#: ``"comparison"``, ``"binary_arithmetic"``, ``"bitwise"``, ``"reduction"`` (the ``reduce_*``
+#: ``"comparison"``, ``"binary_arithmetic"``, ``"exact_arithmetic"``, ``"bitwise"``, ``"logical"``, ``"reduction"`` (the ``reduce_*``
 #: primitives) and ``"arg_reduction"``. Read-only; :func:`register_primitive` keeps it current.
 GROUPS: Mapping[str, frozenset[str]] = types.MappingProxyType(_GROUPS)
 
