@@ -185,19 +185,10 @@ def test_vjp_flag_is_deprecated_and_still_works():
 
 
 def test_training_step_with_a_plain_rewritten_loss():
-    from tests.test_vjp import _mlp_loss, _params, _step
+    from tests.test_vjp import _mlp_loss, trains_alike
 
-    params, x, y = _params(), _rand(6, 8, seed=4), jax.nn.one_hot(jnp.arange(6) % 4, 4)
     fast = rewrite(_mlp_loss, rulesets=[derivatives])
-    step_r, opt = _step(fast)
-    step, _ = _step(_mlp_loss)
-    sr = s = opt.init(params)
-    pr = p = params
-    for _ in range(3):
-        pr, sr, lr = jax.jit(step_r)(pr, sr, x, y)
-        p, s, l = jax.jit(step)(p, s, x, y)
-        np.testing.assert_allclose(lr, l, rtol=1e-5, atol=1e-6)
-    _close(pr, p, tol=1e-4)
+    trains_alike(fast)
     assert fast.derivative_rewrites == {"vjp": 1}
 
 
