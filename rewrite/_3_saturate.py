@@ -98,6 +98,29 @@ class _Active:
     last: int | None = None
 
 
+def match_program(entries: Sequence[tuple[Rule, Ruleset]], manual: bool = False
+                  ) -> tuple[str, list[list[tuple[str, list[tuple[str, str]]]]]]:
+    """The egglog declarations of the rules' queries (ruleset ``match``), and per rule its relations and binds.
+
+    Every query records its matches in a relation of its own, ``M<rule>_<query>``.
+    The text depends on the rules only, so an e-graph declared with it can be
+    made once and lent to every rewrite with the same rules (``_egraph._POOL``).
+    """
+    lines = ["(ruleset match)"]
+    relations = []
+    for i, (rule, _) in enumerate(entries):
+        rels = []
+        for j, q in enumerate(rule.queries + (rule.manual_queries if manual else [])):
+            rel = f"M{i}_{j}"
+            sorts = ["Term"] + [s for _, s in q.binds]
+            lines.append(f"(relation {rel} ({' '.join(sorts)}))")
+            args = " ".join([q.root] + [v for v, _ in q.binds])
+            lines.append(f'(rule ({q.text}) (({rel} {args})) :ruleset match :name "{rel}")')
+            rels.append((rel, q.binds))
+        relations.append(rels)
+    return "\n".join(lines), relations
+
+
 class Engine:
     """The state of one saturation: the e-graph, the active rules, and what the rules see."""
 
@@ -114,16 +137,8 @@ class Engine:
         self.preferred: list[Barred] = []
         #: Traces of rule-built functions in this run, by code, closure and avals (see _trace_key).
         self._traced: dict[Any, Any] = {}
-        lines = ["(ruleset match)"]
-        for i, (rule, owner) in enumerate(entries):
-            rels = []
-            for j, q in enumerate(rule.queries + (rule.manual_queries if manual else [])):
-                rel = f"M{i}_{j}"
-                sorts = ["Term"] + [s for _, s in q.binds]
-                lines.append(f"(relation {rel} ({' '.join(sorts)}))")
-                args = " ".join([q.root] + [v for v, _ in q.binds])
-                lines.append(f'(rule ({q.text}) (({rel} {args})) :ruleset match :name "{rel}")')
-                rels.append((rel, q.binds))
+        text, relations = match_program(entries, manual)
+        for (rule, owner), rels in zip(entries, relations):
             # A ruleset may set its own back-off (say, a tighter allowance for
             # associativity); the run's limits govern everything else.
             backoff = owner.limits if owner.limits is not None else limits
@@ -131,7 +146,8 @@ class Engine:
             self.active.append(_Active(rule, owner, rels, allowance=backoff.matches, ban_length=backoff.ban,
                                        last=last))
             self.stats[rule.name] = RuleStats()
-        egraph.declare("\n".join(lines))
+        if egraph.prelude != text:  # an e-graph made without them (EGraph(match_program(...)[0]) has them)
+            egraph.declare(text)
 
     # ------------------------------------------------------------------ the loop
     @property

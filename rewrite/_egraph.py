@@ -12,11 +12,19 @@ Three facts about egglog 13 shape this module (see ``docs/design.md``):
   rule made it.
 * ``freeze()`` is fast. A :class:`Snapshot` built from it answers the
   questions the saturation loop and the extractor ask.
+* Declaring the schema and the rules' queries costs more than saturating a
+  small program (egglog compiles every rule: 40-80 ms for the built-in
+  packs). An e-graph is therefore made once per schema and set of
+  declarations, kept in :data:`_POOL`, and lent out behind egglog's
+  ``push``; when the :class:`EGraph` that borrowed it is gone, ``pop``
+  empties it again for the next rewrite.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import threading
+import weakref
 from typing import Any, Iterable, Sequence
 
 import jax.numpy as jnp
@@ -56,12 +64,64 @@ class BodyRef:
     outs: ListRef
 
 
-class EGraph:
-    """One e-graph: the egglog instance plus the Python-side tables for its named classes."""
+class _Pool:
+    """Empty egglog e-graphs that hold the schema and a prelude (the rules' queries), by their text.
 
-    def __init__(self) -> None:
-        self.eg = eb.EGraph()
-        self.eg.run_program(*self.eg.parse_program(_terms.schema()))
+    An e-graph is lent pushed (``push`` saves its empty state) and given back
+    popped, so the next borrower finds it as declared. A few per text are kept,
+    for the few texts used last: a process rewrites with one or two rule sets.
+    """
+
+    def __init__(self, per_text: int = 2, texts: int = 4) -> None:
+        self._free: dict[tuple[str, str], list[Any]] = {}
+        self._lock = threading.Lock()
+        self.per_text, self.texts = per_text, texts
+
+    def take(self, schema: str, prelude: str) -> Any:
+        key = (schema, prelude)
+        with self._lock:
+            free = self._free.pop(key, [])
+            eg = free.pop() if free else None
+            self._free[key] = free  # most recently used last
+        if eg is None:
+            eg = eb.EGraph()
+            eg.run_program(*eg.parse_program(schema))
+            if prelude:
+                eg.run_program(*eg.parse_program(prelude))
+        eg.run_program(eb.Push(1))
+        return eg
+
+    def give(self, schema: str, prelude: str, eg: Any) -> None:
+        try:
+            eg.run_program(eb.Pop(_SPAN, 1))
+        except Exception:  # an e-graph in a state pop cannot undo is dropped, never lent again
+            return
+        key = (schema, prelude)
+        with self._lock:
+            free = self._free.pop(key, [])
+            if len(free) < self.per_text:
+                free.append(eg)
+            self._free[key] = free
+            while len(self._free) > self.texts:
+                del self._free[next(iter(self._free))]
+
+
+_POOL = _Pool()
+
+
+class EGraph:
+    """One e-graph: the egglog instance plus the Python-side tables for its named classes.
+
+    ``prelude``: egglog declarations (a saturation's match rules) to hold
+    besides the schema. The egglog instance comes from :data:`_POOL`, and
+    goes back to it when this object is collected.
+    """
+
+    def __init__(self, prelude: str = "") -> None:
+        schema = _terms.schema()
+        self.prelude = prelude
+        self.eg = _POOL.take(schema, prelude)
+        weakref.finalize(self, _POOL.give, schema, prelude, self.eg).atexit = False
         self.vtype: list[int] = []          # V id -> type id
         self.vsource: list[Any] = []        # V id -> Origin (source_info, ctx) of the equation that made it
         self.vorigin: list[str | None] = []  # V id -> name of the rule that made it, None for the program

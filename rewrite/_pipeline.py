@@ -18,7 +18,7 @@ from jax._src import core
 
 from ._1_trace import Traced
 from ._2_load import TOKEN_AVAL, load_closed
-from ._3_saturate import Engine, Limits, RuleStats
+from ._3_saturate import Engine, Limits, RuleStats, match_program
 from . import _prefer
 from ._4_extract import Extractor, extract, input_cost
 from ._5_emit import emit
@@ -97,7 +97,8 @@ def _run(traced: Traced, entries: Sequence[tuple[Rule, Ruleset]], model: CostMod
     # Stage 2: load. The program's inputs are the Params of scope 0; its
     # effects, if any, are threaded on a token that starts at (Tok 0).
     t = time.perf_counter()
-    eg = EGraph()
+    manual = _has_primitive(closed.jaxpr, "pvary")
+    eg = EGraph(match_program(entries, manual)[0])  # declared with the rules' queries: see _egraph._POOL
     inputs = [eg.term("Param", [0, i], TYPES.intern_aval(a)) for i, a in enumerate(closed.in_avals)]
     token = eg.term("Tok", [0], TYPES.intern_aval(TOKEN_AVAL)) if closed.jaxpr.effects else None
     outs, token = load_closed(closed, inputs, eg, token)
@@ -108,7 +109,7 @@ def _run(traced: Traced, entries: Sequence[tuple[Rule, Ruleset]], model: CostMod
 
     # Stage 3: saturate, under limits.
     t = time.perf_counter()
-    engine = Engine(eg, entries, limits, manual=_has_primitive(closed.jaxpr, "pvary"))
+    engine = Engine(eg, entries, limits, manual=manual)
     stopped = engine.run()
     times["saturate"] = time.perf_counter() - t
 
