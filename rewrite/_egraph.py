@@ -12,6 +12,12 @@ Three facts about egglog 13 shape this module (see ``docs/design.md``):
   rule made it.
 * ``freeze()`` is fast. A :class:`Snapshot` built from it answers the
   questions the saturation loop and the extractor ask.
+* Even in chunks, egglog compiles each chunk's rule, some 30 us an action.
+  Nodes whose arguments are all ``Term`` or ``i64`` (most of them), unions
+  and facts are therefore written as rows of loader relations (``L_Mul``:
+  the name, then the arguments) to a tab-separated file that egglog reads
+  with ``input``, and rules declared once with the schema
+  (:func:`loader_program`) turn the rows into nodes: a tenth of the cost.
 * Declaring the schema and the rules' queries costs more than saturating a
   small program (egglog compiles every rule: 40-80 ms for the built-in
   packs). An e-graph is therefore made once per schema and set of
@@ -22,7 +28,13 @@ Three facts about egglog 13 shape this module (see ``docs/design.md``):
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
+import functools
+import itertools
+import os
+import shutil
+import tempfile
 import threading
 import weakref
 from typing import Any, Iterable, Sequence
@@ -64,6 +76,70 @@ class BodyRef:
     outs: ListRef
 
 
+#: the ruleset of the loader rules, and the prefix of their relations (never extracted, never counted)
+LOADER = "load_rows"
+_L = "L_"
+
+
+@functools.lru_cache(maxsize=8)
+def loader_program(schema: str) -> str:
+    """The loader relations and rules for the constructors of ``schema`` whose arguments are flat.
+
+    A row ``(L_<ctor> v a b ...)`` makes ``(union (V v) (<ctor> (V a) (V b) ...))``
+    (an ``i64`` argument is taken as it is); ``(L_union a b)`` unions two names,
+    ``(L_<fact> v)`` asserts a fact of a name.
+    """
+    lines = [f"(ruleset {LOADER})"]
+
+    def loader(name: str, cols: int, action: str) -> None:
+        args = " ".join(f"a{i}" for i in range(cols))
+        lines.append(f"(relation {_L}{name} ({' '.join(['i64'] * cols)}))")
+        lines.append(f'(rule (({_L}{name} {args})) ({action}) :ruleset {LOADER} :name "{_L}{name}")')
+
+    for ctor in _terms.flat_ctors():
+        sorts = _terms.ctor_arg_sorts(ctor)
+        args = " ".join(f"(V a{i + 1})" if srt == "Term" else f"a{i + 1}" for i, srt in enumerate(sorts))
+        loader(ctor, 1 + len(sorts), f"(union (V a0) ({ctor} {args}))")
+    loader("union", 2, "(union (V a0) (V a1))")
+    for fact in _terms.FACTS:
+        loader(fact, 1, f"({fact} (V a0))")
+    return "\n".join(lines)
+
+
+@functools.lru_cache(maxsize=8)
+def _flat_ctors(schema: str) -> frozenset[str]:
+    return frozenset(_terms.flat_ctors())  # the table's, which ``schema`` was made from
+
+
+class _Rows:
+    """Rows for the loader relations, written to files that egglog reads (``input``), then run."""
+
+    _dir: str | None = None
+    _count = itertools.count()
+    _lock = threading.Lock()
+
+    @classmethod
+    def folder(cls) -> str:
+        with cls._lock:
+            if cls._dir is None:
+                cls._dir = tempfile.mkdtemp(prefix="rewrite-egraph-")
+                atexit.register(shutil.rmtree, cls._dir, True)
+            return cls._dir
+
+    @classmethod
+    def commands(cls, rows: dict[str, list[tuple[int, ...]]]) -> tuple[list[Any], list[str]]:
+        """``input`` commands for ``rows`` by relation, and the files they read (to remove afterwards)."""
+        folder = cls.folder()
+        commands, files = [], []
+        for rel, rs in rows.items():
+            path = os.path.join(folder, f"{os.getpid()}-{next(cls._count)}.tsv")
+            with open(path, "w") as f:
+                f.write("".join("\t".join(map(str, r)) + "\n" for r in rs))
+            files.append(path)
+            commands.append(eb.Input(_SPAN, rel, path))
+        return commands, files
+
+
 class _Pool:
     """Empty egglog e-graphs that hold the schema and a prelude (the rules' queries), by their text.
 
@@ -86,6 +162,7 @@ class _Pool:
         if eg is None:
             eg = eb.EGraph()
             eg.run_program(*eg.parse_program(schema))
+            eg.run_program(*eg.parse_program(loader_program(schema)))
             if prelude:
                 eg.run_program(*eg.parse_program(prelude))
         eg.run_program(eb.Push(1))
@@ -121,13 +198,15 @@ class EGraph:
         schema = _terms.schema()
         self.prelude = prelude
         self.eg = _POOL.take(schema, prelude)
+        self._flat = _flat_ctors(schema)  # the constructors loaded from rows
         weakref.finalize(self, _POOL.give, schema, prelude, self.eg).atexit = False
         self.vtype: list[int] = []          # V id -> type id
         self.vsource: list[Any] = []        # V id -> Origin (source_info, ctx) of the equation that made it
         self.vorigin: list[str | None] = []  # V id -> name of the rule that made it, None for the program
         self.consts: dict[int, np.ndarray] = {}
         self._memo: dict[tuple, int] = {}
-        self._pending: list[Any] = []
+        self._pending: list[Any] = []      # egglog actions, run as the heads of rules
+        self._rows: dict[str, list[tuple[int, ...]]] = {}  # loader relation -> rows (see loader_program)
         self._chunks = 0
         self._ints: dict[int, Any] = {}
         self._next_scope = 1  # scope 0 is the program's own
@@ -165,19 +244,22 @@ class EGraph:
         sorts = _terms.ctor_arg_sorts(ctor)
         if len(sorts) != len(args):
             raise TypeError(f"constructor {ctor} takes {len(sorts)} arguments, got {len(args)}")
-        exprs = [self._expr(sort, a) for sort, a in zip(sorts, args)]
         if ctor == "Param":
             scope, index = args
             self._next_input[scope] = max(self._next_input.get(scope, 0), index + 1)
         vid = self._new_name(type_id, source)
         self.defs.append((ctor, tuple(args)))
-        self._pending.append(eb.Union(_SPAN, v_expr(vid), call(ctor, *exprs)))
+        if ctor in self._flat:
+            self._rows.setdefault(_L + ctor, []).append((vid, *map(int, args)))
+        else:
+            exprs = [self._expr(sort, a) for sort, a in zip(sorts, args)]
+            self._pending.append(eb.Union(_SPAN, v_expr(vid), call(ctor, *exprs)))
         spec = _terms.BY_CTOR.get(ctor)
         if spec is not None and spec.param_facts:  # facts about its params (an even integer_pow's)
             params = PARAMS.params(args[-1])
             for rel, holds in spec.param_facts.items():
                 if holds(params):
-                    self._pending.append(eb.Expr_(_SPAN, call(rel, int_lit(args[-1]))))
+                    self._rows.setdefault(rel, []).append((int(args[-1]),))
         self._memo[key] = vid
         return vid
 
@@ -284,10 +366,10 @@ class EGraph:
 
     def union(self, a: int, b: int) -> None:
         if a != b:
-            self._pending.append(eb.Union(_SPAN, v_expr(a), v_expr(b)))
+            self._rows.setdefault(_L + "union", []).append((a, b))
 
     def assert_fact(self, fact: str, vid: int) -> None:
-        self._pending.append(eb.Expr_(_SPAN, call(fact, v_expr(vid))))
+        self._rows.setdefault(_L + fact, []).append((vid,))
 
     @property
     def num_names(self) -> int:
@@ -295,8 +377,21 @@ class EGraph:
 
     def flush(self) -> bool:
         """Insert everything pending. Returns whether the e-graph changed."""
-        if not self._pending:
+        if not self._pending and not self._rows:
             return False
+        changed = False
+        if self._rows:
+            rows, self._rows = self._rows, {}
+            inputs, files = _Rows.commands(rows)
+            try:
+                self.eg.run_program(*inputs)
+            finally:
+                for path in files:
+                    os.remove(path)
+            (out,) = self.eg.run_program(eb.RunSchedule(eb.Run(_SPAN, eb.RunConfig(LOADER))))
+            changed = out.report.updated or any(not r.startswith(_L) for r in rows)  # a param fact is a row
+        if not self._pending:
+            return changed
         commands = []
         for start in range(0, len(self._pending), _CHUNK):
             name = f"load{self._chunks}"
@@ -308,7 +403,7 @@ class EGraph:
             ]
         self._pending = []
         outputs = self.eg.run_program(*commands)
-        return any(getattr(o, "report", None) is not None and o.report.updated for o in outputs)
+        return any(getattr(o, "report", None) is not None and o.report.updated for o in outputs) or changed
 
     # ------------------------------------------------------------------ running
     def declare(self, program: str) -> None:
@@ -375,7 +470,7 @@ class Snapshot:
 
     @property
     def num_rows(self) -> int:
-        return sum(len(f.rows) for f in self.functions.values())
+        return sum(len(f.rows) for name, f in self.functions.items() if not name.startswith(_L))
 
     def rows(self, function: str) -> list[Any]:
         f = self.functions.get(function)

@@ -24,6 +24,7 @@ or, when it needs the e-graph itself (users of a class, a loop body), a
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
@@ -582,7 +583,7 @@ class Value:
     ndim = property(lambda self: len(self.aval.shape))
     size = property(lambda self: int(np.prod(self.aval.shape, dtype=np.int64)))
     weak_type = property(lambda self: bool(getattr(self.aval, "weak_type", False)))
-    is_floating = property(lambda self: bool(jnp.issubdtype(self.aval.dtype, jnp.floating)))
+    is_floating = property(lambda self: _is_floating(self.aval.dtype))
 
     def _fact(self, fact: str) -> bool:
         self.read_facts = True
@@ -632,6 +633,11 @@ class Value:
         return f"<value {_short(self.aval)}>"
 
 
+@functools.lru_cache(maxsize=None)
+def _is_floating(dtype: Any) -> bool:
+    return bool(jnp.issubdtype(dtype, jnp.floating))  # jnp knows bfloat16 and the other ml_dtypes
+
+
 def literal_value(lit_id: int, dtype: Any) -> Any:
     kind, v = LITERALS[lit_id]
     if kind == "num":
@@ -675,14 +681,17 @@ class Node:
     @property
     def operands(self) -> list[Value]:
         """Operand values, with list operands spread out in order."""
-        out = []
-        snap = self._engine.snapshot
-        for s, a in zip(self._sorts, self.args):
-            if s == "Term":
-                out.append(self._engine.value(a))
-            elif s == "TList":
-                out.extend(self._engine.value(x) for x in snap.list_items(a))
-        return out
+        found = self.__dict__.get("_operands")
+        if found is None:  # a node view lives one snapshot (Engine.nodes_of): its operands are read once
+            found = []
+            snap = self._engine.snapshot
+            for s, a in zip(self._sorts, self.args):
+                if s == "Term":
+                    found.append(self._engine.value(a))
+                elif s == "TList":
+                    found.extend(self._engine.value(x) for x in snap.list_items(a))
+            self._operands = found
+        return list(found)
 
     def __repr__(self) -> str:
         return f"<node {self.prim}>"

@@ -94,6 +94,12 @@ def schema() -> str:
     return "\n".join(lines)
 
 
+def flat_ctors() -> list[str]:
+    """The ``Term`` constructors whose arguments are all ``Term`` or ``i64`` (loaded from rows: ``_egraph.loader_program``)."""
+    ctors = [name for name, _, out in STRUCTURAL if out == "Term" and name != "V"] + [spec.ctor for spec in BY_PRIM.values()]
+    return [c for c in dict.fromkeys(ctors) if all(s in ("Term", "i64") for s in ctor_arg_sorts(c))]
+
+
 def ctor_arg_sorts(ctor: str) -> tuple[str, ...]:
     """Argument sorts of any constructor, structural or operation."""
     found = _ARG_SORTS.get(ctor)
