@@ -48,13 +48,18 @@ class Builder(Protocol):
     def new_scope(self) -> int: ...
 
 
-def load_closed(closed: core.ClosedJaxpr, inputs: Sequence[Any], b: Builder, token: Any = None) -> tuple[list[Any], Any]:
-    return load_jaxpr(closed.jaxpr, closed.consts, inputs, b, token)
+def load_closed(closed: core.ClosedJaxpr, inputs: Sequence[Any], b: Builder, token: Any = None, *,
+                remember: bool = False) -> tuple[list[Any], Any]:
+    return load_jaxpr(closed.jaxpr, closed.consts, inputs, b, token, remember=remember)
 
 
 def load_jaxpr(jaxpr: core.Jaxpr, consts: Sequence[Any], inputs: Sequence[Any], b: Builder,
-               token: Any = None) -> tuple[list[Any], Any]:
-    """Load ``jaxpr`` with its inputs bound to ``inputs``. Returns output refs and the final token."""
+               token: Any = None, *, remember: bool = False) -> tuple[list[Any], Any]:
+    """Load ``jaxpr`` with its inputs bound to ``inputs``. Returns output refs and the final token.
+
+    ``remember``: the jaxpr is loaded again and again (a rule's traced side),
+    so what each plain equation becomes is kept (:data:`_PLAIN`).
+    """
     env: dict[core.Var, Any] = {}
 
     def read(atom: Any) -> Any:
@@ -69,7 +74,12 @@ def load_jaxpr(jaxpr: core.Jaxpr, consts: Sequence[Any], inputs: Sequence[Any], 
     for v, r in zip(jaxpr.invars, inputs):
         env[v] = r
     for eqn in jaxpr.eqns:
-        outs, token = load_eqn(eqn, [read(a) for a in eqn.invars], b, token)
+        args = [read(a) for a in eqn.invars]
+        plain = _PLAIN.get(id(eqn)) if remember else None
+        if plain is not None and plain[0] is eqn:
+            outs = _load_plain(plain[1], args, b)
+        else:
+            outs, token = load_eqn(eqn, args, b, token, remember=remember)
         for v, r in zip(eqn.outvars, outs):
             if not isinstance(v, core.DropVar):
                 env[v] = r
@@ -83,7 +93,27 @@ def _constant(b: Builder, value: Any, aval: Any) -> Any:
     return b.const(arr, aval)
 
 
-def load_eqn(eqn: core.JaxprEqn, args: list[Any], b: Builder, token: Any) -> tuple[list[Any], Any]:
+#: id of an equation of a rule's traced side -> (the equation, what it loads as: see _load_plain). The
+#: equation is kept so its id stays its own; a few thousand are enough for every rule's sides.
+_PLAIN: dict[int, tuple[core.JaxprEqn, tuple]] = {}
+_PLAIN_SIZE = 16384
+
+
+def _load_plain(plain: tuple, args: list[Any], b: Builder) -> list[Any]:
+    """An equation without effects or a load hook, loaded as ``load_eqn`` would, from its remembered parts."""
+    ctor, fixed, listed, pid, type_id, proj, source = plain
+    cargs: list[Any] = list(args[:fixed])
+    if listed:
+        cargs.append(b.tlist(args[fixed:]))
+    cargs.append(pid)
+    if proj is not None:
+        tup = b.term(ctor, cargs, type_id, source)
+        return [b.term("Proj", [tup, i], t, source) for i, t in enumerate(proj)]
+    return [b.term(ctor, cargs, type_id, source)]
+
+
+def load_eqn(eqn: core.JaxprEqn, args: list[Any], b: Builder, token: Any, *,
+             remember: bool = False) -> tuple[list[Any], Any]:
     prim = eqn.primitive
     name = prim.name
     source = Origin(eqn.source_info, eqn.ctx)
@@ -111,14 +141,15 @@ def load_eqn(eqn: core.JaxprEqn, args: list[Any], b: Builder, token: Any) -> tup
     if spec.family == _terms.NESTED or not _fits(spec, args):
         spec = _terms.DEFAULT
     pid = _intern(eqn)
-    fixed = spec.layout.count("T")
-    cargs: list[Any] = list(args[:fixed])
-    if "L" in spec.layout:
-        cargs.append(b.tlist(args[fixed:]))
-    cargs.append(pid)
-    if prim.multiple_results:
-        return _project(b, b.term(spec.ctor, cargs, TYPES.intern_tuple(tuple(out_avals)), source), out_avals, source), token
-    return [b.term(spec.ctor, cargs, TYPES.intern_aval(out_avals[0]), source)], token
+    multiple = prim.multiple_results
+    plain = (spec.ctor, spec.layout.count("T"), "L" in spec.layout, pid,
+             TYPES.intern_tuple(tuple(out_avals)) if multiple else TYPES.intern_aval(out_avals[0]),
+             tuple(TYPES.intern_aval(a) for a in out_avals) if multiple else None, source)
+    if remember and _terms.spec_of(name).load is None:  # what it loads as depends on the equation alone
+        if len(_PLAIN) >= _PLAIN_SIZE:
+            _PLAIN.clear()
+        _PLAIN[id(eqn)] = (eqn, plain)
+    return _load_plain(plain, args, b), token
 
 
 def side_effects(effects: Any) -> set[Any]:

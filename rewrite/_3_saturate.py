@@ -23,6 +23,7 @@ import collections
 import dataclasses
 import functools
 import logging
+import threading
 import time
 from typing import Any, Callable, Sequence
 
@@ -135,8 +136,6 @@ class Engine:
         self.warnings: list[str] = []
         #: The unions made by preferred rules (rule(..., prefer=True)), barred before extraction.
         self.preferred: list[Barred] = []
-        #: Traces of rule-built functions in this run, by code, closure and avals (see _trace_key).
-        self._traced: dict[Any, Any] = {}
         text, relations = match_program(entries, manual)
         for (rule, owner), rels in zip(entries, relations):
             # A ruleset may set its own back-off (say, a tighter allowance for
@@ -256,7 +255,7 @@ class Engine:
             if rule.is_procedural:
                 return self._apply_procedure(act, root, dict(zip(rule.var_names, vals)),
                                              {n: "Term" for n in rule.var_names})
-            (out,), _ = load_closed(rhs, [snap.name(c) for c in vals], eg)
+            (out,), _ = load_closed(rhs, [snap.name(c) for c in vals], eg, remember=True)
             self._union(rule, snap.name(root), out, avals, lhs)
             return True
         except Unsupported as e:
@@ -455,14 +454,41 @@ class Engine:
     def insert_traced(self, fn: Callable[..., Any], inputs: Sequence[Value]) -> Any:
         avals = [v.aval for v in inputs]
         key = _trace_key(fn, avals)
-        closed = self._traced.get(key) if key is not None else None
+        closed = _TRACES.get(key) if key is not None else None
         if closed is None:
             closed = trace_at(fn, avals)
             if key is not None:
-                self._traced[key] = closed
-        outs, _ = load_closed(closed, [v.name for v in inputs], self.egraph)
+                _TRACES.put(key, closed)
+        outs, _ = load_closed(closed, [v.name for v in inputs], self.egraph, remember=key is not None)
         vals = [Value(TYPES[self.egraph.vtype[o]], o, None, self) for o in outs]
         return vals[0] if len(vals) == 1 else tuple(vals)
+
+
+class _Traces:
+    """Traces of rule-built functions, by code, closure and avals (:func:`_trace_key`), kept for the process.
+
+    Procedural rules build the same small functions in every program (a
+    product of two factors, a sum over an axis): tracing one the first time
+    is most of what a rule costs, and the trace depends on nothing but its key.
+    The oldest of more than ``size`` are dropped.
+    """
+
+    def __init__(self, size: int = 8192) -> None:
+        self._found: dict[Any, Any] = {}
+        self._lock = threading.Lock()
+        self.size = size
+
+    def get(self, key: Any) -> Any:
+        return self._found.get(key)
+
+    def put(self, key: Any, closed: Any) -> None:
+        with self._lock:
+            self._found[key] = closed
+            while len(self._found) > self.size:
+                del self._found[next(iter(self._found))]
+
+
+_TRACES = _Traces()
 
 
 def _trace_key(fn: Callable[..., Any], avals: Sequence[Any]) -> Any:
@@ -482,9 +508,17 @@ def _trace_key(fn: Callable[..., Any], avals: Sequence[Any]) -> Any:
         cells = tuple(_plain(c.cell_contents) for c in (fn.__closure__ or ()))
         defaults = _plain(fn.__defaults__ or ())
         kwdefaults = _plain(tuple(sorted((fn.__kwdefaults__ or {}).items())))
-        return (code, cells, defaults, kwdefaults, tuple(avals))
+        return (code, cells, defaults, kwdefaults, tuple(avals), _config())
     except (AttributeError, TypeError, ValueError):  # not a plain function, or a closure over an object
         return None
+
+
+def _config() -> tuple:
+    """The settings a trace reads besides its function and avals (a weak literal's dtype, say)."""
+    import jax
+
+    c = jax.config
+    return (c.jax_enable_x64, c.jax_numpy_dtype_promotion, c.jax_default_matmul_precision)
 
 
 def _plain(x: Any, depth: int = 0) -> Any:

@@ -274,7 +274,7 @@ class Verifier:
 def present(egraph: Any, closed: core.ClosedJaxpr, inputs: Sequence[Any]) -> Any:
     """The class of ``closed(*inputs)`` if every node of it is in the e-graph, else ``None``."""
     try:
-        (out,), _ = load_closed(closed, list(inputs), Verifier(egraph))
+        (out,), _ = load_closed(closed, list(inputs), Verifier(egraph), remember=True)
     except NotPresent:
         return None
     return out
