@@ -146,6 +146,8 @@ class _Pool:
     An e-graph is lent pushed (``push`` saves its empty state) and given back
     popped, so the next borrower finds it as declared. A few per text are kept,
     for the few texts used last: a process rewrites with one or two rule sets.
+    An egglog e-graph may only be used by the thread that made it, so only the
+    main thread's are kept; other threads make their own each time.
     """
 
     def __init__(self, per_text: int = 2, texts: int = 4) -> None:
@@ -155,10 +157,12 @@ class _Pool:
 
     def take(self, schema: str, prelude: str) -> Any:
         key = (schema, prelude)
-        with self._lock:
-            free = self._free.pop(key, [])
-            eg = free.pop() if free else None
-            self._free[key] = free  # most recently used last
+        eg = None
+        if _main_thread():
+            with self._lock:
+                free = self._free.pop(key, [])
+                eg = free.pop() if free else None
+                self._free[key] = free  # most recently used last
         if eg is None:
             eg = eb.EGraph()
             eg.run_program(*eg.parse_program(schema))
@@ -168,7 +172,9 @@ class _Pool:
         eg.run_program(eb.Push(1))
         return eg
 
-    def give(self, schema: str, prelude: str, eg: Any) -> None:
+    def give(self, schema: str, prelude: str, eg: Any, made_on_main: bool) -> None:
+        if not (made_on_main and _main_thread()):
+            return  # made on (or collected on) another thread: egglog forbids using it here
         try:
             eg.run_program(eb.Pop(_SPAN, 1))
         except Exception:  # an e-graph in a state pop cannot undo is dropped, never lent again
@@ -181,6 +187,10 @@ class _Pool:
             self._free[key] = free
             while len(self._free) > self.texts:
                 del self._free[next(iter(self._free))]
+
+
+def _main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
 
 
 _POOL = _Pool()
@@ -199,7 +209,7 @@ class EGraph:
         self.prelude = prelude
         self.eg = _POOL.take(schema, prelude)
         self._flat = _flat_ctors(schema)  # the constructors loaded from rows
-        weakref.finalize(self, _POOL.give, schema, prelude, self.eg).atexit = False
+        weakref.finalize(self, _POOL.give, schema, prelude, self.eg, _main_thread()).atexit = False
         self.vtype: list[int] = []          # V id -> type id
         self.vsource: list[Any] = []        # V id -> Origin (source_info, ctx) of the equation that made it
         self.vorigin: list[str | None] = []  # V id -> name of the rule that made it, None for the program
