@@ -130,14 +130,40 @@ class _Rows:
     def commands(cls, rows: dict[str, list[tuple[int, ...]]]) -> tuple[list[Any], list[str]]:
         """``input`` commands for ``rows`` by relation, and the files they read (to remove afterwards)."""
         folder = cls.folder()
-        commands, files = [], []
-        for rel, rs in rows.items():
-            path = os.path.join(folder, f"{os.getpid()}-{next(cls._count)}.tsv")
-            with open(path, "w") as f:
-                f.write("".join("\t".join(map(str, r)) + "\n" for r in rs))
-            files.append(path)
-            commands.append(eb.Input(_SPAN, rel, path))
+        commands: list[Any] = []
+        files: list[str] = []
+        try:
+            for rel, rs in rows.items():
+                path = os.path.join(folder, f"{os.getpid()}-{next(cls._count)}.tsv")
+                files.append(path)
+                with open(path, "w") as f:
+                    f.write("".join("\t".join(map(str, r)) + "\n" for r in rs))
+                commands.append(eb.Input(_SPAN, rel, path))
+        except OSError:
+            for path in files:
+                if os.path.exists(path):
+                    os.remove(path)
+            raise
         return commands, files
+
+    @staticmethod
+    def actions(rows: dict[str, list[tuple[int, ...]]]) -> list[Any]:
+        """The egglog actions that do what ``rows`` do (when they cannot be written to a file)."""
+        out: list[Any] = []
+        for rel, rs in rows.items():
+            name = rel[len(_L):] if rel.startswith(_L) else None
+            for r in rs:
+                if name is None:  # a relation on params ids, filled directly
+                    out.append(eb.Expr_(_SPAN, call(rel, int_lit(r[0]))))
+                elif name == "union":
+                    out.append(eb.Union(_SPAN, v_expr(r[0]), v_expr(r[1])))
+                elif name in _terms.FACTS:
+                    out.append(eb.Expr_(_SPAN, call(name, v_expr(r[0]))))
+                else:
+                    sorts = _terms.ctor_arg_sorts(name)
+                    args = [v_expr(a) if srt == "Term" else int_lit(a) for srt, a in zip(sorts, r[1:])]
+                    out.append(eb.Union(_SPAN, v_expr(r[0]), call(name, *args)))
+        return out
 
 
 class _Pool:
@@ -392,14 +418,18 @@ class EGraph:
         changed = False
         if self._rows:
             rows, self._rows = self._rows, {}
-            inputs, files = _Rows.commands(rows)
             try:
-                self.eg.run_program(*inputs)
-            finally:
-                for path in files:
-                    os.remove(path)
-            (out,) = self.eg.run_program(eb.RunSchedule(eb.Run(_SPAN, eb.RunConfig(LOADER))))
-            changed = out.report.updated or any(not r.startswith(_L) for r in rows)  # a param fact is a row
+                inputs, files = _Rows.commands(rows)
+            except OSError:  # no temporary folder to write to: the rows go as actions, as nodes did
+                self._pending = _Rows.actions(rows) + self._pending
+            else:
+                try:
+                    self.eg.run_program(*inputs)
+                finally:
+                    for path in files:
+                        os.remove(path)
+                (out,) = self.eg.run_program(eb.RunSchedule(eb.Run(_SPAN, eb.RunConfig(LOADER))))
+                changed = out.report.updated or any(not r.startswith(_L) for r in rows)  # a param fact is a row
         if not self._pending:
             return changed
         commands = []

@@ -125,3 +125,19 @@ def test_a_rule_function_that_raises_is_called_once():
     with pytest.raises(LookupError):
         trace_at(fn, [F32])
     assert calls == [1]
+
+
+def test_without_a_folder_to_write_rows_the_nodes_go_as_actions(monkeypatch):
+    def unwritable(rows):
+        raise OSError("read-only")
+
+    monkeypatch.setattr(_egraph._Rows, "commands", staticmethod(unwritable))
+    eg = _egraph.EGraph()
+    x = eg.term("Param", [0, 0], TYPES.intern_aval(F32))
+    y = eg.term("Param", [0, 1], TYPES.intern_aval(F32))
+    m = _mul(eg, x, y)
+    eg.union(m, y)
+    eg.assert_fact("Pos", x)
+    snap = eg.snapshot()
+    assert snap.cls_of_name[m] == snap.cls_of_name[y] and snap.has_fact("Pos", snap.cls_of_name[x])
+    assert not any(name.startswith("L_") and f.rows for name, f in snap.functions.items())
