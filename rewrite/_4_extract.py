@@ -62,6 +62,7 @@ class Extractor:
         self._kids: dict[tuple, list[Any]] = {}
         self._operands: dict[tuple, list[Any]] = {}
         self._all_kids: dict[tuple, list[Any]] = {}
+        self._pair_ids: dict[tuple, int] = {}
 
     # ------------------------------------------------------------------ node facts
     def term_kids(self, node: tuple) -> list[Any]:
@@ -83,6 +84,14 @@ class Extractor:
         found = self._all_kids.get(node)
         if found is None:
             found = self._all_kids[node] = children(node)
+        return found
+
+    def pair_id(self, cls: Any, node: tuple) -> int:
+        """A number for the choice of ``node`` in ``cls``: a program's signature is the set of its choices'."""
+        key = (cls, node)
+        found = self._pair_ids.get(key)
+        if found is None:
+            found = self._pair_ids[key] = len(self._pair_ids)
         return found
 
     @functools.cached_property
@@ -475,8 +484,28 @@ class ProgramPricer:
     def program(self, choice: dict[Any, tuple], roots: Sequence[Any]) -> Any:
         from ._fusion import Program
 
-        templates = self._templates.setdefault(id(choice), {}) if self._has_bodies(choice, roots) else self._shared
-        return Program.from_choice(self.ex, choice, roots, lambda c, n: self.own(c, n, choice), templates)
+        return Program.from_choice(self.ex, choice, roots, lambda c, n: self.own(c, n, choice),
+                                   self.templates(choice, roots))
+
+    def templates(self, choice: dict[Any, tuple], roots: Sequence[Any]) -> dict:
+        """Per-node facts of the programs ``choice`` makes (shared by all choices when no node has a body)."""
+        return self._templates.setdefault(id(choice), {}) if self._has_bodies(choice, roots) else self._shared
+
+    def remember(self, key: tuple, price: Callable[[], float]) -> float:
+        """The price of the program ``key`` names (``_signature``), from memory or from ``price()``."""
+        self.asked += 1
+        self.last_key = key
+        found = self._known.get(key)
+        if found is None:
+            self.evaluations += 1
+            found = self._known[key] = price()
+        return found
+
+    def live(self, choice: dict[Any, tuple], roots: Sequence[Any]) -> "LiveProgram | None":
+        """A :class:`LiveProgram` over ``choice`` (kept up to date in place), if the model can price one."""
+        fusion = getattr(self.model, "program_fusion", None)
+        fusion = fusion() if fusion is not None else None
+        return None if fusion is None else LiveProgram(self, fusion, choice, roots)
 
     def _has_bodies(self, choice: dict[Any, tuple], roots: Sequence[Any]) -> bool:
         """Whether the program has nested nodes, whose prices depend on the choice (so no sharing of prices)."""
@@ -492,17 +521,163 @@ class ProgramPricer:
         a search that tries a move it tried before, or that reaches from
         another start a program it priced already, is answered from memory.
         """
-        self.asked += 1
-        key = self.last_key = (tuple(roots), _signature(self.ex, choice, roots))
-        found = self._known.get(key)
-        if found is None:
-            self.evaluations += 1
-            found = self._known[key] = self.price(self.program(choice, roots))
-        return found
+        key = (tuple(roots), _signature(self.ex, choice, roots))
+        return self.remember(key, lambda: self.price(self.program(choice, roots)))
 
     def price(self, prog: Any) -> float:
         """The model's whole-program price of ``prog``."""
         return float(self.model.program(prog))
+
+    def price_fused(self, fusion: Any) -> float:
+        """The model's price of the program a :class:`rewrite._fusion.LiveFusion` holds."""
+        return float(fusion.price())
+
+
+class LiveProgram:
+    """The program a choice makes, kept up to date as single classes switch node: what :class:`ProgramSearch` prices.
+
+    Reference counts over what each chosen node reads tell which classes a
+    move brings into the program and which it leaves behind: over its own
+    scope for the kernels (a :class:`rewrite._fusion.LiveFusion`, which
+    re-places and re-prices only what the move touches), and over bodies too
+    for the program's signature (``_signature``), so that a move to a program
+    priced before is answered from the pricer's memory. ``choice`` is
+    updated in place. Prices equal the pricer's whole-program ones up to the
+    order of the sums.
+    """
+
+    def __init__(self, pricer: ProgramPricer, fusion: Any, choice: dict[Any, tuple], roots: Sequence[Any]) -> None:
+        from ._fusion import LiveFusion
+
+        self.pricer = pricer
+        self.ex = pricer.ex
+        self.choice = choice
+        self.roots = list(roots)
+        self._roots = tuple(roots)
+        self.fusion = LiveFusion(fusion, self.roots)
+        self._own = lambda c, n: pricer.own(c, n, choice)
+        self._templates = pricer.templates(choice, roots)
+        self._ref: dict[Any, int] = {}   # own scope: what the kernels are made of
+        self._sig: dict[Any, int] = {}   # bodies included: the signature
+        self._ids: set[int] = set()
+        self._fused: dict[Any, tuple] = {}  # the node each class has in self.fusion
+        self._touched: set[Any] = set()
+        #: classes whose op inlines a call's body, with the classes of that body (a move there changes the op)
+        self._inlined: dict[Any, set] = {}
+        #: whether any price came from the kernels here (not from the pricer's memory)
+        self.priced = False
+        for r in self.roots:
+            self._inc(r)
+            self._inc_sig(r)
+
+    def _inc(self, c: Any) -> None:
+        ref, choice, reads, touched = self._ref, self.choice, self.ex.operands, self._touched
+        stack = [c]
+        while stack:
+            x = stack.pop()
+            n = ref.get(x, 0) + 1
+            ref[x] = n
+            if n == 1:
+                touched.add(x)
+                stack.extend(reads(choice[x]))
+
+    def _dec(self, c: Any) -> None:
+        ref, choice, reads, touched = self._ref, self.choice, self.ex.operands, self._touched
+        stack = [c]
+        while stack:
+            x = stack.pop()
+            n = ref[x] - 1
+            ref[x] = n
+            if n == 0:
+                touched.add(x)
+                stack.extend(reads(choice[x]))
+
+    def _inc_sig(self, c: Any) -> None:
+        ref, choice, kids, pid, ids = self._sig, self.choice, self.ex.all_kids, self.ex.pair_id, self._ids
+        stack = [c]
+        while stack:
+            x = stack.pop()
+            n = ref.get(x, 0) + 1
+            ref[x] = n
+            if n == 1:
+                node = choice[x]
+                ids.add(pid(x, node))
+                stack.extend(kids(node))
+
+    def _dec_sig(self, c: Any) -> None:
+        ref, choice, kids, pid, ids = self._sig, self.choice, self.ex.all_kids, self.ex.pair_id, self._ids
+        stack = [c]
+        while stack:
+            x = stack.pop()
+            n = ref[x] - 1
+            ref[x] = n
+            if n == 0:
+                node = choice[x]
+                ids.discard(pid(x, node))
+                stack.extend(kids(node))
+
+    def set(self, c: Any, node: tuple) -> None:
+        """Switch class ``c`` (one the program uses) to ``node``; the caller has checked that no cycle results."""
+        old = self.choice[c]
+        if old == node:
+            return
+        ex = self.ex
+        for k in ex.operands(node):
+            self._inc(k)
+        for k in ex.all_kids(node):
+            self._inc_sig(k)
+        if self._sig.get(c, 0) > 0:
+            self._ids.discard(ex.pair_id(c, old))
+            self._ids.add(ex.pair_id(c, node))
+        self.choice[c] = node
+        self._touched.add(c)
+        for k in ex.operands(old):
+            self._dec(k)
+        for k in ex.all_kids(old):
+            self._dec_sig(k)
+        for x, body in self._inlined.items():
+            if c in body:
+                self._touched.add(x)
+                self._fused.pop(x, None)  # its op is built again
+
+    def key(self) -> tuple:
+        """The pricer's key for the current program (its roots and signature)."""
+        return self._roots, frozenset(self._ids)
+
+    def price(self) -> float:
+        """The current program's price, from the pricer's memory or from the kernels the moves touched."""
+        return self.pricer.remember(self.key(), self._price)
+
+    def _price(self) -> float:
+        self.priced = True
+        self.flush()
+        return self.pricer.price_fused(self.fusion)
+
+    def flush(self) -> None:
+        """Bring the kernels up to date with the moves made since the last price."""
+        from ._fusion import chosen_op
+
+        ex, choice, ref, fused = self.ex, self.choice, self._ref, self._fused
+        changes: dict[Any, Any] = {}
+        for x in self._touched:
+            want = choice[x] if ref.get(x, 0) > 0 else None
+            if want == fused.get(x):
+                continue
+            if want is None:
+                fused.pop(x, None)
+                self._inlined.pop(x, None)
+                changes[x] = None
+                continue
+            fused[x] = want
+            op = chosen_op(ex, x, want, choice, self._own, self._templates, tuple(ex.operands(want)))
+            if op.memo and "inner" in op.memo:
+                self._inlined[x] = set(walk(ex.body_classes(*want), lambda b: ex.all_kids(choice[b])))
+            else:
+                self._inlined.pop(x, None)
+            changes[x] = op
+        self._touched.clear()
+        if changes:
+            self.fusion.edit(changes)
 
 
 class ProgramSearch:
@@ -543,6 +718,14 @@ class ProgramSearch:
 
     def run(self, passes: int = 3, known: float | None = None) -> tuple[dict[Any, tuple], float]:
         """Improve the choice; ``known`` is the starting choice's price, if the pricer computed it already."""
+        live = self.pricer.live(self.choice, self.roots)
+        choice, best = self._run(live, passes, known)
+        if live is not None and live.priced:
+            # The price of the result as the whole-program pricer gives it (not up to the order of the sums).
+            best = self.pricer.price(self.pricer.program(choice, self.roots))
+        return choice, best
+
+    def _run(self, program: LiveProgram | None, passes: int, known: float | None) -> tuple[dict[Any, tuple], float]:
         nodes = self.ex.snap.nodes
         best = self.pricer(self.choice, self.roots) if known is None else known
         here = self.pricer.last_key  # the starting program's key: the pricer was last asked for it
@@ -573,8 +756,12 @@ class ProgramSearch:
                         continue  # the same operation on the same operands (a*b for b*a): the same program price
                     if self.ex.reaches(self.choice, self._kids(alt), {c}):
                         continue
-                    self.choice[c] = alt
-                    price = self.pricer(self.choice, self.roots)
+                    if program is None:
+                        self.choice[c] = alt
+                        price = self.pricer(self.choice, self.roots)
+                    else:
+                        program.set(c, alt)
+                        price = program.price()
                     if price < best - 1e-9 * max(1.0, abs(best)):
                         best = price
                         improved = True
@@ -584,8 +771,10 @@ class ProgramSearch:
                         live = set(self._program_classes())
                         if c not in live:
                             break
-                    else:
+                    elif program is None:
                         self.choice[c] = cur
+                    else:
+                        program.set(c, cur)
             if not improved:
                 break
         return self.choice, best
@@ -610,9 +799,9 @@ def input_cost(snap: Snapshot, outs: Sequence[int], token: int | None, model: Co
 
 
 def _signature(ex: "Extractor", choice: dict[Any, tuple], roots: Sequence[Any]) -> frozenset:
-    """The chosen nodes a program uses: equal signatures are the same program."""
-    kids = ex.all_kids
-    return frozenset((c, choice[c]) for c in walk(roots, lambda c: kids(choice[c])))
+    """The chosen nodes a program uses (their :meth:`Extractor.pair_id`): equal signatures are the same program."""
+    kids, pid = ex.all_kids, ex.pair_id
+    return frozenset(pid(c, choice[c]) for c in walk(roots, lambda c: kids(choice[c])))
 
 
 def extract(snap: Snapshot, roots: Sequence[Any], model: CostModel, original: set[tuple] | None) -> Extraction:
