@@ -294,6 +294,7 @@ class LocalSearch:
         self.ref: dict[Any, int] = {}
         self.cost = 0.0
         self._body_memo: dict[Any, float] = {}
+        self._costs: dict[tuple, float] = {}
         for r in self.roots:
             self._inc(r)
 
@@ -302,48 +303,68 @@ class LocalSearch:
 
     def own(self, c: Any, node: tuple) -> float:
         ctor, args = node
+        if ctor == "Proj":  # its price reads the node it projects
+            return self.ex.own(c, ctor, args, self.choice)
+        found = self._costs.get((c, node))
+        if found is not None:
+            return found
         bodies = self.ex.body_classes(ctor, args)
         if not bodies:
-            return self.ex.own(c, ctor, args, self.choice)
-        costs = []
-        for b in bodies:
-            if b not in self._body_memo:
-                _, (_, outs) = self.choice[b]
-                self._body_memo[b] = self.ex.dag_cost(self.choice, self.ex.snap.list_items(outs))
-            costs.append(self._body_memo[b])
-        return float(self.ex.model(self.ex.info(c, ctor, args, self.choice, tuple(costs))))
+            found = self.ex.own(c, ctor, args, self.choice)
+        else:
+            costs = []
+            for b in bodies:
+                if b not in self._body_memo:
+                    _, (_, outs) = self.choice[b]
+                    self._body_memo[b] = self.ex.dag_cost(self.choice, self.ex.snap.list_items(outs))
+                costs.append(self._body_memo[b])
+            found = float(self.ex.model(self.ex.info(c, ctor, args, self.choice, tuple(costs))))
+        # Bodies keep their choice during the search (their costs are remembered above), so a node's cost is fixed.
+        self._costs[(c, node)] = found
+        return found
 
     def _inc(self, c: Any) -> None:
+        ref, choice, own, kids = self.ref, self.choice, self.own, self.ex.term_kids
         stack = [c]
         while stack:
             x = stack.pop()
-            n = self.ref.get(x, 0) + 1
-            self.ref[x] = n
+            n = ref.get(x, 0) + 1
+            ref[x] = n
             if n == 1:
-                node = self.choice[x]
-                self.cost += self.own(x, node)
-                stack.extend(self.kids(node))
+                node = choice[x]
+                self.cost += own(x, node)
+                stack.extend(kids(node))
 
     def _dec(self, c: Any) -> None:
+        ref, choice, own, kids = self.ref, self.choice, self.own, self.ex.term_kids
         stack = [c]
         while stack:
             x = stack.pop()
-            n = self.ref[x] - 1
-            self.ref[x] = n
+            n = ref[x] - 1
+            ref[x] = n
             if n == 0:
-                node = self.choice[x]
-                self.cost -= self.own(x, node)
-                stack.extend(self.kids(node))
+                node = choice[x]
+                self.cost -= own(x, node)
+                stack.extend(kids(node))
 
     def _set(self, c: Any, node: tuple) -> None:
         old = self.choice[c]
+        ref = self.ref
         for k in self.kids(node):
-            self._inc(k)
+            n = ref.get(k, 0)
+            if n:
+                ref[k] = n + 1  # in use already: nothing below it changes
+            else:
+                self._inc(k)
         self.cost -= self.own(c, old)
         self.choice[c] = node
         self.cost += self.own(c, node)
         for k in self.kids(old):
-            self._dec(k)
+            n = ref[k]
+            if n > 1:
+                ref[k] = n - 1  # still in use
+            else:
+                self._dec(k)
 
     def _try(self, c: Any, alt: tuple, adopt: bool = False) -> bool:
         """Switch ``c`` to ``alt``; if ``alt`` projects a multi-result node, move that node's siblings too.
