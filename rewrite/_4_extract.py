@@ -295,6 +295,10 @@ class LocalSearch:
         self.cost = 0.0
         self._body_memo: dict[Any, float] = {}
         self._costs: dict[tuple, float] = {}
+        #: moves (their targets) that failed since the last improvement -> whether adopting could add to them
+        self._failed: dict[frozenset, bool] = {}
+        #: after a failed move of a projection: whether the same move with ``adopt`` would differ
+        self.adopts = True
         for r in self.roots:
             self._inc(r)
 
@@ -382,25 +386,47 @@ class LocalSearch:
             self._set(x, node)
 
         apply(c, alt)
+        key = None
+        self.adopts = True
         if alt[0] == "Proj":
             new_tup = alt[1][0]
+            parents = self.ex.snap.parents.get(new_tup, ())
             olds = []
-            for parent, node in self.ex.snap.parents.get(new_tup, ()):
+            for parent, node in parents:
                 cur = self.choice.get(parent)
                 if (node[0] == "Proj" and cur is not None and cur[0] == "Proj" and cur[1][0] != new_tup
                         and self.ref.get(parent, 0) > 0 and cur[1][0] not in olds):
                     olds.append(cur[1][0])
+            if not adopt and len(olds) <= 1:
+                # The moves are known before they are made (one group, listed in this state), and every
+                # projection of a loop leads to the same ones: a move that failed since the last improvement fails.
+                group = self._group(olds[0], new_tup) if olds else []
+                key = frozenset([(c, alt), *group])
+                if key in self._failed:
+                    self.adopts = self._failed[key]
+                    self._set(c, applied[0][1])
+                    return False
             for old_tup in olds:
                 for x, node in self._group(old_tup, new_tup):
                     apply(x, node)
             if adopt:
-                for parent, node in self.ex.snap.parents.get(new_tup, ()):
+                for parent, node in parents:
                     if node[0] == "Proj" and self.ref.get(parent, 0) > 0 and self.choice.get(parent) != node:
                         apply(parent, node)
         moved = {x for x, _ in applied}
         new_kids = [k for x, _ in applied for k in self.kids(self.choice[x])]
-        if self.cost < before - 1e-9 * max(1.0, abs(before)) and not self.ex.reaches(self.choice, new_kids, moved):
+        cheaper = self.cost < before - 1e-9 * max(1.0, abs(before))
+        cyclic = self.ex.reaches(self.choice, new_kids, moved) if cheaper or key is not None else False
+        if cheaper and not cyclic:
+            self._failed.clear()
             return True
+        if key is not None:
+            # Whether the same move with ``adopt`` would move more: none left to adopt is the same move. (With a
+            # cycle the reference counts depend on the order of the moves, so that is left to the move itself.)
+            self.adopts = cyclic or any(
+                node[0] == "Proj" and self.ref.get(parent, 0) > 0 and self.choice.get(parent) != node
+                for parent, node in parents)
+            self._failed[key] = self.adopts
         for x, node in reversed(applied):
             self._set(x, node)
         return False
@@ -416,7 +442,7 @@ class LocalSearch:
                     if alt == self.choice[c] or alt[0] in _CONTAINERS or any(
                             k not in self.choice for k in self.kids(alt)):
                         continue
-                    if self._try(c, alt) or (alt[0] == "Proj" and self._try(c, alt, adopt=True)):
+                    if self._try(c, alt) or (alt[0] == "Proj" and self.adopts and self._try(c, alt, adopt=True)):
                         improved = True
             if not improved:
                 break
