@@ -730,9 +730,10 @@ class LiveProgram:
 class ProgramSearch:
     """Improve a choice under a whole-program price by switching one class at a time.
 
-    Every move is priced by re-pricing the whole program, so this runs only
-    on programs of at most ``max_classes`` classes, for at most
-    ``max_evaluations`` prices of distinct programs, and at most
+    A move is priced from the kernels it touches (:class:`LiveProgram`; under
+    a model that prices programs its own way, by pricing the whole program
+    again). The search runs only on programs of at most ``max_classes``
+    classes, for at most ``max_evaluations`` prices of distinct programs, and at most
     ``per_class`` per class of the program it starts from (at least 64): on
     the ecosystem suite the last improving move came within one price per
     class, and the moves after it only confirmed that none improves. A move
@@ -765,14 +766,26 @@ class ProgramSearch:
 
     def run(self, passes: int = 3, known: float | None = None) -> tuple[dict[Any, tuple], float]:
         """Improve the choice; ``known`` is the starting choice's price, if the pricer computed it already."""
-        live = self.pricer.live(self.choice, self.roots)
-        choice, best = self._run(live, passes, known)
-        if live is not None and live.priced:
+        self._live: LiveProgram | None | bool = None
+        choice, best = self._run(passes, known)
+        if self._live and self._live.priced:
             # The price of the result as the whole-program pricer gives it (not up to the order of the sums).
             best = self.pricer.price(self.pricer.program(choice, self.roots))
         return choice, best
 
-    def _run(self, program: LiveProgram | None, passes: int, known: float | None) -> tuple[dict[Any, tuple], float]:
+    def _switch(self, c: Any, node: tuple) -> None:
+        """Choose ``node`` for ``c`` (the program is priced by :meth:`_price`)."""
+        if self._live is None:  # made on the first move: a search over too large a program makes none
+            self._live = self.pricer.live(self.choice, self.roots) or False
+        if self._live:
+            self._live.set(c, node)
+        else:
+            self.choice[c] = node
+
+    def _price(self) -> float:
+        return self._live.price() if self._live else self.pricer(self.choice, self.roots)
+
+    def _run(self, passes: int, known: float | None) -> tuple[dict[Any, tuple], float]:
         nodes = self.ex.snap.nodes
         best = self.pricer(self.choice, self.roots) if known is None else known
         here = self.pricer.last_key  # the starting program's key: the pricer was last asked for it
@@ -803,12 +816,8 @@ class ProgramSearch:
                         continue  # the same operation on the same operands (a*b for b*a): the same program price
                     if self.ex.reaches(self.choice, self._kids(alt), {c}):
                         continue
-                    if program is None:
-                        self.choice[c] = alt
-                        price = self.pricer(self.choice, self.roots)
-                    else:
-                        program.set(c, alt)
-                        price = program.price()
+                    self._switch(c, alt)
+                    price = self._price()
                     if price < best - 1e-9 * max(1.0, abs(best)):
                         best = price
                         improved = True
@@ -818,10 +827,8 @@ class ProgramSearch:
                         live = set(self._program_classes())
                         if c not in live:
                             break
-                    elif program is None:
-                        self.choice[c] = cur
                     else:
-                        program.set(c, cur)
+                        self._switch(c, cur)
             if not improved:
                 break
         return self.choice, best
