@@ -445,7 +445,13 @@ def _checkpoint_load(ld: Any) -> list[Any]:
     jaxpr = ld.eqn.params["jaxpr"]
     if jaxpr.constvars or jaxpr.effects:
         raise Unsupported("checkpoint body with constants or effects")
-    return ld.nested([ld.body(jaxpr, (), [v.aval for v in jaxpr.invars])], {"_rw_debug": jaxpr.debug_info})
+    outs = ld.nested([ld.body(jaxpr, (), [v.aval for v in jaxpr.invars])], {"_rw_debug": jaxpr.debug_info})
+    # A result that is an input of the body is that operand: checkpointing changes what is saved, not what
+    # is computed. (A backward loop's body often hands a cotangent on this way; read as the operand, the
+    # loop's rules see that the carry never changes.)
+    position = {v: i for i, v in enumerate(jaxpr.invars)}
+    return [ld.args[position[v]] if not hasattr(v, "val") and v in position else out
+            for v, out in zip(jaxpr.outvars, outs)]
 
 
 def _checkpoint_emit(em: Any, params: dict, bodies: list, n_out: int, n_in: int) -> dict:

@@ -216,30 +216,32 @@ def lift_independent(m) -> Any:
     """Stacked ``y_t = f(consts, x_t)`` that never reads the carry -> ``vmap(f)(consts, xs)`` outside the loop.
 
     The copy of the loop no longer computes or stacks ``y``; when nothing
-    else of the loop is used, the loop disappears.
+    else of the loop is used, the loop disappears. A carry that the body
+    passes on unchanged (a backward loop's cotangent of a loop-invariant
+    value, say) holds its initial value at every step: ``f`` may read it like
+    a constant, and the loop's final value of it is its initial value.
     """
     loop = Loop(m)
-    used = sorted({i for _, i in loop.outputs() if i >= loop.num_carry})
-    if not used:
-        return None
     ncon, nc = loop.num_consts, loop.num_carry
-    positions = list(range(ncon)) + list(range(ncon + nc, len(loop.args)))
+    fixed = [ncon + k for k in range(nc) if loop.body.outs[k].cls == loop.input(ncon + k).cls]
+    same = [(v, loop.args[ncon + i]) for v, i in loop.outputs() if ncon + i in fixed]
+    used = sorted({i for _, i in loop.outputs() if i >= nc})
+    positions = list(range(ncon)) + fixed + list(range(ncon + nc, len(loop.args)))
     inputs = [loop.input(p) for p in positions]
-    outer = [loop.args[p] for p in positions]
-    in_axes = tuple(None if p < ncon else 0 for p in positions)
-    lifted: dict[int, Any] = {}
-    for k in used:
-        f = m.function([loop.body.outs[k]], inputs)
-        if f is None:
-            continue
-        batched = jax.vmap(lambda *a, f=f: f(*a)[0], in_axes=in_axes, axis_size=loop.length)
-        y = m.trace(batched, *outer)
-        if y.aval == loop.scan.aval[k]:
-            lifted[k] = y
+    free = [k for k in used if m.function([loop.body.outs[k]], inputs) is not None]
+    # one function for all of them, so that work they share (a checkpointed body, say) is done once
+    f = m.function([loop.body.outs[k] for k in free], inputs) if free else None
+    if f is None:
+        return same or None
+    in_axes = tuple(None if p < ncon + nc else 0 for p in positions)
+    ys = m.trace(jax.vmap(lambda *a: tuple(f(*a)), in_axes=in_axes, axis_size=loop.length),
+                 *[loop.args[p] for p in positions])
+    ys = ys if isinstance(ys, (tuple, list)) else (ys,)
+    lifted = {k: y for k, y in zip(free, ys) if y.aval == loop.scan.aval[k]}
     if not lifted:
-        return None
+        return same or None
     res = loop.build(drop=tuple(lifted))
-    return loop.handover(res, drop=tuple(lifted)) + [(v, lifted[i]) for v, i in loop.outputs() if i in lifted]
+    return same + loop.handover(res, drop=tuple(lifted)) + [(v, lifted[i]) for v, i in loop.outputs() if i in lifted]
 
 
 # ---------------------------------------------------------------------- fori_loop buffers
