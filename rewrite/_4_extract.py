@@ -19,7 +19,8 @@ DAGs, and its DAG-aware extractor is too slow at our sizes (see
    candidates are priced that way, and :class:`ProgramSearch` refines the
    best with single-class switches under that price: whether a value is
    stored or recomputed in every loop that reads it depends on the whole
-   program, which no sum of node costs sees.
+   program, which no sum of node costs sees. A switch re-prices only the
+   kernels it touches (:class:`LiveProgram`).
 5. The cheapest candidate wins, and the input program is one of them, so the
    result never costs more than the input; with no rules it is the input.
    The distinct candidates stay available, cheapest first, for
@@ -284,7 +285,9 @@ class LocalSearch:
     projections of another: a rewrite that replaces a loop pays off only when
     all of the old loop's outputs move at once, which no single move sees.
     Moves are only taken when they lower the cost and keep the program acyclic.
-    Only the program's own scope is searched; bodies keep the bottom-up pass's choice.
+    Every projection of a loop offers the same group move; one that failed is
+    not made again until a move is taken. Only the program's own scope is
+    searched; bodies keep the bottom-up pass's choice.
     """
 
     def __init__(self, ex: Extractor, choice: dict[Any, tuple], roots: Sequence[Any]) -> None:
