@@ -19,7 +19,8 @@ DAGs, and its DAG-aware extractor is too slow at our sizes (see
    candidates are priced that way, and :class:`ProgramSearch` refines the
    best with single-class switches under that price: whether a value is
    stored or recomputed in every loop that reads it depends on the whole
-   program, which no sum of node costs sees.
+   program, which no sum of node costs sees. A switch re-prices only the
+   kernels it touches (:class:`LiveProgram`).
 5. The cheapest candidate wins, and the input program is one of them, so the
    result never costs more than the input; with no rules it is the input.
    The distinct candidates stay available, cheapest first, for
@@ -62,6 +63,7 @@ class Extractor:
         self._kids: dict[tuple, list[Any]] = {}
         self._operands: dict[tuple, list[Any]] = {}
         self._all_kids: dict[tuple, list[Any]] = {}
+        self._pair_ids: dict[tuple, int] = {}
 
     # ------------------------------------------------------------------ node facts
     def term_kids(self, node: tuple) -> list[Any]:
@@ -83,6 +85,14 @@ class Extractor:
         found = self._all_kids.get(node)
         if found is None:
             found = self._all_kids[node] = children(node)
+        return found
+
+    def pair_id(self, cls: Any, node: tuple) -> int:
+        """A number for the choice of ``node`` in ``cls``: a program's signature is the set of its choices'."""
+        key = (cls, node)
+        found = self._pair_ids.get(key)
+        if found is None:
+            found = self._pair_ids[key] = len(self._pair_ids)
         return found
 
     @functools.cached_property
@@ -275,7 +285,9 @@ class LocalSearch:
     projections of another: a rewrite that replaces a loop pays off only when
     all of the old loop's outputs move at once, which no single move sees.
     Moves are only taken when they lower the cost and keep the program acyclic.
-    Only the program's own scope is searched; bodies keep the bottom-up pass's choice.
+    Every projection of a loop offers the same group move; one that failed is
+    not made again until a move is taken. Only the program's own scope is
+    searched; bodies keep the bottom-up pass's choice.
     """
 
     def __init__(self, ex: Extractor, choice: dict[Any, tuple], roots: Sequence[Any]) -> None:
@@ -285,6 +297,11 @@ class LocalSearch:
         self.ref: dict[Any, int] = {}
         self.cost = 0.0
         self._body_memo: dict[Any, float] = {}
+        self._costs: dict[tuple, float] = {}
+        #: moves (their targets) that failed since the last improvement -> whether adopting could add to them
+        self._failed: dict[frozenset, bool] = {}
+        #: after a failed move of a projection: whether the same move with ``adopt`` would differ
+        self.adopts = True
         for r in self.roots:
             self._inc(r)
 
@@ -293,48 +310,68 @@ class LocalSearch:
 
     def own(self, c: Any, node: tuple) -> float:
         ctor, args = node
+        if ctor == "Proj":  # its price reads the node it projects
+            return self.ex.own(c, ctor, args, self.choice)
+        found = self._costs.get((c, node))
+        if found is not None:
+            return found
         bodies = self.ex.body_classes(ctor, args)
         if not bodies:
-            return self.ex.own(c, ctor, args, self.choice)
-        costs = []
-        for b in bodies:
-            if b not in self._body_memo:
-                _, (_, outs) = self.choice[b]
-                self._body_memo[b] = self.ex.dag_cost(self.choice, self.ex.snap.list_items(outs))
-            costs.append(self._body_memo[b])
-        return float(self.ex.model(self.ex.info(c, ctor, args, self.choice, tuple(costs))))
+            found = self.ex.own(c, ctor, args, self.choice)
+        else:
+            costs = []
+            for b in bodies:
+                if b not in self._body_memo:
+                    _, (_, outs) = self.choice[b]
+                    self._body_memo[b] = self.ex.dag_cost(self.choice, self.ex.snap.list_items(outs))
+                costs.append(self._body_memo[b])
+            found = float(self.ex.model(self.ex.info(c, ctor, args, self.choice, tuple(costs))))
+        # Bodies keep their choice during the search (their costs are remembered above), so a node's cost is fixed.
+        self._costs[(c, node)] = found
+        return found
 
     def _inc(self, c: Any) -> None:
+        ref, choice, own, kids = self.ref, self.choice, self.own, self.ex.term_kids
         stack = [c]
         while stack:
             x = stack.pop()
-            n = self.ref.get(x, 0) + 1
-            self.ref[x] = n
+            n = ref.get(x, 0) + 1
+            ref[x] = n
             if n == 1:
-                node = self.choice[x]
-                self.cost += self.own(x, node)
-                stack.extend(self.kids(node))
+                node = choice[x]
+                self.cost += own(x, node)
+                stack.extend(kids(node))
 
     def _dec(self, c: Any) -> None:
+        ref, choice, own, kids = self.ref, self.choice, self.own, self.ex.term_kids
         stack = [c]
         while stack:
             x = stack.pop()
-            n = self.ref[x] - 1
-            self.ref[x] = n
+            n = ref[x] - 1
+            ref[x] = n
             if n == 0:
-                node = self.choice[x]
-                self.cost -= self.own(x, node)
-                stack.extend(self.kids(node))
+                node = choice[x]
+                self.cost -= own(x, node)
+                stack.extend(kids(node))
 
     def _set(self, c: Any, node: tuple) -> None:
         old = self.choice[c]
+        ref = self.ref
         for k in self.kids(node):
-            self._inc(k)
+            n = ref.get(k, 0)
+            if n:
+                ref[k] = n + 1  # in use already: nothing below it changes
+            else:
+                self._inc(k)
         self.cost -= self.own(c, old)
         self.choice[c] = node
         self.cost += self.own(c, node)
         for k in self.kids(old):
-            self._dec(k)
+            n = ref[k]
+            if n > 1:
+                ref[k] = n - 1  # still in use
+            else:
+                self._dec(k)
 
     def _try(self, c: Any, alt: tuple, adopt: bool = False) -> bool:
         """Switch ``c`` to ``alt``; if ``alt`` projects a multi-result node, move that node's siblings too.
@@ -352,25 +389,47 @@ class LocalSearch:
             self._set(x, node)
 
         apply(c, alt)
+        key = None
+        self.adopts = True
         if alt[0] == "Proj":
             new_tup = alt[1][0]
+            parents = self.ex.snap.parents.get(new_tup, ())
             olds = []
-            for parent, node in self.ex.snap.parents.get(new_tup, ()):
+            for parent, node in parents:
                 cur = self.choice.get(parent)
                 if (node[0] == "Proj" and cur is not None and cur[0] == "Proj" and cur[1][0] != new_tup
                         and self.ref.get(parent, 0) > 0 and cur[1][0] not in olds):
                     olds.append(cur[1][0])
+            if not adopt and len(olds) <= 1:
+                # The moves are known before they are made (one group, listed in this state), and every
+                # projection of a loop leads to the same ones: a move that failed since the last improvement fails.
+                group = self._group(olds[0], new_tup) if olds else []
+                key = frozenset([(c, alt), *group])
+                if key in self._failed:
+                    self.adopts = self._failed[key]
+                    self._set(c, applied[0][1])
+                    return False
             for old_tup in olds:
                 for x, node in self._group(old_tup, new_tup):
                     apply(x, node)
             if adopt:
-                for parent, node in self.ex.snap.parents.get(new_tup, ()):
+                for parent, node in parents:
                     if node[0] == "Proj" and self.ref.get(parent, 0) > 0 and self.choice.get(parent) != node:
                         apply(parent, node)
         moved = {x for x, _ in applied}
         new_kids = [k for x, _ in applied for k in self.kids(self.choice[x])]
-        if self.cost < before - 1e-9 * max(1.0, abs(before)) and not self.ex.reaches(self.choice, new_kids, moved):
+        cheaper = self.cost < before - 1e-9 * max(1.0, abs(before))
+        cyclic = self.ex.reaches(self.choice, new_kids, moved) if cheaper or key is not None else False
+        if cheaper and not cyclic:
+            self._failed.clear()
             return True
+        if key is not None:
+            # Whether the same move with ``adopt`` would move more: none left to adopt is the same move. (With a
+            # cycle the reference counts depend on the order of the moves, so that is left to the move itself.)
+            self.adopts = cyclic or any(
+                node[0] == "Proj" and self.ref.get(parent, 0) > 0 and self.choice.get(parent) != node
+                for parent, node in parents)
+            self._failed[key] = self.adopts
         for x, node in reversed(applied):
             self._set(x, node)
         return False
@@ -386,7 +445,7 @@ class LocalSearch:
                     if alt == self.choice[c] or alt[0] in _CONTAINERS or any(
                             k not in self.choice for k in self.kids(alt)):
                         continue
-                    if self._try(c, alt) or (alt[0] == "Proj" and self._try(c, alt, adopt=True)):
+                    if self._try(c, alt) or (alt[0] == "Proj" and self.adopts and self._try(c, alt, adopt=True)):
                         improved = True
             if not improved:
                 break
@@ -475,8 +534,28 @@ class ProgramPricer:
     def program(self, choice: dict[Any, tuple], roots: Sequence[Any]) -> Any:
         from ._fusion import Program
 
-        templates = self._templates.setdefault(id(choice), {}) if self._has_bodies(choice, roots) else self._shared
-        return Program.from_choice(self.ex, choice, roots, lambda c, n: self.own(c, n, choice), templates)
+        return Program.from_choice(self.ex, choice, roots, lambda c, n: self.own(c, n, choice),
+                                   self.templates(choice, roots))
+
+    def templates(self, choice: dict[Any, tuple], roots: Sequence[Any]) -> dict:
+        """Per-node facts of the programs ``choice`` makes (shared by all choices when no node has a body)."""
+        return self._templates.setdefault(id(choice), {}) if self._has_bodies(choice, roots) else self._shared
+
+    def remember(self, key: tuple, price: Callable[[], float]) -> float:
+        """The price of the program ``key`` names (``_signature``), from memory or from ``price()``."""
+        self.asked += 1
+        self.last_key = key
+        found = self._known.get(key)
+        if found is None:
+            self.evaluations += 1
+            found = self._known[key] = price()
+        return found
+
+    def live(self, choice: dict[Any, tuple], roots: Sequence[Any]) -> "LiveProgram | None":
+        """A :class:`LiveProgram` over ``choice`` (kept up to date in place), if the model can price one."""
+        fusion = getattr(self.model, "program_fusion", None)
+        fusion = fusion() if fusion is not None else None
+        return None if fusion is None else LiveProgram(self, fusion, choice, roots)
 
     def _has_bodies(self, choice: dict[Any, tuple], roots: Sequence[Any]) -> bool:
         """Whether the program has nested nodes, whose prices depend on the choice (so no sharing of prices)."""
@@ -492,25 +571,172 @@ class ProgramPricer:
         a search that tries a move it tried before, or that reaches from
         another start a program it priced already, is answered from memory.
         """
-        self.asked += 1
-        key = self.last_key = (tuple(roots), _signature(self.ex, choice, roots))
-        found = self._known.get(key)
-        if found is None:
-            self.evaluations += 1
-            found = self._known[key] = self.price(self.program(choice, roots))
-        return found
+        key = (tuple(roots), _signature(self.ex, choice, roots))
+        return self.remember(key, lambda: self.price(self.program(choice, roots)))
 
     def price(self, prog: Any) -> float:
         """The model's whole-program price of ``prog``."""
         return float(self.model.program(prog))
 
+    def price_fused(self, fusion: Any) -> float:
+        """The model's price of the program a :class:`rewrite._fusion.LiveFusion` holds."""
+        return float(fusion.price())
+
+
+class LiveProgram:
+    """The program a choice makes, kept up to date as single classes switch node: what :class:`ProgramSearch` prices.
+
+    Reference counts over what each chosen node reads tell which classes a
+    move brings into the program and which it leaves behind: over its own
+    scope for the kernels (a :class:`rewrite._fusion.LiveFusion`, which
+    re-places and re-prices only what the move touches), and over bodies too
+    for the program's signature (``_signature``), so that a move to a program
+    priced before is answered from the pricer's memory. ``choice`` is
+    updated in place. Prices equal the pricer's whole-program ones up to the
+    order of the sums.
+    """
+
+    def __init__(self, pricer: ProgramPricer, fusion: Any, choice: dict[Any, tuple], roots: Sequence[Any]) -> None:
+        from ._fusion import LiveFusion
+
+        self.pricer = pricer
+        self.ex = pricer.ex
+        self.choice = choice
+        self.roots = list(roots)
+        self._roots = tuple(roots)
+        self.fusion = LiveFusion(fusion, self.roots)
+        self._own = lambda c, n: pricer.own(c, n, choice)
+        self._templates = pricer.templates(choice, roots)
+        self._ref: dict[Any, int] = {}   # own scope: what the kernels are made of
+        self._sig: dict[Any, int] = {}   # bodies included: the signature
+        self._ids: set[int] = set()
+        self._fused: dict[Any, tuple] = {}  # the node each class has in self.fusion
+        self._touched: set[Any] = set()
+        #: classes whose op inlines a call's body, with the classes of that body (a move there changes the op)
+        self._inlined: dict[Any, set] = {}
+        #: whether any price came from the kernels here (not from the pricer's memory)
+        self.priced = False
+        for r in self.roots:
+            self._inc(r)
+            self._inc_sig(r)
+
+    def _inc(self, c: Any) -> None:
+        ref, choice, reads, touched = self._ref, self.choice, self.ex.operands, self._touched
+        stack = [c]
+        while stack:
+            x = stack.pop()
+            n = ref.get(x, 0) + 1
+            ref[x] = n
+            if n == 1:
+                touched.add(x)
+                stack.extend(reads(choice[x]))
+
+    def _dec(self, c: Any) -> None:
+        ref, choice, reads, touched = self._ref, self.choice, self.ex.operands, self._touched
+        stack = [c]
+        while stack:
+            x = stack.pop()
+            n = ref[x] - 1
+            ref[x] = n
+            if n == 0:
+                touched.add(x)
+                stack.extend(reads(choice[x]))
+
+    def _inc_sig(self, c: Any) -> None:
+        ref, choice, kids, pid, ids = self._sig, self.choice, self.ex.all_kids, self.ex.pair_id, self._ids
+        stack = [c]
+        while stack:
+            x = stack.pop()
+            n = ref.get(x, 0) + 1
+            ref[x] = n
+            if n == 1:
+                node = choice[x]
+                ids.add(pid(x, node))
+                stack.extend(kids(node))
+
+    def _dec_sig(self, c: Any) -> None:
+        ref, choice, kids, pid, ids = self._sig, self.choice, self.ex.all_kids, self.ex.pair_id, self._ids
+        stack = [c]
+        while stack:
+            x = stack.pop()
+            n = ref[x] - 1
+            ref[x] = n
+            if n == 0:
+                node = choice[x]
+                ids.discard(pid(x, node))
+                stack.extend(kids(node))
+
+    def set(self, c: Any, node: tuple) -> None:
+        """Switch class ``c`` (one the program uses) to ``node``; the caller has checked that no cycle results."""
+        old = self.choice[c]
+        if old == node:
+            return
+        ex = self.ex
+        for k in ex.operands(node):
+            self._inc(k)
+        for k in ex.all_kids(node):
+            self._inc_sig(k)
+        if self._sig.get(c, 0) > 0:
+            self._ids.discard(ex.pair_id(c, old))
+            self._ids.add(ex.pair_id(c, node))
+        self.choice[c] = node
+        self._touched.add(c)
+        for k in ex.operands(old):
+            self._dec(k)
+        for k in ex.all_kids(old):
+            self._dec_sig(k)
+        for x, body in self._inlined.items():
+            if c in body:
+                self._touched.add(x)
+                self._fused.pop(x, None)  # its op is built again
+
+    def key(self) -> tuple:
+        """The pricer's key for the current program (its roots and signature)."""
+        return self._roots, frozenset(self._ids)
+
+    def price(self) -> float:
+        """The current program's price, from the pricer's memory or from the kernels the moves touched."""
+        return self.pricer.remember(self.key(), self._price)
+
+    def _price(self) -> float:
+        self.priced = True
+        self.flush()
+        return self.pricer.price_fused(self.fusion)
+
+    def flush(self) -> None:
+        """Bring the kernels up to date with the moves made since the last price."""
+        from ._fusion import chosen_op
+
+        ex, choice, ref, fused = self.ex, self.choice, self._ref, self._fused
+        changes: dict[Any, Any] = {}
+        for x in self._touched:
+            want = choice[x] if ref.get(x, 0) > 0 else None
+            if want == fused.get(x):
+                continue
+            if want is None:
+                fused.pop(x, None)
+                self._inlined.pop(x, None)
+                changes[x] = None
+                continue
+            fused[x] = want
+            op = chosen_op(ex, x, want, choice, self._own, self._templates, tuple(ex.operands(want)))
+            if op.memo and "inner" in op.memo:
+                self._inlined[x] = set(walk(ex.body_classes(*want), lambda b: ex.all_kids(choice[b])))
+            else:
+                self._inlined.pop(x, None)
+            changes[x] = op
+        self._touched.clear()
+        if changes:
+            self.fusion.edit(changes)
+
 
 class ProgramSearch:
     """Improve a choice under a whole-program price by switching one class at a time.
 
-    Every move is priced by re-pricing the whole program, so this runs only
-    on programs of at most ``max_classes`` classes, for at most
-    ``max_evaluations`` prices of distinct programs, and at most
+    A move is priced from the kernels it touches (:class:`LiveProgram`; under
+    a model that prices programs its own way, by pricing the whole program
+    again). The search runs only on programs of at most ``max_classes``
+    classes, for at most ``max_evaluations`` prices of distinct programs, and at most
     ``per_class`` per class of the program it starts from (at least 64): on
     the ecosystem suite the last improving move came within one price per
     class, and the moves after it only confirmed that none improves. A move
@@ -543,6 +769,26 @@ class ProgramSearch:
 
     def run(self, passes: int = 3, known: float | None = None) -> tuple[dict[Any, tuple], float]:
         """Improve the choice; ``known`` is the starting choice's price, if the pricer computed it already."""
+        self._live: LiveProgram | None | bool = None
+        choice, best = self._run(passes, known)
+        if self._live and self._live.priced:
+            # The price of the result as the whole-program pricer gives it (not up to the order of the sums).
+            best = self.pricer.price(self.pricer.program(choice, self.roots))
+        return choice, best
+
+    def _switch(self, c: Any, node: tuple) -> None:
+        """Choose ``node`` for ``c`` (the program is priced by :meth:`_price`)."""
+        if self._live is None:  # made on the first move: a search over too large a program makes none
+            self._live = self.pricer.live(self.choice, self.roots) or False
+        if self._live:
+            self._live.set(c, node)
+        else:
+            self.choice[c] = node
+
+    def _price(self) -> float:
+        return self._live.price() if self._live else self.pricer(self.choice, self.roots)
+
+    def _run(self, passes: int, known: float | None) -> tuple[dict[Any, tuple], float]:
         nodes = self.ex.snap.nodes
         best = self.pricer(self.choice, self.roots) if known is None else known
         here = self.pricer.last_key  # the starting program's key: the pricer was last asked for it
@@ -573,8 +819,8 @@ class ProgramSearch:
                         continue  # the same operation on the same operands (a*b for b*a): the same program price
                     if self.ex.reaches(self.choice, self._kids(alt), {c}):
                         continue
-                    self.choice[c] = alt
-                    price = self.pricer(self.choice, self.roots)
+                    self._switch(c, alt)
+                    price = self._price()
                     if price < best - 1e-9 * max(1.0, abs(best)):
                         best = price
                         improved = True
@@ -585,7 +831,7 @@ class ProgramSearch:
                         if c not in live:
                             break
                     else:
-                        self.choice[c] = cur
+                        self._switch(c, cur)
             if not improved:
                 break
         return self.choice, best
@@ -610,9 +856,9 @@ def input_cost(snap: Snapshot, outs: Sequence[int], token: int | None, model: Co
 
 
 def _signature(ex: "Extractor", choice: dict[Any, tuple], roots: Sequence[Any]) -> frozenset:
-    """The chosen nodes a program uses: equal signatures are the same program."""
-    kids = ex.all_kids
-    return frozenset((c, choice[c]) for c in walk(roots, lambda c: kids(choice[c])))
+    """The chosen nodes a program uses (their :meth:`Extractor.pair_id`): equal signatures are the same program."""
+    kids, pid = ex.all_kids, ex.pair_id
+    return frozenset(pid(c, choice[c]) for c in walk(roots, lambda c: kids(choice[c])))
 
 
 def extract(snap: Snapshot, roots: Sequence[Any], model: CostModel, original: set[tuple] | None) -> Extraction:

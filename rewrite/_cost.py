@@ -294,6 +294,14 @@ class AnalyticCost(CostModel):
         """The predicted cost of a whole program (a :class:`rewrite._fusion.Program`), fusion included."""
         return self._fusion(prog)
 
+    def program_fusion(self) -> FusionModel | None:
+        """The fusion model :meth:`program` prices with, or ``None`` where a subclass prices programs its own way.
+
+        The extractor's search uses it to price a program move by move
+        (``rewrite._fusion.LiveFusion``) instead of whole for every move.
+        """
+        return self._fusion if type(self).program is AnalyticCost.program and self.prices_programs else None
+
 
 def _dot_flops(n: NodeInfo) -> float:
     (lc, rc), (lb, rb) = n.params["dimension_numbers"]

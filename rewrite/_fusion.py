@@ -37,8 +37,9 @@ times the best candidates on the real backend instead.
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import math
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Container, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -158,17 +159,22 @@ class Program:
                 ops.append(Op("param", _terms.SPECIAL, {}, (), (), (ex.snap.aval(c),), key=c))
                 continue
             node = choice[c]
-            key = (c, node)
-            tmpl = cache.get(key)
-            if tmpl is None:
-                tmpl = _template(ex, c, node, choice, own)
-                if "inner" not in tmpl[6]:  # a fused call's body may differ between choices: not kept
-                    cache[key] = tmpl
-            prim, family, params, in_avals, out_avals, own_cost, memo = tmpl
-            args = tuple(index[k] for k in reads(node))
             index[c] = len(ops)
-            ops.append(Op(prim, family, params, args, in_avals, out_avals, own_cost, key=c, memo=memo))
+            ops.append(chosen_op(ex, c, node, choice, own, cache, tuple(index[k] for k in reads(node))))
         return cls(ops, [index[r] for r in roots])
+
+
+def chosen_op(ex: Any, c: Any, node: tuple, choice: Mapping[Any, tuple], own: Callable[[Any, tuple], float],
+              cache: dict, args: tuple) -> Op:
+    """The op class ``c`` computes with ``node``, reading ``args``; its facts are kept in ``cache`` per node."""
+    key = (c, node)
+    tmpl = cache.get(key)
+    if tmpl is None:
+        tmpl = _template(ex, c, node, choice, own)
+        if "inner" not in tmpl[6]:  # a fused call's body may differ between choices: not kept
+            cache[key] = tmpl
+    prim, family, params, in_avals, out_avals, own_cost, memo = tmpl
+    return Op(prim, family, params, args, in_avals, out_avals, own_cost, key=c, memo=memo)
 
 
 _LEAF_CTORS = _terms.LEAVES
@@ -347,45 +353,50 @@ class FusionModel:
             for a in set(op.args):
                 users[a].append(i)
         outputs = set(prog.outputs)
-        kinds = [_kind(op) for op in ops]
         homes: dict[int, set[int]] = {}
         roots: dict[int, str] = {}
         for i in range(len(ops) - 1, -1, -1):
-            kind = kinds[i]
+            kind = _kind(ops[i])
             if kind in (LEAF, VIEW):
-                continue
-            if kind == REDUCE and i not in outputs:
-                # A small reduction is a loop XLA can fuse into its one consumer loop (never duplicated).
-                need = set().union(*(homes.get(u, set()) for u in users[i])) if users[i] else set()
-                if not need:
-                    continue
-                if len(need) == 1 and roots[next(iter(need))] in (LOOP, REDUCE):
-                    homes[i] = need
-                    continue
-            if kind != LOOP:
-                homes[i] = {i}
-                roots[i] = kind
                 continue
             need: set[int] = set()
             for u in users[i]:
                 need |= homes.get(u, set())
-            if not need and i not in outputs:
-                continue  # every reader is dead
-            op = ops[i]
-            accept = {r for r in need if self._absorbs(roots[r], prog, i, len(need))}
-            reject = need - accept
-            if i in outputs or not need:
-                homes[i], roots[i] = {i}, LOOP
-            elif _expensive(op, prog) and len(need) > 1:
-                homes[i], roots[i] = {i}, LOOP
-            elif reject:
-                if self._duplicable(prog, i):
-                    homes[i], roots[i] = accept | {i}, LOOP  # stored for some, recomputed by the rest
-                else:
-                    homes[i], roots[i] = {i}, LOOP
-            else:
-                homes[i] = accept
+            home, root = self.place(prog, i, kind, need, i in outputs, roots)
+            if home is not None:
+                homes[i] = home
+            if root is not None:
+                roots[i] = root
         return homes, roots
+
+    def place(self, prog: Any, i: Any, kind: str, need: set, output: bool, roots: Mapping[Any, str]
+              ) -> tuple[set | None, str | None]:
+        """Where op ``i`` (of ``kind``, not a leaf or view) is computed, given the kernels that read it.
+
+        ``need`` holds the kernels (their roots) that read ``i``, ``roots`` every kernel's kind. Returns
+        the kernels that compute ``i`` (``None``: dead) and, if ``i`` roots a kernel of its own, that
+        kernel's kind. One decision of :meth:`fuse`, shared with :class:`LiveFusion`.
+        """
+        if kind == REDUCE and not output:
+            # A small reduction is a loop XLA can fuse into its one consumer loop (never duplicated).
+            if not need:
+                return None, None
+            if len(need) == 1 and roots[next(iter(need))] in (LOOP, REDUCE):
+                return need, None
+        if kind != LOOP:
+            return {i}, kind
+        if not need and not output:
+            return None, None  # every reader is dead
+        accept = {r for r in need if self._absorbs(roots[r], prog, i, len(need))}
+        if output or not need:
+            return {i}, LOOP
+        if len(need) > 1 and _expensive(prog.ops[i], prog):
+            return {i}, LOOP
+        if len(accept) < len(need):
+            if self._duplicable(prog, i):
+                return accept | {i}, LOOP  # stored for some, recomputed by the rest
+            return {i}, LOOP
+        return accept, None
 
     @staticmethod
     def _absorbs(root_kind: str, prog: Program, i: int, readers: int) -> bool:
@@ -453,7 +464,6 @@ class FusionModel:
     def kernels(self, prog: Program) -> list[Fusion]:
         """The kernels the program compiles to, each with its predicted cost."""
         homes, roots = self.fuse(prog)
-        ops = prog.ops
         members: dict[int, list[int]] = {r: [] for r in roots}
         for i, hs in homes.items():
             for r in hs:
@@ -462,46 +472,49 @@ class FusionModel:
         out = []
         for r, kind in roots.items():
             comp = members[r]
-            inside = set(comp)
-            root_op = ops[r]
-            if kind == OTHER:
-                reads = sorted({a for a in root_op.args})
-                out.append(Fusion(r, kind, [r], reads, root_op.own + self.launch + self.node))
-                continue
-            reads: set[int] = set()
-            for i in comp:
-                for a in ops[i].args:
-                    if a in inside:
-                        continue
-                    src = ops[a]
-                    if src.prim == "literal":
-                        continue
-                    reads.add(a)
-            cost = self.launch + self.node * len(comp)
-            if self.tiebreak is not None:
-                cost += TIEBREAK * sum(self._tiebreak(ops[i]) for i in comp)
-            sincos: dict[int, set[str]] = {}
-            for i in comp:
-                op = ops[i]
-                if op.prim in ("sin", "cos") and op.args:
-                    sincos.setdefault(op.args[0], set()).add(op.prim)
-                    continue
-                if (i == r and kind in (LIBRARY, REDUCE)) or _kind(op) == REDUCE:
-                    cost += _size(op.in_avals[0]) * self.reduce
-                elif kind == LIBRARY and self.library_op is not None:
-                    cost += _size(op.out_avals[0]) * self.library_op
-                else:
-                    cost += _size(op.out_avals[0]) * self.op_ns(op, prog)
-            for arg, which in sincos.items():
-                elems = _size(ops[arg].out_avals[0])
-                if len(which) == 2:
-                    cost += elems * self.ns.get("sincos", self.ns.get("sin", self.default) * 1.3)
-                else:
-                    cost += elems * self.ns.get(next(iter(which)), self.default)
-            cost += self.byte * (sum(_nbytes(ops[a].out_avals[0]) for a in reads if ops[a].out_avals)
-                                 + sum(_nbytes(a) for a in root_op.out_avals))
+            cost, reads = self.kernel(prog, r, kind, comp)
             out.append(Fusion(r, kind, sorted(comp), sorted(reads), cost))
         return out
+
+    def kernel(self, prog: Any, r: Any, kind: str, comp: Iterable[Any]) -> tuple[float, set]:
+        """The cost of the kernel rooted at ``r`` that computes ``comp``, and the ops it reads."""
+        ops = prog.ops
+        root_op = ops[r]
+        if kind == OTHER:
+            return root_op.own + self.launch + self.node, set(root_op.args)
+        inside = comp if isinstance(comp, (set, frozenset)) else set(comp)
+        reads: set = set()
+        for i in inside:
+            for a in ops[i].args:
+                if a in inside:
+                    continue
+                if ops[a].prim == "literal":
+                    continue
+                reads.add(a)
+        cost = self.launch + self.node * len(inside)
+        if self.tiebreak is not None:
+            cost += TIEBREAK * sum(self._tiebreak(ops[i]) for i in comp)
+        sincos: dict[Any, set[str]] = {}
+        for i in comp:
+            op = ops[i]
+            if op.prim in ("sin", "cos") and op.args:
+                sincos.setdefault(op.args[0], set()).add(op.prim)
+                continue
+            if (i == r and kind in (LIBRARY, REDUCE)) or _kind(op) == REDUCE:
+                cost += _size(op.in_avals[0]) * self.reduce
+            elif kind == LIBRARY and self.library_op is not None:
+                cost += _size(op.out_avals[0]) * self.library_op
+            else:
+                cost += _size(op.out_avals[0]) * self.op_ns(op, prog)
+        for arg, which in sincos.items():
+            elems = _size(ops[arg].out_avals[0])
+            if len(which) == 2:
+                cost += elems * self.ns.get("sincos", self.ns.get("sin", self.default) * 1.3)
+            else:
+                cost += elems * self.ns.get(next(iter(which)), self.default)
+        cost += self.byte * (sum(_nbytes(ops[a].out_avals[0]) for a in reads if ops[a].out_avals)
+                             + sum(_nbytes(a) for a in root_op.out_avals))
+        return cost, reads
 
     def _tiebreak(self, op: Op) -> float:
         memo = op.memo
@@ -531,6 +544,198 @@ class FusionModel:
         return "\n".join(lines)
 
 
+class LiveFusion:
+    """The kernels of a program kept up to date as its ops change, for searches that price many close programs.
+
+    The program is keyed by e-class: an op's ``args`` are the keys of the ops
+    it reads, and ``outputs`` the keys it returns. :meth:`edit` adds, replaces
+    and removes ops. Where an op is computed depends only on the kernels that
+    read it (:meth:`FusionModel.place`), so an edit places again only the ops
+    below it, readers before producers (each op's *height* is above every
+    op it reads), and stops where a placement comes out as before; only
+    the kernels whose members, or whose members' inputs, changed are priced
+    again. :meth:`price` is ``model(program)`` of the same program, up to
+    the order of the sums.
+
+    >>> import jax.numpy as jnp
+    >>> from jax import core
+    >>> v = core.ShapedArray((1024,), jnp.float32)
+    >>> fm = FusionModel({"exp": 2.0}, byte=0.1, reduce=0.5, launch=100.0, default=3.0, cheap=0.25)
+    >>> live = LiveFusion(fm, ["y"])
+    >>> live.edit({"x": Op("param", _terms.SPECIAL, {}, (), (), (v,)),
+    ...            "e": Op("exp", _terms.TRANSCENDENTAL, {}, ("x",), (v,), (v,)),
+    ...            "y": Op("mul", _terms.ELEMENTWISE, {}, ("e", "e"), (v, v), (v,))})
+    >>> prog = Program([Op("param", _terms.SPECIAL, {}, (), (), (v,)),
+    ...                 Op("exp", _terms.TRANSCENDENTAL, {}, (0,), (v,), (v,)),
+    ...                 Op("mul", _terms.ELEMENTWISE, {}, (1, 1), (v, v), (v,))], [2])
+    >>> live.price() == fm(prog)
+    True
+    """
+
+    def __init__(self, model: FusionModel, outputs: Sequence[Any]) -> None:
+        self.model = model
+        self.ops: dict[Any, Op] = {}
+        self.outputs = list(outputs)
+        self._outputs = set(outputs)
+        #: the ops that read each op
+        self.users: dict[Any, set] = {}
+        self.homes: dict[Any, set] = {}
+        #: each kernel's root and kind
+        self.roots: dict[Any, str] = {}
+        self._height: dict[Any, int] = {}
+        self._members: dict[Any, set] = {}
+        self._cost: dict[Any, float] = {}
+        self._temp: dict[Any, int] = {}
+        self._views: dict[Any, float] = {}
+        self._order = 0
+
+    def edit(self, changes: Mapping[Any, "Op | None"]) -> None:
+        """Set the op of each key of ``changes`` (``None`` removes it), and bring the kernels up to date.
+
+        An edit leaves a whole program: every op's arguments are ops of it.
+        """
+        ops, users, homes, roots, members = self.ops, self.users, self.homes, self.roots, self._members
+        seeds: set = set()
+        dirty: set = set()
+        for c in changes:
+            old = ops.get(c)
+            if old is not None:
+                for a in set(old.args):
+                    users[a].discard(c)
+                    seeds.add(a)
+        for c, new in changes.items():
+            if new is None:
+                ops.pop(c, None)
+                self._views.pop(c, None)
+                old_home = homes.pop(c, None)
+                if old_home:
+                    for r in old_home:
+                        if r in members:
+                            members[r].discard(c)
+                    dirty |= old_home
+                if roots.pop(c, None) is not None:
+                    dirty.add(c)
+                continue
+            ops[c] = new
+            if new.prim == "proj":
+                self._views[c] = new.own  # a loop's stacked output (see FusionModel.__call__)
+            else:
+                self._views.pop(c, None)
+            for a in set(new.args):
+                users.setdefault(a, set()).add(c)
+                seeds.add(a)
+            seeds.add(c)
+            dirty.update(homes.get(c, ()))
+        for c in changes:
+            # Readers of a changed op see what it is: a literal is not read, a leaf is no temporary.
+            seeds.update(users.get(c, ()))
+            dirty |= self._reading(c)
+        self._lift([c for c, new in changes.items() if new is not None])
+        self._place(seeds, changes, dirty)
+        self._price(dirty)
+
+    def _reading(self, x: Any) -> set:
+        """The kernels that read ``x``, or a projection of it."""
+        found: set = set()
+        for u in self.users.get(x, ()):
+            found.update(self.homes.get(u, ()))
+            op = self.ops.get(u)
+            if op is not None and op.prim == "proj":
+                for w in self.users.get(u, ()):
+                    found.update(self.homes.get(w, ()))
+        return found
+
+    def _lift(self, changed: list) -> None:
+        """Give the changed ops heights above their arguments', and raise their readers' above theirs."""
+        ops, height, users = self.ops, self._height, self.users
+        inside = set(changed)
+        for c in postorder(changed, lambda c: [a for a in ops[c].args if a in inside]):
+            height[c] = 1 + max((height[a] for a in ops[c].args), default=0)
+        stack = list(changed)
+        while stack:
+            x = stack.pop()
+            hx = height[x]
+            for u in users.get(x, ()):
+                if height.get(u, -1) <= hx:
+                    height[u] = hx + 1
+                    stack.append(u)
+
+    def _place(self, seeds: set, changes: Mapping[Any, Any], dirty: set) -> None:
+        ops, users, homes, roots, members, height = (self.ops, self.users, self.homes, self.roots, self._members,
+                                                      self._height)
+        heap: list = []
+        queued: set = set()
+
+        def push(x: Any) -> None:
+            if x in ops and x not in queued:
+                queued.add(x)
+                self._order += 1
+                heapq.heappush(heap, (-height[x], self._order, x))
+
+        for x in seeds:
+            push(x)
+        while heap:
+            x = heapq.heappop(heap)[2]
+            op = ops[x]
+            kind = _kind(op)
+            old_home, old_root = homes.get(x), roots.get(x)
+            if kind in (LEAF, VIEW):
+                home, root = None, None
+            else:
+                need: set = set()
+                for u in users.get(x, ()):
+                    h = homes.get(u)
+                    if h:
+                        need |= h
+                home, root = self.model.place(self, x, kind, need, x in self._outputs, roots)
+            if home != old_home:
+                for r in old_home or ():
+                    if r in members:
+                        members[r].discard(x)
+                if home:
+                    homes[x] = home
+                    for r in home:
+                        members.setdefault(r, set()).add(x)
+                else:
+                    homes.pop(x, None)
+                dirty.update(old_home or ())
+                dirty.update(home or ())
+                for a in op.args:
+                    push(a)
+            elif x in changes:
+                dirty.update(home or ())
+            if root != old_root:
+                for m in members.get(x, ()):  # their placement read this kernel's kind
+                    push(m)
+                if root is None:
+                    del roots[x]
+                else:
+                    roots[x] = root
+                dirty.add(x)
+                dirty |= self._reading(x)
+                for a in op.args:
+                    push(a)
+
+    def _price(self, dirty: set) -> None:
+        for r in dirty:
+            kind = self.roots.get(r)
+            if kind is None:
+                self._cost.pop(r, None)
+                self._temp.pop(r, None)
+                continue
+            cost, reads = self.model.kernel(self, r, kind, self._members[r])
+            self._cost[r] = cost
+            self._temp[r] = (sum(_temp(self, a, self._outputs, self.roots) for a in reads)
+                             + _temp(self, r, self._outputs, self.roots))
+
+    def price(self) -> float:
+        """The program's cost, as :meth:`FusionModel.__call__` prices it."""
+        cost = sum(self._cost.values()) + sum(self._views.values())
+        if self.model.memory:
+            cost += self.model.memory * max(self._temp.values(), default=0)
+        return float(cost)
+
+
 def peak_temp_bytes(prog: Program, kernels: Sequence[Fusion]) -> int:
     """The predicted peak of temporary memory: the largest, over kernels, of the temporaries one
     kernel reads plus the one it writes.
@@ -545,15 +750,17 @@ def peak_temp_bytes(prog: Program, kernels: Sequence[Fusion]) -> int:
     """
     outputs = set(prog.outputs)
     written = {k.root for k in kernels}
+    return max((sum(_temp(prog, a, outputs, written) for a in k.reads) + _temp(prog, k.root, outputs, written)
+                for k in kernels), default=0)
 
-    def temp(i: int) -> int:
-        op = prog.ops[i]
-        made_by = op.args[0] if op.prim == "proj" else i  # a loop's output is written by the loop
-        if i in outputs or made_by not in written or op.prim in ("param", "literal", "const", "token"):
-            return 0
-        return sum(_nbytes(a) for a in op.out_avals)
 
-    return max((sum(temp(a) for a in k.reads) + temp(k.root) for k in kernels), default=0)
+def _temp(prog: Any, i: Any, outputs: Container[Any], written: Container[Any]) -> int:
+    """The bytes of op ``i`` if it is a temporary: written by a kernel (``written``: their roots), not an output."""
+    op = prog.ops[i]
+    made_by = op.args[0] if op.prim == "proj" else i  # a loop's output is written by the loop
+    if i in outputs or made_by not in written or op.prim in ("param", "literal", "const", "token"):
+        return 0
+    return sum(_nbytes(a) for a in op.out_avals)
 
 
 def ops_in(prog: Program, kernels: Iterable[Fusion]) -> dict[str, int]:

@@ -1,0 +1,235 @@
+"""Extraction's searches price moves incrementally and skip repeated moves; both must leave the choices as they were.
+
+* :class:`rewrite._4_extract.LiveProgram` prices a program move by move
+  (``rewrite._fusion.LiveFusion``); every price must equal the whole-program
+  price of the same choice, after any sequence of moves, kept or undone.
+* :class:`rewrite._4_extract.LocalSearch` does not repeat a move of a loop's
+  projections that leads to the same group move as one that failed; it must
+  choose what trying every move chooses.
+"""
+
+import random
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax import lax
+
+import rulesets
+from rewrite import AnalyticCost, explain
+from rewrite._4_extract import _CONTAINERS, Extractor, LocalSearch, ProgramPricer, reachable
+from rulesets.derivatives import derivatives
+
+T, B, H, I = 8, 64, 6, 2
+_k = jax.random.split(jax.random.PRNGKey(0), 4)
+P = dict(W=jax.random.normal(_k[0], (H, H)) * 0.4, U=jax.random.normal(_k[1], (I, H)) * 0.4)
+XS = jax.random.normal(_k[2], (T, B, I))
+YS = jax.random.normal(_k[3], (T, B, H))
+
+
+def rnn_loss(p, xs, ys):
+    def step(h, x):
+        h = jnp.tanh(h @ p["W"] + x @ p["U"])
+        return h, h
+
+    os = lax.scan(step, jnp.zeros((xs.shape[1], H)), xs)[1]
+    return jnp.mean((os - ys) ** 2) + 0.5 * jnp.mean(jnp.abs(os - ys)), jnp.max(os), jnp.min(os, axis=(0, 2))
+
+
+def vjp_of_seed(x, a, g):
+    return jax.vjp(lambda x, a: jnp.sin(a * x) ** 2 / a + jnp.exp(x).sum() * jnp.cos(a * x), x, a)[1](g)
+
+
+def shared(x, a):
+    s, c = jnp.sin(a * x), jnp.cos(a * x)
+    return s * c * 2.0 + jnp.exp(x) / 3.0, (s * x).sum(0) / a, jnp.log(jnp.exp(x) + 1.0).max()
+
+
+X3, A3 = jnp.linspace(-1.0, 1.0, 64 * 96).reshape(64, 96), jnp.linspace(0.5, 1.5, 96)
+PROGRAMS = {
+    "vjp": (vjp_of_seed, (X3, A3, X3), [derivatives]),
+    "shared": (shared, (X3, A3), [rulesets.algebra, derivatives]),
+    "shared_fastmath": (shared, (X3, A3), [rulesets.algebra, derivatives, rulesets.fastmath]),
+    "scan": (rnn_loss, (P, XS, YS), [rulesets.scan]),
+    "scan_grad": (jax.grad(lambda p, xs, ys: rnn_loss(p, xs, ys)[0]), (P, XS, YS), [rulesets.scan, derivatives]),
+}
+
+
+def _search_state(name):
+    fn, args, packs = PROGRAMS[name]
+    res = explain(fn, *args, rulesets=packs).result
+    model = AnalyticCost()
+    ex = Extractor(res.snapshot, model)
+    _, choice = ex.tree()
+    return res, model, ex, choice
+
+
+@pytest.mark.parametrize("name", sorted(PROGRAMS))
+def test_live_prices_equal_whole_program_prices(name):
+    res, model, ex, choice = _search_state(name)
+    roots = res.roots
+    pricer = ProgramPricer(ex, model)
+    live = pricer.live(choice, roots)
+    assert live is not None
+    rng = random.Random(0)
+
+    def check():
+        want = pricer.price(pricer.program(choice, roots))  # priced whole, never from memory
+        live.flush()
+        assert live.fusion.price() == pytest.approx(want, rel=1e-12, abs=1e-9)
+        assert live.key() == (tuple(roots), frozenset(ex.pair_id(c, choice[c]) for c in reachable(ex.snap, choice,
+                                                                                                    roots)))
+
+    check()
+    moves = kept = 0
+    for _ in range(3):
+        classes = [c for c in reachable(ex.snap, choice, roots) if len(ex.snap.nodes.get(c, ())) > 1
+                   and live._ref.get(c, 0) > 0]
+        rng.shuffle(classes)
+        for c in classes:
+            if live._ref.get(c, 0) == 0:
+                continue  # an earlier kept move left it out
+            for alt in ex.snap.nodes[c]:
+                cur = choice[c]
+                if alt == cur or alt[0] in _CONTAINERS or any(k not in choice for k in ex.term_kids(alt)):
+                    continue
+                if ex.reaches(choice, ex.term_kids(alt), {c}):
+                    continue
+                live.set(c, alt)
+                check()
+                moves += 1
+                if rng.random() < 0.3:
+                    kept += 1  # go on from the moved program
+                    break
+                live.set(c, cur)
+                check()
+    assert moves >= 5 and kept >= 1, (moves, kept)
+
+
+class _EveryMove(LocalSearch):
+    """The local search without its memory of failed group moves: every move is made and priced."""
+
+    def _try(self, c, alt, adopt=False):
+        self._failed.clear()
+        made = super()._try(c, alt, adopt)
+        self.adopts = True
+        return made
+
+
+def test_local_search_skips_repeated_group_moves_and_chooses_as_before():
+    # The gradient's backward loop has alternatives (reductions hoisted into it) for all its outputs at once.
+    res, model, ex, choice = _search_state("scan_grad")
+    roots = res.roots
+    counts = {}
+
+    def counting(cls):
+        class Counted(cls):
+            def _set(self, c, node):
+                counts[cls] = counts.get(cls, 0) + 1
+                super()._set(c, node)
+        return Counted
+
+    fast = counting(LocalSearch)(ex, choice, roots).run()
+    every = counting(_EveryMove)(ex, choice, roots).run()
+    chosen = lambda ch: {(c, ch[c]) for c in reachable(ex.snap, ch, roots)}  # noqa: E731
+    assert chosen(fast) == chosen(every)
+    assert ex.dag_cost(fast, roots) == ex.dag_cost(every, roots)
+    assert counts[LocalSearch] < counts[_EveryMove]  # the loop's projections moved once, not once each
+
+
+# ---------------------------------------------------------------------- LiveFusion on random programs
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+from jax import core as jcore  # noqa: E402
+
+from rewrite import _terms  # noqa: E402
+from rewrite._fusion import FusionModel, LiveFusion, Op, Program  # noqa: E402
+
+_S = jcore.ShapedArray((64, 96), jnp.float32)   # large enough for a library reduction
+_R = jcore.ShapedArray((96,), jnp.float32)
+_UNARY = ["exp", "sin", "cos", "neg", "log", "tanh"]
+_BINARY = ["add", "mul", "sub", "div"]
+
+
+def _random_op(rng, kind, earlier):
+    """An op computing a value of ``kind`` ('S', 'R' or 'T': a pair of S) from the classes ``earlier``."""
+    of = {k: [c for c, t in earlier.items() if t == k] for k in "SRT"}
+    choices = ["param"]
+    if kind == "T" and of["S"]:
+        choices = ["while"]
+    if kind in "SR" and of[kind]:
+        choices += ["unary", "binary", "unary", "binary"]
+    if kind == "S" and of["R"]:
+        choices.append("broadcast")
+    if kind == "S" and of["T"]:
+        choices.append("proj")
+    if kind == "R" and of["S"]:
+        choices += ["reduce", "reduce"]
+    pick = rng.choice(choices)
+    out = _S if kind == "S" else _R
+    if pick == "param":
+        if kind == "T":
+            return None
+        return Op("param", _terms.SPECIAL, {}, (), (), (out,))
+    if pick == "while":
+        args = tuple(rng.choice(of["S"]) for _ in range(rng.randint(1, 3)))
+        return Op("while", _terms.NESTED, {}, args, (_S,) * len(args), (_S, _S), own=rng.uniform(1e3, 1e5))
+    if pick == "proj":
+        return Op("proj", _terms.SPECIAL, {}, (rng.choice(of["T"]),), (), (_S,), own=rng.uniform(0.0, 1e3))
+    if pick == "unary":
+        return Op(rng.choice(_UNARY), _terms.TRANSCENDENTAL, {}, (rng.choice(of[kind]),), (out,), (out,))
+    if pick == "binary":
+        return Op(rng.choice(_BINARY), _terms.ELEMENTWISE, {}, (rng.choice(of[kind]), rng.choice(of[kind])),
+                  (out, out), (out,))
+    if pick == "broadcast":
+        return Op("broadcast_in_dim", _terms.LAYOUT, {}, (rng.choice(of["R"]),), (_R,), (_S,))
+    return Op(rng.choice(["reduce_sum", "reduce_max"]), _terms.REDUCE, {}, (rng.choice(of["S"]),), (_S,), (_R,))
+
+
+def _whole(ops, outputs):
+    """The same program as a :class:`Program` (ops in the order of their keys, which is topological)."""
+    keys = sorted(ops)
+    index = {k: i for i, k in enumerate(keys)}
+    return Program([Op(ops[k].prim, ops[k].family, ops[k].params, tuple(index[a] for a in ops[k].args),
+                       ops[k].in_avals, ops[k].out_avals, ops[k].own) for k in keys], [index[o] for o in outputs])
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 2 ** 32 - 1))
+def test_live_fusion_prices_random_edits_as_the_whole_program(seed):
+    rng = random.Random(seed)
+    model = FusionModel({"exp": 2.0, "log": 2.5, "tanh": 3.0, "sin": 1.5, "cos": 1.5, "div": 1.2, "sincos": 2.0},
+                        byte=0.05, reduce=0.3, launch=500.0, default=3.0, cheap=0.25, node=20.0, library_op=0.4,
+                        memory=rng.choice([0.0, 0.01, 1.0]))
+    kinds: dict[int, str] = {}
+    ops: dict[int, Op] = {}
+    for c in range(rng.randint(3, 25)):
+        kind = rng.choice("SSSRRT")
+        op = _random_op(rng, kind, kinds)
+        if op is None:
+            continue
+        kinds[c], ops[c] = kind, op
+    outputs = rng.sample(sorted(c for c in ops if kinds[c] != "T"), k=min(2, sum(kinds[c] != "T" for c in ops)))
+    live = LiveFusion(model, outputs)
+    live.edit(dict(ops))
+    assert live.price() == pytest.approx(model(_whole(ops, outputs)), rel=1e-12)
+    for _ in range(12):
+        changes: dict[int, Op | None] = {}
+        for _ in range(rng.randint(1, 3)):
+            c = rng.choice(sorted(ops))
+            readers = [u for u, op in ops.items() if c in op.args]
+            if rng.random() < 0.2 and not readers and c not in outputs and not any(c in o.args for o in changes.values()
+                                                                                 if o is not None):
+                changes[c] = None  # an op nothing reads goes
+                continue
+            op = _random_op(rng, kinds[c], {k: t for k, t in kinds.items() if k < c and k in ops
+                                             and changes.get(k, 0) is not None})
+            if op is not None:
+                changes[c] = op
+        for c, op in changes.items():
+            if op is None:
+                del ops[c], kinds[c]
+            else:
+                ops[c] = op
+        live.edit(changes)
+        assert live.price() == pytest.approx(model(_whole(ops, outputs)), rel=1e-12)
