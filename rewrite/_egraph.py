@@ -1,6 +1,6 @@
 """The runtime around one egglog e-graph: batched insertion, naming, lookups and snapshots.
 
-Three facts about egglog 13 shape this module (see ``docs/design.md``):
+Five facts about egglog 13 shape this module (see ``docs/design.md``):
 
 * Inserting one big nested term is quadratic, and so is parsing one big
   program text. Nodes are therefore built as binding objects and inserted in
@@ -23,7 +23,8 @@ Three facts about egglog 13 shape this module (see ``docs/design.md``):
   packs). An e-graph is therefore made once per schema and set of
   declarations, kept in :data:`_POOL`, and lent out behind egglog's
   ``push``; when the :class:`EGraph` that borrowed it is gone, ``pop``
-  empties it again for the next rewrite.
+  empties it again for the next rewrite. An egglog e-graph belongs to the
+  thread that made it, so only the main thread's are kept.
 """
 
 from __future__ import annotations
