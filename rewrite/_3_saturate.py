@@ -163,6 +163,17 @@ class Engine:
         self._root_only: set[tuple[int, Any]] = set()  # (rule, root) pairs done reading the root alone
 
     def run(self) -> str:
+        """Saturate; returns why it stopped."""
+        try:
+            return self._run()
+        finally:
+            # The views of the last snapshot refer back to the engine (a Node to the engine that made
+            # it): dropped now, the engine and its e-graph go when the caller lets go of them, not at
+            # some later full collection, and the e-graph returns to its pool (_egraph._POOL).
+            self._nodes = {}
+            self._prefer = None
+
+    def _run(self) -> str:
         start = time.perf_counter()
         limits = self.limits
         if not self.active:

@@ -29,14 +29,14 @@ def _rows(eg):
 
 def test_a_lent_egraph_comes_back_empty_and_is_lent_again():
     prelude = "(relation TestOnly (i64))"
+    gc.collect()  # earlier tests' e-graphs go back to the pool now, not in the middle of this test
     first = _egraph.EGraph(prelude)
     inner = first.eg
     x = first.term("Param", [0, 0], TYPES.intern_aval(F32))
     _mul(first, x, x)
     first.assert_fact("NonZero", x)
     assert _rows(first)["V"] == 2
-    del first
-    gc.collect()
+    del first  # nothing else refers to it: it goes back to the pool at once
     again = _egraph.EGraph(prelude)
     assert again.eg is inner  # the pool lent it again ...
     assert _rows(again) == {}  # ... empty: nodes, names, facts and loader rows popped
