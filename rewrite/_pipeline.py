@@ -82,6 +82,10 @@ def _collect_young_only():
     if gc.get_freeze_count() or not gc.isenabled():
         yield
         return
+    # Garbage made since the last collection (an earlier rewrite's e-graph, say) is collected now: frozen,
+    # it would wait for the next full collection, holding its e-graph's memory, which the collector
+    # does not count. The young generations are small, so this is cheap.
+    gc.collect(1)
     gc.freeze()
     try:
         yield
