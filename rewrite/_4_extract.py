@@ -33,7 +33,7 @@ import dataclasses
 import functools
 import heapq
 import math
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 from . import _terms
 from ._cost import CostModel, NodeInfo
@@ -276,6 +276,22 @@ class Extractor:
         return scope(roots)
 
 
+def _crossings(ref: dict[Any, int], choice: Mapping[Any, tuple], kids: Callable[[tuple], Any], c: Any,
+              delta: int) -> Iterator[Any]:
+    """Count one more (``delta=1``) or one fewer (``-1``) reader of class ``c`` in ``ref``, and yield each
+    class that comes into the program or leaves it: ``c`` when its count crosses between 0 and 1, then,
+    through the chosen nodes (``kids`` of ``choice[x]``), what only it read. A class is yielded before
+    its kids are walked, so a caller's sums run in one fixed order."""
+    stack = [c]
+    while stack:
+        x = stack.pop()
+        n = ref.get(x, 0) + 1 if delta > 0 else ref[x] - 1
+        ref[x] = n
+        if n == (1 if delta > 0 else 0):
+            yield x
+            stack.extend(kids(choice[x]))
+
+
 class LocalSearch:
     """Improve a choice under the true DAG cost by switching one class, or one loop, at a time.
 
@@ -331,28 +347,12 @@ class LocalSearch:
         return found
 
     def _inc(self, c: Any) -> None:
-        ref, choice, own, kids = self.ref, self.choice, self.own, self.ex.term_kids
-        stack = [c]
-        while stack:
-            x = stack.pop()
-            n = ref.get(x, 0) + 1
-            ref[x] = n
-            if n == 1:
-                node = choice[x]
-                self.cost += own(x, node)
-                stack.extend(kids(node))
+        for x in _crossings(self.ref, self.choice, self.ex.term_kids, c, 1):
+            self.cost += self.own(x, self.choice[x])
 
     def _dec(self, c: Any) -> None:
-        ref, choice, own, kids = self.ref, self.choice, self.own, self.ex.term_kids
-        stack = [c]
-        while stack:
-            x = stack.pop()
-            n = ref[x] - 1
-            ref[x] = n
-            if n == 0:
-                node = choice[x]
-                self.cost -= own(x, node)
-                stack.extend(kids(node))
+        for x in _crossings(self.ref, self.choice, self.ex.term_kids, c, -1):
+            self.cost -= self.own(x, self.choice[x])
 
     def _set(self, c: Any, node: tuple) -> None:
         old = self.choice[c]
@@ -621,50 +621,18 @@ class LiveProgram:
             self._inc_sig(r)
 
     def _inc(self, c: Any) -> None:
-        ref, choice, reads, touched = self._ref, self.choice, self.ex.operands, self._touched
-        stack = [c]
-        while stack:
-            x = stack.pop()
-            n = ref.get(x, 0) + 1
-            ref[x] = n
-            if n == 1:
-                touched.add(x)
-                stack.extend(reads(choice[x]))
+        self._touched.update(_crossings(self._ref, self.choice, self.ex.operands, c, 1))
 
     def _dec(self, c: Any) -> None:
-        ref, choice, reads, touched = self._ref, self.choice, self.ex.operands, self._touched
-        stack = [c]
-        while stack:
-            x = stack.pop()
-            n = ref[x] - 1
-            ref[x] = n
-            if n == 0:
-                touched.add(x)
-                stack.extend(reads(choice[x]))
+        self._touched.update(_crossings(self._ref, self.choice, self.ex.operands, c, -1))
 
     def _inc_sig(self, c: Any) -> None:
-        ref, choice, kids, pid, ids = self._sig, self.choice, self.ex.all_kids, self.ex.pair_id, self._ids
-        stack = [c]
-        while stack:
-            x = stack.pop()
-            n = ref.get(x, 0) + 1
-            ref[x] = n
-            if n == 1:
-                node = choice[x]
-                ids.add(pid(x, node))
-                stack.extend(kids(node))
+        self._ids.update(
+            self.ex.pair_id(x, self.choice[x]) for x in _crossings(self._sig, self.choice, self.ex.all_kids, c, 1))
 
     def _dec_sig(self, c: Any) -> None:
-        ref, choice, kids, pid, ids = self._sig, self.choice, self.ex.all_kids, self.ex.pair_id, self._ids
-        stack = [c]
-        while stack:
-            x = stack.pop()
-            n = ref[x] - 1
-            ref[x] = n
-            if n == 0:
-                node = choice[x]
-                ids.discard(pid(x, node))
-                stack.extend(kids(node))
+        self._ids.difference_update(
+            self.ex.pair_id(x, self.choice[x]) for x in _crossings(self._sig, self.choice, self.ex.all_kids, c, -1))
 
     def set(self, c: Any, node: tuple) -> None:
         """Switch class ``c`` (one the program uses) to ``node``; the caller has checked that no cycle results."""
