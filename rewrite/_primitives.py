@@ -449,8 +449,10 @@ def _checkpoint_load(ld: Any) -> list[Any]:
     # A result that is an input of the body is that operand: checkpointing changes what is saved, not what
     # is computed. (A backward loop's body often hands a cotangent on this way; read as the operand, the
     # loop's rules see that the carry never changes.)
+    from jax._src import core
+
     position = {v: i for i, v in enumerate(jaxpr.invars)}
-    return [ld.args[position[v]] if not hasattr(v, "val") and v in position else out
+    return [ld.args[position[v]] if isinstance(v, core.Var) and v in position else out
             for v, out in zip(jaxpr.outvars, outs)]
 
 
