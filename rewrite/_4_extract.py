@@ -509,6 +509,8 @@ class ProgramPricer:
         self._nested: bool | None = None
         self._bodies: dict = {}
         self._known: dict[tuple, float] = {}
+        #: whole-program prices (not live sums, in another order) of the programs priced whole, by key
+        self.exact: dict[tuple, float] = {}
         #: the program the last price was asked for (its roots and signature)
         self.last_key: tuple | None = None
         self.evaluations = 0
@@ -572,7 +574,18 @@ class ProgramPricer:
         another start a program it priced already, is answered from memory.
         """
         key = (tuple(roots), _signature(self.ex, choice, roots))
-        return self.remember(key, lambda: self.price(self.program(choice, roots)))
+        return self.remember(key, lambda: self._whole(choice, roots, key))
+
+    def _whole(self, choice: dict[Any, tuple], roots: Sequence[Any], key: tuple) -> float:
+        price = self.exact[key] = self.price(self.program(choice, roots))
+        return price
+
+    def exact_price(self, choice: dict[Any, tuple], roots: Sequence[Any], key: tuple) -> float:
+        """The whole-program price of ``choice`` (whose key is ``key``), remembered from an earlier one if any."""
+        found = self.exact.get(key)
+        if found is None:
+            found = self.exact[key] = self.price(self.program(choice, roots))
+        return found
 
     def price(self, prog: Any) -> float:
         """The model's whole-program price of ``prog``."""
@@ -738,10 +751,16 @@ class ProgramSearch:
     def run(self, passes: int = 3, known: float | None = None) -> tuple[dict[Any, tuple], float]:
         """Improve the choice; ``known`` is the starting choice's price, if the pricer computed it already."""
         self._live: LiveProgram | None | bool = None
+        #: the result's key for the pricer (``None``: not known), set by the search
+        self.key: tuple | None = None
         choice, best = self._run(passes, known)
-        if self._live and self._live.priced:
-            # The price of the result as the whole-program pricer gives it (not up to the order of the sums).
-            best = self.pricer.price(self.pricer.program(choice, self.roots))
+        if self._live is False:
+            self.key = None  # moves priced whole: the last key asked for need not be the result's
+        elif self._live:
+            self.key = self._live.key()
+            if self._live.priced:
+                # The price of the result as the whole-program pricer gives it (not up to the order of the sums).
+                best = self.pricer.exact_price(choice, self.roots, self.key)
         return choice, best
 
     def _switch(self, c: Any, node: tuple) -> None:
@@ -759,7 +778,7 @@ class ProgramSearch:
     def _run(self, passes: int, known: float | None) -> tuple[dict[Any, tuple], float]:
         nodes = self.ex.snap.nodes
         best = self.pricer(self.choice, self.roots) if known is None else known
-        here = self.pricer.last_key  # the starting program's key: the pricer was last asked for it
+        here = self.key = self.pricer.last_key  # the starting program's key: the pricer was last asked for it
         if here in self.visited:
             return self.choice, best
         self.visited.add(here)
@@ -848,31 +867,33 @@ def extract(snap: Snapshot, roots: Sequence[Any], model: CostModel, original: se
             orig_choice = None
     if prices_programs(model):
         price = ProgramPricer(ex, model)  # each distinct program is priced once
-
-        def price_of(choice: dict[Any, tuple]) -> tuple[frozenset, float]:
-            cost = price(choice, roots)
-            return price.last_key[1], cost
-
-        priced = [(c, price_of(c)[1], r) for c, r in candidates]
+        # (choice, cost, rewritten, signature): a program's signature is its key for the pricer, kept to be asked once
+        priced = []
+        for c, r in candidates:
+            cost = price(c, roots)
+            priced.append((c, cost, r, price.last_key[1]))
         # Refine the best rewritten candidate, and the input, under the whole-program price (a second
         # rewritten start found no better program on the golden or the ecosystem programs, at a third of the time).
-        starts = [c for c, _, r in sorted([p for p in priced if p[2]], key=lambda p: p[1])[:1]]
+        starts = [(c, cost, sig) for c, cost, _, sig in sorted([p for p in priced if p[2]], key=lambda p: p[1])[:1]]
         if orig_choice is not None:
-            starts.append({**tree_choice, **orig_choice})
+            # The input program again: it reaches only classes of orig_choice (a closed choice), so it is the same program.
+            _, cost, _, sig = next(p for p in priced if not p[2])
+            starts.append(({**tree_choice, **orig_choice}, cost, sig))
         refined_from: set[frozenset] = set()
         visited: set = set()
-        for c in starts:
-            key, cost = price_of(c)
-            if key in refined_from:
+        for c, cost, sig in starts:
+            if sig in refined_from:
                 continue
-            refined_from.add(key)
-            refined, cost = ProgramSearch(ex, price, c, roots, visited=visited).run(known=cost)
-            priced.append((refined, cost, True))
+            refined_from.add(sig)
+            price.last_key = (tuple(roots), sig)  # the search starts from the program the pricer was asked for
+            refine = ProgramSearch(ex, price, c, roots, visited=visited)
+            refined, cost = refine.run(known=cost)
+            priced.append((refined, cost, True, None if refine.key is None else refine.key[1]))
     else:
-        priced = [(c, ex.dag_cost(c, roots), r) for c, r in candidates]
+        priced = [(c, ex.dag_cost(c, roots), r, None) for c, r in candidates]
     distinct: dict[frozenset, tuple[dict, float, bool]] = {}
-    for choice, cost, rewritten in priced:
-        key = _signature(ex, choice, roots)
+    for choice, cost, rewritten, sig in priced:
+        key = _signature(ex, choice, roots) if sig is None else sig
         old = distinct.get(key)
         if old is None or (old[2] and not rewritten):  # the same program as the input is the input
             distinct[key] = (choice, cost, rewritten)
