@@ -484,6 +484,7 @@ class FusionModel:
             return root_op.own + self.launch + self.node, set(root_op.args)
         inside = comp if isinstance(comp, (set, frozenset)) else set(comp)
         reads: set = set()
+        facts = self._facts
         for i in inside:
             for a in ops[i].args:
                 if a in inside:
@@ -493,28 +494,52 @@ class FusionModel:
                 reads.add(a)
         cost = self.launch + self.node * len(inside)
         if self.tiebreak is not None:
-            cost += TIEBREAK * sum(self._tiebreak(ops[i]) for i in comp)
+            cost += TIEBREAK * sum(facts(ops[i], prog)[1] for i in comp)
         sincos: dict[Any, set[str]] = {}
+        # Each op's share: its reduction, its pass in a library reduction, or its elementwise work.
+        share = 4 if kind == LIBRARY and self.library_op is not None else 5
         for i in comp:
-            op = ops[i]
-            if op.prim in ("sin", "cos") and op.args:
-                sincos.setdefault(op.args[0], set()).add(op.prim)
+            f = facts(ops[i], prog)
+            if f[2]:
+                sincos.setdefault(ops[i].args[0], set()).add(ops[i].prim)
                 continue
-            if (i == r and kind in (LIBRARY, REDUCE)) or _kind(op) == REDUCE:
-                cost += _size(op.in_avals[0]) * self.reduce
-            elif kind == LIBRARY and self.library_op is not None:
-                cost += _size(op.out_avals[0]) * self.library_op
-            else:
-                cost += _size(op.out_avals[0]) * self.op_ns(op, prog)
+            cost += f[3] if (i == r and kind in (LIBRARY, REDUCE)) or f[7] else f[share]
         for arg, which in sincos.items():
             elems = _size(ops[arg].out_avals[0])
             if len(which) == 2:
                 cost += elems * self.ns.get("sincos", self.ns.get("sin", self.default) * 1.3)
             else:
                 cost += elems * self.ns.get(next(iter(which)), self.default)
-        cost += self.byte * (sum(_nbytes(ops[a].out_avals[0]) for a in reads if ops[a].out_avals)
-                             + sum(_nbytes(a) for a in root_op.out_avals))
+        cost += self.byte * (sum(facts(ops[a], prog)[6] for a in reads if ops[a].out_avals)
+                             + facts(root_op, prog)[8])
         return cost, reads
+
+    def _facts(self, op: Op, prog: Any) -> tuple:
+        """What :meth:`kernel` reads of an op, kept in its memo (per model): nothing (a place kept), its
+        tie-break price, whether it is a ``sin``/``cos``, its share of a kernel's cost as a reduction, as a
+        pass of a library reduction and as elementwise work, the bytes of its first output, whether it is a
+        reduction, the bytes of all its outputs. (Of the program they read only the sizes of the op's
+        arguments, which its node fixes: an op's facts are the same in every program of one extraction,
+        though its arguments' positions are not.)"""
+        memo = op.memo
+        if memo is None:
+            memo = op.memo = {}
+        key = ("facts", id(self))
+        found = memo.get(key)
+        if found is not None:
+            return found
+        ins, outs = op.in_avals, op.out_avals
+        kind = _kind(op)
+        found = memo[key] = (None,
+                 self._tiebreak(op) if self.tiebreak is not None else 0.0,
+                 op.prim in ("sin", "cos") and bool(op.args),
+                 _size(ins[0]) * self.reduce if ins else 0.0,
+                 _size(outs[0]) * self.library_op if self.library_op is not None and outs else 0.0,
+                 _size(outs[0]) * self.op_ns(op, prog) if outs and kind == LOOP else 0.0,  # only loops fuse others
+                 _nbytes(outs[0]) if outs else 0,
+                 kind == REDUCE,
+                 sum(_nbytes(a) for a in outs))
+        return found
 
     def _tiebreak(self, op: Op) -> float:
         memo = op.memo
@@ -586,6 +611,8 @@ class LiveFusion:
         self._members: dict[Any, set] = {}
         self._cost: dict[Any, float] = {}
         self._temp: dict[Any, int] = {}
+        #: per kernel, the sums its price is made of (see _kernel)
+        self._sums: dict[Any, _KernelSums] = {}
         self._views: dict[Any, float] = {}
         self._order = 0
 
@@ -632,7 +659,7 @@ class LiveFusion:
             dirty |= self._reading(c)
         self._lift([c for c, new in changes.items() if new is not None])
         self._place(seeds, changes, dirty)
-        self._price(dirty)
+        self._price(dirty, changes)
 
     def _reading(self, x: Any) -> set:
         """The kernels that read ``x``, or a projection of it."""
@@ -716,17 +743,95 @@ class LiveFusion:
                 for a in op.args:
                     push(a)
 
-    def _price(self, dirty: set) -> None:
+    def _price(self, dirty: set, changes: Mapping[Any, Any]) -> None:
+        incremental = type(self.model).kernel is FusionModel.kernel
         for r in dirty:
             kind = self.roots.get(r)
             if kind is None:
                 self._cost.pop(r, None)
                 self._temp.pop(r, None)
+                self._sums.pop(r, None)
                 continue
-            cost, reads = self.model.kernel(self, r, kind, self._members[r])
+            if incremental and kind != OTHER:
+                cost, reads = self._kernel(r, kind, changes)
+            else:
+                cost, reads = self.model.kernel(self, r, kind, self._members[r])
             self._cost[r] = cost
             self._temp[r] = (sum(_temp(self, a, self._outputs, self.roots) for a in reads)
                              + _temp(self, r, self._outputs, self.roots))
+
+    def _kernel(self, r: Any, kind: str, changes: Mapping[Any, Any]) -> tuple[float, Iterable]:
+        """:meth:`FusionModel.kernel` of kernel ``r``, from its sums at its last price and the members that
+        came, went or changed op since (up to the order of the sums).
+
+        A kernel's sums: its members' tie-break prices and shares of the work, its ``sin``/``cos`` by
+        argument, how many of its members read each op (what it reads: those read and not computed
+        in it, literals aside) and the bytes of what it reads.
+        """
+        model, ops, members = self.model, self.ops, self._members[r]
+        facts = model._facts
+        k = self._sums.get(r)
+        if k is None or k.kind != kind:
+            k = self._sums[r] = _KernelSums(kind)
+        share = 4 if kind == LIBRARY and model.library_op is not None else 5
+        reducing = kind in (LIBRARY, REDUCE)
+        had = k.ops
+        touched: set = set()
+        edges, sincos = k.edges, k.sincos
+
+        def count(x: Any, op: Op, sign: int) -> None:
+            f = facts(op, self)
+            k.tiebreak += sign * f[1]
+            if f[2]:
+                prims = sincos.setdefault(op.args[0], {})
+                prims[op.prim] = prims.get(op.prim, 0) + sign
+                if not prims[op.prim]:
+                    del prims[op.prim]
+                    if not prims:
+                        del sincos[op.args[0]]
+            else:
+                k.work += sign * (f[3] if (x == r and reducing) or f[7] else f[share])
+            for a in set(op.args):
+                n = edges.get(a, 0) + sign
+                if n:
+                    edges[a] = n
+                else:
+                    del edges[a]
+                touched.add(a)
+            touched.add(x)
+
+        for x in had.keys() - members:
+            count(x, had.pop(x), -1)
+        for x in changes:
+            old = had.get(x)
+            if old is not None and old is not ops.get(x):
+                count(x, had.pop(x), -1)
+        for x in members - had.keys():
+            op = had[x] = ops[x]
+            count(x, op, 1)
+        touched.update(x for x in changes if x in edges)  # a read op that became a literal, or stopped being one
+        reads = k.reads
+        for a in touched:
+            op = ops.get(a)
+            want = edges.get(a, 0) > 0 and a not in members and op is not None and op.prim != "literal"
+            if want != (a in reads):
+                if want:
+                    size = reads[a] = facts(op, self)[6] if op.out_avals else 0
+                    k.read_bytes += size
+                else:
+                    k.read_bytes -= reads.pop(a)
+        cost = model.launch + model.node * len(members)
+        if model.tiebreak is not None:
+            cost += TIEBREAK * k.tiebreak
+        cost += k.work
+        for arg, which in sincos.items():
+            elems = _size(ops[arg].out_avals[0])
+            if len(which) == 2:
+                cost += elems * model.ns.get("sincos", model.ns.get("sin", model.default) * 1.3)
+            else:
+                cost += elems * model.ns.get(next(iter(which)), model.default)
+        cost += model.byte * (k.read_bytes + facts(ops[r], self)[8])
+        return cost, reads
 
     def price(self) -> float:
         """The program's cost, as :meth:`FusionModel.__call__` prices it."""
@@ -734,6 +839,22 @@ class LiveFusion:
         if self.model.memory:
             cost += self.model.memory * max(self._temp.values(), default=0)
         return float(cost)
+
+
+class _KernelSums:
+    """What :meth:`LiveFusion._kernel` keeps of one kernel between prices."""
+
+    __slots__ = ("kind", "ops", "tiebreak", "work", "sincos", "edges", "reads", "read_bytes")
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self.ops: dict[Any, Op] = {}        # each member, with the op it was counted with
+        self.tiebreak = 0.0
+        self.work = 0.0
+        self.sincos: dict[Any, dict[str, int]] = {}
+        self.edges: dict[Any, int] = {}     # op -> how many members read it
+        self.reads: dict[Any, int] = {}     # op read -> its bytes
+        self.read_bytes = 0
 
 
 def peak_temp_bytes(prog: Program, kernels: Sequence[Fusion]) -> int:
