@@ -836,9 +836,13 @@ def input_cost(snap: Snapshot, outs: Sequence[int], token: int | None, model: Co
     """The cost of the program as loaded (before any rule ran), under ``model``."""
     roots = [snap.cls_of_name[o] for o in outs] + ([snap.cls_of_name[token]] if token is not None else [])
     ex = Extractor(snap, model)
-    _, choice = ex.tree()
+    if all(len(ns) == 1 for ns in snap.nodes.values()):
+        choice = {c: ns[0] for c, ns in snap.nodes.items()}  # as loaded, nothing to choose (no class reaches itself)
+    else:
+        _, choice = ex.tree()
     if prices_programs(model):
-        return ProgramPricer(ex, model)(choice, roots)
+        pricer = ProgramPricer(ex, model)
+        return pricer.price(pricer.program(choice, roots))
     return ex.dag_cost(choice, roots)
 
 
