@@ -541,7 +541,12 @@ class ProgramPricer:
 
     def templates(self, choice: dict[Any, tuple], roots: Sequence[Any]) -> dict:
         """Per-node facts of the programs ``choice`` makes (shared by all choices when no node has a body)."""
-        return self._templates.setdefault(id(choice), {}) if self._has_bodies(choice, roots) else self._shared
+        if not self._has_bodies(choice, roots):
+            return self._shared
+        found = self._templates.get(id(choice))
+        if found is None:
+            found = self._templates[id(choice)] = _ChoiceTemplates(self.ex, self._shared)
+        return found
 
     def remember(self, key: tuple, price: Callable[[], float]) -> float:
         """The price of the program ``key`` names (``_signature``), from memory or from ``price()``."""
@@ -594,6 +599,33 @@ class ProgramPricer:
     def price_fused(self, fusion: Any) -> float:
         """The model's price of the program a :class:`rewrite._fusion.LiveFusion` holds."""
         return float(fusion.price())
+
+
+class _ChoiceTemplates(dict):
+    """The per-node facts (``_fusion.chosen_op``) of the programs one choice makes, where nodes have bodies.
+
+    Only a node with bodies (its price reads its bodies' choice) or a projection (its price reads the
+    projected node) has facts that depend on the choice; the facts of every other node are kept in
+    ``shared``, for every choice.
+    """
+
+    __slots__ = ("ex", "shared")
+
+    def __init__(self, ex: "Extractor", shared: dict) -> None:
+        super().__init__()
+        self.ex = ex
+        self.shared = shared
+
+    def get(self, key: tuple, default: Any = None) -> Any:
+        found = dict.get(self, key)
+        return self.shared.get(key, default) if found is None else found
+
+    def __setitem__(self, key: tuple, value: Any) -> None:
+        node = key[1]
+        if node[0] == "Proj" or self.ex.body_classes(*node):
+            dict.__setitem__(self, key, value)
+        else:
+            self.shared[key] = value
 
 
 class LiveProgram:
