@@ -613,6 +613,7 @@ class LiveFusion:
         self._temp: dict[Any, int] = {}
         #: per kernel, the sums its price is made of (see _kernel)
         self._sums: dict[Any, _KernelSums] = {}
+        self._moved: set = set()
         self._views: dict[Any, float] = {}
         self._order = 0
 
@@ -624,6 +625,8 @@ class LiveFusion:
         ops, users, homes, roots, members = self.ops, self.users, self.homes, self.roots, self._members
         seeds: set = set()
         dirty: set = set()
+        #: ops that joined or left a kernel
+        moved = self._moved = set()
         for c in changes:
             old = ops.get(c)
             if old is not None:
@@ -639,6 +642,7 @@ class LiveFusion:
                     for r in old_home:
                         if r in members:
                             members[r].discard(c)
+                    moved.add(c)
                     dirty |= old_home
                 if roots.pop(c, None) is not None:
                     dirty.add(c)
@@ -716,6 +720,7 @@ class LiveFusion:
                         need |= h
                 home, root = self.model.place(self, x, kind, need, x in self._outputs, roots)
             if home != old_home:
+                self._moved.add(x)
                 for r in old_home or ():
                     if r in members:
                         members[r].discard(x)
@@ -778,10 +783,26 @@ class LiveFusion:
         had = k.ops
         touched: set = set()
         edges, sincos = k.edges, k.sincos
-
-        def count(x: Any, op: Op, sign: int) -> None:
+        tiebreak, work = k.tiebreak, k.work
+        # Only ops that joined or left a kernel, or changed, can be counted wrong (a fresh kernel: all of them).
+        if had:
+            came = []
+            for x in (*self._moved, *changes):
+                old = had.get(x)
+                if old is not None and (x not in members or old is not ops[x]):
+                    came.append((x, old, -1))
+                    del had[x]
+            for x in (*self._moved, *changes):
+                if x in members and x not in had:
+                    had[x] = ops[x]
+                    came.append((x, ops[x], 1))
+        else:
+            for x in members:
+                had[x] = ops[x]
+            came = [(x, op, 1) for x, op in had.items()]
+        for x, op, sign in came:
             f = facts(op, self)
-            k.tiebreak += sign * f[1]
+            tiebreak += sign * f[1]
             if f[2]:
                 prims = sincos.setdefault(op.args[0], {})
                 prims[op.prim] = prims.get(op.prim, 0) + sign
@@ -790,7 +811,7 @@ class LiveFusion:
                     if not prims:
                         del sincos[op.args[0]]
             else:
-                k.work += sign * (f[3] if (x == r and reducing) or f[7] else f[share])
+                work += sign * (f[3] if (x == r and reducing) or f[7] else f[share])
             for a in set(op.args):
                 n = edges.get(a, 0) + sign
                 if n:
@@ -799,16 +820,7 @@ class LiveFusion:
                     del edges[a]
                 touched.add(a)
             touched.add(x)
-
-        for x in had.keys() - members:
-            count(x, had.pop(x), -1)
-        for x in changes:
-            old = had.get(x)
-            if old is not None and old is not ops.get(x):
-                count(x, had.pop(x), -1)
-        for x in members - had.keys():
-            op = had[x] = ops[x]
-            count(x, op, 1)
+        k.tiebreak, k.work = tiebreak, work
         touched.update(x for x in changes if x in edges)  # a read op that became a literal, or stopped being one
         reads = k.reads
         for a in touched:
@@ -881,7 +893,13 @@ def _temp(prog: Any, i: Any, outputs: Container[Any], written: Container[Any]) -
     made_by = op.args[0] if op.prim == "proj" else i  # a loop's output is written by the loop
     if i in outputs or made_by not in written or op.prim in ("param", "literal", "const", "token"):
         return 0
-    return sum(_nbytes(a) for a in op.out_avals)
+    memo = op.memo
+    if memo is None:
+        return sum(_nbytes(a) for a in op.out_avals)
+    found = memo.get("bytes")
+    if found is None:
+        found = memo["bytes"] = sum(_nbytes(a) for a in op.out_avals)
+    return found
 
 
 def ops_in(prog: Program, kernels: Iterable[Fusion]) -> dict[str, int]:
