@@ -233,3 +233,80 @@ def test_live_fusion_prices_random_edits_as_the_whole_program(seed):
                 ops[c] = op
         live.edit(changes)
         assert live.price() == pytest.approx(model(_whole(ops, outputs)), rel=1e-12)
+
+
+# ---------------------------------------------------------------------- extraction reuses its own work
+@pytest.mark.parametrize("name", ["shared", "scan_grad"])
+def test_candidate_costs_are_whole_program_prices(name):
+    """``extract`` keeps each candidate's signature and a search's exact price to ask for them once; the costs it
+    reports must still be the whole-program prices of its candidates, computed afresh, bit for bit."""
+    from rewrite._4_extract import _signature, extract
+
+    res, model, _, _ = _search_state(name)
+    out = extract(res.snapshot, res.roots, model, res.original)
+    fresh = ProgramPricer(Extractor(res.snapshot, model), model)
+    assert len(out.candidates) >= 2
+    keys = set()
+    for choice, cost, _ in out.candidates:
+        assert cost == fresh.price(fresh.program(choice, res.roots))
+        keys.add(_signature(fresh.ex, choice, res.roots))
+    assert len(keys) == len(out.candidates)  # the candidates are distinct programs
+    assert out.cost == min(c for _, c, _ in out.candidates) or not out.rewritten
+
+
+@pytest.mark.parametrize("name", sorted(PROGRAMS))
+def test_input_cost_prices_the_program_as_loaded(name):
+    """``input_cost`` takes the loaded e-graph's one node per class as the choice; it must price what the bottom-up
+    pass chooses there, whole."""
+    from rewrite import _pipeline
+    from rewrite._4_extract import input_cost
+
+    fn, args, packs = PROGRAMS[name]
+    seen = {}
+    real = _pipeline.input_cost
+
+    def spy(snap, outs, token, model):
+        seen["args"] = (snap, outs, token, model)
+        return real(snap, outs, token, model)
+
+    _pipeline.input_cost = spy
+    try:
+        res = explain(fn, *args, rulesets=packs).result
+    finally:
+        _pipeline.input_cost = real
+    snap, outs, token, model = seen["args"]
+    assert all(len(ns) == 1 for ns in snap.nodes.values())  # so the shortcut is the one taken
+    ex = Extractor(snap, model)
+    roots = [snap.cls_of_name[o] for o in outs] + ([snap.cls_of_name[token]] if token is not None else [])
+    pricer = ProgramPricer(ex, model)
+    assert input_cost(snap, outs, token, model) == res.cost_before == pricer(ex.tree()[1], roots)
+
+
+def test_kernel_facts_kept_in_memos_price_as_fresh_ops():
+    """A kernel's per-op facts are kept in the ops' memos (per model); a program priced again from its memos, or
+    with a second model, must be priced as with fresh ops."""
+    rng = random.Random(7)
+    models = [FusionModel({"exp": 2.0, "sin": 1.5, "cos": 1.5, "sincos": 2.0, "div": 1.2}, byte=0.05, reduce=0.3,
+                          launch=500.0, default=3.0, cheap=0.25, node=20.0, library_op=0.4, memory=m,
+                          tiebreak=lambda op, m=m: 1.0 + len(op.prim) + m)
+              for m in (0.0, 1.0)]
+    for _ in range(20):
+        kinds: dict[int, str] = {}
+        ops: dict[int, Op] = {}
+        for c in range(rng.randint(4, 25)):
+            kind = rng.choice("SSSRR")
+            op = _random_op(rng, kind, kinds)
+            if op is not None:
+                kinds[c], ops[c] = kind, op
+        outputs = sorted(ops)[-1:]
+        memo = {k: {} for k in ops}  # shared by every copy of the program, as an extraction's templates share them
+
+        def with_memo():
+            prog = _whole(ops, outputs)
+            for k, op in zip(sorted(ops), prog.ops):
+                op.memo = memo[k]
+            return prog
+
+        for model in models + models:
+            assert model(with_memo()) == model(_whole(ops, outputs))
+        assert any(key[0] == "facts" for m in memo.values() for key in m)  # the memos were used
