@@ -591,7 +591,11 @@ class Value:
             return True
         if self._engine is None or self.cls is None or not self.is_floating:
             return False
-        return self._engine.snapshot.has_fact(fact, self.cls)
+        found = self._engine.snapshot.has_fact(fact, self.cls)
+        reads = getattr(self._engine, "_reads", None)
+        if reads is not None and not found:  # a procedure that read an absent fact is woken when it appears
+            reads.add((self.cls, fact))
+        return found
 
     positive = property(lambda self: self._fact("Pos"))
     nonneg = property(lambda self: self._fact("NonNeg"))

@@ -419,9 +419,6 @@ algebra = Ruleset("algebra", [
     rule(lambda x: lax.max(x, x), lambda x: x, name="max_self"),                               # max(x, x) -> x
     rule(lambda x: lax.min(x, x), lambda x: x, name="min_self"),                               # min(x, x) -> x
     rule(lambda p, x: lax.select_n(p, x, x), lambda p, x: x, name="select_same", example=_BOOL_F32),  # select_n(p, x, x) -> x
-    # commutativity
-    rule(lambda a, b: lax.add(a, b), lambda a, b: lax.add(b, a), name="add_comm"),             # a + b -> b + a
-    rule(lambda a, b: lax.mul(a, b), lambda a, b: lax.mul(b, a), name="mul_comm"),             # a * b -> b * a
     # integer_pow, as XLA lowers it
     rule(lambda x: lax.integer_pow(x, 0), lambda x: lax.full_like(x, 1), name="pow_zero"),    # x^0 -> 1  (also for 0, inf, NaN)
     rule(lambda x: lax.integer_pow(x, 1), lambda x: x, name="pow_one"),                        # x^1 -> x
