@@ -293,7 +293,9 @@ class Engine:
             eg.source = None
 
     def _apply_procedure(self, act: _Active, root: Any, bindings: dict[str, Any], sorts: dict[str, str],
-                         binds: list[tuple[str, str]], inputs: Sequence[Any]) -> bool:
+                         binds: list[tuple[str, str]] | None = None, inputs: Sequence[Any] | None = None) -> bool:
+        """Run a procedural rule on one match; ``binds`` and ``inputs`` (the match's row) let a declined match
+        be watched (``_watch``)."""
         rule, stats = act.rule, self.stats[act.rule.name]
         if (id(rule), root) in self._root_only:
             # Another match at this root already ran this rule in this snapshot, reading the root
@@ -309,7 +311,7 @@ class Engine:
             reads, self._reads = self._reads, None
             if not m.read_bindings:
                 self._root_only.add((id(rule), root))
-            if sum(stats.rejected.values()) > declined and reads:
+            if sum(stats.rejected.values()) > declined and reads and inputs is not None:
                 self._watch(act, binds, inputs, reads)
 
     def _run_procedure(self, m: Match, stats: RuleStats) -> bool:
