@@ -27,7 +27,7 @@ compute with excess precision. Anything only approximately true belongs in
 >>> from rewrite import explain
 >>> report = explain(lambda x: -(-x) * 1 + (x ** 2) ** 2, jnp.ones(3), rulesets=[rulesets.algebra])
 >>> sorted(report.fired)
-['add_neg', 'mul_one', 'neg_neg', 'pow_pow', 'pow_two']
+['add_neg', 'mul_one', 'neg_neg', 'pow_pow', 'pow_two', 'sub_neg']
 >>> [e.primitive.name for e in report.after.eqns]
 ['integer_pow', 'add']
 """
