@@ -99,6 +99,10 @@ class _Active:
     last: int | None = None
     #: declined matches to act on again this iteration: what they read has changed (``Engine._watch``)
     retry: list = dataclasses.field(default_factory=list)
+    #: the rule's symmetries, when its queries match in several operand orders (``Rule.symmetries``)
+    symmetries: tuple = ()
+    #: the matches acted on, by their names with the bindings in a canonical order (``Engine._mirrored``)
+    mirrors: set = dataclasses.field(default_factory=set)
 
 
 def match_program(entries: Sequence[tuple[Rule, Ruleset]], manual: bool = False
@@ -150,12 +154,11 @@ class Engine:
             # associativity); the run's limits govern everything else.
             backoff = owner.limits if owner.limits is not None else limits
             last = owner.limits.iterations if owner.limits is not None else None
-            # A query matched in 2**k operand orders (``commuted``) may match 2**k times as often as the
-            # same query when a commutativity rule stored the orders, over several iterations: the
-            # allowance is for matches of one order.
-            orders = max((len(commuted(q)) for q in rule.queries), default=1)
-            self.active.append(_Active(rule, owner, rels, allowance=backoff.matches,
-                                       ban_length=backoff.ban, last=last))
+            # A query matched in several operand orders (``commuted``) finds a symmetric rule's matches
+            # twice, once per order: one of each pair is acted on.
+            mirrored = any(len(commuted(q)) > 1 for q in rule.queries)
+            self.active.append(_Active(rule, owner, rels, allowance=backoff.matches, ban_length=backoff.ban,
+                                       last=last, symmetries=rule.symmetries if mirrored else ()))
             self.stats[rule.name] = RuleStats()
         if egraph.prelude != text:  # an e-graph made without them (EGraph(match_program(...)[0]) has them)
             egraph.declare(text)
@@ -233,6 +236,9 @@ class Engine:
                     continue
                 t = time.perf_counter()
                 for rel, binds, inputs in new + retry:
+                    if rel is not None and act.symmetries and self._mirrored(act, inputs):
+                        act.seen.add((rel, tuple(inputs)))  # its mirror image was acted on: the same program
+                        continue
                     if self._apply(act, binds, inputs) and rel is not None:  # (a retried match is seen already)
                         act.seen.add((rel, tuple(inputs)))
                     if time.perf_counter() - start > limits.seconds:
@@ -373,6 +379,18 @@ class Engine:
             cls = snap.cls_of_name[x] if x < len(snap.cls_of_name) else None
             return Value(TYPES[self.egraph.vtype[x]], x, cls, self)
         return Value(snap.aval(x), snap.name(x), x, self)
+
+    def _mirrored(self, act: _Active, inputs: Sequence[Any]) -> bool:
+        """Whether a match equal to this one up to a symmetry of its rule (``Rule.symmetries``) was acted on.
+
+        Bindings are compared by name, so the check holds across snapshots."""
+        snap = self.snapshot
+        names = tuple(snap.name(v) for v in inputs)
+        key = min([names] + [(names[0],) + tuple(names[1 + p[i]] for i in range(len(p))) for p in act.symmetries])
+        if key in act.mirrors:
+            return True
+        act.mirrors.add(key)
+        return False
 
     def _watch(self, act: _Active, binds: list[tuple[str, str]], inputs: Sequence[Any], reads: set) -> None:
         """Keep a declined match, to act on again when a class it read changes (see ``_watched``)."""

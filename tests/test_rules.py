@@ -256,6 +256,22 @@ def test_a_declined_procedure_acts_again_when_a_class_it_read_changes():
     assert len(calls) == 2  # once per operand order, in the first iteration only
 
 
+def test_a_symmetric_rule_acts_once_per_site_and_an_asymmetric_one_on_both_orders():
+    """Patterns match a product in both operand orders. exp(x)*exp(y) -> exp(x+y) reads the same with x and y
+    swapped, so one of the two matches is acted on; a rule that is not symmetric acts on both."""
+    sym = rule(lambda x, y: jnp.exp(x) * jnp.exp(y), lambda x, y: jnp.exp(x + y), name="exp_add")
+    asym = rule(lambda x, y: jnp.exp(x) * jnp.exp(y), lambda x, y: jnp.exp(x) * jnp.exp(y) * 1.0, name="asym",
+                when=lambda x, y: True)
+    assert sym.symmetries == ((1, 0),) and asym.symmetries == ()
+    a, b = jnp.linspace(-1.0, 1.0, 5), jnp.linspace(0.0, 2.0, 5)
+    report = explain(lambda a, b: jnp.exp(a) * jnp.exp(b), a, b, rulesets=[Ruleset("s", [sym], soundness="identity")])
+    assert report.fired == {"exp_add": 1} and report.result.stats["exp_add"].matched == 1
+    np.testing.assert_allclose(rewrite(lambda a, b: jnp.exp(a) * jnp.exp(b), rulesets=[Ruleset("s", [sym],
+                               soundness="identity")])(a, b), jnp.exp(a) * jnp.exp(b), rtol=1e-6)
+    report = explain(lambda a, b: jnp.exp(a) * jnp.exp(b), a, b, rulesets=[Ruleset("a", [asym], soundness="identity")])
+    assert report.result.stats["asym"].matched == 2
+
+
 def test_ill_typed_procedure_is_skipped_with_a_warning():
     @procedural
     def wrong(m):
