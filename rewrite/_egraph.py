@@ -508,6 +508,7 @@ class Snapshot:
         self.name_of_cls = name_of
         self._nodes: dict[Any, list[tuple]] | None = None
         self._parents: dict[Any, list[tuple]] | None = None
+        self._facts: dict[str, frozenset] = {}
 
     @property
     def num_rows(self) -> int:
@@ -576,3 +577,10 @@ class Snapshot:
 
     def has_fact(self, fact: str, cls: Any) -> bool:
         return self.egraph.eg.lookup_function(fact, [cls]) is not None
+
+    def with_fact(self, fact: str) -> frozenset:
+        """The classes that hold ``fact`` (``NonNeg``, ``Pos``, ``NonZero``), read once per snapshot."""
+        found = self._facts.get(fact)
+        if found is None:
+            found = self._facts[fact] = frozenset(r.inputs[0] for r in self.rows(fact))
+        return found
