@@ -142,24 +142,36 @@ class _Rows:
 
     @classmethod
     def folder(cls) -> str:
+        if cls._dir is not None:
+            return cls._dir
         with cls._lock:
             if cls._dir is None:
-                cls._dir = tempfile.mkdtemp(prefix="rewrite-egraph-")
-                atexit.register(shutil.rmtree, cls._dir, True)
+                # In memory where there is such a folder (Linux): a file there is made and removed
+                # in a few microseconds, a tenth of what a disk's file system takes.
+                shm = "/dev/shm"
+                try:
+                    made = tempfile.mkdtemp(prefix="rewrite-egraph-", dir=shm if os.path.isdir(shm) else None)
+                except OSError:
+                    made = tempfile.mkdtemp(prefix="rewrite-egraph-")
+                atexit.register(shutil.rmtree, made, True)
+                cls._dir = made
             return cls._dir
 
     @classmethod
     def commands(cls, rows: list[tuple[int, ...]], loader: _Loader) -> tuple[list[Any], list[str]]:
         """The ``input`` command for ``rows``, and the file it reads (to remove afterwards)."""
-        path = os.path.join(cls.folder(), f"{os.getpid()}-{next(cls._count)}.tsv")
+        path = f"{cls.folder()}/{os.getpid()}-{next(cls._count)}.tsv"
         pads = loader.pads
+        data = "".join("\t".join(map(str, r)) + pads[len(r)] for r in rows).encode()
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # (no text layer: a third of the time)
         try:
-            with open(path, "w") as f:
-                f.write("".join("\t".join(map(str, r)) + pads[len(r)] for r in rows))
+            while data:
+                data = data[os.write(fd, data):]
         except OSError:
-            if os.path.exists(path):
-                os.remove(path)
+            os.close(fd)
+            os.remove(path)
             raise
+        os.close(fd)
         return [eb.Input(_SPAN, LOAD, path)], [path]
 
     @staticmethod
