@@ -490,9 +490,16 @@ class EGraph:
 
     # ------------------------------------------------------------------ reading
     def int_value(self, n: int) -> Any:
-        v = self._ints.get(n)
+        """The egglog value of the ``i64`` ``n`` (to look nodes up with)."""
+        v = _UNBOXED.get(n)
         if v is None:
-            v = self._ints[n] = self.eg.eval_expr(int_lit(n))[1]
+            v = self._ints.get(n)
+            if v is None:
+                v = self.eg.eval_expr(int_lit(n))[1]  # some 9 us: worth remembering
+                if 0 <= n <= _UNBOXED_MAX and len(_UNBOXED) < _UNBOXED_KEEP:
+                    _UNBOXED[n] = v
+                else:
+                    self._ints[n] = v
         return v
 
     def lookup(self, ctor: str, args: Sequence[Any]) -> Any:
@@ -512,6 +519,14 @@ class EGraph:
             snap = Snapshot(self)
             self._snap = (self._changes, weakref.ref(snap))
         return snap
+
+
+#: egglog keeps an ``i64`` from 0 to 2**31 - 1 in the value itself (larger or negative ones are interned
+#: per e-graph, and forgotten at ``pop``): such a value is the same in every e-graph, so the process
+#: keeps the first few thousand it meets (``tests/test_egraph.py`` checks the premise).
+_UNBOXED: dict[int, Any] = {}
+_UNBOXED_MAX = 2**31 - 1
+_UNBOXED_KEEP = 1 << 16
 
 
 def _keys(args: Sequence[Any]) -> Iterable[Any]:
@@ -551,8 +566,9 @@ class Snapshot:
         self._parents: dict[Any, list[tuple]] | None = None
         self._matches: dict[str, dict[Any, list[tuple]]] = {}
 
-    @property
+    @functools.cached_property
     def num_rows(self) -> int:
+        """Rows in the e-graph: nodes, names, facts and matches (the loader's are left out)."""
         return sum(len(f.rows) for name, f in self.functions.items() if name != LOAD)
 
     def rows(self, function: str) -> list[Any]:
@@ -568,11 +584,13 @@ class Snapshot:
         """
         groups = self._matches.get(relation)
         if groups is None:
-            groups = self._matches[relation] = {}
+            by_value: dict[Any, list[tuple]] = {}
             for r in self.rows(relation):
                 inputs = r.inputs
-                groups.setdefault(inputs[0], []).append(tuple(inputs[1:]))
-        return groups.get(self.egraph.int_value(query), [])
+                by_value.setdefault(inputs[0], []).append(tuple(inputs[1:]))
+            to_int = self.egraph.eg.value_to_i64
+            groups = self._matches[relation] = {to_int(v): rows for v, rows in by_value.items()}
+        return groups.get(query, [])
 
     def name(self, cls: Any) -> int:
         return self.name_of_cls[cls]

@@ -214,3 +214,42 @@ def test_an_egraph_held_by_its_snapshot_alone_goes_back_to_the_pool():
     assert snap.egraph.eg is inner
     del snap  # no cycle through the e-graph's memory of its last snapshot: it goes back at once
     assert _egraph.EGraph(prelude).eg is inner
+
+
+def test_small_i64_values_are_the_same_in_every_egraph():
+    # EGraph.int_value keeps these for the process (egglog stores them in the value itself)
+    a, b = _egraph.EGraph(), _egraph.EGraph()
+    b.term("Const", [2**40 + 5], TYPES.intern_aval(F32))  # an interned i64 in one of them only
+    b.flush()
+    for n in (0, 1, 12345, 2**31 - 1):
+        va, vb = a.eg.eval_expr(_egraph.int_lit(n))[1], b.eg.eval_expr(_egraph.int_lit(n))[1]
+        assert va == vb and hash(va) == hash(vb) and b.eg.value_to_i64(va) == n
+        assert a.int_value(n) == vb
+    assert a.int_value(2**40 + 7) == a.eg.eval_expr(_egraph.int_lit(2**40 + 7))[1]
+    assert 2**40 + 7 not in _egraph._UNBOXED and b.int_value(-3) == b.eg.eval_expr(_egraph.int_lit(-3))[1]
+
+
+def test_queries_of_one_signature_share_a_relation_and_are_read_apart():
+    from rewrite import Ruleset, explain, rule
+    from rewrite._3_saturate import match_program
+    from rewrite._6_evaluate import entries_of
+
+    pack = Ruleset("shared", [rule(lambda x: x * 1.0, lambda x: x, name="mul_one_s"),
+                              rule(lambda x: x + 0.0, lambda x: x, name="add_zero_s"),
+                              rule(lambda x, y: x * y + x, lambda x, y: x * (y + 1.0), name="factor_s")],
+                   soundness="exact")
+    entries = entries_of([pack])
+    text, relations = match_program(entries)
+    assert match_program(entries) == (text, relations) and match_program(list(entries))[0] is text  # made once
+    (r1,), (r2,), (r3,) = relations
+    assert r1[0][0] == r2[0][0] != r3[0][0]  # one relation for the two one-variable queries, another for x, y
+    assert sorted(q for (_, q), _ in (r1, r2, r3)) == [0, 1, 2]
+    assert text.count("(relation ") == 2 and text.count("(rule ") == 3
+
+    def fn(a, b):
+        return (a * 1.0) * b + (a * 1.0) + (b + 0.0)
+
+    x = jnp.arange(3.0, dtype=jnp.float32)
+    report = explain(fn, x, x + 1.0, rulesets=[pack])
+    assert report.fired.get("mul_one_s") == 1 and report.fired.get("add_zero_s") == 1
+    assert report.fired.get("factor_s")  # (a*1)*b + (a*1): a two-variable query's matches, read apart
