@@ -218,14 +218,17 @@ class Engine:
             if time.perf_counter() - start > limits.seconds:
                 return "time limit"
             waiting = False
+            matches = self.snapshot.matches
             for act in self.active:
                 if act.last is not None and it >= act.last:
                     continue  # its ruleset's rounds are over
                 if it < act.banned_until:
                     waiting = True
                     continue
-                rows = [(rel, binds, r) for rel, binds in act.relations for r in self.snapshot.matches(*rel)]
-                new = [(rel, binds, r) for rel, binds, r in rows if (rel, r) not in act.seen]
+                seen = act.seen
+                new = [(rel, binds, r) for rel, binds in act.relations for r in matches(*rel) if (rel, r) not in seen]
+                if not new:
+                    continue
                 if len(new) > act.allowance and grown:
                     act.last = it  # retired: see Limits.growth
                     self.stats[act.rule.name].retired = True
