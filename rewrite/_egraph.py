@@ -14,17 +14,19 @@ Five facts about egglog 13 shape this module (see ``docs/design.md``):
   questions the saturation loop and the extractor ask.
 * Even in chunks, egglog compiles each chunk's rule, some 30 us an action.
   Nodes whose arguments are all ``Term`` or ``i64`` (most of them), unions
-  and facts are therefore written as rows of loader relations (``L_Mul``:
-  the name, then the arguments) to a tab-separated file that egglog reads
-  with ``input``, and rules declared once with the schema
+  and facts are therefore written as rows of the loader relation (``Load``:
+  the kind's id, the name, then the arguments) to a tab-separated file that
+  egglog reads with ``input``, and rules declared once with the schema
   (:func:`loader_program`) turn the rows into nodes: a tenth of the cost.
 * Declaring the schema and the rules' queries costs more than saturating a
   small program (egglog compiles every rule: 40-80 ms for the built-in
   packs). An e-graph is therefore made once per schema and set of
   declarations, kept in :data:`_POOL`, and lent out behind egglog's
   ``push``; when the :class:`EGraph` that borrowed it is gone, ``pop``
-  empties it again for the next rewrite. An egglog e-graph belongs to the
-  thread that made it, so only the main thread's are kept.
+  empties it again for the next rewrite. Both copy or drop every declaration
+  (10-20 us a relation or rule), so there are few: one loader relation, and
+  one match relation per signature of the rules' queries. An egglog e-graph
+  belongs to the thread that made it, so only the main thread's are kept.
 """
 
 from __future__ import annotations
