@@ -556,12 +556,12 @@ class Snapshot:
         n = egraph.num_names
         cls_of: list[Any] = [None] * n
         name_of: dict[Any, int] = {}
-        for r in rows:
-            vid = to_int(r.inputs[0])
-            cls_of[vid] = r.output
-            old = name_of.get(r.output)
+        for r in rows:  # (each attribute of a row is made anew when read: read once)
+            vid, cls = to_int(r.inputs[0]), r.output
+            cls_of[vid] = cls
+            old = name_of.get(cls)
             if old is None or vid < old:
-                name_of[r.output] = vid
+                name_of[cls] = vid
         self.cls_of_name = cls_of
         self.name_of_cls = name_of
         self._nodes: dict[Any, list[tuple]] | None = None
