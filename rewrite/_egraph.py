@@ -265,7 +265,8 @@ class EGraph:
         self.eg = _POOL.take(schema, prelude)
         self._flat = _flat_ctors(schema)  # the constructors loaded from rows
         self._loader = _loader(schema)
-        weakref.finalize(self, _POOL.give, schema, prelude, self.eg, _main_thread()).atexit = False
+        self._give = weakref.finalize(self, _POOL.give, schema, prelude, self.eg, _main_thread())
+        self._give.atexit = False
         self.vtype: list[int] = []          # V id -> type id
         self.vsource: list[Any] = []        # V id -> Origin (source_info, ctx) of the equation that made it
         self.vorigin: list[str | None] = []  # V id -> name of the rule that made it, None for the program
@@ -284,6 +285,17 @@ class EGraph:
         self.origin: str | None = None     # rule name stamped on nodes made now
         self.source: Any = None            # Origin stamped on nodes made now (a rule's match root)
         self.defs: list[tuple[str, tuple]] = []  # V id -> the node it was made for (args as given)
+
+    def release(self) -> None:
+        """Give the egglog instance back to the pool now: this e-graph is not used again.
+
+        Otherwise it goes back when this object is collected, which an object
+        made during the rewrite (a rule's closure, say) can put off until the
+        collector finds the cycle it is in; meanwhile the next rewrite finds
+        the pool empty and declares a new instance (50-200 ms).
+        """
+        self._give()
+        self.eg = None
 
     # ------------------------------------------------------------------ building
     def new_scope(self) -> int:

@@ -253,3 +253,47 @@ def test_queries_of_one_signature_share_a_relation_and_are_read_apart():
     report = explain(fn, x, x + 1.0, rulesets=[pack])
     assert report.fired.get("mul_one_s") == 1 and report.fired.get("add_zero_s") == 1
     assert report.fired.get("factor_s")  # (a*1)*b + (a*1): a two-variable query's matches, read apart
+
+
+def test_a_released_egraph_is_lent_again_while_its_object_lives_on():
+    gc.collect()
+    prelude = "(relation TestOnlyReleased (i64))"
+    eg = _egraph.EGraph(prelude)
+    inner = eg.eg
+    eg.term("Param", [0, 0], TYPES.intern_aval(F32))
+    held = [eg]  # as a rule's closure in a cycle would hold it
+    eg.release()
+    again = _egraph.EGraph(prelude)
+    assert again.eg is inner and _rows(again) == {}  # back in the pool, emptied
+    with pytest.raises(AttributeError):
+        held[0].flush() if held[0]._rows else held[0].eg.freeze()  # never used again
+    del eg, held
+    gc.collect()
+    assert again.eg is inner  # the finalizer that already ran does not give it back twice
+
+
+def test_a_rewrite_gives_its_egraph_back_even_when_a_rule_keeps_a_cycle(monkeypatch):
+    from rewrite import Ruleset, procedural, rewrite, rule
+
+    kept = []
+
+    def rhs(m):
+        def walk():  # a closure that refers to itself: a cycle, holding the match (and through it the e-graph)
+            return walk, m
+        kept.append(walk)
+        return None
+
+    pack = Ruleset("cyclic", [rule(lambda x: x * 2.0, procedural(rhs), name="cyclic_rule")], soundness="exact")
+    x = jnp.arange(3.0, dtype=jnp.float32)
+    gc.collect()
+    gc.disable()  # the cycle is not collected while the test runs
+    try:
+        made = []
+        monkeypatch.setattr(_egraph.EGraph, "release", lambda self, _r=_egraph.EGraph.release: (made.append(self.eg), _r(self))[1])
+        np.testing.assert_allclose(rewrite(lambda v: v * 2.0 + 1.0, rulesets=[pack])(x), x * 2.0 + 1.0)
+        assert kept and made
+        free = [eg for (_, _), egs in _egraph._POOL._free.items() for eg in egs]
+        assert any(eg is made[-1] for eg in free)  # back in the pool although the cycle still holds the EGraph
+    finally:
+        kept.clear()
+        gc.enable()
