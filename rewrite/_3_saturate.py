@@ -33,7 +33,7 @@ from ._1_trace import trace_at
 from ._2_load import Unsupported, load_closed
 from ._egraph import EGraph, Snapshot
 from ._intern import TYPES
-from ._pattern import present
+from ._pattern import commuted, present
 from ._prefer import Barred, lhs_ctors
 from ._rules import Body, Match, Rule, Ruleset, Value, _short
 
@@ -97,6 +97,12 @@ class _Active:
     banned_until: int = -1
     #: the rule runs in iterations below this one only (its ruleset's ``limits.iterations``)
     last: int | None = None
+    #: declined matches to act on again this iteration: what they read has changed (``Engine._watch``)
+    retry: list = dataclasses.field(default_factory=list)
+    #: the rule's symmetries, when its queries match in several operand orders (``Rule.symmetries``)
+    symmetries: tuple = ()
+    #: the matches acted on, by their names with the bindings in a canonical order (``Engine._mirrored``)
+    mirrors: set = dataclasses.field(default_factory=set)
 
 
 def match_program(entries: Sequence[tuple[Rule, Ruleset]], manual: bool = False
@@ -131,7 +137,8 @@ def match_program(entries: Sequence[tuple[Rule, Ruleset]], manual: bool = False
                 rel = signatures[sorts] = f"M{len(signatures)}"
                 lines.append(f"(relation {rel} (i64 {' '.join(sorts)}))")
             args = " ".join([str(query), q.root] + [v for v, _ in q.binds])
-            lines.append(f'(rule ({q.text}) (({rel} {args})) :ruleset match :name "M{query}")')
+            for k, variant in enumerate(commuted(q)):  # either order of add and mul
+                lines.append(f'(rule ({variant.text}) (({rel} {args})) :ruleset match :name "M{query}_{k}")')
             rels.append(((rel, query), q.binds))
             query += 1
         relations.append(rels)
@@ -161,14 +168,22 @@ class Engine:
         self.warnings: list[str] = []
         #: The unions made by preferred rules (rule(..., prefer=True)), barred before extraction.
         self.preferred: list[Barred] = []
+        #: Declined matches of procedural rules, by a name of each class they read: (node count, facts
+        #: absent then, entries). A match is acted on again when one of those classes gains a node or a
+        #: fact (a factor folded into a literal, say), not only when a new match appears.
+        self._watched: dict[int, list] = {}
+        self._reads: set | None = None  # while a procedure runs: the classes it read
         text, relations = match_program(entries, manual)
         for (rule, owner), rels in zip(entries, relations):
             # A ruleset may set its own back-off (say, a tighter allowance for
             # associativity); the run's limits govern everything else.
             backoff = owner.limits if owner.limits is not None else limits
             last = owner.limits.iterations if owner.limits is not None else None
+            # A query matched in several operand orders (``commuted``) finds a symmetric rule's matches
+            # twice, once per order: one of each pair is acted on.
+            mirrored = any(len(commuted(q)) > 1 for q in rule.queries)
             self.active.append(_Active(rule, owner, rels, allowance=backoff.matches, ban_length=backoff.ban,
-                                       last=last))
+                                       last=last, symmetries=rule.symmetries if mirrored else ()))
             self.stats[rule.name] = RuleStats()
         if egraph.prelude != text:  # an e-graph made without them (EGraph(match_program(...)[0]) has them)
             egraph.declare(text)
@@ -186,6 +201,7 @@ class Engine:
         self._prefer: dict | None = None  # the bottom-up choice, for Match.function
         self._nodes: dict[Any, list] = {}  # nodes_of's views
         self._root_only: set[tuple[int, Any]] = set()  # (rule, root) pairs done reading the root alone
+        self._unioned: set[tuple[Any, int]] = set()  # (class, name) unions made since: one is made once
 
     def run(self) -> str:
         """Saturate; returns why it stopped."""
@@ -213,6 +229,7 @@ class Engine:
             if start_rows is None:
                 start_rows = self.snapshot.num_rows
             grown = self.snapshot.num_rows > limits.growth * start_rows
+            self._wake()
             if self.snapshot.num_rows > limits.nodes:
                 return "node limit"
             if time.perf_counter() - start > limits.seconds:
@@ -227,8 +244,9 @@ class Engine:
                     continue
                 seen = act.seen
                 new = [(rel, binds, r) for rel, binds in act.relations for r in matches(*rel) if (rel, r) not in seen]
-                if not new:
+                if not new and not act.retry:
                     continue
+                retry, act.retry = act.retry, []
                 if len(new) > act.allowance and grown:
                     act.last = it  # retired: see Limits.growth
                     self.stats[act.rule.name].retired = True
@@ -245,9 +263,12 @@ class Engine:
                     waiting = True
                     continue
                 t = time.perf_counter()
-                for rel, binds, r in new:
-                    if self._apply(act, binds, r):
-                        act.seen.add((rel, r))
+                for rel, binds, inputs in new + retry:
+                    if rel is not None and act.symmetries and self._mirrored(act, inputs):
+                        act.seen.add((rel, tuple(inputs)))  # its mirror image was acted on: the same program
+                        continue
+                    if self._apply(act, binds, inputs) and rel is not None:  # (a retried match is seen already)
+                        act.seen.add((rel, tuple(inputs)))
                     if time.perf_counter() - start > limits.seconds:
                         self.stats[act.rule.name].seconds += time.perf_counter() - t
                         self.egraph.flush()
@@ -274,7 +295,7 @@ class Engine:
                 sorts = {n: s for n, (_, s) in zip(rule.var_names, binds)}
                 to_int = eg.eg.value_to_i64
                 bound = {n: (to_int(v) if sorts[n] == "i64" else v) for n, v in zip(rule.var_names, vals)}
-                return self._apply_procedure(act, root, bound, sorts)
+                return self._apply_procedure(act, root, bound, sorts, binds, inputs)
             values = [self.value(c) for c in vals]
             if rule.when is not None:
                 ok = rule.when(*values)
@@ -293,7 +314,7 @@ class Engine:
                 return True
             if rule.is_procedural:
                 return self._apply_procedure(act, root, dict(zip(rule.var_names, vals)),
-                                             {n: "Term" for n in rule.var_names})
+                                             {n: "Term" for n in rule.var_names}, binds, inputs)
             (out,), _ = load_closed(rhs, [snap.name(c) for c in vals], eg, remember=True)
             self._union(rule, snap.name(root), out, avals, lhs)
             return True
@@ -305,7 +326,10 @@ class Engine:
             eg.origin = None
             eg.source = None
 
-    def _apply_procedure(self, act: _Active, root: Any, bindings: dict[str, Any], sorts: dict[str, str]) -> bool:
+    def _apply_procedure(self, act: _Active, root: Any, bindings: dict[str, Any], sorts: dict[str, str],
+                         binds: list[tuple[str, str]] | None = None, inputs: Sequence[Any] | None = None) -> bool:
+        """Run a procedural rule on one match; ``binds`` and ``inputs`` (the match's row) let a declined match
+        be watched (``_watch``)."""
         rule, stats = act.rule, self.stats[act.rule.name]
         if (id(rule), root) in self._root_only:
             # Another match at this root already ran this rule in this snapshot, reading the root
@@ -313,11 +337,16 @@ class Engine:
             stats.rejected["same root"] += 1
             return True
         m = Match(self, rule, bindings, sorts, root)
+        self._reads = set()
+        declined = sum(stats.rejected.values())
         try:
             return self._run_procedure(m, stats)
         finally:
+            reads, self._reads = self._reads, None
             if not m.read_bindings:
                 self._root_only.add((id(rule), root))
+            if sum(stats.rejected.values()) > declined and reads and inputs is not None:
+                self._watch(act, binds, inputs, reads)
 
     def _run_procedure(self, m: Match, stats: RuleStats) -> bool:
         rule = m.rule
@@ -349,6 +378,9 @@ class Engine:
         known = self.snapshot.cls_of_name
         if out < len(known) and known[out] is not None and known[out] == known[root_name]:
             return  # already one class: a match seen again after a merge
+        if (known[root_name], out) in self._unioned:
+            return  # the same replacement built again (by a match in the other operand order, say)
+        self._unioned.add((known[root_name], out))
         want = TYPES[self.egraph.vtype[root_name]]
         got = TYPES[self.egraph.vtype[out]]
         if want != got:
@@ -376,11 +408,62 @@ class Engine:
             return Value(TYPES[self.egraph.vtype[x]], x, cls, self)
         return Value(snap.aval(x), snap.name(x), x, self)
 
+    def _mirrored(self, act: _Active, inputs: Sequence[Any]) -> bool:
+        """Whether a match equal to this one up to a symmetry of its rule (``Rule.symmetries``) was acted on.
+
+        Bindings are compared by name, so the check holds across snapshots."""
+        snap = self.snapshot
+        names = tuple(snap.name(v) for v in inputs)
+        key = min([names] + [(names[0],) + tuple(names[1 + p[i]] for i in range(len(p))) for p in act.symmetries])
+        if key in act.mirrors:
+            return True
+        act.mirrors.add(key)
+        return False
+
+    def _watch(self, act: _Active, binds: list[tuple[str, str]], inputs: Sequence[Any], reads: set) -> None:
+        """Keep a declined match, to act on again when a class it read changes (see ``_watched``)."""
+        if any(sort not in ("Term", "i64") for _, sort in binds):
+            return  # a list or a body: no name to find its class by in a later snapshot
+        snap = self.snapshot
+        # class ids are canonical for one snapshot only: the match is kept by names (i64 values stay)
+        entry = (act, binds, [snap.name(inputs[0])] + [snap.name(v) if sort == "Term" else v
+                                                       for v, (_, sort) in zip(inputs[1:], binds)])
+        for cls, fact in reads:
+            name = snap.name(cls)
+            slot = self._watched.get(name)
+            if slot is None:
+                slot = self._watched[name] = [len(snap.nodes.get(cls, ())), set(), []]
+            if fact is not None:
+                slot[1].add(fact)
+            slot[2].append(entry)
+
+    def _wake(self) -> None:
+        """Queue the watched matches whose classes gained a node or a fact since they were read."""
+        if not self._watched:
+            return
+        snap = self.snapshot
+        nodes, by_name = snap.nodes, snap.cls_of_name
+        woken: dict[int, tuple] = {}
+        for name in list(self._watched):
+            count, facts, entries = self._watched[name]
+            cls = by_name[name]
+            if len(nodes.get(cls, ())) == count and not any(cls in snap.with_fact(f) for f in facts):
+                continue
+            del self._watched[name]
+            for e in entries:
+                woken[id(e)] = e
+        by_name = snap.cls_of_name
+        for act, binds, named in woken.values():
+            inputs = [by_name[named[0]]] + [by_name[v] if sort == "Term" else v for v, (_, sort) in zip(named[1:], binds)]
+            act.retry.append((None, binds, inputs))
+
     def nodes_of(self, cls: Any) -> list[Any]:
         """The :class:`Node` views of a class of the current snapshot, built once per snapshot
         (procedural rules walk the same classes many times in one iteration)."""
         from ._rules import Node
 
+        if self._reads is not None:
+            self._reads.add((cls, None))
         found = self._nodes.get(cls)
         if found is None:
             found = self._nodes[cls] = [Node(self, c, a) for c, a in self.snapshot.nodes.get(cls, [])]

@@ -579,6 +579,7 @@ class Snapshot:
         self._nodes: dict[Any, list[tuple]] | None = None
         self._parents: dict[Any, list[tuple]] | None = None
         self._matches: dict[str, dict[Any, list[tuple]]] = {}
+        self._facts: dict[str, frozenset] = {}
 
     @functools.cached_property
     def num_rows(self) -> int:
@@ -665,3 +666,10 @@ class Snapshot:
 
     def has_fact(self, fact: str, cls: Any) -> bool:
         return self.egraph.eg.lookup_function(fact, [cls]) is not None
+
+    def with_fact(self, fact: str) -> frozenset:
+        """The classes that hold ``fact`` (``NonNeg``, ``Pos``, ``NonZero``), read once per snapshot."""
+        found = self._facts.get(fact)
+        if found is None:
+            found = self._facts[fact] = frozenset(r.inputs[0] for r in self.rows(fact))
+        return found

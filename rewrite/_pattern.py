@@ -24,6 +24,7 @@ see :data:`ops`): it compiles to one query per member.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import re
 from typing import Any, Iterable, Sequence
@@ -229,6 +230,53 @@ def generalize(query: Query, other: Query) -> Query | None:
     return Query(atoms, query.root, query.binds) if changed else None
 
 
+_BINARY_ATOM = re.compile(r"^\(= (\S+) \((\S+) (\S+) (\S+) (\S+)\)\)$")
+
+#: At most this many commutative operations of one query are matched in both orders (2**n variants).
+MAX_COMMUTED = 4
+
+
+def commuted(query: Query) -> list[Query]:
+    """``query`` and its variants with the operands of commutative operations (``add``, ``mul``) swapped.
+
+    The e-graph keeps the order a program or a rule wrote (no commutativity
+    rule doubles it), so a pattern ``x * 2`` must also find ``2 * x``: each
+    variant is one more egglog rule recording into the same match relation.
+    The verifier accepts either order (:class:`Verifier`). The first
+    :data:`MAX_COMMUTED` commutative operations of a query get both orders;
+    variants that read the same (``x + x``) are dropped.
+
+    >>> q = Query(["(= _t1 (Mul v_x _t2 _p3))", "(= _t2 (Lit 5 _d4))"], "_t1", [("v_x", "Term")])
+    >>> [v.atoms[0] for v in commuted(q)]
+    ['(= _t1 (Mul v_x _t2 _p3))', '(= _t1 (Mul _t2 v_x _p3))']
+    """
+    return list(_commuted(tuple(query.atoms), query.root, tuple(query.binds), _commutative_ctors()))
+
+
+@functools.lru_cache(maxsize=4096)
+def _commuted(atoms: tuple, root: str, binds: tuple, ctors: frozenset) -> tuple[Query, ...]:
+    # ``ctors`` is part of the key: a primitive registered later may be commutative too
+    spots = []
+    for i, atom in enumerate(atoms):
+        m = _BINARY_ATOM.match(atom)
+        if m and m.group(2) in ctors and m.group(3) != m.group(4):
+            spots.append((i, m))
+    out, seen = [], set()
+    for flips in itertools.product((False, True), repeat=min(len(spots), MAX_COMMUTED)):
+        variant = list(atoms)
+        for (i, m), flip in zip(spots, flips):
+            if flip:
+                variant[i] = f"(= {m.group(1)} ({m.group(2)} {m.group(4)} {m.group(3)} {m.group(5)}))"
+        if tuple(variant) not in seen:
+            seen.add(tuple(variant))
+            out.append(Query(variant, root, list(binds)))
+    return tuple(out)
+
+
+def _commutative_ctors() -> frozenset[str]:
+    return frozenset(_terms.BY_PRIM[p].ctor for p in _group("commutative"))
+
+
 class NotPresent(Exception):
     pass
 
@@ -241,6 +289,9 @@ class Verifier:
 
     def _find(self, ctor: str, values: list[Any]) -> Any:
         found = self.egraph.lookup(ctor, values)
+        if found is None and len(values) == 3 and ctor in _commutative_ctors():
+            # the other order computes the same bits (see ``commuted``)
+            found = self.egraph.lookup(ctor, [values[1], values[0], values[2]])
         if found is None:
             raise NotPresent(ctor)
         return found

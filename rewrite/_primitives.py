@@ -186,6 +186,10 @@ class OpSpec:
     #: A nested call XLA inlines (``custom_jvp_call``, ``custom_vjp_call``, ``checkpoint``): the fusion
     #: model fuses it as its body's operations, an elementwise call like an elementwise operation.
     inlined: bool = False
+    #: Its two operands commute exactly (``add``, ``mul``): a pattern over it matches either operand order
+    #: (``_pattern.commuted``), so no rule has to store the other order, and a fact rule merges the
+    #: classes of ``a op b`` and ``b op a`` where both are in the e-graph (common subexpressions).
+    commutative: bool = False
 
     def __post_init__(self) -> None:
         if not self.ctor:
@@ -211,6 +215,9 @@ class OpSpec:
             term = f.term or f"({self.ctor} {operands} p)"
             when = " ".join([f"(= e {term})"] + ([f.when] if f.when else []))
             lines.append(f'(rule ({when}) (({f.then} e)) :ruleset facts :name "{f.name}")')
+        if self.commutative and self.layout == "TT":
+            lines.append(f'(rule ((= e ({self.ctor} a b p)) (= f ({self.ctor} b a p))) ((union e f)) '
+                         f':ruleset facts :name "{self.prim}-commuted")')
         return "\n".join(lines)
 
 
@@ -289,6 +296,8 @@ def _merge(*dicts: Mapping[str, Any]) -> dict[str, Any]:
 # XLA's cheap elementwise operations (IsExpensive is false, for reals)
 _add("""add sub mul neg max min abs sign floor ceil round select_n clamp and or xor not eq ne lt le gt ge square
      copy convert_element_type shift_left shift_right_arithmetic shift_right_logical add_any is_finite""", cheap=True)
+# IEEE addition and multiplication commute exactly (NaN payloads aside, which JAX does not define)
+_add("add mul", commutative=True)
 # XLA's IsExpensive: never duplicated into two loops
 _add("""exp exp2 expm1 log log1p logistic tanh sqrt rsqrt cbrt pow atan2 erf erfc erf_inv lgamma digamma igamma
      igammac zeta sinh cosh asin acos atan asinh acosh atanh bessel_i0e bessel_i1e""", expensive=True)
@@ -547,6 +556,8 @@ def _groups_of(spec: OpSpec) -> set[str]:
             out.add(arity)
             out.add(f"{arity}_{spec.family}")
     out.update(g for g, names in _NAMED_GROUPS.items() if spec.prim in names.split())
+    if spec.commutative and spec.layout == "TT":
+        out.add("commutative")
     return out
 
 
@@ -556,7 +567,7 @@ _GROUPS: dict[str, frozenset[str]] = {}
 #: (``"reduce"``, ``"transcendental"``, ...), and so are ``"unary"`` and ``"binary"`` (one or two
 #: operands, elementwise or transcendental), ``"unary_transcendental"``, ``"binary_elementwise"``, ...,
 #: ``"comparison"``, ``"binary_arithmetic"``, ``"exact_arithmetic"``, ``"bitwise"``, ``"logical"``, ``"reduction"`` (the ``reduce_*``
-#: primitives) and ``"arg_reduction"``. Read-only; :func:`register_primitive` keeps it current.
+#: primitives), ``"arg_reduction"`` and ``"commutative"`` (``OpSpec.commutative``). Read-only; :func:`register_primitive` keeps it current.
 GROUPS: Mapping[str, frozenset[str]] = types.MappingProxyType(_GROUPS)
 
 

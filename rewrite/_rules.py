@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import itertools
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import jax.numpy as jnp
@@ -317,8 +318,71 @@ class Rule:
             raise found
         return found
 
+    @functools.cached_property
+    def symmetries(self) -> tuple[tuple[int, ...], ...]:
+        """Permutations of the pattern variables that leave both sides the same (up to the order of the
+        operands of ``add`` and ``mul``): a match with its bindings so permuted builds the same program.
+
+        Patterns match sums and products in either operand order, so ``exp(x) * exp(y) -> exp(x + y)``
+        matches every product of exponentials twice, as ``(a, b)`` and ``(b, a)``; the engine acts on one
+        of each such pair. Only traced rules without a guard have any: a procedure's or a guard's symmetry
+        is not known. Checked at the shapes the rule was defined at, where the permuted variables agree.
+
+        >>> import jax.numpy as jnp
+        >>> from rewrite import rule
+        >>> rule(lambda x, y: jnp.exp(x) * jnp.exp(y), lambda x, y: jnp.exp(x + y), name="e").symmetries
+        ((1, 0),)
+        >>> rule(lambda x, y: jnp.exp(x) - jnp.exp(y), lambda x, y: -(jnp.exp(y) - jnp.exp(x)), name="d").symmetries
+        ()
+        """
+        n = len(self.var_names)
+        if self.is_pat or self.is_procedural or self.when is not None or not 2 <= n <= 4:
+            return ()
+        found = []
+        for perm in itertools.permutations(range(n)):
+            if perm == tuple(range(n)):
+                continue
+            checked = False
+            ok = True
+            for avals in self.probes:
+                if any(avals[i] != avals[perm[i]] for i in range(n)):
+                    continue
+                try:
+                    sides = self.traced(tuple(avals))
+                except Exception:
+                    continue
+                checked = True
+                if any(_canonical(side, range(n)) != _canonical(side, perm) for side in sides):
+                    ok = False
+                    break
+            if checked and ok:
+                found.append(perm)
+        return tuple(found)
+
     def __repr__(self) -> str:
         return f"<rule {self.name!r}>"
+
+
+def _canonical(closed: core.ClosedJaxpr, labels: Sequence[int]) -> tuple:
+    """The outputs of ``closed`` as terms over inputs named by ``labels``, with the operands of commutative
+    operations sorted: equal for two labellings exactly when they compute the same (see ``Rule.symmetries``)."""
+    from ._primitives import GROUPS
+
+    commutative = GROUPS.get("commutative", frozenset())
+    env: dict[Any, str] = {v: f"x{labels[i]}" for i, v in enumerate(closed.jaxpr.invars)}
+    env.update({v: f"c{i}" for i, v in enumerate(closed.jaxpr.constvars)})
+
+    def read(a: Any) -> str:
+        return env[a] if isinstance(a, core.Var) else f"{a.val!r}:{a.aval}"
+
+    for e in closed.jaxpr.eqns:
+        args = [read(a) for a in e.invars]
+        if e.primitive.name in commutative and len(args) == 2:
+            args.sort()
+        term = f"{e.primitive.name}{sorted((k, repr(v)) for k, v in e.params.items())}({','.join(args)})"
+        for k, o in enumerate(e.outvars):
+            env[o] = f"{term}#{k}"
+    return tuple(read(o) for o in closed.jaxpr.outvars)
 
 
 def _short(aval: Any) -> str:
@@ -591,7 +655,11 @@ class Value:
             return True
         if self._engine is None or self.cls is None or not self.is_floating:
             return False
-        return self._engine.snapshot.has_fact(fact, self.cls)
+        found = self._engine.snapshot.has_fact(fact, self.cls)
+        reads = getattr(self._engine, "_reads", None)
+        if reads is not None and not found:  # a procedure that read an absent fact is woken when it appears
+            reads.add((self.cls, fact))
+        return found
 
     positive = property(lambda self: self._fact("Pos"))
     nonneg = property(lambda self: self._fact("NonNeg"))

@@ -3,8 +3,9 @@
 Each pack is a module exporting one :class:`rewrite.Ruleset` of the same name,
 loaded on first use (defining a rule traces it, which takes a moment):
 
-* ``rulesets.algebra`` (exact): identities, commutation, shape and convert
-  simplifications, constant folding.
+* ``rulesets.algebra`` (exact): identities, shape and convert
+  simplifications, constant folding. (Patterns match ``add`` and ``mul`` in
+  either operand order without a commutativity rule.)
 * ``rulesets.fastmath`` (fastmath): rewrites that change floating-point
   results, each toggle also usable alone (``rulesets.fastmath.reassociate``).
   No other pack includes them.

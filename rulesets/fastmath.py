@@ -5,7 +5,7 @@ is a ruleset of its own with soundness ``"fastmath"`` and a stated
 tolerance, usable alone (``rulesets.fastmath.reassociate``) or all together
 as ``rulesets.fastmath``; no other pack includes them, so they only run when
 a user names them. They do most when combined with ``rulesets.algebra``,
-whose commutativity and constant folding they build on::
+whose constant folding they build on::
 
     rulesets.algebra + rulesets.fastmath.reassociate
 
@@ -65,8 +65,8 @@ def _nonzero_divisor(a, b, c) -> bool:
 
 
 # ---------------------------------------------------------------------- reassociate
-# Associativity in both directions, with algebra's commutativity, reaches
-# every bracketing and order of a chain: exponential in its length. So these
+# Associativity in both directions, with patterns matching add and mul in either
+# operand order, reaches every bracketing and order of a chain: exponential in its length. So these
 # rules get a small allowance of new matches per iteration; past it a rule is
 # banned for a while, with allowance and ban doubling each time (egg's back-off),
 # and they run in the first 4 iterations only: what they find that pays (a
@@ -141,7 +141,7 @@ cancel = Ruleset("cancel", [
 
 
 # ---------------------------------------------------------------------- distribute
-# With commutativity, a sum of products factors every way its terms share a factor: the same
+# Matched in either operand order, a sum of products factors every way its terms share a factor: the same
 # small allowance as reassociate, so a long sum is banned early (and retired once the e-graph
 # has grown, Limits.growth) instead of filling it. And its first 8 rounds only: each time its
 # ban ran out later, a doubled allowance let a burst through (a neural ODE's solver step: 271

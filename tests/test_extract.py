@@ -16,7 +16,7 @@ import pytest
 from jax import lax
 
 import rulesets
-from rewrite import AnalyticCost, explain
+from rewrite import AnalyticCost, Ruleset, explain, rule
 from rewrite._4_extract import _CONTAINERS, Extractor, LocalSearch, ProgramPricer, reachable
 from rulesets.derivatives import derivatives
 
@@ -45,10 +45,13 @@ def shared(x, a):
     return s * c * 2.0 + jnp.exp(x) / 3.0, (s * x).sum(0) / a, jnp.log(jnp.exp(x) + 1.0).max()
 
 
+COMMUTE = Ruleset("commute", [rule(lambda a, b: a * b, lambda a, b: b * a, name="mul_comm"),
+                              rule(lambda a, b: a + b, lambda a, b: b + a, name="add_comm")])
 X3, A3 = jnp.linspace(-1.0, 1.0, 64 * 96).reshape(64, 96), jnp.linspace(0.5, 1.5, 96)
 PROGRAMS = {
     "vjp": (vjp_of_seed, (X3, A3, X3), [derivatives]),
-    "shared": (shared, (X3, A3), [rulesets.algebra, derivatives]),
+    # a user's commutativity rules (patterns need none): every product and sum gets a second node to move to
+    "shared": (shared, (X3, A3), [rulesets.algebra, derivatives, COMMUTE]),
     "shared_fastmath": (shared, (X3, A3), [rulesets.algebra, derivatives, rulesets.fastmath]),
     "scan": (rnn_loss, (P, XS, YS), [rulesets.scan]),
     "scan_grad": (jax.grad(lambda p, xs, ys: rnn_loss(p, xs, ys)[0]), (P, XS, YS), [rulesets.scan, derivatives]),

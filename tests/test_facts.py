@@ -57,6 +57,19 @@ def make_nonzero(a):
 
 ANY = lambda a: a  # noqa: E731
 
+
+def both_orders(op):
+    """``a op b`` and ``b op a``, the second behind a barrier so that XLA cannot compute them as one."""
+    barrier = jax.lax.optimization_barrier
+    return lambda a, b: jnp.stack([op(a, b), op(barrier(b), barrier(a))])
+
+
+def same_bits(out):
+    """The two rows agree bit for bit (any NaN equals any NaN)."""
+    a, b = np.asarray(out)
+    return bool(np.all((a.view(np.uint32) == b.view(np.uint32)) | (np.isnan(a) & np.isnan(b))))
+
+
 # rule name -> (function of XLA ops, premise makers per input, conclusion)
 CHECKS = {
     "pos-implies": (lambda x: x, [make_pos], [nonneg, nonzero]),
@@ -98,6 +111,9 @@ CHECKS = {
     "squeeze-nonzero": (lambda x: x.reshape(1, -1).squeeze(0), [make_nonzero], [nonzero]),
     "neg-nonzero": (jnp.negative, [make_nonzero], [nonzero]),
     "even-pow-nonneg": (lambda x: x ** 4, [ANY], [nonneg]),
+    # not facts: the rules that merge a op b with b op a (OpSpec.commutative)
+    "add-commuted": (both_orders(jnp.add), [ANY, ANY], [same_bits]),
+    "mul-commuted": (both_orders(jnp.multiply), [ANY, ANY], [same_bits]),
 }
 
 

@@ -193,9 +193,11 @@ def test_reassociation_is_bounded_by_backoff_and_limits():
         return jnp.sin(sum(xs[1:], xs[0]))
 
     xs = [jnp.full((3,), float(i + 1)) for i in range(12)]
+    # a user's commutativity rule (patterns match either order without one): it has the run's allowance
+    commute = Ruleset("commute", [rule(lambda a, b: a + b, lambda a, b: b + a, name="add_comm")])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        report = explain(f, *xs, rulesets=[ALGEBRA + FASTMATH.reassociate], limits=Limits(seconds=5.0))
+        report = explain(f, *xs, rulesets=[ALGEBRA + FASTMATH.reassociate + commute], limits=Limits(seconds=5.0))
     st_ = report.result.stats
     # reassociate's own allowance (200 new matches per iteration) bans it sooner than the run's (2000)
     assert st_["add_assoc_right"].banned > st_["add_comm"].banned

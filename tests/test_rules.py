@@ -222,6 +222,56 @@ def test_a_procedure_reading_only_its_root_runs_once_per_root():
     assert calls["root"] == 2
 
 
+def test_a_declined_procedure_acts_again_when_a_class_it_read_changes():
+    """A procedure that declined because an operand was not a literal yet is acted on again once another
+    rule has made it one (z - z -> 0 for integers), though no new match of its own pattern appeared."""
+    import rulesets
+
+    literals = []
+
+    @procedural
+    def times_zero(m):
+        literals.append(m["y"].literal)
+        if m["y"].literal != 0:
+            return None
+        return m.trace(lambda x: jnp.zeros_like(x), m["x"])
+
+    rules = Ruleset("t", [rulesets.algebra.rule("sub_self_int"),
+                          rule(Pat("mul", Pat.var("x"), Pat.var("y")), times_zero, name="times_zero")])
+    report = explain(lambda x, z: x * (z - z), jnp.int32(3), jnp.int32(5), rulesets=[rules])
+    assert literals[0] is None and 0 in literals  # declined first, acted on again after the fold
+    assert report.fired == {"sub_self_int": 1, "times_zero": 1}
+    assert report.after.eqns == [] and int(rewrite(lambda x, z: x * (z - z), rulesets=[rules])(3, 5)) == 0
+    # a procedure whose classes did not change is not run again
+    calls = []
+
+    @procedural
+    def never(m):
+        calls.append(m.root.name)
+        assert m["y"].literal is None  # reads the operand's class, which no rule changes
+        return None
+
+    explain(lambda x, y: jnp.sin(x * y) * 2.0, jnp.ones(3), jnp.ones(3),
+            rulesets=[Ruleset("n", [rule(Pat("sin", Pat("mul", Pat.var("x"), Pat.var("y"))), never, name="never")])])
+    assert len(calls) == 2  # once per operand order, in the first iteration only
+
+
+def test_a_symmetric_rule_acts_once_per_site_and_an_asymmetric_one_on_both_orders():
+    """Patterns match a product in both operand orders. exp(x)*exp(y) -> exp(x+y) reads the same with x and y
+    swapped, so one of the two matches is acted on; a rule that is not symmetric acts on both."""
+    sym = rule(lambda x, y: jnp.exp(x) * jnp.exp(y), lambda x, y: jnp.exp(x + y), name="exp_add")
+    asym = rule(lambda x, y: jnp.exp(x) * jnp.exp(y), lambda x, y: jnp.exp(x) * jnp.exp(y) * 1.0, name="asym",
+                when=lambda x, y: True)
+    assert sym.symmetries == ((1, 0),) and asym.symmetries == ()
+    a, b = jnp.linspace(-1.0, 1.0, 5), jnp.linspace(0.0, 2.0, 5)
+    report = explain(lambda a, b: jnp.exp(a) * jnp.exp(b), a, b, rulesets=[Ruleset("s", [sym], soundness="identity")])
+    assert report.fired == {"exp_add": 1} and report.result.stats["exp_add"].matched == 1
+    np.testing.assert_allclose(rewrite(lambda a, b: jnp.exp(a) * jnp.exp(b), rulesets=[Ruleset("s", [sym],
+                               soundness="identity")])(a, b), jnp.exp(a) * jnp.exp(b), rtol=1e-6)
+    report = explain(lambda a, b: jnp.exp(a) * jnp.exp(b), a, b, rulesets=[Ruleset("a", [asym], soundness="identity")])
+    assert report.result.stats["asym"].matched == 2
+
+
 def test_ill_typed_procedure_is_skipped_with_a_warning():
     @procedural
     def wrong(m):

@@ -265,7 +265,40 @@ _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 
 
 def _jaxpr_text(closed: Any) -> str:
-    return _ADDRESS.sub(" at 0x...", str(closed)).rstrip()
+    return _ADDRESS.sub(" at 0x...", str(_share_equal_jaxprs(closed))).rstrip()
+
+
+def _share_equal_jaxprs(closed: Any) -> Any:
+    """``closed`` with sub-jaxprs that print the same made one object.
+
+    JAX prints a sub-jaxpr used by several equations once, at the top
+    (``let jaxpr = ... in``), when the equations hold the same object. Whether
+    two equal update functions of two scatters are one object depends on what
+    the process traced before, not on the program, so the text is made not to.
+    """
+    from jax._src import core
+
+    seen: dict[str, Any] = {}
+
+    def canon(jaxpr: Any) -> Any:
+        eqns = []
+        for e in jaxpr.eqns:
+            params = {k: one(v) for k, v in e.params.items()}
+            eqns.append(e.replace(params=params) if any(params[k] is not e.params[k] for k in params) else e)
+        new = jaxpr.replace(eqns=eqns) if any(a is not b for a, b in zip(eqns, jaxpr.eqns)) else jaxpr
+        return seen.setdefault(str(new), new)
+
+    def one(v: Any) -> Any:
+        if isinstance(v, core.Jaxpr):
+            return canon(v)
+        if isinstance(v, core.ClosedJaxpr):
+            inner = canon(v.jaxpr)
+            return v if inner is v.jaxpr else core.ClosedJaxpr(inner, v.consts)
+        if isinstance(v, tuple) and any(isinstance(x, (core.Jaxpr, core.ClosedJaxpr)) for x in v):
+            return tuple(one(x) for x in v)
+        return v
+
+    return core.ClosedJaxpr(canon(closed.jaxpr), closed.consts) if isinstance(closed, core.ClosedJaxpr) else closed
 
 
 def _avals(args: tuple) -> str:
