@@ -90,7 +90,7 @@ class RuleStats:
 class _Active:
     rule: Rule
     ruleset: Ruleset
-    relations: list[tuple[str, list[tuple[str, str]]]]  # relation name, binds (var, sort)
+    relations: list[tuple[tuple[str, int], list[tuple[str, str]]]]  # (relation, query id), binds (var, sort)
     seen: set = dataclasses.field(default_factory=set)
     allowance: int = 0
     ban_length: int = 0
@@ -106,27 +106,52 @@ class _Active:
 
 
 def match_program(entries: Sequence[tuple[Rule, Ruleset]], manual: bool = False
-                  ) -> tuple[str, list[list[tuple[str, list[tuple[str, str]]]]]]:
+                  ) -> tuple[str, list[list[tuple[tuple[str, int], list[tuple[str, str]]]]]]:
     """The egglog declarations of the rules' queries (ruleset ``match``), and per rule its relations and binds.
 
-    Every query records its matches in a relation of its own, ``M<rule>_<query>``.
+    Every query records its matches in the relation of its signature (the
+    sorts of its root and binds), ``M<k>``, each row led by the query's id;
+    a rule's relations are ``(relation, query id)`` pairs, read with
+    ``Snapshot.matches``. One relation per signature, not per query: every
+    declaration costs at each ``push`` and ``pop`` of a pooled e-graph.
     The text depends on the rules only, so an e-graph declared with it can be
-    made once and lent to every rewrite with the same rules (``_egraph._POOL``).
+    made once and lent to every rewrite with the same rules (``_egraph._POOL``),
+    and it is made once per list of rules (the last few are kept).
     """
+    key = (tuple((id(rule), id(owner)) for rule, owner in entries), manual)
+    with _MATCH_LOCK:
+        found = _MATCH_TEXTS.get(key)
+    if found is not None and len(found[0]) == len(entries) and all(
+            a[0] is b[0] and a[1] is b[1] for a, b in zip(found[0], entries)):
+        return found[1]
     lines = ["(ruleset match)"]
+    signatures: dict[tuple[str, ...], str] = {}
     relations = []
-    for i, (rule, _) in enumerate(entries):
+    query = 0
+    for rule, _ in entries:
         rels = []
-        for j, q in enumerate(rule.queries + (rule.manual_queries if manual else [])):
-            rel = f"M{i}_{j}"
-            sorts = ["Term"] + [s for _, s in q.binds]
-            lines.append(f"(relation {rel} ({' '.join(sorts)}))")
-            args = " ".join([q.root] + [v for v, _ in q.binds])
+        for q in rule.queries + (rule.manual_queries if manual else []):
+            sorts = ("Term",) + tuple(s for _, s in q.binds)
+            rel = signatures.get(sorts)
+            if rel is None:
+                rel = signatures[sorts] = f"M{len(signatures)}"
+                lines.append(f"(relation {rel} (i64 {' '.join(sorts)}))")
+            args = " ".join([str(query), q.root] + [v for v, _ in q.binds])
             for k, variant in enumerate(commuted(q)):  # either order of add and mul
-                lines.append(f'(rule ({variant.text}) (({rel} {args})) :ruleset match :name "{rel}_{k}")')
-            rels.append((rel, q.binds))
+                lines.append(f'(rule ({variant.text}) (({rel} {args})) :ruleset match :name "M{query}_{k}")')
+            rels.append(((rel, query), q.binds))
+            query += 1
         relations.append(rels)
-    return "\n".join(lines), relations
+    made = ("\n".join(lines), relations)
+    with _MATCH_LOCK:
+        _MATCH_TEXTS[key] = (list(entries), made)  # the entries kept: their ids stay theirs
+        while len(_MATCH_TEXTS) > 8:
+            del _MATCH_TEXTS[next(iter(_MATCH_TEXTS))]
+    return made
+
+
+_MATCH_TEXTS: dict[tuple, tuple[list, tuple]] = {}
+_MATCH_LOCK = threading.Lock()
 
 
 class Engine:
@@ -210,14 +235,17 @@ class Engine:
             if time.perf_counter() - start > limits.seconds:
                 return "time limit"
             waiting = False
+            matches = self.snapshot.matches
             for act in self.active:
                 if act.last is not None and it >= act.last:
                     continue  # its ruleset's rounds are over
                 if it < act.banned_until:
                     waiting = True
                     continue
-                rows = [(rel, binds, r) for rel, binds in act.relations for r in self.snapshot.rows(rel)]
-                new = [(rel, binds, r.inputs) for rel, binds, r in rows if (rel, tuple(r.inputs)) not in act.seen]
+                seen = act.seen
+                new = [(rel, binds, r) for rel, binds in act.relations for r in matches(*rel) if (rel, r) not in seen]
+                if not new and not act.retry:
+                    continue
                 retry, act.retry = act.retry, []
                 if len(new) > act.allowance and grown:
                     act.last = it  # retired: see Limits.growth

@@ -14,17 +14,19 @@ Five facts about egglog 13 shape this module (see ``docs/design.md``):
   questions the saturation loop and the extractor ask.
 * Even in chunks, egglog compiles each chunk's rule, some 30 us an action.
   Nodes whose arguments are all ``Term`` or ``i64`` (most of them), unions
-  and facts are therefore written as rows of loader relations (``L_Mul``:
-  the name, then the arguments) to a tab-separated file that egglog reads
-  with ``input``, and rules declared once with the schema
+  and facts are therefore written as rows of the loader relation (``Load``:
+  the kind's id, the name, then the arguments) to a tab-separated file that
+  egglog reads with ``input``, and rules declared once with the schema
   (:func:`loader_program`) turn the rows into nodes: a tenth of the cost.
 * Declaring the schema and the rules' queries costs more than saturating a
   small program (egglog compiles every rule: 40-80 ms for the built-in
   packs). An e-graph is therefore made once per schema and set of
   declarations, kept in :data:`_POOL`, and lent out behind egglog's
   ``push``; when the :class:`EGraph` that borrowed it is gone, ``pop``
-  empties it again for the next rewrite. An egglog e-graph belongs to the
-  thread that made it, so only the main thread's are kept.
+  empties it again for the next rewrite. Both copy or drop every declaration
+  (10-20 us a relation or rule), so there are few: one loader relation, and
+  one match relation per signature of the rules' queries. An egglog e-graph
+  belongs to the thread that made it, so only the main thread's are kept.
 """
 
 from __future__ import annotations
@@ -77,34 +79,55 @@ class BodyRef:
     outs: ListRef
 
 
-#: the ruleset of the loader rules, and the prefix of their relations (never extracted, never counted)
+#: the ruleset of the loader rules, and the relation they read (never extracted, never counted)
 LOADER = "load_rows"
-_L = "L_"
+LOAD = "Load"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Loader:
+    """The loader relation's declarations (``text``) and the kinds of row it takes, by id."""
+
+    text: str
+    ids: dict[str, int]     # kind (a flat constructor, "union", a fact, a relation on params) -> id
+    kinds: tuple[str, ...]  # id -> kind
+    pads: tuple[str, ...]   # a row's length -> what completes its line (zero columns, newline)
+    params: frozenset[str]  # the kinds that are relations on params ids
 
 
 @functools.lru_cache(maxsize=8)
-def loader_program(schema: str) -> str:
-    """The loader relations and rules for the constructors of ``schema`` whose arguments are flat.
-
-    A row ``(L_<ctor> v a b ...)`` makes ``(union (V v) (<ctor> (V a) (V b) ...))``
-    (an ``i64`` argument is taken as it is); ``(L_union a b)`` unions two names,
-    ``(L_<fact> v)`` asserts a fact of a name.
-    """
-    lines = [f"(ruleset {LOADER})"]
-
-    def loader(name: str, cols: int, action: str) -> None:
-        args = " ".join(f"a{i}" for i in range(cols))
-        lines.append(f"(relation {_L}{name} ({' '.join(['i64'] * cols)}))")
-        lines.append(f'(rule (({_L}{name} {args})) ({action}) :ruleset {LOADER} :name "{_L}{name}")')
-
-    for ctor in _terms.flat_ctors():
+def _loader(schema: str) -> _Loader:
+    kinds: list[tuple[str, int, str]] = []  # kind, columns it uses, action
+    for ctor in _terms.flat_ctors():  # the table's, which ``schema`` was made from
         sorts = _terms.ctor_arg_sorts(ctor)
         args = " ".join(f"(V a{i + 1})" if srt == "Term" else f"a{i + 1}" for i, srt in enumerate(sorts))
-        loader(ctor, 1 + len(sorts), f"(union (V a0) ({ctor} {args}))")
-    loader("union", 2, "(union (V a0) (V a1))")
-    for fact in _terms.FACTS:
-        loader(fact, 1, f"({fact} (V a0))")
-    return "\n".join(lines)
+        kinds.append((ctor, 1 + len(sorts), f"(union (V a0) ({ctor} {args}))"))
+    kinds.append(("union", 2, "(union (V a0) (V a1))"))
+    kinds += [(fact, 1, f"({fact} (V a0))") for fact in _terms.FACTS]
+    kinds += [(rel, 1, f"({rel} a0)") for rel in _terms.param_relations()]
+    cols = max(n for _, n, _ in kinds)
+    args = " ".join(f"a{i}" for i in range(cols))
+    lines = [f"(ruleset {LOADER})", f"(relation {LOAD} ({' '.join(['i64'] * (1 + cols))}))"]
+    lines += [f'(rule (({LOAD} {k} {args})) ({action}) :ruleset {LOADER} :name "L_{kind}")'
+              for k, (kind, _, action) in enumerate(kinds)]
+    pads = tuple("\t0" * (1 + cols - n) + "\n" for n in range(2 + cols))
+    return _Loader("\n".join(lines), {kind: k for k, (kind, _, _) in enumerate(kinds)},
+                   tuple(kind for kind, _, _ in kinds), pads, frozenset(_terms.param_relations()))
+
+
+def loader_program(schema: str) -> str:
+    """The loader relation and its rules, for the constructors of ``schema`` whose arguments are flat.
+
+    Every row of ``Load`` starts with the id of its kind (zeros fill the
+    columns a kind does not use). A constructor's row ``k v a b ...`` makes
+    ``(union (V v) (<ctor> (V a) (V b) ...))`` (an ``i64`` argument is taken
+    as it is); a ``union`` row ``k a b`` unions two names, a fact's row
+    ``k v`` asserts the fact of a name, and a row of a relation on params ids
+    ``k p`` adds ``p`` to it. One relation, not one per kind: every
+    declaration costs at every ``push`` and ``pop`` (see :data:`_POOL`), and
+    a flush then writes one file.
+    """
+    return _loader(schema).text
 
 
 @functools.lru_cache(maxsize=8)
@@ -113,7 +136,7 @@ def _flat_ctors(schema: str) -> frozenset[str]:
 
 
 class _Rows:
-    """Rows for the loader relations, written to files that egglog reads (``input``), then run."""
+    """Rows for the loader relation, written to a file that egglog reads (``input``), then run."""
 
     _dir: str | None = None
     _count = itertools.count()
@@ -121,49 +144,54 @@ class _Rows:
 
     @classmethod
     def folder(cls) -> str:
+        if cls._dir is not None:
+            return cls._dir
         with cls._lock:
             if cls._dir is None:
-                cls._dir = tempfile.mkdtemp(prefix="rewrite-egraph-")
-                atexit.register(shutil.rmtree, cls._dir, True)
+                # In memory where there is such a folder (Linux): a file there is made and removed
+                # in a few microseconds, a tenth of what a disk's file system takes.
+                shm = "/dev/shm"
+                try:
+                    made = tempfile.mkdtemp(prefix="rewrite-egraph-", dir=shm if os.path.isdir(shm) else None)
+                except OSError:
+                    made = tempfile.mkdtemp(prefix="rewrite-egraph-")
+                atexit.register(shutil.rmtree, made, True)
+                cls._dir = made
             return cls._dir
 
     @classmethod
-    def commands(cls, rows: dict[str, list[tuple[int, ...]]]) -> tuple[list[Any], list[str]]:
-        """``input`` commands for ``rows`` by relation, and the files they read (to remove afterwards)."""
-        folder = cls.folder()
-        commands: list[Any] = []
-        files: list[str] = []
+    def commands(cls, rows: list[tuple[int, ...]], loader: _Loader) -> tuple[list[Any], list[str]]:
+        """The ``input`` command for ``rows``, and the file it reads (to remove afterwards)."""
+        path = f"{cls.folder()}/{os.getpid()}-{next(cls._count)}.tsv"
+        pads = loader.pads
+        data = "".join("\t".join(map(str, r)) + pads[len(r)] for r in rows).encode()
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # (no text layer: a third of the time)
         try:
-            for rel, rs in rows.items():
-                path = os.path.join(folder, f"{os.getpid()}-{next(cls._count)}.tsv")
-                files.append(path)
-                with open(path, "w") as f:
-                    f.write("".join("\t".join(map(str, r)) + "\n" for r in rs))
-                commands.append(eb.Input(_SPAN, rel, path))
+            while data:
+                data = data[os.write(fd, data):]
         except OSError:
-            for path in files:
-                if os.path.exists(path):
-                    os.remove(path)
+            os.close(fd)
+            os.remove(path)
             raise
-        return commands, files
+        os.close(fd)
+        return [eb.Input(_SPAN, LOAD, path)], [path]
 
     @staticmethod
-    def actions(rows: dict[str, list[tuple[int, ...]]]) -> list[Any]:
+    def actions(rows: list[tuple[int, ...]], loader: _Loader) -> list[Any]:
         """The egglog actions that do what ``rows`` do (when they cannot be written to a file)."""
         out: list[Any] = []
-        for rel, rs in rows.items():
-            name = rel[len(_L):] if rel.startswith(_L) else None
-            for r in rs:
-                if name is None:  # a relation on params ids, filled directly
-                    out.append(eb.Expr_(_SPAN, call(rel, int_lit(r[0]))))
-                elif name == "union":
-                    out.append(eb.Union(_SPAN, v_expr(r[0]), v_expr(r[1])))
-                elif name in _terms.FACTS:
-                    out.append(eb.Expr_(_SPAN, call(name, v_expr(r[0]))))
-                else:
-                    sorts = _terms.ctor_arg_sorts(name)
-                    args = [v_expr(a) if srt == "Term" else int_lit(a) for srt, a in zip(sorts, r[1:])]
-                    out.append(eb.Union(_SPAN, v_expr(r[0]), call(name, *args)))
+        for k, *r in rows:
+            kind = loader.kinds[k]
+            if kind == "union":
+                out.append(eb.Union(_SPAN, v_expr(r[0]), v_expr(r[1])))
+            elif kind in _terms.FACTS:
+                out.append(eb.Expr_(_SPAN, call(kind, v_expr(r[0]))))
+            elif kind in loader.params:
+                out.append(eb.Expr_(_SPAN, call(kind, int_lit(r[0]))))  # a relation on params ids
+            else:
+                sorts = _terms.ctor_arg_sorts(kind)
+                args = [v_expr(a) if srt == "Term" else int_lit(a) for srt, a in zip(sorts, r[1:])]
+                out.append(eb.Union(_SPAN, v_expr(r[0]), call(kind, *args)))
         return out
 
 
@@ -236,14 +264,20 @@ class EGraph:
         self.prelude = prelude
         self.eg = _POOL.take(schema, prelude)
         self._flat = _flat_ctors(schema)  # the constructors loaded from rows
-        weakref.finalize(self, _POOL.give, schema, prelude, self.eg, _main_thread()).atexit = False
+        self._loader = _loader(schema)
+        self._give = weakref.finalize(self, _POOL.give, schema, prelude, self.eg, _main_thread())
+        self._give.atexit = False
         self.vtype: list[int] = []          # V id -> type id
         self.vsource: list[Any] = []        # V id -> Origin (source_info, ctx) of the equation that made it
         self.vorigin: list[str | None] = []  # V id -> name of the rule that made it, None for the program
         self.consts: dict[int, np.ndarray] = {}
         self._memo: dict[tuple, int] = {}
         self._pending: list[Any] = []      # egglog actions, run as the heads of rules
-        self._rows: dict[str, list[tuple[int, ...]]] = {}  # loader relation -> rows (see loader_program)
+        self._rows: list[tuple[int, ...]] = []  # rows of the loader relation, kind id first (see loader_program)
+        self._changes = 0  # counts the runs and flushes that may have changed the e-graph
+        # The last snapshot while someone holds it (a weak reference: a snapshot refers to its e-graph,
+        # which goes back to the pool when collected), and the count of changes it was taken at.
+        self._snap: tuple[int, Any] = (-1, lambda: None)
         self._chunks = 0
         self._ints: dict[int, Any] = {}
         self._next_scope = 1  # scope 0 is the program's own
@@ -251,6 +285,17 @@ class EGraph:
         self.origin: str | None = None     # rule name stamped on nodes made now
         self.source: Any = None            # Origin stamped on nodes made now (a rule's match root)
         self.defs: list[tuple[str, tuple]] = []  # V id -> the node it was made for (args as given)
+
+    def release(self) -> None:
+        """Give the egglog instance back to the pool now: this e-graph is not used again.
+
+        Otherwise it goes back when this object is collected, which an object
+        made during the rewrite (a rule's closure, say) can put off until the
+        collector finds the cycle it is in; meanwhile the next rewrite finds
+        the pool empty and declares a new instance (50-200 ms).
+        """
+        self._give()
+        self.eg = None
 
     # ------------------------------------------------------------------ building
     def new_scope(self) -> int:
@@ -287,7 +332,7 @@ class EGraph:
         vid = self._new_name(type_id, source)
         self.defs.append((ctor, tuple(args)))
         if ctor in self._flat:
-            self._rows.setdefault(_L + ctor, []).append((vid, *map(int, args)))
+            self._rows.append((self._loader.ids[ctor], vid, *map(int, args)))
         else:
             exprs = [self._expr(sort, a) for sort, a in zip(sorts, args)]
             self._pending.append(eb.Union(_SPAN, v_expr(vid), call(ctor, *exprs)))
@@ -296,7 +341,7 @@ class EGraph:
             params = PARAMS.params(args[-1])
             for rel, holds in spec.param_facts.items():
                 if holds(params):
-                    self._rows.setdefault(rel, []).append((int(args[-1]),))
+                    self._rows.append((self._loader.ids[rel], int(args[-1])))
         self._memo[key] = vid
         return vid
 
@@ -403,10 +448,10 @@ class EGraph:
 
     def union(self, a: int, b: int) -> None:
         if a != b:
-            self._rows.setdefault(_L + "union", []).append((a, b))
+            self._rows.append((self._loader.ids["union"], a, b))
 
     def assert_fact(self, fact: str, vid: int) -> None:
-        self._rows.setdefault(_L + fact, []).append((vid,))
+        self._rows.append((self._loader.ids[fact], vid))
 
     @property
     def num_names(self) -> int:
@@ -416,24 +461,16 @@ class EGraph:
         """Insert everything pending. Returns whether the e-graph changed."""
         if not self._pending and not self._rows:
             return False
-        changed = False
+        commands: list[Any] = []
+        files: list[str] = []
         if self._rows:
-            rows, self._rows = self._rows, {}
+            rows, self._rows = self._rows, []
             try:
-                inputs, files = _Rows.commands(rows)
+                commands, files = _Rows.commands(rows, self._loader)
             except OSError:  # no temporary folder to write to: the rows go as actions, as nodes did
-                self._pending = _Rows.actions(rows) + self._pending
+                self._pending = _Rows.actions(rows, self._loader) + self._pending
             else:
-                try:
-                    self.eg.run_program(*inputs)
-                finally:
-                    for path in files:
-                        os.remove(path)
-                (out,) = self.eg.run_program(eb.RunSchedule(eb.Run(_SPAN, eb.RunConfig(LOADER))))
-                changed = out.report.updated or any(not r.startswith(_L) for r in rows)  # a param fact is a row
-        if not self._pending:
-            return changed
-        commands = []
+                commands.append(eb.RunSchedule(eb.Run(_SPAN, eb.RunConfig(LOADER))))
         for start in range(0, len(self._pending), _CHUNK):
             name = f"load{self._chunks}"
             self._chunks += 1
@@ -443,25 +480,40 @@ class EGraph:
                 eb.RunSchedule(eb.Run(_SPAN, eb.RunConfig(name))),
             ]
         self._pending = []
-        outputs = self.eg.run_program(*commands)
-        return any(getattr(o, "report", None) is not None and o.report.updated for o in outputs) or changed
+        try:
+            outputs = self.eg.run_program(*commands)  # one call: the rows' input and run, then the actions
+        finally:
+            for path in files:
+                os.remove(path)
+        changed = any(getattr(o, "report", None) is not None and o.report.updated for o in outputs)
+        self._changes += changed
+        return changed
 
     # ------------------------------------------------------------------ running
     def declare(self, program: str) -> None:
+        self._changes += 1
         self.eg.run_program(*self.eg.parse_program(program))
 
     def run(self, ruleset: str, *, saturate: bool = False) -> Any:
         sched = eb.Run(_SPAN, eb.RunConfig(ruleset))
         if saturate:
             sched = eb.Saturate(_SPAN, sched)
+        self._changes += 1
         (out,) = self.eg.run_program(eb.RunSchedule(sched))
         return out.report
 
     # ------------------------------------------------------------------ reading
     def int_value(self, n: int) -> Any:
-        v = self._ints.get(n)
+        """The egglog value of the ``i64`` ``n`` (to look nodes up with)."""
+        v = _UNBOXED.get(n)
         if v is None:
-            v = self._ints[n] = self.eg.eval_expr(int_lit(n))[1]
+            v = self._ints.get(n)
+            if v is None:
+                v = self.eg.eval_expr(int_lit(n))[1]  # some 9 us: worth remembering
+                if 0 <= n <= _UNBOXED_MAX and len(_UNBOXED) < _UNBOXED_KEEP:
+                    _UNBOXED[n] = v
+                else:
+                    self._ints[n] = v
         return v
 
     def lookup(self, ctor: str, args: Sequence[Any]) -> Any:
@@ -469,8 +521,26 @@ class EGraph:
         return self.eg.lookup_function(ctor, list(args))
 
     def snapshot(self) -> "Snapshot":
+        """The e-graph as it is now, everything pending flushed.
+
+        Until the e-graph changes, the same :class:`Snapshot` is given again
+        (its tables, the node table included, are not built twice).
+        """
         self.flush()
-        return Snapshot(self)
+        changes, ref = self._snap
+        snap = ref() if changes == self._changes else None
+        if snap is None:
+            snap = Snapshot(self)
+            self._snap = (self._changes, weakref.ref(snap))
+        return snap
+
+
+#: egglog keeps an ``i64`` from 0 to 2**31 - 1 in the value itself (larger or negative ones are interned
+#: per e-graph, and forgotten at ``pop``): such a value is the same in every e-graph, so the process
+#: keeps the first few thousand it meets (``tests/test_egraph.py`` checks the premise).
+_UNBOXED: dict[int, Any] = {}
+_UNBOXED_MAX = 2**31 - 1
+_UNBOXED_KEEP = 1 << 16
 
 
 def _keys(args: Sequence[Any]) -> Iterable[Any]:
@@ -498,25 +568,44 @@ class Snapshot:
         n = egraph.num_names
         cls_of: list[Any] = [None] * n
         name_of: dict[Any, int] = {}
-        for r in rows:
-            vid = to_int(r.inputs[0])
-            cls_of[vid] = r.output
-            old = name_of.get(r.output)
+        for r in rows:  # (each attribute of a row is made anew when read: read once)
+            vid, cls = to_int(r.inputs[0]), r.output
+            cls_of[vid] = cls
+            old = name_of.get(cls)
             if old is None or vid < old:
-                name_of[r.output] = vid
+                name_of[cls] = vid
         self.cls_of_name = cls_of
         self.name_of_cls = name_of
         self._nodes: dict[Any, list[tuple]] | None = None
         self._parents: dict[Any, list[tuple]] | None = None
+        self._matches: dict[str, dict[Any, list[tuple]]] = {}
         self._facts: dict[str, frozenset] = {}
 
-    @property
+    @functools.cached_property
     def num_rows(self) -> int:
-        return sum(len(f.rows) for name, f in self.functions.items() if not name.startswith(_L))
+        """Rows in the e-graph: nodes, names, facts and matches (the loader's are left out)."""
+        return sum(len(f.rows) for name, f in self.functions.items() if name != LOAD)
 
     def rows(self, function: str) -> list[Any]:
         f = self.functions.get(function)
         return [] if f is None else f.rows
+
+    def matches(self, relation: str, query: int) -> list[tuple]:
+        """The rows of a shared match relation whose first column is ``query``, without it.
+
+        Queries of one signature record their matches in one relation, each
+        row led by the query's id (``_3_saturate.match_program``): fewer
+        declarations make a pooled e-graph cheaper to lend (:data:`_POOL`).
+        """
+        groups = self._matches.get(relation)
+        if groups is None:
+            by_value: dict[Any, list[tuple]] = {}
+            for r in self.rows(relation):
+                inputs = r.inputs
+                by_value.setdefault(inputs[0], []).append(tuple(inputs[1:]))
+            to_int = self.egraph.eg.value_to_i64
+            groups = self._matches[relation] = {to_int(v): rows for v, rows in by_value.items()}
+        return groups.get(query, [])
 
     def name(self, cls: Any) -> int:
         return self.name_of_cls[cls]

@@ -141,7 +141,7 @@ def _run(traced: Traced, entries: Sequence[tuple[Rule, Ruleset]], model: CostMod
         after, timing = model.choose(programs)
         times["measure"] = time.perf_counter() - t
 
-    return Result(
+    result = Result(
         before=closed, after=after, cost_before=cost_before, cost_after=ex.cost, stopped=stopped,
         iterations=engine.iterations, rows=snap.num_rows, times=times, stats=dict(engine.stats),
         rewritten=ex.rewritten, warnings=list(engine.warnings),
@@ -149,6 +149,9 @@ def _run(traced: Traced, entries: Sequence[tuple[Rule, Ruleset]], model: CostMod
         roots=roots if keep else None, original=original if keep else None, out_names=list(outs) if keep else None,
         timing=timing, preferred=forced,
     )
+    if not keep:
+        eg.release()  # to the pool now, even if something the rewrite made holds the e-graph in a cycle
+    return result
 
 
 def _bar_preferred(snap: Any, eg: EGraph, notes: list, model: CostModel) -> dict[str, int]:

@@ -27,6 +27,11 @@ def _rows(eg):
     return {name: len(f.rows) for name, f in snap.functions.items() if f.rows}
 
 
+def _loaded_kinds(eg, snap):
+    loader = _egraph._loader(_terms.schema())
+    return {loader.kinds[eg.eg.value_to_i64(r.inputs[0])] for r in snap.rows(_egraph.LOAD)}
+
+
 def test_a_lent_egraph_comes_back_empty_and_is_lent_again():
     prelude = "(relation TestOnly (i64))"
     gc.collect()  # earlier tests' e-graphs go back to the pool now, not in the middle of this test
@@ -83,9 +88,9 @@ def test_rows_make_the_nodes_actions_make():
     assert snap.cls_of_name[opaque] == snap.cls_of_name[y]  # a union from a row
     ctor, args = eg.canonical(snap, m)
     assert snap.egraph.lookup(ctor, list(args[:2]) + [eg.int_value(args[2])]) == snap.cls_of_name[m]
-    assert snap.num_rows == sum(len(f.rows) for n, f in snap.functions.items() if not n.startswith("L_"))
-    loaded = {name for name, f in snap.functions.items() if name.startswith("L_") and f.rows}
-    assert loaded >= {"L_Param", "L_union"}  # these came as rows; the Opaque node (a list) as an action
+    assert snap.num_rows == sum(len(f.rows) for n, f in snap.functions.items() if n != _egraph.LOAD)
+    kinds = _loaded_kinds(eg, snap)
+    assert kinds >= {"Param", "union"} and "Opaque" not in kinds  # rows; the Opaque node (a list) an action
     assert {c for cls in snap.nodes for c, _ in snap.nodes[cls]} >= {"Param", "Opaque", _terms.BY_PRIM["mul"].ctor}
 
 
@@ -128,7 +133,7 @@ def test_a_rule_function_that_raises_is_called_once():
 
 
 def test_without_a_folder_to_write_rows_the_nodes_go_as_actions(monkeypatch):
-    def unwritable(rows):
+    def unwritable(*args):
         raise OSError("read-only")
 
     monkeypatch.setattr(_egraph._Rows, "commands", staticmethod(unwritable))
@@ -140,4 +145,157 @@ def test_without_a_folder_to_write_rows_the_nodes_go_as_actions(monkeypatch):
     eg.assert_fact("Pos", x)
     snap = eg.snapshot()
     assert snap.cls_of_name[m] == snap.cls_of_name[y] and snap.has_fact("Pos", snap.cls_of_name[x])
-    assert not any(name.startswith("L_") and f.rows for name, f in snap.functions.items())
+    assert not snap.rows(_egraph.LOAD)
+
+
+def _even_pow(eg, x):
+    params = PARAMS.intern_params(jax.lax.integer_pow_p, {"y": 2})
+    return eg.term(_terms.BY_PRIM["integer_pow"].ctor, [x, params], TYPES.intern_aval(F32)), params
+
+
+@pytest.mark.parametrize("writable", [True, False])
+def test_every_kind_of_row_loads_from_the_one_relation_or_as_actions(monkeypatch, writable):
+    if not writable:
+        monkeypatch.setattr(_egraph._Rows, "commands", staticmethod(lambda *args: (_ for _ in ()).throw(OSError())))
+    eg = _egraph.EGraph()
+    x = eg.term("Param", [0, 0], TYPES.intern_aval(F32))
+    lit = eg.literal(np.float32(2.0), core.ShapedArray((), jnp.float32))  # i64 arguments, and facts (Pos...)
+    m = _mul(eg, x, x)
+    p, params = _even_pow(eg, x)
+    eg.union(m, p)
+    assert eg.flush() is True and eg.flush() is False
+    snap = eg.snapshot()
+    assert snap.cls_of_name[m] == snap.cls_of_name[p]
+    assert snap.has_fact("Pos", snap.cls_of_name[lit]) and snap.has_fact("NonZero", snap.cls_of_name[lit])
+    assert eg.eg.lookup_function("EvenPow", [eg.int_value(params)]) is not None  # a relation on params ids
+    lit_node = [n for n in snap.nodes[snap.cls_of_name[lit]] if n[0] == "Lit"]
+    assert lit_node and lit_node[0][1] == tuple(eg.defs[lit][1])  # i64 columns taken as they are
+    rows = snap.rows(_egraph.LOAD)
+    widths = {len(r.inputs) for r in rows}
+    assert (widths == {1 + max(1 + len(_terms.ctor_arg_sorts(c)) for c in _terms.flat_ctors())}) if writable else not rows
+    if writable:
+        assert _loaded_kinds(eg, snap) == {"Param", "Lit", "union", "Pos", "NonNeg", "NonZero", "EvenPow",
+                                           _terms.BY_PRIM["mul"].ctor, _terms.BY_PRIM["integer_pow"].ctor}
+
+
+def test_the_loader_has_one_relation_and_a_rule_per_kind():
+    loader = _egraph._loader(_terms.schema())
+    text = _egraph.loader_program(_terms.schema())
+    assert text.count("(relation ") == 1 and text.count("(rule ") == len(loader.kinds)
+    assert set(loader.kinds) >= set(_terms.flat_ctors()) | {"union"} | set(_terms.FACTS) | set(_terms.param_relations())
+    assert [loader.ids[k] for k in loader.kinds] == list(range(len(loader.kinds)))
+
+
+def test_a_snapshot_is_taken_again_only_after_a_change():
+    eg = _egraph.EGraph()
+    x = eg.term("Param", [0, 0], TYPES.intern_aval(F32))
+    first = eg.snapshot()
+    assert eg.snapshot() is first  # nothing changed
+    eg.union(x, x)  # a union of a name with itself is no row
+    assert eg.snapshot() is first
+    y = _mul(eg, x, x)
+    second = eg.snapshot()
+    assert second is not first and second.cls_of_name[y] is not None and first.cls_of_name[0] is not None
+    eg.run("facts")
+    assert eg.snapshot() is not second  # a run may change it
+    del first, second
+    gc.collect()
+    ref = eg.snapshot()
+    assert ref.cls_of_name[y] is not None
+
+
+def test_an_egraph_held_by_its_snapshot_alone_goes_back_to_the_pool():
+    gc.collect()
+    prelude = "(relation TestOnlyToo (i64))"
+    eg = _egraph.EGraph(prelude)
+    inner = eg.eg
+    snap = eg.snapshot()
+    del eg
+    assert snap.egraph.eg is inner
+    del snap  # no cycle through the e-graph's memory of its last snapshot: it goes back at once
+    assert _egraph.EGraph(prelude).eg is inner
+
+
+def test_small_i64_values_are_the_same_in_every_egraph():
+    # EGraph.int_value keeps these for the process (egglog stores them in the value itself)
+    a, b = _egraph.EGraph(), _egraph.EGraph()
+    b.term("Const", [2**40 + 5], TYPES.intern_aval(F32))  # an interned i64 in one of them only
+    b.flush()
+    for n in (0, 1, 12345, 2**31 - 1):
+        va, vb = a.eg.eval_expr(_egraph.int_lit(n))[1], b.eg.eval_expr(_egraph.int_lit(n))[1]
+        assert va == vb and hash(va) == hash(vb) and b.eg.value_to_i64(va) == n
+        assert a.int_value(n) == vb
+    assert a.int_value(2**40 + 7) == a.eg.eval_expr(_egraph.int_lit(2**40 + 7))[1]
+    assert 2**40 + 7 not in _egraph._UNBOXED and b.int_value(-3) == b.eg.eval_expr(_egraph.int_lit(-3))[1]
+
+
+def test_queries_of_one_signature_share_a_relation_and_are_read_apart():
+    from rewrite import Ruleset, explain, rule
+    from rewrite._3_saturate import match_program
+    from rewrite._6_evaluate import entries_of
+
+    pack = Ruleset("shared", [rule(lambda x: x * 1.0, lambda x: x, name="mul_one_s"),
+                              rule(lambda x: x + 0.0, lambda x: x, name="add_zero_s"),
+                              rule(lambda x, y: x * y + x, lambda x, y: x * (y + 1.0), name="factor_s")],
+                   soundness="exact")
+    entries = entries_of([pack])
+    text, relations = match_program(entries)
+    assert match_program(entries) == (text, relations) and match_program(list(entries))[0] is text  # made once
+    (r1,), (r2,), (r3,) = relations
+    assert r1[0][0] == r2[0][0] != r3[0][0]  # one relation for the two one-variable queries, another for x, y
+    assert sorted(q for (_, q), _ in (r1, r2, r3)) == [0, 1, 2]
+    from rewrite._pattern import commuted
+    assert text.count("(relation ") == 2  # each query's operand orders (``commuted``) record in its relation
+    assert text.count("(rule ") == sum(len(commuted(q)) for r, _ in entries for q in r.queries)
+
+    def fn(a, b):
+        return (a * 1.0) * b + (a * 1.0) + (b + 0.0)
+
+    x = jnp.arange(3.0, dtype=jnp.float32)
+    report = explain(fn, x, x + 1.0, rulesets=[pack])
+    assert report.fired.get("mul_one_s") == 1 and report.fired.get("add_zero_s") == 1
+    assert report.fired.get("factor_s")  # (a*1)*b + (a*1): a two-variable query's matches, read apart
+
+
+def test_a_released_egraph_is_lent_again_while_its_object_lives_on():
+    gc.collect()
+    prelude = "(relation TestOnlyReleased (i64))"
+    eg = _egraph.EGraph(prelude)
+    inner = eg.eg
+    eg.term("Param", [0, 0], TYPES.intern_aval(F32))
+    held = [eg]  # as a rule's closure in a cycle would hold it
+    eg.release()
+    again = _egraph.EGraph(prelude)
+    assert again.eg is inner and _rows(again) == {}  # back in the pool, emptied
+    with pytest.raises(AttributeError):
+        held[0].flush() if held[0]._rows else held[0].eg.freeze()  # never used again
+    del eg, held
+    gc.collect()
+    assert again.eg is inner  # the finalizer that already ran does not give it back twice
+
+
+def test_a_rewrite_gives_its_egraph_back_even_when_a_rule_keeps_a_cycle(monkeypatch):
+    from rewrite import Ruleset, procedural, rewrite, rule
+
+    kept = []
+
+    def rhs(m):
+        def walk():  # a closure that refers to itself: a cycle, holding the match (and through it the e-graph)
+            return walk, m
+        kept.append(walk)
+        return None
+
+    pack = Ruleset("cyclic", [rule(lambda x: x * 2.0, procedural(rhs), name="cyclic_rule")], soundness="exact")
+    x = jnp.arange(3.0, dtype=jnp.float32)
+    gc.collect()
+    gc.disable()  # the cycle is not collected while the test runs
+    try:
+        made = []
+        monkeypatch.setattr(_egraph.EGraph, "release", lambda self, _r=_egraph.EGraph.release: (made.append(self.eg), _r(self))[1])
+        np.testing.assert_allclose(rewrite(lambda v: v * 2.0 + 1.0, rulesets=[pack])(x), x * 2.0 + 1.0)
+        assert kept and made
+        free = [eg for (_, _), egs in _egraph._POOL._free.items() for eg in egs]
+        assert any(eg is made[-1] for eg in free)  # back in the pool although the cycle still holds the EGraph
+    finally:
+        kept.clear()
+        gc.enable()
