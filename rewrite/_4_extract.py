@@ -273,7 +273,11 @@ class Extractor:
                     total += self.own(c, ctor, args, choice)
             return total
 
-        return scope(roots)
+        try:
+            return scope(roots)
+        finally:
+            del scope  # a recursive closure is a reference cycle; it would hold this extractor (and the
+            # e-graph, which then goes back to its pool, _egraph._POOL, only at a full collection)
 
 
 def _crossings(ref: dict[Any, int], choice: Mapping[Any, tuple], kids: Callable[[tuple], Any], c: Any,
@@ -991,6 +995,7 @@ def choose_slice(snap: Snapshot, roots: Sequence[Any], inputs: set[Any], prefer:
     sys.setrecursionlimit(max(limit, 20_000))
     try:
         found = all(visit(r, frozenset()) for r in roots)
+        del visit  # the recursive closure's cycle would hold the snapshot: see Extractor.dag_cost
     finally:
         sys.setrecursionlimit(limit)
     return choice if found else None

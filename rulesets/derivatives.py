@@ -146,6 +146,7 @@ def product_tree(v: Value) -> Factor | None:
         return Factor(w, e, node.prim, [walk(o, k) for o, k in zip(node.operands, powers)])
 
     tree = walk(v, 1)
+    del walk  # a recursive closure is a reference cycle: unbroken, it keeps the e-graph from its pool
     return None if len(tree.leaves()) > _MAX_FACTORS else tree
 
 
@@ -190,6 +191,7 @@ def split(tree: Factor, pred: Callable[[Factor], bool], *, into_no: bool = False
                 go(c)
 
     go(tree)
+    del go  # a recursive closure is a reference cycle, and this one holds the matched values
     return coeff, yes, no
 
 
