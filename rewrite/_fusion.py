@@ -229,6 +229,20 @@ def _nbytes(aval: Any) -> int:
         return 0
 
 
+
+def _add_sincos(cost: float, model: Any, ops: Sequence[Any], sincos: dict) -> float:
+    """``cost`` plus the transcendentals of ``sincos`` (argument -> which of sin and cos a kernel takes of
+    it): both of one argument are one ``sincos`` call. Added one by one, in order, as prices are compared
+    bit for bit."""
+    for arg, which in sincos.items():
+        elems = _size(ops[arg].out_avals[0])
+        if len(which) == 2:
+            cost += elems * model.ns.get("sincos", model.ns.get("sin", model.default) * 1.3)
+        else:
+            cost += elems * model.ns.get(next(iter(which)), model.default)
+    return cost
+
+
 def _size(aval: Any) -> int:
     shape = getattr(aval, "shape", None)
     return 0 if shape is None else int(math.prod(shape))
@@ -504,12 +518,7 @@ class FusionModel:
                 sincos.setdefault(ops[i].args[0], set()).add(ops[i].prim)
                 continue
             cost += f[3] if (i == r and kind in (LIBRARY, REDUCE)) or f[7] else f[share]
-        for arg, which in sincos.items():
-            elems = _size(ops[arg].out_avals[0])
-            if len(which) == 2:
-                cost += elems * self.ns.get("sincos", self.ns.get("sin", self.default) * 1.3)
-            else:
-                cost += elems * self.ns.get(next(iter(which)), self.default)
+        cost = _add_sincos(cost, self, ops, sincos)
         cost += self.byte * (sum(facts(ops[a], prog)[6] for a in reads if ops[a].out_avals)
                              + facts(root_op, prog)[8])
         return cost, reads
@@ -836,12 +845,7 @@ class LiveFusion:
         if model.tiebreak is not None:
             cost += TIEBREAK * k.tiebreak
         cost += k.work
-        for arg, which in sincos.items():
-            elems = _size(ops[arg].out_avals[0])
-            if len(which) == 2:
-                cost += elems * model.ns.get("sincos", model.ns.get("sin", model.default) * 1.3)
-            else:
-                cost += elems * model.ns.get(next(iter(which)), model.default)
+        cost = _add_sincos(cost, model, ops, sincos)
         cost += model.byte * (k.read_bytes + facts(ops[r], self)[8])
         return cost, reads
 
