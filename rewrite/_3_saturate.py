@@ -179,11 +179,8 @@ class Engine:
             # associativity); the run's limits govern everything else.
             backoff = owner.limits if owner.limits is not None else limits
             last = owner.limits.iterations if owner.limits is not None else None
-            # A query matched in several operand orders (``commuted``) finds a symmetric rule's matches
-            # twice, once per order: one of each pair is acted on.
-            mirrored = any(len(commuted(q)) > 1 for q in rule.queries)
             self.active.append(_Active(rule, owner, rels, allowance=backoff.matches, ban_length=backoff.ban,
-                                       last=last, symmetries=rule.symmetries if mirrored else ()))
+                                       last=last, symmetries=rule.symmetries))
             self.stats[rule.name] = RuleStats()
         if egraph.prelude != text:  # an e-graph made without them (EGraph(match_program(...)[0]) has them)
             egraph.declare(text)
@@ -452,7 +449,6 @@ class Engine:
             del self._watched[name]
             for e in entries:
                 woken[id(e)] = e
-        by_name = snap.cls_of_name
         for act, binds, named in woken.values():
             inputs = [by_name[named[0]]] + [by_name[v] if sort == "Term" else v for v, (_, sort) in zip(named[1:], binds)]
             act.retry.append((None, binds, inputs))

@@ -583,11 +583,7 @@ class ProgramPricer:
         another start a program it priced already, is answered from memory.
         """
         key = (tuple(roots), _signature(self.ex, choice, roots))
-        return self.remember(key, lambda: self._whole(choice, roots, key))
-
-    def _whole(self, choice: dict[Any, tuple], roots: Sequence[Any], key: tuple) -> float:
-        price = self.exact[key] = self.price(self.program(choice, roots))
-        return price
+        return self.remember(key, lambda: self.exact_price(choice, roots, key))
 
     def exact_price(self, choice: dict[Any, tuple], roots: Sequence[Any], key: tuple) -> float:
         """The whole-program price of ``choice`` (whose key is ``key``), remembered from an earlier one if any."""

@@ -229,7 +229,6 @@ def _nbytes(aval: Any) -> int:
         return 0
 
 
-
 def _add_sincos(cost: float, model: Any, ops: Sequence[Any], sincos: dict) -> float:
     """``cost`` plus the transcendentals of ``sincos`` (argument -> which of sin and cos a kernel takes of
     it): both of one argument are one ``sincos`` call. Added one by one, in order, as prices are compared
@@ -547,7 +546,7 @@ class FusionModel:
                  _size(outs[0]) * self.op_ns(op, prog) if outs and kind == LOOP else 0.0,  # only loops fuse others
                  _nbytes(outs[0]) if outs else 0,
                  kind == REDUCE,
-                 sum(_nbytes(a) for a in outs))
+                 _out_bytes(op))
         return found
 
     def _tiebreak(self, op: Op) -> float:
@@ -897,6 +896,11 @@ def _temp(prog: Any, i: Any, outputs: Container[Any], written: Container[Any]) -
     made_by = op.args[0] if op.prim == "proj" else i  # a loop's output is written by the loop
     if i in outputs or made_by not in written or op.prim in ("param", "literal", "const", "token"):
         return 0
+    return _out_bytes(op)
+
+
+def _out_bytes(op: "Op") -> int:
+    """The bytes of all of ``op``'s results, kept in its memo where it has one."""
     memo = op.memo
     if memo is None:
         return sum(_nbytes(a) for a in op.out_avals)
