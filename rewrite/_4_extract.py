@@ -33,6 +33,7 @@ import dataclasses
 import functools
 import heapq
 import math
+import weakref
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 from . import _terms
@@ -520,6 +521,8 @@ class ProgramPricer:
         self.evaluations = 0
         #: how many prices were asked for, and how many of those were of a program priced before
         self.asked = 0
+        #: the one program every price moves to (:meth:`live`), once one is made
+        self._live: LiveProgram | None = None
 
     def own(self, c: Any, node: tuple, choice: dict[Any, tuple]) -> float:
         ctor, args = node
@@ -563,10 +566,24 @@ class ProgramPricer:
         return found
 
     def live(self, choice: dict[Any, tuple], roots: Sequence[Any]) -> "LiveProgram | None":
-        """A :class:`LiveProgram` over ``choice`` (kept up to date in place), if the model can price one."""
+        """A :class:`LiveProgram` over ``choice`` (kept up to date in place), if the model can price one.
+
+        There is one per pricer: asked again, it moves to the new choice
+        (:meth:`LiveProgram.jump`), re-placing and re-pricing only the kernels
+        where the two programs differ. The searches of one extraction start
+        from programs that differ in few classes, and building the kernels
+        of a program afresh costs about twice as much as pricing it whole.
+        """
+        live = self._live
+        if live is not None and live._roots == tuple(roots):
+            live.jump(choice)
+            return live
         fusion = getattr(self.model, "program_fusion", None)
         fusion = fusion() if fusion is not None else None
-        return None if fusion is None else LiveProgram(self, fusion, choice, roots)
+        if fusion is None:
+            return None
+        live = self._live = LiveProgram(self, fusion, choice, roots)
+        return live
 
     def _has_bodies(self, choice: dict[Any, tuple], roots: Sequence[Any]) -> bool:
         """Whether the program has nested nodes, whose prices depend on the choice (so no sharing of prices)."""
@@ -644,14 +661,14 @@ class LiveProgram:
     def __init__(self, pricer: ProgramPricer, fusion: Any, choice: dict[Any, tuple], roots: Sequence[Any]) -> None:
         from ._fusion import LiveFusion
 
-        self.pricer = pricer
+        # A proxy: the pricer keeps this program (ProgramPricer.live), and a cycle would keep the e-graph
+        # from its pool until a full collection.
+        self.pricer = pricer = weakref.proxy(pricer) if not isinstance(pricer, weakref.ProxyType) else pricer
         self.ex = pricer.ex
-        self.choice = choice
         self.roots = list(roots)
         self._roots = tuple(roots)
         self.fusion = LiveFusion(fusion, self.roots)
-        self._own = lambda c, n: pricer.own(c, n, choice)
-        self._templates = pricer.templates(choice, roots)
+        self._bind(choice)
         self._ref: dict[Any, int] = {}   # own scope: what the kernels are made of
         self._sig: dict[Any, int] = {}   # bodies included: the signature
         self._ids: set[int] = set()
@@ -659,11 +676,45 @@ class LiveProgram:
         self._touched: set[Any] = set()
         #: classes whose op inlines a call's body, with the classes of that body (a move there changes the op)
         self._inlined: dict[Any, set] = {}
-        #: whether any price came from the kernels here (not from the pricer's memory)
-        self.priced = False
+        #: classes whose op is built again at the next flush though their node is the same (see jump)
+        self._stale: set[Any] = set()
         for r in self.roots:
             self._inc(r)
             self._inc_sig(r)
+
+    def _bind(self, choice: dict[Any, tuple]) -> None:
+        pricer = self.pricer
+        self.choice = choice
+        self._own = lambda c, n: pricer.own(c, n, choice)
+        self._templates = pricer.templates(choice, self.roots)
+
+    def jump(self, choice: dict[Any, tuple]) -> None:
+        """Become the program ``choice`` makes (updated in place from now on): any choice, not one move away.
+
+        The reference counts are counted afresh; the kernels are edited
+        where a class's node differs, and where an op reads the choice
+        beyond its own node (a nested node's bodies, a projection's loop,
+        an inlined call's body), which is built again.
+        """
+        if choice is self.choice:
+            return
+        old = self.choice
+        self._bind(choice)
+        ex, fused = self.ex, self._fused
+        ref: dict[Any, int] = {}
+        sig: dict[Any, int] = {}
+        touched = self._touched
+        for r in self.roots:
+            touched.update(_crossings(ref, choice, ex.operands, r, 1))
+            for _ in _crossings(sig, choice, ex.all_kids, r, 1):
+                pass
+        touched.update(fused)
+        self._ref, self._sig = ref, sig
+        self._ids = {ex.pair_id(x, choice[x]) for x in sig}
+        if self.pricer.templates(old, self.roots) is not self._templates:
+            # Ops whose facts read the choice (ProgramPricer.templates): built again under the new one.
+            self._stale.update(x for x, node in fused.items()
+                               if node[0] == "Proj" or x in self._inlined or ex.body_classes(*node))
 
     def _inc(self, c: Any) -> None:
         self._touched.update(_crossings(self._ref, self.choice, self.ex.operands, c, 1))
@@ -712,7 +763,6 @@ class LiveProgram:
         return self.pricer.remember(self.key(), self._price)
 
     def _price(self) -> float:
-        self.priced = True
         self.flush()
         return self.pricer.price_fused(self.fusion)
 
@@ -720,11 +770,11 @@ class LiveProgram:
         """Bring the kernels up to date with the moves made since the last price."""
         from ._fusion import chosen_op
 
-        ex, choice, ref, fused = self.ex, self.choice, self._ref, self._fused
+        ex, choice, ref, fused, stale = self.ex, self.choice, self._ref, self._fused, self._stale
         changes: dict[Any, Any] = {}
         for x in self._touched:
             want = choice[x] if ref.get(x, 0) > 0 else None
-            if want == fused.get(x):
+            if want == fused.get(x) and (want is None or x not in stale):
                 continue
             if want is None:
                 fused.pop(x, None)
@@ -739,6 +789,7 @@ class LiveProgram:
                 self._inlined.pop(x, None)
             changes[x] = op
         self._touched.clear()
+        stale.clear()
         if changes:
             self.fusion.edit(changes)
 
@@ -790,9 +841,6 @@ class ProgramSearch:
             self.key = None  # moves priced whole: the last key asked for need not be the result's
         elif self._live:
             self.key = self._live.key()
-            if self._live.priced:
-                # The price of the result as the whole-program pricer gives it (not up to the order of the sums).
-                best = self.pricer.exact_price(choice, self.roots, self.key)
         return choice, best
 
     def _switch(self, c: Any, node: tuple) -> None:

@@ -109,6 +109,52 @@ def test_live_prices_equal_whole_program_prices(name):
     assert moves >= 5 and kept >= 1, (moves, kept)
 
 
+@pytest.mark.parametrize("name", sorted(PROGRAMS))
+def test_a_live_program_jumps_between_choices(name):
+    """The pricer's one live program moves between the starts of extraction's searches (``LiveProgram.jump``):
+    after any jump, and after moves from there, its price and key must be the whole-program ones of its choice."""
+    res, model, ex, tree_choice = _search_state(name)
+    roots = res.roots
+    _, orig = ex.tree(lambda cls, ctor, args: ctor in _CONTAINERS or (ctor, args) in res.original)
+    rng = random.Random(1)
+
+    def moved(choice, n):
+        """``choice`` after up to ``n`` random single-class moves that keep it acyclic."""
+        choice = dict(choice)
+        classes = [c for c in reachable(ex.snap, choice, roots) if len(ex.snap.nodes.get(c, ())) > 1]
+        rng.shuffle(classes)
+        for c in classes[:n]:
+            alts = [a for a in ex.snap.nodes[c] if a != choice[c] and a[0] not in _CONTAINERS
+                    and all(k in choice for k in ex.term_kids(a)) and not ex.reaches(choice, ex.term_kids(a), {c})]
+            if alts:
+                choice[c] = rng.choice(alts)
+        return choice
+
+    starts = [tree_choice, {**tree_choice, **orig}] + [moved(tree_choice, n) for n in (1, 3, 8)]
+    pricer = ProgramPricer(ex, model)
+    fresh = ProgramPricer(ex, model)
+    live = None
+    for i in [0, 1, 2, 0, 3, 4, 1, 4, 2]:
+        choice = dict(starts[i])
+        live = pricer.live(choice, roots)
+        assert live is not None and live.choice is choice
+        for step in range(3):
+            live.flush()
+            want = fresh.price(fresh.program(choice, roots))
+            assert live.fusion.price() == pytest.approx(want, rel=1e-12, abs=1e-9), (i, step)
+            assert live.key() == (tuple(roots), frozenset(
+                ex.pair_id(c, choice[c]) for c in reachable(ex.snap, choice, roots)))
+            classes = [c for c in reachable(ex.snap, choice, roots) if len(ex.snap.nodes.get(c, ())) > 1
+                       and live._ref.get(c, 0) > 0]
+            alts = [(c, a) for c in classes for a in ex.snap.nodes[c]
+                    if a != choice[c] and a[0] not in _CONTAINERS and all(k in choice for k in ex.term_kids(a))
+                    and not ex.reaches(choice, ex.term_kids(a), {c})]
+            if not alts:
+                break
+            live.set(*rng.choice(alts))
+    assert len({frozenset(map(id, s.values())) for s in starts}) >= 2  # the starts differ
+
+
 class _EveryMove(LocalSearch):
     """The local search without its memory of failed group moves: every move is made and priced."""
 
@@ -241,8 +287,9 @@ def test_live_fusion_prices_random_edits_as_the_whole_program(seed):
 # ---------------------------------------------------------------------- extraction reuses its own work
 @pytest.mark.parametrize("name", ["shared", "scan_grad"])
 def test_candidate_costs_are_whole_program_prices(name):
-    """``extract`` keeps each candidate's signature and a search's exact price to ask for them once; the costs it
-    reports must still be the whole-program prices of its candidates, computed afresh, bit for bit."""
+    """``extract`` prices its candidates by moving one live program between them, and keeps each one's signature to
+    ask for it once; the costs it reports must still be the whole-program prices of its candidates, computed afresh
+    (up to the order of the sums)."""
     from rewrite._4_extract import _signature, extract
 
     res, model, _, _ = _search_state(name)
@@ -251,7 +298,7 @@ def test_candidate_costs_are_whole_program_prices(name):
     assert len(out.candidates) >= 2
     keys = set()
     for choice, cost, _ in out.candidates:
-        assert cost == fresh.price(fresh.program(choice, res.roots))
+        assert cost == pytest.approx(fresh.price(fresh.program(choice, res.roots)), rel=1e-12)
         keys.add(_signature(fresh.ex, choice, res.roots))
     assert len(keys) == len(out.candidates)  # the candidates are distinct programs
     assert out.cost == min(c for _, c, _ in out.candidates) or not out.rewritten
