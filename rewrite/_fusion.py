@@ -769,6 +769,7 @@ class LiveFusion:
                 cost, reads = self._kernel(r, kind, changes)
             else:
                 cost, reads = self.model.kernel(self, r, kind, self._members[r])
+                self._sums.pop(r, None)  # not kept up to date while priced whole
             self._cost[r] = cost
             self._temp[r] = (sum(_temp(self, a, self._outputs, self.roots) for a in reads)
                              + _temp(self, r, self._outputs, self.roots))

@@ -207,7 +207,7 @@ def _random_op(rng, kind, earlier):
     if kind == "T" and of["S"]:
         choices = ["while"]
     if kind in "SR" and of[kind]:
-        choices += ["unary", "binary", "unary", "binary"]
+        choices += ["unary", "binary", "unary", "binary", "other"]
     if kind == "S" and of["R"]:
         choices.append("broadcast")
     if kind == "S" and of["T"]:
@@ -225,6 +225,8 @@ def _random_op(rng, kind, earlier):
         return Op("while", _terms.NESTED, {}, args, (_S,) * len(args), (_S, _S), own=rng.uniform(1e3, 1e5))
     if pick == "proj":
         return Op("proj", _terms.SPECIAL, {}, (rng.choice(of["T"]),), (), (_S,), own=rng.uniform(0.0, 1e3))
+    if pick == "other":  # a kernel of its own, priced whole (FusionModel.kernel): a class may switch to and from one
+        return Op("sort", _terms.DEFAULT, {}, (rng.choice(of[kind]),), (out,), (out,), own=rng.uniform(1e2, 1e4))
     if pick == "unary":
         return Op(rng.choice(_UNARY), _terms.TRANSCENDENTAL, {}, (rng.choice(of[kind]),), (out,), (out,))
     if pick == "binary":
@@ -330,6 +332,28 @@ def test_input_cost_prices_the_program_as_loaded(name):
     roots = [snap.cls_of_name[o] for o in outs] + ([snap.cls_of_name[token]] if token is not None else [])
     pricer = ProgramPricer(ex, model)
     assert input_cost(snap, outs, token, model) == res.cost_before == pricer(ex.tree()[1], roots)
+
+
+def test_a_kernel_priced_whole_between_incremental_prices_is_counted_afresh():
+    """A class whose op switches from an elementwise kernel's root to an op priced whole (``sort``: a kernel of
+    its own) and back must not be priced from the sums its kernel had before: its members changed in between.
+    (ProgramSearch reached this on a recurrent network's gradient: ``dot_general`` to ``mul`` and back.)"""
+    model = FusionModel({"exp": 2.0}, byte=0.05, reduce=0.3, launch=500.0, default=3.0, cheap=0.25, node=20.0)
+    ops = {0: Op("param", _terms.SPECIAL, {}, (), (), (_S,)), 1: Op("param", _terms.SPECIAL, {}, (), (), (_S,)),
+           2: Op("exp", _terms.TRANSCENDENTAL, {}, (0,), (_S,), (_S,)),
+           3: Op("mul", _terms.ELEMENTWISE, {}, (2, 1), (_S, _S), (_S,))}
+    live = LiveFusion(model, [3])
+    live.edit(dict(ops))
+    steps = [{3: Op("sort", _terms.DEFAULT, {}, (1,), (_S,), (_S,), own=700.0), 2: None},
+             {3: Op("add", _terms.ELEMENTWISE, {}, (0, 1), (_S, _S), (_S,))}]
+    for changes in steps:
+        for c, op in changes.items():
+            if op is None:
+                del ops[c]
+            else:
+                ops[c] = op
+        live.edit(changes)
+        assert live.price() == pytest.approx(model(_whole(ops, [3])), rel=1e-12)
 
 
 def test_kernel_facts_kept_in_memos_price_as_fresh_ops():
