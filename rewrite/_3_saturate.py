@@ -35,7 +35,7 @@ from ._egraph import EGraph, Snapshot
 from ._intern import TYPES
 from ._pattern import commuted, present
 from ._prefer import Barred, lhs_ctors
-from ._rules import Body, Match, Rule, Ruleset, Value, _short
+from ._rules import Body, Match, Node, Rule, Ruleset, Value, _short
 
 log = logging.getLogger("rewrite")
 
@@ -456,10 +456,9 @@ class Engine:
     def nodes_of(self, cls: Any) -> list[Any]:
         """The :class:`Node` views of a class of the current snapshot, built once per snapshot
         (procedural rules walk the same classes many times in one iteration)."""
-        from ._rules import Node
-
-        if self._reads is not None:
-            self._reads.add((cls, None))
+        reads = self._reads
+        if reads is not None:
+            reads.add((cls, None))
         found = self._nodes.get(cls)
         if found is None:
             found = self._nodes[cls] = [Node(self, c, a) for c, a in self.snapshot.nodes.get(cls, [])]
@@ -471,8 +470,6 @@ class Engine:
         return Body(scope, [self.value(c) for c in snap.list_items(outs)])
 
     def users(self, v: Value) -> list[tuple[Value, Any]]:
-        from ._rules import Node
-
         if v.cls is None:
             return []
         parents = self.snapshot.parents

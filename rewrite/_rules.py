@@ -34,6 +34,7 @@ import numpy as np
 from jax._src import core
 
 from ._1_trace import trace_at
+from . import _terms
 from ._intern import LITERALS, PARAMS
 from ._pattern import Pat, PatternError, Query, commuted, compile_pats, compile_traced, generalize
 
@@ -725,8 +726,6 @@ class Node:
     """One e-node: a primitive applied to classes."""
 
     def __init__(self, engine: Any, ctor: str, args: tuple) -> None:
-        from . import _terms
-
         self._engine = engine
         self.ctor = ctor
         self.args = args

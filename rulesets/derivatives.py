@@ -108,10 +108,15 @@ class Factor:
         return [leaf for c in self.children for leaf in c.leaves()]
 
 
+_PRODUCTS = frozenset(("mul", "div", "neg", "integer_pow"))
+
+
 def _product_node(v: Value) -> Any:
     """The node that makes ``v`` a product, preferring the oldest (the program's own) of several."""
-    found = [n for n in v.nodes if n.prim in ("mul", "div", "neg", "integer_pow")]
-    return min(found, key=lambda n: max((o.name for o in n.operands), default=0), default=None)
+    found = [n for n in v.nodes if n.prim in _PRODUCTS]
+    if len(found) < 2:
+        return found[0] if found else None
+    return min(found, key=lambda n: max((o.name for o in n.operands), default=0))
 
 
 def _lit_power(lit: float, e: int) -> float | None:
