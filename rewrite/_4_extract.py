@@ -962,9 +962,11 @@ def extract(snap: Snapshot, roots: Sequence[Any], model: CostModel, original: se
     if original is not None:
         _, orig_choice = ex.tree(lambda cls, ctor, args: ctor in _CONTAINERS or (ctor, args) in original)
         if all(r in orig_choice for r in roots):
+            # A rewrite that pays off only from the input program is found by the ProgramSearch from there
+            # (below). A local search from it under the node model as a third candidate found the same
+            # prices on the golden programs and a 0.002% cheaper one on one of the 34 ecosystem runs, at
+            # 5-10% of extraction's time.
             candidates.append((orig_choice, False))
-            # Search from the input program too: a rewrite may pay off only from there.
-            candidates.append((search(ex, {**tree_choice, **orig_choice}, roots), True))
         else:
             orig_choice = None
     if prices_programs(model):
