@@ -226,7 +226,7 @@ def _random_op(rng, kind, earlier):
     if pick == "proj":
         return Op("proj", _terms.SPECIAL, {}, (rng.choice(of["T"]),), (), (_S,), own=rng.uniform(0.0, 1e3))
     if pick == "other":  # a kernel of its own, priced whole (FusionModel.kernel): a class may switch to and from one
-        return Op("sort", _terms.DEFAULT, {}, (rng.choice(of[kind]),), (out,), (out,), own=rng.uniform(1e2, 1e4))
+        return Op("sort", _terms.OPAQUE, {}, (rng.choice(of[kind]),), (out,), (out,), own=rng.uniform(1e2, 1e4))
     if pick == "unary":
         return Op(rng.choice(_UNARY), _terms.TRANSCENDENTAL, {}, (rng.choice(of[kind]),), (out,), (out,))
     if pick == "binary":
@@ -344,7 +344,7 @@ def test_a_kernel_priced_whole_between_incremental_prices_is_counted_afresh():
            3: Op("mul", _terms.ELEMENTWISE, {}, (2, 1), (_S, _S), (_S,))}
     live = LiveFusion(model, [3])
     live.edit(dict(ops))
-    steps = [{3: Op("sort", _terms.DEFAULT, {}, (1,), (_S,), (_S,), own=700.0), 2: None},
+    steps = [{3: Op("sort", _terms.OPAQUE, {}, (1,), (_S,), (_S,), own=700.0), 2: None},
              {3: Op("add", _terms.ELEMENTWISE, {}, (0, 1), (_S, _S), (_S,))}]
     for changes in steps:
         for c, op in changes.items():
