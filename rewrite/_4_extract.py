@@ -11,16 +11,17 @@ DAGs, and its DAG-aware extractor is too slow at our sizes (see
    the choice is acyclic by construction.
 2. The same pass over the input program's own nodes gives the input program
    (after common-subexpression elimination).
-3. :class:`LocalSearch` improves both under the true DAG cost (each class
-   once per scope, a body once per execution of its loop), switching one
-   class, or all the outputs of one loop, at a time.
+3. :class:`LocalSearch` improves the first under the true DAG cost (each
+   class once per scope, a body once per execution of its loop), switching
+   one class, or all the outputs of one loop, at a time.
 4. When the cost model also prices whole programs (``AnalyticCost.program``:
    what XLA fuses, stores and recomputes, ``rewrite/_fusion.py``), the
    candidates are priced that way, and :class:`ProgramSearch` refines the
-   best with single-class switches under that price: whether a value is
-   stored or recomputed in every loop that reads it depends on the whole
-   program, which no sum of node costs sees. A switch re-prices only the
-   kernels it touches (:class:`LiveProgram`).
+   better rewritten one, and the input program, with single-class switches
+   under that price: whether a value is stored or recomputed in every loop
+   that reads it depends on the whole program, which no sum of node costs
+   sees. A switch re-prices only the kernels it touches (:class:`LiveProgram`,
+   one per extraction, moved between the searches' starts).
 5. The cheapest candidate wins, and the input program is one of them, so the
    result never costs more than the input; with no rules it is the input.
    The distinct candidates stay available, cheapest first, for
@@ -976,8 +977,7 @@ def extract(snap: Snapshot, roots: Sequence[Any], model: CostModel, original: se
         for c, r in candidates:
             cost = price(c, roots)
             priced.append((c, cost, r, price.last_key[1]))
-        # Refine the best rewritten candidate, and the input, under the whole-program price (a second
-        # rewritten start found no better program on the golden or the ecosystem programs, at a third of the time).
+        # Refine the best rewritten candidate, and the input, under the whole-program price.
         starts = [(c, cost, sig) for c, cost, _, sig in sorted([p for p in priced if p[2]], key=lambda p: p[1])[:1]]
         if orig_choice is not None:
             # The input program again: it reaches only classes of orig_choice (a closed choice), so it is the same program.
