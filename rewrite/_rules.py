@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax._src import core
 
-from ._1_trace import trace_at
+from ._1_trace import _mesh_of, trace_at
 from . import _terms
 from ._intern import LITERALS, PARAMS
 from ._pattern import Pat, PatternError, Query, commuted, compile_pats, compile_traced, generalize
@@ -295,6 +295,8 @@ class Rule:
         #: The replacement is preferred whatever it costs: the matched form is barred where it fired.
         self.prefer = False
         self._traced: dict[tuple, Any] = {}
+        #: elementwise sides traced at one shape, by the inputs' dtypes (see :meth:`traced`)
+        self._elementwise: dict[tuple, tuple] = {}
 
     @property
     def is_pat(self) -> bool:
@@ -305,15 +307,32 @@ class Rule:
         return isinstance(self.rhs, Procedure)
 
     def traced(self, avals: tuple[Any, ...]) -> tuple[core.ClosedJaxpr, core.ClosedJaxpr | None]:
-        """Both sides traced at these avals (cached). Raises if either side cannot be traced there."""
+        """Both sides traced at these avals (cached). Raises if either side cannot be traced there.
+
+        Where every input has one shape, and both sides traced at another
+        shape with the same dtypes were elementwise there (every value of
+        that shape or a scalar literal, every equation elementwise), the
+        sides are those programs at this shape (:func:`_retyped`) instead of
+        new traces: an elementwise program computes the same scalar function
+        at every position, so two that agree at one shape agree at all.
+        """
         found = self._traced.get(avals)
         if found is None:
-            try:
-                lhs = trace_at(self.lhs, avals)
-                rhs = None if self.is_procedural else trace_at(self.rhs, avals)
-                found = (lhs, rhs)
-            except Exception as e:  # a rule need not apply at every shape
-                found = e
+            shape = _one_shape(avals)
+            dtypes = tuple((a.dtype, bool(a.weak_type)) for a in avals) if shape is not None else None
+            seen = self._elementwise.get(dtypes) if dtypes is not None else None
+            if seen is not None:
+                found = tuple(None if side is None else _retyped(side, avals, shape) for side in seen)
+            else:
+                try:
+                    lhs = trace_at(self.lhs, avals)
+                    rhs = None if self.is_procedural else trace_at(self.rhs, avals)
+                    found = (lhs, rhs)
+                except Exception as e:  # a rule need not apply at every shape
+                    found = e
+                else:
+                    if dtypes is not None and all(side is None or _elementwise_at(side, shape) for side in found):
+                        self._elementwise[dtypes] = found
             self._traced[avals] = found
         if isinstance(found, Exception):
             raise found
@@ -365,6 +384,66 @@ class Rule:
 
     def __repr__(self) -> str:
         return f"<rule {self.name!r}>"
+
+
+def _one_shape(avals: Sequence[Any]) -> tuple[int, ...] | None:
+    """The shape every aval has, if they share one and carry no sharding or varying axes (else ``None``)."""
+    if not avals:
+        return None
+    shape = avals[0].shape
+    for a in avals:
+        if type(a) is not core.ShapedArray or a.shape != shape or getattr(a, "vma", None) or _mesh_of(a) is not None:
+            return None
+    return tuple(shape)
+
+
+def _elementwise_at(closed: core.ClosedJaxpr, shape: tuple[int, ...]) -> bool:
+    """Whether ``closed`` computes elementwise at ``shape``: no constants or effects, every equation an
+    elementwise primitive without sub-programs, every value of ``shape`` except scalar literals read by
+    equations (an input or output is never a literal). Never at shape ``()``."""
+    from . import _terms
+
+    jaxpr = closed.jaxpr
+    if closed.consts or jaxpr.constvars or jaxpr.effects or shape == ():
+        return False  # (at shape (), an equation of literals alone would look elementwise)
+
+    def ok(v: Any) -> bool:
+        if isinstance(v, core.Literal):
+            return tuple(getattr(v.aval, "shape", (None,))) == ()
+        aval = v.aval
+        return type(aval) is core.ShapedArray and tuple(aval.shape) == shape
+
+    if not all(ok(v) and not isinstance(v, core.Literal) for v in (*jaxpr.invars, *jaxpr.outvars)):
+        return False
+    for eqn in jaxpr.eqns:
+        spec = _terms.BY_PRIM.get(eqn.primitive.name)
+        if spec is None or spec.family not in (_terms.ELEMENTWISE, _terms.TRANSCENDENTAL):
+            return False
+        if next(iter(core.jaxprs_in_params(eqn.params)), None) is not None or eqn.effects:
+            return False
+        if not all(map(ok, eqn.invars)) or not all(ok(v) for v in eqn.outvars if not isinstance(v, core.DropVar)):
+            return False
+    return True
+
+
+def _retyped(closed: core.ClosedJaxpr, avals: Sequence[Any], shape: tuple[int, ...]) -> core.ClosedJaxpr:
+    """An elementwise program (:func:`_elementwise_at`) at ``shape``, taking inputs of these avals."""
+    jaxpr = closed.jaxpr
+    new: dict[Any, Any] = {v: core.Var(a) for v, a in zip(jaxpr.invars, avals)}
+
+    def var(v: Any) -> Any:
+        if isinstance(v, core.Literal):
+            return v
+        found = new.get(v)
+        if found is None:
+            aval = core.ShapedArray(shape, v.aval.dtype, weak_type=v.aval.weak_type)
+            found = new[v] = core.DropVar(aval) if isinstance(v, core.DropVar) else core.Var(aval)
+        return found
+
+    eqns = [eqn.replace(invars=[var(v) for v in eqn.invars], outvars=[var(v) for v in eqn.outvars])
+            for eqn in jaxpr.eqns]
+    return core.ClosedJaxpr(jaxpr.replace(invars=[new[v] for v in jaxpr.invars],
+                                          outvars=[var(v) for v in jaxpr.outvars], eqns=eqns), [])
 
 
 def _canonical(closed: core.ClosedJaxpr, labels: Sequence[int]) -> tuple:

@@ -364,3 +364,77 @@ def test_shape_derived_literals_match_at_every_size():
     # constant literals stay exact in the query
     one = rule(lambda x: x * 1, lambda x: x, name="mul_one")
     assert all("_shape" not in q.text for q in one.queries)
+
+
+# ---------------------------------------------------------------------- sides traced once for every shape
+def _traced_rules():
+    import rulesets
+
+    out = []
+    for pack in (rulesets.algebra, rulesets.derivatives, rulesets.fastmath, rulesets.nn, rulesets.linalg):
+        for r, _ in pack.entries():
+            if not r.is_pat:
+                out.append(r)
+    return out
+
+
+def test_elementwise_sides_at_a_new_shape_are_the_sides_traced_there():
+    """``Rule.traced`` gives a rule's sides at a new shape by retyping those traced at another, where both were
+    elementwise there (``_rules._retyped``). For every traced rule of the built-in packs, at shapes, dtypes and
+    weak types that its traces see, the retyped programs must be the programs tracing gives there, equation
+    for equation; the sides that are not elementwise are traced."""
+    from jax._src import core
+
+    from rewrite._1_trace import trace_at
+    from rewrite._rules import Rule
+
+    retyped = traced = 0
+    for r in _traced_rules():
+        n = len(r.var_names)
+        for dtype, weak in ((jnp.float32, False), (jnp.float32, True), (jnp.int32, False)):
+            first = tuple(core.ShapedArray((3,), dtype, weak_type=weak) for _ in range(n))
+            fresh = Rule.__new__(Rule)
+            fresh.__dict__.update({**r.__dict__, "_traced": {}, "_elementwise": {}})
+            try:
+                fresh.traced(first)
+            except Exception:
+                continue
+            for shape in ((2, 5), (1,), (4, 1, 2)):
+                avals = tuple(core.ShapedArray(shape, dtype, weak_type=weak) for _ in range(n))
+                was_retyped = bool(fresh._elementwise)
+                try:
+                    got = fresh.traced(avals)
+                except Exception:
+                    continue
+                want = (trace_at(r.lhs, avals), None if r.is_procedural else trace_at(r.rhs, avals))
+                for g, w in zip(got, want):
+                    assert (g is None) == (w is None)
+                    if g is not None:
+                        assert str(g.jaxpr) == str(w.jaxpr), (r.name, shape, dtype, weak)
+                        assert [v.aval for v in g.jaxpr.outvars] == [v.aval for v in w.jaxpr.outvars]
+                retyped += was_retyped
+                traced += not was_retyped
+    assert retyped >= 50 and traced >= 20, (retyped, traced)
+
+
+def test_a_rule_traced_elementwise_at_one_shape_is_still_an_identity_at_another():
+    """A rule whose Python branches on the shape is elementwise at one shape and not at another; after a rewrite
+    at the first, the sides used at the second are those of the first, retyped (tracing there would not match),
+    and the rewrite must keep every value there."""
+    def lhs(x):
+        if x.shape[0] < 5:
+            return x * 2.0 * 0.5
+        return jnp.broadcast_to(x.sum(0, keepdims=True), x.shape) * 0.0 + x * 2.0 * 0.5
+
+    mine = Ruleset("mine", [rule(lhs, lambda x: x, name="double")])
+
+    def f(a):
+        return jnp.sin(a * 2.0 * 0.5)
+
+    small = jnp.linspace(-2.0, 2.0, 12).reshape(2, 6)
+    big = jnp.linspace(-3.0, 3.0, 48).reshape(8, 6)
+    assert explain(f, small, rulesets=[mine]).fired == {"double": 1}
+    report = explain(f, big, rulesets=[mine])
+    assert report.fired == {"double": 1}  # from the sides retyped: traced at (8, 6), the left side has a sum
+    assert "mul" not in str(report.after)
+    np.testing.assert_array_equal(np.asarray(rewrite(f, rulesets=[mine], cache=False)(big)), np.asarray(f(big)))
