@@ -231,8 +231,8 @@ def _nbytes(aval: Any) -> int:
 
 def _add_sincos(cost: float, model: Any, ops: Sequence[Any], sincos: dict) -> float:
     """``cost`` plus the transcendentals of ``sincos`` (argument -> which of sin and cos a kernel takes of
-    it): both of one argument are one ``sincos`` call. Added one by one, in order, as prices are compared
-    bit for bit."""
+    it): both of one argument are one ``sincos`` call. Added one by one, in order, so that the whole and the
+    live price (``LiveFusion._kernel``) sum them alike."""
     for arg, which in sincos.items():
         elems = _size(ops[arg].out_avals[0])
         if len(which) == 2:

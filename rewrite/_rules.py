@@ -401,8 +401,6 @@ def _elementwise_at(closed: core.ClosedJaxpr, shape: tuple[int, ...]) -> bool:
     """Whether ``closed`` computes elementwise at ``shape``: no constants or effects, every equation an
     elementwise primitive without sub-programs, every value of ``shape`` except scalar literals read by
     equations (an input or output is never a literal). Never at shape ``()``."""
-    from . import _terms
-
     jaxpr = closed.jaxpr
     if closed.consts or jaxpr.constvars or jaxpr.effects or shape == ():
         return False  # (at shape (), an equation of literals alone would look elementwise)
