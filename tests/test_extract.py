@@ -384,3 +384,33 @@ def test_kernel_facts_kept_in_memos_price_as_fresh_ops():
         for model in models + models:
             assert model(with_memo()) == model(_whole(ops, outputs))
         assert any(key[0] == "facts" for m in memo.values() for key in m)  # the memos were used
+
+
+@pytest.mark.parametrize("name", sorted(PROGRAMS))
+def test_the_input_is_a_search_start_only_where_it_prices_as_the_rewritten_start(name):
+    """The second ``ProgramSearch`` starts from the input program only where the input prices at most
+    ``INPUT_START`` above the best rewritten candidate: such a start is searched, a dearer one is not."""
+    from rewrite import _4_extract as X
+
+    res, model, ex, tree_choice = _search_state(name)
+    starts = []
+    real = X.ProgramSearch.run
+
+    def spy(self, passes=3, known=None):
+        starts.append(known)
+        return real(self, passes, known)
+
+    X.ProgramSearch.run = spy
+    try:
+        X.extract(res.snapshot, res.roots, model, res.original)
+    finally:
+        X.ProgramSearch.run = real
+    fresh = ProgramPricer(ex, model)
+    rewritten = fresh(X.search(ex, tree_choice, res.roots), res.roots)
+    _, orig = ex.tree(lambda cls, ctor, args: ctor in _CONTAINERS or (ctor, args) in res.original)
+    original = fresh(orig, res.roots)
+    assert starts[0] == pytest.approx(rewritten, rel=1e-12)
+    if original <= rewritten * (1 + X.INPUT_START) and original != rewritten:
+        assert starts[1:] == [pytest.approx(original, rel=1e-12)]
+    else:
+        assert len(starts) == 1 or starts[1] == pytest.approx(rewritten, rel=1e-12)  # the same program once
