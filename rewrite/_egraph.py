@@ -47,7 +47,7 @@ import numpy as np
 from egglog import bindings as eb
 
 from . import _terms
-from ._intern import LITERALS, PARAMS, TYPES, content_hash
+from ._intern import LITERALS, PARAMS, TYPES, content_hash, in_dtype
 
 _SPAN = eb.PanicSpan()
 _CHUNK = 200
@@ -416,6 +416,7 @@ class EGraph:
         return ListRef(("B",) + tuple((b.scope, b.outs.key) for b in bodies), expr)
 
     def literal(self, value: Any, aval: Any) -> int:
+        value = in_dtype(value, aval.dtype)
         n = self.num_names
         vid = self.term("Lit", [LITERALS.intern_value(value), TYPES.intern_aval(aval)], TYPES.intern_aval(aval))
         if vid == n:

@@ -103,6 +103,22 @@ class TupleType(tuple):
     """The type of a multi-result node: the avals of its components."""
 
 
+def in_dtype(value: Any, dtype: Any) -> Any:
+    """A literal's value as its dtype holds it.
+
+    A literal JAX makes from a Python number (``lax.mul(x, 1e-50)``) keeps
+    the number, typed ``float32`` but not rounded to it; XLA rounds it when
+    it compiles. Facts, rules and keys must see the rounded value: read
+    unrounded, ``1e-50`` would be a non-zero ``float32`` and ``(x * 1e-50) / 1e-50``
+    would cancel to ``x``, where the program computes ``0 / 0``.
+    """
+    try:
+        with np.errstate(all="ignore"):
+            return np.asarray(value).astype(dtype)
+    except (TypeError, ValueError, OverflowError):
+        return value
+
+
 def literal_key(value: Any) -> Hashable:
     """A dtype-independent key for a scalar literal value.
 

@@ -33,7 +33,7 @@ from jax._src import core
 
 from . import _terms
 from ._2_load import load_closed
-from ._intern import LITERALS, TYPES, content_hash
+from ._intern import LITERALS, TYPES, content_hash, in_dtype
 
 #: Families whose params are shapes, axes or bounds: wildcards in queries.
 _SHAPE_FAMILIES = {_terms.LAYOUT, _terms.TRANSPOSE, _terms.REDUCE, _terms.CONTRACT, _terms.INDEX}
@@ -154,6 +154,7 @@ class QueryBuilder:
         # Literals match by value, whatever their dtype: a pattern traced in
         # float32 also matches a float64 or int32 program. Two literals of one
         # value but different types (weak and strong 0.0, say) stay distinct.
+        value = in_dtype(value, aval.dtype)  # as the e-graph keeps a program's literals (EGraph.literal)
         key = ("Lit", LITERALS.intern_value(value), TYPES.intern_aval(aval))
         found = self._memo.get(key)
         if found is not None:
@@ -308,6 +309,7 @@ class Verifier:
         return lst
 
     def literal(self, value: Any, aval: Any) -> Any:
+        value = in_dtype(value, aval.dtype)  # as the e-graph keeps a program's literals (EGraph.literal)
         return self.term("Lit", [LITERALS.intern_value(value), TYPES.intern_aval(aval)], 0)
 
     def const(self, array: Any, aval: Any) -> Any:

@@ -145,3 +145,24 @@ def test_facts_reach_guards(expr, derived):
     probe = Ruleset("probe", [rule(lambda v: jnp.abs(v), lambda v: v, name="abs_of_nonneg", when=lambda v: v.nonneg)])
     report = explain(lambda x: jnp.abs(expr(x)), jnp.linspace(-2.0, 2.0, 5), rulesets=[probe])
     assert (report.fired == {"abs_of_nonneg": 1}) == derived
+
+
+@pytest.mark.parametrize("c", [1e-50, 1e39])
+def test_literals_are_read_as_their_dtype_holds_them(c):
+    """A literal made from a Python number keeps the number (``lax.mul(x, 1e-50)`` is typed float32, holding
+    1e-50); XLA rounds it to the dtype. Facts and rules must see the rounded value: 1e-50 is a float32 zero,
+    so ``(x * 1e-50) / 1e-50`` is 0/0 (NaN), not ``x``; and 1e39 is an infinity, so ``(x * 1e39) / 1e39`` is not
+    ``x`` either."""
+    import rulesets
+    from jax import lax
+
+    from rewrite import rewrite
+
+    def f(v):
+        return lax.div(lax.mul(v, c), c)
+
+    x = jnp.array([1.0, -2.0, 0.5, 3.0], jnp.float32)
+    want = np.asarray(jax.jit(f)(x))
+    assert np.isnan(want).all()  # the premise: the literal rounds to 0 or to inf in float32
+    got = jax.jit(rewrite(f, rulesets=[rulesets.algebra, rulesets.derivatives], cache=False))(x)
+    np.testing.assert_array_equal(np.asarray(got), want)
