@@ -78,7 +78,23 @@ def param_relations() -> list[str]:
 
 
 def schema() -> str:
-    """The egglog declarations shared by every e-graph."""
+    """The egglog declarations shared by every e-graph.
+
+    Made once per state of the primitive table (every e-graph asks for it,
+    and writing it takes a third of a millisecond): the key is the records
+    themselves, so a primitive registered or replaced makes a new schema.
+    """
+    specs, made = _SCHEMA
+    if len(specs) != len(BY_PRIM) or not all(a is b for a, b in zip(specs, BY_PRIM.values())):
+        made = _schema()
+        _SCHEMA[:] = [tuple(BY_PRIM.values()), made]
+    return made
+
+
+_SCHEMA: list = [(), ""]  # (the records it was made from, the schema)
+
+
+def _schema() -> str:
     lines = [f"(sort {s})" for s in SORTS]
     for name, args, out in STRUCTURAL:
         lines.append(f"(constructor {name} ({' '.join(args)}) {out})")

@@ -86,8 +86,10 @@ def test_a_replaced_record_with_another_layout_is_read_afresh():
     register_primitive(OpSpec("test_layout", "T", "elementwise", ctor="TestLayout"))
     try:
         assert ctor_arg_sorts("TestLayout") == ("Term", "i64")
+        assert "(constructor TestLayout (Term i64) Term)" in _terms.schema()  # the schema is remade, not kept
         register_primitive(OpSpec("test_layout", "TT", "elementwise", ctor="TestLayout"), replace=True)
         assert ctor_arg_sorts("TestLayout") == ("Term", "Term", "i64")
+        assert "(constructor TestLayout (Term Term i64) Term)" in _terms.schema()
     finally:
         unregister("test_layout")
 
