@@ -499,7 +499,7 @@ _SUM_OF = Pat("reduce_sum", Pat({"add", "sub"}, X, Y, name="s", params="op"), pa
 derivatives_exact = Ruleset("derivatives_exact", [
     *[_algebra.rule(n) for n in ("add_neg", "sub_neg", "reduce_unit_axes", "reshape_reshape")],  # x + -y -> x - y; ...
     rule(lambda x, y: lax.add(-x, y), lambda x, y: y - x, name="sign_neg_add", when=_floating),  # -x + y -> y - x
-    rule(Pat("add_any", X, Y), lambda x, y: lax.add(x, y), name="sign_add_any",                           # add_any(x, y) -> x + y
+    rule(Pat("add_any", X, Y), lambda x, y: lax.add(x, y), name="sign_add_any",                   # add_any(x, y) -> x + y
          example=(_vjp_of(lambda v: v * jnp.sin(v)), (_S, _S))),
     rule(Pat("reshape", Pat("neg", X), params="p"), lambda x, p: lax.neg(p.bind(x)), name="red_reshape_neg",  # reshape(-x) -> -reshape(x)
          when=lambda p: p.dimensions is None, example=(lambda x: (-(x.reshape(12))).reshape(3, 4), (_S,))),
