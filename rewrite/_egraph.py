@@ -93,6 +93,15 @@ class _Loader:
     kinds: tuple[str, ...]  # id -> kind
     pads: tuple[str, ...]   # a row's length -> what completes its line (zero columns, newline)
     params: frozenset[str]  # the kinds that are relations on params ids
+    #: (constructor, length) -> kind id, for nodes whose one list argument has that many items (see LIST_ROWS)
+    lists: dict[tuple[str, int], int] = dataclasses.field(default_factory=dict)
+
+
+#: Nodes with one list argument that programs make often, loaded from rows at the list lengths named
+#: here: ``select_n`` of two cases (16 a program on the ecosystem suite) and an opaque call of one operand.
+#: As actions, each flush that held one compiled a rule for them (0.5-1 ms when a program is loaded);
+#: each kind costs a loader rule, copied at every ``push`` and ``pop`` (see :data:`_POOL`), so few are.
+LIST_ROWS = (("SelectN", 2), ("Opaque", 1))
 
 
 @functools.lru_cache(maxsize=8)
@@ -102,6 +111,28 @@ def _loader(schema: str) -> _Loader:
         sorts = _terms.ctor_arg_sorts(ctor)
         args = " ".join(f"(V a{i + 1})" if srt == "Term" else f"a{i + 1}" for i, srt in enumerate(sorts))
         kinds.append((ctor, 1 + len(sorts), f"(union (V a0) ({ctor} {args}))"))
+    lists: dict[tuple[str, int], int] = {}
+    for ctor, n in LIST_ROWS:
+        try:
+            sorts = _terms.ctor_arg_sorts(ctor)
+        except KeyError:  # not a constructor of this table
+            continue
+        if _terms.ctor_sort(ctor) != "Term" or [s for s in sorts if s not in ("Term", "i64")] != ["TList"]:
+            continue  # a node of another sort, or not with exactly one list argument
+        parts, col = [], 1
+        for srt in sorts:
+            if srt == "TList":
+                items = [f"(V a{col + j})" for j in range(n)]
+                expr = "(TNil)"
+                for item in reversed(items):
+                    expr = f"(TCons {item} {expr})"
+                parts.append(expr)
+                col += n
+            else:
+                parts.append(f"(V a{col})" if srt == "Term" else f"a{col}")
+                col += 1
+        lists[(ctor, n)] = len(kinds)
+        kinds.append((f"{ctor}/{n}", col, f"(union (V a0) ({ctor} {' '.join(parts)}))"))
     kinds.append(("union", 2, "(union (V a0) (V a1))"))
     kinds += [(fact, 1, f"({fact} (V a0))") for fact in _terms.FACTS]
     kinds += [(rel, 1, f"({rel} a0)") for rel in _terms.param_relations()]
@@ -112,7 +143,7 @@ def _loader(schema: str) -> _Loader:
               for k, (kind, _, action) in enumerate(kinds)]
     pads = tuple("\t0" * (1 + cols - n) + "\n" for n in range(2 + cols))
     return _Loader("\n".join(lines), {kind: k for k, (kind, _, _) in enumerate(kinds)},
-                   tuple(kind for kind, _, _ in kinds), pads, frozenset(_terms.param_relations()))
+                   tuple(kind for kind, _, _ in kinds), pads, frozenset(_terms.param_relations()), lists)
 
 
 def loader_program(schema: str) -> str:
@@ -188,6 +219,20 @@ class _Rows:
                 out.append(eb.Expr_(_SPAN, call(kind, v_expr(r[0]))))
             elif kind in loader.params:
                 out.append(eb.Expr_(_SPAN, call(kind, int_lit(r[0]))))  # a relation on params ids
+            elif "/" in kind:  # a node with a list argument (LIST_ROWS)
+                ctor, n = kind.split("/")
+                it = iter(r[1:])
+                args = []
+                for srt in _terms.ctor_arg_sorts(ctor):
+                    if srt == "TList":
+                        lst = call("TNil")
+                        for item in reversed([next(it) for _ in range(int(n))]):
+                            lst = call("TCons", v_expr(item), lst)
+                        args.append(lst)
+                    else:
+                        a = next(it)
+                        args.append(v_expr(a) if srt == "Term" else int_lit(a))
+                out.append(eb.Union(_SPAN, v_expr(r[0]), call(ctor, *args)))
             else:
                 sorts = _terms.ctor_arg_sorts(kind)
                 args = [v_expr(a) if srt == "Term" else int_lit(a) for srt, a in zip(sorts, r[1:])]
@@ -333,6 +378,8 @@ class EGraph:
         self.defs.append((ctor, tuple(args)))
         if ctor in self._flat:
             self._rows.append((self._loader.ids[ctor], vid, *map(int, args)))
+        elif (row := self._list_row(ctor, sorts, args)) is not None:
+            self._rows.append((row[0], vid, *row[1:]))
         else:
             exprs = [self._expr(sort, a) for sort, a in zip(sorts, args)]
             self._pending.append(eb.Union(_SPAN, v_expr(vid), call(ctor, *exprs)))
@@ -386,6 +433,26 @@ class EGraph:
         self.vsource.append(self.source if self.source is not None else source)
         self.vorigin.append(self.origin)
         return vid
+
+    def _list_row(self, ctor: str, sorts: Sequence[str], args: Sequence[Any]) -> tuple[int, ...] | None:
+        """The loader row (kind id, then columns) of a node whose list argument has a length loaded
+        from rows (:data:`LIST_ROWS`), or ``None``."""
+        lists = self._loader.lists
+        if not lists:
+            return None
+        row: list[int] = []
+        kind = None
+        for srt, a in zip(sorts, args):
+            if srt in ("Term", "i64"):
+                row.append(int(a))
+            elif srt == "TList" and kind is None and isinstance(a, ListRef) and a.key[0] == "T":
+                kind = lists.get((ctor, len(a.key) - 1))
+                if kind is None:
+                    return None
+                row.extend(a.key[1:])
+            else:
+                return None
+        return None if kind is None else (kind, *row)
 
     def _expr(self, sort: str, a: Any) -> Any:
         if sort == "Term":

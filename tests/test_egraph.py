@@ -335,3 +335,29 @@ def test_an_explained_rewrite_leaves_no_cycle_that_holds_its_egraph():
     finally:
         gc.enable()
         _egraph.EGraph.__init__ = real
+
+
+@pytest.mark.parametrize("writable", [True, False])
+def test_nodes_with_a_short_list_load_from_rows_as_actions_would_make_them(monkeypatch, writable):
+    if not writable:
+        monkeypatch.setattr(_egraph._Rows, "commands", staticmethod(lambda *args: (_ for _ in ()).throw(OSError())))
+    eg = _egraph.EGraph()
+    f32, b = TYPES.intern_aval(F32), TYPES.intern_aval(core.ShapedArray((3,), jnp.bool_))
+    x = eg.term("Param", [0, 0], f32)
+    y = eg.term("Param", [0, 1], f32)
+    p = eg.term("Param", [0, 2], b)
+    select = _terms.BY_PRIM["select_n"].ctor
+    two = eg.term(select, [p, eg.tlist([x, y]), PARAMS.intern_params(jax.lax.select_n_p, {})], f32)  # a row
+    three = eg.term(select, [p, eg.tlist([x, y, x]), PARAMS.intern_params(jax.lax.select_n_p, {})], f32)  # an action
+    opaque = eg.term("Opaque", [eg.tlist([y]), PARAMS.intern_params(jax.lax.cos_p, {})], f32)  # a row
+    snap = eg.snapshot()
+    for vid in (two, three, opaque):  # each name's class holds the node made for it, lists included
+        ctor, args = eg.canonical(snap, vid)
+        assert (ctor, args) in snap.nodes[snap.cls_of_name[vid]]
+    assert len({snap.cls_of_name[v] for v in (two, three, opaque, x, y)}) == 5
+    assert snap.list_items(eg.canonical(snap, two)[1][1]) == [snap.cls_of_name[x], snap.cls_of_name[y]]
+    if writable:
+        assert _loaded_kinds(eg, snap) >= {"SelectN/2", "Opaque/1"}
+        assert "SelectN/3" not in _loaded_kinds(eg, snap)
+    else:
+        assert not snap.rows(_egraph.LOAD)
