@@ -552,8 +552,15 @@ class Engine:
             raise ValueError("Match.function takes values that exist in the e-graph (not ones built by this match)")
         if self._prefer is None:
             self._prefer = Extractor(snap, DEFAULT).tree()[1]
-        choice = choose_slice(snap, out_cls, set(in_cls), self._prefer)
+        seen: set = set()
+        choice = choose_slice(snap, out_cls, set(in_cls), self._prefer, visited=seen)
         if choice is None:
+            if self._reads is not None:
+                # No slice yet: one may come when a class it looked at gains a node (a body's output
+                # found independent of the carry, say), so those classes are read, as nodes_of's are,
+                # and a procedure that declines is tried again then. (A slice that was found is not
+                # watched: retrying on every change inside a loop body cost loop programs 10-20%.)
+                self._reads.update((c, None) for c in seen)
             return None
         try:
             closed = emit_slice(snap, choice, self.egraph, in_cls, out_cls)

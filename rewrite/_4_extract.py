@@ -1022,8 +1022,8 @@ def extract(snap: Snapshot, roots: Sequence[Any], model: CostModel, original: se
     return Extraction(best[0], best[1], orig_cost, best[2], ranked)
 
 
-def choose_slice(snap: Snapshot, roots: Sequence[Any], inputs: set[Any], prefer: dict[Any, tuple]
-                 ) -> dict[Any, tuple] | None:
+def choose_slice(snap: Snapshot, roots: Sequence[Any], inputs: set[Any], prefer: dict[Any, tuple],
+                 visited: set | None = None) -> dict[Any, tuple] | None:
     """A node per class that computes ``roots`` from ``inputs`` alone, or ``None`` if there is none.
 
     Used to read a piece of the e-graph back as a function (``Match.function``).
@@ -1031,7 +1031,8 @@ def choose_slice(snap: Snapshot, roots: Sequence[Any], inputs: set[Any], prefer:
     first in each class. A ``Param`` is allowed only inside a body that the
     slice itself enters, so the slice never reads an input it was not given;
     effects are never chosen. Each choice is acyclic (a class is never chosen
-    through itself).
+    through itself). ``visited``, if given, receives every class whose nodes
+    were looked at (the answer may change when one of them gains a node).
     """
     import sys
 
@@ -1072,6 +1073,8 @@ def choose_slice(snap: Snapshot, roots: Sequence[Any], inputs: set[Any], prefer:
         del visit  # the recursive closure's cycle would hold the snapshot: see Extractor.dag_cost
     finally:
         sys.setrecursionlimit(limit)
+    if visited is not None:
+        visited.update(done)
     return choice if found else None
 
 

@@ -166,6 +166,24 @@ def test_procedural_rule_with_pat():
     np.testing.assert_allclose(rewrite(f, rulesets=[rs])(a), 30.0)
 
 
+def test_a_procedure_declined_for_want_of_a_function_is_tried_again_when_one_can_be_read():
+    # fold_sin reads x back as a function of nothing (a constant). At first x is x*0 of an input, so it
+    # declines; times_zero then gives x's class a constant node, and the declined match must run again.
+    calls = []
+
+    @procedural
+    def fold_sin(m):
+        f = m.function([m["x"]], [])
+        calls.append(f is not None)
+        return None if f is None else m.trace(lambda: jnp.sin(f()[0]))
+
+    rs = Ruleset("fold", [rule(lambda x: x * 0.0, lambda x: jnp.zeros_like(x), name="times_zero"),
+                          rule(Pat("sin", Pat.var("x")), fold_sin, name="fold_sin")], soundness="fastmath")
+    report = explain(lambda x: jnp.sin(x * 0.0) + x, jnp.ones(3), rulesets=[rs])
+    assert calls == [False, True]
+    assert report.fired == {"times_zero": 1, "fold_sin": 1}
+
+
 def test_procedural_rhs_with_traced_lhs():
     @procedural
     def halve_if_even(m):
