@@ -552,10 +552,10 @@ class Engine:
             raise ValueError("Match.function takes values that exist in the e-graph (not ones built by this match)")
         if self._prefer is None:
             self._prefer = Extractor(snap, DEFAULT).tree()[1]
-        seen: set = set()
+        seen: set | None = set() if self._reads is not None else None
         choice = choose_slice(snap, out_cls, set(in_cls), self._prefer, visited=seen)
         if choice is None:
-            if self._reads is not None:
+            if seen is not None:
                 # No slice yet: one may come when a class it looked at gains a node (a body's output
                 # found independent of the carry, say), so those classes are read, as nodes_of's are,
                 # and a procedure that declines is tried again then. (A slice that was found is not

@@ -66,6 +66,14 @@ def v_expr(vid: int) -> Any:
     return call("V", int_lit(vid))
 
 
+def tlist_expr(vids: Sequence[int]) -> Any:
+    """The egglog expression of a ``TList`` of the named classes."""
+    expr = call("TNil")
+    for vid in reversed(vids):
+        expr = call("TCons", v_expr(vid), expr)
+    return expr
+
+
 @dataclasses.dataclass(frozen=True)
 class ListRef:
     """A ``TList`` (or ``BList``) built from named classes: its key and its egglog expression."""
@@ -123,11 +131,7 @@ def _loader(schema: str) -> _Loader:
         parts, col = [], 1
         for srt in sorts:
             if srt == "TList":
-                items = [f"(V a{col + j})" for j in range(n)]
-                expr = "(TNil)"
-                for item in reversed(items):
-                    expr = f"(TCons {item} {expr})"
-                parts.append(expr)
+                parts.append(_terms.tlist_text([f"(V a{col + j})" for j in range(n)]))
                 col += n
             else:
                 parts.append(f"(V a{col})" if srt == "Term" else f"a{col}")
@@ -226,10 +230,7 @@ class _Rows:
                 args = []
                 for srt in _terms.ctor_arg_sorts(ctor):
                     if srt == "TList":
-                        lst = call("TNil")
-                        for item in reversed([next(it) for _ in range(int(n))]):
-                            lst = call("TCons", v_expr(item), lst)
-                        args.append(lst)
+                        args.append(tlist_expr([next(it) for _ in range(int(n))]))
                     else:
                         a = next(it)
                         args.append(v_expr(a) if srt == "Term" else int_lit(a))
@@ -468,10 +469,7 @@ class EGraph:
 
     def tlist(self, refs: Iterable[int]) -> ListRef:
         refs = tuple(refs)
-        expr = call("TNil")
-        for r in reversed(refs):
-            expr = call("TCons", v_expr(r), expr)
-        return ListRef(("T",) + refs, expr)
+        return ListRef(("T",) + refs, tlist_expr(refs))
 
     def body(self, scope: int, outs: Iterable[int]) -> BodyRef:
         return BodyRef(scope, self.tlist(outs))

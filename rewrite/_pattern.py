@@ -145,10 +145,7 @@ class QueryBuilder:
         return v
 
     def tlist(self, refs: Sequence[str]) -> str:
-        expr = "(TNil)"
-        for r in reversed(refs):
-            expr = f"(TCons {r} {expr})"
-        return expr
+        return _terms.tlist_text(refs)
 
     def literal(self, value: Any, aval: Any) -> str:
         # Literals match by value, whatever their dtype: a pattern traced in
@@ -487,10 +484,7 @@ def compile_pat(pat: Pat, choice: dict[int, str] | None = None) -> tuple[Query, 
 
     def walk(p: Any, sort: str = "Term") -> str:
         if isinstance(p, (list, tuple)):
-            expr = "(TNil)"
-            for x in reversed(p):
-                expr = f"(TCons {walk(x)} {expr})"
-            return expr
+            return _terms.tlist_text([walk(x) for x in p])
         if p.prim == "var":
             if p.name in binds:
                 return binds[p.name][0]

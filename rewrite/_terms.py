@@ -20,6 +20,8 @@ Layout letters: ``T`` is one ``Term`` operand, ``L`` a ``TList`` of operands,
 
 from __future__ import annotations
 
+from typing import Sequence
+
 from ._primitives import (  # noqa: F401  (the table's names, re-exported for rule packs and patterns)
     BY_CTOR, BY_PRIM, CONTRACT, DEFAULT, ELEMENTWISE, FAMILIES, GROUPS, INDEX, LAYOUT, NESTED, OPAQUE, REDUCE,
     SPECIAL, SPECS, TRANSCENDENTAL, TRANSPOSE, OpSpec, family_of, spec_of,
@@ -126,6 +128,14 @@ def ctor_arg_sorts(ctor: str) -> tuple[str, ...]:
 
 
 _ARG_SORTS = ARG_SORTS  # extraction asks this hundreds of thousands of times; emptied when the table changes
+
+
+def tlist_text(items: Sequence[str]) -> str:
+    """The egglog text of a ``TList`` of the given items (``(TCons a (TCons b (TNil)))``)."""
+    expr = "(TNil)"
+    for item in reversed(items):
+        expr = f"(TCons {item} {expr})"
+    return expr
 
 
 def ctor_sort(ctor: str) -> str:
