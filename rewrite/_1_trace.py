@@ -180,7 +180,9 @@ def trace_at(fn: Callable[..., Any], avals: Sequence[Any]) -> core.ClosedJaxpr:
 
             in_avals = [core.ShapedArray(a.shape, a.dtype, weak_type=bool(getattr(a, "weak_type", False)))
                         for a in avals]
-            debug = api_util.debug_info("rewrite.trace_at", fn, tuple(in_avals), {})
+            # The debug info made by hand: api_util.debug_info reads the function's signature (inspect), a
+            # quarter of a small trace's cost; argument names only label error messages.
+            debug = core.DebugInfo("rewrite.trace_at", api_util.fun_sourceinfo(fn), None, core.initial_result_paths)
         except Exception:  # not a function these internals take: make_jaxpr's way (fn is not called twice)
             pass
         else:
