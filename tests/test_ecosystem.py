@@ -31,3 +31,32 @@ def test_relative_error_sees_differences():
     assert ecosystem.relative_error(a, {"x": np.array([1.0, 2.5, np.nan]), "n": np.array([1, 2])}) == 0.25
     assert np.isnan(ecosystem.relative_error(a, {"x": np.array([1.0, 2.0, 0.0]), "n": np.array([1, 2])}))
     assert ecosystem.relative_error(a, {"x": a["x"], "n": np.array([1, 3])}) == np.inf
+
+
+def _result(name, overhead, stages=None, predicted=1.0, ratio=1.0, aa=1.0, fired=None):
+    stages = stages or {"trace": 0.02, "load": 0.01, "saturate": 0.02, "extract": 0.01, "emit": 0.0}
+    return ecosystem.Result(
+        program=name, library="lib", kind="k", config="identity", eqns=10, fired=fired or {}, stopped="saturated",
+        rows=100, rewrite_seconds=sum(stages.values()), stage_seconds=stages,
+        compile_seconds=sum(stages.values()) / overhead, error=0.0, control_error=0.0, values_kept=True,
+        predicted=predicted, ratio=ratio, aa_ratio=aa, temp_before=0, temp_after=0, flops_before=0.0,
+        flops_after=0.0, transc_before=0.0, transc_after=0.0, changed=True)
+
+
+def test_a_missed_median_names_the_programs_to_bring_down_and_their_stages():
+    rs = [_result(f"p{i}", o) for i, o in enumerate([0.1, 0.2, 0.31, 0.35, 0.5])]
+    text = "\n".join(ecosystem.targets(rs))
+    assert "median at most 0.3x: missed (0.31x)" in text
+    # three of five must be at or below 0.3x: two are, so one more, the nearest above the target
+    assert "1 more program(s) must come to 0.3x or below" in text
+    assert "p2 0.310x" in text and "p3" not in text
+    assert "trace 33%" in text and "saturate 33%" in text and "load 17%" in text
+    met = "\n".join(ecosystem.targets([_result(f"p{i}", o) for i, o in enumerate([0.1, 0.2, 0.25, 0.35])]))
+    assert "median at most 0.3x: met" in met and "must come" not in met
+
+
+def test_a_model_miss_says_whether_it_is_beyond_the_noise_and_which_rules_fired():
+    within = ecosystem.model_miss(_result("d", 0.3, predicted=1.13, ratio=0.97, aa=1.04, fired={"red_merge": 3}))
+    assert "within the A/A noise (3% slower, the A/A control 4% off)" in within and "red_merge 3" in within
+    beyond = ecosystem.model_miss(_result("d", 0.3, predicted=1.13, ratio=0.90, aa=1.02))
+    assert "beyond the A/A noise (10% slower, A/A 2% off)" in beyond
