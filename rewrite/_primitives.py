@@ -266,10 +266,13 @@ def inner_jaxpr(params: Mapping[str, Any]) -> Any:
 
 # ---------------------------------------------------------------------- elementwise records
 def _integer_pow_muls(params: Mapping[str, Any]) -> tuple[int, int]:
-    """``x ** y`` by repeated squaring: its multiplications, and one division when ``y`` is negative."""
+    """``x ** y`` by repeated squaring, as jax lowers it: its multiplications, and one division when ``y`` is
+    negative (``x ** 1`` is ``x`` itself and ``x ** 0`` a constant one: no multiplication)."""
     y = params.get("y", 2)
     n = abs(int(y))
-    return max(1, n.bit_length() - 1 + bin(n).count("1") - 1), 1 if y < 0 else 0
+    if n == 0:
+        return 0, 0
+    return n.bit_length() - 1 + bin(n).count("1") - 1, 1 if y < 0 else 0
 
 
 def _float_result(params: Mapping[str, Any], out_avals: Sequence[Any]) -> bool:
@@ -306,8 +309,9 @@ _add("integer_pow", unrolled=_integer_pow_muls, expensive=lambda p, o: p.get("y"
      library=lambda p, o: p.get("y", 2) > 0, param_facts={"EvenPow": lambda p: p.get("y", 1) % 2 == 0})
 # views: no arithmetic per element
 _add("broadcast_in_dim reshape squeeze convert_element_type copy iota", free=True)
-# what a library (YNN) reduction fusion absorbs from its producers; the reductions that can be one
-_add("add sub mul neg max min broadcast_in_dim reshape squeeze convert_element_type", library=True)
+# what a library (YNN) reduction fusion absorbs from its producers; the reductions that can be one.
+# (jax lowers ``square`` to HLO's ``multiply``: the compiled fusion holds ``multiply(x, x)``)
+_add("add sub mul neg max min square broadcast_in_dim reshape squeeze convert_element_type", library=True)
 _add("reduce_sum reduce_max reduce_min", library_reduction=True)
 # Facts. Every one is sound under the definitions in rewrite/_terms.py for all floating inputs
 # including -0.0, +-inf and NaN; tests/test_facts.py checks each on random inputs. Underflow is

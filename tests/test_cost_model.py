@@ -3,6 +3,7 @@
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 import numpy as np
 import pytest
 
@@ -221,3 +222,25 @@ def test_extraction_prices_each_distinct_program_once():
     pricer(refined, res.roots)
     assert pricer.evaluations == again
     assert extract(res.snapshot, res.roots, model, res.original).cost == pytest.approx(report.cost_after)
+
+
+def _price(fn, *args):
+    model = AnalyticCost()
+    return model.program(Program.from_jaxpr(jax.make_jaxpr(fn)(*args), model))
+
+
+def test_programs_xla_compiles_alike_are_priced_alike():
+    # jax lowers square to HLO's multiply, which a library reduction takes in (an optimizer's global norm,
+    # sum(square(g)), is one kernel), and x ** 1 to x itself: a rewrite between these saves nothing.
+    x = jnp.ones((512, 512))
+    assert _price(lambda x: jnp.sum(lax.square(x)), x) == _price(lambda x: jnp.sum(x * x), x)
+    # one kernel, as XLA compiles it: the multiply inside the reduction's fusion, nothing stored
+    closed = jax.make_jaxpr(lambda x: jnp.sum(lax.square(x)))(x)
+    model = AnalyticCost()
+    assert len(model.fusion_model().kernels(Program.from_jaxpr(closed, model))) == 1
+    hlo = jax.jit(lambda x: jnp.sum(lax.square(x))).lower(x).compile().as_text()
+    entry = hlo[hlo.index("ENTRY"):]
+    assert "multiply(" in hlo and entry.count(" fusion(") == 1
+    # a power of one costs no multiplication (only the model's small price per equation)
+    one, none = _price(lambda x: 2.0 * lax.integer_pow(x, 1), x), _price(lambda x: 2.0 * x, x)
+    assert none <= one <= none * 1.01
