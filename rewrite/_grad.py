@@ -61,6 +61,7 @@ from typing import Any, Sequence
 
 import jax
 from jax._src import core
+from jax.dtypes import float0
 from jax._src.interpreters import ad, batching, mlir
 from jax._src.interpreters import partial_eval as pe
 
@@ -230,8 +231,24 @@ def _batch(args: Sequence[Any], dims: Sequence[Any], *, program: Program) -> tup
     return list(outs), [0] * len(outs)
 
 
+def _untracked(dif_in: Sequence[int], nonzero: Sequence[bool]) -> bool:
+    """Does a tangent flow into an input the derivative program does not differentiate?
+
+    The program's inputs are chosen by dtype (:func:`rewrite._vjp.float_positions`); should JAX ever
+    differentiate an input that choice left out, the program would drop its tangent and give a
+    silently zero derivative, so JAX differentiates the forward program instead.
+    """
+    dif = set(dif_in)
+    return any(nz and i not in dif for i, nz in enumerate(nonzero))
+
+
 def _jvp(primals: Sequence[Any], tangents: Sequence[Any], *, program: Program) -> tuple[list[Any], list[Any]]:
     built = program.jvp()
+    if built is not None and _untracked(built.dif_in, [type(t) is not ad.Zero and core.typeof(t).dtype != float0
+                                                       for t in tangents]):
+        log.warning("the rewritten JVP of %s does not differentiate every input JAX does; "
+                    "JAX differentiates the forward program", program)
+        built = None
     if built is None:
         ts = [ad.instantiate_zeros(t) for t in tangents]
         outs, touts = jax.jvp(core.jaxpr_as_fun(program.forward), list(primals), ts)
@@ -246,6 +263,10 @@ def _jvp(primals: Sequence[Any], tangents: Sequence[Any], *, program: Program) -
 
 def _linearize(is_vjp: bool, nonzeros: Sequence[bool], *primals: Any, program: Program) -> Any:
     built = program.vjp() if is_vjp else None
+    if built is not None and _untracked(built.dif_in, nonzeros):
+        log.warning("the rewritten VJP of %s does not differentiate every input JAX does; "
+                    "JAX differentiates the forward program", program)
+        built = None
     if built is None:
         # jax.linearize evaluates its linear part (forward mode); a failed VJP rewrite lands here too.
         return ad.fallback_linearize_rule(rewritten_p, is_vjp, nonzeros, *primals, program=program)

@@ -39,6 +39,7 @@ import numpy as np
 from jax._src import core
 
 from ._cost import DEFAULT, AnalyticCost, CostModel, as_cost_model
+from ._primitives import is_inexact_dtype
 from ._fusion import Program
 
 _CACHE: dict[tuple, int] = {}
@@ -96,7 +97,7 @@ def synthetic_inputs(avals: Sequence[Any], seed: int = 0) -> list[Any]:
     out = []
     for a in avals:
         dt = np.dtype(a.dtype)
-        if np.issubdtype(dt, np.floating) or str(dt) == "bfloat16":
+        if is_inexact_dtype(dt) and not np.issubdtype(dt, np.complexfloating):
             out.append(jax.numpy.asarray(rng.standard_normal(a.shape).astype(np.float32), dtype=a.dtype))
         elif np.issubdtype(dt, np.complexfloating):
             out.append(jax.numpy.asarray(rng.standard_normal(a.shape) + 1j * rng.standard_normal(a.shape), dtype=a.dtype))

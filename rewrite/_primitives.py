@@ -41,6 +41,7 @@ import types
 from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import numpy as np
+import jax.numpy as jnp
 
 #: Families: how the cost model prices a primitive, and whether its params are wildcards in patterns.
 ELEMENTWISE = "elementwise"   # cheap pointwise arithmetic; fuses
@@ -247,12 +248,23 @@ def nbytes(aval: Any) -> int:
     return size(aval) * (itemsize if isinstance(itemsize, int) else np.dtype(dtype).itemsize)
 
 
-def is_float(aval: Any) -> bool:
-    dtype = getattr(aval, "dtype", None)
+def is_inexact_dtype(dtype: Any) -> bool:
+    """Is ``dtype`` a real or complex floating type, the ml_dtypes (bfloat16, float8_*) included?
+
+    numpy's issubdtype against its inexact kind is False for bfloat16 and the float8
+    types (numpy does not know them as floating), and a derivative that
+    skipped them was silently zero; ``jnp.issubdtype`` knows them. Extended
+    dtypes (PRNG keys) and ``float0`` are not inexact.
+    """
     try:
-        return dtype is not None and np.issubdtype(np.dtype(dtype), np.inexact)
-    except TypeError:  # bfloat16 and friends are floating too
-        return dtype is not None and "float" in str(dtype)
+        return dtype is not None and bool(jnp.issubdtype(dtype, jnp.inexact))
+    except TypeError:
+        return False
+
+
+def is_float(aval: Any) -> bool:
+    """Does ``aval`` hold real or complex floats (a value a derivative flows through)?"""
+    return is_inexact_dtype(getattr(aval, "dtype", None))
 
 
 def inner_jaxpr(params: Mapping[str, Any]) -> Any:

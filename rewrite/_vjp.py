@@ -53,20 +53,17 @@ from ._1_trace import Traced, spec_of
 from ._4_extract import Extractor, ProgramPricer, extract, prices_programs
 from ._5_emit import Emitter, _Scope, dce
 from ._6_evaluate import RewriteWarning, Rewritten, _strict, check_signature
+from ._primitives import is_float
 from ._walk import operands, walk
 from ._pipeline import Result, run_pipeline
 
 log = logging.getLogger("rewrite")
 
 
-def _inexact(aval: Any) -> bool:
-    return bool(np.issubdtype(np.dtype(aval.dtype), np.inexact)) if hasattr(aval, "dtype") else False
-
-
 def float_positions(closed: core.ClosedJaxpr) -> tuple[list[int], list[int]]:
     """The positions of ``closed``'s float inputs and outputs (those a derivative flows through)."""
-    return ([i for i, a in enumerate(closed.in_avals) if _inexact(a)],
-            [i for i, a in enumerate(closed.out_avals) if _inexact(a)])
+    return ([i for i, a in enumerate(closed.in_avals) if is_float(a)],
+            [i for i, a in enumerate(closed.out_avals) if is_float(a)])
 
 
 def of_floats(fn: Any, primals: Sequence[Any], dif_in: Sequence[int]) -> Any:
