@@ -15,6 +15,7 @@ reported as a :class:`RewriteWarning` and the original program runs. Set
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import logging
 import os
@@ -27,7 +28,7 @@ import jax
 from jax._src import core
 
 from . import _cache, _guard
-from ._1_trace import Static, Traced, leaf_specs, split_static, trace
+from ._1_trace import CONCRETIZATION_ERRORS, Traced, flatten_args, resolve_static, same_program, trace
 from ._3_saturate import Limits
 from ._grad import Program, bind_if_differentiated
 from ._measure import resolve
@@ -110,6 +111,12 @@ def check_signature(before: core.ClosedJaxpr, after: core.ClosedJaxpr) -> None:
         raise RuntimeError(f"rewritten program returns {after.out_avals}, not {before.out_avals}")
 
 
+def _as_operand(x: Any) -> Any:
+    """A Python float or complex argument (traced, as ``jax.jit`` traces it) as the weakly typed array it
+    was traced as; arrays and tracers as they are."""
+    return jax.numpy.asarray(x) if type(x) in (float, complex) else x
+
+
 class Rewritten:
     """A function whose program is rewritten once per input signature. Made by :func:`rewrite`.
 
@@ -138,8 +145,8 @@ class Rewritten:
         self.entries = entries_of(rulesets)
         self.cost_model = resolve(cost_model)
         self.limits = limits or Limits()
-        self.static_argnums = tuple(static_argnums)
-        self.static_argnames = tuple(static_argnames)
+        self.static_argnums, self.static_argnames = resolve_static(fn, static_argnums, static_argnames)
+        self._trace_floats = True  # Python float arguments are traced until one steers control flow
         self.strict = strict
         self._cache: dict[Any, tuple[Traced, Result]] = {}
         self._lock = threading.Lock()
@@ -153,25 +160,50 @@ class Rewritten:
         self._programs: dict[Any, Any] = {}
 
     def _prepare(self, args: tuple, kwargs: dict) -> tuple[Any, list[Any], tuple[Traced, Result]]:
-        dyn_args, dyn_kwargs, stat_args, stat_kwargs = split_static(args, kwargs, self.static_argnums,
-                                                                    self.static_argnames)
-        leaves, in_tree = jax.tree_util.tree_flatten((dyn_args, dyn_kwargs))
-        specs, leaf_key = leaf_specs(leaves)
-        key = (in_tree, leaf_key, tuple((i, Static(v).key()) for i, v in stat_args),
-               tuple((k, Static(v).key()) for k, v in stat_kwargs))
+        try:
+            return self._lookup(args, kwargs)
+        except CONCRETIZATION_ERRORS as e:
+            if not self._trace_floats or not any(type(x) in (float, complex) for x in (*args, *kwargs.values())):
+                raise
+            # A Python float argument steers Python control flow (jax.jit fails here): such arguments are
+            # static from now on, as they were before they were traced, and the warning says what it costs.
+            self._trace_floats = False
+            warnings.warn(RewriteWarning(
+                f"{getattr(self.fn, '__name__', 'function')!r} branches in Python on a float argument "
+                f"({type(e).__name__}); its Python float arguments are static from now on, so each new value "
+                "is rewritten again: name them in static_argnums/static_argnames to say so, or pass arrays to "
+                "trace them"), stacklevel=3)
+            return self._lookup(args, kwargs)
+
+    def _lookup(self, args: tuple, kwargs: dict) -> tuple[Any, list[Any], tuple[Traced, Result]]:
+        leaves, in_tree, specs, key, stat_args, stat_kwargs = flatten_args(
+            args, kwargs, self.static_argnums, self.static_argnames, trace_floats=self._trace_floats)
         entry = self._cache.get(key)
+        traced = None
+        if entry is not None and entry[0].captured_count:
+            # The function closed over values of an outer trace: this call's values are found by tracing it
+            # again, and the rewrite is reused only if that trace is the same program.
+            traced = trace(self.fn, specs, in_tree, stat_args, stat_kwargs, len(args))
+            if not same_program(traced.closed, entry[0].closed):
+                entry = None
         if entry is None:
             with self._lock:
-                entry = self._cache.get(key)
+                entry = self._cache.get(key) if traced is None else None
                 if entry is None:
                     t = time.perf_counter()
-                    traced = trace(self.fn, specs, in_tree, stat_args, stat_kwargs, len(args))
+                    if traced is None:
+                        traced = trace(self.fn, specs, in_tree, stat_args, stat_kwargs, len(args))
                     trace_time = time.perf_counter() - t
-                    entry = (traced, self._rewrite(traced))
+                    # the cache keeps no tracer: they belong to this call's trace
+                    kept = dataclasses.replace(traced, captured=())
+                    entry = (kept, self._rewrite(kept))
                     entry[1].times["trace"] = trace_time
                     self._cache[key] = entry
                     self.rewrites += 1
-        flat = [x for x, d in zip(leaves, entry[0].dynamic) if d]
+        if entry[0].captured_count and traced is None:  # another thread rewrote it first
+            traced = trace(self.fn, specs, in_tree, stat_args, stat_kwargs, len(args))
+        captured = traced.captured if traced is not None else ()
+        flat = [_as_operand(x) for x, d in zip(leaves, entry[0].dynamic) if d] + list(captured)
         return key, flat, entry
 
     def _rewrite(self, traced: Traced) -> Result:

@@ -16,6 +16,7 @@ import threading
 from typing import Any, Hashable
 
 import numpy as np
+from jax.dtypes import float0
 
 
 class _Table:
@@ -127,6 +128,8 @@ def literal_key(value: Any) -> Hashable:
     any NaN match anything but NaN: their difference is visible to exact rules.
     """
     arr = np.asarray(value)
+    if arr.dtype == float0:  # a zero tangent of an integer or boolean value: its one value has no number
+        return ("float0", "")
     if arr.dtype == np.bool_:
         return ("bool", bool(arr))
     if np.issubdtype(arr.dtype, np.integer):

@@ -20,7 +20,7 @@ from typing import Any, Iterator, Sequence
 import jax
 from jax._src import core
 
-from ._1_trace import leaf_specs, spec_of, split_static, trace
+from ._1_trace import CONCRETIZATION_ERRORS, flatten_args, resolve_static, spec_of, trace
 from ._3_saturate import Limits
 from ._4_extract import reachable
 from ._6_evaluate import Rewritten, check_signature, entries_of
@@ -343,10 +343,16 @@ def explain(fn: Any, *args: Any, rulesets: Any = (), cost_model: Any = None, lim
 
 def _trace(fn: Any, args: tuple, kwargs: dict, static_argnums: Sequence[int], static_argnames: Sequence[str]
            ) -> tuple[Any, float]:
-    dyn_args, dyn_kwargs, stat_args, stat_kwargs = split_static(args, kwargs, static_argnums, static_argnames)
-    leaves, in_tree = jax.tree_util.tree_flatten((dyn_args, dyn_kwargs))
+    static_argnums, static_argnames = resolve_static(fn, static_argnums, static_argnames)
     t = time.perf_counter()
-    traced = trace(fn, leaf_specs(leaves)[0], in_tree, stat_args, stat_kwargs, len(args))
+    try:
+        _, in_tree, specs, _, stat_args, stat_kwargs = flatten_args(args, kwargs, static_argnums, static_argnames)
+        traced = trace(fn, specs, in_tree, stat_args, stat_kwargs, len(args))
+    except CONCRETIZATION_ERRORS:  # a float argument steers control flow: static, as ``rewrite`` keeps it then
+        _, in_tree, specs, _, stat_args, stat_kwargs = flatten_args(args, kwargs, static_argnums, static_argnames,
+                                                                    trace_floats=False)
+        t = time.perf_counter()
+        traced = trace(fn, specs, in_tree, stat_args, stat_kwargs, len(args))
     return traced, time.perf_counter() - t
 
 

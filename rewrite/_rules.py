@@ -31,6 +31,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import jax.numpy as jnp
 import numpy as np
+from jax.dtypes import float0
 from jax._src import core
 
 from ._1_trace import _mesh_of, trace_at
@@ -796,6 +797,8 @@ def literal_value(lit_id: int, dtype: Any) -> Any:
         return f
     if kind == "complex":
         return complex(v)
+    if kind == "float0":
+        return np.zeros((), float0)
     return v
 
 

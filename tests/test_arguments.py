@@ -1,0 +1,213 @@
+"""What a rewritten function takes as it is called: traced and static arguments, their cache keys, values
+closed over from an outer trace, and ``float0`` values (issue 29, items 2, 5 and 6; issue 31, item 7)."""
+
+import math
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from rewrite import RewriteWarning, rewrite
+from rewrite._1_trace import static_key
+
+X = jnp.linspace(-1.0, 2.0, 6)
+
+
+# ---------------------------------------------------------------------- Python floats: traced, as jax.jit traces
+def test_a_python_float_is_traced_so_its_sign_reaches_the_program():
+    rf = rewrite(lambda x, s: x / s)
+    np.testing.assert_array_equal(rf(X, 0.0), X / 0.0)
+    np.testing.assert_array_equal(rf(X, -0.0), X / -0.0)  # was the cached program of 0.0: +inf for -inf
+    assert rf.rewrites == 1
+
+
+def test_a_schedule_of_python_floats_rewrites_once():
+    rf = rewrite(lambda x, lr: x - lr * jnp.sin(x))
+    for k in range(20):
+        lr = 0.1 * 0.9 ** k
+        np.testing.assert_allclose(rf(X, lr), X - lr * jnp.sin(X), rtol=1e-6)
+    np.testing.assert_array_equal(rf(X, math.nan), X - math.nan * jnp.sin(X))
+    assert rf.rewrites == 1
+
+
+def test_a_python_float_keeps_jits_weak_type():
+    rf = rewrite(lambda x, s: x * s)
+    assert rf(jnp.ones(3, jnp.bfloat16), 0.5).dtype == jnp.bfloat16
+    assert rf(jnp.ones(3, jnp.float16), 1 + 2j).dtype == jnp.complex64
+    assert rf(jnp.ones(3, jnp.int32), 2.5).dtype == jnp.float32  # as jnp promotes an int array and a float
+    g = jax.grad(lambda s: rf(X, s).sum())(0.5)
+    np.testing.assert_allclose(g, X.sum(), rtol=1e-6)
+
+
+def test_a_python_int_stays_static_and_can_steer_the_program():
+    rf = rewrite(lambda x, n: x[:n].sum() if n else x.sum())
+    assert float(rf(X, 2)) == float(X[:2].sum())
+    assert float(rf(X, 0)) == float(X.sum())
+    assert rf.rewrites == 2
+
+
+# ---------------------------------------------------------------------- static values: keyed by what tells them apart
+def test_static_floats_are_keyed_by_their_bits():
+    rf = rewrite(lambda x, s: x / s, static_argnums=1)
+    np.testing.assert_array_equal(rf(X, 0.0), X / 0.0)
+    np.testing.assert_array_equal(rf(X, -0.0), X / -0.0)
+    np.testing.assert_array_equal(rf(X, math.nan), X / math.nan)
+    np.testing.assert_array_equal(rf(X, math.nan), X / math.nan)
+    assert rf.rewrites == 3  # 0.0, -0.0 and one NaN, found again
+
+
+@pytest.mark.parametrize("a, b", [(0.0, -0.0), ((0.0,), (-0.0,)), ({"s": 0.0}, {"s": -0.0}), (1, 1.0), (1, True),
+                                  ([1.0], (1.0,)), (0j, -0j)])
+def test_static_keys_tell_apart_what_traces_differently(a, b):
+    assert static_key(a) != static_key(b)
+    assert static_key(a) == static_key(a)
+
+
+def test_an_unhashable_static_value_is_kept_alive_by_its_key():
+    k = static_key([np.zeros(2)])  # a list is keyed element by element; an array in it by identity
+    assert k == k
+    arrays = [np.zeros(2) for _ in range(3)]
+    keys = {static_key(a) for a in arrays}
+    assert len(keys) == 3
+
+
+# ---------------------------------------------------------------------- static_argnums and static_argnames as in jax.jit
+def test_a_static_argnum_past_the_positional_arguments_names_nothing():
+    def f(x, n=2):
+        return x * n
+
+    rf = rewrite(f, static_argnums=(1,))
+    np.testing.assert_array_equal(rf(X), X * 2)  # the array was taken for static (i % len(args))
+    np.testing.assert_array_equal(rf(X + 1), (X + 1) * 2)
+    assert rf.rewrites == 1
+    np.testing.assert_array_equal(rf(X, n=3), X * 3)  # static through its name, as jax.jit infers it
+    assert "n" in rf.static_argnames
+
+
+def test_a_bare_int_and_a_bare_name_are_accepted():
+    def f(x, n, *, mode):
+        return x * n if mode == "mul" else x + n
+
+    rf = rewrite(f, static_argnums=1, static_argnames="mode")
+    np.testing.assert_array_equal(rf(X, 3, mode="add"), X + 3)
+    np.testing.assert_array_equal(jax.jit(rf, static_argnums=1, static_argnames="mode")(X, 3, mode="mul"), X * 3)
+
+
+def test_static_argnums_a_function_cannot_take_are_an_error():
+    with pytest.raises(ValueError, match="static_argnums"):
+        rewrite(lambda x: x, static_argnums=(1,))
+    with pytest.raises(ValueError, match="static_argnames"):
+        rewrite(lambda x: x, static_argnames=("y",))
+    with pytest.raises(TypeError, match="static_argnums"):
+        rewrite(lambda x: x, static_argnums="0")
+
+
+def test_a_negative_static_argnum_counts_from_the_end_of_the_call():
+    rf = rewrite(lambda x, *rest: x * rest[-1], static_argnums=(-1,))
+    np.testing.assert_array_equal(rf(X, 1.0, 3), X * 3)
+    assert rf.rewrites == 1
+
+
+# ---------------------------------------------------------------------- values closed over from an outer trace
+W = 0.7
+XS = jnp.linspace(0.1, 1.3, 5)  # not symmetric: the gradient in w is not zero
+
+
+def _strict_no_warning():
+    return warnings.catch_warnings(record=False)
+
+
+@pytest.mark.parametrize("how", ["grad", "jit_grad", "jvp", "vmap", "jit", "hessian"])
+def test_a_closure_over_a_traced_value_is_rewritten_with_it_as_an_input(how):
+    def loss(rw):
+        def outer(w):
+            return rw(lambda x: jnp.sin(x * w) ** 2)(XS).sum()
+        return outer
+
+    plain = loss(lambda f: f)
+    rewritten = loss(rewrite)
+    ws = jnp.array([0.3, 0.7, 1.1])
+    run = {"grad": lambda f: jax.grad(f)(W), "jit_grad": lambda f: jax.jit(jax.grad(f))(W),
+           "jvp": lambda f: jax.jvp(f, (W,), (1.0,))[1], "vmap": lambda f: jax.vmap(f)(ws),
+           "jit": lambda f: jax.jit(f)(W), "hessian": lambda f: jax.hessian(f)(W)}[how]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RewriteWarning)
+        got = run(rewritten)
+    want = run(plain)
+    assert np.all(np.asarray(want) != 0)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
+def test_a_closure_in_a_loop_body_of_a_jitted_function():
+    def body(i, c):
+        return rewrite(lambda x: jnp.sin(x + c))(XS).sum()  # c: a value of the loop's trace
+
+    got = jax.jit(lambda c0: jax.lax.fori_loop(0, 3, body, c0))(0.5)
+    want = jax.lax.fori_loop(0, 3, lambda i, c: jnp.sin(XS + c).sum(), 0.5)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+def test_one_rewritten_closure_reuses_its_rewrite_across_the_outer_traces_values():
+    box = {}
+
+    def f(x):
+        return jnp.sin(x * box["w"])
+
+    rf = rewrite(f)
+
+    def loss(w):
+        box["w"] = w
+        return rf(XS).sum()
+
+    for w in (0.3, 0.7):
+        np.testing.assert_allclose(jax.grad(loss)(w), jax.grad(lambda w: jnp.sin(XS * w).sum())(w), rtol=1e-6)
+    assert rf.rewrites == 1  # the second trace is the same program: its captured value is the new input
+    box["w"] = 2.0  # now a concrete value, baked in: a different program
+    np.testing.assert_allclose(rf(XS), jnp.sin(XS * 2.0), rtol=1e-6)
+    assert rf.rewrites == 2
+
+
+# ---------------------------------------------------------------------- float0: tangents of integer and boolean values
+def test_the_jvp_of_a_function_with_integer_and_boolean_outputs_is_rewritten():
+    f = lambda x: (jnp.sin(x), x > 0, jnp.argmax(x))  # noqa: E731
+    rf = rewrite(f)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RewriteWarning)
+        got = jax.jvp(rf, (X,), (jnp.ones(6),))
+    want = jax.jvp(f, (X,), (jnp.ones(6),))
+    np.testing.assert_allclose(got[1][0], want[1][0], rtol=1e-6)
+    assert got[1][1].dtype == jax.dtypes.float0 and got[1][2].dtype == jax.dtypes.float0
+    assert rf.derivative_rewrites == {"jvp": 1}
+
+
+def test_a_program_holding_a_float0_literal_is_rewritten():
+    f = lambda x, m: jnp.where(m, jnp.sin(x), 0.0)  # noqa: E731
+    g = lambda x, m: jax.vjp(f, x, m)[1](jnp.ones(6))  # the mask's cotangent: a float0 literal  # noqa: E731
+    m = X > 0
+    assert "float0" in str(jax.make_jaxpr(g)(X, m))
+    rg = rewrite(g)
+    got, want = rg(X, m), g(X, m)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
+    assert got[1].dtype == jax.dtypes.float0 and got[1].shape == (6,)
+    assert rg.result(X, m).stopped == "saturated"
+
+
+def test_a_float_argument_that_steers_python_control_flow_stays_static_with_a_warning():
+    def f(x, p):
+        return x if p == 0 else x * p  # as equinox's Dropout branches on its rate
+
+    rf = rewrite(f)
+    with pytest.warns(RewriteWarning, match="branches in Python on a float argument"):
+        np.testing.assert_array_equal(rf(X, 0.0), X)
+    np.testing.assert_array_equal(rf(X, 2.0), X * 2.0)
+    assert rf.rewrites == 2
+
+
+def test_a_float_inside_a_pytree_stays_static():
+    rf = rewrite(lambda x, cfg: x if cfg["p"] == 0 else x * cfg["p"])
+    np.testing.assert_array_equal(rf(X, {"p": 0.0}), X)
+    np.testing.assert_array_equal(rf(X, {"p": -0.0}), X)
+    np.testing.assert_array_equal(rf(X, {"p": 3.0}), X * 3.0)
+    assert rf.rewrites == 3
