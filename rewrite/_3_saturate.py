@@ -20,6 +20,7 @@ input program, so extraction finds a program at least as good.
 from __future__ import annotations
 
 import collections
+import collections.abc
 import dataclasses
 import functools
 import logging
@@ -72,6 +73,34 @@ class Limits:
     #: (commutativity, associativity, and what merges and splits along them), whose matches grow
     #: exponentially while the rewrites worth having were found early (benchmarks/growth.py).
     growth: float = 16.0
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
+                raise ValueError(f"Limits.{f.name} must be a number >= 0, got {v!r}")
+
+    @classmethod
+    def of(cls, limits: Any) -> "Limits":
+        """``limits=`` as a :class:`Limits`: ``None`` for the defaults, a ``Limits``, or a mapping of its fields.
+
+        >>> Limits.of({"iterations": 3}).iterations
+        3
+        >>> Limits.of({"iteration": 3})
+        Traceback (most recent call last):
+        TypeError: limits=: Limits has no field 'iteration'; its fields are iterations, nodes, seconds, matches, ban, growth
+        """
+        if limits is None:
+            return cls()
+        if isinstance(limits, cls):
+            return limits
+        if isinstance(limits, collections.abc.Mapping):
+            names = [f.name for f in dataclasses.fields(cls)]
+            unknown = [k for k in limits if k not in names]
+            if unknown:
+                raise TypeError(f"limits=: Limits has no field {unknown[0]!r}; its fields are {', '.join(names)}")
+            return cls(**limits)
+        raise TypeError(f"limits= takes a Limits or a mapping of its fields, got {type(limits).__name__}")
 
 
 @dataclasses.dataclass
@@ -295,7 +324,13 @@ class Engine:
                 return self._apply_procedure(act, root, bound, sorts, binds, inputs)
             values = [self.value(c) for c in vals]
             if rule.when is not None:
-                ok = rule.when(*values)
+                try:
+                    ok = rule.when(*values)
+                except Unsupported:
+                    raise
+                except Exception as e:
+                    self._raised(rule, stats, e, "its guard")
+                    return True
                 if not ok:
                     stats.rejected["guard"] += 1
                     return not any(v.read_facts for v in values)
@@ -347,19 +382,21 @@ class Engine:
 
     def _run_procedure(self, m: Match, stats: RuleStats) -> bool:
         rule = m.rule
-        if rule.is_pat and rule.when is not None and not rule.when(m):
-            stats.rejected["guard"] += 1
+        try:
+            if rule.is_pat and rule.when is not None and not rule.when(m):
+                stats.rejected["guard"] += 1
+                return True
+        except Unsupported:
+            raise
+        except Exception as e:
+            self._raised(rule, stats, e, "its guard")
             return True
         try:
             result = rule.rhs(m)
         except Unsupported:
             raise
         except Exception as e:
-            stats.rejected["error"] += 1
-            msg = f"rule {rule.name!r} raised {type(e).__name__}: {e}"
-            if msg not in self.warnings:
-                self.warnings.append(msg)
-                log.warning(msg)
+            self._raised(rule, stats, e)
             return True
         if result is None:
             stats.rejected["declined"] += 1
@@ -368,6 +405,15 @@ class Engine:
         for a, b in pairs:
             self._union(rule, a.name, b.name, None)
         return True
+
+    def _raised(self, rule: Rule, stats: RuleStats, e: Exception, part: str = "") -> None:
+        """A rule (or its guard) raised at a match: the match is skipped, and the run's warnings say so
+        (``strict`` turns them into an error)."""
+        stats.rejected["error"] += 1
+        msg = f"rule {rule.name!r}{' (' + part + ')' if part else ''} raised {type(e).__name__}: {e}"
+        if msg not in self.warnings:
+            self.warnings.append(msg)
+            log.warning(msg)
 
     def _union(self, rule: Rule, root_name: int, out: int, avals: Any, lhs: Any = None) -> None:
         """Put ``out`` in the class of ``root_name``, if their types agree."""

@@ -15,6 +15,7 @@ reported as a :class:`RewriteWarning` and the original program runs. Set
 from __future__ import annotations
 
 import collections
+import collections.abc
 import dataclasses
 import functools
 import logging
@@ -76,14 +77,17 @@ class RewriteLimitWarning(RewriteWarning):
 
 
 def _strict(flag: bool | None) -> bool:
+    """Raise instead of falling back? What ``strict`` covers: a failure of the rewriter (the program
+    would run unchanged), and a rule, or its guard, that raised or built a value of the wrong type at
+    a match (the match would be skipped), for the function and for the derivative programs made for it."""
     if flag is not None:
         return flag
     return os.environ.get("REWRITE_STRICT", "") not in ("", "0", "false", "False")
 
 
 def entries_of(rulesets: Any) -> list[tuple[Rule, Ruleset]]:
-    if isinstance(rulesets, (Ruleset, Rule)):
-        rulesets = [rulesets]
+    if isinstance(rulesets, (Ruleset, Rule, str)) or not isinstance(rulesets, collections.abc.Iterable):
+        rulesets = [rulesets]  # one of them; as_ruleset says what is wrong with anything else
     out: list[tuple[Rule, Ruleset]] = []
     seen: dict[str, int] = {}
     for rs in rulesets:
@@ -144,7 +148,7 @@ class Rewritten:
         self.fn = fn
         self.entries = entries_of(rulesets)
         self.cost_model = resolve(cost_model)
-        self.limits = limits or Limits()
+        self.limits = Limits.of(limits)
         self.static_argnums, self.static_argnames = resolve_static(fn, static_argnums, static_argnames)
         self._trace_floats = True  # Python float arguments are traced until one steers control flow
         self.strict = strict
@@ -271,6 +275,8 @@ class Rewritten:
             warnings.warn(RewriteWarning(msg), stacklevel=4)
             log.warning(msg)
             return fallback_result(traced, f"error: {type(e).__name__}: {e}")
+        if result.warnings and _strict(self.strict):
+            raise RuntimeError(f"rewrite of {name!r} (strict): {'; '.join(result.warnings)}")
         if result.stopped != "saturated" and result.stopped not in self._warned:
             self._warned.add(result.stopped)
             warnings.warn(RewriteLimitWarning(

@@ -14,7 +14,8 @@ from ._primitives import GROUPS, OpSpec, register_primitive
 from ._pattern import Ops, Pat, ops
 from ._guard import Guard
 from ._report import Report, explain
-from ._rules import Match, Params, Rule, Ruleset, Tolerance, Value, procedural, rule
+from ._rules import Match, Params, Rule, Ruleset, Tolerance, Value, procedural
+from ._define import rule
 from . import loops  # noqa: E402  (the loop API: rewrite.loops.Loop, rewrite.loops.SCAN)
 
 __all__ = [

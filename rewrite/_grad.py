@@ -134,6 +134,9 @@ class Program:
                 result = run_pipeline(jt, owner.entries, owner.cost_model, owner.limits)
                 check_signature(program, result.after)
                 built = JVP(result.after, dif_in, dif_out, result)
+            warned = built.warnings if kind == "vjp" else built.result.warnings
+            if warned and _strict(owner.strict):
+                raise RuntimeError(f"rewrite of the {kind.upper()} of {name!r} (strict): {'; '.join(warned)}")
         except Exception as e:
             if _strict(owner.strict):
                 raise

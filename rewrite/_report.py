@@ -327,7 +327,7 @@ def explain(fn: Any, *args: Any, rulesets: Any = (), cost_model: Any = None, lim
     entries = entries_of(rulesets)
     traced, trace_time = _trace(fn, args, kwargs, static_argnums, static_argnames)
     model = resolve(cost_model)
-    result = run_pipeline(traced, entries, model, limits or Limits(), keep=True)
+    result = run_pipeline(traced, entries, model, Limits.of(limits), keep=True)
     result.times["trace"] = trace_time
     result.times = {k: result.times[k] for k in ("trace", "load", "saturate", "extract", "emit")}
     check_signature(traced.closed, result.after)

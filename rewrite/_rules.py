@@ -25,9 +25,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 import inspect
 import itertools
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import jax.numpy as jnp
 import numpy as np
@@ -568,9 +569,18 @@ def _rule(lhs: Any, rhs: Any, *, name: str, when: Callable[..., bool] | None, ex
     seen: set[str] = set()
     traced_at: list[tuple[Any, ...]] = []
     first_error: Exception | None = None
+    guard_error: tuple[Exception, tuple[Any, ...]] | None = None
     for avals in probes:
-        if when is not None and not _guard_allows(when, avals):
-            continue
+        if when is not None:
+            try:
+                if not _guard_allows(when, avals):
+                    continue
+            except Exception as e:
+                if example is not None:  # the shapes the rule is for: a guard must answer there
+                    raise ValueError(f"rule {name!r}: its guard (when=) raised {type(e).__name__}: {e} at the "
+                                     f"example's inputs ({', '.join(_short(a) for a in avals)})") from e
+                guard_error = guard_error or (e, avals)
+                continue
         try:
             lhs_closed = trace_at(lhs, avals)
         except Exception as e:
@@ -612,6 +622,11 @@ def _rule(lhs: Any, rhs: Any, *, name: str, when: Callable[..., bool] | None, ex
             if pvary is not None:
                 manual.append(pvary)
     if not queries:
+        if guard_error is not None:
+            e, avals = guard_error
+            raise ValueError(f"rule {name!r}: its guard (when=) raised {type(e).__name__}: {e} at "
+                             f"({', '.join(_short(a) for a in avals)}), and no probe shape let the rule "
+                             "through; fix the guard, or give example= inputs where it answers") from e
         why = f": {first_error}" if first_error else ""
         raise ValueError(f"rule {name!r}: lhs cannot be traced at any probe shape{why}; give example=")
     ex = tuple(probes[0]) if example is not None else None
@@ -680,11 +695,9 @@ def _example_program(name: str, example: Any) -> tuple[Callable[..., Any], tuple
 
 
 def _guard_allows(when: Callable[..., bool], avals: Sequence[Any]) -> bool:
-    """Would the guard let these shapes through? Facts are unknown here and read as true."""
-    try:
-        return bool(when(*[Value.from_aval(a) for a in avals]))
-    except Exception:
-        return False
+    """Would the guard let these shapes through? Facts are unknown here and read as true. What the
+    guard raises is raised: the caller decides whether these shapes were the guard's to answer."""
+    return bool(when(*[Value.from_aval(a) for a in avals]))
 
 
 # ---------------------------------------------------------------------- what rules see
@@ -1019,6 +1032,10 @@ class Ruleset:
         self.limits = limits
         self.rules: list[Rule] = []
         self.parts: list[Ruleset] = []
+        if isinstance(rules, (Rule, Ruleset)):  # Ruleset("r", rule(...)): one rule is a list of one
+            rules = [rules]
+        if not isinstance(rules, Iterable) or isinstance(rules, (str, bytes)):
+            raise TypeError(f"ruleset {name!r}: rules must be a list of rules or rulesets, got {type(rules).__name__}")
         for r in rules:
             if isinstance(r, Ruleset):
                 self.parts.append(r)
@@ -1076,12 +1093,34 @@ class Ruleset:
 
 
 def as_ruleset(x: Any) -> Ruleset:
+    """What ``rulesets=`` names, as one :class:`Ruleset`: rulesets, rules, a built-in pack's name
+    (``"algebra"``, as ``rulesets.algebra``), or a list of these.
+
+    >>> as_ruleset(["algebra", "nn"]).name
+    'algebra+nn'
+    >>> as_ruleset("algbra")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ValueError: rulesets=: no built-in pack is named 'algbra'; the packs are algebra, fastmath, ...
+    """
     if isinstance(x, Ruleset):
         return x
     if isinstance(x, Rule):
         return Ruleset(x.name, [x], soundness="identity")
-    if isinstance(x, Iterable):
+    if isinstance(x, str):
+        return _builtin_pack(x)
+    if isinstance(x, Iterable) and not isinstance(x, (bytes, Mapping)):
         parts = [as_ruleset(i) for i in x]
         weakest = max((p.soundness for p in parts), key=SOUNDNESS.index, default="exact")
         return Ruleset("+".join(p.name for p in parts) or "empty", parts, soundness=weakest)
-    raise TypeError(f"rulesets= takes Ruleset or Rule objects, got {type(x).__name__}")
+    hint = " (pass [] for no rules)" if x is None else ""
+    raise TypeError(f"rulesets= takes Ruleset or Rule objects, built-in pack names, or a list of them; "
+                    f"got {type(x).__name__}{hint}")
+
+
+def _builtin_pack(name: str) -> Ruleset:
+    # The packs live in the ``rulesets`` package, which is built on this one: it is looked up when a
+    # name is given, never imported by the core.
+    packs = importlib.import_module("rulesets")
+    if name not in packs.PACKS:
+        raise ValueError(f"rulesets=: no built-in pack is named {name!r}; the packs are {', '.join(packs.PACKS)}")
+    return getattr(packs, name)

@@ -1,0 +1,139 @@
+"""What a new user's mistakes get: a clear error where the mistake is made, naming it (issue 31, items 2, 3,
+5 and 6)."""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import rulesets
+from rewrite import Limits, Pat, RewriteWarning, Ruleset, explain, procedural, rewrite, rule
+
+S = jax.ShapeDtypeStruct
+F32 = jnp.float32
+X = jnp.linspace(-1.0, 1.0, 5)
+
+
+# ---------------------------------------------------------------------- rulesets= and limits=
+@pytest.mark.parametrize("given", ["algebra", ["algebra"], ("nn", "algebra"), ["algebra", rulesets.nn]])
+def test_a_built_in_pack_may_be_named(given):
+    f = lambda x: jnp.abs(-x)  # noqa: E731
+    assert rewrite(f, rulesets=given).result(X).stats["abs_neg"].fired == 1
+    assert "abs_neg" in explain(f, X, rulesets=given).fired
+
+
+@pytest.mark.parametrize("given, error, match", [
+    (None, TypeError, r"got NoneType \(pass \[\] for no rules\)"),
+    (3, TypeError, "got int"),
+    ("algbra", ValueError, "no built-in pack is named 'algbra'"),
+    ([b"algebra"], TypeError, "got bytes"),
+])
+def test_a_wrong_rulesets_argument_says_what_it_takes(given, error, match):
+    with pytest.raises(error, match=match):
+        rewrite(jnp.sin, rulesets=given)
+
+
+def test_a_ruleset_of_one_rule_needs_no_list():
+    r = rule(lambda x: jnp.abs(-x), lambda x: jnp.abs(x), name="my_abs_neg")
+    assert Ruleset("one", r).rules == [r]
+    with pytest.raises(TypeError, match="rules must be a list"):
+        Ruleset("text", "my_abs_neg")
+
+
+def test_limits_are_validated():
+    assert rewrite(jnp.sin, limits={"iterations": 3}).limits == Limits(iterations=3)
+    with pytest.raises(TypeError, match="no field 'iteration'"):
+        rewrite(jnp.sin, limits={"iteration": 3})
+    with pytest.raises(ValueError, match="Limits.seconds must be a number >= 0"):
+        Limits(seconds=-1.0)
+    with pytest.raises(ValueError, match="Limits.nodes"):
+        Limits(nodes=float("nan"))
+    with pytest.raises(TypeError, match="limits= takes a Limits"):
+        rewrite(jnp.sin, limits=5)
+
+
+# ---------------------------------------------------------------------- guards that raise
+def test_a_guard_with_a_typo_shows_its_own_error():
+    with pytest.raises(ValueError, match=r"rule 'g'.*guard.*AttributeError.*non_neg"):
+        rule(lambda x: jnp.abs(x), lambda x: x, name="g", when=lambda x: x.non_neg)
+    with pytest.raises(ValueError, match=r"rule 'g'.*guard.*AttributeError.*example's inputs"):
+        rule(lambda x: jnp.abs(x), lambda x: x, name="g", when=lambda x: x.non_neg, example=(S((3,), F32),))
+
+
+def test_a_guard_that_raises_at_some_shapes_only_is_fine_where_it_answers():
+    r = rule(lambda x: jnp.abs(x), lambda x: x, name="g", when=lambda x: x.shape[1] > 0 and x.nonneg)
+    assert r.queries
+
+
+def test_a_guard_that_raises_at_a_match_is_reported_and_strict_raises():
+    def guard(x):
+        if x.shape == (5,):
+            raise RuntimeError("guard boom")
+        return True
+
+    r = rule(lambda x: jnp.abs(-x), lambda x: jnp.abs(x), name="g", when=guard)
+    f = lambda x: jnp.abs(-x)  # noqa: E731
+    with pytest.warns(RewriteWarning, match=r"rule 'g' \(its guard\) raised RuntimeError: guard boom"):
+        out = rewrite(f, rulesets=[r], strict=False)(X)
+    np.testing.assert_array_equal(out, f(X))
+    with pytest.raises(RuntimeError, match="guard boom"):
+        rewrite(f, rulesets=[r], strict=True)(X)
+
+
+# ---------------------------------------------------------------------- strict covers the user's rules
+def test_strict_raises_when_a_users_rule_raises():
+    boom = rule(lambda x: jnp.sin(x), procedural(lambda m: (_ for _ in ()).throw(RuntimeError("kaboom"))),
+                name="boom")
+    with pytest.warns(RewriteWarning, match="kaboom"):
+        np.testing.assert_array_equal(rewrite(jnp.sin, rulesets=[boom], strict=False)(X), jnp.sin(X))
+    with pytest.raises(RuntimeError, match="rule 'boom' raised RuntimeError: kaboom"):
+        rewrite(jnp.sin, rulesets=[boom], strict=True)(X)
+
+
+def test_strict_raises_when_a_right_side_has_the_wrong_shape():
+    wrong = rule(lambda x: jnp.sin(x), procedural(lambda m: m.trace(lambda v: v.sum(), m["x"])), name="wrong")
+    with pytest.raises(RuntimeError, match="rule 'wrong' built f32"):
+        rewrite(jnp.sin, rulesets=[wrong], strict=True)(X)
+
+
+def test_strict_covers_the_derivative_programs_too():
+    boom = rule(lambda x: jnp.cos(x), procedural(lambda m: (_ for _ in ()).throw(RuntimeError("in the VJP"))),
+                name="boom_cos")
+    f = rewrite(jnp.sin, rulesets=[boom], strict=True)
+    np.testing.assert_array_equal(f(X), jnp.sin(X))  # the forward program has no cos
+    with pytest.raises(RuntimeError, match="in the VJP"):
+        jax.grad(lambda x: f(x).sum())(X)
+
+
+# ---------------------------------------------------------------------- Pat rules checked on their example
+EXAMPLE = (jnp.sin, (S((3,), F32),))
+
+
+def test_a_pat_rules_right_side_with_a_typo_fails_where_it_is_defined():
+    with pytest.raises(ValueError, match=r"rule 'typo': on its example program.*no attribute 'sine'"):
+        rule(Pat("sin", Pat.var("x")), lambda x: jnp.sine(x), name="typo", example=EXAMPLE)
+
+
+def test_a_pat_rules_right_side_of_the_wrong_shape_fails_where_it_is_defined():
+    with pytest.raises(ValueError, match=r"rule 'shape': on its example program.*built f32\[\] for a match of"):
+        rule(Pat("sin", Pat.var("x")), lambda x: jnp.sin(x).sum(), name="shape", example=EXAMPLE)
+
+
+def test_a_pat_rule_whose_example_has_no_match_fails():
+    with pytest.raises(ValueError, match="rule 'nomatch': the pattern has no match on its example"):
+        rule(Pat("cos", Pat.var("x")), lambda x: x, name="nomatch", example=EXAMPLE)
+
+
+def test_a_correct_pat_rule_is_accepted_and_check_false_skips_the_check():
+    assert rule(Pat("sin", Pat.var("x")), lambda x: jnp.sin(x), name="ok", example=EXAMPLE).program
+    assert rule(Pat("sin", Pat.var("x")), lambda x: jnp.sine(x), name="unchecked", example=EXAMPLE, check=False)
+
+
+def test_no_warning_is_logged_while_a_rule_is_checked(caplog):
+    with caplog.at_level("WARNING", logger="rewrite"), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(ValueError):
+            rule(Pat("sin", Pat.var("x")), lambda x: jnp.sine(x), name="typo", example=EXAMPLE)
+    assert not caplog.records
