@@ -314,6 +314,12 @@ class Engine:
         root, vals = inputs[0], inputs[1:]
         snap = self.snapshot
         eg = self.egraph
+        if rule.prefer and self._own_replacement(rule, root, vals, binds):
+            # A preferred rule never rewrites a term its own replacement built: that replacement is
+            # forced into the result, so one that holds a match of the rule (jax.nn.softplus of a
+            # complex x holds log1p(exp(.))) would nest itself once per iteration, without bound.
+            stats.rejected["own replacement"] += 1
+            return True
         eg.origin = rule.name
         eg.source = eg.vsource[snap.name(root)]
         try:
@@ -405,6 +411,14 @@ class Engine:
         for a, b in pairs:
             self._union(rule, a.name, b.name, None)
         return True
+
+    def _own_replacement(self, rule: Rule, root: Any, vals: Sequence[Any], binds: list[tuple[str, str]]) -> bool:
+        """Does this match read a term that ``rule`` built (its root, or a bound term: a class whose oldest
+        name the rule made)?"""
+        snap, made_by = self.snapshot, self.egraph.vorigin
+        sorts = [s for _, s in binds] if rule.is_pat else ["Term"] * len(vals)
+        classes = [root] + [v for v, s in zip(vals, sorts) if s == "Term"]
+        return any(made_by[snap.name(c)] == rule.name for c in classes)
 
     def _raised(self, rule: Rule, stats: RuleStats, e: Exception, part: str = "") -> None:
         """A rule (or its guard) raised at a match: the match is skipped, and the run's warnings say so

@@ -241,11 +241,27 @@ def size(aval: Any) -> int:
 
 
 def nbytes(aval: Any) -> int:
+    """The bytes ``aval`` holds; 0 where its dtype has no size this can find (it is then priced as opaque)."""
     dtype = getattr(aval, "dtype", None)
-    if dtype is None:
+    return 0 if dtype is None else size(aval) * itemsize(dtype)
+
+
+def itemsize(dtype: Any) -> int:
+    """Bytes per element. An extended dtype (a PRNG key, a user's element type) may carry its own
+    ``itemsize``; one that does not is sized by its physical representation (``uint32[2]`` for a
+    threefry key), and one whose representation is unknown counts 0."""
+    size_ = getattr(dtype, "itemsize", None)
+    if isinstance(size_, int):
+        return size_
+    try:
+        return np.dtype(dtype).itemsize
+    except TypeError:
+        pass
+    try:
+        physical = dtype._rules.physical_element_aval(dtype)  # jax's extended-dtype protocol
+        return int(math.prod(physical.shape)) * itemsize(physical.dtype)
+    except Exception:
         return 0
-    itemsize = getattr(dtype, "itemsize", None)  # extended dtypes (PRNG keys) carry their own
-    return size(aval) * (itemsize if isinstance(itemsize, int) else np.dtype(dtype).itemsize)
 
 
 def is_inexact_dtype(dtype: Any) -> bool:

@@ -317,8 +317,12 @@ def _softplus(x: Any) -> Any:
 
 
 def _not_softplus_body(x: Value) -> bool:
-    """Whether ``x`` is not ``-|d|``: ``log1p(exp(-|d|))`` is how ``softplus`` itself is computed
-    (inside ``logaddexp``), stable already; rewriting it to ``softplus`` would nest one in another."""
+    """Whether ``x`` is real and not ``-|d|``: ``log1p(exp(-|d|))`` is how ``softplus`` itself is computed
+    (inside ``logaddexp``), stable already; rewriting it to ``softplus`` would nest one in another. A
+    complex ``x`` is left alone: complex ``logaddexp`` has another body (``log1p(exp(a + b - 2 max(a, b)))``)
+    and wraps its imaginary part into [-pi, pi), where ``log1p`` keeps (-pi, pi]."""
+    if jnp.issubdtype(x.dtype, jnp.complexfloating):
+        return False
     neg = x.node("neg")
     return neg is None or neg.operands[0].node("abs") is None
 

@@ -137,3 +137,49 @@ def test_no_warning_is_logged_while_a_rule_is_checked(caplog):
         with pytest.raises(ValueError):
             rule(Pat("sin", Pat.var("x")), lambda x: jnp.sine(x), name="typo", example=EXAMPLE)
     assert not caplog.records
+
+
+# ---------------------------------------------------------------------- pricing values of extended dtypes
+def test_an_extended_dtype_without_itemsize_is_sized_by_its_physical_representation():
+    from jax._src import dtypes
+    from jax.core import ShapedArray
+
+    from rewrite._primitives import nbytes
+
+    class FooRules:
+        @staticmethod
+        def physical_element_aval(dtype):
+            return ShapedArray((2,), jnp.int32)
+
+    class FooTy(dtypes.ExtendedDType):  # as lax_test's custom element type: no itemsize of its own
+        type = dtypes.extended
+        name = "foo"
+        _rules = FooRules
+
+    class Unknown(dtypes.ExtendedDType):
+        type = dtypes.extended
+        name = "unknown"
+
+    assert nbytes(ShapedArray((3,), FooTy())) == 3 * 2 * 4
+    assert nbytes(ShapedArray((3,), Unknown())) == 0
+    assert nbytes(jax.typeof(jax.random.split(jax.random.key(0), 3))) == 3 * 8
+
+
+# ---------------------------------------------------------------------- preferred rules are bounded
+def test_a_preferred_rule_never_rewrites_inside_its_own_replacement():
+    # The replacement holds a new match of the rule (sin of a new term): preferred, it was forced into the
+    # result once per iteration, a nest as deep as the iteration limit.
+    nest = rule(lambda x: jnp.sin(x), lambda x: jnp.sin(x * 1.0), name="nest", prefer=True)
+    report = explain(lambda x: jnp.sin(x) + jnp.sin(2 * x), X, rulesets=[nest])
+    assert report.stopped == "saturated"
+    assert report.fired == {"nest": 2}
+    assert report.rejected["nest"].get("own replacement", 0) >= 1
+    assert len(report.after.eqns) <= 6
+
+
+def test_softplus_keeps_complex_logaddexp_as_it_is():
+    z = jnp.array([1 + 2j, -0.5 + 0.1j], jnp.complex64)
+    for f in (lambda x: jnp.log1p(jnp.exp(x)), lambda a: jnp.logaddexp(a, 2 * a)):
+        report = explain(f, z, rulesets=[rulesets.nn])
+        assert report.stopped == "saturated" and not report.fired
+        assert len(report.after.eqns) == len(jax.make_jaxpr(f)(z).eqns)
