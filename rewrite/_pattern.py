@@ -201,17 +201,20 @@ def compile_traced(closed: core.ClosedJaxpr, names: Sequence[str], pvary_literal
 
 
 _LIT_ATOM = re.compile(r"^\(= (\S+) \(Lit (\S+) (\S+)\)\)$")
+#: a node whose last argument is a params id: ``(= _t5 (Opaque (TCons v_A (TNil)) 17))``
+_PARAMS_ATOM = re.compile(r"^\(= (\S+) (\(\S+ .*) (\d+)\)\)$")
 
 
 def generalize(query: Query, other: Query) -> Query | None:
-    """``query`` with a wildcard for each literal whose value differs in ``other``, or ``None``.
+    """``query`` with a wildcard for each literal or params whose value differs in ``other``, or ``None``.
 
     ``query`` and ``other`` are one left-hand side traced at two sizes. A
     literal that changes with the size (a mean's divisor, ``x.shape[0]``) is
-    derived from shapes, so the query must not fix its value: the verifier
-    retraces the left side at the matched shapes, which checks it. ``None``
-    when no literal differs, or when the two traces differ in more than
-    literal values (then nothing is generalized).
+    derived from shapes, and so are params that hold programs typed at the
+    size (``lu``, ``custom_linear_solve``): the query must not fix them. The
+    verifier retraces the left side at the matched shapes, which checks them.
+    ``None`` when nothing differs, or when the two traces differ in more than
+    literal values and params (then nothing is generalized).
     """
     if len(query.atoms) != len(other.atoms) or query.root != other.root or query.binds != other.binds:
         return None
@@ -221,10 +224,16 @@ def generalize(query: Query, other: Query) -> Query | None:
             atoms.append(a)
             continue
         ma, mb = _LIT_ATOM.match(a), _LIT_ATOM.match(b)
-        if not (ma and mb and ma.group(1) == mb.group(1) and ma.group(3) == mb.group(3)):
-            return None
-        changed += 1
-        atoms.append(f"(= {ma.group(1)} (Lit _shape{changed} {ma.group(3)}))")
+        if ma and mb and ma.group(1) == mb.group(1) and ma.group(3) == mb.group(3):
+            changed += 1
+            atoms.append(f"(= {ma.group(1)} (Lit _shape{changed} {ma.group(3)}))")
+            continue
+        pa, pb = _PARAMS_ATOM.match(a), _PARAMS_ATOM.match(b)
+        if pa and pb and pa.group(1) == pb.group(1):  # the same node with other params: they carry shapes
+            changed += 1
+            atoms.append(f"(= {pa.group(1)} {pa.group(2)} _shape{changed}))")
+            continue
+        return None
     return Query(atoms, query.root, query.binds) if changed else None
 
 

@@ -606,14 +606,16 @@ def _rule(lhs: Any, rhs: Any, *, name: str, when: Callable[..., bool] | None, ex
             raise ValueError(f"rule {name!r}: {e}") from None
         traced_at.append(avals)
         pvary = compile_traced(lhs_closed, names, pvary_literals=True) if "(Lit " in query.text else None
-        if pvary is not None:
-            # A literal that changes with the shapes (a mean's divisor) matches any value; the
-            # verifier retraces the left side at the matched shapes, so the query may be loose.
+        if pvary is not None or "(Opaque " in query.text:
+            # A literal that changes with the shapes (a mean's divisor), or the params of an opaque
+            # operation that carry shapes (lu's and custom_linear_solve's nested programs), match any
+            # value; the verifier retraces the left side at the matched shapes, so the query may be loose.
             longer, other = _stretched(lhs, avals)
             loose = generalize(query, compile_traced(other, names)) if other is not None else None
             if loose is not None:
                 query = loose
-                pvary = generalize(pvary, compile_traced(other, names, pvary_literals=True)) or pvary
+                if pvary is not None:
+                    pvary = generalize(pvary, compile_traced(other, names, pvary_literals=True)) or pvary
                 if longer not in traced_at:
                     traced_at.append(longer)  # so that checks see the literal at another size
         if query.text not in seen:

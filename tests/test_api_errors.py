@@ -183,3 +183,27 @@ def test_softplus_keeps_complex_logaddexp_as_it_is():
         report = explain(f, z, rulesets=[rulesets.nn])
         assert report.stopped == "saturated" and not report.fired
         assert len(report.after.eqns) == len(jax.make_jaxpr(f)(z).eqns)
+
+
+# ---------------------------------------------------------------------- patterns through opaque operations
+@pytest.mark.parametrize("n", [3, 4, 5, 8, 16])
+def test_a_pattern_through_linalg_inv_matches_at_every_size(n):
+    inv_solve = rule(lambda A, b: jnp.linalg.inv(A) @ b, lambda A, b: jnp.linalg.solve(A, b), name="inv_solve",
+                     example=(S((4, 4), F32), S((4,), F32)))
+    A = jnp.eye(n) * 2.0 + 0.1 * jax.random.normal(jax.random.PRNGKey(n), (n, n))
+    b = jnp.arange(n, dtype=F32)
+    f = lambda A, b: jnp.linalg.inv(A) @ b  # noqa: E731
+    report = explain(f, A, b, rulesets=[Ruleset("s", [inv_solve], soundness="identity")])
+    assert report.fired == {"inv_solve": 1}
+    np.testing.assert_allclose(rewrite(f, rulesets=[Ruleset("s", [inv_solve], soundness="identity")])(A, b),
+                               jnp.linalg.solve(A, b), rtol=1e-5, atol=1e-5)
+
+
+def test_a_loose_opaque_pattern_is_verified_at_the_matched_program():
+    # pinv runs other opaque operations (svd): the loosened params must not let it match.
+    inv_solve = rule(lambda A, b: jnp.linalg.inv(A) @ b, lambda A, b: jnp.linalg.solve(A, b), name="inv_solve",
+                     example=(S((4, 4), F32), S((4,), F32)))
+    A = jnp.eye(5) * 2.0
+    report = explain(lambda A, b: jnp.linalg.pinv(A) @ b, A, jnp.ones(5),
+                     rulesets=[Ruleset("s", [inv_solve], soundness="identity")])
+    assert not report.fired
