@@ -1,6 +1,6 @@
 """Calibrate the cost model against this backend: what one element of each operation costs, measured.
 
-Prints, and with ``--write`` stores in ``rewrite/_calibration.py``, the
+Prints, and with ``--write`` stores in ``rewrite/cost/calibration.py``, the
 table :class:`rewrite.AnalyticCost` and the fusion model read: nanoseconds
 per element for each elementwise primitive computed inside a fused loop,
 for ``sin`` and ``cos`` of one argument in the same loop (LLVM merges them),
@@ -239,7 +239,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--runs", type=int, default=1, help="repeat, keeping each figure's lowest value")
-    ap.add_argument("--write", action="store_true", help="store the table in rewrite/_calibration.py")
+    ap.add_argument("--write", action="store_true", help="store the table in rewrite/cost/calibration.py")
     ap.add_argument("--merge", action="store_true",
                     help="combine with the stored table: each elementwise price's lowest value over runs, and the "
                          "median over runs of each memory figure")
@@ -270,7 +270,7 @@ def main(argv: list[str] | None = None) -> None:
         **{k: round(v, 1) for k, v in call.items()},
     }
     history = [{k: round(v, 6) for k, v in mem.items()}]
-    from rewrite import _calibration
+    from rewrite.cost import calibration as _calibration
 
     key = table["platform"].upper()
     tables = {name: getattr(_calibration, name) for name in _calibration.BACKENDS.values()}
@@ -293,7 +293,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _call_only(args: argparse.Namespace) -> None:
-    from rewrite import _calibration
+    from rewrite.cost import calibration as _calibration
 
     call = measure_call(args.rounds, args.progress)
     print(json.dumps(call, indent=1))

@@ -147,7 +147,7 @@ def explain_examples() -> list[tuple[str, str]]:
     """What the rewriter did on two small programs, as ``explain`` prints it."""
     import rulesets
     from rewrite import explain
-    from rewrite._report import primitive_counts
+    from rewrite.report.report import primitive_counts
 
     out = []
     x1, x2, y = scan.seed_case(*SCAN_SHAPES["tiny"])[0]
@@ -303,7 +303,7 @@ def report(rows: list[Row], cases_: list[Case], first_run: dict[str, dict[str, f
         "Every rewritten gradient is the plain decorator under `jax.grad`/`jax.vjp` "
         "(`jax.grad(rewrite(f, rulesets=[...]))`): what runs is the VJP of the rewritten `f`, rewritten "
         "again as one program and split "
-        "into forward and backward passes at the residuals the cost model prefers (`rewrite/_grad.py`).",
+        "into forward and backward passes at the residuals the cost model prefers (`rewrite/grad/primitive.py`).",
         "",
         "* **Seed 000** (`benchmarks/derivatives.py`): the VJP of `sin(a*x)**2 / a`; standard is JAX's own "
         "VJP, rewritten is `jax.vjp(rewrite(f, rulesets=[rulesets.derivatives]), x, a)`, hand-written are the "

@@ -540,7 +540,7 @@ TOLERANCE = {"identity": 1e-5, "fastmath": 1e-3}
 def measure_program(prog: Program, config: str, packs: list, *, rounds: int,
                     progress: Callable[[str], None]) -> Result:
     from rewrite import explain, rewrite
-    from rewrite._report import count_eqns
+    from rewrite.report.report import count_eqns
 
     fn, args = prog.build()
     flat, leaves = _flat(fn, args)

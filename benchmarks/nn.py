@@ -50,7 +50,7 @@ import optax
 
 from benchmarks.harness import MiB, Row, format_variants, measure
 from rewrite import rewrite
-from rewrite._report import primitive_counts
+from rewrite.report.report import primitive_counts
 from rulesets.derivatives import derivatives
 from rulesets.nn import nn
 

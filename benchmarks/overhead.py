@@ -27,7 +27,7 @@ import jax
 
 from benchmarks.programs import transformer_step
 from rewrite import Limits, explain, rewrite
-from rewrite._report import count_eqns
+from rewrite.report.report import count_eqns
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 STAGES = ("trace", "load", "saturate", "extract", "emit")

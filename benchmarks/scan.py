@@ -4,7 +4,7 @@ Every case is measured side by side in one process with :func:`benchmarks.harnes
 the standard program, the rewritten one, and hand-written versions (the accumulator loop, and
 for gradients the accumulator loop with a checkpointed body), forward and ``jax.grad``. The
 gradient of a rewritten loss is ``jax.grad(rewrite(loss))``, which runs the loss's VJP rewritten
-as one program (``rewrite/_grad.py``); ``rewrite(jax.grad(loss))`` is shown next to it. Before
+as one program (``rewrite/grad/primitive.py``); ``rewrite(jax.grad(loss))`` is shown next to it. Before
 timing, every variant's result is checked against the standard program's.
 
 Run it holding the benchmark lock, so that nothing else times the machine meanwhile::
@@ -121,7 +121,7 @@ def rnn_case(batch: int):
     grad = {
         "standard": jax.grad(rnn_mse),
         "rewritten": jax.grad(rewrite(rnn_mse, rulesets=[SCAN])),
-        # jax.grad runs the loss's VJP rewritten (rewrite/_grad.py); pricing stacked memory trades
+        # jax.grad runs the loss's VJP rewritten (rewrite/grad/primitive.py); pricing stacked memory trades
         # recomputation for it, as the checkpointed hand-written loop does.
         "rewritten, stacked=100": jax.grad(rewrite(rnn_mse, rulesets=[SCAN], cost_model=AnalyticCost(stacked=100.0))),
         "rewritten, remat=nothing": jax.grad(rewrite(rnn_mse, rulesets=[make(remat="nothing")])),

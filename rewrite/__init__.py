@@ -3,19 +3,24 @@
 A function's jaxpr is loaded into an egglog e-graph, saturated with rulesets,
 and the cheapest equivalent program under a cost model is emitted back as a
 jaxpr that runs under ``jit``, ``grad``, ``vmap`` and sharding like any JAX
-code. The pipeline's stages are the numbered modules ``_1_trace`` to
-``_6_evaluate``; ``_pipeline.run_pipeline`` reads them top to bottom.
+code. ``pipeline.run_pipeline`` reads the stages top to bottom; each folder
+is one role (``ir``: the data; ``jaxpr``: trace, load, emit; ``rules``;
+``extract``; ``cost``; ``grad``; ``cache``; ``report``), and imports run one
+way, from the public entry points (``api``) down to ``ir``. The public
+surface is this module's names, :mod:`rewrite.testing` and
+:mod:`rewrite.loops`; everything else is internal.
 """
 
-from ._3_saturate import Limits
-from ._6_evaluate import RewriteLimitWarning, RewriteWarning, Rewritten, rewrite
-from ._cost import AnalyticCost, CostModel, NodeCost, NodeInfo
-from ._primitives import GROUPS, OpSpec, register_primitive
-from ._pattern import Ops, Pat, ops
-from ._guard import Guard
-from ._report import Report, explain
-from ._rules import Match, Params, Rule, Ruleset, Tolerance, Value, procedural
-from ._define import rule
+from .rules.saturate import Limits
+from .api import Rewritten, rewrite
+from .errors import RewriteLimitWarning, RewriteWarning
+from .cost.model import AnalyticCost, CostModel, NodeCost, NodeInfo
+from .ir.primitives import GROUPS, OpSpec, register_primitive
+from .rules.pattern import Ops, Pat, ops
+from .cost.guard import Guard
+from .report.report import Report, explain
+from .rules.rule import Match, Params, Rule, Ruleset, Tolerance, Value, procedural
+from .define import rule
 from . import loops  # noqa: E402  (the loop API: rewrite.loops.Loop, rewrite.loops.SCAN)
 
 __all__ = [
@@ -47,3 +52,8 @@ __all__ = [
     "rewrite",
     "rule",
 ]
+
+
+def __dir__() -> list[str]:
+    """The public names and the module's dunders: not the internal subpackages."""
+    return sorted({n for n in globals() if n.startswith("__")} | set(__all__))

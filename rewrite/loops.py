@@ -62,9 +62,9 @@ import numpy as np
 from jax import lax
 from jax._src import core
 
-from . import _terms
-from ._pattern import Pat
-from ._rules import Body, Match, Node, Value
+from .ir import terms as _terms
+from .rules.pattern import Pat
+from .rules.rule import Body, Match, Node, Value
 
 __all__ = ["SCAN", "WHILE", "Body", "Decline", "Loop", "adds_one", "is_pointwise", "stacked_aval", "step_aval"]
 

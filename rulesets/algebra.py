@@ -10,7 +10,7 @@ that repeat XLA's own repeated squaring, broadcast/reshape/transpose
 simplifications, convert round trips that lose nothing, reductions over
 size-1 axes, and constant folding of correctly rounded operations. It has
 no commutativity rules: every pattern matches ``add`` and ``mul`` in either
-operand order (``rewrite._pattern.commuted``), which finds the same matches
+operand order (``rewrite.rules.pattern.commuted``), which finds the same matches
 without storing both orders of every sum and product in the e-graph.
 
 What is left out is left out on purpose. ``x+0.0`` turns -0.0 into +0.0.

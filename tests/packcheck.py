@@ -25,7 +25,7 @@ import numpy as np
 import jax.extend.core  # noqa: F401  (jaxpr_as_fun)
 
 from rewrite import Ruleset
-from rewrite._1_trace import is_traced_leaf
+from rewrite.jaxpr.trace import is_traced_leaf
 from rewrite.testing._strategies import _specials
 
 from .corpus import corpus

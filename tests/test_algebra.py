@@ -24,7 +24,7 @@ from jax import lax
 
 import rulesets
 from rewrite import Ruleset, explain, rule
-from rewrite._report import primitive_counts
+from rewrite.report.report import primitive_counts
 from rewrite.testing import arrays
 
 from .packcheck import Side, array_leaves, assert_same_bits, corpus_programs, examples, only, special_array, specials

@@ -144,7 +144,7 @@ def test_an_extended_dtype_without_itemsize_is_sized_by_its_physical_representat
     from jax._src import dtypes
     from jax.core import ShapedArray
 
-    from rewrite._primitives import nbytes
+    from rewrite.ir.primitives import nbytes
 
     class FooRules:
         @staticmethod

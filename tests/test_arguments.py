@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from rewrite import RewriteWarning, rewrite
-from rewrite._1_trace import static_key
+from rewrite.jaxpr.trace import static_key
 
 X = jnp.linspace(-1.0, 2.0, 6)
 

@@ -1,4 +1,4 @@
-"""The disk cache of rewritten programs (rewrite/_cache.py) and the no-regression guard (rewrite/_guard.py).
+"""The disk cache of rewritten programs (rewrite/cache/store.py) and the no-regression guard (rewrite/cost/guard.py).
 
 A stored program loads into a program that runs like the fresh rewrite (values, grad, vmap, jit,
 shardings). Every way an entry can go bad (corrupt bytes, truncation, another format or version,
@@ -23,10 +23,9 @@ from jax._src import core
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from rewrite import AnalyticCost, Limits, RewriteWarning, Ruleset, rewrite, rule
-from rewrite._cache import FORMAT, DiskCache, default_dir, make_key, resolve
-from rewrite._fingerprint import Unstable, fingerprint
-from rewrite._guard import Guard
+from rewrite import AnalyticCost, Guard, Limits, RewriteWarning, Ruleset, rewrite, rule
+from rewrite.cache.store import FORMAT, DiskCache, default_dir, make_key, resolve
+from rewrite.cache.fingerprint import Unstable, fingerprint
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -268,7 +267,7 @@ def test_failed_rename_leaves_no_temporary_file(tmp_path, monkeypatch):
 WRITER = textwrap.dedent("""
     import sys, time
     import jax, jax.numpy as jnp
-    from rewrite._cache import DiskCache
+    from rewrite.cache.store import DiskCache
     closed = jax.make_jaxpr(lambda x: jnp.sin(x) * 2.0)(jnp.ones(64))
     cache = DiskCache(sys.argv[1])
     start = float(sys.argv[2])

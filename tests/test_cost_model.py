@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from rewrite import AnalyticCost, rewrite
-from rewrite._fusion import Program, ops_in
-from rewrite._measure import Measured, choose, pin_duplicates
+from rewrite.cost.fusion import Program, ops_in
+from rewrite.cost.measure import Measured, choose, pin_duplicates
 from rulesets.derivatives import derivatives
 
 B, T, C = 4, 64, 32  # large enough for XLA:CPU's library reductions
@@ -141,7 +141,7 @@ def test_peak_temp_bytes_is_what_xla_allocates(fn, xla_extra):
     # The predicted peak counts the full-size temporaries XLA allocates (small vectors aside).
     # `xla_extra`: for `shared`, XLA also materialises a full-size broadcast of the constant 2 for
     # its library reduction, which the model does not predict.
-    from rewrite._fusion import peak_temp_bytes
+    from rewrite.cost.fusion import peak_temp_bytes
 
     model = AnalyticCost()
     prog = Program.from_jaxpr(jax.make_jaxpr(fn)(*ARGS), model)
@@ -202,7 +202,7 @@ def test_min_saving_keeps_the_input_program_for_a_small_saving():
 
 def test_extraction_prices_each_distinct_program_once():
     """The whole-program search asks for many prices; each distinct program is priced once (the pricer's memo)."""
-    from rewrite._4_extract import Extractor, ProgramPricer, ProgramSearch, extract
+    from rewrite.extract.extract import Extractor, ProgramPricer, ProgramSearch, extract
     from rewrite import explain
 
     def f(x):

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from rewrite import AnalyticCost, CostModel, NodeCost, Ruleset, explain, rewrite, rule
-from rewrite._measure import Measured, resolve
+from rewrite.cost.measure import Measured, resolve
 
 X = jnp.linspace(0.1, 1.0, 8)
 # sin(x)*2 <-> sin(x)+sin(x): both sides stay in the e-graph, so a cost model decides which is emitted

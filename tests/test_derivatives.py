@@ -34,9 +34,9 @@ from hypothesis import strategies as st
 from jax._src import core
 
 from rewrite import AnalyticCost, Ruleset, explain, rewrite
-from rewrite._4_extract import Extractor
-from rewrite._5_emit import EmitError, emit
-from rewrite._report import primitive_counts
+from rewrite.extract.extract import Extractor
+from rewrite.jaxpr.emit import EmitError, emit
+from rewrite.report.report import primitive_counts
 from rulesets.derivatives import derivatives, derivatives_fastmath
 
 F32 = np.float32

@@ -13,7 +13,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from rewrite import Ruleset, explain, rewrite, rule
-from rewrite._report import primitive_counts
+from rewrite.report.report import primitive_counts
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 host devices (set by tests/conftest.py)")
 

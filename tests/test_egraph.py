@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 from jax._src import core
 
-from rewrite import _egraph, _terms
-from rewrite._1_trace import trace_at
-from rewrite._intern import PARAMS, TYPES
+from rewrite.ir import egraph as _egraph, terms as _terms
+from rewrite.jaxpr.trace import trace_at
+from rewrite.ir.intern import PARAMS, TYPES
 
 F32 = core.ShapedArray((3,), jnp.float32)
 
@@ -231,8 +231,8 @@ def test_small_i64_values_are_the_same_in_every_egraph():
 
 def test_queries_of_one_signature_share_a_relation_and_are_read_apart():
     from rewrite import Ruleset, explain, rule
-    from rewrite._3_saturate import match_program
-    from rewrite._6_evaluate import entries_of
+    from rewrite.rules.saturate import match_program
+    from rewrite.api import entries_of
 
     pack = Ruleset("shared", [rule(lambda x: x * 1.0, lambda x: x, name="mul_one_s"),
                               rule(lambda x: x + 0.0, lambda x: x, name="add_zero_s"),
@@ -244,7 +244,7 @@ def test_queries_of_one_signature_share_a_relation_and_are_read_apart():
     (r1,), (r2,), (r3,) = relations
     assert r1[0][0] == r2[0][0] != r3[0][0]  # one relation for the two one-variable queries, another for x, y
     assert sorted(q for (_, q), _ in (r1, r2, r3)) == [0, 1, 2]
-    from rewrite._pattern import commuted
+    from rewrite.rules.pattern import commuted
     assert text.count("(relation ") == 2  # each query's operand orders (``commuted``) record in its relation
     assert text.count("(rule ") == sum(len(commuted(q)) for r, _ in entries for q in r.queries)
 

@@ -1,9 +1,9 @@
 """Extraction's searches price moves incrementally and skip repeated moves; both must leave the choices as they were.
 
-* :class:`rewrite._4_extract.LiveProgram` prices a program move by move
-  (``rewrite._fusion.LiveFusion``); every price must equal the whole-program
+* :class:`rewrite.extract.extract.LiveProgram` prices a program move by move
+  (``rewrite.cost.fusion.LiveFusion``); every price must equal the whole-program
   price of the same choice, after any sequence of moves, kept or undone.
-* :class:`rewrite._4_extract.LocalSearch` does not repeat a move of a loop's
+* :class:`rewrite.extract.extract.LocalSearch` does not repeat a move of a loop's
   projections that leads to the same group move as one that failed; it must
   choose what trying every move chooses.
 """
@@ -17,7 +17,7 @@ from jax import lax
 
 import rulesets
 from rewrite import AnalyticCost, Ruleset, explain, rule
-from rewrite._4_extract import _CONTAINERS, Extractor, LocalSearch, ProgramPricer, reachable
+from rewrite.extract.extract import _CONTAINERS, Extractor, LocalSearch, ProgramPricer, reachable
 from rulesets.derivatives import derivatives
 
 T, B, H, I = 8, 64, 6, 2
@@ -191,8 +191,8 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from jax import core as jcore  # noqa: E402
 
-from rewrite import _terms  # noqa: E402
-from rewrite._fusion import FusionModel, LiveFusion, Op, Program  # noqa: E402
+from rewrite.ir import terms as _terms  # noqa: E402
+from rewrite.cost.fusion import FusionModel, LiveFusion, Op, Program  # noqa: E402
 
 _S = jcore.ShapedArray((64, 96), jnp.float32)   # large enough for a library reduction
 _R = jcore.ShapedArray((96,), jnp.float32)
@@ -292,7 +292,7 @@ def test_candidate_costs_are_whole_program_prices(name):
     """``extract`` prices its candidates by moving one live program between them, and keeps each one's signature to
     ask for it once; the costs it reports must still be the whole-program prices of its candidates, computed afresh
     (up to the order of the sums)."""
-    from rewrite._4_extract import _signature, extract
+    from rewrite.extract.extract import _signature, extract
 
     res, model, _, _ = _search_state(name)
     out = extract(res.snapshot, res.roots, model, res.original)
@@ -310,8 +310,8 @@ def test_candidate_costs_are_whole_program_prices(name):
 def test_input_cost_prices_the_program_as_loaded(name):
     """``input_cost`` takes the loaded e-graph's one node per class as the choice; it must price what the bottom-up
     pass chooses there, whole."""
-    from rewrite import _pipeline
-    from rewrite._4_extract import input_cost
+    from rewrite import pipeline as _pipeline
+    from rewrite.extract.extract import input_cost
 
     fn, args, packs = PROGRAMS[name]
     seen = {}
@@ -390,7 +390,7 @@ def test_kernel_facts_kept_in_memos_price_as_fresh_ops():
 def test_the_input_is_a_search_start_only_where_it_prices_as_the_rewritten_start(name):
     """The second ``ProgramSearch`` starts from the input program only where the input prices at most
     ``INPUT_START`` above the best rewritten candidate: such a start is searched, a dearer one is not."""
-    from rewrite import _4_extract as X
+    from rewrite.extract import extract as X
 
     res, model, ex, tree_choice = _search_state(name)
     starts = []

@@ -1,4 +1,4 @@
-"""Every fact rule the engine uses (rewrite._terms.FACT_RULES) holds on real values.
+"""Every fact rule the engine uses (rewrite.ir.terms.FACT_RULES) holds on real values.
 
 Guards trust facts: a fact rule that is wrong on -0.0, an infinity or NaN makes every rule guarded
 by it unsound. For each fact rule this draws float32 inputs that satisfy its premises, computes its
@@ -16,7 +16,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from rewrite import Ruleset, explain, rule
-from rewrite._terms import FACT_RULES
+from rewrite.ir.terms import FACT_RULES
 from rewrite.testing import arrays
 
 def floats():
@@ -28,7 +28,7 @@ def floats():
 TINY = np.finfo(np.float32).tiny  # the smallest normal float32; XLA:CPU flushes anything smaller to zero
 
 
-# The facts' meaning, as predicates on values (see rewrite._terms.FACTS).
+# The facts' meaning, as predicates on values (see rewrite.ir.terms.FACTS).
 def nonneg(a):
     return bool(np.all(~np.signbit(a) | np.isnan(a)))
 

@@ -1,6 +1,6 @@
 """The plain ``@rewrite`` under differentiation: every transformation gives JAX's derivatives, reverse
 mode runs the jointly rewritten forward/backward split, forward mode the rewritten JVP, each built
-once per signature and transformation, and only when a derivative is taken (rewrite/_grad.py)."""
+once per signature and transformation, and only when a derivative is taken (rewrite/grad/primitive.py)."""
 
 import warnings
 
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from rewrite import RewriteWarning, explain, rewrite
-from rewrite._report import primitive_counts
+from rewrite.report.report import primitive_counts
 from rulesets.derivatives import derivatives
 
 
@@ -152,7 +152,7 @@ def test_effects_are_differentiated_by_jax_and_run_once():
 
 
 def test_failure_warns_and_falls_back(monkeypatch):
-    import rewrite._vjp as vjp_mod
+    import rewrite.grad.vjp as vjp_mod
 
     def broken(*a, **k):
         raise RuntimeError("simulated")

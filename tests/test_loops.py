@@ -21,7 +21,7 @@ from jax._src import core
 import rulesets
 from rewrite import AnalyticCost, Ruleset, explain, procedural, rewrite, rule
 from rewrite.loops import SCAN, Decline, Loop
-from rewrite._report import equations
+from rewrite.report.report import equations
 
 #: A rule that raises is a bug (it must decline instead); the engine only warns, so make the warning fail here.
 pytestmark = pytest.mark.filterwarnings("error::rewrite.RewriteWarning")

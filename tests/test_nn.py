@@ -30,7 +30,7 @@ from hypothesis import strategies as st
 from jax._src.core import jaxpr_as_fun
 
 from rewrite import explain, rewrite
-from rewrite._report import equations
+from rewrite.report.report import equations
 from rewrite.testing import arrays, mismatch
 from rewrite.testing._check_rule import _rewrite_case
 import rulesets

@@ -15,7 +15,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
 from rewrite import AnalyticCost, Limits, NodeCost, RewriteLimitWarning, RewriteWarning, Ruleset, explain, rewrite, rule
-from rewrite._report import count_eqns, primitive_counts
+from rewrite.report.report import count_eqns, primitive_counts
 
 # ---------------------------------------------------------------- unknown primitives
 twice_p = Primitive("twice_for_test")
@@ -191,7 +191,7 @@ def test_collector_state_is_restored(monkeypatch):
     """The rewrite hides older objects from full collections while it runs, and only then."""
     import gc
 
-    import rewrite._pipeline as pipeline
+    import rewrite.pipeline as pipeline
 
     seen = []
     real = pipeline.extract
@@ -230,7 +230,7 @@ def test_collector_state_is_restored(monkeypatch):
 
 # ---------------------------------------------------------------- failures stay inside
 def test_internal_failure_falls_back(monkeypatch):
-    import rewrite._pipeline as pipeline
+    import rewrite.pipeline as pipeline
 
     def broken(*a, **k):
         raise RuntimeError("simulated bug")

@@ -1,4 +1,4 @@
-"""The table of primitives (rewrite/_primitives.py): one record per primitive, a default for unknown ones,
+"""The table of primitives (rewrite/ir/primitives.py): one record per primitive, a default for unknown ones,
 and a new primitive, one with a body included, added by one entry."""
 
 import jax
@@ -10,8 +10,8 @@ from jax._src.interpreters import mlir
 from jax.extend.core import Primitive
 
 from rewrite import GROUPS, AnalyticCost, NodeInfo, OpSpec, Ruleset, explain, register_primitive, rewrite, rule
-from rewrite import _terms
-from rewrite._primitives import BY_PRIM, DEFAULT, Fact, spec_of, unregister
+from rewrite.ir import terms as _terms
+from rewrite.ir.primitives import BY_PRIM, DEFAULT, Fact, spec_of, unregister
 
 
 def _prims(closed):
@@ -81,7 +81,7 @@ def test_register_primitive_refuses_what_it_cannot_add():
 
 def test_a_replaced_record_with_another_layout_is_read_afresh():
     # ctor_arg_sorts is memoised for extraction; replacing a record must not leave its old layout behind
-    from rewrite._terms import ctor_arg_sorts
+    from rewrite.ir.terms import ctor_arg_sorts
 
     register_primitive(OpSpec("test_layout", "T", "elementwise", ctor="TestLayout"))
     try:
@@ -148,7 +148,7 @@ def test_a_nested_primitive_added_by_one_entry_round_trips_and_rules_reach_its_b
     # its price hook is what the cost model charges
     snap, choice = report.result.snapshot, report.result.choice
     node = next(c for c in choice if choice[c][0] == "TestCall")
-    from rewrite._4_extract import Extractor
+    from rewrite.extract.extract import Extractor
 
     ex = Extractor(snap, AnalyticCost())
     info = ex.info(node, *choice[node], choice, (10.0,))

@@ -12,7 +12,7 @@ import pytest
 from jax._src import core
 
 from rewrite import rewrite
-from rewrite._report import count_eqns
+from rewrite.report.report import count_eqns
 
 from .corpus import corpus
 

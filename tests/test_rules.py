@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from jax import lax
 
-from rewrite import Params, Pat, Ruleset, explain, ops, procedural, rewrite, rule
+from rewrite import Params, Pat, Rule, Ruleset, explain, ops, procedural, rewrite, rule
 from rewrite.testing import check_ruleset
-from rewrite._report import primitive_counts
+from rewrite.report.report import primitive_counts
 
 from .local_rulesets import _sum_of_broadcast
 
@@ -198,10 +198,11 @@ def test_procedural_rhs_with_traced_lhs():
 def test_a_procedure_reading_only_its_root_runs_once_per_root():
     """Two matches at one class in one snapshot: a procedure that read only ``m.root`` would act the
     same on the second, so it is not run again; one that read a binding is."""
-    from rewrite._2_load import load_closed
-    from rewrite._3_saturate import Engine, Limits
-    from rewrite._egraph import EGraph
-    from rewrite._intern import TYPES
+    from rewrite.jaxpr.load import load_closed
+    from rewrite import Limits
+    from rewrite.rules.saturate import Engine
+    from rewrite.ir.egraph import EGraph
+    from rewrite.ir.intern import TYPES
 
     calls = {"root": 0, "binding": 0}
 
@@ -403,8 +404,7 @@ def test_elementwise_sides_at_a_new_shape_are_the_sides_traced_there():
     for equation; the sides that are not elementwise are traced."""
     from jax._src import core
 
-    from rewrite._1_trace import trace_at
-    from rewrite._rules import Rule
+    from rewrite.jaxpr.trace import trace_at
 
     retyped = traced = 0
     for r in _traced_rules():

@@ -18,7 +18,7 @@ from jax._src import core
 
 import rulesets
 from rewrite import AnalyticCost, Pat, Ruleset, explain, procedural, rewrite, rule
-from rewrite._report import equations, primitive_counts
+from rewrite.report.report import equations, primitive_counts
 from rulesets.scan import make
 
 SCAN = rulesets.scan

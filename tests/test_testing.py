@@ -18,7 +18,7 @@ from jax import lax
 from jax._src import core
 
 from rewrite import Pat, Ruleset, Tolerance, procedural, rule
-from rewrite._report import count_eqns, primitive_counts
+from rewrite.report.report import count_eqns, primitive_counts
 from rewrite.testing import (
     VacuousCheckWarning,
     arrays,

@@ -11,7 +11,7 @@ import optax
 import pytest
 
 from rewrite import RewriteWarning, rewrite
-from rewrite._report import primitive_counts
+from rewrite.report.report import primitive_counts
 from rulesets.derivatives import derivatives
 
 pytestmark = pytest.mark.filterwarnings(r"ignore:rewrite\(\.\.\., vjp=True\) is deprecated:DeprecationWarning")
@@ -156,7 +156,7 @@ def test_vjp_of_a_function_that_contains_grad():
 
 
 def test_failure_falls_back_to_jax(monkeypatch):
-    import rewrite._vjp as vjp_mod
+    import rewrite.grad.vjp as vjp_mod
 
     def broken(*a, **k):
         raise RuntimeError("simulated")

@@ -1,12 +1,12 @@
-"""One walk over a chosen program and one definition of a node's children (rewrite/_walk.py)."""
+"""One walk over a chosen program and one definition of a node's children (rewrite/ir/walk.py)."""
 
 import jax
 import jax.numpy as jnp
 import pytest
 
 from rewrite import explain
-from rewrite._4_extract import reachable
-from rewrite._walk import CycleError, children, operands, postorder, term_children, walk
+from rewrite.extract.extract import reachable
+from rewrite.ir.walk import CycleError, children, operands, postorder, term_children, walk
 
 GRAPH = {"r": ["a", "b"], "a": ["c"], "b": ["c", "d"], "c": [], "d": ["c"]}
 

@@ -20,10 +20,10 @@ One module per job, each importing only those before it:
 ``_strategies`` (what is drawn), ``_compare`` (what counts as equal),
 ``_check_rule`` (:func:`check_ruleset`) and ``_check_program``
 (:func:`assert_equivalent`, :func:`assert_same_results`); random programs
-come from ``rewrite._programs``. Import the public names from here.
+come from ``rewrite.testing._programs``. Import the public names from here.
 """
 
-from .._programs import RandomProgram, programs
+from ._programs import RandomProgram, programs
 from ._check_program import VacuousCheckWarning, assert_equivalent, assert_same_results
 from ._check_rule import CheckReport, RuleCheck, check_ruleset
 from ._compare import mismatch, soundness_of

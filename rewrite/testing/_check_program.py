@@ -19,12 +19,12 @@ import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
-from .._1_trace import is_traced_leaf
-from .._3_saturate import Limits
-from .._6_evaluate import entries_of, rewrite
-from .._pipeline import Result
-from .._programs import RandomProgram
-from .._rules import Rule, Ruleset, Tolerance
+from ..jaxpr.trace import is_traced_leaf
+from ..rules.saturate import Limits
+from ..api import entries_of, rewrite
+from ..pipeline import Result
+from ._programs import RandomProgram
+from ..rules.rule import Rule, Ruleset, Tolerance
 from ._compare import _Evidence, _show, _spreads, _tolerance
 from ._strategies import _is_float, _settings, _wide, arrays, inputs_like
 

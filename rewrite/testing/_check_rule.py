@@ -26,15 +26,15 @@ from hypothesis import strategies as st
 from jax import lax
 from jax._src import core
 
-from .._1_trace import trace
-from .._3_saturate import Limits
-from .._4_extract import _CONTAINERS, Extractor
-from .._5_emit import emit
-from .._6_evaluate import entries_of
-from .._cost import AnalyticCost
-from .._intern import TupleType
-from .._pipeline import Result, run_pipeline
-from .._rules import Procedure, Rule, Ruleset, Value, _short
+from ..jaxpr.trace import trace
+from ..rules.saturate import Limits
+from ..extract.extract import _CONTAINERS, Extractor
+from ..jaxpr.emit import emit
+from ..api import entries_of
+from ..cost.model import AnalyticCost
+from ..ir.intern import TupleType
+from ..pipeline import Result, run_pipeline
+from ..rules.rule import Procedure, Rule, Ruleset, Value, _short
 from ._compare import _Evidence, _show, _spreads
 from ._strategies import _into_domain, _is_float, _settings, _wide, arrays
 
@@ -309,7 +309,7 @@ def _rewrite_case(rule: Rule, owner: Ruleset, fn: Callable[..., Any], avals: tup
         raise _NotExercised(f"did not fire ({why})")
     vids = roots if rule.is_pat else list(result.out_names or [])
     if result.preferred.get(rule.name):
-        after = result.after  # a preferred rule's matched form was barred already (rewrite/_prefer.py)
+        after = result.after  # a preferred rule's matched form was barred already (rewrite/rules/prefer.py)
     else:
         after = _forced(result, traced.closed, vids, _pat_ctor(rule.lhs) if rule.is_pat else None)
     if after is None and rhs_program is not None:

@@ -21,8 +21,8 @@ import numpy as np
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 
-from .._1_trace import is_traced_leaf
-from .._rules import SOUNDNESS
+from ..jaxpr.trace import is_traced_leaf
+from ..rules.rule import SOUNDNESS
 
 #: fastmath rules are checked on "ordinary" values: normal floats of magnitude at most this, and zero.
 ORDINARY_BOUND = 4.0

@@ -1,0 +1,404 @@
+"""Stage 6, evaluate: the function that ``@rewrite`` returns.
+
+It traces once per input signature (the tree structure, shapes, dtypes and
+weak types of the arguments, plus static arguments), rewrites, caches the
+result, and evaluates the rewritten jaxpr by binding its primitives. That
+binding happens under whatever transformation is active, so the result
+composes with ``jit``, ``grad``, ``vjp``, ``vmap`` and sharded inputs like any
+JAX code. A repeated call with the same signature never saturates again.
+
+A failure inside the rewriter never reaches the user's program: it is
+reported as a :class:`RewriteWarning` and the original program runs. Set
+``strict=True`` (or ``REWRITE_STRICT=1``) to raise instead.
+"""
+
+from __future__ import annotations
+
+import collections
+import collections.abc
+import dataclasses
+import functools
+import logging
+import threading
+import time
+import warnings
+from typing import Any, Callable, Sequence
+
+import jax
+from jax._src import core
+
+from .cache import store as _cache
+from .cost import guard as _guard
+from .jaxpr.trace import CONCRETIZATION_ERRORS, Traced, flatten_args, resolve_static, same_program, trace
+from .rules.saturate import Limits
+from .errors import RewriteLimitWarning, RewriteWarning, _strict
+from .grad.primitive import Program, bind_if_differentiated
+from .grad.vjp import VJPResult, build_vjp
+from .jaxpr.emit import check_signature
+from .cost.measure import resolve
+from .pipeline import Result, run_pipeline
+from .rules.rule import Rule, Ruleset, as_ruleset
+
+log = logging.getLogger("rewrite")
+
+def entries_of(rulesets: Any) -> list[tuple[Rule, Ruleset]]:
+    if isinstance(rulesets, (Ruleset, Rule, str)) or not isinstance(rulesets, collections.abc.Iterable):
+        rulesets = [rulesets]  # one of them; as_ruleset says what is wrong with anything else
+    out: list[tuple[Rule, Ruleset]] = []
+    seen: dict[str, int] = {}
+    for rs in rulesets:
+        for r, owner in as_ruleset(rs).entries():
+            if r.name in seen:
+                if out[seen[r.name]][0] is r:
+                    continue
+                raise ValueError(f"two different rules are named {r.name!r}; rule names must be unique")
+            seen[r.name] = len(out)
+            out.append((r, owner))
+    return out
+
+
+def fallback_result(traced: Traced, stopped: str) -> Result:
+    return Result(before=traced.closed, after=traced.closed, cost_before=float("nan"), cost_after=float("nan"),
+                  stopped=stopped, iterations=0, rows=0, times={}, stats={}, rewritten=False, warnings=[stopped])
+
+
+def _as_operand(x: Any) -> Any:
+    """A Python float or complex argument (traced, as ``jax.jit`` traces it) as the weakly typed array it
+    was traced as; arrays and tracers as they are."""
+    return jax.numpy.asarray(x) if type(x) in (float, complex) else x
+
+
+class Rewritten:
+    """A function whose program is rewritten once per input signature. Made by :func:`rewrite`.
+
+    Calling it runs the rewritten program; :meth:`jaxpr` gives that program and
+    :meth:`result` the whole pipeline result (costs, stop reason, per-rule
+    stats) for a signature, rewriting it first if needed. ``rewrites`` counts
+    the signatures rewritten so far, ``loaded`` those of them read from the
+    disk cache instead (their ``result(...).cached`` names the entry), and
+    ``__wrapped__`` is the original function.
+
+    >>> import jax, jax.numpy as jnp
+    >>> from rewrite import rewrite
+    >>> f = rewrite(lambda x: jnp.sin(x) * 2 + jnp.sin(x) * 2)  # no rules: duplicates still merge
+    >>> [e.primitive.name for e in f.jaxpr(jnp.ones(3)).eqns]
+    ['sin', 'mul', 'add']
+    >>> _ = f(jnp.ones(3)), jax.jit(f)(jnp.zeros(3)), f(jnp.ones(4))
+    >>> f.rewrites
+    2
+    """
+
+    def __init__(self, fn: Callable[..., Any], rulesets: Any, cost_model: Any, limits: Limits | None,
+                 static_argnums: Sequence[int], static_argnames: Sequence[str], strict: bool | None,
+                 cache: Any = None, guard: Any = False) -> None:
+        functools.update_wrapper(self, fn)
+        self.fn = fn
+        self.entries = entries_of(rulesets)
+        self.cost_model = resolve(cost_model)
+        self.limits = Limits.of(limits)
+        self.static_argnums, self.static_argnames = resolve_static(fn, static_argnums, static_argnames)
+        self._trace_floats = True  # Python float arguments are traced until one steers control flow
+        self.strict = strict
+        self._cache: dict[Any, tuple[Traced, Result]] = {}
+        self._lock = threading.Lock()
+        self._warned: set[str] = set()
+        self.rewrites = 0  # how many times a program was rewritten (cache misses)
+        self.disk = _cache.resolve(cache)  # the disk cache (rewrite/cache/store.py), or None
+        self.loaded = 0  # of those, how many were read from the disk cache instead
+        self.guard = _guard.Guard() if guard is True else (guard or None)
+        #: derivative programs rewritten so far, by transformation ("vjp", "jvp"); see rewrite/grad/primitive.py
+        self.derivative_rewrites: collections.Counter = collections.Counter()
+        self._programs: dict[Any, Any] = {}
+
+    def _prepare(self, args: tuple, kwargs: dict) -> tuple[Any, list[Any], tuple[Traced, Result]]:
+        try:
+            return self._lookup(args, kwargs)
+        except CONCRETIZATION_ERRORS as e:
+            if not self._trace_floats or not any(type(x) in (float, complex) for x in (*args, *kwargs.values())):
+                raise
+            # A Python float argument steers Python control flow (jax.jit fails here): such arguments are
+            # static from now on, as they were before they were traced, and the warning says what it costs.
+            self._trace_floats = False
+            warnings.warn(RewriteWarning(
+                f"{getattr(self.fn, '__name__', 'function')!r} branches in Python on a float argument "
+                f"({type(e).__name__}); its Python float arguments are static from now on, so each new value "
+                "is rewritten again: name them in static_argnums/static_argnames to say so, or pass arrays to "
+                "trace them"), stacklevel=3)
+            return self._lookup(args, kwargs)
+
+    def _lookup(self, args: tuple, kwargs: dict) -> tuple[Any, list[Any], tuple[Traced, Result]]:
+        leaves, in_tree, specs, key, stat_args, stat_kwargs = flatten_args(
+            args, kwargs, self.static_argnums, self.static_argnames, trace_floats=self._trace_floats)
+        entry = self._cache.get(key)
+        traced = None
+        if entry is not None and entry[0].captured_count:
+            # The function closed over values of an outer trace: this call's values are found by tracing it
+            # again, and the rewrite is reused only if that trace is the same program.
+            traced = trace(self.fn, specs, in_tree, stat_args, stat_kwargs, len(args))
+            if not same_program(traced.closed, entry[0].closed):
+                entry = None
+        if entry is None:
+            with self._lock:
+                entry = self._cache.get(key) if traced is None else None
+                if entry is None:
+                    t = time.perf_counter()
+                    if traced is None:
+                        traced = trace(self.fn, specs, in_tree, stat_args, stat_kwargs, len(args))
+                    trace_time = time.perf_counter() - t
+                    # the cache keeps no tracer: they belong to this call's trace
+                    kept = dataclasses.replace(traced, captured=())
+                    entry = (kept, self._rewrite(kept))
+                    entry[1].times["trace"] = trace_time
+                    self._cache[key] = entry
+                    self.rewrites += 1
+        if entry[0].captured_count and traced is None:  # another thread rewrote it first
+            traced = trace(self.fn, specs, in_tree, stat_args, stat_kwargs, len(args))
+        captured = traced.captured if traced is not None else ()
+        flat = [_as_operand(x) for x, d in zip(leaves, entry[0].dynamic) if d] + list(captured)
+        return key, flat, entry
+
+    def _rewrite(self, traced: Traced) -> Result:
+        """The result for one traced program: from the disk cache, else rewritten (and guarded) and stored."""
+        t = time.perf_counter()
+        key, program = self._disk_key(traced)
+        key_time = time.perf_counter() - t
+        if key is not None:
+            t = time.perf_counter()
+            found = self.disk.load(key, traced.closed, program)
+            if found is not None:
+                result = _cache.result_from(traced.closed, *found, where=str(self.disk.file(key)))
+                result.times["cache_key"] = key_time
+                result.times["cache_load"] = time.perf_counter() - t
+                self.loaded += 1
+                log.info("rewrite of %s read from the cache: %s", getattr(self.fn, "__name__", "function"),
+                         result.cached)
+                return result
+        result = self._rewrite_fresh(traced)
+        failed = result.stopped.startswith("error:")
+        if self.guard is not None and not failed:
+            self._guard(result)
+        if key is not None and not failed:
+            result.times["cache_key"] = key_time
+            self.disk.store(key, None if result.after is traced.closed else result.after, _cache.result_meta(result),
+                            traced.closed, program)
+        return result
+
+    def _disk_key(self, traced: Traced) -> tuple[str | None, str | None]:
+        """The disk cache's key for this program, and the program's own fingerprint; ``None`` if uncacheable."""
+        if self.disk is None:
+            return None, None
+        try:
+            program = _cache.program_fingerprint(traced.closed)
+            return _cache.make_key(traced.closed, self.entries, self.cost_model, self.limits, program,
+                                   guard=self.guard), program
+        except Exception as e:  # Unstable: a rule or a param with no stable identity
+            log.debug("rewrite cache off for %s: %s: %s", getattr(self.fn, "__name__", "function"),
+                      type(e).__name__, e)
+            return None, None
+
+    def _guard(self, result: Result) -> None:
+        t = time.perf_counter()
+        try:
+            # an unchanged program is passed as ``before`` itself, which the guard keeps without timing
+            after = result.after if result.rewritten else result.before
+            result.after, result.guard = _guard.guard(result.before, after, self.guard)
+        except Exception as e:
+            if _strict(self.strict):
+                raise
+            result.guard = _guard.GuardDecision("rewritten", None, None, f"timing failed: {type(e).__name__}: {e}")
+            warnings.warn(RewriteWarning(f"the guard could not time {getattr(self.fn, '__name__', 'function')!r} "
+                                         f"({type(e).__name__}: {e}); keeping the rewritten program"), stacklevel=5)
+        result.times["guard"] = time.perf_counter() - t
+
+    def _rewrite_fresh(self, traced: Traced) -> Result:
+        name = getattr(self.fn, "__name__", "function")
+        try:
+            result = run_pipeline(traced, self.entries, self.cost_model, self.limits)
+            check_signature(traced.closed, result.after)
+        except Exception as e:
+            if _strict(self.strict):
+                raise
+            msg = f"rewrite of {name!r} failed ({type(e).__name__}: {e}); running it unchanged"
+            warnings.warn(RewriteWarning(msg), stacklevel=4)
+            log.warning(msg)
+            return fallback_result(traced, f"error: {type(e).__name__}: {e}")
+        if result.warnings and _strict(self.strict):
+            raise RuntimeError(f"rewrite of {name!r} (strict): {'; '.join(result.warnings)}")
+        if result.stopped != "saturated" and result.stopped not in self._warned:
+            self._warned.add(result.stopped)
+            warnings.warn(RewriteLimitWarning(
+                f"rewrite of {name!r} stopped at the {result.stopped} after {result.iterations} iterations "
+                f"({result.rows} e-graph rows); using the best program found so far"), stacklevel=4)
+        for w in result.warnings:
+            if w not in self._warned:
+                self._warned.add(w)
+                warnings.warn(RewriteWarning(w), stacklevel=4)
+        fired = {k: s.fired for k, s in result.stats.items() if s.fired}
+        log.info("rewrote %s: cost %.4g -> %.4g, %s, fired %s", name, result.cost_before, result.cost_after,
+                 result.stopped, fired)
+        return result
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        key, flat, (traced, result) = self._prepare(args, kwargs)
+        closed = result.after
+        # Under grad/jvp the derivative rules run derivative programs rewritten for them (rewrite/grad/primitive.py).
+        outs = bind_if_differentiated(lambda: self._program(key, traced, closed), traced, flat)
+        if outs is None:
+            outs = core.eval_jaxpr(closed.jaxpr, closed.consts, *flat)
+        return traced.outputs(outs)
+
+    def _program(self, key: Any, traced: Traced, forward: core.ClosedJaxpr) -> Any:
+        program = self._programs.get(key)
+        if program is None:
+            with self._lock:
+                program = self._programs.setdefault(key, Program(self, traced, forward))
+        return program
+
+    def grad_result(self, *args: Any, **kwargs: Any) -> Any:
+        """The rewritten VJP for these arguments' signature (:class:`rewrite.grad.vjp.VJPResult`), built if needed.
+
+        It is what ``jax.grad``/``jax.vjp`` of this function run: the forward
+        program (``.fwd``: primals -> outputs + residuals), the backward one
+        (``.bwd``: residuals + cotangents -> gradients), the residual split
+        chosen and the splits considered. ``None`` if its rewrite failed.
+        """
+        key, _, (traced, result) = self._prepare(args, kwargs)
+        return self._program(key, traced, result.after).vjp()
+
+    def vjp_jaxprs(self, *args: Any, **kwargs: Any) -> tuple[core.ClosedJaxpr, core.ClosedJaxpr]:
+        """The forward (primals -> outputs + residuals) and backward (residuals + cotangents -> gradients) programs."""
+        built = self.grad_result(*args, **kwargs)
+        if built is None:
+            raise RuntimeError("the VJP was not rewritten (see the RewriteWarning); JAX differentiates the forward")
+        return built.fwd, built.bwd
+
+    def jvp_jaxpr(self, *args: Any, **kwargs: Any) -> core.ClosedJaxpr:
+        """The JVP program that ``jax.jvp`` of this function runs: (primals, tangents) -> (outputs, tangents)."""
+        key, _, (traced, result) = self._prepare(args, kwargs)
+        built = self._program(key, traced, result.after).jvp()
+        if built is None:
+            raise RuntimeError("the JVP was not rewritten (see the RewriteWarning); JAX differentiates the forward")
+        return built.program
+
+    def jaxpr(self, *args: Any, **kwargs: Any) -> core.ClosedJaxpr:
+        """The rewritten program for these arguments' signature."""
+        return self._prepare(args, kwargs)[2][1].after
+
+    def result(self, *args: Any, **kwargs: Any) -> Result:
+        return self._prepare(args, kwargs)[2][1]
+
+    def __get__(self, obj: Any, objtype: Any = None) -> Any:
+        # Methods: bind like a plain function would.
+        return self if obj is None else functools.partial(self, obj)
+
+    def __repr__(self) -> str:
+        return f"<rewritten {getattr(self.fn, '__name__', 'function')}: {len(self.entries)} rules, {len(self._cache)} cached signatures>"
+
+
+def rewrite(fn: Callable[..., Any] | None = None, *, rulesets: Any = (), cost_model: Any = None,
+            limits: Limits | None = None, static_argnums: Sequence[int] = (), static_argnames: Sequence[str] = (),
+            strict: bool | None = None, vjp: bool = False, cache: Any = None, guard: Any = False) -> Any:
+    """Rewrite ``fn``'s program with the given rulesets; returns a function with the same signature.
+
+    Usable directly or as a decorator. The program is traced once per input
+    signature, saturated with the rules, and the cheapest equivalent program
+    under ``cost_model`` runs in its place. ``limits`` bounds saturation.
+    ``cost_model`` is ``None``/``"analytic"`` (predicted), ``"measure"``
+    (the best candidates timed on the backend) or a :class:`rewrite.CostModel`
+    (a plain function is a node price alone: :class:`rewrite.NodeCost`).
+
+    Differentiating the result runs programs rewritten for the derivative
+    asked for (``rewrite/grad/primitive.py``): ``jax.grad``/``jax.vjp`` run ``fn``'s
+    VJP rewritten as one program and split into forward and backward passes
+    at the residuals the cost model prefers; ``jax.jvp``/``jax.jacfwd`` run
+    ``fn``'s JVP rewritten. Each is rewritten the first time it is asked for,
+    once per signature. ``vjp=True`` (a ``jax.custom_vjp`` over the same
+    split, rewritten eagerly, without forward mode) is deprecated.
+
+    ``cache`` is where rewritten programs are kept across processes
+    (``rewrite/cache/store.py``): ``None`` for the default (``$JAX_REWRITE_CACHE_DIR``,
+    else ``~/.cache/jax-rewrite``), a directory, or ``False`` for none. With
+    ``guard=True`` (or a :class:`rewrite.cost.guard.Guard` with timing settings),
+    the first rewrite of each signature times the original and the rewritten
+    program side by side and keeps the faster (``rewrite/cost/guard.py``); the
+    decision is in ``result(...).guard`` and in the cache entry.
+
+    >>> import jax, jax.numpy as jnp
+    >>> from rewrite import rewrite, rule, Ruleset
+    >>> double_angle = Ruleset("trig", [rule(lambda x: 2 * jnp.sin(x) * jnp.cos(x),
+    ...                                      lambda x: jnp.sin(2 * x), name="double_angle")], soundness="identity")
+    >>> @rewrite(rulesets=[double_angle])
+    ... def f(x):
+    ...     return 2 * jnp.sin(x) * jnp.cos(x)
+    >>> x = jnp.linspace(0.0, 1.0, 5)
+    >>> bool(jnp.allclose(f(x), jnp.sin(2 * x), atol=1e-6))
+    True
+    >>> [e.primitive.name for e in f.jaxpr(x).eqns]
+    ['mul', 'sin']
+    """
+    if fn is None:
+        return functools.partial(rewrite, rulesets=rulesets, cost_model=cost_model, limits=limits,
+                                 static_argnums=static_argnums, static_argnames=static_argnames, strict=strict,
+                                 vjp=vjp, cache=cache, guard=guard)
+    if not callable(fn):
+        raise TypeError(f"rewrite() takes a function, got {type(fn).__name__}")
+    if vjp:
+        warnings.warn("rewrite(..., vjp=True) is deprecated: the plain decorator already runs the rewritten VJP "
+                      "under jax.grad/jax.vjp (and the rewritten JVP under jax.jvp, which vjp=True cannot)",
+                      DeprecationWarning, stacklevel=2)
+
+        return RewrittenVJP(fn, rulesets, cost_model, limits, static_argnums, static_argnames, strict)
+    return Rewritten(fn, rulesets, cost_model, limits, static_argnums, static_argnames, strict, cache=cache,
+                     guard=guard)
+
+
+@dataclasses.dataclass
+class _Unchanged:
+    """The fallback after a failure: the original program, differentiated by JAX."""
+
+    after: core.ClosedJaxpr
+    times: dict[str, float]
+
+
+class RewrittenVJP(Rewritten):
+    """A function whose VJP is JAX's VJP of ``fn`` rewritten, as a ``jax.custom_vjp``. Made by ``rewrite(vjp=True)``."""
+
+    def _rewrite(self, traced: Traced) -> Any:
+        name = getattr(self.fn, "__name__", "function")
+        try:
+            return self._build(traced)
+        except Exception as e:
+            if _strict(self.strict):
+                raise
+            msg = f"rewrite of the VJP of {name!r} failed ({type(e).__name__}: {e}); using JAX's own"
+            warnings.warn(RewriteWarning(msg), stacklevel=4)
+            log.warning(msg)
+            return _Unchanged(traced.closed, {})
+
+    def _build(self, traced: Traced) -> VJPResult:
+        if traced.closed.jaxpr.effects:
+            raise ValueError("vjp=True needs a program without effects (its backward pass may not repeat them)")
+        return build_vjp(traced, self.entries, self.cost_model, self.limits)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        _, flat, (traced, result) = self._prepare(args, kwargs)
+        if isinstance(result, _Unchanged):
+            outs = core.eval_jaxpr(traced.closed.jaxpr, traced.closed.consts, *flat)
+        else:
+            outs = result.function(*flat)
+        return traced.outputs(list(outs))
+
+    def jaxpr(self, *args: Any, **kwargs: Any) -> core.ClosedJaxpr:
+        """The primal program for these arguments' signature."""
+        return self._prepare(args, kwargs)[2][1].after
+
+    def vjp_jaxprs(self, *args: Any, **kwargs: Any) -> tuple[core.ClosedJaxpr, core.ClosedJaxpr]:
+        """The forward (primals -> outputs + residuals) and backward (residuals + cotangents -> gradients) programs."""
+        result = self._prepare(args, kwargs)[2][1]
+        if isinstance(result, _Unchanged):
+            raise RuntimeError("the VJP was not rewritten (see the RewriteWarning); JAX's own is used")
+        return result.fwd, result.bwd
+
+    def __repr__(self) -> str:
+        return (f"<rewritten VJP of {getattr(self.fn, '__name__', 'function')}: {len(self.entries)} rules, "
+                f"{len(self._cache)} cached signatures>")

@@ -1,0 +1,299 @@
+"""Stable fingerprints of Python values, for the disk cache's keys (``rewrite/cache/store.py``).
+
+A fingerprint must be the same in every process that would compute the same
+thing, and differ where the thing differs. Numbers, strings, containers and
+arrays are hashed by value. A function is hashed by what decides its
+behaviour: its bytecode, constants, defaults, the values in its closure and
+the globals its code names, followed recursively; a function, class or module
+of a library whose version is part of the key (JAX, NumPy, the standard
+library, egglog, this library) by its name; a module of the user's by its
+source file. An object whose identity cannot be hashed stably (a generator, a
+lock, anything whose ``repr`` holds a memory address and that offers nothing
+else) raises :class:`Unstable`, and the caller does not cache.
+
+>>> from rewrite.cache.fingerprint import fingerprint
+>>> fingerprint(lambda x: x + 1) == fingerprint(lambda x: x + 1), fingerprint(lambda x: x + 1) == fingerprint(lambda x: x + 2)
+(True, False)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import hashlib
+import os
+import sys
+import types
+from typing import Any
+
+import numpy as np
+from jax._src import core
+
+#: Top-level packages whose objects are named, not hashed: their versions are in the key.
+VERSIONED = frozenset({"jax", "jaxlib", "numpy", "egglog", "ml_dtypes", "opt_einsum", "scipy", "rewrite",
+                       "builtins", "__future__"}) | frozenset(getattr(sys, "stdlib_module_names", ()))
+
+
+#: Code flags that say where a function was defined (inside another, say), not what it does.
+_WHERE_DEFINED = 0x10 | 0x40  # CO_NESTED, CO_NOFREE
+
+
+class Unstable(Exception):
+    """This value has no fingerprint that another process would reproduce."""
+
+
+def fingerprint(obj: Any) -> str:
+    """A hex digest of ``obj`` that another process computes alike; raises :class:`Unstable`."""
+    h = hashlib.sha256()
+    _Walker(h).walk(obj)
+    return h.hexdigest()
+
+
+def _versioned(module: str | None) -> bool:
+    return bool(module) and module.split(".")[0] in VERSIONED  # type: ignore[union-attr]
+
+
+_SOURCES: dict[tuple[str, float], str] = {}
+
+
+def _module_source(module: types.ModuleType) -> str:
+    path = getattr(module, "__file__", None)
+    if not path or not os.path.exists(path):
+        raise Unstable(f"module {module.__name__} has no source file")
+    mtime = os.stat(path).st_mtime
+    found = _SOURCES.get((path, mtime))
+    if found is None:
+        with open(path, "rb") as f:
+            found = _SOURCES[(path, mtime)] = hashlib.sha256(f.read()).hexdigest()
+    return found
+
+
+def _code_names(code: types.CodeType) -> set[str]:
+    names = set(code.co_names)
+    for c in code.co_consts:
+        if isinstance(c, types.CodeType):
+            names |= _code_names(c)
+    return names
+
+
+class _Walker:
+    def __init__(self, h: Any) -> None:
+        self.h = h
+        self.active: dict[int, int] = {}  # objects being walked: a cycle refers back to them by number
+
+    def put(self, *parts: Any) -> None:
+        for p in parts:
+            b = p if isinstance(p, bytes) else str(p).encode()
+            self.h.update(len(b).to_bytes(8, "little"))
+            self.h.update(b)
+
+    def walk(self, x: Any) -> None:
+        if x is None or isinstance(x, (bool, int, float, complex, str, bytes)) and type(x) in (
+                bool, int, float, complex, str, bytes, type(None)):
+            self.put(type(x).__name__, repr(x))
+            return
+        if id(x) in self.active:
+            self.put("cycle", self.active[id(x)])
+            return
+        self.active[id(x)] = len(self.active)
+        try:
+            self._walk(x)
+        finally:
+            del self.active[id(x)]
+
+    def _walk(self, x: Any) -> None:
+        if type(x) in (tuple, list):
+            self.put(type(x).__name__, len(x))
+            for v in x:
+                self.walk(v)
+        elif type(x) is dict:
+            self.put("dict", len(x))
+            for k, v in sorted(x.items(), key=lambda kv: fingerprint(kv[0])):
+                self.walk(k)
+                self.walk(v)
+        elif type(x) in (set, frozenset):
+            self.put("set", *sorted(fingerprint(v) for v in x))
+        elif isinstance(x, core.Tracer):
+            raise Unstable("a tracer")
+        elif isinstance(x, (np.ndarray, np.generic)) or _is_array(x):
+            a = np.asarray(x)
+            if a.dtype == object:
+                raise Unstable("an object array")
+            self.put("array", str(a.dtype), a.shape, hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest())
+        elif isinstance(x, np.dtype):
+            self.put("dtype", str(x))
+        elif isinstance(x, core.Primitive):
+            self.put("primitive", x.name)
+        elif isinstance(x, (core.ClosedJaxpr, core.Jaxpr)):
+            self.put("jaxpr", program_fingerprint(x))
+        elif isinstance(x, enum.Enum):
+            self.put("enum", type(x).__module__, type(x).__qualname__, x.name)
+        elif isinstance(x, types.FunctionType):
+            self._function(x)
+        elif isinstance(x, types.MethodType):
+            self.put("method")
+            self.walk(x.__func__)
+            self.walk(x.__self__)
+        elif isinstance(x, types.ModuleType):
+            self.put("module", x.__name__)
+            if not _versioned(x.__name__):
+                self.put(_module_source(x))
+        elif isinstance(x, type):
+            self.put("class", x.__module__, x.__qualname__)
+            if not _versioned(x.__module__):
+                mod = sys.modules.get(x.__module__)
+                if mod is None:
+                    raise Unstable(f"class {x.__qualname__}: module {x.__module__} is not loaded")
+                self.put(_module_source(mod))
+        elif isinstance(x, types.CodeType):
+            self._code(x)
+        elif callable(x) and hasattr(x, "__qualname__") and _versioned(getattr(x, "__module__", None)):
+            # a library's function object (jnp.sin is a jitted function, np.sin a ufunc)
+            self.put("named", x.__module__, x.__qualname__)
+        elif isinstance(x, (types.BuiltinFunctionType, types.BuiltinMethodType)):
+            self.put("builtin", getattr(x, "__module__", None), x.__qualname__)
+            if x.__self__ is not None and not isinstance(x.__self__, types.ModuleType):
+                self.walk(x.__self__)
+        elif hasattr(x, "shape") and hasattr(x, "dtype") and type(x).__name__ == "ShapeDtypeStruct":
+            self.put("sds", tuple(x.shape), str(x.dtype), bool(getattr(x, "weak_type", False)),
+                     repr(getattr(x, "sharding", None)))
+        else:
+            self._instance(x)
+
+    def _instance(self, x: Any) -> None:
+        cls = type(x)
+        self.walk(cls)
+        if dataclasses.is_dataclass(x):
+            for f in dataclasses.fields(x):
+                self.put(f.name)
+                self.walk(getattr(x, f.name))
+        elif isinstance(x, tuple):  # a NamedTuple
+            self.walk(tuple(x))
+        elif cls.__module__ == "functools" and cls.__name__ == "partial":
+            self.walk((x.func, x.args, x.keywords))
+        elif hasattr(x, "__dict__") and not isinstance(x, type):
+            self.walk({k: v for k, v in vars(x).items()})
+        else:
+            r = repr(x)
+            if " at 0x" in r or "object at" in r:
+                raise Unstable(f"{cls.__qualname__} object has no stable identity")
+            self.put("repr", r)
+
+    def _function(self, fn: types.FunctionType) -> None:
+        if _versioned(fn.__module__) and "<lambda>" not in fn.__qualname__ and "<locals>" not in fn.__qualname__:
+            self.put("named", fn.__module__, fn.__qualname__)
+            return
+        self.put("function")
+        self._code(fn.__code__)
+        self.walk(fn.__defaults__)
+        self.walk(fn.__kwdefaults__)
+        cells = []
+        for c in fn.__closure__ or ():
+            try:
+                cells.append(c.cell_contents)
+            except ValueError:  # an empty cell
+                cells.append(("<empty cell>",))
+        self.walk(cells)
+        g = fn.__globals__
+        for name in sorted(_code_names(fn.__code__)):
+            if name in g:
+                self.put("global", name)
+                self.walk(g[name])
+
+    def _code(self, code: types.CodeType) -> None:
+        self.put("code", code.co_code, code.co_names, code.co_varnames, code.co_freevars, code.co_cellvars,
+                 code.co_argcount, code.co_kwonlyargcount, code.co_posonlyargcount,
+                 code.co_flags & ~_WHERE_DEFINED)
+        for c in code.co_consts:
+            if isinstance(c, types.CodeType):
+                self._code(c)
+            else:
+                self.walk(c)
+
+
+def _is_array(x: Any) -> bool:
+    import jax
+
+    return isinstance(x, jax.Array)
+
+
+def aval_key(aval: Any) -> tuple:
+    if not hasattr(aval, "shape"):
+        return (type(aval).__name__, str(aval))
+    return (tuple(aval.shape), str(aval.dtype), bool(getattr(aval, "weak_type", False)),
+            repr(getattr(aval, "sharding", None)), repr(getattr(aval, "manual_axis_type", None)),
+            str(getattr(aval, "memory_space", None)))
+
+
+def program_fingerprint(closed: Any) -> str:
+    """A digest of a program's canonical form: equations, params, avals, shardings, constants."""
+    h = hashlib.sha256()
+    _Canon(h).closed(closed if isinstance(closed, core.ClosedJaxpr) else core.ClosedJaxpr(closed, ()))
+    return h.hexdigest()
+
+
+class _Canon:
+    """Writes a program down canonically: variables by number, params by value, opaque params by position."""
+
+    def __init__(self, h: Any) -> None:
+        self.h = h
+        self.opaque: dict[int, int] = {}
+
+    def put(self, x: Any) -> None:
+        b = repr(x).encode()
+        self.h.update(len(b).to_bytes(8, "little"))
+        self.h.update(b)
+
+    def closed(self, closed: core.ClosedJaxpr) -> None:
+        self.put(("consts", len(closed.consts)))
+        for c in closed.consts:
+            self.value(c)
+        self.jaxpr(closed.jaxpr)
+
+    def jaxpr(self, jaxpr: core.Jaxpr) -> None:
+        env: dict[Any, int] = {}
+        for v in list(jaxpr.constvars) + list(jaxpr.invars):
+            env[v] = len(env)
+            self.put(("in", aval_key(v.aval)))
+        for e in jaxpr.eqns:
+            self.put(("eqn", e.primitive.name, len(e.invars), len(e.outvars)))
+            for v in e.invars:
+                self.atom(v, env)
+            for k in sorted(e.params):
+                self.put(("param", k))
+                self.value(e.params[k])
+            for v in e.outvars:
+                env[v] = len(env)
+                self.put(aval_key(v.aval))
+            self.put(sorted(map(str, e.effects)))
+        self.put(("out", len(jaxpr.outvars)))
+        for v in jaxpr.outvars:
+            self.atom(v, env)
+        self.put(sorted(map(str, jaxpr.effects)))
+
+    def atom(self, v: Any, env: dict) -> None:
+        if isinstance(v, core.Literal):
+            self.put(("lit", aval_key(v.aval)))
+            self.value(v.val)
+        else:
+            self.put(("var", env[v]))
+
+    def value(self, x: Any) -> None:
+        if isinstance(x, core.ClosedJaxpr):
+            self.put("closed")
+            self.closed(x)
+        elif isinstance(x, core.Jaxpr):
+            self.put("jaxpr")
+            self.jaxpr(x)
+        elif type(x) in (tuple, list):
+            self.put((type(x).__name__, len(x)))
+            for v in x:
+                self.value(v)
+        else:
+            try:
+                self.put(("fp", fingerprint(x)))
+            except Unstable:
+                # Never looked into by the rewriter, and taken from the fresh trace on load: its place is
+                # its identity here.
+                n = self.opaque.setdefault(id(x), len(self.opaque))
+                self.put(("opaque", type(x).__module__, type(x).__qualname__, n))

@@ -1,0 +1,360 @@
+"""Cost models: what extraction minimises.
+
+A cost model is a :class:`CostModel`, a protocol of up to three parts, each
+one declared:
+
+1. a *node price* (always): ``model(node)``, from :class:`NodeInfo` (one node:
+   its primitive, params, operand and result avals, and for nodes with
+   bodies what one execution of each body costs) to a non-negative float.
+   The extractor adds node prices over the chosen program, counting a shared
+   node once;
+2. a *whole-program price* (if ``prices_programs``): ``model.program(prog)``
+   prices a whole candidate program (a :class:`rewrite.cost.fusion.Program`),
+   which a sum of node prices cannot: what XLA fuses, stores and recomputes.
+   The extractor then chooses among candidates, and refines the best, by it;
+3. a *measured final choice* (if ``measures``): ``model.choose(programs)``
+   picks among the best candidates, cheapest predicted first, after they are
+   emitted (timing them on the backend, say).
+
+A plain function ``NodeInfo -> float`` is accepted as a node price alone
+(:class:`NodeCost`), with a warning: it cannot price whole programs, so it
+turns that part off. Wrap it in :class:`NodeCost` to say that is meant, or
+subclass :class:`AnalyticCost` to keep whole-program pricing.
+
+The default, :class:`AnalyticCost`, prices in nanoseconds measured on the
+backend (``benchmarks/calibrate.py`` writes the table to
+``rewrite/cost/calibration.py``): each elementwise primitive at its own measured
+price (on XLA:CPU ``sin`` costs fifty multiplications and ``exp`` five),
+bytes where XLA materialises arrays, and flops of contractions. Elementwise
+chains are treated as fused, so they cost their arithmetic only. A node
+cost cannot see which values XLA stores and which it recomputes in every
+loop that reads them, so :meth:`AnalyticCost.program` also prices whole
+candidate programs the way XLA fuses them (``rewrite/cost/fusion.py``); the
+extractor uses it to choose among candidates and to refine the best.
+``cost_model="measure"`` goes further and times the best candidates on the
+backend itself (``rewrite/cost/measure.py``).
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import functools
+import math
+import os
+import sys
+import warnings
+import weakref
+from typing import Any, Callable, ClassVar, Mapping, Sequence
+
+import jax
+
+from ..ir import terms as _terms
+from .fusion import FusionModel
+from ..ir.primitives import BY_PRIM, DEFAULT as _OPAQUE_SPEC, NodeInfo, inner_jaxpr, nbytes, size  # noqa: F401
+
+
+class CostModel(abc.ABC):
+    """The cost-model protocol: a node price, and, when declared, a whole-program price and a measured choice.
+
+    Subclass it and define ``__call__``; set ``prices_programs = True`` and
+    define :meth:`program`, or ``measures = True`` and define :meth:`choose`,
+    to provide those parts. The extractor uses exactly what the flags
+    declare, nothing else.
+
+    >>> import jax.numpy as jnp
+    >>> from rewrite import CostModel, rewrite
+    >>> class CountNodes(CostModel):  # every operation costs one: the fewest equations win
+    ...     def __call__(self, node):
+    ...         return 0.0 if node.family == "special" else 1.0
+    >>> CountNodes().prices_programs, CountNodes().measures
+    (False, False)
+    >>> f = rewrite(lambda x: jnp.sin(x) * 1.0, cost_model=CountNodes())
+    >>> float(f(jnp.float32(0.5))) == float(jnp.sin(jnp.float32(0.5)))
+    True
+    """
+
+    #: whether :meth:`program` prices whole programs (the extractor then chooses by it)
+    prices_programs: ClassVar[bool] = False
+    #: whether :meth:`choose` makes the final choice among emitted candidates
+    measures: ClassVar[bool] = False
+
+    @abc.abstractmethod
+    def __call__(self, node: NodeInfo) -> float:
+        """The price of one node: a non-negative float; only comparisons matter."""
+
+    def program(self, prog: Any) -> float:
+        """The price of a whole program (a :class:`rewrite.cost.fusion.Program`); used when ``prices_programs``."""
+        raise NotImplementedError(f"{type(self).__name__} does not price whole programs")
+
+    def choose(self, programs: Sequence[Any]) -> tuple[Any, Any]:
+        """The program to emit, of ``programs`` (closed jaxprs, cheapest predicted first), and a report of
+        how it was chosen (:class:`rewrite.cost.measure.Timing`, say); used when ``measures``."""
+        raise NotImplementedError(f"{type(self).__name__} does not choose among measured programs")
+
+
+class NodeCost(CostModel):
+    """A node price alone, from a function ``NodeInfo -> float``: no whole-program price, no measuring.
+
+    >>> import jax.numpy as jnp
+    >>> from rewrite import AnalyticCost, NodeCost, rewrite
+    >>> model = NodeCost(lambda node: 1e9 if node.op == "add" else AnalyticCost()(node))
+    >>> model.prices_programs
+    False
+    >>> f = rewrite(lambda x: x + 1.0, cost_model=model)
+    >>> float(f(jnp.float32(1.0)))
+    2.0
+    """
+
+    def __init__(self, fn: Callable[[NodeInfo], float]) -> None:
+        if not callable(fn):
+            raise TypeError(f"NodeCost takes a function NodeInfo -> float, got {fn!r}")
+        self.fn = fn
+
+    def __call__(self, node: NodeInfo) -> float:
+        return self.fn(node)
+
+    def __repr__(self) -> str:
+        return f"NodeCost({getattr(self.fn, '__qualname__', self.fn)})"
+
+
+def _table() -> dict[str, Any]:
+    """The calibration table of the default backend (``rewrite/cost/calibration.py``), else the CPU's."""
+    from . import calibration as _calibration
+
+    name = _calibration.BACKENDS.get(jax.default_backend(), _calibration.BACKENDS["cpu"])
+    return getattr(_calibration, name)
+
+
+@dataclasses.dataclass(frozen=True)
+class AnalyticCost(CostModel):
+    """The default cost model: measured per-element prices, materialised bytes and flops, in nanoseconds.
+
+    It provides a node price (``__call__``) and, with ``fusion=True`` (the
+    default), a whole-program price (:meth:`program`: XLA's fusion replayed,
+    ``rewrite/cost/fusion.py``). In the whole-program price the node price only
+    breaks ties and prices the kernels the fusion model does not fuse (dots,
+    loops, calls); a subclass that changes ``__call__`` so that it decides
+    more should pass ``fusion=False`` or override :meth:`program` as well.
+
+    ``ops`` maps a primitive to nanoseconds per element inside a fused loop;
+    primitives missing from it cost ``flop`` (cheap elementwise) or
+    ``transcendental``. ``byte`` prices a byte that XLA writes or reads where
+    an array materialises, ``dot`` a flop of a contraction, ``reduce`` an
+    element a reduction adds up, ``launch`` one kernel. Defaults come from
+    the calibration table of this backend.
+
+    >>> import jax.numpy as jnp
+    >>> from jax.core import ShapedArray
+    >>> from rewrite import AnalyticCost, NodeInfo
+    >>> a = ShapedArray((1000,), jnp.float32)
+    >>> m = AnalyticCost()
+    >>> m(NodeInfo("sin", "transcendental", {}, (a,), (a,))) > m(NodeInfo("exp", "transcendental", {}, (a,), (a,)))
+    True
+    """
+
+    flop: float = dataclasses.field(default_factory=lambda: _table()["elementwise_ns"].get("mul", 0.02))
+    transcendental: float = 2.0
+    byte: float = dataclasses.field(default_factory=lambda: _table()["byte"])
+    #: a fixed charge per node; it breaks ties in favour of fewer equations
+    node: float = 5.0
+    #: per loop iteration, for the loop's own bookkeeping
+    iteration: float = 1000.0
+    #: assumed trip count of a while loop
+    while_trips: float = 10.0
+    #: extra charge per byte of a loop's stacked output, on top of writing it: the memory it
+    #: holds (in a backward program, until the backward loop reads it). Raise it to trade
+    #: recomputation for memory; 0 prices time only.
+    stacked: float = 0.0
+    #: charge per byte of the program's predicted peak of temporaries (arrays that kernels
+    #: write and other kernels read, outputs and inputs excluded; see ``_fusion.peak_temp_bytes``),
+    #: with whole-program pricing. The default is ``byte``: holding an array at the peak costs
+    #: as much as writing it once more, so of two programs about as fast the one that holds
+    #: less memory wins. 0 prices time only; raise it to trade time for memory.
+    memory: float = dataclasses.field(default_factory=lambda: _table()["byte"])
+    ops: Mapping[str, float] = dataclasses.field(default_factory=lambda: dict(_table()["elementwise_ns"]))
+    dot: float = dataclasses.field(default_factory=lambda: _table()["dot_flop"])
+    reduce: float = dataclasses.field(default_factory=lambda: _table()["reduce_per_element"])
+    launch: float = dataclasses.field(default_factory=lambda: _table()["launch"])
+    #: per element of each operation fused into a library (YNN) reduction
+    library_op: float = dataclasses.field(default_factory=lambda: _table().get("library_op", 0.3))
+    #: price whole programs as XLA fuses them (:meth:`program`); ``False`` sums node costs only
+    fusion: bool = True
+    #: the fixed cost of one call of a compiled program, and of each buffer it takes or returns
+    #: (``benchmarks/calibrate.py``, ``measure_call``). No rewrite removes it, so it never changes
+    #: which program extraction chooses; it is part of a predicted speed-up (:meth:`fixed`,
+    #: :attr:`rewrite.Report.predicted_speedup`), where it dominates small programs.
+    call: float = dataclasses.field(default_factory=lambda: _table().get("call", 0.0))
+    buffer: float = dataclasses.field(default_factory=lambda: _table().get("buffer", 0.0))
+    #: the least saving, as a fraction of the input program's price (fixed costs left out), for
+    #: which the rewritten program is used; below it the input program is kept, since a smaller
+    #: saving is within the model's error (the suite's programs predicted a few per cent faster
+    #: measure 1.00x). The default, 0, keeps any saving: 0.03 would keep the input program in 15 of
+    #: the built-in packs' golden programs, whose small rewrites (``square`` for ``integer_pow``, a
+    #: folded constant) tests rely on. Set it for production use, e.g. ``AnalyticCost(min_saving=0.03)``.
+    min_saving: float = 0.0
+
+    def fixed(self, buffers: int) -> float:
+        """The fixed cost of calling a program that takes and returns ``buffers`` arrays in all.
+
+        >>> from rewrite import AnalyticCost
+        >>> AnalyticCost(call=3000.0, buffer=1500.0).fixed(3)
+        7500.0
+        """
+        return self.call + self.buffer * buffers
+
+    def elementwise(self, op: str, family: str, params: Mapping[str, Any] | None = None) -> float:
+        """Nanoseconds per element of ``op`` inside a fused loop.
+
+        Arithmetic too cheap to measure apart from noise (XLA's cheap
+        operations) is counted in ``flop``: one each, and ``integer_pow`` one
+        more than its multiplications (it is never cheaper than writing them
+        out). The rest is priced as measured.
+        """
+        spec = BY_PRIM.get(op, _OPAQUE_SPEC)
+        if spec.unrolled is not None:
+            muls, divs = spec.unrolled(params or {})
+            return self.flop * (muls + 1) + divs * self.ops.get("div", self.flop)
+        if spec.cheap:
+            return self.flop
+        found = self.ops.get(op)
+        if found is not None:
+            return found
+        return self.transcendental if family == _terms.TRANSCENDENTAL else self.flop
+
+    def __call__(self, n: NodeInfo) -> float:
+        spec = BY_PRIM.get(n.op)
+        if spec is not None and spec.price is not None and n.family == spec.family:
+            return self.node + spec.price(self, n)
+        return _BY_FAMILY.get(n.family, AnalyticCost._opaque)(self, n)
+
+    def _special(self, n: NodeInfo) -> float:
+        if n.op == "proj" and n.index is not None:
+            of = _terms.BY_PRIM.get(n.of or "")
+            if of is not None and of.stacks is not None and of.stacks(n.params, n.index):
+                return self.node + (self.byte + self.stacked) * nbytes(n.out_avals[0])  # the stacked output is written
+        return 0.0
+
+    def _pointwise(self, n: NodeInfo) -> float:
+        return self.node + self.elementwise(n.op, n.family, n.params) * sum(size(a) for a in n.out_avals)
+
+    def _layout(self, n: NodeInfo) -> float:
+        return self.node + 0.05 * self.flop * sum(size(a) for a in n.out_avals)
+
+    def _written(self, n: NodeInfo) -> float:
+        return self.node + self.byte * sum(nbytes(a) for a in n.out_avals)
+
+    def _reduce(self, n: NodeInfo) -> float:
+        return self.node + self.reduce * sum(size(a) for a in n.in_avals) + self.byte * sum(nbytes(a) for a in n.in_avals)
+
+    def _contract(self, n: NodeInfo) -> float:
+        return self.node + self.dot * _dot_flops(n) + self.byte * (sum(nbytes(a) for a in n.in_avals) + nbytes(n.out_avals[0]))
+
+    def _nested(self, n: NodeInfo) -> float:
+        return self.node + sum(n.body_costs)  # a call (jit, shard_map): what its bodies cost
+
+    def _opaque(self, n: NodeInfo) -> float:
+        inner = inner_jaxpr(n.params) if n.family == _terms.OPAQUE else None
+        if inner is not None:
+            # a call XLA inlines (custom_jvp_call, custom_vjp_call, remat): what its body costs
+            return self.node + self._body(inner)
+        # opaque or effectful: it reads its operands and writes its results
+        out = n.out_avals
+        return self.node + self.flop * sum(size(a) for a in out) + self.byte * (
+            sum(nbytes(a) for a in n.in_avals) + sum(nbytes(a) for a in out))
+
+    def _body(self, jaxpr: Any) -> float:
+        total = 0.0
+        for e in jaxpr.eqns:
+            family = _terms.family_of(e.primitive.name)
+            if family == _terms.NESTED:
+                family = _terms.OPAQUE  # a nested call's bodies are priced through inner_jaxpr
+            total += self(NodeInfo(e.primitive.name, family, e.params, tuple(v.aval for v in e.invars),
+                                   tuple(v.aval for v in e.outvars)))
+        return total
+
+    @property
+    def prices_programs(self) -> bool:  # type: ignore[override]
+        return self.fusion
+
+    def fusion_model(self) -> FusionModel:
+        """The whole-program model with this model's prices (see ``rewrite/cost/fusion.py``)."""
+        return FusionModel(self.ops, byte=self.byte, reduce=self.reduce, launch=self.launch,
+                           default=self.transcendental, cheap=self.flop, node=self.node,
+                           library_op=self.library_op, tiebreak=self._op_price, memory=self.memory)
+
+    def _op_price(self, op: Any) -> float:
+        return self(NodeInfo(op.prim, op.family, op.params, op.in_avals, op.out_avals))
+
+    @functools.cached_property
+    def _fusion(self) -> FusionModel:
+        return self.fusion_model()
+
+    def program(self, prog: Any) -> float:
+        """The predicted cost of a whole program (a :class:`rewrite.cost.fusion.Program`), fusion included."""
+        return self._fusion(prog)
+
+    def program_fusion(self) -> FusionModel | None:
+        """The fusion model :meth:`program` prices with, or ``None`` where a subclass prices programs its own way.
+
+        The extractor's search uses it to price a program move by move
+        (``rewrite.cost.fusion.LiveFusion``) instead of whole for every move.
+        """
+        return self._fusion if type(self).program is AnalyticCost.program and self.prices_programs else None
+
+
+def _dot_flops(n: NodeInfo) -> float:
+    (lc, rc), (lb, rb) = n.params["dimension_numbers"]
+    lhs, rhs = n.in_avals[:2]
+    contract = math.prod(lhs.shape[d] for d in lc)
+    return 2.0 * size(n.out_avals[0]) * contract
+
+
+#: How :class:`AnalyticCost` prices a node of each family, unless its record has a ``price`` hook.
+_BY_FAMILY: dict[str, Callable[[AnalyticCost, NodeInfo], float]] = {
+    _terms.SPECIAL: AnalyticCost._special,
+    _terms.ELEMENTWISE: AnalyticCost._pointwise,
+    _terms.TRANSCENDENTAL: AnalyticCost._pointwise,
+    _terms.LAYOUT: AnalyticCost._layout,
+    _terms.TRANSPOSE: AnalyticCost._written,
+    _terms.REDUCE: AnalyticCost._reduce,
+    _terms.CONTRACT: AnalyticCost._contract,
+    _terms.INDEX: AnalyticCost._written,
+    _terms.NESTED: AnalyticCost._nested,
+    _terms.OPAQUE: AnalyticCost._opaque,
+}
+
+DEFAULT = AnalyticCost()
+
+
+_warned: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
+def _outside_package() -> int:
+    """The stack level of the first caller outside this package (where a warning should point)."""
+    here = os.path.dirname(os.path.dirname(__file__))  # the rewrite package, not this folder
+    frame, level = sys._getframe(2), 2
+    while frame is not None and frame.f_code.co_filename.startswith(here):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def as_cost_model(model: Any) -> CostModel:
+    """``model`` as a :class:`CostModel`: a plain function becomes a node price alone (:class:`NodeCost`),
+    with a warning, once per function, that whole-program pricing is off."""
+    if isinstance(model, CostModel):
+        return model
+    if not callable(model):
+        raise ValueError(f"cost_model= must be None, 'analytic', 'measure' or a CostModel (or a function "
+                         f"NodeInfo -> float), got {model!r}")
+    try:
+        first = model not in _warned
+        _warned.add(model)
+    except TypeError:  # not weakly referable: warn every time
+        first = True
+    if first:
+        warnings.warn(f"cost_model={getattr(model, '__qualname__', model)} is a plain function: it prices nodes "
+                      "only, so whole-program (fusion) pricing is off. Pass NodeCost(fn) to say that is meant, or "
+                      "subclass AnalyticCost to keep whole-program pricing.", UserWarning,
+                      stacklevel=_outside_package())
+    return NodeCost(model)

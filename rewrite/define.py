@@ -1,0 +1,66 @@
+"""Defining a rule, checked as far as its definition allows.
+
+:func:`rule` is :func:`rewrite.rules.rule.rule` plus one check that needs the whole
+pipeline, which the rule layer sits below: a :class:`Pat` rule given an
+example program (``example=(fn, args)``) is run on that program once, so a
+right side that raises, or builds a value of another shape or dtype, fails
+where the rule is written, naming it, instead of being skipped with a warning
+at every rewrite.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+from .cost.model import AnalyticCost
+from .jaxpr.trace import Traced, trace_at
+from .pipeline import run_pipeline
+from .rules.rule import Rule, Ruleset, _short
+from .rules.rule import rule as _rule
+from .rules.saturate import Limits
+
+
+def rule(lhs: Any, rhs: Any, *, name: str, when: Callable[..., bool] | None = None, example: Any = None,
+         prefer: bool = False, check: bool = True) -> Rule:
+    r = _rule(lhs, rhs, name=name, when=when, example=example, prefer=prefer)
+    if check and r.is_pat and r.program is not None:
+        check_example(r)
+    return r
+
+
+rule.__doc__ = (_rule.__doc__ or "") + """
+    ``check`` (default ``True``): a :class:`Pat` rule with an example program
+    is rewritten on it once when it is defined (a fraction of a second), and a
+    right side or guard that raises there, a right side that builds a value of
+    the wrong shape or dtype, or a pattern with no match in its own example,
+    is a ``ValueError`` naming the rule. The built-in packs pass
+    ``check=False``: their contract test runs the same check on every rule.
+
+    >>> import jax, jax.numpy as jnp
+    >>> from rewrite import Pat, rule
+    >>> rule(Pat("sin", Pat.var("x")), lambda x: jnp.sine(x), name="typo",
+    ...      example=(jnp.sin, (jax.ShapeDtypeStruct((3,), jnp.float32),)))  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ValueError: rule 'typo': on its example program ...module 'jax.numpy' has no attribute 'sine'...
+"""
+
+
+def check_example(r: Rule) -> None:
+    """Rewrite ``r``'s example program with ``r`` alone; raise ``ValueError`` on what would be skipped later."""
+    fn, avals = r.program
+    closed = trace_at(fn, avals)
+    log = logging.getLogger("rewrite")
+    disabled, log.disabled = log.disabled, True  # what the check finds is raised, not also logged
+    try:
+        result = run_pipeline(Traced(closed, None, None, ()), [(r, Ruleset(r.name, [r]))], AnalyticCost(),
+                              Limits(iterations=2))
+    finally:
+        log.disabled = disabled
+    at = f"on its example program ({', '.join(_short(a) for a in avals)})"
+    problems = [w for w in result.warnings if f"rule {r.name!r}" in w]
+    if problems:
+        raise ValueError(f"rule {r.name!r}: {at}: " + "; ".join(problems))
+    if not result.stats[r.name].matched:
+        raise ValueError(f"rule {r.name!r}: the pattern has no match {at}; the example should be a program the "
+                         "rule applies in")

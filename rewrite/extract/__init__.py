@@ -1,0 +1,2 @@
+"""Choosing the cheapest program in a saturated e-graph under a cost model.
+"""

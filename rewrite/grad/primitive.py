@@ -1,0 +1,315 @@
+"""Differentiating a rewritten function: each derivative JAX asks for runs a program rewritten for it.
+
+The best program for a gradient is often not the derivative of the best
+forward program: the backward pass can read what the forward computed, or
+recompute it more cheaply, and identities hold between the two passes that
+neither has alone. So when a ``@rewrite`` function is called under a
+differentiation trace it is bound as a primitive of its own, ``rewritten``,
+whose rules ask the rewriter for the program each transformation needs,
+rewriting it the first time it is asked for (once per signature and
+transformation) and reusing it after:
+
+* **Reverse mode** (``grad``, ``vjp``, ``value_and_grad``, ``jacrev``). JAX
+  linearizes a primitive with its *linearization rule* and then transposes
+  the linear part. Ours runs the forward half of the VJP of the rewritten
+  forward program, rewritten jointly with its backward half (``rewrite/grad/vjp.py``: one e-graph, the
+  residuals chosen by the cost model) and returns the chosen residuals; the
+  linear part is a second primitive, ``rewritten_vjp_linear``, whose
+  transpose rule is the rewritten backward half. So the program that runs is
+  the split ``rewrite(fn, vjp=True)`` builds, from the rewritten forward program
+  rather than the original: JAX's own derivative of that program (what ran
+  before) is always a candidate, and the forward's choices (an accurate form,
+  a loop's checkpoint policy) hold for the gradient too.
+* **Forward mode** (``jvp``, ``jacfwd``; ``linearize``, whose linear part is
+  evaluated rather than transposed). The JVP rule runs the rewritten program's JVP,
+  ``(primals, tangents) -> (outputs, output tangents)``, rewritten as one
+  program. A ``jax.custom_vjp`` has no JVP, which is why ``vjp=True`` cannot
+  do this.
+* **Higher order** (``hessian``, ``grad`` of ``grad``). The rules above run
+  ordinary programs (inlined, not bound as a primitive), which the next
+  transformation differentiates as JAX does any program.
+
+Outside differentiation nothing changes: the rewritten forward program is
+evaluated in line, so ``jit``, ``vmap``, ``make_jaxpr`` and a rewrite of a
+program that calls this one all see its equations. Programs with effects,
+and calls whose argument types differ from the traced signature (inside a
+``shard_map`` body, for example), also run in line and JAX differentiates
+the rewritten forward program. If rewriting a derivative fails, a
+:class:`RewriteWarning` says so and JAX differentiates the forward program
+(``strict=True`` raises instead).
+
+>>> import jax, jax.numpy as jnp
+>>> from rewrite import rewrite
+>>> from rulesets.derivatives import derivatives
+>>> f = rewrite(lambda x: jnp.sin(x) ** 2, rulesets=[derivatives])
+>>> x = jnp.linspace(0.0, 1.0, 4)
+>>> bool(jnp.allclose(jax.grad(lambda x: f(x).sum())(x), jnp.sin(2 * x), atol=1e-6))
+True
+>>> bool(jnp.allclose(jax.jvp(f, (x,), (jnp.ones(4),))[1], jnp.sin(2 * x), atol=1e-6))
+True
+>>> sorted(f.derivative_rewrites.items())
+[('jvp', 1), ('vjp', 1)]
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import warnings
+from typing import Any, Sequence
+
+import jax
+from jax._src import core
+from jax.dtypes import float0
+from jax._src.interpreters import ad, batching, mlir
+from jax._src.interpreters import partial_eval as pe
+
+from ..errors import RewriteWarning, _strict
+from ..jaxpr.emit import check_signature
+from ..jaxpr.trace import Traced, spec_of
+from ..pipeline import run_pipeline
+from .vjp import build_vjp, float_positions, of_floats
+
+log = logging.getLogger("rewrite")
+
+rewritten_p = core.Primitive("rewritten")
+rewritten_p.multiple_results = True
+rewritten_lin_p = core.Primitive("rewritten_vjp_linear")
+rewritten_lin_p.multiple_results = True
+
+
+class Program:
+    """One signature of a rewritten function, with its derivative programs built on first use.
+
+    ``vjp()`` is the forward/backward split of the function's VJP
+    (:class:`rewrite.grad.vjp.VJPResult`), ``jvp()`` its JVP rewritten as one
+    program; either is ``None`` if rewriting it failed (a warning says so).
+    Bound as the ``program`` parameter of the primitives, so it compares and
+    hashes by identity.
+    """
+
+    def __init__(self, owner: Any, traced: Traced, forward: core.ClosedJaxpr) -> None:
+        self.owner = owner
+        self.traced = traced
+        self.forward = forward
+        self._vjp: Any = _UNBUILT
+        self._jvp: Any = _UNBUILT
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"<{getattr(self.owner.fn, '__name__', 'function')} {list(self.traced.closed.in_avals)}>"
+
+    def vjp(self) -> Any:
+        if self._vjp is _UNBUILT:
+            with self._lock:
+                if self._vjp is _UNBUILT:
+                    self._vjp = self._build("vjp")
+        return self._vjp
+
+    def jvp(self) -> Any:
+        if self._jvp is _UNBUILT:
+            with self._lock:
+                if self._jvp is _UNBUILT:
+                    self._jvp = self._build("jvp")
+        return self._jvp
+
+    def _of_forward(self) -> Traced:
+        # The derivative programs start from the rewritten forward program: JAX's derivative of it is
+        # what ran before, so it is always a candidate (nothing gets slower), and what the forward
+        # rules chose (an accurate form, a loop's checkpoint policy) holds for the gradient too.
+        t = self.traced
+        return Traced(self.forward, t.in_tree, t.out_tree, t.dynamic)
+
+    def _build(self, kind: str) -> Any:
+        owner = self.owner
+        name = getattr(owner.fn, "__name__", "function")
+        t = time.perf_counter()
+        try:
+            if kind == "vjp":
+                built: Any = build_vjp(self._of_forward(), owner.entries, owner.cost_model, owner.limits, primal=False)
+            else:
+                program, dif_in, dif_out = jvp_program(self.forward)
+                jt = Traced(program, self.traced.in_tree, self.traced.out_tree, self.traced.dynamic)
+                result = run_pipeline(jt, owner.entries, owner.cost_model, owner.limits)
+                check_signature(program, result.after)
+                built = JVP(result.after, dif_in, dif_out, result)
+            warned = built.warnings if kind == "vjp" else built.result.warnings
+            if warned and _strict(owner.strict):
+                raise RuntimeError(f"rewrite of the {kind.upper()} of {name!r} (strict): {'; '.join(warned)}")
+        except Exception as e:
+            if _strict(owner.strict):
+                raise
+            msg = (f"rewrite of the {kind.upper()} of {name!r} failed ({type(e).__name__}: {e}); "
+                   "JAX differentiates the rewritten forward program instead")
+            warnings.warn(RewriteWarning(msg), stacklevel=2)
+            log.warning(msg)
+            return None
+        finally:
+            owner.derivative_rewrites[kind] += 1
+        log.info("rewrote the %s of %s in %.3f s", kind.upper(), name, time.perf_counter() - t)
+        return built
+
+
+class _Unbuilt:
+    pass
+
+
+_UNBUILT = _Unbuilt()
+
+
+class JVP:
+    """The JVP program ``(primals, tangents of the float inputs) -> (outputs, tangents of the float outputs)``."""
+
+    def __init__(self, program: core.ClosedJaxpr, dif_in: list[int], dif_out: list[int], result: Any) -> None:
+        self.program, self.dif_in, self.dif_out, self.result = program, dif_in, dif_out, result
+
+
+def jvp_program(closed: core.ClosedJaxpr) -> tuple[core.ClosedJaxpr, list[int], list[int]]:
+    """``closed``'s JVP traced as one program; returns it and the positions of the float inputs and outputs."""
+    in_avals = closed.in_avals
+    dif_in, dif_out = float_positions(closed)
+    n = len(in_avals)
+    fn = core.jaxpr_as_fun(closed)
+
+    def joint(*args: Any) -> list[Any]:
+        primals, ts = list(args[:n]), args[n:]
+        outs, touts = jax.jvp(of_floats(fn, primals, dif_in), [primals[i] for i in dif_in], list(ts))
+        return list(outs) + [touts[i] for i in dif_out]
+
+    specs = [spec_of(a) for a in in_avals] + [spec_of(in_avals[i]) for i in dif_in]
+    return jax.make_jaxpr(joint)(*specs), dif_in, dif_out
+
+
+# ---------------------------------------------------------------------- binding
+#: The linearization rule below follows JAX 0.10's internal protocol (``ad.primitive_linearizations``),
+#: which JAX 0.11 changed; under another JAX, JAX differentiates the rewritten forward program instead.
+_SUPPORTED_JAX = jax.__version_info__[:2] == (0, 10)
+
+def bind_if_differentiated(program_of: Any, traced: Traced, flat: Sequence[Any]) -> list[Any] | None:
+    """The outputs, if this call is being differentiated and can be bound as a primitive; else ``None``.
+
+    ``program_of()`` gives the signature's :class:`Program` (made on first use).
+    """
+    trace = core.trace_ctx.trace
+    if not isinstance(trace, (ad.JVPTrace, ad.LinearizeTrace)):
+        return None
+    if not _SUPPORTED_JAX:
+        return None  # the primitive's rules follow JAX 0.10's internal protocols: differentiate the forward
+    closed = traced.closed
+    if closed.jaxpr.effects:
+        return None  # a derivative program may not repeat or reorder effects: JAX differentiates the forward
+    if [core.typeof(x) for x in flat] != list(closed.in_avals):
+        log.debug("rewritten %s called with %s, traced at %s: differentiated in line", traced,
+                  [core.typeof(x) for x in flat], closed.in_avals)
+        return None
+    return rewritten_p.bind(*flat, program=program_of())
+
+
+def _eval(closed: core.ClosedJaxpr, *args: Any) -> list[Any]:
+    return core.eval_jaxpr(closed.jaxpr, closed.consts, *args)
+
+
+# ---------------------------------------------------------------------- rewritten_p's rules
+def _impl(*args: Any, program: Program) -> list[Any]:
+    return _eval(program.forward, *args)
+
+
+def _abstract_eval(*avals: Any, program: Program) -> list[Any]:
+    return list(program.forward.out_avals)
+
+
+def _staging(trace: Any, source_info: Any, *tracers: Any, program: Program) -> list[Any]:
+    # Staged into a jaxpr (jit, make_jaxpr, the parent of a linearization whose tangents are all zero):
+    # the forward program's equations, not an opaque call, so a later rewrite or reader sees them.
+    with core.set_current_trace(trace):
+        return _eval(program.forward, *tracers)
+
+
+def _batch(args: Sequence[Any], dims: Sequence[Any], *, program: Program) -> tuple[list[Any], list[int]]:
+    outs = jax.vmap(core.jaxpr_as_fun(program.forward), in_axes=tuple(dims), out_axes=0)(*args)
+    return list(outs), [0] * len(outs)
+
+
+def _untracked(dif_in: Sequence[int], nonzero: Sequence[bool]) -> bool:
+    """Does a tangent flow into an input the derivative program does not differentiate?
+
+    The program's inputs are chosen by dtype (:func:`rewrite.grad.vjp.float_positions`); should JAX ever
+    differentiate an input that choice left out, the program would drop its tangent and give a
+    silently zero derivative, so JAX differentiates the forward program instead.
+    """
+    dif = set(dif_in)
+    return any(nz and i not in dif for i, nz in enumerate(nonzero))
+
+
+def _jvp(primals: Sequence[Any], tangents: Sequence[Any], *, program: Program) -> tuple[list[Any], list[Any]]:
+    built = program.jvp()
+    if built is not None and _untracked(built.dif_in, [type(t) is not ad.Zero and core.typeof(t).dtype != float0
+                                                       for t in tangents]):
+        log.warning("the rewritten JVP of %s does not differentiate every input JAX does; "
+                    "JAX differentiates the forward program", program)
+        built = None
+    if built is None:
+        ts = [ad.instantiate_zeros(t) for t in tangents]
+        outs, touts = jax.jvp(core.jaxpr_as_fun(program.forward), list(primals), ts)
+        return list(outs), list(touts)
+    outs = _eval(built.program, *primals, *[ad.instantiate_zeros(tangents[i]) for i in built.dif_in])
+    n = len(program.forward.out_avals)
+    primal_out, it = outs[:n], iter(outs[n:])
+    dif = set(built.dif_out)
+    touts = [next(it) if i in dif else ad.Zero(core.typeof(o).to_tangent_aval()) for i, o in enumerate(primal_out)]
+    return primal_out, touts
+
+
+def _linearize(is_vjp: bool, nonzeros: Sequence[bool], *primals: Any, program: Program) -> Any:
+    built = program.vjp() if is_vjp else None
+    if built is not None and _untracked(built.dif_in, nonzeros):
+        log.warning("the rewritten VJP of %s does not differentiate every input JAX does; "
+                    "JAX differentiates the forward program", program)
+        built = None
+    if built is None:
+        # jax.linearize evaluates its linear part (forward mode); a failed VJP rewrite lands here too.
+        return ad.fallback_linearize_rule(rewritten_p, is_vjp, nonzeros, *primals, program=program)
+    n_out = len(program.forward.out_avals)
+    outs = _eval(built.fwd, *primals)
+    primal_out, residuals = outs[:n_out], outs[n_out:]
+    dif = set(built.dif_out)
+    nzs_out = [i in dif for i in range(n_out)]
+
+    def linearized(residuals: Sequence[Any], *tangents: Any) -> list[Any]:
+        ts = [ad.instantiate_zeros(tangents[i]) for i in built.dif_in]
+        touts = iter(rewritten_lin_p.bind(*residuals, *ts, program=program))
+        return [next(touts) if nz else ad.Zero(core.typeof(o).to_tangent_aval())
+                for nz, o in zip(nzs_out, primal_out)]
+
+    return primal_out, nzs_out, residuals, linearized
+
+
+rewritten_p.def_impl(_impl)
+rewritten_p.def_abstract_eval(_abstract_eval)
+mlir.register_lowering(rewritten_p, mlir.lower_fun(_impl, multiple_results=True))
+pe.custom_staging_rules[rewritten_p] = _staging
+batching.primitive_batchers[rewritten_p] = _batch
+ad.primitive_jvps[rewritten_p] = _jvp
+ad.primitive_linearizations[rewritten_p] = _linearize
+
+
+# ---------------------------------------------------------------------- rewritten_lin_p's rules
+# (residuals, tangents of the float inputs) -> tangents of the float outputs: linear in the tangents,
+# and only ever transposed (it is made for reverse mode), by running the rewritten backward program.
+def _lin_abstract_eval(*avals: Any, program: Program) -> list[Any]:
+    out_avals = program.forward.out_avals
+    return [out_avals[i].to_tangent_aval() for i in program.vjp().dif_out]
+
+
+def _lin_transpose(cts: Sequence[Any], *args: Any, program: Program) -> list[Any]:
+    built = program.vjp()
+    k = len(built.split.residuals)
+    residuals, tangents = args[:k], args[k:]
+    assert not any(ad.is_undefined_primal(r) for r in residuals), "residuals are known in the backward pass"
+    grads = _eval(built.bwd, *residuals, *[ad.instantiate_zeros(c) for c in cts])
+    return [None] * k + [g if ad.is_undefined_primal(t) else None for g, t in zip(grads, tangents)]
+
+
+rewritten_lin_p.def_abstract_eval(_lin_abstract_eval)
+ad.primitive_transposes[rewritten_lin_p] = _lin_transpose

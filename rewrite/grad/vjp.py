@@ -1,0 +1,372 @@
+"""``rewrite(fn, vjp=True)``: a function whose backward pass is JAX's own VJP of ``fn``, rewritten.
+
+JAX differentiates a program one primitive at a time, so its backward pass
+repeats work the forward pass did, and misses identities that a person
+deriving the gradient by hand would use. Here the function and its VJP are
+traced together, as one program ``(primals, cotangents) -> (outputs,
+gradients)``, and that program goes through the ordinary pipeline: loaded
+into one e-graph, where the forward's ``sin(a*x)`` and the backward's are
+one class; saturated with the rulesets; extracted. The result is split in
+two and wrapped in a ``jax.custom_vjp``:
+
+* ``fwd(primals) -> (outputs, residuals)`` and ``bwd(residuals, cotangents)
+  -> gradients``. The *residuals* are what the backward pass reads from the
+  forward pass. The cost model chooses them (:func:`choose_residuals`):
+  keeping only the inputs and recomputing, keeping every value the forward
+  computes that the backward reads, or any set in between that a greedy
+  descent finds cheaper, each priced as two programs that XLA compiles
+  apart (``AnalyticCost.program``), in two uses weighted alike: a training
+  step, which reads the outputs, and ``jax.grad``, which drops them (and
+  XLA the forward work only they needed). Both the joint extraction and
+  one for the gradients alone are tried.
+* Without differentiation, the primal function runs: the forward program
+  extracted on its own, so inference pays nothing for the backward pass.
+
+``fn`` may itself contain ``jax.grad`` or ``jax.vjp`` (a whole training
+step): its trace is an ordinary program, and its VJP is JAX's second-order
+one. Integer inputs get no gradient (``None``, which JAX reads as zero).
+
+>>> import jax, jax.numpy as jnp
+>>> from rewrite import rewrite
+>>> from rulesets.derivatives import derivatives
+>>> f = rewrite(lambda x, a: jnp.sin(a * x) ** 2 / a, rulesets=[derivatives])  # jax.grad runs the split
+>>> x, a = jnp.linspace(-1.0, 1.0, 4), jnp.float32(1.5)
+>>> g = jax.grad(lambda x, a: f(x, a).sum(), argnums=(0, 1))(x, a)
+>>> want = jax.grad(lambda x, a: (jnp.sin(a * x) ** 2 / a).sum(), argnums=(0, 1))(x, a)
+>>> all(bool(jnp.allclose(p, q, atol=1e-6)) for p, q in zip(g, want))
+True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+import warnings
+from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
+from jax._src import core
+
+from ..jaxpr.trace import Traced, spec_of
+from ..extract.extract import Extractor, ProgramPricer, extract, prices_programs
+from ..jaxpr.emit import Emitter, _Scope, check_signature, dce
+from ..ir.primitives import is_float
+from ..ir.walk import operands, walk
+from ..pipeline import Result, run_pipeline
+
+log = logging.getLogger("rewrite")
+
+
+def float_positions(closed: core.ClosedJaxpr) -> tuple[list[int], list[int]]:
+    """The positions of ``closed``'s float inputs and outputs (those a derivative flows through)."""
+    return ([i for i, a in enumerate(closed.in_avals) if is_float(a)],
+            [i for i, a in enumerate(closed.out_avals) if is_float(a)])
+
+
+def of_floats(fn: Any, primals: Sequence[Any], dif_in: Sequence[int]) -> Any:
+    """``fn`` as a function of the inputs at ``dif_in`` alone, the others fixed at ``primals``."""
+    def call(*fl: Any) -> list[Any]:
+        xs = list(primals)
+        for i, v in zip(dif_in, fl):
+            xs[i] = v
+        return list(fn(*xs))
+    return call
+
+
+def joint_program(closed: core.ClosedJaxpr) -> tuple[core.ClosedJaxpr, list[int], list[int]]:
+    """``(primals, cotangents of the float outputs) -> (outputs, gradients of the float inputs)``, traced.
+
+    Returns the program and the positions of the float inputs and outputs.
+    """
+    in_avals, out_avals = closed.in_avals, closed.out_avals
+    dif_in, dif_out = float_positions(closed)
+    n = len(in_avals)
+    fn = core.jaxpr_as_fun(closed)
+
+    def joint(*args: Any) -> list[Any]:
+        primals, cts = list(args[:n]), args[n:]
+        outs, pullback = jax.vjp(of_floats(fn, primals, dif_in), *[primals[i] for i in dif_in])
+        full = [np.zeros(a.shape, jax.dtypes.float0) for a in out_avals]
+        for i, c in zip(dif_out, cts):
+            full[i] = c
+        return list(outs) + list(pullback(full))
+
+    specs = [spec_of(a) for a in in_avals]
+    specs += [jax.ShapeDtypeStruct(out_avals[i].shape, out_avals[i].dtype) for i in dif_out]
+    return jax.make_jaxpr(joint)(*specs), dif_in, dif_out
+
+
+# ---------------------------------------------------------------------- residuals
+def scope_classes(snap: Any, choice: dict, roots: Sequence[Any], stop: set | frozenset = frozenset()) -> set:
+    """Classes the program's own scope computes for ``roots`` (not inside bodies), not looking past ``stop``."""
+    return set(walk(roots, lambda c: () if c in stop else operands(snap, choice[c])))
+
+
+@dataclasses.dataclass
+class Split:
+    """A forward/backward split: residual classes, and the predicted cost of the two programs."""
+
+    policy: str
+    residuals: list[Any]
+    cost: float
+
+
+def _is_free(snap: Any, choice: dict, c: Any) -> bool:
+    """Literals and constants: the backward pass has them without saving them."""
+    return choice[c][0] in ("Lit", "Const")
+
+
+def frontier(snap: Any, choice: dict, b_roots: Sequence[Any], forward: set, *, expand: set | frozenset = frozenset()
+             ) -> list[Any]:
+    """What the backward pass reads from the forward: classes the forward computes, met walking back from
+    the gradients (classes in ``expand`` are recomputed instead, so the walk goes through them)."""
+    def read(c: Any) -> bool:  # the backward pass reads c as it is, not what c is computed from
+        ctor = choice[c][0]
+        return (ctor not in ("Lit", "Const", "Tok") and c in forward and (c not in expand or ctor == "Param")
+                # a value of several outputs (a call's tuple, before its projections) is not one array to keep
+                and not isinstance(snap.aval(c), tuple))
+
+    def kids(c: Any) -> list[Any]:
+        return [] if choice[c][0] in ("Lit", "Const", "Tok") or read(c) else operands(snap, choice[c])
+
+    return [c for c in walk(b_roots, kids) if read(c)]
+
+
+def choose_residuals(snap: Any, choice: dict, f_roots: Sequence[Any], b_roots: Sequence[Any],
+                     params: dict[int, Any], n_primals: int, price: Callable[[list[Any]], float],
+                     tried: list[Split] | None = None, steps: int | None = None) -> Split:
+    """Pick what the backward pass reads from the forward pass; ``price(residuals)`` prices a split.
+
+    Candidates: only inputs (recompute everything), the whole frontier
+    (reuse everything), then a greedy descent from the cheaper of the two
+    that recomputes one residual at a time while the price falls, largest
+    residuals first, each tried once, at most ``steps`` trials
+    (:data:`GREEDY_STEPS`). Every split priced is appended to ``tried``.
+    """
+    steps = GREEDY_STEPS if steps is None else steps
+    tried = [] if tried is None else tried
+    inner_price = price
+
+    def price(residuals: list[Any], policy: str = "greedy") -> float:  # noqa: F811
+        cost = inner_price(residuals)
+        tried.append(Split(policy, list(residuals), cost))
+        return cost
+
+    forward = scope_classes(snap, choice, f_roots)
+    inputs = {c for i, c in params.items() if i < n_primals}
+    forward |= inputs
+    # Recompute everything: walk through every computed class to the inputs.
+    recompute = frontier(snap, choice, b_roots, forward, expand=forward - inputs)
+    reuse = frontier(snap, choice, b_roots, forward)
+    splits = [Split("recompute", recompute, price(recompute, "recompute")), Split("reuse", reuse, price(reuse, "reuse"))]
+    best = min(splits, key=lambda s: s.cost)
+    expand: set[Any] = set(forward - inputs - set(best.residuals)) if best.policy == "recompute" else set()
+    current = list(best.residuals)
+    seen: set[Any] = set()
+    improved = True
+    while improved and best.policy != "recompute":
+        improved = False
+        for r in sorted(current, key=lambda c: -_nbytes_of(snap, c)):
+            if r in inputs or r in seen:
+                continue
+            if len(seen) >= steps:
+                break
+            seen.add(r)
+            trial_expand = expand | {r}
+            trial = frontier(snap, choice, b_roots, forward, expand=trial_expand)
+            cost = price(trial)
+            if cost < best.cost - 1e-9 * abs(best.cost):
+                best = Split("greedy", trial, cost)
+                expand, current, improved = trial_expand, trial, True
+                break
+    return best
+
+
+#: How many residuals the greedy descent tries recomputing. Each trial prices two whole programs, and
+#: a transformer's VJP has hundreds of candidate residuals: trying each once and restarting after every
+#: gain took 28 s for a 2-layer one (1,028 splits priced); the largest residuals, tried first, are where
+#: the gains are.
+GREEDY_STEPS = 24
+
+
+def _nbytes_of(snap: Any, c: Any) -> int:
+    a = snap.aval(c)
+    try:
+        return int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize
+    except Exception:
+        return 0
+
+
+# ---------------------------------------------------------------------- emission
+_FWD_DEBUG = core.DebugInfo("rewrite", "forward pass emitted by rewrite(vjp=True)", None, None)
+_BWD_DEBUG = core.DebugInfo("rewrite", "backward pass emitted by rewrite(vjp=True)", None, None)
+
+
+def emit_split(snap: Any, choice: dict, egraph: Any, in_avals: Sequence[Any], ct_avals: Sequence[Any],
+               f_roots: Sequence[Any], b_roots: Sequence[Any], residuals: Sequence[Any]
+               ) -> tuple[core.ClosedJaxpr, core.ClosedJaxpr]:
+    """The forward program (primals -> outputs + residuals) and the backward (residuals + cotangents -> grads)."""
+    em = Emitter(snap, choice, egraph)
+    fwd = dce(em.program(in_avals, list(f_roots) + list(residuals), None, _FWD_DEBUG))
+    debug_info = _BWD_DEBUG
+    n = len(in_avals)
+    params = {n + j: core.Var(a) for j, a in enumerate(ct_avals)}
+    res_vars = [core.Var(snap.aval(c)) for c in residuals]
+    sc = _Scope(em, 0, params)
+    for c, v in zip(residuals, res_vars):
+        sc.env[c] = v
+    outs = sc.atoms(list(b_roots))
+    invars = res_vars + [params[n + j] for j in range(len(ct_avals))]
+    eff = core.join_effects(*(e.effects for e in sc.eqns)) if sc.eqns else core.no_effects
+    jaxpr = core.Jaxpr(sc.constvars, invars, outs, sc.eqns, eff, debug_info)
+    return fwd, dce(core.ClosedJaxpr(jaxpr, sc.consts))
+
+
+# ---------------------------------------------------------------------- the function
+@dataclasses.dataclass
+class VJPResult:
+    """One signature's rewrite: the primal program, the forward/backward split, and the joint pipeline's result."""
+
+    forward: core.ClosedJaxpr | None  # None when built without the primal program (``primal=False``)
+    fwd: core.ClosedJaxpr
+    bwd: core.ClosedJaxpr
+    split: Split
+    splits_considered: list[Split]
+    joint: Result
+    dif_in: list[int]
+    dif_out: list[int]
+    function: Callable[..., Any] | None
+    times: dict[str, float]
+
+    @property
+    def after(self) -> core.ClosedJaxpr:
+        return self.forward
+
+    @property
+    def before(self) -> core.ClosedJaxpr:
+        return self.joint.before
+
+    @property
+    def stats(self) -> Any:
+        return self.joint.stats
+
+    @property
+    def stopped(self) -> str:
+        return self.joint.stopped
+
+    @property
+    def warnings(self) -> list[str]:
+        return self.joint.warnings
+
+
+def custom_vjp_function(forward: core.ClosedJaxpr, fwd: core.ClosedJaxpr, bwd: core.ClosedJaxpr, n_in: int,
+                        dif_in: Sequence[int], dif_out: Sequence[int]) -> Callable[..., Any]:
+    """A ``jax.custom_vjp`` over flat arguments from the three programs."""
+    prim_f, fwd_f, bwd_f = core.jaxpr_as_fun(forward), core.jaxpr_as_fun(fwd), core.jaxpr_as_fun(bwd)
+    n_out = len(forward.out_avals)
+
+    @jax.custom_vjp
+    def f(*xs: Any) -> tuple:
+        return tuple(prim_f(*xs))
+
+    def f_fwd(*xs: Any) -> tuple:
+        r = fwd_f(*xs)
+        return tuple(r[:n_out]), tuple(r[n_out:])
+
+    def f_bwd(res: tuple, cts: tuple) -> tuple:
+        grads = bwd_f(*res, *[cts[i] for i in dif_out])
+        out: list[Any] = [None] * n_in
+        for i, gr in zip(dif_in, grads):
+            out[i] = gr
+        return tuple(out)
+
+    f.defvjp(f_fwd, f_bwd)
+    return f
+
+
+def build_vjp(traced: Traced, entries: Sequence[Any], model: Any, limits: Any, primal: bool = True) -> VJPResult:
+    """Rewrite ``traced``'s VJP: the joint program through the pipeline, split at the cheapest residuals.
+
+    ``primal`` also extracts the forward program alone and wraps the three
+    in a ``jax.custom_vjp`` (what ``vjp=True`` returns); without it only the
+    split is built (what the plain decorator's derivative rules run).
+    """
+    closed = traced.closed
+    t0 = time.perf_counter()
+    joint, dif_in, dif_out = joint_program(closed)
+    times = {"trace_vjp": time.perf_counter() - t0}
+    jt = Traced(joint, traced.in_tree, traced.out_tree, traced.dynamic)
+    res = run_pipeline(jt, entries, model, limits, keep=True)
+    check_signature(joint, res.after)
+    times.update(res.times)
+    snap, eg = res.snapshot, res.egraph
+    n_out = len(closed.out_avals)
+    roots = res.roots
+    f_roots, b_roots = roots[:n_out], roots[n_out:]
+    n = len(closed.in_avals)
+    in_avals = list(closed.in_avals)
+    ct_avals = [closed.out_avals[i] for i in dif_out]
+    params = {}
+    for i in range(n + len(ct_avals)):
+        cls = eg.lookup("Param", [eg.int_value(0), eg.int_value(i)])
+        if cls is not None:
+            params[i] = cls
+    t0 = time.perf_counter()
+    considered: list[Split] = []
+    # Two extractions: for a training step (outputs and gradients both used) and for the gradients
+    # alone (jax.grad drops the value, and XLA the forward work only the value needed). Each split is
+    # priced in both uses, weighted alike, and the cheapest (choice, split) wins.
+    ex = Extractor(snap, model)
+    tree = ex.tree()[1]
+    grads_only = extract(snap, b_roots, model, res.original).choice
+    best: tuple[float, dict, Split] | None = None
+    for name, choice in (("joint", res.choice), ("gradients", {**tree, **grads_only})):
+        price = split_pricer(snap, model, choice, f_roots, b_roots)
+        tried: list[Split] = []
+        split = choose_residuals(snap, choice, f_roots, b_roots, params, n, price, tried)
+        considered += [dataclasses.replace(t, policy=f"{name}:{t.policy}") for t in tried]
+        if best is None or split.cost < best[0]:
+            best = (split.cost, choice, dataclasses.replace(split, policy=f"{name}:{split.policy}"))
+    assert best is not None
+    _, choice, split = best
+    times["residuals"] = time.perf_counter() - t0
+    fwd, bwd = emit_split(snap, choice, eg, in_avals, ct_avals, f_roots, b_roots, split.residuals)
+    forward = fn = None
+    if primal:
+        # The primal function alone: extracted for the outputs only, so inference skips the backward pass.
+        prim = extract(snap, f_roots, model, res.original)
+        forward = dce(Emitter(snap, prim.choice, eg).program(in_avals, f_roots, None, closed.jaxpr.debug_info))
+        check_signature(closed, forward)
+        fn = custom_vjp_function(forward, fwd, bwd, n, dif_in, dif_out)
+    return VJPResult(forward, fwd, bwd, split, considered, res, dif_in, dif_out, fn, times)
+
+
+def split_pricer(snap: Any, model: Any, choice: dict, f_roots: Sequence[Any], b_roots: Sequence[Any]
+                 ) -> Callable[[list[Any]], float]:
+    """The price of a split of ``choice``: a training step's plus a gradient alone's."""
+    ex = Extractor(snap, model)
+    if prices_programs(model):
+        from ..cost.fusion import Program
+
+        pricer = ProgramPricer(ex, model)
+        templates: dict = {}
+
+        def program(roots: Sequence[Any], inputs: frozenset = frozenset()) -> float:
+            prog = Program.from_choice(ex, choice, roots, lambda c, nd: pricer.own(c, nd, choice),
+                                       templates, inputs=inputs)
+            return pricer.price(prog)
+    else:
+        def program(roots: Sequence[Any], inputs: frozenset = frozenset()) -> float:
+            stop = set(inputs)
+            cs = scope_classes(snap, choice, roots, stop) - stop
+            return sum(ex.own(c, *choice[c], choice) for c in cs)
+
+    def price(residuals: list[Any]) -> float:
+        bwd = program(b_roots, frozenset(residuals))
+        train = program(list(f_roots) + list(residuals))
+        alone = program(list(residuals)) if residuals else 0.0
+        return train + alone + 2 * bwd
+
+    return price

@@ -1,0 +1,742 @@
+"""The runtime around one egglog e-graph: batched insertion, naming, lookups and snapshots.
+
+Five facts about egglog 13 shape this module (see ``docs/design.md``):
+
+* Inserting one big nested term is quadratic, and so is parsing one big
+  program text. Nodes are therefore built as binding objects and inserted in
+  chunks, each chunk the head of a rule with an empty body that runs once.
+* A Python value cannot be spliced into an egglog expression. Every ``Term``
+  e-class the Python side may need to name again therefore carries a name
+  node ``(V id)``, and the Python side keeps, per name, the class's abstract
+  value (its shape and dtype), where it came from in the source, and which
+  rule made it.
+* ``freeze()`` is fast. A :class:`Snapshot` built from it answers the
+  questions the saturation loop and the extractor ask.
+* Even in chunks, egglog compiles each chunk's rule, some 30 us an action.
+  Nodes whose arguments are all ``Term`` or ``i64`` (most of them), unions
+  and facts are therefore written as rows of the loader relation (``Load``:
+  the kind's id, the name, then the arguments) to a tab-separated file that
+  egglog reads with ``input``, and rules declared once with the schema
+  (:func:`loader_program`) turn the rows into nodes: a tenth of the cost.
+  So do two nodes with a short list argument (:data:`LIST_ROWS`).
+* Declaring the schema and the rules' queries costs more than saturating a
+  small program (egglog compiles every rule: 40-80 ms for the built-in
+  packs). An e-graph is therefore made once per schema and set of
+  declarations, kept in :data:`_POOL`, and lent out behind egglog's
+  ``push``; when the :class:`EGraph` that borrowed it is gone, ``pop``
+  empties it again for the next rewrite. Both copy or drop every declaration
+  (10-20 us a relation or rule), so there are few: one loader relation, and
+  one match relation per signature of the rules' queries. An egglog e-graph
+  belongs to the thread that made it, so only the main thread's are kept.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import functools
+import itertools
+import os
+import shutil
+import tempfile
+import threading
+import weakref
+from typing import Any, Iterable, Sequence
+
+import jax.numpy as jnp
+import numpy as np
+from egglog import bindings as eb
+
+from . import terms as _terms
+from .intern import LITERALS, PARAMS, TYPES, content_hash, in_dtype
+
+_SPAN = eb.PanicSpan()
+_CHUNK = 200
+
+
+def call(name: str, *args: Any) -> Any:
+    return eb.Call(_SPAN, name, list(args))
+
+
+def int_lit(n: int) -> Any:
+    return eb.Lit(_SPAN, eb.Int(int(n)))
+
+
+def v_expr(vid: int) -> Any:
+    return call("V", int_lit(vid))
+
+
+def tlist_expr(vids: Sequence[int]) -> Any:
+    """The egglog expression of a ``TList`` of the named classes."""
+    expr = call("TNil")
+    for vid in reversed(vids):
+        expr = call("TCons", v_expr(vid), expr)
+    return expr
+
+
+@dataclasses.dataclass(frozen=True)
+class ListRef:
+    """A ``TList`` (or ``BList``) built from named classes: its key and its egglog expression."""
+
+    key: tuple
+    expr: Any = dataclasses.field(default=None, compare=False, hash=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class BodyRef:
+    scope: int
+    outs: ListRef
+
+
+#: the ruleset of the loader rules, and the relation they read (never extracted, never counted)
+LOADER = "load_rows"
+LOAD = "Load"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Loader:
+    """The loader relation's declarations (``text``) and the kinds of row it takes, by id."""
+
+    text: str
+    ids: dict[str, int]     # kind (a flat constructor, "union", a fact, a relation on params) -> id
+    kinds: tuple[str, ...]  # id -> kind
+    pads: tuple[str, ...]   # a row's length -> what completes its line (zero columns, newline)
+    params: frozenset[str]  # the kinds that are relations on params ids
+    #: (constructor, length) -> kind id, for nodes whose one list argument has that many items (see LIST_ROWS)
+    lists: dict[tuple[str, int], int] = dataclasses.field(default_factory=dict)
+
+
+#: Nodes with one list argument that programs make often, loaded from rows at the list lengths named
+#: here: ``select_n`` of two cases (16 a program on the ecosystem suite) and an opaque call of one operand.
+#: As actions, each flush that held one compiled a rule for them (0.5-1 ms when a program is loaded);
+#: each kind costs a loader rule, copied at every ``push`` and ``pop`` (see :data:`_POOL`), so few are.
+LIST_ROWS = (("SelectN", 2), ("Opaque", 1))
+
+
+@functools.lru_cache(maxsize=8)
+def _loader(schema: str) -> _Loader:
+    kinds: list[tuple[str, int, str]] = []  # kind, columns it uses, action
+    for ctor in _terms.flat_ctors():  # the table's, which ``schema`` was made from
+        sorts = _terms.ctor_arg_sorts(ctor)
+        args = " ".join(f"(V a{i + 1})" if srt == "Term" else f"a{i + 1}" for i, srt in enumerate(sorts))
+        kinds.append((ctor, 1 + len(sorts), f"(union (V a0) ({ctor} {args}))"))
+    lists: dict[tuple[str, int], int] = {}
+    for ctor, n in LIST_ROWS:
+        try:
+            sorts = _terms.ctor_arg_sorts(ctor)
+        except KeyError:  # not a constructor of this table
+            continue
+        if _terms.ctor_sort(ctor) != "Term" or [s for s in sorts if s not in ("Term", "i64")] != ["TList"]:
+            continue  # a node of another sort, or not with exactly one list argument
+        parts, col = [], 1
+        for srt in sorts:
+            if srt == "TList":
+                parts.append(_terms.tlist_text([f"(V a{col + j})" for j in range(n)]))
+                col += n
+            else:
+                parts.append(f"(V a{col})" if srt == "Term" else f"a{col}")
+                col += 1
+        lists[(ctor, n)] = len(kinds)
+        kinds.append((f"{ctor}/{n}", col, f"(union (V a0) ({ctor} {' '.join(parts)}))"))
+    kinds.append(("union", 2, "(union (V a0) (V a1))"))
+    kinds += [(fact, 1, f"({fact} (V a0))") for fact in _terms.FACTS]
+    kinds += [(rel, 1, f"({rel} a0)") for rel in _terms.param_relations()]
+    cols = max(n for _, n, _ in kinds)
+    args = " ".join(f"a{i}" for i in range(cols))
+    lines = [f"(ruleset {LOADER})", f"(relation {LOAD} ({' '.join(['i64'] * (1 + cols))}))"]
+    lines += [f'(rule (({LOAD} {k} {args})) ({action}) :ruleset {LOADER} :name "L_{kind}")'
+              for k, (kind, _, action) in enumerate(kinds)]
+    pads = tuple("\t0" * (1 + cols - n) + "\n" for n in range(2 + cols))
+    return _Loader("\n".join(lines), {kind: k for k, (kind, _, _) in enumerate(kinds)},
+                   tuple(kind for kind, _, _ in kinds), pads, frozenset(_terms.param_relations()), lists)
+
+
+def loader_program(schema: str) -> str:
+    """The loader relation and its rules, for the constructors of ``schema`` whose arguments are flat.
+
+    Every row of ``Load`` starts with the id of its kind (zeros fill the
+    columns a kind does not use). A constructor's row ``k v a b ...`` makes
+    ``(union (V v) (<ctor> (V a) (V b) ...))`` (an ``i64`` argument is taken
+    as it is); a ``union`` row ``k a b`` unions two names, a fact's row
+    ``k v`` asserts the fact of a name, and a row of a relation on params ids
+    ``k p`` adds ``p`` to it. One relation, not one per kind: every
+    declaration costs at every ``push`` and ``pop`` (see :data:`_POOL`), and
+    a flush then writes one file.
+    """
+    return _loader(schema).text
+
+
+@functools.lru_cache(maxsize=8)
+def _flat_ctors(schema: str) -> frozenset[str]:
+    return frozenset(_terms.flat_ctors())  # the table's, which ``schema`` was made from
+
+
+class _Rows:
+    """Rows for the loader relation, written to a file that egglog reads (``input``), then run."""
+
+    _dir: str | None = None
+    _count = itertools.count()
+    _lock = threading.Lock()
+
+    @classmethod
+    def folder(cls) -> str:
+        if cls._dir is not None:
+            return cls._dir
+        with cls._lock:
+            if cls._dir is None:
+                # In memory where there is such a folder (Linux): a file there is made and removed
+                # in a few microseconds, a tenth of what a disk's file system takes.
+                shm = "/dev/shm"
+                try:
+                    made = tempfile.mkdtemp(prefix="rewrite-egraph-", dir=shm if os.path.isdir(shm) else None)
+                except OSError:
+                    made = tempfile.mkdtemp(prefix="rewrite-egraph-")
+                atexit.register(shutil.rmtree, made, True)
+                cls._dir = made
+            return cls._dir
+
+    @classmethod
+    def commands(cls, rows: list[tuple[int, ...]], loader: _Loader) -> tuple[list[Any], list[str]]:
+        """The ``input`` command for ``rows``, and the file it reads (to remove afterwards)."""
+        path = f"{cls.folder()}/{os.getpid()}-{next(cls._count)}.tsv"
+        pads = loader.pads
+        data = "".join("\t".join(map(str, r)) + pads[len(r)] for r in rows).encode()
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # (no text layer: a third of the time)
+        try:
+            while data:
+                data = data[os.write(fd, data):]
+        except OSError:
+            os.close(fd)
+            os.remove(path)
+            raise
+        os.close(fd)
+        return [eb.Input(_SPAN, LOAD, path)], [path]
+
+    @staticmethod
+    def actions(rows: list[tuple[int, ...]], loader: _Loader) -> list[Any]:
+        """The egglog actions that do what ``rows`` do (when they cannot be written to a file)."""
+        out: list[Any] = []
+        for k, *r in rows:
+            kind = loader.kinds[k]
+            if kind == "union":
+                out.append(eb.Union(_SPAN, v_expr(r[0]), v_expr(r[1])))
+            elif kind in _terms.FACTS:
+                out.append(eb.Expr_(_SPAN, call(kind, v_expr(r[0]))))
+            elif kind in loader.params:
+                out.append(eb.Expr_(_SPAN, call(kind, int_lit(r[0]))))  # a relation on params ids
+            elif "/" in kind:  # a node with a list argument (LIST_ROWS)
+                ctor, n = kind.split("/")
+                it = iter(r[1:])
+                args = []
+                for srt in _terms.ctor_arg_sorts(ctor):
+                    if srt == "TList":
+                        args.append(tlist_expr([next(it) for _ in range(int(n))]))
+                    else:
+                        a = next(it)
+                        args.append(v_expr(a) if srt == "Term" else int_lit(a))
+                out.append(eb.Union(_SPAN, v_expr(r[0]), call(ctor, *args)))
+            else:
+                sorts = _terms.ctor_arg_sorts(kind)
+                args = [v_expr(a) if srt == "Term" else int_lit(a) for srt, a in zip(sorts, r[1:])]
+                out.append(eb.Union(_SPAN, v_expr(r[0]), call(kind, *args)))
+        return out
+
+
+class _Pool:
+    """Empty egglog e-graphs that hold the schema and a prelude (the rules' queries), by their text.
+
+    An e-graph is lent pushed (``push`` saves its empty state) and given back
+    popped, so the next borrower finds it as declared. A few per text are kept,
+    for the few texts used last: a process rewrites with one or two rule sets.
+    An egglog e-graph may only be used by the thread that made it, so only the
+    main thread's are kept; other threads make their own each time.
+    """
+
+    def __init__(self, per_text: int = 2, texts: int = 4) -> None:
+        self._free: dict[tuple[str, str], list[Any]] = {}
+        self._lock = threading.Lock()
+        self.per_text, self.texts = per_text, texts
+
+    def take(self, schema: str, prelude: str) -> Any:
+        key = (schema, prelude)
+        eg = None
+        if _main_thread():
+            with self._lock:
+                free = self._free.pop(key, [])
+                eg = free.pop() if free else None
+                self._free[key] = free  # most recently used last
+        if eg is None:
+            eg = eb.EGraph()
+            eg.run_program(*eg.parse_program(schema))
+            eg.run_program(*eg.parse_program(loader_program(schema)))
+            if prelude:
+                eg.run_program(*eg.parse_program(prelude))
+        eg.run_program(eb.Push(1))
+        return eg
+
+    def give(self, schema: str, prelude: str, eg: Any, made_on_main: bool) -> None:
+        if not (made_on_main and _main_thread()):
+            return  # made on (or collected on) another thread: egglog forbids using it here
+        try:
+            eg.run_program(eb.Pop(_SPAN, 1))
+        except Exception:  # an e-graph in a state pop cannot undo is dropped, never lent again
+            return
+        key = (schema, prelude)
+        with self._lock:
+            free = self._free.pop(key, [])
+            if len(free) < self.per_text:
+                free.append(eg)
+            self._free[key] = free
+            while len(self._free) > self.texts:
+                del self._free[next(iter(self._free))]
+
+
+def _main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
+
+
+_POOL = _Pool()
+
+
+class EGraph:
+    """One e-graph: the egglog instance plus the Python-side tables for its named classes.
+
+    ``prelude``: egglog declarations (a saturation's match rules) to hold
+    besides the schema. The egglog instance comes from :data:`_POOL`, and
+    goes back to it when this object is collected.
+    """
+
+    def __init__(self, prelude: str = "") -> None:
+        schema = _terms.schema()
+        self.prelude = prelude
+        self.eg = _POOL.take(schema, prelude)
+        self._flat = _flat_ctors(schema)  # the constructors loaded from rows
+        self._loader = _loader(schema)
+        self._give = weakref.finalize(self, _POOL.give, schema, prelude, self.eg, _main_thread())
+        self._give.atexit = False
+        self.vtype: list[int] = []          # V id -> type id
+        self.vsource: list[Any] = []        # V id -> Origin (source_info, ctx) of the equation that made it
+        self.vorigin: list[str | None] = []  # V id -> name of the rule that made it, None for the program
+        self.consts: dict[int, np.ndarray] = {}
+        self._memo: dict[tuple, int] = {}
+        self._pending: list[Any] = []      # egglog actions, run as the heads of rules
+        self._rows: list[tuple[int, ...]] = []  # rows of the loader relation, kind id first (see loader_program)
+        self._changes = 0  # counts the runs and flushes that may have changed the e-graph
+        # The last snapshot while someone holds it (a weak reference: a snapshot refers to its e-graph,
+        # which goes back to the pool when collected), and the count of changes it was taken at.
+        self._snap: tuple[int, Any] = (-1, lambda: None)
+        self._chunks = 0
+        self._ints: dict[int, Any] = {}
+        self._next_scope = 1  # scope 0 is the program's own
+        self._next_input: dict[int, int] = {}  # scope -> an input index no Param of it uses yet
+        self.origin: str | None = None     # rule name stamped on nodes made now
+        self.source: Any = None            # Origin stamped on nodes made now (a rule's match root)
+        self.defs: list[tuple[str, tuple]] = []  # V id -> the node it was made for (args as given)
+
+    def release(self) -> None:
+        """Give the egglog instance back to the pool now: this e-graph is not used again.
+
+        Otherwise it goes back when this object is collected, which an object
+        made during the rewrite (a rule's closure, say) can put off until the
+        collector finds the cycle it is in; meanwhile the next rewrite finds
+        the pool empty and declares a new instance (50-200 ms).
+        """
+        self._give()
+        self.eg = None
+
+    # ------------------------------------------------------------------ building
+    def new_scope(self) -> int:
+        self._next_scope += 1
+        return self._next_scope - 1
+
+    def fresh_input(self, scope: int) -> int:
+        """An input index of body ``scope`` that no ``Param`` uses, reserved for the caller.
+
+        Two rules that each add an input to one shared body (an accumulator,
+        say) must not both take the same index: ``Param(scope, i)`` is one
+        e-node, and its type would be whichever rule made it first.
+        """
+        i = self._next_input.get(scope, 0)
+        self._next_input[scope] = i + 1
+        return i
+
+    def term(self, ctor: str, args: Sequence[Any], type_id: int, source: Any = None) -> int:
+        """Insert (lazily) a ``Term`` node and return the V id naming its class.
+
+        ``args`` follow the constructor's sorts: V ids for ``Term``, ints for
+        ``i64``, :class:`ListRef`/:class:`BodyRef` for the container sorts.
+        """
+        key = (ctor, tuple(a.key if isinstance(a, ListRef) else a for a in _keys(args)))
+        found = self._memo.get(key)
+        if found is not None:
+            return found
+        sorts = _terms.ctor_arg_sorts(ctor)
+        if len(sorts) != len(args):
+            raise TypeError(f"constructor {ctor} takes {len(sorts)} arguments, got {len(args)}")
+        if ctor == "Param":
+            scope, index = args
+            self._next_input[scope] = max(self._next_input.get(scope, 0), index + 1)
+        vid = self._new_name(type_id, source)
+        self.defs.append((ctor, tuple(args)))
+        if ctor in self._flat:
+            self._rows.append((self._loader.ids[ctor], vid, *map(int, args)))
+        elif (row := self._list_row(ctor, sorts, args)) is not None:
+            self._rows.append((row[0], vid, *row[1:]))
+        else:
+            exprs = [self._expr(sort, a) for sort, a in zip(sorts, args)]
+            self._pending.append(eb.Union(_SPAN, v_expr(vid), call(ctor, *exprs)))
+        spec = _terms.BY_CTOR.get(ctor)
+        if spec is not None and spec.param_facts:  # facts about its params (an even integer_pow's)
+            params = PARAMS.params(args[-1])
+            for rel, holds in spec.param_facts.items():
+                if holds(params):
+                    self._rows.append((self._loader.ids[rel], int(args[-1])))
+        self._memo[key] = vid
+        return vid
+
+    def canonical(self, snap: "Snapshot", vid: int) -> tuple[str, tuple] | None:
+        """The node name ``vid`` was made for, with its arguments as classes of ``snap``."""
+        ctor, args = self.defs[vid]
+        out = []
+        for s, a in zip(_terms.ctor_arg_sorts(ctor), args):
+            if s == "Term":
+                out.append(snap.cls_of_name[a])
+            elif s == "i64":
+                out.append(a)
+            else:
+                c = self._container(snap, a)
+                if c is None:
+                    return None
+                out.append(c)
+        return ctor, tuple(out)
+
+    def _container(self, snap: "Snapshot", ref: Any) -> Any:
+        if isinstance(ref, BodyRef):
+            outs = self._container(snap, ref.outs)
+            return None if outs is None else self.lookup("Body", [self.int_value(ref.scope), outs])
+        kind, *items = ref.key
+        if kind == "T":
+            lst = self.lookup("TNil", [])
+            for vid in reversed(items):
+                lst = None if lst is None else self.lookup("TCons", [snap.cls_of_name[vid], lst])
+            return lst
+        lst = self.lookup("BNil", [])
+        for scope, outs_key in reversed(items):
+            outs = self._container(snap, ListRef(outs_key))
+            body = None if outs is None else self.lookup("Body", [self.int_value(scope), outs])
+            lst = None if lst is None or body is None else self.lookup("BCons", [body, lst])
+        return lst
+
+    def _new_name(self, type_id: int, source: Any) -> int:
+        vid = len(self.vtype)
+        self.vtype.append(type_id)
+        # Nodes a rule builds take the matched root's origin: errors and profiles then point
+        # at the user's program, and the equation context matches the scope it lives in.
+        self.vsource.append(self.source if self.source is not None else source)
+        self.vorigin.append(self.origin)
+        return vid
+
+    def _list_row(self, ctor: str, sorts: Sequence[str], args: Sequence[Any]) -> tuple[int, ...] | None:
+        """The loader row (kind id, then columns) of a node whose list argument has a length loaded
+        from rows (:data:`LIST_ROWS`), or ``None``."""
+        lists = self._loader.lists
+        if not lists:
+            return None
+        row: list[int] = []
+        kind = None
+        for srt, a in zip(sorts, args):
+            if srt in ("Term", "i64"):
+                row.append(int(a))
+            elif srt == "TList" and kind is None and isinstance(a, ListRef) and a.key[0] == "T":
+                kind = lists.get((ctor, len(a.key) - 1))
+                if kind is None:
+                    return None
+                row.extend(a.key[1:])
+            else:
+                return None
+        return None if kind is None else (kind, *row)
+
+    def _expr(self, sort: str, a: Any) -> Any:
+        if sort == "Term":
+            return v_expr(a)
+        if sort == "i64":
+            return int_lit(a)
+        if isinstance(a, ListRef):
+            return a.expr
+        if isinstance(a, BodyRef):
+            return call("Body", int_lit(a.scope), a.outs.expr)
+        raise TypeError(f"cannot use {a!r} as {sort}")
+
+    def tlist(self, refs: Iterable[int]) -> ListRef:
+        refs = tuple(refs)
+        return ListRef(("T",) + refs, tlist_expr(refs))
+
+    def body(self, scope: int, outs: Iterable[int]) -> BodyRef:
+        return BodyRef(scope, self.tlist(outs))
+
+    def blist(self, bodies: Iterable[BodyRef]) -> ListRef:
+        bodies = tuple(bodies)
+        expr = call("BNil")
+        for b in reversed(bodies):
+            expr = call("BCons", self._expr("Region", b), expr)
+        return ListRef(("B",) + tuple((b.scope, b.outs.key) for b in bodies), expr)
+
+    def literal(self, value: Any, aval: Any) -> int:
+        value = in_dtype(value, aval.dtype)
+        n = self.num_names
+        vid = self.term("Lit", [LITERALS.intern_value(value), TYPES.intern_aval(aval)], TYPES.intern_aval(aval))
+        if vid == n:
+            self._seed_facts(vid, value)
+        return vid
+
+    def const(self, array: Any, aval: Any) -> int:
+        h = content_hash(array)
+        self.consts.setdefault(h, np.asarray(array))
+        n = self.num_names
+        vid = self.term("Const", [h], TYPES.intern_aval(aval))
+        if vid == n:
+            self._seed_facts(vid, array)
+        return vid
+
+    def _seed_facts(self, vid: int, value: Any) -> None:
+        """Facts known from a constant's value (floating constants only; see ``_terms.FACTS``)."""
+        a = np.asarray(value)
+        if not jnp.issubdtype(a.dtype, jnp.floating):  # jnp knows bfloat16 and the other ml_dtypes
+            return
+        tiny = float(jnp.finfo(a.dtype).tiny)  # subnormals count as zero: XLA:CPU flushes them
+        a = a.astype(np.float64)
+        nan = np.isnan(a)
+        if np.all((a >= tiny) | nan):
+            self.assert_fact("Pos", vid)
+        if np.all(~np.signbit(a) | nan):
+            self.assert_fact("NonNeg", vid)
+        if np.all((np.abs(a) >= tiny) | nan):
+            self.assert_fact("NonZero", vid)
+
+    def union(self, a: int, b: int) -> None:
+        if a != b:
+            self._rows.append((self._loader.ids["union"], a, b))
+
+    def assert_fact(self, fact: str, vid: int) -> None:
+        self._rows.append((self._loader.ids[fact], vid))
+
+    @property
+    def num_names(self) -> int:
+        return len(self.vtype)
+
+    def flush(self) -> bool:
+        """Insert everything pending. Returns whether the e-graph changed."""
+        if not self._pending and not self._rows:
+            return False
+        commands: list[Any] = []
+        files: list[str] = []
+        if self._rows:
+            rows, self._rows = self._rows, []
+            try:
+                commands, files = _Rows.commands(rows, self._loader)
+            except OSError:  # no temporary folder to write to: the rows go as actions, as nodes did
+                self._pending = _Rows.actions(rows, self._loader) + self._pending
+            else:
+                commands.append(eb.RunSchedule(eb.Run(_SPAN, eb.RunConfig(LOADER))))
+        for start in range(0, len(self._pending), _CHUNK):
+            name = f"load{self._chunks}"
+            self._chunks += 1
+            commands += [
+                eb.AddRuleset(_SPAN, name),
+                eb.RuleCommand(eb.Rule(_SPAN, self._pending[start:start + _CHUNK], [], name, name)),
+                eb.RunSchedule(eb.Run(_SPAN, eb.RunConfig(name))),
+            ]
+        self._pending = []
+        try:
+            outputs = self.eg.run_program(*commands)  # one call: the rows' input and run, then the actions
+        finally:
+            for path in files:
+                os.remove(path)
+        changed = any(getattr(o, "report", None) is not None and o.report.updated for o in outputs)
+        self._changes += changed
+        return changed
+
+    # ------------------------------------------------------------------ running
+    def declare(self, program: str) -> None:
+        self._changes += 1
+        self.eg.run_program(*self.eg.parse_program(program))
+
+    def run(self, ruleset: str, *, saturate: bool = False) -> Any:
+        sched = eb.Run(_SPAN, eb.RunConfig(ruleset))
+        if saturate:
+            sched = eb.Saturate(_SPAN, sched)
+        self._changes += 1
+        (out,) = self.eg.run_program(eb.RunSchedule(sched))
+        return out.report
+
+    # ------------------------------------------------------------------ reading
+    def int_value(self, n: int) -> Any:
+        """The egglog value of the ``i64`` ``n`` (to look nodes up with)."""
+        v = _UNBOXED.get(n)
+        if v is None:
+            v = self._ints.get(n)
+            if v is None:
+                v = self.eg.eval_expr(int_lit(n))[1]  # some 9 us: worth remembering
+                if 0 <= n <= _UNBOXED_MAX and len(_UNBOXED) < _UNBOXED_KEEP:
+                    _UNBOXED[n] = v
+                else:
+                    self._ints[n] = v
+        return v
+
+    def lookup(self, ctor: str, args: Sequence[Any]) -> Any:
+        """The class of an existing node, or ``None``. Never inserts."""
+        return self.eg.lookup_function(ctor, list(args))
+
+    def snapshot(self) -> "Snapshot":
+        """The e-graph as it is now, everything pending flushed.
+
+        Until the e-graph changes, the same :class:`Snapshot` is given again
+        (its tables, the node table included, are not built twice).
+        """
+        self.flush()
+        changes, ref = self._snap
+        snap = ref() if changes == self._changes else None
+        if snap is None:
+            snap = Snapshot(self)
+            self._snap = (self._changes, weakref.ref(snap))
+        return snap
+
+
+#: egglog keeps an ``i64`` from 0 to 2**31 - 1 in the value itself (larger or negative ones are interned
+#: per e-graph, and forgotten at ``pop``): such a value is the same in every e-graph, so the process
+#: keeps the first few thousand it meets (``tests/test_egraph.py`` checks the premise).
+_UNBOXED: dict[int, Any] = {}
+_UNBOXED_MAX = 2**31 - 1
+_UNBOXED_KEEP = 1 << 16
+
+
+def _keys(args: Sequence[Any]) -> Iterable[Any]:
+    for a in args:
+        if isinstance(a, BodyRef):
+            yield ("body", a.scope, a.outs.key)
+        else:
+            yield a
+
+
+class Snapshot:
+    """A frozen view of the e-graph: classes, their nodes, names and types.
+
+    Class ids are egglog ``Value`` objects, canonical for this snapshot only.
+    Node tables are converted lazily; the saturation loop usually needs only
+    the names and the match relations.
+    """
+
+    def __init__(self, egraph: EGraph) -> None:
+        self.egraph = egraph
+        self.frozen = egraph.eg.freeze()
+        self.functions = self.frozen.functions
+        to_int = egraph.eg.value_to_i64
+        rows = self.functions["V"].rows
+        n = egraph.num_names
+        cls_of: list[Any] = [None] * n
+        name_of: dict[Any, int] = {}
+        for r in rows:  # (each attribute of a row is made anew when read: read once)
+            vid, cls = to_int(r.inputs[0]), r.output
+            cls_of[vid] = cls
+            old = name_of.get(cls)
+            if old is None or vid < old:
+                name_of[cls] = vid
+        self.cls_of_name = cls_of
+        self.name_of_cls = name_of
+        self._nodes: dict[Any, list[tuple]] | None = None
+        self._parents: dict[Any, list[tuple]] | None = None
+        self._matches: dict[str, dict[Any, list[tuple]]] = {}
+        self._facts: dict[str, frozenset] = {}
+
+    @functools.cached_property
+    def num_rows(self) -> int:
+        """Rows in the e-graph: nodes, names, facts and matches (the loader's are left out)."""
+        return sum(len(f.rows) for name, f in self.functions.items() if name != LOAD)
+
+    def rows(self, function: str) -> list[Any]:
+        f = self.functions.get(function)
+        return [] if f is None else f.rows
+
+    def matches(self, relation: str, query: int) -> list[tuple]:
+        """The rows of a shared match relation whose first column is ``query``, without it.
+
+        Queries of one signature record their matches in one relation, each
+        row led by the query's id (``rules.saturate.match_program``): fewer
+        declarations make a pooled e-graph cheaper to lend (:data:`_POOL`).
+        """
+        groups = self._matches.get(relation)
+        if groups is None:
+            by_value: dict[Any, list[tuple]] = {}
+            for r in self.rows(relation):
+                inputs = r.inputs
+                by_value.setdefault(inputs[0], []).append(tuple(inputs[1:]))
+            to_int = self.egraph.eg.value_to_i64
+            groups = self._matches[relation] = {to_int(v): rows for v, rows in by_value.items()}
+        return groups.get(query, [])
+
+    def name(self, cls: Any) -> int:
+        return self.name_of_cls[cls]
+
+    def type_id(self, cls: Any) -> int:
+        return self.egraph.vtype[self.name_of_cls[cls]]
+
+    def aval(self, cls: Any) -> Any:
+        return TYPES[self.type_id(cls)]
+
+    # -- node tables (built on first use)
+    @property
+    def nodes(self) -> dict[Any, list[tuple]]:
+        """Class -> list of e-nodes ``(ctor, args)``; args are classes or ints per the constructor's sorts."""
+        if self._nodes is None:
+            self._build_nodes()
+        return self._nodes  # type: ignore[return-value]
+
+    def _build_nodes(self) -> None:
+        to_int = self.egraph.eg.value_to_i64
+        nodes: dict[Any, list[tuple]] = {}
+        for fname, fn in self.functions.items():
+            if fname == "V" or fn.output_sort not in _terms.EXTRACTABLE_SORTS:
+                continue
+            sorts = _terms.ctor_arg_sorts(fname)
+            int_pos = [i for i, s in enumerate(sorts) if s == "i64"]
+            for r in fn.rows:
+                if r.subsumed:
+                    continue
+                args = list(r.inputs)
+                for i in int_pos:
+                    args[i] = to_int(args[i])
+                nodes.setdefault(r.output, []).append((fname, tuple(args)))
+        self._nodes = nodes
+
+    @property
+    def parents(self) -> dict[Any, list[tuple]]:
+        """Class -> list of ``(parent class, e-node)`` that use it directly."""
+        if self._parents is None:
+            parents: dict[Any, list[tuple]] = {}
+            for cls, ns in self.nodes.items():
+                for node in ns:
+                    for a in node[1]:
+                        if not isinstance(a, int):
+                            parents.setdefault(a, []).append((cls, node))
+            self._parents = parents
+        return self._parents
+
+    def list_items(self, lst: Any) -> list[Any]:
+        """The elements of a ``TList`` or ``BList`` class."""
+        out = []
+        while True:
+            (ctor, args), *_ = self.nodes[lst]
+            if ctor in ("TNil", "BNil"):
+                return out
+            out.append(args[0])
+            lst = args[1]
+
+    def has_fact(self, fact: str, cls: Any) -> bool:
+        return self.egraph.eg.lookup_function(fact, [cls]) is not None
+
+    def with_fact(self, fact: str) -> frozenset:
+        """The classes that hold ``fact`` (``NonNeg``, ``Pos``, ``NonZero``), read once per snapshot."""
+        found = self._facts.get(fact)
+        if found is None:
+            found = self._facts[fact] = frozenset(r.inputs[0] for r in self.rows(fact))
+        return found

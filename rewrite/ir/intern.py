@@ -1,0 +1,180 @@
+"""Interning tables that turn Python values into the small integers the e-graph stores.
+
+egglog keeps ``PyObject`` values as pickled copies, which loses the identity a
+primitive needs to lower under ``jit``. So the e-graph stores integers and
+these process-wide tables map them back: params ids to ``(primitive, params)``,
+type ids to abstract values, literal ids to scalar values. Constant arrays are
+named by a content hash so that equal constants from different traces (a
+program and a rule) agree. Patterns compiled once are valid in every e-graph.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import threading
+from typing import Any, Hashable
+
+import numpy as np
+from jax.dtypes import float0
+
+
+class _Table:
+    """A two-way map between hashable keys and dense integer ids."""
+
+    def __init__(self) -> None:
+        self._ids: dict[Hashable, int] = {}
+        self._values: list[Any] = []
+        self._lock = threading.Lock()
+
+    def intern(self, key: Hashable, value: Any = None) -> int:
+        found = self._ids.get(key)
+        if found is not None:
+            return found
+        with self._lock:
+            found = self._ids.get(key)
+            if found is None:
+                found = len(self._values)
+                self._values.append(key if value is None else value)
+                self._ids[key] = found
+        return found
+
+    def __getitem__(self, i: int) -> Any:
+        return self._values[i]
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+
+_IDENTITY = object()  # a param value that can only be compared by identity
+
+
+def _freeze(value: Any) -> Hashable:
+    """A hashable key for a param value, or ``_IDENTITY``.
+
+    Scalars are keyed by type and repr, so that ``0.0`` and ``-0.0``, ``1`` and
+    ``True``, and NaN and NaN are told apart or matched exactly as they behave.
+    """
+    if isinstance(value, (bool, int, float, complex, np.generic)):
+        return (type(value).__name__, repr(value))
+    if isinstance(value, (list, tuple)):
+        parts = tuple(_freeze(v) for v in value)
+        return _IDENTITY if any(p is _IDENTITY for p in parts) else (type(value).__name__, parts)
+    if isinstance(value, dict):
+        items = tuple((str(k), _freeze(v)) for k, v in sorted(value.items(), key=lambda kv: str(kv[0])))
+        return _IDENTITY if any(p is _IDENTITY for _, p in items) else ("dict", items)
+    if isinstance(value, np.ndarray):
+        return ("ndarray", value.dtype.str, value.shape, value.tobytes())
+    try:
+        hash(value)
+    except TypeError:
+        return _IDENTITY
+    return value
+
+
+class ParamTable(_Table):
+    """Params ids: ``(primitive, params)`` pairs. Equal params give equal ids."""
+
+    def intern_params(self, prim: Any, params: dict[str, Any]) -> int:
+        frozen = _freeze(dict(params))
+        if frozen is _IDENTITY:
+            key: Hashable = ("identity", prim.name, id(prim), tuple(sorted((k, id(v)) for k, v in params.items())))
+            # Keep the objects alive so the ids stay unique.
+            return self.intern(key, (prim, dict(params), tuple(params.values())))
+        return self.intern((prim.name, id(prim), frozen), (prim, dict(params), None))
+
+    def prim(self, pid: int) -> Any:
+        return self[pid][0]
+
+    def params(self, pid: int) -> dict[str, Any]:
+        return self[pid][1]
+
+
+class TypeTable(_Table):
+    """Type ids: abstract values (``ShapedArray`` with dtype, weak type, sharding), tokens and tuples of them."""
+
+    def intern_aval(self, aval: Any) -> int:
+        return self.intern(("aval", aval), aval)
+
+    def intern_tuple(self, avals: tuple[Any, ...]) -> int:
+        return self.intern(("tuple", avals), TupleType(avals))
+
+
+class TupleType(tuple):
+    """The type of a multi-result node: the avals of its components."""
+
+
+def in_dtype(value: Any, dtype: Any) -> Any:
+    """A literal's value as its dtype holds it.
+
+    A literal JAX makes from a Python number (``lax.mul(x, 1e-50)``) keeps
+    the number, typed ``float32`` but not rounded to it; XLA rounds it when
+    it compiles. Facts, rules and keys must see the rounded value: read
+    unrounded, ``1e-50`` would be a non-zero ``float32`` and ``(x * 1e-50) / 1e-50``
+    would cancel to ``x``, where the program computes ``0 / 0``.
+    """
+    try:
+        with np.errstate(all="ignore"):
+            return np.asarray(value).astype(dtype)
+    except (TypeError, ValueError, OverflowError):
+        return value
+
+
+def literal_key(value: Any) -> Hashable:
+    """A dtype-independent key for a scalar literal value.
+
+    ``2``, ``2.0`` and ``float32(2)`` share a key, so a pattern traced in one
+    dtype matches a literal of another. ``-0.0`` and ``0.0`` do not, nor does
+    any NaN match anything but NaN: their difference is visible to exact rules.
+    """
+    arr = np.asarray(value)
+    if arr.dtype == float0:  # a zero tangent of an integer or boolean value: its one value has no number
+        return ("float0", "")
+    if arr.dtype == np.bool_:
+        return ("bool", bool(arr))
+    if np.issubdtype(arr.dtype, np.integer):
+        i = int(arr)
+        f = float(i)
+        return ("num", repr(f)) if int(f) == i else ("int", i)
+    if np.issubdtype(arr.dtype, np.complexfloating):
+        return ("complex", repr(complex(arr)))
+    f = float(arr.astype(np.float64)) if arr.dtype != np.float64 else float(arr)
+    if math.isnan(f):
+        return ("num", "nan")
+    return ("num", repr(f))
+
+
+class LiteralTable(_Table):
+    def intern_value(self, value: Any) -> int:
+        return self.intern(literal_key(value))
+
+
+def content_hash(array: Any) -> int:
+    """A 62-bit content hash of an array (dtype, shape and bytes), for ``Const`` nodes."""
+    arr = np.asarray(array)
+    h = hashlib.blake2b(digest_size=8)
+    h.update(str(arr.dtype).encode())
+    h.update(repr(arr.shape).encode())
+    h.update(np.ascontiguousarray(arr).tobytes())
+    return int.from_bytes(h.digest(), "little") >> 2
+
+
+PARAMS = ParamTable()
+#: params id -> the effects of the equation it came from (only effectful equations are recorded)
+EFFECTS: dict[int, Any] = {}
+TYPES = TypeTable()
+LITERALS = LiteralTable()
+
+
+def literal_value(lit_id: int, dtype: Any) -> Any:
+    kind, v = LITERALS[lit_id]
+    if kind == "num":
+        f = float(v)
+        if np.issubdtype(np.dtype(dtype), np.integer):
+            return int(f)
+        return f
+    if kind == "complex":
+        return complex(v)
+    if kind == "float0":
+        return np.zeros((), float0)
+    return v

@@ -1,0 +1,110 @@
+"""One walk over a chosen program, and one definition of an e-node's children.
+
+An e-node is ``(ctor, args)``: its arguments are e-classes (of the sorts
+``Term``, ``TList``, ``Region``, ``BList``) and ``i64`` ids. Every stage that
+follows a program from its roots (extraction, emission, the fusion model, the
+VJP split, the report) reads it through the functions here:
+
+* :func:`children`: the node's e-class arguments, in constructor order. A
+  list of operands (``TList``) and a body (``Region``) are classes of their
+  own and are *not* expanded: this is the e-graph's view, in which a list is
+  chosen like any other class. Extraction and reachability use it.
+* :func:`term_children`: the same without bodies: what the node reads in its
+  own scope (a body runs in a scope of its own). Extraction's searches use it.
+* :func:`operands`: what the emitted equation reads: ``Term`` arguments, and
+  the members of each list spelled out (bodies excluded). Emission, the
+  fusion model and the VJP split use it.
+
+:func:`walk` visits each class reachable from the roots once, depth first
+(the order every caller relies on: a root's last child first), and
+:func:`postorder` visits each after everything it reads, which is the order
+equations are emitted in.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Container, Iterable, Iterator, Sequence
+
+from . import terms as _terms
+
+Node = tuple  # (ctor, args)
+
+
+class CycleError(RuntimeError):
+    """The chosen program reads a class through itself."""
+
+
+def children(node: Node) -> list[Any]:
+    """The e-class arguments of ``node`` (lists and bodies as classes of their own), in order."""
+    ctor, args = node
+    return [a for s, a in zip(_terms.ctor_arg_sorts(ctor), args) if s != "i64"]
+
+
+def term_children(node: Node) -> list[Any]:
+    """The ``Term`` and ``TList`` arguments of ``node``: its children in its own scope (bodies left out)."""
+    ctor, args = node
+    return [a for s, a in zip(_terms.ctor_arg_sorts(ctor), args) if s == "Term" or s == "TList"]
+
+
+def operands(snap: Any, node: Node) -> list[Any]:
+    """The term classes ``node`` reads, list members spelled out (bodies are not read)."""
+    ctor, args = node
+    out: list[Any] = []
+    for s, a in zip(_terms.ctor_arg_sorts(ctor), args):
+        if s == "Term":
+            out.append(a)
+        elif s == "TList":
+            out.extend(snap.list_items(a))
+    return out
+
+
+def walk(roots: Iterable[Any], kids: Callable[[Any], Iterable[Any]]) -> Iterator[Any]:
+    """Each class reachable from ``roots`` through ``kids``, once, depth first.
+
+    A class is yielded before its kids are asked for, so a caller can stop
+    the walk early, and ``kids`` can return nothing to stop it at a class.
+
+    >>> g = {"a": ["b", "c"], "b": ["c"], "c": []}
+    >>> list(walk(["a"], g.__getitem__))
+    ['a', 'c', 'b']
+    """
+    seen: set[Any] = set()
+    stack = list(roots)
+    pop, push, add = stack.pop, stack.extend, seen.add
+    while stack:
+        c = pop()
+        if c in seen:
+            continue
+        add(c)
+        yield c
+        push(kids(c))
+
+
+def postorder(roots: Sequence[Any], kids: Callable[[Any], Sequence[Any]],
+              done: Container[Any] = frozenset()) -> Iterator[Any]:
+    """Each class reachable from ``roots``, after every class it reads; classes in ``done`` (which the
+    caller may fill as it goes) are skipped. Raises :class:`CycleError` on a cycle.
+
+    >>> g = {"a": ["b", "c"], "b": ["c"], "c": []}
+    >>> list(postorder(["a"], g.__getitem__))
+    ['c', 'b', 'a']
+    """
+    finished: set[Any] = set()
+    on_path: set[Any] = set()
+    stack: list[tuple[Any, bool]] = [(r, False) for r in reversed(roots)]
+    while stack:
+        c, after = stack.pop()
+        if c in finished or c in done:
+            continue
+        if after:
+            on_path.discard(c)
+            finished.add(c)
+            yield c
+            continue
+        if c in on_path:
+            raise CycleError("the chosen program has a cycle")
+        on_path.add(c)
+        stack.append((c, True))
+        for k in reversed(kids(c)):
+            if k not in finished and k not in done:
+                stack.append((k, False))

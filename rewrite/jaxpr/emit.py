@@ -1,0 +1,276 @@
+"""Stage 5, emit: turn the chosen nodes back into a ``ClosedJaxpr``.
+
+Each scope (the program, and every loaded body) is emitted on its own:
+post-order from its outputs, one equation per chosen operation node, in an
+order that respects data and the effect token. A body becomes the
+``ClosedJaxpr`` its primitive's params expect, with its inputs in the order
+the node records. Avals come from the e-graph's per-class types, params from
+the params table, and source locations from the equation that first made
+each class, so profiles and errors still point at the user's code.
+
+JAX's own dead-code elimination then removes loop outputs that nothing reads
+(a scan's stacked output that a rewrite made redundant, say).
+
+One annotation changes what is emitted: a scan whose params carry
+``_rw_remat`` (set by the rule that built the loop) gets its body wrapped in
+``jax.checkpoint`` (:func:`checkpointed`), which decides what ``jax.grad`` of
+the emitted program stores per step. Other ``_rw_*`` params are dropped.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+from jax._src import core, source_info_util
+from jax._src.literals import TypedNdArray
+from jax._src.interpreters import partial_eval as pe
+
+from ..ir import terms as _terms
+from ..ir.egraph import Snapshot
+from .load import side_effects
+from ..ir.intern import EFFECTS, PARAMS, TYPES, TupleType, literal_value
+from ..ir.walk import CycleError, operands, postorder
+
+
+class EmitError(RuntimeError):
+    pass
+
+
+_TOKEN = object()  # the effect token is an ordering edge only; jaxprs thread effects themselves
+_BODY_DEBUG = core.DebugInfo("rewrite", "body emitted by rewrite", None, None)
+
+
+class _Scope:
+    def __init__(self, em: "Emitter", scope: int, params: dict[int, core.Var]) -> None:
+        self.em = em
+        self.scope = scope
+        self.params = params
+        self.env: dict[Any, Any] = {}
+        self.eqns: list[core.JaxprEqn] = []
+        self.constvars: list[core.Var] = []
+        self.consts: list[Any] = []
+        self.effects: set[Any] = set()
+        self._const_index: dict[int, core.Var] = {}
+
+    def atoms(self, roots: Sequence[Any]) -> list[Any]:
+        self._emit_all(roots)
+        return [self.env[r] for r in roots]
+
+    def _emit_all(self, roots: Sequence[Any]) -> None:
+        choice, snap = self.em.choice, self.em.snap
+        try:
+            for cls in postorder(roots, lambda c: operands(snap, choice[c]), done=self.env):
+                self.env[cls] = self._emit(cls, *choice[cls])
+        except CycleError as e:
+            raise EmitError(str(e)) from None
+
+    def _emit(self, cls: Any, ctor: str, args: tuple) -> Any:
+        em = self.em
+        snap = em.snap
+        if ctor == "Param":
+            scope, index = args
+            if scope != self.scope or index not in self.params:
+                raise EmitError(f"input {index} of scope {scope} used in scope {self.scope}")
+            return self.params[index]
+        if ctor == "Lit":
+            lit_id, type_id = args
+            aval = TYPES[type_id]
+            # TypedNdArray, as JAX's own tracer makes literals: it keeps the exact dtype and weak type.
+            value = TypedNdArray(np.asarray(literal_value(lit_id, aval.dtype), dtype=aval.dtype), aval)
+            return core.Literal(value, aval)
+        if ctor == "Const":
+            (h,) = args
+            var = self._const_index.get(h)
+            if var is None:
+                var = self._const_index[h] = core.Var(snap.aval(cls))
+                self.constvars.append(var)
+                self.consts.append(em.consts[h])
+            return var
+        if ctor == "Tok":
+            return _TOKEN
+        if ctor == "Proj":
+            tup, index = args
+            return self.env[tup][index]
+        pid = args[-1]
+        prim = PARAMS.prim(pid)
+        params = dict(PARAMS.params(pid))
+        source, ctx = em.origin(cls)
+        out_t = snap.aval(cls)
+        out_avals = list(out_t) if isinstance(out_t, TupleType) else [out_t]
+        effects: Any = EFFECTS.get(pid, core.no_effects)
+        if ctor == "Effect":
+            invars = [self.env[a] for a in snap.list_items(args[1])]
+            out_avals = out_avals[:-1]
+        else:
+            spec = _terms.BY_CTOR.get(ctor, _terms.DEFAULT)
+            invars = [self.env[a] for a in operands(snap, (ctor, args))]
+            if spec.emit is not None:  # a primitive with bodies: its hook rebuilds them from their classes
+                params = spec.emit(em, params, self._bodies(spec, args), len(out_avals), len(invars))
+                effects = _nested_effects(spec, params)
+        # Keys starting with _rw_ are annotations that rules keep on nodes; JAX never sees them.
+        params = {k: v for k, v in params.items() if not k.startswith("_rw_")}
+        outvars = [core.Var(a) for a in out_avals]
+        self.effects |= set(effects)
+        self.eqns.append(core.new_jaxpr_eqn(invars, outvars, prim, params, effects, source, ctx))
+        if ctor == "Effect":
+            return outvars + [_TOKEN]
+        if isinstance(out_t, TupleType):
+            return outvars
+        return outvars[0]
+
+    def _bodies(self, spec: _terms.OpSpec, args: tuple) -> list[Any]:
+        """The body arguments of a nested node, one per ``B`` (a class) or ``N`` (a list of classes)."""
+        list_items = self.em.snap.list_items
+        return [a if letter == "B" else list_items(a) for letter, a in zip(spec.layout, args) if letter in "BN"]
+
+
+class Emitter:
+    def __init__(self, snap: Snapshot, choice: dict[Any, tuple], egraph: Any) -> None:
+        self.snap = snap
+        self.choice = choice
+        self.egraph = egraph
+        self.consts = egraph.consts
+
+    def origin(self, cls: Any) -> tuple[Any, Any]:
+        origin = self.egraph.vsource[self.snap.name(cls)]
+        if origin is None:
+            return source_info_util.new_source_info(), None
+        return origin.source_info, origin.ctx
+
+    def param_aval(self, scope: int, index: int) -> Any:
+        cls = self.egraph.lookup("Param", [self.egraph.int_value(scope), self.egraph.int_value(index)])
+        if cls is None:
+            raise EmitError(f"scope {scope} has no input {index}")
+        return self.snap.aval(cls)
+
+    @staticmethod
+    def checkpointed(body: core.ClosedJaxpr, num_carry: int, num_consts: int, what: str) -> core.ClosedJaxpr:
+        return checkpointed(body, num_carry, num_consts, what)
+
+    def body(self, body_cls: Any, order: Sequence[int], *, closed: bool) -> Any:
+        ctor, (scope, outs) = self.choice[body_cls]
+        params = {i: core.Var(self.param_aval(scope, i)) for i in order}
+        sc = _Scope(self, scope, params)
+        outvars = sc.atoms(self.snap.list_items(outs))
+        if any(o is _TOKEN for o in outvars):
+            raise EmitError("a body cannot return an effect token")
+        if side_effects(sc.effects):
+            raise EmitError("a loaded body acquired side effects")
+        effects = core.join_effects(*(e.effects for e in sc.eqns)) if sc.eqns else core.no_effects
+        invars = [params[i] for i in order]
+        if not closed:
+            if sc.constvars:
+                raise EmitError("a shard_map body cannot hold constants")
+            return core.Jaxpr([], invars, outvars, sc.eqns, effects, _BODY_DEBUG)
+        jaxpr = core.Jaxpr(sc.constvars, invars, outvars, sc.eqns, effects, _BODY_DEBUG)
+        return core.ClosedJaxpr(jaxpr, sc.consts)
+
+    def program(self, in_avals: Sequence[Any], outs: Sequence[Any], token: Any, debug_info: Any) -> core.ClosedJaxpr:
+        invars = {i: core.Var(a) for i, a in enumerate(in_avals)}
+        sc = _Scope(self, 0, invars)
+        roots = list(outs) + ([token] if token is not None else [])
+        atoms = sc.atoms(roots)
+        outvars = atoms[: len(outs)]
+        jaxpr = core.Jaxpr(sc.constvars, [invars[i] for i in range(len(in_avals))], outvars, sc.eqns,
+                           core.join_effects(*(e.effects for e in sc.eqns)) if sc.eqns else core.no_effects,
+                           debug_info)
+        return core.ClosedJaxpr(jaxpr, sc.consts)
+
+
+def _nested_effects(spec: _terms.OpSpec, params: dict) -> Any:
+    """A nested equation's effects: its bodies', less the axes it binds itself (a shard_map's manual axes)."""
+    effects = set()
+    for k in spec.body_params:
+        for b in params[k] if isinstance(params[k], (tuple, list)) else (params[k],):
+            effects |= set(b.effects)
+    bound = params.get("newly_manual_axes", frozenset())
+    return {e for e in effects if not (isinstance(e, core.NamedAxisEffect) and e.name in bound)}
+
+
+#: What a loop body built by a rule may ask autodiff to keep (``_rw_remat`` on a scan's params).
+REMAT_POLICIES = ("carries", "nothing")
+_CARRY_NAME = "_rw_carry"
+
+
+def checkpointed(body: core.ClosedJaxpr, num_carry: int, num_consts: int, what: str) -> core.ClosedJaxpr:
+    """``body`` (a scan body) wrapped in ``jax.checkpoint``.
+
+    A rule that builds a loop knows which of its per-step values are cheap to
+    recompute; ``jax.grad`` of the emitted program would otherwise stack every
+    residual of every step. ``"carries"`` saves each step's new carry and
+    recomputes the rest from it; ``"nothing"`` saves only the body's inputs.
+    Without differentiation the checkpoint lowers to the body itself.
+    """
+    import jax
+
+    if what not in REMAT_POLICIES:
+        raise EmitError(f"unknown remat policy {what!r}; expected one of {REMAT_POLICIES}")
+    if what == "carries":
+        body = core.ClosedJaxpr(_name_carries(body.jaxpr, num_carry), body.consts)
+        policy = jax.checkpoint_policies.save_only_these_names(_CARRY_NAME)
+    else:
+        policy = None
+    return jax.make_jaxpr(jax.checkpoint(core.jaxpr_as_fun(body), prevent_cse=False, policy=policy))(
+        *body.in_avals)
+
+
+def _name_carries(jaxpr: core.Jaxpr, num_carry: int) -> core.Jaxpr:
+    """Name each new carry where it is computed, and make every later use read the named value.
+
+    A checkpoint policy saves named values only; naming the outputs alone
+    would leave the uses inside the body (the ones autodiff needs) unnamed.
+    """
+    from jax._src.ad_checkpoint import name_p
+
+    targets = {v for v in jaxpr.outvars[:num_carry] if isinstance(v, core.Var)} - set(jaxpr.invars)
+    sub: dict[core.Var, core.Var] = {}
+
+    def read(a: Any) -> Any:
+        return sub.get(a, a) if isinstance(a, core.Var) else a
+
+    eqns = []
+    for e in jaxpr.eqns:
+        eqns.append(e.replace(invars=[read(a) for a in e.invars]))
+        for o in e.outvars:
+            if o in targets and o not in sub:
+                sub[o] = core.Var(o.aval)
+                eqns.append(core.new_jaxpr_eqn([o], [sub[o]], name_p, {"name": _CARRY_NAME}, core.no_effects,
+                                               e.source_info))
+    return jaxpr.replace(eqns=eqns, outvars=[read(a) for a in jaxpr.outvars])
+
+
+def emit_slice(snap: Snapshot, choice: dict[Any, tuple], egraph: Any, inputs: Sequence[Any],
+               roots: Sequence[Any]) -> core.ClosedJaxpr:
+    """The chosen nodes that compute ``roots`` from the classes ``inputs``, as a closed jaxpr."""
+    em = Emitter(snap, choice, egraph)
+    sc = _Scope(em, -1, {})
+    invars = [core.Var(snap.aval(c)) for c in inputs]
+    for c, v in zip(inputs, invars):
+        sc.env.setdefault(c, v)
+    outvars = sc.atoms(list(roots))
+    if sc.effects or any(o is _TOKEN for o in outvars):
+        raise EmitError("a slice of the program cannot carry effects")
+    jaxpr = core.Jaxpr(sc.constvars, invars, outvars, sc.eqns, core.no_effects, _BODY_DEBUG)
+    return core.ClosedJaxpr(jaxpr, sc.consts)
+
+
+def dce(closed: core.ClosedJaxpr) -> core.ClosedJaxpr:
+    """Drop equations and loop outputs nothing reads, keeping every input, output and effect."""
+    jaxpr = closed.jaxpr
+    new, _ = pe.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars), instantiate=True)
+    return core.ClosedJaxpr(new, closed.consts)
+
+
+def emit(snap: Snapshot, choice: dict[Any, tuple], egraph: Any, in_avals: Sequence[Any], outs: Sequence[Any],
+         token: Any, debug_info: Any) -> core.ClosedJaxpr:
+    return dce(Emitter(snap, choice, egraph).program(in_avals, outs, token, debug_info))
+
+
+def check_signature(before: core.ClosedJaxpr, after: core.ClosedJaxpr) -> None:
+    if list(before.in_avals) != list(after.in_avals):
+        raise RuntimeError(f"rewritten program takes {after.in_avals}, not {before.in_avals}")
+    b = [(a.shape, a.dtype, a.weak_type) for a in before.out_avals]
+    a = [(x.shape, x.dtype, x.weak_type) for x in after.out_avals]
+    if a != b:
+        raise RuntimeError(f"rewritten program returns {after.out_avals}, not {before.out_avals}")

@@ -1,0 +1,224 @@
+"""Stage 2, load: every equation of a jaxpr becomes an e-node.
+
+The walk is the textbook jaxpr interpreter (an environment, ``read``, a loop
+over equations) with the table of primitives (``rewrite/ir/primitives.py``). A
+primitive becomes its record's constructor; a record's ``load`` hook builds
+nodes with bodies (scan, while, cond, jit, shard_map: each body loaded in a
+scope of its own, through :class:`_Loading`); a primitive without a record
+gets the default one, an ``Opaque`` node with its params kept whole, so an
+unknown primitive is never an error. Equations with effects are threaded on
+a token so that nothing can drop, duplicate or reorder them.
+
+The loader talks to a *builder*. The same walk therefore inserts a program
+(:class:`rewrite.ir.egraph.EGraph`), compiles a rule's left-hand side into an
+egglog query (:mod:`rewrite.rules.pattern`), and checks that a traced term is
+present in the e-graph (:class:`rewrite.rules.pattern.Verifier`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Protocol, Sequence
+
+import numpy as np
+from jax._src import core
+
+from ..ir import terms as _terms
+from ..ir.intern import EFFECTS, PARAMS, TYPES
+from ..ir.primitives import Unsupported  # noqa: F401  (raised by builders and load hooks)
+
+TOKEN_AVAL = core.abstract_token
+
+
+class Origin(NamedTuple):
+    """Where an equation came from, kept so that what is emitted from it can say the same:
+    its source location, and its context (the abstract mesh inside a shard_map body, say),
+    which ``eval_jaxpr`` re-enters when it binds the equation."""
+
+    source_info: Any
+    ctx: Any
+
+
+class Builder(Protocol):
+    def term(self, ctor: str, args: Sequence[Any], type_id: int, source: Any = None) -> Any: ...
+    def tlist(self, refs: Sequence[Any]) -> Any: ...
+    def body(self, scope: int, outs: Sequence[Any]) -> Any: ...
+    def blist(self, bodies: Sequence[Any]) -> Any: ...
+    def literal(self, value: Any, aval: Any) -> Any: ...
+    def const(self, array: Any, aval: Any) -> Any: ...
+    def new_scope(self) -> int: ...
+
+
+def load_closed(closed: core.ClosedJaxpr, inputs: Sequence[Any], b: Builder, token: Any = None, *,
+                remember: bool = False) -> tuple[list[Any], Any]:
+    return load_jaxpr(closed.jaxpr, closed.consts, inputs, b, token, remember=remember)
+
+
+def load_jaxpr(jaxpr: core.Jaxpr, consts: Sequence[Any], inputs: Sequence[Any], b: Builder,
+               token: Any = None, *, remember: bool = False) -> tuple[list[Any], Any]:
+    """Load ``jaxpr`` with its inputs bound to ``inputs``. Returns output refs and the final token.
+
+    ``remember``: the jaxpr is loaded again and again (a rule's traced side),
+    so what each plain equation becomes is kept (:data:`_PLAIN`).
+    """
+    env: dict[core.Var, Any] = {}
+
+    def read(atom: Any) -> Any:
+        if isinstance(atom, core.Literal):
+            return b.literal(atom.val, atom.aval)
+        return env[atom]
+
+    for v, c in zip(jaxpr.constvars, consts):
+        env[v] = _constant(b, c, v.aval)
+    if len(inputs) != len(jaxpr.invars):
+        raise ValueError(f"jaxpr takes {len(jaxpr.invars)} inputs, got {len(inputs)}")
+    for v, r in zip(jaxpr.invars, inputs):
+        env[v] = r
+    for eqn in jaxpr.eqns:
+        args = [read(a) for a in eqn.invars]
+        plain = _PLAIN.get(id(eqn)) if remember else None
+        if plain is not None and plain[0] is eqn:
+            outs = _load_plain(plain[1], args, b)
+        else:
+            outs, token = load_eqn(eqn, args, b, token, remember=remember)
+        for v, r in zip(eqn.outvars, outs):
+            if not isinstance(v, core.DropVar):
+                env[v] = r
+    return [read(a) for a in jaxpr.outvars], token
+
+
+def _constant(b: Builder, value: Any, aval: Any) -> Any:
+    arr = np.asarray(value)
+    if arr.shape == () and not getattr(aval, "weak_type", False) and arr.dtype != object:
+        return b.literal(arr, aval)
+    return b.const(arr, aval)
+
+
+#: id of an equation of a rule's traced side -> (the equation, what it loads as: see _load_plain). The
+#: equation is kept so its id stays its own; a few thousand are enough for every rule's sides.
+_PLAIN: dict[int, tuple[core.JaxprEqn, tuple]] = {}
+_PLAIN_SIZE = 16384
+
+
+def _load_plain(plain: tuple, args: list[Any], b: Builder) -> list[Any]:
+    """An equation without effects or a load hook, loaded as ``load_eqn`` would, from its remembered parts."""
+    ctor, fixed, listed, pid, type_id, proj, source = plain
+    cargs: list[Any] = list(args[:fixed])
+    if listed:
+        cargs.append(b.tlist(args[fixed:]))
+    cargs.append(pid)
+    if proj is not None:
+        tup = b.term(ctor, cargs, type_id, source)
+        return [b.term("Proj", [tup, i], t, source) for i, t in enumerate(proj)]
+    return [b.term(ctor, cargs, type_id, source)]
+
+
+def load_eqn(eqn: core.JaxprEqn, args: list[Any], b: Builder, token: Any, *,
+             remember: bool = False) -> tuple[list[Any], Any]:
+    prim = eqn.primitive
+    name = prim.name
+    source = Origin(eqn.source_info, eqn.ctx)
+    out_avals = [v.aval for v in eqn.outvars]
+
+    if side_effects(eqn.effects):
+        if token is None:
+            raise Unsupported(f"effectful '{name}' where no effect token is threaded")
+        pid = PARAMS.intern_params(prim, eqn.params)
+        EFFECTS.setdefault(pid, eqn.effects)
+        tup = b.term("Effect", [token, b.tlist(args), pid], TYPES.intern_tuple(tuple(out_avals) + (TOKEN_AVAL,)), source)
+        outs = [b.term("Proj", [tup, i], TYPES.intern_aval(a), source) for i, a in enumerate(out_avals)]
+        new_token = b.term("Proj", [tup, len(out_avals)], TYPES.intern_aval(TOKEN_AVAL), source)
+        return outs, new_token
+
+    spec = _terms.spec_of(name)
+    if spec.load is not None:
+        try:
+            outs = spec.load(_Loading(eqn, args, b, source))
+        except Unsupported:
+            spec = _terms.DEFAULT  # kept whole, as an opaque node
+        else:
+            if outs is not None:
+                return outs, token
+    if spec.family == _terms.NESTED or not _fits(spec, args):
+        spec = _terms.DEFAULT
+    pid = _intern(eqn)
+    multiple = prim.multiple_results
+    plain = (spec.ctor, spec.layout.count("T"), "L" in spec.layout, pid,
+             TYPES.intern_tuple(tuple(out_avals)) if multiple else TYPES.intern_aval(out_avals[0]),
+             tuple(TYPES.intern_aval(a) for a in out_avals) if multiple else None, source)
+    if remember and _terms.spec_of(name).load is None:  # what it loads as depends on the equation alone
+        if len(_PLAIN) >= _PLAIN_SIZE:
+            _PLAIN.clear()
+        _PLAIN[id(eqn)] = (eqn, plain)
+    return _load_plain(plain, args, b), token
+
+
+def side_effects(effects: Any) -> set[Any]:
+    """The effects that order matters for. A ``NamedAxisEffect`` only records that a
+    collective names a mesh axis (``psum`` inside ``shard_map``): such equations are pure."""
+    return {e for e in effects if not isinstance(e, core.NamedAxisEffect)}
+
+
+def _fits(spec: _terms.OpSpec, args: list[Any]) -> bool:
+    fixed = spec.layout.count("T")
+    return len(args) >= fixed if "L" in spec.layout else len(args) == fixed
+
+
+def _intern(eqn: core.JaxprEqn) -> int:
+    pid = PARAMS.intern_params(eqn.primitive, eqn.params)
+    if eqn.effects:
+        EFFECTS.setdefault(pid, eqn.effects)  # axis-name effects, re-attached when emitted
+    return pid
+
+
+def _project(b: Builder, tup: Any, avals: Sequence[Any], source: Any) -> list[Any]:
+    return [b.term("Proj", [tup, i], TYPES.intern_aval(a), source) for i, a in enumerate(avals)]
+
+
+# ---------------------------------------------------------------------- bodies
+def _load_body(b: Builder, jaxpr: core.Jaxpr, consts: Sequence[Any], avals: Sequence[Any]) -> Any:
+    scope = b.new_scope()
+    params = [b.term("Param", [scope, i], TYPES.intern_aval(a)) for i, a in enumerate(avals)]
+    outs, _ = load_jaxpr(jaxpr, consts, params, b)
+    return b.body(scope, outs)
+
+
+def _closed_body(b: Builder, closed: core.ClosedJaxpr) -> Any:
+    return _load_body(b, closed.jaxpr, closed.consts, closed.in_avals)
+
+
+class _Loading:
+    """What a record's ``load`` hook (``rewrite/ir/primitives.py``) works with: the equation, its operand
+    refs, and the ways to load bodies and build the node."""
+
+    def __init__(self, eqn: core.JaxprEqn, args: list[Any], b: Builder, source: Any) -> None:
+        self.eqn, self.args, self.b, self.source = eqn, args, b, source
+
+    def body(self, jaxpr: core.Jaxpr, consts: Sequence[Any], avals: Sequence[Any]) -> Any:
+        """``jaxpr`` loaded as a body in a scope of its own, its inputs ``Param`` nodes of that scope."""
+        return _load_body(self.b, jaxpr, consts, avals)
+
+    def closed_body(self, closed: core.ClosedJaxpr) -> Any:
+        return _closed_body(self.b, closed)
+
+    def blist(self, bodies: Sequence[Any]) -> Any:
+        return self.b.blist(bodies)
+
+    def literal(self, value: Any, aval: Any) -> Any:
+        return self.b.literal(value, aval)
+
+    def inline(self, closed: core.ClosedJaxpr) -> list[Any]:
+        """The outputs of ``closed`` loaded in place, its inputs bound to the operands (no node of its own)."""
+        outs, _ = load_closed(closed, self.args, self.b)
+        return outs
+
+    def nested(self, bodies: list[Any], extra: dict[str, Any] | None = None) -> list[Any]:
+        """The node over ``bodies`` (in layout order) and the operands; its params lose the body params
+        and gain ``extra``. Returns one projection per result."""
+        eqn, b = self.eqn, self.b
+        spec = _terms.BY_PRIM[eqn.primitive.name]
+        params = {k: v for k, v in eqn.params.items() if k not in spec.body_params}
+        params.update(extra or {})
+        pid = PARAMS.intern_params(eqn.primitive, params)
+        out_avals = [v.aval for v in eqn.outvars]
+        tup = b.term(spec.ctor, [*bodies, b.tlist(self.args), pid], TYPES.intern_tuple(tuple(out_avals)), self.source)
+        return _project(b, tup, out_avals, self.source)

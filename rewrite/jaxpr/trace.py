@@ -1,0 +1,392 @@
+"""Stage 1, trace: a Python function and its arguments become a ``ClosedJaxpr``.
+
+Arguments and results may be any pytrees. The jaxpr takes and returns their
+flattened array leaves; the tree structures are kept so stage 6 can rebuild
+them. A Python float or complex number passed as an argument is traced, as
+``jax.jit`` traces it (a weakly typed scalar), so a learning-rate schedule
+does not rewrite on every new value. Other leaves that are not arrays
+(numbers inside a pytree, Python ints and bools, an equinox module's
+activation function, a string, a dtype) are static, as under ``eqx.filter_jit``: baked into the trace and
+part of the cache key, floats in it by their bits (``-0.0`` is not ``0.0``,
+and a NaN finds itself). So are ``static_argnums`` and ``static_argnames``,
+resolved against the function's signature as ``jax.jit`` resolves them.
+
+A function that closes over a value of an outer trace (a parameter being
+differentiated, a value of the jitted function around it) has that value
+as a constant of its jaxpr; such constants become trailing inputs of the
+program (``Traced.captured``), so the rewritten program reads the outer
+trace's value and derivatives flow to it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+import inspect
+import operator
+import struct
+from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
+from jax._src import core
+
+
+@dataclasses.dataclass(frozen=True)
+class Traced:
+    closed: core.ClosedJaxpr
+    in_tree: Any
+    out_tree: Any
+    dynamic: tuple[bool, ...]  # which leaves of the input tree are traced
+    out_static: tuple[tuple[int, Any], ...] = ()  # output leaves that are not arrays: (position, value)
+    #: values of outer traces the function closed over: the program's last ``len(captured)`` inputs
+    captured: tuple[Any, ...] = dataclasses.field(default=(), compare=False)
+    #: how many such inputs the program has (kept where the values themselves are not: in the cache)
+    captured_count: int = 0
+
+    def outputs(self, values: Sequence[Any]) -> Any:
+        """Rebuild the output pytree from the jaxpr's results."""
+        it = iter(values)
+        static = dict(self.out_static)
+        n = len(values) + len(static)
+        return jax.tree_util.tree_unflatten(self.out_tree, [static[i] if i in static else next(it) for i in range(n)])
+
+
+@dataclasses.dataclass(frozen=True)
+class Static:
+    """A leaf baked into the trace."""
+
+    value: Any
+
+    def key(self) -> Any:
+        return static_key(self.value)
+
+
+class _Identity:
+    """A cache key part for an unhashable static value: equal only to itself, and it keeps the value alive
+    (an ``id`` alone can be reused by a new object once the old one is collected)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __eq__(self, other: Any) -> bool:
+        return isinstance(other, _Identity) and other.value is self.value
+
+    def __hash__(self) -> int:
+        return id(self.value)
+
+
+def static_key(v: Any) -> Any:
+    """A hashable key that tells apart every two static values that can trace differently.
+
+    ``==`` does not: ``-0.0 == 0.0`` (``x / s`` is ``-inf`` at one and ``inf`` at the other), ``1 == 1.0
+    == True``, and a NaN equals nothing, itself included. Floats are keyed by their bits, containers
+    element by element, and a value that cannot be hashed by its identity.
+    """
+    if isinstance(v, float):
+        return ("float", struct.pack("<d", v))
+    if isinstance(v, complex):
+        return ("complex", struct.pack("<dd", v.real, v.imag))
+    if type(v) in (tuple, list):
+        return (type(v), tuple(static_key(x) for x in v))
+    if type(v) is dict:
+        return (dict, tuple((static_key(k), static_key(x)) for k, x in v.items()))
+    try:
+        hash(v)
+    except TypeError:
+        return ("id", _Identity(v))
+    return ("hash", type(v), v)
+
+
+def is_traced_leaf(x: Any) -> bool:
+    """Arrays and tracers are traced; everything else, Python numbers included, is static.
+
+    This is ``eqx.filter_jit``'s rule, and the right one under an outer
+    transformation too: whatever the outer trace made concrete arrives here
+    concrete and may steer Python control flow.
+    """
+    return isinstance(x, (jax.Array, np.ndarray, np.generic, core.Tracer))
+
+
+#: what JAX raises where traced values steer Python control flow
+CONCRETIZATION_ERRORS = (jax.errors.ConcretizationTypeError, jax.errors.TracerBoolConversionError,
+                         jax.errors.TracerIntegerConversionError)
+
+
+class PyScalar:
+    """A Python float or complex passed as an argument itself, traced as ``jax.jit`` traces it: a weakly
+    typed scalar. A number inside a pytree (an equinox module's ``Dropout(p=0.0)``, a config) stays
+    static, as ``eqx.filter_jit`` keeps it: libraries branch on such fields in Python. Python ints and
+    bools stay static too: they pick shapes, axes and loop counts far more often than floats do."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
+def flatten_args(args: tuple, kwargs: dict, static_argnums: Sequence[int], static_argnames: Sequence[str],
+                 trace_floats: bool = True) -> tuple[list[Any], Any, list[Any], tuple, tuple, tuple]:
+    """A call's arguments as the tracer takes them: ``(leaves, in_tree, specs, key, static args, static
+    kwargs)``; ``specs`` and ``key`` as :func:`leaf_specs` makes them. With ``trace_floats``, Python float
+    and complex arguments (not numbers nested in a pytree) are traced (:class:`PyScalar`)."""
+    dyn_args, dyn_kwargs, stat_args, stat_kwargs = split_static(args, kwargs, static_argnums, static_argnames)
+    if trace_floats:
+        wrap = lambda v: PyScalar(v) if type(v) in (float, complex) else v  # noqa: E731
+        dyn_args, dyn_kwargs = tuple(map(wrap, dyn_args)), {k: wrap(v) for k, v in dyn_kwargs.items()}
+    leaves, in_tree = jax.tree_util.tree_flatten((dyn_args, dyn_kwargs))
+    traced = [isinstance(x, PyScalar) for x in leaves]
+    leaves = [x.value if isinstance(x, PyScalar) else x for x in leaves]
+    specs, key = leaf_specs(leaves, traced)
+    key = (in_tree, key, tuple((i, static_key(v)) for i, v in stat_args),
+           tuple((k, static_key(v)) for k, v in stat_kwargs))
+    return leaves, in_tree, specs, key, stat_args, stat_kwargs
+
+
+def resolve_static(fn: Callable[..., Any], static_argnums: Any, static_argnames: Any
+                   ) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """``static_argnums`` and ``static_argnames`` completed and checked against ``fn``'s signature, as
+    ``jax.jit`` does: either may be one int or name; the names of the numbered positional-or-keyword
+    parameters are static too (so is the number of a named one), and a number or name the signature
+    does not have is an error."""
+    nums = _index_tuple(static_argnums, "static_argnums")
+    if isinstance(static_argnames, str):
+        static_argnames = (static_argnames,)
+    names = tuple(static_argnames or ())
+    if not all(isinstance(n, str) for n in names):
+        raise TypeError(f"static_argnames must be a name or a sequence of names, got {static_argnames!r}")
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):  # no signature (some builtins): taken as given, like jax.jit
+        return nums, names
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if not any(p.kind == p.VAR_POSITIONAL for p in params) and nums and (
+            max(nums) >= len(positional) or -min(nums) > len(positional)):
+        raise ValueError(f"static_argnums={nums}, but {getattr(fn, '__name__', 'the function')} takes only "
+                         f"{len(positional)} positional argument(s)")
+    by_name = [p.name for p in positional]
+    if names and not any(p.kind == p.VAR_KEYWORD for p in params):
+        unknown = [n for n in names if n not in {p.name for p in params if p.kind != p.POSITIONAL_ONLY}]
+        if unknown:
+            raise ValueError(f"static_argnames={names}, but {getattr(fn, '__name__', 'the function')} has no "
+                             f"keyword parameter(s) {unknown}")
+    nums_all = set(nums) | {by_name.index(n) for n in names if n in by_name
+                            and positional[by_name.index(n)].kind == inspect.Parameter.POSITIONAL_OR_KEYWORD}
+    names_all = list(names) + [by_name[i] for i in sorted(nums) if -len(by_name) <= i < len(by_name)
+                               and positional[i].kind == inspect.Parameter.POSITIONAL_OR_KEYWORD
+                               and by_name[i] not in names]
+    return tuple(sorted(nums_all)), tuple(names_all)
+
+
+def _index_tuple(x: Any, what: str) -> tuple[int, ...]:
+    if x is None:
+        return ()
+    try:
+        return (operator.index(x),)
+    except TypeError:
+        pass
+    try:
+        return tuple(operator.index(i) for i in x)
+    except TypeError:
+        raise TypeError(f"{what} must be an int or a sequence of ints, got {x!r}") from None
+
+
+def split_static(args: tuple, kwargs: dict, static_argnums: Sequence[int], static_argnames: Sequence[str]
+                 ) -> tuple[tuple, dict, tuple, tuple]:
+    """Separate static arguments; returns (dynamic args, dynamic kwargs, static args key, static kwargs key).
+
+    As in ``jax.jit``: a negative number counts from the end of this call's positional arguments, and a
+    number past them names nothing (its argument, if passed by name, is static through its name).
+    """
+    nums = {i + len(args) if i < 0 else i for i in static_argnums}
+    dyn_args = tuple(a for i, a in enumerate(args) if i not in nums)
+    stat_args = tuple((i, a) for i, a in enumerate(args) if i in nums)
+    dyn_kwargs = {k: v for k, v in kwargs.items() if k not in static_argnames}
+    stat_kwargs = tuple(sorted((k, v) for k, v in kwargs.items() if k in static_argnames))
+    return dyn_args, dyn_kwargs, stat_args, stat_kwargs
+
+
+def aval_key(x: Any) -> Any:
+    aval = jax.typeof(x)
+    return (tuple(aval.shape), str(aval.dtype), bool(getattr(aval, "weak_type", False)),
+            getattr(aval, "sharding", None), getattr(aval, "vma", None))
+
+
+def leaf_specs(flat: Sequence[Any], traced: Sequence[bool] = ()) -> tuple[list[Any], tuple]:
+    """Per leaf: its aval if traced (an array, or marked in ``traced``), else ``Static``. Also a hashable
+    key for the cache."""
+    specs: list[Any] = []
+    key = []
+    for i, x in enumerate(flat):
+        if is_traced_leaf(x) or (i < len(traced) and traced[i]):
+            specs.append(jax.typeof(x))
+            key.append(aval_key(x))
+        else:
+            s = Static(x)
+            specs.append(s)
+            key.append(s.key())
+    return specs, tuple(key)
+
+
+def trace(fn: Callable[..., Any], specs: Sequence[Any], in_tree: Any, stat_args: tuple, stat_kwargs: tuple,
+          n_args: int) -> Traced:
+    """Trace ``fn`` on leaves described by ``specs`` (avals for traced leaves, :class:`Static` otherwise)."""
+    out_tree_box: list[Any] = []
+    statics = dict(stat_args)
+    dynamic = tuple(not isinstance(s, Static) for s in specs)
+
+    def flat_fn(*dyn: Any) -> list[Any]:
+        it = iter(dyn)
+        leaves = [next(it) if d else s.value for s, d in zip(specs, dynamic)]
+        dyn_args, dyn_kwargs = jax.tree_util.tree_unflatten(in_tree, leaves)
+        it_args = iter(dyn_args)
+        args = [statics[i] if i in statics else next(it_args) for i in range(n_args)]
+        out = fn(*args, **dyn_kwargs, **dict(stat_kwargs))
+        out_leaves, out_tree = jax.tree_util.tree_flatten(out)
+        out_static = tuple((i, v) for i, v in enumerate(out_leaves) if not is_traced_leaf(v))
+        out_tree_box.append((out_tree, out_static))
+        return [v for v in out_leaves if is_traced_leaf(v)]
+
+    avals = [s for s, d in zip(specs, dynamic) if d]
+    with _context(avals), _collect_young_only():  # a full collection here cost a neural ODE 0.15 s of 0.33
+        closed = jax.make_jaxpr(flat_fn)(*[spec_of(a) for a in avals])
+    out_tree, out_static = out_tree_box[-1]
+    closed, captured = _capture(closed)
+    return Traced(closed, in_tree, out_tree, dynamic, out_static, captured, len(captured))
+
+
+def _capture(closed: core.ClosedJaxpr) -> tuple[core.ClosedJaxpr, tuple[Any, ...]]:
+    """Constants that are tracers of an outer trace become the program's last inputs.
+
+    They are values the function closed over (``lambda x: model(params, x)`` under ``jax.grad`` of
+    ``params``, or inside a jitted function): not known now, and not the same on the next call.
+    """
+    moved = [i for i, c in enumerate(closed.consts) if isinstance(c, core.Tracer)]
+    if not moved:
+        return closed, ()
+    jaxpr, consts = closed.jaxpr, closed.consts
+    keep = [i for i in range(len(consts)) if i not in set(moved)]
+    debug = jaxpr.debug_info
+    if debug is not None and debug.arg_names is not None:
+        debug = debug._replace(arg_names=tuple(debug.arg_names) + tuple(f"captured{k}" for k in range(len(moved))))
+    new = jaxpr.replace(constvars=[jaxpr.constvars[i] for i in keep],
+                        invars=list(jaxpr.invars) + [jaxpr.constvars[i] for i in moved], debug_info=debug)
+    return core.ClosedJaxpr(new, [consts[i] for i in keep]), tuple(consts[i] for i in moved)
+
+
+def same_program(a: core.ClosedJaxpr, b: core.ClosedJaxpr) -> bool:
+    """Are these two traces of a function the same program, constants included (bit for bit)?"""
+    if len(a.consts) != len(b.consts) or str(a.jaxpr) != str(b.jaxpr):
+        return False
+    for x, y in zip(a.consts, b.consts):
+        if x is y:
+            continue
+        if isinstance(x, core.Tracer) or isinstance(y, core.Tracer):
+            return False
+        x, y = np.asarray(x), np.asarray(y)
+        if x.dtype != y.dtype or x.shape != y.shape or x.tobytes() != y.tobytes():
+            return False
+    return True
+
+
+def spec_of(aval: Any) -> Any:
+    """A ``ShapeDtypeStruct`` that traces exactly like ``aval``: weak type, and inside a
+    ``shard_map`` body its manual mesh and varying axes too."""
+    kwargs: dict[str, Any] = {"weak_type": bool(getattr(aval, "weak_type", False))}
+    mesh = _mesh_of(aval)
+    if mesh is not None:
+        kwargs["sharding"] = aval.sharding
+        kwargs["manual_axis_type"] = getattr(aval, "manual_axis_type", None)
+    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, **kwargs)
+
+
+def _mesh_of(aval: Any) -> Any:
+    sharding = getattr(aval, "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    return mesh if mesh is not None and getattr(mesh, "axis_names", ()) else None
+
+
+@contextlib.contextmanager
+def _context(avals: Sequence[Any]):
+    """Enter the mesh context these avals were made in, if they carry a mesh.
+
+    With explicit sharding, every value's type names the mesh, and values made
+    inside the trace (a broadcast literal, say) take the context's mesh; inside
+    a ``shard_map`` body JAX also tracks which manual axes each value varies
+    over and inserts ``pvary``. Tracing without the right context gives values
+    of another type than the program's.
+    """
+    from jax._src import config
+    from jax._src.mesh import AxisType
+    from jax.sharding import use_abstract_mesh
+
+    mesh = next((m for m in map(_mesh_of, avals) if m is not None), None)
+    if mesh is None:
+        yield
+        return
+    manual = tuple(n for n, t in zip(mesh.axis_names, mesh.axis_types) if t == AxisType.Manual)
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(use_abstract_mesh(mesh))
+        if manual:
+            varying = any(getattr(getattr(a, "manual_axis_type", None), "varying", None) for a in avals)
+            stack.enter_context(core.extend_axis_env_nd([(n, mesh.shape[n]) for n in manual]))
+            stack.enter_context(config._check_vma(bool(varying)))
+        yield
+
+
+def trace_at(fn: Callable[..., Any], avals: Sequence[Any]) -> core.ClosedJaxpr:
+    """``jax.make_jaxpr(fn)`` at exactly these avals (see :func:`spec_of`).
+
+    Rules trace their sides and replacements at every new shape, hundreds of
+    times in a rewrite: where no mesh is involved, the function is traced
+    directly, without ``make_jaxpr``'s ``jit`` around it (which is half the
+    cost of a small trace); the jaxpr is the same.
+    """
+    if not any(_mesh_of(a) is not None for a in avals):
+        try:
+            from jax._src import api_util
+            from jax._src import linear_util as lu
+            from jax._src.interpreters import partial_eval as pe
+
+            in_avals = [core.ShapedArray(a.shape, a.dtype, weak_type=bool(getattr(a, "weak_type", False)))
+                        for a in avals]
+            # The debug info made by hand: api_util.debug_info reads the function's signature (inspect), a
+            # quarter of a small trace's cost; argument names only label error messages.
+            debug = core.DebugInfo("rewrite.trace_at", api_util.fun_sourceinfo(fn), None, core.initial_result_paths)
+        except Exception:  # not a function these internals take: make_jaxpr's way (fn is not called twice)
+            pass
+        else:
+            flat = lu.wrap_init(lambda *xs: jax.tree_util.tree_leaves(fn(*xs)), debug_info=debug)
+            jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(flat, in_avals)
+            return core.ClosedJaxpr(jaxpr, consts)
+    with _context(avals):
+        return jax.make_jaxpr(fn)(*[spec_of(a) for a in avals])
+
+
+@contextlib.contextmanager
+def _collect_young_only():
+    """While the rewrite runs, the garbage collector leaves alone the objects that existed before it.
+
+    A rewrite allocates many small objects, which triggers Python's full
+    collections, and each of those walks every object in the process (JAX's
+    and the user's included): on a 1,500-equation training step that was
+    0.1-0.25 s of a 1.5 s rewrite. ``gc.freeze`` moves what exists now out
+    of the collector's sight and ``gc.unfreeze`` puts it back afterwards, so
+    nothing is leaked and later collections see everything again. A process
+    that froze objects itself, or turned the collector off, is left as it is.
+    """
+    if gc.get_freeze_count() or not gc.isenabled():
+        yield
+        return
+    # Garbage made since the last collection (an earlier rewrite's e-graph, say) is collected now: frozen,
+    # it would wait for the next full collection, holding its e-graph's memory, which the collector
+    # does not count. The young generations are small, so this is cheap.
+    gc.collect(1)
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()

@@ -1,0 +1,144 @@
+"""The whole rewrite, one stage after another: trace, load, saturate, extract, emit.
+
+:func:`run_pipeline` is the function to read first. The stages live in the
+folders named for their roles: ``jaxpr/trace.py``, ``jaxpr/load.py``,
+``rules/saturate.py``, ``extract/extract.py``, ``jaxpr/emit.py``. The public
+entry points that call it, with caching per input signature, are in
+``api.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Any, Sequence
+
+from jax._src import core
+
+from .jaxpr.trace import Traced, _collect_young_only
+from .jaxpr.load import TOKEN_AVAL, load_closed
+from .rules.saturate import Engine, Limits, RuleStats, match_program
+from .rules import prefer as _prefer
+from .extract.extract import Extractor, extract, input_cost
+from .jaxpr.emit import emit
+from .cost.model import CostModel
+from .ir.egraph import EGraph
+from .ir.intern import TYPES
+from .rules.rule import Rule, Ruleset
+
+log = logging.getLogger("rewrite")
+
+
+@dataclasses.dataclass
+class Result:
+    before: core.ClosedJaxpr
+    after: core.ClosedJaxpr
+    cost_before: float
+    cost_after: float
+    stopped: str
+    iterations: int
+    rows: int
+    times: dict[str, float]
+    stats: dict[str, RuleStats]
+    rewritten: bool
+    warnings: list[str]
+    # kept for reports that look deeper (explain's provenance, to_dot)
+    egraph: EGraph | None = None
+    choice: dict | None = None
+    snapshot: Any = None
+    roots: list | None = None
+    original: set | None = None
+    out_names: list | None = None  # the V names of the program's outputs, for checks that extract their own way
+    #: what cost_model="measure" timed (rewrite/cost/measure.py), else None
+    timing: Any = None
+    #: the disk cache's file this result was read from (rewrite/cache/store.py), else None
+    cached: str | None = None
+    #: with rewrite(guard=True): which program the guard kept and the two times (rewrite/cost/guard.py)
+    guard: Any = None
+    #: preferred rules (rule(..., prefer=True)) -> how many classes' choice they forced (rewrite/rules/prefer.py)
+    preferred: dict[str, int] = dataclasses.field(default_factory=dict)
+
+
+def run_pipeline(traced: Traced, entries: Sequence[tuple[Rule, Ruleset]], model: CostModel, limits: Limits,
+                 keep: bool = False) -> Result:
+    """Rewrite one traced program with the given rules. Stage times are recorded in ``Result.times``."""
+    with _collect_young_only():
+        return _run(traced, entries, model, limits, keep)
+
+
+def _run(traced: Traced, entries: Sequence[tuple[Rule, Ruleset]], model: CostModel, limits: Limits,
+         keep: bool) -> Result:
+    times = {"trace": 0.0}
+    closed = traced.closed
+
+    # Stage 2: load. The program's inputs are the Params of scope 0; its
+    # effects, if any, are threaded on a token that starts at (Tok 0).
+    t = time.perf_counter()
+    manual = _has_primitive(closed.jaxpr, "pvary")
+    eg = EGraph(match_program(entries, manual)[0])  # declared with the rules' queries: see _egraph._POOL
+    inputs = [eg.term("Param", [0, i], TYPES.intern_aval(a)) for i, a in enumerate(closed.in_avals)]
+    token = eg.term("Tok", [0], TYPES.intern_aval(TOKEN_AVAL)) if closed.jaxpr.effects else None
+    outs, token = load_closed(closed, inputs, eg, token)
+    program_names = eg.num_names
+    eg.flush()
+    cost_before = input_cost(eg.snapshot(), outs, token, model)
+    times["load"] = time.perf_counter() - t
+
+    # Stage 3: saturate, under limits.
+    t = time.perf_counter()
+    engine = Engine(eg, entries, limits, manual=manual)
+    stopped = engine.run()
+    times["saturate"] = time.perf_counter() - t
+
+    # Stage 4: extract the cheapest program; the input program is always a candidate.
+    t = time.perf_counter()
+    snap = eg.snapshot()
+    forced = _bar_preferred(snap, eg, engine.preferred, model)
+    original = {key for vid in range(program_names) if (key := eg.canonical(snap, vid)) is not None}
+    roots = [snap.cls_of_name[o] for o in outs]
+    token_root = snap.cls_of_name[token] if token is not None else None
+    ex = extract(snap, roots + ([token_root] if token_root is not None else []), model, original)
+    times["extract"] = time.perf_counter() - t
+
+    # Stage 5: emit a ClosedJaxpr with the same signature.
+    t = time.perf_counter()
+    after = emit(snap, ex.choice, eg, closed.in_avals, roots, token_root, closed.jaxpr.debug_info)
+    times["emit"] = time.perf_counter() - t
+
+    # cost_model="measure": the best candidates are timed on the backend (rewrite/cost/measure.py).
+    timing = None
+    if isinstance(model, CostModel) and model.measures and len(ex.candidates) > 1:
+        t = time.perf_counter()
+        programs = [emit(snap, c, eg, closed.in_avals, roots, token_root, closed.jaxpr.debug_info)
+                    if c is not ex.choice else after for c, _, _ in ex.candidates]
+        after, timing = model.choose(programs)
+        times["measure"] = time.perf_counter() - t
+
+    result = Result(
+        before=closed, after=after, cost_before=cost_before, cost_after=ex.cost, stopped=stopped,
+        iterations=engine.iterations, rows=snap.num_rows, times=times, stats=dict(engine.stats),
+        rewritten=ex.rewritten, warnings=list(engine.warnings),
+        egraph=eg if keep else None, choice=ex.choice if keep else None, snapshot=snap if keep else None,
+        roots=roots if keep else None, original=original if keep else None, out_names=list(outs) if keep else None,
+        timing=timing, preferred=forced,
+    )
+    if not keep:
+        eg.release()  # to the pool now, even if something the rewrite made holds the e-graph in a cycle
+    return result
+
+
+def _bar_preferred(snap: Any, eg: EGraph, notes: list, model: CostModel) -> dict[str, int]:
+    """Take the forms preferred rules replaced out of extraction (rewrite/rules/prefer.py); per rule, the classes forced."""
+    if not notes:
+        return {}
+    ex = Extractor(snap, model)
+    barred, forced = _prefer.bar(snap, eg, notes, lambda allowed: ex.tree(allowed)[1])
+    _prefer.apply(snap, barred)
+    return forced
+
+
+def _has_primitive(jaxpr: core.Jaxpr, name: str) -> bool:
+    return any(e.primitive.name == name or any(_has_primitive(getattr(j, "jaxpr", j), name)
+                                               for j in core.jaxprs_in_params(e.params))
+               for e in jaxpr.eqns)

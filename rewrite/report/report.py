@@ -1,0 +1,382 @@
+"""``explain``: what a rewrite did, in a form a person can read.
+
+A :class:`Report` holds the program before and after, their costs under the
+model, which rules fired (matched, verified and applied) and how many of the
+nodes they built made it into the result, why saturation stopped, and the
+time each stage took. ``str(report)`` gives a summary and then a diff of the
+two jaxprs; :meth:`Report.rules` lists each rule with its two sides;
+:meth:`Report.to_dot` draws a small e-graph.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import difflib
+import math
+import time
+from typing import Any, Iterator, Sequence
+
+import jax
+from jax._src import core
+
+from ..jaxpr.trace import CONCRETIZATION_ERRORS, flatten_args, resolve_static, spec_of, trace
+from ..rules.saturate import Limits
+from ..extract.extract import reachable
+from ..api import Rewritten, entries_of
+from ..jaxpr.emit import check_signature
+from ..cost.measure import resolve
+from ..ir.primitives import nbytes
+from ..pipeline import Result, run_pipeline
+from ..rules.rule import Rule, Ruleset, _short
+
+
+def equations(closed: Any) -> Iterator[core.JaxprEqn]:
+    """Every equation of a jaxpr, each before those inside its bodies (scan, cond, jit, custom calls, ...)."""
+    jaxpr = closed.jaxpr if isinstance(closed, core.ClosedJaxpr) else closed
+    for e in jaxpr.eqns:
+        yield e
+        for sub in core.jaxprs_in_params(e.params):
+            yield from equations(sub)
+
+
+def count_eqns(closed: Any) -> int:
+    """Equations in a jaxpr, counting those inside bodies (scan, cond, jit, ...) too."""
+    return sum(1 for _ in equations(closed))
+
+
+def primitive_counts(closed: Any) -> collections.Counter:
+    """How often each primitive occurs in a jaxpr, bodies included."""
+    return collections.Counter(e.primitive.name for e in equations(closed))
+
+
+@dataclasses.dataclass
+class Report:
+    """What :func:`explain` found. ``str(report)`` reads well; the fields are for programs.
+
+    ``fired`` counts each rule's applications and ``used`` the nodes it built that
+    are in ``after``; ``rejected`` counts, per rule and reason, the matches it did
+    not act on (``guard``, ``unverified``, ``type``, ``declined``, ...).
+
+    >>> import jax.numpy as jnp
+    >>> from rewrite import explain, rule, Ruleset
+    >>> clamp = rule(lambda v: jnp.maximum(v, 0.0), lambda v: v, name="clamp_nonneg", when=lambda v: v.nonneg)
+    >>> report = explain(lambda x: jnp.maximum(jnp.exp(x), 0.0), jnp.ones(3), rulesets=[Ruleset("c", [clamp])])
+    >>> report.fired, report.stopped, (report.eqns_before, report.eqns_after)
+    ({'clamp_nonneg': 1}, 'saturated', (2, 1))
+    >>> explain(lambda x: jnp.maximum(x, 0.0), jnp.ones(3), rulesets=[Ruleset("c", [clamp])]).rejected
+    {'clamp_nonneg': {'guard': 1}}
+    """
+
+    before: core.ClosedJaxpr
+    after: core.ClosedJaxpr
+    cost_before: float
+    cost_after: float
+    fired: dict[str, int]
+    used: dict[str, int]
+    stopped: str
+    times: dict[str, float]
+    iterations: int
+    egraph_rows: int
+    rejected: dict[str, dict[str, int]]
+    warnings: list[str]
+    rulesets: list[tuple[Rule, Ruleset]]
+    result: Result = dataclasses.field(repr=False)
+    #: what one call of the program costs whatever it computes (dispatch, and each buffer in or out),
+    #: in the model's units: :meth:`rewrite.AnalyticCost.fixed`; 0 for models that do not say
+    fixed_cost: float = 0.0
+    model: Any = dataclasses.field(default=None, repr=False)  # the cost model, to price what was declined
+    #: with ``explain(..., grad=True)``: the VJP's forward/backward split (:class:`rewrite.grad.vjp.VJPResult`)
+    gradient: Any = dataclasses.field(default=None, repr=False)
+
+    @property
+    def preferred(self) -> dict[str, int]:
+        """Preferred rules (``rule(..., prefer=True)``) -> in how many classes they barred the matched form,
+        so that extraction took their replacement whatever the model's price."""
+        return dict(self.result.preferred)
+
+    @property
+    def eqns_before(self) -> int:
+        return count_eqns(self.before)
+
+    @property
+    def eqns_after(self) -> int:
+        return count_eqns(self.after)
+
+    @property
+    def saved(self) -> float:
+        """The fraction of the model's cost the rewrite removed."""
+        if not self.cost_before or math.isnan(self.cost_before) or math.isinf(self.cost_before):
+            return 0.0
+        return 1.0 - self.cost_after / self.cost_before
+
+    @property
+    def predicted_speedup(self) -> float:
+        """The speed-up the model predicts for one call: the prices before and after, each with the fixed
+        cost of a call (:attr:`fixed_cost`) added, which no rewrite removes and which dominates small
+        programs. ``saved`` leaves it out.
+
+        >>> import jax.numpy as jnp
+        >>> from rewrite import explain
+        >>> report = explain(lambda x: x * 1.0, jnp.ones(3))
+        >>> report.predicted_speedup
+        1.0
+        """
+        before, after = self.cost_before + self.fixed_cost, self.cost_after + self.fixed_cost
+        if not after or math.isnan(before) or math.isinf(before):
+            return 1.0
+        return before / after
+
+    def _retired(self) -> str:
+        retired = [k for k, st in self.result.stats.items() if getattr(st, "retired", False)]
+        return f" ({len(retired)} rule(s) retired in a grown e-graph: {', '.join(retired)})" if retired else ""
+
+    def summary(self) -> str:
+        lines = [
+            f"cost {self.cost_before:,.0f} -> {self.cost_after:,.0f} ({self.saved:+.1%} saved), "
+            f"equations {self.eqns_before} -> {self.eqns_after}",
+            f"predicted speed-up per call: {self.predicted_speedup:.2f}x (a call's fixed cost, "
+            f"{self.fixed_cost:,.0f}, included)",
+            f"stopped: {self.stopped}{self._retired()} after {self.iterations} iteration(s), {self.egraph_rows:,} e-graph rows",
+            "time: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in self.times.items()),
+        ]
+        if self.fired:
+            width = max(len(k) for k in self.fired)
+            lines.append("rules fired (nodes they built that the result uses):")
+            for name, n in sorted(self.fired.items(), key=lambda kv: -kv[1]):
+                lines.append(f"  {name:<{width}}  {n:>4} ({self.used.get(name, 0)})")
+        else:
+            lines.append("no rule fired")
+        rej = {k: v for k, v in self.rejected.items() if v}
+        if rej:
+            lines.append("matches not applied: " + "; ".join(
+                f"{k}: " + ", ".join(f"{n} {why}" for why, n in sorted(v.items())) for k, v in rej.items()))
+        if self.result.preferred:
+            lines.append("preferred rules forced the choice (matched form barred): " + ", ".join(
+                f"{k} in {n} class(es)" for k, n in sorted(self.result.preferred.items())))
+        not_chosen = self.declined()
+        if not_chosen:
+            lines.append("loop rewrites built and not chosen (the model's prices):")
+            lines.extend(f"  {d}" for d in not_chosen)
+        if self.gradient is not None:
+            g = self.gradient
+            held = sum(nbytes(v.aval) for v in g.fwd.jaxpr.outvars[len(g.fwd.out_avals) - len(g.split.residuals):])
+            lines.append(f"gradient: forward and backward rewritten together; residuals: {len(g.split.residuals)} "
+                         f"value(s), {held / 2**20:.2f} MiB ({g.split.policy}, the cheapest of "
+                         f"{len(g.splits_considered)} splits priced)")
+        for w in self.warnings:
+            lines.append(f"warning: {w}")
+        return "\n".join(lines)
+
+    def why(self, rule: str) -> Any:
+        """Why ``rule``'s rewrite is not in the result: a :class:`rewrite.report.why.Declined` with the price kept,
+        the price with the rule's nodes in the program, and the operations whose prices differ most;
+        ``None`` if the rule built nothing or the report kept no e-graph."""
+        from .why import declined
+
+        if self.model is None:
+            return None
+        cache = self.__dict__.setdefault("_why", {})
+        if rule not in cache:
+            cache[rule] = declined(self.result, self.model, rule)
+        return cache[rule]
+
+    def declined(self) -> list[Any]:
+        """:meth:`why` for every rule that fired, built a loop, and has nothing in the result."""
+        from .why import builds_loops
+
+        if self.model is None or self.result.egraph is None:
+            return []
+        names = [k for k in self.fired if not self.used.get(k) and builds_loops(self.result, k)]
+        # a rule whose nodes reach nothing when forced in was superseded (a later rewrite built on it);
+        # one whose program prices the same as the kept one was a tie, which goes to what was kept
+        return [d for d in (self.why(k) for k in names) if d is not None and not d.note and d.drivers]
+
+    def diff(self, context: int = 2) -> str:
+        a = str(self.before).splitlines()
+        b = str(self.after).splitlines()
+        return "\n".join(difflib.unified_diff(a, b, "before", "after", lineterm="", n=context))
+
+    def rules(self) -> str:
+        """Each rule that fired, with its left and right sides as jaxprs at a shape it fired at."""
+        out = []
+        stats = self.result.stats
+        for rule, owner in self.rulesets:
+            if not self.fired.get(rule.name):
+                continue
+            st = stats[rule.name]
+            out.append(f"{rule.name} [{owner.name}, {owner.soundness}]: fired {st.fired}, "
+                       f"{self.used.get(rule.name, 0)} node(s) in the result")
+            if st.examples and not rule.is_pat:
+                avals, src = st.examples[0]
+                try:
+                    lhs, rhs = rule.traced(avals)
+                except Exception:
+                    continue
+                where = _where(src)
+                out.append(f"  at ({', '.join(_short(a) for a in avals)}){where}")
+                out.append("  before: " + _indent(lhs))
+                if rhs is not None:
+                    out.append("  after:  " + _indent(rhs))
+        return "\n".join(out) if out else "no rule fired"
+
+    def to_dot(self, max_classes: int = 200) -> str:
+        """The final e-graph in Graphviz DOT: clusters are classes, chosen nodes are bold."""
+        from .dot import to_dot
+
+        return to_dot(self.result, max_classes)
+
+    def to_svg(self, max_classes: int = 200) -> str:
+        """:meth:`to_dot`, rendered by Graphviz's ``dot`` program (which must be installed)."""
+        from .dot import to_svg
+
+        return to_svg(self.to_dot(max_classes))
+
+    def __str__(self) -> str:
+        parts = [self.summary()]
+        d = self.diff()
+        if d:
+            parts.append(d)
+        return "\n".join(parts)
+
+
+
+def _where(src: Any) -> str:
+    try:
+        from jax._src import source_info_util
+
+        frame = source_info_util.user_frame(src.source_info.traceback) if src is not None else None
+        return f" in {frame.file_name}:{frame.start_line}" if frame is not None else ""
+    except Exception:
+        return ""
+
+
+def _indent(closed: core.ClosedJaxpr) -> str:
+    return str(closed).replace("\n", "\n          ")
+
+
+def provenance(result: Result) -> dict[str, int]:
+    """How many chosen nodes each rule built (nodes the input program already had are not counted)."""
+    eg, snap, choice = result.egraph, result.snapshot, result.choice
+    if eg is None or choice is None:
+        return {}
+    made_by: dict[tuple, str] = {}
+    for vid, origin in enumerate(eg.vorigin):
+        if origin is not None:
+            key = eg.canonical(snap, vid)
+            if key is not None and key not in made_by:
+                made_by[key] = origin
+    used: collections.Counter = collections.Counter()
+    for cls in reachable(snap, choice, result.roots or []):
+        node = choice[cls]
+        if node in result.original:  # type: ignore[operator]
+            continue
+        origin = made_by.get(node)
+        if origin is not None:
+            used[origin] += 1
+    return dict(used)
+
+
+def explain(fn: Any, *args: Any, rulesets: Any = (), cost_model: Any = None, limits: Limits | None = None,
+            static_argnums: Sequence[int] = (), static_argnames: Sequence[str] = (), grad: bool = False,
+            **kwargs: Any) -> Report:
+    """Rewrite ``fn`` at these arguments and report what happened.
+
+    With ``grad=True`` the report is about the program that ``jax.grad`` and
+    ``jax.vjp`` of ``rewrite(fn)`` run: ``before`` is JAX's VJP of ``fn``'s
+    rewritten program as one program ``(primals, cotangents) -> (outputs, gradients)``, ``after``
+    the rewritten forward and backward passes composed the same way, and
+    ``gradient`` the split (residuals chosen, splits priced). Given a
+    function made by :func:`rewrite` (and no ``rulesets``), it reports that
+    function's own cached program with its own rules.
+
+    >>> import jax.numpy as jnp
+    >>> from rewrite import explain, rule, Ruleset
+    >>> rs = Ruleset("mine", [rule(lambda x: x * 1.0, lambda x: x, name="mul_one")])
+    >>> report = explain(lambda x: jnp.sin(x * 1.0), jnp.ones(3), rulesets=[rs])
+    >>> report.fired
+    {'mul_one': 1}
+    >>> print(report.summary().splitlines()[0])  # doctest: +ELLIPSIS
+    cost ... -> ... saved), equations 2 -> 1
+    >>> from rulesets.derivatives import derivatives
+    >>> g = explain(lambda x: jnp.sin(x) ** 2, jnp.ones(3), rulesets=[derivatives], grad=True)
+    >>> from rewrite.report.report import primitive_counts
+    >>> primitive_counts(g.before)["cos"], primitive_counts(g.after)["cos"]
+    (1, 0)
+    """
+    if grad:
+        # What jax.grad of rewrite(fn) runs: the VJP of the rewritten forward program, rewritten.
+        if not (isinstance(fn, Rewritten) and not rulesets):
+            fn = Rewritten(fn, rulesets, cost_model, limits, static_argnums, static_argnames, strict=None)
+        gradient = fn.grad_result(*args, **kwargs)
+        if gradient is None:
+            raise RuntimeError("the VJP was not rewritten (see the RewriteWarning)")
+        entries = fn.entries
+        result = gradient.joint
+        after = _composed(gradient)
+        t = gradient.times
+        # trace: the function and its VJP; residuals: choosing the forward/backward split
+        times = {"trace": t.get("trace", 0.0) + t.get("trace_vjp", 0.0),
+                 **{k: t.get(k, 0.0) for k in ("load", "saturate", "extract", "emit", "residuals")}}
+        return Report(
+            before=result.before, after=after, cost_before=result.cost_before, cost_after=result.cost_after,
+            fired={k: s.fired for k, s in result.stats.items() if s.fired}, used=provenance(result),
+            stopped=result.stopped, times=times, iterations=result.iterations,
+            egraph_rows=result.rows, rejected={k: dict(s.rejected) for k, s in result.stats.items()},
+            warnings=result.warnings, rulesets=entries, result=result, gradient=gradient,
+        )
+    entries = entries_of(rulesets)
+    traced, trace_time = _trace(fn, args, kwargs, static_argnums, static_argnames)
+    model = resolve(cost_model)
+    result = run_pipeline(traced, entries, model, Limits.of(limits), keep=True)
+    result.times["trace"] = trace_time
+    result.times = {k: result.times[k] for k in ("trace", "load", "saturate", "extract", "emit")}
+    check_signature(traced.closed, result.after)
+    return Report(
+        before=result.before, after=result.after, cost_before=result.cost_before, cost_after=result.cost_after,
+        fired={k: s.fired for k, s in result.stats.items() if s.fired},
+        used=provenance(result), stopped=result.stopped, times=result.times, iterations=result.iterations,
+        egraph_rows=result.rows, rejected={k: dict(s.rejected) for k, s in result.stats.items()},
+        warnings=result.warnings, rulesets=entries, result=result, model=model,
+        fixed_cost=_fixed_cost(model, traced.closed),
+    )
+
+
+def _trace(fn: Any, args: tuple, kwargs: dict, static_argnums: Sequence[int], static_argnames: Sequence[str]
+           ) -> tuple[Any, float]:
+    static_argnums, static_argnames = resolve_static(fn, static_argnums, static_argnames)
+    t = time.perf_counter()
+    try:
+        _, in_tree, specs, _, stat_args, stat_kwargs = flatten_args(args, kwargs, static_argnums, static_argnames)
+        traced = trace(fn, specs, in_tree, stat_args, stat_kwargs, len(args))
+    except CONCRETIZATION_ERRORS:  # a float argument steers control flow: static, as ``rewrite`` keeps it then
+        _, in_tree, specs, _, stat_args, stat_kwargs = flatten_args(args, kwargs, static_argnums, static_argnames,
+                                                                    trace_floats=False)
+        t = time.perf_counter()
+        traced = trace(fn, specs, in_tree, stat_args, stat_kwargs, len(args))
+    return traced, time.perf_counter() - t
+
+
+def _composed(gradient: Any) -> core.ClosedJaxpr:
+    """The forward and backward programs as one: ``(primals, cotangents) -> (outputs, gradients)``."""
+    fwd, bwd, before = gradient.fwd, gradient.bwd, gradient.joint.before
+    n_in = len(fwd.in_avals)
+    n_out = len(fwd.out_avals) - len(gradient.split.residuals)
+
+    def both(*args: Any) -> list[Any]:
+        outs = core.eval_jaxpr(fwd.jaxpr, fwd.consts, *args[:n_in])
+        grads = core.eval_jaxpr(bwd.jaxpr, bwd.consts, *outs[n_out:], *args[n_in:])
+        return list(outs[:n_out]) + list(grads)
+
+    return jax.make_jaxpr(both)(*[spec_of(a) for a in before.in_avals])
+
+
+def _fixed_cost(model: Any, closed: core.ClosedJaxpr) -> float:
+    """The model's fixed cost of one call of ``closed`` (its inputs and outputs), if the model has one."""
+    fixed = getattr(model, "fixed", None)
+    if not callable(fixed):
+        return 0.0
+    try:
+        return float(fixed(len(closed.in_avals) + len(closed.out_avals)))
+    except Exception:
+        return 0.0

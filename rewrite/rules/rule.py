@@ -1,0 +1,1113 @@
+"""Rules and rulesets: the Python DSL.
+
+A rule is two JAX functions of the same pattern variables::
+
+    rule(lambda x: 2 * jnp.sin(x) * jnp.cos(x), lambda x: jnp.sin(2 * x), name="double_angle")
+
+The left-hand side is traced once per probe shape when the rule is defined
+(that is when a malformed rule fails, with an error naming it) and compiled
+into egglog queries. At rewrite time both sides are traced again at the
+matched classes' real shapes and dtypes: the left side to verify the match,
+the right side to build the replacement, so axes and shapes in the right side
+adapt to whatever was matched.
+
+A rule whose left side a JAX function cannot spell (any axes, a group of
+primitives, a scan's body) writes it as a :class:`Pat`. Its right side is then
+a function of the pattern's named bindings, traced at the matched shapes::
+
+    rule(Pat("reduce_sum", Pat("neg", X), params="p"), lambda x, p: -p.bind(x), name="sum_neg")
+
+or, when it needs the e-graph itself (users of a class, a loop body), a
+:func:`procedural` function of the whole :class:`Match`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import inspect
+import itertools
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
+
+import jax.numpy as jnp
+import numpy as np
+from jax._src import core
+
+from ..jaxpr.trace import _mesh_of, trace_at
+from ..ir import terms as _terms
+from ..ir.intern import LITERALS, PARAMS, literal_value
+from .pattern import Pat, PatternError, Query, commuted, compile_pats, compile_traced, generalize
+
+SOUNDNESS = ("exact", "identity", "fastmath")
+
+#: Pattern variables are traced at these shapes (float32) when no example is given.
+PROBE_SHAPES: tuple[tuple[int, ...], ...] = ((), (3,), (3, 3), (3, 3, 3))
+
+
+@dataclasses.dataclass(frozen=True)
+class Tolerance:
+    """How far an ``identity`` or ``fastmath`` rule may move a float32 result.
+
+    For other float dtypes both bounds scale with machine epsilon, so a
+    bfloat16 program gets a bfloat16-sized tolerance.
+
+    >>> import numpy as np
+    >>> from rewrite import Tolerance
+    >>> Tolerance(rtol=1e-6, atol=0.0).for_dtype(np.float64)[0] < 1e-14
+    True
+    """
+
+    rtol: float = 1e-5
+    atol: float = 1e-6
+
+    def for_dtype(self, dtype: Any) -> tuple[float, float]:
+        dtype = np.dtype(dtype)
+        if not jnp.issubdtype(dtype, jnp.inexact):
+            return 0.0, 0.0
+        scale = float(jnp.finfo(dtype).eps) / float(jnp.finfo(np.float32).eps)
+        return self.rtol * scale, self.atol * scale
+
+
+class Procedure:
+    """A right-hand side written as Python code over the match. See :func:`procedural`."""
+
+    def __init__(self, fn: Callable[["Match"], Any]) -> None:
+        if not callable(fn):
+            raise TypeError(f"procedural() takes a function, got {type(fn).__name__}")
+        self.fn = fn
+        self.__name__ = getattr(fn, "__name__", "procedure")
+        self.__doc__ = getattr(fn, "__doc__", None)
+
+    def __call__(self, m: "Match") -> Any:
+        return self.fn(m)
+
+
+def procedural(fn: Callable[["Match"], Any]) -> Procedure:
+    """Mark a right-hand side as a procedure of the :class:`Match` rather than a JAX function.
+
+    The procedure returns a :class:`Term` to put in the matched class, or
+    ``None`` to decline this match. It builds terms with :meth:`Match.trace`.
+
+    >>> import jax.numpy as jnp
+    >>> from rewrite import rule, procedural
+    >>> @procedural
+    ... def halve_if_even(m):
+    ...     x = m["x"]
+    ...     return m.trace(lambda v: v * 0.5, x) if x.shape and x.shape[-1] % 2 == 0 else None
+    >>> r = rule(lambda x: x / 2.0, halve_if_even, name="div2")
+    """
+    return Procedure(fn)
+
+
+class Params(dict):
+    """The params of a matched node, bound by a :class:`Pat`'s ``params=``: a dict that also knows its primitive.
+
+    Keys read as attributes too (``p.axes`` for ``p["axes"]``). :meth:`bind`
+    applies the same primitive with the same params to new operands, which is
+    how one rule over a group of primitives (``Pat(ops.REDUCE, ...)``)
+    rebuilds whichever member it matched.
+
+    >>> import jax.numpy as jnp
+    >>> from jax import lax
+    >>> from rewrite import Params
+    >>> p = Params(lax.reduce_sum_p, {"axes": (0,), "out_sharding": None})
+    >>> p.prim, p.axes, p.bind(jnp.ones((2, 3))).shape
+    ('reduce_sum', (0,), (3,))
+    """
+
+    def __init__(self, primitive: Any, params: dict[str, Any]) -> None:
+        super().__init__(params)
+        self.primitive = primitive
+
+    @property
+    def prim(self) -> str:
+        """The primitive's name, e.g. ``"reduce_sum"``."""
+        return self.primitive.name
+
+    @property
+    def sharded(self) -> bool:
+        """Does the node carry an explicit sharding (which a replacement traced by JAX would lose)?"""
+        return self.get("sharding") is not None or self.get("out_sharding") is not None
+
+    def bind(self, *operands: Any) -> Any:
+        """This primitive with these params, applied to ``operands`` (inside a right side's trace)."""
+        return self.primitive.bind(*operands, **self)
+
+    def __getattr__(self, key: str) -> Any:
+        if key.startswith("__") or key == "primitive":
+            raise AttributeError(key)
+        try:
+            return self[key]
+        except KeyError:
+            raise AttributeError(f"{self.primitive.name} has no param {key!r}") from None
+
+    def __repr__(self) -> str:
+        return f"Params({self.prim}, {dict.__repr__(self)})"
+
+
+class _Declined(Exception):
+    """A function right-hand side returned ``None``."""
+
+
+def _named_call(fn: Callable[..., Any], layout: tuple[tuple[str, str, Any], ...]) -> Callable[..., Any]:
+    """``fn`` as a function of the traced inputs, its static bindings rebuilt from ``layout``.
+
+    The closure holds plain data only (names, params ids, counts), so that
+    the engine can reuse the trace of the same replacement met again.
+    """
+    def call(*xs: Any) -> Any:
+        it = iter(xs)
+        kw: dict[str, Any] = {}
+        for name, kind, data in layout:
+            if kind == "term":
+                kw[name] = next(it)
+            elif kind == "list":
+                kw[name] = [next(it) for _ in range(data)]
+            elif kind == "params":
+                kw[name] = Params(PARAMS.prim(data), PARAMS.params(data))
+            else:
+                kw[name] = data
+        out = fn(**kw)
+        if out is None:
+            raise _Declined
+        return out
+
+    return call
+
+
+class _Bindings:
+    """How a :class:`Pat` rule's named bindings are handed to a right side or guard that names them."""
+
+    def __init__(self, rule_name: str, pat: Pat, names: list[str], sorts: dict[str, str], side: str,
+                 fn: Callable[..., Any]) -> None:
+        params = pat.param_names()
+        self.kinds = {n: ("params" if n in params else "index") if sorts[n] == "i64" else
+                      {"Term": "term", "TList": "list"}.get(sorts[n], "body") for n in names}
+        try:
+            wanted = [p.name for p in inspect.signature(fn).parameters.values()]
+        except (TypeError, ValueError):
+            raise ValueError(f"rule {rule_name!r}: cannot read the signature of {side}") from None
+        unknown = [n for n in wanted if n not in self.kinds]
+        if unknown:
+            raise ValueError(f"rule {rule_name!r}: {side} takes {unknown[0]!r}, which the pattern does not bind "
+                             f"(it binds {sorted(self.kinds)})")
+        bodies = [n for n in wanted if self.kinds[n] == "body"]
+        if bodies:
+            raise ValueError(f"rule {rule_name!r}: {side} takes the body {bodies[0]!r}; a rule that reads "
+                             "bodies is procedural (rewrite.procedural)")
+        self.wanted = wanted
+        self.params = [n for n in names if self.kinds[n] == "params"]
+
+    def sharded(self, m: "Match") -> bool:
+        return any(m.params(n).sharded for n in self.params)
+
+    def values(self, m: "Match") -> dict[str, Any]:
+        """The bindings as a guard sees them: values, lists of values, params, indices."""
+        out: dict[str, Any] = {}
+        for n in self.wanted:
+            kind = self.kinds[n]
+            out[n] = (m[n] if kind == "term" else m.list(n) if kind == "list" else m.params(n) if kind == "params"
+                      else m.int(n))
+        return out
+
+
+class _Function(Procedure):
+    """A :class:`Pat` rule's right side written as a function of the pattern's named bindings.
+
+    Term bindings arrive as traced arrays, list bindings as lists of them,
+    ``params=`` bindings as :class:`Params` and projection indices as ints.
+    It returns the replacement, or ``None`` to decline. A match whose bound
+    params carry an explicit sharding is declined: the replacement, traced
+    by JAX, would drop it.
+    """
+
+    def __init__(self, fn: Callable[..., Any], bindings: _Bindings) -> None:
+        super().__init__(fn)
+        self.bindings = bindings
+
+    def __call__(self, m: "Match") -> Any:
+        b = self.bindings
+        if b.sharded(m):
+            return None
+        layout, inputs = [], []
+        for n in b.wanted:
+            kind = b.kinds[n]
+            if kind == "term":
+                inputs.append(m[n])
+                layout.append((n, kind, None))
+            elif kind == "list":
+                items = m.list(n)
+                inputs.extend(items)
+                layout.append((n, kind, len(items)))
+            else:
+                layout.append((n, kind, m._bound(n) if kind == "params" else m.int(n)))
+        try:
+            return m.trace(_named_call(self.fn, tuple(layout)), *inputs)
+        except _Declined:
+            return None
+
+
+class _NamedGuard:
+    """A :class:`Pat` rule's ``when=`` that names the bindings it reads, as its right side does."""
+
+    def __init__(self, fn: Callable[..., bool], bindings: _Bindings) -> None:
+        self.fn = fn
+        self.bindings = bindings
+
+    def __call__(self, m: "Match") -> bool:
+        return bool(self.fn(**self.bindings.values(m)))
+
+
+class Rule:
+    """One named rewrite. Build it with :func:`rule`.
+
+    ``var_names`` are the pattern variables, ``queries`` the compiled egglog
+    queries, ``probes`` the avals the sides were traced at when it was defined;
+    :meth:`traced` gives both sides at any avals.
+
+    >>> import jax.numpy as jnp
+    >>> from jax.core import ShapedArray
+    >>> from rewrite import rule
+    >>> r = rule(lambda x: jnp.log(1.0 + x), lambda x: jnp.log1p(x), name="log1p")
+    >>> r.var_names, len(r.queries), [p[0].shape for p in r.probes]
+    (['x'], 1, [(), (3,), (3, 3), (3, 3, 3)])
+    >>> lhs, rhs = r.traced((ShapedArray((5,), jnp.float32),))
+    >>> [e.primitive.name for e in lhs.eqns], [e.primitive.name for e in rhs.eqns]
+    (['add', 'log'], ['log1p'])
+    """
+
+    def __init__(self, name: str, lhs: Any, rhs: Any, when: Callable[..., bool] | None,
+                 example: tuple[Any, ...] | None, var_names: list[str], queries: list[Query],
+                 probes: list[tuple[Any, ...]], manual_queries: list[Query] | None = None,
+                 program: tuple[Callable[..., Any], tuple[Any, ...]] | None = None) -> None:
+        self.name = name
+        self.lhs = lhs
+        self.rhs = rhs
+        self.when = when
+        self.example = example
+        self.var_names = var_names
+        self.queries = queries
+        self.manual_queries = manual_queries or []  # extra variants for shard_map bodies
+        self.probes = probes
+        #: For a :class:`Pat` rule, ``(fn, avals)``: a program the rule applies in, given with
+        #: ``example=``, on which :func:`rewrite.testing.check_ruleset` exercises the rule.
+        self.program = program
+        #: The replacement is preferred whatever it costs: the matched form is barred where it fired.
+        self.prefer = False
+        self._traced: dict[tuple, Any] = {}
+        #: elementwise sides traced at one shape, by the inputs' dtypes (see :meth:`traced`)
+        self._elementwise: dict[tuple, tuple] = {}
+
+    @property
+    def is_pat(self) -> bool:
+        return isinstance(self.lhs, Pat)
+
+    @property
+    def is_procedural(self) -> bool:
+        return isinstance(self.rhs, Procedure)
+
+    def traced(self, avals: tuple[Any, ...]) -> tuple[core.ClosedJaxpr, core.ClosedJaxpr | None]:
+        """Both sides traced at these avals (cached). Raises if either side cannot be traced there.
+
+        Where every input has one shape, and both sides traced at another
+        shape with the same dtypes were elementwise there (every value of
+        that shape or a scalar literal, every equation elementwise), the
+        sides are those programs at this shape (:func:`_retyped`) instead of
+        new traces: an elementwise program computes the same scalar function
+        at every position, so two that agree at one shape agree at all.
+        """
+        found = self._traced.get(avals)
+        if found is None:
+            shape = _one_shape(avals)
+            dtypes = tuple((a.dtype, bool(a.weak_type)) for a in avals) if shape is not None else None
+            seen = self._elementwise.get(dtypes) if dtypes is not None else None
+            if seen is not None:
+                found = tuple(None if side is None else _retyped(side, avals, shape) for side in seen)
+            else:
+                try:
+                    lhs = trace_at(self.lhs, avals)
+                    rhs = None if self.is_procedural else trace_at(self.rhs, avals)
+                    found = (lhs, rhs)
+                except Exception as e:  # a rule need not apply at every shape
+                    found = e
+                else:
+                    if dtypes is not None and all(side is None or _elementwise_at(side, shape) for side in found):
+                        self._elementwise[dtypes] = found
+            self._traced[avals] = found
+        if isinstance(found, Exception):
+            raise found
+        return found
+
+    @functools.cached_property
+    def symmetries(self) -> tuple[tuple[int, ...], ...]:
+        """Permutations of the pattern variables that leave both sides the same (up to the order of the
+        operands of ``add`` and ``mul``): a match with its bindings so permuted builds the same program.
+
+        Patterns match sums and products in either operand order, so ``exp(x) * exp(y) -> exp(x + y)``
+        matches every product of exponentials twice, as ``(a, b)`` and ``(b, a)``; the engine acts on one
+        of each such pair. Only traced rules without a guard whose queries match in several operand
+        orders have any: a procedure's or a guard's symmetry is not known, and a query in one order finds
+        no mirrored pairs. Checked at the shapes the rule was defined at, where the permuted variables
+        agree; computed once per rule.
+
+        >>> import jax.numpy as jnp
+        >>> from rewrite import rule
+        >>> rule(lambda x, y: jnp.exp(x) * jnp.exp(y), lambda x, y: jnp.exp(x + y), name="e").symmetries
+        ((1, 0),)
+        >>> rule(lambda x, y: jnp.exp(x) * y, lambda x, y: y * jnp.exp(x), name="d").symmetries
+        ()
+        """
+        n = len(self.var_names)
+        if (self.is_pat or self.is_procedural or self.when is not None or not 2 <= n <= 4
+                or not any(len(commuted(q)) > 1 for q in self.queries)):
+            return ()
+        found = []
+        for perm in itertools.permutations(range(n)):
+            if perm == tuple(range(n)):
+                continue
+            checked = False
+            ok = True
+            for avals in self.probes:
+                if any(avals[i] != avals[perm[i]] for i in range(n)):
+                    continue
+                try:
+                    sides = self.traced(tuple(avals))
+                except Exception:
+                    continue
+                checked = True
+                if any(_canonical(side, range(n)) != _canonical(side, perm) for side in sides):
+                    ok = False
+                    break
+            if checked and ok:
+                found.append(perm)
+        return tuple(found)
+
+    def __repr__(self) -> str:
+        return f"<rule {self.name!r}>"
+
+
+def _one_shape(avals: Sequence[Any]) -> tuple[int, ...] | None:
+    """The shape every aval has, if they share one and carry no sharding or varying axes (else ``None``)."""
+    if not avals:
+        return None
+    shape = avals[0].shape
+    for a in avals:
+        if type(a) is not core.ShapedArray or a.shape != shape or getattr(a, "vma", None) or _mesh_of(a) is not None:
+            return None
+    return tuple(shape)
+
+
+def _elementwise_at(closed: core.ClosedJaxpr, shape: tuple[int, ...]) -> bool:
+    """Whether ``closed`` computes elementwise at ``shape``: no constants or effects, every equation an
+    elementwise primitive without sub-programs, every value of ``shape`` except scalar literals read by
+    equations (an input or output is never a literal). Never at shape ``()``."""
+    jaxpr = closed.jaxpr
+    if closed.consts or jaxpr.constvars or jaxpr.effects or shape == ():
+        return False  # (at shape (), an equation of literals alone would look elementwise)
+
+    def ok(v: Any) -> bool:
+        if isinstance(v, core.Literal):
+            return tuple(getattr(v.aval, "shape", (None,))) == ()
+        aval = v.aval
+        return type(aval) is core.ShapedArray and tuple(aval.shape) == shape
+
+    if not all(ok(v) and not isinstance(v, core.Literal) for v in (*jaxpr.invars, *jaxpr.outvars)):
+        return False
+    for eqn in jaxpr.eqns:
+        spec = _terms.BY_PRIM.get(eqn.primitive.name)
+        if spec is None or spec.family not in (_terms.ELEMENTWISE, _terms.TRANSCENDENTAL):
+            return False
+        if next(iter(core.jaxprs_in_params(eqn.params)), None) is not None or eqn.effects:
+            return False
+        if not all(map(ok, eqn.invars)) or not all(ok(v) for v in eqn.outvars if not isinstance(v, core.DropVar)):
+            return False
+    return True
+
+
+def _retyped(closed: core.ClosedJaxpr, avals: Sequence[Any], shape: tuple[int, ...]) -> core.ClosedJaxpr:
+    """An elementwise program (:func:`_elementwise_at`) at ``shape``, taking inputs of these avals."""
+    jaxpr = closed.jaxpr
+    new: dict[Any, Any] = {v: core.Var(a) for v, a in zip(jaxpr.invars, avals)}
+
+    def var(v: Any) -> Any:
+        if isinstance(v, core.Literal):
+            return v
+        found = new.get(v)
+        if found is None:
+            aval = core.ShapedArray(shape, v.aval.dtype, weak_type=v.aval.weak_type)
+            found = new[v] = core.DropVar(aval) if isinstance(v, core.DropVar) else core.Var(aval)
+        return found
+
+    eqns = [eqn.replace(invars=[var(v) for v in eqn.invars], outvars=[var(v) for v in eqn.outvars])
+            for eqn in jaxpr.eqns]
+    return core.ClosedJaxpr(jaxpr.replace(invars=[new[v] for v in jaxpr.invars],
+                                          outvars=[var(v) for v in jaxpr.outvars], eqns=eqns), [])
+
+
+def _canonical(closed: core.ClosedJaxpr, labels: Sequence[int]) -> tuple:
+    """The outputs of ``closed`` as terms over inputs named by ``labels``, with the operands of commutative
+    operations sorted: equal for two labellings exactly when they compute the same (see ``Rule.symmetries``)."""
+    from ..ir.primitives import GROUPS
+
+    commutative = GROUPS.get("commutative", frozenset())
+    env: dict[Any, str] = {v: f"x{labels[i]}" for i, v in enumerate(closed.jaxpr.invars)}
+    env.update({v: f"c{i}" for i, v in enumerate(closed.jaxpr.constvars)})
+
+    def read(a: Any) -> str:
+        return env[a] if isinstance(a, core.Var) else f"{a.val!r}:{a.aval}"
+
+    for e in closed.jaxpr.eqns:
+        args = [read(a) for a in e.invars]
+        if e.primitive.name in commutative and len(args) == 2:
+            args.sort()
+        term = f"{e.primitive.name}{sorted((k, repr(v)) for k, v in e.params.items())}({','.join(args)})"
+        for k, o in enumerate(e.outvars):
+            env[o] = f"{term}#{k}"
+    return tuple(read(o) for o in closed.jaxpr.outvars)
+
+
+def _short(aval: Any) -> str:
+    s = aval.str_short(short_dtypes=True) if hasattr(aval, "str_short") else str(aval)
+    return s + (" (weak)" if getattr(aval, "weak_type", False) else "")
+
+
+def rule(lhs: Any, rhs: Any, *, name: str, when: Callable[..., bool] | None = None,
+         example: Any = None, prefer: bool = False) -> Rule:
+    """Define a rewrite ``lhs -> rhs``.
+
+    ``lhs`` and ``rhs`` are functions of the pattern variables, written with
+    ``jax.numpy`` and ``lax``. A pattern variable matches any tensor unless
+    ``when`` rejects it. Literal constants match equal constants of any dtype.
+
+    ``when`` is a predicate over the matched variables, called with one
+    :class:`Value` per pattern variable in order. It can read shapes and
+    dtypes and the facts the e-graph knows (``x.nonneg``, ``x.positive``,
+    ``x.nonzero``).
+
+    ``example`` gives the shapes and dtypes to trace the sides at (a tuple
+    with one array or ``jax.ShapeDtypeStruct`` per variable, or one for all).
+    Without it the sides are traced at float32 scalars, vectors, matrices and
+    rank-3 arrays, and the rule must hold at every one of them that it traces at.
+
+    A :class:`Pat` left-hand side has no function to trace, so ``example``
+    is instead a pair ``(fn, args)``: a program in which the rule applies and
+    its arguments (arrays or ``jax.ShapeDtypeStruct``, one per argument of
+    ``fn``). It is traced once, to fail early, and kept as ``rule.program``
+    for :func:`rewrite.testing.check_ruleset`, which rewrites that program
+    with the rule alone and compares it with the original on drawn inputs.
+
+    >>> import jax.numpy as jnp
+    >>> from rewrite import rule
+    >>> r = rule(lambda x: 2 * jnp.sin(x) * jnp.cos(x), lambda x: jnp.sin(2 * x), name="double_angle")
+    >>> r.name, r.var_names
+    ('double_angle', ['x'])
+    >>> rule(lambda x: x.sum(0), lambda x: x, name="bad")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ValueError: rule 'bad': rhs gives f32[3], lhs gives f32[]...
+
+    A procedural rule over a :class:`Pat`, with an example program:
+
+    >>> import jax
+    >>> from rewrite import Pat, procedural
+    >>> @procedural
+    ... def sum_of_neg(m):
+    ...     return m.trace(lambda x: -jnp.sum(x, axis=tuple(m.params("r")["axes"])), m["x"])
+    >>> r = rule(Pat("reduce_sum", Pat("neg", Pat.var("x")), params="r"), sum_of_neg, name="sum_of_neg",
+    ...          example=(lambda x: jnp.sum(-x, axis=0), (jax.ShapeDtypeStruct((3, 4), jnp.float32),)))
+    >>> r.program[1]
+    (ShapedArray(float32[3,4]),)
+
+    ``prefer=True`` says the right side is the better program whatever it
+    costs (say, more accurate: ``log(1 + x) -> log1p(x)``): where the rule's
+    replacement is built and joined to the match, extraction may no longer
+    take the matched form in that class (see :mod:`rewrite.rules.prefer`).
+
+    >>> rule(lambda x: jnp.log(1.0 + x), lambda x: jnp.log1p(x), name="log1p", prefer=True).prefer
+    True
+    """
+    r = _rule(lhs, rhs, name=name, when=when, example=example)
+    r.prefer = bool(prefer)
+    return r
+
+
+def _rule(lhs: Any, rhs: Any, *, name: str, when: Callable[..., bool] | None, example: Any) -> Rule:
+    if not isinstance(name, str) or not name.strip():
+        raise ValueError("rule(): name= must be a non-empty string")
+    if when is not None and not callable(when):
+        raise ValueError(f"rule {name!r}: when= must be a callable, got {type(when).__name__}")
+    if isinstance(lhs, Pat):
+        if not callable(rhs):
+            raise ValueError(f"rule {name!r}: a Pat left-hand side needs a right-hand side that is a function of "
+                             f"its bindings, or procedural (got {type(rhs).__name__})")
+        try:
+            queries, names = compile_pats(lhs)
+        except PatternError as e:
+            raise ValueError(f"rule {name!r}: {e}") from None
+        if not isinstance(rhs, Procedure):
+            sorts = dict(zip(names, (s for _, s in queries[0].binds)))
+            bindings = _Bindings(name, lhs, names, sorts, "rhs", rhs)
+            rhs = _Function(rhs, bindings)
+            if when is not None:
+                when = _NamedGuard(when, _Bindings(name, lhs, names, sorts, "when", when))
+        program = _example_program(name, example) if example is not None else None
+        return Rule(name, lhs, rhs, when, None, names, queries, [], program=program)
+    if not callable(lhs):
+        raise ValueError(f"rule {name!r}: lhs is not callable (got {type(lhs).__name__})")
+    if not isinstance(rhs, Procedure) and not callable(rhs):
+        raise ValueError(f"rule {name!r}: rhs is not callable (got {type(rhs).__name__})")
+    names = _positional_names(name, "lhs", lhs)
+    if not isinstance(rhs, Procedure):
+        rhs_names = _positional_names(name, "rhs", rhs)
+        if len(rhs_names) != len(names):
+            raise ValueError(f"rule {name!r}: lhs takes {len(names)} pattern variables {names}, "
+                             f"rhs takes {len(rhs_names)} {rhs_names}")
+    probes = _probes(name, names, example)
+    queries: list[Query] = []
+    manual: list[Query] = []
+    seen: set[str] = set()
+    traced_at: list[tuple[Any, ...]] = []
+    first_error: Exception | None = None
+    guard_error: tuple[Exception, tuple[Any, ...]] | None = None
+    for avals in probes:
+        if when is not None:
+            try:
+                if not _guard_allows(when, avals):
+                    continue
+            except Exception as e:
+                if example is not None:  # the shapes the rule is for: a guard must answer there
+                    raise ValueError(f"rule {name!r}: its guard (when=) raised {type(e).__name__}: {e} at the "
+                                     f"example's inputs ({', '.join(_short(a) for a in avals)})") from e
+                guard_error = guard_error or (e, avals)
+                continue
+        try:
+            lhs_closed = trace_at(lhs, avals)
+        except Exception as e:
+            first_error = first_error or e
+            continue
+        if len(lhs_closed.out_avals) != 1:
+            raise ValueError(f"rule {name!r}: lhs must return one array, it returns {len(lhs_closed.out_avals)}")
+        if not isinstance(rhs, Procedure):
+            try:
+                rhs_closed = trace_at(rhs, avals)
+            except Exception as e:
+                raise ValueError(f"rule {name!r}: rhs cannot be traced at "
+                                 f"({', '.join(_short(a) for a in avals)}): {e}") from None
+            if len(rhs_closed.out_avals) != 1:
+                raise ValueError(f"rule {name!r}: rhs must return one array, it returns {len(rhs_closed.out_avals)}")
+            l, r = lhs_closed.out_avals[0], rhs_closed.out_avals[0]
+            if (l.shape, l.dtype, l.weak_type) != (r.shape, r.dtype, r.weak_type):
+                raise ValueError(f"rule {name!r}: rhs gives {_short(r)}, lhs gives {_short(l)} "
+                                 f"for inputs ({', '.join(_short(a) for a in avals)})")
+        try:
+            query = compile_traced(lhs_closed, names)
+        except PatternError as e:
+            raise ValueError(f"rule {name!r}: {e}") from None
+        traced_at.append(avals)
+        pvary = compile_traced(lhs_closed, names, pvary_literals=True) if "(Lit " in query.text else None
+        if pvary is not None or "(Opaque " in query.text:
+            # A literal that changes with the shapes (a mean's divisor), or the params of an opaque
+            # operation that carry shapes (lu's and custom_linear_solve's nested programs), match any
+            # value; the verifier retraces the left side at the matched shapes, so the query may be loose.
+            longer, other = _stretched(lhs, avals)
+            loose = generalize(query, compile_traced(other, names)) if other is not None else None
+            if loose is not None:
+                query = loose
+                if pvary is not None:
+                    pvary = generalize(pvary, compile_traced(other, names, pvary_literals=True)) or pvary
+                if longer not in traced_at:
+                    traced_at.append(longer)  # so that checks see the literal at another size
+        if query.text not in seen:
+            seen.add(query.text)
+            queries.append(query)
+            if pvary is not None:
+                manual.append(pvary)
+    if not queries:
+        if guard_error is not None:
+            e, avals = guard_error
+            raise ValueError(f"rule {name!r}: its guard (when=) raised {type(e).__name__}: {e} at "
+                             f"({', '.join(_short(a) for a in avals)}), and no probe shape let the rule "
+                             "through; fix the guard, or give example= inputs where it answers") from e
+        why = f": {first_error}" if first_error else ""
+        raise ValueError(f"rule {name!r}: lhs cannot be traced at any probe shape{why}; give example=")
+    ex = tuple(probes[0]) if example is not None else None
+    return Rule(name, lhs, rhs, when, ex, names, queries, traced_at, manual)
+
+
+def _stretched(lhs: Callable[..., Any], avals: tuple[Any, ...]) -> tuple[tuple[Any, ...], core.ClosedJaxpr | None]:
+    """``lhs`` traced with every dimension one longer, to tell shape-derived literals from constants."""
+    longer = tuple(a.update(shape=tuple(d + 1 for d in a.shape)) for a in avals)
+    try:
+        return longer, trace_at(lhs, longer)
+    except Exception:
+        return longer, None
+
+
+def _positional_names(rule_name: str, side: str, fn: Callable[..., Any]) -> list[str]:
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        raise ValueError(f"rule {rule_name!r}: cannot read the signature of {side}") from None
+    names = []
+    for p in sig.parameters.values():
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            raise ValueError(f"rule {rule_name!r}: {side} must name its pattern variables (no *args/**kwargs)")
+        if p.kind == p.KEYWORD_ONLY:
+            raise ValueError(f"rule {rule_name!r}: {side} has keyword-only parameter {p.name!r}")
+        if p.default is p.empty:
+            names.append(p.name)
+    if not names:
+        raise ValueError(f"rule {rule_name!r}: {side} takes no pattern variables")
+    return names
+
+
+def _probes(name: str, names: list[str], example: Any) -> list[tuple[Any, ...]]:
+    if example is None:
+        return [tuple(core.ShapedArray(s, np.dtype(np.float32)) for _ in names) for s in PROBE_SHAPES]
+    items = example if isinstance(example, (tuple, list)) else [example] * len(names)
+    if len(items) != len(names):
+        raise ValueError(f"rule {name!r}: example= gives {len(items)} inputs for {len(names)} pattern variables")
+    return [tuple(_example_aval(name, x, "entries") for x in items)]
+
+
+def _example_aval(name: str, x: Any, what: str) -> Any:
+    """The aval of one ``example=`` input (an array or a ``ShapeDtypeStruct``)."""
+    try:
+        return core.ShapedArray(tuple(x.shape), np.dtype(x.dtype), weak_type=getattr(x, "weak_type", False))
+    except AttributeError:
+        raise ValueError(f"rule {name!r}: example= {what} need .shape and .dtype, got {type(x).__name__}") from None
+
+
+def _example_program(name: str, example: Any) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+    """Validate a Pat rule's ``example=(fn, args)`` and return ``(fn, avals)``."""
+    if not (isinstance(example, (tuple, list)) and len(example) == 2 and callable(example[0])):
+        raise ValueError(f"rule {name!r}: a Pat rule's example= is a pair (fn, args): a program the rule "
+                         "applies in and its example arguments")
+    fn, args = example
+    if not isinstance(args, (tuple, list)):
+        args = (args,)
+    avals = [_example_aval(name, x, "arguments") for x in args]
+    try:
+        trace_at(fn, avals)
+    except Exception as e:
+        raise ValueError(f"rule {name!r}: the example program cannot be traced at "
+                         f"({', '.join(_short(a) for a in avals)}): {e}") from None
+    return fn, tuple(avals)
+
+
+def _guard_allows(when: Callable[..., bool], avals: Sequence[Any]) -> bool:
+    """Would the guard let these shapes through? Facts are unknown here and read as true. What the
+    guard raises is raised: the caller decides whether these shapes were the guard's to answer."""
+    return bool(when(*[Value.from_aval(a) for a in avals]))
+
+
+# ---------------------------------------------------------------------- what rules see
+class Value:
+    """A matched term as a guard or a procedural rule sees it.
+
+    Shape and dtype are exact. Facts (``positive``, ``nonneg``, ``nonzero``)
+    hold for floating values only and are never true of integers, where
+    overflow breaks them. NaN never contradicts a fact, and ``positive`` and
+    ``nonzero`` exclude subnormals, which XLA:CPU treats as zero (see
+    ``rewrite.ir.terms.FACTS``). NaN never contradicts a fact.
+
+    >>> import jax.numpy as jnp
+    >>> from rewrite import Ruleset, explain, rule
+    >>> seen = []
+    >>> def guard(v):
+    ...     seen.append((v.shape, v.ndim, v.nonneg, v.positive))
+    ...     return v.nonneg
+    >>> r = rule(lambda v: jnp.abs(v), lambda v: v, name="abs_nonneg", when=guard)
+    >>> seen.clear()  # the calls made while the rule was defined
+    >>> explain(lambda t: jnp.abs(jnp.exp(t)), jnp.ones((2, 5)), rulesets=[Ruleset("a", [r])]).fired
+    {'abs_nonneg': 1}
+    >>> sorted(set(seen))  # exp(t) is never negative, but it may underflow to zero
+    [((2, 5), 2, True, False)]
+    """
+
+    def __init__(self, aval: Any, name: int | None = None, cls: Any = None, engine: Any = None) -> None:
+        self.aval = aval
+        self.name = name          # the V id naming the class
+        self.cls = cls            # egglog class id in the current snapshot, if it existed then
+        self._engine = engine
+        self.read_facts = False
+
+    @classmethod
+    def from_aval(cls, aval: Any) -> "Value":
+        v = cls(aval)
+        v._assume_facts = True  # type: ignore[attr-defined]
+        return v
+
+    shape = property(lambda self: tuple(self.aval.shape))
+    dtype = property(lambda self: self.aval.dtype)
+    ndim = property(lambda self: len(self.aval.shape))
+    size = property(lambda self: int(np.prod(self.aval.shape, dtype=np.int64)))
+    weak_type = property(lambda self: bool(getattr(self.aval, "weak_type", False)))
+    is_floating = property(lambda self: _is_floating(self.aval.dtype))
+
+    def _fact(self, fact: str) -> bool:
+        self.read_facts = True
+        if getattr(self, "_assume_facts", False):
+            return True
+        if self._engine is None or self.cls is None or not self.is_floating:
+            return False
+        found = self._engine.snapshot.has_fact(fact, self.cls)
+        reads = getattr(self._engine, "_reads", None)
+        if reads is not None and not found:  # a procedure that read an absent fact is woken when it appears
+            reads.add((self.cls, fact))
+        return found
+
+    positive = property(lambda self: self._fact("Pos"))
+    nonneg = property(lambda self: self._fact("NonNeg"))
+    nonzero = property(lambda self: self._fact("NonZero"))
+
+    @property
+    def nodes(self) -> list["Node"]:
+        """The e-nodes in this class: every known way to compute it."""
+        if self._engine is None or self.cls is None:
+            return []
+        return list(self._engine.nodes_of(self.cls))
+
+    def node(self, prim: str) -> "Node | None":
+        """One e-node of this class that applies ``prim``, if there is one."""
+        for n in self.nodes:
+            if n.prim == prim:
+                return n
+        return None
+
+    @property
+    def literal(self) -> Any:
+        """The scalar value if this class contains a literal, else ``None``."""
+        for n in self.nodes:
+            if n.ctor == "Lit":
+                return literal_value(n.args[0], self.dtype)
+        return None
+
+    @property
+    def constant(self) -> Any:
+        """The value (numpy) if this class is a literal or constant array, else ``None``."""
+        for n in self.nodes:
+            if n.ctor == "Lit":
+                return np.asarray(literal_value(n.args[0], self.dtype), dtype=self.dtype)
+            if n.ctor == "Const":
+                return self._engine.egraph.consts.get(n.args[0])
+        return None
+
+    def __repr__(self) -> str:
+        return f"<value {_short(self.aval)}>"
+
+
+@functools.lru_cache(maxsize=None)
+def _is_floating(dtype: Any) -> bool:
+    return bool(jnp.issubdtype(dtype, jnp.floating))  # jnp knows bfloat16 and the other ml_dtypes
+
+
+class Node:
+    """One e-node: a primitive applied to classes."""
+
+    def __init__(self, engine: Any, ctor: str, args: tuple) -> None:
+        self._engine = engine
+        self.ctor = ctor
+        self.args = args
+        spec = _terms.BY_CTOR.get(ctor)
+        self.spec = spec
+        sorts = _terms.ctor_arg_sorts(ctor)
+        self._sorts = sorts
+        if spec is not None or ctor in ("Opaque", "Effect"):
+            pid = args[-1]
+            self.prim = PARAMS.prim(pid).name
+            self.params = PARAMS.params(pid)
+            self.pid = pid
+        else:
+            self.prim = ctor.lower()
+            self.params = {}
+            self.pid = None
+
+    @property
+    def primitive(self) -> Any:
+        """The JAX primitive this node applies (``None`` for structural nodes), ready to ``bind``."""
+        return None if self.pid is None else PARAMS.prim(self.pid)
+
+    @property
+    def operands(self) -> list[Value]:
+        """Operand values, with list operands spread out in order."""
+        found = self.__dict__.get("_operands")
+        if found is None:  # a node view lives one snapshot (Engine.nodes_of): its operands are read once
+            found = []
+            snap = self._engine.snapshot
+            for s, a in zip(self._sorts, self.args):
+                if s == "Term":
+                    found.append(self._engine.value(a))
+                elif s == "TList":
+                    found.extend(self._engine.value(x) for x in snap.list_items(a))
+            self._operands = found
+        return list(found)
+
+    def __repr__(self) -> str:
+        return f"<node {self.prim}>"
+
+
+class Term(Value):
+    """A term built during a procedural rule (or an existing class). Hand it back, or build on it."""
+
+
+class Body:
+    """A loaded body (of scan, while, cond, jit): its scope id and output values."""
+
+    def __init__(self, scope: int, outs: list[Value]) -> None:
+        self.scope = scope
+        self.outs = outs
+
+    def __repr__(self) -> str:
+        return f"<body scope={self.scope} outs={len(self.outs)}>"
+
+
+class Match:
+    """One match of a procedural rule: its bindings, and the means to build a replacement.
+
+    ``m[name]`` is a term binding (a :class:`Value`); ``m.params(name)``,
+    ``m.int(name)``, ``m.list(name)``, ``m.body(name)`` read the other kinds of
+    :class:`Pat` binding; ``m.root`` is the matched class. :meth:`trace`,
+    :meth:`node`, :meth:`literal` and :meth:`param` build new terms.
+
+    >>> import math
+    >>> import jax.numpy as jnp
+    >>> from rewrite import Pat, Ruleset, explain, procedural, rule
+    >>> @procedural
+    ... def sum_of_broadcast(m):
+    ...     s = m["s"]
+    ...     if s.ndim != 0 or m.root.ndim != 0:
+    ...         return None
+    ...     n = math.prod(m.params("bp")["shape"])
+    ...     return m.trace(lambda s: s * jnp.asarray(n, s.dtype), s)
+    >>> r = rule(Pat("reduce_sum", Pat("broadcast_in_dim", Pat.var("s"), params="bp")), sum_of_broadcast,
+    ...          name="sum_of_broadcast")
+    >>> report = explain(lambda a: jnp.sum(jnp.broadcast_to(a, (4, 5))), jnp.float32(1.5),
+    ...                  rulesets=[Ruleset("p", [r], soundness="identity")])
+    >>> report.fired, [e.primitive.name for e in report.after.eqns]
+    ({'sum_of_broadcast': 1}, ['mul'])
+    """
+
+    def __init__(self, engine: Any, rule: Rule, bindings: dict[str, Any], sorts: dict[str, str], root: Any) -> None:
+        self._engine = engine
+        self.rule = rule
+        self._bindings = bindings
+        self._sorts = sorts
+        self.root = engine.value(root)
+        #: Whether the rule read a binding (not only the root): a rule that did not would act the
+        #: same on every match at this root, so the engine acts on the first one only.
+        self.read_bindings = False
+
+    def _bound(self, name: str) -> Any:
+        self.read_bindings = True
+        return self._bindings[name]
+
+    def __getitem__(self, name: str) -> Value:
+        if self._sorts.get(name) != "Term":
+            raise KeyError(f"{name!r} is not a term binding of rule {self.rule.name!r}")
+        return self._engine.value(self._bound(name))
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._bindings
+
+    def params(self, name: str) -> "Params":
+        """The params bound by ``params=name``, as a :class:`Params` (a dict that knows its primitive)."""
+        pid = self._bound(name)
+        return Params(PARAMS.prim(pid), PARAMS.params(pid))
+
+    def int(self, name: str) -> int:
+        return int(self._bound(name))
+
+    def list(self, name: str) -> list[Value]:
+        return [self._engine.value(c) for c in self._engine.snapshot.list_items(self._bound(name))]
+
+    def body(self, name: str) -> Body:
+        return self._engine.body(self._bound(name))
+
+    def bodies(self, name: str) -> list[Body]:
+        return [self._engine.body(b) for b in self._engine.snapshot.list_items(self._bound(name))]
+
+    @property
+    def engine(self) -> Any:
+        return self._engine
+
+    def trace(self, fn: Callable[..., Any], *inputs: Value) -> Any:
+        """Insert ``fn(*inputs)``, traced at the inputs' avals; returns its result term(s)."""
+        return self._engine.insert_traced(fn, inputs)
+
+    def param(self, scope: int, index: int, aval: Any) -> Value:
+        """Input ``index`` of body scope ``scope`` (a new index adds an input to that body)."""
+        return self._engine.build_param(scope, index, aval)
+
+    def fresh_index(self, scope: int) -> int:
+        """An input index of body ``scope`` that nothing uses yet: pass it to :meth:`param`.
+
+        A rule that adds an input to a body (an accumulator carry, a new
+        ``xs``) takes its index from here, so that two rules adding inputs to
+        one shared body never give the same ``Param`` two meanings.
+        """
+        return self._engine.fresh_index(scope)
+
+    def literal(self, value: Any, aval: Any) -> Value:
+        return self._engine.build_literal(value, aval)
+
+    def function(self, outs: Sequence[Value], inputs: Sequence[Value]) -> Callable[..., list] | None:
+        """The terms ``outs`` read back as a JAX function of the terms ``inputs``, or ``None``.
+
+        Both are values of the e-graph as it stood when the match was made
+        (a body's outputs and its ``Param`` inputs, say). The function takes
+        one array per input and returns a list, one per output; it uses
+        nothing but its inputs, so ``None`` means the outputs depend on
+        something else (a loop's carry, for instance). Its ``jaxpr`` attribute
+        is the closed jaxpr it runs, and ``uses`` says, per input, whether
+        the outputs read it. Trace it into the
+        e-graph with :meth:`trace`, under ``jax.vmap`` or ``jax.checkpoint``
+        if need be::
+
+            f = m.function([body.outs[k]], xs_params)          # one step's output from its xs
+            ys = m.trace(lambda *xs: jax.vmap(f)(*xs)[0], *xs)  # all steps at once
+        """
+        return self._engine.function(outs, inputs)
+
+    def node(self, prim: Any, operands: Sequence[Value], params: dict[str, Any], out_avals: Sequence[Any], *,
+             bodies: Sequence[Body] = ()) -> Any:
+        """Insert one application of ``prim`` (a primitive or its name) and return its result(s).
+
+        For primitives with bodies, pass ``bodies`` (each a :class:`Body`,
+        e.g. ``Body(scope, outs)``) and params without the body jaxprs; a
+        scan's params carry ``_rw_order``, the body's input indices in jaxpr order. Params whose
+        names start with ``_rw_`` are annotations for rules and are dropped when the program is emitted.
+        Multi-result primitives return a tuple.
+        """
+        return self._engine.build_node(prim, operands, params, out_avals, bodies)
+
+    def users(self, v: Value) -> list[tuple[Value, Node]]:
+        """Every e-node that uses ``v`` directly, with the class it computes."""
+        return self._engine.users(v)
+
+
+# ---------------------------------------------------------------------- rulesets
+class Ruleset:
+    """A named collection of rules with a soundness class. Rulesets compose with ``+``.
+
+    ``soundness`` is ``"exact"`` (bitwise-equal results, NaN equal to NaN),
+    ``"identity"`` (true in real arithmetic; within ``tolerance`` on finite
+    inputs) or ``"fastmath"`` (may change results; within ``tolerance`` on
+    ordinary values). A composite keeps each part's class, and its parts are
+    reachable as attributes. ``limits`` (a :class:`rewrite.Limits`) sets the
+    back-off of this ruleset's own rules: how many new matches one may act on
+    per iteration (``matches``) before it is banned, and for how long (``ban``).
+
+    >>> import jax.numpy as jnp
+    >>> from rewrite import rule, Ruleset
+    >>> a = Ruleset("a", [rule(lambda x: -(-x), lambda x: x, name="negneg")])
+    >>> b = Ruleset("b", [rule(lambda x: x * 1.0, lambda x: x, name="mul1")])
+    >>> both = a + b
+    >>> [r.name for r in both], both.a is a
+    (['negneg', 'mul1'], True)
+    """
+
+    def __init__(self, name: str, rules: Iterable[Rule | "Ruleset"] = (), *, soundness: str = "exact",
+                 tolerance: Tolerance | None = None, description: str = "", limits: Any = None) -> None:
+        if soundness not in SOUNDNESS:
+            raise ValueError(f"ruleset {name!r}: soundness must be one of {SOUNDNESS}, got {soundness!r}")
+        self.name = name
+        self.soundness = soundness
+        self.tolerance = tolerance if tolerance is not None else (
+            None if soundness == "exact" else Tolerance() if soundness == "identity" else Tolerance(1e-4, 1e-5))
+        self.description = description
+        self.limits = limits
+        self.rules: list[Rule] = []
+        self.parts: list[Ruleset] = []
+        if isinstance(rules, (Rule, Ruleset)):  # Ruleset("r", rule(...)): one rule is a list of one
+            rules = [rules]
+        if not isinstance(rules, Iterable) or isinstance(rules, (str, bytes)):
+            raise TypeError(f"ruleset {name!r}: rules must be a list of rules or rulesets, got {type(rules).__name__}")
+        for r in rules:
+            if isinstance(r, Ruleset):
+                self.parts.append(r)
+            elif isinstance(r, Rule):
+                self.rules.append(r)
+            else:
+                raise TypeError(f"ruleset {name!r}: expected rules or rulesets, got {type(r).__name__}")
+        names = [r.name for r, _ in self.entries()]
+        dups = sorted({n for n in names if names.count(n) > 1})
+        if dups:
+            raise ValueError(f"ruleset {name!r}: rule name {dups[0]!r} appears twice")
+
+    def entries(self) -> list[tuple[Rule, "Ruleset"]]:
+        """Every rule with the ruleset that gives its soundness class, depth first, without duplicates."""
+        out: list[tuple[Rule, Ruleset]] = [(r, self) for r in self.rules]
+        seen = {id(r) for r in self.rules}
+        for p in self.parts:
+            for r, owner in p.entries():
+                if id(r) not in seen:
+                    seen.add(id(r))
+                    out.append((r, owner))
+        return out
+
+    def __iter__(self) -> Iterator[Rule]:
+        return iter([r for r, _ in self.entries()])
+
+    def __len__(self) -> int:
+        return len(self.entries())
+
+    def __add__(self, other: "Ruleset") -> "Ruleset":
+        if not isinstance(other, Ruleset):
+            return NotImplemented
+        order = SOUNDNESS.index
+        weakest = max(self.soundness, other.soundness, key=order)
+        return Ruleset(f"{self.name}+{other.name}", [self, other], soundness=weakest)
+
+    def __getattr__(self, name: str) -> "Ruleset":
+        for p in self.__dict__.get("parts", ()):
+            if p.name == name:
+                return p
+            try:
+                return getattr(p, name)
+            except AttributeError:
+                pass
+        raise AttributeError(f"ruleset {self.__dict__.get('name')!r} has no part {name!r}")
+
+    def rule(self, name: str) -> Rule:
+        for r, _ in self.entries():
+            if r.name == name:
+                return r
+        raise KeyError(f"ruleset {self.name!r} has no rule {name!r}")
+
+    def __repr__(self) -> str:
+        return f"<Ruleset {self.name!r}: {len(self)} rules, {self.soundness}>"
+
+
+def as_ruleset(x: Any) -> Ruleset:
+    """What ``rulesets=`` names, as one :class:`Ruleset`: rulesets, rules, a built-in pack's name
+    (``"algebra"``, as ``rulesets.algebra``), or a list of these.
+
+    >>> as_ruleset(["algebra", "nn"]).name
+    'algebra+nn'
+    >>> as_ruleset("algbra")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ValueError: rulesets=: no built-in pack is named 'algbra'; the packs are algebra, fastmath, ...
+    """
+    if isinstance(x, Ruleset):
+        return x
+    if isinstance(x, Rule):
+        return Ruleset(x.name, [x], soundness="identity")
+    if isinstance(x, str):
+        return _builtin_pack(x)
+    if isinstance(x, Iterable) and not isinstance(x, (bytes, Mapping)):
+        parts = [as_ruleset(i) for i in x]
+        weakest = max((p.soundness for p in parts), key=SOUNDNESS.index, default="exact")
+        return Ruleset("+".join(p.name for p in parts) or "empty", parts, soundness=weakest)
+    hint = " (pass [] for no rules)" if x is None else ""
+    raise TypeError(f"rulesets= takes Ruleset or Rule objects, built-in pack names, or a list of them; "
+                    f"got {type(x).__name__}{hint}")
+
+
+def _builtin_pack(name: str) -> Ruleset:
+    # The packs live in the ``rulesets`` package, which is built on this one: it is looked up when a
+    # name is given, never imported by the core.
+    packs = importlib.import_module("rulesets")
+    if name not in packs.PACKS:
+        raise ValueError(f"rulesets=: no built-in pack is named {name!r}; the packs are {', '.join(packs.PACKS)}")
+    return getattr(packs, name)

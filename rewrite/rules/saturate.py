@@ -1,0 +1,741 @@
+"""Stage 3, saturate: run the rulesets over the e-graph, under limits.
+
+Each iteration:
+
+1. egglog derives facts (``NonNeg``, ``Pos``, ``NonZero``) to saturation;
+2. egglog runs every rule's query once, recording matches in a relation;
+3. the Python side reads the new matches, checks guards, verifies each match
+   by looking the left-hand side up at the real shapes, and builds the
+   right-hand side (a JAX function traced at those shapes, or a procedure);
+4. everything built is inserted in one batch.
+
+It stops when an iteration changes nothing (saturated), or at a limit: the
+iteration count, the e-graph's size in rows, or wall time. A rule that
+matches too often is banned for a few iterations, with its allowance and ban
+doubling each time (egg's back-off scheduler), so one explosive rule cannot
+starve the rest. Stopping early is always safe: the e-graph still holds the
+input program, so extraction finds a program at least as good.
+"""
+
+from __future__ import annotations
+
+import collections
+import collections.abc
+import dataclasses
+import functools
+import logging
+import threading
+import time
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from ..jaxpr.trace import trace_at
+from ..jaxpr.load import Unsupported, load_closed
+from ..ir.egraph import EGraph, Snapshot
+from ..ir.intern import TYPES
+from .pattern import commuted, present
+from .prefer import Barred, lhs_ctors
+from .rule import Body, Match, Node, Rule, Ruleset, Value, _short
+
+log = logging.getLogger("rewrite")
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """Bounds on saturation. When one is hit, the best program found so far is used.
+
+    ``iterations``: rounds of matching. ``nodes``: rows in the e-graph
+    (nodes, names, facts and matches together). ``seconds``: wall time for
+    saturation. ``matches``: new matches a rule may act on in one iteration
+    before it is banned for ``ban`` iterations (both double on each ban).
+    ``growth`` retires a rule that outruns its allowance in an e-graph grown
+    past that many times its starting size, instead of banning it for a while.
+    A :class:`Ruleset` given ``limits=`` uses its ``matches`` and ``ban`` for
+    its own rules instead, and runs them in its first ``iterations`` rounds
+    only (rules that reach every bracketing of a chain, such as
+    associativity, grow the e-graph exponentially in the rounds they run);
+    the run's limits bound everything else.
+
+    >>> from rewrite import Limits
+    >>> Limits(seconds=2.0).iterations
+    30
+    """
+
+    iterations: int = 30
+    nodes: int = 500_000
+    seconds: float = 20.0
+    matches: int = 2_000
+    ban: int = 2
+    #: a rule that outruns its allowance once the e-graph holds more than ``growth`` times the rows it
+    #: started with is retired for the rest of the run, not banned for a while: past that size the
+    #: rules that keep matching more are the ones reaching every order and bracketing of a chain
+    #: (commutativity, associativity, and what merges and splits along them), whose matches grow
+    #: exponentially while the rewrites worth having were found early (benchmarks/growth.py).
+    growth: float = 16.0
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
+                raise ValueError(f"Limits.{f.name} must be a number >= 0, got {v!r}")
+
+    @classmethod
+    def of(cls, limits: Any) -> "Limits":
+        """``limits=`` as a :class:`Limits`: ``None`` for the defaults, a ``Limits``, or a mapping of its fields.
+
+        >>> Limits.of({"iterations": 3}).iterations
+        3
+        >>> Limits.of({"iteration": 3})
+        Traceback (most recent call last):
+        TypeError: limits=: Limits has no field 'iteration'; its fields are iterations, nodes, seconds, matches, ban, growth
+        """
+        if limits is None:
+            return cls()
+        if isinstance(limits, cls):
+            return limits
+        if isinstance(limits, collections.abc.Mapping):
+            names = [f.name for f in dataclasses.fields(cls)]
+            unknown = [k for k in limits if k not in names]
+            if unknown:
+                raise TypeError(f"limits=: Limits has no field {unknown[0]!r}; its fields are {', '.join(names)}")
+            return cls(**limits)
+        raise TypeError(f"limits= takes a Limits or a mapping of its fields, got {type(limits).__name__}")
+
+
+@dataclasses.dataclass
+class RuleStats:
+    fired: int = 0
+    matched: int = 0
+    rejected: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    banned: int = 0
+    #: retired for the rest of the run for outrunning its allowance in a grown e-graph (``Limits.growth``)
+    retired: bool = False
+    seconds: float = 0.0
+    examples: list[tuple[Any, Any]] = dataclasses.field(default_factory=list)  # (avals, root source)
+
+
+@dataclasses.dataclass
+class _Active:
+    rule: Rule
+    ruleset: Ruleset
+    relations: list[tuple[tuple[str, int], list[tuple[str, str]]]]  # (relation, query id), binds (var, sort)
+    seen: set = dataclasses.field(default_factory=set)
+    allowance: int = 0
+    ban_length: int = 0
+    banned_until: int = -1
+    #: the rule runs in iterations below this one only (its ruleset's ``limits.iterations``)
+    last: int | None = None
+    #: declined matches to act on again this iteration: what they read has changed (``Engine._watch``)
+    retry: list = dataclasses.field(default_factory=list)
+    #: the rule's symmetries, when its queries match in several operand orders (``Rule.symmetries``)
+    symmetries: tuple = ()
+    #: the matches acted on, by their names with the bindings in a canonical order (``Engine._mirrored``)
+    mirrors: set = dataclasses.field(default_factory=set)
+
+
+def match_program(entries: Sequence[tuple[Rule, Ruleset]], manual: bool = False
+                  ) -> tuple[str, list[list[tuple[tuple[str, int], list[tuple[str, str]]]]]]:
+    """The egglog declarations of the rules' queries (ruleset ``match``), and per rule its relations and binds.
+
+    Every query records its matches in the relation of its signature (the
+    sorts of its root and binds), ``M<k>``, each row led by the query's id;
+    a rule's relations are ``(relation, query id)`` pairs, read with
+    ``Snapshot.matches``. One relation per signature, not per query: every
+    declaration costs at each ``push`` and ``pop`` of a pooled e-graph.
+    The text depends on the rules only, so an e-graph declared with it can be
+    made once and lent to every rewrite with the same rules (``_egraph._POOL``),
+    and it is made once per list of rules (the last few are kept).
+    """
+    key = (tuple((id(rule), id(owner)) for rule, owner in entries), manual)
+    with _MATCH_LOCK:
+        found = _MATCH_TEXTS.get(key)
+    if found is not None and len(found[0]) == len(entries) and all(
+            a[0] is b[0] and a[1] is b[1] for a, b in zip(found[0], entries)):
+        return found[1]
+    lines = ["(ruleset match)"]
+    signatures: dict[tuple[str, ...], str] = {}
+    relations = []
+    query = 0
+    for rule, _ in entries:
+        rels = []
+        for q in rule.queries + (rule.manual_queries if manual else []):
+            sorts = ("Term",) + tuple(s for _, s in q.binds)
+            rel = signatures.get(sorts)
+            if rel is None:
+                rel = signatures[sorts] = f"M{len(signatures)}"
+                lines.append(f"(relation {rel} (i64 {' '.join(sorts)}))")
+            args = " ".join([str(query), q.root] + [v for v, _ in q.binds])
+            for k, variant in enumerate(commuted(q)):  # either order of add and mul
+                lines.append(f'(rule ({variant.text}) (({rel} {args})) :ruleset match :name "M{query}_{k}")')
+            rels.append(((rel, query), q.binds))
+            query += 1
+        relations.append(rels)
+    made = ("\n".join(lines), relations)
+    with _MATCH_LOCK:
+        _MATCH_TEXTS[key] = (list(entries), made)  # the entries kept: their ids stay theirs
+        while len(_MATCH_TEXTS) > 8:
+            del _MATCH_TEXTS[next(iter(_MATCH_TEXTS))]
+    return made
+
+
+_MATCH_TEXTS: dict[tuple, tuple[list, tuple]] = {}
+_MATCH_LOCK = threading.Lock()
+
+
+class Engine:
+    """The state of one saturation: the e-graph, the active rules, and what the rules see."""
+
+    def __init__(self, egraph: EGraph, entries: Sequence[tuple[Rule, Ruleset]], limits: Limits,
+                 manual: bool = False) -> None:
+        self.egraph = egraph
+        self.limits = limits
+        self.stats: dict[str, RuleStats] = collections.OrderedDict()
+        self.active: list[_Active] = []
+        self.snapshot = None  # type: ignore[assignment]  # (also empties the per-snapshot caches)
+        self.iterations = 0
+        self.warnings: list[str] = []
+        #: The unions made by preferred rules (rule(..., prefer=True)), barred before extraction.
+        self.preferred: list[Barred] = []
+        #: Declined matches of procedural rules, by a name of each class they read: (node count, facts
+        #: absent then, entries). A match is acted on again when one of those classes gains a node or a
+        #: fact (a factor folded into a literal, say), not only when a new match appears.
+        self._watched: dict[int, list] = {}
+        self._reads: set | None = None  # while a procedure runs: the classes it read
+        text, relations = match_program(entries, manual)
+        for (rule, owner), rels in zip(entries, relations):
+            # A ruleset may set its own back-off (say, a tighter allowance for
+            # associativity); the run's limits govern everything else.
+            backoff = owner.limits if owner.limits is not None else limits
+            last = owner.limits.iterations if owner.limits is not None else None
+            self.active.append(_Active(rule, owner, rels, allowance=backoff.matches, ban_length=backoff.ban,
+                                       last=last, symmetries=rule.symmetries))
+            self.stats[rule.name] = RuleStats()
+        if egraph.prelude != text:  # an e-graph made without them (EGraph(match_program(...)[0]) has them)
+            egraph.declare(text)
+
+    # ------------------------------------------------------------------ the loop
+    @property
+    def snapshot(self) -> Snapshot:
+        """The e-graph as the rules of this iteration see it."""
+        return self._snapshot
+
+    @snapshot.setter
+    def snapshot(self, snap: Snapshot | None) -> None:
+        # What is derived from a snapshot is kept with it, and dropped with it.
+        self._snapshot = snap
+        self._prefer: dict | None = None  # the bottom-up choice, for Match.function
+        self._nodes: dict[Any, list] = {}  # nodes_of's views
+        self._root_only: set[tuple[int, Any]] = set()  # (rule, root) pairs done reading the root alone
+        self._unioned: set[tuple[Any, int]] = set()  # (class, name) unions made since: one is made once
+
+    def run(self) -> str:
+        """Saturate; returns why it stopped."""
+        try:
+            return self._run()
+        finally:
+            # The views of the last snapshot refer back to the engine (a Node to the engine that made
+            # it): dropped now, the engine and its e-graph go when the caller lets go of them, not at
+            # some later full collection, and the e-graph returns to its pool (_egraph._POOL).
+            self._nodes = {}
+            self._prefer = None
+
+    def _run(self) -> str:
+        start = time.perf_counter()
+        limits = self.limits
+        if not self.active:
+            self.snapshot = self.egraph.snapshot()
+            return "saturated"
+        start_rows: int | None = None
+        for it in range(limits.iterations):
+            self.iterations = it + 1
+            self.egraph.run("facts", saturate=True)
+            self.egraph.run("match")
+            self.snapshot = self.egraph.snapshot()
+            if start_rows is None:
+                start_rows = self.snapshot.num_rows
+            grown = self.snapshot.num_rows > limits.growth * start_rows
+            self._wake()
+            if self.snapshot.num_rows > limits.nodes:
+                return "node limit"
+            if time.perf_counter() - start > limits.seconds:
+                return "time limit"
+            waiting = False
+            matches = self.snapshot.matches
+            for act in self.active:
+                if act.last is not None and it >= act.last:
+                    continue  # its ruleset's rounds are over
+                if it < act.banned_until:
+                    waiting = True
+                    continue
+                seen = act.seen
+                new = [(rel, binds, r) for rel, binds in act.relations for r in matches(*rel) if (rel, r) not in seen]
+                if not new and not act.retry:
+                    continue
+                retry, act.retry = act.retry, []
+                if len(new) > act.allowance and grown:
+                    act.last = it  # retired: see Limits.growth
+                    self.stats[act.rule.name].retired = True
+                    self.stats[act.rule.name].banned += 1
+                    log.debug("rule %r retired at iteration %d (%d new matches in a grown e-graph)",
+                              act.rule.name, it, len(new))
+                    continue
+                if len(new) > act.allowance:
+                    act.banned_until = it + act.ban_length
+                    act.allowance *= 2
+                    act.ban_length *= 2
+                    self.stats[act.rule.name].banned += 1
+                    log.debug("rule %r banned until iteration %d (%d new matches)", act.rule.name, act.banned_until, len(new))
+                    waiting = True
+                    continue
+                t = time.perf_counter()
+                for rel, binds, inputs in new + retry:
+                    if rel is not None and act.symmetries and self._mirrored(act, inputs):
+                        act.seen.add((rel, tuple(inputs)))  # its mirror image was acted on: the same program
+                        continue
+                    if self._apply(act, binds, inputs) and rel is not None:  # (a retried match is seen already)
+                        act.seen.add((rel, tuple(inputs)))
+                    if time.perf_counter() - start > limits.seconds:
+                        self.stats[act.rule.name].seconds += time.perf_counter() - t
+                        self.egraph.flush()
+                        return "time limit"
+                self.stats[act.rule.name].seconds += time.perf_counter() - t
+            changed = self.egraph.flush()
+            if not changed and not waiting:
+                self.snapshot = self.egraph.snapshot()
+                return "saturated"  # rules retired in a grown e-graph say so in their stats (``RuleStats.retired``)
+        return "iteration limit"
+
+    # ------------------------------------------------------------------ one match
+    def _apply(self, act: _Active, binds: list[tuple[str, str]], inputs: Sequence[Any]) -> bool:
+        """Act on one match. Returns whether it is settled (never to be looked at again)."""
+        rule, stats = act.rule, self.stats[act.rule.name]
+        stats.matched += 1
+        root, vals = inputs[0], inputs[1:]
+        snap = self.snapshot
+        eg = self.egraph
+        if rule.prefer and self._own_replacement(rule, root, vals, binds):
+            # A preferred rule never rewrites a term its own replacement built: that replacement is
+            # forced into the result, so one that holds a match of the rule (jax.nn.softplus of a
+            # complex x holds log1p(exp(.))) would nest itself once per iteration, without bound.
+            stats.rejected["own replacement"] += 1
+            return True
+        eg.origin = rule.name
+        eg.source = eg.vsource[snap.name(root)]
+        try:
+            if rule.is_pat:
+                sorts = {n: s for n, (_, s) in zip(rule.var_names, binds)}
+                to_int = eg.eg.value_to_i64
+                bound = {n: (to_int(v) if sorts[n] == "i64" else v) for n, v in zip(rule.var_names, vals)}
+                return self._apply_procedure(act, root, bound, sorts, binds, inputs)
+            values = [self.value(c) for c in vals]
+            if rule.when is not None:
+                try:
+                    ok = rule.when(*values)
+                except Unsupported:
+                    raise
+                except Exception as e:
+                    self._raised(rule, stats, e, "its guard")
+                    return True
+                if not ok:
+                    stats.rejected["guard"] += 1
+                    return not any(v.read_facts for v in values)
+            avals = tuple(v.aval for v in values)
+            try:
+                lhs, rhs = rule.traced(avals)
+            except Exception as e:
+                stats.rejected["untraceable"] += 1
+                log.debug("rule %r cannot be traced at %s: %s", rule.name, avals, e)
+                return True
+            if present(eg, lhs, list(vals)) != root:
+                stats.rejected["unverified"] += 1
+                return True
+            if rule.is_procedural:
+                return self._apply_procedure(act, root, dict(zip(rule.var_names, vals)),
+                                             {n: "Term" for n in rule.var_names}, binds, inputs)
+            (out,), _ = load_closed(rhs, [snap.name(c) for c in vals], eg, remember=True)
+            self._union(rule, snap.name(root), out, avals, lhs)
+            return True
+        except Unsupported as e:
+            stats.rejected["unsupported"] += 1
+            log.debug("rule %r: %s", rule.name, e)
+            return True
+        finally:
+            eg.origin = None
+            eg.source = None
+
+    def _apply_procedure(self, act: _Active, root: Any, bindings: dict[str, Any], sorts: dict[str, str],
+                         binds: list[tuple[str, str]] | None = None, inputs: Sequence[Any] | None = None) -> bool:
+        """Run a procedural rule on one match; ``binds`` and ``inputs`` (the match's row) let a declined match
+        be watched (``_watch``)."""
+        rule, stats = act.rule, self.stats[act.rule.name]
+        if (id(rule), root) in self._root_only:
+            # Another match at this root already ran this rule in this snapshot, reading the root
+            # alone: it would do the same again (the union is made, or the rule declined).
+            stats.rejected["same root"] += 1
+            return True
+        m = Match(self, rule, bindings, sorts, root)
+        self._reads = set()
+        declined = sum(stats.rejected.values())
+        try:
+            return self._run_procedure(m, stats)
+        finally:
+            reads, self._reads = self._reads, None
+            if not m.read_bindings:
+                self._root_only.add((id(rule), root))
+            if sum(stats.rejected.values()) > declined and reads and inputs is not None:
+                self._watch(act, binds, inputs, reads)
+
+    def _run_procedure(self, m: Match, stats: RuleStats) -> bool:
+        rule = m.rule
+        try:
+            if rule.is_pat and rule.when is not None and not rule.when(m):
+                stats.rejected["guard"] += 1
+                return True
+        except Unsupported:
+            raise
+        except Exception as e:
+            self._raised(rule, stats, e, "its guard")
+            return True
+        try:
+            result = rule.rhs(m)
+        except Unsupported:
+            raise
+        except Exception as e:
+            self._raised(rule, stats, e)
+            return True
+        if result is None:
+            stats.rejected["declined"] += 1
+            return True
+        pairs = result if isinstance(result, list) else [(m.root, result)]
+        for a, b in pairs:
+            self._union(rule, a.name, b.name, None)
+        return True
+
+    def _own_replacement(self, rule: Rule, root: Any, vals: Sequence[Any], binds: list[tuple[str, str]]) -> bool:
+        """Does this match read a term that ``rule`` built (its root, or a bound term: a class whose oldest
+        name the rule made)?"""
+        snap, made_by = self.snapshot, self.egraph.vorigin
+        sorts = [s for _, s in binds] if rule.is_pat else ["Term"] * len(vals)
+        classes = [root] + [v for v, s in zip(vals, sorts) if s == "Term"]
+        return any(made_by[snap.name(c)] == rule.name for c in classes)
+
+    def _raised(self, rule: Rule, stats: RuleStats, e: Exception, part: str = "") -> None:
+        """A rule (or its guard) raised at a match: the match is skipped, and the run's warnings say so
+        (``strict`` turns them into an error)."""
+        stats.rejected["error"] += 1
+        msg = f"rule {rule.name!r}{' (' + part + ')' if part else ''} raised {type(e).__name__}: {e}"
+        if msg not in self.warnings:
+            self.warnings.append(msg)
+            log.warning(msg)
+
+    def _union(self, rule: Rule, root_name: int, out: int, avals: Any, lhs: Any = None) -> None:
+        """Put ``out`` in the class of ``root_name``, if their types agree."""
+        stats = self.stats[rule.name]
+        known = self.snapshot.cls_of_name
+        if out < len(known) and known[out] is not None and known[out] == known[root_name]:
+            return  # already one class: a match seen again after a merge
+        if (known[root_name], out) in self._unioned:
+            return  # the same replacement built again (by a match in the other operand order, say)
+        self._unioned.add((known[root_name], out))
+        want = TYPES[self.egraph.vtype[root_name]]
+        got = TYPES[self.egraph.vtype[out]]
+        if want != got:
+            stats.rejected["type"] += 1
+            g, w = (_short(got), _short(want)) if _short(got) != _short(want) else (repr(got), repr(want))
+            msg = (f"rule {rule.name!r} built {g} for a match of type {w}"
+                   + (f" at inputs ({', '.join(_short(a) for a in avals)})" if avals else "") + "; skipped")
+            if msg not in self.warnings:
+                self.warnings.append(msg)
+                log.warning(msg)
+            return
+        self.egraph.union(root_name, out)
+        stats.fired += 1
+        if rule.prefer:
+            self.preferred.append(Barred(rule.name, root_name, lhs_ctors(rule, lhs), out))
+        if avals is not None and len(stats.examples) < 3:
+            stats.examples.append((avals, self.egraph.vsource[root_name]))
+
+    # ------------------------------------------------------------------ what rules see
+    def value(self, x: Any) -> Value:
+        """A :class:`Value` for a class of the current snapshot, or for a V id."""
+        snap = self.snapshot
+        if isinstance(x, int):
+            cls = snap.cls_of_name[x] if x < len(snap.cls_of_name) else None
+            return Value(TYPES[self.egraph.vtype[x]], x, cls, self)
+        return Value(snap.aval(x), snap.name(x), x, self)
+
+    def _mirrored(self, act: _Active, inputs: Sequence[Any]) -> bool:
+        """Whether a match equal to this one up to a symmetry of its rule (``Rule.symmetries``) was acted on.
+
+        Bindings are compared by name, so the check holds across snapshots."""
+        snap = self.snapshot
+        names = tuple(snap.name(v) for v in inputs)
+        key = min([names] + [(names[0],) + tuple(names[1 + p[i]] for i in range(len(p))) for p in act.symmetries])
+        if key in act.mirrors:
+            return True
+        act.mirrors.add(key)
+        return False
+
+    def _watch(self, act: _Active, binds: list[tuple[str, str]], inputs: Sequence[Any], reads: set) -> None:
+        """Keep a declined match, to act on again when a class it read changes (see ``_watched``)."""
+        if any(sort not in ("Term", "i64") for _, sort in binds):
+            return  # a list or a body: no name to find its class by in a later snapshot
+        snap = self.snapshot
+        # class ids are canonical for one snapshot only: the match is kept by names (i64 values stay)
+        entry = (act, binds, [snap.name(inputs[0])] + [snap.name(v) if sort == "Term" else v
+                                                       for v, (_, sort) in zip(inputs[1:], binds)])
+        for cls, fact in reads:
+            name = snap.name(cls)
+            slot = self._watched.get(name)
+            if slot is None:
+                slot = self._watched[name] = [len(snap.nodes.get(cls, ())), set(), []]
+            if fact is not None:
+                slot[1].add(fact)
+            slot[2].append(entry)
+
+    def _wake(self) -> None:
+        """Queue the watched matches whose classes gained a node or a fact since they were read."""
+        if not self._watched:
+            return
+        snap = self.snapshot
+        nodes, by_name = snap.nodes, snap.cls_of_name
+        woken: dict[int, tuple] = {}
+        for name in list(self._watched):
+            count, facts, entries = self._watched[name]
+            cls = by_name[name]
+            if len(nodes.get(cls, ())) == count and not any(cls in snap.with_fact(f) for f in facts):
+                continue
+            del self._watched[name]
+            for e in entries:
+                woken[id(e)] = e
+        for act, binds, named in woken.values():
+            inputs = [by_name[named[0]]] + [by_name[v] if sort == "Term" else v for v, (_, sort) in zip(named[1:], binds)]
+            act.retry.append((None, binds, inputs))
+
+    def nodes_of(self, cls: Any) -> list[Any]:
+        """The :class:`Node` views of a class of the current snapshot, built once per snapshot
+        (procedural rules walk the same classes many times in one iteration)."""
+        reads = self._reads
+        if reads is not None:
+            reads.add((cls, None))
+        found = self._nodes.get(cls)
+        if found is None:
+            found = self._nodes[cls] = [Node(self, c, a) for c, a in self.snapshot.nodes.get(cls, [])]
+        return found
+
+    def body(self, body_cls: Any) -> Body:
+        snap = self.snapshot
+        (_, (scope, outs)), *_ = snap.nodes[body_cls]
+        return Body(scope, [self.value(c) for c in snap.list_items(outs)])
+
+    def users(self, v: Value) -> list[tuple[Value, Any]]:
+        if v.cls is None:
+            return []
+        parents = self.snapshot.parents
+        out = []
+        seen = set()
+        stack = list(parents.get(v.cls, []))
+        while stack:
+            parent, (ctor, args) = stack.pop()
+            if ctor == "TCons":  # an operand list (a scan's args, select_n's cases): its user is what holds it
+                if parent not in seen:
+                    seen.add(parent)
+                    stack.extend(parents.get(parent, []))
+            elif ctor not in ("Body", "BCons"):  # a body's outputs are not used in this scope
+                out.append((self.value(parent), Node(self, ctor, args)))
+        return out
+
+    def _fresh(self, vid: int) -> Value:
+        # A node that was already in the e-graph (an existing Param, say) keeps its class.
+        return self.value(vid)
+
+    def build_param(self, scope: int, index: int, aval: Any) -> Value:
+        return self._fresh(self.egraph.term("Param", [scope, index], TYPES.intern_aval(aval)))
+
+    def build_literal(self, value: Any, aval: Any) -> Value:
+        return self._fresh(self.egraph.literal(value, aval))
+
+    def build_node(self, prim: Any, operands: Sequence[Value], params: dict[str, Any], out_avals: Sequence[Any],
+                   bodies: Sequence[Body]) -> Any:
+        from ..ir import terms as _terms
+        from ..ir.intern import PARAMS
+
+        if isinstance(prim, str):
+            prim = _primitive(prim)
+        eg = self.egraph
+        pid = PARAMS.intern_params(prim, params)
+        spec = _terms.BY_PRIM.get(prim.name)
+        args: list[Any] = []
+        names = [v.name for v in operands]
+        if spec is None:
+            ctor, args = "Opaque", [eg.tlist(names)]
+        else:
+            ctor = spec.ctor
+            body_refs = [eg.body(b.scope, [o.name for o in b.outs]) for b in bodies]
+            it = iter(names)
+            for letter in spec.layout:
+                if letter == "T":
+                    args.append(next(it))
+                elif letter == "L":
+                    args.append(eg.tlist(list(it)))
+                elif letter == "B":
+                    args.append(body_refs.pop(0))
+                elif letter == "N":
+                    args.append(eg.blist(body_refs))
+                    body_refs = []
+            if next(it, None) is not None:
+                raise ValueError(f"{prim.name}: too many operands for layout {spec.layout!r}")
+        args.append(pid)
+        multi = prim.multiple_results or (spec is not None and spec.family == _terms.NESTED)
+        if not multi:
+            (aval,) = out_avals
+            return self._fresh(eg.term(ctor, args, TYPES.intern_aval(aval)))
+        tup = eg.term(ctor, args, TYPES.intern_tuple(tuple(out_avals)))
+        return tuple(self._fresh(eg.term("Proj", [tup, i], TYPES.intern_aval(a))) for i, a in enumerate(out_avals))
+
+    def fresh_index(self, scope: int) -> int:
+        return self.egraph.fresh_input(scope)
+
+    def function(self, outs: Sequence[Value], inputs: Sequence[Value]) -> Callable[..., list] | None:
+        """``outs`` as a JAX function of ``inputs`` (classes of this snapshot), or ``None``."""
+        from jax._src import core
+
+        from ..extract.extract import Extractor, choose_slice
+        from ..jaxpr.emit import EmitError, emit_slice
+        from ..cost.model import DEFAULT
+
+        snap = self.snapshot
+        out_cls = [v.cls for v in outs]
+        in_cls = [v.cls for v in inputs]
+        if any(c is None for c in out_cls + in_cls):
+            raise ValueError("Match.function takes values that exist in the e-graph (not ones built by this match)")
+        if self._prefer is None:
+            self._prefer = Extractor(snap, DEFAULT).tree()[1]
+        seen: set | None = set() if self._reads is not None else None
+        choice = choose_slice(snap, out_cls, set(in_cls), self._prefer, visited=seen)
+        if choice is None:
+            if seen is not None:
+                # No slice yet: one may come when a class it looked at gains a node (a body's output
+                # found independent of the carry, say), so those classes are read, as nodes_of's are,
+                # and a procedure that declines is tried again then. (A slice that was found is not
+                # watched: retrying on every change inside a loop body cost loop programs 10-20%.)
+                self._reads.update((c, None) for c in seen)
+            return None
+        try:
+            closed = emit_slice(snap, choice, self.egraph, in_cls, out_cls)
+        except EmitError:
+            return None
+        fn = core.jaxpr_as_fun(closed)
+        read = {a for e in closed.jaxpr.eqns for a in e.invars if isinstance(a, core.Var)}
+        read |= {a for a in closed.jaxpr.outvars if isinstance(a, core.Var)}
+        fn.jaxpr = closed  # type: ignore[attr-defined]
+        fn.uses = tuple(v in read for v in closed.jaxpr.invars)  # type: ignore[attr-defined]
+        return fn
+
+    def insert_traced(self, fn: Callable[..., Any], inputs: Sequence[Value]) -> Any:
+        avals = [v.aval for v in inputs]
+        key = _trace_key(fn, avals)
+        closed = _TRACES.get(key) if key is not None else None
+        if closed is None:
+            closed = trace_at(fn, avals)
+            if key is not None:
+                _TRACES.put(key, closed)
+        outs, _ = load_closed(closed, [v.name for v in inputs], self.egraph, remember=key is not None)
+        vals = [Value(TYPES[self.egraph.vtype[o]], o, None, self) for o in outs]
+        return vals[0] if len(vals) == 1 else tuple(vals)
+
+
+class _Traces:
+    """Traces of rule-built functions, by code, closure and avals (:func:`_trace_key`), kept for the process.
+
+    Procedural rules build the same small functions in every program (a
+    product of two factors, a sum over an axis): tracing one the first time
+    is most of what a rule costs, and the trace depends on nothing but its key.
+    The oldest of more than ``size`` are dropped.
+    """
+
+    def __init__(self, size: int = 8192) -> None:
+        self._found: dict[Any, Any] = {}
+        self._lock = threading.Lock()
+        self.size = size
+
+    def get(self, key: Any) -> Any:
+        return self._found.get(key)
+
+    def put(self, key: Any, closed: Any) -> None:
+        with self._lock:
+            self._found[key] = closed
+            while len(self._found) > self.size:
+                del self._found[next(iter(self._found))]
+
+
+_TRACES = _Traces()
+
+
+def _trace_key(fn: Callable[..., Any], avals: Sequence[Any]) -> Any:
+    """A key under which ``fn`` traced at ``avals`` is the same jaxpr every time, or ``None``.
+
+    Procedural rules build their replacements as small closures (a sum over
+    these axes, a product of these factors), and the same closure is built
+    again and again across matches and iterations: tracing it is most of a
+    rule's cost. The key is the function's code, its defaults and a snapshot
+    of its closure, taken when it is called (so a list mutated later does not
+    matter); only plain values key it: numbers, strings, dtypes, tuples and
+    lists of them, and functions without a closure. Anything else (an
+    e-graph ``Value``, an object) makes the trace uncached.
+    """
+    try:
+        code = fn.__code__
+        cells = tuple(_plain(c.cell_contents) for c in (fn.__closure__ or ()))
+        defaults = _plain(fn.__defaults__ or ())
+        kwdefaults = _plain(tuple(sorted((fn.__kwdefaults__ or {}).items())))
+        return (code, cells, defaults, kwdefaults, tuple(avals), _config())
+    except (AttributeError, TypeError, ValueError):  # not a plain function, or a closure over an object
+        return None
+
+
+def _config() -> tuple:
+    """The settings a trace reads besides its function and avals (a weak literal's dtype, say)."""
+    import jax
+
+    c = jax.config
+    return (c.jax_enable_x64, c.jax_numpy_dtype_promotion, c.jax_default_matmul_precision)
+
+
+def _plain(x: Any, depth: int = 0) -> Any:
+    if depth > 4:
+        raise TypeError("nested too deep")
+    if isinstance(x, (float, complex)):
+        return (type(x), repr(x))  # 0.0 and -0.0 are equal, and NaN is not equal to itself
+    if x is None or isinstance(x, (bool, int, str)):
+        return (type(x), x)
+    if isinstance(x, (tuple, list)):
+        return (type(x), tuple(_plain(y, depth + 1) for y in x))
+    if isinstance(x, np.dtype) or (isinstance(x, type) and issubclass(x, np.generic)):
+        return ("dtype", np.dtype(x).str)
+    if callable(x) and getattr(x, "__closure__", 0) is None and hasattr(x, "__code__"):
+        return ("fn", x)  # a module-level function: its identity is its meaning
+    if callable(x) and isinstance(getattr(x, "__name__", None), str) and not hasattr(x, "__dict__"):
+        return ("builtin", x)  # a builtin or ufunc-like callable without state
+    raise TypeError(type(x).__name__)
+
+
+@functools.lru_cache(maxsize=None)
+def _primitive(name: str) -> Any:
+    """The JAX primitive called ``name``: one seen in a loaded program, or one of lax's."""
+    from ..ir.intern import PARAMS
+
+    for i in range(len(PARAMS)):
+        prim = PARAMS[i][0]
+        if prim.name == name:
+            return prim
+    import jax.extend.core.primitives as prims
+    from jax._src.lax import control_flow, lax, slicing
+
+    for mod in (lax, slicing, control_flow, prims):
+        for attr in dir(mod):
+            p = getattr(mod, attr)
+            if getattr(p, "name", None) == name and hasattr(p, "bind"):
+                return p
+    raise ValueError(f"no primitive named {name!r}")
