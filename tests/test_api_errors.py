@@ -243,3 +243,24 @@ def test_assert_equivalent_runs_both_sides_compiled():
                       max_examples=10)
     # Python runs the function when it is traced (the rewrite, one compilation per side), not once per example
     assert len(calls) <= 4
+
+
+# ---------------------------------------------------------------------- what explain says
+def test_ordinary_declines_are_counted_and_listed_only_when_asked():
+    from jax import lax
+
+    def loss(x1, x2, y):
+        _, ys = lax.scan(lambda c, x: (jnp.sin(c), jnp.cos(x)), x1, x2)
+        return jnp.square(y - ys).mean()
+
+    r = explain(loss, jnp.ones(4), jnp.linspace(0, 1, 120).reshape(30, 4), jnp.zeros((30, 4)),
+                rulesets=[rulesets.scan])
+    assert "matches not applied" not in r.summary()
+    assert "ordinary declines:" in r.summary()
+    assert "matches not applied: " in r.summary(verbose=True) and "declined" in r.summary(verbose=True)
+
+
+def test_the_gradient_report_prices_a_calls_fixed_cost_too():
+    g = explain(lambda x: jnp.sin(x) ** 2, jnp.ones(3), rulesets=[rulesets.derivatives], grad=True)
+    assert g.fixed_cost > 0
+    assert f"a call's fixed cost, {g.fixed_cost:,.0f}, included" in g.summary()

@@ -131,7 +131,11 @@ class Report:
         retired = [k for k, st in self.result.stats.items() if getattr(st, "retired", False)]
         return f" ({len(retired)} rule(s) retired in a grown e-graph: {', '.join(retired)})" if retired else ""
 
-    def summary(self) -> str:
+    def summary(self, verbose: bool = False) -> str:
+        """The report's text without the diff. Matches not applied for an ordinary reason (a guard said
+        no, a procedure declined, a root already seen, a rule's own replacement) are counted in one line
+        unless ``verbose``; the others (the left side not really there, a side that cannot be traced at
+        those shapes, a wrong type, an error, an unsupported operation) are listed per rule."""
         lines = [
             f"cost {self.cost_before:,.0f} -> {self.cost_after:,.0f} ({self.saved:+.1%} saved), "
             f"equations {self.eqns_before} -> {self.eqns_after}",
@@ -147,10 +151,17 @@ class Report:
                 lines.append(f"  {name:<{width}}  {n:>4} ({self.used.get(name, 0)})")
         else:
             lines.append("no rule fired")
-        rej = {k: v for k, v in self.rejected.items() if v}
-        if rej:
+        shown = {k: {why: n for why, n in v.items() if verbose or why not in ORDINARY_DECLINES}
+                 for k, v in self.rejected.items()}
+        shown = {k: v for k, v in shown.items() if v}
+        if shown:
             lines.append("matches not applied: " + "; ".join(
-                f"{k}: " + ", ".join(f"{n} {why}" for why, n in sorted(v.items())) for k, v in rej.items()))
+                f"{k}: " + ", ".join(f"{n} {why}" for why, n in sorted(v.items())) for k, v in shown.items()))
+        hidden = sum(n for v in self.rejected.values() for why, n in v.items() if why in ORDINARY_DECLINES)
+        if hidden and not verbose:
+            rules = sorted(k for k, v in self.rejected.items() if any(w in ORDINARY_DECLINES for w in v))
+            lines.append(f"ordinary declines: {hidden} match(es) of {', '.join(rules)} (a guard said no or a "
+                         "procedure declined; summary(verbose=True) lists them)")
         if self.result.preferred:
             lines.append("preferred rules forced the choice (matched form barred): " + ", ".join(
                 f"{k} in {n} class(es)" for k, n in sorted(self.result.preferred.items())))
@@ -323,7 +334,10 @@ def explain(fn: Any, *args: Any, rulesets: Any = (), cost_model: Any = None, lim
             fired={k: s.fired for k, s in result.stats.items() if s.fired}, used=provenance(result),
             stopped=result.stopped, times=times, iterations=result.iterations,
             egraph_rows=result.rows, rejected={k: dict(s.rejected) for k, s in result.stats.items()},
-            warnings=result.warnings, rulesets=entries, result=result, gradient=gradient,
+            warnings=result.warnings, rulesets=entries, result=result, gradient=gradient, model=fn.cost_model,
+            # the fixed cost of a call of the program that runs: primals and cotangents in, outputs and
+            # gradients out (the forward report's is of the forward program's inputs and outputs)
+            fixed_cost=_fixed_cost(fn.cost_model, result.before),
         )
     entries = entries_of(rulesets)
     traced, trace_time = _trace(fn, args, kwargs, static_argnums, static_argnames)
@@ -369,6 +383,10 @@ def _composed(gradient: Any) -> core.ClosedJaxpr:
         return list(outs[:n_out]) + list(grads)
 
     return jax.make_jaxpr(both)(*[spec_of(a) for a in before.in_avals])
+
+
+#: why a match is not applied that says nothing is wrong: the rule looked and chose not to
+ORDINARY_DECLINES = frozenset({"guard", "declined", "same root", "own replacement"})
 
 
 def _fixed_cost(model: Any, closed: core.ClosedJaxpr) -> float:
