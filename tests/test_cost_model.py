@@ -202,7 +202,9 @@ def test_min_saving_keeps_the_input_program_for_a_small_saving():
 
 def test_extraction_prices_each_distinct_program_once():
     """The whole-program search asks for many prices; each distinct program is priced once (the pricer's memo)."""
-    from rewrite.extract.extract import Extractor, ProgramPricer, ProgramSearch, extract
+    from rewrite.extract.extract import extract
+    from rewrite.extract.extractor import Extractor
+    from rewrite.extract.program import ProgramPricer, ProgramSearch
     from rewrite import explain
 
     def f(x):

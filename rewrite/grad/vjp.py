@@ -42,7 +42,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-import warnings
 from typing import Any, Callable, Sequence
 
 import jax
@@ -50,7 +49,9 @@ import numpy as np
 from jax._src import core
 
 from ..jaxpr.trace import Traced, spec_of
-from ..extract.extract import Extractor, ProgramPricer, extract, prices_programs
+from ..extract.extract import extract
+from ..extract.extractor import Extractor
+from ..extract.program import ProgramPricer, prices_programs
 from ..jaxpr.emit import Emitter, _Scope, check_signature, dce
 from ..ir.primitives import is_float
 from ..ir.walk import operands, walk

@@ -18,7 +18,7 @@ from typing import Any
 import itertools
 
 from ..ir import terms as _terms
-from ..extract.extract import reachable
+from ..extract.choice import reachable
 from ..ir.walk import children, walk
 from ..ir.intern import LITERALS, PARAMS
 

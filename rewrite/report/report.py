@@ -22,7 +22,7 @@ from jax._src import core
 
 from ..jaxpr.trace import CONCRETIZATION_ERRORS, flatten_args, resolve_static, spec_of, trace
 from ..rules.saturate import Limits
-from ..extract.extract import reachable
+from ..extract.choice import reachable
 from ..api import Rewritten, entries_of
 from ..jaxpr.emit import check_signature
 from ..cost.measure import resolve

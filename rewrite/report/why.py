@@ -20,7 +20,8 @@ import dataclasses
 from typing import Any
 
 from ..ir import terms as _terms
-from ..extract.extract import Extractor, ProgramPricer, prices_programs
+from ..extract.extractor import Extractor
+from ..extract.program import ProgramPricer, prices_programs
 from ..ir.walk import CycleError, postorder, walk
 
 

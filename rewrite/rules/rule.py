@@ -36,7 +36,7 @@ from jax._src import core
 
 from ..jaxpr.trace import _mesh_of, trace_at
 from ..ir import terms as _terms
-from ..ir.intern import LITERALS, PARAMS, literal_value
+from ..ir.intern import PARAMS, literal_value
 from .pattern import Pat, PatternError, Query, commuted, compile_pats, compile_traced, generalize
 
 SOUNDNESS = ("exact", "identity", "fastmath")

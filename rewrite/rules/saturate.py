@@ -601,7 +601,8 @@ class Engine:
         """``outs`` as a JAX function of ``inputs`` (classes of this snapshot), or ``None``."""
         from jax._src import core
 
-        from ..extract.extract import Extractor, choose_slice
+        from ..extract.choice import choose_slice
+        from ..extract.extractor import Extractor
         from ..jaxpr.emit import EmitError, emit_slice
         from ..cost.model import DEFAULT
 

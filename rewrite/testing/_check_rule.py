@@ -28,7 +28,7 @@ from jax._src import core
 
 from ..jaxpr.trace import trace
 from ..rules.saturate import Limits
-from ..extract.extract import _CONTAINERS, Extractor
+from ..extract.extractor import _CONTAINERS, Extractor
 from ..jaxpr.emit import emit
 from ..api import entries_of
 from ..cost.model import AnalyticCost
