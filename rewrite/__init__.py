@@ -19,7 +19,9 @@ from .ir.primitives import GROUPS, OpSpec, register_primitive
 from .rules.pattern import Ops, Pat, ops
 from .cost.guard import Guard
 from .report.report import Report, explain
-from .rules.rule import Match, Params, Rule, Ruleset, Tolerance, Value, procedural
+from .rules.match import Match, Params, Value
+from .rules.rule import Rule, procedural
+from .rules.ruleset import Ruleset, Tolerance
 from .define import rule
 from . import loops  # noqa: E402  (the loop API: rewrite.loops.Loop, rewrite.loops.SCAN)
 

@@ -15,7 +15,6 @@ reported as a :class:`RewriteWarning` and the original program runs. Set
 from __future__ import annotations
 
 import collections
-import collections.abc
 import dataclasses
 import functools
 import logging
@@ -37,24 +36,9 @@ from .grad.vjp import VJPResult, build_vjp
 from .jaxpr.emit import check_signature
 from .cost.measure import resolve
 from .pipeline import Result, run_pipeline
-from .rules.rule import Rule, Ruleset, as_ruleset
+from .rules.ruleset import entries_of
 
 log = logging.getLogger("rewrite")
-
-def entries_of(rulesets: Any) -> list[tuple[Rule, Ruleset]]:
-    if isinstance(rulesets, (Ruleset, Rule, str)) or not isinstance(rulesets, collections.abc.Iterable):
-        rulesets = [rulesets]  # one of them; as_ruleset says what is wrong with anything else
-    out: list[tuple[Rule, Ruleset]] = []
-    seen: dict[str, int] = {}
-    for rs in rulesets:
-        for r, owner in as_ruleset(rs).entries():
-            if r.name in seen:
-                if out[seen[r.name]][0] is r:
-                    continue
-                raise ValueError(f"two different rules are named {r.name!r}; rule names must be unique")
-            seen[r.name] = len(out)
-            out.append((r, owner))
-    return out
 
 
 def fallback_result(traced: Traced, stopped: str) -> Result:

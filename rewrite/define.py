@@ -16,7 +16,9 @@ from typing import Any, Callable
 from .cost.model import AnalyticCost
 from .jaxpr.trace import Traced, trace_at
 from .pipeline import run_pipeline
-from .rules.rule import Rule, Ruleset, _short
+from .rules.match import _short
+from .rules.rule import Rule
+from .rules.ruleset import Ruleset
 from .rules.rule import rule as _rule
 from .rules.saturate import Limits
 

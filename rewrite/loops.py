@@ -64,7 +64,7 @@ from jax._src import core
 
 from .ir import terms as _terms
 from .rules.pattern import Pat
-from .rules.rule import Body, Match, Node, Value
+from .rules.match import Body, Match, Node, Value
 
 __all__ = ["SCAN", "WHILE", "Body", "Decline", "Loop", "adds_one", "is_pointwise", "stacked_aval", "step_aval"]
 

@@ -26,7 +26,8 @@ from .jaxpr.emit import emit
 from .cost.model import CostModel
 from .ir.egraph import EGraph
 from .ir.intern import TYPES
-from .rules.rule import Rule, Ruleset
+from .rules.rule import Rule
+from .rules.ruleset import Ruleset
 
 log = logging.getLogger("rewrite")
 

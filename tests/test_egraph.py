@@ -232,7 +232,7 @@ def test_small_i64_values_are_the_same_in_every_egraph():
 def test_queries_of_one_signature_share_a_relation_and_are_read_apart():
     from rewrite import Ruleset, explain, rule
     from rewrite.rules.saturate import match_program
-    from rewrite.api import entries_of
+    from rewrite.rules.ruleset import entries_of
 
     pack = Ruleset("shared", [rule(lambda x: x * 1.0, lambda x: x, name="mul_one_s"),
                               rule(lambda x: x + 0.0, lambda x: x, name="add_zero_s"),

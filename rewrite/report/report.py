@@ -23,12 +23,15 @@ from jax._src import core
 from ..jaxpr.trace import CONCRETIZATION_ERRORS, flatten_args, resolve_static, spec_of, trace
 from ..rules.saturate import Limits
 from ..extract.choice import reachable
-from ..api import Rewritten, entries_of
+from ..api import Rewritten
+from ..rules.ruleset import entries_of
 from ..jaxpr.emit import check_signature
 from ..cost.measure import resolve
 from ..ir.primitives import nbytes
 from ..pipeline import Result, run_pipeline
-from ..rules.rule import Rule, Ruleset, _short
+from ..rules.match import _short
+from ..rules.rule import Rule
+from ..rules.ruleset import Ruleset
 
 
 def equations(closed: Any) -> Iterator[core.JaxprEqn]:

@@ -21,10 +21,12 @@ from hypothesis import strategies as st
 
 from ..jaxpr.trace import is_traced_leaf
 from ..rules.saturate import Limits
-from ..api import entries_of, rewrite
+from ..api import rewrite
+from ..rules.ruleset import entries_of
 from ..pipeline import Result
 from ._programs import RandomProgram
-from ..rules.rule import Rule, Ruleset, Tolerance
+from ..rules.rule import Rule
+from ..rules.ruleset import Ruleset, Tolerance
 from ._compare import _Evidence, _show, _spreads, _tolerance
 from ._strategies import _is_float, _settings, _wide, arrays, inputs_like
 

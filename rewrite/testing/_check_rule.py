@@ -30,11 +30,13 @@ from ..jaxpr.trace import trace
 from ..rules.saturate import Limits
 from ..extract.extractor import _CONTAINERS, Extractor
 from ..jaxpr.emit import emit
-from ..api import entries_of
+from ..rules.ruleset import entries_of
 from ..cost.model import AnalyticCost
 from ..ir.intern import TupleType
 from ..pipeline import Result, run_pipeline
-from ..rules.rule import Procedure, Rule, Ruleset, Value, _short
+from ..rules.match import Value, _short
+from ..rules.rule import Procedure, Rule
+from ..rules.ruleset import Ruleset
 from ._compare import _Evidence, _show, _spreads
 from ._strategies import _into_domain, _is_float, _settings, _wide, arrays
 

@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 
 from ..jaxpr.trace import is_traced_leaf
-from ..rules.rule import SOUNDNESS
+from ..rules.ruleset import SOUNDNESS
 
 #: fastmath rules are checked on "ordinary" values: normal floats of magnitude at most this, and zero.
 ORDINARY_BOUND = 4.0
