@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from rewrite import AnalyticCost, rewrite
-from rewrite.cost.fusion import Program, ops_in
+from rewrite.cost.fusion import ops_in
+from rewrite.cost.program import Program
 from rewrite.cost.measure import Measured, choose, pin_duplicates
 from rulesets.derivatives import derivatives
 

@@ -1,7 +1,7 @@
 """Extraction's searches price moves incrementally and skip repeated moves; both must leave the choices as they were.
 
 * :class:`rewrite.extract.extract.LiveProgram` prices a program move by move
-  (``rewrite.cost.fusion.LiveFusion``); every price must equal the whole-program
+  (``rewrite.cost.live.LiveFusion``); every price must equal the whole-program
   price of the same choice, after any sequence of moves, kept or undone.
 * :class:`rewrite.extract.extract.LocalSearch` does not repeat a move of a loop's
   projections that leads to the same group move as one that failed; it must
@@ -194,7 +194,9 @@ from hypothesis import strategies as st  # noqa: E402
 from jax import core as jcore  # noqa: E402
 
 from rewrite.ir import terms as _terms  # noqa: E402
-from rewrite.cost.fusion import FusionModel, LiveFusion, Op, Program  # noqa: E402
+from rewrite.cost.fusion import FusionModel  # noqa: E402
+from rewrite.cost.live import LiveFusion  # noqa: E402
+from rewrite.cost.program import Op, Program  # noqa: E402
 
 _S = jcore.ShapedArray((64, 96), jnp.float32)   # large enough for a library reduction
 _R = jcore.ShapedArray((96,), jnp.float32)

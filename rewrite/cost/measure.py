@@ -39,8 +39,8 @@ import numpy as np
 from jax._src import core
 
 from .model import DEFAULT, AnalyticCost, CostModel, as_cost_model
-from .fusion import Program
 from ..ir.primitives import is_inexact_dtype
+from .program import Program
 
 _CACHE: dict[tuple, int] = {}
 _LOCK = threading.Lock()

@@ -9,7 +9,7 @@ one declared:
    The extractor adds node prices over the chosen program, counting a shared
    node once;
 2. a *whole-program price* (if ``prices_programs``): ``model.program(prog)``
-   prices a whole candidate program (a :class:`rewrite.cost.fusion.Program`),
+   prices a whole candidate program (a :class:`rewrite.cost.program.Program`),
    which a sum of node prices cannot: what XLA fuses, stores and recomputes.
    The extractor then chooses among candidates, and refines the best, by it;
 3. a *measured final choice* (if ``measures``): ``model.choose(programs)``
@@ -84,7 +84,7 @@ class CostModel(abc.ABC):
         """The price of one node: a non-negative float; only comparisons matter."""
 
     def program(self, prog: Any) -> float:
-        """The price of a whole program (a :class:`rewrite.cost.fusion.Program`); used when ``prices_programs``."""
+        """The price of a whole program (a :class:`rewrite.cost.program.Program`); used when ``prices_programs``."""
         raise NotImplementedError(f"{type(self).__name__} does not price whole programs")
 
     def choose(self, programs: Sequence[Any]) -> tuple[Any, Any]:
@@ -291,14 +291,14 @@ class AnalyticCost(CostModel):
         return self.fusion_model()
 
     def program(self, prog: Any) -> float:
-        """The predicted cost of a whole program (a :class:`rewrite.cost.fusion.Program`), fusion included."""
+        """The predicted cost of a whole program (a :class:`rewrite.cost.program.Program`), fusion included."""
         return self._fusion(prog)
 
     def program_fusion(self) -> FusionModel | None:
         """The fusion model :meth:`program` prices with, or ``None`` where a subclass prices programs its own way.
 
         The extractor's search uses it to price a program move by move
-        (``rewrite.cost.fusion.LiveFusion``) instead of whole for every move.
+        (``rewrite.cost.live.LiveFusion``) instead of whole for every move.
         """
         return self._fusion if type(self).program is AnalyticCost.program and self.prices_programs else None
 

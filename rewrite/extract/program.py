@@ -12,7 +12,8 @@ from __future__ import annotations
 import weakref
 from typing import Any, Callable, Sequence
 
-from ..cost.fusion import LiveFusion, Program, chosen_op
+from ..cost.live import LiveFusion
+from ..cost.program import Program, chosen_op
 from ..cost.model import CostModel
 from ..ir import terms as _terms
 from ..ir.walk import operands, walk
@@ -133,7 +134,7 @@ class ProgramPricer:
         return float(self.model.program(prog))
 
     def price_fused(self, fusion: Any) -> float:
-        """The model's price of the program a :class:`rewrite.cost.fusion.LiveFusion` holds."""
+        """The model's price of the program a :class:`rewrite.cost.live.LiveFusion` holds."""
         return float(fusion.price())
 
 
@@ -169,7 +170,7 @@ class LiveProgram:
 
     Reference counts over what each chosen node reads tell which classes a
     move brings into the program and which it leaves behind: over its own
-    scope for the kernels (a :class:`rewrite.cost.fusion.LiveFusion`, which
+    scope for the kernels (a :class:`rewrite.cost.live.LiveFusion`, which
     re-places and re-prices only what the move touches), and over bodies too
     for the program's signature (``_signature``), so that a move to a program
     priced before is answered from the pricer's memory. ``choice`` is

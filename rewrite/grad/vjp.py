@@ -349,7 +349,7 @@ def split_pricer(snap: Any, model: Any, choice: dict, f_roots: Sequence[Any], b_
     """The price of a split of ``choice``: a training step's plus a gradient alone's."""
     ex = Extractor(snap, model)
     if prices_programs(model):
-        from ..cost.fusion import Program
+        from ..cost.program import Program
 
         pricer = ProgramPricer(ex, model)
         templates: dict = {}
