@@ -27,6 +27,8 @@ import jax
 from jax._src import core
 
 from .cache import store as _cache
+from .cache.fingerprint import program_fingerprint
+from .cache.key import make_key
 from .cost import guard as _guard
 from .jaxpr.trace import CONCRETIZATION_ERRORS, Traced, flatten_args, resolve_static, same_program, trace
 from .rules.saturate import Limits
@@ -172,8 +174,8 @@ class Rewritten:
         if self.disk is None:
             return None, None
         try:
-            program = _cache.program_fingerprint(traced.closed)
-            return _cache.make_key(traced.closed, self.entries, self.cost_model, self.limits, program,
+            program = program_fingerprint(traced.closed)
+            return make_key(traced.closed, self.entries, self.cost_model, self.limits, program,
                                    guard=self.guard), program
         except Exception as e:  # Unstable: a rule or a param with no stable identity
             log.debug("rewrite cache off for %s: %s: %s", getattr(self.fn, "__name__", "function"),
