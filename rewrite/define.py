@@ -17,9 +17,8 @@ from .cost.model import AnalyticCost
 from .jaxpr.trace import Traced, trace_at
 from .pipeline import run_pipeline
 from .rules.match import _short
-from .rules.rule import Rule
+from .rules.rule import Rule, rule as _rule
 from .rules.ruleset import Ruleset
-from .rules.rule import rule as _rule
 from .rules.saturate import Limits
 
 

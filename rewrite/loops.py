@@ -63,8 +63,8 @@ from jax import lax
 from jax._src import core
 
 from .ir import terms as _terms
-from .rules.pattern import Pat
 from .rules.match import Body, Match, Node, Value
+from .rules.pattern import Pat
 
 __all__ = ["SCAN", "WHILE", "Body", "Decline", "Loop", "adds_one", "is_pointwise", "stacked_aval", "step_aval"]
 

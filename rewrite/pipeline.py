@@ -16,18 +16,18 @@ from typing import Any, Sequence
 
 from jax._src import core
 
-from .jaxpr.trace import Traced, _collect_young_only
-from .jaxpr.load import TOKEN_AVAL, load_closed
-from .rules.saturate import Engine, Limits, RuleStats, match_program
-from .rules import prefer as _prefer
+from .cost.model import CostModel
 from .extract.extract import extract, input_cost
 from .extract.extractor import Extractor
-from .jaxpr.emit import emit
-from .cost.model import CostModel
 from .ir.egraph import EGraph
 from .ir.intern import TYPES
+from .jaxpr.emit import emit
+from .jaxpr.load import TOKEN_AVAL, load_closed
+from .jaxpr.trace import Traced, _collect_young_only
+from .rules import prefer as _prefer
 from .rules.rule import Rule
 from .rules.ruleset import Ruleset
+from .rules.saturate import Engine, Limits, RuleStats, match_program
 
 log = logging.getLogger("rewrite")
 

@@ -38,6 +38,7 @@ import jax
 import numpy as np
 from jax._src import core
 
+from ..ir import terms as _terms
 from .model import DEFAULT, AnalyticCost, CostModel, as_cost_model
 from ..ir.primitives import is_inexact_dtype
 from .program import Program
@@ -158,8 +159,6 @@ def pin_duplicates(closed: core.ClosedJaxpr, model: AnalyticCost) -> core.Closed
     XLA does not fuse through; ``None`` if the model predicts no duplicate.
     """
     from jax._src.lax import lax as lax_internal
-
-    from ..ir import terms as _terms
 
     prog = Program.from_jaxpr(closed, model)
     homes, _ = model.fusion_model().fuse(prog)

@@ -50,8 +50,9 @@ from typing import Any, Callable, ClassVar, Mapping, Sequence
 import jax
 
 from ..ir import terms as _terms
-from .fusion import FusionModel
 from ..ir.primitives import BY_PRIM, DEFAULT as _OPAQUE_SPEC, NodeInfo, inner_jaxpr, nbytes, size  # noqa: F401
+from . import calibration as _calibration
+from .fusion import FusionModel
 
 
 class CostModel(abc.ABC):
@@ -120,8 +121,6 @@ class NodeCost(CostModel):
 
 def _table() -> dict[str, Any]:
     """The calibration table of the default backend (``rewrite/cost/calibration.py``), else the CPU's."""
-    from . import calibration as _calibration
-
     name = _calibration.BACKENDS.get(jax.default_backend(), _calibration.BACKENDS["cpu"])
     return getattr(_calibration, name)
 

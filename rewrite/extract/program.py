@@ -13,8 +13,8 @@ import weakref
 from typing import Any, Callable, Sequence
 
 from ..cost.live import LiveFusion
-from ..cost.program import Program, chosen_op
 from ..cost.model import CostModel
+from ..cost.program import Program, chosen_op
 from ..ir import terms as _terms
 from ..ir.walk import operands, walk
 from .extractor import _CONTAINERS, _LEAVES, Extractor, _crossings, _signature

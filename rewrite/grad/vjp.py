@@ -48,13 +48,14 @@ import jax
 import numpy as np
 from jax._src import core
 
-from ..jaxpr.trace import Traced, spec_of
+from ..cost.program import Program
 from ..extract.extract import extract
 from ..extract.extractor import Extractor
 from ..extract.program import ProgramPricer, prices_programs
-from ..jaxpr.emit import Emitter, _Scope, check_signature, dce
 from ..ir.primitives import is_float
 from ..ir.walk import operands, walk
+from ..jaxpr.emit import Emitter, _Scope, check_signature, dce
+from ..jaxpr.trace import Traced, spec_of
 from ..pipeline import Result, run_pipeline
 
 log = logging.getLogger("rewrite")
@@ -349,8 +350,6 @@ def split_pricer(snap: Any, model: Any, choice: dict, f_roots: Sequence[Any], b_
     """The price of a split of ``choice``: a training step's plus a gradient alone's."""
     ex = Extractor(snap, model)
     if prices_programs(model):
-        from ..cost.program import Program
-
         pricer = ProgramPricer(ex, model)
         templates: dict = {}
 

@@ -28,9 +28,9 @@ from jax._src.interpreters import partial_eval as pe
 
 from ..ir import terms as _terms
 from ..ir.egraph import Snapshot
-from .load import side_effects
 from ..ir.intern import EFFECTS, PARAMS, TYPES, TupleType, literal_value
 from ..ir.walk import CycleError, operands, postorder
+from .load import side_effects
 
 
 class EmitError(RuntimeError):

@@ -34,6 +34,7 @@ from jax._src import core
 
 from ..ir import terms as _terms
 from ..ir.intern import PARAMS
+from ..ir.primitives import GROUPS
 from ..jaxpr.trace import _mesh_of, trace_at
 from .match import Params, Value, _short
 from .pattern import Pat, PatternError, Query, commuted, compile_pats, compile_traced, generalize
@@ -376,8 +377,6 @@ def _retyped(closed: core.ClosedJaxpr, avals: Sequence[Any], shape: tuple[int, .
 def _canonical(closed: core.ClosedJaxpr, labels: Sequence[int]) -> tuple:
     """The outputs of ``closed`` as terms over inputs named by ``labels``, with the operands of commutative
     operations sorted: equal for two labellings exactly when they compute the same (see ``Rule.symmetries``)."""
-    from ..ir.primitives import GROUPS
-
     commutative = GROUPS.get("commutative", frozenset())
     env: dict[Any, str] = {v: f"x{labels[i]}" for i, v in enumerate(closed.jaxpr.invars)}
     env.update({v: f"c{i}" for i, v in enumerate(closed.jaxpr.constvars)})

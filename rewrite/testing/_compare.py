@@ -19,9 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..rules.ruleset import entries_of
 from ..rules.rule import Rule
-from ..rules.ruleset import Ruleset, SOUNDNESS, Tolerance
+from ..rules.ruleset import Ruleset, SOUNDNESS, Tolerance, entries_of
 from ._strategies import _is_complex, _is_float, _like, _wide
 
 #: What an exact comparison means, quoted in failure messages.
