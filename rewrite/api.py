@@ -30,15 +30,15 @@ from .cache import store as _cache
 from .cache.fingerprint import program_fingerprint
 from .cache.key import make_key
 from .cost import guard as _guard
-from .jaxpr.trace import CONCRETIZATION_ERRORS, Traced, flatten_args, resolve_static, same_program, trace
-from .rules.saturate import Limits
+from .cost.measure import resolve
 from .errors import RewriteLimitWarning, RewriteWarning, _strict
 from .grad.primitive import Program, bind_if_differentiated
 from .grad.vjp import VJPResult, build_vjp
 from .jaxpr.emit import check_signature
-from .cost.measure import resolve
+from .jaxpr.trace import CONCRETIZATION_ERRORS, Traced, flatten_args, resolve_static, same_program, trace
 from .pipeline import Result, run_pipeline
 from .rules.ruleset import entries_of
+from .rules.saturate import Limits
 
 log = logging.getLogger("rewrite")
 

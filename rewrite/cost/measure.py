@@ -39,8 +39,8 @@ import numpy as np
 from jax._src import core
 
 from ..ir import terms as _terms
-from .model import DEFAULT, AnalyticCost, CostModel, as_cost_model
 from ..ir.primitives import is_inexact_dtype
+from .model import DEFAULT, AnalyticCost, CostModel, as_cost_model
 from .program import Program
 
 _CACHE: dict[tuple, int] = {}
