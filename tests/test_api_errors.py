@@ -207,3 +207,39 @@ def test_a_loose_opaque_pattern_is_verified_at_the_matched_program():
     report = explain(lambda A, b: jnp.linalg.pinv(A) @ b, A, jnp.ones(5),
                      rulesets=[Ruleset("s", [inv_solve], soundness="identity")])
     assert not report.fired
+
+
+# ---------------------------------------------------------------------- assert_equivalent
+def test_a_rewrite_that_is_finite_where_the_original_and_float64_overflow_is_accepted():
+    from rewrite.testing import assert_equivalent
+
+    f = lambda x, w: jnp.sum(jnp.log(1.0 + jnp.exp(x @ w)))  # noqa: E731
+    assert_equivalent(f, jnp.ones((4, 8)), jnp.ones((8, 3)), rulesets=[rulesets.nn], max_examples=25)
+
+
+def test_a_finite_but_wrong_rewrite_is_still_caught_where_nothing_overflows():
+    from rewrite.testing import assert_equivalent
+
+    wrong = Ruleset("wrong", [rule(lambda x: jnp.log(1.0 + jnp.exp(x)), lambda x: jnp.maximum(x, 0.0),
+                                   name="softplus_as_relu")], soundness="identity")
+    with pytest.raises(AssertionError, match="softplus_as_relu"):
+        assert_equivalent(lambda x: jnp.log(1.0 + jnp.exp(x)), jnp.ones(4), rulesets=[wrong], max_examples=25)
+
+
+def test_assert_equivalent_runs_both_sides_compiled():
+    from rewrite.testing import assert_equivalent
+
+    calls = []
+
+    def rnn(h, xs, w):
+        calls.append(1)
+
+        def step(h, x):  # a new body each call: run eagerly, the scan recompiled on every call (0.57 s)
+            h = jnp.tanh(h @ w + x)
+            return h, h.sum()
+        return jax.lax.scan(step, h, xs)[1].sum()
+
+    assert_equivalent(rnn, jnp.ones((2, 4)), jnp.ones((10, 2, 4)), jnp.eye(4) * 0.1, rulesets=[rulesets.scan],
+                      max_examples=10)
+    # Python runs the function when it is traced (the rewrite, one compilation per side), not once per example
+    assert len(calls) <= 4

@@ -20,7 +20,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ..api import rewrite
-from ..jaxpr.trace import is_traced_leaf
+from ..jaxpr.trace import CONCRETIZATION_ERRORS, is_traced_leaf, static_key
 from ..pipeline import Result
 from ..rules.rule import Rule
 from ..rules.ruleset import Ruleset, Tolerance, entries_of
@@ -67,14 +67,52 @@ def _reference_outputs(fn: Callable[..., Any], args: Any) -> list[Any] | None:
         return None
 
 
+_EAGER: Any = object()
+
+
+def _jitted(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` compiled once per signature, its array leaves traced and the other leaves static (keyed as
+    ``rewrite`` keys them), as ``eqx.filter_jit`` does.
+
+    Both sides of a check run this way, as users run them: compiled, not one primitive at a time. Run
+    eagerly, a program that builds a ``lax.scan`` body in each call recompiles the loop every time
+    (0.57 s a call for a 10-step RNN, 1.4 ms compiled). A function that cannot be compiled (Python
+    control flow on values) runs as it is.
+    """
+    cache: dict[Any, Callable[..., Any]] = {}
+
+    def call(*args: Any) -> Any:
+        leaves, tree = jax.tree_util.tree_flatten(args)
+        dynamic = tuple(is_traced_leaf(x) for x in leaves)
+        statics = [x for x, d in zip(leaves, dynamic) if not d]
+        key = (tree, dynamic, tuple(static_key(x) for x in statics))
+        compiled = cache.get(key)
+        if compiled is _EAGER:
+            return fn(*args)
+        if compiled is None:
+            def inner(*xs: Any) -> Any:
+                it, si = iter(xs), iter(statics)
+                return fn(*jax.tree_util.tree_unflatten(tree, [next(it) if d else next(si) for d in dynamic]))
+
+            compiled = cache[key] = jax.jit(inner)
+        try:
+            return compiled(*[x for x, d in zip(leaves, dynamic) if d])
+        except CONCRETIZATION_ERRORS:
+            cache[key] = _EAGER  # this signature runs eagerly from now on
+            return fn(*args)
+
+    return call
+
+
 class _Equivalence:
     """Runs a program and its rewrite on given inputs and raises ``AssertionError`` on a difference."""
 
     def __init__(self, fn: Callable[..., Any], rewritten: Callable[..., Any], soundness: str,
                  tolerance: Tolerance | None, grads: bool, name: str, fired: dict[str, int] | None = None) -> None:
-        self.fn = fn
+        self.fn = _jitted(fn)
+        self.original = fn  # for reports: a drawn program lists itself
         self.fired = fired or {}
-        self.rewritten = rewritten
+        self.rewritten = _jitted(rewritten)
         self.soundness = soundness
         self.tolerance = tolerance
         self.grads = grads
@@ -90,8 +128,8 @@ class _Equivalence:
             lines.append(f"  rewritten = {_show(got, 14)}")
         if self.fired:
             lines.append("  rules that fired: " + ", ".join(f"{k} ({n})" for k, n in self.fired.items()))
-        if isinstance(self.fn, RandomProgram) or isinstance(getattr(self.fn, "program", None), RandomProgram):
-            lines.append("  program: " + repr(self.fn).replace("\n", "\n  "))  # a drawn program lists itself
+        if isinstance(self.original, RandomProgram) or isinstance(getattr(self.original, "program", None), RandomProgram):
+            lines.append("  program: " + repr(self.original).replace("\n", "\n  "))  # a drawn program lists itself
         return AssertionError("\n".join(lines))
 
     def compare(self, args: Any, want: Any, got: Any, what: str, evidence: _Evidence) -> None:
