@@ -24,7 +24,6 @@ import warnings
 from typing import Any, Callable, Sequence
 
 import jax
-from jax._src import core
 
 from .cache import store as _cache
 from .cache.fingerprint import program_fingerprint
@@ -34,6 +33,7 @@ from .cost.measure import resolve
 from .errors import RewriteLimitWarning, RewriteWarning, _strict
 from .grad.primitive import Program, bind_if_differentiated
 from .grad.vjp import VJPResult, build_vjp
+from .ir.jaxapi import core
 from .jaxpr.emit import check_signature
 from .jaxpr.trace import CONCRETIZATION_ERRORS, Traced, flatten_args, resolve_static, same_program, trace
 from .pipeline import Result, run_pipeline

@@ -14,13 +14,13 @@ import logging
 import time
 from typing import Any, Sequence
 
-from jax._src import core
 
 from .cost.model import CostModel
 from .extract.extract import extract, input_cost
 from .extract.extractor import Extractor
 from .ir.egraph import EGraph
 from .ir.intern import TYPES
+from .ir.jaxapi import core
 from .jaxpr.emit import emit
 from .jaxpr.load import TOKEN_AVAL, load_closed
 from .jaxpr.trace import Traced, _collect_young_only

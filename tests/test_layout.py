@@ -5,8 +5,9 @@
 public entry points at the top. These tests read the sources (no import) and
 fail when a change brings back what the layout was made to remove: an import
 circle between modules or between folders (imports inside functions count),
-a module over 700 lines, or an import of a project module hidden inside a
-function without a comment saying why it cannot be at the top.
+a module over 700 lines, an import of a project module hidden inside a
+function without a comment saying why it cannot be at the top, or an import
+of JAX's internals (``jax._src``) anywhere but ``rewrite/ir/jaxapi.py``.
 """
 
 from __future__ import annotations
@@ -126,3 +127,19 @@ def test_few_imports_of_project_modules_inside_functions_each_saying_why():
         text = (ROOT / path).read_text().splitlines()
         assert "#" in text[line - 1] or text[line - 2].strip().startswith("#"), (
             f"{path}:{line}: an import inside a function needs a comment saying why it is not at the top")
+
+
+def test_only_jaxapi_imports_jax_internals():
+    """Every use of ``jax._src`` goes through ``rewrite/ir/jaxapi.py``, where each says what it stands in for."""
+    allowed = ROOT / "rewrite" / "ir" / "jaxapi.py"
+    found = []
+    for package in PACKAGES:
+        for path in _sources(package).values():
+            if path == allowed:
+                continue
+            for node in ast.walk(ast.parse(path.read_text())):
+                names = ([node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0
+                         else [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+                if any(n == "jax._src" or n.startswith("jax._src.") for n in names):
+                    found.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not found, f"import JAX's internals through rewrite/ir/jaxapi.py: {found}"

@@ -16,8 +16,8 @@ import sys
 import weakref
 from typing import Any, Sequence
 
-from jax._src import core
 
+from ..ir.jaxapi import core
 from .fingerprint import Unstable, fingerprint, program_fingerprint
 from .serialise import FORMAT
 

@@ -15,7 +15,9 @@ import sys
 from typing import Any
 
 import numpy as np
-from jax._src import core
+from jax.extend import source_info_util
+
+from ..ir.jaxapi import core, literals
 
 
 FORMAT = 2  # 2: the modules moved into subpackages, so pickled and fingerprinted names changed
@@ -141,8 +143,6 @@ class _Writer:
             return ("dtype", str(x))
         if isinstance(x, (np.ndarray, np.generic)) or _jax_array(x):
             return self.array(x)
-        from jax._src import literals
-
         if isinstance(x, (literals.TypedInt, literals.TypedFloat, literals.TypedComplex)):
             return ("typed", t.__name__, t.__mro__[1](x), str(x.dtype))
         # what is not plain data (a custom_jvp's rule, a mesh, a source location) by its place in the original
@@ -153,8 +153,6 @@ class _Writer:
             return ("ctx", x.compute_type, x.threefry_partitionable, self.value(x.cur_abstract_mesh),
                     x.remove_size_one_mesh_axis, self.value(None if x.xla_metadata is None
                                                             else tuple(sorted(x.xla_metadata.items()))))
-        from jax._src import source_info_util
-
         if isinstance(x, source_info_util.SourceInfo):
             return ("source",)  # a new location; the traceback object cannot be written
         try:
@@ -296,16 +294,12 @@ class _Reader:
             # making a jax.Array would bind into that trace
             return a if shape or on_device else a[()]
         if tag == "typed":
-            from jax._src import literals
-
             return getattr(literals, x[1])(x[2], self._dtype(x[3]))
         if tag == "ctx":
             meta = self.value(x[5])
             return core.JaxprEqnContext._create(x[1], x[2], self.value(x[3]), x[4],
                                                 None if meta is None else tuple(meta))
         if tag == "source":
-            from jax._src import source_info_util
-
             return source_info_util.new_source_info()
         if tag == "pickle":
             return pickle.loads(x[1])

@@ -62,10 +62,10 @@ import time
 import warnings
 from typing import Any
 
-from jax._src import core
 
 from ..cost.guard import GuardDecision
 from ..errors import RewriteWarning
+from ..ir.jaxapi import core
 from ..jaxpr.emit import check_signature
 from ..pipeline import Result
 from ..rules.saturate import RuleStats

@@ -25,8 +25,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from jax._src import core
 
+from ..ir.jaxapi import core
 from .measure import _outside_traces, measurable, time_programs
 
 log = logging.getLogger("rewrite")

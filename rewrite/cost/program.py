@@ -15,6 +15,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from ..ir import terms as _terms
 from ..ir.intern import PARAMS
+from ..ir.jaxapi import core
 from ..ir.primitives import NodeInfo, inner_jaxpr, is_float as _is_float, spec_of
 from ..ir.walk import operands, postorder
 
@@ -62,8 +63,6 @@ class Program:
         elimination: ``sin(a*x) * cos(a*x)`` traces ``a*x`` twice, and XLA
         computes it once, and the two functions of it as one ``sincos``.
         """
-        from jax._src import core
-
         ops: list[Op] = []
         env: dict[Any, int] = {}
         seen: dict[tuple, int] = {}

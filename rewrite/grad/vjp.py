@@ -46,12 +46,12 @@ from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
-from jax._src import core
 
 from ..cost.program import Program
 from ..extract.extract import extract
 from ..extract.extractor import Extractor
 from ..extract.program import ProgramPricer, prices_programs
+from ..ir.jaxapi import core
 from ..ir.primitives import is_float
 from ..ir.walk import operands, walk
 from ..jaxpr.emit import Emitter, _Scope, check_signature, dce

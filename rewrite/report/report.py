@@ -18,11 +18,11 @@ import time
 from typing import Any, Iterator, Sequence
 
 import jax
-from jax._src import core
 
 from ..api import Rewritten
 from ..cost.measure import resolve
 from ..extract.choice import reachable
+from ..ir.jaxapi import core, user_frame
 from ..ir.primitives import nbytes
 from ..jaxpr.emit import check_signature
 from ..jaxpr.trace import CONCRETIZATION_ERRORS, flatten_args, resolve_static, spec_of, trace
@@ -239,9 +239,7 @@ class Report:
 
 def _where(src: Any) -> str:
     try:
-        from jax._src import source_info_util
-
-        frame = source_info_util.user_frame(src.source_info.traceback) if src is not None else None
+        frame = user_frame(src.source_info.traceback) if src is not None else None
         return f" in {frame.file_name}:{frame.start_line}" if frame is not None else ""
     except Exception:
         return ""

@@ -22,6 +22,7 @@ from ..extract.extractor import Extractor
 from ..ir import terms as _terms
 from ..ir.egraph import EGraph, Snapshot
 from ..ir.intern import PARAMS, TYPES
+from ..ir.jaxapi import PRIMITIVE_MODULES, core
 from ..jaxpr.emit import EmitError, emit_slice
 from ..jaxpr.load import load_closed
 from ..jaxpr.trace import trace_at
@@ -151,8 +152,6 @@ class Builder:
 
     def function(self, outs: Sequence[Value], inputs: Sequence[Value]) -> Callable[..., list] | None:
         """``outs`` as a JAX function of ``inputs`` (classes of this snapshot), or ``None``."""
-        from jax._src import core
-
         snap = self.snapshot
         out_cls = [v.cls for v in outs]
         in_cls = [v.cls for v in inputs]
@@ -276,10 +275,7 @@ def _primitive(name: str) -> Any:
         prim = PARAMS[i][0]
         if prim.name == name:
             return prim
-    import jax.extend.core.primitives as prims
-    from jax._src.lax import control_flow, lax, slicing
-
-    for mod in (lax, slicing, control_flow, prims):
+    for mod in PRIMITIVE_MODULES:
         for attr in dir(mod):
             p = getattr(mod, attr)
             if getattr(p, "name", None) == name and hasattr(p, "bind"):

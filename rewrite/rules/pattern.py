@@ -29,10 +29,10 @@ import itertools
 import re
 from typing import Any, Iterable, Sequence
 
-from jax._src import core
 
 from ..ir import terms as _terms
 from ..ir.intern import LITERALS, TYPES, content_hash, in_dtype
+from ..ir.jaxapi import core
 from ..ir.primitives import GROUPS
 from ..jaxpr.load import load_closed
 

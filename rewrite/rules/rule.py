@@ -30,10 +30,10 @@ from typing import Any, Callable, Sequence
 
 import jax.numpy as jnp
 import numpy as np
-from jax._src import core
 
 from ..ir import terms as _terms
 from ..ir.intern import PARAMS
+from ..ir.jaxapi import core
 from ..ir.primitives import GROUPS
 from ..jaxpr.trace import _mesh_of, trace_at
 from .match import Params, Value, _short

@@ -24,11 +24,11 @@ import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 from jax import lax
-from jax._src import core
 
 from ..cost.model import AnalyticCost
 from ..extract.extractor import Extractor, _CONTAINERS
 from ..ir.intern import TupleType
+from ..ir.jaxapi import core
 from ..jaxpr.emit import emit
 from ..jaxpr.trace import trace
 from ..pipeline import Result, run_pipeline
