@@ -187,10 +187,10 @@ class AnalyticCost(CostModel):
     buffer: float = dataclasses.field(default_factory=lambda: _table().get("buffer", 0.0))
     #: the least saving, as a fraction of the input program's price (fixed costs left out), for
     #: which the rewritten program is used; below it the input program is kept, since a smaller
-    #: saving is within the model's error (the suite's programs predicted a few per cent faster
-    #: measure 1.00x). The default, 0, keeps any saving: 0.03 would keep the input program in 15 of
-    #: the built-in packs' golden programs, whose small rewrites (``square`` for ``integer_pow``, a
-    #: folded constant) tests rely on. Set it for production use, e.g. ``AnalyticCost(min_saving=0.03)``.
+    #: saving is within the model's error (a program predicted a few per cent faster may measure
+    #: the same). The default, 0, keeps any saving: the built-in packs' small rewrites (``square`` for
+    #: ``integer_pow``, a folded constant), which the golden files show, are kept. Set it for
+    #: production use, e.g. ``AnalyticCost(min_saving=0.03)``.
     min_saving: float = 0.0
 
     def fixed(self, buffers: int) -> float:

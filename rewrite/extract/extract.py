@@ -76,10 +76,10 @@ def input_cost(snap: Snapshot, outs: Sequence[int], token: int | None, model: Co
 
 
 #: A second ``ProgramSearch`` starts from the input program only where the input prices at most this
-#: fraction above the best rewritten candidate. Where it prices more, the search from the rewritten
-#: start ended as cheap or cheaper on every one of the 34 ecosystem runs (the input's searches took
-#: 4-11 ms of a median program's 90 ms rewrite); where it is as cheap (seed 000's backward pass, an
-#: optimizer chain under fastmath), the search from the input found the cheapest program.
+#: fraction above the best rewritten candidate: a rewrite that pays only from the input program shows
+#: where the input is already as cheap as the best rewrite (a backward pass, an optimizer chain), and
+#: where it prices more the search from the rewritten start finds as much for less time
+#: (``benchmarks/results/log.md``).
 INPUT_START = 1e-3
 
 
@@ -96,9 +96,8 @@ def extract(snap: Snapshot, roots: Sequence[Any], model: CostModel, original: se
         _, orig_choice = ex.tree(lambda cls, ctor, args: ctor in _CONTAINERS or (ctor, args) in original)
         if all(r in orig_choice for r in roots):
             # A rewrite that pays off only from the input program is found by the ProgramSearch from there
-            # (below). A local search from it under the node model as a third candidate found the same
-            # prices on the golden programs and a 0.002% cheaper one on one of the 34 ecosystem runs, at
-            # 5-10% of extraction's time.
+            # (below), so the input is not also locally searched under the node model: that third
+            # candidate found next to nothing for its time (benchmarks/results/log.md).
             candidates.append(Candidate(orig_choice, math.nan, False))
         else:
             orig_choice = None

@@ -72,9 +72,9 @@ class _Loader:
 
 
 #: Nodes with one list argument that programs make often, loaded from rows at the list lengths named
-#: here: ``select_n`` of two cases (16 a program on the ecosystem suite) and an opaque call of one operand.
-#: As actions, each flush that held one compiled a rule for them (0.5-1 ms when a program is loaded);
-#: each kind costs a loader rule, copied at every ``push`` and ``pop`` (see :data:`_POOL`), so few are.
+#: here: ``select_n`` of two cases and an opaque call of one operand. As actions, each flush that held
+#: one would compile a rule for them; each kind of row costs a loader rule, copied at every ``push``
+#: and ``pop`` (see ``ir/egraph.py``'s ``_POOL``), so only the common ones are rows.
 LIST_ROWS = (("SelectN", 2), ("Opaque", 1))
 
 

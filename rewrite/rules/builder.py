@@ -166,7 +166,7 @@ class Builder:
                 # No slice yet: one may come when a class it looked at gains a node (a body's output
                 # found independent of the carry, say), so those classes are read, as nodes_of's are,
                 # and a procedure that declines is tried again then. (A slice that was found is not
-                # watched: retrying on every change inside a loop body cost loop programs 10-20%.)
+                # watched: retrying on every change inside a loop body costs much and finds nothing.)
                 self.reads.update((c, None) for c in seen)
             return None
         try:
