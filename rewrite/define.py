@@ -11,6 +11,8 @@ at every rewrite.
 from __future__ import annotations
 
 import logging
+import os
+import sys
 from typing import Any, Callable
 
 from .cost.model import AnalyticCost
@@ -25,9 +27,24 @@ from .rules.saturate import Limits
 def rule(lhs: Any, rhs: Any, *, name: str, when: Callable[..., bool] | None = None, example: Any = None,
          prefer: bool = False, check: bool = True) -> Rule:
     r = _rule(lhs, rhs, name=name, when=when, example=example, prefer=prefer)
+    r.defined_at = _call_site()
     if check and r.is_pat and r.program is not None:
         check_example(r)
     return r
+
+
+def _call_site() -> tuple[str, int] | None:
+    """Where the user's code called :func:`rule` (the first frame outside this package and functools), for
+    listings that quote the rule's line (``rewrite.report.listing``)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    frame = sys._getframe(2)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        path = os.path.abspath(name)
+        if not path.startswith(here + os.sep) and os.path.basename(path) != "functools.py":
+            return name, frame.f_lineno  # as linecache knows it (a doctest's examples have no file)
+        frame = frame.f_back
+    return None
 
 
 rule.__doc__ = (_rule.__doc__ or "") + """

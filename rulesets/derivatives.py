@@ -507,7 +507,8 @@ derivatives_exact = Ruleset("derivatives_exact", [
          example=(_vjp_of(lambda v: v * jnp.sin(v)), (_S, _S))),
     rule(Pat("reshape", Pat("neg", X), params="p"), lambda x, p: lax.neg(p.bind(x)), name="red_reshape_neg",  # reshape(-x) -> -reshape(x)
          when=lambda p: p.dimensions is None, example=(lambda x: (-(x.reshape(12))).reshape(3, 4), (_S,))),
-], soundness="exact")
+], soundness="exact",
+    description="sign and product identities that keep every bit")
 trig = Ruleset("derivatives_trig", [
     rule(lambda x: jnp.cos(-x), lambda x: jnp.cos(x), name="trig_cos_neg"),                                 # cos(-x) -> cos(x)
     rule(lambda x: jnp.sin(-x), lambda x: -jnp.sin(x), name="trig_sin_neg"),                                # sin(-x) -> -sin(x)
@@ -517,22 +518,25 @@ trig = Ruleset("derivatives_trig", [
     rule(lambda x: 1.0 - jnp.cos(x) ** 2, lambda x: jnp.sin(x) ** 2, name="trig_one_minus_cos2"),         # 1 - cos²x -> sin²x
     rule(lambda x: jnp.cos(x) ** 2 - jnp.sin(x) ** 2, lambda x: jnp.cos(2 * x), name="trig_cos_double"),  # cos²x - sin²x -> cos 2x
     rule(lambda x: jnp.tan(x), lambda x: jnp.sin(x) / jnp.cos(x), name="trig_tan"),                         # tan x -> sin x / cos x (shares them)
-], soundness="identity")
+], soundness="identity",
+    description="sin, cos and tan of the same argument, paired into one transcendental")
 
 explog = Ruleset("derivatives_explog", [
     rule(lambda x: jnp.log(jnp.exp(x)), lambda x: x, name="explog_log_exp"),                                # log(exp x) -> x
     rule(lambda x: jnp.exp(jnp.log(x)), lambda x: x, name="explog_exp_log", when=_nonneg),                  # exp(log x) -> x, x >= 0
     rule(lambda x: 1.0 - lax.logistic(x), lambda x: lax.logistic(-x), name="explog_one_minus_logistic"),   # 1 - σ(x) -> σ(-x)
-], soundness="identity")
+], soundness="identity",
+    description="exp and log inverses and sigmoid forms")
 
 products = Ruleset("derivatives_products", [
     rule(Pat("mul", X, Y), _normalize(False), name="prod_mul",        # x*y: powers of a base; sin·cos -> sin 2x / 2; sinh/cosh -> tanh
          example=(lambda x, g: g * (2.0 * jnp.sin(x)) * jnp.cos(x), (_S, _S))),  # exp/(1+exp) -> σ; exp·exp -> exp(+)
-    rule(Pat("div", X, Y), _normalize(False), name="prod_div",        # x/y: the same, across the division
+    rule(Pat("div", X, Y), _normalize(False), name="prod_div",        # x/y -> the same normal forms, across the division
          example=(lambda x, g: (g * jnp.sinh(x)) / (2.0 * jnp.cosh(x)), (_S, _S))),
     rule(Pat("integer_pow", X), _normalize(False), name="prod_pow",   # (x*x)**3 -> x**6
          example=(lambda x: (x * x) ** 3, (_S,))),
-], soundness="identity")
+], soundness="identity",
+    description="products and quotients normalised: powers of a base gathered, pairs made one function")
 
 reductions = Ruleset("derivatives_reductions", [
     rule(Pat("reduce_sum", X, params="p"), _sum_pull, name="red_pull",                             # sum(b*x) -> b*sum(x), b broadcast on the axes
@@ -547,7 +551,8 @@ reductions = Ruleset("derivatives_reductions", [
     rule(_SUM_OF, lambda x, y, p, op: op.bind(p.bind(x), p.bind(y)), name="red_split",            # sum(x ± y) -> sum x ± sum y
          when=lambda x, y, s: x.aval == s.aval == y.aval,
          example=(lambda x, y: (_sum0(x + y), jnp.sum(x - y, axis=(0, 1))), (_S, _S))),
-], soundness="identity")
+], soundness="identity",
+    description="sums pulled through negations and factors constant along the summed axes, merged and split")
 
 #: Cancellations without a non-zero fact, and log x + log y: not part of ``derivatives``.
 derivatives_fastmath = Ruleset("derivatives_fastmath", [

@@ -337,7 +337,8 @@ _ONE_MINUS_SIGMOID = _derivatives.rule("explog_one_minus_logistic")
 nn_one_hot = Ruleset("nn_one_hot", [
     rule(Pat("reduce_sum", Pat("mul", X, Y), params="r"), _one_hot_sum, name="nn_one_hot_sum",  # sum(one_hot(y) * w) -> w[y]
          example=(_one_hot_ce, (_f32(4, 8), _i32(4)))),
-], soundness="identity")
+], soundness="identity",
+    description="one-hot products as gathers")
 
 nn_stable = Ruleset("nn_stable", [
     rule(Pat("log", Pat("div", Pat("exp", X),                                                                # log(softmax(z)) -> log_softmax(z)
@@ -355,6 +356,8 @@ nn_stable = Ruleset("nn_stable", [
     rule(lambda x: jnp.log(jnp.exp(x) + 1.0), _softplus, prefer=True, name="nn_softplus_r"),                 # log(exp(x) + 1) -> softplus(x)
     rule(lambda x: jnp.log1p(jnp.exp(x)), _softplus, prefer=True, name="nn_softplus_log1p",                  # log1p(exp(x)) -> softplus(x)
          when=_not_softplus_body),
-], soundness="identity")
+], soundness="identity",
+    description="model idioms in their stable forms: log_softmax, logsumexp, softplus, log1p, expm1")
 
-nn = Ruleset("nn", [nn_one_hot, nn_stable], soundness="identity")
+nn = Ruleset("nn", [nn_one_hot, nn_stable], soundness="identity",
+            description="the idioms of model code in their lean and stable forms")

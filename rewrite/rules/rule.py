@@ -222,6 +222,8 @@ class Rule:
         #: For a :class:`Pat` rule, ``(fn, avals)``: a program the rule applies in, given with
         #: ``example=``, on which :func:`rewrite.testing.check_ruleset` exercises the rule.
         self.program = program
+        #: (file, line) of the code that defined this rule, where known (rewrite.define.rule records it)
+        self.defined_at: tuple[str, int] | None = None
         #: The replacement is preferred whatever it costs: the matched form is barred where it fired.
         self.prefer = False
         self._traced: dict[tuple, Any] = {}
