@@ -57,5 +57,6 @@ __all__ = [
 
 
 def __dir__() -> list[str]:
-    """The public names and the module's dunders: not the internal subpackages."""
-    return sorted({n for n in globals() if n.startswith("__")} | set(__all__))
+    """The public names, ``testing`` once it is imported, and the module's dunders: not the internal
+    subpackages, whose names (``rules``, ``report``, ...) would read as public."""
+    return sorted({n for n in globals() if n.startswith("__") or n == "testing"} | set(__all__))
