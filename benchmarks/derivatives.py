@@ -46,7 +46,7 @@ import jax.numpy as jnp
 
 from benchmarks.harness import Row, format_rows, measure
 from rewrite import AnalyticCost, rewrite
-from rewrite.cost.fusion import Program
+from rewrite.cost.program import Program
 from rulesets.derivatives import derivatives, derivatives_fastmath
 
 B, C = 32, 64

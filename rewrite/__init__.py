@@ -11,17 +11,19 @@ surface is this module's names, :mod:`rewrite.testing` and
 :mod:`rewrite.loops`; everything else is internal.
 """
 
-from .rules.saturate import Limits
+from . import loops  # the loop API: rewrite.loops.Loop, rewrite.loops.SCAN
 from .api import Rewritten, rewrite
-from .errors import RewriteLimitWarning, RewriteWarning
-from .cost.model import AnalyticCost, CostModel, NodeCost, NodeInfo
-from .ir.primitives import GROUPS, OpSpec, register_primitive
-from .rules.pattern import Ops, Pat, ops
 from .cost.guard import Guard
-from .report.report import Report, explain
-from .rules.rule import Match, Params, Rule, Ruleset, Tolerance, Value, procedural
+from .cost.model import AnalyticCost, CostModel, NodeCost, NodeInfo
 from .define import rule
-from . import loops  # noqa: E402  (the loop API: rewrite.loops.Loop, rewrite.loops.SCAN)
+from .errors import RewriteLimitWarning, RewriteWarning
+from .ir.primitives import GROUPS, OpSpec, register_primitive
+from .report.report import Report, explain
+from .rules.match import Match, Params, Value
+from .rules.pattern import Ops, Pat, ops
+from .rules.rule import Rule, procedural
+from .rules.ruleset import Ruleset, Tolerance
+from .rules.saturate import Limits
 
 __all__ = [
     "AnalyticCost",
@@ -55,5 +57,6 @@ __all__ = [
 
 
 def __dir__() -> list[str]:
-    """The public names and the module's dunders: not the internal subpackages."""
-    return sorted({n for n in globals() if n.startswith("__")} | set(__all__))
+    """The public names, ``testing`` once it is imported, and the module's dunders: not the internal
+    subpackages, whose names (``rules``, ``report``, ...) would read as public."""
+    return sorted({n for n in globals() if n.startswith("__") or n == "testing"} | set(__all__))

@@ -15,7 +15,6 @@ reported as a :class:`RewriteWarning` and the original program runs. Set
 from __future__ import annotations
 
 import collections
-import collections.abc
 import dataclasses
 import functools
 import logging
@@ -25,36 +24,23 @@ import warnings
 from typing import Any, Callable, Sequence
 
 import jax
-from jax._src import core
 
 from .cache import store as _cache
+from .cache.fingerprint import program_fingerprint
+from .cache.key import make_key
 from .cost import guard as _guard
-from .jaxpr.trace import CONCRETIZATION_ERRORS, Traced, flatten_args, resolve_static, same_program, trace
-from .rules.saturate import Limits
+from .cost.measure import resolve
 from .errors import RewriteLimitWarning, RewriteWarning, _strict
 from .grad.primitive import Program, bind_if_differentiated
 from .grad.vjp import VJPResult, build_vjp
+from .ir.jaxapi import core
 from .jaxpr.emit import check_signature
-from .cost.measure import resolve
+from .jaxpr.trace import CONCRETIZATION_ERRORS, Traced, flatten_args, resolve_static, same_program, trace
 from .pipeline import Result, run_pipeline
-from .rules.rule import Rule, Ruleset, as_ruleset
+from .rules.ruleset import entries_of
+from .rules.saturate import Limits
 
 log = logging.getLogger("rewrite")
-
-def entries_of(rulesets: Any) -> list[tuple[Rule, Ruleset]]:
-    if isinstance(rulesets, (Ruleset, Rule, str)) or not isinstance(rulesets, collections.abc.Iterable):
-        rulesets = [rulesets]  # one of them; as_ruleset says what is wrong with anything else
-    out: list[tuple[Rule, Ruleset]] = []
-    seen: dict[str, int] = {}
-    for rs in rulesets:
-        for r, owner in as_ruleset(rs).entries():
-            if r.name in seen:
-                if out[seen[r.name]][0] is r:
-                    continue
-                raise ValueError(f"two different rules are named {r.name!r}; rule names must be unique")
-            seen[r.name] = len(out)
-            out.append((r, owner))
-    return out
 
 
 def fallback_result(traced: Traced, stopped: str) -> Result:
@@ -188,8 +174,8 @@ class Rewritten:
         if self.disk is None:
             return None, None
         try:
-            program = _cache.program_fingerprint(traced.closed)
-            return _cache.make_key(traced.closed, self.entries, self.cost_model, self.limits, program,
+            program = program_fingerprint(traced.closed)
+            return make_key(traced.closed, self.entries, self.cost_model, self.limits, program,
                                    guard=self.guard), program
         except Exception as e:  # Unstable: a rule or a param with no stable identity
             log.debug("rewrite cache off for %s: %s: %s", getattr(self.fn, "__name__", "function"),

@@ -18,8 +18,9 @@ from typing import Any, Callable
 from .cost.model import AnalyticCost
 from .jaxpr.trace import Traced, trace_at
 from .pipeline import run_pipeline
-from .rules.rule import Rule, Ruleset, _short
-from .rules.rule import rule as _rule
+from .rules.match import _short
+from .rules.rule import Rule, rule as _rule
+from .rules.ruleset import Ruleset
 from .rules.saturate import Limits
 
 

@@ -60,11 +60,11 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 from jax import lax
-from jax._src import core
 
 from .ir import terms as _terms
+from .ir.jaxapi import core
+from .rules.match import Body, Match, Node, Value
 from .rules.pattern import Pat
-from .rules.rule import Body, Match, Node, Value
 
 __all__ = ["SCAN", "WHILE", "Body", "Decline", "Loop", "adds_one", "is_pointwise", "stacked_aval", "step_aval"]
 

@@ -14,18 +14,20 @@ import logging
 import time
 from typing import Any, Sequence
 
-from jax._src import core
 
-from .jaxpr.trace import Traced, _collect_young_only
-from .jaxpr.load import TOKEN_AVAL, load_closed
-from .rules.saturate import Engine, Limits, RuleStats, match_program
-from .rules import prefer as _prefer
-from .extract.extract import Extractor, extract, input_cost
-from .jaxpr.emit import emit
 from .cost.model import CostModel
+from .extract.extract import extract, input_cost
+from .extract.extractor import Extractor
 from .ir.egraph import EGraph
 from .ir.intern import TYPES
-from .rules.rule import Rule, Ruleset
+from .ir.jaxapi import core
+from .jaxpr.emit import emit
+from .jaxpr.load import TOKEN_AVAL, load_closed
+from .jaxpr.trace import Traced, _collect_young_only
+from .rules import prefer as _prefer
+from .rules.rule import Rule
+from .rules.ruleset import Ruleset
+from .rules.saturate import Engine, Limits, RuleStats, match_program
 
 log = logging.getLogger("rewrite")
 
@@ -110,8 +112,8 @@ def _run(traced: Traced, entries: Sequence[tuple[Rule, Ruleset]], model: CostMod
     timing = None
     if isinstance(model, CostModel) and model.measures and len(ex.candidates) > 1:
         t = time.perf_counter()
-        programs = [emit(snap, c, eg, closed.in_avals, roots, token_root, closed.jaxpr.debug_info)
-                    if c is not ex.choice else after for c, _, _ in ex.candidates]
+        programs = [emit(snap, cand.choice, eg, closed.in_avals, roots, token_root, closed.jaxpr.debug_info)
+                    if cand.choice is not ex.choice else after for cand in ex.candidates]
         after, timing = model.choose(programs)
         times["measure"] = time.perf_counter() - t
 

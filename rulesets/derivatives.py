@@ -342,8 +342,8 @@ def simplify(tree: Factor, *, fastmath: bool = False) -> Simplified:
 
 
 # The replacements below are written with ``lax``, not ``jnp``: each ``jnp`` function is a ``jit`` of its
-# own, which costs three times as much to trace at a shape met for the first time (0.9 ms against
-# 0.3 ms for a small product), and a rewrite traces a few dozen replacements at new shapes. Their
+# own, which costs several times as much to trace at a shape met for the first time, and a rewrite
+# traces a few dozen replacements at new shapes. Their
 # operands share a dtype (a product's factors do), and a number is a constant of that dtype (``_k``),
 # as ``jnp`` promotes it: the jaxprs are the ones ``jnp`` makes, literal for literal.
 

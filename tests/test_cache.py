@@ -24,7 +24,9 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from rewrite import AnalyticCost, Guard, Limits, RewriteWarning, Ruleset, rewrite, rule
-from rewrite.cache.store import FORMAT, DiskCache, default_dir, make_key, resolve
+from rewrite.cache.key import make_key
+from rewrite.cache.serialise import FORMAT
+from rewrite.cache.store import DiskCache, default_dir, resolve
 from rewrite.cache.fingerprint import Unstable, fingerprint
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from rewrite import AnalyticCost, rewrite
-from rewrite.cost.fusion import Program, ops_in
+from rewrite.cost.fusion import ops_in
+from rewrite.cost.program import Program
 from rewrite.cost.measure import Measured, choose, pin_duplicates
 from rulesets.derivatives import derivatives
 
@@ -202,7 +203,9 @@ def test_min_saving_keeps_the_input_program_for_a_small_saving():
 
 def test_extraction_prices_each_distinct_program_once():
     """The whole-program search asks for many prices; each distinct program is priced once (the pricer's memo)."""
-    from rewrite.extract.extract import Extractor, ProgramPricer, ProgramSearch, extract
+    from rewrite.extract.extract import extract
+    from rewrite.extract.extractor import Extractor
+    from rewrite.extract.program import ProgramPricer, ProgramSearch
     from rewrite import explain
 
     def f(x):

@@ -34,7 +34,7 @@ from hypothesis import strategies as st
 from jax._src import core
 
 from rewrite import AnalyticCost, Ruleset, explain, rewrite
-from rewrite.extract.extract import Extractor
+from rewrite.extract.extractor import Extractor
 from rewrite.jaxpr.emit import EmitError, emit
 from rewrite.report.report import primitive_counts
 from rulesets.derivatives import derivatives, derivatives_fastmath

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from jax._src import core
 
-from rewrite.ir import egraph as _egraph, terms as _terms
+from rewrite.ir import egraph as _egraph, loader as _loader_mod, terms as _terms
 from rewrite.jaxpr.trace import trace_at
 from rewrite.ir.intern import PARAMS, TYPES
 
@@ -28,8 +28,8 @@ def _rows(eg):
 
 
 def _loaded_kinds(eg, snap):
-    loader = _egraph._loader(_terms.schema())
-    return {loader.kinds[eg.eg.value_to_i64(r.inputs[0])] for r in snap.rows(_egraph.LOAD)}
+    loader = _loader_mod._loader(_terms.schema())
+    return {loader.kinds[eg.eg.value_to_i64(r.inputs[0])] for r in snap.rows(_loader_mod.LOAD)}
 
 
 def test_a_lent_egraph_comes_back_empty_and_is_lent_again():
@@ -88,7 +88,7 @@ def test_rows_make_the_nodes_actions_make():
     assert snap.cls_of_name[opaque] == snap.cls_of_name[y]  # a union from a row
     ctor, args = eg.canonical(snap, m)
     assert snap.egraph.lookup(ctor, list(args[:2]) + [eg.int_value(args[2])]) == snap.cls_of_name[m]
-    assert snap.num_rows == sum(len(f.rows) for n, f in snap.functions.items() if n != _egraph.LOAD)
+    assert snap.num_rows == sum(len(f.rows) for n, f in snap.functions.items() if n != _loader_mod.LOAD)
     kinds = _loaded_kinds(eg, snap)
     assert kinds >= {"Param", "union"} and "Opaque" not in kinds  # rows; the Opaque node (a list) an action
     assert {c for cls in snap.nodes for c, _ in snap.nodes[cls]} >= {"Param", "Opaque", _terms.BY_PRIM["mul"].ctor}
@@ -136,7 +136,7 @@ def test_without_a_folder_to_write_rows_the_nodes_go_as_actions(monkeypatch):
     def unwritable(*args):
         raise OSError("read-only")
 
-    monkeypatch.setattr(_egraph._Rows, "commands", staticmethod(unwritable))
+    monkeypatch.setattr(_loader_mod._Rows, "commands", staticmethod(unwritable))
     eg = _egraph.EGraph()
     x = eg.term("Param", [0, 0], TYPES.intern_aval(F32))
     y = eg.term("Param", [0, 1], TYPES.intern_aval(F32))
@@ -145,7 +145,7 @@ def test_without_a_folder_to_write_rows_the_nodes_go_as_actions(monkeypatch):
     eg.assert_fact("Pos", x)
     snap = eg.snapshot()
     assert snap.cls_of_name[m] == snap.cls_of_name[y] and snap.has_fact("Pos", snap.cls_of_name[x])
-    assert not snap.rows(_egraph.LOAD)
+    assert not snap.rows(_loader_mod.LOAD)
 
 
 def _even_pow(eg, x):
@@ -156,7 +156,7 @@ def _even_pow(eg, x):
 @pytest.mark.parametrize("writable", [True, False])
 def test_every_kind_of_row_loads_from_the_one_relation_or_as_actions(monkeypatch, writable):
     if not writable:
-        monkeypatch.setattr(_egraph._Rows, "commands", staticmethod(lambda *args: (_ for _ in ()).throw(OSError())))
+        monkeypatch.setattr(_loader_mod._Rows, "commands", staticmethod(lambda *args: (_ for _ in ()).throw(OSError())))
     eg = _egraph.EGraph()
     x = eg.term("Param", [0, 0], TYPES.intern_aval(F32))
     lit = eg.literal(np.float32(2.0), core.ShapedArray((), jnp.float32))  # i64 arguments, and facts (Pos...)
@@ -170,7 +170,7 @@ def test_every_kind_of_row_loads_from_the_one_relation_or_as_actions(monkeypatch
     assert eg.eg.lookup_function("EvenPow", [eg.int_value(params)]) is not None  # a relation on params ids
     lit_node = [n for n in snap.nodes[snap.cls_of_name[lit]] if n[0] == "Lit"]
     assert lit_node and lit_node[0][1] == tuple(eg.defs[lit][1])  # i64 columns taken as they are
-    rows = snap.rows(_egraph.LOAD)
+    rows = snap.rows(_loader_mod.LOAD)
     widths = {len(r.inputs) for r in rows}
     assert (widths == {1 + max(1 + len(_terms.ctor_arg_sorts(c)) for c in _terms.flat_ctors())}) if writable else not rows
     if writable:
@@ -179,8 +179,8 @@ def test_every_kind_of_row_loads_from_the_one_relation_or_as_actions(monkeypatch
 
 
 def test_the_loader_has_one_relation_and_a_rule_per_kind():
-    loader = _egraph._loader(_terms.schema())
-    text = _egraph.loader_program(_terms.schema())
+    loader = _loader_mod._loader(_terms.schema())
+    text = _loader_mod.loader_program(_terms.schema())
     assert text.count("(relation ") == 1 and text.count("(rule ") == len(loader.kinds)
     assert set(loader.kinds) >= set(_terms.flat_ctors()) | {"union"} | set(_terms.FACTS) | set(_terms.param_relations())
     assert [loader.ids[k] for k in loader.kinds] == list(range(len(loader.kinds)))
@@ -222,17 +222,17 @@ def test_small_i64_values_are_the_same_in_every_egraph():
     b.term("Const", [2**40 + 5], TYPES.intern_aval(F32))  # an interned i64 in one of them only
     b.flush()
     for n in (0, 1, 12345, 2**31 - 1):
-        va, vb = a.eg.eval_expr(_egraph.int_lit(n))[1], b.eg.eval_expr(_egraph.int_lit(n))[1]
+        va, vb = a.eg.eval_expr(_loader_mod.int_lit(n))[1], b.eg.eval_expr(_loader_mod.int_lit(n))[1]
         assert va == vb and hash(va) == hash(vb) and b.eg.value_to_i64(va) == n
         assert a.int_value(n) == vb
-    assert a.int_value(2**40 + 7) == a.eg.eval_expr(_egraph.int_lit(2**40 + 7))[1]
-    assert 2**40 + 7 not in _egraph._UNBOXED and b.int_value(-3) == b.eg.eval_expr(_egraph.int_lit(-3))[1]
+    assert a.int_value(2**40 + 7) == a.eg.eval_expr(_loader_mod.int_lit(2**40 + 7))[1]
+    assert 2**40 + 7 not in _egraph._UNBOXED and b.int_value(-3) == b.eg.eval_expr(_loader_mod.int_lit(-3))[1]
 
 
 def test_queries_of_one_signature_share_a_relation_and_are_read_apart():
     from rewrite import Ruleset, explain, rule
     from rewrite.rules.saturate import match_program
-    from rewrite.api import entries_of
+    from rewrite.rules.ruleset import entries_of
 
     pack = Ruleset("shared", [rule(lambda x: x * 1.0, lambda x: x, name="mul_one_s"),
                               rule(lambda x: x + 0.0, lambda x: x, name="add_zero_s"),
@@ -340,7 +340,7 @@ def test_an_explained_rewrite_leaves_no_cycle_that_holds_its_egraph():
 @pytest.mark.parametrize("writable", [True, False])
 def test_nodes_with_a_short_list_load_from_rows_as_actions_would_make_them(monkeypatch, writable):
     if not writable:
-        monkeypatch.setattr(_egraph._Rows, "commands", staticmethod(lambda *args: (_ for _ in ()).throw(OSError())))
+        monkeypatch.setattr(_loader_mod._Rows, "commands", staticmethod(lambda *args: (_ for _ in ()).throw(OSError())))
     eg = _egraph.EGraph()
     f32, b = TYPES.intern_aval(F32), TYPES.intern_aval(core.ShapedArray((3,), jnp.bool_))
     x = eg.term("Param", [0, 0], f32)
@@ -360,4 +360,4 @@ def test_nodes_with_a_short_list_load_from_rows_as_actions_would_make_them(monke
         assert _loaded_kinds(eg, snap) >= {"SelectN/2", "Opaque/1"}
         assert "SelectN/3" not in _loaded_kinds(eg, snap)
     else:
-        assert not snap.rows(_egraph.LOAD)
+        assert not snap.rows(_loader_mod.LOAD)

@@ -1,7 +1,7 @@
 """Extraction's searches price moves incrementally and skip repeated moves; both must leave the choices as they were.
 
 * :class:`rewrite.extract.extract.LiveProgram` prices a program move by move
-  (``rewrite.cost.fusion.LiveFusion``); every price must equal the whole-program
+  (``rewrite.cost.live.LiveFusion``); every price must equal the whole-program
   price of the same choice, after any sequence of moves, kept or undone.
 * :class:`rewrite.extract.extract.LocalSearch` does not repeat a move of a loop's
   projections that leads to the same group move as one that failed; it must
@@ -17,7 +17,9 @@ from jax import lax
 
 import rulesets
 from rewrite import AnalyticCost, Ruleset, explain, rule
-from rewrite.extract.extract import _CONTAINERS, Extractor, LocalSearch, ProgramPricer, reachable
+from rewrite.extract.choice import reachable
+from rewrite.extract.extractor import _CONTAINERS, Extractor, LocalSearch
+from rewrite.extract.program import ProgramPricer
 from rulesets.derivatives import derivatives
 
 T, B, H, I = 8, 64, 6, 2
@@ -192,7 +194,9 @@ from hypothesis import strategies as st  # noqa: E402
 from jax import core as jcore  # noqa: E402
 
 from rewrite.ir import terms as _terms  # noqa: E402
-from rewrite.cost.fusion import FusionModel, LiveFusion, Op, Program  # noqa: E402
+from rewrite.cost.fusion import FusionModel  # noqa: E402
+from rewrite.cost.live import LiveFusion  # noqa: E402
+from rewrite.cost.program import Op, Program  # noqa: E402
 
 _S = jcore.ShapedArray((64, 96), jnp.float32)   # large enough for a library reduction
 _R = jcore.ShapedArray((96,), jnp.float32)
@@ -292,18 +296,19 @@ def test_candidate_costs_are_whole_program_prices(name):
     """``extract`` prices its candidates by moving one live program between them, and keeps each one's signature to
     ask for it once; the costs it reports must still be the whole-program prices of its candidates, computed afresh
     (up to the order of the sums)."""
-    from rewrite.extract.extract import _signature, extract
+    from rewrite.extract.extract import extract
+    from rewrite.extract.extractor import _signature
 
     res, model, _, _ = _search_state(name)
     out = extract(res.snapshot, res.roots, model, res.original)
     fresh = ProgramPricer(Extractor(res.snapshot, model), model)
     assert len(out.candidates) >= 2
     keys = set()
-    for choice, cost, _ in out.candidates:
-        assert cost == pytest.approx(fresh.price(fresh.program(choice, res.roots)), rel=1e-12)
-        keys.add(_signature(fresh.ex, choice, res.roots))
+    for cand in out.candidates:
+        assert cand.cost == pytest.approx(fresh.price(fresh.program(cand.choice, res.roots)), rel=1e-12)
+        keys.add(_signature(fresh.ex, cand.choice, res.roots))
     assert len(keys) == len(out.candidates)  # the candidates are distinct programs
-    assert out.cost == min(c for _, c, _ in out.candidates) or not out.rewritten
+    assert out.cost == min(cand.cost for cand in out.candidates) or not out.rewritten
 
 
 @pytest.mark.parametrize("name", sorted(PROGRAMS))

@@ -148,7 +148,7 @@ def test_a_nested_primitive_added_by_one_entry_round_trips_and_rules_reach_its_b
     # its price hook is what the cost model charges
     snap, choice = report.result.snapshot, report.result.choice
     node = next(c for c in choice if choice[c][0] == "TestCall")
-    from rewrite.extract.extract import Extractor
+    from rewrite.extract.extractor import Extractor
 
     ex = Extractor(snap, AnalyticCost())
     info = ex.info(node, *choice[node], choice, (10.0,))

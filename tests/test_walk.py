@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import pytest
 
 from rewrite import explain
-from rewrite.extract.extract import reachable
+from rewrite.extract.choice import reachable
 from rewrite.ir.walk import CycleError, children, operands, postorder, term_children, walk
 
 GRAPH = {"r": ["a", "b"], "a": ["c"], "b": ["c", "d"], "c": [], "d": ["c"]}

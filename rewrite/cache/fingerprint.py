@@ -27,7 +27,8 @@ import types
 from typing import Any
 
 import numpy as np
-from jax._src import core
+
+from ..ir.jaxapi import core
 
 #: Top-level packages whose objects are named, not hashed: their versions are in the key.
 VERSIONED = frozenset({"jax", "jaxlib", "numpy", "egglog", "ml_dtypes", "opt_einsum", "scipy", "rewrite",

@@ -25,7 +25,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from jax._src import core
+
+from ..ir.jaxapi import core
+from .measure import _outside_traces, measurable, time_programs
 
 log = logging.getLogger("rewrite")
 
@@ -77,8 +79,6 @@ class GuardDecision:
 def guard(before: core.ClosedJaxpr, after: core.ClosedJaxpr, settings: Guard | None = None
           ) -> tuple[core.ClosedJaxpr, GuardDecision]:
     """Time ``before`` and ``after`` side by side and return the faster, with the decision."""
-    from .measure import _outside_traces, measurable, time_programs
-
     settings = settings or Guard()
     if after is before:
         return before, GuardDecision("original", None, None, "the rewrite changed nothing")

@@ -36,11 +36,12 @@ from typing import Any, Callable, ClassVar, Sequence
 
 import jax
 import numpy as np
-from jax._src import core
 
-from .model import DEFAULT, AnalyticCost, CostModel, as_cost_model
-from .fusion import Program
+from ..ir import terms as _terms
+from ..ir.jaxapi import core, optimization_barrier_p
 from ..ir.primitives import is_inexact_dtype
+from .model import DEFAULT, AnalyticCost, CostModel, as_cost_model
+from .program import Program
 
 _CACHE: dict[tuple, int] = {}
 _LOCK = threading.Lock()
@@ -157,10 +158,6 @@ def pin_duplicates(closed: core.ClosedJaxpr, model: AnalyticCost) -> core.Closed
     Each such value is passed through ``lax.optimization_barrier``, which
     XLA does not fuse through; ``None`` if the model predicts no duplicate.
     """
-    from jax._src.lax import lax as lax_internal
-
-    from ..ir import terms as _terms
-
     prog = Program.from_jaxpr(closed, model)
     homes, _ = model.fusion_model().fuse(prog)
     jaxpr = closed.jaxpr
@@ -177,7 +174,7 @@ def pin_duplicates(closed: core.ClosedJaxpr, model: AnalyticCost) -> core.Closed
         for v in e.outvars:
             if v in pinned:
                 nv = core.Var(v.aval)
-                eqns.append(core.new_jaxpr_eqn([v], [nv], lax_internal.optimization_barrier_p, {}, core.no_effects,
+                eqns.append(core.new_jaxpr_eqn([v], [nv], optimization_barrier_p, {}, core.no_effects,
                                                e.source_info))
                 subst[v] = nv
     outs = [subst.get(v, v) if not isinstance(v, core.Literal) else v for v in jaxpr.outvars]

@@ -9,7 +9,7 @@ one declared:
    The extractor adds node prices over the chosen program, counting a shared
    node once;
 2. a *whole-program price* (if ``prices_programs``): ``model.program(prog)``
-   prices a whole candidate program (a :class:`rewrite.cost.fusion.Program`),
+   prices a whole candidate program (a :class:`rewrite.cost.program.Program`),
    which a sum of node prices cannot: what XLA fuses, stores and recomputes.
    The extractor then chooses among candidates, and refines the best, by it;
 3. a *measured final choice* (if ``measures``): ``model.choose(programs)``
@@ -50,8 +50,9 @@ from typing import Any, Callable, ClassVar, Mapping, Sequence
 import jax
 
 from ..ir import terms as _terms
-from .fusion import FusionModel
 from ..ir.primitives import BY_PRIM, DEFAULT as _OPAQUE_SPEC, NodeInfo, inner_jaxpr, nbytes, size  # noqa: F401
+from . import calibration as _calibration
+from .fusion import FusionModel
 
 
 class CostModel(abc.ABC):
@@ -84,7 +85,7 @@ class CostModel(abc.ABC):
         """The price of one node: a non-negative float; only comparisons matter."""
 
     def program(self, prog: Any) -> float:
-        """The price of a whole program (a :class:`rewrite.cost.fusion.Program`); used when ``prices_programs``."""
+        """The price of a whole program (a :class:`rewrite.cost.program.Program`); used when ``prices_programs``."""
         raise NotImplementedError(f"{type(self).__name__} does not price whole programs")
 
     def choose(self, programs: Sequence[Any]) -> tuple[Any, Any]:
@@ -120,8 +121,6 @@ class NodeCost(CostModel):
 
 def _table() -> dict[str, Any]:
     """The calibration table of the default backend (``rewrite/cost/calibration.py``), else the CPU's."""
-    from . import calibration as _calibration
-
     name = _calibration.BACKENDS.get(jax.default_backend(), _calibration.BACKENDS["cpu"])
     return getattr(_calibration, name)
 
@@ -188,10 +187,10 @@ class AnalyticCost(CostModel):
     buffer: float = dataclasses.field(default_factory=lambda: _table().get("buffer", 0.0))
     #: the least saving, as a fraction of the input program's price (fixed costs left out), for
     #: which the rewritten program is used; below it the input program is kept, since a smaller
-    #: saving is within the model's error (the suite's programs predicted a few per cent faster
-    #: measure 1.00x). The default, 0, keeps any saving: 0.03 would keep the input program in 15 of
-    #: the built-in packs' golden programs, whose small rewrites (``square`` for ``integer_pow``, a
-    #: folded constant) tests rely on. Set it for production use, e.g. ``AnalyticCost(min_saving=0.03)``.
+    #: saving is within the model's error (a program predicted a few per cent faster may measure
+    #: the same). The default, 0, keeps any saving: the built-in packs' small rewrites (``square`` for
+    #: ``integer_pow``, a folded constant), which the golden files show, are kept. Set it for
+    #: production use, e.g. ``AnalyticCost(min_saving=0.03)``.
     min_saving: float = 0.0
 
     def fixed(self, buffers: int) -> float:
@@ -291,14 +290,14 @@ class AnalyticCost(CostModel):
         return self.fusion_model()
 
     def program(self, prog: Any) -> float:
-        """The predicted cost of a whole program (a :class:`rewrite.cost.fusion.Program`), fusion included."""
+        """The predicted cost of a whole program (a :class:`rewrite.cost.program.Program`), fusion included."""
         return self._fusion(prog)
 
     def program_fusion(self) -> FusionModel | None:
         """The fusion model :meth:`program` prices with, or ``None`` where a subclass prices programs its own way.
 
         The extractor's search uses it to price a program move by move
-        (``rewrite.cost.fusion.LiveFusion``) instead of whole for every move.
+        (``rewrite.cost.live.LiveFusion``) instead of whole for every move.
         """
         return self._fusion if type(self).program is AnalyticCost.program and self.prices_programs else None
 

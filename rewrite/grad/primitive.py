@@ -60,12 +60,11 @@ import warnings
 from typing import Any, Sequence
 
 import jax
-from jax._src import core
 from jax.dtypes import float0
-from jax._src.interpreters import ad, batching, mlir
-from jax._src.interpreters import partial_eval as pe
+from jax.interpreters import batching, mlir
 
 from ..errors import RewriteWarning, _strict
+from ..ir.jaxapi import ad, core, custom_staging_rules
 from ..jaxpr.emit import check_signature
 from ..jaxpr.trace import Traced, spec_of
 from ..pipeline import run_pipeline
@@ -288,7 +287,7 @@ def _linearize(is_vjp: bool, nonzeros: Sequence[bool], *primals: Any, program: P
 rewritten_p.def_impl(_impl)
 rewritten_p.def_abstract_eval(_abstract_eval)
 mlir.register_lowering(rewritten_p, mlir.lower_fun(_impl, multiple_results=True))
-pe.custom_staging_rules[rewritten_p] = _staging
+custom_staging_rules[rewritten_p] = _staging
 batching.primitive_batchers[rewritten_p] = _batch
 ad.primitive_jvps[rewritten_p] = _jvp
 ad.primitive_linearizations[rewritten_p] = _linearize

@@ -42,18 +42,20 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-import warnings
 from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
-from jax._src import core
 
-from ..jaxpr.trace import Traced, spec_of
-from ..extract.extract import Extractor, ProgramPricer, extract, prices_programs
-from ..jaxpr.emit import Emitter, _Scope, check_signature, dce
+from ..cost.program import Program
+from ..extract.extract import extract
+from ..extract.extractor import Extractor
+from ..extract.program import ProgramPricer, prices_programs
+from ..ir.jaxapi import core
 from ..ir.primitives import is_float
 from ..ir.walk import operands, walk
+from ..jaxpr.emit import Emitter, _Scope, check_signature, dce
+from ..jaxpr.trace import Traced, spec_of
 from ..pipeline import Result, run_pipeline
 
 log = logging.getLogger("rewrite")
@@ -348,8 +350,6 @@ def split_pricer(snap: Any, model: Any, choice: dict, f_roots: Sequence[Any], b_
     """The price of a split of ``choice``: a training step's plus a gradient alone's."""
     ex = Extractor(snap, model)
     if prices_programs(model):
-        from ..cost.fusion import Program
-
         pricer = ProgramPricer(ex, model)
         templates: dict = {}
 

@@ -43,6 +43,8 @@ from typing import Any, Callable, Mapping, NamedTuple, Sequence
 import numpy as np
 import jax.numpy as jnp
 
+from .jaxapi import UnspecifiedValue, core
+
 #: Families: how the cost model prices a primitive, and whether its params are wildcards in patterns.
 ELEMENTWISE = "elementwise"   # cheap pointwise arithmetic; fuses
 TRANSCENDENTAL = "transcendental"  # pointwise, but costs much more than a flop
@@ -434,8 +436,6 @@ def _transparent_jit(params: Mapping[str, Any]) -> bool:
     Inlining it keeps the program's meaning and lets rules see through helpers
     such as ``jnp.where`` and ``jnp.clip``, which ``jax.numpy`` wraps in ``jit``.
     """
-    from jax._src.sharding_impls import UnspecifiedValue
-
     return (all(isinstance(s, UnspecifiedValue) for s in params.get("in_shardings", ()))
             and all(isinstance(s, UnspecifiedValue) for s in params.get("out_shardings", ()))
             and all(l is None for l in params.get("in_layouts", ()))
@@ -490,8 +490,6 @@ def _checkpoint_load(ld: Any) -> list[Any]:
     # A result that is an input of the body is that operand: checkpointing changes what is saved, not what
     # is computed. (A backward loop's body often hands a cotangent on this way; read as the operand, the
     # loop's rules see that the carry never changes.)
-    from jax._src import core
-
     position = {v: i for i, v in enumerate(jaxpr.invars)}
     return [ld.args[position[v]] if isinstance(v, core.Var) and v in position else out
             for v, out in zip(jaxpr.outvars, outs)]
@@ -508,8 +506,6 @@ def _convert_load(ld: Any) -> list[Any] | None:
     """``convert_element_type`` of a literal that only drops weak typing: fold it into the literal."""
     eqn = ld.eqn
     x, out = eqn.invars[0], eqn.outvars[0].aval
-    from jax._src import core
-
     if (isinstance(x, core.Literal) and x.aval.dtype == out.dtype and x.aval.shape == out.shape == ()
             and eqn.params.get("sharding") is None):
         return [ld.literal(np.asarray(x.val, dtype=out.dtype), out)]

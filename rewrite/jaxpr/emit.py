@@ -22,15 +22,15 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import numpy as np
-from jax._src import core, source_info_util
-from jax._src.literals import TypedNdArray
-from jax._src.interpreters import partial_eval as pe
+from jax.extend import source_info_util
+from jax.interpreters import partial_eval as pe
 
 from ..ir import terms as _terms
 from ..ir.egraph import Snapshot
-from .load import side_effects
 from ..ir.intern import EFFECTS, PARAMS, TYPES, TupleType, literal_value
+from ..ir.jaxapi import core, literals, primitives
 from ..ir.walk import CycleError, operands, postorder
+from .load import side_effects
 
 
 class EmitError(RuntimeError):
@@ -77,7 +77,7 @@ class _Scope:
             lit_id, type_id = args
             aval = TYPES[type_id]
             # TypedNdArray, as JAX's own tracer makes literals: it keeps the exact dtype and weak type.
-            value = TypedNdArray(np.asarray(literal_value(lit_id, aval.dtype), dtype=aval.dtype), aval)
+            value = literals.TypedNdArray(np.asarray(literal_value(lit_id, aval.dtype), dtype=aval.dtype), aval)
             return core.Literal(value, aval)
         if ctor == "Const":
             (h,) = args
@@ -221,8 +221,6 @@ def _name_carries(jaxpr: core.Jaxpr, num_carry: int) -> core.Jaxpr:
     A checkpoint policy saves named values only; naming the outputs alone
     would leave the uses inside the body (the ones autodiff needs) unnamed.
     """
-    from jax._src.ad_checkpoint import name_p
-
     targets = {v for v in jaxpr.outvars[:num_carry] if isinstance(v, core.Var)} - set(jaxpr.invars)
     sub: dict[core.Var, core.Var] = {}
 
@@ -235,7 +233,7 @@ def _name_carries(jaxpr: core.Jaxpr, num_carry: int) -> core.Jaxpr:
         for o in e.outvars:
             if o in targets and o not in sub:
                 sub[o] = core.Var(o.aval)
-                eqns.append(core.new_jaxpr_eqn([o], [sub[o]], name_p, {"name": _CARRY_NAME}, core.no_effects,
+                eqns.append(core.new_jaxpr_eqn([o], [sub[o]], primitives.name_p, {"name": _CARRY_NAME}, core.no_effects,
                                                e.source_info))
     return jaxpr.replace(eqns=eqns, outvars=[read(a) for a in jaxpr.outvars])
 

@@ -20,10 +20,10 @@ from __future__ import annotations
 from typing import Any, NamedTuple, Protocol, Sequence
 
 import numpy as np
-from jax._src import core
 
 from ..ir import terms as _terms
 from ..ir.intern import EFFECTS, PARAMS, TYPES
+from ..ir.jaxapi import core
 from ..ir.primitives import Unsupported  # noqa: F401  (raised by builders and load hooks)
 
 TOKEN_AVAL = core.abstract_token

@@ -30,7 +30,11 @@ from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
-from jax._src import core
+from jax.extend import linear_util as lu
+from jax.interpreters import partial_eval as pe
+from jax.sharding import AxisType, use_abstract_mesh
+
+from ..ir.jaxapi import check_vma, core, fun_sourceinfo
 
 
 @dataclasses.dataclass(frozen=True)
@@ -251,7 +255,7 @@ def trace(fn: Callable[..., Any], specs: Sequence[Any], in_tree: Any, stat_args:
         return [v for v in out_leaves if is_traced_leaf(v)]
 
     avals = [s for s, d in zip(specs, dynamic) if d]
-    with _context(avals), _collect_young_only():  # a full collection here cost a neural ODE 0.15 s of 0.33
+    with _context(avals), _collect_young_only():  # tracing a large model triggers full collections
         closed = jax.make_jaxpr(flat_fn)(*[spec_of(a) for a in avals])
     out_tree, out_static = out_tree_box[-1]
     closed, captured = _capture(closed)
@@ -319,9 +323,6 @@ def _context(avals: Sequence[Any]):
     over and inserts ``pvary``. Tracing without the right context gives values
     of another type than the program's.
     """
-    from jax._src import config
-    from jax._src.mesh import AxisType
-    from jax.sharding import use_abstract_mesh
 
     mesh = next((m for m in map(_mesh_of, avals) if m is not None), None)
     if mesh is None:
@@ -333,7 +334,7 @@ def _context(avals: Sequence[Any]):
         if manual:
             varying = any(getattr(getattr(a, "manual_axis_type", None), "varying", None) for a in avals)
             stack.enter_context(core.extend_axis_env_nd([(n, mesh.shape[n]) for n in manual]))
-            stack.enter_context(config._check_vma(bool(varying)))
+            stack.enter_context(check_vma(bool(varying)))
         yield
 
 
@@ -347,15 +348,11 @@ def trace_at(fn: Callable[..., Any], avals: Sequence[Any]) -> core.ClosedJaxpr:
     """
     if not any(_mesh_of(a) is not None for a in avals):
         try:
-            from jax._src import api_util
-            from jax._src import linear_util as lu
-            from jax._src.interpreters import partial_eval as pe
-
             in_avals = [core.ShapedArray(a.shape, a.dtype, weak_type=bool(getattr(a, "weak_type", False)))
                         for a in avals]
             # The debug info made by hand: api_util.debug_info reads the function's signature (inspect), a
             # quarter of a small trace's cost; argument names only label error messages.
-            debug = core.DebugInfo("rewrite.trace_at", api_util.fun_sourceinfo(fn), None, core.initial_result_paths)
+            debug = core.DebugInfo("rewrite.trace_at", fun_sourceinfo(fn), None, core.initial_result_paths)
         except Exception:  # not a function these internals take: make_jaxpr's way (fn is not called twice)
             pass
         else:

@@ -17,10 +17,10 @@ from typing import Any
 
 import itertools
 
+from ..extract.choice import reachable
 from ..ir import terms as _terms
-from ..extract.extract import reachable
-from ..ir.walk import children, walk
 from ..ir.intern import LITERALS, PARAMS
+from ..ir.walk import children, walk
 
 _HIDDEN_PARAMS = {"sharding", "out_sharding", "accuracy", "out_dtype", "_rw_order"}
 

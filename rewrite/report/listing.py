@@ -27,7 +27,8 @@ from __future__ import annotations
 import linecache
 import re
 
-from ..rules.rule import Rule, Ruleset
+from ..rules.rule import Rule
+from ..rules.ruleset import Ruleset
 
 
 def _lines(path: str) -> list[str]:

@@ -18,17 +18,21 @@ import time
 from typing import Any, Iterator, Sequence
 
 import jax
-from jax._src import core
 
-from ..jaxpr.trace import CONCRETIZATION_ERRORS, flatten_args, resolve_static, spec_of, trace
-from ..rules.saturate import Limits
-from ..extract.extract import reachable
-from ..api import Rewritten, entries_of
-from ..jaxpr.emit import check_signature
+from ..api import Rewritten
 from ..cost.measure import resolve
+from ..extract.choice import reachable
+from ..ir.jaxapi import core, user_frame
 from ..ir.primitives import nbytes
+from ..jaxpr.emit import check_signature
+from ..jaxpr.trace import CONCRETIZATION_ERRORS, flatten_args, resolve_static, spec_of, trace
 from ..pipeline import Result, run_pipeline
-from ..rules.rule import Rule, Ruleset, _short
+from ..rules.match import _short
+from ..rules.rule import Rule
+from ..rules.ruleset import Ruleset, entries_of
+from ..rules.saturate import Limits
+from .dot import to_dot, to_svg
+from .why import builds_loops, declined
 
 
 def equations(closed: Any) -> Iterator[core.JaxprEqn]:
@@ -183,8 +187,6 @@ class Report:
         """Why ``rule``'s rewrite is not in the result: a :class:`rewrite.report.why.Declined` with the price kept,
         the price with the rule's nodes in the program, and the operations whose prices differ most;
         ``None`` if the rule built nothing or the report kept no e-graph."""
-        from .why import declined
-
         if self.model is None:
             return None
         cache = self.__dict__.setdefault("_why", {})
@@ -194,8 +196,6 @@ class Report:
 
     def declined(self) -> list[Any]:
         """:meth:`why` for every rule that fired, built a loop, and has nothing in the result."""
-        from .why import builds_loops
-
         if self.model is None or self.result.egraph is None:
             return []
         names = [k for k in self.fired if not self.used.get(k) and builds_loops(self.result, k)]
@@ -233,14 +233,10 @@ class Report:
 
     def to_dot(self, max_classes: int = 200) -> str:
         """The final e-graph in Graphviz DOT: clusters are classes, chosen nodes are bold."""
-        from .dot import to_dot
-
         return to_dot(self.result, max_classes)
 
     def to_svg(self, max_classes: int = 200) -> str:
         """:meth:`to_dot`, rendered by Graphviz's ``dot`` program (which must be installed)."""
-        from .dot import to_svg
-
         return to_svg(self.to_dot(max_classes))
 
     def __str__(self) -> str:
@@ -254,9 +250,7 @@ class Report:
 
 def _where(src: Any) -> str:
     try:
-        from jax._src import source_info_util
-
-        frame = source_info_util.user_frame(src.source_info.traceback) if src is not None else None
+        frame = user_frame(src.source_info.traceback) if src is not None else None
         return f" in {frame.file_name}:{frame.start_line}" if frame is not None else ""
     except Exception:
         return ""

@@ -19,8 +19,9 @@ import collections
 import dataclasses
 from typing import Any
 
+from ..extract.extractor import Extractor
+from ..extract.program import ProgramPricer, prices_programs
 from ..ir import terms as _terms
-from ..extract.extract import Extractor, ProgramPricer, prices_programs
 from ..ir.walk import CycleError, postorder, walk
 
 

@@ -29,11 +29,12 @@ import itertools
 import re
 from typing import Any, Iterable, Sequence
 
-from jax._src import core
 
 from ..ir import terms as _terms
-from ..jaxpr.load import load_closed
 from ..ir.intern import LITERALS, TYPES, content_hash, in_dtype
+from ..ir.jaxapi import core
+from ..ir.primitives import GROUPS
+from ..jaxpr.load import load_closed
 
 #: Families whose params are shapes, axes or bounds: wildcards in queries.
 _SHAPE_FAMILIES = {_terms.LAYOUT, _terms.TRANSPOSE, _terms.REDUCE, _terms.CONTRACT, _terms.INDEX}
@@ -47,8 +48,6 @@ class PatternError(ValueError):
 def _group(name: str) -> frozenset[str]:
     """A group of the table of primitives (:data:`rewrite.GROUPS`), read when asked: a primitive
     registered later (``register_primitive``) is a member from then on."""
-    from ..ir.primitives import GROUPS
-
     return frozenset(GROUPS.get(name, ()))
 
 

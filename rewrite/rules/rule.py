@@ -1,4 +1,4 @@
-"""Rules and rulesets: the Python DSL.
+"""Rules: the Python DSL (rulesets, which collect them, are in ``ruleset.py``).
 
 A rule is two JAX functions of the same pattern variables::
 
@@ -23,50 +23,25 @@ or, when it needs the e-graph itself (users of a class, a loop body), a
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import importlib
 import inspect
 import itertools
-from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Sequence
 
 import jax.numpy as jnp
 import numpy as np
-from jax._src import core
 
-from ..jaxpr.trace import _mesh_of, trace_at
 from ..ir import terms as _terms
-from ..ir.intern import LITERALS, PARAMS, literal_value
+from ..ir.intern import PARAMS
+from ..ir.jaxapi import core
+from ..ir.primitives import GROUPS
+from ..jaxpr.trace import _mesh_of, trace_at
+from .match import Params, Value, _short
 from .pattern import Pat, PatternError, Query, commuted, compile_pats, compile_traced, generalize
 
-SOUNDNESS = ("exact", "identity", "fastmath")
 
 #: Pattern variables are traced at these shapes (float32) when no example is given.
 PROBE_SHAPES: tuple[tuple[int, ...], ...] = ((), (3,), (3, 3), (3, 3, 3))
-
-
-@dataclasses.dataclass(frozen=True)
-class Tolerance:
-    """How far an ``identity`` or ``fastmath`` rule may move a float32 result.
-
-    For other float dtypes both bounds scale with machine epsilon, so a
-    bfloat16 program gets a bfloat16-sized tolerance.
-
-    >>> import numpy as np
-    >>> from rewrite import Tolerance
-    >>> Tolerance(rtol=1e-6, atol=0.0).for_dtype(np.float64)[0] < 1e-14
-    True
-    """
-
-    rtol: float = 1e-5
-    atol: float = 1e-6
-
-    def for_dtype(self, dtype: Any) -> tuple[float, float]:
-        dtype = np.dtype(dtype)
-        if not jnp.issubdtype(dtype, jnp.inexact):
-            return 0.0, 0.0
-        scale = float(jnp.finfo(dtype).eps) / float(jnp.finfo(np.float32).eps)
-        return self.rtol * scale, self.atol * scale
 
 
 class Procedure:
@@ -98,52 +73,6 @@ def procedural(fn: Callable[["Match"], Any]) -> Procedure:
     >>> r = rule(lambda x: x / 2.0, halve_if_even, name="div2")
     """
     return Procedure(fn)
-
-
-class Params(dict):
-    """The params of a matched node, bound by a :class:`Pat`'s ``params=``: a dict that also knows its primitive.
-
-    Keys read as attributes too (``p.axes`` for ``p["axes"]``). :meth:`bind`
-    applies the same primitive with the same params to new operands, which is
-    how one rule over a group of primitives (``Pat(ops.REDUCE, ...)``)
-    rebuilds whichever member it matched.
-
-    >>> import jax.numpy as jnp
-    >>> from jax import lax
-    >>> from rewrite import Params
-    >>> p = Params(lax.reduce_sum_p, {"axes": (0,), "out_sharding": None})
-    >>> p.prim, p.axes, p.bind(jnp.ones((2, 3))).shape
-    ('reduce_sum', (0,), (3,))
-    """
-
-    def __init__(self, primitive: Any, params: dict[str, Any]) -> None:
-        super().__init__(params)
-        self.primitive = primitive
-
-    @property
-    def prim(self) -> str:
-        """The primitive's name, e.g. ``"reduce_sum"``."""
-        return self.primitive.name
-
-    @property
-    def sharded(self) -> bool:
-        """Does the node carry an explicit sharding (which a replacement traced by JAX would lose)?"""
-        return self.get("sharding") is not None or self.get("out_sharding") is not None
-
-    def bind(self, *operands: Any) -> Any:
-        """This primitive with these params, applied to ``operands`` (inside a right side's trace)."""
-        return self.primitive.bind(*operands, **self)
-
-    def __getattr__(self, key: str) -> Any:
-        if key.startswith("__") or key == "primitive":
-            raise AttributeError(key)
-        try:
-            return self[key]
-        except KeyError:
-            raise AttributeError(f"{self.primitive.name} has no param {key!r}") from None
-
-    def __repr__(self) -> str:
-        return f"Params({self.prim}, {dict.__repr__(self)})"
 
 
 class _Declined(Exception):
@@ -450,8 +379,6 @@ def _retyped(closed: core.ClosedJaxpr, avals: Sequence[Any], shape: tuple[int, .
 def _canonical(closed: core.ClosedJaxpr, labels: Sequence[int]) -> tuple:
     """The outputs of ``closed`` as terms over inputs named by ``labels``, with the operands of commutative
     operations sorted: equal for two labellings exactly when they compute the same (see ``Rule.symmetries``)."""
-    from ..ir.primitives import GROUPS
-
     commutative = GROUPS.get("commutative", frozenset())
     env: dict[Any, str] = {v: f"x{labels[i]}" for i, v in enumerate(closed.jaxpr.invars)}
     env.update({v: f"c{i}" for i, v in enumerate(closed.jaxpr.constvars)})
@@ -467,11 +394,6 @@ def _canonical(closed: core.ClosedJaxpr, labels: Sequence[int]) -> tuple:
         for k, o in enumerate(e.outvars):
             env[o] = f"{term}#{k}"
     return tuple(read(o) for o in closed.jaxpr.outvars)
-
-
-def _short(aval: Any) -> str:
-    s = aval.str_short(short_dtypes=True) if hasattr(aval, "str_short") else str(aval)
-    return s + (" (weak)" if getattr(aval, "weak_type", False) else "")
 
 
 def rule(lhs: Any, rhs: Any, *, name: str, when: Callable[..., bool] | None = None,
@@ -701,415 +623,3 @@ def _guard_allows(when: Callable[..., bool], avals: Sequence[Any]) -> bool:
     """Would the guard let these shapes through? Facts are unknown here and read as true. What the
     guard raises is raised: the caller decides whether these shapes were the guard's to answer."""
     return bool(when(*[Value.from_aval(a) for a in avals]))
-
-
-# ---------------------------------------------------------------------- what rules see
-class Value:
-    """A matched term as a guard or a procedural rule sees it.
-
-    Shape and dtype are exact. Facts (``positive``, ``nonneg``, ``nonzero``)
-    hold for floating values only and are never true of integers, where
-    overflow breaks them. NaN never contradicts a fact, and ``positive`` and
-    ``nonzero`` exclude subnormals, which XLA:CPU treats as zero (see
-    ``rewrite.ir.terms.FACTS``). NaN never contradicts a fact.
-
-    >>> import jax.numpy as jnp
-    >>> from rewrite import Ruleset, explain, rule
-    >>> seen = []
-    >>> def guard(v):
-    ...     seen.append((v.shape, v.ndim, v.nonneg, v.positive))
-    ...     return v.nonneg
-    >>> r = rule(lambda v: jnp.abs(v), lambda v: v, name="abs_nonneg", when=guard)
-    >>> seen.clear()  # the calls made while the rule was defined
-    >>> explain(lambda t: jnp.abs(jnp.exp(t)), jnp.ones((2, 5)), rulesets=[Ruleset("a", [r])]).fired
-    {'abs_nonneg': 1}
-    >>> sorted(set(seen))  # exp(t) is never negative, but it may underflow to zero
-    [((2, 5), 2, True, False)]
-    """
-
-    def __init__(self, aval: Any, name: int | None = None, cls: Any = None, engine: Any = None) -> None:
-        self.aval = aval
-        self.name = name          # the V id naming the class
-        self.cls = cls            # egglog class id in the current snapshot, if it existed then
-        self._engine = engine
-        self.read_facts = False
-
-    @classmethod
-    def from_aval(cls, aval: Any) -> "Value":
-        v = cls(aval)
-        v._assume_facts = True  # type: ignore[attr-defined]
-        return v
-
-    shape = property(lambda self: tuple(self.aval.shape))
-    dtype = property(lambda self: self.aval.dtype)
-    ndim = property(lambda self: len(self.aval.shape))
-    size = property(lambda self: int(np.prod(self.aval.shape, dtype=np.int64)))
-    weak_type = property(lambda self: bool(getattr(self.aval, "weak_type", False)))
-    is_floating = property(lambda self: _is_floating(self.aval.dtype))
-
-    def _fact(self, fact: str) -> bool:
-        self.read_facts = True
-        if getattr(self, "_assume_facts", False):
-            return True
-        if self._engine is None or self.cls is None or not self.is_floating:
-            return False
-        found = self._engine.snapshot.has_fact(fact, self.cls)
-        reads = getattr(self._engine, "_reads", None)
-        if reads is not None and not found:  # a procedure that read an absent fact is woken when it appears
-            reads.add((self.cls, fact))
-        return found
-
-    positive = property(lambda self: self._fact("Pos"))
-    nonneg = property(lambda self: self._fact("NonNeg"))
-    nonzero = property(lambda self: self._fact("NonZero"))
-
-    @property
-    def nodes(self) -> list["Node"]:
-        """The e-nodes in this class: every known way to compute it."""
-        if self._engine is None or self.cls is None:
-            return []
-        return list(self._engine.nodes_of(self.cls))
-
-    def node(self, prim: str) -> "Node | None":
-        """One e-node of this class that applies ``prim``, if there is one."""
-        for n in self.nodes:
-            if n.prim == prim:
-                return n
-        return None
-
-    @property
-    def literal(self) -> Any:
-        """The scalar value if this class contains a literal, else ``None``."""
-        for n in self.nodes:
-            if n.ctor == "Lit":
-                return literal_value(n.args[0], self.dtype)
-        return None
-
-    @property
-    def constant(self) -> Any:
-        """The value (numpy) if this class is a literal or constant array, else ``None``."""
-        for n in self.nodes:
-            if n.ctor == "Lit":
-                return np.asarray(literal_value(n.args[0], self.dtype), dtype=self.dtype)
-            if n.ctor == "Const":
-                return self._engine.egraph.consts.get(n.args[0])
-        return None
-
-    def __repr__(self) -> str:
-        return f"<value {_short(self.aval)}>"
-
-
-@functools.lru_cache(maxsize=None)
-def _is_floating(dtype: Any) -> bool:
-    return bool(jnp.issubdtype(dtype, jnp.floating))  # jnp knows bfloat16 and the other ml_dtypes
-
-
-class Node:
-    """One e-node: a primitive applied to classes."""
-
-    def __init__(self, engine: Any, ctor: str, args: tuple) -> None:
-        self._engine = engine
-        self.ctor = ctor
-        self.args = args
-        spec = _terms.BY_CTOR.get(ctor)
-        self.spec = spec
-        sorts = _terms.ctor_arg_sorts(ctor)
-        self._sorts = sorts
-        if spec is not None or ctor in ("Opaque", "Effect"):
-            pid = args[-1]
-            self.prim = PARAMS.prim(pid).name
-            self.params = PARAMS.params(pid)
-            self.pid = pid
-        else:
-            self.prim = ctor.lower()
-            self.params = {}
-            self.pid = None
-
-    @property
-    def primitive(self) -> Any:
-        """The JAX primitive this node applies (``None`` for structural nodes), ready to ``bind``."""
-        return None if self.pid is None else PARAMS.prim(self.pid)
-
-    @property
-    def operands(self) -> list[Value]:
-        """Operand values, with list operands spread out in order."""
-        found = self.__dict__.get("_operands")
-        if found is None:  # a node view lives one snapshot (Engine.nodes_of): its operands are read once
-            found = []
-            snap = self._engine.snapshot
-            for s, a in zip(self._sorts, self.args):
-                if s == "Term":
-                    found.append(self._engine.value(a))
-                elif s == "TList":
-                    found.extend(self._engine.value(x) for x in snap.list_items(a))
-            self._operands = found
-        return list(found)
-
-    def __repr__(self) -> str:
-        return f"<node {self.prim}>"
-
-
-class Term(Value):
-    """A term built during a procedural rule (or an existing class). Hand it back, or build on it."""
-
-
-class Body:
-    """A loaded body (of scan, while, cond, jit): its scope id and output values."""
-
-    def __init__(self, scope: int, outs: list[Value]) -> None:
-        self.scope = scope
-        self.outs = outs
-
-    def __repr__(self) -> str:
-        return f"<body scope={self.scope} outs={len(self.outs)}>"
-
-
-class Match:
-    """One match of a procedural rule: its bindings, and the means to build a replacement.
-
-    ``m[name]`` is a term binding (a :class:`Value`); ``m.params(name)``,
-    ``m.int(name)``, ``m.list(name)``, ``m.body(name)`` read the other kinds of
-    :class:`Pat` binding; ``m.root`` is the matched class. :meth:`trace`,
-    :meth:`node`, :meth:`literal` and :meth:`param` build new terms.
-
-    >>> import math
-    >>> import jax.numpy as jnp
-    >>> from rewrite import Pat, Ruleset, explain, procedural, rule
-    >>> @procedural
-    ... def sum_of_broadcast(m):
-    ...     s = m["s"]
-    ...     if s.ndim != 0 or m.root.ndim != 0:
-    ...         return None
-    ...     n = math.prod(m.params("bp")["shape"])
-    ...     return m.trace(lambda s: s * jnp.asarray(n, s.dtype), s)
-    >>> r = rule(Pat("reduce_sum", Pat("broadcast_in_dim", Pat.var("s"), params="bp")), sum_of_broadcast,
-    ...          name="sum_of_broadcast")
-    >>> report = explain(lambda a: jnp.sum(jnp.broadcast_to(a, (4, 5))), jnp.float32(1.5),
-    ...                  rulesets=[Ruleset("p", [r], soundness="identity")])
-    >>> report.fired, [e.primitive.name for e in report.after.eqns]
-    ({'sum_of_broadcast': 1}, ['mul'])
-    """
-
-    def __init__(self, engine: Any, rule: Rule, bindings: dict[str, Any], sorts: dict[str, str], root: Any) -> None:
-        self._engine = engine
-        self.rule = rule
-        self._bindings = bindings
-        self._sorts = sorts
-        self.root = engine.value(root)
-        #: Whether the rule read a binding (not only the root): a rule that did not would act the
-        #: same on every match at this root, so the engine acts on the first one only.
-        self.read_bindings = False
-
-    def _bound(self, name: str) -> Any:
-        self.read_bindings = True
-        return self._bindings[name]
-
-    def __getitem__(self, name: str) -> Value:
-        if self._sorts.get(name) != "Term":
-            raise KeyError(f"{name!r} is not a term binding of rule {self.rule.name!r}")
-        return self._engine.value(self._bound(name))
-
-    def __contains__(self, name: str) -> bool:
-        return name in self._bindings
-
-    def params(self, name: str) -> "Params":
-        """The params bound by ``params=name``, as a :class:`Params` (a dict that knows its primitive)."""
-        pid = self._bound(name)
-        return Params(PARAMS.prim(pid), PARAMS.params(pid))
-
-    def int(self, name: str) -> int:
-        return int(self._bound(name))
-
-    def list(self, name: str) -> list[Value]:
-        return [self._engine.value(c) for c in self._engine.snapshot.list_items(self._bound(name))]
-
-    def body(self, name: str) -> Body:
-        return self._engine.body(self._bound(name))
-
-    def bodies(self, name: str) -> list[Body]:
-        return [self._engine.body(b) for b in self._engine.snapshot.list_items(self._bound(name))]
-
-    @property
-    def engine(self) -> Any:
-        return self._engine
-
-    def trace(self, fn: Callable[..., Any], *inputs: Value) -> Any:
-        """Insert ``fn(*inputs)``, traced at the inputs' avals; returns its result term(s)."""
-        return self._engine.insert_traced(fn, inputs)
-
-    def param(self, scope: int, index: int, aval: Any) -> Value:
-        """Input ``index`` of body scope ``scope`` (a new index adds an input to that body)."""
-        return self._engine.build_param(scope, index, aval)
-
-    def fresh_index(self, scope: int) -> int:
-        """An input index of body ``scope`` that nothing uses yet: pass it to :meth:`param`.
-
-        A rule that adds an input to a body (an accumulator carry, a new
-        ``xs``) takes its index from here, so that two rules adding inputs to
-        one shared body never give the same ``Param`` two meanings.
-        """
-        return self._engine.fresh_index(scope)
-
-    def literal(self, value: Any, aval: Any) -> Value:
-        return self._engine.build_literal(value, aval)
-
-    def function(self, outs: Sequence[Value], inputs: Sequence[Value]) -> Callable[..., list] | None:
-        """The terms ``outs`` read back as a JAX function of the terms ``inputs``, or ``None``.
-
-        Both are values of the e-graph as it stood when the match was made
-        (a body's outputs and its ``Param`` inputs, say). The function takes
-        one array per input and returns a list, one per output; it uses
-        nothing but its inputs, so ``None`` means the outputs depend on
-        something else (a loop's carry, for instance). Its ``jaxpr`` attribute
-        is the closed jaxpr it runs, and ``uses`` says, per input, whether
-        the outputs read it. Trace it into the
-        e-graph with :meth:`trace`, under ``jax.vmap`` or ``jax.checkpoint``
-        if need be::
-
-            f = m.function([body.outs[k]], xs_params)          # one step's output from its xs
-            ys = m.trace(lambda *xs: jax.vmap(f)(*xs)[0], *xs)  # all steps at once
-        """
-        return self._engine.function(outs, inputs)
-
-    def node(self, prim: Any, operands: Sequence[Value], params: dict[str, Any], out_avals: Sequence[Any], *,
-             bodies: Sequence[Body] = ()) -> Any:
-        """Insert one application of ``prim`` (a primitive or its name) and return its result(s).
-
-        For primitives with bodies, pass ``bodies`` (each a :class:`Body`,
-        e.g. ``Body(scope, outs)``) and params without the body jaxprs; a
-        scan's params carry ``_rw_order``, the body's input indices in jaxpr order. Params whose
-        names start with ``_rw_`` are annotations for rules and are dropped when the program is emitted.
-        Multi-result primitives return a tuple.
-        """
-        return self._engine.build_node(prim, operands, params, out_avals, bodies)
-
-    def users(self, v: Value) -> list[tuple[Value, Node]]:
-        """Every e-node that uses ``v`` directly, with the class it computes."""
-        return self._engine.users(v)
-
-
-# ---------------------------------------------------------------------- rulesets
-class Ruleset:
-    """A named collection of rules with a soundness class. Rulesets compose with ``+``.
-
-    ``soundness`` is ``"exact"`` (bitwise-equal results, NaN equal to NaN),
-    ``"identity"`` (true in real arithmetic; within ``tolerance`` on finite
-    inputs) or ``"fastmath"`` (may change results; within ``tolerance`` on
-    ordinary values). A composite keeps each part's class, and its parts are
-    reachable as attributes. ``limits`` (a :class:`rewrite.Limits`) sets the
-    back-off of this ruleset's own rules: how many new matches one may act on
-    per iteration (``matches``) before it is banned, and for how long (``ban``).
-
-    >>> import jax.numpy as jnp
-    >>> from rewrite import rule, Ruleset
-    >>> a = Ruleset("a", [rule(lambda x: -(-x), lambda x: x, name="negneg")])
-    >>> b = Ruleset("b", [rule(lambda x: x * 1.0, lambda x: x, name="mul1")])
-    >>> both = a + b
-    >>> [r.name for r in both], both.a is a
-    (['negneg', 'mul1'], True)
-    """
-
-    def __init__(self, name: str, rules: Iterable[Rule | "Ruleset"] = (), *, soundness: str = "exact",
-                 tolerance: Tolerance | None = None, description: str = "", limits: Any = None) -> None:
-        if soundness not in SOUNDNESS:
-            raise ValueError(f"ruleset {name!r}: soundness must be one of {SOUNDNESS}, got {soundness!r}")
-        self.name = name
-        self.soundness = soundness
-        self.tolerance = tolerance if tolerance is not None else (
-            None if soundness == "exact" else Tolerance() if soundness == "identity" else Tolerance(1e-4, 1e-5))
-        self.description = description
-        self.limits = limits
-        self.rules: list[Rule] = []
-        self.parts: list[Ruleset] = []
-        if isinstance(rules, (Rule, Ruleset)):  # Ruleset("r", rule(...)): one rule is a list of one
-            rules = [rules]
-        if not isinstance(rules, Iterable) or isinstance(rules, (str, bytes)):
-            raise TypeError(f"ruleset {name!r}: rules must be a list of rules or rulesets, got {type(rules).__name__}")
-        for r in rules:
-            if isinstance(r, Ruleset):
-                self.parts.append(r)
-            elif isinstance(r, Rule):
-                self.rules.append(r)
-            else:
-                raise TypeError(f"ruleset {name!r}: expected rules or rulesets, got {type(r).__name__}")
-        names = [r.name for r, _ in self.entries()]
-        dups = sorted({n for n in names if names.count(n) > 1})
-        if dups:
-            raise ValueError(f"ruleset {name!r}: rule name {dups[0]!r} appears twice")
-
-    def entries(self) -> list[tuple[Rule, "Ruleset"]]:
-        """Every rule with the ruleset that gives its soundness class, depth first, without duplicates."""
-        out: list[tuple[Rule, Ruleset]] = [(r, self) for r in self.rules]
-        seen = {id(r) for r in self.rules}
-        for p in self.parts:
-            for r, owner in p.entries():
-                if id(r) not in seen:
-                    seen.add(id(r))
-                    out.append((r, owner))
-        return out
-
-    def __iter__(self) -> Iterator[Rule]:
-        return iter([r for r, _ in self.entries()])
-
-    def __len__(self) -> int:
-        return len(self.entries())
-
-    def __add__(self, other: "Ruleset") -> "Ruleset":
-        if not isinstance(other, Ruleset):
-            return NotImplemented
-        order = SOUNDNESS.index
-        weakest = max(self.soundness, other.soundness, key=order)
-        return Ruleset(f"{self.name}+{other.name}", [self, other], soundness=weakest)
-
-    def __getattr__(self, name: str) -> "Ruleset":
-        for p in self.__dict__.get("parts", ()):
-            if p.name == name:
-                return p
-            try:
-                return getattr(p, name)
-            except AttributeError:
-                pass
-        raise AttributeError(f"ruleset {self.__dict__.get('name')!r} has no part {name!r}")
-
-    def rule(self, name: str) -> Rule:
-        for r, _ in self.entries():
-            if r.name == name:
-                return r
-        raise KeyError(f"ruleset {self.name!r} has no rule {name!r}")
-
-    def __repr__(self) -> str:
-        return f"<Ruleset {self.name!r}: {len(self)} rules, {self.soundness}>"
-
-
-def as_ruleset(x: Any) -> Ruleset:
-    """What ``rulesets=`` names, as one :class:`Ruleset`: rulesets, rules, a built-in pack's name
-    (``"algebra"``, as ``rulesets.algebra``), or a list of these.
-
-    >>> as_ruleset(["algebra", "nn"]).name
-    'algebra+nn'
-    >>> as_ruleset("algbra")  # doctest: +ELLIPSIS
-    Traceback (most recent call last):
-    ValueError: rulesets=: no built-in pack is named 'algbra'; the packs are algebra, fastmath, ...
-    """
-    if isinstance(x, Ruleset):
-        return x
-    if isinstance(x, Rule):
-        return Ruleset(x.name, [x], soundness="identity")
-    if isinstance(x, str):
-        return _builtin_pack(x)
-    if isinstance(x, Iterable) and not isinstance(x, (bytes, Mapping)):
-        parts = [as_ruleset(i) for i in x]
-        weakest = max((p.soundness for p in parts), key=SOUNDNESS.index, default="exact")
-        return Ruleset("+".join(p.name for p in parts) or "empty", parts, soundness=weakest)
-    hint = " (pass [] for no rules)" if x is None else ""
-    raise TypeError(f"rulesets= takes Ruleset or Rule objects, built-in pack names, or a list of them; "
-                    f"got {type(x).__name__}{hint}")
-
-
-def _builtin_pack(name: str) -> Ruleset:
-    # The packs live in the ``rulesets`` package, which is built on this one: it is looked up when a
-    # name is given, never imported by the core.
-    packs = importlib.import_module("rulesets")
-    if name not in packs.PACKS:
-        raise ValueError(f"rulesets=: no built-in pack is named {name!r}; the packs are {', '.join(packs.PACKS)}")
-    return getattr(packs, name)

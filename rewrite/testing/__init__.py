@@ -23,10 +23,10 @@ One module per job, each importing only those before it:
 come from ``rewrite.testing._programs``. Import the public names from here.
 """
 
-from ._programs import RandomProgram, programs
 from ._check_program import VacuousCheckWarning, assert_equivalent, assert_same_results
 from ._check_rule import CheckReport, RuleCheck, check_ruleset
 from ._compare import mismatch, soundness_of
+from ._programs import RandomProgram, programs
 from ._strategies import ORDINARY_BOUND, arrays, elements, inputs_like, value_bound
 
 __all__ = [

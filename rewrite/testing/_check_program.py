@@ -19,13 +19,14 @@ import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
+from ..api import rewrite
 from ..jaxpr.trace import CONCRETIZATION_ERRORS, is_traced_leaf, static_key
-from ..rules.saturate import Limits
-from ..api import entries_of, rewrite
 from ..pipeline import Result
-from ._programs import RandomProgram
-from ..rules.rule import Rule, Ruleset, Tolerance
+from ..rules.rule import Rule
+from ..rules.ruleset import Ruleset, Tolerance, entries_of
+from ..rules.saturate import Limits
 from ._compare import _Evidence, _show, _spreads, _tolerance
+from ._programs import RandomProgram
 from ._strategies import _is_float, _settings, _wide, arrays, inputs_like
 
 

@@ -24,17 +24,18 @@ import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 from jax import lax
-from jax._src import core
 
-from ..jaxpr.trace import trace
-from ..rules.saturate import Limits
-from ..extract.extract import _CONTAINERS, Extractor
-from ..jaxpr.emit import emit
-from ..api import entries_of
 from ..cost.model import AnalyticCost
+from ..extract.extractor import Extractor, _CONTAINERS
 from ..ir.intern import TupleType
+from ..ir.jaxapi import core
+from ..jaxpr.emit import emit
+from ..jaxpr.trace import trace
 from ..pipeline import Result, run_pipeline
-from ..rules.rule import Procedure, Rule, Ruleset, Value, _short
+from ..rules.match import Value, _short
+from ..rules.rule import Procedure, Rule
+from ..rules.ruleset import Ruleset, entries_of
+from ..rules.saturate import Limits
 from ._compare import _Evidence, _show, _spreads
 from ._strategies import _into_domain, _is_float, _settings, _wide, arrays
 

@@ -19,8 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..api import entries_of
-from ..rules.rule import SOUNDNESS, Rule, Ruleset, Tolerance
+from ..rules.rule import Rule
+from ..rules.ruleset import Ruleset, SOUNDNESS, Tolerance, entries_of
 from ._strategies import _is_complex, _is_float, _like, _wide
 
 #: What an exact comparison means, quoted in failure messages.

@@ -21,8 +21,9 @@ import numpy as np
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 
+from ..ir.jaxapi import convert_element_type
 from ..jaxpr.trace import is_traced_leaf
-from ..rules.rule import SOUNDNESS
+from ..rules.ruleset import SOUNDNESS
 
 #: fastmath rules are checked on "ordinary" values: normal floats of magnitude at most this, and zero.
 ORDINARY_BOUND = 4.0
@@ -243,9 +244,7 @@ def _like(example: Any, a: np.ndarray) -> Any:
     weak = example.weak_type if isinstance(example, jax.ShapeDtypeStruct) else jax.typeof(example).weak_type
     out = jnp.asarray(a)
     if weak:
-        from jax._src.lax.lax import _convert_element_type
-
-        out = _convert_element_type(out, out.dtype, weak_type=True)
+        out = convert_element_type(out, out.dtype, weak_type=True)
     return out
 
 

@@ -1,0 +1,370 @@
+"""A chosen program written down and read back, for the disk cache.
+
+Equations by primitive name, avals and params; an object the program holds
+that is not plain data (a ``custom_jvp``'s rule, a mesh) is written as its
+place among the original program's objects and taken from the fresh trace
+on load; what is left is pickled. :data:`FORMAT` is this serialisation's
+version, part of every entry's header and key.
+"""
+
+from __future__ import annotations
+
+import functools
+import pickle
+import sys
+from typing import Any
+
+import numpy as np
+from jax.extend import source_info_util
+
+from ..ir.jaxapi import core, literals
+
+
+FORMAT = 2  # 2: the modules moved into subpackages, so pickled and fingerprinted names changed
+
+
+class Unserialisable(Exception):
+    """The chosen program holds something this module cannot write down."""
+
+
+def _original_objects(closed: core.ClosedJaxpr) -> list[Any]:
+    """Every object a program's equations hold, in a fixed order; a stored program refers to these by place."""
+    out: list[Any] = []
+    seen: set[int] = set()
+
+    def add(x: Any) -> None:
+        if isinstance(x, (bool, int, float, str, type(None))) and type(x) in (bool, int, float, str, type(None)):
+            return
+        if id(x) in seen:
+            return
+        seen.add(id(x))
+        out.append(x)
+        if type(x) in (tuple, list):
+            for v in x:
+                add(v)
+        elif type(x) is dict:
+            for k in sorted(x, key=repr):
+                add(x[k])
+        elif isinstance(x, core.ClosedJaxpr):
+            for c in x.consts:
+                add(c)
+            jaxpr(x.jaxpr)
+        elif isinstance(x, core.Jaxpr):
+            jaxpr(x)
+
+    def jaxpr(j: core.Jaxpr) -> None:
+        add(j.debug_info)
+        for e in j.eqns:
+            add(e.primitive)
+            add(e.ctx)
+            add(e.source_info)
+            for k in sorted(e.params):
+                add(e.params[k])
+            for eff in sorted(e.effects, key=str):
+                add(eff)
+            for v in e.invars:
+                if isinstance(v, core.Literal):
+                    add(v.val)
+
+    add(closed)
+    return out
+
+
+@functools.lru_cache(maxsize=1)
+def _primitives_by_name() -> dict[str, Any]:
+    found: dict[str, Any] = {}
+    dup: set[str] = set()
+    for name, m in list(sys.modules.items()):
+        if not name.startswith(("jax", "rewrite")) or m is None:
+            continue
+        for v in list(vars(m).values()):
+            if isinstance(v, core.Primitive):
+                if v.name in found and found[v.name] is not v:
+                    dup.add(v.name)
+                found.setdefault(v.name, v)
+    return {k: v for k, v in found.items() if k not in dup}
+
+
+def _primitive(name: str) -> Any:
+    found = _primitives_by_name().get(name)
+    if found is None:
+        _primitives_by_name.cache_clear()  # a module imported since may define it
+        found = _primitives_by_name().get(name)
+    return found
+
+
+class _Writer:
+    def __init__(self, original: core.ClosedJaxpr) -> None:
+        objects = _original_objects(original)
+        self.objects = {id(x): i for i, x in enumerate(objects)}
+        # The params table interns params by equality, so a program may hold an equal object from another
+        # trace (a custom_jvp's rule traced twice): equal objects of the same type stand for each other.
+        self.equal: dict[Any, int] = {}
+        for i, x in enumerate(objects):
+            try:
+                self.equal.setdefault((type(x), x), i)
+            except TypeError:
+                pass
+        self.keep = original  # the ids above stay valid while it lives
+
+    def find(self, x: Any) -> int | None:
+        i = self.objects.get(id(x))
+        if i is None:
+            try:
+                i = self.equal.get((type(x), x))
+            except TypeError:
+                return None
+        if i is None:
+            inner = _dce_wrapped(x)
+            if inner is not None:
+                return self.find(inner)
+        return i
+
+    def value(self, x: Any) -> Any:
+        t = type(x)
+        if t in (bool, int, float, str, type(None)):
+            return x
+        if t in (tuple, list):
+            return (t.__name__, [self.value(v) for v in x])
+        if t is dict:
+            return ("dict", [(self.value(k), self.value(v)) for k, v in x.items()])
+        if isinstance(x, core.ClosedJaxpr):
+            return ("closed", self.jaxpr(x.jaxpr), [self.array(c) for c in x.consts])
+        if isinstance(x, core.Jaxpr):
+            return ("jaxpr", self.jaxpr(x))
+        if isinstance(x, core.Primitive):
+            if _primitive(x.name) is x:
+                return ("prim", x.name)
+            i = self.find(x)  # a library's own primitive (equinox has some) that the original uses
+            if i is None:
+                raise Unserialisable(f"primitive {x.name!r} cannot be found by name")
+            return ("orig", i)
+        if isinstance(x, np.dtype):
+            return ("dtype", str(x))
+        if isinstance(x, (np.ndarray, np.generic)) or _jax_array(x):
+            return self.array(x)
+        if isinstance(x, (literals.TypedInt, literals.TypedFloat, literals.TypedComplex)):
+            return ("typed", t.__name__, t.__mro__[1](x), str(x.dtype))
+        # what is not plain data (a custom_jvp's rule, a mesh, a source location) by its place in the original
+        i = self.find(x)
+        if i is not None:
+            return ("orig", i)
+        if isinstance(x, core.JaxprEqnContext):
+            return ("ctx", x.compute_type, x.threefry_partitionable, self.value(x.cur_abstract_mesh),
+                    x.remove_size_one_mesh_axis, self.value(None if x.xla_metadata is None
+                                                            else tuple(sorted(x.xla_metadata.items()))))
+        if isinstance(x, source_info_util.SourceInfo):
+            return ("source",)  # a new location; the traceback object cannot be written
+        try:
+            data = pickle.dumps(x, protocol=5)
+            back = pickle.loads(data)
+        except Exception as e:
+            raise Unserialisable(f"{t.__qualname__}: {e}") from None
+        if type(back) is not t or _unequal(back, x):
+            raise Unserialisable(f"{t.__qualname__} does not survive pickling")
+        return ("pickle", data)
+
+    def array(self, x: Any) -> Any:
+        i = self.objects.get(id(x))  # arrays by identity only: equality is elementwise
+        if i is not None:
+            return ("orig", i)
+        a = np.asarray(x)
+        if a.dtype == object or not _dtype_by_name(a.dtype):
+            raise Unserialisable(f"an array of {a.dtype}")
+        return ("array", str(a.dtype), a.shape, np.ascontiguousarray(a).tobytes(), _jax_array(x))
+
+    def aval(self, a: Any) -> Any:
+        if isinstance(a, core.ShapedArray):
+            default = core.ShapedArray(a.shape, a.dtype, a.weak_type)
+            shard = None if a.sharding == default.sharding else self.value(a.sharding)
+            mat = None if a.manual_axis_type == default.manual_axis_type else self.value(a.manual_axis_type)
+            space = None if a.memory_space == default.memory_space else self.value(a.memory_space)
+            try:
+                dtype = self.value(np.dtype(a.dtype))
+            except TypeError:
+                dtype = self.value(a.dtype)
+            return ("shaped", tuple(a.shape), dtype, bool(a.weak_type), shard, mat, space)
+        if isinstance(a, core.AbstractToken):
+            return ("token",)
+        return ("aval", self.value(a))
+
+    def jaxpr(self, j: core.Jaxpr) -> Any:
+        env: dict[Any, int] = {}
+
+        def bind(v: Any) -> Any:
+            env[v] = len(env)
+            return self.aval(v.aval)
+
+        def atom(v: Any) -> Any:
+            if isinstance(v, core.Literal):
+                return ("lit", self.value(v.val), self.aval(v.aval))
+            return ("var", env[v])
+
+        consts = [bind(v) for v in j.constvars]
+        ins = [bind(v) for v in j.invars]
+        eqns = []
+        for e in j.eqns:
+            prim = self.value(e.primitive)
+            invars = [atom(v) for v in e.invars]
+            params = [(k, self.value(v)) for k, v in e.params.items()]
+            eqns.append((prim, invars, [bind(v) for v in e.outvars], params,
+                         [self.value(x) for x in e.effects], self.value(e.ctx), self.value(e.source_info)))
+        outs = [atom(v) for v in j.outvars]
+        return (consts, ins, eqns, outs, [self.value(x) for x in j.effects], self.value(j.debug_info))
+
+
+def _dce_wrapped(x: Any) -> Any:
+    """The function that JAX's dead-code elimination wrapped, if ``x`` is such a wrapper keeping every output.
+
+    ``pe.dce_jaxpr`` (which the emitter runs) re-wraps a ``custom_jvp_call``'s
+    rule in a fresh closure that drops the rule's unused outputs. When it
+    drops none, the wrapped rule computes the same, so the stored program may
+    name the original rule instead.
+    """
+    f = getattr(x, "f", None)
+    seen = 0
+    while callable(f) and seen < 4 and getattr(f, "__closure__", None):
+        cells = dict(zip(f.__code__.co_freevars, (c.cell_contents for c in f.__closure__)))
+        if "used_outs" in cells:
+            inner = [v for v in cells.values() if type(v) is type(x)]
+            return inner[0] if len(inner) == 1 and all(cells["used_outs"]) else None
+        f = next((v for v in cells.values() if callable(v) and hasattr(v, "__code__")), None)
+        seen += 1
+    return None
+
+
+def _dtype_by_name(dtype: Any) -> bool:
+    """Can this dtype be found again by its name (bfloat16 and the other ml_dtypes too)?"""
+    import jax.numpy as jnp
+
+    try:
+        return jnp.dtype(str(dtype)) == dtype
+    except TypeError:
+        return False
+
+
+def _jax_array(x: Any) -> bool:
+    import jax
+
+    return isinstance(x, jax.Array) and not isinstance(x, core.Tracer)
+
+
+def _unequal(a: Any, b: Any) -> bool:
+    try:
+        return not bool(a == b)
+    except Exception:
+        return False  # no equality to check with (arrays compare elementwise); the type matched
+
+
+class _Reader:
+    def __init__(self, original: core.ClosedJaxpr) -> None:
+        self.objects = _original_objects(original)
+
+    def value(self, x: Any) -> Any:
+        if not isinstance(x, tuple):
+            return x
+        tag = x[0]
+        if tag == "orig":
+            return self.objects[x[1]]
+        if tag == "tuple":
+            return tuple(self.value(v) for v in x[1])
+        if tag == "list":
+            return [self.value(v) for v in x[1]]
+        if tag == "dict":
+            return {self.value(k): self.value(v) for k, v in x[1]}
+        if tag == "closed":
+            return core.ClosedJaxpr(self.jaxpr(x[1]), [self.value(c) for c in x[2]])
+        if tag == "jaxpr":
+            return self.jaxpr(x[1])
+        if tag == "prim":
+            p = _primitive(x[1])
+            if p is None:
+                raise Unserialisable(f"no primitive named {x[1]!r} in this process")
+            return p
+        if tag == "dtype":
+            import jax.numpy as jnp
+
+            return jnp.dtype(x[1])
+        if tag == "array":
+            _, dtype, shape, data, on_device = x
+            import jax.numpy as jnp
+
+            a = np.frombuffer(data, dtype=jnp.dtype(dtype)).reshape(shape).copy()
+            # numpy, even for what was a jax.Array: a load may happen while an outer jit traces, where
+            # making a jax.Array would bind into that trace
+            return a if shape or on_device else a[()]
+        if tag == "typed":
+            return getattr(literals, x[1])(x[2], self._dtype(x[3]))
+        if tag == "ctx":
+            meta = self.value(x[5])
+            return core.JaxprEqnContext._create(x[1], x[2], self.value(x[3]), x[4],
+                                                None if meta is None else tuple(meta))
+        if tag == "source":
+            return source_info_util.new_source_info()
+        if tag == "pickle":
+            return pickle.loads(x[1])
+        raise Unserialisable(f"unknown tag {tag!r}")
+
+    @staticmethod
+    def _dtype(name: str) -> Any:
+        import jax.numpy as jnp
+
+        return jnp.dtype(name)
+
+    def aval(self, x: Any) -> Any:
+        if x[0] == "shaped":
+            _, shape, dtype, weak, shard, mat, space = x
+            kwargs: dict[str, Any] = {}
+            if shard is not None:
+                kwargs["sharding"] = self.value(shard)
+            if mat is not None:
+                kwargs["manual_axis_type"] = self.value(mat)
+            if space is not None:
+                kwargs["memory_space"] = self.value(space)
+            return core.ShapedArray(shape, self.value(dtype), weak, **kwargs)
+        if x[0] == "token":
+            return core.abstract_token
+        return self.value(x[1])
+
+    def jaxpr(self, x: Any) -> core.Jaxpr:
+        consts, ins, eqns, outs, effects, debug = x
+        env: list[Any] = []
+
+        def bind(a: Any) -> Any:
+            v = core.Var(self.aval(a))
+            env.append(v)
+            return v
+
+        def atom(a: Any) -> Any:
+            if a[0] == "lit":
+                return core.Literal(self.value(a[1]), self.aval(a[2]))
+            return env[a[1]]
+
+        constvars = [bind(a) for a in consts]
+        invars = [bind(a) for a in ins]
+        new_eqns = []
+        for prim, invs, outs_, params, effs, ctx, src in eqns:
+            p = self.value(prim)
+            args = [atom(a) for a in invs]
+            outvars = [bind(a) for a in outs_]
+            new_eqns.append(core.new_jaxpr_eqn(args, outvars, p, {k: self.value(v) for k, v in params},
+                                               set(self.value(e) for e in effs), self.value(src), self.value(ctx)))
+        return core.Jaxpr(constvars, invars, [atom(a) for a in outs], new_eqns,
+                          set(self.value(e) for e in effects), self.value(debug))
+
+
+def dumps_program(closed: core.ClosedJaxpr, original: core.ClosedJaxpr) -> bytes:
+    """``closed`` written down; objects it shares with ``original`` (the traced program) by their place there.
+
+    Raises :class:`Unserialisable` when a param can neither be written nor found in ``original``.
+    """
+    w = _Writer(original)
+    data = ("closed", w.jaxpr(closed.jaxpr), [w.array(c) for c in closed.consts])
+    return pickle.dumps(data, protocol=5)
+
+
+def loads_program(data: bytes, original: core.ClosedJaxpr) -> core.ClosedJaxpr:
+    """The inverse of :func:`dumps_program`, against a fresh trace of the same program."""
+    r = _Reader(original)
+    _, jaxpr, consts = pickle.loads(data)
+    return core.ClosedJaxpr(r.jaxpr(jaxpr), [r.value(c) for c in consts])

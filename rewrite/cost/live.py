@@ -1,0 +1,314 @@
+"""The fusion model kept up to date as an extractor's search switches single classes.
+
+:class:`LiveFusion` holds the kernels of one program and, on each move,
+re-places and re-prices only the kernels the move touches; its prices
+equal :class:`rewrite.cost.fusion.FusionModel`'s whole-program ones up to
+the order of the sums.
+"""
+
+from __future__ import annotations
+
+import heapq
+from typing import Any, Iterable, Mapping, Sequence
+
+from ..ir import terms as _terms
+from ..ir.walk import postorder
+from .fusion import TIEBREAK, FusionModel, _add_sincos, _temp
+from .program import LEAF, LIBRARY, OTHER, REDUCE, VIEW, Op, _kind
+
+
+class LiveFusion:
+    """The kernels of a program kept up to date as its ops change, for searches that price many close programs.
+
+    The program is keyed by e-class: an op's ``args`` are the keys of the ops
+    it reads, and ``outputs`` the keys it returns. :meth:`edit` adds, replaces
+    and removes ops. Where an op is computed depends only on the kernels that
+    read it (:meth:`FusionModel.place`), so an edit places again only the ops
+    below it, readers before producers (each op's *height* is above every
+    op it reads), and stops where a placement comes out as before; only
+    the kernels whose members, or whose members' inputs, changed are priced
+    again. :meth:`price` is ``model(program)`` of the same program, up to
+    the order of the sums.
+
+    >>> import jax.numpy as jnp
+    >>> from jax import core
+    >>> from rewrite.cost.program import Program
+    >>> v = core.ShapedArray((1024,), jnp.float32)
+    >>> fm = FusionModel({"exp": 2.0}, byte=0.1, reduce=0.5, launch=100.0, default=3.0, cheap=0.25)
+    >>> live = LiveFusion(fm, ["y"])
+    >>> live.edit({"x": Op("param", _terms.SPECIAL, {}, (), (), (v,)),
+    ...            "e": Op("exp", _terms.TRANSCENDENTAL, {}, ("x",), (v,), (v,)),
+    ...            "y": Op("mul", _terms.ELEMENTWISE, {}, ("e", "e"), (v, v), (v,))})
+    >>> prog = Program([Op("param", _terms.SPECIAL, {}, (), (), (v,)),
+    ...                 Op("exp", _terms.TRANSCENDENTAL, {}, (0,), (v,), (v,)),
+    ...                 Op("mul", _terms.ELEMENTWISE, {}, (1, 1), (v, v), (v,))], [2])
+    >>> live.price() == fm(prog)
+    True
+    """
+
+    def __init__(self, model: FusionModel, outputs: Sequence[Any]) -> None:
+        self.model = model
+        self.ops: dict[Any, Op] = {}
+        self.outputs = list(outputs)
+        self._outputs = set(outputs)
+        #: the ops that read each op
+        self.users: dict[Any, set] = {}
+        self.homes: dict[Any, set] = {}
+        #: each kernel's root and kind
+        self.roots: dict[Any, str] = {}
+        self._height: dict[Any, int] = {}
+        self._members: dict[Any, set] = {}
+        self._cost: dict[Any, float] = {}
+        self._temp: dict[Any, int] = {}
+        #: per kernel, the sums its price is made of (see _kernel)
+        self._sums: dict[Any, _KernelSums] = {}
+        self._moved: set = set()
+        self._views: dict[Any, float] = {}
+        self._order = 0
+
+    def edit(self, changes: Mapping[Any, "Op | None"]) -> None:
+        """Set the op of each key of ``changes`` (``None`` removes it), and bring the kernels up to date.
+
+        An edit leaves a whole program: every op's arguments are ops of it.
+        """
+        ops, users, homes, roots, members = self.ops, self.users, self.homes, self.roots, self._members
+        seeds: set = set()
+        dirty: set = set()
+        #: ops that joined or left a kernel
+        moved = self._moved = set()
+        for c in changes:
+            old = ops.get(c)
+            if old is not None:
+                for a in set(old.args):
+                    users[a].discard(c)
+                    seeds.add(a)
+        for c, new in changes.items():
+            if new is None:
+                ops.pop(c, None)
+                self._views.pop(c, None)
+                old_home = homes.pop(c, None)
+                if old_home:
+                    for r in old_home:
+                        if r in members:
+                            members[r].discard(c)
+                    moved.add(c)
+                    dirty |= old_home
+                if roots.pop(c, None) is not None:
+                    dirty.add(c)
+                continue
+            ops[c] = new
+            if new.prim == "proj":
+                self._views[c] = new.own  # a loop's stacked output (see FusionModel.__call__)
+            else:
+                self._views.pop(c, None)
+            for a in set(new.args):
+                users.setdefault(a, set()).add(c)
+                seeds.add(a)
+            seeds.add(c)
+            dirty.update(homes.get(c, ()))
+        for c in changes:
+            # Readers of a changed op see what it is: a literal is not read, a leaf is no temporary.
+            seeds.update(users.get(c, ()))
+            dirty |= self._reading(c)
+        self._lift([c for c, new in changes.items() if new is not None])
+        self._place(seeds, changes, dirty)
+        self._price(dirty, changes)
+
+    def _reading(self, x: Any) -> set:
+        """The kernels that read ``x``, or a projection of it."""
+        found: set = set()
+        for u in self.users.get(x, ()):
+            found.update(self.homes.get(u, ()))
+            op = self.ops.get(u)
+            if op is not None and op.prim == "proj":
+                for w in self.users.get(u, ()):
+                    found.update(self.homes.get(w, ()))
+        return found
+
+    def _lift(self, changed: list) -> None:
+        """Give the changed ops heights above their arguments', and raise their readers' above theirs."""
+        ops, height, users = self.ops, self._height, self.users
+        inside = set(changed)
+        for c in postorder(changed, lambda c: [a for a in ops[c].args if a in inside]):
+            height[c] = 1 + max((height[a] for a in ops[c].args), default=0)
+        stack = list(changed)
+        while stack:
+            x = stack.pop()
+            hx = height[x]
+            for u in users.get(x, ()):
+                if height.get(u, -1) <= hx:
+                    height[u] = hx + 1
+                    stack.append(u)
+
+    def _place(self, seeds: set, changes: Mapping[Any, Any], dirty: set) -> None:
+        ops, users, homes, roots, members, height = (self.ops, self.users, self.homes, self.roots, self._members,
+                                                      self._height)
+        heap: list = []
+        queued: set = set()
+
+        def push(x: Any) -> None:
+            if x in ops and x not in queued:
+                queued.add(x)
+                self._order += 1
+                heapq.heappush(heap, (-height[x], self._order, x))
+
+        for x in seeds:
+            push(x)
+        while heap:
+            x = heapq.heappop(heap)[2]
+            op = ops[x]
+            kind = _kind(op)
+            old_home, old_root = homes.get(x), roots.get(x)
+            if kind in (LEAF, VIEW):
+                home, root = None, None
+            else:
+                need: set = set()
+                for u in users.get(x, ()):
+                    h = homes.get(u)
+                    if h:
+                        need |= h
+                home, root = self.model.place(self, x, kind, need, x in self._outputs, roots)
+            if home != old_home:
+                self._moved.add(x)
+                for r in old_home or ():
+                    if r in members:
+                        members[r].discard(x)
+                if home:
+                    homes[x] = home
+                    for r in home:
+                        members.setdefault(r, set()).add(x)
+                else:
+                    homes.pop(x, None)
+                dirty.update(old_home or ())
+                dirty.update(home or ())
+                for a in op.args:
+                    push(a)
+            elif x in changes:
+                dirty.update(home or ())
+            if root != old_root:
+                for m in members.get(x, ()):  # their placement read this kernel's kind
+                    push(m)
+                if root is None:
+                    del roots[x]
+                else:
+                    roots[x] = root
+                dirty.add(x)
+                dirty |= self._reading(x)
+                for a in op.args:
+                    push(a)
+
+    def _price(self, dirty: set, changes: Mapping[Any, Any]) -> None:
+        incremental = type(self.model).kernel is FusionModel.kernel
+        for r in dirty:
+            kind = self.roots.get(r)
+            if kind is None:
+                self._cost.pop(r, None)
+                self._temp.pop(r, None)
+                self._sums.pop(r, None)
+                continue
+            if incremental and kind != OTHER:
+                cost, reads = self._kernel(r, kind, changes)
+            else:
+                cost, reads = self.model.kernel(self, r, kind, self._members[r])
+                self._sums.pop(r, None)  # not kept up to date while priced whole
+            self._cost[r] = cost
+            self._temp[r] = (sum(_temp(self, a, self._outputs, self.roots) for a in reads)
+                             + _temp(self, r, self._outputs, self.roots))
+
+    def _kernel(self, r: Any, kind: str, changes: Mapping[Any, Any]) -> tuple[float, Iterable]:
+        """:meth:`FusionModel.kernel` of kernel ``r``, from its sums at its last price and the members that
+        came, went or changed op since (up to the order of the sums).
+
+        A kernel's sums: its members' tie-break prices and shares of the work, its ``sin``/``cos`` by
+        argument, how many of its members read each op (what it reads: those read and not computed
+        in it, literals aside) and the bytes of what it reads.
+        """
+        model, ops, members = self.model, self.ops, self._members[r]
+        facts = model._facts
+        k = self._sums.get(r)
+        if k is None or k.kind != kind:
+            k = self._sums[r] = _KernelSums(kind)
+        share = 4 if kind == LIBRARY and model.library_op is not None else 5
+        reducing = kind in (LIBRARY, REDUCE)
+        had = k.ops
+        touched: set = set()
+        edges, sincos = k.edges, k.sincos
+        tiebreak, work = k.tiebreak, k.work
+        # Only ops that joined or left a kernel, or changed, can be counted wrong (a fresh kernel: all of them).
+        if had:
+            came = []
+            for x in (*self._moved, *changes):
+                old = had.get(x)
+                if old is not None and (x not in members or old is not ops[x]):
+                    came.append((x, old, -1))
+                    del had[x]
+            for x in (*self._moved, *changes):
+                if x in members and x not in had:
+                    had[x] = ops[x]
+                    came.append((x, ops[x], 1))
+        else:
+            for x in members:
+                had[x] = ops[x]
+            came = [(x, op, 1) for x, op in had.items()]
+        for x, op, sign in came:
+            f = facts(op, self)
+            tiebreak += sign * f[1]
+            if f[2]:
+                prims = sincos.setdefault(op.args[0], {})
+                prims[op.prim] = prims.get(op.prim, 0) + sign
+                if not prims[op.prim]:
+                    del prims[op.prim]
+                    if not prims:
+                        del sincos[op.args[0]]
+            else:
+                work += sign * (f[3] if (x == r and reducing) or f[7] else f[share])
+            for a in set(op.args):
+                n = edges.get(a, 0) + sign
+                if n:
+                    edges[a] = n
+                else:
+                    del edges[a]
+                touched.add(a)
+            touched.add(x)
+        k.tiebreak, k.work = tiebreak, work
+        touched.update(x for x in changes if x in edges)  # a read op that became a literal, or stopped being one
+        reads = k.reads
+        for a in touched:
+            op = ops.get(a)
+            want = edges.get(a, 0) > 0 and a not in members and op is not None and op.prim != "literal"
+            if want != (a in reads):
+                if want:
+                    size = reads[a] = facts(op, self)[6] if op.out_avals else 0
+                    k.read_bytes += size
+                else:
+                    k.read_bytes -= reads.pop(a)
+        cost = model.launch + model.node * len(members)
+        if model.tiebreak is not None:
+            cost += TIEBREAK * k.tiebreak
+        cost += k.work
+        cost = _add_sincos(cost, model, ops, sincos)
+        cost += model.byte * (k.read_bytes + facts(ops[r], self)[8])
+        return cost, reads
+
+    def price(self) -> float:
+        """The program's cost, as :meth:`FusionModel.__call__` prices it."""
+        cost = sum(self._cost.values()) + sum(self._views.values())
+        if self.model.memory:
+            cost += self.model.memory * max(self._temp.values(), default=0)
+        return float(cost)
+
+
+class _KernelSums:
+    """What :meth:`LiveFusion._kernel` keeps of one kernel between prices."""
+
+    __slots__ = ("kind", "ops", "tiebreak", "work", "sincos", "edges", "reads", "read_bytes")
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self.ops: dict[Any, Op] = {}        # each member, with the op it was counted with
+        self.tiebreak = 0.0
+        self.work = 0.0
+        self.sincos: dict[Any, dict[str, int]] = {}
+        self.edges: dict[Any, int] = {}     # op -> how many members read it
+        self.reads: dict[Any, int] = {}     # op read -> its bytes
+        self.read_bytes = 0

@@ -1,0 +1,236 @@
+"""The program the whole-program cost model prices: one :class:`Op` per operation, in order.
+
+A :class:`Program` is built from a jaxpr's top-level equations or from an
+extractor's choice (bodies are priced whole by the node model, except a call
+XLA inlines whose body is elementwise). Each op's kind says what XLA:CPU's
+fusion makes of it (``LEAF``, ``VIEW``, ``LOOP``, ``LIBRARY``, ``REDUCE``,
+``OTHER``), from the primitive's record; ``fusion.py`` prices programs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable, Mapping, Sequence
+
+from ..ir import terms as _terms
+from ..ir.intern import PARAMS
+from ..ir.jaxapi import core
+from ..ir.primitives import NodeInfo, inner_jaxpr, is_float as _is_float, spec_of
+from ..ir.walk import operands, postorder
+
+
+# What XLA:CPU does with each primitive (expensive, cheap, what a library reduction absorbs) lives in its
+# record (rewrite/ir/primitives.py), which the functions below read.
+#: Smaller reductions stay ordinary loop fusions (measured: 2048 elements do, 4096 do not).
+LIBRARY_MIN_ELEMENTS = 4096
+
+
+LEAF, VIEW, LOOP, LIBRARY, REDUCE, OTHER = "leaf", "view", "loop", "library", "reduce", "other"
+
+
+@dataclasses.dataclass
+class Op:
+    """One operation of a program, as the fusion model sees it."""
+
+    prim: str
+    family: str
+    params: Mapping[str, Any]
+    args: tuple[int, ...]
+    in_avals: tuple[Any, ...]
+    out_avals: tuple[Any, ...]
+    #: For ops the model does not fuse (dots, loops, opaque calls): their cost from the node model.
+    own: float = 0.0
+    #: The class (or variable) this op computes, for reading the decisions back.
+    key: Any = None
+    #: Facts about the op that do not depend on the program around it (its kind, its tie-break price),
+    #: shared by every program an extraction builds with this node: a search prices hundreds of them.
+    memo: dict | None = dataclasses.field(default=None, repr=False, compare=False)
+
+
+@dataclasses.dataclass
+class Program:
+    """Operations in topological order, and which of them the program returns."""
+
+    ops: list[Op]
+    outputs: list[int]
+
+    @classmethod
+    def from_jaxpr(cls, closed: Any, node_cost: Callable[[Any], float] | None = None) -> "Program":
+        """The top-level equations of a ``ClosedJaxpr`` (bodies are costed whole by ``node_cost``).
+
+        Equal equations are one operation, as after XLA's common-subexpression
+        elimination: ``sin(a*x) * cos(a*x)`` traces ``a*x`` twice, and XLA
+        computes it once, and the two functions of it as one ``sincos``.
+        """
+        ops: list[Op] = []
+        env: dict[Any, int] = {}
+        seen: dict[tuple, int] = {}
+
+        lits: dict[tuple, int] = {}
+
+        def read(atom: Any) -> int:
+            if isinstance(atom, core.Literal):
+                key = (repr(atom.val), str(atom.aval))
+                if key not in lits:
+                    ops.append(Op("literal", _terms.SPECIAL, {}, (), (), (atom.aval,)))
+                    lits[key] = len(ops) - 1
+                return lits[key]
+            return env[atom]
+
+        jaxpr = closed.jaxpr
+        for v in list(jaxpr.constvars) + list(jaxpr.invars):
+            ops.append(Op("param", _terms.SPECIAL, {}, (), (), (v.aval,), key=v))
+            env[v] = len(ops) - 1
+        for eqn in jaxpr.eqns:
+            args = tuple(read(a) for a in eqn.invars)
+            if not eqn.effects and len(eqn.outvars) == 1:
+                key = (PARAMS.intern_params(eqn.primitive, eqn.params), args)
+                if key in seen:
+                    env[eqn.outvars[0]] = seen[key]
+                    continue
+                seen[key] = len(ops)
+            family = _terms.family_of(eqn.primitive.name)
+            outs = tuple(v.aval for v in eqn.outvars)
+            op = Op(eqn.primitive.name, family, eqn.params, args, tuple(a.aval for a in eqn.invars), outs, key=eqn)
+            if _kind_of(op) == OTHER and node_cost is not None:
+                op.own = float(node_cost(NodeInfo(op.prim, family, eqn.params, op.in_avals, outs)))
+            ops.append(op)
+            tup = len(ops) - 1
+            if len(eqn.outvars) == 1:
+                env[eqn.outvars[0]] = tup
+            else:
+                for i, v in enumerate(eqn.outvars):
+                    ops.append(Op("proj", _terms.SPECIAL, {}, (tup,), (), (v.aval,), key=i))
+                    env[v] = len(ops) - 1
+        outputs = [read(a) for a in jaxpr.outvars]
+        return cls(ops, outputs)
+
+
+    @classmethod
+    def from_choice(cls, ex: Any, choice: Mapping[Any, tuple], roots: Sequence[Any],
+                    own: Callable[[Any, tuple], float], cache: dict | None = None,
+                    inputs: frozenset | set = frozenset()) -> "Program":
+        """The program an extractor's ``choice`` makes at ``roots`` (its own scope; bodies costed by ``own``).
+
+        Classes in ``inputs`` are the program's inputs: read, not computed.
+        """
+        cache = {} if cache is None else cache
+        index: dict[Any, int] = {}
+        ops: list[Op] = []
+        snap = ex.snap
+        reads = getattr(ex, "operands", None) or (lambda node: operands(snap, node))
+        order = list(postorder(list(roots), lambda c: () if c in inputs else reads(choice[c])))
+        for c in order:
+            if c in inputs:
+                index[c] = len(ops)
+                ops.append(Op("param", _terms.SPECIAL, {}, (), (), (ex.snap.aval(c),), key=c))
+                continue
+            node = choice[c]
+            index[c] = len(ops)
+            ops.append(chosen_op(ex, c, node, choice, own, cache, tuple(index[k] for k in reads(node))))
+        return cls(ops, [index[r] for r in roots])
+
+
+def chosen_op(ex: Any, c: Any, node: tuple, choice: Mapping[Any, tuple], own: Callable[[Any, tuple], float],
+              cache: dict, args: tuple) -> Op:
+    """The op class ``c`` computes with ``node``, reading ``args``; its facts are kept in ``cache`` per node."""
+    key = (c, node)
+    tmpl = cache.get(key)
+    if tmpl is None:
+        tmpl = _template(ex, c, node, choice, own)
+        if "inner" not in tmpl[6]:  # a fused call's body may differ between choices: not kept
+            cache[key] = tmpl
+    prim, family, params, in_avals, out_avals, own_cost, memo = tmpl
+    return Op(prim, family, params, args, in_avals, out_avals, own_cost, key=c, memo=memo)
+
+
+_LEAF_CTORS = _terms.LEAVES
+
+
+def _template(ex: Any, c: Any, node: tuple, choice: Mapping[Any, tuple], own: Callable[[Any, tuple], float]) -> tuple:
+    ctor, args = node
+    if ctor in _LEAF_CTORS:
+        return _LEAF_CTORS[ctor], _terms.SPECIAL, {}, (), (ex.snap.aval(c),), 0.0, {}
+    if ctor == "Proj":
+        # What the node model charges a projection: a loop's stacked output is written (and,
+        # with ``stacked``, held); fusion has no say in that, so it is added as it is.
+        return "proj", _terms.SPECIAL, {}, (), (ex.snap.aval(c),), float(own(c, node)), {}
+    info = ex.info(c, ctor, args, choice)
+    op = Op(info.op, info.family, info.params, (), info.in_avals, info.out_avals)
+    inner = _inlined_body(ex, ctor, args, choice, own) if len(info.out_avals) == 1 else None
+    if inner is not None:
+        return info.op, info.family, info.params, info.in_avals, info.out_avals, 0.0, {"kind": LOOP, "inner": inner}
+    cost = float(own(c, node)) if _kind_of(op) == OTHER else 0.0
+    return info.op, info.family, info.params, info.in_avals, info.out_avals, cost, {}
+
+
+def _inlined_body(ex: Any, ctor: str, args: tuple, choice: Mapping[Any, tuple],
+                  own: Callable[[Any, tuple], float]) -> tuple["Op", ...] | None:
+    """The chosen body of a call XLA inlines (``OpSpec.inlined``), when every operation in it is elementwise.
+
+    Such a call fuses like one elementwise operation (its price: its body's), not as a kernel boundary.
+    """
+    spec = _terms.BY_CTOR.get(ctor)
+    if spec is None or not spec.inlined:
+        return None
+    bodies = ex.body_classes(ctor, args)
+    if len(bodies) != 1:
+        return None
+    outs = ex.snap.list_items(choice[bodies[0]][1][1])
+    if len(outs) != 1:
+        return None
+    body = Program.from_choice(ex, choice, outs, own)
+    if not all(_kind(op) in (LEAF, LOOP) for op in body.ops):
+        return None
+    return tuple(op for op in body.ops if _kind(op) == LOOP)
+
+
+def _size(aval: Any) -> int:
+    shape = getattr(aval, "shape", None)
+    return 0 if shape is None else int(math.prod(shape))
+
+
+def elementwise_call(op: Op) -> bool:
+    """A call XLA inlines whose body is elementwise only: it fuses like one elementwise operation."""
+    if len(op.out_avals) != 1 or not (op.family == _terms.OPAQUE or spec_of(op.prim).inlined):
+        return False
+    j = inner_jaxpr(op.params)
+    if j is None:
+        return False
+    return all(_elementwise_eqn(e) for e in j.eqns)
+
+
+def _elementwise_eqn(e: Any) -> bool:
+    spec = _terms.BY_PRIM.get(e.primitive.name)
+    if spec is not None and not spec.inlined:
+        return spec.fusion == "loop"
+    j = inner_jaxpr(e.params)
+    return j is not None and len(e.outvars) == 1 and all(_elementwise_eqn(x) for x in j.eqns)
+
+
+def _kind_of(op: Op) -> str:
+    if op.prim in ("param", "literal", "const", "token"):
+        return LEAF
+    if op.prim == "proj":
+        return VIEW
+    spec = spec_of(op.prim)
+    if spec.fusion == "loop" or elementwise_call(op):
+        return LOOP
+    if op.family == _terms.REDUCE:
+        if (spec.library_reduction and op.in_avals and _is_float(op.in_avals[0])
+                and _size(op.in_avals[0]) >= LIBRARY_MIN_ELEMENTS):
+            return LIBRARY
+        return REDUCE
+    return OTHER
+
+
+def _kind(op: Op) -> str:
+    """``_kind_of(op)``, remembered in the op's memo when it has one."""
+    memo = op.memo
+    if memo is None:
+        return _kind_of(op)
+    found = memo.get("kind")
+    if found is None:
+        found = memo["kind"] = _kind_of(op)
+    return found

@@ -1,0 +1,446 @@
+"""Whole-program extraction: pricing a choice as XLA would compile it, and improving it by single switches.
+
+When the cost model prices whole programs (``AnalyticCost.program``: what
+XLA fuses, stores and recomputes), :class:`ProgramPricer` prices a choice
+that way, :class:`LiveProgram` keeps one program's price up to date as
+single classes switch node, and :class:`ProgramSearch` refines a choice
+under that price.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable, Sequence
+
+from ..cost.live import LiveFusion
+from ..cost.model import CostModel
+from ..cost.program import Program, chosen_op
+from ..ir import terms as _terms
+from ..ir.walk import operands, walk
+from .extractor import _CONTAINERS, _LEAVES, Extractor, _crossings, _signature
+
+
+def prices_programs(model: Any) -> bool:
+    """Does ``model`` declare a whole-program price (:attr:`rewrite.CostModel.prices_programs`)?"""
+    return isinstance(model, CostModel) and bool(model.prices_programs)
+
+
+class ProgramPricer:
+    """The whole-program price of a choice under ``model.program``, with per-node work cached."""
+
+    def __init__(self, ex: "Extractor", model: Any) -> None:
+        self.ex = ex
+        self.model = model
+        self._templates: dict = {}
+        self._shared: dict = {}
+        self._nested: bool | None = None
+        self._bodies: dict = {}
+        self._known: dict[tuple, float] = {}
+        #: whole-program prices (not live sums, in another order) of the programs priced whole, by key
+        self.exact: dict[tuple, float] = {}
+        #: the program the last price was asked for (its roots and signature)
+        self.last_key: tuple | None = None
+        self.evaluations = 0
+        #: how many prices were asked for, and how many of those were of a program priced before
+        self.asked = 0
+        #: the one program every price moves to (:meth:`live`), once one is made
+        self._live: LiveProgram | None = None
+
+    def own(self, c: Any, node: tuple, choice: dict[Any, tuple]) -> float:
+        ctor, args = node
+        bodies = self.ex.body_classes(ctor, args)
+        if not bodies:
+            return self.ex.own(c, ctor, args, choice)
+        costs = []
+        for b in bodies:
+            # A body's cost depends on the choice inside it, which differs between candidates (searches
+            # switch classes of the program's own scope only, so it is fixed within one search).
+            key = (id(choice), b)
+            if key not in self._bodies:
+                _, (_, outs) = choice[b]
+                self._bodies[key] = self.ex.dag_cost(choice, self.ex.snap.list_items(outs))
+            costs.append(self._bodies[key])
+        return float(self.model(self.ex.info(c, ctor, args, choice, tuple(costs))))
+
+    def program(self, choice: dict[Any, tuple], roots: Sequence[Any]) -> Any:
+        return Program.from_choice(self.ex, choice, roots, lambda c, n: self.own(c, n, choice),
+                                   self.templates(choice, roots))
+
+    def templates(self, choice: dict[Any, tuple], roots: Sequence[Any]) -> dict:
+        """Per-node facts of the programs ``choice`` makes (shared by all choices when no node has a body)."""
+        if not self._has_bodies(choice, roots):
+            return self._shared
+        found = self._templates.get(id(choice))
+        if found is None:
+            found = self._templates[id(choice)] = _ChoiceTemplates(self.ex, self._shared)
+        return found
+
+    def remember(self, key: tuple, price: Callable[[], float]) -> float:
+        """The price of the program ``key`` names (``_signature``), from memory or from ``price()``."""
+        self.asked += 1
+        self.last_key = key
+        found = self._known.get(key)
+        if found is None:
+            self.evaluations += 1
+            found = self._known[key] = price()
+        return found
+
+    def live(self, choice: dict[Any, tuple], roots: Sequence[Any]) -> "LiveProgram | None":
+        """A :class:`LiveProgram` over ``choice`` (kept up to date in place), if the model can price one.
+
+        There is one per pricer: asked again, it moves to the new choice
+        (:meth:`LiveProgram.jump`), re-placing and re-pricing only the kernels
+        where the two programs differ. The searches of one extraction start
+        from programs that differ in few classes, and building the kernels
+        of a program afresh costs about twice as much as pricing it whole.
+        """
+        live = self._live
+        if live is not None and live._roots == tuple(roots):
+            live.jump(choice)
+            return live
+        fusion = getattr(self.model, "program_fusion", None)
+        fusion = fusion() if fusion is not None else None
+        if fusion is None:
+            return None
+        live = self._live = LiveProgram(self, fusion, choice, roots)
+        return live
+
+    def _has_bodies(self, choice: dict[Any, tuple], roots: Sequence[Any]) -> bool:
+        """Whether the program has nested nodes, whose prices depend on the choice (so no sharing of prices)."""
+        if self._nested is None:
+            self._nested = any(_terms.BY_CTOR.get(ctor) is not None and _terms.BY_CTOR[ctor].family == _terms.NESTED
+                               for ns in self.ex.snap.nodes.values() for ctor, _ in ns)
+        return self._nested
+
+    def __call__(self, choice: dict[Any, tuple], roots: Sequence[Any]) -> float:
+        """The price of the program ``choice`` makes at ``roots``; each distinct program is priced once.
+
+        A program is the set of chosen nodes it uses (bodies included), so
+        a search that tries a move it tried before, or that reaches from
+        another start a program it priced already, is answered from memory.
+        """
+        key = (tuple(roots), _signature(self.ex, choice, roots))
+        return self.remember(key, lambda: self.exact_price(choice, roots, key))
+
+    def exact_price(self, choice: dict[Any, tuple], roots: Sequence[Any], key: tuple) -> float:
+        """The whole-program price of ``choice`` (whose key is ``key``), remembered from an earlier one if any."""
+        found = self.exact.get(key)
+        if found is None:
+            found = self.exact[key] = self.price(self.program(choice, roots))
+        return found
+
+    def price(self, prog: Any) -> float:
+        """The model's whole-program price of ``prog``."""
+        return float(self.model.program(prog))
+
+    def price_fused(self, fusion: Any) -> float:
+        """The model's price of the program a :class:`rewrite.cost.live.LiveFusion` holds."""
+        return float(fusion.price())
+
+
+class _ChoiceTemplates(dict):
+    """The per-node facts (``_fusion.chosen_op``) of the programs one choice makes, where nodes have bodies.
+
+    Only a node with bodies (its price reads its bodies' choice) or a projection (its price reads the
+    projected node) has facts that depend on the choice; the facts of every other node are kept in
+    ``shared``, for every choice.
+    """
+
+    __slots__ = ("ex", "shared")
+
+    def __init__(self, ex: "Extractor", shared: dict) -> None:
+        super().__init__()
+        self.ex = ex
+        self.shared = shared
+
+    def get(self, key: tuple, default: Any = None) -> Any:
+        found = dict.get(self, key)
+        return self.shared.get(key, default) if found is None else found
+
+    def __setitem__(self, key: tuple, value: Any) -> None:
+        node = key[1]
+        if node[0] == "Proj" or self.ex.body_classes(*node):
+            dict.__setitem__(self, key, value)
+        else:
+            self.shared[key] = value
+
+
+class LiveProgram:
+    """The program a choice makes, kept up to date as single classes switch node: what :class:`ProgramSearch` prices.
+
+    Reference counts over what each chosen node reads tell which classes a
+    move brings into the program and which it leaves behind: over its own
+    scope for the kernels (a :class:`rewrite.cost.live.LiveFusion`, which
+    re-places and re-prices only what the move touches), and over bodies too
+    for the program's signature (``_signature``), so that a move to a program
+    priced before is answered from the pricer's memory. ``choice`` is
+    updated in place. Prices equal the pricer's whole-program ones up to the
+    order of the sums.
+    """
+
+    def __init__(self, pricer: ProgramPricer, fusion: Any, choice: dict[Any, tuple], roots: Sequence[Any]) -> None:
+        # A proxy: the pricer keeps this program (ProgramPricer.live), and a cycle would keep the e-graph
+        # from its pool until a full collection.
+        self.pricer = pricer = weakref.proxy(pricer) if not isinstance(pricer, weakref.ProxyType) else pricer
+        self.ex = pricer.ex
+        self.roots = list(roots)
+        self._roots = tuple(roots)
+        self.fusion = LiveFusion(fusion, self.roots)
+        self._bind(choice)
+        self._ref: dict[Any, int] = {}   # own scope: what the kernels are made of
+        self._sig: dict[Any, int] = {}   # bodies included: the signature
+        self._ids: set[int] = set()
+        self._fused: dict[Any, tuple] = {}  # the node each class has in self.fusion
+        self._touched: set[Any] = set()
+        #: classes whose op inlines a call's body, with the classes of that body (a move there changes the op)
+        self._inlined: dict[Any, set] = {}
+        #: classes whose op is built again at the next flush though their node is the same (see jump)
+        self._stale: set[Any] = set()
+        for r in self.roots:
+            self._inc(r)
+            self._inc_sig(r)
+
+    def _bind(self, choice: dict[Any, tuple]) -> None:
+        pricer = self.pricer
+        self.choice = choice
+        self._own = lambda c, n: pricer.own(c, n, choice)
+        self._templates = pricer.templates(choice, self.roots)
+
+    def jump(self, choice: dict[Any, tuple]) -> None:
+        """Become the program ``choice`` makes (updated in place from now on): any choice, not one move away.
+
+        The reference counts are counted afresh; the kernels are edited
+        where a class's node differs, and where an op reads the choice
+        beyond its own node (a nested node's bodies, a projection's loop,
+        an inlined call's body), which is built again.
+        """
+        if choice is self.choice:
+            return
+        old = self.choice
+        self._bind(choice)
+        ex, fused = self.ex, self._fused
+        ref: dict[Any, int] = {}
+        sig: dict[Any, int] = {}
+        touched = self._touched
+        for r in self.roots:
+            touched.update(_crossings(ref, choice, ex.operands, r, 1))
+            for _ in _crossings(sig, choice, ex.all_kids, r, 1):
+                pass
+        touched.update(fused)
+        self._ref, self._sig = ref, sig
+        self._ids = {ex.pair_id(x, choice[x]) for x in sig}
+        if self.pricer.templates(old, self.roots) is not self._templates:
+            # Ops whose facts read the choice (ProgramPricer.templates): built again under the new one.
+            self._stale.update(x for x, node in fused.items()
+                               if node[0] == "Proj" or x in self._inlined or ex.body_classes(*node))
+
+    def _inc(self, c: Any) -> None:
+        self._touched.update(_crossings(self._ref, self.choice, self.ex.operands, c, 1))
+
+    def _dec(self, c: Any) -> None:
+        self._touched.update(_crossings(self._ref, self.choice, self.ex.operands, c, -1))
+
+    def _inc_sig(self, c: Any) -> None:
+        self._ids.update(
+            self.ex.pair_id(x, self.choice[x]) for x in _crossings(self._sig, self.choice, self.ex.all_kids, c, 1))
+
+    def _dec_sig(self, c: Any) -> None:
+        self._ids.difference_update(
+            self.ex.pair_id(x, self.choice[x]) for x in _crossings(self._sig, self.choice, self.ex.all_kids, c, -1))
+
+    def set(self, c: Any, node: tuple) -> None:
+        """Switch class ``c`` (one the program uses) to ``node``; the caller has checked that no cycle results."""
+        old = self.choice[c]
+        if old == node:
+            return
+        ex = self.ex
+        for k in ex.operands(node):
+            self._inc(k)
+        for k in ex.all_kids(node):
+            self._inc_sig(k)
+        if self._sig.get(c, 0) > 0:
+            self._ids.discard(ex.pair_id(c, old))
+            self._ids.add(ex.pair_id(c, node))
+        self.choice[c] = node
+        self._touched.add(c)
+        for k in ex.operands(old):
+            self._dec(k)
+        for k in ex.all_kids(old):
+            self._dec_sig(k)
+        for x, body in self._inlined.items():
+            if c in body:
+                self._touched.add(x)
+                self._fused.pop(x, None)  # its op is built again
+
+    def key(self) -> tuple:
+        """The pricer's key for the current program (its roots and signature)."""
+        return self._roots, frozenset(self._ids)
+
+    def price(self) -> float:
+        """The current program's price, from the pricer's memory or from the kernels the moves touched."""
+        return self.pricer.remember(self.key(), self._price)
+
+    def _price(self) -> float:
+        self.flush()
+        return self.pricer.price_fused(self.fusion)
+
+    def flush(self) -> None:
+        """Bring the kernels up to date with the moves made since the last price."""
+        ex, choice, ref, fused, stale = self.ex, self.choice, self._ref, self._fused, self._stale
+        changes: dict[Any, Any] = {}
+        for x in self._touched:
+            want = choice[x] if ref.get(x, 0) > 0 else None
+            if want == fused.get(x) and (want is None or x not in stale):
+                continue
+            if want is None:
+                fused.pop(x, None)
+                self._inlined.pop(x, None)
+                changes[x] = None
+                continue
+            fused[x] = want
+            op = chosen_op(ex, x, want, choice, self._own, self._templates, tuple(ex.operands(want)))
+            if op.memo and "inner" in op.memo:
+                self._inlined[x] = set(walk(ex.body_classes(*want), lambda b: ex.all_kids(choice[b])))
+            else:
+                self._inlined.pop(x, None)
+            changes[x] = op
+        self._touched.clear()
+        stale.clear()
+        if changes:
+            self.fusion.edit(changes)
+
+
+class ProgramSearch:
+    """Improve a choice under a whole-program price by switching one class at a time.
+
+    A move is priced from the kernels it touches (:class:`LiveProgram`; under
+    a model that prices programs its own way, by pricing the whole program
+    again). The search runs only on programs of at most ``max_classes``
+    classes, for at most ``max_evaluations`` prices of distinct programs, and at most
+    ``per_class`` per class of the program it starts from (at least 64): on
+    the ecosystem suite the last improving move came within one price per
+    class, and the moves after it only confirmed that none improves. A move
+    is kept when it lowers the price and keeps the program acyclic. Bodies
+    keep their choice.
+
+    Searches from several starts may share ``visited``, the programs every
+    search has passed through: a search that reaches a program another one
+    passed through stops there, since the other went on from it (and the
+    extractor keeps the best of all searches).
+    """
+
+    def __init__(self, ex: "Extractor", pricer: ProgramPricer, choice: dict[Any, tuple], roots: Sequence[Any], *,
+                 max_classes: int = 400, max_evaluations: int = 3000, per_class: float = 1.0,
+                 visited: set | None = None) -> None:
+        self.per_class = per_class
+        self.visited = set() if visited is None else visited
+        self.ex = ex
+        self.pricer = pricer
+        self.choice = dict(choice)
+        self.roots = list(roots)
+        self.max_classes = max_classes
+        self.max_evaluations = max_evaluations
+
+    def _kids(self, node: tuple) -> list[Any]:
+        return self.ex.term_kids(node)
+
+    def _program_classes(self) -> list[Any]:
+        return list(walk(self.roots, lambda c: self._kids(self.choice[c])))
+
+    def run(self, passes: int = 3, known: float | None = None) -> tuple[dict[Any, tuple], float]:
+        """Improve the choice; ``known`` is the starting choice's price, if the pricer computed it already."""
+        self._live: LiveProgram | None | bool = None
+        #: the result's key for the pricer (``None``: not known), set by the search
+        self.key: tuple | None = None
+        choice, best = self._run(passes, known)
+        if self._live is False:
+            self.key = None  # moves priced whole: the last key asked for need not be the result's
+        elif self._live:
+            self.key = self._live.key()
+        return choice, best
+
+    def _switch(self, c: Any, node: tuple) -> None:
+        """Choose ``node`` for ``c`` (the program is priced by :meth:`_price`)."""
+        if self._live is None:  # made on the first move: a search over too large a program makes none
+            self._live = self.pricer.live(self.choice, self.roots) or False
+        if self._live:
+            self._live.set(c, node)
+        else:
+            self.choice[c] = node
+
+    def _price(self) -> float:
+        return self._live.price() if self._live else self.pricer(self.choice, self.roots)
+
+    def _adds_loop(self, cur: tuple, alt: tuple) -> bool:
+        """Whether moving a projection from ``cur`` to ``alt`` runs a second loop and keeps the first.
+
+        ``alt`` reads a loop the program does not run, and the loop ``cur``
+        reads stays for its other outputs: the move adds a whole loop to save
+        one output (on the ecosystem suite and the golden programs, 554 such
+        moves, none cheaper). Moving all of a loop's outputs at once is
+        :class:`LocalSearch`'s group move. Like a move from a literal, which
+        costs nothing (264 moves, none cheaper), it is not priced.
+        """
+        live = self._live
+        if not live or cur[0] != "Proj" or alt[0] != "Proj":
+            return False
+        ref = live._ref
+        return ref.get(alt[1][0], 0) == 0 and ref.get(cur[1][0], 0) > 1
+
+    def _run(self, passes: int, known: float | None) -> tuple[dict[Any, tuple], float]:
+        nodes = self.ex.snap.nodes
+        best = self.pricer(self.choice, self.roots) if known is None else known
+        here = self.key = self.pricer.last_key  # the starting program's key: the pricer was last asked for it
+        if here in self.visited:
+            return self.choice, best
+        self.visited.add(here)
+        start = self.pricer.evaluations
+        classes = self._program_classes()
+        budget = min(self.max_evaluations, max(64, int(self.per_class * len(classes))))
+        for n in range(passes):
+            if n:
+                classes = self._program_classes()
+            if len(classes) > self.max_classes:
+                break
+            improved = False
+            live = set(classes)
+            for c in classes:
+                alts = nodes.get(c, ())
+                if len(alts) < 2 or c not in live:
+                    continue  # a class an earlier move left out of the program: no move of it changes the price
+                for alt in alts:
+                    if self.pricer.evaluations - start >= budget:
+                        return self.choice, best
+                    cur = self.choice[c]
+                    if alt == cur or alt[0] in _CONTAINERS or any(k not in self.choice for k in self._kids(alt)):
+                        continue
+                    if _permuted(self.ex, alt, cur):
+                        continue  # the same operation on the same operands (a*b for b*a): the same program price
+                    if cur[0] == "Lit" or self._adds_loop(cur, alt):
+                        continue
+                    if self.ex.reaches(self.choice, self._kids(alt), {c}):
+                        continue
+                    self._switch(c, alt)
+                    price = self._price()
+                    if price < best - 1e-9 * max(1.0, abs(best)):
+                        best = price
+                        improved = True
+                        if self.pricer.last_key in self.visited:
+                            return self.choice, best  # another search went on from here
+                        self.visited.add(self.pricer.last_key)
+                        live = set(self._program_classes())
+                        if c not in live:
+                            break
+                    else:
+                        self._switch(c, cur)
+            if not improved:
+                break
+        return self.choice, best
+
+
+def _permuted(ex: "Extractor", a: tuple, b: tuple) -> bool:
+    """Whether two nodes apply one primitive, with the same parameters, to the same operands in another order."""
+    if a[0] != b[0] or a[0] in _LEAVES or a[0] == "Proj" or a[1][-1] != b[1][-1]:
+        return False
+    ka, kb = ex.term_kids(a), ex.term_kids(b)
+    return len(ka) == len(kb) and sorted(ka, key=repr) == sorted(kb, key=repr)

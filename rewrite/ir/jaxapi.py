@@ -1,0 +1,110 @@
+"""Every use of JAX's internals, in one module: where a new JAX version is met.
+
+The rewriter reads and writes jaxprs, traces functions at abstract values and
+defines primitives of its own, which JAX's public API covers only in part:
+``jax.extend.core`` (the jaxpr data structures), ``jax.core``,
+``jax.interpreters`` (the transformation rule tables) and ``jax.extend``
+(``linear_util``, ``source_info_util``). Other modules import those public
+modules directly, and everything else from here, never from ``jax._src``
+(``tests/test_layout.py`` checks it). :data:`core` gathers the jaxpr data
+structures under one name, from the public modules where they are; each name
+below that comes from ``jax._src`` has a comment saying what public API it
+stands in for, or why there is none.
+"""
+
+from __future__ import annotations
+
+import types
+
+import jax
+import jax.core as _jax_core
+import jax.extend.core as _ext_core
+import jax.extend.core.primitives as primitives  # noqa: F401  (public: the primitives of jax.lax)
+
+from jax._src import api_util as _api_util
+from jax._src import config as _config
+from jax._src import core as _core
+from jax._src import literals as _literals
+from jax._src import source_info_util as _source_info_util
+from jax._src.interpreters import ad as _ad
+from jax._src.interpreters import partial_eval as _pe
+from jax._src.lax import control_flow as _control_flow
+from jax._src.lax import lax as _lax
+from jax._src.lax import slicing as _slicing
+from jax._src.sharding_impls import UnspecifiedValue  # noqa: F401  (no public name: the "no sharding given" marker
+#                                                       a jaxpr's params hold, which the cost model reads as no sharding)
+
+#: The jaxpr data structures and the tracing context, as ``core.X`` throughout the package.
+core = types.SimpleNamespace(
+    # public, jax.extend.core
+    AbstractToken=_ext_core.AbstractToken,
+    ClosedJaxpr=_ext_core.ClosedJaxpr,
+    DebugInfo=_ext_core.DebugInfo,
+    DropVar=_ext_core.DropVar,
+    Jaxpr=_ext_core.Jaxpr,
+    JaxprEqn=_ext_core.JaxprEqn,
+    Literal=_ext_core.Literal,
+    Primitive=_ext_core.Primitive,
+    Var=_ext_core.Var,
+    check_jaxpr=_ext_core.check_jaxpr,
+    jaxpr_as_fun=_ext_core.jaxpr_as_fun,
+    jaxprs_in_params=_ext_core.jaxprs_in_params,
+    mapped_aval=_ext_core.mapped_aval,
+    new_jaxpr_eqn=_ext_core.new_jaxpr_eqn,
+    no_effects=_ext_core.no_effects,
+    primitives=_ext_core.primitives,
+    set_current_trace=_ext_core.set_current_trace,
+    unmapped_aval=_ext_core.unmapped_aval,
+    # public, jax.core and jax
+    ShapedArray=_jax_core.ShapedArray,
+    Tracer=_jax_core.Tracer,
+    eval_jaxpr=_jax_core.eval_jaxpr,
+    typeof=jax.typeof,
+    # internal: no public API
+    JaxprEqnContext=_core.JaxprEqnContext,  # an equation's context (mesh, compute type), which an emitted equation keeps
+    NamedAxisEffect=_core.NamedAxisEffect,  # the effect of a collective over a named axis, which a loaded program keeps
+    abstract_token=_core.abstract_token,  # the aval of an effect token (jax.extend.core has the type, not the value)
+    extend_axis_env_nd=_core.extend_axis_env_nd,  # the named axes of a shard_map body, to trace inside one
+    initial_result_paths=_core.initial_result_paths,  # DebugInfo's "no result paths yet", to trace without jit
+    join_effects=_core.join_effects,  # the union of effect sets, as an emitted jaxpr's effects
+    trace_ctx=_core.trace_ctx,  # the current trace, which a derivative rule dispatches on (jax.core has no reader)
+)
+
+#: Automatic differentiation's rule tables. ``jax.interpreters.ad`` exports ``primitive_jvps``,
+#: ``primitive_transposes``, ``Zero``, ``instantiate_zeros``, ``is_undefined_primal`` and ``JVPTrace``;
+#: the linearization protocol (``primitive_linearizations``, ``fallback_linearize_rule``,
+#: ``LinearizeTrace``), which ``jax.grad`` runs through, has no public name.
+ad = _ad
+
+#: What the rewritten-derivative primitive registers with the tracer: a rule that stages it out as is.
+#: ``jax.interpreters.partial_eval`` does not export the table.
+custom_staging_rules = _pe.custom_staging_rules
+
+#: A literal's value with its dtype, as jaxprs hold them (``TypedNdArray``, and the scalars ``TypedInt``,
+#: ``TypedFloat``, ``TypedComplex``): no public name; the emitter builds them and the cache writes them down.
+literals = _literals
+
+#: ``jax.make_jaxpr`` traces through ``jit``, which is half the cost of a small trace; rules trace at new
+#: shapes hundreds of times a rewrite, so ``trace_at`` traces directly, with the source location of the
+#: function for its debug info. No public API gives either.
+fun_sourceinfo = _api_util.fun_sourceinfo
+
+#: Whether a ``shard_map`` body checks which manual axes a value varies over: the context a body is
+#: traced in. No public API sets it outside ``shard_map``.
+check_vma = _config._check_vma
+
+#: ``convert_element_type`` as JAX's own functions apply it (with ``weak_type``), for test inputs of a
+#: weak type; ``jax.lax.convert_element_type`` always gives a strong type.
+convert_element_type = _lax._convert_element_type
+
+#: The modules whose primitives a rule may name by string (``Match.node("cumsum", ...)``): lax's,
+#: including the control-flow and slicing primitives that ``jax.extend.core.primitives`` does not list.
+PRIMITIVE_MODULES = (_lax, _slicing, _control_flow, primitives)
+
+#: ``lax.optimization_barrier``'s primitive, bound directly by the measured cost model's pinned variant
+#: (``jax.extend.core.primitives`` does not list it).
+optimization_barrier_p = _lax.optimization_barrier_p
+
+#: The user's frame of an equation's source location, for the report (``jax.extend.source_info_util``
+#: has ``summarize``, which formats it, but nothing that returns the frame).
+user_frame = _source_info_util.user_frame

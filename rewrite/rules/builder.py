@@ -1,0 +1,283 @@
+"""What a match reads and builds: the views of one snapshot, new terms, and a slice read back as a function.
+
+Procedural rules and guards see the e-graph through :class:`Builder` (held by
+every :class:`Match`, :class:`Value` and :class:`Node` as ``engine``): the
+nodes of a class and its users, a loop's body, a piece of the e-graph read
+back as a JAX function, and the terms a replacement is built from, traced
+or applied one primitive at a time. Traces of the small functions rules
+build are kept for the process (:func:`_trace_key`).
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from ..cost.model import DEFAULT
+from ..extract.choice import choose_slice
+from ..extract.extractor import Extractor
+from ..ir import terms as _terms
+from ..ir.egraph import EGraph, Snapshot
+from ..ir.intern import PARAMS, TYPES
+from ..ir.jaxapi import PRIMITIVE_MODULES, core
+from ..jaxpr.emit import EmitError, emit_slice
+from ..jaxpr.load import load_closed
+from ..jaxpr.trace import trace_at
+from .match import Body, Node, Value
+
+
+class Builder:
+    """What a match reads of the e-graph and builds in it: the views of one snapshot, and new terms.
+
+    :class:`Match`, :class:`Value` and :class:`Node` call back into it; the
+    saturation loop (:class:`rewrite.rules.saturate.Engine`) owns one, moves
+    it to each new snapshot, and reads ``reads`` after a procedure ran.
+    """
+
+    def __init__(self, egraph: EGraph) -> None:
+        self.egraph = egraph
+        self.reads: set | None = None  # while a procedure runs: the classes it read (Engine watches them)
+        self.snapshot = None  # type: ignore[assignment]  # (also empties the per-snapshot caches)
+
+    @property
+    def snapshot(self) -> Snapshot:
+        """The e-graph as the rules of this iteration see it."""
+        return self._snapshot
+
+    @snapshot.setter
+    def snapshot(self, snap: Snapshot | None) -> None:
+        # What is derived from a snapshot is kept with it, and dropped with it.
+        self._snapshot = snap
+        self._prefer: dict | None = None  # the bottom-up choice, for Match.function
+        self._nodes: dict[Any, list] = {}  # nodes_of's views
+
+    def release(self) -> None:
+        """Drop the views of the last snapshot: they refer back to the builder (a Node to the builder that
+        made it), so the e-graph goes back to its pool when the caller lets go of it, not at some later
+        full collection."""
+        self._nodes = {}
+        self._prefer = None
+
+    def value(self, x: Any) -> Value:
+        """A :class:`Value` for a class of the current snapshot, or for a V id."""
+        snap = self.snapshot
+        if isinstance(x, int):
+            cls = snap.cls_of_name[x] if x < len(snap.cls_of_name) else None
+            return Value(TYPES[self.egraph.vtype[x]], x, cls, self)
+        return Value(snap.aval(x), snap.name(x), x, self)
+
+    def nodes_of(self, cls: Any) -> list[Any]:
+        """The :class:`Node` views of a class of the current snapshot, built once per snapshot
+        (procedural rules walk the same classes many times in one iteration)."""
+        reads = self.reads
+        if reads is not None:
+            reads.add((cls, None))
+        found = self._nodes.get(cls)
+        if found is None:
+            found = self._nodes[cls] = [Node(self, c, a) for c, a in self.snapshot.nodes.get(cls, [])]
+        return found
+
+    def body(self, body_cls: Any) -> Body:
+        snap = self.snapshot
+        (_, (scope, outs)), *_ = snap.nodes[body_cls]
+        return Body(scope, [self.value(c) for c in snap.list_items(outs)])
+
+    def users(self, v: Value) -> list[tuple[Value, Any]]:
+        if v.cls is None:
+            return []
+        parents = self.snapshot.parents
+        out = []
+        seen = set()
+        stack = list(parents.get(v.cls, []))
+        while stack:
+            parent, (ctor, args) = stack.pop()
+            if ctor == "TCons":  # an operand list (a scan's args, select_n's cases): its user is what holds it
+                if parent not in seen:
+                    seen.add(parent)
+                    stack.extend(parents.get(parent, []))
+            elif ctor not in ("Body", "BCons"):  # a body's outputs are not used in this scope
+                out.append((self.value(parent), Node(self, ctor, args)))
+        return out
+
+    def _fresh(self, vid: int) -> Value:
+        # A node that was already in the e-graph (an existing Param, say) keeps its class.
+        return self.value(vid)
+
+    def build_param(self, scope: int, index: int, aval: Any) -> Value:
+        return self._fresh(self.egraph.term("Param", [scope, index], TYPES.intern_aval(aval)))
+
+    def build_literal(self, value: Any, aval: Any) -> Value:
+        return self._fresh(self.egraph.literal(value, aval))
+
+    def build_node(self, prim: Any, operands: Sequence[Value], params: dict[str, Any], out_avals: Sequence[Any],
+                   bodies: Sequence[Body]) -> Any:
+        if isinstance(prim, str):
+            prim = _primitive(prim)
+        eg = self.egraph
+        pid = PARAMS.intern_params(prim, params)
+        spec = _terms.BY_PRIM.get(prim.name)
+        args: list[Any] = []
+        names = [v.name for v in operands]
+        if spec is None:
+            ctor, args = "Opaque", [eg.tlist(names)]
+        else:
+            ctor = spec.ctor
+            body_refs = [eg.body(b.scope, [o.name for o in b.outs]) for b in bodies]
+            it = iter(names)
+            for letter in spec.layout:
+                if letter == "T":
+                    args.append(next(it))
+                elif letter == "L":
+                    args.append(eg.tlist(list(it)))
+                elif letter == "B":
+                    args.append(body_refs.pop(0))
+                elif letter == "N":
+                    args.append(eg.blist(body_refs))
+                    body_refs = []
+            if next(it, None) is not None:
+                raise ValueError(f"{prim.name}: too many operands for layout {spec.layout!r}")
+        args.append(pid)
+        multi = prim.multiple_results or (spec is not None and spec.family == _terms.NESTED)
+        if not multi:
+            (aval,) = out_avals
+            return self._fresh(eg.term(ctor, args, TYPES.intern_aval(aval)))
+        tup = eg.term(ctor, args, TYPES.intern_tuple(tuple(out_avals)))
+        return tuple(self._fresh(eg.term("Proj", [tup, i], TYPES.intern_aval(a))) for i, a in enumerate(out_avals))
+
+    def fresh_index(self, scope: int) -> int:
+        return self.egraph.fresh_input(scope)
+
+    def function(self, outs: Sequence[Value], inputs: Sequence[Value]) -> Callable[..., list] | None:
+        """``outs`` as a JAX function of ``inputs`` (classes of this snapshot), or ``None``."""
+        snap = self.snapshot
+        out_cls = [v.cls for v in outs]
+        in_cls = [v.cls for v in inputs]
+        if any(c is None for c in out_cls + in_cls):
+            raise ValueError("Match.function takes values that exist in the e-graph (not ones built by this match)")
+        if self._prefer is None:
+            self._prefer = Extractor(snap, DEFAULT).tree()[1]
+        seen: set | None = set() if self.reads is not None else None
+        choice = choose_slice(snap, out_cls, set(in_cls), self._prefer, visited=seen)
+        if choice is None:
+            if seen is not None:
+                # No slice yet: one may come when a class it looked at gains a node (a body's output
+                # found independent of the carry, say), so those classes are read, as nodes_of's are,
+                # and a procedure that declines is tried again then. (A slice that was found is not
+                # watched: retrying on every change inside a loop body costs much and finds nothing.)
+                self.reads.update((c, None) for c in seen)
+            return None
+        try:
+            closed = emit_slice(snap, choice, self.egraph, in_cls, out_cls)
+        except EmitError:
+            return None
+        fn = core.jaxpr_as_fun(closed)
+        read = {a for e in closed.jaxpr.eqns for a in e.invars if isinstance(a, core.Var)}
+        read |= {a for a in closed.jaxpr.outvars if isinstance(a, core.Var)}
+        fn.jaxpr = closed  # type: ignore[attr-defined]
+        fn.uses = tuple(v in read for v in closed.jaxpr.invars)  # type: ignore[attr-defined]
+        return fn
+
+    def insert_traced(self, fn: Callable[..., Any], inputs: Sequence[Value]) -> Any:
+        avals = [v.aval for v in inputs]
+        key = _trace_key(fn, avals)
+        closed = _TRACES.get(key) if key is not None else None
+        if closed is None:
+            closed = trace_at(fn, avals)
+            if key is not None:
+                _TRACES.put(key, closed)
+        outs, _ = load_closed(closed, [v.name for v in inputs], self.egraph, remember=key is not None)
+        vals = [Value(TYPES[self.egraph.vtype[o]], o, None, self) for o in outs]
+        return vals[0] if len(vals) == 1 else tuple(vals)
+
+
+class _Traces:
+    """Traces of rule-built functions, by code, closure and avals (:func:`_trace_key`), kept for the process.
+
+    Procedural rules build the same small functions in every program (a
+    product of two factors, a sum over an axis): tracing one the first time
+    is most of what a rule costs, and the trace depends on nothing but its key.
+    The oldest of more than ``size`` are dropped.
+    """
+
+    def __init__(self, size: int = 8192) -> None:
+        self._found: dict[Any, Any] = {}
+        self._lock = threading.Lock()
+        self.size = size
+
+    def get(self, key: Any) -> Any:
+        return self._found.get(key)
+
+    def put(self, key: Any, closed: Any) -> None:
+        with self._lock:
+            self._found[key] = closed
+            while len(self._found) > self.size:
+                del self._found[next(iter(self._found))]
+
+
+_TRACES = _Traces()
+
+
+def _trace_key(fn: Callable[..., Any], avals: Sequence[Any]) -> Any:
+    """A key under which ``fn`` traced at ``avals`` is the same jaxpr every time, or ``None``.
+
+    Procedural rules build their replacements as small closures (a sum over
+    these axes, a product of these factors), and the same closure is built
+    again and again across matches and iterations: tracing it is most of a
+    rule's cost. The key is the function's code, its defaults and a snapshot
+    of its closure, taken when it is called (so a list mutated later does not
+    matter); only plain values key it: numbers, strings, dtypes, tuples and
+    lists of them, and functions without a closure. Anything else (an
+    e-graph ``Value``, an object) makes the trace uncached.
+    """
+    try:
+        code = fn.__code__
+        cells = tuple(_plain(c.cell_contents) for c in (fn.__closure__ or ()))
+        defaults = _plain(fn.__defaults__ or ())
+        kwdefaults = _plain(tuple(sorted((fn.__kwdefaults__ or {}).items())))
+        return (code, cells, defaults, kwdefaults, tuple(avals), _config())
+    except (AttributeError, TypeError, ValueError):  # not a plain function, or a closure over an object
+        return None
+
+
+def _config() -> tuple:
+    """The settings a trace reads besides its function and avals (a weak literal's dtype, say)."""
+    import jax
+
+    c = jax.config
+    return (c.jax_enable_x64, c.jax_numpy_dtype_promotion, c.jax_default_matmul_precision)
+
+
+def _plain(x: Any, depth: int = 0) -> Any:
+    if depth > 4:
+        raise TypeError("nested too deep")
+    if isinstance(x, (float, complex)):
+        return (type(x), repr(x))  # 0.0 and -0.0 are equal, and NaN is not equal to itself
+    if x is None or isinstance(x, (bool, int, str)):
+        return (type(x), x)
+    if isinstance(x, (tuple, list)):
+        return (type(x), tuple(_plain(y, depth + 1) for y in x))
+    if isinstance(x, np.dtype) or (isinstance(x, type) and issubclass(x, np.generic)):
+        return ("dtype", np.dtype(x).str)
+    if callable(x) and getattr(x, "__closure__", 0) is None and hasattr(x, "__code__"):
+        return ("fn", x)  # a module-level function: its identity is its meaning
+    if callable(x) and isinstance(getattr(x, "__name__", None), str) and not hasattr(x, "__dict__"):
+        return ("builtin", x)  # a builtin or ufunc-like callable without state
+    raise TypeError(type(x).__name__)
+
+
+@functools.lru_cache(maxsize=None)
+def _primitive(name: str) -> Any:
+    """The JAX primitive called ``name``: one seen in a loaded program, or one of lax's."""
+    for i in range(len(PARAMS)):
+        prim = PARAMS[i][0]
+        if prim.name == name:
+            return prim
+    for mod in PRIMITIVE_MODULES:
+        for attr in dir(mod):
+            p = getattr(mod, attr)
+            if getattr(p, "name", None) == name and hasattr(p, "bind"):
+                return p
+    raise ValueError(f"no primitive named {name!r}")

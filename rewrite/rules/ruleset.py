@@ -1,0 +1,183 @@
+"""Rulesets: named collections of rules with a soundness class and a tolerance, composed with ``+``.
+"""
+
+from __future__ import annotations
+
+import collections.abc
+import dataclasses
+import importlib
+from typing import Any, Iterable, Iterator, Mapping
+
+import jax.numpy as jnp
+import numpy as np
+
+from .rule import Rule
+
+
+SOUNDNESS = ("exact", "identity", "fastmath")
+
+
+@dataclasses.dataclass(frozen=True)
+class Tolerance:
+    """How far an ``identity`` or ``fastmath`` rule may move a float32 result.
+
+    For other float dtypes both bounds scale with machine epsilon, so a
+    bfloat16 program gets a bfloat16-sized tolerance.
+
+    >>> import numpy as np
+    >>> from rewrite import Tolerance
+    >>> Tolerance(rtol=1e-6, atol=0.0).for_dtype(np.float64)[0] < 1e-14
+    True
+    """
+
+    rtol: float = 1e-5
+    atol: float = 1e-6
+
+    def for_dtype(self, dtype: Any) -> tuple[float, float]:
+        dtype = np.dtype(dtype)
+        if not jnp.issubdtype(dtype, jnp.inexact):
+            return 0.0, 0.0
+        scale = float(jnp.finfo(dtype).eps) / float(jnp.finfo(np.float32).eps)
+        return self.rtol * scale, self.atol * scale
+
+
+class Ruleset:
+    """A named collection of rules with a soundness class. Rulesets compose with ``+``.
+
+    ``soundness`` is ``"exact"`` (bitwise-equal results, NaN equal to NaN),
+    ``"identity"`` (true in real arithmetic; within ``tolerance`` on finite
+    inputs) or ``"fastmath"`` (may change results; within ``tolerance`` on
+    ordinary values). A composite keeps each part's class, and its parts are
+    reachable as attributes. ``limits`` (a :class:`rewrite.Limits`) sets the
+    back-off of this ruleset's own rules: how many new matches one may act on
+    per iteration (``matches``) before it is banned, and for how long (``ban``).
+
+    >>> import jax.numpy as jnp
+    >>> from rewrite import rule, Ruleset
+    >>> a = Ruleset("a", [rule(lambda x: -(-x), lambda x: x, name="negneg")])
+    >>> b = Ruleset("b", [rule(lambda x: x * 1.0, lambda x: x, name="mul1")])
+    >>> both = a + b
+    >>> [r.name for r in both], both.a is a
+    (['negneg', 'mul1'], True)
+    """
+
+    def __init__(self, name: str, rules: Iterable[Rule | "Ruleset"] = (), *, soundness: str = "exact",
+                 tolerance: Tolerance | None = None, description: str = "", limits: Any = None) -> None:
+        if soundness not in SOUNDNESS:
+            raise ValueError(f"ruleset {name!r}: soundness must be one of {SOUNDNESS}, got {soundness!r}")
+        self.name = name
+        self.soundness = soundness
+        self.tolerance = tolerance if tolerance is not None else (
+            None if soundness == "exact" else Tolerance() if soundness == "identity" else Tolerance(1e-4, 1e-5))
+        self.description = description
+        self.limits = limits
+        self.rules: list[Rule] = []
+        self.parts: list[Ruleset] = []
+        if isinstance(rules, (Rule, Ruleset)):  # Ruleset("r", rule(...)): one rule is a list of one
+            rules = [rules]
+        if not isinstance(rules, Iterable) or isinstance(rules, (str, bytes)):
+            raise TypeError(f"ruleset {name!r}: rules must be a list of rules or rulesets, got {type(rules).__name__}")
+        for r in rules:
+            if isinstance(r, Ruleset):
+                self.parts.append(r)
+            elif isinstance(r, Rule):
+                self.rules.append(r)
+            else:
+                raise TypeError(f"ruleset {name!r}: expected rules or rulesets, got {type(r).__name__}")
+        names = [r.name for r, _ in self.entries()]
+        dups = sorted({n for n in names if names.count(n) > 1})
+        if dups:
+            raise ValueError(f"ruleset {name!r}: rule name {dups[0]!r} appears twice")
+
+    def entries(self) -> list[tuple[Rule, "Ruleset"]]:
+        """Every rule with the ruleset that gives its soundness class, depth first, without duplicates."""
+        out: list[tuple[Rule, Ruleset]] = [(r, self) for r in self.rules]
+        seen = {id(r) for r in self.rules}
+        for p in self.parts:
+            for r, owner in p.entries():
+                if id(r) not in seen:
+                    seen.add(id(r))
+                    out.append((r, owner))
+        return out
+
+    def __iter__(self) -> Iterator[Rule]:
+        return iter([r for r, _ in self.entries()])
+
+    def __len__(self) -> int:
+        return len(self.entries())
+
+    def __add__(self, other: "Ruleset") -> "Ruleset":
+        if not isinstance(other, Ruleset):
+            return NotImplemented
+        order = SOUNDNESS.index
+        weakest = max(self.soundness, other.soundness, key=order)
+        return Ruleset(f"{self.name}+{other.name}", [self, other], soundness=weakest)
+
+    def __getattr__(self, name: str) -> "Ruleset":
+        for p in self.__dict__.get("parts", ()):
+            if p.name == name:
+                return p
+            try:
+                return getattr(p, name)
+            except AttributeError:
+                pass
+        raise AttributeError(f"ruleset {self.__dict__.get('name')!r} has no part {name!r}")
+
+    def rule(self, name: str) -> Rule:
+        for r, _ in self.entries():
+            if r.name == name:
+                return r
+        raise KeyError(f"ruleset {self.name!r} has no rule {name!r}")
+
+    def __repr__(self) -> str:
+        return f"<Ruleset {self.name!r}: {len(self)} rules, {self.soundness}>"
+
+
+def as_ruleset(x: Any) -> Ruleset:
+    """What ``rulesets=`` names, as one :class:`Ruleset`: rulesets, rules, a built-in pack's name
+    (``"algebra"``, as ``rulesets.algebra``), or a list of these.
+
+    >>> as_ruleset(["algebra", "nn"]).name
+    'algebra+nn'
+    >>> as_ruleset("algbra")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ValueError: rulesets=: no built-in pack is named 'algbra'; the packs are algebra, fastmath, ...
+    """
+    if isinstance(x, Ruleset):
+        return x
+    if isinstance(x, Rule):
+        return Ruleset(x.name, [x], soundness="identity")
+    if isinstance(x, str):
+        return _builtin_pack(x)
+    if isinstance(x, Iterable) and not isinstance(x, (bytes, Mapping)):
+        parts = [as_ruleset(i) for i in x]
+        weakest = max((p.soundness for p in parts), key=SOUNDNESS.index, default="exact")
+        return Ruleset("+".join(p.name for p in parts) or "empty", parts, soundness=weakest)
+    hint = " (pass [] for no rules)" if x is None else ""
+    raise TypeError(f"rulesets= takes Ruleset or Rule objects, built-in pack names, or a list of them; "
+                    f"got {type(x).__name__}{hint}")
+
+
+def _builtin_pack(name: str) -> Ruleset:
+    # The packs live in the ``rulesets`` package, which is built on this one: it is looked up when a
+    # name is given, never imported by the core.
+    packs = importlib.import_module("rulesets")
+    if name not in packs.PACKS:
+        raise ValueError(f"rulesets=: no built-in pack is named {name!r}; the packs are {', '.join(packs.PACKS)}")
+    return getattr(packs, name)
+
+
+def entries_of(rulesets: Any) -> list[tuple[Rule, Ruleset]]:
+    if isinstance(rulesets, (Ruleset, Rule, str)) or not isinstance(rulesets, collections.abc.Iterable):
+        rulesets = [rulesets]  # one of them; as_ruleset says what is wrong with anything else
+    out: list[tuple[Rule, Ruleset]] = []
+    seen: dict[str, int] = {}
+    for rs in rulesets:
+        for r, owner in as_ruleset(rs).entries():
+            if r.name in seen:
+                if out[seen[r.name]][0] is r:
+                    continue
+                raise ValueError(f"two different rules are named {r.name!r}; rule names must be unique")
+            seen[r.name] = len(out)
+            out.append((r, owner))
+    return out

@@ -1,0 +1,145 @@
+"""The package's layout holds: imports run one way, modules stay small, dependencies sit in headers.
+
+``rewrite/`` is a set of folders, each a role (``ir``, ``jaxpr``, ``rules``,
+``extract``, ``cost``, ``grad``, ``cache``, ``report``, ``testing``), plus the
+public entry points at the top. These tests read the sources (no import) and
+fail when a change brings back what the layout was made to remove: an import
+circle between modules or between folders (imports inside functions count),
+a module over 700 lines, an import of a project module hidden inside a
+function without a comment saying why it cannot be at the top, or an import
+of JAX's internals (``jax._src``) anywhere but ``rewrite/ir/jaxapi.py``.
+"""
+
+from __future__ import annotations
+
+import ast
+import collections
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PACKAGES = ("rewrite", "rulesets")
+MAX_LINES = 700
+MAX_FUNCTION_IMPORTS = 3
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def _sources(package: str) -> dict[str, pathlib.Path]:
+    return {_module_name(p): p for p in sorted((ROOT / package).rglob("*.py"))}
+
+
+def _imports(package: str) -> list[tuple[str, str, bool, int, pathlib.Path]]:
+    """(importer, imported module, inside a function, line, file) for every import of a module of ``package``."""
+    modules = _sources(package)
+    out = []
+    for name, path in modules.items():
+        tree = ast.parse(path.read_text())
+        here = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+
+        def visit(node: ast.AST, in_function: bool) -> None:
+            for child in ast.iter_child_nodes(node):
+                inner = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+                targets: list[str] = []
+                if isinstance(child, ast.ImportFrom):
+                    base = (child.module or "").split(".") if child.level == 0 else (
+                        here[:len(here) - (child.level - 1)] + ([child.module] if child.module else []))
+                    base_name = ".".join(p for p in base if p)
+                    for alias in child.names:
+                        full = f"{base_name}.{alias.name}"
+                        targets.append(full if full in modules else base_name)
+                elif isinstance(child, ast.Import):
+                    targets = [alias.name for alias in child.names]
+                for t in targets:
+                    if t in modules and t != name:
+                        out.append((name, t, in_function, child.lineno, path))
+                visit(child, inner)
+
+        visit(tree, False)
+    return out
+
+
+def _cycle(edges: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of the graph, or ``None``."""
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def dfs(v: str) -> list[str] | None:
+        state[v] = 1
+        stack.append(v)
+        for w in sorted(edges.get(v, ())):
+            if state.get(w) == 1:
+                return stack[stack.index(w):] + [w]
+            if w not in state:
+                found = dfs(w)
+                if found:
+                    return found
+        stack.pop()
+        state[v] = 2
+        return None
+
+    for v in sorted(edges):
+        if v not in state:
+            found = dfs(v)
+            if found:
+                return found
+    return None
+
+
+def _folder(module: str) -> str:
+    """The unit of the one-way rule: a folder of ``rewrite/`` (``rewrite.rules``), or a top-level module."""
+    return ".".join(module.split(".")[:2])
+
+
+def test_no_import_circle_between_modules_counting_imports_inside_functions():
+    for package in PACKAGES:
+        edges: dict[str, set[str]] = collections.defaultdict(set)
+        for importer, imported, _, _, _ in _imports(package):
+            if not importer.startswith(imported + "."):  # a module reading its own package's __init__
+                edges[importer].add(imported)
+        assert _cycle(edges) is None, f"import circle: {' -> '.join(_cycle(edges))}"
+
+
+def test_the_folders_of_rewrite_import_one_way():
+    edges: dict[str, set[str]] = collections.defaultdict(set)
+    for importer, imported, _, _, _ in _imports("rewrite"):
+        a, b = _folder(importer), _folder(imported)
+        if a != b and a != "rewrite":  # rewrite/__init__.py re-exports from everywhere
+            edges[a].add(b)
+    assert _cycle(edges) is None, f"folders import each other: {' -> '.join(_cycle(edges))}"
+
+
+def test_no_module_is_over_700_lines():
+    long = {str(p.relative_to(ROOT)): n for package in PACKAGES for p in _sources(package).values()
+            if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"modules over {MAX_LINES} lines (split them along their seams): {long}"
+
+
+def test_few_imports_of_project_modules_inside_functions_each_saying_why():
+    inside = [(path, line) for _, _, in_function, line, path in _imports("rewrite") if in_function]
+    places = sorted({(str(p.relative_to(ROOT)), line) for p, line in inside})
+    assert len(places) <= MAX_FUNCTION_IMPORTS, f"imports inside functions (move them to the top): {places}"
+    for path, line in places:
+        text = (ROOT / path).read_text().splitlines()
+        assert "#" in text[line - 1] or text[line - 2].strip().startswith("#"), (
+            f"{path}:{line}: an import inside a function needs a comment saying why it is not at the top")
+
+
+def test_only_jaxapi_imports_jax_internals():
+    """Every use of ``jax._src`` goes through ``rewrite/ir/jaxapi.py``, where each says what it stands in for."""
+    allowed = ROOT / "rewrite" / "ir" / "jaxapi.py"
+    found = []
+    for package in PACKAGES:
+        for path in _sources(package).values():
+            if path == allowed:
+                continue
+            for node in ast.walk(ast.parse(path.read_text())):
+                names = ([node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0
+                         else [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+                if any(n == "jax._src" or n.startswith("jax._src.") for n in names):
+                    found.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not found, f"import JAX's internals through rewrite/ir/jaxapi.py: {found}"
