@@ -444,3 +444,81 @@ def test_guard_never_runs_a_program_with_effects():
     assert result.guard.kept == "rewritten" and "effects" in result.guard.reason
     r(jnp.ones(3))
     assert calls == [1]
+
+
+# ---------------------------------------------------------------------- trust: an entry is data, and only ours
+class _Planted:
+    """Pickled, this would run code when read back (as a planted entry's param would have)."""
+
+    def __reduce__(self):
+        return (exec, ("import builtins; builtins._rewrite_cache_pwned = True",))
+
+
+def _plant(tmp_path, payload):
+    """Replace the one stored entry's program with ``payload`` pickled, keeping a valid header and checksum."""
+    import builtins
+    import pickle
+
+    first = rewrite(program, cache=tmp_path, rulesets=[TRIG])
+    first.jaxpr(*ARGS)
+    (path,) = entries(tmp_path)
+    cache = DiskCache(tmp_path)
+    key = path.stem
+    header, _ = cache.read(key)
+    cache.write(key, header, pickle.dumps(payload, protocol=5))
+    builtins.__dict__.pop("_rewrite_cache_pwned", None)
+    return path
+
+
+@pytest.mark.parametrize("where", ["container", "param"])
+def test_a_planted_entry_that_would_run_code_is_refused(tmp_path, where):
+    import builtins
+
+    import pickle
+
+    # the whole entry, or a param under the old format's pickled-param tag, holding code
+    payload = _Planted() if where == "container" else ("pickle", pickle.dumps(_Planted()))
+    _plant(tmp_path, payload if where == "container" else ("closed", ([], [], [], [], [], None), [payload]))
+    second = rewrite(program, cache=tmp_path, rulesets=[TRIG])
+    with pytest.warns(RewriteWarning, match="unusable"):
+        out = second(*ARGS)
+    assert not hasattr(builtins, "_rewrite_cache_pwned")
+    assert second.loaded == 0
+    np.testing.assert_allclose(out, program(*ARGS), rtol=1e-6)
+
+
+def test_params_are_written_by_schema_and_read_back(tmp_path):
+    # gathers carry named tuples and enums (GatherDimensionNumbers, GatherScatterMode): written by schema
+    fn, args = KINDS["gather_and_ints"]
+    first, second = fresh_and_loaded(fn, args, tmp_path, rulesets=[TRIG])
+    assert second.loaded == 1
+    assert b"pickle" not in entries(tmp_path)[0].read_bytes()
+
+
+def test_cache_directories_are_private(tmp_path):
+    d = tmp_path / "cache"
+    rewrite(program, cache=d, rulesets=[TRIG]).jaxpr(*ARGS)
+    (path,) = entries(d)
+    for p in (d, path.parent):
+        assert os.stat(p).st_mode & 0o777 == 0o700
+    assert os.stat(path).st_mode & 0o077 == 0
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid"), reason="POSIX owners")
+@pytest.mark.parametrize("how", ["group_writable_entry", "world_writable_dir", "other_owner"])
+def test_an_entry_others_could_have_written_is_not_loaded(tmp_path, how):
+    d = tmp_path / "cache"
+    rewrite(program, cache=d, rulesets=[TRIG]).jaxpr(*ARGS)
+    (path,) = entries(d)
+    if how == "group_writable_entry":
+        os.chmod(path, 0o660)
+    elif how == "world_writable_dir":
+        os.chmod(path.parent, 0o777)
+    else:
+        if os.geteuid() != 0:
+            pytest.skip("only root can give a file to another user")
+        os.chown(path, 12345, -1)
+    second = rewrite(program, cache=d, rulesets=[TRIG])
+    with pytest.warns(RewriteWarning, match="not loading rewrite cache entry"):
+        second.jaxpr(*ARGS)
+    assert second.loaded == 0

@@ -3,24 +3,33 @@
 Equations by primitive name, avals and params; an object the program holds
 that is not plain data (a ``custom_jvp``'s rule, a mesh) is written as its
 place among the original program's objects and taken from the fresh trace
-on load; what is left is pickled. :data:`FORMAT` is this serialisation's
-version, part of every entry's header and key.
+on load; what is left must be plain data of a known kind (numbers, strings,
+tuples, dtypes, arrays, jaxprs, and enums, named tuples and dataclasses of
+jax, numpy or ml_dtypes), written by a schema: an entry never names a
+function to call, and the container that holds it is read by an unpickler
+that refuses every global. A param of any other kind means no entry.
+:data:`FORMAT` is this serialisation's version, part of every entry's
+header and key.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import functools
+import io
 import pickle
 import sys
 from typing import Any
 
+import jax
 import numpy as np
 from jax.extend import source_info_util
 
 from ..ir.jaxapi import core, literals
 
 
-FORMAT = 2  # 2: the modules moved into subpackages, so pickled and fingerprinted names changed
+FORMAT = 3  # 2: the modules moved into subpackages; 3: params by schema, nothing pickled with globals
 
 
 class Unserialisable(Exception):
@@ -52,9 +61,26 @@ def _original_objects(closed: core.ClosedJaxpr) -> list[Any]:
         elif isinstance(x, core.Jaxpr):
             jaxpr(x)
 
+    def extended_dtypes(vs: Any) -> None:
+        # an extended dtype (a PRNG key's) holds its implementation's functions, and a sharding its mesh's
+        # devices: found by place, not written
+        for v in vs:
+            aval = getattr(v, "aval", None)
+            dtype = getattr(aval, "dtype", None)
+            if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+                add(dtype)
+            sharding = getattr(aval, "sharding", None)
+            if sharding is not None and getattr(getattr(sharding, "mesh", None), "axis_names", ()):
+                add(sharding)
+                add(sharding.mesh)
+
     def jaxpr(j: core.Jaxpr) -> None:
         add(j.debug_info)
+        extended_dtypes(j.constvars)
+        extended_dtypes(j.invars)
         for e in j.eqns:
+            extended_dtypes(e.invars)  # literals' types too
+            extended_dtypes(e.outvars)
             add(e.primitive)
             add(e.ctx)
             add(e.source_info)
@@ -155,14 +181,31 @@ class _Writer:
                                                             else tuple(sorted(x.xla_metadata.items()))))
         if isinstance(x, source_info_util.SourceInfo):
             return ("source",)  # a new location; the traceback object cannot be written
-        try:
-            data = pickle.dumps(x, protocol=5)
-            back = pickle.loads(data)
-        except Exception as e:
-            raise Unserialisable(f"{t.__qualname__}: {e}") from None
-        if type(back) is not t or _unequal(back, x):
-            raise Unserialisable(f"{t.__qualname__} does not survive pickling")
-        return ("pickle", data)
+        return self.typed_value(x)
+
+    def typed_value(self, x: Any) -> Any:
+        """A value of one of the kinds of plain data that primitives' params hold, by its schema: a
+        complex number, a set, an enum member, a named tuple or a dataclass of a library (jax, numpy,
+        ml_dtypes) with plain fields. Anything else is not written (no cache entry): a stored entry
+        never names a function or a class to call but these."""
+        t = type(x)
+        if t is complex:
+            return ("complex", x.real, x.imag)
+        if t is frozenset:
+            return ("frozenset", [self.value(v) for v in sorted(x, key=repr)])
+        if t is core.ManualAxisType:  # the manual axes a value of a shard_map body varies over
+            return ("manual_axis", self.value(x.varying), self.value(x.unreduced), self.value(x.reduced))
+        where = _library_class(t)
+        if where is None:
+            raise Unserialisable(f"{t.__module__}.{t.__qualname__} is not a library's plain data")
+        if isinstance(x, enum.Enum):
+            return ("enum", *where, x.name)
+        if isinstance(x, tuple) and hasattr(t, "_fields"):
+            return ("namedtuple", *where, [self.value(v) for v in x])
+        if dataclasses.is_dataclass(x):
+            fields = [f.name for f in dataclasses.fields(x) if f.init]
+            return ("dataclass", *where, [(f, self.value(getattr(x, f))) for f in fields])
+        raise Unserialisable(f"{t.__module__}.{t.__qualname__} is not plain data of a kind the cache writes")
 
     def array(self, x: Any) -> Any:
         i = self.objects.get(id(x))  # arrays by identity only: equality is elementwise
@@ -249,13 +292,6 @@ def _jax_array(x: Any) -> bool:
     return isinstance(x, jax.Array) and not isinstance(x, core.Tracer)
 
 
-def _unequal(a: Any, b: Any) -> bool:
-    try:
-        return not bool(a == b)
-    except Exception:
-        return False  # no equality to check with (arrays compare elementwise); the type matched
-
-
 class _Reader:
     def __init__(self, original: core.ClosedJaxpr) -> None:
         self.objects = _original_objects(original)
@@ -294,6 +330,8 @@ class _Reader:
             # making a jax.Array would bind into that trace
             return a if shape or on_device else a[()]
         if tag == "typed":
+            if x[1] not in ("TypedInt", "TypedFloat", "TypedComplex"):
+                raise Unserialisable(f"unknown typed literal {x[1]!r}")
             return getattr(literals, x[1])(x[2], self._dtype(x[3]))
         if tag == "ctx":
             meta = self.value(x[5])
@@ -301,8 +339,21 @@ class _Reader:
                                                 None if meta is None else tuple(meta))
         if tag == "source":
             return source_info_util.new_source_info()
-        if tag == "pickle":
-            return pickle.loads(x[1])
+        if tag == "complex":
+            return complex(float(x[1]), float(x[2]))
+        if tag == "frozenset":
+            return frozenset(self.value(v) for v in x[1])
+        if tag == "manual_axis":
+            return core.ManualAxisType(varying=self.value(x[1]), unreduced=self.value(x[2]), reduced=self.value(x[3]))
+        if tag in ("enum", "namedtuple", "dataclass"):
+            cls = _find_library_class(x[1], x[2])
+            if tag == "enum" and isinstance(cls, type) and issubclass(cls, enum.Enum):
+                return cls[x[3]]
+            if tag == "namedtuple" and isinstance(cls, type) and issubclass(cls, tuple) and hasattr(cls, "_fields"):
+                return cls(*[self.value(v) for v in x[3]])
+            if tag == "dataclass" and isinstance(cls, type) and dataclasses.is_dataclass(cls):
+                return cls(**{str(k): self.value(v) for k, v in x[3]})
+            raise Unserialisable(f"{x[1]}.{x[2]} is not a {tag}")
         raise Unserialisable(f"unknown tag {tag!r}")
 
     @staticmethod
@@ -353,6 +404,50 @@ class _Reader:
                           set(self.value(e) for e in effects), self.value(debug))
 
 
+#: the libraries whose plain-data classes (enums, named tuples, dataclasses) an entry may name
+_LIBRARIES = ("jax", "jaxlib", "numpy", "ml_dtypes")
+
+
+def _library_class(t: type) -> tuple[str, str] | None:
+    """``(module, qualname)`` of a class of one of :data:`_LIBRARIES` that is found again by them."""
+    module, qualname = getattr(t, "__module__", ""), getattr(t, "__qualname__", "")
+    if module.split(".")[0] not in _LIBRARIES or "<" in qualname:
+        return None
+    try:
+        return (module, qualname) if _find_library_class(module, qualname) is t else None
+    except Unserialisable:
+        return None
+
+
+def _find_library_class(module: str, qualname: str) -> Any:
+    """The class an entry names: only in a library's module that this process has imported already,
+    reached by public attribute names (nothing is imported, and no dunder is read, on the entry's word)."""
+    if not isinstance(module, str) or not isinstance(qualname, str) or module.split(".")[0] not in _LIBRARIES:
+        raise Unserialisable(f"an entry names {module!r}, not one of {_LIBRARIES}")
+    obj = sys.modules.get(module)
+    if obj is None:
+        raise Unserialisable(f"module {module!r} is not imported")
+    for part in qualname.split("."):
+        if part.startswith("__"):
+            raise Unserialisable(f"{qualname!r} reads a dunder")
+        obj = getattr(obj, part, None)
+    if not isinstance(obj, type):
+        raise Unserialisable(f"{module}.{qualname} is not a class")
+    return obj
+
+
+class _NoGlobals(pickle.Unpickler):
+    """An unpickler of plain containers only: it refuses every global, so a planted entry cannot name a
+    function to call (``os.system`` through ``__reduce__``)."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        raise pickle.UnpicklingError(f"a cache entry may not name {module}.{name}")
+
+
+def _plain_loads(data: bytes) -> Any:
+    return _NoGlobals(io.BytesIO(data)).load()
+
+
 def dumps_program(closed: core.ClosedJaxpr, original: core.ClosedJaxpr) -> bytes:
     """``closed`` written down; objects it shares with ``original`` (the traced program) by their place there.
 
@@ -360,11 +455,16 @@ def dumps_program(closed: core.ClosedJaxpr, original: core.ClosedJaxpr) -> bytes
     """
     w = _Writer(original)
     data = ("closed", w.jaxpr(closed.jaxpr), [w.array(c) for c in closed.consts])
-    return pickle.dumps(data, protocol=5)
+    blob = pickle.dumps(data, protocol=5)
+    _plain_loads(blob)  # what cannot be read back without globals is not written
+    return blob
 
 
 def loads_program(data: bytes, original: core.ClosedJaxpr) -> core.ClosedJaxpr:
     """The inverse of :func:`dumps_program`, against a fresh trace of the same program."""
     r = _Reader(original)
-    _, jaxpr, consts = pickle.loads(data)
+    try:
+        _, jaxpr, consts = _plain_loads(data)
+    except pickle.UnpicklingError as e:
+        raise Unserialisable(str(e)) from None
     return core.ClosedJaxpr(r.jaxpr(jaxpr), [r.value(c) for c in consts])

@@ -28,9 +28,15 @@ type-checked (``jax.core.check_jaxpr``) and its signature compared with the
 fresh trace's; any failure warns (:class:`RewriteWarning`) and rewrites
 afresh, and the new result replaces the entry. Entries of other versions
 are not found (the versions are in the key) and stay on disk until the
-directory is emptied. As with JAX's compilation cache, the directory must be
-trusted: a stored program holds pickled params, so whoever can write there
-can run code in the processes that read it.
+directory is emptied.
+
+**Trust.** An entry is read as data: params by a schema of the kinds JAX's
+primitives hold, and nothing that names a function to call
+(``rewrite/cache/serialise.py``), so a planted entry cannot run code. The
+directories are made 0700, and an entry is loaded only if this process's
+user owns it and the directories above it, and neither group nor others can
+write them; otherwise a :class:`RewriteWarning` says why and the program is
+rewritten afresh.
 
 Other callers store their own programs under a key derived from a
 function's (:meth:`DiskCache.derive`), with :meth:`DiskCache.store` and
@@ -149,7 +155,7 @@ class DiskCache:
         payload = len(head).to_bytes(8, "little") + head + blob
         data = MAGIC + hashlib.sha256(payload).digest() + payload
         target = self.file(key)
-        target.parent.mkdir(parents=True, exist_ok=True)
+        _private_dirs(self.path, target.parent)
         fd, tmp = tempfile.mkstemp(prefix=f".{key[:16]}.", suffix=".tmp", dir=target.parent)
         try:
             with os.fdopen(fd, "wb") as f:
@@ -163,11 +169,16 @@ class DiskCache:
             raise
 
     def read(self, key: str) -> tuple[dict, bytes] | None:
-        """``(header, blob)``, or ``None`` if there is no entry; raises :class:`CacheError` if it is unusable."""
+        """``(header, blob)``, or ``None`` if there is no entry; raises :class:`CacheError` if it is unusable,
+        and :class:`UntrustedEntry` if another user owns it or could have written it."""
+        target = self.file(key)
         try:
-            data = self.file(key).read_bytes()
+            data = target.read_bytes()
         except (FileNotFoundError, NotADirectoryError):
             return None
+        why = _untrusted(target, target.parent, self.path)
+        if why is not None:
+            raise UntrustedEntry(why)
         if not data.startswith(MAGIC):
             raise CacheError("not a cache entry of this format (bad magic)")
         digest, payload = data[len(MAGIC):len(MAGIC) + 32], data[len(MAGIC) + 32:]
@@ -239,6 +250,11 @@ class DiskCache:
             self._warn(f"cannot read the rewrite cache in {self.path} ({type(e).__name__}: {e}); rewriting afresh",
                        once=f"read {self.path}")
             return None
+        except UntrustedEntry as e:
+            self._warn(f"not loading rewrite cache entry {self.file(key)}: {e}; whoever can write there could run "
+                       "code in this process. Rewriting afresh (set JAX_REWRITE_CACHE_DIR to a directory of your own)",
+                       once=f"untrusted {self.file(key).parent}")
+            return None
         except Exception as e:  # CacheError, a signature mismatch, or anything a damaged entry provokes
             self._warn(f"rewrite cache entry {self.file(key)} is unusable ({e}); rewriting afresh")
             return None
@@ -251,6 +267,33 @@ class DiskCache:
                 _WARNED.add(once)
         log.warning(msg)
         warnings.warn(RewriteWarning(msg), stacklevel=5)
+
+
+class UntrustedEntry(Exception):
+    """A cache entry, or a directory above it, that another user owns or that others can write."""
+
+
+def _private_dirs(root: pathlib.Path, leaf: pathlib.Path) -> None:
+    """Make ``root`` and ``leaf`` (below it) as directories only their owner can enter (0700)."""
+    for d in (root, leaf):
+        if not d.is_dir():
+            d.mkdir(mode=0o700, parents=True, exist_ok=True)
+            with contextlib.suppress(OSError):
+                os.chmod(d, 0o700)  # mkdir's mode is reduced by the umask, and parents= ignores it
+
+
+def _untrusted(*paths: pathlib.Path) -> str | None:
+    """Why these paths are not to be trusted (another owner, or writable by group or others), or ``None``."""
+    if not hasattr(os, "geteuid"):  # no POSIX owners (Windows): the directory's ACLs are the user's to set
+        return None
+    me = os.geteuid()
+    for p in paths:
+        st = os.stat(p)
+        if st.st_uid != me:
+            return f"{p} is owned by user {st.st_uid}, not by this process's user {me}"
+        if st.st_mode & 0o022:
+            return f"{p} is writable by {'group and others' if st.st_mode & 0o002 else 'its group'}"
+    return None
 
 
 def _signature(closed: core.ClosedJaxpr) -> list:
