@@ -62,6 +62,7 @@ core = types.SimpleNamespace(
     typeof=jax.typeof,
     # internal: no public API
     JaxprEqnContext=_core.JaxprEqnContext,  # an equation's context (mesh, compute type), which an emitted equation keeps
+    ManualAxisType=_core.ManualAxisType,  # the manual axes a value of a shard_map body varies over, which the cache writes
     NamedAxisEffect=_core.NamedAxisEffect,  # the effect of a collective over a named axis, which a loaded program keeps
     abstract_token=_core.abstract_token,  # the aval of an effect token (jax.extend.core has the type, not the value)
     extend_axis_env_nd=_core.extend_axis_env_nd,  # the named axes of a shard_map body, to trace inside one
