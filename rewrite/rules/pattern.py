@@ -14,8 +14,10 @@ matched class. So ``lhs(inputs)`` is provably what was matched, and
 ``rhs(inputs)`` is then what the rule claims it equals. A loose query can cost
 time, never correctness.
 
-:class:`Pat` is the lower-level pattern language for procedural rules, whose
-right-hand side is Python code over the match (tinygrad style). It reaches
+:class:`Pat` is the lower-level pattern language, for rules whose right-hand
+side is a plain function of the pattern's bindings (the variables, ``name=``
+and ``params=`` bindings by name) or Python code over the whole match
+(procedural, tinygrad style). It reaches
 what a JAX function cannot spell: a scan's body, a projection, any params.
 One :class:`Pat` can stand for a group of primitives (``Pat(ops.REDUCE, x)``,
 see :data:`ops`): it compiles to one query per member.
@@ -340,7 +342,11 @@ def present(egraph: Any, closed: core.ClosedJaxpr, inputs: Sequence[Any]) -> Any
 
 # ---------------------------------------------------------------------- Pat
 class Pat:
-    """A pattern for procedural rules.
+    """A pattern over the e-graph's operations, for a :func:`rewrite.rule`'s left-hand side.
+
+    Its right-hand side is a plain function that takes the pattern's bindings
+    by name (``lambda x, r: ...`` for ``Pat.var("x")`` and ``params="r"``), or
+    a :func:`rewrite.procedural` function of the whole :class:`rewrite.Match`.
 
     ``Pat.var("x")`` matches any term and binds it. ``Pat("reduce_sum", x,
     name="r", params="p")`` matches a ``reduce_sum`` of whatever ``x``
