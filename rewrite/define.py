@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from .cost.model import AnalyticCost
 from .jaxpr.trace import Traced, trace_at
@@ -25,9 +25,16 @@ from .rules.saturate import Limits
 
 
 def rule(lhs: Any, rhs: Any, *, name: str, when: Callable[..., bool] | None = None, example: Any = None,
-         prefer: bool = False, check: bool = True) -> Rule:
+         prefer: bool = False, check: bool = True,
+         check_inputs: Mapping[str, Callable[[Any], Any]] | None = None) -> Rule:
     r = _rule(lhs, rhs, name=name, when=when, example=example, prefer=prefer)
     r.defined_at = _call_site()
+    if check_inputs:
+        unknown = [k for k in check_inputs if k not in r.var_names]
+        if unknown or not all(callable(f) for f in check_inputs.values()):
+            raise ValueError(f"rule {name!r}: check_inputs= maps pattern variables {r.var_names} to functions; "
+                             f"got {sorted(check_inputs)}")
+        r.check_inputs = dict(check_inputs)
     if check and r.is_pat and r.program is not None:
         check_example(r)
     return r
@@ -48,6 +55,20 @@ def _call_site() -> tuple[str, int] | None:
 
 
 rule.__doc__ = (_rule.__doc__ or "") + """
+    ``check_inputs``: for a rule valid only on part of its inputs' values (a
+    non-singular matrix, a positive scale that no guard can see), a function
+    per pattern variable that maps a drawn array into that part;
+    :func:`rewrite.testing.check_ruleset` applies it to every input it draws
+    for the variable. It changes what is checked, not what is rewritten: say
+    the assumption in the rule's docs too.
+
+    >>> import jax, jax.numpy as jnp, numpy as np
+    >>> inv_solve = rule(lambda a, b: jnp.linalg.inv(a) @ b, lambda a, b: jnp.linalg.solve(a, b), name="inv_solve",
+    ...                  example=(jax.ShapeDtypeStruct((3, 3), jnp.float32), jax.ShapeDtypeStruct((3,), jnp.float32)),
+    ...                  check_inputs={"a": lambda a: a @ a.T + 3 * np.eye(a.shape[-1], dtype=a.dtype)})
+    >>> sorted(inv_solve.check_inputs)
+    ['a']
+
     ``check`` (default ``True``): a :class:`Pat` rule with an example program
     is rewritten on it once when it is defined (a fraction of a second), and a
     right side or guard that raises there, a right side that builds a value of

@@ -264,3 +264,28 @@ def test_the_gradient_report_prices_a_calls_fixed_cost_too():
     g = explain(lambda x: jnp.sin(x) ** 2, jnp.ones(3), rulesets=[rulesets.derivatives], grad=True)
     assert g.fixed_cost > 0
     assert f"a call's fixed cost, {g.fixed_cost:,.0f}, included" in g.summary()
+
+
+# ---------------------------------------------------------------------- restricting what a property check draws
+def _inv_inv(**kw):
+    return Ruleset("inverses", [rule(lambda a: jnp.linalg.inv(jnp.linalg.inv(a)), lambda a: a, name="inv_inv",
+                                     example=(S((3, 3), F32),), **kw)], soundness="identity")
+
+
+def test_a_rule_for_non_singular_matrices_fails_its_check_on_all_matrices():
+    from rewrite.testing import check_ruleset
+
+    with pytest.raises(AssertionError, match="inv_inv"):
+        check_ruleset(_inv_inv(), max_examples=25)
+
+
+def test_check_inputs_restricts_what_the_check_draws():
+    from rewrite.testing import check_ruleset
+
+    well_conditioned = lambda a: (4 * np.eye(a.shape[-1]) + 0.1 * np.tanh(a)).astype(a.dtype)  # noqa: E731
+    check_ruleset(_inv_inv(check_inputs={"a": well_conditioned}), max_examples=25)
+
+
+def test_check_inputs_names_pattern_variables():
+    with pytest.raises(ValueError, match="check_inputs= maps pattern variables"):
+        _inv_inv(check_inputs={"b": np.abs})

@@ -224,6 +224,8 @@ class Rule:
         self.program = program
         #: (file, line) of the code that defined this rule, where known (rewrite.define.rule records it)
         self.defined_at: tuple[str, int] | None = None
+        #: pattern variable -> a function mapping a drawn input into the rule's domain, for property checks
+        self.check_inputs: dict[str, Callable[[Any], Any]] = {}
         #: The replacement is preferred whatever it costs: the matched form is barred where it fired.
         self.prefer = False
         self._traced: dict[tuple, Any] = {}

@@ -219,6 +219,18 @@ def _guard_domains(rule: Rule, avals: tuple[Any, ...]) -> tuple[list[tuple[str, 
     return out, wants_nodes
 
 
+def _into_rule_domain(rule: Rule, name: str, x: Any) -> Any:
+    """A drawn input for pattern variable ``name``, mapped by the rule's ``check_inputs`` if it has one."""
+    f = rule.check_inputs.get(name)
+    if f is None:
+        return x
+    y = np.asarray(f(np.asarray(x)))
+    if y.shape != np.shape(x) or y.dtype != np.asarray(x).dtype:
+        raise AssertionError(f"rule {rule.name!r}: check_inputs[{name!r}] gave {y.dtype}{list(y.shape)} for an "
+                             f"input of {np.asarray(x).dtype}{list(np.shape(x))}; it must keep the shape and dtype")
+    return y
+
+
 def _wrap(domain: str, x: Any) -> Any:
     """Establish the fact a domain stands for, by operations the fact rules know; the identity on its values."""
     return _into_domain(x, domain, lax.abs, jnp.maximum, lax.neg)
@@ -406,7 +418,7 @@ def _check_rule(rule: Rule, owner: Ruleset, max_examples: int | None) -> RuleChe
 
     def run(data: Any) -> None:
         case = data.draw(st.sampled_from(cases), label="case") if len(cases) > 1 else cases[0]
-        vals = [data.draw(arrays(a.shape, a.dtype, soundness, d), label=n)
+        vals = [_into_rule_domain(rule, n, data.draw(arrays(a.shape, a.dtype, soundness, d), label=n))
                 for n, a, d in zip(case.names, case.avals, case.domains)]
         if case.constant:
             bound = [jnp.asarray(v) for v in vals]  # jax arrays, so the program's operations are traced
