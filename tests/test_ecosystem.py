@@ -27,7 +27,7 @@ def test_values_kept(name):
 @pytest.mark.xfail(strict=True, reason="issue 29 item 1 (the lead's core fix): np.issubdtype(bfloat16, np.inexact) "
                                        "is False in rewrite/_vjp.py and rewrite/_primitives.py, so the gradient of a "
                                        "rewritten bf16 loss is zero under jit and raises eagerly")
-@pytest.mark.parametrize("mode", ["jit", "eager"])
+@pytest.mark.parametrize("mode", ["jit", pytest.param("eager", marks=pytest.mark.slow)])
 def test_bf16_loss_differentiated_through_the_rewrite_keeps_its_gradients(mode):
     """The bf16 program's loss, rewritten, then differentiated by jax.grad: the derivative programs the
     rewriter builds must give the gradients JAX gives the original, to bfloat16's precision."""
