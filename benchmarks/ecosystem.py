@@ -123,6 +123,60 @@ def _flax_transformer_step():
     return step, (params, state, tokens)
 
 
+def flax_bf16_loss() -> tuple[Callable[..., Any], tuple]:
+    """``(loss, (params, tokens))``: a flax transformer block in bfloat16 (params and activations), whose loss
+    is computed in float32, as mixed-precision training does. The bf16 training step below takes its gradient.
+    (No biases in attention: the gradient of a key bias is zero in exact arithmetic, so in bfloat16 it is
+    rounding noise, and an optimizer state built from it differs by 100% between any two compilations.)"""
+    import flax.linen as nn
+    import optax
+
+    bf16 = {"dtype": jnp.bfloat16, "param_dtype": jnp.bfloat16}
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            h = nn.LayerNorm(**bf16)(x)
+            x = x + nn.MultiHeadDotProductAttention(num_heads=2, qkv_features=32, use_bias=False, **bf16)(h, h)
+            h = nn.LayerNorm(**bf16)(x)
+            return x + nn.Dense(32, **bf16)(nn.gelu(nn.Dense(64, **bf16)(h)))
+
+    class Model(nn.Module):
+        @nn.compact
+        def __call__(self, tokens):
+            x = Block()(nn.Embed(64, 32, **bf16)(tokens))
+            return nn.Dense(64, **bf16)(nn.LayerNorm(**bf16)(x))
+
+    k1, k2 = _keys(2, 11)
+    tokens = jax.random.randint(k1, (4, 17), 0, 64)
+    model = Model()
+    params = model.init(k2, tokens[:, :-1])
+
+    def loss(params, tokens):
+        logits = model.apply(params, tokens[:, :-1]).astype(jnp.float32)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+    return loss, (params, tokens)
+
+
+@program("flax_bf16_step", "flax", "bfloat16 training step (bf16 params and activations, float32 loss, SGD)")
+def _flax_bf16_step():
+    import optax
+
+    loss, (params, tokens) = flax_bf16_loss()
+    # Not Adam: its first step moves every parameter by the learning rate times the sign of its gradient, so
+    # a gradient that is bfloat16 rounding noise (near zero) flips an update between any two compilations.
+    opt = optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(1e-2, momentum=0.9))
+    state = opt.init(params)
+
+    def step(params, state, tokens):
+        value, grads = jax.value_and_grad(loss)(params, tokens)
+        updates, state = opt.update(grads, state, params)
+        return optax.apply_updates(params, updates), state, value
+
+    return step, (params, state, tokens)
+
+
 @program("flax_rnn_grad", "flax", "gradient of an RNN loss (nn.RNN of LSTM cells, Dense readout, MSE)")
 def _flax_rnn_grad():
     import flax.linen as nn

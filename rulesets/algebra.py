@@ -72,6 +72,15 @@ def _integer(x: Value) -> bool:
     return bool(jnp.issubdtype(x.dtype, jnp.integer))
 
 
+def _integer_or_nonzero(x: Value) -> bool:
+    """Integers, or floats known non-zero: JAX's derivative of ``|-x|`` at ±0 is -1, of ``|x|`` +1.
+
+    (``abs``'s JVP is ``select(x >= 0, t, -t)``, and ``-0.0 >= 0``.) An exact
+    rule keeps the derivatives JAX computes, not only the values.
+    """
+    return _integer(x) or x.nonzero
+
+
 def _reshape(x: Any, shape: tuple[int, ...]) -> Any:
     return x if tuple(x.shape) == tuple(shape) else lax.reshape(x, tuple(shape))
 
@@ -422,7 +431,7 @@ algebra = Ruleset("algebra", [
     rule(lambda x, y: lax.mul(-x, -y), lambda x, y: lax.mul(x, y), name="neg_mul_neg"),        # (-x) * (-y) -> x * y
     rule(lambda x, y: lax.div(-x, -y), lambda x, y: lax.div(x, y), name="neg_div_neg",
          when=lambda x, y: x.is_floating),                                 # (-x) / (-y) -> x / y  (integer x/0 depends on x's sign)
-    rule(lambda x: jnp.abs(-x), lambda x: jnp.abs(x), name="abs_neg"),                         # |-x| -> |x|
+    rule(lambda x: jnp.abs(-x), lambda x: jnp.abs(x), name="abs_neg", when=_integer_or_nonzero),  # |-x| -> |x|  (not at ±0: see _integer_or_nonzero)
     rule(lambda x: jnp.abs(jnp.abs(x)), lambda x: jnp.abs(x), name="abs_abs"),                 # ||x|| -> |x|
     rule(lambda x: lax.max(x, x), lambda x: x, name="max_self"),                               # max(x, x) -> x
     rule(lambda x: lax.min(x, x), lambda x: x, name="min_self"),                               # min(x, x) -> x

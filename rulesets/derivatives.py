@@ -11,7 +11,8 @@ computes the primal output nobody reads. The rules here undo that.
   of ``mul``, ``div``, ``neg`` and ``integer_pow``; :func:`simplify`
   combines its leaves: equal bases add their exponents (``x**-2 * x**2``; a
   cancellation only where the base is known non-zero), ``sin(x)*cos(x)``
-  becomes ``sin(2x)/2``, ``sinh(x)/cosh(x)`` becomes ``tanh(x)``,
+  becomes ``sin(2x)/2`` where ``2x`` cannot overflow (:func:`doubles_safely`),
+  ``sinh(x)/cosh(x)`` becomes ``tanh(x)``,
   ``exp(x)/(1+exp(x))`` becomes ``logistic(x)`` (the derivatives of
   ``log cosh`` and ``softplus``), several ``exp`` become one, literals fold; and the
   replacement keeps every subtree the change did not touch (:func:`pieces`),
@@ -36,7 +37,9 @@ the program evaluated in float64). Its ``derivatives_exact`` part changes
 no bit of any result. Rewrites that fail that test live in
 :data:`derivatives_fastmath` (``fastmath`` class), which no other pack
 includes: cancellations without a fact that the value is non-zero
-(``a * (g / a) -> g`` turns the NaN at ``a = 0`` into a number), and
+(``a * (g / a) -> g`` turns the NaN at ``a = 0`` into a number), double
+angles of an argument that may be huge (``sin(2x)`` is NaN at ``x = 3e38``
+in float32, where ``2 sin x cos x`` is a number), and
 ``log x + log y -> log(x*y)``, whose product underflows where the sum of
 logs does not.
 
@@ -46,10 +49,14 @@ Rule names carry a topic prefix (``trig_``, ``explog_``, ``prod_``, ``red_``,
 >>> import jax, jax.numpy as jnp
 >>> from rewrite import rewrite
 >>> from rulesets.derivatives import derivatives
+>>> from rulesets.derivatives import derivatives_fastmath
 >>> def f(x):
 ...     return 2.0 * jnp.sin(x) * jnp.cos(x)
->>> g = rewrite(f, rulesets=[derivatives])
->>> [e.primitive.name for e in g.jaxpr(jnp.ones(3)).eqns]
+>>> [e.primitive.name for e in rewrite(f, rulesets=[derivatives]).jaxpr(jnp.ones(3)).eqns]  # 2x may overflow
+['sin', 'mul', 'cos', 'mul']
+>>> [e.primitive.name for e in rewrite(lambda t: f(jnp.tanh(t)), rulesets=[derivatives]).jaxpr(jnp.ones(3)).eqns]
+['tanh', 'mul', 'sin']
+>>> [e.primitive.name for e in rewrite(f, rulesets=[derivatives + derivatives_fastmath]).jaxpr(jnp.ones(3)).eqns]
 ['mul', 'sin']
 """
 
@@ -72,7 +79,7 @@ from rewrite import rule as _rule
 # Every rule's example program is rewritten by the contract test (tests/test_contract.py), not on import.
 rule = functools.partial(_rule, check=False)
 
-__all__ = ["derivatives", "derivatives_fastmath", "product_tree", "simplify", "pieces", "Factor"]
+__all__ = ["derivatives", "derivatives_fastmath", "doubles_safely", "product_tree", "simplify", "pieces", "Factor"]
 
 X, Y = Pat.var("x"), Pat.var("y")
 _algebra = rulesets.algebra
@@ -220,13 +227,58 @@ def _by_argument(power: dict[int, tuple[Value, int, int]], prim: str) -> dict[in
     return {n.operands[0].name: name for name, (v, _, _) in power.items() if (n := v.node(prim)) is not None}
 
 
+#: Primitives whose results are at most 1 in magnitude (or NaN).
+_AT_MOST_ONE = frozenset(("sin", "cos", "tanh", "logistic", "erf"))
+
+
+def doubles_safely(x: Value) -> bool:
+    """Is ``2 * x`` known not to overflow, whatever the inputs? (Then ``sin(2x)`` is ``2 sin x cos x``.)
+
+    The double-angle forms compute ``2x``, which overflows to infinity where
+    ``|x|`` exceeds half the largest float, and ``sin(inf)`` is NaN where
+    ``sin(x)*cos(x)`` is a number: an identity rule must hold for every
+    finite input. Known here: a literal of at most half the largest float, a
+    value of at most 1 (``sin``, ``cos``, ``tanh``, ``logistic``, ``erf``),
+    a value converted from a type whose values are that small (``float16``
+    or ``int32`` to ``float32``). Anything else, an input say, may be huge.
+
+    >>> import jax.numpy as jnp
+    >>> from rewrite import explain
+    >>> from rulesets.derivatives import derivatives
+    >>> def f(x):
+    ...     return 2.0 * jnp.sin(x) * jnp.cos(x)
+    >>> explain(f, jnp.ones(3), rulesets=[derivatives]).fired.get("prod_mul")  # x may be 3e38
+    >>> explain(lambda t: f(jnp.tanh(t)), jnp.ones(3), rulesets=[derivatives]).fired["prod_mul"]
+    1
+    """
+    if not x.is_floating:
+        return False
+    half = float(jnp.finfo(x.dtype).max) / 2
+    lit = x.literal
+    if isinstance(lit, (int, float)):
+        return abs(lit) <= half
+    for n in x.nodes:
+        if n.prim in _AT_MOST_ONE:
+            return True
+        if n.prim == "convert_element_type" and n.operands:
+            src = np.dtype(n.operands[0].dtype)
+            if src == np.bool_:
+                return True
+            info = jnp.iinfo(src) if jnp.issubdtype(src, jnp.integer) else jnp.finfo(src)
+            if max(abs(float(info.min)), float(info.max)) <= half:
+                return True
+    return False
+
+
 def simplify(tree: Factor, *, fastmath: bool = False) -> Simplified:
     """Combine a product's leaves: powers of one base, ``sin(x)*cos(x)``, ``sinh(x)/cosh(x)``,
     ``exp(x)/(1+exp(x))``, several ``exp``, literals.
 
     Powers of opposite signs cancel only when the base is known to be
     non-zero (a fact), or under ``fastmath``; otherwise the positive and the
-    negative powers combine separately.
+    negative powers combine separately. ``sin(x)*cos(x)`` becomes
+    ``sin(2x)/2`` only where ``2x`` cannot overflow (:func:`doubles_safely`),
+    or under ``fastmath``.
     """
     leaves = tree.leaves()
     out = Simplified(tree, set(), [], 1.0, [])
@@ -256,7 +308,8 @@ def simplify(tree: Factor, *, fastmath: bool = False) -> Simplified:
         else:
             out.changes.append("power")
         out.drop.update(id(f) for f in fs)
-    # sin(x)^p * cos(x)^q: a pair is sin(2x)/2 (a pair of reciprocals, 2/sin(2x)).
+    # sin(x)^p * cos(x)^q: a pair is sin(2x)/2 (a pair of reciprocals, 2/sin(2x)). Only where 2x cannot
+    # overflow (doubles_safely): at x = 3e38 (float32) sin(2x) is NaN and sin(x)*cos(x) a number.
     sins = _by_argument(power, "sin")
     for name, (v, pos, neg) in list(power.items()):
         c = v.node("cos")
@@ -267,6 +320,8 @@ def simplify(tree: Factor, *, fastmath: bool = False) -> Simplified:
         if sv.aval != v.aval:
             continue
         arg = c.operands[0]
+        if not (fastmath or doubles_safely(arg)):
+            continue
         kp, kn = min(spos, pos), min(sneg, neg)
         if not (kp or kn):
             continue
@@ -279,7 +334,7 @@ def simplify(tree: Factor, *, fastmath: bool = False) -> Simplified:
         if kn:
             out.new.append(("sin2", arg, -kn))
             out.coeff *= 2.0 ** kn
-        out.changes.append("double_angle")
+        out.changes.append("double_angle" if doubles_safely(arg) else "double_angle_unbounded")
     # sinh(x) / cosh(x) = tanh(x), one cheap function for two costly ones.
     coshes = _by_argument(power, "cosh")
     for name, (v, pos, neg) in list(power.items()):
@@ -426,7 +481,7 @@ def _normalize(fastmath: bool) -> Any:
         if tree is None:
             return None
         simp = simplify(tree, fastmath=fastmath)
-        if not simp.changes or (fastmath and "cancel" not in simp.changes):
+        if not simp.changes or (fastmath and not {"cancel", "double_angle_unbounded"} & set(simp.changes)):
             return None  # nothing saved (under fastmath: the identity pack makes the rest)
         coeff, kept = pieces(tree, lambda f: id(f) in simp.drop)
         if not math.isfinite(coeff * simp.coeff):
@@ -496,6 +551,7 @@ def _vjp_of(f):
 _sum0, _sum1 = (lambda x: jnp.sum(x, axis=0)), (lambda x: jnp.sum(x, axis=1))
 _SUM_SUM = Pat({"add", "sub"}, Pat("reduce_sum", X, params="p"), Pat("reduce_sum", Y, params="q"), params="op")
 _SUM_OF = Pat("reduce_sum", Pat({"add", "sub"}, X, Y, name="s", params="op"), params="p")
+_COS2_SIN2 = Pat("sub", Pat("integer_pow", Pat("cos", X), params="p"), Pat("integer_pow", Pat("sin", X), params="q"))
 
 # Bitwise exact: IEEE defines x - y as x + (-y), add_any is add, and a sum over size-1 axes adds
 # nothing. x + -y, x - -y, reshape(reshape(x)) and reductions over size-1 axes are algebra's rules,
@@ -516,7 +572,9 @@ trig = Ruleset("derivatives_trig", [
     rule(lambda x: jnp.cos(x) ** 2 + jnp.sin(x) ** 2, lambda x: jnp.ones_like(x), name="trig_pythagoras_r"),  # cos²x + sin²x -> 1
     rule(lambda x: 1.0 - jnp.sin(x) ** 2, lambda x: jnp.cos(x) ** 2, name="trig_one_minus_sin2"),         # 1 - sin²x -> cos²x
     rule(lambda x: 1.0 - jnp.cos(x) ** 2, lambda x: jnp.sin(x) ** 2, name="trig_one_minus_cos2"),         # 1 - cos²x -> sin²x
-    rule(lambda x: jnp.cos(x) ** 2 - jnp.sin(x) ** 2, lambda x: jnp.cos(2 * x), name="trig_cos_double"),  # cos²x - sin²x -> cos 2x
+    rule(_COS2_SIN2, lambda x: jnp.cos(2 * x), name="trig_cos_double",                                   # cos²x - sin²x -> cos 2x
+         when=lambda x, p, q: p.y == q.y == 2 and doubles_safely(x),                                   # (2x must not overflow)
+         example=(lambda x: jnp.cos(jnp.tanh(x)) ** 2 - jnp.sin(jnp.tanh(x)) ** 2, (_S,))),
     rule(lambda x: jnp.tan(x), lambda x: jnp.sin(x) / jnp.cos(x), name="trig_tan"),                         # tan x -> sin x / cos x (shares them)
 ], soundness="identity",
     description="sin, cos and tan of the same argument, paired into one transcendental")
@@ -530,7 +588,7 @@ explog = Ruleset("derivatives_explog", [
 
 products = Ruleset("derivatives_products", [
     rule(Pat("mul", X, Y), _normalize(False), name="prod_mul",        # x*y: powers of a base; sin·cos -> sin 2x / 2; sinh/cosh -> tanh
-         example=(lambda x, g: g * (2.0 * jnp.sin(x)) * jnp.cos(x), (_S, _S))),  # exp/(1+exp) -> σ; exp·exp -> exp(+)
+         example=(lambda x, g: g * (2.0 * jnp.sin(jnp.tanh(x))) * jnp.cos(jnp.tanh(x)), (_S, _S))),  # exp/(1+exp) -> σ; exp·exp -> exp(+)
     rule(Pat("div", X, Y), _normalize(False), name="prod_div",        # x/y -> the same normal forms, across the division
          example=(lambda x, g: (g * jnp.sinh(x)) / (2.0 * jnp.cosh(x)), (_S, _S))),
     rule(Pat("integer_pow", X), _normalize(False), name="prod_pow",   # (x*x)**3 -> x**6
@@ -554,10 +612,12 @@ reductions = Ruleset("derivatives_reductions", [
 ], soundness="identity",
     description="sums pulled through negations and factors constant along the summed axes, merged and split")
 
-#: Cancellations without a non-zero fact, and log x + log y: not part of ``derivatives``.
+#: Cancellations without a non-zero fact, double angles whose 2x may overflow, and log x + log y: not part
+#: of ``derivatives``.
 derivatives_fastmath = Ruleset("derivatives_fastmath", [
-    rule(Pat("mul", X, Y), _normalize(True), name="prod_mul_cancel",                               # x * (y / x) -> y, x unknown
-         example=(lambda a, g: a * (g / a), (_S, _S))),
+    rule(Pat("mul", X, Y), _normalize(True), name="prod_mul_cancel",                               # x * (y / x) -> y, x unknown;
+         example=(lambda a, g: a * (g / a), (_S, _S))),                                             # 2 sin x cos x -> sin 2x, any x
+    rule(lambda x: jnp.cos(x) ** 2 - jnp.sin(x) ** 2, lambda x: jnp.cos(2 * x), name="trig_cos_double_any"),  # cos²x - sin²x -> cos 2x, any x
     rule(Pat("div", X, Y), _normalize(True), name="prod_div_cancel",                               # (x * y) / x -> y, x unknown
          example=(lambda a, g: (a * g) / a, (_S, _S))),
     # one log instead of two, but x*y underflows where log x + log y does not (1e-7 * 1e-32)

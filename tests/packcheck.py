@@ -26,6 +26,7 @@ import jax.extend.core  # noqa: F401  (jaxpr_as_fun)
 
 from rewrite import Ruleset
 from rewrite.jaxpr.trace import is_traced_leaf
+from rewrite.testing import derivative_mismatch
 from rewrite.testing._strategies import _specials
 
 from .corpus import corpus
@@ -131,6 +132,7 @@ class Side:
         self.after = self._join(afters)
         self.jit_before = jax.jit(self.before)
         self.jit_after = jax.jit(self.after)
+        self._jvps: dict[tuple[int, ...], tuple[Callable[..., Any], Callable[..., Any]]] = {}
 
     def _join(self, fns: Sequence[Callable[..., Any]]) -> Callable[..., Any]:
         sizes = self.sizes
@@ -162,6 +164,35 @@ class Side:
         if eager:
             for name, got, want in zip(self.names, self.after(*flat), self.before(*flat)):
                 assert_same_bits(got, want, flush=True, context=f"{name} (eager)")
+
+    def check_derivatives(self, args: Sequence[Sequence[Any]], tolerance: Any = None) -> None:
+        """JAX's forward-mode derivatives (``jax.jvp`` under ``jit``) of every program before and after, compared
+        by :func:`rewrite.testing.derivative_mismatch`: at kinks (0, -0.0) too, a rule keeps the derivative JAX
+        computes. Tangents are fixed ordinary numbers of both signs (no zeros, which would hide a difference)."""
+        flat = self._flat(args)
+        idx = tuple(i for i, a in enumerate(flat) if jnp.issubdtype(np.asarray(a).dtype, jnp.inexact))
+        rng = np.random.default_rng(len(flat))
+        tangents = [(rng.uniform(0.5, 2.0, np.shape(flat[i])) * rng.choice([-1.0, 1.0], np.shape(flat[i])))
+                    .astype(np.asarray(flat[i]).dtype) for i in idx]
+        if idx not in self._jvps:
+            def jvp_of(fn: Callable[..., Any]) -> Callable[..., Any]:
+                def run(primals: list[Any], tans: list[Any], rest: list[Any]) -> Any:
+                    def at(*xs: Any) -> Any:
+                        full, it, other = [], iter(xs), iter(rest)
+                        for i in range(len(flat)):
+                            full.append(next(it) if i in idx else next(other))
+                        return fn(*full)
+                    return jax.jvp(at, primals, tans)
+                return jax.jit(run)
+            self._jvps[idx] = (jvp_of(self.before), jvp_of(self.after))
+        before, after = self._jvps[idx]
+        primals, rest = [flat[i] for i in idx], [a for i, a in enumerate(flat) if i not in idx]
+        values, want = before(primals, tangents, rest)
+        _, got = after(primals, tangents, rest)
+        for name, v, w, g in zip(self.names, values, want, got):
+            for vl, wl, gl in zip(*(jax.tree_util.tree_leaves(t) for t in (v, w, g)), strict=True):
+                why = derivative_mismatch(vl, wl, gl, tolerance=tolerance)
+                assert why is None, f"{name}: JAX's derivative changed (jit): {why}"
 
     def check_close(self, args: Sequence[Sequence[Any]], tolerances: Sequence[tuple[float, float] | None]) -> None:
         flat = self._flat(args)

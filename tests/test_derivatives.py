@@ -33,7 +33,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax._src import core
 
-from rewrite import AnalyticCost, Ruleset, explain, rewrite
+from rewrite import AnalyticCost, Ruleset, Tolerance, explain, rewrite
 from rewrite.extract.extractor import Extractor
 from rewrite.jaxpr.emit import EmitError, emit
 from rewrite.report.report import primitive_counts
@@ -146,19 +146,22 @@ CASES = [
     ("trig_pythagoras_r", lambda x: jnp.cos(x) ** 2 + jnp.sin(x) ** 2, [S], "moderate"),
     ("trig_one_minus_sin2", lambda x: 1.0 - jnp.sin(x) ** 2, [S], "moderate"),
     ("trig_one_minus_cos2", lambda x: 1.0 - jnp.cos(x) ** 2, [S], "moderate"),
-    ("trig_cos_double", lambda x: jnp.cos(x) ** 2 - jnp.sin(x) ** 2, [S], "moderate"),
+    ("trig_cos_double", lambda x: jnp.cos(jnp.tanh(x)) ** 2 - jnp.sin(jnp.tanh(x)) ** 2, [S], "moderate"),
+    ("trig_cos_double_any", lambda x: jnp.cos(x) ** 2 - jnp.sin(x) ** 2, [S], "moderate"),
     ("trig_tan", lambda x: jnp.tan(x) + jnp.sin(x) * jnp.cos(x), [S], "moderate"),
     ("explog_log_exp", lambda x: jnp.log(jnp.exp(x)), [S], "wide"),
     ("explog_exp_log", lambda x: jnp.exp(jnp.log(jnp.abs(x))), [S], "wide"),
     ("explog_log_add", lambda x, y: jnp.log(jnp.abs(x)) + jnp.log(y * y), [S, S], "pos"),
     ("explog_one_minus_logistic", lambda x: 1.0 - jax.nn.sigmoid(x), [S], "wide"),
-    ("prod_mul", lambda x: 2.0 * jnp.sin(x) * jnp.cos(x), [S], "moderate"),
-    ("prod_mul", lambda x, g: (g * (2.0 * jnp.sin(x))) * jnp.cos(x) * 3.0, [S, S], "moderate"),
+    ("prod_mul", lambda x: 2.0 * jnp.sin(jnp.tanh(x)) * jnp.cos(jnp.tanh(x)), [S], "moderate"),
+    ("prod_mul", lambda x, g: (g * (2.0 * jnp.sin(jnp.sin(x)))) * jnp.cos(jnp.sin(x)) * 3.0, [S, S], "moderate"),
+    ("prod_mul_cancel", lambda x: 2.0 * jnp.sin(x) * jnp.cos(x), [S], "moderate"),  # any x: fastmath
     ("prod_mul", lambda x: (x ** 2) * (x ** 3) * x, [S], "wide"),
     ("prod_mul", lambda x, y: jnp.exp(x) * jnp.exp(y) * jnp.exp(-x), [S, S], "moderate"),
     ("prod_mul", lambda x, y: (jnp.exp(x) + 1.0) * (y / (jnp.exp(x) + 1.0)), [S, S], "any"),  # exp(x) < inf
     ("prod_div", lambda x, y: (y * (jnp.abs(x) + 1.0)) / (jnp.abs(x) + 1.0), [S, S], "wide"),
-    ("prod_div", lambda x: 1.0 / (jnp.sin(x) * jnp.cos(x)), [S], "moderate"),
+    ("prod_div", lambda x: 1.0 / (jnp.sin(jnp.tanh(x)) * jnp.cos(jnp.tanh(x))), [S], "moderate"),
+    ("prod_div_cancel", lambda x: 1.0 / (jnp.sin(x) * jnp.cos(x)), [S], "moderate"),
     ("prod_div", lambda x, g: (g * jnp.sinh(x)) / (2.0 * jnp.cosh(x)), [S, S], "any"),       # tanh
     ("prod_mul", lambda x, g: (g / (1.0 + jnp.exp(x))) * jnp.exp(x), [S, S], "any"),        # logistic
     ("prod_div", lambda x, g: g / (1.0 + jnp.exp(-x)) + g / (jnp.exp(x) + 1.0), [S, S], "wide"),
@@ -193,6 +196,59 @@ def test_rule_keeps_values(name, fn, shapes, domain):
             check(before, p, owner, [jnp.asarray(x) for x in inputs], fn, domain)
 
     prop()
+
+
+_HUGE = {np.dtype(np.float32): 3e38, np.dtype(np.float16): 6e4, np.dtype(jnp.bfloat16): 3e38}
+
+
+@pytest.mark.parametrize("fn", [
+    lambda x: 2.0 * jnp.sin(x) * jnp.cos(x),
+    lambda x: jnp.cos(x) ** 2 - jnp.sin(x) ** 2,
+    lambda x: 1.0 / (jnp.sin(x) * jnp.cos(x)),
+    lambda x, g: (g * (2.0 * jnp.sin(x))) * jnp.cos(x) * 3.0,
+], ids=["2 sin cos", "cos2 - sin2", "1 / (sin cos)", "g 2 sin cos 3"])
+@pytest.mark.parametrize("dtype", list(_HUGE), ids=lambda d: d.name)
+def test_double_angles_keep_values_where_2x_overflows(fn, dtype):
+    """Issue 29: sin(2x) and cos(2x) are NaN at x = 3e38 (float32), where 2 sin x cos x is a number."""
+    huge = _HUGE[dtype]
+    n = fn.__code__.co_argcount
+    x = jnp.asarray(np.asarray([huge, -huge, huge / 1.5, 1.0, -0.5], np.float64).astype(dtype))
+    args = (x,) + (jnp.ones_like(x),) * (n - 1)
+    want = fn(*args)
+    assert np.isfinite(np.asarray(want, np.float64)[:3]).all()
+    got = rewrite(fn, rulesets=[derivatives])(*args)
+    rtol, atol = (derivatives.tolerance or Tolerance()).for_dtype(dtype)
+    np.testing.assert_allclose(np.asarray(got, np.float64), np.asarray(want, np.float64), rtol=rtol, atol=atol)
+    # 2x computed in a type where it cannot overflow, or bounded by 1, still earns the rewrite
+    bounded = explain(lambda *a: fn(jnp.tanh(a[0]), *a[1:]), *args, rulesets=[derivatives])
+    assert set(bounded.fired) & {"prod_mul", "prod_div", "trig_cos_double"}, bounded.fired
+
+
+@settings(max_examples=25)
+@given(hnp.arrays(F32, (6,), elements=st.floats(float(np.float32(1e38)), float(np.finfo(np.float32).max), width=32)))
+def test_double_angle_keeps_values_at_any_huge_float32(x):
+    fn = lambda x: 2.0 * jnp.sin(x) * jnp.cos(x) - (jnp.cos(x) ** 2 - jnp.sin(x) ** 2)  # noqa: E731
+    x = jnp.asarray(x)
+    got, want = rewrite(fn, rulesets=[derivatives])(x), fn(x)
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_doubles_safely_knows_bounded_and_narrow_arguments():
+    from rulesets.derivatives import doubles_safely
+
+    def fires(f, x):
+        return "prod_mul" in explain(f, x, rulesets=[derivatives]).fired
+
+    two_sin_cos = lambda t: 2.0 * jnp.sin(t) * jnp.cos(t)  # noqa: E731
+    x32, x16, i32 = jnp.ones(3), jnp.ones(3, jnp.float16), jnp.ones(3, jnp.int32)
+    assert not fires(two_sin_cos, x32)
+    assert fires(lambda x: two_sin_cos(jnp.tanh(x)), x32)
+    assert fires(lambda x: two_sin_cos(x.astype(jnp.float32)), x16)           # float16's 65504 doubles in float32
+    assert fires(lambda x: two_sin_cos(x.astype(jnp.float32)), i32)           # so does any int32
+    assert not fires(lambda x: two_sin_cos(x.astype(jnp.float32)), x32.astype(jnp.bfloat16))  # 3.4e38 does not
+    assert not fires(lambda x: two_sin_cos(x * 0.5), x32)                     # products are not tracked
+    assert doubles_safely.__doc__
 
 
 @pytest.mark.parametrize("fn", [
@@ -244,7 +300,7 @@ def test_seed_vjp_is_simplified():
     x = jax.random.normal(jax.random.PRNGKey(0), (8, 64, 32))
     a = jnp.linspace(0.5, 2.0, 32)
     g = jax.random.normal(jax.random.PRNGKey(1), x.shape)
-    r = rewrite(seed_vjp, rulesets=[derivatives])
+    r = rewrite(seed_vjp, rulesets=[derivatives, derivatives_fastmath])  # sin(ax) may be huge: 2ax is fastmath
     before = primitive_counts(jax.make_jaxpr(seed_vjp)(x, a, g))
     after = primitive_counts(r.jaxpr(x, a, g))
     assert before["div"] == 2 and after["div"] <= 1          # the dead primal division is gone

@@ -10,8 +10,9 @@ import pytest
 
 ecosystem = pytest.importorskip("benchmarks.ecosystem")
 
-#: small programs that cover a loop (haiku), a probabilistic model (numpyro) and an optimizer chain (optax)
-QUICK = ["numpyro_mixture_logp", "optax_clip_adamw", "haiku_lstm_grad"]
+#: small programs that cover a loop (haiku), a probabilistic model (numpyro), an optimizer chain (optax) and
+#: mixed precision (a flax transformer block trained in bfloat16, its loss in float32)
+QUICK = ["numpyro_mixture_logp", "optax_clip_adamw", "haiku_lstm_grad", "flax_bf16_step"]
 
 
 @pytest.mark.parametrize("name", QUICK)
@@ -21,6 +22,26 @@ def test_values_kept(name):
     packs = ecosystem.load_rulesets(ecosystem.CONFIGS["identity"])
     error, control, kept = ecosystem.check_values(prog, packs, ecosystem.TOLERANCE["identity"])
     assert kept, f"{name}: error {error:.2e} against a control of {control:.2e}"
+
+
+@pytest.mark.parametrize("mode", ["jit", pytest.param("eager", marks=pytest.mark.slow)])
+def test_bf16_loss_differentiated_through_the_rewrite_keeps_its_gradients(mode):
+    """The bf16 program's loss, rewritten, then differentiated by jax.grad: the derivative programs the
+    rewriter builds must give the gradients JAX gives the original, to bfloat16's precision."""
+    import jax
+    import jax.numpy as jnp
+
+    pytest.importorskip("flax")
+    from rewrite import rewrite
+
+    loss, (params, tokens) = ecosystem.flax_bf16_loss()
+    packs = ecosystem.load_rulesets(ecosystem.CONFIGS["identity"])
+    want = jax.jit(jax.grad(loss))(params, tokens)
+    grad = jax.grad(rewrite(loss, rulesets=packs))
+    got = (jax.jit(grad) if mode == "jit" else grad)(params, tokens)
+    eps = float(jnp.finfo(jnp.bfloat16).eps)
+    error = ecosystem.relative_error(want, got)
+    assert error <= 8 * eps, f"gradients differ by {error:.2e} relative to each leaf's largest magnitude"
 
 
 def test_relative_error_sees_differences():

@@ -63,6 +63,35 @@ def test_rules_false_in_real_arithmetic_fail_every_class(name, lhs, rhs, soundne
         check_ruleset(_one(name, lhs, rhs, soundness))
 
 
+# ---------------------------------------------------------------- derivatives (issue 29)
+KINKED = [  # each keeps every value and changes JAX's derivative somewhere
+    ("abs_neg", lambda x: jnp.abs(-x), lambda x: jnp.abs(x), "exact"),                       # at ±0: -1 vs +1
+    ("relu_where", lambda x: jnp.maximum(x, 0.0), lambda x: jnp.where(x > 0, x, 0.0), "identity"),  # at 0: 0.5 vs 0
+    ("clip_minmax", lambda x: jnp.clip(x, -1.0, 1.0), lambda x: jnp.where(x > 1.0, 1.0, jnp.where(x < -1.0, -1.0, x)),
+     "identity"),                                                                              # at ±1: 0.5 vs 1
+]
+
+
+@pytest.mark.parametrize("name,lhs,rhs,soundness", KINKED, ids=[k[0] for k in KINKED])
+def test_rules_that_change_a_derivative_at_a_kink_are_rejected(name, lhs, rhs, soundness):
+    ruleset = _one(name, lhs, rhs, soundness)
+    with pytest.raises(AssertionError) as info:
+        check_ruleset(ruleset)
+    text = str(info.value)
+    assert f"rule {name!r} [user_{name}, {soundness}] does not hold: JAX's derivative changed" in text, text
+    assert "    tangent of x = float32" in text and "  original tangent  = " in text
+    check_ruleset(ruleset, derivatives=False)  # the values are kept
+
+
+def test_derivative_mismatch_skips_nan_values_and_lets_a_rewrite_do_better():
+    from rewrite.testing import derivative_mismatch
+
+    value, want = np.float32([np.nan, 1.0, np.inf, 2.0]), np.float32([1.0, np.nan, 3.0, 1.0])
+    assert derivative_mismatch(value, want, np.float32([-1.0, 0.5, -3.0, 1.0])) is None
+    assert "at [3]" in derivative_mismatch(value, want, np.float32([-1.0, 0.5, -3.0, np.nan]))
+    assert derivative_mismatch(value, want, np.float32([1.0, 1.0, 3.0, 1.0 + 1e-6])) is None  # within tolerance
+
+
 def test_sub_self_is_an_identity_but_not_exact():
     # x - x is 0 for every finite x; only inf and NaN tell it apart.
     check_ruleset(_one("sub_self", lambda x: x - x, lambda x: jnp.zeros_like(x), "identity"))

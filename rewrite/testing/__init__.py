@@ -25,7 +25,7 @@ come from ``rewrite.testing._programs``. Import the public names from here.
 
 from ._check_program import VacuousCheckWarning, assert_equivalent, assert_same_results
 from ._check_rule import CheckReport, RuleCheck, check_ruleset
-from ._compare import mismatch, soundness_of
+from ._compare import derivative_mismatch, mismatch, soundness_of
 from ._programs import RandomProgram, programs
 from ._strategies import ORDINARY_BOUND, arrays, elements, inputs_like, value_bound
 
@@ -38,6 +38,7 @@ __all__ = [
     "assert_equivalent",
     "assert_same_results",
     "check_ruleset",
+    "derivative_mismatch",
     "elements",
     "inputs_like",
     "mismatch",

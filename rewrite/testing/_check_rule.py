@@ -34,15 +34,51 @@ from ..jaxpr.trace import trace
 from ..pipeline import Result, run_pipeline
 from ..rules.match import Value, _short
 from ..rules.rule import Procedure, Rule
-from ..rules.ruleset import Ruleset, entries_of
+from ..rules.ruleset import Ruleset, Tolerance, entries_of
 from ..rules.saturate import Limits
-from ._compare import _Evidence, _show, _spreads
-from ._strategies import _into_domain, _is_float, _settings, _wide, arrays
+from ._compare import _Evidence, _show, _spreads, derivative_mismatch
+from ._strategies import _into_domain, _is_complex, _is_float, _settings, _wide, arrays
 
 
 def _evaluate(closed: core.ClosedJaxpr, args: Sequence[Any]) -> list[np.ndarray]:
     """Run a jaxpr eagerly, one primitive at a time, as the program itself would run outside jit."""
     return [np.asarray(o) for o in core.eval_jaxpr(closed.jaxpr, closed.consts, *args)]
+
+
+def _differentiable(dtype: Any) -> bool:
+    return _is_float(dtype) or _is_complex(dtype)
+
+
+def _tangents(closed: core.ClosedJaxpr, args: Sequence[Any], tangents: Sequence[Any]) -> list[np.ndarray]:
+    """The output tangents of ``closed`` at ``args`` along ``tangents`` of its float inputs (``jax.jvp`` under jit).
+
+    Under jit, unlike the values (compared op by op): a derivative program is compiled once per case and
+    reused for every example, where op by op a loop's derivative would dispatch every step.
+    """
+    key = (id(closed), jax.config.jax_enable_x64)
+    if key not in _JVPS:
+        idx = [i for i, a in enumerate(closed.in_avals) if _differentiable(a.dtype)]
+
+        def jvp(primals: list[Any], tans: list[Any], others: list[Any]) -> Any:
+            def at(*xs: Any) -> list[Any]:
+                full, it, rest = [], iter(xs), iter(others)
+                for i in range(len(closed.in_avals)):
+                    full.append(next(it) if i in idx else next(rest))
+                return core.eval_jaxpr(closed.jaxpr, closed.consts, *full)
+            return jax.jvp(at, primals, tans)[1]
+
+        _JVPS[key] = (closed, idx, jax.jit(jvp))
+    _, idx, run = _JVPS[key]
+    out = run([jnp.asarray(args[i]) for i in idx], [jnp.asarray(tangents[i]) for i in idx],
+              [jnp.asarray(a) for i, a in enumerate(args) if i not in idx])
+    return [np.asarray(t) for t in out]
+
+
+#: The least relative tolerance on derivatives outside the exact class (for float32; scaled by epsilon).
+_DERIVATIVE_RTOL = 1e-3
+
+#: Compiled JVPs by program (the program is kept alive beside its entry, so its id is not reused).
+_JVPS: dict[tuple[int, bool], tuple[Any, list[int], Any]] = {}
 
 
 def _trace_at(fn: Callable[..., Any], avals: Sequence[Any]):
@@ -72,6 +108,21 @@ class _Reference:
             self._failed = True
             return None
         return outs
+
+    def tangents(self, args: Sequence[Any], tangents: Sequence[Any]) -> list[Any] | None:
+        """The true output tangents (float64) at ``args`` along ``tangents``, or ``None``."""
+        if self._failed:
+            return None
+        try:
+            with jax.enable_x64(True):
+                if self._closed is None:
+                    wide = [core.ShapedArray(a.shape, _wide(a.dtype), weak_type=False) for a in self.avals]
+                    self._closed = jax.make_jaxpr(self.fn)(*[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in wide])
+                widen = [None if a is None else np.asarray(a).astype(_wide(np.asarray(a).dtype)) for a in args]
+                return _tangents(self._closed, widen, [None if t is None else np.asarray(t).astype(_wide(
+                    np.asarray(t).dtype)) for t in tangents])
+        except Exception:
+            return None
 
 
 @dataclasses.dataclass
@@ -384,13 +435,17 @@ def _constant_cases(rule: Rule) -> list[_Case]:
 
 
 def _failure(rule: Rule, owner: Ruleset, case: _Case, vals: Sequence[Any], want: Sequence[Any],
-             got: Sequence[Any], why: str) -> AssertionError:
+             got: Sequence[Any], why: str, tangents: Sequence[Any] | None = None) -> AssertionError:
     lines = [f"rule {rule.name!r} [{owner.name}, {owner.soundness}] does not hold: {why}",
              f"  case {case.describe()}" + (" (inputs of the rule's example program)" if rule.is_pat else "")]
     for n, v in zip(case.names, vals):
         lines.append(f"    {n} = {_show(v, 7 + len(n))}")
+    for n, t in zip(case.names, tangents or ()):
+        if t is not None:
+            lines.append(f"    tangent of {n} = {_show(t, 18 + len(n))}")
+    what = " tangent" if tangents is not None else ""
     for i, (w, g) in enumerate(zip(want, got)):
-        tag = f"[{i}]" if len(want) > 1 else ""
+        tag = f"{what}[{i}]" if len(want) > 1 else what
         lines.append(f"  original{tag}  = {_show(w, 14 + len(tag))}")
         lines.append(f"  rewritten{tag} = {_show(g, 14 + len(tag))}")
     if case.after is not None:
@@ -398,7 +453,39 @@ def _failure(rule: Rule, owner: Ruleset, case: _Case, vals: Sequence[Any], want:
     return AssertionError("\n".join(lines))
 
 
-def _check_rule(rule: Rule, owner: Ruleset, max_examples: int | None) -> RuleCheck:
+def _check_derivatives(rule: Rule, owner: Ruleset, case: _Case, vals: Sequence[Any], tangents: Sequence[Any],
+                       want: Sequence[Any]) -> None:
+    """The original's and the rewrite's tangents at ``vals`` along ``tangents``: JAX's derivatives must agree."""
+    try:
+        want_t = _tangents(case.before, vals, tangents)
+    except Exception:
+        return  # the original has no derivative here (an opaque primitive): nothing to keep
+    try:
+        got_t = _tangents(case.after, vals, tangents)
+    except Exception as e:
+        raise _failure(rule, owner, case, vals, want, want, f"the rewritten program cannot be differentiated "
+                       f"({type(e).__name__}: {e})") from None
+    # Derivatives are new programs on both sides, so exact rules too meet them within a tolerance, at
+    # least Tolerance(). Other rules may change how a derivative rounds where it cancels (tanh's 1 - tanh^2
+    # against the quotient rule of sinh/cosh, near x = 4): at least 1e-3, far below a kink's jump. The
+    # evidence (the float64 derivative, the original's spread) is computed only on a mismatch.
+    base = owner.tolerance or Tolerance()
+    floor = Tolerance.rtol if owner.soundness == "exact" else _DERIVATIVE_RTOL
+    tolerance = Tolerance(max(base.rtol, floor), max(base.atol, Tolerance.atol))
+    refs: list[Any] = []
+    for i, (v, w, g) in enumerate(zip(want, want_t, got_t)):
+        why = derivative_mismatch(v, w, g, tolerance=tolerance)
+        if why is not None:
+            if not refs:
+                refs.extend(case.reference.tangents(vals, tangents) or [None] * len(want_t))
+                refs.append(_spreads(lambda a: _tangents(case.before, a, tangents), vals, want_t))
+            why = derivative_mismatch(v, w, g, tolerance=tolerance, reference=refs[i], spread=refs[-1][i])
+        if why is not None:
+            raise _failure(rule, owner, case, vals, want_t, got_t, f"JAX's derivative changed: {why}",
+                           tangents=tangents)
+
+
+def _check_rule(rule: Rule, owner: Ruleset, max_examples: int | None, derivatives: bool = True) -> RuleCheck:
     report = RuleCheck(rule.name, owner.name, owner.soundness)
     cases, skipped, wants_nodes = _cases(rule, owner)
     report.skipped = skipped
@@ -420,6 +507,12 @@ def _check_rule(rule: Rule, owner: Ruleset, max_examples: int | None) -> RuleChe
         case = data.draw(st.sampled_from(cases), label="case") if len(cases) > 1 else cases[0]
         vals = [_into_rule_domain(rule, n, data.draw(arrays(a.shape, a.dtype, soundness, d), label=n))
                 for n, a, d in zip(case.names, case.avals, case.domains)]
+        differentiate = derivatives and not case.constant and any(_differentiable(a.dtype) for a in case.avals)
+        # Kinks are among the values drawn (0, -0.0, 1, -1); the tangents are ordinary numbers. Drawn
+        # before anything runs, so an example hypothesis abandons (too much data) runs nothing.
+        tangents = [data.draw(arrays(a.shape, a.dtype, "fastmath"), label=f"tangent of {n}")
+                    if _differentiable(a.dtype) else None
+                    for n, a in zip(case.names, case.avals)] if differentiate else []
         if case.constant:
             bound = [jnp.asarray(v) for v in vals]  # jax arrays, so the program's operations are traced
             try:
@@ -437,6 +530,8 @@ def _check_rule(rule: Rule, owner: Ruleset, max_examples: int | None) -> RuleChe
             why = evidence.mismatch(i, w, g, soundness, tolerance)
             if why is not None:
                 raise _failure(rule, owner, shown, vals, want, got, why)
+        if differentiate:
+            _check_derivatives(rule, owner, case, vals, tangents, want)
 
     _settings(max_examples)(given(st.data())(run))()
     if constant and not fired[0]:
@@ -448,7 +543,7 @@ def _check_rule(rule: Rule, owner: Ruleset, max_examples: int | None) -> RuleChe
     return report
 
 
-def check_ruleset(ruleset: Any, *, max_examples: int | None = None) -> CheckReport:
+def check_ruleset(ruleset: Any, *, max_examples: int | None = None, derivatives: bool = True) -> CheckReport:
     """Check every rule of ``ruleset`` on drawn inputs; raise ``AssertionError`` naming each rule that fails.
 
     Each rule is checked on its own, in its owner's soundness class. Its
@@ -463,7 +558,12 @@ def check_ruleset(ruleset: Any, *, max_examples: int | None = None) -> CheckRepo
     constants. A :class:`Pat` rule is checked on its ``example=(fn, args)``
     program. The original and the rewritten program are then compared on
     inputs hypothesis draws, shrinking any failure to a small
-    counterexample, which the error shows with both results.
+    counterexample, which the error shows with both results. With
+    ``derivatives`` (the default), each example also compares the two
+    programs' forward-mode derivatives (``jax.jvp``, along drawn tangents):
+    a rule must keep the derivatives JAX computes, at kinks (``abs`` and
+    ``max`` at 0, a ``where`` at its switch) as elsewhere, within a tolerance
+    even for exact rules (:func:`rewrite.testing.derivative_mismatch`).
 
     ``max_examples`` is per rule; the active hypothesis profile decides when
     it is ``None``. Returns a :class:`CheckReport` of what was checked.
@@ -485,7 +585,7 @@ def check_ruleset(ruleset: Any, *, max_examples: int | None = None) -> CheckRepo
     failures = []
     for rule, owner in entries:
         try:
-            report.rules[rule.name] = _check_rule(rule, owner, max_examples)
+            report.rules[rule.name] = _check_rule(rule, owner, max_examples, derivatives)
         except AssertionError as e:
             failures.append(str(e))
     if failures:

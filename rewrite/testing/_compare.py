@@ -187,6 +187,73 @@ def mismatch(want: Any, got: Any, *, soundness: str = "exact", tolerance: Tolera
     return f"{line} ({note}){more}"
 
 
+def derivative_mismatch(value: Any, want: Any, got: Any, *, tolerance: Tolerance | None = None,
+                        reference: Any = None, spread: Any = None) -> str | None:
+    """Why the tangent ``got`` does not stand in for ``want``, the original's, or ``None`` if it does.
+
+    A rule must keep the derivatives JAX computes, not only the values: at a
+    kink (``abs`` and ``max`` at 0, a ``where`` at its switch) two forms of
+    one value can have different derivatives. Derivatives are new programs
+    (JAX differentiates each side), so even an exact rule meets them within
+    ``tolerance`` (``Tolerance()`` if none), scaled to the dtype. Where
+    ``spread`` (how far the original's tangent moves when its inputs move by
+    a few ulps: its rounding noise where it cancels) is given, an element
+    also passes within it, but only where it is under 1% of the tangent: at a
+    kink the derivative jumps by as much as it is, and an allowance that large
+    would excuse exactly the change looked for. Where ``reference``, the
+    true derivative computed in float64, is given, an element also passes if
+    the rewrite is within tolerance of it or no further from it than the
+    original (an underflow in JAX's derivative of the original, say). Elements whose
+    ``value`` (the original's output) is not finite are not compared: there
+    is no derivative at a NaN, and at a value that overflowed JAX's tangent
+    is an accident of the order of operations (``0 * (2 * x)`` is NaN where
+    ``0 * x + x * 0`` is 0). A rewrite may also be finite where JAX's
+    derivative of the original is not (an overflow, ``0 * inf`` or ``0/0``
+    that another order of operations or a stable form avoids): as with
+    values, a rewrite may do better than the original, never worse.
+
+    >>> import numpy as np
+    >>> derivative_mismatch(np.float32([0.0, 1.0]), np.float32([-1.0, 1.0]), np.float32([-1.0, 1.0])) is None
+    True
+    >>> print(derivative_mismatch(np.float32([0.0]), np.float32([-1.0]), np.float32([1.0])))
+    at [0]: original -1.0, rewritten 1.0 (derivative: rtol 1e-05, atol 1e-06)
+    """
+    value, want, got = np.asarray(value), np.asarray(want), np.asarray(got)
+    if want.dtype == jax.dtypes.float0:
+        return None
+    if want.shape != got.shape or want.dtype != got.dtype:
+        return f"rewritten gives a tangent {got.dtype}{list(got.shape)}, original {want.dtype}{list(want.shape)}"
+    rtol, atol = (tolerance or Tolerance()).for_dtype(want.dtype)
+    rtol, atol = min(rtol, 0.1), min(atol, 0.1)  # scaled to a 16-bit float, still far below a sign flip
+    w, g = _as_real(want), _as_real(got)
+    ok = _close(w, g, rtol, atol)
+    note = f"derivative: rtol {rtol:.3g}, atol {atol:.3g}"
+    ok = ok | ~np.isfinite(w.astype(np.float64))
+    if not ok.all() and reference is not None and np.shape(reference) == want.shape:
+        ok = ok | _no_worse(w, g, _as_real(np.asarray(reference)), rtol, atol)
+        note += ", or no further than the original from the float64 derivative"
+    if not ok.all() and spread is not None and np.shape(spread) == want.shape:
+        d = np.asarray(spread, np.float64)
+        d = np.stack([d, d], axis=-1) if _is_complex(want.dtype) else d
+        with np.errstate(invalid="ignore", over="ignore"):
+            noise = d <= 1e-2 * np.abs(w.astype(np.float64))
+        ok = ok | (_within_spread(w, g, d, rtol, atol) & noise)
+        note += f", or within the original's own spread under {_NUDGE_ULPS}-ulp input changes (under 1%)"
+    if value.shape == want.shape and (_is_float(value.dtype) or _is_complex(value.dtype)):
+        with np.errstate(invalid="ignore"):
+            off = ~np.isfinite(_as_real(value).astype(np.float64))
+        ok = ok | (off if off.shape == ok.shape else off.any(axis=-1, keepdims=True))
+    if _is_complex(want.dtype):
+        ok = ok.all(axis=-1)
+    if np.all(ok):
+        return None
+    bad = np.argwhere(~np.asarray(ok))
+    idx = tuple(int(i) for i in bad[0])
+    where = f"[{', '.join(map(str, idx))}]" if idx else "[]"
+    more = f"; {len(bad) - 1} more element(s) differ" if len(bad) > 1 else ""
+    return f"at {where}: original {_scalar(want[idx])}, rewritten {_scalar(got[idx])} ({note}){more}"
+
+
 def _scalar(v: Any) -> str:
     v = np.asarray(v)
     if _is_float(v.dtype):
