@@ -21,7 +21,16 @@ rulesets that can be used alone. The soundness class says what a rule keeps: `ex
 every bit, `identity` rules are equal in real arithmetic (within the pack's tolerance), `fastmath`
 rules change floating-point results and run only where named. Each rule is listed with the
 `lhs -> rhs` its author wrote beside it. This page is made from the packs by
-`python -m rulesets._listing`; the test suite checks that it is current.
+`python -m rulesets._listing`; the test suite checks that it is current. A rule is found by its
+name, and `rewrite.report.listing.ruleset_markdown` lists a user's pack the same way:
+
+```python
+import rulesets
+from rewrite.report.listing import ruleset_markdown
+
+assert rulesets.algebra.rule("mul_one").name == "mul_one"
+assert "| `mul_one` | x * 1 -> x |" in ruleset_markdown(rulesets.algebra)
+```
 """
 
 
