@@ -20,8 +20,9 @@ X = jnp.linspace(-1.0, 1.0, 5)
 @pytest.mark.parametrize("given", ["algebra", ["algebra"], ("nn", "algebra"), ["algebra", rulesets.nn]])
 def test_a_built_in_pack_may_be_named(given):
     f = lambda x: jnp.abs(-x)  # noqa: E731
-    assert rewrite(f, rulesets=given).result(X).stats["abs_neg"].fired == 1
-    assert "abs_neg" in explain(f, X, rulesets=given).fired
+    ints = jnp.arange(-2, 3)  # abs_neg keeps JAX's derivative at 0 only where x is an integer or non-zero
+    assert rewrite(f, rulesets=given).result(ints).stats["abs_neg"].fired == 1
+    assert "abs_neg" in explain(f, ints, rulesets=given).fired
 
 
 @pytest.mark.parametrize("given, error, match", [
