@@ -69,10 +69,25 @@ def _keeps_budget_and_cost(ruleset, result, what):
     assert result.cost_after <= result.cost_before * (1 + 1e-9), (what, result.cost_before, result.cost_after)
 
 
+#: Packs whose derivatives are known to move at the edge of the float range, checked for values only here
+#: and for derivatives in a strict xfail below, so the value contract stays in force for them.
+DERIVATIVES_OPEN = {
+    "scan": "sink_inputs: a derivative of -1.26e38 (float32) becomes -inf once the loop's inputs are computed "
+            "inside it: an overflow at the edge of the range that the identity class's tolerance does not "
+            "excuse for derivatives yet (found by the derivative check of issue 29; open)",
+}
+
+
 @pytest.mark.parametrize("name,ruleset", RULESETS, ids=IDS)
 def test_rules_hold(name, ruleset):
-    report = check_ruleset(ruleset)
+    report = check_ruleset(ruleset, derivatives=name not in DERIVATIVES_OPEN)
     assert set(report.rules) == {r.name for r in ruleset}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=why))
+                                  for n, why in sorted(DERIVATIVES_OPEN.items())])
+def test_rules_keep_derivatives_where_still_open(name):
+    check_ruleset(rulesets.BUILTIN[name])
 
 
 @pytest.mark.parametrize("program,fn,args", CORPUS, ids=[c[0] for c in CORPUS])
