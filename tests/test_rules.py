@@ -298,7 +298,7 @@ def test_ill_typed_procedure_is_skipped_with_a_warning():
 
     rs = Ruleset("w", [rule(lambda x: jnp.sin(x), wrong, name="wrong")])
     with pytest.warns(UserWarning, match="rule 'wrong' built f32"):
-        out = rewrite(lambda x: jnp.sin(x), rulesets=[rs])(jnp.ones(3))
+        out = rewrite(lambda x: jnp.sin(x), rulesets=[rs], strict=False)(jnp.ones(3))  # strict would raise
     np.testing.assert_allclose(out, jnp.sin(jnp.ones(3)))
 
 
