@@ -95,14 +95,18 @@ class _Reference:
         self._closed: Any = None
         self._failed = not any(_wide(a.dtype) != np.dtype(a.dtype) for a in avals)  # nothing to widen
 
+    def _trace_wide(self) -> None:
+        """The program traced in float64 (once; call with x64 enabled)."""
+        if self._closed is None:
+            wide = [jax.ShapeDtypeStruct(a.shape, _wide(a.dtype)) for a in self.avals]
+            self._closed = jax.make_jaxpr(self.fn)(*wide)
+
     def __call__(self, args: Sequence[Any]) -> list[Any] | None:
         if self._failed:
             return None
         try:
             with jax.enable_x64(True):
-                if self._closed is None:
-                    wide = [core.ShapedArray(a.shape, _wide(a.dtype), weak_type=False) for a in self.avals]
-                    self._closed = jax.make_jaxpr(self.fn)(*[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in wide])
+                self._trace_wide()
                 outs = _evaluate(self._closed, [np.asarray(a).astype(_wide(np.asarray(a).dtype)) for a in args])
         except Exception:
             self._failed = True
@@ -115,9 +119,7 @@ class _Reference:
             return None
         try:
             with jax.enable_x64(True):
-                if self._closed is None:
-                    wide = [core.ShapedArray(a.shape, _wide(a.dtype), weak_type=False) for a in self.avals]
-                    self._closed = jax.make_jaxpr(self.fn)(*[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in wide])
+                self._trace_wide()
                 widen = [None if a is None else np.asarray(a).astype(_wide(np.asarray(a).dtype)) for a in args]
                 return _tangents(self._closed, widen, [None if t is None else np.asarray(t).astype(_wide(
                     np.asarray(t).dtype)) for t in tangents])
