@@ -15,6 +15,7 @@ import time
 from typing import Any, Sequence
 
 
+from .cost.memory import over_budget
 from .cost.model import CostModel
 from .extract.extract import extract, input_cost
 from .extract.extractor import Extractor
@@ -60,6 +61,8 @@ class Result:
     guard: Any = None
     #: preferred rules (rule(..., prefer=True)) -> how many classes' choice they forced (rewrite/rules/prefer.py)
     preferred: dict[str, int] = dataclasses.field(default_factory=dict)
+    #: with AnalyticCost(memory_budget=...): the candidates the budget excluded (rewrite/cost/memory.py)
+    over_budget: list = dataclasses.field(default_factory=list)
 
 
 def run_pipeline(traced: Traced, entries: Sequence[tuple[Rule, Ruleset]], model: CostModel, limits: Limits,
@@ -117,13 +120,16 @@ def _run(traced: Traced, entries: Sequence[tuple[Rule, Ruleset]], model: CostMod
         after, timing = model.choose(programs)
         times["measure"] = time.perf_counter() - t
 
+    excluded = over_budget(ex.candidates, model,
+                           lambda c: emit(snap, c, eg, closed.in_avals, roots, token_root, closed.jaxpr.debug_info))
+
     result = Result(
         before=closed, after=after, cost_before=cost_before, cost_after=ex.cost, stopped=stopped,
         iterations=engine.iterations, rows=snap.num_rows, times=times, stats=dict(engine.stats),
         rewritten=ex.rewritten, warnings=list(engine.warnings),
         egraph=eg if keep else None, choice=ex.choice if keep else None, snapshot=snap if keep else None,
         roots=roots if keep else None, original=original if keep else None, out_names=list(outs) if keep else None,
-        timing=timing, preferred=forced,
+        timing=timing, preferred=forced, over_budget=excluded,
     )
     if not keep:
         eg.release()  # to the pool now, even if something the rewrite made holds the e-graph in a cycle

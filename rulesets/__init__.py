@@ -18,6 +18,9 @@ loaded on first use (defining a rule traces it, which takes a moment):
 * ``rulesets.linalg`` (identity): matrix products reordered and simplified
   by their shapes (associativity, transposes, factors, distributivity,
   reductions of products).
+* ``rulesets.attention`` (identity): softmax attention computed over key
+  blocks (online softmax, a backward that recomputes each block), so that
+  neither pass holds the N x N scores.
 
 ``BUILTIN`` maps each available pack's name to its ruleset.
 
@@ -35,7 +38,7 @@ import sys as _sys
 import types as _types
 from typing import Any as _Any
 
-PACKS = ("algebra", "fastmath", "scan", "derivatives", "nn", "linalg")
+PACKS = ("algebra", "fastmath", "scan", "derivatives", "nn", "linalg", "attention")
 
 
 class _Packs(_types.ModuleType):

@@ -49,6 +49,8 @@ from .program import LEAF, LIBRARY, LOOP, OTHER, REDUCE, VIEW, Op, Program, _kin
 
 #: The weight of the node-by-node price that breaks ties between programs that fuse alike.
 TIEBREAK = 1e-3
+#: What a program over the memory budget pays, plus this per byte over: more than any program's time.
+OVER_BUDGET = 1e15
 
 
 def _nbytes(aval: Any) -> int:
@@ -123,14 +125,19 @@ class FusionModel:
     and ``tiebreak`` (a node price, weighted by ``TIEBREAK``) so that of two
     programs that fuse alike the one a node-by-node model prefers wins
     (``x * (1/3)`` over ``x / 3``, which XLA compiles to the same loop).
-    ``memory`` is charged per byte of :func:`peak_temp_bytes`.
+    ``memory`` is charged per byte of :func:`peak_temp_bytes`; ``inner(op)`` is what an op holds
+    inside itself while it runs (a loop body's temporaries, ``rewrite/cost/memory.py``), and a program
+    whose peak is over ``budget`` bytes is priced above every program within it.
     """
 
     def __init__(self, ns: Mapping[str, float], *, byte: float, reduce: float, launch: float, default: float,
                  cheap: float, node: float = 0.0, library_op: float | None = None,
-                 tiebreak: Callable[[Op], float] | None = None, memory: float = 0.0) -> None:
+                 tiebreak: Callable[[Op], float] | None = None, memory: float = 0.0,
+                 inner: Callable[[Op], int] | None = None, budget: float | None = None) -> None:
         self.ns = dict(ns)
         self.memory = memory
+        self.inner = inner
+        self.budget = budget
         self.node = node
         self.library_op = library_op
         self.tiebreak = tiebreak
@@ -346,9 +353,14 @@ class FusionModel:
         views = sum(op.own for op in prog.ops if op.prim == "proj")  # loops' stacked outputs
         kernels = self.kernels(prog)
         cost = sum(k.cost for k in kernels) + views
-        if self.memory:
-            cost += self.memory * peak_temp_bytes(prog, kernels)
+        if self.memory or self.budget is not None:
+            cost += self.memory_price(peak_temp_bytes(prog, kernels, self.inner))
         return float(cost)
+
+    def memory_price(self, peak: float) -> float:
+        """The price of holding ``peak`` bytes of temporaries; past the budget, dearer than any time saved."""
+        over = 0.0 if self.budget is None else max(0.0, peak - self.budget)
+        return self.memory * peak + (OVER_BUDGET * (1.0 + over) if over else 0.0)
 
     def describe(self, prog: Program) -> str:
         """One line per predicted kernel: what it computes and what it costs (for reports and tests)."""
@@ -360,7 +372,7 @@ class FusionModel:
         return "\n".join(lines)
 
 
-def peak_temp_bytes(prog: Program, kernels: Sequence[Fusion]) -> int:
+def peak_temp_bytes(prog: Program, kernels: Sequence[Fusion], inner: Callable[[Op], int] | None = None) -> int:
     """The predicted peak of temporary memory: the largest, over kernels, of the temporaries one
     kernel reads plus the one it writes.
 
@@ -370,11 +382,13 @@ def peak_temp_bytes(prog: Program, kernels: Sequence[Fusion]) -> int:
     the compiler schedules kernels in; XLA's scheduler, which frees each
     array after its last reader, usually needs no more than that. Two
     reductions merged into one kernel, for instance, keep both of their
-    inputs alive at once, where two kernels would hold one each.
+    inputs alive at once, where two kernels would hold one each. ``inner``
+    adds what a kernel's op holds inside itself (a loop body's temporaries).
     """
     outputs = set(prog.outputs)
     written = {k.root for k in kernels}
     return max((sum(_temp(prog, a, outputs, written) for a in k.reads) + _temp(prog, k.root, outputs, written)
+                + (inner(prog.ops[k.root]) if inner is not None else 0)
                 for k in kernels), default=0)
 
 

@@ -213,7 +213,8 @@ class LiveFusion:
                 self._sums.pop(r, None)  # not kept up to date while priced whole
             self._cost[r] = cost
             self._temp[r] = (sum(_temp(self, a, self._outputs, self.roots) for a in reads)
-                             + _temp(self, r, self._outputs, self.roots))
+                             + _temp(self, r, self._outputs, self.roots)
+                             + (self.model.inner(self.ops[r]) if self.model.inner is not None else 0))
 
     def _kernel(self, r: Any, kind: str, changes: Mapping[Any, Any]) -> tuple[float, Iterable]:
         """:meth:`FusionModel.kernel` of kernel ``r``, from its sums at its last price and the members that
@@ -293,8 +294,8 @@ class LiveFusion:
     def price(self) -> float:
         """The program's cost, as :meth:`FusionModel.__call__` prices it."""
         cost = sum(self._cost.values()) + sum(self._views.values())
-        if self.model.memory:
-            cost += self.model.memory * max(self._temp.values(), default=0)
+        if self.model.memory or self.model.budget is not None:
+            cost += self.model.memory_price(max(self._temp.values(), default=0))
         return float(cost)
 
 

@@ -52,7 +52,10 @@ import jax
 from ..ir import terms as _terms
 from ..ir.primitives import BY_PRIM, DEFAULT as _OPAQUE_SPEC, NodeInfo, inner_jaxpr, nbytes, size  # noqa: F401
 from . import calibration as _calibration
+from .dot import FALLBACK as _DOT_FALLBACK, library_dot
 from .fusion import FusionModel
+from .memory import InnerPeak, liveness_peak
+from .program import Program
 
 
 class CostModel(abc.ABC):
@@ -171,8 +174,15 @@ class AnalyticCost(CostModel):
     #: as much as writing it once more, so of two programs about as fast the one that holds
     #: less memory wins. 0 prices time only; raise it to trade time for memory.
     memory: float = dataclasses.field(default_factory=lambda: _table()["byte"])
+    #: the most bytes of temporaries the chosen program may hold (predicted: ``rewrite/cost/memory.py``,
+    #: a loop body's own included), or ``None``: a program over it is priced above every program
+    #: within it, so the fastest program that fits is chosen (the input program too, if it does not fit).
+    memory_budget: float | None = None
     ops: Mapping[str, float] = dataclasses.field(default_factory=lambda: dict(_table()["elementwise_ns"]))
     dot: float = dataclasses.field(default_factory=lambda: _table()["dot_flop"])
+    #: how much dearer a flop is on the backend's generic product path than on its library path
+    #: (``rewrite/cost/dot.py``: on XLA:CPU, a left operand that contracts a major dimension)
+    dot_fallback: float = dataclasses.field(default_factory=lambda: _DOT_FALLBACK.get(jax.default_backend(), 1.0))
     reduce: float = dataclasses.field(default_factory=lambda: _table()["reduce_per_element"])
     launch: float = dataclasses.field(default_factory=lambda: _table()["launch"])
     #: per element of each operation fused into a library (YNN) reduction
@@ -247,7 +257,8 @@ class AnalyticCost(CostModel):
         return self.node + self.reduce * sum(size(a) for a in n.in_avals) + self.byte * sum(nbytes(a) for a in n.in_avals)
 
     def _contract(self, n: NodeInfo) -> float:
-        return self.node + self.dot * _dot_flops(n) + self.byte * (sum(nbytes(a) for a in n.in_avals) + nbytes(n.out_avals[0]))
+        dot = self.dot if library_dot(n.params, n.in_avals) else self.dot * self.dot_fallback
+        return self.node + dot * _dot_flops(n) + self.byte * (sum(nbytes(a) for a in n.in_avals) + nbytes(n.out_avals[0]))
 
     def _nested(self, n: NodeInfo) -> float:
         return self.node + sum(n.body_costs)  # a call (jit, shard_map): what its bodies cost
@@ -278,9 +289,28 @@ class AnalyticCost(CostModel):
 
     def fusion_model(self) -> FusionModel:
         """The whole-program model with this model's prices (see ``rewrite/cost/fusion.py``)."""
-        return FusionModel(self.ops, byte=self.byte, reduce=self.reduce, launch=self.launch,
-                           default=self.transcendental, cheap=self.flop, node=self.node,
-                           library_op=self.library_op, tiebreak=self._op_price, memory=self.memory)
+        fm = FusionModel(self.ops, byte=self.byte, reduce=self.reduce, launch=self.launch,
+                         default=self.transcendental, cheap=self.flop, node=self.node,
+                         library_op=self.library_op, tiebreak=self._op_price, memory=self.memory,
+                         budget=self.memory_budget)
+        fm.inner = InnerPeak(fm)
+        return fm
+
+    def predict_temp_bytes(self, closed: Any) -> int:
+        """The predicted ``memory_analysis().temp_size_in_bytes`` of a ``ClosedJaxpr`` compiled for this
+        backend (``rewrite/cost/memory.py``).
+
+        >>> import jax, jax.numpy as jnp
+        >>> from rewrite import AnalyticCost
+        >>> x = jnp.ones((1024, 1024))
+        >>> f = lambda x: jnp.exp(x) @ x                       # exp(x) is stored for the product
+        >>> compiled = jax.jit(f).lower(x).compile().memory_analysis().temp_size_in_bytes
+        >>> AnalyticCost().predict_temp_bytes(jax.make_jaxpr(f)(x)) == compiled
+        True
+        """
+        fusion = self.fusion_model()
+        prog = Program.from_jaxpr(closed, None)  # sizes only: no node prices
+        return liveness_peak(prog, fusion.kernels(prog), fusion.inner)
 
     def _op_price(self, op: Any) -> float:
         return self(NodeInfo(op.prim, op.family, op.params, op.in_avals, op.out_avals))

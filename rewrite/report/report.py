@@ -94,6 +94,12 @@ class Report:
     gradient: Any = dataclasses.field(default=None, repr=False)
 
     @property
+    def excluded_by_budget(self) -> list[dict]:
+        """The candidate programs the cost model's ``memory_budget`` excluded: whether each is a rewritten
+        program, and its predicted peak of temporaries in bytes (``rewrite/cost/memory.py``)."""
+        return list(self.result.over_budget)
+
+    @property
     def preferred(self) -> dict[str, int]:
         """Preferred rules (``rule(..., prefer=True)``) -> in how many classes they barred the matched form,
         so that extraction took their replacement whatever the model's price."""
@@ -169,6 +175,10 @@ class Report:
         if self.result.preferred:
             lines.append("preferred rules forced the choice (matched form barred): " + ", ".join(
                 f"{k} in {n} class(es)" for k, n in sorted(self.result.preferred.items())))
+        for c in self.result.over_budget:
+            lines.append(f"excluded by the memory budget ({c['budget'] / 2**20:,.1f} MiB): the "
+                         f"{'rewritten' if c['rewritten'] else 'input'} program, predicted to hold "
+                         f"{c['predicted_temp_bytes'] / 2**20:,.1f} MiB")
         not_chosen = self.declined()
         if not_chosen:
             lines.append("loop rewrites built and not chosen (the model's prices):")

@@ -214,7 +214,20 @@ def _cases() -> list[Case]:
         lambda: (_linalg_bench().attention, _ones((1, 2, 16, 4), (1, 2, 16, 4), (1, 2, 16, 4)), [_pack("linalg")], {}))
     add("linalg", "chain5", "benchmarks.linalg.chain of five matrices, 9x30x2x17x40x3",
         lambda: (_linalg_bench().chain, _ones((9, 30), (30, 2), (2, 17), (17, 40), (40, 3)), [_pack("linalg")], {}))
+
+    # attention: the benchmark's plain attention over key blocks, and the corpus's (short keys: kept).
+    add("attention", "plain_512", "benchmarks.attention.plain at (2, 2, 512, 8)",
+        lambda: (_attention_bench().plain, _ones((2, 2, 512, 8), (2, 2, 512, 8), (2, 2, 512, 8)),
+                 [_pack("attention")], {}))
+    for name in ("attention", "attention_grad"):
+        add("attention", f"corpus_{name}", f"tests.corpus: {name}", lambda n=name: (*_corpus(n), [_pack("attention")], {}))
     return out
+
+
+def _attention_bench() -> Any:
+    from benchmarks import attention
+
+    return attention
 
 
 def _lm() -> tuple:

@@ -1,0 +1,468 @@
+"""``rulesets.attention``: softmax attention computed block by block, never holding the N x N scores.
+
+``softmax(Q K^T * scale + bias/mask) V`` is written in many ways (``jnp`` and
+``jax.nn.softmax``, ``einsum`` in any axis order, flax's and haiku's and
+equinox's attention layers, a scale on ``q`` or on the logits, a mask by
+``jnp.where`` with ``finfo.min``, ``-1e30`` or ``-inf``, an additive bias),
+and XLA materialises the N x N scores of every head, forward and backward.
+All of these trace to one term: a product of ``exp(s - max(s)) / sum(exp(s -
+max(s)))`` with ``v``, where the logits ``s`` are some computation that reads
+one product ``q k^T``. So the pack has one rule (per operand order and block
+size), and it reads the logits off the e-graph instead of spelling out their
+variants:
+
+* **The logits, a block of keys at a time.** From ``s`` the rule walks down
+  the term following the key axis (the softmax's axis): through elementwise
+  operations, ``select_n``, conversions, broadcasts, transposes, ``iota``
+  and the one product ``q k^T``. What it reaches without the key axis (``q``,
+  a scale, a query mask) is read whole; what carries the key axis and is not
+  one of those (``k``, ``v``, a padding mask, a bias) is sliced per block. A
+  causal mask built from ``iota`` comparisons is rebuilt per block from
+  positions: no N x N mask is made. The rule declines when the softmax is not
+  shifted by its own maximum (``exp(s) / sum(exp(s))`` overflows where the
+  blocked form would not), when the key axis is not a multiple of the block,
+  or when anything on the way is not one of the operations above.
+* **Online softmax** over key blocks in a ``lax.scan``: a running maximum,
+  a running sum and a rescaled accumulator (flash attention's forward). A
+  block where every score so far is ``-inf`` is shifted by 0, not by
+  ``-inf``, so a row masked in one block and not in the next is computed as
+  the original computes it; a row masked everywhere is ``0/0 = NaN``, as in
+  ``jax.nn.softmax``; a row masked with ``finfo.min`` averages uniformly, as
+  the original does; a NaN or ``+inf`` score makes its row NaN in both.
+* **A backward that recomputes each block** (``jax.custom_vjp``): only the
+  inputs, the output and the log-normaliser per row are kept; each block's
+  scores are computed again, and the gradient of the logits' own computation
+  (scale, bias, the product) is that computation's VJP on the block. The
+  gradient never holds N x N either.
+
+Programs whose key axis is 256 or shorter are left alone (the scores are
+small), and the key block is 256 (see ``BLOCKS``).
+
+The pack is ``identity`` class, like ``linalg``: the blocked sums reorder the
+original's floating-point additions (the softmax's sum and the product's
+contraction), and the rescaling adds one rounding per block; nothing else
+changes. Its tolerance, ``Tolerance(rtol=2e-4, atol=2e-5)`` at float32 (scaled
+by machine epsilon for other dtypes), is what ``tests/test_attention.py``
+holds forward values and gradients to, against the original and against a
+float64 reference. Rule names start with ``attn_``.
+
+>>> import jax, jax.numpy as jnp
+>>> from rewrite import explain
+>>> from rulesets.attention import attention
+>>> def f(q, k, v):
+...     return jax.nn.softmax(q @ jnp.swapaxes(k, -1, -2) / 8.0, axis=-1) @ v
+>>> x = jnp.ones((2, 1024, 64))
+>>> r = explain(f, x, x, x, rulesets=[attention])
+>>> sorted(r.fired)[0].startswith("attn_")
+True
+>>> [e.primitive.name for e in r.after.eqns]   # the scan over key blocks, inside its custom VJP
+['custom_vjp_call']
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from rewrite import Pat, Ruleset, Tolerance, Value, procedural, rule
+
+__all__ = ["attention"]
+
+#: Key axes this long or shorter are kept as written.
+MIN_KEYS = 256
+#: The block sizes offered to the cost model. 512 and 1024 measured slower than 256 here (N=2048: forward
+#: 1.16x and 1.26x against 1.38x, gradient 1.10x and 0.95x against 1.10x) and hold more, yet the model chose
+#: 1024: in extraction it does not see a loop body's temporaries (issue 32, left open).
+BLOCKS = (256,)
+
+X, V = Pat.var("x"), Pat.var("v")
+_SOFTMAX = Pat("div", Pat("exp", X), Pat("broadcast_in_dim", Pat("reduce_sum", Pat("exp", X), params="r"),
+                                         params="b"))
+
+#: Elementwise primitives the walk passes through (their operands have the result's shape, or are scalars).
+_ELEMENTWISE = frozenset("""add sub mul div neg max min select_n convert_element_type eq ne lt le gt ge and or not
+    exp log tanh logistic abs sign integer_pow sqrt rsqrt square stop_gradient copy copy_p pow""".split())
+
+
+# ---------------------------------------------------------------------- reading the logits off the e-graph
+class _Plan:
+    """The logits as a small program over leaves, with the key axis of every value it computes.
+
+    ``steps`` are ``(prim, params, args, aval, key)``; an arg is ``("leaf", i)`` or ``("step", j)``;
+    ``key`` is the position of the key axis in the value (``None``: it has none). ``leaves`` are the
+    values read from outside, each with its key axis (sliced per block) or ``None`` (read whole).
+    """
+
+    def __init__(self) -> None:
+        self.steps: list[tuple] = []
+        self.leaves: list[Value] = []
+        self.leaf_keys: list[int | None] = []
+        self._seen: dict[Any, tuple] = {}
+        self.dots = 0
+
+    def leaf(self, v: Value, key: int | None) -> tuple:
+        ident = (_ident(v), key)
+        if ident not in self._seen:
+            self.leaves.append(v)
+            self.leaf_keys.append(key)
+            self._seen[ident] = ("leaf", len(self.leaves) - 1)
+        return self._seen[ident]
+
+
+def _ident(v: Value) -> Any:
+    return v.cls if v.cls is not None else ("name", v.name)
+
+
+class _Decline(Exception):
+    pass
+
+
+def _walk(plan: _Plan, v: Value, key: int | None, depth: int = 0) -> tuple:
+    """The plan's reference to ``v``, whose key axis is at ``key`` (``None``: it has none)."""
+    if depth > 64:
+        raise _Decline
+    if key is None:
+        return plan.leaf(v, None)
+    memo = (_ident(v), key, "walk")
+    if memo in plan._seen:
+        return plan._seen[memo]
+    shape = v.shape
+    ref = None
+    for node in v.nodes:
+        ref = _step(plan, v, node, key, shape, depth)
+        if ref is not None:
+            break
+    if ref is None:
+        ref = plan.leaf(v, key)
+    plan._seen[memo] = ref
+    return ref
+
+
+def _step(plan: _Plan, v: Value, node: Any, key: int, shape: tuple, depth: int) -> tuple | None:
+    prim, params = node.prim, dict(node.params)
+    ops = node.operands
+    if prim in _ELEMENTWISE:
+        args = []
+        for o in ops:
+            if o.shape == ():
+                args.append(plan.leaf(o, None))
+            elif len(o.shape) == len(shape) and all(a in (b, 1) for a, b in zip(o.shape, shape)):
+                # jax broadcasts size-1 axes of elementwise operands
+                args.append(_walk(plan, o, key if o.shape[key] == shape[key] else None, depth + 1))
+            else:
+                return None
+        return _add(plan, node.primitive, params, args, v.aval, key)
+    if prim == "broadcast_in_dim":
+        (o,) = ops
+        dims = tuple(params["broadcast_dimensions"])
+        okey = dims.index(key) if key in dims and o.shape[dims.index(key)] != 1 else None
+        return _add(plan, node.primitive, params, [_walk(plan, o, okey, depth + 1)], v.aval, key)
+    if prim == "transpose":
+        (o,) = ops
+        perm = tuple(params["permutation"])
+        return _add(plan, node.primitive, params, [_walk(plan, o, perm[key], depth + 1)], v.aval, key)
+    if prim == "iota":
+        return _add(plan, node.primitive, params, [], v.aval, key)
+    if prim == "dot_general" and plan.dots == 0:
+        a, b = ops
+        (lc, rc), (lb, rb) = params["dimension_numbers"]
+        nb = len(lb)
+        lfree = [d for d in range(len(a.shape)) if d not in lc and d not in lb]
+        rfree = [d for d in range(len(b.shape)) if d not in rc and d not in rb]
+        if key < nb:
+            return None  # the key axis is a batch axis of the product: not attention
+        plan.dots += 1
+        if key < nb + len(lfree):
+            args = [_walk(plan, a, lfree[key - nb], depth + 1), plan.leaf(b, None)]
+        else:
+            args = [plan.leaf(a, None), _walk(plan, b, rfree[key - nb - len(lfree)], depth + 1)]
+        return _add(plan, node.primitive, params, args, v.aval, key)
+    return None
+
+
+def _add(plan: _Plan, prim: Any, params: dict, args: list, aval: Any, key: int | None) -> tuple:
+    plan.steps.append((prim, params, tuple(args), aval, key))
+    return ("step", len(plan.steps) - 1)
+
+
+def _evaluate(steps: Sequence[tuple], leaves: Sequence[Any], leaf_keys: Sequence[Any],
+              start: Any, block: int, out: tuple) -> Any:
+    """The logits for keys ``start .. start + block``: the plan run with every key axis cut to the block."""
+    vals: list[Any] = []
+
+    def read(ref: tuple) -> Any:
+        kind, i = ref
+        if kind == "leaf":
+            x = leaves[i]
+            k = leaf_keys[i]
+            return x if k is None else lax.dynamic_slice_in_dim(x, start, block, axis=k)
+        return vals[i]
+
+    for p, params, args, aval, key in steps:
+        ops = [read(a) for a in args]
+        params = dict(params)
+        if key is not None and "shape" in params:
+            shape = list(params["shape"])
+            shape[key] = block
+            params["shape"] = tuple(shape)
+        if p.name == "iota" and key is not None:
+            if params["dimension"] == key:
+                vals.append(p.bind(**params) + start.astype(params["dtype"]))
+                continue
+        res = p.bind(*ops, **params)
+        vals.append(res[0] if isinstance(res, (list, tuple)) else res)
+    return vals[out[1]] if out[0] == "step" else read(out)
+
+
+# ---------------------------------------------------------------------- the blocked computation
+def _blocked(plan: _Plan, out_ref: tuple, axis: int, p_first: bool, dn: Any, pv_params: dict, v_key: int,
+             block: int, n: int, out_aval: Any, cast: Any = None, squeezed: tuple = ()):
+    """``fn(*leaves, v)``: attention computed over key blocks, with a recomputing backward."""
+    steps = tuple(plan.steps)
+    leaf_keys = tuple(plan.leaf_keys)
+    nblocks = n // block
+    s_aval = steps[out_ref[1]][3] if out_ref[0] == "step" else plan.leaves[out_ref[1]].aval
+    s_rank = len(s_aval.shape)
+    s_dtype = s_aval.dtype
+    (pc_l, pc_r), (pb_l, pb_r) = dn
+    p_batch = pb_l if p_first else pb_r
+    v_batch = pb_r if p_first else pb_l
+    # The weights as the product reads them: the logits' layout less the size-1 axes ``squeezed``.
+    p_of = {d: d - sum(1 for e in squeezed if e < d) for d in range(s_rank) if d not in squeezed}
+    p_axis = p_of[axis]
+    p_rank = s_rank - len(squeezed)
+    p_free = [d for d in range(p_rank) if d != p_axis and d not in p_batch]
+    out_rank = len(out_aval.shape)
+    nb = len(p_batch)
+    # Where each of the weights' axes but the key axis lands in the output.
+    positions = []
+    for d in range(p_rank):
+        if d == p_axis:
+            continue
+        if d in p_batch:
+            positions.append(list(p_batch).index(d))
+        else:
+            off = nb if p_first else nb + (len(out_aval.shape) - nb - len(p_free))
+            positions.append(off + p_free.index(d))
+    order = list(np.argsort(positions))
+    sorted_pos = tuple(sorted(positions))
+    acc_dtype = jnp.promote_types(out_aval.dtype, jnp.float32)
+
+    row_squeezed = tuple(e - (e > axis) for e in squeezed)
+
+    def to_out(row: Any) -> Any:  # a per-row value (the logits' axes but the key axis) in the output's layout
+        row = lax.squeeze(row, row_squeezed) if row_squeezed else row
+        row = lax.transpose(row, tuple(order)) if order != sorted(order) else row
+        return lax.broadcast_in_dim(row, out_aval.shape, sorted_pos)
+
+    def from_out(x: Any) -> Any:  # the output's per-row sums, in the logits' order
+        other = tuple(d for d in range(out_rank) if d not in sorted_pos)
+        r = jnp.sum(x, axis=other)
+        inv = list(np.argsort(order))
+        r = lax.transpose(r, tuple(inv)) if inv != sorted(inv) else r
+        return lax.expand_dims(r, row_squeezed) if row_squeezed else r
+
+    def scores(leaves: Sequence[Any], start: Any) -> Any:
+        return _evaluate(steps, leaves, leaf_keys, start, block, out_ref).astype(s_dtype)
+
+    def product(p: Any, vb: Any) -> Any:
+        # the weights as the original rounds them before its product (bf16 weights of an f32 softmax)
+        p = p if cast is None else p.astype(cast)
+        p = lax.squeeze(p, squeezed) if squeezed else p
+        args = (p, vb) if p_first else (vb, p)
+        return lax.dot_general(*args, **pv_params)
+
+    def expand(row: Any) -> Any:
+        return jnp.expand_dims(row, axis)
+
+    def forward(leaves: Sequence[Any], v: Any) -> tuple[Any, Any]:
+        row_shape = tuple(d for i, d in enumerate(s_aval.shape) if i != axis)
+        m0 = jnp.full(row_shape, -jnp.inf, s_dtype)
+        l0 = jnp.zeros(row_shape, s_dtype)
+        a0 = jnp.zeros(out_aval.shape, acc_dtype)
+
+        def body(carry: tuple, j: Any) -> tuple:
+            m, l, acc = carry
+            start = j * block
+            s = scores(leaves, start)
+            m_new = jnp.maximum(m, jnp.max(s, axis=axis))
+            # A row whose scores so far are all -inf is shifted by 0: exp(-inf - 0) = 0, not NaN.
+            shift = jnp.where(m_new == -jnp.inf, jnp.zeros((), s_dtype), m_new)
+            p = jnp.exp(s - expand(shift))
+            alpha = jnp.exp(m - shift)
+            vb = lax.dynamic_slice_in_dim(v, start, block, axis=v_key)
+            pv = product(p, vb).astype(acc_dtype)
+            acc = acc * to_out(alpha).astype(acc_dtype) + pv
+            return (m_new, l * alpha + jnp.sum(p, axis=axis), acc), None
+
+        (m, l, acc), _ = lax.scan(body, (m0, l0, a0), jnp.arange(nblocks))
+        out = (acc / to_out(l).astype(acc_dtype)).astype(out_aval.dtype)
+        # The backward's weights are exp(s - shift) / l: kept apart, since m + log(l) loses log(l) when m is
+        # finfo.min (a row masked everywhere with finfo.min, which averages uniformly).
+        return out, (jnp.where(m == -jnp.inf, jnp.zeros((), s_dtype), m), l)
+
+    @jax.custom_vjp
+    def attend(leaves: tuple, v: Any) -> Any:
+        return forward(leaves, v)[0]
+
+    def fwd(leaves: tuple, v: Any) -> tuple:
+        out, (shift, l) = forward(leaves, v)
+        return out, (leaves, v, out, shift, l)
+
+    def bwd(res: tuple, g: Any) -> tuple:
+        leaves, v, out, shift, l = res
+        floating = [jnp.issubdtype(x.dtype, jnp.inexact) for x in leaves]
+        d_row = from_out(g.astype(acc_dtype) * out.astype(acc_dtype)).astype(s_dtype)
+        grads0 = tuple(jnp.zeros(x.shape, x.dtype) if f else None for x, f in zip(leaves, floating))
+        dv0 = jnp.zeros(v.shape, v.dtype)
+
+        def body(carry: tuple, j: Any) -> tuple:
+            grads, dv = carry
+            start = j * block
+
+            def s_of(*fl: Any) -> Any:
+                it = iter(fl)
+                full = [next(it) if f else x for x, f in zip(leaves, floating)]
+                return scores(full, start)
+
+            # The gradient is taken with respect to the whole float leaves, under jit only the block is read.
+            s, vjp_s = jax.vjp(s_of, *[x for x, f in zip(leaves, floating) if f])
+            p = jnp.exp(s - expand(shift)) / expand(l)
+            vb = lax.dynamic_slice_in_dim(v, start, block, axis=v_key)
+            _, vjp_pv = jax.vjp(product, p, vb)
+            dp, dvb = vjp_pv(g.astype(out_aval.dtype))
+            ds = p * (dp.astype(s_dtype) - expand(d_row))
+            dl = iter(vjp_s(ds))
+            grads = tuple(None if gr is None else gr + next(dl).astype(gr.dtype) for gr in grads)
+            cur = lax.dynamic_slice_in_dim(dv, start, block, axis=v_key)
+            dv = lax.dynamic_update_slice_in_dim(dv, cur + dvb.astype(dv.dtype), start, axis=v_key)
+            return (grads, dv), None
+
+        (grads, dv), _ = lax.scan(body, (grads0, dv0), jnp.arange(nblocks))
+        return grads, dv
+
+    attend.defvjp(fwd, bwd)
+
+    def fn(*args: Any) -> Any:
+        *leaves, v = args
+        return attend(tuple(leaves), v)
+
+    return fn
+
+
+def _shift_is_own_max(shift: Value, s: Value, axis: int) -> bool:
+    """``shift`` is ``max(s)`` along ``axis`` (maybe under ``max(-inf, .)``, a broadcast, ``stop_gradient``)."""
+    v = shift
+    for _ in range(6):
+        for prim in ("stop_gradient", "broadcast_in_dim", "max", "reduce_max"):
+            node = v.node(prim)
+            if node is None:
+                continue
+            ops = node.operands
+            if prim == "reduce_max":
+                return tuple(node.params["axes"]) == (axis,) and _ident(ops[0]) == _ident(s)
+            if prim == "max":
+                lit = [o for o in ops if o.literal is not None]
+                rest = [o for o in ops if o.literal is None]
+                if len(lit) != 1 or len(rest) != 1 or float(lit[0].literal) != -math.inf:
+                    continue
+                v = rest[0]
+            else:
+                v = ops[0]
+            break
+        else:
+            return False
+    return False
+
+
+def _chunk(block: int, p_first: bool, converted: bool = False, squeeze: bool = False):
+    @procedural
+    def build(m: Any) -> Any:
+        r, b, pv = m.params("r"), m.params("b"), m.params("p")
+        x, v = m["x"], m["v"]
+        squeezed = tuple(m.params("sq")["dimensions"]) if squeeze else ()
+        cast = m.params("c")["new_dtype"] if converted else None
+        if r.sharded or len(r.axes) != 1 or not x.is_floating:
+            return None
+        axis = int(r.axes[0])
+        n = x.shape[axis]
+        if n <= MIN_KEYS or n % block or n // block < 2:
+            return None
+        sub = x.node("sub")
+        if sub is None:
+            return None
+        s, shift = sub.operands
+        if s.shape != x.shape or not _shift_is_own_max(shift, s, axis):
+            return None
+        (lc, rc), (lb, rb) = pv["dimension_numbers"]
+        pc, vc = (lc, rc) if p_first else (rc, lc)
+        if axis in squeezed:
+            return None
+        p_axis = axis - sum(1 for e in squeezed if e < axis)
+        if tuple(pc) != (p_axis,) or len(vc) != 1:
+            return None
+        plan = _Plan()
+        try:
+            out_ref = _walk(plan, s, axis)
+            if plan.dots != 1:
+                return None
+        except _Decline:
+            return None
+        params = {k: pv[k] for k in ("dimension_numbers", "precision", "preferred_element_type") if k in pv}
+        p_shape = tuple(d for i, d in enumerate(x.shape) if i not in squeezed)
+        pair = (jax.ShapeDtypeStruct(p_shape, cast or x.aval.dtype), jax.ShapeDtypeStruct(v.shape, v.aval.dtype))
+        out_shape = jax.eval_shape(lambda a, c: lax.dot_general(a, c, **params), *(pair if p_first else pair[::-1]))
+        fn = _blocked(plan, out_ref, axis, p_first, pv["dimension_numbers"], params, int(vc[0]), block, n,
+                      out_shape, cast, squeezed)
+        return m.trace(fn, *plan.leaves, v)
+
+    return build
+
+
+def _softmax(s: Any) -> Any:
+    return jax.nn.softmax(s, axis=-1)
+
+
+#: Example programs, one per way a program hands the weights to the product (see _WEIGHTS), first for the
+#: weights as the left operand (``p @ v``), then as the right one (``einsum("bkd,bqk->bdq", v, p)``).
+_EXAMPLES = {
+    ("", True): (lambda q, k, v: _softmax(q @ jnp.swapaxes(k, -1, -2) * 0.125) @ v, 2, jnp.float32),
+    ("", False): (lambda q, k, v: jnp.einsum("bkd,bqk->bdq", v, _softmax(jnp.einsum("bqd,bkd->bqk", q, k) * 0.125)),
+                  2, jnp.float32),
+    ("_cast", True): (lambda q, k, v: _softmax((q @ jnp.swapaxes(k, -1, -2)).astype(jnp.float32) * 0.125)
+                      .astype(v.dtype) @ v, 2, jnp.bfloat16),
+    ("_cast", False): (lambda q, k, v: jnp.einsum("bkd,bqk->bdq", v, _softmax(
+        jnp.einsum("bqd,bkd->bqk", q, k).astype(jnp.float32) * 0.125).astype(v.dtype)), 2, jnp.bfloat16),
+    ("_squeezed", True): (lambda q, k, v: _softmax(q @ jnp.swapaxes(k, -1, -2) * 0.125) @ v, 1, jnp.float32),
+    ("_squeezed_cast", True): (lambda q, k, v: _softmax((q @ jnp.swapaxes(k, -1, -2)).astype(jnp.float32) * 0.125)
+                               .astype(v.dtype) @ v, 1, jnp.bfloat16),
+}
+
+
+def _example(suffix: str, p_first: bool, block: int) -> tuple:
+    fn, batch, dtype = _EXAMPLES[suffix, p_first]
+    return fn, tuple(jax.ShapeDtypeStruct((batch, 2 * block, 8), dtype) for _ in range(3))
+
+
+#: How a program hands the weights to the product: as they are, cast (bf16 weights of an f32 softmax),
+#: with a size-1 batch axis squeezed (``@`` with a batch of one), or both.
+_WEIGHTS = {
+    "": (_SOFTMAX, False, False),
+    "_cast": (Pat("convert_element_type", _SOFTMAX, params="c"), True, False),
+    "_squeezed": (Pat("squeeze", _SOFTMAX, params="sq"), False, True),
+    "_squeezed_cast": (Pat("squeeze", Pat("convert_element_type", _SOFTMAX, params="c"), params="sq"), True, True),
+}
+
+attention = Ruleset("attention", [
+    rule(Pat("dot_general", w, V, params="p") if p_first else Pat("dot_general", V, w, params="p"),    # softmax(s) v -> scan over key blocks
+         _chunk(blk, p_first, cast, squeeze), name=f"attn_blocked_{blk}{suffix}{'' if p_first else '_vp'}",
+         example=_example(suffix, p_first, blk))
+    for suffix, (w, cast, squeeze) in _WEIGHTS.items() for p_first in (True, False) for blk in BLOCKS
+    if (suffix, p_first) in _EXAMPLES
+], soundness="identity", tolerance=Tolerance(rtol=2e-4, atol=2e-5),
+    description="softmax attention over key blocks with an online softmax and a recomputing backward")

@@ -1,0 +1,205 @@
+"""``rulesets.attention``: attention over key blocks keeps the original's values and gradients.
+
+Property tests draw layouts, masks, scales and dtypes; each program is rewritten with the pack alone and
+compared with the original (at the pack's tolerance, scaled to the dtype) and with a float64 reference.
+Masked rows, NaN and inf come out as the original computes them."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, strategies as st
+
+from rewrite import explain, rewrite
+from rulesets.attention import attention
+
+FILLS = {"finfo": None, "-1e30": -1e30, "-inf": -np.inf}
+
+
+def make(layout: str, mask: str, fill: str, scale_on: str, bias: bool, cast: bool):
+    """An attention function as model code writes it, over ``(q, k, v, m, b)``."""
+
+    def f(q, k, v, m, b):
+        d = q.shape[-1]
+        sc = 1.0 / np.sqrt(d)
+        if scale_on == "q":
+            q = q * jnp.asarray(sc, q.dtype)
+        if layout == "bhnd":
+            s = q @ jnp.swapaxes(k, -1, -2)
+        else:  # flax's [b, n, h, d]
+            s = jnp.einsum("bqhd,bkhd->bhqk", q, k)
+        if cast:
+            s = s.astype(jnp.float32)
+        if scale_on == "logits":
+            s = s * jnp.asarray(sc, s.dtype)
+        if bias:
+            s = s + b.astype(s.dtype)
+        if mask != "none":
+            n = s.shape[-1]
+            if mask == "causal":
+                keep = jnp.arange(n)[:, None] >= jnp.arange(n)[None, :]
+            else:
+                keep = m
+            lo = jnp.finfo(s.dtype).min if FILLS[fill] is None else jnp.asarray(FILLS[fill], s.dtype)
+            s = jnp.where(keep, s, lo)
+        p = jax.nn.softmax(s, axis=-1)
+        if cast:
+            p = p.astype(v.dtype)
+        if layout == "bhnd":
+            return p @ v
+        return jnp.einsum("bhqk,bkhd->bqhd", p, v)
+
+    return f
+
+
+def inputs(rng, layout, b, h, n, d, dtype, mask):
+    shape = (b, h, n, d) if layout == "bhnd" else (b, n, h, d)
+    q, k, v = (rng.standard_normal(shape).astype(np.float32) for _ in range(3))
+    keep = rng.random((n, n)) < 0.7
+    if mask == "padding":  # whole rows masked: the fully masked case
+        keep[: n // 8] = False
+    bias = rng.standard_normal((n, n)).astype(np.float32)
+    return [jnp.asarray(x, dtype) for x in (q, k, v)] + [jnp.asarray(keep), jnp.asarray(bias, dtype)]
+
+
+#: rtol, atol by dtype: float32's is the pack's; a half-precision result is rounded once to its dtype.
+TOLERANCE = {"float32": (2e-4, 2e-5), "float64": (1e-12, 1e-13), "float16": (4e-3, 4e-3), "bfloat16": (3e-2, 3e-2)}
+
+
+def tolerance(dtype):
+    return TOLERANCE[jnp.dtype(dtype).name]
+
+
+def close(a, b, dtype):
+    rtol, atol = tolerance(dtype)
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    assert np.array_equal(np.isnan(a), np.isnan(b)), "NaN where the original has none, or the reverse"
+    ok = ~np.isnan(a)
+    np.testing.assert_allclose(a[ok], b[ok], rtol=rtol, atol=atol * max(1.0, float(np.abs(b[ok]).max(initial=0))))
+
+
+CASES = st.fixed_dictionaries({
+    "layout": st.sampled_from(["bhnd", "bnhd"]),
+    "mask": st.sampled_from(["none", "causal", "array", "padding"]),
+    "fill": st.sampled_from(list(FILLS)),
+    "scale_on": st.sampled_from(["q", "logits"]),
+    "bias": st.booleans(),
+    "n": st.sampled_from([512, 768]),
+    "b": st.integers(1, 2), "h": st.integers(1, 2), "d": st.sampled_from([4, 8]),
+    "seed": st.integers(0, 2 ** 16),
+})
+
+
+@given(CASES, st.sampled_from(["float32", "bfloat16", "float16"]))
+def test_forward_and_gradient_keep_values(case, dtype):
+    dtype = jnp.dtype(dtype)
+    cast = dtype != jnp.float32
+    f = make(case["layout"], case["mask"], case["fill"], case["scale_on"], case["bias"], cast)
+    args = inputs(np.random.default_rng(case["seed"]), case["layout"], case["b"], case["h"], case["n"], case["d"],
+                  dtype, case["mask"])
+    report = explain(f, *args, rulesets=[attention])
+    assert any(name.startswith("attn_") for name in report.fired), report.fired
+    g = rewrite(f, rulesets=[attention])
+    f = jax.jit(f)  # eager op-by-op dispatch of the original takes seconds; the rewritten one runs eagerly
+    close(g(*args), f(*args), dtype)
+    # against float64: the blocked form is as accurate as the original (within its tolerance)
+    with jax.enable_x64(True):
+        wide = [a.astype(jnp.float64) if jnp.issubdtype(a.dtype, jnp.floating) else a for a in args]
+        ref = jax.jit(make(case["layout"], case["mask"], case["fill"], case["scale_on"], case["bias"], False))(*wide)
+    err_new = np.nanmax(np.abs(np.asarray(g(*args), np.float64) - np.asarray(ref)))
+    err_old = np.nanmax(np.abs(np.asarray(f(*args), np.float64) - np.asarray(ref)))
+    rtol, atol = tolerance(dtype)
+    assert err_new <= 2 * err_old + atol, (err_new, err_old)
+    if dtype != jnp.bfloat16:
+        grad = lambda fn: jax.jit(jax.grad(lambda q, k, v, b: fn(q, k, v, args[3], b).astype(jnp.float32).sum(),
+                                           argnums=(0, 1, 2, 3)))
+        for a, b in zip(grad(g)(*args[:3], args[4]), grad(f)(*args[:3], args[4])):
+            close(a, b, dtype)
+
+
+def plain(q, k, v):
+    return jax.nn.softmax(q @ jnp.swapaxes(k, -1, -2) * 0.125, axis=-1) @ v
+
+
+def test_float64():
+    rng = np.random.default_rng(0)
+    with jax.enable_x64(True):
+        q, k, v = (jnp.asarray(rng.standard_normal((2, 512, 8))) for _ in range(3))
+        g = rewrite(plain, rulesets=[attention])
+        assert "attn_" in " ".join(explain(plain, q, k, v, rulesets=[attention]).fired)
+        np.testing.assert_allclose(g(q, k, v), plain(q, k, v), rtol=1e-12, atol=1e-13)
+
+
+def test_gradient_under_jit_and_vmap():
+    rng = np.random.default_rng(1)
+    q, k, v = (jnp.asarray(rng.standard_normal((3, 2, 512, 8)), jnp.float32) for _ in range(3))
+    g = rewrite(plain, rulesets=[attention])
+    loss = lambda fn: (lambda q, k, v: jnp.sum(jnp.sin(fn(q, k, v))))
+    want = jax.grad(loss(plain), argnums=(0, 1, 2))(q[0], k[0], v[0])
+    for got in (jax.grad(loss(g), argnums=(0, 1, 2))(q[0], k[0], v[0]),
+                jax.jit(jax.grad(loss(g), argnums=(0, 1, 2)))(q[0], k[0], v[0])):
+        for a, b in zip(got, want):
+            close(a, b, jnp.float32)
+    batched = jax.vmap(jax.grad(loss(g), argnums=(0, 1, 2)))(q, k, v)
+    expect = jax.vmap(jax.grad(loss(plain), argnums=(0, 1, 2)))(q, k, v)
+    for a, b in zip(batched, expect):
+        close(a, b, jnp.float32)
+
+
+@pytest.mark.parametrize("special", ["nan_q", "inf_k", "nan_v", "all_masked_inf", "all_masked_finfo"])
+def test_special_values_as_the_original(special):
+    rng = np.random.default_rng(2)
+    q, k, v = (np.asarray(rng.standard_normal((2, 512, 8)), np.float32) for _ in range(3))
+    keep = np.ones((512, 512), bool)
+    if special == "nan_q":
+        q[1, 3, 1] = np.nan
+    if special == "inf_k":
+        k[0, 300, 2] = np.inf
+    if special == "nan_v":
+        v[0, 400, 0] = np.nan
+    if special.startswith("all_masked"):
+        keep[5] = False
+        keep[7, :256] = False  # masked in the first block only
+    fill = -np.inf if special.endswith("inf") else np.finfo(np.float32).min
+
+    def f(q, k, v, keep):
+        s = jnp.where(keep, q @ jnp.swapaxes(k, -1, -2) * 0.125, fill)
+        return jax.nn.softmax(s, axis=-1) @ v
+
+    args = (jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(keep))
+    assert any(n.startswith("attn_") for n in explain(f, *args, rulesets=[attention]).fired)
+    close(rewrite(f, rulesets=[attention])(*args), f(*args), jnp.float32)
+
+
+def test_short_keys_are_kept():
+    x = jnp.ones((2, 256, 16))
+    report = explain(plain, x, x, x, rulesets=[attention])
+    assert not report.fired and str(report.after) == str(report.before)
+
+
+def test_an_unshifted_softmax_is_left_alone():
+    # exp(s) / sum(exp(s)) overflows where the blocked form (shifted per block) would not: not the same values
+    def f(q, k, v):
+        e = jnp.exp(q @ jnp.swapaxes(k, -1, -2))
+        return (e / e.sum(-1, keepdims=True)) @ v
+
+    x = jnp.ones((2, 512, 16))
+    assert not explain(f, x, x, x, rulesets=[attention]).fired
+
+
+@pytest.mark.parametrize("axis", [0, 1])
+def test_sharded_over_batch_or_heads(axis):
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    devices = jax.devices()
+    if len(devices) < 8:
+        pytest.skip("needs 8 devices (tests/conftest.py makes 8 host CPU devices)")
+    mesh = Mesh(np.array(devices[:8]), ("x",))
+    spec = P("x") if axis == 0 else P(None, "x")
+    rng = np.random.default_rng(3)
+    shard = NamedSharding(mesh, spec)
+    q, k, v = (jax.device_put(jnp.asarray(rng.standard_normal((8, 8, 512, 8)), jnp.float32), shard) for _ in range(3))
+    g = jax.jit(rewrite(plain, rulesets=[attention]))
+    out = g(q, k, v)
+    close(out, jax.jit(plain)(q, k, v), jnp.float32)
+    assert out.sharding.is_equivalent_to(jax.jit(plain)(q, k, v).sharding, out.ndim)

@@ -1,0 +1,93 @@
+"""The memory model (``rewrite/cost/memory.py``) against ``memory_analysis()``, and the memory budget."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from rewrite import AnalyticCost, rewrite
+from rewrite import AnalyticCost
+from rulesets.attention import attention
+from rulesets.derivatives import derivatives
+from tests.test_cost_model import ARGS, B, C, T, jax_vjp
+
+N, HEADS, D = 1024, 4, 64
+
+
+def plain(q, k, v):
+    return jax.nn.softmax(q @ jnp.swapaxes(k, -1, -2) / 8.0, axis=-1) @ v
+
+
+def flax_layout(q, k, v):
+    return jax.nn.dot_product_attention(q, k, v, implementation="xla")
+
+
+def grad(f):
+    return jax.grad(lambda *a: jnp.sum(f(*a)), argnums=(0, 1, 2))
+
+
+def _xla(f, args):
+    return jax.jit(f).lower(*args).compile().memory_analysis().temp_size_in_bytes
+
+
+BHND = [jax.ShapeDtypeStruct((2, HEADS, N, D), jnp.float32)] * 3
+BNHD = [jax.ShapeDtypeStruct((2, N, HEADS, D), jnp.float32)] * 3
+
+# The attention benchmark's programs (benchmarks/attention.py) at N=1024. Measured 2026-11-25, predicted vs XLA:
+#   dot_product_attention forward 66.0 vs 64.0 MiB, [b,n,h,d] 64.0 vs 64.0; plain gradient 98.1 vs 128.0,
+#   [b,n,h,d] gradient 102.1 vs 100.1. Misses (xfail): the blocked gradient 50.6 vs 26.6 and its forward
+#   22.2 vs 16.6 (the scan body's temporaries are over-counted: XLA fuses more of the body than the model
+#   replays), dot_product_attention's gradient 136.1 vs 96.0, and plain attention's forward, 64.0 vs 0.0: XLA
+#   compiles its product, softmax and product into one library (YNN) fusion whose scratch memory_analysis
+#   does not count.
+CASES = [
+    ("dpa forward [b,h,n,d]", lambda q, k, v: jnp.swapaxes(flax_layout(*(jnp.swapaxes(x, 1, 2) for x in (q, k, v))), 1, 2),
+     BHND, True),
+    ("dpa forward [b,n,h,d]", flax_layout, BNHD, True),
+    ("plain gradient", grad(plain), BHND, True),
+    ("dpa gradient [b,n,h,d]", grad(flax_layout), BNHD, False),
+    ("plain forward (one YNN fusion)", plain, BHND, False),
+    ("blocked forward", rewrite(plain, rulesets=[attention]), BHND, False),
+    ("blocked gradient", grad(rewrite(plain, rulesets=[attention])), BHND, False),
+]
+
+
+@pytest.mark.parametrize("name, fn, args, holds", CASES, ids=[c[0] for c in CASES])
+def test_predicted_peak_is_within_a_quarter_of_xla(name, fn, args, holds):
+    if not holds:
+        pytest.xfail("a known miss of the memory model (see the comment above CASES)")
+    want = _xla(fn, args)
+    got = AnalyticCost().predict_temp_bytes(jax.make_jaxpr(fn)(*args))
+    assert abs(got - want) <= 0.25 * want, (got / 2 ** 20, want / 2 ** 20)
+
+
+def test_seed_programs_exactly():
+    # the seed benchmark's VJP: two full-size temporaries, as XLA allocates them
+    assert AnalyticCost().predict_temp_bytes(jax.make_jaxpr(jax_vjp)(*ARGS)) == _xla(jax_vjp, ARGS)
+
+
+def test_memory_budget_picks_the_fastest_program_that_fits():
+    # Priced on time alone the rewritten VJP merges its two reductions and holds two full-size temporaries;
+    # a budget of one and a half keeps it to one, whatever the time.
+    full = B * T * C * 4
+    time_only = rewrite(jax_vjp, rulesets=[derivatives], cost_model=AnalyticCost(memory=0.0))
+    budget = rewrite(jax_vjp, rulesets=[derivatives], cost_model=AnalyticCost(memory=0.0, memory_budget=1.5 * full))
+    assert _xla(time_only, ARGS) >= 2 * full
+    assert _xla(budget, ARGS) <= 1.5 * full
+    np.testing.assert_allclose(jax.jit(budget)(*ARGS)[1], jax_vjp(*ARGS)[1], rtol=2e-5)
+
+
+def test_a_budget_nothing_fits_chooses_the_leanest():
+    tiny = AnalyticCost(memory=0.0, memory_budget=1.0)
+    f = rewrite(jax_vjp, rulesets=[derivatives], cost_model=tiny)
+    assert _xla(f, ARGS) <= _xla(jax_vjp, ARGS)
+
+
+def test_explain_names_what_the_budget_excluded():
+    from rewrite import explain
+
+    full = B * T * C * 4
+    report = explain(jax_vjp, *ARGS, rulesets=[derivatives], cost_model=AnalyticCost(memory=0.0, memory_budget=1.5 * full))
+    assert report.excluded_by_budget and all(c["predicted_temp_bytes"] > 1.5 * full for c in report.excluded_by_budget)
+    assert "excluded by the memory budget" in report.summary()
+    assert explain(jax_vjp, *ARGS, rulesets=[derivatives]).excluded_by_budget == []
