@@ -36,27 +36,98 @@ from .program import Program
 def liveness_peak(prog: Any, kernels: Sequence[Fusion], inner: Callable[[Any], int] | None = None) -> int:
     """The peak of live temporaries over ``kernels`` run in program order (their roots' order).
 
-    ``inner(op)`` is what a kernel's own op holds while it runs (a loop body's peak): added at that kernel.
+    A buffer is one value a kernel writes (each output of a loop is one). It lives from the kernel that
+    writes it to the last kernel that reads it, and it shares its bytes with another where XLA's buffer
+    assignment does (:func:`_shares`): an elementwise kernel writes in place over an operand of its shape
+    that dies there, and a loop's carry is its initial value's buffer. A group of shared buffers that
+    holds a program output is the output's allocation, not a temporary. ``inner(op)`` is what a kernel's
+    own op holds while it runs (a loop body's peak): added at that kernel.
     """
     outputs = set(prog.outputs)
     written = {k.root for k in kernels}
     order = sorted(kernels, key=lambda k: _position(prog, k.root))
-    last: dict[Any, int] = {}
+    projs: dict[Any, list] = {}
+    for i, op in enumerate(prog.ops):
+        if op.prim == "proj":
+            projs.setdefault(op.args[0], []).append(i)
+    step: dict[Any, int] = {}  # buffer -> the step that writes it
+    last: dict[Any, int] = {}  # buffer -> the last step that reads it
     for t, k in enumerate(order):
+        for b in projs.get(k.root, [k.root]):
+            step[b] = t
         for a in k.reads:
-            last[_writer(prog, a)] = t
-    live: dict[Any, int] = {}
+            last[a] = t
+    parent: dict[Any, Any] = {}
+
+    def find(b: Any) -> Any:
+        while b in parent:
+            b = parent[b]
+        return b
+
+    for t, k in enumerate(order):
+        for b, donor in _shares(prog, k, projs.get(k.root), last, step, t):
+            if find(donor) != find(b):
+                parent[find(b)] = find(donor)
+    groups: dict[Any, list] = {}
+    for b in step:
+        groups.setdefault(find(b), []).append(b)
+    live_at = [0] * len(order)
+    for members in groups.values():
+        if any(b in outputs for b in members):
+            continue  # the program output's allocation
+        size = max(_temp(prog, b, outputs, written) for b in members)
+        if not size:
+            continue
+        first = min(step[b] for b in members)
+        end = max(max(last.get(b, step[b]), step[b]) for b in members)
+        for t in range(first, end + 1):
+            live_at[t] += size
     peak = 0
     for t, k in enumerate(order):
-        size = _temp(prog, k.root, outputs, written)
-        if size:
-            live[k.root] = size
-            last.setdefault(k.root, t)
-        held = sum(live.values()) + (inner(prog.ops[k.root]) if inner is not None else 0)
-        peak = max(peak, held)
-        for x in [x for x, end in last.items() if end == t and x in live]:
-            del live[x]
+        peak = max(peak, live_at[t] + (inner(prog.ops[k.root]) if inner is not None else 0))
     return peak
+
+
+#: What an elementwise kernel may compute and still write in place over an operand of its shape.
+_IN_PLACE = frozenset({"elementwise", "transcendental"})
+
+
+def _shares(prog: Any, k: Fusion, outs: Sequence[Any] | None, last: dict, step: dict, t: int) -> list[tuple]:
+    """The buffers kernel ``k`` (at step ``t``) writes into an operand's bytes: (its buffer, the operand).
+
+    XLA:CPU lets a loop fusion's output reuse an operand's buffer when the operand has the output's
+    shape, dies at the fusion and is read elementwise; a ``scan``/``while`` keeps its carry in one
+    buffer, which is its initial value's where that value dies at the loop.
+    """
+    op = prog.ops[k.root]
+    found = []
+    if outs is not None:  # a loop: carry i is the buffer of init i when init i dies here
+        if op.prim == "scan":
+            first, n = op.params.get("num_consts", 0), op.params.get("num_carry", 0)
+        elif op.prim == "while":
+            first, n = op.params.get("body_nconsts", 0) + op.params.get("cond_nconsts", 0), len(outs)
+        else:
+            return found
+        for i in range(min(n, len(outs))):
+            a = op.args[first + i]
+            if a in step and last.get(a) == t and _same(prog, a, outs[i]):
+                found.append((outs[i], a))
+        return found
+    if k.kind != "loop" or len(op.out_avals) != 1:
+        return found
+    if any(prog.ops[i].family not in _IN_PLACE and prog.ops[i].prim != "broadcast_in_dim" for i in k.computes):
+        return found
+    for a in k.reads:
+        if a in step and last.get(a) == t and _same(prog, a, k.root):
+            found.append((k.root, a))
+            break
+    return found
+
+
+def _same(prog: Any, a: Any, b: Any) -> bool:
+    x, y = prog.ops[a].out_avals, prog.ops[b].out_avals
+    return len(x) == len(y) == 1 and getattr(x[0], "shape", None) == getattr(y[0], "shape", None) and \
+        getattr(x[0], "dtype", None) == getattr(y[0], "dtype", None)
 
 
 def _writer(prog: Any, i: Any) -> Any:
@@ -91,22 +162,11 @@ class InnerPeak:
         return found
 
     def body(self, jaxpr: Any, params: Any) -> int:
+        """The peak of a body's own temporaries. A loop's carry is not among them: it is the loop's
+        output buffer (or its initial value's), which the program around the loop counts."""
         closed = jaxpr if hasattr(jaxpr, "consts") else ClosedJaxpr(jaxpr, ())
         prog = Program.from_jaxpr(closed, self.node_cost)
-        peak = liveness_peak(prog, self.fusion.kernels(prog), self)
-        carry = 0
-        if "num_carry" in params:  # a scan: its carry is a buffer of the loop, beside the body's temporaries
-            avals = [v.aval for v in closed.jaxpr.outvars[: params["num_carry"]]]
-            carry = sum(_out_bytes(_AvalOp(a)) for a in avals)
-        return peak + carry
-
-
-class _AvalOp:
-    __slots__ = ("out_avals", "memo")
-
-    def __init__(self, aval: Any) -> None:
-        self.out_avals = (aval,)
-        self.memo = None
+        return liveness_peak(prog, self.fusion.kernels(prog), self)
 
 
 def over_budget(candidates: Sequence[Any], model: Any, emit: Callable[[Any], Any]) -> list[dict]:
