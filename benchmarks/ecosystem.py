@@ -51,8 +51,8 @@ RESULTS = pathlib.Path(__file__).parent / "results"
 
 #: rule configurations: name -> comma-separated packs (packs not built yet are skipped)
 CONFIGS = {
-    "identity": "algebra,derivatives,scan,linalg,nn",
-    "fastmath": "algebra,derivatives,scan,linalg,nn,fastmath",
+    "identity": "algebra,derivatives,scan,linalg,nn,attention",
+    "fastmath": "algebra,derivatives,scan,linalg,nn,attention,fastmath",
 }
 
 

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rewrite import AnalyticCost, rewrite
+from rewrite import AnalyticCost, explain, rewrite
 from rulesets.attention import attention
 from rulesets.derivatives import derivatives
 from tests.test_cost_model import ARGS, B, C, T, jax_vjp
@@ -86,10 +86,19 @@ def test_a_budget_nothing_fits_chooses_the_leanest():
 
 
 def test_explain_names_what_the_budget_excluded():
-    from rewrite import explain
-
     full = B * T * C * 4
     report = explain(jax_vjp, *ARGS, rulesets=[derivatives], cost_model=AnalyticCost(memory=0.0, memory_budget=1.5 * full))
     assert report.excluded_by_budget and all(c["predicted_temp_bytes"] > 1.5 * full for c in report.excluded_by_budget)
     assert "excluded by the memory budget" in report.summary()
     assert explain(jax_vjp, *ARGS, rulesets=[derivatives]).excluded_by_budget == []
+
+
+def test_extraction_prices_a_loop_bodys_temporaries():
+    # In the e-graph a loop's body is a class, not a jaxpr in its params: extraction must still count the
+    # blocked body's scores. A budget below them excludes the blocked program too, and says so.
+    q = k = v = jnp.ones((1, 1024, 64))
+    tight = explain(plain, q, k, v, rulesets=[attention], cost_model=AnalyticCost(memory_budget=2 ** 20))
+    blocked = [c for c in tight.excluded_by_budget if c["rewritten"]]
+    assert blocked and blocked[0]["predicted_temp_bytes"] > 2 ** 20
+    fits = explain(plain, q, k, v, rulesets=[attention], cost_model=AnalyticCost(memory_budget=4 * 2 ** 20))
+    assert fits.result.rewritten and [c["rewritten"] for c in fits.excluded_by_budget] == [False]

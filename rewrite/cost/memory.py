@@ -151,6 +151,9 @@ class InnerPeak:
         self._found: dict[int, int] = {}
 
     def __call__(self, op: Any) -> int:
+        bodies = op.memo.get("bodies") if getattr(op, "memo", None) else None
+        if bodies:  # an extractor's op: its chosen bodies (``rewrite.cost.program._chosen_bodies``)
+            return max(liveness_peak(b, self.fusion.kernels(b), self) for b in bodies)
         params = getattr(op, "params", None) or {}
         j = inner_jaxpr(params)
         if j is None:

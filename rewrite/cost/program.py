@@ -139,7 +139,7 @@ def chosen_op(ex: Any, c: Any, node: tuple, choice: Mapping[Any, tuple], own: Ca
     tmpl = cache.get(key)
     if tmpl is None:
         tmpl = _template(ex, c, node, choice, own)
-        if "inner" not in tmpl[6]:  # a fused call's body may differ between choices: not kept
+        if "inner" not in tmpl[6] and "bodies" not in tmpl[6]:  # a body may differ between choices: not kept
             cache[key] = tmpl
     prim, family, params, in_avals, out_avals, own_cost, memo = tmpl
     return Op(prim, family, params, args, in_avals, out_avals, own_cost, key=c, memo=memo)
@@ -162,7 +162,22 @@ def _template(ex: Any, c: Any, node: tuple, choice: Mapping[Any, tuple], own: Ca
     if inner is not None:
         return info.op, info.family, info.params, info.in_avals, info.out_avals, 0.0, {"kind": LOOP, "inner": inner}
     cost = float(own(c, node)) if _kind_of(op) == OTHER else 0.0
-    return info.op, info.family, info.params, info.in_avals, info.out_avals, cost, {}
+    bodies = _chosen_bodies(ex, ctor, args, choice, own)
+    return info.op, info.family, info.params, info.in_avals, info.out_avals, cost, {"bodies": bodies} if bodies else {}
+
+
+def _chosen_bodies(ex: Any, ctor: str, args: tuple, choice: Mapping[Any, tuple],
+                   own: Callable[[Any, tuple], float]) -> tuple["Program", ...]:
+    """The programs a nested node's chosen bodies make (a loop's body, a ``cond``'s branches): in the
+    e-graph a body is a class of its own, not a jaxpr in the params, so the memory model
+    (``rewrite/cost/memory.py``) reads a body's temporaries from these."""
+    found = []
+    for b in getattr(ex, "body_classes", lambda *_: [])(ctor, args):
+        node = choice.get(b)
+        if node is None or len(node[1]) < 2:
+            return ()
+        found.append(Program.from_choice(ex, choice, ex.snap.list_items(node[1][1]), own))
+    return tuple(found)
 
 
 def _inlined_body(ex: Any, ctor: str, args: tuple, choice: Mapping[Any, tuple],
