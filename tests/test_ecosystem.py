@@ -24,6 +24,31 @@ def test_values_kept(name):
     assert kept, f"{name}: error {error:.2e} against a control of {control:.2e}"
 
 
+#: What a rewrite may add to a program's temp memory and still count as not gaining any: a few scalars'
+#: worth of bytes (jaxmd_nve_steps gains 64 bytes of 2.2 MiB), not a buffer of the program's size.
+SCALARS_SLACK = 256
+
+
+@pytest.mark.parametrize("name", [n if n in ("haiku_lstm_grad", "numpyro_mixture_logp") else pytest.param(n, marks=pytest.mark.slow)
+                                  for n in ecosystem.PROGRAMS])
+def test_no_program_gains_temp_memory(name):
+    """Issue 32: with every identity pack, attention's included, no ecosystem program holds more temp memory."""
+    import jax
+
+    from rewrite import rewrite
+
+    prog = ecosystem.PROGRAMS[name]
+    pytest.importorskip({"dm-haiku": "haiku"}.get(prog.library, prog.library))
+    fn, args = prog.build()
+    packs = ecosystem.load_rulesets(ecosystem.CONFIGS["identity"])
+
+    def temp(f):
+        return jax.jit(f).lower(*args).compile().memory_analysis().temp_size_in_bytes
+
+    before, after = temp(fn), temp(rewrite(fn, rulesets=packs))
+    assert after <= before + SCALARS_SLACK, f"{name}: temp memory {before} -> {after} bytes"
+
+
 @pytest.mark.parametrize("mode", ["jit", pytest.param("eager", marks=pytest.mark.slow)])
 def test_bf16_loss_differentiated_through_the_rewrite_keeps_its_gradients(mode):
     """The bf16 program's loss, rewritten, then differentiated by jax.grad: the derivative programs the
