@@ -38,6 +38,13 @@ variants:
 Programs whose key axis is 256 or shorter are left alone (the scores are
 small), and the key block is 256 (see ``BLOCKS``).
 
+**Rewrite the forward, then differentiate:** ``jax.grad(rewrite(loss))``
+takes the blocked program's own backward. ``rewrite(jax.grad(loss))`` (or a
+rewritten training step that calls ``jax.grad`` inside) sees JAX's backward
+already written, which keeps the N x N weights as residuals for its
+products; the pack matches the forward there but cannot remove them, and
+the cost model keeps the program as it is.
+
 The pack is ``identity`` class, like ``linalg``: the blocked sums reorder the
 original's floating-point additions (the softmax's sum and the product's
 contraction), and the rescaling adds one rounding per block; nothing else
