@@ -569,7 +569,6 @@ trig = Ruleset("derivatives_trig", [
     rule(lambda x: jnp.cos(-x), lambda x: jnp.cos(x), name="trig_cos_neg"),                                 # cos(-x) -> cos(x)
     rule(lambda x: jnp.sin(-x), lambda x: -jnp.sin(x), name="trig_sin_neg"),                                # sin(-x) -> -sin(x)
     rule(lambda x: jnp.sin(x) ** 2 + jnp.cos(x) ** 2, lambda x: jnp.ones_like(x), name="trig_pythagoras"),  # sin²x + cos²x -> 1
-    rule(lambda x: jnp.cos(x) ** 2 + jnp.sin(x) ** 2, lambda x: jnp.ones_like(x), name="trig_pythagoras_r"),  # cos²x + sin²x -> 1
     rule(lambda x: 1.0 - jnp.sin(x) ** 2, lambda x: jnp.cos(x) ** 2, name="trig_one_minus_sin2"),         # 1 - sin²x -> cos²x
     rule(lambda x: 1.0 - jnp.cos(x) ** 2, lambda x: jnp.sin(x) ** 2, name="trig_one_minus_cos2"),         # 1 - cos²x -> sin²x
     rule(_COS2_SIN2, lambda x: jnp.cos(2 * x), name="trig_cos_double",                                   # cos²x - sin²x -> cos 2x

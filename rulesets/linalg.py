@@ -656,8 +656,6 @@ linalg = Ruleset("linalg", [
          example=(lambda a, b, c: a @ (b / 2.0) + a @ (b * c[None, :]), (_M34, _M45, _V5))),       # a (f b) -> f (a b) or (f a) b
     rule(Pat("mul", F, Pat("dot_general", A, B, params="p", name="d")), _factor_in("mul"), name="la_factor_in_mul",
          example=(lambda s, a, b: s * (a @ b), (_f32(), _M34, _M45))),                            # f (a b) -> (f a) b or a (f b)
-    rule(Pat("mul", Pat("dot_general", A, B, params="p", name="d"), F), _factor_in("mul"), name="la_factor_in_mul_r",
-         example=(lambda r, a, b: (a @ b) * r[:, None], (_f32(3), _M34, _M45))),                  # (a b) f -> (f a) b
     rule(Pat("div", Pat("dot_general", A, B, params="p", name="d"), F), _factor_in("div"), name="la_factor_in_div",
          example=(_ex_attention, _HEADS)),                                                         # (a b) / f -> (a / f) b or a (b / f)
     # distributivity

@@ -350,10 +350,8 @@ nn_stable = Ruleset("nn_stable", [
     rule(lambda z: jnp.log(lax.logistic(z)), lambda z: -_softplus(-z), prefer=True, name="nn_log_sigmoid"),  # log(σ(z)) -> -softplus(-z)
     _ONE_MINUS_SIGMOID,                                                                                      # 1 - σ(z) -> σ(-z), so log(1 - σ(z)) -> -softplus(z)
     rule(lambda x: jnp.log(1.0 + x), lambda x: jnp.log1p(x), prefer=True, name="nn_log1p"),                  # log(1 + x) -> log1p(x)
-    rule(lambda x: jnp.log(x + 1.0), lambda x: jnp.log1p(x), prefer=True, name="nn_log1p_r"),                # log(x + 1) -> log1p(x)
     rule(lambda x: jnp.exp(x) - 1.0, lambda x: jnp.expm1(x), prefer=True, name="nn_expm1"),                  # exp(x) - 1 -> expm1(x)
     rule(lambda x: jnp.log(1.0 + jnp.exp(x)), _softplus, prefer=True, name="nn_softplus"),                   # log(1 + exp(x)) -> softplus(x)
-    rule(lambda x: jnp.log(jnp.exp(x) + 1.0), _softplus, prefer=True, name="nn_softplus_r"),                 # log(exp(x) + 1) -> softplus(x)
     rule(lambda x: jnp.log1p(jnp.exp(x)), _softplus, prefer=True, name="nn_softplus_log1p",                  # log1p(exp(x)) -> softplus(x)
          when=_not_softplus_body),
 ], soundness="identity",
