@@ -40,7 +40,7 @@ import numpy as np
 from ..ir import terms as _terms
 from ..ir.jaxapi import core, optimization_barrier_p
 from ..ir.primitives import is_inexact_dtype
-from .model import DEFAULT, AnalyticCost, CostModel, as_cost_model
+from .model import AnalyticCost, CostModel, as_cost_model, default_model
 from .program import Program
 
 _CACHE: dict[tuple, int] = {}
@@ -248,7 +248,7 @@ def resolve(model: Any) -> CostModel:
     (:class:`Measured`); a :class:`rewrite.CostModel` is used as is, and a plain function as a node price
     alone (:func:`rewrite.cost.model.as_cost_model`)."""
     if model is None or (isinstance(model, str) and model == "analytic"):
-        return DEFAULT
+        return default_model()
     if isinstance(model, str) and model == "measure":
         return Measured()
     return as_cost_model(model)

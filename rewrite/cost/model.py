@@ -38,6 +38,7 @@ backend itself (``rewrite/cost/measure.py``).
 from __future__ import annotations
 
 import abc
+import contextlib
 import dataclasses
 import functools
 import math
@@ -45,7 +46,7 @@ import os
 import sys
 import warnings
 import weakref
-from typing import Any, Callable, ClassVar, Mapping, Sequence
+from typing import Any, Callable, ClassVar, Iterator, Mapping, Sequence
 
 import jax
 
@@ -119,10 +120,41 @@ class NodeCost(CostModel):
         return f"NodeCost({getattr(self.fn, '__qualname__', self.fn)})"
 
 
-def _table() -> dict[str, Any]:
-    """The calibration table of the default backend (``rewrite/cost/calibration.py``), else the CPU's."""
+#: A table that prices in place of the backend's while :func:`priced_with` holds it.
+_PINNED: list[Mapping[str, Any]] = []
+
+
+def _table() -> Mapping[str, Any]:
+    """The table prices come from: the one :func:`priced_with` pins, else the calibration table of the
+    default backend (``rewrite/cost/calibration.py``), else the CPU's."""
+    if _PINNED:
+        return _PINNED[-1]
     name = _calibration.BACKENDS.get(jax.default_backend(), _calibration.BACKENDS["cpu"])
     return getattr(_calibration, name)
+
+
+@contextlib.contextmanager
+def priced_with(table: Mapping[str, Any]) -> Iterator[None]:
+    """Within the block, :class:`AnalyticCost`'s defaults (and the default model) come from ``table``, a
+    table of the form ``rewrite/cost/calibration.py`` holds, not from this machine's calibration.
+
+    For results that must not move when the machine's table is measured again: the golden files
+    (``tests/golden``) are priced with a fixed table kept beside them.
+
+    >>> from rewrite import AnalyticCost
+    >>> from rewrite.cost import calibration
+    >>> table = {**calibration.CPU, "launch": 1.0}
+    >>> with priced_with(table):
+    ...     AnalyticCost().launch, default_model().launch
+    (1.0, 1.0)
+    >>> AnalyticCost().launch == calibration.CPU["launch"]  # on a CPU backend
+    True
+    """
+    _PINNED.append(table)
+    try:
+        yield
+    finally:
+        _PINNED.pop()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -323,7 +355,17 @@ _BY_FAMILY: dict[str, Callable[[AnalyticCost, NodeInfo], float]] = {
     _terms.OPAQUE: AnalyticCost._opaque,
 }
 
-DEFAULT = AnalyticCost()
+_DEFAULTS: dict[int, tuple[Mapping[str, Any], AnalyticCost]] = {}
+
+
+def default_model() -> AnalyticCost:
+    """The model ``cost_model=None`` means: ``AnalyticCost()`` over the table in force (:func:`_table`),
+    made once per table."""
+    table = _table()
+    found = _DEFAULTS.get(id(table))
+    if found is None or found[0] is not table:
+        found = _DEFAULTS[id(table)] = (table, AnalyticCost())
+    return found[1]
 
 
 _warned: "weakref.WeakSet[Any]" = weakref.WeakSet()

@@ -16,7 +16,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from ..cost.model import DEFAULT
+from ..cost.model import default_model
 from ..extract.choice import choose_slice
 from ..extract.extractor import Extractor
 from ..ir import terms as _terms
@@ -158,7 +158,7 @@ class Builder:
         if any(c is None for c in out_cls + in_cls):
             raise ValueError("Match.function takes values that exist in the e-graph (not ones built by this match)")
         if self._prefer is None:
-            self._prefer = Extractor(snap, DEFAULT).tree()[1]
+            self._prefer = Extractor(snap, default_model()).tree()[1]
         seen: set | None = set() if self.reads is not None else None
         choice = choose_slice(snap, out_cls, set(in_cls), self._prefer, visited=seen)
         if choice is None:
