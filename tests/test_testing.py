@@ -7,6 +7,7 @@ cover the primitives they claim and survive the round trip bit for bit.
 """
 
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -413,6 +414,18 @@ def test_a_broken_random_program_names_itself():
     with pytest.raises(AssertionError, match=r"(?s)random_program: the rewritten .*rules that fired: sin_plus_one"
                                              r".*program: RandomProgram\(v0"):
         assert_same_results(program, *program.example_args(), rulesets=[rs])
+
+
+def test_random_programs_write_the_forms_the_packs_rewrite():
+    """Compositions no independent draws line up (``log(1 + exp(x))``, ``(x @ x.T) @ x``) come as one
+    operation each, so that every built-in pack has something to act on (``tests/test_contract.py``)."""
+    from rewrite.testing._programs import _IDIOMS
+
+    for name in _IDIOMS:
+        p = find(programs(), lambda p: any(op.name == name for op in p.ops),
+                 settings=settings(max_examples=1000, database=None))
+        primitive_counts(jax.make_jaxpr(p)(*p.args))  # it traces, at the shapes the listing says
+    assert re.search(r"= sum\(v(\d+)\.T @ v\1, -2\)", repr(p)), repr(p)  # the last, sum_gram, reads as written
 
 
 def test_random_program_listing_reads():
