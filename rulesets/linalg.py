@@ -638,42 +638,42 @@ _PRODUCT = Pat("dot_general", A, B, params="p")
 linalg = Ruleset("linalg", [
     # associativity
     rule(Pat("dot_general", Pat("dot_general", A, B, params="pi"), C, params="po"), _assoc_left,
-         name="la_assoc_left", example=(lambda a, b, x: (a @ b) @ x, (_M34, _M45, _V5))),          # (a b) c -> a (b c)
+         name="la_assoc_left", example_program=(lambda a, b, x: (a @ b) @ x, (_M34, _M45, _V5))),          # (a b) c -> a (b c)
     rule(Pat("dot_general", A, Pat("dot_general", B, C, params="pi"), params="po"), _assoc_right,
-         name="la_assoc_right", example=(lambda x, a, b: x @ (a @ b), (_f32(3), _M34, _M45))),     # a (b c) -> (a b) c
+         name="la_assoc_right", example_program=(lambda x, a, b: x @ (a @ b), (_f32(3), _M34, _M45))),     # a (b c) -> (a b) c
     # transposes
     rule(Pat("dot_general", Pat("transpose", A, params="t"), B, params="p"), _fold_transpose("lhs"),
-         name="la_fold_transpose_lhs", example=(lambda a, b: a.T @ b, (_M43, _M45))),              # a^T b -> dot(a, b), other dims
+         name="la_fold_transpose_lhs", example_program=(lambda a, b: a.T @ b, (_M43, _M45))),              # a^T b -> dot(a, b), other dims
     rule(Pat("dot_general", A, Pat("transpose", B, params="t"), params="p"), _fold_transpose("rhs"),
-         name="la_fold_transpose_rhs", example=(lambda q, k: q @ jnp.swapaxes(k, -1, -2), _HEADS[:2])),                        # a b^T -> dot(a, b), other dims
+         name="la_fold_transpose_rhs", example_program=(lambda q, k: q @ jnp.swapaxes(k, -1, -2), _HEADS[:2])),                        # a b^T -> dot(a, b), other dims
     rule(Pat("transpose", _PRODUCT, params="t"), _transpose_of_product,
-         name="la_transpose_product", example=(lambda a, b: (a @ b).T, (_M34, _M45))),            # (a b)^T -> b^T a^T
+         name="la_transpose_product", example_program=(lambda a, b: (a @ b).T, (_M34, _M45))),            # (a b)^T -> b^T a^T
     # factors
     rule(Pat("dot_general", A, B, params="p"), _factor_out("lhs"), name="la_factor_out_lhs",
-         example=(lambda s, r, c, a, b: ((s * a) @ b, (r[:, None] * a) @ b, (a * c[None, :]) @ b),
+         example_program=(lambda s, r, c, a, b: ((s * a) @ b, (r[:, None] * a) @ b, (a * c[None, :]) @ b),
                   (_f32(), _f32(3), _f32(8), _f32(3, 8), _f32(8, 2)))),                                                 # (f a) b -> f (a b) or a (f b)
     rule(Pat("dot_general", A, B, params="p"), _factor_out("rhs"), name="la_factor_out_rhs",
-         example=(lambda a, b, c: a @ (b / 2.0) + a @ (b * c[None, :]), (_M34, _M45, _V5))),       # a (f b) -> f (a b) or (f a) b
+         example_program=(lambda a, b, c: a @ (b / 2.0) + a @ (b * c[None, :]), (_M34, _M45, _V5))),       # a (f b) -> f (a b) or (f a) b
     rule(Pat("mul", F, Pat("dot_general", A, B, params="p", name="d")), _factor_in("mul"), name="la_factor_in_mul",
-         example=(lambda s, a, b: s * (a @ b), (_f32(), _M34, _M45))),                            # f (a b) -> (f a) b or a (f b)
+         example_program=(lambda s, a, b: s * (a @ b), (_f32(), _M34, _M45))),                            # f (a b) -> (f a) b or a (f b)
     rule(Pat("div", Pat("dot_general", A, B, params="p", name="d"), F), _factor_in("div"), name="la_factor_in_div",
-         example=(_ex_attention, _HEADS)),                                                         # (a b) / f -> (a / f) b or a (b / f)
+         example_program=(_ex_attention, _HEADS)),                                                         # (a b) / f -> (a / f) b or a (b / f)
     # distributivity
     rule(Pat("add", Pat("dot_general", A, B, params="p"), Pat("dot_general", A, C, params="q")), _common("add", "lhs"),
-         name="la_common_lhs_add", example=(lambda a, x, y: a @ x + a @ y, (_M34, _M45, _M45))),   # a b + a c -> a (b + c)
+         name="la_common_lhs_add", example_program=(lambda a, x, y: a @ x + a @ y, (_M34, _M45, _M45))),   # a b + a c -> a (b + c)
     rule(Pat("sub", Pat("dot_general", A, B, params="p"), Pat("dot_general", A, C, params="q")), _common("sub", "lhs"),
-         name="la_common_lhs_sub", example=(lambda a, x, y: a @ x - a @ y, (_M34, _f32(4), _f32(4)))),  # a b - a c -> a (b - c)
+         name="la_common_lhs_sub", example_program=(lambda a, x, y: a @ x - a @ y, (_M34, _f32(4), _f32(4)))),  # a b - a c -> a (b - c)
     rule(Pat("add", Pat("dot_general", A, C, params="p"), Pat("dot_general", B, C, params="q")), _common("add", "rhs"),
-         name="la_common_rhs_add", example=(lambda a, b, x: a @ x + b @ x, (_M34, _M34, _f32(4)))),  # a c + b c -> (a + b) c
+         name="la_common_rhs_add", example_program=(lambda a, b, x: a @ x + b @ x, (_M34, _M34, _f32(4)))),  # a c + b c -> (a + b) c
     rule(Pat("sub", Pat("dot_general", A, C, params="p"), Pat("dot_general", B, C, params="q")), _common("sub", "rhs"),
-         name="la_common_rhs_sub", example=(lambda a, b, x: a @ x - b @ x, (_M34, _M34, _M45))),   # a c - b c -> (a - b) c
+         name="la_common_rhs_sub", example_program=(lambda a, b, x: a @ x - b @ x, (_M34, _M34, _M45))),   # a c - b c -> (a - b) c
     # reductions of products
     rule(Pat("reduce_sum", _PRODUCT, params="r"), _sum_of_product, name="la_sum_product",
-         example=(lambda a, b: (jnp.sum(a @ b, axis=0), jnp.sum(jnp.einsum("bij,bjk->bik", a[None], b[None]), (0, 2))),
+         example_program=(lambda a, b: (jnp.sum(a @ b, axis=0), jnp.sum(jnp.einsum("bij,bjk->bik", a[None], b[None]), (0, 2))),
                   (_M34, _M45))),                                                                 # sum(a b, 0) -> sum(a, 0) b
     rule(Pat("cond", [Pat.var("i"), Pat.var("w"), Pat("dot_general", A, B, params="p", name="q")], bodies="br"),
          _diagonal_of_product, name="la_diagonal_product",
-         example=(lambda a, b: jnp.diagonal(a @ b), (_M34, _M43))),                                # diagonal(a b) -> sum(a * b^T, 1)
+         example_program=(lambda a, b: jnp.diagonal(a @ b), (_M34, _M43))),                                # diagonal(a b) -> sum(a * b^T, 1)
     rule(lambda a, b: jnp.trace(a @ b), lambda a, b: jnp.sum(a * b.T), name="la_trace_product",
-         when=lambda a, b: _numeric(a, b), example=(_M34, _M43)),                                  # trace(a b) -> sum(a * b^T)
+         when=lambda a, b: _numeric(a, b), example_inputs=(_M34, _M43)),                                  # trace(a b) -> sum(a * b^T)
 ], soundness="identity", tolerance=_REORDERING, description=__doc__.split("\n\n")[0])
