@@ -484,3 +484,34 @@ def test_example_is_split_into_inputs_and_a_program_and_the_old_spelling_still_w
         rule(pat, lambda x: x, name="neg_neg", example_inputs=(f32,))
     with pytest.raises(ValueError, match="not also example="), pytest.warns(DeprecationWarning):
         rule(*sides, name="log1p", example=(f32,), example_inputs=(f32,))
+
+
+# ---------------------------------------------------------------- Match.product: the product rules' prologue
+def test_a_product_rule_reads_its_match_as_an_einsum_and_declines_mixed_dtypes():
+    from rewrite.rules.builder import _trace_key
+
+    seen = []
+
+    @procedural
+    def swap(m):  # (a b)^T -> b^T a^T for matrices
+        p = m.product("p")
+        seen.append(None if p is None else p.labels)
+        if p is None or tuple(m.params("t")["permutation"]) != (1, 0) or p.dimension_numbers[1][0]:
+            return None
+        (lc, rc), _ = p.dimension_numbers
+        fn = lambda a, b: p.dot(b, a, ((rc, lc), ((), ())))  # noqa: E731
+        assert _trace_key(fn, (p.rhs.aval, p.lhs.aval)) is not None  # a closure over p is traced once
+        return m.trace(fn, p.lhs, p.rhs)
+
+    rs = Ruleset("s", [rule(Pat("transpose", Pat("dot_general", Pat.var("a"), Pat.var("b"), params="p"), params="t"),
+                            swap, name="swap")], soundness="identity")
+    a, b = jnp.arange(12.0).reshape(3, 4), jnp.arange(20.0).reshape(4, 5)
+    f = lambda a, b: (a @ b).T  # noqa: E731
+    assert explain(f, a, b, rulesets=[rs]).fired == {"swap": 1}
+    assert seen == [((0, 1), (1, 3), (0, 3))]  # ij,jk->ik, labels i=0 j=1 k=3
+    np.testing.assert_array_equal(rewrite(f, rulesets=[rs])(a, b), f(a, b))
+
+    seen.clear()  # int8 operands accumulated in int32: left alone
+    g = lambda a, b: lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.int32).T  # noqa: E731
+    r = explain(g, a.astype(jnp.int8), b.astype(jnp.int8), rulesets=[rs])
+    assert seen == [None] and not r.fired

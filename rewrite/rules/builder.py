@@ -229,8 +229,10 @@ def _trace_key(fn: Callable[..., Any], avals: Sequence[Any]) -> Any:
     rule's cost. The key is the function's code, its defaults and a snapshot
     of its closure, taken when it is called (so a list mutated later does not
     matter); only plain values key it: numbers, strings, dtypes, tuples and
-    lists of them, and functions without a closure. Anything else (an
-    e-graph ``Value``, an object) makes the trace uncached.
+    lists of them, functions without a closure, and objects whose class says
+    what of them a trace can read (``_trace_key``, as a matched ``Product``
+    does). Anything else (an e-graph ``Value``, an object) makes the trace
+    uncached.
     """
     try:
         code = fn.__code__
@@ -261,6 +263,9 @@ def _plain(x: Any, depth: int = 0) -> Any:
         return (type(x), tuple(_plain(y, depth + 1) for y in x))
     if isinstance(x, np.dtype) or (isinstance(x, type) and issubclass(x, np.generic)):
         return ("dtype", np.dtype(x).str)
+    keyed = getattr(type(x), "_trace_key", None)
+    if keyed is not None:  # a view that says what of it a trace can read (rules/match.py Product)
+        return (type(x), _plain(keyed(x), depth))  # the key stands for x: no level of its own
     if callable(x) and getattr(x, "__closure__", 0) is None and hasattr(x, "__code__"):
         return ("fn", x)  # a module-level function: its identity is its meaning
     if callable(x) and isinstance(getattr(x, "__name__", None), str) and not hasattr(x, "__dict__"):
