@@ -31,7 +31,7 @@ from .cache.key import make_key
 from .cost import guard as _guard
 from .cost.measure import resolve
 from .errors import RewriteLimitWarning, RewriteWarning, _strict
-from .grad.primitive import Program, bind_if_differentiated
+from .grad.primitive import Signature, bind_if_differentiated
 from .grad.vjp import VJPResult, build_vjp
 from .ir.jaxapi import core
 from .jaxpr.emit import check_signature
@@ -237,7 +237,7 @@ class Rewritten:
         program = self._programs.get(key)
         if program is None:
             with self._lock:
-                program = self._programs.setdefault(key, Program(self, traced, forward))
+                program = self._programs.setdefault(key, Signature(self, traced, forward))
         return program
 
     def grad_result(self, *args: Any, **kwargs: Any) -> Any:

@@ -61,7 +61,7 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 from jax import lax
 
-from .ir import terms as _terms
+from .ir import primitives as _primitives
 from .ir.jaxapi import core
 from .ir.loopstep import Decline
 from .rules.match import Body, Match, Node, Value
@@ -75,10 +75,10 @@ SCAN = Pat("scan", name="s", body="b", args="args", params="sp")
 #: condition's constants, the body's constants, then the carries), ``wp`` its params.
 WHILE = Pat("while", name="w", bodies=["cb", "bb"], args="args", params="wp")
 
-_POINTWISE = (_terms.ELEMENTWISE, _terms.TRANSCENDENTAL)
+_POINTWISE = (_primitives.ELEMENTWISE, _primitives.TRANSCENDENTAL)
 
 #: What ``recompute="cheap"`` may rebuild in a loop: arithmetic and layout, no transcendentals, contractions or loops.
-CHEAP = frozenset(spec.prim for spec in _terms.SPECS if spec.family in (_terms.ELEMENTWISE, _terms.LAYOUT))
+CHEAP = frozenset(spec.prim for spec in _primitives.SPECS if spec.family in (_primitives.ELEMENTWISE, _primitives.LAYOUT))
 
 
 def step_aval(aval: Any, axis: int = 0) -> Any:

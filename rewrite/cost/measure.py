@@ -37,7 +37,7 @@ from typing import Any, Callable, ClassVar, Sequence
 import jax
 import numpy as np
 
-from ..ir import terms as _terms
+from ..ir import primitives as _primitives
 from ..ir.jaxapi import core, optimization_barrier_p
 from ..ir.primitives import is_inexact_dtype
 from .model import AnalyticCost, CostModel, as_cost_model, default_model
@@ -162,7 +162,7 @@ def pin_duplicates(closed: core.ClosedJaxpr, model: AnalyticCost) -> core.Closed
     homes, _ = model.fusion_model().fuse(prog)
     jaxpr = closed.jaxpr
     pinned = {prog.ops[i].key.outvars[0] for i, hs in homes.items()
-              if len(hs) > 1 and prog.ops[i].family == _terms.TRANSCENDENTAL
+              if len(hs) > 1 and prog.ops[i].family == _primitives.TRANSCENDENTAL
               and isinstance(prog.ops[i].key, core.JaxprEqn)}
     if not pinned:
         return None

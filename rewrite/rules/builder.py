@@ -19,7 +19,7 @@ import numpy as np
 from ..cost.model import default_model
 from ..extract.choice import choose_slice
 from ..extract.extractor import Extractor
-from ..ir import terms as _terms
+from ..ir import primitives as _primitives
 from ..ir.egraph import EGraph, Snapshot
 from ..ir.intern import PARAMS, TYPES
 from ..ir.jaxapi import PRIMITIVE_MODULES, core
@@ -118,7 +118,7 @@ class Builder:
             prim = _primitive(prim)
         eg = self.egraph
         pid = PARAMS.intern_params(prim, params)
-        spec = _terms.BY_PRIM.get(prim.name)
+        spec = _primitives.BY_PRIM.get(prim.name)
         args: list[Any] = []
         names = [v.name for v in operands]
         if spec is None:
@@ -140,7 +140,7 @@ class Builder:
             if next(it, None) is not None:
                 raise ValueError(f"{prim.name}: too many operands for layout {spec.layout!r}")
         args.append(pid)
-        multi = prim.multiple_results or (spec is not None and spec.family == _terms.NESTED)
+        multi = prim.multiple_results or (spec is not None and spec.family == _primitives.NESTED)
         if not multi:
             (aval,) = out_avals
             return self._fresh(eg.term(ctor, args, TYPES.intern_aval(aval)))

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from ..ir import primitives as _primitives
 from ..ir import terms as _terms
 from ..ir.intern import PARAMS, literal_value
 
@@ -226,7 +227,7 @@ class Node:
         self._engine = engine
         self.ctor = ctor
         self.args = args
-        spec = _terms.BY_CTOR.get(ctor)
+        spec = _primitives.BY_CTOR.get(ctor)
         self.spec = spec
         sorts = _terms.ctor_arg_sorts(ctor)
         self._sorts = sorts

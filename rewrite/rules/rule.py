@@ -32,7 +32,7 @@ from typing import Any, Callable, Sequence
 import jax.numpy as jnp
 import numpy as np
 
-from ..ir import terms as _terms
+from ..ir import primitives as _primitives
 from ..ir.intern import PARAMS
 from ..ir.jaxapi import core
 from ..ir.primitives import GROUPS
@@ -350,8 +350,8 @@ def _elementwise_at(closed: core.ClosedJaxpr, shape: tuple[int, ...]) -> bool:
     if not all(ok(v) and not isinstance(v, core.Literal) for v in (*jaxpr.invars, *jaxpr.outvars)):
         return False
     for eqn in jaxpr.eqns:
-        spec = _terms.BY_PRIM.get(eqn.primitive.name)
-        if spec is None or spec.family not in (_terms.ELEMENTWISE, _terms.TRANSCENDENTAL):
+        spec = _primitives.BY_PRIM.get(eqn.primitive.name)
+        if spec is None or spec.family not in (_primitives.ELEMENTWISE, _primitives.TRANSCENDENTAL):
             return False
         if next(iter(core.jaxprs_in_params(eqn.params)), None) is not None or eqn.effects:
             return False
