@@ -290,3 +290,26 @@ def test_check_inputs_restricts_what_the_check_draws():
 def test_check_inputs_names_pattern_variables():
     with pytest.raises(ValueError, match="check_inputs= maps pattern variables"):
         _inv_inv(check_inputs={"b": np.abs})
+
+
+# ---------------------------------------------------------------------- a failed rewrite: strict raises, else falls back
+def test_a_failed_rewrite_raises_under_strict_and_otherwise_falls_back_with_a_warning():
+    from rewrite import NodeCost
+
+    def boom(node):
+        raise ZeroDivisionError("a cost model that fails")
+
+    f = lambda x: jnp.sin(x) * 1.0  # noqa: E731
+    x = jnp.linspace(-1.0, 1.0, 3)
+    with pytest.raises(ZeroDivisionError):
+        rewrite(f, cost_model=NodeCost(boom), strict=True, cache=False)(x)
+    with pytest.warns(RewriteWarning, match=r"rewrite of '<lambda>' failed \(ZeroDivisionError: .*running it unchanged"):
+        np.testing.assert_allclose(rewrite(f, cost_model=NodeCost(boom), strict=False, cache=False)(x), f(x))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # vjp=True
+        g = rewrite(f, cost_model=NodeCost(boom), strict=False, cache=False, vjp=True)
+        with pytest.warns(RewriteWarning, match=r"rewrite of the VJP of '<lambda>' failed .*using JAX's own"):
+            np.testing.assert_allclose(jax.grad(lambda x: g(x).sum())(x), jnp.cos(x), rtol=1e-6)
+        h = rewrite(f, cost_model=NodeCost(boom), strict=True, cache=False, vjp=True)
+        with pytest.raises(ZeroDivisionError):
+            jax.grad(lambda x: h(x).sum())(x)
