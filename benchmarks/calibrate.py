@@ -30,7 +30,7 @@ import pprint
 import statistics
 import sys
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -278,18 +278,29 @@ def main(argv: list[str] | None = None) -> None:
         old = tables.get(key, {"elementwise_ns": {}})
         for k, v in old["elementwise_ns"].items():
             table["elementwise_ns"][k] = min(v, table["elementwise_ns"].get(k, v))
-        history = list(old.get("memory_runs", [])) + history
+        history = _memory_history(old, mem) + history
         table["runs"] = old.get("runs", 1) + args.runs
     else:
         table["runs"] = args.runs
     # Memory figures are differences of times, so the fastest run is not the truth: take the median run.
     for k in mem:
         table[k] = round(statistics.median(h[k] for h in history if k in h), 6)
-    table["memory_runs"] = history
+    if len(history) > 1:  # one run's figures are the table's own: stored once
+        table["memory_runs"] = history
     print(json.dumps(table, indent=1))
     if args.write:
         tables[key] = table
         _write(tables)
+
+
+def _memory_history(table: dict, keys: Any) -> list[dict]:
+    """The memory figures of each run a stored table was made from: its ``memory_runs``, or, for a table of
+    one run (which stores them once, as its own figures), that run."""
+    runs = table.get("memory_runs")
+    if runs:
+        return list(runs)
+    one = {k: table[k] for k in keys if k in table}
+    return [one] if one else []
 
 
 def _call_only(args: argparse.Namespace) -> None:
@@ -309,7 +320,7 @@ def _call_only(args: argparse.Namespace) -> None:
 
 
 def _write(tables: dict) -> None:
-    path = Path(__file__).resolve().parent.parent / "rewrite" / "_calibration.py"
+    path = Path(__file__).resolve().parent.parent / "rewrite" / "cost" / "calibration.py"
     body = "\n\n".join(f"{name} = " + pprint.pformat(t, sort_dicts=False, width=110) for name, t in tables.items())
     backends = {t["platform"]: name for name, t in tables.items()}
     path.write_text(

@@ -31,7 +31,7 @@ from .cache.key import make_key
 from .cost import guard as _guard
 from .cost.measure import resolve
 from .errors import RewriteLimitWarning, RewriteWarning, _strict
-from .grad.primitive import Program, bind_if_differentiated
+from .grad.primitive import Signature, bind_if_differentiated
 from .grad.vjp import VJPResult, build_vjp
 from .ir.jaxapi import core
 from .jaxpr.emit import check_signature
@@ -196,17 +196,22 @@ class Rewritten:
                                          f"({type(e).__name__}: {e}); keeping the rewritten program"), stacklevel=5)
         result.times["guard"] = time.perf_counter() - t
 
+    def _fall_back(self, e: Exception, what: str, instead: str) -> None:
+        """Called while ``e`` is handled: re-raise it under strict; else say, as a warning at the user's call
+        and in the log, that ``what`` failed and what runs ``instead``."""
+        if _strict(self.strict):
+            raise
+        msg = f"{what} failed ({type(e).__name__}: {e}); {instead}"
+        warnings.warn(RewriteWarning(msg), stacklevel=5)  # where the callers pointed (4 frames up from them)
+        log.warning(msg)
+
     def _rewrite_fresh(self, traced: Traced) -> Result:
         name = getattr(self.fn, "__name__", "function")
         try:
             result = run_pipeline(traced, self.entries, self.cost_model, self.limits)
             check_signature(traced.closed, result.after)
         except Exception as e:
-            if _strict(self.strict):
-                raise
-            msg = f"rewrite of {name!r} failed ({type(e).__name__}: {e}); running it unchanged"
-            warnings.warn(RewriteWarning(msg), stacklevel=4)
-            log.warning(msg)
+            self._fall_back(e, f"rewrite of {name!r}", "running it unchanged")
             return fallback_result(traced, f"error: {type(e).__name__}: {e}")
         if result.warnings and _strict(self.strict):
             raise RuntimeError(f"rewrite of {name!r} (strict): {'; '.join(result.warnings)}")
@@ -237,7 +242,7 @@ class Rewritten:
         program = self._programs.get(key)
         if program is None:
             with self._lock:
-                program = self._programs.setdefault(key, Program(self, traced, forward))
+                program = self._programs.setdefault(key, Signature(self, traced, forward))
         return program
 
     def grad_result(self, *args: Any, **kwargs: Any) -> Any:
@@ -354,11 +359,7 @@ class RewrittenVJP(Rewritten):
         try:
             return self._build(traced)
         except Exception as e:
-            if _strict(self.strict):
-                raise
-            msg = f"rewrite of the VJP of {name!r} failed ({type(e).__name__}: {e}); using JAX's own"
-            warnings.warn(RewriteWarning(msg), stacklevel=4)
-            log.warning(msg)
+            self._fall_back(e, f"rewrite of the VJP of {name!r}", "using JAX's own")
             return _Unchanged(traced.closed, {})
 
     def _build(self, traced: Traced) -> VJPResult:

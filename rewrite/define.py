@@ -2,7 +2,7 @@
 
 :func:`rule` is :func:`rewrite.rules.rule.rule` plus one check that needs the whole
 pipeline, which the rule layer sits below: a :class:`Pat` rule given an
-example program (``example=(fn, args)``) is run on that program once, so a
+example program (``example_program=(fn, args)``) is run on that program once, so a
 right side that raises, or builds a value of another shape or dtype, fails
 where the rule is written, naming it, instead of being skipped with a warning
 at every rewrite.
@@ -19,15 +19,20 @@ from .cost.model import AnalyticCost
 from .jaxpr.trace import Traced, trace_at
 from .pipeline import run_pipeline
 from .rules.match import _short
-from .rules.rule import Rule, rule as _rule
+from .rules.pattern import Pat
+from .rules.rule import Rule, _one_example, rule as _rule
 from .rules.ruleset import Ruleset
 from .rules.saturate import Limits
 
 
-def rule(lhs: Any, rhs: Any, *, name: str, when: Callable[..., bool] | None = None, example: Any = None,
-         prefer: bool = False, check: bool = True,
-         check_inputs: Mapping[str, Callable[[Any], Any]] | None = None) -> Rule:
-    r = _rule(lhs, rhs, name=name, when=when, example=example, prefer=prefer)
+def rule(lhs: Any, rhs: Any, *, name: str, when: Callable[..., bool] | None = None, example_inputs: Any = None,
+         example_program: Any = None, prefer: bool = False, check: bool = True,
+         check_inputs: Mapping[str, Callable[[Any], Any]] | None = None, example: Any = None) -> Rule:
+    # the deprecated spelling is resolved here, so that its warning points at the caller's line
+    example = _one_example(name, isinstance(lhs, Pat), example_inputs, example_program, example)
+    is_pat = isinstance(lhs, Pat)
+    r = _rule(lhs, rhs, name=name, when=when, example_inputs=None if is_pat else example,
+              example_program=example if is_pat else None, prefer=prefer)
     r.defined_at = _call_site()
     if check_inputs:
         unknown = [k for k in check_inputs if k not in r.var_names]
@@ -64,7 +69,7 @@ rule.__doc__ = (_rule.__doc__ or "") + """
 
     >>> import jax, jax.numpy as jnp, numpy as np
     >>> inv_solve = rule(lambda a, b: jnp.linalg.inv(a) @ b, lambda a, b: jnp.linalg.solve(a, b), name="inv_solve",
-    ...                  example=(jax.ShapeDtypeStruct((3, 3), jnp.float32), jax.ShapeDtypeStruct((3,), jnp.float32)),
+    ...                  example_inputs=(jax.ShapeDtypeStruct((3, 3), jnp.float32), jax.ShapeDtypeStruct((3,), jnp.float32)),
     ...                  check_inputs={"a": lambda a: a @ a.T + 3 * np.eye(a.shape[-1], dtype=a.dtype)})
     >>> sorted(inv_solve.check_inputs)
     ['a']
@@ -79,7 +84,7 @@ rule.__doc__ = (_rule.__doc__ or "") + """
     >>> import jax, jax.numpy as jnp
     >>> from rewrite import Pat, rule
     >>> rule(Pat("sin", Pat.var("x")), lambda x: jnp.sine(x), name="typo",
-    ...      example=(jnp.sin, (jax.ShapeDtypeStruct((3,), jnp.float32),)))  # doctest: +ELLIPSIS
+    ...      example_program=(jnp.sin, (jax.ShapeDtypeStruct((3,), jnp.float32),)))  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ValueError: rule 'typo': on its example program ...module 'jax.numpy' has no attribute 'sine'...
 """

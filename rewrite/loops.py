@@ -61,8 +61,9 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 from jax import lax
 
-from .ir import terms as _terms
+from .ir import primitives as _primitives
 from .ir.jaxapi import core
+from .ir.loopstep import Decline
 from .rules.match import Body, Match, Node, Value
 from .rules.pattern import Pat
 
@@ -74,17 +75,10 @@ SCAN = Pat("scan", name="s", body="b", args="args", params="sp")
 #: condition's constants, the body's constants, then the carries), ``wp`` its params.
 WHILE = Pat("while", name="w", bodies=["cb", "bb"], args="args", params="wp")
 
-_POINTWISE = (_terms.ELEMENTWISE, _terms.TRANSCENDENTAL)
+_POINTWISE = (_primitives.ELEMENTWISE, _primitives.TRANSCENDENTAL)
 
 #: What ``recompute="cheap"`` may rebuild in a loop: arithmetic and layout, no transcendentals, contractions or loops.
-CHEAP = frozenset(spec.prim for spec in _terms.SPECS if spec.family in (_terms.ELEMENTWISE, _terms.LAYOUT))
-
-#: Reductions whose per-step form is the same primitive over fewer axes.
-_REDUCTIONS = ("reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or")
-
-
-class Decline(Exception):
-    """This match cannot be rewritten: raised inside :meth:`Loop.attempt`, or caught by the rule."""
+CHEAP = frozenset(spec.prim for spec in _primitives.SPECS if spec.family in (_primitives.ELEMENTWISE, _primitives.LAYOUT))
 
 
 def step_aval(aval: Any, axis: int = 0) -> Any:
@@ -117,6 +111,12 @@ def is_pointwise(node: Node) -> bool:
     True
     """
     return node.spec is not None and node.spec.family in _POINTWISE
+
+
+def _moves(node: Node) -> Callable[..., Value] | None:
+    """How step ``t`` of ``node``'s value is built in a loop body: its primitive record's ``loop_step`` hook
+    (``rewrite/ir/loopstep.py``), or ``None`` where its work cannot move into a loop."""
+    return node.spec.loop_step if node.spec is not None else None
 
 
 def adds_one(v: Value, of: Value) -> bool:
@@ -261,8 +261,7 @@ class Loop:
                 if node.ctor in ("Proj", "Scan") or node.spec is None:
                     continue
                 found.setdefault((parent.cls, node.ctor, node.pid), (parent, node))
-                if T in parent.shape and parent.cls not in seen and (
-                        is_pointwise(node) or node.prim in _MOVES):
+                if T in parent.shape and parent.cls not in seen and _moves(node) is not None:
                     seen.add(parent.cls)
                     frontier.append(parent)
         return list(found.values())
@@ -441,7 +440,7 @@ class Loop:
         if v.shape[axis] != T:
             raise Decline(f"{v} is not stacked along axis {axis}")
         for node in v.nodes:
-            mover = _MOVES.get(node.prim) if not is_pointwise(node) else _pointwise_step
+            mover = _moves(node)
             if mover is None:
                 continue
             try:
@@ -510,121 +509,3 @@ class Loop:
         return m.trace(lambda *a: g(*a)[0], *values)
 
 
-# ---------------------------------------------------------------------- how each kind of work moves in
-# Each mover builds step t of ``v`` (stacked along ``axis``) from ``node``, one of v's e-nodes; ``step(x, a)``
-# gives step t of an operand stacked along its axis ``a``. A mover raises Decline when the node keeps the
-# loop's axis in a way it cannot follow.
-def _drop(dims: Sequence[int], axis: int) -> tuple[int, ...]:
-    """Axis numbers after ``axis`` is removed (``axis`` itself must not be among them)."""
-    return tuple(d - (d > axis) for d in dims)
-
-
-def _pointwise_step(loop: Loop, node: Node, v: Value, axis: int, step: Callable) -> Value:
-    ops = [step(o, axis) if o.ndim == v.ndim else loop.invariant(o) if o.ndim == 0 else _no(o)
-           for o in node.operands]
-    prim, params = node.primitive, node.params
-    return loop.m.trace(lambda *a: prim.bind(*a, **params), *ops)
-
-
-def _no(v: Value) -> Value:
-    raise Decline(f"operand {v} of a pointwise op has another rank")
-
-
-def _broadcast_step(loop: Loop, node: Node, v: Value, axis: int, step: Callable) -> Value:
-    (x,) = node.operands
-    shape, dims = tuple(node.params["shape"]), tuple(node.params["broadcast_dimensions"])
-    if node.params.get("sharding") is not None:
-        raise Decline("a sharded broadcast")
-    if axis in dims:
-        k = dims.index(axis)
-        inner = step(x, k) if x.shape[k] == loop.length and loop.length != 1 else loop.invariant(x, squeeze=k)
-        step_dims = _drop(dims[:k] + dims[k + 1:], axis)
-    else:  # the operand does not vary along the loop axis
-        inner, step_dims = loop.invariant(x), _drop(dims, axis)
-    out_shape = shape[:axis] + shape[axis + 1:]
-    return loop.m.trace(lambda a: lax.broadcast_in_dim(a, out_shape, step_dims), inner)
-
-
-def _transpose_step(loop: Loop, node: Node, v: Value, axis: int, step: Callable) -> Value:
-    (x,) = node.operands
-    perm = tuple(node.params["permutation"])
-    src = perm[axis]
-    inner = step(x, src)
-    new = _drop(perm[:axis] + perm[axis + 1:], src)
-    return loop.m.trace(lambda a: lax.transpose(a, new), inner)
-
-
-def _reshape_step(loop: Loop, node: Node, v: Value, axis: int, step: Callable) -> Value:
-    (x,) = node.operands[:1]
-    if len(node.operands) != 1 or node.params.get("dimensions") is not None:
-        raise Decline("a reshape with dynamic shape or a dimension order")
-    before = int(np.prod(v.shape[:axis], dtype=np.int64))
-    for b in range(x.ndim):
-        if int(np.prod(x.shape[:b], dtype=np.int64)) == before and x.shape[b] == v.shape[axis]:
-            inner = step(x, b)  # row-major order: the loop's axis is the same axis on both sides
-            new = tuple(v.shape[:axis] + v.shape[axis + 1:])
-            return loop.m.trace(lambda a: lax.reshape(a, new), inner)
-    raise Decline("a reshape that mixes the loop's axis with others")
-
-
-def _squeeze_step(loop: Loop, node: Node, v: Value, axis: int, step: Callable) -> Value:
-    (x,) = node.operands
-    dims = tuple(d % x.ndim for d in node.params["dimensions"])
-    kept = [d for d in range(x.ndim) if d not in dims]
-    src = kept[axis]
-    inner = step(x, src)
-    return loop.m.trace(lambda a: lax.squeeze(a, _drop(dims, src)), inner)
-
-
-def _reduce_step(loop: Loop, node: Node, v: Value, axis: int, step: Callable) -> Value:
-    (x,) = node.operands
-    axes = tuple(node.params["axes"])
-    kept = [d for d in range(x.ndim) if d not in axes]
-    src = kept[axis]
-    inner = step(x, src)
-    prim, params = node.primitive, dict(node.params, axes=_drop(axes, src))
-    return loop.m.trace(lambda a: prim.bind(a, **params), inner)
-
-
-def _dot_step(loop: Loop, node: Node, v: Value, axis: int, step: Callable) -> Value:
-    lhs, rhs = node.operands
-    (lc, rc), (lb, rb) = node.params["dimension_numbers"]
-    lc, rc, lb, rb = map(tuple, (lc, rc, lb, rb))
-    lfree = [d for d in range(lhs.ndim) if d not in lc + lb]
-    rfree = [d for d in range(rhs.ndim) if d not in rc + rb]
-    if axis < len(lb):  # a batch axis of both operands
-        la, ra = lb[axis], rb[axis]
-        a, b = step(lhs, la), step(rhs, ra)
-        nb = ((_drop(lc, la), _drop(rc, ra)), (_drop(lb[:axis] + lb[axis + 1:], la), _drop(rb[:axis] + rb[axis + 1:], ra)))
-    elif axis < len(lb) + len(lfree):  # a free axis of the left operand; the right one is the same every step
-        la = lfree[axis - len(lb)]
-        a, b = step(lhs, la), loop.invariant(rhs)
-        nb = ((_drop(lc, la), rc), (_drop(lb, la), rb))
-    else:
-        ra = rfree[axis - len(lb) - len(lfree)]
-        a, b = loop.invariant(lhs), step(rhs, ra)
-        nb = ((lc, _drop(rc, ra)), (lb, _drop(rb, ra)))
-    prim, params = node.primitive, dict(node.params, dimension_numbers=nb)
-    return loop.m.trace(lambda x, y: prim.bind(x, y, **params), a, b)
-
-
-def _slice_step(loop: Loop, node: Node, v: Value, axis: int, step: Callable) -> Value:
-    (x,) = node.operands
-    start, limit = tuple(node.params["start_indices"]), tuple(node.params["limit_indices"])
-    strides = tuple(node.params["strides"] or (1,) * x.ndim)
-    if (start[axis], limit[axis], strides[axis]) != (0, x.shape[axis], 1):
-        raise Decline("a slice along the loop's axis")
-    inner = step(x, axis)
-    cut = lambda t: t[:axis] + t[axis + 1:]  # noqa: E731
-    return loop.m.trace(lambda a: lax.slice(a, cut(start), cut(limit), cut(strides)), inner)
-
-
-_MOVES: dict[str, Callable[..., Value]] = {
-    "slice": _slice_step,
-    "broadcast_in_dim": _broadcast_step,
-    "transpose": _transpose_step,
-    "reshape": _reshape_step,
-    "squeeze": _squeeze_step,
-    "dot_general": _dot_step,
-    **{p: _reduce_step for p in _REDUCTIONS},
-}

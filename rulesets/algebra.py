@@ -419,11 +419,11 @@ algebra = Ruleset("algebra", [
     rule(lambda x: x / 1, lambda x: x, name="div_one"),                                        # x / 1 -> x
     rule(lambda x: x + (-0.0), lambda x: x, name="add_neg_zero"),                              # x + (-0.0) -> x
     rule(lambda x: x - 0, lambda x: x, name="sub_zero"),                                       # x - 0 -> x  (-0.0 - 0.0 is -0.0)
-    rule(lambda x: x + 0, lambda x: x, name="add_zero_int", when=_integer, example=_INT),     # x + 0 -> x  (integers only)
+    rule(lambda x: x + 0, lambda x: x, name="add_zero_int", when=_integer, example_inputs=_INT),     # x + 0 -> x  (integers only)
     rule(lambda x: (-0.0) - x, lambda x: -x, name="neg_zero_sub"),                             # (-0.0) - x -> -x
-    rule(lambda x: 0 - x, lambda x: -x, name="zero_sub_int", when=_integer, example=_INT),    # 0 - x -> -x  (integers only)
-    rule(lambda x: x * 0, lambda x: jnp.zeros_like(x), name="mul_zero_int", when=_integer, example=_INT),  # x * 0 -> 0  (integers only)
-    rule(lambda x: x - x, lambda x: jnp.zeros_like(x), name="sub_self_int", when=_integer, example=_INT),  # x - x -> 0  (integers only)
+    rule(lambda x: 0 - x, lambda x: -x, name="zero_sub_int", when=_integer, example_inputs=_INT),    # 0 - x -> -x  (integers only)
+    rule(lambda x: x * 0, lambda x: jnp.zeros_like(x), name="mul_zero_int", when=_integer, example_inputs=_INT),  # x * 0 -> 0  (integers only)
+    rule(lambda x: x - x, lambda x: jnp.zeros_like(x), name="sub_self_int", when=_integer, example_inputs=_INT),  # x - x -> 0  (integers only)
     rule(lambda x: x * -1, lambda x: -x, name="mul_neg_one"),                                  # x * -1 -> -x
     rule(lambda x: -(-x), lambda x: x, name="neg_neg"),                                        # -(-x) -> x
     rule(lambda x, y: lax.sub(x, -y), lambda x, y: lax.add(x, y), name="sub_neg"),             # x - (-y) -> x + y
@@ -435,7 +435,7 @@ algebra = Ruleset("algebra", [
     rule(lambda x: jnp.abs(jnp.abs(x)), lambda x: jnp.abs(x), name="abs_abs"),                 # ||x|| -> |x|
     rule(lambda x: lax.max(x, x), lambda x: x, name="max_self"),                               # max(x, x) -> x
     rule(lambda x: lax.min(x, x), lambda x: x, name="min_self"),                               # min(x, x) -> x
-    rule(lambda p, x: lax.select_n(p, x, x), lambda p, x: x, name="select_same", example=_BOOL_F32),  # select_n(p, x, x) -> x
+    rule(lambda p, x: lax.select_n(p, x, x), lambda p, x: x, name="select_same", example_inputs=_BOOL_F32),  # select_n(p, x, x) -> x
     # integer_pow, as XLA lowers it
     rule(lambda x: lax.integer_pow(x, 0), lambda x: lax.full_like(x, 1), name="pow_zero"),    # x^0 -> 1  (also for 0, inf, NaN)
     rule(lambda x: lax.integer_pow(x, 1), lambda x: x, name="pow_one"),                        # x^1 -> x
@@ -444,45 +444,45 @@ algebra = Ruleset("algebra", [
     rule(lambda x: x * x, lambda x: lax.square(x), name="mul_self", when=_real),               # x * x -> square(x)
     rule(_POW_POW, lambda x, p, q: lax.integer_pow(x, p.y * q.y), name="pow_pow",              # (x^2^k)^b -> x^(2^k b)
          when=lambda x, p, q: _power_of_two(p.y) and q.y != 0 and _pow_base(x, p.y * q.y),
-         example=(lambda x: (x ** 2) ** 3, _V)),
+         example_program=(lambda x: (x ** 2) ** 3, _V)),
     rule(_MUL_POWS, lambda x, p, q: lax.integer_pow(x, p.y + q.y), name="mul_pows",            # x^2^k * x^b -> x^(2^k+b), b <= 2^k
-         when=lambda x, p, q: _exact_product(x, p.y, q.y), example=(lambda x: x ** 4 * x ** 3, _V)),
+         when=lambda x, p, q: _exact_product(x, p.y, q.y), example_program=(lambda x: x ** 4 * x ** 3, _V)),
     rule(_MUL_X_POW, lambda x, q: lax.integer_pow(x, q.y + 1), name="mul_x_pow",               # x * x^2^k -> x^(2^k+1)
-         when=lambda x, q: _exact_product(x, q.y, 1), example=(lambda x: x * x ** 4, _V)),
+         when=lambda x, q: _exact_product(x, q.y, 1), example_program=(lambda x: x * x ** 4, _V)),
     # layout
     rule(Pat({"reshape", "squeeze", "transpose"}, X, name="r", params="p"), lambda x: x,       # reshape(x) -> x  (same type, same order)
-         when=_identity_layout, name="layout_identity", example=(_ex_layout_identity, _M)),
+         when=_identity_layout, name="layout_identity", example_program=(_ex_layout_identity, _M)),
     rule(_chain("reshape", "reshape"), _collapse, name="reshape_reshape",                     # reshape(reshape(x)) -> reshape(x)
-         example=(lambda x: x.reshape(15).reshape(5, 3), _M)),
+         example_program=(lambda x: x.reshape(15).reshape(5, 3), _M)),
     rule(_chain(_RESHAPE_LIKE, _RESHAPE_LIKE), _collapse, name="reshape_chain",                # reshape-like(reshape-like(x)) -> reshape(x)
-         example=(_ex_layout_chain, _M + _M1 + _SCALAR)),
+         example_program=(_ex_layout_chain, _M + _M1 + _SCALAR)),
     rule(_chain("broadcast_in_dim", "broadcast_in_dim"), lambda x, pi, po: lax.broadcast_in_dim(  # bcast(bcast(x)) -> bcast(x)
         x, po.shape, tuple(po.broadcast_dimensions[d] for d in pi.broadcast_dimensions)), name="broadcast_broadcast",
-         example=(lambda x: jnp.broadcast_to(jnp.broadcast_to(x, (4, 5)), (2, 4, 5)), _f32(5))),
+         example_program=(lambda x: jnp.broadcast_to(jnp.broadcast_to(x, (4, 5)), (2, 4, 5)), _f32(5))),
     rule(_chain("transpose", "transpose"), lambda x, pi, po: _transpose(x, tuple(pi.permutation[i] for i in po.permutation)),
-         name="transpose_transpose", example=(_ex_transpose_transpose, _f32(2, 3, 4))),  # transpose(transpose(x, p), q) -> transpose(x, p[q])
+         name="transpose_transpose", example_program=(_ex_transpose_transpose, _f32(2, 3, 4))),  # transpose(transpose(x, p), q) -> transpose(x, p[q])
     rule(_chain("transpose", "broadcast_in_dim"), lambda x, pi, po: lax.broadcast_in_dim(     # transpose(bcast(x)) -> bcast(x), dims in order
         x, tuple(pi.shape[d] for d in po.permutation), _broadcast_transposed(pi, po)), name="transpose_broadcast",
          when=lambda pi, po: list(_broadcast_transposed(pi, po)) == sorted(set(_broadcast_transposed(pi, po))),
-         example=(lambda x: jnp.broadcast_to(x, (4, 5)).T, _f32(5))),
+         example_program=(lambda x: jnp.broadcast_to(x, (4, 5)).T, _f32(5))),
     # reductions over axes of size 1 touch one element per output: a reshape (XLA's too: sum([-0.0]) is -0.0)
     rule(Pat(ops.REDUCE - ops.ARG_REDUCE, X, params="p"), lambda x, p: _reshape(x, _without(x.shape, p.axes)),
-         when=_unit, name="reduce_unit_axes", example=(lambda x: (x.sum(1), x.prod(1), x.max(1), x.min(1),
+         when=_unit, name="reduce_unit_axes", example_program=(lambda x: (x.sum(1), x.prod(1), x.max(1), x.min(1),
                                                                    (x > 0).all(1), (x > 0).any(1)), _f32(4, 1, 3))),  # sum(x, size-1 axes) -> reshape(x)
     rule(Pat(ops.ARG_REDUCE, X, params="p"), lambda x, p: lax.full(_without(x.shape, p.axes), 0, p.index_dtype),
-         when=_unit, name="arg_unit_axes", example=(lambda x: (jnp.argmax(x, 1), jnp.argmin(x, 1)), _f32(4, 1, 3))),  # argmax(x, size-1 axis) -> 0
+         when=_unit, name="arg_unit_axes", example_program=(lambda x: (jnp.argmax(x, 1), jnp.argmin(x, 1)), _f32(4, 1, 3))),  # argmax(x, size-1 axis) -> 0
     # converts
     rule(_chain("convert_element_type", "convert_element_type"), lambda x, po: _convert(x, po), name="convert_convert",
-         when=lambda x, y, po: _convert_convert(x, y, po), example=(_ex_convert_convert, _INT8_BF16)),  # convert(convert(x, wider), B) -> convert(x, B)
+         when=lambda x, y, po: _convert_convert(x, y, po), example_program=(_ex_convert_convert, _INT8_BF16)),  # convert(convert(x, wider), B) -> convert(x, B)
     # constant folding (literal operands)
     rule(Pat(_FOLD_UNARY, Pat.lit(name="a"), params="p"), _fold, name="fold_unary",          # op(c) -> c'
-         example=(_ex_fold_unary, _V + (_INT,))),
+         example_program=(_ex_fold_unary, _V + (_INT,))),
     rule(Pat(_FOLD_BINARY, Pat.lit(name="a"), Pat.lit(name="b"), params="p"), _fold, name="fold_binary",  # a op b -> c
-         example=(_ex_fold_binary, _V + (_INT,))),
+         example_program=(_ex_fold_binary, _V + (_INT,))),
     rule(Pat("integer_pow", Pat.lit(name="c"), params="p"), _fold_integer_pow, name="fold_integer_pow",  # c^n -> c'
-         example=(lambda x: x * jnp.float32(0.99) ** 10, _V)),                                         # (a decay over ten steps)
+         example_program=(lambda x: x * jnp.float32(0.99) ** 10, _V)),                                         # (a decay over ten steps)
     rule(Pat("convert_element_type", Pat.lit(name="c")), _fold_convert, name="fold_convert",  # convert(c) -> c'
-         example=(lambda x: jnp.clip(x, 0, 6), _V)),                                          # (relu6: jnp.clip converts its bounds)
+         example_program=(lambda x: jnp.clip(x, 0, 6), _V)),                                          # (relu6: jnp.clip converts its bounds)
     rule(Pat("select_n", Pat.lit(name="p"), args="cases"), _fold_select, name="fold_select",  # select_n(c, *xs) -> xs[c]
-         example=(lambda x: jnp.where(True, jnp.maximum(x, 0.0), x), _V)),
+         example_program=(lambda x: jnp.where(True, jnp.maximum(x, 0.0), x), _V)),
 ], soundness="exact", description=__doc__.split("\n\n")[0])

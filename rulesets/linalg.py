@@ -159,35 +159,9 @@ def _flops(x: Labels, y: Labels, out: Sequence[int], size: dict[int, int]) -> in
     return 2 * math.prod(size[l] for l in out) * math.prod(size[l] for l in contracted)
 
 
-# ---------------------------------------------------------------------- what a product may be rebuilt from
-def _dot_params(m: Any, *names: str) -> dict | None:
-    """The shared params of the matched products, or ``None`` if they differ or carry a sharding."""
-    ps = [m.params(n) for n in names]
-    first = ps[0]
-    for p in ps:
-        if p.sharded or p.get("precision") != first.get("precision") \
-                or p.get("preferred_element_type") != first.get("preferred_element_type"):
-            return None
-    return first
-
-
-def _labelled(a: Value, b: Value, dimension_numbers: Any) -> tuple[list, list, list]:
-    """Einsum labels of a product's operands and result: ``(la, lb, lo)``, each resolved."""
-    e = _Einsum()
-    la, lb = e.operand(a.ndim), e.operand(b.ndim)
-    lo = e.resolve(e.dot(la, lb, dimension_numbers))
-    return e.resolve(la), e.resolve(lb), lo
-
-
-def _same_dtype(params: dict, *values: Value) -> bool:
-    """Do all operands and the accumulation have one dtype? (int8 products accumulated in int32 are left alone.)"""
-    dt = params.get("preferred_element_type")
-    dtypes = {v.dtype for v in values}
-    return len(dtypes) == 1 and (dt is None or dt in dtypes)
-
-
-def _dot(x: Any, y: Any, dn: Any, precision: Any, dtype: Any) -> Any:
-    return lax.dot_general(x, y, dn, precision=precision, preferred_element_type=dtype)
+# Every procedure starts from Match.product: the matched dot_general as an einsum (its operands, labels,
+# dimension numbers), or None where a product must be left alone (sharded, mixed dtypes such as int8
+# accumulated in int32, or products of different precisions rebuilt as one).
 
 
 # ---------------------------------------------------------------------- associativity
@@ -201,10 +175,10 @@ def _pairings(m: Any, nested: str) -> Any:
     with the third operand in the order the program has them. Declines a pair
     whose contraction is not a ``dot_general``.
     """
-    params = _dot_params(m, "pi", "po")
-    a, b, c, out = m["a"], m["b"], m["c"], m.root
-    if params is None or not _same_dtype(params, a, b, c):
+    inner = ("a", "b", "c") if nested == "lhs" else ("b", "c", "a")
+    if m.product("pi", inner[0], inner[1], same=("po",), operands=inner[2:]) is None:
         return None
+    a, b, c, out = m["a"], m["b"], m["c"], m.root
     e = _Einsum()
     la, lb, lc = e.operand(a.ndim), e.operand(b.ndim), e.operand(c.ndim)
     if nested == "lhs":  # (a b) c
@@ -266,24 +240,20 @@ def _fold_transpose(side: str) -> Callable:
 
     @procedural
     def fold(m):
-        params = _dot_params(m, "p")
-        a, b = m["a"], m["b"]
-        if params is None or not _same_dtype(params, a, b):
+        p = m.product("p")
+        if p is None:
             return None
-        perm = tuple(m.params("t")["permutation"])
-        e = _Einsum()
-        la, lb = e.operand(a.ndim), e.operand(b.ndim)
+        la, lb, lo = p.labels
         src = la if side == "lhs" else lb  # the labels of the transposed value; its operand's follow perm
         untransposed = [0] * len(src)
-        for i, p in enumerate(perm):
-            untransposed[p] = src[i]
-        lo = e.resolve(e.dot(la, lb, params["dimension_numbers"]))
-        la, lb, untransposed = e.resolve(la), e.resolve(lb), e.resolve(untransposed)
+        for i, axis in enumerate(m.params("t")["permutation"]):
+            untransposed[axis] = src[i]
+        untransposed = tuple(untransposed)
         found = _dims(untransposed, lb, lo) if side == "lhs" else _dims(la, untransposed, lo)
         if found is None or _perm(found[1], lo) is not None:
             return None
-        dn, precision, dtype = found[0], params.get("precision"), params.get("preferred_element_type")
-        return m.trace(lambda x, y: _dot(x, y, dn, precision, dtype), a, b)
+        dn = found[0]
+        return m.trace(lambda x, y: p.dot(x, y, dn), p.lhs, p.rhs)
 
     fold.__name__ = f"fold_transpose_{side}"
     return fold
@@ -292,18 +262,16 @@ def _fold_transpose(side: str) -> Callable:
 @procedural
 def _transpose_of_product(m):
     """``transpose(a b)`` is ``a b`` or ``b a`` with other dimension numbers, when one lays the result out so."""
-    params = _dot_params(m, "p")
-    a, b = m["a"], m["b"]
-    if params is None or not _same_dtype(params, a, b):
+    p = m.product("p")
+    if p is None:
         return None
-    la, lb, lo = _labelled(a, b, params["dimension_numbers"])
+    a, b, (la, lb, lo) = p.lhs, p.rhs, p.labels
     want = [lo[i] for i in m.params("t")["permutation"]]
-    precision, dtype = params.get("precision"), params.get("preferred_element_type")
     for (x, lx), (y, ly) in (((a, la), (b, lb)), ((b, lb), (a, la))):
         found = _dims(lx, ly, want)
         if found is not None and _perm(found[1], want) is None:
             dn = found[0]
-            return m.trace(lambda u, v: _dot(u, v, dn, precision, dtype), x, y)
+            return m.trace(lambda u, v: p.dot(u, v, dn), x, y)
     return None
 
 
@@ -395,12 +363,10 @@ def _factor_out(side: str) -> Callable:
 
     @procedural
     def factor_out(m):
-        params = _dot_params(m, "p")
-        a, b = m["a"], m["b"]
-        if params is None or not _same_dtype(params, a, b):
+        p = m.product("p")
+        if p is None:
             return None
-        la, lb, lo = _labelled(a, b, params["dimension_numbers"])
-        dn, precision, dtype = params["dimension_numbers"], params.get("precision"), params.get("preferred_element_type")
+        a, b, (la, lb, lo) = p.lhs, p.rhs, p.labels
         x, lx, other, lother = (a, la, b, lb) if side == "lhs" else (b, lb, a, la)
         found = []
         for op, rest, f, dims in _factors_of(x):
@@ -410,8 +376,7 @@ def _factor_out(side: str) -> Callable:
                 how = _placement(f, along, lo, m.root.shape)
 
                 def fn(f, r, o, how=how, op=op, lhs=side == "lhs"):
-                    d = _dot(r, o, dn, precision, dtype) if lhs else _dot(o, r, dn, precision, dtype)
-                    return _scale(op, _place(f, how), d)
+                    return _scale(op, _place(f, how), p.dot(r, o) if lhs else p.dot(o, r))
 
                 found.append(m.trace(fn, f, rest, other))
             if used <= set(lother) and other.size < x.size:  # along contracted or batch dims: (f a) b -> a (f b)
@@ -419,7 +384,7 @@ def _factor_out(side: str) -> Callable:
 
                 def fn(f, r, o, how=how, op=op, lhs=side == "lhs"):
                     o = _scale(op, _place(f, how), o)
-                    return _dot(r, o, dn, precision, dtype) if lhs else _dot(o, r, dn, precision, dtype)
+                    return p.dot(r, o) if lhs else p.dot(o, r)
 
                 found.append(m.trace(fn, f, rest, other))
         if not found:
@@ -435,18 +400,17 @@ def _factor_in(op: str) -> Callable:
 
     @procedural
     def factor_in(m):
-        params = _dot_params(m, "p")
-        a, b, f, d = m["a"], m["b"], m["f"], m["d"]
-        if params is None or not _same_dtype(params, a, b) or (op == "div" and not d.is_floating):
+        p = m.product("p")
+        f, d = m["f"], m["d"]
+        if p is None or (op == "div" and not d.is_floating):
             return None
+        a, b, (la, lb, lo) = p.lhs, p.rhs, p.labels
         found = _factor(f, d)
         if found is None or m.root.aval.shape != d.shape:
             return None
         small, dims = found
-        la, lb, lo = _labelled(a, b, params["dimension_numbers"])
         along = tuple(None if k is None else lo[k] for k in dims)
         used = {l for l in along if l is not None}
-        dn, precision, dtype = params["dimension_numbers"], params.get("precision"), params.get("preferred_element_type")
         out = []
         for lhs, (x, lx) in ((True, (a, la)), (False, (b, lb))):
             if not used <= set(lx) or x.size >= d.size:
@@ -455,8 +419,7 @@ def _factor_in(op: str) -> Callable:
 
             def fn(f, a, b, how=how, lhs=lhs):
                 g = _place(f, how)
-                return _dot(_scale(op, g, a), b, dn, precision, dtype) if lhs else \
-                    _dot(a, _scale(op, g, b), dn, precision, dtype)
+                return p.dot(_scale(op, g, a), b) if lhs else p.dot(a, _scale(op, g, b))
 
             out.append(m.trace(fn, small, a, b))
         if not out:
@@ -473,18 +436,18 @@ def _common(op: str, shared: str) -> Callable:
 
     @procedural
     def common(m):
-        params = _dot_params(m, "p", "q")
-        if params is None or m.params("p")["dimension_numbers"] != m.params("q")["dimension_numbers"]:
+        lhs, rhs, third = ("a", "b", "c") if shared == "lhs" else ("a", "c", "b")
+        p = m.product("p", lhs, rhs, same=("q",), operands=(third,))
+        if p is None or p.dimension_numbers != m.params("q")["dimension_numbers"]:
             return None
         a, b, c = m["a"], m["b"], m["c"]
         x, y = (b, c) if shared == "lhs" else (a, b)
-        if x.aval.shape != y.aval.shape or not _same_dtype(params, a, b, c) or m.root.dtype != a.dtype:
+        if x.aval.shape != y.aval.shape or m.root.dtype != a.dtype:
             return None
-        dn, precision, dtype = params["dimension_numbers"], params.get("precision"), params.get("preferred_element_type")
         combine = lax.add if op == "add" else lax.sub
         if shared == "lhs":
-            return m.trace(lambda a, b, c: _dot(a, combine(b, c), dn, precision, dtype), a, b, c)
-        return m.trace(lambda a, b, c: _dot(combine(a, b), c, dn, precision, dtype), a, b, c)
+            return m.trace(lambda a, b, c: p.dot(a, combine(b, c)), a, b, c)
+        return m.trace(lambda a, b, c: p.dot(combine(a, b), c), a, b, c)
 
     common.__name__ = f"common_{shared}_{op}"
     return common
@@ -494,12 +457,10 @@ def _common(op: str, shared: str) -> Callable:
 @procedural
 def _sum_of_product(m):
     """``sum(a b)`` over dimensions of one operand sums that operand first; over a batch dimension, contracts it."""
-    params = _dot_params(m, "p")
-    a, b = m["a"], m["b"]
-    r = m.params("r")
-    if params is None or r.sharded or not _same_dtype(params, a, b):
+    p, r = m.product("p"), m.params("r")
+    if p is None or r.sharded:
         return None
-    la, lb, lo = _labelled(a, b, params["dimension_numbers"])
+    a, b, (la, lb, lo) = p.lhs, p.rhs, p.labels
     summed = {lo[i] for i in r["axes"]}
     want = [l for l in lo if l not in summed]
     sum_a = tuple(i for i, l in enumerate(la) if l in summed and l not in lb)
@@ -510,14 +471,13 @@ def _sum_of_product(m):
     if found is None:
         return None
     dn, perm = found[0], _perm(found[1], want)
-    precision, dtype = params.get("precision"), params.get("preferred_element_type")
 
     def fn(a, b):
         if sum_a:
             a = jnp.sum(a, axis=sum_a)
         if sum_b:
             b = jnp.sum(b, axis=sum_b)
-        out = _dot(a, b, dn, precision, dtype)
+        out = p.dot(a, b, dn)
         return out if perm is None else lax.transpose(out, perm)
 
     return m.trace(fn, a, b)
@@ -575,11 +535,11 @@ def _is_diagonal(m: Any, body: Any, w: Value, q: Value, mask: Any) -> bool:
 @procedural
 def _diagonal_of_product(m):
     """``diagonal(a b) -> sum(a * b^T, 1)``: ``jnp.diagonal`` is a ``cond`` over the platform, checked branch by branch."""
-    params = _dot_params(m, "p")
+    p = m.product("p")
     a, b, w, q, i = m["a"], m["b"], m["w"], m["q"], m["i"]
-    (lc, rc), (lb, _) = params["dimension_numbers"] if params is not None else ((None, None), (None, None))
-    if params is None or lb or a.ndim != 2 or b.ndim != 2 or q.shape[0] != q.shape[1] or not q.is_floating \
-            or not _same_dtype(params, a, b) or i.node("platform_index") is None:
+    (lc, rc), (lb, _) = p.dimension_numbers if p is not None else ((None, None), (None, None))
+    if p is None or lb or a.ndim != 2 or b.ndim != 2 or q.shape[0] != q.shape[1] or not q.is_floating \
+            or i.node("platform_index") is None:
         return None
     if q.size > 1 << 22:
         return None  # the check evaluates the branches at q's size
@@ -638,44 +598,42 @@ _PRODUCT = Pat("dot_general", A, B, params="p")
 linalg = Ruleset("linalg", [
     # associativity
     rule(Pat("dot_general", Pat("dot_general", A, B, params="pi"), C, params="po"), _assoc_left,
-         name="la_assoc_left", example=(lambda a, b, x: (a @ b) @ x, (_M34, _M45, _V5))),          # (a b) c -> a (b c)
+         name="la_assoc_left", example_program=(lambda a, b, x: (a @ b) @ x, (_M34, _M45, _V5))),          # (a b) c -> a (b c)
     rule(Pat("dot_general", A, Pat("dot_general", B, C, params="pi"), params="po"), _assoc_right,
-         name="la_assoc_right", example=(lambda x, a, b: x @ (a @ b), (_f32(3), _M34, _M45))),     # a (b c) -> (a b) c
+         name="la_assoc_right", example_program=(lambda x, a, b: x @ (a @ b), (_f32(3), _M34, _M45))),     # a (b c) -> (a b) c
     # transposes
     rule(Pat("dot_general", Pat("transpose", A, params="t"), B, params="p"), _fold_transpose("lhs"),
-         name="la_fold_transpose_lhs", example=(lambda a, b: a.T @ b, (_M43, _M45))),              # a^T b -> dot(a, b), other dims
+         name="la_fold_transpose_lhs", example_program=(lambda a, b: a.T @ b, (_M43, _M45))),              # a^T b -> dot(a, b), other dims
     rule(Pat("dot_general", A, Pat("transpose", B, params="t"), params="p"), _fold_transpose("rhs"),
-         name="la_fold_transpose_rhs", example=(lambda q, k: q @ jnp.swapaxes(k, -1, -2), _HEADS[:2])),                        # a b^T -> dot(a, b), other dims
+         name="la_fold_transpose_rhs", example_program=(lambda q, k: q @ jnp.swapaxes(k, -1, -2), _HEADS[:2])),                        # a b^T -> dot(a, b), other dims
     rule(Pat("transpose", _PRODUCT, params="t"), _transpose_of_product,
-         name="la_transpose_product", example=(lambda a, b: (a @ b).T, (_M34, _M45))),            # (a b)^T -> b^T a^T
+         name="la_transpose_product", example_program=(lambda a, b: (a @ b).T, (_M34, _M45))),            # (a b)^T -> b^T a^T
     # factors
     rule(Pat("dot_general", A, B, params="p"), _factor_out("lhs"), name="la_factor_out_lhs",
-         example=(lambda s, r, c, a, b: ((s * a) @ b, (r[:, None] * a) @ b, (a * c[None, :]) @ b),
+         example_program=(lambda s, r, c, a, b: ((s * a) @ b, (r[:, None] * a) @ b, (a * c[None, :]) @ b),
                   (_f32(), _f32(3), _f32(8), _f32(3, 8), _f32(8, 2)))),                                                 # (f a) b -> f (a b) or a (f b)
     rule(Pat("dot_general", A, B, params="p"), _factor_out("rhs"), name="la_factor_out_rhs",
-         example=(lambda a, b, c: a @ (b / 2.0) + a @ (b * c[None, :]), (_M34, _M45, _V5))),       # a (f b) -> f (a b) or (f a) b
+         example_program=(lambda a, b, c: a @ (b / 2.0) + a @ (b * c[None, :]), (_M34, _M45, _V5))),       # a (f b) -> f (a b) or (f a) b
     rule(Pat("mul", F, Pat("dot_general", A, B, params="p", name="d")), _factor_in("mul"), name="la_factor_in_mul",
-         example=(lambda s, a, b: s * (a @ b), (_f32(), _M34, _M45))),                            # f (a b) -> (f a) b or a (f b)
-    rule(Pat("mul", Pat("dot_general", A, B, params="p", name="d"), F), _factor_in("mul"), name="la_factor_in_mul_r",
-         example=(lambda r, a, b: (a @ b) * r[:, None], (_f32(3), _M34, _M45))),                  # (a b) f -> (f a) b
+         example_program=(lambda s, a, b: s * (a @ b), (_f32(), _M34, _M45))),                            # f (a b) -> (f a) b or a (f b)
     rule(Pat("div", Pat("dot_general", A, B, params="p", name="d"), F), _factor_in("div"), name="la_factor_in_div",
-         example=(_ex_attention, _HEADS)),                                                         # (a b) / f -> (a / f) b or a (b / f)
+         example_program=(_ex_attention, _HEADS)),                                                         # (a b) / f -> (a / f) b or a (b / f)
     # distributivity
     rule(Pat("add", Pat("dot_general", A, B, params="p"), Pat("dot_general", A, C, params="q")), _common("add", "lhs"),
-         name="la_common_lhs_add", example=(lambda a, x, y: a @ x + a @ y, (_M34, _M45, _M45))),   # a b + a c -> a (b + c)
+         name="la_common_lhs_add", example_program=(lambda a, x, y: a @ x + a @ y, (_M34, _M45, _M45))),   # a b + a c -> a (b + c)
     rule(Pat("sub", Pat("dot_general", A, B, params="p"), Pat("dot_general", A, C, params="q")), _common("sub", "lhs"),
-         name="la_common_lhs_sub", example=(lambda a, x, y: a @ x - a @ y, (_M34, _f32(4), _f32(4)))),  # a b - a c -> a (b - c)
+         name="la_common_lhs_sub", example_program=(lambda a, x, y: a @ x - a @ y, (_M34, _f32(4), _f32(4)))),  # a b - a c -> a (b - c)
     rule(Pat("add", Pat("dot_general", A, C, params="p"), Pat("dot_general", B, C, params="q")), _common("add", "rhs"),
-         name="la_common_rhs_add", example=(lambda a, b, x: a @ x + b @ x, (_M34, _M34, _f32(4)))),  # a c + b c -> (a + b) c
+         name="la_common_rhs_add", example_program=(lambda a, b, x: a @ x + b @ x, (_M34, _M34, _f32(4)))),  # a c + b c -> (a + b) c
     rule(Pat("sub", Pat("dot_general", A, C, params="p"), Pat("dot_general", B, C, params="q")), _common("sub", "rhs"),
-         name="la_common_rhs_sub", example=(lambda a, b, x: a @ x - b @ x, (_M34, _M34, _M45))),   # a c - b c -> (a - b) c
+         name="la_common_rhs_sub", example_program=(lambda a, b, x: a @ x - b @ x, (_M34, _M34, _M45))),   # a c - b c -> (a - b) c
     # reductions of products
     rule(Pat("reduce_sum", _PRODUCT, params="r"), _sum_of_product, name="la_sum_product",
-         example=(lambda a, b: (jnp.sum(a @ b, axis=0), jnp.sum(jnp.einsum("bij,bjk->bik", a[None], b[None]), (0, 2))),
+         example_program=(lambda a, b: (jnp.sum(a @ b, axis=0), jnp.sum(jnp.einsum("bij,bjk->bik", a[None], b[None]), (0, 2))),
                   (_M34, _M45))),                                                                 # sum(a b, 0) -> sum(a, 0) b
     rule(Pat("cond", [Pat.var("i"), Pat.var("w"), Pat("dot_general", A, B, params="p", name="q")], bodies="br"),
          _diagonal_of_product, name="la_diagonal_product",
-         example=(lambda a, b: jnp.diagonal(a @ b), (_M34, _M43))),                                # diagonal(a b) -> sum(a * b^T, 1)
+         example_program=(lambda a, b: jnp.diagonal(a @ b), (_M34, _M43))),                                # diagonal(a b) -> sum(a * b^T, 1)
     rule(lambda a, b: jnp.trace(a @ b), lambda a, b: jnp.sum(a * b.T), name="la_trace_product",
-         when=lambda a, b: _numeric(a, b), example=(_M34, _M43)),                                  # trace(a b) -> sum(a * b^T)
+         when=lambda a, b: _numeric(a, b), example_inputs=(_M34, _M43)),                                  # trace(a b) -> sum(a * b^T)
 ], soundness="identity", tolerance=_REORDERING, description=__doc__.split("\n\n")[0])

@@ -47,7 +47,7 @@ identity = Ruleset("local_identity", [
     rule(lambda x: jnp.log(jnp.exp(x)), lambda x: x, name="log_exp"),          # log(e^x) -> x
     rule(lambda a, b, c: a * b + a * c, lambda a, b, c: a * (b + c), name="factor"),  # ab+ac -> a(b+c)
     rule(Pat("reduce_sum", Pat("broadcast_in_dim", Pat.var("s"), params="bp")), _sum_of_broadcast,
-         name="sum_of_broadcast", example=(lambda a: jnp.sum(jnp.broadcast_to(a, (4, 5))),
+         name="sum_of_broadcast", example_program=(lambda a: jnp.sum(jnp.broadcast_to(a, (4, 5))),
                                            (jax.ShapeDtypeStruct((), jnp.float32),))),
 ], soundness="identity")
 

@@ -60,7 +60,7 @@ def test_a_guard_with_a_typo_shows_its_own_error():
     with pytest.raises(ValueError, match=r"rule 'g'.*guard.*AttributeError.*non_neg"):
         rule(lambda x: jnp.abs(x), lambda x: x, name="g", when=lambda x: x.non_neg)
     with pytest.raises(ValueError, match=r"rule 'g'.*guard.*AttributeError.*example's inputs"):
-        rule(lambda x: jnp.abs(x), lambda x: x, name="g", when=lambda x: x.non_neg, example=(S((3,), F32),))
+        rule(lambda x: jnp.abs(x), lambda x: x, name="g", when=lambda x: x.non_neg, example_inputs=(S((3,), F32),))
 
 
 def test_a_guard_that_raises_at_some_shapes_only_is_fine_where_it_answers():
@@ -114,29 +114,29 @@ EXAMPLE = (jnp.sin, (S((3,), F32),))
 
 def test_a_pat_rules_right_side_with_a_typo_fails_where_it_is_defined():
     with pytest.raises(ValueError, match=r"rule 'typo': on its example program.*no attribute 'sine'"):
-        rule(Pat("sin", Pat.var("x")), lambda x: jnp.sine(x), name="typo", example=EXAMPLE)
+        rule(Pat("sin", Pat.var("x")), lambda x: jnp.sine(x), name="typo", example_program=EXAMPLE)
 
 
 def test_a_pat_rules_right_side_of_the_wrong_shape_fails_where_it_is_defined():
     with pytest.raises(ValueError, match=r"rule 'shape': on its example program.*built f32\[\] for a match of"):
-        rule(Pat("sin", Pat.var("x")), lambda x: jnp.sin(x).sum(), name="shape", example=EXAMPLE)
+        rule(Pat("sin", Pat.var("x")), lambda x: jnp.sin(x).sum(), name="shape", example_program=EXAMPLE)
 
 
 def test_a_pat_rule_whose_example_has_no_match_fails():
     with pytest.raises(ValueError, match="rule 'nomatch': the pattern has no match on its example"):
-        rule(Pat("cos", Pat.var("x")), lambda x: x, name="nomatch", example=EXAMPLE)
+        rule(Pat("cos", Pat.var("x")), lambda x: x, name="nomatch", example_program=EXAMPLE)
 
 
 def test_a_correct_pat_rule_is_accepted_and_check_false_skips_the_check():
-    assert rule(Pat("sin", Pat.var("x")), lambda x: jnp.sin(x), name="ok", example=EXAMPLE).program
-    assert rule(Pat("sin", Pat.var("x")), lambda x: jnp.sine(x), name="unchecked", example=EXAMPLE, check=False)
+    assert rule(Pat("sin", Pat.var("x")), lambda x: jnp.sin(x), name="ok", example_program=EXAMPLE).program
+    assert rule(Pat("sin", Pat.var("x")), lambda x: jnp.sine(x), name="unchecked", example_program=EXAMPLE, check=False)
 
 
 def test_no_warning_is_logged_while_a_rule_is_checked(caplog):
     with caplog.at_level("WARNING", logger="rewrite"), warnings.catch_warnings():
         warnings.simplefilter("error")
         with pytest.raises(ValueError):
-            rule(Pat("sin", Pat.var("x")), lambda x: jnp.sine(x), name="typo", example=EXAMPLE)
+            rule(Pat("sin", Pat.var("x")), lambda x: jnp.sine(x), name="typo", example_program=EXAMPLE)
     assert not caplog.records
 
 
@@ -190,7 +190,7 @@ def test_softplus_keeps_complex_logaddexp_as_it_is():
 @pytest.mark.parametrize("n", [3, 4, 5, 8, 16])
 def test_a_pattern_through_linalg_inv_matches_at_every_size(n):
     inv_solve = rule(lambda A, b: jnp.linalg.inv(A) @ b, lambda A, b: jnp.linalg.solve(A, b), name="inv_solve",
-                     example=(S((4, 4), F32), S((4,), F32)))
+                     example_inputs=(S((4, 4), F32), S((4,), F32)))
     A = jnp.eye(n) * 2.0 + 0.1 * jax.random.normal(jax.random.PRNGKey(n), (n, n))
     b = jnp.arange(n, dtype=F32)
     f = lambda A, b: jnp.linalg.inv(A) @ b  # noqa: E731
@@ -203,7 +203,7 @@ def test_a_pattern_through_linalg_inv_matches_at_every_size(n):
 def test_a_loose_opaque_pattern_is_verified_at_the_matched_program():
     # pinv runs other opaque operations (svd): the loosened params must not let it match.
     inv_solve = rule(lambda A, b: jnp.linalg.inv(A) @ b, lambda A, b: jnp.linalg.solve(A, b), name="inv_solve",
-                     example=(S((4, 4), F32), S((4,), F32)))
+                     example_inputs=(S((4, 4), F32), S((4,), F32)))
     A = jnp.eye(5) * 2.0
     report = explain(lambda A, b: jnp.linalg.pinv(A) @ b, A, jnp.ones(5),
                      rulesets=[Ruleset("s", [inv_solve], soundness="identity")])
@@ -270,7 +270,7 @@ def test_the_gradient_report_prices_a_calls_fixed_cost_too():
 # ---------------------------------------------------------------------- restricting what a property check draws
 def _inv_inv(**kw):
     return Ruleset("inverses", [rule(lambda a: jnp.linalg.inv(jnp.linalg.inv(a)), lambda a: a, name="inv_inv",
-                                     example=(S((3, 3), F32),), **kw)], soundness="identity")
+                                     example_inputs=(S((3, 3), F32),), **kw)], soundness="identity")
 
 
 def test_a_rule_for_non_singular_matrices_fails_its_check_on_all_matrices():
@@ -290,3 +290,26 @@ def test_check_inputs_restricts_what_the_check_draws():
 def test_check_inputs_names_pattern_variables():
     with pytest.raises(ValueError, match="check_inputs= maps pattern variables"):
         _inv_inv(check_inputs={"b": np.abs})
+
+
+# ---------------------------------------------------------------------- a failed rewrite: strict raises, else falls back
+def test_a_failed_rewrite_raises_under_strict_and_otherwise_falls_back_with_a_warning():
+    from rewrite import NodeCost
+
+    def boom(node):
+        raise ZeroDivisionError("a cost model that fails")
+
+    f = lambda x: jnp.sin(x) * 1.0  # noqa: E731
+    x = jnp.linspace(-1.0, 1.0, 3)
+    with pytest.raises(ZeroDivisionError):
+        rewrite(f, cost_model=NodeCost(boom), strict=True, cache=False)(x)
+    with pytest.warns(RewriteWarning, match=r"rewrite of '<lambda>' failed \(ZeroDivisionError: .*running it unchanged"):
+        np.testing.assert_allclose(rewrite(f, cost_model=NodeCost(boom), strict=False, cache=False)(x), f(x))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # vjp=True
+        g = rewrite(f, cost_model=NodeCost(boom), strict=False, cache=False, vjp=True)
+        with pytest.warns(RewriteWarning, match=r"rewrite of the VJP of '<lambda>' failed .*using JAX's own"):
+            np.testing.assert_allclose(jax.grad(lambda x: g(x).sum())(x), jnp.cos(x), rtol=1e-6)
+        h = rewrite(f, cost_model=NodeCost(boom), strict=True, cache=False, vjp=True)
+        with pytest.raises(ZeroDivisionError):
+            jax.grad(lambda x: h(x).sum())(x)

@@ -370,9 +370,9 @@ def test_where_the_cache_lives(monkeypatch, tmp_path):
 
 # A rule that makes a sum deliberately slow (sorting first), and a cost model that prefers it.
 SLOW = Ruleset("slow", [rule(lambda x: jnp.sum(x), lambda x: jnp.cumsum(jnp.sort(x))[-1], name="sum_by_sorting",
-                             example=(jax.ShapeDtypeStruct((4096,), jnp.float32),))], soundness="identity")
+                             example_inputs=(jax.ShapeDtypeStruct((4096,), jnp.float32),))], soundness="identity")
 FAST = Ruleset("fast", [rule(lambda x: jnp.sum(jnp.sort(x)), lambda x: jnp.sum(x), name="sum_unsorted",
-                             example=(jax.ShapeDtypeStruct((4096,), jnp.float32),))], soundness="identity")
+                             example_inputs=(jax.ShapeDtypeStruct((4096,), jnp.float32),))], soundness="identity")
 
 
 def _sums_are_ruinous(node):

@@ -247,3 +247,20 @@ def test_programs_xla_compiles_alike_are_priced_alike():
     # a power of one costs no multiplication (only the model's small price per equation)
     one, none = _price(lambda x: 2.0 * lax.integer_pow(x, 1), x), _price(lambda x: 2.0 * x, x)
     assert none <= one <= none * 1.01
+
+
+def test_calibration_tables_store_each_memory_figure_once():
+    """A table's memory figures are the medians of the runs in ``memory_runs``; a table of one run stores
+    them once, as its own (the run is read back from them when a later run is merged)."""
+    import statistics
+
+    from benchmarks.calibrate import _memory_history
+    from rewrite.cost import calibration
+
+    for name in calibration.BACKENDS.values():
+        table = getattr(calibration, name)
+        runs = _memory_history(table, ("byte", "copy_per_element", "reduce_per_element", "launch", "dot_flop"))
+        assert runs, name
+        assert "memory_runs" not in table or len(table["memory_runs"]) > 1, f"{name}: one run stored twice"
+        for k in runs[0]:
+            assert table[k] == pytest.approx(statistics.median(r[k] for r in runs if k in r), abs=1e-6), (name, k)

@@ -143,7 +143,7 @@ CASES = [
     ("trig_cos_neg", lambda x: jnp.cos(-x), [S], "moderate"),
     ("trig_sin_neg", lambda x: jnp.sin(-x) * jnp.sin(x), [S], "moderate"),
     ("trig_pythagoras", lambda x: jnp.sin(x) ** 2 + jnp.cos(x) ** 2, [S], "moderate"),
-    ("trig_pythagoras_r", lambda x: jnp.cos(x) ** 2 + jnp.sin(x) ** 2, [S], "moderate"),
+    ("trig_pythagoras", lambda x: jnp.cos(x) ** 2 + jnp.sin(x) ** 2, [S], "moderate"),
     ("trig_one_minus_sin2", lambda x: 1.0 - jnp.sin(x) ** 2, [S], "moderate"),
     ("trig_one_minus_cos2", lambda x: 1.0 - jnp.cos(x) ** 2, [S], "moderate"),
     ("trig_cos_double", lambda x: jnp.cos(jnp.tanh(x)) ** 2 - jnp.sin(jnp.tanh(x)) ** 2, [S], "moderate"),

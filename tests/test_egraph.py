@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from jax._src import core
 
-from rewrite.ir import egraph as _egraph, loader as _loader_mod, terms as _terms
+from rewrite.ir import egraph as _egraph, loader as _loader_mod, primitives as _primitives, terms as _terms
 from rewrite.jaxpr.trace import trace_at
 from rewrite.ir.intern import PARAMS, TYPES
 
@@ -19,7 +19,7 @@ F32 = core.ShapedArray((3,), jnp.float32)
 
 
 def _mul(eg, a, b):
-    return eg.term(_terms.BY_PRIM["mul"].ctor, [a, b, PARAMS.intern_params(jax.lax.mul_p, {})], TYPES.intern_aval(F32))
+    return eg.term(_primitives.BY_PRIM["mul"].ctor, [a, b, PARAMS.intern_params(jax.lax.mul_p, {})], TYPES.intern_aval(F32))
 
 
 def _rows(eg):
@@ -91,7 +91,7 @@ def test_rows_make_the_nodes_actions_make():
     assert snap.num_rows == sum(len(f.rows) for n, f in snap.functions.items() if n != _loader_mod.LOAD)
     kinds = _loaded_kinds(eg, snap)
     assert kinds >= {"Param", "union"} and "Opaque" not in kinds  # rows; the Opaque node (a list) an action
-    assert {c for cls in snap.nodes for c, _ in snap.nodes[cls]} >= {"Param", "Opaque", _terms.BY_PRIM["mul"].ctor}
+    assert {c for cls in snap.nodes for c, _ in snap.nodes[cls]} >= {"Param", "Opaque", _primitives.BY_PRIM["mul"].ctor}
 
 
 def test_a_failed_command_leaves_the_pool_usable():
@@ -150,7 +150,7 @@ def test_without_a_folder_to_write_rows_the_nodes_go_as_actions(monkeypatch):
 
 def _even_pow(eg, x):
     params = PARAMS.intern_params(jax.lax.integer_pow_p, {"y": 2})
-    return eg.term(_terms.BY_PRIM["integer_pow"].ctor, [x, params], TYPES.intern_aval(F32)), params
+    return eg.term(_primitives.BY_PRIM["integer_pow"].ctor, [x, params], TYPES.intern_aval(F32)), params
 
 
 @pytest.mark.parametrize("writable", [True, False])
@@ -175,7 +175,7 @@ def test_every_kind_of_row_loads_from_the_one_relation_or_as_actions(monkeypatch
     assert (widths == {1 + max(1 + len(_terms.ctor_arg_sorts(c)) for c in _terms.flat_ctors())}) if writable else not rows
     if writable:
         assert _loaded_kinds(eg, snap) == {"Param", "Lit", "union", "Pos", "NonNeg", "NonZero", "EvenPow",
-                                           _terms.BY_PRIM["mul"].ctor, _terms.BY_PRIM["integer_pow"].ctor}
+                                           _primitives.BY_PRIM["mul"].ctor, _primitives.BY_PRIM["integer_pow"].ctor}
 
 
 def test_the_loader_has_one_relation_and_a_rule_per_kind():
@@ -346,7 +346,7 @@ def test_nodes_with_a_short_list_load_from_rows_as_actions_would_make_them(monke
     x = eg.term("Param", [0, 0], f32)
     y = eg.term("Param", [0, 1], f32)
     p = eg.term("Param", [0, 2], b)
-    select = _terms.BY_PRIM["select_n"].ctor
+    select = _primitives.BY_PRIM["select_n"].ctor
     two = eg.term(select, [p, eg.tlist([x, y]), PARAMS.intern_params(jax.lax.select_n_p, {})], f32)  # a row
     three = eg.term(select, [p, eg.tlist([x, y, x]), PARAMS.intern_params(jax.lax.select_n_p, {})], f32)  # an action
     opaque = eg.term("Opaque", [eg.tlist([y]), PARAMS.intern_params(jax.lax.cos_p, {})], f32)  # a row

@@ -193,7 +193,7 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from jax import core as jcore  # noqa: E402
 
-from rewrite.ir import terms as _terms  # noqa: E402
+from rewrite.ir import primitives as _primitives  # noqa: E402
 from rewrite.cost.fusion import FusionModel  # noqa: E402
 from rewrite.cost.live import LiveFusion  # noqa: E402
 from rewrite.cost.program import Op, Program  # noqa: E402
@@ -223,22 +223,22 @@ def _random_op(rng, kind, earlier):
     if pick == "param":
         if kind == "T":
             return None
-        return Op("param", _terms.SPECIAL, {}, (), (), (out,))
+        return Op("param", _primitives.SPECIAL, {}, (), (), (out,))
     if pick == "while":
         args = tuple(rng.choice(of["S"]) for _ in range(rng.randint(1, 3)))
-        return Op("while", _terms.NESTED, {}, args, (_S,) * len(args), (_S, _S), own=rng.uniform(1e3, 1e5))
+        return Op("while", _primitives.NESTED, {}, args, (_S,) * len(args), (_S, _S), own=rng.uniform(1e3, 1e5))
     if pick == "proj":
-        return Op("proj", _terms.SPECIAL, {}, (rng.choice(of["T"]),), (), (_S,), own=rng.uniform(0.0, 1e3))
+        return Op("proj", _primitives.SPECIAL, {}, (rng.choice(of["T"]),), (), (_S,), own=rng.uniform(0.0, 1e3))
     if pick == "other":  # a kernel of its own, priced whole (FusionModel.kernel): a class may switch to and from one
-        return Op("sort", _terms.OPAQUE, {}, (rng.choice(of[kind]),), (out,), (out,), own=rng.uniform(1e2, 1e4))
+        return Op("sort", _primitives.OPAQUE, {}, (rng.choice(of[kind]),), (out,), (out,), own=rng.uniform(1e2, 1e4))
     if pick == "unary":
-        return Op(rng.choice(_UNARY), _terms.TRANSCENDENTAL, {}, (rng.choice(of[kind]),), (out,), (out,))
+        return Op(rng.choice(_UNARY), _primitives.TRANSCENDENTAL, {}, (rng.choice(of[kind]),), (out,), (out,))
     if pick == "binary":
-        return Op(rng.choice(_BINARY), _terms.ELEMENTWISE, {}, (rng.choice(of[kind]), rng.choice(of[kind])),
+        return Op(rng.choice(_BINARY), _primitives.ELEMENTWISE, {}, (rng.choice(of[kind]), rng.choice(of[kind])),
                   (out, out), (out,))
     if pick == "broadcast":
-        return Op("broadcast_in_dim", _terms.LAYOUT, {}, (rng.choice(of["R"]),), (_R,), (_S,))
-    return Op(rng.choice(["reduce_sum", "reduce_max"]), _terms.REDUCE, {}, (rng.choice(of["S"]),), (_S,), (_R,))
+        return Op("broadcast_in_dim", _primitives.LAYOUT, {}, (rng.choice(of["R"]),), (_R,), (_S,))
+    return Op(rng.choice(["reduce_sum", "reduce_max"]), _primitives.REDUCE, {}, (rng.choice(of["S"]),), (_S,), (_R,))
 
 
 def _whole(ops, outputs):
@@ -344,13 +344,13 @@ def test_a_kernel_priced_whole_between_incremental_prices_is_counted_afresh():
     its own) and back must not be priced from the sums its kernel had before: its members changed in between.
     (ProgramSearch reached this on a recurrent network's gradient: ``dot_general`` to ``mul`` and back.)"""
     model = FusionModel({"exp": 2.0}, byte=0.05, reduce=0.3, launch=500.0, default=3.0, cheap=0.25, node=20.0)
-    ops = {0: Op("param", _terms.SPECIAL, {}, (), (), (_S,)), 1: Op("param", _terms.SPECIAL, {}, (), (), (_S,)),
-           2: Op("exp", _terms.TRANSCENDENTAL, {}, (0,), (_S,), (_S,)),
-           3: Op("mul", _terms.ELEMENTWISE, {}, (2, 1), (_S, _S), (_S,))}
+    ops = {0: Op("param", _primitives.SPECIAL, {}, (), (), (_S,)), 1: Op("param", _primitives.SPECIAL, {}, (), (), (_S,)),
+           2: Op("exp", _primitives.TRANSCENDENTAL, {}, (0,), (_S,), (_S,)),
+           3: Op("mul", _primitives.ELEMENTWISE, {}, (2, 1), (_S, _S), (_S,))}
     live = LiveFusion(model, [3])
     live.edit(dict(ops))
-    steps = [{3: Op("sort", _terms.OPAQUE, {}, (1,), (_S,), (_S,), own=700.0), 2: None},
-             {3: Op("add", _terms.ELEMENTWISE, {}, (0, 1), (_S, _S), (_S,))}]
+    steps = [{3: Op("sort", _primitives.OPAQUE, {}, (1,), (_S,), (_S,), own=700.0), 2: None},
+             {3: Op("add", _primitives.ELEMENTWISE, {}, (0, 1), (_S, _S), (_S,))}]
     for changes in steps:
         for c, op in changes.items():
             if op is None:

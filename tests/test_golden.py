@@ -46,3 +46,24 @@ def test_a_changed_program_is_reported_with_a_diff():
     renamed = text.replace("## rules fired\n", "## rules fired\nrenamed_rule 1\n")
     assert compare(text, renamed) is not None
     assert compare(text, renamed, programs_only=True) is None
+
+
+def test_golden_files_are_priced_with_their_own_table_not_the_machines(monkeypatch):
+    """Calibrating the machine again (here: a table where transcendentals are cheap and arithmetic is dear)
+    changes what ``rewrite`` chooses, but not a golden file, which ``tests/golden/cost_table.json`` prices."""
+    if on_backend() is not None:
+        pytest.skip(on_backend())
+    from rewrite.cost import calibration
+    from rewrite.cost.model import AnalyticCost
+
+    from .golden import _render
+
+    case = next(c for c in cases() if c.key == "derivatives/softplus_vjp")
+    cheap = {"sin", "cos", "exp", "log", "tanh"}
+    recalibrated = {**calibration.CPU, "launch": 0.0,
+                    "elementwise_ns": {k: 1.0 if k in cheap else 50.0 for k in calibration.CPU["elementwise_ns"]}}
+    monkeypatch.setattr(calibration, "CPU", recalibrated)
+    assert AnalyticCost().launch == 0.0  # the machine's table is the new one
+    text = case.path.read_text()
+    assert compare(text, _render(case)) is not None, "priced with the machine's table, the program would change"
+    assert check(case) is None

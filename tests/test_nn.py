@@ -92,17 +92,17 @@ STABLE = {
                      [[100.0, 90.0], [-200.0, -210.0]], _logsumexp64),
     "nn_log_sigmoid": (lambda z: jnp.log(jax.nn.sigmoid(z)), [-200.0, -90.0], lambda z: -_softplus64(-z)),
     "nn_log1p": (lambda x: jnp.log(1.0 + x), [1e-10, -3e-9], np.log1p),
-    "nn_log1p_r": (lambda x: jnp.log(x + 1.0), [1e-10, -3e-9], np.log1p),
+    "nn_log1p/mirrored": (lambda x: jnp.log(x + 1.0), [1e-10, -3e-9], np.log1p),
     "nn_expm1": (lambda x: jnp.exp(x) - 1.0, [1e-10, -3e-9], np.expm1),
     "nn_softplus": (lambda x: jnp.log(1.0 + jnp.exp(x)), [100.0, -50.0], _softplus64),
-    "nn_softplus_r": (lambda x: jnp.log(jnp.exp(x) + 1.0), [100.0, -50.0], _softplus64),
+    "nn_softplus/mirrored": (lambda x: jnp.log(jnp.exp(x) + 1.0), [100.0, -50.0], _softplus64),
     "nn_softplus_log1p": (lambda x: jnp.log1p(jnp.exp(x)), [100.0, 89.0], _softplus64),
 }
 
 
 #: Where the result is near 1 in float32 (log-probabilities near 0), float32 itself cannot do better
 #: than a few 1e-8 absolute; the near-one rules (log1p, expm1) are about relative accuracy at tiny values.
-NEAR_ONE = {"nn_log1p", "nn_log1p_r", "nn_expm1"}
+NEAR_ONE = {"nn_log1p", "nn_log1p/mirrored", "nn_expm1"}
 
 
 def _close_to(got, want, rtol=1e-4, atol=1e-6):

@@ -10,7 +10,7 @@ from jax._src.interpreters import mlir
 from jax.extend.core import Primitive
 
 from rewrite import GROUPS, AnalyticCost, NodeInfo, OpSpec, Ruleset, explain, register_primitive, rewrite, rule
-from rewrite.ir import terms as _terms
+from rewrite.ir import primitives as _primitives, terms as _terms
 from rewrite.ir.primitives import BY_PRIM, DEFAULT, Fact, spec_of, unregister
 
 
@@ -160,8 +160,65 @@ def test_families_and_groups_come_from_the_table():
     assert GROUPS["reduction"] == frozenset("reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or".split())
     assert {"sin", "exp", "log"} <= GROUPS["unary_transcendental"] and "pow" not in GROUPS["unary_transcendental"]
     assert {"add", "mul", "div", "max"} <= GROUPS["binary_arithmetic"]
-    for spec in _terms.SPECS:
+    for spec in _primitives.SPECS:
         assert spec.prim in GROUPS[spec.family]
-    assert all(_terms.BY_PRIM[p].family in ("elementwise", "transcendental") for p in GROUPS["binary"])
+    assert all(_primitives.BY_PRIM[p].family in ("elementwise", "transcendental") for p in GROUPS["binary"])
     with pytest.raises(TypeError):
         GROUPS["mine"] = frozenset()  # read-only: register_primitive keeps it
+
+
+# ---------------------------------------------------------------- a record's loop_step: its work moves into a loop
+halve_p = Primitive("test_layout_halve")
+halve_p.def_impl(lambda x: x / 2)
+halve_p.def_abstract_eval(lambda x: x)
+mlir.register_lowering(halve_p, mlir.lower_fun(lambda x: x / 2, multiple_results=False))
+
+
+def test_a_records_loop_step_says_how_its_work_moves_into_a_loop():
+    """``Loop.per_step`` reads the hook from the primitive's record (``OpSpec.loop_step``): without one a
+    non-elementwise primitive stays outside the loop; with one, registered with the rest of its record,
+    its work moves in."""
+    from rewrite.ir import loopstep
+    from rewrite.loops import SCAN, Loop
+    from rewrite.rules.rule import procedural
+
+    assert BY_PRIM["dot_general"].loop_step is loopstep.dot_general_step
+    assert BY_PRIM["sin"].loop_step is loopstep.pointwise_step and BY_PRIM["scan"].loop_step is None
+    steps = []
+
+    def halve_step(loop, node, v, axis, step):
+        steps.append(axis)
+        (x,) = node.operands
+        return loop.m.trace(lambda a: halve_p.bind(a), step(x, axis))
+
+    @procedural
+    def sum_inside(m):
+        loop = Loop(m)
+        found = [(v, n) for v, n in loop.consumers() if n.prim == "reduce_sum" and n.params["axes"] == (0, 1)]
+        if loop.params.get("_rw_test") or not found:
+            return None
+        root, node = found[0]
+        with loop.attempt():
+            step = loop.per_step(node.operands[0])
+            j, acc = loop.add_carry(m.trace(lambda: jnp.zeros((), root.dtype)))
+            loop.set_carry_next(j, m.trace(lambda a, s: a + jnp.sum(s), acc, step))
+            res = loop.build(_rw_test=True)
+            return loop.handover(res) + [(root, loop.carry_result(res, j))]
+
+    rs = Ruleset("t", [rule(SCAN, sum_inside, name="sum_inside")], soundness="identity")
+
+    def f(h, xs):
+        return jnp.sum(halve_p.bind(jax.lax.scan(lambda c, x: (c + x, c * x), h, xs)[1]))
+
+    h, xs = jnp.ones(3), jnp.arange(15.0).reshape(5, 3)
+    for spec, fires in ((OpSpec("test_layout_halve", "T", "layout"), False),
+                        (OpSpec("test_layout_halve", "T", "layout", loop_step=halve_step), True)):
+        register_primitive(spec, replace=True)
+        try:
+            report = explain(f, h, xs, rulesets=[rs])
+            assert bool(report.fired) is fires
+            if fires:
+                assert steps and _prims(report.after) == ["scan"]
+                np.testing.assert_allclose(rewrite(f, rulesets=[rs])(h, xs), f(h, xs), rtol=1e-6)
+        finally:
+            unregister("test_layout_halve")

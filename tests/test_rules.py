@@ -36,10 +36,10 @@ from .local_rulesets import _sum_of_broadcast
     (lambda: rule(Pat({"neg", "add"}, Pat.var("x")), lambda x: x, name="grp"), r"Pat: the primitives of a group must take their operands alike"),
     (lambda: rule(lambda x: jnp.sin(x), lambda x: x, name="guard", when=3), r"rule 'guard': when= must be a callable"),
     (lambda: rule(lambda x: jnp.sin(x), lambda x: (x, x), name="tuple"), r"rule 'tuple': rhs must return one array"),
-    (lambda: rule(Pat("sin", Pat.var("x")), procedural(lambda m: None), name="pex", example=(jnp.ones(3),)),
-     r"rule 'pex': a Pat rule's example= is a pair \(fn, args\)"),
+    (lambda: rule(Pat("sin", Pat.var("x")), procedural(lambda m: None), name="pex", example_program=(jnp.ones(3),)),
+     r"rule 'pex': a Pat rule's example_program= is a pair \(fn, args\)"),
     (lambda: rule(Pat("sin", Pat.var("x")), procedural(lambda m: None), name="pex2",
-                  example=(lambda x: x.reshape(7), (jnp.ones(3),))), r"rule 'pex2': the example program cannot be traced"),
+                  example_program=(lambda x: x.reshape(7), (jnp.ones(3),))), r"rule 'pex2': the example program cannot be traced"),
 ])
 def test_malformed_rules_fail_at_definition(make, message):
     with pytest.raises(ValueError, match=message):
@@ -312,7 +312,7 @@ def _ops_in(report):
 
 def test_a_function_of_named_bindings_rewrites_at_any_axes():
     r = rule(Pat("reduce_sum", Pat("neg", X), params="p"), lambda x, p: -p.bind(x), name="sum_neg",
-             example=(lambda x: jnp.sum(-x, axis=(0, 2)), (jax.ShapeDtypeStruct((2, 3, 4), jnp.float32),)))
+             example_program=(lambda x: jnp.sum(-x, axis=(0, 2)), (jax.ShapeDtypeStruct((2, 3, 4), jnp.float32),)))
     rs = Ruleset("named", [r], soundness="identity")  # sum(-0.0, +0.0) is +0.0, -sum is -0.0
     for axes in [(0,), (1, 2), (0, 1, 2)]:
         report = explain(lambda a: jnp.sum(-a, axis=axes), jnp.ones((2, 3, 4)), rulesets=[rs])
@@ -456,3 +456,62 @@ def test_a_rule_traced_elementwise_at_one_shape_is_still_an_identity_at_another(
     assert report.fired == {"double": 1}  # from the sides retyped: traced at (8, 6), the left side has a sum
     assert "mul" not in str(report.after)
     np.testing.assert_array_equal(np.asarray(rewrite(f, rulesets=[mine], cache=False)(big)), np.asarray(f(big)))
+
+
+# ---------------------------------------------------------------- example_inputs= and example_program=
+def test_example_is_split_into_inputs_and_a_program_and_the_old_spelling_still_works():
+    """``example=`` meant the pattern variables' shapes for a rule of two functions and a program
+    ``(fn, args)`` for a Pat rule; each now has its own name, and ``example=`` warns and means what it did."""
+    f32 = jax.ShapeDtypeStruct((2, 3), jnp.float32)
+    sides = (lambda x: jnp.log(1.0 + x), lambda x: jnp.log1p(x))
+    new = rule(*sides, name="log1p", example_inputs=(f32,))
+    assert new.example == new.probes[0] and new.probes[0][0].shape == (2, 3)
+    pat, program = Pat("neg", Pat("neg", Pat.var("x"))), (lambda x: -(-x), (f32,))
+    made = rule(pat, lambda x: x, name="neg_neg", example_program=program)
+    assert made.program[0] is program[0] and made.program[1][0].shape == (2, 3)
+
+    with pytest.warns(DeprecationWarning, match=r"example= is deprecated.*example_inputs=.*example_program=") as w:
+        old = rule(*sides, name="log1p", example=(f32,))
+    assert w[0].filename == __file__  # it points at the line that used it
+    assert old.example == new.example and old.probes == new.probes
+    with pytest.warns(DeprecationWarning):
+        old = rule(pat, lambda x: x, name="neg_neg", example=program)
+    assert old.program == made.program
+
+    with pytest.raises(ValueError, match="example_program= is for a Pat rule"):
+        rule(*sides, name="log1p", example_program=program)
+    with pytest.raises(ValueError, match="a Pat rule has no function to trace at example_inputs="):
+        rule(pat, lambda x: x, name="neg_neg", example_inputs=(f32,))
+    with pytest.raises(ValueError, match="not also example="), pytest.warns(DeprecationWarning):
+        rule(*sides, name="log1p", example=(f32,), example_inputs=(f32,))
+
+
+# ---------------------------------------------------------------- Match.product: the product rules' prologue
+def test_a_product_rule_reads_its_match_as_an_einsum_and_declines_mixed_dtypes():
+    from rewrite.rules.builder import _trace_key
+
+    seen = []
+
+    @procedural
+    def swap(m):  # (a b)^T -> b^T a^T for matrices
+        p = m.product("p")
+        seen.append(None if p is None else p.labels)
+        if p is None or tuple(m.params("t")["permutation"]) != (1, 0) or p.dimension_numbers[1][0]:
+            return None
+        (lc, rc), _ = p.dimension_numbers
+        fn = lambda a, b: p.dot(b, a, ((rc, lc), ((), ())))  # noqa: E731
+        assert _trace_key(fn, (p.rhs.aval, p.lhs.aval)) is not None  # a closure over p is traced once
+        return m.trace(fn, p.lhs, p.rhs)
+
+    rs = Ruleset("s", [rule(Pat("transpose", Pat("dot_general", Pat.var("a"), Pat.var("b"), params="p"), params="t"),
+                            swap, name="swap")], soundness="identity")
+    a, b = jnp.arange(12.0).reshape(3, 4), jnp.arange(20.0).reshape(4, 5)
+    f = lambda a, b: (a @ b).T  # noqa: E731
+    assert explain(f, a, b, rulesets=[rs]).fired == {"swap": 1}
+    assert seen == [((0, 1), (1, 3), (0, 3))]  # ij,jk->ik, labels i=0 j=1 k=3
+    np.testing.assert_array_equal(rewrite(f, rulesets=[rs])(a, b), f(a, b))
+
+    seen.clear()  # int8 operands accumulated in int32: left alone
+    g = lambda a, b: lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.int32).T  # noqa: E731
+    r = explain(g, a.astype(jnp.int8), b.astype(jnp.int8), rulesets=[rs])
+    assert seen == [None] and not r.fired

@@ -7,6 +7,7 @@ cover the primitives they claim and survive the round trip bit for bit.
 """
 
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -194,7 +195,7 @@ def test_procedural_rules_are_instantiated_on_drawn_inputs():
     # at the default probe shapes (last dimension 3) the procedure always declines
     with pytest.raises(AssertionError, match=r"rule 'div2' .* never exercised[\s\S]*declined"):
         check_ruleset(_one("div2", lambda x: x / 2.0, _halve_if_even))
-    report = check_ruleset(_one("div2", lambda x: x / 2.0, _halve_if_even, example=(jnp.ones((2, 4)),)))
+    report = check_ruleset(_one("div2", lambda x: x / 2.0, _halve_if_even, example_inputs=(jnp.ones((2, 4)),)))
     assert report.rules["div2"].cases == ["(x: f32[2,4])"]
 
     @procedural
@@ -229,13 +230,13 @@ def _pat_rule(**kw):
 
 def test_pat_rules_are_checked_on_their_example_program():
     example = (lambda a: jnp.sum(jnp.broadcast_to(a, (4, 5))) + 1.0, (jax.ShapeDtypeStruct((), jnp.float32),))
-    report = check_ruleset(Ruleset("pat", [_pat_rule(example=example)], soundness="identity"))
+    report = check_ruleset(Ruleset("pat", [_pat_rule(example_program=example)], soundness="identity"))
     assert report.rules["sum_of_broadcast"].cases == ["(arg0: f32[])"]
     # a sum of twenty -0.0 is +0.0 (the sum starts at +0.0), but -0.0 * 20 is -0.0: not exact
     with pytest.raises(AssertionError, match=r"original 1\.0|original 0\.0, rewritten -0\.0"):
-        check_ruleset(Ruleset("pat", [_pat_rule(example=(lambda a: jnp.sum(jnp.broadcast_to(a, (4, 5))),
+        check_ruleset(Ruleset("pat", [_pat_rule(example_program=(lambda a: jnp.sum(jnp.broadcast_to(a, (4, 5))),
                                                          (jnp.float32(0),)))], soundness="exact"))
-    with pytest.raises(AssertionError, match=r"needs an example program: rule\(\.\.\., example=\(fn, args\)\)"):
+    with pytest.raises(AssertionError, match=r"needs an example program: rule\(\.\.\., example_program=\(fn, args\)\)"):
         check_ruleset(Ruleset("pat", [_pat_rule()], soundness="identity"))
 
 
@@ -245,11 +246,11 @@ def test_pat_rules_are_checked_inside_loop_bodies():
     body = (lambda c0, xs: lax.scan(lambda c, x: (c + x * 1.0, jnp.sin(x * 1.0)), c0, xs),
             (jax.ShapeDtypeStruct((3,), jnp.float32), jax.ShapeDtypeStruct((4, 3), jnp.float32)))
     drop = procedural(lambda m: m["x"])
-    check_ruleset(Ruleset("g", [rule(Pat("mul", Pat.var("x"), Pat.lit(1.0)), drop, name="mul_one", example=body)]))
+    check_ruleset(Ruleset("g", [rule(Pat("mul", Pat.var("x"), Pat.lit(1.0)), drop, name="mul_one", example_program=body)]))
     shift = procedural(lambda m: m.trace(lambda v: v + 1.0, m["x"]))
     with pytest.raises(AssertionError, match=r"rule 'shift' .* does not hold[\s\S]*scan\["):
         check_ruleset(Ruleset("b", [rule(Pat("mul", Pat.var("x"), Pat.lit(1.0)), shift, name="shift",
-                                         example=body)], soundness="fastmath"))
+                                         example_program=body)], soundness="fastmath"))
 
 
 # ---------------------------------------------------------------- values and comparison
@@ -413,6 +414,18 @@ def test_a_broken_random_program_names_itself():
     with pytest.raises(AssertionError, match=r"(?s)random_program: the rewritten .*rules that fired: sin_plus_one"
                                              r".*program: RandomProgram\(v0"):
         assert_same_results(program, *program.example_args(), rulesets=[rs])
+
+
+def test_random_programs_write_the_forms_the_packs_rewrite():
+    """Compositions no independent draws line up (``log(1 + exp(x))``, ``(x @ x.T) @ x``) come as one
+    operation each, so that every built-in pack has something to act on (``tests/test_contract.py``)."""
+    from rewrite.testing._programs import _IDIOMS
+
+    for name in _IDIOMS:
+        p = find(programs(), lambda p: any(op.name == name for op in p.ops),
+                 settings=settings(max_examples=1000, database=None))
+        primitive_counts(jax.make_jaxpr(p)(*p.args))  # it traces, at the shapes the listing says
+    assert re.search(r"= sum\(v(\d+)\.T @ v\1, -2\)", repr(p)), repr(p)  # the last, sum_gram, reads as written
 
 
 def test_random_program_listing_reads():

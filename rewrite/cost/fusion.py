@@ -42,7 +42,7 @@ from typing import Any, Callable, Container, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from ..ir import terms as _terms
+from ..ir import primitives as _primitives
 from ..ir.primitives import inner_jaxpr, spec_of
 from .program import LEAF, LIBRARY, LOOP, OTHER, REDUCE, VIEW, Op, Program, _kind, _size
 
@@ -244,19 +244,19 @@ class FusionModel:
         inner = op.memo.get("inner") if op.memo else None
         if inner is not None:  # a call fused as its chosen body
             return sum(self.op_ns(o) + self.node for o in inner)
-        if op.family == _terms.OPAQUE or spec.inlined:
+        if op.family == _primitives.OPAQUE or spec.inlined:
             return self._inner_ns(inner_jaxpr(op.params))
         found = self.ns.get(op.prim)
         if found is not None:
             return found
-        return self.default if op.family == _terms.TRANSCENDENTAL or _expensive(op) else self.cheap
+        return self.default if op.family == _primitives.TRANSCENDENTAL or _expensive(op) else self.cheap
 
     def _inner_ns(self, jaxpr: Any) -> float:
         total = 0.0
         for e in jaxpr.eqns:
-            spec = _terms.spec_of(e.primitive.name)
+            spec = _primitives.spec_of(e.primitive.name)
             inner = inner_jaxpr(e.params)
-            if (spec is _terms.DEFAULT or spec.inlined) and inner is not None:
+            if (spec is _primitives.DEFAULT or spec.inlined) and inner is not None:
                 total += self._inner_ns(inner)
                 continue
             op = Op(e.primitive.name, spec.family, e.params, (),

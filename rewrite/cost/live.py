@@ -11,7 +11,7 @@ from __future__ import annotations
 import heapq
 from typing import Any, Iterable, Mapping, Sequence
 
-from ..ir import terms as _terms
+from ..ir import primitives as _primitives
 from ..ir.walk import postorder
 from .fusion import TIEBREAK, FusionModel, _add_sincos, _temp
 from .program import LEAF, LIBRARY, OTHER, REDUCE, VIEW, Op, _kind
@@ -36,12 +36,12 @@ class LiveFusion:
     >>> v = core.ShapedArray((1024,), jnp.float32)
     >>> fm = FusionModel({"exp": 2.0}, byte=0.1, reduce=0.5, launch=100.0, default=3.0, cheap=0.25)
     >>> live = LiveFusion(fm, ["y"])
-    >>> live.edit({"x": Op("param", _terms.SPECIAL, {}, (), (), (v,)),
-    ...            "e": Op("exp", _terms.TRANSCENDENTAL, {}, ("x",), (v,), (v,)),
-    ...            "y": Op("mul", _terms.ELEMENTWISE, {}, ("e", "e"), (v, v), (v,))})
-    >>> prog = Program([Op("param", _terms.SPECIAL, {}, (), (), (v,)),
-    ...                 Op("exp", _terms.TRANSCENDENTAL, {}, (0,), (v,), (v,)),
-    ...                 Op("mul", _terms.ELEMENTWISE, {}, (1, 1), (v, v), (v,))], [2])
+    >>> live.edit({"x": Op("param", _primitives.SPECIAL, {}, (), (), (v,)),
+    ...            "e": Op("exp", _primitives.TRANSCENDENTAL, {}, ("x",), (v,), (v,)),
+    ...            "y": Op("mul", _primitives.ELEMENTWISE, {}, ("e", "e"), (v, v), (v,))})
+    >>> prog = Program([Op("param", _primitives.SPECIAL, {}, (), (), (v,)),
+    ...                 Op("exp", _primitives.TRANSCENDENTAL, {}, (0,), (v,), (v,)),
+    ...                 Op("mul", _primitives.ELEMENTWISE, {}, (1, 1), (v, v), (v,))], [2])
     >>> live.price() == fm(prog)
     True
     """

@@ -37,10 +37,10 @@ from typing import Any, Callable, ClassVar, Sequence
 import jax
 import numpy as np
 
-from ..ir import terms as _terms
+from ..ir import primitives as _primitives
 from ..ir.jaxapi import core, optimization_barrier_p
 from ..ir.primitives import is_inexact_dtype
-from .model import DEFAULT, AnalyticCost, CostModel, as_cost_model
+from .model import AnalyticCost, CostModel, as_cost_model, default_model
 from .program import Program
 
 _CACHE: dict[tuple, int] = {}
@@ -162,7 +162,7 @@ def pin_duplicates(closed: core.ClosedJaxpr, model: AnalyticCost) -> core.Closed
     homes, _ = model.fusion_model().fuse(prog)
     jaxpr = closed.jaxpr
     pinned = {prog.ops[i].key.outvars[0] for i, hs in homes.items()
-              if len(hs) > 1 and prog.ops[i].family == _terms.TRANSCENDENTAL
+              if len(hs) > 1 and prog.ops[i].family == _primitives.TRANSCENDENTAL
               and isinstance(prog.ops[i].key, core.JaxprEqn)}
     if not pinned:
         return None
@@ -248,7 +248,7 @@ def resolve(model: Any) -> CostModel:
     (:class:`Measured`); a :class:`rewrite.CostModel` is used as is, and a plain function as a node price
     alone (:func:`rewrite.cost.model.as_cost_model`)."""
     if model is None or (isinstance(model, str) and model == "analytic"):
-        return DEFAULT
+        return default_model()
     if isinstance(model, str) and model == "measure":
         return Measured()
     return as_cost_model(model)

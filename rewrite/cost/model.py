@@ -38,6 +38,7 @@ backend itself (``rewrite/cost/measure.py``).
 from __future__ import annotations
 
 import abc
+import contextlib
 import dataclasses
 import functools
 import math
@@ -45,11 +46,11 @@ import os
 import sys
 import warnings
 import weakref
-from typing import Any, Callable, ClassVar, Mapping, Sequence
+from typing import Any, Callable, ClassVar, Iterator, Mapping, Sequence
 
 import jax
 
-from ..ir import terms as _terms
+from ..ir import primitives as _primitives
 from ..ir.primitives import BY_PRIM, DEFAULT as _OPAQUE_SPEC, NodeInfo, inner_jaxpr, nbytes, size  # noqa: F401
 from . import calibration as _calibration
 from .dot import FALLBACK as _DOT_FALLBACK, library_dot
@@ -122,10 +123,41 @@ class NodeCost(CostModel):
         return f"NodeCost({getattr(self.fn, '__qualname__', self.fn)})"
 
 
-def _table() -> dict[str, Any]:
-    """The calibration table of the default backend (``rewrite/cost/calibration.py``), else the CPU's."""
+#: A table that prices in place of the backend's while :func:`priced_with` holds it.
+_PINNED: list[Mapping[str, Any]] = []
+
+
+def _table() -> Mapping[str, Any]:
+    """The table prices come from: the one :func:`priced_with` pins, else the calibration table of the
+    default backend (``rewrite/cost/calibration.py``), else the CPU's."""
+    if _PINNED:
+        return _PINNED[-1]
     name = _calibration.BACKENDS.get(jax.default_backend(), _calibration.BACKENDS["cpu"])
     return getattr(_calibration, name)
+
+
+@contextlib.contextmanager
+def priced_with(table: Mapping[str, Any]) -> Iterator[None]:
+    """Within the block, :class:`AnalyticCost`'s defaults (and the default model) come from ``table``, a
+    table of the form ``rewrite/cost/calibration.py`` holds, not from this machine's calibration.
+
+    For results that must not move when the machine's table is measured again: the golden files
+    (``tests/golden``) are priced with a fixed table kept beside them.
+
+    >>> from rewrite import AnalyticCost
+    >>> from rewrite.cost import calibration
+    >>> table = {**calibration.CPU, "launch": 1.0}
+    >>> with priced_with(table):
+    ...     AnalyticCost().launch, default_model().launch
+    (1.0, 1.0)
+    >>> AnalyticCost().launch == calibration.CPU["launch"]  # on a CPU backend
+    True
+    """
+    _PINNED.append(table)
+    try:
+        yield
+    finally:
+        _PINNED.pop()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -229,7 +261,7 @@ class AnalyticCost(CostModel):
         found = self.ops.get(op)
         if found is not None:
             return found
-        return self.transcendental if family == _terms.TRANSCENDENTAL else self.flop
+        return self.transcendental if family == _primitives.TRANSCENDENTAL else self.flop
 
     def __call__(self, n: NodeInfo) -> float:
         spec = BY_PRIM.get(n.op)
@@ -239,7 +271,7 @@ class AnalyticCost(CostModel):
 
     def _special(self, n: NodeInfo) -> float:
         if n.op == "proj" and n.index is not None:
-            of = _terms.BY_PRIM.get(n.of or "")
+            of = _primitives.BY_PRIM.get(n.of or "")
             if of is not None and of.stacks is not None and of.stacks(n.params, n.index):
                 return self.node + (self.byte + self.stacked) * nbytes(n.out_avals[0])  # the stacked output is written
         return 0.0
@@ -264,7 +296,7 @@ class AnalyticCost(CostModel):
         return self.node + sum(n.body_costs)  # a call (jit, shard_map): what its bodies cost
 
     def _opaque(self, n: NodeInfo) -> float:
-        inner = inner_jaxpr(n.params) if n.family == _terms.OPAQUE else None
+        inner = inner_jaxpr(n.params) if n.family == _primitives.OPAQUE else None
         if inner is not None:
             # a call XLA inlines (custom_jvp_call, custom_vjp_call, remat): what its body costs
             return self.node + self._body(inner)
@@ -276,9 +308,9 @@ class AnalyticCost(CostModel):
     def _body(self, jaxpr: Any) -> float:
         total = 0.0
         for e in jaxpr.eqns:
-            family = _terms.family_of(e.primitive.name)
-            if family == _terms.NESTED:
-                family = _terms.OPAQUE  # a nested call's bodies are priced through inner_jaxpr
+            family = _primitives.family_of(e.primitive.name)
+            if family == _primitives.NESTED:
+                family = _primitives.OPAQUE  # a nested call's bodies are priced through inner_jaxpr
             total += self(NodeInfo(e.primitive.name, family, e.params, tuple(v.aval for v in e.invars),
                                    tuple(v.aval for v in e.outvars)))
         return total
@@ -341,19 +373,29 @@ def _dot_flops(n: NodeInfo) -> float:
 
 #: How :class:`AnalyticCost` prices a node of each family, unless its record has a ``price`` hook.
 _BY_FAMILY: dict[str, Callable[[AnalyticCost, NodeInfo], float]] = {
-    _terms.SPECIAL: AnalyticCost._special,
-    _terms.ELEMENTWISE: AnalyticCost._pointwise,
-    _terms.TRANSCENDENTAL: AnalyticCost._pointwise,
-    _terms.LAYOUT: AnalyticCost._layout,
-    _terms.TRANSPOSE: AnalyticCost._written,
-    _terms.REDUCE: AnalyticCost._reduce,
-    _terms.CONTRACT: AnalyticCost._contract,
-    _terms.INDEX: AnalyticCost._written,
-    _terms.NESTED: AnalyticCost._nested,
-    _terms.OPAQUE: AnalyticCost._opaque,
+    _primitives.SPECIAL: AnalyticCost._special,
+    _primitives.ELEMENTWISE: AnalyticCost._pointwise,
+    _primitives.TRANSCENDENTAL: AnalyticCost._pointwise,
+    _primitives.LAYOUT: AnalyticCost._layout,
+    _primitives.TRANSPOSE: AnalyticCost._written,
+    _primitives.REDUCE: AnalyticCost._reduce,
+    _primitives.CONTRACT: AnalyticCost._contract,
+    _primitives.INDEX: AnalyticCost._written,
+    _primitives.NESTED: AnalyticCost._nested,
+    _primitives.OPAQUE: AnalyticCost._opaque,
 }
 
-DEFAULT = AnalyticCost()
+_DEFAULTS: dict[int, tuple[Mapping[str, Any], AnalyticCost]] = {}
+
+
+def default_model() -> AnalyticCost:
+    """The model ``cost_model=None`` means: ``AnalyticCost()`` over the table in force (:func:`_table`),
+    made once per table."""
+    table = _table()
+    found = _DEFAULTS.get(id(table))
+    if found is None or found[0] is not table:
+        found = _DEFAULTS[id(table)] = (table, AnalyticCost())
+    return found[1]
 
 
 _warned: "weakref.WeakSet[Any]" = weakref.WeakSet()

@@ -13,6 +13,7 @@ import dataclasses
 import math
 from typing import Any, Callable, Mapping, Sequence
 
+from ..ir import primitives as _primitives
 from ..ir import terms as _terms
 from ..ir.intern import PARAMS
 from ..ir.jaxapi import core
@@ -73,14 +74,14 @@ class Program:
             if isinstance(atom, core.Literal):
                 key = (repr(atom.val), str(atom.aval))
                 if key not in lits:
-                    ops.append(Op("literal", _terms.SPECIAL, {}, (), (), (atom.aval,)))
+                    ops.append(Op("literal", _primitives.SPECIAL, {}, (), (), (atom.aval,)))
                     lits[key] = len(ops) - 1
                 return lits[key]
             return env[atom]
 
         jaxpr = closed.jaxpr
         for v in list(jaxpr.constvars) + list(jaxpr.invars):
-            ops.append(Op("param", _terms.SPECIAL, {}, (), (), (v.aval,), key=v))
+            ops.append(Op("param", _primitives.SPECIAL, {}, (), (), (v.aval,), key=v))
             env[v] = len(ops) - 1
         for eqn in jaxpr.eqns:
             args = tuple(read(a) for a in eqn.invars)
@@ -90,7 +91,7 @@ class Program:
                     env[eqn.outvars[0]] = seen[key]
                     continue
                 seen[key] = len(ops)
-            family = _terms.family_of(eqn.primitive.name)
+            family = _primitives.family_of(eqn.primitive.name)
             outs = tuple(v.aval for v in eqn.outvars)
             op = Op(eqn.primitive.name, family, eqn.params, args, tuple(a.aval for a in eqn.invars), outs, key=eqn)
             if _kind_of(op) == OTHER and node_cost is not None:
@@ -101,7 +102,7 @@ class Program:
                 env[eqn.outvars[0]] = tup
             else:
                 for i, v in enumerate(eqn.outvars):
-                    ops.append(Op("proj", _terms.SPECIAL, {}, (tup,), (), (v.aval,), key=i))
+                    ops.append(Op("proj", _primitives.SPECIAL, {}, (tup,), (), (v.aval,), key=i))
                     env[v] = len(ops) - 1
         outputs = [read(a) for a in jaxpr.outvars]
         return cls(ops, outputs)
@@ -124,7 +125,7 @@ class Program:
         for c in order:
             if c in inputs:
                 index[c] = len(ops)
-                ops.append(Op("param", _terms.SPECIAL, {}, (), (), (ex.snap.aval(c),), key=c))
+                ops.append(Op("param", _primitives.SPECIAL, {}, (), (), (ex.snap.aval(c),), key=c))
                 continue
             node = choice[c]
             index[c] = len(ops)
@@ -151,11 +152,11 @@ _LEAF_CTORS = _terms.LEAVES
 def _template(ex: Any, c: Any, node: tuple, choice: Mapping[Any, tuple], own: Callable[[Any, tuple], float]) -> tuple:
     ctor, args = node
     if ctor in _LEAF_CTORS:
-        return _LEAF_CTORS[ctor], _terms.SPECIAL, {}, (), (ex.snap.aval(c),), 0.0, {}
+        return _LEAF_CTORS[ctor], _primitives.SPECIAL, {}, (), (ex.snap.aval(c),), 0.0, {}
     if ctor == "Proj":
         # What the node model charges a projection: a loop's stacked output is written (and,
         # with ``stacked``, held); fusion has no say in that, so it is added as it is.
-        return "proj", _terms.SPECIAL, {}, (), (ex.snap.aval(c),), float(own(c, node)), {}
+        return "proj", _primitives.SPECIAL, {}, (), (ex.snap.aval(c),), float(own(c, node)), {}
     info = ex.info(c, ctor, args, choice)
     op = Op(info.op, info.family, info.params, (), info.in_avals, info.out_avals)
     inner = _inlined_body(ex, ctor, args, choice, own) if len(info.out_avals) == 1 else None
@@ -186,7 +187,7 @@ def _inlined_body(ex: Any, ctor: str, args: tuple, choice: Mapping[Any, tuple],
 
     Such a call fuses like one elementwise operation (its price: its body's), not as a kernel boundary.
     """
-    spec = _terms.BY_CTOR.get(ctor)
+    spec = _primitives.BY_CTOR.get(ctor)
     if spec is None or not spec.inlined:
         return None
     bodies = ex.body_classes(ctor, args)
@@ -208,7 +209,7 @@ def _size(aval: Any) -> int:
 
 def elementwise_call(op: Op) -> bool:
     """A call XLA inlines whose body is elementwise only: it fuses like one elementwise operation."""
-    if len(op.out_avals) != 1 or not (op.family == _terms.OPAQUE or spec_of(op.prim).inlined):
+    if len(op.out_avals) != 1 or not (op.family == _primitives.OPAQUE or spec_of(op.prim).inlined):
         return False
     j = inner_jaxpr(op.params)
     if j is None:
@@ -217,7 +218,7 @@ def elementwise_call(op: Op) -> bool:
 
 
 def _elementwise_eqn(e: Any) -> bool:
-    spec = _terms.BY_PRIM.get(e.primitive.name)
+    spec = _primitives.BY_PRIM.get(e.primitive.name)
     if spec is not None and not spec.inlined:
         return spec.fusion == "loop"
     j = inner_jaxpr(e.params)
@@ -232,7 +233,7 @@ def _kind_of(op: Op) -> str:
     spec = spec_of(op.prim)
     if spec.fusion == "loop" or elementwise_call(op):
         return LOOP
-    if op.family == _terms.REDUCE:
+    if op.family == _primitives.REDUCE:
         if (spec.library_reduction and op.in_avals and _is_float(op.in_avals[0])
                 and _size(op.in_avals[0]) >= LIBRARY_MIN_ELEMENTS):
             return LIBRARY

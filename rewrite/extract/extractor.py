@@ -13,6 +13,7 @@ import heapq
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 from ..cost.model import CostModel, NodeInfo
+from ..ir import primitives as _primitives
 from ..ir import terms as _terms
 from ..ir.egraph import Snapshot
 from ..ir.intern import PARAMS, TupleType
@@ -137,21 +138,23 @@ class Extractor:
         out_t = snap.aval(cls)
         outs = tuple(out_t) if isinstance(out_t, TupleType) else (out_t,)
         if ctor in _LEAVES:
-            return NodeInfo(_LEAVES[ctor], _terms.SPECIAL, {}, (), outs)
+            return NodeInfo(_LEAVES[ctor], _primitives.SPECIAL, {}, (), outs)
         if ctor == "Proj":
             tup, index = args
             of_ctor, of_args = choice[tup]
             of_params = PARAMS.params(of_args[-1]) if of_ctor not in _LEAVES and of_ctor != "Proj" else {}
             of_op = PARAMS.prim(of_args[-1]).name if of_ctor not in _LEAVES and of_ctor != "Proj" else of_ctor
-            return NodeInfo("proj", _terms.SPECIAL, of_params, (snap.aval(tup),), outs, index=index, of=of_op)
+            return NodeInfo("proj", _primitives.SPECIAL, of_params, (snap.aval(tup),), outs, index=index, of=of_op)
         pid = args[-1]
         reads = operands(snap, (ctor, args))
         ins = [snap.aval(a) for a in (reads[1:] if ctor == "Effect" else reads)]  # not an effect's token
-        family = _terms.BY_CTOR.get(ctor, _terms.DEFAULT).family
+        family = _primitives.BY_CTOR.get(ctor, _primitives.DEFAULT).family
         return NodeInfo(PARAMS.prim(pid).name, family, PARAMS.params(pid), tuple(ins), outs, body_costs)
 
-    def own(self, cls: Any, ctor: str, args: tuple, choice: dict[Any, tuple]) -> float:
-        """A node's own cost, for nodes without bodies."""
+    def own(self, cls: Any, node: tuple, choice: dict[Any, tuple]) -> float:
+        """The own price of ``node`` (``(ctor, args)``) in class ``cls``, for nodes without bodies, under ``choice``
+        (a projection's price reads the node it projects). :meth:`ProgramPricer.own` is the same with bodies."""
+        ctor, args = node
         if ctor in _CONTAINERS:
             return 0.0
         key = (cls, ctor, args, choice[args[0]] if ctor == "Proj" else None)
@@ -164,8 +167,8 @@ class Extractor:
 
     def body_classes(self, ctor: str, args: tuple) -> list[Any]:
         """The Body classes of a nested node, in order."""
-        spec = _terms.BY_CTOR.get(ctor)
-        if spec is None or spec.family != _terms.NESTED:
+        spec = _primitives.BY_CTOR.get(ctor)
+        if spec is None or spec.family != _primitives.NESTED:
             return []
         out = []
         for letter, a in zip(spec.layout, args):
@@ -195,7 +198,7 @@ class Extractor:
                 for k in kids:
                     parents.setdefault(k, []).append(i)
                 if not kids:
-                    heap.append((self.own(cls, ctor, args, choice), i))
+                    heap.append((self.own(cls, (ctor, args), choice), i))
         heapq.heapify(heap)
         while heap:
             c, i = heapq.heappop(heap)
@@ -219,7 +222,7 @@ class Extractor:
             own = float(self.model(info))
             skip = set(bodies) | {a for s, a in zip(_terms.ctor_arg_sorts(ctor), args) if s == "BList"}
             return own + sum(cost[k] for k in kids if k not in skip)
-        return self.own(cls, ctor, args, choice) + sum(cost[k] for k in kids)
+        return self.own(cls, (ctor, args), choice) + sum(cost[k] for k in kids)
 
     # ------------------------------------------------------------------ DAG cost
     def dag_cost(self, choice: dict[Any, tuple], roots: Iterable[Any]) -> float:
@@ -240,7 +243,7 @@ class Extractor:
                         bcosts.append(body_memo[b])
                     total += float(self.model(self.info(c, ctor, args, choice, tuple(bcosts))))
                 else:
-                    total += self.own(c, ctor, args, choice)
+                    total += self.own(c, (ctor, args), choice)
             return total
 
         try:
@@ -298,16 +301,17 @@ class LocalSearch:
     def kids(self, node: tuple) -> list[Any]:
         return self.ex.term_kids(node)
 
-    def own(self, c: Any, node: tuple) -> float:
+    def _own(self, c: Any, node: tuple) -> float:
+        """``node``'s price in class ``c`` under this search's choice, bodies included (memoised)."""
         ctor, args = node
         if ctor == "Proj":  # its price reads the node it projects
-            return self.ex.own(c, ctor, args, self.choice)
+            return self.ex.own(c, node, self.choice)
         found = self._costs.get((c, node))
         if found is not None:
             return found
         bodies = self.ex.body_classes(ctor, args)
         if not bodies:
-            found = self.ex.own(c, ctor, args, self.choice)
+            found = self.ex.own(c, node, self.choice)
         else:
             costs = []
             for b in bodies:
@@ -322,11 +326,11 @@ class LocalSearch:
 
     def _inc(self, c: Any) -> None:
         for x in _crossings(self.ref, self.choice, self.ex.term_kids, c, 1):
-            self.cost += self.own(x, self.choice[x])
+            self.cost += self._own(x, self.choice[x])
 
     def _dec(self, c: Any) -> None:
         for x in _crossings(self.ref, self.choice, self.ex.term_kids, c, -1):
-            self.cost -= self.own(x, self.choice[x])
+            self.cost -= self._own(x, self.choice[x])
 
     def _set(self, c: Any, node: tuple) -> None:
         old = self.choice[c]
@@ -337,9 +341,9 @@ class LocalSearch:
                 ref[k] = n + 1  # in use already: nothing below it changes
             else:
                 self._inc(k)
-        self.cost -= self.own(c, old)
+        self.cost -= self._own(c, old)
         self.choice[c] = node
-        self.cost += self.own(c, node)
+        self.cost += self._own(c, node)
         for k in self.kids(old):
             n = ref[k]
             if n > 1:

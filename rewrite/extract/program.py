@@ -15,7 +15,7 @@ from typing import Any, Callable, Sequence
 from ..cost.live import LiveFusion
 from ..cost.model import CostModel
 from ..cost.program import Program, chosen_op
-from ..ir import terms as _terms
+from ..ir import primitives as _primitives
 from ..ir.walk import operands, walk
 from .extractor import _CONTAINERS, _LEAVES, Extractor, _crossings, _signature
 
@@ -50,7 +50,7 @@ class ProgramPricer:
         ctor, args = node
         bodies = self.ex.body_classes(ctor, args)
         if not bodies:
-            return self.ex.own(c, ctor, args, choice)
+            return self.ex.own(c, node, choice)
         costs = []
         for b in bodies:
             # A body's cost depends on the choice inside it, which differs between candidates (searches
@@ -108,7 +108,7 @@ class ProgramPricer:
     def _has_bodies(self, choice: dict[Any, tuple], roots: Sequence[Any]) -> bool:
         """Whether the program has nested nodes, whose prices depend on the choice (so no sharing of prices)."""
         if self._nested is None:
-            self._nested = any(_terms.BY_CTOR.get(ctor) is not None and _terms.BY_CTOR[ctor].family == _terms.NESTED
+            self._nested = any(_primitives.BY_CTOR.get(ctor) is not None and _primitives.BY_CTOR[ctor].family == _primitives.NESTED
                                for ns in self.ex.snap.nodes.values() for ctor, _ in ns)
         return self._nested
 

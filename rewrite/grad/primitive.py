@@ -78,7 +78,7 @@ rewritten_lin_p = core.Primitive("rewritten_vjp_linear")
 rewritten_lin_p.multiple_results = True
 
 
-class Program:
+class Signature:
     """One signature of a rewritten function, with its derivative programs built on first use.
 
     ``vjp()`` is the forward/backward split of the function's VJP
@@ -92,26 +92,27 @@ class Program:
         self.owner = owner
         self.traced = traced
         self.forward = forward
-        self._vjp: Any = _UNBUILT
-        self._jvp: Any = _UNBUILT
+        self._built: dict[str, Any] = {}  # "vjp", "jvp" -> its program, or None if rewriting it failed
         self._lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"<{getattr(self.owner.fn, '__name__', 'function')} {list(self.traced.closed.in_avals)}>"
 
     def vjp(self) -> Any:
-        if self._vjp is _UNBUILT:
-            with self._lock:
-                if self._vjp is _UNBUILT:
-                    self._vjp = self._build("vjp")
-        return self._vjp
+        return self._once("vjp")
 
     def jvp(self) -> Any:
-        if self._jvp is _UNBUILT:
+        return self._once("jvp")
+
+    def _once(self, kind: str) -> Any:
+        """The ``kind`` program, built by the first caller (the others wait for it), then kept."""
+        found = self._built.get(kind, _UNBUILT)
+        if found is _UNBUILT:
             with self._lock:
-                if self._jvp is _UNBUILT:
-                    self._jvp = self._build("jvp")
-        return self._jvp
+                found = self._built.get(kind, _UNBUILT)
+                if found is _UNBUILT:
+                    found = self._built[kind] = self._build(kind)
+        return found
 
     def _of_forward(self) -> Traced:
         # The derivative programs start from the rewritten forward program: JAX's derivative of it is
@@ -188,7 +189,7 @@ _SUPPORTED_JAX = jax.__version_info__[:2] == (0, 10)
 def bind_if_differentiated(program_of: Any, traced: Traced, flat: Sequence[Any]) -> list[Any] | None:
     """The outputs, if this call is being differentiated and can be bound as a primitive; else ``None``.
 
-    ``program_of()`` gives the signature's :class:`Program` (made on first use).
+    ``program_of()`` gives the signature's :class:`Signature` (made on first use).
     """
     trace = core.trace_ctx.trace
     if not isinstance(trace, (ad.JVPTrace, ad.LinearizeTrace)):
@@ -210,22 +211,22 @@ def _eval(closed: core.ClosedJaxpr, *args: Any) -> list[Any]:
 
 
 # ---------------------------------------------------------------------- rewritten_p's rules
-def _impl(*args: Any, program: Program) -> list[Any]:
+def _impl(*args: Any, program: Signature) -> list[Any]:
     return _eval(program.forward, *args)
 
 
-def _abstract_eval(*avals: Any, program: Program) -> list[Any]:
+def _abstract_eval(*avals: Any, program: Signature) -> list[Any]:
     return list(program.forward.out_avals)
 
 
-def _staging(trace: Any, source_info: Any, *tracers: Any, program: Program) -> list[Any]:
+def _staging(trace: Any, source_info: Any, *tracers: Any, program: Signature) -> list[Any]:
     # Staged into a jaxpr (jit, make_jaxpr, the parent of a linearization whose tangents are all zero):
     # the forward program's equations, not an opaque call, so a later rewrite or reader sees them.
     with core.set_current_trace(trace):
         return _eval(program.forward, *tracers)
 
 
-def _batch(args: Sequence[Any], dims: Sequence[Any], *, program: Program) -> tuple[list[Any], list[int]]:
+def _batch(args: Sequence[Any], dims: Sequence[Any], *, program: Signature) -> tuple[list[Any], list[int]]:
     outs = jax.vmap(core.jaxpr_as_fun(program.forward), in_axes=tuple(dims), out_axes=0)(*args)
     return list(outs), [0] * len(outs)
 
@@ -241,7 +242,7 @@ def _untracked(dif_in: Sequence[int], nonzero: Sequence[bool]) -> bool:
     return any(nz and i not in dif for i, nz in enumerate(nonzero))
 
 
-def _jvp(primals: Sequence[Any], tangents: Sequence[Any], *, program: Program) -> tuple[list[Any], list[Any]]:
+def _jvp(primals: Sequence[Any], tangents: Sequence[Any], *, program: Signature) -> tuple[list[Any], list[Any]]:
     built = program.jvp()
     if built is not None and _untracked(built.dif_in, [type(t) is not ad.Zero and core.typeof(t).dtype != float0
                                                        for t in tangents]):
@@ -260,7 +261,7 @@ def _jvp(primals: Sequence[Any], tangents: Sequence[Any], *, program: Program) -
     return primal_out, touts
 
 
-def _linearize(is_vjp: bool, nonzeros: Sequence[bool], *primals: Any, program: Program) -> Any:
+def _linearize(is_vjp: bool, nonzeros: Sequence[bool], *primals: Any, program: Signature) -> Any:
     built = program.vjp() if is_vjp else None
     if built is not None and _untracked(built.dif_in, nonzeros):
         log.warning("the rewritten VJP of %s does not differentiate every input JAX does; "
@@ -296,12 +297,12 @@ ad.primitive_linearizations[rewritten_p] = _linearize
 # ---------------------------------------------------------------------- rewritten_lin_p's rules
 # (residuals, tangents of the float inputs) -> tangents of the float outputs: linear in the tangents,
 # and only ever transposed (it is made for reverse mode), by running the rewritten backward program.
-def _lin_abstract_eval(*avals: Any, program: Program) -> list[Any]:
+def _lin_abstract_eval(*avals: Any, program: Signature) -> list[Any]:
     out_avals = program.forward.out_avals
     return [out_avals[i].to_tangent_aval() for i in program.vjp().dif_out]
 
 
-def _lin_transpose(cts: Sequence[Any], *args: Any, program: Program) -> list[Any]:
+def _lin_transpose(cts: Sequence[Any], *args: Any, program: Signature) -> list[Any]:
     built = program.vjp()
     k = len(built.split.residuals)
     residuals, tangents = args[:k], args[k:]

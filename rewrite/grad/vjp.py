@@ -361,7 +361,7 @@ def split_pricer(snap: Any, model: Any, choice: dict, f_roots: Sequence[Any], b_
         def program(roots: Sequence[Any], inputs: frozenset = frozenset()) -> float:
             stop = set(inputs)
             cs = scope_classes(snap, choice, roots, stop) - stop
-            return sum(ex.own(c, *choice[c], choice) for c in cs)
+            return sum(ex.own(c, choice[c], choice) for c in cs)
 
     def price(residuals: list[Any]) -> float:
         bwd = program(b_roots, frozenset(residuals))

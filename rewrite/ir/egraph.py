@@ -39,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 from egglog import bindings as eb
 
+from . import primitives as _primitives
 from . import terms as _terms
 from .intern import LITERALS, PARAMS, TYPES, content_hash, in_dtype
 from .loader import (LOAD, LOADER, _SPAN, _flat_ctors, _loader, _Rows, call, int_lit, loader_program, tlist_expr,
@@ -204,7 +205,7 @@ class EGraph:
         else:
             exprs = [self._expr(sort, a) for sort, a in zip(sorts, args)]
             self._pending.append(eb.Union(_SPAN, v_expr(vid), call(ctor, *exprs)))
-        spec = _terms.BY_CTOR.get(ctor)
+        spec = _primitives.BY_CTOR.get(ctor)
         if spec is not None and spec.param_facts:  # facts about its params (an even integer_pow's)
             params = PARAMS.params(args[-1])
             for rel, holds in spec.param_facts.items():

@@ -43,6 +43,7 @@ from typing import Any, Callable, Mapping, NamedTuple, Sequence
 import numpy as np
 import jax.numpy as jnp
 
+from . import loopstep as _loopstep
 from .jaxapi import UnspecifiedValue, core
 
 #: Families: how the cost model prices a primitive, and whether its params are wildcards in patterns.
@@ -164,6 +165,11 @@ class OpSpec:
     * ``stacks(params, index)``: whether result ``index`` is an array the node
       writes step by step (a scan's stacked outputs), which the cost model
       charges as written.
+    * ``loop_step(loop, node, v, axis, step)``: step ``t`` of the node's value
+      ``v``, stacked along ``axis``, built inside a loop body, for
+      :meth:`rewrite.loops.Loop.per_step` (``rewrite/ir/loopstep.py`` says
+      how, and has the built-in ones); ``None`` where the work cannot move
+      into a loop. Elementwise records get the pointwise one by default.
     """
 
     prim: str
@@ -184,6 +190,7 @@ class OpSpec:
     emit: Callable[..., dict] | None = None
     price: Callable[[Any, NodeInfo], float] | None = None
     stacks: Callable[[Mapping[str, Any], int], bool] | None = None
+    loop_step: Callable[..., Any] | None = None
     #: ``loop``, ``reduce`` or ``other``; by default its family's (:data:`FUSION_KIND`)
     fusion: str = ""
     #: A nested call XLA inlines (``custom_jvp_call``, ``custom_vjp_call``, ``checkpoint``): the fusion
@@ -199,6 +206,8 @@ class OpSpec:
             object.__setattr__(self, "ctor", _camel(self.prim))
         if not self.fusion:
             object.__setattr__(self, "fusion", FUSION_KIND.get(self.family, "other"))
+        if self.loop_step is None and self.family in (ELEMENTWISE, TRANSCENDENTAL):
+            object.__setattr__(self, "loop_step", _loopstep.pointwise_step)
 
     @property
     def arg_sorts(self) -> tuple[str, ...]:
@@ -343,6 +352,10 @@ _add("broadcast_in_dim reshape squeeze convert_element_type copy iota", free=Tru
 # (jax lowers ``square`` to HLO's ``multiply``: the compiled fusion holds ``multiply(x, x)``)
 _add("add sub mul neg max min square broadcast_in_dim reshape squeeze convert_element_type", library=True)
 _add("reduce_sum reduce_max reduce_min", library_reduction=True)
+# what moves into a loop body step by step (rewrite/ir/loopstep.py): views, products, slices, reductions
+for _p in "slice broadcast_in_dim transpose reshape squeeze dot_general".split():
+    _add(_p, loop_step=getattr(_loopstep, f"{_p}_step"))
+_add("reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or", loop_step=_loopstep.reduce_step)
 # Facts. Every one is sound under the definitions in rewrite/ir/terms.py for all floating inputs
 # including -0.0, +-inf and NaN; tests/test_facts.py checks each on random inputs. Underflow is
 # why products and quotients never derive Pos or NonZero; max(+0.0, -0.0) may be -0.0 on some

@@ -4,8 +4,8 @@ This module is only data, derived from the table of primitives
 (``rewrite/ir/primitives.py``: one record per primitive, which names its egglog
 constructor and says how it lays out its operands). It adds the structural
 constructors and generates the egglog declarations (sorts, constructors,
-fact relations and the rules that derive facts). ``SPECS``, ``BY_PRIM``,
-``BY_CTOR`` and the family constants are the table's, re-exported.
+fact relations and the rules that derive facts). The table itself (``SPECS``,
+``BY_PRIM``, ``BY_CTOR``, the families) has one home, ``rewrite.ir.primitives``.
 
 Every operation constructor ends in an ``i64`` that names its parameters
 (``P``): an id into :data:`rewrite.ir.intern.PARAMS`, which holds the primitive
@@ -22,11 +22,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from .primitives import (  # noqa: F401  (the table's names, re-exported for rule packs and patterns)
-    BY_CTOR, BY_PRIM, CONTRACT, DEFAULT, ELEMENTWISE, FAMILIES, GROUPS, INDEX, LAYOUT, NESTED, OPAQUE, REDUCE,
-    SPECIAL, SPECS, TRANSCENDENTAL, TRANSPOSE, OpSpec, family_of, spec_of,
-)
-from .primitives import ARG_SORTS
+from . import primitives as _primitives
 
 #: Structural constructors: (name, argument sorts, result sort). They carry no
 #: params id. ``V`` names an e-class for the Python side and is never extracted.
@@ -67,7 +63,7 @@ _GENERIC_FACT_RULES = '(rule ((Pos x)) ((NonNeg x) (NonZero x)) :ruleset facts :
 
 def fact_rules() -> str:
     """The rules that derive facts, in egglog syntax, from the table (registered primitives included)."""
-    return "\n".join([_GENERIC_FACT_RULES] + [r for spec in BY_PRIM.values() if (r := spec.fact_rules())]) + "\n"
+    return "\n".join([_GENERIC_FACT_RULES] + [r for spec in _primitives.BY_PRIM.values() if (r := spec.fact_rules())]) + "\n"
 
 
 #: The fact rules of the built-in table (``fact_rules()`` is current after registrations).
@@ -76,7 +72,7 @@ FACT_RULES = fact_rules()
 
 def param_relations() -> list[str]:
     """The relations on params ids that records seed (``OpSpec.param_facts``): ``EvenPow``, ..."""
-    return list(dict.fromkeys(r for spec in BY_PRIM.values() for r in spec.param_facts))
+    return list(dict.fromkeys(r for spec in _primitives.BY_PRIM.values() for r in spec.param_facts))
 
 
 def schema() -> str:
@@ -87,9 +83,9 @@ def schema() -> str:
     themselves, so a primitive registered or replaced makes a new schema.
     """
     specs, made = _SCHEMA
-    if len(specs) != len(BY_PRIM) or not all(a is b for a, b in zip(specs, BY_PRIM.values())):
+    if len(specs) != len(_primitives.BY_PRIM) or not all(a is b for a, b in zip(specs, _primitives.BY_PRIM.values())):
         made = _schema()
-        _SCHEMA[:] = [tuple(BY_PRIM.values()), made]
+        _SCHEMA[:] = [tuple(_primitives.BY_PRIM.values()), made]
     return made
 
 
@@ -100,7 +96,7 @@ def _schema() -> str:
     lines = [f"(sort {s})" for s in SORTS]
     for name, args, out in STRUCTURAL:
         lines.append(f"(constructor {name} ({' '.join(args)}) {out})")
-    for spec in BY_PRIM.values():
+    for spec in _primitives.BY_PRIM.values():
         lines.append(f"(constructor {spec.ctor} ({' '.join(spec.arg_sorts)}) Term)")
     for fact in FACTS:
         lines.append(f"(relation {fact} (Term))")
@@ -114,7 +110,7 @@ def _schema() -> str:
 
 def flat_ctors() -> list[str]:
     """The ``Term`` constructors whose arguments are all ``Term`` or ``i64`` (loaded from rows: ``_egraph.loader_program``)."""
-    ctors = [name for name, _, out in STRUCTURAL if out == "Term" and name != "V"] + [spec.ctor for spec in BY_PRIM.values()]
+    ctors = [name for name, _, out in STRUCTURAL if out == "Term" and name != "V"] + [spec.ctor for spec in _primitives.BY_PRIM.values()]
     return [c for c in dict.fromkeys(ctors) if all(s in ("Term", "i64") for s in ctor_arg_sorts(c))]
 
 
@@ -122,12 +118,12 @@ def ctor_arg_sorts(ctor: str) -> tuple[str, ...]:
     """Argument sorts of any constructor, structural or operation."""
     found = _ARG_SORTS.get(ctor)
     if found is None:
-        spec = BY_CTOR.get(ctor)
+        spec = _primitives.BY_CTOR.get(ctor)
         found = _ARG_SORTS[ctor] = spec.arg_sorts if spec is not None else _STRUCTURAL_ARGS[ctor]
     return found
 
 
-_ARG_SORTS = ARG_SORTS  # extraction asks this hundreds of thousands of times; emptied when the table changes
+_ARG_SORTS = _primitives.ARG_SORTS  # extraction asks this hundreds of thousands of times; emptied when the table changes
 
 
 def tlist_text(items: Sequence[str]) -> str:
@@ -139,7 +135,7 @@ def tlist_text(items: Sequence[str]) -> str:
 
 
 def ctor_sort(ctor: str) -> str:
-    if ctor in BY_CTOR:
+    if ctor in _primitives.BY_CTOR:
         return "Term"
     return _STRUCTURAL_OUT[ctor]
 

@@ -25,7 +25,7 @@ import numpy as np
 from jax.extend import source_info_util
 from jax.interpreters import partial_eval as pe
 
-from ..ir import terms as _terms
+from ..ir import primitives as _primitives
 from ..ir.egraph import Snapshot
 from ..ir.intern import EFFECTS, PARAMS, TYPES, TupleType, literal_value
 from ..ir.jaxapi import core, literals, primitives
@@ -103,7 +103,7 @@ class _Scope:
             invars = [self.env[a] for a in snap.list_items(args[1])]
             out_avals = out_avals[:-1]
         else:
-            spec = _terms.BY_CTOR.get(ctor, _terms.DEFAULT)
+            spec = _primitives.BY_CTOR.get(ctor, _primitives.DEFAULT)
             invars = [self.env[a] for a in operands(snap, (ctor, args))]
             if spec.emit is not None:  # a primitive with bodies: its hook rebuilds them from their classes
                 params = spec.emit(em, params, self._bodies(spec, args), len(out_avals), len(invars))
@@ -119,7 +119,7 @@ class _Scope:
             return outvars
         return outvars[0]
 
-    def _bodies(self, spec: _terms.OpSpec, args: tuple) -> list[Any]:
+    def _bodies(self, spec: _primitives.OpSpec, args: tuple) -> list[Any]:
         """The body arguments of a nested node, one per ``B`` (a class) or ``N`` (a list of classes)."""
         list_items = self.em.snap.list_items
         return [a if letter == "B" else list_items(a) for letter, a in zip(spec.layout, args) if letter in "BN"]
@@ -178,7 +178,7 @@ class Emitter:
         return core.ClosedJaxpr(jaxpr, sc.consts)
 
 
-def _nested_effects(spec: _terms.OpSpec, params: dict) -> Any:
+def _nested_effects(spec: _primitives.OpSpec, params: dict) -> Any:
     """A nested equation's effects: its bodies', less the axes it binds itself (a shard_map's manual axes)."""
     effects = set()
     for k in spec.body_params:

@@ -21,7 +21,7 @@ from typing import Any, NamedTuple, Protocol, Sequence
 
 import numpy as np
 
-from ..ir import terms as _terms
+from ..ir import primitives as _primitives
 from ..ir.intern import EFFECTS, PARAMS, TYPES
 from ..ir.jaxapi import core
 from ..ir.primitives import Unsupported  # noqa: F401  (raised by builders and load hooks)
@@ -129,23 +129,23 @@ def load_eqn(eqn: core.JaxprEqn, args: list[Any], b: Builder, token: Any, *,
         new_token = b.term("Proj", [tup, len(out_avals)], TYPES.intern_aval(TOKEN_AVAL), source)
         return outs, new_token
 
-    spec = _terms.spec_of(name)
+    spec = _primitives.spec_of(name)
     if spec.load is not None:
         try:
             outs = spec.load(_Loading(eqn, args, b, source))
         except Unsupported:
-            spec = _terms.DEFAULT  # kept whole, as an opaque node
+            spec = _primitives.DEFAULT  # kept whole, as an opaque node
         else:
             if outs is not None:
                 return outs, token
-    if spec.family == _terms.NESTED or not _fits(spec, args):
-        spec = _terms.DEFAULT
+    if spec.family == _primitives.NESTED or not _fits(spec, args):
+        spec = _primitives.DEFAULT
     pid = _intern(eqn)
     multiple = prim.multiple_results
     plain = (spec.ctor, spec.layout.count("T"), "L" in spec.layout, pid,
              TYPES.intern_tuple(tuple(out_avals)) if multiple else TYPES.intern_aval(out_avals[0]),
              tuple(TYPES.intern_aval(a) for a in out_avals) if multiple else None, source)
-    if remember and _terms.spec_of(name).load is None:  # what it loads as depends on the equation alone
+    if remember and _primitives.spec_of(name).load is None:  # what it loads as depends on the equation alone
         if len(_PLAIN) >= _PLAIN_SIZE:
             _PLAIN.clear()
         _PLAIN[id(eqn)] = (eqn, plain)
@@ -158,7 +158,7 @@ def side_effects(effects: Any) -> set[Any]:
     return {e for e in effects if not isinstance(e, core.NamedAxisEffect)}
 
 
-def _fits(spec: _terms.OpSpec, args: list[Any]) -> bool:
+def _fits(spec: _primitives.OpSpec, args: list[Any]) -> bool:
     fixed = spec.layout.count("T")
     return len(args) >= fixed if "L" in spec.layout else len(args) == fixed
 
@@ -215,7 +215,7 @@ class _Loading:
         """The node over ``bodies`` (in layout order) and the operands; its params lose the body params
         and gain ``extra``. Returns one projection per result."""
         eqn, b = self.eqn, self.b
-        spec = _terms.BY_PRIM[eqn.primitive.name]
+        spec = _primitives.BY_PRIM[eqn.primitive.name]
         params = {k: v for k, v in eqn.params.items() if k not in spec.body_params}
         params.update(extra or {})
         pid = PARAMS.intern_params(eqn.primitive, params)

@@ -18,7 +18,7 @@ from typing import Any
 import itertools
 
 from ..extract.choice import reachable
-from ..ir import terms as _terms
+from ..ir import primitives as _primitives
 from ..ir.intern import LITERALS, PARAMS
 from ..ir.walk import children, walk
 
@@ -36,7 +36,7 @@ def _label(ctor: str, args: tuple) -> str:
         return f"#{args[1]}"
     if ctor == "Tok":
         return "token"
-    if ctor in _terms.BY_CTOR or ctor in ("Opaque", "Effect"):
+    if ctor in _primitives.BY_CTOR or ctor in ("Opaque", "Effect"):
         prim, params = PARAMS[args[-1]][0], PARAMS[args[-1]][1]
         shown = {k: v for k, v in params.items()
                  if k not in _HIDDEN_PARAMS and v is not None and not hasattr(v, "jaxpr") and len(repr(v)) < 30}

@@ -21,7 +21,7 @@ from typing import Any
 
 from ..extract.extractor import Extractor
 from ..extract.program import ProgramPricer, prices_programs
-from ..ir import terms as _terms
+from ..ir import primitives as _primitives
 from ..ir.walk import CycleError, postorder, walk
 
 
@@ -67,7 +67,7 @@ def built_nodes(result: Any, rule: str) -> dict[Any, tuple]:
 
 def builds_loops(result: Any, rule: str) -> bool:
     """Whether ``rule`` built a node with bodies (a loop, a cond...)."""
-    return any(_terms.BY_CTOR.get(ctor) is not None and _terms.BY_CTOR[ctor].family == _terms.NESTED
+    return any(_primitives.BY_CTOR.get(ctor) is not None and _primitives.BY_CTOR[ctor].family == _primitives.NESTED
                for ctor, _ in built_nodes(result, rule).values())
 
 
@@ -125,7 +125,7 @@ def _breakdown(ex: Extractor, choice: dict, roots: list) -> dict[str, float]:
         ctor, args = choice[c]
         bodies = ex.body_classes(ctor, args)
         if not bodies:
-            price = ex.own(c, ctor, args, choice)
+            price = ex.own(c, (ctor, args), choice)
             if price:
                 out[ex.info(c, ctor, args, choice).op] += times * price
             return ex.children(ctor, args)

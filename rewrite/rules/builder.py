@@ -16,10 +16,10 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from ..cost.model import DEFAULT
+from ..cost.model import default_model
 from ..extract.choice import choose_slice
 from ..extract.extractor import Extractor
-from ..ir import terms as _terms
+from ..ir import primitives as _primitives
 from ..ir.egraph import EGraph, Snapshot
 from ..ir.intern import PARAMS, TYPES
 from ..ir.jaxapi import PRIMITIVE_MODULES, core
@@ -118,7 +118,7 @@ class Builder:
             prim = _primitive(prim)
         eg = self.egraph
         pid = PARAMS.intern_params(prim, params)
-        spec = _terms.BY_PRIM.get(prim.name)
+        spec = _primitives.BY_PRIM.get(prim.name)
         args: list[Any] = []
         names = [v.name for v in operands]
         if spec is None:
@@ -140,7 +140,7 @@ class Builder:
             if next(it, None) is not None:
                 raise ValueError(f"{prim.name}: too many operands for layout {spec.layout!r}")
         args.append(pid)
-        multi = prim.multiple_results or (spec is not None and spec.family == _terms.NESTED)
+        multi = prim.multiple_results or (spec is not None and spec.family == _primitives.NESTED)
         if not multi:
             (aval,) = out_avals
             return self._fresh(eg.term(ctor, args, TYPES.intern_aval(aval)))
@@ -158,7 +158,7 @@ class Builder:
         if any(c is None for c in out_cls + in_cls):
             raise ValueError("Match.function takes values that exist in the e-graph (not ones built by this match)")
         if self._prefer is None:
-            self._prefer = Extractor(snap, DEFAULT).tree()[1]
+            self._prefer = Extractor(snap, default_model()).tree()[1]
         seen: set | None = set() if self.reads is not None else None
         choice = choose_slice(snap, out_cls, set(in_cls), self._prefer, visited=seen)
         if choice is None:
@@ -229,8 +229,10 @@ def _trace_key(fn: Callable[..., Any], avals: Sequence[Any]) -> Any:
     rule's cost. The key is the function's code, its defaults and a snapshot
     of its closure, taken when it is called (so a list mutated later does not
     matter); only plain values key it: numbers, strings, dtypes, tuples and
-    lists of them, and functions without a closure. Anything else (an
-    e-graph ``Value``, an object) makes the trace uncached.
+    lists of them, functions without a closure, and objects whose class says
+    what of them a trace can read (``_trace_key``, as a matched ``Product``
+    does). Anything else (an e-graph ``Value``, an object) makes the trace
+    uncached.
     """
     try:
         code = fn.__code__
@@ -261,6 +263,9 @@ def _plain(x: Any, depth: int = 0) -> Any:
         return (type(x), tuple(_plain(y, depth + 1) for y in x))
     if isinstance(x, np.dtype) or (isinstance(x, type) and issubclass(x, np.generic)):
         return ("dtype", np.dtype(x).str)
+    keyed = getattr(type(x), "_trace_key", None)
+    if keyed is not None:  # a view that says what of it a trace can read (rules/match.py Product)
+        return (type(x), _plain(keyed(x), depth))  # the key stands for x: no level of its own
     if callable(x) and getattr(x, "__closure__", 0) is None and hasattr(x, "__code__"):
         return ("fn", x)  # a module-level function: its identity is its meaning
     if callable(x) and isinstance(getattr(x, "__name__", None), str) and not hasattr(x, "__dict__"):

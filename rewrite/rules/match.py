@@ -13,7 +13,9 @@ from typing import Any, Callable, Sequence
 
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
+from ..ir import primitives as _primitives
 from ..ir import terms as _terms
 from ..ir.intern import PARAMS, literal_value
 
@@ -62,6 +64,55 @@ class Params(dict):
 
     def __repr__(self) -> str:
         return f"Params({self.prim}, {dict.__repr__(self)})"
+
+
+class Product:
+    """A matched ``dot_general`` read as an einsum, for a rule that rebuilds products: :meth:`Match.product`.
+
+    ``lhs`` and ``rhs`` are its operands (:class:`Value`), ``params`` its :class:`Params`;
+    ``dimension_numbers``, ``precision`` and ``preferred_element_type`` are read from them.
+    ``labels`` names each dimension with an int, as an einsum does: ``(lhs, rhs, result)``, where a
+    contracted or batch dimension of ``rhs`` has the label of the ``lhs`` dimension it pairs with
+    and the result is laid out as ``dot_general`` lays it out (batch, ``lhs``'s free dimensions,
+    ``rhs``'s). :meth:`dot` is ``lax.dot_general`` with this product's precision and accumulation
+    type, for the functions a right side traces.
+
+    >>> import jax
+    >>> from jax import lax
+    >>> from rewrite import Params, Value
+    >>> a, b = (Value.from_aval(jax.core.ShapedArray(s, "float32")) for s in ((2, 3, 4), (2, 4, 5)))
+    >>> p = Product(a, b, Params(lax.dot_general_p, {"dimension_numbers": (((2,), (1,)), ((0,), (0,))),
+    ...                                            "precision": None, "preferred_element_type": None}))
+    >>> p.labels  # bij,bjk->bik
+    ((0, 1, 2), (0, 2, 5), (0, 1, 5))
+    """
+
+    def __init__(self, lhs: "Value", rhs: "Value", params: "Params") -> None:
+        self.lhs, self.rhs, self.params = lhs, rhs, params
+        self.dimension_numbers = params["dimension_numbers"]
+        self.precision = params.get("precision")
+        self.preferred_element_type = params.get("preferred_element_type")
+        (lc, rc), (lb, rb) = self.dimension_numbers
+        la = tuple(range(lhs.ndim))
+        paired = dict(zip(tuple(rc) + tuple(rb), tuple(lc) + tuple(lb)))
+        lr = tuple(la[paired[j]] if j in paired else lhs.ndim + j for j in range(rhs.ndim))
+        out = [la[i] for i in lb] + [la[i] for i in range(lhs.ndim) if i not in set(lc) | set(lb)]
+        out += [lr[j] for j in range(rhs.ndim) if j not in paired]
+        self.labels = (la, lr, tuple(out))
+
+    def dot(self, x: Any, y: Any, dimension_numbers: Any = None) -> Any:
+        """``lax.dot_general(x, y)`` with this product's dimension numbers (or others), precision and type."""
+        return lax.dot_general(x, y, self.dimension_numbers if dimension_numbers is None else dimension_numbers,
+                               precision=self.precision, preferred_element_type=self.preferred_element_type)
+
+    def _trace_key(self) -> tuple:
+        # what a function that closes over the product can read while traced: its params and its
+        # operands' types (rules/builder.py caches such traces by their closures' plain contents)
+        return (self.dimension_numbers, repr(self.precision), repr(self.preferred_element_type),
+                _short(self.lhs.aval), _short(self.rhs.aval))
+
+    def __repr__(self) -> str:
+        return f"Product({_short(self.lhs.aval)}, {_short(self.rhs.aval)}, {self.dimension_numbers})"
 
 
 def _short(aval: Any) -> str:
@@ -176,7 +227,7 @@ class Node:
         self._engine = engine
         self.ctor = ctor
         self.args = args
-        spec = _terms.BY_CTOR.get(ctor)
+        spec = _primitives.BY_CTOR.get(ctor)
         self.spec = spec
         sorts = _terms.ctor_arg_sorts(ctor)
         self._sorts = sorts
@@ -281,6 +332,48 @@ class Match:
         """The params bound by ``params=name``, as a :class:`Params` (a dict that knows its primitive)."""
         pid = self._bound(name)
         return Params(PARAMS.prim(pid), PARAMS.params(pid))
+
+    def product(self, params: str, lhs: str = "a", rhs: str = "b", *, same: Sequence[str] = (),
+                operands: Sequence[str] = ()) -> "Product | None":
+        """The ``dot_general`` bound by ``params=params`` over the terms ``lhs`` and ``rhs``, as a
+        :class:`Product`; ``None`` where a rule that rebuilds products should decline.
+
+        It declines a product that carries a sharding (a traced replacement would drop it), one whose
+        operands, with ``operands`` (more term bindings the replacement mixes in), differ in dtype or
+        are accumulated in another (``int8`` into ``int32``), and one whose precision or accumulation
+        type differs from that of the products bound by ``same`` (params names), since its
+        replacement builds them all as one. Every product rule of ``rulesets.linalg`` begins here:
+
+        >>> import jax.numpy as jnp
+        >>> from rewrite import Pat, Ruleset, explain, procedural, rule
+        >>> @procedural
+        ... def sum_rows_first(m):  # sum(a b, 0) -> sum(a, 0) b, for matrices
+        ...     p = m.product("p")
+        ...     if p is None or tuple(m.params("r").axes) != (0,):
+        ...         return None
+        ...     la, lb, lo = p.labels
+        ...     if lo[0] not in la or lo[0] in lb:
+        ...         return None  # only a sum over a free dimension of a
+        ...     k = la.index(lo[0])
+        ...     return m.trace(lambda a, b: p.dot(jnp.sum(a, axis=k, keepdims=True), b)[0], p.lhs, p.rhs)
+        >>> r = rule(Pat("reduce_sum", Pat("dot_general", Pat.var("a"), Pat.var("b"), params="p"), params="r"),
+        ...          sum_rows_first, name="sum_rows_first")
+        >>> f = lambda a, b: jnp.sum(a @ b, axis=0)
+        >>> explain(f, jnp.ones((8, 3)), jnp.ones((3, 2)), rulesets=[Ruleset("s", [r], soundness="identity")]).fired
+        {'sum_rows_first': 1}
+        """
+        ps = [self.params(n) for n in (params, *same)]
+        first = ps[0]
+        if first.prim != "dot_general" or any(
+                p.sharded or p.get("precision") != first.get("precision")
+                or p.get("preferred_element_type") != first.get("preferred_element_type") for p in ps):
+            return None
+        a, b = self[lhs], self[rhs]
+        dtypes = {v.dtype for v in (a, b, *(self[o] for o in operands))}
+        acc = first.get("preferred_element_type")
+        if len(dtypes) != 1 or (acc is not None and acc not in dtypes):
+            return None
+        return Product(a, b, first)
 
     def int(self, name: str) -> int:
         return int(self._bound(name))

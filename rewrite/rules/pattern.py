@@ -32,6 +32,7 @@ import re
 from typing import Any, Iterable, Sequence
 
 
+from ..ir import primitives as _primitives
 from ..ir import terms as _terms
 from ..ir.intern import LITERALS, TYPES, content_hash, in_dtype
 from ..ir.jaxapi import core
@@ -39,7 +40,7 @@ from ..ir.primitives import GROUPS
 from ..jaxpr.load import load_closed
 
 #: Families whose params are shapes, axes or bounds: wildcards in queries.
-_SHAPE_FAMILIES = {_terms.LAYOUT, _terms.TRANSPOSE, _terms.REDUCE, _terms.CONTRACT, _terms.INDEX}
+_SHAPE_FAMILIES = {_primitives.LAYOUT, _primitives.TRANSPOSE, _primitives.REDUCE, _primitives.CONTRACT, _primitives.INDEX}
 
 
 class PatternError(ValueError):
@@ -132,7 +133,7 @@ class QueryBuilder:
         return f"_{prefix}{self._n}"
 
     def term(self, ctor: str, args: Sequence[Any], type_id: int, source: Any = None) -> str:
-        spec = _terms.BY_CTOR.get(ctor)
+        spec = _primitives.BY_CTOR.get(ctor)
         parts = [str(a) for a in args]
         if spec is not None and spec.family in _SHAPE_FAMILIES:
             parts[-1] = self.fresh("p")
@@ -282,7 +283,7 @@ def _commuted(atoms: tuple, root: str, binds: tuple, ctors: frozenset) -> tuple[
 
 
 def _commutative_ctors() -> frozenset[str]:
-    return frozenset(_terms.BY_PRIM[p].ctor for p in _group("commutative"))
+    return frozenset(_primitives.BY_PRIM[p].ctor for p in _group("commutative"))
 
 
 class NotPresent(Exception):
@@ -370,14 +371,14 @@ class Pat:
                  args: str | None = None) -> None:
         if isinstance(prim, str):
             members: tuple[str, ...] = (prim,)
-            if prim not in _terms.BY_PRIM and prim not in ("proj", "var", "lit", "opaque"):
+            if prim not in _primitives.BY_PRIM and prim not in ("proj", "var", "lit", "opaque"):
                 raise PatternError(f"Pat: unknown primitive {prim!r}; the term language has no constructor for it")
         else:
             members = tuple(sorted(prim))
-            unknown = [p for p in members if p not in _terms.BY_PRIM]
+            unknown = [p for p in members if p not in _primitives.BY_PRIM]
             if not members or unknown:
                 raise PatternError(f"Pat: a group needs known primitives; unknown: {unknown or 'empty group'}")
-            if len({_terms.BY_PRIM[p].layout for p in members}) != 1:
+            if len({_primitives.BY_PRIM[p].layout for p in members}) != 1:
                 raise PatternError("Pat: the primitives of a group must take their operands alike "
                                    f"(one layout); {members} do not")
             prim = members[0] if len(members) == 1 else "{" + ",".join(members) + "}"
@@ -402,7 +403,7 @@ class Pat:
         special = {"proj": "Proj", "lit": "Lit", "opaque": "Opaque", "var": "V"}
         if self.prim in special:
             return {special[self.prim]}
-        return {_terms.BY_PRIM[p].ctor for p in self.members}
+        return {_primitives.BY_PRIM[p].ctor for p in self.members}
 
     def param_names(self) -> set[str]:
         """The names that bind a node's params (``params=``), as opposed to a projection index."""
@@ -516,7 +517,7 @@ def compile_pat(pat: Pat, choice: dict[int, str] | None = None) -> tuple[Query, 
             v = qb.fresh("t")
             qb.atoms.append(f"(= {v} (Proj {of} {idx}))")
             return bind(p.name, v, "Term")
-        spec = _terms.BY_PRIM[choice.get(id(p), p.members[0])]
+        spec = _primitives.BY_PRIM[choice.get(id(p), p.members[0])]
         parts: list[str] = []
         ops = list(p.operands)
         body_names = iter([p.body] if p.body else list(p.bodies) if isinstance(p.bodies, (list, tuple)) else [])

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
-from ..ir import terms as _terms
+from ..ir import primitives as _primitives
 
 
 @dataclasses.dataclass
@@ -36,7 +36,7 @@ def lhs_ctors(rule: Any, lhs_jaxpr: Any = None) -> frozenset:
     if rule.is_pat:
         return frozenset(rule.lhs.ctors())
     if lhs_jaxpr is not None and lhs_jaxpr.eqns:
-        spec = _terms.BY_PRIM.get(lhs_jaxpr.eqns[-1].primitive.name)
+        spec = _primitives.BY_PRIM.get(lhs_jaxpr.eqns[-1].primitive.name)
         if spec is not None:
             return frozenset({spec.ctor})
     return frozenset()

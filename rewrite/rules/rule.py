@@ -26,12 +26,13 @@ from __future__ import annotations
 import functools
 import inspect
 import itertools
+import warnings
 from typing import Any, Callable, Sequence
 
 import jax.numpy as jnp
 import numpy as np
 
-from ..ir import terms as _terms
+from ..ir import primitives as _primitives
 from ..ir.intern import PARAMS
 from ..ir.jaxapi import core
 from ..ir.primitives import GROUPS
@@ -214,13 +215,14 @@ class Rule:
         self.lhs = lhs
         self.rhs = rhs
         self.when = when
+        #: For a rule of two functions, the avals given with ``example_inputs=`` (else ``None``)
         self.example = example
         self.var_names = var_names
         self.queries = queries
         self.manual_queries = manual_queries or []  # extra variants for shard_map bodies
         self.probes = probes
         #: For a :class:`Pat` rule, ``(fn, avals)``: a program the rule applies in, given with
-        #: ``example=``, on which :func:`rewrite.testing.check_ruleset` exercises the rule.
+        #: ``example_program=``, on which :func:`rewrite.testing.check_ruleset` exercises the rule.
         self.program = program
         #: (file, line) of the code that defined this rule, where known (rewrite.define.rule records it)
         self.defined_at: tuple[str, int] | None = None
@@ -348,8 +350,8 @@ def _elementwise_at(closed: core.ClosedJaxpr, shape: tuple[int, ...]) -> bool:
     if not all(ok(v) and not isinstance(v, core.Literal) for v in (*jaxpr.invars, *jaxpr.outvars)):
         return False
     for eqn in jaxpr.eqns:
-        spec = _terms.BY_PRIM.get(eqn.primitive.name)
-        if spec is None or spec.family not in (_terms.ELEMENTWISE, _terms.TRANSCENDENTAL):
+        spec = _primitives.BY_PRIM.get(eqn.primitive.name)
+        if spec is None or spec.family not in (_primitives.ELEMENTWISE, _primitives.TRANSCENDENTAL):
             return False
         if next(iter(core.jaxprs_in_params(eqn.params)), None) is not None or eqn.effects:
             return False
@@ -399,7 +401,8 @@ def _canonical(closed: core.ClosedJaxpr, labels: Sequence[int]) -> tuple:
 
 
 def rule(lhs: Any, rhs: Any, *, name: str, when: Callable[..., bool] | None = None,
-         example: Any = None, prefer: bool = False) -> Rule:
+         example_inputs: Any = None, example_program: Any = None, prefer: bool = False,
+         example: Any = None) -> Rule:
     """Define a rewrite ``lhs -> rhs``.
 
     ``lhs`` and ``rhs`` are functions of the pattern variables, written with
@@ -411,17 +414,23 @@ def rule(lhs: Any, rhs: Any, *, name: str, when: Callable[..., bool] | None = No
     dtypes and the facts the e-graph knows (``x.nonneg``, ``x.positive``,
     ``x.nonzero``).
 
-    ``example`` gives the shapes and dtypes to trace the sides at (a tuple
-    with one array or ``jax.ShapeDtypeStruct`` per variable, or one for all).
-    Without it the sides are traced at float32 scalars, vectors, matrices and
-    rank-3 arrays, and the rule must hold at every one of them that it traces at.
+    ``example_inputs`` gives the shapes and dtypes to trace the sides at (a
+    tuple with one array or ``jax.ShapeDtypeStruct`` per pattern variable, or
+    one for all). Without it the sides are traced at float32 scalars, vectors,
+    matrices and rank-3 arrays, and the rule must hold at every one of them
+    that it traces at.
 
-    A :class:`Pat` left-hand side has no function to trace, so ``example``
-    is instead a pair ``(fn, args)``: a program in which the rule applies and
-    its arguments (arrays or ``jax.ShapeDtypeStruct``, one per argument of
-    ``fn``). It is traced once, to fail early, and kept as ``rule.program``
-    for :func:`rewrite.testing.check_ruleset`, which rewrites that program
-    with the rule alone and compares it with the original on drawn inputs.
+    A :class:`Pat` left-hand side has no function to trace; its
+    ``example_program`` is a pair ``(fn, args)``: a program in which the rule
+    applies and its arguments (arrays or ``jax.ShapeDtypeStruct``, one per
+    argument of ``fn``). It is traced once, to fail early, and kept as
+    ``rule.program`` for :func:`rewrite.testing.check_ruleset`, which rewrites
+    that program with the rule alone and compares it with the original on
+    drawn inputs. Each of the two is an error on the other kind of rule.
+
+    ``example`` is the old spelling of both (the inputs for a rule of two
+    functions, the program for a :class:`Pat` rule): it still works, with a
+    ``DeprecationWarning``.
 
     >>> import jax.numpy as jnp
     >>> from rewrite import rule
@@ -440,7 +449,7 @@ def rule(lhs: Any, rhs: Any, *, name: str, when: Callable[..., bool] | None = No
     ... def sum_of_neg(m):
     ...     return m.trace(lambda x: -jnp.sum(x, axis=tuple(m.params("r")["axes"])), m["x"])
     >>> r = rule(Pat("reduce_sum", Pat("neg", Pat.var("x")), params="r"), sum_of_neg, name="sum_of_neg",
-    ...          example=(lambda x: jnp.sum(-x, axis=0), (jax.ShapeDtypeStruct((3, 4), jnp.float32),)))
+    ...          example_program=(lambda x: jnp.sum(-x, axis=0), (jax.ShapeDtypeStruct((3, 4), jnp.float32),)))
     >>> r.program[1]
     (ShapedArray(float32[3,4]),)
 
@@ -452,9 +461,33 @@ def rule(lhs: Any, rhs: Any, *, name: str, when: Callable[..., bool] | None = No
     >>> rule(lambda x: jnp.log(1.0 + x), lambda x: jnp.log1p(x), name="log1p", prefer=True).prefer
     True
     """
+    example = _one_example(name, isinstance(lhs, Pat), example_inputs, example_program, example)
     r = _rule(lhs, rhs, name=name, when=when, example=example)
     r.prefer = bool(prefer)
     return r
+
+
+#: Said where ``example=`` is given; the stack level points at the caller of :func:`rewrite.rule`.
+DEPRECATED_EXAMPLE = ("rule {name!r}: example= is deprecated; it meant two things: give example_inputs= (the "
+                      "pattern variables' shapes and dtypes) for a rule of two functions, example_program=(fn, args) "
+                      "for a Pat rule")
+
+
+def _one_example(name: Any, is_pat: bool, inputs: Any, program: Any, old: Any, stacklevel: int = 3) -> Any:
+    """The one example a rule takes: ``example_inputs`` for a rule of two functions, ``example_program`` for
+    a :class:`Pat` rule, or the deprecated ``example`` for either."""
+    if old is not None:
+        warnings.warn(DEPRECATED_EXAMPLE.format(name=name), DeprecationWarning, stacklevel=stacklevel)
+        if inputs is not None or program is not None:
+            raise ValueError(f"rule {name!r}: give example_inputs= or example_program=, not also example=")
+        return old
+    if is_pat and inputs is not None:
+        raise ValueError(f"rule {name!r}: a Pat rule has no function to trace at example_inputs=; give "
+                         "example_program=(fn, args), a program it applies in")
+    if not is_pat and program is not None:
+        raise ValueError(f"rule {name!r}: example_program= is for a Pat rule; a rule of two functions takes "
+                         "example_inputs=, the shapes and dtypes to trace its sides at")
+    return program if is_pat else inputs
 
 
 def _rule(lhs: Any, rhs: Any, *, name: str, when: Callable[..., bool] | None, example: Any) -> Rule:
@@ -553,9 +586,9 @@ def _rule(lhs: Any, rhs: Any, *, name: str, when: Callable[..., bool] | None, ex
             e, avals = guard_error
             raise ValueError(f"rule {name!r}: its guard (when=) raised {type(e).__name__}: {e} at "
                              f"({', '.join(_short(a) for a in avals)}), and no probe shape let the rule "
-                             "through; fix the guard, or give example= inputs where it answers") from e
+                             "through; fix the guard, or give example_inputs= where it answers") from e
         why = f": {first_error}" if first_error else ""
-        raise ValueError(f"rule {name!r}: lhs cannot be traced at any probe shape{why}; give example=")
+        raise ValueError(f"rule {name!r}: lhs cannot be traced at any probe shape{why}; give example_inputs=")
     ex = tuple(probes[0]) if example is not None else None
     return Rule(name, lhs, rhs, when, ex, names, queries, traced_at, manual)
 
@@ -592,22 +625,22 @@ def _probes(name: str, names: list[str], example: Any) -> list[tuple[Any, ...]]:
         return [tuple(core.ShapedArray(s, np.dtype(np.float32)) for _ in names) for s in PROBE_SHAPES]
     items = example if isinstance(example, (tuple, list)) else [example] * len(names)
     if len(items) != len(names):
-        raise ValueError(f"rule {name!r}: example= gives {len(items)} inputs for {len(names)} pattern variables")
+        raise ValueError(f"rule {name!r}: example_inputs= gives {len(items)} inputs for {len(names)} pattern variables")
     return [tuple(_example_aval(name, x, "entries") for x in items)]
 
 
 def _example_aval(name: str, x: Any, what: str) -> Any:
-    """The aval of one ``example=`` input (an array or a ``ShapeDtypeStruct``)."""
+    """The aval of one example input or argument (an array or a ``ShapeDtypeStruct``)."""
     try:
         return core.ShapedArray(tuple(x.shape), np.dtype(x.dtype), weak_type=getattr(x, "weak_type", False))
     except AttributeError:
-        raise ValueError(f"rule {name!r}: example= {what} need .shape and .dtype, got {type(x).__name__}") from None
+        raise ValueError(f"rule {name!r}: example {what} need .shape and .dtype, got {type(x).__name__}") from None
 
 
 def _example_program(name: str, example: Any) -> tuple[Callable[..., Any], tuple[Any, ...]]:
-    """Validate a Pat rule's ``example=(fn, args)`` and return ``(fn, avals)``."""
+    """Validate a Pat rule's ``example_program=(fn, args)`` and return ``(fn, avals)``."""
     if not (isinstance(example, (tuple, list)) and len(example) == 2 and callable(example[0])):
-        raise ValueError(f"rule {name!r}: a Pat rule's example= is a pair (fn, args): a program the rule "
+        raise ValueError(f"rule {name!r}: a Pat rule's example_program= is a pair (fn, args): a program the rule "
                          "applies in and its example arguments")
     fn, args = example
     if not isinstance(args, (tuple, list)):

@@ -397,7 +397,7 @@ def _cases(rule: Rule, owner: Ruleset) -> tuple[list[_Case], list[str], bool]:
     wants_nodes = False
     if rule.is_pat:
         if rule.program is None:
-            return [], ["a Pat rule needs an example program: rule(..., example=(fn, args))"], False
+            return [], ["a Pat rule needs an example program: rule(..., example_program=(fn, args))"], False
         fn, avals = rule.program
         candidates = [_Case(fn, avals, tuple(f"arg{i}" for i in range(len(avals))), ("any",) * len(avals))]
     else:
@@ -501,7 +501,8 @@ def _check_rule(rule: Rule, owner: Ruleset, max_examples: int | None, derivative
         raise AssertionError(
             f"rule {rule.name!r} [{owner.name}, {owner.soundness}] was never exercised, so it cannot be checked:\n"
             + "\n".join(f"  {s}" for s in skipped)
-            + "\n  Give example= with shapes and dtypes where it applies (for a Pat rule, example=(fn, args)).")
+            + "\n  Give example_inputs= with shapes and dtypes where it applies (for a Pat rule, "
+            "example_program=(fn, args)).")
     soundness, tolerance = owner.soundness, owner.tolerance
     fired = [0]
 
@@ -550,14 +551,14 @@ def check_ruleset(ruleset: Any, *, max_examples: int | None = None, derivatives:
 
     Each rule is checked on its own, in its owner's soundness class. Its
     left-hand side, traced at the shapes and dtypes it was defined at (its
-    probes, or ``example=``) and that its guard allows, is a program; that
+    probes, or ``example_inputs=``) and that its guard allows, is a program; that
     program is rewritten with this rule alone, and the rewrite is forced to
     use what the rule built even where the cost model would not. A rule that
     never fires fails the check: a check that compares a program with itself
     proves nothing. Guards that ask for facts (``x.positive``) are met by
     drawing inputs through operations that establish the fact; guards and
     procedures that read values (``x.constant``) get their inputs as
-    constants. A :class:`Pat` rule is checked on its ``example=(fn, args)``
+    constants. A :class:`Pat` rule is checked on its ``example_program=(fn, args)``
     program. The original and the rewritten program are then compared on
     inputs hypothesis draws, shrinking any failure to a small
     counterexample, which the error shows with both results. With

@@ -3,6 +3,7 @@
 A program is a list of operations over a growing pool of float values, each
 operation drawn from what the rewriter supports: elementwise primitives and
 literals, broadcasting, reductions, ``dot_general``, transposes, ``where``,
+compositions that the built-in packs rewrite (``log(1 + x)``, ``(x @ x.T) @ x``),
 and a ``scan`` and a ``cond`` with small random bodies. It is data, so
 hypothesis shrinks a failing program to a short one, and its ``repr`` reads
 as a listing. :mod:`rewrite.testing` re-exports both names; the checks there
@@ -32,9 +33,29 @@ _BINARY: dict[str, Callable[[Any, Any], Any]] = {
     "max": jnp.maximum, "min": jnp.minimum, "pow": jnp.power,
 }
 _REDUCE: dict[str, Callable[..., Any]] = {"sum": jnp.sum, "max": jnp.max, "min": jnp.min, "prod": jnp.prod}
+
+
+def _mT(x: Any) -> Any:
+    return jnp.swapaxes(x, -1, -2)
+
+
+#: Compositions model code writes, as one operation each: the forms the built-in packs exist to rewrite
+#: (``rulesets.nn``'s stable forms, ``rulesets.linalg``'s products), which independent draws of their
+#: parts almost never line up. Each: (the least rank it takes, its result's shape from its operand's,
+#: the function, how the listing writes it).
+_IDIOMS: dict[str, tuple[int, Callable[[tuple], tuple], Callable[[Any], Any], str]] = {
+    "log1p": (0, lambda s: s, lambda x: jnp.log(1.0 + x), "log(1 + {})"),
+    "expm1": (0, lambda s: s, lambda x: jnp.exp(x) - 1.0, "exp({}) - 1"),
+    "softplus": (0, lambda s: s, lambda x: jnp.log(1.0 + jnp.exp(x)), "log(1 + exp({}))"),
+    "log_sigmoid": (0, lambda s: s, lambda x: jnp.log(lax.logistic(x)), "log(logistic({}))"),
+    "logsumexp": (1, lambda s: s[:-1], lambda x: jnp.log(jnp.sum(jnp.exp(x), axis=-1)), "log(sum(exp({}), -1))"),
+    "gram_chain": (2, lambda s: s, lambda x: (x @ _mT(x)) @ x, "({0} @ {0}.T) @ {0}"),
+    "scaled_gram": (2, lambda s: s[:-1] + s[-2:-1], lambda x: 0.5 * (x @ _mT(x)), "0.5 * ({0} @ {0}.T)"),
+    "sum_gram": (2, lambda s: s[:-2] + s[-1:], lambda x: jnp.sum(_mT(x) @ x, axis=-2), "sum({0}.T @ {0}, -2)"),
+}
 _LITERALS = (1.0, 0.0, 2.0, -1.0, 0.5, -0.0)
 _SHAPES = ((3,), (), (2, 3), (3, 3), (2, 2, 3))
-_KINDS = ("unary", "binary", "literal", "broadcast", "reduce", "dot", "transpose", "where", "scan", "cond")
+_KINDS = ("unary", "binary", "literal", "broadcast", "reduce", "dot", "transpose", "where", "scan", "cond", "idiom")
 _ELEMENTWISE_KINDS = ("unary", "binary", "literal", "where")
 _PAIR = ("pair",)  # the shape slot of a scan's (carry, ys) result
 
@@ -82,6 +103,8 @@ def _apply(op: _Op, env: list[Any]) -> Any:
         return jnp.tensordot(a[0], a[1], axes=([ax], [bx]))
     if k == "transpose":
         return jnp.swapaxes(a[0], -1, -2)
+    if k == "idiom":
+        return _IDIOMS[op.name][2](a[0])
     if k == "where":
         return jnp.where(a[0] > 0, a[0], a[1])
     if k == "take0":
@@ -155,6 +178,9 @@ def _draw_ops(draw: Any, shapes: list[tuple], n_ops: int, kinds: Sequence[str], 
                 j, k = draw(st.sampled_from(partners))
                 t = shapes[j]
                 add(_Op("dot", "dot", (i, j), (len(s) - 1, k)), s[:-1] + t[:k] + t[k + 1:])
+        elif kind == "idiom" and (fits := [n for n, (rank, *_) in _IDIOMS.items() if len(s) >= rank]):
+            name = draw(st.sampled_from(fits))
+            add(_Op("idiom", name, (i,)), _IDIOMS[name][1](s))
         elif kind == "transpose" and len(s) >= 2:
             add(_Op("transpose", "transpose", (i,)), s[:-2] + (s[-1], s[-2]))
         elif kind == "scan" and s and depth == 0:
@@ -259,6 +285,9 @@ def _listing(ops: Sequence[_Op], start: int, indent: str) -> list[str]:
         if op.kind == "proj":
             lines.append(f"{indent}v{n} = v{op.args[0]}.{op.name}")
             continue
+        if op.kind == "idiom":
+            lines.append(f"{indent}v{n} = {_IDIOMS[op.name][3].format(args)}")
+            continue
         lines.append(f"{indent}v{n} = {op.name}({args}{params})")
     return lines
 
@@ -272,9 +301,11 @@ def programs(draw: Any, max_ops: int = 6, max_inputs: int = 3, dtype: Any = np.f
     ``div``, ``pow``, ...), operations with a literal (``x * 2.0``),
     implicit and explicit broadcasting, reductions over one axis or all,
     ``dot_general`` (``tensordot``), transposes, ``where`` (comparison and
-    ``select_n``), and with ``control_flow`` a ``scan`` over a value's
-    leading axis and a ``cond``, each with a small random body. The program
-    returns every value nothing else uses.
+    ``select_n``), compositions model code writes as one operation each
+    (``log(1 + x)``, ``log(sum(exp(x), -1))``, ``(x @ x.T) @ x``, ...: the
+    forms the built-in packs rewrite), and with ``control_flow`` a ``scan``
+    over a value's leading axis and a ``cond``, each with a small random
+    body. The program returns every value nothing else uses.
 
     >>> from hypothesis import given, settings
     >>> @settings(max_examples=10, deadline=None)

@@ -18,12 +18,16 @@ The same relaxation in the test: ``GOLDEN_PROGRAMS_ONLY=1 python -m pytest tests
 
 What is recorded is what every run on a CPU backend must reproduce: jaxprs
 print with deterministic variable names, and the analytic cost model prices
-with the checked-in CPU calibration table. Nothing measured (timings,
+with a fixed table kept here, ``tests/golden/cost_table.json`` (a copy of the
+CPU calibration table of 2026-11-23), pinned with
+:func:`rewrite.cost.model.priced_with` while a case is made: calibrating the
+machine again (``benchmarks/calibrate.py --write``) changes what ``rewrite``
+chooses on it, never a golden file. Nothing measured (timings,
 ``cost_model="measure"``) is recorded. The only normalisation is of object
 addresses (``<function f at 0x...>``) that JAX prints in some parameters.
-On another backend the cost model reads that backend's table and may choose
-other programs, so the files are made and compared on CPU only (see
-:data:`BACKEND`); run with ``JAX_PLATFORMS=cpu`` on a machine with a GPU.
+The files are made and compared on CPU only (see :data:`BACKEND`): another
+backend traces some programs differently; run with ``JAX_PLATFORMS=cpu`` on a
+machine with a GPU.
 
 Sizes are small so that the whole comparison takes seconds; the programs are
 the benchmarks' own (``benchmarks/programs.py``, ``derivatives.py``,
@@ -34,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import re
 import warnings
 from pathlib import Path
@@ -45,17 +50,24 @@ HERE = Path(__file__).resolve().parent
 HEADER = ("# Golden file, written by `python -m tests.golden --update`: do not edit by hand.\n"
           "# What a built-in pack does to one program (tests/golden/__init__.py says how it is made).\n")
 RULES = "rules fired"  # the section that --programs-only ignores
-#: The backend whose calibration table the recorded programs were priced with.
+#: The backend the recorded programs were traced and rewritten on.
 BACKEND = "cpu"
+#: The prices every golden file is made with, in place of the machine's calibration table.
+COST_TABLE = HERE / "cost_table.json"
 
 
 def on_backend() -> str | None:
-    """``None`` when this process prices as the golden files were priced, else why it does not."""
+    """``None`` when this process runs as the golden files were made, else why it does not."""
     backend = jax.default_backend()
     if backend == BACKEND:
         return None
-    return (f"golden files are made on the {BACKEND} backend (its calibration table prices the programs); "
+    return (f"golden files are made on the {BACKEND} backend; "
             f"this process runs on {backend}: set JAX_PLATFORMS={BACKEND}")
+
+
+def cost_table() -> dict[str, Any]:
+    """The fixed table the golden files are priced with (``tests/golden/cost_table.json``)."""
+    return json.loads(COST_TABLE.read_text())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -321,7 +333,14 @@ def _avals(args: tuple) -> str:
 
 
 def render(case: Case) -> str:
-    """The golden text of one case, made now (rewriting its program)."""
+    """The golden text of one case, made now (rewriting its program), priced with :func:`cost_table`."""
+    from rewrite.cost.model import priced_with
+
+    with priced_with(cost_table()):
+        return _render(case)
+
+
+def _render(case: Case) -> str:
     from rewrite import rewrite
 
     fn, args, packs, options = case.build()
