@@ -468,7 +468,7 @@ _WEIGHTS = {
 attention = Ruleset("attention", [
     rule(Pat("dot_general", w, V, params="p") if p_first else Pat("dot_general", V, w, params="p"),    # softmax(s) v -> scan over key blocks
          _chunk(blk, p_first, cast, squeeze), name=f"attn_blocked_{blk}{suffix}{'' if p_first else '_vp'}",
-         example=_example(suffix, p_first, blk))
+         example_program=_example(suffix, p_first, blk))
     for suffix, (w, cast, squeeze) in _WEIGHTS.items() for p_first in (True, False) for blk in BLOCKS
     if (suffix, p_first) in _EXAMPLES
 ], soundness="identity", tolerance=Tolerance(rtol=2e-4, atol=2e-5),
