@@ -146,6 +146,26 @@ def test_gradient_under_jit_and_vmap():
         close(a, b, jnp.float32)
 
 
+@pytest.mark.parametrize("mode", ["jvp", "jit_jvp", "jacfwd", "linearize", "hvp"])
+def test_forward_mode(mode):
+    # The blocked program's backward is a custom_vjp, which JAX cannot take a JVP of; forward mode runs its
+    # primal scan instead (rewrite/jaxpr/forward.py). Before: "can't apply forward-mode autodiff (jvp) to a
+    # custom_vjp function", where the program as written had a JVP.
+    rng = np.random.default_rng(2)
+    q, k, v = (jnp.asarray(rng.standard_normal((2, 512, 8)), jnp.float32) for _ in range(3))
+    t = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
+    g = rewrite(plain, rulesets=[attention])
+    assert "attn_" in " ".join(explain(plain, q, k, v, rulesets=[attention]).fired)
+    run = {
+        "jvp": lambda f: jax.jvp(f, (q, k, v), (t, t, t))[1],
+        "jit_jvp": lambda f: jax.jit(lambda a: jax.jvp(f, (a, k, v), (t, t, t))[1])(q),
+        "jacfwd": lambda f: jax.jacfwd(lambda a: f(q.at[:, :4].set(a), k, v)[:, :2].sum((1, 2)))(q[:, :4]),
+        "linearize": lambda f: jax.linearize(lambda a: f(a, k, v), q)[1](t),
+        "hvp": lambda f: jax.jvp(jax.grad(lambda a: jnp.sum(jnp.sin(f(a, k, v)))), (q,), (t,))[1],
+    }[mode]
+    close(run(g), run(plain), jnp.float32)
+
+
 @pytest.mark.parametrize("special", ["nan_q", "inf_k", "nan_v", "all_masked_inf", "all_masked_finfo"])
 def test_special_values_as_the_original(special):
     rng = np.random.default_rng(2)

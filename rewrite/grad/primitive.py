@@ -24,7 +24,8 @@ transformation) and reusing it after:
   evaluated rather than transposed). The JVP rule runs the rewritten program's JVP,
   ``(primals, tangents) -> (outputs, output tangents)``, rewritten as one
   program. A ``jax.custom_vjp`` has no JVP, which is why ``vjp=True`` cannot
-  do this.
+  do this; where a rule built one (attention's recomputing backward), forward
+  mode starts from the program as written (``Program.jvp_source``).
 * **Higher order** (``hessian``, ``grad`` of ``grad``). The rules above run
   ordinary programs (inlined, not bound as a primitive), which the next
   transformation differentiates as JAX does any program.
@@ -65,6 +66,7 @@ from jax.interpreters import batching, mlir
 
 from ..errors import RewriteWarning, _strict
 from ..ir.jaxapi import ad, core, custom_staging_rules
+from ..ir.walk import has_custom_vjp
 from ..jaxpr.emit import check_signature
 from ..jaxpr.trace import Traced, spec_of
 from ..pipeline import run_pipeline
@@ -121,6 +123,16 @@ class Signature:
         t = self.traced
         return Traced(self.forward, t.in_tree, t.out_tree, t.dynamic)
 
+    def jvp_source(self) -> core.ClosedJaxpr:
+        """The program forward mode differentiates: the rewritten forward program, unless a rule built a
+        ``jax.custom_vjp`` in it (attention's recomputing backward) that the program as written did not
+        have. JAX has no JVP of a ``custom_vjp``, and the blocked primal's own JVP would round its
+        uncentred tangents where the original rounds centred ones (bf16 weights); so forward mode
+        differentiates the program as written (its JVP is rewritten still) and keeps JAX's derivative."""
+        if has_custom_vjp(self.forward.jaxpr) and not has_custom_vjp(self.traced.closed.jaxpr):
+            return self.traced.closed
+        return self.forward
+
     def _build(self, kind: str) -> Any:
         owner = self.owner
         name = getattr(owner.fn, "__name__", "function")
@@ -129,7 +141,7 @@ class Signature:
             if kind == "vjp":
                 built: Any = build_vjp(self._of_forward(), owner.entries, owner.cost_model, owner.limits, primal=False)
             else:
-                program, dif_in, dif_out = jvp_program(self.forward)
+                program, dif_in, dif_out = jvp_program(self.jvp_source())
                 jt = Traced(program, self.traced.in_tree, self.traced.out_tree, self.traced.dynamic)
                 result = run_pipeline(jt, owner.entries, owner.cost_model, owner.limits)
                 check_signature(program, result.after)
@@ -251,7 +263,7 @@ def _jvp(primals: Sequence[Any], tangents: Sequence[Any], *, program: Signature)
         built = None
     if built is None:
         ts = [ad.instantiate_zeros(t) for t in tangents]
-        outs, touts = jax.jvp(core.jaxpr_as_fun(program.forward), list(primals), ts)
+        outs, touts = jax.jvp(core.jaxpr_as_fun(program.jvp_source()), list(primals), ts)
         return list(outs), list(touts)
     outs = _eval(built.program, *primals, *[ad.instantiate_zeros(tangents[i]) for i in built.dif_in])
     n = len(program.forward.out_avals)

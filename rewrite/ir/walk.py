@@ -26,6 +26,7 @@ from __future__ import annotations
 from typing import Any, Callable, Container, Iterable, Iterator, Sequence
 
 from . import terms as _terms
+from .primitives import inner_jaxpr
 
 Node = tuple  # (ctor, args)
 
@@ -108,3 +109,14 @@ def postorder(roots: Sequence[Any], kids: Callable[[Any], Sequence[Any]],
         for k in reversed(kids(c)):
             if k not in finished and k not in done:
                 stack.append((k, False))
+
+
+def has_custom_vjp(jaxpr: Any) -> bool:
+    """Whether ``jaxpr``, or a body in it, holds a ``jax.custom_vjp`` call (which has no JVP)."""
+    for e in jaxpr.eqns:
+        if e.primitive.name == "custom_vjp_call":
+            return True
+        inner = inner_jaxpr(e.params)
+        if inner is not None and has_custom_vjp(inner):
+            return True
+    return False

@@ -29,6 +29,7 @@ from ..cost.model import AnalyticCost
 from ..extract.extractor import Extractor, _CONTAINERS
 from ..ir.intern import TupleType
 from ..ir.jaxapi import core
+from ..ir.walk import has_custom_vjp
 from ..jaxpr.emit import emit
 from ..jaxpr.trace import trace
 from ..pipeline import Result, run_pipeline
@@ -458,6 +459,12 @@ def _failure(rule: Rule, owner: Ruleset, case: _Case, vals: Sequence[Any], want:
 def _check_derivatives(rule: Rule, owner: Ruleset, case: _Case, vals: Sequence[Any], tangents: Sequence[Any],
                        want: Sequence[Any]) -> None:
     """The original's and the rewrite's tangents at ``vals`` along ``tangents``: JAX's derivatives must agree."""
+    if has_custom_vjp(case.after.jaxpr) and not has_custom_vjp(case.before.jaxpr):
+        # A replacement with its own backward (jax.custom_vjp) has no JVP: forward mode of a rewritten
+        # program differentiates the program as written (rewrite.grad.primitive.Program.jvp_source), so
+        # there is no rewritten forward-mode derivative to compare; its backward is held to the original's
+        # by the pack's own gradient tests.
+        return
     try:
         want_t = _tangents(case.before, vals, tangents)
     except Exception:
