@@ -179,11 +179,13 @@ def extract(git_dir: str, ref: str | None = None) -> str:
     return ref
 
 
-def run_file(name: str, routed: bool, cases: int, select: str | None, timeout: float) -> dict[str, Any]:
+def run_file(name: str, routed: bool, cases: int, select: str | None, timeout: float,
+             out_dir: pathlib.Path = OUT) -> dict[str, Any]:
     """One pytest process over JAX's ``tests/<name>.py``; each test's outcome (and, routed, what the
-    rewriter did)."""
-    OUT.mkdir(parents=True, exist_ok=True)
-    out = OUT / f"{name}.{'routed' if routed else 'plain'}.json"
+    rewriter did), also written to ``out_dir``."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    out = out_dir / f"{name}.{'routed' if routed else 'plain'}.json"
+    out.unlink(missing_ok=True)
     env = dict(os.environ, JAX_NUM_GENERATED_CASES=str(cases), JAX_SUITE_OUT=str(out),
                JAX_SUITE_ROUTE="1" if routed else "0", REWRITE_STRICT="0",
                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
