@@ -196,6 +196,7 @@ def run_file(name: str, routed: bool, cases: int, select: str | None, timeout: f
              out_dir: pathlib.Path = OUT) -> dict[str, Any]:
     """One pytest process over JAX's ``tests/<name>.py``; each test's outcome (and, routed, what the
     rewriter did), also written to ``out_dir``."""
+    out_dir = pathlib.Path(out_dir).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
     out = out_dir / f"{name}.{'routed' if routed else 'plain'}.json"
     out.unlink(missing_ok=True)
@@ -269,6 +270,7 @@ def main(argv: list[str] | None = None) -> None:
     rn.add_argument("-k", dest="select", default=None)
     rn.add_argument("--timeout", type=float, default=1800.0, help="seconds per pytest process")
     rn.add_argument("--routed-only", action="store_true", help="reuse the last plain run's outcomes")
+    rn.add_argument("--out", type=pathlib.Path, default=OUT, help=f"where outcomes go (default {OUT.relative_to(ROOT)})")
     args = parser.parse_args(argv)
     if args.command == "extract":
         print(f"extracted tests/ at {extract(args.git_dir, args.ref)} into {SOURCES.relative_to(ROOT)}")
@@ -277,15 +279,15 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"no JAX test sources in {SOURCES.relative_to(ROOT)} (or absl-py missing): run `extract` first")
     rows = {}
     for name in args.files:
-        plain_path = OUT / f"{name}.plain.json"
+        plain_path = args.out / f"{name}.plain.json"
         if args.routed_only and plain_path.exists():
             plain = {"results": json.loads(plain_path.read_text()), "seconds": 0.0}
         else:
-            plain = run_file(name, False, args.cases, args.select, args.timeout)
-        routed = run_file(name, True, args.cases, args.select, args.timeout)
+            plain = run_file(name, False, args.cases, args.select, args.timeout, args.out)
+        routed = run_file(name, True, args.cases, args.select, args.timeout, args.out)
         rows[name] = compare(plain["results"], routed["results"])
         print(f"{name}: plain {plain['seconds']:.0f} s, routed {routed['seconds']:.0f} s", file=sys.stderr)
-        (OUT / f"{name}.summary.json").write_text(json.dumps(rows[name], indent=1))
+        (args.out / f"{name}.summary.json").write_text(json.dumps(rows[name], indent=1))
     print(table(rows))
     print(details(rows))
 
