@@ -9,6 +9,7 @@ entry points that call it, with caching per input signature, are in
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import time
@@ -17,6 +18,7 @@ from typing import Any, Sequence
 
 from .cost.memory import over_budget
 from .cost.model import CostModel
+from .extract.choice import reachable
 from .extract.extract import extract, input_cost
 from .extract.extractor import Extractor
 from .ir.egraph import EGraph
@@ -104,6 +106,8 @@ def _run(traced: Traced, entries: Sequence[tuple[Rule, Ruleset]], model: CostMod
     roots = [snap.cls_of_name[o] for o in outs]
     token_root = snap.cls_of_name[token] if token is not None else None
     ex = extract(snap, roots + ([token_root] if token_root is not None else []), model, original)
+    ex = _worth_their_saving(ex, snap, eg, entries, roots + ([token_root] if token_root is not None else []),
+                             model, original)
     times["extract"] = time.perf_counter() - t
 
     # Stage 5: emit a ClosedJaxpr with the same signature.
@@ -134,6 +138,32 @@ def _run(traced: Traced, entries: Sequence[tuple[Rule, Ruleset]], model: CostMod
     if not keep:
         eg.release()  # to the pool now, even if something the rewrite made holds the e-graph in a cycle
     return result
+
+
+def _worth_their_saving(ex: Any, snap: Any, eg: EGraph, entries: Sequence[tuple[Rule, Ruleset]], roots: list,
+                        model: CostModel, original: set) -> Any:
+    """A ruleset's ``min_saving``: if the chosen program uses nodes built by rules of rulesets that ask
+    for one, the program is extracted again without any node those rules built, and that program is
+    used unless theirs saves at least the largest such fraction of the input program's cost more."""
+    floors = {r.name: owner.min_saving for r, owner in entries if getattr(owner, "min_saving", 0.0) > 0}
+    if not floors or not ex.rewritten or not (0 < ex.original_cost < float("inf")):
+        return ex
+    made: dict[tuple, str] = {}
+    for vid, origin in enumerate(eg.vorigin):
+        if origin in floors:
+            key = eg.canonical(snap, vid)
+            if key is not None and key not in original:
+                made.setdefault(key, origin)
+    used = {made[n] for n in (ex.choice[c] for c in reachable(snap, ex.choice, roots)) if n in made}
+    if not used:
+        return ex
+    without = copy.copy(snap)
+    without._nodes = {cls: [n for n in ns if n not in made] for cls, ns in snap.nodes.items()}
+    without._parents = None
+    alt = extract(without, roots, model, original)
+    if alt.cost - ex.cost < max(floors[r] for r in used) * ex.original_cost:
+        return alt
+    return ex
 
 
 def _bar_preferred(snap: Any, eg: EGraph, notes: list, model: CostModel) -> dict[str, int]:

@@ -590,8 +590,20 @@ def _ex_attention(q, k, v):
 #: another. For float32 operands of magnitude up to 64 (what ``identity`` checks draw) in the example
 #: programs' shapes, the largest partial sums stay below 2^22, whose rounding is below 0.5: hence an
 #: absolute tolerance of 1 (scaled by epsilon for other dtypes). The exact checks in
-#: ``tests/test_linalg.py`` are what pin the rules down.
+#: ``tests/test_linalg.py`` are what pin the rules down. An absolute 1 accepts any error on a result of
+#: size 1e-3 (issue 31); the bound that fits is relative to the terms, ``|A| |B|`` (the program run on
+#: the operands' absolute values, which for this pack's multilinear programs is the sum of the terms'
+#: magnitudes). ``Tolerance`` has no such form yet: it needs a third piece of evidence beside the float64
+#: result and the spread in ``rewrite/testing/_compare.py``, left open.
 _REORDERING = Tolerance(rtol=1e-5, atol=1.0)
+
+#: Reordering a float product changes its rounding, so a reorder must pay for that: the pack's nodes are
+#: used only where they save at least this fraction of the program's cost beyond what the program saves
+#: without them (``Ruleset.min_saving``). Inside ``jax.scipy.linalg.solve_sylvester`` the 4x4 by 4x6
+#: products reorder for 0.03% of the modelled cost (method "schur") or 7.4% (method "eigen"; 50x50 by
+#: 50x7: 3.6%) and moved results by up to 1e-6 relative, where ``jit`` is bit-identical (JAX's own test
+#: asks 1e-6); the chains this pack is for save tens of percent or more.
+MIN_SAVING = 0.1
 
 _PRODUCT = Pat("dot_general", A, B, params="p")
 
@@ -636,4 +648,4 @@ linalg = Ruleset("linalg", [
          example_program=(lambda a, b: jnp.diagonal(a @ b), (_M34, _M43))),                                # diagonal(a b) -> sum(a * b^T, 1)
     rule(lambda a, b: jnp.trace(a @ b), lambda a, b: jnp.sum(a * b.T), name="la_trace_product",
          when=lambda a, b: _numeric(a, b), example_inputs=(_M34, _M43)),                                  # trace(a b) -> sum(a * b^T)
-], soundness="identity", tolerance=_REORDERING, description=__doc__.split("\n\n")[0])
+], soundness="identity", tolerance=_REORDERING, min_saving=MIN_SAVING, description=__doc__.split("\n\n")[0])

@@ -255,6 +255,27 @@ def test_explain_reads_well():
     assert report.eqns_after == 2  # sin(x) shared, plus the add
 
 
+
+def test_explain_diff_shows_only_what_changed():
+    """The rewritten program keeps the original's variable names where its equations are the original's:
+    a two-equation change at the top of a long program is a small diff, not the whole program renamed."""
+    rs = Ruleset("mine", [rule(lambda x: jnp.log(1.0 + x), lambda x: jnp.log1p(x), name="log1p")], soundness="identity")
+
+    def f(x, xs):
+        y = jnp.log(1.0 + x)  # add, log -> log1p
+        for _ in range(12):
+            y = jnp.sin(y) * 2.0 + x
+        c, _ = lax.scan(lambda c, v: (jnp.cos(c) * v + jnp.log(1.0 + v), None), y, xs)  # the body's change too
+        return c
+
+    report = explain(f, jnp.ones(3), jnp.ones((2, 3)), rulesets=[rs])
+    assert report.fired == {"log1p": 2}
+    changed = [line for line in report.diff().splitlines()
+               if line[:1] in "+-" and not line.startswith(("+++", "---"))]
+    assert len(changed) <= 6, report.diff()  # each side of the two changes: 2 lines out, 1 in
+    assert sum(line.startswith("-") for line in changed) == 4 and sum(line.startswith("+") for line in changed) == 2
+
+
 def test_nested_bodies_are_rewritten():
     rs = Ruleset("mine", [rule(lambda x: x * 1.0, lambda x: x, name="mul_one")])
 

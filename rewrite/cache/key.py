@@ -67,7 +67,7 @@ def rules_fingerprint(entries: Sequence[tuple[Any, Any]]) -> str:
     for r, owner in entries:
         try:
             parts.append((rule_fingerprint(r), owner.soundness, fingerprint(owner.tolerance),
-                          fingerprint(owner.limits)))
+                          fingerprint(owner.limits), getattr(owner, "min_saving", 0.0)))
         except Unstable as e:
             raise Unstable(f"rule {r.name!r}: {e}") from None
     return fingerprint(parts)

@@ -14,7 +14,10 @@ stands in for, or why there is none.
 
 from __future__ import annotations
 
+import collections
+import itertools
 import types
+from typing import Any
 
 import jax
 import jax.core as _jax_core
@@ -109,3 +112,17 @@ optimization_barrier_p = _lax.optimization_barrier_p
 #: The user's frame of an equation's source location, for the report (``jax.extend.source_info_util``
 #: has ``summarize``, which formats it, but nothing that returns the frame).
 user_frame = _source_info_util.user_frame
+
+
+def pretty_named(jaxpr: Any, names: dict | None = None, avoid: Any = ()) -> tuple[str, dict]:
+    """A jaxpr's text as ``str(closed)`` prints it (shared bodies inline), with ``names`` fixing what the
+    given variables are called and every other variable a fresh name none of those nor ``avoid`` take;
+    and the name each variable got. ``explain``'s diff prints the rewritten program with the original's names this
+    way: no public API prints a jaxpr with chosen names."""
+    names = dict(names or {})
+    taken = set(names.values()) | set(avoid)
+    fresh = (n for i in itertools.count() if (n := _core._encode_digits_alphabetic(i)) not in taken)
+    context = _core.JaxprPpContext()
+    context.var_names = collections.defaultdict(fresh.__next__, {**_core._dropvars(jaxpr), **names})
+    text = _core.pp_jaxpr(jaxpr, context, _core.JaxprPpSettings()).format()
+    return text, dict(context.var_names)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import difflib
 import math
 import time
 from typing import Any, Iterator, Sequence
@@ -31,6 +30,7 @@ from ..rules.match import _short
 from ..rules.rule import Rule
 from ..rules.ruleset import Ruleset, entries_of
 from ..rules.saturate import Limits
+from .diff import unified
 from .dot import to_dot, to_svg
 from .why import builds_loops, declined
 
@@ -214,9 +214,9 @@ class Report:
         return [d for d in (self.why(k) for k in names) if d is not None and not d.note and d.drivers]
 
     def diff(self, context: int = 2) -> str:
-        a = str(self.before).splitlines()
-        b = str(self.after).splitlines()
-        return "\n".join(difflib.unified_diff(a, b, "before", "after", lineterm="", n=context))
+        """A unified diff of the programs, the rewritten one printed with the original's variable names
+        where its equations are the original's (``rewrite/report/diff.py``): only what changed shows."""
+        return unified(self.before, self.after, context)
 
     def rules(self) -> str:
         """Each rule that fired, with its left and right sides as jaxprs at a shape it fired at."""

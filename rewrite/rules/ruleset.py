@@ -62,7 +62,8 @@ class Ruleset:
     """
 
     def __init__(self, name: str, rules: Iterable[Rule | "Ruleset"] = (), *, soundness: str = "exact",
-                 tolerance: Tolerance | None = None, description: str = "", limits: Any = None) -> None:
+                 tolerance: Tolerance | None = None, description: str = "", limits: Any = None,
+                 min_saving: float = 0.0) -> None:
         if soundness not in SOUNDNESS:
             raise ValueError(f"ruleset {name!r}: soundness must be one of {SOUNDNESS}, got {soundness!r}")
         self.name = name
@@ -71,6 +72,13 @@ class Ruleset:
             None if soundness == "exact" else Tolerance() if soundness == "identity" else Tolerance(1e-4, 1e-5))
         self.description = description
         self.limits = limits
+        #: The least fraction of the input program's cost that this ruleset's rules must save, beyond what the
+        #: program saves without them, for their nodes to be used; below it the program is extracted without
+        #: them (rewrite/pipeline.py). For rewrites that change rounding, such as reordering products, a gain
+        #: the model barely sees is not worth a different result.
+        if not (isinstance(min_saving, (int, float)) and 0.0 <= min_saving < 1.0):
+            raise ValueError(f"ruleset {name!r}: min_saving must be a fraction in [0, 1), got {min_saving!r}")
+        self.min_saving = float(min_saving)
         self.rules: list[Rule] = []
         self.parts: list[Ruleset] = []
         if isinstance(rules, (Rule, Ruleset)):  # Ruleset("r", rule(...)): one rule is a list of one

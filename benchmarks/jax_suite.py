@@ -1,0 +1,296 @@
+"""JAX's own test suite with every ``jax.jit`` routed through ``rewrite``.
+
+Each JAX test file runs twice in its own pytest process, once as JAX ships it and once with
+``jax.jit`` (and the ``jit`` that ``jtu.JaxTestCase._CompileAndCheck`` uses) replaced by a ``jit`` of
+``rewrite(fun, rulesets=PACKS)``; the two runs' outcomes are compared test by test. The report
+gives the tests run, those passed each way, those that newly fail with routing, the tests that went
+through the rewriter, the rewrites that fell back to the original program (``RewriteWarning``) and
+those that stopped at a limit (``RewriteLimitWarning``).
+
+JAX's wheel has no ``tests/``: take them from JAX's repository at the tag of the installed
+version, into ``third_party/jax_tests/`` (ignored by git, never committed)::
+
+    git clone --bare https://github.com/jax-ml/jax /tmp/jax.git      # or any clone of it
+    python -m benchmarks.jax_suite extract --git-dir /tmp/jax.git   # git archive jax-v<version> tests
+
+Then run a subset (each file twice; ``JAX_NUM_GENERATED_CASES`` bounds JAX's sampled cases)::
+
+    python -m benchmarks.jax_suite run nn_test lax_numpy_reducers_test --cases 2
+    python -m benchmarks.jax_suite run lax_test --cases 1 -k "testOp or testReduce" --timeout 900
+
+JAX's tests need ``absl-py`` (the ``jaxsuite`` extra: ``pip install -e '.[jaxsuite]'``). ``run``
+writes ``benchmarks/out/jax_suite/<file>.{plain,routed}.json`` and appends to nothing: the figures
+committed in ``benchmarks/results/jax_suite.md`` are copied from its printed table, with the
+command.
+
+Loaded as a pytest plugin (``-p benchmarks.jax_suite``) with ``JAX_SUITE_ROUTE=1``, this module
+does the routing; with ``JAX_SUITE_OUT=<path>`` it writes each test's outcome there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import time
+import types
+import warnings
+from typing import Any
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+SOURCES = ROOT / "third_party" / "jax_tests"
+OUT = ROOT / "benchmarks" / "out" / "jax_suite"
+FILES = ("lax_numpy_test", "lax_test", "lax_control_flow_test", "lax_autodiff_test", "lax_numpy_reducers_test",
+         "nn_test", "linalg_test")
+#: The packs every routed jit uses: the built-in packs whose soundness is not fastmath.
+PACKS = ("algebra", "scan", "derivatives", "nn", "linalg")
+
+
+def available() -> bool:
+    """Are JAX's test sources extracted (and absl, which they import, installed)?"""
+    try:
+        import absl.testing  # noqa: F401
+    except ImportError:
+        return False
+    return (SOURCES / "tests" / "lax_test.py").exists()
+
+
+# ---------------------------------------------------------------------------------------------------
+# The routing, as a pytest plugin.
+
+class _State:
+    """What the routed jits saw during the current test."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.fallbacks: list[str] = []
+        self.limits: list[str] = []
+        self.build_errors: list[str] = []
+
+    def take(self) -> dict[str, Any]:
+        out = {"calls": self.calls, "fallbacks": self.fallbacks, "limits": self.limits,
+               "build_errors": self.build_errors}
+        self.__init__()
+        return out
+
+
+STATE = _State()
+
+
+def _routed_jit(real_jit: Any, packs: Any) -> Any:
+    from rewrite import RewriteWarning, rewrite
+
+    def jit(fun: Any = None, /, **kw: Any) -> Any:
+        if fun is None:
+            return functools.partial(jit, **kw)
+        if not callable(fun):
+            return real_jit(fun, **kw)
+        try:
+            rewritten = rewrite(fun, rulesets=packs, static_argnums=kw.get("static_argnums") or (),
+                                static_argnames=kw.get("static_argnames") or (), strict=False, cache=False)
+        except Exception as e:  # what jax.jit itself rejects (a bad static_argnums): jax.jit says so
+            STATE.build_errors.append(f"{type(e).__name__}: {e}")
+            return real_jit(fun, **kw)
+
+        @functools.wraps(fun)
+        def routed(*args: Any, **kwargs: Any) -> Any:
+            STATE.calls += 1
+            with warnings.catch_warnings(record=True) as caught:  # recorded by _recording_warn, kept quiet here
+                warnings.simplefilter("always", RewriteWarning)
+                out = rewritten(*args, **kwargs)
+            for w in caught:
+                if not issubclass(w.category, RewriteWarning):
+                    warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+            return out
+
+        return real_jit(routed, **kw)
+
+    return jit
+
+
+def _recording_warn(real_warn: Any) -> Any:
+    """``warnings.warn`` that also records each RewriteWarning: the rewrite of a derivative (under
+    ``jax.grad`` of a jitted function) warns outside the routed call, and a test may catch warnings."""
+    from rewrite import RewriteLimitWarning, RewriteWarning
+
+    def warn(message: Any, category: Any = None, stacklevel: int = 1, source: Any = None, **kw: Any) -> None:
+        cat = type(message) if isinstance(message, Warning) else category
+        if isinstance(cat, type) and issubclass(cat, RewriteLimitWarning):
+            STATE.limits.append(str(message)[:300])
+        elif isinstance(cat, type) and issubclass(cat, RewriteWarning):
+            STATE.fallbacks.append(str(message)[:300])
+        return real_warn(message, category, stacklevel + 1, source, **kw)
+
+    return warn
+
+
+def _install() -> None:
+    import jax
+    from jax._src import test_util as jtu
+
+    import rulesets
+
+    warnings.warn = _recording_warn(warnings.warn)
+    packs = [getattr(rulesets, p) for p in PACKS]
+    jit = _routed_jit(jax.jit, packs)
+    jax.jit = jit
+    real_api = jtu.api
+    proxy = types.ModuleType("api")  # test_util calls api.jit; only that name changes
+    proxy.__getattr__ = lambda name: getattr(real_api, name)  # type: ignore[method-assign]
+    proxy.jit = jit
+    jtu.api = proxy
+
+
+def pytest_configure(config: Any) -> None:
+    if os.environ.get("JAX_SUITE_ROUTE") == "1":
+        _install()
+    config._jax_suite = {}
+
+
+def pytest_runtest_setup(item: Any) -> None:
+    STATE.take()
+
+
+def pytest_runtest_logreport(report: Any) -> None:
+    results = getattr(pytest_runtest_logreport, "results", None)
+    if results is None:
+        results = pytest_runtest_logreport.results = {}  # type: ignore[attr-defined]
+    entry = results.setdefault(report.nodeid, {"outcome": "passed"})
+    if report.outcome == "failed":
+        entry["outcome"] = "failed"
+        entry["error"] = str(report.longrepr).splitlines()[-1][:300] if report.longrepr else ""
+    elif report.outcome == "skipped" and report.when in ("setup", "call"):
+        entry["outcome"] = "skipped"
+    if report.when == "call" or (report.when == "setup" and report.outcome != "passed"):
+        entry.update(STATE.take())
+
+
+def pytest_sessionfinish(session: Any) -> None:
+    path = os.environ.get("JAX_SUITE_OUT")
+    if path:
+        results = getattr(pytest_runtest_logreport, "results", {})
+        pathlib.Path(path).write_text(json.dumps(results, indent=1))
+
+
+# ---------------------------------------------------------------------------------------------------
+# The driver.
+
+def extract(git_dir: str, ref: str | None = None) -> str:
+    """Extract ``tests/`` of JAX's repository at the installed version's tag into :data:`SOURCES`."""
+    import jax
+
+    ref = ref or f"jax-v{jax.__version__}"
+    SOURCES.mkdir(parents=True, exist_ok=True)
+    archive = subprocess.run(["git", f"--git-dir={git_dir}", "archive", ref, "tests"], check=True,
+                             capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(SOURCES)], input=archive, check=True)
+    return ref
+
+
+def run_file(name: str, routed: bool, cases: int, select: str | None, timeout: float,
+             out_dir: pathlib.Path = OUT) -> dict[str, Any]:
+    """One pytest process over JAX's ``tests/<name>.py``; each test's outcome (and, routed, what the
+    rewriter did), also written to ``out_dir``."""
+    out_dir = pathlib.Path(out_dir).resolve()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    out = out_dir / f"{name}.{'routed' if routed else 'plain'}.json"
+    out.unlink(missing_ok=True)
+    env = dict(os.environ, JAX_NUM_GENERATED_CASES=str(cases), JAX_SUITE_OUT=str(out),
+               JAX_SUITE_ROUTE="1" if routed else "0", REWRITE_STRICT="0",
+               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "benchmarks.jax_suite",
+           "-o", "addopts=", "--rootdir", str(SOURCES), f"tests/{name}.py"]
+    if select:
+        cmd += ["-k", select]
+    t = time.perf_counter()
+    try:
+        subprocess.run(cmd, cwd=SOURCES, env=env, timeout=timeout, capture_output=True)
+    except subprocess.TimeoutExpired:
+        print(f"{name} ({'routed' if routed else 'plain'}): timed out after {timeout:.0f} s", file=sys.stderr)
+    results = json.loads(out.read_text()) if out.exists() else {}
+    return {"results": results, "seconds": time.perf_counter() - t}
+
+
+def compare(plain: dict[str, Any], routed: dict[str, Any]) -> dict[str, Any]:
+    """The figures of one file: counts each way, the tests that newly fail, and what fell back."""
+    both = sorted(set(plain) & set(routed))
+    ran = [t for t in both if plain[t]["outcome"] != "skipped"]
+    count = collections.Counter
+    return {
+        "tests": len(both),
+        "ran": len(ran),
+        "passed_plain": sum(plain[t]["outcome"] == "passed" for t in both),
+        "passed_routed": sum(routed[t]["outcome"] == "passed" for t in both),
+        "through_rewriter": sum(routed[t].get("calls", 0) > 0 for t in both),
+        "newly_failing": {t: routed[t].get("error", "") for t in both
+                          if plain[t]["outcome"] == "passed" and routed[t]["outcome"] == "failed"},
+        "newly_passing": [t for t in both if plain[t]["outcome"] == "failed" and routed[t]["outcome"] == "passed"],
+        "fallbacks": {t: routed[t]["fallbacks"] for t in both if routed[t].get("fallbacks")},
+        "limits": {t: routed[t]["limits"] for t in both if routed[t].get("limits")},
+        "fallback_kinds": count(m.split(" (")[0][:120] for t in both for m in routed[t].get("fallbacks", [])),
+    }
+
+
+def table(rows: dict[str, dict[str, Any]]) -> str:
+    lines = ["| file | tests | ran | passed (jit) | passed (routed) | through the rewriter | newly failing "
+             "| tests with fallbacks | tests with limit stops |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for name, r in rows.items():
+        lines.append(f"| {name} | {r['tests']} | {r['ran']} | {r['passed_plain']} | {r['passed_routed']} "
+                     f"| {r['through_rewriter']} | {len(r['newly_failing'])} | {len(r['fallbacks'])} "
+                     f"| {len(r['limits'])} |")
+    return "\n".join(lines)
+
+
+def details(rows: dict[str, dict[str, Any]]) -> str:
+    out = []
+    for name, r in rows.items():
+        for t, err in r["newly_failing"].items():
+            out.append(f"- newly failing: `{t}`: {err}")
+        for t, msgs in r["fallbacks"].items():
+            out.append(f"- fallback: `{t}`: {msgs[0]}")
+        for t, msgs in r["limits"].items():
+            out.append(f"- limit: `{t}`: {msgs[0]}")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    ex = sub.add_parser("extract", help="extract JAX's tests/ at the installed version's tag")
+    ex.add_argument("--git-dir", required=True)
+    ex.add_argument("--ref", default=None, help="a tag or commit (default: jax-v<installed version>)")
+    rn = sub.add_parser("run", help="run JAX test files plain and routed, and compare")
+    rn.add_argument("files", nargs="*", default=list(FILES))
+    rn.add_argument("--cases", type=int, default=2, help="JAX_NUM_GENERATED_CASES")
+    rn.add_argument("-k", dest="select", default=None)
+    rn.add_argument("--timeout", type=float, default=1800.0, help="seconds per pytest process")
+    rn.add_argument("--routed-only", action="store_true", help="reuse the last plain run's outcomes")
+    rn.add_argument("--out", type=pathlib.Path, default=OUT, help=f"where outcomes go (default {OUT.relative_to(ROOT)})")
+    args = parser.parse_args(argv)
+    if args.command == "extract":
+        print(f"extracted tests/ at {extract(args.git_dir, args.ref)} into {SOURCES.relative_to(ROOT)}")
+        return
+    if not available():
+        sys.exit(f"no JAX test sources in {SOURCES.relative_to(ROOT)} (or absl-py missing): run `extract` first")
+    rows = {}
+    for name in args.files:
+        plain_path = args.out / f"{name}.plain.json"
+        if args.routed_only and plain_path.exists():
+            plain = {"results": json.loads(plain_path.read_text()), "seconds": 0.0}
+        else:
+            plain = run_file(name, False, args.cases, args.select, args.timeout, args.out)
+        routed = run_file(name, True, args.cases, args.select, args.timeout, args.out)
+        rows[name] = compare(plain["results"], routed["results"])
+        print(f"{name}: plain {plain['seconds']:.0f} s, routed {routed['seconds']:.0f} s", file=sys.stderr)
+        (args.out / f"{name}.summary.json").write_text(json.dumps(rows[name], indent=1))
+    print(table(rows))
+    print(details(rows))
+
+
+if __name__ == "__main__":
+    main()
