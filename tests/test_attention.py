@@ -223,3 +223,36 @@ def test_sharded_over_batch_or_heads(axis):
     out = g(q, k, v)
     close(out, jax.jit(plain)(q, k, v), jnp.float32)
     assert out.sharding.is_equivalent_to(jax.jit(plain)(q, k, v).sharding, out.ndim)
+
+
+def _gqa(q, k, v):  # grouped-query heads: q [b, n, 8, d], k and v [b, n, 2, d], repeated per group
+    k, v = jnp.repeat(k, 4, axis=2), jnp.repeat(v, 4, axis=2)
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / 8.0
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
+
+
+@pytest.mark.parametrize("form", ["gqa_einsum", "gqa_dot_product_attention_causal"])
+def test_grouped_query_heads(form):
+    f = _gqa if form == "gqa_einsum" else (lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True))
+    rng = np.random.default_rng(3)
+    q = jnp.asarray(rng.standard_normal((1, 512, 8, 16)), jnp.float32)
+    k, v = (jnp.asarray(rng.standard_normal((1, 512, 2, 16)), jnp.float32) for _ in range(2))
+    assert "attn_" in " ".join(explain(f, q, k, v, rulesets=[attention]).fired)
+    g = rewrite(f, rulesets=[attention])
+    close(g(q, k, v), f(q, k, v), jnp.float32)
+    loss = lambda fn: (lambda *a: jnp.sum(jnp.sin(fn(*a))))
+    for a, b in zip(jax.grad(loss(g), argnums=(0, 1, 2))(q, k, v), jax.grad(loss(f), argnums=(0, 1, 2))(q, k, v)):
+        close(a, b, jnp.float32)
+
+
+@pytest.mark.parametrize("library", ["flax_mha", "haiku_mha", "equinox_mha"])
+def test_library_attention_layers(library):
+    # the libraries' own attention modules (benchmarks/attention.py builds them), at 512 keys
+    pytest.importorskip({"flax_mha": "flax", "haiku_mha": "haiku", "equinox_mha": "equinox"}[library])
+    bench = pytest.importorskip("benchmarks.attention")
+    f, x = bench.layers(512)[library]
+    assert "attn_" in " ".join(explain(f, x, rulesets=[attention]).fired)
+    g = rewrite(f, rulesets=[attention])
+    close(jax.jit(g)(x), jax.jit(f)(x), jnp.float32)
+    loss = lambda fn: (lambda x: jnp.sum(jnp.sin(fn(x))))
+    close(jax.grad(loss(g))(x), jax.grad(loss(f))(x), jnp.float32)
