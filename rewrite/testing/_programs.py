@@ -53,6 +53,19 @@ _IDIOMS: dict[str, tuple[int, Callable[[tuple], tuple], Callable[[Any], Any], st
     "scaled_gram": (2, lambda s: s[:-1] + s[-2:-1], lambda x: 0.5 * (x @ _mT(x)), "0.5 * ({0} @ {0}.T)"),
     "sum_gram": (2, lambda s: s[:-2] + s[-1:], lambda x: jnp.sum(_mT(x) @ x, axis=-2), "sum({0}.T @ {0}, -2)"),
 }
+#: Attention's key axis must be long enough for ``rulesets.attention`` to block it (more than 256 keys).
+_KEYS = 512
+
+
+def _attention(x: Any) -> Any:
+    """``softmax(q k^T / 2) v`` over ``_KEYS`` keys made from ``x``'s rows (repeated), as attention code writes it."""
+    rows = jnp.reshape(x, (-1, x.shape[-1]))
+    k = jnp.resize(rows, (_KEYS, x.shape[-1]))
+    return jax.nn.softmax((k * 0.5) @ _mT(k) / 2.0, axis=-1) @ k
+
+
+_IDIOMS["attention"] = (1, lambda s: (_KEYS, s[-1]), _attention, "softmax(q k^T / 2) v over 512 rows of {}")
+
 _LITERALS = (1.0, 0.0, 2.0, -1.0, 0.5, -0.0)
 _SHAPES = ((3,), (), (2, 3), (3, 3), (2, 2, 3))
 _KINDS = ("unary", "binary", "literal", "broadcast", "reduce", "dot", "transpose", "where", "scan", "cond", "idiom")
@@ -134,7 +147,8 @@ def _broadcast_shape(a: tuple, b: tuple) -> tuple | None:
 
 
 @st.composite
-def _draw_ops(draw: Any, shapes: list[tuple], n_ops: int, kinds: Sequence[str], depth: int) -> list[_Op]:
+def _draw_ops(draw: Any, shapes: list[tuple], n_ops: int, kinds: Sequence[str], depth: int,
+              idioms: Sequence[str] = tuple(_IDIOMS)) -> list[_Op]:
     """Append ``n_ops`` operations over values of ``shapes`` (extended in place); returns them."""
     ops: list[_Op] = []
 
@@ -178,7 +192,7 @@ def _draw_ops(draw: Any, shapes: list[tuple], n_ops: int, kinds: Sequence[str], 
                 j, k = draw(st.sampled_from(partners))
                 t = shapes[j]
                 add(_Op("dot", "dot", (i, j), (len(s) - 1, k)), s[:-1] + t[:k] + t[k + 1:])
-        elif kind == "idiom" and (fits := [n for n, (rank, *_) in _IDIOMS.items() if len(s) >= rank]):
+        elif kind == "idiom" and (fits := [n for n in idioms if len(s) >= _IDIOMS[n][0]]):
             name = draw(st.sampled_from(fits))
             add(_Op("idiom", name, (i,)), _IDIOMS[name][1](s))
         elif kind == "transpose" and len(s) >= 2:
@@ -294,7 +308,7 @@ def _listing(ops: Sequence[_Op], start: int, indent: str) -> list[str]:
 
 @st.composite
 def programs(draw: Any, max_ops: int = 6, max_inputs: int = 3, dtype: Any = np.float32,
-             control_flow: bool = True) -> RandomProgram:
+             control_flow: bool = True, idioms: Sequence[str] | None = None) -> RandomProgram:
     """Random JAX programs over float inputs, for fuzz tests; they shrink to short programs.
 
     Operations: elementwise unary and binary primitives (``sin``, ``exp``,
@@ -305,7 +319,9 @@ def programs(draw: Any, max_ops: int = 6, max_inputs: int = 3, dtype: Any = np.f
     (``log(1 + x)``, ``log(sum(exp(x), -1))``, ``(x @ x.T) @ x``, ...: the
     forms the built-in packs rewrite), and with ``control_flow`` a ``scan``
     over a value's leading axis and a ``cond``, each with a small random
-    body. The program returns every value nothing else uses.
+    body. The program returns every value nothing else uses. ``idioms``
+    restricts the compositions drawn to those names (``_IDIOMS``; all by
+    default), for a test of a pack that rewrites only some of them.
 
     >>> from hypothesis import given, settings
     >>> @settings(max_examples=10, deadline=None)
@@ -317,7 +333,10 @@ def programs(draw: Any, max_ops: int = 6, max_inputs: int = 3, dtype: Any = np.f
     n_in = draw(st.integers(1, max_inputs))
     shapes: list[tuple] = [draw(st.sampled_from(_SHAPES)) for _ in range(n_in)]
     kinds = _KINDS if control_flow else tuple(k for k in _KINDS if k not in ("scan", "cond"))
-    ops = draw(_draw_ops(shapes, draw(st.integers(1, max_ops)), kinds, 0))
+    unknown = set(idioms or ()) - set(_IDIOMS)
+    if unknown:
+        raise ValueError(f"programs(idioms=...): no composition named {sorted(unknown)}; known: {sorted(_IDIOMS)}")
+    ops = draw(_draw_ops(shapes, draw(st.integers(1, max_ops)), kinds, 0, tuple(idioms or _IDIOMS)))
     used = {i for op in ops for i in op.args}
     outputs = tuple(i for i, s in enumerate(shapes) if i not in used and s != _PAIR and i >= n_in)
     return RandomProgram(tuple(shapes[:n_in]), np.dtype(dtype), tuple(ops), outputs or (len(shapes) - 1,))
