@@ -359,5 +359,7 @@ nn_stable = Ruleset("nn_stable", [
 ], soundness="identity",
     description="model idioms in their stable forms: log_softmax, logsumexp, softplus, log1p, expm1")
 
-nn = Ruleset("nn", [nn_one_hot, nn_stable], soundness="identity",
+from rulesets.nn_lmhead import nn_lm_head  # noqa: E402  (it reads _peel from this module when it runs)
+
+nn = Ruleset("nn", [nn_one_hot, nn_stable, nn_lm_head], soundness="identity",
             description="the idioms of model code in their lean and stable forms")

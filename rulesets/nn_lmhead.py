@@ -1,0 +1,454 @@
+"""``rulesets.nn``'s language-model head: a cross-entropy over a product, without the tokens x vocabulary logits.
+
+A language model's loss projects the hidden states ``h`` (tokens x width)
+onto the vocabulary, ``logits = h @ W (+ b)`` (tokens x V), and reads from the
+logits only two things per token: their log-normaliser ``logsumexp`` and the
+label's logit. XLA keeps the N x V logits (and their exponentials, and in the
+gradient their softmax) whole. ``optax.softmax_cross_entropy_with_integer_labels``,
+``optax.softmax_cross_entropy`` against ``jax.nn.one_hot`` labels (through
+``nn_one_hot_sum``), and a hand-written ``log_softmax`` with
+``take_along_axis`` all trace to the same three readers of the logits, and
+this part rewrites each:
+
+* **The label's logit is a row of the product.** ``take_along_axis(h @ W + b,
+  y)`` is ``sum(h * W[:, y]) + b[y]``: the label's column of ``W`` per token,
+  a tokens x width array (``nn_lm_head_label``), with the gather's own
+  out-of-range behaviour (NaN for optax's ``fill``, the clamped column for
+  ``clip``). A gather from ``log_softmax(logits)`` first gathers the logits
+  and subtracts the normaliser (``nn_lm_head_label_peel``, as
+  ``nn_one_hot_sum`` does).
+* **The normaliser over token blocks.** ``sum(exp(logits - shift))`` along the
+  vocabulary, with ``shift`` computed from ``max(logits)`` (under
+  ``stop_gradient``, ``max(-inf, .)``, ``select_n(is_finite(.), ., 0)``: how
+  ``jax.nn.log_softmax`` and ``jax.nn.logsumexp`` shift), becomes a
+  ``lax.scan`` over blocks of tokens that computes each block's logits, its
+  row maximum ``m`` and ``l = sum(exp(logits - s))`` with ``s = m`` where
+  finite and 0 elsewhere, and keeps neither (``nn_lm_head_lse_<block>``).
+  The rule unions the original's ``max(logits)`` with ``m`` (so the shift
+  is computed from it) and its sum with ``l * exp(s - shift)``, which is the
+  original's sum for a finite maximum and, like it, ``0`` or ``NaN`` when
+  a row's logits are all ``-inf``, ``inf`` or ``NaN`` when one is ``+inf``
+  (``NaN`` where the original subtracts an infinite shift).
+* **A backward that recomputes each block** (``jax.custom_vjp``): only ``h``,
+  ``W``, ``b`` and ``m`` are kept; each block's logits are computed again,
+  and their cotangent ``g_l exp(logits - s)`` (plus the maximum's own, which
+  is ``0`` under the usual ``stop_gradient``) goes through the product's VJP:
+  the block's rows of ``dh``, and ``dW`` and ``db`` accumulated over blocks.
+
+So the program holds one block of logits (block x V) at a time, forward and
+backward. The tokens are every axis of the logits but the last (the
+vocabulary, ``W``'s one free axis), taken in order; the rule declines when
+their number is not a multiple of the block or is under two blocks, when
+``W`` has more than one free axis or sits left of ``h``, when the product has
+batch axes, and when the shift is not computed from the logits' maximum.
+The cost model chooses: with a small vocabulary the logits are small and
+the loop is priced above them, so the program is kept.
+
+The part is ``identity`` class, like ``linalg`` and ``attention``: the
+per-block products and the gathered row products sum the contraction in
+another order than the whole product, and ``l exp(s - shift)`` rounds once
+more where a program shifts by something other than the maximum; nothing
+else changes (the maximum, the sum over the vocabulary, every elementwise
+operation are the original's). ``tests/test_lm_head.py`` holds losses and
+gradients to the ``nn`` pack's tolerance, scaled by dtype.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from rewrite import Pat, Ruleset, Value, procedural
+from rewrite import rule as _rule
+
+# Every rule's example program is rewritten by the contract test (tests/test_contract.py), not on import.
+rule = functools.partial(_rule, check=False)
+
+__all__ = ["nn_lm_head", "BLOCKS"]
+
+#: Token blocks offered to the cost model.
+BLOCKS = (256,)
+
+D, S, I = Pat.var("d"), Pat.var("s"), Pat.var("i")
+#: A gather: the term language keeps it as an opaque node over its operands (the procedures check the primitive).
+_GATHER = Pat("opaque", [D, I], params="g")
+
+
+# ---------------------------------------------------------------------- the logits as a product
+class _Head:
+    """``logits = cast(h @ W + b)`` with the vocabulary last: what the rules need to compute it by blocks.
+
+    ``h_perm`` puts ``h``'s token axes first and its contracted axes last, ``w_perm`` puts ``W``'s
+    contracted axes first (in ``h``'s order) and its vocabulary axis last; ``bias`` is a value whose
+    every axis but the last has size 1 (or that broadcasts along the vocabulary only), or ``None``.
+    """
+
+    def __init__(self, h: Value, w: Value, bias: Value | None, bias_from_vector: bool, cast: Any, dot: dict,
+                 h_perm: tuple, w_perm: tuple, rows: tuple, c: int, v: int) -> None:
+        self.h, self.w, self.bias, self.bias_from_vector = h, w, bias, bias_from_vector
+        self.cast, self.dot, self.h_perm, self.w_perm = cast, dot, h_perm, w_perm
+        self.rows, self.c, self.v = rows, c, v
+        self.r = int(np.prod(rows, dtype=np.int64))
+
+    def values(self) -> list[Value]:
+        return [self.h, self.w] + ([self.bias] if self.bias is not None else [])
+
+    def spec(self) -> tuple:
+        """Plain data (hashable) that, with the values, rebuilds the logits: what the traced functions close over."""
+        return (self.h_perm, self.w_perm, self.rows, self.c, self.v, self.bias is not None, self.cast,
+                tuple(sorted(self.dot.items())))
+
+
+def _vector_bias(b: Value, shape: tuple) -> tuple[Value, bool] | None:
+    """``b`` as a bias along the last axis of ``shape``: itself (size 1 elsewhere), or the vector it broadcasts."""
+    if b.ndim == len(shape) and b.shape[-1] == shape[-1] and all(d == 1 for d in b.shape[:-1]):
+        return b, False
+    node = b.node("broadcast_in_dim")
+    if node is None or node.params.get("sharding") is not None or b.shape != shape:
+        return None
+    (o,) = node.operands[:1]
+    dims = tuple(node.params["broadcast_dimensions"])
+    if all(o.shape[i] == 1 for i, d in enumerate(dims) if d != len(shape) - 1) and \
+            (len(shape) - 1) in dims and o.shape[dims.index(len(shape) - 1)] == shape[-1]:
+        return o, True
+    return None
+
+
+def head_of(d: Value) -> _Head | None:
+    """The product ``d`` is, or ``None``: ``[convert](dot_general(h, W) [+ bias])``, vocabulary last."""
+    if not d.is_floating or d.ndim < 2:
+        return None
+    cast = None
+    conv = d.node("convert_element_type")
+    x = d
+    if conv is not None and conv.operands[0].is_floating and conv.params.get("sharding") is None:
+        cast, x = d.dtype, conv.operands[0]
+    bias = None
+    from_vector = False
+    prod = x
+    if x.node("dot_general") is None:
+        add = x.node("add")
+        if add is None:
+            return None
+        for p, b in (add.operands, add.operands[::-1]):
+            if p.shape == x.shape and p.node("dot_general") is not None and b.dtype == x.dtype:
+                found = _vector_bias(b, x.shape)
+                if found is not None:
+                    prod, (bias, from_vector) = p, found
+                    break
+        else:
+            return None
+    node = prod.node("dot_general")
+    params = dict(node.params)
+    if params.get("out_sharding") is not None:
+        return None
+    h, w = node.operands
+    (lc, rc), (lb, rb) = params["dimension_numbers"]
+    if lb or rb:
+        return None
+    hfree = [a for a in range(h.ndim) if a not in lc]
+    wfree = [a for a in range(w.ndim) if a not in rc]
+    if len(wfree) != 1 or not hfree or h.dtype != w.dtype:
+        return None
+    rows = tuple(h.shape[a] for a in hfree)
+    c = int(np.prod([h.shape[a] for a in lc], dtype=np.int64))
+    dot = {k: params[k] for k in ("precision", "preferred_element_type") if k in params}
+    return _Head(h, w, bias, from_vector, cast, dot, tuple(hfree) + tuple(lc), tuple(rc) + (wfree[0],), rows, c,
+                 w.shape[wfree[0]])
+
+
+def _canonical(spec: tuple, h: Any, w: Any, b: Any) -> tuple[Any, Any, Any]:
+    """``h`` as tokens x width, ``W`` as width x V, the bias as a vector (or ``None``)."""
+    h_perm, w_perm, rows, c, v, _, _, _ = spec
+    hc = lax.reshape(lax.transpose(h, h_perm) if h_perm != tuple(range(h.ndim)) else h, (int(np.prod(rows)), c))
+    wc = lax.reshape(lax.transpose(w, w_perm) if w_perm != tuple(range(w.ndim)) else w, (c, v))
+    return hc, wc, (None if b is None else jnp.reshape(b, (v,)))
+
+
+def _logits(spec: tuple, hb: Any, wc: Any, b: Any) -> Any:
+    """One block of logits, as the original computes them: the product, the bias added, the cast."""
+    _, _, _, _, _, _, cast, dot = spec
+    z = lax.dot_general(hb, wc, (((1,), (0,)), ((), ())), **dict(dot))
+    if b is not None:
+        z = z + b[None, :]
+    return z if cast is None else z.astype(cast)
+
+
+def _shift(m: Any) -> Any:
+    """The shift the loop's sum uses: the maximum where finite, else 0 (so that ``-inf`` rows sum to 0)."""
+    return jnp.where(jnp.isfinite(m), m, jnp.zeros((), m.dtype))
+
+
+# ---------------------------------------------------------------------- the normaliser over token blocks
+def _normaliser(spec: tuple, block: int, shift_of: Any):
+    """``fn(h, W, [b]) -> (max(logits), sum(exp(logits - shift_of(max))))`` over token blocks, in the rows' layout.
+
+    One ``jax.custom_vjp`` function with both results, so that the program's maximum and its sum are the
+    two results of one node (extraction moves both at once). ``shift_of`` is the program's own shift,
+    read back from the e-graph (per row, from the rows' maxima).
+    """
+    h_perm, _, rows, c, v, has_bias, _, _ = spec
+    r = int(np.prod(rows))
+    n = r // block
+    h_inv = tuple(int(i) for i in np.argsort(h_perm))
+
+    def shift(m: Any) -> Any:  # the program's shift, per row
+        return shift_of(m).reshape(rows)
+
+    def stats(z: Any) -> tuple[Any, Any]:
+        m = jnp.max(z, axis=1)
+        return m, jnp.sum(jnp.exp(z - _shift(m)[:, None]), axis=1)
+
+    def forward(h: Any, w: Any, b: Any) -> tuple[Any, Any, Any]:
+        hc, wc, bv = _canonical(spec, h, w, b)
+        hs = lax.reshape(hc, (n, block, c))
+
+        def body(_: Any, hb: Any) -> tuple:
+            return None, stats(_logits(spec, hb, wc, bv))
+
+        _, (m, l) = lax.scan(body, None, hs)
+        m, l = m.reshape(rows), l.reshape(rows)
+        sigma = lax.stop_gradient(shift(m))
+        # l is the sum shifted by the maximum where finite (0 elsewhere); this is the sum shifted by the program's
+        # shift: the same where the two agree, and 0 * inf = NaN where the program subtracts an infinite shift.
+        return m, l * jnp.exp(_shift(m) - sigma), sigma
+
+    @jax.custom_vjp
+    def normaliser(h: Any, w: Any, b: Any) -> tuple[Any, Any]:
+        m, total, _ = forward(h, w, b)
+        return m, total
+
+    def fwd(h: Any, w: Any, b: Any) -> tuple:
+        m, total, sigma = forward(h, w, b)
+        # d shift / d max, per row: 0 under the usual stop_gradient
+        _, dshift = jax.jvp(shift, (m,), (jnp.ones_like(m),))
+        return (m, total), (h, w, b, m, total, sigma, dshift)
+
+    def bwd(res: tuple, g: tuple) -> tuple:
+        h, w, b, m, total, sigma, dshift = res
+        gm, gs = g
+        hc, wc, bv = _canonical(spec, h, w, b)
+        # the maximum's cotangent: its own, and the sum's through the shift (jax's rule for max shares it among ties)
+        gmax = gm - gs * total * dshift
+        with_max = jnp.any(gmax != 0)
+        xs = (lax.reshape(hc, (n, block, c)), m.reshape(n, block), sigma.reshape(n, block),
+              gmax.reshape(n, block), gs.reshape(n, block))
+
+        def body(carry: tuple, x: tuple) -> tuple:
+            dw, db = carry
+            hb, mb, sb, gmb, gsb = x
+            z, vjp = jax.vjp(lambda hb_, wc_, b_: _logits(spec, hb_, wc_, b_), hb, wc, bv)
+            dz = jnp.exp(z - sb[:, None]) * gsb[:, None]
+
+            def plus_max(dz: Any) -> Any:
+                ties = z == mb[:, None]
+                share = gmb / jnp.sum(ties, axis=1).astype(gmb.dtype)
+                return dz + jnp.where(ties, share[:, None], jnp.zeros((), z.dtype))
+
+            dz = lax.cond(with_max, plus_max, lambda dz: dz, dz)
+            dhb, dwb, dbb = vjp(dz)
+            return (dw + dwb, None if db is None else db + dbb), dhb
+
+        zero_b = None if bv is None else jnp.zeros_like(bv)
+        (dwc, dbv), dhc = lax.scan(body, (jnp.zeros_like(wc), zero_b), xs)
+        hshape = tuple(h.shape[i] for i in h_perm)
+        dh = lax.transpose(dhc.reshape(hshape), h_inv)
+        wshape = tuple(w.shape[i] for i in spec[1])
+        dw = lax.transpose(dwc.reshape(wshape), tuple(int(i) for i in np.argsort(spec[1])))
+        db = None if b is None else dbv.reshape(b.shape)
+        return dh, dw, db
+
+    normaliser.defvjp(fwd, bwd)
+    if not has_bias:
+        return lambda h, w: normaliser(h, w, None)
+    return normaliser
+
+
+_SHIFT_OPS = frozenset({"stop_gradient", "broadcast_in_dim", "max", "min", "select_n", "is_finite", "reshape",
+                        "convert_element_type", "squeeze", "expand_dims"})
+
+
+def _max_under(shift: Value, d: Value, axis: int) -> Value | None:
+    """The ``max(d, axis)`` that ``shift`` is computed from (through the ops a shift is made of), or ``None``."""
+    seen: set = set()
+    stack = [(shift, 0)]
+    found = None
+    while stack:
+        v, depth = stack.pop()
+        if depth > 8 or v.name in seen:
+            continue
+        seen.add(v.name)
+        if v.literal is not None or v.size == 1:
+            continue
+        rm = v.node("reduce_max")
+        if rm is not None:
+            if rm.operands[0].name != d.name or tuple(rm.params["axes"]) != (axis,):
+                return None
+            found = v
+            continue
+        for node in v.nodes:
+            if node.prim in _SHIFT_OPS:
+                stack.extend((o, depth + 1) for o in node.operands)
+                break
+        else:
+            return None
+    return found
+
+
+def _lse_rule(block: int):
+    @procedural
+    def build(m: Any) -> Any:
+        r = m.params("r")
+        d, shift = m["d"], m["s"]
+        if r.sharded or tuple(r.axes) != (d.ndim - 1,):
+            return None
+        head = head_of(d)
+        if head is None or head.r % block or head.r // block < 2:
+            return None
+        if shift.shape != d.shape[:-1] + (1,) or shift.dtype != d.dtype:
+            return None
+        rmax = _max_under(shift, d, d.ndim - 1)
+        if rmax is None:
+            return None
+        shift_of = m.function([shift], [rmax])
+        if shift_of is None:
+            return None
+        mx, total = m.trace(_normaliser(head.spec(), block, lambda x: shift_of(x)[0]), *head.values())
+        return [(m.root, total), (rmax, mx)]
+
+    return build
+
+
+# ---------------------------------------------------------------------- the label's logit
+def _take_along_last(g: dict, d_ndim: int, idx_shape: tuple) -> bool:
+    """Whether a gather's params are ``take_along_axis`` along the last axis (one element per row)."""
+    dn = g["dimension_numbers"]
+    axis = d_ndim - 1
+    batch = tuple(range(axis))
+    return (tuple(dn.offset_dims) == () and tuple(dn.collapsed_slice_dims) == (axis,)
+            and tuple(dn.start_index_map) == (axis,) and tuple(dn.operand_batching_dims) == batch
+            and tuple(dn.start_indices_batching_dims) == batch and tuple(g["slice_sizes"]) == (1,) * d_ndim
+            and len(idx_shape) == d_ndim + 1 and idx_shape[-2:] == (1, 1))
+
+
+def _mode(g: dict) -> tuple[bool, Any]:
+    """``(fills, fill)``: whether an out-of-range label gives ``fill`` (else the clamped column)."""
+    mode = g.get("mode")
+    fills = "FILL" in str(mode)
+    return fills, g.get("fill_value")
+
+
+def _label_logit(spec: tuple, fills: bool, fill: Any, out_shape: tuple):
+    """``fn(h, W, [b], idx)``: the logits at ``idx`` (one per row), from the label's column of ``W``."""
+    rows, has_bias, v = spec[2], spec[5], spec[4]
+
+    def fn(*args: Any) -> Any:
+        h, w, *rest = args
+        b = rest[0] if has_bias else None
+        idx = rest[-1].reshape(-1)
+        hc, wc, bv = _canonical(spec, h, w, b)
+        safe = lax.clamp(jnp.zeros((), idx.dtype), idx, jnp.full((), v - 1, idx.dtype))
+        cols = jnp.take(wc, safe, axis=1, mode="clip")  # width x tokens: the label's column per token
+        _, _, _, _, _, _, cast, dot = spec
+        z = lax.dot_general(hc, cols, (((1,), (0,)), ((0,), (1,))), **dict(dot))
+        if bv is not None:
+            z = z + jnp.take(bv, safe, mode="clip")
+        z = z if cast is None else z.astype(cast)
+        if fills:
+            inside = (idx >= 0) & (idx < v)
+            value = jnp.nan if fill is None else fill
+            z = jnp.where(inside, z, jnp.asarray(value, z.dtype))
+        return z.reshape(out_shape)
+
+    return fn
+
+
+@procedural
+def _label(m: Any) -> Any:
+    g = m.params("g")
+    d, idx = m["d"], m["i"]
+    if g.prim != "gather" or not _take_along_last(g, d.ndim, idx.shape):
+        return None
+    head = head_of(d)
+    if head is None:
+        return None
+    fills, fill = _mode(g)
+    if fill is not None and not np.isscalar(fill):
+        return None
+    return m.trace(_label_logit(head.spec(), fills, None if fill is None else float(fill), m.root.shape),
+                   *head.values(), idx)
+
+
+def _peel_gather(g: Any, kinds: tuple, fills: bool, v: int):
+    def fn(base: Any, idx: Any, *terms: Any) -> Any:
+        picked = g.bind(base, idx)
+        # innermost term first, as the program subtracts them (x - max, then - log(sum)): see nn._gathered
+        for (sign, log), term in reversed(list(zip(kinds, terms))):
+            term = jnp.log(term) if log else term
+            picked = picked + term if sign > 0 else picked - term
+        if fills:
+            i = idx.reshape(picked.shape)
+            fill = g.get("fill_value")
+            value = jnp.nan if fill is None else fill
+            picked = jnp.where((i >= 0) & (i < v), picked, jnp.asarray(value, picked.dtype))
+        return picked
+
+    return fn
+
+
+@procedural
+def _label_peel(m: Any) -> Any:
+    from rulesets.nn import _peel
+
+    g = m.params("g")
+    x, idx = m["d"], m["i"]
+    if g.prim != "gather" or not x.is_floating or not _take_along_last(g, x.ndim, idx.shape):
+        return None
+    base, terms = _peel(x, x.ndim - 1)
+    if not terms or head_of(base) is None:
+        return None
+    fills, _ = _mode(g)
+    kinds = tuple((sign, log) for sign, log, _ in terms)
+    return m.trace(_peel_gather(g, kinds, fills, x.shape[-1]), base, idx, *[t for _, _, t in terms])
+
+
+# ---------------------------------------------------------------------- examples and the part
+def _ce_int(h: Any, w: Any, y: Any) -> Any:
+    logits = h @ w
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    return jnp.mean(lse - jnp.take_along_axis(logits, y[:, None], axis=-1)[:, 0])
+
+
+def _ce_log_softmax(h: Any, w: Any, b: Any, y: Any) -> Any:
+    logp = jax.nn.log_softmax(h @ w + b, axis=-1)
+    return -jnp.mean(jnp.take_along_axis(logp, y[:, None], axis=-1))
+
+
+def _f32(*shape: int) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(shape, jnp.float32)
+
+
+def _i32(*shape: int) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(shape, jnp.int32)
+
+
+def _example(block: int) -> tuple:
+    return _ce_int, (_f32(2 * block, 8), _f32(8, 16), _i32(2 * block))
+
+
+nn_lm_head = Ruleset("nn_lm_head", [
+    rule(_GATHER, _label, name="nn_lm_head_label",                                  # (h @ W + b)[y] -> h . W[:, y] + b[y]
+         example=(_ce_int, (_f32(8, 4), _f32(4, 16), _i32(8)))),
+    rule(_GATHER, _label_peel, name="nn_lm_head_label_peel",                        # log_softmax(z)[y] -> z[y] - max - log(sum)
+         example=(_ce_log_softmax, (_f32(8, 4), _f32(4, 16), _f32(16), _i32(8)))),
+] + [
+    rule(Pat("reduce_sum", Pat("exp", Pat("sub", D, S)), params="r"), _lse_rule(blk),                       # sum(exp(h @ W - shift)) -> scan over token blocks
+         name=f"nn_lm_head_lse_{blk}", example=_example(blk))
+    for blk in BLOCKS
+], soundness="identity",
+    description="a cross-entropy over a product h @ W computed over token blocks, never holding the logits")
