@@ -185,88 +185,143 @@ def _shift(m: Any) -> Any:
 
 
 # ---------------------------------------------------------------------- the normaliser over token blocks
-def _normaliser(spec: tuple, block: int, shift_of: Any):
-    """``fn(h, W, [b]) -> (max(logits), sum(exp(logits - shift_of(max))))`` over token blocks, in the rows' layout.
+def _sigma(kind: str, m: Any) -> Any:
+    """The program's shift of a row whose maximum is ``m``: ``m`` itself, or ``m`` where finite and 0 elsewhere."""
+    return m if kind == "max" else _shift(m)
 
-    One ``jax.custom_vjp`` function with both results, so that the program's maximum and its sum are the
-    two results of one node (extraction moves both at once). ``shift_of`` is the program's own shift,
-    read back from the e-graph (per row, from the rows' maxima).
+
+def _normaliser(spec: tuple, block: int, kind: str, log: bool, out_shape: tuple):
+    """``fn(h, W, [b]) -> (max(logits), s)`` over token blocks, ``s = sum(exp(logits - shift))`` or its log.
+
+    One ``jax.custom_vjp`` function with both results, so that the program's maximum and its normaliser are
+    the two results of one node (extraction moves both at once). Every row's logits are in one block, so
+    each block computes the maximum, the program's shift (``kind``, see :func:`_shift_kind`) and the sum as
+    the program does, row by row. The backward keeps nothing from the forward: it computes each block
+    again, sum included, so under ``jax.grad`` (where the forward's values are not read) XLA drops the
+    forward loop, and the gradient costs three products, as the original's does.
     """
-    h_perm, _, rows, c, v, has_bias, _, _ = spec
+    h_perm, w_perm, rows, c, v, has_bias, cast, dot = spec
     r = int(np.prod(rows))
     n = r // block
     h_inv = tuple(int(i) for i in np.argsort(h_perm))
+    w_inv = tuple(int(i) for i in np.argsort(w_perm))
+    dot = dict(dot)
+    precision = dot.get("precision")
 
-    def shift(m: Any) -> Any:  # the program's shift, per row
-        return shift_of(m).reshape(rows)
-
-    def stats(z: Any) -> tuple[Any, Any]:
+    def stats(z: Any) -> tuple[Any, Any, Any]:
         m = jnp.max(z, axis=1)
-        return m, jnp.sum(jnp.exp(z - _shift(m)[:, None]), axis=1)
+        sigma = _sigma(kind, m)
+        total = jnp.sum(jnp.exp(z - sigma[:, None]), axis=1)
+        return m, sigma, total
 
-    def forward(h: Any, w: Any, b: Any) -> tuple[Any, Any, Any]:
+    def forward(h: Any, w: Any, b: Any) -> tuple[Any, Any]:
         hc, wc, bv = _canonical(spec, h, w, b)
-        hs = lax.reshape(hc, (n, block, c))
 
         def body(_: Any, hb: Any) -> tuple:
-            return None, stats(_logits(spec, hb, wc, bv))
+            m, _, total = stats(_logits(spec, hb, wc, bv))
+            return None, (m, jnp.log(total) if log else total)
 
-        _, (m, l) = lax.scan(body, None, hs)
-        m, l = m.reshape(rows), l.reshape(rows)
-        sigma = lax.stop_gradient(shift(m))
-        # l is the sum shifted by the maximum where finite (0 elsewhere); this is the sum shifted by the program's
-        # shift: the same where the two agree, and 0 * inf = NaN where the program subtracts an infinite shift.
-        return m, l * jnp.exp(_shift(m) - sigma), sigma
+        _, (m, out) = lax.scan(body, None, lax.reshape(hc, (n, block, c)))
+        return m.reshape(rows), out.reshape(out_shape)
 
     @jax.custom_vjp
     def normaliser(h: Any, w: Any, b: Any) -> tuple[Any, Any]:
-        m, total, _ = forward(h, w, b)
-        return m, total
+        return forward(h, w, b)
 
     def fwd(h: Any, w: Any, b: Any) -> tuple:
-        m, total, sigma = forward(h, w, b)
-        # d shift / d max, per row: 0 under the usual stop_gradient
-        _, dshift = jax.jvp(shift, (m,), (jnp.ones_like(m),))
-        return (m, total), (h, w, b, m, total, sigma, dshift)
+        return forward(h, w, b), (h, w, b)
 
     def bwd(res: tuple, g: tuple) -> tuple:
-        h, w, b, m, total, sigma, dshift = res
+        h, w, b = res
         gm, gs = g
         hc, wc, bv = _canonical(spec, h, w, b)
-        # the maximum's cotangent: its own, and the sum's through the shift (jax's rule for max shares it among ties)
-        gmax = gm - gs * total * dshift
-        with_max = jnp.any(gmax != 0)
-        xs = (lax.reshape(hc, (n, block, c)), m.reshape(n, block), sigma.reshape(n, block),
-              gmax.reshape(n, block), gs.reshape(n, block))
+        # The maximum's own cotangent (jax's rule for max shares it among the ties): 0 where the program reads
+        # the maximum only under stop_gradient, as it shifts; its term is skipped then.
+        with_max = jnp.any(gm != 0)
+        xs = (lax.reshape(hc, (n, block, c)), gm.reshape(n, block), gs.reshape(n, block))
+        acc = jnp.promote_types(wc.dtype, jnp.float32)  # dW summed over blocks in f32, rounded once at the end
 
         def body(carry: tuple, x: tuple) -> tuple:
             dw, db = carry
-            hb, mb, sb, gmb, gsb = x
-            z, vjp = jax.vjp(lambda hb_, wc_, b_: _logits(spec, hb_, wc_, b_), hb, wc, bv)
-            dz = jnp.exp(z - sb[:, None]) * gsb[:, None]
+            hb, gmb, gsb = x
+            pre = lax.dot_general(hb, wc, (((1,), (0,)), ((), ())), **dot)
+            if bv is not None:
+                pre = pre + bv[None, :]
+            z = pre if cast is None else pre.astype(cast)
+            m, sigma, total = stats(z)
+            scale = gsb / total if log else gsb
+            dz = jnp.exp(z - sigma[:, None]) * scale[:, None]
 
             def plus_max(dz: Any) -> Any:
-                ties = z == mb[:, None]
+                ties = z == m[:, None]
                 share = gmb / jnp.sum(ties, axis=1).astype(gmb.dtype)
                 return dz + jnp.where(ties, share[:, None], jnp.zeros((), z.dtype))
 
-            dz = lax.cond(with_max, plus_max, lambda dz: dz, dz)
-            dhb, dwb, dbb = vjp(dz)
-            return (dw + dwb, None if db is None else db + dbb), dhb
+            dz = lax.cond(with_max, plus_max, lambda dz: dz, dz).astype(pre.dtype)
+            # The products' transposes written out: h's block transposed first, so that the left operand of
+            # dW's product contracts its minor dimension (XLA:CPU's library path; rewrite/cost/dot.py).
+            dhb = lax.dot_general(dz, wc, (((1,), (1,)), ((), ())), precision=precision,
+                                  preferred_element_type=hb.dtype)
+            dwb = lax.dot_general(lax.transpose(hb, (1, 0)), dz, (((1,), (0,)), ((), ())), precision=precision,
+                                  preferred_element_type=acc)
+            return (dw + dwb, None if db is None else db + jnp.sum(dz.astype(acc), axis=0)), dhb
 
-        zero_b = None if bv is None else jnp.zeros_like(bv)
-        (dwc, dbv), dhc = lax.scan(body, (jnp.zeros_like(wc), zero_b), xs)
-        hshape = tuple(h.shape[i] for i in h_perm)
-        dh = lax.transpose(dhc.reshape(hshape), h_inv)
-        wshape = tuple(w.shape[i] for i in spec[1])
-        dw = lax.transpose(dwc.reshape(wshape), tuple(int(i) for i in np.argsort(spec[1])))
-        db = None if b is None else dbv.reshape(b.shape)
+        zero_b = None if bv is None else jnp.zeros(bv.shape, acc)
+        (dwc, dbv), dhc = lax.scan(body, (jnp.zeros(wc.shape, acc), zero_b), xs)
+        dh = lax.transpose(dhc.reshape(tuple(h.shape[i] for i in h_perm)), h_inv)
+        dw = lax.transpose(dwc.astype(wc.dtype).reshape(tuple(w.shape[i] for i in w_perm)), w_inv)
+        db = None if b is None else dbv.astype(bv.dtype).reshape(b.shape)
         return dh, dw, db
 
     normaliser.defvjp(fwd, bwd)
     if not has_bias:
         return lambda h, w: normaliser(h, w, None)
     return normaliser
+
+
+def _shift_kind(shift_of: Any, shape: tuple, dtype: Any) -> str | None:
+    """Which shift ``shift_of`` (the program's, read back as a function of the rows' maxima) is, or ``None``.
+
+    ``"max"``: the maximum itself (``jax.nn.log_softmax``'s ``max(-inf, m)``); ``"finite"``: the maximum
+    where finite, 0 elsewhere (``jax.nn.logsumexp``, optax). Found by running it on maxima that differ in
+    every row, the infinities and NaN among them (it is made of per-row operations only, see
+    :func:`_max_under`), and only where its derivative is 0 (the shift is under ``stop_gradient``).
+    """
+    size = int(np.prod(shape))
+    specials = np.array([-np.inf, np.inf, np.nan, 0.0, -0.0, 1.5, -2.25, 3e4], np.float64)
+    probe = np.arange(size, dtype=np.float64) * 0.37 - size * 0.1
+    probe[: min(size, specials.size)] = specials[: min(size, specials.size)]
+    x = jnp.asarray(probe.reshape(shape), dtype)
+    try:
+        out, tangent = jax.jvp(lambda t: shift_of(t)[0], (x,), (jnp.ones_like(x),))
+    except Exception:  # noqa: BLE001  (a function the probe cannot run is not a known shift)
+        return None
+    out = np.asarray(out, np.float64).reshape(shape)
+    if np.any(np.asarray(tangent, np.float64) != 0):
+        return None
+    for kind in ("max", "finite"):
+        want = np.asarray(_sigma(kind, x), np.float64)
+        if np.array_equal(out, want, equal_nan=True):
+            return kind
+    return None
+
+
+def _log_of(m: Any, total: Value) -> Value | None:
+    """The program's ``log`` of the sum ``total``: ``log(total)``, through ``abs`` (optax) or a broadcast
+    that keeps the rows (``keepdims``, ``jax.nn.log_softmax``), or ``None``."""
+    rows = total.shape
+    frontier = [total]
+    for _ in range(2):
+        nxt = []
+        for v in frontier:
+            for user, node in m.users(v):
+                if node.prim == "log" and user.shape in (rows, rows + (1,)):
+                    return user
+                if node.prim == "abs" or (node.prim == "broadcast_in_dim" and user.shape == rows + (1,)
+                                          and tuple(node.params["broadcast_dimensions"]) == tuple(range(len(rows)))):
+                    nxt.append(user)
+        frontier = nxt
+    return None
 
 
 _SHIFT_OPS = frozenset({"stop_gradient", "broadcast_in_dim", "max", "min", "select_n", "is_finite", "reshape",
@@ -318,8 +373,15 @@ def _lse_rule(block: int):
         shift_of = m.function([shift], [rmax])
         if shift_of is None:
             return None
-        mx, total = m.trace(_normaliser(head.spec(), block, lambda x: shift_of(x)[0]), *head.values())
-        return [(m.root, total), (rmax, mx)]
+        kind = _shift_kind(shift_of, rmax.shape, rmax.dtype)
+        if kind is None:
+            return None
+        # The sum's log where the program takes it: the backward then needs nothing of the forward (the log's
+        # derivative, 1 / sum, is computed in each block), and under jax.grad the forward loop is dropped.
+        log = _log_of(m, m.root)
+        target = m.root if log is None else log
+        mx, out = m.trace(_normaliser(head.spec(), block, kind, log is not None, target.shape), *head.values())
+        return [(target, out), (rmax, mx)]
 
     return build
 
