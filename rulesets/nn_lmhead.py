@@ -219,10 +219,11 @@ def _normaliser(spec: tuple, block: int, kind: str, log: bool, out_shape: tuple)
 
         def body(_: Any, hb: Any) -> tuple:
             m, _, total = stats(_logits(spec, hb, wc, bv))
-            return None, (m, jnp.log(total) if log else total)
+            return None, (m, total)
 
-        _, (m, out) = lax.scan(body, None, lax.reshape(hc, (n, block, c)))
-        return m.reshape(rows), out.reshape(out_shape)
+        _, (m, total) = lax.scan(body, None, lax.reshape(hc, (n, block, c)))
+        # the log after the loop: in its body, log(sum(exp(z - shift))) is what nn_logsumexp rewrites
+        return m.reshape(rows), (jnp.log(total) if log else total).reshape(out_shape)
 
     @jax.custom_vjp
     def normaliser(h: Any, w: Any, b: Any) -> tuple[Any, Any]:
@@ -291,17 +292,18 @@ def _shift_kind(shift_of: Any, shape: tuple, dtype: Any) -> str | None:
     specials = np.array([-np.inf, np.inf, np.nan, 0.0, -0.0, 1.5, -2.25, 3e4], np.float64)
     probe = np.arange(size, dtype=np.float64) * 0.37 - size * 0.1
     probe[: min(size, specials.size)] = specials[: min(size, specials.size)]
-    x = jnp.asarray(probe.reshape(shape), dtype)
     try:
-        out, tangent = jax.jvp(lambda t: shift_of(t)[0], (x,), (jnp.ones_like(x),))
+        with jax.ensure_compile_time_eval():  # rules run while the program is traced (under jit, say)
+            x = jnp.asarray(probe.reshape(shape), dtype)
+            out, tangent = jax.jvp(lambda t: shift_of(t)[0], (x,), (jnp.ones_like(x),))
+            want = {kind: np.asarray(_sigma(kind, x), np.float64) for kind in ("max", "finite")}
     except Exception:  # noqa: BLE001  (a function the probe cannot run is not a known shift)
         return None
     out = np.asarray(out, np.float64).reshape(shape)
     if np.any(np.asarray(tangent, np.float64) != 0):
         return None
     for kind in ("max", "finite"):
-        want = np.asarray(_sigma(kind, x), np.float64)
-        if np.array_equal(out, want, equal_nan=True):
+        if np.array_equal(out, want[kind], equal_nan=True):
             return kind
     return None
 
