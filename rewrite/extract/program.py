@@ -468,9 +468,12 @@ class ProgramSearch:
 
     def _group_move(self, c: Any, alt: tuple, cur: tuple, group: list, best: float) -> bool:
         """Move ``c`` to ``alt`` and ``group`` to their projections at once; kept when cheaper and acyclic."""
-        moved = [(c, cur)] + [(x, self.choice[x]) for x, _ in group]
+        moved = [(c, cur)]
         self._switch(c, alt)
         for x, node in group:
+            if self._live and not self._live._ref.get(x, 0):
+                continue  # the first move took it out of the program
+            moved.append((x, self.choice[x]))
             self._switch(x, node)
         kids = [k for x, _ in moved for k in self._kids(self.choice[x])]
         ok = not self.ex.reaches(self.choice, kids, {x for x, _ in moved})
