@@ -69,6 +69,7 @@ from rewrite import rule as _rule
 rule = functools.partial(_rule, check=False)
 from rulesets.derivatives import _f32
 from rulesets.derivatives import derivatives as _derivatives
+from rulesets.nn_lmhead import nn_lm_head
 
 __all__ = ["nn", "one_hot_of"]
 
@@ -358,8 +359,6 @@ nn_stable = Ruleset("nn_stable", [
          when=_not_softplus_body),
 ], soundness="identity",
     description="model idioms in their stable forms: log_softmax, logsumexp, softplus, log1p, expm1")
-
-from rulesets.nn_lmhead import nn_lm_head  # noqa: E402  (it reads _peel from this module when it runs)
 
 nn = Ruleset("nn", [nn_one_hot, nn_stable, nn_lm_head], soundness="identity",
             description="the idioms of model code in their lean and stable forms")

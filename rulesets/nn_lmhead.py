@@ -453,12 +453,35 @@ def _label(m: Any) -> Any:
                    *head.values(), idx)
 
 
-def _peel_gather(g: Any, kinds: tuple, fills: bool, v: int):
+def _peel(w: Value, axis: int, most: int = 8) -> tuple[Value, list[tuple[int, Value]]]:
+    """``w`` as ``base + sum(sign * term)``, each term of size 1 along ``axis`` (added or subtracted, broadcast):
+    ``log_softmax(z)`` is ``(z - max) - log(sum)``, so a gather from it is a gather from ``z`` and two terms.
+    (``nn_one_hot_sum`` peels the same way, and through ``log(softmax(z))``, which ``nn_log_softmax`` rewrites
+    into this form.)"""
+    terms: list[tuple[int, Value]] = []
+    sign = 1
+    for _ in range(most):
+        node = w.node("sub") or w.node("add")
+        if node is None or len(node.operands) != 2:
+            break
+        a, b = node.operands
+        if b.ndim == w.ndim and b.shape[axis] == 1 and a.shape == w.shape and b.dtype == w.dtype:
+            terms.append((sign if node.prim == "add" else -sign, b))
+            w = a
+            continue
+        if node.prim == "add" and a.ndim == w.ndim and a.shape[axis] == 1 and b.shape == w.shape and a.dtype == w.dtype:
+            terms.append((sign, a))
+            w = b
+            continue
+        break
+    return w, terms
+
+
+def _peel_gather(g: Any, signs: tuple, fills: bool, v: int):
     def fn(base: Any, idx: Any, *terms: Any) -> Any:
         picked = g.bind(base, idx)
         # innermost term first, as the program subtracts them (x - max, then - log(sum)): see nn._gathered
-        for (sign, log), term in reversed(list(zip(kinds, terms))):
-            term = jnp.log(term) if log else term
+        for sign, term in reversed(list(zip(signs, terms))):
             picked = picked + term if sign > 0 else picked - term
         if fills:
             i = idx.reshape(picked.shape)
@@ -472,8 +495,6 @@ def _peel_gather(g: Any, kinds: tuple, fills: bool, v: int):
 
 @procedural
 def _label_peel(m: Any) -> Any:
-    from rulesets.nn import _peel
-
     g = m.params("g")
     x, idx = m["d"], m["i"]
     if g.prim != "gather" or not x.is_floating or not _take_along_last(g, x.ndim, idx.shape):
@@ -482,8 +503,8 @@ def _label_peel(m: Any) -> Any:
     if not terms or head_of(base) is None:
         return None
     fills, _ = _mode(g)
-    kinds = tuple((sign, log) for sign, log, _ in terms)
-    return m.trace(_peel_gather(g, kinds, fills, x.shape[-1]), base, idx, *[t for _, _, t in terms])
+    return m.trace(_peel_gather(g, tuple(sign for sign, _ in terms), fills, x.shape[-1]), base, idx,
+                   *[t for _, t in terms])
 
 
 # ---------------------------------------------------------------------- examples and the part
