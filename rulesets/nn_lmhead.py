@@ -362,6 +362,13 @@ def _max_under(shift: Value, d: Value, axis: int) -> Value | None:
     return found
 
 
+def _exp_as(shape: tuple):
+    def fn(t: Any) -> Any:
+        return jnp.exp(t).reshape(shape)
+
+    return fn
+
+
 def _lse_rule(block: int):
     @procedural
     def build(m: Any) -> Any:
@@ -388,7 +395,10 @@ def _lse_rule(block: int):
         log = _log_of(m, m.root)
         target = m.root if log is None else log
         mx, out = m.trace(_normaliser(head.spec(), block, kind, log is not None, target.shape), *head.values())
-        return [(target, out), (rmax, mx)]
+        pairs = [(target, out), (rmax, mx)]
+        if log is not None:  # the sum itself, for any other reader (and for a check of this rule alone)
+            pairs.append((m.root, m.trace(_exp_as(m.root.shape), out)))
+        return pairs
 
     return build
 
