@@ -213,3 +213,50 @@ def test_under_vmap_and_jit():
     grad = lambda fn: jax.vmap(jax.grad(fn, argnums=(0, 1)))
     for a, b in zip(jax.jit(grad(g))(*stacked), grad(f)(*stacked)):
         close(a, b, *TOLERANCE["float32"])
+
+
+def test_a_flax_language_model_training_step():
+    """A small flax transformer LM (embedding, causal self-attention, MLP, a Dense head with bias over 8192
+    tokens): its loss rewritten, then differentiated in an SGD step, gives the original step's loss and new
+    parameters. The rewrite acts on the loss: a program already differentiated reads the logits in its
+    backward, and there the head is kept (the second half of this test)."""
+    flax_nn = pytest.importorskip("flax.linen")
+    vocab, width = 8192, 64
+
+    class LM(flax_nn.Module):
+        @flax_nn.compact
+        def __call__(self, tokens):
+            x = flax_nn.Embed(vocab, width)(tokens)
+            h = flax_nn.LayerNorm()(x)
+            mask = flax_nn.make_causal_mask(tokens)
+            x = x + flax_nn.MultiHeadDotProductAttention(num_heads=2, qkv_features=width)(h, h, mask=mask)
+            h = flax_nn.LayerNorm()(x)
+            x = x + flax_nn.Dense(width)(flax_nn.gelu(flax_nn.Dense(2 * width)(h)))
+            return flax_nn.Dense(vocab)(flax_nn.LayerNorm()(x))
+
+    k1, k2 = jax.random.split(jax.random.PRNGKey(7))
+    tokens = jax.random.randint(k1, (4, 257), 0, vocab)
+    model = LM()
+    params = model.init(k2, tokens[:, :-1])
+
+    def loss(params, tokens):
+        logits = model.apply(params, tokens[:, :-1])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+    report = explain(loss, params, tokens, rulesets=[NN])
+    assert blocked(report), report.fired
+
+    def step(lossfn):
+        @jax.jit
+        def run(params, tokens):
+            value, grads = jax.value_and_grad(lossfn)(params, tokens)
+            return value, jax.tree_util.tree_map(lambda p, g: p - 0.1 * g, params, grads)
+        return run
+
+    (v0, p0), (v1, p1) = step(loss)(params, tokens), step(rewrite(loss, rulesets=[NN]))(params, tokens)
+    close(v1, v0, *TOLERANCE["float32"])
+    for a, b in zip(jax.tree_util.tree_leaves(p1), jax.tree_util.tree_leaves(p0)):
+        close(a, b, *TOLERANCE["float32"])
+    # differentiated first, rewritten after: the backward reads the logits, so the head is kept
+    after = explain(jax.grad(loss), params, tokens, rulesets=[NN])
+    assert not blocked(after)
