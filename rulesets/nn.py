@@ -69,6 +69,7 @@ from rewrite import rule as _rule
 rule = functools.partial(_rule, check=False)
 from rulesets.derivatives import _f32
 from rulesets.derivatives import derivatives as _derivatives
+from rulesets.nn_lmhead import nn_lm_head
 
 __all__ = ["nn", "one_hot_of"]
 
@@ -357,5 +358,5 @@ nn_stable = Ruleset("nn_stable", [
 ], soundness="identity",
     description="model idioms in their stable forms: log_softmax, logsumexp, softplus, log1p, expm1")
 
-nn = Ruleset("nn", [nn_one_hot, nn_stable], soundness="identity",
+nn = Ruleset("nn", [nn_one_hot, nn_stable, nn_lm_head], soundness="identity",
             description="the idioms of model code in their lean and stable forms")

@@ -433,9 +433,55 @@ class ProgramSearch:
                             break
                     else:
                         self._switch(c, cur)
+                        group = self._siblings(c, alt, live)
+                        if not group:
+                            continue
+                        if self.pricer.evaluations - start >= budget:
+                            return self.choice, best
+                        if self._group_move(c, alt, cur, group, best):
+                            best = self._price()
+                            improved = True
+                            if self.pricer.last_key in self.visited:
+                                return self.choice, best
+                            self.visited.add(self.pricer.last_key)
+                            live = set(self._program_classes())
+                            if c not in live:
+                                break
             if not improved:
                 break
         return self.choice, best
+
+    def _siblings(self, c: Any, alt: tuple, live: set) -> list[tuple[Any, tuple]]:
+        """The other classes of the program that ``alt``'s node offers, each with its projection: a move to
+        ``alt`` that adds a loop the program does not run pays only when every output of that loop moves
+        with it (one loop computing two of the program's values, a maximum and a sum, say)."""
+        if alt[0] != "Proj":
+            return []
+        tup = alt[1][0]
+        if self._live and self._live._ref.get(tup, 0):
+            return []  # the loop runs already: the single move was the whole move
+        out = []
+        for parent, node in self.ex.snap.parents.get(tup, ()):
+            if parent != c and parent in live and node[0] == "Proj" and self.choice.get(parent) != node:
+                out.append((parent, node))
+        return out
+
+    def _group_move(self, c: Any, alt: tuple, cur: tuple, group: list, best: float) -> bool:
+        """Move ``c`` to ``alt`` and ``group`` to their projections at once; kept when cheaper and acyclic."""
+        moved = [(c, cur)]
+        self._switch(c, alt)
+        for x, node in group:
+            if self._live and not self._live._ref.get(x, 0):
+                continue  # the first move took it out of the program
+            moved.append((x, self.choice[x]))
+            self._switch(x, node)
+        kids = [k for x, _ in moved for k in self._kids(self.choice[x])]
+        ok = not self.ex.reaches(self.choice, kids, {x for x, _ in moved})
+        if ok and self._price() < best - 1e-9 * max(1.0, abs(best)):
+            return True
+        for x, old in reversed(moved):
+            self._switch(x, old)
+        return False
 
 
 def _permuted(ex: "Extractor", a: tuple, b: tuple) -> bool:

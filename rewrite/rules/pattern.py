@@ -517,7 +517,9 @@ def compile_pat(pat: Pat, choice: dict[int, str] | None = None) -> tuple[Query, 
             v = qb.fresh("t")
             qb.atoms.append(f"(= {v} (Proj {of} {idx}))")
             return bind(p.name, v, "Term")
-        spec = _primitives.BY_PRIM[choice.get(id(p), p.members[0])]
+        member = choice.get(id(p), p.members[0])
+        # "opaque": a primitive the term language has no constructor for (gather, say), its operands one list
+        spec = _primitives.DEFAULT if member == "opaque" else _primitives.BY_PRIM[member]
         parts: list[str] = []
         ops = list(p.operands)
         body_names = iter([p.body] if p.body else list(p.bodies) if isinstance(p.bodies, (list, tuple)) else [])

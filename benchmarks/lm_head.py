@@ -1,0 +1,156 @@
+"""A language-model head's cross-entropy, against ``rulesets.nn``'s token-block form: time and temp memory.
+
+The program is ``optax.softmax_cross_entropy_with_integer_labels(h @ W, y).mean()`` (f32), at N tokens,
+width C and vocabulary V; each case times the loss or ``jax.grad`` of it with respect to ``W`` and ``h``, in
+the variants ``standard`` (as written, the baseline), ``aa`` (the same again: the A/A control),
+``rewritten`` (``rewrite(f, rulesets=[rulesets.nn])``, and its gradient) and ``chunked`` (the issue's
+hand-written reference: a ``lax.scan`` over blocks of 256 tokens, the body under ``jax.checkpoint``).
+Times are medians of interleaved rounds after warm-up (``benchmarks/harness.py``); temp memory from
+``memory_analysis()``. The large case (N=8192, C=1024, V=65536) is compiled, not run.
+
+Run holding the benchmark lock::
+
+    flock /tmp/bench.lock python -m benchmarks.lm_head --write
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+import rulesets
+from benchmarks.harness import MiB, compile_stats, measure
+from rewrite import explain, rewrite
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def loss(h: Any, w: Any, y: Any) -> Any:
+    import optax
+
+    return optax.softmax_cross_entropy_with_integer_labels(h @ w, y).mean()
+
+
+def chunked(h: Any, w: Any, y: Any, block: int = 256) -> Any:
+    """The issue's hand-written reference: token blocks in a scan, the body checkpointed."""
+    n = h.shape[0]
+
+    @jax.checkpoint
+    def body(total: Any, xs: Any) -> tuple:
+        hb, yb = xs
+        z = hb @ w
+        lse = jax.nn.logsumexp(z, axis=-1)
+        return total + jnp.sum(lse - jnp.take_along_axis(z, yb[:, None], axis=-1)[:, 0]), None
+
+    total, _ = lax.scan(body, jnp.zeros((), h.dtype),
+                        (h.reshape(n // block, block, -1), y.reshape(n // block, block)))
+    return total / n
+
+
+def grad_of(f: Callable) -> Callable:
+    return jax.grad(f, argnums=(0, 1))
+
+
+def _again(f: Callable) -> Callable:
+    return lambda *a: f(*a)
+
+
+def variants(mode: str) -> dict[str, Callable]:
+    wrap = (lambda g: g) if mode == "loss" else grad_of
+    return {"standard": wrap(loss), "aa": wrap(_again(loss)), "rewritten": wrap(rewrite(loss, rulesets=[rulesets.nn])),
+            "chunked": wrap(chunked)}
+
+
+def args_at(n: int, c: int, v: int) -> list:
+    k = jax.random.split(jax.random.PRNGKey(0), 3)
+    return [jax.random.normal(k[0], (n, c), jnp.float32), jax.random.normal(k[1], (c, v), jnp.float32) / c ** 0.5,
+            jax.random.randint(k[2], (n,), 0, v)]
+
+
+def chosen(n: int, c: int, v: int) -> str:
+    args = [jnp.zeros((n, c), jnp.float32), jnp.zeros((c, v), jnp.float32), jnp.zeros((n,), jnp.int32)]
+    r = explain(loss, *args, rulesets=[rulesets.nn])
+    for e in r.after.eqns:
+        if e.primitive.name == "custom_vjp_call":
+            inner = e.params.get("call_jaxpr") or e.params.get("fun_jaxpr")
+            for x in inner.jaxpr.eqns if inner is not None else ():
+                if x.primitive.name == "scan":
+                    return f"{x.params['length']} blocks"
+    return "kept" if not any(k.startswith("nn_lm_head_lse") for k in r.fired) or "custom_vjp_call" not in str(r.after) \
+        else "?"
+
+
+def run(cases: list[tuple[str, int, int, int, bool]], rounds: int) -> list[dict]:
+    out = []
+    for mode, n, c, v, compiled_only in cases:
+        vs = variants(mode)
+        case = f"{mode} N={n} C={c} V={v}"
+        how = chosen(n, c, v)
+        if compiled_only:
+            args = [jax.ShapeDtypeStruct((n, c), jnp.float32), jax.ShapeDtypeStruct((c, v), jnp.float32),
+                    jax.ShapeDtypeStruct((n,), jnp.int32)]
+            stats = {k: compile_stats(fn, *args)[1] for k, fn in vs.items() if k != "aa"}
+            out.append({"case": case, "chosen": how, "compiled_only": True,
+                        "temp_mib": {k: s.temp_bytes / MiB for k, s in stats.items()}})
+        else:
+            row = measure(case, vs, args_at(n, c, v), rounds=rounds)
+            out.append({"case": case, "chosen": how, "compiled_only": False, **row.as_dict(),
+                        "temp_mib": {k: s.temp_bytes / MiB for k, s in row.stats.items()}})
+        print(_line(out[-1]), flush=True)
+    return out
+
+
+def _line(r: dict) -> str:
+    temp = r["temp_mib"]
+    base = temp["standard"]
+    share = f"{100 * temp['rewritten'] / base:.1f}%" if base else "n/a"
+    ch = f"chunked {temp['chunked']:.1f}"
+    if r["compiled_only"]:
+        return f"| {r['case']} | {r['chosen']} | compiled only | | | | {base:.1f} -> {temp['rewritten']:.1f} ({share}) | {ch} |"
+    v = r["variants"]
+    return (f"| {r['case']} | {r['chosen']} | {1e3 * v['standard']['seconds']:.1f} | {v['rewritten']['ratio']:.2f}x | "
+            f"{v['chunked']['ratio']:.2f}x | {v['aa']['ratio']:.2f}x | {base:.1f} -> {temp['rewritten']:.1f} ({share}) | "
+            f"{ch} |")
+
+
+HEADER = ("| case | rewrite chose | standard ms | rewritten | chunked | A/A | temp MiB standard -> rewritten | "
+          "chunked temp MiB |\n|---|---|---|---|---|---|---|---|")
+
+FULL = [("loss", 2048, 512, 32768, False), ("grad", 2048, 512, 32768, False),
+        ("loss", 2048, 512, 256, False), ("grad", 2048, 512, 256, False),
+        ("loss", 8192, 1024, 65536, True), ("grad", 8192, 1024, 65536, True)]
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--only", default="", help="comma-separated indices into the case list")
+    ap.add_argument("--write", action="store_true")
+    a = ap.parse_args(argv)
+    cases = [c for i, c in enumerate(FULL) if not a.only or str(i) in a.only.split(",")]
+    print(HEADER)
+    rows = run(cases, a.rounds)
+    if a.write:
+        RESULTS.mkdir(exist_ok=True)
+        (RESULTS / "lm_head.json").write_text(json.dumps(rows, indent=1, default=float))
+        stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+        text = ["# LM head: `rulesets.nn`'s token blocks against the original\n",
+                f"`python -m benchmarks.lm_head --rounds {a.rounds}`, {stamp}, {platform.processor() or platform.machine()}, "
+                f"{jax.devices()[0].device_kind}, jax {jax.__version__}. f32, "
+                "`optax.softmax_cross_entropy_with_integer_labels(h @ W, y).mean()`; `grad` is with respect to W "
+                "and h. Ratios are time(standard) / time(variant) over per-round medians (above 1: faster). `aa` is "
+                "the standard program again (the A/A noise control).\n", HEADER]
+        text += [_line(r) for r in rows]
+        (RESULTS / "lm_head.md").write_text("\n".join(text) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,554 @@
+"""``rulesets.nn``'s language-model head: a cross-entropy over a product, without the tokens x vocabulary logits.
+
+A language model's loss projects the hidden states ``h`` (tokens x width)
+onto the vocabulary, ``logits = h @ W (+ b)`` (tokens x V), and reads from the
+logits only two things per token: their log-normaliser ``logsumexp`` and the
+label's logit. XLA keeps the N x V logits (and their exponentials, and in the
+gradient their softmax) whole. ``optax.softmax_cross_entropy_with_integer_labels``,
+``optax.softmax_cross_entropy`` against ``jax.nn.one_hot`` labels (through
+``nn_one_hot_sum``), and a hand-written ``log_softmax`` with
+``take_along_axis`` all trace to the same three readers of the logits, and
+this part rewrites each:
+
+* **The label's logit is a row of the product.** ``take_along_axis(h @ W + b,
+  y)`` is ``sum(h * W[:, y]) + b[y]``: the label's column of ``W`` per token,
+  a tokens x width array (``nn_lm_head_label``), with the gather's own
+  out-of-range behaviour (NaN for optax's ``fill``, the clamped column for
+  ``clip``). A gather from ``log_softmax(logits)`` first gathers the logits
+  and subtracts the normaliser (``nn_lm_head_label_peel``, as
+  ``nn_one_hot_sum`` does).
+* **The normaliser over token blocks.** ``sum(exp(logits - shift))`` along the
+  vocabulary, with ``shift`` made from ``max(logits)`` under ``stop_gradient``
+  (``max(-inf, m)`` as ``jax.nn.log_softmax`` shifts, or ``m`` where finite
+  and 0 elsewhere as ``jax.nn.logsumexp`` and optax do: :func:`_shift_kind`
+  reads which), becomes a ``lax.scan`` over blocks of tokens, inside a
+  ``jax.custom_vjp``, that computes each block's logits, their maximum, the
+  program's shift and the sum as the program does, row by row, and keeps none
+  of them (``nn_lm_head_lse_<block>``). The maximum and the sum (or its log,
+  where the program takes one) are the two results of that node: the rule
+  unions them with the program's ``max(logits)`` and its sum (or log), so
+  everything else that reads the maximum (the shift added back, the
+  ``log_softmax``'s subtraction) reads it from the loop.
+* **A backward that recomputes each block** and keeps nothing of the forward:
+  each block's logits, maximum, shift and sum are computed again, and their
+  cotangent ``g exp(logits - shift) / sum`` (plus the maximum's own, shared
+  among ties as jax's rule for ``max`` does; 0 under the usual
+  ``stop_gradient``) goes through the product: the block's rows of ``dh``,
+  and ``dW`` and ``db`` summed over blocks in float32. Under ``jax.grad`` the
+  forward's values are not read, so XLA drops the forward loop and the
+  gradient costs the original's three products.
+
+So the program holds one block of logits (block x V) at a time, forward and
+backward. The tokens are every axis of the logits but the last (the
+vocabulary, ``W``'s one free axis), taken in order; the rule declines when
+their number is not a multiple of the block or is under two blocks, when
+``W`` has more than one free axis or sits left of ``h``, when the product has
+batch axes, and when the shift is not computed from the logits' maximum.
+The cost model chooses: with a small vocabulary the logits are small and
+the loop is priced above them, so the program is kept. A shift read without
+``stop_gradient`` is declined (its derivative would need the maximum's whole
+share), and so are labels smoothed with ``optax.smooth_labels`` (not matched:
+their sum over the vocabulary reads the logits' row sums).
+
+The part is ``identity`` class, with the tolerance of ``linalg`` and
+``attention``, ``Tolerance(rtol=2e-4, atol=2e-5)`` at float32 (scaled by
+machine epsilon for other dtypes): the per-block products and the gathered
+row products sum the contraction in another order than the whole product,
+and ``dW`` is summed over blocks; nothing else changes (the maximum, the
+shift, the sum over the vocabulary and every elementwise operation are the
+original's, so infinite and NaN logits come out as the original computes
+them). ``tests/test_lm_head.py`` holds losses and gradients to it.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from rewrite import Pat, Ruleset, Tolerance, Value, procedural
+from rewrite import rule as _rule
+
+# Every rule's example program is rewritten by the contract test (tests/test_contract.py), not on import.
+rule = functools.partial(_rule, check=False)
+
+__all__ = ["nn_lm_head", "BLOCKS"]
+
+#: Token blocks offered to the cost model.
+BLOCKS = (256,)
+
+D, S, I = Pat.var("d"), Pat.var("s"), Pat.var("i")
+#: A gather: the term language keeps it as an opaque node over its operands (the procedures check the primitive).
+_GATHER = Pat("opaque", [D, I], params="g")
+
+
+# ---------------------------------------------------------------------- the logits as a product
+class _Head:
+    """``logits = cast(h @ W + b)`` with the vocabulary last: what the rules need to compute it by blocks.
+
+    ``h_perm`` puts ``h``'s token axes first and its contracted axes last, ``w_perm`` puts ``W``'s
+    contracted axes first (in ``h``'s order) and its vocabulary axis last; ``bias`` is a value whose
+    every axis but the last has size 1 (or that broadcasts along the vocabulary only), or ``None``.
+    """
+
+    def __init__(self, h: Value, w: Value, bias: Value | None, bias_from_vector: bool, cast: Any, dot: dict,
+                 h_perm: tuple, w_perm: tuple, rows: tuple, c: int, v: int) -> None:
+        self.h, self.w, self.bias, self.bias_from_vector = h, w, bias, bias_from_vector
+        self.cast, self.dot, self.h_perm, self.w_perm = cast, dot, h_perm, w_perm
+        self.rows, self.c, self.v = rows, c, v
+        self.r = int(np.prod(rows, dtype=np.int64))
+
+    def values(self) -> list[Value]:
+        return [self.h, self.w] + ([self.bias] if self.bias is not None else [])
+
+    def spec(self) -> tuple:
+        """Plain data (hashable) that, with the values, rebuilds the logits: what the traced functions close over."""
+        return (self.h_perm, self.w_perm, self.rows, self.c, self.v, self.bias is not None, self.cast,
+                tuple(sorted(self.dot.items())))
+
+
+def _vector_bias(b: Value, shape: tuple) -> tuple[Value, bool] | None:
+    """``b`` as a bias along the last axis of ``shape``: itself (size 1 elsewhere), or the vector it broadcasts."""
+    if b.ndim == len(shape) and b.shape[-1] == shape[-1] and all(d == 1 for d in b.shape[:-1]):
+        return b, False
+    node = b.node("broadcast_in_dim")
+    if node is None or node.params.get("sharding") is not None or b.shape != shape:
+        return None
+    (o,) = node.operands[:1]
+    dims = tuple(node.params["broadcast_dimensions"])
+    if all(o.shape[i] == 1 for i, d in enumerate(dims) if d != len(shape) - 1) and \
+            (len(shape) - 1) in dims and o.shape[dims.index(len(shape) - 1)] == shape[-1]:
+        return o, True
+    return None
+
+
+def head_of(d: Value) -> _Head | None:
+    """The product ``d`` is, or ``None``: ``[convert](dot_general(h, W) [+ bias])``, vocabulary last."""
+    if not d.is_floating or d.ndim < 2:
+        return None
+    cast = None
+    conv = d.node("convert_element_type")
+    x = d
+    if conv is not None and conv.operands[0].is_floating and conv.params.get("sharding") is None:
+        cast, x = d.dtype, conv.operands[0]
+    bias = None
+    from_vector = False
+    prod = x
+    if x.node("dot_general") is None:
+        add = x.node("add")
+        if add is None:
+            return None
+        for p, b in (add.operands, add.operands[::-1]):
+            if p.shape == x.shape and p.node("dot_general") is not None and b.dtype == x.dtype:
+                found = _vector_bias(b, x.shape)
+                if found is not None:
+                    prod, (bias, from_vector) = p, found
+                    break
+        else:
+            return None
+    node = prod.node("dot_general")
+    params = dict(node.params)
+    if params.get("out_sharding") is not None:
+        return None
+    h, w = node.operands
+    (lc, rc), (lb, rb) = params["dimension_numbers"]
+    if lb or rb:
+        return None
+    hfree = [a for a in range(h.ndim) if a not in lc]
+    wfree = [a for a in range(w.ndim) if a not in rc]
+    if len(wfree) != 1 or not hfree or h.dtype != w.dtype:
+        return None
+    rows = tuple(h.shape[a] for a in hfree)
+    c = int(np.prod([h.shape[a] for a in lc], dtype=np.int64))
+    dot = {k: params[k] for k in ("precision", "preferred_element_type") if k in params}
+    return _Head(h, w, bias, from_vector, cast, dot, tuple(hfree) + tuple(lc), tuple(rc) + (wfree[0],), rows, c,
+                 w.shape[wfree[0]])
+
+
+def _canonical(spec: tuple, h: Any, w: Any, b: Any) -> tuple[Any, Any, Any]:
+    """``h`` as tokens x width, ``W`` as width x V, the bias as a vector (or ``None``)."""
+    h_perm, w_perm, rows, c, v, _, _, _ = spec
+    hc = lax.reshape(lax.transpose(h, h_perm) if h_perm != tuple(range(h.ndim)) else h, (int(np.prod(rows)), c))
+    wc = lax.reshape(lax.transpose(w, w_perm) if w_perm != tuple(range(w.ndim)) else w, (c, v))
+    return hc, wc, (None if b is None else jnp.reshape(b, (v,)))
+
+
+def _logits(spec: tuple, hb: Any, wc: Any, b: Any) -> Any:
+    """One block of logits, as the original computes them: the product, the bias added, the cast."""
+    _, _, _, _, _, _, cast, dot = spec
+    z = lax.dot_general(hb, wc, (((1,), (0,)), ((), ())), **dict(dot))
+    if b is not None:
+        z = z + b[None, :]
+    return z if cast is None else z.astype(cast)
+
+
+def _shift(m: Any) -> Any:
+    """The shift the loop's sum uses: the maximum where finite, else 0 (so that ``-inf`` rows sum to 0)."""
+    return jnp.where(jnp.isfinite(m), m, jnp.zeros((), m.dtype))
+
+
+# ---------------------------------------------------------------------- the normaliser over token blocks
+def _sigma(kind: str, m: Any) -> Any:
+    """The program's shift of a row whose maximum is ``m``: ``m`` itself, or ``m`` where finite and 0 elsewhere."""
+    return m if kind == "max" else _shift(m)
+
+
+def _normaliser(spec: tuple, block: int, kind: str, log: bool, out_shape: tuple):
+    """``fn(h, W, [b]) -> (max(logits), s)`` over token blocks, ``s = sum(exp(logits - shift))`` or its log.
+
+    One ``jax.custom_vjp`` function with both results, so that the program's maximum and its normaliser are
+    the two results of one node (extraction moves both at once). Every row's logits are in one block, so
+    each block computes the maximum, the program's shift (``kind``, see :func:`_shift_kind`) and the sum as
+    the program does, row by row. The backward keeps nothing from the forward: it computes each block
+    again, sum included, so under ``jax.grad`` (where the forward's values are not read) XLA drops the
+    forward loop, and the gradient costs three products, as the original's does.
+    """
+    h_perm, w_perm, rows, c, v, has_bias, cast, dot = spec
+    r = int(np.prod(rows))
+    n = r // block
+    h_inv = tuple(int(i) for i in np.argsort(h_perm))
+    w_inv = tuple(int(i) for i in np.argsort(w_perm))
+    dot = dict(dot)
+    precision = dot.get("precision")
+
+    def stats(z: Any) -> tuple[Any, Any]:
+        m = jnp.max(z, axis=1)
+        return m, jnp.sum(jnp.exp(z - _sigma(kind, m)[:, None]), axis=1)
+
+    def forward(h: Any, w: Any, b: Any) -> tuple[Any, Any]:
+        hc, wc, bv = _canonical(spec, h, w, b)
+
+        def body(_: Any, hb: Any) -> tuple:
+            return None, stats(_logits(spec, hb, wc, bv))
+
+        _, (m, total) = lax.scan(body, None, lax.reshape(hc, (n, block, c)))
+        # the log after the loop: in its body, log(sum(exp(z - shift))) is what nn_logsumexp rewrites
+        return m.reshape(rows), (jnp.log(total) if log else total).reshape(out_shape)
+
+    @jax.custom_vjp
+    def normaliser(h: Any, w: Any, b: Any) -> tuple[Any, Any]:
+        return forward(h, w, b)
+
+    def fwd(h: Any, w: Any, b: Any) -> tuple:
+        return forward(h, w, b), (h, w, b)
+
+    def bwd(res: tuple, g: tuple) -> tuple:
+        h, w, b = res
+        gm, gs = g
+        hc, wc, bv = _canonical(spec, h, w, b)
+        # The maximum's own cotangent (jax's rule for max shares it among the ties): 0 where the program reads
+        # the maximum only under stop_gradient, as it shifts; its term is skipped then.
+        with_max = jnp.any(gm != 0)
+        xs = (lax.reshape(hc, (n, block, c)), gm.reshape(n, block), gs.reshape(n, block))
+        acc = jnp.promote_types(wc.dtype, jnp.float32)  # dW summed over blocks in f32, rounded once at the end
+
+        def body(carry: tuple, x: tuple) -> tuple:
+            dw, db = carry
+            hb, gmb, gsb = x
+            pre = lax.dot_general(hb, wc, (((1,), (0,)), ((), ())), **dot)
+            if bv is not None:
+                pre = pre + bv[None, :]
+            z = pre if cast is None else pre.astype(cast)
+            m = jnp.max(z, axis=1)
+            e = jnp.exp(z - _sigma(kind, m)[:, None])
+            scale = gsb / jnp.sum(e, axis=1) if log else gsb
+            dz = e * scale[:, None]
+
+            def plus_max(dz: Any) -> Any:
+                ties = z == m[:, None]
+                share = gmb / jnp.sum(ties, axis=1).astype(gmb.dtype)
+                return dz + jnp.where(ties, share[:, None], jnp.zeros((), z.dtype))
+
+            dz = lax.cond(with_max, plus_max, lambda dz: dz, dz).astype(pre.dtype)
+            # The products' transposes written out: h's block transposed first, so that the left operand of
+            # dW's product contracts its minor dimension (XLA:CPU's library path; rewrite/cost/dot.py).
+            dhb = lax.dot_general(dz, wc, (((1,), (1,)), ((), ())), precision=precision,
+                                  preferred_element_type=hb.dtype)
+            dwb = lax.dot_general(lax.transpose(hb, (1, 0)), dz, (((1,), (0,)), ((), ())), precision=precision,
+                                  preferred_element_type=acc)
+            return (dw + dwb, None if db is None else db + jnp.sum(dz.astype(acc), axis=0)), dhb
+
+        zero_b = None if bv is None else jnp.zeros(bv.shape, acc)
+        (dwc, dbv), dhc = lax.scan(body, (jnp.zeros(wc.shape, acc), zero_b), xs)
+        dh = lax.transpose(dhc.reshape(tuple(h.shape[i] for i in h_perm)), h_inv)
+        dw = lax.transpose(dwc.astype(wc.dtype).reshape(tuple(w.shape[i] for i in w_perm)), w_inv)
+        db = None if b is None else dbv.astype(bv.dtype).reshape(b.shape)
+        return dh, dw, db
+
+    normaliser.defvjp(fwd, bwd)
+    if not has_bias:
+        return lambda h, w: normaliser(h, w, None)
+    return normaliser
+
+
+def _shift_kind(shift_of: Any, shape: tuple, dtype: Any) -> str | None:
+    """Which shift ``shift_of`` (the program's, read back as a function of the rows' maxima) is, or ``None``.
+
+    ``"max"``: the maximum itself (``jax.nn.log_softmax``'s ``max(-inf, m)``); ``"finite"``: the maximum
+    where finite, 0 elsewhere (``jax.nn.logsumexp``, optax). Found by running it on maxima that differ in
+    every row, the infinities and NaN among them (it is made of per-row operations only, see
+    :func:`_max_under`), and only where its derivative is 0 (the shift is under ``stop_gradient``).
+    """
+    size = int(np.prod(shape))
+    specials = np.array([-np.inf, np.inf, np.nan, 0.0, -0.0, 1.5, -2.25, 3e4], np.float64)
+    probe = np.arange(size, dtype=np.float64) * 0.37 - size * 0.1
+    probe[: min(size, specials.size)] = specials[: min(size, specials.size)]
+    try:
+        with jax.ensure_compile_time_eval():  # rules run while the program is traced (under jit, say)
+            x = jnp.asarray(probe.reshape(shape), dtype)
+            out, tangent = jax.jvp(lambda t: shift_of(t)[0], (x,), (jnp.ones_like(x),))
+            want = {kind: np.asarray(_sigma(kind, x), np.float64) for kind in ("max", "finite")}
+    except Exception:  # noqa: BLE001  (a function the probe cannot run is not a known shift)
+        return None
+    out = np.asarray(out, np.float64).reshape(shape)
+    if np.any(np.asarray(tangent, np.float64) != 0):
+        return None
+    for kind in ("max", "finite"):
+        if np.array_equal(out, want[kind], equal_nan=True):
+            return kind
+    return None
+
+
+def _log_of(m: Any, total: Value) -> Value | None:
+    """The program's ``log`` of the sum ``total``: ``log(total)``, through ``abs`` (optax) or a broadcast
+    that keeps the rows (``keepdims``, ``jax.nn.log_softmax``), or ``None``."""
+    rows = total.shape
+    frontier = [total]
+    for _ in range(2):
+        nxt = []
+        for v in frontier:
+            for user, node in m.users(v):
+                if node.prim == "log" and user.shape in (rows, rows + (1,)):
+                    return user
+                if node.prim == "abs" or (node.prim == "broadcast_in_dim" and user.shape == rows + (1,)
+                                          and tuple(node.params["broadcast_dimensions"]) == tuple(range(len(rows)))):
+                    nxt.append(user)
+        frontier = nxt
+    return None
+
+
+_SHIFT_OPS = frozenset({"stop_gradient", "broadcast_in_dim", "max", "min", "select_n", "is_finite", "reshape",
+                        "convert_element_type", "squeeze", "expand_dims"})
+
+
+def _max_under(shift: Value, d: Value, axis: int) -> Value | None:
+    """The ``max(d, axis)`` that ``shift`` is computed from (through the ops a shift is made of), or ``None``."""
+    seen: set = set()
+    stack = [(shift, 0)]
+    found = None
+    while stack:
+        v, depth = stack.pop()
+        if depth > 8 or v.name in seen:
+            continue
+        seen.add(v.name)
+        if v.literal is not None or v.size == 1:
+            continue
+        rm = v.node("reduce_max")
+        if rm is not None:
+            if rm.operands[0].name != d.name or tuple(rm.params["axes"]) != (axis,):
+                return None
+            found = v
+            continue
+        for node in v.nodes:
+            if node.prim in _SHIFT_OPS:
+                stack.extend((o, depth + 1) for o in node.operands)
+                break
+        else:
+            return None
+    return found
+
+
+def _exp_as(shape: tuple):
+    def fn(t: Any) -> Any:
+        return jnp.exp(t).reshape(shape)
+
+    return fn
+
+
+def _lse_rule(block: int):
+    @procedural
+    def build(m: Any) -> Any:
+        r = m.params("r")
+        d, shift = m["d"], m["s"]
+        if r.sharded or tuple(r.axes) != (d.ndim - 1,):
+            return None
+        head = head_of(d)
+        if head is None or head.r % block or head.r // block < 2:
+            return None
+        if shift.shape != d.shape[:-1] + (1,) or shift.dtype != d.dtype:
+            return None
+        rmax = _max_under(shift, d, d.ndim - 1)
+        if rmax is None:
+            return None
+        shift_of = m.function([shift], [rmax])
+        if shift_of is None:
+            return None
+        kind = _shift_kind(shift_of, rmax.shape, rmax.dtype)
+        if kind is None:
+            return None
+        # The sum's log where the program takes it: the backward then needs nothing of the forward (the log's
+        # derivative, 1 / sum, is computed in each block), and under jax.grad the forward loop is dropped.
+        log = _log_of(m, m.root)
+        target = m.root if log is None else log
+        mx, out = m.trace(_normaliser(head.spec(), block, kind, log is not None, target.shape), *head.values())
+        pairs = [(target, out), (rmax, mx)]
+        if log is not None:  # the sum itself, for any other reader (and for a check of this rule alone)
+            pairs.append((m.root, m.trace(_exp_as(m.root.shape), out)))
+        return pairs
+
+    return build
+
+
+# ---------------------------------------------------------------------- the label's logit
+def _take_along_last(g: dict, d_ndim: int, idx_shape: tuple) -> bool:
+    """Whether a gather's params are ``take_along_axis`` along the last axis (one element per row)."""
+    dn = g["dimension_numbers"]
+    axis = d_ndim - 1
+    batch = tuple(range(axis))
+    return (tuple(dn.offset_dims) == () and tuple(dn.collapsed_slice_dims) == (axis,)
+            and tuple(dn.start_index_map) == (axis,) and tuple(dn.operand_batching_dims) == batch
+            and tuple(dn.start_indices_batching_dims) == batch and tuple(g["slice_sizes"]) == (1,) * d_ndim
+            and len(idx_shape) == d_ndim + 1 and idx_shape[-2:] == (1, 1))
+
+
+def _mode(g: dict) -> tuple[bool, Any]:
+    """``(fills, fill)``: whether an out-of-range label gives ``fill`` (else the clamped column)."""
+    mode = g.get("mode")
+    fills = "FILL" in str(mode)
+    return fills, g.get("fill_value")
+
+
+def _label_logit(spec: tuple, fills: bool, fill: Any, out_shape: tuple):
+    """``fn(h, W, [b], idx)``: the logits at ``idx`` (one per row), from the label's column of ``W``."""
+    rows, has_bias, v = spec[2], spec[5], spec[4]
+
+    def fn(*args: Any) -> Any:
+        h, w, *rest = args
+        b = rest[0] if has_bias else None
+        idx = rest[-1].reshape(-1)
+        hc, wc, bv = _canonical(spec, h, w, b)
+        safe = lax.clamp(jnp.zeros((), idx.dtype), idx, jnp.full((), v - 1, idx.dtype))
+        cols = jnp.take(wc, safe, axis=1, mode="clip")  # width x tokens: the label's column per token
+        _, _, _, _, _, _, cast, dot = spec
+        z = lax.dot_general(hc, cols, (((1,), (0,)), ((0,), (1,))), **dict(dot))
+        if bv is not None:
+            z = z + jnp.take(bv, safe, mode="clip")
+        z = z if cast is None else z.astype(cast)
+        if fills:
+            inside = (idx >= 0) & (idx < v)
+            value = jnp.nan if fill is None else fill
+            z = jnp.where(inside, z, jnp.asarray(value, z.dtype))
+        return z.reshape(out_shape)
+
+    return fn
+
+
+@procedural
+def _label(m: Any) -> Any:
+    g = m.params("g")
+    d, idx = m["d"], m["i"]
+    if g.prim != "gather" or not _take_along_last(g, d.ndim, idx.shape):
+        return None
+    head = head_of(d)
+    if head is None:
+        return None
+    fills, fill = _mode(g)
+    if fill is not None and not np.isscalar(fill):
+        return None
+    return m.trace(_label_logit(head.spec(), fills, None if fill is None else float(fill), m.root.shape),
+                   *head.values(), idx)
+
+
+def _peel(w: Value, axis: int, most: int = 8) -> tuple[Value, list[tuple[int, Value]]]:
+    """``w`` as ``base + sum(sign * term)``, each term of size 1 along ``axis`` (added or subtracted, broadcast):
+    ``log_softmax(z)`` is ``(z - max) - log(sum)``, so a gather from it is a gather from ``z`` and two terms.
+    (``nn_one_hot_sum`` peels the same way, and through ``log(softmax(z))``, which ``nn_log_softmax`` rewrites
+    into this form.)"""
+    terms: list[tuple[int, Value]] = []
+    sign = 1
+    for _ in range(most):
+        node = w.node("sub") or w.node("add")
+        if node is None or len(node.operands) != 2:
+            break
+        a, b = node.operands
+        if b.ndim == w.ndim and b.shape[axis] == 1 and a.shape == w.shape and b.dtype == w.dtype:
+            terms.append((sign if node.prim == "add" else -sign, b))
+            w = a
+            continue
+        if node.prim == "add" and a.ndim == w.ndim and a.shape[axis] == 1 and b.shape == w.shape and a.dtype == w.dtype:
+            terms.append((sign, a))
+            w = b
+            continue
+        break
+    return w, terms
+
+
+def _peel_gather(g: Any, signs: tuple, fills: bool, v: int):
+    def fn(base: Any, idx: Any, *terms: Any) -> Any:
+        picked = g.bind(base, idx)
+        # innermost term first, as the program subtracts them (x - max, then - log(sum)): see nn._gathered
+        for sign, term in reversed(list(zip(signs, terms))):
+            picked = picked + term if sign > 0 else picked - term
+        if fills:
+            i = idx.reshape(picked.shape)
+            fill = g.get("fill_value")
+            value = jnp.nan if fill is None else fill
+            picked = jnp.where((i >= 0) & (i < v), picked, jnp.asarray(value, picked.dtype))
+        return picked
+
+    return fn
+
+
+@procedural
+def _label_peel(m: Any) -> Any:
+    g = m.params("g")
+    x, idx = m["d"], m["i"]
+    if g.prim != "gather" or not x.is_floating or not _take_along_last(g, x.ndim, idx.shape):
+        return None
+    base, terms = _peel(x, x.ndim - 1)
+    if not terms or head_of(base) is None:
+        return None
+    fills, _ = _mode(g)
+    return m.trace(_peel_gather(g, tuple(sign for sign, _ in terms), fills, x.shape[-1]), base, idx,
+                   *[t for _, t in terms])
+
+
+# ---------------------------------------------------------------------- examples and the part
+def _ce_int(h: Any, w: Any, y: Any) -> Any:
+    logits = h @ w
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    return jnp.mean(lse - jnp.take_along_axis(logits, y[:, None], axis=-1)[:, 0])
+
+
+def _ce_log_softmax(h: Any, w: Any, b: Any, y: Any) -> Any:
+    logp = jax.nn.log_softmax(h @ w + b, axis=-1)
+    return -jnp.mean(jnp.take_along_axis(logp, y[:, None], axis=-1))
+
+
+def _f32(*shape: int) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(shape, jnp.float32)
+
+
+def _i32(*shape: int) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(shape, jnp.int32)
+
+
+def _example(block: int) -> tuple:
+    return _ce_int, (_f32(2 * block, 8), _f32(8, 16), _i32(2 * block))
+
+
+nn_lm_head = Ruleset("nn_lm_head", [
+    rule(_GATHER, _label, name="nn_lm_head_label",                                  # (h @ W + b)[y] -> h . W[:, y] + b[y]
+         example_program=(_ce_int, (_f32(8, 4), _f32(4, 16), _i32(8)))),
+    rule(_GATHER, _label_peel, name="nn_lm_head_label_peel",                        # log_softmax(z)[y] -> z[y] - max - log(sum)
+         example_program=(_ce_log_softmax, (_f32(8, 4), _f32(4, 16), _f32(16), _i32(8)))),
+] + [
+    rule(Pat("reduce_sum", Pat("exp", Pat("sub", D, S)), params="r"), _lse_rule(blk),                       # sum(exp(h @ W - shift)) -> scan over token blocks
+         name=f"nn_lm_head_lse_{blk}", example_program=_example(blk))
+    for blk in BLOCKS
+], soundness="identity", tolerance=Tolerance(rtol=2e-4, atol=2e-5),
+    description="a cross-entropy over a product h @ W computed over token blocks, never holding the logits")
