@@ -29,7 +29,7 @@ from typing import Any, Callable, Sequence
 from jax.extend.core import ClosedJaxpr
 
 from ..ir.primitives import inner_jaxpr
-from .fusion import OVER_BUDGET, Fusion, FusionModel, _out_bytes, _temp
+from .fusion import OVER_BUDGET, Fusion, FusionModel, _temp
 from .program import Program
 
 
@@ -130,17 +130,12 @@ def _same(prog: Any, a: Any, b: Any) -> bool:
         getattr(x[0], "dtype", None) == getattr(y[0], "dtype", None)
 
 
-def _writer(prog: Any, i: Any) -> Any:
-    op = prog.ops[i]
-    return op.args[0] if op.prim == "proj" else i
-
-
 def _position(prog: Any, key: Any) -> Any:
     return getattr(prog, "position", lambda k: k)(key)
 
 
 class InnerPeak:
-    """What one op holds while it runs: the peak of its body (recursively) and, for a loop, its carry.
+    """What one op holds while it runs: the peak of its body's own temporaries (recursively).
 
     Remembered per body (a search prices the same loop in many programs).
     """
@@ -148,7 +143,7 @@ class InnerPeak:
     def __init__(self, fusion: FusionModel, node_cost: Callable[[Any], float] | None = None) -> None:
         self.fusion = fusion
         self.node_cost = node_cost
-        self._found: dict[int, int] = {}
+        self._found: dict[int, tuple[Any, int]] = {}  # id(body) -> (the body, kept alive so its id is not reused; peak)
 
     def __call__(self, op: Any) -> int:
         bodies = op.memo.get("bodies") if getattr(op, "memo", None) else None
@@ -158,13 +153,12 @@ class InnerPeak:
         j = inner_jaxpr(params)
         if j is None:
             return 0
-        key = id(j)
-        found = self._found.get(key)
-        if found is None:
-            found = self._found[key] = self.body(j, params)
-        return found
+        found = self._found.get(id(j))
+        if found is None or found[0] is not j:
+            found = self._found[id(j)] = (j, self.body(j))
+        return found[1]
 
-    def body(self, jaxpr: Any, params: Any) -> int:
+    def body(self, jaxpr: Any) -> int:
         """The peak of a body's own temporaries. A loop's carry is not among them: it is the loop's
         output buffer (or its initial value's), which the program around the loop counts."""
         closed = jaxpr if hasattr(jaxpr, "consts") else ClosedJaxpr(jaxpr, ())
