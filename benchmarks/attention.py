@@ -23,9 +23,7 @@ Run holding the benchmark lock::
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import platform
 from pathlib import Path
 from typing import Any, Callable
 
@@ -34,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from benchmarks.harness import MiB, Row, compile_stats, measure
+from benchmarks.harness import MiB, Row, compile_stats, measure, write_results
 from rewrite import explain, rewrite
 from rulesets.attention import attention
 
@@ -260,16 +258,10 @@ def main(argv: list[str] | None = None) -> None:
     print(HEADER)
     rows = run(cases, a.rounds)
     if a.write:
-        RESULTS.mkdir(exist_ok=True)
-        (RESULTS / "attention.json").write_text(json.dumps(rows, indent=1, default=float))
-        stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-        text = [f"# Attention: `rulesets.attention` against the original\n",
-                f"`python -m benchmarks.attention --rounds {a.rounds}`, {stamp}, {platform.processor() or platform.machine()}, "
-                f"{jax.devices()[0].device_kind}, jax {jax.__version__}. B={B}, H={H}, D={D}, f32. "
-                "Ratios are time(standard) / time(variant) over per-round medians (above 1: faster). "
-                "`aa` is the standard program again (the A/A noise control).\n", HEADER]
-        text += [_line(r) for r in rows]
-        (RESULTS / "attention.md").write_text("\n".join(text) + "\n")
+        write_results(RESULTS, "attention", "Attention: `rulesets.attention` against the original", f"B={B}, H={H}, "
+                      f"D={D}, f32. Ratios are time(standard) / time(variant) over per-round medians (above 1: "
+                      "faster). `aa` is the standard program again (the A/A noise control).", a.rounds, HEADER,
+                      [_line(r) for r in rows], rows)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,10 @@ this shared machine never time each other.
 from __future__ import annotations
 
 import dataclasses
+import datetime
+import json
+import pathlib
+import platform
 import random
 import statistics
 import time
@@ -156,3 +160,17 @@ def format_rows(rows: Sequence[Row], variants: Sequence[str] | None = None) -> s
                       f"{st.flops / 1e9:.3f}", f"{st.transcendentals / 1e6:.2f}"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def write_results(folder: pathlib.Path, name: str, title: str, setup: str, rounds: int, header: str,
+                  lines: Sequence[str], rows: Any) -> None:
+    """``folder/name.json`` (``rows``) and ``folder/name.md``: ``title``, the command and the machine that ran
+    it (``python -m benchmarks.<name> --rounds <rounds>``), ``setup`` (what was measured, how to read it),
+    then the table ``header`` and ``lines``."""
+    folder.mkdir(exist_ok=True)
+    (folder / f"{name}.json").write_text(json.dumps(rows, indent=1, default=float))
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    text = [f"# {title}\n",
+            f"`python -m benchmarks.{name} --rounds {rounds}`, {stamp}, {platform.processor() or platform.machine()}, "
+            f"{jax.devices()[0].device_kind}, jax {jax.__version__}. {setup}\n", header, *lines]
+    (folder / f"{name}.md").write_text("\n".join(text) + "\n")

@@ -16,9 +16,6 @@ Run holding the benchmark lock::
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import platform
 from pathlib import Path
 from typing import Any, Callable
 
@@ -27,7 +24,7 @@ import jax.numpy as jnp
 from jax import lax
 
 import rulesets
-from benchmarks.harness import MiB, compile_stats, measure
+from benchmarks.harness import MiB, compile_stats, measure, write_results
 from rewrite import explain, rewrite
 
 RESULTS = Path(__file__).parent / "results"
@@ -139,17 +136,11 @@ def main(argv: list[str] | None = None) -> None:
     print(HEADER)
     rows = run(cases, a.rounds)
     if a.write:
-        RESULTS.mkdir(exist_ok=True)
-        (RESULTS / "lm_head.json").write_text(json.dumps(rows, indent=1, default=float))
-        stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-        text = ["# LM head: `rulesets.nn`'s token blocks against the original\n",
-                f"`python -m benchmarks.lm_head --rounds {a.rounds}`, {stamp}, {platform.processor() or platform.machine()}, "
-                f"{jax.devices()[0].device_kind}, jax {jax.__version__}. f32, "
-                "`optax.softmax_cross_entropy_with_integer_labels(h @ W, y).mean()`; `grad` is with respect to W "
-                "and h. Ratios are time(standard) / time(variant) over per-round medians (above 1: faster). `aa` is "
-                "the standard program again (the A/A noise control).\n", HEADER]
-        text += [_line(r) for r in rows]
-        (RESULTS / "lm_head.md").write_text("\n".join(text) + "\n")
+        write_results(RESULTS, "lm_head", "LM head: `rulesets.nn`'s token blocks against the original",
+                      "f32, `optax.softmax_cross_entropy_with_integer_labels(h @ W, y).mean()`; `grad` is with respect "
+                      "to W and h. Ratios are time(standard) / time(variant) over per-round medians (above 1: faster). "
+                      "`aa` is the standard program again (the A/A noise control).", a.rounds, HEADER,
+                      [_line(r) for r in rows], rows)
 
 
 if __name__ == "__main__":
