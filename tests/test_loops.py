@@ -165,8 +165,6 @@ def test_readout_with_weights_contracts_inside_the_body():
     assert any(v.aval.shape == (H, 2) for v in loop.invars[:loop.params["num_consts"]])
 
 
-@pytest.mark.xfail(strict=True, reason="regression found at the merge of 2026-11-26 (ProgramSearch's loop group "
-                   "move or the memory model now adopt the hoist where hs is stacked anyway); open, see the closing note")
 def test_readout_of_an_output_used_elsewhere_is_only_hoisted_when_it_pays():
     p = lstm_params(jax.random.PRNGKey(0))
     xs, ys = jax.random.normal(jax.random.PRNGKey(1), (T, B, I)), jnp.zeros((T, B, 2))
@@ -332,7 +330,6 @@ def test_fori_buffer_loss_holds_no_buffer():
 
 
 # ---------------------------------------------------------------------- saying why
-@pytest.mark.xfail(strict=True, reason="regression found at the merge of 2026-11-26: loop outputs used elsewhere now get the hoist (ProgramSearch moves a loop's outputs together, lmhead branch); open, see the closing note")
 def test_explain_prices_a_loop_rewrite_it_did_not_choose():
     p = lstm_params(jax.random.PRNGKey(0))
     xs, ys = jax.random.normal(jax.random.PRNGKey(1), (T, B, I)), jnp.zeros((T, B, 2))

@@ -115,7 +115,6 @@ def test_reduction_over_other_axes_becomes_a_per_step_output():
     assert [v.aval.shape for v in loop.outvars] == [(B, H), (T,)]
 
 
-@pytest.mark.xfail(strict=True, reason="regression found at the merge of 2026-11-26: loop outputs used elsewhere now get the hoist (ProgramSearch moves a loop's outputs together, lmhead branch); open, see the closing note")
 def test_outputs_used_elsewhere_keep_the_loop_unless_hoisting_pays():
     def loss(p, xs, ys):
         os = rnn(p, xs)[1]
