@@ -90,6 +90,9 @@ BLOCKS = (256,)
 X, V = Pat.var("x"), Pat.var("v")
 _SOFTMAX = Pat("div", Pat("exp", X), Pat("broadcast_in_dim", Pat("reduce_sum", Pat("exp", X), params="r"),
                                          params="b"))
+#: ``jax.nn.softmax`` of half-precision logits: the exponentials summed in float32, the sum rounded back.
+_SOFTMAX_WIDE = Pat("div", Pat("exp", X), Pat("convert_element_type", Pat("broadcast_in_dim", Pat(
+    "reduce_sum", Pat("convert_element_type", Pat("exp", X), params="w"), params="r"), params="b"), params="n"))
 
 #: Elementwise primitives the walk passes through (their operands have the result's shape, or are scalars).
 _ELEMENTWISE = frozenset("""add sub mul div neg max min select_n convert_element_type eq ne lt le gt ge and or not
@@ -228,14 +231,18 @@ def _evaluate(steps: Sequence[tuple], leaves: Sequence[Any], leaf_keys: Sequence
 
 # ---------------------------------------------------------------------- the blocked computation
 def _blocked(plan: _Plan, out_ref: tuple, axis: int, p_first: bool, dn: Any, pv_params: dict, v_key: int,
-             block: int, n: int, out_aval: Any, cast: Any = None, squeezed: tuple = ()):
-    """``fn(*leaves, v)``: attention computed over key blocks, with a recomputing backward."""
+             block: int, n: int, out_aval: Any, cast: Any = None, squeezed: tuple = (), wide: Any = None):
+    """``fn(*leaves, v)``: attention computed over key blocks, with a recomputing backward.
+
+    ``wide``: the dtype the program sums the exponentials in, where wider than the logits'
+    (``jax.nn.softmax`` of bf16 logits sums in float32); the running sum is kept in it."""
     steps = tuple(plan.steps)
     leaf_keys = tuple(plan.leaf_keys)
     nblocks = n // block
     s_aval = steps[out_ref[1]][3] if out_ref[0] == "step" else plan.leaves[out_ref[1]].aval
     s_rank = len(s_aval.shape)
     s_dtype = s_aval.dtype
+    l_dtype = s_dtype if wide is None else wide
     (pc_l, pc_r), (pb_l, pb_r) = dn
     p_batch = pb_l if p_first else pb_r
     v_batch = pb_r if p_first else pb_l
@@ -290,7 +297,7 @@ def _blocked(plan: _Plan, out_ref: tuple, axis: int, p_first: bool, dn: Any, pv_
     def forward(leaves: Sequence[Any], v: Any) -> tuple[Any, Any]:
         row_shape = tuple(d for i, d in enumerate(s_aval.shape) if i != axis)
         m0 = jnp.full(row_shape, -jnp.inf, s_dtype)
-        l0 = jnp.zeros(row_shape, s_dtype)
+        l0 = jnp.zeros(row_shape, l_dtype)
         a0 = jnp.zeros(out_aval.shape, acc_dtype)
 
         def body(carry: tuple, j: Any) -> tuple:
@@ -305,7 +312,7 @@ def _blocked(plan: _Plan, out_ref: tuple, axis: int, p_first: bool, dn: Any, pv_
             vb = lax.dynamic_slice_in_dim(v, start, block, axis=v_key)
             pv = product(p, vb).astype(acc_dtype)
             acc = acc * to_out(alpha).astype(acc_dtype) + pv
-            return (m_new, l * alpha + jnp.sum(p, axis=axis), acc), None
+            return (m_new, l * alpha.astype(l_dtype) + jnp.sum(p.astype(l_dtype), axis=axis), acc), None
 
         (m, l, acc), _ = lax.scan(body, (m0, l0, a0), jnp.arange(nblocks))
         out = (acc / to_out(l).astype(acc_dtype)).astype(out_aval.dtype)
@@ -339,7 +346,7 @@ def _blocked(plan: _Plan, out_ref: tuple, axis: int, p_first: bool, dn: Any, pv_
 
             # The gradient is taken with respect to the whole float leaves, under jit only the block is read.
             s, vjp_s = jax.vjp(s_of, *[x for x, f in zip(leaves, floating) if f])
-            p = jnp.exp(s - expand(shift)) / expand(l)
+            p = jnp.exp(s - expand(shift)) / expand(l.astype(s_dtype))  # the sum as the program rounds it
             vb = lax.dynamic_slice_in_dim(v, start, block, axis=v_key)
             _, vjp_pv = jax.vjp(product, p, vb)
             dp, dvb = vjp_pv(g.astype(out_aval.dtype))
@@ -387,13 +394,17 @@ def _shift_is_own_max(shift: Value, s: Value, axis: int) -> bool:
     return False
 
 
-def _chunk(block: int, p_first: bool, converted: bool = False, squeeze: bool = False):
+def _chunk(block: int, p_first: bool, converted: bool = False, squeeze: bool = False, widened: bool = False):
     @procedural
     def build(m: Any) -> Any:
         r, b, pv = m.params("r"), m.params("b"), m.params("p")
         x, v = m["x"], m["v"]
         squeezed = tuple(m.params("sq")["dimensions"]) if squeeze else ()
         cast = m.params("c")["new_dtype"] if converted else None
+        wide = m.params("w")["new_dtype"] if widened else None
+        if widened and (m.params("n")["new_dtype"] != x.aval.dtype
+                        or jnp.promote_types(wide, x.aval.dtype) != jnp.dtype(wide)):
+            return None  # the sum is not rounded back to the logits' dtype, or is summed narrower
         if r.sharded or len(r.axes) != 1 or not x.is_floating:
             return None
         axis = int(r.axes[0])
@@ -425,7 +436,7 @@ def _chunk(block: int, p_first: bool, converted: bool = False, squeeze: bool = F
         pair = (jax.ShapeDtypeStruct(p_shape, cast or x.aval.dtype), jax.ShapeDtypeStruct(v.shape, v.aval.dtype))
         out_shape = jax.eval_shape(lambda a, c: lax.dot_general(a, c, **params), *(pair if p_first else pair[::-1]))
         fn = _blocked(plan, out_ref, axis, p_first, pv["dimension_numbers"], params, int(vc[0]), block, n,
-                      out_shape, cast, squeezed)
+                      out_shape, cast, squeezed, wide)
         return m.trace(fn, *plan.leaves, v)
 
     return build
@@ -446,6 +457,10 @@ _EXAMPLES = {
     ("_cast", False): (lambda q, k, v: jnp.einsum("bkd,bqk->bdq", v, _softmax(
         jnp.einsum("bqd,bkd->bqk", q, k).astype(jnp.float32) * 0.125).astype(v.dtype)), 2, jnp.bfloat16),
     ("_squeezed", True): (lambda q, k, v: _softmax(q @ jnp.swapaxes(k, -1, -2) * 0.125) @ v, 1, jnp.float32),
+    ("_wide", True): (lambda q, k, v: _softmax(q @ jnp.swapaxes(k, -1, -2) * 0.125) @ v, 2, jnp.bfloat16),
+    ("_wide", False): (lambda q, k, v: jnp.einsum("bkd,bqk->bdq", v, _softmax(jnp.einsum("bqd,bkd->bqk", q, k) * 0.125)),
+                       2, jnp.bfloat16),
+    ("_squeezed_wide", True): (lambda q, k, v: _softmax(q @ jnp.swapaxes(k, -1, -2) * 0.125) @ v, 1, jnp.bfloat16),
     ("_squeezed_cast", True): (lambda q, k, v: _softmax((q @ jnp.swapaxes(k, -1, -2)).astype(jnp.float32) * 0.125)
                                .astype(v.dtype) @ v, 1, jnp.bfloat16),
 }
@@ -457,19 +472,23 @@ def _example(suffix: str, p_first: bool, block: int) -> tuple:
 
 
 #: How a program hands the weights to the product: as they are, cast (bf16 weights of an f32 softmax),
-#: with a size-1 batch axis squeezed (``@`` with a batch of one), or both.
+#: with a size-1 batch axis squeezed (``@`` with a batch of one), or both; and a half-precision softmax
+#: that sums in float32 (``_wide``), as it is or squeezed. Each: pattern, cast, squeezed, widened.
 _WEIGHTS = {
-    "": (_SOFTMAX, False, False),
-    "_cast": (Pat("convert_element_type", _SOFTMAX, params="c"), True, False),
-    "_squeezed": (Pat("squeeze", _SOFTMAX, params="sq"), False, True),
-    "_squeezed_cast": (Pat("squeeze", Pat("convert_element_type", _SOFTMAX, params="c"), params="sq"), True, True),
+    "": (_SOFTMAX, False, False, False),
+    "_cast": (Pat("convert_element_type", _SOFTMAX, params="c"), True, False, False),
+    "_squeezed": (Pat("squeeze", _SOFTMAX, params="sq"), False, True, False),
+    "_squeezed_cast": (Pat("squeeze", Pat("convert_element_type", _SOFTMAX, params="c"), params="sq"), True, True,
+                       False),
+    "_wide": (_SOFTMAX_WIDE, False, False, True),
+    "_squeezed_wide": (Pat("squeeze", _SOFTMAX_WIDE, params="sq"), False, True, True),
 }
 
 attention = Ruleset("attention", [
     rule(Pat("dot_general", w, V, params="p") if p_first else Pat("dot_general", V, w, params="p"),    # softmax(s) v -> scan over key blocks
-         _chunk(blk, p_first, cast, squeeze), name=f"attn_blocked_{blk}{suffix}{'' if p_first else '_vp'}",
+         _chunk(blk, p_first, cast, squeeze, wide), name=f"attn_blocked_{blk}{suffix}{'' if p_first else '_vp'}",
          example_program=_example(suffix, p_first, blk))
-    for suffix, (w, cast, squeeze) in _WEIGHTS.items() for p_first in (True, False) for blk in BLOCKS
+    for suffix, (w, cast, squeeze, wide) in _WEIGHTS.items() for p_first in (True, False) for blk in BLOCKS
     if (suffix, p_first) in _EXAMPLES
 ], soundness="identity", tolerance=Tolerance(rtol=2e-4, atol=2e-5),
     description="softmax attention over key blocks with an online softmax and a recomputing backward")

@@ -146,24 +146,79 @@ def test_gradient_under_jit_and_vmap():
         close(a, b, jnp.float32)
 
 
-@pytest.mark.parametrize("mode", ["jvp", "jit_jvp", "jacfwd", "linearize", "hvp"])
-def test_forward_mode(mode):
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("mask,softmax", [("causal", "f32"), ("padding", "f32"), ("causal", "own"),
+                                          ("padding", "own")])
+def test_low_precision_gradients_as_accurate_as_the_original(dtype, mask, softmax):
+    """bf16 and f16 gradients (the values test above checks them against the original for f16 only), of a
+    softmax in float32 (logits cast) and in the inputs' own dtype (``jax.nn.softmax`` sums it in float32):
+    each of the rewritten gradient's errors against a float64 reference is within twice the original's
+    own plus the dtype's tolerance, and nowhere zero where the reference is not (a silently lost gradient)."""
+    dtype = jnp.dtype(dtype)
+    f = make("bhnd", mask, "finfo", "logits", False, softmax == "f32")
+    args = inputs(np.random.default_rng(7), "bhnd", 1, 2, 512, 8, dtype, mask)
+    report = explain(f, *args, rulesets=[attention])
+    assert any(name.startswith("attn_") for name in report.fired), report.fired
+    g = rewrite(f, rulesets=[attention])
+    cot = jnp.asarray(np.random.default_rng(8).standard_normal(args[0].shape[:-1] + (args[2].shape[-1],)),
+                      jnp.float32)
+
+    def grads(fn, a):
+        return jax.jit(jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v, a[3], a[4]).astype(jnp.float32) * cot),
+                                argnums=(0, 1, 2)))(*a[:3])
+
+    with jax.enable_x64(True):
+        wide = [x.astype(jnp.float64) if jnp.issubdtype(x.dtype, jnp.floating) else x for x in args]
+        ref = grads(make("bhnd", mask, "finfo", "logits", False, False), wide)
+        ref = [np.asarray(r) for r in ref]
+    rtol, atol = tolerance(dtype)
+    for new, old, want in zip(grads(g, args), grads(jax.jit(f), args), ref):
+        new, old = np.asarray(new, np.float64), np.asarray(old, np.float64)
+        scale = max(1.0, float(np.abs(want).max()))
+        err_new, err_old = np.abs(new - want).max(), np.abs(old - want).max()
+        assert err_new <= 2 * err_old + atol * scale, (dtype.name, err_new, err_old)
+        assert np.count_nonzero(new) >= np.count_nonzero(want) * 0.9  # no gradient silently zeroed
+
+
+_HVP_F16 = pytest.mark.xfail(strict=True, reason="open (issue 32): the float16 Hessian-vector product through the "
+                             "recomputing backward errs 0.046 against float64 where the original errs 0.016 (results "
+                             "up to 0.036: both are mostly rounding); bfloat16 and first-order float16 hold")
+
+
+@pytest.mark.parametrize("mode,dtype", [
+    pytest.param(m, d, marks=_HVP_F16 if (m, d) == ("hvp", "float16") else ())
+    for m in ("jvp", "jit_jvp", "jacfwd", "linearize", "hvp") for d in ("float32", "bfloat16", "float16")])
+def test_forward_mode(mode, dtype):
     # The blocked program's backward is a custom_vjp, which JAX cannot take a JVP of; forward mode runs its
     # primal scan instead (rewrite/jaxpr/forward.py). Before: "can't apply forward-mode autodiff (jvp) to a
     # custom_vjp function", where the program as written had a JVP.
+    # Half precision: each result is held to the float64 one, within twice the original's own error.
     rng = np.random.default_rng(2)
-    q, k, v = (jnp.asarray(rng.standard_normal((2, 512, 8)), jnp.float32) for _ in range(3))
-    t = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
+    q, k, v = (jnp.asarray(rng.standard_normal((2, 512, 8)), dtype) for _ in range(3))
+    t = jnp.asarray(rng.standard_normal(q.shape), dtype)
     g = rewrite(plain, rulesets=[attention])
     assert "attn_" in " ".join(explain(plain, q, k, v, rulesets=[attention]).fired)
-    run = {
-        "jvp": lambda f: jax.jvp(f, (q, k, v), (t, t, t))[1],
-        "jit_jvp": lambda f: jax.jit(lambda a: jax.jvp(f, (a, k, v), (t, t, t))[1])(q),
-        "jacfwd": lambda f: jax.jacfwd(lambda a: f(q.at[:, :4].set(a), k, v)[:, :2].sum((1, 2)))(q[:, :4]),
-        "linearize": lambda f: jax.linearize(lambda a: f(a, k, v), q)[1](t),
-        "hvp": lambda f: jax.jvp(jax.grad(lambda a: jnp.sum(jnp.sin(f(a, k, v)))), (q,), (t,))[1],
-    }[mode]
-    close(run(g), run(plain), jnp.float32)
+
+    def run(f, q, k, v, t):
+        return _FORWARD_MODES[mode](f, q, k, v, t)
+
+    if dtype == "float32":
+        close(run(g, q, k, v, t), run(plain, q, k, v, t), jnp.float32)
+        return
+    with jax.enable_x64(True):
+        ref = np.asarray(run(plain, *(x.astype(jnp.float64) for x in (q, k, v, t))))
+    new, old = (np.asarray(run(f, q, k, v, t), np.float64) for f in (g, plain))
+    err_new, err_old = np.abs(new - ref).max(), np.abs(old - ref).max()
+    assert err_new <= 2 * err_old + tolerance(dtype)[1] * max(1.0, float(np.abs(ref).max())), (err_new, err_old)
+
+
+_FORWARD_MODES = {
+    "jvp": lambda f, q, k, v, t: jax.jvp(f, (q, k, v), (t, t, t))[1],
+    "jit_jvp": lambda f, q, k, v, t: jax.jit(lambda a: jax.jvp(f, (a, k, v), (t, t, t))[1])(q),
+    "jacfwd": lambda f, q, k, v, t: jax.jacfwd(lambda a: f(q.at[:, :4].set(a), k, v)[:, :2].sum((1, 2)))(q[:, :4]),
+    "linearize": lambda f, q, k, v, t: jax.linearize(lambda a: f(a, k, v), q)[1](t),
+    "hvp": lambda f, q, k, v, t: jax.jvp(jax.grad(lambda a: jnp.sum(jnp.sin(f(a, k, v)))), (q,), (t,))[1],
+}
 
 
 @pytest.mark.parametrize("special", ["nan_q", "inf_k", "nan_v", "all_masked_inf", "all_masked_finfo"])
