@@ -44,8 +44,14 @@ vocabulary, ``W``'s one free axis), taken in order; the rule declines when
 their number is not a multiple of the block or is under two blocks, when
 ``W`` has more than one free axis or sits left of ``h``, when the product has
 batch axes, and when the shift is not computed from the logits' maximum.
-The cost model chooses: with a small vocabulary the logits are small and
-the loop is priced above them, so the program is kept. A shift read without
+The cost model chooses, the block too: one rule per block of :data:`BLOCKS`
+(128, 256 and 512 tokens) adds its loop wherever the block divides the
+tokens, and extraction takes the cheapest. The model weighs each loop's
+iterations against the block of logits it holds (a byte held at the peak is
+priced as one written, ``AnalyticCost.memory``), so by default the smallest
+block wins, dearer iterations choose larger ones and ``memory_budget`` the
+one that fits. With a small vocabulary the logits are small and every loop is
+priced above them, so the program is kept. A shift read without
 ``stop_gradient`` is declined (its derivative would need the maximum's whole
 share), and so are labels smoothed with ``optax.smooth_labels`` (not matched:
 their sum over the vocabulary reads the logits' row sums).
@@ -78,8 +84,8 @@ rule = functools.partial(_rule, check=False)
 
 __all__ = ["nn_lm_head", "BLOCKS"]
 
-#: Token blocks offered to the cost model.
-BLOCKS = (256,)
+#: Token blocks offered to the cost model: one rule each, ``nn_lm_head_lse_<block>``; extraction chooses.
+BLOCKS = (128, 256, 512)
 
 D, S, I = Pat.var("d"), Pat.var("s"), Pat.var("i")
 #: A gather: the term language keeps it as an opaque node over its operands (the procedures check the primitive).
