@@ -1,7 +1,8 @@
 """``rulesets.nn``'s LM head: a cross-entropy over ``h @ W`` over token blocks keeps the original's values and
 gradients.
 
-Property tests draw the loss's form (optax's integer-label and one-hot cross-entropies, a hand-written
+Property tests draw the loss's form (optax's integer-label and one-hot cross-entropies, the one-hot one
+with labels smoothed by ``optax.smooth_labels``, a hand-written
 ``log_softmax`` with ``take_along_axis``, a z-loss term), its reduction over tokens (mean, sum, a weighted
 mean with masked tokens), a bias, a batch axis and the dtype of the activations (f32, or bf16 with an f32
 loss); labels include both ends of the vocabulary. Each program is rewritten with ``rulesets.nn`` and
@@ -42,6 +43,8 @@ def make(form: str, reduce: str, bias: bool, batch: bool, bf16: bool):
             loss = optax.softmax_cross_entropy_with_integer_labels(logits, y)
         elif form == "optax_one_hot":
             loss = optax.softmax_cross_entropy(logits, jax.nn.one_hot(y, logits.shape[-1]))
+        elif form == "optax_smooth":
+            loss = optax.softmax_cross_entropy(logits, optax.smooth_labels(jax.nn.one_hot(y, logits.shape[-1]), 0.1))
         elif form == "log_softmax":
             loss = -jnp.take_along_axis(jax.nn.log_softmax(logits), y[..., None], axis=-1)[..., 0]
         else:  # z-loss beside the integer-label loss
@@ -98,7 +101,7 @@ def block_of(report) -> int | None:
 
 
 CASES = st.fixed_dictionaries({
-    "form": st.sampled_from(["optax_int", "optax_one_hot", "log_softmax", "z_loss"]),
+    "form": st.sampled_from(["optax_int", "optax_one_hot", "optax_smooth", "log_softmax", "z_loss"]),
     "reduce": st.sampled_from(["mean", "sum", "masked"]),
     "bias": st.booleans(),
     "batch": st.booleans(),
@@ -320,3 +323,40 @@ def test_a_block_that_does_not_divide_the_tokens_is_not_offered():
     assert block_of(report) == 128
     g = rewrite(f, rulesets=[NN])
     close(g(*args), jax.jit(f)(*args), *TOLERANCE["float32"])
+
+
+@pytest.mark.parametrize("traced_alpha", [False, True])
+def test_smoothed_labels_hold_no_logits(traced_alpha):
+    """``optax.smooth_labels``: the labels' sum over the vocabulary of the logits is ``h @ W.sum(-1) + sum(b)``,
+    so neither the loss nor its gradient holds an N x V array; a smoothing factor passed in (not a literal)
+    too. Values and gradients (with respect to the factor as well) as the original's."""
+    def f(h, W, b, y, alpha):
+        logits = h @ W + b
+        labels = optax.smooth_labels(jax.nn.one_hot(y, logits.shape[-1]), alpha if traced_alpha else 0.2)
+        return optax.softmax_cross_entropy(logits, labels).mean()
+
+    h, W, b, y, _ = inputs(np.random.default_rng(8), N, C, V)
+    args = (h, W, b, y, jnp.float32(0.2))
+    report = explain(f, *args, rulesets=[NN])
+    assert "nn_lm_head_smooth" in report.fired and blocked(report), report.fired
+    g = rewrite(f, rulesets=[NN])
+    close(g(*args), jax.jit(f)(*args), *TOLERANCE["float32"])
+    grad = lambda fn: jax.jit(jax.grad(fn, argnums=(0, 1, 2, 4)))
+    for a, b in zip(grad(g)(*args), grad(f)(*args)):
+        close(a, b, *TOLERANCE["float32"])
+    temp = lambda fn: jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes
+    assert temp(g) < N * V * 4 / 4 and temp(jax.grad(g, argnums=(0, 1, 2))) < N * V * 4 / 4
+
+
+def test_soft_labels_that_are_not_smoothed_one_hots_keep_the_logits():
+    """Labels given as an array (a distiller's soft targets): their product with the logits needs every logit, so
+    the smoothing rule's split changes nothing the cost model prefers; values are kept either way."""
+    def f(h, W, labels):
+        return optax.softmax_cross_entropy(h @ W, 0.9 * labels + 0.1 / W.shape[-1]).mean()
+
+    h, W = inputs(np.random.default_rng(9), N, C, V)[:2]
+    labels = jax.nn.softmax(jnp.asarray(np.random.default_rng(10).standard_normal((N, V)), jnp.float32))
+    g = rewrite(f, rulesets=[NN])
+    close(g(h, W, labels), jax.jit(f)(h, W, labels), *TOLERANCE["float32"])
+    for a, b in zip(jax.grad(g, argnums=(0, 1))(h, W, labels), jax.grad(f, argnums=(0, 1))(h, W, labels)):
+        close(a, b, *TOLERANCE["float32"])
