@@ -110,19 +110,6 @@ def test_a_model_miss_says_whether_it_is_beyond_the_noise_and_which_rules_fired(
     assert "beyond the A/A noise (10% slower, A/A 2% off)" in beyond
 
 
-def _lm_step(loss):
-    import optax
-
-    opt = optax.sgd(1e-2)
-
-    def step(params, state, tokens):
-        value, grads = jax.value_and_grad(loss)(params, tokens)
-        updates, state = opt.update(grads, state, params)
-        return optax.apply_updates(params, updates), state, value
-
-    return step, opt
-
-
 def _lm_temp_and_values(packs):
     """The language model's step as docs/nn.md says to write it, its loss rewritten with ``packs`` and then
     differentiated, against the original: (temp before, temp after, the logits' bytes, relative error); the
@@ -130,8 +117,8 @@ def _lm_temp_and_values(packs):
     from rewrite import rewrite
 
     loss, (params, tokens) = ecosystem.flax_lm_loss()
-    before, opt = _lm_step(loss)
-    after, _ = _lm_step(rewrite(loss, rulesets=packs))
+    before, opt = ecosystem.lm_step(loss)
+    after, _ = ecosystem.lm_step(rewrite(loss, rulesets=packs))
     args = (params, opt.init(params), tokens)
 
     def temp(f):
