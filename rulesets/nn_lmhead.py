@@ -17,6 +17,13 @@ this part rewrites each:
   ``clip``). A gather from ``log_softmax(logits)`` first gathers the logits
   and subtracts the normaliser (``nn_lm_head_label_peel``, as
   ``nn_one_hot_sum`` does).
+* **Smoothed labels.** ``optax.smooth_labels`` gives ``p * one_hot(y) + q``
+  with scalars ``p = 1 - alpha``, ``q = alpha / V``; the cross-entropy's
+  ``sum((p a + q) * x)`` over the vocabulary, ``x`` the logits less row
+  terms (``log_softmax``'s), is ``p sum(a * x) + q sum(x)``, and ``sum(x)`` is
+  ``h @ W.sum(-1) + sum(b)`` less ``V`` times the terms, summed in at least
+  float32 (``nn_lm_head_smooth``). Only ``sum(a * x)`` reads the logits then,
+  a gather where ``a`` is one-hot (``nn_one_hot_sum``, then the rule above).
 * **The normaliser over token blocks.** ``sum(exp(logits - shift))`` along the
   vocabulary, with ``shift`` made from ``max(logits)`` under ``stop_gradient``
   (``max(-inf, m)`` as ``jax.nn.log_softmax`` shifts, or ``m`` where finite
@@ -44,11 +51,16 @@ vocabulary, ``W``'s one free axis), taken in order; the rule declines when
 their number is not a multiple of the block or is under two blocks, when
 ``W`` has more than one free axis or sits left of ``h``, when the product has
 batch axes, and when the shift is not computed from the logits' maximum.
-The cost model chooses: with a small vocabulary the logits are small and
-the loop is priced above them, so the program is kept. A shift read without
+The cost model chooses, the block too: one rule per block of :data:`BLOCKS`
+(128, 256 and 512 tokens) adds its loop wherever the block divides the
+tokens, and extraction takes the cheapest. The model weighs each loop's
+iterations against the block of logits it holds (a byte held at the peak is
+priced as one written, ``AnalyticCost.memory``), so by default the smallest
+block wins, dearer iterations choose larger ones and ``memory_budget`` the
+one that fits. With a small vocabulary the logits are small and every loop is
+priced above them, so the program is kept. A shift read without
 ``stop_gradient`` is declined (its derivative would need the maximum's whole
-share), and so are labels smoothed with ``optax.smooth_labels`` (not matched:
-their sum over the vocabulary reads the logits' row sums).
+share).
 
 The part is ``identity`` class, with the tolerance of ``linalg`` and
 ``attention``, ``Tolerance(rtol=2e-4, atol=2e-5)`` at float32 (scaled by
@@ -78,10 +90,10 @@ rule = functools.partial(_rule, check=False)
 
 __all__ = ["nn_lm_head", "BLOCKS"]
 
-#: Token blocks offered to the cost model.
-BLOCKS = (256,)
+#: Token blocks offered to the cost model: one rule each, ``nn_lm_head_lse_<block>``; extraction chooses.
+BLOCKS = (128, 256, 512)
 
-D, S, I = Pat.var("d"), Pat.var("s"), Pat.var("i")
+D, S, I, X, Y = Pat.var("d"), Pat.var("s"), Pat.var("i"), Pat.var("x"), Pat.var("y")
 #: A gather: the term language keeps it as an opaque node over its operands (the procedures check the primitive).
 _GATHER = Pat("opaque", [D, I], params="g")
 
@@ -517,6 +529,75 @@ def _label_peel(m: Any) -> Any:
                    *[t for _, t in terms])
 
 
+# ---------------------------------------------------------------------- smoothed labels
+def _scalar(v: Value) -> bool:
+    return v.size == 1 and v.ndim == 0
+
+
+def _smoothed(lab: Value) -> tuple[Value, Value | None, Value] | None:
+    """``(a, p, q)`` when ``lab`` is ``p * a + q`` (``p`` may be absent) with ``p`` and ``q`` scalars, as
+    ``optax.smooth_labels`` writes ``(1 - alpha) * labels + alpha / V``; else ``None``."""
+    add = lab.node("add")
+    if add is None or len(add.operands) != 2:
+        return None
+    for a, q in (add.operands, add.operands[::-1]):
+        if a.shape != lab.shape or not _scalar(q) or q.dtype != lab.dtype:
+            continue
+        mul = a.node("mul")
+        if mul is not None and len(mul.operands) == 2:
+            for x, p in (mul.operands, mul.operands[::-1]):
+                if x.shape == lab.shape and _scalar(p) and p.dtype == lab.dtype:
+                    return x, p, q
+        return a, None, q
+    return None
+
+
+def _smooth_sum(spec: tuple, signs: tuple, has_p: bool, out_shape: tuple, dtype: Any):
+    """``fn(a, x, [p], q, h, W, [b], *terms) = p * sum(a * x) + q * sum(x)`` along the vocabulary, where
+    ``x = logits + sum(sign * term)``: ``sum(x)`` is ``h @ W.sum(-1) + sum(b)`` plus ``V`` times the terms,
+    so only ``sum(a * x)`` reads ``x`` (a one-hot ``a`` makes it a gather: ``nn_one_hot_sum``)."""
+    has_bias, v, cast = spec[5], spec[4], spec[6]
+
+    def fn(a: Any, x: Any, *rest: Any) -> Any:
+        p, rest = (rest[0], rest[1:]) if has_p else (None, rest)
+        q, h, w, *rest = rest
+        b, terms = (rest[0], rest[1:]) if has_bias else (None, rest)
+        hc, wc, bv = _canonical(spec, h, w, b)
+        wide = jnp.promote_types(cast or wc.dtype, jnp.float32)  # the row sums in at least f32
+        rows = lax.dot_general(hc.astype(wide), jnp.sum(wc.astype(wide), axis=1), (((1,), (0,)), ((), ())))
+        if bv is not None:
+            rows = rows + jnp.sum(bv.astype(wide))
+        total = rows.astype(dtype).reshape(out_shape)
+        for sign, term in reversed(list(zip(signs, terms))):  # innermost first, as the program subtracts them
+            t = jnp.asarray(v, dtype) * term.reshape(out_shape)
+            total = total + t if sign > 0 else total - t
+        picked = jnp.sum(a * x, axis=-1)
+        return (picked if p is None else p * picked) + q * total
+
+    return fn
+
+
+@procedural
+def _smooth(m: Any) -> Any:
+    r = m.params("r")
+    x, y = m["x"], m["y"]
+    if r.sharded or x.ndim < 2 or tuple(r.axes) != (x.ndim - 1,):
+        return None
+    for lab, w in ((x, y), (y, x)):
+        found = _smoothed(lab)
+        if found is None or lab.shape != w.shape or not w.is_floating or w.dtype != m.root.dtype:
+            continue
+        base, terms = _peel(w, w.ndim - 1)
+        head = head_of(base)
+        if head is None:
+            continue
+        a, p, q = found
+        fn = _smooth_sum(head.spec(), tuple(sign for sign, _ in terms), p is not None, m.root.shape, m.root.dtype)
+        scalars = [q] if p is None else [p, q]
+        return m.trace(fn, a, w, *scalars, *head.values(), *[t for _, t in terms])
+    return None
+
+
 # ---------------------------------------------------------------------- examples and the part
 def _ce_int(h: Any, w: Any, y: Any) -> Any:
     logits = h @ w
@@ -527,6 +608,11 @@ def _ce_int(h: Any, w: Any, y: Any) -> Any:
 def _ce_log_softmax(h: Any, w: Any, b: Any, y: Any) -> Any:
     logp = jax.nn.log_softmax(h @ w + b, axis=-1)
     return -jnp.mean(jnp.take_along_axis(logp, y[:, None], axis=-1))
+
+
+def _ce_smooth(h: Any, w: Any, y: Any) -> Any:
+    labels = 0.9 * jax.nn.one_hot(y, w.shape[-1]) + 0.1 / w.shape[-1]  # optax.smooth_labels(one_hot, 0.1)
+    return -jnp.mean(jnp.sum(labels * jax.nn.log_softmax(h @ w), axis=-1))
 
 
 def _f32(*shape: int) -> jax.ShapeDtypeStruct:
@@ -546,6 +632,8 @@ nn_lm_head = Ruleset("nn_lm_head", [
          example_program=(_ce_int, (_f32(8, 4), _f32(4, 16), _i32(8)))),
     rule(_GATHER, _label_peel, name="nn_lm_head_label_peel",                        # log_softmax(z)[y] -> z[y] - max - log(sum)
          example_program=(_ce_log_softmax, (_f32(8, 4), _f32(4, 16), _f32(16), _i32(8)))),
+    rule(Pat("reduce_sum", Pat("mul", X, Y), params="r"), _smooth, name="nn_lm_head_smooth",  # sum((p a + q) * (h @ W - t)) -> p sum(a * ...) + q (h @ sum(W) - V t)
+         example_program=(_ce_smooth, (_f32(8, 4), _f32(4, 16), _i32(8)))),
 ] + [
     rule(Pat("reduce_sum", Pat("exp", Pat("sub", D, S)), params="r"), _lse_rule(blk),                       # sum(exp(h @ W - shift)) -> scan over token blocks
          name=f"nn_lm_head_lse_{blk}", example_program=_example(blk))

@@ -1,7 +1,8 @@
 """``rulesets.nn``'s LM head: a cross-entropy over ``h @ W`` over token blocks keeps the original's values and
 gradients.
 
-Property tests draw the loss's form (optax's integer-label and one-hot cross-entropies, a hand-written
+Property tests draw the loss's form (optax's integer-label and one-hot cross-entropies, the one-hot one
+with labels smoothed by ``optax.smooth_labels``, a hand-written
 ``log_softmax`` with ``take_along_axis``, a z-loss term), its reduction over tokens (mean, sum, a weighted
 mean with masked tokens), a bias, a batch axis and the dtype of the activations (f32, or bf16 with an f32
 loss); labels include both ends of the vocabulary. Each program is rewritten with ``rulesets.nn`` and
@@ -16,7 +17,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import rulesets
-from rewrite import explain, rewrite
+from rewrite import AnalyticCost, explain, rewrite
+from rulesets.nn_lmhead import BLOCKS
 
 NN = rulesets.nn
 #: The part's tolerance at float32 (rulesets/nn_lmhead.py); bf16 logits are rounded once to bf16.
@@ -41,6 +43,8 @@ def make(form: str, reduce: str, bias: bool, batch: bool, bf16: bool):
             loss = optax.softmax_cross_entropy_with_integer_labels(logits, y)
         elif form == "optax_one_hot":
             loss = optax.softmax_cross_entropy(logits, jax.nn.one_hot(y, logits.shape[-1]))
+        elif form == "optax_smooth":
+            loss = optax.softmax_cross_entropy(logits, optax.smooth_labels(jax.nn.one_hot(y, logits.shape[-1]), 0.1))
         elif form == "log_softmax":
             loss = -jnp.take_along_axis(jax.nn.log_softmax(logits), y[..., None], axis=-1)[..., 0]
         else:  # z-loss beside the integer-label loss
@@ -80,8 +84,24 @@ def blocked(report) -> bool:
     return "custom_vjp_call" in names
 
 
+def lse_fired(report) -> bool:
+    return any(k.startswith("nn_lm_head_lse_") for k in report.fired)
+
+
+def block_of(report) -> int | None:
+    """The token block of the chosen program's loop (its stacked input is blocks x block x width), or ``None``."""
+    for e in report.after.eqns:
+        if e.primitive.name == "custom_vjp_call":
+            inner = e.params.get("call_jaxpr") or e.params.get("fun_jaxpr")
+            for x in inner.jaxpr.eqns:
+                if x.primitive.name == "scan":
+                    xs = x.invars[x.params["num_consts"] + x.params["num_carry"]]
+                    return xs.aval.shape[1]
+    return None
+
+
 CASES = st.fixed_dictionaries({
-    "form": st.sampled_from(["optax_int", "optax_one_hot", "log_softmax", "z_loss"]),
+    "form": st.sampled_from(["optax_int", "optax_one_hot", "optax_smooth", "log_softmax", "z_loss"]),
     "reduce": st.sampled_from(["mean", "sum", "masked"]),
     "bias": st.booleans(),
     "batch": st.booleans(),
@@ -98,7 +118,7 @@ def test_loss_and_gradient_keep_values(case, dtype):
     f = make(case["form"], case["reduce"], case["bias"], case["batch"], bf16)
     args = inputs(np.random.default_rng(case["seed"]), N, C, V)
     report = explain(f, *args, rulesets=[NN])
-    assert "nn_lm_head_label" in report.fired and "nn_lm_head_lse_256" in report.fired, report.fired
+    assert "nn_lm_head_label" in report.fired and lse_fired(report), report.fired
     assert blocked(report), report.after
     g = rewrite(f, rulesets=[NN])
     f = jax.jit(f)
@@ -192,7 +212,7 @@ def test_gradient_of_the_maximum_without_stop_gradient_is_declined():
 
     h, W = inputs(np.random.default_rng(3), N, C, V)[:2]
     report = explain(f, h, W, rulesets=[NN])
-    assert "nn_lm_head_lse_256" not in report.fired
+    assert not lse_fired(report)
     for a, b in zip(jax.grad(rewrite(f, rulesets=[NN]), argnums=(0, 1))(h, W), jax.grad(f, argnums=(0, 1))(h, W)):
         close(a, b, *TOLERANCE["float32"])
 
@@ -260,3 +280,87 @@ def test_a_flax_language_model_training_step():
     # differentiated first, rewritten after: the backward reads the logits, so the head is kept
     after = explain(jax.grad(loss), params, tokens, rulesets=[NN])
     assert not blocked(after)
+
+
+#: Cost models and the block each chooses for the loss at N=1024, C=64, V=8192. By default a byte held at the
+#: peak is priced as one written, and the smallest block wins; dearer loop iterations favour fewer, larger
+#: blocks, up to the largest when memory is free; a memory budget brings the choice back to the block that fits.
+MODELS = [
+    (None, 128),
+    (AnalyticCost(iteration=1e6), 256),
+    (AnalyticCost(iteration=1.5e6, memory=0.0), 512),
+    (AnalyticCost(iteration=1.5e6, memory=0.0, memory_budget=6 * 2 ** 20), 128),
+]
+
+
+@pytest.mark.parametrize("model,block", MODELS, ids=["default", "dear_iterations", "memory_free", "budget"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_cost_model_chooses_the_block(model, block, dtype):
+    """Every block of ``BLOCKS`` that divides the tokens is offered; extraction takes the one the model prices
+    lowest, and whichever it takes keeps the loss and its gradient."""
+    assert block in BLOCKS
+    bf16 = dtype == "bfloat16"
+    f = make("optax_int", "masked", True, False, bf16)
+    args = inputs(np.random.default_rng(6), N, C, V)
+    report = explain(f, *args, rulesets=[NN], cost_model=model)
+    assert {f"nn_lm_head_lse_{b}" for b in BLOCKS} <= set(report.fired), report.fired
+    assert block_of(report) == block
+    g = rewrite(f, rulesets=[NN], cost_model=model)
+    rtol, atol = TOLERANCE[dtype]
+    close(g(*args), jax.jit(f)(*args), rtol, atol)
+    grad = lambda fn: jax.jit(jax.grad(fn, argnums=(0, 1, 2)))
+    for a, b in zip(grad(g)(*args), grad(f)(*args)):
+        close(a, b, rtol, atol)
+
+
+def test_a_block_that_does_not_divide_the_tokens_is_not_offered():
+    """384 tokens: blocks of 128 divide them (3 blocks); 256 and 512 do not, and 512 is more than the tokens."""
+    f = make("optax_int", "mean", False, False, False)
+    args = inputs(np.random.default_rng(7), 384, C, V)
+    report = explain(f, *args, rulesets=[NN])
+    assert "nn_lm_head_lse_128" in report.fired
+    assert "nn_lm_head_lse_256" not in report.fired and "nn_lm_head_lse_512" not in report.fired
+    assert block_of(report) == 128
+    g = rewrite(f, rulesets=[NN])
+    close(g(*args), jax.jit(f)(*args), *TOLERANCE["float32"])
+
+
+@pytest.mark.parametrize("traced_alpha,dtype", [(False, "float32"), (True, "float32"), (True, "bfloat16")])
+def test_smoothed_labels_hold_no_logits(traced_alpha, dtype):
+    """``optax.smooth_labels``: the labels' sum over the vocabulary of the logits is ``h @ W.sum(-1) + sum(b)``,
+    so neither the loss nor its gradient holds an N x V array; a smoothing factor passed in (not a literal)
+    too, and bf16 products with an f32 loss. Values and gradients (with respect to the factor as well) as the
+    original's."""
+    def f(h, W, b, y, alpha):
+        if dtype == "bfloat16":
+            h, W, b = h.astype(jnp.bfloat16), W.astype(jnp.bfloat16), b.astype(jnp.bfloat16)
+        logits = (h @ W + b).astype(jnp.float32)
+        labels = optax.smooth_labels(jax.nn.one_hot(y, logits.shape[-1]), alpha if traced_alpha else 0.2)
+        return optax.softmax_cross_entropy(logits, labels).mean()
+
+    h, W, b, y, _ = inputs(np.random.default_rng(8), N, C, V)
+    args = (h, W, b, y, jnp.float32(0.2))
+    report = explain(f, *args, rulesets=[NN])
+    assert "nn_lm_head_smooth" in report.fired and blocked(report), report.fired
+    g = rewrite(f, rulesets=[NN])
+    close(g(*args), jax.jit(f)(*args), *TOLERANCE[dtype])
+    grad = lambda fn: jax.jit(jax.grad(fn, argnums=(0, 1, 2, 4)))
+    for a, b in zip(grad(g)(*args), grad(f)(*args)):
+        close(a, b, *TOLERANCE[dtype])
+    temp = lambda fn: jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes
+    original = jax.grad(f, argnums=(0, 1, 2))
+    assert temp(g) < temp(f) / 4 and temp(jax.grad(g, argnums=(0, 1, 2))) < temp(original) / 4
+
+
+def test_soft_labels_that_are_not_smoothed_one_hots_keep_the_logits():
+    """Labels given as an array (a distiller's soft targets): their product with the logits needs every logit, so
+    the smoothing rule's split changes nothing the cost model prefers; values are kept either way."""
+    def f(h, W, labels):
+        return optax.softmax_cross_entropy(h @ W, 0.9 * labels + 0.1 / W.shape[-1]).mean()
+
+    h, W = inputs(np.random.default_rng(9), N, C, V)[:2]
+    labels = jax.nn.softmax(jnp.asarray(np.random.default_rng(10).standard_normal((N, V)), jnp.float32))
+    g = rewrite(f, rulesets=[NN])
+    close(g(h, W, labels), jax.jit(f)(h, W, labels), *TOLERANCE["float32"])
+    for a, b in zip(jax.grad(g, argnums=(0, 1))(h, W, labels), jax.grad(f, argnums=(0, 1))(h, W, labels)):
+        close(a, b, *TOLERANCE["float32"])
