@@ -38,6 +38,7 @@ from ..rules.rule import Procedure, Rule
 from ..rules.ruleset import Ruleset, Tolerance, entries_of
 from ..rules.saturate import Limits
 from ._compare import _Evidence, _show, _spreads, derivative_mismatch
+from ._magnitude import jvp_magnitudes, magnitudes
 from ._strategies import _into_domain, _is_complex, _is_float, _settings, _wide, arrays
 
 
@@ -475,7 +476,7 @@ def _check_derivatives(rule: Rule, owner: Ruleset, case: _Case, vals: Sequence[A
     # evidence (the float64 derivative, the original's spread) is computed only on a mismatch.
     base = owner.tolerance or Tolerance()
     floor = Tolerance.rtol if owner.soundness == "exact" else _DERIVATIVE_RTOL
-    tolerance = Tolerance(max(base.rtol, floor), max(base.atol, Tolerance.atol))
+    tolerance = Tolerance(max(base.rtol, floor), max(base.atol, Tolerance.atol), base.terms)
     try:
         got_t = _tangents(case.after, vals, tangents)
     except Exception as e:
@@ -488,7 +489,10 @@ def _check_derivatives(rule: Rule, owner: Ruleset, case: _Case, vals: Sequence[A
             if not refs:
                 refs.extend(case.reference.tangents(vals, tangents) or [None] * len(want_t))
                 refs.append(_spreads(lambda a: _tangents(case.before, a, tangents), vals, want_t))
-            why = derivative_mismatch(v, w, g, tolerance=tolerance, reference=refs[i], spread=refs[-1][i])
+                mags = jvp_magnitudes(case.reference.fn, vals, tangents) if tolerance.terms > 0 else None
+                refs.append(mags or [None] * len(want_t))
+            why = derivative_mismatch(v, w, g, tolerance=tolerance, reference=refs[i], spread=refs[-2][i],
+                                      magnitude=refs[-1][i])
         if why is not None:
             raise _failure(rule, owner, case, vals, want_t, got_t, f"JAX's derivative changed: {why}",
                            tangents=tangents)
@@ -535,7 +539,8 @@ def _check_rule(rule: Rule, owner: Ruleset, max_examples: int | None, derivative
         fired[0] += 1
         want = _evaluate(before, args)
         got = _evaluate(after, args)
-        evidence = _Evidence(lambda: case.reference(vals), lambda: _spreads(case.original, vals, want))
+        evidence = _Evidence(lambda: case.reference(vals), lambda: _spreads(case.original, vals, want),
+                             lambda: magnitudes(case.reference.fn, vals))
         for i, (w, g) in enumerate(zip(want, got)):
             why = evidence.mismatch(i, w, g, soundness, tolerance)
             if why is not None:
