@@ -25,9 +25,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from jax import lax
 
-from rewrite import AnalyticCost, Ruleset, explain, rewrite
+from rewrite import AnalyticCost, Ruleset, Tolerance, explain, rewrite, rule
 from rewrite.cost.program import Program
+from rewrite.testing import assert_same_results, magnitudes, mismatch
 from rewrite.testing._check_rule import _NotExercised, _evaluate, _rewrite_case
+from rewrite.testing._magnitude import jvp_magnitudes
 from benchmarks.linalg import dot_flops
 from rulesets.linalg import MIN_SAVING, linalg
 
@@ -413,3 +415,62 @@ def test_reorders_for_no_real_saving_are_not_made(method):
     report = explain(f, a, b, c, rulesets=[linalg])
     assert report.fired.get("la_assoc_left") and report.used == {}
     assert np.array_equal(jax.jit(rewrite(f, rulesets=[linalg]))(a, b, c), jax.jit(f)(a, b, c))
+
+
+# ---------------------------------------------------------------------- the tolerance: relative to the terms
+def _small(seed, *shapes, scale=1e-2):
+    rng = np.random.default_rng(seed)
+    return [jnp.asarray(rng.uniform(-scale, scale, s), jnp.float32) for s in shapes]
+
+
+def test_a_wrong_rewrite_of_a_small_product_passes_an_absolute_tolerance_and_fails_the_packs():
+    """Issue 31: ``Tolerance(rtol=1e-5, atol=1.0)`` accepted any error on a result of size 1e-3. A rule that
+    drops a term of a product (and saves flops, so the rewrite uses it), on operands of size 1e-2 (results
+    near 1e-5), passes it; the pack's tolerance, relative to the terms' magnitude ``|A| |B| |c|``, rejects it."""
+
+    drop = rule(lambda a, b, c: (a @ b) @ c, lambda a, b, c: a @ (b[:, :-1] @ c[:-1]), name="drop_a_term",
+                example_inputs=tuple(jax.ShapeDtypeStruct(s, jnp.float32) for s in ((64, 64), (64, 64), (64, 1))),
+                check=False)
+    old = Ruleset("absolute", [drop], soundness="identity", tolerance=Tolerance(rtol=1e-5, atol=1.0))
+    new = Ruleset("terms", [drop], soundness="identity", tolerance=linalg.tolerance)
+    f = lambda a, b, c: (a @ b) @ c  # noqa: E731
+    args = _small(0, (64, 64), (64, 64), (64, 1))
+    assert explain(f, *args, rulesets=[old]).used == {"drop_a_term": 4}
+    assert_same_results(f, *args, rulesets=[old])
+    with pytest.raises(AssertionError, match="roundings of the terms' magnitude"):
+        assert_same_results(f, *args, rulesets=[new])
+
+
+def test_a_reordered_product_that_cancels_passes_by_its_terms_alone():
+    """Reordering ``(A B) c`` where the result cancels to nearly 0 moves it by roundings of ``|A| |B| |c|``,
+    many times the result: a relative tolerance without ``terms`` rejects that (here on some of the seeds),
+    the pack's accepts it on every seed, and so does ``assert_same_results`` with the pack's rules."""
+
+    f = lambda a, b, c: (a @ b) @ c  # noqa: E731
+    g = lambda a, b, c: a @ (b @ c)  # noqa: E731
+    rejected = 0
+    for seed in range(8):
+        a, b = _small(seed, (8, 8), (8, 8), scale=64.0)
+        ab = np.asarray(a, np.float64) @ np.asarray(b, np.float64)
+        c = np.linalg.svd(ab)[2][-1][:, None].astype(np.float32)   # A B's last singular direction: A B c ~ 0
+        want, got = np.asarray(f(a, b, c)), np.asarray(g(a, b, c))
+        terms = magnitudes(f, [a, b, c])[0]
+        assert mismatch(want, got, soundness="identity", tolerance=linalg.tolerance, magnitude=terms) is None
+        rejected += mismatch(want, got, soundness="identity", tolerance=Tolerance(1e-5, 0.0)) is not None
+        assert_same_results(f, a, b, jnp.asarray(c), rulesets=[linalg])
+    assert rejected > 0
+
+
+def test_magnitudes_add_the_terms_of_differences_and_follow_calls_and_conds():
+
+    a, b, x = (np.float32(v) for v in ([[1.0, -2.0]], [[3.0], [4.0]], [[-1.0]]))
+
+    def f(a, b, x):
+        y = jax.jit(lambda a, b: a @ b)(a, b) - x                  # |1*3| + |-2*4| + |-1| = 12
+        return lax.cond(True, lambda y: -2.0 * y, lambda y: y, y), jnp.tanh(x)
+
+    (m, u), (mt, _) = magnitudes(f, [a, b, x])
+    assert float(m[0, 0]) == 24.0 and float(u[0, 0]) == 24.0      # every input's magnitude is at least 1 already
+    assert float(mt[0, 0]) == pytest.approx(np.tanh(1.0))         # any other operation: its result's magnitude
+    (d, _), = jvp_magnitudes(lambda a, b: a @ b, [a, b], [np.float32([[1.0, -1.0]]), None])
+    assert float(d[0, 0]) == 7.0                                   # the derivative's terms: |1*3| + |-1*4|
