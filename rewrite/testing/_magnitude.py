@@ -105,10 +105,10 @@ def _run_from(closed: Any, wide: Sequence[Any], floor: float) -> list[Any]:
 
 def magnitudes(fn: Callable[..., Any], args: Sequence[Any]) -> list[Any] | None:
     """Per output of ``fn`` at ``args`` (arrays, widened to float64 here): the magnitude of the terms summed
-    into each element, and the same with every input's magnitude at least 1 (by how much a result one
-    rounding below the smallest normal number, flushed to zero, can grow by the time it reaches the
-    output: at most that many such roundings); a pair of float64 arrays, ``None`` for an output that is
-    not a float, or ``None`` where it cannot be computed.
+    into each element, and the same with every input's magnitude at least 1 (how much a result below the
+    smallest normal number, flushed to zero, can grow by the time it reaches the output, for a program of
+    products and sums; a division by a small number grows it more); a pair of float64 arrays, ``None``
+    for an output that is not a float, or ``None`` where it cannot be computed.
 
     >>> import numpy as np
     >>> a, b = np.float32([[1.0, -1.0]]), np.float32([[1.0], [0.999]])   # 1 - 0.999: the terms cancel
