@@ -37,7 +37,7 @@ from ..rules.match import Value, _short
 from ..rules.rule import Procedure, Rule
 from ..rules.ruleset import Ruleset, Tolerance, entries_of
 from ..rules.saturate import Limits
-from ._compare import _Evidence, _show, _spreads, derivative_mismatch
+from ._compare import Float64Results, _Evidence, _show, _spreads, derivative_mismatch
 from ._magnitude import jvp_magnitudes, magnitudes
 from ._strategies import _into_domain, _is_complex, _is_float, _settings, _wide, arrays
 
@@ -103,17 +103,19 @@ class _Reference:
             wide = [jax.ShapeDtypeStruct(a.shape, _wide(a.dtype)) for a in self.avals]
             self._closed = jax.make_jaxpr(self.fn)(*wide)
 
-    def __call__(self, args: Sequence[Any]) -> list[Any] | None:
+    def __call__(self, args: Sequence[Any]) -> Float64Results:
+        """The float64 results at ``args`` (empty where impossible), with the terms' magnitudes on demand."""
+        terms = functools.partial(magnitudes, self.fn, args)
         if self._failed:
-            return None
+            return Float64Results([], terms)
         try:
             with jax.enable_x64(True):
                 self._trace_wide()
                 outs = _evaluate(self._closed, [np.asarray(a).astype(_wide(np.asarray(a).dtype)) for a in args])
         except Exception:
             self._failed = True
-            return None
-        return outs
+            return Float64Results([], terms)
+        return Float64Results(outs, terms)
 
     def tangents(self, args: Sequence[Any], tangents: Sequence[Any]) -> list[Any] | None:
         """The true output tangents (float64) at ``args`` along ``tangents``, or ``None``."""
@@ -539,8 +541,7 @@ def _check_rule(rule: Rule, owner: Ruleset, max_examples: int | None, derivative
         fired[0] += 1
         want = _evaluate(before, args)
         got = _evaluate(after, args)
-        evidence = _Evidence(lambda: case.reference(vals), lambda: _spreads(case.original, vals, want),
-                             lambda: magnitudes(case.reference.fn, vals))
+        evidence = _Evidence(lambda: case.reference(vals), lambda: _spreads(case.original, vals, want))
         for i, (w, g) in enumerate(zip(want, got)):
             why = evidence.mismatch(i, w, g, soundness, tolerance)
             if why is not None:

@@ -343,10 +343,20 @@ def _tolerance(entries: Sequence[tuple[Rule, Ruleset]]) -> tuple[str, Tolerance 
     return weakest, Tolerance(max(t.rtol for t in tols), max(t.atol for t in tols), max(t.terms for t in tols))
 
 
+class Float64Results(list):
+    """A program's results computed in float64 (empty where that is impossible), and how to compute the
+    magnitude of their terms (:func:`rewrite.testing._magnitude.magnitudes`) should a tolerance ask."""
+
+    def __init__(self, outs: Sequence[Any], magnitudes: Callable[[], list[Any] | None]) -> None:
+        super().__init__(outs)
+        self.magnitudes = magnitudes
+
+
 class _Evidence:
     """What settles a tolerance mismatch, computed only once one is found: the float64 result,
     how far the original moves when its inputs are nudged by a few ulps, and (for a tolerance with
-    ``terms``) the magnitude of the terms summed into each result."""
+    ``terms``) the magnitude of the terms summed into each result, from ``magnitudes`` or else from
+    the float64 results when they are :class:`Float64Results`."""
 
     def __init__(self, reference: Callable[[], list[Any] | None] | None,
                  spreads: Callable[[], list[Any]] | None,
@@ -361,9 +371,11 @@ class _Evidence:
         if why is None or tolerance is None or soundness == "exact":
             return why
         if self._got is None:
-            refs = (self._reference() if self._reference is not None else None) or []
+            found = self._reference() if self._reference is not None else None
+            refs = found or []
             spreads = self._spreads() if self._spreads is not None else []
-            mags = (self._magnitudes() if self._magnitudes is not None and tolerance.terms > 0 else None) or []
+            terms = self._magnitudes or (found.magnitudes if isinstance(found, Float64Results) else None)
+            mags = (terms() if terms is not None and tolerance.terms > 0 else None) or []
             self._got = (refs, spreads, mags)
         refs, spreads, mags = self._got
         ref = refs[i] if i < len(refs) and hasattr(refs[i], "shape") else None
