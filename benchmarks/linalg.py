@@ -7,7 +7,10 @@ Four groups, each program written the way a user would write it:
   written, after the rewrite, and of ``jnp.einsum(..., optimize="optimal")``,
   opt_einsum's own optimal contraction cost, and what saturation took (time,
   iterations, e-graph rows). The target: the rewrite's flops equal the
-  optimum for every chain.
+  optimum for every chain. At these sizes flops dominate the cost model's
+  price; for small chains, where the bytes of temporaries and a launch per
+  product weigh more, ``tests/test_linalg.py`` fuzzes the rewrite against the
+  model's own cheapest bracketing (issue 31; ``results/log.md``).
 * **attention**: linear attention with heads ``(batch, heads, N, d)``,
   ``(Q K^T / sqrt(d)) V`` as ``einsum`` writes it, against ``Q (K^T V)``.
 * **low rank**: ``x (A B)`` and ``(x A) B``, in the regime where the rank is

@@ -24,14 +24,30 @@ class Tolerance:
     For other float dtypes both bounds scale with machine epsilon, so a
     bfloat16 program gets a bfloat16-sized tolerance.
 
+    ``terms``, where positive, bounds an element's change instead by that many
+    roundings of the terms summed into it: ``terms * (eps * M + tiny)``, where
+    ``M`` is their magnitude, the original run on its inputs' magnitudes with
+    each sum adding its operands' (``|A| |B|`` for a product ``A B``;
+    ``rewrite/testing/_magnitude.py``), and ``tiny`` the smallest normal number,
+    for results XLA flushes to zero. That is the bound a reordered sum keeps,
+    however small its result: the change of ``A B`` reordered is a few
+    roundings of its partial sums, not of ``A B``.
+
     >>> import numpy as np
     >>> from rewrite import Tolerance
     >>> Tolerance(rtol=1e-6, atol=0.0).for_dtype(np.float64)[0] < 1e-14
     True
+    >>> Tolerance(rtol=1e-5, atol=0.0, terms=64).terms_for(np.float32)[0]   # 64 float32 epsilons
+    7.62939453125e-06
     """
 
     rtol: float = 1e-5
     atol: float = 1e-6
+    terms: float = 0.0
+
+    def __repr__(self) -> str:
+        terms = f", terms={self.terms!r}" if self.terms else ""
+        return f"Tolerance(rtol={self.rtol!r}, atol={self.atol!r}{terms})"
 
     def for_dtype(self, dtype: Any) -> tuple[float, float]:
         dtype = np.dtype(dtype)
@@ -39,6 +55,15 @@ class Tolerance:
             return 0.0, 0.0
         scale = float(jnp.finfo(dtype).eps) / float(jnp.finfo(np.float32).eps)
         return self.rtol * scale, self.atol * scale
+
+    def terms_for(self, dtype: Any) -> tuple[float, float]:
+        """The bound by the terms' magnitude for ``dtype``: ``terms`` times its epsilon (relative to the
+        magnitude) and ``terms`` times its smallest normal number (absolute)."""
+        dtype = np.dtype(dtype)
+        if not jnp.issubdtype(dtype, jnp.inexact):
+            return 0.0, 0.0
+        info = jnp.finfo(dtype)
+        return self.terms * float(info.eps), self.terms * float(info.smallest_normal)
 
 
 class Ruleset:

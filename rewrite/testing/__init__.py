@@ -18,7 +18,8 @@ profile unless it is given ``max_examples``.
 
 One module per job, each importing only those before it:
 ``_strategies`` (what is drawn), ``_compare`` (what counts as equal),
-``_check_rule`` (:func:`check_ruleset`) and ``_check_program``
+``_magnitude`` (:func:`magnitudes`, the terms a tolerance with ``terms`` is
+relative to), ``_check_rule`` (:func:`check_ruleset`) and ``_check_program``
 (:func:`assert_equivalent`, :func:`assert_same_results`); random programs
 come from ``rewrite.testing._programs``. Import the public names from here.
 """
@@ -26,6 +27,7 @@ come from ``rewrite.testing._programs``. Import the public names from here.
 from ._check_program import VacuousCheckWarning, assert_equivalent, assert_same_results
 from ._check_rule import CheckReport, RuleCheck, check_ruleset
 from ._compare import derivative_mismatch, mismatch, soundness_of
+from ._magnitude import magnitudes
 from ._programs import RandomProgram, programs
 from ._strategies import ORDINARY_BOUND, arrays, elements, inputs_like, value_bound
 
@@ -41,6 +43,7 @@ __all__ = [
     "derivative_mismatch",
     "elements",
     "inputs_like",
+    "magnitudes",
     "mismatch",
     "programs",
     "soundness_of",

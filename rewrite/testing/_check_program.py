@@ -26,6 +26,7 @@ from ..rules.rule import Rule
 from ..rules.ruleset import Ruleset, Tolerance, entries_of
 from ..rules.saturate import Limits
 from ._compare import _Evidence, _show, _spreads, _tolerance
+from ._magnitude import flat, magnitudes
 from ._programs import RandomProgram
 from ._strategies import _is_float, _settings, _wide, arrays, inputs_like
 
@@ -160,7 +161,8 @@ class _Equivalence:
             return [np.asarray(x) if hasattr(x, "dtype") else x for x in jax.tree_util.tree_leaves(self.fn(*a))]
 
         evidence = _Evidence(lambda: _reference_outputs(self.fn, args),
-                             lambda: _spreads(outputs, args, jax.tree_util.tree_leaves(want)))
+                             lambda: _spreads(outputs, args, jax.tree_util.tree_leaves(want)),
+                             lambda: magnitudes(*flat(self.original, args, is_traced_leaf)))
         self.compare(args, want, got, "the result", evidence)
         if not self.grads:
             return
@@ -194,7 +196,12 @@ class _Equivalence:
         # them within a tolerance; at kinks (abs, max) two sound forms may differ outright.
         soundness = self.soundness if self.soundness != "exact" else "identity"
         tolerance = self.tolerance or Tolerance()
-        evidence = _Evidence(None, lambda: _spreads(original_grads, args, grads_want))
+        def grads_of(*xs: Any) -> list[Any]:  # the original's gradient program, cotangents among its inputs
+            a = jax.tree_util.tree_unflatten(treedef, xs[:len(leaves)])
+            return pullback(self.original, a)[1](list(xs[len(leaves):]))
+
+        evidence = _Evidence(None, lambda: _spreads(original_grads, args, grads_want),
+                             lambda: magnitudes(*flat(grads_of, (*leaves, *cts), is_traced_leaf)))
         paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(args)[0]]
         for k, i in enumerate(idx):
             why = evidence.mismatch(k, grads_want[k], grads_got[k], soundness, tolerance)
@@ -208,7 +215,7 @@ def _classes(entries: Sequence[tuple[Rule, Ruleset]], rtol: float | None, atol: 
     soundness, tolerance = _tolerance(entries)
     if rtol is not None or atol is not None:
         base = tolerance or Tolerance(0.0, 0.0)
-        tolerance = Tolerance(base.rtol if rtol is None else rtol, base.atol if atol is None else atol)
+        tolerance = Tolerance(base.rtol if rtol is None else rtol, base.atol if atol is None else atol, base.terms)
         soundness = soundness if soundness != "exact" else "identity"
     return soundness, tolerance
 

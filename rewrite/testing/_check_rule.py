@@ -37,7 +37,8 @@ from ..rules.match import Value, _short
 from ..rules.rule import Procedure, Rule
 from ..rules.ruleset import Ruleset, Tolerance, entries_of
 from ..rules.saturate import Limits
-from ._compare import _Evidence, _show, _spreads, derivative_mismatch
+from ._compare import Float64Results, _Evidence, _show, _spreads, derivative_mismatch
+from ._magnitude import jvp_magnitudes, magnitudes
 from ._strategies import _into_domain, _is_complex, _is_float, _settings, _wide, arrays
 
 
@@ -102,17 +103,19 @@ class _Reference:
             wide = [jax.ShapeDtypeStruct(a.shape, _wide(a.dtype)) for a in self.avals]
             self._closed = jax.make_jaxpr(self.fn)(*wide)
 
-    def __call__(self, args: Sequence[Any]) -> list[Any] | None:
+    def __call__(self, args: Sequence[Any]) -> Float64Results:
+        """The float64 results at ``args`` (empty where impossible), with the terms' magnitudes on demand."""
+        terms = functools.partial(magnitudes, self.fn, args)
         if self._failed:
-            return None
+            return Float64Results([], terms)
         try:
             with jax.enable_x64(True):
                 self._trace_wide()
                 outs = _evaluate(self._closed, [np.asarray(a).astype(_wide(np.asarray(a).dtype)) for a in args])
         except Exception:
             self._failed = True
-            return None
-        return outs
+            return Float64Results([], terms)
+        return Float64Results(outs, terms)
 
     def tangents(self, args: Sequence[Any], tangents: Sequence[Any]) -> list[Any] | None:
         """The true output tangents (float64) at ``args`` along ``tangents``, or ``None``."""
@@ -475,7 +478,7 @@ def _check_derivatives(rule: Rule, owner: Ruleset, case: _Case, vals: Sequence[A
     # evidence (the float64 derivative, the original's spread) is computed only on a mismatch.
     base = owner.tolerance or Tolerance()
     floor = Tolerance.rtol if owner.soundness == "exact" else _DERIVATIVE_RTOL
-    tolerance = Tolerance(max(base.rtol, floor), max(base.atol, Tolerance.atol))
+    tolerance = Tolerance(max(base.rtol, floor), max(base.atol, Tolerance.atol), base.terms)
     try:
         got_t = _tangents(case.after, vals, tangents)
     except Exception as e:
@@ -488,7 +491,10 @@ def _check_derivatives(rule: Rule, owner: Ruleset, case: _Case, vals: Sequence[A
             if not refs:
                 refs.extend(case.reference.tangents(vals, tangents) or [None] * len(want_t))
                 refs.append(_spreads(lambda a: _tangents(case.before, a, tangents), vals, want_t))
-            why = derivative_mismatch(v, w, g, tolerance=tolerance, reference=refs[i], spread=refs[-1][i])
+                mags = jvp_magnitudes(case.reference.fn, vals, tangents) if tolerance.terms > 0 else None
+                refs.append(mags or [None] * len(want_t))
+            why = derivative_mismatch(v, w, g, tolerance=tolerance, reference=refs[i], spread=refs[-2][i],
+                                      magnitude=refs[-1][i])
         if why is not None:
             raise _failure(rule, owner, case, vals, want_t, got_t, f"JAX's derivative changed: {why}",
                            tangents=tangents)

@@ -3,11 +3,13 @@
 :func:`mismatch` compares one original result with its rewrite: bit for bit
 for ``exact`` (any NaN equal to any NaN, a subnormal equal to the zero of its
 sign), within a tolerance for ``identity`` and ``fastmath``. Where a
-tolerance is exceeded, two pieces of evidence may still acquit the rewrite:
-the true result computed in float64 (the rewrite may be the more accurate
-one), and how far the original itself moves when its inputs move by a few
-ulps (its own conditioning). ``_Evidence`` computes them only once a
-mismatch is found. :func:`soundness_of` gives the class and tolerance a set
+tolerance is exceeded, evidence may still acquit the rewrite: the true
+result computed in float64 (the rewrite may be the more accurate one), how
+far the original itself moves when its inputs move by a few ulps (its own
+conditioning), and, for a tolerance with ``terms``, the magnitude of the
+terms summed into each element (a reordered sum's rounding is relative to
+them, ``rewrite/testing/_magnitude.py``). ``_Evidence`` computes them only
+once a mismatch is found. :func:`soundness_of` gives the class and tolerance a set
 of rulesets is compared under.
 """
 
@@ -114,8 +116,31 @@ def _within_spread(want: np.ndarray, got: np.ndarray, spread: np.ndarray, rtol: 
         return np.isfinite(w) & np.isfinite(g) & (np.abs(g - w) <= atol + rtol * np.abs(w) + d)
 
 
+def _terms(magnitude: Any, want: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """The terms' magnitude and underflow growth (``rewrite/testing/_magnitude.py``) shaped like ``want``
+    (as real pairs for a complex ``want``); a magnitude alone grows an underflow by 1."""
+    m, u = magnitude if isinstance(magnitude, tuple) else (magnitude, np.ones(np.shape(magnitude)))
+    if np.shape(m) != want.shape or np.shape(u) != want.shape:
+        return None
+    m, u = np.asarray(m, np.float64), np.asarray(u, np.float64)
+    if _is_complex(want.dtype):
+        m, u = np.stack([m, m], axis=-1), np.stack([u, u], axis=-1)
+    return m, u
+
+
+def _within_terms(want: np.ndarray, got: np.ndarray, terms: tuple[np.ndarray, np.ndarray], rtol: float,
+                  atol: float, bound: tuple[float, float]) -> np.ndarray:
+    """Where the rewrite moved the result by at most ``bound[0]`` times the magnitude of its terms plus
+    ``bound[1]`` times the growth of an underflow (``Tolerance.terms_for``)."""
+    w, g = want.astype(np.float64), got.astype(np.float64)
+    m, u = terms
+    with np.errstate(invalid="ignore", over="ignore"):
+        return np.isfinite(w) & np.isfinite(g) & np.isfinite(m) & np.isfinite(u) & (
+            np.abs(g - w) <= atol + rtol * np.abs(w) + bound[0] * m + bound[1] * u)
+
+
 def mismatch(want: Any, got: Any, *, soundness: str = "exact", tolerance: Tolerance | None = None,
-             reference: Any = None, spread: Any = None) -> str | None:
+             reference: Any = None, spread: Any = None, magnitude: Any = None) -> str | None:
     """Why ``got`` does not stand in for ``want`` under a soundness class, or ``None`` if it does.
 
     ``exact`` (and any comparison without ``tolerance``) asks for equal bits,
@@ -137,6 +162,12 @@ def mismatch(want: Any, got: Any, *, soundness: str = "exact", tolerance: Tolera
     it no further than that: a rounding difference that the program's own
     conditioning amplifies (``sin`` of a large argument, a cancellation) is
     not the rule's fault.
+    Where the tolerance has ``terms`` and ``magnitude`` (the magnitude of the
+    terms summed into each element, or that and how much an underflow grows on
+    its way to it, as ``rewrite/testing/_magnitude.py`` computes them) is
+    given, an element also passes if the rewrite moved it by at most ``terms``
+    roundings of its terms (``Tolerance.terms_for``): the bound of a reordered
+    sum, which holds for a result of any size.
 
     >>> import numpy as np
     >>> mismatch(np.float32([0.0, np.nan]), np.float32([0.0, -np.nan])) is None
@@ -170,6 +201,11 @@ def mismatch(want: Any, got: Any, *, soundness: str = "exact", tolerance: Tolera
             d = np.stack([d, d], axis=-1) if _is_complex(want.dtype) else d
             ok = ok | _within_spread(w, g, d, rtol, atol)
             note += f", or within the original's own spread under {_NUDGE_ULPS}-ulp input changes"
+        bound = tolerance.terms_for(want.dtype)
+        terms = _terms(magnitude, want) if bound[0] > 0 and magnitude is not None else None
+        if not ok.all() and terms is not None:
+            ok = ok | _within_terms(w, g, terms, rtol, atol, bound)
+            note += f", or within {tolerance.terms:g} roundings of the terms' magnitude"
     if inexact and _is_complex(want.dtype):
         ok = ok.all(axis=-1)
     if np.all(ok):
@@ -183,12 +219,14 @@ def mismatch(want: Any, got: Any, *, soundness: str = "exact", tolerance: Tolera
         line += f", float64 result {_scalar(np.asarray(reference)[idx])}"
     if spread is not None and inexact and np.shape(spread) == want.shape:
         line += f", spread {_scalar(np.asarray(spread)[idx])}"
+    if magnitude is not None and inexact and _terms(magnitude, want) is not None:
+        line += f", terms' magnitude {_scalar(np.asarray(magnitude[0] if isinstance(magnitude, tuple) else magnitude)[idx])}"
     more = f"; {n - 1} more element(s) differ" if n > 1 else ""
     return f"{line} ({note}){more}"
 
 
 def derivative_mismatch(value: Any, want: Any, got: Any, *, tolerance: Tolerance | None = None,
-                        reference: Any = None, spread: Any = None) -> str | None:
+                        reference: Any = None, spread: Any = None, magnitude: Any = None) -> str | None:
     """Why the tangent ``got`` does not stand in for ``want``, the original's, or ``None`` if it does.
 
     A rule must keep the derivatives JAX computes, not only the values: at a
@@ -210,7 +248,9 @@ def derivative_mismatch(value: Any, want: Any, got: Any, *, tolerance: Tolerance
     ``0 * x + x * 0`` is 0). A rewrite may also be finite where JAX's
     derivative of the original is not (an overflow, ``0 * inf`` or ``0/0``
     that another order of operations or a stable form avoids): as with
-    values, a rewrite may do better than the original, never worse.
+    values, a rewrite may do better than the original, never worse. With a
+    tolerance that has ``terms``, ``magnitude`` (of the terms of the
+    derivative program's sums) acquits as it does for values.
 
     >>> import numpy as np
     >>> derivative_mismatch(np.float32([0.0, 1.0]), np.float32([-1.0, 1.0]), np.float32([-1.0, 1.0])) is None
@@ -239,6 +279,11 @@ def derivative_mismatch(value: Any, want: Any, got: Any, *, tolerance: Tolerance
             noise = d <= 1e-2 * np.abs(w.astype(np.float64))
         ok = ok | (_within_spread(w, g, d, rtol, atol) & noise)
         note += f", or within the original's own spread under {_NUDGE_ULPS}-ulp input changes (under 1%)"
+    bound = tolerance.terms_for(want.dtype) if tolerance is not None else (0.0, 0.0)
+    terms = _terms(magnitude, want) if bound[0] > 0 and magnitude is not None else None
+    if not ok.all() and terms is not None:
+        ok = ok | _within_terms(w, g, terms, rtol, atol, bound)
+        note += f", or within {tolerance.terms:g} roundings of the terms' magnitude"
     if value.shape == want.shape and (_is_float(value.dtype) or _is_complex(value.dtype)):
         with np.errstate(invalid="ignore"):
             off = ~np.isfinite(_as_real(value).astype(np.float64))
@@ -295,29 +340,47 @@ def _tolerance(entries: Sequence[tuple[Rule, Ruleset]]) -> tuple[str, Tolerance 
     if weakest == "exact":
         return weakest, None
     tols = [o.tolerance for o in owners if o.tolerance is not None and o.soundness != "exact"]
-    return weakest, Tolerance(max(t.rtol for t in tols), max(t.atol for t in tols))
+    return weakest, Tolerance(max(t.rtol for t in tols), max(t.atol for t in tols), max(t.terms for t in tols))
+
+
+class Float64Results(list):
+    """A program's results computed in float64 (empty where that is impossible), and how to compute the
+    magnitude of their terms (:func:`rewrite.testing._magnitude.magnitudes`) should a tolerance ask."""
+
+    def __init__(self, outs: Sequence[Any], magnitudes: Callable[[], list[Any] | None]) -> None:
+        super().__init__(outs)
+        self.magnitudes = magnitudes
 
 
 class _Evidence:
-    """What settles a tolerance mismatch, computed only once one is found: the float64 result
-    and how far the original moves when its inputs are nudged by a few ulps."""
+    """What settles a tolerance mismatch, computed only once one is found: the float64 result,
+    how far the original moves when its inputs are nudged by a few ulps, and (for a tolerance with
+    ``terms``) the magnitude of the terms summed into each result, from ``magnitudes`` or else from
+    the float64 results when they are :class:`Float64Results`."""
 
     def __init__(self, reference: Callable[[], list[Any] | None] | None,
-                 spreads: Callable[[], list[Any]] | None) -> None:
+                 spreads: Callable[[], list[Any]] | None,
+                 magnitudes: Callable[[], list[Any] | None] | None = None) -> None:
         self._reference = reference
         self._spreads = spreads
-        self._got: tuple[list[Any], list[Any]] | None = None
+        self._magnitudes = magnitudes
+        self._got: tuple[list[Any], list[Any], list[Any]] | None = None
 
     def mismatch(self, i: int, want: Any, got: Any, soundness: str, tolerance: Tolerance | None) -> str | None:
         why = mismatch(want, got, soundness=soundness, tolerance=tolerance)
         if why is None or tolerance is None or soundness == "exact":
             return why
         if self._got is None:
-            refs = (self._reference() if self._reference is not None else None) or []
+            found = self._reference() if self._reference is not None else None
+            refs = found or []
             spreads = self._spreads() if self._spreads is not None else []
-            self._got = (refs, spreads)
-        refs, spreads = self._got
+            terms = self._magnitudes or (found.magnitudes if isinstance(found, Float64Results) else None)
+            mags = (terms() if terms is not None and tolerance.terms > 0 else None) or []
+            self._got = (refs, spreads, mags)
+        refs, spreads, mags = self._got
         ref = refs[i] if i < len(refs) and hasattr(refs[i], "shape") else None
         spread = spreads[i] if i < len(spreads) else None
-        return mismatch(want, got, soundness=soundness, tolerance=tolerance, reference=ref, spread=spread)
+        mag = mags[i] if i < len(mags) else None
+        return mismatch(want, got, soundness=soundness, tolerance=tolerance, reference=ref, spread=spread,
+                        magnitude=mag)
 
