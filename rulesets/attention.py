@@ -448,19 +448,25 @@ def _softmax(s: Any) -> Any:
 
 #: Example programs, one per way a program hands the weights to the product (see _WEIGHTS), first for the
 #: weights as the left operand (``p @ v``), then as the right one (``einsum("bkd,bqk->bdq", v, p)``).
+def _pv(q: Any, k: Any, v: Any) -> Any:
+    return _softmax(q @ jnp.swapaxes(k, -1, -2) * 0.125) @ v
+
+
+def _vp(q: Any, k: Any, v: Any) -> Any:
+    return jnp.einsum("bkd,bqk->bdq", v, _softmax(jnp.einsum("bqd,bkd->bqk", q, k) * 0.125))
+
+
 _EXAMPLES = {
-    ("", True): (lambda q, k, v: _softmax(q @ jnp.swapaxes(k, -1, -2) * 0.125) @ v, 2, jnp.float32),
-    ("", False): (lambda q, k, v: jnp.einsum("bkd,bqk->bdq", v, _softmax(jnp.einsum("bqd,bkd->bqk", q, k) * 0.125)),
-                  2, jnp.float32),
+    ("", True): (_pv, 2, jnp.float32),
+    ("", False): (_vp, 2, jnp.float32),
     ("_cast", True): (lambda q, k, v: _softmax((q @ jnp.swapaxes(k, -1, -2)).astype(jnp.float32) * 0.125)
                       .astype(v.dtype) @ v, 2, jnp.bfloat16),
     ("_cast", False): (lambda q, k, v: jnp.einsum("bkd,bqk->bdq", v, _softmax(
         jnp.einsum("bqd,bkd->bqk", q, k).astype(jnp.float32) * 0.125).astype(v.dtype)), 2, jnp.bfloat16),
-    ("_squeezed", True): (lambda q, k, v: _softmax(q @ jnp.swapaxes(k, -1, -2) * 0.125) @ v, 1, jnp.float32),
-    ("_wide", True): (lambda q, k, v: _softmax(q @ jnp.swapaxes(k, -1, -2) * 0.125) @ v, 2, jnp.bfloat16),
-    ("_wide", False): (lambda q, k, v: jnp.einsum("bkd,bqk->bdq", v, _softmax(jnp.einsum("bqd,bkd->bqk", q, k) * 0.125)),
-                       2, jnp.bfloat16),
-    ("_squeezed_wide", True): (lambda q, k, v: _softmax(q @ jnp.swapaxes(k, -1, -2) * 0.125) @ v, 1, jnp.bfloat16),
+    ("_squeezed", True): (_pv, 1, jnp.float32),
+    ("_wide", True): (_pv, 2, jnp.bfloat16),
+    ("_wide", False): (_vp, 2, jnp.bfloat16),
+    ("_squeezed_wide", True): (_pv, 1, jnp.bfloat16),
     ("_squeezed_cast", True): (lambda q, k, v: _softmax((q @ jnp.swapaxes(k, -1, -2)).astype(jnp.float32) * 0.125)
                                .astype(v.dtype) @ v, 1, jnp.bfloat16),
 }

@@ -295,8 +295,12 @@ class LiveFusion:
         """The program's cost, as :meth:`FusionModel.__call__` prices it."""
         cost = sum(self._cost.values()) + sum(self._views.values())
         if self.model.memory or self.model.budget is not None:
-            cost += self.model.memory_price(max(self._temp.values(), default=0))
+            cost += self.model.memory_price(self.peak())
         return float(cost)
+
+    def peak(self) -> int:
+        """The program's predicted peak of temporaries, as :meth:`price` reads it."""
+        return max(self._temp.values(), default=0)
 
 
 class _KernelSums:

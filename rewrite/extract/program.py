@@ -287,7 +287,7 @@ class LiveProgram:
     def peak(self) -> int:
         """The current program's predicted peak of temporaries (the fusion model's, as its price reads it)."""
         self.flush()
-        return max(self.fusion._temp.values(), default=0)
+        return self.fusion.peak()
 
     def flush(self) -> None:
         """Bring the kernels up to date with the moves made since the last price."""
