@@ -68,6 +68,7 @@ True
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any, Sequence
 
@@ -77,8 +78,11 @@ import numpy as np
 from jax import lax
 
 from rewrite import Pat, Ruleset, Tolerance, Value, procedural, rule
+from rulesets import _fused_attention as _fused
 
 __all__ = ["attention"]
+
+_log = logging.getLogger(__name__)
 
 #: Key axes this long or shorter are kept as written.
 MIN_KEYS = 256
@@ -409,7 +413,7 @@ def _chunk(block: int, p_first: bool, converted: bool = False, squeeze: bool = F
             return None
         axis = int(r.axes[0])
         n = x.shape[axis]
-        if n <= MIN_KEYS or n % block or n // block < 2:
+        if n <= MIN_KEYS:
             return None
         sub = x.node("sub")
         if sub is None:
@@ -435,6 +439,16 @@ def _chunk(block: int, p_first: bool, converted: bool = False, squeeze: bool = F
         p_shape = tuple(d for i, d in enumerate(x.shape) if i not in squeezed)
         pair = (jax.ShapeDtypeStruct(p_shape, cast or x.aval.dtype), jax.ShapeDtypeStruct(v.shape, v.aval.dtype))
         out_shape = jax.eval_shape(lambda a, c: lax.dot_general(a, c, **params), *(pair if p_first else pair[::-1]))
+        impl = _fused.implementation()
+        if impl is not None:
+            call = _fused.fused(plan, out_ref, p_first, pv["dimension_numbers"], v.ndim, squeezed, out_shape, impl)
+            if call is not None:
+                try:
+                    return m.trace(call, *plan.leaves, v)
+                except Exception as e:  # noqa: BLE001 - the fused kernel does not take this: the blocked form
+                    _log.info("attention: %s declined (%s: %s); blocked form", impl, type(e).__name__, e)
+        if n % block or n // block < 2:
+            return None
         fn = _blocked(plan, out_ref, axis, p_first, pv["dimension_numbers"], params, int(vc[0]), block, n,
                       out_shape, cast, squeezed, wide)
         return m.trace(fn, *plan.leaves, v)

@@ -1,0 +1,347 @@
+"""Attention as one fused kernel (``jax.nn.dot_product_attention``) where the backend has one.
+
+``rulesets.attention`` reads a matched program's logits as a small plan (see ``_Plan`` there). Where
+that plan is ``scale * (q k^T) + bias`` under at most a causal mask, and the backend has a fused
+attention kernel (cuDNN's, on a GPU), the pack builds one ``jax.nn.dot_product_attention`` call
+instead of its blocked form; the call declines (and the blocked form is built) where cuDNN does not
+take the dtype (float16 and bfloat16 only), the head dimension or the sequence lengths. A padding
+mask given as an array, a bias that the fused call would round, or a mask that is not exactly
+``query position >= key position`` keep the blocked form, which computes them as the original does.
+
+The fused call adds the bias and masks before the softmax like the original; a masked logit's weight
+is exactly 0 in both where the original fills it with ``-inf`` or with at most ``-1e4`` (after the
+scale): ``exp`` of that minus the row's largest unmasked logit underflows to 0. A causal row always
+has its own position unmasked, so no row is masked everywhere.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from rewrite import Value
+
+
+# ---------------------------------------------------------------------- a fused kernel where the backend has one
+#: The logits' fill value under a mask must send its weight to exactly 0 in the fused kernel and the original.
+_FILL_AT_MOST = -1e4
+
+
+def implementation() -> str | None:
+    """``jax.nn.dot_product_attention``'s implementation to use, or ``None`` for the blocked form.
+
+    cuDNN's fused attention where the default backend is a GPU; it declines (and the blocked form is
+    built) where cuDNN does not take the dtype, shapes or mask. Tests set ``"xla"`` to check the mapping
+    of a matched program onto the fused call on any backend."""
+    return "cudnn" if jax.default_backend() == "gpu" else None
+
+
+def _has_dot(plan: Any, ref: tuple) -> bool:
+    if ref[0] == "leaf":
+        return False
+    prim, _, args, _, _ = plan.steps[ref[1]]
+    return prim.name == "dot_general" or any(_has_dot(plan, a) for a in args)
+
+
+def _scalar(plan: Any, ref: tuple) -> float | None:
+    """The Python value of a literal scalar (maybe broadcast), else ``None``."""
+    if ref[0] == "step":
+        prim, params, args, _, _ = plan.steps[ref[1]]
+        if prim.name == "broadcast_in_dim" and not params["broadcast_dimensions"]:
+            return _scalar(plan, args[0])
+        return None
+    v = plan.leaves[ref[1]]
+    if v.shape != () or v.literal is None:
+        return None
+    return float(v.literal)
+
+
+def _index_axis_of_value(v: Value, depth: int = 0) -> int | None:
+    """The axis along which ``v`` is its own position (an ``iota``, maybe broadcast or converted)."""
+    if depth > 8:
+        return None
+    node = v.node("iota")
+    if node is not None:
+        return int(node.params["dimension"])
+    node = v.node("convert_element_type")
+    if node is not None and jnp.issubdtype(node.operands[0].dtype, jnp.integer):
+        return _index_axis_of_value(node.operands[0], depth + 1)
+    node = v.node("broadcast_in_dim")
+    if node is not None:
+        inner = _index_axis_of_value(node.operands[0], depth + 1)
+        if inner is not None and node.operands[0].shape[inner] == v.shape[node.params["broadcast_dimensions"][inner]]:
+            return int(node.params["broadcast_dimensions"][inner])
+    return None
+
+
+def _index_axis(plan: Any, ref: tuple, depth: int = 0) -> int | None:
+    if ref[0] == "leaf":
+        return _index_axis_of_value(plan.leaves[ref[1]])
+    prim, params, args, aval, _ = plan.steps[ref[1]]
+    if depth > 8:
+        return None
+    if prim.name == "iota":
+        return int(params["dimension"])
+    if prim.name == "convert_element_type" and jnp.issubdtype(aval.dtype, jnp.integer):
+        return _index_axis(plan, args[0], depth + 1)
+    if prim.name == "broadcast_in_dim":
+        inner = _index_axis(plan, args[0], depth + 1)
+        dims = params["broadcast_dimensions"]
+        src = plan.leaves[args[0][1]].shape if args[0][0] == "leaf" else plan.steps[args[0][1]][3].shape
+        if inner is not None and src[inner] == aval.shape[dims[inner]]:
+            return int(dims[inner])
+    return None
+
+
+def _causal(plan: Any, ref: tuple, q_axis: int, k_axis: int, depth: int = 0) -> bool | None:
+    """``True`` where ``ref`` is ``query position >= key position``, ``False`` where it is ``<``, else ``None``."""
+    if ref[0] == "leaf" or depth > 8:
+        return None
+    prim, params, args, aval, _ = plan.steps[ref[1]]
+    name = prim.name
+    if name == "broadcast_in_dim":  # a mask of fewer axes (flax's [b, 1, q, k]) broadcast over heads
+        src = plan.leaves[args[0][1]].aval if args[0][0] == "leaf" else plan.steps[args[0][1]][3]
+        dims = tuple(params["broadcast_dimensions"])
+        if q_axis not in dims or k_axis not in dims:
+            return None
+        iq, ik = dims.index(q_axis), dims.index(k_axis)
+        if src.shape[iq] != aval.shape[q_axis] or src.shape[ik] != aval.shape[k_axis]:
+            return None
+        return _causal(plan, args[0], iq, ik, depth + 1)
+    if name == "convert_element_type":  # a bool mask as 0/1 numbers, read back by ``!= 0``
+        return _causal(plan, args[0], q_axis, k_axis, depth + 1)
+    if name == "ne" and len(args) == 2:
+        zero = [i for i, a in enumerate(args) if _scalar(plan, a) == 0.0]
+        if len(zero) == 1:
+            return _causal(plan, args[1 - zero[0]], q_axis, k_axis, depth + 1)
+        return None
+    if name not in ("ge", "le", "gt", "lt"):
+        return None
+    a, b = (_index_axis(plan, x) for x in args)
+    if (a, b) == (k_axis, q_axis):
+        name = {"ge": "le", "le": "ge", "gt": "lt", "lt": "gt"}[name]
+    elif (a, b) != (q_axis, k_axis):
+        return None
+    return {"ge": True, "lt": False}.get(name)
+
+
+def _full(plan: Any, leaves: Sequence[Any], ref: tuple, memo: dict) -> Any:
+    """The value of ``ref`` over every key (no block): the plan's steps it needs, and no others."""
+    if ref[0] == "leaf":
+        return leaves[ref[1]]
+    if ref not in memo:
+        prim, params, args, _, _ = plan.steps[ref[1]]
+        res = prim.bind(*[_full(plan, leaves, a, memo) for a in args], **params)
+        memo[ref] = res[0] if isinstance(res, (list, tuple)) else res
+    return memo[ref]
+
+
+def _dtype_of(plan: Any, ref: tuple) -> Any:
+    return (plan.leaves[ref[1]].aval if ref[0] == "leaf" else plan.steps[ref[1]][3]).dtype
+
+
+def _shape_of(plan: Any, ref: tuple) -> tuple:
+    return tuple((plan.leaves[ref[1]].aval if ref[0] == "leaf" else plan.steps[ref[1]][3]).shape)
+
+
+def _path(plan: Any, out_ref: tuple) -> list[tuple] | None:
+    """The steps from the logits down to the product, each with the index of its operand that leads there."""
+    path, ref = [], out_ref
+    for _ in range(32):
+        if ref[0] == "leaf":
+            return None
+        prim, _, args, _, _ = plan.steps[ref[1]]
+        if prim.name == "dot_general":
+            return path + [(ref, None)]
+        dotted = [i for i, a in enumerate(args) if _has_dot(plan, a)]
+        if len(dotted) != 1:
+            return None
+        path.append((ref, dotted[0]))
+        ref = args[dotted[0]]
+    return None
+
+
+def _axis_maps(plan: Any, path: list[tuple]) -> list[list[int | None]] | None:
+    """For each step of ``path``, its axes as the product's (``None``: an axis of size one it inserts)."""
+    dot = path[-1][0]
+    maps = [list(range(len(_shape_of(plan, dot))))]
+    for ref, _ in reversed(path[:-1]):
+        prim, params, _, aval, _ = plan.steps[ref[1]]
+        below = maps[0]
+        if prim.name == "broadcast_in_dim":
+            dims = tuple(params["broadcast_dimensions"])
+            if any(d not in dims and aval.shape[d] != 1 for d in range(len(aval.shape))):
+                return None  # a copy of the logits along a new axis: not attention's form
+            maps.insert(0, [below[dims.index(d)] if d in dims else None for d in range(len(aval.shape))])
+        elif len(aval.shape) == len(below):
+            maps.insert(0, list(below))
+        else:
+            return None
+    return maps
+
+
+def _logits_form(plan: Any, out_ref: tuple) -> tuple | None:
+    """The logits as ``scale * (q k^T) + bias`` under at most one causal mask.
+
+    Returns ``(dot, scale, terms, causal, top)``: the product's step, the scale, the bias as ``(ref, factor,
+    shape, axes)`` terms (``axes``: the term's axes as the product's), whether a causal mask applies, and
+    the logits' axes as the product's; ``None`` where the logits are anything else (a mask given as an
+    array, say)."""
+    path = _path(plan, out_ref)
+    maps = _axis_maps(plan, path) if path is not None else None
+    if maps is None:
+        return None
+    dot = path[-1][0]
+    dparams, key = plan.steps[dot[1]][1], plan.steps[dot[1]][4]
+    nb = len(dparams["dimension_numbers"][1][0])
+    q_dot = nb + 1 if key == nb else nb
+    scale, bias, causal, fill = 1.0, [], False, None
+    for (ref, i), amap in zip(path[:-1], maps):
+        prim, _, args, aval, _ = plan.steps[ref[1]]
+        name = prim.name
+        if name in ("broadcast_in_dim",) or (name == "convert_element_type"
+                                              and jnp.issubdtype(aval.dtype, jnp.floating)):
+            continue
+        if name in ("mul", "div") and len(args) == 2:
+            c = _scalar(plan, args[1 - i])
+            if c is None or not math.isfinite(c) or c <= 0 or (name == "div" and i == 1):
+                return None
+            scale *= c if name == "mul" else 1.0 / c  # scales what lies below: the product, a bias added there
+        elif name in ("add", "sub") and len(args) == 2 and not (name == "sub" and i == 1):
+            bias.append((args[1 - i], scale if name == "add" else -scale, tuple(aval.shape), amap))
+        elif name == "select_n" and len(args) == 3 and i != 0 and not causal:
+            lo = _scalar(plan, args[3 - i])
+            # a bias added after the mask would move the masked logits: the fused call adds it before
+            if lo is None or bias or q_dot not in amap or key not in amap:
+                return None
+            keep = _causal(plan, args[0], amap.index(q_dot), amap.index(key))
+            if keep is None or keep != (i == 2):  # select_n picks its last operand where the mask is true
+                return None
+            causal, fill = True, lo * scale  # the masked logit as the softmax sees it
+        else:
+            return None
+    if fill is not None and not (fill == -math.inf or fill <= _FILL_AT_MOST):
+        return None
+    return dot, scale, bias, causal, maps[0]
+
+
+def _exact_in(plan: Any, ref: tuple, dtype: Any, depth: int = 0) -> bool:
+    """Whether every value of ``ref`` is one of ``dtype`` (values of it widened, broadcast or moved)."""
+    if _dtype_of(plan, ref) == dtype:
+        return True
+    if ref[0] == "leaf" or depth > 8:
+        return False
+    prim, _, args, _, _ = plan.steps[ref[1]]
+    if prim.name in ("convert_element_type", "broadcast_in_dim", "transpose", "reshape", "squeeze"):
+        return _exact_in(plan, args[0], dtype, depth + 1)
+    return False
+
+
+def _to4(x: Any, axes: Sequence[int | None]) -> Any:
+    """``x`` with its axes ``axes`` as ``[b0, seq, b1, head]``; an axis given as ``None`` is inserted, size one."""
+    present = [a for a in axes if a is not None]
+    y = lax.transpose(x, tuple(present)) if present != sorted(present) else x
+    missing = tuple(i for i, a in enumerate(axes) if a is None)
+    return lax.expand_dims(y, missing) if missing else y
+
+
+def _as_product(x: Any, shape: tuple, amap: Sequence[int | None]) -> Any:
+    """A bias term of ``shape`` (maybe broadcast to it) with its axes ``amap``, in the product's layout."""
+    x = jnp.broadcast_to(x, shape)
+    unit = tuple(d for d, a in enumerate(amap) if a is None)
+    x = lax.squeeze(x, unit) if unit else x
+    kept = [a for a in amap if a is not None]
+    perm = tuple(int(j) for j in np.argsort(kept))
+    return lax.transpose(x, perm) if list(perm) != sorted(perm) else x
+
+
+def fused(plan: Any, out_ref: tuple, p_first: bool, pv_dn: Any, v_rank: int, squeezed: tuple, out_aval: Any,
+          impl: str):
+    """``fn(*leaves, v)``: the attention as one ``jax.nn.dot_product_attention`` call, or ``None``.
+
+    ``pv_dn`` is the dimension numbers of the weights' product with ``v`` (``p_first``: the weights on the
+    left), whose weights are the logits less their axes ``squeezed``."""
+    form = _logits_form(plan, out_ref)
+    if form is None:
+        return None
+    dot_ref, scale, bias, causal, top = form
+    _, dparams, (a_ref, b_ref), d_aval, key = plan.steps[dot_ref[1]]
+    (lc, rc), (lb, rb) = dparams["dimension_numbers"]
+    nb = len(lb)
+    if nb > 2 or len(lc) != 1 or len(d_aval.shape) != nb + 2:
+        return None
+    q_lhs = key == nb + 1  # the query is the product's left operand
+    q_ref, k_ref = (a_ref, b_ref) if q_lhs else (b_ref, a_ref)
+    qb, kb = (lb, rb) if q_lhs else (rb, lb)
+    qc, kc = (lc[0], rc[0]) if q_lhs else (rc[0], lc[0])
+    q_axis = nb if q_lhs else nb + 1
+    q_rank, k_rank = len(_shape_of(plan, q_ref)), len(_shape_of(plan, k_ref))
+    dtype = _dtype_of(plan, q_ref)
+    if q_rank != nb + 2 or k_rank != nb + 2 or _dtype_of(plan, k_ref) != dtype:
+        return None
+    # A bias term goes to the fused call in the query's dtype: only where that rounds nothing (values of the
+    # query's dtype, widened and broadcast, scaled by a power of two that cannot overflow the narrower dtype).
+    terms = []
+    for r, w, shape, amap in bias:
+        if not _exact_in(plan, r, dtype) or math.frexp(abs(w))[0] != 0.5 or (
+                abs(w) != 1.0 and jnp.finfo(dtype).maxexp < jnp.finfo(_dtype_of(plan, r)).maxexp):
+            return None
+        terms.append((r, w, shape, amap))
+    # The weights (the logits less ``squeezed``) times v: the product's batch axes are the logits' batch
+    # axes that the weights keep, its contraction the key axis, and v has one more axis, the head dimension.
+    (pc_l, pc_r), (pb_l, pb_r) = pv_dn
+    p_batch, v_batch = (pb_l, pb_r) if p_first else (pb_r, pb_l)
+    v_c = (pc_r if p_first else pc_l)[0]
+    kept = [d for d in range(len(top)) if d not in squeezed]   # the weights' axes, as the logits'
+    p_dot = [top[d] for d in kept]                              # ... as the product's (None: size one)
+    if any(p_dot[p] is None or p_dot[p] >= nb for p in p_batch):
+        return None
+    v_axes: list[int | None] = []  # v's axis for each of the product's batch axes (None: v lacks it)
+    for i in range(nb):
+        if i in p_dot and p_dot.index(i) in p_batch:
+            v_axes.append(int(v_batch[list(p_batch).index(p_dot.index(i))]))
+        elif i in p_dot or d_aval.shape[i] != 1:
+            return None
+        else:
+            v_axes.append(None)
+    free = [p for p in range(len(kept)) if p not in p_batch and p_dot[p] != key]
+    v_free = [d for d in range(v_rank) if d not in v_batch and d != v_c]
+    if len(v_free) != 1 or [p_dot[p] for p in free] != [q_axis]:
+        return None
+    q_free = next(d for d in range(q_rank) if d not in qb and d != qc)
+    k_free = next(d for d in range(k_rank) if d not in kb and d != kc)
+
+    def pad(batch: Sequence[int | None], seq: int, head: int) -> list:
+        return [batch[0] if nb > 0 else None, seq, batch[1] if nb > 1 else None, head]
+
+    # Where each axis of the weights' product comes from in the fused call's [b0, T, b1, H].
+    src = [(0, 2)[p_dot[p]] for p in p_batch] + ([1, 3] if p_first else [3, 1])
+    dropped = tuple(a for a in range(4) if a not in src)
+    perm = tuple(sorted(src).index(a) for a in src)
+    out_dtype = out_aval.dtype
+
+    def fn(*args: Any) -> Any:
+        *leaves, v = args
+        memo: dict = {}
+        q = _full(plan, leaves, q_ref, memo)
+        k = _full(plan, leaves, k_ref, memo)
+        b = None
+        for r, w, shape, amap in terms:
+            t = _full(plan, leaves, r, memo)
+            t = _as_product(t if w == 1.0 else t * jnp.asarray(w, t.dtype), shape, amap).astype(q.dtype)
+            b = t if b is None else b + t
+        if b is not None:
+            b = jnp.swapaxes(_to4(b, pad(list(range(nb)), q_axis, key)), 1, 2)   # [b0, b1, T, S]
+        o = jax.nn.dot_product_attention(_to4(q, pad(qb, q_free, qc)), _to4(k, pad(kb, k_free, kc)),
+                                         _to4(v, pad(v_axes, v_c, v_free[0])).astype(dtype), bias=b,
+                                         scale=scale, is_causal=causal, implementation=impl)
+        o = lax.squeeze(o, dropped) if dropped else o
+        o = lax.transpose(o, perm) if list(perm) != sorted(perm) else o
+        return o.astype(out_dtype)
+
+    return fn

@@ -1,0 +1,142 @@
+"""``rulesets.attention`` as one fused ``jax.nn.dot_product_attention`` call (cuDNN's on a GPU).
+
+On a CPU the pack never builds the fused call (``implementation()`` is ``None``). These tests set it to
+``"xla"``, the reference implementation of the same call, to check on any backend how a matched program
+is mapped onto the call's layout, scale, bias and causal mask: values and gradients against the original.
+The rules are made preferred here (the matched form barred), so that the fused form is what runs, and
+saturation stops after one round: the XLA implementation is itself attention, which a second round would
+match again (cuDNN's call is one opaque kernel).
+The last test runs cuDNN itself, on a GPU only."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from rewrite import Limits, Ruleset, explain, rewrite, rule
+from rulesets import _fused_attention as fused_mod
+from rulesets.attention import attention
+
+from .test_attention import close, inputs, make
+
+#: The pack's rules, preferred: where a rule built the fused call, the matched form cannot be chosen.
+PREFERRED = Ruleset("attention_preferred", [
+    rule(r.lhs, r.rhs, name=r.name + "_pref", example_program=r.program, prefer=True)
+    for r in attention.rules], soundness="identity", tolerance=attention.tolerance)
+ONE_ROUND = Limits(iterations=1)
+pytestmark = pytest.mark.filterwarnings("ignore:rewrite of 'f' stopped at the iteration limit")
+
+
+@pytest.fixture
+def xla_call(monkeypatch):
+    """The fused call on this backend (its XLA implementation); the list of what each match built."""
+    built = []
+    real = fused_mod.fused
+
+    def spy(*args, **kwargs):
+        fn = real(*args, **kwargs)
+        built.append(fn is not None)
+        return fn
+
+    monkeypatch.setattr(fused_mod, "implementation", lambda: "xla")
+    monkeypatch.setattr(fused_mod, "fused", spy)
+    return built
+
+
+def _grads(fn, args):
+    return jax.jit(jax.grad(lambda q, k, v, b: jnp.sum(jnp.sin(fn(q, k, v, args[3], b).astype(jnp.float32))),
+                            argnums=(0, 1, 2, 3)))(*args[:3], args[4])
+
+
+CASES = st.fixed_dictionaries({
+    "layout": st.sampled_from(["bhnd", "bnhd"]),
+    "mask": st.sampled_from(["none", "causal"]),
+    "fill": st.sampled_from(["finfo", "-1e30", "-inf"]),
+    "scale_on": st.sampled_from(["q", "logits"]),
+    "bias": st.booleans(),
+    "b": st.integers(1, 2), "h": st.integers(1, 2),
+    # float16: XLA:CPU has no float16 product accumulating in float32, which the XLA implementation asks for
+    "dtype": st.sampled_from(["float32", "bfloat16"]),
+    "seed": st.integers(0, 2 ** 16),
+})
+
+
+# the fixture's list is cleared by each example
+@settings(max_examples=max(10, settings.default.max_examples // 2),
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(CASES)
+def test_fused_call_keeps_values_and_gradients(xla_call, case):
+    xla_call.clear()
+    dtype = jnp.dtype(case["dtype"])
+    cast = dtype != jnp.float32
+    f = make(case["layout"], case["mask"], case["fill"], case["scale_on"], case["bias"], cast)
+    args = inputs(np.random.default_rng(case["seed"]), case["layout"], case["b"], case["h"], 512, 8, dtype,
+                  case["mask"])
+    after = [e.primitive.name for e in explain(f, *args, rulesets=[PREFERRED], limits=ONE_ROUND).after.eqns]
+    assert any(xla_call), "no match was mapped onto the fused call"
+    assert "custom_vjp_call" not in after, "the blocked form was built where the fused call applies"
+    g = rewrite(f, rulesets=[PREFERRED], limits=ONE_ROUND)
+    close(g(*args), jax.jit(f)(*args), dtype)
+    if dtype != jnp.bfloat16:
+        for a, b in zip(_grads(g, args), _grads(f, args)):
+            close(a, b, dtype)
+
+
+@pytest.mark.parametrize("form", ["padding", "array", "small_fill", "offset_causal", "bias_after_mask",
+                                  "strict_causal"])
+def test_what_the_fused_call_cannot_compute_keeps_the_blocked_form(xla_call, form):
+    """A mask the call does not take (an array, a diagonal-less or shifted causal mask), a fill that does
+    not zero a weight, or a bias added after the mask: the blocked form, which computes it as written."""
+    n = 512
+
+    def f(q, k, v, m, b):
+        s = q @ jnp.swapaxes(k, -1, -2) * 0.125
+        qi, ki = jnp.arange(n)[:, None], jnp.arange(n)[None, :]
+        if form in ("padding", "array"):
+            s = jnp.where(m, s, -1e30)
+        elif form == "small_fill":
+            s = jnp.where(qi >= ki, s, -10.0)
+        elif form == "offset_causal":
+            s = jnp.where(qi + 3 >= ki, s, -jnp.inf)
+        elif form == "strict_causal":
+            s = jnp.where(qi > ki, s, -1e30)
+        else:
+            s = jnp.where(qi >= ki, s, -1e30) + b
+        return jax.nn.softmax(s, axis=-1) @ v
+
+    mask = "padding" if form == "padding" else "array"
+    args = inputs(np.random.default_rng(5), "bhnd", 1, 2, n, 8, jnp.float32, mask)
+    fired = explain(f, *args, rulesets=[PREFERRED], limits=ONE_ROUND).fired
+    assert any(name.startswith("attn_") for name in fired), fired
+    assert xla_call and not any(xla_call), xla_call
+    g = rewrite(f, rulesets=[PREFERRED], limits=ONE_ROUND)
+    close(g(*args), jax.jit(f)(*args), jnp.float32)
+
+
+def test_no_fused_call_without_a_fused_kernel():
+    # On this backend (no cuDNN), the pack builds the blocked form; on a GPU it is cuDNN's call.
+    if jax.default_backend() == "gpu":
+        assert fused_mod.implementation() == "cudnn"
+        return
+    assert fused_mod.implementation() is None
+    args = inputs(np.random.default_rng(6), "bhnd", 1, 2, 512, 8, jnp.float32, "none")
+    f = make("bhnd", "causal", "finfo", "logits", False, False)
+    after = [e.primitive.name for e in explain(f, *args, rulesets=[attention]).after.eqns]
+    assert "custom_vjp_call" in after, after
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN's fused attention needs a GPU")
+@pytest.mark.parametrize("layout,mask,dtype", [("bnhd", "causal", "bfloat16"), ("bhnd", "none", "float16"),
+                                               ("bnhd", "none", "float32")])
+def test_cudnn_on_a_gpu(layout, mask, dtype):
+    """The pack unchanged: cuDNN's call where it takes the dtype (half precision), else the blocked form."""
+    dtype = jnp.dtype(dtype)
+    f = make(layout, mask, "finfo", "logits", False, dtype != jnp.float32)
+    args = inputs(np.random.default_rng(7), layout, 2, 4, 1024, 64, dtype, mask)
+    g = rewrite(f, rulesets=[attention])
+    text = str(jax.jit(g).lower(*args).as_text())
+    assert ("cudnn" in text.lower()) == (dtype != jnp.float32), "cuDNN's call where it applies, only there"
+    close(g(*args), jax.jit(f)(*args), dtype)
+    for a, b in zip(_grads(g, args), _grads(f, args)):
+        close(a, b, dtype)
