@@ -38,6 +38,16 @@ variants:
 Programs whose key axis is 256 or shorter are left alone (the scores are
 small), and the key block is 256 (see ``BLOCKS``).
 
+**On a GPU, cuDNN's fused attention instead.** Where the logits are
+``scale * (q k^T) + bias`` under at most a causal mask and the backend has a
+fused kernel, the rule builds one ``jax.nn.dot_product_attention(...,
+implementation="cudnn")`` call (``rulesets/_fused_attention.py``); cuDNN
+declines float32, some head dimensions and array masks, and there the
+program is kept, since on a GPU the blocked form measured slower than XLA's
+own attention (H200, N=4096: the cuDNN call 3.2-11.3x faster with 2-4% of
+the temp memory; the blocked form 0.54-0.71x without a mask;
+``benchmarks/results/gpu.md``).
+
 **Rewrite the forward, then differentiate:** ``jax.grad(rewrite(loss))``
 takes the blocked program's own backward. ``rewrite(jax.grad(loss))`` (or a
 rewritten training step that calls ``jax.grad`` inside) sees JAX's backward
@@ -447,7 +457,7 @@ def _chunk(block: int, p_first: bool, converted: bool = False, squeeze: bool = F
                     return m.trace(call, *plan.leaves, v)
                 except Exception as e:  # noqa: BLE001 - the fused kernel does not take this: the blocked form
                     _log.info("attention: %s declined (%s: %s); blocked form", impl, type(e).__name__, e)
-        if n % block or n // block < 2:
+        if n % block or n // block < 2 or not _fused.blocked():
             return None
         fn = _blocked(plan, out_ref, axis, p_first, pv["dimension_numbers"], params, int(vc[0]), block, n,
                       out_shape, cast, squeezed, wide)

@@ -114,12 +114,12 @@ def test_what_the_fused_call_cannot_compute_keeps_the_blocked_form(xla_call, for
     close(g(*args), jax.jit(f)(*args), jnp.float32)
 
 
-def test_no_fused_call_without_a_fused_kernel():
+def test_fused_call_and_blocked_form_by_backend():
     # On this backend (no cuDNN), the pack builds the blocked form; on a GPU it is cuDNN's call.
     if jax.default_backend() == "gpu":
-        assert fused_mod.implementation() == "cudnn"
+        assert fused_mod.implementation() == "cudnn" and not fused_mod.blocked()
         return
-    assert fused_mod.implementation() is None
+    assert fused_mod.implementation() is None and fused_mod.blocked()
     args = inputs(np.random.default_rng(6), "bhnd", 1, 2, 512, 8, jnp.float32, "none")
     f = make("bhnd", "causal", "finfo", "logits", False, False)
     after = [e.primitive.name for e in explain(f, *args, rulesets=[attention]).after.eqns]
@@ -130,13 +130,17 @@ def test_no_fused_call_without_a_fused_kernel():
 @pytest.mark.parametrize("layout,mask,dtype", [("bnhd", "causal", "bfloat16"), ("bhnd", "none", "float16"),
                                                ("bnhd", "none", "float32")])
 def test_cudnn_on_a_gpu(layout, mask, dtype):
-    """The pack unchanged: cuDNN's call where it takes the dtype (half precision), else the blocked form."""
+    """The pack unchanged: cuDNN's call where it takes the dtype (half precision), else the program kept
+    (on a GPU the blocked form measured slower than XLA's attention)."""
     dtype = jnp.dtype(dtype)
     f = make(layout, mask, "finfo", "logits", False, dtype != jnp.float32)
     args = inputs(np.random.default_rng(7), layout, 2, 4, 1024, 64, dtype, mask)
     g = rewrite(f, rulesets=[attention])
     text = str(jax.jit(g).lower(*args).as_text())
     assert ("cudnn" in text.lower()) == (dtype != jnp.float32), "cuDNN's call where it applies, only there"
+    if dtype == jnp.float32:  # kept as written: nothing to compare
+        assert not explain(f, *args, rulesets=[attention]).result.rewritten
+        return
     close(g(*args), jax.jit(f)(*args), dtype)
     for a, b in zip(_grads(g, args), _grads(f, args)):
         close(a, b, dtype)
