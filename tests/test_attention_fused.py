@@ -144,3 +144,31 @@ def test_cudnn_on_a_gpu(layout, mask, dtype):
     close(g(*args), jax.jit(f)(*args), dtype)
     for a, b in zip(_grads(g, args), _grads(f, args)):
         close(a, b, dtype)
+
+
+@pytest.mark.parametrize("library", ["flax_mha", "haiku_mha", "equinox_mha", "flax_causal"])
+def test_library_layers_map_onto_the_fused_call(xla_call, library):
+    """The libraries' attention layers (benchmarks/attention.py builds them) and flax's causal mask made
+    inside the model (``nn.make_causal_mask``, iota comparisons): each becomes the fused call."""
+    pytest.importorskip({"flax_mha": "flax", "haiku_mha": "haiku", "equinox_mha": "equinox",
+                         "flax_causal": "flax"}[library])
+    bench = pytest.importorskip("benchmarks.attention")
+    if library == "flax_causal":
+        import flax.linen as nn
+
+        def f(q, k, v):
+            return nn.dot_product_attention(q, k, v, mask=nn.make_causal_mask(jnp.ones(q.shape[:2])))
+
+        rng = np.random.default_rng(8)
+        args = [jnp.asarray(rng.standard_normal((2, 512, 2, 16)), jnp.float32) for _ in range(3)]
+    else:
+        f, x = bench.layers(512)[library]
+        args = [x]
+    explain(f, *args, rulesets=[PREFERRED], limits=ONE_ROUND)
+    assert xla_call and all(xla_call), xla_call
+    g = rewrite(f, rulesets=[PREFERRED], limits=ONE_ROUND)
+    close(jax.jit(g)(*args), jax.jit(f)(*args), jnp.float32)
+    loss = lambda fn: (lambda *a: jnp.sum(jnp.sin(fn(*a))))  # noqa: E731
+    for a, b in zip(jax.grad(loss(g), argnums=tuple(range(len(args))))(*args),
+                    jax.grad(loss(f), argnums=tuple(range(len(args))))(*args)):
+        close(a, b, jnp.float32)
