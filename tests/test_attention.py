@@ -133,20 +133,23 @@ def test_float64():
         np.testing.assert_allclose(g(q, k, v), plain(q, k, v), rtol=1e-12, atol=1e-13)
 
 
-def test_gradient_under_jit_and_vmap():
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])  # bfloat16: jax.nn.softmax's float32 sum (_wide)
+def test_gradient_under_jit_and_vmap(dtype):
     rng = np.random.default_rng(1)
-    q, k, v = (jnp.asarray(rng.standard_normal((3, 2, 512, 8)), jnp.float32) for _ in range(3))
+    q, k, v = (jnp.asarray(rng.standard_normal((3, 2, 512, 8)), dtype) for _ in range(3))
+    fired = explain(plain, q[0], k[0], v[0], rulesets=[attention]).fired
+    assert any(n.startswith("attn_") and ("_wide" in n) == (dtype == "bfloat16") for n in fired), fired
     g = rewrite(plain, rulesets=[attention])
     loss = lambda fn: (lambda q, k, v: jnp.sum(jnp.sin(fn(q, k, v))))
     want = jax.grad(loss(plain), argnums=(0, 1, 2))(q[0], k[0], v[0])
     for got in (jax.grad(loss(g), argnums=(0, 1, 2))(q[0], k[0], v[0]),
                 jax.jit(jax.grad(loss(g), argnums=(0, 1, 2)))(q[0], k[0], v[0])):
         for a, b in zip(got, want):
-            close(a, b, jnp.float32)
+            close(a, b, dtype)
     batched = jax.vmap(jax.grad(loss(g), argnums=(0, 1, 2)))(q, k, v)
     expect = jax.vmap(jax.grad(loss(plain), argnums=(0, 1, 2)))(q, k, v)
     for a, b in zip(batched, expect):
-        close(a, b, jnp.float32)
+        close(a, b, dtype)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
