@@ -270,12 +270,13 @@ def _as_product(x: Any, shape: tuple, amap: Sequence[int | None]) -> Any:
     return lax.transpose(x, perm) if list(perm) != sorted(perm) else x
 
 
-def fused(plan: Any, out_ref: tuple, p_first: bool, pv_dn: Any, v_rank: int, squeezed: tuple, out_aval: Any,
+def fused(plan: Any, out_ref: tuple, p_first: bool, pv_dn: Any, v_aval: Any, squeezed: tuple, out_aval: Any,
           impl: str):
     """``fn(*leaves, v)``: the attention as one ``jax.nn.dot_product_attention`` call, or ``None``.
 
-    ``pv_dn`` is the dimension numbers of the weights' product with ``v`` (``p_first``: the weights on the
-    left), whose weights are the logits less their axes ``squeezed``."""
+    ``pv_dn`` is the dimension numbers of the weights' product with ``v`` (of ``v_aval``; ``p_first``: the
+    weights on the left), whose weights are the logits less their axes ``squeezed``."""
+    v_rank, v_dtype = len(v_aval.shape), v_aval.dtype
     form = _logits_form(plan, out_ref)
     if form is None:
         return None
@@ -292,7 +293,9 @@ def fused(plan: Any, out_ref: tuple, p_first: bool, pv_dn: Any, v_rank: int, squ
     q_axis = nb if q_lhs else nb + 1
     q_rank, k_rank = len(_shape_of(plan, q_ref)), len(_shape_of(plan, k_ref))
     dtype = _dtype_of(plan, q_ref)
-    if q_rank != nb + 2 or k_rank != nb + 2 or _dtype_of(plan, k_ref) != dtype:
+    # the call computes in the query's dtype: v and the result must be of it too (no rounding the original
+    # does not do)
+    if q_rank != nb + 2 or k_rank != nb + 2 or _dtype_of(plan, k_ref) != dtype or out_aval.dtype != dtype:
         return None
     # A bias term goes to the fused call in the query's dtype: only where that rounds nothing (values of the
     # query's dtype, widened and broadcast, scaled by a power of two that cannot overflow the narrower dtype).
@@ -326,6 +329,9 @@ def fused(plan: Any, out_ref: tuple, p_first: bool, pv_dn: Any, v_rank: int, squ
     q_free = next(d for d in range(q_rank) if d not in qb and d != qc)
     k_free = next(d for d in range(k_rank) if d not in kb and d != kc)
 
+    if v_dtype != dtype:
+        return None
+
     def pad(batch: Sequence[int | None], seq: int, head: int) -> list:
         return [batch[0] if nb > 0 else None, seq, batch[1] if nb > 1 else None, head]
 
@@ -348,7 +354,7 @@ def fused(plan: Any, out_ref: tuple, p_first: bool, pv_dn: Any, v_rank: int, squ
         if b is not None:
             b = jnp.swapaxes(_to4(b, pad(list(range(nb)), q_axis, key)), 1, 2)   # [b0, b1, T, S]
         o = jax.nn.dot_product_attention(_to4(q, pad(qb, q_free, qc)), _to4(k, pad(kb, k_free, kc)),
-                                         _to4(v, pad(v_axes, v_c, v_free[0])).astype(dtype), bias=b,
+                                         _to4(v, pad(v_axes, v_c, v_free[0])), bias=b,
                                          scale=scale, is_causal=causal, implementation=impl)
         o = lax.squeeze(o, dropped) if dropped else o
         o = lax.transpose(o, perm) if list(perm) != sorted(perm) else o

@@ -451,7 +451,7 @@ def _chunk(block: int, p_first: bool, converted: bool = False, squeeze: bool = F
         out_shape = jax.eval_shape(lambda a, c: lax.dot_general(a, c, **params), *(pair if p_first else pair[::-1]))
         impl = _fused.implementation()
         if impl is not None:
-            call = _fused.fused(plan, out_ref, p_first, pv["dimension_numbers"], v.ndim, squeezed, out_shape, impl)
+            call = _fused.fused(plan, out_ref, p_first, pv["dimension_numbers"], v.aval, squeezed, out_shape, impl)
             if call is not None:
                 try:
                     return m.trace(call, *plan.leaves, v)

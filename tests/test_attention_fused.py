@@ -172,3 +172,34 @@ def test_library_layers_map_onto_the_fused_call(xla_call, library):
     for a, b in zip(jax.grad(loss(g), argnums=tuple(range(len(args))))(*args),
                     jax.grad(loss(f), argnums=tuple(range(len(args))))(*args)):
         close(a, b, jnp.float32)
+
+
+@pytest.mark.parametrize("form", ["f32_values", "f32_result"])
+def test_the_fused_call_rounds_nothing_the_original_does_not(xla_call, form):
+    """The call computes in the query's dtype: a v of a wider dtype, or a product asked to return a wider
+    dtype, would be rounded by it where the original is not: the blocked form."""
+
+    def f(q, k, v):
+        p = jax.nn.softmax((q @ jnp.swapaxes(k, -1, -2)).astype(jnp.float32) * 0.125, axis=-1)
+        if form == "f32_values":
+            return p @ v.astype(jnp.float32)
+        return jnp.matmul(p.astype(q.dtype), v, preferred_element_type=jnp.float32)
+
+    rng = np.random.default_rng(9)
+    q, k, v = (jnp.asarray(rng.standard_normal((2, 512, 8)), jnp.bfloat16) for _ in range(3))
+    fired = explain(f, q, k, v, rulesets=[PREFERRED], limits=ONE_ROUND).fired
+    assert any(name.startswith("attn_") for name in fired), fired
+    assert xla_call and not any(xla_call), xla_call
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN's fused attention needs a GPU")
+@pytest.mark.parametrize("special", ["nan_q", "inf_k", "nan_v"])
+def test_cudnn_special_values_as_the_original(special):
+    rng = np.random.default_rng(10)
+    q, k, v = (rng.standard_normal((1, 1024, 2, 64)).astype(np.float32) for _ in range(3))
+    {"nan_q": q, "inf_k": k, "nan_v": v}[special][0, 5, 1, 3] = np.inf if special == "inf_k" else np.nan
+    args = [jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)]
+    f = lambda q, k, v: make("bnhd", "causal", "finfo", "logits", False, True)(q, k, v, None, None)  # noqa: E731
+    g = rewrite(f, rulesets=[attention])
+    assert "cudnn" in jax.jit(g).lower(*args).as_text().lower()
+    close(g(*args), jax.jit(f)(*args), jnp.bfloat16)
