@@ -62,7 +62,7 @@ def _scalar(plan: Any, ref: tuple) -> float | None:
     """The Python value of a literal scalar (maybe broadcast), else ``None``."""
     if ref[0] == "step":
         prim, params, args, _, _ = plan.steps[ref[1]]
-        if prim.name == "broadcast_in_dim" and not params["broadcast_dimensions"]:
+        if prim.name == "broadcast_in_dim":  # a broadcast of a broadcast scalar is that scalar too
             return _scalar(plan, args[0])
         return None
     v = plan.leaves[ref[1]]
@@ -99,6 +99,8 @@ def _index_axis(plan: Any, ref: tuple, depth: int = 0) -> int | None:
         return int(params["dimension"])
     if prim.name == "convert_element_type" and jnp.issubdtype(aval.dtype, jnp.integer):
         return _index_axis(plan, args[0], depth + 1)
+    if prim.name in ("add", "sub") and len(args) == 2 and _scalar(plan, args[1]) == 0.0:
+        return _index_axis(plan, args[0], depth + 1)  # jnp.tril's iota + 0
     if prim.name == "broadcast_in_dim":
         inner = _index_axis(plan, args[0], depth + 1)
         dims = params["broadcast_dimensions"]
@@ -130,6 +132,17 @@ def _causal(plan: Any, ref: tuple, q_axis: int, k_axis: int, depth: int = 0) -> 
         if len(zero) == 1:
             return _causal(plan, args[1 - zero[0]], q_axis, k_axis, depth + 1)
         return None
+    if name == "and" and len(args) == 2:  # jax's masks start from all true: ``ones & tril``
+        true = [i for i, a in enumerate(args) if _scalar(plan, a) == 1.0]
+        if len(true) == 1:
+            return _causal(plan, args[1 - true[0]], q_axis, k_axis, depth + 1)
+        return None
+    if name == "select_n" and len(args) == 3:  # ``where(p, True, False)`` (jnp.tril of ones) or its negation
+        on, off = _scalar(plan, args[2]), _scalar(plan, args[1])
+        if (on, off) not in ((1.0, 0.0), (0.0, 1.0)):
+            return None
+        inner = _causal(plan, args[0], q_axis, k_axis, depth + 1)
+        return inner if inner is None or on == 1.0 else not inner
     if name not in ("ge", "le", "gt", "lt"):
         return None
     a, b = (_index_axis(plan, x) for x in args)
@@ -188,6 +201,8 @@ def _axis_maps(plan: Any, path: list[tuple]) -> list[list[int | None]] | None:
             if any(d not in dims and aval.shape[d] != 1 for d in range(len(aval.shape))):
                 return None  # a copy of the logits along a new axis: not attention's form
             maps.insert(0, [below[dims.index(d)] if d in dims else None for d in range(len(aval.shape))])
+        elif prim.name == "transpose":
+            maps.insert(0, [below[int(d)] for d in params["permutation"]])
         elif len(aval.shape) == len(below):
             maps.insert(0, list(below))
         else:
@@ -199,9 +214,9 @@ def _logits_form(plan: Any, out_ref: tuple) -> tuple | None:
     """The logits as ``scale * (q k^T) + bias`` under at most one causal mask.
 
     Returns ``(dot, scale, terms, causal, top)``: the product's step, the scale, the bias as ``(ref, factor,
-    shape, axes)`` terms (``axes``: the term's axes as the product's), whether a causal mask applies, and
-    the logits' axes as the product's; ``None`` where the logits are anything else (a mask given as an
-    array, say)."""
+    shape, axes)`` terms (``axes``: the term's axes as the product's), the product's query axis that a
+    causal mask compares (``None``: no mask), and the logits' axes as the product's; ``None`` where the
+    logits are anything else (a mask given as an array, say)."""
     path = _path(plan, out_ref)
     maps = _axis_maps(plan, path) if path is not None else None
     if maps is None:
@@ -209,13 +224,13 @@ def _logits_form(plan: Any, out_ref: tuple) -> tuple | None:
     dot = path[-1][0]
     dparams, key = plan.steps[dot[1]][1], plan.steps[dot[1]][4]
     nb = len(dparams["dimension_numbers"][1][0])
-    q_dot = nb + 1 if key == nb else nb
-    scale, bias, causal, fill = 1.0, [], False, None
+    q_dots = [d for d in range(nb, len(maps[-1])) if d != key]  # the query's free axes in the product
+    scale, bias, causal, fill = 1.0, [], None, None
     for (ref, i), amap in zip(path[:-1], maps):
         prim, _, args, aval, _ = plan.steps[ref[1]]
         name = prim.name
-        if name in ("broadcast_in_dim",) or (name == "convert_element_type"
-                                              and jnp.issubdtype(aval.dtype, jnp.floating)):
+        if name in ("broadcast_in_dim", "transpose") or (name == "convert_element_type"
+                                                           and jnp.issubdtype(aval.dtype, jnp.floating)):
             continue
         if name in ("mul", "div") and len(args) == 2:
             c = _scalar(plan, args[1 - i])
@@ -224,15 +239,18 @@ def _logits_form(plan: Any, out_ref: tuple) -> tuple | None:
             scale *= c if name == "mul" else 1.0 / c  # scales what lies below: the product, a bias added there
         elif name in ("add", "sub") and len(args) == 2 and not (name == "sub" and i == 1):
             bias.append((args[1 - i], scale if name == "add" else -scale, tuple(aval.shape), amap))
-        elif name == "select_n" and len(args) == 3 and i != 0 and not causal:
+        elif name == "select_n" and len(args) == 3 and i != 0 and causal is None:
             lo = _scalar(plan, args[3 - i])
             # a bias added after the mask would move the masked logits: the fused call adds it before
-            if lo is None or bias or q_dot not in amap or key not in amap:
+            if lo is None or bias or key not in amap:
                 return None
-            keep = _causal(plan, args[0], amap.index(q_dot), amap.index(key))
+            for q_dot in (d for d in q_dots if d in amap):
+                keep = _causal(plan, args[0], amap.index(q_dot), amap.index(key))
+                if keep is not None:
+                    break
             if keep is None or keep != (i == 2):  # select_n picks its last operand where the mask is true
                 return None
-            causal, fill = True, lo * scale  # the masked logit as the softmax sees it
+            causal, fill = q_dot, lo * scale  # the masked logit as the softmax sees it
         else:
             return None
     if fill is not None and not (fill == -math.inf or fill <= _FILL_AT_MOST):
@@ -283,20 +301,27 @@ def fused(plan: Any, out_ref: tuple, p_first: bool, pv_dn: Any, v_aval: Any, squ
     dot_ref, scale, bias, causal, top = form
     _, dparams, (a_ref, b_ref), d_aval, key = plan.steps[dot_ref[1]]
     (lc, rc), (lb, rb) = dparams["dimension_numbers"]
-    nb = len(lb)
-    if nb > 2 or len(lc) != 1 or len(d_aval.shape) != nb + 2:
+    nb, rank = len(lb), len(d_aval.shape)
+    q_lhs = key == rank - 1  # the query is the product's left operand
+    q_dots = [d for d in range(nb, rank) if d != key]
+    if nb > 2 or len(lc) != 1 or len(q_dots) not in (1, 2) or (q_lhs and key != rank - 1) or \
+            (not q_lhs and key != nb):
         return None
-    q_lhs = key == nb + 1  # the query is the product's left operand
+    # The query's free axes are its sequence (T) and at most one more, a group of heads sharing a key head
+    # (jax's grouped-query attention, G): T is the axis a causal mask compares, else the longer.
+    t_dot = causal if causal is not None else max(q_dots, key=lambda d: (d_aval.shape[d], -d))
+    g_dot = next((d for d in q_dots if d != t_dot), None)
     q_ref, k_ref = (a_ref, b_ref) if q_lhs else (b_ref, a_ref)
     qb, kb = (lb, rb) if q_lhs else (rb, lb)
     qc, kc = (lc[0], rc[0]) if q_lhs else (rc[0], lc[0])
-    q_axis = nb if q_lhs else nb + 1
     q_rank, k_rank = len(_shape_of(plan, q_ref)), len(_shape_of(plan, k_ref))
     dtype = _dtype_of(plan, q_ref)
     # the call computes in the query's dtype: v and the result must be of it too (no rounding the original
     # does not do)
-    if q_rank != nb + 2 or k_rank != nb + 2 or _dtype_of(plan, k_ref) != dtype or out_aval.dtype != dtype:
+    if q_rank != rank or k_rank != nb + 2 or _dtype_of(plan, k_ref) != dtype or out_aval.dtype != dtype:
         return None
+    if g_dot is not None and bias:
+        return None  # a bias over grouped heads: not mapped
     # A bias term goes to the fused call in the query's dtype: only where that rounds nothing (values of the
     # query's dtype, widened and broadcast, scaled by a power of two that cannot overflow the narrower dtype).
     terms = []
@@ -306,7 +331,8 @@ def fused(plan: Any, out_ref: tuple, p_first: bool, pv_dn: Any, v_aval: Any, squ
             return None
         terms.append((r, w, shape, amap))
     # The weights (the logits less ``squeezed``) times v: the product's batch axes are the logits' batch
-    # axes that the weights keep, its contraction the key axis, and v has one more axis, the head dimension.
+    # axes that the weights keep, its contraction the key axis, its free axes the query's; v has one more
+    # axis, the head dimension.
     (pc_l, pc_r), (pb_l, pb_r) = pv_dn
     p_batch, v_batch = (pb_l, pb_r) if p_first else (pb_r, pb_l)
     v_c = (pc_r if p_first else pc_l)[0]
@@ -324,21 +350,28 @@ def fused(plan: Any, out_ref: tuple, p_first: bool, pv_dn: Any, v_aval: Any, squ
             v_axes.append(None)
     free = [p for p in range(len(kept)) if p not in p_batch and p_dot[p] != key]
     v_free = [d for d in range(v_rank) if d not in v_batch and d != v_c]
-    if len(v_free) != 1 or [p_dot[p] for p in free] != [q_axis]:
+    free_dots = [p_dot[p] for p in free]
+    if len(v_free) != 1 or t_dot not in free_dots or any(d not in (t_dot, g_dot, None) for d in free_dots) \
+            or (g_dot is not None and g_dot not in free_dots and d_aval.shape[g_dot] != 1):
         return None
-    q_free = next(d for d in range(q_rank) if d not in qb and d != qc)
-    k_free = next(d for d in range(k_rank) if d not in kb and d != kc)
-
     if v_dtype != dtype:
         return None
+    q_axis_of = dict(zip(q_dots, [d for d in range(q_rank) if d not in qb and d != qc]))
+    q_free, q_group = q_axis_of[t_dot], (q_axis_of[g_dot] if g_dot is not None else None)
+    k_free = next(d for d in range(k_rank) if d not in kb and d != kc)
 
     def pad(batch: Sequence[int | None], seq: int, head: int) -> list:
         return [batch[0] if nb > 0 else None, seq, batch[1] if nb > 1 else None, head]
 
-    # Where each axis of the weights' product comes from in the fused call's [b0, T, b1, H].
-    src = [(0, 2)[p_dot[p]] for p in p_batch] + ([1, 3] if p_first else [3, 1])
-    dropped = tuple(a for a in range(4) if a not in src)
-    perm = tuple(sorted(src).index(a) for a in src)
+    # Where each axis of the weights' product comes from in the call's output as [b0, T, b1, G, H]
+    # (None: an axis of size one that it lacks).
+    five = {t_dot: 1, g_dot: 3, None: None}
+    src = [(0, 2)[p_dot[p]] for p in p_batch]
+    src += [five[d] for d in free_dots] + [4] if p_first else [4] + [five[d] for d in free_dots]
+    present = [a for a in src if a is not None]
+    dropped = tuple(a for a in range(5) if a not in present)
+    perm = tuple(sorted(present).index(a) for a in present)
+    inserted = tuple(i for i, a in enumerate(src) if a is None)
     out_dtype = out_aval.dtype
 
     def fn(*args: Any) -> Any:
@@ -352,12 +385,16 @@ def fused(plan: Any, out_ref: tuple, p_first: bool, pv_dn: Any, v_aval: Any, squ
             t = _as_product(t if w == 1.0 else t * jnp.asarray(w, t.dtype), shape, amap).astype(q.dtype)
             b = t if b is None else b + t
         if b is not None:
-            b = jnp.swapaxes(_to4(b, pad(list(range(nb)), q_axis, key)), 1, 2)   # [b0, b1, T, S]
-        o = jax.nn.dot_product_attention(_to4(q, pad(qb, q_free, qc)), _to4(k, pad(kb, k_free, kc)),
-                                         _to4(v, pad(v_axes, v_c, v_free[0])), bias=b,
-                                         scale=scale, is_causal=causal, implementation=impl)
+            b = jnp.swapaxes(_to4(b, pad(list(range(nb)), t_dot, key)), 1, 2)   # [b0, b1, T, S]
+        q5 = _to4(q, [qb[0] if nb > 0 else None, q_free, qb[1] if nb > 1 else None, q_group, qc])
+        n0, t, n1, g, h = q5.shape
+        o = jax.nn.dot_product_attention(q5.reshape(n0, t, n1 * g, h), _to4(k, pad(kb, k_free, kc)),
+                                         _to4(v, pad(v_axes, v_c, v_free[0])), bias=b, scale=scale,
+                                         is_causal=causal is not None, implementation=impl)
+        o = o.reshape(n0, t, n1, g, h)
         o = lax.squeeze(o, dropped) if dropped else o
         o = lax.transpose(o, perm) if list(perm) != sorted(perm) else o
+        o = lax.expand_dims(o, inserted) if inserted else o
         return o.astype(out_dtype)
 
     return fn

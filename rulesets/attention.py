@@ -384,22 +384,44 @@ def _blocked(plan: _Plan, out_ref: tuple, axis: int, p_first: bool, dn: Any, pv_
 
 
 def _shift_is_own_max(shift: Value, s: Value, axis: int) -> bool:
-    """``shift`` is ``max(s)`` along ``axis`` (maybe under ``max(-inf, .)``, a broadcast, ``stop_gradient``)."""
-    v = shift
-    for _ in range(6):
-        for prim in ("stop_gradient", "broadcast_in_dim", "max", "reduce_max"):
+    """``shift`` is ``max(s)`` along ``axis``, row by row (maybe under ``max(-inf, .)``, broadcasts,
+    transposes and ``stop_gradient``; or the max of ``f`` where ``s`` is ``f`` transposed, as
+    ``jax.nn.dot_product_attention`` writes it under ``vmap``)."""
+    sources = [(s, list(range(s.ndim)))]  # what the max may be taken of, with its axes' places in s
+    node = s.node("transpose")
+    if node is not None:
+        perm = [int(d) for d in node.params["permutation"]]
+        sources.append((node.operands[0], [perm.index(j) for j in range(len(perm))]))
+    v, pos = shift, list(range(s.ndim))  # pos: where each axis of v lies in s
+    for _ in range(8):
+        for prim in ("stop_gradient", "broadcast_in_dim", "transpose", "max", "reduce_max"):
             node = v.node(prim)
             if node is None:
                 continue
             ops = node.operands
             if prim == "reduce_max":
-                return tuple(node.params["axes"]) == (axis,) and _ident(ops[0]) == _ident(s)
+                if len(node.params["axes"]) != 1:
+                    return False
+                a = int(node.params["axes"][0])
+                for src, place in sources:
+                    if _ident(ops[0]) != _ident(src) or place[a] != axis:
+                        continue
+                    rows = [j for j in range(src.ndim) if j != a]
+                    if all(pos[i] == place[j] or src.shape[j] == 1 for i, j in enumerate(rows)):
+                        return True
+                return False
             if prim == "max":
                 lit = [o for o in ops if o.literal is not None]
                 rest = [o for o in ops if o.literal is None]
                 if len(lit) != 1 or len(rest) != 1 or float(lit[0].literal) != -math.inf:
                     continue
                 v = rest[0]
+            elif prim == "broadcast_in_dim":
+                dims = [int(d) for d in node.params["broadcast_dimensions"]]
+                v, pos = ops[0], [pos[d] for d in dims]
+            elif prim == "transpose":
+                perm = [int(d) for d in node.params["permutation"]]
+                v, pos = ops[0], [pos[perm.index(j)] for j in range(len(perm))]
             else:
                 v = ops[0]
             break

@@ -113,11 +113,25 @@ def test_forward_and_gradient_keep_values(case, dtype):
     err_old = np.nanmax(np.abs(np.asarray(f(*args), np.float64) - np.asarray(ref)))
     rtol, atol = tolerance(dtype)
     assert err_new <= 2 * err_old + atol, (err_new, err_old)
-    if dtype != jnp.bfloat16:
-        grad = lambda fn: jax.jit(jax.grad(lambda q, k, v, b: fn(q, k, v, args[3], b).astype(jnp.float32).sum(),
-                                           argnums=(0, 1, 2, 3)))
-        for a, b in zip(grad(g)(*args[:3], args[4]), grad(f)(*args[:3], args[4])):
+    grad = lambda fn, a: jax.jit(jax.grad(lambda q, k, v, b: fn(q, k, v, a[3], b).astype(jnp.float32).sum(),
+                                          argnums=(0, 1, 2, 3)))(*a[:3], a[4])
+    got, want = grad(g, args), grad(f, args)
+    if dtype == jnp.float32:
+        for a, b in zip(got, want):
             close(a, b, dtype)
+    else:
+        # In half precision the original's gradient errs too (found: float16, no mask, d=4: 0.011 against
+        # float64 where the blocked form's errs 0.0006): both are held to float64, the rewrite within twice
+        # the original's error plus the dtype's tolerance.
+        with jax.enable_x64(True):
+            full = make(case["layout"], case["mask"], case["fill"], case["scale_on"], case["bias"], False)
+            ref = grad(full, wide)
+        for a, b, r in zip(got, want, ref):
+            r = np.asarray(r)
+            ok = ~np.isnan(r)
+            err_new = np.max(np.abs(np.asarray(a, np.float64) - r)[ok], initial=0.0)
+            err_old = np.max(np.abs(np.asarray(b, np.float64) - r)[ok], initial=0.0)
+            assert err_new <= 2 * err_old + atol * max(1.0, float(np.abs(r[ok]).max(initial=0))), (err_new, err_old)
 
 
 def plain(q, k, v):
@@ -292,9 +306,12 @@ def _gqa(q, k, v):  # grouped-query heads: q [b, n, 8, d], k and v [b, n, 2, d],
     return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
 
 
-@pytest.mark.parametrize("form", ["gqa_einsum", "gqa_dot_product_attention_causal"])
+@pytest.mark.parametrize("form", ["gqa_einsum", "gqa_dot_product_attention_causal", "gqa_dot_product_attention"])
 def test_grouped_query_heads(form):
-    f = _gqa if form == "gqa_einsum" else (lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True))
+    # jax.nn.dot_product_attention without a mask takes the max before its vmap's transpose (matched since
+    # _shift_is_own_max follows transposes)
+    f = _gqa if form == "gqa_einsum" else (lambda q, k, v: jax.nn.dot_product_attention(
+        q, k, v, is_causal=form.endswith("causal")))
     rng = np.random.default_rng(3)
     q = jnp.asarray(rng.standard_normal((1, 512, 8, 16)), jnp.float32)
     k, v = (jnp.asarray(rng.standard_normal((1, 512, 2, 16)), jnp.float32) for _ in range(2))

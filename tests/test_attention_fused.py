@@ -203,3 +203,26 @@ def test_cudnn_special_values_as_the_original(special):
     g = rewrite(f, rulesets=[attention])
     assert "cudnn" in jax.jit(g).lower(*args).as_text().lower()
     close(g(*args), jax.jit(f)(*args), jnp.bfloat16)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("kv_heads,dtype", [(4, "float32"), (2, "bfloat16"), (1, "float32")])
+def test_jax_dot_product_attention_maps_onto_the_fused_call(xla_call, causal, kv_heads, dtype):
+    """``jax.nn.dot_product_attention`` as XLA computes it (its default): the query reshaped into groups of
+    heads per key head and the core vmapped over the group (grouped-query and multi-query attention), the
+    causal mask as ``tril`` of ones. On a GPU this is where the fused call replaces XLA's attention."""
+    rng = np.random.default_rng(11)
+    q = jnp.asarray(rng.standard_normal((2, 512, 4, 16)), dtype)
+    k, v = (jnp.asarray(rng.standard_normal((2, 512, kv_heads, 16)), dtype) for _ in range(2))
+
+    def f(q, k, v):
+        return jax.nn.dot_product_attention(q, k, v, is_causal=causal)
+
+    explain(f, q, k, v, rulesets=[PREFERRED], limits=ONE_ROUND)
+    assert xla_call and all(xla_call), xla_call
+    g = rewrite(f, rulesets=[PREFERRED], limits=ONE_ROUND)
+    close(jax.jit(g)(q, k, v), jax.jit(f)(q, k, v), dtype)
+    if dtype == "float32":
+        loss = lambda fn: (lambda *a: jnp.sum(jnp.sin(fn(*a))))  # noqa: E731
+        for a, b in zip(jax.grad(loss(g), argnums=(0, 1, 2))(q, k, v), jax.grad(loss(f), argnums=(0, 1, 2))(q, k, v)):
+            close(a, b, dtype)
