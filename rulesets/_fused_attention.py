@@ -65,10 +65,18 @@ def _scalar(plan: Any, ref: tuple) -> float | None:
         if prim.name == "broadcast_in_dim":  # a broadcast of a broadcast scalar is that scalar too
             return _scalar(plan, args[0])
         return None
-    v = plan.leaves[ref[1]]
-    if v.shape != () or v.literal is None:
+    return _scalar_value(plan.leaves[ref[1]])
+
+
+def _scalar_value(v: Value, depth: int = 0) -> float | None:
+    """A literal scalar's value, maybe converted to another dtype (a Python float under ``jnp.where``)."""
+    if v.shape != () or depth > 4:
         return None
-    return float(v.literal)
+    if v.literal is not None:
+        return float(v.literal)
+    node = v.node("convert_element_type")
+    inner = None if node is None else _scalar_value(node.operands[0], depth + 1)
+    return None if inner is None else float(np.asarray(inner).astype(node.params["new_dtype"]))
 
 
 def _index_axis_of_value(v: Value, depth: int = 0) -> int | None:
@@ -310,6 +318,8 @@ def fused(plan: Any, out_ref: tuple, p_first: bool, pv_dn: Any, v_aval: Any, squ
     # The query's free axes are its sequence (T) and at most one more, a group of heads sharing a key head
     # (jax's grouped-query attention, G): T is the axis a causal mask compares, else the longer.
     t_dot = causal if causal is not None else max(q_dots, key=lambda d: (d_aval.shape[d], -d))
+    if causal is not None and d_aval.shape[t_dot] != d_aval.shape[key]:
+        return None  # queries and keys of different lengths: how a kernel aligns its causal mask varies
     g_dot = next((d for d in q_dots if d != t_dot), None)
     q_ref, k_ref = (a_ref, b_ref) if q_lhs else (b_ref, a_ref)
     qb, kb = (lb, rb) if q_lhs else (rb, lb)

@@ -13,7 +13,9 @@ from hypothesis import given, settings, strategies as st
 from rewrite import explain, rewrite
 from rulesets.attention import attention
 
-FILLS = {"finfo": None, "-1e30": -1e30, "-inf": -np.inf}
+#: The masked logits' fill: finfo.min, -1e30 or -inf in the logits' dtype, or -1e30 as a Python float
+#: (jnp.where converts it: a converted literal in the program).
+FILLS = {"finfo": None, "-1e30": -1e30, "-inf": -np.inf, "-1e30py": -1e30}
 
 
 def make(layout: str, mask: str, fill: str, scale_on: str, bias: bool, cast: bool):
@@ -40,7 +42,8 @@ def make(layout: str, mask: str, fill: str, scale_on: str, bias: bool, cast: boo
                 keep = jnp.arange(n)[:, None] >= jnp.arange(n)[None, :]
             else:
                 keep = m
-            lo = jnp.finfo(s.dtype).min if FILLS[fill] is None else jnp.asarray(FILLS[fill], s.dtype)
+            lo = jnp.finfo(s.dtype).min if FILLS[fill] is None else (
+                FILLS[fill] if fill.endswith("py") else jnp.asarray(FILLS[fill], s.dtype))
             s = jnp.where(keep, s, lo)
         p = jax.nn.softmax(s, axis=-1)
         if cast:

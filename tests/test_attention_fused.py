@@ -52,7 +52,7 @@ def _grads(fn, args):
 CASES = st.fixed_dictionaries({
     "layout": st.sampled_from(["bhnd", "bnhd"]),
     "mask": st.sampled_from(["none", "causal"]),
-    "fill": st.sampled_from(["finfo", "-1e30", "-inf"]),
+    "fill": st.sampled_from(["finfo", "-1e30", "-inf", "-1e30py"]),
     "scale_on": st.sampled_from(["q", "logits"]),
     "bias": st.booleans(),
     "b": st.integers(1, 2), "h": st.integers(1, 2),
@@ -84,7 +84,7 @@ def test_fused_call_keeps_values_and_gradients(xla_call, case):
 
 
 @pytest.mark.parametrize("form", ["padding", "array", "small_fill", "offset_causal", "bias_after_mask",
-                                  "strict_causal"])
+                                  "strict_causal", "causal_fewer_queries"])
 def test_what_the_fused_call_cannot_compute_keeps_the_blocked_form(xla_call, form):
     """A mask the call does not take (an array, a diagonal-less or shifted causal mask), a fill that does
     not zero a weight, or a bias added after the mask: the blocked form, which computes it as written."""
@@ -101,12 +101,16 @@ def test_what_the_fused_call_cannot_compute_keeps_the_blocked_form(xla_call, for
             s = jnp.where(qi + 3 >= ki, s, -jnp.inf)
         elif form == "strict_causal":
             s = jnp.where(qi > ki, s, -1e30)
+        elif form == "causal_fewer_queries":  # 256 queries over 512 keys
+            s = jnp.where(jnp.arange(256)[:, None] >= ki, s, -1e30)
         else:
             s = jnp.where(qi >= ki, s, -1e30) + b
         return jax.nn.softmax(s, axis=-1) @ v
 
     mask = "padding" if form == "padding" else "array"
     args = inputs(np.random.default_rng(5), "bhnd", 1, 2, n, 8, jnp.float32, mask)
+    if form == "causal_fewer_queries":
+        args[0] = args[0][:, :, :256]
     fired = explain(f, *args, rulesets=[PREFERRED], limits=ONE_ROUND).fired
     assert any(name.startswith("attn_") for name in fired), fired
     assert xla_call and not any(xla_call), xla_call
