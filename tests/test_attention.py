@@ -4,6 +4,8 @@ Property tests draw layouts, masks, scales and dtypes; each program is rewritten
 compared with the original (at the pack's tolerance, scaled to the dtype) and with a float64 reference.
 Masked rows, NaN and inf come out as the original computes them."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -208,6 +210,12 @@ _HVP_F16 = pytest.mark.xfail(strict=True, reason="open (issue 32): the float16 H
                              "up to 0.036: both are mostly rounding); bfloat16 and first-order float16 hold")
 
 
+@functools.lru_cache(maxsize=None)
+def _plain_rewritten():
+    """``plain`` rewritten, one function for every forward mode: it rewrites once per dtype (1-3 s), not per mode."""
+    return rewrite(plain, rulesets=[attention])
+
+
 @pytest.mark.parametrize("mode,dtype", [
     pytest.param(m, d, marks=_HVP_F16 if (m, d) == ("hvp", "float16") else ())
     for m in ("jvp", "jit_jvp", "jacfwd", "linearize", "hvp") for d in ("float32", "bfloat16", "float16")])
@@ -219,7 +227,7 @@ def test_forward_mode(mode, dtype):
     rng = np.random.default_rng(2)
     q, k, v = (jnp.asarray(rng.standard_normal((2, 512, 8)), dtype) for _ in range(3))
     t = jnp.asarray(rng.standard_normal(q.shape), dtype)
-    g = rewrite(plain, rulesets=[attention])
+    g = _plain_rewritten()
     assert "attn_" in " ".join(explain(plain, q, k, v, rulesets=[attention]).fired)
 
     def run(f, q, k, v, t):

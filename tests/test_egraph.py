@@ -49,6 +49,26 @@ def test_a_lent_egraph_comes_back_empty_and_is_lent_again():
     assert y == 0 and _rows(again)["V"] == 1  # names start afresh, the loader rules still work
 
 
+def test_an_egraph_no_longer_kept_for_its_rules_is_lent_to_other_rules_without_them():
+    """The pool keeps few sets of rules; an e-graph it stops keeping for one goes back to the schema alone
+    (declaring the schema is most of a new e-graph's cost) and is lent for the next set, which may declare
+    the same names again."""
+    pool = _egraph._Pool(per_text=1, texts=1)
+    schema = _terms.schema()
+    first = pool.take(schema, "(relation PoolA (i64))")
+    first.run_program(*first.parse_program("(PoolA 1)"))
+    pool.give(schema, "(relation PoolA (i64))", first, True)
+    assert pool.take(schema, "(relation PoolA (i64))") is first  # kept for its own rules
+    pool.give(schema, "(relation PoolA (i64))", first, True)
+    second = pool.take(schema, "(relation PoolB (i64))")
+    assert second is not first  # the first is still kept for its rules
+    pool.give(schema, "(relation PoolB (i64))", second, True)  # ... and no longer: the pool keeps one set
+    third = pool.take(schema, "(relation PoolA (i64)) (relation PoolC (i64))")
+    assert third is first  # lent again, without PoolA's declaration (declared again here) or its row
+    third.run_program(*third.parse_program("(PoolC 2)"))
+    assert [r for r in third.freeze().functions["PoolA"].rows] == []
+
+
 def test_two_live_egraphs_never_share_an_instance():
     a, b = _egraph.EGraph(), _egraph.EGraph()
     assert a.eg is not b.eg

@@ -20,10 +20,15 @@ Five facts about egglog 13 shape this module (see ``docs/design.md``):
   packs). An e-graph is therefore made once per schema and set of
   declarations, kept in :data:`_POOL`, and lent out behind egglog's
   ``push``; when the :class:`EGraph` that borrowed it is gone, ``pop``
-  empties it again for the next rewrite. Both copy or drop every declaration
-  (10-20 us a relation or rule), so there are few: one loader relation, and
-  one match relation per signature of the rules' queries. An egglog e-graph
-  belongs to the thread that made it, so only the main thread's are kept.
+  empties it again for the next rewrite. Both copy or drop every
+  declaration (10-20 us a relation or rule), so there are few: one loader
+  relation, and one match relation per signature of the rules' queries.
+  The schema and the loader are most of a new e-graph's cost (0.1-0.2 s;
+  a few rules' queries, a tenth of it), so the rules' queries sit above a
+  ``push`` of their own, and an e-graph the pool stops keeping for them is
+  popped back to the schema and lent to the next set of rules. An egglog
+  e-graph belongs to the thread that made it, so only the main thread's
+  are kept.
 """
 
 from __future__ import annotations
@@ -68,12 +73,18 @@ class _Pool:
     An e-graph is lent pushed (``push`` saves its empty state) and given back
     popped, so the next borrower finds it as declared. A few per text are kept,
     for the few texts used last: a process rewrites with one or two rule sets.
+    Declaring the schema and the loader is most of what a new e-graph costs
+    (a prelude of a few rules is a tenth of it), so a lent e-graph holds its
+    prelude above a ``push`` of its own: one the pool no longer keeps for its
+    prelude is popped back to the schema alone and kept for the next prelude
+    (:meth:`_base`), a few per schema.
     An egglog e-graph may only be used by the thread that made it, so only the
     main thread's are kept; other threads make their own each time.
     """
 
     def __init__(self, per_text: int = 2, texts: int = 4) -> None:
         self._free: dict[tuple[str, str], list[Any]] = {}
+        self._bases: dict[str, list[Any]] = {}  # schema -> e-graphs declaring it (and its loader) only
         self._lock = threading.Lock()
         self.per_text, self.texts = per_text, texts
 
@@ -86,12 +97,23 @@ class _Pool:
                 eg = free.pop() if free else None
                 self._free[key] = free  # most recently used last
         if eg is None:
-            eg = eb.EGraph()
-            eg.run_program(*eg.parse_program(schema))
-            eg.run_program(*eg.parse_program(loader_program(schema)))
+            eg = self._base(schema)
+            eg.run_program(eb.Push(1))  # the prelude's own level: popped, the e-graph declares the schema alone
             if prelude:
                 eg.run_program(*eg.parse_program(prelude))
         eg.run_program(eb.Push(1))
+        return eg
+
+    def _base(self, schema: str) -> Any:
+        """An e-graph that declares ``schema`` and its loader and nothing else: a kept one, or a new one."""
+        if _main_thread():
+            with self._lock:
+                bases = self._bases.get(schema)
+                if bases:
+                    return bases.pop()
+        eg = eb.EGraph()
+        eg.run_program(*eg.parse_program(schema))
+        eg.run_program(*eg.parse_program(loader_program(schema)))
         return eg
 
     def give(self, schema: str, prelude: str, eg: Any, made_on_main: bool) -> None:
@@ -102,13 +124,33 @@ class _Pool:
         except Exception:  # an e-graph in a state pop cannot undo is dropped, never lent again
             return
         key = (schema, prelude)
+        dropped = []
         with self._lock:
             free = self._free.pop(key, [])
             if len(free) < self.per_text:
                 free.append(eg)
+            else:
+                dropped.append((schema, eg))
             self._free[key] = free
             while len(self._free) > self.texts:
-                del self._free[next(iter(self._free))]
+                old = next(iter(self._free))
+                dropped += [(old[0], e) for e in self._free.pop(old)]
+        for old_schema, e in dropped:
+            self._keep_base(old_schema, e)
+
+    def _keep_base(self, schema: str, eg: Any) -> None:
+        """Pop an e-graph the pool no longer keeps for its prelude back to its schema, and keep it for another."""
+        try:
+            eg.run_program(eb.Pop(_SPAN, 1))
+        except Exception:
+            return
+        with self._lock:
+            bases = self._bases.pop(schema, [])
+            if len(bases) < self.per_text:
+                bases.append(eg)
+            self._bases[schema] = bases  # most recently used last
+            while len(self._bases) > self.texts:
+                del self._bases[next(iter(self._bases))]
 
 
 def _main_thread() -> bool:
