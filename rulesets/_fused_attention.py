@@ -112,7 +112,7 @@ def _index_axis(plan: Any, ref: tuple, depth: int = 0) -> int | None:
     if prim.name == "broadcast_in_dim":
         inner = _index_axis(plan, args[0], depth + 1)
         dims = params["broadcast_dimensions"]
-        src = plan.leaves[args[0][1]].shape if args[0][0] == "leaf" else plan.steps[args[0][1]][3].shape
+        src = plan.aval(args[0]).shape
         if inner is not None and src[inner] == aval.shape[dims[inner]]:
             return int(dims[inner])
     return None
@@ -125,7 +125,7 @@ def _causal(plan: Any, ref: tuple, q_axis: int, k_axis: int, depth: int = 0) -> 
     prim, params, args, aval, _ = plan.steps[ref[1]]
     name = prim.name
     if name == "broadcast_in_dim":  # a mask of fewer axes (flax's [b, 1, q, k]) broadcast over heads
-        src = plan.leaves[args[0][1]].aval if args[0][0] == "leaf" else plan.steps[args[0][1]][3]
+        src = plan.aval(args[0])
         dims = tuple(params["broadcast_dimensions"])
         if q_axis not in dims or k_axis not in dims:
             return None
@@ -172,14 +172,6 @@ def _full(plan: Any, leaves: Sequence[Any], ref: tuple, memo: dict) -> Any:
     return memo[ref]
 
 
-def _dtype_of(plan: Any, ref: tuple) -> Any:
-    return (plan.leaves[ref[1]].aval if ref[0] == "leaf" else plan.steps[ref[1]][3]).dtype
-
-
-def _shape_of(plan: Any, ref: tuple) -> tuple:
-    return tuple((plan.leaves[ref[1]].aval if ref[0] == "leaf" else plan.steps[ref[1]][3]).shape)
-
-
 def _path(plan: Any, out_ref: tuple) -> list[tuple] | None:
     """The steps from the logits down to the product, each with the index of its operand that leads there."""
     path, ref = [], out_ref
@@ -200,7 +192,7 @@ def _path(plan: Any, out_ref: tuple) -> list[tuple] | None:
 def _axis_maps(plan: Any, path: list[tuple]) -> list[list[int | None]] | None:
     """For each step of ``path``, its axes as the product's (``None``: an axis of size one it inserts)."""
     dot = path[-1][0]
-    maps = [list(range(len(_shape_of(plan, dot))))]
+    maps = [list(range(len(plan.aval(dot).shape)))]
     for ref, _ in reversed(path[:-1]):
         prim, params, _, aval, _ = plan.steps[ref[1]]
         below = maps[0]
@@ -268,7 +260,7 @@ def _logits_form(plan: Any, out_ref: tuple) -> tuple | None:
 
 def _exact_in(plan: Any, ref: tuple, dtype: Any, depth: int = 0) -> bool:
     """Whether every value of ``ref`` is one of ``dtype`` (values of it widened, broadcast or moved)."""
-    if _dtype_of(plan, ref) == dtype:
+    if plan.aval(ref).dtype == dtype:
         return True
     if ref[0] == "leaf" or depth > 8:
         return False
@@ -278,8 +270,9 @@ def _exact_in(plan: Any, ref: tuple, dtype: Any, depth: int = 0) -> bool:
     return False
 
 
-def _to4(x: Any, axes: Sequence[int | None]) -> Any:
-    """``x`` with its axes ``axes`` as ``[b0, seq, b1, head]``; an axis given as ``None`` is inserted, size one."""
+def _arrange(x: Any, axes: Sequence[int | None]) -> Any:
+    """``x`` with its axes in the order ``axes`` (``[b0, seq, b1, head]``, say); an axis given as ``None`` is
+    inserted, of size one."""
     present = [a for a in axes if a is not None]
     y = lax.transpose(x, tuple(present)) if present != sorted(present) else x
     missing = tuple(i for i, a in enumerate(axes) if a is None)
@@ -312,8 +305,7 @@ def fused(plan: Any, out_ref: tuple, p_first: bool, pv_dn: Any, v_aval: Any, squ
     nb, rank = len(lb), len(d_aval.shape)
     q_lhs = key == rank - 1  # the query is the product's left operand
     q_dots = [d for d in range(nb, rank) if d != key]
-    if nb > 2 or len(lc) != 1 or len(q_dots) not in (1, 2) or (q_lhs and key != rank - 1) or \
-            (not q_lhs and key != nb):
+    if nb > 2 or len(lc) != 1 or len(q_dots) not in (1, 2) or (not q_lhs and key != nb):
         return None
     # The query's free axes are its sequence (T) and at most one more, a group of heads sharing a key head
     # (jax's grouped-query attention, G): T is the axis a causal mask compares, else the longer.
@@ -324,11 +316,12 @@ def fused(plan: Any, out_ref: tuple, p_first: bool, pv_dn: Any, v_aval: Any, squ
     q_ref, k_ref = (a_ref, b_ref) if q_lhs else (b_ref, a_ref)
     qb, kb = (lb, rb) if q_lhs else (rb, lb)
     qc, kc = (lc[0], rc[0]) if q_lhs else (rc[0], lc[0])
-    q_rank, k_rank = len(_shape_of(plan, q_ref)), len(_shape_of(plan, k_ref))
-    dtype = _dtype_of(plan, q_ref)
-    # the call computes in the query's dtype: v and the result must be of it too (no rounding the original
-    # does not do)
-    if q_rank != rank or k_rank != nb + 2 or _dtype_of(plan, k_ref) != dtype or out_aval.dtype != dtype:
+    q_rank, k_rank = len(plan.aval(q_ref).shape), len(plan.aval(k_ref).shape)
+    dtype = plan.aval(q_ref).dtype
+    # the call computes in the query's dtype: k, v and the result must be of it too (no rounding the
+    # original does not do)
+    if q_rank != rank or k_rank != nb + 2 or dtype != plan.aval(k_ref).dtype or dtype != v_dtype \
+            or dtype != out_aval.dtype:
         return None
     if g_dot is not None and bias:
         return None  # a bias over grouped heads: not mapped
@@ -337,7 +330,7 @@ def fused(plan: Any, out_ref: tuple, p_first: bool, pv_dn: Any, v_aval: Any, squ
     terms = []
     for r, w, shape, amap in bias:
         if not _exact_in(plan, r, dtype) or math.frexp(abs(w))[0] != 0.5 or (
-                abs(w) != 1.0 and jnp.finfo(dtype).maxexp < jnp.finfo(_dtype_of(plan, r)).maxexp):
+                abs(w) != 1.0 and jnp.finfo(dtype).maxexp < jnp.finfo(plan.aval(r).dtype).maxexp):
             return None
         terms.append((r, w, shape, amap))
     # The weights (the logits less ``squeezed``) times v: the product's batch axes are the logits' batch
@@ -363,8 +356,6 @@ def fused(plan: Any, out_ref: tuple, p_first: bool, pv_dn: Any, v_aval: Any, squ
     free_dots = [p_dot[p] for p in free]
     if len(v_free) != 1 or t_dot not in free_dots or any(d not in (t_dot, g_dot, None) for d in free_dots) \
             or (g_dot is not None and g_dot not in free_dots and d_aval.shape[g_dot] != 1):
-        return None
-    if v_dtype != dtype:
         return None
     q_axis_of = dict(zip(q_dots, [d for d in range(q_rank) if d not in qb and d != qc]))
     q_free, q_group = q_axis_of[t_dot], (q_axis_of[g_dot] if g_dot is not None else None)
@@ -395,11 +386,11 @@ def fused(plan: Any, out_ref: tuple, p_first: bool, pv_dn: Any, v_aval: Any, squ
             t = _as_product(t if w == 1.0 else t * jnp.asarray(w, t.dtype), shape, amap).astype(q.dtype)
             b = t if b is None else b + t
         if b is not None:
-            b = jnp.swapaxes(_to4(b, pad(list(range(nb)), t_dot, key)), 1, 2)   # [b0, b1, T, S]
-        q5 = _to4(q, [qb[0] if nb > 0 else None, q_free, qb[1] if nb > 1 else None, q_group, qc])
+            b = jnp.swapaxes(_arrange(b, pad(list(range(nb)), t_dot, key)), 1, 2)   # [b0, b1, T, S]
+        q5 = _arrange(q, [qb[0] if nb > 0 else None, q_free, qb[1] if nb > 1 else None, q_group, qc])
         n0, t, n1, g, h = q5.shape
-        o = jax.nn.dot_product_attention(q5.reshape(n0, t, n1 * g, h), _to4(k, pad(kb, k_free, kc)),
-                                         _to4(v, pad(v_axes, v_c, v_free[0])), bias=b, scale=scale,
+        o = jax.nn.dot_product_attention(q5.reshape(n0, t, n1 * g, h), _arrange(k, pad(kb, k_free, kc)),
+                                         _arrange(v, pad(v_axes, v_c, v_free[0])), bias=b, scale=scale,
                                          is_causal=causal is not None, implementation=impl)
         o = o.reshape(n0, t, n1, g, h)
         o = lax.squeeze(o, dropped) if dropped else o

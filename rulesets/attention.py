@@ -129,6 +129,10 @@ class _Plan:
         self._seen: dict[Any, tuple] = {}
         self.dots = 0
 
+    def aval(self, ref: tuple) -> Any:
+        """The aval of what ``ref`` (a leaf or a step) names."""
+        return self.leaves[ref[1]].aval if ref[0] == "leaf" else self.steps[ref[1]][3]
+
     def leaf(self, v: Value, key: int | None) -> tuple:
         ident = (_ident(v), key)
         if ident not in self._seen:
@@ -253,7 +257,7 @@ def _blocked(plan: _Plan, out_ref: tuple, axis: int, p_first: bool, dn: Any, pv_
     steps = tuple(plan.steps)
     leaf_keys = tuple(plan.leaf_keys)
     nblocks = n // block
-    s_aval = steps[out_ref[1]][3] if out_ref[0] == "step" else plan.leaves[out_ref[1]].aval
+    s_aval = plan.aval(out_ref)
     s_rank = len(s_aval.shape)
     s_dtype = s_aval.dtype
     l_dtype = s_dtype if wide is None else wide
@@ -383,6 +387,11 @@ def _blocked(plan: _Plan, out_ref: tuple, axis: int, p_first: bool, dn: Any, pv_
     return fn
 
 
+def _inverse(perm: Sequence[int]) -> list[int]:
+    """Where each axis of a transpose's operand lands in its result."""
+    return [list(perm).index(j) for j in range(len(perm))]
+
+
 def _shift_is_own_max(shift: Value, s: Value, axis: int) -> bool:
     """``shift`` is ``max(s)`` along ``axis``, row by row (maybe under ``max(-inf, .)``, broadcasts,
     transposes and ``stop_gradient``; or the max of ``f`` where ``s`` is ``f`` transposed, as
@@ -391,7 +400,7 @@ def _shift_is_own_max(shift: Value, s: Value, axis: int) -> bool:
     node = s.node("transpose")
     if node is not None:
         perm = [int(d) for d in node.params["permutation"]]
-        sources.append((node.operands[0], [perm.index(j) for j in range(len(perm))]))
+        sources.append((node.operands[0], _inverse(perm)))
     v, pos = shift, list(range(s.ndim))  # pos: where each axis of v lies in s
     for _ in range(8):
         for prim in ("stop_gradient", "broadcast_in_dim", "transpose", "max", "reduce_max"):
@@ -421,7 +430,7 @@ def _shift_is_own_max(shift: Value, s: Value, axis: int) -> bool:
                 v, pos = ops[0], [pos[d] for d in dims]
             elif prim == "transpose":
                 perm = [int(d) for d in node.params["permutation"]]
-                v, pos = ops[0], [pos[perm.index(j)] for j in range(len(perm))]
+                v, pos = ops[0], [pos[d] for d in _inverse(perm)]
             else:
                 v = ops[0]
             break
