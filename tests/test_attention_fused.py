@@ -230,3 +230,21 @@ def test_jax_dot_product_attention_maps_onto_the_fused_call(xla_call, causal, kv
         loss = lambda fn: (lambda *a: jnp.sum(jnp.sin(fn(*a))))  # noqa: E731
         for a, b in zip(jax.grad(loss(g), argnums=(0, 1, 2))(q, k, v), jax.grad(loss(f), argnums=(0, 1, 2))(q, k, v)):
             close(a, b, dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fused_call_under_jvp_vmap_and_jit(xla_call, dtype):
+    """The fused form under forward mode, vmap and jit, eagerly and compiled, as the original computes."""
+    f = make("bnhd", "causal", "finfo", "logits", False, dtype != "float32")
+    rng = np.random.default_rng(12)
+    q, k, v = (jnp.asarray(rng.standard_normal((3, 1, 512, 2, 8)), dtype) for _ in range(3))
+    attend = lambda fn: (lambda q, k, v: fn(q, k, v, None, None))  # noqa: E731
+    explain(attend(f), q[0], k[0], v[0], rulesets=[PREFERRED], limits=ONE_ROUND)
+    assert xla_call and all(xla_call), xla_call
+    g = rewrite(attend(f), rulesets=[PREFERRED], limits=ONE_ROUND)
+    t = tuple(jnp.ones_like(x[0]) for x in (q, k, v))
+    for wrap in (lambda h: h, jax.jit):
+        for a, b in zip(wrap(lambda *p: jax.jvp(g, p, t))(q[0], k[0], v[0]),
+                        wrap(lambda *p: jax.jvp(attend(f), p, t))(q[0], k[0], v[0])):
+            close(a, b, dtype)
+        close(wrap(jax.vmap(g))(q, k, v), wrap(jax.vmap(attend(f)))(q, k, v), dtype)
