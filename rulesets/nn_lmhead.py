@@ -41,9 +41,10 @@ this part rewrites each:
   cotangent ``g exp(logits - shift) / sum`` (plus the maximum's own, shared
   among ties as jax's rule for ``max`` does; 0 under the usual
   ``stop_gradient``) goes through the product: the block's rows of ``dh``,
-  and ``dW`` and ``db`` summed over blocks in float32. Under ``jax.grad`` the
-  forward's values are not read, so XLA drops the forward loop and the
-  gradient costs the original's three products.
+  and ``dW`` and ``db`` summed over blocks in float32 (each block's ``dW`` added
+  in place, :data:`COLUMNS` columns at a time, so no second width x V array is
+  held). Under ``jax.grad`` the forward's values are not read, so XLA drops the
+  forward loop and the gradient costs the original's three products.
 
 So the program holds one block of logits (block x V) at a time, forward and
 backward. The tokens are every axis of the logits but the last (the
@@ -58,7 +59,8 @@ iterations against the block of logits it holds (a byte held at the peak is
 priced as one written, ``AnalyticCost.memory``), so by default the smallest
 block wins, dearer iterations choose larger ones and ``memory_budget`` the
 one that fits. With a small vocabulary the logits are small and every loop is
-priced above them, so the program is kept. A shift read without
+priced above them, so the program is kept. On a GPU the loop is not offered
+(:func:`offered`: it measured slower there). A shift read without
 ``stop_gradient`` is declined (its derivative would need the maximum's whole
 share).
 
@@ -280,9 +282,8 @@ def _normaliser(spec: tuple, block: int, kind: str, log: bool, out_shape: tuple)
             # dW's product contracts its minor dimension (XLA:CPU's library path; rewrite/cost/dot.py).
             dhb = lax.dot_general(dz, wc, (((1,), (1,)), ((), ())), precision=precision,
                                   preferred_element_type=hb.dtype)
-            dwb = lax.dot_general(lax.transpose(hb, (1, 0)), dz, (((1,), (0,)), ((), ())), precision=precision,
-                                  preferred_element_type=acc)
-            return (dw + dwb, None if db is None else db + jnp.sum(dz.astype(acc), axis=0)), dhb
+            dw = _add_by_columns(dw, lax.transpose(hb, (1, 0)), dz, precision, acc)
+            return (dw, None if db is None else db + jnp.sum(dz.astype(acc), axis=0)), dhb
 
         zero_b = None if bv is None else jnp.zeros(bv.shape, acc)
         (dwc, dbv), dhc = lax.scan(body, (jnp.zeros(wc.shape, acc), zero_b), xs)
@@ -295,6 +296,40 @@ def _normaliser(spec: tuple, block: int, kind: str, log: bool, out_shape: tuple)
     if not has_bias:
         return lambda h, w: normaliser(h, w, None)
     return normaliser
+
+
+#: The widest column block of ``dW`` that the backward adds in one product (:func:`_add_by_columns`).
+COLUMNS = 2048
+
+
+def _add_by_columns(dw: Any, ht: Any, dz: Any, precision: Any, acc: Any) -> Any:
+    """``dw + ht @ dz``, the block's product added column block by column block, in place.
+
+    Added whole, the block's ``ht @ dz`` is a second width x V array beside the carried ``dw`` (XLA does not
+    add a product into its operand), which would make the weight gradient hold two of them. Blocks of at most
+    :data:`COLUMNS` columns, each sliced out of ``dw``, added and written back (``dynamic_update_slice`` in a
+    ``fori_loop``, which XLA does in place), hold one width x ``COLUMNS`` block instead. Each column of the
+    result is the same dot product as the whole product's; a remainder narrower than a block is done last.
+    """
+    v = dz.shape[1]
+
+    def product(cols: Any) -> Any:
+        return lax.dot_general(ht, cols, (((1,), (0,)), ((), ())), precision=precision, preferred_element_type=acc)
+
+    if v <= COLUMNS:
+        return dw + product(dz)
+    k, tail = divmod(v, COLUMNS)
+
+    def body(j: Any, dw: Any) -> Any:
+        at = j * COLUMNS
+        cols = lax.dynamic_slice_in_dim(dz, at, COLUMNS, 1)
+        return lax.dynamic_update_slice_in_dim(dw, lax.dynamic_slice_in_dim(dw, at, COLUMNS, 1) + product(cols), at, 1)
+
+    dw = lax.fori_loop(0, k, body, dw)
+    if tail:
+        at = k * COLUMNS
+        dw = lax.dynamic_update_slice_in_dim(dw, dw[:, at:] + product(dz[:, at:]), at, 1)
+    return dw
 
 
 def _shift_kind(shift_of: Any, shape: tuple, dtype: Any) -> str | None:
@@ -381,9 +416,23 @@ def _exp_as(shape: tuple):
     return fn
 
 
+def offered() -> bool:
+    """Whether the pack offers its token-block loop (the rules below decline where it does not).
+
+    Not on a GPU: there the loop measured slower than XLA's whole logits (H200, jax 0.11.2, f32, N=2048,
+    width 512, V=32,768: the loss 0.65x and its gradient 0.29x, though they hold 22% and 15% of the
+    original's temporaries), and the cost model, whose GPU table prices a loop's iterations and smaller
+    products as the CPU's, predicted it faster (``benchmarks/results/gpu.md``). A GPU model of loops would
+    let extraction decide there, and a memory budget choose the loop.
+    """
+    return jax.default_backend() != "gpu"
+
+
 def _lse_rule(block: int):
     @procedural
     def build(m: Any) -> Any:
+        if not offered():
+            return None
         r = m.params("r")
         d, shift = m["d"], m["s"]
         if r.sharded or tuple(r.axes) != (d.ndim - 1,):
@@ -436,7 +485,7 @@ def _mode(g: dict) -> tuple[bool, Any]:
 
 def _label_logit(spec: tuple, fills: bool, fill: Any, out_shape: tuple):
     """``fn(h, W, [b], idx)``: the logits at ``idx`` (one per row), from the label's column of ``W``."""
-    rows, has_bias, v = spec[2], spec[5], spec[4]
+    has_bias, v = spec[5], spec[4]
 
     def fn(*args: Any) -> Any:
         h, w, *rest = args

@@ -248,3 +248,41 @@ def test_fused_call_under_jvp_vmap_and_jit(xla_call, dtype):
                         wrap(lambda *p: jax.jvp(attend(f), p, t))(q[0], k[0], v[0])):
             close(a, b, dtype)
         close(wrap(jax.vmap(g))(q, k, v), wrap(jax.vmap(attend(f)))(q, k, v), dtype)
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN's fused attention needs a GPU")
+def test_cudnn_under_jvp_vmap_and_jit():
+    """cuDNN's call (no XLA stand-in) under forward mode, vmap and jit, eagerly and compiled."""
+    f = make("bnhd", "causal", "finfo", "logits", False, True)
+    rng = np.random.default_rng(13)
+    q, k, v = (jnp.asarray(rng.standard_normal((3, 1, 1024, 2, 64)), jnp.bfloat16) for _ in range(3))
+    attend = lambda fn: (lambda q, k, v: fn(q, k, v, None, None))  # noqa: E731
+    g = rewrite(attend(f), rulesets=[attention])
+    assert "cudnn" in jax.jit(g).lower(q[0], k[0], v[0]).as_text().lower()
+    t = tuple(jnp.ones_like(x[0]) for x in (q, k, v))
+    for wrap in (lambda h: h, jax.jit):
+        for a, b in zip(wrap(lambda *p: jax.jvp(g, p, t))(q[0], k[0], v[0]),
+                        wrap(lambda *p: jax.jvp(attend(f), p, t))(q[0], k[0], v[0])):
+            close(a, b, jnp.bfloat16)
+        close(wrap(jax.vmap(g))(q, k, v), wrap(jax.vmap(attend(f)))(q, k, v), jnp.bfloat16)
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN's fused attention needs a GPU")
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("kv_heads", [2, 1])
+def test_cudnn_replaces_jax_dot_product_attention_with_grouped_heads(causal, kv_heads):
+    """``jax.nn.dot_product_attention`` as XLA computes it, with grouped and multi-query heads: cuDNN's call,
+    values and gradients as the original's (bfloat16)."""
+    rng = np.random.default_rng(14)
+    q = jnp.asarray(rng.standard_normal((2, 1024, 4, 64)), jnp.bfloat16)
+    k, v = (jnp.asarray(rng.standard_normal((2, 1024, kv_heads, 64)), jnp.bfloat16) for _ in range(2))
+
+    def f(q, k, v):
+        return jax.nn.dot_product_attention(q, k, v, is_causal=causal)
+
+    g = rewrite(f, rulesets=[attention])
+    assert "cudnn" in jax.jit(g).lower(q, k, v).as_text().lower()
+    close(jax.jit(g)(q, k, v), jax.jit(f)(q, k, v), jnp.bfloat16)
+    loss = lambda fn: jax.jit(jax.grad(lambda *a: jnp.sum(jnp.sin(fn(*a).astype(jnp.float32))), argnums=(0, 1, 2)))  # noqa: E731
+    for a, b in zip(loss(g)(q, k, v), loss(f)(q, k, v)):
+        close(a, b, jnp.bfloat16)

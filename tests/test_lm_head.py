@@ -18,11 +18,33 @@ from hypothesis import given, settings, strategies as st
 
 import rulesets
 from rewrite import AnalyticCost, explain, rewrite
+from rulesets import nn_lmhead
 from rulesets.nn_lmhead import BLOCKS
 
 NN = rulesets.nn
 #: The part's tolerance at float32 (rulesets/nn_lmhead.py); bf16 logits are rounded once to bf16.
 TOLERANCE = {"float32": (2e-4, 2e-5), "bfloat16": (3e-2, 3e-2)}
+
+
+OFFERED = nn_lmhead.offered
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _the_loop_on_every_backend():
+    """These tests check the loop's values and memory, so they ask for it on every backend (on a GPU the pack
+    does not offer it by default: :func:`rulesets.nn_lmhead.offered`, tested below)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(nn_lmhead, "offered", lambda: True)
+        yield
+
+
+def test_the_loop_is_offered_except_on_a_gpu(monkeypatch):
+    """Where the pack does not offer its loop (by default, on a GPU), the loss keeps its logits."""
+    assert OFFERED() == (jax.default_backend() != "gpu")  # this backend's own answer
+    monkeypatch.setattr(nn_lmhead, "offered", lambda: False)
+    f = make("optax_int", "mean", False, False, False)
+    report = explain(f, *inputs(np.random.default_rng(2), N, C, V), rulesets=[NN])
+    assert not lse_fired(report) and not blocked(report), report.fired
 
 
 def make(form: str, reduce: str, bias: bool, batch: bool, bf16: bool):
@@ -146,6 +168,33 @@ def test_no_logits_in_the_rewritten_gradient():
     assert temp(g) < logits / 2
     grad = lambda fn: jax.grad(fn, argnums=(0, 1, 2))
     assert temp(grad(g)) < temp(grad(f)) / 2
+
+
+def test_the_weight_gradient_is_added_in_place():
+    """Each token block's ``h_b^T dz_b`` is added into the carried ``dW`` by column blocks, so the gradient holds
+    no width x V array beside the weight gradient it returns (compiled, not run; 40 MiB at this size, before:
+    88 MiB, a whole 64 MiB product per block beside the carry)."""
+    n, c, v = 2048, 512, 32768
+    f = make("optax_int", "mean", True, False, False)
+    args = [jax.ShapeDtypeStruct((n, c), jnp.float32), jax.ShapeDtypeStruct((c, v), jnp.float32),
+            jax.ShapeDtypeStruct((v,), jnp.float32), jax.ShapeDtypeStruct((n,), jnp.int32),
+            jax.ShapeDtypeStruct((n,), jnp.float32)]
+    grad = jax.grad(rewrite(f, rulesets=[NN]), argnums=(0, 1, 2))
+    temp = jax.jit(grad).lower(*args).compile().memory_analysis().temp_size_in_bytes
+    assert temp < c * v * 4, temp / 2 ** 20
+
+
+@pytest.mark.parametrize("columns", [3000, 8192])
+def test_column_blocks_with_a_remainder_and_whole(monkeypatch, columns):
+    """``dW`` by column blocks of 3000 (two blocks and a remainder of 2192 columns) and whole (one product): the
+    gradient as the original's, with and without a bias."""
+    monkeypatch.setattr(nn_lmhead, "COLUMNS", columns)
+    args = inputs(np.random.default_rng(1), N, C, V)
+    for bias in (True, False):
+        f = make("optax_int", "masked", bias, False, False)
+        grad = lambda fn: jax.jit(jax.grad(fn, argnums=(0, 1, 2)))
+        for a, b in zip(grad(rewrite(f, rulesets=[NN]))(*args), grad(f)(*args)):
+            close(a, b, *TOLERANCE["float32"])
 
 
 @pytest.mark.parametrize("special", ["inf_h", "nan_h", "masked_vocab", "inf_w", "all_masked"])
