@@ -263,7 +263,6 @@ def _blocked(plan: _Plan, out_ref: tuple, axis: int, p_first: bool, dn: Any, pv_
     l_dtype = s_dtype if wide is None else wide
     (pc_l, pc_r), (pb_l, pb_r) = dn
     p_batch = pb_l if p_first else pb_r
-    v_batch = pb_r if p_first else pb_l
     # The weights as the product reads them: the logits' layout less the size-1 axes ``squeezed``.
     p_of = {d: d - sum(1 for e in squeezed if e < d) for d in range(s_rank) if d not in squeezed}
     p_axis = p_of[axis]
@@ -442,7 +441,7 @@ def _shift_is_own_max(shift: Value, s: Value, axis: int) -> bool:
 def _chunk(block: int, p_first: bool, converted: bool = False, squeeze: bool = False, widened: bool = False):
     @procedural
     def build(m: Any) -> Any:
-        r, b, pv = m.params("r"), m.params("b"), m.params("p")
+        r, pv = m.params("r"), m.params("p")
         x, v = m["x"], m["v"]
         squeezed = tuple(m.params("sq")["dimensions"]) if squeeze else ()
         cast = m.params("c")["new_dtype"] if converted else None

@@ -55,10 +55,11 @@ batch axes, and when the shift is not computed from the logits' maximum.
 The cost model chooses, the block too: one rule per block of :data:`BLOCKS`
 (128, 256 and 512 tokens) adds its loop wherever the block divides the
 tokens, and extraction takes the cheapest. The model weighs each loop's
-iterations against the block of logits it holds (a byte held at the peak is
-priced as one written, ``AnalyticCost.memory``), so by default the smallest
-block wins, dearer iterations choose larger ones and ``memory_budget`` the
-one that fits. With a small vocabulary the logits are small and every loop is
+iterations, each of which reads the whole ``W`` again, against the block of
+logits it holds (a byte held at the peak is priced as one written,
+``AnalyticCost.memory``), so a small ``W`` takes the smallest block, a large
+one larger blocks (256 tokens at width 512 and V=32,768), dearer iterations
+larger ones still and ``memory_budget`` the one that fits. With a small vocabulary the logits are small and every loop is
 priced above them, so the program is kept. On a GPU the loop is not offered
 (:func:`offered`: it measured slower there). A shift read without
 ``stop_gradient`` is declined (its derivative would need the maximum's whole
