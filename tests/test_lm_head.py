@@ -170,6 +170,8 @@ def test_no_logits_in_the_rewritten_gradient():
     assert temp(grad(g)) < temp(grad(f)) / 2
 
 
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's buffers; on a GPU (H200) the whole add measured "
+                    "72.5 MiB against 76.5 by columns (and the loop is not offered there)")
 def test_the_weight_gradient_is_added_in_place(monkeypatch):
     """Each token block's ``h_b^T dz_b`` is added into the carried ``dW`` by column blocks, so the gradient holds
     no width x V array beside the weight gradient it returns: one such array (64 MiB here) less than the same
