@@ -17,6 +17,10 @@ Then run a subset (each file twice; ``JAX_NUM_GENERATED_CASES`` bounds JAX's sam
 
     python -m benchmarks.jax_suite run nn_test lax_numpy_reducers_test --cases 2
     python -m benchmarks.jax_suite run lax_test --cases 1 -k "testOp or testReduce" --timeout 900
+    python -m benchmarks.jax_suite run lax_autodiff_test --cases 1 --grads --out benchmarks/out/jax_suite_grads
+
+``--grads`` routes ``jtu.check_grads`` as well: the function it checks is ``rewrite(f)``, called eagerly,
+so JAX's finite-difference checks of every order and mode are asked of the rewritten program.
 
 JAX's tests need ``absl-py`` (the ``jaxsuite`` extra: ``pip install -e '.[jaxsuite]'``). ``run``
 writes ``benchmarks/out/jax_suite/<file>.{plain,routed}.json`` and appends to nothing: the figures
@@ -113,6 +117,35 @@ def _routed_jit(real_jit: Any, packs: Any) -> Any:
     return jit
 
 
+def _routed_check_grads(real_check: Any, packs: Any) -> Any:
+    """``check_grads(f, args, order, ...)`` on ``rewrite(f)``: JAX's finite-difference checks of every
+    order and mode (jvp, vjp, their compositions) asked of the rewritten function, called eagerly."""
+    from rewrite import RewriteWarning, rewrite
+
+    @functools.wraps(real_check)
+    def check_grads(f: Any, args: Any, order: int, *rest: Any, **kw: Any) -> Any:
+        try:
+            rewritten = rewrite(f, rulesets=packs, strict=False, cache=False)
+        except Exception as e:  # noqa: BLE001 - counted like a jit that could not be routed
+            STATE.build_errors.append(f"{type(e).__name__}: {e}")
+            return real_check(f, args, order, *rest, **kw)
+
+        @functools.wraps(f)
+        def routed(*a: Any) -> Any:
+            STATE.calls += 1
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always", RewriteWarning)
+                out = rewritten(*a)
+            for w in caught:
+                if not issubclass(w.category, RewriteWarning):
+                    warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+            return out
+
+        return real_check(routed, args, order, *rest, **kw)
+
+    return check_grads
+
+
 def _recording_warn(real_warn: Any) -> Any:
     """``warnings.warn`` that also records each RewriteWarning: the rewrite of a derivative (under
     ``jax.grad`` of a jitted function) warns outside the routed call, and a test may catch warnings."""
@@ -144,6 +177,10 @@ def _install() -> None:
     proxy.__getattr__ = lambda name: getattr(real_api, name)  # type: ignore[method-assign]
     proxy.jit = jit
     jtu.api = proxy
+    if os.environ.get("JAX_SUITE_ROUTE_GRADS") == "1":
+        import jax.test_util
+
+        jtu.check_grads = jax.test_util.check_grads = _routed_check_grads(jtu.check_grads, packs)
 
 
 def pytest_configure(config: Any) -> None:
@@ -270,6 +307,8 @@ def main(argv: list[str] | None = None) -> None:
     rn.add_argument("-k", dest="select", default=None)
     rn.add_argument("--timeout", type=float, default=1800.0, help="seconds per pytest process")
     rn.add_argument("--routed-only", action="store_true", help="reuse the last plain run's outcomes")
+    rn.add_argument("--grads", action="store_true",
+                    help="route jtu.check_grads too: its function is rewritten (JAX_SUITE_ROUTE_GRADS=1)")
     rn.add_argument("--out", type=pathlib.Path, default=OUT, help=f"where outcomes go (default {OUT.relative_to(ROOT)})")
     args = parser.parse_args(argv)
     if args.command == "extract":
@@ -278,6 +317,8 @@ def main(argv: list[str] | None = None) -> None:
     if not available():
         sys.exit(f"no JAX test sources in {SOURCES.relative_to(ROOT)} (or absl-py missing): run `extract` first")
     rows = {}
+    if getattr(args, "grads", False):
+        os.environ["JAX_SUITE_ROUTE_GRADS"] = "1"
     for name in args.files:
         plain_path = args.out / f"{name}.plain.json"
         if args.routed_only and plain_path.exists():
