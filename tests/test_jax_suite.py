@@ -15,13 +15,17 @@ pytestmark = [pytest.mark.slow,
 
 #: (file, -k selection): tests that go through the rewriter.
 SLICES = [
-    ("nn_test", "Standardize or OneHot or DotProductAttentionBiasGradient"),
-    ("lax_numpy_reducers_test", "testReducer"),
+    ("nn_test", "Standardize or OneHot or DotProductAttentionBiasGradient", False),
+    ("lax_numpy_reducers_test", "testReducer", False),
 ]
 
 
-@pytest.mark.parametrize("name,select", SLICES)
-def test_routed_jit_passes_what_jit_passes(name, select, tmp_path):
+@pytest.mark.parametrize("name,select,grads", SLICES + [
+    # check_grads routed too: its function rewritten, differentiated eagerly in every order and mode
+    ("lax_autodiff_test", "testOpGrad or testClampGrad or testSplitGrad or testDotGrad", True)])
+def test_routed_jit_passes_what_jit_passes(name, select, grads, tmp_path, monkeypatch):
+    if grads:
+        monkeypatch.setenv("JAX_SUITE_ROUTE_GRADS", "1")
     plain = jax_suite.run_file(name, False, cases=1, select=select, timeout=1200, out_dir=tmp_path)["results"]
     routed = jax_suite.run_file(name, True, cases=1, select=select, timeout=1200, out_dir=tmp_path)["results"]
     figures = jax_suite.compare(plain, routed)
