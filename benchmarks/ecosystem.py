@@ -177,11 +177,13 @@ def _flax_bf16_step():
     return step, (params, state, tokens)
 
 
-def flax_lm_loss(vocab: int = 8192, width: int = 64) -> tuple[Callable[..., Any], tuple]:
+def flax_lm_loss(vocab: int = 8192, width: int = 64, length: int = 256, batch: int = 4,
+                 seed: int = 12) -> tuple[Callable[..., Any], tuple]:
     """``(loss, (params, tokens))``: a small transformer language model (token and position embeddings, two
-    causal self-attention blocks, a Dense head with bias onto the vocabulary) and optax's integer-label
-    cross-entropy of its next-token predictions, on random tokens: 4 x 256 predictions over 8192 words, so the
-    1024 x 8192 logits (32 MiB in f32) are most of the program's temp memory, as a real vocabulary makes them."""
+    causal self-attention blocks of two heads, a Dense head with bias onto the vocabulary) and optax's
+    integer-label cross-entropy of its next-token predictions, on random tokens. By default 4 x 256 predictions
+    over 8192 words, so the 1024 x 8192 logits (32 MiB in f32) are most of the program's temp memory, as a real
+    vocabulary makes them; ``length`` sets the context (``flax_long_context_step``)."""
     import flax.linen as nn
     import optax
 
@@ -204,8 +206,8 @@ def flax_lm_loss(vocab: int = 8192, width: int = 64) -> tuple[Callable[..., Any]
                 x = Block()(x, mask)
             return nn.Dense(vocab)(nn.LayerNorm()(x))
 
-    k1, k2 = _keys(2, 12)
-    tokens = jax.random.randint(k1, (4, 257), 0, vocab)
+    k1, k2 = _keys(2, seed)
+    tokens = jax.random.randint(k1, (batch, length + 1), 0, vocab)
     model = LM()
     params = model.init(k2, tokens[:, :-1])
 
@@ -237,6 +239,16 @@ def lm_step(loss: Callable[..., Any]) -> tuple[Callable[..., Any], Any]:
 @program("flax_lm_step", "flax", "language-model training step (2 causal blocks, 8192-word head, optax CE, SGD)")
 def _flax_lm_step():
     loss, (params, tokens) = flax_lm_loss()
+    step, opt = lm_step(loss)
+    return step, (params, opt.init(params), tokens)
+
+
+@program("flax_long_context_step", "flax",
+         "long-context training step (2 causal blocks, 2 heads of 64, 2048 tokens, 512-word head, SGD)")
+def _flax_long_context_step():
+    # The attention's N x N scores (2 heads x 2048 x 2048, 32 MiB each in f32, per block, forward and
+    # backward) are most of this step's memory, where flax_lm_step's are its head's logits.
+    loss, (params, tokens) = flax_lm_loss(vocab=512, width=128, length=2048, batch=1, seed=13)
     step, opt = lm_step(loss)
     return step, (params, opt.init(params), tokens)
 
