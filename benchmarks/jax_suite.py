@@ -86,8 +86,27 @@ class _State:
 STATE = _State()
 
 
+def _counted(fun: Any, rewritten: Any) -> Any:
+    """``rewritten`` in ``fun``'s name, each call counted; its RewriteWarnings are recorded (by
+    :func:`_recording_warn`) and kept quiet, every other warning passed on."""
+    from rewrite import RewriteWarning
+
+    @functools.wraps(fun)
+    def routed(*args: Any, **kwargs: Any) -> Any:
+        STATE.calls += 1
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", RewriteWarning)
+            out = rewritten(*args, **kwargs)
+        for w in caught:
+            if not issubclass(w.category, RewriteWarning):
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+        return out
+
+    return routed
+
+
 def _routed_jit(real_jit: Any, packs: Any) -> Any:
-    from rewrite import RewriteWarning, rewrite
+    from rewrite import rewrite
 
     def jit(fun: Any = None, /, **kw: Any) -> Any:
         if fun is None:
@@ -101,18 +120,7 @@ def _routed_jit(real_jit: Any, packs: Any) -> Any:
             STATE.build_errors.append(f"{type(e).__name__}: {e}")
             return real_jit(fun, **kw)
 
-        @functools.wraps(fun)
-        def routed(*args: Any, **kwargs: Any) -> Any:
-            STATE.calls += 1
-            with warnings.catch_warnings(record=True) as caught:  # recorded by _recording_warn, kept quiet here
-                warnings.simplefilter("always", RewriteWarning)
-                out = rewritten(*args, **kwargs)
-            for w in caught:
-                if not issubclass(w.category, RewriteWarning):
-                    warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
-            return out
-
-        return real_jit(routed, **kw)
+        return real_jit(_counted(fun, rewritten), **kw)
 
     return jit
 
@@ -120,7 +128,7 @@ def _routed_jit(real_jit: Any, packs: Any) -> Any:
 def _routed_check_grads(real_check: Any, packs: Any) -> Any:
     """``check_grads(f, args, order, ...)`` on ``rewrite(f)``: JAX's finite-difference checks of every
     order and mode (jvp, vjp, their compositions) asked of the rewritten function, called eagerly."""
-    from rewrite import RewriteWarning, rewrite
+    from rewrite import rewrite
 
     @functools.wraps(real_check)
     def check_grads(f: Any, args: Any, order: int, *rest: Any, **kw: Any) -> Any:
@@ -130,18 +138,7 @@ def _routed_check_grads(real_check: Any, packs: Any) -> Any:
             STATE.build_errors.append(f"{type(e).__name__}: {e}")
             return real_check(f, args, order, *rest, **kw)
 
-        @functools.wraps(f)
-        def routed(*a: Any) -> Any:
-            STATE.calls += 1
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always", RewriteWarning)
-                out = rewritten(*a)
-            for w in caught:
-                if not issubclass(w.category, RewriteWarning):
-                    warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
-            return out
-
-        return real_check(routed, args, order, *rest, **kw)
+        return real_check(_counted(f, rewritten), args, order, *rest, **kw)
 
     return check_grads
 
