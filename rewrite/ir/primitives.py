@@ -418,9 +418,7 @@ def _scan_emit(em: Any, params: dict, bodies: list, n_out: int, n_in: int) -> di
 def _scan_price(m: Any, n: NodeInfo) -> float:
     length = n.params.get("length", 1)
     carry = sum(nbytes(a) for a in n.out_avals[: n.params.get("num_carry", 0)])
-    # The body reads its loop-invariant operands again in every iteration: a block's product reads the whole
-    # weight each time, so fewer, larger blocks read it fewer times (measured: the LM head's loss over blocks
-    # of 128 tokens ran 5% slower than over 256, which a price without these reads called cheaper).
+    # the body reads its loop-invariant operands in every iteration (the LM head's blocks each read all of W)
     consts = sum(nbytes(a) for a in n.in_avals[: n.params.get("num_consts", 0)])
     return length * (n.body_costs[0] + m.iteration + m.byte * (carry + consts))
 
