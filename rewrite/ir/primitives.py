@@ -416,11 +416,9 @@ def _scan_emit(em: Any, params: dict, bodies: list, n_out: int, n_in: int) -> di
 
 
 def _scan_price(m: Any, n: NodeInfo) -> float:
-    length = n.params.get("length", 1)
-    carry = sum(nbytes(a) for a in n.out_avals[: n.params.get("num_carry", 0)])
-    # the body reads its loop-invariant operands in every iteration (the LM head's blocks each read all of W)
-    consts = sum(nbytes(a) for a in n.in_avals[: n.params.get("num_consts", 0)])
-    return length * (n.body_costs[0] + m.iteration + m.byte * (carry + consts))
+    # per iteration: the carry, and the loop-invariant operands the body reads (each LM-head block reads all of W)
+    moved = n.out_avals[: n.params.get("num_carry", 0)] + n.in_avals[: n.params.get("num_consts", 0)]
+    return n.params.get("length", 1) * (n.body_costs[0] + m.iteration + m.byte * sum(nbytes(a) for a in moved))
 
 
 def _while_load(ld: Any) -> list[Any]:
