@@ -242,24 +242,11 @@ def rss_table(write: bool) -> None:
 
 
 def run_step(rounds: int) -> str:
-    """The ecosystem suite's long-context training step (``flax_long_context_step``): as written, rewritten
-    whole by the identity packs (differentiated first), and with its loss rewritten before differentiation
-    (docs/training.md), by ``rulesets.attention`` alone and by every identity pack."""
+    """The ecosystem suite's long-context training step (``flax_long_context_step``): ``ecosystem.step_table``
+    with ``rulesets.attention`` as the loss's pack."""
     from benchmarks import ecosystem
 
-    loss, _ = ecosystem.flax_lm_loss(vocab=512, width=128, length=2048, batch=1, seed=13)
-    step, args = ecosystem.PROGRAMS["flax_long_context_step"].build()
-    identity = ecosystem.load_rulesets(ecosystem.CONFIGS["identity"])
-    vs = {"standard": step, "aa": lambda *a: step(*a), "whole": rewrite(step, rulesets=identity),
-          "loss_attention": ecosystem.lm_step(rewrite(loss, rulesets=[attention]))[0],
-          "loss_identity": ecosystem.lm_step(rewrite(loss, rulesets=identity))[0]}
-    row = measure("flax_long_context_step", vs, list(args), rounds=rounds)
-    v = row.as_dict()["variants"]
-    cells = " | ".join(f"{v[k]['ratio']:.2f}x, {row.stats[k].temp_bytes / MiB:.1f} MiB" for k in vs if k != "standard")
-    return ("| program | standard | A/A | rewritten whole (identity) | loss first (attention) | loss first (identity) |\n"
-            "|---|---|---|---|---|---|\n"
-            f"| flax_long_context_step | {1e3 * v['standard']['seconds']:.1f} ms, "
-            f"{row.stats['standard'].temp_bytes / MiB:.1f} MiB | {cells} |")
+    return ecosystem.step_table("flax_long_context_step", ecosystem.flax_long_context_loss()[0], "attention", rounds)
 
 
 def main(argv: list[str] | None = None) -> None:

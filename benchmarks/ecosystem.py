@@ -243,12 +243,40 @@ def _flax_lm_step():
     return step, (params, opt.init(params), tokens)
 
 
+def flax_long_context_loss() -> tuple[Callable[..., Any], tuple]:
+    """``flax_lm_loss`` at a long context: 2,048 tokens, width 128 (two heads of 64), a 512-word head. The
+    attention's N x N scores (2 heads x 2048 x 2048, 32 MiB each in f32, per block, forward and backward) are
+    most of its memory, where ``flax_lm_step``'s are its head's logits."""
+    return flax_lm_loss(vocab=512, width=128, length=2048, batch=1, seed=13)
+
+
+def step_table(name: str, loss: Callable[..., Any], pack: str, rounds: int) -> str:
+    """A markdown table of the training step ``PROGRAMS[name]`` (built by :func:`lm_step` around ``loss``):
+    as written, its A/A, rewritten whole by the identity packs (differentiated first), and with its loss
+    rewritten before differentiation (docs/training.md) by ``rulesets.<pack>`` alone and by every identity
+    pack; each as time ratio and temp memory."""
+    import rulesets
+    from benchmarks.harness import MiB, measure
+    from rewrite import rewrite
+
+    step, args = PROGRAMS[name].build()
+    identity = load_rulesets(CONFIGS["identity"])
+    vs = {"standard": step, "aa": lambda *a: step(*a), "whole": rewrite(step, rulesets=identity),
+          "loss_pack": lm_step(rewrite(loss, rulesets=[getattr(rulesets, pack)]))[0],
+          "loss_identity": lm_step(rewrite(loss, rulesets=identity))[0]}
+    row = measure(name, vs, list(args), rounds=rounds)
+    v = row.as_dict()["variants"]
+    cells = " | ".join(f"{v[k]['ratio']:.2f}x, {row.stats[k].temp_bytes / MiB:.1f} MiB" for k in vs if k != "standard")
+    return (f"| program | standard | A/A | rewritten whole (identity) | loss first ({pack}) | loss first (identity) |\n"
+            "|---|---|---|---|---|---|\n"
+            f"| {name} | {1e3 * v['standard']['seconds']:.1f} ms, {row.stats['standard'].temp_bytes / MiB:.1f} MiB "
+            f"| {cells} |")
+
+
 @program("flax_long_context_step", "flax",
          "long-context training step (2 causal blocks, 2 heads of 64, 2048 tokens, 512-word head, SGD)")
 def _flax_long_context_step():
-    # The attention's N x N scores (2 heads x 2048 x 2048, 32 MiB each in f32, per block, forward and
-    # backward) are most of this step's memory, where flax_lm_step's are its head's logits.
-    loss, (params, tokens) = flax_lm_loss(vocab=512, width=128, length=2048, batch=1, seed=13)
+    loss, (params, tokens) = flax_long_context_loss()
     step, opt = lm_step(loss)
     return step, (params, opt.init(params), tokens)
 

@@ -128,31 +128,12 @@ FULL = [("loss", 2048, 512, 32768, False), ("grad", 2048, 512, 32768, False),
         ("loss", 8192, 1024, 65536, True), ("grad", 8192, 1024, 65536, True)]
 
 
-def step_variants() -> tuple[dict[str, Callable], tuple]:
-    """The ecosystem suite's language-model training step (``benchmarks/ecosystem.py``, ``flax_lm_step``): as
-    written, rewritten whole with the identity packs (differentiated first, so the head is kept), and with its
-    loss rewritten before differentiation (docs/nn.md), by ``rulesets.nn`` alone and by every identity pack."""
+def run_step(rounds: int) -> str:
+    """The ecosystem suite's language-model training step (``flax_lm_step``): ``ecosystem.step_table`` with
+    ``rulesets.nn`` as the loss's pack (rewritten whole, the head is kept: differentiated first)."""
     from benchmarks import ecosystem
 
-    loss, _ = ecosystem.flax_lm_loss()
-    step, args = ecosystem.PROGRAMS["flax_lm_step"].build()
-    identity = ecosystem.load_rulesets(ecosystem.CONFIGS["identity"])
-    return {"standard": step, "aa": _again(step), "whole": rewrite(step, rulesets=identity),
-            "loss_nn": ecosystem.lm_step(rewrite(loss, rulesets=[rulesets.nn]))[0],
-            "loss_identity": ecosystem.lm_step(rewrite(loss, rulesets=identity))[0]}, args
-
-
-def run_step(rounds: int) -> str:
-    vs, args = step_variants()
-    row = measure("flax_lm_step", vs, list(args), rounds=rounds)
-    v = row.as_dict()["variants"]
-    cells = " | ".join(f"{v[k]['ratio']:.2f}x, {row.stats[k].temp_bytes / MiB:.1f} MiB" for k in vs if k != "standard")
-    return (f"| flax_lm_step | {1e3 * v['standard']['seconds']:.1f} ms, {row.stats['standard'].temp_bytes / MiB:.1f} MiB "
-            f"| {cells} |")
-
-
-STEP_HEADER = ("| program | standard | A/A | rewritten whole (identity) | loss first (nn) | loss first (identity) |\n"
-               "|---|---|---|---|---|---|")
+    return ecosystem.step_table("flax_lm_step", ecosystem.flax_lm_loss()[0], "nn", rounds)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -163,7 +144,6 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--step", action="store_true", help="the ecosystem suite's LM training step instead (printed)")
     a = ap.parse_args(argv)
     if a.step:
-        print(STEP_HEADER)
         print(run_step(a.rounds), flush=True)
         return
     cases = [c for i, c in enumerate(FULL) if not a.only or str(i) in a.only.split(",")]

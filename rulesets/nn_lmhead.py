@@ -59,8 +59,9 @@ iterations, each of which reads the whole ``W`` again, against the block of
 logits it holds (a byte held at the peak is priced as one written,
 ``AnalyticCost.memory``), so a small ``W`` takes the smallest block, a large
 one larger blocks (256 tokens at width 512 and V=32,768), dearer iterations
-larger ones still and ``memory_budget`` the one that fits. With a small vocabulary the logits are small and every loop is
-priced above them, so the program is kept. On a GPU the loop is not offered
+larger ones still and ``memory_budget`` the one that fits. With a small
+vocabulary the logits are small and every loop is priced above them, so the
+program is kept. On a GPU the loop is not offered
 (:func:`offered`: it measured slower there). A shift read without
 ``stop_gradient`` is declined (its derivative would need the maximum's whole
 share).
@@ -317,20 +318,15 @@ def _add_by_columns(dw: Any, ht: Any, dz: Any, precision: Any, acc: Any) -> Any:
     def product(cols: Any) -> Any:
         return lax.dot_general(ht, cols, (((1,), (0,)), ((), ())), precision=precision, preferred_element_type=acc)
 
+    def add_at(dw: Any, at: Any, width: int) -> Any:
+        cols = lax.dynamic_slice_in_dim(dz, at, width, 1)
+        return lax.dynamic_update_slice_in_dim(dw, lax.dynamic_slice_in_dim(dw, at, width, 1) + product(cols), at, 1)
+
     if v <= COLUMNS:
         return dw + product(dz)
     k, tail = divmod(v, COLUMNS)
-
-    def body(j: Any, dw: Any) -> Any:
-        at = j * COLUMNS
-        cols = lax.dynamic_slice_in_dim(dz, at, COLUMNS, 1)
-        return lax.dynamic_update_slice_in_dim(dw, lax.dynamic_slice_in_dim(dw, at, COLUMNS, 1) + product(cols), at, 1)
-
-    dw = lax.fori_loop(0, k, body, dw)
-    if tail:
-        at = k * COLUMNS
-        dw = lax.dynamic_update_slice_in_dim(dw, dw[:, at:] + product(dz[:, at:]), at, 1)
-    return dw
+    dw = lax.fori_loop(0, k, lambda j, dw: add_at(dw, j * COLUMNS, COLUMNS), dw)
+    return add_at(dw, k * COLUMNS, tail) if tail else dw
 
 
 def _shift_kind(shift_of: Any, shape: tuple, dtype: Any) -> str | None:
