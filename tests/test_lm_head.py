@@ -432,3 +432,28 @@ def test_soft_labels_that_are_not_smoothed_one_hots_keep_the_logits():
     close(g(h, W, labels), jax.jit(f)(h, W, labels), *TOLERANCE["float32"])
     for a, b in zip(jax.grad(g, argnums=(0, 1))(h, W, labels), jax.grad(f, argnums=(0, 1))(h, W, labels)):
         close(a, b, *TOLERANCE["float32"])
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_column_blocks_under_vjp_and_jvp(monkeypatch, dtype):
+    """The column-block backward (blocks of 3000: a loop and a remainder) at every training dtype, through
+    ``jax.vjp`` eagerly and under jit, and forward mode (``jax.jvp``) of the rewritten loss, as the original."""
+    monkeypatch.setattr(nn_lmhead, "COLUMNS", 3000)
+    h, W, b, y, w = inputs(np.random.default_rng(3), N, C, V)
+    h, W = h.astype(dtype), W.astype(dtype)
+
+    def f(h, W):
+        return optax.softmax_cross_entropy_with_integer_labels((h @ W).astype(jnp.float32), y).mean()
+
+    g = rewrite(f, rulesets=[NN])
+    assert blocked(explain(f, h, W, rulesets=[NN]))
+    rtol, atol = TOLERANCE["float32" if dtype == "float32" else "bfloat16"]
+    def pullback(fn):
+        return lambda h, W: jax.vjp(fn, h, W)[1](jnp.float32(1.0))
+
+    for wrap in (lambda fn: fn, jax.jit):
+        for x, z in zip(wrap(pullback(g))(h, W), wrap(pullback(f))(h, W)):
+            close(x, z, rtol, atol)
+        t = (jnp.ones_like(h), jnp.ones_like(W))
+        for x, z in zip(wrap(lambda h, W: jax.jvp(g, (h, W), t))(h, W), wrap(lambda h, W: jax.jvp(f, (h, W), t))(h, W)):
+            close(x, z, rtol, atol)
