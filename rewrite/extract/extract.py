@@ -37,7 +37,7 @@ from typing import Any, Sequence
 from ..cost.model import CostModel
 from ..ir.egraph import Snapshot
 from .extractor import _CONTAINERS, Extractor, _signature, search
-from .program import ProgramPricer, ProgramSearch, prices_programs
+from .program import ProgramPricer, ProgramSearch, lean_band, leaner, prices_programs
 
 
 @dataclasses.dataclass
@@ -101,6 +101,7 @@ def extract(snap: Snapshot, roots: Sequence[Any], model: CostModel, original: se
             candidates.append(Candidate(orig_choice, math.nan, False))
         else:
             orig_choice = None
+    price: ProgramPricer | None = None
     if prices_programs(model):
         price = ProgramPricer(ex, model)  # each distinct program is priced once
         for cand in candidates:
@@ -141,4 +142,26 @@ def extract(snap: Snapshot, roots: Sequence[Any], model: CostModel, original: se
     for cand in ranked:
         if not cand.rewritten and cand.cost <= best.cost * (1 + 1e-9) + keep_below * cand.cost:
             best = cand
+    if price is not None and lean_band(model):
+        best = _leanest(ranked, best, price, roots, lean_band(model))
     return Extraction(best.choice, best.cost, orig_cost, best.rewritten, ranked)
+
+
+def _leanest(ranked: list[Candidate], best: Candidate, price: ProgramPricer, roots: Sequence[Any],
+             band: float) -> Candidate:
+    """Of the candidates priced within ``band`` of the cheapest, the leanest, where it is :func:`leaner`
+    than ``best`` (``AnalyticCost.lean_band``: the model cannot tell their times apart)."""
+    within = [cand for cand in ranked if cand is not best and cand.cost <= ranked[0].cost * (1 + band)]
+    if not within:
+        return best
+
+    def peak(cand: Candidate) -> int | None:
+        live = price.live(cand.choice, roots)
+        return live.peak() if live else None
+
+    top = peak(best)
+    peaks = [(p, cand.cost, i, cand) for i, cand in enumerate(within) if (p := peak(cand)) is not None]
+    if not peaks:
+        return best
+    p, _, _, cand = min(peaks, key=lambda t: t[:3])
+    return cand if leaner(p, top) else best
