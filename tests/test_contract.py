@@ -95,8 +95,10 @@ def test_rules_keep_derivatives_where_still_open(name):
 
     The check runs in a fresh process. In a test process that ran other tests first it once passed (one full
     run of 2026-11-26, with ``-n 2``): the edge of the float range it finds is met by some of its examples and
-    not others, and which it draws, or how they round, depended on what ran before; alone it fails every
-    time. The failure's message is printed (``--runxfail`` shows it, unshrunk)."""
+    not others, and the derandomized examples hypothesis draws depend on the process's state. After
+    ``import benchmarks.calibrate`` (as ``test_cost_model.py`` does), the draws differ from the fourth example
+    on and none reaches the edge; the programs compared are the same. Alone it fails every time. The
+    failure's message is printed (``--runxfail`` shows it, unshrunk)."""
     code = ("import os; os.environ['JAX_REWRITE_CACHE_DIR'] = 'off'\n"
             "from hypothesis import Phase, settings\n"
             f"settings.register_profile('u', max_examples={settings.default.max_examples}, deadline=None, "
