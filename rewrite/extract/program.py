@@ -515,12 +515,17 @@ class ProgramSearch:
                 swap = self._adds_loop(cur, alt)  # one loop for another: only all its outputs at once
                 if not swap and self.ex.reaches(self.choice, self._kids(alt), {c}):
                     continue
-                if swap or not (self._switch(c, alt) or accept(self._price(), self._live.peak())):
-                    if not swap:
+                kept = False
+                if not swap:
+                    self._switch(c, alt)
+                    kept = accept(self._price(), self._live.peak())
+                    if not kept:
                         self._switch(c, cur)
+                if not kept:
                     group = self._siblings(c, alt, live)
-                    if not group or not self._group_move(c, alt, cur, group, best, accept):
-                        continue
+                    kept = bool(group) and self._group_move(c, alt, cur, group, best, accept)
+                if not kept:
+                    continue
                 best, peak = self._price(), self._live.peak()
                 self.visited.add(self.pricer.last_key)
                 live = set(self._program_classes())
