@@ -99,8 +99,7 @@ def test_rules_keep_derivatives_where_still_open(name):
     ``import benchmarks.calibrate`` (as ``test_cost_model.py`` does), the draws differ from the fourth example
     on and none reaches the edge; the programs compared are the same. Alone it fails every time. The
     failure's message is printed (``--runxfail`` shows it, unshrunk)."""
-    code = ("import os; os.environ['JAX_REWRITE_CACHE_DIR'] = 'off'\n"
-            "from hypothesis import Phase, settings\n"
+    code = ("from hypothesis import Phase, settings\n"  # the environment (conftest's) is inherited
             f"settings.register_profile('u', max_examples={settings.default.max_examples}, deadline=None, "
             f"derandomize={settings.default.derandomize},\n"
             "                          phases=[p for p in Phase if p is not Phase.shrink])\n"

@@ -142,8 +142,9 @@ def extract(snap: Snapshot, roots: Sequence[Any], model: CostModel, original: se
     for cand in ranked:
         if not cand.rewritten and cand.cost <= best.cost * (1 + 1e-9) + keep_below * cand.cost:
             best = cand
-    if price is not None and lean_band(model):
-        best = _leanest(ranked, best, price, roots, lean_band(model))
+    band = lean_band(model)
+    if price is not None and band:
+        best = _leanest(ranked, best, price, roots, band)
     return Extraction(best.choice, best.cost, orig_cost, best.rewritten, ranked)
 
 

@@ -414,6 +414,18 @@ class ProgramSearch:
         ref = live._ref
         return ref.get(alt[1][0], 0) == 0 and ref.get(cur[1][0], 0) > 1
 
+    def _may_move(self, cur: tuple, alt: tuple) -> bool:
+        """Whether a class choosing ``cur`` may be priced with ``alt`` instead: another node, not a container,
+        whose operands the choice computes, not ``cur``'s operation on its operands in another order (a*b for
+        b*a: the same program price), and not a move away from a literal (which costs nothing)."""
+        if alt == cur or alt[0] in _CONTAINERS or any(k not in self.choice for k in self._kids(alt)):
+            return False
+        return not _permuted(self.ex, alt, cur) and cur[0] != "Lit"
+
+    def _budget(self, classes: Sequence[Any]) -> int:
+        """How many distinct programs one pass over ``classes`` may price (see the class's docstring)."""
+        return min(self.max_evaluations, max(64, int(self.per_class * len(classes))))
+
     def _run(self, passes: int, known: float | None) -> tuple[dict[Any, tuple], float]:
         nodes = self.ex.snap.nodes
         best = self.pricer(self.choice, self.roots) if known is None else known
@@ -423,7 +435,7 @@ class ProgramSearch:
         self.visited.add(here)
         start = self.pricer.evaluations
         classes = self._program_classes()
-        budget = min(self.max_evaluations, max(64, int(self.per_class * len(classes))))
+        budget = self._budget(classes)
         for n in range(passes):
             if n:
                 classes = self._program_classes()
@@ -439,11 +451,7 @@ class ProgramSearch:
                     if self.pricer.evaluations - start >= budget:
                         return self.choice, best
                     cur = self.choice[c]
-                    if alt == cur or alt[0] in _CONTAINERS or any(k not in self.choice for k in self._kids(alt)):
-                        continue
-                    if _permuted(self.ex, alt, cur):
-                        continue  # the same operation on the same operands (a*b for b*a): the same program price
-                    if cur[0] == "Lit" or self._adds_loop(cur, alt):
+                    if not self._may_move(cur, alt) or self._adds_loop(cur, alt):
                         continue
                     if self.ex.reaches(self.choice, self._kids(alt), {c}):
                         continue
@@ -498,6 +506,7 @@ class ProgramSearch:
         start = self.pricer.evaluations
         nodes = self.ex.snap.nodes
         classes = self._program_classes()
+        budget = self._budget(classes)
         live = set(classes)
         accept = lambda price, new_peak: price <= ceiling and leaner(new_peak, peak)  # noqa: E731
         for c in classes:
@@ -505,12 +514,10 @@ class ProgramSearch:
             if len(alts) < 2 or c not in live:
                 continue
             for alt in alts:
-                if self.pricer.evaluations - start >= self.max_evaluations:
+                if self.pricer.evaluations - start >= budget:
                     return best
                 cur = self.choice[c]
-                if alt == cur or alt[0] in _CONTAINERS or any(k not in self.choice for k in self._kids(alt)):
-                    continue
-                if _permuted(self.ex, alt, cur) or cur[0] == "Lit":
+                if not self._may_move(cur, alt):
                     continue
                 swap = self._adds_loop(cur, alt)  # one loop for another: only all its outputs at once
                 if not swap and self.ex.reaches(self.choice, self._kids(alt), {c}):
