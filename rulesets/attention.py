@@ -58,10 +58,14 @@ the cost model keeps the program as it is.
 The pack is ``identity`` class, like ``linalg``: the blocked sums reorder the
 original's floating-point additions (the softmax's sum and the product's
 contraction), and the rescaling adds one rounding per block; nothing else
-changes. Its tolerance, ``Tolerance(rtol=2e-4, atol=2e-5)`` at float32 (scaled
-by machine epsilon for other dtypes), is what ``tests/test_attention.py``
+changes. Its tolerance, ``Tolerance(rtol=2e-4, atol=2e-5, terms=16)`` at float32
+(scaled by machine epsilon for other dtypes), is what ``tests/test_attention.py``
 holds forward values and gradients to, against the original and against a
-float64 reference. Rule names start with ``attn_``.
+float64 reference. ``terms=16``: where a gradient's terms cancel (``dq`` is 0
+when every value row is the same, a difference of two sums of ~1e3), the
+recomputing backward may leave up to 16 roundings of the terms' magnitude, as
+``check_ruleset``'s reverse-mode check found (``rewrite.testing``). Rule names
+start with ``attn_``.
 
 >>> import jax, jax.numpy as jnp
 >>> from rewrite import explain
@@ -550,5 +554,5 @@ attention = Ruleset("attention", [
          example_program=_example(suffix, p_first, blk))
     for suffix, (w, cast, squeeze, wide) in _WEIGHTS.items() for p_first in (True, False) for blk in BLOCKS
     if (suffix, p_first) in _EXAMPLES
-], soundness="identity", tolerance=Tolerance(rtol=2e-4, atol=2e-5),
+], soundness="identity", tolerance=Tolerance(rtol=2e-4, atol=2e-5, terms=16),
     description="softmax attention over key blocks with an online softmax and a recomputing backward")

@@ -84,6 +84,28 @@ def test_rules_that_change_a_derivative_at_a_kink_are_rejected(name, lhs, rhs, s
     check_ruleset(ruleset, derivatives=False)  # the values are kept
 
 
+def _square_with_backward(backward):
+    @jax.custom_vjp
+    def square(x):
+        return x * x
+    square.defvjp(lambda x: (x * x, x), lambda x, g: (backward(x, g),))
+    return square
+
+
+def test_a_replacement_with_a_wrong_backward_of_its_own_is_rejected_in_reverse_mode():
+    # Forward values are exact and forward mode differentiates the program as written, so only jax.vjp
+    # of the rewritten program can show a hand-written backward's mistake (here: d(x*x) = x, not 2x).
+    wrong = _one("square_half_vjp", lambda x: x * x, lambda x: _square_with_backward(lambda x, g: x * g)(x))
+    with pytest.raises(AssertionError) as info:
+        check_ruleset(wrong, max_examples=10)
+    text = str(info.value)
+    assert "does not hold: JAX's reverse-mode derivative (vjp) changed" in text, text
+    assert "    cotangent of output 0 = float32" in text and "  original cotangent  = " in text
+    check_ruleset(wrong, derivatives=False)  # the values are kept
+    right = _one("square_own_vjp", lambda x: x * x, lambda x: _square_with_backward(lambda x, g: 2.0 * x * g)(x))
+    assert check_ruleset(right, max_examples=10).rules["square_own_vjp"].examples == 10
+
+
 def test_derivative_mismatch_skips_nan_values_and_lets_a_rewrite_do_better():
     from rewrite.testing import derivative_mismatch
 

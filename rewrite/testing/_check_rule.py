@@ -38,7 +38,7 @@ from ..rules.rule import Procedure, Rule
 from ..rules.ruleset import Ruleset, Tolerance, entries_of
 from ..rules.saturate import Limits
 from ._compare import Float64Results, _Evidence, _show, _spreads, derivative_mismatch
-from ._magnitude import jvp_magnitudes, magnitudes
+from ._magnitude import jvp_magnitudes, magnitudes, vjp_magnitudes
 from ._strategies import _into_domain, _is_complex, _is_float, _settings, _wide, arrays
 
 
@@ -76,11 +76,37 @@ def _tangents(closed: core.ClosedJaxpr, args: Sequence[Any], tangents: Sequence[
     return [np.asarray(t) for t in out]
 
 
+def _cotangents(closed: core.ClosedJaxpr, args: Sequence[Any], cotangents: Sequence[Any]) -> list[np.ndarray]:
+    """The cotangents of ``closed``'s float inputs at ``args`` for ``cotangents`` of its float outputs: reverse
+    mode, which a replacement with its own backward defines. Eagerly, one primitive at a time, like the values:
+    under jit XLA may drop a rounding the program asks for (a bfloat16 product cast up to float32 is computed
+    in float32), in one program and not in the other, and the two derivatives would then differ by it."""
+    key = (id(closed), jax.config.jax_enable_x64, "vjp")
+    if key not in _JVPS:
+        idx = [i for i, a in enumerate(closed.in_avals) if _differentiable(a.dtype)]
+        outs = [i for i, a in enumerate(closed.out_avals) if _differentiable(a.dtype)]
+
+        def vjp(primals: list[Any], cts: list[Any], others: list[Any]) -> Any:
+            def at(*xs: Any) -> list[Any]:
+                full, it, rest = [], iter(xs), iter(others)
+                for i in range(len(closed.in_avals)):
+                    full.append(next(it) if i in idx else next(rest))
+                res = core.eval_jaxpr(closed.jaxpr, closed.consts, *full)
+                return [res[i] for i in outs]
+            return jax.vjp(at, *primals)[1](cts)
+
+        _JVPS[key] = (closed, (idx, outs), vjp)
+    _, (idx, outs), run = _JVPS[key]
+    got = run([jnp.asarray(args[i]) for i in idx], [jnp.asarray(cotangents[i]) for i in outs],
+              [jnp.asarray(a) for i, a in enumerate(args) if i not in idx])
+    return [np.asarray(t) for t in got]
+
+
 #: The least relative tolerance on derivatives outside the exact class (for float32; scaled by epsilon).
 _DERIVATIVE_RTOL = 1e-3
 
 #: Compiled JVPs by program (the program is kept alive beside its entry, so its id is not reused).
-_JVPS: dict[tuple[int, bool], tuple[Any, list[int], Any]] = {}
+_JVPS: dict[tuple, tuple[Any, Any, Any]] = {}
 
 
 def _trace_at(fn: Callable[..., Any], avals: Sequence[Any]):
@@ -116,6 +142,19 @@ class _Reference:
             self._failed = True
             return Float64Results([], terms)
         return Float64Results(outs, terms)
+
+    def cotangents(self, args: Sequence[Any], cotangents: Sequence[Any]) -> list[Any] | None:
+        """The true input cotangents (float64) at ``args`` for output ``cotangents``, or ``None``."""
+        if self._failed:
+            return None
+        try:
+            with jax.enable_x64(True):
+                self._trace_wide()
+                widen = [None if a is None else np.asarray(a).astype(_wide(np.asarray(a).dtype)) for a in args]
+                return _cotangents(self._closed, widen, [None if t is None else np.asarray(t).astype(_wide(
+                    np.asarray(t).dtype)) for t in cotangents])
+        except Exception:
+            return None
 
     def tangents(self, args: Sequence[Any], tangents: Sequence[Any]) -> list[Any] | None:
         """The true output tangents (float64) at ``args`` along ``tangents``, or ``None``."""
@@ -441,7 +480,8 @@ def _constant_cases(rule: Rule) -> list[_Case]:
 
 
 def _failure(rule: Rule, owner: Ruleset, case: _Case, vals: Sequence[Any], want: Sequence[Any],
-             got: Sequence[Any], why: str, tangents: Sequence[Any] | None = None) -> AssertionError:
+             got: Sequence[Any], why: str, tangents: Sequence[Any] | None = None,
+             cotangents: Sequence[Any] | None = None) -> AssertionError:
     lines = [f"rule {rule.name!r} [{owner.name}, {owner.soundness}] does not hold: {why}",
              f"  case {case.describe()}" + (" (inputs of the rule's example program)" if rule.is_pat else "")]
     for n, v in zip(case.names, vals):
@@ -449,7 +489,10 @@ def _failure(rule: Rule, owner: Ruleset, case: _Case, vals: Sequence[Any], want:
     for n, t in zip(case.names, tangents or ()):
         if t is not None:
             lines.append(f"    tangent of {n} = {_show(t, 18 + len(n))}")
-    what = " tangent" if tangents is not None else ""
+    for i, t in enumerate(cotangents or ()):
+        if t is not None:
+            lines.append(f"    cotangent of output {i} = {_show(t, 26)}")
+    what = " tangent" if tangents is not None else " cotangent" if cotangents is not None else ""
     for i, (w, g) in enumerate(zip(want, got)):
         tag = f"{what}[{i}]" if len(want) > 1 else what
         lines.append(f"  original{tag}  = {_show(w, 14 + len(tag))}")
@@ -459,17 +502,46 @@ def _failure(rule: Rule, owner: Ruleset, case: _Case, vals: Sequence[Any], want:
     return AssertionError("\n".join(lines))
 
 
+def _own_backward(case: _Case) -> bool:
+    """Whether the rewrite brought a backward of its own (``jax.custom_vjp``) that the original lacks."""
+    return has_custom_vjp(case.after.jaxpr) and not has_custom_vjp(case.before.jaxpr)
+
+
 def _check_derivatives(rule: Rule, owner: Ruleset, case: _Case, vals: Sequence[Any], tangents: Sequence[Any],
-                       want: Sequence[Any]) -> None:
-    """The original's and the rewrite's tangents at ``vals`` along ``tangents``: JAX's derivatives must agree."""
-    if has_custom_vjp(case.after.jaxpr) and not has_custom_vjp(case.before.jaxpr):
-        # A replacement with its own backward (jax.custom_vjp) has no JVP: forward mode of a rewritten
-        # program differentiates the program as written (rewrite.grad.primitive.Program.jvp_source), so
-        # there is no rewritten forward-mode derivative to compare; its backward is held to the original's
-        # by the pack's own gradient tests.
-        return
+                       cotangents: Sequence[Any], want: Sequence[Any]) -> None:
+    """JAX's derivatives of the original and of the rewrite must agree.
+
+    Forward mode (the output tangents along ``tangents``), or, where the replacement brings its own backward
+    (``jax.custom_vjp``), reverse mode: the input cotangents for the output ``cotangents``. Forward mode of a
+    rewritten program differentiates the program as written (``rewrite.grad.primitive.Program.jvp_source``), so
+    a hand-written backward is what such a rule can get wrong, and reverse mode is where it shows.
+    """
+    reverse = _own_backward(case)
+    # Where an output is not finite, its cotangent's path into the inputs is an accident of the order of
+    # operations (``0 * (2x)`` is NaN where ``0 * x + x * 0`` is 0, at an x where x * x overflows), as in forward
+    # mode. Reverse mode mixes the outputs into each input's cotangent, so then only the cotangents that are
+    # finite on both sides are compared.
+    overflowed = reverse and not all(np.isfinite(np.asarray(w, np.float64)).all() for w in want
+                                     if _is_float(np.asarray(w).dtype))
+    if reverse:
+        def derive(closed: core.ClosedJaxpr, args: Sequence[Any]) -> list[Any]:
+            return _cotangents(closed, args, cotangents)
+
+        def reference() -> list[Any] | None:
+            return case.reference.cotangents(vals, cotangents)
+        # An input's cotangent is not compared where the input itself is not finite.
+        values = [v for v, a in zip(vals, case.avals) if _differentiable(a.dtype)]
+        shown = {"cotangents": cotangents}
+    else:
+        def derive(closed: core.ClosedJaxpr, args: Sequence[Any]) -> list[Any]:
+            return _tangents(closed, args, tangents)
+
+        def reference() -> list[Any] | None:
+            return case.reference.tangents(vals, tangents)
+        values = list(want)
+        shown = {"tangents": tangents}
     try:
-        want_t = _tangents(case.before, vals, tangents)
+        want_t = derive(case.before, vals)
     except Exception:
         return  # the original has no derivative here (an opaque primitive): nothing to keep
     # Derivatives are new programs on both sides, so exact rules too meet them within a tolerance, at
@@ -480,24 +552,31 @@ def _check_derivatives(rule: Rule, owner: Ruleset, case: _Case, vals: Sequence[A
     floor = Tolerance.rtol if owner.soundness == "exact" else _DERIVATIVE_RTOL
     tolerance = Tolerance(max(base.rtol, floor), max(base.atol, Tolerance.atol), base.terms)
     try:
-        got_t = _tangents(case.after, vals, tangents)
+        got_t = derive(case.after, vals)
     except Exception as e:
         raise _failure(rule, owner, case, vals, want, want, f"the rewritten program cannot be differentiated "
                        f"({type(e).__name__}: {e})") from None
+    if overflowed:
+        with np.errstate(invalid="ignore"):
+            got_t = [np.where(np.isfinite(np.asarray(g, np.float64)), g, w).astype(np.asarray(g).dtype)
+                     if np.shape(g) == np.shape(w) and _is_float(np.asarray(g).dtype) else g
+                     for g, w in zip(got_t, want_t)]
     refs: list[Any] = []
-    for i, (v, w, g) in enumerate(zip(want, want_t, got_t)):
+    for i, (v, w, g) in enumerate(zip(values, want_t, got_t)):
         why = derivative_mismatch(v, w, g, tolerance=tolerance)
         if why is not None:
             if not refs:
-                refs.extend(case.reference.tangents(vals, tangents) or [None] * len(want_t))
-                refs.append(_spreads(lambda a: _tangents(case.before, a, tangents), vals, want_t))
-                mags = jvp_magnitudes(case.reference.fn, vals, tangents) if tolerance.terms > 0 else None
+                refs.extend(reference() or [None] * len(want_t))
+                refs.append(_spreads(lambda a: derive(case.before, a), vals, want_t))
+                mags = None if tolerance.terms <= 0 else (
+                    vjp_magnitudes(case.reference.fn, vals, cotangents) if reverse
+                    else jvp_magnitudes(case.reference.fn, vals, tangents))
                 refs.append(mags or [None] * len(want_t))
             why = derivative_mismatch(v, w, g, tolerance=tolerance, reference=refs[i], spread=refs[-2][i],
                                       magnitude=refs[-1][i])
         if why is not None:
-            raise _failure(rule, owner, case, vals, want_t, got_t, f"JAX's derivative changed: {why}",
-                           tangents=tangents)
+            kind = "reverse-mode derivative (vjp)" if reverse else "derivative"
+            raise _failure(rule, owner, case, vals, want_t, got_t, f"JAX's {kind} changed: {why}", **shown)
 
 
 def _check_rule(rule: Rule, owner: Ruleset, max_examples: int | None, derivatives: bool = True) -> RuleCheck:
@@ -526,9 +605,13 @@ def _check_rule(rule: Rule, owner: Ruleset, max_examples: int | None, derivative
         differentiate = derivatives and not case.constant and any(_differentiable(a.dtype) for a in case.avals)
         # Kinks are among the values drawn (0, -0.0, 1, -1); the tangents are ordinary numbers. Drawn
         # before anything runs, so an example hypothesis abandons (too much data) runs nothing.
+        reverse = differentiate and _own_backward(case)
         tangents = [data.draw(arrays(a.shape, a.dtype, "fastmath"), label=f"tangent of {n}")
                     if _differentiable(a.dtype) else None
-                    for n, a in zip(case.names, case.avals)] if differentiate else []
+                    for n, a in zip(case.names, case.avals)] if differentiate and not reverse else []
+        cotangents = [data.draw(arrays(o.shape, o.dtype, "fastmath"), label=f"cotangent of output {i}")
+                      if _differentiable(o.dtype) else None
+                      for i, o in enumerate(case.before.out_avals)] if reverse else []
         if case.constant:
             bound = [jnp.asarray(v) for v in vals]  # jax arrays, so the program's operations are traced
             try:
@@ -547,7 +630,7 @@ def _check_rule(rule: Rule, owner: Ruleset, max_examples: int | None, derivative
             if why is not None:
                 raise _failure(rule, owner, shown, vals, want, got, why)
         if differentiate:
-            _check_derivatives(rule, owner, case, vals, tangents, want)
+            _check_derivatives(rule, owner, case, vals, tangents, cotangents, want)
 
     _settings(max_examples)(given(st.data())(run))()
     if constant and not fired[0]:
@@ -579,7 +662,11 @@ def check_ruleset(ruleset: Any, *, max_examples: int | None = None, derivatives:
     programs' forward-mode derivatives (``jax.jvp``, along drawn tangents):
     a rule must keep the derivatives JAX computes, at kinks (``abs`` and
     ``max`` at 0, a ``where`` at its switch) as elsewhere, within a tolerance
-    even for exact rules (:func:`rewrite.testing.derivative_mismatch`).
+    even for exact rules (:func:`rewrite.testing.derivative_mismatch`). A
+    replacement with a backward of its own (``jax.custom_vjp``: a blocked
+    attention, a loop over token blocks) is compared in reverse mode instead
+    (``jax.vjp``, for drawn output cotangents), since its hand-written backward
+    is what it can get wrong.
 
     ``max_examples`` is per rule; the active hypothesis profile decides when
     it is ``None``. Returns a :class:`CheckReport` of what was checked.
@@ -593,7 +680,7 @@ def check_ruleset(ruleset: Any, *, max_examples: int | None = None, derivatives:
     >>> check_ruleset(bad, max_examples=50)  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     AssertionError: check_ruleset('bad'): 1 of 1 rule(s) failed...
-    rule 'sub_self' [bad, exact] does not hold: at []: original nan, rewritten 0.0 ...
+    rule 'sub_self' [bad, exact] does not hold: at ...: original nan, rewritten 0.0 ...
     """
     entries = entries_of(ruleset)
     name = getattr(ruleset, "name", None) or "+".join(o.name for o in {id(o): o for _, o in entries}.values())

@@ -147,6 +147,28 @@ def jvp_magnitudes(fn: Callable[..., Any], args: Sequence[Any], tangents: Sequen
     return magnitudes(derivative, list(args) + [tangents[i] for i in idx])
 
 
+def vjp_magnitudes(fn: Callable[..., Any], args: Sequence[Any], cotangents: Sequence[Any]) -> list[Any] | None:
+    """:func:`magnitudes` of ``fn``'s reverse-mode derivative at ``args`` for ``cotangents`` of its float outputs
+    (one per output leaf, ``None`` for an output that is not a float): per float input, the terms summed into
+    its cotangent, primals and cotangents both inputs of the derivative program."""
+    idx = [i for i, a in enumerate(args) if _inexact(np.asarray(a))]
+    outs = [i for i, c in enumerate(cotangents) if c is not None]
+    n = len(args)
+
+    def derivative(*xs: Any) -> Any:
+        primals = list(xs[:n])
+
+        def at(*moved: Any) -> Any:
+            full = list(primals)
+            for i, x in zip(idx, moved):
+                full[i] = x
+            leaves = jax.tree_util.tree_leaves(fn(*full))
+            return [leaves[i] for i in outs]
+        return jax.vjp(at, *[primals[i] for i in idx])[1](list(xs[n:]))
+
+    return magnitudes(derivative, list(args) + [cotangents[i] for i in outs])
+
+
 def flat(fn: Callable[..., Any], args: Any, traced: Callable[[Any], bool]) -> tuple[Callable[..., Any], list[Any]]:
     """``fn`` of a pytree of ``args`` as a function of its leaves that ``traced`` picks (the rest stay
     fixed), returning its output's leaves; and those leaves."""
