@@ -51,6 +51,16 @@ def _differentiable(dtype: Any) -> bool:
     return _is_float(dtype) or _is_complex(dtype)
 
 
+def _at(closed: core.ClosedJaxpr, idx: Sequence[int], others: Sequence[Any]) -> Callable[..., list[Any]]:
+    """``closed`` run as a function of its inputs at ``idx``, the rest fixed at ``others``."""
+    def at(*xs: Any) -> list[Any]:
+        full, it, rest = [], iter(xs), iter(others)
+        for i in range(len(closed.in_avals)):
+            full.append(next(it) if i in idx else next(rest))
+        return core.eval_jaxpr(closed.jaxpr, closed.consts, *full)
+    return at
+
+
 def _tangents(closed: core.ClosedJaxpr, args: Sequence[Any], tangents: Sequence[Any]) -> list[np.ndarray]:
     """The output tangents of ``closed`` at ``args`` along ``tangents`` of its float inputs (``jax.jvp`` under jit).
 
@@ -62,12 +72,7 @@ def _tangents(closed: core.ClosedJaxpr, args: Sequence[Any], tangents: Sequence[
         idx = [i for i, a in enumerate(closed.in_avals) if _differentiable(a.dtype)]
 
         def jvp(primals: list[Any], tans: list[Any], others: list[Any]) -> Any:
-            def at(*xs: Any) -> list[Any]:
-                full, it, rest = [], iter(xs), iter(others)
-                for i in range(len(closed.in_avals)):
-                    full.append(next(it) if i in idx else next(rest))
-                return core.eval_jaxpr(closed.jaxpr, closed.consts, *full)
-            return jax.jvp(at, primals, tans)[1]
+            return jax.jvp(_at(closed, idx, others), primals, tans)[1]
 
         _JVPS[key] = (closed, idx, jax.jit(jvp))
     _, idx, run = _JVPS[key]
@@ -81,32 +86,18 @@ def _cotangents(closed: core.ClosedJaxpr, args: Sequence[Any], cotangents: Seque
     mode, which a replacement with its own backward defines. Eagerly, one primitive at a time, like the values:
     under jit XLA may drop a rounding the program asks for (a bfloat16 product cast up to float32 is computed
     in float32), in one program and not in the other, and the two derivatives would then differ by it."""
-    key = (id(closed), jax.config.jax_enable_x64, "vjp")
-    if key not in _JVPS:
-        idx = [i for i, a in enumerate(closed.in_avals) if _differentiable(a.dtype)]
-        outs = [i for i, a in enumerate(closed.out_avals) if _differentiable(a.dtype)]
-
-        def vjp(primals: list[Any], cts: list[Any], others: list[Any]) -> Any:
-            def at(*xs: Any) -> list[Any]:
-                full, it, rest = [], iter(xs), iter(others)
-                for i in range(len(closed.in_avals)):
-                    full.append(next(it) if i in idx else next(rest))
-                res = core.eval_jaxpr(closed.jaxpr, closed.consts, *full)
-                return [res[i] for i in outs]
-            return jax.vjp(at, *primals)[1](cts)
-
-        _JVPS[key] = (closed, (idx, outs), vjp)
-    _, (idx, outs), run = _JVPS[key]
-    got = run([jnp.asarray(args[i]) for i in idx], [jnp.asarray(cotangents[i]) for i in outs],
-              [jnp.asarray(a) for i, a in enumerate(args) if i not in idx])
-    return [np.asarray(t) for t in got]
+    idx = [i for i, a in enumerate(closed.in_avals) if _differentiable(a.dtype)]
+    outs = [i for i, a in enumerate(closed.out_avals) if _differentiable(a.dtype)]
+    run = _at(closed, idx, [jnp.asarray(a) for i, a in enumerate(args) if i not in idx])
+    _, pull = jax.vjp(lambda *xs: [run(*xs)[i] for i in outs], *[jnp.asarray(args[i]) for i in idx])
+    return [np.asarray(t) for t in pull([jnp.asarray(cotangents[i]) for i in outs])]
 
 
 #: The least relative tolerance on derivatives outside the exact class (for float32; scaled by epsilon).
 _DERIVATIVE_RTOL = 1e-3
 
 #: Compiled JVPs by program (the program is kept alive beside its entry, so its id is not reused).
-_JVPS: dict[tuple, tuple[Any, Any, Any]] = {}
+_JVPS: dict[tuple[int, bool], tuple[Any, list[int], Any]] = {}
 
 
 def _trace_at(fn: Callable[..., Any], avals: Sequence[Any]):
@@ -145,27 +136,23 @@ class _Reference:
 
     def cotangents(self, args: Sequence[Any], cotangents: Sequence[Any]) -> list[Any] | None:
         """The true input cotangents (float64) at ``args`` for output ``cotangents``, or ``None``."""
-        if self._failed:
-            return None
-        try:
-            with jax.enable_x64(True):
-                self._trace_wide()
-                widen = [None if a is None else np.asarray(a).astype(_wide(np.asarray(a).dtype)) for a in args]
-                return _cotangents(self._closed, widen, [None if t is None else np.asarray(t).astype(_wide(
-                    np.asarray(t).dtype)) for t in cotangents])
-        except Exception:
-            return None
+        return self._derivative(_cotangents, args, cotangents)
 
     def tangents(self, args: Sequence[Any], tangents: Sequence[Any]) -> list[Any] | None:
         """The true output tangents (float64) at ``args`` along ``tangents``, or ``None``."""
+        return self._derivative(_tangents, args, tangents)
+
+    def _derivative(self, derive: Callable[..., Any], args: Sequence[Any], directions: Sequence[Any]
+                    ) -> list[Any] | None:
         if self._failed:
             return None
+
+        def widen(xs: Sequence[Any]) -> list[Any]:
+            return [None if a is None else np.asarray(a).astype(_wide(np.asarray(a).dtype)) for a in xs]
         try:
             with jax.enable_x64(True):
                 self._trace_wide()
-                widen = [None if a is None else np.asarray(a).astype(_wide(np.asarray(a).dtype)) for a in args]
-                return _tangents(self._closed, widen, [None if t is None else np.asarray(t).astype(_wide(
-                    np.asarray(t).dtype)) for t in tangents])
+                return derive(self._closed, widen(args), widen(directions))
         except Exception:
             return None
 

@@ -127,6 +127,16 @@ def magnitudes(fn: Callable[..., Any], args: Sequence[Any]) -> list[Any] | None:
     return [None if m is None else (m, u) for m, u in zip(terms, grown)]
 
 
+def _moving(fn: Callable[..., Any], primals: Sequence[Any], idx: Sequence[int]) -> Callable[..., Any]:
+    """``fn`` as a function of the inputs at ``idx``, the others fixed at ``primals``."""
+    def at(*moved: Any) -> Any:
+        full = list(primals)
+        for i, x in zip(idx, moved):
+            full[i] = x
+        return fn(*full)
+    return at
+
+
 def jvp_magnitudes(fn: Callable[..., Any], args: Sequence[Any], tangents: Sequence[Any]) -> list[Any] | None:
     """:func:`magnitudes` of ``fn``'s forward-mode derivative at ``args`` along ``tangents`` (``None`` for
     an input that has none): the derivative program's own terms, primals and tangents both its inputs."""
@@ -135,14 +145,7 @@ def jvp_magnitudes(fn: Callable[..., Any], args: Sequence[Any], tangents: Sequen
 
     def derivative(*xs: Any) -> Any:
         primals = list(xs[:n])
-
-        def at(*moved: Any) -> Any:
-            full = list(primals)
-            for i, x in zip(idx, moved):
-                full[i] = x
-            return fn(*full)
-
-        return jax.jvp(at, [primals[i] for i in idx], list(xs[n:]))[1]
+        return jax.jvp(_moving(fn, primals, idx), [primals[i] for i in idx], list(xs[n:]))[1]
 
     return magnitudes(derivative, list(args) + [tangents[i] for i in idx])
 
@@ -155,16 +158,13 @@ def vjp_magnitudes(fn: Callable[..., Any], args: Sequence[Any], cotangents: Sequ
     outs = [i for i, c in enumerate(cotangents) if c is not None]
     n = len(args)
 
+    def floats(*xs: Any) -> list[Any]:
+        leaves = jax.tree_util.tree_leaves(fn(*xs))
+        return [leaves[i] for i in outs]
+
     def derivative(*xs: Any) -> Any:
         primals = list(xs[:n])
-
-        def at(*moved: Any) -> Any:
-            full = list(primals)
-            for i, x in zip(idx, moved):
-                full[i] = x
-            leaves = jax.tree_util.tree_leaves(fn(*full))
-            return [leaves[i] for i in outs]
-        return jax.vjp(at, *[primals[i] for i in idx])[1](list(xs[n:]))
+        return jax.vjp(_moving(floats, primals, idx), *[primals[i] for i in idx])[1](list(xs[n:]))
 
     return magnitudes(derivative, list(args) + [cotangents[i] for i in outs])
 
