@@ -289,3 +289,17 @@ def test_cudnn_replaces_jax_dot_product_attention_with_grouped_heads(causal, kv_
     loss = lambda fn: jax.jit(jax.grad(lambda *a: jnp.sum(jnp.sin(fn(*a).astype(jnp.float32))), argnums=(0, 1, 2)))  # noqa: E731
     for a, b in zip(loss(g)(q, k, v), loss(f)(q, k, v)):
         close(a, b, jnp.bfloat16)
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN's fused attention needs a GPU")
+def test_the_half_precision_rules_hold_on_a_gpu():
+    """On a GPU the pack's half-precision rules build cuDNN's fused call (the blocked form is off there), and
+    ``check_ruleset`` holds its values and, in reverse mode, its backward to the original's autodiff (all six
+    passed on an H200, jax 0.11.2: ``benchmarks/results/gpu.md``)."""
+    from rewrite.testing import check_ruleset
+
+    half = [r for r in attention.rules if "_cast" in r.name or "_wide" in r.name]
+    assert len(half) == 6
+    report = check_ruleset(Ruleset("attention_half", half, soundness=attention.soundness,
+                                   tolerance=attention.tolerance))
+    assert set(report.rules) == {r.name for r in half}
