@@ -29,6 +29,7 @@ from ..cost.model import AnalyticCost
 from ..extract.extractor import Extractor, _CONTAINERS
 from ..ir.intern import TupleType
 from ..ir.jaxapi import core
+from ..ir.primitives import inner_jaxpr
 from ..ir.walk import has_custom_vjp
 from ..jaxpr.emit import emit
 from ..jaxpr.trace import trace
@@ -81,23 +82,40 @@ def _tangents(closed: core.ClosedJaxpr, args: Sequence[Any], tangents: Sequence[
     return [np.asarray(t) for t in out]
 
 
-def _cotangents(closed: core.ClosedJaxpr, args: Sequence[Any], cotangents: Sequence[Any]) -> list[np.ndarray]:
-    """The cotangents of ``closed``'s float inputs at ``args`` for ``cotangents`` of its float outputs: reverse
-    mode, which a replacement with its own backward defines. Eagerly, one primitive at a time, like the values:
-    under jit XLA may drop a rounding the program asks for (a bfloat16 product cast up to float32 is computed
-    in float32), in one program and not in the other, and the two derivatives would then differ by it."""
+def _half_precision(jaxpr: Any) -> bool:
+    """Whether ``jaxpr``, or a body in it, computes a 16-bit float."""
+    return any(any(_is_float(v.aval.dtype) and np.dtype(v.aval.dtype).itemsize == 2 for v in e.outvars)
+               or ((body := inner_jaxpr(e.params)) is not None and _half_precision(getattr(body, "jaxpr", body)))
+               for e in jaxpr.eqns)
+
+
+def _cotangents(closed: core.ClosedJaxpr, args: Sequence[Any], cotangents: Sequence[Any],
+                eager: bool = False) -> list[np.ndarray]:
+    """The cotangents of ``closed``'s float inputs at ``args`` for ``cotangents`` of its float outputs (reverse
+    mode, which a replacement with its own backward defines), under jit or ``eager``ly, op by op like the values:
+    under jit XLA may compute a bf16 product cast up to f32 in f32 in one program and not the other (1.13 vs
+    1.63 on the attention pack); eagerly a loop's backward compiles anew every example, so 16-bit only."""
     idx = [i for i, a in enumerate(closed.in_avals) if _differentiable(a.dtype)]
     outs = [i for i, a in enumerate(closed.out_avals) if _differentiable(a.dtype)]
-    run = _at(closed, idx, [jnp.asarray(a) for i, a in enumerate(args) if i not in idx])
-    _, pull = jax.vjp(lambda *xs: [run(*xs)[i] for i in outs], *[jnp.asarray(args[i]) for i in idx])
-    return [np.asarray(t) for t in pull([jnp.asarray(cotangents[i]) for i in outs])]
+
+    def vjp(primals: list[Any], cts: list[Any], others: list[Any]) -> Any:
+        run = _at(closed, idx, others)
+        return jax.vjp(lambda *xs: [run(*xs)[i] for i in outs], *primals)[1](cts)
+
+    key = (id(closed), jax.config.jax_enable_x64, "vjp")
+    if not eager and key not in _JVPS:
+        _JVPS[key] = (closed, None, jax.jit(vjp))
+    got = (vjp if eager else _JVPS[key][2])(
+        [jnp.asarray(args[i]) for i in idx], [jnp.asarray(cotangents[i]) for i in outs],
+        [jnp.asarray(a) for i, a in enumerate(args) if i not in idx])
+    return [np.asarray(t) for t in got]
 
 
 #: The least relative tolerance on derivatives outside the exact class (for float32; scaled by epsilon).
 _DERIVATIVE_RTOL = 1e-3
 
 #: Compiled JVPs by program (the program is kept alive beside its entry, so its id is not reused).
-_JVPS: dict[tuple[int, bool], tuple[Any, list[int], Any]] = {}
+_JVPS: dict[tuple, tuple[Any, Any, Any]] = {}
 
 
 def _trace_at(fn: Callable[..., Any], avals: Sequence[Any]):
@@ -496,23 +514,20 @@ def _own_backward(case: _Case) -> bool:
 
 def _check_derivatives(rule: Rule, owner: Ruleset, case: _Case, vals: Sequence[Any], tangents: Sequence[Any],
                        cotangents: Sequence[Any], want: Sequence[Any]) -> None:
-    """JAX's derivatives of the original and of the rewrite must agree.
-
-    Forward mode (the output tangents along ``tangents``), or, where the replacement brings its own backward
-    (``jax.custom_vjp``), reverse mode: the input cotangents for the output ``cotangents``. Forward mode of a
-    rewritten program differentiates the program as written (``rewrite.grad.primitive.Program.jvp_source``), so
-    a hand-written backward is what such a rule can get wrong, and reverse mode is where it shows.
-    """
+    """JAX's derivatives of the original and of the rewrite must agree: forward mode (the output tangents along
+    ``tangents``), or, where the replacement brings its own backward (``jax.custom_vjp``), reverse mode (the input
+    cotangents for the output ``cotangents``): forward mode of a rewritten program differentiates the program
+    as written (``rewrite.grad.primitive.Program.jvp_source``), so a hand-written backward shows only there."""
     reverse = _own_backward(case)
-    # Where an output is not finite, its cotangent's path into the inputs is an accident of the order of
-    # operations (``0 * (2x)`` is NaN where ``0 * x + x * 0`` is 0, at an x where x * x overflows), as in forward
-    # mode. Reverse mode mixes the outputs into each input's cotangent, so then only the cotangents that are
-    # finite on both sides are compared.
+    # Where an output overflowed, its cotangent's path is an accident of the order of operations (``0 * (2x)``
+    # is NaN, ``0 * x + x * 0`` is 0); reverse mode mixes outputs: compare the cotangents finite on both sides.
     overflowed = reverse and not all(np.isfinite(np.asarray(w, np.float64)).all() for w in want
                                      if _is_float(np.asarray(w).dtype))
     if reverse:
+        eager = _half_precision(case.before.jaxpr) or _half_precision(case.after.jaxpr)
+
         def derive(closed: core.ClosedJaxpr, args: Sequence[Any]) -> list[Any]:
-            return _cotangents(closed, args, cotangents)
+            return _cotangents(closed, args, cotangents, eager)
 
         def reference() -> list[Any] | None:
             return case.reference.cotangents(vals, cotangents)
