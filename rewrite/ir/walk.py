@@ -25,6 +25,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, Container, Iterable, Iterator, Sequence
 
+import jax.numpy as jnp
+
 from . import terms as _terms
 from .primitives import inner_jaxpr
 
@@ -118,5 +120,16 @@ def has_custom_vjp(jaxpr: Any) -> bool:
             return True
         inner = inner_jaxpr(e.params)
         if inner is not None and has_custom_vjp(inner):
+            return True
+    return False
+
+
+def computes_half_precision(jaxpr: Any) -> bool:
+    """Whether ``jaxpr``, or a body in it, computes a 16-bit float (bfloat16 or float16)."""
+    for e in jaxpr.eqns:
+        if any(getattr(v.aval, "dtype", None) in (jnp.bfloat16, jnp.float16) for v in e.outvars):
+            return True
+        inner = inner_jaxpr(e.params)
+        if inner is not None and computes_half_precision(getattr(inner, "jaxpr", inner)):
             return True
     return False

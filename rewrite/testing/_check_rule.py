@@ -29,8 +29,7 @@ from ..cost.model import AnalyticCost
 from ..extract.extractor import Extractor, _CONTAINERS
 from ..ir.intern import TupleType
 from ..ir.jaxapi import core
-from ..ir.primitives import inner_jaxpr
-from ..ir.walk import has_custom_vjp
+from ..ir.walk import computes_half_precision, has_custom_vjp
 from ..jaxpr.emit import emit
 from ..jaxpr.trace import trace
 from ..pipeline import Result, run_pipeline
@@ -80,13 +79,6 @@ def _tangents(closed: core.ClosedJaxpr, args: Sequence[Any], tangents: Sequence[
     out = run([jnp.asarray(args[i]) for i in idx], [jnp.asarray(tangents[i]) for i in idx],
               [jnp.asarray(a) for i, a in enumerate(args) if i not in idx])
     return [np.asarray(t) for t in out]
-
-
-def _half_precision(jaxpr: Any) -> bool:
-    """Whether ``jaxpr``, or a body in it, computes a 16-bit float."""
-    return any(any(_is_float(v.aval.dtype) and np.dtype(v.aval.dtype).itemsize == 2 for v in e.outvars)
-               or ((body := inner_jaxpr(e.params)) is not None and _half_precision(getattr(body, "jaxpr", body)))
-               for e in jaxpr.eqns)
 
 
 def _cotangents(closed: core.ClosedJaxpr, args: Sequence[Any], cotangents: Sequence[Any],
@@ -247,6 +239,16 @@ class _Case:
 
     def __repr__(self) -> str:  # hypothesis shows the drawn case
         return self.describe()
+
+    @functools.cached_property
+    def own_backward(self) -> bool:
+        """Whether the rewrite brought a backward of its own (``jax.custom_vjp``) that the original lacks."""
+        return has_custom_vjp(self.after.jaxpr) and not has_custom_vjp(self.before.jaxpr)
+
+    @functools.cached_property
+    def half_precision(self) -> bool:
+        """Whether either program computes a 16-bit float (its reverse mode then runs eagerly: ``_cotangents``)."""
+        return computes_half_precision(self.before.jaxpr) or computes_half_precision(self.after.jaxpr)
 
     def original(self, args: Sequence[Any]) -> list[Any]:
         """The original program's results as a function of the drawn values (constants or not)."""
@@ -507,27 +509,20 @@ def _failure(rule: Rule, owner: Ruleset, case: _Case, vals: Sequence[Any], want:
     return AssertionError("\n".join(lines))
 
 
-def _own_backward(case: _Case) -> bool:
-    """Whether the rewrite brought a backward of its own (``jax.custom_vjp``) that the original lacks."""
-    return has_custom_vjp(case.after.jaxpr) and not has_custom_vjp(case.before.jaxpr)
-
-
 def _check_derivatives(rule: Rule, owner: Ruleset, case: _Case, vals: Sequence[Any], tangents: Sequence[Any],
                        cotangents: Sequence[Any], want: Sequence[Any]) -> None:
     """JAX's derivatives of the original and of the rewrite must agree: forward mode (the output tangents along
     ``tangents``), or, where the replacement brings its own backward (``jax.custom_vjp``), reverse mode (the input
     cotangents for the output ``cotangents``): forward mode of a rewritten program differentiates the program
     as written (``rewrite.grad.primitive.Program.jvp_source``), so a hand-written backward shows only there."""
-    reverse = _own_backward(case)
+    reverse = case.own_backward
     # Where an output overflowed, its cotangent's path is an accident of the order of operations (``0 * (2x)``
     # is NaN, ``0 * x + x * 0`` is 0); reverse mode mixes outputs: compare the cotangents finite on both sides.
     overflowed = reverse and not all(np.isfinite(np.asarray(w, np.float64)).all() for w in want
                                      if _is_float(np.asarray(w).dtype))
     if reverse:
-        eager = _half_precision(case.before.jaxpr) or _half_precision(case.after.jaxpr)
-
         def derive(closed: core.ClosedJaxpr, args: Sequence[Any]) -> list[Any]:
-            return _cotangents(closed, args, cotangents, eager)
+            return _cotangents(closed, args, cotangents, case.half_precision)
 
         def reference() -> list[Any] | None:
             return case.reference.cotangents(vals, cotangents)
@@ -607,7 +602,7 @@ def _check_rule(rule: Rule, owner: Ruleset, max_examples: int | None, derivative
         differentiate = derivatives and not case.constant and any(_differentiable(a.dtype) for a in case.avals)
         # Kinks are among the values drawn (0, -0.0, 1, -1); the tangents are ordinary numbers. Drawn
         # before anything runs, so an example hypothesis abandons (too much data) runs nothing.
-        reverse = differentiate and _own_backward(case)
+        reverse = differentiate and case.own_backward
         tangents = [data.draw(arrays(a.shape, a.dtype, "fastmath"), label=f"tangent of {n}")
                     if _differentiable(a.dtype) else None
                     for n, a in zip(case.names, case.avals)] if differentiate and not reverse else []
