@@ -61,32 +61,51 @@ def _at(closed: core.ClosedJaxpr, idx: Sequence[int], others: Sequence[Any]) -> 
     return at
 
 
-def _tangents(closed: core.ClosedJaxpr, args: Sequence[Any], tangents: Sequence[Any]) -> list[np.ndarray]:
-    """The output tangents of ``closed`` at ``args`` along ``tangents`` of its float inputs (``jax.jvp`` under jit).
+def _op_by_op(fn: Callable[..., Any], *args: Any) -> Callable[..., Any]:
+    """``fn`` traced once at ``args``' shapes and run eagerly, one primitive at a time, as the values are.
 
-    Under jit, unlike the values (compared op by op): a derivative program is compiled once per case and
-    reused for every example, where op by op a loop's derivative would dispatch every step.
+    Under jit XLA may compute a bf16 product cast up to f32 in f32 in one program and not in the other (1.13
+    against 1.63 on the attention pack's reverse mode; ``xla_allow_excess_precision=False`` did not stop it);
+    eagerly each primitive rounds as written. Traced once, a loop's derivative keeps its identity between
+    examples, so its compiled body is reused where a fresh ``jax.vjp`` compiled it anew every example.
     """
-    key = (id(closed), jax.config.jax_enable_x64)
+    closed = jax.make_jaxpr(fn)(*args)
+    tree = jax.tree_util.tree_structure(jax.eval_shape(fn, *args))
+
+    def run(*xs: Any) -> Any:
+        flat = jax.tree_util.tree_leaves(xs)
+        return jax.tree_util.tree_unflatten(tree, core.eval_jaxpr(closed.jaxpr, closed.consts, *flat))
+    return run
+
+
+def _derivative(closed: core.ClosedJaxpr, mode: str, fn: Callable[..., Any], eager: bool,
+                args: tuple) -> list[np.ndarray]:
+    """``fn(*args)``, compiled once per program and mode: under jit, or traced once and run op by op
+    (``_op_by_op``) where ``eager`` (a program that computes a 16-bit float)."""
+    key = (id(closed), jax.config.jax_enable_x64, mode, eager)
     if key not in _JVPS:
-        idx = [i for i, a in enumerate(closed.in_avals) if _differentiable(a.dtype)]
+        _JVPS[key] = (closed, None, _op_by_op(fn, *args) if eager else jax.jit(fn))
+    return [np.asarray(t) for t in _JVPS[key][2](*args)]
 
-        def jvp(primals: list[Any], tans: list[Any], others: list[Any]) -> Any:
-            return jax.jvp(_at(closed, idx, others), primals, tans)[1]
 
-        _JVPS[key] = (closed, idx, jax.jit(jvp))
-    _, idx, run = _JVPS[key]
-    out = run([jnp.asarray(args[i]) for i in idx], [jnp.asarray(tangents[i]) for i in idx],
-              [jnp.asarray(a) for i, a in enumerate(args) if i not in idx])
-    return [np.asarray(t) for t in out]
+def _tangents(closed: core.ClosedJaxpr, args: Sequence[Any], tangents: Sequence[Any],
+              eager: bool = False) -> list[np.ndarray]:
+    """The output tangents of ``closed`` at ``args`` along ``tangents`` of its float inputs (``jax.jvp``),
+    under jit or op by op where ``eager`` (``_derivative``)."""
+    idx = [i for i, a in enumerate(closed.in_avals) if _differentiable(a.dtype)]
+
+    def jvp(primals: list[Any], tans: list[Any], others: list[Any]) -> Any:
+        return jax.jvp(_at(closed, idx, others), primals, tans)[1]
+
+    return _derivative(closed, "jvp", jvp, eager, (
+        [jnp.asarray(args[i]) for i in idx], [jnp.asarray(tangents[i]) for i in idx],
+        [jnp.asarray(a) for i, a in enumerate(args) if i not in idx]))
 
 
 def _cotangents(closed: core.ClosedJaxpr, args: Sequence[Any], cotangents: Sequence[Any],
                 eager: bool = False) -> list[np.ndarray]:
     """The cotangents of ``closed``'s float inputs at ``args`` for ``cotangents`` of its float outputs (reverse
-    mode, which a replacement with its own backward defines), under jit or ``eager``ly, op by op like the values:
-    under jit XLA may compute a bf16 product cast up to f32 in f32 in one program and not the other (1.13 vs
-    1.63 on the attention pack); eagerly a loop's backward compiles anew every example, so 16-bit only."""
+    mode, which a replacement with its own backward defines), under jit or op by op where ``eager``."""
     idx = [i for i, a in enumerate(closed.in_avals) if _differentiable(a.dtype)]
     outs = [i for i, a in enumerate(closed.out_avals) if _differentiable(a.dtype)]
 
@@ -94,13 +113,9 @@ def _cotangents(closed: core.ClosedJaxpr, args: Sequence[Any], cotangents: Seque
         run = _at(closed, idx, others)
         return jax.vjp(lambda *xs: [run(*xs)[i] for i in outs], *primals)[1](cts)
 
-    key = (id(closed), jax.config.jax_enable_x64, "vjp")
-    if not eager and key not in _JVPS:
-        _JVPS[key] = (closed, None, jax.jit(vjp))
-    got = (vjp if eager else _JVPS[key][2])(
+    return _derivative(closed, "vjp", vjp, eager, (
         [jnp.asarray(args[i]) for i in idx], [jnp.asarray(cotangents[i]) for i in outs],
-        [jnp.asarray(a) for i, a in enumerate(args) if i not in idx])
-    return [np.asarray(t) for t in got]
+        [jnp.asarray(a) for i, a in enumerate(args) if i not in idx]))
 
 
 #: The least relative tolerance on derivatives outside the exact class (for float32; scaled by epsilon).
@@ -531,7 +546,7 @@ def _check_derivatives(rule: Rule, owner: Ruleset, case: _Case, vals: Sequence[A
         shown = {"cotangents": cotangents}
     else:
         def derive(closed: core.ClosedJaxpr, args: Sequence[Any]) -> list[Any]:
-            return _tangents(closed, args, tangents)
+            return _tangents(closed, args, tangents, case.half_precision)
 
         def reference() -> list[Any] | None:
             return case.reference.tangents(vals, tangents)
