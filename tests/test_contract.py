@@ -70,45 +70,36 @@ def _keeps_budget_and_cost(ruleset, result, what):
     assert result.cost_after <= result.cost_before * (1 + 1e-9), (what, result.cost_before, result.cost_after)
 
 
-#: Packs whose derivatives are known to move at the edge of the float range, checked for values only here
-#: and for derivatives in a strict xfail below, so the value contract stays in force for them.
-DERIVATIVES_OPEN = {
-    "scan": "sink_inputs: a derivative of 8.5e37 (float32) becomes inf once the loop's inputs are computed "
-            "inside it: an overflow at the edge of the range that the identity class's tolerance does not "
-            "excuse for derivatives yet (found by the derivative check of issue 29; open)",
-}
-
-
 @pytest.mark.parametrize("name,ruleset", RULESETS, ids=IDS)
 def test_rules_hold(name, ruleset):
-    report = check_ruleset(ruleset, derivatives=name not in DERIVATIVES_OPEN)
+    report = check_ruleset(ruleset)
     assert set(report.rules) == {r.name for r in ruleset}
 
 
-#: The example that shows each open entry (inputs, then tangents), as ``check_ruleset`` drew it: a check over
-#: freshly drawn examples meets the edge of the float range with some draws and not others (any change to what
-#: is drawn before it moves it), so the open entry is held to the example that found it.
-OPEN_EXAMPLES = {"scan": ("sink_inputs", "scan_sink_inputs_derivative_edge.npz")}
-
-
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=why))
-                                  for n, why in sorted(DERIVATIVES_OPEN.items())])
-def test_rules_keep_derivatives_where_still_open(name):
-    """Expected to fail until the entry goes: the rule's derivative at the stored example, checked as
-    ``check_ruleset`` checks every example (``_check_derivatives``)."""
+def test_a_fused_multiply_add_in_the_original_is_not_held_against_a_rule():
+    """The scan pack's ``sink_inputs`` at the example that found it (inputs, then tangents, as ``check_ruleset``
+    drew them): the original's derivative is 8.5e37 at [0, 21] only because XLA computes ``dp * s + p * ds`` in
+    its loop as one fused multiply-add, where the product ``dp * s`` alone overflows; the rewrite, whose loop
+    computes ``dp`` too, fuses it the other way and gives inf. Rounded as written (every operation of every
+    step on its own), both programs give inf, so the rule keeps the derivative; the check says so, and still
+    compares every other element."""
     import numpy as np
 
     from rewrite.rules.ruleset import entries_of
-    from rewrite.testing._check_rule import _cases, _check_derivatives, _evaluate
+    from rewrite.testing._check_rule import _cases, _check_derivatives
+    from rewrite.testing._run import _evaluate, _tangents
 
-    rule_name, stored = OPEN_EXAMPLES[name]
-    rule, owner = next((r, o) for r, o in entries_of(rulesets.BUILTIN[name]) if r.name == rule_name)
-    data = np.load(pathlib.Path(__file__).parent / "data" / stored)
+    rule, owner = next((r, o) for r, o in entries_of(rulesets.BUILTIN["scan"]) if r.name == "sink_inputs")
+    data = np.load(pathlib.Path(__file__).parent / "data" / "scan_sink_inputs_derivative_edge.npz")
     arrays = [data[f"arr_{i}"] for i in range(len(data.files))]
     cases, _, _ = _cases(rule, owner)
     case = next(c for c in cases if len(c.avals) * 2 == len(arrays)
                 and [tuple(a.shape) for a in c.avals] == [a.shape for a in arrays[:len(c.avals)]])
     vals, tangents = arrays[:len(case.avals)], arrays[len(case.avals):]
+    compiled = _tangents(case.before, vals, tangents)[0][0, 21]
+    written = [_tangents(p, vals, tangents, "written")[0][0, 21] for p in (case.before, case.after)]
+    assert np.isfinite(compiled) and np.isposinf(_tangents(case.after, vals, tangents)[0][0, 21])
+    assert np.isposinf(written).all(), written
     _check_derivatives(rule, owner, case, vals, tangents, [], _evaluate(case.before, vals))
 
 

@@ -92,6 +92,28 @@ def _square_with_backward(backward):
     return square
 
 
+def test_a_loop_rounded_as_written_undoes_xla_s_fused_multiply_adds():
+    """``as_written`` runs a loop's body one operation at a time: compiled, XLA:CPU computes ``a * b + c * d``
+    as one fused multiply-add (finite here), as written ``a * b`` overflows first. A derivative that differs
+    from the original's only so passes ``derivative_mismatch`` given the as-written one, and not without."""
+    from rewrite.testing import derivative_mismatch
+    from rewrite.testing._run import _evaluate, as_written
+
+    def loop(a, b, c, d):
+        return lax.scan(lambda s, x: (s + (x[0] * x[1] + x[2] * x[3]), None), jnp.zeros_like(a[0]),
+                        (a, b, c, d))[0]
+
+    args = [np.full((3, 4), v, np.float32) for v in (-93841.06, -3.6623268e33, 123.39553, -2.0850995e36)]
+    closed = jax.make_jaxpr(loop)(*args)
+    compiled, written = _evaluate(closed, args)[0], as_written(closed, args)[0]
+    assert np.isfinite(compiled).all() and np.isposinf(written).all()
+    value = np.ones(4, np.float32)
+    assert derivative_mismatch(value, compiled, written) is not None
+    assert derivative_mismatch(value, compiled, written, written=written) is None
+    # only where the rewrite is what the original computes as written
+    assert derivative_mismatch(value, compiled, np.zeros(4, np.float32), written=written) is not None
+
+
 def test_a_replacement_with_a_wrong_backward_of_its_own_is_rejected_in_reverse_mode():
     # Forward values are exact and forward mode differentiates the program as written, so only jax.vjp
     # of the rewritten program can show a hand-written backward's mistake (here: d(x*x) = x, not 2x).

@@ -39,7 +39,7 @@ from ..rules.ruleset import Ruleset, Tolerance, entries_of
 from ..rules.saturate import Limits
 from ._compare import Float64Results, _Evidence, _show, _spreads, derivative_mismatch
 from ._magnitude import jvp_magnitudes, magnitudes, vjp_magnitudes
-from ._run import _cotangents, _differentiable, _evaluate, _tangents
+from ._run import _cotangents, _differentiable, _evaluate, _tangents, as_written
 from ._strategies import _into_domain, _is_float, _settings, _wide, arrays
 
 
@@ -456,9 +456,10 @@ def _check_derivatives(rule: Rule, owner: Ruleset, case: _Case, vals: Sequence[A
     # is NaN, ``0 * x + x * 0`` is 0); reverse mode mixes outputs: compare the cotangents finite on both sides.
     overflowed = reverse and not all(np.isfinite(np.asarray(w, np.float64)).all() for w in want
                                      if _is_float(np.asarray(w).dtype))
+    how = "op" if case.half_precision else "jit"
     if reverse:
-        def derive(closed: core.ClosedJaxpr, args: Sequence[Any]) -> list[Any]:
-            return _cotangents(closed, args, cotangents, case.half_precision)
+        def derive(closed: core.ClosedJaxpr, args: Sequence[Any], how: str = how) -> list[Any]:
+            return _cotangents(closed, args, cotangents, how)
 
         def reference() -> list[Any] | None:
             return case.reference.cotangents(vals, cotangents)
@@ -466,8 +467,8 @@ def _check_derivatives(rule: Rule, owner: Ruleset, case: _Case, vals: Sequence[A
         values = [v for v, a in zip(vals, case.avals) if _differentiable(a.dtype)]
         shown = {"cotangents": cotangents}
     else:
-        def derive(closed: core.ClosedJaxpr, args: Sequence[Any]) -> list[Any]:
-            return _tangents(closed, args, tangents, case.half_precision)
+        def derive(closed: core.ClosedJaxpr, args: Sequence[Any], how: str = how) -> list[Any]:
+            return _tangents(closed, args, tangents, how)
 
         def reference() -> list[Any] | None:
             return case.reference.tangents(vals, tangents)
@@ -505,8 +506,9 @@ def _check_derivatives(rule: Rule, owner: Ruleset, case: _Case, vals: Sequence[A
                     vjp_magnitudes(case.reference.fn, vals, cotangents) if reverse
                     else jvp_magnitudes(case.reference.fn, vals, tangents))
                 refs.append(mags or [None] * len(want_t))
-            why = derivative_mismatch(v, w, g, tolerance=tolerance, reference=refs[i], spread=refs[-2][i],
-                                      magnitude=refs[-1][i])
+                refs.append(derive(case.before, vals, "written"))
+            why = derivative_mismatch(v, w, g, tolerance=tolerance, reference=refs[i], spread=refs[-3][i],
+                                      magnitude=refs[-2][i], written=refs[-1][i])
         if why is not None:
             kind = "reverse-mode derivative (vjp)" if reverse else "derivative"
             raise _failure(rule, owner, case, vals, want_t, got_t, f"JAX's {kind} changed: {why}", **shown)
@@ -557,7 +559,8 @@ def _check_rule(rule: Rule, owner: Ruleset, max_examples: int | None, derivative
         fired[0] += 1
         want = _evaluate(before, args)
         got = _evaluate(after, args)
-        evidence = _Evidence(lambda: case.reference(vals), lambda: _spreads(case.original, vals, want))
+        evidence = _Evidence(lambda: case.reference(vals), lambda: _spreads(case.original, vals, want),
+                             written=lambda: as_written(before, args))
         for i, (w, g) in enumerate(zip(want, got)):
             why = evidence.mismatch(i, w, g, soundness, tolerance)
             if why is not None:

@@ -139,8 +139,12 @@ def _within_terms(want: np.ndarray, got: np.ndarray, terms: tuple[np.ndarray, np
             np.abs(g - w) <= atol + rtol * np.abs(w) + bound[0] * m + bound[1] * u)
 
 
+#: How a mismatch's note names the as-written evidence.
+_WRITTEN_NOTE = ", or as the original gives it rounded as written (no fused multiply-adds)"
+
+
 def mismatch(want: Any, got: Any, *, soundness: str = "exact", tolerance: Tolerance | None = None,
-             reference: Any = None, spread: Any = None, magnitude: Any = None) -> str | None:
+             reference: Any = None, spread: Any = None, magnitude: Any = None, written: Any = None) -> str | None:
     """Why ``got`` does not stand in for ``want`` under a soundness class, or ``None`` if it does.
 
     ``exact`` (and any comparison without ``tolerance``) asks for equal bits,
@@ -168,6 +172,11 @@ def mismatch(want: Any, got: Any, *, soundness: str = "exact", tolerance: Tolera
     given, an element also passes if the rewrite moved it by at most ``terms``
     roundings of its terms (``Tolerance.terms_for``): the bound of a reordered
     sum, which holds for a result of any size.
+    Where ``written`` is given (the original with every operation rounded as
+    written, loops step by step), an element also passes if the rewrite gives
+    what it gives, as the class compares: compiled, XLA contracts a product
+    and a sum into one fused multiply-add where a fusion allows it, which a
+    rewrite can change without changing the program as written.
 
     >>> import numpy as np
     >>> mismatch(np.float32([0.0, np.nan]), np.float32([0.0, -np.nan])) is None
@@ -188,11 +197,17 @@ def mismatch(want: Any, got: Any, *, soundness: str = "exact", tolerance: Tolera
     elif tolerance is None or soundness == "exact":
         ok = _bitwise_equal(_as_real(want), _as_real(got))
         note = _EXACT_NOTE
+        if not ok.all() and written is not None and np.shape(written) == want.shape:
+            ok = ok | _bitwise_equal(_as_real(np.asarray(written)), _as_real(got))
+            note += _WRITTEN_NOTE
     else:
         rtol, atol = tolerance.for_dtype(want.dtype)
         w, g = _as_real(want), _as_real(got)
         ok = _close(w, g, rtol, atol)
         note = f"{soundness}: rtol {rtol:.3g}, atol {atol:.3g}"
+        if not ok.all() and written is not None and np.shape(written) == want.shape:
+            ok = ok | _close(_as_real(np.asarray(written)), g, rtol, atol)
+            note += _WRITTEN_NOTE
         if not ok.all() and reference is not None and np.shape(reference) == want.shape:
             ok = ok | _no_worse(w, g, _as_real(np.asarray(reference)), rtol, atol)
             note += ", or no further than the original from the float64 result"
@@ -226,7 +241,8 @@ def mismatch(want: Any, got: Any, *, soundness: str = "exact", tolerance: Tolera
 
 
 def derivative_mismatch(value: Any, want: Any, got: Any, *, tolerance: Tolerance | None = None,
-                        reference: Any = None, spread: Any = None, magnitude: Any = None) -> str | None:
+                        reference: Any = None, spread: Any = None, magnitude: Any = None,
+                        written: Any = None) -> str | None:
     """Why the tangent ``got`` does not stand in for ``want``, the original's, or ``None`` if it does.
 
     A rule must keep the derivatives JAX computes, not only the values: at a
@@ -250,7 +266,13 @@ def derivative_mismatch(value: Any, want: Any, got: Any, *, tolerance: Tolerance
     that another order of operations or a stable form avoids): as with
     values, a rewrite may do better than the original, never worse. With a
     tolerance that has ``terms``, ``magnitude`` (of the terms of the
-    derivative program's sums) acquits as it does for values.
+    derivative program's sums) acquits as it does for values. Where
+    ``written``, the original's derivative with every operation rounded as
+    written (:func:`rewrite.testing._run.as_written`: loops step by step), is
+    given, an element also passes if the rewrite is within tolerance of it or
+    the same infinity or NaN: compiled, XLA contracts a product and a sum into
+    one fused multiply-add, so which of two products overflows is the fusion's
+    choice, not the rule's.
 
     >>> import numpy as np
     >>> derivative_mismatch(np.float32([0.0, 1.0]), np.float32([-1.0, 1.0]), np.float32([-1.0, 1.0])) is None
@@ -272,6 +294,9 @@ def derivative_mismatch(value: Any, want: Any, got: Any, *, tolerance: Tolerance
     if not ok.all() and reference is not None and np.shape(reference) == want.shape:
         ok = ok | _no_worse(w, g, _as_real(np.asarray(reference)), rtol, atol)
         note += ", or no further than the original from the float64 derivative"
+    if not ok.all() and written is not None and np.shape(written) == want.shape:
+        ok = ok | _close(_as_real(np.asarray(written)), g, rtol, atol)
+        note += _WRITTEN_NOTE
     if not ok.all() and spread is not None and np.shape(spread) == want.shape:
         d = np.asarray(spread, np.float64)
         d = np.stack([d, d], axis=-1) if _is_complex(want.dtype) else d
@@ -360,14 +385,22 @@ class _Evidence:
 
     def __init__(self, reference: Callable[[], list[Any] | None] | None,
                  spreads: Callable[[], list[Any]] | None,
-                 magnitudes: Callable[[], list[Any] | None] | None = None) -> None:
+                 magnitudes: Callable[[], list[Any] | None] | None = None,
+                 written: Callable[[], list[Any]] | None = None) -> None:
         self._reference = reference
         self._spreads = spreads
         self._magnitudes = magnitudes
+        self._written = written
         self._got: tuple[list[Any], list[Any], list[Any]] | None = None
+        self._as_written: list[Any] | None = None
 
     def mismatch(self, i: int, want: Any, got: Any, soundness: str, tolerance: Tolerance | None) -> str | None:
-        why = mismatch(want, got, soundness=soundness, tolerance=tolerance)
+        why, written = mismatch(want, got, soundness=soundness, tolerance=tolerance), None
+        if why is not None and self._written is not None:
+            if self._as_written is None:
+                self._as_written = self._written()
+            written = self._as_written[i] if i < len(self._as_written) else None
+            why = mismatch(want, got, soundness=soundness, tolerance=tolerance, written=written)
         if why is None or tolerance is None or soundness == "exact":
             return why
         if self._got is None:
@@ -382,5 +415,5 @@ class _Evidence:
         spread = spreads[i] if i < len(spreads) else None
         mag = mags[i] if i < len(mags) else None
         return mismatch(want, got, soundness=soundness, tolerance=tolerance, reference=ref, spread=spread,
-                        magnitude=mag)
+                        magnitude=mag, written=written)
 

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..ir.jaxapi import core
+from ._magnitude import _CALLS, _bind
 from ._strategies import _is_complex, _is_float
 
 
@@ -37,51 +38,54 @@ def _at(closed: core.ClosedJaxpr, idx: Sequence[int], others: Sequence[Any]) -> 
     return at
 
 
-def _op_by_op(fn: Callable[..., Any], *args: Any) -> Callable[..., Any]:
+def _op_by_op(fn: Callable[..., Any], args: tuple, written: bool = False) -> Callable[..., Any]:
     """``fn`` traced once at ``args``' shapes and run eagerly, one primitive at a time, as the values are.
 
     Under jit XLA may compute a bf16 product cast up to f32 in f32 in one program and not in the other (1.13
     against 1.63 on the attention pack's reverse mode; ``xla_allow_excess_precision=False`` did not stop it);
     eagerly each primitive rounds as written. Traced once, a loop's derivative keeps its identity between
     examples, so its compiled body is reused where a fresh ``jax.vjp`` compiled it anew every example.
+    ``written``: loops and calls run op by op too (:func:`as_written`).
     """
     closed = jax.make_jaxpr(fn)(*args)
     tree = jax.tree_util.tree_structure(jax.eval_shape(fn, *args))
 
     def run(*xs: Any) -> Any:
         flat = jax.tree_util.tree_leaves(xs)
-        return jax.tree_util.tree_unflatten(tree, core.eval_jaxpr(closed.jaxpr, closed.consts, *flat))
+        out = (_run_written(closed.jaxpr, closed.consts, flat) if written
+               else core.eval_jaxpr(closed.jaxpr, closed.consts, *flat))
+        return jax.tree_util.tree_unflatten(tree, out)
     return run
 
 
-def _derivative(closed: core.ClosedJaxpr, mode: str, fn: Callable[..., Any], eager: bool,
+def _derivative(closed: core.ClosedJaxpr, mode: str, fn: Callable[..., Any], how: str,
                 args: tuple) -> list[np.ndarray]:
-    """``fn(*args)``, compiled once per program and mode: under jit, or traced once and run op by op
-    (``_op_by_op``) where ``eager`` (a program that computes a 16-bit float)."""
-    key = (id(closed), jax.config.jax_enable_x64, mode, eager)
+    """``fn(*args)``, compiled once per program and mode, ``how``: ``"jit"``, ``"op"`` (traced once and run op
+    by op, ``_op_by_op``: for a program that computes a 16-bit float) or ``"written"`` (loops too)."""
+    key = (id(closed), jax.config.jax_enable_x64, mode, how)
     if key not in _JVPS:
-        _JVPS[key] = (closed, None, _op_by_op(fn, *args) if eager else jax.jit(fn))
+        _JVPS[key] = (closed, None, jax.jit(fn) if how == "jit" else _op_by_op(fn, args, how == "written"))
     return [np.asarray(t) for t in _JVPS[key][2](*args)]
 
 
 def _tangents(closed: core.ClosedJaxpr, args: Sequence[Any], tangents: Sequence[Any],
-              eager: bool = False) -> list[np.ndarray]:
+              how: str = "jit") -> list[np.ndarray]:
     """The output tangents of ``closed`` at ``args`` along ``tangents`` of its float inputs (``jax.jvp``),
-    under jit or op by op where ``eager`` (``_derivative``)."""
+    run ``how`` :func:`_derivative` says."""
     idx = [i for i, a in enumerate(closed.in_avals) if _differentiable(a.dtype)]
 
     def jvp(primals: list[Any], tans: list[Any], others: list[Any]) -> Any:
         return jax.jvp(_at(closed, idx, others), primals, tans)[1]
 
-    return _derivative(closed, "jvp", jvp, eager, (
+    return _derivative(closed, "jvp", jvp, how, (
         [jnp.asarray(args[i]) for i in idx], [jnp.asarray(tangents[i]) for i in idx],
         [jnp.asarray(a) for i, a in enumerate(args) if i not in idx]))
 
 
 def _cotangents(closed: core.ClosedJaxpr, args: Sequence[Any], cotangents: Sequence[Any],
-                eager: bool = False) -> list[np.ndarray]:
+                how: str = "jit") -> list[np.ndarray]:
     """The cotangents of ``closed``'s float inputs at ``args`` for ``cotangents`` of its float outputs (reverse
-    mode, which a replacement with its own backward defines), under jit or op by op where ``eager``."""
+    mode, which a replacement with its own backward defines), run ``how`` :func:`_derivative` says."""
     idx = [i for i, a in enumerate(closed.in_avals) if _differentiable(a.dtype)]
     outs = [i for i, a in enumerate(closed.out_avals) if _differentiable(a.dtype)]
 
@@ -89,10 +93,68 @@ def _cotangents(closed: core.ClosedJaxpr, args: Sequence[Any], cotangents: Seque
         run = _at(closed, idx, others)
         return jax.vjp(lambda *xs: [run(*xs)[i] for i in outs], *primals)[1](cts)
 
-    return _derivative(closed, "vjp", vjp, eager, (
+    return _derivative(closed, "vjp", vjp, how, (
         [jnp.asarray(args[i]) for i in idx], [jnp.asarray(cotangents[i]) for i in outs],
         [jnp.asarray(a) for i, a in enumerate(args) if i not in idx]))
 
 
 #: Compiled JVPs by program (the program is kept alive beside its entry, so its id is not reused).
 _JVPS: dict[tuple, tuple[Any, Any, Any]] = {}
+
+
+def as_written(closed: core.ClosedJaxpr, args: Sequence[Any]) -> list[np.ndarray]:
+    """``closed`` at ``args`` with every operation rounded as written: one primitive at a time, loops and calls
+    included (a ``scan``'s or ``while``'s body run step by step, a branch or a call's body in place).
+
+    Compiled, XLA:CPU contracts a product and a sum into one fused multiply-add, which rounds once: in
+    float32, ``a * b + c * d`` is 8.6e37 under ``jit`` where the product ``a * b`` alone overflows to inf.
+    Which product a fusion keeps unrounded depends on the fusion, so a rewrite that moves work into a loop
+    can overflow where the original did not, or the reverse, with neither program changed in value as
+    written. Outside loops the values already run op by op; a loop's body is compiled whole. Run on a
+    mismatch only: it dispatches every operation of every step.
+    """
+    return [np.asarray(o) for o in _run_written(closed.jaxpr, closed.consts, args)]
+
+
+def _run_written(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
+    env: dict[Any, Any] = {}
+
+    def read(v: Any) -> Any:
+        return v.val if isinstance(v, core.Literal) else env[v]
+
+    env.update(zip(jaxpr.constvars, consts))
+    env.update(zip(jaxpr.invars, args))
+    for eqn in jaxpr.eqns:
+        env.update(zip(eqn.outvars, _written_step(eqn, [read(v) for v in eqn.invars])))
+    return [read(v) for v in jaxpr.outvars]
+
+
+def _written_step(eqn: Any, ins: list[Any]) -> list[Any]:
+    name, p = eqn.primitive.name, eqn.params
+    if name == "scan":
+        body, nc, ncarry = p["jaxpr"], p["num_consts"], p["num_carry"]
+        consts, carry, xs = ins[:nc], ins[nc:nc + ncarry], ins[nc + ncarry:]
+        steps = range(p["length"] - 1, -1, -1) if p["reverse"] else range(p["length"])
+        ys: dict[int, list[Any]] = {}
+        for i in steps:
+            out = _run_written(body.jaxpr, body.consts, [*consts, *carry, *[x[i] for x in xs]])
+            carry, ys[i] = out[:ncarry], out[ncarry:]
+        n = p["length"]
+        stacked = [jnp.stack([ys[i][k] for i in range(n)]) if n else jnp.zeros(v.aval.shape, v.aval.dtype)
+                   for k, v in enumerate(eqn.outvars[ncarry:])]
+        return [*carry, *stacked]
+    if name == "while":
+        cond, body = p["cond_jaxpr"], p["body_jaxpr"]
+        cc, bc = ins[:p["cond_nconsts"]], ins[p["cond_nconsts"]:p["cond_nconsts"] + p["body_nconsts"]]
+        carry = ins[p["cond_nconsts"] + p["body_nconsts"]:]
+        while bool(_run_written(cond.jaxpr, cond.consts, [*cc, *carry])[0]):
+            carry = _run_written(body.jaxpr, body.consts, [*bc, *carry])
+        return list(carry)
+    if name == "cond":
+        branches = p["branches"]
+        branch = branches[min(max(int(ins[0]), 0), len(branches) - 1)]
+        return _run_written(branch.jaxpr, branch.consts, ins[1:])
+    body = p.get(_CALLS.get(name, ""), None)
+    if body is not None:
+        return _run_written(getattr(body, "jaxpr", body), getattr(body, "consts", ()), ins)
+    return _bind(eqn, ins)
