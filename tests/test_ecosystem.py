@@ -151,7 +151,10 @@ def test_lm_step_with_its_loss_rewritten_first_holds_no_logits():
 
 @pytest.mark.slow
 @pytest.mark.xfail(strict=True, reason="issue 33, open: with every identity pack the joint gradient program "
-                   "(rewrite/grad/vjp.py) holds the logits again; without rulesets.scan it does not")
+                   "(rewrite/grad/vjp.py) holds the logits again; without rulesets.scan's lift_independent it does "
+                   "not. Extraction misses: the loss's e-graph with lift_independent holds the program extracted "
+                   "without it (cost 26.5e6) and extraction returns one of 30.2e6 (lift_independent's vmap of the "
+                   "token-block loop, whole logits)")
 def test_lm_step_with_its_loss_rewritten_by_the_identity_packs_holds_no_logits():
     pytest.importorskip("flax")
     before, after, logits, _ = _lm_temp_and_values(ecosystem.load_rulesets(ecosystem.CONFIGS["identity"]))
