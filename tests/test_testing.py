@@ -114,6 +114,23 @@ def test_a_loop_rounded_as_written_undoes_xla_s_fused_multiply_adds():
     assert derivative_mismatch(value, compiled, np.zeros(4, np.float32), written=written) is not None
 
 
+def test_compiled_derivatives_are_kept_least_recently_used_first(monkeypatch):
+    """A rule checked with its inputs as constants makes a program per example: the derivatives compiled for
+    them are not all kept (a long run kept every program and its executable); the one in use stays."""
+    from rewrite.testing import _run
+
+    monkeypatch.setattr(_run, "_JVPS", {})
+    monkeypatch.setattr(_run, "_JVPS_KEPT", 3)
+    x = [np.ones(3, np.float32)]
+    used = jax.make_jaxpr(lambda x: jnp.sin(x) * x)(*x)
+    for i in range(5):
+        _run._tangents(used, x, x)
+        _run._tangents(jax.make_jaxpr(lambda x, i=i: jnp.sin(x) * x + i)(*x), x, x)
+    assert len(_run._JVPS) == 3
+    assert any(entry[0] is used for entry in _run._JVPS.values())
+    np.testing.assert_allclose(_run._tangents(used, x, x)[0], np.cos(1.0) + np.sin(1.0), rtol=1e-6)
+
+
 def test_a_replacement_with_a_wrong_backward_of_its_own_is_rejected_in_reverse_mode():
     # Forward values are exact and forward mode differentiates the program as written, so only jax.vjp
     # of the rewritten program can show a hand-written backward's mistake (here: d(x*x) = x, not 2x).

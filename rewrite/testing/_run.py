@@ -63,9 +63,13 @@ def _derivative(closed: core.ClosedJaxpr, mode: str, fn: Callable[..., Any], how
     """``fn(*args)``, compiled once per program and mode, ``how``: ``"jit"``, ``"op"`` (traced once and run op
     by op, ``_op_by_op``: for a program that computes a 16-bit float) or ``"written"`` (loops too)."""
     key = (id(closed), jax.config.jax_enable_x64, mode, how)
-    if key not in _JVPS:
-        _JVPS[key] = (closed, None, jax.jit(fn) if how == "jit" else _op_by_op(fn, args, how == "written"))
-    return [np.asarray(t) for t in _JVPS[key][2](*args)]
+    entry = _JVPS.pop(key, None)
+    if entry is None:
+        entry = (closed, jax.jit(fn) if how == "jit" else _op_by_op(fn, args, how == "written"))
+        while len(_JVPS) >= _JVPS_KEPT:
+            del _JVPS[next(iter(_JVPS))]  # the least recently used
+    _JVPS[key] = entry  # last: the most recently used
+    return [np.asarray(t) for t in entry[1](*args)]
 
 
 def _tangents(closed: core.ClosedJaxpr, args: Sequence[Any], tangents: Sequence[Any],
@@ -98,8 +102,13 @@ def _cotangents(closed: core.ClosedJaxpr, args: Sequence[Any], cotangents: Seque
         [jnp.asarray(a) for i, a in enumerate(args) if i not in idx]))
 
 
-#: Compiled JVPs by program (the program is kept alive beside its entry, so its id is not reused).
-_JVPS: dict[tuple, tuple[Any, Any, Any]] = {}
+#: Compiled derivatives by program, least recently used first (the program is kept alive beside its entry, so
+#: its id is not reused while the entry lives). Bounded: a rule checked with its inputs as constants makes a
+#: program per example, and a long run would otherwise keep every one and its executable.
+_JVPS: dict[tuple, tuple[Any, Any]] = {}
+
+#: How many compiled derivatives ``_JVPS`` keeps.
+_JVPS_KEPT = 256
 
 
 def as_written(closed: core.ClosedJaxpr, args: Sequence[Any]) -> list[np.ndarray]:
