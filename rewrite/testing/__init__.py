@@ -19,7 +19,8 @@ profile unless it is given ``max_examples``.
 One module per job, each importing only those before it:
 ``_strategies`` (what is drawn), ``_compare`` (what counts as equal),
 ``_magnitude`` (:func:`magnitudes`, the terms a tolerance with ``terms`` is
-relative to), ``_check_rule`` (:func:`check_ruleset`) and ``_check_program``
+relative to), ``_run`` (running a rule's two programs, and :func:`as_written`,
+every operation rounded as written), ``_check_rule`` (:func:`check_ruleset`) and ``_check_program``
 (:func:`assert_equivalent`, :func:`assert_same_results`); random programs
 come from ``rewrite.testing._programs``. Import the public names from here.
 """
@@ -29,6 +30,7 @@ from ._check_rule import CheckReport, RuleCheck, check_ruleset
 from ._compare import derivative_mismatch, mismatch, soundness_of
 from ._magnitude import magnitudes
 from ._programs import RandomProgram, programs
+from ._run import as_written
 from ._strategies import ORDINARY_BOUND, arrays, elements, inputs_like, value_bound
 
 __all__ = [
@@ -37,6 +39,7 @@ __all__ = [
     "RuleCheck",
     "VacuousCheckWarning",
     "arrays",
+    "as_written",
     "assert_equivalent",
     "assert_same_results",
     "check_ruleset",

@@ -268,7 +268,7 @@ def derivative_mismatch(value: Any, want: Any, got: Any, *, tolerance: Tolerance
     tolerance that has ``terms``, ``magnitude`` (of the terms of the
     derivative program's sums) acquits as it does for values. Where
     ``written``, the original's derivative with every operation rounded as
-    written (:func:`rewrite.testing._run.as_written`: loops step by step), is
+    written (:func:`rewrite.testing.as_written`: loops step by step), is
     given, an element also passes if the rewrite is within tolerance of it or
     the same infinity or NaN: compiled, XLA contracts a product and a sum into
     one fused multiply-add, so which of two products overflows is the fusion's

@@ -121,6 +121,14 @@ def as_written(closed: core.ClosedJaxpr, args: Sequence[Any]) -> list[np.ndarray
     can overflow where the original did not, or the reverse, with neither program changed in value as
     written. Outside loops the values already run op by op; a loop's body is compiled whole. Run on a
     mismatch only: it dispatches every operation of every step.
+
+    >>> import jax, numpy as np
+    >>> def loop(a, b, c, d):  # one step: a * b + c * d, where a * b alone overflows float32
+    ...     return jax.lax.scan(lambda s, x: (s + (x[0] * x[1] + x[2] * x[3]), None), a[0] * 0, (a, b, c, d))[0]
+    >>> args = [np.full((3, 4), v, np.float32) for v in (-93841.06, -3.6623268e33, 123.39553, -2.0850995e36)]
+    >>> closed = jax.make_jaxpr(loop)(*args)
+    >>> as_written(closed, args)[0].tolist()  # jax.jit(loop)(*args) is 2.87e38 where XLA fuses a * b + c * d
+    [inf, inf, inf, inf]
     """
     return [np.asarray(o) for o in _run_written(closed.jaxpr, closed.consts, args)]
 
