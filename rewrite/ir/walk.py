@@ -113,23 +113,23 @@ def postorder(roots: Sequence[Any], kids: Callable[[Any], Sequence[Any]],
                 stack.append((k, False))
 
 
-def has_custom_vjp(jaxpr: Any) -> bool:
-    """Whether ``jaxpr``, or a body in it, holds a ``jax.custom_vjp`` call (which has no JVP)."""
+def _any_eqn(jaxpr: Any, pred: Callable[[Any], bool]) -> bool:
+    """Whether ``pred`` holds of an equation of ``jaxpr`` or of a call-like body in it (``inner_jaxpr``)."""
     for e in jaxpr.eqns:
-        if e.primitive.name == "custom_vjp_call":
+        if pred(e):
             return True
         inner = inner_jaxpr(e.params)
-        if inner is not None and has_custom_vjp(inner):
+        if inner is not None and _any_eqn(inner, pred):
             return True
     return False
+
+
+def has_custom_vjp(jaxpr: Any) -> bool:
+    """Whether ``jaxpr``, or a body in it, holds a ``jax.custom_vjp`` call (which has no JVP)."""
+    return _any_eqn(jaxpr, lambda e: e.primitive.name == "custom_vjp_call")
 
 
 def computes_half_precision(jaxpr: Any) -> bool:
     """Whether ``jaxpr``, or a body in it, computes a 16-bit float (bfloat16 or float16)."""
-    for e in jaxpr.eqns:
-        if any(getattr(v.aval, "dtype", None) in (jnp.bfloat16, jnp.float16) for v in e.outvars):
-            return True
-        inner = inner_jaxpr(e.params)
-        if inner is not None and computes_half_precision(getattr(inner, "jaxpr", inner)):
-            return True
-    return False
+    return _any_eqn(jaxpr, lambda e: any(getattr(v.aval, "dtype", None) in (jnp.bfloat16, jnp.float16)
+                                         for v in e.outvars))

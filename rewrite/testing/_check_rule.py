@@ -495,20 +495,20 @@ def _check_derivatives(rule: Rule, owner: Ruleset, case: _Case, vals: Sequence[A
             got_t = [np.where(np.isfinite(np.asarray(g, np.float64)), g, w).astype(np.asarray(g).dtype)
                      if np.shape(g) == np.shape(w) and _is_float(np.asarray(g).dtype) else g
                      for g, w in zip(got_t, want_t)]
-    refs: list[Any] = []
+    evidence: tuple[list[Any], ...] | None = None  # per output: float64, spread, magnitude, as written
     for i, (v, w, g) in enumerate(zip(values, want_t, got_t)):
         why = derivative_mismatch(v, w, g, tolerance=tolerance)
         if why is not None:
-            if not refs:
-                refs.extend(reference() or [None] * len(want_t))
-                refs.append(_spreads(lambda a: derive(case.before, a), vals, want_t))
+            if evidence is None:
                 mags = None if tolerance.terms <= 0 else (
                     vjp_magnitudes(case.reference.fn, vals, cotangents) if reverse
                     else jvp_magnitudes(case.reference.fn, vals, tangents))
-                refs.append(mags or [None] * len(want_t))
-                refs.append(derive(case.before, vals, "written"))
-            why = derivative_mismatch(v, w, g, tolerance=tolerance, reference=refs[i], spread=refs[-3][i],
-                                      magnitude=refs[-2][i], written=refs[-1][i])
+                evidence = (reference() or [None] * len(want_t),
+                            _spreads(lambda a: derive(case.before, a), vals, want_t),
+                            mags or [None] * len(want_t), derive(case.before, vals, "written"))
+            ref, spread, mag, written = (e[i] for e in evidence)
+            why = derivative_mismatch(v, w, g, tolerance=tolerance, reference=ref, spread=spread,
+                                      magnitude=mag, written=written)
         if why is not None:
             kind = "reverse-mode derivative (vjp)" if reverse else "derivative"
             raise _failure(rule, owner, case, vals, want_t, got_t, f"JAX's {kind} changed: {why}", **shown)

@@ -54,23 +54,29 @@ def _bind(eqn: Any, args: Sequence[Any]) -> list[Any]:
     return list(out) if eqn.primitive.multiple_results else [out]
 
 
+def interpret(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], step: Callable[[Any, list[Any]], list[Any]],
+              literal: Callable[[Any], Any] = lambda x: x) -> list[Any]:
+    """``jaxpr`` run by ``step(eqn, inputs) -> outputs`` on whatever its values are here (``literal`` makes one of
+    a literal's value); ``consts`` and ``args`` are such values already."""
+    env: dict[Any, Any] = {}
+
+    def read(v: Any) -> Any:
+        return literal(v.val) if isinstance(v, core.Literal) else env[v]
+
+    env.update(zip(jaxpr.constvars, consts))
+    env.update(zip(jaxpr.invars, args))
+    for eqn in jaxpr.eqns:
+        env.update(zip(eqn.outvars, step(eqn, [read(v) for v in eqn.invars])))
+    return [read(v) for v in jaxpr.outvars]
+
+
+def _paired(x: Any) -> tuple[Any, Any]:
+    return x, (abs(x) if _inexact(np.asarray(x)) else None)
+
+
 def _run(jaxpr: Any, consts: Sequence[Any], args: Sequence[tuple[Any, Any]]) -> list[tuple[Any, Any]]:
     """``jaxpr`` on (value, magnitude) pairs; a magnitude is ``None`` for a value that is not a float."""
-    env: dict[Any, tuple[Any, Any]] = {}
-
-    def read(v: Any) -> tuple[Any, Any]:
-        if isinstance(v, core.Literal):
-            return v.val, (abs(v.val) if _inexact(np.asarray(v.val)) else None)
-        return env[v]
-
-    for v, c in zip(jaxpr.constvars, consts):
-        env[v] = (c, abs(c) if _inexact(c) else None)
-    for v, a in zip(jaxpr.invars, args):
-        env[v] = a
-    for eqn in jaxpr.eqns:
-        ins = [read(v) for v in eqn.invars]
-        env.update(zip(eqn.outvars, _step(eqn, ins)))
-    return [read(v) for v in jaxpr.outvars]
+    return interpret(jaxpr, [(c, abs(c) if _inexact(c) else None) for c in consts], args, _step, _paired)
 
 
 def _step(eqn: Any, ins: list[tuple[Any, Any]]) -> list[tuple[Any, Any]]:

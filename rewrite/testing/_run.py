@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..ir.jaxapi import core
-from ._magnitude import _CALLS, _bind
+from ._magnitude import _CALLS, _bind, interpret
 from ._strategies import _is_complex, _is_float
 
 
@@ -134,16 +134,7 @@ def as_written(closed: core.ClosedJaxpr, args: Sequence[Any]) -> list[np.ndarray
 
 
 def _run_written(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
-    env: dict[Any, Any] = {}
-
-    def read(v: Any) -> Any:
-        return v.val if isinstance(v, core.Literal) else env[v]
-
-    env.update(zip(jaxpr.constvars, consts))
-    env.update(zip(jaxpr.invars, args))
-    for eqn in jaxpr.eqns:
-        env.update(zip(eqn.outvars, _written_step(eqn, [read(v) for v in eqn.invars])))
-    return [read(v) for v in jaxpr.outvars]
+    return interpret(jaxpr, consts, args, _written_step)
 
 
 def _written_step(eqn: Any, ins: list[Any]) -> list[Any]:
