@@ -8,7 +8,9 @@ nanoseconds per byte that a fusion reads or writes, per element that a
 reduction reads, per flop of a matrix product, and the fixed cost of
 launching one fused kernel, and the fixed cost of calling a compiled program:
 per call and per input or output buffer (``measure_call``), which no
-rewrite removes and which dominates small programs.
+rewrite removes and which dominates small programs, and what a loop costs
+per trip beyond its body's kernels (``measure_loop``; ``--loop-only``
+measures and stores it alone).
 
 Every figure is a difference of two programs timed side by side in one
 process (``benchmarks/harness.py``): ``op(x) + 1`` against ``x + 1`` on the
@@ -235,6 +237,30 @@ def measure_call(rounds: int, progress: bool) -> dict[str, float]:
     return {"call": max(min(t1) - 2 * buffer, 0.0) * 1e9, "buffer": buffer * 1e9}
 
 
+#: Trips of the loop whose per-trip cost :func:`measure_loop` takes.
+TRIPS = 257
+
+
+def measure_loop(rounds: int, progress: bool, launch: float) -> dict[str, float]:
+    """ns per trip of a loop for its own bookkeeping, beyond the kernel its body runs (``iteration``).
+
+    A ``lax.scan`` of ``TRIPS`` trips against one trip, each trip one small elementwise kernel on a carry
+    of 1024 floats; the difference per extra trip, less ``launch`` (the price of that kernel), is what the
+    loop itself costs: its counter and test, and on a GPU the trip's launches and the host's wait for the
+    loop's predicate. ``AnalyticCost.iteration`` charges it once per trip (``rewrite/ir/primitives.py``).
+    """
+    x = jnp.linspace(0.0, 1.0, 1024, dtype=jnp.float32)
+
+    def looped(trips: int) -> Callable:
+        def program(c: jax.Array) -> jax.Array:
+            return lax.scan(lambda c, _: (c * 0.999 + 1.0, None), c, None, length=trips)[0]
+        return program
+
+    net = _paired({"one": looped(1), "many": looped(TRIPS)}, (x,), "one", max(rounds, 5), progress)
+    per_trip = net["many"] / (TRIPS - 1) * 1e9
+    return {"iteration": max(per_trip - launch, 0.0), "iteration_trip": per_trip}
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=9)
@@ -246,9 +272,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--progress", action="store_true")
     ap.add_argument("--call-only", action="store_true",
                     help="measure only the per-call and per-buffer cost, and store it in this backend's table")
+    ap.add_argument("--loop-only", action="store_true",
+                    help="measure only the per-trip cost of a loop, and store it in this backend's table")
     args = ap.parse_args(argv)
     if args.call_only:
         _call_only(args)
+        return
+    if args.loop_only:
+        _loop_only(args)
         return
     ops: dict[str, float] = {}
     mem: dict[str, float] = {}
@@ -258,6 +289,7 @@ def main(argv: list[str] | None = None) -> None:
             ops[k] = min(v, ops.get(k, v))
         for k, v in measure_memory(args.rounds, args.progress).items():
             mem[k] = min(v, mem.get(k, v))
+    loop = measure_loop(args.rounds, args.progress, mem["launch"])
     table = {
         "platform": jax.default_backend(),
         "device": str(jax.devices()[0].device_kind),
@@ -268,6 +300,7 @@ def main(argv: list[str] | None = None) -> None:
         "elementwise_ns": {k: float(f"{v:.4g}") for k, v in sorted(ops.items())},
         **{k: float(f"{v:.6g}") for k, v in mem.items()},
         **{k: round(v, 1) for k, v in call.items()},
+        **{k: round(v, 1) for k, v in loop.items()},
     }
     history = [{k: round(v, 6) for k, v in mem.items()}]
     from rewrite.cost import calibration as _calibration
@@ -316,6 +349,22 @@ def _call_only(args: argparse.Namespace) -> None:
         table["call_measured"] = {"date": datetime.date.today().isoformat(), "device": str(jax.devices()[0].device_kind),
                                   "load_average": [round(x, 2) for x in os.getloadavg()]}
         table.pop("call_uncalibrated", None)
+        _write(tables)
+
+
+def _loop_only(args: argparse.Namespace) -> None:
+    from rewrite.cost import calibration as _calibration
+
+    tables = {name: dict(getattr(_calibration, name)) for name in _calibration.BACKENDS.values()}
+    key = jax.default_backend().upper()
+    table = tables[key]
+    loop = measure_loop(args.rounds, args.progress, table["launch"])
+    print(json.dumps(loop, indent=1))
+    if args.write:
+        table.update({k: round(v, 1) for k, v in loop.items()})
+        table["iteration_measured"] = {"date": datetime.date.today().isoformat(),
+                                       "device": str(jax.devices()[0].device_kind),
+                                       "load_average": [round(x, 2) for x in os.getloadavg()]}
         _write(tables)
 
 

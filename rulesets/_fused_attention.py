@@ -47,7 +47,8 @@ def blocked() -> bool:
     Not on a GPU: there XLA's own attention runs faster than the blocked scan (H200, N=4096, B=4, H=16,
     D=64: float32 forward 0.59x and gradient 0.69x, bfloat16 without a mask 0.54x and 0.71x), though it
     holds 8 GiB of scores where the blocked form holds 0.5 GiB, and the cost model does not price that
-    loop on a GPU (``benchmarks/results/gpu.md``)."""
+    loop on a GPU: with the GPU's measured loop trip it still predicts it 1.2-1.9x faster
+    (``benchmarks/results/gpu.md``, ``benchmarks/gpu_loops.py``)."""
     return jax.default_backend() != "gpu"
 
 

@@ -417,10 +417,11 @@ def offered() -> bool:
     """Whether the pack offers its token-block loop (the rules below decline where it does not).
 
     Not on a GPU: there the loop measured slower than XLA's whole logits (H200, jax 0.11.2, f32, N=2048,
-    width 512, V=32,768: the loss 0.65x and its gradient 0.29x, though they hold 22% and 15% of the
-    original's temporaries), and the cost model, whose GPU table prices a loop's iterations and smaller
-    products as the CPU's, predicted it faster (``benchmarks/results/gpu.md``). A GPU model of loops would
-    let extraction decide there, and a memory budget choose the loop.
+    width 512, V=32,768: the loss 0.48-0.65x and its gradient 0.18-0.29x, though they hold 17-22% and 13-15%
+    of the original's temporaries). With the GPU's measured loop trip (8.1 us) the model prices them 0.80x
+    and 0.19x by time, but extraction's memory price and lean band still take a loop of 4 blocks for the
+    loss (``benchmarks/results/gpu.md``, ``benchmarks/gpu_loops.py``). A GPU model of loop bodies would let
+    extraction decide there, and a memory budget choose the loop.
     """
     return jax.default_backend() != "gpu"
 

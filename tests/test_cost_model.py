@@ -264,3 +264,34 @@ def test_calibration_tables_store_each_memory_figure_once():
         assert "memory_runs" not in table or len(table["memory_runs"]) > 1, f"{name}: one run stored twice"
         for k in runs[0]:
             assert table[k] == pytest.approx(statistics.median(r[k] for r in runs if k in r), abs=1e-6), (name, k)
+
+
+def test_a_loop_trip_is_priced_from_the_backend_s_table_where_it_was_measured():
+    """``AnalyticCost.iteration`` is the table's measured trip (``calibrate --loop-only``), else the 1 us estimate;
+    on a GPU a trip measured 8.7 us (H200), eight times the estimate, and a loop of more trips costs more there."""
+    from rewrite.cost import calibration
+    from rewrite.cost.model import priced_with
+
+    assert "iteration" not in calibration.CPU and AnalyticCost().iteration == 1000.0
+    with priced_with(calibration.GPU):
+        assert AnalyticCost().iteration == calibration.GPU["iteration"] > 5000.0
+    with priced_with({**calibration.CPU, "iteration": 25.0}):
+        assert AnalyticCost().iteration == 25.0
+
+    def scan(trips):
+        return lambda c: jax.lax.scan(lambda c, _: (c * 0.5 + 1.0, None), c, None, length=trips)[0]
+
+    from rewrite import explain
+
+    x = jnp.ones(1024)
+    cost = {trips: [explain(scan(trips), x, cost_model=AnalyticCost(iteration=it)).cost_before for it in (0.0, 1e4)]
+            for trips in (4, 64)}
+    assert cost[64][1] - cost[64][0] == pytest.approx(64 * 1e4) and cost[4][1] - cost[4][0] == pytest.approx(4 * 1e4)
+
+
+def test_the_loop_calibration_measures_a_trip_beyond_its_body_s_kernel():
+    from benchmarks.calibrate import TRIPS, measure_loop
+
+    loop = measure_loop(3, False, launch=0.0)
+    assert TRIPS > 100 and loop["iteration"] == loop["iteration_trip"] > 0.0  # no kernel price taken off
+    assert measure_loop(3, False, launch=1e9)["iteration"] == 0.0  # never below nothing

@@ -156,6 +156,12 @@ GPU = {'platform': 'gpu',
  'call': 10000.0,
  'buffer': 500.0,
  'call_uncalibrated': 'estimates, not measured: a CUDA launch and JAX C++ dispatch take 5-10 us per call; '
-                      'run python -m benchmarks.calibrate --call-only --write on the GPU'}
+                      'run python -m benchmarks.calibrate --call-only --write on the GPU',
+ 'iteration': 8109.0,
+ 'iteration_trip': 8674.5,
+ 'iteration_measured': {'date': '2026-11-26',
+                        'device': 'NVIDIA H200',
+                        'jax': '0.11.2',
+                        'note': "benchmarks.gpu_loops (calibrate.measure_loop); launch is the H100's"}}
 
 BACKENDS = {'cpu': 'CPU', 'gpu': 'GPU'}

@@ -192,8 +192,9 @@ class AnalyticCost(CostModel):
     byte: float = dataclasses.field(default_factory=lambda: _table()["byte"])
     #: a fixed charge per node; it breaks ties in favour of fewer equations
     node: float = 5.0
-    #: per loop iteration, for the loop's own bookkeeping
-    iteration: float = 1000.0
+    #: per loop iteration, for the loop's own bookkeeping beyond its body's kernels: the table's
+    #: ``iteration`` where it was measured (``benchmarks/calibrate.py --loop-only``), else 1 us
+    iteration: float = dataclasses.field(default_factory=lambda: _table().get("iteration", 1000.0))
     #: assumed trip count of a while loop
     while_trips: float = 10.0
     #: extra charge per byte of a loop's stacked output, on top of writing it: the memory it
