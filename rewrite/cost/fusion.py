@@ -133,8 +133,11 @@ class FusionModel:
     def __init__(self, ns: Mapping[str, float], *, byte: float, reduce: float, launch: float, default: float,
                  cheap: float, node: float = 0.0, library_op: float | None = None,
                  tiebreak: Callable[[Op], float] | None = None, memory: float = 0.0,
-                 inner: Callable[[Op], int] | None = None, budget: float | None = None) -> None:
+                 inner: Callable[[Op], int] | None = None, budget: float | None = None,
+                 cache: float = math.inf, spill: float = 0.0) -> None:
         self.ns = dict(ns)
+        self.cache = cache
+        self.spill = spill
         self.memory = memory
         self.inner = inner
         self.budget = budget
@@ -310,13 +313,17 @@ class FusionModel:
         cost = _add_sincos(cost, self, ops, sincos)
         cost += self.byte * (sum(facts(ops[a], prog)[6] for a in reads if ops[a].out_avals)
                              + facts(root_op, prog)[8])
+        if self.spill:
+            cost += self.spill * (sum(facts(ops[a], prog)[9] for a in reads if ops[a].out_avals)
+                                  + facts(root_op, prog)[10])
         return cost, reads
 
     def _facts(self, op: Op, prog: Any) -> tuple:
         """What :meth:`kernel` reads of an op, kept in its memo (per model): nothing (a place kept), its
         tie-break price, whether it is a ``sin``/``cos``, its share of a kernel's cost as a reduction, as a
         pass of a library reduction and as elementwise work, the bytes of its first output, whether it is a
-        reduction, the bytes of all its outputs. (Of the program they read only the sizes of the op's
+        reduction, the bytes of all its outputs, and of those beyond ``cache`` (spilled) for the first output
+        and for all. (Of the program they read only the sizes of the op's
         arguments, which its node fixes: an op's facts are the same in every program of one extraction,
         though its arguments' positions are not.)"""
         memo = op.memo
@@ -336,7 +343,9 @@ class FusionModel:
                  _size(outs[0]) * self.op_ns(op, prog) if outs and kind == LOOP else 0.0,  # only loops fuse others
                  _nbytes(outs[0]) if outs else 0,
                  kind == REDUCE,
-                 _out_bytes(op))
+                 _out_bytes(op),
+                 max(0.0, _nbytes(outs[0]) - self.cache) if outs else 0.0,
+                 sum(max(0.0, _nbytes(a) - self.cache) for a in outs))
         return found
 
     def _tiebreak(self, op: Op) -> float:

@@ -279,16 +279,23 @@ class LiveFusion:
             want = edges.get(a, 0) > 0 and a not in members and op is not None and op.prim != "literal"
             if want != (a in reads):
                 if want:
-                    size = reads[a] = facts(op, self)[6] if op.out_avals else 0
+                    f = facts(op, self)
+                    size = reads[a] = f[6] if op.out_avals else 0
                     k.read_bytes += size
+                    if model.spill and op.out_avals and f[9]:
+                        k.spilled[a] = f[9]
+                        k.read_spilled += f[9]
                 else:
                     k.read_bytes -= reads.pop(a)
+                    k.read_spilled -= k.spilled.pop(a, 0.0)
         cost = model.launch + model.node * len(members)
         if model.tiebreak is not None:
             cost += TIEBREAK * k.tiebreak
         cost += k.work
         cost = _add_sincos(cost, model, ops, sincos)
         cost += model.byte * (k.read_bytes + facts(ops[r], self)[8])
+        if model.spill:
+            cost += model.spill * (k.read_spilled + facts(ops[r], self)[10])
         return cost, reads
 
     def price(self) -> float:
@@ -306,7 +313,8 @@ class LiveFusion:
 class _KernelSums:
     """What :meth:`LiveFusion._kernel` keeps of one kernel between prices."""
 
-    __slots__ = ("kind", "ops", "tiebreak", "work", "sincos", "edges", "reads", "read_bytes")
+    __slots__ = ("kind", "ops", "tiebreak", "work", "sincos", "edges", "reads", "read_bytes", "spilled",
+                 "read_spilled")
 
     def __init__(self, kind: str) -> None:
         self.kind = kind
@@ -317,3 +325,5 @@ class _KernelSums:
         self.edges: dict[Any, int] = {}     # op -> how many members read it
         self.reads: dict[Any, int] = {}     # op read -> its bytes
         self.read_bytes = 0
+        self.spilled: dict[Any, float] = {}  # op read -> its bytes beyond the model's cache (FusionModel.spill)
+        self.read_spilled = 0.0             # their sum

@@ -190,6 +190,12 @@ class AnalyticCost(CostModel):
     flop: float = dataclasses.field(default_factory=lambda: _table()["elementwise_ns"].get("mul", 0.02))
     transcendental: float = 2.0
     byte: float = dataclasses.field(default_factory=lambda: _table()["byte"])
+    #: an array larger than ``cache`` bytes does not stay in the last-level cache between the kernel that
+    #: writes it and the ones that read it: each byte of it beyond ``cache`` costs ``spill`` more, each time
+    #: it is written or read (``benchmarks/calibrate.py``, ``measure_cache``). The table's, where measured;
+    #: else no such term (``spill=0``).
+    cache: float = dataclasses.field(default_factory=lambda: _table().get("cache_bytes", math.inf))
+    spill: float = dataclasses.field(default_factory=lambda: _table().get("spill", 0.0))
     #: a fixed charge per node; it breaks ties in favour of fewer equations
     node: float = 5.0
     #: per loop iteration, for the loop's own bookkeeping beyond its body's kernels: the table's
@@ -242,6 +248,21 @@ class AnalyticCost(CostModel):
     #: production use, e.g. ``AnalyticCost(min_saving=0.03)``.
     min_saving: float = 0.0
 
+    def spilled(self, avals: Any) -> float:
+        """What moving these arrays once costs beyond ``byte`` per byte: ``spill`` per byte of each beyond
+        ``cache`` (an array that outgrows the last-level cache streams from memory); 0 without the term.
+
+        >>> import jax.numpy as jnp
+        >>> from jax.core import ShapedArray
+        >>> from rewrite import AnalyticCost
+        >>> m = AnalyticCost(cache=1000.0, spill=0.5)
+        >>> m.spilled([ShapedArray((100,), jnp.float32)]), m.spilled([ShapedArray((1000,), jnp.float32)])
+        (0.0, 1500.0)
+        """
+        if not self.spill:
+            return 0.0
+        return self.spill * sum(max(0, nbytes(a) - self.cache) for a in avals)
+
     def fixed(self, buffers: int) -> float:
         """The fixed cost of calling a program that takes and returns ``buffers`` arrays in all.
 
@@ -280,7 +301,8 @@ class AnalyticCost(CostModel):
         if n.op == "proj" and n.index is not None:
             of = _primitives.BY_PRIM.get(n.of or "")
             if of is not None and of.stacks is not None and of.stacks(n.params, n.index):
-                return self.node + (self.byte + self.stacked) * nbytes(n.out_avals[0])  # the stacked output is written
+                out = n.out_avals[0]  # the stacked output is written
+                return self.node + (self.byte + self.stacked) * nbytes(out) + self.spilled((out,))
         return 0.0
 
     def _pointwise(self, n: NodeInfo) -> float:
@@ -290,14 +312,18 @@ class AnalyticCost(CostModel):
         return self.node + 0.05 * self.flop * sum(size(a) for a in n.out_avals)
 
     def _written(self, n: NodeInfo) -> float:
-        return self.node + self.byte * sum(nbytes(a) for a in n.out_avals)
+        return self.node + self.byte * sum(nbytes(a) for a in n.out_avals) + self.spilled(n.out_avals)
 
     def _reduce(self, n: NodeInfo) -> float:
-        return self.node + self.reduce * sum(size(a) for a in n.in_avals) + self.byte * sum(nbytes(a) for a in n.in_avals)
+        return (self.node + self.reduce * sum(size(a) for a in n.in_avals) + self.byte * sum(nbytes(a) for a in n.in_avals)
+                + self.spilled(n.in_avals))
 
     def _contract(self, n: NodeInfo) -> float:
         dot = self.dot if library_dot(n.params, n.in_avals) else self.dot * self.dot_fallback
-        return self.node + dot * _dot_flops(n) + self.byte * (sum(nbytes(a) for a in n.in_avals) + nbytes(n.out_avals[0]))
+        # Its output spills like any array; its operands do not: a library product reads them tile by tile,
+        # each tile many times from the cache.
+        return (self.node + dot * _dot_flops(n) + self.byte * (sum(nbytes(a) for a in n.in_avals) + nbytes(n.out_avals[0]))
+                + self.spilled(n.out_avals[:1]))
 
     def _nested(self, n: NodeInfo) -> float:
         return self.node + sum(n.body_costs)  # a call (jit, shard_map): what its bodies cost
@@ -310,7 +336,7 @@ class AnalyticCost(CostModel):
         # opaque or effectful: it reads its operands and writes its results
         out = n.out_avals
         return self.node + self.flop * sum(size(a) for a in out) + self.byte * (
-            sum(nbytes(a) for a in n.in_avals) + sum(nbytes(a) for a in out))
+            sum(nbytes(a) for a in n.in_avals) + sum(nbytes(a) for a in out)) + self.spilled((*n.in_avals, *out))
 
     def _body(self, jaxpr: Any) -> float:
         total = 0.0
@@ -328,7 +354,8 @@ class AnalyticCost(CostModel):
 
     def fusion_model(self) -> FusionModel:
         """The whole-program model with this model's prices (see ``rewrite/cost/fusion.py``)."""
-        fm = FusionModel(self.ops, byte=self.byte, reduce=self.reduce, launch=self.launch,
+        fm = FusionModel(self.ops, byte=self.byte, cache=self.cache, spill=self.spill, reduce=self.reduce,
+                         launch=self.launch,
                          default=self.transcendental, cheap=self.flop, node=self.node,
                          library_op=self.library_op, tiebreak=self._op_price, memory=self.memory,
                          budget=self.memory_budget)
