@@ -13,7 +13,8 @@ variants: ``standard`` (as written, the baseline), ``aa`` (the same again: the A
 online softmax over key blocks of 512 in a ``lax.scan``, body under ``jax.checkpoint``: the issue's
 reference) and ``dpa_xla`` (``jax.nn.dot_product_attention(implementation="xla")``), the last two for the
 programs over q, k, v. Times are medians of interleaved rounds after warm-up (``benchmarks/harness.py``);
-temp memory from ``memory_analysis()``. At N=16384 the programs are compiled, not run.
+temp memory from ``memory_analysis()``. At N=16384 the programs are compiled, not run. ``--blocks``
+times each key block the pack offers, forced alone, beside the cost model's choice.
 
 Run holding the benchmark lock::
 
@@ -151,6 +152,47 @@ def blocks_chosen(f: Callable, args: list) -> str:
     return "kept" if not fired.rewritten else "?"
 
 
+def forced_block(f: Callable, args: list, block: int, mode: str, argnums: tuple) -> Callable:
+    """``f`` rewritten with the key block ``block`` alone offered (traced here, so that the choice holds)."""
+    import importlib
+
+    pack = importlib.import_module("rulesets.attention")
+    g = rewrite(f, rulesets=[attention], cache=False)
+    real = pack.BLOCKS
+    pack.BLOCKS = (block,)
+    try:
+        wrapped = g if mode == "forward" else grad_of(g, argnums)
+        jax.block_until_ready(jax.jit(wrapped)(*args))
+    finally:
+        pack.BLOCKS = real
+    return wrapped
+
+
+def run_blocks(cases: list[tuple[str, str, int]], rounds: int) -> list[str]:
+    """Each of ``BLOCKS`` that makes two blocks or more, forced alone, beside the model's choice: one process,
+    interleaved rounds after warm-up, ratios over the program as written, with an A/A control."""
+    from rulesets.attention import BLOCKS as offered
+
+    lines = ["| case | shape | A/A | chosen | " + " | ".join(f"{b} keys" for b in offered) + " |",
+             "|---|---|---|---|" + "---|" * len(offered)]
+    for name, mode, n, shape in cases:
+        f = plain if name == "plain" else flax_dpa
+        ks = jax.random.split(jax.random.PRNGKey(0), 3)
+        args = [jax.random.normal(kk, shape, jnp.float32) for kk in ks]
+        vs = variants(name, f, mode, True)
+        vs = {k: vs[k] for k in ("standard", "aa", "rewritten")}
+        for b in offered:
+            if n % b == 0 and n // b >= 2:
+                vs[f"keys{b}"] = forced_block(f, args, b, mode, (0, 1, 2))
+        chosen = blocks_chosen(f, args)
+        d = measure(f"{name} {mode} N={n}", vs, args, rounds=rounds).as_dict()["variants"]
+        cells = " | ".join(f"{d[f'keys{b}']['ratio']:.2f}x" if f"keys{b}" in d else "-" for b in offered)
+        lines.append(f"| {name} {mode} N={n} | {list(shape)} | {d['aa']['ratio']:.2f}x | {chosen} "
+                     f"({d['rewritten']['ratio']:.2f}x) | {cells} |")
+        print(lines[-1], flush=True)
+    return lines
+
+
 # ---------------------------------------------------------------------- runs
 def run(cases: list[tuple[str, str, int]], rounds: int) -> list[dict]:
     out = []
@@ -257,7 +299,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rss", action="store_true", help="peak resident memory of each forward, one process each")
     ap.add_argument("--rss-one", default="", help=argparse.SUPPRESS)
     ap.add_argument("--step", action="store_true", help="the ecosystem suite's long-context training step (printed)")
+    ap.add_argument("--blocks", action="store_true",
+                    help="each offered key block forced alone beside the model's choice (forward, printed)")
     a = ap.parse_args(argv)
+    if a.blocks:
+        cases = [("plain", "forward", 2048, (B, H, 2048, D)), ("plain", "forward", 4096, (1, 1, 4096, D)),
+                 ("plain", "forward", 4096, (1, 2, 4096, D))]
+        return print("\n".join(run_blocks([c for c in cases if not a.only or c[0] in a.only.split(",")], a.rounds)))
     if a.step:
         return print(run_step(a.rounds), flush=True)
     if a.rss_one:

@@ -8,9 +8,11 @@ nanoseconds per byte that a fusion reads or writes, per element that a
 reduction reads, per flop of a matrix product, and the fixed cost of
 launching one fused kernel, and the fixed cost of calling a compiled program:
 per call and per input or output buffer (``measure_call``), which no
-rewrite removes and which dominates small programs, and what a loop costs
+rewrite removes and which dominates small programs, what a loop costs
 per trip beyond its body's kernels (``measure_loop``; ``--loop-only``
-measures and stores it alone).
+measures and stores it alone), and on a CPU how large an array may be and
+stay in the last-level cache and what each byte past that costs more
+(``measure_cache``; ``--cache-only``).
 
 Every figure is a difference of two programs timed side by side in one
 process (``benchmarks/harness.py``): ``op(x) + 1`` against ``x + 1`` on the
