@@ -14,7 +14,7 @@ online softmax over key blocks of 512 in a ``lax.scan``, body under ``jax.checkp
 reference) and ``dpa_xla`` (``jax.nn.dot_product_attention(implementation="xla")``), the last two for the
 programs over q, k, v. Times are medians of interleaved rounds after warm-up (``benchmarks/harness.py``);
 temp memory from ``memory_analysis()``. At N=16384 the programs are compiled, not run. ``--blocks``
-times each key block the pack offers, forced alone, beside the cost model's choice.
+times each candidate key block (256, 512, 1024) forced alone, beside the pack's choice.
 
 Run holding the benchmark lock::
 
@@ -168,10 +168,14 @@ def forced_block(f: Callable, args: list, block: int, mode: str, argnums: tuple)
     return wrapped
 
 
+#: The key blocks ``--blocks`` forces, each alone (the pack offers ``rulesets.attention.BLOCKS``).
+CANDIDATE_BLOCKS = (256, 512, 1024)
+
+
 def run_blocks(cases: list[tuple[str, str, int]], rounds: int) -> list[str]:
-    """Each of ``BLOCKS`` that makes two blocks or more, forced alone, beside the model's choice: one process,
-    interleaved rounds after warm-up, ratios over the program as written, with an A/A control."""
-    from rulesets.attention import BLOCKS as offered
+    """Each of ``CANDIDATE_BLOCKS`` that makes two blocks or more, forced alone, beside the pack's choice: one
+    process, interleaved rounds after warm-up, ratios over the program as written, with an A/A control."""
+    offered = CANDIDATE_BLOCKS
 
     lines = ["| case | shape | A/A | chosen | " + " | ".join(f"{b} keys" for b in offered) + " |",
              "|---|---|---|---|" + "---|" * len(offered)]

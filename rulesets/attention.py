@@ -36,11 +36,9 @@ instead of spelling out their variants:
   gradient never holds N x N either.
 
 Programs whose key axis is 256 or shorter are left alone (the scores are
-small). The key block is the cost model's choice: the rule offers a loop
-for each of ``BLOCKS`` (256, 512, 1024 keys) that makes two blocks or more,
-and extraction takes the cheapest. The model prices an array that outgrows
-the last-level cache at memory's rate (``AnalyticCost.spill``), so a block
-whose scores fit in the cache wins where fewer trips do not pay for it.
+small). The rule offers a loop for each key block of ``BLOCKS`` that makes
+two blocks or more, and extraction takes the cheapest; on this CPU that is
+256 keys alone (see ``BLOCKS``).
 
 **On a GPU, cuDNN's fused attention instead.** Where the logits are
 ``scale * (q k^T) + bias`` under at most a causal mask and the backend has a
@@ -104,12 +102,13 @@ _log = logging.getLogger(__name__)
 
 #: Key axes this long or shorter are kept as written.
 MIN_KEYS = 256
-#: The key blocks offered to the cost model: each that divides the key axis into two blocks or more. On this
-#: CPU (32 MiB L3) 1024 measured 15-30% slower than 256 at N=2048 and 4096 (B=2, H=4), 256 and 512 within
-#: noise of each other (``benchmarks/results/attention.md``); the model ranks them so once it prices an array
-#: that outgrows the cache (``AnalyticCost.spill``), and of blocks it prices within ``lean_band`` it takes
-#: the leanest.
-BLOCKS = (256, 512, 1024)
+#: The key blocks offered to the cost model: each that divides the key axis into two blocks or more. 256 alone:
+#: on this CPU (32 MiB L3) it measured fastest at every shape tried, 512 and 1024 8-40% slower
+#: (``python -m benchmarks.attention --blocks``, ``benchmarks/results/attention.md``). With the cache term
+#: (``AnalyticCost.spill``) the model ranks the blocks so at N=2048 (B=2, H=4), but with one head, where
+#: every block's scores fit in the cache, it prices 1024 keys cheapest, which measured 40% slower than 256,
+#: and its band takes 512 (8% slower): offered 256, 512 and 1024 it would lose there what it gains nowhere.
+BLOCKS = (256,)
 
 X, V = Pat.var("x"), Pat.var("v")
 _SOFTMAX = Pat("div", Pat("exp", X), Pat("broadcast_in_dim", Pat("reduce_sum", Pat("exp", X), params="r"),
