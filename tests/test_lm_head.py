@@ -382,8 +382,10 @@ def test_the_cost_model_chooses_the_block(model, block, dtype):
                    "the 8-block loop priced 27.1e6 where the 4-block loop, in the same e-graph, is priced 22.8e6 as "
                    "written (and is chosen without the cache term). Not the start: the same start program (priced "
                    "24.8e6 without the term, 27.6e6 with it: it holds the original's 32 MiB logits) refines to "
-                   "22.8e6 without the term and to 27.1e6 with it, so the whole-program search's moves miss the "
-                   "escape, like issue 33's trap")
+                   "22.8e6 without the term and to 27.1e6 with it. From the 8-block loop no move of ProgramSearch "
+                   "reaches the 4-block one: its main pass skips a loop-for-loop swap (_adds_loop; only _lean "
+                   "swaps loops, for leaner ones), and its group move refuses a swap that raises the peak (a "
+                   "guard from two RNNs measured slower); like issue 33's trap")
 def test_extraction_misses_the_larger_block_with_dear_iterations_and_the_cache_term():
     f = make("optax_int", "masked", True, False, False)
     args = inputs(np.random.default_rng(6), N, C, V)
