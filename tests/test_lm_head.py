@@ -385,7 +385,8 @@ def test_the_cost_model_chooses_the_block(model, block, dtype):
                    "22.8e6 without the term and to 27.1e6 with it. From the 8-block loop no move of ProgramSearch "
                    "reaches the 4-block one: its main pass skips a loop-for-loop swap (_adds_loop; only _lean "
                    "swaps loops, for leaner ones), and its group move refuses a swap that raises the peak (a "
-                   "guard from two RNNs measured slower); like issue 33's trap")
+                   "guard from two RNNs measured slower). Allowing both (an experiment, not kept) finds the "
+                   "512-token loop at 21.1e6; like issue 33's trap")
 def test_extraction_misses_the_larger_block_with_dear_iterations_and_the_cache_term():
     f = make("optax_int", "masked", True, False, False)
     args = inputs(np.random.default_rng(6), N, C, V)
