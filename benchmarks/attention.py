@@ -172,11 +172,11 @@ def forced_block(f: Callable, args: list, block: int, mode: str, argnums: tuple)
 CANDIDATE_BLOCKS = (256, 512, 1024)
 
 
-def run_blocks(cases: list[tuple[str, str, int]], rounds: int) -> list[str]:
+def run_blocks(cases: list[tuple[str, str, int, tuple]], rounds: int) -> list[str]:
     """Each of ``CANDIDATE_BLOCKS`` that makes two blocks or more, forced alone, beside the pack's choice: one
-    process, interleaved rounds after warm-up, ratios over the program as written, with an A/A control."""
+    process, interleaved rounds after warm-up, ratios over the program as written, with an A/A control.
+    ``cases``: (program, mode, keys, shape)."""
     offered = CANDIDATE_BLOCKS
-
     lines = ["| case | shape | A/A | chosen | " + " | ".join(f"{b} keys" for b in offered) + " |",
              "|---|---|---|---|" + "---|" * len(offered)]
     for name, mode, n, shape in cases:

@@ -367,9 +367,8 @@ def main(argv: list[str] | None = None) -> None:
         "jax": jax.__version__,
         "elementwise_ns": {k: float(f"{v:.4g}") for k, v in sorted(ops.items())},
         **{k: float(f"{v:.6g}") for k, v in mem.items()},
-        **{k: round(v, 1) for k, v in call.items()},
-        **{k: (round(v, 1) if k.startswith("iteration") or k == "cache_bytes" else float(f"{v:.4g}"))
-           for k, v in loop.items()},
+        **_rounded(call),
+        **_rounded(loop),
     }
     history = [{k: round(v, 6) for k, v in mem.items()}]
     from rewrite.cost import calibration as _calibration
@@ -405,52 +404,49 @@ def _memory_history(table: dict, keys: Any) -> list[dict]:
     return [one] if one else []
 
 
-def _call_only(args: argparse.Namespace) -> None:
+#: Figures stored to one decimal (nanoseconds of a call, a buffer or a trip; the cache's bytes); the rest of
+#: the call, loop and cache figures to four significant digits.
+_TO_ONE_DECIMAL = ("call", "buffer", "iteration", "iteration_trip", "cache_bytes")
+
+
+def _rounded(figures: dict[str, float]) -> dict[str, float]:
+    return {k: (round(v, 1) if k in _TO_ONE_DECIMAL else float(f"{v:.4g}")) for k, v in figures.items()}
+
+
+def _store_only(args: argparse.Namespace, figures: dict[str, float], stamp: str, drop: str | None = None) -> None:
+    """Print figures measured alone and, with ``--write``, store them in this backend's table, with the date,
+    device and load they were measured under as ``<stamp>_measured`` (``drop``: a key they supersede)."""
     from rewrite.cost import calibration as _calibration
 
-    call = measure_call(args.rounds, args.progress)
-    print(json.dumps(call, indent=1))
-    if args.write:
-        tables = {name: dict(getattr(_calibration, name)) for name in _calibration.BACKENDS.values()}
-        key = jax.default_backend().upper()
-        table = tables[key]
-        table.update({k: round(v, 1) for k, v in call.items()})
-        table["call_measured"] = {"date": datetime.date.today().isoformat(), "device": str(jax.devices()[0].device_kind),
+    print(json.dumps(figures, indent=1))
+    if not args.write or not figures:
+        return
+    tables = {name: dict(getattr(_calibration, name)) for name in _calibration.BACKENDS.values()}
+    table = tables[jax.default_backend().upper()]
+    table.update(_rounded(figures))
+    table[f"{stamp}_measured"] = {"date": datetime.date.today().isoformat(),
+                                  "device": str(jax.devices()[0].device_kind),
                                   "load_average": [round(x, 2) for x in os.getloadavg()]}
-        table.pop("call_uncalibrated", None)
-        _write(tables)
+    if drop is not None:
+        table.pop(drop, None)
+    _write(tables)
+
+
+def _call_only(args: argparse.Namespace) -> None:
+    _store_only(args, measure_call(args.rounds, args.progress), "call", drop="call_uncalibrated")
 
 
 def _loop_only(args: argparse.Namespace) -> None:
     from rewrite.cost import calibration as _calibration
 
-    tables = {name: dict(getattr(_calibration, name)) for name in _calibration.BACKENDS.values()}
-    key = jax.default_backend().upper()
-    table = tables[key]
-    loop = measure_loop(args.rounds, args.progress, table["launch"])
-    print(json.dumps(loop, indent=1))
-    if args.write:
-        table.update({k: round(v, 1) for k, v in loop.items()})
-        table["iteration_measured"] = {"date": datetime.date.today().isoformat(),
-                                       "device": str(jax.devices()[0].device_kind),
-                                       "load_average": [round(x, 2) for x in os.getloadavg()]}
-        _write(tables)
+    table = getattr(_calibration, _calibration.BACKENDS[jax.default_backend()])
+    _store_only(args, measure_loop(args.rounds, args.progress, table["launch"]), "iteration")
 
 
 def _cache_only(args: argparse.Namespace) -> None:
-    from rewrite.cost import calibration as _calibration
-
     if jax.default_backend() != "cpu":
         raise SystemExit("--cache-only measures a CPU's last-level cache")
-    found = measure_cache(args.rounds, args.progress)
-    print(json.dumps(found, indent=1))
-    if args.write and found:
-        tables = {name: dict(getattr(_calibration, name)) for name in _calibration.BACKENDS.values()}
-        table = tables["CPU"]
-        table.update({k: (v if k == "cache_bytes" else float(f"{v:.4g}")) for k, v in found.items()})
-        table["cache_measured"] = {"date": datetime.date.today().isoformat(),
-                                   "load_average": [round(x, 2) for x in os.getloadavg()]}
-        _write(tables)
+    _store_only(args, measure_cache(args.rounds, args.progress), "cache")
 
 
 def _write(tables: dict) -> None:

@@ -160,6 +160,10 @@ def priced_with(table: Mapping[str, Any]) -> Iterator[None]:
         _PINNED.pop()
 
 
+#: A loop trip's price where the backend's table has no measured one (ns; a GPU's measured 8.1 us).
+ITERATION_ESTIMATE = 1000.0
+
+
 @dataclasses.dataclass(frozen=True)
 class AnalyticCost(CostModel):
     """The default cost model: measured per-element prices, materialised bytes and flops, in nanoseconds.
@@ -200,7 +204,7 @@ class AnalyticCost(CostModel):
     node: float = 5.0
     #: per loop iteration, for the loop's own bookkeeping beyond its body's kernels: the table's
     #: ``iteration`` where it was measured (``benchmarks/calibrate.py --loop-only``), else 1 us
-    iteration: float = dataclasses.field(default_factory=lambda: _table().get("iteration", 1000.0))
+    iteration: float = dataclasses.field(default_factory=lambda: _table().get("iteration", ITERATION_ESTIMATE))
     #: assumed trip count of a while loop
     while_trips: float = 10.0
     #: extra charge per byte of a loop's stacked output, on top of writing it: the memory it
