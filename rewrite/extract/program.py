@@ -16,6 +16,7 @@ from ..cost.live import LiveFusion
 from ..cost.model import CostModel
 from ..cost.program import Program, chosen_op
 from ..ir import primitives as _primitives
+from ..ir.intern import PARAMS
 from ..ir.walk import operands, walk
 from .extractor import _CONTAINERS, _LEAVES, Extractor, _crossings, _signature
 
@@ -414,6 +415,24 @@ class ProgramSearch:
         ref = live._ref
         return ref.get(alt[1][0], 0) == 0 and ref.get(cur[1][0], 0) > 1
 
+    def _reblocks(self, cur: tuple, alt: tuple) -> bool:
+        """Whether a group move from ``cur`` to ``alt`` swaps a loop for the same computation in other blocks.
+
+        Both read loops of one operation, over the same operands, with the same results (the LM head's
+        normaliser over 256 or 512 tokens, attention over key blocks of two sizes): the work in their
+        bodies is the same, so the model's price of bodies is not what tells them apart, and a larger
+        block that raises the peak may be taken where it is cheaper. A swap whose loop has other results
+        (a reduction hoisted into the body, an output fewer) moves work into a body, and stays under the
+        peak guard of :meth:`_group_move`.
+        """
+        a, b = _loop_of(self.ex, self.choice, cur), _loop_of(self.ex, self.choice, alt)
+        if a is None or b is None or a[1][0] != b[1][0]:
+            return False
+        (ta, na), (tb, nb) = a, b
+        snap = self.ex.snap
+        return (PARAMS.prim(na[1][-1]).name == PARAMS.prim(nb[1][-1]).name and snap.aval(ta) == snap.aval(tb)
+                and operands(snap, na) == operands(snap, nb))
+
     def _may_move(self, cur: tuple, alt: tuple) -> bool:
         """Whether a class choosing ``cur`` may be priced with ``alt`` instead: another node, not a container,
         whose operands the choice computes, not ``cur``'s operation on its operands in another order (a*b for
@@ -451,14 +470,15 @@ class ProgramSearch:
                     if self.pricer.evaluations - start >= budget:
                         return self.choice, best
                     cur = self.choice[c]
-                    if not self._may_move(cur, alt) or self._adds_loop(cur, alt):
+                    if not self._may_move(cur, alt):
                         continue
-                    if self.ex.reaches(self.choice, self._kids(alt), {c}):
+                    swap = self._adds_loop(cur, alt)  # one loop for another: only all its outputs at once
+                    if not swap and self.ex.reaches(self.choice, self._kids(alt), {c}):
                         continue
-                    self._switch(c, alt)
-                    price = self._price()
-                    if price < best - 1e-9 * max(1.0, abs(best)):
-                        best = price
+                    if not swap:
+                        self._switch(c, alt)
+                    if not swap and self._price() < best - 1e-9 * max(1.0, abs(best)):
+                        best = self._price()
                         improved = True
                         if self.pricer.last_key in self.visited:
                             return self.choice, best  # another search went on from here
@@ -467,7 +487,8 @@ class ProgramSearch:
                         if c not in live:
                             break
                     else:
-                        self._switch(c, cur)
+                        if not swap:
+                            self._switch(c, cur)
                         group = self._siblings(c, alt, live)
                         if not group:
                             continue
@@ -583,11 +604,23 @@ class ProgramSearch:
         if ok and accept is not None:
             if accept(self._price(), self._live.peak()):
                 return True
-        elif ok and self._price() < best - 1e-9 * max(1.0, abs(best)) and (peak is None or self._live.peak() <= peak):
+        elif ok and self._price() < best - 1e-9 * max(1.0, abs(best)) and (
+                peak is None or self._live.peak() <= peak or self._reblocks(cur, alt)):
             return True
         for x, old in reversed(moved):
             self._switch(x, old)
         return False
+
+
+def _loop_of(ex: "Extractor", choice: dict[Any, tuple], proj: tuple) -> tuple[Any, tuple] | None:
+    """The class and node of the loop (a nested operation) that a projection ``proj`` reads, if any."""
+    if proj[0] != "Proj":
+        return None
+    tup = proj[1][0]
+    node = choice.get(tup)
+    if node is None or node[0] in _LEAVES or node[0] == "Proj" or not ex.body_classes(*node):
+        return None
+    return tup, node
 
 
 def _permuted(ex: "Extractor", a: tuple, b: tuple) -> bool:
