@@ -153,8 +153,11 @@ def test_lm_step_with_its_loss_rewritten_first_holds_no_logits():
 @pytest.mark.xfail(strict=True, reason="issue 33, open: with every identity pack the joint gradient program "
                    "(rewrite/grad/vjp.py) holds the logits again; without rulesets.scan's lift_independent it does "
                    "not. Extraction misses: the loss's e-graph with lift_independent holds the program extracted "
-                   "without it (cost 26.5e6) and extraction returns one of 30.2e6 (lift_independent's vmap of the "
-                   "token-block loop, whole logits)")
+                   "without it (cost 26.5e6) and extraction returns one of 31.8e6 (lift_independent's vmap of the "
+                   "token-block loop, whole logits). The batched form is inside the head's custom_vjp body, whose "
+                   "choice is made by node prices (no peak in them) and kept by ProgramSearch; the body's classes "
+                   "that would read the loop again are not the ones the batched form uses (one move of a class, or "
+                   "of a loop's outputs, does not reach it: tried)")
 def test_lm_step_with_its_loss_rewritten_by_the_identity_packs_holds_no_logits():
     pytest.importorskip("flax")
     before, after, logits, _ = _lm_temp_and_values(ecosystem.load_rulesets(ecosystem.CONFIGS["identity"]))
