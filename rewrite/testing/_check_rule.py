@@ -495,20 +495,29 @@ def _check_derivatives(rule: Rule, owner: Ruleset, case: _Case, vals: Sequence[A
             got_t = [np.where(np.isfinite(np.asarray(g, np.float64)), g, w).astype(np.asarray(g).dtype)
                      if np.shape(g) == np.shape(w) and _is_float(np.asarray(g).dtype) else g
                      for g, w in zip(got_t, want_t)]
-    evidence: tuple[list[Any], ...] | None = None  # per output: float64, spread, magnitude, as written
+    # What settles a mismatch, per output, computed once and only as far as needed: each acquits elements
+    # the others may not, and the verdict with all of them is the one that counts. Cheapest and most often
+    # enough first (on the attention pack: the float64 derivative settled 81 of 184 mismatches, the terms'
+    # magnitude the other 102; running the original as written, step by step, is dearest and is last).
+    def magnitudes() -> list[Any] | None:
+        if tolerance.terms <= 0:
+            return None
+        return (vjp_magnitudes(case.reference.fn, vals, cotangents) if reverse
+                else jvp_magnitudes(case.reference.fn, vals, tangents))
+
+    evidence = {"reference": reference, "spread": lambda: _spreads(lambda a: derive(case.before, a), vals, want_t),
+                "magnitude": magnitudes, "written": lambda: derive(case.before, vals, "written")}
+    found: dict[str, list[Any]] = {}
     for i, (v, w, g) in enumerate(zip(values, want_t, got_t)):
         why = derivative_mismatch(v, w, g, tolerance=tolerance)
-        if why is not None:
-            if evidence is None:
-                mags = None if tolerance.terms <= 0 else (
-                    vjp_magnitudes(case.reference.fn, vals, cotangents) if reverse
-                    else jvp_magnitudes(case.reference.fn, vals, tangents))
-                evidence = (reference() or [None] * len(want_t),
-                            _spreads(lambda a: derive(case.before, a), vals, want_t),
-                            mags or [None] * len(want_t), derive(case.before, vals, "written"))
-            ref, spread, mag, written = (e[i] for e in evidence)
-            why = derivative_mismatch(v, w, g, tolerance=tolerance, reference=ref, spread=spread,
-                                      magnitude=mag, written=written)
+        shown_evidence: dict[str, Any] = {}
+        for name, compute in evidence.items():
+            if why is None:
+                break
+            if name not in found:
+                found[name] = compute() or [None] * len(want_t)
+            shown_evidence[name] = found[name][i]
+            why = derivative_mismatch(v, w, g, tolerance=tolerance, **shown_evidence)
         if why is not None:
             kind = "reverse-mode derivative (vjp)" if reverse else "derivative"
             raise _failure(rule, owner, case, vals, want_t, got_t, f"JAX's {kind} changed: {why}", **shown)
