@@ -225,6 +225,16 @@ def lift_independent(m) -> Any:
     passes on unchanged (a backward loop's cotangent of a loop-invariant
     value, say) holds its initial value at every step: ``f`` may read it like
     a constant, and the loop's final value of it is its initial value.
+
+    Declined where ``vmap(f)`` would hold an array larger than
+    :data:`LIFT_HOLDS` times what it reads and returns together, and at least
+    :data:`LIFT_BYTES`: a loop that reduces a large value each step (the LM
+    head's loop over token blocks in ``rulesets.nn``: a block's logits, to a
+    maximum and a sum per token) is written to hold one step's at a time, and
+    lifted it holds every step's at once. Inside another operation's body
+    (the head's ``custom_vjp``) extraction decides by node prices, which
+    have no peak in them, and took the lifted form: the logits the pack
+    removed came back (``tests/test_ecosystem.py``).
     """
     loop = Loop(m)
     ncon, nc = loop.num_consts, loop.num_carry
@@ -239,14 +249,49 @@ def lift_independent(m) -> Any:
     if f is None:
         return same or None
     in_axes = tuple(None if p < ncon + nc else 0 for p in positions)
-    ys = m.trace(jax.vmap(lambda *a: tuple(f(*a)), in_axes=in_axes, axis_size=loop.length),
-                 *[loop.args[p] for p in positions])
+    lifted_fn = jax.vmap(lambda *a: tuple(f(*a)), in_axes=in_axes, axis_size=loop.length)
+    if _holds_more(lifted_fn, [loop.args[p].aval for p in positions], [loop.scan.aval[k] for k in free]):
+        return same or None
+    ys = m.trace(lifted_fn, *[loop.args[p] for p in positions])
     ys = ys if isinstance(ys, (tuple, list)) else (ys,)
     lifted = {k: y for k, y in zip(free, ys) if y.aval == loop.scan.aval[k]}
     if not lifted:
         return same or None
     res = loop.build(drop=tuple(lifted))
     return same + loop.handover(res, drop=tuple(lifted)) + [(v, lifted[i]) for v, i in loop.outputs() if i in lifted]
+
+
+#: ``lift_independent`` declines where the lifted computation holds an array this many times larger than what
+#: it reads and returns together ...
+LIFT_HOLDS = 4
+#: ... and at least this many bytes.
+LIFT_BYTES = 2 ** 20
+
+
+def _largest(jaxpr: Any) -> int:
+    """The bytes of the largest array ``jaxpr`` computes, in its sub-jaxprs too."""
+    most = 0
+    for e in jaxpr.eqns:
+        for v in e.outvars:
+            most = max(most, int(np.prod(v.aval.shape, dtype=np.int64)) * np.dtype(v.aval.dtype).itemsize
+                       if hasattr(v.aval, "shape") else 0)
+        for p in e.params.values():
+            for sub in (p if isinstance(p, (tuple, list)) else (p,)):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    most = max(most, _largest(inner))
+    return most
+
+
+def _holds_more(fn: Callable[..., Any], ins: list[Any], outs: list[Any]) -> bool:
+    """Whether ``fn`` at avals ``ins`` (returning ``outs``) holds an array :data:`LIFT_HOLDS` times what it
+    reads and returns, and at least :data:`LIFT_BYTES`."""
+    size = lambda a: int(np.prod(a.shape, dtype=np.int64)) * np.dtype(a.dtype).itemsize  # noqa: E731
+    try:
+        held = _largest(jax.make_jaxpr(fn)(*[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in ins]).jaxpr)
+    except Exception:
+        return False  # traced as m.trace will: a failure there declines the rule
+    return held >= LIFT_BYTES and held > LIFT_HOLDS * (sum(size(a) for a in ins) + sum(size(a) for a in outs))
 
 
 # ---------------------------------------------------------------------- fori_loop buffers

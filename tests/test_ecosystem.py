@@ -75,6 +75,30 @@ def test_bf16_loss_differentiated_through_the_rewrite_keeps_its_gradients(mode):
     assert error <= 8 * eps, f"gradients differ by {error:.2e} relative to each leaf's largest magnitude"
 
 
+def _arrays(jaxpr):
+    """Every value a jaxpr computes, its sub-jaxprs' included (a custom_vjp's body, a loop's)."""
+    for e in jaxpr.eqns:
+        yield from (v.aval for v in e.outvars)
+        for p in e.params.values():
+            for sub in (p if isinstance(p, (tuple, list)) else (p,)):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    yield from _arrays(inner)
+
+
+def test_the_identity_packs_keep_the_lm_head_s_loop():
+    """The LM loss rewritten by every identity pack computes no tokens x vocabulary array, in its bodies
+    either (the slow test below steps it): rulesets.scan does not lift the head's loop, a map, into a vmap."""
+    pytest.importorskip("flax")
+    from rewrite import explain
+
+    loss, (params, tokens) = ecosystem.flax_lm_loss()
+    report = explain(loss, params, tokens, rulesets=ecosystem.load_rulesets(ecosystem.CONFIGS["identity"]))
+    assert any(k.startswith("nn_lm_head_lse_") for k in report.used), report.used
+    whole = tokens[:, 1:].size * 8192
+    assert not [a for a in _arrays(report.after.jaxpr) if getattr(a, "size", 0) >= whole]
+
+
 def test_relative_error_sees_differences():
     import numpy as np
 
@@ -150,15 +174,11 @@ def test_lm_step_with_its_loss_rewritten_first_holds_no_logits():
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="issue 33, open: with every identity pack the joint gradient program "
-                   "(rewrite/grad/vjp.py) holds the logits again; without rulesets.scan's lift_independent it does "
-                   "not. Extraction misses: the loss's e-graph with lift_independent holds the program extracted "
-                   "without it (cost 26.5e6) and extraction returns one of 31.8e6 (lift_independent's vmap of the "
-                   "token-block loop, whole logits). The batched form is inside the head's custom_vjp body, whose "
-                   "choice is made by node prices (no peak in them) and kept by ProgramSearch; the body's classes "
-                   "that would read the loop again are not the ones the batched form uses (one move of a class, or "
-                   "of a loop's outputs, does not reach it: tried)")
 def test_lm_step_with_its_loss_rewritten_by_the_identity_packs_holds_no_logits():
+    """Issue 33: every identity pack, rulesets.scan's included, keeps the head's loop over token blocks (the
+    step's gradient holds no logits either). rulesets.scan's lift_independent once lifted that loop (a map)
+    into one vmap inside the head's custom_vjp body, where extraction decides by node prices: the whole
+    logits came back (31.8e6 where the program without them, in the same e-graph, is 26.5e6)."""
     pytest.importorskip("flax")
     before, after, logits, _ = _lm_temp_and_values(ecosystem.load_rulesets(ecosystem.CONFIGS["identity"]))
     assert after < before - logits / 2, (before, after)

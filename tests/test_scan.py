@@ -218,6 +218,22 @@ def test_lift_keeps_the_carry_and_stacks_only_what_needs_it():
     assert "cos" not in body_prims(loop) and "cos" in top_prims(report.after)
 
 
+def test_a_loop_that_reduces_a_large_value_each_step_is_not_lifted():
+    """A map written to hold one step's values at a time: a 256 x 256 block of products per step, reduced to
+    a number. Lifted, the vmap of the whole would hold all 8 blocks (2 MiB, 7x what the loop reads and
+    returns): not lifted. The same loop over blocks a quarter the size is (0.5 MiB)."""
+    def f(xs, w):
+        return lax.map(lambda x: jnp.sum(jnp.tanh(x @ w)), xs)
+
+    report = check(f, jnp.ones((8, 256, 32)), jnp.ones((32, 256)), rulesets=[SCAN.lift],
+                   cost_model=AnalyticCost(fusion=False))
+    assert not report.fired.get("lift_independent"), report.fired
+    assert len(scans(report.after)) == 1
+    small = check(f, jnp.ones((8, 64, 32)), jnp.ones((32, 256)), rulesets=[SCAN.lift],
+                  cost_model=AnalyticCost(fusion=False))
+    assert small.fired.get("lift_independent"), small.fired
+
+
 _SPECIAL = st.sampled_from([0.0, -0.0, -1.5, 2.0, np.inf, -np.inf, np.nan])
 
 
