@@ -589,7 +589,8 @@ class ProgramSearch:
         cheaper on two RNNs and measured 0.82x both (``tests/test_scan.py``,
         ``tests/test_loops.py``). The swaps that pay lower the predicted peak
         (a loop over token blocks in place of the LM head's logits), so a swap
-        that raises it is not made.
+        that raises it is not made, unless it swaps a loop for the same loop
+        in other blocks (:meth:`_reblocks`), whose bodies do the same work.
         """
         peak = self._live.peak() if self._live else None
         moved = [(c, cur)]
