@@ -289,9 +289,10 @@ def _holds_more(fn: Callable[..., Any], ins: list[Any], outs: list[Any]) -> bool
     size = lambda a: int(np.prod(a.shape, dtype=np.int64)) * np.dtype(a.dtype).itemsize  # noqa: E731
     try:
         held = _largest(jax.make_jaxpr(fn)(*[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in ins]).jaxpr)
-    except Exception:
-        return False  # traced as m.trace will: a failure there declines the rule
-    return held >= LIFT_BYTES and held > LIFT_HOLDS * (sum(size(a) for a in ins) + sum(size(a) for a in outs))
+        moved = sum(size(a) for a in ins) + sum(size(a) for a in outs)
+    except Exception:  # a dtype numpy cannot size (a PRNG key's), or a trace that fails: m.trace decides
+        return False
+    return held >= LIFT_BYTES and held > LIFT_HOLDS * moved
 
 
 # ---------------------------------------------------------------------- fori_loop buffers
