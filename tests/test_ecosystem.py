@@ -24,7 +24,7 @@ _COVERED = ("haiku_lstm_grad", "flax_lm_step")
 @pytest.mark.parametrize("name", [n if n not in _COVERED else pytest.param(n, marks=pytest.mark.slow) for n in QUICK])
 def test_values_kept(name):
     prog = ecosystem.PROGRAMS[name]
-    pytest.importorskip({"dm-haiku": "haiku"}.get(prog.library, prog.library))
+    pytest.importorskip({"dm-haiku": "haiku", "jax-md": "jax_md"}.get(prog.library, prog.library))
     packs = ecosystem.load_rulesets(ecosystem.CONFIGS["identity"])
     error, control, kept = ecosystem.check_values(prog, packs, ecosystem.TOLERANCE["identity"])
     assert kept, f"{name}: error {error:.2e} against a control of {control:.2e}"
@@ -44,7 +44,7 @@ def test_no_program_gains_temp_memory(name):
     from rewrite import rewrite
 
     prog = ecosystem.PROGRAMS[name]
-    pytest.importorskip({"dm-haiku": "haiku"}.get(prog.library, prog.library))
+    pytest.importorskip({"dm-haiku": "haiku", "jax-md": "jax_md"}.get(prog.library, prog.library))
     fn, args = prog.build()
     packs = ecosystem.load_rulesets(ecosystem.CONFIGS["identity"])
 
