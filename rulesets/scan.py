@@ -69,7 +69,9 @@ from rewrite import rule as _rule
 
 # Every rule's example program is rewritten by the contract test (tests/test_contract.py), not on import.
 rule = functools.partial(_rule, check=False)
+from rewrite.ir.primitives import nbytes
 from rewrite.loops import SCAN, WHILE, Body, Decline, Loop, adds_one
+from rewrite.report.report import equations
 
 #: How far a rewrite of this pack may move a float32 result (see the module docstring).
 TOLERANCE = Tolerance(rtol=2e-5, atol=1e-5)
@@ -268,31 +270,15 @@ LIFT_HOLDS = 4
 LIFT_BYTES = 2 ** 20
 
 
-def _largest(jaxpr: Any) -> int:
-    """The bytes of the largest array ``jaxpr`` computes, in its sub-jaxprs too."""
-    most = 0
-    for e in jaxpr.eqns:
-        for v in e.outvars:
-            most = max(most, int(np.prod(v.aval.shape, dtype=np.int64)) * np.dtype(v.aval.dtype).itemsize
-                       if hasattr(v.aval, "shape") else 0)
-        for p in e.params.values():
-            for sub in (p if isinstance(p, (tuple, list)) else (p,)):
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    most = max(most, _largest(inner))
-    return most
-
-
 def _holds_more(fn: Callable[..., Any], ins: list[Any], outs: list[Any]) -> bool:
-    """Whether ``fn`` at avals ``ins`` (returning ``outs``) holds an array :data:`LIFT_HOLDS` times what it
-    reads and returns, and at least :data:`LIFT_BYTES`."""
-    size = lambda a: int(np.prod(a.shape, dtype=np.int64)) * np.dtype(a.dtype).itemsize  # noqa: E731
+    """Whether ``fn`` at avals ``ins`` (returning ``outs``) holds an array, in its bodies too, :data:`LIFT_HOLDS`
+    times what it reads and returns, and at least :data:`LIFT_BYTES`."""
     try:
-        held = _largest(jax.make_jaxpr(fn)(*[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in ins]).jaxpr)
-        moved = sum(size(a) for a in ins) + sum(size(a) for a in outs)
-    except Exception:  # a dtype numpy cannot size (a PRNG key's), or a trace that fails: m.trace decides
+        traced = jax.make_jaxpr(fn)(*[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in ins])
+    except Exception:  # a trace that fails here fails in m.trace too, which decides
         return False
-    return held >= LIFT_BYTES and held > LIFT_HOLDS * moved
+    held = max((nbytes(v.aval) for e in equations(traced) for v in e.outvars), default=0)
+    return held >= LIFT_BYTES and held > LIFT_HOLDS * sum(nbytes(a) for a in (*ins, *outs))
 
 
 # ---------------------------------------------------------------------- fori_loop buffers

@@ -75,28 +75,18 @@ def test_bf16_loss_differentiated_through_the_rewrite_keeps_its_gradients(mode):
     assert error <= 8 * eps, f"gradients differ by {error:.2e} relative to each leaf's largest magnitude"
 
 
-def _arrays(jaxpr):
-    """Every value a jaxpr computes, its sub-jaxprs' included (a custom_vjp's body, a loop's)."""
-    for e in jaxpr.eqns:
-        yield from (v.aval for v in e.outvars)
-        for p in e.params.values():
-            for sub in (p if isinstance(p, (tuple, list)) else (p,)):
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    yield from _arrays(inner)
-
-
 def test_the_identity_packs_keep_the_lm_head_s_loop():
     """The LM loss rewritten by every identity pack computes no tokens x vocabulary array, in its bodies
     either (the slow test below steps it): rulesets.scan does not lift the head's loop, a map, into a vmap."""
     pytest.importorskip("flax")
     from rewrite import explain
+    from rewrite.report.report import equations
 
     loss, (params, tokens) = ecosystem.flax_lm_loss()
     report = explain(loss, params, tokens, rulesets=ecosystem.load_rulesets(ecosystem.CONFIGS["identity"]))
     assert any(k.startswith("nn_lm_head_lse_") for k in report.used), report.used
     whole = tokens[:, 1:].size * 8192
-    assert not [a for a in _arrays(report.after.jaxpr) if getattr(a, "size", 0) >= whole]
+    assert not [v.aval for e in equations(report.after) for v in e.outvars if getattr(v.aval, "size", 0) >= whole]
 
 
 def test_relative_error_sees_differences():
