@@ -9,6 +9,7 @@ under that price.
 
 from __future__ import annotations
 
+import math
 import weakref
 from typing import Any, Callable, Sequence
 
@@ -475,10 +476,12 @@ class ProgramSearch:
                     swap = self._adds_loop(cur, alt)  # one loop for another: only all its outputs at once
                     if not swap and self.ex.reaches(self.choice, self._kids(alt), {c}):
                         continue
+                    price = math.inf  # a swap is priced only as a group move, below
                     if not swap:
                         self._switch(c, alt)
-                    if not swap and self._price() < best - 1e-9 * max(1.0, abs(best)):
-                        best = self._price()
+                        price = self._price()
+                    if price < best - 1e-9 * max(1.0, abs(best)):
+                        best = price
                         improved = True
                         if self.pricer.last_key in self.visited:
                             return self.choice, best  # another search went on from here
