@@ -46,6 +46,14 @@ this part rewrites each:
   held). Under ``jax.grad`` the forward's values are not read, so XLA drops the
   forward loop and the gradient costs the original's three products.
 
+* **The label with its normaliser.** Where the program also reads the label's
+  logit (and, for smoothed labels, the logits' row sums), the same loop has it
+  as a third (and fourth) result (``nn_lm_head_lse_label_<block>``, found from
+  the label's gather; ``nn_lm_head_label`` then declines), and the backward adds
+  their cotangents to each block's before the products: ``softmax - one_hot``
+  in one array, as autodiff of the original does. Apart, an infinite weight in
+  the label's column gave ``0 * inf - inf`` (NaN) where the original has ``-inf``.
+
 So the program holds one block of logits (block x V) at a time, forward and
 backward. The tokens are every axis of the logits but the last (the
 vocabulary, ``W``'s one free axis), taken in order; the rule declines when
@@ -84,10 +92,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
-from rewrite import Pat, Ruleset, Tolerance, Value, procedural
+from rewrite import Params, Pat, Ruleset, Tolerance, Value, procedural
 from rewrite import rule as _rule
+from rulesets._lmhead_loop import _label_logit, _normaliser, _row_sums, _sigma
 
 # Every rule's example program is rewritten by the contract test (tests/test_contract.py), not on import.
 rule = functools.partial(_rule, check=False)
@@ -185,150 +193,7 @@ def head_of(d: Value) -> _Head | None:
                  w.shape[wfree[0]])
 
 
-def _canonical(spec: tuple, h: Any, w: Any, b: Any) -> tuple[Any, Any, Any]:
-    """``h`` as tokens x width, ``W`` as width x V, the bias as a vector (or ``None``)."""
-    h_perm, w_perm, rows, c, v, _, _, _ = spec
-    hc = lax.reshape(lax.transpose(h, h_perm) if h_perm != tuple(range(h.ndim)) else h, (int(np.prod(rows)), c))
-    wc = lax.reshape(lax.transpose(w, w_perm) if w_perm != tuple(range(w.ndim)) else w, (c, v))
-    return hc, wc, (None if b is None else jnp.reshape(b, (v,)))
-
-
-def _logits(spec: tuple, hb: Any, wc: Any, b: Any) -> Any:
-    """One block of logits, as the original computes them: the product, the bias added, the cast."""
-    _, _, _, _, _, _, cast, dot = spec
-    z = lax.dot_general(hb, wc, (((1,), (0,)), ((), ())), **dict(dot))
-    if b is not None:
-        z = z + b[None, :]
-    return z if cast is None else z.astype(cast)
-
-
-def _shift(m: Any) -> Any:
-    """The shift the loop's sum uses: the maximum where finite, else 0 (so that ``-inf`` rows sum to 0)."""
-    return jnp.where(jnp.isfinite(m), m, jnp.zeros((), m.dtype))
-
-
 # ---------------------------------------------------------------------- the normaliser over token blocks
-def _sigma(kind: str, m: Any) -> Any:
-    """The program's shift of a row whose maximum is ``m``: ``m`` itself, or ``m`` where finite and 0 elsewhere."""
-    return m if kind == "max" else _shift(m)
-
-
-def _normaliser(spec: tuple, block: int, kind: str, log: bool, out_shape: tuple):
-    """``fn(h, W, [b]) -> (max(logits), s)`` over token blocks, ``s = sum(exp(logits - shift))`` or its log.
-
-    One ``jax.custom_vjp`` function with both results, so that the program's maximum and its normaliser are
-    the two results of one node (extraction moves both at once). Every row's logits are in one block, so
-    each block computes the maximum, the program's shift (``kind``, see :func:`_shift_kind`) and the sum as
-    the program does, row by row. The backward keeps nothing from the forward: it computes each block
-    again, sum included, so under ``jax.grad`` (where the forward's values are not read) XLA drops the
-    forward loop, and the gradient costs three products, as the original's does.
-    """
-    h_perm, w_perm, rows, c, v, has_bias, cast, dot = spec
-    r = int(np.prod(rows))
-    n = r // block
-    h_inv = tuple(int(i) for i in np.argsort(h_perm))
-    w_inv = tuple(int(i) for i in np.argsort(w_perm))
-    dot = dict(dot)
-    precision = dot.get("precision")
-
-    def stats(z: Any) -> tuple[Any, Any]:
-        m = jnp.max(z, axis=1)
-        return m, jnp.sum(jnp.exp(z - _sigma(kind, m)[:, None]), axis=1)
-
-    def forward(h: Any, w: Any, b: Any) -> tuple[Any, Any]:
-        hc, wc, bv = _canonical(spec, h, w, b)
-
-        def body(_: Any, hb: Any) -> tuple:
-            return None, stats(_logits(spec, hb, wc, bv))
-
-        _, (m, total) = lax.scan(body, None, lax.reshape(hc, (n, block, c)))
-        # the log after the loop: in its body, log(sum(exp(z - shift))) is what nn_logsumexp rewrites
-        return m.reshape(rows), (jnp.log(total) if log else total).reshape(out_shape)
-
-    @jax.custom_vjp
-    def normaliser(h: Any, w: Any, b: Any) -> tuple[Any, Any]:
-        return forward(h, w, b)
-
-    def fwd(h: Any, w: Any, b: Any) -> tuple:
-        return forward(h, w, b), (h, w, b)
-
-    def bwd(res: tuple, g: tuple) -> tuple:
-        h, w, b = res
-        gm, gs = g
-        hc, wc, bv = _canonical(spec, h, w, b)
-        # The maximum's own cotangent (jax's rule for max shares it among the ties): 0 where the program reads
-        # the maximum only under stop_gradient, as it shifts; its term is skipped then.
-        with_max = jnp.any(gm != 0)
-        xs = (lax.reshape(hc, (n, block, c)), gm.reshape(n, block), gs.reshape(n, block))
-        acc = jnp.promote_types(wc.dtype, jnp.float32)  # dW summed over blocks in f32, rounded once at the end
-
-        def body(carry: tuple, x: tuple) -> tuple:
-            dw, db = carry
-            hb, gmb, gsb = x
-            pre = lax.dot_general(hb, wc, (((1,), (0,)), ((), ())), **dot)
-            if bv is not None:
-                pre = pre + bv[None, :]
-            z = pre if cast is None else pre.astype(cast)
-            m = jnp.max(z, axis=1)
-            e = jnp.exp(z - _sigma(kind, m)[:, None])
-            scale = gsb / jnp.sum(e, axis=1) if log else gsb
-            dz = e * scale[:, None]
-
-            def plus_max(dz: Any) -> Any:
-                ties = z == m[:, None]
-                share = gmb / jnp.sum(ties, axis=1).astype(gmb.dtype)
-                return dz + jnp.where(ties, share[:, None], jnp.zeros((), z.dtype))
-
-            dz = lax.cond(with_max, plus_max, lambda dz: dz, dz).astype(pre.dtype)
-            # The products' transposes written out: h's block transposed first, so that the left operand of
-            # dW's product contracts its minor dimension (XLA:CPU's library path; rewrite/cost/dot.py).
-            dhb = lax.dot_general(dz, wc, (((1,), (1,)), ((), ())), precision=precision,
-                                  preferred_element_type=hb.dtype)
-            dw = _add_by_columns(dw, lax.transpose(hb, (1, 0)), dz, precision, acc)
-            return (dw, None if db is None else db + jnp.sum(dz.astype(acc), axis=0)), dhb
-
-        zero_b = None if bv is None else jnp.zeros(bv.shape, acc)
-        (dwc, dbv), dhc = lax.scan(body, (jnp.zeros(wc.shape, acc), zero_b), xs)
-        dh = lax.transpose(dhc.reshape(tuple(h.shape[i] for i in h_perm)), h_inv)
-        dw = lax.transpose(dwc.astype(wc.dtype).reshape(tuple(w.shape[i] for i in w_perm)), w_inv)
-        db = None if b is None else dbv.astype(bv.dtype).reshape(b.shape)
-        return dh, dw, db
-
-    normaliser.defvjp(fwd, bwd)
-    if not has_bias:
-        return lambda h, w: normaliser(h, w, None)
-    return normaliser
-
-
-#: The widest column block of ``dW`` that the backward adds in one product (:func:`_add_by_columns`).
-COLUMNS = 2048
-
-
-def _add_by_columns(dw: Any, ht: Any, dz: Any, precision: Any, acc: Any) -> Any:
-    """``dw + ht @ dz``, the block's product added column block by column block, in place.
-
-    Added whole, the block's ``ht @ dz`` is a second width x V array beside the carried ``dw`` (XLA does not
-    add a product into its operand), which would make the weight gradient hold two of them. Blocks of at most
-    :data:`COLUMNS` columns, each sliced out of ``dw``, added and written back (``dynamic_update_slice`` in a
-    ``fori_loop``, which XLA does in place), hold one width x ``COLUMNS`` block instead. Each column of the
-    result is the same dot product as the whole product's; a remainder narrower than a block is done last.
-    """
-    v = dz.shape[1]
-
-    def product(cols: Any) -> Any:
-        return lax.dot_general(ht, cols, (((1,), (0,)), ((), ())), precision=precision, preferred_element_type=acc)
-
-    def add_at(dw: Any, at: Any, width: int) -> Any:
-        cols = lax.dynamic_slice_in_dim(dz, at, width, 1)
-        return lax.dynamic_update_slice_in_dim(dw, lax.dynamic_slice_in_dim(dw, at, width, 1) + product(cols), at, 1)
-
-    if v <= COLUMNS:
-        return dw + product(dz)
-    k, tail = divmod(v, COLUMNS)
-    dw = lax.fori_loop(0, k, lambda j, dw: add_at(dw, j * COLUMNS, COLUMNS), dw)
-    return add_at(dw, k * COLUMNS, tail) if tail else dw
-
-
 def _shift_kind(shift_of: Any, shape: tuple, dtype: Any) -> str | None:
     """Which shift ``shift_of`` (the program's, read back as a function of the rows' maxima) is, or ``None``.
 
@@ -426,37 +291,130 @@ def offered() -> bool:
     return jax.default_backend() != "gpu"
 
 
+def _site(m: Any, d: Value, shift: Value, total: Value, axes: tuple, block: int) -> tuple | None:
+    """A normaliser ``total = sum(exp(d - shift))`` along the vocabulary that the loop over blocks of
+    ``block`` tokens can compute: ``(head, kind, rmax, log, target)``, or ``None``.
+
+    ``rmax`` is the program's ``max(d)`` the shift is made from, ``kind`` which shift (:func:`_shift_kind`),
+    ``log`` the program's ``log(total)`` where it takes one (``None`` else), and ``target`` the value the
+    loop's second result stands for (the log, else the sum).
+    """
+    if not offered() or tuple(axes) != (d.ndim - 1,):
+        return None
+    head = head_of(d)
+    if head is None or head.r % block or head.r // block < 2:
+        return None
+    if shift.shape != d.shape[:-1] + (1,) or shift.dtype != d.dtype:
+        return None
+    rmax = _max_under(shift, d, d.ndim - 1)
+    if rmax is None:
+        return None
+    shift_of = m.function([shift], [rmax])
+    if shift_of is None:
+        return None
+    kind = _shift_kind(shift_of, rmax.shape, rmax.dtype)
+    if kind is None:
+        return None
+    # The sum's log where the program takes it: the backward then needs nothing of the forward (the log's
+    # derivative, 1 / sum, is computed in each block), and under jax.grad the forward loop is dropped.
+    log = _log_of(m, total)
+    return head, kind, rmax, log, (total if log is None else log)
+
+
+def _loop(m: Any, site: tuple, total: Value, block: int, label: tuple | None = None, idx: Value | None = None):
+    """Trace the loop for ``site`` (:func:`_site`) into the e-graph: the pairs to union, and the loop's results."""
+    head, kind, rmax, log, target = site
+    outs = m.trace(_normaliser(head.spec(), block, kind, log is not None, target.shape, label),
+                   *head.values(), *([] if idx is None else [idx]))
+    pairs = [(target, outs[1]), (rmax, outs[0])]
+    if log is not None:  # the sum itself, for any other reader (and for a check of this rule alone)
+        pairs.append((total, m.trace(_exp_as(total.shape), outs[1])))
+    return pairs, outs
+
+
 def _lse_rule(block: int):
     @procedural
     def build(m: Any) -> Any:
-        if not offered():
-            return None
         r = m.params("r")
-        d, shift = m["d"], m["s"]
-        if r.sharded or tuple(r.axes) != (d.ndim - 1,):
+        if r.sharded:
             return None
-        head = head_of(d)
-        if head is None or head.r % block or head.r // block < 2:
+        site = _site(m, m["d"], m["s"], m.root, r.axes, block)
+        return None if site is None else _loop(m, site, m.root, block)[0]
+
+    return build
+
+
+def _normalisers_of(m: Any, d: Value) -> list[tuple[Value, Value, tuple]]:
+    """Each ``sum(exp(d - shift))`` the e-graph holds over ``d``: ``(shift, the sum, its axes)``."""
+    found = []
+    for sub, node in m.users(d):
+        if node.prim != "sub" or len(node.operands) != 2 or node.operands[0].name != d.name:
+            continue
+        for ex, en in m.users(sub):
+            if en.prim != "exp":
+                continue
+            for total, rn in m.users(ex):
+                if rn.prim == "reduce_sum" and not Params(rn.primitive, rn.params).sharded:
+                    found.append((node.operands[1], total, tuple(rn.params["axes"])))
+    return found
+
+
+def _joint_site(m: Any, d: Value, block: int) -> tuple | None:
+    """``(site, total)`` for the first normaliser over ``d`` that a loop of ``block`` tokens computes, or ``None``."""
+    for shift, total, axes in _normalisers_of(m, d):
+        site = _site(m, d, shift, total, axes, block)
+        if site is not None:
+            return site, total
+    return None
+
+
+def _smoothed_over(m: Any, d: Value) -> bool:
+    """Whether the program sums smoothed labels against ``d`` (or ``log_softmax(d)``): ``sum((p a + q) * x)``
+    along the vocabulary, ``x`` made of ``d`` and row terms (:func:`_peel`), which ``nn_lm_head_smooth``
+    rewrites to read the logits' row sums."""
+    frontier, seen = [d], set()
+    for _ in range(3):  # d, d - shift, d - shift - log(sum): the terms log_softmax subtracts
+        nxt = []
+        for x in frontier:
+            for user, node in m.users(x):
+                if user.name in seen or user.shape != d.shape:
+                    continue
+                seen.add(user.name)
+                if node.prim in ("sub", "add") and node.operands[0].name == x.name:
+                    nxt.append(user)
+                elif node.prim == "mul" and len(node.operands) == 2:
+                    other = node.operands[1] if node.operands[0].name == x.name else node.operands[0]
+                    if _smoothed(other) is not None and any(
+                            n.prim == "reduce_sum" and tuple(n.params["axes"]) == (d.ndim - 1,) for _, n in m.users(user)):
+                        return True
+        frontier = nxt
+    return False
+
+
+def _joint_rule(block: int):
+    """The loop with the label's logit as its third result (:func:`_normaliser`'s ``label``), found from the
+    label's gather: the backward then forms ``softmax - one_hot`` per block, as autodiff of the original
+    does, where the normaliser's loop and the label's product (``nn_lm_head_label``) would add their terms
+    of ``dh`` apart (NaN, not the original's ``-inf``, through a column of ``W`` that holds an infinity)."""
+    @procedural
+    def build(m: Any) -> Any:
+        g = m.params("g")
+        d, idx = m["d"], m["i"]
+        if g.prim != "gather" or not _take_along_last(g, d.ndim, idx.shape):
             return None
-        if shift.shape != d.shape[:-1] + (1,) or shift.dtype != d.dtype:
+        fills, fill = _mode(g)
+        if fill is not None and not np.isscalar(fill):
             return None
-        rmax = _max_under(shift, d, d.ndim - 1)
-        if rmax is None:
+        found = _joint_site(m, d, block)
+        if found is None:
             return None
-        shift_of = m.function([shift], [rmax])
-        if shift_of is None:
-            return None
-        kind = _shift_kind(shift_of, rmax.shape, rmax.dtype)
-        if kind is None:
-            return None
-        # The sum's log where the program takes it: the backward then needs nothing of the forward (the log's
-        # derivative, 1 / sum, is computed in each block), and under jax.grad the forward loop is dropped.
-        log = _log_of(m, m.root)
-        target = m.root if log is None else log
-        mx, out = m.trace(_normaliser(head.spec(), block, kind, log is not None, target.shape), *head.values())
-        pairs = [(target, out), (rmax, mx)]
-        if log is not None:  # the sum itself, for any other reader (and for a check of this rule alone)
-            pairs.append((m.root, m.trace(_exp_as(m.root.shape), out)))
+        site, total = found
+        rows = _smoothed_over(m, d)
+        label = (fills, None if fill is None else float(fill), m.root.shape, rows)
+        pairs, outs = _loop(m, site, total, block, label, idx)
+        pairs.append((m.root, outs[2]))
+        if rows:  # the row sums nn_lm_head_smooth traced (the same term), from the loop
+            pairs.append((m.trace(_row_sums(site[0].spec()), *site[0].values()), outs[3]))
         return pairs
 
     return build
@@ -481,31 +439,6 @@ def _mode(g: dict) -> tuple[bool, Any]:
     return fills, g.get("fill_value")
 
 
-def _label_logit(spec: tuple, fills: bool, fill: Any, out_shape: tuple):
-    """``fn(h, W, [b], idx)``: the logits at ``idx`` (one per row), from the label's column of ``W``."""
-    has_bias, v = spec[5], spec[4]
-
-    def fn(*args: Any) -> Any:
-        h, w, *rest = args
-        b = rest[0] if has_bias else None
-        idx = rest[-1].reshape(-1)
-        hc, wc, bv = _canonical(spec, h, w, b)
-        safe = lax.clamp(jnp.zeros((), idx.dtype), idx, jnp.full((), v - 1, idx.dtype))
-        cols = jnp.take(wc, safe, axis=1, mode="clip")  # width x tokens: the label's column per token
-        _, _, _, _, _, _, cast, dot = spec
-        z = lax.dot_general(hc, cols, (((1,), (0,)), ((0,), (1,))), **dict(dot))
-        if bv is not None:
-            z = z + jnp.take(bv, safe, mode="clip")
-        z = z if cast is None else z.astype(cast)
-        if fills:
-            inside = (idx >= 0) & (idx < v)
-            value = jnp.nan if fill is None else fill
-            z = jnp.where(inside, z, jnp.asarray(value, z.dtype))
-        return z.reshape(out_shape)
-
-    return fn
-
-
 @procedural
 def _label(m: Any) -> Any:
     g = m.params("g")
@@ -517,6 +450,10 @@ def _label(m: Any) -> Any:
         return None
     fills, fill = _mode(g)
     if fill is not None and not np.isscalar(fill):
+        return None
+    if any(_joint_site(m, d, block) is not None for block in BLOCKS):
+        # The loop computes the label with its normaliser (nn_lm_head_lse_label_*), so that the backward adds
+        # their terms before the product, as the original's does (their sum apart is NaN where it is -inf).
         return None
     return m.trace(_label_logit(head.spec(), fills, None if fill is None else float(fill), m.root.shape),
                    *head.values(), idx)
@@ -599,21 +536,15 @@ def _smoothed(lab: Value) -> tuple[Value, Value | None, Value] | None:
     return None
 
 
-def _smooth_sum(spec: tuple, signs: tuple, has_p: bool, out_shape: tuple, dtype: Any):
-    """``fn(a, x, [p], q, h, W, [b], *terms) = p * sum(a * x) + q * sum(x)`` along the vocabulary, where
-    ``x = logits + sum(sign * term)``: ``sum(x)`` is ``h @ W.sum(-1) + sum(b)`` plus ``V`` times the terms,
-    so only ``sum(a * x)`` reads ``x`` (a one-hot ``a`` makes it a gather: ``nn_one_hot_sum``)."""
-    has_bias, v, cast = spec[5], spec[4], spec[6]
+def _smooth_sum(signs: tuple, has_p: bool, v: int, out_shape: tuple, dtype: Any):
+    """``fn(a, x, [p], q, rows, *terms) = p * sum(a * x) + q * sum(x)`` along the vocabulary, where
+    ``x = logits + sum(sign * term)``: ``sum(x)`` is the logits' row sums ``rows`` (:func:`_row_sums`) plus
+    ``V`` times the terms, so only ``sum(a * x)`` reads ``x`` (a one-hot ``a`` makes it a gather:
+    ``nn_one_hot_sum``)."""
 
     def fn(a: Any, x: Any, *rest: Any) -> Any:
         p, rest = (rest[0], rest[1:]) if has_p else (None, rest)
-        q, h, w, *rest = rest
-        b, terms = (rest[0], rest[1:]) if has_bias else (None, rest)
-        hc, wc, bv = _canonical(spec, h, w, b)
-        wide = jnp.promote_types(cast or wc.dtype, jnp.float32)  # the row sums in at least f32
-        rows = lax.dot_general(hc.astype(wide), jnp.sum(wc.astype(wide), axis=1), (((1,), (0,)), ((), ())))
-        if bv is not None:
-            rows = rows + jnp.sum(bv.astype(wide))
+        q, rows, *terms = rest
         total = rows.astype(dtype).reshape(out_shape)
         for sign, term in reversed(list(zip(signs, terms))):  # innermost first, as the program subtracts them
             t = jnp.asarray(v, dtype) * term.reshape(out_shape)
@@ -639,9 +570,10 @@ def _smooth(m: Any) -> Any:
         if head is None:
             continue
         a, p, q = found
-        fn = _smooth_sum(head.spec(), tuple(sign for sign, _ in terms), p is not None, m.root.shape, m.root.dtype)
+        fn = _smooth_sum(tuple(sign for sign, _ in terms), p is not None, head.v, m.root.shape, m.root.dtype)
         scalars = [q] if p is None else [p, q]
-        return m.trace(fn, a, w, *scalars, *head.values(), *[t for _, t in terms])
+        rows = m.trace(_row_sums(head.spec()), *head.values())
+        return m.trace(fn, a, w, *scalars, rows, *[t for _, t in terms])
     return None
 
 
@@ -681,6 +613,10 @@ nn_lm_head = Ruleset("nn_lm_head", [
          example_program=(_ce_log_softmax, (_f32(8, 4), _f32(4, 16), _f32(16), _i32(8)))),
     rule(Pat("reduce_sum", Pat("mul", X, Y), params="r"), _smooth, name="nn_lm_head_smooth",  # sum((p a + q) * (h @ W - t)) -> p sum(a * ...) + q (h @ sum(W) - V t)
          example_program=(_ce_smooth, (_f32(8, 4), _f32(4, 16), _i32(8)))),
+] + [
+    rule(_GATHER, _joint_rule(blk), name=f"nn_lm_head_lse_label_{blk}",             # lse(h @ W) and (h @ W)[y] -> one scan over token blocks
+         example_program=_example(blk))
+    for blk in BLOCKS
 ] + [
     rule(Pat("reduce_sum", Pat("exp", Pat("sub", D, S)), params="r"), _lse_rule(blk),                       # sum(exp(h @ W - shift)) -> scan over token blocks
          name=f"nn_lm_head_lse_{blk}", example_program=_example(blk))
