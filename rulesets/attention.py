@@ -229,8 +229,9 @@ def _add(plan: _Plan, prim: Any, params: dict, args: list, aval: Any, key: int |
 
 def _evaluate(steps: Sequence[tuple], leaves: Sequence[Any], leaf_keys: Sequence[Any],
               start: Any, block: int, out: tuple) -> Any:
-    """The logits for keys ``start .. start + block``: the plan run with every key axis cut to the block."""
-    vals: list[Any] = []
+    """The logits for keys ``start .. start + block``: the plan run with every key axis cut to the block (the
+    steps that ``out`` reads, each once)."""
+    vals: dict[int, Any] = {}
 
     def read(ref: tuple) -> Any:
         kind, i = ref
@@ -238,22 +239,23 @@ def _evaluate(steps: Sequence[tuple], leaves: Sequence[Any], leaf_keys: Sequence
             x = leaves[i]
             k = leaf_keys[i]
             return x if k is None else lax.dynamic_slice_in_dim(x, start, block, axis=k)
+        if i not in vals:
+            vals[i] = run(*steps[i])
         return vals[i]
 
-    for p, params, args, aval, key in steps:
+    def run(p: Any, params: dict, args: tuple, aval: Any, key: int | None) -> Any:
         ops = [read(a) for a in args]
         params = dict(params)
         if key is not None and "shape" in params:
             shape = list(params["shape"])
             shape[key] = block
             params["shape"] = tuple(shape)
-        if p.name == "iota" and key is not None:
-            if params["dimension"] == key:
-                vals.append(p.bind(**params) + start.astype(params["dtype"]))
-                continue
+        if p.name == "iota" and key is not None and params["dimension"] == key:
+            return p.bind(**params) + start.astype(params["dtype"])
         res = p.bind(*ops, **params)
-        vals.append(res[0] if isinstance(res, (list, tuple)) else res)
-    return vals[out[1]] if out[0] == "step" else read(out)
+        return res[0] if isinstance(res, (list, tuple)) else res
+
+    return read(out)
 
 
 # ---------------------------------------------------------------------- the blocked computation
@@ -265,6 +267,8 @@ def _blocked(plan: _Plan, out_ref: tuple, axis: int, p_first: bool, dn: Any, pv_
     (``jax.nn.softmax`` of bf16 logits sums in float32); the running sum is kept in it."""
     steps = tuple(plan.steps)
     leaf_keys = tuple(plan.leaf_keys)
+    consts = {i: np.asarray(x.literal, x.dtype) for i, x in enumerate(plan.leaves)
+              if x.shape == () and x.literal is not None}
     nblocks = n // block
     s_aval = plan.aval(out_ref)
     s_rank = len(s_aval.shape)
@@ -308,6 +312,9 @@ def _blocked(plan: _Plan, out_ref: tuple, axis: int, p_first: bool, dn: Any, pv_
         return lax.expand_dims(r, row_squeezed) if row_squeezed else r
 
     def scores(leaves: Sequence[Any], start: Any) -> Any:
+        # A literal scalar (haiku's 1 / sqrt(key_size) divisor) is the body's constant, as it is the original's:
+        # passed in as an operand, XLA cannot turn a division by 8 into a multiplication by 0.125 per score.
+        leaves = [consts.get(i, x) for i, x in enumerate(leaves)]
         return _evaluate(steps, leaves, leaf_keys, start, block, out_ref).astype(s_dtype)
 
     def product(p: Any, vb: Any) -> Any:
@@ -499,12 +506,93 @@ def _chunk(p_first: bool, converted: bool = False, squeeze: bool = False, widene
         blocks = [b for b in BLOCKS if n % b == 0 and n // b >= 2]
         if not blocks or not _fused.blocked():
             return None
+        _scale_outside(m, plan)
+        _whole_operand_first(m, plan)
         # One loop per block that fits, all equal to the matched product: extraction prices each.
         return [(m.root, m.trace(_blocked(plan, out_ref, axis, p_first, pv["dimension_numbers"], params, int(vc[0]),
                                           block, n, out_shape, cast, squeezed, wide), *plan.leaves, v))
                 for block in blocks]
 
     return build
+
+
+def _scale_outside(m: Any, plan: _Plan) -> None:
+    """Move a literal scale of the product ``(q k^T) / c`` (or ``* c``) onto ``q``, the operand read whole, in place.
+
+    In the loop the scale would be its own pass over each block's scores: XLA:CPU's library product does not
+    take it in, so the scaled block is written and read again (haiku's ``attn_logits / sqrt(key_size)``:
+    16 MiB per block at N=2048, B=2, H=4). Scaled once outside, ``q / c`` is an N x D array. The scale moves
+    where it is a finite literal that makes ``q`` no larger (a divisor of magnitude 1 or more, a factor of
+    at most 1), so no element overflows where the original's would not; a power of two moves exactly, and
+    any other scale rounds ``q`` once, within the pack's tolerance (in float32 and float64 only: in a
+    half-precision dtype it stays in the loop).
+    """
+    uses: dict[int, int] = {}
+    for _, _, args, _, _ in plan.steps:
+        for a in args:
+            if a[0] == "step":
+                uses[a[1]] = uses.get(a[1], 0) + 1
+    for j, (prim, params, args, aval, key) in enumerate(plan.steps):
+        if prim.name not in ("div", "mul") or len(args) != 2:
+            continue
+        order = [0, 1] if prim.name == "div" else [0, 1, 1, 0]
+        for i in range(0, len(order), 2):
+            d_ref, c_ref = args[order[i]], args[order[i + 1]]
+            if d_ref[0] != "step" or c_ref[0] != "leaf" or uses.get(d_ref[1]) != 1:
+                continue
+            c = plan.leaves[c_ref[1]]
+            dprim, dparams, dargs, daval, dkey = plan.steps[d_ref[1]]
+            value = _fused._scalar_value(c)
+            if dprim.name != "dot_general" or value is None or not np.isfinite(value) or value == 0:
+                continue
+            if (abs(value) < 1) if prim.name == "div" else (abs(value) > 1):
+                continue
+            exact = math.frexp(abs(value))[0] == 0.5  # a power of two scales every element exactly
+            if not exact and jnp.finfo(daval.dtype).nmant < 23:
+                continue  # rounding q to a half-precision dtype once more is not within the logits' own rounding
+            whole = [k for k, a in enumerate(dargs) if a[0] == "leaf" and plan.leaf_keys[a[1]] is None]
+            if len(whole) != 1:
+                continue
+            q = plan.leaves[dargs[whole[0]][1]]
+            if q.dtype != daval.dtype or c.dtype != daval.dtype or aval.dtype != daval.dtype:
+                continue
+            fn = (lambda q, c: q / c) if prim.name == "div" else (lambda q, c: q * c)
+            scaled = plan.leaf(m.trace(fn, q, c), None)
+            new_args = list(dargs)
+            new_args[whole[0]] = scaled
+            # the scale's step becomes the product of the scaled q (the unscaled product is read no more)
+            plan.steps[j] = (dprim, dparams, tuple(new_args), daval, dkey)
+            return
+
+
+def _whole_operand_first(m: Any, plan: _Plan) -> None:
+    """Lay out the product's operand that is read whole (``q``) as XLA's product takes it, once, outside the loop.
+
+    ``[b, n, h, d]`` programs (flax, haiku, equinox) contract ``q`` with its batch axes not leading, and XLA:CPU
+    copies it into ``[b, h, n, d]`` for its library product; in the loop that copy of the whole ``q`` was
+    made again for every block of keys. Transposed once (batch axes, then the free axes in their order, then
+    the contracted ones; for a right operand the contracted axes before the free), the product's result is
+    the same array."""
+    for j, (prim, params, args, aval, key) in enumerate(plan.steps):
+        if prim.name != "dot_general":
+            continue
+        (lc, rc), (lb, rb) = params["dimension_numbers"]
+        for side, a in enumerate(args):
+            if a[0] != "leaf" or plan.leaf_keys[a[1]] is not None:
+                continue
+            x = plan.leaves[a[1]]
+            batch, contract = (lb, lc) if side == 0 else (rb, rc)
+            free = [d for d in range(x.ndim) if d not in batch and d not in contract]
+            perm = tuple(batch) + (tuple(free) + tuple(contract) if side == 0 else tuple(contract) + tuple(free))
+            if perm == tuple(range(x.ndim)):
+                continue
+            nb = len(batch)
+            new_batch = tuple(range(nb))
+            new_contract = tuple(range(nb + len(free), x.ndim)) if side == 0 else tuple(range(nb, nb + len(contract)))
+            dn = (((new_contract, rc), (new_batch, rb)) if side == 0 else ((lc, new_contract), (lb, new_batch)))
+            new_args = list(args)
+            new_args[side] = plan.leaf(m.trace(lambda t, perm=perm: lax.transpose(t, perm), x), None)
+            plan.steps[j] = (prim, {**params, "dimension_numbers": dn}, tuple(new_args), aval, key)
 
 
 def _softmax(s: Any) -> Any:
