@@ -29,6 +29,11 @@ instead of spelling out their variants:
   the original computes it; a row masked everywhere is ``0/0 = NaN``, as in
   ``jax.nn.softmax``; a row masked with ``finfo.min`` averages uniformly, as
   the original does; a NaN or ``+inf`` score makes its row NaN in both.
+* **A literal scale applied once.** A literal scale of the scores (haiku's
+  ``logits / sqrt(key_size)``) is applied to ``q`` before the loop, where it
+  makes ``q`` no larger (exactly, for a power of two; in float32 and float64
+  for any other): in the loop, XLA:CPU scaled every block of scores in a pass
+  of its own.
 * **A backward that recomputes each block** (``jax.custom_vjp``): only the
   inputs, the output and the log-normaliser per row are kept; each block's
   scores are computed again, and the gradient of the logits' own computation
@@ -78,8 +83,8 @@ start with ``attn_``.
 >>> r = explain(f, x, x, x, rulesets=[attention])
 >>> sorted(r.fired)[0].startswith("attn_")
 True
->>> [e.primitive.name for e in r.after.eqns]   # the scan over key blocks, inside its custom VJP
-['custom_vjp_call']
+>>> [e.primitive.name for e in r.after.eqns]   # q / 8 once, then the scan over key blocks in its custom VJP
+['div', 'custom_vjp_call']
 """
 
 from __future__ import annotations
@@ -312,8 +317,8 @@ def _blocked(plan: _Plan, out_ref: tuple, axis: int, p_first: bool, dn: Any, pv_
         return lax.expand_dims(r, row_squeezed) if row_squeezed else r
 
     def scores(leaves: Sequence[Any], start: Any) -> Any:
-        # A literal scalar (haiku's 1 / sqrt(key_size) divisor) is the body's constant, as it is the original's:
-        # passed in as an operand, XLA cannot turn a division by 8 into a multiplication by 0.125 per score.
+        # A literal scalar (a mask's fill, a scale that stays in the loop) is the body's constant, as it is the
+        # original's (passed in as an operand, XLA could not turn a division by 8 into a multiplication by 0.125).
         leaves = [consts.get(i, x) for i, x in enumerate(leaves)]
         return _evaluate(steps, leaves, leaf_keys, start, block, out_ref).astype(s_dtype)
 
@@ -507,7 +512,6 @@ def _chunk(p_first: bool, converted: bool = False, squeeze: bool = False, widene
         if not blocks or not _fused.blocked():
             return None
         _scale_outside(m, plan)
-        _whole_operand_first(m, plan)
         # One loop per block that fits, all equal to the matched product: extraction prices each.
         return [(m.root, m.trace(_blocked(plan, out_ref, axis, p_first, pv["dimension_numbers"], params, int(vc[0]),
                                           block, n, out_shape, cast, squeezed, wide), *plan.leaves, v))
@@ -563,36 +567,6 @@ def _scale_outside(m: Any, plan: _Plan) -> None:
             # the scale's step becomes the product of the scaled q (the unscaled product is read no more)
             plan.steps[j] = (dprim, dparams, tuple(new_args), daval, dkey)
             return
-
-
-def _whole_operand_first(m: Any, plan: _Plan) -> None:
-    """Lay out the product's operand that is read whole (``q``) as XLA's product takes it, once, outside the loop.
-
-    ``[b, n, h, d]`` programs (flax, haiku, equinox) contract ``q`` with its batch axes not leading, and XLA:CPU
-    copies it into ``[b, h, n, d]`` for its library product; in the loop that copy of the whole ``q`` was
-    made again for every block of keys. Transposed once (batch axes, then the free axes in their order, then
-    the contracted ones; for a right operand the contracted axes before the free), the product's result is
-    the same array."""
-    for j, (prim, params, args, aval, key) in enumerate(plan.steps):
-        if prim.name != "dot_general":
-            continue
-        (lc, rc), (lb, rb) = params["dimension_numbers"]
-        for side, a in enumerate(args):
-            if a[0] != "leaf" or plan.leaf_keys[a[1]] is not None:
-                continue
-            x = plan.leaves[a[1]]
-            batch, contract = (lb, lc) if side == 0 else (rb, rc)
-            free = [d for d in range(x.ndim) if d not in batch and d not in contract]
-            perm = tuple(batch) + (tuple(free) + tuple(contract) if side == 0 else tuple(contract) + tuple(free))
-            if perm == tuple(range(x.ndim)):
-                continue
-            nb = len(batch)
-            new_batch = tuple(range(nb))
-            new_contract = tuple(range(nb + len(free), x.ndim)) if side == 0 else tuple(range(nb, nb + len(contract)))
-            dn = (((new_contract, rc), (new_batch, rb)) if side == 0 else ((lc, new_contract), (lb, new_batch)))
-            new_args = list(args)
-            new_args[side] = plan.leaf(m.trace(lambda t, perm=perm: lax.transpose(t, perm), x), None)
-            plan.steps[j] = (prim, {**params, "dimension_numbers": dn}, tuple(new_args), aval, key)
 
 
 def _softmax(s: Any) -> Any:
