@@ -433,9 +433,9 @@ def _scales_the_scores(body, block):
                                            (128, "bfloat16", False)])
 def test_a_literal_scale_of_the_scores_is_applied_to_q_once(d, dtype, moved):
     """haiku divides the logits, ``einsum(q, k) / sqrt(key_size)``: in the loop that division was a pass of its own
-    over every block of scores (XLA's library product does not take it in). It is applied to ``q`` once, outside
-    the loop: exactly where the divisor is a power of two (8), rounding ``q`` once in float32 otherwise
-    (sqrt(128)); a half-precision ``q`` keeps the division in the loop."""
+    over every block of scores (XLA's library product does not take it in). The forward applies it to ``q`` once,
+    before its loop: exactly where the divisor is a power of two (8), rounding ``q`` once in float32 otherwise
+    (sqrt(128)); a half-precision ``q`` keeps the division in the loop. (The backward's loop keeps it.)"""
     rng = np.random.default_rng(5)
     q, k, v = (jnp.asarray(rng.standard_normal((1, 512, 2, d)), dtype) for _ in range(3))
 
