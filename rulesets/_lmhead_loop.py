@@ -77,8 +77,8 @@ def _normaliser(spec: tuple, block: int, kind: str, log: bool, out_shape: tuple,
 
     def column(y: Any) -> Any:
         """Each row's label column as the gather reads it; -1 (no column) where it fills instead."""
-        safe = lax.clamp(jnp.zeros((), y.dtype), y, jnp.full((), v - 1, y.dtype))
-        return jnp.where((y >= 0) & (y < v), safe, -1) if fills else safe
+        safe, inside = _label_column(y, v)
+        return jnp.where(inside, safe, -1) if fills else safe
 
     def forward(h: Any, w: Any, b: Any, y: Any) -> tuple:
         hc, wc, bv = _canonical(spec, h, w, b)
@@ -164,6 +164,12 @@ def _normaliser(spec: tuple, block: int, kind: str, log: bool, out_shape: tuple,
     return fn
 
 
+def _label_column(y: Any, v: int) -> tuple[Any, Any]:
+    """``(safe, inside)``: each label clamped into the vocabulary (the column a ``clip`` gather reads), and
+    whether it was in it (where a ``fill`` gather reads a column at all)."""
+    return lax.clamp(jnp.zeros((), y.dtype), y, jnp.full((), v - 1, y.dtype)), (y >= 0) & (y < v)
+
+
 def _label_logit(spec: tuple, fills: bool, fill: Any, out_shape: tuple):
     """``fn(h, W, [b], idx)``: the logits at ``idx`` (one per row), from the label's column of ``W``."""
     has_bias, v = spec[5], spec[4]
@@ -173,7 +179,7 @@ def _label_logit(spec: tuple, fills: bool, fill: Any, out_shape: tuple):
         b = rest[0] if has_bias else None
         idx = rest[-1].reshape(-1)
         hc, wc, bv = _canonical(spec, h, w, b)
-        safe = lax.clamp(jnp.zeros((), idx.dtype), idx, jnp.full((), v - 1, idx.dtype))
+        safe, inside = _label_column(idx, v)
         cols = jnp.take(wc, safe, axis=1, mode="clip")  # width x tokens: the label's column per token
         _, _, _, _, _, _, cast, dot = spec
         z = lax.dot_general(hc, cols, (((1,), (0,)), ((0,), (1,))), **dict(dot))
@@ -181,7 +187,6 @@ def _label_logit(spec: tuple, fills: bool, fill: Any, out_shape: tuple):
             z = z + jnp.take(bv, safe, mode="clip")
         z = z if cast is None else z.astype(cast)
         if fills:
-            inside = (idx >= 0) & (idx < v)
             value = jnp.nan if fill is None else fill
             z = jnp.where(inside, z, jnp.asarray(value, z.dtype))
         return z.reshape(out_shape)

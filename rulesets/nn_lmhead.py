@@ -291,9 +291,9 @@ def offered() -> bool:
     return jax.default_backend() != "gpu"
 
 
-def _site(m: Any, d: Value, shift: Value, total: Value, axes: tuple, block: int) -> tuple | None:
-    """A normaliser ``total = sum(exp(d - shift))`` along the vocabulary that the loop over blocks of
-    ``block`` tokens can compute: ``(head, kind, rmax, log, target)``, or ``None``.
+def _site(m: Any, d: Value, shift: Value, total: Value, axes: tuple, blocks: tuple) -> tuple | None:
+    """A normaliser ``total = sum(exp(d - shift))`` along the vocabulary that a loop over blocks of tokens (one
+    of ``blocks``) can compute: ``(head, kind, rmax, log, target)``, or ``None``.
 
     ``rmax`` is the program's ``max(d)`` the shift is made from, ``kind`` which shift (:func:`_shift_kind`),
     ``log`` the program's ``log(total)`` where it takes one (``None`` else), and ``target`` the value the
@@ -302,7 +302,7 @@ def _site(m: Any, d: Value, shift: Value, total: Value, axes: tuple, block: int)
     if not offered() or tuple(axes) != (d.ndim - 1,):
         return None
     head = head_of(d)
-    if head is None or head.r % block or head.r // block < 2:
+    if head is None or not any(head.r % block == 0 and head.r // block >= 2 for block in blocks):
         return None
     if shift.shape != d.shape[:-1] + (1,) or shift.dtype != d.dtype:
         return None
@@ -338,7 +338,7 @@ def _lse_rule(block: int):
         r = m.params("r")
         if r.sharded:
             return None
-        site = _site(m, m["d"], m["s"], m.root, r.axes, block)
+        site = _site(m, m["d"], m["s"], m.root, r.axes, (block,))
         return None if site is None else _loop(m, site, m.root, block)[0]
 
     return build
@@ -359,10 +359,11 @@ def _normalisers_of(m: Any, d: Value) -> list[tuple[Value, Value, tuple]]:
     return found
 
 
-def _joint_site(m: Any, d: Value, block: int) -> tuple | None:
-    """``(site, total)`` for the first normaliser over ``d`` that a loop of ``block`` tokens computes, or ``None``."""
+def _joint_site(m: Any, d: Value, blocks: tuple) -> tuple | None:
+    """``(site, total)`` for the first normaliser over ``d`` that a loop over blocks of tokens (one of ``blocks``)
+    computes, or ``None``."""
     for shift, total, axes in _normalisers_of(m, d):
-        site = _site(m, d, shift, total, axes, block)
+        site = _site(m, d, shift, total, axes, blocks)
         if site is not None:
             return site, total
     return None
@@ -398,23 +399,20 @@ def _joint_rule(block: int):
     of ``dh`` apart (NaN, not the original's ``-inf``, through a column of ``W`` that holds an infinity)."""
     @procedural
     def build(m: Any) -> Any:
-        g = m.params("g")
-        d, idx = m["d"], m["i"]
-        if g.prim != "gather" or not _take_along_last(g, d.ndim, idx.shape):
+        gather = _label_gather(m)
+        if gather is None:
             return None
-        fills, fill = _mode(g)
-        if fill is not None and not np.isscalar(fill):
-            return None
-        found = _joint_site(m, d, block)
+        d, idx, fills, fill = gather
+        found = _joint_site(m, d, (block,))
         if found is None:
             return None
         site, total = found
+        head = site[0]
         rows = _smoothed_over(m, d)
-        label = (fills, None if fill is None else float(fill), m.root.shape, rows)
-        pairs, outs = _loop(m, site, total, block, label, idx)
+        pairs, outs = _loop(m, site, total, block, (fills, fill, m.root.shape, rows), idx)
         pairs.append((m.root, outs[2]))
         if rows:  # the row sums nn_lm_head_smooth traced (the same term), from the loop
-            pairs.append((m.trace(_row_sums(site[0].spec()), *site[0].values()), outs[3]))
+            pairs.append((m.trace(_row_sums(head.spec()), *head.values()), outs[3]))
         return pairs
 
     return build
@@ -439,24 +437,33 @@ def _mode(g: dict) -> tuple[bool, Any]:
     return fills, g.get("fill_value")
 
 
-@procedural
-def _label(m: Any) -> Any:
+def _label_gather(m: Any) -> tuple | None:
+    """``(logits, idx, fills, fill)`` where the match's gather takes one logit per row along the vocabulary
+    (``take_along_axis``) with a scalar fill, or ``None``."""
     g = m.params("g")
     d, idx = m["d"], m["i"]
     if g.prim != "gather" or not _take_along_last(g, d.ndim, idx.shape):
         return None
-    head = head_of(d)
-    if head is None:
-        return None
     fills, fill = _mode(g)
     if fill is not None and not np.isscalar(fill):
         return None
-    if any(_joint_site(m, d, block) is not None for block in BLOCKS):
+    return d, idx, fills, None if fill is None else float(fill)
+
+
+@procedural
+def _label(m: Any) -> Any:
+    gather = _label_gather(m)
+    if gather is None:
+        return None
+    d, idx, fills, fill = gather
+    head = head_of(d)
+    if head is None:
+        return None
+    if _joint_site(m, d, BLOCKS) is not None:
         # The loop computes the label with its normaliser (nn_lm_head_lse_label_*), so that the backward adds
         # their terms before the product, as the original's does (their sum apart is NaN where it is -inf).
         return None
-    return m.trace(_label_logit(head.spec(), fills, None if fill is None else float(fill), m.root.shape),
-                   *head.values(), idx)
+    return m.trace(_label_logit(head.spec(), fills, fill, m.root.shape), *head.values(), idx)
 
 
 def _peel(w: Value, axis: int, most: int = 8) -> tuple[Value, list[tuple[int, Value]]]:
