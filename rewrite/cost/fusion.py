@@ -291,13 +291,20 @@ class FusionModel:
         inside = comp if isinstance(comp, (set, frozenset)) else set(comp)
         reads: set = set()
         facts = self._facts
+        whole: set = set()        # read as a whole by some member
+        sliced: dict[Any, int] = {}  # read by slices only: the bytes of the slices
         for i in inside:
-            for a in ops[i].args:
+            op = ops[i]
+            for a in op.args:
                 if a in inside:
                     continue
                 if ops[a].prim == "literal":
                     continue
                 reads.add(a)
+                if slices(op, a):
+                    sliced[a] = sliced.get(a, 0) + facts(op, prog)[6]
+                else:
+                    whole.add(a)
         cost = self.launch + self.node * len(inside)
         if self.tiebreak is not None:
             cost += TIEBREAK * sum(facts(ops[i], prog)[1] for i in comp)
@@ -311,10 +318,11 @@ class FusionModel:
                 continue
             cost += f[3] if (i == r and kind in (LIBRARY, REDUCE)) or f[7] else f[share]
         cost = _add_sincos(cost, self, ops, sincos)
-        cost += self.byte * (sum(facts(ops[a], prog)[6] for a in reads if ops[a].out_avals)
+        cost += self.byte * (sum(facts(ops[a], prog)[6] if a in whole else min(facts(ops[a], prog)[6], sliced[a])
+                                 for a in reads if ops[a].out_avals)
                              + facts(root_op, prog)[8])
-        if self.spill:
-            cost += self.spill * (sum(facts(ops[a], prog)[9] for a in reads if ops[a].out_avals)
+        if self.spill:  # a slice of an array beyond the cache is streamed once, as any array read
+            cost += self.spill * (sum(facts(ops[a], prog)[9] for a in reads if ops[a].out_avals and a in whole)
                                   + facts(root_op, prog)[10])
         return cost, reads
 
@@ -408,6 +416,16 @@ def _temp(prog: Any, i: Any, outputs: Container[Any], written: Container[Any]) -
     if i in outputs or made_by not in written or op.prim in ("param", "literal", "const", "token"):
         return 0
     return _out_bytes(op)
+
+
+#: Primitives that read only the part of their first operand that they return.
+SLICES = frozenset({"dynamic_slice", "slice"})
+
+
+def slices(op: "Op", a: Any) -> bool:
+    """Whether ``op`` reads ``a`` only as the operand it slices: a kernel that reads an array only through slices
+    reads those (a loop body's block of keys), not the whole array."""
+    return op.prim in SLICES and op.args[0] == a and a not in op.args[1:]
 
 
 def _out_bytes(op: "Op") -> int:

@@ -13,7 +13,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from ..ir import primitives as _primitives
 from ..ir.walk import postorder
-from .fusion import TIEBREAK, FusionModel, _add_sincos, _temp
+from .fusion import TIEBREAK, FusionModel, _add_sincos, _temp, slices
 from .program import LEAF, LIBRARY, OTHER, REDUCE, VIEW, Op, _kind
 
 
@@ -269,6 +269,9 @@ class LiveFusion:
                     edges[a] = n
                 else:
                     del edges[a]
+                if slices(op, a):
+                    k.slice_edges[a] = k.slice_edges.get(a, 0) + sign
+                    k.slice_bytes[a] = k.slice_bytes.get(a, 0) + sign * f[6]
                 touched.add(a)
             touched.add(x)
         k.tiebreak, k.work = tiebreak, work
@@ -277,17 +280,18 @@ class LiveFusion:
         for a in touched:
             op = ops.get(a)
             want = edges.get(a, 0) > 0 and a not in members and op is not None and op.prim != "literal"
-            if want != (a in reads):
-                if want:
-                    f = facts(op, self)
-                    size = reads[a] = f[6] if op.out_avals else 0
-                    k.read_bytes += size
-                    if model.spill and op.out_avals and f[9]:
-                        k.spilled[a] = f[9]
-                        k.read_spilled += f[9]
-                else:
-                    k.read_bytes -= reads.pop(a)
-                    k.read_spilled -= k.spilled.pop(a, 0.0)
+            if a in reads:  # counted afresh: a member that slices it may have come or gone
+                k.read_bytes -= reads.pop(a)
+                k.read_spilled -= k.spilled.pop(a, 0.0)
+            if want:
+                f = facts(op, self)
+                size = f[6] if op.out_avals else 0
+                whole = k.slice_edges.get(a, 0) < edges[a]  # FusionModel.kernel: read by slices only, their bytes
+                size = reads[a] = size if whole else min(size, k.slice_bytes[a])
+                k.read_bytes += size
+                if model.spill and op.out_avals and f[9] and whole:
+                    k.spilled[a] = f[9]
+                    k.read_spilled += f[9]
         cost = model.launch + model.node * len(members)
         if model.tiebreak is not None:
             cost += TIEBREAK * k.tiebreak
@@ -314,7 +318,7 @@ class _KernelSums:
     """What :meth:`LiveFusion._kernel` keeps of one kernel between prices."""
 
     __slots__ = ("kind", "ops", "tiebreak", "work", "sincos", "edges", "reads", "read_bytes", "spilled",
-                 "read_spilled")
+                 "read_spilled", "slice_edges", "slice_bytes")
 
     def __init__(self, kind: str) -> None:
         self.kind = kind
@@ -327,3 +331,5 @@ class _KernelSums:
         self.read_bytes = 0
         self.spilled: dict[Any, float] = {}  # op read -> its bytes beyond the model's cache (FusionModel.spill)
         self.read_spilled = 0.0             # their sum
+        self.slice_edges: dict[Any, int] = {}  # op -> how many members read it only as the operand they slice
+        self.slice_bytes: dict[Any, int] = {}  # op -> the bytes those slices return

@@ -44,6 +44,7 @@ import numpy as np
 import jax.numpy as jnp
 
 from . import loopstep as _loopstep
+from .scanread import sliced_consts as _sliced_consts
 from .jaxapi import UnspecifiedValue, core
 
 #: Families: how the cost model prices a primitive, and whether its params are wildcards in patterns.
@@ -398,12 +399,10 @@ def _row(names: str, layout: str, family: str, *groups: str) -> list[OpSpec]:
 
 # ---------------------------------------------------------------------- nested records: the hooks
 def _scan_load(ld: Any) -> list[Any]:
-    body = ld.closed_body(ld.eqn.params["jaxpr"])
-    n = len(ld.eqn.params["jaxpr"].in_avals)
-    # The body's jaxpr takes its Params in this order. Rules that add a carry
-    # append a Param and insert its index here, so the rest of the body stays
-    # shared. Params named _rw_* are annotations the emitter drops.
-    return ld.nested([body], {"_rw_order": tuple(range(n))})
+    p = ld.eqn.params  # _rw_* params are annotations the emitter drops. _rw_order: the body's Params in jaxpr order
+    # (a rule adding a carry appends a Param and inserts its index); _rw_sliced: rewrite/ir/scanread.py
+    return ld.nested([ld.closed_body(p["jaxpr"])], {"_rw_order": tuple(range(len(p["jaxpr"].in_avals))),
+                                                     "_rw_sliced": _sliced_consts(p["jaxpr"], p["num_consts"])})
 
 
 def _scan_emit(em: Any, params: dict, bodies: list, n_out: int, n_in: int) -> dict:
@@ -416,8 +415,10 @@ def _scan_emit(em: Any, params: dict, bodies: list, n_out: int, n_in: int) -> di
 
 
 def _scan_price(m: Any, n: NodeInfo) -> float:
-    # per iteration: the carry, and the loop-invariant operands the body reads (each LM-head block reads all of W)
-    moved = n.out_avals[: n.params.get("num_carry", 0)] + n.in_avals[: n.params.get("num_consts", 0)]
+    # per iteration: the carry and the consts the body reads whole (an LM-head block reads all of W), not those sliced
+    nc, sliced = n.params.get("num_consts", 0), n.params.get("_rw_sliced")
+    sliced = _sliced_consts(n.params["jaxpr"], nc) if sliced is None and "jaxpr" in n.params else sliced or ()
+    moved = n.out_avals[: n.params.get("num_carry", 0)] + tuple(a for i, a in enumerate(n.in_avals[:nc]) if i not in sliced)
     return n.params.get("length", 1) * (n.body_costs[0] + m.iteration + m.byte * sum(nbytes(a) for a in moved))
 
 
