@@ -148,6 +148,9 @@ def blocks_chosen(f: Callable, args: list) -> str:
             inner = e.params.get("call_jaxpr") or e.params.get("fun_jaxpr")
             for x in inner.jaxpr.eqns if inner is not None else ():
                 if x.primitive.name == "scan":
+                    keys = [y for y in x.params["jaxpr"].jaxpr.eqns if y.primitive.name == "scan"]
+                    if keys:  # a loop over query blocks around the loop over key blocks
+                        return f"{x.params['length']} x {keys[0].params['length']} blocks"
                     return f"{x.params['length']} blocks"
     return "kept" if not fired.rewritten else "?"
 

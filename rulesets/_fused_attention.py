@@ -1,8 +1,8 @@
 """Attention as one fused kernel (``jax.nn.dot_product_attention``) where the backend has one.
 
-``rulesets.attention`` reads a matched program's logits as a small plan (see ``_Plan`` there). Where
-that plan is ``scale * (q k^T) + bias`` under at most a causal mask, and the backend has a fused
-attention kernel (cuDNN's, on a GPU), the pack builds one ``jax.nn.dot_product_attention`` call
+``rulesets.attention`` reads a matched program's logits as a small plan (``_Plan``, in
+``rulesets/_attention_plan.py``). Where that plan is ``scale * (q k^T) + bias`` under at most a causal
+mask, and the backend has a fused attention kernel (cuDNN's, on a GPU), the pack builds one ``jax.nn.dot_product_attention`` call
 instead of its blocked form; the call declines (and the blocked form is built) where cuDNN does not
 take the dtype (float16 and bfloat16 only), the head dimension or the sequence lengths. A padding
 mask given as an array, a bias that the fused call would round, or a mask that is not exactly

@@ -34,6 +34,12 @@ instead of spelling out their variants:
   where it makes ``q`` no larger (exactly, for a power of two; in float32 and
   float64 for any other): in the loop, XLA:CPU scaled every block of scores in
   a pass of its own. The backward keeps it in its loop (measured faster).
+* **Blocks of queries too.** Where the queries are long (two blocks of
+  ``QUERY_BLOCKS`` or more), the forward's loop over key blocks runs once
+  per block of queries, each with its rows' part of ``q``, of a mask and of
+  a bias (the walk tracks the query axis as it tracks the key axis,
+  :func:`_query_axes`): the scores held are a block by a block, small enough
+  to stay in the faster caches. The model chooses it, or every query at once.
 * **A backward that recomputes each block** (``jax.custom_vjp``): only the
   inputs, the output and the log-normaliser per row are kept; each block's
   scores are computed again, and the gradient of the logits' own computation
@@ -90,7 +96,6 @@ True
 from __future__ import annotations
 
 import logging
-import math
 from typing import Any, Sequence
 
 import jax
@@ -98,8 +103,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from rewrite import Pat, Ruleset, Tolerance, Value, procedural, rule
+from rewrite import Pat, Ruleset, Tolerance, procedural, rule
 from rulesets import _fused_attention as _fused
+from rulesets._attention_plan import _Decline, _evaluate, _Plan, _query_axes, _scale_outside, _shift_is_own_max, _walk
 
 __all__ = ["attention"]
 
@@ -115,6 +121,17 @@ MIN_KEYS = 256
 #: and its band takes 512 (8% slower): offered 256, 512 and 1024 it would lose there what it gains nowhere.
 BLOCKS = (256,)
 
+#: The query blocks offered to the forward (each that makes two blocks or more), beside every query at once: the
+#: loop over key blocks then runs once per block of queries, in a loop around it, each block of scores
+#: ``[.., 512, 256]`` (4 MiB at B=2, H=4 in f32, where every query's is 16 MiB). Measured 1.1-1.3x faster
+#: forwards and gradients at N=2048 and 4096 on every layer tried, with half the temporaries or less
+#: (``benchmarks/results/attention.md``); the model takes them from N=2048 (by price from 4096, by the lean band
+#: at 2048), since it charges a slice its bytes, not the array's (``rewrite/ir/scanread.py``).
+QUERY_BLOCKS = (512,)
+#: Whether the loop over every query at once is offered beside the query blocks (tests turn it off, to check the
+#: query blocks at sizes where the model would not take them).
+WHOLE_QUERIES = True
+
 X, V = Pat.var("x"), Pat.var("v")
 _SOFTMAX = Pat("div", Pat("exp", X), Pat("broadcast_in_dim", Pat("reduce_sum", Pat("exp", X), params="r"),
                                          params="b"))
@@ -122,154 +139,18 @@ _SOFTMAX = Pat("div", Pat("exp", X), Pat("broadcast_in_dim", Pat("reduce_sum", P
 _SOFTMAX_WIDE = Pat("div", Pat("exp", X), Pat("convert_element_type", Pat("broadcast_in_dim", Pat(
     "reduce_sum", Pat("convert_element_type", Pat("exp", X), params="w"), params="r"), params="b"), params="n"))
 
-#: Elementwise primitives the walk passes through (their operands have the result's shape, or are scalars).
-_ELEMENTWISE = frozenset("""add sub mul div neg max min select_n convert_element_type eq ne lt le gt ge and or not
-    exp log tanh logistic abs sign integer_pow sqrt rsqrt square stop_gradient copy copy_p pow""".split())
-
-
-# ---------------------------------------------------------------------- reading the logits off the e-graph
-class _Plan:
-    """The logits as a small program over leaves, with the key axis of every value it computes.
-
-    ``steps`` are ``(prim, params, args, aval, key)``; an arg is ``("leaf", i)`` or ``("step", j)``;
-    ``key`` is the position of the key axis in the value (``None``: it has none). ``leaves`` are the
-    values read from outside, each with its key axis (sliced per block) or ``None`` (read whole).
-    """
-
-    def __init__(self) -> None:
-        self.steps: list[tuple] = []
-        self.leaves: list[Value] = []
-        self.leaf_keys: list[int | None] = []
-        self._seen: dict[Any, tuple] = {}
-        self.dots = 0
-
-    def aval(self, ref: tuple) -> Any:
-        """The aval of what ``ref`` (a leaf or a step) names."""
-        return self.leaves[ref[1]].aval if ref[0] == "leaf" else self.steps[ref[1]][3]
-
-    def leaf(self, v: Value, key: int | None) -> tuple:
-        ident = (_ident(v), key)
-        if ident not in self._seen:
-            self.leaves.append(v)
-            self.leaf_keys.append(key)
-            self._seen[ident] = ("leaf", len(self.leaves) - 1)
-        return self._seen[ident]
-
-
-def _ident(v: Value) -> Any:
-    return v.cls if v.cls is not None else ("name", v.name)
-
-
-class _Decline(Exception):
-    pass
-
-
-def _walk(plan: _Plan, v: Value, key: int | None, depth: int = 0) -> tuple:
-    """The plan's reference to ``v``, whose key axis is at ``key`` (``None``: it has none)."""
-    if depth > 64:
-        raise _Decline
-    if key is None:
-        return plan.leaf(v, None)
-    memo = (_ident(v), key, "walk")
-    if memo in plan._seen:
-        return plan._seen[memo]
-    shape = v.shape
-    ref = None
-    for node in v.nodes:
-        ref = _step(plan, v, node, key, shape, depth)
-        if ref is not None:
-            break
-    if ref is None:
-        ref = plan.leaf(v, key)
-    plan._seen[memo] = ref
-    return ref
-
-
-def _step(plan: _Plan, v: Value, node: Any, key: int, shape: tuple, depth: int) -> tuple | None:
-    prim, params = node.prim, dict(node.params)
-    ops = node.operands
-    if prim in _ELEMENTWISE:
-        args = []
-        for o in ops:
-            if o.shape == ():
-                args.append(plan.leaf(o, None))
-            elif len(o.shape) == len(shape) and all(a in (b, 1) for a, b in zip(o.shape, shape)):
-                # jax broadcasts size-1 axes of elementwise operands
-                args.append(_walk(plan, o, key if o.shape[key] == shape[key] else None, depth + 1))
-            else:
-                return None
-        return _add(plan, node.primitive, params, args, v.aval, key)
-    if prim == "broadcast_in_dim":
-        (o,) = ops
-        dims = tuple(params["broadcast_dimensions"])
-        okey = dims.index(key) if key in dims and o.shape[dims.index(key)] != 1 else None
-        return _add(plan, node.primitive, params, [_walk(plan, o, okey, depth + 1)], v.aval, key)
-    if prim == "transpose":
-        (o,) = ops
-        perm = tuple(params["permutation"])
-        return _add(plan, node.primitive, params, [_walk(plan, o, perm[key], depth + 1)], v.aval, key)
-    if prim == "iota":
-        return _add(plan, node.primitive, params, [], v.aval, key)
-    if prim == "dot_general" and plan.dots == 0:
-        a, b = ops
-        (lc, rc), (lb, rb) = params["dimension_numbers"]
-        nb = len(lb)
-        lfree = [d for d in range(len(a.shape)) if d not in lc and d not in lb]
-        rfree = [d for d in range(len(b.shape)) if d not in rc and d not in rb]
-        if key < nb:
-            return None  # the key axis is a batch axis of the product: not attention
-        plan.dots += 1
-        if key < nb + len(lfree):
-            args = [_walk(plan, a, lfree[key - nb], depth + 1), plan.leaf(b, None)]
-        else:
-            args = [plan.leaf(a, None), _walk(plan, b, rfree[key - nb - len(lfree)], depth + 1)]
-        return _add(plan, node.primitive, params, args, v.aval, key)
-    return None
-
-
-def _add(plan: _Plan, prim: Any, params: dict, args: list, aval: Any, key: int | None) -> tuple:
-    plan.steps.append((prim, params, tuple(args), aval, key))
-    return ("step", len(plan.steps) - 1)
-
-
-def _evaluate(steps: Sequence[tuple], leaves: Sequence[Any], leaf_keys: Sequence[Any],
-              start: Any, block: int, out: tuple) -> Any:
-    """The logits for keys ``start .. start + block``: the plan run with every key axis cut to the block (the
-    steps that ``out`` reads, each once)."""
-    vals: dict[int, Any] = {}
-
-    def read(ref: tuple) -> Any:
-        kind, i = ref
-        if kind == "leaf":
-            x = leaves[i]
-            k = leaf_keys[i]
-            return x if k is None else lax.dynamic_slice_in_dim(x, start, block, axis=k)
-        if i not in vals:
-            vals[i] = run(*steps[i])
-        return vals[i]
-
-    def run(p: Any, params: dict, args: tuple, aval: Any, key: int | None) -> Any:
-        ops = [read(a) for a in args]
-        params = dict(params)
-        if key is not None and "shape" in params:
-            shape = list(params["shape"])
-            shape[key] = block
-            params["shape"] = tuple(shape)
-        if p.name == "iota" and key is not None and params["dimension"] == key:
-            return p.bind(**params) + start.astype(params["dtype"])
-        res = p.bind(*ops, **params)
-        return res[0] if isinstance(res, (list, tuple)) else res
-
-    return read(out)
 
 
 # ---------------------------------------------------------------------- the blocked computation
 def _blocked(plan: _Plan, out_ref: tuple, axis: int, p_first: bool, dn: Any, pv_params: dict, v_key: int,
-             block: int, n: int, out_aval: Any, cast: Any = None, squeezed: tuple = (), wide: Any = None):
+             block: int, n: int, out_aval: Any, cast: Any = None, squeezed: tuple = (), wide: Any = None,
+             rows: tuple | None = None):
     """``fn(*leaves, v)``: attention computed over key blocks, with a recomputing backward.
 
     ``wide``: the dtype the program sums the exponentials in, where wider than the logits'
-    (``jax.nn.softmax`` of bf16 logits sums in float32); the running sum is kept in it."""
+    (``jax.nn.softmax`` of bf16 logits sums in float32); the running sum is kept in it. ``rows``: ``(qblock,
+    s_q, leaf_q, step_q)``, the forward also runs over blocks of ``qblock`` queries, ``s_q`` the logits' query
+    axis, ``leaf_q`` and ``step_q`` where the plan's values carry it (:func:`_query_axes`)."""
     steps = tuple(plan.steps)
     leaf_keys = tuple(plan.leaf_keys)
     forward_steps, scaled = _scale_outside(plan)
@@ -305,11 +186,17 @@ def _blocked(plan: _Plan, out_ref: tuple, axis: int, p_first: bool, dn: Any, pv_
     acc_dtype = jnp.promote_types(out_aval.dtype, jnp.float32)
 
     row_squeezed = tuple(e - (e > axis) for e in squeezed)
+    row_shape = tuple(d for i, d in enumerate(s_aval.shape) if i != axis)
+    if rows is not None:  # where the queries lie in the per-row values and in the output
+        qblock, s_q, leaf_q, step_q = rows
+        row_q = s_q - (s_q > axis)
+        out_q = positions[[d for d in range(p_rank) if d != p_axis].index(p_of[s_q])]
+        forward_q = list(leaf_q) + [leaf_q[q] for q, _, _ in scaled]
 
-    def to_out(row: Any) -> Any:  # a per-row value (the logits' axes but the key axis) in the output's layout
+    def to_out(row: Any, shape: tuple = out_aval.shape) -> Any:  # a per-row value in the output's layout
         row = lax.squeeze(row, row_squeezed) if row_squeezed else row
         row = lax.transpose(row, tuple(order)) if order != sorted(order) else row
-        return lax.broadcast_in_dim(row, out_aval.shape, sorted_pos)
+        return lax.broadcast_in_dim(row, shape, sorted_pos)
 
     def from_out(x: Any) -> Any:  # the output's per-row sums, in the logits' order
         other = tuple(d for d in range(out_rank) if d not in sorted_pos)
@@ -318,12 +205,13 @@ def _blocked(plan: _Plan, out_ref: tuple, axis: int, p_first: bool, dn: Any, pv_
         r = lax.transpose(r, tuple(inv)) if inv != sorted(inv) else r
         return lax.expand_dims(r, row_squeezed) if row_squeezed else r
 
-    def scores(leaves: Sequence[Any], start: Any, forward: bool = False) -> Any:
+    def scores(leaves: Sequence[Any], start: Any, forward: bool = False, qstart: Any = None) -> Any:
         # A literal scalar (a mask's fill, a scale) is the body's constant, as it is the original's (passed in as
         # an operand, XLA could not turn a division by 8 into a multiplication by 0.125).
         leaves = [consts.get(i, x) for i, x in enumerate(leaves)]
         if forward:  # with q scaled before the loop (_scale_outside), after the plan's leaves
-            return _evaluate(forward_steps, leaves, forward_keys, start, block, out_ref).astype(s_dtype)
+            cut = None if qstart is None else (step_q, qstart, qblock, forward_q)
+            return _evaluate(forward_steps, leaves, forward_keys, start, block, out_ref, cut).astype(s_dtype)
         return _evaluate(steps, leaves, leaf_keys, start, block, out_ref).astype(s_dtype)
 
     def product(p: Any, vb: Any) -> Any:
@@ -336,18 +224,20 @@ def _blocked(plan: _Plan, out_ref: tuple, axis: int, p_first: bool, dn: Any, pv_
     def expand(row: Any) -> Any:
         return jnp.expand_dims(row, axis)
 
-    def forward(leaves: Sequence[Any], v: Any) -> tuple[Any, Any]:
-        row_shape = tuple(d for i, d in enumerate(s_aval.shape) if i != axis)
-        m0 = jnp.full(row_shape, -jnp.inf, s_dtype)
-        l0 = jnp.zeros(row_shape, l_dtype)
-        a0 = jnp.zeros(out_aval.shape, acc_dtype)
-        c_of = lambda i: consts.get(i, leaves[i])
-        ahead = list(leaves) + [leaves[q] / c_of(c) if prim == "div" else leaves[q] * c_of(c) for q, c, prim in scaled]
+    def over_keys(ahead: Sequence[Any], v: Any, qstart: Any = None) -> tuple[Any, Any, Any]:
+        """The online softmax over key blocks for every query, or for ``qblock`` queries from ``qstart`` (the
+        leaves already cut to them): the output, the rows' shift and sum."""
+        cut = (lambda shape, ax: shape) if qstart is None else (
+            lambda shape, ax: tuple(qblock if i == ax else d for i, d in enumerate(shape)))
+        m0 = jnp.full(cut(row_shape, None if rows is None else row_q), -jnp.inf, s_dtype)
+        l0 = jnp.zeros(m0.shape, l_dtype)
+        o_shape = cut(out_aval.shape, None if rows is None else out_q)
+        a0 = jnp.zeros(o_shape, acc_dtype)
 
         def body(carry: tuple, j: Any) -> tuple:
             m, l, acc = carry
             start = j * block
-            s = scores(ahead, start, forward=True)
+            s = scores(ahead, start, forward=True, qstart=qstart)
             m_new = jnp.maximum(m, jnp.max(s, axis=axis))
             # A row whose scores so far are all -inf is shifted by 0: exp(-inf - 0) = 0, not NaN.
             shift = jnp.where(m_new == -jnp.inf, jnp.zeros((), s_dtype), m_new)
@@ -355,14 +245,36 @@ def _blocked(plan: _Plan, out_ref: tuple, axis: int, p_first: bool, dn: Any, pv_
             alpha = jnp.exp(m - shift)
             vb = lax.dynamic_slice_in_dim(v, start, block, axis=v_key)
             pv = product(p, vb).astype(acc_dtype)
-            acc = acc * to_out(alpha).astype(acc_dtype) + pv
+            acc = acc * to_out(alpha, o_shape).astype(acc_dtype) + pv
             return (m_new, l * alpha.astype(l_dtype) + jnp.sum(p.astype(l_dtype), axis=axis), acc), None
 
         (m, l, acc), _ = lax.scan(body, (m0, l0, a0), jnp.arange(nblocks))
-        out = (acc / to_out(l).astype(acc_dtype)).astype(out_aval.dtype)
+        out = (acc / to_out(l, o_shape).astype(acc_dtype)).astype(out_aval.dtype)
         # The backward's weights are exp(s - shift) / l: kept apart, since m + log(l) loses log(l) when m is
         # finfo.min (a row masked everywhere with finfo.min, which averages uniformly).
-        return out, (jnp.where(m == -jnp.inf, jnp.zeros((), s_dtype), m), l)
+        return out, jnp.where(m == -jnp.inf, jnp.zeros((), s_dtype), m), l
+
+    def forward(leaves: Sequence[Any], v: Any) -> tuple[Any, Any]:
+        c_of = lambda i: consts.get(i, leaves[i])
+        ahead = list(leaves) + [leaves[q] / c_of(c) if prim == "div" else leaves[q] * c_of(c) for q, c, prim in scaled]
+        if rows is None:
+            out, shift, l = over_keys(ahead, v)
+            return out, (shift, l)
+
+        def body(carry: tuple, i: Any) -> tuple:  # one block of queries: its leaves cut, its rows written in place
+            out, shift, l = carry
+            qstart = i * qblock
+            # the leaves with queries and no keys cut here, once; those with both in the loop, a block of each
+            cut = [x if a is None or k is not None else lax.dynamic_slice_in_dim(x, qstart, qblock, axis=a)
+                   for x, a, k in zip(ahead, forward_q, forward_keys)]
+            o, sh, lb = over_keys(cut, v, qstart)
+            return (lax.dynamic_update_slice_in_dim(out, o, qstart, axis=out_q),
+                    lax.dynamic_update_slice_in_dim(shift, sh, qstart, axis=row_q),
+                    lax.dynamic_update_slice_in_dim(l, lb, qstart, axis=row_q)), None
+
+        init = (jnp.zeros(out_aval.shape, out_aval.dtype), jnp.zeros(row_shape, s_dtype), jnp.zeros(row_shape, l_dtype))
+        (out, shift, l), _ = lax.scan(body, init, jnp.arange(s_aval.shape[s_q] // qblock))
+        return out, (shift, l)
 
     @jax.custom_vjp
     def attend(leaves: tuple, v: Any) -> Any:
@@ -411,58 +323,6 @@ def _blocked(plan: _Plan, out_ref: tuple, axis: int, p_first: bool, dn: Any, pv_
         return attend(tuple(leaves), v)
 
     return fn
-
-
-def _inverse(perm: Sequence[int]) -> list[int]:
-    """Where each axis of a transpose's operand lands in its result."""
-    return [list(perm).index(j) for j in range(len(perm))]
-
-
-def _shift_is_own_max(shift: Value, s: Value, axis: int) -> bool:
-    """``shift`` is ``max(s)`` along ``axis``, row by row (maybe under ``max(-inf, .)``, broadcasts,
-    transposes and ``stop_gradient``; or the max of ``f`` where ``s`` is ``f`` transposed, as
-    ``jax.nn.dot_product_attention`` writes it under ``vmap``)."""
-    sources = [(s, list(range(s.ndim)))]  # what the max may be taken of, with its axes' places in s
-    node = s.node("transpose")
-    if node is not None:
-        perm = [int(d) for d in node.params["permutation"]]
-        sources.append((node.operands[0], _inverse(perm)))
-    v, pos = shift, list(range(s.ndim))  # pos: where each axis of v lies in s
-    for _ in range(8):
-        for prim in ("stop_gradient", "broadcast_in_dim", "transpose", "max", "reduce_max"):
-            node = v.node(prim)
-            if node is None:
-                continue
-            ops = node.operands
-            if prim == "reduce_max":
-                if len(node.params["axes"]) != 1:
-                    return False
-                a = int(node.params["axes"][0])
-                for src, place in sources:
-                    if _ident(ops[0]) != _ident(src) or place[a] != axis:
-                        continue
-                    rows = [j for j in range(src.ndim) if j != a]
-                    if all(pos[i] == place[j] or src.shape[j] == 1 for i, j in enumerate(rows)):
-                        return True
-                return False
-            if prim == "max":
-                lit = [o for o in ops if o.literal is not None]
-                rest = [o for o in ops if o.literal is None]
-                if len(lit) != 1 or len(rest) != 1 or float(lit[0].literal) != -math.inf:
-                    continue
-                v = rest[0]
-            elif prim == "broadcast_in_dim":
-                dims = [int(d) for d in node.params["broadcast_dimensions"]]
-                v, pos = ops[0], [pos[d] for d in dims]
-            elif prim == "transpose":
-                perm = [int(d) for d in node.params["permutation"]]
-                v, pos = ops[0], [pos[d] for d in _inverse(perm)]
-            else:
-                v = ops[0]
-            break
-        else:
-            return False
-    return False
 
 
 def _chunk(p_first: bool, converted: bool = False, squeeze: bool = False, widened: bool = False):
@@ -517,65 +377,21 @@ def _chunk(p_first: bool, converted: bool = False, squeeze: bool = False, widene
         blocks = [b for b in BLOCKS if n % b == 0 and n // b >= 2]
         if not blocks or not _fused.blocked():
             return None
-        # One loop per block that fits, all equal to the matched product: extraction prices each.
+        # One loop per key block that fits, and one per query block too (QUERY_BLOCKS), all equal to the
+        # matched product: extraction prices each.
+        pb = lb if p_first else rb
+        p_free = [d for d in range(len(p_shape)) if d != p_axis and d not in pb]
+        s_axes = [d for d in range(x.ndim) if d not in squeezed]
+        # the queries: the longest free axis of the weights (grouped-query heads have a group axis beside it)
+        s_q = s_axes[max(p_free, key=lambda d: (p_shape[d], d))] if p_free else None
+        q_axes = None if s_q is None else _query_axes(plan, out_ref, s_q)
+        q_blocks = [] if q_axes is None else [b for b in QUERY_BLOCKS if x.shape[s_q] % b == 0 and x.shape[s_q] // b >= 2]
         return [(m.root, m.trace(_blocked(plan, out_ref, axis, p_first, pv["dimension_numbers"], params, int(vc[0]),
-                                          block, n, out_shape, cast, squeezed, wide), *plan.leaves, v))
-                for block in blocks]
+                                          block, n, out_shape, cast, squeezed, wide,
+                                          None if qb is None else (qb, s_q) + q_axes), *plan.leaves, v))
+                for block in blocks for qb in [None] * (WHOLE_QUERIES or not q_blocks) + q_blocks]
 
     return build
-
-
-def _scale_outside(plan: _Plan) -> tuple[tuple, tuple]:
-    """The forward's steps with a literal scale of the product ``(q k^T) / c`` (or ``* c``) applied to ``q``, the
-    operand read whole: ``(steps, scaled)``, each of ``scaled`` ``(q's leaf, c's leaf, prim)`` an extra leaf
-    after the plan's own, computed once before the loop.
-
-    In the loop the scale is its own pass over each block's scores: XLA:CPU's library product does not take
-    it in, so the scaled block is written and read again (haiku's ``attn_logits / sqrt(key_size)``: 16 MiB
-    per block at N=2048, B=2, H=4). The scale moves where it is a finite literal that makes ``q`` no larger
-    (a divisor of magnitude 1 or more, a factor of at most 1), so no element overflows where the original's
-    would not; a power of two moves exactly, and any other scale rounds ``q`` once, within the pack's
-    tolerance (in float32 and float64 only: in a half-precision dtype it stays in the loop). The backward
-    keeps the scale in its loop: with ``q`` scaled outside, haiku's layer's gradient measured 6-10% slower
-    (one process, 15 rounds, either order), though its loop makes one pass fewer.
-    """
-    steps = list(plan.steps)
-    scaled: list[tuple[int, int, str]] = []
-    uses: dict[int, int] = {}
-    for _, _, args, _, _ in steps:
-        for a in args:
-            if a[0] == "step":
-                uses[a[1]] = uses.get(a[1], 0) + 1
-    for j, (prim, params, args, aval, key) in enumerate(steps):
-        if prim.name not in ("div", "mul") or len(args) != 2:
-            continue
-        pairs = [(args[0], args[1])] if prim.name == "div" else [(args[0], args[1]), (args[1], args[0])]
-        for d_ref, c_ref in pairs:
-            if d_ref[0] != "step" or c_ref[0] != "leaf" or uses.get(d_ref[1]) != 1:
-                continue
-            c = plan.leaves[c_ref[1]]
-            dprim, dparams, dargs, daval, dkey = steps[d_ref[1]]
-            value = _fused._scalar_value(c)
-            if dprim.name != "dot_general" or value is None or not np.isfinite(value) or value == 0:
-                continue
-            if (abs(value) < 1) if prim.name == "div" else (abs(value) > 1):
-                continue
-            exact = math.frexp(abs(value))[0] == 0.5  # a power of two scales every element exactly
-            if not exact and jnp.finfo(daval.dtype).nmant < 23:
-                continue  # rounding q to a half-precision dtype once more is not within the logits' own rounding
-            whole = [k for k, a in enumerate(dargs) if a[0] == "leaf" and plan.leaf_keys[a[1]] is None]
-            if len(whole) != 1:
-                continue
-            q = plan.leaves[dargs[whole[0]][1]]
-            if q.dtype != daval.dtype or c.dtype != daval.dtype or aval.dtype != daval.dtype:
-                continue
-            new_args = list(dargs)
-            new_args[whole[0]] = ("leaf", len(plan.leaves) + len(scaled))
-            scaled.append((dargs[whole[0]][1], c_ref[1], prim.name))
-            # the scale's step becomes the product of the scaled q (the unscaled product is read no more)
-            steps[j] = (dprim, dparams, tuple(new_args), daval, dkey)
-            break
-    return tuple(steps), tuple(scaled)
 
 
 def _softmax(s: Any) -> Any:
@@ -609,10 +425,12 @@ _EXAMPLES = {
 
 
 def _example(suffix: str, p_first: bool) -> tuple:
-    """The rule's example: two blocks of the smallest of ``BLOCKS`` (its larger blocks run the same code and are
-    checked at their own sizes in ``tests/test_attention.py``)."""
+    """The rule's example: two blocks of the smallest of ``BLOCKS`` keys and two of the smallest of
+    ``QUERY_BLOCKS`` queries (its larger blocks run the same code and are checked at their own sizes in
+    ``tests/test_attention.py``)."""
     fn, batch, dtype = _EXAMPLES[suffix, p_first]
-    return fn, tuple(jax.ShapeDtypeStruct((batch, 2 * min(BLOCKS), 8), dtype) for _ in range(3))
+    keys = jax.ShapeDtypeStruct((batch, 2 * min(BLOCKS), 8), dtype)
+    return fn, (jax.ShapeDtypeStruct((batch, 2 * min(QUERY_BLOCKS), 8), dtype), keys, keys)
 
 
 #: How a program hands the weights to the product: as they are, cast (bf16 weights of an f32 softmax),

@@ -4,7 +4,10 @@ Property tests draw layouts, masks, scales and dtypes; each program is rewritten
 compared with the original (at the pack's tolerance, scaled to the dtype) and with a float64 reference.
 Masked rows, NaN and inf come out as the original computes them."""
 
+import contextlib
 import functools
+import importlib
+import re
 
 import jax
 import jax.numpy as jnp
@@ -42,6 +45,8 @@ def make(layout: str, mask: str, fill: str, scale_on: str, bias: bool, cast: boo
             n = s.shape[-1]
             if mask == "causal":
                 keep = jnp.arange(n)[:, None] >= jnp.arange(n)[None, :]
+            elif mask == "tril":  # two-dimensional iotas, one along the queries
+                keep = jnp.tril(jnp.ones((n, n), bool))
             else:
                 keep = m
             lo = jnp.finfo(s.dtype).min if FILLS[fill] is None else (
@@ -85,7 +90,7 @@ def close(a, b, dtype):
 
 CASES = st.fixed_dictionaries({
     "layout": st.sampled_from(["bhnd", "bnhd"]),
-    "mask": st.sampled_from(["none", "causal", "array", "padding"]),
+    "mask": st.sampled_from(["none", "causal", "tril", "array", "padding"]),
     "fill": st.sampled_from(list(FILLS)),
     "scale_on": st.sampled_from(["q", "logits"]),
     "bias": st.booleans(),
@@ -94,7 +99,23 @@ CASES = st.fixed_dictionaries({
     "seed": st.integers(0, 2 ** 16),
     # half-precision logits: softmax in float32 (cast up, as flax does) or jax.nn.softmax's own (summed in f32)
     "f32_softmax": st.booleans(),
+    # the forward's query blocks (QUERY_BLOCKS, 512 in the pack: these draws' queries are too few for it), or
+    # the pack as it is (every query at once, at these sizes)
+    "query_block": st.sampled_from([None, 128, 256]),
 })
+
+
+@contextlib.contextmanager
+def query_blocks(*blocks):
+    """The pack offering these query blocks alone (``rulesets.attention.QUERY_BLOCKS``, without the loop over every
+    query at once, ``WHOLE_QUERIES``) inside the block; no blocks: the loop over every query alone."""
+    pack = importlib.import_module("rulesets.attention")
+    real = pack.QUERY_BLOCKS, pack.WHOLE_QUERIES
+    pack.QUERY_BLOCKS, pack.WHOLE_QUERIES = blocks, not blocks
+    try:
+        yield
+    finally:
+        pack.QUERY_BLOCKS, pack.WHOLE_QUERIES = real
 
 
 @settings(max_examples=max(12, settings.default.max_examples // 2))  # 79 s at 25 examples; thorough: 200
@@ -105,9 +126,15 @@ def test_forward_and_gradient_keep_values(case, dtype):
     f = make(case["layout"], case["mask"], case["fill"], case["scale_on"], case["bias"], cast)
     args = inputs(np.random.default_rng(case["seed"]), case["layout"], case["b"], case["h"], case["n"], case["d"],
                   dtype, case["mask"])
-    report = explain(f, *args, rulesets=[attention])
+    qb = case["query_block"]
+    with query_blocks(*(() if qb is None else (qb,))):
+        report = explain(f, *args, rulesets=[attention])
+        g = rewrite(f, rulesets=[attention], cache=False)
+        g(*args)  # traced and rewritten here, with these query blocks
     assert any(name.startswith("attn_") for name in report.fired), report.fired
-    g = rewrite(f, rulesets=[attention])
+    # the forward: a loop over key blocks, inside a loop over query blocks where they are offered
+    assert sorted(int(t) for t in re.findall(r"length=(\d+)", str(report.after))) == sorted(
+        [case["n"] // 256] + ([] if qb is None else [case["n"] // qb])), report.after
     f = jax.jit(f)  # eager op-by-op dispatch of the original takes seconds; the rewritten one runs eagerly
     close(g(*args), f(*args), dtype)
     # against float64: the blocked form is as accurate as the original (within its tolerance)
@@ -326,6 +353,7 @@ def test_the_block_is_the_cost_model_s_and_it_sees_the_cache(monkeypatch):
     from rewrite import AnalyticCost
 
     monkeypatch.setattr(importlib.import_module("rulesets.attention"), "BLOCKS", (256, 512, 1024))
+    monkeypatch.setattr(importlib.import_module("rulesets.attention"), "QUERY_BLOCKS", ())  # one loop: the keys'
 
     def trips(shape, **kw):
         x = jnp.zeros(shape, jnp.float32)
@@ -376,6 +404,12 @@ def test_sharded_over_batch_or_heads(axis):
     assert out.sharding.is_equivalent_to(jax.jit(plain)(q, k, v).sharding, out.ndim)
 
 
+def assert_nested(report):
+    """The rewrite's forward loops over two blocks of queries, and in each over two blocks of keys."""
+    assert "attn_" in " ".join(report.fired), report.fired
+    assert re.findall(r"length=(\d+)", str(report.after)) == ["2", "2"], report.after
+
+
 def _gqa(q, k, v):  # grouped-query heads: q [b, n, 8, d], k and v [b, n, 2, d], repeated per group
     k, v = jnp.repeat(k, 4, axis=2), jnp.repeat(v, 4, axis=2)
     s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / 8.0
@@ -391,9 +425,10 @@ def test_grouped_query_heads(form):
     rng = np.random.default_rng(3)
     q = jnp.asarray(rng.standard_normal((1, 512, 8, 16)), jnp.float32)
     k, v = (jnp.asarray(rng.standard_normal((1, 512, 2, 16)), jnp.float32) for _ in range(2))
-    assert "attn_" in " ".join(explain(f, q, k, v, rulesets=[attention]).fired)
-    g = rewrite(f, rulesets=[attention])
-    close(g(q, k, v), f(q, k, v), jnp.float32)
+    with query_blocks(256):  # two blocks of queries, each over two blocks of keys
+        assert_nested(explain(f, q, k, v, rulesets=[attention]))
+        g = rewrite(f, rulesets=[attention], cache=False)
+        close(g(q, k, v), f(q, k, v), jnp.float32)
     loss = lambda fn: (lambda *a: jnp.sum(jnp.sin(fn(*a))))
     for a, b in zip(jax.grad(loss(g), argnums=(0, 1, 2))(q, k, v), jax.grad(loss(f), argnums=(0, 1, 2))(q, k, v)):
         close(a, b, jnp.float32)
@@ -405,9 +440,10 @@ def test_library_attention_layers(library):
     pytest.importorskip({"flax_mha": "flax", "haiku_mha": "haiku", "equinox_mha": "equinox"}[library])
     bench = pytest.importorskip("benchmarks.attention")
     f, x = bench.layers(512)[library]
-    assert "attn_" in " ".join(explain(f, x, rulesets=[attention]).fired)
-    g = rewrite(f, rulesets=[attention])
-    close(jax.jit(g)(x), jax.jit(f)(x), jnp.float32)
+    with query_blocks(256):  # two blocks of queries, each over two blocks of keys
+        assert_nested(explain(f, x, rulesets=[attention]))
+        g = rewrite(f, rulesets=[attention], cache=False)
+        close(jax.jit(g)(x), jax.jit(f)(x), jnp.float32)
     loss = lambda fn: (lambda x: jnp.sum(jnp.sin(fn(x))))
     close(jax.grad(loss(g))(x), jax.grad(loss(f))(x), jnp.float32)
 
