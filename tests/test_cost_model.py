@@ -295,3 +295,50 @@ def test_the_loop_calibration_measures_a_trip_beyond_its_body_s_kernel():
     loop = measure_loop(3, False, launch=0.0)
     assert TRIPS > 100 and loop["iteration"] == loop["iteration_trip"] > 0.0  # no kernel price taken off
     assert measure_loop(3, False, launch=1e9)["iteration"] == 0.0  # never below nothing
+
+
+def _rows(big, whole):
+    """A loop over 8 blocks of 64 rows of ``big``: each iteration reads its block, or (``whole``) all of ``big``."""
+    def f(x):
+        def body(c, j):
+            return c + (jnp.mean(big, axis=0) if whole else lax.dynamic_slice_in_dim(big, j * 64, 64).sum(0)), None
+        return lax.scan(body, x, jnp.arange(8))[0]
+    return f
+
+
+@pytest.mark.parametrize("whole", [False, True])
+def test_a_scan_body_that_slices_an_operand_is_priced_by_its_slices(whole):
+    """A loop body that reads a block of a loop-invariant array per iteration (attention's keys and values) reads the
+    block: its price does not grow with the array, as a body's that reads the array whole does (an LM-head block's
+    product, which reads all of ``W`` in every block). Both the slice's kernel and the loop's own charge for the
+    operands it re-reads each iteration (``rewrite/ir/scanread.py``) priced the whole array once."""
+    from rewrite import explain
+
+    x = jnp.zeros(256)
+    price = {n: explain(_rows(jnp.ones((n, 256)), whole), x).cost_before for n in (512, 16384)}
+    growth = price[16384] / price[512]
+    assert (growth > 8.0) if whole else (growth < 1.05), price
+
+
+def test_the_operands_a_scan_body_only_slices():
+    from rewrite.ir.scanread import sliced_consts
+
+    big, x = jnp.ones((512, 256)), jnp.zeros(256)
+
+    def consts_of(f):
+        (eqn,) = [e for e in jax.make_jaxpr(f)(x).eqns if e.primitive.name == "scan"]
+        return sliced_consts(eqn.params["jaxpr"], eqn.params["num_consts"]), eqn.params["num_consts"]
+
+    found, n = consts_of(_rows(big, False))
+    assert n == 1 and found == {0}
+    assert consts_of(_rows(big, True))[0] == frozenset()
+
+    def nested(x):  # the outer body hands big to an inner loop that slices it: a block per inner iteration
+        return lax.scan(lambda c, _: (_rows(big, False)(c), None), x, None, length=2)[0]
+
+    assert consts_of(nested)[0] == {0}
+
+    def returned(x):  # sliced, and also returned whole as a stacked output
+        return lax.scan(lambda c, j: (c + lax.dynamic_slice_in_dim(big, j, 1)[0], big), x, jnp.arange(4))
+
+    assert consts_of(returned)[0] == frozenset()

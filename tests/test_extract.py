@@ -217,7 +217,7 @@ def _random_op(rng, kind, earlier):
     if kind == "S" and of["T"]:
         choices.append("proj")
     if kind == "R" and of["S"]:
-        choices += ["reduce", "reduce"]
+        choices += ["reduce", "reduce", "slice"]
     pick = rng.choice(choices)
     out = _S if kind == "S" else _R
     if pick == "param":
@@ -238,6 +238,9 @@ def _random_op(rng, kind, earlier):
                   (out, out), (out,))
     if pick == "broadcast":
         return Op("broadcast_in_dim", _primitives.LAYOUT, {}, (rng.choice(of["R"]),), (_R,), (_S,))
+    if pick == "slice":  # reads a row of its operand: a kernel that reads the operand only so reads the rows
+        prim = rng.choice(["dynamic_slice", "slice"])
+        return Op(prim, _primitives.family_of(prim), {}, (rng.choice(of["S"]),), (_S,), (_R,))
     return Op(rng.choice(["reduce_sum", "reduce_max"]), _primitives.REDUCE, {}, (rng.choice(of["S"]),), (_S,), (_R,))
 
 
