@@ -179,13 +179,18 @@ def test_float64():
         np.testing.assert_allclose(g(q, k, v), plain(q, k, v), rtol=1e-12, atol=1e-13)
 
 
+@pytest.mark.parametrize("query_block", [None, 256])  # the pack as it is (every query at once here), or blocks
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])  # bfloat16: jax.nn.softmax's float32 sum (_wide)
-def test_gradient_under_jit_and_vmap(dtype):
+def test_gradient_under_jit_and_vmap(dtype, query_block):
     rng = np.random.default_rng(1)
     q, k, v = (jnp.asarray(rng.standard_normal((3, 2, 512, 8)), dtype) for _ in range(3))
-    fired = explain(plain, q[0], k[0], v[0], rulesets=[attention]).fired
+    with query_blocks(*([query_block] if query_block else [])):
+        report = explain(plain, q[0], k[0], v[0], rulesets=[attention])
+        g = rewrite(plain, rulesets=[attention], cache=False)
+        g(q[0], k[0], v[0])  # rewritten here, with these blocks
+    fired = report.fired
     assert any(n.startswith("attn_") and ("_wide" in n) == (dtype == "bfloat16") for n in fired), fired
-    g = rewrite(plain, rulesets=[attention])
+    assert len(re.findall(r"length=", str(report.after))) == (2 if query_block else 1)
     loss = lambda fn: (lambda q, k, v: jnp.sum(jnp.sin(fn(q, k, v))))
     want = jax.grad(loss(plain), argnums=(0, 1, 2))(q[0], k[0], v[0])
     for got in (jax.grad(loss(g), argnums=(0, 1, 2))(q[0], k[0], v[0]),
@@ -446,6 +451,20 @@ def test_library_attention_layers(library):
         close(jax.jit(g)(x), jax.jit(f)(x), jnp.float32)
     loss = lambda fn: (lambda x: jnp.sum(jnp.sin(fn(x))))
     close(jax.grad(loss(g))(x), jax.grad(loss(f))(x), jnp.float32)
+
+
+def test_query_blocks_under_forward_mode():
+    """The forward over blocks of queries (two loops, one in the other) under every forward-mode transformation
+    (JAX runs its primal loops there, ``rewrite/jaxpr/forward.py``), float32."""
+    rng = np.random.default_rng(5)
+    q, k, v, t = (jnp.asarray(rng.standard_normal((2, 512, 8)), jnp.float32) for _ in range(4))
+    with query_blocks(256):
+        assert_nested(explain(plain, q, k, v, rulesets=[attention]))
+        g = rewrite(plain, rulesets=[attention], cache=False)
+        g(q, k, v)
+    for mode, run in _FORWARD_MODES.items():
+        for a, b in zip(jax.tree_util.tree_leaves(run(g, q, k, v, t)), jax.tree_util.tree_leaves(run(plain, q, k, v, t))):
+            close(a, b, jnp.float32)
 
 
 def _loop_body(f, *args):
