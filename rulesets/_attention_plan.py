@@ -85,46 +85,46 @@ def _walk(plan: _Plan, v: Value, key: int | None, depth: int = 0) -> tuple:
     return ref
 
 
-def _step(plan: _Plan, v: Value, node: Any, key: int, shape: tuple, depth: int) -> tuple | None:
-    prim, params = node.prim, dict(node.params)
-    ops = node.operands
+def _operand_axes(prim: str, params: dict, shapes: Sequence[tuple], shape: tuple, ax: int) -> list | None:
+    """Where axis ``ax`` of a value of ``shape`` that ``prim`` computes lies in each operand (of ``shapes``):
+    an axis, or ``None`` where the operand does not carry it (a scalar, a size-1 axis jax broadcasts, the other
+    side of the product); ``None`` for a primitive the walk does not pass through, or an axis it cannot follow
+    (a batch axis of the product)."""
     if prim in _ELEMENTWISE:
-        args = []
-        for o in ops:
-            if o.shape == ():
-                args.append(plan.leaf(o, None))
-            elif len(o.shape) == len(shape) and all(a in (b, 1) for a, b in zip(o.shape, shape)):
-                # jax broadcasts size-1 axes of elementwise operands
-                args.append(_walk(plan, o, key if o.shape[key] == shape[key] else None, depth + 1))
-            else:
-                return None
-        return _add(plan, node.primitive, params, args, v.aval, key)
+        # jax broadcasts scalars and size-1 axes of elementwise operands
+        if not all(sh == () or (len(sh) == len(shape) and all(a in (b, 1) for a, b in zip(sh, shape)))
+                   for sh in shapes):
+            return None
+        return [ax if sh != () and sh[ax] == shape[ax] else None for sh in shapes]
     if prim == "broadcast_in_dim":
-        (o,) = ops
         dims = tuple(params["broadcast_dimensions"])
-        okey = dims.index(key) if key in dims and o.shape[dims.index(key)] != 1 else None
-        return _add(plan, node.primitive, params, [_walk(plan, o, okey, depth + 1)], v.aval, key)
+        return [dims.index(ax) if ax in dims and shapes[0][dims.index(ax)] != 1 else None]
     if prim == "transpose":
-        (o,) = ops
-        perm = tuple(params["permutation"])
-        return _add(plan, node.primitive, params, [_walk(plan, o, perm[key], depth + 1)], v.aval, key)
+        return [tuple(params["permutation"])[ax]]
     if prim == "iota":
-        return _add(plan, node.primitive, params, [], v.aval, key)
-    if prim == "dot_general" and plan.dots == 0:
-        a, b = ops
+        return []
+    if prim == "dot_general":
         (lc, rc), (lb, rb) = params["dimension_numbers"]
         nb = len(lb)
-        lfree = [d for d in range(len(a.shape)) if d not in lc and d not in lb]
-        rfree = [d for d in range(len(b.shape)) if d not in rc and d not in rb]
-        if key < nb:
-            return None  # the key axis is a batch axis of the product: not attention
-        plan.dots += 1
-        if key < nb + len(lfree):
-            args = [_walk(plan, a, lfree[key - nb], depth + 1), plan.leaf(b, None)]
-        else:
-            args = [plan.leaf(a, None), _walk(plan, b, rfree[key - nb - len(lfree)], depth + 1)]
-        return _add(plan, node.primitive, params, args, v.aval, key)
+        lfree = [d for d in range(len(shapes[0])) if d not in lc and d not in lb]
+        rfree = [d for d in range(len(shapes[1])) if d not in rc and d not in rb]
+        if ax < nb:
+            return None
+        return [lfree[ax - nb], None] if ax < nb + len(lfree) else [None, rfree[ax - nb - len(lfree)]]
     return None
+
+
+def _step(plan: _Plan, v: Value, node: Any, key: int, shape: tuple, depth: int) -> tuple | None:
+    if node.prim == "dot_general" and plan.dots:
+        return None  # one product q k^T: a second one is read as it is
+    params = dict(node.params)
+    axes = _operand_axes(node.prim, params, [o.shape for o in node.operands], shape, key)
+    if axes is None:
+        return None  # not a primitive the walk passes, or the key axis is a batch axis of the product
+    if node.prim == "dot_general":
+        plan.dots += 1
+    args = [_walk(plan, o, a, depth + 1) for o, a in zip(node.operands, axes)]
+    return _add(plan, node.primitive, params, args, v.aval, key)
 
 
 def _add(plan: _Plan, prim: Any, params: dict, args: list, aval: Any, key: int | None) -> tuple:
@@ -197,23 +197,12 @@ def _query_axes(plan: _Plan, out: tuple, axis: int) -> tuple[list, list] | None:
         prim, params, args, aval, key = plan.steps[i]
         ax = step_q[i]
         shapes = [plan.aval(a).shape for a in args]
-        if ax is None:
-            axes = [None] * len(args)
-        elif prim.name == "broadcast_in_dim":
-            dims = tuple(params["broadcast_dimensions"])
-            axes = [dims.index(ax) if ax in dims and shapes[0][dims.index(ax)] != 1 else None]
-        elif prim.name == "transpose":
-            axes = [tuple(params["permutation"])[ax]]
-        elif prim.name == "dot_general":
-            (lc, rc), (lb, rb) = params["dimension_numbers"]
-            nb = len(lb)
-            lfree = [d for d in range(len(shapes[0])) if d not in lc and d not in lb]
-            rfree = [d for d in range(len(shapes[1])) if d not in rc and d not in rb]
-            if ax < nb or (ax < nb + len(lfree)) == (key < nb + len(lfree)):
-                return None  # the queries are a batch axis of the product, or on the keys' side
-            axes = [lfree[ax - nb], None] if ax < nb + len(lfree) else [None, rfree[ax - nb - len(lfree)]]
-        else:  # elementwise (the walk's only other primitives): operands of the result's rank, or scalars
-            axes = [ax if len(sh) == len(aval.shape) and sh[ax] == aval.shape[ax] else None for sh in shapes]
+        axes = [None] * len(args) if ax is None else _operand_axes(prim.name, params, shapes, aval.shape, ax)
+        if axes is None:
+            return None  # the queries are a batch axis of the product
+        if prim.name == "dot_general" and any(a is not None and k is not None for a, k in zip(
+                axes, _operand_axes(prim.name, params, shapes, aval.shape, key))):
+            return None  # the queries are on the keys' side of the product
         if not all(put(a, x) for a, x in zip(args, axes)):
             return None
     return ([leaf_q.get(i) for i in range(len(plan.leaves))], [step_q.get(i) for i in range(len(plan.steps))])
