@@ -44,6 +44,7 @@ import numpy as np
 
 from ..ir import primitives as _primitives
 from ..ir.primitives import inner_jaxpr, spec_of
+from ..ir.scanread import SLICES
 from .program import LEAF, LIBRARY, LOOP, OTHER, REDUCE, VIEW, Op, Program, _kind, _size
 
 
@@ -416,10 +417,6 @@ def _temp(prog: Any, i: Any, outputs: Container[Any], written: Container[Any]) -
     if i in outputs or made_by not in written or op.prim in ("param", "literal", "const", "token"):
         return 0
     return _out_bytes(op)
-
-
-#: Primitives that read only the part of their first operand that they return.
-SLICES = frozenset({"dynamic_slice", "slice"})
 
 
 def slices(op: "Op", a: Any) -> bool:

@@ -14,6 +14,10 @@ from typing import Any
 
 from .jaxapi import core
 
+#: Primitives that read only the part of their first operand that they return (the cost model charges a kernel
+#: that reads an array only through them the parts it returns: ``rewrite/cost/fusion.py``).
+SLICES = frozenset({"dynamic_slice", "slice"})
+
 
 def sliced_consts(closed: Any, num_consts: int) -> frozenset[int]:
     """The loop-invariant operands (the first ``num_consts`` inputs) that a scan body reads only as the operand of
@@ -27,7 +31,7 @@ def sliced_consts(closed: Any, num_consts: int) -> frozenset[int]:
             inner = sliced_consts(e.params["jaxpr"], e.params["num_consts"])
         for i, v in enumerate(e.invars):
             if not isinstance(v, core.Literal) and v in uses:
-                ok = ((e.primitive.name in ("dynamic_slice", "slice") and i == 0 and all(u is not v for u in e.invars[1:]))
+                ok = ((e.primitive.name in SLICES and i == 0 and all(u is not v for u in e.invars[1:]))
                       or (inner is not None and i < e.params["num_consts"] and i in inner))
                 uses[v] = uses[v] and ok
     uses.update({v: False for v in jaxpr.outvars if not isinstance(v, core.Literal) and v in uses})
