@@ -384,8 +384,9 @@ def _chunk(p_first: bool, converted: bool = False, squeeze: bool = False, widene
         s_axes = [d for d in range(x.ndim) if d not in squeezed]
         # the queries: the longest free axis of the weights (grouped-query heads have a group axis beside it)
         s_q = s_axes[max(p_free, key=lambda d: (p_shape[d], d))] if p_free else None
-        q_axes = None if s_q is None else _query_axes(plan, out_ref, s_q)
-        q_blocks = [] if q_axes is None else [b for b in QUERY_BLOCKS if x.shape[s_q] % b == 0 and x.shape[s_q] // b >= 2]
+        q_blocks = [] if s_q is None else [b for b in QUERY_BLOCKS if x.shape[s_q] % b == 0 and x.shape[s_q] // b >= 2]
+        q_axes = _query_axes(plan, out_ref, s_q) if q_blocks else None  # placed only where some block fits
+        q_blocks = q_blocks if q_axes is not None else []
         return [(m.root, m.trace(_blocked(plan, out_ref, axis, p_first, pv["dimension_numbers"], params, int(vc[0]),
                                           block, n, out_shape, cast, squeezed, wide,
                                           None if qb is None else (qb, s_q) + q_axes), *plan.leaves, v))
