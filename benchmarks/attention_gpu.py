@@ -90,8 +90,16 @@ def run(b: int, h: int, d: int, cases: list[tuple], rounds: int) -> list[dict]:
             form = "cudnn" if "cudnn" in text else ("blocked" if r.result.rewritten else "kept")
             vs = variants(causal, dtype, args, mode)
             if n >= 16384:
-                temps = {k: compile_stats(fn, *args)[1].temp_bytes / MiB for k, fn in vs.items() if k != "aa"}
-                row = {"case": name, "form": form, "fired": chose, "compiled_only": True, "temp_mib": temps}
+                temps, errors = {}, {}
+                for k, fn in vs.items():  # each alone: the original may not compile where the others do
+                    if k == "aa":
+                        continue
+                    try:
+                        temps[k] = compile_stats(fn, *args)[1].temp_bytes / MiB
+                    except Exception as e:  # noqa: BLE001 - reported in the row, the other variants still compile
+                        errors[k] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+                row = {"case": name, "form": form, "fired": chose, "compiled_only": True, "temp_mib": temps,
+                       **({"errors": errors} if errors else {})}
             else:
                 m = measure(name, vs, args, rounds=rounds)
                 row = {"case": name, "form": form, "fired": chose, "compiled_only": False,
