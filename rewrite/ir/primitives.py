@@ -402,7 +402,7 @@ def _scan_load(ld: Any) -> list[Any]:
     p = ld.eqn.params  # _rw_* params are annotations the emitter drops. _rw_order: the body's Params in jaxpr order
     # (a rule adding a carry appends a Param and inserts its index); _rw_sliced: rewrite/ir/scanread.py
     return ld.nested([ld.closed_body(p["jaxpr"])], {"_rw_order": tuple(range(len(p["jaxpr"].in_avals))),
-                                                     "_rw_sliced": _sliced_consts(p["jaxpr"], p["num_consts"])})
+                                                     "_rw_sliced": _sliced_consts(p["jaxpr"], p.get("num_consts", 0))})
 
 
 def _scan_emit(em: Any, params: dict, bodies: list, n_out: int, n_in: int) -> dict:

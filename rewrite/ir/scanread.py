@@ -28,11 +28,11 @@ def sliced_consts(closed: Any, num_consts: int) -> frozenset[int]:
     for e in jaxpr.eqns:
         inner = e.params.get("_rw_sliced") if e.primitive.name == "scan" else None
         if e.primitive.name == "scan" and inner is None:
-            inner = sliced_consts(e.params["jaxpr"], e.params["num_consts"])
+            inner = sliced_consts(e.params["jaxpr"], e.params.get("num_consts", 0))  # none where jax renamed it
         for i, v in enumerate(e.invars):
             if not isinstance(v, core.Literal) and v in uses:
                 ok = ((e.primitive.name in SLICES and i == 0 and all(u is not v for u in e.invars[1:]))
-                      or (inner is not None and i < e.params["num_consts"] and i in inner))
+                      or (inner is not None and i < e.params.get("num_consts", 0) and i in inner))
                 uses[v] = uses[v] and ok
     uses.update({v: False for v in jaxpr.outvars if not isinstance(v, core.Literal) and v in uses})
     return frozenset(i for i, v in enumerate(jaxpr.invars[:num_consts]) if uses[v])
