@@ -29,6 +29,13 @@ instead of spelling out their variants:
   the original computes it; a row masked everywhere is ``0/0 = NaN``, as in
   ``jax.nn.softmax``; a row masked with ``finfo.min`` averages uniformly, as
   the original does; a NaN or ``+inf`` score makes its row NaN in both.
+* **The loop's own product.** Whatever order the program writes the second
+  product in, the forward's loop computes it with the weights first and
+  ``v`` read as ``[batch, keys, rest]`` (transposed once, before the loop),
+  and puts the output in the program's order once, after it. flax writes
+  ``einsum("bhqk,bkhd->bqhd", p, v)``, which jax emits with ``v`` first and
+  a ``[b, h, d, q]`` output: kept so, XLA:CPU copied every block of ``v``
+  and the accumulator's terms into that order per iteration.
 * **A literal scale applied once.** A literal scale of the scores (haiku's
   ``logits / sqrt(key_size)``) is applied to ``q`` before the forward's loop,
   where it makes ``q`` no larger (exactly, for a power of two; in float32 and
@@ -171,18 +178,35 @@ def _blocked(plan: _Plan, out_ref: tuple, axis: int, p_first: bool, dn: Any, pv_
     p_free = [d for d in range(p_rank) if d != p_axis and d not in p_batch]
     out_rank = len(out_aval.shape)
     nb = len(p_batch)
-    # Where each of the weights' axes but the key axis lands in the output.
-    positions = []
-    for d in range(p_rank):
-        if d == p_axis:
-            continue
-        if d in p_batch:
-            positions.append(list(p_batch).index(d))
-        else:
-            off = nb if p_first else nb + (len(out_aval.shape) - nb - len(p_free))
-            positions.append(off + p_free.index(d))
-    order = list(np.argsort(positions))
-    sorted_pos = tuple(sorted(positions))
+
+    def layout(weights_first: bool) -> tuple[list, list, tuple]:
+        """Where each of the weights' axes but the key axis lands in the product's output, with the weights as
+        its first operand or its second; the order that sorts them, and the sorted places."""
+        positions = []
+        for d in range(p_rank):
+            if d == p_axis:
+                continue
+            if d in p_batch:
+                positions.append(list(p_batch).index(d))
+            else:
+                off = nb if weights_first else nb + (out_rank - nb - len(p_free))
+                positions.append(off + p_free.index(d))
+        return positions, list(np.argsort(positions)), tuple(sorted(positions))
+
+    _, order, sorted_pos = layout(p_first)  # the original's, which the backward keeps
+    # The forward's own product: the weights first, v read as [batch, keys, free] (transposed once, before the
+    # loops), so that a block of v is contiguous and the output and accumulator come in the order XLA's product
+    # writes them; the output is put in the original's order once, after the loops.
+    v_batch = pb_r if p_first else pb_l
+    v_rank = out_rank - len(p_free) + 1
+    v_free = [d for d in range(v_rank) if d != v_key and d not in v_batch]
+    v_perm = tuple(v_batch) + (v_key,) + tuple(v_free)
+    fwd_params = dict(pv_params, dimension_numbers=(((p_axis,), (nb,)), (tuple(p_batch), tuple(range(nb)))))
+    # the original output's axis i is the forward product's axis out_perm[i]
+    out_perm = tuple(range(out_rank)) if p_first else (tuple(range(nb)) + tuple(
+        nb + len(p_free) + j for j in range(len(v_free))) + tuple(nb + i for i in range(len(p_free))))
+    f_out_shape = tuple(out_aval.shape[out_perm.index(i)] for i in range(out_rank))
+    f_positions, f_order, f_sorted = layout(True)
     acc_dtype = jnp.promote_types(out_aval.dtype, jnp.float32)
 
     row_squeezed = tuple(e - (e > axis) for e in squeezed)
@@ -190,13 +214,13 @@ def _blocked(plan: _Plan, out_ref: tuple, axis: int, p_first: bool, dn: Any, pv_
     if rows is not None:  # where the queries lie in the per-row values and in the output
         qblock, s_q, leaf_q, step_q = rows
         row_q = s_q - (s_q > axis)
-        out_q = positions[[d for d in range(p_rank) if d != p_axis].index(p_of[s_q])]
+        out_q = f_positions[[d for d in range(p_rank) if d != p_axis].index(p_of[s_q])]  # in the forward's output
         forward_q = list(leaf_q) + [leaf_q[q] for q, _, _ in scaled]
 
-    def to_out(row: Any, shape: tuple = out_aval.shape) -> Any:  # a per-row value in the output's layout
+    def to_out(row: Any, shape: tuple) -> Any:  # a per-row value in the forward's output's layout
         row = lax.squeeze(row, row_squeezed) if row_squeezed else row
-        row = lax.transpose(row, tuple(order)) if order != sorted(order) else row
-        return lax.broadcast_in_dim(row, shape, sorted_pos)
+        row = lax.transpose(row, tuple(f_order)) if f_order != sorted(f_order) else row
+        return lax.broadcast_in_dim(row, shape, f_sorted)
 
     def from_out(x: Any) -> Any:  # the output's per-row sums, in the logits' order
         other = tuple(d for d in range(out_rank) if d not in sorted_pos)
@@ -214,10 +238,13 @@ def _blocked(plan: _Plan, out_ref: tuple, axis: int, p_first: bool, dn: Any, pv_
             return _evaluate(forward_steps, leaves, forward_keys, start, block, out_ref, cut).astype(s_dtype)
         return _evaluate(steps, leaves, leaf_keys, start, block, out_ref).astype(s_dtype)
 
-    def product(p: Any, vb: Any) -> Any:
-        # the weights as the original rounds them before its product (bf16 weights of an f32 softmax)
+    def product(p: Any, vb: Any, own: bool = False) -> Any:
+        # the weights as the original rounds them before its product (bf16 weights of an f32 softmax); ``own``:
+        # the forward's product (weights first, v transposed to v_perm)
         p = p if cast is None else p.astype(cast)
         p = lax.squeeze(p, squeezed) if squeezed else p
+        if own:
+            return lax.dot_general(p, vb, **fwd_params)
         args = (p, vb) if p_first else (vb, p)
         return lax.dot_general(*args, **pv_params)
 
@@ -231,7 +258,7 @@ def _blocked(plan: _Plan, out_ref: tuple, axis: int, p_first: bool, dn: Any, pv_
             lambda shape, ax: tuple(qblock if i == ax else d for i, d in enumerate(shape)))
         m0 = jnp.full(cut(row_shape, None if rows is None else row_q), -jnp.inf, s_dtype)
         l0 = jnp.zeros(m0.shape, l_dtype)
-        o_shape = cut(out_aval.shape, None if rows is None else out_q)
+        o_shape = cut(f_out_shape, None if rows is None else out_q)
         a0 = jnp.zeros(o_shape, acc_dtype)
 
         def body(carry: tuple, j: Any) -> tuple:
@@ -243,8 +270,8 @@ def _blocked(plan: _Plan, out_ref: tuple, axis: int, p_first: bool, dn: Any, pv_
             shift = jnp.where(m_new == -jnp.inf, jnp.zeros((), s_dtype), m_new)
             p = jnp.exp(s - expand(shift))
             alpha = jnp.exp(m - shift)
-            vb = lax.dynamic_slice_in_dim(v, start, block, axis=v_key)
-            pv = product(p, vb).astype(acc_dtype)
+            vb = lax.dynamic_slice_in_dim(v, start, block, axis=nb)
+            pv = product(p, vb, own=True).astype(acc_dtype)
             acc = acc * to_out(alpha, o_shape).astype(acc_dtype) + pv
             return (m_new, l * alpha.astype(l_dtype) + jnp.sum(p.astype(l_dtype), axis=axis), acc), None
 
@@ -257,9 +284,11 @@ def _blocked(plan: _Plan, out_ref: tuple, axis: int, p_first: bool, dn: Any, pv_
     def forward(leaves: Sequence[Any], v: Any) -> tuple[Any, Any]:
         c_of = lambda i: consts.get(i, leaves[i])
         ahead = list(leaves) + [leaves[q] / c_of(c) if prim == "div" else leaves[q] * c_of(c) for q, c, prim in scaled]
+        v = lax.transpose(v, v_perm) if v_perm != tuple(range(v_rank)) else v
+        back = (lambda o: lax.transpose(o, out_perm)) if out_perm != tuple(range(out_rank)) else (lambda o: o)
         if rows is None:
             out, shift, l = over_keys(ahead, v)
-            return out, (shift, l)
+            return back(out), (shift, l)
 
         def body(carry: tuple, i: Any) -> tuple:  # one block of queries: its leaves cut, its rows written in place
             out, shift, l = carry
@@ -272,9 +301,9 @@ def _blocked(plan: _Plan, out_ref: tuple, axis: int, p_first: bool, dn: Any, pv_
                     lax.dynamic_update_slice_in_dim(shift, sh, qstart, axis=row_q),
                     lax.dynamic_update_slice_in_dim(l, lb, qstart, axis=row_q)), None
 
-        init = (jnp.zeros(out_aval.shape, out_aval.dtype), jnp.zeros(row_shape, s_dtype), jnp.zeros(row_shape, l_dtype))
+        init = (jnp.zeros(f_out_shape, out_aval.dtype), jnp.zeros(row_shape, s_dtype), jnp.zeros(row_shape, l_dtype))
         (out, shift, l), _ = lax.scan(body, init, jnp.arange(s_aval.shape[s_q] // qblock))
-        return out, (shift, l)
+        return back(out), (shift, l)
 
     @jax.custom_vjp
     def attend(leaves: tuple, v: Any) -> Any:

@@ -421,6 +421,38 @@ def _gqa(q, k, v):  # grouped-query heads: q [b, n, 8, d], k and v [b, n, 2, d],
     return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
 
 
+def _loop_products(jaxpr, in_loop=False):
+    """The ``dot_general`` equations inside the loops of ``jaxpr``, nested jaxprs included."""
+    for e in jaxpr.eqns:
+        if e.primitive.name == "dot_general" and in_loop:
+            yield e
+        for p in e.params.values():
+            for sub in p if isinstance(p, (tuple, list)) else [p]:
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    yield from _loop_products(inner, in_loop or e.primitive.name in ("scan", "while"))
+
+
+@pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
+def test_the_forward_loop_reads_the_weights_first_and_v_by_keys(layout):
+    """flax writes the second product ``einsum("bhqk,bkhd->bqhd", p, v)``, which jax emits with ``v`` first: its
+    output ``[b, h, d, q]``. A loop that kept that order made XLA:CPU copy each block of ``v`` (``[b, k, h, d]``)
+    and of the product into it every iteration, and flax's forward measured 1.37x where the weights first, ``v``
+    transposed once to ``[b, h, k, d]``, measure 1.74x (``benchmarks/results/attention.md``)."""
+    f = make(layout, "causal", "finfo", "q", False, False)
+    args = inputs(np.random.default_rng(0), layout, 2, 3, 512, 8, jnp.float32, "causal")
+    g = rewrite(f, rulesets=[attention], cache=False)
+    products = list(_loop_products(jax.make_jaxpr(g)(*args).jaxpr))
+    # the weights' product sums over a block of keys, the scores' over d
+    pv = [e for e in products if e.invars[0].aval.shape[e.params["dimension_numbers"][0][0][0]] == 256]
+    assert pv and len(pv) < len(products), products
+    for e in pv:  # the weights [b, h, q, 256] first, v's block [b, h, 256, d], the output [b, h, q, d]
+        (lc, rc), (lb, rb) = e.params["dimension_numbers"]
+        assert e.invars[0].aval.shape[-1] == 256 and lc == (3,) and rc == (2,) and rb == (0, 1), e
+        assert e.outvars[0].aval.shape == (2, 3, 512, 8), e
+    close(jax.jit(g)(*args), jax.jit(f)(*args), jnp.float32)
+
+
 @pytest.mark.parametrize("form", ["gqa_einsum", "gqa_dot_product_attention_causal", "gqa_dot_product_attention"])
 def test_grouped_query_heads(form):
     # jax.nn.dot_product_attention without a mask takes the max before its vmap's transpose (matched since
