@@ -55,3 +55,17 @@ def test_wrong_variant_fails_loudly(tmp_path, monkeypatch):
     with pytest.raises(SystemExit, match="rewritten differs"):
         demo.main(["--smoke", "--cases", "seed000", "--out", str(tmp_path), "--quiet"])
     assert not (tmp_path / "demo.md").exists()
+
+
+def test_rewritten_results_keep_their_hand_written_notes(tmp_path):
+    # `--write` regenerates a results file's table; the notes written beside it must survive (a run on
+    # 2026-11-27 dropped 240 lines of them from benchmarks/results/attention.md)
+    from benchmarks.harness import HAND_NOTES, write_results
+
+    (tmp_path / "x.md").write_text(f"# old\n| old table |\n\n{HAND_NOTES} beside the table)\n- kept\n")
+    write_results(tmp_path, "x", "Title", "How to read it.", 3, "| case |", ["| new row |"], [{"case": 1}])
+    text = (tmp_path / "x.md").read_text()
+    assert "| new row |" in text and "| old table |" not in text
+    assert text.endswith(f"{HAND_NOTES} beside the table)\n- kept\n")
+    write_results(tmp_path, "y", "Title", "", 3, "| case |", [], [])  # no old file: no notes
+    assert HAND_NOTES not in (tmp_path / "y.md").read_text()
