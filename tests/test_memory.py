@@ -54,10 +54,13 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("name, fn, args, holds", CASES, ids=[c[0] for c in CASES])
-def test_predicted_peak_is_within_a_quarter_of_xla(name, fn, args, holds):
-    if not holds:
-        pytest.xfail("a known miss of the memory model (see the comment above CASES)")
+_MISS = pytest.mark.xfail(strict=True, reason="a known miss of the memory model (see the comment above CASES)")
+
+
+@pytest.mark.parametrize("name, fn, args", [pytest.param(n, f, a, marks=() if holds else _MISS, id=n)
+                                            for n, f, a, holds in CASES])
+def test_predicted_peak_is_within_a_quarter_of_xla(name, fn, args):
+    # The misses run too, as strict xfails: a model that comes to hold them fails here until they are moved.
     want = _xla(fn, args)
     got = AnalyticCost().predict_temp_bytes(jax.make_jaxpr(fn)(*args))
     assert abs(got - want) <= 0.25 * want, (got / 2 ** 20, want / 2 ** 20)
