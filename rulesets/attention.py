@@ -51,7 +51,13 @@ instead of spelling out their variants:
   inputs, the output and the log-normaliser per row are kept; each block's
   scores are computed again, and the gradient of the logits' own computation
   (scale, bias, the product) is that computation's VJP on the block. The
-  gradient never holds N x N either.
+  gradient never holds N x N either. The block's weights, their gradient and
+  the sums of the leaves' gradients over the blocks are kept in the
+  accumulator's precision (float32 for half precision), each gradient
+  rounded to its dtype once, at the end: in float16, where the weights'
+  gradient underflows, the Hessian-vector product through this backward
+  erred 0.046 against float64 (results up to 0.036; the original 0.016), and
+  now errs below 5e-5.
 
 Programs whose key axis is 256 or shorter are left alone (the scores are
 small). The rule offers a loop for each key block of ``BLOCKS`` that makes
@@ -316,8 +322,9 @@ def _blocked(plan: _Plan, out_ref: tuple, axis: int, p_first: bool, dn: Any, pv_
     def bwd(res: tuple, g: Any) -> tuple:
         leaves, v, out, shift, l = res
         floating = [jnp.issubdtype(x.dtype, jnp.inexact) for x in leaves]
-        d_row = from_out(g.astype(acc_dtype) * out.astype(acc_dtype)).astype(s_dtype)
-        grads0 = tuple(jnp.zeros(x.shape, x.dtype) if f else None for x, f in zip(leaves, floating))
+        d_row = from_out(g.astype(acc_dtype) * out.astype(acc_dtype))
+        wide = [jnp.promote_types(x.dtype, acc_dtype) if f else None for x, f in zip(leaves, floating)]
+        grads0 = tuple(None if w is None else jnp.zeros(x.shape, w) for x, w in zip(leaves, wide))
         dv0 = jnp.zeros(v.shape, v.dtype)
 
         def body(carry: tuple, j: Any) -> tuple:
@@ -327,15 +334,16 @@ def _blocked(plan: _Plan, out_ref: tuple, axis: int, p_first: bool, dn: Any, pv_
             def s_of(*fl: Any) -> Any:
                 it = iter(fl)
                 full = [next(it) if f else x for x, f in zip(leaves, floating)]
-                return scores(full, start)
+                return scores(full, start).astype(acc_dtype)
 
             # The gradient is taken with respect to the whole float leaves, under jit only the block is read.
             s, vjp_s = jax.vjp(s_of, *[x for x, f in zip(leaves, floating) if f])
-            p = jnp.exp(s - expand(shift)) / expand(l.astype(s_dtype))  # the sum as the program rounds it
+            # the sum as the program rounds it, then widened
+            p = jnp.exp(s - expand(shift.astype(acc_dtype))) / expand(l.astype(s_dtype).astype(acc_dtype))
             vb = lax.dynamic_slice_in_dim(v, start, block, axis=v_key)
             _, vjp_pv = jax.vjp(product, p, vb)
             dp, dvb = vjp_pv(g.astype(out_aval.dtype))
-            ds = p * (dp.astype(s_dtype) - expand(d_row))
+            ds = p * (dp.astype(acc_dtype) - expand(d_row))
             dl = iter(vjp_s(ds))
             grads = tuple(None if gr is None else gr + next(dl).astype(gr.dtype) for gr in grads)
             cur = lax.dynamic_slice_in_dim(dv, start, block, axis=v_key)
@@ -343,7 +351,7 @@ def _blocked(plan: _Plan, out_ref: tuple, axis: int, p_first: bool, dn: Any, pv_
             return (grads, dv), None
 
         (grads, dv), _ = lax.scan(body, (grads0, dv0), jnp.arange(nblocks))
-        return grads, dv
+        return tuple(None if gr is None else gr.astype(x.dtype) for gr, x in zip(grads, leaves)), dv
 
     attend.defvjp(fwd, bwd)
 

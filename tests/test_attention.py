@@ -237,11 +237,6 @@ def test_low_precision_gradients_as_accurate_as_the_original(dtype, mask, softma
         assert np.count_nonzero(new) >= np.count_nonzero(want) * 0.9  # no gradient silently zeroed
 
 
-_HVP_F16 = pytest.mark.xfail(strict=True, reason="open (issue 32): the float16 Hessian-vector product through the "
-                             "recomputing backward errs 0.046 against float64 where the original errs 0.016 (results "
-                             "up to 0.036: both are mostly rounding); bfloat16 and first-order float16 hold")
-
-
 @functools.lru_cache(maxsize=None)
 def _plain_rewritten():
     """``plain`` rewritten, one function for every forward mode: it rewrites once per dtype (1-3 s), not per mode."""
@@ -249,8 +244,7 @@ def _plain_rewritten():
 
 
 @pytest.mark.parametrize("mode,dtype", [
-    pytest.param(m, d, marks=_HVP_F16 if (m, d) == ("hvp", "float16") else ())
-    for m in ("jvp", "jit_jvp", "jacfwd", "linearize", "hvp") for d in ("float32", "bfloat16", "float16")])
+    (m, d) for m in ("jvp", "jit_jvp", "jacfwd", "linearize", "hvp") for d in ("float32", "bfloat16", "float16")])
 def test_forward_mode(mode, dtype):
     # The blocked program's backward is a custom_vjp, which JAX cannot take a JVP of; forward mode runs its
     # primal scan instead (rewrite/jaxpr/forward.py). Before: "can't apply forward-mode autodiff (jvp) to a
