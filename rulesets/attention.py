@@ -323,8 +323,10 @@ def _blocked(plan: _Plan, out_ref: tuple, axis: int, p_first: bool, dn: Any, pv_
         leaves, v, out, shift, l = res
         floating = [jnp.issubdtype(x.dtype, jnp.inexact) for x in leaves]
         d_row = from_out(g.astype(acc_dtype) * out.astype(acc_dtype))
-        wide = [jnp.promote_types(x.dtype, acc_dtype) if f else None for x, f in zip(leaves, floating)]
-        grads0 = tuple(None if w is None else jnp.zeros(x.shape, w) for x, w in zip(leaves, wide))
+        # A leaf without the key axis (q, a scale) sums its gradient over the key blocks: in the accumulator's
+        # precision. The others' blocks are disjoint (each element written once), so they stay in their dtype.
+        grads0 = tuple(jnp.zeros(x.shape, x.dtype if k is not None else jnp.promote_types(x.dtype, acc_dtype))
+                       if f else None for x, f, k in zip(leaves, floating, leaf_keys))
         dv0 = jnp.zeros(v.shape, v.dtype)
 
         def body(carry: tuple, j: Any) -> tuple:
