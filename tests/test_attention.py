@@ -88,6 +88,14 @@ def close(a, b, dtype):
     np.testing.assert_allclose(a[ok], b[ok], rtol=rtol, atol=atol * max(1.0, float(np.abs(b[ok]).max(initial=0))))
 
 
+def as_accurate(new, old, ref, dtype):
+    """Half precision, where the original's own rounding can be the larger: the rewritten result's error
+    against the float64 ``ref`` is within twice the original's plus the dtype's tolerance."""
+    new, old, ref = (np.asarray(x, np.float64) for x in (new, old, ref))
+    err_new, err_old = np.abs(new - ref).max(), np.abs(old - ref).max()
+    assert err_new <= 2 * err_old + tolerance(dtype)[1] * max(1.0, float(np.abs(ref).max())), (err_new, err_old)
+
+
 CASES = st.fixed_dictionaries({
     "layout": st.sampled_from(["bhnd", "bnhd"]),
     "mask": st.sampled_from(["none", "causal", "tril", "array", "padding"]),
@@ -180,7 +188,7 @@ def test_float64():
 
 
 @pytest.mark.parametrize("query_block", [None, 256])  # the pack as it is (every query at once here), or blocks
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])  # bfloat16: jax.nn.softmax's float32 sum (_wide)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])  # half: jax.nn.softmax's float32 sum (_wide)
 def test_gradient_under_jit_and_vmap(dtype, query_block):
     rng = np.random.default_rng(1)
     q, k, v = (jnp.asarray(rng.standard_normal((3, 2, 512, 8)), dtype) for _ in range(3))
@@ -189,18 +197,33 @@ def test_gradient_under_jit_and_vmap(dtype, query_block):
         g = rewrite(plain, rulesets=[attention], cache=False)
         g(q[0], k[0], v[0])  # rewritten here, with these blocks
     fired = report.fired
-    assert any(n.startswith("attn_") and ("_wide" in n) == (dtype == "bfloat16") for n in fired), fired
+    assert any(n.startswith("attn_") and ("_wide" in n) == (dtype != "float32") for n in fired), fired
     assert len(re.findall(r"length=", str(report.after))) == (2 if query_block else 1)
     loss = lambda fn: (lambda q, k, v: jnp.sum(jnp.sin(fn(q, k, v))))
-    want = jax.grad(loss(plain), argnums=(0, 1, 2))(q[0], k[0], v[0])
-    for got in (jax.grad(loss(g), argnums=(0, 1, 2))(q[0], k[0], v[0]),
-                jax.jit(jax.grad(loss(g), argnums=(0, 1, 2)))(q[0], k[0], v[0])):
-        for a, b in zip(got, want):
-            close(a, b, dtype)
-    batched = jax.vmap(jax.grad(loss(g), argnums=(0, 1, 2)))(q, k, v)
-    expect = jax.vmap(jax.grad(loss(plain), argnums=(0, 1, 2)))(q, k, v)
-    for a, b in zip(batched, expect):
-        close(a, b, dtype)
+    ct = jnp.asarray(rng.standard_normal(q[0].shape), dtype)  # jax.vjp's: not the ones of a sum
+    vjp_of = lambda fn: (lambda q, k, v: jax.vjp(fn, q, k, v)[1](ct))
+
+    def check(got, want, ref_of):
+        # float16: the original's own gradient errs up to 100x more than the rewritten one here (dq 4.6e-3 vs
+        # 4.0e-5 against float64), so both are held to float64; the other dtypes to the original directly.
+        if dtype != "float16":
+            for a, b in zip(got, want):
+                close(a, b, dtype)
+            return
+        with jax.enable_x64(True):
+            ref = ref_of(*(x.astype(jnp.float64) for x in (q, k, v, ct)))
+        for a, b, r in zip(got, want, ref):
+            as_accurate(a, b, r, dtype)
+
+    grad_of = lambda fn: jax.grad(loss(fn), argnums=(0, 1, 2))
+    want = grad_of(plain)(q[0], k[0], v[0])
+    for got in (grad_of(g)(q[0], k[0], v[0]), jax.jit(grad_of(g))(q[0], k[0], v[0])):
+        check(got, want, lambda q, k, v, ct: grad_of(plain)(q[0], k[0], v[0]))
+    check(jax.vmap(grad_of(g))(q, k, v), jax.vmap(grad_of(plain))(q, k, v),
+          lambda q, k, v, ct: jax.vmap(grad_of(plain))(q, k, v))
+    want = vjp_of(plain)(q[0], k[0], v[0])
+    for got in (vjp_of(g)(q[0], k[0], v[0]), jax.jit(vjp_of(g))(q[0], k[0], v[0])):
+        check(got, want, lambda q, k, v, ct: jax.vjp(plain, q[0], k[0], v[0])[1](ct))
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
@@ -228,13 +251,9 @@ def test_low_precision_gradients_as_accurate_as_the_original(dtype, mask, softma
         wide = [x.astype(jnp.float64) if jnp.issubdtype(x.dtype, jnp.floating) else x for x in args]
         ref = grads(make("bhnd", mask, "finfo", "logits", False, False), wide)
         ref = [np.asarray(r) for r in ref]
-    rtol, atol = tolerance(dtype)
     for new, old, want in zip(grads(g, args), grads(jax.jit(f), args), ref):
-        new, old = np.asarray(new, np.float64), np.asarray(old, np.float64)
-        scale = max(1.0, float(np.abs(want).max()))
-        err_new, err_old = np.abs(new - want).max(), np.abs(old - want).max()
-        assert err_new <= 2 * err_old + atol * scale, (dtype.name, err_new, err_old)
-        assert np.count_nonzero(new) >= np.count_nonzero(want) * 0.9  # no gradient silently zeroed
+        as_accurate(new, old, want, dtype)
+        assert np.count_nonzero(np.asarray(new)) >= np.count_nonzero(want) * 0.9  # no gradient silently zeroed
 
 
 @functools.lru_cache(maxsize=None)
@@ -264,9 +283,7 @@ def test_forward_mode(mode, dtype):
         return
     with jax.enable_x64(True):
         ref = np.asarray(run(plain, *(x.astype(jnp.float64) for x in (q, k, v, t))))
-    new, old = (np.asarray(run(f, q, k, v, t), np.float64) for f in (g, plain))
-    err_new, err_old = np.abs(new - ref).max(), np.abs(old - ref).max()
-    assert err_new <= 2 * err_old + tolerance(dtype)[1] * max(1.0, float(np.abs(ref).max())), (err_new, err_old)
+    as_accurate(run(g, q, k, v, t), run(plain, q, k, v, t), ref, dtype)
 
 
 _FORWARD_MODES = {
