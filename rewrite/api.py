@@ -34,6 +34,7 @@ from .errors import RewriteLimitWarning, RewriteWarning, _strict
 from .grad.primitive import Signature, bind_if_differentiated
 from .grad.vjp import VJPResult, build_vjp
 from .ir.jaxapi import core
+from .jaxpr import state as _state
 from .jaxpr.emit import check_signature
 from .jaxpr.trace import CONCRETIZATION_ERRORS, Traced, flatten_args, resolve_static, same_program, trace
 from .pipeline import Result, run_pipeline
@@ -41,6 +42,16 @@ from .rules.ruleset import entries_of
 from .rules.saturate import Limits
 
 log = logging.getLogger("rewrite")
+
+
+def _outputs(traced: Traced, values: Sequence[Any], nodes: tuple) -> Any:
+    """The call's result; the new values of the nnx Variables it replaced are written into ``nodes``."""
+    out = traced.outputs(values)
+    if not traced.carries_state:
+        return out
+    out, updates = out
+    _state.apply(nodes, updates)
+    return out
 
 
 def fallback_result(traced: Traced, stopped: str) -> Result:
@@ -96,7 +107,8 @@ class Rewritten:
         self.derivative_rewrites: collections.Counter = collections.Counter()
         self._programs: dict[Any, Any] = {}
 
-    def _prepare(self, args: tuple, kwargs: dict) -> tuple[Any, list[Any], tuple[Traced, Result]]:
+    def _prepare(self, args: tuple, kwargs: dict) -> tuple[Any, list[Any], tuple[Traced, Result], tuple]:
+        """The call's cache key, program operands, (traced, result) entry, and nnx nodes (``state.lift``)."""
         try:
             return self._lookup(args, kwargs)
         except CONCRETIZATION_ERRORS as e:
@@ -112,8 +124,8 @@ class Rewritten:
                 "trace them"), stacklevel=3)
             return self._lookup(args, kwargs)
 
-    def _lookup(self, args: tuple, kwargs: dict) -> tuple[Any, list[Any], tuple[Traced, Result]]:
-        leaves, in_tree, specs, key, stat_args, stat_kwargs = flatten_args(
+    def _lookup(self, args: tuple, kwargs: dict) -> tuple[Any, list[Any], tuple[Traced, Result], tuple]:
+        leaves, in_tree, specs, key, stat_args, stat_kwargs, nodes = flatten_args(
             args, kwargs, self.static_argnums, self.static_argnames, trace_floats=self._trace_floats)
         entry = self._cache.get(key)
         traced = None
@@ -141,7 +153,7 @@ class Rewritten:
             traced = trace(self.fn, specs, in_tree, stat_args, stat_kwargs, len(args))
         captured = traced.captured if traced is not None else ()
         flat = [_as_operand(x) for x, d in zip(leaves, entry[0].dynamic) if d] + list(captured)
-        return key, flat, entry
+        return key, flat, entry, nodes
 
     def _rewrite(self, traced: Traced) -> Result:
         """The result for one traced program: from the disk cache, else rewritten (and guarded) and stored."""
@@ -230,13 +242,13 @@ class Rewritten:
         return result
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        key, flat, (traced, result) = self._prepare(args, kwargs)
+        key, flat, (traced, result), nodes = self._prepare(args, kwargs)
         closed = result.after
         # Under grad/jvp the derivative rules run derivative programs rewritten for them (rewrite/grad/primitive.py).
         outs = bind_if_differentiated(lambda: self._program(key, traced, closed), traced, flat)
         if outs is None:
             outs = core.eval_jaxpr(closed.jaxpr, closed.consts, *flat)
-        return traced.outputs(outs)
+        return _outputs(traced, outs, nodes)
 
     def _program(self, key: Any, traced: Traced, forward: core.ClosedJaxpr) -> Any:
         program = self._programs.get(key)
@@ -253,7 +265,7 @@ class Rewritten:
         (``.bwd``: residuals + cotangents -> gradients), the residual split
         chosen and the splits considered. ``None`` if its rewrite failed.
         """
-        key, _, (traced, result) = self._prepare(args, kwargs)
+        key, _, (traced, result), _ = self._prepare(args, kwargs)
         return self._program(key, traced, result.after).vjp()
 
     def vjp_jaxprs(self, *args: Any, **kwargs: Any) -> tuple[core.ClosedJaxpr, core.ClosedJaxpr]:
@@ -265,7 +277,7 @@ class Rewritten:
 
     def jvp_jaxpr(self, *args: Any, **kwargs: Any) -> core.ClosedJaxpr:
         """The JVP program that ``jax.jvp`` of this function runs: (primals, tangents) -> (outputs, tangents)."""
-        key, _, (traced, result) = self._prepare(args, kwargs)
+        key, _, (traced, result), _ = self._prepare(args, kwargs)
         built = self._program(key, traced, result.after).jvp()
         if built is None:
             raise RuntimeError("the JVP was not rewritten (see the RewriteWarning); JAX differentiates the forward")
@@ -368,12 +380,12 @@ class RewrittenVJP(Rewritten):
         return build_vjp(traced, self.entries, self.cost_model, self.limits)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        _, flat, (traced, result) = self._prepare(args, kwargs)
+        _, flat, (traced, result), nodes = self._prepare(args, kwargs)
         if isinstance(result, _Unchanged):
             outs = core.eval_jaxpr(traced.closed.jaxpr, traced.closed.consts, *flat)
         else:
             outs = result.function(*flat)
-        return traced.outputs(list(outs))
+        return _outputs(traced, list(outs), nodes)
 
     def jaxpr(self, *args: Any, **kwargs: Any) -> core.ClosedJaxpr:
         """The primal program for these arguments' signature."""

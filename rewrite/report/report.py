@@ -365,10 +365,10 @@ def _trace(fn: Any, args: tuple, kwargs: dict, static_argnums: Sequence[int], st
     static_argnums, static_argnames = resolve_static(fn, static_argnums, static_argnames)
     t = time.perf_counter()
     try:
-        _, in_tree, specs, _, stat_args, stat_kwargs = flatten_args(args, kwargs, static_argnums, static_argnames)
+        _, in_tree, specs, _, stat_args, stat_kwargs, _ = flatten_args(args, kwargs, static_argnums, static_argnames)
         traced = trace(fn, specs, in_tree, stat_args, stat_kwargs, len(args))
     except CONCRETIZATION_ERRORS:  # a float argument steers control flow: static, as ``rewrite`` keeps it then
-        _, in_tree, specs, _, stat_args, stat_kwargs = flatten_args(args, kwargs, static_argnums, static_argnames,
+        _, in_tree, specs, _, stat_args, stat_kwargs, _ = flatten_args(args, kwargs, static_argnums, static_argnames,
                                                                     trace_floats=False)
         t = time.perf_counter()
         traced = trace(fn, specs, in_tree, stat_args, stat_kwargs, len(args))
