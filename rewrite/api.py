@@ -54,6 +54,12 @@ def _outputs(traced: Traced, values: Sequence[Any], nodes: tuple) -> Any:
     return out
 
 
+def _concrete(leaves: Sequence[Any], traced: Traced) -> list[Any] | None:
+    """The program's operands for this call, if all are concrete arrays (the guard times on them); else None."""
+    flat = [_as_operand(x) for x, d in zip(leaves, traced.dynamic) if d] + list(traced.captured)
+    return None if any(isinstance(x, core.Tracer) or not hasattr(x, "shape") for x in flat) else flat
+
+
 def fallback_result(traced: Traced, stopped: str) -> Result:
     return Result(before=traced.closed, after=traced.closed, cost_before=float("nan"), cost_after=float("nan"),
                   stopped=stopped, iterations=0, rows=0, times={}, stats={}, rewritten=False, warnings=[stopped])
@@ -145,7 +151,7 @@ class Rewritten:
                     trace_time = time.perf_counter() - t
                     # the cache keeps no tracer: they belong to this call's trace
                     kept = dataclasses.replace(traced, captured=())
-                    entry = (kept, self._rewrite(kept))
+                    entry = (kept, self._rewrite(kept, _concrete(leaves, traced)))
                     entry[1].times["trace"] = trace_time
                     self._cache[key] = entry
                     self.rewrites += 1
@@ -155,8 +161,9 @@ class Rewritten:
         flat = [_as_operand(x) for x, d in zip(leaves, entry[0].dynamic) if d] + list(captured)
         return key, flat, entry, nodes
 
-    def _rewrite(self, traced: Traced) -> Result:
-        """The result for one traced program: from the disk cache, else rewritten (and guarded) and stored."""
+    def _rewrite(self, traced: Traced, args: Sequence[Any] | None = None) -> Result:
+        """The result for one traced program: from the disk cache, else rewritten (and guarded, timed on
+        ``args``, the call's operands if concrete) and stored."""
         t = time.perf_counter()
         key, program = self._disk_key(traced)
         key_time = time.perf_counter() - t
@@ -174,7 +181,7 @@ class Rewritten:
         result = self._rewrite_fresh(traced)
         failed = result.stopped.startswith("error:")
         if self.guard is not None and not failed:
-            self._guard(result)
+            self._guard(result, args)
         if key is not None and not failed:
             result.times["cache_key"] = key_time
             self.disk.store(key, None if result.after is traced.closed else result.after, _cache.result_meta(result),
@@ -194,18 +201,21 @@ class Rewritten:
                       type(e).__name__, e)
             return None, None
 
-    def _guard(self, result: Result) -> None:
+    def _guard(self, result: Result, args: Sequence[Any] | None) -> None:
         t = time.perf_counter()
+        name = getattr(self.fn, "__name__", "function")
         try:
             # an unchanged program is passed as ``before`` itself, which the guard keeps without timing
             after = result.after if result.rewritten else result.before
-            result.after, result.guard = _guard.guard(result.before, after, self.guard)
+            result.after, result.guard = _guard.guard(result.before, after, self.guard, args)
         except Exception as e:
             if _strict(self.strict):
                 raise
-            result.guard = _guard.GuardDecision("rewritten", None, None, f"timing failed: {type(e).__name__}: {e}")
-            warnings.warn(RewriteWarning(f"the guard could not time {getattr(self.fn, '__name__', 'function')!r} "
-                                         f"({type(e).__name__}: {e}); keeping the rewritten program"), stacklevel=5)
+            result.after = result.before
+            result.guard = _guard.GuardDecision("original", None, None, f"timing failed: {type(e).__name__}: {e}")
+        if result.guard.seconds_original is None and result.rewritten:
+            warnings.warn(RewriteWarning(f"the guard could not time {name!r} ({result.guard.reason}); "
+                                         "keeping the original program"), stacklevel=5)
         result.times["guard"] = time.perf_counter() - t
 
     def _fall_back(self, e: Exception, what: str, instead: str) -> None:
@@ -366,7 +376,7 @@ class _Unchanged:
 class RewrittenVJP(Rewritten):
     """A function whose VJP is JAX's VJP of ``fn`` rewritten, as a ``jax.custom_vjp``. Made by ``rewrite(vjp=True)``."""
 
-    def _rewrite(self, traced: Traced) -> Any:
+    def _rewrite(self, traced: Traced, args: Sequence[Any] | None = None) -> Any:
         name = getattr(self.fn, "__name__", "function")
         try:
             return self._build(traced)
