@@ -247,8 +247,8 @@ class Rewritten:
                 self._warned.add(w)
                 warnings.warn(RewriteWarning(w), stacklevel=4)
         fired = {k: s.fired for k, s in result.stats.items() if s.fired}
-        log.info("rewrote %s: cost %.4g -> %.4g, %s, fired %s", name, result.cost_before, result.cost_after,
-                 result.stopped, fired)
+        log.info("rewrote %s: cost %.4g -> %.4g (%s), %s, fired %s", name, result.cost_before, result.cost_after,
+                 result.why or "input kept", result.stopped, fired)
         return result
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

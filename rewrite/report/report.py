@@ -154,6 +154,9 @@ class Report:
             f"stopped: {self.stopped}{self._retired()} after {self.iterations} iteration(s), {self.egraph_rows:,} e-graph rows",
             "time: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in self.times.items()),
         ]
+        why = getattr(self.result, "why", "")
+        if why and why != "cheaper":
+            lines.insert(1, f"the rewritten program is used though not predicted cheaper: {_WHY.get(why, why)}")
         if self.fired:
             width = max(len(k) for k in self.fired)
             lines.append("rules fired (nodes they built that the result uses):")
@@ -290,6 +293,16 @@ def provenance(result: Result) -> dict[str, int]:
         if origin is not None:
             used[origin] += 1
     return dict(used)
+
+
+#: what ``Result.why`` means, for a program used though not predicted cheaper (rewrite/pipeline.py)
+_WHY = {
+    "preferred": "preferred rules forced their forms (listed below), which cost more here",
+    "leaner": "it is priced within the model's lean_band of the cheapest and predicted to hold less memory",
+    "memory budget": "the input program is over the model's memory_budget",
+    "measured": "cost_model='measure' timed it faster",
+    "unexplained": "no reason recorded (please report this)",
+}
 
 
 def explain(fn: Any, *args: Any, rulesets: Any = (), cost_model: Any = None, limits: Limits | None = None,
