@@ -112,6 +112,7 @@ class Rewritten:
         #: derivative programs rewritten so far, by transformation ("vjp", "jvp"); see rewrite/grad/primitive.py
         self.derivative_rewrites: collections.Counter = collections.Counter()
         self._programs: dict[Any, Any] = {}
+        self._jitted: dict[Any, tuple[core.ClosedJaxpr, Any]] = {}  # key -> (program, jax.jit of it)
 
     def _prepare(self, args: tuple, kwargs: dict) -> tuple[Any, list[Any], tuple[Traced, Result], tuple]:
         """The call's cache key, program operands, (traced, result) entry, and nnx nodes (``state.lift``)."""
@@ -256,9 +257,20 @@ class Rewritten:
         closed = result.after
         # Under grad/jvp the derivative rules run derivative programs rewritten for them (rewrite/grad/primitive.py).
         outs = bind_if_differentiated(lambda: self._program(key, traced, closed), traced, flat)
+        if outs is None and traced.jitted:
+            # fn was a jitted function, whose jit the trace inlined: the rewritten program runs compiled
+            # too, not one operation at a time (which an eager call of eval_jaxpr would do)
+            outs = self._compiled(key, closed)(*flat)
         if outs is None:
             outs = core.eval_jaxpr(closed.jaxpr, closed.consts, *flat)
         return _outputs(traced, outs, nodes)
+
+    def _compiled(self, key: Any, closed: core.ClosedJaxpr) -> Callable[..., Any]:
+        found = self._jitted.get(key)
+        if found is None or found[0] is not closed:
+            found = (closed, jax.jit(core.jaxpr_as_fun(closed)))
+            self._jitted[key] = found
+        return found[1]
 
     def _program(self, key: Any, traced: Traced, forward: core.ClosedJaxpr) -> Any:
         program = self._programs.get(key)

@@ -52,6 +52,13 @@ class Traced:
     #: the outputs are ``(result, state.Updates)``: the new values of the nnx Variables the call replaced
     carries_state: bool = False
 
+    @property
+    def jitted(self) -> bool:
+        """Is the whole program one ``jit`` call (``jax.jit``, ``eqx.filter_jit``, ``nnx.jit`` of the
+        function)? The rewriter sees through it; the rewritten program is then run under ``jit`` too."""
+        eqns = self.closed.jaxpr.eqns
+        return len(eqns) == 1 and eqns[0].primitive.name in ("jit", "pjit")
+
     def outputs(self, values: Sequence[Any]) -> Any:
         """Rebuild the output pytree from the jaxpr's results."""
         it = iter(values)
@@ -219,9 +226,9 @@ def split_static(args: tuple, kwargs: dict, static_argnums: Sequence[int], stati
     return dyn_args, dyn_kwargs, stat_args, stat_kwargs
 
 
-def aval_key(x: Any) -> Any:
-    aval = jax.typeof(x)
-    return (tuple(aval.shape), str(aval.dtype), bool(getattr(aval, "weak_type", False)),
+def aval_key(aval: Any) -> Any:
+    # the dtype itself, not its name: str(dtype) is a third of a cached call's cost on a model's parameters
+    return (tuple(aval.shape), aval.dtype, bool(getattr(aval, "weak_type", False)),
             getattr(aval, "sharding", None), getattr(aval, "vma", None))
 
 
@@ -232,8 +239,9 @@ def leaf_specs(flat: Sequence[Any], traced: Sequence[bool] = ()) -> tuple[list[A
     key = []
     for i, x in enumerate(flat):
         if is_traced_leaf(x) or (i < len(traced) and traced[i]):
-            specs.append(jax.typeof(x))
-            key.append(aval_key(x))
+            aval = jax.typeof(x)
+            specs.append(aval)
+            key.append(aval_key(aval))
         else:
             s = Static(x)
             specs.append(s)
