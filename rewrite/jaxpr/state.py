@@ -69,9 +69,20 @@ def _nnx() -> Any:
     return sys.modules.get("flax.nnx")
 
 
+#: per type, whether its objects are nnx graph nodes (a registered graph type, a Variable, an array
+#: reference): asked of every node and leaf of every call's arguments, so asked of nnx once per type
+_NODE_TYPES: dict[type, bool] = {}
+
+
 def _is_node(x: Any) -> bool:
-    nnx = _nnx()
-    return nnx is not None and nnx.graph.is_graph_node(x)
+    t = type(x)
+    known = _NODE_TYPES.get(t)
+    if known is None:
+        nnx = _nnx()
+        if nnx is None:
+            return False
+        known = _NODE_TYPES[t] = bool(nnx.graph.is_graph_node(x))
+    return known
 
 
 @jax.tree_util.register_pytree_node_class
