@@ -16,7 +16,7 @@ from flax import nnx
 
 import rulesets
 from rewrite import rewrite
-from rewrite.jaxpr.state import StateError
+from rewrite import StateError
 
 PACKS = [rulesets.algebra, rulesets.nn]
 X = jax.random.normal(jax.random.key(1), (8, 3)) * 2 + 1

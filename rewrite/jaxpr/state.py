@@ -52,7 +52,7 @@ class StateError(ValueError):
 
     >>> import jax.numpy as jnp
     >>> from rewrite import rewrite
-    >>> from rewrite.jaxpr.state import StateError
+    >>> from rewrite import StateError
     >>> def count(stats, x):
     ...     stats["seen"] = stats["seen"] + x.shape[0]   # in place: lost under a trace
     ...     return x * 2
