@@ -110,9 +110,7 @@ def lift(args: tuple, kwargs: dict) -> tuple[tuple, dict, tuple]:
     if not nodes:
         return args, kwargs, ()
     graphdef, state = _nnx().split(nodes)
-    it = iter(range(len(nodes)))
-    slots = [Slot(i, graphdef, state) if i == 0 else Slot(i, graphdef) for i in it]
-    k = iter(slots)
+    k = iter([Slot(0, graphdef, state)] + [Slot(i, graphdef) for i in range(1, len(nodes))])
     args, kwargs = jax.tree_util.tree_unflatten(tree, [next(k) if _is_node(x) else x for x in leaves])
     return args, kwargs, nodes
 
