@@ -34,6 +34,7 @@ from .errors import RewriteLimitWarning, RewriteWarning, _strict
 from .grad.primitive import Signature, bind_if_differentiated
 from .grad.vjp import VJPResult, build_vjp
 from .ir.jaxapi import core
+from .jaxpr import state as _state
 from .jaxpr.emit import check_signature
 from .jaxpr.trace import CONCRETIZATION_ERRORS, Traced, flatten_args, resolve_static, same_program, trace
 from .pipeline import Result, run_pipeline
@@ -41,6 +42,22 @@ from .rules.ruleset import entries_of
 from .rules.saturate import Limits
 
 log = logging.getLogger("rewrite")
+
+
+def _outputs(traced: Traced, values: Sequence[Any], nodes: tuple) -> Any:
+    """The call's result; the new values of the nnx Variables it replaced are written into ``nodes``."""
+    out = traced.outputs(values)
+    if not traced.carries_state:
+        return out
+    out, updates = out
+    _state.apply(nodes, updates)
+    return out
+
+
+def _concrete(leaves: Sequence[Any], traced: Traced) -> list[Any] | None:
+    """The program's operands for this call, if all are concrete arrays (the guard times on them); else None."""
+    flat = [_as_operand(x) for x, d in zip(leaves, traced.dynamic) if d] + list(traced.captured)
+    return None if any(isinstance(x, core.Tracer) or not hasattr(x, "shape") for x in flat) else flat
 
 
 def fallback_result(traced: Traced, stopped: str) -> Result:
@@ -95,8 +112,10 @@ class Rewritten:
         #: derivative programs rewritten so far, by transformation ("vjp", "jvp"); see rewrite/grad/primitive.py
         self.derivative_rewrites: collections.Counter = collections.Counter()
         self._programs: dict[Any, Any] = {}
+        self._jitted: dict[Any, tuple[core.ClosedJaxpr, Any]] = {}  # key -> (program, jax.jit of it)
 
-    def _prepare(self, args: tuple, kwargs: dict) -> tuple[Any, list[Any], tuple[Traced, Result]]:
+    def _prepare(self, args: tuple, kwargs: dict) -> tuple[Any, list[Any], tuple[Traced, Result], tuple]:
+        """The call's cache key, program operands, (traced, result) entry, and nnx nodes (``state.lift``)."""
         try:
             return self._lookup(args, kwargs)
         except CONCRETIZATION_ERRORS as e:
@@ -112,8 +131,8 @@ class Rewritten:
                 "trace them"), stacklevel=3)
             return self._lookup(args, kwargs)
 
-    def _lookup(self, args: tuple, kwargs: dict) -> tuple[Any, list[Any], tuple[Traced, Result]]:
-        leaves, in_tree, specs, key, stat_args, stat_kwargs = flatten_args(
+    def _lookup(self, args: tuple, kwargs: dict) -> tuple[Any, list[Any], tuple[Traced, Result], tuple]:
+        leaves, in_tree, specs, key, stat_args, stat_kwargs, nodes = flatten_args(
             args, kwargs, self.static_argnums, self.static_argnames, trace_floats=self._trace_floats)
         entry = self._cache.get(key)
         traced = None
@@ -133,7 +152,7 @@ class Rewritten:
                     trace_time = time.perf_counter() - t
                     # the cache keeps no tracer: they belong to this call's trace
                     kept = dataclasses.replace(traced, captured=())
-                    entry = (kept, self._rewrite(kept))
+                    entry = (kept, self._rewrite(kept, _concrete(leaves, traced)))
                     entry[1].times["trace"] = trace_time
                     self._cache[key] = entry
                     self.rewrites += 1
@@ -141,10 +160,11 @@ class Rewritten:
             traced = trace(self.fn, specs, in_tree, stat_args, stat_kwargs, len(args))
         captured = traced.captured if traced is not None else ()
         flat = [_as_operand(x) for x, d in zip(leaves, entry[0].dynamic) if d] + list(captured)
-        return key, flat, entry
+        return key, flat, entry, nodes
 
-    def _rewrite(self, traced: Traced) -> Result:
-        """The result for one traced program: from the disk cache, else rewritten (and guarded) and stored."""
+    def _rewrite(self, traced: Traced, args: Sequence[Any] | None = None) -> Result:
+        """The result for one traced program: from the disk cache, else rewritten (and guarded, timed on
+        ``args``, the call's operands if concrete) and stored."""
         t = time.perf_counter()
         key, program = self._disk_key(traced)
         key_time = time.perf_counter() - t
@@ -162,7 +182,7 @@ class Rewritten:
         result = self._rewrite_fresh(traced)
         failed = result.stopped.startswith("error:")
         if self.guard is not None and not failed:
-            self._guard(result)
+            self._guard(result, args)
         if key is not None and not failed:
             result.times["cache_key"] = key_time
             self.disk.store(key, None if result.after is traced.closed else result.after, _cache.result_meta(result),
@@ -182,18 +202,21 @@ class Rewritten:
                       type(e).__name__, e)
             return None, None
 
-    def _guard(self, result: Result) -> None:
+    def _guard(self, result: Result, args: Sequence[Any] | None) -> None:
         t = time.perf_counter()
+        name = getattr(self.fn, "__name__", "function")
         try:
             # an unchanged program is passed as ``before`` itself, which the guard keeps without timing
             after = result.after if result.rewritten else result.before
-            result.after, result.guard = _guard.guard(result.before, after, self.guard)
+            result.after, result.guard = _guard.guard(result.before, after, self.guard, args)
         except Exception as e:
             if _strict(self.strict):
                 raise
-            result.guard = _guard.GuardDecision("rewritten", None, None, f"timing failed: {type(e).__name__}: {e}")
-            warnings.warn(RewriteWarning(f"the guard could not time {getattr(self.fn, '__name__', 'function')!r} "
-                                         f"({type(e).__name__}: {e}); keeping the rewritten program"), stacklevel=5)
+            result.after = result.before
+            result.guard = _guard.GuardDecision("original", None, None, f"timing failed: {type(e).__name__}: {e}")
+        if result.guard.seconds_original is None and result.rewritten:
+            warnings.warn(RewriteWarning(f"the guard could not time {name!r} ({result.guard.reason}); "
+                                         "keeping the original program"), stacklevel=5)
         result.times["guard"] = time.perf_counter() - t
 
     def _fall_back(self, e: Exception, what: str, instead: str) -> None:
@@ -225,18 +248,29 @@ class Rewritten:
                 self._warned.add(w)
                 warnings.warn(RewriteWarning(w), stacklevel=4)
         fired = {k: s.fired for k, s in result.stats.items() if s.fired}
-        log.info("rewrote %s: cost %.4g -> %.4g, %s, fired %s", name, result.cost_before, result.cost_after,
-                 result.stopped, fired)
+        log.info("rewrote %s: cost %.4g -> %.4g (%s), %s, fired %s", name, result.cost_before, result.cost_after,
+                 result.why or "input kept", result.stopped, fired)
         return result
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        key, flat, (traced, result) = self._prepare(args, kwargs)
+        key, flat, (traced, result), nodes = self._prepare(args, kwargs)
         closed = result.after
         # Under grad/jvp the derivative rules run derivative programs rewritten for them (rewrite/grad/primitive.py).
         outs = bind_if_differentiated(lambda: self._program(key, traced, closed), traced, flat)
+        if outs is None and traced.jitted:
+            # fn was a jitted function, whose jit the trace inlined: the rewritten program runs compiled
+            # too, not one operation at a time (which an eager call of eval_jaxpr would do)
+            outs = self._compiled(key, closed)(*flat)
         if outs is None:
             outs = core.eval_jaxpr(closed.jaxpr, closed.consts, *flat)
-        return traced.outputs(outs)
+        return _outputs(traced, outs, nodes)
+
+    def _compiled(self, key: Any, closed: core.ClosedJaxpr) -> Callable[..., Any]:
+        found = self._jitted.get(key)
+        if found is None or found[0] is not closed:
+            found = (closed, jax.jit(core.jaxpr_as_fun(closed)))
+            self._jitted[key] = found
+        return found[1]
 
     def _program(self, key: Any, traced: Traced, forward: core.ClosedJaxpr) -> Any:
         program = self._programs.get(key)
@@ -253,7 +287,7 @@ class Rewritten:
         (``.bwd``: residuals + cotangents -> gradients), the residual split
         chosen and the splits considered. ``None`` if its rewrite failed.
         """
-        key, _, (traced, result) = self._prepare(args, kwargs)
+        key, _, (traced, result), _ = self._prepare(args, kwargs)
         return self._program(key, traced, result.after).vjp()
 
     def vjp_jaxprs(self, *args: Any, **kwargs: Any) -> tuple[core.ClosedJaxpr, core.ClosedJaxpr]:
@@ -265,7 +299,7 @@ class Rewritten:
 
     def jvp_jaxpr(self, *args: Any, **kwargs: Any) -> core.ClosedJaxpr:
         """The JVP program that ``jax.jvp`` of this function runs: (primals, tangents) -> (outputs, tangents)."""
-        key, _, (traced, result) = self._prepare(args, kwargs)
+        key, _, (traced, result), _ = self._prepare(args, kwargs)
         built = self._program(key, traced, result.after).jvp()
         if built is None:
             raise RuntimeError("the JVP was not rewritten (see the RewriteWarning); JAX differentiates the forward")
@@ -354,7 +388,7 @@ class _Unchanged:
 class RewrittenVJP(Rewritten):
     """A function whose VJP is JAX's VJP of ``fn`` rewritten, as a ``jax.custom_vjp``. Made by ``rewrite(vjp=True)``."""
 
-    def _rewrite(self, traced: Traced) -> Any:
+    def _rewrite(self, traced: Traced, args: Sequence[Any] | None = None) -> Any:
         name = getattr(self.fn, "__name__", "function")
         try:
             return self._build(traced)
@@ -368,12 +402,12 @@ class RewrittenVJP(Rewritten):
         return build_vjp(traced, self.entries, self.cost_model, self.limits)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        _, flat, (traced, result) = self._prepare(args, kwargs)
+        _, flat, (traced, result), nodes = self._prepare(args, kwargs)
         if isinstance(result, _Unchanged):
             outs = core.eval_jaxpr(traced.closed.jaxpr, traced.closed.consts, *flat)
         else:
             outs = result.function(*flat)
-        return traced.outputs(list(outs))
+        return _outputs(traced, list(outs), nodes)
 
     def jaxpr(self, *args: Any, **kwargs: Any) -> core.ClosedJaxpr:
         """The primal program for these arguments' signature."""

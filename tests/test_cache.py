@@ -439,11 +439,45 @@ def test_guard_never_runs_a_program_with_effects():
         return 2 * jnp.sin(x) * jnp.cos(x)
 
     r = rewrite(f, rulesets=[TRIG], guard=True, cache=False)
-    result = r.result(jnp.ones(3))
+    with pytest.warns(RewriteWarning, match="could not time"):
+        result = r.result(jnp.ones(3))
     assert calls == [] and result.rewritten
-    assert result.guard.kept == "rewritten" and "effects" in result.guard.reason
+    # a guard that cannot time keeps the original
+    assert result.guard.kept == "original" and "effects" in result.guard.reason and result.after is result.before
     r(jnp.ones(3))
     assert calls == [1]
+
+
+def _increasing_only(ts):
+    """A program with its own check, which random inputs fail (as diffrax's ``saveat.ts`` check does)."""
+    import equinox as eqx
+
+    ts = eqx.error_if(ts, jnp.any(ts[1:] <= ts[:-1]), "ts must be increasing")
+    return 2 * jnp.sin(ts) * jnp.cos(ts)
+
+
+def test_guard_times_on_the_calls_own_arguments():
+    f = rewrite(_increasing_only, rulesets=[TRIG], guard=QUICK, cache=False)
+    ts = jnp.linspace(0.0, 1.0, 256)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RewriteWarning)
+        out = f(ts)
+    np.testing.assert_allclose(out, jnp.sin(2 * ts), atol=1e-6)
+    decision = f.result(ts).guard
+    assert decision.seconds_original is not None and decision.seconds_rewritten is not None, decision
+    assert "call's arguments" in decision.reason
+
+
+def test_guard_that_cannot_time_keeps_the_original():
+    """Under jit the call's arguments are tracers, random inputs fail the program's check: nothing is timed."""
+    f = rewrite(_increasing_only, rulesets=[TRIG], guard=QUICK, cache=False)
+    ts = jnp.linspace(0.0, 1.0, 256)
+    with pytest.warns(RewriteWarning, match="could not time"):
+        out = jax.jit(f)(ts)
+    np.testing.assert_allclose(out, jnp.sin(2 * ts), atol=1e-6)
+    result = f.result(ts)
+    assert result.guard.kept == "original" and result.guard.seconds_original is None
+    assert result.after is result.before  # the original is what runs
 
 
 # ---------------------------------------------------------------------- trust: an entry is data, and only ours

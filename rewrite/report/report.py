@@ -154,6 +154,9 @@ class Report:
             f"stopped: {self.stopped}{self._retired()} after {self.iterations} iteration(s), {self.egraph_rows:,} e-graph rows",
             "time: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in self.times.items()),
         ]
+        why = getattr(self.result, "why", "")
+        if why and why != "cheaper":
+            lines.insert(1, f"the rewritten program is used though not predicted cheaper: {_WHY.get(why, why)}")
         if self.fired:
             width = max(len(k) for k in self.fired)
             lines.append("rules fired (nodes they built that the result uses):")
@@ -292,6 +295,16 @@ def provenance(result: Result) -> dict[str, int]:
     return dict(used)
 
 
+#: what ``Result.why`` means, for a program used though not predicted cheaper (rewrite/pipeline.py)
+_WHY = {
+    "preferred": "preferred rules forced their forms (listed below), which cost more here",
+    "leaner": "it is priced within the model's lean_band of the cheapest and predicted to hold less memory",
+    "memory budget": "the input program is over the model's memory_budget",
+    "measured": "cost_model='measure' timed it faster",
+    "unexplained": "no reason recorded (please report this)",
+}
+
+
 def explain(fn: Any, *args: Any, rulesets: Any = (), cost_model: Any = None, limits: Limits | None = None,
             static_argnums: Sequence[int] = (), static_argnames: Sequence[str] = (), grad: bool = False,
             **kwargs: Any) -> Report:
@@ -365,10 +378,10 @@ def _trace(fn: Any, args: tuple, kwargs: dict, static_argnums: Sequence[int], st
     static_argnums, static_argnames = resolve_static(fn, static_argnums, static_argnames)
     t = time.perf_counter()
     try:
-        _, in_tree, specs, _, stat_args, stat_kwargs = flatten_args(args, kwargs, static_argnums, static_argnames)
+        _, in_tree, specs, _, stat_args, stat_kwargs, _ = flatten_args(args, kwargs, static_argnums, static_argnames)
         traced = trace(fn, specs, in_tree, stat_args, stat_kwargs, len(args))
     except CONCRETIZATION_ERRORS:  # a float argument steers control flow: static, as ``rewrite`` keeps it then
-        _, in_tree, specs, _, stat_args, stat_kwargs = flatten_args(args, kwargs, static_argnums, static_argnames,
+        _, in_tree, specs, _, stat_args, stat_kwargs, _ = flatten_args(args, kwargs, static_argnums, static_argnames,
                                                                     trace_floats=False)
         t = time.perf_counter()
         traced = trace(fn, specs, in_tree, stat_args, stat_kwargs, len(args))
