@@ -253,8 +253,11 @@ class Rewritten:
         (``.bwd``: residuals + cotangents -> gradients), the residual split
         chosen and the splits considered. ``None`` if its rewrite failed.
         """
+        return self._signature(args, kwargs).vjp()
+
+    def _signature(self, args: tuple, kwargs: dict) -> Signature:
         key, _, (traced, result) = self._prepare(args, kwargs)
-        return self._program(key, traced, result.after).vjp()
+        return self._program(key, traced, result.after)
 
     def vjp_jaxprs(self, *args: Any, **kwargs: Any) -> tuple[core.ClosedJaxpr, core.ClosedJaxpr]:
         """The forward (primals -> outputs + residuals) and backward (residuals + cotangents -> gradients) programs."""
