@@ -287,8 +287,11 @@ class Rewritten:
         (``.bwd``: residuals + cotangents -> gradients), the residual split
         chosen and the splits considered. ``None`` if its rewrite failed.
         """
+        return self._signature(args, kwargs).vjp()
+
+    def _signature(self, args: tuple, kwargs: dict) -> Signature:
         key, _, (traced, result), _ = self._prepare(args, kwargs)
-        return self._program(key, traced, result.after).vjp()
+        return self._program(key, traced, result.after)
 
     def vjp_jaxprs(self, *args: Any, **kwargs: Any) -> tuple[core.ClosedJaxpr, core.ClosedJaxpr]:
         """The forward (primals -> outputs + residuals) and backward (residuals + cotangents -> gradients) programs."""
@@ -299,8 +302,7 @@ class Rewritten:
 
     def jvp_jaxpr(self, *args: Any, **kwargs: Any) -> core.ClosedJaxpr:
         """The JVP program that ``jax.jvp`` of this function runs: (primals, tangents) -> (outputs, tangents)."""
-        key, _, (traced, result), _ = self._prepare(args, kwargs)
-        built = self._program(key, traced, result.after).jvp()
+        built = self._signature(args, kwargs).jvp()
         if built is None:
             raise RuntimeError("the JVP was not rewritten (see the RewriteWarning); JAX differentiates the forward")
         return built.program

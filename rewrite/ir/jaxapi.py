@@ -29,6 +29,7 @@ from jax._src import config as _config
 from jax._src import core as _core
 from jax._src import literals as _literals
 from jax._src import source_info_util as _source_info_util
+from jax._src import util as _util
 from jax._src.interpreters import ad as _ad
 from jax._src.interpreters import partial_eval as _pe
 from jax._src.lax import control_flow as _control_flow
@@ -108,6 +109,18 @@ PRIMITIVE_MODULES = (_lax, _slicing, _control_flow, primitives)
 #: ``lax.optimization_barrier``'s primitive, bound directly by the measured cost model's pinned variant
 #: (``jax.extend.core.primitives`` does not list it).
 optimization_barrier_p = _lax.optimization_barrier_p
+
+def held_weakly_by_jax_caches(cls: type) -> type:
+    """Make JAX's caches that are keyed by a primitive's params hold ``cls``'s values weakly; returns ``cls``.
+
+    Tracing a primitive puts its params in caches that outlive the trace (``_cached_abstract_eval``, an
+    LRU of 2,048 entries, is one): a param whose value owns a rewrite's programs would keep them, and a
+    function's every signature, alive for good. JAX holds its own ``Jaxpr`` and ``ClosedJaxpr`` weakly this
+    way (``weakref_cache_key_types``); there is no public name for it. ``cls`` must hash by identity.
+    """
+    _util.weakref_cache_key_types.add(cls)
+    return cls
+
 
 #: The user's frame of an equation's source location, for the report (``jax.extend.source_info_util``
 #: has ``summarize``, which formats it, but nothing that returns the frame).

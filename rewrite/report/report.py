@@ -336,7 +336,8 @@ def explain(fn: Any, *args: Any, rulesets: Any = (), cost_model: Any = None, lim
         # What jax.grad of rewrite(fn) runs: the VJP of the rewritten forward program, rewritten.
         if not (isinstance(fn, Rewritten) and not rulesets):
             fn = Rewritten(fn, rulesets, cost_model, limits, static_argnums, static_argnames, strict=None)
-        gradient = fn.grad_result(*args, **kwargs)
+        # its e-graph is kept for the provenance below, unless jax.grad built this signature's VJP first
+        gradient = fn._signature(args, kwargs).vjp(keep=True)
         if gradient is None:
             raise RuntimeError("the VJP was not rewritten (see the RewriteWarning)")
         entries = fn.entries
