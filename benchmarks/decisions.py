@@ -21,7 +21,7 @@ at least 10% slower, or declines one measured at least 10% faster, by more than 
 ``--write`` writes ``benchmarks/results/decisions.md`` and ``.json``, and the golden decisions
 ``tests/golden/decisions.json``: each case's choice under the fixed table ``tests/golden/cost_table.json``
 with the ratio measured for it, which ``tests/test_decisions.py`` holds every change to. ``--lock`` holds the
-benchmark lock while each case is timed (and not while it is rewritten)::
+benchmark lock while cases are timed (``--chunk`` at a time), not while they are rewritten::
 
     python -m benchmarks.decisions --lock /tmp/bench.lock --write            # every case, about half an hour
     python -m benchmarks.decisions --lock /tmp/bench.lock --quick            # a few minutes, nothing written
@@ -638,7 +638,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rounds", type=int, default=0, help="timed rounds per case (default 7, --quick 5)")
     ap.add_argument("--write", action="store_true", help="write the results and the golden decisions")
     ap.add_argument("--list", action="store_true", help="list the cases and exit")
-    ap.add_argument("--lock", default="", help="a lock file (flock) to hold while each case is timed, and only then")
+    ap.add_argument("--lock", default="", help="a lock file (flock) to hold while cases are timed, and only then")
+    ap.add_argument("--chunk", type=int, default=12, help="cases rewritten before each hold of the lock")
     opts = ap.parse_args(argv)
     names = [n for n in opts.cases.split(",") if n]
     chosen = select(names, opts.quick)
@@ -651,20 +652,28 @@ def main(argv: list[str] | None = None) -> None:
     rounds = opts.rounds or (5 if opts.quick else 7)
     load0 = os.getloadavg()
     records: list[dict] = []
-    for case in chosen:
-        try:
-            d = decide(case)
-            with _holding(opts.lock):
-                recs = measure_case(d, rounds)
-        except Exception as e:  # a case that fails to build or run is reported, not hidden
-            print(f"{case.name}: FAILED {type(e).__name__}: {e}", flush=True)
-            continue
-        records.extend(recs)
-        for r in recs:
-            print(f"{r['case']:45s} {r['pair']:40s} predicted {r['predicted']:6.2f}x measured {r['measured']:6.2f}x "
-                  f"A/A {r['aa']:.2f}x{'  WRONG' if r['wrong'] else ''}", flush=True)
-        if not recs:
-            print(f"{case.name:45s} ({d.decision}; no pair to time)", flush=True)
+    # rewritten outside the lock, a chunk of cases at a time, then timed holding it
+    for start in range(0, len(chosen), opts.chunk):
+        decided = []
+        for case in chosen[start:start + opts.chunk]:
+            try:
+                decided.append(decide(case))
+            except Exception as e:  # a case that fails to build is reported, not hidden
+                print(f"{case.name}: FAILED to decide: {type(e).__name__}: {e}", flush=True)
+        with _holding(opts.lock):
+            for d in decided:
+                try:
+                    recs = measure_case(d, rounds)
+                except Exception as e:
+                    print(f"{d.case.name}: FAILED to run: {type(e).__name__}: {e}", flush=True)
+                    continue
+                records.extend(recs)
+                for r in recs:
+                    print(f"{r['case']:45s} {r['pair']:40s} predicted {r['predicted']:6.2f}x measured "
+                          f"{r['measured']:6.2f}x A/A {r['aa']:.2f}x{'  WRONG' if r['wrong'] else ''}", flush=True)
+                if not recs:
+                    print(f"{d.case.name:45s} ({d.decision}; no pair to time)", flush=True)
+        del decided
         jax.clear_caches()
     meta = {"command": "python -m benchmarks.decisions" + (" --quick" if opts.quick else "")
             + (f" --cases {opts.cases}" if names else "") + (f" --rounds {opts.rounds}" if opts.rounds else ""),
