@@ -54,6 +54,8 @@ from benchmarks import harness
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 GOLDEN = pathlib.Path(__file__).parent.parent / "tests" / "golden" / "decisions.json"
+#: the records of a run so far, one case at a time, so that a run stopped part-way can ``--resume``
+PARTIAL = RESULTS / "decisions.partial.json"
 #: every built-in pack but fastmath, as a user who takes the exact packs gets them
 PACKS = ("algebra", "derivatives", "scan", "linalg", "nn", "attention")
 #: how far a measured ratio must be on the other side of 1 for a decision to count as wrong (beyond the A/A)
@@ -358,7 +360,7 @@ def decide(case: Case, *, programs: bool = True) -> Decided:
         before, after = first.before, second.before
         predicted = (first.cost_before + first.fixed_cost) / (second.cost_before + first.fixed_cost)
         pair = Pair(case.name, "hand", "hand", "original", "hand", predicted,
-                    predicted_temp=(_temp(model, before), _temp(model, after)))
+                    predicted_temp=(_temp(model, before), _temp(model, after)) if programs else (0, 0))
         decision = "prefers the hand-written form" if pair.prefers == "second" else "prefers the program as written"
         variants = {"original": flat, "aa": _again(flat), "hand": hand} if programs else {}
         return Decided(case, decision, [pair], variants, leaves)
@@ -378,9 +380,10 @@ def decide(case: Case, *, programs: bool = True) -> Decided:
     if programs:
         variants = {"original": _fun(report.before), "aa": _again(_fun(report.before))}
     if res.rewritten:
-        pairs.append(Pair(case.name, "chosen", "chosen", "original", "rewritten", report.predicted_speedup,
-                          _breakdown(report), (_temp(model, report.before), _temp(model, report.after))))
-        if programs:
+        pairs.append(Pair(case.name, "chosen", "chosen", "original", "rewritten", report.predicted_speedup))
+        if programs:  # what a report shows: the terms behind the prediction
+            pairs[-1].drivers = _breakdown(report)
+            pairs[-1].predicted_temp = (_temp(model, report.before), _temp(model, report.after))
             variants["rewritten"] = _fun(report.after)
     # the loop rewrites built and not chosen, each against the program chosen (for a gradient, both unsplit)
     kept = "rewritten" if case.mode == "forward" and res.rewritten else ("kept" if res.rewritten else "original")
@@ -403,9 +406,10 @@ def decide(case: Case, *, programs: bool = True) -> Decided:
             alone = explain(flat, *leaves, rulesets=packs())
         if alone.result.rewritten:
             pairs.append(Pair(case.name, f"block:{keys}", "block", "original", f"block:{keys}",
-                              alone.predicted_speedup, _breakdown(alone),
-                              (_temp(model, alone.before), _temp(model, alone.after))))
+                              alone.predicted_speedup))
             if programs:
+                pairs[-1].drivers = _breakdown(alone)
+                pairs[-1].predicted_temp = (_temp(model, alone.before), _temp(model, alone.after))
                 variants[f"block:{keys}"] = _fun(alone.after)
     return Decided(case, decision, pairs, variants, run_args)
 
@@ -541,6 +545,10 @@ def markdown(records: list[dict], meta: dict) -> str:
     pred = [math.log(r["predicted"]) for r in records]
     meas = [math.log(r["measured"]) for r in records]
     rho = spearman(pred, meas)
+    near = [r for r in records if 0.8 <= r["predicted"] <= 1.25]
+    rho_near = spearman([math.log(r["predicted"]) for r in near], [math.log(r["measured"]) for r in near])
+    errors = sorted(abs(math.log(r["measured"] / r["predicted"])) for r in records)
+    band = {q: math.exp(errors[min(len(errors) - 1, int(q * len(errors)))]) - 1 for q in (0.5, 0.8, 0.9)}
     wrong = [r for r in records if r["wrong"]]
     miss = sorted(records, key=lambda r: -abs(math.log(r["predicted"]) - math.log(r["measured"])))
     kinds = {k: sum(1 for r in records if r["kind"] == k) for k in ("chosen", "declined", "block", "hand")}
@@ -558,12 +566,17 @@ def markdown(records: list[dict], meta: dict) -> str:
         "faster. The model *prefers* the second where it predicts above 1. Memory: the second's temp memory "
         "over the first's (`memory_analysis`).\n",
         "## Headline\n",
+        *([f"- decided and recorded but not timed (XLA compiled one of their programs for minutes): "
+           f"{', '.join(meta['skipped'])}"] if meta.get("skipped") else []),
         f"- pairs: {len(records)} ({', '.join(f'{n} {k}' for k, n in kinds.items())}) from {len({r['case'] for r in records})} "
         f"cases, rewritten with {', '.join(PACKS)}",
         f"- **on the wrong side** (prefers a program measured >= {MARGIN:.0%} slower, or declines one measured "
         f">= {MARGIN:.0%} faster, beyond the A/A): **{len(wrong)}**"
         + (f": {', '.join(r['case'] + ' ' + r['pair'] for r in wrong)}" if wrong else ""),
-        f"- **Spearman rank correlation** of predicted against measured ratio: **{rho:.2f}**",
+        f"- **Spearman rank correlation** of predicted against measured ratio: **{rho:.2f}** over every pair; "
+        f"{rho_near:.2f} over the {len(near)} pairs predicted within 0.8-1.25x (the decisions that are close calls)",
+        f"- the model's error (measured over predicted, either way): median {band[0.5]:.0%}, 80th percentile "
+        f"{band[0.8]:.0%}, 90th {band[0.9]:.0%}",
         f"- preferred programs that hold more temp memory than the first (by 1% and 64 KiB): {len(grew)}"
         + (f": {', '.join(r['case'] + ' ' + r['pair'] for r in grew)}" if grew else ""),
         "",
@@ -638,8 +651,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rounds", type=int, default=0, help="timed rounds per case (default 7, --quick 5)")
     ap.add_argument("--write", action="store_true", help="write the results and the golden decisions")
     ap.add_argument("--list", action="store_true", help="list the cases and exit")
+    ap.add_argument("--report", action="store_true", help="write decisions.md again from decisions.json, measuring nothing")
     ap.add_argument("--lock", default="", help="a lock file (flock) to hold while cases are timed, and only then")
     ap.add_argument("--chunk", type=int, default=12, help="cases rewritten before each hold of the lock")
+    ap.add_argument("--skip", default="", help="cases decided and recorded but not timed (a program XLA compiles for minutes)")
+    ap.add_argument("--resume", action="store_true", help=f"keep the cases already timed in {PARTIAL.name} and time the rest")
     opts = ap.parse_args(argv)
     names = [n for n in opts.cases.split(",") if n]
     chosen = select(names, opts.quick)
@@ -647,15 +663,27 @@ def main(argv: list[str] | None = None) -> None:
         for c in chosen:
             print(f"{c.name:55s} {c.mode:8s} {c.source}")
         return
+    if opts.report:
+        saved = json.loads((RESULTS / "decisions.json").read_text())
+        old_md = (RESULTS / "decisions.md").read_text() if (RESULTS / "decisions.md").exists() else ""
+        kept = old_md[old_md.index(harness.HAND_NOTES):] if harness.HAND_NOTES in old_md else ""
+        (RESULTS / "decisions.md").write_text(markdown(saved["records"], saved["meta"]) + (f"\n{kept}" if kept else ""))
+        return
     if opts.write and opts.quick:
         ap.error("--write records every case (or those of --cases); --quick is a look, not a record")
     rounds = opts.rounds or (5 if opts.quick else 7)
     load0 = os.getloadavg()
     records: list[dict] = []
+    skip = {n for n in opts.skip.split(",") if n}
+    done: set[str] = set()
+    if opts.resume and PARTIAL.exists():
+        saved = json.loads(PARTIAL.read_text())
+        records, done = saved["records"], set(saved["done"])
+    timed = [c for c in chosen if c.name not in skip and c.name not in done]
     # rewritten outside the lock, a chunk of cases at a time, then timed holding it
-    for start in range(0, len(chosen), opts.chunk):
+    for start in range(0, len(timed), opts.chunk):
         decided = []
-        for case in chosen[start:start + opts.chunk]:
+        for case in timed[start:start + opts.chunk]:
             try:
                 decided.append(decide(case))
             except Exception as e:  # a case that fails to build is reported, not hidden
@@ -673,6 +701,8 @@ def main(argv: list[str] | None = None) -> None:
                           f"{r['measured']:6.2f}x A/A {r['aa']:.2f}x{'  WRONG' if r['wrong'] else ''}", flush=True)
                 if not recs:
                     print(f"{d.case.name:45s} ({d.decision}; no pair to time)", flush=True)
+                done.add(d.case.name)
+                PARTIAL.write_text(json.dumps({"records": records, "done": sorted(done)}, default=float))
         del decided
         jax.clear_caches()
     meta = {"command": "python -m benchmarks.decisions" + (" --quick" if opts.quick else "")
@@ -683,8 +713,10 @@ def main(argv: list[str] | None = None) -> None:
             "load": [f"{x:.1f}" for x in load0[:1]] + [f"{os.getloadavg()[0]:.1f}"]}
     if records:
         print(markdown(records, meta).split("## Worst misses")[0])
+    meta["skipped"] = sorted(skip)
     if opts.write:
         write(records, meta, golden_decisions(chosen), [c.name for c in chosen] if names else None)
+        PARTIAL.unlink(missing_ok=True)
         print(f"wrote {RESULTS / 'decisions.md'}, .json and {GOLDEN}")
 
 
