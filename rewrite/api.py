@@ -205,6 +205,11 @@ class Rewritten:
     def _guard(self, result: Result, args: Sequence[Any] | None) -> None:
         t = time.perf_counter()
         name = getattr(self.fn, "__name__", "function")
+        untimed = self.guard.untimed(self._predicted(result)) if result.rewritten else None
+        if untimed is not None:
+            result.guard = _guard.GuardDecision("rewritten", None, None, untimed)
+            result.times["guard"] = time.perf_counter() - t
+            return
         try:
             # an unchanged program is passed as ``before`` itself, which the guard keeps without timing
             after = result.after if result.rewritten else result.before
@@ -218,6 +223,14 @@ class Rewritten:
             warnings.warn(RewriteWarning(f"the guard could not time {name!r} ({result.guard.reason}); "
                                          "keeping the original program"), stacklevel=5)
         result.times["guard"] = time.perf_counter() - t
+
+    def _predicted(self, result: Result) -> float:
+        """The model's predicted speed-up of the rewrite, a call's fixed cost included where the model has one."""
+        fixed = getattr(self.cost_model, "fixed", None)
+        closed = result.before
+        extra = float(fixed(len(closed.in_avals) + len(closed.out_avals))) if callable(fixed) else 0.0
+        after = result.cost_after + extra
+        return (result.cost_before + extra) / after if after > 0 else float("nan")
 
     def _fall_back(self, e: Exception, what: str, instead: str) -> None:
         """Called while ``e`` is handled: re-raise it under strict; else say, as a warning at the user's call

@@ -6,6 +6,7 @@ another program's entry, an unwritable directory, several writers at once) gives
 and a warning, never a wrong program; a rule whose identity cannot be hashed turns caching off.
 """
 
+import dataclasses
 import logging
 import os
 import pathlib
@@ -556,3 +557,17 @@ def test_an_entry_others_could_have_written_is_not_loaded(tmp_path, how):
     with pytest.warns(RewriteWarning, match="not loading rewrite cache entry"):
         second.jaxpr(*ARGS)
     assert second.loaded == 0
+
+
+def test_guard_times_only_near_ties_when_asked():
+    """``Guard(near_tie=f)`` times a rewrite only where the model predicts it within ``f`` of the original's
+    speed: dropping a sort is predicted far faster, so it is kept untimed under a narrow band, timed under a wide one."""
+    x = jnp.linspace(-1.0, 1.0, 1 << 16)
+    f = rewrite(lambda x: jnp.sum(jnp.sort(x)), rulesets=[FAST], guard=dataclasses.replace(QUICK, near_tie=0.1),
+                cache=False)
+    g = f.result(x).guard
+    assert g.kept == "rewritten" and g.seconds_original is None and "near-tie band of 10%" in g.reason, g
+    assert "sort" not in [e.primitive.name for e in f.jaxpr(x).eqns]
+    wide = rewrite(lambda x: jnp.sum(jnp.sort(x)), rulesets=[FAST], guard=dataclasses.replace(QUICK, near_tie=1e6),
+                   cache=False)
+    assert wide.result(x).guard.seconds_original is not None

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from typing import Any, Sequence
 
 
@@ -49,6 +50,24 @@ class Guard:
     rounds: int = 9
     min_round_seconds: float = 0.02
     max_seconds: float = 20.0
+    #: time only near-ties: rewrites the model predicts within this fraction of the original's speed (a
+    #: predicted speed-up between ``1 / (1 + near_tie)`` and ``1 + near_tie``), the band the model's error
+    #: on the decision corpus spans (``benchmarks/results/decisions.md``); beyond it the model's choice
+    #: stands untimed, and the first call pays no timing. ``None`` times every rewrite.
+    near_tie: float | None = None
+
+    def untimed(self, predicted: float) -> str | None:
+        """Why a rewrite predicted ``predicted`` times as fast is kept without timing, or ``None`` to time it.
+
+        >>> Guard(near_tie=0.15).untimed(1.5) is not None, Guard(near_tie=0.15).untimed(1.05), Guard().untimed(9.0)
+        (True, None, None)
+        """
+        if self.near_tie is None or not (predicted > 0 and math.isfinite(predicted)):
+            return None
+        if 1 / (1 + self.near_tie) <= predicted <= 1 + self.near_tie:
+            return None
+        return (f"not timed: the model predicts {predicted:.2f}x, outside the near-tie band of "
+                f"{self.near_tie:.0%} where it is timed")
 
 
 @dataclasses.dataclass(frozen=True)

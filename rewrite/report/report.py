@@ -23,7 +23,7 @@ from ..cost.measure import resolve
 from ..extract.choice import reachable
 from ..ir.jaxapi import core, user_frame
 from ..ir.primitives import nbytes
-from ..jaxpr.emit import check_signature
+from ..jaxpr.emit import check_signature, emit
 from ..jaxpr.trace import CONCRETIZATION_ERRORS, flatten_args, resolve_static, spec_of, trace
 from ..pipeline import Result, run_pipeline
 from ..rules.match import _short
@@ -32,7 +32,7 @@ from ..rules.ruleset import Ruleset, entries_of
 from ..rules.saturate import Limits
 from .diff import unified
 from .dot import to_dot, to_svg
-from .why import builds_loops, declined
+from .why import builds_loops, declined, forced_choice
 
 
 def equations(closed: Any) -> Iterator[core.JaxprEqn]:
@@ -206,6 +206,34 @@ class Report:
         if rule not in cache:
             cache[rule] = declined(self.result, self.model, rule)
         return cache[rule]
+
+    def forced(self, rule: str) -> core.ClosedJaxpr | None:
+        """The program extraction chose, with ``rule``'s nodes forced in (as :meth:`why` prices it), emitted:
+        a candidate that was built and not chosen, to run or time beside :attr:`result`'s ``after``
+        (``benchmarks/decisions.py`` does). ``None`` if the rule built nothing, its nodes cannot stand in
+        the chosen program alone, or the program has effects. With ``grad=True`` both are the joint
+        program ``(primals, cotangents) -> (outputs, gradients)``, unsplit.
+
+        >>> import jax.numpy as jnp
+        >>> from rewrite import explain, rule, Ruleset
+        >>> rs = Ruleset("mine", [rule(lambda x: jnp.exp(x) * jnp.exp(x), lambda x: jnp.exp(x + x), name="exp_sum")])
+        >>> report = explain(lambda x: jnp.exp(x) * jnp.exp(x), jnp.ones(3), rulesets=[rs])
+        >>> str(report.forced("exp_sum")).count("exp")
+        1
+        """
+        result = self.result
+        if self.model is None or result.before.jaxpr.effects:
+            return None
+        made = forced_choice(result, self.model, rule)
+        if made is None:
+            return None
+        _, choice, _ = made
+        try:
+            out = emit(result.snapshot, choice, result.egraph, result.before.in_avals, list(result.roots), None,
+                       result.before.jaxpr.debug_info)
+        except Exception:  # its nodes reach each other through other rules' nodes: no program holds them alone
+            return None
+        return out
 
     def declined(self) -> list[Any]:
         """:meth:`why` for every rule that fired, built a loop, and has nothing in the result."""
