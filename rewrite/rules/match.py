@@ -9,6 +9,7 @@ replacement terms by calling back into the saturation's builder
 from __future__ import annotations
 
 import functools
+import time
 from typing import Any, Callable, Sequence
 
 import jax.numpy as jnp
@@ -116,6 +117,18 @@ class Product:
 
 
 def _short(aval: Any) -> str:
+    try:
+        return _short_cached(aval)
+    except TypeError:  # an aval that cannot be hashed
+        return _short_uncached(aval)
+
+
+@functools.lru_cache(maxsize=4096)
+def _short_cached(aval: Any) -> str:
+    return _short_uncached(aval)
+
+
+def _short_uncached(aval: Any) -> str:
     s = aval.str_short(short_dtypes=True) if hasattr(aval, "str_short") else str(aval)
     return s + (" (weak)" if getattr(aval, "weak_type", False) else "")
 
