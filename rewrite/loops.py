@@ -430,6 +430,7 @@ class Loop:
         key = (_key(v), axis)
         if key in self._memo:
             return self._memo[key]
+        self.m.check_time()  # a walk over a large e-graph stops at the rule's deadline
         dead = (key, self._context)
         failed = self._declined.get(dead)
         if failed is not None:

@@ -404,6 +404,17 @@ class Match:
     def engine(self) -> Any:
         return self._engine
 
+    @property
+    def time_left(self) -> float:
+        """Seconds this rule may still run: its share of the saturation's time limit, or what is left of the
+        limit, whichever is less (``Limits.seconds``, ``Limits.rule_share``). Every :meth:`trace` checks it."""
+        return self._engine.deadline - time.perf_counter()
+
+    def check_time(self) -> None:
+        """Stop here if the rule's time is up: a long procedure calls it in its loops. What the procedure
+        built so far stays in the e-graph; the match is declined and the rule runs no more in this rewrite."""
+        self._engine.check_time()
+
     def trace(self, fn: Callable[..., Any], *inputs: Value) -> Any:
         """Insert ``fn(*inputs)``, traced at the inputs' avals; returns its result term(s)."""
         return self._engine.insert_traced(fn, inputs)
