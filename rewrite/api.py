@@ -37,7 +37,7 @@ from .ir.jaxapi import core
 from .jaxpr import state as _state
 from .jaxpr.emit import check_signature
 from .jaxpr.trace import CONCRETIZATION_ERRORS, Traced, flatten_args, resolve_static, same_program, trace
-from .pipeline import Result, run_pipeline
+from .pipeline import Result, limits_met, run_pipeline
 from .rules.ruleset import entries_of
 from .rules.saturate import Limits
 
@@ -251,11 +251,11 @@ class Rewritten:
             return fallback_result(traced, f"error: {type(e).__name__}: {e}")
         if result.warnings and _strict(self.strict):
             raise RuntimeError(f"rewrite of {name!r} (strict): {'; '.join(result.warnings)}")
-        if result.stopped != "saturated" and result.stopped not in self._warned:
-            self._warned.add(result.stopped)
-            warnings.warn(RewriteLimitWarning(
-                f"rewrite of {name!r} stopped at the {result.stopped} after {result.iterations} iterations "
-                f"({result.rows} e-graph rows); using the best program found so far"), stacklevel=4)
+        for said in limits_met(result):
+            key = said.split(" after ")[0]  # once per reason, whatever the counts
+            if key not in self._warned:
+                self._warned.add(key)
+                warnings.warn(RewriteLimitWarning(f"rewrite of {name!r} {said}"), stacklevel=4)
         for w in result.warnings:
             if w not in self._warned:
                 self._warned.add(w)

@@ -35,6 +35,20 @@ from .rules.saturate import Engine, Limits, RuleStats, match_program
 log = logging.getLogger("rewrite")
 
 
+def limits_met(result: "Result") -> list[str]:
+    """What a limit cut short in this rewrite, in words: the run stopped at one, or rules stopped at their
+    time share (``Limits.rule_share``). Each is a :class:`rewrite.RewriteLimitWarning` at the user's call."""
+    out = []
+    if result.stopped in ("time limit", "node limit", "iteration limit"):
+        out.append(f"stopped at the {result.stopped} after {result.iterations} iterations ({result.rows} e-graph "
+                   f"rows); using the best program found so far")
+    slow = {k: s.seconds for k, s in result.stats.items() if getattr(s, "timed_out", False)}
+    if slow:
+        out.append("rules stopped at their time share (Limits.rule_share), keeping what they built: "
+                   + ", ".join(f"{k} ({v:.1f} s)" for k, v in slow.items()))
+    return out
+
+
 @dataclasses.dataclass
 class Result:
     before: core.ClosedJaxpr

@@ -64,12 +64,12 @@ import jax
 from jax.dtypes import float0
 from jax.interpreters import batching, mlir
 
-from ..errors import RewriteWarning, _strict
+from ..errors import RewriteLimitWarning, RewriteWarning, _strict
 from ..ir.jaxapi import ad, core, custom_staging_rules, held_weakly_by_jax_caches
 from ..ir.walk import has_custom_vjp
 from ..jaxpr.emit import check_signature
 from ..jaxpr.trace import Traced, spec_of
-from ..pipeline import run_pipeline
+from ..pipeline import limits_met, run_pipeline
 from .vjp import build_vjp, float_positions, of_floats
 
 log = logging.getLogger("rewrite")
@@ -161,6 +161,9 @@ class Signature:
             warned = built.warnings if kind == "vjp" else built.result.warnings
             if warned and _strict(owner.strict):
                 raise RuntimeError(f"rewrite of the {kind.upper()} of {name!r} (strict): {'; '.join(warned)}")
+            for said in limits_met(built.joint if kind == "vjp" else built.result):
+                # the derivative program is rewritten under the same limits, and a user waits on it the same
+                warnings.warn(RewriteLimitWarning(f"rewrite of the {kind.upper()} of {name!r} {said}"), stacklevel=2)
         except Exception as e:
             if _strict(owner.strict):
                 raise

@@ -141,6 +141,17 @@ class Report:
         retired = [k for k, st in self.result.stats.items() if getattr(st, "retired", False)]
         return f" ({len(retired)} rule(s) retired in a grown e-graph: {', '.join(retired)})" if retired else ""
 
+    def _slowest(self) -> str:
+        """Which rules took the saturation's time: those stopped at their time share, and the slowest one."""
+        stats = self.result.stats
+        out = [f"rule {k} stopped at its time share after {st.seconds:.1f} s" for k, st in stats.items()
+               if getattr(st, "timed_out", False)]
+        if stats:
+            k, st = max(stats.items(), key=lambda kv: kv[1].seconds)
+            if st.seconds >= 0.01:
+                out.append(f"slowest rule {k} ({st.seconds * 1e3:,.0f} ms, {st.matched} matches)")
+        return "rule time: " + "; ".join(out) if out else ""
+
     def summary(self, verbose: bool = False) -> str:
         """The report's text without the diff. Matches not applied for an ordinary reason (a guard said
         no, a procedure declined, a root already seen, a rule's own replacement) are counted in one line
@@ -157,6 +168,8 @@ class Report:
         why = getattr(self.result, "why", "")
         if why and why != "cheaper":
             lines.insert(1, f"the rewritten program is used though not predicted cheaper: {_WHY.get(why, why)}")
+        if self._slowest():
+            lines.append(self._slowest())
         if self.fired:
             width = max(len(k) for k in self.fired)
             lines.append("rules fired (nodes they built that the result uses):")
