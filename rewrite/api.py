@@ -198,8 +198,12 @@ class Rewritten:
             return make_key(traced.closed, self.entries, self.cost_model, self.limits, program,
                                    guard=self.guard), program
         except Exception as e:  # Unstable: a rule or a param with no stable identity
-            log.debug("rewrite cache off for %s: %s: %s", getattr(self.fn, "__name__", "function"),
-                      type(e).__name__, e)
+            msg = (f"the rewrite cache is off for {getattr(self.fn, '__name__', 'function')!r}: its key cannot be "
+                   f"made ({type(e).__name__}: {e}); each process rewrites it afresh")
+            if msg not in self._warned:
+                self._warned.add(msg)
+                log.warning(msg)
+                warnings.warn(RewriteWarning(msg), stacklevel=5)
             return None, None
 
     def _guard(self, result: Result, args: Sequence[Any] | None) -> None:

@@ -13,8 +13,8 @@ into the trace), each rule's code and its ruleset's soundness class and
 tolerance (``rewrite/cache/fingerprint.py``), the cost model and its settings,
 the limits, the guard, and the versions of Python, jax, jaxlib, egglog and
 this library (its version and a hash of its source). A rule whose identity
-cannot be hashed stably turns the cache off for that function, with a debug
-log. Params the rewriter never looks into (a ``custom_jvp``'s rule, a
+cannot be hashed stably turns the cache off for that function, with a
+:class:`RewriteWarning` (once per function and reason). Params the rewriter never looks into (a ``custom_jvp``'s rule, a
 callback) enter the key by type and position only: the stored program
 refers to them by position, and takes them from the fresh trace on load.
 

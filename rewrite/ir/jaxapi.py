@@ -35,7 +35,9 @@ from jax._src.interpreters import partial_eval as _pe
 from jax._src.lax import control_flow as _control_flow
 from jax._src.lax import lax as _lax
 from jax._src.lax import slicing as _slicing
-from jax._src.sharding_impls import UnspecifiedValue  # noqa: F401  (no public name: the "no sharding given" marker
+from jax._src.mesh import empty_concrete_mesh  # noqa: F401  (no public name: the mesh a jit traced outside any mesh
+#                                                holds in its params, which the cache writes by name)
+from jax._src.sharding_impls import UNSPECIFIED, UnspecifiedValue  # noqa: F401  (no public name: the "no sharding given" marker
 #                                                       a jaxpr's params hold, which the cost model reads as no sharding)
 
 #: The jaxpr data structures and the tracing context, as ``core.X`` throughout the package.
