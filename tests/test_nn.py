@@ -173,6 +173,25 @@ def test_log_of_one_minus_sigmoid_and_binary_cross_entropy():
     assert _close_to(got, _softplus64(z64) - y64 * z64)
 
 
+def _bce_written(z, t):
+    # as a user writes it: sigmoid called twice, and an integer 1 in the complement
+    return -(t * jnp.log(jax.nn.sigmoid(z)) + (1 - t) * jnp.log(1 - jax.nn.sigmoid(z)))
+
+
+def test_binary_cross_entropy_stays_stable_at_large_logits():
+    """Both log-sigmoid forms are rewritten, although ``log(σ(z)) -> -softplus(-z)`` built the ``-z`` that
+    ``1 - σ(z) -> σ(-z)`` reuses: the second match is not inside the first rule's replacement."""
+    z = np.asarray([200.0, -200.0, 1e4, -1e4, 200.0, -1e4, 1.0], F32)
+    t = np.asarray([1.0, 1.0, 1.0, 0.0, 0.0, 0.3, 0.5], F32)
+    r = explain(_bce_written, z, t, rulesets=[nn])
+    assert r.fired.get("nn_log_sigmoid") == 2, r.fired
+    new = rewrite(_bce_written, rulesets=[nn])
+    z64, t64 = z.astype(np.float64), t.astype(np.float64)
+    assert _close_to(np.asarray(new(z, t)), _softplus64(z64) - t64 * z64)
+    grad = jax.grad(lambda z, t: jnp.sum(new(z, t)))(z, t)
+    assert _close_to(np.asarray(grad), 0.5 * (1.0 + np.tanh(0.5 * z64)) - t64)
+
+
 @settings(max_examples=EXAMPLES)
 @given(arrays((4,), np.float32, "identity"), arrays((4,), np.float32, "identity"))
 def test_binary_cross_entropy_on_finite_inputs(z, y):
