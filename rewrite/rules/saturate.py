@@ -205,6 +205,8 @@ class Engine:
         self.warnings: list[str] = []
         #: The unions made by preferred rules (rule(..., prefer=True)), barred before extraction.
         self.preferred: list[Barred] = []
+        #: Per preferred rule, a name of each class it rewrote (``_own_replacement`` reads them).
+        self._rewrote: dict[str, list[int]] = {}
         #: Declined matches of procedural rules, by a name of each class they read: (node count, facts
         #: absent then, entries). A match is acted on again when one of those classes gains a node or a
         #: fact (a factor folded into a literal, say), not only when a new match appears.
@@ -435,12 +437,21 @@ class Engine:
         return True
 
     def _own_replacement(self, rule: Rule, root: Any, vals: Sequence[Any], binds: list[tuple[str, str]]) -> bool:
-        """Does this match read a term that ``rule`` built (its root, or a bound term: a class whose oldest
-        name the rule made)?"""
+        """Does this match lie inside a replacement that ``rule`` built?
+
+        Either its root is a class the rule made (the replacement holds a match below its top), or it
+        binds a term the rule made *at a class the rule already rewrote* (the replacement's top is itself
+        a match, over a new operand). A bound term the rule made is not enough alone: another rule's
+        replacement may share it (``1 - sigmoid(z) -> sigmoid(-z)`` reuses the ``-z`` that
+        ``log(sigmoid(z)) -> -softplus(-z)`` built), and that second match is independent."""
         snap, made_by = self.snapshot, self.egraph.vorigin
+        if made_by[snap.name(root)] == rule.name:
+            return True
         sorts = [s for _, s in binds] if rule.is_pat else ["Term"] * len(vals)
-        classes = [root] + [v for v, s in zip(vals, sorts) if s == "Term"]
-        return any(made_by[snap.name(c)] == rule.name for c in classes)
+        if not any(made_by[snap.name(v)] == rule.name for v, s in zip(vals, sorts) if s == "Term"):
+            return False
+        known = snap.cls_of_name
+        return any(n < len(known) and known[n] == root for n in self._rewrote.get(rule.name, ()))
 
     def _raised(self, rule: Rule, stats: RuleStats, e: Exception, part: str = "") -> None:
         """A rule (or its guard) raised at a match: the match is skipped, and the run's warnings say so
@@ -475,6 +486,7 @@ class Engine:
         stats.fired += 1
         if rule.prefer:
             self.preferred.append(Barred(rule.name, root_name, lhs_ctors(rule, lhs), out))
+            self._rewrote.setdefault(rule.name, []).append(root_name)
         if avals is not None and len(stats.examples) < 3:
             stats.examples.append((avals, self.egraph.vsource[root_name]))
 
