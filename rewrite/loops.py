@@ -56,6 +56,7 @@ output, and the old loop's stacked output is handed over unchanged.
 from __future__ import annotations
 
 import contextlib
+import copy
 from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
@@ -434,7 +435,7 @@ class Loop:
         dead = (key, self._context)
         failed = self._declined.get(dead)
         if failed is not None:
-            raise failed
+            raise copy.copy(failed)  # a copy: the kept one never holds a traceback, whose frames hold this walk
         if key in path:
             self._cycles += 1
             raise Decline("cycle")
@@ -444,7 +445,7 @@ class Loop:
             out = self._step_uncached(v, axis, stacked, path)
         except Decline as e:
             if self._cycles == cycles:  # a decline that met a cycle may hold on this path only
-                self._declined[dead] = e
+                self._declined[dead] = copy.copy(e)  # without e's traceback (a cycle through this walk's frames)
             raise
         finally:
             path.discard(key)
