@@ -19,6 +19,7 @@ from hypothesis import given, settings, strategies as st
 
 import rulesets
 from rewrite import AnalyticCost, Ruleset, explain, rewrite
+from rewrite.ir.jaxapi import scan_counts
 from rulesets import _lmhead_loop, nn_lmhead
 from rulesets.nn_lmhead import BLOCKS, nn_lm_head
 
@@ -118,7 +119,7 @@ def block_of(report) -> int | None:
             inner = e.params.get("call_jaxpr") or e.params.get("fun_jaxpr")
             for x in inner.jaxpr.eqns:
                 if x.primitive.name == "scan":
-                    xs = x.invars[x.params["num_consts"] + x.params["num_carry"]]
+                    xs = x.invars[sum(scan_counts(x.params))]
                     return xs.aval.shape[1]
     return None
 

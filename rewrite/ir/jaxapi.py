@@ -141,3 +141,72 @@ def pretty_named(jaxpr: Any, names: dict | None = None, avoid: Any = ()) -> tupl
     context.var_names = collections.defaultdict(fresh.__next__, {**_core._dropvars(jaxpr), **names})
     text = _core.pp_jaxpr(jaxpr, context, _core.JaxprPpSettings()).format()
     return text, dict(context.var_names)
+
+
+# ---------------------------------------------------------------------- scan's params, across JAX versions
+# JAX 0.10 gives a scan's input groups as counts (``num_consts``, ``num_carry``, and ``linear`` per input);
+# JAX 0.11 and later as flat trees (``ft_in``: consts, carry, xs; ``ft_out``: carry, ys). The rewriter
+# keeps the counts in its own params table whichever JAX it runs on (:func:`scan_counted`) and gives JAX
+# its own layout back when it emits a scan (:func:`scan_for_jax`).
+try:
+    from jax._src import flattree as _flattree  # JAX 0.11+: the flat trees a scan's params hold (no public name)
+except ImportError:  # JAX 0.10
+    _flattree = None
+
+
+class UnsupportedJax(RuntimeError):
+    """A program holds a form this rewriter does not know on the running JAX version."""
+
+
+def _unknown(what: str, params: Any) -> UnsupportedJax:
+    return UnsupportedJax(f"jax {jax.__version__}: {what} params {sorted(params)} are in a layout jax-rewrite does "
+                          f"not know (it knows jax 0.10's num_consts/num_carry and 0.11+'s ft_in/ft_out); "
+                          f"install a supported jax (see README) or report this version")
+
+
+def scan_counts(params: Any) -> tuple[int, int]:
+    """``(num_consts, num_carry)`` of a scan's params, in either JAX's layout or the rewriter's."""
+    if "num_consts" in params and "num_carry" in params:
+        return int(params["num_consts"]), int(params["num_carry"])
+    ft_in = params.get("ft_in")
+    if _flattree is not None and isinstance(ft_in, _flattree.FlatTree):
+        groups = ft_in.unpack()
+        if len(groups) == 3:
+            return len(groups[0]), len(groups[1])
+    raise _unknown("scan's", params)
+
+
+def scan_counted(params: Any) -> dict:
+    """A scan's params with its input groups as counts (``num_consts``, ``num_carry``), as the rewriter keeps them."""
+    nc, ncarry = scan_counts(params)
+    out = {k: v for k, v in params.items() if k not in ("ft_in", "ft_out")}
+    out["num_consts"], out["num_carry"] = nc, ncarry
+    return out
+
+
+def _jax_scan_layout() -> str:
+    global _SCAN_LAYOUT
+    if _SCAN_LAYOUT is None:
+        params = jax.make_jaxpr(lambda c: jax.lax.scan(lambda c, _: (c, None), c, None, length=1))(0.0).eqns[0].params
+        _SCAN_LAYOUT = "counts" if "num_consts" in params else "flat trees" if "ft_in" in params else ""
+        if not _SCAN_LAYOUT:
+            raise _unknown("scan's", params)
+    return _SCAN_LAYOUT
+
+
+_SCAN_LAYOUT: str | None = None
+
+
+def scan_for_jax(params: dict) -> dict:
+    """A scan's params in the rewriter's layout (counts, ``jaxpr`` final) as the running JAX binds them."""
+    if _jax_scan_layout() == "counts":
+        return params
+    nc, ncarry = scan_counts(params)
+    body = params["jaxpr"]
+    nxs, nys = len(body.in_avals) - nc - ncarry, len(body.out_avals) - ncarry
+    out = {k: v for k, v in params.items() if k not in ("num_consts", "num_carry", "linear", "_split_transpose")}
+    ft = _flattree
+    out["ft_in"] = ft.pack((ft.nones(nc), ft.nones(ncarry), ft.nones(nxs)))
+    # as lax.scan builds it: the ys group is what a mask over the body's outputs kept
+    out["ft_out"] = ft.pack((ft.nones(ncarry), ft.nones(nys).filter_with_mask([True] * nys)))
+    return out
