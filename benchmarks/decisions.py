@@ -36,6 +36,7 @@ import argparse
 import contextlib
 import dataclasses
 import datetime
+import functools
 import importlib
 import json
 import math
@@ -235,14 +236,10 @@ def _cases() -> list[Case]:
     return out
 
 
-_CASES: list[Case] | None = None
-
-
+@functools.cache
 def cases() -> list[Case]:
-    global _CASES
-    if _CASES is None:
-        _CASES = _cases()
-    return _CASES
+    """Every case of the corpus, built once (building imports every benchmark module)."""
+    return _cases()
 
 
 def select(names: Sequence[str] | None, quick: bool = False) -> list[Case]:
