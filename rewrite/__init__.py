@@ -12,19 +12,19 @@ surface is this module's names, :mod:`rewrite.testing` and
 """
 
 from . import loops  # the loop API: rewrite.loops.Loop, rewrite.loops.SCAN
-from .api import Rewritten, rewrite
+from .api import Rewritten, explain, rewrite
 from .cost.guard import Guard
 from .cost.model import AnalyticCost, CostModel, NodeCost, NodeInfo
 from .define import rule
 from .errors import RewriteLimitWarning, RewriteWarning
 from .ir.primitives import GROUPS, OpSpec, register_primitive
 from .jaxpr.state import StateError
-from .report.report import Report, explain
+from .report.report import Report
 from .rules.match import Match, Params, Value
 from .rules.pattern import Ops, Pat, ops
 from .rules.rule import Rule, procedural
 from .rules.ruleset import Ruleset, Tolerance
-from .rules.saturate import Limits
+from .records import Limits
 
 __all__ = [
     "AnalyticCost",

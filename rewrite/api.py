@@ -21,7 +21,7 @@ import logging
 import threading
 import time
 import warnings
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
 
@@ -35,13 +35,20 @@ from .grad.primitive import Signature, bind_if_differentiated
 from .grad.vjp import VJPResult, build_vjp
 from .ir.jaxapi import core
 from .jaxpr import state as _state
-from .jaxpr.emit import check_signature
-from .jaxpr.trace import CONCRETIZATION_ERRORS, Traced, flatten_args, resolve_static, same_program, trace
-from .pipeline import Result, limits_met, run_pipeline
-from .rules.ruleset import entries_of
-from .rules.saturate import Limits
+from .jaxpr.trace import CONCRETIZATION_ERRORS, Traced, flatten_args, resolve_static, same_program, trace, trace_call
+from .pipeline import limits_met, run_pipeline
+from .records import Limits, Result
+from .report.report import Report, gradient_report, report_of
+from .rules.ruleset import Ruleset, entries_of
 
 log = logging.getLogger("rewrite")
+
+
+def builtin_packs() -> Mapping[str, Ruleset]:
+    """The built-in packs by name (``rulesets=["algebra", ...]``): the ``rulesets`` package, which is built on
+    this one, resolved here at the top so that nothing in the core imports it."""
+    import rulesets  # built on rewrite: imported when a name is first resolved, never at import time
+    return rulesets.BUILTIN
 
 
 def _outputs(traced: Traced, values: Sequence[Any], nodes: tuple) -> Any:
@@ -96,7 +103,7 @@ class Rewritten:
                  cache: Any = None, guard: Any = False) -> None:
         functools.update_wrapper(self, fn)
         self.fn = fn
-        self.entries = entries_of(rulesets)
+        self.entries = entries_of(rulesets, builtin_packs)
         self.cost_model = resolve(cost_model)
         self.limits = Limits.of(limits)
         self.static_argnums, self.static_argnames = resolve_static(fn, static_argnums, static_argnames)
@@ -249,7 +256,6 @@ class Rewritten:
         name = getattr(self.fn, "__name__", "function")
         try:
             result = run_pipeline(traced, self.entries, self.cost_model, self.limits)
-            check_signature(traced.closed, result.after)
         except Exception as e:
             self._fall_back(e, f"rewrite of {name!r}", "running it unchanged")
             return fallback_result(traced, f"error: {type(e).__name__}: {e}")
@@ -442,3 +448,47 @@ class RewrittenVJP(Rewritten):
     def __repr__(self) -> str:
         return (f"<rewritten VJP of {getattr(self.fn, '__name__', 'function')}: {len(self.entries)} rules, "
                 f"{len(self._cache)} cached signatures>")
+
+
+def explain(fn: Any, *args: Any, rulesets: Any = (), cost_model: Any = None, limits: Limits | None = None,
+            static_argnums: Sequence[int] = (), static_argnames: Sequence[str] = (), grad: bool = False,
+            **kwargs: Any) -> Report:
+    """Rewrite ``fn`` at these arguments and report what happened.
+
+    With ``grad=True`` the report is about the program that ``jax.grad`` and
+    ``jax.vjp`` of ``rewrite(fn)`` run: ``before`` is JAX's VJP of ``fn``'s
+    rewritten program as one program ``(primals, cotangents) -> (outputs, gradients)``, ``after``
+    the rewritten forward and backward passes composed the same way, and
+    ``gradient`` the split (residuals chosen, splits priced). Given a
+    function made by :func:`rewrite` (and no ``rulesets``), it reports that
+    function's own cached program with its own rules.
+
+    >>> import jax.numpy as jnp
+    >>> from rewrite import explain, rule, Ruleset
+    >>> rs = Ruleset("mine", [rule(lambda x: x * 1.0, lambda x: x, name="mul_one")])
+    >>> report = explain(lambda x: jnp.sin(x * 1.0), jnp.ones(3), rulesets=[rs])
+    >>> report.fired
+    {'mul_one': 1}
+    >>> print(report.summary().splitlines()[0])  # doctest: +ELLIPSIS
+    cost ... -> ... saved), equations 2 -> 1
+    >>> from rulesets.derivatives import derivatives, derivatives_fastmath  # sin(2x) for any x is fastmath's
+    >>> g = explain(lambda x: jnp.sin(x) ** 2, jnp.ones(3), rulesets=[derivatives, derivatives_fastmath], grad=True)
+    >>> from rewrite.report.report import primitive_counts
+    >>> primitive_counts(g.before)["cos"], primitive_counts(g.after)["cos"]
+    (1, 0)
+    """
+    if grad:
+        # What jax.grad of rewrite(fn) runs: the VJP of the rewritten forward program, rewritten.
+        if not (isinstance(fn, Rewritten) and not rulesets):
+            fn = Rewritten(fn, rulesets, cost_model, limits, static_argnums, static_argnames, strict=None)
+        # its e-graph is kept for the provenance below, unless jax.grad built this signature's VJP first
+        gradient = fn._signature(args, kwargs).vjp(keep=True)
+        if gradient is None:
+            raise RuntimeError("the VJP was not rewritten (see the RewriteWarning)")
+        return gradient_report(gradient, fn.entries, fn.cost_model)
+    entries = entries_of(rulesets, builtin_packs)
+    traced, trace_time = trace_call(fn, args, kwargs, static_argnums, static_argnames)
+    model = resolve(cost_model)
+    result = run_pipeline(traced, entries, model, Limits.of(limits), keep=True)
+    result.times["trace"] = trace_time
+    return report_of(result, entries, model)

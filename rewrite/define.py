@@ -16,13 +16,13 @@ import sys
 from typing import Any, Callable, Mapping
 
 from .cost.model import AnalyticCost
-from .jaxpr.trace import Traced, trace_at
+from .jaxpr.trace import trace_at
 from .pipeline import run_pipeline
 from .rules.match import _short
 from .rules.pattern import Pat
 from .rules.rule import Rule, _one_example, rule as _rule
 from .rules.ruleset import Ruleset
-from .rules.saturate import Limits
+from .records import Limits
 
 
 def rule(lhs: Any, rhs: Any, *, name: str, when: Callable[..., bool] | None = None, example_inputs: Any = None,
@@ -97,7 +97,7 @@ def check_example(r: Rule) -> None:
     log = logging.getLogger("rewrite")
     disabled, log.disabled = log.disabled, True  # what the check finds is raised, not also logged
     try:
-        result = run_pipeline(Traced(closed, None, None, ()), [(r, Ruleset(r.name, [r]))], AnalyticCost(),
+        result = run_pipeline(closed, [(r, Ruleset(r.name, [r]))], AnalyticCost(),
                               Limits(iterations=2))
     finally:
         log.disabled = disabled

@@ -7,7 +7,10 @@ fail when a change brings back what the layout was made to remove: an import
 circle between modules or between folders (imports inside functions count),
 a module over 700 lines, an import of a project module hidden inside a
 function without a comment saying why it cannot be at the top, or an import
-of JAX's internals (``jax._src``) anywhere but ``rewrite/ir/jaxapi.py``.
+of JAX's internals (``jax._src``) anywhere but ``rewrite/ir/jaxapi.py``, an
+import that runs up the layers (:data:`LAYERS`), a module imported by name
+(``importlib``, ``__import__``), the core importing the packs, or a stage run
+outside the one entry point, ``pipeline.run_pipeline``.
 """
 
 from __future__ import annotations
@@ -19,7 +22,27 @@ import pathlib
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGES = ("rewrite", "rulesets")
 MAX_LINES = 700
-MAX_FUNCTION_IMPORTS = 3
+MAX_FUNCTION_IMPORTS = 4
+
+#: The layers of ``rewrite/``, bottom first: a folder (or top-level module) imports only from layers below
+#: its own. The stages sit low, the one entry point (``pipeline``) above them, its callers above that, and
+#: the public entry points (``api``: ``rewrite``, ``explain``, pack names) on top of the core.
+LAYERS = (
+    ("rewrite.ir", "rewrite.errors"),
+    ("rewrite.records", "rewrite.jaxpr", "rewrite.cost"),
+    ("rewrite.extract",),
+    ("rewrite.rules",),
+    ("rewrite.loops",),
+    ("rewrite.pipeline",),
+    ("rewrite.define", "rewrite.grad", "rewrite.cache", "rewrite.report"),
+    ("rewrite.api",),
+    ("rewrite.testing",),
+    ("rewrite",),
+)
+
+#: the modules that run a rewrite, each through ``pipeline.run_pipeline`` and nothing else
+PIPELINE_CALLERS = {"rewrite.api", "rewrite.define", "rewrite.grad.primitive", "rewrite.grad.vjp",
+                    "rewrite.testing._check_rule"}
 
 
 def _module_name(path: pathlib.Path) -> str:
@@ -143,3 +166,57 @@ def test_only_jaxapi_imports_jax_internals():
                 if any(n == "jax._src" or n.startswith("jax._src.") for n in names):
                     found.append(f"{path.relative_to(ROOT)}:{node.lineno}")
     assert not found, f"import JAX's internals through rewrite/ir/jaxapi.py: {found}"
+
+
+def _layer(folder: str) -> int:
+    found = [i for i, layer in enumerate(LAYERS) if folder in layer]
+    assert found, f"{folder} is in no layer of LAYERS: place it"
+    return found[0]
+
+
+def test_no_import_runs_up_the_layers():
+    up = sorted({f"{path.relative_to(ROOT)}:{line} imports {imported}"
+                 for importer, imported, _, line, path in _imports("rewrite")
+                 if (a := _folder(importer)) != (b := _folder(imported)) and _layer(b) >= _layer(a)})
+    assert not up, f"imports that run up the layers (see LAYERS): {up}"
+
+
+def _calls(tree: ast.AST) -> list[tuple[str, int]]:
+    """(called name, line) for every call of a plain or dotted name."""
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            f = node.func
+            name = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else ""
+            out.append((name, node.lineno))
+    return out
+
+
+def test_no_module_is_imported_by_name_and_the_core_never_imports_the_packs():
+    found = []
+    for name, path in _sources("rewrite").items():
+        tree = ast.parse(path.read_text())
+        for called, line in _calls(tree):
+            if called in ("import_module", "__import__"):
+                found.append(f"{path.relative_to(ROOT)}:{line} imports a module by name ({called})")
+        for node in ast.walk(tree):
+            names = ([node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0
+                     else [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+            if any(n == "importlib" or n.startswith("importlib.") and n != "importlib.metadata" for n in names):
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno} imports importlib")
+            if any(n == "rulesets" or n.startswith("rulesets.") for n in names) and name != "rewrite.api":
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno} imports the packs (resolve them in api.py)")
+    assert not found, found
+
+
+def test_one_entry_point_runs_every_rewrite():
+    callers, stages = set(), []
+    for name, path in _sources("rewrite").items():
+        calls = _calls(ast.parse(path.read_text()))
+        if any(c == "run_pipeline" for c, _ in calls) and name != "rewrite.pipeline":
+            callers.add(name)
+        if name != "rewrite.pipeline":
+            stages += [f"{path.relative_to(ROOT)}:{line} runs {c}" for c, line in calls
+                       if c in ("Engine", "worth_their_saving", "bar_preferred", "input_cost")]
+    assert callers == PIPELINE_CALLERS, f"modules that run a rewrite: {sorted(callers)}"
+    assert not stages, f"stages run outside pipeline.run_pipeline: {stages}"

@@ -73,8 +73,7 @@ from ..cost.guard import GuardDecision
 from ..errors import RewriteWarning
 from ..ir.jaxapi import core
 from ..jaxpr.emit import check_signature
-from ..pipeline import Result
-from ..rules.saturate import RuleStats
+from ..records import Result, RuleStats
 from .fingerprint import aval_key, program_fingerprint
 from .key import environment
 from .serialise import FORMAT, dumps_program, loads_program

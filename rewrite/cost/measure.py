@@ -40,7 +40,6 @@ import numpy as np
 
 from ..ir import primitives as _primitives
 from ..ir.jaxapi import core, optimization_barrier_p
-from ..ir.primitives import is_inexact_dtype
 from .model import AnalyticCost, CostModel, as_cost_model, default_model
 from .program import Program
 

@@ -67,7 +67,6 @@ from jax.interpreters import batching, mlir
 from ..errors import RewriteLimitWarning, RewriteWarning, _strict
 from ..ir.jaxapi import ad, core, custom_staging_rules, held_weakly_by_jax_caches
 from ..ir.walk import has_custom_vjp
-from ..jaxpr.emit import check_signature
 from ..jaxpr.trace import Traced, spec_of
 from ..pipeline import limits_met, run_pipeline
 from .vjp import build_vjp, float_positions, of_floats
@@ -154,9 +153,7 @@ class Signature:
                                        keep=keep)
             else:
                 program, dif_in, dif_out = jvp_program(self.jvp_source())
-                jt = Traced(program, self.traced.in_tree, self.traced.out_tree, self.traced.dynamic)
-                result = run_pipeline(jt, owner.entries, owner.cost_model, owner.limits)
-                check_signature(program, result.after)
+                result = run_pipeline(program, owner.entries, owner.cost_model, owner.limits)
                 built = JVP(result.after, dif_in, dif_out, result)
             warned = built.warnings if kind == "vjp" else built.result.warnings
             if warned and _strict(owner.strict):

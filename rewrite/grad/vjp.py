@@ -56,7 +56,8 @@ from ..ir.primitives import is_float
 from ..ir.walk import operands, walk
 from ..jaxpr.emit import Emitter, _Scope, check_signature, dce
 from ..jaxpr.trace import Traced, spec_of
-from ..pipeline import Result, run_pipeline
+from ..pipeline import run_pipeline
+from ..records import Result
 
 log = logging.getLogger("rewrite")
 
@@ -304,9 +305,7 @@ def build_vjp(traced: Traced, entries: Sequence[Any], model: Any, limits: Any, p
     t0 = time.perf_counter()
     joint, dif_in, dif_out = joint_program(closed)
     times = {"trace_vjp": time.perf_counter() - t0}
-    jt = Traced(joint, traced.in_tree, traced.out_tree, traced.dynamic)
-    res = run_pipeline(jt, entries, model, limits, keep=True)
-    check_signature(joint, res.after)
+    res = run_pipeline(joint, entries, model, limits, keep=True)
     times.update(res.times)
     snap, eg = res.snapshot, res.egraph
     n_out = len(closed.out_avals)

@@ -33,12 +33,13 @@ Five facts about egglog 13 shape this module (see ``docs/design.md``):
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import os
 import threading
 import weakref
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import jax.numpy as jnp
 import numpy as np
@@ -544,6 +545,14 @@ class Snapshot:
 
     def aval(self, cls: Any) -> Any:
         return TYPES[self.type_id(cls)]
+
+    def without(self, drop: Callable[[Any, tuple], bool]) -> "Snapshot":
+        """A copy of this snapshot whose node table leaves out the nodes ``drop(cls, node)`` names
+        (an extraction that may not use them); names, types and matches are shared."""
+        out = copy.copy(self)
+        out._nodes = {cls: [n for n in ns if not drop(cls, n)] for cls, ns in self.nodes.items()}
+        out._parents = None
+        return out
 
     # -- node tables (built on first use)
     @property

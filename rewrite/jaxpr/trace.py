@@ -26,6 +26,7 @@ import gc
 import inspect
 import operator
 import struct
+import time
 from typing import Any, Callable, Sequence
 
 import jax
@@ -416,3 +417,20 @@ def _collect_young_only():
         yield
     finally:
         gc.unfreeze()
+
+
+def trace_call(fn: Any, args: tuple, kwargs: dict, static_argnums: Sequence[int], static_argnames: Sequence[str]
+               ) -> tuple[Traced, float]:
+    """``fn`` traced at a call's arguments, and the seconds it took. Python float arguments are traced as
+    ``jax.jit`` traces them, unless one steers control flow: then they are static, as ``rewrite`` keeps them."""
+    static_argnums, static_argnames = resolve_static(fn, static_argnums, static_argnames)
+    t = time.perf_counter()
+    try:
+        _, in_tree, specs, _, stat_args, stat_kwargs, _ = flatten_args(args, kwargs, static_argnums, static_argnames)
+        traced = trace(fn, specs, in_tree, stat_args, stat_kwargs, len(args))
+    except CONCRETIZATION_ERRORS:  # a float argument steers control flow: static, as ``rewrite`` keeps it then
+        _, in_tree, specs, _, stat_args, stat_kwargs, _ = flatten_args(args, kwargs, static_argnums, static_argnames,
+                                                                    trace_floats=False)
+        t = time.perf_counter()
+        traced = trace(fn, specs, in_tree, stat_args, stat_kwargs, len(args))
+    return traced, time.perf_counter() - t

@@ -13,23 +13,19 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
-import time
 from typing import Any, Iterator, Sequence
 
 import jax
 
-from ..api import Rewritten
-from ..cost.measure import resolve
 from ..extract.choice import reachable
 from ..ir.jaxapi import core, user_frame
 from ..ir.primitives import nbytes
-from ..jaxpr.emit import check_signature, emit
-from ..jaxpr.trace import CONCRETIZATION_ERRORS, flatten_args, resolve_static, spec_of, trace
-from ..pipeline import Result, run_pipeline
+from ..jaxpr.emit import emit
+from ..jaxpr.trace import spec_of
+from ..records import Result
 from ..rules.match import _short
 from ..rules.rule import Rule
-from ..rules.ruleset import Ruleset, entries_of
-from ..rules.saturate import Limits
+from ..rules.ruleset import Ruleset
 from .diff import unified
 from .dot import to_dot, to_svg
 from .why import builds_loops, declined, forced_choice
@@ -346,88 +342,36 @@ _WHY = {
 }
 
 
-def explain(fn: Any, *args: Any, rulesets: Any = (), cost_model: Any = None, limits: Limits | None = None,
-            static_argnums: Sequence[int] = (), static_argnames: Sequence[str] = (), grad: bool = False,
-            **kwargs: Any) -> Report:
-    """Rewrite ``fn`` at these arguments and report what happened.
-
-    With ``grad=True`` the report is about the program that ``jax.grad`` and
-    ``jax.vjp`` of ``rewrite(fn)`` run: ``before`` is JAX's VJP of ``fn``'s
-    rewritten program as one program ``(primals, cotangents) -> (outputs, gradients)``, ``after``
-    the rewritten forward and backward passes composed the same way, and
-    ``gradient`` the split (residuals chosen, splits priced). Given a
-    function made by :func:`rewrite` (and no ``rulesets``), it reports that
-    function's own cached program with its own rules.
-
-    >>> import jax.numpy as jnp
-    >>> from rewrite import explain, rule, Ruleset
-    >>> rs = Ruleset("mine", [rule(lambda x: x * 1.0, lambda x: x, name="mul_one")])
-    >>> report = explain(lambda x: jnp.sin(x * 1.0), jnp.ones(3), rulesets=[rs])
-    >>> report.fired
-    {'mul_one': 1}
-    >>> print(report.summary().splitlines()[0])  # doctest: +ELLIPSIS
-    cost ... -> ... saved), equations 2 -> 1
-    >>> from rulesets.derivatives import derivatives, derivatives_fastmath  # sin(2x) for any x is fastmath's
-    >>> g = explain(lambda x: jnp.sin(x) ** 2, jnp.ones(3), rulesets=[derivatives, derivatives_fastmath], grad=True)
-    >>> from rewrite.report.report import primitive_counts
-    >>> primitive_counts(g.before)["cos"], primitive_counts(g.after)["cos"]
-    (1, 0)
-    """
-    if grad:
-        # What jax.grad of rewrite(fn) runs: the VJP of the rewritten forward program, rewritten.
-        if not (isinstance(fn, Rewritten) and not rulesets):
-            fn = Rewritten(fn, rulesets, cost_model, limits, static_argnums, static_argnames, strict=None)
-        # its e-graph is kept for the provenance below, unless jax.grad built this signature's VJP first
-        gradient = fn._signature(args, kwargs).vjp(keep=True)
-        if gradient is None:
-            raise RuntimeError("the VJP was not rewritten (see the RewriteWarning)")
-        entries = fn.entries
-        result = gradient.joint
-        after = _composed(gradient)
-        t = gradient.times
-        # trace: the function and its VJP; residuals: choosing the forward/backward split
-        times = {"trace": t.get("trace", 0.0) + t.get("trace_vjp", 0.0),
-                 **{k: t.get(k, 0.0) for k in ("load", "saturate", "extract", "emit", "residuals")}}
-        return Report(
-            before=result.before, after=after, cost_before=result.cost_before, cost_after=result.cost_after,
-            fired={k: s.fired for k, s in result.stats.items() if s.fired}, used=provenance(result),
-            stopped=result.stopped, times=times, iterations=result.iterations,
-            egraph_rows=result.rows, rejected={k: dict(s.rejected) for k, s in result.stats.items()},
-            warnings=result.warnings, rulesets=entries, result=result, gradient=gradient, model=fn.cost_model,
-            # the fixed cost of a call of the program that runs: primals and cotangents in, outputs and
-            # gradients out (the forward report's is of the forward program's inputs and outputs)
-            fixed_cost=_fixed_cost(fn.cost_model, result.before),
-        )
-    entries = entries_of(rulesets)
-    traced, trace_time = _trace(fn, args, kwargs, static_argnums, static_argnames)
-    model = resolve(cost_model)
-    result = run_pipeline(traced, entries, model, Limits.of(limits), keep=True)
-    result.times["trace"] = trace_time
-    result.times = {k: result.times[k] for k in ("trace", "load", "saturate", "extract", "emit")}
-    check_signature(traced.closed, result.after)
+def report_of(result: Result, entries: Sequence[tuple[Rule, Ruleset]], model: Any) -> Report:
+    """The report of one rewrite (:func:`rewrite.explain`): ``result`` kept its e-graph (``keep=True``)."""
+    times = {k: result.times.get(k, 0.0) for k in ("trace", "load", "saturate", "extract", "emit")}
     return Report(
         before=result.before, after=result.after, cost_before=result.cost_before, cost_after=result.cost_after,
         fired={k: s.fired for k, s in result.stats.items() if s.fired},
-        used=provenance(result), stopped=result.stopped, times=result.times, iterations=result.iterations,
+        used=provenance(result), stopped=result.stopped, times=times, iterations=result.iterations,
         egraph_rows=result.rows, rejected={k: dict(s.rejected) for k, s in result.stats.items()},
         warnings=result.warnings, rulesets=entries, result=result, model=model,
-        fixed_cost=_fixed_cost(model, traced.closed),
+        fixed_cost=_fixed_cost(model, result.before),
     )
 
 
-def _trace(fn: Any, args: tuple, kwargs: dict, static_argnums: Sequence[int], static_argnames: Sequence[str]
-           ) -> tuple[Any, float]:
-    static_argnums, static_argnames = resolve_static(fn, static_argnums, static_argnames)
-    t = time.perf_counter()
-    try:
-        _, in_tree, specs, _, stat_args, stat_kwargs, _ = flatten_args(args, kwargs, static_argnums, static_argnames)
-        traced = trace(fn, specs, in_tree, stat_args, stat_kwargs, len(args))
-    except CONCRETIZATION_ERRORS:  # a float argument steers control flow: static, as ``rewrite`` keeps it then
-        _, in_tree, specs, _, stat_args, stat_kwargs, _ = flatten_args(args, kwargs, static_argnums, static_argnames,
-                                                                    trace_floats=False)
-        t = time.perf_counter()
-        traced = trace(fn, specs, in_tree, stat_args, stat_kwargs, len(args))
-    return traced, time.perf_counter() - t
+def gradient_report(gradient: Any, entries: Sequence[tuple[Rule, Ruleset]], model: Any) -> Report:
+    """The report of a rewritten VJP (``explain(..., grad=True)``): ``gradient`` kept its joint e-graph."""
+    result = gradient.joint
+    t = gradient.times
+    # trace: the function and its VJP; residuals: choosing the forward/backward split
+    times = {"trace": t.get("trace", 0.0) + t.get("trace_vjp", 0.0),
+             **{k: t.get(k, 0.0) for k in ("load", "saturate", "extract", "emit", "residuals")}}
+    return Report(
+        before=result.before, after=_composed(gradient), cost_before=result.cost_before,
+        cost_after=result.cost_after, fired={k: s.fired for k, s in result.stats.items() if s.fired},
+        used=provenance(result), stopped=result.stopped, times=times, iterations=result.iterations,
+        egraph_rows=result.rows, rejected={k: dict(s.rejected) for k, s in result.stats.items()},
+        warnings=result.warnings, rulesets=entries, result=result, gradient=gradient, model=model,
+        # the fixed cost of a call of the program that runs: primals and cotangents in, outputs and
+        # gradients out (the forward report's is of the forward program's inputs and outputs)
+        fixed_cost=_fixed_cost(model, result.before),
+    )
 
 
 def _composed(gradient: Any) -> core.ClosedJaxpr:

@@ -30,7 +30,6 @@ import itertools
 import warnings
 from typing import Any, Callable, Sequence
 
-import jax.numpy as jnp
 import numpy as np
 
 from ..ir import primitives as _primitives

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import collections.abc
 import dataclasses
-import importlib
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import jax.numpy as jnp
 import numpy as np
@@ -193,13 +192,17 @@ class Ruleset:
         return f"<Ruleset {self.name!r}: {len(self)} rules, {self.soundness}>"
 
 
-def as_ruleset(x: Any) -> Ruleset:
+def as_ruleset(x: Any, packs: Callable[[], Mapping[str, Ruleset]] | None = None) -> Ruleset:
     """What ``rulesets=`` names, as one :class:`Ruleset`: rulesets, rules, a built-in pack's name
     (``"algebra"``, as ``rulesets.algebra``), or a list of these.
 
-    >>> as_ruleset(["algebra", "nn"]).name
+    The packs are built on this package, so names are resolved by the public entry points, which pass
+    ``packs`` (``rewrite.api.builtin_packs``): the core never imports them.
+
+    >>> from rewrite.api import builtin_packs
+    >>> as_ruleset(["algebra", "nn"], builtin_packs).name
     'algebra+nn'
-    >>> as_ruleset("algbra")  # doctest: +ELLIPSIS
+    >>> as_ruleset("algbra", builtin_packs)  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ValueError: rulesets=: no built-in pack is named 'algbra'; the packs are algebra, fastmath, ...
     """
@@ -208,9 +211,15 @@ def as_ruleset(x: Any) -> Ruleset:
     if isinstance(x, Rule):
         return Ruleset(x.name, [x], soundness="identity")
     if isinstance(x, str):
-        return _builtin_pack(x)
+        if packs is None:
+            raise TypeError(f"rulesets=: a pack's name ({x!r}) is resolved by rewrite(), explain() and "
+                            "rewrite.testing; here pass the pack itself (rulesets.{x})")
+        known = packs()
+        if x not in known:
+            raise ValueError(f"rulesets=: no built-in pack is named {x!r}; the packs are {', '.join(known)}")
+        return known[x]
     if isinstance(x, Iterable) and not isinstance(x, (bytes, Mapping)):
-        parts = [as_ruleset(i) for i in x]
+        parts = [as_ruleset(i, packs) for i in x]
         weakest = max((p.soundness for p in parts), key=SOUNDNESS.index, default="exact")
         return Ruleset("+".join(p.name for p in parts) or "empty", parts, soundness=weakest)
     hint = " (pass [] for no rules)" if x is None else ""
@@ -218,22 +227,16 @@ def as_ruleset(x: Any) -> Ruleset:
                     f"got {type(x).__name__}{hint}")
 
 
-def _builtin_pack(name: str) -> Ruleset:
-    # The packs live in the ``rulesets`` package, which is built on this one: it is looked up when a
-    # name is given, never imported by the core.
-    packs = importlib.import_module("rulesets")
-    if name not in packs.PACKS:
-        raise ValueError(f"rulesets=: no built-in pack is named {name!r}; the packs are {', '.join(packs.PACKS)}")
-    return getattr(packs, name)
-
-
-def entries_of(rulesets: Any) -> list[tuple[Rule, Ruleset]]:
+def entries_of(rulesets: Any, packs: Callable[[], Mapping[str, Ruleset]] | None = None
+               ) -> list[tuple[Rule, Ruleset]]:
+    """Every (rule, the ruleset that owns it) of ``rulesets=``, each rule once; ``packs`` resolves pack names
+    (see :func:`as_ruleset`)."""
     if isinstance(rulesets, (Ruleset, Rule, str)) or not isinstance(rulesets, collections.abc.Iterable):
         rulesets = [rulesets]  # one of them; as_ruleset says what is wrong with anything else
     out: list[tuple[Rule, Ruleset]] = []
     seen: dict[str, int] = {}
     for rs in rulesets:
-        for r, owner in as_ruleset(rs).entries():
+        for r, owner in as_ruleset(rs, packs).entries():
             if r.name in seen:
                 if out[seen[r.name]][0] is r:
                     continue

@@ -34,91 +34,12 @@ from ..jaxpr.load import Unsupported, load_closed
 from .builder import Builder, OutOfTime
 from .match import Match, _short
 from .pattern import commuted, present
-from .prefer import Barred, lhs_ctors
+from .prefer import lhs_ctors
 from .rule import Rule
 from .ruleset import Ruleset
+from ..records import Barred, Limits, RuleStats
 
 log = logging.getLogger("rewrite")
-
-
-@dataclasses.dataclass(frozen=True)
-class Limits:
-    """Bounds on saturation. When one is hit, the best program found so far is used.
-
-    ``iterations``: rounds of matching. ``nodes``: rows in the e-graph
-    (nodes, names, facts and matches together). ``seconds``: wall time for
-    saturation. ``matches``: new matches a rule may act on in one iteration
-    before it is banned for ``ban`` iterations (both double on each ban).
-    ``growth`` retires a rule that outruns its allowance in an e-graph grown
-    past that many times its starting size, instead of banning it for a while.
-    A :class:`Ruleset` given ``limits=`` uses its ``matches`` and ``ban`` for
-    its own rules instead, and runs them in its first ``iterations`` rounds
-    only (rules that reach every bracketing of a chain, such as
-    associativity, grow the e-graph exponentially in the rounds they run);
-    the run's limits bound everything else.
-
-    >>> from rewrite import Limits
-    >>> Limits(seconds=2.0).iterations
-    30
-    """
-
-    iterations: int = 30
-    nodes: int = 500_000
-    seconds: float = 20.0
-    matches: int = 2_000
-    ban: int = 2
-    #: a rule that outruns its allowance once the e-graph holds more than ``growth`` times the rows it
-    #: started with is retired for the rest of the run, not banned for a while: past that size the
-    #: rules that keep matching more are the ones reaching every order and bracketing of a chain
-    #: (commutativity, associativity, and what merges and splits along them), whose matches grow
-    #: exponentially while the rewrites worth having were found early (benchmarks/growth.py).
-    growth: float = 16.0
-    #: the share of ``seconds`` one rule may spend in all: a rule past it stops at once (a procedure at its next
-    #: build or ``Match.check_time``), keeps what it built, fires no more in this rewrite, and is reported
-    #: (``RuleStats.timed_out``, a :class:`RewriteLimitWarning`). One rule cannot take the whole budget.
-    rule_share: float = 0.25
-
-    def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            v = getattr(self, f.name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
-                raise ValueError(f"Limits.{f.name} must be a number >= 0, got {v!r}")
-
-    @classmethod
-    def of(cls, limits: Any) -> "Limits":
-        """``limits=`` as a :class:`Limits`: ``None`` for the defaults, a ``Limits``, or a mapping of its fields.
-
-        >>> Limits.of({"iterations": 3}).iterations
-        3
-        >>> Limits.of({"iteration": 3})
-        Traceback (most recent call last):
-        TypeError: limits=: Limits has no field 'iteration'; its fields are iterations, nodes, seconds, matches, ban, growth, rule_share
-        """
-        if limits is None:
-            return cls()
-        if isinstance(limits, cls):
-            return limits
-        if isinstance(limits, collections.abc.Mapping):
-            names = [f.name for f in dataclasses.fields(cls)]
-            unknown = [k for k in limits if k not in names]
-            if unknown:
-                raise TypeError(f"limits=: Limits has no field {unknown[0]!r}; its fields are {', '.join(names)}")
-            return cls(**limits)
-        raise TypeError(f"limits= takes a Limits or a mapping of its fields, got {type(limits).__name__}")
-
-
-@dataclasses.dataclass
-class RuleStats:
-    fired: int = 0
-    matched: int = 0
-    rejected: collections.Counter = dataclasses.field(default_factory=collections.Counter)
-    banned: int = 0
-    #: retired for the rest of the run for outrunning its allowance in a grown e-graph (``Limits.growth``)
-    retired: bool = False
-    seconds: float = 0.0
-    #: stopped for the rest of the run for spending its time share (``Limits.rule_share``)
-    timed_out: bool = False
-    examples: list[tuple[Any, Any]] = dataclasses.field(default_factory=list)  # (avals, root source)
 
 
 @dataclasses.dataclass

@@ -19,12 +19,11 @@ import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ..api import rewrite
+from ..api import builtin_packs, rewrite
 from ..jaxpr.trace import CONCRETIZATION_ERRORS, is_traced_leaf, static_key
-from ..pipeline import Result
+from ..records import Limits, Result
 from ..rules.rule import Rule
 from ..rules.ruleset import Ruleset, Tolerance, entries_of
-from ..rules.saturate import Limits
 from ._compare import _Evidence, _show, _spreads, _tolerance
 from ._magnitude import flat, magnitudes
 from ._programs import RandomProgram
@@ -258,7 +257,7 @@ def assert_equivalent(fn: Callable[..., Any], *example_args: Any, rulesets: Any 
     Traceback (most recent call last):
     AssertionError: f: the rewritten program differs from the original in the result: at []: original nan...
     """
-    soundness, tolerance = _classes(entries_of(rulesets), rtol, atol)
+    soundness, tolerance = _classes(entries_of(rulesets, builtin_packs), rtol, atol)
     name = getattr(fn, "__name__", "function")
     rewritten, result, fired = _rewritten(fn, example_args, rulesets, limits)
     if not fired or str(result.after) == str(result.before):
@@ -294,7 +293,7 @@ def assert_same_results(fn: Callable[..., Any], *args: Any, rulesets: Any = (), 
     ...     assert_same_results(program, *args, rulesets=[mine])
     >>> fuzz()
     """
-    soundness, tolerance = _classes(entries_of(rulesets), rtol, atol)
+    soundness, tolerance = _classes(entries_of(rulesets, builtin_packs), rtol, atol)
     rewritten, result, fired = _rewritten(fn, args, rulesets, limits)
     _Equivalence(fn, rewritten, soundness, tolerance, grads, getattr(fn, "__name__", "function"), fired).check(args)
     return result

@@ -25,6 +25,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from jax import lax
 
+from ..api import builtin_packs
 from ..cost.model import AnalyticCost
 from ..extract.extractor import Extractor, _CONTAINERS
 from ..ir.intern import TupleType
@@ -32,11 +33,11 @@ from ..ir.jaxapi import core
 from ..ir.walk import computes_half_precision, has_custom_vjp
 from ..jaxpr.emit import emit
 from ..jaxpr.trace import trace
-from ..pipeline import Result, run_pipeline
+from ..pipeline import run_pipeline
+from ..records import Limits, Result
 from ..rules.match import Value, _short
 from ..rules.rule import Procedure, Rule
 from ..rules.ruleset import Ruleset, Tolerance, entries_of
-from ..rules.saturate import Limits
 from ._compare import Float64Results, _Evidence, _show, _spreads, derivative_mismatch
 from ._magnitude import jvp_magnitudes, magnitudes, vjp_magnitudes
 from ._run import _cotangents, _differentiable, _evaluate, _tangents, as_written
@@ -627,7 +628,7 @@ def check_ruleset(ruleset: Any, *, max_examples: int | None = None, derivatives:
     AssertionError: check_ruleset('bad'): 1 of 1 rule(s) failed...
     rule 'sub_self' [bad, exact] does not hold: at ...: original nan, rewritten 0.0 ...
     """
-    entries = entries_of(ruleset)
+    entries = entries_of(ruleset, builtin_packs)
     name = getattr(ruleset, "name", None) or "+".join(o.name for o in {id(o): o for _, o in entries}.values())
     report = CheckReport(name)
     failures = []

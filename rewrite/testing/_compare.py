@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..api import builtin_packs
 from ..rules.rule import Rule
 from ..rules.ruleset import Ruleset, SOUNDNESS, Tolerance, entries_of
 from ._strategies import _is_complex, _is_float, _like, _wide
@@ -354,7 +355,7 @@ def soundness_of(rulesets: Any) -> tuple[str, Tolerance | None]:
     >>> soundness_of([a]), soundness_of([a, b])
     (('exact', None), ('identity', Tolerance(rtol=0.0001, atol=0.0)))
     """
-    return _tolerance(entries_of(rulesets))
+    return _tolerance(entries_of(rulesets, builtin_packs))
 
 
 def _tolerance(entries: Sequence[tuple[Rule, Ruleset]]) -> tuple[str, Tolerance | None]:

@@ -1,0 +1,140 @@
+"""The records a rewrite produces and reads: its limits, each rule's statistics, and its result.
+
+Data only: no stage runs here. The stages fill these in (``rules/saturate.py`` the statistics,
+``pipeline.py`` the result), and the cache, the reports and the public entry points read them.
+"""
+
+from __future__ import annotations
+
+import collections
+import collections.abc
+import dataclasses
+from typing import Any
+
+from .ir.jaxapi import core
+
+
+@dataclasses.dataclass
+class Barred:
+    """One union made by a preferred rule: where, which forms it bars, and what it built."""
+
+    rule: str
+    root: int              # a name in the matched class
+    ctors: frozenset       # the left-hand side's constructors at its root
+    built: int             # the name of the replacement
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """Bounds on saturation. When one is hit, the best program found so far is used.
+
+    ``iterations``: rounds of matching. ``nodes``: rows in the e-graph
+    (nodes, names, facts and matches together). ``seconds``: wall time for
+    saturation. ``matches``: new matches a rule may act on in one iteration
+    before it is banned for ``ban`` iterations (both double on each ban).
+    ``growth`` retires a rule that outruns its allowance in an e-graph grown
+    past that many times its starting size, instead of banning it for a while.
+    A :class:`Ruleset` given ``limits=`` uses its ``matches`` and ``ban`` for
+    its own rules instead, and runs them in its first ``iterations`` rounds
+    only (rules that reach every bracketing of a chain, such as
+    associativity, grow the e-graph exponentially in the rounds they run);
+    the run's limits bound everything else.
+
+    >>> from rewrite import Limits
+    >>> Limits(seconds=2.0).iterations
+    30
+    """
+
+    iterations: int = 30
+    nodes: int = 500_000
+    seconds: float = 20.0
+    matches: int = 2_000
+    ban: int = 2
+    #: a rule that outruns its allowance once the e-graph holds more than ``growth`` times the rows it
+    #: started with is retired for the rest of the run, not banned for a while: past that size the
+    #: rules that keep matching more are the ones reaching every order and bracketing of a chain
+    #: (commutativity, associativity, and what merges and splits along them), whose matches grow
+    #: exponentially while the rewrites worth having were found early (benchmarks/growth.py).
+    growth: float = 16.0
+    #: the share of ``seconds`` one rule may spend in all: a rule past it stops at once (a procedure at its next
+    #: build or ``Match.check_time``), keeps what it built, fires no more in this rewrite, and is reported
+    #: (``RuleStats.timed_out``, a :class:`RewriteLimitWarning`). One rule cannot take the whole budget.
+    rule_share: float = 0.25
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
+                raise ValueError(f"Limits.{f.name} must be a number >= 0, got {v!r}")
+
+    @classmethod
+    def of(cls, limits: Any) -> "Limits":
+        """``limits=`` as a :class:`Limits`: ``None`` for the defaults, a ``Limits``, or a mapping of its fields.
+
+        >>> Limits.of({"iterations": 3}).iterations
+        3
+        >>> Limits.of({"iteration": 3})
+        Traceback (most recent call last):
+        TypeError: limits=: Limits has no field 'iteration'; its fields are iterations, nodes, seconds, matches, ban, growth, rule_share
+        """
+        if limits is None:
+            return cls()
+        if isinstance(limits, cls):
+            return limits
+        if isinstance(limits, collections.abc.Mapping):
+            names = [f.name for f in dataclasses.fields(cls)]
+            unknown = [k for k in limits if k not in names]
+            if unknown:
+                raise TypeError(f"limits=: Limits has no field {unknown[0]!r}; its fields are {', '.join(names)}")
+            return cls(**limits)
+        raise TypeError(f"limits= takes a Limits or a mapping of its fields, got {type(limits).__name__}")
+
+
+@dataclasses.dataclass
+class RuleStats:
+    fired: int = 0
+    matched: int = 0
+    rejected: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    banned: int = 0
+    #: retired for the rest of the run for outrunning its allowance in a grown e-graph (``Limits.growth``)
+    retired: bool = False
+    seconds: float = 0.0
+    #: stopped for the rest of the run for spending its time share (``Limits.rule_share``)
+    timed_out: bool = False
+    examples: list[tuple[Any, Any]] = dataclasses.field(default_factory=list)  # (avals, root source)
+
+
+@dataclasses.dataclass
+class Result:
+    before: core.ClosedJaxpr
+    after: core.ClosedJaxpr
+    cost_before: float
+    cost_after: float
+    stopped: str
+    iterations: int
+    rows: int
+    times: dict[str, float]
+    stats: dict[str, RuleStats]
+    rewritten: bool
+    warnings: list[str]
+    # kept for reports that look deeper (explain's provenance, to_dot)
+    egraph: Any = None
+    choice: dict | None = None
+    snapshot: Any = None
+    roots: list | None = None
+    original: set | None = None
+    out_names: list | None = None  # the V names of the program's outputs, for checks that extract their own way
+    #: what cost_model="measure" timed (rewrite/cost/measure.py), else None
+    timing: Any = None
+    #: the disk cache's file this result was read from (rewrite/cache/store.py), else None
+    cached: str | None = None
+    #: with rewrite(guard=True): which program the guard kept and the two times (rewrite/cost/guard.py)
+    guard: Any = None
+    #: preferred rules (rule(..., prefer=True)) -> how many classes' choice they forced (rewrite/rules/prefer.py)
+    preferred: dict[str, int] = dataclasses.field(default_factory=dict)
+    #: with AnalyticCost(memory_budget=...): the candidates the budget excluded (rewrite/cost/memory.py)
+    over_budget: list = dataclasses.field(default_factory=list)
+    #: why the program that runs was chosen (see :func:`why_chosen`); "" when the input program is kept
+    why: str = ""
+
+
