@@ -1,4 +1,4 @@
-"""Stage 6, evaluate: the function that ``@rewrite`` returns.
+"""The public entry points: the function that ``@rewrite`` returns, and ``explain``.
 
 It traces once per input signature (the tree structure, shapes, dtypes and
 weak types of the arguments, plus static arguments), rewrites, caches the

@@ -148,9 +148,9 @@ cancel = Ruleset("cancel", [
 # ---------------------------------------------------------------------- distribute
 # Matched in either operand order, a sum of products factors every way its terms share a factor: the same
 # small allowance as reassociate, so a long sum is banned early (and retired once the e-graph
-# has grown, Limits.growth) instead of filling it. And its first 8 rounds only: each time its
-# ban ran out later, a doubled allowance let a burst through (a neural ODE's solver step: 271
-# factorings in round 16, 100k rows, three times the saturation) that no program's choice used.
+# has grown, Limits.growth) instead of filling it. And its first 8 rounds only: later, each doubled
+# allowance after a ban lets through a burst of factorings (in a neural ODE's solver step, many times
+# the rest of saturation) that no program's choice uses.
 distribute = Ruleset("distribute", [
     rule(lambda a, b, c: lax.add(lax.mul(a, b), lax.mul(a, c)), lambda a, b, c: lax.mul(a, lax.add(b, c)),
          name="factor_add", when=_floating),  # a*b + a*c -> a*(b + c)

@@ -10,7 +10,7 @@ the cheapest: a chain of products ends up in the order of fewest flops (the
 matrix-chain order) wherever flops dominate, and a program already in its best
 form keeps it. At small sizes the bytes of a temporary and a kernel launch per
 product weigh more than flops, and a reorder must save ``MIN_SAVING`` of the
-price, so a small chain may keep more flops than the fewest (issue 31; the
+price, so a small chain may keep more flops than the fewest (the
 fuzz in ``tests/test_linalg.py`` checks each rewrite against the model's own
 cheapest bracketing).
 
@@ -597,7 +597,7 @@ def _ex_attention(q, k, v):
 #: 64 roundings of it. On 100 drawn examples per rule, the largest change a rule made was 1.7 roundings
 #: (``check_ruleset``, every compared element); 64 leaves room for the longer contractions of the contract
 #: tests' programs. No absolute tolerance: a product of small operands is held to its own small terms
-#: (an absolute 1 accepted any error on a result of size 1e-3, issue 31). The exact checks in
+#: (an absolute tolerance would accept any error on a small result). The exact checks in
 #: ``tests/test_linalg.py`` are what pin the rules down.
 _REORDERING = Tolerance(rtol=1e-5, atol=0.0, terms=64)
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import ast
 import collections
 import pathlib
+import re
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGES = ("rewrite", "rulesets")
@@ -220,3 +221,19 @@ def test_one_entry_point_runs_every_rewrite():
                        if c in ("Engine", "worth_their_saving", "bar_preferred", "input_cost")]
     assert callers == PIPELINE_CALLERS, f"modules that run a rewrite: {sorted(callers)}"
     assert not stages, f"stages run outside pipeline.run_pipeline: {stages}"
+
+
+def test_comments_name_no_stage_numbers_and_no_module_that_is_gone():
+    """Docstrings and comments say where things are now: no numbered stages (the numbered modules are gone)
+    and no ``_module.name`` reference to a module that does not exist."""
+    modules = {p.stem for package in PACKAGES for p in (ROOT / package).rglob("*.py")}
+    found = []
+    for package in PACKAGES:
+        for path in _sources(package).values():
+            for i, line in enumerate(path.read_text().splitlines(), 1):
+                if re.search(r"\bStage \d", line):
+                    found.append(f"{path.relative_to(ROOT)}:{i}: a stage number")
+                for mod in re.findall(r"``(_[a-z][a-z_]*)\.[A-Za-z_]", line):
+                    if mod not in modules:
+                        found.append(f"{path.relative_to(ROOT)}:{i}: names {mod}, which is no module")
+    assert not found, found

@@ -1,7 +1,7 @@
 """``rewrite(..., guard=True)``: the rewritten program is kept only if it runs faster than the original.
 
-A cost model predicts; it can be wrong (issue 16 found savings that XLA
-made anyway). With the guard on, the first time a signature is rewritten,
+A cost model predicts; it can be wrong (it can count a saving that XLA
+makes anyway). With the guard on, the first time a signature is rewritten,
 the original and the rewritten program are compiled with ``jax.jit`` and
 timed side by side on that first call's own arguments (or, where the call
 is traced by an outer ``jit`` or ``grad`` and its arguments are not concrete,

@@ -212,7 +212,7 @@ class AnalyticCost(CostModel):
     #: recomputation for memory; 0 prices time only.
     stacked: float = 0.0
     #: charge per byte of the program's predicted peak of temporaries (arrays that kernels
-    #: write and other kernels read, outputs and inputs excluded; see ``_fusion.peak_temp_bytes``),
+    #: write and other kernels read, outputs and inputs excluded; see ``cost/fusion.py``'s ``peak_temp_bytes``),
     #: with whole-program pricing. The default is ``byte``: holding an array at the peak costs
     #: as much as writing it once more, so of two programs about as fast the one that holds
     #: less memory wins. 0 prices time only; raise it to trade time for memory.

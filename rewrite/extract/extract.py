@@ -1,4 +1,4 @@
-"""Stage 4, extract: choose one node per e-class, minimising the cost model.
+"""Extract: choose one node per e-class, minimising the cost model.
 
 The extractor reads the frozen e-graph, not egglog's own extractor: egglog's
 default counts a shared node once per use (tree cost) and overflows on large

@@ -45,14 +45,14 @@ class Extractor:
         return found
 
     def operands(self, node: tuple) -> list[Any]:
-        """The term classes ``node`` reads, list members spelled out (``_walk.operands``), memoised."""
+        """The term classes ``node`` reads, list members spelled out (``ir/walk.py``'s ``operands``), memoised."""
         found = self._operands.get(node)
         if found is None:
             found = self._operands[node] = operands(self.snap, node)
         return found
 
     def all_kids(self, node: tuple) -> list[Any]:
-        """Every child class of ``node``, bodies included (``_walk.children``), memoised."""
+        """Every child class of ``node``, bodies included (``ir/walk.py``'s ``children``), memoised."""
         found = self._all_kids.get(node)
         if found is None:
             found = self._all_kids[node] = children(node)

@@ -160,7 +160,7 @@ class ProgramPricer:
 
 
 class _ChoiceTemplates(dict):
-    """The per-node facts (``_fusion.chosen_op``) of the programs one choice makes, where nodes have bodies.
+    """The per-node facts (``cost/program.py``'s ``chosen_op``) of the programs one choice makes, where nodes have bodies.
 
     Only a node with bodies (its price reads its bodies' choice) or a projection (its price reads the
     projected node) has facts that depend on the choice; the facts of every other node are kept in

@@ -362,7 +362,7 @@ class EGraph:
         return vid
 
     def _seed_facts(self, vid: int, value: Any) -> None:
-        """Facts known from a constant's value (floating constants only; see ``_terms.FACTS``)."""
+        """Facts known from a constant's value (floating constants only; see ``ir/terms.py``'s ``FACTS``)."""
         a = np.asarray(value)
         if not jnp.issubdtype(a.dtype, jnp.floating):  # jnp knows bfloat16 and the other ml_dtypes
             return

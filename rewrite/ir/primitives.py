@@ -198,7 +198,7 @@ class OpSpec:
     #: model fuses it as its body's operations, an elementwise call like an elementwise operation.
     inlined: bool = False
     #: Its two operands commute exactly (``add``, ``mul``): a pattern over it matches either operand order
-    #: (``_pattern.commuted``), so no rule has to store the other order, and a fact rule merges the
+    #: (``rules/pattern.py``'s ``commuted``), so no rule has to store the other order, and a fact rule merges the
     #: classes of ``a op b`` and ``b op a`` where both are in the e-graph (common subexpressions).
     commutative: bool = False
 
@@ -613,7 +613,7 @@ _GROUPS: dict[str, frozenset[str]] = {}
 GROUPS: Mapping[str, frozenset[str]] = types.MappingProxyType(_GROUPS)
 
 
-#: Argument sorts by constructor, as ``_terms.ctor_arg_sorts`` memoises them; state derived from the table,
+#: Argument sorts by constructor, as ``ir/terms.py``'s ``ctor_arg_sorts`` memoises them; state derived from the table,
 #: so it is emptied whenever the table changes (a replaced record may have another layout).
 ARG_SORTS: dict[str, tuple[str, ...]] = {}
 

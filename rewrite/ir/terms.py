@@ -109,7 +109,7 @@ def _schema() -> str:
 
 
 def flat_ctors() -> list[str]:
-    """The ``Term`` constructors whose arguments are all ``Term`` or ``i64`` (loaded from rows: ``_egraph.loader_program``)."""
+    """The ``Term`` constructors whose arguments are all ``Term`` or ``i64`` (loaded from rows: ``ir/loader.py``'s ``loader_program``)."""
     ctors = [name for name, _, out in STRUCTURAL if out == "Term" and name != "V"] + [spec.ctor for spec in _primitives.BY_PRIM.values()]
     return [c for c in dict.fromkeys(ctors) if all(s in ("Term", "i64") for s in ctor_arg_sorts(c))]
 

@@ -1,4 +1,4 @@
-"""Stage 5, emit: turn the chosen nodes back into a ``ClosedJaxpr``.
+"""Emit: turn the chosen nodes back into a ``ClosedJaxpr``.
 
 Each scope (the program, and every loaded body) is emitted on its own:
 post-order from its outputs, one equation per chosen operation node, in an

@@ -1,4 +1,4 @@
-"""Stage 2, load: every equation of a jaxpr becomes an e-node.
+"""Load: every equation of a jaxpr becomes an e-node.
 
 The walk is the textbook jaxpr interpreter (an environment, ``read``, a loop
 over equations) with the table of primitives (``rewrite/ir/primitives.py``). A

@@ -1,7 +1,7 @@
-"""Stage 1, trace: a Python function and its arguments become a ``ClosedJaxpr``.
+"""Trace: a Python function and its arguments become a ``ClosedJaxpr``.
 
 Arguments and results may be any pytrees. The jaxpr takes and returns their
-flattened array leaves; the tree structures are kept so stage 6 can rebuild
+flattened array leaves; the tree structures are kept so the call (``api.py``) can rebuild
 them. A Python float or complex number passed as an argument is traced, as
 ``jax.jit`` traces it (a weakly typed scalar), so a learning-rate schedule
 does not rewrite on every new value. Other leaves that are not arrays

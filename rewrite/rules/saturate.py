@@ -1,4 +1,4 @@
-"""Stage 3, saturate: run the rulesets over the e-graph, under limits.
+"""Saturate: run the rulesets over the e-graph, under limits.
 
 Each iteration:
 
@@ -71,7 +71,7 @@ def match_program(entries: Sequence[tuple[Rule, Ruleset]], manual: bool = False
     ``Snapshot.matches``. One relation per signature, not per query: every
     declaration costs at each ``push`` and ``pop`` of a pooled e-graph.
     The text depends on the rules only, so an e-graph declared with it can be
-    made once and lent to every rewrite with the same rules (``_egraph._POOL``),
+    made once and lent to every rewrite with the same rules (``ir/egraph.py``'s ``_POOL``),
     and it is made once per list of rules (the last few are kept).
     """
     key = (tuple((id(rule), id(owner)) for rule, owner in entries), manual)
