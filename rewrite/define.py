@@ -1,6 +1,6 @@
 """Defining a rule, checked as far as its definition allows.
 
-:func:`rule` is :func:`rewrite.rules.rule.rule` plus one check that needs the whole
+:func:`rule` is :func:`rewrite.rules.rule.build_rule` plus one check that needs the whole
 pipeline, which the rule layer sits below: a :class:`Pat` rule given an
 example program (``example_program=(fn, args)``) is run on that program once, so a
 right side that raises, or builds a value of another shape or dtype, fails
@@ -20,7 +20,7 @@ from .jaxpr.trace import trace_at
 from .pipeline import run_pipeline
 from .rules.match import _short
 from .rules.pattern import Pat
-from .rules.rule import Rule, _one_example, rule as _rule
+from .rules.rule import Rule, _one_example, build_rule
 from .rules.ruleset import Ruleset
 from .records import Limits
 
@@ -31,7 +31,7 @@ def rule(lhs: Any, rhs: Any, *, name: str, when: Callable[..., bool] | None = No
     # the deprecated spelling is resolved here, so that its warning points at the caller's line
     example = _one_example(name, isinstance(lhs, Pat), example_inputs, example_program, example)
     is_pat = isinstance(lhs, Pat)
-    r = _rule(lhs, rhs, name=name, when=when, example_inputs=None if is_pat else example,
+    r = build_rule(lhs, rhs, name=name, when=when, example_inputs=None if is_pat else example,
               example_program=example if is_pat else None, prefer=prefer)
     r.defined_at = _call_site()
     if check_inputs:
@@ -59,7 +59,7 @@ def _call_site() -> tuple[str, int] | None:
     return None
 
 
-rule.__doc__ = (_rule.__doc__ or "") + """
+rule.__doc__ = (build_rule.__doc__ or "") + """
     ``check_inputs``: for a rule valid only on part of its inputs' values (a
     non-singular matrix, a positive scale that no guard can see), a function
     per pattern variable that maps a drawn array into that part;

@@ -414,7 +414,7 @@ def _canonical(closed: core.ClosedJaxpr, labels: Sequence[int]) -> tuple:
     return tuple(read(o) for o in closed.jaxpr.outvars)
 
 
-def rule(lhs: Any, rhs: Any, *, name: str, when: Callable[..., bool] | None = None,
+def build_rule(lhs: Any, rhs: Any, *, name: str, when: Callable[..., bool] | None = None,
          example_inputs: Any = None, example_program: Any = None, prefer: bool = False,
          example: Any = None) -> Rule:
     """Define a rewrite ``lhs -> rhs``.
