@@ -11,6 +11,7 @@ from __future__ import annotations
 import heapq
 from typing import Any, Iterable, Mapping, Sequence
 
+from ..ir import primitives as _primitives  # read by the class docstring's example
 from ..ir.walk import postorder
 from .fusion import TIEBREAK, FusionModel, _add_sincos, _temp, slices
 from .program import LEAF, LIBRARY, OTHER, REDUCE, VIEW, Op, _kind
