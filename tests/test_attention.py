@@ -600,3 +600,40 @@ def test_whole_row_parameters_under_large_cotangents_in_bfloat16(seed):
         err_new = np.abs(np.asarray(new, np.float64) - want).max()
         err_old = np.abs(np.asarray(old, np.float64) - want).max()
         assert err_new <= 1.5 * err_old + 1e-6 * max(1.0, np.abs(want).max()), (what, err_new, err_old)
+
+
+def _soft_capped(cap_first_scale):
+    """Gemma's soft-capped logits in flax's [b, q, h, d] layout: ``cap * tanh(s / cap)`` after a literal scale."""
+
+    def f(q, k, v):
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k)
+        s = s / np.sqrt(q.shape[-1]) if cap_first_scale == "div" else s * q.shape[-1] ** -0.5
+        s = 20.0 * jnp.tanh(s / 20.0)
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
+
+    return f
+
+
+@pytest.mark.parametrize("d,dtype,form", [(16, "float32", "div"), (16, "bfloat16", "mul"), (8, "float32", "mul"),
+                                          (8, "bfloat16", "div")])
+def test_soft_capped_logits_after_a_scale(d, dtype, form):
+    """The first literal scale of the product moved to ``q`` turned its step into the product over a new leaf;
+    the cap's ``/ 20`` then read that step as the product and indexed past the plan's leaves: ``attn_blocked_vp``
+    raised IndexError (strict) or warned on every call. Now rewritten, values and gradients kept."""
+    f = _soft_capped(form)
+    rng = np.random.default_rng(d)
+    wide = [rng.standard_normal((1, 512, 2, d)) * 3 for _ in range(3)]
+    args = [jnp.asarray(x, dtype) for x in wide]
+    assert any(name.startswith("attn_") for name in explain(f, *args, rulesets=[attention]).fired)
+    g = rewrite(f, rulesets=[attention], strict=True, cache=False)
+    loss = lambda fn: jax.jit(jax.grad(lambda *a: jnp.sum(jnp.sin(fn(*a).astype(jnp.float32))), argnums=(0, 1, 2)))
+    got, want = [g(*args)] + list(loss(g)(*args)), [jax.jit(f)(*args)] + list(loss(f)(*args))
+    if dtype == "float32":
+        for a, b in zip(got, want):
+            close(a, b, dtype)
+        return
+    with jax.enable_x64(True):
+        w = [jnp.asarray(x, jnp.float64) for x in wide]
+        ref = [jax.jit(f)(*w)] + list(loss(f)(*w))
+    for a, b, r in zip(got, want, ref):
+        as_accurate(a, b, r, dtype)
