@@ -104,6 +104,31 @@ class TupleType(tuple):
     """The type of a multi-result node: the avals of its components."""
 
 
+def types_agree(want: Any, got: Any) -> bool:
+    """Whether a replacement of type ``got`` may stand for a value of type ``want``: equal, or equal but for a
+    sharding JAX itself does not tell apart (``jax._src.core.typematch``): one of the two on an empty mesh (a
+    literal, which JAX types without the mesh its program runs under), or both on meshes with no explicit axis.
+    Shape, dtype, weak type, varying manual axes and memory space must agree exactly.
+    """
+    if want == got:
+        return True
+    if isinstance(want, TupleType) and isinstance(got, TupleType):
+        return len(want) == len(got) and all(types_agree(a, b) for a, b in zip(want, got))
+    sw, sg = getattr(want, "sharding", None), getattr(got, "sharding", None)
+    if sw is None or sg is None or type(want) is not type(got):
+        return False
+    mw, mg = getattr(sw, "mesh", None), getattr(sg, "mesh", None)
+    if mw is None or mg is None:
+        return False
+    if not (getattr(mw, "empty", False) or getattr(mg, "empty", False)):
+        if getattr(mw, "_any_axis_explicit", True) or getattr(mg, "_any_axis_explicit", True):
+            return False  # an explicit axis: the shardings are part of the type
+    try:
+        return want.update(sharding=sg) == got
+    except (AttributeError, TypeError, ValueError):
+        return False
+
+
 def in_dtype(value: Any, dtype: Any) -> Any:
     """A literal's value as its dtype holds it.
 
