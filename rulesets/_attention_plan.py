@@ -307,7 +307,10 @@ def _scale_outside(plan: _Plan) -> tuple[tuple, tuple]:
             new_args = list(dargs)
             new_args[whole[0]] = ("leaf", len(plan.leaves) + len(scaled))
             scaled.append((dargs[whole[0]][1], c_ref[1], prim.name))
-            # the scale's step becomes the product of the scaled q (the unscaled product is read no more)
+            # the scale's step becomes the product of the scaled q (the unscaled product is read no more).
+            # One scale moves, the first: the plan has one product, and a second scale of it (a soft cap's
+            # ``tanh(s / 20)`` after ``s = q k^T / 8``) would read this step as the product, over a leaf that
+            # is not the plan's (an IndexError, found on Gemma's soft-capped logits).
             steps[j] = (dprim, dparams, tuple(new_args), daval, dkey)
-            break
+            return tuple(steps), tuple(scaled)
     return tuple(steps), tuple(scaled)

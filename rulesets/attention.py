@@ -343,7 +343,8 @@ def _blocked(plan: _Plan, out_ref: tuple, axis: int, p_first: bool, dn: Any, pv_
             vb = lax.dynamic_slice_in_dim(v, start, block, axis=v_key)
             _, vjp_pv = jax.vjp(product, p, vb)
             dp, dvb = vjp_pv(g.astype(out_aval.dtype))
-            return start, p, dp.astype(acc_dtype), dvb, vjp_s
+            # rounded as the original rounds it: to the weights' dtype in the product (its output's, if not cast)
+            return start, p, _held(dp, acc_dtype, out_aval.dtype if cast is None else cast), dvb, vjp_s
 
         if jnp.dtype(out_aval.dtype) == jnp.dtype(acc_dtype):
             d_row = from_out(g.astype(acc_dtype) * out.astype(acc_dtype))
@@ -390,6 +391,20 @@ def _blocked(plan: _Plan, out_ref: tuple, axis: int, p_first: bool, dn: Any, pv_
         return attend(tuple(leaves), v)
 
     return fn
+
+
+def _held(x: Any, dtype: Any, like: Any) -> Any:
+    """``x`` in ``dtype``, rounded to ``like``'s precision, where that is narrower. XLA allows excess precision: it may drop
+    a rounding that a conversion back up follows, and does so in one loop and not in another. The backward's
+    two loops then saw the weights' cotangent rounded in one and not in the other, the row term (the first
+    loop's) no longer matched the second's, and the logits' gradient rows summed to ~1 under cotangents of ~100
+    (bf16 attention in flax's [b, q, h, d] layout with float32 logits), where the original's sum to ~5e-4; a
+    temperature's gradient and a row bias's then erred up to thousands of times the original's."""
+    wide = x.astype(dtype)
+    narrow, to = jnp.finfo(like), jnp.finfo(dtype)
+    if narrow.nmant >= to.nmant:
+        return wide
+    return lax.reduce_precision(wide, exponent_bits=narrow.nexp, mantissa_bits=narrow.nmant)
 
 
 def _chunk(p_first: bool, converted: bool = False, squeeze: bool = False, widened: bool = False):

@@ -12,6 +12,7 @@ from jax._src import core
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import rulesets
 from rewrite import Ruleset, explain, rewrite, rule
 from rewrite.report.report import primitive_counts
 
@@ -117,3 +118,76 @@ def test_explicit_sharding_mode():
         np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
         assert out.sharding.spec == want.sharding.spec
         assert r.result(x).stats["double_angle"].fired == 1
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])
+def test_gradient_of_a_language_model_loss_over_a_data_sharded_batch(axis_type):
+    """Plain data parallelism: optax's integer-label cross-entropy of ``h @ W`` with the batch sharded. Under
+    ``jax.grad`` ``add_zero_int`` matched ``i + 0`` typed on the program's mesh, whose ``i`` JAX types on an empty
+    one: the union was rejected as a type mismatch (a RewriteWarning; strict raised). Under explicit axes the LM
+    head's gather raised ShardingTypeError, where a rule that cannot build its replacement declines."""
+    optax = pytest.importorskip("optax")
+
+    def loss(h, w, y):
+        return optax.softmax_cross_entropy_with_integer_labels(h @ w, y).mean()
+
+    rng = np.random.default_rng(0)
+    h, w = rng.standard_normal((64, 16)).astype(np.float32), rng.standard_normal((16, 128)).astype(np.float32)
+    y = rng.integers(0, 128, 64).astype(np.int32)
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(axis_type,))
+    with jax.set_mesh(mesh):
+        args = (jax.device_put(h, NamedSharding(mesh, P("data", None))), jax.device_put(w, NamedSharding(mesh, P())),
+                jax.device_put(y, NamedSharding(mesh, P("data"))))
+        r = rewrite(loss, rulesets=[rulesets.algebra, rulesets.nn], strict=True, cache=False)
+        got = jax.jit(jax.value_and_grad(r, argnums=(0, 1)))(*args)
+        want = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(*args)
+        fired = explain(jax.grad(loss, argnums=(0, 1)), *args, rulesets=[rulesets.algebra, rulesets.nn]).fired
+    assert "add_zero_int" in fired
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+    for a, b in zip(got[1], want[1]):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+        assert a.sharding.is_equivalent_to(b.sharding, a.ndim)
+
+
+def test_types_agree_as_jax_types_them():
+    """A replacement typed on an empty mesh (a literal) stands for a value on the program's mesh; under explicit
+    axes two different shardings do not agree; shape, dtype and weak type always must."""
+    from rewrite.ir.intern import TupleType, types_agree
+    auto = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,)).abstract_mesh
+    expl = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,)).abstract_mesh
+    bare = core.ShapedArray((), jnp.int32, weak_type=True)
+    on = lambda mesh, spec=P(), a=bare: a.update(sharding=NamedSharding(mesh, spec))
+    assert types_agree(on(auto), bare) and types_agree(bare, on(expl))
+    assert types_agree(TupleType((on(auto), bare)), TupleType((bare, bare)))
+    assert not types_agree(on(auto), bare.update(weak_type=False))
+    assert not types_agree(on(auto), bare.update(dtype=jnp.int16))
+    row = core.ShapedArray((8,), jnp.float32)
+    assert not types_agree(on(expl, P("data"), row), on(expl, P(), row))
+    assert types_agree(on(auto, P("data"), row), on(auto, P(), row))  # Auto: JAX does not tell them apart
+
+
+@pytest.mark.parametrize("mode", ["grad", "jvp"])
+def test_derivatives_of_a_rewritten_function_inside_shard_map(mesh, mode):
+    """``jax.grad`` of a rewritten function called in a shard_map body: the joint program's cotangents were traced
+    from plain ShapeDtypeStructs, without the manual axes the outputs vary over, and the pullback refused them
+    (strict raised; otherwise a fallback with a RewriteWarning)."""
+    def fn(xb, wb):
+        return jnp.sum((2 * jnp.sin(xb) * jnp.cos(xb)) @ wb) + jnp.sum(jnp.sin(wb) * jnp.sin(wb) + jnp.cos(wb) * jnp.cos(wb))
+
+    r = rewrite(fn, rulesets=[TRIG], strict=True, cache=False)
+
+    def run(f):
+        def body(xb, wb):
+            if mode == "grad":
+                val, (gx, gw) = jax.value_and_grad(f, argnums=(0, 1))(xb, wb)
+            else:
+                val, t = jax.jvp(f, (xb, wb), (jnp.cos(xb), jnp.ones_like(wb)))
+                gx, gw = xb * t, wb * t
+            return jax.lax.psum(val, "data"), gx, jax.lax.psum(gw, "data")
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("data", None), P()),
+                                     out_specs=(P(), P("data", None), P())))
+
+    x, w = _x((16, 4)), jnp.full((4, 3), 0.3)
+    for a, b in zip(run(r)(x, w), run(fn)(x, w)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    assert r.result(x[:4], w).stats["double_angle"].fired == 1

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rewrite import AnalyticCost, explain, rewrite
+from rewrite import AnalyticCost, CostModel, explain, rewrite
 from rulesets.attention import attention
 from rulesets.derivatives import derivatives
 from tests.test_cost_model import ARGS, B, C, T, jax_vjp
@@ -105,3 +105,25 @@ def test_extraction_prices_a_loop_bodys_temporaries():
     assert blocked and blocked[0]["predicted_temp_bytes"] > 2 ** 20
     fits = explain(plain, q, k, v, rulesets=[attention], cost_model=AnalyticCost(memory_budget=4 * 2 ** 20))
     assert fits.result.rewritten and [c["rewritten"] for c in fits.excluded_by_budget] == [False]
+
+
+@pytest.mark.parametrize("bad", [-1, -1.5e9, 0, 0.0, float("nan"), -float("inf"), "1GB", True])
+def test_a_budget_that_is_not_a_positive_byte_count_is_refused(bad):
+    # a negative, zero or NaN budget used to be accepted silently: every program priced over it
+    with pytest.raises(ValueError, match="memory_budget"):
+        AnalyticCost(memory_budget=bad)
+
+    class Custom(CostModel):  # a model of the user's own, whose budget memory.py reads by attribute
+        memory_budget = bad
+
+        def __call__(self, node):
+            return 1.0
+
+    with pytest.raises(ValueError, match="memory_budget"):
+        rewrite(jnp.sin, rulesets=[derivatives], cost_model=Custom())
+
+
+@pytest.mark.parametrize("ok", [None, 1, 2.5e9, float("inf")])
+def test_a_positive_budget_is_accepted(ok):
+    f = rewrite(jnp.sin, rulesets=[derivatives], cost_model=AnalyticCost(memory_budget=ok))
+    np.testing.assert_allclose(f(jnp.ones(3)), jnp.sin(jnp.ones(3)))

@@ -40,7 +40,7 @@ import numpy as np
 
 from ..ir import primitives as _primitives
 from ..ir.jaxapi import core, optimization_barrier_p
-from .model import AnalyticCost, CostModel, as_cost_model, default_model
+from .model import AnalyticCost, CostModel, as_cost_model, check_memory_budget, default_model
 from .program import Program
 
 log = logging.getLogger("rewrite")
@@ -261,4 +261,7 @@ def resolve(model: Any) -> CostModel:
         return default_model()
     if isinstance(model, str) and model == "measure":
         return Measured()
-    return as_cost_model(model)
+    resolved = as_cost_model(model)
+    # a custom model's budget is read by attribute (rewrite/cost/memory.py): check it at rewrite(...) time
+    check_memory_budget(getattr(resolved, "memory_budget", None))
+    return resolved

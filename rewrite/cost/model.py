@@ -42,6 +42,7 @@ import contextlib
 import dataclasses
 import functools
 import math
+import numbers
 import os
 import sys
 import warnings
@@ -160,6 +161,22 @@ def priced_with(table: Mapping[str, Any]) -> Iterator[None]:
         _PINNED.pop()
 
 
+def check_memory_budget(budget: Any) -> None:
+    """Raise ``ValueError`` unless ``budget`` is ``None`` or a positive number of bytes (``inf`` is no
+    budget): a negative, zero or NaN budget would otherwise price every program over it, silently.
+
+    >>> check_memory_budget(-1)
+    Traceback (most recent call last):
+    ...
+    ValueError: memory_budget must be None or a positive number of bytes, got -1
+    """
+    if budget is None:
+        return
+    ok = isinstance(budget, numbers.Real) and not isinstance(budget, bool)
+    if not ok or math.isnan(float(budget)) or float(budget) <= 0:
+        raise ValueError(f"memory_budget must be None or a positive number of bytes, got {budget!r}")
+
+
 #: A loop trip's price where the backend's table has no measured one (ns; a GPU's measured 8.1 us).
 ITERATION_ESTIMATE = 1000.0
 
@@ -251,6 +268,9 @@ class AnalyticCost(CostModel):
     #: ``integer_pow``, a folded constant), which the golden files show, are kept. Set it for
     #: production use, e.g. ``AnalyticCost(min_saving=0.03)``.
     min_saving: float = 0.0
+
+    def __post_init__(self) -> None:
+        check_memory_budget(self.memory_budget)
 
     def spilled(self, avals: Any) -> float:
         """What moving these arrays once costs beyond ``byte`` per byte: ``spill`` per byte of each beyond

@@ -97,7 +97,9 @@ def joint_program(closed: core.ClosedJaxpr) -> tuple[core.ClosedJaxpr, list[int]
         return list(outs) + list(pullback(full))
 
     specs = [spec_of(a) for a in in_avals]
-    specs += [jax.ShapeDtypeStruct(out_avals[i].shape, out_avals[i].dtype) for i in dif_out]
+    # a cotangent has its output's type but for weak type: inside a shard_map body that includes the manual
+    # axes the output varies over, which the pullback checks (a plain ShapeDtypeStruct dropped them)
+    specs += [spec_of(out_avals[i].update(weak_type=False)) for i in dif_out]
     return jax.make_jaxpr(joint)(*specs), dif_in, dif_out
 
 

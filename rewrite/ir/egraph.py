@@ -47,6 +47,7 @@ from egglog import bindings as eb
 
 from . import primitives as _primitives
 from . import terms as _terms
+from . import intern as _intern
 from .intern import LITERALS, PARAMS, TYPES, content_hash, in_dtype
 from .loader import (LOAD, LOADER, _SPAN, _flat_ctors, _loader, _Rows, call, int_lit, loader_program, tlist_expr,
                      v_expr)
@@ -177,6 +178,8 @@ class EGraph:
         self._loader = _loader(schema)
         self._give = weakref.finalize(self, _POOL.give, schema, prelude, self.eg, _main_thread())
         self._give.atexit = False
+        # the interning tables keep every entry this e-graph may hold while it lives (rewrite/ir/intern.py)
+        weakref.finalize(self, _intern.close_generation, _intern.open_generation()).atexit = False
         self.vtype: list[int] = []          # V id -> type id
         self.vsource: list[Any] = []        # V id -> Origin (source_info, ctx) of the equation that made it
         self.vorigin: list[str | None] = []  # V id -> name of the rule that made it, None for the program

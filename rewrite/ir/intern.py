@@ -10,40 +10,146 @@ program and a rule) agree. Patterns compiled once are valid in every e-graph.
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import hashlib
 import math
 import threading
-from typing import Any, Hashable
+from typing import Any, Hashable, Iterator
 
 import numpy as np
 from jax.dtypes import float0
 
 
+#: Each e-graph opens a generation (:func:`open_generation`) and keeps it open while it lives; an entry is stamped
+#: with the generation current when it was last interned. Ids go into an e-graph only through interning (a hit
+#: restamps the entry), so an entry stamped before the oldest open generation is in no live e-graph.
+_GEN_LOCK = threading.Lock()
+_generation = 0
+_open: dict[int, int] = {}  # open generation -> how many live e-graphs opened it
+
+
+def open_generation() -> int:
+    """A new generation, open until :func:`close_generation`: entries interned from now on stay while it is open."""
+    global _generation
+    with _GEN_LOCK:
+        _generation += 1
+        _open[_generation] = _open.get(_generation, 0) + 1
+        return _generation
+
+
+def close_generation(gen: int) -> None:
+    with _GEN_LOCK:
+        left = _open.get(gen, 0) - 1
+        if left > 0:
+            _open[gen] = left
+        else:
+            _open.pop(gen, None)
+
+
+_pinning = 0  # while above 0 (inside :func:`pinned`), every entry interned is kept for good
+
+
+@contextlib.contextmanager
+def pinned() -> Iterator[None]:
+    """Keep every entry interned inside the block for good: a compiled rule pattern holds params ids in its
+    query text (``(Opaque (TCons v (TNil)) 17)``) as long as the rule lives."""
+    global _pinning
+    with _GEN_LOCK:
+        _pinning += 1
+    try:
+        yield
+    finally:
+        with _GEN_LOCK:
+            _pinning -= 1
+
+
+def _oldest_open() -> float:
+    with _GEN_LOCK:
+        return min(_open, default=math.inf)
+
+
 class _Table:
-    """A two-way map between hashable keys and dense integer ids."""
+    """A two-way map between hashable keys and integer ids, bounded.
+
+    Ids are handed out in order and never reused. The readers of an id are the e-graphs it was put in (and what
+    reads them: matches, extraction, emission, a kept report), so an entry that no live e-graph can hold is
+    dropped once the table has more than ``keep`` entries, least recently interned first: without that each new
+    input signature of a rewritten function kept its types and params for good (issue 48). Reading a dropped id
+    raises ``KeyError``; interning its key again gives a new id.
+    """
+
+    #: the most recently interned entries kept whatever the e-graphs alive
+    keep = 1024
 
     def __init__(self) -> None:
         self._ids: dict[Hashable, int] = {}
-        self._values: list[Any] = []
-        self._lock = threading.Lock()
+        self._values: dict[int, Any] = {}
+        self._keys: dict[int, Hashable] = {}
+        self._stamp: collections.OrderedDict[int, int] = collections.OrderedDict()  # id -> generation, oldest first
+        self._pinned: set[int] = set()  # kept for good (see :func:`pinned`)
+        self._next = 0
+        self._lock = threading.RLock()
 
     def intern(self, key: Hashable, value: Any = None) -> int:
-        found = self._ids.get(key)
-        if found is not None:
-            return found
         with self._lock:
             found = self._ids.get(key)
             if found is None:
-                found = len(self._values)
-                self._values.append(key if value is None else value)
+                found = self._next
+                self._next += 1
+                self._values[found] = key if value is None else value
+                self._keys[found] = key
                 self._ids[key] = found
+                self._trim()
+            if found in self._pinned:
+                return found
+            if _pinning:
+                self._pinned.add(found)
+                self._stamp.pop(found, None)
+                return found
+            self._stamp[found] = _generation
+            self._stamp.move_to_end(found)
         return found
+
+    def touch(self, i: int) -> bool:
+        """Restamp entry ``i`` as interned now (a cache that hands out an id it kept, not interning it again,
+        calls this before the id goes into an e-graph); ``False`` when it has been dropped."""
+        with self._lock:
+            if i in self._pinned:
+                return True
+            if i not in self._values:
+                return False
+            self._stamp[i] = _generation
+            self._stamp.move_to_end(i)
+        return True
+
+    def _trim(self) -> None:
+        excess = len(self._stamp) - self.keep
+        if excess <= 0:
+            return
+        oldest = _oldest_open()
+        while excess > 0:
+            i, gen = next(iter(self._stamp.items()))
+            if gen >= oldest:
+                return  # this one, and every later one, may be in a live e-graph
+            self._stamp.popitem(last=False)
+            del self._ids[self._keys.pop(i)]
+            del self._values[i]
+            self._dropped(i)
+            excess -= 1
+
+    def _dropped(self, i: int) -> None:
+        """An entry left the table (a subclass drops what it keeps beside it)."""
 
     def __getitem__(self, i: int) -> Any:
         return self._values[i]
 
     def __len__(self) -> int:
         return len(self._values)
+
+    def values(self) -> list[Any]:
+        with self._lock:
+            return list(self._values.values())
 
 
 _IDENTITY = object()  # a param value that can only be compared by identity
@@ -89,6 +195,9 @@ class ParamTable(_Table):
     def params(self, pid: int) -> dict[str, Any]:
         return self[pid][1]
 
+    def _dropped(self, i: int) -> None:
+        EFFECTS.pop(i, None)
+
 
 class TypeTable(_Table):
     """Type ids: abstract values (``ShapedArray`` with dtype, weak type, sharding), tokens and tuples of them."""
@@ -102,6 +211,31 @@ class TypeTable(_Table):
 
 class TupleType(tuple):
     """The type of a multi-result node: the avals of its components."""
+
+
+def types_agree(want: Any, got: Any) -> bool:
+    """Whether a replacement of type ``got`` may stand for a value of type ``want``: equal, or equal but for a
+    sharding JAX itself does not tell apart (``jax._src.core.typematch``): one of the two on an empty mesh (a
+    literal, which JAX types without the mesh its program runs under), or both on meshes with no explicit axis.
+    Shape, dtype, weak type, varying manual axes and memory space must agree exactly.
+    """
+    if want == got:
+        return True
+    if isinstance(want, TupleType) and isinstance(got, TupleType):
+        return len(want) == len(got) and all(types_agree(a, b) for a, b in zip(want, got))
+    sw, sg = getattr(want, "sharding", None), getattr(got, "sharding", None)
+    if sw is None or sg is None or type(want) is not type(got):
+        return False
+    mw, mg = getattr(sw, "mesh", None), getattr(sg, "mesh", None)
+    if mw is None or mg is None:
+        return False
+    if not (getattr(mw, "empty", False) or getattr(mg, "empty", False)):
+        if getattr(mw, "_any_axis_explicit", True) or getattr(mg, "_any_axis_explicit", True):
+            return False  # an explicit axis: the shardings are part of the type
+    try:
+        return want.update(sharding=sg) == got
+    except (AttributeError, TypeError, ValueError):
+        return False
 
 
 def in_dtype(value: Any, dtype: Any) -> Any:
@@ -145,6 +279,11 @@ def literal_key(value: Any) -> Hashable:
 
 
 class LiteralTable(_Table):
+    """Literal ids, by value: never dropped, since compiled rule patterns hold them in their query text (one entry
+    per distinct scalar value)."""
+
+    keep = math.inf
+
     def intern_value(self, value: Any) -> int:
         return self.intern(literal_key(value))
 

@@ -75,6 +75,9 @@ core = types.SimpleNamespace(
     initial_result_paths=_core.initial_result_paths,  # DebugInfo's "no result paths yet", to trace without jit
     join_effects=_core.join_effects,  # the union of effect sets, as an emitted jaxpr's effects
     trace_ctx=_core.trace_ctx,  # the current trace, which a derivative rule dispatches on (jax.core has no reader)
+    # what JAX raises where an operation's result sharding cannot be resolved under explicit mesh axes: a rule
+    # whose replacement JAX will not build so declines (rewrite/rules/saturate.py)
+    ShardingTypeError=getattr(_core, "ShardingTypeError", ()),
 )
 
 #: Automatic differentiation's rule tables. ``jax.interpreters.ad`` exports ``primitive_jvps``,

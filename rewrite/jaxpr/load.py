@@ -76,7 +76,7 @@ def load_jaxpr(jaxpr: core.Jaxpr, consts: Sequence[Any], inputs: Sequence[Any], 
     for eqn in jaxpr.eqns:
         args = [read(a) for a in eqn.invars]
         plain = _PLAIN.get(id(eqn)) if remember else None
-        if plain is not None and plain[0] is eqn:
+        if plain is not None and plain[0] is eqn and _still_interned(plain[1]):
             outs = _load_plain(plain[1], args, b)
         else:
             outs, token = load_eqn(eqn, args, b, token, remember=remember)
@@ -97,6 +97,14 @@ def _constant(b: Builder, value: Any, aval: Any) -> Any:
 #: equation is kept so its id stays its own; a few thousand are enough for every rule's sides.
 _PLAIN: dict[int, tuple[core.JaxprEqn, tuple]] = {}
 _PLAIN_SIZE = 16384
+
+
+def _still_interned(plain: tuple) -> bool:
+    """Whether a remembered equation's params and type ids are still in their tables, each restamped as used
+    now (the tables drop what no live e-graph holds: rewrite/ir/intern.py); if not, it is loaded afresh."""
+    _, _, _, pid, type_id, proj, _ = plain
+    return (PARAMS.touch(pid) and TYPES.touch(type_id)
+            and (proj is None or all(TYPES.touch(t) for t in proj)))
 
 
 def _load_plain(plain: tuple, args: list[Any], b: Builder) -> list[Any]:

@@ -291,8 +291,8 @@ def _plain(x: Any, depth: int = 0) -> Any:
 @functools.lru_cache(maxsize=None)
 def _primitive(name: str) -> Any:
     """The JAX primitive called ``name``: one seen in a loaded program, or one of lax's."""
-    for i in range(len(PARAMS)):
-        prim = PARAMS[i][0]
+    for entry in PARAMS.values():
+        prim = entry[0]
         if prim.name == name:
             return prim
     for mod in PRIMITIVE_MODULES:

@@ -34,7 +34,7 @@ from typing import Any, Iterable, Sequence
 
 from ..ir import primitives as _primitives
 from ..ir import terms as _terms
-from ..ir.intern import LITERALS, TYPES, content_hash, in_dtype
+from ..ir.intern import LITERALS, TYPES, content_hash, in_dtype, pinned
 from ..ir.jaxapi import core
 from ..ir.primitives import GROUPS
 from ..jaxpr.load import load_closed
@@ -189,7 +189,8 @@ def compile_traced(closed: core.ClosedJaxpr, names: Sequence[str], pvary_literal
     """
     qb = QueryBuilder(pvary_literals)
     inputs = [_egg_var(n) for n in names]
-    (out,), token = load_closed(closed, inputs, qb)
+    with pinned():  # the query holds the params ids of its nodes for as long as its rule lives
+        (out,), token = load_closed(closed, inputs, qb)
     if out in inputs:
         raise PatternError("the left-hand side is a bare pattern variable; it would match every term")
     if not qb.atoms:

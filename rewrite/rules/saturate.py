@@ -29,7 +29,8 @@ from typing import Any, Sequence
 
 
 from ..ir.egraph import EGraph, Snapshot
-from ..ir.intern import TYPES
+from ..ir.jaxapi import core
+from ..ir.intern import TYPES, types_agree
 from ..jaxpr.load import Unsupported, load_closed
 from .builder import Builder, OutOfTime
 from .match import Match, _short
@@ -346,6 +347,12 @@ class Engine:
             result = rule.rhs(m)
         except (Unsupported, OutOfTime):
             raise
+        except core.ShardingTypeError as e:
+            # JAX will not build the replacement under the program's explicit mesh axes (a gather whose result
+            # sharding it cannot resolve): the rule cannot build it, so it declines
+            stats.rejected["sharding"] += 1
+            log.debug("rule %r declined: %s", rule.name, e)
+            return True
         except Exception as e:
             self._raised(rule, stats, e)
             return True
@@ -394,7 +401,7 @@ class Engine:
         self._unioned.add((known[root_name], out))
         want = TYPES[self.egraph.vtype[root_name]]
         got = TYPES[self.egraph.vtype[out]]
-        if want != got:
+        if not types_agree(want, got):
             stats.rejected["type"] += 1
             g, w = (_short(got), _short(want)) if _short(got) != _short(want) else (repr(got), repr(want))
             msg = (f"rule {rule.name!r} built {g} for a match of type {w}"
