@@ -212,8 +212,9 @@ def sink_inputs(m) -> Any:
     # are 9) the later rounds rebuilt what the first ones had built.
     policies = sp.get("_rw_recompute") or (None, "cheap", "all")
     found: dict[tuple, tuple[list, Callable]] = {}
+    shared: dict = {}  # what the policies' copies share: the body read back as a function, the bodies traced
     for recompute in policies:
-        plan = _sink(m, recompute, depth)
+        plan = _sink(m, recompute, depth, shared)
         if plan is not None:
             found.setdefault(plan[0], ([], plan[1]))[0].append(recompute)
     pairs: list = []
@@ -222,9 +223,10 @@ def sink_inputs(m) -> Any:
     return pairs or None
 
 
-def _sink(m, recompute: str | None, depth: int) -> tuple[Any, Callable] | None:
+def _sink(m, recompute: str | None, depth: int, shared: dict) -> tuple[Any, Callable] | None:
     """The copy that sinks this loop's inputs under the policy ``recompute``: what it is (its dropped inputs and
-    body outputs), and how to build it given the policies it stands for; ``None`` when nothing sinks."""
+    body outputs), and how to build it given the policies it stands for; ``None`` when nothing sinks.
+    ``shared`` keeps what another policy's copy of the same loop made and this one may reuse."""
     loop = Loop(m)
     if not loop.outputs():
         return None  # nothing reads this loop (a backward loop whose results are all dropped, say)
@@ -243,11 +245,17 @@ def _sink(m, recompute: str | None, depth: int) -> tuple[Any, Callable] | None:
     if not drop:
         return None
     params = [loop.input(p) for p in range(len(loop.args))]
-    body = m.function(loop.body.outs, params)
+    if "body" not in shared:  # the body's outputs as a function of its inputs: the same for every policy
+        shared["body"] = m.function(loop.body.outs, params)
+    body = shared["body"]
     if body is None:
         return None
-    outs = m.trace(lambda *a: tuple(body(*a)), *[drop.get(p, params[p]) for p in range(len(loop.args))])
-    outs = list(outs) if isinstance(outs, tuple) else [outs]
+    at = [drop.get(p, params[p]) for p in range(len(loop.args))]
+    traced = tuple(v.name for v in at)
+    if traced not in shared:  # two policies that compute the same inputs inside build the same body
+        outs = m.trace(lambda *a: tuple(body(*a)), *at)
+        shared[traced] = list(outs) if isinstance(outs, tuple) else [outs]
+    outs = shared[traced]
     # the same dropped inputs and body outputs (which name every input the copy adds) are the same copy
     key = (tuple(drop), tuple(o.name for o in outs))
 
@@ -286,9 +294,14 @@ def lift_independent(m) -> Any:
     used = sorted({i for _, i in loop.outputs() if i >= nc})
     positions = list(range(ncon)) + fixed + list(range(ncon + nc, len(loop.args)))
     inputs = [loop.input(p) for p in positions]
-    free = [k for k in used if m.function([loop.body.outs[k]], inputs) is not None]
+    # which outputs the inputs alone compute: a slice each, not a function each (a loop of many outputs, as
+    # hoist and the LM head's backward make, emitted its body once per output)
+    free = [k for k in used if m.computes([loop.body.outs[k]], inputs)]
     # one function for all of them, so that work they share (a checkpointed body, say) is done once
     f = m.function([loop.body.outs[k] for k in free], inputs) if free else None
+    if f is None and free:  # a slice that cannot be emitted (effects): the outputs that can be, as before
+        free = [k for k in free if m.function([loop.body.outs[k]], inputs) is not None]
+        f = m.function([loop.body.outs[k] for k in free], inputs) if free else None
     if f is None:
         return same or None
     in_axes = tuple(None if p < ncon + nc else 0 for p in positions)
