@@ -532,7 +532,9 @@ class ProgramSearch:
         classes = self._program_classes()
         budget = self._budget(classes)
         live = set(classes)
-        accept = lambda price, new_peak: price <= ceiling and leaner(new_peak, peak)  # noqa: E731
+        # the peak is read only for a price within the band: reading it brings the kernels up to date, which
+        # a price the pricer remembers does not need
+        accept = lambda price, new_peak: price <= ceiling and leaner(new_peak(), peak)  # noqa: E731
         for c in classes:
             alts = nodes.get(c, ())
             if len(alts) < 2 or c not in live:
@@ -549,7 +551,7 @@ class ProgramSearch:
                 kept = False
                 if not swap:
                     self._switch(c, alt)
-                    kept = accept(self._price(), self._live.peak())
+                    kept = accept(self._price(), self._live.peak)
                     if not kept:
                         self._switch(c, cur)
                 if not kept:
@@ -580,9 +582,10 @@ class ProgramSearch:
         return out
 
     def _group_move(self, c: Any, alt: tuple, cur: tuple, group: list, best: float,
-                    accept: Callable[[float, int], bool] | None = None) -> bool:
+                    accept: Callable[[float, Callable[[], int]], bool] | None = None) -> bool:
         """Move ``c`` to ``alt`` and ``group`` to their projections at once; kept when cheaper, acyclic,
-        and not holding more temporaries (or, given ``accept(price, peak)``, acyclic and accepted).
+        and not holding more temporaries (or, given ``accept(price, peak)``, ``peak`` a function that reads
+        it, acyclic and accepted).
 
         A group move swaps one loop for another. The model prices a loop body
         from its operations, not from the kernels XLA makes of them on every
@@ -595,7 +598,7 @@ class ProgramSearch:
         that raises it is not made, unless it swaps a loop for the same loop
         in other blocks (:meth:`_reblocks`), whose bodies do the same work.
         """
-        peak = self._live.peak() if self._live else None
+        peak = self._live.peak() if self._live and accept is None else None  # (``accept`` reads its own)
         moved = [(c, cur)]
         self._switch(c, alt)
         for x, node in group:
@@ -606,7 +609,7 @@ class ProgramSearch:
         kids = [k for x, _ in moved for k in self._kids(self.choice[x])]
         ok = not self.ex.reaches(self.choice, kids, {x for x, _ in moved})
         if ok and accept is not None:
-            if accept(self._price(), self._live.peak()):
+            if accept(self._price(), self._live.peak):
                 return True
         elif ok and self._price() < best - 1e-9 * max(1.0, abs(best)) and (
                 peak is None or self._live.peak() <= peak or self._reblocks(cur, alt)):
