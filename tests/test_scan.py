@@ -489,3 +489,20 @@ def test_loop_rules_copy_each_loop_once_per_combination():
     assert r.egraph_rows < 800, r.egraph_rows
     np.testing.assert_allclose(rewrite(_every_loop_rule, rulesets=[rulesets.scan])(*args), _every_loop_rule(*args),
                                rtol=2e-5)
+
+
+def test_extraction_prices_a_declined_swap_of_loops_once(monkeypatch):
+    """Issue 48.3: a group move (every output of one loop moved to another copy) comes from each class the other
+    loop offers, the same move each time. Declined once, it was made and undone again from every one of them:
+    extraction of this program asked the pricer 58 times for 18 programs; now a declined move is not made again
+    until the search moves, and the program chosen is the same."""
+    from rewrite.extract import program as P
+
+    asked = []
+    remember = P.ProgramPricer.remember
+    monkeypatch.setattr(P.ProgramPricer, "remember", lambda self, key, price: asked.append(key) or remember(self, key, price))
+    args = (jnp.ones(8), jnp.linspace(-1.0, 1.0, 32).reshape(4, 8), jnp.linspace(0.0, 2.0, 32).reshape(4, 8),
+            jnp.float32(0.5), jnp.zeros((4, 8)))
+    r = explain(_every_loop_rule, *args, rulesets=[rulesets.scan])
+    assert r.used.get("hoist_reductions")
+    assert len(asked) <= 40, (len(asked), len(set(asked)))

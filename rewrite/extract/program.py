@@ -456,6 +456,7 @@ class ProgramSearch:
         start = self.pricer.evaluations
         classes = self._program_classes()
         budget = self._budget(classes)
+        self._tried_groups: set = set()
         for n in range(passes):
             if n:
                 classes = self._program_classes()
@@ -483,6 +484,7 @@ class ProgramSearch:
                     if price < best - 1e-9 * max(1.0, abs(best)):
                         best = price
                         improved = True
+                        self._tried_groups.clear()
                         if self.pricer.last_key in self.visited:
                             return self.choice, best  # another search went on from here
                         self.visited.add(self.pricer.last_key)
@@ -500,6 +502,7 @@ class ProgramSearch:
                         if self._group_move(c, alt, cur, group, best):
                             best = self._price()
                             improved = True
+                            self._tried_groups.clear()
                             if self.pricer.last_key in self.visited:
                                 return self.choice, best
                             self.visited.add(self.pricer.last_key)
@@ -535,6 +538,7 @@ class ProgramSearch:
         # the peak is read only for a price within the band: reading it brings the kernels up to date, which
         # a price the pricer remembers does not need
         accept = lambda price, new_peak: price <= ceiling and leaner(new_peak(), peak)  # noqa: E731
+        self._tried_groups = set()
         for c in classes:
             alts = nodes.get(c, ())
             if len(alts) < 2 or c not in live:
@@ -559,6 +563,7 @@ class ProgramSearch:
                     kept = bool(group) and self._group_move(c, alt, cur, group, best, accept)
                 if not kept:
                     continue
+                self._tried_groups.clear()
                 best, peak = self._price(), self._live.peak()
                 self.visited.add(self.pricer.last_key)
                 live = set(self._program_classes())
@@ -598,6 +603,12 @@ class ProgramSearch:
         that raises it is not made, unless it swaps a loop for the same loop
         in other blocks (:meth:`_reblocks`), whose bodies do the same work.
         """
+        # The same move comes from every class of the program that the new loop offers (each of a loop's
+        # outputs, moving all of them to the other loop): one declined since the search last moved is declined
+        # again, with the same prices (the pricer remembers them), so it is not made and undone again.
+        tried = frozenset([(c, alt), *group])
+        if tried in self._tried_groups:
+            return False
         peak = self._live.peak() if self._live and accept is None else None  # (``accept`` reads its own)
         moved = [(c, cur)]
         self._switch(c, alt)
@@ -616,6 +627,7 @@ class ProgramSearch:
             return True
         for x, old in reversed(moved):
             self._switch(x, old)
+        self._tried_groups.add(tried)
         return False
 
 
