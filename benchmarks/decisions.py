@@ -231,6 +231,8 @@ def _cases() -> list[Case]:
 
     # ecosystem.py: every program of the suite
     for name, prog in be.PROGRAMS.items():
+        if name in be.TIME_ONLY:
+            continue
         add(f"ecosystem_{name}", f"benchmarks.ecosystem: {name} ({prog.library})", prog.build,
             quick=name in ("flax_classifier_onehot", "numpyro_mixture_logp"))
     return out

@@ -38,7 +38,7 @@ import pathlib
 import platform
 import statistics
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -58,20 +58,29 @@ CONFIGS = {
 
 @dataclasses.dataclass(frozen=True)
 class Program:
-    """One benchmark program: ``build()`` returns ``(fn, args)``, ``fn`` taking pytrees of arrays."""
+    """One benchmark program: ``build()`` returns ``(fn, args)``, ``fn`` taking pytrees of arrays.
+
+    With ``grad``, ``fn`` is a scalar loss and the program is its gradient (with respect to every float
+    input) as a user writes it around the rewrite, ``jax.grad(rewrite(fn))``: the rewrite timed is the one
+    its first call makes (``explain(..., grad=True)``), against XLA's compile of ``jax.grad(fn)``.
+    """
 
     name: str
     library: str
     kind: str
     build: Callable[[], tuple[Callable[..., Any], tuple]]
+    grad: bool = False
 
 
 PROGRAMS: dict[str, Program] = {}
+#: Programs in the suite for the rewrite's time (issue 48 item 3) whose decisions the decision corpus
+#: (``benchmarks/decisions.py``) does not hold yet: recording one means measuring it, a run of its own.
+TIME_ONLY = ("flax_seq2seq_loss", "flax_seq2seq_grad")
 
 
-def program(name: str, library: str, kind: str) -> Callable:
+def program(name: str, library: str, kind: str, grad: bool = False) -> Callable:
     def register(build: Callable) -> Callable:
-        PROGRAMS[name] = Program(name, library, kind, build)
+        PROGRAMS[name] = Program(name, library, kind, build, grad)
         return build
     return register
 
@@ -328,6 +337,63 @@ def _flax_classifier():
         return jax.value_and_grad(loss)(params)
 
     return value_and_grad, (params, x, labels)
+
+
+def flax_seq2seq_loss(nq: int = 256, nk: int = 1024, width: int = 64, heads: int = 2, vocab: int = 512,
+                      batch: int = 2) -> tuple[Callable[..., Any], tuple]:
+    """``(loss, (params, src, tgt))``: an encoder-decoder (one encoder block of self-attention over ``nk`` source
+    tokens, one decoder block of self-attention and cross-attention to the encoder's output over ``nq`` target
+    tokens, a Dense head) built from flax linen's own modules and held in a ``TrainState``, and optax's
+    integer-label cross-entropy of its predictions, on random tokens. Issue 48's program: the first
+    ``jax.grad(rewrite(loss))`` call took 542-570 s at these sizes, against XLA's 2.5 s compile."""
+    import flax.linen as nn
+    import optax
+    from flax.training import train_state
+
+    class Block(nn.Module):
+        cross: bool
+
+        @nn.compact
+        def __call__(self, x, mem=None):
+            h = nn.LayerNorm()(x)
+            x = x + nn.MultiHeadDotProductAttention(num_heads=heads)(h, h)
+            if self.cross:
+                h = nn.LayerNorm()(x)
+                x = x + nn.MultiHeadDotProductAttention(num_heads=heads)(h, mem)
+            h = nn.LayerNorm()(x)
+            return x + nn.Dense(width)(nn.gelu(nn.Dense(4 * width)(h)))
+
+    class Seq2Seq(nn.Module):
+        @nn.compact
+        def __call__(self, src, tgt):
+            emb = nn.Embed(vocab, width)
+            mem = Block(False)(emb(src))
+            y = Block(True)(emb(tgt), mem)
+            return nn.Dense(vocab)(nn.LayerNorm()(y))
+
+    k1, k2, k3 = _keys(3, 20)
+    src = jax.random.randint(k1, (batch, nk), 0, vocab)
+    tgt = jax.random.randint(k2, (batch, nq), 0, vocab)
+    model = Seq2Seq()
+    state = train_state.TrainState.create(apply_fn=model.apply, params=model.init(k3, src, tgt),
+                                          tx=optax.adam(1e-3))
+
+    def loss(params, src, tgt):
+        logits = state.apply_fn(params, src, tgt)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, tgt).mean()
+
+    return loss, (state.params, src, tgt)
+
+
+@program("flax_seq2seq_loss", "flax", "encoder-decoder with cross-attention (TrainState), 256 x 1024 tokens: its loss")
+def _flax_seq2seq_loss():
+    return flax_seq2seq_loss()
+
+
+@program("flax_seq2seq_grad", "flax", "encoder-decoder with cross-attention (TrainState), 256 x 1024 tokens: "
+         "jax.grad(rewrite(loss))", grad=True)
+def _flax_seq2seq_grad():
+    return flax_seq2seq_loss()
 
 
 # ---------------------------------------------------------------------------------------------- haiku
@@ -673,6 +739,21 @@ def _flat(fn: Callable, args: tuple) -> tuple[Callable, list]:
     return flat, leaves
 
 
+def gradient(loss: Callable, leaves: Sequence[Any]) -> Callable:
+    """``jax.grad`` of ``loss(*leaves)`` with respect to its float leaves, as a function of all of them (what a
+    :class:`Program` with ``grad`` runs, with ``loss`` rewritten or not)."""
+    at = [i for i, x in enumerate(leaves) if jnp.issubdtype(jnp.asarray(x).dtype, jnp.inexact)]
+
+    def grads(*xs):
+        def of_floats(*fl):
+            full = list(xs)
+            for i, v in zip(at, fl):
+                full[i] = v
+            return loss(*full)
+        return jax.grad(of_floats, argnums=tuple(range(len(at))))(*[xs[i] for i in at])
+    return grads
+
+
 def check_values(prog: Program, packs: list, tolerance: float) -> tuple[float, float, bool]:
     """The rewritten program's error against the original under ``jit``, the control's, and whether it is kept.
 
@@ -683,10 +764,12 @@ def check_values(prog: Program, packs: list, tolerance: float) -> tuple[float, f
 
     fn, args = prog.build()
     flat, leaves = _flat(fn, args)
-    want = jax.jit(flat)(*leaves)
-    got = jax.jit(rewrite(flat, rulesets=packs))(*leaves)
+    program = gradient(flat, leaves) if prog.grad else flat
+    want = jax.jit(program)(*leaves)
+    got = jax.jit(gradient(rewrite(flat, rulesets=packs), leaves) if prog.grad else rewrite(flat, rulesets=packs)
+                  )(*leaves)
     with jax.disable_jit():
-        eager = flat(*leaves)
+        eager = program(*leaves)
     error, control = relative_error(want, got), relative_error(want, eager)
     return error, control, (not math.isnan(error)) and error <= max(tolerance, 10 * control)
 
@@ -703,12 +786,15 @@ def measure_program(prog: Program, config: str, packs: list, *, rounds: int,
     fn, args = prog.build()
     flat, leaves = _flat(fn, args)
     progress(f"{prog.name} [{config}]: rewriting")
-    eqns = count_eqns(jax.make_jaxpr(flat)(*leaves))
-    compile_s = statistics.median(xla_compile_seconds(flat, leaves) for _ in range(2))
+    # With ``grad`` the program is the loss's gradient, and the rewrite the one jax.grad(rewrite(loss)) makes
+    program = gradient(flat, leaves) if prog.grad else flat
+    eqns = count_eqns(jax.make_jaxpr(program)(*leaves))
+    compile_s = statistics.median(xla_compile_seconds(program, leaves) for _ in range(2))
     t = time.perf_counter()
-    report = explain(flat, *leaves, rulesets=packs)
+    report = explain(flat, *leaves, rulesets=packs, grad=prog.grad)
     rewrite_s = time.perf_counter() - t
-    rewritten = rewrite(flat, rulesets=packs)
+    rewritten = gradient(rewrite(flat, rulesets=packs), leaves) if prog.grad else rewrite(flat, rulesets=packs)
+    flat = program
 
     progress(f"{prog.name} [{config}]: values")
     error, control, kept = check_values(prog, packs, TOLERANCE[config])

@@ -91,6 +91,26 @@ def _identity(prim: str, dtype: Any) -> Any:
     return info.min if prim == "reduce_max" else info.max
 
 
+# ---------------------------------------------------------------------- the order of the loop rules
+#: The loop rules act in this order, each on the loops the rules before it built (and on the program's own):
+#: a rule does not act on a loop that a later rule built. Each copy is a new loop, and one built by another
+#: path (sink then hoist, hoist then sink) is a different term even where it computes the same, so in any
+#: order each copy was copied again by every rule, and the copies of copies grew with every iteration: the
+#: LM head's token loops in the VJP of the issue-48 seq2seq went to 664 loops and 339,286 e-graph rows in 30
+#: iterations. In this order a loop reaches each combination once: its buffers as outputs, its reductions
+#: moved in (adding inputs), its carry-free outputs lifted out, then its inputs (its own and those added)
+#: computed inside. (Sink before lift lost a declined candidate of the decision corpus, lm_head_grad_small's.)
+_ORDER = ("buffers", "hoist", "lift", "sink")
+#: The annotation each rule puts on the loops it builds.
+_MARK = {"buffers": "_rw_buffered", "hoist": "_rw_hoisted", "sink": "_rw_sunk", "lift": "_rw_lifted"}
+
+
+def _after(loop: Any, rule: str) -> bool:
+    """Whether ``loop`` (a :class:`Loop` or a scan's params) was built by a rule that comes after ``rule``."""
+    params = loop.params if isinstance(loop, Loop) else loop
+    return any(params.get(_MARK[r]) for r in _ORDER[_ORDER.index(rule) + 1:])
+
+
 # ---------------------------------------------------------------------- hoisting reductions
 def hoist_reductions(m, remat: str | None = "carries") -> Any:
     """``reduce(f(ys, ...))`` over a scan's stacked ``ys`` -> the reduction computed in a copy of the loop.
@@ -105,6 +125,8 @@ def hoist_reductions(m, remat: str | None = "carries") -> Any:
     loop = Loop(m)
     if loop.params.get("_rw_hoisted") or not loop.stacked():
         return None  # a loop this rule built has its own reductions inside already
+    if _after(loop, "hoist"):
+        return None
     results: list[tuple[Any, Callable]] = []
     for root, node in loop.consumers():
         if node.prim not in _ACCUMULATE:
@@ -177,21 +199,34 @@ def sink_inputs(m) -> Any:
     elementwise functions of the forward loop's outputs. Three copies are
     offered: without recomputation, recomputing only arithmetic, and
     recomputing anything; extraction weighs the work against the storage.
+    A copy is sunk again (up to three rounds) with the policies that built it.
     """
-    depth = int(m.params("sp").get("_rw_sunk", 0))
+    sp = m.params("sp")
+    depth = int(sp.get("_rw_sunk", 0))
     if depth >= 3:  # each copy drops an input; a few rounds reach everything worth moving
         return None
+    if _after(sp, "sink"):
+        return None
+    # Each policy's copy is sunk again with that policy only (a policy that built the same copy as another
+    # shares it): in every combination of policies over three rounds (39 copies of each loop, where these
+    # are 9) the later rounds rebuilt what the first ones had built.
+    policies = sp.get("_rw_recompute") or (None, "cheap", "all")
+    found: dict[tuple, tuple[list, Callable]] = {}
+    shared: dict = {}  # what the policies' copies share: the body read back as a function, the bodies traced
+    for recompute in policies:
+        plan = _sink(m, recompute, depth, shared)
+        if plan is not None:
+            found.setdefault(plan[0], ([], plan[1]))[0].append(recompute)
     pairs: list = []
-    seen: set = set()
-    for recompute in (None, "cheap", "all"):
-        found = _sink(m, recompute, depth)
-        if found is not None and found[0] not in seen:
-            seen.add(found[0])
-            pairs += found[1]
+    for built_by, build in found.values():
+        pairs += build(tuple(built_by))
     return pairs or None
 
 
-def _sink(m, recompute: str | None, depth: int) -> tuple[Any, list] | None:
+def _sink(m, recompute: str | None, depth: int, shared: dict) -> tuple[Any, Callable] | None:
+    """The copy that sinks this loop's inputs under the policy ``recompute``: what it is (its dropped inputs and
+    body outputs), and how to build it given the policies it stands for; ``None`` when nothing sinks.
+    ``shared`` keeps what another policy's copy of the same loop made and this one may reuse."""
     loop = Loop(m)
     if not loop.outputs():
         return None  # nothing reads this loop (a backward loop whose results are all dropped, say)
@@ -210,13 +245,24 @@ def _sink(m, recompute: str | None, depth: int) -> tuple[Any, list] | None:
     if not drop:
         return None
     params = [loop.input(p) for p in range(len(loop.args))]
-    body = m.function(loop.body.outs, params)
+    if "body" not in shared:  # the body's outputs as a function of its inputs: the same for every policy
+        shared["body"] = m.function(loop.body.outs, params)
+    body = shared["body"]
     if body is None:
         return None
-    outs = m.trace(lambda *a: tuple(body(*a)), *[drop.get(p, params[p]) for p in range(len(loop.args))])
-    outs = list(outs) if isinstance(outs, tuple) else [outs]
-    res = loop.build(drop_xs=tuple(drop), body_outs=outs, _rw_sunk=depth + 1)
-    return tuple(v.name for v in res), loop.handover(res)
+    at = [drop.get(p, params[p]) for p in range(len(loop.args))]
+    traced = tuple(v.name for v in at)
+    if traced not in shared:  # two policies that compute the same inputs inside build the same body
+        outs = m.trace(lambda *a: tuple(body(*a)), *at)
+        shared[traced] = list(outs) if isinstance(outs, tuple) else [outs]
+    outs = shared[traced]
+    # the same dropped inputs and body outputs (which name every input the copy adds) are the same copy
+    key = (tuple(drop), tuple(o.name for o in outs))
+
+    def build(policies: tuple) -> list:
+        res = loop.build(drop_xs=tuple(drop), body_outs=outs, _rw_sunk=depth + 1, _rw_recompute=policies)
+        return loop.handover(res)
+    return key, build
 
 
 # ---------------------------------------------------------------------- lifting carry-independent outputs
@@ -240,15 +286,22 @@ def lift_independent(m) -> Any:
     removed came back (``tests/test_ecosystem.py``).
     """
     loop = Loop(m)
+    if _after(loop, "lift"):
+        return None
     ncon, nc = loop.num_consts, loop.num_carry
     fixed = [ncon + k for k in range(nc) if loop.body.outs[k].cls == loop.input(ncon + k).cls]
     same = [(v, loop.args[ncon + i]) for v, i in loop.outputs() if ncon + i in fixed]
     used = sorted({i for _, i in loop.outputs() if i >= nc})
     positions = list(range(ncon)) + fixed + list(range(ncon + nc, len(loop.args)))
     inputs = [loop.input(p) for p in positions]
-    free = [k for k in used if m.function([loop.body.outs[k]], inputs) is not None]
+    # which outputs the inputs alone compute: a slice each, not a function each (a loop of many outputs, as
+    # hoist and the LM head's backward make, emitted its body once per output)
+    free = [k for k in used if m.computes([loop.body.outs[k]], inputs)]
     # one function for all of them, so that work they share (a checkpointed body, say) is done once
     f = m.function([loop.body.outs[k] for k in free], inputs) if free else None
+    if f is None and free:  # a slice that cannot be emitted (effects): the outputs that can be, as before
+        free = [k for k in free if m.function([loop.body.outs[k]], inputs) is not None]
+        f = m.function([loop.body.outs[k] for k in free], inputs) if free else None
     if f is None:
         return same or None
     in_axes = tuple(None if p < ncon + nc else 0 for p in positions)
@@ -260,7 +313,7 @@ def lift_independent(m) -> Any:
     lifted = {k: y for k, y in zip(free, ys) if y.aval == loop.scan.aval[k]}
     if not lifted:
         return same or None
-    res = loop.build(drop=tuple(lifted))
+    res = loop.build(drop=tuple(lifted), _rw_lifted=True)
     return same + loop.handover(res, drop=tuple(lifted)) + [(v, lifted[i]) for v, i in loop.outputs() if i in lifted]
 
 
@@ -296,6 +349,8 @@ def buffer_to_output(m) -> Any:
     is written in order). Then the other rules treat it as any stacked output.
     """
     loop = Loop(m)
+    if _after(loop, "buffers"):
+        return None
     counters = loop.counters()
     if loop.length < 1 or not counters:
         return None
@@ -307,7 +362,7 @@ def buffer_to_output(m) -> Any:
     if not found:
         return None
     outs = [(k, loop.add_output(step), rows) for k, step, rows in found]
-    res = loop.build(drop_carries=[k for k, _, _ in found])
+    res = loop.build(drop_carries=[k for k, _, _ in found], _rw_buffered=True)
     pairs = loop.handover(res)
     finals = {k: _written(m, loop.args[loop.num_consts + k], loop.output_result(res, j), rows) for k, j, rows in outs}
     return pairs + [(v, finals[i]) for v, i in loop.outputs() if i in finals]

@@ -456,6 +456,7 @@ class ProgramSearch:
         start = self.pricer.evaluations
         classes = self._program_classes()
         budget = self._budget(classes)
+        self._tried_groups: set = set()
         for n in range(passes):
             if n:
                 classes = self._program_classes()
@@ -483,6 +484,7 @@ class ProgramSearch:
                     if price < best - 1e-9 * max(1.0, abs(best)):
                         best = price
                         improved = True
+                        self._tried_groups.clear()
                         if self.pricer.last_key in self.visited:
                             return self.choice, best  # another search went on from here
                         self.visited.add(self.pricer.last_key)
@@ -500,6 +502,7 @@ class ProgramSearch:
                         if self._group_move(c, alt, cur, group, best):
                             best = self._price()
                             improved = True
+                            self._tried_groups.clear()
                             if self.pricer.last_key in self.visited:
                                 return self.choice, best
                             self.visited.add(self.pricer.last_key)
@@ -532,7 +535,10 @@ class ProgramSearch:
         classes = self._program_classes()
         budget = self._budget(classes)
         live = set(classes)
-        accept = lambda price, new_peak: price <= ceiling and leaner(new_peak, peak)  # noqa: E731
+        # the peak is read only for a price within the band: reading it brings the kernels up to date, which
+        # a price the pricer remembers does not need
+        accept = lambda price, new_peak: price <= ceiling and leaner(new_peak(), peak)  # noqa: E731
+        self._tried_groups = set()
         for c in classes:
             alts = nodes.get(c, ())
             if len(alts) < 2 or c not in live:
@@ -549,7 +555,7 @@ class ProgramSearch:
                 kept = False
                 if not swap:
                     self._switch(c, alt)
-                    kept = accept(self._price(), self._live.peak())
+                    kept = accept(self._price(), self._live.peak)
                     if not kept:
                         self._switch(c, cur)
                 if not kept:
@@ -557,6 +563,7 @@ class ProgramSearch:
                     kept = bool(group) and self._group_move(c, alt, cur, group, best, accept)
                 if not kept:
                     continue
+                self._tried_groups.clear()
                 best, peak = self._price(), self._live.peak()
                 self.visited.add(self.pricer.last_key)
                 live = set(self._program_classes())
@@ -580,9 +587,10 @@ class ProgramSearch:
         return out
 
     def _group_move(self, c: Any, alt: tuple, cur: tuple, group: list, best: float,
-                    accept: Callable[[float, int], bool] | None = None) -> bool:
+                    accept: Callable[[float, Callable[[], int]], bool] | None = None) -> bool:
         """Move ``c`` to ``alt`` and ``group`` to their projections at once; kept when cheaper, acyclic,
-        and not holding more temporaries (or, given ``accept(price, peak)``, acyclic and accepted).
+        and not holding more temporaries (or, given ``accept(price, peak)``, ``peak`` a function that reads
+        it, acyclic and accepted).
 
         A group move swaps one loop for another. The model prices a loop body
         from its operations, not from the kernels XLA makes of them on every
@@ -595,7 +603,13 @@ class ProgramSearch:
         that raises it is not made, unless it swaps a loop for the same loop
         in other blocks (:meth:`_reblocks`), whose bodies do the same work.
         """
-        peak = self._live.peak() if self._live else None
+        # The same move comes from every class of the program that the new loop offers (each of a loop's
+        # outputs, moving all of them to the other loop): one declined since the search last moved is declined
+        # again, with the same prices (the pricer remembers them), so it is not made and undone again.
+        tried = frozenset([(c, alt), *group])
+        if tried in self._tried_groups:
+            return False
+        peak = self._live.peak() if self._live and accept is None else None  # (``accept`` reads its own)
         moved = [(c, cur)]
         self._switch(c, alt)
         for x, node in group:
@@ -606,13 +620,14 @@ class ProgramSearch:
         kids = [k for x, _ in moved for k in self._kids(self.choice[x])]
         ok = not self.ex.reaches(self.choice, kids, {x for x, _ in moved})
         if ok and accept is not None:
-            if accept(self._price(), self._live.peak()):
+            if accept(self._price(), self._live.peak):
                 return True
         elif ok and self._price() < best - 1e-9 * max(1.0, abs(best)) and (
                 peak is None or self._live.peak() <= peak or self._reblocks(cur, alt)):
             return True
         for x, old in reversed(moved):
             self._switch(x, old)
+        self._tried_groups.add(tried)
         return False
 
 

@@ -159,8 +159,8 @@ class Builder:
     def fresh_index(self, scope: int) -> int:
         return self.egraph.fresh_input(scope)
 
-    def function(self, outs: Sequence[Value], inputs: Sequence[Value]) -> Callable[..., list] | None:
-        """``outs`` as a JAX function of ``inputs`` (classes of this snapshot), or ``None``."""
+    def _slice(self, outs: Sequence[Value], inputs: Sequence[Value]) -> tuple[dict, list, list] | None:
+        """A node per class that computes ``outs`` from ``inputs`` (``choose_slice``), with their classes."""
         snap = self.snapshot
         out_cls = [v.cls for v in outs]
         in_cls = [v.cls for v in inputs]
@@ -178,6 +178,20 @@ class Builder:
                 # watched: retrying on every change inside a loop body costs much and finds nothing.)
                 self.reads.update((c, None) for c in seen)
             return None
+        return choice, in_cls, out_cls
+
+    def computes(self, outs: Sequence[Value], inputs: Sequence[Value]) -> bool:
+        """Whether the e-graph computes ``outs`` from ``inputs`` alone: :meth:`function` would find a slice (it
+        may still fail to emit one that carries effects), without emitting it."""
+        return self._slice(outs, inputs) is not None
+
+    def function(self, outs: Sequence[Value], inputs: Sequence[Value]) -> Callable[..., list] | None:
+        """``outs`` as a JAX function of ``inputs`` (classes of this snapshot), or ``None``."""
+        found = self._slice(outs, inputs)
+        if found is None:
+            return None
+        choice, in_cls, out_cls = found
+        snap = self.snapshot
         try:
             closed = emit_slice(snap, choice, self.egraph, in_cls, out_cls)
         except EmitError:

@@ -453,6 +453,11 @@ class Match:
         """
         return self._engine.function(outs, inputs)
 
+    def computes(self, outs: Sequence[Value], inputs: Sequence[Value]) -> bool:
+        """Whether ``outs`` can be computed from ``inputs`` alone: what ``function(outs, inputs) is not None``
+        says, without building the function (it may still be ``None`` for a slice that carries effects)."""
+        return self._engine.computes(outs, inputs)
+
     def node(self, prim: Any, operands: Sequence[Value], params: dict[str, Any], out_avals: Sequence[Any], *,
              bodies: Sequence[Body] = ()) -> Any:
         """Insert one application of ``prim`` (a primitive or its name) and return its result(s).
