@@ -15,11 +15,13 @@ stands in for, or why there is none.
 from __future__ import annotations
 
 import collections
+import functools
 import itertools
 import types
 from typing import Any
 
 import jax
+import numpy as np
 import jax.core as _jax_core
 import jax.extend.core as _ext_core
 import jax.extend.core.primitives as primitives  # noqa: F401  (public: the primitives of jax.lax)
@@ -39,6 +41,10 @@ from jax._src.mesh import empty_concrete_mesh  # noqa: F401  (no public name: th
 #                                                holds in its params, which the cache writes by name)
 from jax._src.sharding_impls import UNSPECIFIED, UnspecifiedValue  # noqa: F401  (no public name: the "no sharding given" marker
 #                                                       a jaxpr's params hold, which the cost model reads as no sharding)
+
+class UnsupportedJax(RuntimeError):
+    """A program holds a form this rewriter does not know on the running JAX version."""
+
 
 #: The jaxpr data structures and the tracing context, as ``core.X`` throughout the package.
 core = types.SimpleNamespace(
@@ -82,6 +88,48 @@ core = types.SimpleNamespace(
 #: the linearization protocol (``primitive_linearizations``, ``fallback_linearize_rule``,
 #: ``LinearizeTrace``), which ``jax.grad`` runs through, has no public name.
 ad = _ad
+
+
+# ---------------------------------------------------------------------- linearization rules, across JAX versions
+# JAX 0.10's linearization rule returns ``(primal_out, nonzeros_out, residuals, linearized)`` and calls
+# ``linearized(residuals, *tangents)``; JAX 0.11 and later added structured residuals: the rule returns
+# ``(primal_out, nonzeros_out, residuals, structured_residuals, linearized)`` and JAX calls
+# ``linearized(residuals, structured_residual_binders, *tangents)``. The rewriter writes its rules in the
+# first form (``structured_residuals`` always ``None``), and these two functions give JAX its own.
+@functools.cache
+def _linearization_arity() -> int:
+    """How many values the running JAX's linearization rules return: 4 (jax 0.10) or 5 (0.11+), found by
+    asking JAX's own fallback rule to linearize ``neg`` (no version number is read)."""
+    n = len(_ad.fallback_linearize_rule(_lax.neg_p, False, [True], np.float32(1.0)))
+    if n not in (4, 5):
+        raise UnsupportedJax(f"jax {jax.__version__}: its linearization rules return {n} values, a protocol "
+                             f"jax-rewrite does not know (it knows jax 0.10's 4 and 0.11+'s 5)")
+    return n
+
+
+def register_linearization(prim: Any, rule: Any) -> None:
+    """Register ``rule(is_vjp, nonzeros, *primals, **params) -> (primal_out, nonzeros_out, residuals,
+    linearized)``, ``linearized(residuals, *tangents)`` as ``prim``'s linearization rule, in the form the
+    running JAX calls (found on the first call, not at import)."""
+
+    def adapted(*args: Any, **params: Any) -> Any:
+        if _linearization_arity() == 4:
+            return rule(*args, **params)
+        primal_out, nzs_out, residuals, linearized = rule(*args, **params)
+        return primal_out, nzs_out, residuals, None, lambda res, _structured, *ts: linearized(res, *ts)
+
+    _ad.primitive_linearizations[prim] = adapted
+
+
+def fallback_linearize(prim: Any, is_vjp: bool, nonzeros: Any, *primals: Any, **params: Any) -> tuple:
+    """JAX's linearization of ``prim`` through its JVP rule, in the four-part form of :func:`register_linearization`."""
+    out = _ad.fallback_linearize_rule(prim, is_vjp, nonzeros, *primals, **params)
+    if len(out) == 4:
+        return out
+    primal_out, nzs_out, residuals, structured, linearized = out
+    assert structured is None, "JAX's fallback linearization gave structured residuals"
+    return primal_out, nzs_out, residuals, lambda res, *ts: linearized(res, None, *ts)
+
 
 #: What the rewritten-derivative primitive registers with the tracer: a rule that stages it out as is.
 #: ``jax.interpreters.partial_eval`` does not export the table.
@@ -152,10 +200,6 @@ try:
     from jax._src import flattree as _flattree  # JAX 0.11+: the flat trees a scan's params hold (no public name)
 except ImportError:  # JAX 0.10
     _flattree = None
-
-
-class UnsupportedJax(RuntimeError):
-    """A program holds a form this rewriter does not know on the running JAX version."""
 
 
 def _unknown(what: str, params: Any) -> UnsupportedJax:
