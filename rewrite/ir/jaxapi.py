@@ -254,3 +254,58 @@ def scan_for_jax(params: dict) -> dict:
     # as lax.scan builds it: the ys group is what a mask over the body's outputs kept
     out["ft_out"] = ft.pack((ft.nones(ncarry), ft.nones(nys).filter_with_mask([True] * nys)))
     return out
+
+
+def neutral_params(prim: Any, params: Any) -> Any:
+    """An equation's params in a form that does not depend on the JAX version that traced it (a scan's input
+    groups as counts); every other primitive's params as they are. Written down, hashed or printed this way,
+    one program reads the same on every supported JAX; :func:`params_for_jax` is the inverse."""
+    return scan_counted(params) if getattr(prim, "name", prim) == "scan" else params
+
+
+def params_for_jax(prim: Any, params: Any) -> Any:
+    """The inverse of :func:`neutral_params`: params as the running JAX binds them."""
+    return scan_for_jax(params) if getattr(prim, "name", prim) == "scan" else params
+
+
+# ---------------------------------------------------------------------- custom_vjp's backward rule, across JAX versions
+# A ``custom_vjp_call``'s ``bwd`` param maps ``(*residuals, *output cotangents)`` to the input cotangents on
+# JAX 0.10, and to ``(input cotangents, logs)`` on JAX 0.11 and later (``defvjp_with_logs``; ``logs`` is
+# ``None`` for a plain rule).
+@functools.cache
+def _bwd_returns_logs() -> bool:
+    """Whether the running JAX's ``custom_vjp`` backward rules return ``(cotangents, logs)``: found by
+    tracing a one-input ``custom_vjp`` and calling its rule."""
+    @jax.custom_vjp
+    def f(x: Any) -> Any:
+        return x
+
+    f.defvjp(lambda x: (x, None), lambda _, g: (g,))
+    params = jax.make_jaxpr(f)(np.float32(1.0)).eqns[0].params
+    params["fwd_jaxpr_thunk"].call_wrapped(True)  # fills the rule's output trees
+    out = params["bwd"].call_wrapped(np.float32(1.0))
+    if isinstance(out, list) and len(out) == 1:
+        return False
+    if isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], list) and out[1] is None:
+        return True
+    raise UnsupportedJax(f"jax {jax.__version__}: a custom_vjp's backward rule returns {type(out).__name__} "
+                         f"{out!r}, a protocol jax-rewrite does not know")
+
+
+def call_custom_vjp_bwd(bwd: Any, *args: Any) -> list:
+    """The input cotangents a ``custom_vjp_call``'s ``bwd`` param gives for ``(*residuals, *cotangents)``."""
+    out = bwd.call_wrapped(*args)
+    return list(out[0]) if _bwd_returns_logs() else list(out)
+
+
+def custom_vjp_bwd(fn: Any) -> Any:
+    """``fn`` (``(*residuals, *cotangents) -> input cotangents``, every cotangent an array) as the running JAX
+    calls a ``bwd`` param of a ``custom_vjp_call`` without symbolic zeros. JAX 0.10 instantiates a zero
+    output cotangent before it calls the rule; 0.11+ hands it a ``SymbolicZero``, which JAX's own rules
+    instantiate (``_flatten_bwd``), and so does this."""
+    def bwd(*args: Any) -> Any:
+        args = tuple(_ad.zeros_like_aval(a.aval) if type(a) is _ad.SymbolicZero else a for a in args)
+        cts = fn(*args)
+        return (cts, None) if _bwd_returns_logs() else cts
+
+    return bwd
