@@ -15,6 +15,7 @@ stands in for, or why there is none.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import itertools
 import types
@@ -100,7 +101,15 @@ ad = _ad
 def _linearization_arity() -> int:
     """How many values the running JAX's linearization rules return: 4 (jax 0.10) or 5 (0.11+), found by
     asking JAX's own fallback rule to linearize ``neg`` (no version number is read)."""
-    n = len(_ad.fallback_linearize_rule(_lax.neg_p, False, [True], np.float32(1.0)))
+    found: list[int] = []
+
+    def probe(x: Any) -> Any:  # traced on its own, so that nothing joins a trace this is called under
+        out = _ad.fallback_linearize_rule(_lax.neg_p, False, [True], x)
+        found.append(len(out))
+        return out[0]
+
+    jax.make_jaxpr(probe)(np.float32(1.0))
+    n = found[0]
     if n not in (4, 5):
         raise UnsupportedJax(f"jax {jax.__version__}: its linearization rules return {n} values, a protocol "
                              f"jax-rewrite does not know (it knows jax 0.10's 4 and 0.11+'s 5)")
@@ -256,16 +265,42 @@ def scan_for_jax(params: dict) -> dict:
     return out
 
 
+#: Params JAX 0.11 added to a primitive, with the value that means what the primitive did without them on
+#: JAX 0.10 (found by tracing the same programs on 0.10.2, 0.11.2 and 0.12.0.1 and comparing the params).
+_ADDED_PARAMS = {"reduce_max": {"out_sharding": None}, "reduce_min": {"out_sharding": None}}
+
+
 def neutral_params(prim: Any, params: Any) -> Any:
-    """An equation's params in a form that does not depend on the JAX version that traced it (a scan's input
-    groups as counts); every other primitive's params as they are. Written down, hashed or printed this way,
-    one program reads the same on every supported JAX; :func:`params_for_jax` is the inverse."""
-    return scan_counted(params) if getattr(prim, "name", prim) == "scan" else params
+    """An equation's params in a form that does not depend on the JAX version that traced it: a scan's input
+    groups as counts, and a param JAX 0.11 added left out where it holds the value that means what 0.10 did
+    without it. Written down, hashed or printed this way, one program reads the same on every supported JAX;
+    :func:`params_for_jax` is the inverse."""
+    name = getattr(prim, "name", prim)
+    if name == "scan":
+        return scan_counted(params)
+    added = _ADDED_PARAMS.get(name)
+    if added and any(k in params and params[k] is v for k, v in added.items()):
+        return {k: v for k, v in params.items() if not (k in added and v is added[k])}
+    return params
 
 
 def params_for_jax(prim: Any, params: Any) -> Any:
     """The inverse of :func:`neutral_params`: params as the running JAX binds them."""
-    return scan_for_jax(params) if getattr(prim, "name", prim) == "scan" else params
+    name = getattr(prim, "name", prim)
+    if name == "scan":
+        return scan_for_jax(params)
+    added = _ADDED_PARAMS.get(name)
+    if added and _has_added_params(name):
+        return {**added, **params}
+    return params
+
+
+@functools.cache
+def _has_added_params(name: str) -> bool:
+    """Whether the running JAX's ``name`` equations hold the params of :data:`_ADDED_PARAMS` (0.11+)."""
+    x = np.zeros((1, 1), np.float32)
+    fn = {"reduce_max": lambda x: x.max(0), "reduce_min": lambda x: x.min(0)}[name]
+    return set(_ADDED_PARAMS[name]) <= set(jax.make_jaxpr(fn)(x).eqns[0].params)
 
 
 # ---------------------------------------------------------------------- custom_vjp's backward rule, across JAX versions
@@ -309,3 +344,25 @@ def custom_vjp_bwd(fn: Any) -> Any:
         return (cts, None) if _bwd_returns_logs() else cts
 
     return bwd
+
+
+# ---------------------------------------------------------------------- checkpoint policies, across JAX versions
+from jax._src import ad_checkpoint as _ad_checkpoint  # noqa: E402  (name_p: what a named value's policy reads)
+
+
+@dataclasses.dataclass(frozen=True)
+class SaveOnlyTheseNames:
+    """JAX 0.10's ``jax.checkpoint_policies.save_only_these_names`` policy, as a value: JAX 0.11 made it a
+    closure, which prints its address and which no cache can write. The same rule (save a value only when
+    ``checkpoint_name`` gave it one of these names) and, on every JAX, the same text in a jaxpr."""
+
+    saveable_names: frozenset
+
+    def __call__(self, prim: Any, *_: Any, **params: Any) -> bool:
+        return prim is _ad_checkpoint.name_p and params["name"] in self.saveable_names
+
+
+def save_only_these_names(*names: str) -> Any:
+    """A checkpoint policy saving only the values named ``names`` (JAX's own where it is a value, 0.10)."""
+    policy = jax.checkpoint_policies.save_only_these_names(*names)
+    return policy if dataclasses.is_dataclass(policy) else SaveOnlyTheseNames(frozenset(names))

@@ -294,22 +294,26 @@ def _jaxpr_text(closed: Any) -> str:
 
 
 def _share_equal_jaxprs(closed: Any) -> Any:
-    """``closed`` with sub-jaxprs that print the same made one object.
+    """``closed`` with sub-jaxprs that print the same made one object, and every equation's params in
+    their version-neutral form (:func:`rewrite.ir.jaxapi.neutral_params`: a scan's input groups as
+    ``num_consts``/``num_carry`` counts, which JAX 0.11 and later hold as flat trees), so that one golden
+    file holds on every supported JAX. The result is for printing: on JAX 0.11+ its scans do not run.
 
     JAX prints a sub-jaxpr used by several equations once, at the top
     (``let jaxpr = ... in``), when the equations hold the same object. Whether
     two equal update functions of two scatters are one object depends on what
     the process traced before, not on the program, so the text is made not to.
     """
-    from jax._src import core
+    from rewrite.ir.jaxapi import core, neutral_params
 
     seen: dict[str, Any] = {}
 
     def canon(jaxpr: Any) -> Any:
         eqns = []
         for e in jaxpr.eqns:
-            params = {k: one(v) for k, v in e.params.items()}
-            eqns.append(e.replace(params=params) if any(params[k] is not e.params[k] for k in params) else e)
+            params = neutral_params(e.primitive, {k: one(v) for k, v in e.params.items()})
+            eqns.append(e.replace(params=params) if params.keys() != e.params.keys()
+                        or any(params[k] is not e.params[k] for k in params) else e)
         new = jaxpr.replace(eqns=eqns) if any(a is not b for a, b in zip(eqns, jaxpr.eqns)) else jaxpr
         return seen.setdefault(str(new), new)
 
