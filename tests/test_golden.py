@@ -67,3 +67,33 @@ def test_golden_files_are_priced_with_their_own_table_not_the_machines(monkeypat
     text = case.path.read_text()
     assert compare(text, _render(case)) is not None, "priced with the machine's table, the program would change"
     assert check(case) is None
+
+
+def test_a_newer_jax_gets_a_file_of_its_own_only_where_its_program_differs(tmp_path, monkeypatch):
+    """``--update`` on a JAX newer than the base files' writes ``<program>.jax-X.Y.txt`` only where what it
+    makes differs from the file it would otherwise compare with; later versions inherit it; a file that
+    repeats the one before it is stale."""
+    from tests import golden
+
+    if on_backend() is not None:
+        pytest.skip(on_backend())
+    case = golden.Case("pack", "prog", "test", build=None)
+    monkeypatch.setattr(golden, "HERE", tmp_path)
+    monkeypatch.setattr(golden, "cases", lambda: [case])
+    (tmp_path / "pack").mkdir()
+    case.base_path.write_text("made on the base JAX\n")
+    made = {"text": "made on the base JAX\n"}
+    monkeypatch.setattr(golden, "render", lambda c: made["text"])
+
+    monkeypatch.setattr(golden, "_jax_minor", lambda: (0, 11))
+    assert golden.update(case) is False and golden.versioned(case) == {}
+    made["text"] = "jax 0.11 traces it differently\n"
+    assert golden.update(case) is True
+    assert case.path == tmp_path / "pack" / "prog.jax-0.11.txt" and golden.check(case) is None
+    monkeypatch.setattr(golden, "_jax_minor", lambda: (0, 12))
+    assert case.path.name == "prog.jax-0.11.txt" and golden.update(case) is False  # inherited
+    monkeypatch.setattr(golden, "_jax_minor", lambda: (0, 10))
+    assert case.path == case.base_path and golden.check(case) is not None
+    assert golden.stale() == []
+    (tmp_path / "pack" / "prog.jax-0.12.txt").write_text(made["text"])
+    assert golden.stale() == [tmp_path / "pack" / "prog.jax-0.12.txt"]

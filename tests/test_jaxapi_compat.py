@@ -40,3 +40,54 @@ def test_loading_a_scan_of_an_unknown_layout_fails_clearly(monkeypatch):
     monkeypatch.setattr(primitives, "scan_counts", jaxapi.scan_counts)
     with pytest.raises(jaxapi.UnsupportedJax, match=jax.__version__):
         rewrite.rewrite(f, rulesets=[])(0.0, jnp.ones(3))
+
+
+def test_the_linearization_probe_leaves_nothing_in_a_trace_it_runs_under():
+    jaxapi._linearization_arity.cache_clear()
+    closed = jax.make_jaxpr(lambda x: x * jaxapi._linearization_arity())(1.0)
+    assert [e.primitive.name for e in closed.eqns] == ["mul"]
+    assert jaxapi._linearization_arity() in (4, 5)
+
+
+def test_neutral_params_are_the_same_on_every_jax_and_go_back_to_the_running_jax_s():
+    closed = jax.make_jaxpr(lambda x: (x.max(0), jax.lax.scan(lambda c, y: (c + y, c), 0.0, x)))(jnp.ones(3))
+    by_name = {e.primitive.name: e.params for e in closed.eqns}
+    for name, params in by_name.items():
+        neutral = jaxapi.neutral_params(name, params)
+        assert "ft_in" not in neutral and "ft_out" not in neutral
+        assert "out_sharding" not in neutral or name != "reduce_max"  # jax 0.10's reduce_max has none
+        back = jaxapi.params_for_jax(name, neutral)
+        assert sorted(back) == sorted(params)
+    assert sorted(jaxapi.neutral_params("reduce_max", by_name["reduce_max"])) == ["axes"]
+    assert (jaxapi.neutral_params("scan", by_name["scan"])["num_consts"],
+            jaxapi.neutral_params("scan", by_name["scan"])["num_carry"]) == (0, 1)
+
+
+def test_a_custom_vjp_bwd_is_called_and_rebuilt_in_the_running_jax_s_protocol():
+    @jax.custom_vjp
+    def f(x):
+        return jnp.sin(x)
+
+    f.defvjp(lambda x: (jnp.sin(x), jnp.cos(x)), lambda c, g: (3.0 * c * g,))
+    params = jax.make_jaxpr(f)(1.0).eqns[0].params
+    params["fwd_jaxpr_thunk"].call_wrapped(True)
+    assert [float(c) for c in jaxapi.call_custom_vjp_bwd(params["bwd"], 2.0, 5.0)] == [30.0]
+    rebuilt = jaxapi.custom_vjp_bwd(lambda r, g: [r * g])
+    out = rebuilt(2.0, 5.0)
+    assert (out[0] if isinstance(out, tuple) else out) == [10.0]
+
+
+def test_the_carry_checkpoint_policy_prints_the_same_on_every_jax_and_saves_only_its_names():
+    policy = jaxapi.save_only_these_names("_rw_carry")
+    assert repr(policy) == "SaveOnlyTheseNames(saveable_names=frozenset({'_rw_carry'}))"
+    name_p = jaxapi._ad_checkpoint.name_p
+    assert policy(name_p, 1.0, name="_rw_carry") is True
+    assert policy(name_p, 1.0, name="other") is False
+    assert policy(jax.lax.sin_p, 1.0) is False
+    from jax.ad_checkpoint import checkpoint_name
+
+    def f(x):
+        return jnp.sin(checkpoint_name(jnp.sin(x), "_rw_carry") * jnp.sin(x))
+
+    g = jax.grad(jax.checkpoint(f, policy=policy))
+    assert float(g(0.5)) == pytest.approx(float(jax.grad(f)(0.5)))

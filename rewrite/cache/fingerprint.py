@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from ..ir.jaxapi import core
+from ..ir.jaxapi import core, neutral_params
 
 #: Top-level packages whose objects are named, not hashed: their versions are in the key.
 VERSIONED = frozenset({"jax", "jaxlib", "numpy", "egglog", "ml_dtypes", "opt_einsum", "scipy", "rewrite",
@@ -276,9 +276,10 @@ class _Canon:
             self.put(("eqn", e.primitive.name, len(e.invars), len(e.outvars)))
             for v in e.invars:
                 self.atom(v, env)
-            for k in sorted(e.params):
+            params = neutral_params(e.primitive, e.params)  # a scan's input groups as counts on every JAX
+            for k in sorted(params):
                 self.put(("param", k))
-                self.value(e.params[k])
+                self.value(params[k])
             for v in e.outvars:
                 env[v] = len(env)
                 self.put(aval_key(v.aval))

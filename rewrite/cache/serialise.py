@@ -33,7 +33,8 @@ from jax.extend import source_info_util
 
 from jax.extend import linear_util as lu
 
-from ..ir.jaxapi import UNSPECIFIED, UnspecifiedValue, ad, core, empty_concrete_mesh, literals
+from ..ir.jaxapi import (UNSPECIFIED, UnspecifiedValue, ad, call_custom_vjp_bwd, core, custom_vjp_bwd, empty_concrete_mesh,
+                         literals, neutral_params, params_for_jax)
 from ..jaxpr.trace import trace_at
 
 
@@ -199,14 +200,15 @@ class _Writer:
         return self.typed_value(x)
 
     def params(self, e: Any) -> list:
+        params = neutral_params(e.primitive, e.params)  # the same entry whichever JAX traced it
         if e.primitive.name != "custom_vjp_call":
-            return [(k, self.value(v)) for k, v in e.params.items()]
+            return [(k, self.value(v)) for k, v in params.items()]
         try:  # a custom_vjp of the original program (the user's): its rule by place
-            return [(k, self.value(v)) for k, v in e.params.items()]
+            return [(k, self.value(v)) for k, v in params.items()]
         except Unserialisable:
             pass
-        return [(k, self.value(v)) for k, v in e.params.items() if k not in _VJP_RULE] + [
-            (_VJP_WRITTEN, self.vjp_rule(e.params))]
+        return [(k, self.value(v)) for k, v in params.items() if k not in _VJP_RULE] + [
+            (_VJP_WRITTEN, self.vjp_rule(params))]
 
     def vjp_rule(self, params: dict) -> Any:
         """A ``custom_vjp``'s forward and backward as jaxprs: a rule's, which no original program holds."""
@@ -222,7 +224,7 @@ class _Writer:
             zeros: list[bool] = []
 
             def bwd(*args: Any) -> list:
-                outs = params["bwd"].call_wrapped(*args)
+                outs = call_custom_vjp_bwd(params["bwd"], *args)
                 zeros[:] = [type(o) is ad.Zero for o in outs]
                 return [o for o in outs if type(o) is not ad.Zero]
 
@@ -493,6 +495,7 @@ class _Reader:
             new_params = {k: self.value(v) for k, v in params}
             if _VJP_WRITTEN in new_params:
                 new_params.update(_vjp_rule(new_params.pop(_VJP_WRITTEN), new_params["call_jaxpr"]))
+            new_params = params_for_jax(p, new_params)
             new_eqns.append(core.new_jaxpr_eqn(args, outvars, p, new_params,
                                                set(self.value(e) for e in effs), self.value(src), self.value(ctx)))
         return core.Jaxpr(constvars, invars, [atom(a) for a in outs], new_eqns,
@@ -530,7 +533,7 @@ def _vjp_rule(written: tuple, call: core.ClosedJaxpr) -> dict:
 
     trees = (out_tree, res_tree, list(fwds))
     return {"fwd_jaxpr_thunk": lu.wrap_init(fwd_jaxpr, debug_info=fwd_debug),
-            "bwd": lu.wrap_init(bwd, debug_info=bwd_debug),
+            "bwd": lu.wrap_init(custom_vjp_bwd(bwd), debug_info=bwd_debug),
             "out_trees": lambda: trees}
 
 

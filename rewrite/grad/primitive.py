@@ -65,7 +65,7 @@ from jax.dtypes import float0
 from jax.interpreters import batching, mlir
 
 from ..errors import RewriteLimitWarning, RewriteWarning, _strict
-from ..ir.jaxapi import ad, core, custom_staging_rules, held_weakly_by_jax_caches
+from ..ir.jaxapi import ad, core, custom_staging_rules, fallback_linearize, held_weakly_by_jax_caches, register_linearization
 from ..ir.walk import has_custom_vjp
 from ..jaxpr.trace import Traced, spec_of
 from ..pipeline import limits_met, run_pipeline
@@ -206,10 +206,6 @@ def jvp_program(closed: core.ClosedJaxpr) -> tuple[core.ClosedJaxpr, list[int], 
 
 
 # ---------------------------------------------------------------------- binding
-#: The linearization rule below follows JAX 0.10's internal protocol (``ad.primitive_linearizations``),
-#: which JAX 0.11 changed; under another JAX, JAX differentiates the rewritten forward program instead.
-_SUPPORTED_JAX = jax.__version_info__[:2] == (0, 10)
-
 def bind_if_differentiated(program_of: Any, traced: Traced, flat: Sequence[Any]) -> list[Any] | None:
     """The outputs, if this call is being differentiated and can be bound as a primitive; else ``None``.
 
@@ -218,8 +214,6 @@ def bind_if_differentiated(program_of: Any, traced: Traced, flat: Sequence[Any])
     trace = core.trace_ctx.trace
     if not isinstance(trace, (ad.JVPTrace, ad.LinearizeTrace)):
         return None
-    if not _SUPPORTED_JAX:
-        return None  # the primitive's rules follow JAX 0.10's internal protocols: differentiate the forward
     closed = traced.closed
     if closed.jaxpr.effects:
         return None  # a derivative program may not repeat or reorder effects: JAX differentiates the forward
@@ -293,7 +287,7 @@ def _linearize(is_vjp: bool, nonzeros: Sequence[bool], *primals: Any, program: S
         built = None
     if built is None:
         # jax.linearize evaluates its linear part (forward mode); a failed VJP rewrite lands here too.
-        return ad.fallback_linearize_rule(rewritten_p, is_vjp, nonzeros, *primals, program=program)
+        return fallback_linearize(rewritten_p, is_vjp, nonzeros, *primals, program=program)
     n_out = len(program.forward.out_avals)
     outs = _eval(built.fwd, *primals)
     primal_out, residuals = outs[:n_out], outs[n_out:]
@@ -315,7 +309,7 @@ mlir.register_lowering(rewritten_p, mlir.lower_fun(_impl, multiple_results=True)
 custom_staging_rules[rewritten_p] = _staging
 batching.primitive_batchers[rewritten_p] = _batch
 ad.primitive_jvps[rewritten_p] = _jvp
-ad.primitive_linearizations[rewritten_p] = _linearize
+register_linearization(rewritten_p, _linearize)
 
 
 # ---------------------------------------------------------------------- rewritten_lin_p's rules

@@ -15,11 +15,14 @@ stands in for, or why there is none.
 from __future__ import annotations
 
 import collections
+import dataclasses
+import functools
 import itertools
 import types
 from typing import Any
 
 import jax
+import numpy as np
 import jax.core as _jax_core
 import jax.extend.core as _ext_core
 import jax.extend.core.primitives as primitives  # noqa: F401  (public: the primitives of jax.lax)
@@ -39,6 +42,10 @@ from jax._src.mesh import empty_concrete_mesh  # noqa: F401  (no public name: th
 #                                                holds in its params, which the cache writes by name)
 from jax._src.sharding_impls import UNSPECIFIED, UnspecifiedValue  # noqa: F401  (no public name: the "no sharding given" marker
 #                                                       a jaxpr's params hold, which the cost model reads as no sharding)
+
+class UnsupportedJax(RuntimeError):
+    """A program holds a form this rewriter does not know on the running JAX version."""
+
 
 #: The jaxpr data structures and the tracing context, as ``core.X`` throughout the package.
 core = types.SimpleNamespace(
@@ -85,6 +92,56 @@ core = types.SimpleNamespace(
 #: the linearization protocol (``primitive_linearizations``, ``fallback_linearize_rule``,
 #: ``LinearizeTrace``), which ``jax.grad`` runs through, has no public name.
 ad = _ad
+
+
+# ---------------------------------------------------------------------- linearization rules, across JAX versions
+# JAX 0.10's linearization rule returns ``(primal_out, nonzeros_out, residuals, linearized)`` and calls
+# ``linearized(residuals, *tangents)``; JAX 0.11 and later added structured residuals: the rule returns
+# ``(primal_out, nonzeros_out, residuals, structured_residuals, linearized)`` and JAX calls
+# ``linearized(residuals, structured_residual_binders, *tangents)``. The rewriter writes its rules in the
+# first form (``structured_residuals`` always ``None``), and these two functions give JAX its own.
+@functools.cache
+def _linearization_arity() -> int:
+    """How many values the running JAX's linearization rules return: 4 (jax 0.10) or 5 (0.11+), found by
+    asking JAX's own fallback rule to linearize ``neg`` (no version number is read)."""
+    found: list[int] = []
+
+    def probe(x: Any) -> Any:  # traced on its own, so that nothing joins a trace this is called under
+        out = _ad.fallback_linearize_rule(_lax.neg_p, False, [True], x)
+        found.append(len(out))
+        return out[0]
+
+    jax.make_jaxpr(probe)(np.float32(1.0))
+    n = found[0]
+    if n not in (4, 5):
+        raise UnsupportedJax(f"jax {jax.__version__}: its linearization rules return {n} values, a protocol "
+                             f"jax-rewrite does not know (it knows jax 0.10's 4 and 0.11+'s 5)")
+    return n
+
+
+def register_linearization(prim: Any, rule: Any) -> None:
+    """Register ``rule(is_vjp, nonzeros, *primals, **params) -> (primal_out, nonzeros_out, residuals,
+    linearized)``, ``linearized(residuals, *tangents)`` as ``prim``'s linearization rule, in the form the
+    running JAX calls (found on the first call, not at import)."""
+
+    def adapted(*args: Any, **params: Any) -> Any:
+        if _linearization_arity() == 4:
+            return rule(*args, **params)
+        primal_out, nzs_out, residuals, linearized = rule(*args, **params)
+        return primal_out, nzs_out, residuals, None, lambda res, _structured, *ts: linearized(res, *ts)
+
+    _ad.primitive_linearizations[prim] = adapted
+
+
+def fallback_linearize(prim: Any, is_vjp: bool, nonzeros: Any, *primals: Any, **params: Any) -> tuple:
+    """JAX's linearization of ``prim`` through its JVP rule, in the four-part form of :func:`register_linearization`."""
+    out = _ad.fallback_linearize_rule(prim, is_vjp, nonzeros, *primals, **params)
+    if len(out) == 4:
+        return out
+    primal_out, nzs_out, residuals, structured, linearized = out
+    assert structured is None, "JAX's fallback linearization gave structured residuals"
+    return primal_out, nzs_out, residuals, lambda res, *ts: linearized(res, None, *ts)
+
 
 #: What the rewritten-derivative primitive registers with the tracer: a rule that stages it out as is.
 #: ``jax.interpreters.partial_eval`` does not export the table.
@@ -157,10 +214,6 @@ except ImportError:  # JAX 0.10
     _flattree = None
 
 
-class UnsupportedJax(RuntimeError):
-    """A program holds a form this rewriter does not know on the running JAX version."""
-
-
 def _unknown(what: str, params: Any) -> UnsupportedJax:
     return UnsupportedJax(f"jax {jax.__version__}: {what} params {sorted(params)} are in a layout jax-rewrite does "
                           f"not know (it knows jax 0.10's num_consts/num_carry and 0.11+'s ft_in/ft_out); "
@@ -213,3 +266,106 @@ def scan_for_jax(params: dict) -> dict:
     # as lax.scan builds it: the ys group is what a mask over the body's outputs kept
     out["ft_out"] = ft.pack((ft.nones(ncarry), ft.nones(nys).filter_with_mask([True] * nys)))
     return out
+
+
+#: Params JAX 0.11 added to a primitive, with the value that means what the primitive did without them on
+#: JAX 0.10 (found by tracing the same programs on 0.10.2, 0.11.2 and 0.12.0.1 and comparing the params).
+_ADDED_PARAMS = {"reduce_max": {"out_sharding": None}, "reduce_min": {"out_sharding": None}}
+
+
+def neutral_params(prim: Any, params: Any) -> Any:
+    """An equation's params in a form that does not depend on the JAX version that traced it: a scan's input
+    groups as counts, and a param JAX 0.11 added left out where it holds the value that means what 0.10 did
+    without it. Written down, hashed or printed this way, one program reads the same on every supported JAX;
+    :func:`params_for_jax` is the inverse."""
+    name = getattr(prim, "name", prim)
+    if name == "scan":
+        return scan_counted(params)
+    added = _ADDED_PARAMS.get(name)
+    if added and any(k in params and params[k] is v for k, v in added.items()):
+        return {k: v for k, v in params.items() if not (k in added and v is added[k])}
+    return params
+
+
+def params_for_jax(prim: Any, params: Any) -> Any:
+    """The inverse of :func:`neutral_params`: params as the running JAX binds them."""
+    name = getattr(prim, "name", prim)
+    if name == "scan":
+        return scan_for_jax(params)
+    added = _ADDED_PARAMS.get(name)
+    if added and _has_added_params(name):
+        return {**added, **params}
+    return params
+
+
+@functools.cache
+def _has_added_params(name: str) -> bool:
+    """Whether the running JAX's ``name`` equations hold the params of :data:`_ADDED_PARAMS` (0.11+)."""
+    x = np.zeros((1, 1), np.float32)
+    fn = {"reduce_max": lambda x: x.max(0), "reduce_min": lambda x: x.min(0)}[name]
+    return set(_ADDED_PARAMS[name]) <= set(jax.make_jaxpr(fn)(x).eqns[0].params)
+
+
+# ---------------------------------------------------------------------- custom_vjp's backward rule, across JAX versions
+# A ``custom_vjp_call``'s ``bwd`` param maps ``(*residuals, *output cotangents)`` to the input cotangents on
+# JAX 0.10, and to ``(input cotangents, logs)`` on JAX 0.11 and later (``defvjp_with_logs``; ``logs`` is
+# ``None`` for a plain rule).
+@functools.cache
+def _bwd_returns_logs() -> bool:
+    """Whether the running JAX's ``custom_vjp`` backward rules return ``(cotangents, logs)``: found by
+    tracing a one-input ``custom_vjp`` and calling its rule."""
+    @jax.custom_vjp
+    def f(x: Any) -> Any:
+        return x
+
+    f.defvjp(lambda x: (x, None), lambda _, g: (g,))
+    params = jax.make_jaxpr(f)(np.float32(1.0)).eqns[0].params
+    params["fwd_jaxpr_thunk"].call_wrapped(True)  # fills the rule's output trees
+    out = params["bwd"].call_wrapped(np.float32(1.0))
+    if isinstance(out, list) and len(out) == 1:
+        return False
+    if isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], list) and out[1] is None:
+        return True
+    raise UnsupportedJax(f"jax {jax.__version__}: a custom_vjp's backward rule returns {type(out).__name__} "
+                         f"{out!r}, a protocol jax-rewrite does not know")
+
+
+def call_custom_vjp_bwd(bwd: Any, *args: Any) -> list:
+    """The input cotangents a ``custom_vjp_call``'s ``bwd`` param gives for ``(*residuals, *cotangents)``."""
+    out = bwd.call_wrapped(*args)
+    return list(out[0]) if _bwd_returns_logs() else list(out)
+
+
+def custom_vjp_bwd(fn: Any) -> Any:
+    """``fn`` (``(*residuals, *cotangents) -> input cotangents``, every cotangent an array) as the running JAX
+    calls a ``bwd`` param of a ``custom_vjp_call`` without symbolic zeros. JAX 0.10 instantiates a zero
+    output cotangent before it calls the rule; 0.11+ hands it a ``SymbolicZero``, which JAX's own rules
+    instantiate (``_flatten_bwd``), and so does this."""
+    def bwd(*args: Any) -> Any:
+        args = tuple(_ad.zeros_like_aval(a.aval) if type(a) is _ad.SymbolicZero else a for a in args)
+        cts = fn(*args)
+        return (cts, None) if _bwd_returns_logs() else cts
+
+    return bwd
+
+
+# ---------------------------------------------------------------------- checkpoint policies, across JAX versions
+from jax._src import ad_checkpoint as _ad_checkpoint  # noqa: E402  (name_p: what a named value's policy reads)
+
+
+@dataclasses.dataclass(frozen=True)
+class SaveOnlyTheseNames:
+    """JAX 0.10's ``jax.checkpoint_policies.save_only_these_names`` policy, as a value: JAX 0.11 made it a
+    closure, which prints its address and which no cache can write. The same rule (save a value only when
+    ``checkpoint_name`` gave it one of these names) and, on every JAX, the same text in a jaxpr."""
+
+    saveable_names: frozenset
+
+    def __call__(self, prim: Any, *_: Any, **params: Any) -> bool:
+        return prim is _ad_checkpoint.name_p and params["name"] in self.saveable_names
+
+
+def save_only_these_names(*names: str) -> Any:
+    """A checkpoint policy saving only the values named ``names`` (JAX's own where it is a value, 0.10)."""
+    policy = jax.checkpoint_policies.save_only_these_names(*names)
+    return policy if dataclasses.is_dataclass(policy) else SaveOnlyTheseNames(frozenset(names))

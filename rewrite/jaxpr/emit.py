@@ -28,7 +28,7 @@ from jax.interpreters import partial_eval as pe
 from ..ir import primitives as _primitives
 from ..ir.egraph import Snapshot
 from ..ir.intern import EFFECTS, PARAMS, TYPES, TupleType, literal_value
-from ..ir.jaxapi import core, literals, primitives
+from ..ir.jaxapi import core, literals, primitives, save_only_these_names
 from ..ir.walk import CycleError, operands, postorder
 from .load import side_effects
 
@@ -208,7 +208,7 @@ def checkpointed(body: core.ClosedJaxpr, num_carry: int, num_consts: int, what: 
         raise EmitError(f"unknown remat policy {what!r}; expected one of {REMAT_POLICIES}")
     if what == "carries":
         body = core.ClosedJaxpr(_name_carries(body.jaxpr, num_carry), body.consts)
-        policy = jax.checkpoint_policies.save_only_these_names(_CARRY_NAME)
+        policy = save_only_these_names(_CARRY_NAME)
     else:
         policy = None
     return jax.make_jaxpr(jax.checkpoint(core.jaxpr_as_fun(body), prevent_cse=False, policy=policy))(

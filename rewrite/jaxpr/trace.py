@@ -393,6 +393,9 @@ def trace_at(fn: Callable[..., Any], avals: Sequence[Any]) -> core.ClosedJaxpr:
         return jax.make_jaxpr(fn)(*[spec_of(a) for a in avals])
 
 
+_FROZEN_AT_IMPORT = gc.get_freeze_count()
+
+
 @contextlib.contextmanager
 def _collect_young_only():
     """While the rewrite runs, the garbage collector leaves alone the objects that existed before it.
@@ -404,8 +407,10 @@ def _collect_young_only():
     of the collector's sight and ``gc.unfreeze`` puts it back afterwards, so
     nothing is leaked and later collections see everything again. A process
     that froze objects itself, or turned the collector off, is left as it is.
+    (CPython 3.12 starts with some hundreds of objects frozen already: what
+    was frozen when this module was imported is not the process's doing.)
     """
-    if gc.get_freeze_count() or not gc.isenabled():
+    if gc.get_freeze_count() > _FROZEN_AT_IMPORT or not gc.isenabled():
         yield
         return
     # Garbage made since the last collection (an earlier rewrite's e-graph, say) is collected now: frozen,

@@ -65,6 +65,35 @@ def on_backend() -> str | None:
             f"this process runs on {backend}: set JAX_PLATFORMS={BACKEND}")
 
 
+#: The JAX the base golden files (``<program>.txt``) are made on. A newer JAX that traces a program
+#: differently (its own derivatives change between releases: jax 0.11 differentiates ``tanh`` through
+#: ``one_minus_square``; an ``inline=True`` jit stays a call in jax 0.11+'s jaxprs) gets a file of its own,
+#: ``<program>.jax-0.11.txt``, used by that JAX and every later one that has none newer. Printing
+#: differences alone never get one: programs print through version-neutral params (:func:`_jaxpr_text`).
+BASE_JAX = (0, 10)
+_VERSIONED = re.compile(r"^(?P<name>.+)\.jax-(?P<major>\d+)\.(?P<minor>\d+)\.txt$")
+
+
+def _jax_minor() -> tuple[int, int]:
+    major, minor = jax.__version__.split(".")[:2]
+    return int(major), int(minor)
+
+
+def versioned(case: "Case") -> dict[tuple[int, int], Path]:
+    """This case's files for JAX versions newer than :data:`BASE_JAX`, by ``(major, minor)``."""
+    found = {}
+    for p in (HERE / case.pack).glob(f"{case.name}.jax-*.txt"):
+        m = _VERSIONED.match(p.name)
+        if m and m["name"] == case.name:
+            found[(int(m["major"]), int(m["minor"]))] = p
+    return found
+
+
+def _for_jax(case: "Case", version: tuple[int, int]) -> Path | None:
+    usable = [v for v in versioned(case) if v <= version]
+    return versioned(case)[max(usable)] if usable else None
+
+
 def cost_table() -> dict[str, Any]:
     """The fixed table the golden files are priced with (``tests/golden/cost_table.json``)."""
     return json.loads(COST_TABLE.read_text())
@@ -92,6 +121,12 @@ class Case:
 
     @property
     def path(self) -> Path:
+        """The file this JAX compares with: the newest of this case's files made on a JAX no newer than the
+        running one (:func:`versioned`), else the base file, made on :data:`BASE_JAX`."""
+        return _for_jax(self, _jax_minor()) or self.base_path
+
+    @property
+    def base_path(self) -> Path:
         return HERE / self.pack / f"{self.name}.txt"
 
 
@@ -294,22 +329,26 @@ def _jaxpr_text(closed: Any) -> str:
 
 
 def _share_equal_jaxprs(closed: Any) -> Any:
-    """``closed`` with sub-jaxprs that print the same made one object.
+    """``closed`` with sub-jaxprs that print the same made one object, and every equation's params in
+    their version-neutral form (:func:`rewrite.ir.jaxapi.neutral_params`: a scan's input groups as
+    ``num_consts``/``num_carry`` counts, which JAX 0.11 and later hold as flat trees), so that one golden
+    file holds on every supported JAX. The result is for printing: on JAX 0.11+ its scans do not run.
 
     JAX prints a sub-jaxpr used by several equations once, at the top
     (``let jaxpr = ... in``), when the equations hold the same object. Whether
     two equal update functions of two scatters are one object depends on what
     the process traced before, not on the program, so the text is made not to.
     """
-    from jax._src import core
+    from rewrite.ir.jaxapi import core, neutral_params
 
     seen: dict[str, Any] = {}
 
     def canon(jaxpr: Any) -> Any:
         eqns = []
         for e in jaxpr.eqns:
-            params = {k: one(v) for k, v in e.params.items()}
-            eqns.append(e.replace(params=params) if any(params[k] is not e.params[k] for k in params) else e)
+            params = neutral_params(e.primitive, {k: one(v) for k, v in e.params.items()})
+            eqns.append(e.replace(params=params) if params.keys() != e.params.keys()
+                        or any(params[k] is not e.params[k] for k in params) else e)
         new = jaxpr.replace(eqns=eqns) if any(a is not b for a, b in zip(eqns, jaxpr.eqns)) else jaxpr
         return seen.setdefault(str(new), new)
 
@@ -425,18 +464,44 @@ def check(case: Case, *, programs_only: bool = False) -> str | None:
 
 
 def stale() -> list[Path]:
-    """Golden files that no case writes any more (a case renamed or removed)."""
-    made = {c.path for c in cases()}
+    """Golden files that no case writes any more (a case renamed or removed), and files for a newer JAX
+    that say what the file before them says."""
+    made = {c.base_path for c in cases()}
+    for c in cases():
+        files = sorted(versioned(c).items())
+        before = c.base_path.read_text() if c.base_path.exists() else None
+        for _, p in files:
+            text = p.read_text()
+            if text != before:
+                made.add(p)
+            before = text
     return sorted(p for p in HERE.glob("*/*.txt") if p not in made)
 
 
 def update(case: Case, out: Path | None = None) -> bool:
-    """Write one case's golden file (under ``out`` instead of this folder if given); True if it changed."""
+    """Write one case's golden file (under ``out`` instead of this folder if given); True if it changed.
+
+    On :data:`BASE_JAX` that is the base file. On a newer JAX it is a file for this JAX's version, written
+    only where its text differs from the file this JAX would otherwise compare with (and removed where it
+    no longer does)."""
     why = on_backend()
     if why is not None:
         raise RuntimeError(why)
-    path = case.path if out is None else Path(out) / case.pack / f"{case.name}.txt"
     text = render(case)
+    version = _jax_minor()
+    if out is not None:
+        path = Path(out) / case.pack / f"{case.name}.txt"
+    elif version <= BASE_JAX:
+        path = case.base_path
+    else:
+        path = HERE / case.pack / f"{case.name}.jax-{version[0]}.{version[1]}.txt"
+        older = _for_jax(case, (version[0], version[1] - 1)) if version[1] else None
+        inherited = older or case.base_path
+        if inherited.exists() and inherited.read_text() == text:
+            if path.exists():
+                path.unlink()
+                return True
+            return False
     if path.exists() and path.read_text() == text:
         return False
     path.parent.mkdir(parents=True, exist_ok=True)
