@@ -234,6 +234,20 @@ def test_a_loop_that_reduces_a_large_value_each_step_is_not_lifted():
     assert small.fired.get("lift_independent"), small.fired
 
 
+def test_a_loop_with_a_large_constant_is_not_lifted_into_more_than_it_reads():
+    """The loop's constants do not count toward what a lifted loop may hold: here the weight (1 MiB) would
+    have let the vmap hold 4x it (the GPT-2-sized LM head's normaliser, issue 50: its token loop lifted into
+    one vmap over the whole logits, forward temp memory x2.00 of the original's). Lifted, it holds
+    8 x 64 x 2048 products (4 MiB) for stacked inputs and outputs of 0.5 MiB."""
+    def f(xs, w):
+        return lax.map(lambda x: jnp.sum(jnp.tanh(x @ w)), xs)
+
+    report = check(f, jnp.ones((8, 64, 256)), jnp.ones((256, 2048)) / 256, rulesets=[SCAN.lift],
+                   cost_model=AnalyticCost(fusion=False))
+    assert not report.fired.get("lift_independent"), report.fired
+    assert len(scans(report.after)) == 1
+
+
 _SPECIAL = st.sampled_from([0.0, -0.0, -1.5, 2.0, np.inf, -np.inf, np.nan])
 
 
