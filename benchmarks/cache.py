@@ -4,10 +4,12 @@ For each program, three fresh Python processes run one after another on an
 empty cache directory: the first rewrites and stores, the second and third
 find the entry. Each reports the time of its first ``f.jaxpr(*args)`` (trace,
 then rewrite or load; JAX's own compile is not included) and whether it
-loaded. A fourth process with the cache off is the control for the trace
-time alone. Programs: seed 000's value-and-gradient with the derivatives
-pack, and the overhead benchmark's 6-layer transformer training step with
-``algebra`` and ``derivatives``.
+loaded; the second and third are an A/A pair. A fourth process with the
+cache off is the control for the trace time alone. Programs: seed 000's
+value-and-gradient with the derivatives pack, the overhead benchmark's
+6-layer transformer training step with ``algebra`` and ``derivatives``, and
+softmax attention (B=2, H=4, N=1024, D=64, float32) with ``attention``, whose
+entry holds the rule's custom_vjp written as jaxprs.
 
 Run: ``python -m benchmarks.cache [--layers 6]``. Writes ``benchmarks/results/cache.md``.
 """
@@ -39,6 +41,15 @@ def child(program: str, layers: int) -> dict:
         from benchmarks.derivatives import as_value_and_grad, inputs, seed
 
         fn, args, rs = as_value_and_grad(seed), inputs(64), [rulesets.derivatives]
+    elif program == "attention":
+        import jax.numpy as jnp
+
+        def fn(q, k, v):
+            return jax.nn.softmax(q @ jnp.swapaxes(k, -1, -2) / 8.0, axis=-1) @ v
+
+        keys = jax.random.split(jax.random.key(0), 3)
+        args = tuple(jax.random.normal(k, (2, 4, 1024, 64), jnp.float32) for k in keys)
+        rs = [rulesets.attention]
     else:
         from benchmarks.programs import transformer_step
 
@@ -77,7 +88,8 @@ def main() -> None:
         return
     rows = []
     for program, label in (("seed000", "seed 000, value and gradient, T=64 (derivatives)"),
-                           ("step", f"training step, {args.layers} layers (algebra, derivatives)")):
+                           ("step", f"training step, {args.layers} layers (algebra, derivatives)"),
+                           ("attention", "softmax attention, B=2 H=4 N=1024 D=64 f32 (attention)")):
         with tempfile.TemporaryDirectory() as d:
             runs = [spawn(program, args.layers, d) for _ in range(3)]
             entries = sorted(p.name for p in pathlib.Path(d).rglob("*.rwx"))
@@ -89,8 +101,8 @@ def main() -> None:
     lines = [f"# The disk cache across processes ({datetime.date.today()})", "",
              "Time of the first `f.jaxpr(*args)` in a fresh process (trace, then rewrite or load from the disk "
              "cache; JAX's compile not included). Process 1 starts from an empty cache directory and stores the "
-             "entry; processes 2 and 3 load it. The control runs with the cache off, so it traces and rewrites. "
-             "`python -m benchmarks.cache`.", "",
+             "entry; processes 2 and 3 load it (an A/A pair). The control runs with the cache off, so it traces and "
+             "rewrites. Taken on a shared machine (2 cores, other jobs running). `python -m benchmarks.cache`.", "",
              "| program | process 1 (rewrite + store) s | process 2 s | process 3 s | cache off s | 1 / 2 | "
              "load stage s | entry KiB | values match |",
              "|---|---|---|---|---|---|---|---|---|"]

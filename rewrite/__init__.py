@@ -18,6 +18,7 @@ from .cost.model import AnalyticCost, CostModel, NodeCost, NodeInfo
 from .define import rule
 from .errors import RewriteLimitWarning, RewriteWarning
 from .ir.primitives import GROUPS, OpSpec, register_primitive
+from .jaxpr.state import StateError
 from .report.report import Report, explain
 from .rules.match import Match, Params, Value
 from .rules.pattern import Ops, Pat, ops
@@ -44,6 +45,7 @@ __all__ = [
     "Rewritten",
     "Rule",
     "Ruleset",
+    "StateError",
     "Tolerance",
     "Value",
     "explain",

@@ -34,13 +34,30 @@ from .errors import RewriteLimitWarning, RewriteWarning, _strict
 from .grad.primitive import Signature, bind_if_differentiated
 from .grad.vjp import VJPResult, build_vjp
 from .ir.jaxapi import core
+from .jaxpr import state as _state
 from .jaxpr.emit import check_signature
 from .jaxpr.trace import CONCRETIZATION_ERRORS, Traced, flatten_args, resolve_static, same_program, trace
-from .pipeline import Result, run_pipeline
+from .pipeline import Result, limits_met, run_pipeline
 from .rules.ruleset import entries_of
 from .rules.saturate import Limits
 
 log = logging.getLogger("rewrite")
+
+
+def _outputs(traced: Traced, values: Sequence[Any], nodes: tuple) -> Any:
+    """The call's result; the new values of the nnx Variables it replaced are written into ``nodes``."""
+    out = traced.outputs(values)
+    if not traced.carries_state:
+        return out
+    out, updates = out
+    _state.apply(nodes, updates)
+    return out
+
+
+def _concrete(leaves: Sequence[Any], traced: Traced) -> list[Any] | None:
+    """The program's operands for this call, if all are concrete arrays (the guard times on them); else None."""
+    flat = [_as_operand(x) for x, d in zip(leaves, traced.dynamic) if d] + list(traced.captured)
+    return None if any(isinstance(x, core.Tracer) or not hasattr(x, "shape") for x in flat) else flat
 
 
 def fallback_result(traced: Traced, stopped: str) -> Result:
@@ -95,8 +112,10 @@ class Rewritten:
         #: derivative programs rewritten so far, by transformation ("vjp", "jvp"); see rewrite/grad/primitive.py
         self.derivative_rewrites: collections.Counter = collections.Counter()
         self._programs: dict[Any, Any] = {}
+        self._jitted: dict[Any, tuple[core.ClosedJaxpr, Any]] = {}  # key -> (program, jax.jit of it)
 
-    def _prepare(self, args: tuple, kwargs: dict) -> tuple[Any, list[Any], tuple[Traced, Result]]:
+    def _prepare(self, args: tuple, kwargs: dict) -> tuple[Any, list[Any], tuple[Traced, Result], tuple]:
+        """The call's cache key, program operands, (traced, result) entry, and nnx nodes (``state.lift``)."""
         try:
             return self._lookup(args, kwargs)
         except CONCRETIZATION_ERRORS as e:
@@ -112,8 +131,8 @@ class Rewritten:
                 "trace them"), stacklevel=3)
             return self._lookup(args, kwargs)
 
-    def _lookup(self, args: tuple, kwargs: dict) -> tuple[Any, list[Any], tuple[Traced, Result]]:
-        leaves, in_tree, specs, key, stat_args, stat_kwargs = flatten_args(
+    def _lookup(self, args: tuple, kwargs: dict) -> tuple[Any, list[Any], tuple[Traced, Result], tuple]:
+        leaves, in_tree, specs, key, stat_args, stat_kwargs, nodes = flatten_args(
             args, kwargs, self.static_argnums, self.static_argnames, trace_floats=self._trace_floats)
         entry = self._cache.get(key)
         traced = None
@@ -133,7 +152,7 @@ class Rewritten:
                     trace_time = time.perf_counter() - t
                     # the cache keeps no tracer: they belong to this call's trace
                     kept = dataclasses.replace(traced, captured=())
-                    entry = (kept, self._rewrite(kept))
+                    entry = (kept, self._rewrite(kept, _concrete(leaves, traced)))
                     entry[1].times["trace"] = trace_time
                     self._cache[key] = entry
                     self.rewrites += 1
@@ -141,10 +160,11 @@ class Rewritten:
             traced = trace(self.fn, specs, in_tree, stat_args, stat_kwargs, len(args))
         captured = traced.captured if traced is not None else ()
         flat = [_as_operand(x) for x, d in zip(leaves, entry[0].dynamic) if d] + list(captured)
-        return key, flat, entry
+        return key, flat, entry, nodes
 
-    def _rewrite(self, traced: Traced) -> Result:
-        """The result for one traced program: from the disk cache, else rewritten (and guarded) and stored."""
+    def _rewrite(self, traced: Traced, args: Sequence[Any] | None = None) -> Result:
+        """The result for one traced program: from the disk cache, else rewritten (and guarded, timed on
+        ``args``, the call's operands if concrete) and stored."""
         t = time.perf_counter()
         key, program = self._disk_key(traced)
         key_time = time.perf_counter() - t
@@ -162,7 +182,7 @@ class Rewritten:
         result = self._rewrite_fresh(traced)
         failed = result.stopped.startswith("error:")
         if self.guard is not None and not failed:
-            self._guard(result)
+            self._guard(result, args)
         if key is not None and not failed:
             result.times["cache_key"] = key_time
             self.disk.store(key, None if result.after is traced.closed else result.after, _cache.result_meta(result),
@@ -178,23 +198,43 @@ class Rewritten:
             return make_key(traced.closed, self.entries, self.cost_model, self.limits, program,
                                    guard=self.guard), program
         except Exception as e:  # Unstable: a rule or a param with no stable identity
-            log.debug("rewrite cache off for %s: %s: %s", getattr(self.fn, "__name__", "function"),
-                      type(e).__name__, e)
+            msg = (f"the rewrite cache is off for {getattr(self.fn, '__name__', 'function')!r}: its key cannot be "
+                   f"made ({type(e).__name__}: {e}); each process rewrites it afresh")
+            if msg not in self._warned:
+                self._warned.add(msg)
+                log.warning(msg)
+                warnings.warn(RewriteWarning(msg), stacklevel=5)
             return None, None
 
-    def _guard(self, result: Result) -> None:
+    def _guard(self, result: Result, args: Sequence[Any] | None) -> None:
         t = time.perf_counter()
+        name = getattr(self.fn, "__name__", "function")
+        untimed = self.guard.untimed(self._predicted(result)) if result.rewritten else None
+        if untimed is not None:
+            result.guard = _guard.GuardDecision("rewritten", None, None, untimed)
+            result.times["guard"] = time.perf_counter() - t
+            return
         try:
             # an unchanged program is passed as ``before`` itself, which the guard keeps without timing
             after = result.after if result.rewritten else result.before
-            result.after, result.guard = _guard.guard(result.before, after, self.guard)
+            result.after, result.guard = _guard.guard(result.before, after, self.guard, args)
         except Exception as e:
             if _strict(self.strict):
                 raise
-            result.guard = _guard.GuardDecision("rewritten", None, None, f"timing failed: {type(e).__name__}: {e}")
-            warnings.warn(RewriteWarning(f"the guard could not time {getattr(self.fn, '__name__', 'function')!r} "
-                                         f"({type(e).__name__}: {e}); keeping the rewritten program"), stacklevel=5)
+            result.after = result.before
+            result.guard = _guard.GuardDecision("original", None, None, f"timing failed: {type(e).__name__}: {e}")
+        if result.guard.seconds_original is None and result.rewritten:
+            warnings.warn(RewriteWarning(f"the guard could not time {name!r} ({result.guard.reason}); "
+                                         "keeping the original program"), stacklevel=5)
         result.times["guard"] = time.perf_counter() - t
+
+    def _predicted(self, result: Result) -> float:
+        """The model's predicted speed-up of the rewrite, a call's fixed cost included where the model has one."""
+        fixed = getattr(self.cost_model, "fixed", None)
+        closed = result.before
+        extra = float(fixed(len(closed.in_avals) + len(closed.out_avals))) if callable(fixed) else 0.0
+        after = result.cost_after + extra
+        return (result.cost_before + extra) / after if after > 0 else float("nan")
 
     def _fall_back(self, e: Exception, what: str, instead: str) -> None:
         """Called while ``e`` is handled: re-raise it under strict; else say, as a warning at the user's call
@@ -215,28 +255,39 @@ class Rewritten:
             return fallback_result(traced, f"error: {type(e).__name__}: {e}")
         if result.warnings and _strict(self.strict):
             raise RuntimeError(f"rewrite of {name!r} (strict): {'; '.join(result.warnings)}")
-        if result.stopped != "saturated" and result.stopped not in self._warned:
-            self._warned.add(result.stopped)
-            warnings.warn(RewriteLimitWarning(
-                f"rewrite of {name!r} stopped at the {result.stopped} after {result.iterations} iterations "
-                f"({result.rows} e-graph rows); using the best program found so far"), stacklevel=4)
+        for said in limits_met(result):
+            key = said.split(" after ")[0]  # once per reason, whatever the counts
+            if key not in self._warned:
+                self._warned.add(key)
+                warnings.warn(RewriteLimitWarning(f"rewrite of {name!r} {said}"), stacklevel=4)
         for w in result.warnings:
             if w not in self._warned:
                 self._warned.add(w)
                 warnings.warn(RewriteWarning(w), stacklevel=4)
         fired = {k: s.fired for k, s in result.stats.items() if s.fired}
-        log.info("rewrote %s: cost %.4g -> %.4g, %s, fired %s", name, result.cost_before, result.cost_after,
-                 result.stopped, fired)
+        log.info("rewrote %s: cost %.4g -> %.4g (%s), %s, fired %s", name, result.cost_before, result.cost_after,
+                 result.why or "input kept", result.stopped, fired)
         return result
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        key, flat, (traced, result) = self._prepare(args, kwargs)
+        key, flat, (traced, result), nodes = self._prepare(args, kwargs)
         closed = result.after
         # Under grad/jvp the derivative rules run derivative programs rewritten for them (rewrite/grad/primitive.py).
         outs = bind_if_differentiated(lambda: self._program(key, traced, closed), traced, flat)
+        if outs is None and traced.jitted:
+            # fn was a jitted function, whose jit the trace inlined: the rewritten program runs compiled
+            # too, not one operation at a time (which an eager call of eval_jaxpr would do)
+            outs = self._compiled(key, closed)(*flat)
         if outs is None:
             outs = core.eval_jaxpr(closed.jaxpr, closed.consts, *flat)
-        return traced.outputs(outs)
+        return _outputs(traced, outs, nodes)
+
+    def _compiled(self, key: Any, closed: core.ClosedJaxpr) -> Callable[..., Any]:
+        found = self._jitted.get(key)
+        if found is None or found[0] is not closed:
+            found = (closed, jax.jit(core.jaxpr_as_fun(closed)))
+            self._jitted[key] = found
+        return found[1]
 
     def _program(self, key: Any, traced: Traced, forward: core.ClosedJaxpr) -> Any:
         program = self._programs.get(key)
@@ -253,8 +304,11 @@ class Rewritten:
         (``.bwd``: residuals + cotangents -> gradients), the residual split
         chosen and the splits considered. ``None`` if its rewrite failed.
         """
-        key, _, (traced, result) = self._prepare(args, kwargs)
-        return self._program(key, traced, result.after).vjp()
+        return self._signature(args, kwargs).vjp()
+
+    def _signature(self, args: tuple, kwargs: dict) -> Signature:
+        key, _, (traced, result), _ = self._prepare(args, kwargs)
+        return self._program(key, traced, result.after)
 
     def vjp_jaxprs(self, *args: Any, **kwargs: Any) -> tuple[core.ClosedJaxpr, core.ClosedJaxpr]:
         """The forward (primals -> outputs + residuals) and backward (residuals + cotangents -> gradients) programs."""
@@ -265,8 +319,7 @@ class Rewritten:
 
     def jvp_jaxpr(self, *args: Any, **kwargs: Any) -> core.ClosedJaxpr:
         """The JVP program that ``jax.jvp`` of this function runs: (primals, tangents) -> (outputs, tangents)."""
-        key, _, (traced, result) = self._prepare(args, kwargs)
-        built = self._program(key, traced, result.after).jvp()
+        built = self._signature(args, kwargs).jvp()
         if built is None:
             raise RuntimeError("the JVP was not rewritten (see the RewriteWarning); JAX differentiates the forward")
         return built.program
@@ -354,7 +407,7 @@ class _Unchanged:
 class RewrittenVJP(Rewritten):
     """A function whose VJP is JAX's VJP of ``fn`` rewritten, as a ``jax.custom_vjp``. Made by ``rewrite(vjp=True)``."""
 
-    def _rewrite(self, traced: Traced) -> Any:
+    def _rewrite(self, traced: Traced, args: Sequence[Any] | None = None) -> Any:
         name = getattr(self.fn, "__name__", "function")
         try:
             return self._build(traced)
@@ -368,12 +421,12 @@ class RewrittenVJP(Rewritten):
         return build_vjp(traced, self.entries, self.cost_model, self.limits)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        _, flat, (traced, result) = self._prepare(args, kwargs)
+        _, flat, (traced, result), nodes = self._prepare(args, kwargs)
         if isinstance(result, _Unchanged):
             outs = core.eval_jaxpr(traced.closed.jaxpr, traced.closed.consts, *flat)
         else:
             outs = result.function(*flat)
-        return traced.outputs(list(outs))
+        return _outputs(traced, list(outs), nodes)
 
     def jaxpr(self, *args: Any, **kwargs: Any) -> core.ClosedJaxpr:
         """The primal program for these arguments' signature."""

@@ -56,6 +56,7 @@ output, and the old loop's stacked output is handed over unchanged.
 from __future__ import annotations
 
 import contextlib
+import copy
 from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
@@ -193,6 +194,13 @@ class Loop:
         self._ys: list[Value] = []                          # per-step values of new stacked outputs
         self._inputs: dict[Any, Value] = {}                 # outer class -> the body input it became
         self._memo: dict[Any, Value] = {}                   # (outer class, axis) -> its step value
+        #: (outer class, axis, what the walk may read) -> the Decline it met. A walk that declines does so
+        #: whatever the copy holds so far, so unlike ``_memo`` this survives an undone :meth:`attempt`;
+        #: without it every alternative node of every class above a dead end walks down to it again,
+        #: which grows exponentially with the e-graph's depth of equivalent forms.
+        self._declined: dict[Any, Decline] = {}
+        self._cycles = 0                                    # cycles met so far: a decline that met one is not kept
+        self._context: Any = None                           # what the current per_step walk may read
         #: Positions of old ``xs`` inputs that what was added reads (a rule dropping inputs keeps these).
         self.needed: set[int] = set()
         #: Whether :meth:`per_step` may rebuild another loop's stacked output here: ``None``, ``"cheap"`` or ``"all"``.
@@ -353,7 +361,12 @@ class Loop:
         """
         if stacked is None:
             stacked = self.stacked()
-        return self._step(v, axis, stacked, set())
+        saved = self._context
+        self._context = (frozenset(stacked.items()), frozenset(self.no_leaf), self.recompute)
+        try:
+            return self._step(v, axis, stacked, set())
+        finally:
+            self._context = saved
 
     # ------------------------------------------------------------------ building the copy
     def build(self, drop: Sequence[int] = (), drop_xs: Sequence[int] = (), body_outs: Sequence[Value] | None = None,
@@ -420,11 +433,22 @@ class Loop:
         key = (_key(v), axis)
         if key in self._memo:
             return self._memo[key]
+        self.m.check_time()  # a walk over a large e-graph stops at the rule's deadline
+        dead = (key, self._context)
+        failed = self._declined.get(dead)
+        if failed is not None:
+            raise copy.copy(failed)  # a copy: the kept one never holds a traceback, whose frames hold this walk
         if key in path:
+            self._cycles += 1
             raise Decline("cycle")
         path.add(key)
+        cycles = self._cycles
         try:
             out = self._step_uncached(v, axis, stacked, path)
+        except Decline as e:
+            if self._cycles == cycles:  # a decline that met a cycle may hold on this path only
+                self._declined[dead] = copy.copy(e)  # without e's traceback (a cycle through this walk's frames)
+            raise
         finally:
             path.discard(key)
         self._memo[key] = out

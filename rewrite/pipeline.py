@@ -35,6 +35,20 @@ from .rules.saturate import Engine, Limits, RuleStats, match_program
 log = logging.getLogger("rewrite")
 
 
+def limits_met(result: "Result") -> list[str]:
+    """What a limit cut short in this rewrite, in words: the run stopped at one, or rules stopped at their
+    time share (``Limits.rule_share``). Each is a :class:`rewrite.RewriteLimitWarning` at the user's call."""
+    out = []
+    if result.stopped in ("time limit", "node limit", "iteration limit"):
+        out.append(f"stopped at the {result.stopped} after {result.iterations} iterations ({result.rows} e-graph "
+                   f"rows); using the best program found so far")
+    slow = {k: s.seconds for k, s in result.stats.items() if getattr(s, "timed_out", False)}
+    if slow:
+        out.append("rules stopped at their time share (Limits.rule_share), keeping what they built: "
+                   + ", ".join(f"{k} ({v:.1f} s)" for k, v in slow.items()))
+    return out
+
+
 @dataclasses.dataclass
 class Result:
     before: core.ClosedJaxpr
@@ -65,6 +79,8 @@ class Result:
     preferred: dict[str, int] = dataclasses.field(default_factory=dict)
     #: with AnalyticCost(memory_budget=...): the candidates the budget excluded (rewrite/cost/memory.py)
     over_budget: list = dataclasses.field(default_factory=list)
+    #: why the program that runs was chosen (see :func:`why_chosen`); "" when the input program is kept
+    why: str = ""
 
 
 def run_pipeline(traced: Traced, entries: Sequence[tuple[Rule, Ruleset]], model: CostModel, limits: Limits,
@@ -135,9 +151,33 @@ def _run(traced: Traced, entries: Sequence[tuple[Rule, Ruleset]], model: CostMod
         roots=roots if keep else None, original=original if keep else None, out_names=list(outs) if keep else None,
         timing=timing, preferred=forced, over_budget=excluded,
     )
+    result.why = why_chosen(result, ex.lean)
     if not keep:
         eg.release()  # to the pool now, even if something the rewrite made holds the e-graph in a cycle
     return result
+
+
+def why_chosen(result: Result, lean: bool = False) -> str:
+    """Why a rewritten program is used: ``"cheaper"`` (its predicted cost is below the input's), or one of
+    the reasons that can make it cost more: ``"preferred"`` (preferred rules barred the forms they
+    replace, ``result.preferred``), ``"leaner"`` (priced within the model's ``lean_band`` of the
+    cheapest and predicted to hold less memory at its peak), ``"memory budget"`` (the input program was
+    over the model's ``memory_budget``), ``"measured"`` (``cost_model="measure"`` timed it faster).
+    ``""`` for the input program."""
+    if not result.rewritten:
+        return ""
+    if result.timing is not None and getattr(result.timing, "seconds", None) and any(
+            s is not None for s in result.timing.seconds):
+        return "measured"
+    if any(not c["rewritten"] for c in result.over_budget):
+        return "memory budget"
+    if result.cost_after < result.cost_before:
+        return "cheaper"
+    if result.preferred:
+        return "preferred"
+    if lean:
+        return "leaner"
+    return "unexplained"
 
 
 def _worth_their_saving(ex: Any, snap: Any, eg: EGraph, entries: Sequence[tuple[Rule, Ruleset]], roots: list,

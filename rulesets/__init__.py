@@ -53,8 +53,14 @@ class _Packs(_types.ModuleType):
 
     def __setattr__(self, name: str, value: _Any) -> None:
         if name in PACKS and isinstance(value, _types.ModuleType) and hasattr(value, name):
-            value = getattr(value, name)
+            value = _documented(value, getattr(value, name))
         super().__setattr__(name, value)
+
+
+def _documented(module: _types.ModuleType, pack: _Any) -> _Any:
+    """The pack, whose ``__doc__`` (what ``help(rulesets.attention)`` shows) is its module's page and rules."""
+    pack.__doc__ = pack.describe(module.__doc__ or "")
+    return pack
 
 
 _sys.modules[__name__].__class__ = _Packs
@@ -67,7 +73,7 @@ def _load(name: str) -> _Any:
         if e.name == f"{__name__}.{name}":
             raise AttributeError(f"module 'rulesets' has no pack {name!r} (not built yet)") from None
         raise
-    value = getattr(module, name)
+    value = _documented(module, getattr(module, name))
     globals()[name] = value  # later lookups skip __getattr__
     return value
 

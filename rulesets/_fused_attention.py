@@ -80,16 +80,29 @@ def _scalar_value(v: Value, depth: int = 0) -> float | None:
     return None if inner is None else float(np.asarray(inner).astype(node.params["new_dtype"]))
 
 
+def _exact(dtype: Any, size: int) -> bool:
+    """Whether ``dtype`` holds every position ``0 .. size - 1`` (an int8 iota over 512 wraps at 128)."""
+    dtype = np.dtype(dtype)
+    if jnp.issubdtype(dtype, jnp.integer):
+        return int(jnp.iinfo(dtype).max) >= size - 1
+    return jnp.issubdtype(dtype, jnp.floating) and size - 1 <= 2 ** (jnp.finfo(dtype).nmant + 1)
+
+
+def _own_position(dtype: Any, shape: tuple, axis: int | None) -> int | None:
+    return axis if axis is not None and _exact(dtype, shape[axis]) else None
+
+
 def _index_axis_of_value(v: Value, depth: int = 0) -> int | None:
-    """The axis along which ``v`` is its own position (an ``iota``, maybe broadcast or converted)."""
+    """The axis along which ``v`` is its own position (an ``iota``, maybe broadcast or converted), each
+    position exact in its dtype."""
     if depth > 8:
         return None
     node = v.node("iota")
     if node is not None:
-        return int(node.params["dimension"])
+        return _own_position(v.dtype, v.shape, int(node.params["dimension"]))
     node = v.node("convert_element_type")
     if node is not None and jnp.issubdtype(node.operands[0].dtype, jnp.integer):
-        return _index_axis_of_value(node.operands[0], depth + 1)
+        return _own_position(v.dtype, v.shape, _index_axis_of_value(node.operands[0], depth + 1))
     node = v.node("broadcast_in_dim")
     if node is not None:
         inner = _index_axis_of_value(node.operands[0], depth + 1)
@@ -105,9 +118,9 @@ def _index_axis(plan: Any, ref: tuple, depth: int = 0) -> int | None:
     if depth > 8:
         return None
     if prim.name == "iota":
-        return int(params["dimension"])
+        return _own_position(aval.dtype, aval.shape, int(params["dimension"]))
     if prim.name == "convert_element_type" and jnp.issubdtype(aval.dtype, jnp.integer):
-        return _index_axis(plan, args[0], depth + 1)
+        return _own_position(aval.dtype, aval.shape, _index_axis(plan, args[0], depth + 1))
     if prim.name in ("add", "sub") and len(args) == 2 and _scalar(plan, args[1]) == 0.0:
         return _index_axis(plan, args[0], depth + 1)  # jnp.tril's iota + 0
     if prim.name == "broadcast_in_dim":

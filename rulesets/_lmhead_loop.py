@@ -136,7 +136,8 @@ def _normaliser(spec: tuple, block: int, kind: str, log: bool, out_shape: tuple,
             dz = lax.cond(with_max, plus_max, lambda dz: dz, dz)
             if lab is not None:  # the label's cotangent at its column (none where the gather filled)
                 yb, glb, grb = lab
-                hit = lax.broadcasted_iota(yb.dtype, z.shape, 1) == column(yb)[:, None]
+                col = column(yb)
+                hit = lax.broadcasted_iota(col.dtype, z.shape, 1) == col[:, None]  # (col's dtype holds v - 1)
                 dz = dz + jnp.where(hit, glb.astype(z.dtype)[:, None], jnp.zeros((), z.dtype))
                 if grb is not None:
                     dz = dz + grb.astype(z.dtype)[:, None]
@@ -164,10 +165,19 @@ def _normaliser(spec: tuple, block: int, kind: str, log: bool, out_shape: tuple,
     return fn
 
 
+def _holding(dtype: Any, v: int) -> Any:
+    """An integer dtype that holds every value of ``dtype`` and ``v - 1``: ``dtype`` itself, or int32 for
+    labels narrower than the vocabulary (int8 labels with 200 classes: ``v - 1`` in int8 would wrap)."""
+    return dtype if jnp.iinfo(dtype).max >= v - 1 else jnp.int32
+
+
 def _label_column(y: Any, v: int) -> tuple[Any, Any]:
     """``(safe, inside)``: each label clamped into the vocabulary (the column a ``clip`` gather reads), and
-    whether it was in it (where a ``fill`` gather reads a column at all)."""
-    return lax.clamp(jnp.zeros((), y.dtype), y, jnp.full((), v - 1, y.dtype)), (y >= 0) & (y < v)
+    whether it was in it (where a ``fill`` gather reads a column at all). Compared as the gather reads an
+    index, by its value: in a dtype that holds ``v - 1`` (:func:`_holding`)."""
+    y = y.astype(_holding(y.dtype, v))
+    last = jnp.full((), v - 1, y.dtype)
+    return lax.clamp(jnp.zeros((), y.dtype), y, last), (y >= 0) & (y <= last)
 
 
 def _label_logit(spec: tuple, fills: bool, fill: Any, out_shape: tuple):

@@ -57,7 +57,10 @@ instead of spelling out their variants:
   rounded to its dtype once, at the end: in float16, where the weights'
   gradient underflows, the Hessian-vector product through this backward
   erred 0.046 against float64 (results up to 0.036; the original 0.016), and
-  now errs below 5e-5.
+  now errs below 5e-5. In half precision the row term of the softmax's
+  backward is ``sum(p * dp) / sum(p)`` over the loop's own weights and
+  rounded cotangents, in one more pass over the key blocks, so that each row
+  of the logits' gradient sums to zero as the original's does.
 
 Programs whose key axis is 256 or shorter are left alone (the scores are
 small). The rule offers a loop for each key block of ``BLOCKS`` that makes
@@ -322,15 +325,10 @@ def _blocked(plan: _Plan, out_ref: tuple, axis: int, p_first: bool, dn: Any, pv_
     def bwd(res: tuple, g: Any) -> tuple:
         leaves, v, out, shift, l = res
         floating = [jnp.issubdtype(x.dtype, jnp.inexact) for x in leaves]
-        d_row = from_out(g.astype(acc_dtype) * out.astype(acc_dtype))
-        # A leaf without the key axis (q, a scale) sums its gradient over the key blocks: in the accumulator's
-        # precision. The others' blocks are disjoint (each element written once), so they stay in their dtype.
-        grads0 = tuple(jnp.zeros(x.shape, x.dtype if k is not None else jnp.promote_types(x.dtype, acc_dtype))
-                       if f else None for x, f, k in zip(leaves, floating, leaf_keys))
-        dv0 = jnp.zeros(v.shape, v.dtype)
 
-        def body(carry: tuple, j: Any) -> tuple:
-            grads, dv = carry
+        def recompute(j: Any) -> tuple:
+            """Key block ``j``'s weights as the backward uses them, their cotangent, v's block's cotangent and the
+            scores' VJP."""
             start = j * block
 
             def s_of(*fl: Any) -> Any:
@@ -345,7 +343,37 @@ def _blocked(plan: _Plan, out_ref: tuple, axis: int, p_first: bool, dn: Any, pv_
             vb = lax.dynamic_slice_in_dim(v, start, block, axis=v_key)
             _, vjp_pv = jax.vjp(product, p, vb)
             dp, dvb = vjp_pv(g.astype(out_aval.dtype))
-            ds = p * (dp.astype(acc_dtype) - expand(d_row))
+            return start, p, dp.astype(acc_dtype), dvb, vjp_s
+
+        if jnp.dtype(out_aval.dtype) == jnp.dtype(acc_dtype):
+            d_row = from_out(g.astype(acc_dtype) * out.astype(acc_dtype))
+        else:
+            # In half precision the row term is sum(p * dp) over the very weights and cotangents the loop below
+            # uses (one more pass over the key blocks), not sum(g * out): the weights' cotangent is rounded to
+            # the output's dtype per element (and the output's weights may be rounded too), so the two differ by
+            # those roundings, and the logits' gradient rows, which must sum to zero, summed to ~1 under
+            # cotangents of ~100; a gradient summed over whole rows (a temperature, a bias on the logits) then
+            # erred several times the original's, which takes its row term from the same rounded cotangents.
+            def rows_body(carry: tuple, j: Any) -> tuple:
+                d, total = carry
+                _, p, dp, _, _ = recompute(j)
+                return (d + jnp.sum(p * dp, axis=axis), total + jnp.sum(p, axis=axis)), None
+
+            zero = jnp.zeros(row_shape, acc_dtype)
+            (d_row, total), _ = lax.scan(rows_body, (zero, zero), jnp.arange(nblocks))
+            # over the weights' own sum, which the sum rounded to the logits' dtype leaves off 1 by its rounding:
+            # the rows of p * (dp - d_row) then sum to zero as the exact weights' do
+            d_row = d_row / jnp.where(total == 0, jnp.ones((), acc_dtype), total)
+        # A leaf without the key axis (q, a scale) sums its gradient over the key blocks: in the accumulator's
+        # precision. The others' blocks are disjoint (each element written once), so they stay in their dtype.
+        grads0 = tuple(jnp.zeros(x.shape, x.dtype if k is not None else jnp.promote_types(x.dtype, acc_dtype))
+                       if f else None for x, f, k in zip(leaves, floating, leaf_keys))
+        dv0 = jnp.zeros(v.shape, v.dtype)
+
+        def body(carry: tuple, j: Any) -> tuple:
+            grads, dv = carry
+            start, p, dp, dvb, vjp_s = recompute(j)
+            ds = p * (dp - expand(d_row))
             dl = iter(vjp_s(ds))
             grads = tuple(None if gr is None else gr + next(dl).astype(gr.dtype) for gr in grads)
             cur = lax.dynamic_slice_in_dim(dv, start, block, axis=v_key)

@@ -197,6 +197,11 @@ def _log_of_softmax(w: Value, axis: int) -> tuple[Value, Value] | None:
     return (z, s) if _max_shifted(z, (axis,)) else None
 
 
+def _unsigned(dtype: Any) -> Any:
+    """The unsigned integer dtype of ``dtype``'s width."""
+    return np.dtype(f"uint{np.dtype(dtype).itemsize * 8}")
+
+
 def _gathered(axis: int, n: int, full: tuple[int, ...], axes: tuple[int, ...], kinds: tuple[tuple[int, bool], ...]):
     """``sum(one_hot(labels) * w, axes)`` as a gather: ``w`` at the labels, 0 where a label is out of range.
 
@@ -206,8 +211,14 @@ def _gathered(axis: int, n: int, full: tuple[int, ...], axes: tuple[int, ...], k
 
     def fn(labels: Any, base: Any, *terms: Any) -> Any:
         labels = jnp.broadcast_to(labels, at)
-        inside = (labels >= 0) & (labels < n)
-        index = lax.clamp(jnp.zeros((), labels.dtype), labels, jnp.full((), n - 1, labels.dtype))
+        # The program compares each label with an iota in the labels' dtype, which wraps where n exceeds
+        # its range (int8 labels, 200 classes: position 156 is -100). So a label's one position is its
+        # bits read as unsigned (-100 -> 156; a negative label in a dtype that holds n - 1 reads past n),
+        # compared in that unsigned dtype, which holds n - 1 (_one_hot_sum declines where it does not).
+        position = lax.bitcast_convert_type(labels, _unsigned(labels.dtype))
+        last = jnp.full((), n - 1, position.dtype)
+        inside = position <= last
+        index = lax.min(position, last).astype(jnp.int32)
         picked = jnp.take_along_axis(base, index, axis=axis, mode="clip")
         # innermost term first: the order the program subtracts them in (x - max, then - log(sum)), so
         # that the label's own value rounds as it did, not as (x[y] - log(sum)) - max would
@@ -234,6 +245,8 @@ def _one_hot_sum(m):
         if found is None:
             continue
         labels, axis, n = found
+        if n - 1 > jnp.iinfo(_unsigned(labels.dtype)).max or n - 1 > jnp.iinfo(jnp.int32).max:
+            return None  # the iota wraps more than once: a label is hot at several positions
         if axis not in axes or oh.shape != w.shape or w.dtype != oh.dtype or not w.is_floating:
             continue
         if prod.dtype != w.dtype:

@@ -95,7 +95,7 @@ import numpy as np
 
 from rewrite import Params, Pat, Ruleset, Tolerance, Value, procedural
 from rewrite import rule as _rule
-from rulesets._lmhead_loop import _label_logit, _normaliser, _row_sums, _sigma
+from rulesets._lmhead_loop import _label_column, _label_logit, _normaliser, _row_sums, _sigma
 
 # Every rule's example program is rewritten by the contract test (tests/test_contract.py), not on import.
 rule = functools.partial(_rule, check=False)
@@ -497,10 +497,10 @@ def _peel_gather(g: Any, signs: tuple, fills: bool, v: int):
         for sign, term in reversed(list(zip(signs, terms))):
             picked = picked + term if sign > 0 else picked - term
         if fills:
-            i = idx.reshape(picked.shape)
+            _, inside = _label_column(idx.reshape(picked.shape), v)
             fill = g.get("fill_value")
             value = jnp.nan if fill is None else fill
-            picked = jnp.where((i >= 0) & (i < v), picked, jnp.asarray(value, picked.dtype))
+            picked = jnp.where(inside, picked, jnp.asarray(value, picked.dtype))
         return picked
 
     return fn

@@ -69,6 +69,7 @@ from rewrite import rule as _rule
 
 # Every rule's example program is rewritten by the contract test (tests/test_contract.py), not on import.
 rule = functools.partial(_rule, check=False)
+from rewrite.ir.jaxapi import scan_counted
 from rewrite.ir.primitives import nbytes
 from rewrite.loops import SCAN, WHILE, Body, Decline, Loop, adds_one
 from rewrite.report.report import equations
@@ -379,8 +380,8 @@ def _written(m, init: Any, ys: Any, rows: np.ndarray) -> Any:
 
 
 #: The params a scan built from a ``while`` takes besides its body, length and input counts.
-_SCAN_PARAMS = {k: v for k, v in jax.make_jaxpr(lambda c: lax.scan(lambda c, _: (c, None), c, None, length=1))(
-    0.0).eqns[0].params.items() if k not in ("jaxpr", "length", "num_consts", "num_carry")}
+_SCAN_PARAMS = {k: v for k, v in scan_counted(jax.make_jaxpr(lambda c: lax.scan(lambda c, _: (c, None), c, None,
+    length=1))(0.0).eqns[0].params).items() if k not in ("jaxpr", "length", "num_consts", "num_carry")}
 
 
 def while_to_scan(m) -> Any:

@@ -41,6 +41,10 @@ def mlp_loss(params, x, y):
     return -jnp.mean(jnp.sum(jax.nn.log_softmax(logits) * y, axis=-1))
 
 
+def binary_cross_entropy(z, t):
+    return -(t * jnp.log(jax.nn.sigmoid(z)) + (1 - t) * jnp.log(1 - jax.nn.sigmoid(z)))
+
+
 def _mlp_params():
     sizes = [8, 16, 16, 4]
     return [(_rand(m, n, seed=i), _rand(n, seed=10 + i)) for i, (m, n) in enumerate(zip(sizes[:-1], sizes[1:]))]
@@ -174,6 +178,8 @@ def corpus():
         ("attention", attention, (_rand(2, 5, 4), _rand(2, 5, 4, seed=1), _rand(2, 5, 4, seed=2))),
         ("attention_grad", _grad(lambda q, k, v: attention(q, k, v).sum()),
          (_rand(2, 5, 4), _rand(2, 5, 4, seed=1), _rand(2, 5, 4, seed=2))),
+        ("binary_cross_entropy", binary_cross_entropy,
+         (_rand(6, seed=11) * 100.0, jnp.asarray(np.random.default_rng(12).uniform(0, 1, (6,)), jnp.float32))),
         ("jax_nn", lambda x: (jax.nn.relu(x) + jax.nn.silu(x) + jax.nn.softplus(x) + jax.nn.sigmoid(x)
                               + jax.nn.logsumexp(x, axis=-1, keepdims=True) + jax.nn.elu(x)).sum(), (_rand(4, 6),)),
         ("numpy_mix", numpy_mix, (_rand(6, 5), jnp.int32(1))),

@@ -564,3 +564,39 @@ def test_a_scale_that_would_enlarge_q_or_is_not_a_literal_stays_in_the_loop():
     assert _scales_the_scores(_loop_body(passed, q, k, v, jnp.float32(8.0)), 256)
     close(rewrite(small, rulesets=[attention])(q, k, v), small(q, k, v), jnp.float32)
 
+
+
+def _tempered(q, k, v, t, by_key, by_row):
+    """bf16 attention whose float32 logits carry a temperature and biases by key and by query row."""
+    s = (q @ jnp.swapaxes(k, -1, -2)).astype(jnp.float32) * t + by_key + by_row
+    return jax.nn.softmax(s, axis=-1).astype(v.dtype) @ v
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_whole_row_parameters_under_large_cotangents_in_bfloat16(seed):
+    """The gradients of parameters summed over whole rows of the logits (a temperature, a bias by key, and a
+    bias by query row, whose exact gradient is zero since the softmax ignores it) under a cotangent of ~100:
+    against float64, no worse than 1.5x the original's error. The backward's row term taken as sum(g * out)
+    left the logits' gradient rows summing to ~1 where the original's sum to ~2e-4 (the row bias's gradient),
+    so these erred several times the original's."""
+    n = 512
+    rng = np.random.default_rng(seed)
+    wide = [rng.standard_normal((2, n, 8)), rng.standard_normal((2, n, 8)), rng.standard_normal((2, n, 8)) + 1.0,
+            np.array(0.7), rng.standard_normal(n), rng.standard_normal((n, 1))]
+    args = [jnp.asarray(x, jnp.bfloat16) for x in wide[:3]] + [jnp.asarray(x, jnp.float32) for x in wide[3:]]
+    cot = rng.standard_normal((2, n, 8)) * 100
+    assert any(name.startswith("attn_") for name in explain(_tempered, *args, rulesets=[attention]).fired)
+    g = rewrite(_tempered, rulesets=[attention], cache=False)
+
+    def grads(fn, a, c):
+        return jax.jit(jax.grad(lambda *a: jnp.sum(fn(*a).astype(c.dtype) * c), argnums=(3, 4, 5)))(*a)
+
+    with jax.enable_x64(True):
+        ref = [np.asarray(r) for r in grads(_tempered, [jnp.asarray(x, jnp.float64) for x in wide],
+                                            jnp.asarray(cot, jnp.float64))]
+    cot32 = jnp.asarray(cot, jnp.float32)
+    for new, old, want, what in zip(grads(g, args, cot32), grads(_tempered, args, cot32), ref,
+                                    ("temperature", "bias by key", "bias by row")):
+        err_new = np.abs(np.asarray(new, np.float64) - want).max()
+        err_old = np.abs(np.asarray(old, np.float64) - want).max()
+        assert err_new <= 1.5 * err_old + 1e-6 * max(1.0, np.abs(want).max()), (what, err_new, err_old)

@@ -84,9 +84,10 @@ def test_fused_call_keeps_values_and_gradients(xla_call, case):
 
 
 @pytest.mark.parametrize("form", ["padding", "array", "small_fill", "offset_causal", "bias_after_mask",
-                                  "strict_causal", "causal_fewer_queries"])
+                                  "strict_causal", "causal_fewer_queries", "int8_positions"])
 def test_what_the_fused_call_cannot_compute_keeps_the_blocked_form(xla_call, form):
-    """A mask the call does not take (an array, a diagonal-less or shifted causal mask), a fill that does
+    """A mask the call does not take (an array, a diagonal-less or shifted causal mask, positions that wrap in
+    their dtype), a fill that does
     not zero a weight, or a bias added after the mask: the blocked form, which computes it as written."""
     n = 512
 
@@ -101,6 +102,9 @@ def test_what_the_fused_call_cannot_compute_keeps_the_blocked_form(xla_call, for
             s = jnp.where(qi + 3 >= ki, s, -jnp.inf)
         elif form == "strict_causal":
             s = jnp.where(qi > ki, s, -1e30)
+        elif form == "int8_positions":  # an int8 iota wraps at 128: not query >= key past there
+            qi, ki = (jax.lax.broadcasted_iota(jnp.int8, (n, n), d) for d in (0, 1))
+            s = jnp.where(qi >= ki, s, -1e30)
         elif form == "causal_fewer_queries":  # 256 queries over 512 keys
             s = jnp.where(jnp.arange(256)[:, None] >= ki, s, -1e30)
         else:

@@ -3,9 +3,10 @@
 A stored program loads into a program that runs like the fresh rewrite (values, grad, vmap, jit,
 shardings). Every way an entry can go bad (corrupt bytes, truncation, another format or version,
 another program's entry, an unwritable directory, several writers at once) gives a fresh rewrite
-and a warning, never a wrong program; a rule whose identity cannot be hashed turns caching off.
+and a warning, never a wrong program; a rule whose identity cannot be hashed turns caching off, with a warning.
 """
 
+import dataclasses
 import logging
 import os
 import pathlib
@@ -18,6 +19,7 @@ import warnings
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from jax._src import core
 from jax.sharding import AxisType, NamedSharding
@@ -214,22 +216,36 @@ def test_entry_of_another_program_under_this_key(tmp_path):
     _damaged(tmp_path, swap)
 
 
-def test_unhashable_rule_turns_the_cache_off_with_a_debug_log(tmp_path, caplog):
-    lock = threading.Lock()  # a closure value with no stable identity
+def test_unhashable_rule_turns_the_cache_off_with_a_warning(tmp_path):
+    marker = object()  # a closure value with no stable identity (its repr is its address)
 
     def guarded(x):
-        with lock:
-            return True
+        return marker is not None
 
     odd = Ruleset("odd", [rule(lambda x: jnp.sin(x) * 1.0, lambda x: jnp.sin(x), name="odd_mul1", when=guarded)],
                   soundness="identity")
-    with caplog.at_level(logging.DEBUG, logger="rewrite"):
-        f = rewrite(lambda x: jnp.sin(x) * 1.0, rulesets=[odd], cache=tmp_path)
+    f = rewrite(lambda x: jnp.sin(x) * 1.0, rulesets=[odd], cache=tmp_path)
+    with pytest.warns(RewriteWarning, match="cache is off.*odd_mul1"):
         np.testing.assert_allclose(f(jnp.ones(3)), jnp.sin(jnp.ones(3)))
     assert entries(tmp_path) == []
-    assert any("cache off" in r.getMessage() and "odd_mul1" in r.getMessage() for r in caplog.records)
     with pytest.raises(Unstable):
         fingerprint(guarded)
+
+
+def test_loggers_and_locks_are_fingerprinted_by_name():
+    """A rule's procedure that logs (``rulesets.attention``'s) reaches a logger, whose manager holds locks."""
+    log, other = logging.getLogger("rewrite.test.a"), logging.getLogger("rewrite.test.b")
+    lock = threading.Lock()
+
+    def reports(x):
+        with lock:
+            log.info("%s", x)
+        return x
+
+    assert fingerprint(reports) == fingerprint(reports)
+    assert fingerprint(log) != fingerprint(other)
+    assert fingerprint(logging.LoggerAdapter(log, {})) == fingerprint(log)
+    assert fingerprint(threading.Lock()) == fingerprint(lock) != fingerprint(threading.RLock())
 
 
 def test_unwritable_directory_warns_once_and_rewrites(tmp_path):
@@ -439,11 +455,45 @@ def test_guard_never_runs_a_program_with_effects():
         return 2 * jnp.sin(x) * jnp.cos(x)
 
     r = rewrite(f, rulesets=[TRIG], guard=True, cache=False)
-    result = r.result(jnp.ones(3))
+    with pytest.warns(RewriteWarning, match="could not time"):
+        result = r.result(jnp.ones(3))
     assert calls == [] and result.rewritten
-    assert result.guard.kept == "rewritten" and "effects" in result.guard.reason
+    # a guard that cannot time keeps the original
+    assert result.guard.kept == "original" and "effects" in result.guard.reason and result.after is result.before
     r(jnp.ones(3))
     assert calls == [1]
+
+
+def _increasing_only(ts):
+    """A program with its own check, which random inputs fail (as diffrax's ``saveat.ts`` check does)."""
+    import equinox as eqx
+
+    ts = eqx.error_if(ts, jnp.any(ts[1:] <= ts[:-1]), "ts must be increasing")
+    return 2 * jnp.sin(ts) * jnp.cos(ts)
+
+
+def test_guard_times_on_the_calls_own_arguments():
+    f = rewrite(_increasing_only, rulesets=[TRIG], guard=QUICK, cache=False)
+    ts = jnp.linspace(0.0, 1.0, 256)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RewriteWarning)
+        out = f(ts)
+    np.testing.assert_allclose(out, jnp.sin(2 * ts), atol=1e-6)
+    decision = f.result(ts).guard
+    assert decision.seconds_original is not None and decision.seconds_rewritten is not None, decision
+    assert "call's arguments" in decision.reason
+
+
+def test_guard_that_cannot_time_keeps_the_original():
+    """Under jit the call's arguments are tracers, random inputs fail the program's check: nothing is timed."""
+    f = rewrite(_increasing_only, rulesets=[TRIG], guard=QUICK, cache=False)
+    ts = jnp.linspace(0.0, 1.0, 256)
+    with pytest.warns(RewriteWarning, match="could not time"):
+        out = jax.jit(f)(ts)
+    np.testing.assert_allclose(out, jnp.sin(2 * ts), atol=1e-6)
+    result = f.result(ts)
+    assert result.guard.kept == "original" and result.guard.seconds_original is None
+    assert result.after is result.before  # the original is what runs
 
 
 # ---------------------------------------------------------------------- trust: an entry is data, and only ours
@@ -522,3 +572,110 @@ def test_an_entry_others_could_have_written_is_not_loaded(tmp_path, how):
     with pytest.warns(RewriteWarning, match="not loading rewrite cache entry"):
         second.jaxpr(*ARGS)
     assert second.loaded == 0
+
+
+def test_guard_times_only_near_ties_when_asked():
+    """``Guard(near_tie=f)`` times a rewrite only where the model predicts it within ``f`` of the original's
+    speed: dropping a sort is predicted far faster, so it is kept untimed under a narrow band, timed under a wide one."""
+    x = jnp.linspace(-1.0, 1.0, 1 << 16)
+    f = rewrite(lambda x: jnp.sum(jnp.sort(x)), rulesets=[FAST], guard=dataclasses.replace(QUICK, near_tie=0.1),
+                cache=False)
+    g = f.result(x).guard
+    assert g.kept == "rewritten" and g.seconds_original is None and "near-tie band of 10%" in g.reason, g
+    assert "sort" not in [e.primitive.name for e in f.jaxpr(x).eqns]
+    wide = rewrite(lambda x: jnp.sum(jnp.sort(x)), rulesets=[FAST], guard=dataclasses.replace(QUICK, near_tie=1e6),
+                   cache=False)
+    assert wide.result(x).guard.seconds_original is not None
+
+
+# ---------------------------------------------------------------------- the newest packs: a rule's custom_vjp
+
+
+def _attention(q, k, v):
+    return jax.nn.softmax(q @ jnp.swapaxes(k, -1, -2) * 0.125, axis=-1) @ v
+
+
+def _lm_head(h, w, y):
+    return optax.softmax_cross_entropy_with_integer_labels(h @ w, y).mean()
+
+
+def _pack_case(name):
+    rng = np.random.default_rng(3)
+    if name == "attention":
+        import rulesets
+
+        args = tuple(jnp.asarray(rng.standard_normal((2, 512, 8)) + s, jnp.float32) for s in (0.0, 0.0, 1.0))
+        return _attention, args, [rulesets.attention], (0, 1, 2), "attn_"
+    import rulesets
+    from rulesets import nn_lmhead
+
+    h = jnp.asarray(rng.standard_normal((1024, 64)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((64, 8192)) / 8, jnp.float32)
+    y = jnp.asarray(rng.integers(0, 8192, 1024), jnp.int32)
+    assert nn_lmhead.offered() or jax.default_backend() == "gpu"
+    return _lm_head, (h, w, y), [rulesets.nn], (0, 1), "lm_head"
+
+
+@pytest.mark.parametrize("pack", ["attention", "lm_head"])
+def test_programs_holding_a_rule_s_custom_vjp_are_stored_and_run_their_backward(tmp_path, pack):
+    """A program whose rewrite holds a custom_vjp that a rule built (attention's recomputing backward, the LM
+    head's loop) is written, and a new instance reads it back: the same values and gradients, bitwise, and
+    jax.grad of the loaded program runs the rule's own backward (it holds no N x N / tokens x vocabulary array)."""
+    fn, args, packs, argnums, prefix = _pack_case(pack)
+    if pack == "lm_head" and jax.default_backend() == "gpu":
+        pytest.skip("the LM head's loop is not offered on a GPU")
+    first = rewrite(fn, rulesets=packs, cache=tmp_path)
+    want, want_grad = first(*args), _grad(first, argnums)(*args)
+    assert any(n.startswith(prefix) or prefix in n for n in first.result(*args).stats if
+               first.result(*args).stats[n].fired), first.result(*args).stats
+    assert len(entries(tmp_path)) >= 1
+    second = rewrite(fn, rulesets=packs, cache=tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RewriteWarning)  # an entry that fails to load warns
+        got = second(*args)
+    assert second.loaded == 1 and second.result(*args).cached is not None
+    assert str(second.jaxpr(*args)) == str(first.jaxpr(*args))
+    np.testing.assert_array_equal(got, want)
+    for a, b in zip(_grad(second, argnums)(*args), want_grad):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(jax.jit(_grad(second, argnums))(*args), want_grad):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    big = {(2, 512, 512)} if pack == "attention" else {(1024, 8192)}
+    shapes = {tuple(a.shape) for a in _avals(jax.make_jaxpr(_grad(second, argnums))(*args).jaxpr)}
+    assert not shapes & big, "the loaded program's gradient does not run the rule's backward"
+    assert big & {tuple(a.shape) for a in _avals(jax.make_jaxpr(_grad(fn, argnums))(*args).jaxpr)}
+
+
+def _grad(fn, argnums):
+    return jax.grad(lambda *a: jnp.sum(jnp.sin(fn(*a))), argnums)
+
+
+def _avals(jaxpr):
+    for e in jaxpr.eqns:
+        for v in e.outvars:
+            yield v.aval
+        for sub in core.jaxprs_in_params(e.params):
+            yield from _avals(sub)
+
+
+def test_a_stored_custom_vjp_rule_that_does_not_match_its_call_is_refused(tmp_path, monkeypatch):
+    """A stored backward whose types do not fit the call is not trusted: a warning, and a fresh rewrite."""
+    from rewrite.cache import serialise
+
+    fn, args, packs, argnums, _ = _pack_case("attention")
+    first = rewrite(fn, rulesets=packs, cache=tmp_path)
+    want = _grad(first, argnums)(*args)
+    real = serialise._residual_avals
+    calls = []
+
+    def shifted(call, fwd, fwds):  # on load, the residuals' types read as one fewer
+        calls.append(1)
+        return real(call, fwd, fwds)[1:]
+
+    monkeypatch.setattr(serialise, "_residual_avals", shifted)
+    second = rewrite(fn, rulesets=packs, cache=tmp_path)
+    with pytest.warns(RewriteWarning, match="unusable.*custom_vjp"):
+        got = _grad(second, argnums)(*args)
+    assert calls and second.loaded == 0
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(a, b)

@@ -11,6 +11,7 @@ from rewrite import AnalyticCost, rewrite
 from rewrite.cost.fusion import ops_in
 from rewrite.cost.program import Program
 from rewrite.cost.measure import Measured, choose, pin_duplicates
+from rewrite.ir.jaxapi import scan_counts
 from rulesets.derivatives import derivatives
 
 B, T, C = 4, 64, 32  # large enough for XLA:CPU's library reductions
@@ -327,7 +328,7 @@ def test_the_operands_a_scan_body_only_slices():
 
     def consts_of(f):
         (eqn,) = [e for e in jax.make_jaxpr(f)(x).eqns if e.primitive.name == "scan"]
-        return sliced_consts(eqn.params["jaxpr"], eqn.params["num_consts"]), eqn.params["num_consts"]
+        return sliced_consts(eqn.params["jaxpr"], scan_counts(eqn.params)[0]), scan_counts(eqn.params)[0]
 
     found, n = consts_of(_rows(big, False))
     assert n == 1 and found == {0}

@@ -11,6 +11,7 @@ Infinite and NaN logits come out as the original computes them."""
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 import numpy as np
 import optax
 import pytest
@@ -18,6 +19,7 @@ from hypothesis import given, settings, strategies as st
 
 import rulesets
 from rewrite import AnalyticCost, Ruleset, explain, rewrite
+from rewrite.ir.jaxapi import scan_counts
 from rulesets import _lmhead_loop, nn_lmhead
 from rulesets.nn_lmhead import BLOCKS, nn_lm_head
 
@@ -117,7 +119,7 @@ def block_of(report) -> int | None:
             inner = e.params.get("call_jaxpr") or e.params.get("fun_jaxpr")
             for x in inner.jaxpr.eqns:
                 if x.primitive.name == "scan":
-                    xs = x.invars[x.params["num_consts"] + x.params["num_carry"]]
+                    xs = x.invars[sum(scan_counts(x.params))]
                     return xs.aval.shape[1]
     return None
 
@@ -523,3 +525,28 @@ def test_column_blocks_under_vjp_and_jvp(monkeypatch, dtype):
         t = (jnp.ones_like(h), jnp.ones_like(W))
         for x, z in zip(wrap(lambda h, W: jax.jvp(g, (h, W), t))(h, W), wrap(lambda h, W: jax.jvp(f, (h, W), t))(h, W)):
             close(x, z, rtol, atol)
+
+
+@pytest.mark.parametrize("mode", ["fill", "clip"])
+def test_a_label_gather_with_indices_narrower_than_the_vocabulary(mode):
+    """A gather whose indices are int8 (the vocabulary, 8192, is past their range) reads each label by its
+    value: the loop compares labels with the vocabulary, and the backward's iota with them, in a dtype that
+    holds the vocabulary (in int8, ``V - 1`` and the iota wrap, and every label read the wrong column)."""
+    dn = lax.GatherDimensionNumbers(offset_dims=(), collapsed_slice_dims=(1,), start_index_map=(1,),
+                                    operand_batching_dims=(0,), start_indices_batching_dims=(0,))
+
+    def f(h, W, y):
+        z = h @ W
+        fill = jnp.nan if mode == "fill" else None
+        picked = lax.gather(z, y.reshape(N, 1, 1), dn, slice_sizes=(1, 1), mode=mode, fill_value=fill)[:, 0]
+        return jax.nn.logsumexp(z, axis=-1) - picked
+
+    rng = np.random.default_rng(5)
+    h, W = inputs(rng, N, C, V)[:2]
+    y = jnp.asarray(rng.integers(-128, 128, N), jnp.int8).at[:3].set(jnp.asarray([127, -1, 0], jnp.int8))
+    assert any(k.startswith("nn_lm_head_lse_label_") for k in explain(f, h, W, y, rulesets=[NN]).fired)
+    g = rewrite(f, rulesets=[NN])
+    close(g(h, W, y), jax.jit(f)(h, W, y), *TOLERANCE["float32"])
+    grad = lambda fn: jax.jit(jax.grad(lambda h, W: jnp.nansum(fn(h, W, y)), argnums=(0, 1)))  # noqa: E731
+    for a, b in zip(grad(g)(h, W), grad(f)(h, W)):
+        close(a, b, *TOLERANCE["float32"])

@@ -22,6 +22,7 @@ import rulesets
 from rewrite import AnalyticCost, Ruleset, explain, procedural, rewrite, rule
 from rewrite.loops import SCAN, Decline, Loop
 from rewrite.report.report import equations
+from rewrite.ir.jaxapi import scan_counts
 
 #: A rule that raises is a bug (it must decline instead); the engine only warns, so make the warning fail here.
 pytestmark = pytest.mark.filterwarnings("error::rewrite.RewriteWarning")
@@ -40,7 +41,7 @@ def scans(closed):
 def stacked_shapes(closed, length):
     """Shapes of every loop output stacked along an axis of the loop's length."""
     return [v.aval.shape for e in scans(closed) if e.primitive.name == "scan"
-            for v in e.outvars[e.params["num_carry"]:] if v.aval.shape[:1] == (length,)]
+            for v in e.outvars[scan_counts(e.params)[1]:] if v.aval.shape[:1] == (length,)]
 
 
 def close(got, want, tol=TOL):
@@ -162,7 +163,7 @@ def test_readout_with_weights_contracts_inside_the_body():
                                                                                           "squeeze")] == ["scan", "div"]
     assert stacked_shapes(report.after, T) == []
     assert loop.params["jaxpr"].jaxpr.eqns  # the readout's weights entered the loop as constants
-    assert any(v.aval.shape == (H, 2) for v in loop.invars[:loop.params["num_consts"]])
+    assert any(v.aval.shape == (H, 2) for v in loop.invars[:scan_counts(loop.params)[0]])
 
 
 def test_readout_of_an_output_used_elsewhere_is_only_hoisted_when_it_pays():

@@ -173,6 +173,25 @@ def test_log_of_one_minus_sigmoid_and_binary_cross_entropy():
     assert _close_to(got, _softplus64(z64) - y64 * z64)
 
 
+def _bce_written(z, t):
+    # as a user writes it: sigmoid called twice, and an integer 1 in the complement
+    return -(t * jnp.log(jax.nn.sigmoid(z)) + (1 - t) * jnp.log(1 - jax.nn.sigmoid(z)))
+
+
+def test_binary_cross_entropy_stays_stable_at_large_logits():
+    """Both log-sigmoid forms are rewritten, although ``log(σ(z)) -> -softplus(-z)`` built the ``-z`` that
+    ``1 - σ(z) -> σ(-z)`` reuses: the second match is not inside the first rule's replacement."""
+    z = np.asarray([200.0, -200.0, 1e4, -1e4, 200.0, -1e4, 1.0], F32)
+    t = np.asarray([1.0, 1.0, 1.0, 0.0, 0.0, 0.3, 0.5], F32)
+    r = explain(_bce_written, z, t, rulesets=[nn])
+    assert r.fired.get("nn_log_sigmoid") == 2, r.fired
+    new = rewrite(_bce_written, rulesets=[nn])
+    z64, t64 = z.astype(np.float64), t.astype(np.float64)
+    assert _close_to(np.asarray(new(z, t)), _softplus64(z64) - t64 * z64)
+    grad = jax.grad(lambda z, t: jnp.sum(new(z, t)))(z, t)
+    assert _close_to(np.asarray(grad), 0.5 * (1.0 + np.tanh(0.5 * z64)) - t64)
+
+
 @settings(max_examples=EXAMPLES)
 @given(arrays((4,), np.float32, "identity"), arrays((4,), np.float32, "identity"))
 def test_binary_cross_entropy_on_finite_inputs(z, y):
@@ -294,6 +313,47 @@ def test_one_hot_cross_entropy_is_a_gather(loss):
     program = jax.make_jaxpr(new)(jnp.zeros((6, V)), jnp.zeros(6, jnp.int32)).jaxpr
     gathered = [e for e in program.eqns if e.primitive.name == "gather"]
     assert [e.invars[0] for e in gathered] == [program.invars[0]]   # the logits themselves are read
+
+
+#: (label dtype, classes): the class count straddling the dtype's range. The program's iota is in the labels'
+#: dtype, so past the range it wraps (int8, 200 classes: -100 is hot at 156); past twice the range a label is
+#: hot at several positions and the rule declines (the value is still compared).
+NARROW = [(np.int8, 127), (np.int8, 128), (np.int8, 129), (np.int8, 200), (np.int8, 256), (np.int8, 300),
+          (np.uint8, 255), (np.uint8, 256), (np.uint8, 257), (np.int16, 32768), (np.int16, 40000), (np.int32, 200)]
+
+
+@pytest.mark.parametrize("dtype,v", NARROW, ids=[f"{np.dtype(d).name}-{v}" for d, v in NARROW])
+def test_one_hot_cross_entropy_with_labels_narrower_than_the_classes(dtype, v):
+    """optax.softmax_cross_entropy(logits, one_hot(y, V)) with labels whose dtype cannot hold V - 1: the rule
+    compares in a dtype that holds it, so values and gradients are the original's, every label included."""
+    def loss(logits, labels):
+        return optax.softmax_cross_entropy(logits, jax.nn.one_hot(labels, v)).sum()
+
+    info = np.iinfo(dtype)
+    if v - 1 <= np.iinfo(np.dtype(f"uint{np.dtype(dtype).itemsize * 8}")).max:
+        new = _forced("nn_one_hot_sum", loss, _aval(4, v), _aval(4, dtype=dtype))
+    else:  # the iota wraps more than once: declined, and the program kept
+        assert not explain(loss, jnp.zeros((4, v)), jnp.zeros(4, dtype), rulesets=[nn]).fired.get("nn_one_hot_sum")
+        new = rewrite(loss, rulesets=[nn])
+    logits = jnp.asarray(np.random.default_rng(v).standard_normal((4, v)) * 3, jnp.float32)
+    # the last class, and the label the program's wrapped iota holds there (int8, 200 classes: -57)
+    edges = [0, 1, -1, info.max, info.min, min(v - 1, info.max), int(np.int64(v - 1).astype(dtype))]
+    edges = [e for e in edges if info.min <= e <= info.max]
+
+    def value(f, x, y):
+        out = f(x, y)
+        return out[0] if isinstance(out, (list, tuple)) else out
+
+    @settings(max_examples=8, deadline=None)
+    @given(st.lists(st.sampled_from(edges) | st.integers(int(info.min), int(info.max)), min_size=4, max_size=4))
+    def run(labels):
+        labels = np.asarray(labels, dtype)
+        np.testing.assert_allclose(np.asarray(value(new, logits, labels)), np.asarray(loss(logits, labels)),
+                                   rtol=1e-5, atol=1e-5)
+        got = jax.grad(lambda x, y: value(new, x, y))(logits, labels)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(jax.grad(loss)(logits, labels)), rtol=1e-5, atol=1e-6)
+
+    run()
 
 
 def test_one_hot_array_is_never_built():

@@ -320,3 +320,24 @@ def test_to_dot_draws_classes_and_choices():
     assert "cos" in dot and "sin" in dot
     assert dot.count("style=\"bold,filled\"") == 4  # the program sin(2 * x): param, literal, mul, sin
     assert dot.count("subgraph cluster_") >= 4
+
+
+def test_a_costlier_rewrite_says_why_it_is_used():
+    """A preferred rule may force a form that the model prices higher: ``rewritten`` is then True while the
+    cost rose, and the result and the report say why (issue 48: an nnx GPT step, 3.86e8 -> 4.2e8, said nothing)."""
+    stable = Ruleset("p", [rule(lambda x: jnp.tanh(x), lambda x: 2 * jax.nn.sigmoid(2 * x) - 1, name="tanh_sig",
+                                prefer=True)], soundness="identity")
+    f = lambda x: jnp.tanh(x) * 3.0  # noqa: E731
+    result = rewrite(f, rulesets=[stable]).result(jnp.ones(1000))
+    assert result.rewritten and result.cost_after > result.cost_before
+    assert result.why == "preferred" and result.preferred == {"tanh_sig": 1}
+    assert "not predicted cheaper: preferred rules" in explain(f, jnp.ones(1000), rulesets=[stable]).summary()
+
+
+def test_why_for_a_cheaper_rewrite_and_for_the_input_kept():
+    trig = Ruleset("trig", [rule(lambda x: 2 * jnp.sin(x) * jnp.cos(x), lambda x: jnp.sin(2 * x),
+                                 name="double_angle")], soundness="identity")
+    cheaper = rewrite(lambda x: 2 * jnp.sin(x) * jnp.cos(x), rulesets=[trig]).result(jnp.ones(8))
+    assert cheaper.rewritten and cheaper.cost_after < cheaper.cost_before and cheaper.why == "cheaper"
+    kept = rewrite(lambda x: jnp.sin(x), rulesets=[trig]).result(jnp.ones(8))
+    assert not kept.rewritten and kept.why == ""

@@ -515,3 +515,19 @@ def test_a_product_rule_reads_its_match_as_an_einsum_and_declines_mixed_dtypes()
     g = lambda a, b: lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.int32).T  # noqa: E731
     r = explain(g, a.astype(jnp.int8), b.astype(jnp.int8), rulesets=[rs])
     assert seen == [None] and not r.fired
+
+
+def test_a_rule_keeps_its_traces_for_the_shapes_used_last(monkeypatch):
+    # Rules live as long as the process: a trace kept per new input shape grew without bound (issue 48).
+    import rewrite.rules.rule as rule_module
+
+    monkeypatch.setattr(rule_module, "TRACED_KEEP", 4)
+    r = rule(lambda x: jnp.sum(x @ x.T), lambda x: jnp.sum(jnp.sum(x, 0) ** 2), name="sum_gram")
+    avals = [(jax.core.ShapedArray((n, 3), jnp.float32),) for n in range(2, 12)]
+    first = str(r.traced(avals[0])[1])
+    for a in avals:
+        r.traced(a)
+    r.traced(avals[-4])  # used again: the last to go
+    r.traced(avals[0])  # traced again, and the same program
+    assert list(r._traced) == [avals[-3], avals[-2], avals[-1], avals[-4], avals[0]][-4:]
+    assert str(r.traced(avals[0])[1]) == first

@@ -19,6 +19,7 @@ from jax._src import core
 import rulesets
 from rewrite import AnalyticCost, Pat, Ruleset, explain, procedural, rewrite, rule
 from rewrite.report.report import equations, primitive_counts
+from rewrite.ir.jaxapi import scan_counts
 from rulesets.scan import make
 
 SCAN = rulesets.scan
@@ -78,7 +79,7 @@ def test_mse_moves_into_the_loop():
     inside = body_prims(loop)
     assert inside["reduce_sum"] == 1 and inside["integer_pow"] == 1 and inside["sub"] == 1
     # ys entered the loop as an xs input; the accumulator is a scalar carry.
-    assert loop.params["num_carry"] == 2 and any(v.aval.shape == (T, B, O) for v in loop.invars)
+    assert scan_counts(loop.params)[1] == 2 and any(v.aval.shape == (T, B, O) for v in loop.invars)
     assert [v.aval.shape for v in loop.outvars] == [(B, H), ()]
 
 
@@ -90,7 +91,7 @@ def test_invariant_operands_are_broadcast_into_the_loop():
     report = check(loss, P, XS, YS, bias)
     (loop,) = scans(report.after)
     assert "reduce_sum" not in top_prims(report.after)
-    assert any(v.aval.shape == (O,) or v.aval.shape == (1, O) for v in loop.invars[:loop.params["num_consts"]])
+    assert any(v.aval.shape == (O,) or v.aval.shape == (1, O) for v in loop.invars[:scan_counts(loop.params)[0]])
 
 
 def test_several_reductions_share_one_loop():

@@ -7,9 +7,12 @@ behaviour: its bytecode, constants, defaults, the values in its closure and
 the globals its code names, followed recursively; a function, class or module
 of a library whose version is part of the key (JAX, NumPy, the standard
 library, egglog, this library) by its name; a module of the user's by its
-source file. An object whose identity cannot be hashed stably (a generator, a
-lock, anything whose ``repr`` holds a memory address and that offers nothing
-else) raises :class:`Unstable`, and the caller does not cache.
+source file. Objects that only carry state of the process, not of the
+computation, are named, never walked: a logger by its name (walking it reaches
+``logging``'s manager and its locks), a lock or an event by its kind. An object
+whose identity cannot be hashed stably (a generator, anything whose ``repr``
+holds a memory address and that offers nothing else) raises :class:`Unstable`,
+and the caller does not cache.
 
 >>> from rewrite.cache.fingerprint import fingerprint
 >>> fingerprint(lambda x: x + 1) == fingerprint(lambda x: x + 1), fingerprint(lambda x: x + 1) == fingerprint(lambda x: x + 2)
@@ -21,8 +24,10 @@ from __future__ import annotations
 import dataclasses
 import enum
 import hashlib
+import logging
 import os
 import sys
+import threading
 import types
 from typing import Any
 
@@ -37,6 +42,11 @@ VERSIONED = frozenset({"jax", "jaxlib", "numpy", "egglog", "ml_dtypes", "opt_ein
 
 #: Code flags that say where a function was defined (inside another, say), not what it does.
 _WHERE_DEFINED = 0x10 | 0x40  # CO_NESTED, CO_NOFREE
+
+
+#: The kinds of synchronisation object a function may hold: its output never depends on their state.
+_SYNC = tuple({type(threading.Lock()), type(threading.RLock()), threading.Condition, threading.Event,
+               threading.Semaphore, threading.Barrier})
 
 
 class Unstable(Exception):
@@ -129,6 +139,12 @@ class _Walker:
             self.put("jaxpr", program_fingerprint(x))
         elif isinstance(x, enum.Enum):
             self.put("enum", type(x).__module__, type(x).__qualname__, x.name)
+        elif isinstance(x, (logging.Logger, logging.LoggerAdapter)):
+            # where a function reports, not what it computes; its handlers and manager hold locks
+            logger = x.logger if isinstance(x, logging.LoggerAdapter) else x
+            self.put("logger", logger.name)
+        elif isinstance(x, _SYNC):
+            self.put("sync", type(x).__qualname__)
         elif isinstance(x, types.FunctionType):
             self._function(x)
         elif isinstance(x, types.MethodType):

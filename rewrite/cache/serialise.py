@@ -3,7 +3,12 @@
 Equations by primitive name, avals and params; an object the program holds
 that is not plain data (a ``custom_jvp``'s rule, a mesh) is written as its
 place among the original program's objects and taken from the fresh trace
-on load; what is left must be plain data of a known kind (numbers, strings,
+on load. A ``custom_vjp`` that a rule built (attention's recomputing
+backward, the LM head's) is in no original program: its forward and backward
+are written as the jaxprs they trace to, with the pytree structures of its
+outputs and residuals, and rebuilt on load as a rule that evaluates them; a
+load checks them (``check_jaxpr``) and their types against the call they
+belong to. What is left must be plain data of a known kind (numbers, strings,
 tuples, dtypes, arrays, jaxprs, and enums, named tuples and dataclasses of
 jax, numpy or ml_dtypes), written by a schema: an entry never names a
 function to call, and the container that holds it is read by an unpickler
@@ -26,14 +31,24 @@ import jax
 import numpy as np
 from jax.extend import source_info_util
 
-from ..ir.jaxapi import core, literals
+from jax.extend import linear_util as lu
+
+from ..ir.jaxapi import UNSPECIFIED, UnspecifiedValue, ad, core, empty_concrete_mesh, literals
+from ..jaxpr.trace import trace_at
 
 
-FORMAT = 3  # 2: the modules moved into subpackages; 3: params by schema, nothing pickled with globals
+FORMAT = 4  # 2: the modules moved into subpackages; 3: params by schema, nothing pickled with globals;
+#            4: a rule's custom_vjp written as its forward and backward jaxprs
 
 
 class Unserialisable(Exception):
     """The chosen program holds something this module cannot write down."""
+
+
+#: A ``custom_vjp_call``'s params that hold its rule as Python functions.
+_VJP_RULE = ("fwd_jaxpr_thunk", "bwd", "out_trees")
+#: The param name under which a rule written as jaxprs stands for those (no primitive has a param so named).
+_VJP_WRITTEN = "<custom_vjp rule>"
 
 
 def _original_objects(closed: core.ClosedJaxpr) -> list[Any]:
@@ -183,6 +198,44 @@ class _Writer:
             return ("source",)  # a new location; the traceback object cannot be written
         return self.typed_value(x)
 
+    def params(self, e: Any) -> list:
+        if e.primitive.name != "custom_vjp_call":
+            return [(k, self.value(v)) for k, v in e.params.items()]
+        try:  # a custom_vjp of the original program (the user's): its rule by place
+            return [(k, self.value(v)) for k, v in e.params.items()]
+        except Unserialisable:
+            pass
+        return [(k, self.value(v)) for k, v in e.params.items() if k not in _VJP_RULE] + [
+            (_VJP_WRITTEN, self.vjp_rule(e.params))]
+
+    def vjp_rule(self, params: dict) -> Any:
+        """A ``custom_vjp``'s forward and backward as jaxprs: a rule's, which no original program holds."""
+        call = params["call_jaxpr"]
+        if params.get("symbolic_zeros") or params.get("num_consts"):
+            raise Unserialisable("a custom_vjp with symbolic zeros or constants")
+        try:
+            # every input differentiable: without symbolic zeros the forward is the same for any
+            fwd_jaxpr, fwd_consts = params["fwd_jaxpr_thunk"].call_wrapped(*([True] * len(call.in_avals)))
+            fwd = core.ClosedJaxpr(fwd_jaxpr, fwd_consts)
+            out_tree, res_tree, fwds = params["out_trees"]()
+            res_avals = _residual_avals(call, fwd, fwds)
+            zeros: list[bool] = []
+
+            def bwd(*args: Any) -> list:
+                outs = params["bwd"].call_wrapped(*args)
+                zeros[:] = [type(o) is ad.Zero for o in outs]
+                return [o for o in outs if type(o) is not ad.Zero]
+
+            back = trace_at(bwd, res_avals + [a.to_ct_aval() for a in call.out_avals])
+        except Unserialisable:
+            raise
+        except Exception as e:  # a rule that does not trace at its own types: not written
+            raise Unserialisable(f"custom_vjp rule does not trace ({type(e).__name__}: {e})") from None
+        names = [(d.traced_for, d.func_src_info) if isinstance(getattr(d, "func_src_info", None), str) else None
+                 for d in (params["fwd_jaxpr_thunk"].debug_info, params["bwd"].debug_info)]
+        return ("vjp_rule", self.value(fwd), self.value(back), _tree_skeleton(out_tree), _tree_skeleton(res_tree),
+                self.value(list(fwds)), self.value(zeros), self.value(names))
+
     def typed_value(self, x: Any) -> Any:
         """A value of one of the kinds of plain data that primitives' params hold, by its schema: a
         complex number, a set, an enum member, a named tuple or a dataclass of a library (jax, numpy,
@@ -193,6 +246,10 @@ class _Writer:
             return ("complex", x.real, x.imag)
         if t is frozenset:
             return ("frozenset", [self.value(v) for v in sorted(x, key=repr)])
+        if x is empty_concrete_mesh:  # a jit's mesh, traced outside any mesh (a concrete one holds devices)
+            return ("empty_mesh",)
+        if t is UnspecifiedValue:  # "no sharding given", in a jit's params that a rule's backward traced
+            return ("unspecified",)
         if t is core.ManualAxisType:  # the manual axes a value of a shard_map body varies over
             return ("manual_axis", self.value(x.varying), self.value(x.unreduced), self.value(x.reduced))
         where = _library_class(t)
@@ -249,11 +306,38 @@ class _Writer:
         for e in j.eqns:
             prim = self.value(e.primitive)
             invars = [atom(v) for v in e.invars]
-            params = [(k, self.value(v)) for k, v in e.params.items()]
+            params = self.params(e)
             eqns.append((prim, invars, [bind(v) for v in e.outvars], params,
                          [self.value(x) for x in e.effects], self.value(e.ctx), self.value(e.source_info)))
         outs = [atom(v) for v in j.outvars]
         return (consts, ins, eqns, outs, [self.value(x) for x in j.effects], self.value(j.debug_info))
+
+
+def _residual_avals(call: core.ClosedJaxpr, fwd: core.ClosedJaxpr, fwds: Any) -> list:
+    """The residuals' types, as JAX hands them to the backward: the forward's first outputs, or inputs it
+    forwards (``fwds[i]``: the input's index)."""
+    outs = iter(fwd.out_avals)
+    res = [next(outs) if f is None else call.in_avals[f] for f in fwds]
+    if list(outs) != list(call.out_avals):
+        raise Unserialisable("the custom_vjp's forward does not end in the call's outputs")
+    return res
+
+
+def _tree_skeleton(tree: Any) -> Any:
+    """A pytree structure as plain containers with ``0`` leaves (tuples, lists, dicts, ``None``); raises
+    :class:`Unserialisable` for any other node."""
+    skeleton = jax.tree_util.tree_unflatten(tree, [0] * tree.num_leaves)
+
+    def plain(x: Any) -> Any:
+        if x is None or (type(x) is int and x == 0):
+            return x
+        if type(x) in (tuple, list):
+            return (type(x).__name__, [plain(v) for v in x])
+        if type(x) is dict and all(type(k) is str for k in x):
+            return ("dict", [(k, plain(v)) for k, v in x.items()])
+        raise Unserialisable(f"a custom_vjp's pytree holds a {type(x).__qualname__}")
+
+    return ("tree", plain(skeleton))
 
 
 def _dce_wrapped(x: Any) -> Any:
@@ -339,6 +423,14 @@ class _Reader:
                                                 None if meta is None else tuple(meta))
         if tag == "source":
             return source_info_util.new_source_info()
+        if tag == "empty_mesh":
+            return empty_concrete_mesh
+        if tag == "unspecified":
+            return UNSPECIFIED
+        if tag == "tree":
+            return jax.tree_util.tree_structure(self.value(x[1]))
+        if tag == "vjp_rule":
+            return tuple(self.value(v) for v in x[1:])
         if tag == "complex":
             return complex(float(x[1]), float(x[2]))
         if tag == "frozenset":
@@ -398,10 +490,48 @@ class _Reader:
             p = self.value(prim)
             args = [atom(a) for a in invs]
             outvars = [bind(a) for a in outs_]
-            new_eqns.append(core.new_jaxpr_eqn(args, outvars, p, {k: self.value(v) for k, v in params},
+            new_params = {k: self.value(v) for k, v in params}
+            if _VJP_WRITTEN in new_params:
+                new_params.update(_vjp_rule(new_params.pop(_VJP_WRITTEN), new_params["call_jaxpr"]))
+            new_eqns.append(core.new_jaxpr_eqn(args, outvars, p, new_params,
                                                set(self.value(e) for e in effs), self.value(src), self.value(ctx)))
         return core.Jaxpr(constvars, invars, [atom(a) for a in outs], new_eqns,
                           set(self.value(e) for e in effects), self.value(debug))
+
+
+def _vjp_rule(written: tuple, call: core.ClosedJaxpr) -> dict:
+    """A ``custom_vjp_call``'s rule params rebuilt from its jaxprs, once they are checked against ``call``."""
+    fwd, back, out_tree, res_tree, fwds, zeros, names = written
+    if not (isinstance(fwd, core.ClosedJaxpr) and isinstance(back, core.ClosedJaxpr)
+            and isinstance(fwds, list) and isinstance(zeros, list)):
+        raise Unserialisable("a custom_vjp rule of the wrong form")
+    for j in (fwd, back):
+        core.check_jaxpr(j.jaxpr)
+    if len(fwds) != res_tree.num_leaves or out_tree.num_leaves != len(call.out_avals) \
+            or any(f is not None and not (type(f) is int and 0 <= f < len(call.in_avals)) for f in fwds):
+        raise Unserialisable("a custom_vjp's residuals do not match its forward")
+    if list(fwd.in_avals) != list(call.in_avals):
+        raise Unserialisable("a custom_vjp's forward takes other inputs than its call")
+    res_avals = _residual_avals(call, fwd, fwds)
+    if list(back.in_avals) != res_avals + [a.to_ct_aval() for a in call.out_avals] \
+            or len(zeros) != len(call.in_avals) \
+            or list(back.out_avals) != [a.to_ct_aval() for a, z in zip(call.in_avals, zeros) if not z]:
+        raise Unserialisable("a custom_vjp's backward does not match its call")
+    # the functions' names, which the program's text shows
+    fwd_debug, bwd_debug = (call.jaxpr.debug_info if n is None else core.DebugInfo(str(n[0]), str(n[1]), None, None)
+                            for n in (names if isinstance(names, list) and len(names) == 2 else [None, None]))
+
+    def fwd_jaxpr(*_: Any) -> tuple:
+        return fwd.jaxpr, fwd.consts
+
+    def bwd(*args: Any) -> list:
+        outs = iter(core.eval_jaxpr(back.jaxpr, back.consts, *args))
+        return [ad.Zero(a.to_ct_aval()) if z else next(outs) for a, z in zip(call.in_avals, zeros)]
+
+    trees = (out_tree, res_tree, list(fwds))
+    return {"fwd_jaxpr_thunk": lu.wrap_init(fwd_jaxpr, debug_info=fwd_debug),
+            "bwd": lu.wrap_init(bwd, debug_info=bwd_debug),
+            "out_trees": lambda: trees}
 
 
 #: the libraries whose plain-data classes (enums, named tuples, dataclasses) an entry may name

@@ -13,8 +13,8 @@ into the trace), each rule's code and its ruleset's soundness class and
 tolerance (``rewrite/cache/fingerprint.py``), the cost model and its settings,
 the limits, the guard, and the versions of Python, jax, jaxlib, egglog and
 this library (its version and a hash of its source). A rule whose identity
-cannot be hashed stably turns the cache off for that function, with a debug
-log. Params the rewriter never looks into (a ``custom_jvp``'s rule, a
+cannot be hashed stably turns the cache off for that function, with a
+:class:`RewriteWarning` (once per function and reason). Params the rewriter never looks into (a ``custom_jvp``'s rule, a
 callback) enter the key by type and position only: the stored program
 refers to them by position, and takes them from the fresh trace on load.
 
@@ -311,7 +311,8 @@ def result_meta(result: Any) -> dict:
             "stopped": result.stopped, "iterations": result.iterations, "rows": result.rows,
             "times": result.times, "rewritten": bool(result.rewritten), "warnings": list(result.warnings),
             "fired": {k: s.fired for k, s in result.stats.items() if s.fired},
-            "guard": None if guard is None else guard.as_dict(), "written": time.time()}
+            "guard": None if guard is None else guard.as_dict(), "why": getattr(result, "why", ""),
+            "preferred": dict(getattr(result, "preferred", {}) or {}), "written": time.time()}
 
 
 def _num(x: float) -> Any:
@@ -332,4 +333,6 @@ def result_from(traced_closed: core.ClosedJaxpr, program: core.ClosedJaxpr | Non
                     warnings=list(meta.get("warnings", [])))
     result.cached = where
     result.guard = None if g is None else GuardDecision.from_dict(g, cached=True)
+    result.why = meta.get("why", "") if result.rewritten else ""
+    result.preferred = dict(meta.get("preferred", {}))
     return result

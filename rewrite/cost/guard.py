@@ -3,14 +3,22 @@
 A cost model predicts; it can be wrong (issue 16 found savings that XLA
 made anyway). With the guard on, the first time a signature is rewritten,
 the original and the rewritten program are compiled with ``jax.jit`` and
-timed side by side on random inputs of the real inputs' shapes and dtypes:
-after a warm-up, each round runs both once in a shuffled order, so drift in
-the machine's speed hits both alike (as ``benchmarks/harness.py`` and
-``cost_model="measure"`` do), and the one with the lower median is kept.
-The decision is recorded in ``Rewritten.result(...).guard`` and, with the
-disk cache on, stored with the entry, so a later process does not time
-again. Programs with effects or sharded inputs cannot be run on made-up
-inputs; for those the rewritten program stands and the decision says so.
+timed side by side on that first call's own arguments (or, where the call
+is traced by an outer ``jit`` or ``grad`` and its arguments are not concrete,
+on random inputs of their shapes and dtypes): after a warm-up, each round
+runs both once in a shuffled order, so drift in the machine's speed hits
+both alike (as ``benchmarks/harness.py`` and ``cost_model="measure"`` do),
+and the one with the lower median is kept. The decision is recorded in
+``Rewritten.result(...).guard`` and, with the disk cache on, stored with the
+entry, so a later process does not time again.
+
+A guard that cannot time both programs keeps the original, and a
+``RewriteWarning`` says why: a program with effects (timing would repeat
+them), sharded inputs that are not concrete, or a program that fails on the
+inputs it was given (random inputs can fail a program's own checks, such as
+diffrax's ``saveat.ts must be increasing``). The guard covers the program a
+call runs; the derivative programs that ``jax.grad``/``jax.jvp`` of a
+rewritten function run (``rewrite/grad/primitive.py``) are not timed.
 
 >>> import jax.numpy as jnp
 >>> from rewrite import rewrite
@@ -24,6 +32,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
+from typing import Any, Sequence
 
 
 from ..ir.jaxapi import core
@@ -40,6 +50,24 @@ class Guard:
     rounds: int = 9
     min_round_seconds: float = 0.02
     max_seconds: float = 20.0
+    #: time only near-ties: rewrites the model predicts within this fraction of the original's speed (a
+    #: predicted speed-up between ``1 / (1 + near_tie)`` and ``1 + near_tie``), the band the model's error
+    #: on the decision corpus spans (``benchmarks/results/decisions.md``); beyond it the model's choice
+    #: stands untimed, and the first call pays no timing. ``None`` times every rewrite.
+    near_tie: float | None = None
+
+    def untimed(self, predicted: float) -> str | None:
+        """Why a rewrite predicted ``predicted`` times as fast is kept without timing, or ``None`` to time it.
+
+        >>> Guard(near_tie=0.15).untimed(1.5) is not None, Guard(near_tie=0.15).untimed(1.05), Guard().untimed(9.0)
+        (True, None, None)
+        """
+        if self.near_tie is None or not (predicted > 0 and math.isfinite(predicted)):
+            return None
+        if 1 / (1 + self.near_tie) <= predicted <= 1 + self.near_tie:
+            return None
+        return (f"not timed: the model predicts {predicted:.2f}x, outside the near-tie band of "
+                f"{self.near_tie:.0%} where it is timed")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,22 +104,35 @@ class GuardDecision:
         return cls(d["kept"], d.get("seconds_original"), d.get("seconds_rewritten"), d.get("reason", ""), cached)
 
 
-def guard(before: core.ClosedJaxpr, after: core.ClosedJaxpr, settings: Guard | None = None
-          ) -> tuple[core.ClosedJaxpr, GuardDecision]:
-    """Time ``before`` and ``after`` side by side and return the faster, with the decision."""
+def guard(before: core.ClosedJaxpr, after: core.ClosedJaxpr, settings: Guard | None = None,
+          args: Sequence[Any] | None = None) -> tuple[core.ClosedJaxpr, GuardDecision]:
+    """Time ``before`` and ``after`` side by side and return the faster, with the decision.
+
+    ``args`` are the call's own arguments (concrete arrays), when the first call had them; else random
+    inputs of the programs' types are used. A guard that cannot time both programs keeps the original.
+    """
     settings = settings or Guard()
     if after is before:
         return before, GuardDecision("original", None, None, "the rewrite changed nothing")
-    if not measurable(before):
-        return after, GuardDecision("rewritten", None, None, "not timed: the program has effects or sharded inputs")
+    if before.jaxpr.effects or after.jaxpr.effects:
+        return _unmeasured(before, "not timed: the program has effects, which timing would repeat")
+    if args is None and not measurable(before):
+        return _unmeasured(before, "not timed: its inputs are sharded and the call's own were not concrete")
+    on = "the call's arguments" if args is not None else "random inputs"
     # time_programs reads rounds, min_round_seconds and max_seconds from its model argument
-    t_before, t_after = _outside_traces(time_programs, [before, after], settings)
-    if t_after is None and t_before is None:
-        return after, GuardDecision("rewritten", None, None, "not timed: neither program compiled on its own")
-    if t_after is None or (t_before is not None and t_before <= t_after):
-        decision = GuardDecision("original", t_before, t_after, "timed")
-        log.info("%s", decision)
-        return before, decision
-    decision = GuardDecision("rewritten", t_before, t_after, "timed")
+    t_before, t_after = _outside_traces(time_programs, [before, after], settings, 0, args)
+    if t_before is None or t_after is None:
+        failed = " and ".join(n for n, t in (("the original", t_before), ("the rewritten program", t_after))
+                              if t is None)
+        return _unmeasured(before, f"not timed: {failed} failed to compile or run on {on}")
+    kept = "original" if t_before <= t_after else "rewritten"
+    decision = GuardDecision(kept, t_before, t_after, f"timed on {on}")
     log.info("%s", decision)
-    return after, decision
+    return (before if kept == "original" else after), decision
+
+
+def _unmeasured(before: core.ClosedJaxpr, reason: str) -> tuple[core.ClosedJaxpr, GuardDecision]:
+    """A guard that could not time keeps the original program, and says so (a warning names the reason)."""
+    decision = GuardDecision("original", None, None, reason)
+    log.warning("%s", decision)
+    return before, decision

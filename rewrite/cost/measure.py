@@ -28,6 +28,7 @@ import contextlib
 import dataclasses
 import gc
 import hashlib
+import logging
 import random
 import statistics
 import threading
@@ -42,6 +43,8 @@ from ..ir.jaxapi import core, optimization_barrier_p
 from ..ir.primitives import is_inexact_dtype
 from .model import AnalyticCost, CostModel, as_cost_model, default_model
 from .program import Program
+
+log = logging.getLogger("rewrite")
 
 _CACHE: dict[tuple, int] = {}
 _LOCK = threading.Lock()
@@ -123,9 +126,12 @@ def _once(fn: Callable[..., Any], args: Sequence[Any], inner: int) -> float:
     return (time.perf_counter() - t) / inner
 
 
-def time_programs(programs: Sequence[core.ClosedJaxpr], model: Measured, seed: int = 0) -> list[float | None]:
-    """Median seconds per call of each program, interleaved; ``None`` for a program that fails to run."""
-    args = synthetic_inputs(programs[0].in_avals, seed)
+def time_programs(programs: Sequence[core.ClosedJaxpr], model: Measured, seed: int = 0,
+                  args: Sequence[Any] | None = None) -> list[float | None]:
+    """Median seconds per call of each program, interleaved, on ``args`` (else random inputs of the
+    programs' types); ``None`` for a program that fails to compile or to run."""
+    if args is None:
+        args = synthetic_inputs(programs[0].in_avals, seed)
     compiled: list[Any] = []
     for p in programs:
         try:
@@ -133,12 +139,17 @@ def time_programs(programs: Sequence[core.ClosedJaxpr], model: Measured, seed: i
         except Exception:
             compiled.append(None)
     inner = []
-    for c in compiled:
+    for i, c in enumerate(compiled):
         if c is None:
             inner.append(0)
             continue
-        _once(c, args, 1)
-        inner.append(max(1, int(model.min_round_seconds / max(_once(c, args, 1), 1e-6))))
+        try:  # a program may reject these inputs at run time (its own checks: eqx.error_if, checkify)
+            _once(c, args, 1)
+            inner.append(max(1, int(model.min_round_seconds / max(_once(c, args, 1), 1e-6))))
+        except Exception as e:
+            log.info("timing: program %d failed to run: %s: %s", i, type(e).__name__, e)
+            compiled[i] = None
+            inner.append(0)
     samples: list[list[float]] = [[] for _ in programs]
     order = [i for i, c in enumerate(compiled) if c is not None]
     rng = random.Random(seed)

@@ -28,6 +28,7 @@ from typing import Any, Callable, Sequence
 
 from jax.extend.core import ClosedJaxpr
 
+from ..ir.jaxapi import scan_counts
 from ..ir.primitives import inner_jaxpr
 from .fusion import OVER_BUDGET, Fusion, FusionModel, _temp
 from .program import Program
@@ -103,7 +104,7 @@ def _shares(prog: Any, k: Fusion, outs: Sequence[Any] | None, last: dict, step: 
     found = []
     if outs is not None:  # a loop: carry i is the buffer of init i when init i dies here
         if op.prim == "scan":
-            first, n = op.params.get("num_consts", 0), op.params.get("num_carry", 0)
+            first, n = scan_counts(op.params)
         elif op.prim == "while":
             first, n = op.params.get("body_nconsts", 0) + op.params.get("cond_nconsts", 0), len(outs)
         else:

@@ -59,6 +59,8 @@ class Extraction:
     rewritten: bool              # False when the input program was kept
     #: the distinct candidate programs, cheapest first
     candidates: list[Candidate] = dataclasses.field(default_factory=list)
+    #: chosen over the cheapest for a lower peak of live memory, within the model's ``lean_band``
+    lean: bool = False
 
 
 def input_cost(snap: Snapshot, outs: Sequence[int], token: int | None, model: CostModel) -> float:
@@ -143,9 +145,10 @@ def extract(snap: Snapshot, roots: Sequence[Any], model: CostModel, original: se
         if not cand.rewritten and cand.cost <= best.cost * (1 + 1e-9) + keep_below * cand.cost:
             best = cand
     band = lean_band(model)
+    cheapest = best
     if price is not None and band:
         best = _leanest(ranked, best, price, roots, band)
-    return Extraction(best.choice, best.cost, orig_cost, best.rewritten, ranked)
+    return Extraction(best.choice, best.cost, orig_cost, best.rewritten, ranked, lean=best is not cheapest)
 
 
 def _leanest(ranked: list[Candidate], best: Candidate, price: ProgramPricer, roots: Sequence[Any],

@@ -64,12 +64,12 @@ import jax
 from jax.dtypes import float0
 from jax.interpreters import batching, mlir
 
-from ..errors import RewriteWarning, _strict
-from ..ir.jaxapi import ad, core, custom_staging_rules
+from ..errors import RewriteLimitWarning, RewriteWarning, _strict
+from ..ir.jaxapi import ad, core, custom_staging_rules, held_weakly_by_jax_caches
 from ..ir.walk import has_custom_vjp
 from ..jaxpr.emit import check_signature
 from ..jaxpr.trace import Traced, spec_of
-from ..pipeline import run_pipeline
+from ..pipeline import limits_met, run_pipeline
 from .vjp import build_vjp, float_positions, of_floats
 
 log = logging.getLogger("rewrite")
@@ -80,6 +80,7 @@ rewritten_lin_p = core.Primitive("rewritten_vjp_linear")
 rewritten_lin_p.multiple_results = True
 
 
+@held_weakly_by_jax_caches
 class Signature:
     """One signature of a rewritten function, with its derivative programs built on first use.
 
@@ -87,7 +88,16 @@ class Signature:
     (:class:`rewrite.grad.vjp.VJPResult`), ``jvp()`` its JVP rewritten as one
     program; either is ``None`` if rewriting it failed (a warning says so).
     Bound as the ``program`` parameter of the primitives, so it compares and
-    hashes by identity.
+    hashes by identity, and JAX's caches keyed by params hold it weakly: it
+    lives as long as its function, or a jaxpr that binds it (a pullback
+    ``jax.vjp`` returned), and no longer.
+
+    What it keeps is the programs, not the e-graph they were extracted from
+    (its egglog instance goes back to the pool, ``rewrite/ir/egraph.py``): a
+    signature costs its jaxprs and statistics, some tens of kilobytes, where
+    the e-graph of the built-in packs is some 90 MB of native memory. Only
+    ``vjp(keep=True)`` (``explain(..., grad=True)``, before the VJP was first
+    built) keeps it, for the report's provenance.
     """
 
     def __init__(self, owner: Any, traced: Traced, forward: core.ClosedJaxpr) -> None:
@@ -100,20 +110,21 @@ class Signature:
     def __repr__(self) -> str:
         return f"<{getattr(self.owner.fn, '__name__', 'function')} {list(self.traced.closed.in_avals)}>"
 
-    def vjp(self) -> Any:
-        return self._once("vjp")
+    def vjp(self, keep: bool = False) -> Any:
+        """The VJP split; ``keep`` keeps its joint e-graph (``joint.egraph``) if this call builds it."""
+        return self._once("vjp", keep)
 
     def jvp(self) -> Any:
         return self._once("jvp")
 
-    def _once(self, kind: str) -> Any:
+    def _once(self, kind: str, keep: bool = False) -> Any:
         """The ``kind`` program, built by the first caller (the others wait for it), then kept."""
         found = self._built.get(kind, _UNBUILT)
         if found is _UNBUILT:
             with self._lock:
                 found = self._built.get(kind, _UNBUILT)
                 if found is _UNBUILT:
-                    found = self._built[kind] = self._build(kind)
+                    found = self._built[kind] = self._build(kind, keep)
         return found
 
     def _of_forward(self) -> Traced:
@@ -133,13 +144,14 @@ class Signature:
             return self.traced.closed
         return self.forward
 
-    def _build(self, kind: str) -> Any:
+    def _build(self, kind: str, keep: bool) -> Any:
         owner = self.owner
         name = getattr(owner.fn, "__name__", "function")
         t = time.perf_counter()
         try:
             if kind == "vjp":
-                built: Any = build_vjp(self._of_forward(), owner.entries, owner.cost_model, owner.limits, primal=False)
+                built: Any = build_vjp(self._of_forward(), owner.entries, owner.cost_model, owner.limits, primal=False,
+                                       keep=keep)
             else:
                 program, dif_in, dif_out = jvp_program(self.jvp_source())
                 jt = Traced(program, self.traced.in_tree, self.traced.out_tree, self.traced.dynamic)
@@ -149,6 +161,9 @@ class Signature:
             warned = built.warnings if kind == "vjp" else built.result.warnings
             if warned and _strict(owner.strict):
                 raise RuntimeError(f"rewrite of the {kind.upper()} of {name!r} (strict): {'; '.join(warned)}")
+            for said in limits_met(built.joint if kind == "vjp" else built.result):
+                # the derivative program is rewritten under the same limits, and a user waits on it the same
+                warnings.warn(RewriteLimitWarning(f"rewrite of the {kind.upper()} of {name!r} {said}"), stacklevel=2)
         except Exception as e:
             if _strict(owner.strict):
                 raise

@@ -288,12 +288,17 @@ def custom_vjp_function(forward: core.ClosedJaxpr, fwd: core.ClosedJaxpr, bwd: c
     return f
 
 
-def build_vjp(traced: Traced, entries: Sequence[Any], model: Any, limits: Any, primal: bool = True) -> VJPResult:
+def build_vjp(traced: Traced, entries: Sequence[Any], model: Any, limits: Any, primal: bool = True,
+              keep: bool = False) -> VJPResult:
     """Rewrite ``traced``'s VJP: the joint program through the pipeline, split at the cheapest residuals.
 
     ``primal`` also extracts the forward program alone and wraps the three
     in a ``jax.custom_vjp`` (what ``vjp=True`` returns); without it only the
     split is built (what the plain decorator's derivative rules run).
+    ``keep`` keeps the joint e-graph in ``joint`` (its ``egraph``,
+    ``snapshot``, ``choice``...) for a report; otherwise it goes back to the
+    pool once the programs are emitted, since a result is kept per signature
+    and an e-graph of the built-in packs holds some 90 MB of native memory.
     """
     closed = traced.closed
     t0 = time.perf_counter()
@@ -342,6 +347,9 @@ def build_vjp(traced: Traced, entries: Sequence[Any], model: Any, limits: Any, p
         forward = dce(Emitter(snap, prim.choice, eg).program(in_avals, f_roots, None, closed.jaxpr.debug_info))
         check_signature(closed, forward)
         fn = custom_vjp_function(forward, fwd, bwd, n, dif_in, dif_out)
+    if not keep:
+        res.egraph = res.snapshot = res.choice = res.roots = res.original = res.out_names = None
+        eg.release()
     return VJPResult(forward, fwd, bwd, split, considered, res, dif_in, dif_out, fn, times)
 
 

@@ -29,12 +29,15 @@ from jax._src import config as _config
 from jax._src import core as _core
 from jax._src import literals as _literals
 from jax._src import source_info_util as _source_info_util
+from jax._src import util as _util
 from jax._src.interpreters import ad as _ad
 from jax._src.interpreters import partial_eval as _pe
 from jax._src.lax import control_flow as _control_flow
 from jax._src.lax import lax as _lax
 from jax._src.lax import slicing as _slicing
-from jax._src.sharding_impls import UnspecifiedValue  # noqa: F401  (no public name: the "no sharding given" marker
+from jax._src.mesh import empty_concrete_mesh  # noqa: F401  (no public name: the mesh a jit traced outside any mesh
+#                                                holds in its params, which the cache writes by name)
+from jax._src.sharding_impls import UNSPECIFIED, UnspecifiedValue  # noqa: F401  (no public name: the "no sharding given" marker
 #                                                       a jaxpr's params hold, which the cost model reads as no sharding)
 
 #: The jaxpr data structures and the tracing context, as ``core.X`` throughout the package.
@@ -109,6 +112,18 @@ PRIMITIVE_MODULES = (_lax, _slicing, _control_flow, primitives)
 #: (``jax.extend.core.primitives`` does not list it).
 optimization_barrier_p = _lax.optimization_barrier_p
 
+def held_weakly_by_jax_caches(cls: type) -> type:
+    """Make JAX's caches that are keyed by a primitive's params hold ``cls``'s values weakly; returns ``cls``.
+
+    Tracing a primitive puts its params in caches that outlive the trace (``_cached_abstract_eval``, an
+    LRU of 2,048 entries, is one): a param whose value owns a rewrite's programs would keep them, and a
+    function's every signature, alive for good. JAX holds its own ``Jaxpr`` and ``ClosedJaxpr`` weakly this
+    way (``weakref_cache_key_types``); there is no public name for it. ``cls`` must hash by identity.
+    """
+    _util.weakref_cache_key_types.add(cls)
+    return cls
+
+
 #: The user's frame of an equation's source location, for the report (``jax.extend.source_info_util``
 #: has ``summarize``, which formats it, but nothing that returns the frame).
 user_frame = _source_info_util.user_frame
@@ -126,3 +141,72 @@ def pretty_named(jaxpr: Any, names: dict | None = None, avoid: Any = ()) -> tupl
     context.var_names = collections.defaultdict(fresh.__next__, {**_core._dropvars(jaxpr), **names})
     text = _core.pp_jaxpr(jaxpr, context, _core.JaxprPpSettings()).format()
     return text, dict(context.var_names)
+
+
+# ---------------------------------------------------------------------- scan's params, across JAX versions
+# JAX 0.10 gives a scan's input groups as counts (``num_consts``, ``num_carry``, and ``linear`` per input);
+# JAX 0.11 and later as flat trees (``ft_in``: consts, carry, xs; ``ft_out``: carry, ys). The rewriter
+# keeps the counts in its own params table whichever JAX it runs on (:func:`scan_counted`) and gives JAX
+# its own layout back when it emits a scan (:func:`scan_for_jax`).
+try:
+    from jax._src import flattree as _flattree  # JAX 0.11+: the flat trees a scan's params hold (no public name)
+except ImportError:  # JAX 0.10
+    _flattree = None
+
+
+class UnsupportedJax(RuntimeError):
+    """A program holds a form this rewriter does not know on the running JAX version."""
+
+
+def _unknown(what: str, params: Any) -> UnsupportedJax:
+    return UnsupportedJax(f"jax {jax.__version__}: {what} params {sorted(params)} are in a layout jax-rewrite does "
+                          f"not know (it knows jax 0.10's num_consts/num_carry and 0.11+'s ft_in/ft_out); "
+                          f"install a supported jax (see README) or report this version")
+
+
+def scan_counts(params: Any) -> tuple[int, int]:
+    """``(num_consts, num_carry)`` of a scan's params, in either JAX's layout or the rewriter's."""
+    if "num_consts" in params and "num_carry" in params:
+        return int(params["num_consts"]), int(params["num_carry"])
+    ft_in = params.get("ft_in")
+    if _flattree is not None and isinstance(ft_in, _flattree.FlatTree):
+        groups = ft_in.unpack()
+        if len(groups) == 3:
+            return len(groups[0]), len(groups[1])
+    raise _unknown("scan's", params)
+
+
+def scan_counted(params: Any) -> dict:
+    """A scan's params with its input groups as counts (``num_consts``, ``num_carry``), as the rewriter keeps them."""
+    nc, ncarry = scan_counts(params)
+    out = {k: v for k, v in params.items() if k not in ("ft_in", "ft_out")}
+    out["num_consts"], out["num_carry"] = nc, ncarry
+    return out
+
+
+def _jax_scan_layout() -> str:
+    global _SCAN_LAYOUT
+    if _SCAN_LAYOUT is None:
+        params = jax.make_jaxpr(lambda c: jax.lax.scan(lambda c, _: (c, None), c, None, length=1))(0.0).eqns[0].params
+        _SCAN_LAYOUT = "counts" if "num_consts" in params else "flat trees" if "ft_in" in params else ""
+        if not _SCAN_LAYOUT:
+            raise _unknown("scan's", params)
+    return _SCAN_LAYOUT
+
+
+_SCAN_LAYOUT: str | None = None
+
+
+def scan_for_jax(params: dict) -> dict:
+    """A scan's params in the rewriter's layout (counts, ``jaxpr`` final) as the running JAX binds them."""
+    if _jax_scan_layout() == "counts":
+        return params
+    nc, ncarry = scan_counts(params)
+    body = params["jaxpr"]
+    nxs, nys = len(body.in_avals) - nc - ncarry, len(body.out_avals) - ncarry
+    out = {k: v for k, v in params.items() if k not in ("num_consts", "num_carry", "linear", "_split_transpose")}
+    ft = _flattree
+    out["ft_in"] = ft.pack((ft.nones(nc), ft.nones(ncarry), ft.nones(nxs)))
+    # as lax.scan builds it: the ys group is what a mask over the body's outputs kept
+    out["ft_out"] = ft.pack((ft.nones(ncarry), ft.nones(nys).filter_with_mask([True] * nys)))
+    return out

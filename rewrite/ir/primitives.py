@@ -45,7 +45,7 @@ import jax.numpy as jnp
 
 from . import loopstep as _loopstep
 from .scanread import sliced_consts as _sliced_consts
-from .jaxapi import UnspecifiedValue, core
+from .jaxapi import UnspecifiedValue, core, scan_counted, scan_counts, scan_for_jax
 
 #: Families: how the cost model prices a primitive, and whether its params are wildcards in patterns.
 ELEMENTWISE = "elementwise"   # cheap pointwise arithmetic; fuses
@@ -402,7 +402,7 @@ def _scan_load(ld: Any) -> list[Any]:
     p = ld.eqn.params  # _rw_* params are annotations the emitter drops. _rw_order: the body's Params in jaxpr order
     # (a rule adding a carry appends a Param and inserts its index); _rw_sliced: rewrite/ir/scanread.py
     return ld.nested([ld.closed_body(p["jaxpr"])], {"_rw_order": tuple(range(len(p["jaxpr"].in_avals))),
-                                                     "_rw_sliced": _sliced_consts(p["jaxpr"], p.get("num_consts", 0))})
+                     "_rw_sliced": _sliced_consts(p["jaxpr"], scan_counts(p)[0])}, params=scan_counted(p))
 
 
 def _scan_emit(em: Any, params: dict, bodies: list, n_out: int, n_in: int) -> dict:
@@ -411,14 +411,14 @@ def _scan_emit(em: Any, params: dict, bodies: list, n_out: int, n_in: int) -> di
     if params.get("_rw_remat"):
         params["jaxpr"] = em.checkpointed(params["jaxpr"], params["num_carry"], params["num_consts"],
                                           params["_rw_remat"])
-    return params
+    return scan_for_jax(params)
 
 
 def _scan_price(m: Any, n: NodeInfo) -> float:
     # per iteration: the carry and the consts the body reads whole (an LM-head block reads all of W), not those sliced
-    nc, sliced = n.params.get("num_consts", 0), n.params.get("_rw_sliced")
+    (nc, ncarry), sliced = scan_counts(n.params), n.params.get("_rw_sliced")
     sliced = _sliced_consts(n.params["jaxpr"], nc) if sliced is None and "jaxpr" in n.params else sliced or ()
-    moved = n.out_avals[: n.params.get("num_carry", 0)] + tuple(a for i, a in enumerate(n.in_avals[:nc]) if i not in sliced)
+    moved = n.out_avals[:ncarry] + tuple(a for i, a in enumerate(n.in_avals[:nc]) if i not in sliced)
     return n.params.get("length", 1) * (n.body_costs[0] + m.iteration + m.byte * sum(nbytes(a) for a in moved))
 
 

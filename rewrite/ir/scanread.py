@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .jaxapi import core
+from .jaxapi import core, scan_counts
 
 #: Primitives that read only the part of their first operand that they return (the cost model charges a kernel
 #: that reads an array only through them the parts it returns: ``rewrite/cost/fusion.py``).
@@ -28,11 +28,11 @@ def sliced_consts(closed: Any, num_consts: int) -> frozenset[int]:
     for e in jaxpr.eqns:
         inner = e.params.get("_rw_sliced") if e.primitive.name == "scan" else None
         if e.primitive.name == "scan" and inner is None:
-            inner = sliced_consts(e.params["jaxpr"], e.params.get("num_consts", 0))  # none where jax renamed it
+            inner = sliced_consts(e.params["jaxpr"], scan_counts(e.params)[0])
         for i, v in enumerate(e.invars):
             if not isinstance(v, core.Literal) and v in uses:
                 ok = ((e.primitive.name in SLICES and i == 0 and all(u is not v for u in e.invars[1:]))
-                      or (inner is not None and i < e.params.get("num_consts", 0) and i in inner))
+                      or (inner is not None and i < scan_counts(e.params)[0] and i in inner))
                 uses[v] = uses[v] and ok
     uses.update({v: False for v in jaxpr.outvars if not isinstance(v, core.Literal) and v in uses})
     return frozenset(i for i, v in enumerate(jaxpr.invars[:num_consts]) if uses[v])

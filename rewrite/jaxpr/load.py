@@ -211,12 +211,12 @@ class _Loading:
         outs, _ = load_closed(closed, self.args, self.b)
         return outs
 
-    def nested(self, bodies: list[Any], extra: dict[str, Any] | None = None) -> list[Any]:
-        """The node over ``bodies`` (in layout order) and the operands; its params lose the body params
-        and gain ``extra``. Returns one projection per result."""
+    def nested(self, bodies: list[Any], extra: dict[str, Any] | None = None, params: dict | None = None) -> list[Any]:
+        """The node over ``bodies`` (in layout order) and the operands; its params (the equation's, or
+        ``params``) lose the body params and gain ``extra``. Returns one projection per result."""
         eqn, b = self.eqn, self.b
         spec = _primitives.BY_PRIM[eqn.primitive.name]
-        params = {k: v for k, v in eqn.params.items() if k not in spec.body_params}
+        params = {k: v for k, v in (eqn.params if params is None else params).items() if k not in spec.body_params}
         params.update(extra or {})
         pid = PARAMS.intern_params(eqn.primitive, params)
         out_avals = [v.aval for v in eqn.outvars]

@@ -35,6 +35,7 @@ from jax.interpreters import partial_eval as pe
 from jax.sharding import AxisType, use_abstract_mesh
 
 from ..ir.jaxapi import check_vma, core, fun_sourceinfo
+from . import state as _state
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +49,15 @@ class Traced:
     captured: tuple[Any, ...] = dataclasses.field(default=(), compare=False)
     #: how many such inputs the program has (kept where the values themselves are not: in the cache)
     captured_count: int = 0
+    #: the outputs are ``(result, state.Updates)``: the new values of the nnx Variables the call replaced
+    carries_state: bool = False
+
+    @property
+    def jitted(self) -> bool:
+        """Is the whole program one ``jit`` call (``jax.jit``, ``eqx.filter_jit``, ``nnx.jit`` of the
+        function)? The rewriter sees through it; the rewritten program is then run under ``jit`` too."""
+        eqns = self.closed.jaxpr.eqns
+        return len(eqns) == 1 and eqns[0].primitive.name in ("jit", "pjit")
 
     def outputs(self, values: Sequence[Any]) -> Any:
         """Rebuild the output pytree from the jaxpr's results."""
@@ -133,11 +143,14 @@ class PyScalar:
 
 
 def flatten_args(args: tuple, kwargs: dict, static_argnums: Sequence[int], static_argnames: Sequence[str],
-                 trace_floats: bool = True) -> tuple[list[Any], Any, list[Any], tuple, tuple, tuple]:
+                 trace_floats: bool = True) -> tuple[list[Any], Any, list[Any], tuple, tuple, tuple, tuple]:
     """A call's arguments as the tracer takes them: ``(leaves, in_tree, specs, key, static args, static
-    kwargs)``; ``specs`` and ``key`` as :func:`leaf_specs` makes them. With ``trace_floats``, Python float
-    and complex arguments (not numbers nested in a pytree) are traced (:class:`PyScalar`)."""
+    kwargs, nnx nodes)``; ``specs`` and ``key`` as :func:`leaf_specs` makes them. With ``trace_floats``,
+    Python float and complex arguments (not numbers nested in a pytree) are traced (:class:`PyScalar`).
+    The nnx graph nodes among the dynamic arguments are replaced by their state (``state.lift``), and
+    returned so that the call can write their new state back (``state.apply``)."""
     dyn_args, dyn_kwargs, stat_args, stat_kwargs = split_static(args, kwargs, static_argnums, static_argnames)
+    dyn_args, dyn_kwargs, nodes = _state.lift(dyn_args, dyn_kwargs)
     if trace_floats:
         wrap = lambda v: PyScalar(v) if type(v) in (float, complex) else v  # noqa: E731
         dyn_args, dyn_kwargs = tuple(map(wrap, dyn_args)), {k: wrap(v) for k, v in dyn_kwargs.items()}
@@ -147,7 +160,7 @@ def flatten_args(args: tuple, kwargs: dict, static_argnums: Sequence[int], stati
     specs, key = leaf_specs(leaves, traced)
     key = (in_tree, key, tuple((i, static_key(v)) for i, v in stat_args),
            tuple((k, static_key(v)) for k, v in stat_kwargs))
-    return leaves, in_tree, specs, key, stat_args, stat_kwargs
+    return leaves, in_tree, specs, key, stat_args, stat_kwargs, nodes
 
 
 def resolve_static(fn: Callable[..., Any], static_argnums: Any, static_argnames: Any
@@ -213,9 +226,9 @@ def split_static(args: tuple, kwargs: dict, static_argnums: Sequence[int], stati
     return dyn_args, dyn_kwargs, stat_args, stat_kwargs
 
 
-def aval_key(x: Any) -> Any:
-    aval = jax.typeof(x)
-    return (tuple(aval.shape), str(aval.dtype), bool(getattr(aval, "weak_type", False)),
+def aval_key(aval: Any) -> Any:
+    # the dtype itself, not its name: str(dtype) is a third of a cached call's cost on a model's parameters
+    return (tuple(aval.shape), aval.dtype, bool(getattr(aval, "weak_type", False)),
             getattr(aval, "sharding", None), getattr(aval, "vma", None))
 
 
@@ -226,8 +239,9 @@ def leaf_specs(flat: Sequence[Any], traced: Sequence[bool] = ()) -> tuple[list[A
     key = []
     for i, x in enumerate(flat):
         if is_traced_leaf(x) or (i < len(traced) and traced[i]):
-            specs.append(jax.typeof(x))
-            key.append(aval_key(x))
+            aval = jax.typeof(x)
+            specs.append(aval)
+            key.append(aval_key(aval))
         else:
             s = Static(x)
             specs.append(s)
@@ -241,14 +255,29 @@ def trace(fn: Callable[..., Any], specs: Sequence[Any], in_tree: Any, stat_args:
     out_tree_box: list[Any] = []
     statics = dict(stat_args)
     dynamic = tuple(not isinstance(s, Static) for s in specs)
+    name = getattr(fn, "__name__", "function")
+    carries: list[bool] = []
 
     def flat_fn(*dyn: Any) -> list[Any]:
         it = iter(dyn)
         leaves = [next(it) if d else s.value for s, d in zip(specs, dynamic)]
         dyn_args, dyn_kwargs = jax.tree_util.tree_unflatten(in_tree, leaves)
+        dyn_args, dyn_kwargs, live = _state.enter(dyn_args, dyn_kwargs)
         it_args = iter(dyn_args)
         args = [statics[i] if i in statics else next(it_args) for i in range(n_args)]
-        out = fn(*args, **dyn_kwargs, **dict(stat_kwargs))
+        kwargs = {**dyn_kwargs, **dict(stat_kwargs)}
+        # What the function could change in place, to check afterwards that it did not (state.check_unchanged).
+        seen_leaves, seen_tree = jax.tree_util.tree_flatten((args, kwargs), is_leaf=_state._is_node)
+        untraced = [(v, f"static argument {i}") for i, v in stat_args] + [
+            (v, f"static argument {k!r}") for k, v in stat_kwargs] + [
+            (s.value, f"<{type(s.value).__name__} argument>")
+            for s, d in zip(specs, dynamic) if not d]
+        tracers_before = _state.tracers_in(untraced)
+        out = fn(*args, **kwargs)
+        _state.check_unchanged(name, (args, kwargs), seen_leaves, seen_tree, untraced, tracers_before)
+        if live is not None:
+            out = (out, _state.leave(live, name))
+        carries.append(live is not None)
         out_leaves, out_tree = jax.tree_util.tree_flatten(out)
         out_static = tuple((i, v) for i, v in enumerate(out_leaves) if not is_traced_leaf(v))
         out_tree_box.append((out_tree, out_static))
@@ -259,7 +288,7 @@ def trace(fn: Callable[..., Any], specs: Sequence[Any], in_tree: Any, stat_args:
         closed = jax.make_jaxpr(flat_fn)(*[spec_of(a) for a in avals])
     out_tree, out_static = out_tree_box[-1]
     closed, captured = _capture(closed)
-    return Traced(closed, in_tree, out_tree, dynamic, out_static, captured, len(captured))
+    return Traced(closed, in_tree, out_tree, dynamic, out_static, captured, len(captured), carries[-1])
 
 
 def _capture(closed: core.ClosedJaxpr) -> tuple[core.ClosedJaxpr, tuple[Any, ...]]:

@@ -23,7 +23,7 @@ from ..cost.measure import resolve
 from ..extract.choice import reachable
 from ..ir.jaxapi import core, user_frame
 from ..ir.primitives import nbytes
-from ..jaxpr.emit import check_signature
+from ..jaxpr.emit import check_signature, emit
 from ..jaxpr.trace import CONCRETIZATION_ERRORS, flatten_args, resolve_static, spec_of, trace
 from ..pipeline import Result, run_pipeline
 from ..rules.match import _short
@@ -32,7 +32,7 @@ from ..rules.ruleset import Ruleset, entries_of
 from ..rules.saturate import Limits
 from .diff import unified
 from .dot import to_dot, to_svg
-from .why import builds_loops, declined
+from .why import builds_loops, declined, forced_choice
 
 
 def equations(closed: Any) -> Iterator[core.JaxprEqn]:
@@ -141,6 +141,17 @@ class Report:
         retired = [k for k, st in self.result.stats.items() if getattr(st, "retired", False)]
         return f" ({len(retired)} rule(s) retired in a grown e-graph: {', '.join(retired)})" if retired else ""
 
+    def _slowest(self) -> str:
+        """Which rules took the saturation's time: those stopped at their time share, and the slowest one."""
+        stats = self.result.stats
+        out = [f"rule {k} stopped at its time share after {st.seconds:.1f} s" for k, st in stats.items()
+               if getattr(st, "timed_out", False)]
+        if stats:
+            k, st = max(stats.items(), key=lambda kv: kv[1].seconds)
+            if st.seconds >= 0.01:
+                out.append(f"slowest rule {k} ({st.seconds * 1e3:,.0f} ms, {st.matched} matches)")
+        return "rule time: " + "; ".join(out) if out else ""
+
     def summary(self, verbose: bool = False) -> str:
         """The report's text without the diff. Matches not applied for an ordinary reason (a guard said
         no, a procedure declined, a root already seen, a rule's own replacement) are counted in one line
@@ -154,6 +165,11 @@ class Report:
             f"stopped: {self.stopped}{self._retired()} after {self.iterations} iteration(s), {self.egraph_rows:,} e-graph rows",
             "time: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in self.times.items()),
         ]
+        why = getattr(self.result, "why", "")
+        if why and why != "cheaper":
+            lines.insert(1, f"the rewritten program is used though not predicted cheaper: {_WHY.get(why, why)}")
+        if self._slowest():
+            lines.append(self._slowest())
         if self.fired:
             width = max(len(k) for k in self.fired)
             lines.append("rules fired (nodes they built that the result uses):")
@@ -203,6 +219,34 @@ class Report:
         if rule not in cache:
             cache[rule] = declined(self.result, self.model, rule)
         return cache[rule]
+
+    def forced(self, rule: str) -> core.ClosedJaxpr | None:
+        """The program extraction chose, with ``rule``'s nodes forced in (as :meth:`why` prices it), emitted:
+        a candidate that was built and not chosen, to run or time beside :attr:`result`'s ``after``
+        (``benchmarks/decisions.py`` does). ``None`` if the rule built nothing, its nodes cannot stand in
+        the chosen program alone, or the program has effects. With ``grad=True`` both are the joint
+        program ``(primals, cotangents) -> (outputs, gradients)``, unsplit.
+
+        >>> import jax.numpy as jnp
+        >>> from rewrite import explain, rule, Ruleset
+        >>> rs = Ruleset("mine", [rule(lambda x: jnp.exp(x) * jnp.exp(x), lambda x: jnp.exp(x + x), name="exp_sum")])
+        >>> report = explain(lambda x: jnp.exp(x) * jnp.exp(x), jnp.ones(3), rulesets=[rs])
+        >>> str(report.forced("exp_sum")).count("exp")
+        1
+        """
+        result = self.result
+        if self.model is None or result.before.jaxpr.effects:
+            return None
+        made = forced_choice(result, self.model, rule)
+        if made is None:
+            return None
+        _, choice, _ = made
+        try:
+            out = emit(result.snapshot, choice, result.egraph, result.before.in_avals, list(result.roots), None,
+                       result.before.jaxpr.debug_info)
+        except Exception:  # its nodes reach each other through other rules' nodes: no program holds them alone
+            return None
+        return out
 
     def declined(self) -> list[Any]:
         """:meth:`why` for every rule that fired, built a loop, and has nothing in the result."""
@@ -292,6 +336,16 @@ def provenance(result: Result) -> dict[str, int]:
     return dict(used)
 
 
+#: what ``Result.why`` means, for a program used though not predicted cheaper (rewrite/pipeline.py)
+_WHY = {
+    "preferred": "preferred rules forced their forms (listed below), which cost more here",
+    "leaner": "it is priced within the model's lean_band of the cheapest and predicted to hold less memory",
+    "memory budget": "the input program is over the model's memory_budget",
+    "measured": "cost_model='measure' timed it faster",
+    "unexplained": "no reason recorded (please report this)",
+}
+
+
 def explain(fn: Any, *args: Any, rulesets: Any = (), cost_model: Any = None, limits: Limits | None = None,
             static_argnums: Sequence[int] = (), static_argnames: Sequence[str] = (), grad: bool = False,
             **kwargs: Any) -> Report:
@@ -323,7 +377,8 @@ def explain(fn: Any, *args: Any, rulesets: Any = (), cost_model: Any = None, lim
         # What jax.grad of rewrite(fn) runs: the VJP of the rewritten forward program, rewritten.
         if not (isinstance(fn, Rewritten) and not rulesets):
             fn = Rewritten(fn, rulesets, cost_model, limits, static_argnums, static_argnames, strict=None)
-        gradient = fn.grad_result(*args, **kwargs)
+        # its e-graph is kept for the provenance below, unless jax.grad built this signature's VJP first
+        gradient = fn._signature(args, kwargs).vjp(keep=True)
         if gradient is None:
             raise RuntimeError("the VJP was not rewritten (see the RewriteWarning)")
         entries = fn.entries
@@ -365,10 +420,10 @@ def _trace(fn: Any, args: tuple, kwargs: dict, static_argnums: Sequence[int], st
     static_argnums, static_argnames = resolve_static(fn, static_argnums, static_argnames)
     t = time.perf_counter()
     try:
-        _, in_tree, specs, _, stat_args, stat_kwargs = flatten_args(args, kwargs, static_argnums, static_argnames)
+        _, in_tree, specs, _, stat_args, stat_kwargs, _ = flatten_args(args, kwargs, static_argnums, static_argnames)
         traced = trace(fn, specs, in_tree, stat_args, stat_kwargs, len(args))
     except CONCRETIZATION_ERRORS:  # a float argument steers control flow: static, as ``rewrite`` keeps it then
-        _, in_tree, specs, _, stat_args, stat_kwargs = flatten_args(args, kwargs, static_argnums, static_argnames,
+        _, in_tree, specs, _, stat_args, stat_kwargs, _ = flatten_args(args, kwargs, static_argnums, static_argnames,
                                                                     trace_floats=False)
         t = time.perf_counter()
         traced = trace(fn, specs, in_tree, stat_args, stat_kwargs, len(args))

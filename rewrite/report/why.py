@@ -71,8 +71,10 @@ def builds_loops(result: Any, rule: str) -> bool:
                for ctor, _ in built_nodes(result, rule).values())
 
 
-def declined(result: Any, model: Any, rule: str) -> Declined | None:
-    """The price of the result with ``rule``'s nodes forced in; ``None`` if the rule built nothing."""
+def forced_choice(result: Any, model: Any, rule: str) -> tuple[Extractor, dict, dict] | None:
+    """The chosen program with ``rule``'s nodes forced in: ``(extractor, choice, the forced nodes)``, the
+    choice a node per class (the rule's where it built one, else as chosen, else the cheapest); ``None``
+    if the rule built nothing or the result kept no e-graph."""
     if result.egraph is None or result.choice is None:
         return None
     forced = built_nodes(result, rule)
@@ -80,9 +82,16 @@ def declined(result: Any, model: Any, rule: str) -> Declined | None:
         return None
     ex = Extractor(result.snapshot, model)
     _, tree = ex.tree()
+    return ex, {**tree, **dict(result.choice), **forced}, forced
+
+
+def declined(result: Any, model: Any, rule: str) -> Declined | None:
+    """The price of the result with ``rule``'s nodes forced in; ``None`` if the rule built nothing."""
+    made = forced_choice(result, model, rule)
+    if made is None:
+        return None
+    ex, alt, forced = made
     kept = dict(result.choice)
-    base = {**tree, **kept}
-    alt = {**base, **forced}
     roots = list(result.roots)
     if _cyclic(ex, alt, roots):
         return Declined(rule, 0.0, 0.0, [], note="its nodes cannot be put in the chosen program alone "

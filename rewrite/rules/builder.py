@@ -11,7 +11,9 @@ build are kept for the process (:func:`_trace_key`).
 from __future__ import annotations
 
 import functools
+import math
 import threading
+import time
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -29,6 +31,10 @@ from ..jaxpr.trace import trace_at
 from .match import Body, Node, Value
 
 
+class OutOfTime(Exception):
+    """A rule ran past its deadline (its time share, or the run's time limit); the engine stops it there."""
+
+
 class Builder:
     """What a match reads of the e-graph and builds in it: the views of one snapshot, and new terms.
 
@@ -40,6 +46,9 @@ class Builder:
     def __init__(self, egraph: EGraph) -> None:
         self.egraph = egraph
         self.reads: set | None = None  # while a procedure runs: the classes it read (Engine watches them)
+        #: ``time.perf_counter()`` past which the running rule must stop (Engine sets it per match: the
+        #: rule's time share or the run's time limit, whichever comes first)
+        self.deadline = math.inf
         self.snapshot = None  # type: ignore[assignment]  # (also empties the per-snapshot caches)
 
     @property
@@ -180,7 +189,13 @@ class Builder:
         fn.uses = tuple(v in read for v in closed.jaxpr.invars)  # type: ignore[attr-defined]
         return fn
 
+    def check_time(self) -> None:
+        """Raise :class:`OutOfTime` once the running rule's deadline has passed."""
+        if time.perf_counter() > self.deadline:
+            raise OutOfTime
+
     def insert_traced(self, fn: Callable[..., Any], inputs: Sequence[Value]) -> Any:
+        self.check_time()  # every procedure builds through here: a long one stops at its next build
         avals = [v.aval for v in inputs]
         key = _trace_key(fn, avals)
         closed = _TRACES.get(key) if key is not None else None

@@ -9,6 +9,7 @@ replacement terms by calling back into the saturation's builder
 from __future__ import annotations
 
 import functools
+import time
 from typing import Any, Callable, Sequence
 
 import jax.numpy as jnp
@@ -116,6 +117,18 @@ class Product:
 
 
 def _short(aval: Any) -> str:
+    try:
+        return _short_cached(aval)
+    except TypeError:  # an aval that cannot be hashed
+        return _short_uncached(aval)
+
+
+@functools.lru_cache(maxsize=4096)
+def _short_cached(aval: Any) -> str:
+    return _short_uncached(aval)
+
+
+def _short_uncached(aval: Any) -> str:
     s = aval.str_short(short_dtypes=True) if hasattr(aval, "str_short") else str(aval)
     return s + (" (weak)" if getattr(aval, "weak_type", False) else "")
 
@@ -390,6 +403,17 @@ class Match:
     @property
     def engine(self) -> Any:
         return self._engine
+
+    @property
+    def time_left(self) -> float:
+        """Seconds this rule may still run: its share of the saturation's time limit, or what is left of the
+        limit, whichever is less (``Limits.seconds``, ``Limits.rule_share``). Every :meth:`trace` checks it."""
+        return self._engine.deadline - time.perf_counter()
+
+    def check_time(self) -> None:
+        """Stop here if the rule's time is up: a long procedure calls it in its loops. What the procedure
+        built so far stays in the e-graph; the match is declined and the rule runs no more in this rewrite."""
+        self._engine.check_time()
 
     def trace(self, fn: Callable[..., Any], *inputs: Value) -> Any:
         """Insert ``fn(*inputs)``, traced at the inputs' avals; returns its result term(s)."""

@@ -23,6 +23,7 @@ or, when it needs the e-graph itself (users of a class, a loop body), a
 
 from __future__ import annotations
 
+import collections
 import functools
 import inspect
 import itertools
@@ -189,6 +190,12 @@ class _NamedGuard:
         return bool(self.fn(**self.bindings.values(m)))
 
 
+#: How many avals' traces of its two sides a rule keeps (:meth:`Rule.traced`). Rules live as long as
+#: the process, and each new input shape a rule matches at adds one: an elementwise rule's come from
+#: its one-shape traces (``_elementwise``), so these are the others', a few kilobytes each.
+TRACED_KEEP = 256
+
+
 class Rule:
     """One named rewrite. Build it with :func:`rule`.
 
@@ -230,7 +237,8 @@ class Rule:
         self.check_inputs: dict[str, Callable[[Any], Any]] = {}
         #: The replacement is preferred whatever it costs: the matched form is barred where it fired.
         self.prefer = False
-        self._traced: dict[tuple, Any] = {}
+        #: both sides traced per avals, the :data:`TRACED_KEEP` used last (a new input shape adds some)
+        self._traced: collections.OrderedDict[tuple, Any] = collections.OrderedDict()
         #: elementwise sides traced at one shape, by the inputs' dtypes (see :meth:`traced`)
         self._elementwise: dict[tuple, tuple] = {}
 
@@ -253,7 +261,12 @@ class Rule:
         at every position, so two that agree at one shape agree at all.
         """
         found = self._traced.get(avals)
-        if found is None:
+        if found is not None:
+            try:
+                self._traced.move_to_end(avals)
+            except KeyError:  # another thread's rewrite let it go meanwhile
+                pass
+        else:
             shape = _one_shape(avals)
             dtypes = tuple((a.dtype, bool(a.weak_type)) for a in avals) if shape is not None else None
             seen = self._elementwise.get(dtypes) if dtypes is not None else None
@@ -265,11 +278,13 @@ class Rule:
                     rhs = None if self.is_procedural else trace_at(self.rhs, avals)
                     found = (lhs, rhs)
                 except Exception as e:  # a rule need not apply at every shape
-                    found = e
+                    found = e.with_traceback(None)  # its frames would keep the failed trace's values alive
                 else:
                     if dtypes is not None and all(side is None or _elementwise_at(side, shape) for side in found):
                         self._elementwise[dtypes] = found
             self._traced[avals] = found
+            if len(self._traced) > TRACED_KEEP:
+                self._traced.popitem(last=False)
         if isinstance(found, Exception):
             raise found
         return found

@@ -121,6 +121,33 @@ class Ruleset:
         dups = sorted({n for n in names if names.count(n) > 1})
         if dups:
             raise ValueError(f"ruleset {name!r}: rule name {dups[0]!r} appears twice")
+        # help(ruleset) and its __doc__ describe this ruleset, not the class: docs point users at help(pack)
+        self.__doc__ = self.describe()
+
+    def describe(self, text: str = "") -> str:
+        """What ``help()`` shows for this ruleset: its soundness class and description, ``text`` (a
+        built-in pack's module page), its parts and their rules by name, and how rulesets are used.
+
+        >>> from rewrite import rule, Ruleset
+        >>> print(Ruleset("a", [rule(lambda x: -(-x), lambda x: x, name="negneg")], description="signs").describe())
+        Ruleset 'a' (exact, 1 rule): signs
+        <BLANKLINE>
+        rules: negneg
+        <BLANKLINE>
+        Pass it as rewrite(f, rulesets=[...]); see help(rewrite.Ruleset) for what a ruleset is.
+        """
+        n = len(self.entries())
+        head = f"Ruleset {self.name!r} ({self.soundness}, {n} rule{'s' if n != 1 else ''})"
+        lines = [f"{head}: {self.description}" if self.description else head]
+        if text.strip():
+            lines.append(text.strip())
+        if self.rules:
+            lines.append("rules: " + ", ".join(r.name for r in self.rules))
+        for p in self.parts:
+            what = f" ({p.description})" if p.description else ""
+            lines.append(f"part {p.name!r}{what}: " + ", ".join(r.name for r, _ in p.entries()))
+        lines.append("Pass it as rewrite(f, rulesets=[...]); see help(rewrite.Ruleset) for what a ruleset is.")
+        return "\n\n".join(lines)
 
     def entries(self) -> list[tuple[Rule, "Ruleset"]]:
         """Every rule with the ruleset that gives its soundness class, depth first, without duplicates."""

@@ -31,7 +31,7 @@ from typing import Any, Sequence
 from ..ir.egraph import EGraph, Snapshot
 from ..ir.intern import TYPES
 from ..jaxpr.load import Unsupported, load_closed
-from .builder import Builder
+from .builder import Builder, OutOfTime
 from .match import Match, _short
 from .pattern import commuted, present
 from .prefer import Barred, lhs_ctors
@@ -73,6 +73,10 @@ class Limits:
     #: (commutativity, associativity, and what merges and splits along them), whose matches grow
     #: exponentially while the rewrites worth having were found early (benchmarks/growth.py).
     growth: float = 16.0
+    #: the share of ``seconds`` one rule may spend in all: a rule past it stops at once (a procedure at its next
+    #: build or ``Match.check_time``), keeps what it built, fires no more in this rewrite, and is reported
+    #: (``RuleStats.timed_out``, a :class:`RewriteLimitWarning`). One rule cannot take the whole budget.
+    rule_share: float = 0.25
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -88,7 +92,7 @@ class Limits:
         3
         >>> Limits.of({"iteration": 3})
         Traceback (most recent call last):
-        TypeError: limits=: Limits has no field 'iteration'; its fields are iterations, nodes, seconds, matches, ban, growth
+        TypeError: limits=: Limits has no field 'iteration'; its fields are iterations, nodes, seconds, matches, ban, growth, rule_share
         """
         if limits is None:
             return cls()
@@ -112,6 +116,8 @@ class RuleStats:
     #: retired for the rest of the run for outrunning its allowance in a grown e-graph (``Limits.growth``)
     retired: bool = False
     seconds: float = 0.0
+    #: stopped for the rest of the run for spending its time share (``Limits.rule_share``)
+    timed_out: bool = False
     examples: list[tuple[Any, Any]] = dataclasses.field(default_factory=list)  # (avals, root source)
 
 
@@ -199,6 +205,8 @@ class Engine:
         self.warnings: list[str] = []
         #: The unions made by preferred rules (rule(..., prefer=True)), barred before extraction.
         self.preferred: list[Barred] = []
+        #: Per preferred rule, a name of each class it rewrote (``_own_replacement`` reads them).
+        self._rewrote: dict[str, list[int]] = {}
         #: Declined matches of procedural rules, by a name of each class they read: (node count, facts
         #: absent then, entries). A match is acted on again when one of those classes gains a node or a
         #: fact (a factor folded into a literal, say), not only when a new match appears.
@@ -238,6 +246,8 @@ class Engine:
     def _run(self) -> str:
         start = time.perf_counter()
         limits = self.limits
+        end = start + limits.seconds
+        share = limits.seconds * limits.rule_share
         if not self.active:
             self.snapshot = self.egraph.snapshot()
             return "saturated"
@@ -283,18 +293,37 @@ class Engine:
                     log.debug("rule %r banned until iteration %d (%d new matches)", act.rule.name, act.banned_until, len(new))
                     waiting = True
                     continue
+                stats = self.stats[act.rule.name]
                 t = time.perf_counter()
                 for rel, binds, inputs in new + retry:
                     if rel is not None and act.symmetries and self._mirrored(act, inputs):
                         act.seen.add((rel, tuple(inputs)))  # its mirror image was acted on: the same program
                         continue
-                    if self._apply(act, binds, inputs) and rel is not None:  # (a retried match is seen already)
-                        act.seen.add((rel, tuple(inputs)))
-                    if time.perf_counter() - start > limits.seconds:
-                        self.stats[act.rule.name].seconds += time.perf_counter() - t
+                    now = time.perf_counter()
+                    self.builder.deadline = min(end, now + share - stats.seconds - (now - t))
+                    try:
+                        if self._apply(act, binds, inputs) and rel is not None:  # (a retried match is seen already)
+                            act.seen.add((rel, tuple(inputs)))
+                    except OutOfTime:
+                        stats.rejected["out of time"] += 1
+                    finally:
+                        self.builder.deadline = float("inf")
+                    now = time.perf_counter()
+                    if stats.seconds + (now - t) > share:
+                        # Past its share (a procedure cut off mid-way, or many matches): what it built stays.
+                        act.last = it
+                        stats.timed_out = True
+                        log.debug("rule %r stopped at iteration %d: past its time share (%.3f s)",
+                                  act.rule.name, it, share)
+                        break
+                    if now > end:
+                        stats.seconds += now - t
                         self.egraph.flush()
                         return "time limit"
-                self.stats[act.rule.name].seconds += time.perf_counter() - t
+                stats.seconds += time.perf_counter() - t
+                if time.perf_counter() > end:
+                    self.egraph.flush()
+                    return "time limit"
             changed = self.egraph.flush()
             if not changed and not waiting:
                 self.snapshot = self.egraph.snapshot()
@@ -387,14 +416,14 @@ class Engine:
             if rule.is_pat and rule.when is not None and not rule.when(m):
                 stats.rejected["guard"] += 1
                 return True
-        except Unsupported:
+        except (Unsupported, OutOfTime):
             raise
         except Exception as e:
             self._raised(rule, stats, e, "its guard")
             return True
         try:
             result = rule.rhs(m)
-        except Unsupported:
+        except (Unsupported, OutOfTime):
             raise
         except Exception as e:
             self._raised(rule, stats, e)
@@ -408,12 +437,21 @@ class Engine:
         return True
 
     def _own_replacement(self, rule: Rule, root: Any, vals: Sequence[Any], binds: list[tuple[str, str]]) -> bool:
-        """Does this match read a term that ``rule`` built (its root, or a bound term: a class whose oldest
-        name the rule made)?"""
+        """Does this match lie inside a replacement that ``rule`` built?
+
+        Either its root is a class the rule made (the replacement holds a match below its top), or it
+        binds a term the rule made *at a class the rule already rewrote* (the replacement's top is itself
+        a match, over a new operand). A bound term the rule made is not enough alone: another rule's
+        replacement may share it (``1 - sigmoid(z) -> sigmoid(-z)`` reuses the ``-z`` that
+        ``log(sigmoid(z)) -> -softplus(-z)`` built), and that second match is independent."""
         snap, made_by = self.snapshot, self.egraph.vorigin
+        if made_by[snap.name(root)] == rule.name:
+            return True
         sorts = [s for _, s in binds] if rule.is_pat else ["Term"] * len(vals)
-        classes = [root] + [v for v, s in zip(vals, sorts) if s == "Term"]
-        return any(made_by[snap.name(c)] == rule.name for c in classes)
+        if not any(made_by[snap.name(v)] == rule.name for v, s in zip(vals, sorts) if s == "Term"):
+            return False
+        known = snap.cls_of_name
+        return any(n < len(known) and known[n] == root for n in self._rewrote.get(rule.name, ()))
 
     def _raised(self, rule: Rule, stats: RuleStats, e: Exception, part: str = "") -> None:
         """A rule (or its guard) raised at a match: the match is skipped, and the run's warnings say so
@@ -448,6 +486,7 @@ class Engine:
         stats.fired += 1
         if rule.prefer:
             self.preferred.append(Barred(rule.name, root_name, lhs_ctors(rule, lhs), out))
+            self._rewrote.setdefault(rule.name, []).append(root_name)
         if avals is not None and len(stats.examples) < 3:
             stats.examples.append((avals, self.egraph.vsource[root_name]))
 

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..ir.jaxapi import core
+from ..ir.jaxapi import core, scan_counts
 from ._magnitude import _CALLS, _bind, interpret
 from ._strategies import _is_complex, _is_float
 
@@ -140,7 +140,7 @@ def _run_written(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> list
 def _written_step(eqn: Any, ins: list[Any]) -> list[Any]:
     name, p = eqn.primitive.name, eqn.params
     if name == "scan":
-        body, nc, ncarry = p["jaxpr"], p["num_consts"], p["num_carry"]
+        body, (nc, ncarry) = p["jaxpr"], scan_counts(p)
         consts, carry, xs = ins[:nc], ins[nc:nc + ncarry], ins[nc + ncarry:]
         steps = range(p["length"] - 1, -1, -1) if p["reverse"] else range(p["length"])
         ys: dict[int, list[Any]] = {}

@@ -212,7 +212,7 @@ def _cases() -> list[Case]:
         lambda: (bn.lm_one_hot, _lm(), nn_pack(), {"outer": jax.value_and_grad}))
     add("nn", "lm_rewrite_value_and_grad", "benchmarks.nn: rewrite(jax.value_and_grad(lm_one_hot)) at N=32, V=512",
         lambda: (jax.value_and_grad(bn.lm_one_hot), _lm(), nn_pack(), {}))
-    for name in ("jax_nn", "mlp_loss", "attention"):
+    for name in ("jax_nn", "mlp_loss", "attention", "binary_cross_entropy"):
         add("nn", f"corpus_{name}", f"tests.corpus: {name}", lambda n=name: (*_corpus(n), nn_pack(), {}))
 
     # linalg: programs with products (the transformer's attention and MLP, the corpus's) and the benchmark's own.

@@ -1,0 +1,721 @@
+"""The decision corpus: the cost model's choices between two programs, checked against the clock.
+
+A *decision* is one choice the model makes between two programs that compute the same thing:
+
+* ``chosen``: a rewrite's result against the program as written (``explain``'s ``before`` and ``after``);
+* ``declined``: the program the rewrite chose against the same program with a rule's nodes forced in, for
+  every loop rewrite that ``explain`` lists as built and not chosen (:meth:`rewrite.Report.forced`);
+* ``block``: attention with one key block offered alone, against the program as written;
+* ``hand``: the program as written against the benchmarks' own hand-written form, each priced as
+  extraction prices an input program: what the model would choose if a rule built it.
+
+The programs are the benchmarks' own builders: the seeds (``derivatives.py``, ``scan.py``), every pack's cases
+(``nn.py``, ``linalg.py``, ``loops.py``, ``lm_head.py``, ``attention.py``), the transformer of
+``programs.py`` and the ecosystem suite (``ecosystem.py``), rewritten with every built-in pack but
+``fastmath``. For each pair the model's predicted ratio (price of the first over the second, a call's fixed
+cost included: above 1 means the model prefers the second) is set beside the measured one: one process,
+interleaved rounds after a warm-up with an A/A control (``benchmarks/harness.py``), and the temp memory
+XLA allocates (``memory_analysis``). A pair is on the wrong side when the model prefers a program measured
+at least 10% slower, or declines one measured at least 10% faster, by more than the A/A control moved.
+
+``--write`` writes ``benchmarks/results/decisions.md`` and ``.json``, and the golden decisions
+``tests/golden/decisions.json``: each case's choice under the fixed table ``tests/golden/cost_table.json``
+with the ratio measured for it, which ``tests/test_decisions.py`` holds every change to. ``--lock`` holds the
+benchmark lock while cases are timed (``--chunk`` at a time), not while they are rewritten::
+
+    python -m benchmarks.decisions --lock /tmp/bench.lock --write            # every case, about half an hour
+    python -m benchmarks.decisions --lock /tmp/bench.lock --quick            # a few minutes, nothing written
+    python -m benchmarks.decisions --lock /tmp/bench.lock --write --cases lm_head_loss_small,seed000_vjp_T64
+
+With ``--cases`` and ``--write`` only those cases are measured again; the other cases' records are kept.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import datetime
+import functools
+import importlib
+import json
+import math
+import os
+import pathlib
+import platform
+import sys
+import warnings
+from typing import Any, Callable, Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks import harness
+
+RESULTS = pathlib.Path(__file__).parent / "results"
+GOLDEN = pathlib.Path(__file__).parent.parent / "tests" / "golden" / "decisions.json"
+#: the records of a run so far, one case at a time, so that a run stopped part-way can ``--resume``
+PARTIAL = RESULTS / "decisions.partial.json"
+#: every built-in pack but fastmath, as a user who takes the exact packs gets them
+PACKS = ("algebra", "derivatives", "scan", "linalg", "nn", "attention")
+#: how far a measured ratio must be on the other side of 1 for a decision to count as wrong (beyond the A/A)
+MARGIN = 0.10
+REGENERATE = "python -m benchmarks.decisions --lock /tmp/bench.lock --write --cases {cases}"
+
+
+def packs() -> list:
+    import rulesets
+
+    return [getattr(rulesets, p) for p in PACKS]
+
+
+# ---------------------------------------------------------------------------------------------- the corpus
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One program and how its decisions are made.
+
+    ``build()`` returns ``(fn, args)`` (``args`` a tuple of pytrees). ``mode`` is ``"forward"`` (``rewrite(fn)``),
+    ``"grad"`` (the program ``jax.grad(rewrite(fn))`` runs: ``explain(..., grad=True)``), or ``"hand"``: then
+    ``hand(fn)`` is the hand-written form it is compared with. ``blocks``: attention's key blocks, each
+    offered alone as a ``block`` pair. ``quick``: part of ``--quick``.
+    """
+
+    name: str
+    source: str
+    build: Callable[[], tuple[Callable, tuple]]
+    mode: str = "forward"
+    hand: Callable[[], Callable] | None = None
+    blocks: tuple[int, ...] = ()
+    quick: bool = False
+
+
+def _flat(fn: Callable, args: tuple) -> tuple[Callable, list]:
+    from benchmarks.ecosystem import _flat as flat
+
+    return flat(fn, args)
+
+
+def _cases() -> list[Case]:
+    from benchmarks import attention as ba
+    from benchmarks import derivatives as bd
+    from benchmarks import ecosystem as be
+    from benchmarks import linalg as bl
+    from benchmarks import lm_head as bh
+    from benchmarks import loops as bo
+    from benchmarks import nn as bn
+    from benchmarks import programs as bp
+    from benchmarks import scan as bs
+
+    out: list[Case] = []
+    add = lambda *a, **k: out.append(Case(*a, **k))  # noqa: E731
+
+    # seed 000 (derivatives.py): the VJP that jax.vjp(rewrite(f)) runs, its forward, and the hand-derived VJPs
+    for T in (64, 512):
+        add(f"seed000_vjp_T{T}", f"benchmarks.derivatives.seed, jax.vjp(rewrite(seed)) at T={T}",
+            lambda T=T: (bd.seed, bd.inputs(T)[:2]), "grad", quick=T == 64)
+        for hand, hfn in bd.SEED_HANDS.items():
+            add(f"seed000_{hand}_T{T}", f"benchmarks.derivatives: JAX's VJP of seed against {hand} at T={T}",
+                lambda T=T: (bd.as_vjp(bd.seed), bd.inputs(T)), "hand", hand=lambda h=hfn: bd.as_vjp(h),
+                quick=T == 64)
+    add("seed000_forward_T512", "benchmarks.derivatives.seed at T=512", lambda: (bd.seed, bd.inputs(512)[:2]))
+    for name in ("ising", "softplus"):
+        add(f"{name}_vjp_T256", f"benchmarks.derivatives.{name}, jax.vjp(rewrite({name})) at T=256",
+            lambda n=name: (getattr(bd, n), bd.inputs(256)[:2]), "grad")
+        add(f"{name}_hand_T256", f"benchmarks.derivatives: JAX's VJP of {name} against {name}_hand at T=256",
+            lambda n=name: (bd.as_vjp(getattr(bd, n)), bd.inputs(256)), "hand",
+            hand=lambda n=name: bd.as_vjp(getattr(bd, f"{n}_hand")))
+
+    # seed 001 and the RNN (scan.py)
+    seed_args = lambda: bs.seed_case((10, 5, 8), (64, 256, 128))[0]  # noqa: E731
+    add("scan_seed", "benchmarks.scan.seed at xs (64, 256, 128)", lambda: (bs.seed, seed_args()), quick=True)
+    add("scan_seed_grad", "benchmarks.scan.seed, jax.grad(rewrite(seed)) at xs (64, 256, 128)",
+        lambda: (bs.seed, seed_args()), "grad")
+    for hand in ("accumulator", "vectorised"):
+        add(f"scan_seed_hand_{hand}", f"benchmarks.scan: seed against seed_{hand}", lambda: (bs.seed, seed_args()),
+            "hand", hand=lambda h=hand: getattr(bs, f"seed_{h}"))
+    add("scan_rnn64", "benchmarks.scan.rnn_mse at batch 64", lambda: (bs.rnn_mse, bs.rnn_params(64)), quick=True)
+    add("scan_rnn64_grad", "benchmarks.scan.rnn_mse, jax.grad(rewrite(rnn_mse)) at batch 64",
+        lambda: (bs.rnn_mse, bs.rnn_params(64)), "grad")
+    add("scan_rnn64_hand", "benchmarks.scan: rnn_mse against rnn_accumulator at batch 64",
+        lambda: (bs.rnn_mse, bs.rnn_params(64)), "hand", hand=lambda: bs.rnn_accumulator)
+
+    # loops.py: library loops and a fori_loop buffer, forward, gradient and the hand-written accumulators
+    for name, make in bo.CASES.items():
+        def built(make=make):
+            args, vs = make()
+            return vs["standard"], args
+        add(f"loops_{name}", f"benchmarks.loops.{name}_case", built, quick=name == "fori")
+        if name in bo.GRAD:
+            add(f"loops_{name}_grad", f"benchmarks.loops.{name}_case, jax.grad(rewrite(loss))", built, "grad")
+        add(f"loops_{name}_hand", f"benchmarks.loops.{name}_case: standard against hand-written", built, "hand",
+            hand=lambda make=make: make()[1]["hand-written"])
+
+    # nn.py: the one-hot language-model loss and the flax classifier's training step
+    def lm_args(n: int = 512, v: int = 8000) -> tuple:
+        k1, k2 = jax.random.split(jax.random.PRNGKey(0))
+        return jax.random.normal(k1, (n, v), jnp.float32), jax.random.randint(k2, (n,), 0, v)
+
+    add("nn_lm_one_hot", "benchmarks.nn.lm_one_hot at N=512, V=8000", lambda: (bn.lm_one_hot, lm_args()), quick=True)
+    add("nn_lm_one_hot_grad", "benchmarks.nn.lm_one_hot, jax.grad(rewrite(...)) at N=512, V=8000",
+        lambda: (bn.lm_one_hot, lm_args()), "grad")
+    add("nn_lm_one_hot_value_and_grad_program", "benchmarks.nn: rewrite(jax.value_and_grad(lm_one_hot))",
+        lambda: (jax.value_and_grad(bn.lm_one_hot), lm_args()))
+    add("nn_lm_hand_integer", "benchmarks.nn: lm_one_hot against lm_integer", lambda: (bn.lm_one_hot, lm_args()),
+        "hand", hand=lambda: bn.lm_integer)
+
+    def mlp_step() -> tuple:
+        [(_, vs, args)] = bn.mlp_cases(10)
+        return vs["one_hot"], args
+
+    add("nn_flax_mlp_step", "benchmarks.nn.mlp_cases(10): the training step rewritten whole", mlp_step)
+
+    # lm_head.py: the LM head's loss and gradient, at a small size and at the issue's
+    for label, (n, c, v), quick in (("small", (512, 256, 8192), True), ("issue", (2048, 512, 32768), False)):
+        built = lambda n=n, c=c, v=v: (bh.loss, tuple(bh.args_at(n, c, v)))  # noqa: E731
+        add(f"lm_head_loss_{label}", f"benchmarks.lm_head.loss at N={n}, C={c}, V={v}", built, quick=quick)
+        if label == "issue":  # a second at a call here: its gradient and the hand-written form at the small size only
+            continue
+        add(f"lm_head_grad_{label}", f"benchmarks.lm_head.loss, jax.grad(rewrite(loss)) at N={n}, C={c}, V={v}",
+            built, "grad")
+        add(f"lm_head_hand_chunked_{label}", f"benchmarks.lm_head: loss against chunked at N={n}, C={c}, V={v}",
+            built, "hand", hand=lambda: bh.chunked)
+
+    def bf16_head() -> tuple:
+        k = jax.random.split(jax.random.PRNGKey(0), 3)
+        h = jax.random.normal(k[0], (512, 256), jnp.bfloat16)
+        w = (jax.random.normal(k[1], (256, 8192), jnp.float32) / 16).astype(jnp.bfloat16)
+        y = jax.random.randint(k[2], (512,), 0, 8192)
+
+        def loss(h, w, y):
+            z = jax.nn.log_softmax(h @ w, axis=-1)
+            return -jnp.take_along_axis(z, y[:, None], axis=-1).mean()
+        return loss, (h, w, y)
+
+    add("lm_head_bf16_grad", "log_softmax + take_along_axis in bfloat16, jax.grad(rewrite(loss)), N=512 C=256 V=8192",
+        bf16_head, "grad")
+
+    # attention.py: plain attention, flax's, a library layer; each key block alone; the hand-written forms
+    for n, quick in ((1024, True), (2048, False)):
+        qkv = lambda n=n: (ba.plain, tuple(ba.qkv_args("plain", n)))  # noqa: E731
+        add(f"attention_plain_N{n}", f"benchmarks.attention.plain at N={n}", qkv, blocks=(256, 512, 1024) if n == 2048
+            else (256, 512), quick=quick)
+        add(f"attention_plain_hand_chunked_N{n}", f"benchmarks.attention: plain against chunked at N={n}", qkv, "hand",
+            hand=lambda: ba.chunked)
+        add(f"attention_plain_hand_dpa_xla_N{n}", f"benchmarks.attention: plain against dot_product_attention(xla) "
+            f"at N={n}", qkv, "hand", hand=lambda: ba.dpa_xla_bhnd)
+    add("attention_plain_grad_N1024", "benchmarks.attention.plain, jax.grad(rewrite(plain)) at N=1024",
+        lambda: (ba.plain, tuple(ba.qkv_args("plain", 1024))), "grad")
+    add("attention_flax_dpa_N1024", "benchmarks.attention.flax_dpa at N=1024",
+        lambda: (ba.flax_dpa, tuple(ba.qkv_args("flax", 1024))))
+    add("attention_flax_mha_N1024", "benchmarks.attention.layers(1024)['flax_mha']",
+        lambda: (lambda f, x: (f, (x,)))(*ba.layers(1024)["flax_mha"]))
+
+    # linalg.py: the product programs, rewritten, and against the best order written by hand
+    def linalg_programs() -> list:
+        return bl.programs(np.random.default_rng(0))
+
+    for i, (label, written, best, _) in enumerate(linalg_programs()):
+        slug = "_".join(w for w in "".join(ch if ch.isalnum() else " " for ch in label.split(":")[-1].lower()).split())
+        slug = f"{i:02d}_{slug}"
+        built = lambda i=i: (linalg_programs()[i][1], tuple(linalg_programs()[i][3]))  # noqa: E731
+        add(f"linalg_{slug}", f"benchmarks.linalg.programs: {label}", built, quick=i == 0)
+        if best is not written and i == 0:  # elsewhere the rewrite builds the hand-written order itself
+            add(f"linalg_{slug}_hand", f"benchmarks.linalg.programs: {label}, against the best order by hand", built,
+                "hand", hand=lambda i=i: linalg_programs()[i][2])
+
+    # programs.py: the transformer, forward and training step
+    for kind in ("forward", "step"):
+        add(f"transformer_{kind}", f"benchmarks.programs.transformer_step(2, kind={kind!r})",
+            lambda k=kind: bp.transformer_step(2, kind=k))
+
+    # ecosystem.py: every program of the suite
+    for name, prog in be.PROGRAMS.items():
+        add(f"ecosystem_{name}", f"benchmarks.ecosystem: {name} ({prog.library})", prog.build,
+            quick=name in ("flax_classifier_onehot", "numpyro_mixture_logp"))
+    return out
+
+
+@functools.cache
+def cases() -> list[Case]:
+    """Every case of the corpus, built once (building imports every benchmark module)."""
+    return _cases()
+
+
+def select(names: Sequence[str] | None, quick: bool = False) -> list[Case]:
+    """The cases named (a name or a prefix ending in ``*``), or the quick ones, or all."""
+    every = cases()
+    if names:
+        chosen = [c for c in every if any(c.name == n or (n.endswith("*") and c.name.startswith(n[:-1]))
+                                          for n in names)]
+        missing = [n for n in names if not any(c.name == n or (n.endswith("*") and c.name.startswith(n[:-1]))
+                                               for c in every)]
+        if missing:
+            raise SystemExit(f"no case {missing}; the cases are: {', '.join(c.name for c in every)}")
+        return chosen
+    return [c for c in every if c.quick] if quick else every
+
+
+# ---------------------------------------------------------------------------------------------- deciding
+@dataclasses.dataclass
+class Pair:
+    """One decision between two programs: ``first`` (the program as written, or as chosen) and ``second``."""
+
+    case: str
+    name: str           # "chosen", "declined:<rule>", "block:<keys>", "hand"
+    kind: str
+    first: str          # which variant of the case's measurement is the first program
+    second: str
+    predicted: float    # the model's price of first over second, a call's fixed cost included
+    #: the operations whose node prices differ most: (operation, price in first, price in second)
+    drivers: list[tuple[str, float, float]] = dataclasses.field(default_factory=list)
+    predicted_temp: tuple[int, int] = (0, 0)  # the model's predicted peak of temporaries, first and second
+
+    @property
+    def prefers(self) -> str:
+        """Which program the model takes: the second only where it prices it lower."""
+        return "second" if self.predicted > 1.0 else "first"
+
+
+@dataclasses.dataclass
+class Decided:
+    """One case decided: its decision (what a rewrite chose), its pairs, and the programs to time them."""
+
+    case: Case
+    decision: str
+    pairs: list[Pair]
+    variants: dict[str, Callable]  # variant name -> a function of ``args``
+    args: list
+
+
+def _fun(closed: Any) -> Callable:
+    from rewrite.ir.jaxapi import core
+
+    return core.jaxpr_as_fun(closed)
+
+
+def _temp(model: Any, closed: Any) -> int:
+    try:
+        return int(model.predict_temp_bytes(closed))
+    except Exception:
+        return 0
+
+
+@contextlib.contextmanager
+def _blocks(keys: int) -> Iterator[None]:
+    """Attention's rule with one key block offered (``benchmarks.attention.forced_block`` does the same)."""
+    pack = importlib.import_module("rulesets.attention")
+    real = pack.BLOCKS
+    pack.BLOCKS = (keys,)
+    try:
+        yield
+    finally:
+        pack.BLOCKS = real
+
+
+def _cotangents(closed: Any, n_primals: int, seed: int = 1) -> list:
+    from rewrite.cost.measure import synthetic_inputs
+
+    return synthetic_inputs(closed.in_avals[n_primals:], seed)
+
+
+def _breakdown(report: Any) -> list[tuple[str, float, float]]:
+    """The node prices of the input program and the chosen one, by operation, largest difference first."""
+    from rewrite.extract.extractor import _CONTAINERS, Extractor
+    from rewrite.report.why import _breakdown as by_op
+
+    res = report.result
+    if res.egraph is None or res.choice is None or report.model is None:
+        return []
+    ex = Extractor(res.snapshot, report.model)
+    _, tree = ex.tree()
+    _, orig = ex.tree(lambda cls, ctor, args: ctor in _CONTAINERS or (ctor, args) in res.original)
+    roots = list(res.roots)
+    if not all(r in orig for r in roots):
+        return []
+    a, b = by_op(ex, {**tree, **orig}, roots), by_op(ex, dict(res.choice), roots)
+    out = sorted(((op, a.get(op, 0.0), b.get(op, 0.0)) for op in set(a) | set(b)), key=lambda t: -abs(t[2] - t[1]))
+    return [d for d in out if d[1] != d[2]][:4]
+
+
+def decide(case: Case, *, programs: bool = True) -> Decided:
+    """Make the case's decisions under the cost model in force (``priced_with`` pins a table).
+
+    With ``programs=False`` nothing is emitted for timing: only the decision and each pair's predicted side.
+    """
+    from rewrite import explain
+    from rewrite.cost.model import default_model
+
+    model = default_model()
+    fn, args = case.build()
+    flat, leaves = _flat(fn, args)
+    if case.mode == "hand":
+        hand, _ = _flat(case.hand(), args)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            first, second = explain(flat, *leaves), explain(hand, *leaves)  # no rules: the programs as loaded
+        before, after = first.before, second.before
+        predicted = (first.cost_before + first.fixed_cost) / (second.cost_before + first.fixed_cost)
+        pair = Pair(case.name, "hand", "hand", "original", "hand", predicted,
+                    predicted_temp=(_temp(model, before), _temp(model, after)) if programs else (0, 0))
+        decision = "prefers the hand-written form" if pair.prefers == "second" else "prefers the program as written"
+        variants = {"original": flat, "aa": _again(flat), "hand": hand} if programs else {}
+        return Decided(case, decision, [pair], variants, leaves)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        report = explain(flat, *leaves, rulesets=packs(), grad=case.mode == "grad")
+    res = report.result
+    fixed = report.fixed_cost
+    decision = "rewritten: " + ", ".join(sorted(report.used)) if res.rewritten and report.used else (
+        "rewritten" if res.rewritten else "original")
+    run_args = list(leaves)
+    if case.mode == "grad":
+        run_args += _cotangents(report.before, len(leaves))
+    pairs: list[Pair] = []
+    variants: dict[str, Callable] = {}
+    if programs:
+        variants = {"original": _fun(report.before), "aa": _again(_fun(report.before))}
+    if res.rewritten:
+        pairs.append(Pair(case.name, "chosen", "chosen", "original", "rewritten", report.predicted_speedup))
+        if programs:  # what a report shows: the terms behind the prediction
+            pairs[-1].drivers = _breakdown(report)
+            pairs[-1].predicted_temp = (_temp(model, report.before), _temp(model, report.after))
+            variants["rewritten"] = _fun(report.after)
+    # the loop rewrites built and not chosen, each against the program chosen (for a gradient, both unsplit)
+    kept = "rewritten" if case.mode == "forward" and res.rewritten else ("kept" if res.rewritten else "original")
+    for d in report.declined():
+        pairs.append(Pair(case.name, f"declined:{d.rule}", "declined", kept, f"declined:{d.rule}",
+                          (d.kept + fixed) / (d.declined + fixed), list(d.drivers[:4])))
+        if programs:
+            forced = report.forced(d.rule)
+            if forced is None:
+                pairs.pop()
+                continue
+            variants[f"declined:{d.rule}"] = _fun(forced)
+            pairs[-1].predicted_temp = (_temp(model, res.after), _temp(model, forced))
+            if kept == "kept":
+                variants["kept"] = _fun(res.after)
+    # attention's key blocks, each offered alone: which the model would take, against the program as written
+    for keys in case.blocks:
+        with _blocks(keys), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            alone = explain(flat, *leaves, rulesets=packs())
+        if alone.result.rewritten:
+            pairs.append(Pair(case.name, f"block:{keys}", "block", "original", f"block:{keys}",
+                              alone.predicted_speedup))
+            if programs:
+                pairs[-1].drivers = _breakdown(alone)
+                pairs[-1].predicted_temp = (_temp(model, alone.before), _temp(model, alone.after))
+                variants[f"block:{keys}"] = _fun(alone.after)
+    return Decided(case, decision, pairs, variants, run_args)
+
+
+def _again(fn: Callable) -> Callable:
+    """``fn`` under another identity, so that ``jax.jit`` compiles it apart: the A/A control."""
+    def again(*args: Any) -> Any:
+        return fn(*args)
+    return again
+
+
+def decisions(chosen: Sequence[Case]) -> dict[str, dict]:
+    """Each case's decision and its pairs' sides under the model in force, nothing compiled or timed."""
+    out = {}
+    for case in chosen:
+        d = decide(case, programs=False)
+        out[case.name] = {"decision": d.decision, "pairs": {p.name: p.prefers for p in d.pairs}}
+    return out
+
+
+def compare(name: str, want: dict, got: dict) -> str | None:
+    """``None`` when the decisions ``got`` (:func:`decisions`) are the golden ``want``, else what flipped, with
+    the measurement recorded for it and the command that records a new one."""
+    lines = []
+    if want["decision"] != got["decision"]:
+        lines.append(f"the rewrite's choice: golden {want['decision']!r}, now {got['decision']!r}")
+    for pair in dict.fromkeys([*want["pairs"], *got["pairs"]]):
+        w, side = want["pairs"].get(pair), got["pairs"].get(pair)
+        if w is not None and w["prefers"] == side:
+            continue
+        if w is None:
+            lines.append(f"pair {pair}: new, the model prefers the {side} program (not measured yet)")
+            continue
+        measured = ("not measured" if w["measured"] is None else
+                    f"measured {w['measured']:.2f}x, A/A {w['aa']:.2f}x: the {'second' if w['measured'] > 1 else 'first'} "
+                    "program ran faster")
+        now = "no longer made" if side is None else f"now prefers the {side}"
+        lines.append(f"pair {pair}: golden prefers the {w['prefers']} program ({measured}); {now}")
+    if not lines:
+        return None
+    return (f"decision flipped in case {name}:\n  " + "\n  ".join(lines) + "\nIf the change is meant, measure the case "
+            f"again and record the new decision (put the new ratio in the commit message):\n  "
+            + REGENERATE.format(cases=name))
+
+
+def golden_decisions(chosen: Sequence[Case]) -> dict[str, dict]:
+    """:func:`decisions` priced with the golden files' fixed table (``tests/golden/cost_table.json``)."""
+    from rewrite.cost.model import priced_with
+
+    table = json.loads((GOLDEN.parent / "cost_table.json").read_text())
+    with priced_with(table):
+        return decisions(chosen)
+
+
+# ---------------------------------------------------------------------------------------------- measuring
+def measure_case(d: Decided, rounds: int) -> list[dict]:
+    """Time the case's programs interleaved (with an A/A control) and return one record per pair."""
+    if not d.pairs:
+        return []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        row = harness.measure(d.case.name, d.variants, d.args, baseline="original", rounds=rounds, warmup=2)
+    aa = row.ratio("aa")
+    out = []
+    for p in d.pairs:
+        measured = row.seconds[p.first] / row.seconds[p.second]
+        rec = {"case": p.case, "pair": p.name, "kind": p.kind, "source": d.case.source, "mode": d.case.mode,
+               "decision": d.decision, "predicted": p.predicted, "prefers": p.prefers, "measured": measured,
+               "aa": aa, "noise": abs(1.0 - aa), "spread": max(row.spread[p.first], row.spread[p.second]),
+               "ms_first": row.seconds[p.first] * 1e3, "ms_second": row.seconds[p.second] * 1e3,
+               "temp_first": row.stats[p.first].temp_bytes, "temp_second": row.stats[p.second].temp_bytes,
+               "predicted_temp_first": p.predicted_temp[0], "predicted_temp_second": p.predicted_temp[1],
+               "drivers": [list(t) for t in p.drivers], "rounds": rounds}
+        rec["wrong"] = wrong_side(rec)
+        out.append(rec)
+    return out
+
+
+def wrong_side(rec: dict) -> bool:
+    """The model prefers a program measured >= 10% slower, or declines one measured >= 10% faster, by more
+    than the A/A control moved."""
+    m, noise = rec["measured"], rec["noise"]
+    if rec["prefers"] == "second":
+        return m <= 1.0 - MARGIN and (1.0 - m) > noise
+    return m >= 1.0 + MARGIN and (m - 1.0) > noise
+
+
+def spearman(xs: Sequence[float], ys: Sequence[float]) -> float:
+    """Spearman's rank correlation (ties take their mean rank)."""
+    def ranks(v: Sequence[float]) -> list[float]:
+        order = sorted(range(len(v)), key=lambda i: v[i])
+        r = [0.0] * len(v)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and v[order[j + 1]] == v[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                r[order[k]] = (i + j) / 2.0
+            i = j + 1
+        return r
+
+    if len(xs) < 3:
+        return math.nan
+    rx, ry = ranks(xs), ranks(ys)
+    mx, my = sum(rx) / len(rx), sum(ry) / len(ry)
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    vx, vy = sum((a - mx) ** 2 for a in rx), sum((b - my) ** 2 for b in ry)
+    return cov / math.sqrt(vx * vy) if vx and vy else math.nan
+
+
+# ---------------------------------------------------------------------------------------------- the report
+def _term(rec: dict) -> str:
+    """The model's terms behind a pair's prediction: the node prices that differ most, and the memory term."""
+    parts = [f"{op} {a:,.0f} -> {b:,.0f}" for op, a, b in rec["drivers"][:2]]
+    pt = (rec["predicted_temp_first"], rec["predicted_temp_second"])
+    if pt[0] or pt[1]:
+        parts.append(f"predicted temp {pt[0] / harness.MiB:.1f} -> {pt[1] / harness.MiB:.1f} MiB "
+                     f"(measured {rec['temp_first'] / harness.MiB:.1f} -> {rec['temp_second'] / harness.MiB:.1f})")
+    if not rec["drivers"] and rec["kind"] == "hand":
+        parts.insert(0, "priced whole (fusion model), no per-node split")
+    return "; ".join(parts) or "-"
+
+
+def _row(rec: dict) -> str:
+    mem = rec["temp_second"] / rec["temp_first"] if rec["temp_first"] else math.nan
+    return (f"| {rec['case']} | {rec['pair']} | {rec['predicted']:.2f}x | {rec['measured']:.2f}x | {rec['aa']:.2f}x | "
+            f"{rec['ms_first']:.2f} | {'x' + format(mem, '.2f') if not math.isnan(mem) else '-'} | "
+            f"{'**wrong**' if rec['wrong'] else ''} |")
+
+
+def markdown(records: list[dict], meta: dict) -> str:
+    pred = [math.log(r["predicted"]) for r in records]
+    meas = [math.log(r["measured"]) for r in records]
+    rho = spearman(pred, meas)
+    near = [r for r in records if 0.8 <= r["predicted"] <= 1.25]
+    rho_near = spearman([math.log(r["predicted"]) for r in near], [math.log(r["measured"]) for r in near])
+    errors = sorted(abs(math.log(r["measured"] / r["predicted"])) for r in records)
+    band = {q: math.exp(errors[min(len(errors) - 1, int(q * len(errors)))]) - 1 for q in (0.5, 0.8, 0.9)}
+    wrong = [r for r in records if r["wrong"]]
+    miss = sorted(records, key=lambda r: -abs(math.log(r["predicted"]) - math.log(r["measured"])))
+    kinds = {k: sum(1 for r in records if r["kind"] == k) for k in ("chosen", "declined", "block", "hand")}
+    grew = [r for r in records if r["prefers"] == "second" and r["temp_second"] > r["temp_first"] * 1.01
+            and r["temp_second"] - r["temp_first"] > 64 * 1024]
+    lines = [
+        "# Decisions: the cost model's choices against the clock\n",
+        f"`{meta['command']}`, {meta['date']}, {meta['machine']}, {meta['device']}, jax {meta['jax']}. "
+        f"Load average at the start {meta['load'][0]}, at the end {meta['load'][1]}: **this machine is shared** "
+        "(two cores, other sessions compiling and timing beside this run), so single ratios move by the A/A "
+        "column and more. Each case is measured in one process, interleaved rounds after a warm-up, with an A/A "
+        f"control (the first program compiled again); {meta['rounds']} rounds. Predicted: the model's price of the "
+        "first program over the second (`AnalyticCost` with this machine's calibration table, a call's fixed cost "
+        "included); measured: the first's median time over the second's. Above 1: the second is (predicted) "
+        "faster. The model *prefers* the second where it predicts above 1. Memory: the second's temp memory "
+        "over the first's (`memory_analysis`).\n",
+        "## Headline\n",
+        *([f"- decided and recorded but not timed (XLA compiled one of their programs for minutes): "
+           f"{', '.join(meta['skipped'])}"] if meta.get("skipped") else []),
+        f"- pairs: {len(records)} ({', '.join(f'{n} {k}' for k, n in kinds.items())}) from {len({r['case'] for r in records})} "
+        f"cases, rewritten with {', '.join(PACKS)}",
+        f"- **on the wrong side** (prefers a program measured >= {MARGIN:.0%} slower, or declines one measured "
+        f">= {MARGIN:.0%} faster, beyond the A/A): **{len(wrong)}**"
+        + (f": {', '.join(r['case'] + ' ' + r['pair'] for r in wrong)}" if wrong else ""),
+        f"- **Spearman rank correlation** of predicted against measured ratio: **{rho:.2f}** over every pair; "
+        f"{rho_near:.2f} over the {len(near)} pairs predicted within 0.8-1.25x (the decisions that are close calls)",
+        f"- the model's error (measured over predicted, either way): median {band[0.5]:.0%}, 80th percentile "
+        f"{band[0.8]:.0%}, 90th {band[0.9]:.0%}",
+        f"- preferred programs that hold more temp memory than the first (by 1% and 64 KiB): {len(grew)}"
+        + (f": {', '.join(r['case'] + ' ' + r['pair'] for r in grew)}" if grew else ""),
+        "",
+        "## Worst misses (largest gap between predicted and measured, in log ratio)\n",
+        "| case | pair | predicted | measured | A/A | the model's terms behind the prediction |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in miss[:12]:
+        lines.append(f"| {r['case']} | {r['pair']} | {r['predicted']:.2f}x | {r['measured']:.2f}x | {r['aa']:.2f}x | "
+                     f"{_term(r)} |")
+    lines += ["", "## Every pair\n",
+              "| case | pair | predicted | measured | A/A | first ms | temp | |", "|---|---|---|---|---|---|---|---|"]
+    lines += [_row(r) for r in records]
+    return "\n".join(lines) + "\n"
+
+
+def write(records: list[dict], meta: dict, golden: dict[str, dict], only: Sequence[str] | None) -> None:
+    """The results (md, json) and the golden decisions. With ``only``, the other cases' records are kept."""
+    path = RESULTS / "decisions.json"
+    if only and path.exists():
+        old = json.loads(path.read_text())["records"]
+        records = [r for r in old if r["case"] not in only] + records
+    (RESULTS / "decisions.json").write_text(json.dumps({"meta": meta, "records": records}, indent=1, default=float))
+    old_md = RESULTS / "decisions.md"
+    kept = old_md.read_text() if old_md.exists() else ""
+    kept = kept[kept.index(harness.HAND_NOTES):] if harness.HAND_NOTES in kept else ""
+    (RESULTS / "decisions.md").write_text(markdown(records, meta) + (f"\n{kept}" if kept else ""))
+    write_golden(golden, records, only)
+
+
+def write_golden(golden: dict[str, dict], records: list[dict], only: Sequence[str] | None) -> None:
+    """``tests/golden/decisions.json``: each case's decision under the fixed table, with what was measured for it."""
+    old = json.loads(GOLDEN.read_text())["cases"] if only and GOLDEN.exists() else {}
+    by_pair = {(r["case"], r["pair"]): r for r in records}
+    cases_out = {k: v for k, v in old.items() if k not in golden}
+    for name, g in golden.items():
+        pairs = {}
+        for pair, side in g["pairs"].items():
+            r = by_pair.get((name, pair))
+            pairs[pair] = {"prefers": side, "measured": None if r is None else round(r["measured"], 3),
+                           "aa": None if r is None else round(r["aa"], 3),
+                           "predicted_here": None if r is None else round(r["predicted"], 3)}
+        cases_out[name] = {"decision": g["decision"], "pairs": pairs}
+    GOLDEN.write_text(json.dumps({
+        "note": "Golden decisions (tests/test_decisions.py): each case's choice under tests/golden/cost_table.json, "
+                "with the ratio measured for each pair by the last `python -m benchmarks.decisions --write` "
+                "(first program's time over the second's; prefers: the side the model takes). Regenerate only "
+                "with a new measurement: " + REGENERATE.format(cases="<the cases that changed>"),
+        "cases": dict(sorted(cases_out.items()))}, indent=1) + "\n")
+
+
+@contextlib.contextmanager
+def _holding(path: str) -> Iterator[None]:
+    """Hold the lock file ``path`` (``flock``) meanwhile, so that no other benchmark times beside this one."""
+    if not path:
+        yield
+        return
+    import fcntl
+
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.decisions", description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="the quick subset, few rounds")
+    ap.add_argument("--cases", default="", help="comma-separated case names (a trailing * matches a prefix)")
+    ap.add_argument("--rounds", type=int, default=0, help="timed rounds per case (default 7, --quick 5)")
+    ap.add_argument("--write", action="store_true", help="write the results and the golden decisions")
+    ap.add_argument("--list", action="store_true", help="list the cases and exit")
+    ap.add_argument("--report", action="store_true", help="write decisions.md again from decisions.json, measuring nothing")
+    ap.add_argument("--lock", default="", help="a lock file (flock) to hold while cases are timed, and only then")
+    ap.add_argument("--chunk", type=int, default=12, help="cases rewritten before each hold of the lock")
+    ap.add_argument("--skip", default="", help="cases decided and recorded but not timed (a program XLA compiles for minutes)")
+    ap.add_argument("--resume", action="store_true", help=f"keep the cases already timed in {PARTIAL.name} and time the rest")
+    opts = ap.parse_args(argv)
+    names = [n for n in opts.cases.split(",") if n]
+    chosen = select(names, opts.quick)
+    if opts.list:
+        for c in chosen:
+            print(f"{c.name:55s} {c.mode:8s} {c.source}")
+        return
+    if opts.report:
+        saved = json.loads((RESULTS / "decisions.json").read_text())
+        old_md = (RESULTS / "decisions.md").read_text() if (RESULTS / "decisions.md").exists() else ""
+        kept = old_md[old_md.index(harness.HAND_NOTES):] if harness.HAND_NOTES in old_md else ""
+        (RESULTS / "decisions.md").write_text(markdown(saved["records"], saved["meta"]) + (f"\n{kept}" if kept else ""))
+        return
+    if opts.write and opts.quick:
+        ap.error("--write records every case (or those of --cases); --quick is a look, not a record")
+    rounds = opts.rounds or (5 if opts.quick else 7)
+    load0 = os.getloadavg()
+    records: list[dict] = []
+    skip = {n for n in opts.skip.split(",") if n}
+    done: set[str] = set()
+    if opts.resume and PARTIAL.exists():
+        saved = json.loads(PARTIAL.read_text())
+        records, done = saved["records"], set(saved["done"])
+    timed = [c for c in chosen if c.name not in skip and c.name not in done]
+    # rewritten outside the lock, a chunk of cases at a time, then timed holding it
+    for start in range(0, len(timed), opts.chunk):
+        decided = []
+        for case in timed[start:start + opts.chunk]:
+            try:
+                decided.append(decide(case))
+            except Exception as e:  # a case that fails to build is reported, not hidden
+                print(f"{case.name}: FAILED to decide: {type(e).__name__}: {e}", flush=True)
+        with _holding(opts.lock):
+            for d in decided:
+                try:
+                    recs = measure_case(d, rounds)
+                except Exception as e:
+                    print(f"{d.case.name}: FAILED to run: {type(e).__name__}: {e}", flush=True)
+                    continue
+                records.extend(recs)
+                for r in recs:
+                    print(f"{r['case']:45s} {r['pair']:40s} predicted {r['predicted']:6.2f}x measured "
+                          f"{r['measured']:6.2f}x A/A {r['aa']:.2f}x{'  WRONG' if r['wrong'] else ''}", flush=True)
+                if not recs:
+                    print(f"{d.case.name:45s} ({d.decision}; no pair to time)", flush=True)
+                done.add(d.case.name)
+                PARTIAL.write_text(json.dumps({"records": records, "done": sorted(done)}, default=float))
+        del decided
+        jax.clear_caches()
+    meta = {"command": "python -m benchmarks.decisions" + (" --quick" if opts.quick else "")
+            + (f" --cases {opts.cases}" if names else "") + (f" --rounds {opts.rounds}" if opts.rounds else ""),
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "machine": platform.processor() or platform.machine(), "device": jax.devices()[0].device_kind,
+            "jax": jax.__version__, "rounds": rounds,
+            "load": [f"{x:.1f}" for x in load0[:1]] + [f"{os.getloadavg()[0]:.1f}"]}
+    if records:
+        print(markdown(records, meta).split("## Worst misses")[0])
+    meta["skipped"] = sorted(skip)
+    if opts.write:
+        write(records, meta, golden_decisions(chosen), [c.name for c in chosen] if names else None)
+        PARTIAL.unlink(missing_ok=True)
+        print(f"wrote {RESULTS / 'decisions.md'}, .json and {GOLDEN}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

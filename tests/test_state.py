@@ -1,0 +1,190 @@
+"""State a rewritten function changes in place: carried out (nnx Variables) or refused (everything else).
+
+Each stateful library is run three ways and compared: the original program,
+the rewritten one, and (for nnx) ``nnx.jit`` of the original. Updated state
+must match, not only the returned loss: a step that returns the right loss
+and leaves its parameters where they were trains nothing.
+"""
+
+import equinox as eqx
+import flax.linen as linen
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from flax import nnx
+
+import rulesets
+from rewrite import rewrite
+from rewrite import StateError
+
+PACKS = [rulesets.algebra, rulesets.nn]
+X = jax.random.normal(jax.random.key(1), (8, 3)) * 2 + 1
+Y = jnp.zeros((8, 2))
+
+
+class Net(nnx.Module):
+    """Parameters, batch statistics and a dropout stream: three kinds of Variable a step updates."""
+
+    def __init__(self, rngs: nnx.Rngs) -> None:
+        self.lin = nnx.Linear(3, 4, rngs=rngs)
+        self.bn = nnx.BatchNorm(4, rngs=rngs)
+        self.drop = nnx.Dropout(0.5, rngs=rngs)
+        self.out = nnx.Linear(4, 2, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(self.drop(jax.nn.relu(self.bn(self.lin(x)))))
+
+
+def loss_fn(model, x, y):
+    return jnp.mean((model(x) - y) ** 2)
+
+
+def train_step(model, optimizer, x, y):  # as flax's nnx docs write it
+    loss, grads = nnx.value_and_grad(loss_fn)(model, x, y)
+    optimizer.update(model, grads)
+    return loss
+
+
+def _trained(step, n=3):
+    model = Net(nnx.Rngs(0))
+    opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    losses = [float(step(model, opt, X, Y)) for _ in range(n)]
+    return losses, {p: v.get_raw_value() for p, v in nnx.to_flat_state(nnx.state((model, opt)))}
+
+
+def _assert_same_training(got, want):
+    (losses, state), (want_losses, want_state) = got, want
+    assert losses == pytest.approx(want_losses, rel=1e-5, abs=1e-6)
+    assert state.keys() == want_state.keys()
+    for path, v in want_state.items():
+        if jnp.issubdtype(v.dtype, jax.dtypes.prng_key):
+            v, state[path] = jax.random.key_data(v), jax.random.key_data(state[path])
+        assert jnp.allclose(state[path], v, rtol=1e-5, atol=1e-6), path
+
+
+@pytest.fixture(scope="module")
+def eager():
+    losses, state = _trained(train_step)
+    assert state[(1, "step")] == 3 and len(set(losses)) == 3  # the reference itself trains
+    return losses, state
+
+
+@pytest.mark.parametrize("wrap", [
+    lambda f: rewrite(f, rulesets=PACKS),
+    lambda f: nnx.jit(rewrite(f, rulesets=PACKS)),
+    lambda f: rewrite(nnx.jit(f), rulesets=PACKS),
+], ids=["rewrite", "nnx.jit(rewrite)", "rewrite(nnx.jit)"])
+def test_nnx_step_updates_carried_out(wrap, eager):
+    _assert_same_training(_trained(wrap(train_step)), eager)
+
+
+def test_nnx_step_strict_and_nnx_jit_agree(eager):
+    _assert_same_training(_trained(rewrite(train_step, rulesets=PACKS, strict=True)), eager)
+    _assert_same_training(_trained(nnx.jit(train_step)), eager)
+
+
+def test_nnx_rewritten_loss_inside_grad(eager):
+    """The loss rewritten, differentiated by nnx: its batch statistics and dropout count are updated too."""
+    f = rewrite(loss_fn, rulesets=PACKS)
+
+    def step(model, optimizer, x, y):
+        loss, grads = nnx.value_and_grad(f)(model, x, y)
+        optimizer.update(model, grads)
+        return loss
+
+    _assert_same_training(_trained(step), eager)
+
+
+def test_nnx_shared_variable_across_arguments():
+    """A Variable reached through two arguments is one Variable inside the call, as in nnx.jit."""
+    def bump(model, layer, x):
+        layer.kernel[...] = layer.kernel[...] + 1.0
+        return model(x)
+
+    ref, rw = (Net(nnx.Rngs(0)) for _ in range(2))
+    want = nnx.jit(bump)(ref, ref.lin, X)
+    got = rewrite(bump)(rw, rw.lin, X)
+    assert jnp.allclose(got, want, atol=1e-6)
+    assert jnp.allclose(rw.lin.kernel[...], ref.lin.kernel[...])
+
+
+def test_nnx_structure_change_refused():
+    class Grows(nnx.Module):
+        def __init__(self):
+            self.w = nnx.Param(jnp.ones(3))
+
+        def __call__(self, x):
+            self.extra = nnx.BatchStat(x.sum())
+            return self.w[...] * x
+
+    with pytest.raises(StateError, match="structure of an nnx module"):
+        rewrite(Grows.__call__)(Grows(), jnp.ones(3))
+
+
+def test_dict_argument_updated_in_place_refused():
+    def count(stats, x):
+        stats["seen"] = stats["seen"] + x.shape[0]
+        return x * 2
+
+    with pytest.raises(StateError, match=r"args\[0\]\['seen'\]"):
+        rewrite(count, strict=False)({"seen": jnp.zeros(())}, jnp.ones(3))
+
+
+def test_list_argument_grown_in_place_refused():
+    def remember(seen, x):
+        seen.append(x)
+        return x
+
+    with pytest.raises(StateError, match="structure of an argument"):
+        rewrite(remember)([], jnp.ones(3))
+
+
+def test_traced_value_stored_into_a_static_object_refused():
+    class Acc:  # not a pytree: passed through the trace as it is
+        def __init__(self):
+            self.total = 0.0
+
+    def accumulate(acc, x):
+        acc.total = acc.total + x.sum()
+        return x * 2
+
+    acc = Acc()
+    with pytest.raises(StateError, match=r"Acc argument>\.total"):
+        rewrite(accumulate)(acc, jnp.ones(3))
+
+
+def test_equinox_batchnorm_state_matches():
+    bn, state = eqx.nn.make_with_state(eqx.nn.BatchNorm)(3, axis_name="batch", mode="ema")
+
+    def step(bn, state, x):
+        out, state = jax.vmap(bn, axis_name="batch", in_axes=(0, None), out_axes=(0, None))(x, state)
+        return jnp.sum(out ** 2), state
+
+    want = step(bn, state, X)
+    got = rewrite(step, rulesets=PACKS)(bn, state, X)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert jnp.allclose(a, b, rtol=1e-5, atol=1e-6)
+    # the running statistics did move: the comparison is not of two untouched states
+    assert not all(jnp.array_equal(a, b) for a, b in zip(jax.tree.leaves(got[1]), jax.tree.leaves(state)))
+
+
+def test_linen_mutable_collection_matches():
+    class Model(linen.Module):
+        @linen.compact
+        def __call__(self, x):
+            return linen.BatchNorm(use_running_average=False)(linen.Dense(4)(x))
+
+    model = Model()
+    variables = model.init(jax.random.key(0), X)
+
+    def step(variables, x):
+        out, updates = model.apply(variables, x, mutable=["batch_stats"])
+        return jnp.sum(out ** 2), updates
+
+    want = step(variables, X)
+    got = rewrite(step, rulesets=PACKS)(variables, X)
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert jnp.allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert not jnp.allclose(got[1]["batch_stats"]["BatchNorm_0"]["mean"], 0.0)

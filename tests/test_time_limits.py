@@ -1,0 +1,117 @@
+"""Rewrite time is bounded: each rule's time share, the run's time limit inside a long procedure, and the
+cost of walking a loop's consumers (``rulesets.scan``) in an e-graph full of equivalent forms (issue 48.3)."""
+
+import time
+import warnings
+
+import jax.numpy as jnp
+import pytest
+from jax import lax
+
+import rulesets
+from rewrite import Limits, RewriteLimitWarning, Ruleset, explain, procedural, rewrite, rule
+from rewrite.loops import Loop
+
+
+def _sin3(x):
+    return jnp.sin(jnp.sin(jnp.sin(x)))
+
+
+@procedural
+def _slow_builder(m):
+    """Builds for seconds per match (as a procedure that walks a large e-graph would), then declines."""
+    for _ in range(500):
+        m.trace(lambda v: v * 1.0, m["x"])
+        time.sleep(0.01)
+    return None
+
+
+def _slow_rules():
+    slow = rule(lambda x: jnp.sin(x), _slow_builder, name="slow_sin")
+    quick = rule(lambda x: x * 1.0, lambda x: x, name="mul_one")
+    return Ruleset("slow", [slow, quick], soundness="identity")
+
+
+def test_a_long_procedure_stops_at_its_time_share_and_is_reported():
+    limits = Limits(seconds=2.0, rule_share=0.25)  # 0.5 s for each rule; the procedure alone would take 15 s
+    t = time.perf_counter()
+    report = explain(lambda x: _sin3(x) * 1.0, jnp.ones(3), rulesets=[_slow_rules()], limits=limits)
+    took = time.perf_counter() - t
+    st = report.result.stats["slow_sin"]
+    assert st.timed_out and st.rejected["out of time"] == 1  # cut off inside its first match, not after three
+    assert 0.4 < st.seconds < 0.5 + 0.3
+    assert took < 2.0 and report.stopped == "saturated"  # the rest of the run went on, and finished
+    assert report.fired.get("mul_one")  # the other rule still ran (on what the cut-off procedure built too)
+    assert "rule slow_sin stopped at its time share" in report.summary()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        f = rewrite(_sin3, rulesets=[_slow_rules()], limits=limits)
+        assert jnp.allclose(f(jnp.ones(3)), _sin3(jnp.ones(3)))
+    said = [str(w.message) for w in caught if w.category is RewriteLimitWarning]
+    assert len(said) == 1 and "slow_sin" in said[0] and "time share" in said[0]
+
+
+@procedural
+def _spinning(m):
+    """Runs until told to stop: a procedure that checks its deadline in its own loop."""
+    while True:
+        m.check_time()
+
+
+def test_the_time_limit_holds_inside_a_procedure():
+    spin = Ruleset("spin", [rule(lambda x: jnp.sin(x), _spinning, name="spin")], soundness="identity")
+    limits = Limits(seconds=0.5, rule_share=1.0)
+    t = time.perf_counter()
+    report = explain(_sin3, jnp.ones(3), rulesets=[spin], limits=limits)
+    assert time.perf_counter() - t < 0.5 + 0.5  # before: never returned
+    assert report.times["saturate"] < 0.5 + 0.1
+    assert report.result.stats["spin"].rejected["out of time"] == 1
+
+
+def test_a_limit_reached_under_grad_warns():
+    import jax
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        f = rewrite(lambda x: jnp.sum(_sin3(x)), rulesets=[_slow_rules()], limits=Limits(seconds=0.4))
+        jax.grad(f)(jnp.ones(3))
+    said = [str(w.message) for w in caught if w.category is RewriteLimitWarning]
+    assert any("VJP" in s and "slow_sin" in s for s in said), said
+
+
+# ---------------------------------------------------------------------- hoist_reductions' walk
+def _walks(levels: int) -> int:
+    """How many values ``Loop.per_step`` built (or failed to build) for a reduction over ``levels`` doublings of
+    a loop's stacked output times a value that cannot move into the loop. ``x * 2 -> x + x`` gives every
+    level two equivalent nodes, both reading the level below; the loop appears (``buffer_to_output``) only
+    after they exist, so ``hoist_reductions`` walks all of them."""
+    twice = Ruleset("twice", [rule(lambda x: x * 2.0, lambda x: x + x, name="twice")], soundness="identity")
+
+    def loss(h0):
+        buf = jnp.zeros((16,) + h0.shape)
+        _, ys = lax.fori_loop(0, 16, lambda i, c: (jnp.tanh(c[0]), c[1].at[i].set(c[0] * 3.0)), (h0, buf))
+        a = ys * jnp.cumsum(ys, axis=0)  # a running sum over the loop's axis cannot move into the loop
+        for _ in range(levels):
+            a = a * 2.0
+        return jnp.sum(a)
+
+    calls = [0]
+    walk = Loop._step_uncached
+
+    def counted(self, *args):
+        calls[0] += 1
+        return walk(self, *args)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Loop, "_step_uncached", counted)
+        report = explain(loss, jnp.ones((4, 8)), rulesets=[twice, rulesets.scan.hoist, rulesets.scan.buffers])
+    assert report.fired.get("twice") == levels and report.fired.get("buffer_to_output")
+    assert report.result.stats["hoist_reductions"].matched >= 1
+    return calls[0]
+
+
+def test_hoist_reductions_walks_each_value_once():
+    # A dead end met below k levels of two equivalent nodes each was walked 3 * 2^k times (768 at k = 8,
+    # 3,072 at k = 10; the seq2seq of issue 48 spent 535 s there): a decline is now remembered.
+    small, large = _walks(4), _walks(10)
+    assert large <= small + 6 * 3  # linear in the depth: a few values per level
