@@ -399,7 +399,9 @@ class Loop:
                  + [stacked_aval(y.aval, self.length) for y in self._ys])
         params = dict(self.params, num_consts=ncon + len(c_idx), num_carry=nk + len(k_idx), _rw_order=new_order,
                       **annotations)
-        params.pop("_rw_sliced", None)  # the copy's body reads its consts its own way: each priced whole
+        # The loop's consts keep their positions, and the copy's body is the loop's own (the same scope): a const
+        # the loop reads only through slices (rewrite/ir/scanread.py) is read so by the copy too, and its price
+        # must not charge it whole every step where the loop's does not. Consts added here are priced whole.
         if "linear" in params:
             lin = tuple(params["linear"])
             params["linear"] = (lin[:ncon] + (False,) * len(c_idx) + tuple(lin[ncon + k] for k in ck)

@@ -276,11 +276,13 @@ def lift_independent(m) -> Any:
     a constant, and the loop's final value of it is its initial value.
 
     Declined where ``vmap(f)`` would hold an array larger than
-    :data:`LIFT_HOLDS` times what it reads and returns together, and at least
-    :data:`LIFT_BYTES`: a loop that reduces a large value each step (the LM
-    head's loop over token blocks in ``rulesets.nn``: a block's logits, to a
-    maximum and a sum per token) is written to hold one step's at a time, and
-    lifted it holds every step's at once. Inside another operation's body
+    :data:`LIFT_HOLDS` times the stacked arrays it reads and returns together,
+    and at least :data:`LIFT_BYTES`: a loop that reduces a large value each
+    step (the LM head's loop over token blocks in ``rulesets.nn``: a block's
+    logits, to a maximum and a sum per token) is written to hold one step's at
+    a time, and lifted it holds every step's at once. The loop's constants are
+    not counted: the loop holds them too, and a large one (the head's weight)
+    would hide a held array as large as itself times :data:`LIFT_HOLDS`. Inside another operation's body
     (the head's ``custom_vjp``) extraction decides by node prices, which
     have no peak in them, and took the lifted form: the logits the pack
     removed came back (``tests/test_ecosystem.py``).
@@ -306,7 +308,8 @@ def lift_independent(m) -> Any:
         return same or None
     in_axes = tuple(None if p < ncon + nc else 0 for p in positions)
     lifted_fn = jax.vmap(lambda *a: tuple(f(*a)), in_axes=in_axes, axis_size=loop.length)
-    if _holds_more(lifted_fn, [loop.args[p].aval for p in positions], [loop.scan.aval[k] for k in free]):
+    if _holds_more(lifted_fn, [loop.args[p].aval for p in positions], [loop.scan.aval[k] for k in free],
+                   stacked=[p >= ncon + nc for p in positions]):
         return same or None
     ys = m.trace(lifted_fn, *[loop.args[p] for p in positions])
     ys = ys if isinstance(ys, (tuple, list)) else (ys,)
@@ -324,15 +327,16 @@ LIFT_HOLDS = 4
 LIFT_BYTES = 2 ** 20
 
 
-def _holds_more(fn: Callable[..., Any], ins: list[Any], outs: list[Any]) -> bool:
+def _holds_more(fn: Callable[..., Any], ins: list[Any], outs: list[Any], stacked: list[bool] | None = None) -> bool:
     """Whether ``fn`` at avals ``ins`` (returning ``outs``) holds an array, in its bodies too, :data:`LIFT_HOLDS`
-    times what it reads and returns, and at least :data:`LIFT_BYTES`."""
+    times the stacked inputs (``stacked``, all by default) and ``outs`` together, and at least :data:`LIFT_BYTES`."""
     try:
         traced = jax.make_jaxpr(fn)(*[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in ins])
     except Exception:  # a trace that fails here fails in m.trace too, which decides
         return False
     held = max((nbytes(v.aval) for e in equations(traced) for v in e.outvars), default=0)
-    return held >= LIFT_BYTES and held > LIFT_HOLDS * sum(nbytes(a) for a in (*ins, *outs))
+    read = [a for a, s in zip(ins, stacked or [True] * len(ins)) if s]
+    return held >= LIFT_BYTES and held > LIFT_HOLDS * sum(nbytes(a) for a in (*read, *outs))
 
 
 # ---------------------------------------------------------------------- fori_loop buffers

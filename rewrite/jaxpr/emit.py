@@ -198,8 +198,9 @@ def checkpointed(body: core.ClosedJaxpr, num_carry: int, num_consts: int, what: 
 
     A rule that builds a loop knows which of its per-step values are cheap to
     recompute; ``jax.grad`` of the emitted program would otherwise stack every
-    residual of every step. ``"carries"`` saves each step's new carry and
-    recomputes the rest from it; ``"nothing"`` saves only the body's inputs.
+    residual of every step. ``"carries"`` saves each step's new carry (or
+    the operand of the one-operand operation that makes it, see
+    :func:`_name_carries`) and recomputes the rest from it; ``"nothing"`` saves only the body's inputs.
     Without differentiation the checkpoint lowers to the body itself.
     """
     import jax
@@ -216,12 +217,31 @@ def checkpointed(body: core.ClosedJaxpr, num_carry: int, num_consts: int, what: 
 
 
 def _name_carries(jaxpr: core.Jaxpr, num_carry: int) -> core.Jaxpr:
-    """Name each new carry where it is computed, and make every later use read the named value.
+    """Name what the backward program keeps of each new carry, and make every later use read the named value.
 
     A checkpoint policy saves named values only; naming the outputs alone
     would leave the uses inside the body (the ones autodiff needs) unnamed.
+    A carry made by a one-operand elementwise operation of the same type
+    (``h = tanh(h @ W + x @ U)``) has that operand named instead: the
+    operation's derivative reads its own output (``1 - tanh**2``), which a
+    name on the carry does not save, so autodiff would recompute the whole
+    step (both products) to get it; from the saved operand it recomputes only
+    the operation. The bytes saved are the same.
     """
     targets = {v for v in jaxpr.outvars[:num_carry] if isinstance(v, core.Var)} - set(jaxpr.invars)
+    inputs = set(jaxpr.invars)
+    named = set(targets)
+    for e in jaxpr.eqns:
+        (o, *more) = e.outvars
+        if more or o not in targets or len(e.invars) != 1:
+            continue
+        spec = _primitives.BY_PRIM.get(e.primitive.name)
+        (x,) = e.invars
+        if (spec is not None and spec.family in (_primitives.ELEMENTWISE, _primitives.TRANSCENDENTAL)
+                and isinstance(x, core.Var) and x.aval.shape == o.aval.shape and x.aval.dtype == o.aval.dtype):
+            named.discard(o)
+            if x not in inputs:  # a body input is saved as one anyway
+                named.add(x)
     sub: dict[core.Var, core.Var] = {}
 
     def read(a: Any) -> Any:
@@ -231,7 +251,7 @@ def _name_carries(jaxpr: core.Jaxpr, num_carry: int) -> core.Jaxpr:
     for e in jaxpr.eqns:
         eqns.append(e.replace(invars=[read(a) for a in e.invars]))
         for o in e.outvars:
-            if o in targets and o not in sub:
+            if o in named and o not in sub:
                 sub[o] = core.Var(o.aval)
                 eqns.append(core.new_jaxpr_eqn([o], [sub[o]], primitives.name_p, {"name": _CARRY_NAME}, core.no_effects,
                                                e.source_info))
