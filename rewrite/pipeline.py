@@ -81,6 +81,9 @@ class Result:
     over_budget: list = dataclasses.field(default_factory=list)
     #: why the program that runs was chosen (see :func:`why_chosen`); "" when the input program is kept
     why: str = ""
+    #: a training step: the losses whose gradients were found, proven and replaced, or why not
+    #: (:class:`rewrite.grad.step.StepFinding`), else None
+    step: Any = None
 
 
 def run_pipeline(traced: Traced, entries: Sequence[tuple[Rule, Ruleset]], model: CostModel, limits: Limits,
