@@ -127,7 +127,7 @@ def _linen_model(s: Size, scan: bool = False, cross: bool = False) -> Any:
     return GPT()
 
 
-def _linen(s: Size, wrap: Callable, scan: bool = False, cross: bool = False) -> tuple[Callable, tuple]:
+def _linen(s: Size, wrap: Callable, scan: bool = False, cross: bool = False, opt: Any = None) -> tuple[Callable, tuple]:
     import optax
     from flax.training import train_state
 
@@ -136,12 +136,12 @@ def _linen(s: Size, wrap: Callable, scan: bool = False, cross: bool = False) -> 
     src = jax.random.normal(jax.random.PRNGKey(3), (s.batch, s.length // 2, 32)) if cross else None
     variables = model.init(jax.random.PRNGKey(1), tokens[:, :-1], src)
     state = train_state.TrainState.create(apply_fn=model.apply, params=variables["params"],
-                                          tx=optax.adamw(1e-3))
+                                          tx=opt or optax.adamw(1e-3))
 
     def train_step(state, tokens, src=None):
         def loss_fn(params, tokens, src):
             logits = state.apply_fn({"params": params}, tokens[:, :-1], src)
-            return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+            return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), tokens[:, 1:]).mean()
         loss, grads = jax.value_and_grad(wrap(loss_fn))(state.params, tokens, src)
         return state.apply_gradients(grads=grads), loss
 
@@ -149,23 +149,23 @@ def _linen(s: Size, wrap: Callable, scan: bool = False, cross: bool = False) -> 
 
 
 @case
-def _linen_gpt(s: Size, wrap: Callable) -> tuple[Callable, tuple]:
-    return _linen(s, wrap)
+def _linen_gpt(s: Size, wrap: Callable, opt: Any = None) -> tuple[Callable, tuple]:
+    return _linen(s, wrap, opt=opt)
 
 
 @case
-def _linen_scan_remat(s: Size, wrap: Callable) -> tuple[Callable, tuple]:
-    return _linen(s, wrap, scan=True)
+def _linen_scan_remat(s: Size, wrap: Callable, opt: Any = None) -> tuple[Callable, tuple]:
+    return _linen(s, wrap, scan=True, opt=opt)
 
 
 @case
-def _linen_cross(s: Size, wrap: Callable) -> tuple[Callable, tuple]:
-    return _linen(s, wrap, cross=True)
+def _linen_cross(s: Size, wrap: Callable, opt: Any = None) -> tuple[Callable, tuple]:
+    return _linen(s, wrap, cross=True, opt=opt)
 
 
 # ---------------------------------------------------------------------- flax nnx
 @case
-def _nnx_gpt(s: Size, wrap: Callable) -> tuple[Callable, tuple]:
+def _nnx_gpt(s: Size, wrap: Callable, opt: Any = None) -> tuple[Callable, tuple]:
     import optax
     from flax import nnx
 
@@ -185,7 +185,7 @@ def _nnx_gpt(s: Size, wrap: Callable) -> tuple[Callable, tuple]:
         def __init__(self, rngs):
             self.embed = nnx.Embed(s.vocab, s.width, rngs=rngs)
             self.pos = nnx.Param(jax.random.normal(jax.random.PRNGKey(2), (s.length, s.width)) * 0.02)
-            self.blocks = [Block(rngs) for _ in range(2)]
+            self.blocks = nnx.List([Block(rngs) for _ in range(2)])
             self.ln = nnx.LayerNorm(s.width, rngs=rngs)
             self.head = nnx.Linear(s.width, s.vocab, rngs=rngs)
 
@@ -197,7 +197,7 @@ def _nnx_gpt(s: Size, wrap: Callable) -> tuple[Callable, tuple]:
             return self.head(self.ln(x))
 
     model = GPT(nnx.Rngs(1))
-    tx = optax.adamw(1e-3)
+    tx = opt or optax.adamw(1e-3)
     graphdef, params = nnx.split(model, nnx.Param)
     opt_state = tx.init(params)
 
@@ -206,7 +206,7 @@ def _nnx_gpt(s: Size, wrap: Callable) -> tuple[Callable, tuple]:
 
         def loss_fn(model):
             logits = model(tokens[:, :-1])
-            return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+            return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), tokens[:, 1:]).mean()
         loss, grads = nnx.value_and_grad(wrap(loss_fn))(model)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
@@ -234,18 +234,18 @@ def _haiku_gpt_net(s: Size) -> Callable:
 
 
 @case
-def _haiku_gpt(s: Size, wrap: Callable) -> tuple[Callable, tuple]:
+def _haiku_gpt(s: Size, wrap: Callable, opt: Any = None) -> tuple[Callable, tuple]:
     import haiku as hk
     import optax
 
     net = hk.without_apply_rng(hk.transform(_haiku_gpt_net(s)))
     tokens = _tokens(s)
     params = net.init(jax.random.PRNGKey(1), tokens[:, :-1])
-    opt = optax.adamw(1e-3)
+    opt = opt or optax.adamw(1e-3)
 
     def loss_fn(params, tokens):
         logits = net.apply(params, tokens[:, :-1])
-        return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+        return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), tokens[:, 1:]).mean()
 
     def update(params, opt_state, tokens):
         loss, grads = jax.value_and_grad(wrap(loss_fn))(params, tokens)
@@ -256,7 +256,7 @@ def _haiku_gpt(s: Size, wrap: Callable) -> tuple[Callable, tuple]:
 
 
 @case
-def _haiku_encoder(s: Size, wrap: Callable) -> tuple[Callable, tuple]:
+def _haiku_encoder(s: Size, wrap: Callable, opt: Any = None) -> tuple[Callable, tuple]:
     """A BERT-like encoder classifier: a padding mask from each sequence's length, mean-pooled, 4 classes."""
     import haiku as hk
     import optax
@@ -280,10 +280,11 @@ def _haiku_encoder(s: Size, wrap: Callable) -> tuple[Callable, tuple]:
     lengths = jnp.array([s.length, s.length * 3 // 4])[: s.batch]
     labels = jnp.arange(s.batch) % 4
     params = net.init(jax.random.PRNGKey(1), tokens, lengths)
-    opt = optax.adamw(1e-3)
+    opt = opt or optax.adamw(1e-3)
 
     def loss_fn(params, tokens, lengths, labels):
-        return optax.softmax_cross_entropy_with_integer_labels(net.apply(params, tokens, lengths), labels).mean()
+        return optax.softmax_cross_entropy_with_integer_labels(
+            net.apply(params, tokens, lengths).astype(jnp.float32), labels).mean()
 
     def update(params, opt_state, tokens, lengths, labels):
         loss, grads = jax.value_and_grad(wrap(loss_fn))(params, tokens, lengths, labels)
@@ -295,7 +296,7 @@ def _haiku_encoder(s: Size, wrap: Callable) -> tuple[Callable, tuple]:
 
 # ---------------------------------------------------------------------- equinox
 @case
-def _equinox_gpt(s: Size, wrap: Callable) -> tuple[Callable, tuple]:
+def _equinox_gpt(s: Size, wrap: Callable, opt: Any = None) -> tuple[Callable, tuple]:
     import equinox as eqx
     import optax
 
@@ -339,12 +340,12 @@ def _equinox_gpt(s: Size, wrap: Callable) -> tuple[Callable, tuple]:
             return jax.vmap(self.head)(jax.vmap(self.ln)(x))
 
     model = GPT(jax.random.PRNGKey(1))
-    opt = optax.adamw(1e-3)
+    opt = opt or optax.adamw(1e-3)
     params, static = eqx.partition(model, eqx.is_array)
 
     def loss_fn(model, tokens):
         logits = jax.vmap(model)(tokens[:, :-1])
-        return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+        return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), tokens[:, 1:]).mean()
 
     def make_step(params, opt_state, tokens):
         model = eqx.combine(params, static)

@@ -1,0 +1,183 @@
+"""A whole training step: the loss and its gradients found, proven and read from the loss-first program.
+
+``rewrite/grad/step.py``. The steps are ``benchmarks.wholestep``'s, written as each library's examples write
+them, at tiny shapes; SGD instead of Adam, so that a changed gradient shows in the new parameters (Adam's
+first step moves each parameter by the sign of its gradient, which rounding flips where it is near zero).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import rulesets
+from benchmarks import wholestep as ws
+from rewrite import rewrite
+from rewrite.grad.step import find_losses, proof_classes
+from rewrite.ir.jaxapi import core
+from rewrite.pipeline import run_pipeline
+
+TINY = ws.Size(batch=2, length=16, width=16, heads=2, vocab=64)
+PACKS = [rulesets.nn, rulesets.attention]
+
+
+def _proof(r):
+    return proof_classes(lambda t: run_pipeline(t, (), r.cost_model, r.limits, keep=True))
+
+
+def _cast(args, dtype):
+    return jax.tree.map(lambda x: x.astype(dtype) if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jnp.floating)
+                        else x, args)
+
+
+def _replaced(flat, leaves, packs=PACKS):
+    """The step's program with its losses replaced (``None`` if none was), and what was found."""
+    r = rewrite(flat, rulesets=packs, cache=False)
+    closed = jax.make_jaxpr(flat)(*leaves)
+    return find_losses(closed, _proof(r), r._loss_first)
+
+
+def _close(want, got, tol):
+    for w, g in zip(want, got):
+        w, g = np.asarray(w, np.float32), np.asarray(g, np.float32)
+        scale = max(float(np.max(np.abs(w))), 1e-2)  # a gradient 0 in exact arithmetic (a key bias's) rounds
+        assert float(np.max(np.abs(w - g))) <= tol * scale, (w.shape, float(np.max(np.abs(w - g))), scale)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("name", ["linen_gpt", "nnx_gpt", "haiku_gpt", "equinox_gpt"])
+def test_library_step_found_and_replaced(name, dtype):
+    """Each library's step: the loss and every parameter's gradient are proven, and the step so changed
+    gives the loss and new parameters of the original under jit, at f32 and with bf16 parameters."""
+    step, args = ws.CASES[name](TINY, ws.plain, opt=optax.sgd(0.1))
+    args = _cast(args, jnp.dtype(dtype))
+    flat, leaves = ws._flat(step, args)
+    changed, finding = _replaced(flat, leaves)
+    assert changed is not None, str(finding)
+    assert finding.replaced and "gradients with respect to" in finding.replaced[0]
+    want = jax.jit(flat)(*leaves)
+    got = jax.jit(core.jaxpr_as_fun(changed))(*leaves)
+    _close(want, got, 2e-4 if dtype == "float32" else 2e-2)
+    # the old backward is gone: the step's own N x V logits' gradient (B x N x V) is computed once, by the
+    # replacement, not also by the original backward
+    names = [e.primitive.name for e in changed.jaxpr.eqns]
+    assert names.count("dot_general") <= [e.primitive.name for e in
+                                          jax.make_jaxpr(flat)(*leaves).jaxpr.eqns].count("dot_general") + 8
+
+
+def test_rewrite_step_reports_and_runs():
+    """``jax.jit(rewrite(step))``: the finding is reported in the result, and the values are the original's."""
+    step, args = ws.CASES["linen_gpt"](TINY, ws.plain, opt=optax.sgd(0.1))
+    flat, leaves = ws._flat(step, args)
+    r = rewrite(flat, rulesets=PACKS, cache=False)
+    got = jax.jit(r)(*leaves)
+    res = r.result(*leaves)
+    assert res.step is not None and res.step.replaced, str(res.step)
+    _close(jax.jit(flat)(*leaves), got, 2e-4)
+
+
+def test_memory_shaped_rewrite_fires_in_a_step():
+    """At a head of 2048 words the step with its loss read from the loss-first program holds less temp memory
+    than the step as written: the LM head's N x V logits are not kept for the backward."""
+    size = ws.Size(batch=2, length=64, width=32, heads=2, vocab=4096)
+    step, args = ws.CASES["linen_gpt"](size, ws.plain, opt=optax.sgd(0.1))
+    flat, leaves = ws._flat(step, args)
+    changed, finding = _replaced(flat, leaves)
+    assert changed is not None, str(finding)
+
+    def temp(f):
+        return jax.jit(f).lower(*leaves).compile().memory_analysis().temp_size_in_bytes
+
+    before, after = temp(flat), temp(core.jaxpr_as_fun(changed))
+    assert after < 0.6 * before, (before, after)
+
+
+def _mlp_step(loss_of):
+    w = jax.random.normal(jax.random.PRNGKey(0), (8, 16))
+    v = jax.random.normal(jax.random.PRNGKey(1), (16, 4))
+    x = jax.random.normal(jax.random.PRNGKey(2), (32, 8))
+    y = jnp.arange(32) % 4
+
+    def step(w, v, x, y):
+        value, (gw, gv) = jax.value_and_grad(loss_of, argnums=(0, 1))(w, v, x, y)
+        return w - 0.1 * gw, v - 0.1 * gv, value
+
+    return step, [w, v, x, y]
+
+
+def _plain_loss(w, v, x, y):
+    logits = jnp.tanh(x @ w) @ v
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+
+def test_plain_step_is_replaced_with_same_values():
+    step, args = _mlp_step(_plain_loss)
+    changed, finding = _replaced(step, args, packs=[rulesets.algebra])
+    assert changed is not None, str(finding)
+    _close(jax.jit(step)(*args), jax.jit(core.jaxpr_as_fun(changed))(*args), 1e-5)
+
+
+@jax.custom_vjp
+def _doubled_tanh(x):
+    return jnp.tanh(x)
+
+
+_doubled_tanh.defvjp(lambda x: (jnp.tanh(x), x), lambda x, g: (2.0 * g * (1 - jnp.tanh(x) ** 2),))
+
+
+@jax.custom_jvp
+def _wrong_sin(x):
+    return jnp.sin(x)
+
+
+_wrong_sin.defjvp(lambda p, t: (jnp.sin(p[0]), t[0]))  # not cos(x) * t
+
+
+@pytest.mark.parametrize("inner", [_doubled_tanh, _wrong_sin], ids=["custom_vjp_doubled", "custom_jvp_wrong"])
+def test_backward_that_is_not_the_vjp_is_left_alone(inner):
+    """A step whose gradient with respect to ``w`` is not the VJP of its forward (a hand-written backward on the
+    way to ``w``): that gradient is not replaced. ``v``'s, which no hand-written rule touches, is proven and may
+    be; either way the step keeps the hand-written gradient (twice tanh's, or the wrong sine's)."""
+    def loss(w, v, x, y):
+        logits = inner(x @ w) @ v
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+    step, args = _mlp_step(loss)
+    changed, finding = _replaced(step, args, packs=[rulesets.algebra])
+    assert "with respect to 3 of" not in str(finding) and "with respect to 2 of" not in str(finding), str(finding)
+    want = jax.jit(step)(*args)
+    honest = jax.jit(_mlp_step(_plain_loss)[0])(*args)
+    assert float(jnp.max(jnp.abs(want[0] - honest[0]))) > 1e-3  # the hand-written gradient differs
+    if changed is not None:
+        _close(want, jax.jit(core.jaxpr_as_fun(changed))(*args), 1e-5)
+    r = rewrite(step, rulesets=[rulesets.algebra], cache=False)
+    _close(want, jax.jit(r)(*args), 1e-5)
+
+
+def test_gradient_of_a_stopped_use_is_left_alone():
+    """The value differentiated closes over the parameters a second time, undifferentiated (a penalty on the
+    current weights, as ``stop_gradient`` would make it): the step's gradient is not the whole value's VJP with
+    respect to that input, so that value is declined; the values stay the original's."""
+    w0 = jax.random.normal(jax.random.PRNGKey(0), (8, 16))
+    v0 = jax.random.normal(jax.random.PRNGKey(1), (16, 4))
+    x = jax.random.normal(jax.random.PRNGKey(2), (32, 8))
+    y = jnp.arange(32) % 4
+
+    def step(w, v, x, y):
+        def loss(w2):
+            return _plain_loss(w2, v, x, y) + jnp.sum(w2 * w)  # w is the closed-over, undifferentiated use
+        value, gw = jax.value_and_grad(loss)(w)
+        return w - 0.1 * gw, value
+
+    changed, finding = _replaced(step, [w0, v0, x, y], packs=[rulesets.algebra])
+    # the whole value (cross-entropy + penalty) is declined; the cross-entropy alone, whose gradient the step
+    # does hold (before the penalty's is added), may be replaced
+    assert any("no value proven to be its gradient" in d for d in finding.declined), str(finding)
+    want = jax.jit(step)(w0, v0, x, y)
+    if changed is not None:
+        _close(want, jax.jit(core.jaxpr_as_fun(changed))(w0, v0, x, y), 1e-5)
+    r = rewrite(step, rulesets=[rulesets.algebra], cache=False)
+    _close(jax.jit(step)(w0, v0, x, y), jax.jit(r)(w0, v0, x, y), 1e-6)
