@@ -422,7 +422,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     p.add_argument("--cases", default=",".join(CASES))
     p.add_argument("--small", action="store_true", help="N=128, V=1024, width 64")
     p.add_argument("--rounds", type=int, default=7)
-    p.add_argument("--write", action="store_true", help="write benchmarks/results/wholestep.md and .json")
+    p.add_argument("--write", action="store_true", help="write benchmarks/results/wholestep[_small].md and .json")
     a = p.parse_args(argv)
     size = SMALL if a.small else FULL
     rows = []
@@ -432,13 +432,19 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         rows.append(d)
         print(line(d), flush=True)
         print(f"  found: {d['found']}", flush=True)
-    if a.write:
+        if a.write:  # after each case, so that a long run keeps what it measured
+            _write(rows, size, a.rounds)
+    return rows
+
+
+def _write(rows: list[dict[str, Any]], size: Size, rounds: int) -> None:
+    if True:
         setup = (f"B={size.batch}, N={size.length}, width {size.width}, {size.heads} heads, V={size.vocab}; every "
                  "built-in pack but fastmath. Ratios are speed against `standard` (higher is faster); memory is "
                  "XLA's temp memory and its ratio to `standard`'s.")
-        write_results(RESULTS, "wholestep", "Whole training steps: jit(step), jit(rewrite(step)), loss first",
-                      setup, a.rounds, HEADER, [line(d) for d in rows], rows)
-    return rows
+        write_results(RESULTS, "wholestep_small" if size == SMALL else "wholestep", "Whole training steps: jit(step), jit(rewrite(step)), loss first",
+                      setup, rounds, HEADER, [line(d) for d in rows] + [""] + [f"- {d['case']}: {d['found']}"
+                                                                          for d in rows], rows)
 
 
 if __name__ == "__main__":
