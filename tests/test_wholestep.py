@@ -205,3 +205,14 @@ def test_rewrite_step_chooses_the_replacement_when_memory_is_priced():
 
     assert temp(r) < 0.6 * temp(flat)
     _close(jax.jit(flat)(*leaves), jax.jit(r)(*leaves), 2e-4)
+
+
+def test_a_program_without_a_backward_has_no_candidate():
+    """A scalar read by arithmetic on the inputs (no backward read what its cone computed) is not a candidate:
+    nothing is re-derived for programs that hold no gradient."""
+    from rewrite.grad.step import _Graph, candidates
+
+    closed = jax.make_jaxpr(lambda x: jnp.sum(jnp.sin(x)) * x)(jnp.ones(3))
+    assert candidates(_Graph(closed.jaxpr)) == []
+    step, args = _mlp_step(_plain_loss)
+    assert candidates(_Graph(jax.make_jaxpr(step)(*args).jaxpr))

@@ -150,6 +150,25 @@ class _Graph:
         return sorted(eqns), leaves
 
 
+def _backward_shaped(graph: _Graph, root: Any, cone: set, shapes: set) -> bool:
+    """Does a value outside the cone, computed from what the cone computed (not from ``root`` alone: JAX's
+    backward reads the forward's residuals), have the shape and dtype of a float leaf, as a gradient would?"""
+    jaxpr = graph.jaxpr
+    frontier = [k2 for k in cone for w in jaxpr.eqns[k].outvars if w is not root
+                for k2 in graph.readers.get(w, ()) if k2 not in cone]
+    seen: set[int] = set()
+    while frontier:
+        k = frontier.pop()
+        if k in seen:
+            continue
+        seen.add(k)
+        for w in jaxpr.eqns[k].outvars:
+            if (tuple(w.aval.shape), w.aval.dtype) in shapes:
+                return True
+            frontier.extend(k2 for k2 in graph.readers.get(w, ()) if k2 not in cone)
+    return False
+
+
 def _scalar_float(v: Any) -> bool:
     return isinstance(v, core.Var) and v.aval.shape == () and is_float(v.aval)
 
@@ -171,14 +190,7 @@ def candidates(graph: _Graph) -> list[tuple[Any, list[int], list[Any]]]:
             if not float_leaves:
                 continue
             shapes = {(tuple(x.aval.shape), x.aval.dtype) for x in float_leaves}
-            inside = {w for k in eqns for w in jaxpr.eqns[k].outvars}
-            # a gradient: a value outside the cone shaped as a float leaf, reading something the cone computed
-            # (JAX's backward reads the forward's residuals)
-            residual_read = any(k2 not in set(eqns) for w in inside for k2 in graph.readers.get(w, ()))
-            if not residual_read:
-                continue
-            if not any((tuple(w.aval.shape), w.aval.dtype) in shapes
-                       for k2, e2 in enumerate(jaxpr.eqns) for w in e2.outvars if w not in inside):
+            if not _backward_shaped(graph, v, set(eqns), shapes):
                 continue
             # a loss is read only by scalar arithmetic (logged, returned, averaged); a gradient's norm scales
             # the update, an array: such values are tried last
