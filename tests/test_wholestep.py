@@ -216,3 +216,24 @@ def test_a_program_without_a_backward_has_no_candidate():
     assert candidates(_Graph(closed.jaxpr)) == []
     step, args = _mlp_step(_plain_loss)
     assert candidates(_Graph(jax.make_jaxpr(step)(*args).jaxpr))
+
+
+def test_explain_says_what_the_step_search_found():
+    """``explain`` of a step names the loss replaced; of a step with a hand-written backward, what was declined."""
+    from rewrite import explain
+
+    step, args = _mlp_step(_plain_loss)
+    text = explain(step, *args, rulesets=[rulesets.algebra]).summary()
+    assert "whole step: replaced a loss" in text, text
+
+    def loss(w, v, x, y):
+        return optax.softmax_cross_entropy_with_integer_labels(_doubled_tanh(x @ w) @ v, y).mean()
+
+    step, args = _mlp_step(loss)
+
+    def w_only(w, v, x, y):  # only w's gradient, which the hand-written backward gives
+        value, gw = jax.value_and_grad(loss)(w, v, x, y)
+        return w - 0.1 * gw, value
+
+    text = explain(w_only, *args, rulesets=[rulesets.algebra]).summary()
+    assert "whole step: declined" in text and "replaced" not in text, text

@@ -92,6 +92,11 @@ class Report:
     model: Any = dataclasses.field(default=None, repr=False)  # the cost model, to price what was declined
     #: with ``explain(..., grad=True)``: the VJP's forward/backward split (:class:`rewrite.grad.vjp.VJPResult`)
     gradient: Any = dataclasses.field(default=None, repr=False)
+    #: a training step: the losses whose gradients ``rewrite(step)`` found, proved and read from the loss-first
+    #: program, or why not (:class:`rewrite.grad.step.StepFinding`), and whether the step so changed is what
+    #: ``rewrite`` runs (the report's ``after`` is the step rewritten as written either way)
+    step: Any = None
+    step_used: bool = False
 
     @property
     def excluded_by_budget(self) -> list[dict]:
@@ -168,6 +173,8 @@ class Report:
         why = getattr(self.result, "why", "")
         if why and why != "cheaper":
             lines.insert(1, f"the rewritten program is used though not predicted cheaper: {_WHY.get(why, why)}")
+        if self.step is not None:
+            lines.append(f"whole step: {self.step}" + (" (the program rewrite runs)" if self.step_used else ""))
         if self._slowest():
             lines.append(self._slowest())
         if self.fired:
@@ -405,8 +412,13 @@ def explain(fn: Any, *args: Any, rulesets: Any = (), cost_model: Any = None, lim
     result.times["trace"] = trace_time
     result.times = {k: result.times[k] for k in ("trace", "load", "saturate", "extract", "emit")}
     check_signature(traced.closed, result.after)
+    # what rewrite(step) does besides: a loss whose gradients the step holds (rewrite/grad/step.py)
+    finder = Rewritten(fn, (), model, limits, static_argnums, static_argnames, strict=None, cache=False)
+    finder.entries = entries
+    chosen = finder._whole_step(traced, result)
     return Report(
         before=result.before, after=result.after, cost_before=result.cost_before, cost_after=result.cost_after,
+        step=chosen.step, step_used=chosen is not result,
         fired={k: s.fired for k, s in result.stats.items() if s.fired},
         used=provenance(result), stopped=result.stopped, times=result.times, iterations=result.iterations,
         egraph_rows=result.rows, rejected={k: dict(s.rejected) for k, s in result.stats.items()},
