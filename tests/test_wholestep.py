@@ -237,3 +237,20 @@ def test_explain_says_what_the_step_search_found():
 
     text = explain(w_only, *args, rulesets=[rulesets.algebra]).summary()
     assert "whole step: declined" in text and "replaced" not in text, text
+
+
+def test_derivative_identities_in_a_whole_step():
+    """A step holding JAX's backward of ``sin(a x)^2 / a``: its loss and gradient are read from the loss-first
+    program, where ``rulesets.derivatives`` rewrites the VJP jointly (one sine and one cosine shared by value and
+    gradient, as JAX's own backward has them too); the values are the original's."""
+    from rulesets.derivatives import derivatives
+
+    def step(x, a):
+        value, g = jax.value_and_grad(lambda x: jnp.sum(jnp.sin(a * x) ** 2 / a))(x)
+        return x - 0.1 * g, value
+
+    x, a = jnp.linspace(-1.0, 1.0, 4096), jnp.float32(1.5)
+    r = rewrite(step, rulesets=[derivatives], cache=False)
+    res = r.result(x, a)
+    assert res.step.replaced and "with respect to 1 of 2" in res.step.replaced[0], str(res.step)
+    _close(jax.jit(step)(x, a), jax.jit(r)(x, a), 1e-5)
