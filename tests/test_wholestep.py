@@ -254,3 +254,59 @@ def test_derivative_identities_in_a_whole_step():
     res = r.result(x, a)
     assert res.step.replaced and "with respect to 1 of 2" in res.step.replaced[0], str(res.step)
     _close(jax.jit(step)(x, a), jax.jit(r)(x, a), 1e-5)
+
+
+def test_nnx_jit_of_rewritten_step_with_nnx_optimizer():
+    """``nnx.jit(rewrite(train_step))`` with ``nnx.value_and_grad`` and an ``nnx.Optimizer`` changed in place:
+    the loss is found in the step, and the model trains as the original does."""
+    from flax import nnx
+
+    def make():
+        model = nnx.Sequential(nnx.Linear(8, 32, rngs=nnx.Rngs(0)), nnx.tanh, nnx.Linear(32, 64, rngs=nnx.Rngs(1)))
+        return model, nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+
+    x = jax.random.normal(jax.random.PRNGKey(2), (16, 8))
+    y = jnp.arange(16) % 64
+
+    def train_step(model, optimizer, x, y):
+        def loss_fn(model):
+            return optax.softmax_cross_entropy_with_integer_labels(model(x), y).mean()
+        loss, grads = nnx.value_and_grad(loss_fn)(model)
+        optimizer.update(model, grads)
+        return loss
+
+    (m1, o1), (m2, o2) = make(), make()
+    rewritten = rewrite(train_step, rulesets=[rulesets.nn], cache=False)
+    for _ in range(2):
+        want = nnx.jit(train_step)(m1, o1, x, y)
+        got = nnx.jit(rewritten)(m2, o2, x, y)
+    assert abs(float(want) - float(got)) < 1e-5
+    _close(jax.tree.leaves(nnx.state(m1, nnx.Param)), jax.tree.leaves(nnx.state(m2, nnx.Param)), 1e-5)
+    found = [r.step for _, r in rewritten._cache.values()]
+    assert found and all(f is not None and f.replaced for f in found), [str(f) for f in found]
+
+
+def test_equinox_filter_jit_of_rewritten_step():
+    """``eqx.filter_jit(rewrite(make_step))`` with ``eqx.filter_value_and_grad``: the loss is found, and the
+    new model is the original's."""
+    import equinox as eqx
+
+    model = eqx.nn.MLP(8, 64, 32, 1, activation=jnp.tanh, key=jax.random.PRNGKey(0))
+    opt = optax.sgd(0.1)
+    opt_state = opt.init(eqx.filter(model, eqx.is_array))
+    x = jax.random.normal(jax.random.PRNGKey(2), (16, 8))
+    y = jnp.arange(16) % 64
+
+    def make_step(model, opt_state, x, y):
+        def loss_fn(model):
+            return optax.softmax_cross_entropy_with_integer_labels(jax.vmap(model)(x), y).mean()
+        loss, grads = eqx.filter_value_and_grad(loss_fn)(model)
+        updates, opt_state = opt.update(grads, opt_state, eqx.filter(model, eqx.is_array))
+        return eqx.apply_updates(model, updates), opt_state, loss
+
+    rewritten = rewrite(make_step, rulesets=[rulesets.nn], cache=False)
+    want = eqx.filter_jit(make_step)(model, opt_state, x, y)
+    got = eqx.filter_jit(rewritten)(model, opt_state, x, y)
+    _close(jax.tree.leaves(eqx.filter(want, eqx.is_array)), jax.tree.leaves(eqx.filter(got, eqx.is_array)), 1e-5)
+    found = [r.step for _, r in rewritten._cache.values()]
+    assert found and all(f is not None and f.replaced for f in found), [str(f) for f in found]
