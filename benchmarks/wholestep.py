@@ -381,12 +381,12 @@ def values_error(a: Callable, b: Callable, args: list) -> tuple[float, float]:
 def run_case(name: str, size: Size, rounds: int) -> dict[str, Any]:
     build = CASES[name]
     step, args = build(size, plain)
-    first, _ = build(size, loss_first)
+    first, first_args = build(size, loss_first)  # its own modules (equinox's classes are made per build)
     t = time.perf_counter()
     whole = rewrite(step, rulesets=packs(), cache=False)
     flat_step, leaves = _flat(step, args)
     flat_whole, _ = _flat(whole, args)
-    flat_first, _ = _flat(first, args)
+    flat_first, _ = _flat(first, first_args)  # the same leaves, in the same order
     jax.jit(flat_whole).lower(*leaves)  # rewrites
     rewrite_s = time.perf_counter() - t
     res = whole.result(*args)
@@ -438,6 +438,13 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
 
 
 def _write(rows: list[dict[str, Any]], size: Size, rounds: int) -> None:
+    """The results file: these rows, after the rows of other cases an earlier run wrote (``--cases`` runs some)."""
+    import json
+
+    old = RESULTS / ("wholestep_small.json" if size == SMALL else "wholestep.json")
+    ran = {d["case"] for d in rows}
+    kept = [d for d in (json.loads(old.read_text()) if old.exists() else []) if d["case"] not in ran]
+    rows = kept + rows
     if True:
         setup = (f"B={size.batch}, N={size.length}, width {size.width}, {size.heads} heads, V={size.vocab}; every "
                  "built-in pack but fastmath. Ratios are speed against `standard` (higher is faster); memory is "
