@@ -32,6 +32,7 @@ from .cost import guard as _guard
 from .cost.measure import resolve
 from .errors import RewriteLimitWarning, RewriteWarning, _strict
 from .grad.primitive import Signature, bind_if_differentiated
+from .grad.step import find_losses, proof_classes
 from .grad.vjp import VJPResult, build_vjp
 from .ir.jaxapi import core
 from .jaxpr import state as _state
@@ -120,6 +121,8 @@ class Rewritten:
         self.derivative_rewrites: collections.Counter = collections.Counter()
         self._programs: dict[Any, Any] = {}
         self._jitted: dict[Any, tuple[core.ClosedJaxpr, Any]] = {}  # key -> (program, jax.jit of it)
+        #: look in the program for a loss whose gradients it holds (a training step): rewrite/grad/step.py
+        self.whole_step = True
 
     def _prepare(self, args: tuple, kwargs: dict) -> tuple[Any, list[Any], tuple[Traced, Result], tuple]:
         """The call's cache key, program operands, (traced, result) entry, and nnx nodes (``state.lift``)."""
@@ -256,6 +259,7 @@ class Rewritten:
         name = getattr(self.fn, "__name__", "function")
         try:
             result = run_pipeline(traced, self.entries, self.cost_model, self.limits)
+            result = self._whole_step(traced, result)
         except Exception as e:
             self._fall_back(e, f"rewrite of {name!r}", "running it unchanged")
             return fallback_result(traced, f"error: {type(e).__name__}: {e}")
@@ -274,6 +278,35 @@ class Rewritten:
         log.info("rewrote %s: cost %.4g -> %.4g (%s), %s, fired %s", name, result.cost_before, result.cost_after,
                  result.why or "input kept", result.stopped, fired)
         return result
+
+    def _whole_step(self, traced: Traced, result: Result) -> Result:
+        """A training step: each loss whose gradients the step holds, proven so (``rewrite/grad/step.py``), read
+        from the loss-first program instead; the step so changed is rewritten too, and the cheaper kept."""
+        if not self.whole_step or not self.entries:
+            return result
+        proof = proof_classes(lambda t: run_pipeline(t, (), self.cost_model, self.limits, keep=True))
+        changed, finding = find_losses(traced.closed, proof, self._loss_first)
+        result.step = finding
+        if changed is None:
+            return result
+        t = time.perf_counter()
+        alt = run_pipeline(changed, self.entries, self.cost_model, self.limits)
+        alt.times["whole_step"] = finding.seconds + time.perf_counter() - t
+        if alt.cost_after < result.cost_after:
+            alt.before, alt.cost_before, alt.rewritten, alt.step = traced.closed, result.cost_before, True, finding
+            alt.why = (f"the step's loss and gradients read from the loss-first program ({finding}); "
+                       + (alt.why or "its program kept as built"))
+            return alt
+        finding.declined.append(f"the step with them replaced was priced {alt.cost_after:.4g}, the step rewritten "
+                                f"as written {result.cost_after:.4g}: kept the latter")
+        return result
+
+    def _loss_first(self, fn: Callable[..., Any]) -> "Rewritten":
+        """``fn`` rewritten as a user's loss is under ``jax.value_and_grad(rewrite(loss))``, with these rules."""
+        inner = Rewritten(fn, (), self.cost_model, self.limits, (), (), self.strict, cache=False)
+        inner.entries = self.entries
+        inner.whole_step = False
+        return inner
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         key, flat, (traced, result), nodes = self._prepare(args, kwargs)
@@ -491,4 +524,8 @@ def explain(fn: Any, *args: Any, rulesets: Any = (), cost_model: Any = None, lim
     model = resolve(cost_model)
     result = run_pipeline(traced, entries, model, Limits.of(limits), keep=True)
     result.times["trace"] = trace_time
-    return report_of(result, entries, model)
+    # what rewrite(step) does besides: a loss whose gradients the step holds (rewrite/grad/step.py)
+    finder = Rewritten(fn, (), model, limits, static_argnums, static_argnames, strict=None, cache=False)
+    finder.entries = entries
+    chosen = finder._whole_step(traced, result)
+    return report_of(result, entries, model, step=chosen.step, step_used=chosen is not result)

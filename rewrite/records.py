@@ -136,5 +136,8 @@ class Result:
     over_budget: list = dataclasses.field(default_factory=list)
     #: why the program that runs was chosen (see :func:`why_chosen`); "" when the input program is kept
     why: str = ""
+    #: a training step: the losses whose gradients were found, proven and replaced, or why not
+    #: (:class:`rewrite.grad.step.StepFinding`), else None
+    step: Any = None
 
 

@@ -88,6 +88,11 @@ class Report:
     model: Any = dataclasses.field(default=None, repr=False)  # the cost model, to price what was declined
     #: with ``explain(..., grad=True)``: the VJP's forward/backward split (:class:`rewrite.grad.vjp.VJPResult`)
     gradient: Any = dataclasses.field(default=None, repr=False)
+    #: a training step: the losses whose gradients ``rewrite(step)`` found, proved and read from the loss-first
+    #: program, or why not (:class:`rewrite.grad.step.StepFinding`), and whether the step so changed is what
+    #: ``rewrite`` runs (the report's ``after`` is the step rewritten as written either way)
+    step: Any = None
+    step_used: bool = False
 
     @property
     def excluded_by_budget(self) -> list[dict]:
@@ -164,6 +169,8 @@ class Report:
         why = getattr(self.result, "why", "")
         if why and why != "cheaper":
             lines.insert(1, f"the rewritten program is used though not predicted cheaper: {_WHY.get(why, why)}")
+        if self.step is not None:
+            lines.append(f"whole step: {self.step}" + (" (the program rewrite runs)" if self.step_used else ""))
         if self._slowest():
             lines.append(self._slowest())
         if self.fired:
@@ -342,11 +349,14 @@ _WHY = {
 }
 
 
-def report_of(result: Result, entries: Sequence[tuple[Rule, Ruleset]], model: Any) -> Report:
-    """The report of one rewrite (:func:`rewrite.explain`): ``result`` kept its e-graph (``keep=True``)."""
+def report_of(result: Result, entries: Sequence[tuple[Rule, Ruleset]], model: Any, step: Any = None,
+              step_used: bool = False) -> Report:
+    """The report of one rewrite (:func:`rewrite.explain`): ``result`` kept its e-graph (``keep=True``);
+    ``step`` is what ``rewrite(step)`` found of a training step's losses, ``step_used`` whether it runs."""
     times = {k: result.times.get(k, 0.0) for k in ("trace", "load", "saturate", "extract", "emit")}
     return Report(
         before=result.before, after=result.after, cost_before=result.cost_before, cost_after=result.cost_after,
+        step=step, step_used=step_used,
         fired={k: s.fired for k, s in result.stats.items() if s.fired},
         used=provenance(result), stopped=result.stopped, times=times, iterations=result.iterations,
         egraph_rows=result.rows, rejected={k: dict(s.rejected) for k, s in result.stats.items()},

@@ -1,0 +1,370 @@
+"""A whole training step: the loss's value and gradients, found in the step's program and proven.
+
+A user writes ``jax.jit(rewrite(step))``, where ``step`` calls
+``jax.value_and_grad(loss)`` (or ``grad``, ``vjp``, ``nnx.value_and_grad``,
+``eqx.filter_value_and_grad``) and then updates the parameters. Its program
+already holds JAX's backward pass, with the residuals that make it large (an
+attention's N x N scores, an LM head's N x V logits). The forward rules
+(``rulesets.attention``, ``rulesets.nn``'s LM head) rewrite the forward, but
+the backward still reads what the original forward computed. What
+``jax.value_and_grad(rewrite(loss))`` does instead (the *loss-first* form:
+the loss's VJP rewritten as one program, ``rewrite/grad/vjp.py``) cannot
+apply, since the loss is no longer a function of its own.
+
+Here it is recovered, and checked:
+
+1. **Candidates.** Each scalar float value ``L`` the step computes, with its
+   *cone*: the equations ``L`` depends on, back to the step's inputs (the
+   cone's *leaves*). Values that only scalar arithmetic reads come first (a
+   loss is returned or logged; a gradient's global norm scales the update),
+   then the larger cones.
+2. **Re-derivation.** The cone, as a function of its leaves, is
+   differentiated by JAX itself: ``jax.vjp`` of it, traced, seeded with 1.
+3. **Proof.** The step and the re-derived ``(L, dL/dleaves)`` are loaded
+   into one e-graph, the re-derived program's inputs being the step's own.
+   Hash-consing makes equal terms one e-class: a value of the step that is
+   in the same class as the re-derived gradient of leaf ``i`` *is* that
+   gradient. Nothing is assumed about which values of the step are
+   gradients, nor about the op sequence that computed them: only values
+   proven equal are replaced.
+4. **Replacement.** The proven loss and gradients are replaced by the
+   loss-first program: the cone wrapped as a rewritten function and
+   differentiated (``jax.vjp``), which runs its VJP rewritten as one
+   program, the memory-shaped rules' blocked forward and recomputing
+   backward included. The old forward and backward are then dead, unless
+   something else reads them (an ``aux`` output), and dropped.
+
+Where the proof fails (the step's backward is not the VJP of its forward: a
+``stop_gradient`` applied to a use the cone does not stop, a ``custom_vjp``
+or hand-modified gradient, a gradient taken at a value the step computes
+rather than an input), nothing is replaced, and :class:`StepFinding` says
+why. The pipeline then rewrites the step both as written and with the
+replacement, and keeps the one its cost model prices lower.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
+
+from ..ir.jaxapi import core
+from ..ir.primitives import is_float
+from ..jaxpr.emit import dce
+from ..jaxpr.trace import Traced, spec_of
+
+log = logging.getLogger("rewrite")
+
+#: How many candidate losses are re-derived and tried, at most, per step.
+MAX_TRIES = 4
+#: How many losses (micro-batches of gradient accumulation) are replaced, at most.
+MAX_LOSSES = 8
+
+
+@dataclasses.dataclass
+class StepFinding:
+    """What the search found in one step: the losses replaced and the candidates declined, with why."""
+
+    replaced: list[str] = dataclasses.field(default_factory=list)
+    declined: list[str] = dataclasses.field(default_factory=list)
+    seconds: float = 0.0
+
+    def __str__(self) -> str:
+        parts = [f"replaced {r}" for r in self.replaced] + [f"declined {d}" for d in self.declined]
+        return "; ".join(parts) or "no loss with its gradients found"
+
+
+# ---------------------------------------------------------------------- the flat program
+def unwrap(closed: core.ClosedJaxpr) -> core.ClosedJaxpr:
+    """``closed`` with a lone top-level ``jit`` call (``jax.jit``, ``nnx.jit``, ``eqx.filter_jit`` of the step)
+    inlined, repeatedly, so that the step's equations are at the top level."""
+    while True:
+        eqns = closed.jaxpr.eqns
+        if len(eqns) != 1 or eqns[0].primitive.name not in ("jit", "pjit") or eqns[0].effects:
+            return closed
+        eqn = eqns[0]
+        inner = eqn.params["jaxpr"]
+        env: dict[Any, Any] = dict(zip(inner.jaxpr.invars, eqn.invars))
+        constvars = list(closed.jaxpr.constvars)
+        consts = list(closed.consts)
+        for v, c in zip(inner.jaxpr.constvars, inner.consts):
+            constvars.append(v)
+            consts.append(c)
+        new_eqns = [_subst(e, env) for e in inner.jaxpr.eqns]
+        outer = dict(zip(eqn.outvars, [_read(env, a) for a in inner.jaxpr.outvars]))
+        outvars = [_read(outer, a) for a in closed.jaxpr.outvars]
+        jaxpr = core.Jaxpr(constvars, list(closed.jaxpr.invars), outvars, new_eqns, closed.jaxpr.effects,
+                           closed.jaxpr.debug_info)
+        closed = core.ClosedJaxpr(jaxpr, consts)
+
+
+def _read(env: dict, a: Any) -> Any:
+    return env.get(a, a) if isinstance(a, core.Var) else a
+
+
+def _subst(e: Any, env: dict) -> Any:
+    if not env or not any(isinstance(a, core.Var) and a in env for a in e.invars):
+        return e
+    return e.replace(invars=[_read(env, a) for a in e.invars])
+
+
+class _Graph:
+    """The step's top-level equations: who produces each value, who reads it."""
+
+    def __init__(self, jaxpr: core.Jaxpr) -> None:
+        self.jaxpr = jaxpr
+        self.producer: dict[Any, int] = {}
+        for k, e in enumerate(jaxpr.eqns):
+            for v in e.outvars:
+                self.producer[v] = k
+        self.readers: dict[Any, list[int]] = {}
+        for k, e in enumerate(jaxpr.eqns):
+            for a in e.invars:
+                if isinstance(a, core.Var):
+                    self.readers.setdefault(a, []).append(k)
+        self.inputs = set(jaxpr.invars) | set(jaxpr.constvars)
+
+    def cone(self, root: Any) -> tuple[list[int], set]:
+        """The equations ``root`` depends on (in program order) and the inputs it reaches."""
+        eqns: set[int] = set()
+        leaves: set = set()
+        stack = [root]
+        seen: set = set()
+        while stack:
+            v = stack.pop()
+            if not isinstance(v, core.Var) or v in seen:
+                continue
+            seen.add(v)
+            k = self.producer.get(v)
+            if k is None:
+                if v in self.inputs:
+                    leaves.add(v)
+                continue
+            if k not in eqns:
+                eqns.add(k)
+                stack.extend(self.jaxpr.eqns[k].invars)
+        return sorted(eqns), leaves
+
+
+def _backward_shaped(graph: _Graph, root: Any, cone: set, shapes: set) -> bool:
+    """Does a value outside the cone, computed from what the cone computed (not from ``root`` alone: JAX's
+    backward reads the forward's residuals), have the shape and dtype of a float leaf, as a gradient would?"""
+    jaxpr = graph.jaxpr
+    frontier = [k2 for k in cone for w in jaxpr.eqns[k].outvars if w is not root
+                for k2 in graph.readers.get(w, ()) if k2 not in cone]
+    seen: set[int] = set()
+    while frontier:
+        k = frontier.pop()
+        if k in seen:
+            continue
+        seen.add(k)
+        for w in jaxpr.eqns[k].outvars:
+            if (tuple(w.aval.shape), w.aval.dtype) in shapes:
+                return True
+            frontier.extend(k2 for k2 in graph.readers.get(w, ()) if k2 not in cone)
+    return False
+
+
+def _scalar_float(v: Any) -> bool:
+    return isinstance(v, core.Var) and v.aval.shape == () and is_float(v.aval)
+
+
+def candidates(graph: _Graph) -> list[tuple[Any, list[int], list[Any]]]:
+    """Scalar float values that may be a loss with its gradients in the step, most likely first:
+    ``(value, cone equations, leaves in input order)``."""
+    jaxpr = graph.jaxpr
+    order = list(jaxpr.constvars) + list(jaxpr.invars)
+    found = []
+    for e in jaxpr.eqns:
+        for v in e.outvars:
+            if not _scalar_float(v):
+                continue
+            eqns, leaves = graph.cone(v)
+            if len(eqns) < 2:
+                continue
+            float_leaves = [x for x in order if x in leaves and is_float(x.aval)]
+            if not float_leaves:
+                continue
+            shapes = {(tuple(x.aval.shape), x.aval.dtype) for x in float_leaves}
+            if not _backward_shaped(graph, v, set(eqns), shapes):
+                continue
+            # a loss is read only by scalar arithmetic (logged, returned, averaged); a gradient's norm scales
+            # the update, an array: such values are tried last
+            array_read = any(any(w.aval.shape for w in jaxpr.eqns[k2].outvars) for k2 in graph.readers.get(v, ()))
+            found.append((array_read, -len(eqns), v, eqns, [x for x in order if x in leaves]))
+    found.sort(key=lambda t: (t[0], t[1]))
+    return [(v, eqns, leaves) for _, _, v, eqns, leaves in found]
+
+
+# ---------------------------------------------------------------------- re-derivation and proof
+def cone_program(graph: _Graph, root: Any, eqns: Sequence[int], leaves: Sequence[Any],
+                 consts: dict) -> core.ClosedJaxpr:
+    """The cone as a program of its leaves (the step's constants among them stay constants)."""
+    cvars = [v for v in leaves if v in consts]
+    ivars = [v for v in leaves if v not in consts]
+    jaxpr = core.Jaxpr(cvars, ivars, [root], [graph.jaxpr.eqns[k] for k in eqns], core.no_effects)
+    return core.ClosedJaxpr(jaxpr, [consts[v] for v in cvars])
+
+
+def rederive(cone: core.ClosedJaxpr, dif: Sequence[int]) -> core.ClosedJaxpr:
+    """``leaves -> (L, dL/dleaf for the leaves at dif)``: JAX's own VJP of the cone, traced, seeded with 1."""
+    fn = core.jaxpr_as_fun(cone)
+
+    def joint(*xs: Any) -> list[Any]:
+        def of(*fl: Any) -> Any:
+            ys = list(xs)
+            for i, v in zip(dif, fl):
+                ys[i] = v
+            return fn(*ys)[0]
+        out, pullback = jax.vjp(of, *[xs[i] for i in dif])
+        return [out] + list(pullback(jax.numpy.ones_like(out)))
+
+    return jax.make_jaxpr(joint)(*[spec_of(a) for a in cone.in_avals])
+
+
+def inline(eqns: list, closed: core.ClosedJaxpr, args: Sequence[Any], constvars: list, consts: list) -> list[Any]:
+    """Append ``closed``'s equations to ``eqns`` with its inputs bound to ``args``; returns its outputs."""
+    env: dict[Any, Any] = dict(zip(closed.jaxpr.invars, args))
+    for v, c in zip(closed.jaxpr.constvars, closed.consts):
+        constvars.append(v)
+        consts.append(c)
+    # fresh variables: the same program may be inlined twice (two losses)
+    for e in closed.jaxpr.eqns:
+        outs = [core.Var(v.aval) if isinstance(v, core.Var) else v for v in e.outvars]
+        new = e.replace(invars=[_read(env, a) for a in e.invars], outvars=outs)
+        env.update(zip(e.outvars, outs))
+        eqns.append(new)
+    return [_read(env, a) for a in closed.jaxpr.outvars]
+
+
+def prove(step: core.ClosedJaxpr, graph: _Graph, root: Any, cone: core.ClosedJaxpr, leaves: Sequence[Any],
+          dif: Sequence[int], derived: core.ClosedJaxpr, proof: Callable[[core.ClosedJaxpr], list[Any]]
+          ) -> tuple[bool, dict[Any, int]]:
+    """Is ``root`` the re-derived loss, and which of the step's values are its re-derived gradients?
+
+    ``proof(program)`` loads a program into an e-graph, saturates it, and returns its outputs' e-classes.
+    Returns ``(loss proven, {step value: position in dif})``.
+    """
+    jaxpr = step.jaxpr
+    inside = {w for e in cone.jaxpr.eqns for w in e.outvars}
+    shapes = {(tuple(leaves[i].aval.shape), leaves[i].aval.dtype) for i in dif}
+    candidates = [w for e in jaxpr.eqns for w in e.outvars
+                  if w not in inside and isinstance(w, core.Var) and (tuple(w.aval.shape), w.aval.dtype) in shapes]
+    eqns = list(jaxpr.eqns)
+    constvars, consts = list(jaxpr.constvars), list(step.consts)
+    outs = inline(eqns, derived, list(leaves), constvars, consts)
+    program = core.ClosedJaxpr(core.Jaxpr(constvars, list(jaxpr.invars), [root] + candidates + outs, eqns,
+                                          jaxpr.effects, None), consts)
+    classes = proof(program)
+    loss_cls, cand_cls, derived_cls = classes[0], classes[1:1 + len(candidates)], classes[1 + len(candidates):]
+    grads = {c: j for j, c in enumerate(derived_cls[1:])}
+    found = {w: grads[c] for w, c in zip(candidates, cand_cls) if c in grads}
+    return loss_cls == derived_cls[0], found
+
+
+# ---------------------------------------------------------------------- replacement
+def replace(step: core.ClosedJaxpr, root: Any, leaves: Sequence[Any], consts: dict, cone: core.ClosedJaxpr,
+            dif: Sequence[int], found: dict[Any, int], loss_first: Callable[..., Any], made: set) -> core.ClosedJaxpr:
+    """``step`` with ``root`` and the values in ``found`` read from the loss-first program instead."""
+    wanted = sorted(set(found.values()))
+    fn = loss_first(core.jaxpr_as_fun(cone))
+    pos = [dif[j] for j in wanted]
+
+    def value_and_grads(*xs: Any) -> list[Any]:
+        def of(*fl: Any) -> Any:
+            ys = list(xs)
+            for i, v in zip(pos, fl):
+                ys[i] = v
+            return fn(*ys)[0]
+        out, pullback = jax.vjp(of, *[xs[i] for i in pos])
+        return [out] + list(pullback(jax.numpy.ones_like(out)))
+
+    # the cone program takes its constants first as inputs here, so that all leaves are arguments
+    lifted = [v for v in leaves if v in consts] + [v for v in leaves if v not in consts]
+    program = jax.make_jaxpr(value_and_grads)(*[spec_of(v.aval) for v in lifted])
+    jaxpr = step.jaxpr
+    eqns: list = []
+    constvars, cvals = list(jaxpr.constvars), list(step.consts)
+    outs = inline(eqns, program, lifted, constvars, cvals)
+    made.update(w for e in eqns for w in e.outvars)
+    env = {root: outs[0]}
+    for w, j in found.items():
+        env[w] = outs[1 + wanted.index(j)]
+    eqns += [_subst(e, env) for e in jaxpr.eqns]
+    new = core.Jaxpr(constvars, list(jaxpr.invars), [_read(env, a) for a in jaxpr.outvars], eqns, jaxpr.effects,
+                     jaxpr.debug_info)
+    return dce(core.ClosedJaxpr(new, cvals))
+
+
+def find_losses(closed: core.ClosedJaxpr, proof: Callable[[core.ClosedJaxpr], list[Any]],
+                loss_first: Callable[..., Any]) -> tuple[core.ClosedJaxpr | None, StepFinding]:
+    """The step with each proven loss and its gradients read from the loss-first program; ``None`` if none was
+    proven. ``loss_first(fn)`` wraps a flat loss function as the rewriter wraps a user's loss."""
+    t0 = time.perf_counter()
+    finding = StepFinding()
+    if closed.jaxpr.effects:
+        finding.declined.append("the step has effects")
+        return None, finding
+    step = unwrap(closed)
+    changed = False
+    tried: set = set()
+    made: set = set()  # the values the replacements compute
+    tries = 0
+    while len(finding.replaced) < MAX_LOSSES and tries < MAX_TRIES:
+        graph = _Graph(step.jaxpr)
+        consts = dict(zip(step.jaxpr.constvars, step.consts))
+        progress = False
+        for root, eqns, leaves in candidates(graph):
+            if root in tried or any(w in made for k in eqns for w in graph.jaxpr.eqns[k].outvars):
+                continue  # tried, or reads a replacement (its loss is the loss-first program's own)
+            if tries >= MAX_TRIES:
+                break
+            tried.add(root)
+            tries += 1
+            cone = cone_program(graph, root, eqns, leaves, consts)
+            lifted = [v for v in leaves if v in consts] + [v for v in leaves if v not in consts]
+            flat_cone = core.ClosedJaxpr(core.Jaxpr([], lifted, cone.jaxpr.outvars, cone.jaxpr.eqns,
+                                                    core.no_effects), [])
+            dif = [i for i, v in enumerate(lifted) if is_float(v.aval)]
+            try:
+                derived = rederive(flat_cone, dif)
+                same, found = prove(step, graph, root, flat_cone, lifted, dif, derived, proof)
+            except Exception as e:  # a cone JAX cannot differentiate (an integer loss, a custom rule)
+                finding.declined.append(f"a scalar of {len(eqns)} equations: its VJP could not be re-derived "
+                                        f"({type(e).__name__}: {e})")
+                continue
+            if not same or not found:
+                finding.declined.append(
+                    f"a scalar of {len(eqns)} equations: the step holds no value proven to be its gradient"
+                    if same else f"a scalar of {len(eqns)} equations: not proven equal to its re-derivation")
+                continue
+            step = replace(step, root, lifted, consts, flat_cone, dif, found, loss_first, made)
+            finding.replaced.append(f"a loss of {len(eqns)} equations and its gradients with respect to "
+                                    f"{len(set(found.values()))} of {len(dif)} float inputs")
+            changed = progress = True
+            break
+        if not progress:
+            break
+    finding.seconds = time.perf_counter() - t0
+    log.info("whole step: %s (%.2f s)", finding, finding.seconds)
+    return (step if changed else None), finding
+
+
+def proof_classes(run: Callable[[Traced], Any]) -> Callable[[core.ClosedJaxpr], list[Any]]:
+    """A ``proof`` for :func:`find_losses` from ``run(traced) -> Result`` (the pipeline, kept)."""
+    def proof(program: core.ClosedJaxpr) -> list[Any]:
+        res = run(Traced(program, None, None, ()))
+        try:
+            return list(res.roots)
+        finally:
+            if res.egraph is not None:
+                res.egraph.release()
+    return proof
+
+
+__all__ = ["StepFinding", "find_losses", "proof_classes", "unwrap"]
+del np

@@ -1,0 +1,312 @@
+"""A whole training step: the loss and its gradients found, proven and read from the loss-first program.
+
+``rewrite/grad/step.py``. The steps are ``benchmarks.wholestep``'s, written as each library's examples write
+them, at tiny shapes; SGD instead of Adam, so that a changed gradient shows in the new parameters (Adam's
+first step moves each parameter by the sign of its gradient, which rounding flips where it is near zero).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import rulesets
+from benchmarks import wholestep as ws
+from rewrite import rewrite
+from rewrite.grad.step import find_losses, proof_classes
+from rewrite.ir.jaxapi import core
+from rewrite.pipeline import run_pipeline
+
+TINY = ws.Size(batch=2, length=16, width=16, heads=2, vocab=64)
+PACKS = [rulesets.nn, rulesets.attention]
+
+
+def _proof(r):
+    return proof_classes(lambda t: run_pipeline(t, (), r.cost_model, r.limits, keep=True))
+
+
+def _cast(args, dtype):
+    return jax.tree.map(lambda x: x.astype(dtype) if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jnp.floating)
+                        else x, args)
+
+
+def _replaced(flat, leaves, packs=PACKS):
+    """The step's program with its losses replaced (``None`` if none was), and what was found."""
+    r = rewrite(flat, rulesets=packs, cache=False)
+    closed = jax.make_jaxpr(flat)(*leaves)
+    return find_losses(closed, _proof(r), r._loss_first)
+
+
+def _close(want, got, tol):
+    for w, g in zip(want, got):
+        w, g = np.asarray(w, np.float32), np.asarray(g, np.float32)
+        scale = max(float(np.max(np.abs(w))), 1e-2)  # a gradient 0 in exact arithmetic (a key bias's) rounds
+        assert float(np.max(np.abs(w - g))) <= tol * scale, (w.shape, float(np.max(np.abs(w - g))), scale)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("name", ["linen_gpt", "nnx_gpt", "haiku_gpt", "equinox_gpt"])
+def test_library_step_found_and_replaced(name, dtype):
+    """Each library's step: the loss and every parameter's gradient are proven, and the step so changed
+    gives the loss and new parameters of the original under jit, at f32 and with bf16 parameters."""
+    step, args = ws.CASES[name](TINY, ws.plain, opt=optax.sgd(0.1))
+    args = _cast(args, jnp.dtype(dtype))
+    flat, leaves = ws._flat(step, args)
+    changed, finding = _replaced(flat, leaves)
+    assert changed is not None, str(finding)
+    assert finding.replaced and "gradients with respect to" in finding.replaced[0]
+    want = jax.jit(flat)(*leaves)
+    got = jax.jit(core.jaxpr_as_fun(changed))(*leaves)
+    _close(want, got, 2e-4 if dtype == "float32" else 2e-2)
+    # the old backward is gone: the step's own N x V logits' gradient (B x N x V) is computed once, by the
+    # replacement, not also by the original backward
+    names = [e.primitive.name for e in changed.jaxpr.eqns]
+    assert names.count("dot_general") <= [e.primitive.name for e in
+                                          jax.make_jaxpr(flat)(*leaves).jaxpr.eqns].count("dot_general") + 8
+
+
+def test_rewrite_step_reports_and_runs():
+    """``jax.jit(rewrite(step))``: the finding is reported in the result, and the values are the original's."""
+    step, args = ws.CASES["linen_gpt"](TINY, ws.plain, opt=optax.sgd(0.1))
+    flat, leaves = ws._flat(step, args)
+    r = rewrite(flat, rulesets=PACKS, cache=False)
+    got = jax.jit(r)(*leaves)
+    res = r.result(*leaves)
+    assert res.step is not None and res.step.replaced, str(res.step)
+    _close(jax.jit(flat)(*leaves), got, 2e-4)
+
+
+def test_memory_shaped_rewrite_fires_in_a_step():
+    """A step with an 8192-word head: with its loss read from the loss-first program it holds at most 60% of the
+    temp memory of the step as written (the LM head's N x V logits are not kept for the backward), and no more
+    than 1.1x what the loss-first form written by hand holds."""
+    size = ws.Size(batch=2, length=128, width=32, heads=2, vocab=8192)
+    step, args = ws.CASES["linen_gpt"](size, ws.plain, opt=optax.sgd(0.1))
+    first, _ = ws.CASES["linen_gpt"](size, lambda f: rewrite(f, rulesets=PACKS, cache=False), opt=optax.sgd(0.1))
+    flat, leaves = ws._flat(step, args)
+    flat_first, _ = ws._flat(first, args)
+    changed, finding = _replaced(flat, leaves)
+    assert changed is not None, str(finding)
+
+    def temp(f):
+        return jax.jit(f).lower(*leaves).compile().memory_analysis().temp_size_in_bytes
+
+    before, after, by_hand = temp(flat), temp(core.jaxpr_as_fun(changed)), temp(flat_first)
+    assert after < 0.6 * before, (before, after)
+    assert after <= 1.1 * by_hand, (after, by_hand)
+
+
+def _mlp_step(loss_of):
+    w = jax.random.normal(jax.random.PRNGKey(0), (8, 16))
+    v = jax.random.normal(jax.random.PRNGKey(1), (16, 4))
+    x = jax.random.normal(jax.random.PRNGKey(2), (32, 8))
+    y = jnp.arange(32) % 4
+
+    def step(w, v, x, y):
+        value, (gw, gv) = jax.value_and_grad(loss_of, argnums=(0, 1))(w, v, x, y)
+        return w - 0.1 * gw, v - 0.1 * gv, value
+
+    return step, [w, v, x, y]
+
+
+def _plain_loss(w, v, x, y):
+    logits = jnp.tanh(x @ w) @ v
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+
+def test_plain_step_is_replaced_with_same_values():
+    step, args = _mlp_step(_plain_loss)
+    changed, finding = _replaced(step, args, packs=[rulesets.algebra])
+    assert changed is not None, str(finding)
+    _close(jax.jit(step)(*args), jax.jit(core.jaxpr_as_fun(changed))(*args), 1e-5)
+
+
+@jax.custom_vjp
+def _doubled_tanh(x):
+    return jnp.tanh(x)
+
+
+_doubled_tanh.defvjp(lambda x: (jnp.tanh(x), x), lambda x, g: (2.0 * g * (1 - jnp.tanh(x) ** 2),))
+
+
+@jax.custom_jvp
+def _wrong_sin(x):
+    return jnp.sin(x)
+
+
+_wrong_sin.defjvp(lambda p, t: (jnp.sin(p[0]), t[0]))  # not cos(x) * t
+
+
+@pytest.mark.parametrize("inner", [_doubled_tanh, _wrong_sin], ids=["custom_vjp_doubled", "custom_jvp_wrong"])
+def test_backward_that_is_not_the_vjp_is_left_alone(inner):
+    """A step whose gradient with respect to ``w`` is not the VJP of its forward (a hand-written backward on the
+    way to ``w``): that gradient is not replaced. ``v``'s, which no hand-written rule touches, is proven and may
+    be; either way the step keeps the hand-written gradient (twice tanh's, or the wrong sine's)."""
+    def loss(w, v, x, y):
+        logits = inner(x @ w) @ v
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+    step, args = _mlp_step(loss)
+    changed, finding = _replaced(step, args, packs=[rulesets.algebra])
+    assert "with respect to 3 of" not in str(finding) and "with respect to 2 of" not in str(finding), str(finding)
+    want = jax.jit(step)(*args)
+    honest = jax.jit(_mlp_step(_plain_loss)[0])(*args)
+    assert float(jnp.max(jnp.abs(want[0] - honest[0]))) > 1e-3  # the hand-written gradient differs
+    if changed is not None:
+        _close(want, jax.jit(core.jaxpr_as_fun(changed))(*args), 1e-5)
+    r = rewrite(step, rulesets=[rulesets.algebra], cache=False)
+    _close(want, jax.jit(r)(*args), 1e-5)
+
+
+def test_gradient_of_a_stopped_use_is_left_alone():
+    """The value differentiated closes over the parameters a second time, undifferentiated (a penalty on the
+    current weights, as ``stop_gradient`` would make it): the step's gradient is not the whole value's VJP with
+    respect to that input, so that value is declined; the values stay the original's."""
+    w0 = jax.random.normal(jax.random.PRNGKey(0), (8, 16))
+    v0 = jax.random.normal(jax.random.PRNGKey(1), (16, 4))
+    x = jax.random.normal(jax.random.PRNGKey(2), (32, 8))
+    y = jnp.arange(32) % 4
+
+    def step(w, v, x, y):
+        def loss(w2):
+            return _plain_loss(w2, v, x, y) + jnp.sum(w2 * w)  # w is the closed-over, undifferentiated use
+        value, gw = jax.value_and_grad(loss)(w)
+        return w - 0.1 * gw, value
+
+    changed, finding = _replaced(step, [w0, v0, x, y], packs=[rulesets.algebra])
+    # the whole value (cross-entropy + penalty) is declined; the cross-entropy alone, whose gradient the step
+    # does hold (before the penalty's is added), may be replaced
+    assert any("no value proven to be its gradient" in d for d in finding.declined), str(finding)
+    want = jax.jit(step)(w0, v0, x, y)
+    if changed is not None:
+        _close(want, jax.jit(core.jaxpr_as_fun(changed))(w0, v0, x, y), 1e-5)
+    r = rewrite(step, rulesets=[rulesets.algebra], cache=False)
+    _close(jax.jit(step)(w0, v0, x, y), jax.jit(r)(w0, v0, x, y), 1e-6)
+
+
+def test_rewrite_step_chooses_the_replacement_when_memory_is_priced():
+    """``jax.jit(rewrite(step))`` itself: with memory priced (``AnalyticCost(memory=...)``) the cost model keeps
+    the step whose loss and gradients come from the loss-first program, and the compiled step holds less than
+    60% of the original's temp memory, with the original's values."""
+    from rewrite.cost.model import AnalyticCost
+
+    size = ws.Size(batch=2, length=128, width=32, heads=2, vocab=8192)
+    step, args = ws.CASES["linen_gpt"](size, ws.plain, opt=optax.sgd(0.1))
+    flat, leaves = ws._flat(step, args)
+    r = rewrite(flat, rulesets=PACKS, cache=False, cost_model=AnalyticCost(memory=1.0))
+    res = r.result(*leaves)
+    assert res.step.replaced and "loss-first" in res.why, (str(res.step), res.why)
+
+    def temp(f):
+        return jax.jit(f).lower(*leaves).compile().memory_analysis().temp_size_in_bytes
+
+    assert temp(r) < 0.6 * temp(flat)
+    _close(jax.jit(flat)(*leaves), jax.jit(r)(*leaves), 2e-4)
+
+
+def test_a_program_without_a_backward_has_no_candidate():
+    """A scalar read by arithmetic on the inputs (no backward read what its cone computed) is not a candidate:
+    nothing is re-derived for programs that hold no gradient."""
+    from rewrite.grad.step import _Graph, candidates
+
+    closed = jax.make_jaxpr(lambda x: jnp.sum(jnp.sin(x)) * x)(jnp.ones(3))
+    assert candidates(_Graph(closed.jaxpr)) == []
+    step, args = _mlp_step(_plain_loss)
+    assert candidates(_Graph(jax.make_jaxpr(step)(*args).jaxpr))
+
+
+def test_explain_says_what_the_step_search_found():
+    """``explain`` of a step names the loss replaced; of a step with a hand-written backward, what was declined."""
+    from rewrite import explain
+
+    step, args = _mlp_step(_plain_loss)
+    text = explain(step, *args, rulesets=[rulesets.algebra]).summary()
+    assert "whole step: replaced a loss" in text, text
+
+    def loss(w, v, x, y):
+        return optax.softmax_cross_entropy_with_integer_labels(_doubled_tanh(x @ w) @ v, y).mean()
+
+    step, args = _mlp_step(loss)
+
+    def w_only(w, v, x, y):  # only w's gradient, which the hand-written backward gives
+        value, gw = jax.value_and_grad(loss)(w, v, x, y)
+        return w - 0.1 * gw, value
+
+    text = explain(w_only, *args, rulesets=[rulesets.algebra]).summary()
+    assert "whole step: declined" in text and "replaced" not in text, text
+
+
+def test_derivative_identities_in_a_whole_step():
+    """A step holding JAX's backward of ``sin(a x)^2 / a``: its loss and gradient are read from the loss-first
+    program, where ``rulesets.derivatives`` rewrites the VJP jointly (one sine and one cosine shared by value and
+    gradient, as JAX's own backward has them too); the values are the original's."""
+    from rulesets.derivatives import derivatives
+
+    def step(x, a):
+        value, g = jax.value_and_grad(lambda x: jnp.sum(jnp.sin(a * x) ** 2 / a))(x)
+        return x - 0.1 * g, value
+
+    x, a = jnp.linspace(-1.0, 1.0, 4096), jnp.float32(1.5)
+    r = rewrite(step, rulesets=[derivatives], cache=False)
+    res = r.result(x, a)
+    assert res.step.replaced and "with respect to 1 of 2" in res.step.replaced[0], str(res.step)
+    _close(jax.jit(step)(x, a), jax.jit(r)(x, a), 1e-5)
+
+
+def test_nnx_jit_of_rewritten_step_with_nnx_optimizer():
+    """``nnx.jit(rewrite(train_step))`` with ``nnx.value_and_grad`` and an ``nnx.Optimizer`` changed in place:
+    the loss is found in the step, and the model trains as the original does."""
+    from flax import nnx
+
+    def make():
+        model = nnx.Sequential(nnx.Linear(8, 32, rngs=nnx.Rngs(0)), nnx.tanh, nnx.Linear(32, 64, rngs=nnx.Rngs(1)))
+        return model, nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+
+    x = jax.random.normal(jax.random.PRNGKey(2), (16, 8))
+    y = jnp.arange(16) % 64
+
+    def train_step(model, optimizer, x, y):
+        def loss_fn(model):
+            return optax.softmax_cross_entropy_with_integer_labels(model(x), y).mean()
+        loss, grads = nnx.value_and_grad(loss_fn)(model)
+        optimizer.update(model, grads)
+        return loss
+
+    (m1, o1), (m2, o2) = make(), make()
+    rewritten = rewrite(train_step, rulesets=[rulesets.nn], cache=False)
+    for _ in range(2):
+        want = nnx.jit(train_step)(m1, o1, x, y)
+        got = nnx.jit(rewritten)(m2, o2, x, y)
+    assert abs(float(want) - float(got)) < 1e-5
+    _close(jax.tree.leaves(nnx.state(m1, nnx.Param)), jax.tree.leaves(nnx.state(m2, nnx.Param)), 1e-5)
+    found = [r.step for _, r in rewritten._cache.values()]
+    assert found and all(f is not None and f.replaced for f in found), [str(f) for f in found]
+
+
+def test_equinox_filter_jit_of_rewritten_step():
+    """``eqx.filter_jit(rewrite(make_step))`` with ``eqx.filter_value_and_grad``: the loss is found, and the
+    new model is the original's."""
+    import equinox as eqx
+
+    model = eqx.nn.MLP(8, 64, 32, 1, activation=jnp.tanh, key=jax.random.PRNGKey(0))
+    opt = optax.sgd(0.1)
+    opt_state = opt.init(eqx.filter(model, eqx.is_array))
+    x = jax.random.normal(jax.random.PRNGKey(2), (16, 8))
+    y = jnp.arange(16) % 64
+
+    def make_step(model, opt_state, x, y):
+        def loss_fn(model):
+            return optax.softmax_cross_entropy_with_integer_labels(jax.vmap(model)(x), y).mean()
+        loss, grads = eqx.filter_value_and_grad(loss_fn)(model)
+        updates, opt_state = opt.update(grads, opt_state, eqx.filter(model, eqx.is_array))
+        return eqx.apply_updates(model, updates), opt_state, loss
+
+    rewritten = rewrite(make_step, rulesets=[rulesets.nn], cache=False)
+    want = eqx.filter_jit(make_step)(model, opt_state, x, y)
+    got = eqx.filter_jit(rewritten)(model, opt_state, x, y)
+    _close(jax.tree.leaves(eqx.filter(want, eqx.is_array)), jax.tree.leaves(eqx.filter(got, eqx.is_array)), 1e-5)
+    found = [r.step for _, r in rewritten._cache.values()]
+    assert found and all(f is not None and f.replaced for f in found), [str(f) for f in found]
