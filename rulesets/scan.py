@@ -20,7 +20,10 @@ way for per-step outputs that never read the carry: they are computed
 outside the loop, for all steps at once, as one vectorised op. Every rule
 builds a new loop next to the old one and hands it all of the old loop's
 outputs; extraction keeps whichever program the cost model prefers, so an
-output that is also used elsewhere is only hoisted when that pays.
+output that is also used elsewhere is only hoisted when that pays. The rules
+act in one order (buffers, hoist, lift, sink: :data:`_ORDER`), each on the
+loops the ones before it built, so that a loop is copied once per
+combination of rules, not once per order of them.
 
 Floating point: hoisting changes the order of summation (a running sum
 instead of XLA's reduction tree), so the pack's class is ``identity``. A sum
