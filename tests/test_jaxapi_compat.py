@@ -91,3 +91,71 @@ def test_the_carry_checkpoint_policy_prints_the_same_on_every_jax_and_saves_only
 
     g = jax.grad(jax.checkpoint(f, policy=policy))
     assert float(g(0.5)) == pytest.approx(float(jax.grad(f)(0.5)))
+
+
+# ---------------------------------------------------------------------- recorded programs from each JAX
+# Programs traced on each supported JAX, recorded as text under tests/data/jaxprs/: ``<name>.raw.jax-X.Y.txt``
+# as that JAX prints them, ``<name>.jax-X.Y.txt`` through the neutral params (what golden files and the
+# cache use). Every JAX must print each program neutrally as every recorded version did; the raw texts show
+# what the layer hides. Record on a new JAX with ``python -m tests.test_jaxapi_compat``.
+from pathlib import Path  # noqa: E402
+
+RECORDED = Path(__file__).resolve().parent / "data" / "jaxprs"
+
+
+def _recorded_programs():
+    def loop(x, w):  # a scan with a const, a carry and stacked outputs; a reduce_max that 0.11 gave a param
+        c, ys = jax.lax.scan(lambda c, xi: (c + xi @ w, c.max()), jnp.zeros(3), x)
+        return c, ys, x.max(1), x.min(0)
+
+    def checkpointed(x):  # the carry checkpoint policy the emitter builds, inside a scan
+        body = jax.checkpoint(lambda c, xi: (jnp.sin(c) * xi, c), prevent_cse=False,
+                              policy=jaxapi.save_only_these_names("_rw_carry"))
+        return jax.lax.scan(body, x[0], x)
+
+    return {"scan_consts_carry_ys": (loop, (jnp.ones((4, 3)), jnp.ones((3, 3)))),
+            "scan_checkpointed": (checkpointed, (jnp.ones((5, 2)),))}
+
+
+def _texts(name):
+    from tests.golden import _jaxpr_text
+
+    fn, args = _recorded_programs()[name]
+    closed = jax.make_jaxpr(fn)(*args)
+    return _jaxpr_text(closed), str(closed)
+
+
+def _version_tag():
+    return "jax-" + ".".join(jax.__version__.split(".")[:2])
+
+
+def record():
+    RECORDED.mkdir(parents=True, exist_ok=True)
+    for name in _recorded_programs():
+        neutral, raw = _texts(name)
+        (RECORDED / f"{name}.{_version_tag()}.txt").write_text(neutral + "\n")
+        (RECORDED / f"{name}.raw.{_version_tag()}.txt").write_text(raw + "\n")
+
+
+def _recorded(name, kind):
+    import re
+
+    pattern = re.compile(rf"^{re.escape(name)}{kind}\.(jax-\d+\.\d+)\.txt$")
+    return {m[1]: p.read_text().rstrip("\n") for p in RECORDED.glob(f"{name}*.txt") if (m := pattern.match(p.name))}
+
+
+@pytest.mark.parametrize("name", sorted(_recorded_programs()))
+def test_a_program_prints_neutrally_as_every_recorded_jax_printed_it(name):
+    neutral, raw = _texts(name)
+    recorded, raws = _recorded(name, ""), _recorded(name, r"\.raw")
+    assert {"jax-0.10", "jax-0.11", "jax-0.12"} <= recorded.keys() == raws.keys()
+    for version, text in recorded.items():
+        assert neutral == text, f"{name}: the neutral print on jax {jax.__version__} differs from {version}'s"
+    # the layer is not idle: the versions' own prints differ
+    assert len(set(raws.values())) > 1
+    if _version_tag() in raws:  # and the running JAX prints as it did when recorded
+        assert raw == raws[_version_tag()]
+
+
+if __name__ == "__main__":
+    record()
