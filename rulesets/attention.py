@@ -257,6 +257,19 @@ def _blocked(plan: _Plan, out_ref: tuple, axis: int, p_first: bool, dn: Any, pv_
         args = (p, vb) if p_first else (vb, p)
         return lax.dot_general(*args, **pv_params)
 
+    narrow = jnp.dtype(out_aval.dtype) != jnp.dtype(acc_dtype)
+
+    def wide_product(p: Any, vb: Any) -> Any:
+        # the backward's product, summed in the accumulator's precision: the weights' value rounded as the
+        # original rounds them (bf16 weights of an f32 softmax), their cotangent not rounded (the rounding's
+        # transpose rounds it, and XLA, which allows excess precision, dropped that in one loop and not the other)
+        if cast is not None:
+            p = p + lax.stop_gradient(p.astype(cast).astype(p.dtype) - p)
+        p = lax.squeeze(p, squeezed) if squeezed else p
+        p, vb = p.astype(acc_dtype), vb.astype(acc_dtype)
+        params = dict(pv_params, preferred_element_type=acc_dtype)
+        return lax.dot_general(*((p, vb) if p_first else (vb, p)), **params)
+
     def expand(row: Any) -> Any:
         return jnp.expand_dims(row, axis)
 
@@ -341,12 +354,20 @@ def _blocked(plan: _Plan, out_ref: tuple, axis: int, p_first: bool, dn: Any, pv_
             # the sum as the program rounds it, then widened
             p = jnp.exp(s - expand(shift.astype(acc_dtype))) / expand(l.astype(s_dtype).astype(acc_dtype))
             vb = lax.dynamic_slice_in_dim(v, start, block, axis=v_key)
-            _, vjp_pv = jax.vjp(product, p, vb)
-            dp, dvb = vjp_pv(g.astype(out_aval.dtype))
-            # rounded as the original rounds it: to the weights' dtype in the product (its output's, if not cast)
-            return start, p, _held(dp, acc_dtype, out_aval.dtype if cast is None else cast), dvb, vjp_s
+            if narrow:
+                # The weights' cotangent from the cotangent and v as the original rounds them, summed in the
+                # accumulator's precision and not rounded after. Rounded to the output's dtype, it was rounded in
+                # the gradient's loop and not in the row term's (XLA allows excess precision: it may drop a round
+                # trip through bf16), so the row term no longer matched, and the logits' gradient rows summed to
+                # ~1 under cotangents of ~100 (flax's [b, q, h, d] layout) where the original's sum to ~5e-4.
+                _, vjp_pv = jax.vjp(wide_product, p, vb)
+                dp, dvb = vjp_pv(g.astype(out_aval.dtype).astype(acc_dtype))
+            else:
+                _, vjp_pv = jax.vjp(product, p, vb)
+                dp, dvb = vjp_pv(g.astype(out_aval.dtype))
+            return start, p, dp.astype(acc_dtype), dvb, vjp_s
 
-        if jnp.dtype(out_aval.dtype) == jnp.dtype(acc_dtype):
+        if not narrow:
             d_row = from_out(g.astype(acc_dtype) * out.astype(acc_dtype))
         else:
             # In half precision the row term is sum(p * dp) over the very weights and cotangents the loop below
@@ -391,20 +412,6 @@ def _blocked(plan: _Plan, out_ref: tuple, axis: int, p_first: bool, dn: Any, pv_
         return attend(tuple(leaves), v)
 
     return fn
-
-
-def _held(x: Any, dtype: Any, like: Any) -> Any:
-    """``x`` in ``dtype``, rounded to ``like``'s precision, where that is narrower. XLA allows excess precision: it may drop
-    a rounding that a conversion back up follows, and does so in one loop and not in another. The backward's
-    two loops then saw the weights' cotangent rounded in one and not in the other, the row term (the first
-    loop's) no longer matched the second's, and the logits' gradient rows summed to ~1 under cotangents of ~100
-    (bf16 attention in flax's [b, q, h, d] layout with float32 logits), where the original's sum to ~5e-4; a
-    temperature's gradient and a row bias's then erred up to thousands of times the original's."""
-    wide = x.astype(dtype)
-    narrow, to = jnp.finfo(like), jnp.finfo(dtype)
-    if narrow.nmant >= to.nmant:
-        return wide
-    return lax.reduce_precision(wide, exponent_bits=narrow.nexp, mantissa_bits=narrow.nmant)
 
 
 def _chunk(p_first: bool, converted: bool = False, squeeze: bool = False, widened: bool = False):
