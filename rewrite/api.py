@@ -253,7 +253,10 @@ class Rewritten:
         try:
             result = run_pipeline(traced, self.entries, self.cost_model, self.limits)
             check_signature(traced.closed, result.after)
-            result = self._whole_step(traced, result)
+            try:
+                result = self._whole_step(traced, result)
+            except Exception as e:  # the step as written, rewritten, still runs
+                self._fall_back(e, f"the whole-step search of {name!r}", "running the step rewritten as written")
         except Exception as e:
             self._fall_back(e, f"rewrite of {name!r}", "running it unchanged")
             return fallback_result(traced, f"error: {type(e).__name__}: {e}")
