@@ -399,6 +399,30 @@ def run_case(name: str, size: Size, rounds: int) -> dict[str, Any]:
     return d
 
 
+def memory_case(name: str, size: Size) -> str:
+    """Temp memory only (compiled, not run: needs no benchmark lock): one Markdown row."""
+    from benchmarks.harness import compile_stats
+
+    build = CASES[name]
+    step, args = build(size, plain)
+    first, first_args = build(size, loss_first)
+    whole = rewrite(step, rulesets=packs(), cache=False)
+    flat_step, leaves = _flat(step, args)
+    t = time.perf_counter()
+    mem = {}
+    for k, f in (("standard", flat_step), ("whole", _flat(whole, args)[0]), ("loss_first", _flat(first, first_args)[0])):
+        mem[k] = compile_stats(f, *leaves)[1].temp_bytes
+        if k == "whole":
+            rewrite_s = time.perf_counter() - t
+    res = whole.result(*args)
+    loss_err, param_err = values_error(flat_step, _flat(whole, args)[0], leaves)
+    b = mem["standard"]
+    return (f"| {name} | {b / MiB:.1f} MiB | {mem['whole'] / MiB:.1f} MiB (x{mem['whole'] / b:.2f}) | "
+            f"{mem['loss_first'] / MiB:.1f} MiB (x{mem['loss_first'] / b:.2f}) | "
+            f"x{mem['whole'] / max(mem['loss_first'], 1):.2f} | {loss_err:.1e}, {param_err:.1e} | {rewrite_s:.0f} s | "
+            f"{getattr(res, 'step', None)} |")
+
+
 def line(d: dict[str, Any]) -> str:
     v = d["variants"]
     base = v["standard"]["temp_bytes"]
@@ -423,8 +447,15 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     p.add_argument("--small", action="store_true", help="N=128, V=1024, width 64")
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--write", action="store_true", help="write benchmarks/results/wholestep[_small].md and .json")
+    p.add_argument("--memory", action="store_true", help="temp memory and values only, compiled and not timed")
     a = p.parse_args(argv)
     size = SMALL if a.small else FULL
+    if a.memory:
+        print("| case | standard | whole | loss first | whole vs loss first | values (loss, params) | rewrite + "
+              "compile | found |\n|---|---|---|---|---|---|---|---|")
+        for name in a.cases.split(","):
+            print(memory_case(name, size), flush=True)
+        return []
     rows = []
     print(HEADER)
     for name in a.cases.split(","):

@@ -45,6 +45,10 @@ from .rules.ruleset import Ruleset, entries_of
 log = logging.getLogger("rewrite")
 
 
+#: the rulesets whose presence turns on the whole-step search by default (``rewrite(..., whole_step=None)``)
+WHOLE_STEP_PACKS = frozenset({"attention", "nn_lm_head"})
+
+
 def builtin_packs() -> Mapping[str, Ruleset]:
     """The built-in packs by name (``rulesets=["algebra", ...]``): the ``rulesets`` package, which is built on
     this one, resolved here at the top so that nothing in the core imports it."""
@@ -101,7 +105,7 @@ class Rewritten:
 
     def __init__(self, fn: Callable[..., Any], rulesets: Any, cost_model: Any, limits: Limits | None,
                  static_argnums: Sequence[int], static_argnames: Sequence[str], strict: bool | None,
-                 cache: Any = None, guard: Any = False) -> None:
+                 cache: Any = None, guard: Any = False, whole_step: bool | None = None) -> None:
         functools.update_wrapper(self, fn)
         self.fn = fn
         self.entries = entries_of(rulesets, builtin_packs)
@@ -121,8 +125,10 @@ class Rewritten:
         self.derivative_rewrites: collections.Counter = collections.Counter()
         self._programs: dict[Any, Any] = {}
         self._jitted: dict[Any, tuple[core.ClosedJaxpr, Any]] = {}  # key -> (program, jax.jit of it)
-        #: look in the program for a loss whose gradients it holds (a training step): rewrite/grad/step.py
-        self.whole_step = True
+        #: look in the program for a loss whose gradients it holds (a training step): rewrite/grad/step.py. By
+        #: default only with the memory-shaped packs, whose forwards and backwards it exists to replace together
+        self.whole_step = (any(owner.name in WHOLE_STEP_PACKS for _, owner in self.entries) if whole_step is None
+                           else bool(whole_step))
 
     def _prepare(self, args: tuple, kwargs: dict) -> tuple[Any, list[Any], tuple[Traced, Result], tuple]:
         """The call's cache key, program operands, (traced, result) entry, and nnx nodes (``state.lift``)."""
@@ -259,7 +265,10 @@ class Rewritten:
         name = getattr(self.fn, "__name__", "function")
         try:
             result = run_pipeline(traced, self.entries, self.cost_model, self.limits)
-            result = self._whole_step(traced, result)
+            try:
+                result = self._whole_step(traced, result)
+            except Exception as e:  # the step as written, rewritten, still runs
+                self._fall_back(e, f"the whole-step search of {name!r}", "running the step rewritten as written")
         except Exception as e:
             self._fall_back(e, f"rewrite of {name!r}", "running it unchanged")
             return fallback_result(traced, f"error: {type(e).__name__}: {e}")
@@ -380,7 +389,8 @@ class Rewritten:
 
 def rewrite(fn: Callable[..., Any] | None = None, *, rulesets: Any = (), cost_model: Any = None,
             limits: Limits | None = None, static_argnums: Sequence[int] = (), static_argnames: Sequence[str] = (),
-            strict: bool | None = None, vjp: bool = False, cache: Any = None, guard: Any = False) -> Any:
+            strict: bool | None = None, vjp: bool = False, cache: Any = None, guard: Any = False,
+            whole_step: bool | None = None) -> Any:
     """Rewrite ``fn``'s program with the given rulesets; returns a function with the same signature.
 
     Usable directly or as a decorator. The program is traced once per input
@@ -406,6 +416,13 @@ def rewrite(fn: Callable[..., Any] | None = None, *, rulesets: Any = (), cost_mo
     program side by side and keeps the faster (``rewrite/cost/guard.py``); the
     decision is in ``result(...).guard`` and in the cache entry.
 
+    ``whole_step``: a training step that holds JAX's backward of a loss (``jax.value_and_grad`` inside the
+    step) has that loss found, its gradients proven equal to JAX's VJP of it by re-derivation, and both read
+    from the loss-first program, as ``jax.value_and_grad(rewrite(loss))`` would run it
+    (``rewrite/grad/step.py``, docs/steps.md); the cheaper of that and the step as written is kept. ``None``
+    (the default) searches when the rulesets hold ``rulesets.attention`` or the LM head's rules
+    (``rulesets.nn``), ``True`` always, ``False`` never.
+
     >>> import jax, jax.numpy as jnp
     >>> from rewrite import rewrite, rule, Ruleset
     >>> double_angle = Ruleset("trig", [rule(lambda x: 2 * jnp.sin(x) * jnp.cos(x),
@@ -422,7 +439,7 @@ def rewrite(fn: Callable[..., Any] | None = None, *, rulesets: Any = (), cost_mo
     if fn is None:
         return functools.partial(rewrite, rulesets=rulesets, cost_model=cost_model, limits=limits,
                                  static_argnums=static_argnums, static_argnames=static_argnames, strict=strict,
-                                 vjp=vjp, cache=cache, guard=guard)
+                                 vjp=vjp, cache=cache, guard=guard, whole_step=whole_step)
     if not callable(fn):
         raise TypeError(f"rewrite() takes a function, got {type(fn).__name__}")
     if vjp:
@@ -432,7 +449,7 @@ def rewrite(fn: Callable[..., Any] | None = None, *, rulesets: Any = (), cost_mo
 
         return RewrittenVJP(fn, rulesets, cost_model, limits, static_argnums, static_argnames, strict)
     return Rewritten(fn, rulesets, cost_model, limits, static_argnums, static_argnames, strict, cache=cache,
-                     guard=guard)
+                     guard=guard, whole_step=whole_step)
 
 
 @dataclasses.dataclass
@@ -527,5 +544,6 @@ def explain(fn: Any, *args: Any, rulesets: Any = (), cost_model: Any = None, lim
     # what rewrite(step) does besides: a loss whose gradients the step holds (rewrite/grad/step.py)
     finder = Rewritten(fn, (), model, limits, static_argnums, static_argnames, strict=None, cache=False)
     finder.entries = entries
+    finder.whole_step = any(owner.name in WHOLE_STEP_PACKS for _, owner in entries)  # as rewrite's default
     chosen = finder._whole_step(traced, result)
     return report_of(result, entries, model, step=chosen.step, step_used=chosen is not result)
