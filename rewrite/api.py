@@ -502,8 +502,8 @@ class RewrittenVJP(Rewritten):
 
 def explain(fn: Any, *args: Any, rulesets: Any = (), cost_model: Any = None, limits: Limits | None = None,
             static_argnums: Sequence[int] = (), static_argnames: Sequence[str] = (), grad: bool = False,
-            **kwargs: Any) -> Report:
-    """Rewrite ``fn`` at these arguments and report what happened.
+            whole_step: bool | None = None, **kwargs: Any) -> Report:
+    """Rewrite ``fn`` at these arguments and report what happened (``whole_step`` as in :func:`rewrite`).
 
     With ``grad=True`` the report is about the program that ``jax.grad`` and
     ``jax.vjp`` of ``rewrite(fn)`` run: ``before`` is JAX's VJP of ``fn``'s
@@ -544,6 +544,7 @@ def explain(fn: Any, *args: Any, rulesets: Any = (), cost_model: Any = None, lim
     # what rewrite(step) does besides: a loss whose gradients the step holds (rewrite/grad/step.py)
     finder = Rewritten(fn, (), model, limits, static_argnums, static_argnames, strict=None, cache=False)
     finder.entries = entries
-    finder.whole_step = any(owner.name in WHOLE_STEP_PACKS for _, owner in entries)  # as rewrite's default
+    finder.whole_step = (any(owner.name in WHOLE_STEP_PACKS for _, owner in entries) if whole_step is None
+                         else bool(whole_step))  # as rewrite decides it
     chosen = finder._whole_step(traced, result)
     return report_of(result, entries, model, step=chosen.step, step_used=chosen is not result)

@@ -157,7 +157,7 @@ def test_backward_that_is_not_the_vjp_is_left_alone(inner):
     assert float(jnp.max(jnp.abs(want[0] - honest[0]))) > 1e-3  # the hand-written gradient differs
     if changed is not None:
         _close(want, jax.jit(core.jaxpr_as_fun(changed))(*args), 1e-5)
-    r = rewrite(step, rulesets=[rulesets.algebra], cache=False)
+    r = rewrite(step, rulesets=[rulesets.algebra], cache=False, whole_step=True)
     _close(want, jax.jit(r)(*args), 1e-5)
 
 
@@ -183,7 +183,7 @@ def test_gradient_of_a_stopped_use_is_left_alone():
     want = jax.jit(step)(w0, v0, x, y)
     if changed is not None:
         _close(want, jax.jit(core.jaxpr_as_fun(changed))(w0, v0, x, y), 1e-5)
-    r = rewrite(step, rulesets=[rulesets.algebra], cache=False)
+    r = rewrite(step, rulesets=[rulesets.algebra], cache=False, whole_step=True)
     _close(jax.jit(step)(w0, v0, x, y), jax.jit(r)(w0, v0, x, y), 1e-6)
 
 
@@ -223,7 +223,7 @@ def test_explain_says_what_the_step_search_found():
     from rewrite import explain
 
     step, args = _mlp_step(_plain_loss)
-    text = explain(step, *args, rulesets=[rulesets.algebra]).summary()
+    text = explain(step, *args, rulesets=[rulesets.algebra], whole_step=True).summary()
     assert "whole step: replaced a loss" in text, text
 
     def loss(w, v, x, y):
@@ -235,7 +235,7 @@ def test_explain_says_what_the_step_search_found():
         value, gw = jax.value_and_grad(loss)(w, v, x, y)
         return w - 0.1 * gw, value
 
-    text = explain(w_only, *args, rulesets=[rulesets.algebra]).summary()
+    text = explain(w_only, *args, rulesets=[rulesets.algebra], whole_step=True).summary()
     assert "whole step: declined" in text and "replaced" not in text, text
 
 
@@ -250,7 +250,7 @@ def test_derivative_identities_in_a_whole_step():
         return x - 0.1 * g, value
 
     x, a = jnp.linspace(-1.0, 1.0, 4096), jnp.float32(1.5)
-    r = rewrite(step, rulesets=[derivatives], cache=False)
+    r = rewrite(step, rulesets=[derivatives], cache=False, whole_step=True)
     res = r.result(x, a)
     assert res.step.replaced and "with respect to 1 of 2" in res.step.replaced[0], str(res.step)
     _close(jax.jit(step)(x, a), jax.jit(r)(x, a), 1e-5)
@@ -324,8 +324,27 @@ def test_a_failing_step_search_keeps_the_step_rewritten_as_written(monkeypatch):
     monkeypatch.setenv("REWRITE_STRICT", "0")
     monkeypatch.setattr(api, "find_losses", broken)
     step, args = _mlp_step(_plain_loss)
-    r = rewrite(step, rulesets=[rulesets.algebra], cache=False)
+    r = rewrite(step, rulesets=[rulesets.algebra], cache=False, whole_step=True)
     with pytest.warns(RewriteWarning, match="whole-step search"):
         res = r.result(*args)
     assert not res.stopped.startswith("error")
     _close(jax.jit(step)(*args), jax.jit(r)(*args), 1e-6)
+
+
+def test_the_search_runs_by_default_only_with_the_memory_shaped_packs():
+    """``whole_step=None``: searched with ``rulesets.attention`` or the LM head's rules (``rulesets.nn``), not with
+    the identity packs alone (whose programs it would change for no memory), and ``True``/``False`` decide."""
+    w0 = jax.random.normal(jax.random.PRNGKey(0), (8, 16))
+    v0 = jax.random.normal(jax.random.PRNGKey(1), (16, 4))
+    x = jax.random.normal(jax.random.PRNGKey(2), (32, 8))
+    y = jnp.arange(32) % 4
+
+    def step(w, v, x, y):
+        value, (gw, gv) = jax.value_and_grad(_plain_loss, argnums=(0, 1))(w, v, x, y)
+        return w - 0.1 * gw, v - 0.1 * gv, value
+
+    args = (w0, v0, x, y)
+    assert rewrite(step, rulesets=[rulesets.algebra], cache=False).result(*args).step is None
+    assert rewrite(step, rulesets=[rulesets.algebra], cache=False, whole_step=True).result(*args).step is not None
+    assert rewrite(step, rulesets=[rulesets.nn], cache=False).result(*args).step is not None
+    assert rewrite(step, rulesets=[rulesets.nn], cache=False, whole_step=False).result(*args).step is None
