@@ -215,6 +215,19 @@ def _nnx_gpt(s: Size, wrap: Callable, opt: Any = None) -> tuple[Callable, tuple]
 
 
 # ---------------------------------------------------------------------- haiku
+
+def _hk_blocks(x, s, mask):
+    """Two pre-norm haiku transformer blocks (attention under ``mask``, then a GELU MLP), as haiku's examples write them."""
+    import haiku as hk
+
+    for _ in range(2):
+        h = hk.LayerNorm(-1, True, True)(x)
+        x = x + hk.MultiHeadAttention(s.heads, s.width // s.heads, w_init=hk.initializers.VarianceScaling())(
+            h, h, h, mask=mask)
+        h = hk.LayerNorm(-1, True, True)(x)
+        x = x + hk.Linear(s.width)(jax.nn.gelu(hk.Linear(4 * s.width)(h)))
+    return x
+
 def _haiku_gpt_net(s: Size) -> Callable:
     import haiku as hk
 
@@ -222,12 +235,7 @@ def _haiku_gpt_net(s: Size) -> Callable:
         n = tokens.shape[-1]
         x = hk.Embed(s.vocab, s.width)(tokens) + hk.get_parameter("pos", (n, s.width), init=jnp.zeros)
         mask = jnp.tril(jnp.ones((1, 1, n, n), bool))
-        for _ in range(2):
-            h = hk.LayerNorm(-1, True, True)(x)
-            x = x + hk.MultiHeadAttention(s.heads, s.width // s.heads, w_init=hk.initializers.VarianceScaling())(
-                h, h, h, mask=mask)
-            h = hk.LayerNorm(-1, True, True)(x)
-            x = x + hk.Linear(s.width)(jax.nn.gelu(hk.Linear(4 * s.width)(h)))
+        x = _hk_blocks(x, s, mask)
         return hk.Linear(s.vocab)(hk.LayerNorm(-1, True, True)(x))
 
     return forward
@@ -266,12 +274,7 @@ def _haiku_encoder(s: Size, wrap: Callable, opt: Any = None) -> tuple[Callable, 
         valid = jnp.arange(n)[None, :] < lengths[:, None]
         mask = (valid[:, None, None, :] & valid[:, None, :, None])
         x = hk.Embed(s.vocab, s.width)(tokens) + hk.get_parameter("pos", (n, s.width), init=jnp.zeros)
-        for _ in range(2):
-            h = hk.LayerNorm(-1, True, True)(x)
-            x = x + hk.MultiHeadAttention(s.heads, s.width // s.heads, w_init=hk.initializers.VarianceScaling())(
-                h, h, h, mask=mask)
-            h = hk.LayerNorm(-1, True, True)(x)
-            x = x + hk.Linear(s.width)(jax.nn.gelu(hk.Linear(4 * s.width)(h)))
+        x = _hk_blocks(x, s, mask)
         pooled = (x * valid[..., None]).sum(1) / lengths[:, None]
         return hk.Linear(4)(pooled)
 

@@ -334,16 +334,7 @@ def test_a_failing_step_search_keeps_the_step_rewritten_as_written(monkeypatch):
 def test_the_search_runs_by_default_only_with_the_memory_shaped_packs():
     """``whole_step=None``: searched with ``rulesets.attention`` or the LM head's rules (``rulesets.nn``), not with
     the identity packs alone (whose programs it would change for no memory), and ``True``/``False`` decide."""
-    w0 = jax.random.normal(jax.random.PRNGKey(0), (8, 16))
-    v0 = jax.random.normal(jax.random.PRNGKey(1), (16, 4))
-    x = jax.random.normal(jax.random.PRNGKey(2), (32, 8))
-    y = jnp.arange(32) % 4
-
-    def step(w, v, x, y):
-        value, (gw, gv) = jax.value_and_grad(_plain_loss, argnums=(0, 1))(w, v, x, y)
-        return w - 0.1 * gw, v - 0.1 * gv, value
-
-    args = (w0, v0, x, y)
+    step, args = _mlp_step(_plain_loss)
     assert rewrite(step, rulesets=[rulesets.algebra], cache=False).result(*args).step is None
     assert rewrite(step, rulesets=[rulesets.algebra], cache=False, whole_step=True).result(*args).step is not None
     assert rewrite(step, rulesets=[rulesets.nn], cache=False).result(*args).step is not None
