@@ -49,6 +49,11 @@ log = logging.getLogger("rewrite")
 WHOLE_STEP_PACKS = frozenset({"attention", "nn_lm_head"})
 
 
+def _searches_steps(entries: Sequence[tuple[Any, Ruleset]], whole_step: bool | None) -> bool:
+    """``whole_step=`` decided: ``None`` searches when the rules hold a memory-shaped pack's."""
+    return any(owner.name in WHOLE_STEP_PACKS for _, owner in entries) if whole_step is None else bool(whole_step)
+
+
 def builtin_packs() -> Mapping[str, Ruleset]:
     """The built-in packs by name (``rulesets=["algebra", ...]``): the ``rulesets`` package, which is built on
     this one, resolved here at the top so that nothing in the core imports it."""
@@ -127,8 +132,7 @@ class Rewritten:
         self._jitted: dict[Any, tuple[core.ClosedJaxpr, Any]] = {}  # key -> (program, jax.jit of it)
         #: look in the program for a loss whose gradients it holds (a training step): rewrite/grad/step.py. By
         #: default only with the memory-shaped packs, whose forwards and backwards it exists to replace together
-        self.whole_step = (any(owner.name in WHOLE_STEP_PACKS for _, owner in self.entries) if whole_step is None
-                           else bool(whole_step))
+        self.whole_step = _searches_steps(self.entries, whole_step)
 
     def _prepare(self, args: tuple, kwargs: dict) -> tuple[Any, list[Any], tuple[Traced, Result], tuple]:
         """The call's cache key, program operands, (traced, result) entry, and nnx nodes (``state.lift``)."""
@@ -544,7 +548,6 @@ def explain(fn: Any, *args: Any, rulesets: Any = (), cost_model: Any = None, lim
     # what rewrite(step) does besides: a loss whose gradients the step holds (rewrite/grad/step.py)
     finder = Rewritten(fn, (), model, limits, static_argnums, static_argnames, strict=None, cache=False)
     finder.entries = entries
-    finder.whole_step = (any(owner.name in WHOLE_STEP_PACKS for _, owner in entries) if whole_step is None
-                         else bool(whole_step))  # as rewrite decides it
+    finder.whole_step = _searches_steps(entries, whole_step)
     chosen = finder._whole_step(traced, result)
     return report_of(result, entries, model, step=chosen.step, step_used=chosen is not result)

@@ -212,18 +212,22 @@ def cone_program(graph: _Graph, root: Any, eqns: Sequence[int], leaves: Sequence
 
 def rederive(cone: core.ClosedJaxpr, dif: Sequence[int]) -> core.ClosedJaxpr:
     """``leaves -> (L, dL/dleaf for the leaves at dif)``: JAX's own VJP of the cone, traced, seeded with 1."""
-    fn = core.jaxpr_as_fun(cone)
+    joint = value_and_grads(core.jaxpr_as_fun(cone), dif)
+    return jax.make_jaxpr(joint)(*[spec_of(a) for a in cone.in_avals])
 
+
+def value_and_grads(fn: Callable[..., Any], positions: Sequence[int]) -> Callable[..., list[Any]]:
+    """``xs -> [L, dL/dxs[i] for i in positions]`` for ``L = fn(*xs)[0]``, by ``jax.vjp`` seeded with 1."""
     def joint(*xs: Any) -> list[Any]:
         def of(*fl: Any) -> Any:
             ys = list(xs)
-            for i, v in zip(dif, fl):
+            for i, v in zip(positions, fl):
                 ys[i] = v
             return fn(*ys)[0]
-        out, pullback = jax.vjp(of, *[xs[i] for i in dif])
+        out, pullback = jax.vjp(of, *[xs[i] for i in positions])
         return [out] + list(pullback(jax.numpy.ones_like(out)))
 
-    return jax.make_jaxpr(joint)(*[spec_of(a) for a in cone.in_avals])
+    return joint
 
 
 def inline(eqns: list, closed: core.ClosedJaxpr, args: Sequence[Any], constvars: list, consts: list) -> list[Any]:
@@ -272,20 +276,10 @@ def replace(step: core.ClosedJaxpr, root: Any, leaves: Sequence[Any], consts: di
     """``step`` with ``root`` and the values in ``found`` read from the loss-first program instead."""
     wanted = sorted(set(found.values()))
     fn = loss_first(core.jaxpr_as_fun(cone))
-    pos = [dif[j] for j in wanted]
-
-    def value_and_grads(*xs: Any) -> list[Any]:
-        def of(*fl: Any) -> Any:
-            ys = list(xs)
-            for i, v in zip(pos, fl):
-                ys[i] = v
-            return fn(*ys)[0]
-        out, pullback = jax.vjp(of, *[xs[i] for i in pos])
-        return [out] + list(pullback(jax.numpy.ones_like(out)))
-
+    joint = value_and_grads(fn, [dif[j] for j in wanted])
     # the cone program takes its constants first as inputs here, so that all leaves are arguments
     lifted = [v for v in leaves if v in consts] + [v for v in leaves if v not in consts]
-    program = jax.make_jaxpr(value_and_grads)(*[spec_of(v.aval) for v in lifted])
+    program = jax.make_jaxpr(joint)(*[spec_of(v.aval) for v in lifted])
     jaxpr = step.jaxpr
     eqns: list = []
     constvars, cvals = list(jaxpr.constvars), list(step.consts)
