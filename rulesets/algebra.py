@@ -320,32 +320,22 @@ def _fold(m):
 def _fold_integer_pow(m):
     """x^n for a literal x, by the same repeated squaring XLA runs, each step in the dtype."""
     x, n, out = m["c"], m.params("p")["y"], m.root
-    if x.dtype not in _FOLD_FLOATS and not _integer(x):
-        return None
-    v = np.asarray(x.literal, dtype=x.dtype)
-    if _tiny(v):
-        return None
+    if x.dtype not in _FOLD_FLOATS and not (_integer(x) and n >= 0):
+        return None  # an integer to a negative power divides by zero or rounds: left to XLA
+    base = np.asarray(x.literal, dtype=x.dtype)
+    steps, acc, k = [base], None, abs(n)
     with np.errstate(all="ignore"):
-        steps = []
-        if n == 0:
-            result = np.ones((), x.dtype)
-        else:
-            acc, base, k = None, v, abs(n)
-            while k > 0:
-                if k & 1:
-                    acc = base if acc is None else (acc * base).astype(x.dtype)
-                    steps.append(acc)
-                k >>= 1
-                if k > 0:
-                    base = (base * base).astype(x.dtype)
-                    steps.append(base)
-            result = acc
-            if n < 0:
-                if _integer(x):
-                    return None  # integer division by zero and rounding: leave to XLA
-                result = (np.ones((), x.dtype) / acc).astype(x.dtype)
-                steps.append(result)
-    if any(_tiny(np.asarray(s)) for s in steps):
+        while k > 0:  # the squares x, x^2, x^4, ... that n's bits select, multiplied in, lowest first
+            if k & 1:
+                acc = base if acc is None else (acc * base).astype(x.dtype)
+                steps.append(acc)
+            k >>= 1
+            if k > 0:
+                base = (base * base).astype(x.dtype)
+                steps.append(base)
+        one = np.ones((), x.dtype)
+        result = one if acc is None else acc if n > 0 else (one / acc).astype(x.dtype)
+    if any(_tiny(np.asarray(s)) for s in steps + [result]):
         return None
     return m.literal(np.asarray(result).item(), out.aval)
 

@@ -215,16 +215,19 @@ def split(tree: Factor, pred: Callable[[Factor], bool], *, into_no: bool = False
 class Simplified:
     """A product tree after :func:`simplify`: leaves to drop, what replaces them, and the coefficient."""
 
-    tree: Factor
     drop: set[int]
     new: list[tuple[str, Any, int]]   # (kind, value or [(k, value)], power); kind "exp" or one of _DERIVED
     coeff: float
     changes: list[str]
 
 
-def _by_argument(power: dict[int, tuple[Value, int, int]], prim: str) -> dict[int, int]:
-    """The bases that apply ``prim`` (``sin``, say), by the name of its argument."""
-    return {n.operands[0].name: name for name, (v, _, _) in power.items() if (n := v.node(prim)) is not None}
+def _pairs(power: dict[int, tuple[Value, int, int]], prim: str, partner: str) -> Any:
+    """``(name, partner's name, x)`` for each base ``prim(x)`` whose ``partner(x)`` is a base of the same type."""
+    partners = {n.operands[0].name: name for name, (v, _, _) in power.items() if (n := v.node(partner)) is not None}
+    for name, (v, _, _) in list(power.items()):
+        n = v.node(prim)
+        if n is not None and n.operands[0].name in partners and power[partners[n.operands[0].name]][0].aval == v.aval:
+            yield name, partners[n.operands[0].name], n.operands[0]
 
 
 #: Primitives whose results are at most 1 in magnitude (or NaN).
@@ -281,7 +284,7 @@ def simplify(tree: Factor, *, fastmath: bool = False) -> Simplified:
     or under ``fastmath``.
     """
     leaves = tree.leaves()
-    out = Simplified(tree, set(), [], 1.0, [])
+    out = Simplified(set(), [], 1.0, [])
     lits = [f for f in leaves if f.op == "lit"]
     if len(lits) >= 2:
         out.drop.update(id(f) for f in lits)
@@ -292,11 +295,8 @@ def simplify(tree: Factor, *, fastmath: bool = False) -> Simplified:
         if f.op == "leaf":
             bases.setdefault(f.value.name, []).append(f)
     # Powers of one base.
-    power: dict[int, tuple[Value, int, int]] = {}  # name -> (value, positive power, negative power)
-    for name, fs in bases.items():
-        pos = sum(f.e for f in fs if f.e > 0)
-        neg = -sum(f.e for f in fs if f.e < 0)
-        power[name] = (fs[0].value, pos, neg)
+    power = {name: (fs[0].value, sum(f.e for f in fs if f.e > 0), -sum(f.e for f in fs if f.e < 0))
+             for name, fs in bases.items()}  # name -> (value, positive power, negative power)
     for name, (v, pos, neg) in list(power.items()):
         fs = bases[name]
         if pos and neg and (fastmath or v.nonzero):
@@ -310,20 +310,10 @@ def simplify(tree: Factor, *, fastmath: bool = False) -> Simplified:
         out.drop.update(id(f) for f in fs)
     # sin(x)^p * cos(x)^q: a pair is sin(2x)/2 (a pair of reciprocals, 2/sin(2x)). Only where 2x cannot
     # overflow (doubles_safely): at x = 3e38 (float32) sin(2x) is NaN and sin(x)*cos(x) a number.
-    sins = _by_argument(power, "sin")
-    for name, (v, pos, neg) in list(power.items()):
-        c = v.node("cos")
-        if c is None or c.operands[0].name not in sins:
-            continue
-        sname = sins[c.operands[0].name]
-        sv, spos, sneg = power[sname]
-        if sv.aval != v.aval:
-            continue
-        arg = c.operands[0]
-        if not (fastmath or doubles_safely(arg)):
-            continue
+    for name, sname, arg in _pairs(power, "cos", "sin"):
+        (v, pos, neg), (sv, spos, sneg) = power[name], power[sname]
         kp, kn = min(spos, pos), min(sneg, neg)
-        if not (kp or kn):
+        if not (kp or kn) or not (fastmath or doubles_safely(arg)):
             continue
         power[sname] = (sv, spos - kp, sneg - kn)
         power[name] = (v, pos - kp, neg - kn)
@@ -336,21 +326,16 @@ def simplify(tree: Factor, *, fastmath: bool = False) -> Simplified:
             out.coeff *= 2.0 ** kn
         out.changes.append("double_angle" if doubles_safely(arg) else "double_angle_unbounded")
     # sinh(x) / cosh(x) = tanh(x), one cheap function for two costly ones.
-    coshes = _by_argument(power, "cosh")
-    for name, (v, pos, neg) in list(power.items()):
-        sh = v.node("sinh")
-        if sh is None or sh.operands[0].name not in coshes:
-            continue
-        cname = coshes[sh.operands[0].name]
-        cv, cpos, cneg = power[cname]
+    for name, cname, arg in _pairs(power, "sinh", "cosh"):
+        (v, pos, neg), (cv, cpos, cneg) = power[name], power[cname]
         k, k2 = min(pos, cneg), min(neg, cpos)
-        if not (k or k2) or cv.aval != v.aval:
+        if not (k or k2):
             continue
         power[name] = (v, pos - k, neg - k2)
         power[cname] = (cv, cpos - k2, cneg - k)
         out.drop.update(id(f) for f in bases[name] + bases[cname])
         if k - k2:
-            out.new.append(("tanh", sh.operands[0], k - k2))
+            out.new.append(("tanh", arg, k - k2))
         out.changes.append("tanh")
     # exp(x) / (1 + exp(x)) = logistic(x), and 1 / (1 + exp(x)) = logistic(-x).
     for name, (v, pos, neg) in list(power.items()):
@@ -389,10 +374,7 @@ def simplify(tree: Factor, *, fastmath: bool = False) -> Simplified:
     for name, fs in bases.items():
         if id(fs[0]) in out.drop:
             v, pos, neg = power[name]
-            if pos:
-                out.new.append(("v", v, pos))
-            if neg:
-                out.new.append(("v", v, -neg))
+            out.new.extend(("v", v, e) for e in (pos, -neg) if e)
     return out
 
 

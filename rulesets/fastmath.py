@@ -43,7 +43,7 @@ from rewrite import rule as _rule
 
 # Every rule's example program is rewritten by the contract test (tests/test_contract.py), not on import.
 rule = functools.partial(_rule, check=False)
-from rulesets.algebra import own_power
+from rulesets.algebra import _MUL_POWS, _MUL_X_POW, _POW_POW, own_power
 
 __all__ = ["fastmath", "reassociate", "reciprocal", "cancel", "distribute", "powers", "signed_zeros"]
 
@@ -61,10 +61,6 @@ def _floating(*xs) -> bool:
 # Zero is an ordinary value, and a division by it is not: x/x -> 1 would turn 0/0 (NaN) into
 # 1, and a/c + b/c -> (a + b)/c turns 0/0 + 1/0 (NaN) into 1/0 (inf). Rules that cancel or
 # merge divisions ask for a divisor that the facts prove nonzero.
-def _nonzero_float(x) -> bool:
-    return _floating(x) and x.nonzero
-
-
 def _nonzero_divisor(a, b, c) -> bool:
     return _floating(a, b, c) and c.nonzero
 
@@ -123,23 +119,15 @@ reciprocal = Ruleset("reciprocal", [
 
 
 # ---------------------------------------------------------------------- cancel
-def _not_visibly_nonfinite(x) -> bool:
+def _cancellable(x) -> bool:
     """Fastmath may assume finite values, but not against a constant that is plainly inf or NaN."""
     c = x.constant
-    return c is None or bool(np.all(np.isfinite(c)))
-
-
-def _cancellable(x) -> bool:
-    return _floating(x) and _not_visibly_nonfinite(x)
-
-
-def _cancellable_nonzero(x) -> bool:
-    return _nonzero_float(x) and _not_visibly_nonfinite(x)
+    return _floating(x) and (c is None or bool(np.all(np.isfinite(c))))
 
 
 cancel = Ruleset("cancel", [
     rule(lambda x: x - x, lambda x: jnp.zeros_like(x), name="sub_self", when=_cancellable),   # x - x -> 0  (not for inf, NaN)
-    rule(lambda x: x / x, lambda x: jnp.ones_like(x), name="div_self", when=_cancellable_nonzero),  # x / x -> 1, x != 0  (not for inf, NaN)
+    rule(lambda x: x / x, lambda x: jnp.ones_like(x), name="div_self", when=lambda x: _cancellable(x) and x.nonzero),  # x / x -> 1, x != 0  (not for inf, NaN)
     rule(lambda x: x * 0, lambda x: jnp.zeros_like(x), name="mul_zero", when=_cancellable),   # x * 0 -> 0  (not for inf, NaN; sign of zero)
 ], soundness="fastmath", tolerance=Tolerance(rtol=0.0, atol=0.0),
     description="cancel x-x, x/x, x*0: exact on finite nonzero values, wrong for inf and NaN")
@@ -169,9 +157,6 @@ distribute = Ruleset("distribute", [
 # rulesets.algebra folds only the powers whose rounding XLA's repeated
 # squaring reproduces exactly; these fold any, within a few roundings.
 _MAX_EXPONENT = 64
-_POW_POW = Pat("integer_pow", Pat("integer_pow", X, params="p"), params="q")                  # (x^a)^b
-_MUL_POWS = Pat("mul", Pat("integer_pow", X, params="p"), Pat("integer_pow", X, params="q"))  # x^a * x^b
-_MUL_X_POW = Pat("mul", X, Pat("integer_pow", X, params="q"))                                 # x * x^a
 
 
 def _base(x, n: int) -> bool:

@@ -371,8 +371,8 @@ def _factor_out(side: str) -> Callable:
         p = m.product("p")
         if p is None:
             return None
-        a, b, (la, lb, lo) = p.lhs, p.rhs, p.labels
-        x, lx, other, lother = (a, la, b, lb) if side == "lhs" else (b, lb, a, la)
+        la, lb, lo = p.labels
+        x, lx, other, lother = (p.lhs, la, p.rhs, lb) if side == "lhs" else (p.rhs, lb, p.lhs, la)
         found = []
         for op, rest, f, dims in _factors_of(x):
             along = tuple(None if d is None else lx[d] for d in dims)
