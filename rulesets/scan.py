@@ -402,7 +402,7 @@ def _buffer_rows(loop: Loop, k: int, counters: dict[int, int]) -> tuple[Any, np.
             if at is None:
                 continue
             steps = np.arange(start, start + T, dtype=loop.args[loop.num_consts + c].dtype)
-            values = [np.asarray(v).reshape(T, -1) for v in _evaluate(jax.vmap(lambda i, at=at: at(i)), steps)]
+            values = [np.asarray(v).reshape(T, -1) for v in _compute_now(jax.vmap(lambda i, at=at: at(i)), steps)]
             if any(np.any(v != 0) for v in values[1:]):
                 raise Decline("the write is not at a whole row")
             rows = values[0][:, 0].astype(np.int64)
@@ -414,7 +414,7 @@ def _buffer_rows(loop: Loop, k: int, counters: dict[int, int]) -> tuple[Any, np.
     raise Decline("no row write of a counter")
 
 
-def _evaluate(fn: Callable, *args: Any) -> Any:
+def _compute_now(fn: Callable, *args: Any) -> Any:
     """``fn(*args)`` computed now, also while a rewrite runs inside an outer trace (``jit(grad(rewrite(f)))``)."""
     with jax.ensure_compile_time_eval():
         return jax.tree.map(np.asarray, fn(*args))
@@ -477,7 +477,7 @@ def while_to_scan(m) -> Any:
         return test(*[i if j == cnc + k else (v if v is not None else jnp.zeros(cond_in[j].shape, cond_in[j].dtype))
                       for j, v in enumerate(vals)])[0]
 
-    go = np.asarray(_evaluate(jax.vmap(at), steps))
+    go = np.asarray(_compute_now(jax.vmap(at), steps))
     if go.all():
         return None
     trip = int(np.argmin(go))
