@@ -1,6 +1,6 @@
 """Calibrate the cost model against this backend: what one element of each operation costs, measured.
 
-Prints, and with ``--write`` stores in ``rewrite/cost/calibration.py``, the
+Prints, and with ``--write`` stores in ``rewrite/cost/calibration.json``, the
 table :class:`rewrite.AnalyticCost` and the fusion model read: nanoseconds
 per element for each elementwise primitive computed inside a fused loop,
 for ``sin`` and ``cos`` of one argument in the same loop (LLVM merges them),
@@ -30,7 +30,6 @@ import datetime
 import json
 import os
 import platform
-import pprint
 import statistics
 import sys
 import time
@@ -326,7 +325,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--runs", type=int, default=1, help="repeat, keeping each figure's lowest value")
-    ap.add_argument("--write", action="store_true", help="store the table in rewrite/cost/calibration.py")
+    ap.add_argument("--write", action="store_true", help="store the table in rewrite/cost/calibration.json")
     ap.add_argument("--merge", action="store_true",
                     help="combine with the stored table: each elementwise price's lowest value over runs, and the "
                          "median over runs of each memory figure")
@@ -450,16 +449,11 @@ def _cache_only(args: argparse.Namespace) -> None:
 
 
 def _write(tables: dict) -> None:
-    path = Path(__file__).resolve().parent.parent / "rewrite" / "cost" / "calibration.py"
-    body = "\n\n".join(f"{name} = " + pprint.pformat(t, sort_dicts=False, width=110) for name, t in tables.items())
+    from rewrite.cost import calibration as _calibration
+
     backends = {t["platform"]: name for name, t in tables.items()}
-    path.write_text(
-        '"""Measured costs per backend, written by ``benchmarks/calibrate.py``; do not edit by hand.\n\n'
-        "Nanoseconds per element (per byte, per flop, per kernel) on the machine each table names, the\n"
-        "fastest of several runs under the load recorded. Only ratios matter to extraction; rerun the\n"
-        "script on a backend to calibrate it. ``BACKENDS`` maps ``jax.default_backend()`` to its table.\n"
-        '"""\n\n' + body + "\n\nBACKENDS = " + pprint.pformat(backends) + "\n")
-    print(f"wrote {path}", file=sys.stderr)
+    _calibration.PATH.write_text(json.dumps({**tables, "BACKENDS": backends}, indent=1) + "\n")
+    print(f"wrote {_calibration.PATH}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ subclass :class:`AnalyticCost` to keep whole-program pricing.
 
 The default, :class:`AnalyticCost`, prices in nanoseconds measured on the
 backend (``benchmarks/calibrate.py`` writes the table to
-``rewrite/cost/calibration.py``): each elementwise primitive at its own measured
+``rewrite/cost/calibration.json``): each elementwise primitive at its own measured
 price (on XLA:CPU ``sin`` costs fifty multiplications and ``exp`` five),
 bytes where XLA materialises arrays, and flops of contractions. Elementwise
 chains are treated as fused, so they cost their arithmetic only. A node
@@ -130,7 +130,7 @@ _PINNED: list[Mapping[str, Any]] = []
 
 def _table() -> Mapping[str, Any]:
     """The table prices come from: the one :func:`priced_with` pins, else the calibration table of the
-    default backend (``rewrite/cost/calibration.py``), else the CPU's."""
+    default backend (``rewrite/cost/calibration.json``), else the CPU's."""
     if _PINNED:
         return _PINNED[-1]
     name = _calibration.BACKENDS.get(jax.default_backend(), _calibration.BACKENDS["cpu"])
@@ -140,7 +140,7 @@ def _table() -> Mapping[str, Any]:
 @contextlib.contextmanager
 def priced_with(table: Mapping[str, Any]) -> Iterator[None]:
     """Within the block, :class:`AnalyticCost`'s defaults (and the default model) come from ``table``, a
-    table of the form ``rewrite/cost/calibration.py`` holds, not from this machine's calibration.
+    table of the form ``rewrite/cost/calibration.json`` holds, not from this machine's calibration.
 
     For results that must not move when the machine's table is measured again: the golden files
     (``tests/golden``) are priced with a fixed table kept beside them.
