@@ -169,6 +169,23 @@ def _flops(x: Labels, y: Labels, out: Sequence[int], size: dict[int, int]) -> in
 # accumulated in int32, or products of different precisions rebuilt as one).
 
 
+def _of_product(body: Callable[[Any, Any], Any]) -> Any:
+    """``body(m, p)`` as a procedure, ``p`` the matched product ``"p"`` (:meth:`Match.product`); where that is
+    no product this plain form reads, the match is declined."""
+
+    def run(m: Any) -> Any:
+        p = m.product("p")
+        return None if p is None else body(m, p)
+
+    run.__name__, run.__doc__ = body.__name__, body.__doc__
+    return procedural(run)
+
+
+def _each(root: Any, found: list) -> Any:
+    """No replacement, the one found, or every one found as an alternative for ``root``."""
+    return None if not found else found[0] if len(found) == 1 else [(root, t) for t in found]
+
+
 # ---------------------------------------------------------------------- associativity
 def _pairings(m: Any, nested: str) -> Any:
     """The other bracketings of a product of a product (the procedure of ``la_assoc_*``).
@@ -221,9 +238,7 @@ def _pairings(m: Any, nested: str) -> Any:
         if perm is not None:
             r = m.node("transpose", [r], {"permutation": perm}, [out.aval])
         found.append(r)
-    if not found:
-        return None
-    return found[0] if len(found) == 1 else [(out, t) for t in found]
+    return _each(out, found)
 
 
 @procedural
@@ -243,11 +258,8 @@ def _fold_transpose(side: str) -> Callable:
     """A transposed operand read by a product is the untransposed one, with the product's dimension numbers
     relabelled; declines when the result would need a transpose of its own instead."""
 
-    @procedural
-    def fold(m):
-        p = m.product("p")
-        if p is None:
-            return None
+    @_of_product
+    def fold(m, p):
         la, lb, lo = p.labels
         src = la if side == "lhs" else lb  # the labels of the transposed value; its operand's follow perm
         untransposed = [0] * len(src)
@@ -264,12 +276,9 @@ def _fold_transpose(side: str) -> Callable:
     return fold
 
 
-@procedural
-def _transpose_of_product(m):
+@_of_product
+def _transpose_of_product(m, p):
     """``transpose(a b)`` is ``a b`` or ``b a`` with other dimension numbers, when one lays the result out so."""
-    p = m.product("p")
-    if p is None:
-        return None
     a, b, (la, lb, lo) = p.lhs, p.rhs, p.labels
     want = [lo[i] for i in m.params("t")["permutation"]]
     for (x, lx), (y, ly) in (((a, la), (b, lb)), ((b, lb), (a, la))):
@@ -366,11 +375,8 @@ def _factor_out(side: str) -> Callable:
     settling on every operand of every sub-product of a chain.
     """
 
-    @procedural
-    def factor_out(m):
-        p = m.product("p")
-        if p is None:
-            return None
+    @_of_product
+    def factor_out(m, p):
         la, lb, lo = p.labels
         x, lx, other, lother = (p.lhs, la, p.rhs, lb) if side == "lhs" else (p.rhs, lb, p.lhs, la)
         found = []
@@ -392,9 +398,7 @@ def _factor_out(side: str) -> Callable:
                     return p.dot(r, o) if lhs else p.dot(o, r)
 
                 found.append(m.trace(fn, f, rest, other))
-        if not found:
-            return None
-        return found[0] if len(found) == 1 else [(m.root, t) for t in found]
+        return _each(m.root, found)
 
     factor_out.__name__ = f"factor_out_{side}"
     return factor_out
@@ -403,11 +407,10 @@ def _factor_out(side: str) -> Callable:
 def _factor_in(op: str) -> Callable:
     """A factor of a product's result moves into the operand whose dimensions it runs along."""
 
-    @procedural
-    def factor_in(m):
-        p = m.product("p")
+    @_of_product
+    def factor_in(m, p):
         f, d = m["f"], m["d"]
-        if p is None or (op == "div" and not d.is_floating):
+        if op == "div" and not d.is_floating:
             return None
         a, b, (la, lb, lo) = p.lhs, p.rhs, p.labels
         found = _factor(f, d)
@@ -427,9 +430,7 @@ def _factor_in(op: str) -> Callable:
                 return p.dot(_scale(op, g, a), b) if lhs else p.dot(a, _scale(op, g, b))
 
             out.append(m.trace(fn, small, a, b))
-        if not out:
-            return None
-        return out[0] if len(out) == 1 else [(m.root, t) for t in out]
+        return _each(m.root, out)
 
     factor_in.__name__ = f"factor_in_{op}"
     return factor_in
@@ -459,11 +460,11 @@ def _common(op: str, shared: str) -> Callable:
 
 
 # ---------------------------------------------------------------------- reductions of products
-@procedural
-def _sum_of_product(m):
+@_of_product
+def _sum_of_product(m, p):
     """``sum(a b)`` over dimensions of one operand sums that operand first; over a batch dimension, contracts it."""
-    p, r = m.product("p"), m.params("r")
-    if p is None or r.sharded:
+    r = m.params("r")
+    if r.sharded:
         return None
     a, b, (la, lb, lo) = p.lhs, p.rhs, p.labels
     summed = {lo[i] for i in r["axes"]}
