@@ -471,12 +471,10 @@ class ProgramSearch:
                 for alt in alts:
                     if self.pricer.evaluations - start >= budget:
                         return self.choice, best
-                    cur = self.choice[c]
-                    if not self._may_move(cur, alt):
+                    move = self._movable(c, alt)
+                    if move is None:
                         continue
-                    swap = self._adds_loop(cur, alt)  # one loop for another: only all its outputs at once
-                    if not swap and self.ex.reaches(self.choice, self._kids(alt), {c}):
-                        continue
+                    cur, swap = move
                     price = math.inf  # a swap is priced only as a group move, below
                     if not swap:
                         self._switch(c, alt)
@@ -513,6 +511,18 @@ class ProgramSearch:
                 break
         return self.choice, best
 
+    def _movable(self, c: Any, alt: tuple) -> tuple[tuple, bool] | None:
+        """``(the class's current node, whether the move swaps one loop for another)`` for a move of class
+        ``c`` to ``alt`` that may be tried; ``None`` where it may not (a swap moves all a loop's outputs
+        at once, so only a plain move that would make a cycle is refused here)."""
+        cur = self.choice[c]
+        if not self._may_move(cur, alt):
+            return None
+        swap = self._adds_loop(cur, alt)
+        if not swap and self.ex.reaches(self.choice, self._kids(alt), {c}):
+            return None
+        return cur, swap
+
     def _lean(self, best: float, band: float) -> float:
         """From the search's result (priced ``best``), move to leaner programs priced within ``band`` of it.
 
@@ -546,12 +556,10 @@ class ProgramSearch:
             for alt in alts:
                 if self.pricer.evaluations - start >= budget:
                     return best
-                cur = self.choice[c]
-                if not self._may_move(cur, alt):
+                move = self._movable(c, alt)
+                if move is None:
                     continue
-                swap = self._adds_loop(cur, alt)  # one loop for another: only all its outputs at once
-                if not swap and self.ex.reaches(self.choice, self._kids(alt), {c}):
-                    continue
+                cur, swap = move
                 kept = False
                 if not swap:
                     self._switch(c, alt)
