@@ -20,33 +20,32 @@ from hypothesis import given, settings, strategies as st
 import rulesets
 from rewrite import AnalyticCost, Ruleset, explain, rewrite
 from rewrite.ir.jaxapi import scan_counts
-from rulesets import _lmhead_loop, nn_lmhead
-from rulesets.nn_lmhead import BLOCKS, nn_lm_head
+from rulesets import nn_lm_head_kernels as kernels
+from rulesets.nn_lm_head import BLOCKS, lm_head_rules, offered
 
-NN = rulesets.nn
-#: The part's tolerance at float32 (rulesets/nn_lmhead.py); bf16 logits are rounded once to bf16.
+
+def nn_with(head: Ruleset) -> Ruleset:
+    """``rulesets.nn`` with its LM head configured otherwise."""
+    return Ruleset("nn", [rulesets.nn.nn_one_hot, rulesets.nn.nn_stable, head], soundness="identity")
+
+
+#: These tests check the loop's values and memory, so they ask for it on every backend (on a GPU the pack
+#: does not offer it by default: :func:`rulesets.nn_lm_head.offered`, tested below).
+nn_lm_head = lm_head_rules(loop=True)
+NN = nn_with(nn_lm_head)
+#: The part's tolerance at float32 (rulesets/nn_lm_head.py); bf16 logits are rounded once to bf16.
 TOLERANCE = {"float32": (2e-4, 2e-5), "bfloat16": (3e-2, 3e-2)}
 
 
-OFFERED = nn_lmhead.offered
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _the_loop_on_every_backend():
-    """These tests check the loop's values and memory, so they ask for it on every backend (on a GPU the pack
-    does not offer it by default: :func:`rulesets.nn_lmhead.offered`, tested below)."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(nn_lmhead, "offered", lambda: True)
-        yield
-
-
-def test_the_loop_is_offered_except_on_a_gpu(monkeypatch):
+def test_the_loop_is_offered_except_on_a_gpu():
     """Where the pack does not offer its loop (by default, on a GPU), the loss keeps its logits."""
-    assert OFFERED() == (jax.default_backend() != "gpu")  # this backend's own answer
-    monkeypatch.setattr(nn_lmhead, "offered", lambda: False)
+    assert offered() == (jax.default_backend() != "gpu") and offered(loop=True)  # this backend's own answer
     f = make("optax_int", "mean", False, False, False)
-    report = explain(f, *inputs(np.random.default_rng(2), N, C, V), rulesets=[NN])
-    assert not lse_fired(report) and not blocked(report), report.fired
+    args = inputs(np.random.default_rng(2), N, C, V)
+    assert blocked(explain(f, *args, rulesets=[NN]))
+    if jax.default_backend() == "gpu":
+        report = explain(f, *args, rulesets=[rulesets.nn])
+        assert not lse_fired(report) and not blocked(report), report.fired
 
 
 def make(form: str, reduce: str, bias: bool, batch: bool, bf16: bool):
@@ -191,7 +190,7 @@ def test_every_identity_pack_keeps_the_head_without_its_logits():
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's buffers; on a GPU (H200) the whole add measured "
                     "72.5 MiB against 76.5 by columns (and the loop is not offered there)")
-def test_the_weight_gradient_is_added_in_place(monkeypatch):
+def test_the_weight_gradient_is_added_in_place():
     """Each token block's ``h_b^T dz_b`` is added into the carried ``dW`` by column blocks, so the gradient holds
     no width x V array beside the weight gradient it returns: about one such array (64 MiB here) less than the
     same loop adding each block's product whole (compiled, not run: 96.5 -> 39.0 MiB)."""
@@ -200,27 +199,26 @@ def test_the_weight_gradient_is_added_in_place(monkeypatch):
             jax.ShapeDtypeStruct((v,), jnp.float32), jax.ShapeDtypeStruct((n,), jnp.int32),
             jax.ShapeDtypeStruct((n,), jnp.float32)]
 
-    def temp():  # a new rewrite each time: the backward is traced (and reads COLUMNS) under this jit
+    def temp(head):
         f = make("optax_int", "mean", False, False, False)
-        grad = jax.grad(rewrite(f, rulesets=[NN]), argnums=(0, 1))
+        grad = jax.grad(rewrite(f, rulesets=[nn_with(head)]), argnums=(0, 1))
         return jax.jit(grad).lower(*args).compile().memory_analysis().temp_size_in_bytes
 
-    by_columns = temp()
-    monkeypatch.setattr(_lmhead_loop, "COLUMNS", v)
-    whole = temp()
+    by_columns = temp(nn_lm_head)
+    whole = temp(lm_head_rules(loop=True, columns=v))
     assert whole - by_columns >= 0.85 * c * v * 4, (whole / 2 ** 20, by_columns / 2 ** 20)
 
 
 @pytest.mark.parametrize("columns", [3000, 8192])
-def test_column_blocks_with_a_remainder_and_whole(monkeypatch, columns):
+def test_column_blocks_with_a_remainder_and_whole(columns):
     """``dW`` by column blocks of 3000 (two blocks and a remainder of 2192 columns) and whole (one product): the
     gradient as the original's, with and without a bias."""
-    monkeypatch.setattr(_lmhead_loop, "COLUMNS", columns)
+    packs = [nn_with(lm_head_rules(loop=True, columns=columns))]
     args = inputs(np.random.default_rng(1), N, C, V)
     for bias in (True, False):
         f = make("optax_int", "masked", bias, False, False)
         grad = lambda fn: jax.jit(jax.grad(fn, argnums=(0, 1, 2)))
-        for a, b in zip(grad(rewrite(f, rulesets=[NN]))(*args), grad(f)(*args)):
+        for a, b in zip(grad(rewrite(f, rulesets=packs))(*args), grad(f)(*args)):
             close(a, b, *TOLERANCE["float32"])
 
 
@@ -503,18 +501,18 @@ def test_soft_labels_that_are_not_smoothed_one_hots_keep_the_logits():
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
-def test_column_blocks_under_vjp_and_jvp(monkeypatch, dtype):
+def test_column_blocks_under_vjp_and_jvp(dtype):
     """The column-block backward (blocks of 3000: a loop and a remainder) at every training dtype, through
     ``jax.vjp`` eagerly and under jit, and forward mode (``jax.jvp``) of the rewritten loss, as the original."""
-    monkeypatch.setattr(_lmhead_loop, "COLUMNS", 3000)
+    packs = [nn_with(lm_head_rules(loop=True, columns=3000))]
     h, W, b, y, w = inputs(np.random.default_rng(3), N, C, V)
     h, W = h.astype(dtype), W.astype(dtype)
 
     def f(h, W):
         return optax.softmax_cross_entropy_with_integer_labels((h @ W).astype(jnp.float32), y).mean()
 
-    g = rewrite(f, rulesets=[NN])
-    assert blocked(explain(f, h, W, rulesets=[NN]))
+    g = rewrite(f, rulesets=packs)
+    assert blocked(explain(f, h, W, rulesets=packs))
     rtol, atol = TOLERANCE["float32" if dtype == "float32" else "bfloat16"]
     def pullback(fn):
         return lambda h, W: jax.vjp(fn, h, W)[1](jnp.float32(1.0))
@@ -550,3 +548,79 @@ def test_a_label_gather_with_indices_narrower_than_the_vocabulary(mode):
     grad = lambda fn: jax.jit(jax.grad(lambda h, W: jnp.nansum(fn(h, W, y)), argnums=(0, 1)))  # noqa: E731
     for a, b in zip(grad(g)(h, W), grad(f)(h, W)):
         close(a, b, *TOLERANCE["float32"])
+
+
+# ---------------------------------------------------------------------- the kernels, alone
+def reference(h, W, b, y, t, reads, fills=False):
+    """What the kernels compute, on the whole logits: the maximum, the normaliser (the shift held constant),
+    the label's logit, the row sums and the dense target's ``sum(t * log_softmax)``."""
+    z = h @ W + (0 if b is None else b)
+    m = jnp.max(z, axis=-1)
+    shifted = z - lax.stop_gradient(kernels.row_shift(reads.shift, m))[:, None]
+    total = jnp.sum(jnp.exp(shifted), axis=-1)
+    out = [m, jnp.log(total) if reads.log else total]
+    if reads.label:
+        inside = (y >= 0) & (y < z.shape[-1])
+        picked = jnp.take_along_axis(z, jnp.clip(y, 0, z.shape[-1] - 1)[:, None], axis=-1)[:, 0]
+        out.append(jnp.where(inside, picked, jnp.nan) if fills else picked)
+    if reads.row_sums:
+        out.append(jnp.sum(z.astype(jnp.promote_types(z.dtype, jnp.float32)), axis=-1))
+    if reads.target:
+        out.append(jnp.sum(t * (shifted - jnp.log(total)[:, None]), axis=-1))
+    return out
+
+
+KERNEL_CASES = st.fixed_dictionaries({
+    "tokens": st.sampled_from([256, 384]), "vocab": st.sampled_from([40, 300]), "bias": st.booleans(),
+    "shift": st.sampled_from(["max", "finite"]), "log": st.booleans(), "label": st.booleans(),
+    "row_sums": st.booleans(), "target": st.booleans(), "fills": st.booleans(), "jit": st.booleans(),
+    "special": st.sampled_from(["none", "masked", "zeros", "negative"]), "seed": st.integers(0, 2 ** 16),
+})
+
+
+@settings(max_examples=10, deadline=None)
+@given(KERNEL_CASES, st.sampled_from(["float32", "bfloat16", "float64"]))
+def test_the_kernels_as_the_whole_logits(case, dtype):
+    """blocked_forward, blocked_backward and blocked_loss against the whole logits, on random heads: values,
+    and the VJP at random cotangents (the maximum's own included, shared among ties), with NaN and
+    infinities where the whole logits have them (a vocabulary masked with -inf in the bias, all-zero logits
+    whose maximum ties along the row, negative targets)."""
+    reads = kernels.Reads(shift=case["shift"], log=case["log"] or case["target"], label=case["label"],
+                          fills=case["fills"], row_sums=case["row_sums"], target=case["target"])
+    n, c, v = case["tokens"], 8, case["vocab"]
+    rng = np.random.default_rng(case["seed"])
+    with jax.enable_x64(dtype == "float64"):
+        h, W, b = (jnp.asarray(rng.standard_normal(s), dtype) for s in ((n, c), (c, v), (v,)))
+        if case["special"] == "masked":
+            b = b.at[v // 2:].set(-jnp.inf)
+        if case["special"] == "zeros":
+            h = h.at[:5].set(0)
+        b = b if case["bias"] else None
+        y = jnp.asarray(rng.integers(-2, v + 2, n), jnp.int32)
+        t = jnp.asarray(rng.random((n, v)) - (0.5 if case["special"] == "negative" else 0), dtype)
+        layout = kernels.Layout((0, 1), (0, 1), (n,), c, v, b is not None)
+        kw = dict(layout=layout, block=128, reads=reads)
+        forward = lambda h, W, b, t: kernels.blocked_forward(h, W, b, y, t, **kw)  # noqa: E731
+        loss = kernels.blocked_loss(columns=64, **kw)
+        blocked = lambda h, W, b, t: loss(h, W, b, y, t)  # noqa: E731
+        whole = lambda h, W, b, t: reference(h, W, b, y, t, reads, case["fills"])  # noqa: E731
+        wrap = jax.jit if case["jit"] else (lambda f: f)
+        rtol, atol = TOLERANCE["bfloat16" if dtype == "bfloat16" else "float32"]
+        want, vjp = jax.vjp(whole, h, W, b, t)
+        got = wrap(forward)(h, W, b, t)
+        assert [x is None for x in got[2:]] == [not reads.label, not reads.row_sums, not reads.target]
+        for a, w in zip([x for x in got if x is not None], want):
+            close(a, w, rtol, atol)
+        g = [jnp.asarray(rng.standard_normal(x.shape), x.dtype) for x in want]
+        g[0] = g[0] * (rng.random(n) < 0.3)  # the maximum's cotangent: 0 on most rows, as under stop_gradient
+        names = ["max", "normaliser"] + [k for k in ("label", "row_sums", "target") if getattr(reads, k)]
+        cot = kernels.Stats(**dict(zip(names, g)))
+        got = wrap(lambda *a: kernels.blocked_backward(*a, y, t, cot, columns=64, **kw)[:3])(h, W, b)
+        want = vjp(g)
+        for a, w in zip(got, want[:3]):
+            if w is not None:
+                close(a, w, rtol, atol)
+        # and the two joined: the target's cotangent where it is read (zeros where it is not)
+        for a, w in zip(jax.jit(lambda *a: jax.vjp(blocked, *a)[1](cot))(h, W, b, t), want):
+            if w is not None:
+                close(a, w, rtol, atol)
