@@ -12,7 +12,10 @@ backward. The rules below read those quantities from the product instead:
   each block. The shift is the program's, found from ``max(logits)`` under ``stop_gradient``.
 
 One rule per token block of :data:`BLOCKS` offers its loop where the block divides the tokens (at least two
-blocks); the cost model chooses, the block too, and keeps the logits where the vocabulary is small. On a GPU
+blocks); the cost model chooses, the block too, and keeps the logits where the vocabulary is small. A dense
+target ``t`` (``optax.softmax_cross_entropy(logits, t)`` with ``t`` an input) is read a block of rows per step,
+``sum(t * ((z - shift) - log(sum)))`` elementwise as ``log_softmax`` computes it, in blocks of 128 tokens only:
+XLA:CPU copies each block of ``t`` out of it (two blocks held), and 128 tokens measured fastest too. On a GPU
 the loop is not offered by default (:func:`offered`). The part is ``identity`` class with the tolerance of
 ``linalg``: the products sum their contraction in another order and ``dW`` is summed over blocks; every
 per-row and elementwise operation is the original's, so infinite and NaN logits come out as the original
@@ -312,6 +315,23 @@ def _smoothed_over(m: Any, d: Value) -> bool:
     return False
 
 
+def _one_hot_like(t: Value) -> bool:
+    """Whether ``t`` is a comparison converted to floats (``jax.nn.one_hot``), or labels smoothed from one:
+    the label rules read those without the target."""
+    found = _smoothed(t)
+    t = found[0] if found is not None else t
+    conv = t.node("convert_element_type")
+    return conv is not None and conv.operands[0].dtype == jnp.bool_
+
+
+def _same_rows(a: Value, b: Value | None) -> bool:
+    """Whether ``a`` is ``b`` with the rows kept (itself, or a broadcast that adds a unit axis)."""
+    if b is None:
+        return False
+    node = a.node("broadcast_in_dim") or a.node("reshape")
+    return a.name == b.name or (node is not None and node.operands[0].name == b.name and a.size == b.size)
+
+
 # ---------------------------------------------------------------------- the rules' right sides
 def _lse(block: int, columns: int, loop: bool | None):
     """``sum(exp(h @ W - shift))``: the loop's maximum and normaliser."""
@@ -342,6 +362,29 @@ def _lse_label(block: int, columns: int, loop: bool | None):
         if rows:  # the row sums nn_lm_head_smooth traced (the same term), from the loop
             pairs.append((m.trace(_row_sums_of(site.head.layout), *site.head.values()), outs[3]))
         return pairs
+
+    return build
+
+
+def _lse_target(block: int, columns: int, loop: bool | None):
+    """``sum(t * log_softmax(h @ W))`` against a dense target ``t``: the loop reads ``t``'s rows per block."""
+    @procedural
+    def build(m: Any) -> Any:
+        r = m.params("r")
+        if r.sharded or m["x"].ndim < 2 or tuple(r.axes) != (m["x"].ndim - 1,):
+            return None
+        for t, x in ((m["x"], m["y"]), (m["y"], m["x"])):
+            base, terms = _peel(x, x.ndim - 1)
+            if len(terms) != 2 or [s for s, _ in terms] != [-1, -1] or t.shape != x.shape or t.dtype != x.dtype \
+                    or not x.is_floating or _one_hot_like(t):
+                continue
+            # the loop computes (z - shift) - log(sum) as log_softmax does: the terms must be those two
+            for shift, site in _sites(m, base, (block,), loop):
+                if terms[1][1].name == shift.name and _same_rows(terms[0][1], site.log):
+                    reads = Reads(log=True, target=True)
+                    pairs, outs = _loop(m, site, block, reads, columns, target=t, shapes={"target": m.root.shape})
+                    return pairs + [(m.root, outs[2])]
+        return None
 
     return build
 
@@ -424,6 +467,10 @@ def _ce_smooth(h: Any, w: Any, y: Any) -> Any:
     return -jnp.mean(jnp.sum(labels * jax.nn.log_softmax(h @ w), axis=-1))
 
 
+def _ce_target(h: Any, w: Any, t: Any) -> Any:  # optax.softmax_cross_entropy(h @ w, t): a dense target
+    return -jnp.mean(jnp.sum(t * jax.nn.log_softmax(h @ w), axis=-1))
+
+
 def _f32(*shape: int) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(shape, jnp.float32)
 
@@ -434,6 +481,10 @@ def _i32(*shape: int) -> jax.ShapeDtypeStruct:
 
 def _int_at(block: int) -> tuple:
     return _ce_int, (_f32(2 * block, 8), _f32(8, 16), _i32(2 * block))
+
+
+def _target_at(block: int) -> tuple:
+    return _ce_target, (_f32(2 * block, 8), _f32(8, 16), _f32(2 * block, 16))
 
 
 def lm_head_rules(*, columns: int = COLUMNS, loop: bool | None = None) -> Ruleset:
@@ -459,6 +510,9 @@ def lm_head_rules(*, columns: int = COLUMNS, loop: bool | None = None) -> Rulese
              example_program=_int_at(256)),
         rule(_GATHER, _lse_label(512, c, g), name="nn_lm_head_lse_label_512", check=False,  # lse(h @ W) and (h @ W)[y] -> one scan over token blocks
              example_program=_int_at(512)),
+
+        rule(_SUM_PRODUCT, _lse_target(128, c, g), name="nn_lm_head_lse_target_128", check=False,  # sum(t * log_softmax(h @ W)) -> one scan reading t per token block
+             example_program=_target_at(128)),
         rule(_NORMALISER, _lse(128, c, g), name="nn_lm_head_lse_128", check=False,          # sum(exp(h @ W - shift)) -> scan over token blocks
              example_program=_int_at(128)),
         rule(_NORMALISER, _lse(256, c, g), name="nn_lm_head_lse_256", check=False,          # sum(exp(h @ W - shift)) -> scan over token blocks
