@@ -1,7 +1,7 @@
 """Loops on a GPU: what one trip of a loop costs there, and whether the cost model, so priced, ranks the
 packs' loops against XLA's whole-array programs as they measure.
 
-On a GPU the packs do not offer their loops (``rulesets.nn_lmhead.offered``,
+On a GPU the packs do not offer their loops (``rulesets.nn_lm_head.offered``,
 ``rulesets._fused_attention.blocked``): the LM head's token-block loop and attention's key-block loop
 measured slower there than the programs they replace, and the model, whose loop trip was an estimate
 (``AnalyticCost.iteration``, 1 us), predicted them faster. This benchmark measures the trip
@@ -31,23 +31,25 @@ import jax.numpy as jnp
 import rulesets
 from benchmarks import attention_gpu, calibrate, lm_head
 from benchmarks.harness import MiB, measure
-from rewrite import AnalyticCost, explain, rewrite
+from rewrite import AnalyticCost, Ruleset, explain, rewrite
 from rewrite.cost import calibration
 from rewrite.cost.model import ITERATION_ESTIMATE, priced_with
-from rulesets import _fused_attention, nn_lmhead
+from rulesets import _fused_attention
 from rulesets.attention import attention
+from rulesets.nn_lm_head import lm_head_rules
 
 
 @contextlib.contextmanager
 def loops_offered() -> Iterator[None]:
-    """The packs' loops offered on this backend, and attention's fused call off (so its loop is the form)."""
-    real = nn_lmhead.offered, _fused_attention.blocked, _fused_attention.implementation
-    nn_lmhead.offered, _fused_attention.blocked = (lambda: True), (lambda: True)
+    """Attention's loop offered on this backend, and its fused call off (so its loop is the form); the LM
+    head's is offered by its pack's argument (:func:`cases`)."""
+    real = _fused_attention.blocked, _fused_attention.implementation
+    _fused_attention.blocked = lambda: True
     _fused_attention.implementation = lambda: None
     try:
         yield
     finally:
-        nn_lmhead.offered, _fused_attention.blocked, _fused_attention.implementation = real
+        _fused_attention.blocked, _fused_attention.implementation = real
 
 
 def price(fn: Callable, args: list, **kw: float) -> float:
@@ -60,8 +62,9 @@ def cases() -> list[tuple[str, Callable, Any, list, Callable]]:
     """(name, program, pack, arguments, wrap): ``wrap`` is the identity or the gradient."""
     out = []
     lm_args = lm_head.args_at(2048, 512, 32768)
+    nn = Ruleset("nn", [rulesets.nn.nn_one_hot, rulesets.nn.nn_stable, lm_head_rules(loop=True)], soundness="identity")
     for mode, wrap in (("loss", lambda g: g), ("grad", lm_head.grad_of)):
-        out.append((f"lm_head {mode} N=2048 C=512 V=32768 float32", lm_head.loss, rulesets.nn, lm_args, wrap))
+        out.append((f"lm_head {mode} N=2048 C=512 V=32768 float32", lm_head.loss, nn, lm_args, wrap))
     b, h, d, n = 4, 16, 64, 4096
     ks = jax.random.split(jax.random.PRNGKey(0), 3)
     for dtype, causal, mode in ((jnp.float32, False, "forward"), (jnp.float32, False, "grad"),

@@ -8,7 +8,11 @@ hand-written reference: a ``lax.scan`` over blocks of 256 tokens, the body under
 Times are medians of interleaved rounds after warm-up (``benchmarks/harness.py``); temp memory from
 ``memory_analysis()``. The large case (N=8192, C=1024, V=65536) is compiled, not run. ``--step`` times the
 ecosystem suite's language-model training step instead (``flax_lm_step``): as written, rewritten whole, and
-with its loss rewritten before differentiation.
+with its loss rewritten before differentiation. ``--target`` times a cross-entropy against a dense target
+passed in (a teacher's probabilities; labels smoothed outside the loss are the same program),
+``optax.softmax_cross_entropy(h @ W + b, t).mean()``: the loss, its gradient with respect to W, b and h
+(``jax.grad(rewrite(loss))``), and an SGD step with ``jax.value_and_grad`` inside, as written
+(``standard``), rewritten whole (``rewritten``) and with its loss rewritten first (``loss_first``).
 
 Run holding the benchmark lock::
 
@@ -123,6 +127,53 @@ def _line(r: dict) -> str:
 HEADER = ("| case | rewrite chose | standard ms | rewritten | chunked | A/A | temp MiB standard -> rewritten | "
           "chunked temp MiB |\n|---|---|---|---|---|---|---|---|")
 
+def dense_loss(h: Any, w: Any, b: Any, t: Any) -> Any:
+    import optax
+
+    return optax.softmax_cross_entropy(h @ w + b, t).mean()
+
+
+def dense_args(n: int, c: int, v: int) -> list:
+    k = jax.random.split(jax.random.PRNGKey(0), 4)
+    teacher = jax.nn.softmax(3 * jax.random.normal(k[3], (n, v), jnp.float32), axis=-1)
+    return [jax.random.normal(k[0], (n, c), jnp.float32), jax.random.normal(k[1], (c, v), jnp.float32) / c ** 0.5,
+            0.1 * jax.random.normal(k[2], (v,), jnp.float32), teacher]
+
+
+def dense_step(loss_fn: Callable) -> Callable:
+    """An SGD step on ``W`` and ``b``, the gradient taken inside as training code writes it."""
+    def step(h: Any, w: Any, b: Any, t: Any) -> tuple:
+        value, (gw, gb) = jax.value_and_grad(lambda w, b: loss_fn(h, w, b, t), argnums=(0, 1))(w, b)
+        return value, w - 0.1 * gw, b - 0.1 * gb
+
+    return step
+
+
+def dense_variants(mode: str) -> dict[str, Callable]:
+    packs = [rulesets.nn]
+    if mode == "step":
+        return {"standard": dense_step(dense_loss), "aa": dense_step(_again(dense_loss)),
+                "rewritten": rewrite(dense_step(dense_loss), rulesets=packs),
+                "loss_first": dense_step(rewrite(dense_loss, rulesets=packs))}
+    wrap = (lambda g: g) if mode == "loss" else (lambda f: jax.grad(f, argnums=(0, 1, 2)))
+    return {"standard": wrap(dense_loss), "aa": wrap(_again(dense_loss)),
+            "rewritten": wrap(rewrite(dense_loss, rulesets=packs))}
+
+
+def run_dense(n: int, c: int, v: int, rounds: int) -> list[str]:
+    lines = []
+    for mode in ("loss", "grad", "step"):
+        row = measure(f"target {mode} N={n} C={c} V={v}", dense_variants(mode), dense_args(n, c, v), rounds=rounds)
+        temp = {k: s.temp_bytes / MiB for k, s in row.stats.items()}
+        ratios = " | ".join(f"{row.ratio(k):.2f}x" for k in row.spread if k != "standard")
+        shares = ", ".join(f"{k} {temp[k]:.1f} ({100 * temp[k] / temp['standard']:.1f}%)"
+                           for k in temp if k not in ("standard", "aa"))
+        lines.append(f"| {row.case} | {1e3 * row.seconds['standard']:.1f} | "
+                     f"{', '.join(k for k in row.spread if k != 'standard')}: {ratios} | {temp['standard']:.1f} -> {shares} |")
+        print(lines[-1], flush=True)
+    return lines
+
+
 FULL = [("loss", 2048, 512, 32768, False), ("grad", 2048, 512, 32768, False),
         ("loss", 2048, 512, 256, False), ("grad", 2048, 512, 256, False),
         ("loss", 8192, 1024, 65536, True), ("grad", 8192, 1024, 65536, True)]
@@ -142,9 +193,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--only", default="", help="comma-separated indices into the case list")
     ap.add_argument("--write", action="store_true")
     ap.add_argument("--step", action="store_true", help="the ecosystem suite's LM training step instead (printed)")
+    ap.add_argument("--target", default="", help="N,C,V: a dense target's cross-entropy instead (printed)")
     a = ap.parse_args(argv)
     if a.step:
         print(run_step(a.rounds), flush=True)
+        return
+    if a.target:
+        print("| case | standard ms | variants: time ratios | temp MiB standard -> variants |\n|---|---|---|---|")
+        run_dense(*(int(x) for x in a.target.split(",")), a.rounds)
         return
     cases = [c for i, c in enumerate(FULL) if not a.only or str(i) in a.only.split(",")]
     print(HEADER)

@@ -16,7 +16,7 @@ loaded on first use (defining a rule traces it, which takes a moment):
 * ``rulesets.nn`` (identity): the idioms of model code in their lean and
   stable forms: one-hot products as gathers, ``log_softmax``, softplus, and
   a language model's cross-entropy over ``h @ W`` computed over token blocks
-  without the tokens x vocabulary logits (``rulesets/nn_lmhead.py``).
+  without the tokens x vocabulary logits (``rulesets/nn_lm_head.py``).
 * ``rulesets.linalg`` (identity): matrix products reordered and simplified
   by their shapes (associativity, transposes, factors, distributivity,
   reductions of products).

@@ -69,7 +69,7 @@ from rewrite import rule as _rule
 rule = functools.partial(_rule, check=False)
 from rulesets.derivatives import _f32
 from rulesets.derivatives import derivatives as _derivatives
-from rulesets.nn_lmhead import nn_lm_head
+from rulesets.nn_lm_head import nn_lm_head
 
 __all__ = ["nn", "one_hot_of"]
 

@@ -607,12 +607,12 @@ def _pack_case(name):
         args = tuple(jnp.asarray(rng.standard_normal((2, 512, 8)) + s, jnp.float32) for s in (0.0, 0.0, 1.0))
         return _attention, args, [rulesets.attention], (0, 1, 2), "attn_"
     import rulesets
-    from rulesets import nn_lmhead
+    from rulesets import nn_lm_head
 
     h = jnp.asarray(rng.standard_normal((1024, 64)), jnp.float32)
     w = jnp.asarray(rng.standard_normal((64, 8192)) / 8, jnp.float32)
     y = jnp.asarray(rng.integers(0, 8192, 1024), jnp.int32)
-    assert nn_lmhead.offered() or jax.default_backend() == "gpu"
+    assert nn_lm_head.offered() or jax.default_backend() == "gpu"
     return _lm_head, (h, w, y), [rulesets.nn], (0, 1), "lm_head"
 
 

@@ -20,33 +20,32 @@ from hypothesis import given, settings, strategies as st
 import rulesets
 from rewrite import AnalyticCost, Ruleset, explain, rewrite
 from rewrite.ir.jaxapi import scan_counts
-from rulesets import _lmhead_loop, nn_lmhead
-from rulesets.nn_lmhead import BLOCKS, nn_lm_head
+from rulesets import nn_lm_head_kernels as kernels
+from rulesets.nn_lm_head import BLOCKS, lm_head_rules, offered
 
-NN = rulesets.nn
-#: The part's tolerance at float32 (rulesets/nn_lmhead.py); bf16 logits are rounded once to bf16.
+
+def nn_with(head: Ruleset) -> Ruleset:
+    """``rulesets.nn`` with its LM head configured otherwise."""
+    return Ruleset("nn", [rulesets.nn.nn_one_hot, rulesets.nn.nn_stable, head], soundness="identity")
+
+
+#: These tests check the loop's values and memory, so they ask for it on every backend (on a GPU the pack
+#: does not offer it by default: :func:`rulesets.nn_lm_head.offered`, tested below).
+nn_lm_head = lm_head_rules(loop=True)
+NN = nn_with(nn_lm_head)
+#: The part's tolerance at float32 (rulesets/nn_lm_head.py); bf16 logits are rounded once to bf16.
 TOLERANCE = {"float32": (2e-4, 2e-5), "bfloat16": (3e-2, 3e-2)}
 
 
-OFFERED = nn_lmhead.offered
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _the_loop_on_every_backend():
-    """These tests check the loop's values and memory, so they ask for it on every backend (on a GPU the pack
-    does not offer it by default: :func:`rulesets.nn_lmhead.offered`, tested below)."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(nn_lmhead, "offered", lambda: True)
-        yield
-
-
-def test_the_loop_is_offered_except_on_a_gpu(monkeypatch):
+def test_the_loop_is_offered_except_on_a_gpu():
     """Where the pack does not offer its loop (by default, on a GPU), the loss keeps its logits."""
-    assert OFFERED() == (jax.default_backend() != "gpu")  # this backend's own answer
-    monkeypatch.setattr(nn_lmhead, "offered", lambda: False)
+    assert offered() == (jax.default_backend() != "gpu") and offered(loop=True)  # this backend's own answer
     f = make("optax_int", "mean", False, False, False)
-    report = explain(f, *inputs(np.random.default_rng(2), N, C, V), rulesets=[NN])
-    assert not lse_fired(report) and not blocked(report), report.fired
+    args = inputs(np.random.default_rng(2), N, C, V)
+    assert blocked(explain(f, *args, rulesets=[NN]))
+    if jax.default_backend() == "gpu":
+        report = explain(f, *args, rulesets=[rulesets.nn])
+        assert not lse_fired(report) and not blocked(report), report.fired
 
 
 def make(form: str, reduce: str, bias: bool, batch: bool, bf16: bool):
@@ -191,7 +190,7 @@ def test_every_identity_pack_keeps_the_head_without_its_logits():
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's buffers; on a GPU (H200) the whole add measured "
                     "72.5 MiB against 76.5 by columns (and the loop is not offered there)")
-def test_the_weight_gradient_is_added_in_place(monkeypatch):
+def test_the_weight_gradient_is_added_in_place():
     """Each token block's ``h_b^T dz_b`` is added into the carried ``dW`` by column blocks, so the gradient holds
     no width x V array beside the weight gradient it returns: about one such array (64 MiB here) less than the
     same loop adding each block's product whole (compiled, not run: 96.5 -> 39.0 MiB)."""
@@ -200,27 +199,26 @@ def test_the_weight_gradient_is_added_in_place(monkeypatch):
             jax.ShapeDtypeStruct((v,), jnp.float32), jax.ShapeDtypeStruct((n,), jnp.int32),
             jax.ShapeDtypeStruct((n,), jnp.float32)]
 
-    def temp():  # a new rewrite each time: the backward is traced (and reads COLUMNS) under this jit
+    def temp(head):
         f = make("optax_int", "mean", False, False, False)
-        grad = jax.grad(rewrite(f, rulesets=[NN]), argnums=(0, 1))
+        grad = jax.grad(rewrite(f, rulesets=[nn_with(head)]), argnums=(0, 1))
         return jax.jit(grad).lower(*args).compile().memory_analysis().temp_size_in_bytes
 
-    by_columns = temp()
-    monkeypatch.setattr(_lmhead_loop, "COLUMNS", v)
-    whole = temp()
+    by_columns = temp(nn_lm_head)
+    whole = temp(lm_head_rules(loop=True, columns=v))
     assert whole - by_columns >= 0.85 * c * v * 4, (whole / 2 ** 20, by_columns / 2 ** 20)
 
 
 @pytest.mark.parametrize("columns", [3000, 8192])
-def test_column_blocks_with_a_remainder_and_whole(monkeypatch, columns):
+def test_column_blocks_with_a_remainder_and_whole(columns):
     """``dW`` by column blocks of 3000 (two blocks and a remainder of 2192 columns) and whole (one product): the
     gradient as the original's, with and without a bias."""
-    monkeypatch.setattr(_lmhead_loop, "COLUMNS", columns)
+    packs = [nn_with(lm_head_rules(loop=True, columns=columns))]
     args = inputs(np.random.default_rng(1), N, C, V)
     for bias in (True, False):
         f = make("optax_int", "masked", bias, False, False)
         grad = lambda fn: jax.jit(jax.grad(fn, argnums=(0, 1, 2)))
-        for a, b in zip(grad(rewrite(f, rulesets=[NN]))(*args), grad(f)(*args)):
+        for a, b in zip(grad(rewrite(f, rulesets=packs))(*args), grad(f)(*args)):
             close(a, b, *TOLERANCE["float32"])
 
 
@@ -488,14 +486,16 @@ def test_smoothed_labels_hold_no_logits(traced_alpha, dtype):
     assert temp(g) < temp(f) / 4 and temp(jax.grad(g, argnums=(0, 1, 2))) < temp(original) / 4
 
 
-def test_soft_labels_that_are_not_smoothed_one_hots_keep_the_logits():
-    """Labels given as an array (a distiller's soft targets): their product with the logits needs every logit, so
-    the smoothing rule's split changes nothing the cost model prefers; values are kept either way."""
+def test_soft_labels_smoothed_inside_the_loss_hold_no_logits():
+    """Labels given as an array (a distiller's soft targets), smoothed inside the loss: the smoothing rule splits
+    off ``sum(labels * log_softmax)``, which the dense-target loop reads per token block."""
     def f(h, W, labels):
         return optax.softmax_cross_entropy(h @ W, 0.9 * labels + 0.1 / W.shape[-1]).mean()
 
     h, W = inputs(np.random.default_rng(9), N, C, V)[:2]
     labels = jax.nn.softmax(jnp.asarray(np.random.default_rng(10).standard_normal((N, V)), jnp.float32))
+    report = explain(f, h, W, labels, rulesets=[NN])
+    assert blocked(report) and target_fired(report), report.used
     g = rewrite(f, rulesets=[NN])
     close(g(h, W, labels), jax.jit(f)(h, W, labels), *TOLERANCE["float32"])
     for a, b in zip(jax.grad(g, argnums=(0, 1))(h, W, labels), jax.grad(f, argnums=(0, 1))(h, W, labels)):
@@ -503,18 +503,18 @@ def test_soft_labels_that_are_not_smoothed_one_hots_keep_the_logits():
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
-def test_column_blocks_under_vjp_and_jvp(monkeypatch, dtype):
+def test_column_blocks_under_vjp_and_jvp(dtype):
     """The column-block backward (blocks of 3000: a loop and a remainder) at every training dtype, through
     ``jax.vjp`` eagerly and under jit, and forward mode (``jax.jvp``) of the rewritten loss, as the original."""
-    monkeypatch.setattr(_lmhead_loop, "COLUMNS", 3000)
+    packs = [nn_with(lm_head_rules(loop=True, columns=3000))]
     h, W, b, y, w = inputs(np.random.default_rng(3), N, C, V)
     h, W = h.astype(dtype), W.astype(dtype)
 
     def f(h, W):
         return optax.softmax_cross_entropy_with_integer_labels((h @ W).astype(jnp.float32), y).mean()
 
-    g = rewrite(f, rulesets=[NN])
-    assert blocked(explain(f, h, W, rulesets=[NN]))
+    g = rewrite(f, rulesets=packs)
+    assert blocked(explain(f, h, W, rulesets=packs))
     rtol, atol = TOLERANCE["float32" if dtype == "float32" else "bfloat16"]
     def pullback(fn):
         return lambda h, W: jax.vjp(fn, h, W)[1](jnp.float32(1.0))
@@ -550,3 +550,259 @@ def test_a_label_gather_with_indices_narrower_than_the_vocabulary(mode):
     grad = lambda fn: jax.jit(jax.grad(lambda h, W: jnp.nansum(fn(h, W, y)), argnums=(0, 1)))  # noqa: E731
     for a, b in zip(grad(g)(h, W), grad(f)(h, W)):
         close(a, b, *TOLERANCE["float32"])
+
+
+# ---------------------------------------------------------------------- the kernels, alone
+def reference(h, W, b, y, t, reads, fills=False):
+    """What the kernels compute, on the whole logits: the maximum, the normaliser (the shift held constant),
+    the label's logit, the row sums and the dense target's ``sum(t * log_softmax)``."""
+    z = h @ W + (0 if b is None else b)
+    m = jnp.max(z, axis=-1)
+    shifted = z - lax.stop_gradient(kernels.row_shift(reads.shift, m))[:, None]
+    total = jnp.sum(jnp.exp(shifted), axis=-1)
+    out = [m, jnp.log(total) if reads.log else total]
+    if reads.label:
+        inside = (y >= 0) & (y < z.shape[-1])
+        picked = jnp.take_along_axis(z, jnp.clip(y, 0, z.shape[-1] - 1)[:, None], axis=-1)[:, 0]
+        out.append(jnp.where(inside, picked, jnp.nan) if fills else picked)
+    if reads.row_sums:
+        out.append(jnp.sum(z.astype(jnp.promote_types(z.dtype, jnp.float32)), axis=-1))
+    if reads.target:
+        out.append(jnp.sum(t * (shifted - jnp.log(total)[:, None]), axis=-1))
+    return out
+
+
+KERNEL_CASES = st.fixed_dictionaries({
+    "tokens": st.sampled_from([256, 384]), "vocab": st.sampled_from([40, 300]), "bias": st.booleans(),
+    "shift": st.sampled_from(["max", "finite"]), "log": st.booleans(), "label": st.booleans(),
+    "row_sums": st.booleans(), "target": st.booleans(), "fills": st.booleans(), "jit": st.booleans(),
+    "special": st.sampled_from(["none", "masked", "zeros", "negative"]), "seed": st.integers(0, 2 ** 16),
+})
+
+
+@settings(max_examples=10, deadline=None)
+@given(KERNEL_CASES, st.sampled_from(["float32", "bfloat16", "float64"]))
+def test_the_kernels_as_the_whole_logits(case, dtype):
+    """blocked_forward, blocked_backward and blocked_loss against the whole logits, on random heads: values,
+    and the VJP at random cotangents (the maximum's own included, shared among ties), with NaN and
+    infinities where the whole logits have them (a vocabulary masked with -inf in the bias, all-zero logits
+    whose maximum ties along the row, negative targets)."""
+    reads = kernels.Reads(shift=case["shift"], log=case["log"] or case["target"], label=case["label"],
+                          fills=case["fills"], row_sums=case["row_sums"], target=case["target"])
+    n, c, v = case["tokens"], 8, case["vocab"]
+    rng = np.random.default_rng(case["seed"])
+    with jax.enable_x64(dtype == "float64"):
+        h, W, b = (jnp.asarray(rng.standard_normal(s), dtype) for s in ((n, c), (c, v), (v,)))
+        if case["special"] == "masked":
+            b = b.at[v // 2:].set(-jnp.inf)
+        if case["special"] == "zeros":
+            h = h.at[:5].set(0)
+        b = b if case["bias"] else None
+        y = jnp.asarray(rng.integers(-2, v + 2, n), jnp.int32)
+        t = jnp.asarray(rng.random((n, v)) - (0.5 if case["special"] == "negative" else 0), dtype)
+        layout = kernels.Layout((0, 1), (0, 1), (n,), c, v, b is not None)
+        kw = dict(layout=layout, block=128, reads=reads)
+        forward = lambda h, W, b, t: kernels.blocked_forward(h, W, b, y, t, **kw)  # noqa: E731
+        loss = kernels.blocked_loss(columns=64, **kw)
+        blocked = lambda h, W, b, t: loss(h, W, b, y, t)  # noqa: E731
+        whole = lambda h, W, b, t: reference(h, W, b, y, t, reads, case["fills"])  # noqa: E731
+        wrap = jax.jit if case["jit"] else (lambda f: f)
+        rtol, atol = TOLERANCE["bfloat16" if dtype == "bfloat16" else "float32"]
+        want, vjp = jax.vjp(whole, h, W, b, t)
+        got = wrap(forward)(h, W, b, t)
+        assert [x is None for x in got[2:]] == [not reads.label, not reads.row_sums, not reads.target]
+        for a, w in zip([x for x in got if x is not None], want):
+            close(a, w, rtol, atol)
+        g = [jnp.asarray(rng.standard_normal(x.shape), x.dtype) for x in want]
+        g[0] = g[0] * (rng.random(n) < 0.3)  # the maximum's cotangent: 0 on most rows, as under stop_gradient
+        names = ["max", "normaliser"] + [k for k in ("label", "row_sums", "target") if getattr(reads, k)]
+        cot = kernels.Stats(**dict(zip(names, g)))
+        got = wrap(lambda *a: kernels.blocked_backward(*a, y, t, cot, columns=64, **kw)[:3])(h, W, b)
+        want = vjp(g)
+        for a, w in zip(got, want[:3]):
+            if w is not None:
+                close(a, w, rtol, atol)
+        # and the two joined: the target's cotangent where it is read (zeros where it is not)
+        for a, w in zip(jax.jit(lambda *a: jax.vjp(blocked, *a)[1](cot))(h, W, b, t), want):
+            if w is not None:
+                close(a, w, rtol, atol)
+
+
+# ---------------------------------------------------------------------- a dense target
+def make_dense(reduce: str, bias: bool, batch: bool, bf16: bool):
+    """``optax.softmax_cross_entropy`` against a dense target passed in: labels smoothed outside the loss, or
+    a teacher's probabilities."""
+
+    def f(h, W, b, t, w):
+        if bf16:
+            h, W, b = h.astype(jnp.bfloat16), W.astype(jnp.bfloat16), b.astype(jnp.bfloat16)
+        if batch:
+            h, t, w = h.reshape(2, -1, h.shape[-1]), t.reshape(2, -1, t.shape[-1]), w.reshape(2, -1)
+            logits = jnp.einsum("btc,cv->btv", h, W)
+        else:
+            logits = h @ W
+        logits = (logits + b if bias else logits).astype(jnp.float32)
+        loss = optax.softmax_cross_entropy(logits, t)
+        if reduce == "mean":
+            return loss.mean()
+        return (loss * w).sum() / jnp.maximum(w.sum(), 1.0)
+
+    return f
+
+
+def targets(rng, n, v, kind):
+    """A dense ``[n, v]`` target: one-hot labels smoothed outside the loss, a teacher's probabilities, or
+    special rows (all zeros, negative entries)."""
+    y = rng.integers(0, v, n)
+    if kind == "smoothed":
+        t = np.asarray(optax.smooth_labels(jax.nn.one_hot(y, v), 0.1))
+    else:
+        t = np.array(jax.nn.softmax(rng.standard_normal((n, v)) * 3, axis=-1))
+        if kind == "special":
+            t[3] = 0.0
+            t[4, :10] = -0.5
+    return jnp.asarray(t, jnp.float32)
+
+
+def dense_args(seed, n, c, v, kind):
+    rng = np.random.default_rng(seed)
+    h, W, b, _, w = inputs(rng, n, c, v)
+    return [h, W, b, targets(rng, n, v, kind), w]
+
+
+def target_fired(report) -> bool:
+    return any(k.startswith("nn_lm_head_lse_target_") for k in report.used)
+
+
+@settings(max_examples=8, deadline=None)
+@given(st.fixed_dictionaries({"reduce": st.sampled_from(["mean", "masked"]), "bias": st.booleans(),
+                              "batch": st.booleans(), "kind": st.sampled_from(["smoothed", "teacher", "special"]),
+                              "seed": st.integers(0, 2 ** 16)}),
+       st.sampled_from(["float32", "bfloat16"]))
+def test_a_dense_target_keeps_values_and_gradients(case, dtype):
+    """A dense target read per token block: the loss and its gradient with respect to ``h``, ``W``, ``b`` and
+    the target itself as the original's, and against float64 as accurate as the original."""
+    bf16 = dtype == "bfloat16"
+    f = make_dense(case["reduce"], case["bias"], case["batch"], bf16)
+    args = dense_args(case["seed"], N, C, V, case["kind"])
+    report = explain(f, *args, rulesets=[NN])
+    assert target_fired(report) and blocked(report), report.used
+    g = rewrite(f, rulesets=[NN])
+    rtol, atol = TOLERANCE[dtype]
+    close(g(*args), jax.jit(f)(*args), rtol, atol)
+    grad = lambda fn: jax.jit(jax.grad(fn, argnums=(0, 1, 2, 3)))  # noqa: E731
+    for a, b in zip(grad(g)(*args), grad(f)(*args)):
+        close(a, b, rtol, atol)
+    if not bf16:
+        with jax.enable_x64(True):
+            ref = float(jax.jit(f)(*[a.astype(jnp.float64) for a in args]))
+        err_new, err_old = abs(float(g(*args)) - ref), abs(float(jax.jit(f)(*args)) - ref)
+        assert err_new <= 2 * err_old + atol * max(1.0, abs(ref)), (err_new, err_old)
+
+
+@pytest.mark.parametrize("special", ["masked_vocab", "inf_h", "nan_t", "all_masked"])
+def test_a_dense_target_with_special_values_as_the_original(special):
+    """A vocabulary masked with -inf (0 * -inf is NaN where the target is 0, as in the original), infinite
+    and NaN inputs: the loss and gradients with NaN and infinities where the original has them, eagerly."""
+    h, W, b, t, w = [np.array(a) for a in dense_args(1, N, C, V, "teacher")]
+    if special == "masked_vocab":
+        b[100:200] = -np.inf
+        t[:, 100:200] = 0.0
+    if special == "inf_h":
+        h[5, 3] = np.inf
+    if special == "nan_t":
+        t[7, 9] = np.nan
+    if special == "all_masked":
+        b[:] = -np.inf
+    args = [jnp.asarray(a) for a in (h, W, b, t)]
+
+    def f(h, W, b, t):
+        return optax.softmax_cross_entropy(h @ W + b, t)
+
+    assert target_fired(explain(f, *args, rulesets=[NN]))
+    g = rewrite(f, rulesets=[NN])
+    close(g(*args), f(*args), *TOLERANCE["float32"])
+    grad = lambda fn: jax.grad(lambda *a: jnp.nansum(fn(*a)), argnums=(0, 1, 2, 3))  # noqa: E731
+    for a, b in zip(grad(g)(*args), grad(f)(*args)):
+        close(a, b, *TOLERANCE["float32"])
+
+
+def test_a_dense_target_under_vmap_and_vjp():
+    f = make_dense("mean", True, False, False)
+    args = dense_args(5, N, C, V, "teacher")
+    g = rewrite(f, rulesets=[NN])
+    stacked = [jnp.stack([a, a * 0.5]) for a in args]
+    grad = lambda fn: jax.vmap(jax.grad(fn, argnums=(0, 1, 3)))  # noqa: E731
+    for a, b in zip(jax.jit(grad(g))(*stacked), grad(f)(*stacked)):
+        close(a, b, *TOLERANCE["float32"])
+    pullback = lambda fn: jax.vjp(fn, *args)[1](jnp.float32(2.0))  # noqa: E731
+    for a, b in zip(pullback(g), pullback(f)):
+        close(a, b, *TOLERANCE["float32"])
+
+
+def test_a_dense_target_holds_under_30_percent_of_the_original_s_memory():
+    """At N=1024, V=16,384: the loss and its gradient (the target not differentiated, as in training) hold at
+    most 30% of the original's temporaries; compiled, not run."""
+    n, c, v = 1024, 256, 16384
+    args = [jax.ShapeDtypeStruct(s, jnp.float32) for s in ((n, c), (c, v), (v,), (n, v), (n,))]
+    f = make_dense("mean", True, False, False)
+    g = rewrite(f, rulesets=[NN])
+    temp = lambda fn: jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes  # noqa: E731
+    assert temp(g) <= 0.3 * temp(f), (temp(g), temp(f))
+    grad = lambda fn: jax.grad(fn, argnums=(0, 1, 2))  # noqa: E731
+    assert temp(grad(g)) <= 0.3 * temp(grad(f)), (temp(grad(g)), temp(grad(f)))
+
+
+def test_one_hot_targets_are_left_to_the_label_rules():
+    """A target the program builds from labels (``jax.nn.one_hot``, smoothed or not) is read as a gather: the
+    dense rule declines it."""
+    f = make("optax_smooth", "mean", True, False, False)
+    report = explain(f, *inputs(np.random.default_rng(0), N, C, V), rulesets=[NN])
+    assert blocked(report) and not target_fired(report)
+    assert "nn_lm_head_lse_target_128" not in report.fired, report.fired
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_dense_target_in_a_whole_training_step(dtype):
+    """``rewrite(step)`` of an SGD step with ``jax.value_and_grad`` inside: the whole-step search re-derives the
+    loss's VJP and replaces it with the loss-first form, whose forward the dense-target rule rewrote. The loss
+    and the new parameters as the original step's (bf16 parameters with an f32 loss too), holding at most 30%
+    of its temporaries."""
+    h, W, b, t, _ = dense_args(11, N, C, V, "teacher")
+    W, b = W.astype(dtype), b.astype(dtype)
+
+    def step(W, b, h, t):
+        def loss(W, b):
+            logits = (h.astype(W.dtype) @ W + b).astype(jnp.float32)
+            return optax.softmax_cross_entropy(logits, t).mean()
+
+        value, (gw, gb) = jax.value_and_grad(loss, argnums=(0, 1))(W, b)
+        return value, W - 0.5 * gw.astype(W.dtype), b - 0.5 * gb.astype(b.dtype)
+
+    args = (W, b, h, t)
+    g = rewrite(step, rulesets=[NN])
+    assert g.result(*args).step.replaced, g.result(*args).step
+    rtol, atol = TOLERANCE[dtype]
+    for a, w in zip(jax.jit(g)(*args), jax.jit(step)(*args)):
+        close(a, w, rtol, atol)
+    temp = lambda fn: jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes  # noqa: E731
+    assert temp(g) <= 0.3 * temp(step), (temp(g), temp(step))
+
+
+def test_a_dense_target_with_the_disk_cache(tmp_path):
+    """The chosen program reads only the target loop's weighted sum, so its custom_vjp call keeps one of its
+    outputs: the cache does not write it (its recorded output tree is the traced one) rather than write an
+    entry that warns on every load; values are the same each time."""
+    import warnings
+
+    from rewrite import RewriteWarning
+
+    f = make_dense("mean", True, False, False)
+    args = dense_args(2, N, C, V, "teacher")
+    report = explain(f, *args, rulesets=[NN])
+    assert target_fired(report) and blocked(report), report.used
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RewriteWarning)
+        first, second = (rewrite(f, rulesets=[NN], cache=tmp_path) for _ in range(2))
+        close(first(*args), jax.jit(f)(*args), *TOLERANCE["float32"])
+        close(second(*args), first(*args), 0, 0)

@@ -220,6 +220,8 @@ class _Writer:
             fwd_jaxpr, fwd_consts = params["fwd_jaxpr_thunk"].call_wrapped(*([True] * len(call.in_avals)))
             fwd = core.ClosedJaxpr(fwd_jaxpr, fwd_consts)
             out_tree, res_tree, fwds = params["out_trees"]()
+            if out_tree.num_leaves != len(call.out_avals):  # outputs pruned after tracing: the tree is the traced one
+                raise Unserialisable("a custom_vjp whose unused outputs were removed")
             res_avals = _residual_avals(call, fwd, fwds)
             zeros: list[bool] = []
 

@@ -1,0 +1,310 @@
+"""The kernels of ``rulesets.nn_lm_head``: a language model's loss over token blocks, as plain JAX functions.
+
+A cross-entropy over ``logits = cast(h @ W + b)`` (tokens x vocabulary) reads from the logits, per token,
+their maximum, the sum of their exponentials (or its log), and maybe the label's logit, the logits' row
+sums or a dense target's weighted sum. :func:`blocked_forward` computes those over blocks of tokens and keeps
+no block; :func:`blocked_backward` computes each block again and keeps nothing of the forward;
+:func:`blocked_loss` joins them as one ``jax.custom_vjp`` function, the node the pack's rules trace into the
+e-graph. :func:`label_logit` and :func:`row_sums` read the same quantities from the product without a loop.
+Every block computes each row's statistics as the original program does, elementwise operation for
+elementwise operation; only the products sum their contraction in another order.
+
+>>> import jax, jax.numpy as jnp
+>>> h, w = jnp.ones((256, 8)), jnp.ones((8, 32)) / 8
+>>> layout = Layout(h_perm=(0, 1), w_perm=(0, 1), rows=(256,), width=8, vocab=32)
+>>> out = blocked_forward(h, w, layout=layout, block=128, reads=Reads(shift="finite", log=True))
+>>> bool(jnp.allclose(out.normaliser, jax.nn.logsumexp(h @ w - out.max[:, None], axis=-1)))
+True
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+__all__ = ["Layout", "Reads", "Stats", "COLUMNS", "blocked_forward", "blocked_backward", "blocked_loss",
+           "label_logit", "row_sums", "label_column", "row_shift", "add_by_columns", "plus_terms", "label_plus_terms",
+           "smoothed_sum"]
+
+#: The widest column block of ``dW`` that the backward adds in one product (:func:`add_by_columns`).
+COLUMNS = 2048
+
+
+class Layout(NamedTuple):
+    """Where the logits' axes lie: ``h`` transposed by ``h_perm`` is tokens (``rows``) then width; ``W``
+    transposed by ``w_perm`` is width then the vocabulary. ``bias`` says whether a bias vector is added,
+    ``cast`` the dtype the sum is converted to (or ``None``), ``dot`` the product's ``precision`` and
+    ``preferred_element_type`` as sorted items."""
+    h_perm: tuple
+    w_perm: tuple
+    rows: tuple
+    width: int
+    vocab: int
+    bias: bool = False
+    cast: Any = None
+    dot: tuple = ()
+
+    @property
+    def tokens(self) -> int:
+        return int(np.prod(self.rows, dtype=np.int64))
+
+
+class Reads(NamedTuple):
+    """What the loop computes per token. ``shift`` is the program's shift of a row with maximum ``m``:
+    ``"max"`` (``m``, as ``jax.nn.log_softmax``) or ``"finite"`` (``m`` where finite, else 0, as
+    ``jax.nn.logsumexp``); ``log`` whether the normaliser is the sum's log. ``label``: the logit at an index
+    (``fills``: an index outside the vocabulary reads ``fill``, NaN if ``None``; else the clamped column).
+    ``row_sums``: the logits' sums over the vocabulary. ``target``: a dense target's ``sum(t * log_softmax)``,
+    ``(logits - shift) - log(sum)`` weighted elementwise as the program does (needs ``log``)."""
+    shift: str = "finite"
+    log: bool = True
+    label: bool = False
+    fills: bool = False
+    fill: float | None = None
+    row_sums: bool = False
+    target: bool = False
+
+
+class Stats(NamedTuple):
+    """Per token (flat): the logits' maximum, the normaliser, and what :class:`Reads` asked for (else ``None``)."""
+    max: Any
+    normaliser: Any
+    label: Any = None
+    row_sums: Any = None
+    target: Any = None
+
+
+def canonical(layout: Layout, h: Any, w: Any, b: Any) -> tuple[Any, Any, Any]:
+    """``h`` as tokens x width, ``W`` as width x V, the bias as a vector (or ``None``)."""
+    hc = lax.transpose(h, layout.h_perm) if layout.h_perm != tuple(range(h.ndim)) else h
+    wc = lax.transpose(w, layout.w_perm) if layout.w_perm != tuple(range(w.ndim)) else w
+    bv = None if b is None else jnp.reshape(b, (layout.vocab,))
+    return lax.reshape(hc, (layout.tokens, layout.width)), lax.reshape(wc, (layout.width, layout.vocab)), bv
+
+
+def _product(layout: Layout, hb: Any, wc: Any, bv: Any) -> Any:
+    z = lax.dot_general(hb, wc, (((1,), (0,)), ((), ())), **dict(layout.dot))
+    return z if bv is None else z + bv[None, :]
+
+
+def _cast(layout: Layout, z: Any) -> Any:
+    return z if layout.cast is None else z.astype(layout.cast)
+
+
+def row_shift(kind: str, m: Any) -> Any:
+    """The program's shift of rows whose maximum is ``m``: ``m`` itself, or ``m`` where finite and 0 elsewhere."""
+    return m if kind == "max" else jnp.where(jnp.isfinite(m), m, jnp.zeros((), m.dtype))
+
+
+def label_column(y: Any, vocab: int) -> tuple[Any, Any]:
+    """``(safe, inside)``: each label clamped into the vocabulary (the column a ``clip`` gather reads), and
+    whether it was in it. Compared by value in a dtype that holds ``vocab - 1`` (int8 labels with 200
+    classes would wrap in int8)."""
+    y = y.astype(y.dtype if jnp.iinfo(y.dtype).max >= vocab - 1 else jnp.int32)
+    last = jnp.full((), vocab - 1, y.dtype)
+    return lax.clamp(jnp.zeros((), y.dtype), y, last), (y >= 0) & (y <= last)
+
+
+def label_logit(h: Any, w: Any, b: Any = None, labels: Any = None, *, layout: Layout, fills: bool = False,
+                fill: float | None = None) -> Any:
+    """The logits at ``labels`` (one per token, flat), from each label's column of ``W``: a tokens x width
+    gather, never the logits."""
+    hc, wc, bv = canonical(layout, h, w, b)
+    safe, inside = label_column(labels.reshape(-1), layout.vocab)
+    cols = jnp.take(wc, safe, axis=1, mode="clip")  # width x tokens: the label's column per token
+    z = lax.dot_general(hc, cols, (((1,), (0,)), ((0,), (1,))), **dict(layout.dot))
+    if bv is not None:
+        z = z + jnp.take(bv, safe, mode="clip")
+    z = _cast(layout, z)
+    return jnp.where(inside, z, jnp.asarray(jnp.nan if fill is None else fill, z.dtype)) if fills else z
+
+
+def row_sums(h: Any, w: Any, b: Any = None, *, layout: Layout) -> Any:
+    """The logits' sums over the vocabulary, ``h @ W.sum(-1) + sum(b)``, in at least float32, per token (flat)."""
+    hc, wc, bv = canonical(layout, h, w, b)
+    wide = jnp.promote_types(layout.cast or wc.dtype, jnp.float32)
+    sums = lax.dot_general(hc.astype(wide), jnp.sum(wc.astype(wide), axis=1), (((1,), (0,)), ((), ())))
+    return sums if bv is None else sums + jnp.sum(bv.astype(wide))
+
+
+def plus_terms(x: Any, terms: Any, signs: tuple) -> Any:
+    """``x`` plus each ``sign * term``, the last (innermost) first, as ``log_softmax(z)`` is ``(z - max) - log``."""
+    for sign, term in reversed(list(zip(signs, terms))):
+        x = x + term if sign > 0 else x - term
+    return x
+
+
+def label_plus_terms(base: Any, idx: Any, terms: Any, *, gather: Any, signs: tuple, fills: bool = False,
+                     fill: float | None = None) -> Any:
+    """``gather(base + terms, idx)`` for terms of size 1 along the vocabulary, as ``gather(base, idx) + terms``: a
+    label gathered from ``log_softmax(z)`` is one gathered from ``z`` less the row's terms. Where ``fills``, an
+    index outside the vocabulary reads ``fill`` (NaN if ``None``), as the gather does."""
+    picked = plus_terms(gather(base, idx), terms, signs)
+    if not fills:
+        return picked
+    inside = label_column(idx.reshape(picked.shape), base.shape[-1])[1]
+    return jnp.where(inside, picked, jnp.asarray(jnp.nan if fill is None else fill, picked.dtype))
+
+
+def smoothed_sum(a: Any, x: Any, q: Any, rows: Any, terms: Any, *, p: Any = None, signs: tuple, vocab: int) -> Any:
+    """``sum((p a + q) * x)`` along the last axis, where ``x`` is logits plus ``sum(sign * term)`` (terms of size
+    1 there) and ``rows`` the logits' row sums (:func:`row_sums`): ``p sum(a * x) + q (rows + V sum(sign * term))``.
+    Only ``sum(a * x)`` reads ``x`` (a gather where ``a`` is one-hot)."""
+    shape = x.shape[:-1]
+    total = plus_terms(rows.astype(x.dtype).reshape(shape),
+                       [jnp.asarray(vocab, x.dtype) * t.reshape(shape) for t in terms], signs)
+    picked = jnp.sum(a * x, axis=-1)
+    return (picked if p is None else p * picked) + q * total
+
+
+def _blocks(x: Any, n: int, block: int) -> Any:
+    return None if x is None else x.reshape((n, block) + x.shape[1:])
+
+
+def blocked_forward(h: Any, w: Any, b: Any = None, labels: Any = None, target: Any = None, *, layout: Layout,
+                    block: int, reads: Reads) -> Stats:
+    """:class:`Stats` of ``logits = cast(h @ W + b)``, computed over blocks of ``block`` tokens (a ``lax.scan``
+    that keeps no block). ``labels`` (any shape, one per token) is read where ``reads.label``; ``target``
+    (the logits' shape) where ``reads.target``, a block of its rows per step."""
+    n = layout.tokens // block
+    hc, wc, bv = canonical(layout, h, w, b)
+    tc = target.reshape(layout.tokens, layout.vocab) if reads.target else None
+
+    def body(_: Any, x: tuple) -> tuple:
+        hb, tb = x
+        z = _cast(layout, _product(layout, hb, wc, bv))
+        m = jnp.max(z, axis=1)
+        shifted = z - row_shift(reads.shift, m)[:, None]
+        total = jnp.sum(jnp.exp(shifted), axis=1)
+        if tb is None:
+            return None, (m, total, None)
+        return None, (m, total, jnp.sum(tb * (shifted - jnp.log(total)[:, None]), axis=1))
+
+    _, (m, total, weighted) = lax.scan(body, None, (_blocks(hc, n, block), _blocks(tc, n, block)))
+    # the log after the loop: in its body, log(sum(exp(z - shift))) is what nn_logsumexp rewrites
+    stats = Stats(m.reshape(-1), (jnp.log(total) if reads.log else total).reshape(-1))
+    if reads.label:
+        stats = stats._replace(label=label_logit(h, w, b, labels, layout=layout, fills=reads.fills, fill=reads.fill))
+    if reads.row_sums:
+        stats = stats._replace(row_sums=row_sums(h, w, b, layout=layout))
+    return stats if weighted is None else stats._replace(target=weighted.reshape(-1))
+
+
+def blocked_backward(h: Any, w: Any, b: Any, labels: Any, target: Any, cotangents: Stats, *, layout: Layout,
+                     block: int, reads: Reads, columns: int = COLUMNS) -> tuple:
+    """``(dh, dW, db, dtarget)``: the VJP of :func:`blocked_forward` at ``cotangents`` (a :class:`Stats`; the
+    maximum's cotangent shared among ties as jax's rule for ``max`` does), each block's logits computed again.
+    The cotangents of the label, the row sums and the target join each block's before the products:
+    ``softmax - labels`` in one array, as autodiff of the original adds them (apart, a column of ``W`` that
+    holds an infinity would give ``0 * inf - inf``, NaN, where the original has ``-inf``). ``dW`` and ``db``
+    are summed over blocks in at least float32, ``dW`` added in place :func:`add_by_columns`. ``dtarget`` is
+    ``None`` unless ``reads.target``."""
+    n = layout.tokens // block
+    hc, wc, bv = canonical(layout, h, w, b)
+    dot = dict(layout.dot)
+    precision = dot.get("precision")
+    acc = jnp.promote_types(wc.dtype, jnp.float32)
+    with_max = jnp.any(cotangents.max != 0)  # 0 where the program reads the maximum under stop_gradient only
+    flat = lambda x: None if x is None else x.reshape(n, block)  # noqa: E731  (one value per token)
+    xs = (_blocks(hc, n, block), flat(cotangents.max), flat(cotangents.normaliser),
+          flat(labels) if reads.label else None, flat(cotangents.label) if reads.label else None,
+          flat(cotangents.row_sums) if reads.row_sums else None,
+          _blocks(target.reshape(layout.tokens, layout.vocab), n, block) if reads.target else None,
+          flat(cotangents.target) if reads.target else None)
+
+    def body(carry: tuple, x: tuple) -> tuple:
+        dw, db = carry
+        hb, gm, gs, yb, gl, gr, tb, gt = x
+        pre = _product(layout, hb, wc, bv)
+        z = _cast(layout, pre)
+        m = jnp.max(z, axis=1)
+        shifted = z - row_shift(reads.shift, m)[:, None]
+        e = jnp.exp(shifted)
+        total = jnp.sum(e, axis=1)
+        if tb is not None:  # sum(t * (shifted - log)): the log's cotangent takes -g sum(t), shifted's g t
+            gs = gs - gt * jnp.sum(tb, axis=1)
+        dz = e * (gs / total if reads.log else gs)[:, None]
+
+        def plus_max(dz: Any) -> Any:
+            ties = z == m[:, None]
+            share = gm / jnp.sum(ties, axis=1).astype(gm.dtype)
+            return dz + jnp.where(ties, share[:, None], jnp.zeros((), z.dtype))
+
+        dz = lax.cond(with_max, plus_max, lambda dz: dz, dz)
+        if yb is not None:  # the label's cotangent at its column (none where the gather filled)
+            safe, inside = label_column(yb, layout.vocab)
+            col = jnp.where(inside, safe, -1) if reads.fills else safe
+            hit = lax.broadcasted_iota(col.dtype, z.shape, 1) == col[:, None]
+            dz = dz + jnp.where(hit, gl.astype(z.dtype)[:, None], jnp.zeros((), z.dtype))
+        if gr is not None:
+            dz = dz + gr.astype(z.dtype)[:, None]
+        dt = None
+        if tb is not None:
+            dz = dz + gt[:, None] * tb
+            dt = (gt[:, None] * (shifted - jnp.log(total)[:, None])).astype(tb.dtype)
+        dz = dz.astype(pre.dtype)
+        # h's block transposed first, so that the left operand of dW's product contracts its minor dimension
+        dhb = lax.dot_general(dz, wc, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=hb.dtype)
+        dw = add_by_columns(dw, lax.transpose(hb, (1, 0)), dz, precision=precision, acc=acc, columns=columns)
+        return (dw, None if db is None else db + jnp.sum(dz.astype(acc), axis=0)), (dhb, dt)
+
+    zero_b = None if bv is None else jnp.zeros(bv.shape, acc)
+    (dwc, dbv), (dhc, dtc) = lax.scan(body, (jnp.zeros(wc.shape, acc), zero_b), xs)
+    dh = lax.transpose(dhc.reshape(tuple(h.shape[i] for i in layout.h_perm)), tuple(np.argsort(layout.h_perm)))
+    dw = lax.transpose(dwc.astype(wc.dtype).reshape(tuple(w.shape[i] for i in layout.w_perm)),
+                       tuple(np.argsort(layout.w_perm)))
+    db = None if b is None else dbv.astype(bv.dtype).reshape(b.shape)
+    return dh, dw, db, None if dtc is None else dtc.reshape(target.shape)
+
+
+def blocked_loss(*, layout: Layout, block: int, reads: Reads, columns: int = COLUMNS, shapes: Stats | None = None):
+    """``fn(h, W, b, labels, target) -> Stats``: :func:`blocked_forward` with :func:`blocked_backward` as its
+    VJP (``b``, ``labels`` and ``target`` may be ``None``), each result reshaped to its entry of ``shapes``
+    where given. The backward needs nothing of the forward, so under
+    ``jax.grad``, where the forward's values are not read, XLA drops the forward loop. A target that is not
+    differentiated has its cotangent dropped with the unread loop output (no tokens x vocabulary array)."""
+
+    def forward(h: Any, w: Any, b: Any, labels: Any, target: Any) -> tuple:
+        stats = blocked_forward(h, w, b, labels, target, layout=layout, block=block, reads=reads)
+        # a plain tuple across the custom_vjp (what the rewrite cache writes), the Stats outside it
+        return tuple(None if x is None else x.reshape(shape) for x, shape in zip(stats, shapes or stats_shapes))
+
+    def fwd(h: Any, w: Any, b: Any, labels: Any, target: Any) -> tuple:
+        return forward(h, w, b, labels, target), (h, w, b, labels, target)
+
+    def bwd(res: tuple, g: tuple) -> tuple:
+        dh, dw, db, dt = blocked_backward(*res, Stats(*g), layout=layout, block=block, reads=reads, columns=columns)
+        return dh, dw, db, None, dt
+
+    stats_shapes = Stats(*[(layout.tokens,)] * len(Stats._fields))
+    fn = jax.custom_vjp(forward)
+    fn.defvjp(fwd, bwd)
+    return lambda h, w, b=None, labels=None, target=None: Stats(*fn(h, w, b, labels, target))
+
+
+def add_by_columns(dw: Any, ht: Any, dz: Any, *, precision: Any, acc: Any, columns: int = COLUMNS) -> Any:
+    """``dw + ht @ dz``, added ``columns`` columns at a time, in place.
+
+    Added whole, ``ht @ dz`` is a second width x V array beside the carried ``dw`` (XLA does not add a product
+    into its operand). Blocks sliced out of ``dw``, added and written back (``dynamic_update_slice`` in a
+    ``fori_loop``, done in place) hold one width x ``columns`` block instead. Each column is the same dot
+    product as the whole product's; a remainder narrower than a block is done last.
+    """
+    v = dz.shape[1]
+
+    def product(cols: Any) -> Any:
+        return lax.dot_general(ht, cols, (((1,), (0,)), ((), ())), precision=precision, preferred_element_type=acc)
+
+    def add_at(dw: Any, at: Any, width: int) -> Any:
+        cols = lax.dynamic_slice_in_dim(dz, at, width, 1)
+        return lax.dynamic_update_slice_in_dim(dw, lax.dynamic_slice_in_dim(dw, at, width, 1) + product(cols), at, 1)
+
+    if v <= columns:
+        return dw + product(dz)
+    k, tail = divmod(v, columns)
+    dw = lax.fori_loop(0, k, lambda j, dw: add_at(dw, j * columns, columns), dw)
+    return add_at(dw, k * columns, tail) if tail else dw
