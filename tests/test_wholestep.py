@@ -48,7 +48,7 @@ def _close(want, got, tol):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("name", ["linen_gpt", "nnx_gpt", "haiku_gpt", "equinox_gpt"])
+@pytest.mark.parametrize("name", ["linen_gpt", "nnx_gpt", "haiku_gpt", "equinox_gpt", "linen_scan_remat"])
 def test_library_step_found_and_replaced(name, dtype):
     """Each library's step: the loss and every parameter's gradient are proven, and the step so changed
     gives the loss and new parameters of the original under jit, at f32 and with bf16 parameters."""
@@ -66,6 +66,30 @@ def test_library_step_found_and_replaced(name, dtype):
     names = [e.primitive.name for e in changed.jaxpr.eqns]
     assert names.count("dot_general") <= [e.primitive.name for e in
                                           jax.make_jaxpr(flat)(*leaves).jaxpr.eqns].count("dot_general") + 8
+
+
+@pytest.mark.parametrize("remat", [True, False], ids=["checkpoint", "plain"])
+def test_scan_over_layers_step_is_cut_at_the_loop(remat):
+    """Layers stacked with ``lax.scan`` (with ``jax.checkpoint`` around the layer or not): the whole cone is not
+    proven (the step's forward scan has residual outputs, and under remat a backward that recomputes the layer),
+    so the loss is sought at the scan's output, and the head's loss and its gradients (the scan's output's
+    among them, which the step's backward scan reads) are replaced, with the original's values."""
+    layer = lambda h, w: (jnp.tanh(h @ w), None)
+    body = jax.checkpoint(layer) if remat else layer
+
+    def loss(ws_, v, x, y):
+        h, _ = jax.lax.scan(body, x, ws_)
+        return optax.softmax_cross_entropy_with_integer_labels(h @ v, y).mean()
+
+    def step(ws_, v, x, y):
+        value, (gw, gv) = jax.value_and_grad(loss, argnums=(0, 1))(ws_, v, x, y)
+        return ws_ - 0.1 * gw, v - 0.1 * gv, value
+
+    args = [jax.random.normal(jax.random.PRNGKey(0), (3, 8, 8)) * 0.5, jax.random.normal(jax.random.PRNGKey(1), (8, 4)),
+            jax.random.normal(jax.random.PRNGKey(2), (32, 8)), jnp.arange(32) % 4]
+    changed, finding = _replaced(step, args, packs=[rulesets.algebra])
+    assert changed is not None and "cut at loop outputs" in finding.replaced[0], str(finding)
+    _close(jax.jit(step)(*args), jax.jit(core.jaxpr_as_fun(changed))(*args), 1e-5)
 
 
 def test_rewrite_step_reports_and_runs():
