@@ -92,6 +92,55 @@ def test_scan_over_layers_step_is_cut_at_the_loop(remat):
     _close(jax.jit(step)(*args), jax.jit(core.jaxpr_as_fun(changed))(*args), 1e-5)
 
 
+def _accumulated(form):
+    """A step that sums the gradients of 4 micro-batches' losses in a loop (``form``: ``lax.scan``, ``fori_loop``
+    with static bounds, which JAX makes a scan, or with a traced bound, a while loop)."""
+    def step(w, v, x, y, n):
+        def micro(c, xy):
+            value, (gw, gv) = jax.value_and_grad(_plain_loss, argnums=(0, 1))(w, v, *xy)
+            return (c[0] + value, c[1] + gw, c[2] + gv)
+
+        zero = (jnp.zeros((), w.dtype), jnp.zeros_like(w), jnp.zeros_like(v))
+        if form == "scan":
+            total, _ = jax.lax.scan(lambda c, xy: (micro(c, xy), None), zero, (x, y))
+        else:
+            total = jax.lax.fori_loop(0, 4 if form == "fori" else n, lambda i, c: micro(c, (x[i], y[i])), zero)
+        value, gw, gv = total
+        return w - 0.1 * gw / 4, v - 0.1 * gv / 4, value / 4
+
+    return step
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("form", ["scan", "fori", "while"])
+def test_gradient_accumulation_is_found_in_the_loop_body(form, dtype):
+    """Gradient accumulation over micro-batches: the loss and its gradients are found in the loop's body (a body
+    is searched as a step of its own) and replaced there, with the original's values under jit."""
+    dt = jnp.dtype(dtype)
+    args = [jax.random.normal(jax.random.PRNGKey(0), (8, 16), dt), jax.random.normal(jax.random.PRNGKey(1), (16, 4), dt),
+            jax.random.normal(jax.random.PRNGKey(2), (4, 32, 8), dt), (jnp.arange(128) % 4).reshape(4, 32), jnp.int32(4)]
+    step = _accumulated(form)
+    changed, finding = _replaced(step, args, packs=[rulesets.algebra])
+    assert changed is not None and "body" in finding.replaced[0], str(finding)
+    _close(jax.jit(step)(*args), jax.jit(core.jaxpr_as_fun(changed))(*args), 1e-5 if dtype == "float32" else 2e-2)
+
+
+def test_bf16_copies_of_f32_master_weights():
+    """f32 master weights, cast to bf16 in the step, the gradient taken at the bf16 copies and cast back to f32:
+    the gradient with respect to the f32 inputs is proven (JAX's transpose of the cast writes its sharding on the
+    empty mesh, ``.astype`` writes none: the same), replaced, and the new master weights are the original's."""
+    def step(w, v, x, y):
+        def loss(w16, v16):
+            return _plain_loss(w16, v16, x.astype(jnp.bfloat16), y).astype(jnp.float32)
+        value, (gw, gv) = jax.value_and_grad(loss, argnums=(0, 1))(w.astype(jnp.bfloat16), v.astype(jnp.bfloat16))
+        return w - 0.1 * gw.astype(jnp.float32), v - 0.1 * gv.astype(jnp.float32), value
+
+    _, args = _mlp_step(_plain_loss)
+    changed, finding = _replaced(step, args, packs=[rulesets.algebra])
+    assert changed is not None and "with respect to 2 of" in finding.replaced[0], str(finding)
+    _close(jax.jit(step)(*args), jax.jit(core.jaxpr_as_fun(changed))(*args), 2e-2)
+
+
 def test_rewrite_step_reports_and_runs():
     """``jax.jit(rewrite(step))``: the finding is reported in the result, and the values are the original's."""
     step, args = ws.CASES["linen_gpt"](TINY, ws.plain, opt=optax.sgd(0.1))

@@ -276,6 +276,7 @@ def prove(step: core.ClosedJaxpr, graph: _Graph, root: Any, cone: core.ClosedJax
     eqns = list(jaxpr.eqns)
     constvars, consts = list(jaxpr.constvars), list(step.consts)
     outs = inline(eqns, derived, list(leaves), constvars, consts)
+    eqns = [_without_empty_mesh(e) for e in eqns]
     program = core.ClosedJaxpr(core.Jaxpr(constvars, list(jaxpr.invars), [root] + candidates + outs, eqns,
                                           jaxpr.effects, None), consts)
     classes = proof(program)
@@ -283,6 +284,19 @@ def prove(step: core.ClosedJaxpr, graph: _Graph, root: Any, cone: core.ClosedJax
     grads = {c: j for j, c in enumerate(derived_cls[1:])}
     found = {w: grads[c] for w, c in zip(candidates, cand_cls) if c in grads}
     return loss_cls == derived_cls[0], found
+
+
+def _without_empty_mesh(e: Any) -> Any:
+    """``e`` with a sharding on the empty mesh that shards nothing (what JAX's transposes put on a
+    ``convert_element_type`` or a ``broadcast_in_dim``) written as ``None`` (what user code writes): the two
+    compute the same, and are then one term."""
+    def plain(s: Any) -> bool:
+        mesh = getattr(s, "mesh", None)
+        return getattr(mesh, "empty", False) and all(p is None for p in getattr(s, "spec", (0,)))
+
+    changed = {k: None for k in ("sharding", "out_sharding") if k in e.params and e.params[k] is not None
+               and plain(e.params[k])}
+    return e.replace(params={**e.params, **changed}) if changed else e
 
 
 # ---------------------------------------------------------------------- replacement
@@ -399,9 +413,42 @@ def find_losses(closed: core.ClosedJaxpr, proof: Callable[[core.ClosedJaxpr], li
                 break
         if not progress:
             break
+    inner = _in_loops(step, proof, loss_first, finding)
+    if inner is not None:
+        step, changed = inner, True
     finding.seconds = time.perf_counter() - t0
     log.info("whole step: %s (%.2f s)", finding, finding.seconds)
     return (step if changed else None), finding
+
+
+#: The param that holds a loop's body, by primitive: a loss and its gradients inside one (gradient accumulation over
+#: micro-batches, a ``scan`` or ``fori_loop`` that sums ``jax.grad`` of the loss) are sought there.
+BODIES = {"scan": "jaxpr", "while": "body_jaxpr"}
+
+
+def _in_loops(step: core.ClosedJaxpr, proof: Callable[[core.ClosedJaxpr], list[Any]], loss_first: Callable[..., Any],
+              finding: StepFinding) -> core.ClosedJaxpr | None:
+    """``step`` with the losses found in its loops' bodies replaced there (a body is searched as a step of its
+    own: its inputs are the leaves), or ``None`` if none was."""
+    eqns = list(step.jaxpr.eqns)
+    changed = False
+    for k, e in enumerate(eqns):
+        key = BODIES.get(e.primitive.name)
+        if key is None:
+            continue
+        body, inner = find_losses(e.params[key], proof, loss_first)
+        if body is None:
+            continue
+        where = f", in a {e.primitive.name} body"
+        finding.replaced += [r + where for r in inner.replaced]
+        finding.declined += [d + where for d in inner.declined]
+        eqns[k] = e.replace(params={**e.params, key: body})
+        changed = True
+    if not changed:
+        return None
+    jaxpr = step.jaxpr
+    return core.ClosedJaxpr(core.Jaxpr(jaxpr.constvars, jaxpr.invars, jaxpr.outvars, eqns, jaxpr.effects,
+                                       jaxpr.debug_info), step.consts)
 
 
 def proof_classes(run: Callable[[Traced], Any]) -> Callable[[core.ClosedJaxpr], list[Any]]:
