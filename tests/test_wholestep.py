@@ -48,7 +48,8 @@ def _close(want, got, tol):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("name", ["linen_gpt", "nnx_gpt", "haiku_gpt", "equinox_gpt", "linen_scan_remat"])
+@pytest.mark.parametrize("name", ["linen_gpt", "nnx_gpt", "haiku_gpt", "equinox_gpt", "linen_scan_remat",
+                                  "linen_accumulate", "linen_master16"])
 def test_library_step_found_and_replaced(name, dtype):
     """Each library's step: the loss and every parameter's gradient are proven, and the step so changed
     gives the loss and new parameters of the original under jit, at f32 and with bf16 parameters."""
@@ -60,7 +61,7 @@ def test_library_step_found_and_replaced(name, dtype):
     assert finding.replaced and "gradients with respect to" in finding.replaced[0]
     want = jax.jit(flat)(*leaves)
     got = jax.jit(core.jaxpr_as_fun(changed))(*leaves)
-    _close(want, got, 2e-4 if dtype == "float32" else 2e-2)
+    _close(want, got, 2e-4 if dtype == "float32" and name != "linen_master16" else 2e-2)  # master16 computes in bf16
     # the old backward is gone: the step's own N x V logits' gradient (B x N x V) is computed once, by the
     # replacement, not also by the original backward
     names = [e.primitive.name for e in changed.jaxpr.eqns]
