@@ -34,11 +34,16 @@ Here it is recovered, and checked:
    backward included. The old forward and backward are then dead, unless
    something else reads them (an ``aux`` output), and dropped.
 
+Where the whole cone runs through a loop whose forward JAX's partial
+evaluation reshaped (residual outputs, invariants moved out, a ``remat``
+backward that recomputes the original body), the cone is tried again cut at
+the loop's outputs, which become leaves. A loop's body that holds a loss and
+its gradients (gradient accumulation) is searched as a step of its own.
+
 Where the proof fails (the step's backward is not the VJP of its forward: a
 ``stop_gradient`` applied to a use the cone does not stop, a ``custom_vjp``
-or hand-modified gradient, a gradient taken at a value the step computes
-rather than an input), nothing is replaced, and :class:`StepFinding` says
-why. The pipeline then rewrites the step both as written and with the
+or hand-modified gradient), nothing is replaced, and :class:`StepFinding`
+says why. The pipeline then rewrites the step both as written and with the
 replacement, and keeps the one its cost model prices lower.
 """
 
