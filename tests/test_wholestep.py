@@ -281,6 +281,24 @@ def test_rewrite_step_chooses_the_replacement_when_memory_is_priced():
     _close(jax.jit(flat)(*leaves), jax.jit(r)(*leaves), 2e-4)
 
 
+def test_rewrite_step_keeps_the_leaner_step_within_the_lean_band():
+    """``jax.jit(rewrite(step))`` with the default cost model: the step with its loss read from the loss-first
+    program is priced about as the step as written (within ``AnalyticCost.lean_band``) and holds much less
+    memory, so it is kept, as the model keeps the leaner of two programs it cannot tell apart in time."""
+    size = ws.Size(batch=2, length=128, width=32, heads=2, vocab=8192)
+    step, args = ws.CASES["linen_gpt"](size, ws.plain, opt=optax.sgd(0.1))
+    flat, leaves = ws._flat(step, args)
+    r = rewrite(flat, rulesets=PACKS, cache=False)
+    res = r.result(*leaves)
+    assert res.step.replaced and "lean band" in res.why, (str(res.step), res.why)
+
+    def temp(f):
+        return jax.jit(f).lower(*leaves).compile().memory_analysis().temp_size_in_bytes
+
+    assert temp(r) < 0.75 * temp(flat)
+    _close(jax.jit(flat)(*leaves), jax.jit(r)(*leaves), 2e-4)
+
+
 def test_a_program_without_a_backward_has_no_candidate():
     """A scalar read by arithmetic on the inputs (no backward read what its cone computed) is not a candidate:
     nothing is re-derived for programs that hold no gradient."""
