@@ -75,7 +75,7 @@ class Program:
 PROGRAMS: dict[str, Program] = {}
 #: Programs in the suite for the rewrite's time (issue 48 item 3) whose decisions the decision corpus
 #: (``benchmarks/decisions.py``) does not hold yet: recording one means measuring it, a run of its own.
-TIME_ONLY = ("flax_seq2seq_loss", "flax_seq2seq_grad")
+TIME_ONLY = ("flax_seq2seq_loss", "flax_seq2seq_grad", "wholestep_linen_gpt", "wholestep_equinox_gpt")
 
 
 def program(name: str, library: str, kind: str, grad: bool = False) -> Callable:
@@ -250,6 +250,26 @@ def _flax_lm_step():
     loss, (params, tokens) = flax_lm_loss()
     step, opt = lm_step(loss)
     return step, (params, opt.init(params), tokens)
+
+
+def _whole_step(case: str) -> tuple[Callable[..., Any], tuple]:
+    """A whole training step of ``benchmarks/wholestep.py``, as that library's examples write it, at N=256 (where the
+    step search runs and the cost model is expected to keep the step as written)."""
+    from benchmarks import wholestep
+
+    return wholestep.CASES[case](wholestep.Size(batch=2, length=256, width=64, heads=2, vocab=4096), wholestep.plain)
+
+
+@program("wholestep_linen_gpt", "flax", "whole training step, linen's TrainState + jax.value_and_grad + AdamW "
+         "(benchmarks.wholestep), 2 causal blocks, 4096-word head, N=256")
+def _wholestep_linen_gpt():
+    return _whole_step("linen_gpt")
+
+
+@program("wholestep_equinox_gpt", "equinox", "whole training step, eqx.filter_value_and_grad + AdamW "
+         "(benchmarks.wholestep), 2 causal blocks, 4096-word head, N=256")
+def _wholestep_equinox_gpt():
+    return _whole_step("equinox_gpt")
 
 
 def flax_long_context_loss() -> tuple[Callable[..., Any], tuple]:

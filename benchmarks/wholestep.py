@@ -24,7 +24,11 @@ Cases (``--cases a,b``; ``--small`` runs them at N=128, V=1024, width 64, for a 
 * ``equinox_gpt``: the same in equinox (``eqx.nn.MultiheadAttention``, ``eqx.filter_value_and_grad``);
 * ``linen_scan_remat``: ``linen_gpt`` with its blocks stacked by ``nn.scan`` over ``nn.remat``;
 * ``haiku_encoder``: a BERT-like haiku encoder with a padding mask and a classifier head;
-* ``linen_cross``: a linen encoder-decoder, the decoder cross-attending to a source of another length.
+* ``linen_cross``: a linen encoder-decoder, the decoder cross-attending to a source of another length;
+* ``linen_accumulate``: ``linen_gpt`` with its gradients accumulated over micro-batches of one sequence by a
+  ``lax.scan``;
+* ``linen_master16``: ``linen_gpt`` with f32 master weights, the loss and its gradients taken at their bf16
+  copies (cast back to f32 for the update).
 
 Run holding the benchmark lock::
 
@@ -127,7 +131,8 @@ def _linen_model(s: Size, scan: bool = False, cross: bool = False) -> Any:
     return GPT()
 
 
-def _linen(s: Size, wrap: Callable, scan: bool = False, cross: bool = False, opt: Any = None) -> tuple[Callable, tuple]:
+def _linen(s: Size, wrap: Callable, scan: bool = False, cross: bool = False, opt: Any = None,
+           form: str = "plain") -> tuple[Callable, tuple]:
     import optax
     from flax.training import train_state
 
@@ -142,7 +147,19 @@ def _linen(s: Size, wrap: Callable, scan: bool = False, cross: bool = False, opt
         def loss_fn(params, tokens, src):
             logits = state.apply_fn({"params": params}, tokens[:, :-1], src)
             return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), tokens[:, 1:]).mean()
-        loss, grads = jax.value_and_grad(wrap(loss_fn))(state.params, tokens, src)
+        if form == "accumulate":  # one sequence per micro-batch, gradients summed by a scan
+            def micro(acc, seq):
+                loss, grads = jax.value_and_grad(wrap(loss_fn))(state.params, seq[None], src)
+                return jax.tree.map(jnp.add, acc, (loss, grads)), None
+            zero = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, state.params))
+            total, _ = jax.lax.scan(micro, zero, tokens)
+            loss, grads = jax.tree.map(lambda a: a / tokens.shape[0], total)
+        elif form == "master16":  # f32 master weights, the loss and its gradients at their bf16 copies
+            params16 = jax.tree.map(lambda p: p.astype(jnp.bfloat16), state.params)
+            loss, grads16 = jax.value_and_grad(wrap(loss_fn))(params16, tokens, src)
+            grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads16)
+        else:
+            loss, grads = jax.value_and_grad(wrap(loss_fn))(state.params, tokens, src)
         return state.apply_gradients(grads=grads), loss
 
     return train_step, (state, tokens, src)
@@ -161,6 +178,16 @@ def _linen_scan_remat(s: Size, wrap: Callable, opt: Any = None) -> tuple[Callabl
 @case
 def _linen_cross(s: Size, wrap: Callable, opt: Any = None) -> tuple[Callable, tuple]:
     return _linen(s, wrap, cross=True, opt=opt)
+
+
+@case
+def _linen_accumulate(s: Size, wrap: Callable, opt: Any = None) -> tuple[Callable, tuple]:
+    return _linen(s, wrap, opt=opt, form="accumulate")
+
+
+@case
+def _linen_master16(s: Size, wrap: Callable, opt: Any = None) -> tuple[Callable, tuple]:
+    return _linen(s, wrap, opt=opt, form="master16")
 
 
 # ---------------------------------------------------------------------- flax nnx

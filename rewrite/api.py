@@ -31,6 +31,7 @@ from .cache.key import make_key
 from .cost import guard as _guard
 from .cost.measure import resolve
 from .errors import RewriteLimitWarning, RewriteWarning, _strict
+from .extract.program import lean_band, leaner
 from .grad.primitive import Signature, bind_if_differentiated
 from .grad.step import find_losses, proof_classes
 from .grad.vjp import VJPResult, build_vjp
@@ -305,14 +306,26 @@ class Rewritten:
         t = time.perf_counter()
         alt = run_pipeline(changed, self.entries, self.cost_model, self.limits)
         alt.times["whole_step"] = finding.seconds + time.perf_counter() - t
-        if alt.cost_after < result.cost_after:
+        cheaper = alt.cost_after < result.cost_after
+        if cheaper or self._leaner(alt, result):
             alt.before, alt.cost_before, alt.rewritten, alt.step = traced.closed, result.cost_before, True, finding
-            alt.why = (f"the step's loss and gradients read from the loss-first program ({finding}); "
-                       + (alt.why or "its program kept as built"))
+            alt.why = (f"the step's loss and gradients read from the loss-first program ({finding}"
+                       + ("" if cheaper else f", priced {alt.cost_after:.4g} against {result.cost_after:.4g}, within "
+                          "the model's lean band, and predicted to hold less memory")
+                       + "); " + (alt.why or "its program kept as built"))
             return alt
         finding.declined.append(f"the step with them replaced was priced {alt.cost_after:.4g}, the step rewritten "
                                 f"as written {result.cost_after:.4g}: kept the latter")
         return result
+
+    def _leaner(self, alt: Result, result: Result) -> bool:
+        """The cost model's own rule between two programs it prices within its ``lean_band``: the one predicted
+        to hold less memory at its peak (:func:`rewrite.extract.program.leaner`) wins."""
+        band = lean_band(self.cost_model)
+        predict = getattr(self.cost_model, "predict_temp_bytes", None)
+        if not band or predict is None or alt.cost_after > result.cost_after * (1 + band):
+            return False
+        return leaner(predict(alt.after), predict(result.after))
 
     def _loss_first(self, fn: Callable[..., Any]) -> "Rewritten":
         """``fn`` rewritten as a user's loss is under ``jax.value_and_grad(rewrite(loss))``, with these rules."""

@@ -127,3 +127,13 @@ def test_a_budget_that_is_not_a_positive_byte_count_is_refused(bad):
 def test_a_positive_budget_is_accepted(ok):
     f = rewrite(jnp.sin, rulesets=[derivatives], cost_model=AnalyticCost(memory_budget=ok))
     np.testing.assert_allclose(f(jnp.ones(3)), jnp.sin(jnp.ones(3)))
+
+
+def test_a_loop_read_by_a_kernel_is_sized_without_its_price():
+    """A kernel that reads a one-output loop's result: the peak is predicted from sizes alone (a loop's node price
+    needs its body's, which a prediction from a jaxpr does not have), and agrees with XLA's to a kilobyte."""
+    def fn(x):
+        return jnp.sin(jax.lax.scan(lambda c, y: (c, jnp.cos(y)), (), x)[1]) * 2.0
+
+    x = jnp.ones((64, 4096))
+    assert abs(AnalyticCost().predict_temp_bytes(jax.make_jaxpr(fn)(x)) - _xla(fn, (x,))) <= 1024

@@ -399,7 +399,8 @@ class AnalyticCost(CostModel):
         True
         """
         fusion = self.fusion_model()
-        prog = Program.from_jaxpr(closed, None)  # sizes only: no node prices
+        fusion.tiebreak = None  # sizes only: no node prices (a loop's would need its body's)
+        prog = Program.from_jaxpr(closed, None)
         return liveness_peak(prog, fusion.kernels(prog), fusion.inner)
 
     def _op_price(self, op: Any) -> float:

@@ -34,11 +34,16 @@ Here it is recovered, and checked:
    backward included. The old forward and backward are then dead, unless
    something else reads them (an ``aux`` output), and dropped.
 
+Where the whole cone runs through a loop whose forward JAX's partial
+evaluation reshaped (residual outputs, invariants moved out, a ``remat``
+backward that recomputes the original body), the cone is tried again cut at
+the loop's outputs, which become leaves. A loop's body that holds a loss and
+its gradients (gradient accumulation) is searched as a step of its own.
+
 Where the proof fails (the step's backward is not the VJP of its forward: a
 ``stop_gradient`` applied to a use the cone does not stop, a ``custom_vjp``
-or hand-modified gradient, a gradient taken at a value the step computes
-rather than an input), nothing is replaced, and :class:`StepFinding` says
-why. The pipeline then rewrites the step both as written and with the
+or hand-modified gradient), nothing is replaced, and :class:`StepFinding`
+says why. The pipeline then rewrites the step both as written and with the
 replacement, and keeps the one its cost model prices lower.
 """
 
@@ -61,6 +66,10 @@ log = logging.getLogger("rewrite")
 
 #: How many candidate losses are re-derived and tried, at most, per step.
 MAX_TRIES = 4
+#: Primitives whose outputs a cone is cut at when the whole cone is not proven: JAX's partial evaluation gives a
+#: loop in the step residual outputs (and, under ``remat``, a backward that recomputes its body) that the
+#: re-derivation's does not have, so the gradient is sought at the loop's outputs instead.
+LOOPS = frozenset({"scan", "while"})
 #: How many losses (micro-batches of gradient accumulation) are replaced, at most.
 MAX_LOSSES = 8
 
@@ -128,8 +137,9 @@ class _Graph:
                     self.readers.setdefault(a, []).append(k)
         self.inputs = set(jaxpr.invars) | set(jaxpr.constvars)
 
-    def cone(self, root: Any) -> tuple[list[int], set]:
-        """The equations ``root`` depends on (in program order) and the inputs it reaches."""
+    def cone(self, root: Any, cut: frozenset[str] = frozenset()) -> tuple[list[int], set]:
+        """The equations ``root`` depends on (in program order) and the inputs it reaches; the outputs of
+        equations whose primitive is in ``cut`` are leaves too, their equations not followed."""
         eqns: set[int] = set()
         leaves: set = set()
         stack = [root]
@@ -140,6 +150,9 @@ class _Graph:
                 continue
             seen.add(v)
             k = self.producer.get(v)
+            if k is not None and self.jaxpr.eqns[k].primitive.name in cut:
+                leaves.add(v)
+                continue
             if k is None:
                 if v in self.inputs:
                     leaves.add(v)
@@ -148,6 +161,13 @@ class _Graph:
                 eqns.add(k)
                 stack.extend(self.jaxpr.eqns[k].invars)
         return sorted(eqns), leaves
+
+    def ordered(self, leaves: set) -> list[Any]:
+        """``leaves`` in a fixed order: the step's constants and inputs as it takes them, then computed values
+        in program order."""
+        order = list(self.jaxpr.constvars) + list(self.jaxpr.invars)
+        order += [w for e in self.jaxpr.eqns for w in e.outvars]
+        return [x for x in order if x in leaves]
 
 
 def _backward_shaped(graph: _Graph, root: Any, cone: set, shapes: set) -> bool:
@@ -261,6 +281,7 @@ def prove(step: core.ClosedJaxpr, graph: _Graph, root: Any, cone: core.ClosedJax
     eqns = list(jaxpr.eqns)
     constvars, consts = list(jaxpr.constvars), list(step.consts)
     outs = inline(eqns, derived, list(leaves), constvars, consts)
+    eqns = [_without_empty_mesh(e) for e in eqns]
     program = core.ClosedJaxpr(core.Jaxpr(constvars, list(jaxpr.invars), [root] + candidates + outs, eqns,
                                           jaxpr.effects, None), consts)
     classes = proof(program)
@@ -268,6 +289,19 @@ def prove(step: core.ClosedJaxpr, graph: _Graph, root: Any, cone: core.ClosedJax
     grads = {c: j for j, c in enumerate(derived_cls[1:])}
     found = {w: grads[c] for w, c in zip(candidates, cand_cls) if c in grads}
     return loss_cls == derived_cls[0], found
+
+
+def _without_empty_mesh(e: Any) -> Any:
+    """``e`` with a sharding on the empty mesh that shards nothing (what JAX's transposes put on a
+    ``convert_element_type`` or a ``broadcast_in_dim``) written as ``None`` (what user code writes): the two
+    compute the same, and are then one term."""
+    def plain(s: Any) -> bool:
+        mesh = getattr(s, "mesh", None)
+        return getattr(mesh, "empty", False) and all(p is None for p in getattr(s, "spec", (0,)))
+
+    changed = {k: None for k in ("sharding", "out_sharding") if k in e.params and e.params[k] is not None
+               and plain(e.params[k])}
+    return e.replace(params={**e.params, **changed}) if changed else e
 
 
 # ---------------------------------------------------------------------- replacement
@@ -288,10 +322,56 @@ def replace(step: core.ClosedJaxpr, root: Any, leaves: Sequence[Any], consts: di
     env = {root: outs[0]}
     for w, j in found.items():
         env[w] = outs[1 + wanted.index(j)]
-    eqns += [_subst(e, env) for e in jaxpr.eqns]
+    eqns = _in_order(eqns + [_subst(e, env) for e in jaxpr.eqns])
     new = core.Jaxpr(constvars, list(jaxpr.invars), [_read(env, a) for a in jaxpr.outvars], eqns, jaxpr.effects,
                      jaxpr.debug_info)
     return dce(core.ClosedJaxpr(new, cvals))
+
+
+def _attempt(step: core.ClosedJaxpr, graph: _Graph, root: Any, eqns: list[int], leaves: list[Any], consts: dict,
+             proof: Callable[[core.ClosedJaxpr], list[Any]]) -> tuple[str, tuple | None]:
+    """Re-derive the cone ``eqns`` of ``root`` over ``leaves`` and prove it: ``("", (lifted leaves, cone program,
+    differentiable positions, {step value: gradient position}))``, or why not and ``None``."""
+    cone = cone_program(graph, root, eqns, leaves, consts)
+    lifted = [v for v in leaves if v in consts] + [v for v in leaves if v not in consts]
+    flat_cone = core.ClosedJaxpr(core.Jaxpr([], lifted, cone.jaxpr.outvars, cone.jaxpr.eqns, core.no_effects), [])
+    dif = [i for i, v in enumerate(lifted) if is_float(v.aval)]
+    try:
+        derived = rederive(flat_cone, dif)
+        same, found = prove(step, graph, root, flat_cone, lifted, dif, derived, proof)
+    except Exception as e:  # a cone JAX cannot differentiate (an integer loss, a custom rule)
+        return f"its VJP could not be re-derived ({type(e).__name__}: {e})", None
+    if not same:
+        return "not proven equal to its re-derivation", None
+    if not found:
+        return "the step holds no value proven to be its gradient", None
+    return "", (lifted, flat_cone, dif, found)
+
+
+def _in_order(eqns: list) -> list:
+    """``eqns`` reordered so that each comes after the equations it reads (the replacement, put first, may read
+    values the step computes: a cone cut at a loop's outputs), otherwise keeping their order."""
+    import heapq
+
+    producer = {w: k for k, e in enumerate(eqns) for w in e.outvars}
+    waits = [0] * len(eqns)
+    readers: dict[int, list[int]] = {}
+    for k, e in enumerate(eqns):
+        for d in {producer[a] for a in e.invars if isinstance(a, core.Var) and a in producer}:
+            waits[k] += 1
+            readers.setdefault(d, []).append(k)
+    ready = [k for k, n in enumerate(waits) if n == 0]
+    heapq.heapify(ready)
+    out = []
+    while ready:
+        k = heapq.heappop(ready)
+        out.append(eqns[k])
+        for r in readers.get(k, ()):
+            waits[r] -= 1
+            if not waits[r]:
+                heapq.heappush(ready, r)
+    assert len(out) == len(eqns), "the step's equations read each other in a cycle"
+    return out
 
 
 def find_losses(closed: core.ClosedJaxpr, proof: Callable[[core.ClosedJaxpr], list[Any]],
@@ -319,33 +399,61 @@ def find_losses(closed: core.ClosedJaxpr, proof: Callable[[core.ClosedJaxpr], li
                 break
             tried.add(root)
             tries += 1
-            cone = cone_program(graph, root, eqns, leaves, consts)
-            lifted = [v for v in leaves if v in consts] + [v for v in leaves if v not in consts]
-            flat_cone = core.ClosedJaxpr(core.Jaxpr([], lifted, cone.jaxpr.outvars, cone.jaxpr.eqns,
-                                                    core.no_effects), [])
-            dif = [i for i, v in enumerate(lifted) if is_float(v.aval)]
-            try:
-                derived = rederive(flat_cone, dif)
-                same, found = prove(step, graph, root, flat_cone, lifted, dif, derived, proof)
-            except Exception as e:  # a cone JAX cannot differentiate (an integer loss, a custom rule)
-                finding.declined.append(f"a scalar of {len(eqns)} equations: its VJP could not be re-derived "
-                                        f"({type(e).__name__}: {e})")
-                continue
-            if not same or not found:
-                finding.declined.append(
-                    f"a scalar of {len(eqns)} equations: the step holds no value proven to be its gradient"
-                    if same else f"a scalar of {len(eqns)} equations: not proven equal to its re-derivation")
-                continue
-            step = replace(step, root, lifted, consts, flat_cone, dif, found, loss_first, made)
-            finding.replaced.append(f"a loss of {len(eqns)} equations and its gradients with respect to "
-                                    f"{len(set(found.values()))} of {len(dif)} float inputs")
-            changed = progress = True
-            break
+            cut = graph.cone(root, LOOPS)
+            tries_here = [(eqns, leaves, "")]
+            if cut[0] != eqns and len(cut[0]) >= 2:  # a loop in the cone: its outputs as leaves, if the whole fails
+                tries_here.append((cut[0], graph.ordered(cut[1]), ", its cone cut at loop outputs"))
+            for cone_eqns, cone_leaves, how in tries_here:
+                said, done = _attempt(step, graph, root, cone_eqns, cone_leaves, consts, proof)
+                if done is None:
+                    finding.declined.append(f"a scalar of {len(cone_eqns)} equations{how}: {said}")
+                    continue
+                lifted, flat_cone, dif, found = done
+                step = replace(step, root, lifted, consts, flat_cone, dif, found, loss_first, made)
+                finding.replaced.append(f"a loss of {len(cone_eqns)} equations{how} and its gradients with respect "
+                                        f"to {len(set(found.values()))} of {len(dif)} float inputs")
+                changed = progress = True
+                break
+            if progress:
+                break
         if not progress:
             break
+    inner = _in_loops(step, proof, loss_first, finding)
+    if inner is not None:
+        step, changed = inner, True
     finding.seconds = time.perf_counter() - t0
     log.info("whole step: %s (%.2f s)", finding, finding.seconds)
     return (step if changed else None), finding
+
+
+#: The param that holds a loop's body, by primitive: a loss and its gradients inside one (gradient accumulation over
+#: micro-batches, a ``scan`` or ``fori_loop`` that sums ``jax.grad`` of the loss) are sought there.
+BODIES = {"scan": "jaxpr", "while": "body_jaxpr"}
+
+
+def _in_loops(step: core.ClosedJaxpr, proof: Callable[[core.ClosedJaxpr], list[Any]], loss_first: Callable[..., Any],
+              finding: StepFinding) -> core.ClosedJaxpr | None:
+    """``step`` with the losses found in its loops' bodies replaced there (a body is searched as a step of its
+    own: its inputs are the leaves), or ``None`` if none was."""
+    eqns = list(step.jaxpr.eqns)
+    changed = False
+    for k, e in enumerate(eqns):
+        key = BODIES.get(e.primitive.name)
+        if key is None:
+            continue
+        body, inner = find_losses(e.params[key], proof, loss_first)
+        if body is None:
+            continue
+        where = f", in a {e.primitive.name} body"
+        finding.replaced += [r + where for r in inner.replaced]
+        finding.declined += [d + where for d in inner.declined]
+        eqns[k] = e.replace(params={**e.params, key: body})
+        changed = True
+    if not changed:
+        return None
+    jaxpr = step.jaxpr
+    return core.ClosedJaxpr(core.Jaxpr(jaxpr.constvars, jaxpr.invars, jaxpr.outvars, eqns, jaxpr.effects,
+                                       jaxpr.debug_info), step.consts)
 
 
 def proof_classes(run: Callable[[Traced], Any]) -> Callable[[core.ClosedJaxpr], list[Any]]:
