@@ -1,4 +1,4 @@
-"""The compatibility layer over JAX's scan params (rewrite/ir/jaxapi.py): both layouts, and a clear error on others."""
+"""The compatibility layer over JAX (rewrite/ir/jaxapi.py): both scan layouts, the protocols it probes, and a clear error naming the version on a JAX whose equations it does not know."""
 
 import jax
 import jax.numpy as jnp
@@ -40,6 +40,29 @@ def test_loading_a_scan_of_an_unknown_layout_fails_clearly(monkeypatch):
     monkeypatch.setattr(primitives, "scan_counts", jaxapi.scan_counts)
     with pytest.raises(jaxapi.UnsupportedJax, match=jax.__version__):
         rewrite.rewrite(f, rulesets=[])(0.0, jnp.ones(3))
+
+
+@pytest.mark.parametrize("prim, param", [("while", "body_jaxpr"), ("cond", "branches"), ("scan", "jaxpr")])
+def test_an_equation_without_a_param_the_loader_reads_names_the_jax_version(prim, param):
+    """A JAX whose equations hold their bodies under other names (as a newer one may): loading fails with an
+    ``UnsupportedJax`` naming the version and the primitive, never with a ``KeyError`` from inside the loader."""
+    from rewrite.cost.model import AnalyticCost
+    from rewrite.pipeline import run_pipeline
+    from rewrite.records import Limits
+
+    def f(x):
+        y = jax.lax.while_loop(lambda c: c[0] < 3, lambda c: (c[0] + 1, c[1] * 2.0), (0, x))[1]
+        y = jax.lax.cond(y.sum() > 0, jnp.sin, jnp.cos, y)
+        return jax.lax.scan(lambda c, xi: (c + xi, c), 0.0, y)
+
+    closed = jax.make_jaxpr(f)(jnp.ones(3))
+    eqns = [e.replace(params={(k + "_renamed" if k == param else k): v for k, v in e.params.items()})
+            if e.primitive.name == prim else e for e in closed.jaxpr.eqns]
+    renamed = closed.replace(jaxpr=closed.jaxpr.replace(eqns=eqns))
+    assert [e.primitive.name for e in renamed.jaxpr.eqns if param + "_renamed" in e.params] == [prim]
+    with pytest.raises(jaxapi.UnsupportedJax, match=rf"jax {jax.__version__}: a '{prim}' equation .*'{param}'"):
+        run_pipeline(renamed, (), AnalyticCost(), Limits())
+    run_pipeline(closed, (), AnalyticCost(), Limits())  # the program as this JAX traced it loads
 
 
 def test_the_linearization_probe_leaves_nothing_in_a_trace_it_runs_under():

@@ -220,6 +220,14 @@ def _unknown(what: str, params: Any) -> UnsupportedJax:
                           f"install a supported jax (see README) or report this version")
 
 
+def missing_param(prim: str, params: Any, missing: KeyError) -> UnsupportedJax:
+    """The error for a ``prim`` equation that lacks a param the loader reads (``missing``): a JAX whose
+    equations this rewriter does not know, named with its version, in place of a ``KeyError`` deep inside."""
+    return UnsupportedJax(f"jax {jax.__version__}: a '{prim}' equation has params {sorted(params)}, without "
+                          f"{missing}, which jax-rewrite reads; this JAX's '{prim}' is in a layout jax-rewrite does "
+                          f"not know: install a supported jax (see README) or report this version")
+
+
 def scan_counts(params: Any) -> tuple[int, int]:
     """``(num_consts, num_carry)`` of a scan's params, in either JAX's layout or the rewriter's."""
     if "num_consts" in params and "num_carry" in params:
