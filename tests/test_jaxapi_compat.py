@@ -86,6 +86,24 @@ def test_neutral_params_are_the_same_on_every_jax_and_go_back_to_the_running_jax
             jaxapi.neutral_params("scan", by_name["scan"])["num_carry"]) == (0, 1)
 
 
+def test_a_scan_jax_built_keeps_its_own_flat_trees_through_the_kept_params():
+    """The scans of JAX's own derivative of a scan hold flat trees of other shapes (filtered, pytree groups) than
+    ``scan_for_jax`` builds on jax 0.11+: the loader and the cache keep them, so the scan comes back as it was."""
+    def f(x, w):
+        return jax.lax.scan(lambda c, xi: (jnp.sin(c * w + xi), c * 2.0), x[0], x)[1].sum()
+
+    closed = jax.make_jaxpr(jax.grad(f))(jnp.ones((4, 3)), jnp.ones(3))
+    scans = [e.params for e in closed.jaxpr.eqns if e.primitive.name == "scan"]
+    assert scans
+    for params in scans:
+        kept = jaxapi.scan_kept(params)
+        assert jaxapi.scan_counts(kept) == jaxapi.scan_counts(params)
+        back = jaxapi.params_for_jax("scan", kept)
+        assert sorted(back) == sorted(params)
+        assert all(back[k] == params[k] for k in params if k != "jaxpr"), sorted(params)
+        assert jaxapi.SCAN_TREES not in jaxapi.neutral_params("scan", params)  # printing and hashing: counts only
+
+
 def test_a_custom_vjp_bwd_is_called_and_rebuilt_in_the_running_jax_s_protocol():
     @jax.custom_vjp
     def f(x):
