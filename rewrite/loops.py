@@ -282,7 +282,10 @@ class Loop:
                  set(self.needed), dict(self._memo))
         try:
             yield
-        except Decline:
+        except Decline as e:
+            # its traceback holds the frames it came through, this match's among them; on Python 3.12 the
+            # frame of the context manager's __exit__ is one, and it holds the exception: a cycle
+            e.__traceback__ = None
             nc, ncar, nx, ny, inputs, needed, memo = saved
             del self._consts[nc:], self._carries[ncar:], self._xs[nx:], self._ys[ny:]
             self._inputs, self.needed, self._memo = inputs, needed, memo

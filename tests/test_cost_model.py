@@ -137,13 +137,30 @@ def merged(x, a, g):  # the two reductions of `split` merged into one: both of t
     return a * i, (i * x - g * a ** -2 * s * s).sum((0, 1))
 
 
-@pytest.mark.parametrize("fn, xla_extra", [(jax_vjp, 0), (shared, 1), (double_angle, 0), (split, 0), (merged, 0),
-                                           (reference, 0)])
+#: The XLA of jaxlib 0.11 and later allocates one full-size temporary fewer than jaxlib 0.10's for these two
+#: programs (the same jaxprs; measured on jaxlib 0.10.2, 0.11.2 and 0.12.0.1), which the model, made on 0.10, does
+#: not predict: full-size temporaries XLA allocates beyond the prediction, by the oldest jaxlib they hold from.
+_ONE_FEWER_FROM_0_11 = {(0, 10): 0, (0, 11): -1}
+
+
+def _for_jaxlib(extra):
+    if isinstance(extra, int):
+        return extra
+    import jaxlib
+
+    running = tuple(int(p) for p in jaxlib.__version__.split(".")[:2])
+    return extra[max(v for v in extra if v <= running)]
+
+
+@pytest.mark.parametrize("fn, xla_extra", [(jax_vjp, 0), (shared, 1), (double_angle, _ONE_FEWER_FROM_0_11),
+                                           (split, _ONE_FEWER_FROM_0_11), (merged, 0), (reference, 0)])
 def test_peak_temp_bytes_is_what_xla_allocates(fn, xla_extra):
     # The predicted peak counts the full-size temporaries XLA allocates (small vectors aside).
     # `xla_extra`: for `shared`, XLA also materialises a full-size broadcast of the constant 2 for
-    # its library reduction, which the model does not predict.
+    # its library reduction, which the model does not predict; see _ONE_FEWER_FROM_0_11 for the others.
     from rewrite.cost.fusion import peak_temp_bytes
+
+    xla_extra = _for_jaxlib(xla_extra)
 
     model = AnalyticCost()
     prog = Program.from_jaxpr(jax.make_jaxpr(fn)(*ARGS), model)

@@ -46,6 +46,9 @@ DOMAINS = {
     "sum": st.one_of(st.floats(-100, 100, width=32), st.floats(-2.0**66, 2.0**66, width=32)),
     "wide": st.one_of(st.floats(-100, 100, width=32), st.floats(-2.0**66, 2.0**66, width=32),
                       st.floats(-2.0**-66, 2.0**-66, width=32)),
+    # where exp is finite and nonzero in float64, so that the float64 reference of log(exp x) is the math's x: past
+    # |x| = 709 it is inf or -inf there, and a rewrite that gives x would read as a value the math has not
+    "exp": st.one_of(st.floats(-100, 100, width=32), st.floats(-700, 700, width=32)),
     "moderate": st.floats(-8, 8, width=32),
     "pos": st.floats(0.015625, 64.0, width=32),
     "special": st.one_of(st.floats(-1e3, 1e3, width=32), st.sampled_from([0.0, -0.0, math.inf, -math.inf, math.nan])),
@@ -160,7 +163,7 @@ CASES = [
     ("trig_cos_double", lambda x: jnp.cos(jnp.tanh(x)) ** 2 - jnp.sin(jnp.tanh(x)) ** 2, [S], "moderate"),
     ("trig_cos_double_any", lambda x: jnp.cos(x) ** 2 - jnp.sin(x) ** 2, [S], "moderate"),
     ("trig_tan", lambda x: jnp.tan(x) + jnp.sin(x) * jnp.cos(x), [S], "moderate"),
-    ("explog_log_exp", lambda x: jnp.log(jnp.exp(x)), [S], "wide"),
+    ("explog_log_exp", lambda x: jnp.log(jnp.exp(x)), [S], "exp"),
     ("explog_exp_log", lambda x: jnp.exp(jnp.log(jnp.abs(x))), [S], "wide"),
     ("explog_log_add", lambda x, y: jnp.log(jnp.abs(x)) + jnp.log(y * y), [S, S], "pos"),
     ("explog_one_minus_logistic", lambda x: 1.0 - jax.nn.sigmoid(x), [S], "wide"),

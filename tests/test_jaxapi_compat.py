@@ -1,4 +1,4 @@
-"""The compatibility layer over JAX's scan params (rewrite/ir/jaxapi.py): both layouts, and a clear error on others."""
+"""The compatibility layer over JAX (rewrite/ir/jaxapi.py): both scan layouts, the protocols it probes, and a clear error naming the version on a JAX whose equations it does not know."""
 
 import jax
 import jax.numpy as jnp
@@ -42,6 +42,29 @@ def test_loading_a_scan_of_an_unknown_layout_fails_clearly(monkeypatch):
         rewrite.rewrite(f, rulesets=[])(0.0, jnp.ones(3))
 
 
+@pytest.mark.parametrize("prim, param", [("while", "body_jaxpr"), ("cond", "branches"), ("scan", "jaxpr")])
+def test_an_equation_without_a_param_the_loader_reads_names_the_jax_version(prim, param):
+    """A JAX whose equations hold their bodies under other names (as a newer one may): loading fails with an
+    ``UnsupportedJax`` naming the version and the primitive, never with a ``KeyError`` from inside the loader."""
+    from rewrite.cost.model import AnalyticCost
+    from rewrite.pipeline import run_pipeline
+    from rewrite.records import Limits
+
+    def f(x):
+        y = jax.lax.while_loop(lambda c: c[0] < 3, lambda c: (c[0] + 1, c[1] * 2.0), (0, x))[1]
+        y = jax.lax.cond(y.sum() > 0, jnp.sin, jnp.cos, y)
+        return jax.lax.scan(lambda c, xi: (c + xi, c), 0.0, y)
+
+    closed = jax.make_jaxpr(f)(jnp.ones(3))
+    eqns = [e.replace(params={(k + "_renamed" if k == param else k): v for k, v in e.params.items()})
+            if e.primitive.name == prim else e for e in closed.jaxpr.eqns]
+    renamed = closed.replace(jaxpr=closed.jaxpr.replace(eqns=eqns))
+    assert [e.primitive.name for e in renamed.jaxpr.eqns if param + "_renamed" in e.params] == [prim]
+    with pytest.raises(jaxapi.UnsupportedJax, match=rf"jax {jax.__version__}: a '{prim}' equation .*'{param}'"):
+        run_pipeline(renamed, (), AnalyticCost(), Limits())
+    run_pipeline(closed, (), AnalyticCost(), Limits())  # the program as this JAX traced it loads
+
+
 def test_the_linearization_probe_leaves_nothing_in_a_trace_it_runs_under():
     jaxapi._linearization_arity.cache_clear()
     closed = jax.make_jaxpr(lambda x: x * jaxapi._linearization_arity())(1.0)
@@ -61,6 +84,24 @@ def test_neutral_params_are_the_same_on_every_jax_and_go_back_to_the_running_jax
     assert sorted(jaxapi.neutral_params("reduce_max", by_name["reduce_max"])) == ["axes"]
     assert (jaxapi.neutral_params("scan", by_name["scan"])["num_consts"],
             jaxapi.neutral_params("scan", by_name["scan"])["num_carry"]) == (0, 1)
+
+
+def test_a_scan_jax_built_keeps_its_own_flat_trees_through_the_kept_params():
+    """The scans of JAX's own derivative of a scan hold flat trees of other shapes (filtered, pytree groups) than
+    ``scan_for_jax`` builds on jax 0.11+: the loader and the cache keep them, so the scan comes back as it was."""
+    def f(x, w):
+        return jax.lax.scan(lambda c, xi: (jnp.sin(c * w + xi), c * 2.0), x[0], x)[1].sum()
+
+    closed = jax.make_jaxpr(jax.grad(f))(jnp.ones((4, 3)), jnp.ones(3))
+    scans = [e.params for e in closed.jaxpr.eqns if e.primitive.name == "scan"]
+    assert scans
+    for params in scans:
+        kept = jaxapi.scan_kept(params)
+        assert jaxapi.scan_counts(kept) == jaxapi.scan_counts(params)
+        back = jaxapi.params_for_jax("scan", kept)
+        assert sorted(back) == sorted(params)
+        assert all(back[k] == params[k] for k in params if k != "jaxpr"), sorted(params)
+        assert jaxapi.SCAN_TREES not in jaxapi.neutral_params("scan", params)  # printing and hashing: counts only
 
 
 def test_a_custom_vjp_bwd_is_called_and_rebuilt_in_the_running_jax_s_protocol():

@@ -341,7 +341,12 @@ def test_backward_program_computes_its_inputs_inside_the_backward_loop():
     report = check(grad, P, XS, YS)
     assert report.used.get("sink_inputs")
     assert all(e.primitive.name == "scan" or T not in e.outvars[0].aval.shape[:1] for e in report.after.jaxpr.eqns)
-    assert _stacked_outputs(report.after) == [(T, B, O), (T, B, H), (T, B, H)]
+    # JAX's own derivative of tanh differs by version: two products in the backward step (jax 0.10), or one
+    # (``one_minus_square``, jax 0.11+). From the second program the rewrite keeps no (T, B, O) stack either.
+    muls = body_prims([e for e in scans(before) if e.params["reverse"]][0])["mul"]
+    assert muls in (1, 2), muls
+    want = [(T, B, O), (T, B, H), (T, B, H)] if muls == 2 else [(T, B, H), (T, B, H)]
+    assert _stacked_outputs(report.after) == want
     # Priced as memory, stacked outputs give way to recomputing the whole step: only h_{t-1} is kept.
     lean = check(grad, P, XS, YS, cost_model=AnalyticCost(stacked=100.0))
     assert _stacked_outputs(lean.after) == [(T, B, H)]

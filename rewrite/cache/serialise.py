@@ -200,7 +200,7 @@ class _Writer:
         return self.typed_value(x)
 
     def params(self, e: Any) -> list:
-        params = neutral_params(e.primitive, e.params)  # the same entry whichever JAX traced it
+        params = neutral_params(e.primitive, e.params, trees=True)  # the same entry whichever JAX traced it
         if e.primitive.name != "custom_vjp_call":
             return [(k, self.value(v)) for k, v in params.items()]
         try:  # a custom_vjp of the original program (the user's): its rule by place

@@ -32,6 +32,7 @@ from jax._src import config as _config
 from jax._src import core as _core
 from jax._src import literals as _literals
 from jax._src import source_info_util as _source_info_util
+from jax._src import tree_util as _tree_util  # (the registry flat trees' pytree structures are made in: no public name)
 from jax._src import util as _util
 from jax._src.interpreters import ad as _ad
 from jax._src.interpreters import partial_eval as _pe
@@ -220,6 +221,14 @@ def _unknown(what: str, params: Any) -> UnsupportedJax:
                           f"install a supported jax (see README) or report this version")
 
 
+def missing_param(prim: str, params: Any, missing: KeyError) -> UnsupportedJax:
+    """The error for a ``prim`` equation that lacks a param the loader reads (``missing``): a JAX whose
+    equations this rewriter does not know, named with its version, in place of a ``KeyError`` deep inside."""
+    return UnsupportedJax(f"jax {jax.__version__}: a '{prim}' equation has params {sorted(params)}, without "
+                          f"{missing}, which jax-rewrite reads; this JAX's '{prim}' is in a layout jax-rewrite does "
+                          f"not know: install a supported jax (see README) or report this version")
+
+
 def scan_counts(params: Any) -> tuple[int, int]:
     """``(num_consts, num_carry)`` of a scan's params, in either JAX's layout or the rewriter's."""
     if "num_consts" in params and "num_carry" in params:
@@ -273,25 +282,96 @@ def scan_for_jax(params: dict) -> dict:
 _ADDED_PARAMS = {"reduce_max": {"out_sharding": None}, "reduce_min": {"out_sharding": None}}
 
 
-def neutral_params(prim: Any, params: Any) -> Any:
+#: The neutral param that keeps a scan's own flat trees, as plain data (:func:`neutral_params` with ``trees``).
+SCAN_TREES = "_rw_scan_trees"
+
+
+def _tree_data(tree: Any) -> Any:
+    """A flat tree (JAX 0.11+) as plain data: nested tuples, ``None`` leaves, ``Either`` sides and a pytree's
+    structure as its protocol-buffer bytes. Raises ``TypeError`` on anything else."""
+    ft = _flattree
+    if isinstance(tree, ft.FTTuple):
+        return ("tuple", tuple(_tree_data(e) for e in tree.elts))
+    if isinstance(tree, ft.FTFiltered):
+        return ("filtered", _tree_data(tree.val))
+    if isinstance(tree, ft.FTSingleton):
+        return ("one", _leaf_data(tree.val))
+    if isinstance(tree, ft.FTPyTree):
+        return ("pytree", tuple(_leaf_data(x) for x in tree.xs), tree.tree.serialize_using_proto())
+    raise TypeError(f"a flat tree of {type(tree).__name__}")
+
+
+def _leaf_data(x: Any) -> Any:
+    if x is None:
+        return None
+    if isinstance(x, _flattree.Either):
+        return ("right" if x.is_right else "left", _leaf_data(x.val))
+    raise TypeError(f"a flat tree's leaf {type(x).__name__}")
+
+
+def _tree_from(data: Any) -> Any:
+    """The inverse of :func:`_tree_data`."""
+    ft, kind = _flattree, data[0]
+    if kind == "tuple":
+        return ft.FTTuple(*(_tree_from(e) for e in data[1]))
+    if kind == "filtered":
+        return ft.FTFiltered(_tree_from(data[1]))
+    if kind == "one":
+        return ft.FTSingleton(_leaf_from(data[1]))
+    treedef = type(jax.tree_util.tree_structure(0)).deserialize_using_proto(_tree_util.tracing_registry, data[2])
+    return ft.FTPyTree(tuple(_leaf_from(x) for x in data[1]), treedef)
+
+
+def _group_sizes(tree: Any) -> list[int]:
+    return [len(g) for g in tree.unpack()]
+
+
+def _leaf_from(data: Any) -> Any:
+    return None if data is None else _flattree.Either(data[0] == "right", _leaf_from(data[1]))
+
+
+def neutral_params(prim: Any, params: Any, *, trees: bool = False) -> Any:
     """An equation's params in a form that does not depend on the JAX version that traced it: a scan's input
     groups as counts, and a param JAX 0.11 added left out where it holds the value that means what 0.10 did
     without it. Written down, hashed or printed this way, one program reads the same on every supported JAX;
-    :func:`params_for_jax` is the inverse."""
+    :func:`params_for_jax` is the inverse. With ``trees`` (what the loader keeps and the disk cache writes), a
+    scan whose flat trees are not the ones :func:`scan_for_jax` builds (one JAX made through a transformation,
+    say) keeps them as plain data (:data:`SCAN_TREES`), so that it is emitted, and read back, as it was while
+    its groups keep their sizes."""
     name = getattr(prim, "name", prim)
     if name == "scan":
-        return scan_counted(params)
+        out = scan_counted(params)
+        if trees and "ft_in" in params:
+            try:
+                own = (_tree_data(params["ft_in"]), _tree_data(params["ft_out"]))
+                rebuilt = scan_for_jax(out)
+                if own != (_tree_data(rebuilt["ft_in"]), _tree_data(rebuilt["ft_out"])):
+                    out[SCAN_TREES] = own
+            except TypeError:
+                pass  # a tree of a kind not known here: read back with the canonical trees, which run alike
+        return out
     added = _ADDED_PARAMS.get(name)
     if added and any(k in params and params[k] is v for k, v in added.items()):
         return {k: v for k, v in params.items() if not (k in added and v is added[k])}
     return params
 
 
+def scan_kept(params: Any) -> dict:
+    """A scan's params as the loader keeps them: :func:`neutral_params` with the scan's own flat trees."""
+    return neutral_params("scan", params, trees=True)
+
+
 def params_for_jax(prim: Any, params: Any) -> Any:
     """The inverse of :func:`neutral_params`: params as the running JAX binds them."""
     name = getattr(prim, "name", prim)
     if name == "scan":
-        return scan_for_jax(params)
+        own = params.get(SCAN_TREES)
+        out = scan_for_jax({k: v for k, v in params.items() if k != SCAN_TREES})
+        if own is not None and "ft_in" in out:
+            kept = _tree_from(own[0]), _tree_from(own[1])
+            if all(_group_sizes(a) == _group_sizes(b) for a, b in zip(kept, (out["ft_in"], out["ft_out"]))):
+                out["ft_in"], out["ft_out"] = kept  # else a rule changed the loop's groups: the canonical trees
+        return out
     added = _ADDED_PARAMS.get(name)
     if added and _has_added_params(name):
         return {**added, **params}

@@ -45,7 +45,7 @@ import jax.numpy as jnp
 
 from . import loopstep as _loopstep
 from .scanread import sliced_consts as _sliced_consts
-from .jaxapi import UnspecifiedValue, core, scan_counted, scan_counts, scan_for_jax
+from .jaxapi import UnspecifiedValue, core, params_for_jax, scan_counts, scan_kept
 
 #: Families: how the cost model prices a primitive, and whether its params are wildcards in patterns.
 ELEMENTWISE = "elementwise"   # cheap pointwise arithmetic; fuses
@@ -402,7 +402,7 @@ def _scan_load(ld: Any) -> list[Any]:
     p = ld.eqn.params  # _rw_* params are annotations the emitter drops. _rw_order: the body's Params in jaxpr order
     # (a rule adding a carry appends a Param and inserts its index); _rw_sliced: rewrite/ir/scanread.py
     return ld.nested([ld.closed_body(p["jaxpr"])], {"_rw_order": tuple(range(len(p["jaxpr"].in_avals))),
-                     "_rw_sliced": _sliced_consts(p["jaxpr"], scan_counts(p)[0])}, params=scan_counted(p))
+                     "_rw_sliced": _sliced_consts(p["jaxpr"], scan_counts(p)[0])}, params=scan_kept(p))
 
 
 def _scan_emit(em: Any, params: dict, bodies: list, n_out: int, n_in: int) -> dict:
@@ -411,7 +411,7 @@ def _scan_emit(em: Any, params: dict, bodies: list, n_out: int, n_in: int) -> di
     if params.get("_rw_remat"):
         params["jaxpr"] = em.checkpointed(params["jaxpr"], params["num_carry"], params["num_consts"],
                                           params["_rw_remat"])
-    return scan_for_jax(params)
+    return params_for_jax("scan", params)
 
 
 def _scan_price(m: Any, n: NodeInfo) -> float:

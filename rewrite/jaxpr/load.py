@@ -23,7 +23,7 @@ import numpy as np
 
 from ..ir import primitives as _primitives
 from ..ir.intern import EFFECTS, PARAMS, TYPES
-from ..ir.jaxapi import core
+from ..ir.jaxapi import core, missing_param
 from ..ir.primitives import Unsupported  # noqa: F401  (raised by builders and load hooks)
 
 TOKEN_AVAL = core.abstract_token
@@ -143,6 +143,8 @@ def load_eqn(eqn: core.JaxprEqn, args: list[Any], b: Builder, token: Any, *,
             outs = spec.load(_Loading(eqn, args, b, source))
         except Unsupported:
             spec = _primitives.DEFAULT  # kept whole, as an opaque node
+        except KeyError as e:  # a param the hook reads is not there: a JAX whose equations differ
+            raise missing_param(name, eqn.params, e) from e
         else:
             if outs is not None:
                 return outs, token

@@ -117,10 +117,15 @@ def _egg_var(name: str) -> str:
     return "v_" + "".join(ch if ch.isalnum() else "_" for ch in name)
 
 
+#: A ``pvary_literals`` variant: the cast literal is then converted (JAX 0.11+ casts a Python int literal with
+#: ``pvary`` as ``int32`` and converts it to the float it multiplies: ``convert_element_type(pvary(2))``).
+CONVERTED = "converted"
+
+
 class QueryBuilder:
     """A loader builder that writes egglog query atoms instead of inserting nodes."""
 
-    def __init__(self, pvary_literals: bool = False) -> None:
+    def __init__(self, pvary_literals: bool | str = False) -> None:
         self.atoms: list[str] = []
         self._memo: dict[tuple, str] = {}
         self._n = 0
@@ -164,6 +169,10 @@ class QueryBuilder:
             cast = self.fresh("t")
             self.atoms.append(f"(= {cast} (Opaque (TCons {v} (TNil)) {self.fresh('p')}))")
             v = cast
+            if self.pvary_literals == CONVERTED:
+                converted = self.fresh("t")
+                self.atoms.append(f"(= {converted} (ConvertElementType {v} {self.fresh('p')}))")
+                v = converted
         self._memo[key] = v
         return v
 
@@ -181,11 +190,12 @@ class QueryBuilder:
                            "write it as a procedural rule with Pat")
 
 
-def compile_traced(closed: core.ClosedJaxpr, names: Sequence[str], pvary_literals: bool = False) -> Query:
+def compile_traced(closed: core.ClosedJaxpr, names: Sequence[str], pvary_literals: bool | str = False) -> Query:
     """The query for a traced left-hand side whose inputs are the pattern variables ``names``.
 
     With ``pvary_literals``, every literal may also sit under a one-operand cast
-    (``pvary`` in a shard_map body); the verifier checks the real structure.
+    (``pvary`` in a shard_map body), and with :data:`CONVERTED` under a conversion
+    of that cast; the verifier checks the real structure.
     """
     qb = QueryBuilder(pvary_literals)
     inputs = [_egg_var(n) for n in names]

@@ -38,7 +38,7 @@ from ..ir.jaxapi import core
 from ..ir.primitives import GROUPS
 from ..jaxpr.trace import _mesh_of, trace_at
 from .match import Params, Value, _short
-from .pattern import Pat, PatternError, Query, commuted, compile_pats, compile_traced, generalize
+from .pattern import CONVERTED, Pat, PatternError, Query, commuted, compile_pats, compile_traced, generalize
 
 
 #: Pattern variables are traced at these shapes (float32) when no example is given.
@@ -577,8 +577,10 @@ def _rule(lhs: Any, rhs: Any, *, name: str, when: Callable[..., bool] | None, ex
         except PatternError as e:
             raise ValueError(f"rule {name!r}: {e}") from None
         traced_at.append(avals)
-        pvary = compile_traced(lhs_closed, names, pvary_literals=True) if "(Lit " in query.text else None
-        if pvary is not None or "(Opaque " in query.text:
+        # the variants for a shard_map body: each literal cast by pvary, or cast and then converted
+        pvary = [compile_traced(lhs_closed, names, pvary_literals=v) for v in (True, CONVERTED)] \
+            if "(Lit " in query.text else []
+        if pvary or "(Opaque " in query.text:
             # A literal that changes with the shapes (a mean's divisor), or the params of an opaque
             # operation that carry shapes (lu's and custom_linear_solve's nested programs), match any
             # value; the verifier retraces the left side at the matched shapes, so the query may be loose.
@@ -586,15 +588,14 @@ def _rule(lhs: Any, rhs: Any, *, name: str, when: Callable[..., bool] | None, ex
             loose = generalize(query, compile_traced(other, names)) if other is not None else None
             if loose is not None:
                 query = loose
-                if pvary is not None:
-                    pvary = generalize(pvary, compile_traced(other, names, pvary_literals=True)) or pvary
+                pvary = [generalize(q, compile_traced(other, names, pvary_literals=v)) or q
+                         for q, v in zip(pvary, (True, CONVERTED))]
                 if longer not in traced_at:
                     traced_at.append(longer)  # so that checks see the literal at another size
         if query.text not in seen:
             seen.add(query.text)
             queries.append(query)
-            if pvary is not None:
-                manual.append(pvary)
+            manual.extend(pvary)
     if not queries:
         if guard_error is not None:
             e, avals = guard_error
