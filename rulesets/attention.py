@@ -121,6 +121,7 @@ from jax import lax
 
 from rewrite import Pat, Ruleset, Tolerance, procedural, rule
 from rulesets import _fused_attention as _fused
+from rulesets.kernels.attention import Logits, ValueProduct, Window, blocked_attention
 from rulesets._attention_plan import _Decline, _evaluate, _Plan, _query_axes, _scale_outside, _shift_is_own_max, _walk
 
 __all__ = ["attention"]
@@ -157,261 +158,36 @@ _SOFTMAX_WIDE = Pat("div", Pat("exp", X), Pat("convert_element_type", Pat("broad
 
 
 
-# ---------------------------------------------------------------------- the blocked computation
-def _blocked(plan: _Plan, out_ref: tuple, axis: int, p_first: bool, dn: Any, pv_params: dict, v_key: int,
-             block: int, n: int, out_aval: Any, cast: Any = None, squeezed: tuple = (), wide: Any = None,
-             rows: tuple | None = None):
-    """``fn(*leaves, v)``: attention computed over key blocks, with a recomputing backward.
-
-    ``wide``: the dtype the program sums the exponentials in, where wider than the logits'
-    (``jax.nn.softmax`` of bf16 logits sums in float32); the running sum is kept in it. ``rows``: ``(qblock,
-    s_q, leaf_q, step_q)``, the forward also runs over blocks of ``qblock`` queries, ``s_q`` the logits' query
-    axis, ``leaf_q`` and ``step_q`` where the plan's values carry it (:func:`_query_axes`)."""
-    steps = tuple(plan.steps)
-    leaf_keys = tuple(plan.leaf_keys)
+# ---------------------------------------------------------------------- the plan as the kernel's logits
+def _logits(plan: _Plan, out_ref: tuple, axis: int, rows: tuple | None) -> Logits:
+    """The plan's logits as :class:`Logits`: the backward's over the plan's own leaves, the forward's with a literal
+    scale applied to ``q`` before the loops (:func:`_scale_outside`). ``rows``: ``(s_q, leaf_q, step_q)``, where
+    the logits, the plan's leaves and its steps carry the queries (:func:`_query_axes`)."""
+    steps, leaf_keys = tuple(plan.steps), tuple(plan.leaf_keys)
     forward_steps, scaled = _scale_outside(plan)
-    forward_keys = leaf_keys + (None,) * len(scaled)
+    # A literal scalar (a mask's fill, a scale) is the body's constant, as it is the original's (passed in as an
+    # operand, XLA could not turn a division by 8 into a multiplication by 0.125).
     consts = {i: np.asarray(x.literal, x.dtype) for i, x in enumerate(plan.leaves)
               if x.shape == () and x.literal is not None}
-    nblocks = n // block
-    s_aval = plan.aval(out_ref)
-    s_rank = len(s_aval.shape)
-    s_dtype = s_aval.dtype
-    l_dtype = s_dtype if wide is None else wide
-    (pc_l, pc_r), (pb_l, pb_r) = dn
-    p_batch = pb_l if p_first else pb_r
-    # The weights as the product reads them: the logits' layout less the size-1 axes ``squeezed``.
-    p_of = {d: d - sum(1 for e in squeezed if e < d) for d in range(s_rank) if d not in squeezed}
-    p_axis = p_of[axis]
-    p_rank = s_rank - len(squeezed)
-    p_free = [d for d in range(p_rank) if d != p_axis and d not in p_batch]
-    out_rank = len(out_aval.shape)
-    nb = len(p_batch)
+    own = lambda leaves: [consts.get(i, x) for i, x in enumerate(leaves)]
 
-    def layout(weights_first: bool) -> tuple[list, list, tuple]:
-        """Where each of the weights' axes but the key axis lands in the product's output, with the weights as
-        its first operand or its second; the order that sorts them, and the sorted places."""
-        positions = []
-        for d in range(p_rank):
-            if d == p_axis:
-                continue
-            if d in p_batch:
-                positions.append(list(p_batch).index(d))
-            else:
-                off = nb if weights_first else nb + (out_rank - nb - len(p_free))
-                positions.append(off + p_free.index(d))
-        return positions, list(np.argsort(positions)), tuple(sorted(positions))
+    def block(leaves: Sequence[Any], keys: Window, queries: Window | None) -> Any:
+        return _evaluate(steps, own(leaves), leaf_keys, keys.start, keys.size, out_ref)
 
-    _, order, sorted_pos = layout(p_first)  # the original's, which the backward keeps
-    # The forward's own product: the weights first, v read as [batch, keys, free] (transposed once, before the
-    # loops), so that a block of v is contiguous and the output and accumulator come in the order XLA's product
-    # writes them; the output is put in the original's order once, after the loops.
-    v_batch = pb_r if p_first else pb_l
-    v_rank = out_rank - len(p_free) + 1
-    v_free = [d for d in range(v_rank) if d != v_key and d not in v_batch]
-    v_perm = tuple(v_batch) + (v_key,) + tuple(v_free)
-    fwd_params = dict(pv_params, dimension_numbers=(((p_axis,), (nb,)), (tuple(p_batch), tuple(range(nb)))))
-    # the original output's axis i is the forward product's axis out_perm[i]
-    out_perm = tuple(range(out_rank)) if p_first else (tuple(range(nb)) + tuple(
-        nb + len(p_free) + j for j in range(len(v_free))) + tuple(nb + i for i in range(len(p_free))))
-    f_out_shape = tuple(out_aval.shape[out_perm.index(i)] for i in range(out_rank))
-    f_positions, f_order, f_sorted = layout(True)
-    acc_dtype = jnp.promote_types(out_aval.dtype, jnp.float32)
-
-    row_squeezed = tuple(e - (e > axis) for e in squeezed)
-    row_shape = tuple(d for i, d in enumerate(s_aval.shape) if i != axis)
-    if rows is not None:  # where the queries lie in the per-row values and in the output
-        qblock, s_q, leaf_q, step_q = rows
-        row_q = s_q - (s_q > axis)
-        out_q = f_positions[[d for d in range(p_rank) if d != p_axis].index(p_of[s_q])]  # in the forward's output
-        forward_q = list(leaf_q) + [leaf_q[q] for q, _, _ in scaled]
-
-    def to_out(row: Any, shape: tuple) -> Any:  # a per-row value in the forward's output's layout
-        row = lax.squeeze(row, row_squeezed) if row_squeezed else row
-        row = lax.transpose(row, tuple(f_order)) if f_order != sorted(f_order) else row
-        return lax.broadcast_in_dim(row, shape, f_sorted)
-
-    def from_out(x: Any) -> Any:  # the output's per-row sums, in the logits' order
-        other = tuple(d for d in range(out_rank) if d not in sorted_pos)
-        r = jnp.sum(x, axis=other)
-        inv = list(np.argsort(order))
-        r = lax.transpose(r, tuple(inv)) if inv != sorted(inv) else r
-        return lax.expand_dims(r, row_squeezed) if row_squeezed else r
-
-    def scores(leaves: Sequence[Any], start: Any, forward: bool = False, qstart: Any = None) -> Any:
-        # A literal scalar (a mask's fill, a scale) is the body's constant, as it is the original's (passed in as
-        # an operand, XLA could not turn a division by 8 into a multiplication by 0.125).
-        leaves = [consts.get(i, x) for i, x in enumerate(leaves)]
-        if forward:  # with q scaled before the loop (_scale_outside), after the plan's leaves
-            cut = None if qstart is None else (step_q, qstart, qblock, forward_q)
-            return _evaluate(forward_steps, leaves, forward_keys, start, block, out_ref, cut).astype(s_dtype)
-        return _evaluate(steps, leaves, leaf_keys, start, block, out_ref).astype(s_dtype)
-
-    def product(p: Any, vb: Any, own: bool = False) -> Any:
-        # the weights as the original rounds them before its product (bf16 weights of an f32 softmax); ``own``:
-        # the forward's product (weights first, v transposed to v_perm)
-        p = p if cast is None else p.astype(cast)
-        p = lax.squeeze(p, squeezed) if squeezed else p
-        if own:
-            return lax.dot_general(p, vb, **fwd_params)
-        args = (p, vb) if p_first else (vb, p)
-        return lax.dot_general(*args, **pv_params)
-
-    narrow = jnp.dtype(out_aval.dtype) != jnp.dtype(acc_dtype)
-
-    def wide_product(p: Any, vb: Any) -> Any:
-        # the backward's product, summed in the accumulator's precision: the weights' value rounded as the
-        # original rounds them (bf16 weights of an f32 softmax), their cotangent not rounded (the rounding's
-        # transpose rounds it, and XLA, which allows excess precision, dropped that in one loop and not the other)
-        if cast is not None:
-            p = p + lax.stop_gradient(p.astype(cast).astype(p.dtype) - p)
-        p = lax.squeeze(p, squeezed) if squeezed else p
-        p, vb = p.astype(acc_dtype), vb.astype(acc_dtype)
-        params = dict(pv_params, preferred_element_type=acc_dtype)
-        return lax.dot_general(*((p, vb) if p_first else (vb, p)), **params)
-
-    def expand(row: Any) -> Any:
-        return jnp.expand_dims(row, axis)
-
-    def over_keys(ahead: Sequence[Any], v: Any, qstart: Any = None) -> tuple[Any, Any, Any]:
-        """The online softmax over key blocks for every query, or for ``qblock`` queries from ``qstart`` (the
-        leaves already cut to them): the output, the rows' shift and sum."""
-        cut = (lambda shape, ax: shape) if qstart is None else (
-            lambda shape, ax: tuple(qblock if i == ax else d for i, d in enumerate(shape)))
-        m0 = jnp.full(cut(row_shape, None if rows is None else row_q), -jnp.inf, s_dtype)
-        l0 = jnp.zeros(m0.shape, l_dtype)
-        o_shape = cut(f_out_shape, None if rows is None else out_q)
-        a0 = jnp.zeros(o_shape, acc_dtype)
-
-        def body(carry: tuple, j: Any) -> tuple:
-            m, l, acc = carry
-            start = j * block
-            s = scores(ahead, start, forward=True, qstart=qstart)
-            m_new = jnp.maximum(m, jnp.max(s, axis=axis))
-            # A row whose scores so far are all -inf is shifted by 0: exp(-inf - 0) = 0, not NaN.
-            shift = jnp.where(m_new == -jnp.inf, jnp.zeros((), s_dtype), m_new)
-            p = jnp.exp(s - expand(shift))
-            alpha = jnp.exp(m - shift)
-            vb = lax.dynamic_slice_in_dim(v, start, block, axis=nb)
-            pv = product(p, vb, own=True).astype(acc_dtype)
-            acc = acc * to_out(alpha, o_shape).astype(acc_dtype) + pv
-            return (m_new, l * alpha.astype(l_dtype) + jnp.sum(p.astype(l_dtype), axis=axis), acc), None
-
-        (m, l, acc), _ = lax.scan(body, (m0, l0, a0), jnp.arange(nblocks))
-        out = (acc / to_out(l, o_shape).astype(acc_dtype)).astype(out_aval.dtype)
-        # The backward's weights are exp(s - shift) / l: kept apart, since m + log(l) loses log(l) when m is
-        # finfo.min (a row masked everywhere with finfo.min, which averages uniformly).
-        return out, jnp.where(m == -jnp.inf, jnp.zeros((), s_dtype), m), l
-
-    def forward(leaves: Sequence[Any], v: Any) -> tuple[Any, Any]:
+    def prepare(leaves: Sequence[Any]) -> list:
         c_of = lambda i: consts.get(i, leaves[i])
-        ahead = list(leaves) + [leaves[q] / c_of(c) if prim == "div" else leaves[q] * c_of(c) for q, c, prim in scaled]
-        v = lax.transpose(v, v_perm) if v_perm != tuple(range(v_rank)) else v
-        back = (lambda o: lax.transpose(o, out_perm)) if out_perm != tuple(range(out_rank)) else (lambda o: o)
-        if rows is None:
-            out, shift, l = over_keys(ahead, v)
-            return back(out), (shift, l)
+        return list(leaves) + [leaves[q] / c_of(c) if prim == "div" else leaves[q] * c_of(c) for q, c, prim in scaled]
 
-        def body(carry: tuple, i: Any) -> tuple:  # one block of queries: its leaves cut, its rows written in place
-            out, shift, l = carry
-            qstart = i * qblock
-            # the leaves with queries and no keys cut here, once; those with both in the loop, a block of each
-            cut = [x if a is None or k is not None else lax.dynamic_slice_in_dim(x, qstart, qblock, axis=a)
-                   for x, a, k in zip(ahead, forward_q, forward_keys)]
-            o, sh, lb = over_keys(cut, v, qstart)
-            return (lax.dynamic_update_slice_in_dim(out, o, qstart, axis=out_q),
-                    lax.dynamic_update_slice_in_dim(shift, sh, qstart, axis=row_q),
-                    lax.dynamic_update_slice_in_dim(l, lb, qstart, axis=row_q)), None
+    def forward_block(leaves: Sequence[Any], keys: Window, queries: Window | None) -> Any:
+        cut = None if queries is None else (rows[2], queries.start, queries.size, forward_q)
+        return _evaluate(forward_steps, own(leaves), forward_keys, keys.start, keys.size, out_ref, cut)
 
-        init = (jnp.zeros(f_out_shape, out_aval.dtype), jnp.zeros(row_shape, s_dtype), jnp.zeros(row_shape, l_dtype))
-        (out, shift, l), _ = lax.scan(body, init, jnp.arange(s_aval.shape[s_q] // qblock))
-        return back(out), (shift, l)
-
-    @jax.custom_vjp
-    def attend(leaves: tuple, v: Any) -> Any:
-        return forward(leaves, v)[0]
-
-    def fwd(leaves: tuple, v: Any) -> tuple:
-        out, (shift, l) = forward(leaves, v)
-        return out, (leaves, v, out, shift, l)
-
-    def bwd(res: tuple, g: Any) -> tuple:
-        leaves, v, out, shift, l = res
-        floating = [jnp.issubdtype(x.dtype, jnp.inexact) for x in leaves]
-
-        def recompute(j: Any) -> tuple:
-            """Key block ``j``'s weights as the backward uses them, their cotangent, v's block's cotangent and the
-            scores' VJP."""
-            start = j * block
-
-            def s_of(*fl: Any) -> Any:
-                it = iter(fl)
-                full = [next(it) if f else x for x, f in zip(leaves, floating)]
-                return scores(full, start).astype(acc_dtype)
-
-            # The gradient is taken with respect to the whole float leaves, under jit only the block is read.
-            s, vjp_s = jax.vjp(s_of, *[x for x, f in zip(leaves, floating) if f])
-            # the sum as the program rounds it, then widened
-            p = jnp.exp(s - expand(shift.astype(acc_dtype))) / expand(l.astype(s_dtype).astype(acc_dtype))
-            vb = lax.dynamic_slice_in_dim(v, start, block, axis=v_key)
-            if narrow:
-                # The weights' cotangent from the cotangent and v as the original rounds them, summed in the
-                # accumulator's precision and not rounded after. Rounded to the output's dtype, it was rounded in
-                # the gradient's loop and not in the row term's (XLA allows excess precision: it may drop a round
-                # trip through bf16), so the row term no longer matched, and the logits' gradient rows summed to
-                # ~1 under cotangents of ~100 (flax's [b, q, h, d] layout) where the original's sum to ~5e-4.
-                _, vjp_pv = jax.vjp(wide_product, p, vb)
-                dp, dvb = vjp_pv(g.astype(out_aval.dtype).astype(acc_dtype))
-            else:
-                _, vjp_pv = jax.vjp(product, p, vb)
-                dp, dvb = vjp_pv(g.astype(out_aval.dtype))
-            return start, p, dp.astype(acc_dtype), dvb, vjp_s
-
-        if not narrow:
-            d_row = from_out(g.astype(acc_dtype) * out.astype(acc_dtype))
-        else:
-            # In half precision the row term is sum(p * dp) over the very weights and cotangents the loop below
-            # uses (one more pass over the key blocks), not sum(g * out): the weights' cotangent is rounded to
-            # the output's dtype per element (and the output's weights may be rounded too), so the two differ by
-            # those roundings, and the logits' gradient rows, which must sum to zero, summed to ~1 under
-            # cotangents of ~100; a gradient summed over whole rows (a temperature, a bias on the logits) then
-            # erred several times the original's, which takes its row term from the same rounded cotangents.
-            def rows_body(carry: tuple, j: Any) -> tuple:
-                d, total = carry
-                _, p, dp, _, _ = recompute(j)
-                return (d + jnp.sum(p * dp, axis=axis), total + jnp.sum(p, axis=axis)), None
-
-            zero = jnp.zeros(row_shape, acc_dtype)
-            (d_row, total), _ = lax.scan(rows_body, (zero, zero), jnp.arange(nblocks))
-            # over the weights' own sum, which the sum rounded to the logits' dtype leaves off 1 by its rounding:
-            # the rows of p * (dp - d_row) then sum to zero as the exact weights' do
-            d_row = d_row / jnp.where(total == 0, jnp.ones((), acc_dtype), total)
-        # A leaf without the key axis (q, a scale) sums its gradient over the key blocks: in the accumulator's
-        # precision. The others' blocks are disjoint (each element written once), so they stay in their dtype.
-        grads0 = tuple(jnp.zeros(x.shape, x.dtype if k is not None else jnp.promote_types(x.dtype, acc_dtype))
-                       if f else None for x, f, k in zip(leaves, floating, leaf_keys))
-        dv0 = jnp.zeros(v.shape, v.dtype)
-
-        def body(carry: tuple, j: Any) -> tuple:
-            grads, dv = carry
-            start, p, dp, dvb, vjp_s = recompute(j)
-            ds = p * (dp - expand(d_row))
-            dl = iter(vjp_s(ds))
-            grads = tuple(None if gr is None else gr + next(dl).astype(gr.dtype) for gr in grads)
-            cur = lax.dynamic_slice_in_dim(dv, start, block, axis=v_key)
-            dv = lax.dynamic_update_slice_in_dim(dv, cur + dvb.astype(dv.dtype), start, axis=v_key)
-            return (grads, dv), None
-
-        (grads, dv), _ = lax.scan(body, (grads0, dv0), jnp.arange(nblocks))
-        return tuple(None if gr is None else gr.astype(x.dtype) for gr, x in zip(grads, leaves)), dv
-
-    attend.defvjp(fwd, bwd)
-
-    def fn(*args: Any) -> Any:
-        *leaves, v = args
-        return attend(tuple(leaves), v)
-
-    return fn
+    forward_keys = leaf_keys + (None,) * len(scaled)
+    forward_q = None if rows is None else tuple(rows[1]) + tuple(rows[1][q] for q, _, _ in scaled)
+    s_aval = plan.aval(out_ref)
+    return Logits(tuple(s_aval.shape), s_aval.dtype, axis, block, leaf_keys,
+                  query_axis=None if rows is None else rows[0], forward_query_axes=forward_q, prepare=prepare,
+                  forward_block=forward_block, forward_key_axes=forward_keys)
 
 
 def _chunk(p_first: bool, converted: bool = False, squeeze: bool = False, widened: bool = False):
@@ -476,9 +252,11 @@ def _chunk(p_first: bool, converted: bool = False, squeeze: bool = False, widene
         q_blocks = [] if s_q is None else [b for b in QUERY_BLOCKS if x.shape[s_q] % b == 0 and x.shape[s_q] // b >= 2]
         q_axes = _query_axes(plan, out_ref, s_q) if q_blocks else None  # placed only where some block fits
         q_blocks = q_blocks if q_axes is not None else []
-        return [(m.root, m.trace(_blocked(plan, out_ref, axis, p_first, pv["dimension_numbers"], params, int(vc[0]),
-                                          block, n, out_shape, cast, squeezed, wide,
-                                          None if qb is None else (qb, s_q) + q_axes), *plan.leaves, v))
+        product = ValueProduct(p_first, pv["dimension_numbers"], params, int(vc[0]), out_shape, cast, squeezed, wide)
+        whole = _logits(plan, out_ref, axis, None)
+        by_rows = _logits(plan, out_ref, axis, (s_q,) + q_axes) if q_blocks else None
+        return [(m.root, m.trace(blocked_attention(whole if qb is None else by_rows, product, block=block,
+                                                   query_block=qb), *plan.leaves, v))
                 for block in blocks for qb in [None] * (WHOLE_QUERIES or not q_blocks) + q_blocks]
 
     return build
