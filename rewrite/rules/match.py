@@ -341,10 +341,11 @@ class Match:
     def __contains__(self, name: str) -> bool:
         return name in self._bindings
 
-    def params(self, name: str) -> "Params":
-        """The params bound by ``params=name``, as a :class:`Params` (a dict that knows its primitive)."""
+    def params(self, name: str) -> "Params | None":
+        """The params bound by ``params=name``, as a :class:`Params` (a dict that knows its primitive); ``None``
+        where the node is a :meth:`Pat.optional` wrapper this match does not have."""
         pid = self._bound(name)
-        return Params(PARAMS.prim(pid), PARAMS.params(pid))
+        return None if pid < 0 else Params(PARAMS.prim(pid), PARAMS.params(pid))
 
     def product(self, params: str, lhs: str = "a", rhs: str = "b", *, same: Sequence[str] = (),
                 operands: Sequence[str] = ()) -> "Product | None":
