@@ -34,20 +34,22 @@ from benchmarks.harness import MiB, measure
 from rewrite import AnalyticCost, explain, rewrite
 from rewrite.cost import calibration
 from rewrite.cost.model import ITERATION_ESTIMATE, priced_with
-from rulesets import _fused_attention, nn_lmhead
-from rulesets.attention import attention
+from rulesets import nn_lmhead
+from rulesets.attention import attention_with
+
+#: attention's blocked form on every backend, and its fused call off (so its loop is the form)
+BLOCKED = attention_with(fused=None, blocked=True)
 
 
 @contextlib.contextmanager
 def loops_offered() -> Iterator[None]:
-    """The packs' loops offered on this backend, and attention's fused call off (so its loop is the form)."""
-    real = nn_lmhead.offered, _fused_attention.blocked, _fused_attention.implementation
-    nn_lmhead.offered, _fused_attention.blocked = (lambda: True), (lambda: True)
-    _fused_attention.implementation = lambda: None
+    """The LM head's loops offered on this backend (attention's: :data:`BLOCKED`)."""
+    real = nn_lmhead.offered
+    nn_lmhead.offered = lambda: True
     try:
         yield
     finally:
-        nn_lmhead.offered, _fused_attention.blocked, _fused_attention.implementation = real
+        nn_lmhead.offered = real
 
 
 def price(fn: Callable, args: list, **kw: float) -> float:
@@ -69,7 +71,7 @@ def cases() -> list[tuple[str, Callable, Any, list, Callable]]:
         args = [jax.random.normal(kk, (b, h, n, d), jnp.float32).astype(dtype) for kk in ks]
         wrap = (lambda g: g) if mode == "forward" else attention_gpu.grad_of
         name = f"attention {'causal ' if causal else ''}{jnp.dtype(dtype).name} {mode} N={n}"
-        out.append((name, attention_gpu.plain(causal), attention, args, wrap))
+        out.append((name, attention_gpu.plain(causal), BLOCKED, args, wrap))
     return out
 
 

@@ -42,7 +42,7 @@ instead of spelling out their variants:
   float64 for any other): in the loop, XLA:CPU scaled every block of scores in
   a pass of its own. The backward keeps it in its loop (measured faster).
 * **Blocks of queries too.** Where the queries are long (two blocks of
-  ``QUERY_BLOCKS`` or more), the forward's loop over key blocks runs once
+  ``query_blocks`` or more), the forward's loop over key blocks runs once
   per block of queries, each with its rows' part of ``q``, of a mask and of
   a bias (the walk tracks the query axis as it tracks the key axis,
   :func:`_query_axes`): the scores held are a block by a block, small enough
@@ -63,9 +63,9 @@ instead of spelling out their variants:
   of the logits' gradient sums to zero as the original's does.
 
 Programs whose key axis is 256 or shorter are left alone (the scores are
-small). The rule offers a loop for each key block of ``BLOCKS`` that makes
-two blocks or more, and extraction takes the cheapest; on this CPU that is
-256 keys alone (see ``BLOCKS``).
+small). The rule offers a loop for each key block it is given that makes two
+blocks or more, and extraction takes the cheapest; on this CPU that is 256
+keys alone (:func:`attention_with` configures the blocks and the rest).
 
 **On a GPU, cuDNN's fused attention instead.** Where the logits are
 ``scale * (q k^T) + bias`` under at most a causal mask and the backend has a
@@ -111,6 +111,7 @@ True
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any, Sequence
 
@@ -124,30 +125,23 @@ from rulesets import _fused_attention as _fused
 from rulesets.kernels.attention import Logits, ValueProduct, Window, blocked_attention
 from rulesets._attention_plan import _Decline, _evaluate, _Plan, _query_axes, _scale_outside, _shift_is_own_max, _walk
 
-__all__ = ["attention"]
+__all__ = ["attention", "attention_with"]
 
 _log = logging.getLogger(__name__)
 
-#: Key axes this long or shorter are kept as written.
-MIN_KEYS = 256
-#: The key blocks offered to the cost model: each that divides the key axis into two blocks or more. 256 alone:
-#: on this CPU (32 MiB L3) it measured fastest at every shape tried, 512 and 1024 8-40% slower
-#: (``python -m benchmarks.attention --blocks``, ``benchmarks/results/attention.md``). With the cache term
-#: (``AnalyticCost.spill``) the model ranks the blocks so at N=2048 (B=2, H=4), but with one head, where
-#: every block's scores fit in the cache, it prices 1024 keys cheapest, which measured 40% slower than 256,
-#: and its band takes 512 (8% slower): offered 256, 512 and 1024 it would lose there what it gains nowhere.
-BLOCKS = (256,)
 
-#: The query blocks offered to the forward (each that makes two blocks or more), beside every query at once: the
-#: loop over key blocks then runs once per block of queries, in a loop around it, each block of scores
-#: ``[.., 512, 256]`` (4 MiB at B=2, H=4 in f32, where every query's is 16 MiB). Measured 1.1-1.3x faster
-#: forwards and gradients at N=2048 and 4096 on every layer tried, with half the temporaries or less
-#: (``benchmarks/results/attention.md``); the model takes them from N=2048 (by price from 4096, by the lean band
-#: at 2048), since it charges a slice its bytes, not the array's (``rewrite/ir/scanread.py``).
-QUERY_BLOCKS = (512,)
-#: Whether the loop over every query at once is offered beside the query blocks (tests turn it off, to check the
-#: query blocks at sizes where the model would not take them).
-WHOLE_QUERIES = True
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    """What :func:`attention_with` configures (its docstring says what each is)."""
+
+    blocks: tuple[int, ...]
+    query_blocks: tuple[int, ...]
+    whole_queries: bool
+    min_keys: int
+    fused: str | None
+    blocked: bool | None
+
 
 X, V = Pat.var("x"), Pat.var("v")
 _SOFTMAX = Pat("div", Pat("exp", X), Pat("broadcast_in_dim", Pat("reduce_sum", Pat("exp", X), params="r"),
@@ -190,13 +184,17 @@ def _logits(plan: _Plan, out_ref: tuple, axis: int, rows: tuple | None) -> Logit
                   forward_block=forward_block, forward_key_axes=forward_keys)
 
 
-def _chunk(p_first: bool, converted: bool = False, squeeze: bool = False, widened: bool = False):
+def _blocked(config: _Config, p_first: bool, widened: bool = False):
+    """The procedure of the rules: softmax(s) v (``p_first``; else v softmax(s)) as the fused call or as loops over
+    key blocks; ``widened``: the softmax sums in a wider dtype (``_SOFTMAX_WIDE``)."""
+
     @procedural
     def build(m: Any) -> Any:
         r, pv = m.params("r"), m.params("p")
         x, v = m["x"], m["v"]
-        squeezed = tuple(m.params("sq")["dimensions"]) if squeeze else ()
-        cast = m.params("c")["new_dtype"] if converted else None
+        sq, c = m.params("sq"), None if widened else m.params("c")
+        squeezed = () if sq is None else tuple(sq["dimensions"])
+        cast = None if c is None else c["new_dtype"]
         wide = m.params("w")["new_dtype"] if widened else None
         if widened and (m.params("n")["new_dtype"] != x.aval.dtype
                         or jnp.promote_types(wide, x.aval.dtype) != jnp.dtype(wide)):
@@ -205,7 +203,7 @@ def _chunk(p_first: bool, converted: bool = False, squeeze: bool = False, widene
             return None
         axis = int(r.axes[0])
         n = x.shape[axis]
-        if n <= MIN_KEYS:
+        if n <= config.min_keys:
             return None
         sub = x.node("sub")
         if sub is None:
@@ -231,7 +229,7 @@ def _chunk(p_first: bool, converted: bool = False, squeeze: bool = False, widene
         p_shape = tuple(d for i, d in enumerate(x.shape) if i not in squeezed)
         pair = (jax.ShapeDtypeStruct(p_shape, cast or x.aval.dtype), jax.ShapeDtypeStruct(v.shape, v.aval.dtype))
         out_shape = jax.eval_shape(lambda a, c: lax.dot_general(a, c, **params), *(pair if p_first else pair[::-1]))
-        impl = _fused.implementation()
+        impl = _fused.implementation() if config.fused == "auto" else config.fused
         if impl is not None:
             call = _fused.fused(plan, out_ref, p_first, pv["dimension_numbers"], v.aval, squeezed, out_shape, impl)
             if call is not None:
@@ -239,17 +237,18 @@ def _chunk(p_first: bool, converted: bool = False, squeeze: bool = False, widene
                     return m.trace(call, *plan.leaves, v)
                 except Exception as e:  # noqa: BLE001 - the fused kernel does not take this: the blocked form
                     _log.info("attention: %s declined (%s: %s); blocked form", impl, type(e).__name__, e)
-        blocks = [b for b in BLOCKS if n % b == 0 and n // b >= 2]
-        if not blocks or not _fused.blocked():
+        blocks = [b for b in config.blocks if n % b == 0 and n // b >= 2]
+        if not blocks or not (_fused.blocked() if config.blocked is None else config.blocked):
             return None
-        # One loop per key block that fits, and one per query block too (QUERY_BLOCKS), all equal to the
+        # One loop per key block that fits, and one per query block too (``query_blocks``), all equal to the
         # matched product: extraction prices each.
         pb = lb if p_first else rb
         p_free = [d for d in range(len(p_shape)) if d != p_axis and d not in pb]
         s_axes = [d for d in range(x.ndim) if d not in squeezed]
         # the queries: the longest free axis of the weights (grouped-query heads have a group axis beside it)
         s_q = s_axes[max(p_free, key=lambda d: (p_shape[d], d))] if p_free else None
-        q_blocks = [] if s_q is None else [b for b in QUERY_BLOCKS if x.shape[s_q] % b == 0 and x.shape[s_q] // b >= 2]
+        nq = 0 if s_q is None else x.shape[s_q]
+        q_blocks = [b for b in config.query_blocks if nq % b == 0 and nq // b >= 2]
         q_axes = _query_axes(plan, out_ref, s_q) if q_blocks else None  # placed only where some block fits
         q_blocks = q_blocks if q_axes is not None else []
         product = ValueProduct(p_first, pv["dimension_numbers"], params, int(vc[0]), out_shape, cast, squeezed, wide)
@@ -257,7 +256,7 @@ def _chunk(p_first: bool, converted: bool = False, squeeze: bool = False, widene
         by_rows = _logits(plan, out_ref, axis, (s_q,) + q_axes) if q_blocks else None
         return [(m.root, m.trace(blocked_attention(whole if qb is None else by_rows, product, block=block,
                                                    query_block=qb), *plan.leaves, v))
-                for block in blocks for qb in [None] * (WHOLE_QUERIES or not q_blocks) + q_blocks]
+                for block in blocks for qb in [None] * (config.whole_queries or not q_blocks) + q_blocks]
 
     return build
 
@@ -266,8 +265,6 @@ def _softmax(s: Any) -> Any:
     return jax.nn.softmax(s, axis=-1)
 
 
-#: Example programs, one per way a program hands the weights to the product (see _WEIGHTS), first for the
-#: weights as the left operand (``p @ v``), then as the right one (``einsum("bkd,bqk->bdq", v, p)``).
 def _pv(q: Any, k: Any, v: Any) -> Any:
     return _softmax(q @ jnp.swapaxes(k, -1, -2) * 0.125) @ v
 
@@ -276,49 +273,54 @@ def _vp(q: Any, k: Any, v: Any) -> Any:
     return jnp.einsum("bkd,bqk->bdq", v, _softmax(jnp.einsum("bqd,bkd->bqk", q, k) * 0.125))
 
 
-_EXAMPLES = {
-    ("", True): (_pv, 2, jnp.float32),
-    ("", False): (_vp, 2, jnp.float32),
-    ("_cast", True): (lambda q, k, v: _softmax((q @ jnp.swapaxes(k, -1, -2)).astype(jnp.float32) * 0.125)
-                      .astype(v.dtype) @ v, 2, jnp.bfloat16),
-    ("_cast", False): (lambda q, k, v: jnp.einsum("bkd,bqk->bdq", v, _softmax(
-        jnp.einsum("bqd,bkd->bqk", q, k).astype(jnp.float32) * 0.125).astype(v.dtype)), 2, jnp.bfloat16),
-    ("_squeezed", True): (_pv, 1, jnp.float32),
-    ("_wide", True): (_pv, 2, jnp.bfloat16),
-    ("_wide", False): (_vp, 2, jnp.bfloat16),
-    ("_squeezed_wide", True): (_pv, 1, jnp.bfloat16),
-    ("_squeezed_cast", True): (lambda q, k, v: _softmax((q @ jnp.swapaxes(k, -1, -2)).astype(jnp.float32) * 0.125)
-                               .astype(v.dtype) @ v, 1, jnp.bfloat16),
-}
+def _example(fn: Any, dtype: Any, config: _Config) -> tuple:
+    """A rule's example: two blocks of the smallest key block and two of the smallest query block (its larger
+    blocks run the same code and are checked at their own sizes in ``tests/test_attention.py``)."""
+    keys = jax.ShapeDtypeStruct((2, 2 * min(config.blocks), 8), dtype)
+    return fn, (jax.ShapeDtypeStruct((2, 2 * min(config.query_blocks, default=256), 8), dtype), keys, keys)
 
 
-def _example(suffix: str, p_first: bool) -> tuple:
-    """The rule's example: two blocks of the smallest of ``BLOCKS`` keys and two of the smallest of
-    ``QUERY_BLOCKS`` queries (its larger blocks run the same code and are checked at their own sizes in
-    ``tests/test_attention.py``)."""
-    fn, batch, dtype = _EXAMPLES[suffix, p_first]
-    keys = jax.ShapeDtypeStruct((batch, 2 * min(BLOCKS), 8), dtype)
-    return fn, (jax.ShapeDtypeStruct((batch, 2 * min(QUERY_BLOCKS), 8), dtype), keys, keys)
+#: The weights as a program hands them to the product: maybe rounded (bf16 weights of an f32 softmax), maybe with
+#: a size-1 batch axis squeezed (``@`` with a batch of one); and a half-precision softmax that sums in float32.
+_WEIGHTS = Pat.optional("squeeze", Pat.optional("convert_element_type", _SOFTMAX, params="c"), params="sq")
+_WEIGHTS_WIDE = Pat.optional("squeeze", _SOFTMAX_WIDE, params="sq")
 
 
-#: How a program hands the weights to the product: as they are, cast (bf16 weights of an f32 softmax),
-#: with a size-1 batch axis squeezed (``@`` with a batch of one), or both; and a half-precision softmax
-#: that sums in float32 (``_wide``), as it is or squeezed. Each: pattern, cast, squeezed, widened.
-_WEIGHTS = {
-    "": (_SOFTMAX, False, False, False),
-    "_cast": (Pat("convert_element_type", _SOFTMAX, params="c"), True, False, False),
-    "_squeezed": (Pat("squeeze", _SOFTMAX, params="sq"), False, True, False),
-    "_squeezed_cast": (Pat("squeeze", Pat("convert_element_type", _SOFTMAX, params="c"), params="sq"), True, True,
-                       False),
-    "_wide": (_SOFTMAX_WIDE, False, False, True),
-    "_squeezed_wide": (Pat("squeeze", _SOFTMAX_WIDE, params="sq"), False, True, True),
-}
+def attention_with(*, blocks: Sequence[int] = (256,), query_blocks: Sequence[int] = (512,),
+                   whole_queries: bool = True, min_keys: int = 256, fused: str | None = "auto",
+                   blocked: bool | None = None) -> Ruleset:
+    """The attention pack, configured; ``rulesets.attention`` is ``attention_with()``.
 
-attention = Ruleset("attention", [
-    rule(Pat("dot_general", w, V, params="p") if p_first else Pat("dot_general", V, w, params="p"),    # softmax(s) v -> scan over key blocks
-         _chunk(p_first, cast, squeeze, wide), name=f"attn_blocked{suffix}{'' if p_first else '_vp'}",
-         example_program=_example(suffix, p_first))
-    for suffix, (w, cast, squeeze, wide) in _WEIGHTS.items() for p_first in (True, False)
-    if (suffix, p_first) in _EXAMPLES
-], soundness="identity", tolerance=Tolerance(rtol=2e-4, atol=2e-5, terms=16),
-    description="softmax attention over key blocks with an online softmax and a recomputing backward")
+    * ``blocks``: the key blocks offered to the cost model, each that divides the key axis into two blocks or
+      more; extraction takes the cheapest. 256 alone by default: on this CPU (32 MiB L3) it measured fastest at
+      every shape tried, 512 and 1024 8-40% slower (``benchmarks/results/attention.md``), which the model does
+      not always see (with one head it prices 1024 keys cheapest).
+    * ``query_blocks``: the query blocks offered to the forward (each that makes two blocks or more): the loop
+      over key blocks then runs once per block of queries, each block of scores ``[.., 512, 256]``.
+    * ``whole_queries``: whether the loop over every query at once is offered beside the query blocks.
+    * ``min_keys``: key axes this long or shorter are kept as written.
+    * ``fused``: ``jax.nn.dot_product_attention``'s implementation to build where the logits allow it
+      (``"cudnn"``, ``"xla"``), ``None`` for none, ``"auto"`` for cuDNN's on a GPU only.
+    * ``blocked``: whether the blocked form is built (``None``: on every backend but a GPU).
+
+    >>> from rulesets.attention import attention_with
+    >>> pack = attention_with(blocks=(128, 256), query_blocks=())
+    >>> pack.name, [r.name for r in pack.rules]
+    ('attention', ['attn_blocked', 'attn_blocked_vp', 'attn_blocked_wide', 'attn_blocked_wide_vp'])
+    """
+    c = _Config(tuple(blocks), tuple(query_blocks), whole_queries, min_keys, fused, blocked)
+    f32, bf16 = jnp.float32, jnp.bfloat16
+    return Ruleset("attention", [
+        rule(Pat("dot_general", _WEIGHTS, V, params="p"),  # softmax(s) v -> loops over blocks
+             _blocked(c, True), name="attn_blocked", example_program=_example(_pv, f32, c)),
+        rule(Pat("dot_general", V, _WEIGHTS, params="p"),  # v softmax(s) -> loops over blocks
+             _blocked(c, False), name="attn_blocked_vp", example_program=_example(_vp, f32, c)),
+        rule(Pat("dot_general", _WEIGHTS_WIDE, V, params="p"),  # softmax(s) v, summed in f32 -> loops over blocks
+             _blocked(c, True, True), name="attn_blocked_wide", example_program=_example(_pv, bf16, c)),
+        rule(Pat("dot_general", V, _WEIGHTS_WIDE, params="p"),  # v softmax(s), summed in f32 -> loops over blocks
+             _blocked(c, False, True), name="attn_blocked_wide_vp", example_program=_example(_vp, bf16, c)),
+    ], soundness="identity", tolerance=Tolerance(rtol=2e-4, atol=2e-5, terms=16),
+        description="softmax attention over key blocks with an online softmax and a recomputing backward")
+
+
+attention = attention_with()
