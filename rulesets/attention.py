@@ -45,7 +45,7 @@ instead of spelling out their variants:
   ``query_blocks`` or more), the forward's loop over key blocks runs once
   per block of queries, each with its rows' part of ``q``, of a mask and of
   a bias (the walk tracks the query axis as it tracks the key axis,
-  :func:`_query_axes`): the scores held are a block by a block, small enough
+  :meth:`rewrite.Sliced.place`): the scores held are a block by a block, small enough
   to stay in the faster caches. The model chooses it, or every query at once.
 * **A backward that recomputes each block** (``jax.custom_vjp``): only the
   inputs, the output and the log-normaliser per row are kept; each block's
@@ -113,17 +113,17 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Sequence
+import math
+from typing import Any, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from rewrite import Pat, Ruleset, Tolerance, procedural, rule
+from rewrite import Pat, Ruleset, Sliced, Tolerance, Value, procedural, rule
 from rulesets import _fused_attention as _fused
 from rulesets.kernels.attention import Logits, ValueProduct, Window, blocked_attention
-from rulesets._attention_plan import _Decline, _evaluate, _Plan, _query_axes, _scale_outside, _shift_is_own_max, _walk
 
 __all__ = ["attention", "attention_with"]
 
@@ -152,34 +152,155 @@ _SOFTMAX_WIDE = Pat("div", Pat("exp", X), Pat("convert_element_type", Pat("broad
 
 
 
-# ---------------------------------------------------------------------- the plan as the kernel's logits
-def _logits(plan: _Plan, out_ref: tuple, axis: int, rows: tuple | None) -> Logits:
-    """The plan's logits as :class:`Logits`: the backward's over the plan's own leaves, the forward's with a literal
-    scale applied to ``q`` before the loops (:func:`_scale_outside`). ``rows``: ``(s_q, leaf_q, step_q)``, where
-    the logits, the plan's leaves and its steps carry the queries (:func:`_query_axes`)."""
-    steps, leaf_keys = tuple(plan.steps), tuple(plan.leaf_keys)
-    forward_steps, scaled = _scale_outside(plan)
+# ---------------------------------------------------------------------- what the pack reads off the softmax
+def _ident(v: Value) -> Any:
+    return v.cls if v.cls is not None else ("name", v.name)
+
+
+def _inverse(perm: Sequence[int]) -> list[int]:
+    """Where each axis of a transpose's operand lands in its result."""
+    return [list(perm).index(j) for j in range(len(perm))]
+
+
+def _shift_is_own_max(shift: Value, s: Value, axis: int) -> bool:
+    """``shift`` is ``max(s)`` along ``axis``, row by row (maybe under ``max(-inf, .)``, broadcasts,
+    transposes and ``stop_gradient``; or the max of ``f`` where ``s`` is ``f`` transposed, as
+    ``jax.nn.dot_product_attention`` writes it under ``vmap``)."""
+    sources = [(s, list(range(s.ndim)))]  # what the max may be taken of, with its axes' places in s
+    node = s.node("transpose")
+    if node is not None:
+        perm = [int(d) for d in node.params["permutation"]]
+        sources.append((node.operands[0], _inverse(perm)))
+    v, pos = shift, list(range(s.ndim))  # pos: where each axis of v lies in s
+    for _ in range(8):
+        for prim in ("stop_gradient", "broadcast_in_dim", "transpose", "max", "reduce_max"):
+            node = v.node(prim)
+            if node is None:
+                continue
+            ops = node.operands
+            if prim == "reduce_max":
+                if len(node.params["axes"]) != 1:
+                    return False
+                a = int(node.params["axes"][0])
+                for src, place in sources:
+                    if _ident(ops[0]) != _ident(src) or place[a] != axis:
+                        continue
+                    rows = [j for j in range(src.ndim) if j != a]
+                    if all(pos[i] == place[j] or src.shape[j] == 1 for i, j in enumerate(rows)):
+                        return True
+                return False
+            if prim == "max":
+                lit = [o for o in ops if o.literal is not None]
+                rest = [o for o in ops if o.literal is None]
+                if len(lit) != 1 or len(rest) != 1 or float(lit[0].literal) != -math.inf:
+                    continue
+                v = rest[0]
+            elif prim == "broadcast_in_dim":
+                dims = [int(d) for d in node.params["broadcast_dimensions"]]
+                v, pos = ops[0], [pos[d] for d in dims]
+            elif prim == "transpose":
+                perm = [int(d) for d in node.params["permutation"]]
+                v, pos = ops[0], [pos[d] for d in _inverse(perm)]
+            else:
+                v = ops[0]
+            break
+        else:
+            return False
+    return False
+
+
+class _Scale(NamedTuple):
+    """A literal scale of the product moved onto ``q``: its leaf ``q``, the scale's leaf ``c``, ``div`` or ``mul``."""
+
+    q: int
+    c: int
+    prim: str
+
+
+def _scale_outside(logits: Sliced) -> tuple[tuple, tuple]:
+    """The forward's steps with a literal scale of the product ``(q k^T) / c`` (or ``* c``) applied to ``q``, the
+    operand read whole: ``(steps, scaled)``, each of ``scaled`` (a :class:`_Scale`) an extra leaf
+    after the logits' own, computed once before the loop.
+
+    In the loop the scale is its own pass over each block's scores: XLA:CPU's library product does not take
+    it in, so the scaled block is written and read again (haiku's ``attn_logits / sqrt(key_size)``: 16 MiB
+    per block at N=2048, B=2, H=4). The scale moves where it is a finite literal that makes ``q`` no larger
+    (a divisor of magnitude 1 or more, a factor of at most 1), so no element overflows where the original's
+    would not; a power of two moves exactly, and any other scale rounds ``q`` once, within the pack's
+    tolerance (in float32 and float64 only: in a half-precision dtype it stays in the loop). The backward
+    keeps the scale in its loop: with ``q`` scaled outside, haiku's layer's gradient measured 6-10% slower
+    (one process, 15 rounds, either order), though its loop makes one pass fewer.
+    """
+    steps = list(logits.steps)
+    scaled: list[_Scale] = []
+    uses: dict[int, int] = {}
+    for _, _, args, _, _ in steps:
+        for a in args:
+            if a[0] == "step":
+                uses[a[1]] = uses.get(a[1], 0) + 1
+    for j, (prim, params, args, aval, key) in enumerate(steps):
+        if prim.name not in ("div", "mul") or len(args) != 2:
+            continue
+        pairs = [(args[0], args[1])] if prim.name == "div" else [(args[0], args[1]), (args[1], args[0])]
+        for d_ref, c_ref in pairs:
+            if d_ref[0] != "step" or c_ref[0] != "leaf" or uses.get(d_ref[1]) != 1:
+                continue
+            c = logits.leaves[c_ref[1]]
+            dprim, dparams, dargs, daval, dkey = steps[d_ref[1]]
+            value = _fused._scalar_value(c)
+            if dprim.name != "dot_general" or value is None or not np.isfinite(value) or value == 0:
+                continue
+            if (abs(value) < 1) if prim.name == "div" else (abs(value) > 1):
+                continue
+            exact = math.frexp(abs(value))[0] == 0.5  # a power of two scales every element exactly
+            if not exact and jnp.finfo(daval.dtype).nmant < 23:
+                continue  # rounding q to a half-precision dtype once more is not within the logits' own rounding
+            whole = [k for k, a in enumerate(dargs) if a[0] == "leaf" and logits.leaf_axes[a[1]] is None]
+            if len(whole) != 1:
+                continue
+            q = logits.leaves[dargs[whole[0]][1]]
+            if q.dtype != daval.dtype or c.dtype != daval.dtype or aval.dtype != daval.dtype:
+                continue
+            new_args = list(dargs)
+            new_args[whole[0]] = dargs[whole[0]]._replace(index=len(logits.leaves) + len(scaled))
+            scaled.append(_Scale(dargs[whole[0]][1], c_ref[1], prim.name))
+            # the scale's step becomes the product of the scaled q (the unscaled product is read no more).
+            # One scale moves, the first: the logits have one product, and a second scale of it (a soft cap's
+            # ``tanh(s / 20)`` after ``s = q k^T / 8``) would read this step as the product, over a leaf that
+            # is not the logits' (an IndexError, found on Gemma's soft-capped logits).
+            steps[j] = steps[d_ref[1]]._replace(args=tuple(new_args))
+            return tuple(steps), tuple(scaled)
+    return tuple(steps), tuple(scaled)
+
+
+# ---------------------------------------------------------------------- the matched logits as the kernel's
+def _logits(sliced: Sliced, rows: tuple[int, Any] | None) -> Logits:
+    """The matched logits (``sliced`` along the keys) as :class:`Logits`: the backward's over their own leaves, the
+    forward's with a literal scale applied to ``q`` before the loops (:func:`_scale_outside`). ``rows``: the
+    logits' query axis, and where the leaves and steps carry it."""
+    forward_steps, scaled = _scale_outside(sliced)
+    forward_keys = sliced.leaf_axes + (None,) * len(scaled)
+    ahead = dataclasses.replace(sliced, steps=forward_steps, leaf_axes=forward_keys,
+                                leaves=sliced.leaves + tuple(sliced.leaves[q] for q, _, _ in scaled))
+    placed = None if rows is None else rows[1]
+    forward_q = None if rows is None else placed.leaf_axes + tuple(placed.leaf_axes[q] for q, _, _ in scaled)
     # A literal scalar (a mask's fill, a scale) is the body's constant, as it is the original's (passed in as an
     # operand, XLA could not turn a division by 8 into a multiplication by 0.125).
-    consts = {i: np.asarray(x.literal, x.dtype) for i, x in enumerate(plan.leaves)
+    consts = {i: np.asarray(x.literal, x.dtype) for i, x in enumerate(sliced.leaves)
               if x.shape == () and x.literal is not None}
     own = lambda leaves: [consts.get(i, x) for i, x in enumerate(leaves)]
-
-    def block(leaves: Sequence[Any], keys: Window, queries: Window | None) -> Any:
-        return _evaluate(steps, own(leaves), leaf_keys, keys.start, keys.size, out_ref)
 
     def prepare(leaves: Sequence[Any]) -> list:
         c_of = lambda i: consts.get(i, leaves[i])
         return list(leaves) + [leaves[q] / c_of(c) if prim == "div" else leaves[q] * c_of(c) for q, c, prim in scaled]
 
     def forward_block(leaves: Sequence[Any], keys: Window, queries: Window | None) -> Any:
-        cut = None if queries is None else (rows[2], queries.start, queries.size, forward_q)
-        return _evaluate(forward_steps, own(leaves), forward_keys, keys.start, keys.size, out_ref, cut)
+        cut = None if queries is None else placed._replace(leaf_axes=forward_q).window(queries.start, queries.size)
+        return ahead.block(own(leaves), keys.start, keys.size, cut)
 
-    forward_keys = leaf_keys + (None,) * len(scaled)
-    forward_q = None if rows is None else tuple(rows[1]) + tuple(rows[1][q] for q, _, _ in scaled)
-    s_aval = plan.aval(out_ref)
-    return Logits(tuple(s_aval.shape), s_aval.dtype, axis, block, leaf_keys,
+    s_aval = sliced.aval(sliced.out)
+    return Logits(tuple(s_aval.shape), s_aval.dtype, sliced.axis,
+                  lambda leaves, keys, _: sliced.block(own(leaves), keys.start, keys.size), sliced.leaf_axes,
                   query_axis=None if rows is None else rows[0], forward_query_axes=forward_q, prepare=prepare,
                   forward_block=forward_block, forward_key_axes=forward_keys)
 
@@ -218,12 +339,8 @@ def _blocked(config: _Config, p_first: bool, widened: bool = False):
         p_axis = axis - sum(1 for e in squeezed if e < axis)
         if tuple(pc) != (p_axis,) or len(vc) != 1:
             return None
-        plan = _Plan()
-        try:
-            out_ref = _walk(plan, s, axis)
-            if plan.dots != 1:
-                return None
-        except _Decline:
+        logits = m.sliced(s, axis, limit={"dot_general": 1})  # one product, q k^T
+        if logits is None or logits.passed.get("dot_general") != 1:
             return None
         params = {k: pv[k] for k in ("dimension_numbers", "precision", "preferred_element_type") if k in pv}
         p_shape = tuple(d for i, d in enumerate(x.shape) if i not in squeezed)
@@ -231,10 +348,10 @@ def _blocked(config: _Config, p_first: bool, widened: bool = False):
         out_shape = jax.eval_shape(lambda a, c: lax.dot_general(a, c, **params), *(pair if p_first else pair[::-1]))
         impl = _fused.implementation() if config.fused == "auto" else config.fused
         if impl is not None:
-            call = _fused.fused(plan, out_ref, p_first, pv["dimension_numbers"], v.aval, squeezed, out_shape, impl)
+            call = _fused.fused(logits, p_first, pv["dimension_numbers"], v.aval, squeezed, out_shape, impl)
             if call is not None:
                 try:
-                    return m.trace(call, *plan.leaves, v)
+                    return m.trace(call, *logits.leaves, v)
                 except Exception as e:  # noqa: BLE001 - the fused kernel does not take this: the blocked form
                     _log.info("attention: %s declined (%s: %s); blocked form", impl, type(e).__name__, e)
         blocks = [b for b in config.blocks if n % b == 0 and n // b >= 2]
@@ -249,13 +366,13 @@ def _blocked(config: _Config, p_first: bool, widened: bool = False):
         s_q = s_axes[max(p_free, key=lambda d: (p_shape[d], d))] if p_free else None
         nq = 0 if s_q is None else x.shape[s_q]
         q_blocks = [b for b in config.query_blocks if nq % b == 0 and nq // b >= 2]
-        q_axes = _query_axes(plan, out_ref, s_q) if q_blocks else None  # placed only where some block fits
-        q_blocks = q_blocks if q_axes is not None else []
+        placed = logits.place(s_q) if q_blocks else None  # placed only where some block fits
+        q_blocks = q_blocks if placed is not None else []
         product = ValueProduct(p_first, pv["dimension_numbers"], params, int(vc[0]), out_shape, cast, squeezed, wide)
-        whole = _logits(plan, out_ref, axis, None)
-        by_rows = _logits(plan, out_ref, axis, (s_q,) + q_axes) if q_blocks else None
+        whole = _logits(logits, None)
+        by_rows = _logits(logits, (s_q, placed)) if q_blocks else None
         return [(m.root, m.trace(blocked_attention(whole if qb is None else by_rows, product, block=block,
-                                                   query_block=qb), *plan.leaves, v))
+                                                   query_block=qb), *logits.leaves, v))
                 for block in blocks for qb in [None] * (config.whole_queries or not q_blocks) + q_blocks]
 
     return build

@@ -19,6 +19,7 @@ from jax import lax
 from ..ir import primitives as _primitives
 from ..ir import terms as _terms
 from ..ir.intern import PARAMS, literal_value
+from .sliced import Sliced, slice_along
 
 
 class Params(dict):
@@ -453,6 +454,26 @@ class Match:
             ys = m.trace(lambda *xs: jax.vmap(f)(*xs)[0], *xs)  # all steps at once
         """
         return self._engine.function(outs, inputs)
+
+    def sliced(self, v: Value, axis: int, limit: dict[str, int] | None = None) -> Sliced | None:
+        """``v`` read as a program that computes it a block at a time along ``axis`` (a :class:`Sliced`), or
+        ``None`` where the walk down the e-graph went too deep.
+
+        The walk follows the axis through elementwise operations, broadcasts, transposes, ``iota`` and products
+        that carry it on one side; what it reaches without the axis is a leaf read whole, what carries the axis
+        and is none of those a leaf sliced per block. ``limit``: at most this many nodes of a primitive are
+        passed (``{"dot_general": 1}``: one product; a further one is a leaf). Trace the blocks into the
+        e-graph with :meth:`trace`, inside a loop over them::
+
+            s = m.sliced(m["s"], axis=2)                   # the logits, along the keys
+            rows = lambda *leaves: lax.map(lambda j: s.block(leaves, j * 256, 256).sum(2),
+                                           jnp.arange(n // 256))
+            m.trace(rows, *s.leaves)
+
+        ``rulesets/attention.py`` computes attention's logits so, a block of keys (and of queries,
+        :meth:`Sliced.place`) at a time.
+        """
+        return slice_along(v, axis, limit)
 
     def computes(self, outs: Sequence[Value], inputs: Sequence[Value]) -> bool:
         """Whether ``outs`` can be computed from ``inputs`` alone: what ``function(outs, inputs) is not None``
