@@ -7,35 +7,29 @@ equinox's attention layers, a scale on ``q`` or on the logits, a mask by
 and XLA materialises the N x N scores of every head, forward and backward.
 All of these trace to one term: a product of ``exp(s - max(s)) / sum(exp(s -
 max(s)))`` with ``v``, where the logits ``s`` are some computation that reads
-one product ``q k^T``. So the pack has one rule (per operand order and way
-the weights reach the product), and it reads the logits off the e-graph
+one product ``q k^T``. So the pack has one rule per operand order (and
+per softmax that sums in float32), the weights' casts and squeezes
+optional wrappers of one pattern (``Pat.optional``), and it reads the logits off the e-graph
 instead of spelling out their variants:
 
-* **The logits, a block of keys at a time.** From ``s`` the rule walks down
-  the term following the key axis (the softmax's axis): through elementwise
-  operations, ``select_n``, conversions, broadcasts, transposes, ``iota``
-  and the one product ``q k^T``. What it reaches without the key axis (``q``,
-  a scale, a query mask) is read whole; what carries the key axis and is not
+* **The logits, a block of keys at a time.** The rule reads ``s`` with
+  :meth:`rewrite.Match.sliced` along the key axis (the softmax's axis),
+  through elementwise operations, ``select_n``, conversions, broadcasts,
+  transposes, ``iota`` and the one product ``q k^T``. What it reaches
+  without the key axis (``q``, a scale, a query mask) is read whole; what carries the key axis and is not
   one of those (``k``, ``v``, a padding mask, a bias) is sliced per block. A
   causal mask built from ``iota`` comparisons is rebuilt per block from
   positions: no N x N mask is made. The rule declines when the softmax is not
   shifted by its own maximum (``exp(s) / sum(exp(s))`` overflows where the
   blocked form would not), when the key axis is not a multiple of the block,
   or when anything on the way is not one of the operations above.
-* **Online softmax** over key blocks in a ``lax.scan``: a running maximum,
-  a running sum and a rescaled accumulator (flash attention's forward). A
-  block where every score so far is ``-inf`` is shifted by 0, not by
-  ``-inf``, so a row masked in one block and not in the next is computed as
-  the original computes it; a row masked everywhere is ``0/0 = NaN``, as in
-  ``jax.nn.softmax``; a row masked with ``finfo.min`` averages uniformly, as
-  the original does; a NaN or ``+inf`` score makes its row NaN in both.
-* **The loop's own product.** Whatever order the program writes the second
-  product in, the forward's loop computes it with the weights first and
-  ``v`` read as ``[batch, keys, rest]`` (transposed once, before the loop),
-  and puts the output in the program's order once, after it. flax writes
-  ``einsum("bhqk,bkhd->bqhd", p, v)``, which jax emits with ``v`` first and
-  a ``[b, h, d, q]`` output: kept so, XLA:CPU copied every block of ``v``
-  and the accumulator's terms into that order per iteration.
+* **The kernel.** The rule builds :func:`rulesets.kernels.attention.blocked_attention`
+  over the logits so read: an online softmax over key blocks in a ``lax.scan``
+  (flash attention's forward, masked rows computed as the original computes
+  them), its own product with the weights first and ``v`` read by keys, and a
+  backward (``jax.custom_vjp``) that recomputes each block's scores and takes
+  the logits' own computation's VJP on the block, in the accumulator's
+  precision; neither pass holds N x N. That module's page says how.
 * **A literal scale applied once.** A literal scale of the scores (haiku's
   ``logits / sqrt(key_size)``) is applied to ``q`` before the forward's loop,
   where it makes ``q`` no larger (exactly, for a power of two; in float32 and
@@ -45,22 +39,8 @@ instead of spelling out their variants:
   ``query_blocks`` or more), the forward's loop over key blocks runs once
   per block of queries, each with its rows' part of ``q``, of a mask and of
   a bias (the walk tracks the query axis as it tracks the key axis,
-  :meth:`rewrite.Sliced.place`): the scores held are a block by a block, small enough
-  to stay in the faster caches. The model chooses it, or every query at once.
-* **A backward that recomputes each block** (``jax.custom_vjp``): only the
-  inputs, the output and the log-normaliser per row are kept; each block's
-  scores are computed again, and the gradient of the logits' own computation
-  (scale, bias, the product) is that computation's VJP on the block. The
-  gradient never holds N x N either. The block's weights, their gradient and
-  the sums of the leaves' gradients over the blocks are kept in the
-  accumulator's precision (float32 for half precision), each gradient
-  rounded to its dtype once, at the end: in float16, where the weights'
-  gradient underflows, the Hessian-vector product through this backward
-  erred 0.046 against float64 (results up to 0.036; the original 0.016), and
-  now errs below 5e-5. In half precision the row term of the softmax's
-  backward is ``sum(p * dp) / sum(p)`` over the loop's own weights and
-  rounded cotangents, in one more pass over the key blocks, so that each row
-  of the logits' gradient sums to zero as the original's does.
+  :meth:`rewrite.Sliced.place`): the scores held are a block by a block, small
+  enough to stay in the faster caches. The model chooses it, or every query at once.
 
 Programs whose key axis is 256 or shorter are left alone (the scores are
 small). The rule offers a loop for each key block it is given that makes two
