@@ -35,7 +35,7 @@ from jax import lax
 
 from benchmarks.harness import MiB, Row, compile_stats, measure, write_results
 from rewrite import explain, rewrite
-from rulesets.attention import attention
+from rulesets.attention import attention, attention_with
 
 B, H, D = 2, 4, 64
 RESULTS = Path(__file__).parent / "results"
@@ -156,22 +156,14 @@ def blocks_chosen(f: Callable, args: list) -> str:
 
 
 def forced_block(f: Callable, args: list, block: int, mode: str, argnums: tuple) -> Callable:
-    """``f`` rewritten with the key block ``block`` alone offered (traced here, so that the choice holds)."""
-    import importlib
-
-    pack = importlib.import_module("rulesets.attention")
-    g = rewrite(f, rulesets=[attention], cache=False)
-    real = pack.BLOCKS
-    pack.BLOCKS = (block,)
-    try:
-        wrapped = g if mode == "forward" else grad_of(g, argnums)
-        jax.block_until_ready(jax.jit(wrapped)(*args))
-    finally:
-        pack.BLOCKS = real
+    """``f`` rewritten with the key block ``block`` alone offered."""
+    g = rewrite(f, rulesets=[attention_with(blocks=(block,))], cache=False)
+    wrapped = g if mode == "forward" else grad_of(g, argnums)
+    jax.block_until_ready(jax.jit(wrapped)(*args))
     return wrapped
 
 
-#: The key blocks ``--blocks`` forces, each alone (the pack offers ``rulesets.attention.BLOCKS``).
+#: The key blocks ``--blocks`` forces, each alone (the pack offers 256 alone: ``attention_with``'s default).
 CANDIDATE_BLOCKS = (256, 512, 1024)
 
 

@@ -31,8 +31,7 @@ import numpy as np
 from benchmarks.attention import chunked
 from benchmarks.harness import MiB, compile_stats, measure
 from rewrite import explain, rewrite
-from rulesets import _fused_attention
-from rulesets.attention import attention
+from rulesets.attention import attention, attention_with
 
 
 def plain(causal: bool) -> Callable:
@@ -52,13 +51,8 @@ def dpa(impl: str, causal: bool) -> Callable:
 
 def blocked(f: Callable, args: list) -> Callable:
     """The pack's blocked form: rewritten (on first call) with the fused call switched off."""
-    g = rewrite(f, rulesets=[attention])
-    real = _fused_attention.implementation, _fused_attention.blocked
-    _fused_attention.implementation, _fused_attention.blocked = (lambda: None), (lambda: True)
-    try:
-        jax.block_until_ready(g(*args))
-    finally:
-        _fused_attention.implementation, _fused_attention.blocked = real
+    g = rewrite(f, rulesets=[attention_with(fused=None, blocked=True)])
+    jax.block_until_ready(g(*args))
     return g
 
 

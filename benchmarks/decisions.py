@@ -37,7 +37,6 @@ import contextlib
 import dataclasses
 import datetime
 import functools
-import importlib
 import json
 import math
 import os
@@ -64,10 +63,13 @@ MARGIN = 0.10
 REGENERATE = "python -m benchmarks.decisions --lock /tmp/bench.lock --write --cases {cases}"
 
 
-def packs() -> list:
+def packs(blocks: tuple[int, ...] | None = None) -> list:
+    """The packs the decisions are made with; ``blocks``: attention's key blocks, where not its default."""
     import rulesets
+    from rulesets.attention import attention_with
 
-    return [getattr(rulesets, p) for p in PACKS]
+    return [attention_with(blocks=blocks) if p == "attention" and blocks is not None else getattr(rulesets, p)
+            for p in PACKS]
 
 
 # ---------------------------------------------------------------------------------------------- the corpus
@@ -303,18 +305,6 @@ def _temp(model: Any, closed: Any) -> int:
         return 0
 
 
-@contextlib.contextmanager
-def _blocks(keys: int) -> Iterator[None]:
-    """Attention's rule with one key block offered (``benchmarks.attention.forced_block`` does the same)."""
-    pack = importlib.import_module("rulesets.attention")
-    real = pack.BLOCKS
-    pack.BLOCKS = (keys,)
-    try:
-        yield
-    finally:
-        pack.BLOCKS = real
-
-
 def _cotangents(closed: Any, n_primals: int, seed: int = 1) -> list:
     from rewrite.cost.measure import synthetic_inputs
 
@@ -407,9 +397,9 @@ def decide(case: Case, *, programs: bool = True) -> Decided:
                 variants["kept"] = _fun(res.after)
     # attention's key blocks, each offered alone: which the model would take, against the program as written
     for keys in case.blocks:
-        with _blocks(keys), warnings.catch_warnings():
+        with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            alone = explain(flat, *leaves, rulesets=packs())
+            alone = explain(flat, *leaves, rulesets=packs((keys,)))
         if alone.result.rewritten:
             pairs.append(Pair(case.name, f"block:{keys}", "block", "original", f"block:{keys}",
                               alone.predicted_speedup))

@@ -1,8 +1,8 @@
 """Loops on a GPU: what one trip of a loop costs there, and whether the cost model, so priced, ranks the
 packs' loops against XLA's whole-array programs as they measure.
 
-On a GPU the packs do not offer their loops (``rulesets.nn_lm_head.offered``,
-``rulesets._fused_attention.blocked``): the LM head's token-block loop and attention's key-block loop
+On a GPU the packs do not offer their loops by default (``rulesets.nn_lm_head.lm_head_rules(loop=)``,
+``rulesets.attention.attention_with(blocked=)``): the LM head's token-block loop and attention's key-block loop
 measured slower there than the programs they replace, and the model, whose loop trip was an estimate
 (``AnalyticCost.iteration``, 1 us), predicted them faster. This benchmark measures the trip
 (``benchmarks.calibrate.measure_loop``) and then, with the loops offered, reports for each case:
@@ -21,9 +21,8 @@ Run on a GPU machine (prints one JSON line per case; ``--write FILE`` stores the
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -34,22 +33,11 @@ from benchmarks.harness import MiB, measure
 from rewrite import AnalyticCost, Ruleset, explain, rewrite
 from rewrite.cost import calibration
 from rewrite.cost.model import ITERATION_ESTIMATE, priced_with
-from rulesets import _fused_attention
-from rulesets.attention import attention
+from rulesets.attention import attention_with
 from rulesets.nn_lm_head import lm_head_rules
 
-
-@contextlib.contextmanager
-def loops_offered() -> Iterator[None]:
-    """Attention's loop offered on this backend, and its fused call off (so its loop is the form); the LM
-    head's is offered by its pack's argument (:func:`cases`)."""
-    real = _fused_attention.blocked, _fused_attention.implementation
-    _fused_attention.blocked = lambda: True
-    _fused_attention.implementation = lambda: None
-    try:
-        yield
-    finally:
-        _fused_attention.blocked, _fused_attention.implementation = real
+#: attention's blocked form on every backend, and its fused call off (so its loop is the form)
+BLOCKED = attention_with(fused=None, blocked=True)
 
 
 def price(fn: Callable, args: list, **kw: float) -> float:
@@ -72,31 +60,30 @@ def cases() -> list[tuple[str, Callable, Any, list, Callable]]:
         args = [jax.random.normal(kk, (b, h, n, d), jnp.float32).astype(dtype) for kk in ks]
         wrap = (lambda g: g) if mode == "forward" else attention_gpu.grad_of
         name = f"attention {'causal ' if causal else ''}{jnp.dtype(dtype).name} {mode} N={n}"
-        out.append((name, attention_gpu.plain(causal), attention, args, wrap))
+        out.append((name, attention_gpu.plain(causal), BLOCKED, args, wrap))
     return out
 
 
 def run_case(name: str, f: Callable, pack: Any, args: list, wrap: Callable, table: dict, rounds: int) -> dict:
-    with loops_offered():
-        # The loop, forced: a budget far below the original's temporaries leaves only the loop.
-        temp = AnalyticCost().predict_temp_bytes(jax.make_jaxpr(wrap(f))(*args))
-        forced = rewrite(f, rulesets=[pack], cost_model=AnalyticCost(memory_budget=max(temp // 8, 1)), cache=False)
-        # The trip at the estimate every backend had before it was measured (the GPU table now holds one).
-        estimated = price(wrap(f), args, iteration=ITERATION_ESTIMATE) / price(wrap(forced), args,
-                                                                               iteration=ITERATION_ESTIMATE)
-        with priced_with(table):
-            base_m = price(wrap(f), args)
-            measured_price = base_m / price(wrap(forced), args)
-            r = explain(f, *args, rulesets=[pack])
-            chosen = "loop" if r.result.rewritten else "kept"
-        row = {"case": name, "chosen": chosen, "predicted_estimated_trip": round(estimated, 3),
-               "predicted_measured_trip": round(measured_price, 3)}
-        m = measure(name, {"standard": wrap(f), "aa": wrap(lambda *a: f(*a)), "loop": wrap(forced)}, args,
-                    rounds=rounds)
-        d = m.as_dict()["variants"]
-        row.update({"ms": {k: round(1e3 * x["seconds"], 3) for k, x in d.items()},
-                    "ratio": {k: round(x["ratio"], 3) for k, x in d.items()},
-                    "temp_mib": {k: round(s.temp_bytes / MiB, 1) for k, s in m.stats.items()}})
+    # The loop, forced: a budget far below the original's temporaries leaves only the loop.
+    temp = AnalyticCost().predict_temp_bytes(jax.make_jaxpr(wrap(f))(*args))
+    forced = rewrite(f, rulesets=[pack], cost_model=AnalyticCost(memory_budget=max(temp // 8, 1)), cache=False)
+    # The trip at the estimate every backend had before it was measured (the GPU table now holds one).
+    estimated = price(wrap(f), args, iteration=ITERATION_ESTIMATE) / price(wrap(forced), args,
+                                                                           iteration=ITERATION_ESTIMATE)
+    with priced_with(table):
+        base_m = price(wrap(f), args)
+        measured_price = base_m / price(wrap(forced), args)
+        r = explain(f, *args, rulesets=[pack])
+        chosen = "loop" if r.result.rewritten else "kept"
+    row = {"case": name, "chosen": chosen, "predicted_estimated_trip": round(estimated, 3),
+           "predicted_measured_trip": round(measured_price, 3)}
+    m = measure(name, {"standard": wrap(f), "aa": wrap(lambda *a: f(*a)), "loop": wrap(forced)}, args,
+                rounds=rounds)
+    d = m.as_dict()["variants"]
+    row.update({"ms": {k: round(1e3 * x["seconds"], 3) for k, x in d.items()},
+                "ratio": {k: round(x["ratio"], 3) for k, x in d.items()},
+                "temp_mib": {k: round(s.temp_bytes / MiB, 1) for k, s in m.stats.items()}})
     return row
 
 

@@ -23,6 +23,7 @@ from .report.report import Report
 from .rules.match import Match, Params, Value
 from .rules.pattern import Ops, Pat, ops
 from .rules.rule import Rule, procedural
+from .rules.sliced import Sliced
 from .rules.ruleset import Ruleset, Tolerance
 from .records import Limits
 
@@ -45,6 +46,7 @@ __all__ = [
     "Rewritten",
     "Rule",
     "Ruleset",
+    "Sliced",
     "StateError",
     "Tolerance",
     "Value",

@@ -1,9 +1,9 @@
 """Attention as one fused kernel (``jax.nn.dot_product_attention``) where the backend has one.
 
-``rulesets.attention`` reads a matched program's logits as a small plan (``_Plan``, in
-``rulesets/_attention_plan.py``). Where that plan is ``scale * (q k^T) + bias`` under at most a causal
-mask, and the backend has a fused attention kernel (cuDNN's, on a GPU), the pack builds one ``jax.nn.dot_product_attention`` call
-instead of its blocked form; the call declines (and the blocked form is built) where cuDNN does not
+``rulesets.attention`` reads a matched program's logits as a program over leaves (:meth:`rewrite.Match.sliced`).
+Where they are ``scale * (q k^T) + bias`` under at most a causal mask, and the backend has a fused attention
+kernel (cuDNN's, on a GPU), the pack builds one ``jax.nn.dot_product_attention`` call instead of its blocked
+form; the call declines (and the blocked form is built) where cuDNN does not
 take the dtype (float16 and bfloat16 only), the head dimension or the sequence lengths. A padding
 mask given as an array, a bias that the fused call would round, or a mask that is not exactly
 ``query position >= key position`` keep the blocked form, which computes them as the original does.
@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from rewrite import Value
+from rewrite import Sliced, Value
 
 
 # ---------------------------------------------------------------------- a fused kernel where the backend has one
@@ -52,21 +52,21 @@ def blocked() -> bool:
     return jax.default_backend() != "gpu"
 
 
-def _has_dot(plan: Any, ref: tuple) -> bool:
+def _has_dot(logits: Sliced, ref: tuple) -> bool:
     if ref[0] == "leaf":
         return False
-    prim, _, args, _, _ = plan.steps[ref[1]]
-    return prim.name == "dot_general" or any(_has_dot(plan, a) for a in args)
+    prim, _, args, _, _ = logits.steps[ref[1]]
+    return prim.name == "dot_general" or any(_has_dot(logits, a) for a in args)
 
 
-def _scalar(plan: Any, ref: tuple) -> float | None:
+def _scalar(logits: Sliced, ref: tuple) -> float | None:
     """The Python value of a literal scalar (maybe broadcast), else ``None``."""
     if ref[0] == "step":
-        prim, params, args, _, _ = plan.steps[ref[1]]
+        prim, params, args, _, _ = logits.steps[ref[1]]
         if prim.name == "broadcast_in_dim":  # a broadcast of a broadcast scalar is that scalar too
-            return _scalar(plan, args[0])
+            return _scalar(logits, args[0])
         return None
-    return _scalar_value(plan.leaves[ref[1]])
+    return _scalar_value(logits.leaves[ref[1]])
 
 
 def _scalar_value(v: Value, depth: int = 0) -> float | None:
@@ -111,63 +111,63 @@ def _index_axis_of_value(v: Value, depth: int = 0) -> int | None:
     return None
 
 
-def _index_axis(plan: Any, ref: tuple, depth: int = 0) -> int | None:
+def _index_axis(logits: Sliced, ref: tuple, depth: int = 0) -> int | None:
     if ref[0] == "leaf":
-        return _index_axis_of_value(plan.leaves[ref[1]])
-    prim, params, args, aval, _ = plan.steps[ref[1]]
+        return _index_axis_of_value(logits.leaves[ref[1]])
+    prim, params, args, aval, _ = logits.steps[ref[1]]
     if depth > 8:
         return None
     if prim.name == "iota":
         return _own_position(aval.dtype, aval.shape, int(params["dimension"]))
     if prim.name == "convert_element_type" and jnp.issubdtype(aval.dtype, jnp.integer):
-        return _own_position(aval.dtype, aval.shape, _index_axis(plan, args[0], depth + 1))
-    if prim.name in ("add", "sub") and len(args) == 2 and _scalar(plan, args[1]) == 0.0:
-        return _index_axis(plan, args[0], depth + 1)  # jnp.tril's iota + 0
+        return _own_position(aval.dtype, aval.shape, _index_axis(logits, args[0], depth + 1))
+    if prim.name in ("add", "sub") and len(args) == 2 and _scalar(logits, args[1]) == 0.0:
+        return _index_axis(logits, args[0], depth + 1)  # jnp.tril's iota + 0
     if prim.name == "broadcast_in_dim":
-        inner = _index_axis(plan, args[0], depth + 1)
+        inner = _index_axis(logits, args[0], depth + 1)
         dims = params["broadcast_dimensions"]
-        src = plan.aval(args[0]).shape
+        src = logits.aval(args[0]).shape
         if inner is not None and src[inner] == aval.shape[dims[inner]]:
             return int(dims[inner])
     return None
 
 
-def _causal(plan: Any, ref: tuple, q_axis: int, k_axis: int, depth: int = 0) -> bool | None:
+def _causal(logits: Sliced, ref: tuple, q_axis: int, k_axis: int, depth: int = 0) -> bool | None:
     """``True`` where ``ref`` is ``query position >= key position``, ``False`` where it is ``<``, else ``None``."""
     if ref[0] == "leaf" or depth > 8:
         return None
-    prim, params, args, aval, _ = plan.steps[ref[1]]
+    prim, params, args, aval, _ = logits.steps[ref[1]]
     name = prim.name
     if name == "broadcast_in_dim":  # a mask of fewer axes (flax's [b, 1, q, k]) broadcast over heads
-        src = plan.aval(args[0])
+        src = logits.aval(args[0])
         dims = tuple(params["broadcast_dimensions"])
         if q_axis not in dims or k_axis not in dims:
             return None
         iq, ik = dims.index(q_axis), dims.index(k_axis)
         if src.shape[iq] != aval.shape[q_axis] or src.shape[ik] != aval.shape[k_axis]:
             return None
-        return _causal(plan, args[0], iq, ik, depth + 1)
+        return _causal(logits, args[0], iq, ik, depth + 1)
     if name == "convert_element_type":  # a bool mask as 0/1 numbers, read back by ``!= 0``
-        return _causal(plan, args[0], q_axis, k_axis, depth + 1)
+        return _causal(logits, args[0], q_axis, k_axis, depth + 1)
     if name == "ne" and len(args) == 2:
-        zero = [i for i, a in enumerate(args) if _scalar(plan, a) == 0.0]
+        zero = [i for i, a in enumerate(args) if _scalar(logits, a) == 0.0]
         if len(zero) == 1:
-            return _causal(plan, args[1 - zero[0]], q_axis, k_axis, depth + 1)
+            return _causal(logits, args[1 - zero[0]], q_axis, k_axis, depth + 1)
         return None
     if name == "and" and len(args) == 2:  # jax's masks start from all true: ``ones & tril``
-        true = [i for i, a in enumerate(args) if _scalar(plan, a) == 1.0]
+        true = [i for i, a in enumerate(args) if _scalar(logits, a) == 1.0]
         if len(true) == 1:
-            return _causal(plan, args[1 - true[0]], q_axis, k_axis, depth + 1)
+            return _causal(logits, args[1 - true[0]], q_axis, k_axis, depth + 1)
         return None
     if name == "select_n" and len(args) == 3:  # ``where(p, True, False)`` (jnp.tril of ones) or its negation
-        on, off = _scalar(plan, args[2]), _scalar(plan, args[1])
+        on, off = _scalar(logits, args[2]), _scalar(logits, args[1])
         if (on, off) not in ((1.0, 0.0), (0.0, 1.0)):
             return None
-        inner = _causal(plan, args[0], q_axis, k_axis, depth + 1)
+        inner = _causal(logits, args[0], q_axis, k_axis, depth + 1)
         return inner if inner is None or on == 1.0 else not inner
     if name not in ("ge", "le", "gt", "lt"):
         return None
-    a, b = (_index_axis(plan, x) for x in args)
+    a, b = (_index_axis(logits, x) for x in args)
     if (a, b) == (k_axis, q_axis):
         name = {"ge": "le", "le": "ge", "gt": "lt", "lt": "gt"}[name]
     elif (a, b) != (q_axis, k_axis):
@@ -175,27 +175,16 @@ def _causal(plan: Any, ref: tuple, q_axis: int, k_axis: int, depth: int = 0) -> 
     return {"ge": True, "lt": False}.get(name)
 
 
-def _full(plan: Any, leaves: Sequence[Any], ref: tuple, memo: dict) -> Any:
-    """The value of ``ref`` over every key (no block): the plan's steps it needs, and no others."""
-    if ref[0] == "leaf":
-        return leaves[ref[1]]
-    if ref not in memo:
-        prim, params, args, _, _ = plan.steps[ref[1]]
-        res = prim.bind(*[_full(plan, leaves, a, memo) for a in args], **params)
-        memo[ref] = res[0] if isinstance(res, (list, tuple)) else res
-    return memo[ref]
-
-
-def _path(plan: Any, out_ref: tuple) -> list[tuple] | None:
+def _path(logits: Sliced, out_ref: tuple) -> list[tuple] | None:
     """The steps from the logits down to the product, each with the index of its operand that leads there."""
     path, ref = [], out_ref
     for _ in range(32):
         if ref[0] == "leaf":
             return None
-        prim, _, args, _, _ = plan.steps[ref[1]]
+        prim, _, args, _, _ = logits.steps[ref[1]]
         if prim.name == "dot_general":
             return path + [(ref, None)]
-        dotted = [i for i, a in enumerate(args) if _has_dot(plan, a)]
+        dotted = [i for i, a in enumerate(args) if _has_dot(logits, a)]
         if len(dotted) != 1:
             return None
         path.append((ref, dotted[0]))
@@ -203,12 +192,12 @@ def _path(plan: Any, out_ref: tuple) -> list[tuple] | None:
     return None
 
 
-def _axis_maps(plan: Any, path: list[tuple]) -> list[list[int | None]] | None:
+def _axis_maps(logits: Sliced, path: list[tuple]) -> list[list[int | None]] | None:
     """For each step of ``path``, its axes as the product's (``None``: an axis of size one it inserts)."""
     dot = path[-1][0]
-    maps = [list(range(len(plan.aval(dot).shape)))]
+    maps = [list(range(len(logits.aval(dot).shape)))]
     for ref, _ in reversed(path[:-1]):
-        prim, params, _, aval, _ = plan.steps[ref[1]]
+        prim, params, _, aval, _ = logits.steps[ref[1]]
         below = maps[0]
         if prim.name == "broadcast_in_dim":
             dims = tuple(params["broadcast_dimensions"])
@@ -224,42 +213,42 @@ def _axis_maps(plan: Any, path: list[tuple]) -> list[list[int | None]] | None:
     return maps
 
 
-def _logits_form(plan: Any, out_ref: tuple) -> tuple | None:
+def _logits_form(logits: Sliced, out_ref: tuple) -> tuple | None:
     """The logits as ``scale * (q k^T) + bias`` under at most one causal mask.
 
     Returns ``(dot, scale, terms, causal, top)``: the product's step, the scale, the bias as ``(ref, factor,
     shape, axes)`` terms (``axes``: the term's axes as the product's), the product's query axis that a
     causal mask compares (``None``: no mask), and the logits' axes as the product's; ``None`` where the
     logits are anything else (a mask given as an array, say)."""
-    path = _path(plan, out_ref)
-    maps = _axis_maps(plan, path) if path is not None else None
+    path = _path(logits, out_ref)
+    maps = _axis_maps(logits, path) if path is not None else None
     if maps is None:
         return None
     dot = path[-1][0]
-    dparams, key = plan.steps[dot[1]][1], plan.steps[dot[1]][4]
+    dparams, key = logits.steps[dot[1]].params, logits.steps[dot[1]].axis
     nb = len(dparams["dimension_numbers"][1][0])
     q_dots = [d for d in range(nb, len(maps[-1])) if d != key]  # the query's free axes in the product
     scale, bias, causal, fill = 1.0, [], None, None
     for (ref, i), amap in zip(path[:-1], maps):
-        prim, _, args, aval, _ = plan.steps[ref[1]]
+        prim, _, args, aval, _ = logits.steps[ref[1]]
         name = prim.name
         if name in ("broadcast_in_dim", "transpose") or (name == "convert_element_type"
                                                            and jnp.issubdtype(aval.dtype, jnp.floating)):
             continue
         if name in ("mul", "div") and len(args) == 2:
-            c = _scalar(plan, args[1 - i])
+            c = _scalar(logits, args[1 - i])
             if c is None or not math.isfinite(c) or c <= 0 or (name == "div" and i == 1):
                 return None
             scale *= c if name == "mul" else 1.0 / c  # scales what lies below: the product, a bias added there
         elif name in ("add", "sub") and len(args) == 2 and not (name == "sub" and i == 1):
             bias.append((args[1 - i], scale if name == "add" else -scale, tuple(aval.shape), amap))
         elif name == "select_n" and len(args) == 3 and i != 0 and causal is None:
-            lo = _scalar(plan, args[3 - i])
+            lo = _scalar(logits, args[3 - i])
             # a bias added after the mask would move the masked logits: the fused call adds it before
             if lo is None or bias or key not in amap:
                 return None
             for q_dot in (d for d in q_dots if d in amap):
-                keep = _causal(plan, args[0], amap.index(q_dot), amap.index(key))
+                keep = _causal(logits, args[0], amap.index(q_dot), amap.index(key))
                 if keep is not None:
                     break
             if keep is None or keep != (i == 2):  # select_n picks its last operand where the mask is true
@@ -272,15 +261,15 @@ def _logits_form(plan: Any, out_ref: tuple) -> tuple | None:
     return dot, scale, bias, causal, maps[0]
 
 
-def _exact_in(plan: Any, ref: tuple, dtype: Any, depth: int = 0) -> bool:
+def _exact_in(logits: Sliced, ref: tuple, dtype: Any, depth: int = 0) -> bool:
     """Whether every value of ``ref`` is one of ``dtype`` (values of it widened, broadcast or moved)."""
-    if plan.aval(ref).dtype == dtype:
+    if logits.aval(ref).dtype == dtype:
         return True
     if ref[0] == "leaf" or depth > 8:
         return False
-    prim, _, args, _, _ = plan.steps[ref[1]]
+    prim, _, args, _, _ = logits.steps[ref[1]]
     if prim.name in ("convert_element_type", "broadcast_in_dim", "transpose", "reshape", "squeeze"):
-        return _exact_in(plan, args[0], dtype, depth + 1)
+        return _exact_in(logits, args[0], dtype, depth + 1)
     return False
 
 
@@ -303,18 +292,18 @@ def _as_product(x: Any, shape: tuple, amap: Sequence[int | None]) -> Any:
     return lax.transpose(x, perm) if list(perm) != sorted(perm) else x
 
 
-def fused(plan: Any, out_ref: tuple, p_first: bool, pv_dn: Any, v_aval: Any, squeezed: tuple, out_aval: Any,
+def fused(logits: Sliced, p_first: bool, pv_dn: Any, v_aval: Any, squeezed: tuple, out_aval: Any,
           impl: str):
     """``fn(*leaves, v)``: the attention as one ``jax.nn.dot_product_attention`` call, or ``None``.
 
     ``pv_dn`` is the dimension numbers of the weights' product with ``v`` (of ``v_aval``; ``p_first``: the
     weights on the left), whose weights are the logits less their axes ``squeezed``."""
     v_rank, v_dtype = len(v_aval.shape), v_aval.dtype
-    form = _logits_form(plan, out_ref)
+    form = _logits_form(logits, logits.out)
     if form is None:
         return None
     dot_ref, scale, bias, causal, top = form
-    _, dparams, (a_ref, b_ref), d_aval, key = plan.steps[dot_ref[1]]
+    _, dparams, (a_ref, b_ref), d_aval, key = logits.steps[dot_ref[1]]
     (lc, rc), (lb, rb) = dparams["dimension_numbers"]
     nb, rank = len(lb), len(d_aval.shape)
     q_lhs = key == rank - 1  # the query is the product's left operand
@@ -330,11 +319,11 @@ def fused(plan: Any, out_ref: tuple, p_first: bool, pv_dn: Any, v_aval: Any, squ
     q_ref, k_ref = (a_ref, b_ref) if q_lhs else (b_ref, a_ref)
     qb, kb = (lb, rb) if q_lhs else (rb, lb)
     qc, kc = (lc[0], rc[0]) if q_lhs else (rc[0], lc[0])
-    q_rank, k_rank = len(plan.aval(q_ref).shape), len(plan.aval(k_ref).shape)
-    dtype = plan.aval(q_ref).dtype
+    q_rank, k_rank = len(logits.aval(q_ref).shape), len(logits.aval(k_ref).shape)
+    dtype = logits.aval(q_ref).dtype
     # the call computes in the query's dtype: k, v and the result must be of it too (no rounding the
     # original does not do)
-    if q_rank != rank or k_rank != nb + 2 or dtype != plan.aval(k_ref).dtype or dtype != v_dtype \
+    if q_rank != rank or k_rank != nb + 2 or dtype != logits.aval(k_ref).dtype or dtype != v_dtype \
             or dtype != out_aval.dtype:
         return None
     if g_dot is not None and bias:
@@ -343,8 +332,8 @@ def fused(plan: Any, out_ref: tuple, p_first: bool, pv_dn: Any, v_aval: Any, squ
     # query's dtype, widened and broadcast, scaled by a power of two that cannot overflow the narrower dtype).
     terms = []
     for r, w, shape, amap in bias:
-        if not _exact_in(plan, r, dtype) or math.frexp(abs(w))[0] != 0.5 or (
-                abs(w) != 1.0 and jnp.finfo(dtype).maxexp < jnp.finfo(plan.aval(r).dtype).maxexp):
+        if not _exact_in(logits, r, dtype) or math.frexp(abs(w))[0] != 0.5 or (
+                abs(w) != 1.0 and jnp.finfo(dtype).maxexp < jnp.finfo(logits.aval(r).dtype).maxexp):
             return None
         terms.append((r, w, shape, amap))
     # The weights (the logits less ``squeezed``) times v: the product's batch axes are the logits' batch
@@ -392,11 +381,11 @@ def fused(plan: Any, out_ref: tuple, p_first: bool, pv_dn: Any, v_aval: Any, squ
     def fn(*args: Any) -> Any:
         *leaves, v = args
         memo: dict = {}
-        q = _full(plan, leaves, q_ref, memo)
-        k = _full(plan, leaves, k_ref, memo)
+        q = logits.value(leaves, q_ref, memo)
+        k = logits.value(leaves, k_ref, memo)
         b = None
         for r, w, shape, amap in terms:
-            t = _full(plan, leaves, r, memo)
+            t = logits.value(leaves, r, memo)
             t = _as_product(t if w == 1.0 else t * jnp.asarray(w, t.dtype), shape, amap).astype(q.dtype)
             b = t if b is None else b + t
         if b is not None:

@@ -7,65 +7,45 @@ equinox's attention layers, a scale on ``q`` or on the logits, a mask by
 and XLA materialises the N x N scores of every head, forward and backward.
 All of these trace to one term: a product of ``exp(s - max(s)) / sum(exp(s -
 max(s)))`` with ``v``, where the logits ``s`` are some computation that reads
-one product ``q k^T``. So the pack has one rule (per operand order and way
-the weights reach the product), and it reads the logits off the e-graph
+one product ``q k^T``. So the pack has one rule per operand order (and
+per softmax that sums in float32), the weights' casts and squeezes
+optional wrappers of one pattern (``Pat.optional``), and it reads the logits off the e-graph
 instead of spelling out their variants:
 
-* **The logits, a block of keys at a time.** From ``s`` the rule walks down
-  the term following the key axis (the softmax's axis): through elementwise
-  operations, ``select_n``, conversions, broadcasts, transposes, ``iota``
-  and the one product ``q k^T``. What it reaches without the key axis (``q``,
-  a scale, a query mask) is read whole; what carries the key axis and is not
+* **The logits, a block of keys at a time.** The rule reads ``s`` with
+  :meth:`rewrite.Match.sliced` along the key axis (the softmax's axis),
+  through elementwise operations, ``select_n``, conversions, broadcasts,
+  transposes, ``iota`` and the one product ``q k^T``. What it reaches
+  without the key axis (``q``, a scale, a query mask) is read whole; what carries the key axis and is not
   one of those (``k``, ``v``, a padding mask, a bias) is sliced per block. A
   causal mask built from ``iota`` comparisons is rebuilt per block from
   positions: no N x N mask is made. The rule declines when the softmax is not
   shifted by its own maximum (``exp(s) / sum(exp(s))`` overflows where the
   blocked form would not), when the key axis is not a multiple of the block,
   or when anything on the way is not one of the operations above.
-* **Online softmax** over key blocks in a ``lax.scan``: a running maximum,
-  a running sum and a rescaled accumulator (flash attention's forward). A
-  block where every score so far is ``-inf`` is shifted by 0, not by
-  ``-inf``, so a row masked in one block and not in the next is computed as
-  the original computes it; a row masked everywhere is ``0/0 = NaN``, as in
-  ``jax.nn.softmax``; a row masked with ``finfo.min`` averages uniformly, as
-  the original does; a NaN or ``+inf`` score makes its row NaN in both.
-* **The loop's own product.** Whatever order the program writes the second
-  product in, the forward's loop computes it with the weights first and
-  ``v`` read as ``[batch, keys, rest]`` (transposed once, before the loop),
-  and puts the output in the program's order once, after it. flax writes
-  ``einsum("bhqk,bkhd->bqhd", p, v)``, which jax emits with ``v`` first and
-  a ``[b, h, d, q]`` output: kept so, XLA:CPU copied every block of ``v``
-  and the accumulator's terms into that order per iteration.
+* **The kernel.** The rule builds :func:`rulesets.kernels.attention.blocked_attention`
+  over the logits so read: an online softmax over key blocks in a ``lax.scan``
+  (flash attention's forward, masked rows computed as the original computes
+  them), its own product with the weights first and ``v`` read by keys, and a
+  backward (``jax.custom_vjp``) that recomputes each block's scores and takes
+  the logits' own computation's VJP on the block, in the accumulator's
+  precision; neither pass holds N x N. That module's page says how.
 * **A literal scale applied once.** A literal scale of the scores (haiku's
   ``logits / sqrt(key_size)``) is applied to ``q`` before the forward's loop,
   where it makes ``q`` no larger (exactly, for a power of two; in float32 and
   float64 for any other): in the loop, XLA:CPU scaled every block of scores in
   a pass of its own. The backward keeps it in its loop (measured faster).
 * **Blocks of queries too.** Where the queries are long (two blocks of
-  ``QUERY_BLOCKS`` or more), the forward's loop over key blocks runs once
+  ``query_blocks`` or more), the forward's loop over key blocks runs once
   per block of queries, each with its rows' part of ``q``, of a mask and of
   a bias (the walk tracks the query axis as it tracks the key axis,
-  :func:`_query_axes`): the scores held are a block by a block, small enough
-  to stay in the faster caches. The model chooses it, or every query at once.
-* **A backward that recomputes each block** (``jax.custom_vjp``): only the
-  inputs, the output and the log-normaliser per row are kept; each block's
-  scores are computed again, and the gradient of the logits' own computation
-  (scale, bias, the product) is that computation's VJP on the block. The
-  gradient never holds N x N either. The block's weights, their gradient and
-  the sums of the leaves' gradients over the blocks are kept in the
-  accumulator's precision (float32 for half precision), each gradient
-  rounded to its dtype once, at the end: in float16, where the weights'
-  gradient underflows, the Hessian-vector product through this backward
-  erred 0.046 against float64 (results up to 0.036; the original 0.016), and
-  now errs below 5e-5. In half precision the row term of the softmax's
-  backward is ``sum(p * dp) / sum(p)`` over the loop's own weights and
-  rounded cotangents, in one more pass over the key blocks, so that each row
-  of the logits' gradient sums to zero as the original's does.
+  :meth:`rewrite.Sliced.place`): the scores held are a block by a block, small
+  enough to stay in the faster caches. The model chooses it, or every query at once.
 
 Programs whose key axis is 256 or shorter are left alone (the scores are
-small). The rule offers a loop for each key block of ``BLOCKS`` that makes
-two blocks or more, and extraction takes the cheapest; on this CPU that is
-256 keys alone (see ``BLOCKS``).
+small). The rule offers a loop for each key block it is given that makes two
+blocks or more, and extraction takes the cheapest; on this CPU that is 256
+keys alone (:func:`attention_with` configures the blocks and the rest).
 
 **On a GPU, cuDNN's fused attention instead.** Where the logits are
 ``scale * (q k^T) + bias`` under at most a causal mask and the backend has a
@@ -111,42 +91,37 @@ True
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from typing import Any, Sequence
+import math
+from typing import Any, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from rewrite import Pat, Ruleset, Tolerance, procedural, rule
+from rewrite import Pat, Ruleset, Sliced, Tolerance, Value, procedural, rule
 from rulesets import _fused_attention as _fused
-from rulesets._attention_plan import _Decline, _evaluate, _Plan, _query_axes, _scale_outside, _shift_is_own_max, _walk
+from rulesets.kernels.attention import Logits, ValueProduct, Window, blocked_attention
 
-__all__ = ["attention"]
+__all__ = ["attention", "attention_with"]
 
 _log = logging.getLogger(__name__)
 
-#: Key axes this long or shorter are kept as written.
-MIN_KEYS = 256
-#: The key blocks offered to the cost model: each that divides the key axis into two blocks or more. 256 alone:
-#: on this CPU (32 MiB L3) it measured fastest at every shape tried, 512 and 1024 8-40% slower
-#: (``python -m benchmarks.attention --blocks``, ``benchmarks/results/attention.md``). With the cache term
-#: (``AnalyticCost.spill``) the model ranks the blocks so at N=2048 (B=2, H=4), but with one head, where
-#: every block's scores fit in the cache, it prices 1024 keys cheapest, which measured 40% slower than 256,
-#: and its band takes 512 (8% slower): offered 256, 512 and 1024 it would lose there what it gains nowhere.
-BLOCKS = (256,)
 
-#: The query blocks offered to the forward (each that makes two blocks or more), beside every query at once: the
-#: loop over key blocks then runs once per block of queries, in a loop around it, each block of scores
-#: ``[.., 512, 256]`` (4 MiB at B=2, H=4 in f32, where every query's is 16 MiB). Measured 1.1-1.3x faster
-#: forwards and gradients at N=2048 and 4096 on every layer tried, with half the temporaries or less
-#: (``benchmarks/results/attention.md``); the model takes them from N=2048 (by price from 4096, by the lean band
-#: at 2048), since it charges a slice its bytes, not the array's (``rewrite/ir/scanread.py``).
-QUERY_BLOCKS = (512,)
-#: Whether the loop over every query at once is offered beside the query blocks (tests turn it off, to check the
-#: query blocks at sizes where the model would not take them).
-WHOLE_QUERIES = True
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    """What :func:`attention_with` configures (its docstring says what each is)."""
+
+    blocks: tuple[int, ...]
+    query_blocks: tuple[int, ...]
+    whole_queries: bool
+    min_keys: int
+    fused: str | None
+    blocked: bool | None
+
 
 X, V = Pat.var("x"), Pat.var("v")
 _SOFTMAX = Pat("div", Pat("exp", X), Pat("broadcast_in_dim", Pat("reduce_sum", Pat("exp", X), params="r"),
@@ -157,270 +132,170 @@ _SOFTMAX_WIDE = Pat("div", Pat("exp", X), Pat("convert_element_type", Pat("broad
 
 
 
-# ---------------------------------------------------------------------- the blocked computation
-def _blocked(plan: _Plan, out_ref: tuple, axis: int, p_first: bool, dn: Any, pv_params: dict, v_key: int,
-             block: int, n: int, out_aval: Any, cast: Any = None, squeezed: tuple = (), wide: Any = None,
-             rows: tuple | None = None):
-    """``fn(*leaves, v)``: attention computed over key blocks, with a recomputing backward.
+# ---------------------------------------------------------------------- what the pack reads off the softmax
+def _ident(v: Value) -> Any:
+    return v.cls if v.cls is not None else ("name", v.name)
 
-    ``wide``: the dtype the program sums the exponentials in, where wider than the logits'
-    (``jax.nn.softmax`` of bf16 logits sums in float32); the running sum is kept in it. ``rows``: ``(qblock,
-    s_q, leaf_q, step_q)``, the forward also runs over blocks of ``qblock`` queries, ``s_q`` the logits' query
-    axis, ``leaf_q`` and ``step_q`` where the plan's values carry it (:func:`_query_axes`)."""
-    steps = tuple(plan.steps)
-    leaf_keys = tuple(plan.leaf_keys)
-    forward_steps, scaled = _scale_outside(plan)
-    forward_keys = leaf_keys + (None,) * len(scaled)
-    consts = {i: np.asarray(x.literal, x.dtype) for i, x in enumerate(plan.leaves)
-              if x.shape == () and x.literal is not None}
-    nblocks = n // block
-    s_aval = plan.aval(out_ref)
-    s_rank = len(s_aval.shape)
-    s_dtype = s_aval.dtype
-    l_dtype = s_dtype if wide is None else wide
-    (pc_l, pc_r), (pb_l, pb_r) = dn
-    p_batch = pb_l if p_first else pb_r
-    # The weights as the product reads them: the logits' layout less the size-1 axes ``squeezed``.
-    p_of = {d: d - sum(1 for e in squeezed if e < d) for d in range(s_rank) if d not in squeezed}
-    p_axis = p_of[axis]
-    p_rank = s_rank - len(squeezed)
-    p_free = [d for d in range(p_rank) if d != p_axis and d not in p_batch]
-    out_rank = len(out_aval.shape)
-    nb = len(p_batch)
 
-    def layout(weights_first: bool) -> tuple[list, list, tuple]:
-        """Where each of the weights' axes but the key axis lands in the product's output, with the weights as
-        its first operand or its second; the order that sorts them, and the sorted places."""
-        positions = []
-        for d in range(p_rank):
-            if d == p_axis:
+def _inverse(perm: Sequence[int]) -> list[int]:
+    """Where each axis of a transpose's operand lands in its result."""
+    return [list(perm).index(j) for j in range(len(perm))]
+
+
+def _shift_is_own_max(shift: Value, s: Value, axis: int) -> bool:
+    """``shift`` is ``max(s)`` along ``axis``, row by row (maybe under ``max(-inf, .)``, broadcasts,
+    transposes and ``stop_gradient``; or the max of ``f`` where ``s`` is ``f`` transposed, as
+    ``jax.nn.dot_product_attention`` writes it under ``vmap``)."""
+    sources = [(s, list(range(s.ndim)))]  # what the max may be taken of, with its axes' places in s
+    node = s.node("transpose")
+    if node is not None:
+        perm = [int(d) for d in node.params["permutation"]]
+        sources.append((node.operands[0], _inverse(perm)))
+    v, pos = shift, list(range(s.ndim))  # pos: where each axis of v lies in s
+    for _ in range(8):
+        for prim in ("stop_gradient", "broadcast_in_dim", "transpose", "max", "reduce_max"):
+            node = v.node(prim)
+            if node is None:
                 continue
-            if d in p_batch:
-                positions.append(list(p_batch).index(d))
+            ops = node.operands
+            if prim == "reduce_max":
+                if len(node.params["axes"]) != 1:
+                    return False
+                a = int(node.params["axes"][0])
+                for src, place in sources:
+                    if _ident(ops[0]) != _ident(src) or place[a] != axis:
+                        continue
+                    rows = [j for j in range(src.ndim) if j != a]
+                    if all(pos[i] == place[j] or src.shape[j] == 1 for i, j in enumerate(rows)):
+                        return True
+                return False
+            if prim == "max":
+                lit = [o for o in ops if o.literal is not None]
+                rest = [o for o in ops if o.literal is None]
+                if len(lit) != 1 or len(rest) != 1 or float(lit[0].literal) != -math.inf:
+                    continue
+                v = rest[0]
+            elif prim == "broadcast_in_dim":
+                dims = [int(d) for d in node.params["broadcast_dimensions"]]
+                v, pos = ops[0], [pos[d] for d in dims]
+            elif prim == "transpose":
+                perm = [int(d) for d in node.params["permutation"]]
+                v, pos = ops[0], [pos[d] for d in _inverse(perm)]
             else:
-                off = nb if weights_first else nb + (out_rank - nb - len(p_free))
-                positions.append(off + p_free.index(d))
-        return positions, list(np.argsort(positions)), tuple(sorted(positions))
-
-    _, order, sorted_pos = layout(p_first)  # the original's, which the backward keeps
-    # The forward's own product: the weights first, v read as [batch, keys, free] (transposed once, before the
-    # loops), so that a block of v is contiguous and the output and accumulator come in the order XLA's product
-    # writes them; the output is put in the original's order once, after the loops.
-    v_batch = pb_r if p_first else pb_l
-    v_rank = out_rank - len(p_free) + 1
-    v_free = [d for d in range(v_rank) if d != v_key and d not in v_batch]
-    v_perm = tuple(v_batch) + (v_key,) + tuple(v_free)
-    fwd_params = dict(pv_params, dimension_numbers=(((p_axis,), (nb,)), (tuple(p_batch), tuple(range(nb)))))
-    # the original output's axis i is the forward product's axis out_perm[i]
-    out_perm = tuple(range(out_rank)) if p_first else (tuple(range(nb)) + tuple(
-        nb + len(p_free) + j for j in range(len(v_free))) + tuple(nb + i for i in range(len(p_free))))
-    f_out_shape = tuple(out_aval.shape[out_perm.index(i)] for i in range(out_rank))
-    f_positions, f_order, f_sorted = layout(True)
-    acc_dtype = jnp.promote_types(out_aval.dtype, jnp.float32)
-
-    row_squeezed = tuple(e - (e > axis) for e in squeezed)
-    row_shape = tuple(d for i, d in enumerate(s_aval.shape) if i != axis)
-    if rows is not None:  # where the queries lie in the per-row values and in the output
-        qblock, s_q, leaf_q, step_q = rows
-        row_q = s_q - (s_q > axis)
-        out_q = f_positions[[d for d in range(p_rank) if d != p_axis].index(p_of[s_q])]  # in the forward's output
-        forward_q = list(leaf_q) + [leaf_q[q] for q, _, _ in scaled]
-
-    def to_out(row: Any, shape: tuple) -> Any:  # a per-row value in the forward's output's layout
-        row = lax.squeeze(row, row_squeezed) if row_squeezed else row
-        row = lax.transpose(row, tuple(f_order)) if f_order != sorted(f_order) else row
-        return lax.broadcast_in_dim(row, shape, f_sorted)
-
-    def from_out(x: Any) -> Any:  # the output's per-row sums, in the logits' order
-        other = tuple(d for d in range(out_rank) if d not in sorted_pos)
-        r = jnp.sum(x, axis=other)
-        inv = list(np.argsort(order))
-        r = lax.transpose(r, tuple(inv)) if inv != sorted(inv) else r
-        return lax.expand_dims(r, row_squeezed) if row_squeezed else r
-
-    def scores(leaves: Sequence[Any], start: Any, forward: bool = False, qstart: Any = None) -> Any:
-        # A literal scalar (a mask's fill, a scale) is the body's constant, as it is the original's (passed in as
-        # an operand, XLA could not turn a division by 8 into a multiplication by 0.125).
-        leaves = [consts.get(i, x) for i, x in enumerate(leaves)]
-        if forward:  # with q scaled before the loop (_scale_outside), after the plan's leaves
-            cut = None if qstart is None else (step_q, qstart, qblock, forward_q)
-            return _evaluate(forward_steps, leaves, forward_keys, start, block, out_ref, cut).astype(s_dtype)
-        return _evaluate(steps, leaves, leaf_keys, start, block, out_ref).astype(s_dtype)
-
-    def product(p: Any, vb: Any, own: bool = False) -> Any:
-        # the weights as the original rounds them before its product (bf16 weights of an f32 softmax); ``own``:
-        # the forward's product (weights first, v transposed to v_perm)
-        p = p if cast is None else p.astype(cast)
-        p = lax.squeeze(p, squeezed) if squeezed else p
-        if own:
-            return lax.dot_general(p, vb, **fwd_params)
-        args = (p, vb) if p_first else (vb, p)
-        return lax.dot_general(*args, **pv_params)
-
-    narrow = jnp.dtype(out_aval.dtype) != jnp.dtype(acc_dtype)
-
-    def wide_product(p: Any, vb: Any) -> Any:
-        # the backward's product, summed in the accumulator's precision: the weights' value rounded as the
-        # original rounds them (bf16 weights of an f32 softmax), their cotangent not rounded (the rounding's
-        # transpose rounds it, and XLA, which allows excess precision, dropped that in one loop and not the other)
-        if cast is not None:
-            p = p + lax.stop_gradient(p.astype(cast).astype(p.dtype) - p)
-        p = lax.squeeze(p, squeezed) if squeezed else p
-        p, vb = p.astype(acc_dtype), vb.astype(acc_dtype)
-        params = dict(pv_params, preferred_element_type=acc_dtype)
-        return lax.dot_general(*((p, vb) if p_first else (vb, p)), **params)
-
-    def expand(row: Any) -> Any:
-        return jnp.expand_dims(row, axis)
-
-    def over_keys(ahead: Sequence[Any], v: Any, qstart: Any = None) -> tuple[Any, Any, Any]:
-        """The online softmax over key blocks for every query, or for ``qblock`` queries from ``qstart`` (the
-        leaves already cut to them): the output, the rows' shift and sum."""
-        cut = (lambda shape, ax: shape) if qstart is None else (
-            lambda shape, ax: tuple(qblock if i == ax else d for i, d in enumerate(shape)))
-        m0 = jnp.full(cut(row_shape, None if rows is None else row_q), -jnp.inf, s_dtype)
-        l0 = jnp.zeros(m0.shape, l_dtype)
-        o_shape = cut(f_out_shape, None if rows is None else out_q)
-        a0 = jnp.zeros(o_shape, acc_dtype)
-
-        def body(carry: tuple, j: Any) -> tuple:
-            m, l, acc = carry
-            start = j * block
-            s = scores(ahead, start, forward=True, qstart=qstart)
-            m_new = jnp.maximum(m, jnp.max(s, axis=axis))
-            # A row whose scores so far are all -inf is shifted by 0: exp(-inf - 0) = 0, not NaN.
-            shift = jnp.where(m_new == -jnp.inf, jnp.zeros((), s_dtype), m_new)
-            p = jnp.exp(s - expand(shift))
-            alpha = jnp.exp(m - shift)
-            vb = lax.dynamic_slice_in_dim(v, start, block, axis=nb)
-            pv = product(p, vb, own=True).astype(acc_dtype)
-            acc = acc * to_out(alpha, o_shape).astype(acc_dtype) + pv
-            return (m_new, l * alpha.astype(l_dtype) + jnp.sum(p.astype(l_dtype), axis=axis), acc), None
-
-        (m, l, acc), _ = lax.scan(body, (m0, l0, a0), jnp.arange(nblocks))
-        out = (acc / to_out(l, o_shape).astype(acc_dtype)).astype(out_aval.dtype)
-        # The backward's weights are exp(s - shift) / l: kept apart, since m + log(l) loses log(l) when m is
-        # finfo.min (a row masked everywhere with finfo.min, which averages uniformly).
-        return out, jnp.where(m == -jnp.inf, jnp.zeros((), s_dtype), m), l
-
-    def forward(leaves: Sequence[Any], v: Any) -> tuple[Any, Any]:
-        c_of = lambda i: consts.get(i, leaves[i])
-        ahead = list(leaves) + [leaves[q] / c_of(c) if prim == "div" else leaves[q] * c_of(c) for q, c, prim in scaled]
-        v = lax.transpose(v, v_perm) if v_perm != tuple(range(v_rank)) else v
-        back = (lambda o: lax.transpose(o, out_perm)) if out_perm != tuple(range(out_rank)) else (lambda o: o)
-        if rows is None:
-            out, shift, l = over_keys(ahead, v)
-            return back(out), (shift, l)
-
-        def body(carry: tuple, i: Any) -> tuple:  # one block of queries: its leaves cut, its rows written in place
-            out, shift, l = carry
-            qstart = i * qblock
-            # the leaves with queries and no keys cut here, once; those with both in the loop, a block of each
-            cut = [x if a is None or k is not None else lax.dynamic_slice_in_dim(x, qstart, qblock, axis=a)
-                   for x, a, k in zip(ahead, forward_q, forward_keys)]
-            o, sh, lb = over_keys(cut, v, qstart)
-            return (lax.dynamic_update_slice_in_dim(out, o, qstart, axis=out_q),
-                    lax.dynamic_update_slice_in_dim(shift, sh, qstart, axis=row_q),
-                    lax.dynamic_update_slice_in_dim(l, lb, qstart, axis=row_q)), None
-
-        init = (jnp.zeros(f_out_shape, out_aval.dtype), jnp.zeros(row_shape, s_dtype), jnp.zeros(row_shape, l_dtype))
-        (out, shift, l), _ = lax.scan(body, init, jnp.arange(s_aval.shape[s_q] // qblock))
-        return back(out), (shift, l)
-
-    @jax.custom_vjp
-    def attend(leaves: tuple, v: Any) -> Any:
-        return forward(leaves, v)[0]
-
-    def fwd(leaves: tuple, v: Any) -> tuple:
-        out, (shift, l) = forward(leaves, v)
-        return out, (leaves, v, out, shift, l)
-
-    def bwd(res: tuple, g: Any) -> tuple:
-        leaves, v, out, shift, l = res
-        floating = [jnp.issubdtype(x.dtype, jnp.inexact) for x in leaves]
-
-        def recompute(j: Any) -> tuple:
-            """Key block ``j``'s weights as the backward uses them, their cotangent, v's block's cotangent and the
-            scores' VJP."""
-            start = j * block
-
-            def s_of(*fl: Any) -> Any:
-                it = iter(fl)
-                full = [next(it) if f else x for x, f in zip(leaves, floating)]
-                return scores(full, start).astype(acc_dtype)
-
-            # The gradient is taken with respect to the whole float leaves, under jit only the block is read.
-            s, vjp_s = jax.vjp(s_of, *[x for x, f in zip(leaves, floating) if f])
-            # the sum as the program rounds it, then widened
-            p = jnp.exp(s - expand(shift.astype(acc_dtype))) / expand(l.astype(s_dtype).astype(acc_dtype))
-            vb = lax.dynamic_slice_in_dim(v, start, block, axis=v_key)
-            if narrow:
-                # The weights' cotangent from the cotangent and v as the original rounds them, summed in the
-                # accumulator's precision and not rounded after. Rounded to the output's dtype, it was rounded in
-                # the gradient's loop and not in the row term's (XLA allows excess precision: it may drop a round
-                # trip through bf16), so the row term no longer matched, and the logits' gradient rows summed to
-                # ~1 under cotangents of ~100 (flax's [b, q, h, d] layout) where the original's sum to ~5e-4.
-                _, vjp_pv = jax.vjp(wide_product, p, vb)
-                dp, dvb = vjp_pv(g.astype(out_aval.dtype).astype(acc_dtype))
-            else:
-                _, vjp_pv = jax.vjp(product, p, vb)
-                dp, dvb = vjp_pv(g.astype(out_aval.dtype))
-            return start, p, dp.astype(acc_dtype), dvb, vjp_s
-
-        if not narrow:
-            d_row = from_out(g.astype(acc_dtype) * out.astype(acc_dtype))
+                v = ops[0]
+            break
         else:
-            # In half precision the row term is sum(p * dp) over the very weights and cotangents the loop below
-            # uses (one more pass over the key blocks), not sum(g * out): the weights' cotangent is rounded to
-            # the output's dtype per element (and the output's weights may be rounded too), so the two differ by
-            # those roundings, and the logits' gradient rows, which must sum to zero, summed to ~1 under
-            # cotangents of ~100; a gradient summed over whole rows (a temperature, a bias on the logits) then
-            # erred several times the original's, which takes its row term from the same rounded cotangents.
-            def rows_body(carry: tuple, j: Any) -> tuple:
-                d, total = carry
-                _, p, dp, _, _ = recompute(j)
-                return (d + jnp.sum(p * dp, axis=axis), total + jnp.sum(p, axis=axis)), None
-
-            zero = jnp.zeros(row_shape, acc_dtype)
-            (d_row, total), _ = lax.scan(rows_body, (zero, zero), jnp.arange(nblocks))
-            # over the weights' own sum, which the sum rounded to the logits' dtype leaves off 1 by its rounding:
-            # the rows of p * (dp - d_row) then sum to zero as the exact weights' do
-            d_row = d_row / jnp.where(total == 0, jnp.ones((), acc_dtype), total)
-        # A leaf without the key axis (q, a scale) sums its gradient over the key blocks: in the accumulator's
-        # precision. The others' blocks are disjoint (each element written once), so they stay in their dtype.
-        grads0 = tuple(jnp.zeros(x.shape, x.dtype if k is not None else jnp.promote_types(x.dtype, acc_dtype))
-                       if f else None for x, f, k in zip(leaves, floating, leaf_keys))
-        dv0 = jnp.zeros(v.shape, v.dtype)
-
-        def body(carry: tuple, j: Any) -> tuple:
-            grads, dv = carry
-            start, p, dp, dvb, vjp_s = recompute(j)
-            ds = p * (dp - expand(d_row))
-            dl = iter(vjp_s(ds))
-            grads = tuple(None if gr is None else gr + next(dl).astype(gr.dtype) for gr in grads)
-            cur = lax.dynamic_slice_in_dim(dv, start, block, axis=v_key)
-            dv = lax.dynamic_update_slice_in_dim(dv, cur + dvb.astype(dv.dtype), start, axis=v_key)
-            return (grads, dv), None
-
-        (grads, dv), _ = lax.scan(body, (grads0, dv0), jnp.arange(nblocks))
-        return tuple(None if gr is None else gr.astype(x.dtype) for gr, x in zip(grads, leaves)), dv
-
-    attend.defvjp(fwd, bwd)
-
-    def fn(*args: Any) -> Any:
-        *leaves, v = args
-        return attend(tuple(leaves), v)
-
-    return fn
+            return False
+    return False
 
 
-def _chunk(p_first: bool, converted: bool = False, squeeze: bool = False, widened: bool = False):
+class _Scale(NamedTuple):
+    """A literal scale of the product moved onto ``q``: its leaf ``q``, the scale's leaf ``c``, ``div`` or ``mul``."""
+
+    q: int
+    c: int
+    prim: str
+
+
+def _scale_outside(logits: Sliced) -> tuple[tuple, tuple]:
+    """The forward's steps with a literal scale of the product ``(q k^T) / c`` (or ``* c``) applied to ``q``, the
+    operand read whole: ``(steps, scaled)``, each of ``scaled`` (a :class:`_Scale`) an extra leaf
+    after the logits' own, computed once before the loop.
+
+    In the loop the scale is its own pass over each block's scores: XLA:CPU's library product does not take
+    it in, so the scaled block is written and read again (haiku's ``attn_logits / sqrt(key_size)``: 16 MiB
+    per block at N=2048, B=2, H=4). The scale moves where it is a finite literal that makes ``q`` no larger
+    (a divisor of magnitude 1 or more, a factor of at most 1), so no element overflows where the original's
+    would not; a power of two moves exactly, and any other scale rounds ``q`` once, within the pack's
+    tolerance (in float32 and float64 only: in a half-precision dtype it stays in the loop). The backward
+    keeps the scale in its loop: with ``q`` scaled outside, haiku's layer's gradient measured 6-10% slower
+    (one process, 15 rounds, either order), though its loop makes one pass fewer.
+    """
+    steps = list(logits.steps)
+    scaled: list[_Scale] = []
+    uses: dict[int, int] = {}
+    for _, _, args, _, _ in steps:
+        for a in args:
+            if a[0] == "step":
+                uses[a[1]] = uses.get(a[1], 0) + 1
+    for j, (prim, params, args, aval, key) in enumerate(steps):
+        if prim.name not in ("div", "mul") or len(args) != 2:
+            continue
+        pairs = [(args[0], args[1])] if prim.name == "div" else [(args[0], args[1]), (args[1], args[0])]
+        for d_ref, c_ref in pairs:
+            if d_ref[0] != "step" or c_ref[0] != "leaf" or uses.get(d_ref[1]) != 1:
+                continue
+            c = logits.leaves[c_ref[1]]
+            dprim, dparams, dargs, daval, dkey = steps[d_ref[1]]
+            value = _fused._scalar_value(c)
+            if dprim.name != "dot_general" or value is None or not np.isfinite(value) or value == 0:
+                continue
+            if (abs(value) < 1) if prim.name == "div" else (abs(value) > 1):
+                continue
+            exact = math.frexp(abs(value))[0] == 0.5  # a power of two scales every element exactly
+            if not exact and jnp.finfo(daval.dtype).nmant < 23:
+                continue  # rounding q to a half-precision dtype once more is not within the logits' own rounding
+            whole = [k for k, a in enumerate(dargs) if a[0] == "leaf" and logits.leaf_axes[a[1]] is None]
+            if len(whole) != 1:
+                continue
+            q = logits.leaves[dargs[whole[0]][1]]
+            if q.dtype != daval.dtype or c.dtype != daval.dtype or aval.dtype != daval.dtype:
+                continue
+            new_args = list(dargs)
+            new_args[whole[0]] = dargs[whole[0]]._replace(index=len(logits.leaves) + len(scaled))
+            scaled.append(_Scale(dargs[whole[0]][1], c_ref[1], prim.name))
+            # the scale's step becomes the product of the scaled q (the unscaled product is read no more).
+            # One scale moves, the first: the logits have one product, and a second scale of it (a soft cap's
+            # ``tanh(s / 20)`` after ``s = q k^T / 8``) would read this step as the product, over a leaf that
+            # is not the logits' (an IndexError, found on Gemma's soft-capped logits).
+            steps[j] = steps[d_ref[1]]._replace(args=tuple(new_args))
+            return tuple(steps), tuple(scaled)
+    return tuple(steps), tuple(scaled)
+
+
+# ---------------------------------------------------------------------- the matched logits as the kernel's
+def _logits(sliced: Sliced, rows: tuple[int, Any] | None) -> Logits:
+    """The matched logits (``sliced`` along the keys) as :class:`Logits`: the backward's over their own leaves, the
+    forward's with a literal scale applied to ``q`` before the loops (:func:`_scale_outside`). ``rows``: the
+    logits' query axis, and where the leaves and steps carry it."""
+    forward_steps, scaled = _scale_outside(sliced)
+    forward_keys = sliced.leaf_axes + (None,) * len(scaled)
+    ahead = dataclasses.replace(sliced, steps=forward_steps, leaf_axes=forward_keys,
+                                leaves=sliced.leaves + tuple(sliced.leaves[q] for q, _, _ in scaled))
+    placed = None if rows is None else rows[1]
+    forward_q = None if rows is None else placed.leaf_axes + tuple(placed.leaf_axes[q] for q, _, _ in scaled)
+    # A literal scalar (a mask's fill, a scale) is the body's constant, as it is the original's (passed in as an
+    # operand, XLA could not turn a division by 8 into a multiplication by 0.125).
+    consts = {i: np.asarray(x.literal, x.dtype) for i, x in enumerate(sliced.leaves)
+              if x.shape == () and x.literal is not None}
+    own = lambda leaves: [consts.get(i, x) for i, x in enumerate(leaves)]
+
+    def prepare(leaves: Sequence[Any]) -> list:
+        c_of = lambda i: consts.get(i, leaves[i])
+        return list(leaves) + [leaves[q] / c_of(c) if prim == "div" else leaves[q] * c_of(c) for q, c, prim in scaled]
+
+    def forward_block(leaves: Sequence[Any], keys: Window, queries: Window | None) -> Any:
+        cut = None if queries is None else placed._replace(leaf_axes=forward_q).window(queries.start, queries.size)
+        return ahead.block(own(leaves), keys.start, keys.size, cut)
+
+    s_aval = sliced.aval(sliced.out)
+    return Logits(tuple(s_aval.shape), s_aval.dtype, sliced.axis,
+                  lambda leaves, keys, _: sliced.block(own(leaves), keys.start, keys.size), sliced.leaf_axes,
+                  query_axis=None if rows is None else rows[0], forward_query_axes=forward_q, prepare=prepare,
+                  forward_block=forward_block, forward_key_axes=forward_keys)
+
+
+def _blocked(config: _Config, p_first: bool, widened: bool = False):
+    """The procedure of the rules: softmax(s) v (``p_first``; else v softmax(s)) as the fused call or as loops over
+    key blocks; ``widened``: the softmax sums in a wider dtype (``_SOFTMAX_WIDE``)."""
+
     @procedural
     def build(m: Any) -> Any:
         r, pv = m.params("r"), m.params("p")
         x, v = m["x"], m["v"]
-        squeezed = tuple(m.params("sq")["dimensions"]) if squeeze else ()
-        cast = m.params("c")["new_dtype"] if converted else None
+        sq, c = m.params("sq"), None if widened else m.params("c")
+        squeezed = () if sq is None else tuple(sq["dimensions"])
+        cast = None if c is None else c["new_dtype"]
         wide = m.params("w")["new_dtype"] if widened else None
         if widened and (m.params("n")["new_dtype"] != x.aval.dtype
                         or jnp.promote_types(wide, x.aval.dtype) != jnp.dtype(wide)):
@@ -429,7 +304,7 @@ def _chunk(p_first: bool, converted: bool = False, squeeze: bool = False, widene
             return None
         axis = int(r.axes[0])
         n = x.shape[axis]
-        if n <= MIN_KEYS:
+        if n <= config.min_keys:
             return None
         sub = x.node("sub")
         if sub is None:
@@ -444,42 +319,41 @@ def _chunk(p_first: bool, converted: bool = False, squeeze: bool = False, widene
         p_axis = axis - sum(1 for e in squeezed if e < axis)
         if tuple(pc) != (p_axis,) or len(vc) != 1:
             return None
-        plan = _Plan()
-        try:
-            out_ref = _walk(plan, s, axis)
-            if plan.dots != 1:
-                return None
-        except _Decline:
+        logits = m.sliced(s, axis, limit={"dot_general": 1})  # one product, q k^T
+        if logits is None or logits.passed.get("dot_general") != 1:
             return None
         params = {k: pv[k] for k in ("dimension_numbers", "precision", "preferred_element_type") if k in pv}
         p_shape = tuple(d for i, d in enumerate(x.shape) if i not in squeezed)
         pair = (jax.ShapeDtypeStruct(p_shape, cast or x.aval.dtype), jax.ShapeDtypeStruct(v.shape, v.aval.dtype))
         out_shape = jax.eval_shape(lambda a, c: lax.dot_general(a, c, **params), *(pair if p_first else pair[::-1]))
-        impl = _fused.implementation()
+        impl = _fused.implementation() if config.fused == "auto" else config.fused
         if impl is not None:
-            call = _fused.fused(plan, out_ref, p_first, pv["dimension_numbers"], v.aval, squeezed, out_shape, impl)
+            call = _fused.fused(logits, p_first, pv["dimension_numbers"], v.aval, squeezed, out_shape, impl)
             if call is not None:
                 try:
-                    return m.trace(call, *plan.leaves, v)
+                    return m.trace(call, *logits.leaves, v)
                 except Exception as e:  # noqa: BLE001 - the fused kernel does not take this: the blocked form
                     _log.info("attention: %s declined (%s: %s); blocked form", impl, type(e).__name__, e)
-        blocks = [b for b in BLOCKS if n % b == 0 and n // b >= 2]
-        if not blocks or not _fused.blocked():
+        blocks = [b for b in config.blocks if n % b == 0 and n // b >= 2]
+        if not blocks or not (_fused.blocked() if config.blocked is None else config.blocked):
             return None
-        # One loop per key block that fits, and one per query block too (QUERY_BLOCKS), all equal to the
+        # One loop per key block that fits, and one per query block too (``query_blocks``), all equal to the
         # matched product: extraction prices each.
         pb = lb if p_first else rb
         p_free = [d for d in range(len(p_shape)) if d != p_axis and d not in pb]
         s_axes = [d for d in range(x.ndim) if d not in squeezed]
         # the queries: the longest free axis of the weights (grouped-query heads have a group axis beside it)
         s_q = s_axes[max(p_free, key=lambda d: (p_shape[d], d))] if p_free else None
-        q_blocks = [] if s_q is None else [b for b in QUERY_BLOCKS if x.shape[s_q] % b == 0 and x.shape[s_q] // b >= 2]
-        q_axes = _query_axes(plan, out_ref, s_q) if q_blocks else None  # placed only where some block fits
-        q_blocks = q_blocks if q_axes is not None else []
-        return [(m.root, m.trace(_blocked(plan, out_ref, axis, p_first, pv["dimension_numbers"], params, int(vc[0]),
-                                          block, n, out_shape, cast, squeezed, wide,
-                                          None if qb is None else (qb, s_q) + q_axes), *plan.leaves, v))
-                for block in blocks for qb in [None] * (WHOLE_QUERIES or not q_blocks) + q_blocks]
+        nq = 0 if s_q is None else x.shape[s_q]
+        q_blocks = [b for b in config.query_blocks if nq % b == 0 and nq // b >= 2]
+        placed = logits.place(s_q) if q_blocks else None  # placed only where some block fits
+        q_blocks = q_blocks if placed is not None else []
+        product = ValueProduct(p_first, pv["dimension_numbers"], params, int(vc[0]), out_shape, cast, squeezed, wide)
+        whole = _logits(logits, None)
+        by_rows = _logits(logits, (s_q, placed)) if q_blocks else None
+        return [(m.root, m.trace(blocked_attention(whole if qb is None else by_rows, product, block=block,
+                                                   query_block=qb), *logits.leaves, v))
+                for block in blocks for qb in [None] * (config.whole_queries or not q_blocks) + q_blocks]
 
     return build
 
@@ -488,8 +362,6 @@ def _softmax(s: Any) -> Any:
     return jax.nn.softmax(s, axis=-1)
 
 
-#: Example programs, one per way a program hands the weights to the product (see _WEIGHTS), first for the
-#: weights as the left operand (``p @ v``), then as the right one (``einsum("bkd,bqk->bdq", v, p)``).
 def _pv(q: Any, k: Any, v: Any) -> Any:
     return _softmax(q @ jnp.swapaxes(k, -1, -2) * 0.125) @ v
 
@@ -498,49 +370,54 @@ def _vp(q: Any, k: Any, v: Any) -> Any:
     return jnp.einsum("bkd,bqk->bdq", v, _softmax(jnp.einsum("bqd,bkd->bqk", q, k) * 0.125))
 
 
-_EXAMPLES = {
-    ("", True): (_pv, 2, jnp.float32),
-    ("", False): (_vp, 2, jnp.float32),
-    ("_cast", True): (lambda q, k, v: _softmax((q @ jnp.swapaxes(k, -1, -2)).astype(jnp.float32) * 0.125)
-                      .astype(v.dtype) @ v, 2, jnp.bfloat16),
-    ("_cast", False): (lambda q, k, v: jnp.einsum("bkd,bqk->bdq", v, _softmax(
-        jnp.einsum("bqd,bkd->bqk", q, k).astype(jnp.float32) * 0.125).astype(v.dtype)), 2, jnp.bfloat16),
-    ("_squeezed", True): (_pv, 1, jnp.float32),
-    ("_wide", True): (_pv, 2, jnp.bfloat16),
-    ("_wide", False): (_vp, 2, jnp.bfloat16),
-    ("_squeezed_wide", True): (_pv, 1, jnp.bfloat16),
-    ("_squeezed_cast", True): (lambda q, k, v: _softmax((q @ jnp.swapaxes(k, -1, -2)).astype(jnp.float32) * 0.125)
-                               .astype(v.dtype) @ v, 1, jnp.bfloat16),
-}
+def _example(fn: Any, dtype: Any, config: _Config) -> tuple:
+    """A rule's example: two blocks of the smallest key block and two of the smallest query block (its larger
+    blocks run the same code and are checked at their own sizes in ``tests/test_attention.py``)."""
+    keys = jax.ShapeDtypeStruct((2, 2 * min(config.blocks), 8), dtype)
+    return fn, (jax.ShapeDtypeStruct((2, 2 * min(config.query_blocks, default=256), 8), dtype), keys, keys)
 
 
-def _example(suffix: str, p_first: bool) -> tuple:
-    """The rule's example: two blocks of the smallest of ``BLOCKS`` keys and two of the smallest of
-    ``QUERY_BLOCKS`` queries (its larger blocks run the same code and are checked at their own sizes in
-    ``tests/test_attention.py``)."""
-    fn, batch, dtype = _EXAMPLES[suffix, p_first]
-    keys = jax.ShapeDtypeStruct((batch, 2 * min(BLOCKS), 8), dtype)
-    return fn, (jax.ShapeDtypeStruct((batch, 2 * min(QUERY_BLOCKS), 8), dtype), keys, keys)
+#: The weights as a program hands them to the product: maybe rounded (bf16 weights of an f32 softmax), maybe with
+#: a size-1 batch axis squeezed (``@`` with a batch of one); and a half-precision softmax that sums in float32.
+_WEIGHTS = Pat.optional("squeeze", Pat.optional("convert_element_type", _SOFTMAX, params="c"), params="sq")
+_WEIGHTS_WIDE = Pat.optional("squeeze", _SOFTMAX_WIDE, params="sq")
 
 
-#: How a program hands the weights to the product: as they are, cast (bf16 weights of an f32 softmax),
-#: with a size-1 batch axis squeezed (``@`` with a batch of one), or both; and a half-precision softmax
-#: that sums in float32 (``_wide``), as it is or squeezed. Each: pattern, cast, squeezed, widened.
-_WEIGHTS = {
-    "": (_SOFTMAX, False, False, False),
-    "_cast": (Pat("convert_element_type", _SOFTMAX, params="c"), True, False, False),
-    "_squeezed": (Pat("squeeze", _SOFTMAX, params="sq"), False, True, False),
-    "_squeezed_cast": (Pat("squeeze", Pat("convert_element_type", _SOFTMAX, params="c"), params="sq"), True, True,
-                       False),
-    "_wide": (_SOFTMAX_WIDE, False, False, True),
-    "_squeezed_wide": (Pat("squeeze", _SOFTMAX_WIDE, params="sq"), False, True, True),
-}
+def attention_with(*, blocks: Sequence[int] = (256,), query_blocks: Sequence[int] = (512,),
+                   whole_queries: bool = True, min_keys: int = 256, fused: str | None = "auto",
+                   blocked: bool | None = None) -> Ruleset:
+    """The attention pack, configured; ``rulesets.attention`` is ``attention_with()``.
 
-attention = Ruleset("attention", [
-    rule(Pat("dot_general", w, V, params="p") if p_first else Pat("dot_general", V, w, params="p"),    # softmax(s) v -> scan over key blocks
-         _chunk(p_first, cast, squeeze, wide), name=f"attn_blocked{suffix}{'' if p_first else '_vp'}",
-         example_program=_example(suffix, p_first))
-    for suffix, (w, cast, squeeze, wide) in _WEIGHTS.items() for p_first in (True, False)
-    if (suffix, p_first) in _EXAMPLES
-], soundness="identity", tolerance=Tolerance(rtol=2e-4, atol=2e-5, terms=16),
-    description="softmax attention over key blocks with an online softmax and a recomputing backward")
+    * ``blocks``: the key blocks offered to the cost model, each that divides the key axis into two blocks or
+      more; extraction takes the cheapest. 256 alone by default: on this CPU (32 MiB L3) it measured fastest at
+      every shape tried, 512 and 1024 8-40% slower (``benchmarks/results/attention.md``), which the model does
+      not always see (with one head it prices 1024 keys cheapest).
+    * ``query_blocks``: the query blocks offered to the forward (each that makes two blocks or more): the loop
+      over key blocks then runs once per block of queries, each block of scores ``[.., 512, 256]``.
+    * ``whole_queries``: whether the loop over every query at once is offered beside the query blocks.
+    * ``min_keys``: key axes this long or shorter are kept as written.
+    * ``fused``: ``jax.nn.dot_product_attention``'s implementation to build where the logits allow it
+      (``"cudnn"``, ``"xla"``), ``None`` for none, ``"auto"`` for cuDNN's on a GPU only.
+    * ``blocked``: whether the blocked form is built (``None``: on every backend but a GPU).
+
+    >>> from rulesets.attention import attention_with
+    >>> pack = attention_with(blocks=(128, 256), query_blocks=())
+    >>> pack.name, [r.name for r in pack.rules]
+    ('attention', ['attn_blocked', 'attn_blocked_vp', 'attn_blocked_wide', 'attn_blocked_wide_vp'])
+    """
+    c = _Config(tuple(blocks), tuple(query_blocks), whole_queries, min_keys, fused, blocked)
+    f32, bf16 = jnp.float32, jnp.bfloat16
+    return Ruleset("attention", [
+        rule(Pat("dot_general", _WEIGHTS, V, params="p"),  # softmax(s) v -> loops over blocks
+             _blocked(c, True), name="attn_blocked", example_program=_example(_pv, f32, c)),
+        rule(Pat("dot_general", V, _WEIGHTS, params="p"),  # v softmax(s) -> loops over blocks
+             _blocked(c, False), name="attn_blocked_vp", example_program=_example(_vp, f32, c)),
+        rule(Pat("dot_general", _WEIGHTS_WIDE, V, params="p"),  # softmax(s) v, summed in f32 -> loops over blocks
+             _blocked(c, True, True), name="attn_blocked_wide", example_program=_example(_pv, bf16, c)),
+        rule(Pat("dot_general", V, _WEIGHTS_WIDE, params="p"),  # v softmax(s), summed in f32 -> loops over blocks
+             _blocked(c, False, True), name="attn_blocked_wide_vp", example_program=_example(_vp, bf16, c)),
+    ], soundness="identity", tolerance=Tolerance(rtol=2e-4, atol=2e-5, terms=16),
+        description="softmax attention over key blocks with an online softmax and a recomputing backward")
+
+
+attention = attention_with()

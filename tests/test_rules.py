@@ -349,6 +349,41 @@ def test_params_bind_the_matched_member_of_a_group():
     assert report.fired["swap_any"] >= 3
 
 
+def test_an_optional_wrapper_matches_with_and_without_it():
+    """``Pat.optional``: one pattern for ``log(exp(x))`` and ``log(convert(exp(x)))``; absent, its params are
+    ``None`` (in a right side, a guard and a procedure) and its name is the operand's class."""
+    seen = []
+
+    def back(x, c):
+        seen.append(None if c is None else c.prim)
+        return x if c is None else c.bind(x)
+
+    r = rule(Pat("log", Pat.optional("convert_element_type", Pat("exp", X), params="c", name="w")), back,
+             when=lambda w, c: c is not None or w.ndim == 1, name="log_exp")
+    assert len(r.queries) == 2 and set(r.var_names) == {"x", "c", "w"}
+    rs = Ruleset("o", [r], soundness="identity")
+    plain = explain(lambda a: jnp.log(jnp.exp(a)), jnp.ones(3), rulesets=[rs])
+    assert set(seen) == {None}
+    wide = explain(lambda a: jnp.log(jnp.exp(a).astype(jnp.float32)), jnp.ones(3, jnp.bfloat16), rulesets=[rs])
+    assert plain.fired == wide.fired == {"log_exp": 1} and set(seen) == {None, "convert_element_type"}
+    assert _ops_in(plain) == [] and _ops_in(wide) == ["convert_element_type"]
+    assert not explain(lambda a: jnp.log(jnp.exp(a)), jnp.ones((2, 3)), rulesets=[rs]).fired  # the guard: w is exp(a)
+    assert not explain(lambda a: jnp.log(jnp.sin(a)), jnp.ones(3), rulesets=[rs]).fired
+    kinds = []
+
+    @procedural
+    def read(m):
+        kinds.append((m.params("c"), m["w"].shape))
+        return None
+
+    explain(lambda a: jnp.log(jnp.exp(a)), jnp.ones(4), rulesets=[Ruleset("p", [
+        rule(Pat("log", Pat.optional("convert_element_type", Pat("exp", X), params="c", name="w")), read,
+             name="read")], soundness="identity")])
+    assert kinds == [(None, (4,))]
+    with pytest.raises(ValueError, match="one primitive of one operand"):
+        Pat.optional("add", X)
+
+
 def test_a_function_right_side_declines_with_none_and_guards_name_bindings():
     calls = []
     r = rule(Pat("reduce_sum", X, params="p"), lambda x, p: None if calls.append(p.axes) is None else x,

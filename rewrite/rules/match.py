@@ -19,6 +19,7 @@ from jax import lax
 from ..ir import primitives as _primitives
 from ..ir import terms as _terms
 from ..ir.intern import PARAMS, literal_value
+from .sliced import Sliced, slice_along
 
 
 class Params(dict):
@@ -341,10 +342,11 @@ class Match:
     def __contains__(self, name: str) -> bool:
         return name in self._bindings
 
-    def params(self, name: str) -> "Params":
-        """The params bound by ``params=name``, as a :class:`Params` (a dict that knows its primitive)."""
+    def params(self, name: str) -> "Params | None":
+        """The params bound by ``params=name``, as a :class:`Params` (a dict that knows its primitive); ``None``
+        where the node is a :meth:`Pat.optional` wrapper this match does not have."""
         pid = self._bound(name)
-        return Params(PARAMS.prim(pid), PARAMS.params(pid))
+        return None if pid < 0 else Params(PARAMS.prim(pid), PARAMS.params(pid))
 
     def product(self, params: str, lhs: str = "a", rhs: str = "b", *, same: Sequence[str] = (),
                 operands: Sequence[str] = ()) -> "Product | None":
@@ -452,6 +454,26 @@ class Match:
             ys = m.trace(lambda *xs: jax.vmap(f)(*xs)[0], *xs)  # all steps at once
         """
         return self._engine.function(outs, inputs)
+
+    def sliced(self, v: Value, axis: int, limit: dict[str, int] | None = None) -> Sliced | None:
+        """``v`` read as a program that computes it a block at a time along ``axis`` (a :class:`Sliced`), or
+        ``None`` where the walk down the e-graph went too deep.
+
+        The walk follows the axis through elementwise operations, broadcasts, transposes, ``iota`` and products
+        that carry it on one side; what it reaches without the axis is a leaf read whole, what carries the axis
+        and is none of those a leaf sliced per block. ``limit``: at most this many nodes of a primitive are
+        passed (``{"dot_general": 1}``: one product; a further one is a leaf). Trace the blocks into the
+        e-graph with :meth:`trace`, inside a loop over them::
+
+            s = m.sliced(m["s"], axis=2)                   # the logits, along the keys
+            rows = lambda *leaves: lax.map(lambda j: s.block(leaves, j * 256, 256).sum(2),
+                                           jnp.arange(n // 256))
+            m.trace(rows, *s.leaves)
+
+        ``rulesets/attention.py`` computes attention's logits so, a block of keys (and of queries,
+        :meth:`Sliced.place`) at a time.
+        """
+        return slice_along(v, axis, limit)
 
     def computes(self, outs: Sequence[Value], inputs: Sequence[Value]) -> bool:
         """Whether ``outs`` can be computed from ``inputs`` alone: what ``function(outs, inputs) is not None``

@@ -369,7 +369,9 @@ class Pat:
     ``Pat.lit(name="c")`` any literal, for rules that compute with constants.
     Primitives with bodies take ``body=``/``bodies=`` names. ``Pat.proj(p, i)``
     matches component ``i`` (an int, or a name to bind it) of a multi-result
-    node.
+    node. ``Pat.optional(prim, p)`` matches ``prim`` applied to what ``p``
+    matches, or what ``p`` matches alone (a convert or a squeeze that some
+    programs write and others do not).
 
     >>> from rewrite import Pat
     >>> p = Pat("reduce_sum", Pat.proj(Pat("scan", name="s", body="b", args="xs"), "k"), name="r", params="rp")
@@ -404,6 +406,8 @@ class Pat:
         self.args = args
         self.index: Any = None
         self.value: Any = None
+        #: Whether the node may be absent (:meth:`optional`).
+        self.is_optional = False
 
     @property
     def is_group(self) -> bool:
@@ -437,6 +441,29 @@ class Pat:
         return p
 
     @classmethod
+    def optional(cls, prim: str | Iterable[str], operand: "Pat", *, name: str | None = None,
+                 params: str | None = None) -> "Pat":
+        """``prim`` applied to what ``operand`` matches, or what ``operand`` matches alone: one pattern for
+        the programs that write a wrapper (a ``convert_element_type``, a ``squeeze``) and those that do not.
+
+        Where the wrapper is absent, ``params`` is bound to nothing (:meth:`rewrite.Match.params` and a right
+        side's argument give ``None``) and ``name`` to what ``operand`` matched. A rule's queries double with
+        each optional wrapper: one with it, one without.
+
+        >>> from rewrite import Pat
+        >>> p = Pat.optional("convert_element_type", Pat("exp", Pat.var("x")), params="c")
+        >>> p.is_optional, sorted(p.names())
+        (True, ['c', 'x'])
+        """
+        if not isinstance(operand, Pat):
+            raise PatternError("Pat.optional wraps one pattern")
+        p = cls(prim, operand, name=name, params=params)
+        if len(p.members) != 1 or _primitives.BY_PRIM[p.members[0]].layout != "T":
+            raise PatternError(f"Pat.optional: {p.prim!r} must be one primitive of one operand")
+        p.is_optional = True
+        return p
+
+    @classmethod
     def lit(cls, value: Any = None, name: str | None = None) -> "Pat":
         """A literal scalar: of this value, or any literal when ``value`` is ``None``."""
         p = cls("lit", name=name)
@@ -463,8 +490,8 @@ class Pat:
         return f"Pat({self.prim!r}, {', '.join(map(repr, self.operands))})"
 
     def groups(self) -> list["Pat"]:
-        """The group patterns in this pattern, in the order a query is built."""
-        out = [self] if self.is_group else []
+        """The group and optional patterns in this pattern, in the order a query is built."""
+        out = [self] if self.is_group or self.is_optional else []
         for o in self.operands:
             for x in (o if isinstance(o, (list, tuple)) else [o]):
                 if isinstance(x, Pat):
@@ -472,13 +499,18 @@ class Pat:
         return out
 
 
+#: What an optional wrapper's ``params=`` is bound to where the wrapper is absent (params ids are never negative).
+ABSENT = -1
+
+
 def compile_pats(pat: Pat) -> tuple[list[Query], list[str]]:
-    """The queries for a :class:`Pat`, one per choice of a member for each group in it, and the names
-    they bind, in the order a match stores them (the same for every query)."""
+    """The queries for a :class:`Pat`, one per choice of a member for each group in it and of present or absent
+    for each optional wrapper, and the names they bind, in the order a match stores them (the same for every
+    query)."""
     groups = pat.groups()
     queries: list[Query] = []
     names: list[str] | None = None
-    for choice in itertools.product(*[g.members for g in groups]):
+    for choice in itertools.product(*[g.members + ((None,) if g.is_optional else ()) for g in groups]):
         query, these = compile_pat(pat, {id(g): m for g, m in zip(groups, choice)})
         assert names is None or these == names, "a group's members bind names in one order"
         names = these
@@ -489,7 +521,8 @@ def compile_pats(pat: Pat) -> tuple[list[Query], list[str]]:
 def compile_pat(pat: Pat, choice: dict[int, str] | None = None) -> tuple[Query, list[str]]:
     """The query for a :class:`Pat`, and the names it binds in the order the match stores them.
 
-    ``choice`` picks the member of each group pattern (by ``id``); see :func:`compile_pats`.
+    ``choice`` picks the member of each group pattern (by ``id``), ``None`` for an optional wrapper left
+    out; see :func:`compile_pats`.
     """
     choice = choice or {}
     if pat.prim == "var":
@@ -529,6 +562,11 @@ def compile_pat(pat: Pat, choice: dict[int, str] | None = None) -> tuple[Query, 
             qb.atoms.append(f"(= {v} (Proj {of} {idx}))")
             return bind(p.name, v, "Term")
         member = choice.get(id(p), p.members[0])
+        if member is None:  # an optional wrapper left out: its operand, its names bound as they would be
+            v = walk(p.operands[0])
+            if p.params:
+                qb.atoms.append(f"(= {_name_var(p.params, 'i64')} {ABSENT})")
+            return bind(p.name, v, "Term")
         # "opaque": a primitive the term language has no constructor for (gather, say), its operands one list
         spec = _primitives.DEFAULT if member == "opaque" else _primitives.BY_PRIM[member]
         parts: list[str] = []

@@ -95,7 +95,7 @@ def _named_call(fn: Callable[..., Any], layout: tuple[tuple[str, str, Any], ...]
             elif kind == "list":
                 kw[name] = [next(it) for _ in range(data)]
             elif kind == "params":
-                kw[name] = Params(PARAMS.prim(data), PARAMS.params(data))
+                kw[name] = None if data < 0 else Params(PARAMS.prim(data), PARAMS.params(data))
             else:
                 kw[name] = data
         out = fn(**kw)
@@ -130,7 +130,7 @@ class _Bindings:
         self.params = [n for n in names if self.kinds[n] == "params"]
 
     def sharded(self, m: "Match") -> bool:
-        return any(m.params(n).sharded for n in self.params)
+        return any(p is not None and p.sharded for p in map(m.params, self.params))
 
     def values(self, m: "Match") -> dict[str, Any]:
         """The bindings as a guard sees them: values, lists of values, params, indices."""

@@ -1,0 +1,5 @@
+"""The kernels the built-in packs build: ordinary JAX functions, each usable and tested alone.
+
+* :mod:`rulesets.kernels.attention`: softmax attention over blocks of keys (and of queries), with an
+  online softmax and a backward that recomputes each block (``rulesets.attention`` builds it).
+"""

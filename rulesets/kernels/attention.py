@@ -1,0 +1,414 @@
+"""Softmax attention over blocks of keys, never holding the N x N scores: the kernel ``rulesets.attention`` builds.
+
+:func:`attention` is the kernel for arrays laid out as model code lays them out: ``q`` ``[..., Nq, D]``,
+``k`` ``[..., Nk, D]``, ``v`` ``[..., Nk, Dv]``, with the logits described by a :class:`Scores` record (a
+scale, a bias, a mask, a causal mask). It computes ``softmax(scale * q k^T + bias, masked) v``:
+
+>>> import jax, jax.numpy as jnp
+>>> from rulesets.kernels.attention import Scores, attention
+>>> q, k, v = (jax.random.normal(jax.random.key(i), (2, 512, 16)) for i in range(3))
+>>> out = attention(q, k, v, scores=Scores(scale=0.25, causal=True), block=128)
+>>> s = jnp.where(jnp.tril(jnp.ones((512, 512), bool)), q @ k.mT * 0.25, -jnp.inf)
+>>> bool(jnp.allclose(out, jax.nn.softmax(s, axis=-1) @ v, atol=1e-5))
+True
+
+:func:`blocked_attention` is the general form the pack builds from a matched program: the logits are any
+function that computes one block of them from its operands (a :class:`Logits` record), and the weights
+meet ``v`` in the program's own ``dot_general`` (a :class:`ValueProduct` record: its dimension numbers,
+the weights' rounding and squeezed axes, the output's layout).
+
+The forward is an online softmax over key blocks in a ``lax.scan`` (flash attention's): a running
+maximum, a running sum and a rescaled accumulator. A block whose scores so far are all ``-inf`` is
+shifted by 0, not by ``-inf``, so a row masked in one block and not in the next comes out as the
+unblocked form computes it; a row masked everywhere is ``0/0 = NaN``, as in ``jax.nn.softmax``; a row
+masked with ``finfo.min`` averages uniformly; a NaN or ``+inf`` score makes its row NaN. With a
+``query_block``, the loop over key blocks runs once per block of queries, each holding a block by a
+block of scores. The forward computes its own product with the weights first and ``v`` read as
+``[batch, keys, rest]`` (transposed once, before the loop), and puts the output in the program's order
+once, after it.
+
+The backward (``jax.custom_vjp``) keeps only the operands, the output and each row's shift and sum; it
+computes each block's scores again, and the gradient of the logits' own computation is that
+computation's VJP on the block. The block's weights, their gradient and the sums of the operands'
+gradients over the blocks are kept in the accumulator's precision (float32 for half precision), each
+gradient rounded to its dtype once, at the end. In half precision the row term of the softmax's backward
+is ``sum(p * dp) / sum(p)`` over the loop's own weights and rounded cotangents, in one more pass over the
+key blocks, so that each row of the logits' gradient sums to zero as the unblocked form's does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+__all__ = ["Window", "Logits", "ValueProduct", "blocked_attention", "Scores", "attention"]
+
+
+class Window(NamedTuple):
+    """``size`` positions from ``start`` (a traced index) along one axis: the keys or the queries of a block."""
+
+    start: Any
+    size: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Logits:
+    """The attention's logits (``s`` of ``softmax(s) v``), computed a block at a time from some operands.
+
+    ``block(operands, keys, queries)`` is the logits at the keys of the :class:`Window` ``keys`` (along
+    ``key_axis``), and, when ``queries`` is a window, at those queries only (along ``query_axis``); the
+    operands it is given have their query axis already cut to the window where they carry the queries
+    but not the keys. ``key_axes`` says, per operand, which axis carries the keys (``None``: none; such an
+    operand's gradient is summed over the blocks). The forward may read other operands than the
+    backward: ``prepare`` computes them once, before the loops (a scale applied to ``q``, say), and
+    ``forward_block``, ``forward_key_axes`` and ``forward_query_axes`` describe them; by default the
+    forward reads the operands as the backward does."""
+
+    shape: tuple[int, ...]
+    dtype: Any
+    key_axis: int
+    block: Callable[[Sequence[Any], Window, Window | None], Any]
+    key_axes: tuple[int | None, ...]
+    #: The logits' query axis, where the forward may also run over blocks of queries, and each prepared
+    #: operand's (``None``: it does not carry the queries).
+    query_axis: int | None = None
+    forward_query_axes: tuple[int | None, ...] | None = None
+    prepare: Callable[[Sequence[Any]], list] | None = None
+    forward_block: Callable[[Sequence[Any], Window, Window | None], Any] | None = None
+    forward_key_axes: tuple[int | None, ...] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ValueProduct:
+    """How the softmax's weights meet ``v``: the program's own ``dot_general`` of them.
+
+    ``weights_first``: the weights are its left operand. ``dimension_numbers`` and ``params``
+    (``precision``, ``preferred_element_type``) are the product's; ``v_key`` is ``v``'s contracted axis
+    and ``out`` the product's result (a ``jax.ShapeDtypeStruct``). ``cast``: the dtype the weights are
+    rounded to before the product (bf16 weights of an f32 softmax), else ``None``; ``squeezed``: the
+    logits' size-1 axes the weights drop (``@`` with a batch of one); ``wide``: the dtype the softmax
+    sums its exponentials in, where wider than the logits' (``jax.nn.softmax`` of bf16 logits)."""
+
+    weights_first: bool
+    dimension_numbers: Any
+    params: dict
+    v_key: int
+    out: Any
+    cast: Any = None
+    squeezed: tuple[int, ...] = ()
+    wide: Any = None
+
+
+def blocked_attention(logits: Logits, product: ValueProduct, *, block: int,
+                      query_block: int | None = None) -> Callable[..., Any]:
+    """``fn(*operands, v)``: ``softmax(s) v`` over blocks of ``block`` keys (and of ``query_block`` queries in
+    the forward, where given), ``s`` the :class:`Logits` of the operands, with a recomputing backward.
+
+    The key axis must be a multiple of ``block``, and the query axis of ``query_block``."""
+    s_shape, s_dtype, axis = tuple(logits.shape), logits.dtype, logits.key_axis
+    key_axes = tuple(logits.key_axes)
+    forward_keys = key_axes if logits.forward_key_axes is None else tuple(logits.forward_key_axes)
+    forward_block = logits.block if logits.forward_block is None else logits.forward_block
+    prepare = (lambda ops: list(ops)) if logits.prepare is None else logits.prepare
+    out_aval, cast, squeezed, wide = product.out, product.cast, product.squeezed, product.wide
+    p_first, v_key = product.weights_first, product.v_key
+    pv_params = dict(product.params, dimension_numbers=product.dimension_numbers)
+    nblocks = s_shape[axis] // block
+    s_rank = len(s_shape)
+    l_dtype = s_dtype if wide is None else wide
+    (pc_l, pc_r), (pb_l, pb_r) = product.dimension_numbers
+    p_batch = pb_l if p_first else pb_r
+    # The weights as the product reads them: the logits' layout less the size-1 axes ``squeezed``.
+    p_of = {d: d - sum(1 for e in squeezed if e < d) for d in range(s_rank) if d not in squeezed}
+    p_axis = p_of[axis]
+    p_rank = s_rank - len(squeezed)
+    p_free = [d for d in range(p_rank) if d != p_axis and d not in p_batch]
+    out_rank = len(out_aval.shape)
+    nb = len(p_batch)
+
+    def layout(weights_first: bool) -> tuple[list, list, tuple]:
+        """Where each of the weights' axes but the key axis lands in the product's output, with the weights as
+        its first operand or its second; the order that sorts them, and the sorted places."""
+        positions = []
+        for d in range(p_rank):
+            if d == p_axis:
+                continue
+            if d in p_batch:
+                positions.append(list(p_batch).index(d))
+            else:
+                off = nb if weights_first else nb + (out_rank - nb - len(p_free))
+                positions.append(off + p_free.index(d))
+        return positions, list(np.argsort(positions)), tuple(sorted(positions))
+
+    _, order, sorted_pos = layout(p_first)  # the original's, which the backward keeps
+    # The forward's own product: the weights first, v read as [batch, keys, free] (transposed once, before the
+    # loops), so that a block of v is contiguous and the output and accumulator come in the order XLA's product
+    # writes them; the output is put in the original's order once, after the loops.
+    v_batch = pb_r if p_first else pb_l
+    v_rank = out_rank - len(p_free) + 1
+    v_free = [d for d in range(v_rank) if d != v_key and d not in v_batch]
+    v_perm = tuple(v_batch) + (v_key,) + tuple(v_free)
+    fwd_params = dict(pv_params, dimension_numbers=(((p_axis,), (nb,)), (tuple(p_batch), tuple(range(nb)))))
+    # the original output's axis i is the forward product's axis out_perm[i]
+    out_perm = tuple(range(out_rank)) if p_first else (tuple(range(nb)) + tuple(
+        nb + len(p_free) + j for j in range(len(v_free))) + tuple(nb + i for i in range(len(p_free))))
+    f_out_shape = tuple(out_aval.shape[out_perm.index(i)] for i in range(out_rank))
+    f_positions, f_order, f_sorted = layout(True)
+    acc_dtype = jnp.promote_types(out_aval.dtype, jnp.float32)
+
+    row_squeezed = tuple(e - (e > axis) for e in squeezed)
+    row_shape = tuple(d for i, d in enumerate(s_shape) if i != axis)
+    if query_block is not None:  # where the queries lie in the per-row values and in the output
+        s_q = logits.query_axis
+        row_q = s_q - (s_q > axis)
+        out_q = f_positions[[d for d in range(p_rank) if d != p_axis].index(p_of[s_q])]  # in the forward's output
+        forward_q = tuple(logits.forward_query_axes)
+
+    def to_out(row: Any, shape: tuple) -> Any:  # a per-row value in the forward's output's layout
+        row = lax.squeeze(row, row_squeezed) if row_squeezed else row
+        row = lax.transpose(row, tuple(f_order)) if f_order != sorted(f_order) else row
+        return lax.broadcast_in_dim(row, shape, f_sorted)
+
+    def from_out(x: Any) -> Any:  # the output's per-row sums, in the logits' order
+        other = tuple(d for d in range(out_rank) if d not in sorted_pos)
+        r = jnp.sum(x, axis=other)
+        inv = list(np.argsort(order))
+        r = lax.transpose(r, tuple(inv)) if inv != sorted(inv) else r
+        return lax.expand_dims(r, row_squeezed) if row_squeezed else r
+
+    def product_of(p: Any, vb: Any, own: bool = False) -> Any:
+        # the weights as the original rounds them before its product (bf16 weights of an f32 softmax); ``own``:
+        # the forward's product (weights first, v transposed to v_perm)
+        p = p if cast is None else p.astype(cast)
+        p = lax.squeeze(p, squeezed) if squeezed else p
+        if own:
+            return lax.dot_general(p, vb, **fwd_params)
+        args = (p, vb) if p_first else (vb, p)
+        return lax.dot_general(*args, **pv_params)
+
+    narrow = jnp.dtype(out_aval.dtype) != jnp.dtype(acc_dtype)
+
+    def wide_product(p: Any, vb: Any) -> Any:
+        # the backward's product, summed in the accumulator's precision: the weights' value rounded as the
+        # original rounds them (bf16 weights of an f32 softmax), their cotangent not rounded (the rounding's
+        # transpose rounds it, and XLA, which allows excess precision, dropped that in one loop and not the other)
+        if cast is not None:
+            p = p + lax.stop_gradient(p.astype(cast).astype(p.dtype) - p)
+        p = lax.squeeze(p, squeezed) if squeezed else p
+        p, vb = p.astype(acc_dtype), vb.astype(acc_dtype)
+        params = dict(pv_params, preferred_element_type=acc_dtype)
+        return lax.dot_general(*((p, vb) if p_first else (vb, p)), **params)
+
+    def expand(row: Any) -> Any:
+        return jnp.expand_dims(row, axis)
+
+    def over_keys(ahead: Sequence[Any], v: Any, qstart: Any = None) -> tuple[Any, Any, Any]:
+        """The online softmax over key blocks for every query, or for ``query_block`` queries from ``qstart``
+        (the operands already cut to them): the output, the rows' shift and sum."""
+        cut = (lambda shape, ax: shape) if qstart is None else (
+            lambda shape, ax: tuple(query_block if i == ax else d for i, d in enumerate(shape)))
+        m0 = jnp.full(cut(row_shape, None if query_block is None else row_q), -jnp.inf, s_dtype)
+        l0 = jnp.zeros(m0.shape, l_dtype)
+        o_shape = cut(f_out_shape, None if query_block is None else out_q)
+        a0 = jnp.zeros(o_shape, acc_dtype)
+        queries = None if qstart is None else Window(qstart, query_block)
+
+        def body(carry: tuple, j: Any) -> tuple:
+            m, l, acc = carry
+            start = j * block
+            s = forward_block(ahead, Window(start, block), queries).astype(s_dtype)
+            m_new = jnp.maximum(m, jnp.max(s, axis=axis))
+            # A row whose scores so far are all -inf is shifted by 0: exp(-inf - 0) = 0, not NaN.
+            shift = jnp.where(m_new == -jnp.inf, jnp.zeros((), s_dtype), m_new)
+            p = jnp.exp(s - expand(shift))
+            alpha = jnp.exp(m - shift)
+            vb = lax.dynamic_slice_in_dim(v, start, block, axis=nb)
+            pv = product_of(p, vb, own=True).astype(acc_dtype)
+            acc = acc * to_out(alpha, o_shape).astype(acc_dtype) + pv
+            return (m_new, l * alpha.astype(l_dtype) + jnp.sum(p.astype(l_dtype), axis=axis), acc), None
+
+        (m, l, acc), _ = lax.scan(body, (m0, l0, a0), jnp.arange(nblocks))
+        out = (acc / to_out(l, o_shape).astype(acc_dtype)).astype(out_aval.dtype)
+        # The backward's weights are exp(s - shift) / l: kept apart, since m + log(l) loses log(l) when m is
+        # finfo.min (a row masked everywhere with finfo.min, which averages uniformly).
+        return out, jnp.where(m == -jnp.inf, jnp.zeros((), s_dtype), m), l
+
+    def forward(operands: Sequence[Any], v: Any) -> tuple[Any, Any]:
+        ahead = prepare(operands)
+        v = lax.transpose(v, v_perm) if v_perm != tuple(range(v_rank)) else v
+        back = (lambda o: lax.transpose(o, out_perm)) if out_perm != tuple(range(out_rank)) else (lambda o: o)
+        if query_block is None:
+            out, shift, l = over_keys(ahead, v)
+            return back(out), (shift, l)
+
+        def body(carry: tuple, i: Any) -> tuple:  # one block of queries: its operands cut, its rows written in place
+            out, shift, l = carry
+            qstart = i * query_block
+            # the operands with queries and no keys cut here, once; those with both in the loop, a block of each
+            cut = [x if a is None or k is not None else lax.dynamic_slice_in_dim(x, qstart, query_block, axis=a)
+                   for x, a, k in zip(ahead, forward_q, forward_keys)]
+            o, sh, lb = over_keys(cut, v, qstart)
+            return (lax.dynamic_update_slice_in_dim(out, o, qstart, axis=out_q),
+                    lax.dynamic_update_slice_in_dim(shift, sh, qstart, axis=row_q),
+                    lax.dynamic_update_slice_in_dim(l, lb, qstart, axis=row_q)), None
+
+        init = (jnp.zeros(f_out_shape, out_aval.dtype), jnp.zeros(row_shape, s_dtype), jnp.zeros(row_shape, l_dtype))
+        (out, shift, l), _ = lax.scan(body, init, jnp.arange(s_shape[s_q] // query_block))
+        return back(out), (shift, l)
+
+    @jax.custom_vjp
+    def attend(operands: tuple, v: Any) -> Any:
+        return forward(operands, v)[0]
+
+    def fwd(operands: tuple, v: Any) -> tuple:
+        out, (shift, l) = forward(operands, v)
+        return out, (operands, v, out, shift, l)
+
+    def bwd(res: tuple, g: Any) -> tuple:
+        operands, v, out, shift, l = res
+        floating = [jnp.issubdtype(x.dtype, jnp.inexact) for x in operands]
+
+        def recompute(j: Any) -> tuple:
+            """Key block ``j``'s weights as the backward uses them, their cotangent, v's block's cotangent and the
+            scores' VJP."""
+            start = j * block
+
+            def s_of(*fl: Any) -> Any:
+                it = iter(fl)
+                full = [next(it) if f else x for x, f in zip(operands, floating)]
+                return logits.block(full, Window(start, block), None).astype(s_dtype).astype(acc_dtype)
+
+            # The gradient is taken with respect to the whole float operands, under jit only the block is read.
+            s, vjp_s = jax.vjp(s_of, *[x for x, f in zip(operands, floating) if f])
+            # the sum as the program rounds it, then widened
+            p = jnp.exp(s - expand(shift.astype(acc_dtype))) / expand(l.astype(s_dtype).astype(acc_dtype))
+            vb = lax.dynamic_slice_in_dim(v, start, block, axis=v_key)
+            if narrow:
+                # The weights' cotangent from the cotangent and v as the original rounds them, summed in the
+                # accumulator's precision and not rounded after: rounded to the output's dtype in the gradient's
+                # loop and not in the row term's (XLA allows excess precision), the row term would not match.
+                _, vjp_pv = jax.vjp(wide_product, p, vb)
+                dp, dvb = vjp_pv(g.astype(out_aval.dtype).astype(acc_dtype))
+            else:
+                _, vjp_pv = jax.vjp(product_of, p, vb)
+                dp, dvb = vjp_pv(g.astype(out_aval.dtype))
+            return start, p, dp.astype(acc_dtype), dvb, vjp_s
+
+        if not narrow:
+            d_row = from_out(g.astype(acc_dtype) * out.astype(acc_dtype))
+        else:
+            # In half precision the row term is sum(p * dp) over the very weights and cotangents the loop below
+            # uses (one more pass over the key blocks), not sum(g * out): the weights' cotangent is rounded to
+            # the output's dtype per element, so the two differ by those roundings, and the logits' gradient
+            # rows, which must sum to zero, would not.
+            def rows_body(carry: tuple, j: Any) -> tuple:
+                d, total = carry
+                _, p, dp, _, _ = recompute(j)
+                return (d + jnp.sum(p * dp, axis=axis), total + jnp.sum(p, axis=axis)), None
+
+            zero = jnp.zeros(row_shape, acc_dtype)
+            (d_row, total), _ = lax.scan(rows_body, (zero, zero), jnp.arange(nblocks))
+            # over the weights' own sum, which the sum rounded to the logits' dtype leaves off 1 by its rounding:
+            # the rows of p * (dp - d_row) then sum to zero as the exact weights' do
+            d_row = d_row / jnp.where(total == 0, jnp.ones((), acc_dtype), total)
+        # An operand without the key axis (q, a scale) sums its gradient over the key blocks: in the accumulator's
+        # precision. The others' blocks are disjoint (each element written once), so they stay in their dtype.
+        grads0 = tuple(jnp.zeros(x.shape, x.dtype if k is not None else jnp.promote_types(x.dtype, acc_dtype))
+                       if f else None for x, f, k in zip(operands, floating, key_axes))
+        dv0 = jnp.zeros(v.shape, v.dtype)
+
+        def body(carry: tuple, j: Any) -> tuple:
+            grads, dv = carry
+            start, p, dp, dvb, vjp_s = recompute(j)
+            ds = p * (dp - expand(d_row))
+            dl = iter(vjp_s(ds))
+            grads = tuple(None if gr is None else gr + next(dl).astype(gr.dtype) for gr in grads)
+            cur = lax.dynamic_slice_in_dim(dv, start, block, axis=v_key)
+            dv = lax.dynamic_update_slice_in_dim(dv, cur + dvb.astype(dv.dtype), start, axis=v_key)
+            return (grads, dv), None
+
+        (grads, dv), _ = lax.scan(body, (grads0, dv0), jnp.arange(nblocks))
+        return tuple(None if gr is None else gr.astype(x.dtype) for gr, x in zip(grads, operands)), dv
+
+    attend.defvjp(fwd, bwd)
+
+    def fn(*args: Any) -> Any:
+        *operands, v = args
+        return attend(tuple(operands), v)
+
+    return fn
+
+
+@dataclasses.dataclass(frozen=True)
+class Scores:
+    """The logits of :func:`attention`: ``scale * q k^T + bias``, where ``mask`` and ``causal`` keep, else ``fill``.
+
+    ``scale``: a number (``None``: 1). ``bias``: an array that broadcasts to the logits ``[..., Nq, Nk]``
+    (``None``: none). ``mask``: a boolean array that broadcasts to them, true where a logit is kept.
+    ``causal``: query ``i`` sees keys ``0 .. i`` only (``jnp.tril`` of the ``[Nq, Nk]`` ones). ``fill``:
+    what a masked logit becomes; with ``-inf`` a row masked everywhere is NaN, as in ``jax.nn.softmax``."""
+
+    scale: float | None = None
+    bias: Any = None
+    mask: Any = None
+    causal: bool = False
+    fill: float = -np.inf
+
+
+def _leading(x: Any, rank: int) -> Any:
+    return jnp.reshape(x, (1,) * (rank - x.ndim) + tuple(x.shape))
+
+
+def attention(q: Any, k: Any, v: Any, *, scores: Scores = Scores(), block: int = 256,
+              query_block: int | None = None) -> Any:
+    """``softmax(s) v`` over blocks of ``block`` keys, ``s`` the logits ``scores`` describes; differentiable, with
+    a backward that recomputes each block. ``q`` ``[..., Nq, D]``, ``k`` ``[..., Nk, D]``, ``v`` ``[..., Nk,
+    Dv]`` (leading axes broadcast); ``Nk`` a multiple of ``block`` and ``Nq`` of ``query_block`` (the forward
+    then also runs over blocks of queries). Half-precision logits are summed in float32, as ``jax.nn.softmax``
+    sums them."""
+    batch = tuple(jnp.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2]))
+    q, k, v = (jnp.broadcast_to(x, batch + tuple(x.shape[-2:])) for x in (q, k, v))
+    nq, nk = q.shape[-2], k.shape[-2]
+    rank = len(batch) + 2
+    dtype = jnp.result_type(q, k)
+    if nk % block or (query_block is not None and nq % query_block):
+        raise ValueError(f"attention: {nk} keys in blocks of {block}, {nq} queries in blocks of {query_block}")
+    extra = [_leading(jnp.asarray(x), rank) for x in (scores.bias, scores.mask) if x is not None]
+    operands = [q, k] + extra
+    key_axes = (None, rank - 2) + tuple(rank - 1 if x.shape[-1] != 1 else None for x in extra)
+    query_axes = (rank - 2, None) + tuple(rank - 2 if x.shape[-2] != 1 else None for x in extra)
+
+    def cut(x: Any, kax: int | None, qax: int | None, keys: Window, queries: Window | None) -> Any:
+        x = x if kax is None else lax.dynamic_slice_in_dim(x, keys.start, keys.size, axis=kax)
+        if queries is not None and kax is not None and qax is not None:  # those without the keys come cut
+            x = lax.dynamic_slice_in_dim(x, queries.start, queries.size, axis=qax)
+        return x
+
+    def block_of(ops: Sequence[Any], keys: Window, queries: Window | None) -> Any:
+        q, k, *rest = [cut(x, ka, qa, keys, queries) for x, ka, qa in zip(ops, key_axes, query_axes)]
+        s = (q @ jnp.swapaxes(k, -1, -2)).astype(dtype)
+        if scores.scale is not None:
+            s = s * jnp.asarray(scores.scale, dtype)
+        rest = iter(rest)
+        if scores.bias is not None:
+            s = s + next(rest).astype(dtype)
+        keep = next(rest) if scores.mask is not None else None
+        if scores.causal:
+            rows = lax.broadcasted_iota(jnp.int32, s.shape[-2:], 0) + (0 if queries is None else queries.start)
+            causal = rows >= lax.broadcasted_iota(jnp.int32, s.shape[-2:], 1) + keys.start
+            keep = causal if keep is None else keep & causal
+        return s if keep is None else jnp.where(keep, s, jnp.asarray(scores.fill, dtype))
+
+    logits = Logits(batch + (nq, nk), dtype, rank - 1, block_of, key_axes, query_axis=rank - 2,
+                    forward_query_axes=query_axes)
+    half = jnp.finfo(dtype).bits < 32
+    product = ValueProduct(True, (((rank - 1,), (rank - 2,)), (tuple(range(rank - 2)),) * 2),
+                           {"precision": None, "preferred_element_type": v.dtype}, rank - 2,
+                           jax.ShapeDtypeStruct(batch + (nq, v.shape[-1]), v.dtype),
+                           cast=None if v.dtype == dtype else v.dtype, wide=jnp.dtype(jnp.float32) if half else None)
+    return blocked_attention(logits, product, block=block, query_block=query_block)(*operands, v)

@@ -1,0 +1,145 @@
+"""``rulesets.kernels.attention``: the blocked kernel alone equals plain softmax attention, values and gradients.
+
+Hypothesis draws shapes (queries and keys of different lengths, broadcast batch axes), blocks of keys and of
+queries, a scale, a bias, a mask and a causal mask, and a dtype; the kernel is compared with
+``jax.nn.softmax(s) @ v`` written out, in float64 for a reference, under ``jit`` and eagerly, and its
+gradients (``grad``, ``vjp``, under ``vmap``) with the plain form's."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from rulesets.kernels.attention import Scores, attention
+
+#: rtol, atol by dtype, against the float64 reference, times the plain form's own error where that is larger.
+TOL = {"float64": 1e-10, "float32": 3e-5, "bfloat16": 3e-2, "float16": 4e-3}
+
+
+def plain(q, k, v, scores):
+    """Softmax attention written out, the kernel's reference."""
+    s = q @ jnp.swapaxes(k, -1, -2)
+    if scores.scale is not None:
+        s = s * jnp.asarray(scores.scale, s.dtype)
+    if scores.bias is not None:
+        s = s + scores.bias.astype(s.dtype)
+    keep = scores.mask
+    if scores.causal:
+        tril = jnp.tril(jnp.ones(s.shape[-2:], bool))
+        keep = tril if keep is None else keep & tril
+    if keep is not None:
+        s = jnp.where(keep, s, jnp.asarray(scores.fill, s.dtype))
+    return jax.nn.softmax(s, axis=-1) @ v
+
+
+CASES = st.fixed_dictionaries({
+    "batch": st.sampled_from([(), (2,), (2, 3)]),
+    "nq": st.sampled_from([16, 32, 48]),
+    "nk": st.sampled_from([32, 64]),
+    "d": st.sampled_from([4, 8]),
+    "block": st.sampled_from([8, 16]),
+    "query_block": st.sampled_from([None, 8, 16]),
+    "scale": st.sampled_from([None, 0.25, 0.3]),
+    "bias": st.sampled_from([None, "full", "keys"]),   # [Nq, Nk], or [1, Nk] broadcast over the queries
+    "mask": st.sampled_from([None, "random", "padding"]),
+    "causal": st.booleans(),
+    "fill": st.sampled_from([-np.inf, "finfo"]),
+    "seed": st.integers(0, 2 ** 16),
+})
+
+
+def draw(case, dtype):
+    rng = np.random.default_rng(case["seed"])
+    b, nq, nk, d = case["batch"], case["nq"], case["nk"], case["d"]
+    q, k, v = (jnp.asarray(rng.standard_normal(b + (n, d)), dtype) for n in (nq, nk, nk))
+    bias = None if case["bias"] is None else jnp.asarray(
+        rng.standard_normal((nq if case["bias"] == "full" else 1, nk)), dtype)
+    mask = None
+    if case["mask"] is not None:
+        mask = rng.random((nq, nk)) < 0.7
+        mask[:, 0] = True  # no row masked everywhere: the NaN rows are checked apart
+        if case["mask"] == "padding":
+            mask[:, nk // 2:] = False
+        mask = jnp.asarray(mask)
+    fill = jnp.finfo(dtype).min if case["fill"] == "finfo" else case["fill"]
+    return q, k, v, Scores(scale=case["scale"], bias=bias, mask=mask, causal=case["causal"], fill=float(fill))
+
+
+def wide(x):
+    return None if x is None else (x.astype(jnp.float64) if jnp.issubdtype(x.dtype, jnp.floating) else x)
+
+
+def check(new, old, ref, dtype):
+    """``new`` within the dtype's tolerance of ``ref``, or within twice ``old``'s own error (half precision)."""
+    new, old, ref = (np.asarray(x, np.float64) for x in (new, old, ref))
+    assert np.array_equal(np.isnan(new), np.isnan(ref))
+    ok = ~np.isnan(ref)
+    scale = max(1.0, float(np.abs(ref[ok]).max(initial=0.0)))
+    err_new, err_old = (float(np.abs(x - ref)[ok].max(initial=0.0)) for x in (new, old))
+    assert err_new <= 2 * err_old + TOL[jnp.dtype(dtype).name] * scale, (err_new, err_old)
+
+
+@settings(max_examples=max(8, settings.default.max_examples // 3), deadline=None)
+@given(CASES, st.sampled_from(["float32", "bfloat16", "float16", "float64"]))
+def test_values_and_gradients_are_plain_attention_s(case, dtype):
+    with jax.enable_x64(dtype == "float64"):
+        q, k, v, scores = draw(case, jnp.dtype(dtype))
+        qb = case["query_block"] if case["nq"] % (case["query_block"] or 1) == 0 else None
+        blocked = lambda q, k, v: attention(q, k, v, scores=scores, block=case["block"], query_block=qb)
+        with jax.enable_x64(True):
+            ref_scores = Scores(case["scale"], wide(scores.bias), scores.mask, scores.causal, scores.fill)
+            ref = jax.jit(lambda q, k, v: plain(q, k, v, ref_scores))(*map(wide, (q, k, v)))
+            ct = jnp.asarray(np.random.default_rng(1).standard_normal(ref.shape))
+            ref_grads = jax.vjp(lambda q, k, v: plain(q, k, v, ref_scores), *map(wide, (q, k, v)))[1](ct)
+        old = jax.jit(lambda q, k, v: plain(q, k, v, scores))(q, k, v)
+        check(jax.jit(blocked)(q, k, v), old, ref, dtype)
+        cot = ct.astype(dtype)
+        new_grads = jax.jit(lambda *a: jax.vjp(blocked, *a)[1](cot))(q, k, v)
+        old_grads = jax.jit(lambda *a: jax.vjp(lambda q, k, v: plain(q, k, v, scores), *a)[1](cot))(q, k, v)
+        for a, b, r in zip(new_grads, old_grads, ref_grads):
+            check(a, b, r, dtype)
+
+
+def test_eagerly_under_grad_and_vmap():
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.standard_normal((3, n, 8)), jnp.float32) for n in (24, 32, 32))
+    bias = jnp.asarray(rng.standard_normal((24, 32)), jnp.float32)
+    scores = Scores(scale=0.5, bias=bias, causal=True)
+    loss = lambda f: (lambda q, k, v: jnp.sum(jnp.sin(f(q, k, v))))
+    blocked = lambda q, k, v: attention(q, k, v, scores=scores, block=8, query_block=8)
+    ref = lambda q, k, v: plain(q, k, v, scores)
+    np.testing.assert_allclose(blocked(q, k, v), ref(q, k, v), rtol=1e-5, atol=1e-5)  # eagerly
+    for got, want in zip(jax.grad(loss(blocked), (0, 1, 2))(q, k, v), jax.grad(loss(ref), (0, 1, 2))(q, k, v)):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    per_row = lambda f: jax.vmap(jax.grad(loss(f), (0, 1, 2)))(q, k, v)  # each batch row alone
+    for got, want in zip(per_row(blocked), per_row(ref)):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_rows_masked_everywhere_are_nan_as_in_jax_nn_softmax():
+    rng = np.random.default_rng(3)
+    q, k, v = (jnp.asarray(rng.standard_normal((16, 4)), jnp.float32) for _ in range(3))
+    mask = np.ones((16, 16), bool)
+    mask[2] = False
+    mask[5, :8] = False  # masked in the first block only
+    for fill in (-np.inf, float(np.finfo(np.float32).min)):
+        scores = Scores(mask=jnp.asarray(mask), fill=fill)
+        got, want = attention(q, k, v, scores=scores, block=8), plain(q, k, v, scores)
+        np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert np.isnan(np.asarray(attention(q, k, v, scores=Scores(mask=jnp.asarray(mask)), block=8))[2]).all()
+
+
+def test_only_a_block_of_scores_is_held():
+    """At N=2048 the forward's temporaries hold blocks of scores, not the N x N scores plain attention holds."""
+    x = jnp.zeros((1, 2048, 16), jnp.float32)
+    temp = lambda f: jax.jit(f).lower(x, x, x).compile().memory_analysis().temp_size_in_bytes
+    blocked = temp(lambda q, k, v: attention(q, k, v, scores=Scores(scale=0.25), block=256, query_block=512))
+    assert blocked < 2048 * 2048 * 4 // 8 < temp(lambda q, k, v: plain(q, k, v, Scores(scale=0.25)))
+
+
+def test_blocks_must_divide_the_axes():
+    x = jnp.zeros((24, 4))
+    with pytest.raises(ValueError, match="blocks of"):
+        attention(x, x, x, block=16)

@@ -1,0 +1,102 @@
+"""``Match.sliced``: a matched term read as a program that computes it a block at a time along one axis.
+
+A procedural rule reads the summand of ``sum(s, axis)`` sliced along the summed axis and rebuilds the sum as a
+loop over blocks: values must equal the original's for every way the summand is written (elementwise work,
+broadcasts, transposes, an ``iota`` mask, a product), the leaves must be what the walk reached, and a second
+axis placed by ``Sliced.place`` must cut the same values."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+from jax import lax
+
+from rewrite import Pat, Ruleset, Sliced, explain, procedural, rewrite, rule
+
+BLOCK = 4
+seen: list = []
+
+
+@procedural
+def blocked_sum(m):
+    """sum(s, axis) -> a loop over blocks of ``BLOCK`` along the axis, each block computed from the sliced leaves."""
+    (axis,) = m.params("r").axes
+    s = m.sliced(m["s"], axis, limit={"dot_general": 1})
+    if s is None or m["s"].shape[axis] % BLOCK or m["s"].shape[axis] == BLOCK:
+        return None
+    seen.append(s)
+    n = m["s"].shape[axis] // BLOCK
+
+    def fn(*leaves):
+        def body(acc, j):
+            return acc + jnp.sum(s.block(leaves, j * BLOCK, BLOCK), axis=axis), None
+        return lax.scan(body, jnp.zeros(m.root.shape, m.root.dtype), jnp.arange(n))[0]
+
+    return m.trace(fn, *s.leaves)
+
+
+PACK = Ruleset("sliced", [rule(Pat("reduce_sum", Pat.var("s"), params="r"), blocked_sum, name="blocked_sum")],
+               soundness="identity")
+
+FORMS = {
+    "elementwise": lambda x, y: jnp.sum(jnp.exp(x) * y + 1.0, axis=1),
+    "broadcast": lambda x, y: jnp.sum(jnp.tanh(x) + y[0][None, :], axis=1),        # y's row read per block
+    "transpose": lambda x, y: jnp.sum(jnp.swapaxes(x * 2.0, 0, 1) - y.T, axis=0),
+    "iota_mask": lambda x, y: jnp.sum(jnp.where(jnp.arange(16)[None, :] >= jnp.arange(8)[:, None], x, -y), axis=1),
+    "product": lambda x, y: jnp.sum(jnp.tanh(x[:, :4] @ y.T[:4, :]), axis=1),        # x read whole, y per block
+}
+
+
+@settings(max_examples=15, deadline=None)
+@given(st.sampled_from(sorted(FORMS)), st.integers(0, 2 ** 16))
+def test_a_sum_rebuilt_block_by_block_keeps_its_values(form, seed):
+    rng = np.random.default_rng(seed)
+    x, y = (jnp.asarray(rng.standard_normal((8, 16)), jnp.float32) for _ in range(2))
+    f = FORMS[form]
+    seen.clear()
+    report = explain(f, x, y, rulesets=[PACK])
+    assert report.fired == {"blocked_sum": 1}, report.fired
+    s = seen[0]
+    assert isinstance(s, Sliced) and len(s.leaves) == len(s.leaf_axes)
+    n = s.aval(s.out).shape[s.axis]
+    assert all(a is None or leaf.shape[a] == n for leaf, a in zip(s.leaves, s.leaf_axes))
+    assert any(a is not None for a in s.leaf_axes)  # something is read a block at a time
+    g = rewrite(f, rulesets=[PACK], cache=False)
+    for run in (lambda h: h, jax.jit):
+        np.testing.assert_allclose(run(g)(x, y), f(x, y), rtol=1e-5, atol=1e-5)
+    grads = lambda h: jax.grad(lambda x, y: jnp.sum(jnp.sin(h(x, y))), argnums=(0, 1))(x, y)
+    for a, b in zip(grads(g), grads(f)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_leaves_value_place_and_limit():
+    x, y = jnp.ones((8, 4)), jnp.ones((16, 4))
+    seen.clear()
+    explain(lambda x, y: jnp.sum(jnp.exp(x @ y.T) * 0.5 + x @ (2.0 * y).T, axis=1), x, y, rulesets=[PACK])
+    (s,) = seen
+    assert s.passed["dot_general"] == 1  # the limit: the second product is a leaf, sliced per block
+    assert sorted((leaf.shape, a) for leaf, a in zip(s.leaves, s.leaf_axes) if leaf.ndim) == [
+        ((8, 4), None), ((8, 16), 1), ((16, 4), 0)]
+    rng = np.random.default_rng(0)
+    leaves = [jnp.asarray(rng.standard_normal(leaf.shape), leaf.dtype) if leaf.literal is None
+              else jnp.asarray(leaf.literal, leaf.dtype) for leaf in s.leaves]
+    whole = s.value(leaves)
+    assert whole.shape == (8, 16)
+    np.testing.assert_allclose(s.block(leaves, jnp.int32(4), 4), whole[:, 4:8], rtol=1e-5, atol=1e-6)
+    placed = s.place(0)  # the rows: a second axis, on the other side of the product
+    assert placed is not None
+    cut = [x if a is None or k is not None else lax.dynamic_slice_in_dim(x, 2, 3, axis=a)
+           for x, a, k in zip(leaves, placed.leaf_axes, s.leaf_axes)]
+    np.testing.assert_allclose(s.block(cut, jnp.int32(8), 4, placed.window(jnp.int32(2), 3)), whole[2:5, 8:12],
+                               rtol=1e-5, atol=1e-6)
+    assert s.place(1) is None  # the sliced axis itself lies on the side of the product it slices
+
+
+def test_an_axis_the_walk_cannot_follow_is_a_leaf():
+    seen.clear()
+    explain(lambda x: jnp.sum(jnp.cumsum(x, axis=1) * 2.0, axis=1), jnp.ones((4, 8)), rulesets=[PACK])
+    (s,) = seen
+    assert [leaf.shape for leaf in s.leaves if leaf.ndim] == [(4, 8)] and 1 in s.leaf_axes  # cumsum's result, sliced
+    with pytest.raises(AttributeError):
+        s.leaves = ()  # a record: read, not changed
