@@ -115,3 +115,44 @@ def test_hoist_reductions_walks_each_value_once():
     # 3,072 at k = 10; the seq2seq of issue 48 spent 535 s there): a decline is now remembered.
     small, large = _walks(4), _walks(10)
     assert large <= small + 6 * 3  # linear in the depth: a few values per level
+
+
+def _compiles(fn):
+    """How many XLA compiles ``fn()`` made, and its value."""
+    import jax
+
+    seen = []
+
+    def listen(event, duration, **kw):
+        if event == "/jax/core/compile/backend_compile_duration":
+            seen.append(duration)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        out = fn()
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    return len(seen), out
+
+
+def test_the_lm_head_probes_its_shift_with_one_compile_for_every_block_size(monkeypatch):
+    """The LM-head rules (one per block size) read which shift the program's normaliser uses by running it:
+    one compiled program for each distinct shift, not one compile per operation and per rule."""
+    import jax
+    import optax
+
+    from rulesets import nn_lmhead
+
+    monkeypatch.setattr(nn_lmhead, "offered", lambda: True)
+    monkeypatch.setattr(nn_lmhead, "_KINDS", {})
+    n, c, v = 640, 8, 24  # rows no other test uses: JAX's per-operation compile cache holds none of them
+
+    def loss(h, w, y):
+        return optax.softmax_cross_entropy_with_integer_labels(h @ w, y).mean()
+
+    args = (jnp.ones((n, c)), jnp.ones((c, v)), jnp.zeros((n,), jnp.int32))
+    count, report = _compiles(lambda: explain(loss, *args, rulesets=[rulesets.nn], whole_step=False))
+    assert any(k.startswith("nn_lm_head_lse") for k in report.fired), report.fired
+    assert count <= 2, count
+    again, _ = _compiles(lambda: explain(loss, *args, rulesets=[rulesets.nn], whole_step=False))
+    assert again == 0, again
