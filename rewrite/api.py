@@ -549,5 +549,8 @@ def explain(fn: Any, *args: Any, rulesets: Any = (), cost_model: Any = None, lim
     finder = Rewritten(fn, (), model, limits, static_argnums, static_argnames, strict=None, cache=False)
     finder.entries = entries
     finder.whole_step = _searches_steps(entries, whole_step)
+    t = time.perf_counter()
     chosen = finder._whole_step(traced, result)
+    if finder.whole_step and finder.entries:  # the search's time, whether or not its step is used
+        result.times["whole_step"] = time.perf_counter() - t
     return report_of(result, entries, model, step=chosen.step, step_used=chosen is not result)

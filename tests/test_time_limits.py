@@ -198,3 +198,4 @@ def test_the_whole_step_search_proves_without_extracting(monkeypatch):
     report = explain(step, *args, rulesets=[rulesets.algebra], whole_step=True)
     assert report.result is not None and in_proofs, in_proofs
     assert in_proofs == [0] * len(in_proofs), in_proofs
+    assert report.times["whole_step"] > 0  # the search's time is reported beside the stages
