@@ -205,6 +205,10 @@ def _shift_kind(shift_of: Any, shape: tuple, dtype: Any) -> str | None:
     jaxprs), so the rules for each block size, and later rewrites of the same head, run the probe once.
     """
     key = _shift_key(shift_of, shape, dtype)
+    if key is not None and all(e.primitive.name != "stop_gradient" for e in shift_of.jaxpr.jaxpr.eqns):
+        # Made of the shift operations alone and not under stop_gradient: where it returns the maximum (both
+        # kinds do, at every finite row) it selects its input, whose derivative there is 1, not 0
+        return None
     if key is not None and key in _KINDS:
         return _KINDS[key]
     kind = _probe_shift(shift_of, shape, dtype)
