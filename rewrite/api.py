@@ -33,12 +33,12 @@ from .cost.measure import resolve
 from .errors import RewriteLimitWarning, RewriteWarning, _strict
 from .extract.program import lean_band, leaner
 from .grad.primitive import Signature, bind_if_differentiated
-from .grad.step import find_losses, proof_classes
+from .grad.step import find_losses
 from .grad.vjp import VJPResult, build_vjp
 from .ir.jaxapi import core
 from .jaxpr import state as _state
 from .jaxpr.trace import CONCRETIZATION_ERRORS, Traced, flatten_args, resolve_static, same_program, trace, trace_call
-from .pipeline import limits_met, run_pipeline
+from .pipeline import limits_met, run_pipeline, saturated_classes
 from .records import Limits, Result
 from .report.report import Report, gradient_report, report_of
 from .rules.ruleset import Ruleset, entries_of
@@ -298,7 +298,7 @@ class Rewritten:
         from the loss-first program instead; the step so changed is rewritten too, and the cheaper kept."""
         if not self.whole_step or not self.entries:
             return result
-        proof = proof_classes(lambda t: run_pipeline(t, (), self.cost_model, self.limits, keep=True))
+        proof = functools.partial(saturated_classes, entries=(), limits=self.limits)
         changed, finding = find_losses(traced.closed, proof, self._loss_first)
         result.step = finding
         if changed is None:
@@ -562,5 +562,8 @@ def explain(fn: Any, *args: Any, rulesets: Any = (), cost_model: Any = None, lim
     finder = Rewritten(fn, (), model, limits, static_argnums, static_argnames, strict=None, cache=False)
     finder.entries = entries
     finder.whole_step = _searches_steps(entries, whole_step)
+    t = time.perf_counter()
     chosen = finder._whole_step(traced, result)
+    if finder.whole_step and finder.entries:  # the search's time, whether or not its step is used
+        result.times["whole_step"] = time.perf_counter() - t
     return report_of(result, entries, model, step=chosen.step, step_used=chosen is not result)

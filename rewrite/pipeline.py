@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Sequence
+from typing import Any, Sequence
 
 from .cost.memory import over_budget
 from .cost.model import CostModel
@@ -72,16 +72,9 @@ def _run(closed: core.ClosedJaxpr, entries: Sequence[tuple[Rule, Ruleset]], mode
          keep: bool) -> Result:
     times = {"trace": 0.0}
 
-    # Load. The program's inputs are the Params of scope 0; its effects, if any, are threaded on a
-    # token that starts at (Tok 0).
     t = time.perf_counter()
-    manual = _has_primitive(closed.jaxpr, "pvary")
-    eg = EGraph(match_program(entries, manual)[0])  # declared with the rules' queries: see ir/egraph.py's _POOL
-    inputs = [eg.term("Param", [0, i], TYPES.intern_aval(a)) for i, a in enumerate(closed.in_avals)]
-    token = eg.term("Tok", [0], TYPES.intern_aval(TOKEN_AVAL)) if closed.jaxpr.effects else None
-    outs, token = load_closed(closed, inputs, eg, token)
+    eg, outs, token, manual = _load(closed, entries)
     program_names = eg.num_names
-    eg.flush()
     cost_before = input_cost(eg.snapshot(), outs, token, model)
     times["load"] = time.perf_counter() - t
 
@@ -136,6 +129,32 @@ def _run(closed: core.ClosedJaxpr, entries: Sequence[tuple[Rule, Ruleset]], mode
     if not keep:
         eg.release()  # to the pool now, even if something the rewrite made holds the e-graph in a cycle
     return result
+
+
+def _load(closed: core.ClosedJaxpr, entries: Sequence[tuple[Rule, Ruleset]]) -> tuple[EGraph, list, Any, bool]:
+    """A new e-graph holding ``closed``: it, the outputs' names, the final token's, and whether the program is
+    inside a ``shard_map`` body (``manual``). The program's inputs are the Params of scope 0; its effects, if
+    any, are threaded on a token that starts at (Tok 0)."""
+    manual = _has_primitive(closed.jaxpr, "pvary")
+    eg = EGraph(match_program(entries, manual)[0])  # declared with the rules' queries: see ir/egraph.py's _POOL
+    inputs = [eg.term("Param", [0, i], TYPES.intern_aval(a)) for i, a in enumerate(closed.in_avals)]
+    token = eg.term("Tok", [0], TYPES.intern_aval(TOKEN_AVAL)) if closed.jaxpr.effects else None
+    outs, token = load_closed(closed, inputs, eg, token)
+    eg.flush()
+    return eg, outs, token, manual
+
+
+def saturated_classes(closed: core.ClosedJaxpr, entries: Sequence[tuple[Rule, Ruleset]], limits: Limits) -> list:
+    """The e-classes of ``closed``'s outputs once loaded and saturated with ``entries``: what a proof that two
+    of its values are equal reads. Nothing is extracted or emitted, and the e-graph goes back to the pool."""
+    with _collect_young_only():
+        eg, outs, _, manual = _load(closed, entries)
+        try:
+            Engine(eg, entries, limits, manual=manual).run()
+            snap = eg.snapshot()
+            return [snap.cls_of_name[o] for o in outs]
+        finally:
+            eg.release()
 
 
 def why_chosen(result: Result, lean: bool = False) -> str:

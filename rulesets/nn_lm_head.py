@@ -109,22 +109,56 @@ def head_of(d: Value) -> Head | None:
 def _shift_kind(shift_of: Any, shape: tuple, dtype: Any) -> str | None:
     """Which shift ``shift_of`` (the program's, as a function of the rows' maxima) is, ``"max"`` or
     ``"finite"`` (:func:`~rulesets.nn_lm_head_kernels.row_shift`), or ``None``: run on maxima that differ in
-    every row, infinities and NaN among them, and only where its derivative is 0 (under ``stop_gradient``)."""
+    every row, infinities and NaN among them, and only where its derivative is 0 (under ``stop_gradient``).
+    The answer is kept by the function's jaxpr where that holds every operation (no constants, no inner
+    jaxprs), so the rules for each block size, and later rewrites of the same head, run the probe once."""
+    key = _shift_key(shift_of, shape, dtype)
+    if key is not None and all(e.primitive.name != "stop_gradient" for e in shift_of.jaxpr.jaxpr.eqns):
+        # Made of the shift operations alone and not under stop_gradient: where it returns the maximum (both
+        # kinds do, at every finite row) it selects its input, whose derivative there is 1, not 0
+        return None
+    if key is not None and key in _KINDS:
+        return _KINDS[key]
+    kind = _probe_shift(shift_of, shape, dtype)
+    if key is not None:
+        _KINDS[key] = kind
+        while len(_KINDS) > 256:
+            del _KINDS[next(iter(_KINDS))]
+    return kind
+
+
+#: :func:`_shift_kind`'s answers by :func:`_shift_key`
+_KINDS: dict[tuple, str | None] = {}
+
+
+def _shift_key(shift_of: Any, shape: tuple, dtype: Any) -> tuple | None:
+    """The shift's jaxpr text with the probe's shape and dtype, where that text says all it computes."""
+    closed = getattr(shift_of, "jaxpr", None)
+    if closed is None or closed.consts or any(e.primitive.name not in _SHIFT_OPS for e in closed.jaxpr.eqns):
+        return None
+    return str(closed.jaxpr), tuple(shape), np.dtype(dtype).str, jax.config.jax_enable_x64
+
+
+def _probe_shift(shift_of: Any, shape: tuple, dtype: Any) -> str | None:
     size = int(np.prod(shape))
     specials = np.array([-np.inf, np.inf, np.nan, 0.0, -0.0, 1.5, -2.25, 3e4], np.float64)
     probe = np.arange(size, dtype=np.float64) * 0.37 - size * 0.1
     probe[: min(size, specials.size)] = specials[: min(size, specials.size)]
-    try:
-        with jax.ensure_compile_time_eval():  # rules run while the program is traced (under jit, say)
-            x = jnp.asarray(probe.reshape(shape), dtype)
-            out, tangent = jax.jvp(lambda t: shift_of(t)[0], (x,), (jnp.ones_like(x),))
-            want = {kind: np.asarray(row_shift(kind, x), np.float64) for kind in ("max", "finite")}
+
+    def run(x: Any) -> tuple:  # one compiled program, not one per operation
+        out, tangent = jax.jvp(lambda t: shift_of(t)[0], (x,), (jnp.ones_like(x),))
+        return out, tangent, {kind: row_shift(kind, x) for kind in ("max", "finite")}
+
+    try:  # compiled ahead and called on an array: it runs even while the program is traced (under jit, say)
+        x = np.asarray(probe.reshape(shape), dtype)
+        out, tangent, want = jax.jit(run).lower(jax.ShapeDtypeStruct(x.shape, x.dtype)).compile()(x)
     except Exception:  # noqa: BLE001  (a function the probe cannot run is not a known shift)
         return None
     out = np.asarray(out, np.float64).reshape(shape)
     if np.any(np.asarray(tangent, np.float64) != 0):
         return None
-    return next((k for k in ("max", "finite") if np.array_equal(out, want[k], equal_nan=True)), None)
+    return next((k for k in ("max", "finite") if np.array_equal(out, np.asarray(want[k], np.float64), equal_nan=True)),
+                None)
 
 
 def _log_of(m: Any, total: Value) -> Value | None:

@@ -115,3 +115,107 @@ def test_hoist_reductions_walks_each_value_once():
     # 3,072 at k = 10; the seq2seq of issue 48 spent 535 s there): a decline is now remembered.
     small, large = _walks(4), _walks(10)
     assert large <= small + 6 * 3  # linear in the depth: a few values per level
+
+
+def _compiles(fn):
+    """How many XLA compiles ``fn()`` made, and its value."""
+    import jax
+
+    seen = []
+
+    def listen(event, duration, **kw):
+        if event == "/jax/core/compile/backend_compile_duration":
+            seen.append(duration)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        out = fn()
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    return len(seen), out
+
+
+def test_the_lm_head_probes_its_shift_with_one_compile_for_every_block_size(monkeypatch):
+    """The LM-head rules (one per block size) read which shift the program's normaliser uses by running it:
+    one compiled program for each distinct shift, not one compile per operation and per rule."""
+    import jax
+    import optax
+
+    from rulesets import nn_lm_head as pack
+
+    monkeypatch.setattr(pack, "_KINDS", {})
+    n, c, v = 640, 8, 24  # rows no other test uses: JAX's per-operation compile cache holds none of them
+
+    def loss(h, w, y):
+        return optax.softmax_cross_entropy_with_integer_labels(h @ w, y).mean()
+
+    args = (jnp.ones((n, c)), jnp.ones((c, v)), jnp.zeros((n,), jnp.int32))
+    count, report = _compiles(lambda: explain(loss, *args, rulesets=[rulesets.nn], whole_step=False))
+    assert any(k.startswith("nn_lm_head_lse") for k in report.fired), report.fired
+    assert count == 1, count
+    again, _ = _compiles(lambda: explain(loss, *args, rulesets=[rulesets.nn], whole_step=False))
+    assert again == 0, again
+
+
+def test_the_whole_step_search_proves_without_extracting(monkeypatch):
+    """A proof that the step holds a loss's gradients reads e-classes only: no program is extracted or
+    emitted from the e-graph it saturates (on a transformer step that was half the search's time)."""
+    import jax
+
+    from rewrite import pipeline
+    from rewrite.grad import step as step_mod
+
+    extracted = [0]
+    real_extract, real_prove = pipeline.extract, step_mod.prove
+
+    def counting_extract(*a, **k):
+        extracted[0] += 1
+        return real_extract(*a, **k)
+
+    in_proofs = []
+
+    def prove(*a):
+        *rest, proof = a
+
+        def counted(program):
+            before = extracted[0]
+            out = proof(program)
+            in_proofs.append(extracted[0] - before)
+            return out
+        return real_prove(*rest, counted)
+
+    monkeypatch.setattr(pipeline, "extract", counting_extract)
+    monkeypatch.setattr(step_mod, "prove", prove)
+
+    def step(w, x, y):
+        def loss(w):
+            return jnp.mean((jnp.tanh(x @ w) - y) ** 2)
+        value, g = jax.value_and_grad(loss)(w)
+        return value, w - 0.1 * g
+
+    args = (jnp.ones((4, 3)), jnp.ones((8, 4)), jnp.zeros((8, 3)))
+    report = explain(step, *args, rulesets=[rulesets.algebra], whole_step=True)
+    assert report.result is not None and in_proofs, in_proofs
+    assert in_proofs == [0] * len(in_proofs), in_proofs
+    assert report.times["whole_step"] > 0  # the search's time is reported beside the stages
+
+
+def test_a_shift_without_stop_gradient_is_declined_unprobed(monkeypatch):
+    """A normaliser's shift made of the shift operations alone and not under ``stop_gradient`` has a
+    derivative wherever it returns the maximum: the LM head declines it without compiling a probe."""
+    import jax
+
+    from rewrite.ir.jaxapi import core
+    from rulesets import nn_lm_head as pack
+
+    monkeypatch.setattr(pack, "_KINDS", {})
+
+    def shift(m):  # the maximum where finite, else 0, as a column: logsumexp's shift without its stop_gradient
+        return [lax.broadcast_in_dim(lax.select(lax.is_finite(m), m, lax.full_like(m, 0.0)), (72, 1), (0,))]
+
+    closed = jax.make_jaxpr(shift)(jnp.ones(72))
+    fn = core.jaxpr_as_fun(closed)
+    fn.jaxpr = closed
+    assert {e.primitive.name for e in closed.jaxpr.eqns} <= pack._SHIFT_OPS
+    count, kind = _compiles(lambda: pack._shift_kind(fn, (72,), jnp.float32))
+    assert kind is None and count == 0, (kind, count)

@@ -353,7 +353,8 @@ def report_of(result: Result, entries: Sequence[tuple[Rule, Ruleset]], model: An
               step_used: bool = False) -> Report:
     """The report of one rewrite (:func:`rewrite.explain`): ``result`` kept its e-graph (``keep=True``);
     ``step`` is what ``rewrite(step)`` found of a training step's losses, ``step_used`` whether it runs."""
-    times = {k: result.times.get(k, 0.0) for k in ("trace", "load", "saturate", "extract", "emit")}
+    times = {k: result.times.get(k, 0.0) for k in ("trace", "load", "saturate", "extract", "emit", "whole_step")
+             if k != "whole_step" or k in result.times}
     return Report(
         before=result.before, after=result.after, cost_before=result.cost_before, cost_after=result.cost_after,
         step=step, step_used=step_used,

@@ -1,0 +1,104 @@
+"""The rewrite's time against XLA's compile, per ecosystem program: no speed or value runs, so it is quick.
+
+For each program of ``benchmarks/ecosystem.py`` (a gradient program as
+``jax.grad(rewrite(loss))`` makes it the first time), in the suite's order
+and in one process as the suite runs them: XLA's ``lower().compile()`` of
+the program (median of two), then the rewrite's first-call time (``explain``,
+trace to emit, with its disk cache in a fresh folder, so nothing is read
+back), its stages and its slowest rule. The ratio of the two is the suite's
+overhead column.
+
+Run ``python -m benchmarks.rewrite_time [--configs identity] [--programs a,b]
+[--out benchmarks/results/rewrite_time.md]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import pathlib
+import statistics
+import tempfile
+import time
+import warnings
+
+import jax
+
+from benchmarks import ecosystem as eco
+from benchmarks.overhead import load_rulesets, xla_compile_seconds
+
+RESULTS = pathlib.Path(__file__).parent / "results"
+
+
+def measure(name: str, packs: list) -> dict:
+    """One program: XLA's compile seconds, the rewrite's, its stages and its slowest rule."""
+    from rewrite import explain
+
+    prog = eco.PROGRAMS[name]
+    fn, args = prog.build()
+    flat, leaves = eco._flat(fn, args)
+    program = eco.gradient(flat, leaves) if prog.grad else flat
+    compile_s = statistics.median(xla_compile_seconds(program, leaves) for _ in range(2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        t = time.perf_counter()
+        report = explain(flat, *leaves, rulesets=packs, grad=prog.grad)
+        rewrite_s = time.perf_counter() - t
+    stats = report.result.stats
+    slow = max(stats.items(), key=lambda kv: kv[1].seconds) if stats else None
+    return {"program": name, "compile_s": compile_s, "rewrite_s": rewrite_s, "ratio": rewrite_s / compile_s,
+            "stages": {k: v for k, v in report.times.items() if v >= 0.005}, "stopped": report.stopped,
+            "rows": report.egraph_rows,
+            "slowest_rule": None if slow is None else (slow[0], slow[1].seconds)}
+
+
+def markdown(rows: list[dict], config: str, load: tuple) -> str:
+    ratios = [r["ratio"] for r in rows]
+    lines = [
+        f"# Rewrite time against XLA's compile ({config})",
+        "",
+        f"`python -m benchmarks.rewrite_time` on {jax.default_backend()}, jax {jax.__version__}, "
+        f"{datetime.date.today().isoformat()}; load average {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} "
+        f"(1 / 5 / 15 min) at the start, on {os.cpu_count()} cores. One process, the suite's order; each "
+        "rewrite is its first call (a fresh disk cache). Ratio: rewrite seconds over XLA's.",
+        "",
+        f"Median ratio {statistics.median(ratios):.2f}x, worst {max(ratios):.2f}x "
+        f"({max(rows, key=lambda r: r['ratio'])['program']}); {sum(x <= 1 for x in ratios)} of {len(rows)} "
+        "at or under 1.0x.",
+        "",
+        "| program | XLA compile s | rewrite s | ratio | stages (s) | slowest rule (s) | stopped |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        stages = ", ".join(f"{k} {v:.2f}" for k, v in sorted(r["stages"].items(), key=lambda kv: -kv[1]))
+        slow = "-" if r["slowest_rule"] is None else f"{r['slowest_rule'][0]} {r['slowest_rule'][1]:.2f}"
+        lines.append(f"| {r['program']} | {r['compile_s']:.2f} | {r['rewrite_s']:.2f} | {r['ratio']:.2f}x | "
+                     f"{stages} | {slow} | {r['stopped'].split(',')[0]} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.rewrite_time", description=__doc__.splitlines()[0])
+    ap.add_argument("--programs", default=",".join(eco.PROGRAMS))
+    ap.add_argument("--configs", default="identity", help=f"one of {','.join(eco.CONFIGS)}")
+    ap.add_argument("--out", default=str(RESULTS / "rewrite_time.md"), help="the report ('' for none)")
+    args = ap.parse_args(argv)
+    load = os.getloadavg()
+    packs = load_rulesets(eco.CONFIGS[args.configs])
+    rows = []
+    with tempfile.TemporaryDirectory() as folder:
+        os.environ["JAX_REWRITE_CACHE_DIR"] = folder  # a first call: nothing stored before
+        for name in [n for n in args.programs.split(",") if n]:
+            rows.append(measure(name, packs))
+            r = rows[-1]
+            print(f"{name:26s} compile {r['compile_s']:6.2f} s  rewrite {r['rewrite_s']:6.2f} s  "
+                  f"ratio {r['ratio']:5.2f}x  slowest rule {r['slowest_rule']}", flush=True)
+    print(f"median {statistics.median(r['ratio'] for r in rows):.2f}x, worst {max(r['ratio'] for r in rows):.2f}x")
+    if args.out:
+        pathlib.Path(args.out).write_text(markdown(rows, args.configs, load))
+    return rows
+
+
+if __name__ == "__main__":
+    main()
