@@ -7,6 +7,8 @@ first step moves each parameter by the sign of its gradient, which rounding flip
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -261,22 +263,28 @@ def test_gradient_of_a_stopped_use_is_left_alone():
     _close(jax.jit(step)(w0, v0, x, y), jax.jit(r)(w0, v0, x, y), 1e-6)
 
 
+def _small_linen_step(**kw: Any) -> tuple:
+    """linen's GPT step at N=128 with SGD, rewritten with ``kw``: the rewritten step, its result, the step
+    as written, its arguments, and a function's compiled temp memory at those arguments."""
+    size = ws.Size(batch=2, length=128, width=32, heads=2, vocab=8192)
+    step, args = ws.CASES["linen_gpt"](size, ws.plain, opt=optax.sgd(0.1))
+    flat, leaves = ws._flat(step, args)
+    r = rewrite(flat, rulesets=PACKS, cache=False, **kw)
+
+    def temp(f: Any) -> int:
+        return jax.jit(f).lower(*leaves).compile().memory_analysis().temp_size_in_bytes
+
+    return r, r.result(*leaves), flat, leaves, temp
+
+
 def test_rewrite_step_chooses_the_replacement_when_memory_is_priced():
     """``jax.jit(rewrite(step))`` itself: with memory priced (``AnalyticCost(memory=...)``) the cost model keeps
     the step whose loss and gradients come from the loss-first program, and the compiled step holds less than
     60% of the original's temp memory, with the original's values."""
     from rewrite.cost.model import AnalyticCost
 
-    size = ws.Size(batch=2, length=128, width=32, heads=2, vocab=8192)
-    step, args = ws.CASES["linen_gpt"](size, ws.plain, opt=optax.sgd(0.1))
-    flat, leaves = ws._flat(step, args)
-    r = rewrite(flat, rulesets=PACKS, cache=False, cost_model=AnalyticCost(memory=1.0))
-    res = r.result(*leaves)
+    r, res, flat, leaves, temp = _small_linen_step(cost_model=AnalyticCost(memory=1.0))
     assert res.step.replaced and "loss-first" in res.why, (str(res.step), res.why)
-
-    def temp(f):
-        return jax.jit(f).lower(*leaves).compile().memory_analysis().temp_size_in_bytes
-
     assert temp(r) < 0.6 * temp(flat)
     _close(jax.jit(flat)(*leaves), jax.jit(r)(*leaves), 2e-4)
 
@@ -285,16 +293,8 @@ def test_rewrite_step_keeps_the_leaner_step_within_the_lean_band():
     """``jax.jit(rewrite(step))`` with the default cost model: the step with its loss read from the loss-first
     program is priced about as the step as written (within ``AnalyticCost.lean_band``) and holds much less
     memory, so it is kept, as the model keeps the leaner of two programs it cannot tell apart in time."""
-    size = ws.Size(batch=2, length=128, width=32, heads=2, vocab=8192)
-    step, args = ws.CASES["linen_gpt"](size, ws.plain, opt=optax.sgd(0.1))
-    flat, leaves = ws._flat(step, args)
-    r = rewrite(flat, rulesets=PACKS, cache=False)
-    res = r.result(*leaves)
+    r, res, flat, leaves, temp = _small_linen_step()
     assert res.step.replaced and "lean band" in res.why, (str(res.step), res.why)
-
-    def temp(f):
-        return jax.jit(f).lower(*leaves).compile().memory_analysis().temp_size_in_bytes
-
     assert temp(r) < 0.75 * temp(flat)
     _close(jax.jit(flat)(*leaves), jax.jit(r)(*leaves), 2e-4)
 
