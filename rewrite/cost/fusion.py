@@ -368,9 +368,10 @@ class FusionModel:
         return found
 
     def __call__(self, prog: Program) -> float:
-        views = sum(op.own for op in prog.ops if op.prim == "proj")  # loops' stacked outputs
         kernels = self.kernels(prog)
-        cost = sum(k.cost for k in kernels) + views
+        # loops' stacked outputs are priced as views; the sum is exact (``math.fsum``), so a program's price does
+        # not depend on the order its kernels are listed in, nor on how the running Python rounds ``sum``
+        cost = math.fsum([*(k.cost for k in kernels), *(op.own for op in prog.ops if op.prim == "proj")])
         if self.memory or self.budget is not None:
             cost += self.memory_price(peak_temp_bytes(prog, kernels, self.inner))
         return float(cost)

@@ -9,6 +9,7 @@ the order of the sums.
 from __future__ import annotations
 
 import heapq
+import math
 from typing import Any, Iterable, Mapping, Sequence
 
 from ..ir import primitives as _primitives  # read by the class docstring's example
@@ -304,7 +305,7 @@ class LiveFusion:
 
     def price(self) -> float:
         """The program's cost, as :meth:`FusionModel.__call__` prices it."""
-        cost = sum(self._cost.values()) + sum(self._views.values())
+        cost = math.fsum([*self._cost.values(), *self._views.values()])  # as FusionModel.__call__ sums
         if self.model.memory or self.model.budget is not None:
             cost += self.model.memory_price(self.peak())
         return float(cost)
