@@ -298,8 +298,7 @@ class Rewritten:
         from the loss-first program instead; the step so changed is rewritten too, and the cheaper kept."""
         if not self.whole_step or not self.entries:
             return result
-        proof = functools.partial(saturated_classes, entries=(), limits=self.limits)
-        changed, finding = find_losses(traced.closed, proof, self._loss_first)
+        changed, finding = find_losses(traced.closed, self._proof, self._loss_first)
         result.step = finding
         if changed is None:
             return result
@@ -317,6 +316,11 @@ class Rewritten:
         finding.declined.append(f"the step with them replaced was priced {alt.cost_after:.4g}, the step rewritten "
                                 f"as written {result.cost_after:.4g}: kept the latter")
         return result
+
+    def _proof(self, program: core.ClosedJaxpr) -> list[Any]:
+        """The classes of ``program``'s outputs, saturated with no rules: equal values share one
+        (:func:`rewrite.grad.step.find_losses` reads a proof from them)."""
+        return saturated_classes(program, (), self.limits)
 
     def _leaner(self, alt: Result, result: Result) -> bool:
         """The cost model's own rule between two programs it prices within its ``lean_band``: the one predicted

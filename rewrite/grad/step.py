@@ -55,12 +55,11 @@ import time
 from typing import Any, Callable, Sequence
 
 import jax
-import numpy as np
 
 from ..ir.jaxapi import core
 from ..ir.primitives import is_float
 from ..jaxpr.emit import dce
-from ..jaxpr.trace import Traced, spec_of
+from ..jaxpr.trace import spec_of
 
 log = logging.getLogger("rewrite")
 
@@ -456,17 +455,4 @@ def _in_loops(step: core.ClosedJaxpr, proof: Callable[[core.ClosedJaxpr], list[A
                                        jaxpr.debug_info), step.consts)
 
 
-def proof_classes(run: Callable[[Traced], Any]) -> Callable[[core.ClosedJaxpr], list[Any]]:
-    """A ``proof`` for :func:`find_losses` from ``run(traced) -> Result`` (the pipeline, kept)."""
-    def proof(program: core.ClosedJaxpr) -> list[Any]:
-        res = run(Traced(program, None, None, ()))
-        try:
-            return list(res.roots)
-        finally:
-            if res.egraph is not None:
-                res.egraph.release()
-    return proof
-
-
-__all__ = ["StepFinding", "find_losses", "proof_classes", "unwrap"]
-del np
+__all__ = ["StepFinding", "find_losses", "unwrap"]
