@@ -34,7 +34,6 @@ compute with excess precision. Anything only approximately true belongs in
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Callable
 
 import jax
@@ -42,11 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from rewrite import Pat, Ruleset, Value, ops, procedural
-from rewrite import rule as _rule
-
-# Every rule's example program is rewritten by the contract test (tests/test_contract.py), not on import.
-rule = functools.partial(_rule, check=False)
+from rewrite import Pat, Ruleset, Value, ops, procedural, rule
 
 __all__ = ["algebra", "own_power"]
 

@@ -73,11 +73,7 @@ import numpy as np
 from jax import lax
 
 import rulesets
-from rewrite import Pat, Ruleset, Tolerance, Value, procedural
-from rewrite import rule as _rule
-
-# Every rule's example program is rewritten by the contract test (tests/test_contract.py), not on import.
-rule = functools.partial(_rule, check=False)
+from rewrite import Pat, Ruleset, Tolerance, Value, procedural, rule
 
 __all__ = ["derivatives", "derivatives_fastmath", "doubles_safely", "product_tree", "simplify", "pieces", "Factor"]
 

@@ -32,17 +32,12 @@ class and lives in ``rulesets.derivatives`` (docs/rules.md, section 6).
 
 from __future__ import annotations
 
-import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from rewrite import Limits, Pat, Ruleset, Tolerance, procedural
-from rewrite import rule as _rule
-
-# Every rule's example program is rewritten by the contract test (tests/test_contract.py), not on import.
-rule = functools.partial(_rule, check=False)
+from rewrite import Limits, Pat, Ruleset, Tolerance, procedural, rule
 from rulesets.algebra import _MUL_POWS, _MUL_X_POW, _POW_POW, own_power
 
 __all__ = ["fastmath", "reassociate", "reciprocal", "cancel", "distribute", "powers", "signed_zeros"]

@@ -68,7 +68,6 @@ operands accumulated in ``int32``, say) are left alone. Rule names start with
 
 from __future__ import annotations
 
-import functools
 import itertools
 import math
 from typing import Any, Callable, Sequence
@@ -79,11 +78,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from rewrite import Pat, Ruleset, Tolerance, Value, procedural
-from rewrite import rule as _rule
-
-# Every rule's example program is rewritten by the contract test (tests/test_contract.py), not on import.
-rule = functools.partial(_rule, check=False)
+from rewrite import Pat, Ruleset, Tolerance, Value, procedural, rule
 
 __all__ = ["linalg"]
 

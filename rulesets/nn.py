@@ -54,7 +54,6 @@ True
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import jax
@@ -62,11 +61,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from rewrite import Params, Pat, Ruleset, Value, procedural
-from rewrite import rule as _rule
-
-# Every rule's example program is rewritten by the contract test (tests/test_contract.py), not on import.
-rule = functools.partial(_rule, check=False)
+from rewrite import Params, Pat, Ruleset, Value, procedural, rule
 from rulesets.derivatives import _f32
 from rulesets.derivatives import derivatives as _derivatives
 from rulesets.nn_lm_head import nn_lm_head

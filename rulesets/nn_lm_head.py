@@ -525,33 +525,33 @@ def lm_head_rules(*, columns: int = COLUMNS, loop: bool | None = None) -> Rulese
     """The pack, configured: ``dW`` added ``columns`` columns at a time in the backward
     (:func:`~rulesets.nn_lm_head_kernels.add_by_columns`), and the token loop offered where ``loop`` says
     (:func:`offered`: by default everywhere but on a GPU).
-    ``nn_lm_head`` is the default; example programs are checked by the contract test, not here.
+    ``nn_lm_head`` is the default.
 
     >>> lm_head_rules(loop=True).rule("nn_lm_head_lse_128").name
     'nn_lm_head_lse_128'
     """
     c, g = columns, loop
     return Ruleset("nn_lm_head", [
-        rule(_GATHER, _label(g), name="nn_lm_head_label", check=False,                     # (h @ W + b)[y] -> h . W[:, y] + b[y]
+        rule(_GATHER, _label(g), name="nn_lm_head_label",  # (h @ W + b)[y] -> h . W[:, y] + b[y]
              example_program=(_ce_int, (_f32(8, 4), _f32(4, 16), _i32(8)))),
-        rule(_GATHER, _label_peel, name="nn_lm_head_label_peel", check=False,              # log_softmax(z)[y] -> z[y] - max - log(sum)
+        rule(_GATHER, _label_peel, name="nn_lm_head_label_peel",  # log_softmax(z)[y] -> z[y] - max - log(sum)
              example_program=(_ce_log_softmax, (_f32(8, 4), _f32(4, 16), _f32(16), _i32(8)))),
-        rule(_SUM_PRODUCT, _smooth, name="nn_lm_head_smooth", check=False,                 # sum((p a + q) * (h @ W - t)) -> p sum(a * ...) + q (h @ sum(W) - V t)
+        rule(_SUM_PRODUCT, _smooth, name="nn_lm_head_smooth",  # sum((p a + q) * (h @ W - t)) -> p sum(a * ...) + q (h @ sum(W) - V t)
              example_program=(_ce_smooth, (_f32(8, 4), _f32(4, 16), _i32(8)))),
-        rule(_GATHER, _lse_label(128, c, g), name="nn_lm_head_lse_label_128", check=False,  # lse(h @ W) and (h @ W)[y] -> one scan over token blocks
+        rule(_GATHER, _lse_label(128, c, g), name="nn_lm_head_lse_label_128",  # lse(h @ W) and (h @ W)[y] -> one scan over token blocks
              example_program=_int_at(128)),
-        rule(_GATHER, _lse_label(256, c, g), name="nn_lm_head_lse_label_256", check=False,  # lse(h @ W) and (h @ W)[y] -> one scan over token blocks
+        rule(_GATHER, _lse_label(256, c, g), name="nn_lm_head_lse_label_256",  # lse(h @ W) and (h @ W)[y] -> one scan over token blocks
              example_program=_int_at(256)),
-        rule(_GATHER, _lse_label(512, c, g), name="nn_lm_head_lse_label_512", check=False,  # lse(h @ W) and (h @ W)[y] -> one scan over token blocks
+        rule(_GATHER, _lse_label(512, c, g), name="nn_lm_head_lse_label_512",  # lse(h @ W) and (h @ W)[y] -> one scan over token blocks
              example_program=_int_at(512)),
 
-        rule(_SUM_PRODUCT, _lse_target(128, c, g), name="nn_lm_head_lse_target_128", check=False,  # sum(t * log_softmax(h @ W)) -> one scan reading t per token block
+        rule(_SUM_PRODUCT, _lse_target(128, c, g), name="nn_lm_head_lse_target_128",  # sum(t * log_softmax(h @ W)) -> one scan reading t per token block
              example_program=_target_at(128)),
-        rule(_NORMALISER, _lse(128, c, g), name="nn_lm_head_lse_128", check=False,          # sum(exp(h @ W - shift)) -> scan over token blocks
+        rule(_NORMALISER, _lse(128, c, g), name="nn_lm_head_lse_128",  # sum(exp(h @ W - shift)) -> scan over token blocks
              example_program=_int_at(128)),
-        rule(_NORMALISER, _lse(256, c, g), name="nn_lm_head_lse_256", check=False,          # sum(exp(h @ W - shift)) -> scan over token blocks
+        rule(_NORMALISER, _lse(256, c, g), name="nn_lm_head_lse_256",  # sum(exp(h @ W - shift)) -> scan over token blocks
              example_program=_int_at(256)),
-        rule(_NORMALISER, _lse(512, c, g), name="nn_lm_head_lse_512", check=False,          # sum(exp(h @ W - shift)) -> scan over token blocks
+        rule(_NORMALISER, _lse(512, c, g), name="nn_lm_head_lse_512",  # sum(exp(h @ W - shift)) -> scan over token blocks
              example_program=_int_at(512)),
     ], soundness="identity", tolerance=Tolerance(rtol=2e-4, atol=2e-5),
         description="a cross-entropy over a product h @ W computed over token blocks, never holding the logits")

@@ -59,7 +59,6 @@ True
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Callable
 
 import jax
@@ -67,11 +66,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from rewrite import Ruleset, Tolerance, procedural
-from rewrite import rule as _rule
-
-# Every rule's example program is rewritten by the contract test (tests/test_contract.py), not on import.
-rule = functools.partial(_rule, check=False)
+from rewrite import Ruleset, Tolerance, procedural, rule
 from rewrite.ir.jaxapi import scan_counted
 from rewrite.ir.primitives import nbytes
 from rewrite.loops import SCAN, WHILE, Body, Decline, Loop, adds_one
