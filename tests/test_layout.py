@@ -268,3 +268,18 @@ def test_the_identity_packs_stay_within_their_code_lines():
     files = [ROOT / "rulesets" / f"{name}.py" for name in ("algebra", "fastmath", "derivatives")]
     counts = {f.stem: _code_lines(f) for f in files}
     assert sum(counts.values()) <= IDENTITY_PACKS_CODE_LINES, counts
+
+
+def test_the_packs_define_rules_one_way_checked_when_defined():
+    """Every pack calls ``rewrite.rule`` as it is: no pack rebinds it or turns its check off, so a malformed
+    rule of a pack fails when the pack is loaded, naming the rule, as a user's rule does."""
+    found = []
+    for path in _sources("rulesets").values():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "rule" for t in node.targets):
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno} rebinds rule")
+            if isinstance(node, ast.ImportFrom) and any(a.name == "rule" and a.asname for a in node.names):
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno} imports rule under another name")
+            if isinstance(node, ast.keyword) and node.arg == "check":
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno} passes check=")
+    assert not found, found
