@@ -227,7 +227,7 @@ def _scale_outside(logits: Sliced) -> tuple[tuple, tuple]:
                 continue
             c = logits.leaves[c_ref[1]]
             dprim, dparams, dargs, daval, dkey = steps[d_ref[1]]
-            value = _fused._scalar_value(c)
+            value = _fused._literal_through_converts(c)
             if dprim.name != "dot_general" or value is None or not np.isfinite(value) or value == 0:
                 continue
             if (abs(value) < 1) if prim.name == "div" else (abs(value) > 1):

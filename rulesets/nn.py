@@ -135,40 +135,26 @@ def one_hot_of(v: Value) -> tuple[Value, int, int] | None:
     return None
 
 
-#: How many additions and subtractions a gather is moved through, at most.
-_MAX_PEEL = 8
+#: How many additions, subtractions and normalisers a gather is moved through, at most.
+_MAX_TERMS = 8
 
 
-def _peel(w: Value, axis: int) -> tuple[Value, list[tuple[int, bool, Value]]]:
-    """``w`` as ``base + sum(sign * term)``, each term constant along ``axis``.
-
-    A term is a value of size 1 along ``axis`` that an ``add`` or ``sub``
-    broadcasts, or the normaliser of ``log(softmax(z))`` (``flag`` true: the
-    term is the log of the value): gathering ``w`` along ``axis`` is then
-    gathering ``base`` and adding the terms, so a gather from
-    ``log_softmax(x)`` reads ``x`` itself and the log-probabilities are never
-    stored: ``x[y] - max(x) - log(sum(exp(x - max(x))))``.
+def _terms_through_log_softmax(w: Value, axis: int) -> tuple[Value, list[tuple[int, bool, Value]]]:
+    """``w`` as ``base + sum(sign * term)``, each term constant along ``axis``: the terms an ``add`` or ``sub``
+    broadcasts (:meth:`rewrite.Value.terms_along`), and the normaliser of ``log(softmax(z))`` (``flag`` true: the
+    term is the log of the value). Gathering ``w`` along ``axis`` is then gathering ``base`` and adding the
+    terms, so a gather from ``log_softmax(x)`` reads ``x`` itself and the log-probabilities are never stored:
+    ``x[y] - max(x) - log(sum(exp(x - max(x))))``.
     """
     terms: list[tuple[int, bool, Value]] = []
-    sign = 1
-    for _ in range(_MAX_PEEL):
-        node = w.node("sub") or w.node("add")
-        if node is not None and len(node.operands) == 2:
-            a, b = node.operands
-            if b.ndim == w.ndim and b.shape[axis] == 1 and a.shape == w.shape and b.dtype == w.dtype:
-                terms.append((sign if node.prim == "add" else -sign, False, b))
-                w = a
-                continue
-            if node.prim == "add" and a.ndim == w.ndim and a.shape[axis] == 1 and b.shape == w.shape and a.dtype == w.dtype:
-                terms.append((sign, False, a))
-                w = b
-                continue
-        found = _log_of_softmax(w, axis)
+    while len(terms) < _MAX_TERMS:
+        w, added = w.terms_along(axis, most=_MAX_TERMS - len(terms))
+        terms += [(sign, False, t) for sign, t in added]
+        found = _log_of_softmax(w, axis) if len(terms) < _MAX_TERMS else None
         if found is None:
             break
-        z, normaliser = found
-        terms.append((-sign, True, normaliser))
-        w = z
+        w, normaliser = found
+        terms.append((-1, True, normaliser))
     return w, terms
 
 
@@ -200,7 +186,7 @@ def _unsigned(dtype: Any) -> Any:
 def _gathered(axis: int, n: int, full: tuple[int, ...], axes: tuple[int, ...], kinds: tuple[tuple[int, bool], ...]):
     """``sum(one_hot(labels) * w, axes)`` as a gather: ``w`` at the labels, 0 where a label is out of range.
 
-    ``w`` is ``base + sum(sign * term)`` (:func:`_peel`); only ``base`` is gathered.
+    ``w`` is ``base + sum(sign * term)`` (:func:`_terms_through_log_softmax`); only ``base`` is gathered.
     """
     at = tuple(1 if i == axis else d for i, d in enumerate(full))
 
@@ -246,7 +232,7 @@ def _one_hot_sum(m):
             continue
         if prod.dtype != w.dtype:
             return None
-        base, terms = _peel(w, axis)
+        base, terms = _terms_through_log_softmax(w, axis)
         kinds = tuple((sign, log) for sign, log, _ in terms)
         return m.trace(_gathered(axis, n, w.shape, axes, kinds), labels, base, *[t for _, _, t in terms])
     return None

@@ -290,27 +290,6 @@ def _label_gather(m: Any) -> tuple | None:
     return d, idx, "FILL" in str(g.get("mode")), None if fill is None else float(fill)
 
 
-def _peel(w: Value, axis: int, most: int = 8) -> tuple[Value, list[tuple[int, Value]]]:
-    """``w`` as ``base + sum(sign * term)``, each term of size 1 along ``axis``, outermost first:
-    ``log_softmax(z)`` is ``(z - max) - log(sum)``."""
-    terms: list[tuple[int, Value]] = []
-    sign = 1
-    for _ in range(most):
-        node = w.node("sub") or w.node("add")
-        if node is None or len(node.operands) != 2:
-            break
-        a, b = node.operands
-        if b.ndim == w.ndim and b.shape[axis] == 1 and a.shape == w.shape and b.dtype == w.dtype:
-            terms.append((sign if node.prim == "add" else -sign, b))
-            w = a
-        elif node.prim == "add" and a.ndim == w.ndim and a.shape[axis] == 1 and b.shape == w.shape and a.dtype == w.dtype:
-            terms.append((sign, a))
-            w = b
-        else:
-            break
-    return w, terms
-
-
 def _smoothed(lab: Value) -> tuple[Value, Value | None, Value] | None:
     """``(a, p, q)`` when ``lab`` is ``p * a + q`` (``p`` may be absent) with scalar ``p`` and ``q``, as
     ``optax.smooth_labels`` writes ``(1 - alpha) * labels + alpha / V``; else ``None``."""
@@ -408,7 +387,7 @@ def _lse_target(block: int, columns: int, loop: bool | None):
         if r.sharded or m["x"].ndim < 2 or tuple(r.axes) != (m["x"].ndim - 1,):
             return None
         for t, x in ((m["x"], m["y"]), (m["y"], m["x"])):
-            base, terms = _peel(x, x.ndim - 1)
+            base, terms = x.terms_along(x.ndim - 1)
             if len(terms) != 2 or [s for s, _ in terms] != [-1, -1] or t.shape != x.shape or t.dtype != x.dtype \
                     or not x.is_floating or _one_hot_like(t):
                 continue
@@ -449,7 +428,7 @@ def _label_peel(m: Any) -> Any:
     g, x, idx = m.params("g"), m["d"], m["i"]
     if g.prim != "gather" or not x.is_floating or not _take_along_last(g, x.ndim, idx.shape):
         return None
-    base, terms = _peel(x, x.ndim - 1)
+    base, terms = x.terms_along(x.ndim - 1)
     if not terms or head_of(base) is None:
         return None
     signs, fills, fill = tuple(s for s, _ in terms), "FILL" in str(g.get("mode")), g.get("fill_value")
@@ -470,7 +449,7 @@ def _smooth(m: Any) -> Any:
         return None
     for lab, w in ((m["x"], m["y"]), (m["y"], m["x"])):
         found = _smoothed(lab)
-        base, terms = _peel(w, w.ndim - 1)
+        base, terms = w.terms_along(w.ndim - 1)
         head = head_of(base) if found is not None and lab.shape == w.shape and w.is_floating and \
             w.dtype == root.dtype else None
         if head is None:
