@@ -283,3 +283,21 @@ def test_the_packs_define_rules_one_way_checked_when_defined():
             if isinstance(node, ast.keyword) and node.arg == "check":
                 found.append(f"{path.relative_to(ROOT)}:{node.lineno} passes check=")
     assert not found, found
+
+
+def _rules_defined(path: pathlib.Path) -> int:
+    """How many rules a pack's file defines: its calls of ``rule``."""
+    return sum(isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "rule"
+               for node in ast.walk(ast.parse(path.read_text())))
+
+
+#: The LM head's lines per rule: every line of ``rulesets/nn_lm_head.py`` (blank, comment and docstring lines
+#: too) over the rules it defines; the kernels the rules call, the public ``rulesets/nn_lm_head_kernels.py``, are
+#: not counted. A new rule earns its lines; a helper that other packs could use belongs in the rules language.
+LM_HEAD_LINES_PER_RULE = 53.9
+
+
+def test_the_lm_head_reads_as_its_rules():
+    path = ROOT / "rulesets" / "nn_lm_head.py"
+    lines, rules = len(path.read_text().splitlines()), _rules_defined(path)
+    assert rules and lines / rules <= LM_HEAD_LINES_PER_RULE, f"{lines} lines for {rules} rules"
