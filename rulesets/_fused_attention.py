@@ -53,20 +53,20 @@ def blocked() -> bool:
 
 
 def _has_dot(logits: Sliced, ref: tuple) -> bool:
-    if ref[0] == "leaf":
+    if ref.kind == "leaf":
         return False
-    prim, _, args, _, _ = logits.steps[ref[1]]
+    prim, _, args, _, _ = logits.steps[ref.index]
     return prim.name == "dot_general" or any(_has_dot(logits, a) for a in args)
 
 
 def _literal_at(logits: Sliced, ref: tuple) -> float | None:
     """The Python value of a literal scalar (maybe broadcast), else ``None``."""
-    if ref[0] == "step":
-        prim, params, args, _, _ = logits.steps[ref[1]]
+    if ref.kind == "step":
+        prim, params, args, _, _ = logits.steps[ref.index]
         if prim.name == "broadcast_in_dim":  # a broadcast of a broadcast scalar is that scalar too
             return _literal_at(logits, args[0])
         return None
-    return _literal_through_converts(logits.leaves[ref[1]])
+    return _literal_through_converts(logits.leaves[ref.index])
 
 
 def _literal_through_converts(v: Value, depth: int = 0) -> float | None:
@@ -112,9 +112,9 @@ def _index_axis_of_value(v: Value, depth: int = 0) -> int | None:
 
 
 def _index_axis(logits: Sliced, ref: tuple, depth: int = 0) -> int | None:
-    if ref[0] == "leaf":
-        return _index_axis_of_value(logits.leaves[ref[1]])
-    prim, params, args, aval, _ = logits.steps[ref[1]]
+    if ref.kind == "leaf":
+        return _index_axis_of_value(logits.leaves[ref.index])
+    prim, params, args, aval, _ = logits.steps[ref.index]
     if depth > 8:
         return None
     if prim.name == "iota":
@@ -134,9 +134,9 @@ def _index_axis(logits: Sliced, ref: tuple, depth: int = 0) -> int | None:
 
 def _causal(logits: Sliced, ref: tuple, q_axis: int, k_axis: int, depth: int = 0) -> bool | None:
     """``True`` where ``ref`` is ``query position >= key position``, ``False`` where it is ``<``, else ``None``."""
-    if ref[0] == "leaf" or depth > 8:
+    if ref.kind == "leaf" or depth > 8:
         return None
-    prim, params, args, aval, _ = logits.steps[ref[1]]
+    prim, params, args, aval, _ = logits.steps[ref.index]
     name = prim.name
     if name == "broadcast_in_dim":  # a mask of fewer axes (flax's [b, 1, q, k]) broadcast over heads
         src = logits.aval(args[0])
@@ -179,9 +179,9 @@ def _path(logits: Sliced, out_ref: tuple) -> list[tuple] | None:
     """The steps from the logits down to the product, each with the index of its operand that leads there."""
     path, ref = [], out_ref
     for _ in range(32):
-        if ref[0] == "leaf":
+        if ref.kind == "leaf":
             return None
-        prim, _, args, _, _ = logits.steps[ref[1]]
+        prim, _, args, _, _ = logits.steps[ref.index]
         if prim.name == "dot_general":
             return path + [(ref, None)]
         dotted = [i for i, a in enumerate(args) if _has_dot(logits, a)]
@@ -197,7 +197,7 @@ def _axis_maps(logits: Sliced, path: list[tuple]) -> list[list[int | None]] | No
     dot = path[-1][0]
     maps = [list(range(len(logits.aval(dot).shape)))]
     for ref, _ in reversed(path[:-1]):
-        prim, params, _, aval, _ = logits.steps[ref[1]]
+        prim, params, _, aval, _ = logits.steps[ref.index]
         below = maps[0]
         if prim.name == "broadcast_in_dim":
             dims = tuple(params["broadcast_dimensions"])
@@ -225,12 +225,12 @@ def _logits_form(logits: Sliced, out_ref: tuple) -> tuple | None:
     if maps is None:
         return None
     dot = path[-1][0]
-    dparams, key = logits.steps[dot[1]].params, logits.steps[dot[1]].axis
+    dparams, key = logits.steps[dot.index].params, logits.steps[dot.index].axis
     nb = len(dparams["dimension_numbers"][1][0])
     q_dots = [d for d in range(nb, len(maps[-1])) if d != key]  # the query's free axes in the product
     scale, bias, causal, fill = 1.0, [], None, None
     for (ref, i), amap in zip(path[:-1], maps):
-        prim, _, args, aval, _ = logits.steps[ref[1]]
+        prim, _, args, aval, _ = logits.steps[ref.index]
         name = prim.name
         if name in ("broadcast_in_dim", "transpose") or (name == "convert_element_type"
                                                            and jnp.issubdtype(aval.dtype, jnp.floating)):
@@ -265,9 +265,9 @@ def _exact_in(logits: Sliced, ref: tuple, dtype: Any, depth: int = 0) -> bool:
     """Whether every value of ``ref`` is one of ``dtype`` (values of it widened, broadcast or moved)."""
     if logits.aval(ref).dtype == dtype:
         return True
-    if ref[0] == "leaf" or depth > 8:
+    if ref.kind == "leaf" or depth > 8:
         return False
-    prim, _, args, _, _ = logits.steps[ref[1]]
+    prim, _, args, _, _ = logits.steps[ref.index]
     if prim.name in ("convert_element_type", "broadcast_in_dim", "transpose", "reshape", "squeeze"):
         return _exact_in(logits, args[0], dtype, depth + 1)
     return False
@@ -303,7 +303,7 @@ def fused(logits: Sliced, p_first: bool, pv_dn: Any, v_aval: Any, squeezed: tupl
     if form is None:
         return None
     dot_ref, scale, bias, causal, top = form
-    _, dparams, (a_ref, b_ref), d_aval, key = logits.steps[dot_ref[1]]
+    _, dparams, (a_ref, b_ref), d_aval, key = logits.steps[dot_ref.index]
     (lc, rc), (lb, rb) = dparams["dimension_numbers"]
     nb, rank = len(lb), len(d_aval.shape)
     q_lhs = key == rank - 1  # the query is the product's left operand
