@@ -209,8 +209,8 @@ def _scale_outside(logits: Sliced) -> tuple[tuple, tuple]:
     (a divisor of magnitude 1 or more, a factor of at most 1), so no element overflows where the original's
     would not; a power of two moves exactly, and any other scale rounds ``q`` once, within the pack's
     tolerance (in float32 and float64 only: in a half-precision dtype it stays in the loop). The backward
-    keeps the scale in its loop: with ``q`` scaled outside, haiku's layer's gradient measured 6-10% slower
-    (one process, 15 rounds, either order), though its loop makes one pass fewer.
+    keeps the scale in its loop, where haiku's layer's gradient is faster, though the loop makes one pass more
+    (``benchmarks/results/attention.md``).
     """
     steps = list(logits.steps)
     uses = collections.Counter(a.index for step in steps for a in step.args if a.kind == "step")
@@ -241,7 +241,7 @@ def _scale_outside(logits: Sliced) -> tuple[tuple, tuple]:
             # the scale's step becomes the product of the scaled q (the unscaled product is read no more).
             # One scale moves, the first: the logits have one product, and a second scale of it (a soft cap's
             # ``tanh(s / 20)`` after ``s = q k^T / 8``) would read this step as the product, over a leaf that
-            # is not the logits' (an IndexError, found on Gemma's soft-capped logits).
+            # is not the logits'.
             steps[j] = product._replace(args=tuple(args))
             return tuple(steps), (_Scale(q_ref.index, c_ref.index, step.primitive.name),)
     return tuple(steps), ()
