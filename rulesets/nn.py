@@ -62,17 +62,13 @@ import numpy as np
 from jax import lax
 
 from rewrite import Params, Pat, Ruleset, Value, procedural, rule
-from rulesets.derivatives import _f32
+from rulesets._examples import f32, i32
 from rulesets.derivatives import derivatives as _derivatives
 from rulesets.nn_lm_head import nn_lm_head
 
 __all__ = ["nn", "one_hot_of"]
 
 X, Y = Pat.var("x"), Pat.var("y")
-
-
-def _i32(*shape: int) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(shape, jnp.int32)
 
 
 # ---------------------------------------------------------------------- one-hot arrays
@@ -331,17 +327,17 @@ _ONE_MINUS_SIGMOID = _derivatives.rule("explog_one_minus_logistic")
 
 nn_one_hot = Ruleset("nn_one_hot", [
     rule(Pat("reduce_sum", Pat("mul", X, Y), params="r"), _one_hot_sum, name="nn_one_hot_sum",  # sum(one_hot(y) * w) -> w[y]
-         example_program=(_one_hot_ce, (_f32(4, 8), _i32(4)))),
+         example_program=(_one_hot_ce, (f32(4, 8), i32(4)))),
 ], soundness="identity",
     description="one-hot products as gathers")
 
 nn_stable = Ruleset("nn_stable", [
     rule(Pat("log", Pat("div", Pat("exp", X),                                                                # log(softmax(z)) -> log_softmax(z)
                         Pat("broadcast_in_dim", Pat("reduce_sum", Pat("exp", X), params="r"), params="b"))),
-         _log_softmax, prefer=True, name="nn_log_softmax", example_program=(_softmax_log, (_f32(4, 8),))),
+         _log_softmax, prefer=True, name="nn_log_softmax", example_program=(_softmax_log, (f32(4, 8),))),
     rule(Pat("log", Pat("reduce_sum", Pat("exp", X), params="r")),                                           # log(sum(exp(z))) -> logsumexp(z)
          lambda x, r: jax.nn.logsumexp(x, axis=tuple(r.axes)), when=_logsumexp_ok, prefer=True, name="nn_logsumexp",
-         example_program=(lambda z: jnp.log(jnp.sum(jnp.exp(z), axis=-1)), (_f32(4, 8),))),
+         example_program=(lambda z: jnp.log(jnp.sum(jnp.exp(z), axis=-1)), (f32(4, 8),))),
     rule(lambda z: jnp.log(lax.logistic(z)), lambda z: -_softplus(-z), prefer=True, name="nn_log_sigmoid"),  # log(σ(z)) -> -softplus(-z)
     _ONE_MINUS_SIGMOID,                                                                                      # 1 - σ(z) -> σ(-z), so log(1 - σ(z)) -> -softplus(z)
     rule(lambda x: jnp.log(1.0 + x), lambda x: jnp.log1p(x), prefer=True, name="nn_log1p"),                  # log(1 + x) -> log1p(x)

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from rewrite import Params, Pat, Ruleset, Tolerance, Value, procedural, rule
+from rulesets._examples import f32, i32
 from rulesets.nn_lm_head_kernels import COLUMNS, Layout, Reads, Stats, blocked_loss, label_logit, label_plus_terms, \
     row_shift, row_sums, smoothed_sum
 
@@ -484,20 +485,12 @@ def _ce_target(h: Any, w: Any, t: Any) -> Any:  # optax.softmax_cross_entropy(h 
     return -jnp.mean(jnp.sum(t * jax.nn.log_softmax(h @ w), axis=-1))
 
 
-def _f32(*shape: int) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(shape, jnp.float32)
-
-
-def _i32(*shape: int) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(shape, jnp.int32)
-
-
 def _int_at(block: int) -> tuple:
-    return _ce_int, (_f32(2 * block, 8), _f32(8, 16), _i32(2 * block))
+    return _ce_int, (f32(2 * block, 8), f32(8, 16), i32(2 * block))
 
 
 def _target_at(block: int) -> tuple:
-    return _ce_target, (_f32(2 * block, 8), _f32(8, 16), _f32(2 * block, 16))
+    return _ce_target, (f32(2 * block, 8), f32(8, 16), f32(2 * block, 16))
 
 
 def lm_head_rules(*, columns: int = COLUMNS, loop: bool | None = None) -> Ruleset:
@@ -512,11 +505,11 @@ def lm_head_rules(*, columns: int = COLUMNS, loop: bool | None = None) -> Rulese
     c, g = columns, loop
     return Ruleset("nn_lm_head", [
         rule(_GATHER, _label(g), name="nn_lm_head_label",  # (h @ W + b)[y] -> h . W[:, y] + b[y]
-             example_program=(_ce_int, (_f32(8, 4), _f32(4, 16), _i32(8)))),
+             example_program=(_ce_int, (f32(8, 4), f32(4, 16), i32(8)))),
         rule(_GATHER, _label_peel, name="nn_lm_head_label_peel",  # log_softmax(z)[y] -> z[y] - max - log(sum)
-             example_program=(_ce_log_softmax, (_f32(8, 4), _f32(4, 16), _f32(16), _i32(8)))),
+             example_program=(_ce_log_softmax, (f32(8, 4), f32(4, 16), f32(16), i32(8)))),
         rule(_SUM_PRODUCT, _smooth, name="nn_lm_head_smooth",  # sum((p a + q) * (h @ W - t)) -> p sum(a * ...) + q (h @ sum(W) - V t)
-             example_program=(_ce_smooth, (_f32(8, 4), _f32(4, 16), _i32(8)))),
+             example_program=(_ce_smooth, (f32(8, 4), f32(4, 16), i32(8)))),
         rule(_GATHER, _lse_label(128, c, g), name="nn_lm_head_lse_label_128",  # lse(h @ W) and (h @ W)[y] -> one scan over token blocks
              example_program=_int_at(128)),
         rule(_GATHER, _lse_label(256, c, g), name="nn_lm_head_lse_label_256",  # lse(h @ W) and (h @ W)[y] -> one scan over token blocks
