@@ -53,30 +53,30 @@ def blocked() -> bool:
 
 
 def _has_dot(logits: Sliced, ref: tuple) -> bool:
-    if ref[0] == "leaf":
+    if ref.kind == "leaf":
         return False
-    prim, _, args, _, _ = logits.steps[ref[1]]
+    prim, _, args, _, _ = logits.steps[ref.index]
     return prim.name == "dot_general" or any(_has_dot(logits, a) for a in args)
 
 
-def _scalar(logits: Sliced, ref: tuple) -> float | None:
+def _literal_at(logits: Sliced, ref: tuple) -> float | None:
     """The Python value of a literal scalar (maybe broadcast), else ``None``."""
-    if ref[0] == "step":
-        prim, params, args, _, _ = logits.steps[ref[1]]
+    if ref.kind == "step":
+        prim, params, args, _, _ = logits.steps[ref.index]
         if prim.name == "broadcast_in_dim":  # a broadcast of a broadcast scalar is that scalar too
-            return _scalar(logits, args[0])
+            return _literal_at(logits, args[0])
         return None
-    return _scalar_value(logits.leaves[ref[1]])
+    return _literal_through_converts(logits.leaves[ref.index])
 
 
-def _scalar_value(v: Value, depth: int = 0) -> float | None:
+def _literal_through_converts(v: Value, depth: int = 0) -> float | None:
     """A literal scalar's value, maybe converted to another dtype (a Python float under ``jnp.where``)."""
     if v.shape != () or depth > 4:
         return None
     if v.literal is not None:
         return float(v.literal)
     node = v.node("convert_element_type")
-    inner = None if node is None else _scalar_value(node.operands[0], depth + 1)
+    inner = None if node is None else _literal_through_converts(node.operands[0], depth + 1)
     return None if inner is None else float(np.asarray(inner).astype(node.params["new_dtype"]))
 
 
@@ -112,16 +112,16 @@ def _index_axis_of_value(v: Value, depth: int = 0) -> int | None:
 
 
 def _index_axis(logits: Sliced, ref: tuple, depth: int = 0) -> int | None:
-    if ref[0] == "leaf":
-        return _index_axis_of_value(logits.leaves[ref[1]])
-    prim, params, args, aval, _ = logits.steps[ref[1]]
+    if ref.kind == "leaf":
+        return _index_axis_of_value(logits.leaves[ref.index])
+    prim, params, args, aval, _ = logits.steps[ref.index]
     if depth > 8:
         return None
     if prim.name == "iota":
         return _own_position(aval.dtype, aval.shape, int(params["dimension"]))
     if prim.name == "convert_element_type" and jnp.issubdtype(aval.dtype, jnp.integer):
         return _own_position(aval.dtype, aval.shape, _index_axis(logits, args[0], depth + 1))
-    if prim.name in ("add", "sub") and len(args) == 2 and _scalar(logits, args[1]) == 0.0:
+    if prim.name in ("add", "sub") and len(args) == 2 and _literal_at(logits, args[1]) == 0.0:
         return _index_axis(logits, args[0], depth + 1)  # jnp.tril's iota + 0
     if prim.name == "broadcast_in_dim":
         inner = _index_axis(logits, args[0], depth + 1)
@@ -134,9 +134,9 @@ def _index_axis(logits: Sliced, ref: tuple, depth: int = 0) -> int | None:
 
 def _causal(logits: Sliced, ref: tuple, q_axis: int, k_axis: int, depth: int = 0) -> bool | None:
     """``True`` where ``ref`` is ``query position >= key position``, ``False`` where it is ``<``, else ``None``."""
-    if ref[0] == "leaf" or depth > 8:
+    if ref.kind == "leaf" or depth > 8:
         return None
-    prim, params, args, aval, _ = logits.steps[ref[1]]
+    prim, params, args, aval, _ = logits.steps[ref.index]
     name = prim.name
     if name == "broadcast_in_dim":  # a mask of fewer axes (flax's [b, 1, q, k]) broadcast over heads
         src = logits.aval(args[0])
@@ -150,17 +150,17 @@ def _causal(logits: Sliced, ref: tuple, q_axis: int, k_axis: int, depth: int = 0
     if name == "convert_element_type":  # a bool mask as 0/1 numbers, read back by ``!= 0``
         return _causal(logits, args[0], q_axis, k_axis, depth + 1)
     if name == "ne" and len(args) == 2:
-        zero = [i for i, a in enumerate(args) if _scalar(logits, a) == 0.0]
+        zero = [i for i, a in enumerate(args) if _literal_at(logits, a) == 0.0]
         if len(zero) == 1:
             return _causal(logits, args[1 - zero[0]], q_axis, k_axis, depth + 1)
         return None
     if name == "and" and len(args) == 2:  # jax's masks start from all true: ``ones & tril``
-        true = [i for i, a in enumerate(args) if _scalar(logits, a) == 1.0]
+        true = [i for i, a in enumerate(args) if _literal_at(logits, a) == 1.0]
         if len(true) == 1:
             return _causal(logits, args[1 - true[0]], q_axis, k_axis, depth + 1)
         return None
     if name == "select_n" and len(args) == 3:  # ``where(p, True, False)`` (jnp.tril of ones) or its negation
-        on, off = _scalar(logits, args[2]), _scalar(logits, args[1])
+        on, off = _literal_at(logits, args[2]), _literal_at(logits, args[1])
         if (on, off) not in ((1.0, 0.0), (0.0, 1.0)):
             return None
         inner = _causal(logits, args[0], q_axis, k_axis, depth + 1)
@@ -179,9 +179,9 @@ def _path(logits: Sliced, out_ref: tuple) -> list[tuple] | None:
     """The steps from the logits down to the product, each with the index of its operand that leads there."""
     path, ref = [], out_ref
     for _ in range(32):
-        if ref[0] == "leaf":
+        if ref.kind == "leaf":
             return None
-        prim, _, args, _, _ = logits.steps[ref[1]]
+        prim, _, args, _, _ = logits.steps[ref.index]
         if prim.name == "dot_general":
             return path + [(ref, None)]
         dotted = [i for i, a in enumerate(args) if _has_dot(logits, a)]
@@ -197,7 +197,7 @@ def _axis_maps(logits: Sliced, path: list[tuple]) -> list[list[int | None]] | No
     dot = path[-1][0]
     maps = [list(range(len(logits.aval(dot).shape)))]
     for ref, _ in reversed(path[:-1]):
-        prim, params, _, aval, _ = logits.steps[ref[1]]
+        prim, params, _, aval, _ = logits.steps[ref.index]
         below = maps[0]
         if prim.name == "broadcast_in_dim":
             dims = tuple(params["broadcast_dimensions"])
@@ -225,25 +225,25 @@ def _logits_form(logits: Sliced, out_ref: tuple) -> tuple | None:
     if maps is None:
         return None
     dot = path[-1][0]
-    dparams, key = logits.steps[dot[1]].params, logits.steps[dot[1]].axis
+    dparams, key = logits.steps[dot.index].params, logits.steps[dot.index].axis
     nb = len(dparams["dimension_numbers"][1][0])
     q_dots = [d for d in range(nb, len(maps[-1])) if d != key]  # the query's free axes in the product
     scale, bias, causal, fill = 1.0, [], None, None
     for (ref, i), amap in zip(path[:-1], maps):
-        prim, _, args, aval, _ = logits.steps[ref[1]]
+        prim, _, args, aval, _ = logits.steps[ref.index]
         name = prim.name
         if name in ("broadcast_in_dim", "transpose") or (name == "convert_element_type"
                                                            and jnp.issubdtype(aval.dtype, jnp.floating)):
             continue
         if name in ("mul", "div") and len(args) == 2:
-            c = _scalar(logits, args[1 - i])
+            c = _literal_at(logits, args[1 - i])
             if c is None or not math.isfinite(c) or c <= 0 or (name == "div" and i == 1):
                 return None
             scale *= c if name == "mul" else 1.0 / c  # scales what lies below: the product, a bias added there
         elif name in ("add", "sub") and len(args) == 2 and not (name == "sub" and i == 1):
             bias.append((args[1 - i], scale if name == "add" else -scale, tuple(aval.shape), amap))
         elif name == "select_n" and len(args) == 3 and i != 0 and causal is None:
-            lo = _scalar(logits, args[3 - i])
+            lo = _literal_at(logits, args[3 - i])
             # a bias added after the mask would move the masked logits: the fused call adds it before
             if lo is None or bias or key not in amap:
                 return None
@@ -265,9 +265,9 @@ def _exact_in(logits: Sliced, ref: tuple, dtype: Any, depth: int = 0) -> bool:
     """Whether every value of ``ref`` is one of ``dtype`` (values of it widened, broadcast or moved)."""
     if logits.aval(ref).dtype == dtype:
         return True
-    if ref[0] == "leaf" or depth > 8:
+    if ref.kind == "leaf" or depth > 8:
         return False
-    prim, _, args, _, _ = logits.steps[ref[1]]
+    prim, _, args, _, _ = logits.steps[ref.index]
     if prim.name in ("convert_element_type", "broadcast_in_dim", "transpose", "reshape", "squeeze"):
         return _exact_in(logits, args[0], dtype, depth + 1)
     return False
@@ -303,7 +303,7 @@ def fused(logits: Sliced, p_first: bool, pv_dn: Any, v_aval: Any, squeezed: tupl
     if form is None:
         return None
     dot_ref, scale, bias, causal, top = form
-    _, dparams, (a_ref, b_ref), d_aval, key = logits.steps[dot_ref[1]]
+    _, dparams, (a_ref, b_ref), d_aval, key = logits.steps[dot_ref.index]
     (lc, rc), (lb, rb) = dparams["dimension_numbers"]
     nb, rank = len(lb), len(d_aval.shape)
     q_lhs = key == rank - 1  # the query is the product's left operand

@@ -34,7 +34,6 @@ compute with excess precision. Anything only approximately true belongs in
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Callable
 
 import jax
@@ -42,23 +41,19 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from rewrite import Pat, Ruleset, Value, ops, procedural
-from rewrite import rule as _rule
-
-# Every rule's example program is rewritten by the contract test (tests/test_contract.py), not on import.
-rule = functools.partial(_rule, check=False)
+from rewrite import Pat, Ruleset, Value, ops, procedural, rule
 
 __all__ = ["algebra", "own_power"]
 
 X = Pat.var("x")
 
 
-def _f32(*shape: int) -> tuple[jax.ShapeDtypeStruct]:
+def _f32_args(*shape: int) -> tuple[jax.ShapeDtypeStruct]:
     """The arguments of a ``Pat`` rule's example program: one float32 array of this shape."""
     return (jax.ShapeDtypeStruct(shape, jnp.float32),)
 
 
-_V, _M, _M1, _SCALAR = _f32(7), _f32(3, 5), _f32(1, 3, 5), _f32()
+_V, _M, _M1, _SCALAR = _f32_args(7), _f32_args(3, 5), _f32_args(1, 3, 5), _f32_args()
 _INT = jax.ShapeDtypeStruct((3,), jnp.int32)
 _BOOL_F32 = (jax.ShapeDtypeStruct((3,), jnp.bool_), jax.ShapeDtypeStruct((3,), jnp.float32))
 
@@ -448,19 +443,19 @@ algebra = Ruleset("algebra", [
          example_program=(_ex_layout_chain, _M + _M1 + _SCALAR)),
     rule(_chain("broadcast_in_dim", "broadcast_in_dim"), lambda x, pi, po: lax.broadcast_in_dim(  # bcast(bcast(x)) -> bcast(x)
         x, po.shape, tuple(po.broadcast_dimensions[d] for d in pi.broadcast_dimensions)), name="broadcast_broadcast",
-         example_program=(lambda x: jnp.broadcast_to(jnp.broadcast_to(x, (4, 5)), (2, 4, 5)), _f32(5))),
+         example_program=(lambda x: jnp.broadcast_to(jnp.broadcast_to(x, (4, 5)), (2, 4, 5)), _f32_args(5))),
     rule(_chain("transpose", "transpose"), lambda x, pi, po: _transpose(x, tuple(pi.permutation[i] for i in po.permutation)),
-         name="transpose_transpose", example_program=(_ex_transpose_transpose, _f32(2, 3, 4))),  # transpose(transpose(x, p), q) -> transpose(x, p[q])
+         name="transpose_transpose", example_program=(_ex_transpose_transpose, _f32_args(2, 3, 4))),  # transpose(transpose(x, p), q) -> transpose(x, p[q])
     rule(_chain("transpose", "broadcast_in_dim"), lambda x, pi, po: lax.broadcast_in_dim(     # transpose(bcast(x)) -> bcast(x), dims in order
         x, tuple(pi.shape[d] for d in po.permutation), _broadcast_transposed(pi, po)), name="transpose_broadcast",
          when=lambda pi, po: list(_broadcast_transposed(pi, po)) == sorted(set(_broadcast_transposed(pi, po))),
-         example_program=(lambda x: jnp.broadcast_to(x, (4, 5)).T, _f32(5))),
+         example_program=(lambda x: jnp.broadcast_to(x, (4, 5)).T, _f32_args(5))),
     # reductions over axes of size 1 touch one element per output: a reshape (XLA's too: sum([-0.0]) is -0.0)
     rule(Pat(ops.REDUCE - ops.ARG_REDUCE, X, params="p"), lambda x, p: _reshape(x, _without(x.shape, p.axes)),
          when=_unit, name="reduce_unit_axes", example_program=(lambda x: (x.sum(1), x.prod(1), x.max(1), x.min(1),
-                                                                   (x > 0).all(1), (x > 0).any(1)), _f32(4, 1, 3))),  # sum(x, size-1 axes) -> reshape(x)
+                                                                   (x > 0).all(1), (x > 0).any(1)), _f32_args(4, 1, 3))),  # sum(x, size-1 axes) -> reshape(x)
     rule(Pat(ops.ARG_REDUCE, X, params="p"), lambda x, p: lax.full(_without(x.shape, p.axes), 0, p.index_dtype),
-         when=_unit, name="arg_unit_axes", example_program=(lambda x: (jnp.argmax(x, 1), jnp.argmin(x, 1)), _f32(4, 1, 3))),  # argmax(x, size-1 axis) -> 0
+         when=_unit, name="arg_unit_axes", example_program=(lambda x: (jnp.argmax(x, 1), jnp.argmin(x, 1)), _f32_args(4, 1, 3))),  # argmax(x, size-1 axis) -> 0
     # converts
     rule(_chain("convert_element_type", "convert_element_type"), lambda x, po: _convert(x, po), name="convert_convert",
          when=lambda x, y, po: _convert_convert(x, y, po), example_program=(_ex_convert_convert, _INT8_BF16)),  # convert(convert(x, wider), B) -> convert(x, B)

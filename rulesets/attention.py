@@ -91,6 +91,7 @@ True
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import math
@@ -199,7 +200,7 @@ class _Scale(NamedTuple):
 
 def _scale_outside(logits: Sliced) -> tuple[tuple, tuple]:
     """The forward's steps with a literal scale of the product ``(q k^T) / c`` (or ``* c``) applied to ``q``, the
-    operand read whole: ``(steps, scaled)``, each of ``scaled`` (a :class:`_Scale`) an extra leaf
+    operand read whole: ``(steps, scaled)``, ``scaled`` at most one :class:`_Scale`, an extra leaf
     after the logits' own, computed once before the loop.
 
     In the loop the scale is its own pass over each block's scores: XLA:CPU's library product does not take
@@ -208,49 +209,42 @@ def _scale_outside(logits: Sliced) -> tuple[tuple, tuple]:
     (a divisor of magnitude 1 or more, a factor of at most 1), so no element overflows where the original's
     would not; a power of two moves exactly, and any other scale rounds ``q`` once, within the pack's
     tolerance (in float32 and float64 only: in a half-precision dtype it stays in the loop). The backward
-    keeps the scale in its loop: with ``q`` scaled outside, haiku's layer's gradient measured 6-10% slower
-    (one process, 15 rounds, either order), though its loop makes one pass fewer.
+    keeps the scale in its loop, where haiku's layer's gradient is faster, though the loop makes one pass more
+    (``benchmarks/results/attention.md``).
     """
     steps = list(logits.steps)
-    scaled: list[_Scale] = []
-    uses: dict[int, int] = {}
-    for _, _, args, _, _ in steps:
-        for a in args:
-            if a[0] == "step":
-                uses[a[1]] = uses.get(a[1], 0) + 1
-    for j, (prim, params, args, aval, key) in enumerate(steps):
-        if prim.name not in ("div", "mul") or len(args) != 2:
+    uses = collections.Counter(a.index for step in steps for a in step.args if a.kind == "step")
+    for j, step in enumerate(steps):
+        if step.primitive.name not in ("div", "mul") or len(step.args) != 2:
             continue
-        pairs = [(args[0], args[1])] if prim.name == "div" else [(args[0], args[1]), (args[1], args[0])]
-        for d_ref, c_ref in pairs:
-            if d_ref[0] != "step" or c_ref[0] != "leaf" or uses.get(d_ref[1]) != 1:
+        a, b = step.args
+        for d_ref, c_ref in [(a, b)] if step.primitive.name == "div" else [(a, b), (b, a)]:
+            if d_ref.kind != "step" or c_ref.kind != "leaf" or uses[d_ref.index] != 1:
                 continue
-            c = logits.leaves[c_ref[1]]
-            dprim, dparams, dargs, daval, dkey = steps[d_ref[1]]
-            value = _fused._scalar_value(c)
-            if dprim.name != "dot_general" or value is None or not np.isfinite(value) or value == 0:
+            c, product = logits.leaves[c_ref.index], steps[d_ref.index]
+            value, dtype = _fused._literal_through_converts(c), product.aval.dtype
+            if product.primitive.name != "dot_general" or value is None or not np.isfinite(value) or value == 0:
                 continue
-            if (abs(value) < 1) if prim.name == "div" else (abs(value) > 1):
+            if (abs(value) < 1) if step.primitive.name == "div" else (abs(value) > 1):
                 continue
             exact = math.frexp(abs(value))[0] == 0.5  # a power of two scales every element exactly
-            if not exact and jnp.finfo(daval.dtype).nmant < 23:
+            if not exact and jnp.finfo(dtype).nmant < 23:
                 continue  # rounding q to a half-precision dtype once more is not within the logits' own rounding
-            whole = [k for k, a in enumerate(dargs) if a[0] == "leaf" and logits.leaf_axes[a[1]] is None]
+            whole = [k for k, r in enumerate(product.args) if r.kind == "leaf" and logits.leaf_axes[r.index] is None]
             if len(whole) != 1:
                 continue
-            q = logits.leaves[dargs[whole[0]][1]]
-            if q.dtype != daval.dtype or c.dtype != daval.dtype or aval.dtype != daval.dtype:
+            q_ref = product.args[whole[0]]
+            if logits.leaves[q_ref.index].dtype != dtype or c.dtype != dtype or step.aval.dtype != dtype:
                 continue
-            new_args = list(dargs)
-            new_args[whole[0]] = dargs[whole[0]]._replace(index=len(logits.leaves) + len(scaled))
-            scaled.append(_Scale(dargs[whole[0]][1], c_ref[1], prim.name))
+            args = list(product.args)
+            args[whole[0]] = q_ref._replace(index=len(logits.leaves))  # the scaled q, a leaf after the logits'
             # the scale's step becomes the product of the scaled q (the unscaled product is read no more).
             # One scale moves, the first: the logits have one product, and a second scale of it (a soft cap's
             # ``tanh(s / 20)`` after ``s = q k^T / 8``) would read this step as the product, over a leaf that
-            # is not the logits' (an IndexError, found on Gemma's soft-capped logits).
-            steps[j] = steps[d_ref[1]]._replace(args=tuple(new_args))
-            return tuple(steps), tuple(scaled)
-    return tuple(steps), tuple(scaled)
+            # is not the logits'.
+            steps[j] = product._replace(args=tuple(args))
+            return tuple(steps), (_Scale(q_ref.index, c_ref.index, step.primitive.name),)
+    return tuple(steps), ()
 
 
 # ---------------------------------------------------------------------- the matched logits as the kernel's

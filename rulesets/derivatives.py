@@ -73,11 +73,8 @@ import numpy as np
 from jax import lax
 
 import rulesets
-from rewrite import Pat, Ruleset, Tolerance, Value, procedural
-from rewrite import rule as _rule
-
-# Every rule's example program is rewritten by the contract test (tests/test_contract.py), not on import.
-rule = functools.partial(_rule, check=False)
+from rewrite import Pat, Ruleset, Tolerance, Value, procedural, rule
+from rulesets._examples import f32
 
 __all__ = ["derivatives", "derivatives_fastmath", "doubles_safely", "product_tree", "simplify", "pieces", "Factor"]
 
@@ -85,11 +82,7 @@ X, Y = Pat.var("x"), Pat.var("y")
 _algebra = rulesets.algebra
 
 
-def _f32(*shape: int) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(shape, jnp.float32)
-
-
-_S = _f32(3, 4)  # the shape the Pat rules' example programs run at
+_S = f32(3, 4)  # the shape the Pat rules' example programs run at
 
 #: How far :func:`product_tree` looks: product nodes walked, and leaves kept.
 _MAX_NODES = 24
@@ -579,7 +572,7 @@ products = Ruleset("derivatives_products", [
 
 reductions = Ruleset("derivatives_reductions", [
     rule(Pat("reduce_sum", X, params="p"), _sum_pull, name="red_pull",                             # sum(b*x) -> b*sum(x), b broadcast on the axes
-         example_program=(lambda x, b: _sum0(x * b[None, :]), (_S, _f32(4)))),
+         example_program=(lambda x, b: _sum0(x * b[None, :]), (_S, f32(4)))),
     rule(Pat("reduce_sum", Pat("neg", X), params="p"), lambda x, p: lax.neg(p.bind(x)), name="red_sum_neg",  # sum(-x) -> -sum(x)
          example_program=(lambda x: _sum0(-x), (_S,))),
     rule(Pat("neg", Pat("reduce_sum", X, params="p")), lambda x, p: p.bind(lax.neg(x)), name="red_neg_sum",  # -sum(x) -> sum(-x): merges with a sum

@@ -32,26 +32,17 @@ class and lives in ``rulesets.derivatives`` (docs/rules.md, section 6).
 
 from __future__ import annotations
 
-import functools
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from rewrite import Limits, Pat, Ruleset, Tolerance, procedural
-from rewrite import rule as _rule
-
-# Every rule's example program is rewritten by the contract test (tests/test_contract.py), not on import.
-rule = functools.partial(_rule, check=False)
+from rewrite import Limits, Pat, Ruleset, Tolerance, procedural, rule
+from rulesets._examples import f32
 from rulesets.algebra import _MUL_POWS, _MUL_X_POW, _POW_POW, own_power
 
 __all__ = ["fastmath", "reassociate", "reciprocal", "cancel", "distribute", "powers", "signed_zeros"]
 
 X = Pat.var("x")
-
-
-def _f32(*shape: int) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(shape, jnp.float32)
 
 
 def _floating(*xs) -> bool:
@@ -109,7 +100,7 @@ def _not_reciprocal(x, y) -> bool:
 
 reciprocal = Ruleset("reciprocal", [
     rule(Pat("div", X, Pat.lit(name="c")), _div_by_constant, name="div_const",
-         example_program=(lambda x: jnp.mean(x, axis=-1), (_f32(4, 5),))),                   # x / c -> x * (1/c)  (a mean's count)
+         example_program=(lambda x: jnp.mean(x, axis=-1), (f32(4, 5),))),                   # x / c -> x * (1/c)  (a mean's count)
     # 1.0 / y with jnp, as users write it: its literal is strong, lax.div's is weak, and only
     # the same literal makes the same class
     rule(lambda x, y: lax.div(x, y), lambda x, y: lax.mul(x, 1.0 / y),
@@ -148,7 +139,7 @@ distribute = Ruleset("distribute", [
          name="factor_div", when=_nonzero_divisor),  # a/c + b/c -> (a + b)/c, c != 0
     rule(Pat("reduce_sum", Pat("mul", X, Pat.var("s")), params="p"), lambda x, s, p: lax.mul(p.bind(x), s),
          when=lambda x, s: s.ndim == 0 and _floating(x, s), name="sum_scalar_mul",            # sum(x * s) -> sum(x) * s  (scalar s: one multiplication)
-         example_program=(lambda x, s: jnp.sum(x * s, axis=-1), (_f32(4, 5), _f32()))),
+         example_program=(lambda x, s: jnp.sum(x * s, axis=-1), (f32(4, 5), f32()))),
 ], soundness="fastmath", tolerance=Tolerance(rtol=1e-5, atol=1e-6), limits=Limits(matches=200, ban=2, iterations=8),
     description="factor common multiplicands and divisors: values of one sign, within 1e-5 relative")
 
@@ -166,11 +157,11 @@ def _base(x, n: int) -> bool:
 
 powers = Ruleset("powers", [
     rule(_POW_POW, lambda x, p, q: lax.integer_pow(x, p.y * q.y), when=lambda x, p, q: _base(x, p.y * q.y),
-         name="pow_pow_any", example_program=(lambda x: (x ** 3) ** 2, (_f32(7),))),                  # (x^a)^b -> x^(a*b)
+         name="pow_pow_any", example_program=(lambda x: (x ** 3) ** 2, (f32(7),))),                  # (x^a)^b -> x^(a*b)
     rule(_MUL_POWS, lambda x, p, q: lax.integer_pow(x, p.y + q.y), when=lambda x, p, q: _base(x, p.y + q.y),
-         name="mul_pows_any", example_program=(lambda x: x ** 2 * x ** 3, (_f32(7),))),                # x^a * x^b -> x^(a+b)
+         name="mul_pows_any", example_program=(lambda x: x ** 2 * x ** 3, (f32(7),))),                # x^a * x^b -> x^(a+b)
     rule(_MUL_X_POW, lambda x, q: lax.integer_pow(x, q.y + 1), when=lambda x, q: _base(x, q.y + 1),
-         name="mul_x_pow_any", example_program=(lambda x: x * x ** 6, (_f32(7),))),                    # x * x^a -> x^(a+1)
+         name="mul_x_pow_any", example_program=(lambda x: x * x ** 6, (f32(7),))),                    # x * x^a -> x^(a+1)
 ], soundness="fastmath", tolerance=Tolerance(rtol=2e-6, atol=0.0),
     description="fold products and powers of powers: a few roundings, exponents up to 64")
 

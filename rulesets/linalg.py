@@ -68,7 +68,6 @@ operands accumulated in ``int32``, say) are left alone. Rule names start with
 
 from __future__ import annotations
 
-import functools
 import itertools
 import math
 from typing import Any, Callable, Sequence
@@ -79,11 +78,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from rewrite import Pat, Ruleset, Tolerance, Value, procedural
-from rewrite import rule as _rule
-
-# Every rule's example program is rewritten by the contract test (tests/test_contract.py), not on import.
-rule = functools.partial(_rule, check=False)
+from rewrite import Pat, Ruleset, Tolerance, Value, procedural, rule
+from rulesets._examples import f32
 
 __all__ = ["linalg"]
 
@@ -572,16 +568,12 @@ def _diagonal_of_product(m):
 
 
 # ---------------------------------------------------------------------- guards and examples
-def _f32(*shape: int) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(shape, jnp.float32)
-
-
 def _numeric(*vs: Value) -> bool:
     return all(jnp.issubdtype(v.dtype, jnp.number) for v in vs)
 
 
-_M34, _M45, _M53, _M43, _V5 = _f32(3, 4), _f32(4, 5), _f32(5, 3), _f32(4, 3), _f32(5)
-_HEADS = (_f32(2, 3, 6, 4), _f32(2, 3, 6, 4), _f32(2, 3, 6, 5))   # (batch, heads, N, d) queries, keys, values
+_M34, _M45, _M53, _M43, _V5 = f32(3, 4), f32(4, 5), f32(5, 3), f32(4, 3), f32(5)
+_HEADS = (f32(2, 3, 6, 4), f32(2, 3, 6, 4), f32(2, 3, 6, 5))   # (batch, heads, N, d) queries, keys, values
 
 
 def _ex_attention(q, k, v):
@@ -617,7 +609,7 @@ linalg = Ruleset("linalg", [
     rule(Pat("dot_general", Pat("dot_general", A, B, params="pi"), C, params="po"), _assoc_left,
          name="la_assoc_left", example_program=(lambda a, b, x: (a @ b) @ x, (_M34, _M45, _V5))),          # (a b) c -> a (b c)
     rule(Pat("dot_general", A, Pat("dot_general", B, C, params="pi"), params="po"), _assoc_right,
-         name="la_assoc_right", example_program=(lambda x, a, b: x @ (a @ b), (_f32(3), _M34, _M45))),     # a (b c) -> (a b) c
+         name="la_assoc_right", example_program=(lambda x, a, b: x @ (a @ b), (f32(3), _M34, _M45))),     # a (b c) -> (a b) c
     # transposes
     rule(Pat("dot_general", Pat("transpose", A, params="t"), B, params="p"), _fold_transpose("lhs"),
          name="la_fold_transpose_lhs", example_program=(lambda a, b: a.T @ b, (_M43, _M45))),              # a^T b -> dot(a, b), other dims
@@ -628,20 +620,20 @@ linalg = Ruleset("linalg", [
     # factors
     rule(Pat("dot_general", A, B, params="p"), _factor_out("lhs"), name="la_factor_out_lhs",
          example_program=(lambda s, r, c, a, b: ((s * a) @ b, (r[:, None] * a) @ b, (a * c[None, :]) @ b),
-                  (_f32(), _f32(3), _f32(8), _f32(3, 8), _f32(8, 2)))),                                                 # (f a) b -> f (a b) or a (f b)
+                  (f32(), f32(3), f32(8), f32(3, 8), f32(8, 2)))),                                                 # (f a) b -> f (a b) or a (f b)
     rule(Pat("dot_general", A, B, params="p"), _factor_out("rhs"), name="la_factor_out_rhs",
          example_program=(lambda a, b, c: a @ (b / 2.0) + a @ (b * c[None, :]), (_M34, _M45, _V5))),       # a (f b) -> f (a b) or (f a) b
     rule(Pat("mul", F, Pat("dot_general", A, B, params="p", name="d")), _factor_in("mul"), name="la_factor_in_mul",
-         example_program=(lambda s, a, b: s * (a @ b), (_f32(), _M34, _M45))),                            # f (a b) -> (f a) b or a (f b)
+         example_program=(lambda s, a, b: s * (a @ b), (f32(), _M34, _M45))),                            # f (a b) -> (f a) b or a (f b)
     rule(Pat("div", Pat("dot_general", A, B, params="p", name="d"), F), _factor_in("div"), name="la_factor_in_div",
          example_program=(_ex_attention, _HEADS)),                                                         # (a b) / f -> (a / f) b or a (b / f)
     # distributivity
     rule(Pat("add", Pat("dot_general", A, B, params="p"), Pat("dot_general", A, C, params="q")), _common("add", "lhs"),
          name="la_common_lhs_add", example_program=(lambda a, x, y: a @ x + a @ y, (_M34, _M45, _M45))),   # a b + a c -> a (b + c)
     rule(Pat("sub", Pat("dot_general", A, B, params="p"), Pat("dot_general", A, C, params="q")), _common("sub", "lhs"),
-         name="la_common_lhs_sub", example_program=(lambda a, x, y: a @ x - a @ y, (_M34, _f32(4), _f32(4)))),  # a b - a c -> a (b - c)
+         name="la_common_lhs_sub", example_program=(lambda a, x, y: a @ x - a @ y, (_M34, f32(4), f32(4)))),  # a b - a c -> a (b - c)
     rule(Pat("add", Pat("dot_general", A, C, params="p"), Pat("dot_general", B, C, params="q")), _common("add", "rhs"),
-         name="la_common_rhs_add", example_program=(lambda a, b, x: a @ x + b @ x, (_M34, _M34, _f32(4)))),  # a c + b c -> (a + b) c
+         name="la_common_rhs_add", example_program=(lambda a, b, x: a @ x + b @ x, (_M34, _M34, f32(4)))),  # a c + b c -> (a + b) c
     rule(Pat("sub", Pat("dot_general", A, C, params="p"), Pat("dot_general", B, C, params="q")), _common("sub", "rhs"),
          name="la_common_rhs_sub", example_program=(lambda a, b, x: a @ x - b @ x, (_M34, _M34, _M45))),   # a c - b c -> (a - b) c
     # reductions of products

@@ -54,7 +54,6 @@ True
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import jax
@@ -62,22 +61,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from rewrite import Params, Pat, Ruleset, Value, procedural
-from rewrite import rule as _rule
-
-# Every rule's example program is rewritten by the contract test (tests/test_contract.py), not on import.
-rule = functools.partial(_rule, check=False)
-from rulesets.derivatives import _f32
+from rewrite import Params, Pat, Ruleset, Value, procedural, rule
+from rulesets._examples import f32, i32
 from rulesets.derivatives import derivatives as _derivatives
 from rulesets.nn_lm_head import nn_lm_head
 
 __all__ = ["nn", "one_hot_of"]
 
 X, Y = Pat.var("x"), Pat.var("y")
-
-
-def _i32(*shape: int) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(shape, jnp.int32)
 
 
 # ---------------------------------------------------------------------- one-hot arrays
@@ -140,40 +131,26 @@ def one_hot_of(v: Value) -> tuple[Value, int, int] | None:
     return None
 
 
-#: How many additions and subtractions a gather is moved through, at most.
-_MAX_PEEL = 8
+#: How many additions, subtractions and normalisers a gather is moved through, at most.
+_MAX_TERMS = 8
 
 
-def _peel(w: Value, axis: int) -> tuple[Value, list[tuple[int, bool, Value]]]:
-    """``w`` as ``base + sum(sign * term)``, each term constant along ``axis``.
-
-    A term is a value of size 1 along ``axis`` that an ``add`` or ``sub``
-    broadcasts, or the normaliser of ``log(softmax(z))`` (``flag`` true: the
-    term is the log of the value): gathering ``w`` along ``axis`` is then
-    gathering ``base`` and adding the terms, so a gather from
-    ``log_softmax(x)`` reads ``x`` itself and the log-probabilities are never
-    stored: ``x[y] - max(x) - log(sum(exp(x - max(x))))``.
+def _terms_through_log_softmax(w: Value, axis: int) -> tuple[Value, list[tuple[int, bool, Value]]]:
+    """``w`` as ``base + sum(sign * term)``, each term constant along ``axis``: the terms an ``add`` or ``sub``
+    broadcasts (:meth:`rewrite.Value.terms_along`), and the normaliser of ``log(softmax(z))`` (``flag`` true: the
+    term is the log of the value). Gathering ``w`` along ``axis`` is then gathering ``base`` and adding the
+    terms, so a gather from ``log_softmax(x)`` reads ``x`` itself and the log-probabilities are never stored:
+    ``x[y] - max(x) - log(sum(exp(x - max(x))))``.
     """
     terms: list[tuple[int, bool, Value]] = []
-    sign = 1
-    for _ in range(_MAX_PEEL):
-        node = w.node("sub") or w.node("add")
-        if node is not None and len(node.operands) == 2:
-            a, b = node.operands
-            if b.ndim == w.ndim and b.shape[axis] == 1 and a.shape == w.shape and b.dtype == w.dtype:
-                terms.append((sign if node.prim == "add" else -sign, False, b))
-                w = a
-                continue
-            if node.prim == "add" and a.ndim == w.ndim and a.shape[axis] == 1 and b.shape == w.shape and a.dtype == w.dtype:
-                terms.append((sign, False, a))
-                w = b
-                continue
-        found = _log_of_softmax(w, axis)
+    while len(terms) < _MAX_TERMS:
+        w, added = w.terms_along(axis, most=_MAX_TERMS - len(terms))
+        terms += [(sign, False, t) for sign, t in added]
+        found = _log_of_softmax(w, axis) if len(terms) < _MAX_TERMS else None
         if found is None:
             break
-        z, normaliser = found
-        terms.append((-sign, True, normaliser))
-        w = z
+        w, normaliser = found
+        terms.append((-1, True, normaliser))
     return w, terms
 
 
@@ -205,7 +182,7 @@ def _unsigned(dtype: Any) -> Any:
 def _gathered(axis: int, n: int, full: tuple[int, ...], axes: tuple[int, ...], kinds: tuple[tuple[int, bool], ...]):
     """``sum(one_hot(labels) * w, axes)`` as a gather: ``w`` at the labels, 0 where a label is out of range.
 
-    ``w`` is ``base + sum(sign * term)`` (:func:`_peel`); only ``base`` is gathered.
+    ``w`` is ``base + sum(sign * term)`` (:func:`_terms_through_log_softmax`); only ``base`` is gathered.
     """
     at = tuple(1 if i == axis else d for i, d in enumerate(full))
 
@@ -251,7 +228,7 @@ def _one_hot_sum(m):
             continue
         if prod.dtype != w.dtype:
             return None
-        base, terms = _peel(w, axis)
+        base, terms = _terms_through_log_softmax(w, axis)
         kinds = tuple((sign, log) for sign, log, _ in terms)
         return m.trace(_gathered(axis, n, w.shape, axes, kinds), labels, base, *[t for _, _, t in terms])
     return None
@@ -350,17 +327,17 @@ _ONE_MINUS_SIGMOID = _derivatives.rule("explog_one_minus_logistic")
 
 nn_one_hot = Ruleset("nn_one_hot", [
     rule(Pat("reduce_sum", Pat("mul", X, Y), params="r"), _one_hot_sum, name="nn_one_hot_sum",  # sum(one_hot(y) * w) -> w[y]
-         example_program=(_one_hot_ce, (_f32(4, 8), _i32(4)))),
+         example_program=(_one_hot_ce, (f32(4, 8), i32(4)))),
 ], soundness="identity",
     description="one-hot products as gathers")
 
 nn_stable = Ruleset("nn_stable", [
     rule(Pat("log", Pat("div", Pat("exp", X),                                                                # log(softmax(z)) -> log_softmax(z)
                         Pat("broadcast_in_dim", Pat("reduce_sum", Pat("exp", X), params="r"), params="b"))),
-         _log_softmax, prefer=True, name="nn_log_softmax", example_program=(_softmax_log, (_f32(4, 8),))),
+         _log_softmax, prefer=True, name="nn_log_softmax", example_program=(_softmax_log, (f32(4, 8),))),
     rule(Pat("log", Pat("reduce_sum", Pat("exp", X), params="r")),                                           # log(sum(exp(z))) -> logsumexp(z)
          lambda x, r: jax.nn.logsumexp(x, axis=tuple(r.axes)), when=_logsumexp_ok, prefer=True, name="nn_logsumexp",
-         example_program=(lambda z: jnp.log(jnp.sum(jnp.exp(z), axis=-1)), (_f32(4, 8),))),
+         example_program=(lambda z: jnp.log(jnp.sum(jnp.exp(z), axis=-1)), (f32(4, 8),))),
     rule(lambda z: jnp.log(lax.logistic(z)), lambda z: -_softplus(-z), prefer=True, name="nn_log_sigmoid"),  # log(σ(z)) -> -softplus(-z)
     _ONE_MINUS_SIGMOID,                                                                                      # 1 - σ(z) -> σ(-z), so log(1 - σ(z)) -> -softplus(z)
     rule(lambda x: jnp.log(1.0 + x), lambda x: jnp.log1p(x), prefer=True, name="nn_log1p"),                  # log(1 + x) -> log1p(x)

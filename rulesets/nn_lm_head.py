@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from rewrite import Params, Pat, Ruleset, Tolerance, Value, procedural, rule
+from rulesets._examples import f32, i32
 from rulesets.nn_lm_head_kernels import COLUMNS, Layout, Reads, Stats, blocked_loss, label_logit, label_plus_terms, \
     row_shift, row_sums, smoothed_sum
 
@@ -290,27 +291,6 @@ def _label_gather(m: Any) -> tuple | None:
     return d, idx, "FILL" in str(g.get("mode")), None if fill is None else float(fill)
 
 
-def _peel(w: Value, axis: int, most: int = 8) -> tuple[Value, list[tuple[int, Value]]]:
-    """``w`` as ``base + sum(sign * term)``, each term of size 1 along ``axis``, outermost first:
-    ``log_softmax(z)`` is ``(z - max) - log(sum)``."""
-    terms: list[tuple[int, Value]] = []
-    sign = 1
-    for _ in range(most):
-        node = w.node("sub") or w.node("add")
-        if node is None or len(node.operands) != 2:
-            break
-        a, b = node.operands
-        if b.ndim == w.ndim and b.shape[axis] == 1 and a.shape == w.shape and b.dtype == w.dtype:
-            terms.append((sign if node.prim == "add" else -sign, b))
-            w = a
-        elif node.prim == "add" and a.ndim == w.ndim and a.shape[axis] == 1 and b.shape == w.shape and a.dtype == w.dtype:
-            terms.append((sign, a))
-            w = b
-        else:
-            break
-    return w, terms
-
-
 def _smoothed(lab: Value) -> tuple[Value, Value | None, Value] | None:
     """``(a, p, q)`` when ``lab`` is ``p * a + q`` (``p`` may be absent) with scalar ``p`` and ``q``, as
     ``optax.smooth_labels`` writes ``(1 - alpha) * labels + alpha / V``; else ``None``."""
@@ -408,7 +388,7 @@ def _lse_target(block: int, columns: int, loop: bool | None):
         if r.sharded or m["x"].ndim < 2 or tuple(r.axes) != (m["x"].ndim - 1,):
             return None
         for t, x in ((m["x"], m["y"]), (m["y"], m["x"])):
-            base, terms = _peel(x, x.ndim - 1)
+            base, terms = x.terms_along(x.ndim - 1)
             if len(terms) != 2 or [s for s, _ in terms] != [-1, -1] or t.shape != x.shape or t.dtype != x.dtype \
                     or not x.is_floating or _one_hot_like(t):
                 continue
@@ -449,7 +429,7 @@ def _label_peel(m: Any) -> Any:
     g, x, idx = m.params("g"), m["d"], m["i"]
     if g.prim != "gather" or not x.is_floating or not _take_along_last(g, x.ndim, idx.shape):
         return None
-    base, terms = _peel(x, x.ndim - 1)
+    base, terms = x.terms_along(x.ndim - 1)
     if not terms or head_of(base) is None:
         return None
     signs, fills, fill = tuple(s for s, _ in terms), "FILL" in str(g.get("mode")), g.get("fill_value")
@@ -470,7 +450,7 @@ def _smooth(m: Any) -> Any:
         return None
     for lab, w in ((m["x"], m["y"]), (m["y"], m["x"])):
         found = _smoothed(lab)
-        base, terms = _peel(w, w.ndim - 1)
+        base, terms = w.terms_along(w.ndim - 1)
         head = head_of(base) if found is not None and lab.shape == w.shape and w.is_floating and \
             w.dtype == root.dtype else None
         if head is None:
@@ -505,53 +485,45 @@ def _ce_target(h: Any, w: Any, t: Any) -> Any:  # optax.softmax_cross_entropy(h 
     return -jnp.mean(jnp.sum(t * jax.nn.log_softmax(h @ w), axis=-1))
 
 
-def _f32(*shape: int) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(shape, jnp.float32)
-
-
-def _i32(*shape: int) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(shape, jnp.int32)
-
-
 def _int_at(block: int) -> tuple:
-    return _ce_int, (_f32(2 * block, 8), _f32(8, 16), _i32(2 * block))
+    return _ce_int, (f32(2 * block, 8), f32(8, 16), i32(2 * block))
 
 
 def _target_at(block: int) -> tuple:
-    return _ce_target, (_f32(2 * block, 8), _f32(8, 16), _f32(2 * block, 16))
+    return _ce_target, (f32(2 * block, 8), f32(8, 16), f32(2 * block, 16))
 
 
 def lm_head_rules(*, columns: int = COLUMNS, loop: bool | None = None) -> Ruleset:
     """The pack, configured: ``dW`` added ``columns`` columns at a time in the backward
     (:func:`~rulesets.nn_lm_head_kernels.add_by_columns`), and the token loop offered where ``loop`` says
     (:func:`offered`: by default everywhere but on a GPU).
-    ``nn_lm_head`` is the default; example programs are checked by the contract test, not here.
+    ``nn_lm_head`` is the default.
 
     >>> lm_head_rules(loop=True).rule("nn_lm_head_lse_128").name
     'nn_lm_head_lse_128'
     """
     c, g = columns, loop
     return Ruleset("nn_lm_head", [
-        rule(_GATHER, _label(g), name="nn_lm_head_label", check=False,                     # (h @ W + b)[y] -> h . W[:, y] + b[y]
-             example_program=(_ce_int, (_f32(8, 4), _f32(4, 16), _i32(8)))),
-        rule(_GATHER, _label_peel, name="nn_lm_head_label_peel", check=False,              # log_softmax(z)[y] -> z[y] - max - log(sum)
-             example_program=(_ce_log_softmax, (_f32(8, 4), _f32(4, 16), _f32(16), _i32(8)))),
-        rule(_SUM_PRODUCT, _smooth, name="nn_lm_head_smooth", check=False,                 # sum((p a + q) * (h @ W - t)) -> p sum(a * ...) + q (h @ sum(W) - V t)
-             example_program=(_ce_smooth, (_f32(8, 4), _f32(4, 16), _i32(8)))),
-        rule(_GATHER, _lse_label(128, c, g), name="nn_lm_head_lse_label_128", check=False,  # lse(h @ W) and (h @ W)[y] -> one scan over token blocks
+        rule(_GATHER, _label(g), name="nn_lm_head_label",  # (h @ W + b)[y] -> h . W[:, y] + b[y]
+             example_program=(_ce_int, (f32(8, 4), f32(4, 16), i32(8)))),
+        rule(_GATHER, _label_peel, name="nn_lm_head_label_peel",  # log_softmax(z)[y] -> z[y] - max - log(sum)
+             example_program=(_ce_log_softmax, (f32(8, 4), f32(4, 16), f32(16), i32(8)))),
+        rule(_SUM_PRODUCT, _smooth, name="nn_lm_head_smooth",  # sum((p a + q) * (h @ W - t)) -> p sum(a * ...) + q (h @ sum(W) - V t)
+             example_program=(_ce_smooth, (f32(8, 4), f32(4, 16), i32(8)))),
+        rule(_GATHER, _lse_label(128, c, g), name="nn_lm_head_lse_label_128",  # lse(h @ W) and (h @ W)[y] -> one scan over token blocks
              example_program=_int_at(128)),
-        rule(_GATHER, _lse_label(256, c, g), name="nn_lm_head_lse_label_256", check=False,  # lse(h @ W) and (h @ W)[y] -> one scan over token blocks
+        rule(_GATHER, _lse_label(256, c, g), name="nn_lm_head_lse_label_256",  # lse(h @ W) and (h @ W)[y] -> one scan over token blocks
              example_program=_int_at(256)),
-        rule(_GATHER, _lse_label(512, c, g), name="nn_lm_head_lse_label_512", check=False,  # lse(h @ W) and (h @ W)[y] -> one scan over token blocks
+        rule(_GATHER, _lse_label(512, c, g), name="nn_lm_head_lse_label_512",  # lse(h @ W) and (h @ W)[y] -> one scan over token blocks
              example_program=_int_at(512)),
 
-        rule(_SUM_PRODUCT, _lse_target(128, c, g), name="nn_lm_head_lse_target_128", check=False,  # sum(t * log_softmax(h @ W)) -> one scan reading t per token block
+        rule(_SUM_PRODUCT, _lse_target(128, c, g), name="nn_lm_head_lse_target_128",  # sum(t * log_softmax(h @ W)) -> one scan reading t per token block
              example_program=_target_at(128)),
-        rule(_NORMALISER, _lse(128, c, g), name="nn_lm_head_lse_128", check=False,          # sum(exp(h @ W - shift)) -> scan over token blocks
+        rule(_NORMALISER, _lse(128, c, g), name="nn_lm_head_lse_128",  # sum(exp(h @ W - shift)) -> scan over token blocks
              example_program=_int_at(128)),
-        rule(_NORMALISER, _lse(256, c, g), name="nn_lm_head_lse_256", check=False,          # sum(exp(h @ W - shift)) -> scan over token blocks
+        rule(_NORMALISER, _lse(256, c, g), name="nn_lm_head_lse_256",  # sum(exp(h @ W - shift)) -> scan over token blocks
              example_program=_int_at(256)),
-        rule(_NORMALISER, _lse(512, c, g), name="nn_lm_head_lse_512", check=False,          # sum(exp(h @ W - shift)) -> scan over token blocks
+        rule(_NORMALISER, _lse(512, c, g), name="nn_lm_head_lse_512",  # sum(exp(h @ W - shift)) -> scan over token blocks
              example_program=_int_at(512)),
     ], soundness="identity", tolerance=Tolerance(rtol=2e-4, atol=2e-5),
         description="a cross-entropy over a product h @ W computed over token blocks, never holding the logits")

@@ -59,7 +59,6 @@ True
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Callable
 
 import jax
@@ -67,15 +66,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from rewrite import Ruleset, Tolerance, procedural
-from rewrite import rule as _rule
-
-# Every rule's example program is rewritten by the contract test (tests/test_contract.py), not on import.
-rule = functools.partial(_rule, check=False)
+from rewrite import Ruleset, Tolerance, procedural, rule
 from rewrite.ir.jaxapi import scan_counted
 from rewrite.ir.primitives import nbytes
 from rewrite.loops import SCAN, WHILE, Body, Decline, Loop, adds_one
 from rewrite.report.report import equations
+from rulesets._examples import f32
 
 #: How far a rewrite of this pack may move a float32 result (see the module docstring).
 TOLERANCE = Tolerance(rtol=2e-5, atol=1e-5)
@@ -521,10 +517,6 @@ def _counted_while(x, n):
     return lax.while_loop(lambda c: c[0] < 6, lambda c: (c[0] + 1, jnp.sin(c[1]) + n), (0, x))[1]
 
 
-def _f32(*shape: int) -> Any:
-    return jax.ShapeDtypeStruct(shape, jnp.float32)
-
-
 def make(remat: str | None = "carries") -> Ruleset:
     """The pack, with the checkpoint policy of the loops it builds.
 
@@ -539,24 +531,24 @@ def make(remat: str | None = "carries") -> Ruleset:
     """
     hoist = Ruleset("hoist", [
         rule(SCAN, procedural(lambda m: hoist_reductions(m, remat)), name="hoist_reductions",  # reduce(f(ys, xs, c)) -> carry acc / per-step output
-             example_program=(_mse_of_loop, (_f32(64), _f32(16, 64), _f32(16, 64)))),
+             example_program=(_mse_of_loop, (f32(64), f32(16, 64), f32(16, 64)))),
     ], soundness="identity", tolerance=TOLERANCE,
         description="reductions of a scan's stacked outputs, computed inside the loop")
     sink = Ruleset("sink", [
         rule(SCAN, procedural(sink_inputs), name="sink_inputs",  # xs = f(a, b) stacked outside -> f(a[t], b[t]) inside
-             example_program=(_loop_into_loop, (_f32(8, 64), _f32(16, 8, 64), _f32()))),
+             example_program=(_loop_into_loop, (f32(8, 64), f32(16, 8, 64), f32()))),
     ], soundness="identity", tolerance=TOLERANCE,
         description="inputs of a scan computed inside it from what they are made of")
     lift = Ruleset("lift", [
         rule(SCAN, procedural(lift_independent), name="lift_independent",  # ys[t] = f(c, xs[t]) -> vmap(f)(c, xs)
-             example_program=(_seed, (_f32(10, 5, 8), _f32(30, 15, 12), _f32(30, 15, 12)))),
+             example_program=(_seed, (f32(10, 5, 8), f32(30, 15, 12), f32(30, 15, 12)))),
     ], soundness="identity", tolerance=TOLERANCE,
         description="per-step outputs that never read the carry, computed outside the loop at once")
     buffers = Ruleset("buffers", [
         rule(WHILE, procedural(while_to_scan), name="while_to_scan",  # while(i < n) with i += 1 -> scan(length=n - i0)
-             example_program=(_counted_while, (_f32(4), _f32()))),
+             example_program=(_counted_while, (f32(4), f32()))),
         rule(SCAN, procedural(buffer_to_output), name="buffer_to_output",  # carry buf.at[i].set(v) -> stacked v
-             example_program=(_fori_buffer, (_f32(5),))),
+             example_program=(_fori_buffer, (f32(5),))),
     ], soundness="exact", description="counted loops as scans, and buffers they write row by row as stacked outputs")
     return Ruleset("scan", [hoist, sink, lift, buffers], soundness="identity", tolerance=TOLERANCE,
                    description="move reductions into scans and carry-independent work out of them")

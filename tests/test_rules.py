@@ -566,3 +566,33 @@ def test_a_rule_keeps_its_traces_for_the_shapes_used_last(monkeypatch):
     r.traced(avals[0])  # traced again, and the same program
     assert list(r._traced) == [avals[-3], avals[-2], avals[-1], avals[-4], avals[0]][-4:]
     assert str(r.traced(avals[0])[1]) == first
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_value_terms_along_reads_the_terms_an_add_or_sub_broadcasts_along_an_axis(dtype):
+    """``Value.terms_along``: ``(b + (z - a)) - c`` along axis 1 is ``z`` and the terms ``-c``, ``+b``, ``-a``
+    (outermost first) where ``a``, ``b``, ``c`` are of size 1 there; a full-size operand, an operand of another
+    rank, and the ``most`` limit end the walk. ``log_softmax``'s two subtracted terms are read so too."""
+    seen = []
+
+    @procedural
+    def look(m):
+        x = m["x"]
+        for most in (8, 2):
+            base, terms = x.terms_along(1, most=most)
+            seen.append((most, base.shape, [(s, t.shape) for s, t in terms], base.node("exp") is not None))
+        return None
+
+    pack = Ruleset("look", [rule(Pat("reduce_max", Pat.var("x"), params="r"), look, name="look")])
+    one, full, row = jnp.ones((4, 1), dtype), jnp.ones((4, 5), dtype), jnp.ones((5,), dtype)
+    explain(lambda z, a, b, c: jnp.max((b + (z - a)) - c, axis=1), full, one, one, one, rulesets=[pack])
+    assert seen == [(8, (4, 5), [(-1, (4, 1)), (1, (4, 1)), (-1, (4, 1))], False),
+                    (2, (4, 5), [(-1, (4, 1)), (1, (4, 1))], False)]
+    seen.clear()
+    explain(lambda z, a, c: jnp.max((z - a) - c, axis=1), full, one, full, rulesets=[pack])  # c full: no term
+    explain(lambda z, r: jnp.max(z - r, axis=1), full, row, rulesets=[pack])  # r of another rank: no term
+    assert seen == [(8, (4, 5), [], False), (2, (4, 5), [], False)] * 2
+    seen.clear()
+    explain(lambda z: jnp.max(jax.nn.log_softmax(jnp.exp(z), axis=1), axis=1), full, rulesets=[pack])
+    assert [(signs, from_exp) for most, _, terms, from_exp in seen if most == 8 and (signs := [s for s, _ in terms])] \
+        == [([-1, -1], True)]  # (exp(z) - max) - log(sum); the max inside it reads exp(z), no term

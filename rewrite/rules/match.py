@@ -225,8 +225,35 @@ class Value:
                 return self._engine.egraph.consts.get(n.args[0])
         return None
 
+    def terms_along(self, axis: int, most: int = 8) -> tuple["Value", list[tuple[int, "Value"]]]:
+        """This value as ``base + sum(sign * term)``: the operands of ``add`` and ``sub`` that are of size 1 along
+        ``axis`` (so the operation broadcasts them along it) and of this value's rank and dtype, outermost first,
+        ``sign`` -1 for a subtracted one; at most ``most`` of them. Gathering along ``axis`` is then gathering
+        ``base`` and adding the terms (``log_softmax(z)[y]`` is ``z[y] - max(z) - log(sum)``), and a sum along it
+        is ``base``'s plus ``n`` times each term. ``(self, [])`` where there is none."""
+        v, terms = self, []
+        while len(terms) < most:
+            node = v.node("sub") or v.node("add")
+            if node is None or len(node.operands) != 2:
+                break
+            a, b = node.operands
+            if _broadcast_term(b, a, v, axis):
+                terms.append((1 if node.prim == "add" else -1, b))
+                v = a
+            elif node.prim == "add" and _broadcast_term(a, b, v, axis):
+                terms.append((1, a))
+                v = b
+            else:
+                break
+        return v, terms
+
     def __repr__(self) -> str:
         return f"<value {_short(self.aval)}>"
+
+
+def _broadcast_term(term: Value, rest: Value, of: Value, axis: int) -> bool:
+    """Whether ``term`` is one that ``of = rest +/- term`` broadcasts along ``axis`` (see :meth:`Value.terms_along`)."""
+    return term.ndim == of.ndim and term.shape[axis] == 1 and rest.shape == of.shape and term.dtype == of.dtype
 
 
 @functools.lru_cache(maxsize=None)

@@ -230,13 +230,13 @@ def mismatch(want: Any, got: Any, *, soundness: str = "exact", tolerance: Tolera
     n = len(bad)
     idx = tuple(int(i) for i in bad[0])
     where = f"[{', '.join(map(str, idx))}]" if idx else "[]"
-    line = f"at {where}: original {_scalar(want[idx])}, rewritten {_scalar(got[idx])}"
+    line = f"at {where}: original {_number_text(want[idx])}, rewritten {_number_text(got[idx])}"
     if reference is not None and inexact and np.shape(reference) == want.shape:
-        line += f", float64 result {_scalar(np.asarray(reference)[idx])}"
+        line += f", float64 result {_number_text(np.asarray(reference)[idx])}"
     if spread is not None and inexact and np.shape(spread) == want.shape:
-        line += f", spread {_scalar(np.asarray(spread)[idx])}"
+        line += f", spread {_number_text(np.asarray(spread)[idx])}"
     if magnitude is not None and inexact and _terms(magnitude, want) is not None:
-        line += f", terms' magnitude {_scalar(np.asarray(magnitude[0] if isinstance(magnitude, tuple) else magnitude)[idx])}"
+        line += f", terms' magnitude {_number_text(np.asarray(magnitude[0] if isinstance(magnitude, tuple) else magnitude)[idx])}"
     more = f"; {n - 1} more element(s) differ" if n > 1 else ""
     return f"{line} ({note}){more}"
 
@@ -322,10 +322,10 @@ def derivative_mismatch(value: Any, want: Any, got: Any, *, tolerance: Tolerance
     idx = tuple(int(i) for i in bad[0])
     where = f"[{', '.join(map(str, idx))}]" if idx else "[]"
     more = f"; {len(bad) - 1} more element(s) differ" if len(bad) > 1 else ""
-    return f"at {where}: original {_scalar(want[idx])}, rewritten {_scalar(got[idx])} ({note}){more}"
+    return f"at {where}: original {_number_text(want[idx])}, rewritten {_number_text(got[idx])} ({note}){more}"
 
 
-def _scalar(v: Any) -> str:
+def _number_text(v: Any) -> str:
     v = np.asarray(v)
     if _is_float(v.dtype):
         return repr(float(v))
