@@ -122,6 +122,7 @@ class _Config:
     min_keys: int
     fused: str | None
     blocked: bool | None
+    backward_query_block: int | None
 
 
 X, V = Pat.var("x"), Pat.var("v")
@@ -273,10 +274,14 @@ def _logits(sliced: Sliced, rows: tuple[int, Any] | None) -> Logits:
         return ahead.block(own(leaves), keys.start, keys.size, cut)
 
     s_aval = sliced.aval(sliced.out)
-    return Logits(tuple(s_aval.shape), s_aval.dtype, sliced.axis,
-                  lambda leaves, keys, _: sliced.block(own(leaves), keys.start, keys.size), sliced.leaf_axes,
+    def block(leaves: Sequence[Any], keys: Window, queries: Window | None) -> Any:
+        return sliced.block(own(leaves), keys.start, keys.size,
+                            None if queries is None else placed.window(queries.start, queries.size))
+
+    return Logits(tuple(s_aval.shape), s_aval.dtype, sliced.axis, block, sliced.leaf_axes,
                   query_axis=None if rows is None else rows[0], forward_query_axes=forward_q, prepare=prepare,
-                  forward_block=forward_block, forward_key_axes=forward_keys)
+                  forward_block=forward_block, forward_key_axes=forward_keys,
+                  query_axes=None if rows is None else placed.leaf_axes)
 
 
 def _blocked(config: _Config, p_first: bool, widened: bool = False):
@@ -339,14 +344,15 @@ def _blocked(config: _Config, p_first: bool, widened: bool = False):
         # the queries: the longest free axis of the weights (grouped-query heads have a group axis beside it)
         s_q = s_axes[max(p_free, key=lambda d: (p_shape[d], d))] if p_free else None
         nq = 0 if s_q is None else x.shape[s_q]
-        q_blocks = [b for b in config.query_blocks if nq % b == 0 and nq // b >= 2]
-        placed = logits.place(s_q) if q_blocks else None  # placed only where some block fits
-        q_blocks = q_blocks if placed is not None else []
+        fits = lambda b: b is not None and nq % b == 0 and nq // b >= 2
+        q_blocks = [b for b in config.query_blocks if fits(b)]
+        back = config.backward_query_block if fits(config.backward_query_block) else None
+        placed = logits.place(s_q) if q_blocks or back else None  # placed only where some block fits
+        q_blocks, back = (q_blocks, back) if placed is not None else ([], None)
         product = ValueProduct(p_first, pv["dimension_numbers"], params, int(vc[0]), out_shape, cast, squeezed, wide)
-        whole = _logits(logits, None)
-        by_rows = _logits(logits, (s_q, placed)) if q_blocks else None
-        return [(m.root, m.trace(blocked_attention(whole if qb is None else by_rows, product, block=block,
-                                                   query_block=qb), *logits.leaves, v))
+        read = _logits(logits, None if placed is None else (s_q, placed))
+        return [(m.root, m.trace(blocked_attention(read, product, block=block, query_block=qb,
+                                                   backward_query_block=back), *logits.leaves, v))
                 for block in blocks for qb in [None] * (config.whole_queries or not q_blocks) + q_blocks]
 
     return build
@@ -379,7 +385,7 @@ _WEIGHTS_WIDE = Pat.optional("squeeze", _SOFTMAX_WIDE, params="sq")
 
 def attention_with(*, blocks: Sequence[int] = (256,), query_blocks: Sequence[int] = (512,),
                    whole_queries: bool = True, min_keys: int = 256, fused: str | None = "auto",
-                   blocked: bool | None = None) -> Ruleset:
+                   blocked: bool | None = None, backward_query_block: int | None = 256) -> Ruleset:
     """The attention pack, configured; ``rulesets.attention`` is ``attention_with()``.
 
     * ``blocks``: the key blocks offered to the cost model, each that divides the key axis into two blocks or
@@ -393,13 +399,16 @@ def attention_with(*, blocks: Sequence[int] = (256,), query_blocks: Sequence[int
     * ``fused``: ``jax.nn.dot_product_attention``'s implementation to build where the logits allow it
       (``"cudnn"``, ``"xla"``), ``None`` for none, ``"auto"`` for cuDNN's on a GPU only.
     * ``blocked``: whether the blocked form is built (``None``: on every backend but a GPU).
+    * ``backward_query_block``: the backward recomputes the scores a block of keys by a block of this many
+      queries at a time, where it makes two blocks or more (``None``: every query at once). It holds a few
+      blocks of ``[.., backward_query_block, block]``, where the key blocks alone would hold ``[.., Nq, block]``.
 
     >>> from rulesets.attention import attention_with
     >>> pack = attention_with(blocks=(128, 256), query_blocks=())
     >>> pack.name, [r.name for r in pack.rules]
     ('attention', ['attn_blocked', 'attn_blocked_vp', 'attn_blocked_wide', 'attn_blocked_wide_vp'])
     """
-    c = _Config(tuple(blocks), tuple(query_blocks), whole_queries, min_keys, fused, blocked)
+    c = _Config(tuple(blocks), tuple(query_blocks), whole_queries, min_keys, fused, blocked, backward_query_block)
     f32, bf16 = jnp.float32, jnp.bfloat16
     return Ruleset("attention", [
         rule(Pat("dot_general", _WEIGHTS, V, params="p"),  # softmax(s) v -> loops over blocks

@@ -139,6 +139,19 @@ def test_only_a_block_of_scores_is_held():
     assert blocked < 2048 * 2048 * 4 // 8 < temp(lambda q, k, v: plain(q, k, v, Scores(scale=0.25)))
 
 
+def test_the_backward_holds_blocks_of_queries_by_keys():
+    """With a query block the backward recomputes the scores a block of queries by a block of keys: its
+    temporaries hold a few ``[query_block, block]`` blocks, not ``[Nq, block]`` ones."""
+    x = jnp.zeros((1, 2048, 16), jnp.float32)
+
+    def temp(query_block):
+        f = lambda q, k, v: jnp.sum(attention(q, k, v, scores=Scores(scale=0.25), block=256, query_block=query_block))
+        return jax.jit(jax.grad(f, (0, 1, 2))).lower(x, x, x).compile().memory_analysis().temp_size_in_bytes
+
+    rows_block = 2048 * 256 * 4  # one block of every query's scores
+    assert temp(256) < rows_block < temp(None)
+
+
 def test_blocks_must_divide_the_axes():
     x = jnp.zeros((24, 4))
     with pytest.raises(ValueError, match="blocks of"):

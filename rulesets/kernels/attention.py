@@ -28,7 +28,8 @@ block of scores. The forward computes its own product with the weights first and
 once, after it.
 
 The backward (``jax.custom_vjp``) keeps only the operands, the output and each row's shift and sum; it
-computes each block's scores again, and the gradient of the logits' own computation is that
+computes each block's scores again (a block of keys by a block of ``backward_query_block`` queries, where
+given: :func:`attention` uses its ``query_block``), and the gradient of the logits' own computation is that
 computation's VJP on the block. The block's weights, their gradient and the sums of the operands'
 gradients over the blocks are kept in the accumulator's precision (float32 for half precision), each
 gradient rounded to its dtype once, at the end. In half precision the row term of the softmax's backward
@@ -78,6 +79,9 @@ class Logits:
     #: operand's (``None``: it does not carry the queries).
     query_axis: int | None = None
     forward_query_axes: tuple[int | None, ...] | None = None
+    #: Each operand's query axis as the backward reads them (``None``: it does not carry the queries), where
+    #: the backward may run over blocks of queries too.
+    query_axes: tuple[int | None, ...] | None = None
     prepare: Callable[[Sequence[Any]], list] | None = None
     forward_block: Callable[[Sequence[Any], Window, Window | None], Any] | None = None
     forward_key_axes: tuple[int | None, ...] | None = None
@@ -104,12 +108,15 @@ class ValueProduct:
     wide: Any = None
 
 
-def blocked_attention(logits: Logits, product: ValueProduct, *, block: int,
-                      query_block: int | None = None) -> Callable[..., Any]:
+def blocked_attention(logits: Logits, product: ValueProduct, *, block: int, query_block: int | None = None,
+                      backward_query_block: int | None = None) -> Callable[..., Any]:
     """``fn(*operands, v)``: ``softmax(s) v`` over blocks of ``block`` keys (and of ``query_block`` queries in
-    the forward, where given), ``s`` the :class:`Logits` of the operands, with a recomputing backward.
+    the forward, where given), ``s`` the :class:`Logits` of the operands, with a recomputing backward (over
+    blocks of ``backward_query_block`` queries by blocks of keys, where given and the logits say where each
+    operand carries the queries: ``Logits.query_axes``).
 
-    The key axis must be a multiple of ``block``, and the query axis of ``query_block``."""
+    The key axis must be a multiple of ``block``, and the query axis of ``query_block`` and of
+    ``backward_query_block``."""
     s_shape, s_dtype, axis = tuple(logits.shape), logits.dtype, logits.key_axis
     key_axes = tuple(logits.key_axes)
     forward_keys = key_axes if logits.forward_key_axes is None else tuple(logits.forward_key_axes)
@@ -168,6 +175,15 @@ def blocked_attention(logits: Logits, product: ValueProduct, *, block: int,
         row_q = s_q - (s_q > axis)
         out_q = f_positions[[d for d in range(p_rank) if d != p_axis].index(p_of[s_q])]  # in the forward's output
         forward_q = tuple(logits.forward_query_axes)
+
+    bq = backward_query_block
+    if bq is not None and (logits.query_axes is None or logits.query_axis is None
+                           or p_of.get(logits.query_axis) is None):
+        bq = None  # the backward runs over every query at once
+    if bq is not None:  # where the queries lie in the per-row values and in the cotangent of the output
+        b_row_q = logits.query_axis - (logits.query_axis > axis)
+        g_q = layout(p_first)[0][[d for d in range(p_rank) if d != p_axis].index(p_of[logits.query_axis])]
+    pairs = nblocks * (1 if bq is None else s_shape[logits.query_axis] // bq)
 
     def to_out(row: Any, shape: tuple) -> Any:  # a per-row value in the forward's output's layout
         row = lax.squeeze(row, row_squeezed) if row_squeezed else row
@@ -272,47 +288,71 @@ def blocked_attention(logits: Logits, product: ValueProduct, *, block: int,
     def bwd(res: tuple, g: Any) -> tuple:
         operands, v, out, shift, l = res
         floating = [jnp.issubdtype(x.dtype, jnp.inexact) for x in operands]
+        query_axes = (None,) * len(operands) if bq is None else tuple(logits.query_axes)
 
-        def recompute(j: Any) -> tuple:
-            """Key block ``j``'s weights as the backward uses them, their cotangent, v's block's cotangent and the
-            scores' VJP."""
-            start = j * block
+        def window(t: Any) -> tuple[Any, Window | None]:
+            """Pair ``t``'s first key and its window of queries (``None``: every query)."""
+            if bq is None:
+                return t * block, None
+            return (t % nblocks) * block, Window((t // nblocks) * bq, bq)
+
+        def rows(x: Any, queries: Window | None, axis_: int | None = None) -> Any:
+            """A per-row value (or an array along ``axis_``) cut to the window of queries."""
+            return x if queries is None else lax.dynamic_slice_in_dim(
+                x, queries.start, bq, axis=b_row_q if axis_ is None else axis_)
+
+        def add_rows(x: Any, y: Any, queries: Window | None, axis_: int | None = None) -> Any:
+            """``x`` plus ``y``, which covers the window of queries only where one is given."""
+            if queries is None:
+                return x + y
+            ax = b_row_q if axis_ is None else axis_
+            return lax.dynamic_update_slice_in_dim(x, rows(x, queries, ax) + y, queries.start, axis=ax)
+
+        def recompute(t: Any) -> tuple:
+            """Pair ``t``'s weights as the backward uses them, their cotangent, v's block's cotangent and the
+            scores' VJP (with respect to the operands, those that carry the queries and not the keys cut)."""
+            start, queries = window(t)
+            ops = [x if a is None or k is not None else rows(x, queries, a)
+                   for x, a, k in zip(operands, query_axes, key_axes)]
 
             def s_of(*fl: Any) -> Any:
                 it = iter(fl)
-                full = [next(it) if f else x for x, f in zip(operands, floating)]
-                return logits.block(full, Window(start, block), None).astype(s_dtype).astype(acc_dtype)
+                full = [next(it) if f else x for x, f in zip(ops, floating)]
+                return logits.block(full, Window(start, block), queries).astype(s_dtype).astype(acc_dtype)
 
             # The gradient is taken with respect to the whole float operands, under jit only the block is read.
-            s, vjp_s = jax.vjp(s_of, *[x for x, f in zip(operands, floating) if f])
+            s, vjp_s = jax.vjp(s_of, *[x for x, f in zip(ops, floating) if f])
             # the sum as the program rounds it, then widened
-            p = jnp.exp(s - expand(shift.astype(acc_dtype))) / expand(l.astype(s_dtype).astype(acc_dtype))
+            p = (jnp.exp(s - expand(rows(shift, queries).astype(acc_dtype)))
+                 / expand(rows(l, queries).astype(s_dtype).astype(acc_dtype)))
             vb = lax.dynamic_slice_in_dim(v, start, block, axis=v_key)
+            gb = rows(g, queries, g_q) if queries is not None else g
             if narrow:
                 # The weights' cotangent from the cotangent and v as the original rounds them, summed in the
                 # accumulator's precision and not rounded after: rounded to the output's dtype in the gradient's
                 # loop and not in the row term's (XLA allows excess precision), the row term would not match.
                 _, vjp_pv = jax.vjp(wide_product, p, vb)
-                dp, dvb = vjp_pv(g.astype(out_aval.dtype).astype(acc_dtype))
+                dp, dvb = vjp_pv(gb.astype(out_aval.dtype).astype(acc_dtype))
             else:
                 _, vjp_pv = jax.vjp(product_of, p, vb)
-                dp, dvb = vjp_pv(g.astype(out_aval.dtype))
-            return start, p, dp.astype(acc_dtype), dvb, vjp_s
+                dp, dvb = vjp_pv(gb.astype(out_aval.dtype))
+            return start, queries, p, dp.astype(acc_dtype), dvb, vjp_s
 
         if not narrow:
             d_row = from_out(g.astype(acc_dtype) * out.astype(acc_dtype))
         else:
             # In half precision the row term is sum(p * dp) over the very weights and cotangents the loop below
-            # uses (one more pass over the key blocks), not sum(g * out): the weights' cotangent is rounded to
+            # uses (one more pass over the blocks), not sum(g * out): the weights' cotangent is rounded to
             # the output's dtype per element, so the two differ by those roundings, and the logits' gradient
             # rows, which must sum to zero, would not.
-            def rows_body(carry: tuple, j: Any) -> tuple:
+            def rows_body(carry: tuple, t: Any) -> tuple:
                 d, total = carry
-                _, p, dp, _, _ = recompute(j)
-                return (d + jnp.sum(p * dp, axis=axis), total + jnp.sum(p, axis=axis)), None
+                _, queries, p, dp, _, _ = recompute(t)
+                return (add_rows(d, jnp.sum(p * dp, axis=axis), queries),
+                        add_rows(total, jnp.sum(p, axis=axis), queries)), None
 
             zero = jnp.zeros(row_shape, acc_dtype)
-            (d_row, total), _ = lax.scan(rows_body, (zero, zero), jnp.arange(nblocks))
+            (d_row, total), _ = lax.scan(rows_body, (zero, zero), jnp.arange(pairs))
             # over the weights' own sum, which the sum rounded to the logits' dtype leaves off 1 by its rounding:
             # the rows of p * (dp - d_row) then sum to zero as the exact weights' do
             d_row = d_row / jnp.where(total == 0, jnp.ones((), acc_dtype), total)
@@ -322,17 +362,20 @@ def blocked_attention(logits: Logits, product: ValueProduct, *, block: int,
                        if f else None for x, f, k in zip(operands, floating, key_axes))
         dv0 = jnp.zeros(v.shape, v.dtype)
 
-        def body(carry: tuple, j: Any) -> tuple:
+        def body(carry: tuple, t: Any) -> tuple:
             grads, dv = carry
-            start, p, dp, dvb, vjp_s = recompute(j)
-            ds = p * (dp - expand(d_row))
+            start, queries, p, dp, dvb, vjp_s = recompute(t)
+            ds = p * (dp - expand(rows(d_row, queries)))
             dl = iter(vjp_s(ds))
-            grads = tuple(None if gr is None else gr + next(dl).astype(gr.dtype) for gr in grads)
+            # an operand cut to the queries gets its window's gradient; the others, a whole one
+            grads = tuple(None if gr is None else add_rows(gr, next(dl).astype(gr.dtype),
+                                                            None if a is None or k is not None else queries, a)
+                          for gr, a, k in zip(grads, query_axes, key_axes))
             cur = lax.dynamic_slice_in_dim(dv, start, block, axis=v_key)
             dv = lax.dynamic_update_slice_in_dim(dv, cur + dvb.astype(dv.dtype), start, axis=v_key)
             return (grads, dv), None
 
-        (grads, dv), _ = lax.scan(body, (grads0, dv0), jnp.arange(nblocks))
+        (grads, dv), _ = lax.scan(body, (grads0, dv0), jnp.arange(pairs))
         return tuple(None if gr is None else gr.astype(x.dtype) for gr, x in zip(grads, operands)), dv
 
     attend.defvjp(fwd, bwd)
@@ -405,10 +448,11 @@ def attention(q: Any, k: Any, v: Any, *, scores: Scores = Scores(), block: int =
         return s if keep is None else jnp.where(keep, s, jnp.asarray(scores.fill, dtype))
 
     logits = Logits(batch + (nq, nk), dtype, rank - 1, block_of, key_axes, query_axis=rank - 2,
-                    forward_query_axes=query_axes)
+                    forward_query_axes=query_axes, query_axes=query_axes)
     half = jnp.finfo(dtype).bits < 32
     product = ValueProduct(True, (((rank - 1,), (rank - 2,)), (tuple(range(rank - 2)),) * 2),
                            {"precision": None, "preferred_element_type": v.dtype}, rank - 2,
                            jax.ShapeDtypeStruct(batch + (nq, v.shape[-1]), v.dtype),
                            cast=None if v.dtype == dtype else v.dtype, wide=jnp.dtype(jnp.float32) if half else None)
-    return blocked_attention(logits, product, block=block, query_block=query_block)(*operands, v)
+    return blocked_attention(logits, product, block=block, query_block=query_block,
+                             backward_query_block=query_block)(*operands, v)
