@@ -318,6 +318,8 @@ class AnalyticCost(CostModel):
         return self.transcendental if family == _primitives.TRANSCENDENTAL else self.flop
 
     def __call__(self, n: NodeInfo) -> float:
+        if n.op in IN_PLACE and len(n.in_avals) > IN_PLACE[n.op]:
+            return self._in_place(n)
         spec = BY_PRIM.get(n.op)
         if spec is not None and spec.price is not None and n.family == spec.family:
             return self.node + spec.price(self, n)
@@ -352,6 +354,12 @@ class AnalyticCost(CostModel):
         # each tile many times from the cache.
         return (self.node + self.dot * flops + self.byte * (sum(nbytes(a) for a in n.in_avals) + nbytes(n.out_avals[0]))
                 + self.spilled(n.out_avals[:1]))
+
+    def _in_place(self, n: NodeInfo) -> float:
+        # reads the update and the indices, writes the update into the buffer it is given
+        update = n.in_avals[IN_PLACE[n.op]]
+        moved = 2 * nbytes(update) + sum(nbytes(a) for a in n.in_avals[1:IN_PLACE[n.op]])
+        return self.node + self.flop * size(update) + self.byte * moved + self.spilled((update,))
 
     def _nested(self, n: NodeInfo) -> float:
         return self.node + sum(n.body_costs)  # a call (jit, shard_map): what its bodies cost
@@ -432,6 +440,13 @@ def _dot_flops(n: NodeInfo) -> float:
     lhs, rhs = n.in_avals[:2]
     contract = math.prod(lhs.shape[d] for d in lc)
     return 2.0 * size(n.out_avals[0]) * contract
+
+
+#: The updates XLA makes in place, and which operand is the update: the buffer updated is not read again
+#: (a loop's carried buffer, a gradient's fresh zeros), so XLA writes the update into it and moves the
+#: update's bytes, not the buffer's.
+IN_PLACE = {"dynamic_update_slice": 1, "scatter": 2, "scatter-add": 2, "scatter-mul": 2, "scatter-min": 2,
+            "scatter-max": 2}
 
 
 #: How :class:`AnalyticCost` prices a node of each family, unless its record has a ``price`` hook.
