@@ -626,7 +626,7 @@ def write_golden(golden: dict[str, dict], records: list[dict], only: Sequence[st
 
 
 @contextlib.contextmanager
-def _holding(path: str) -> Iterator[None]:
+def holding(path: str) -> Iterator[None]:
     """Hold the lock file ``path`` (``flock``) meanwhile, so that no other benchmark times beside this one."""
     if not path:
         yield
@@ -687,7 +687,7 @@ def main(argv: list[str] | None = None) -> None:
                 decided.append(decide(case, declined=not opts.chosen_only))
             except Exception as e:  # a case that fails to build is reported, not hidden
                 print(f"{case.name}: FAILED to decide: {type(e).__name__}: {e}", flush=True)
-        with _holding(opts.lock):
+        with holding(opts.lock):
             for d in decided:
                 try:
                     recs = measure_case(d, rounds)

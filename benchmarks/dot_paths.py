@@ -20,7 +20,6 @@ factor by which ``AnalyticCost.dot_fallback`` should multiply a flop where the p
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import itertools
 import json
@@ -29,13 +28,14 @@ import pathlib
 import platform
 import sys
 import warnings
-from typing import Any, Iterator
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from benchmarks import harness
+from benchmarks.decisions import holding
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 
@@ -99,21 +99,6 @@ def measure_shape(batch: int, k: int, m: int, n: int, trips: int, rounds: int) -
             "major_on_library_path": "ynn" in entry}
 
 
-@contextlib.contextmanager
-def _holding(path: str) -> Iterator[None]:
-    if not path:
-        yield
-        return
-    import fcntl
-
-    with open(path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
 def markdown(rows: list[dict], meta: dict) -> str:
     lines = ["# XLA:CPU's product paths: a left operand contracting its major dimension against its minor one\n",
              f"`{meta['command']}`, {meta['date']}, {meta['machine']}, jax {meta['jax']}, load average "
@@ -144,7 +129,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         for trips in (0, a.loop) if a.loop else (0,):
             if trips and 2.0 * max(shape[0], 1) * shape[1] * shape[2] * shape[3] * trips > 4.5e9:
                 continue
-            with _holding(a.lock):
+            with holding(a.lock):
                 r = measure_shape(*shape, trips, a.rounds)
             rows.append(r)
             print(f"batch {r['batch']:2d} K {r['k']:5d} M {r['m']:5d} N {r['n']:5d} trips {r['trips']:2d}: "
