@@ -10,11 +10,12 @@ ways, interleaved in one process with an A/A control (``benchmarks/harness.py``)
   ``rewrite/cost/dot.py`` calls the generic path;
 
 both outside a loop and inside a ``lax.scan`` body (``--loop``: ``trips`` products of the shape, one per step,
-each step's operands sliced from stacked inputs). The ratio reported is ``time(major) / time(library)``: the
-factor by which ``AnalyticCost.dot_fallback`` should multiply a flop where the penalty applies::
+each step's operands sliced from stacked inputs). The ratio reported is ``time(major) / time(library)``, which
+``rewrite/cost/dot.py``'s ``FALLBACK`` and ``REPACK`` are fitted to (``tests/test_dot_path.py`` holds the model
+to the recorded grid)::
 
-    python -m benchmarks.dot_paths --lock /tmp/bench.lock              # the grid, a few minutes
-    python -m benchmarks.dot_paths --lock /tmp/bench.lock --write      # and benchmarks/results/dot_paths.md/.json
+    python -m benchmarks.dot_paths --lock LOCKFILE              # the grid, a few minutes
+    python -m benchmarks.dot_paths --lock LOCKFILE --write      # and benchmarks/results/dot_paths.md/.json
 """
 
 from __future__ import annotations
