@@ -8,7 +8,7 @@ reach by swapping a product's operands) goes to the generic Eigen path.
 
 What the generic path costs more is mostly a fixed amount per element of the left
 operand, not per flop: ``python -m benchmarks.dot_paths`` (results in
-``benchmarks/results/dot_paths.md``) timed both layouts of 26 products, plain and
+``benchmarks/results/dot_paths.md``) timed both layouts of 32 products (56 timings), plain and
 batched, alone and inside a ``scan``, on this 2-core CPU. The ratio of the two
 follows ``FALLBACK + REPACK / (2 N)`` (``N`` the right operand's free size):
 about 3.4x at ``N = 64`` (attention's ``v^T p^T``), 1.4x at ``N = 256`` and
