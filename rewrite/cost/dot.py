@@ -9,10 +9,11 @@ reach by swapping a product's operands) goes to the generic Eigen path.
 What the generic path costs more is mostly a fixed amount per element of the left
 operand, not per flop: ``python -m benchmarks.dot_paths`` (results in
 ``benchmarks/results/dot_paths.md``) timed both layouts of 32 products (56 timings), plain and
-batched, alone and inside a ``scan``, on this 2-core CPU. The ratio of the two
-follows ``FALLBACK + REPACK / (2 N)`` (``N`` the right operand's free size):
-about 3.4x at ``N = 64`` (attention's ``v^T p^T``), 1.4x at ``N = 256`` and
-1.1x at ``N = 1024`` and more (a dense layer's weight gradient). So the generic
+batched, alone and inside a ``scan``, on this 2-core CPU: the generic path took
+1.7-4x the library path's time at ``N = 64`` (attention's ``v^T p^T``; ``N`` the
+right operand's free size), 1.3-2.5x at ``N = 256`` and 0.95-1.2x at ``N >= 1024``
+(a dense layer's weight gradient). The ratio fitted is ``FALLBACK + REPACK / (2 N)``
+(2.5x, 1.4x, 1.2x; RMS log error 0.24, against 0.55 for a flat 2.4x). So the generic
 path is priced at ``FALLBACK`` times the flops plus ``REPACK`` flops per element
 of the left operand (``AnalyticCost.dot_fallback``, ``AnalyticCost.dot_repack``), for contractions of
 :data:`MIN_CONTRACTION` or more. Shorter ones are priced alike on both paths: they measured up to 3x
