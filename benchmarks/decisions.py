@@ -337,10 +337,11 @@ def _breakdown(report: Any) -> list[tuple[str, float, float]]:
 DECIDE_LIMITS = {"seconds": 200.0}
 
 
-def decide(case: Case, *, programs: bool = True) -> Decided:
+def decide(case: Case, *, programs: bool = True, declined: bool = True) -> Decided:
     """Make the case's decisions under the cost model in force (``priced_with`` pins a table).
 
-    With ``programs=False`` nothing is emitted for timing: only the decision and each pair's predicted side.
+    With ``programs=False`` nothing is emitted for timing: only the decision and each pair's predicted side;
+    with ``declined=False`` the declined rules' pairs are left out (their forced programs are not built).
     """
     from rewrite import explain
     from rewrite.cost.model import default_model
@@ -383,7 +384,7 @@ def decide(case: Case, *, programs: bool = True) -> Decided:
             variants["rewritten"] = _fun(report.after)
     # the loop rewrites built and not chosen, each against the program chosen (for a gradient, both unsplit)
     kept = "rewritten" if case.mode == "forward" and res.rewritten else ("kept" if res.rewritten else "original")
-    for d in report.declined():
+    for d in report.declined() if declined else ():
         pairs.append(Pair(case.name, f"declined:{d.rule}", "declined", kept, f"declined:{d.rule}",
                           (d.kept + fixed) / (d.declined + fixed), list(d.drivers[:4])))
         if programs:
@@ -625,7 +626,7 @@ def write_golden(golden: dict[str, dict], records: list[dict], only: Sequence[st
 
 
 @contextlib.contextmanager
-def _holding(path: str) -> Iterator[None]:
+def holding(path: str) -> Iterator[None]:
     """Hold the lock file ``path`` (``flock``) meanwhile, so that no other benchmark times beside this one."""
     if not path:
         yield
@@ -651,6 +652,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--lock", default="", help="a lock file (flock) to hold while cases are timed, and only then")
     ap.add_argument("--chunk", type=int, default=12, help="cases rewritten before each hold of the lock")
     ap.add_argument("--skip", default="", help="cases decided and recorded but not timed (a program XLA compiles for minutes)")
+    ap.add_argument("--chosen-only", action="store_true", help="time no declined pair (a forced program XLA "
+                    "compiles for minutes); the golden decisions still record every pair's side")
     ap.add_argument("--resume", action="store_true", help=f"keep the cases already timed in {PARTIAL.name} and time the rest")
     opts = ap.parse_args(argv)
     names = [n for n in opts.cases.split(",") if n]
@@ -681,10 +684,10 @@ def main(argv: list[str] | None = None) -> None:
         decided = []
         for case in timed[start:start + opts.chunk]:
             try:
-                decided.append(decide(case))
+                decided.append(decide(case, declined=not opts.chosen_only))
             except Exception as e:  # a case that fails to build is reported, not hidden
                 print(f"{case.name}: FAILED to decide: {type(e).__name__}: {e}", flush=True)
-        with _holding(opts.lock):
+        with holding(opts.lock):
             for d in decided:
                 try:
                     recs = measure_case(d, rounds)
@@ -702,7 +705,8 @@ def main(argv: list[str] | None = None) -> None:
         del decided
         jax.clear_caches()
     meta = {"command": "python -m benchmarks.decisions" + (" --quick" if opts.quick else "")
-            + (f" --cases {opts.cases}" if names else "") + (f" --rounds {opts.rounds}" if opts.rounds else ""),
+            + (f" --cases {opts.cases}" if names else "") + (f" --rounds {opts.rounds}" if opts.rounds else "")
+            + (" --chosen-only" if opts.chosen_only else ""),
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "machine": platform.processor() or platform.machine(), "device": jax.devices()[0].device_kind,
             "jax": jax.__version__, "rounds": rounds,

@@ -250,7 +250,8 @@ def _check_flop_optimum(dims):
     rules and saturation reach every order, and equal opt_einsum's optimal contraction where no dimension
     is 1 (opt_einsum prices an outer product at 1 flop per element, and pairs matrices across a dimension 1
     into outer products, which no ``dot_general`` order does)."""
-    flops_only = AnalyticCost(byte=0.0, memory=0.0, node=0.0, launch=0.0, flop=0.0, reduce=0.0, dot_fallback=1.0)
+    flops_only = AnalyticCost(byte=0.0, memory=0.0, node=0.0, launch=0.0, flop=0.0, reduce=0.0, dot_fallback=1.0,
+                              dot_repack=0.0)
     every = Ruleset("linalg_any_saving", list(linalg), soundness="identity", tolerance=linalg.tolerance)
     shapes = [(dims[i], dims[i + 1]) for i in range(len(dims) - 1)]
     report = explain(_chain, *[jnp.zeros(s) for s in shapes], rulesets=[every], cost_model=flops_only)

@@ -284,12 +284,12 @@ def test_rewrite_step_chooses_the_replacement_when_memory_is_priced():
     _close(jax.jit(flat)(*leaves), jax.jit(r)(*leaves), 2e-4)
 
 
-def test_rewrite_step_keeps_the_leaner_step_within_the_lean_band():
+def test_rewrite_step_keeps_the_leaner_step_by_default():
     """``jax.jit(rewrite(step))`` with the default cost model: the step with its loss read from the loss-first
-    program is priced about as the step as written (within ``AnalyticCost.lean_band``) and holds much less
-    memory, so it is kept, as the model keeps the leaner of two programs it cannot tell apart in time."""
+    program is priced no dearer than the step as written (its blocked loops' in-place updates priced as XLA
+    makes them; before that, within ``AnalyticCost.lean_band``) and holds much less memory, so it is kept."""
     r, res, flat, leaves, temp = _small_linen_step()
-    assert res.step.replaced and "lean band" in res.why, (str(res.step), res.why)
+    assert res.step.replaced and "loss-first" in res.why, (str(res.step), res.why)
     assert temp(r) < 0.75 * temp(flat)
     _close(jax.jit(flat)(*leaves), jax.jit(r)(*leaves), 2e-4)
 

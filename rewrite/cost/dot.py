@@ -1,17 +1,24 @@
-"""Which of XLA:CPU's two matrix-multiply paths a ``dot_general`` takes, for the cost model.
+"""Which of XLA:CPU's two matrix-multiply paths a ``dot_general`` takes, and what the generic one costs more.
 
 XLA:CPU runs a product through its library (YNN) kernels only when the left
 operand contracts its minor-most dimensions, batch dimensions aside (a row-major ``[M, K]``
 times anything); a left operand that contracts a major dimension (``[K, M]``,
 which ``jnp.einsum("hkd,hqk->hdq", v, p)`` writes, and which ``linalg``'s rules
-reach by swapping a product's operands) goes to the generic Eigen path, or,
-inside a library fusion, runs slower there too. Measured on this 2-core
-CPU (8 heads, interleaved medians; ``benchmarks/attention.py --dots``):
-``[2048, 2048] x [2048, 64]`` takes 156-186 ms as a library product and
-399-454 ms as the transposed-left one (2.4x); with a contraction of 64 the two
-paths take the same time. So a transposed left operand is priced at
-``AnalyticCost.dot_fallback`` times the flops, for contractions of
-:data:`MIN_CONTRACTION` or more.
+reach by swapping a product's operands) goes to the generic Eigen path.
+
+What the generic path costs more is mostly a fixed amount per element of the left
+operand, not per flop: ``python -m benchmarks.dot_paths`` (results in
+``benchmarks/results/dot_paths.md``) timed both layouts of 32 products (56 timings), plain and
+batched, alone and inside a ``scan``, on this 2-core CPU: the generic path took
+1.7-4x the library path's time at ``N = 64`` (attention's ``v^T p^T``; ``N`` the
+right operand's free size), 1.3-2.5x at ``N = 256`` and 0.95-1.2x at ``N >= 1024``
+(a dense layer's weight gradient). The ratio fitted is ``FALLBACK + REPACK / (2 N)``
+(2.5x, 1.4x, 1.2x; RMS log error 0.24, against 0.55 for a flat 2.4x). So the generic
+path is priced at ``FALLBACK`` times the flops plus ``REPACK`` flops per element
+of the left operand (``AnalyticCost.dot_fallback``, ``AnalyticCost.dot_repack``), for contractions of
+:data:`MIN_CONTRACTION` or more. Shorter ones are priced alike on both paths: they measured up to 3x
+apart, but on products of 0.1-0.5 ms, and a recurrent cell's [16, 256] x [16, 16] weight gradient, swapped
+to put the small operand on the left, ran slower (the decision corpus's ``ecosystem_flax_rnn_grad``).
 """
 
 from __future__ import annotations
@@ -19,15 +26,19 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping, Sequence
 
-#: The contraction length below which both paths measured alike.
+#: The contraction length below which both paths are priced alike.
 MIN_CONTRACTION = 256
 
-#: How much slower the generic path is than the library path, per backend (1.0: no difference known).
-FALLBACK = {"cpu": 2.4}
+#: How much dearer a flop is on the generic path than on the library path, per backend (1.0: no difference).
+FALLBACK = {"cpu": 1.1}
+
+#: What the generic path costs beyond that per element of its left operand, in flops, per backend.
+REPACK = {"cpu": 175.0}
 
 
 def library_dot(params: Mapping[str, Any], in_avals: Sequence[Any]) -> bool:
-    """Whether XLA:CPU runs this ``dot_general`` on its library path (or the two paths cost alike).
+    """Whether XLA:CPU runs this ``dot_general`` on its library path (or it is priced as if it did: a
+    contraction shorter than :data:`MIN_CONTRACTION`).
 
     >>> from jax.core import ShapedArray
     >>> import jax.numpy as jnp

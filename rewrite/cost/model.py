@@ -54,7 +54,7 @@ import jax
 from ..ir import primitives as _primitives
 from ..ir.primitives import BY_PRIM, DEFAULT as _OPAQUE_SPEC, NodeInfo, inner_jaxpr, nbytes, size  # noqa: F401
 from . import calibration as _calibration
-from .dot import FALLBACK as _DOT_FALLBACK, library_dot
+from .dot import FALLBACK as _DOT_FALLBACK, REPACK as _DOT_REPACK, library_dot
 from .fusion import FusionModel
 from .memory import InnerPeak, liveness_peak
 from .program import Program
@@ -246,9 +246,11 @@ class AnalyticCost(CostModel):
     lean_band: float = 0.03
     ops: Mapping[str, float] = dataclasses.field(default_factory=lambda: dict(_table()["elementwise_ns"]))
     dot: float = dataclasses.field(default_factory=lambda: _table()["dot_flop"])
-    #: how much dearer a flop is on the backend's generic product path than on its library path
-    #: (``rewrite/cost/dot.py``: on XLA:CPU, a left operand that contracts a major dimension)
+    #: how much dearer a flop is on the backend's generic product path than on its library path, and what
+    #: that path costs beyond it per element of the left operand, in flops (``rewrite/cost/dot.py``: on
+    #: XLA:CPU, a left operand that contracts a major dimension)
     dot_fallback: float = dataclasses.field(default_factory=lambda: _DOT_FALLBACK.get(jax.default_backend(), 1.0))
+    dot_repack: float = dataclasses.field(default_factory=lambda: _DOT_REPACK.get(jax.default_backend(), 0.0))
     reduce: float = dataclasses.field(default_factory=lambda: _table()["reduce_per_element"])
     launch: float = dataclasses.field(default_factory=lambda: _table()["launch"])
     #: per element of each operation fused into a library (YNN) reduction
@@ -316,6 +318,8 @@ class AnalyticCost(CostModel):
         return self.transcendental if family == _primitives.TRANSCENDENTAL else self.flop
 
     def __call__(self, n: NodeInfo) -> float:
+        if n.op in IN_PLACE and len(n.in_avals) > IN_PLACE[n.op]:
+            return self._in_place(n)
         spec = BY_PRIM.get(n.op)
         if spec is not None and spec.price is not None and n.family == spec.family:
             return self.node + spec.price(self, n)
@@ -343,11 +347,19 @@ class AnalyticCost(CostModel):
                 + self.spilled(n.in_avals))
 
     def _contract(self, n: NodeInfo) -> float:
-        dot = self.dot if library_dot(n.params, n.in_avals) else self.dot * self.dot_fallback
+        flops = _dot_flops(n)
+        if not library_dot(n.params, n.in_avals):
+            flops = self.dot_fallback * flops + self.dot_repack * size(n.in_avals[0])
         # Its output spills like any array; its operands do not: a library product reads them tile by tile,
         # each tile many times from the cache.
-        return (self.node + dot * _dot_flops(n) + self.byte * (sum(nbytes(a) for a in n.in_avals) + nbytes(n.out_avals[0]))
+        return (self.node + self.dot * flops + self.byte * (sum(nbytes(a) for a in n.in_avals) + nbytes(n.out_avals[0]))
                 + self.spilled(n.out_avals[:1]))
+
+    def _in_place(self, n: NodeInfo) -> float:
+        # reads the update and the indices, writes the update into the buffer it is given
+        update = n.in_avals[IN_PLACE[n.op]]
+        moved = 2 * nbytes(update) + sum(nbytes(a) for a in n.in_avals[1:IN_PLACE[n.op]])
+        return self.node + self.flop * size(update) + self.byte * moved + self.spilled((update,))
 
     def _nested(self, n: NodeInfo) -> float:
         return self.node + sum(n.body_costs)  # a call (jit, shard_map): what its bodies cost
@@ -428,6 +440,13 @@ def _dot_flops(n: NodeInfo) -> float:
     lhs, rhs = n.in_avals[:2]
     contract = math.prod(lhs.shape[d] for d in lc)
     return 2.0 * size(n.out_avals[0]) * contract
+
+
+#: The updates XLA makes in place, and which operand is the update: the buffer updated is not read again
+#: (a loop's carried buffer, a gradient's fresh zeros), so XLA writes the update into it and moves the
+#: update's bytes, not the buffer's.
+IN_PLACE = {"dynamic_update_slice": 1, "scatter": 2, "scatter-add": 2, "scatter-mul": 2, "scatter-min": 2,
+            "scatter-max": 2}
 
 
 #: How :class:`AnalyticCost` prices a node of each family, unless its record has a ``price`` hook.
