@@ -5,6 +5,7 @@ import time
 import warnings
 
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax import lax
 
@@ -219,3 +220,35 @@ def test_a_shift_without_stop_gradient_is_declined_unprobed(monkeypatch):
     assert {e.primitive.name for e in closed.jaxpr.eqns} <= pack._SHIFT_OPS
     count, kind = _compiles(lambda: pack._shift_kind(fn, (72,), jnp.float32))
     assert kind is None and count == 0, (kind, count)
+
+
+def test_the_whole_step_search_chooses_no_residual_split(monkeypatch):
+    """A proven loss's loss-first program goes into the step, which is rewritten as one program: its forward and
+    backward are not kept apart, so no split at residuals is searched for (each greedy trial prices two whole
+    programs, some fifty of them per loss on a transformer step)."""
+    import jax
+
+    from rewrite.grad import vjp as vjp_mod
+
+    searched = [0]
+    real = vjp_mod.choose_residuals
+
+    def counted(*a, **k):
+        searched[0] += 1
+        return real(*a, **k)
+
+    monkeypatch.setattr(vjp_mod, "choose_residuals", counted)
+
+    def step(w, x, y):
+        def loss(w):
+            return jnp.mean((jnp.tanh(x @ w) - y) ** 2)
+        value, g = jax.value_and_grad(loss)(w)
+        return value, w - 0.1 * g
+
+    args = (jnp.ones((4, 3)), jnp.ones((8, 4)), jnp.zeros((8, 3)))
+    r = rewrite(step, rulesets=[rulesets.algebra], whole_step=True, cache=False)
+    res = r.result(*args)
+    assert res.step is not None and res.step.replaced, str(res.step)
+    assert searched[0] == 0, searched[0]
+    for got, want in zip(jax.jit(r)(*args), jax.jit(step)(*args)):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
