@@ -252,3 +252,39 @@ def test_the_whole_step_search_chooses_no_residual_split(monkeypatch):
     assert searched[0] == 0, searched[0]
     for got, want in zip(jax.jit(r)(*args), jax.jit(step)(*args)):
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_a_vjp_prices_its_snapshot_with_one_extractor(monkeypatch):
+    """The VJP's joint e-graph is extracted twice (for a training step and for the gradients alone) and its splits
+    priced under both: one extractor serves them all, so each node is priced and the tree pass made once per
+    snapshot (five extractors, five tree passes over the largest e-graph of a gradient before)."""
+    import collections
+
+    import jax
+
+    from rewrite.extract import extractor as ex_mod
+
+    made: collections.Counter = collections.Counter()
+    passes: collections.Counter = collections.Counter()
+    real_init, real_tree = ex_mod.Extractor.__init__, ex_mod.Extractor.tree
+
+    def init(self, snap, model):
+        made[id(snap)] += 1
+        real_init(self, snap, model)
+
+    def tree(self, allowed=None):
+        if allowed is None and getattr(self, "_tree", None) is None:
+            passes[id(self.snap)] += 1
+        return real_tree(self, allowed)
+
+    monkeypatch.setattr(ex_mod.Extractor, "__init__", init)
+    monkeypatch.setattr(ex_mod.Extractor, "tree", tree)
+    f = rewrite(lambda x, w: jnp.sum(jnp.tanh(x @ w) ** 2), rulesets=[rulesets.algebra, rulesets.derivatives],
+                cache=False)
+    x, w = jnp.linspace(-1.0, 1.0, 24).reshape(4, 6), jnp.linspace(0.5, -0.5, 18).reshape(6, 3)
+    built = f.grad_result(x, w)
+    assert built is not None and len(built.splits_considered) >= 2
+    assert max(made.values()) <= 2 and max(passes.values()) == 1, (made, passes)
+    want = jax.grad(lambda x, w: jnp.sum(jnp.tanh(x @ w) ** 2), argnums=(0, 1))(x, w)
+    for got, ref in zip(jax.grad(f, argnums=(0, 1))(x, w), want):
+        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)

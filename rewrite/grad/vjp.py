@@ -49,7 +49,7 @@ import numpy as np
 
 from ..cost.program import Program
 from ..extract.extract import extract
-from ..extract.extractor import Extractor
+from ..extract.extractor import shared
 from ..extract.program import ProgramPricer, prices_programs
 from ..ir.jaxapi import core
 from ..ir.primitives import is_float
@@ -313,8 +313,8 @@ def build_vjp(traced: Traced, entries: Sequence[Any], model: Any, limits: Any, p
     n = len(closed.in_avals)
     in_avals = list(closed.in_avals)
     ct_avals = [closed.out_avals[i] for i in dif_out]
-    f_roots, b_roots, params, choices = _joint_choices(res, len(closed.out_avals), n + len(ct_avals), model)
     t0 = time.perf_counter()
+    f_roots, b_roots, params, choices = _joint_choices(res, len(closed.out_avals), n + len(ct_avals), model)
     considered: list[Split] = []
     # Each split is priced in both uses, weighted alike, and the cheapest (choice, split) wins.
     best: tuple[float, dict, Split] | None = None
@@ -355,7 +355,7 @@ def _joint_choices(res: Result, n_out: int, n_params: int, model: Any
         cls = eg.lookup("Param", [eg.int_value(0), eg.int_value(i)])
         if cls is not None:
             params[i] = cls
-    tree = Extractor(snap, model).tree()[1]
+    tree = shared(snap, model).tree()[1]
     grads_only = extract(snap, b_roots, model, res.original).choice
     return f_roots, b_roots, params, [("joint", res.choice), ("gradients", {**tree, **grads_only})]
 
@@ -387,7 +387,7 @@ def rewrite_joint(closed: core.ClosedJaxpr, entries: Sequence[Any], model: Any, 
 def split_pricer(snap: Any, model: Any, choice: dict, f_roots: Sequence[Any], b_roots: Sequence[Any]
                  ) -> Callable[[list[Any]], float]:
     """The price of a split of ``choice``: a training step's plus a gradient alone's."""
-    ex = Extractor(snap, model)
+    ex = shared(snap, model)
     if prices_programs(model):
         pricer = ProgramPricer(ex, model)
         templates: dict = {}
