@@ -158,6 +158,19 @@ def test_the_lm_head_probes_its_shift_with_one_compile_for_every_block_size(monk
     assert again == 0, again
 
 
+def _small_step():
+    """A training step that returns its loss and one updated weight, and its arguments."""
+    import jax
+
+    def step(w, x, y):
+        def loss(w):
+            return jnp.mean((jnp.tanh(x @ w) - y) ** 2)
+        value, g = jax.value_and_grad(loss)(w)
+        return value, w - 0.1 * g
+
+    return step, (jnp.ones((4, 3)), jnp.ones((8, 4)), jnp.zeros((8, 3)))
+
+
 def test_the_whole_step_search_proves_without_extracting(monkeypatch):
     """A proof that the step holds a loss's gradients reads e-classes only: no program is extracted or
     emitted from the e-graph it saturates (on a transformer step that was half the search's time)."""
@@ -188,13 +201,7 @@ def test_the_whole_step_search_proves_without_extracting(monkeypatch):
     monkeypatch.setattr(pipeline, "extract", counting_extract)
     monkeypatch.setattr(step_mod, "prove", prove)
 
-    def step(w, x, y):
-        def loss(w):
-            return jnp.mean((jnp.tanh(x @ w) - y) ** 2)
-        value, g = jax.value_and_grad(loss)(w)
-        return value, w - 0.1 * g
-
-    args = (jnp.ones((4, 3)), jnp.ones((8, 4)), jnp.zeros((8, 3)))
+    step, args = _small_step()
     report = explain(step, *args, rulesets=[rulesets.algebra], whole_step=True)
     assert report.result is not None and in_proofs, in_proofs
     assert in_proofs == [0] * len(in_proofs), in_proofs
@@ -239,13 +246,7 @@ def test_the_whole_step_search_chooses_no_residual_split(monkeypatch):
 
     monkeypatch.setattr(vjp_mod, "choose_residuals", counted)
 
-    def step(w, x, y):
-        def loss(w):
-            return jnp.mean((jnp.tanh(x @ w) - y) ** 2)
-        value, g = jax.value_and_grad(loss)(w)
-        return value, w - 0.1 * g
-
-    args = (jnp.ones((4, 3)), jnp.ones((8, 4)), jnp.zeros((8, 3)))
+    step, args = _small_step()
     r = rewrite(step, rulesets=[rulesets.algebra], whole_step=True, cache=False)
     res = r.result(*args)
     assert res.step is not None and res.step.replaced, str(res.step)

@@ -443,7 +443,8 @@ BODIES = {"scan": "jaxpr", "while": "body_jaxpr"}
 
 
 def _in_loops(step: core.ClosedJaxpr, proof: Callable[[core.ClosedJaxpr], list[Any]],
-              loss_first: Callable[[core.ClosedJaxpr], core.ClosedJaxpr], finding: StepFinding) -> core.ClosedJaxpr | None:
+              loss_first: Callable[[core.ClosedJaxpr], core.ClosedJaxpr],
+              finding: StepFinding) -> core.ClosedJaxpr | None:
     """``step`` with the losses found in its loops' bodies replaced there (a body is searched as a step of its
     own: its inputs are the leaves), or ``None`` if none was."""
     eqns = list(step.jaxpr.eqns)
