@@ -270,12 +270,12 @@ def test_a_vjp_prices_its_snapshot_with_one_extractor(monkeypatch):
     real_init, real_tree = ex_mod.Extractor.__init__, ex_mod.Extractor.tree
 
     def init(self, snap, model):
-        made[id(snap)] += 1
+        made[id(snap.frozen)] += 1  # the snapshot's tables, whether it is passed itself or by a proxy
         real_init(self, snap, model)
 
     def tree(self, allowed=None):
         if allowed is None and getattr(self, "_tree", None) is None:
-            passes[id(self.snap)] += 1
+            passes[id(self.snap.frozen)] += 1
         return real_tree(self, allowed)
 
     monkeypatch.setattr(ex_mod.Extractor, "__init__", init)
@@ -289,3 +289,32 @@ def test_a_vjp_prices_its_snapshot_with_one_extractor(monkeypatch):
     want = jax.grad(lambda x, w: jnp.sum(jnp.tanh(x @ w) ** 2), argnums=(0, 1))(x, w)
     for got, ref in zip(jax.grad(f, argnums=(0, 1))(x, w), want):
         np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_a_shared_extractor_does_not_keep_its_snapshot_alive():
+    """The extractor kept on a snapshot reads it through a weak proxy: dropping the snapshot frees it at once, with
+    no reference cycle left for a full collection to find (its native tables are the e-graph's size)."""
+    import gc
+    import weakref
+
+    import jax
+
+    from rewrite.cost.model import AnalyticCost
+    from rewrite.extract.extract import extract
+    from rewrite.pipeline import _load
+
+    closed = jax.make_jaxpr(lambda x: jnp.sum(jnp.sin(x) * 2.0))(jnp.ones(3))
+    eg, outs, _, _ = _load(closed, ())
+    snap = eg.snapshot()
+    extract(snap, [snap.cls_of_name[o] for o in outs], AnalyticCost(), None)
+    assert snap.extractors
+    gone = weakref.ref(snap)
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        del snap
+        assert gone() is None
+    finally:
+        if was:
+            gc.enable()
+        eg.release()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import heapq
+import weakref
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 from ..cost.model import CostModel, NodeInfo
@@ -29,11 +30,12 @@ _LEAVES = _terms.LEAVES
 def shared(snap: Snapshot, model: CostModel) -> "Extractor":
     """The extractor of ``snap`` under ``model`` that every extraction from that snapshot uses (a VJP extracts its
     joint program and its gradients alone, and prices its splits, from one): each node is priced and the tree
-    pass made once. It lives as long as the snapshot. Only for a snapshot whose nodes no longer change."""
+    pass made once. It lives as long as the snapshot, which it reads through a weak proxy (no cycle keeps the
+    snapshot's native tables alive till a full collection). Only for a snapshot whose nodes no longer change."""
     for m, ex in snap.extractors:
         if m is model:
             return ex
-    ex = Extractor(snap, model)
+    ex = Extractor(weakref.proxy(snap), model)
     snap.extractors.append((model, ex))
     return ex
 
