@@ -34,7 +34,7 @@ from .errors import RewriteLimitWarning, RewriteWarning, _strict
 from .extract.program import lean_band, leaner
 from .grad.primitive import Signature, bind_if_differentiated
 from .grad.step import find_losses
-from .grad.vjp import VJPResult, build_vjp
+from .grad.vjp import VJPResult, build_vjp, rewrite_joint
 from .ir.jaxapi import core
 from .jaxpr import state as _state
 from .jaxpr.trace import CONCRETIZATION_ERRORS, Traced, flatten_args, resolve_static, same_program, trace, trace_call
@@ -331,12 +331,11 @@ class Rewritten:
             return False
         return leaner(predict(alt.after), predict(result.after))
 
-    def _loss_first(self, fn: Callable[..., Any]) -> "Rewritten":
-        """``fn`` rewritten as a user's loss is under ``jax.value_and_grad(rewrite(loss))``, with these rules."""
-        inner = Rewritten(fn, (), self.cost_model, self.limits, (), (), self.strict, cache=False)
-        inner.entries = self.entries
-        inner.whole_step = False
-        return inner
+    def _loss_first(self, cone: core.ClosedJaxpr) -> core.ClosedJaxpr:
+        """A loss's VJP as ``jax.value_and_grad(rewrite(loss))`` runs it, with these rules, as one program
+        ``(primals, cotangent) -> (loss, gradients)``: JAX's VJP of the rewritten forward, rewritten."""
+        forward = run_pipeline(cone, self.entries, self.cost_model, self.limits).after
+        return rewrite_joint(forward, self.entries, self.cost_model, self.limits)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         key, flat, (traced, result), nodes = self._prepare(args, kwargs)

@@ -5,6 +5,7 @@ import time
 import warnings
 
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax import lax
 
@@ -157,6 +158,19 @@ def test_the_lm_head_probes_its_shift_with_one_compile_for_every_block_size(monk
     assert again == 0, again
 
 
+def _small_step():
+    """A training step that returns its loss and one updated weight, and its arguments."""
+    import jax
+
+    def step(w, x, y):
+        def loss(w):
+            return jnp.mean((jnp.tanh(x @ w) - y) ** 2)
+        value, g = jax.value_and_grad(loss)(w)
+        return value, w - 0.1 * g
+
+    return step, (jnp.ones((4, 3)), jnp.ones((8, 4)), jnp.zeros((8, 3)))
+
+
 def test_the_whole_step_search_proves_without_extracting(monkeypatch):
     """A proof that the step holds a loss's gradients reads e-classes only: no program is extracted or
     emitted from the e-graph it saturates (on a transformer step that was half the search's time)."""
@@ -187,13 +201,7 @@ def test_the_whole_step_search_proves_without_extracting(monkeypatch):
     monkeypatch.setattr(pipeline, "extract", counting_extract)
     monkeypatch.setattr(step_mod, "prove", prove)
 
-    def step(w, x, y):
-        def loss(w):
-            return jnp.mean((jnp.tanh(x @ w) - y) ** 2)
-        value, g = jax.value_and_grad(loss)(w)
-        return value, w - 0.1 * g
-
-    args = (jnp.ones((4, 3)), jnp.ones((8, 4)), jnp.zeros((8, 3)))
+    step, args = _small_step()
     report = explain(step, *args, rulesets=[rulesets.algebra], whole_step=True)
     assert report.result is not None and in_proofs, in_proofs
     assert in_proofs == [0] * len(in_proofs), in_proofs
@@ -219,3 +227,94 @@ def test_a_shift_without_stop_gradient_is_declined_unprobed(monkeypatch):
     assert {e.primitive.name for e in closed.jaxpr.eqns} <= pack._SHIFT_OPS
     count, kind = _compiles(lambda: pack._shift_kind(fn, (72,), jnp.float32))
     assert kind is None and count == 0, (kind, count)
+
+
+def test_the_whole_step_search_chooses_no_residual_split(monkeypatch):
+    """A proven loss's loss-first program goes into the step, which is rewritten as one program: its forward and
+    backward are not kept apart, so no split at residuals is searched for (each greedy trial prices two whole
+    programs, some fifty of them per loss on a transformer step)."""
+    import jax
+
+    from rewrite.grad import vjp as vjp_mod
+
+    searched = [0]
+    real = vjp_mod.choose_residuals
+
+    def counted(*a, **k):
+        searched[0] += 1
+        return real(*a, **k)
+
+    monkeypatch.setattr(vjp_mod, "choose_residuals", counted)
+
+    step, args = _small_step()
+    r = rewrite(step, rulesets=[rulesets.algebra], whole_step=True, cache=False)
+    res = r.result(*args)
+    assert res.step is not None and res.step.replaced, str(res.step)
+    assert searched[0] == 0, searched[0]
+    for got, want in zip(jax.jit(r)(*args), jax.jit(step)(*args)):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_a_vjp_prices_its_snapshot_with_one_extractor(monkeypatch):
+    """The VJP's joint e-graph is extracted twice (for a training step and for the gradients alone) and its splits
+    priced under both: one extractor serves them all, so each node is priced and the tree pass made once per
+    snapshot (five extractors, five tree passes over the largest e-graph of a gradient before)."""
+    import collections
+
+    import jax
+
+    from rewrite.extract import extractor as ex_mod
+
+    made: collections.Counter = collections.Counter()
+    passes: collections.Counter = collections.Counter()
+    real_init, real_tree = ex_mod.Extractor.__init__, ex_mod.Extractor.tree
+
+    def init(self, snap, model):
+        made[id(snap.frozen)] += 1  # the snapshot's tables, whether it is passed itself or by a proxy
+        real_init(self, snap, model)
+
+    def tree(self, allowed=None):
+        if allowed is None and getattr(self, "_tree", None) is None:
+            passes[id(self.snap.frozen)] += 1
+        return real_tree(self, allowed)
+
+    monkeypatch.setattr(ex_mod.Extractor, "__init__", init)
+    monkeypatch.setattr(ex_mod.Extractor, "tree", tree)
+    f = rewrite(lambda x, w: jnp.sum(jnp.tanh(x @ w) ** 2), rulesets=[rulesets.algebra, rulesets.derivatives],
+                cache=False)
+    x, w = jnp.linspace(-1.0, 1.0, 24).reshape(4, 6), jnp.linspace(0.5, -0.5, 18).reshape(6, 3)
+    built = f.grad_result(x, w)
+    assert built is not None and len(built.splits_considered) >= 2
+    assert max(made.values()) <= 2 and max(passes.values()) == 1, (made, passes)
+    want = jax.grad(lambda x, w: jnp.sum(jnp.tanh(x @ w) ** 2), argnums=(0, 1))(x, w)
+    for got, ref in zip(jax.grad(f, argnums=(0, 1))(x, w), want):
+        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_a_shared_extractor_does_not_keep_its_snapshot_alive():
+    """The extractor kept on a snapshot reads it through a weak proxy: dropping the snapshot frees it at once, with
+    no reference cycle left for a full collection to find (its native tables are the e-graph's size)."""
+    import gc
+    import weakref
+
+    import jax
+
+    from rewrite.cost.model import AnalyticCost
+    from rewrite.extract.extract import extract
+    from rewrite.pipeline import _load
+
+    closed = jax.make_jaxpr(lambda x: jnp.sum(jnp.sin(x) * 2.0))(jnp.ones(3))
+    eg, outs, _, _ = _load(closed, ())
+    snap = eg.snapshot()
+    extract(snap, [snap.cls_of_name[o] for o in outs], AnalyticCost(), None)
+    assert snap.extractors
+    gone = weakref.ref(snap)
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        del snap
+        assert gone() is None
+    finally:
+        if was:
+            gc.enable()
+        eg.release()

@@ -36,7 +36,7 @@ from typing import Any, Sequence
 
 from ..cost.model import CostModel
 from ..ir.egraph import Snapshot
-from .extractor import _CONTAINERS, Extractor, _signature, search
+from .extractor import _CONTAINERS, Extractor, _signature, search, shared
 from .program import ProgramPricer, ProgramSearch, lean_band, leaner, prices_programs
 
 
@@ -87,7 +87,7 @@ INPUT_START = 1e-3
 
 def extract(snap: Snapshot, roots: Sequence[Any], model: CostModel, original: set[tuple] | None) -> Extraction:
     """Choose the program to emit. ``original`` holds the input program's nodes, canonicalised."""
-    ex = Extractor(snap, model)
+    ex = shared(snap, model)
     _, tree_choice = ex.tree()
     missing = [r for r in roots if r not in tree_choice]
     if missing:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import heapq
+import weakref
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 from ..cost.model import CostModel, NodeInfo
@@ -26,6 +27,19 @@ _CONTAINERS = {"TNil", "TCons", "Body", "BNil", "BCons"}
 _LEAVES = _terms.LEAVES
 
 
+def shared(snap: Snapshot, model: CostModel) -> "Extractor":
+    """The extractor of ``snap`` under ``model`` that every extraction from that snapshot uses (a VJP extracts its
+    joint program and its gradients alone, and prices its splits, from one): each node is priced and the tree
+    pass made once. It lives as long as the snapshot, which it reads through a weak proxy (no cycle keeps the
+    snapshot's native tables alive till a full collection). Only for a snapshot whose nodes no longer change."""
+    for m, ex in snap.extractors:
+        if m is model:
+            return ex
+    ex = Extractor(weakref.proxy(snap), model)
+    snap.extractors.append((model, ex))
+    return ex
+
+
 class Extractor:
     def __init__(self, snap: Snapshot, model: CostModel) -> None:
         self.snap = snap
@@ -35,6 +49,7 @@ class Extractor:
         self._operands: dict[tuple, list[Any]] = {}
         self._all_kids: dict[tuple, list[Any]] = {}
         self._pair_ids: dict[tuple, int] = {}
+        self._tree: tuple[dict, dict] | None = None
 
     # ------------------------------------------------------------------ node facts
     def term_kids(self, node: tuple) -> list[Any]:
@@ -180,7 +195,15 @@ class Extractor:
 
     # ------------------------------------------------------------------ tree pass
     def tree(self, allowed: Callable[[Any, str, tuple], bool] | None = None) -> tuple[dict, dict]:
-        """Cheapest node per class (children settled first). Returns (cost, choice)."""
+        """Cheapest node per class (children settled first). Returns (cost, choice): new dicts, the pass over
+        every node made once per extractor where ``allowed`` is ``None``."""
+        if allowed is None:
+            if self._tree is None:
+                self._tree = self._tree_pass(None)
+            return dict(self._tree[0]), dict(self._tree[1])
+        return self._tree_pass(allowed)
+
+    def _tree_pass(self, allowed: Callable[[Any, str, tuple], bool] | None) -> tuple[dict, dict]:
         entries: list[tuple[Any, str, tuple, list[Any]]] = []
         parents: dict[Any, list[int]] = {}
         pending: list[int] = []

@@ -28,11 +28,15 @@ Here it is recovered, and checked:
    gradients, nor about the op sequence that computed them: only values
    proven equal are replaced.
 4. **Replacement.** The proven loss and gradients are replaced by the
-   loss-first program: the cone wrapped as a rewritten function and
-   differentiated (``jax.vjp``), which runs its VJP rewritten as one
-   program, the memory-shaped rules' blocked forward and recomputing
-   backward included. The old forward and backward are then dead, unless
-   something else reads them (an ``aux`` output), and dropped.
+   loss-first program: the cone's forward rewritten with the step's rules
+   and differentiated by JAX (``jax.vjp``, seeded with 1), so that the
+   backward reads what the rewritten forward computes, the memory-shaped
+   rules' blocked forward and recomputing backward included. The old
+   forward and backward are then dead, unless something else reads them
+   (an ``aux`` output), and dropped. The step so changed is rewritten as
+   one program (by the caller), which rewrites that backward jointly with
+   its forward, as ``jax.value_and_grad(rewrite(loss))`` rewrites a loss's
+   VJP; no forward/backward split is chosen, since none is kept.
 
 Where the whole cone runs through a loop whose forward JAX's partial
 evaluation reshaped (residual outputs, invariants moved out, a ``remat``
@@ -305,14 +309,20 @@ def _without_empty_mesh(e: Any) -> Any:
 
 # ---------------------------------------------------------------------- replacement
 def replace(step: core.ClosedJaxpr, root: Any, leaves: Sequence[Any], consts: dict, cone: core.ClosedJaxpr,
-            dif: Sequence[int], found: dict[Any, int], loss_first: Callable[..., Any], made: set) -> core.ClosedJaxpr:
-    """``step`` with ``root`` and the values in ``found`` read from the loss-first program instead."""
-    wanted = sorted(set(found.values()))
-    fn = loss_first(core.jaxpr_as_fun(cone))
-    joint = value_and_grads(fn, [dif[j] for j in wanted])
+            dif: Sequence[int], found: dict[Any, int], loss_first: Callable[[core.ClosedJaxpr], core.ClosedJaxpr],
+            made: set) -> core.ClosedJaxpr:
+    """``step`` with ``root`` and the values in ``found`` read from the loss-first program instead:
+    ``loss_first(cone)``, the VJP of the cone's forward rewritten, ``(leaves, cotangent) -> (L, gradients)``,
+    seeded with 1."""
+    vjp = loss_first(cone)
     # the cone program takes its constants first as inputs here, so that all leaves are arguments
     lifted = [v for v in leaves if v in consts] + [v for v in leaves if v not in consts]
-    program = jax.make_jaxpr(joint)(*[spec_of(v.aval) for v in lifted])
+    L = cone.out_avals[0]
+
+    def seeded(*xs: Any) -> list[Any]:
+        return core.jaxpr_as_fun(vjp)(*xs, jax.numpy.ones(L.shape, L.dtype))
+
+    program = jax.make_jaxpr(seeded)(*[spec_of(v.aval) for v in lifted])
     jaxpr = step.jaxpr
     eqns: list = []
     constvars, cvals = list(jaxpr.constvars), list(step.consts)
@@ -320,7 +330,7 @@ def replace(step: core.ClosedJaxpr, root: Any, leaves: Sequence[Any], consts: di
     made.update(w for e in eqns for w in e.outvars)
     env = {root: outs[0]}
     for w, j in found.items():
-        env[w] = outs[1 + wanted.index(j)]
+        env[w] = outs[1 + j]
     eqns = _in_order(eqns + [_subst(e, env) for e in jaxpr.eqns])
     new = core.Jaxpr(constvars, list(jaxpr.invars), [_read(env, a) for a in jaxpr.outvars], eqns, jaxpr.effects,
                      jaxpr.debug_info)
@@ -374,9 +384,11 @@ def _in_order(eqns: list) -> list:
 
 
 def find_losses(closed: core.ClosedJaxpr, proof: Callable[[core.ClosedJaxpr], list[Any]],
-                loss_first: Callable[..., Any]) -> tuple[core.ClosedJaxpr | None, StepFinding]:
+                loss_first: Callable[[core.ClosedJaxpr], core.ClosedJaxpr]
+                ) -> tuple[core.ClosedJaxpr | None, StepFinding]:
     """The step with each proven loss and its gradients read from the loss-first program; ``None`` if none was
-    proven. ``loss_first(fn)`` wraps a flat loss function as the rewriter wraps a user's loss."""
+    proven. ``loss_first(cone)`` is the loss-first program of a loss's forward program (its leaves the inputs):
+    ``(leaves, cotangent) -> (L, gradients of the float leaves)``."""
     t0 = time.perf_counter()
     finding = StepFinding()
     if closed.jaxpr.effects:
@@ -430,7 +442,8 @@ def find_losses(closed: core.ClosedJaxpr, proof: Callable[[core.ClosedJaxpr], li
 BODIES = {"scan": "jaxpr", "while": "body_jaxpr"}
 
 
-def _in_loops(step: core.ClosedJaxpr, proof: Callable[[core.ClosedJaxpr], list[Any]], loss_first: Callable[..., Any],
+def _in_loops(step: core.ClosedJaxpr, proof: Callable[[core.ClosedJaxpr], list[Any]],
+              loss_first: Callable[[core.ClosedJaxpr], core.ClosedJaxpr],
               finding: StepFinding) -> core.ClosedJaxpr | None:
     """``step`` with the losses found in its loops' bodies replaced there (a body is searched as a step of its
     own: its inputs are the leaves), or ``None`` if none was."""

@@ -49,12 +49,12 @@ import numpy as np
 
 from ..cost.program import Program
 from ..extract.extract import extract
-from ..extract.extractor import Extractor
+from ..extract.extractor import shared
 from ..extract.program import ProgramPricer, prices_programs
 from ..ir.jaxapi import core
 from ..ir.primitives import is_float
 from ..ir.walk import operands, walk
-from ..jaxpr.emit import Emitter, _Scope, check_signature, dce
+from ..jaxpr.emit import Emitter, _Scope, check_signature, dce, emit
 from ..jaxpr.trace import Traced, spec_of
 from ..pipeline import run_pipeline
 from ..records import Result
@@ -310,27 +310,15 @@ def build_vjp(traced: Traced, entries: Sequence[Any], model: Any, limits: Any, p
     res = run_pipeline(joint, entries, model, limits, keep=True)
     times.update(res.times)
     snap, eg = res.snapshot, res.egraph
-    n_out = len(closed.out_avals)
-    roots = res.roots
-    f_roots, b_roots = roots[:n_out], roots[n_out:]
     n = len(closed.in_avals)
     in_avals = list(closed.in_avals)
     ct_avals = [closed.out_avals[i] for i in dif_out]
-    params = {}
-    for i in range(n + len(ct_avals)):
-        cls = eg.lookup("Param", [eg.int_value(0), eg.int_value(i)])
-        if cls is not None:
-            params[i] = cls
     t0 = time.perf_counter()
+    f_roots, b_roots, params, choices = _joint_choices(res, len(closed.out_avals), n + len(ct_avals), model)
     considered: list[Split] = []
-    # Two extractions: for a training step (outputs and gradients both used) and for the gradients
-    # alone (jax.grad drops the value, and XLA the forward work only the value needed). Each split is
-    # priced in both uses, weighted alike, and the cheapest (choice, split) wins.
-    ex = Extractor(snap, model)
-    tree = ex.tree()[1]
-    grads_only = extract(snap, b_roots, model, res.original).choice
+    # Each split is priced in both uses, weighted alike, and the cheapest (choice, split) wins.
     best: tuple[float, dict, Split] | None = None
-    for name, choice in (("joint", res.choice), ("gradients", {**tree, **grads_only})):
+    for name, choice in choices:
         price = split_pricer(snap, model, choice, f_roots, b_roots)
         tried: list[Split] = []
         split = choose_residuals(snap, choice, f_roots, b_roots, params, n, price, tried)
@@ -354,10 +342,52 @@ def build_vjp(traced: Traced, entries: Sequence[Any], model: Any, limits: Any, p
     return VJPResult(forward, fwd, bwd, split, considered, res, dif_in, dif_out, fn, times)
 
 
+def _joint_choices(res: Result, n_out: int, n_params: int, model: Any
+                   ) -> tuple[list[Any], list[Any], dict[int, Any], list[tuple[str, dict]]]:
+    """A joint program's pipeline result read as a VJP: its forward roots (the outputs), backward roots (the
+    gradients), input classes by position, and two extractions: for a training step (outputs and gradients
+    both used) and for the gradients alone (``jax.grad`` drops the value, and XLA the forward work only the
+    value needed)."""
+    snap, eg = res.snapshot, res.egraph
+    f_roots, b_roots = res.roots[:n_out], res.roots[n_out:]
+    params = {}
+    for i in range(n_params):
+        cls = eg.lookup("Param", [eg.int_value(0), eg.int_value(i)])
+        if cls is not None:
+            params[i] = cls
+    tree = shared(snap, model).tree()[1]
+    grads_only = extract(snap, b_roots, model, res.original).choice
+    return f_roots, b_roots, params, [("joint", res.choice), ("gradients", {**tree, **grads_only})]
+
+
+def rewrite_joint(closed: core.ClosedJaxpr, entries: Sequence[Any], model: Any, limits: Any) -> core.ClosedJaxpr:
+    """``closed``'s VJP as one program ``(primals, cotangents) -> (outputs, gradients)`` (:func:`joint_program`),
+    rewritten: what a caller that runs the forward and backward passes together (a training step) reads. Of
+    :func:`build_vjp`'s two extractions, the one whose split keeping every residual the backward reads is
+    cheaper; no split is chosen, since the two passes are not kept apart."""
+    joint = joint_program(closed)[0]
+    res = run_pipeline(joint, entries, model, limits, keep=True)
+    snap, eg = res.snapshot, res.egraph
+    try:
+        n = len(closed.in_avals)
+        f_roots, b_roots, params, choices = _joint_choices(res, len(closed.out_avals), len(joint.in_avals), model)
+        inputs = {c for i, c in params.items() if i < n}
+
+        def reuse_price(choice: dict) -> float:
+            forward = scope_classes(snap, choice, f_roots) | inputs
+            return split_pricer(snap, model, choice, f_roots, b_roots)(frontier(snap, choice, b_roots, forward))
+
+        prices = [reuse_price(choice) for _, choice in choices]
+        choice = choices[prices.index(min(prices))][1]
+        return emit(snap, choice, eg, joint.in_avals, res.roots, None, joint.jaxpr.debug_info)
+    finally:
+        eg.release()
+
+
 def split_pricer(snap: Any, model: Any, choice: dict, f_roots: Sequence[Any], b_roots: Sequence[Any]
                  ) -> Callable[[list[Any]], float]:
     """The price of a split of ``choice``: a training step's plus a gradient alone's."""
-    ex = Extractor(snap, model)
+    ex = shared(snap, model)
     if prices_programs(model):
         pricer = ProgramPricer(ex, model)
         templates: dict = {}

@@ -494,6 +494,8 @@ class Snapshot:
 
     def __init__(self, egraph: EGraph) -> None:
         self.egraph = egraph
+        #: what the extractions from this snapshot share (``rewrite/extract/extractor.py``'s ``shared``)
+        self.extractors: list[tuple[Any, Any]] = []
         self.frozen = egraph.eg.freeze()
         self.functions = self.frozen.functions
         to_int = egraph.eg.value_to_i64
@@ -555,6 +557,7 @@ class Snapshot:
         out = copy.copy(self)
         out._nodes = {cls: [n for n in ns if not drop(cls, n)] for cls, ns in self.nodes.items()}
         out._parents = None
+        out.extractors = []  # an extraction from the copy prices its own node table
         return out
 
     # -- node tables (built on first use)
