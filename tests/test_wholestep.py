@@ -305,6 +305,28 @@ def test_a_program_without_a_backward_has_no_candidate():
     assert candidates(_Graph(jax.make_jaxpr(step)(*args).jaxpr))
 
 
+def test_the_loss_is_tried_before_the_gradient_norm_s_partial_sums():
+    """Under ``optax.clip_by_global_norm`` each parameter's squared-gradient sum is a scalar whose cone holds the
+    whole backward, larger than the loss's; it scales the update only through scalar arithmetic (the norm, the
+    clip factor). Such values come after the loss, which is found at the first try."""
+    from rewrite.grad.step import _Graph, candidates
+
+    w, v, x, y = _mlp_step(_plain_loss)[1]
+    opt = optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.1))
+
+    def step(w, v, opt_state, x, y):
+        loss, grads = jax.value_and_grad(_plain_loss, argnums=(0, 1))(w, v, x, y)
+        updates, opt_state = opt.update(grads, opt_state, (w, v))
+        return optax.apply_updates((w, v), updates), opt_state, loss
+
+    closed = jax.make_jaxpr(step)(w, v, opt.init((w, v)), x, y)
+    loss = closed.jaxpr.outvars[-1]
+    found = [root for root, _, _ in candidates(_Graph(closed.jaxpr))]
+    assert found and found[0] is loss, (found.index(loss) if loss in found else None, len(found))
+    changed, finding = _replaced(step, [w, v, opt.init((w, v)), x, y], packs=[rulesets.algebra])
+    assert changed is not None and not finding.declined, str(finding)
+
+
 def test_explain_says_what_the_step_search_found():
     """``explain`` of a step names the loss replaced; of a step with a hand-written backward, what was declined."""
     from rewrite import explain

@@ -196,6 +196,21 @@ def _scalar_float(v: Any) -> bool:
     return isinstance(v, core.Var) and v.aval.shape == () and is_float(v.aval)
 
 
+def _scales_an_array(graph: _Graph, v: Any) -> bool:
+    """Does ``v``, through scalar arithmetic, reach an operation that computes an array?"""
+    jaxpr, frontier, seen = graph.jaxpr, [v], set()
+    while frontier:
+        for k in graph.readers.get(frontier.pop(), ()):
+            if k in seen:
+                continue
+            seen.add(k)
+            outs = jaxpr.eqns[k].outvars
+            if any(w.aval.shape for w in outs):
+                return True
+            frontier.extend(outs)
+    return False
+
+
 def candidates(graph: _Graph) -> list[tuple[Any, list[int], list[Any]]]:
     """Scalar float values that may be a loss with its gradients in the step, most likely first:
     ``(value, cone equations, leaves in input order)``."""
@@ -215,10 +230,10 @@ def candidates(graph: _Graph) -> list[tuple[Any, list[int], list[Any]]]:
             shapes = {(tuple(x.aval.shape), x.aval.dtype) for x in float_leaves}
             if not _backward_shaped(graph, v, set(eqns), shapes):
                 continue
-            # a loss is read only by scalar arithmetic (logged, returned, averaged); a gradient's norm scales
-            # the update, an array: such values are tried last
-            array_read = any(any(w.aval.shape for w in jaxpr.eqns[k2].outvars) for k2 in graph.readers.get(v, ()))
-            found.append((array_read, -len(eqns), v, eqns, [x for x in order if x in leaves]))
+            # a loss is read only by scalar arithmetic (logged, returned, averaged); a gradient's norm (or a
+            # partial sum of one) scales the update, an array, through scalar arithmetic: such values are tried
+            # last
+            found.append((_scales_an_array(graph, v), -len(eqns), v, eqns, [x for x in order if x in leaves]))
     found.sort(key=lambda t: (t[0], t[1]))
     return [(v, eqns, leaves) for _, _, v, eqns, leaves in found]
 
