@@ -51,6 +51,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import harness
+from benchmarks import decision_programs
+from benchmarks.decision_programs import program_key
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 GOLDEN = pathlib.Path(__file__).parent.parent / "tests" / "golden" / "decisions.json"
@@ -290,6 +292,7 @@ class Decided:
     pairs: list[Pair]
     variants: dict[str, Callable]  # variant name -> a function of ``args``
     args: list
+    program: str = ""  # the input program's key (benchmarks/decision_programs.py)
 
 
 def _fun(closed: Any) -> Callable:
@@ -359,7 +362,7 @@ def decide(case: Case, *, programs: bool = True) -> Decided:
                     predicted_temp=(_temp(model, before), _temp(model, after)) if programs else (0, 0))
         decision = "prefers the hand-written form" if pair.prefers == "second" else "prefers the program as written"
         variants = {"original": flat, "aa": _again(flat), "hand": hand} if programs else {}
-        return Decided(case, decision, [pair], variants, leaves)
+        return Decided(case, decision, [pair], variants, leaves, program_key(before))
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -407,7 +410,7 @@ def decide(case: Case, *, programs: bool = True) -> Decided:
                 pairs[-1].drivers = _breakdown(alone)
                 pairs[-1].predicted_temp = (_temp(model, alone.before), _temp(model, alone.after))
                 variants[f"block:{keys}"] = _fun(alone.after)
-    return Decided(case, decision, pairs, variants, run_args)
+    return Decided(case, decision, pairs, variants, run_args, program_key(report.before))
 
 
 def _again(fn: Callable) -> Callable:
@@ -422,7 +425,7 @@ def decisions(chosen: Sequence[Case]) -> dict[str, dict]:
     out = {}
     for case in chosen:
         d = decide(case, programs=False)
-        out[case.name] = {"decision": d.decision, "pairs": {p.name: p.prefers for p in d.pairs}}
+        out[case.name] = {"decision": d.decision, "pairs": {p.name: p.prefers for p in d.pairs}, "program": d.program}
     return out
 
 
@@ -646,6 +649,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--cases", default="", help="comma-separated case names (a trailing * matches a prefix)")
     ap.add_argument("--rounds", type=int, default=0, help="timed rounds per case (default 7, --quick 5)")
     ap.add_argument("--write", action="store_true", help="write the results and the golden decisions")
+    ap.add_argument("--this-program", action="store_true", help="with --write: record the golden decisions for the "
+                    "input programs this JAX traces (tests/golden/decisions.programs.json), nothing else")
     ap.add_argument("--list", action="store_true", help="list the cases and exit")
     ap.add_argument("--report", action="store_true", help="write decisions.md again from decisions.json, measuring nothing")
     ap.add_argument("--lock", default="", help="a lock file (flock) to hold while cases are timed, and only then")
@@ -710,7 +715,10 @@ def main(argv: list[str] | None = None) -> None:
     if records:
         print(markdown(records, meta).split("## Worst misses")[0])
     meta["skipped"] = sorted(skip)
-    if opts.write:
+    if opts.write and opts.this_program:
+        decision_programs.write(golden_decisions(chosen), records, f"jax {jax.__version__}")
+        print(f"wrote {decision_programs.PROGRAMS}")
+    elif opts.write:
         write(records, meta, golden_decisions(chosen), [c.name for c in chosen] if names else None)
         PARTIAL.unlink(missing_ok=True)
         print(f"wrote {RESULTS / 'decisions.md'}, .json and {GOLDEN}")

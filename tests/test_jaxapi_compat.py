@@ -166,6 +166,16 @@ def _texts(name):
     return _jaxpr_text(closed), str(closed)
 
 
+@pytest.mark.parametrize("name", sorted(_recorded_programs()))
+def test_the_neutral_jaxpr_prints_as_every_recorded_jax_printed_the_program(name):
+    """``neutral_jaxpr`` (explain's diff, the decisions' program keys) rebuilds the program, its bodies too, with
+    the neutral params: it prints as the recorded neutral texts of every JAX."""
+    fn, args = _recorded_programs()[name]
+    text = str(jaxapi.neutral_jaxpr(jax.make_jaxpr(fn)(*args)))
+    for version, recorded in _recorded(name, "").items():
+        assert text == recorded, f"{name}: neutral_jaxpr on jax {jax.__version__} prints otherwise than {version}'s"
+
+
 def _version_tag():
     return "jax-" + ".".join(jax.__version__.split(".")[:2])
 
