@@ -43,20 +43,26 @@ def golden_for(name: str, program: str, base: dict | None) -> tuple[dict | None,
     return (found, True) if found is not None else (base, False)
 
 
+def measured_pairs(name: str, decided: dict, records: list[dict]) -> dict:
+    """Case ``name``'s pairs in ``decided`` (a decision of ``decisions.decisions``), each with the side the model
+    prefers and the ratios ``records`` measured for it (``None`` where none was)."""
+    by_pair = {r["pair"]: r for r in records if r["case"] == name}
+    pairs = {}
+    for pair, side in decided["pairs"].items():
+        r = by_pair.get(pair)
+        pairs[pair] = {"prefers": side, "measured": None if r is None else round(r["measured"], 3),
+                       "aa": None if r is None else round(r["aa"], 3),
+                       "predicted_here": None if r is None else round(r["predicted"], 3)}
+    return pairs
+
+
 def write(golden: dict[str, dict], records: list[dict], traced_on: str) -> None:
     """Record each case's decision in ``golden`` (with its ``program``) for that program, with the ratios
     ``records`` measured for its pairs."""
     cases = _recorded()
-    by_pair = {(r["case"], r["pair"]): r for r in records}
     for name, g in golden.items():
-        pairs = {}
-        for pair, side in g["pairs"].items():
-            r = by_pair.get((name, pair))
-            pairs[pair] = {"prefers": side, "measured": None if r is None else round(r["measured"], 3),
-                           "aa": None if r is None else round(r["aa"], 3),
-                           "predicted_here": None if r is None else round(r["predicted"], 3)}
         cases.setdefault(name, {})[g["program"]] = {"traced_on": traced_on, "decision": g["decision"],
-                                                    "pairs": pairs}
+                                                    "pairs": measured_pairs(name, g, records)}
     PROGRAMS.write_text(json.dumps({
         "note": "Golden decisions on input programs other than decisions.json's (benchmarks/decision_programs.py), "
                 "by program key; regenerate only with a new measurement: "

@@ -609,16 +609,9 @@ def write(records: list[dict], meta: dict, golden: dict[str, dict], only: Sequen
 def write_golden(golden: dict[str, dict], records: list[dict], only: Sequence[str] | None) -> None:
     """``tests/golden/decisions.json``: each case's decision under the fixed table, with what was measured for it."""
     old = json.loads(GOLDEN.read_text())["cases"] if only and GOLDEN.exists() else {}
-    by_pair = {(r["case"], r["pair"]): r for r in records}
     cases_out = {k: v for k, v in old.items() if k not in golden}
     for name, g in golden.items():
-        pairs = {}
-        for pair, side in g["pairs"].items():
-            r = by_pair.get((name, pair))
-            pairs[pair] = {"prefers": side, "measured": None if r is None else round(r["measured"], 3),
-                           "aa": None if r is None else round(r["aa"], 3),
-                           "predicted_here": None if r is None else round(r["predicted"], 3)}
-        cases_out[name] = {"decision": g["decision"], "pairs": pairs}
+        cases_out[name] = {"decision": g["decision"], "pairs": decision_programs.measured_pairs(name, g, records)}
     GOLDEN.write_text(json.dumps({
         "note": "Golden decisions (tests/test_decisions.py): each case's choice under tests/golden/cost_table.json, "
                 "with the ratio measured for each pair by the last `python -m benchmarks.decisions --write` "
