@@ -710,6 +710,7 @@ def main(argv: list[str] | None = None) -> None:
     meta["skipped"] = sorted(skip)
     if opts.write and opts.this_program:
         decision_programs.write(golden_decisions(chosen), records, f"jax {jax.__version__}")
+        PARTIAL.unlink(missing_ok=True)
         print(f"wrote {decision_programs.PROGRAMS}")
     elif opts.write:
         write(records, meta, golden_decisions(chosen), [c.name for c in chosen] if names else None)
