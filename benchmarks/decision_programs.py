@@ -19,7 +19,7 @@ import re
 from typing import Any
 
 PROGRAMS = pathlib.Path(__file__).parent.parent / "tests" / "golden" / "decisions.programs.json"
-REGENERATE_PROGRAM = ("python -m benchmarks.decisions --lock /tmp/bench.lock --write --this-program "
+REGENERATE_PROGRAM = ("python -m benchmarks.decisions --write --this-program "
                       "--cases {cases}")
 _ADDRESS = re.compile(r" at 0x[0-9a-f]+")
 
