@@ -51,6 +51,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import harness
+from benchmarks import decision_programs
+from benchmarks.decision_programs import program_key
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 GOLDEN = pathlib.Path(__file__).parent.parent / "tests" / "golden" / "decisions.json"
@@ -290,6 +292,7 @@ class Decided:
     pairs: list[Pair]
     variants: dict[str, Callable]  # variant name -> a function of ``args``
     args: list
+    program: str = ""  # the input program's key (benchmarks/decision_programs.py)
 
 
 def _fun(closed: Any) -> Callable:
@@ -360,7 +363,7 @@ def decide(case: Case, *, programs: bool = True, declined: bool = True) -> Decid
                     predicted_temp=(_temp(model, before), _temp(model, after)) if programs else (0, 0))
         decision = "prefers the hand-written form" if pair.prefers == "second" else "prefers the program as written"
         variants = {"original": flat, "aa": _again(flat), "hand": hand} if programs else {}
-        return Decided(case, decision, [pair], variants, leaves)
+        return Decided(case, decision, [pair], variants, leaves, program_key(before))
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -408,7 +411,7 @@ def decide(case: Case, *, programs: bool = True, declined: bool = True) -> Decid
                 pairs[-1].drivers = _breakdown(alone)
                 pairs[-1].predicted_temp = (_temp(model, alone.before), _temp(model, alone.after))
                 variants[f"block:{keys}"] = _fun(alone.after)
-    return Decided(case, decision, pairs, variants, run_args)
+    return Decided(case, decision, pairs, variants, run_args, program_key(report.before))
 
 
 def _again(fn: Callable) -> Callable:
@@ -423,7 +426,7 @@ def decisions(chosen: Sequence[Case]) -> dict[str, dict]:
     out = {}
     for case in chosen:
         d = decide(case, programs=False)
-        out[case.name] = {"decision": d.decision, "pairs": {p.name: p.prefers for p in d.pairs}}
+        out[case.name] = {"decision": d.decision, "pairs": {p.name: p.prefers for p in d.pairs}, "program": d.program}
     return out
 
 
@@ -607,16 +610,9 @@ def write(records: list[dict], meta: dict, golden: dict[str, dict], only: Sequen
 def write_golden(golden: dict[str, dict], records: list[dict], only: Sequence[str] | None) -> None:
     """``tests/golden/decisions.json``: each case's decision under the fixed table, with what was measured for it."""
     old = json.loads(GOLDEN.read_text())["cases"] if only and GOLDEN.exists() else {}
-    by_pair = {(r["case"], r["pair"]): r for r in records}
     cases_out = {k: v for k, v in old.items() if k not in golden}
     for name, g in golden.items():
-        pairs = {}
-        for pair, side in g["pairs"].items():
-            r = by_pair.get((name, pair))
-            pairs[pair] = {"prefers": side, "measured": None if r is None else round(r["measured"], 3),
-                           "aa": None if r is None else round(r["aa"], 3),
-                           "predicted_here": None if r is None else round(r["predicted"], 3)}
-        cases_out[name] = {"decision": g["decision"], "pairs": pairs}
+        cases_out[name] = {"decision": g["decision"], "pairs": decision_programs.measured_pairs(name, g, records)}
     GOLDEN.write_text(json.dumps({
         "note": "Golden decisions (tests/test_decisions.py): each case's choice under tests/golden/cost_table.json, "
                 "with the ratio measured for each pair by the last `python -m benchmarks.decisions --write` "
@@ -647,6 +643,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--cases", default="", help="comma-separated case names (a trailing * matches a prefix)")
     ap.add_argument("--rounds", type=int, default=0, help="timed rounds per case (default 7, --quick 5)")
     ap.add_argument("--write", action="store_true", help="write the results and the golden decisions")
+    ap.add_argument("--this-program", action="store_true", help="with --write: record the golden decisions for the "
+                    "input programs this JAX traces (tests/golden/decisions.programs.json), nothing else")
     ap.add_argument("--list", action="store_true", help="list the cases and exit")
     ap.add_argument("--report", action="store_true", help="write decisions.md again from decisions.json, measuring nothing")
     ap.add_argument("--lock", default="", help="a lock file (flock) to hold while cases are timed, and only then")
@@ -714,7 +712,11 @@ def main(argv: list[str] | None = None) -> None:
     if records:
         print(markdown(records, meta).split("## Worst misses")[0])
     meta["skipped"] = sorted(skip)
-    if opts.write:
+    if opts.write and opts.this_program:
+        decision_programs.write(golden_decisions(chosen), records, f"jax {jax.__version__}")
+        PARTIAL.unlink(missing_ok=True)
+        print(f"wrote {decision_programs.PROGRAMS}")
+    elif opts.write:
         write(records, meta, golden_decisions(chosen), [c.name for c in chosen] if names else None)
         PARTIAL.unlink(missing_ok=True)
         print(f"wrote {RESULTS / 'decisions.md'}, .json and {GOLDEN}")

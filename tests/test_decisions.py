@@ -15,6 +15,7 @@ import json
 import pytest
 
 from benchmarks import decisions as D
+from benchmarks.decision_programs import REGENERATE_PROGRAM, golden_for
 
 from .golden import on_backend
 
@@ -31,14 +32,20 @@ def _names() -> list[str]:
 def test_decision_holds(name):
     if on_backend() is not None:
         pytest.skip(on_backend())
-    want = _golden().get(name)
+    got = D.golden_decisions(D.select([name]))[name]
+    want, other_program = golden_for(name, got["program"], _golden().get(name))
     if want is None:
         pytest.fail(f"no golden decision for {name}: measure it and record one with\n  "
                     + D.REGENERATE.format(cases=name), pytrace=False)
-    got = D.golden_decisions(D.select([name]))[name]
     report = D.compare(name, want, got)
     if report is not None:
-        pytest.fail(report, pytrace=False)
+        if other_program:
+            report = report.replace(D.REGENERATE.format(cases=name), REGENERATE_PROGRAM.format(cases=name))
+        else:  # the program decisions.json was measured on, or one that a newer JAX traces
+            report += ("\nor, where this JAX traces the case into another input program than the one measured, "
+                       "record the decision for that program (benchmarks/decision_programs.py):\n  "
+                       + REGENERATE_PROGRAM.format(cases=name))
+        pytest.fail(report + f"\n(the input program here: {got['program']})", pytrace=False)
 
 
 def test_every_case_has_a_golden_decision_and_none_is_stale():

@@ -37,11 +37,20 @@ def _replaced(flat, leaves, packs=PACKS):
     return find_losses(closed, r._proof, r._loss_first)
 
 
-def _close(want, got, tol):
-    for w, g in zip(want, got):
+def _close(want, got, tol, wider=None):
+    """``got`` within ``tol`` of ``want`` relative to its scale; or, given ``wider`` (the same step computed in
+    float32 from the same inputs), no farther from it than ``want``: a rewrite may be more accurate than the
+    original, whose own rounding moves with how XLA compiles it."""
+    for i, (w, g) in enumerate(zip(want, got)):
         w, g = np.asarray(w, np.float32), np.asarray(g, np.float32)
         scale = max(float(np.max(np.abs(w))), 1e-2)  # a gradient 0 in exact arithmetic (a key bias's) rounds
-        assert float(np.max(np.abs(w - g))) <= tol * scale, (w.shape, float(np.max(np.abs(w - g))), scale)
+        apart = float(np.max(np.abs(w - g)))
+        if apart <= tol * scale:
+            continue
+        assert wider is not None, (w.shape, apart, scale)
+        r = np.asarray(wider[i], np.float32)
+        err_got, err_want = float(np.max(np.abs(g - r))), float(np.max(np.abs(w - r)))
+        assert err_got <= err_want, (w.shape, apart, scale, "from float32:", err_got, err_want)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -58,7 +67,11 @@ def test_library_step_found_and_replaced(name, dtype):
     assert finding.replaced and "gradients with respect to" in finding.replaced[0]
     want = jax.jit(flat)(*leaves)
     got = jax.jit(core.jaxpr_as_fun(changed))(*leaves)
-    _close(want, got, 2e-4 if dtype == "float32" and name != "linen_master16" else 2e-2)  # master16 computes in bf16
+    wider = None
+    if dtype != "float32":  # the step built in float32, run from the same values
+        flat32, _ = ws._flat(step, _cast(args, jnp.float32))
+        wider = jax.jit(flat32)(*_cast(leaves, jnp.float32))
+    _close(want, got, 2e-4 if dtype == "float32" and name != "linen_master16" else 2e-2, wider)  # master16: bf16
     # the old backward is gone: the step's own N x V logits' gradient (B x N x V) is computed once, by the
     # replacement, not also by the original backward
     names = [e.primitive.name for e in changed.jaxpr.eqns]

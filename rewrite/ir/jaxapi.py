@@ -356,6 +356,23 @@ def neutral_params(prim: Any, params: Any, *, trees: bool = False) -> Any:
     return params
 
 
+def neutral_jaxpr(jaxpr: Any) -> Any:
+    """``jaxpr`` (a ``Jaxpr`` or ``ClosedJaxpr``) with every equation's params, its bodies' too, in the form of
+    :func:`neutral_params`, its variables the same objects: for printing and comparing programs whichever JAX
+    traced or transformed them. On JAX 0.11+ its scans do not run."""
+    def params_of(e: Any) -> dict:
+        return neutral_params(e.primitive, {k: inner(v) for k, v in e.params.items()})
+
+    def inner(v: Any) -> Any:
+        if isinstance(v, (tuple, list)) and any(isinstance(x, (core.Jaxpr, core.ClosedJaxpr)) for x in v):
+            return type(v)(inner(x) for x in v)
+        return neutral_jaxpr(v) if isinstance(v, (core.Jaxpr, core.ClosedJaxpr)) else v
+
+    if not isinstance(jaxpr, core.Jaxpr):  # a ClosedJaxpr on JAX 0.10 (an alias of Jaxpr from 0.11)
+        return core.ClosedJaxpr(neutral_jaxpr(jaxpr.jaxpr), jaxpr.consts)
+    return jaxpr.replace(eqns=[e.replace(params=params_of(e)) for e in jaxpr.eqns])
+
+
 def scan_kept(params: Any) -> dict:
     """A scan's params as the loader keeps them: :func:`neutral_params` with the scan's own flat trees."""
     return neutral_params("scan", params, trees=True)

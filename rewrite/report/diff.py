@@ -14,7 +14,7 @@ import collections
 import difflib
 from typing import Any
 
-from ..ir.jaxapi import core, pretty_named
+from ..ir.jaxapi import core, neutral_jaxpr, pretty_named
 
 
 def _jaxpr(x: Any) -> Any:
@@ -117,7 +117,9 @@ class _Names:
 
 
 def texts(before: Any, after: Any) -> tuple[str, str]:
-    """The two programs' texts, the second with the first's names where its equations are the first's."""
+    """The two programs' texts, the second with the first's names where its equations are the first's; params
+    in the form that reads the same whichever JAX traced or transformed each (:func:`neutral_jaxpr`)."""
+    before, after = neutral_jaxpr(_jaxpr(before)), neutral_jaxpr(_jaxpr(after))
     text_before, named = pretty_named(_jaxpr(before))
     named = {v: n for v, n in named.items() if n != "_"}
     names = _Names(named)
