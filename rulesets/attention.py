@@ -147,7 +147,8 @@ def _inverse(perm: Sequence[int]) -> list[int]:
 def _shift_is_own_max(shift: Value, s: Value, axis: int) -> bool:
     """``shift`` is ``max(s)`` along ``axis``, row by row (maybe under ``max(-inf, .)``, broadcasts,
     transposes and ``stop_gradient``; or the max of ``f`` where ``s`` is ``f`` transposed, as
-    ``jax.nn.dot_product_attention`` writes it under ``vmap``)."""
+    ``jax.nn.dot_product_attention`` writes it under ``vmap``). Unlike ``Value.max_under`` it follows each axis
+    through the transposes and broadcasts, so a max that lands on other rows is refused."""
     sources = [(s, list(range(s.ndim)))]  # what the max may be taken of, with its axes' places in s
     node = s.node("transpose")
     if node is not None:

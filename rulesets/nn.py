@@ -240,7 +240,8 @@ def _one_hot_ce(logits: Any, labels: Any) -> Any:
 
 # ---------------------------------------------------------------------- normalised exponentials
 def _max_shifted(x: Value, axes: tuple[int, ...]) -> bool:
-    """Whether ``x`` is ``a - stop_gradient(max(a, axes))``, broadcast back: the shift ``jax.nn.softmax`` makes."""
+    """Whether ``x`` is ``a - stop_gradient(max(a, axes))``, broadcast back: the shift ``jax.nn.softmax`` makes.
+    Stricter than ``Value.max_under``: several axes, this form only, and the broadcast must put the rows back."""
     sub = x.node("sub")
     if sub is None:
         return False

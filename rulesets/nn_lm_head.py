@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rewrite import Params, Pat, Ruleset, Tolerance, Value, procedural, rule
+from rewrite import SHIFT_OPS, Params, Pat, Ruleset, Tolerance, Value, procedural, rule
 from rulesets._examples import f32, i32
 from rulesets.nn_lm_head_kernels import COLUMNS, Layout, Reads, Stats, blocked_loss, label_logit, label_plus_terms, \
     row_shift, row_sums, smoothed_sum
@@ -135,7 +135,7 @@ _KINDS: dict[tuple, str | None] = {}
 def _shift_key(shift_of: Any, shape: tuple, dtype: Any) -> tuple | None:
     """The shift's jaxpr text with the probe's shape and dtype, where that text says all it computes."""
     closed = getattr(shift_of, "jaxpr", None)
-    if closed is None or closed.consts or any(e.primitive.name not in _SHIFT_OPS for e in closed.jaxpr.eqns):
+    if closed is None or closed.consts or any(e.primitive.name not in SHIFT_OPS for e in closed.jaxpr.eqns):
         return None
     return str(closed.jaxpr), tuple(shape), np.dtype(dtype).str, jax.config.jax_enable_x64
 
@@ -178,31 +178,6 @@ def _log_of(m: Any, total: Value) -> Value | None:
     return None
 
 
-_SHIFT_OPS = frozenset({"stop_gradient", "broadcast_in_dim", "max", "min", "select_n", "is_finite", "reshape",
-                        "convert_element_type", "squeeze", "expand_dims"})
-
-
-def _max_under(shift: Value, d: Value, axis: int) -> Value | None:
-    """The ``max(d, axis)`` that ``shift`` is computed from (through the ops a shift is made of), or ``None``."""
-    seen, stack, found = set(), [(shift, 0)], None
-    while stack:
-        v, depth = stack.pop()
-        if depth > 8 or v.name in seen or v.literal is not None or v.size == 1:
-            continue
-        seen.add(v.name)
-        rm = v.node("reduce_max")
-        if rm is not None:
-            if rm.operands[0].name != d.name or tuple(rm.params["axes"]) != (axis,):
-                return None
-            found = v
-            continue
-        node = next((n for n in v.nodes if n.prim in _SHIFT_OPS), None)
-        if node is None:
-            return None
-        stack.extend((o, depth + 1) for o in node.operands)
-    return found
-
-
 class Site(NamedTuple):
     """A normaliser ``sum(exp(d - shift))`` that a token loop computes: the logits, the shift's kind, the
     program's ``max(d)``, its ``log`` of the sum (or ``None``), the sum, and the value the loop's second
@@ -224,7 +199,7 @@ def _site(m: Any, d: Value, shift: Value, total: Value, axes: tuple, blocks: tup
         return None
     if shift.shape != d.shape[:-1] + (1,) or shift.dtype != d.dtype:
         return None
-    rmax = _max_under(shift, d, d.ndim - 1)
+    rmax = shift.max_under(d, d.ndim - 1)
     shift_of = None if rmax is None else m.function([shift], [rmax])
     kind = None if shift_of is None else _shift_kind(shift_of, rmax.shape, rmax.dtype)
     if kind is None:

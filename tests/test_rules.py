@@ -596,3 +596,32 @@ def test_value_terms_along_reads_the_terms_an_add_or_sub_broadcasts_along_an_axi
     explain(lambda z: jnp.max(jax.nn.log_softmax(jnp.exp(z), axis=1), axis=1), full, rulesets=[pack])
     assert [(signs, from_exp) for most, _, terms, from_exp in seen if most == 8 and (signs := [s for s, _ in terms])] \
         == [([-1, -1], True)]  # (exp(z) - max) - log(sum); the max inside it reads exp(z), no term
+
+
+def test_value_max_under_finds_the_row_max_a_shift_is_made_from():
+    """``Value.max_under``: the shift ``jax.nn.softmax`` makes (``stop_gradient``, ``max(-inf, .)``, broadcast) and
+    a converted, reshaped max lead to ``max(z, 1)``; a max over the other axis, of another value, or a shift
+    with another operand in it is not the row max."""
+    seen = []
+
+    @procedural
+    def look(m):
+        z, shift = m["z"], m["s"]
+        if z.ndim == 2 and shift.ndim == 2:
+            found = shift.max_under(z, 1)
+            seen.append(None if found is None else (found.shape, found.node("reduce_max").operands[0].name == z.name))
+        return None
+
+    pack = Ruleset("look", [rule(Pat("sub", Pat.var("z"), Pat.var("s")), look, name="look")])
+    z, y = jnp.ones((4, 5)), jnp.ones((4, 5))
+    max_of = lambda a, axis: jnp.max(a, axis=axis, keepdims=True)
+    explain(lambda z: z - jax.lax.stop_gradient(max_of(z, 1)), z, rulesets=[pack])
+    explain(lambda z: z - jnp.maximum(-jnp.inf, max_of(z, 1)), z, rulesets=[pack])
+    explain(lambda z: z - jnp.max(z, axis=1).astype(jnp.bfloat16).astype(jnp.float32).reshape(4, 1), z,
+            rulesets=[pack])
+    assert seen == [((4,), True)] * 3
+    seen.clear()
+    explain(lambda z: z - max_of(z, 0), z, rulesets=[pack])
+    explain(lambda z, y: z - max_of(y, 1), z, y, rulesets=[pack])
+    explain(lambda z, y: z - (max_of(z, 1) + y[:, :1]), z, y, rulesets=[pack])
+    assert seen and set(seen) == {None}

@@ -247,8 +247,36 @@ class Value:
                 break
         return v, terms
 
+    def max_under(self, of: "Value", axis: int) -> "Value | None":
+        """The ``max(of, axis)`` (a ``reduce_max`` over ``axis`` alone) that this value is computed from through
+        the operations a softmax's shift is made of (:data:`SHIFT_OPS`: ``stop_gradient``, broadcasts, reshapes,
+        converts, the ``max(-inf, .)`` guard, ``select_n`` on ``is_finite``), or ``None`` when some path reaches
+        another value or a ``reduce_max`` of anything else. Literals and single elements end a path."""
+        seen, stack, found = set(), [(self, 0)], None
+        while stack:
+            v, depth = stack.pop()
+            if depth > 8 or v.name in seen or v.literal is not None or v.size == 1:
+                continue
+            seen.add(v.name)
+            rm = v.node("reduce_max")
+            if rm is not None:
+                if rm.operands[0].name != of.name or tuple(rm.params["axes"]) != (axis,):
+                    return None
+                found = v
+                continue
+            node = next((n for n in v.nodes if n.prim in SHIFT_OPS), None)
+            if node is None:
+                return None
+            stack.extend((o, depth + 1) for o in node.operands)
+        return found
+
     def __repr__(self) -> str:
         return f"<value {_short(self.aval)}>"
+
+
+SHIFT_OPS = frozenset({"stop_gradient", "broadcast_in_dim", "max", "min", "select_n", "is_finite", "reshape",
+                       "convert_element_type", "squeeze", "expand_dims"})
+"""The primitives :meth:`Value.max_under` walks through: those a softmax's shift is made of from its row max."""
 
 
 def _broadcast_term(term: Value, rest: Value, of: Value, axis: int) -> bool:
