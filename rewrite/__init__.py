@@ -20,7 +20,7 @@ from .errors import RewriteLimitWarning, RewriteWarning
 from .ir.primitives import GROUPS, OpSpec, register_primitive
 from .jaxpr.state import StateError
 from .report.report import Report
-from .rules.match import SHIFT_OPS, Match, Params, Value
+from .rules.match import Match, Params, Value
 from .rules.pattern import Ops, Pat, ops
 from .rules.rule import Rule, procedural
 from .rules.sliced import Sliced
@@ -46,7 +46,6 @@ __all__ = [
     "Rewritten",
     "Rule",
     "Ruleset",
-    "SHIFT_OPS",
     "Sliced",
     "StateError",
     "Tolerance",

@@ -30,7 +30,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rewrite import SHIFT_OPS, Params, Pat, Ruleset, Tolerance, Value, procedural, rule
+from rewrite import Params, Pat, Ruleset, Tolerance, Value, procedural, rule
+from rewrite.rules.match import SHIFT_OPS
 from rulesets._examples import f32, i32
 from rulesets.nn_lm_head_kernels import COLUMNS, Layout, Reads, Stats, blocked_loss, label_logit, label_plus_terms, \
     row_shift, row_sums, smoothed_sum

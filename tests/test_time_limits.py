@@ -12,6 +12,7 @@ from jax import lax
 import rulesets
 from rewrite import Limits, RewriteLimitWarning, Ruleset, explain, procedural, rewrite, rule
 from rewrite.loops import Loop
+from rewrite.rules.match import SHIFT_OPS
 
 
 def _sin3(x):
@@ -224,7 +225,7 @@ def test_a_shift_without_stop_gradient_is_declined_unprobed(monkeypatch):
     closed = jax.make_jaxpr(shift)(jnp.ones(72))
     fn = core.jaxpr_as_fun(closed)
     fn.jaxpr = closed
-    assert {e.primitive.name for e in closed.jaxpr.eqns} <= pack._SHIFT_OPS
+    assert {e.primitive.name for e in closed.jaxpr.eqns} <= SHIFT_OPS
     count, kind = _compiles(lambda: pack._shift_kind(fn, (72,), jnp.float32))
     assert kind is None and count == 0, (kind, count)
 
