@@ -386,7 +386,7 @@ _WEIGHTS_WIDE = Pat.optional("squeeze", _SOFTMAX_WIDE, params="sq")
 
 def attention_with(*, blocks: Sequence[int] = (256,), query_blocks: Sequence[int] = (512,),
                    whole_queries: bool = True, min_keys: int = 256, fused: str | None = "auto",
-                   blocked: bool | None = None, backward_query_block: int | None = 256) -> Ruleset:
+                   blocked: bool | None = None, backward_query_block: int | None = 512) -> Ruleset:
     """The attention pack, configured; ``rulesets.attention`` is ``attention_with()``.
 
     * ``blocks``: the key blocks offered to the cost model, each that divides the key axis into two blocks or
@@ -401,8 +401,9 @@ def attention_with(*, blocks: Sequence[int] = (256,), query_blocks: Sequence[int
       (``"cudnn"``, ``"xla"``), ``None`` for none, ``"auto"`` for cuDNN's on a GPU only.
     * ``blocked``: whether the blocked form is built (``None``: on every backend but a GPU).
     * ``backward_query_block``: the backward recomputes the scores a block of keys by a block of this many
-      queries at a time, where it makes two blocks or more (``None``: every query at once). It holds a few
-      blocks of ``[.., backward_query_block, block]``, where the key blocks alone would hold ``[.., Nq, block]``.
+      queries at a time (512 by default), where it makes two blocks or more (``None``: every query at once).
+      It holds a few blocks of ``[.., backward_query_block, block]``, where the key blocks alone would hold
+      ``[.., Nq, block]``.
 
     >>> from rulesets.attention import attention_with
     >>> pack = attention_with(blocks=(128, 256), query_blocks=())

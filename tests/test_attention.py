@@ -224,18 +224,18 @@ def test_gradient_under_jit_and_vmap(dtype, query_block):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_the_backward_runs_over_blocks_of_queries(dtype):
-    """The pack's backward recomputes the scores a block of 256 queries by a block of keys: at N=2048 its
-    temporaries hold less than one block of every query's scores, which the backward over every query at once
-    (``backward_query_block=None``) holds several of; the gradients agree."""
+    """By default the pack's backward recomputes the scores a block of 512 queries by a block of keys: at N=2048 its
+    temporaries hold less than two blocks of every query's scores, which the backward over every query at once
+    (``backward_query_block=None``) holds more of; the gradients agree."""
     rng = np.random.default_rng(5)
     q, k, v = (jnp.asarray(rng.standard_normal((1, 2048, 16)), dtype) for _ in range(3))
     loss = lambda fn: (lambda q, k, v: jnp.sum(jnp.sin(fn(q, k, v)).astype(jnp.float32)))
-    grads = {b: jax.jit(jax.grad(loss(rewrite(plain, rulesets=[attention_with(backward_query_block=b)], cache=False)),
-                                 (0, 1, 2))) for b in (256, None)}
+    packs = {"default": attention, None: attention_with(backward_query_block=None)}
+    grads = {b: jax.jit(jax.grad(loss(rewrite(plain, rulesets=[p], cache=False)), (0, 1, 2))) for b, p in packs.items()}
     temp = {b: g.lower(q, k, v).compile().memory_analysis().temp_size_in_bytes for b, g in grads.items()}
     rows_block = 2048 * 256 * 4
-    assert temp[256] < rows_block < temp[None], temp
-    for a, b in zip(grads[256](q, k, v), grads[None](q, k, v)):
+    assert temp["default"] < 2 * rows_block < temp[None], temp
+    for a, b in zip(grads["default"](q, k, v), grads[None](q, k, v)):
         close(a, b, dtype)
 
 
