@@ -152,7 +152,7 @@ def blocked_attention(logits: Logits, product: ValueProduct, *, block: int, quer
                 positions.append(off + p_free.index(d))
         return positions, list(np.argsort(positions)), tuple(sorted(positions))
 
-    _, order, sorted_pos = layout(p_first)  # the original's, which the backward keeps
+    positions, order, sorted_pos = layout(p_first)  # the original's, which the backward keeps
     # The forward's own product: the weights first, v read as [batch, keys, free] (transposed once, before the
     # loops), so that a block of v is contiguous and the output and accumulator come in the order XLA's product
     # writes them; the output is put in the original's order once, after the loops.
@@ -170,20 +170,17 @@ def blocked_attention(logits: Logits, product: ValueProduct, *, block: int, quer
 
     row_squeezed = tuple(e - (e > axis) for e in squeezed)
     row_shape = tuple(d for i, d in enumerate(s_shape) if i != axis)
-    if query_block is not None:  # where the queries lie in the per-row values and in the output
-        s_q = logits.query_axis
+    s_q = logits.query_axis
+    if s_q is not None and s_q in p_of:  # where the queries lie in the per-row values and in the outputs
         row_q = s_q - (s_q > axis)
-        out_q = f_positions[[d for d in range(p_rank) if d != p_axis].index(p_of[s_q])]  # in the forward's output
+        q_place = [d for d in range(p_rank) if d != p_axis].index(p_of[s_q])
+        out_q, g_q = f_positions[q_place], positions[q_place]  # in the forward's output, in the original's
+    if query_block is not None:
         forward_q = tuple(logits.forward_query_axes)
-
     bq = backward_query_block
-    if bq is not None and (logits.query_axes is None or logits.query_axis is None
-                           or p_of.get(logits.query_axis) is None):
+    if logits.query_axes is None or s_q is None or s_q not in p_of:
         bq = None  # the backward runs over every query at once
-    if bq is not None:  # where the queries lie in the per-row values and in the cotangent of the output
-        b_row_q = logits.query_axis - (logits.query_axis > axis)
-        g_q = layout(p_first)[0][[d for d in range(p_rank) if d != p_axis].index(p_of[logits.query_axis])]
-    pairs = nblocks * (1 if bq is None else s_shape[logits.query_axis] // bq)
+    pairs = nblocks * (1 if bq is None else s_shape[s_q] // bq)
 
     def to_out(row: Any, shape: tuple) -> Any:  # a per-row value in the forward's output's layout
         row = lax.squeeze(row, row_squeezed) if row_squeezed else row
@@ -299,13 +296,13 @@ def blocked_attention(logits: Logits, product: ValueProduct, *, block: int, quer
         def rows(x: Any, queries: Window | None, axis_: int | None = None) -> Any:
             """A per-row value (or an array along ``axis_``) cut to the window of queries."""
             return x if queries is None else lax.dynamic_slice_in_dim(
-                x, queries.start, bq, axis=b_row_q if axis_ is None else axis_)
+                x, queries.start, bq, axis=row_q if axis_ is None else axis_)
 
         def add_rows(x: Any, y: Any, queries: Window | None, axis_: int | None = None) -> Any:
             """``x`` plus ``y``, which covers the window of queries only where one is given."""
             if queries is None:
                 return x + y
-            ax = b_row_q if axis_ is None else axis_
+            ax = row_q if axis_ is None else axis_
             return lax.dynamic_update_slice_in_dim(x, rows(x, queries, ax) + y, queries.start, axis=ax)
 
         def recompute(t: Any) -> tuple:
@@ -326,7 +323,7 @@ def blocked_attention(logits: Logits, product: ValueProduct, *, block: int, quer
             p = (jnp.exp(s - expand(rows(shift, queries).astype(acc_dtype)))
                  / expand(rows(l, queries).astype(s_dtype).astype(acc_dtype)))
             vb = lax.dynamic_slice_in_dim(v, start, block, axis=v_key)
-            gb = rows(g, queries, g_q) if queries is not None else g
+            gb = g if queries is None else rows(g, queries, g_q)
             if narrow:
                 # The weights' cotangent from the cotangent and v as the original rounds them, summed in the
                 # accumulator's precision and not rounded after: rounded to the output's dtype in the gradient's
