@@ -245,21 +245,21 @@ def _loop(m: Any, site: Site, block: int, reads: Reads, columns: int, idx: Value
     return pairs, outs
 
 
-def _take_along_last(g: dict, d_ndim: int, idx_shape: tuple) -> bool:
-    """Whether a gather's params are ``take_along_axis`` along the last axis (one element per row)."""
-    dn, axis = g["dimension_numbers"], d_ndim - 1
-    batch = tuple(range(axis))
-    return (tuple(dn.offset_dims) == () and tuple(dn.collapsed_slice_dims) == (axis,)
+def _take_along_last(g: dict, d_shape: tuple, idx_shape: tuple) -> bool:
+    """Whether a gather is ``take_along_axis`` along the last axis: other axes batching or (size 1) offset axes."""
+    dn, axis = g["dimension_numbers"], len(d_shape) - 1
+    batch = tuple(a for a in range(axis) if a not in dn.offset_dims or d_shape[a] != 1)
+    return (all(a < axis and d_shape[a] == 1 for a in dn.offset_dims) and tuple(dn.collapsed_slice_dims) == (axis,)
             and tuple(dn.start_index_map) == (axis,) and tuple(dn.operand_batching_dims) == batch
-            and tuple(dn.start_indices_batching_dims) == batch and tuple(g["slice_sizes"]) == (1,) * d_ndim
-            and len(idx_shape) == d_ndim + 1 and idx_shape[-2:] == (1, 1))
+            and tuple(dn.start_indices_batching_dims) == tuple(range(len(batch))) and set(g["slice_sizes"]) == {1}
+            and len(idx_shape) == len(batch) + 2 and idx_shape[-2:] == (1, 1))
 
 
 def _label_gather(m: Any) -> tuple | None:
     """``(logits, idx, fills, fill)`` where the match's gather takes one logit per row along the vocabulary
     with a scalar fill (``fills``: out-of-range labels read ``fill``, else the clamped column), or ``None``."""
     g, d, idx = m.params("g"), m["d"], m["i"]
-    if g.prim != "gather" or not _take_along_last(g, d.ndim, idx.shape):
+    if g.prim != "gather" or not _take_along_last(g, d.shape, idx.shape):
         return None
     fill = g.get("fill_value")
     if fill is not None and not np.isscalar(fill):
@@ -403,7 +403,7 @@ def _label(loop: bool | None):
 def _label_peel(m: Any) -> Any:
     """``log_softmax(z)[y]``: the gather moved onto ``z``, less the terms, as the program subtracts them."""
     g, x, idx = m.params("g"), m["d"], m["i"]
-    if g.prim != "gather" or not x.is_floating or not _take_along_last(g, x.ndim, idx.shape):
+    if g.prim != "gather" or not x.is_floating or not _take_along_last(g, x.shape, idx.shape):
         return None
     base, terms = x.terms_along(x.ndim - 1)
     if not terms or head_of(base) is None:
