@@ -31,7 +31,7 @@ from .cache.key import make_key
 from .cost import guard as _guard
 from .cost.measure import resolve
 from .errors import RewriteLimitWarning, RewriteWarning, _strict
-from .extract.program import lean_band, leaner
+from .extract.program import far_leaner, lean_band, leaner
 from .grad.primitive import Signature, bind_if_differentiated
 from .grad.step import find_losses
 from .grad.vjp import VJPResult, build_vjp, rewrite_joint
@@ -324,12 +324,19 @@ class Rewritten:
 
     def _leaner(self, alt: Result, result: Result) -> bool:
         """The cost model's own rule between two programs it prices within its ``lean_band``: the one predicted
-        to hold less memory at its peak (:func:`rewrite.extract.program.leaner`) wins."""
+        to hold less memory at its peak (:func:`rewrite.extract.program.leaner`) wins; within ``lean_band_far``,
+        the one that holds at most half and drops arrays larger than the cache (:func:`far_leaner`)."""
         band = lean_band(self.cost_model)
         predict = getattr(self.cost_model, "predict_temp_bytes", None)
-        if not band or predict is None or alt.cost_after > result.cost_after * (1 + band):
+        if not band or predict is None:
             return False
-        return leaner(predict(alt.after), predict(result.after))
+        far = max(band, float(getattr(self.cost_model, "lean_band_far", 0.0) or 0.0))
+        if alt.cost_after > result.cost_after * (1 + far):
+            return False
+        peak, than = predict(alt.after), predict(result.after)
+        if alt.cost_after <= result.cost_after * (1 + band) and leaner(peak, than):
+            return True
+        return far_leaner(peak, than, self.cost_model)
 
     def _loss_first(self, cone: core.ClosedJaxpr) -> core.ClosedJaxpr:
         """A loss's VJP as ``jax.value_and_grad(rewrite(loss))`` runs it, with these rules, as one program

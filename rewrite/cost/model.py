@@ -244,6 +244,12 @@ class AnalyticCost(CostModel):
     #: order: the LM head's loss at N=8192 in blocks of 256 tokens is priced 2.5% above blocks of 512 and
     #: measured 3.6% slower, holding half the memory. 0 prices by the sum alone, and so does ``memory=0``.
     lean_band: float = 0.03
+    #: whole programs priced within this fraction of each other are taken as equally fast where one is predicted
+    #: to hold at most half the other's temporaries and more than ``cache`` bytes less (arrays that stream from
+    #: memory, whose traffic the sum underprices): a training step with its loss and gradients read from the
+    #: loss-first program against the step as written (``rewrite/api.py``; measured in
+    #: ``benchmarks/results/wholestep.md``). 0 turns it off; it is off wherever ``lean_band`` is.
+    lean_band_far: float = 0.2
     ops: Mapping[str, float] = dataclasses.field(default_factory=lambda: dict(_table()["elementwise_ns"]))
     dot: float = dataclasses.field(default_factory=lambda: _table()["dot_flop"])
     #: how much dearer a flop is on the backend's generic product path than on its library path, and what
