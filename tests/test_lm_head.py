@@ -806,3 +806,15 @@ def test_a_dense_target_with_the_disk_cache(tmp_path):
         first, second = (rewrite(f, rulesets=[NN], cache=tmp_path) for _ in range(2))
         close(first(*args), jax.jit(f)(*args), *TOLERANCE["float32"])
         close(second(*args), first(*args), 0, 0)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_shift_kind_names_the_program_s_shift(dtype):
+    """``shift_kind``: the shift ``jax.nn.log_softmax`` makes (``stop_gradient`` of the maximum) is ``"max"``,
+    optax's (0 where the maximum is not finite) is ``"finite"``; the maximum without ``stop_gradient``, one
+    scaled, and one that cannot run on an array of this shape are none of them."""
+    sg = jax.lax.stop_gradient
+    finite = lambda m: jnp.where(jnp.isfinite(m), m, 0)  # noqa: E731
+    for fn, want in [(lambda m: sg(m), "max"), (lambda m: sg(finite(m)), "finite"), (lambda m: m, None),
+                     (lambda m: sg(2 * m), None), (lambda m: sg(m.reshape(3, 5)), None)]:
+        assert kernels.shift_kind(lambda m: (fn(m),), (12, 1), dtype) == want

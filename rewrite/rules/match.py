@@ -56,6 +56,28 @@ class Params(dict):
         """This primitive with these params, applied to ``operands`` (inside a right side's trace)."""
         return self.primitive.bind(*operands, **self)
 
+    def takes_along_last(self, ndim: int, index_shape: tuple) -> bool:
+        """Is this a ``gather`` that takes one element per row along the last axis of an ``ndim``-array, as
+        ``jnp.take_along_axis(x, i[..., None], axis=-1)`` writes it (indices of shape ``(..., 1, 1)``)?
+
+        >>> import jax, jax.numpy as jnp
+        >>> from rewrite import Params
+        >>> take = jax.make_jaxpr(lambda x, i: jnp.take_along_axis(x, i[:, None], axis=-1))(
+        ...     jnp.ones((4, 5)), jnp.zeros(4, jnp.int32)).eqns[-1].params["jaxpr"].eqns[-1]
+        >>> Params(take.primitive, take.params).takes_along_last(2, take.invars[1].aval.shape)
+        True
+        >>> Params(take.primitive, take.params).takes_along_last(3, take.invars[1].aval.shape)
+        False
+        """
+        if self.prim != "gather":
+            return False
+        dn, axis = self["dimension_numbers"], ndim - 1
+        batch = tuple(range(axis))
+        return (tuple(dn.offset_dims) == () and tuple(dn.collapsed_slice_dims) == (axis,)
+                and tuple(dn.start_index_map) == (axis,) and tuple(dn.operand_batching_dims) == batch
+                and tuple(dn.start_indices_batching_dims) == batch and tuple(self["slice_sizes"]) == (1,) * ndim
+                and len(index_shape) == ndim + 1 and tuple(index_shape[-2:]) == (1, 1))
+
     def __getattr__(self, key: str) -> Any:
         if key.startswith("__") or key == "primitive":
             raise AttributeError(key)
