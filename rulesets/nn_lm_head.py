@@ -34,7 +34,7 @@ from rewrite import Params, Pat, Ruleset, Tolerance, Value, procedural, rule
 from rewrite.rules.match import SHIFT_OPS
 from rulesets._examples import f32, i32
 from rulesets.nn_lm_head_kernels import COLUMNS, Layout, Reads, Stats, blocked_loss, label_logit, label_plus_terms, \
-    row_shift, row_sums, smoothed_sum
+    row_sums, shift_kind, smoothed_sum
 
 __all__ = ["nn_lm_head", "lm_head_rules", "BLOCKS", "offered"]
 
@@ -109,11 +109,9 @@ def head_of(d: Value) -> Head | None:
 
 
 def _shift_kind(shift_of: Any, shape: tuple, dtype: Any) -> str | None:
-    """Which shift ``shift_of`` (the program's, as a function of the rows' maxima) is, ``"max"`` or
-    ``"finite"`` (:func:`~rulesets.nn_lm_head_kernels.row_shift`), or ``None``: run on maxima that differ in
-    every row, infinities and NaN among them, and only where its derivative is 0 (under ``stop_gradient``).
-    The answer is kept by the function's jaxpr where that holds every operation (no constants, no inner
-    jaxprs), so the rules for each block size, and later rewrites of the same head, run the probe once."""
+    """:func:`~rulesets.nn_lm_head_kernels.shift_kind` of the program's shift, as a function of the rows'
+    maxima. The answer is kept by the function's jaxpr where that holds every operation (no constants, no
+    inner jaxprs), so the rules for each block size, and later rewrites of the same head, run the probe once."""
     key = _shift_key(shift_of, shape, dtype)
     if key is not None and all(e.primitive.name != "stop_gradient" for e in shift_of.jaxpr.jaxpr.eqns):
         # Made of the shift operations alone and not under stop_gradient: where it returns the maximum (both
@@ -121,7 +119,7 @@ def _shift_kind(shift_of: Any, shape: tuple, dtype: Any) -> str | None:
         return None
     if key is not None and key in _KINDS:
         return _KINDS[key]
-    kind = _probe_shift(shift_of, shape, dtype)
+    kind = shift_kind(shift_of, shape, dtype)
     if key is not None:
         _KINDS[key] = kind
         while len(_KINDS) > 256:
@@ -139,28 +137,6 @@ def _shift_key(shift_of: Any, shape: tuple, dtype: Any) -> tuple | None:
     if closed is None or closed.consts or any(e.primitive.name not in SHIFT_OPS for e in closed.jaxpr.eqns):
         return None
     return str(closed.jaxpr), tuple(shape), np.dtype(dtype).str, jax.config.jax_enable_x64
-
-
-def _probe_shift(shift_of: Any, shape: tuple, dtype: Any) -> str | None:
-    size = int(np.prod(shape))
-    specials = np.array([-np.inf, np.inf, np.nan, 0.0, -0.0, 1.5, -2.25, 3e4], np.float64)
-    probe = np.arange(size, dtype=np.float64) * 0.37 - size * 0.1
-    probe[: min(size, specials.size)] = specials[: min(size, specials.size)]
-
-    def run(x: Any) -> tuple:  # one compiled program, not one per operation
-        out, tangent = jax.jvp(lambda t: shift_of(t)[0], (x,), (jnp.ones_like(x),))
-        return out, tangent, {kind: row_shift(kind, x) for kind in ("max", "finite")}
-
-    try:  # compiled ahead and called on an array: it runs even while the program is traced (under jit, say)
-        x = np.asarray(probe.reshape(shape), dtype)
-        out, tangent, want = jax.jit(run).lower(jax.ShapeDtypeStruct(x.shape, x.dtype)).compile()(x)
-    except Exception:  # noqa: BLE001  (a function the probe cannot run is not a known shift)
-        return None
-    out = np.asarray(out, np.float64).reshape(shape)
-    if np.any(np.asarray(tangent, np.float64) != 0):
-        return None
-    return next((k for k in ("max", "finite") if np.array_equal(out, np.asarray(want[k], np.float64), equal_nan=True)),
-                None)
 
 
 def _log_of(m: Any, total: Value) -> Value | None:
@@ -245,21 +221,11 @@ def _loop(m: Any, site: Site, block: int, reads: Reads, columns: int, idx: Value
     return pairs, outs
 
 
-def _take_along_last(g: dict, d_shape: tuple, idx_shape: tuple) -> bool:
-    """Whether a gather is ``take_along_axis`` along the last axis: other axes batching or (size 1) offset axes."""
-    dn, axis = g["dimension_numbers"], len(d_shape) - 1
-    batch = tuple(a for a in range(axis) if a not in dn.offset_dims or d_shape[a] != 1)
-    return (all(a < axis and d_shape[a] == 1 for a in dn.offset_dims) and tuple(dn.collapsed_slice_dims) == (axis,)
-            and tuple(dn.start_index_map) == (axis,) and tuple(dn.operand_batching_dims) == batch
-            and tuple(dn.start_indices_batching_dims) == tuple(range(len(batch))) and set(g["slice_sizes"]) == {1}
-            and len(idx_shape) == len(batch) + 2 and idx_shape[-2:] == (1, 1))
-
-
 def _label_gather(m: Any) -> tuple | None:
     """``(logits, idx, fills, fill)`` where the match's gather takes one logit per row along the vocabulary
     with a scalar fill (``fills``: out-of-range labels read ``fill``, else the clamped column), or ``None``."""
     g, d, idx = m.params("g"), m["d"], m["i"]
-    if g.prim != "gather" or not _take_along_last(g, d.shape, idx.shape):
+    if not g.takes_along_last(d.shape, idx.shape):
         return None
     fill = g.get("fill_value")
     if fill is not None and not np.isscalar(fill):
@@ -403,7 +369,7 @@ def _label(loop: bool | None):
 def _label_peel(m: Any) -> Any:
     """``log_softmax(z)[y]``: the gather moved onto ``z``, less the terms, as the program subtracts them."""
     g, x, idx = m.params("g"), m["d"], m["i"]
-    if g.prim != "gather" or not x.is_floating or not _take_along_last(g, x.shape, idx.shape):
+    if not x.is_floating or not g.takes_along_last(x.shape, idx.shape):
         return None
     base, terms = x.terms_along(x.ndim - 1)
     if not terms or head_of(base) is None:

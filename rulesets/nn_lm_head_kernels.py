@@ -27,7 +27,7 @@ import numpy as np
 from jax import lax
 
 __all__ = ["Layout", "Reads", "Stats", "COLUMNS", "blocked_forward", "blocked_backward", "blocked_loss",
-           "label_logit", "row_sums", "label_column", "row_shift", "add_by_columns", "plus_terms", "label_plus_terms",
+           "label_logit", "row_sums", "label_column", "row_shift", "shift_kind", "add_by_columns", "plus_terms", "label_plus_terms",
            "smoothed_sum"]
 
 #: The widest column block of ``dW`` that the backward adds in one product (:func:`add_by_columns`).
@@ -98,6 +98,31 @@ def _cast(layout: Layout, z: Any) -> Any:
 def row_shift(kind: str, m: Any) -> Any:
     """The program's shift of rows whose maximum is ``m``: ``m`` itself, or ``m`` where finite and 0 elsewhere."""
     return m if kind == "max" else jnp.where(jnp.isfinite(m), m, jnp.zeros((), m.dtype))
+
+
+def shift_kind(shift_of: Any, shape: tuple, dtype: Any) -> str | None:
+    """Which :func:`row_shift` ``shift_of`` computes (``"max"`` or ``"finite"``), run on rows' maxima of
+    ``shape`` and ``dtype`` that differ in every row, infinities and NaN among them; ``None`` where it is
+    neither, where its derivative is not 0 (it is not under ``stop_gradient``) or where it does not run."""
+    size = int(np.prod(shape))
+    specials = np.array([-np.inf, np.inf, np.nan, 0.0, -0.0, 1.5, -2.25, 3e4], np.float64)
+    probe = np.arange(size, dtype=np.float64) * 0.37 - size * 0.1
+    probe[: min(size, specials.size)] = specials[: min(size, specials.size)]
+
+    def run(x: Any) -> tuple:  # one compiled program, not one per operation
+        out, tangent = jax.jvp(lambda t: shift_of(t)[0], (x,), (jnp.ones_like(x),))
+        return out, tangent, {kind: row_shift(kind, x) for kind in ("max", "finite")}
+
+    try:  # compiled ahead and called on an array: it runs even while the program is traced (under jit, say)
+        x = np.asarray(probe.reshape(shape), dtype)
+        out, tangent, want = jax.jit(run).lower(jax.ShapeDtypeStruct(x.shape, x.dtype)).compile()(x)
+    except Exception:  # noqa: BLE001  (a function the probe cannot run is not a known shift)
+        return None
+    out = np.asarray(out, np.float64).reshape(shape)
+    if np.any(np.asarray(tangent, np.float64) != 0):
+        return None
+    return next((k for k in ("max", "finite") if np.array_equal(out, np.asarray(want[k], np.float64), equal_nan=True)),
+                None)
 
 
 def label_column(y: Any, vocab: int) -> tuple[Any, Any]:

@@ -294,7 +294,7 @@ def _rules_defined(path: pathlib.Path) -> int:
 #: The LM head's lines per rule: every line of ``rulesets/nn_lm_head.py`` (blank, comment and docstring lines
 #: too) over the rules it defines; the kernels the rules call, the public ``rulesets/nn_lm_head_kernels.py``, are
 #: not counted. A new rule earns its lines; a helper that other packs could use belongs in the rules language.
-LM_HEAD_LINES_PER_RULE = 50.8
+LM_HEAD_LINES_PER_RULE = 47.4
 
 
 def test_the_lm_head_reads_as_its_rules():

@@ -825,3 +825,15 @@ def test_a_batch_of_one_sequence_reads_the_label_from_the_loop(form):
         close(a, b, rtol, atol)
     temp = lambda fn: jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes
     assert temp(jax.grad(g, argnums=(0, 1, 2))) < N * V * 4 / 2
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_shift_kind_names_the_program_s_shift(dtype):
+    """``shift_kind``: the shift ``jax.nn.log_softmax`` makes (``stop_gradient`` of the maximum) is ``"max"``,
+    optax's (0 where the maximum is not finite) is ``"finite"``; the maximum without ``stop_gradient``, one
+    scaled, and one that cannot run on an array of this shape are none of them."""
+    sg = jax.lax.stop_gradient
+    finite = lambda m: jnp.where(jnp.isfinite(m), m, 0)  # noqa: E731
+    for fn, want in [(lambda m: sg(m), "max"), (lambda m: sg(finite(m)), "finite"), (lambda m: m, None),
+                     (lambda m: sg(2 * m), None), (lambda m: sg(m.reshape(3, 5)), None)]:
+        assert kernels.shift_kind(lambda m: (fn(m),), (12, 1), dtype) == want

@@ -625,3 +625,30 @@ def test_value_max_under_finds_the_row_max_a_shift_is_made_from():
     explain(lambda z, y: z - max_of(y, 1), z, y, rulesets=[pack])
     explain(lambda z, y: z - (max_of(z, 1) + y[:, :1]), z, y, rulesets=[pack])
     assert seen and set(seen) == {None}
+
+
+def test_params_takes_along_last_reads_a_label_gather_only():
+    """``Params.takes_along_last``: ``take_along_axis`` along the last axis (2-D and 3-D, and with a batch of
+    one, which JAX writes as an offset axis) is one element per row; along the first axis, a gather of whole
+    rows (``x[i]``), and a slice of two are not."""
+    def gathers(fn, *args):
+        found = []
+
+        def walk(jaxpr):
+            for e in jaxpr.eqns:
+                if e.primitive.name == "gather":
+                    found.append(Params(e.primitive, e.params).takes_along_last(e.invars[0].aval.shape,
+                                                                                e.invars[1].aval.shape))
+                if "jaxpr" in e.params:  # take_along_axis is a jit of its own
+                    walk(getattr(e.params["jaxpr"], "jaxpr", e.params["jaxpr"]))
+        walk(jax.make_jaxpr(fn)(*args).jaxpr)
+        return found
+
+    i2, i3 = jnp.zeros(4, jnp.int32), jnp.zeros((2, 4), jnp.int32)
+    assert gathers(lambda x, i: jnp.take_along_axis(x, i[:, None], axis=-1), jnp.ones((4, 5)), i2) == [True]
+    assert gathers(lambda x, i: jnp.take_along_axis(x, i[..., None], axis=-1), jnp.ones((2, 4, 5)), i3) == [True]
+    assert gathers(lambda x, i: jnp.take_along_axis(x, i[..., None], axis=-1), jnp.ones((1, 4, 5)), i3[:1]) == [True]
+    assert gathers(lambda x, i: jnp.take_along_axis(x, i[None, :], axis=0), jnp.ones((5, 4)), i2) == [False]
+    assert gathers(lambda x, i: x[i], jnp.ones((5, 4)), i2) == [False]
+    assert gathers(lambda x, i: jnp.take_along_axis(x, jnp.stack([i, i], 1), axis=-1), jnp.ones((4, 5)), i2) \
+        == [False]

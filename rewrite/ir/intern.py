@@ -75,7 +75,7 @@ class _Table:
     Ids are handed out in order and never reused. The readers of an id are the e-graphs it was put in (and what
     reads them: matches, extraction, emission, a kept report), so an entry that no live e-graph can hold is
     dropped once the table has more than ``keep`` entries, least recently interned first: without that each new
-    input signature of a rewritten function kept its types and params for good (issue 48). Reading a dropped id
+    input signature of a rewritten function kept its types and params for good. Reading a dropped id
     raises ``KeyError``; interning its key again gives a new id.
     """
 

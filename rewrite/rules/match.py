@@ -56,6 +56,35 @@ class Params(dict):
         """This primitive with these params, applied to ``operands`` (inside a right side's trace)."""
         return self.primitive.bind(*operands, **self)
 
+    def takes_along_last(self, shape: tuple, index_shape: tuple) -> bool:
+        """Is this a ``gather`` that takes one element per row along the last axis of an array of ``shape``, as
+        ``jnp.take_along_axis(x, i[..., None], axis=-1)`` writes it (indices of shape ``(..., 1, 1)``)? Every
+        other axis is a batching axis or, as JAX writes an axis of size 1 (a batch of one), an offset axis of
+        slice 1.
+
+        >>> import jax, jax.numpy as jnp
+        >>> from rewrite import Params
+        >>> def gather(x, i):
+        ...     eqn = jax.make_jaxpr(lambda x, i: jnp.take_along_axis(x, i[..., None], axis=-1))(x, i)
+        ...     take = eqn.eqns[-1].params["jaxpr"].eqns[-1]
+        ...     return Params(take.primitive, take.params), take.invars[1].aval.shape
+        >>> g, index = gather(jnp.ones((4, 5)), jnp.zeros(4, jnp.int32))
+        >>> g.takes_along_last((4, 5), index), g.takes_along_last((4, 5, 1), index)
+        (True, False)
+        >>> g, index = gather(jnp.ones((1, 4, 5)), jnp.zeros((1, 4), jnp.int32))
+        >>> g.takes_along_last((1, 4, 5), index)
+        True
+        """
+        if self.prim != "gather":
+            return False
+        dn, axis = self["dimension_numbers"], len(shape) - 1
+        batch = tuple(a for a in range(axis) if a not in dn.offset_dims or shape[a] != 1)
+        return (all(a < axis and shape[a] == 1 for a in dn.offset_dims) and tuple(dn.collapsed_slice_dims) == (axis,)
+                and tuple(dn.start_index_map) == (axis,) and tuple(dn.operand_batching_dims) == batch
+                and tuple(dn.start_indices_batching_dims) == tuple(range(len(batch)))
+                and set(self["slice_sizes"]) == {1} and len(index_shape) == len(batch) + 2
+                and tuple(index_shape[-2:]) == (1, 1))
+
     def __getattr__(self, key: str) -> Any:
         if key.startswith("__") or key == "primitive":
             raise AttributeError(key)
