@@ -27,8 +27,8 @@ import numpy as np
 from jax import lax
 
 __all__ = ["Layout", "Reads", "Stats", "COLUMNS", "blocked_forward", "blocked_backward", "blocked_loss",
-           "label_logit", "row_sums", "label_column", "row_shift", "shift_kind", "add_by_columns", "plus_terms", "label_plus_terms",
-           "smoothed_sum"]
+           "label_logit", "row_sums", "label_column", "row_shift", "shift_kind", "add_by_columns", "plus_terms",
+           "label_plus_terms", "smoothed_sum"]
 
 #: The widest column block of ``dW`` that the backward adds in one product (:func:`add_by_columns`).
 COLUMNS = 2048

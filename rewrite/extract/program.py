@@ -49,9 +49,9 @@ def leaner(peak: float | None, than: float | None) -> bool:
 def far_leaner(peak: float | None, than: float | None, model: Any) -> bool:
     """Whether a predicted peak of ``peak`` bytes holds at most half of ``than`` and more than ``model.cache`` bytes
     less, so that the arrays it drops stream from memory (``AnalyticCost.lean_band_far``)."""
-    cache = float(getattr(model, "cache", math.inf) or math.inf)
-    return (peak is not None and than is not None and math.isfinite(cache) and peak <= than / 2
-            and than - peak > cache)
+    cache = getattr(model, "cache", None)
+    return (peak is not None and than is not None and cache is not None and math.isfinite(cache)
+            and peak <= than / 2 and than - peak > cache)
 
 
 class ProgramPricer:
