@@ -386,3 +386,65 @@ def test_a_buffer_updated_in_a_loop_is_priced_by_the_rows_written(write):
                     tuple(v.aval for v in update.outvars))
     priced_bytes = rows * (model(node) - model.node - model.flop * width) / model.byte
     assert xla_bytes / 4 <= priced_bytes <= 4 * xla_bytes, (priced_bytes, xla_bytes)
+
+
+def _fori_buffer(width: int, rows: int = 256, write: str = "dynamic_update_slice"):
+    """A ``fori_loop`` writing an 8-wide block of row ``i`` of a ``[rows, width]`` buffer per trip."""
+    def f(h):
+        def body(i, buf):
+            if write == "scatter":
+                return buf.at[i, :8].set(h * i)
+            return lax.dynamic_update_slice(buf, (h * i)[None], (i, 0))
+        return lax.fori_loop(0, rows, body, jnp.zeros((rows, width)))
+    return f
+
+
+@pytest.mark.parametrize("write", ["scatter", "dynamic_update_slice"])
+def test_a_loop_does_not_move_a_carry_it_updates_in_place(write):
+    """XLA writes a carried buffer's update into the buffer: each trip moves the update's bytes (the body's
+    price), not the whole carry, so a wider buffer adds what filling and returning it once cost, not a pass
+    over it per trip (cost_analysis counts the same). A carry the body rewrites whole is moved each trip."""
+    from rewrite import explain
+
+    h, model = jnp.ones((8,)), AnalyticCost()
+    buffer = 256 * 4096 * 4  # bytes of the wide buffer
+    price = {w: explain(_fori_buffer(w, write=write), h).cost_before for w in (8, 4096)}
+    xla = {w: jax.jit(_fori_buffer(w, write=write)).lower(h).compile().cost_analysis()["bytes accessed"]
+           for w in (8, 4096)}
+    assert price[4096] - price[8] < 8 * model.byte * buffer, price
+    assert xla[4096] - xla[8] < 8 * buffer, xla
+
+    def rewritten(width):
+        def f(h):
+            return lax.fori_loop(0, 256, lambda i, buf: buf * 0.5 + h[0], jnp.zeros((256, width)))
+        return f
+    grows = {w: explain(rewritten(w), h).cost_before for w in (8, 4096)}
+    assert grows[4096] - grows[8] > 128 * model.byte * buffer, grows
+
+
+def test_the_carries_a_scan_body_updates_in_place():
+    from rewrite.ir.scanread import in_place_carries
+
+    def carries_of(f, *args):
+        (eqn,) = [e for e in jax.make_jaxpr(f)(*args).eqns if e.primitive.name == "scan"]
+        return in_place_carries(eqn.params["jaxpr"], *scan_counts(eqn.params))
+
+    h = jnp.ones((8,))
+    # fori_loop's scan carries the counter (rewritten each trip) and the buffer (updated in place)
+    assert carries_of(lambda h: lax.fori_loop(0, 4, lambda i, b: b.at[i].set(h), jnp.zeros((4, 8))), h)[-1]
+    assert carries_of(lambda h: lax.scan(lambda c, _: (c * 2, None), h, None, length=3)[0], h) == (False,)
+
+    def twice(h):  # two in-place updates in a row, and a nested loop that updates the carry it is handed
+        def body(c, i):
+            c = lax.dynamic_update_slice(lax.dynamic_update_slice(c, h[None], (i, 0)), h[None], (i + 1, 0))
+            inner = lax.scan(lambda d, j: (lax.dynamic_update_slice(d, h[None], (j, 0)), None), c, jnp.arange(2))[0]
+            return inner, None
+        return lax.scan(body, jnp.zeros((8, 8)), jnp.arange(4))[0]
+
+    assert carries_of(twice, h) == (True,)
+
+    def read_then_written(h):  # the update reads the whole carry first: a new array each trip
+        return lax.scan(lambda c, i: (lax.dynamic_update_slice(c * 2, h[None], (i, 0)), None),
+                        jnp.zeros((8, 8)), jnp.arange(4))[0]
+
+    assert carries_of(read_then_written, h) == (False,)
