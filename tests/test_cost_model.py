@@ -448,3 +448,30 @@ def test_the_carries_a_scan_body_updates_in_place():
                         jnp.zeros((8, 8)), jnp.arange(4))[0]
 
     assert carries_of(read_then_written, h) == (False,)
+
+
+def test_a_call_is_priced_at_what_the_outputs_read_need():
+    """A custom VJP's forward that returns two values, one read: XLA inlines the call's body and drops what the
+    unread output needs (cost_analysis counts the read one's flops alone), and so does the model's price."""
+    from rewrite import explain
+
+    @jax.custom_vjp
+    def both(x, w):
+        return jnp.tanh(x @ w) @ w, x.sum()
+
+    both.defvjp(lambda x, w: (both(x, w), (x, w)), lambda res, g: (jnp.zeros_like(res[0]), jnp.zeros_like(res[1])))
+
+    @jax.custom_vjp
+    def small(x, w):
+        return x.sum()
+
+    small.defvjp(lambda x, w: (small(x, w), (x, w)), lambda res, g: (jnp.zeros_like(res[0]), jnp.zeros_like(res[1])))
+
+    x, w = jnp.ones((256, 256)), jnp.ones((256, 256))
+    read_one = lambda x, w: both(x, w)[1]  # noqa: E731
+    flops = {f: jax.jit(f).lower(x, w).compile().cost_analysis().get("flops", 0.0) for f in (read_one, small)}
+    assert flops[read_one] == pytest.approx(flops[small], rel=0.01, abs=1e3), flops
+    read_both = lambda x, w: both(x, w)  # noqa: E731
+    price = {f: explain(f, x, w).cost_before for f in (read_one, small, read_both)}
+    assert price[read_one] == pytest.approx(price[small], rel=0.05), price
+    assert price[read_both] > 4 * price[read_one], price  # the products, when their output is read
