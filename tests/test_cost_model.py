@@ -475,3 +475,26 @@ def test_a_call_is_priced_at_what_the_outputs_read_need():
     price = {f: explain(f, x, w).cost_before for f in (read_one, small, read_both)}
     assert price[read_one] == pytest.approx(price[small], rel=0.05), price
     assert price[read_both] > 4 * price[read_one], price  # the products, when their output is read
+
+
+def test_a_peak_mapped_fresh_at_each_call_is_priced_per_byte():
+    """XLA:CPU allocates a program's temporaries at each call; from the table's ``fresh_bytes`` on, the C library
+    maps them fresh and every page faults on first touch (``calibrate.measure_fresh``: 0.27 ns per byte from 64 MiB
+    here, eight times moving it). A peak that large costs ``fresh`` per byte more; a smaller one nothing more."""
+    from rewrite import explain
+    from rewrite.cost import calibration
+
+    table = calibration.CPU
+    assert table["fresh"] > 3 * table["byte"] and table["fresh_bytes"] <= 2 ** 27  # measured on this backend
+
+    def held(n):  # exp(x) is read by two reductions: stored, n floats of temporaries
+        return lambda x: (jnp.sum(jnp.exp(x)), jnp.max(jnp.exp(x) * x))
+
+    fresh, at = 0.5, 2.0 ** 24  # a threshold of 16 MiB: the test's arrays stay small
+    for n, pays in ((1 << 20, False), (1 << 23, True)):  # 4 MiB and 32 MiB of temporaries
+        x = jnp.ones((n,))
+        with_term = explain(held(n), x, cost_model=AnalyticCost(fresh=fresh, fresh_at=at)).cost_before
+        without = explain(held(n), x, cost_model=AnalyticCost(fresh=0.0)).cost_before
+        assert with_term - without == pytest.approx(fresh * 4 * n if pays else 0.0, rel=0.02), (n, with_term, without)
+    assert AnalyticCost(fresh=0.0, memory=0.0).fusion_model().prices_peak is False
+    assert AnalyticCost(fresh=fresh, memory=0.0).fusion_model().prices_peak
