@@ -455,8 +455,6 @@ def _dot_flops(n: NodeInfo) -> float:
     return 2.0 * size(n.out_avals[0]) * contract
 
 
-
-
 #: How :class:`AnalyticCost` prices a node of each family, unless its record has a ``price`` hook.
 _BY_FAMILY: dict[str, Callable[[AnalyticCost, NodeInfo], float]] = {
     _primitives.SPECIAL: AnalyticCost._special,
