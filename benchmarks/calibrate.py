@@ -12,7 +12,8 @@ rewrite removes and which dominates small programs, what a loop costs
 per trip beyond its body's kernels (``measure_loop``; ``--loop-only``
 measures and stores it alone), and on a CPU how large an array may be and
 stay in the last-level cache and what each byte past that costs more
-(``measure_cache``; ``--cache-only``).
+(``measure_cache``; ``--cache-only``), and what a byte of a buffer the C library maps
+fresh for each call costs, from what size (``measure_fresh``; ``--fresh-only``).
 
 Every figure is a difference of two programs timed side by side in one
 process (``benchmarks/harness.py``): ``op(x) + 1`` against ``x + 1`` on the
@@ -297,6 +298,58 @@ def measure_cache(rounds: int, progress: bool) -> dict[str, float]:
             "streamed_memory": large}
 
 
+def _fresh_and_kept(n: int, rounds: int) -> tuple[float, float]:
+    """ns per byte of ``x + 1``'s output on ``n`` floats: written to a buffer allocated for the call, and written
+    in place (donated); each the fastest of ``rounds`` runs."""
+    fresh = jax.jit(lambda a: a + 1.0)
+    kept = jax.jit(lambda a: a + 1.0, donate_argnums=0)
+    x = jnp.zeros((n,), jnp.float32)
+    y = kept(jnp.zeros((n,), jnp.float32))
+    reps = max(2, (1 << 28) // (4 * n))
+    best = [float("inf"), float("inf")]
+    for _ in range(max(rounds, 5)):
+        for k in (0, 1):
+            out = fresh(x) if k == 0 else y
+            out.block_until_ready()
+            t = time.perf_counter()
+            for _ in range(reps):
+                if k == 0:
+                    out = fresh(x)
+                else:
+                    y = out = kept(y)
+            out.block_until_ready()
+            best[k] = min(best[k], (time.perf_counter() - t) / reps)
+    return best[0] / (4 * n) * 1e9, best[1] / (4 * n) * 1e9
+
+
+#: Buffer sizes (MiB) at which :func:`measure_fresh` compares a buffer allocated for the call with one kept.
+FRESH_MIB = (8, 16, 24, 32, 48, 64, 128)
+
+
+def measure_fresh(rounds: int, progress: bool) -> dict[str, float]:
+    """What a byte of a buffer allocated for one call costs beyond writing it, and from what size (CPU).
+
+    XLA:CPU allocates a program's temporaries (one buffer of ``temp_size_in_bytes``) and outputs at each call. The
+    C library maps an allocation above its threshold (glibc: at most 32 MiB) fresh from the system and returns it
+    at free, so every page of it faults on first touch in every call; a smaller one is reused from the heap.
+    ``x + 1`` into a fresh output against in place, over :data:`FRESH_MIB`: ``fresh_bytes`` is the smallest size
+    measured whose bytes cost more than 0.1 ns each beyond the in-place write (three times what moving a byte costs), ``fresh`` the median excess at
+    that size and above. On this machine: 0.00 ns per byte at 8-24 MiB, 0.2-0.25 from 32 MiB (a 4 KiB page
+    fault is about a microsecond). ``AnalyticCost.fresh`` charges it per byte of a program's predicted peak of
+    temporaries from ``fresh_bytes`` on.
+    """
+    excess = {}
+    for mib in FRESH_MIB:
+        fresh, kept = _fresh_and_kept(mib << 18, rounds)
+        excess[mib] = fresh - kept
+        if progress:
+            print(f"{mib} MiB: fresh {fresh:.4f} ns/B, in place {kept:.4f} ns/B", file=sys.stderr)
+    over = [mib for mib in FRESH_MIB if excess[mib] > 0.1]
+    if not over:
+        return {}
+    return {"fresh_bytes": float(over[0] << 20), "fresh": statistics.median(excess[m] for m in over)}
+
+
 #: Trips of the loop whose per-trip cost :func:`measure_loop` takes.
 TRIPS = 257
 
@@ -336,6 +389,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="measure only the per-trip cost of a loop, and store it in this backend's table")
     ap.add_argument("--cache-only", action="store_true",
                     help="measure only the last-level cache's size and price (CPU), and store them in its table")
+    ap.add_argument("--fresh-only", action="store_true",
+                    help="measure only what a byte of a buffer allocated per call costs, and from what size (CPU)")
     args = ap.parse_args(argv)
     if args.call_only:
         _call_only(args)
@@ -345,6 +400,11 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.cache_only:
         _cache_only(args)
+        return
+    if args.fresh_only:
+        if jax.default_backend() != "cpu":
+            raise SystemExit("--fresh-only measures a CPU's allocator")
+        _store_only(args, measure_fresh(args.rounds, args.progress), "fresh")
         return
     ops: dict[str, float] = {}
     mem: dict[str, float] = {}
@@ -357,6 +417,7 @@ def main(argv: list[str] | None = None) -> None:
     loop = measure_loop(args.rounds, args.progress, mem["launch"])
     if jax.default_backend() == "cpu":
         loop.update(measure_cache(args.rounds, args.progress))
+        loop.update(measure_fresh(args.rounds, args.progress))
     table = {
         "platform": jax.default_backend(),
         "device": str(jax.devices()[0].device_kind),
@@ -405,7 +466,7 @@ def _memory_history(table: dict, keys: Any) -> list[dict]:
 
 #: Figures stored to one decimal (nanoseconds of a call, a buffer or a trip; the cache's bytes); the rest of
 #: the call, loop and cache figures to four significant digits.
-_TO_ONE_DECIMAL = ("call", "buffer", "iteration", "iteration_trip", "cache_bytes")
+_TO_ONE_DECIMAL = ("call", "buffer", "iteration", "iteration_trip", "cache_bytes", "fresh_bytes")
 
 
 def _rounded(figures: dict[str, float]) -> dict[str, float]:

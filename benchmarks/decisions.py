@@ -490,11 +490,19 @@ def measure_case(d: Decided, rounds: int) -> list[dict]:
 
 def wrong_side(rec: dict) -> bool:
     """The model prefers a program measured >= 10% slower, or declines one measured >= 10% faster, by more
-    than the A/A control moved."""
+    than the A/A control moved. Declining a program that holds more temp memory than the first
+    (:func:`holds_more`) is right whatever its speed: a rewrite must not hold more memory than the original."""
     m, noise = rec["measured"], rec["noise"]
     if rec["prefers"] == "second":
         return m <= 1.0 - MARGIN and (1.0 - m) > noise
-    return m >= 1.0 + MARGIN and (m - 1.0) > noise
+    return m >= 1.0 + MARGIN and (m - 1.0) > noise and not holds_more(rec)
+
+
+def holds_more(rec: dict) -> bool:
+    """Whether the pair's second program holds more temp memory than its first, by 1% and 64 KiB (as measured:
+    ``memory_analysis``)."""
+    first, second = rec.get("temp_first", 0), rec.get("temp_second", 0)
+    return second > first * 1.01 and second - first > 64 * 1024
 
 
 def spearman(xs: Sequence[float], ys: Sequence[float]) -> float:
@@ -549,11 +557,14 @@ def markdown(records: list[dict], meta: dict) -> str:
     rho_near = spearman([math.log(r["predicted"]) for r in near], [math.log(r["measured"]) for r in near])
     errors = sorted(abs(math.log(r["measured"] / r["predicted"])) for r in records)
     band = {q: math.exp(errors[min(len(errors) - 1, int(q * len(errors)))]) - 1 for q in (0.5, 0.8, 0.9)}
+    for r in records:
+        r["wrong"] = wrong_side(r)
     wrong = [r for r in records if r["wrong"]]
+    for_memory = [r for r in records if r["prefers"] == "first" and holds_more(r) and r["measured"] >= 1.0 + MARGIN
+                  and r["measured"] - 1.0 > r["noise"]]
     miss = sorted(records, key=lambda r: -abs(math.log(r["predicted"]) - math.log(r["measured"])))
     kinds = {k: sum(1 for r in records if r["kind"] == k) for k in ("chosen", "declined", "block", "hand")}
-    grew = [r for r in records if r["prefers"] == "second" and r["temp_second"] > r["temp_first"] * 1.01
-            and r["temp_second"] - r["temp_first"] > 64 * 1024]
+    grew = [r for r in records if r["prefers"] == "second" and holds_more(r)]
     lines = [
         "# Decisions: the cost model's choices against the clock\n",
         f"`{meta['command']}`, {meta['date']}, {meta['machine']}, {meta['device']}, jax {meta['jax']}. "
@@ -572,7 +583,11 @@ def markdown(records: list[dict], meta: dict) -> str:
         f"cases, rewritten with {', '.join(PACKS)}",
         f"- **on the wrong side** (prefers a program measured >= {MARGIN:.0%} slower, or declines one measured "
         f">= {MARGIN:.0%} faster, beyond the A/A): **{len(wrong)}**"
-        + (f": {', '.join(r['case'] + ' ' + r['pair'] for r in wrong)}" if wrong else ""),
+        + (f": {', '.join(r['case'] + ' ' + r['pair'] for r in wrong)}" if wrong else "")
+        + (f"; not counted, declined though measured faster because they hold more temp memory than the first: "
+           + ", ".join(f"{r['case']} {r['pair']} ({r['measured']:.2f}x, temp {r['temp_first'] / harness.MiB:.1f} -> "
+                        f"{r['temp_second'] / harness.MiB:.1f} MiB)"
+                       for r in for_memory) if for_memory else ""),
         f"- **Spearman rank correlation** of predicted against measured ratio: **{rho:.2f}** over every pair; "
         f"{rho_near:.2f} over the {len(near)} pairs predicted within 0.8-1.25x (the decisions that are close calls)",
         f"- the model's error (measured over predicted, either way): median {band[0.5]:.0%}, 80th percentile "

@@ -386,3 +386,115 @@ def test_a_buffer_updated_in_a_loop_is_priced_by_the_rows_written(write):
                     tuple(v.aval for v in update.outvars))
     priced_bytes = rows * (model(node) - model.node - model.flop * width) / model.byte
     assert xla_bytes / 4 <= priced_bytes <= 4 * xla_bytes, (priced_bytes, xla_bytes)
+
+
+def _fori_buffer(width: int, rows: int = 256, write: str = "dynamic_update_slice"):
+    """A ``fori_loop`` writing an 8-wide block of row ``i`` of a ``[rows, width]`` buffer per trip."""
+    def f(h):
+        def body(i, buf):
+            if write == "scatter":
+                return buf.at[i, :8].set(h * i)
+            return lax.dynamic_update_slice(buf, (h * i)[None], (i, 0))
+        return lax.fori_loop(0, rows, body, jnp.zeros((rows, width)))
+    return f
+
+
+@pytest.mark.parametrize("write", ["scatter", "dynamic_update_slice"])
+def test_a_loop_does_not_move_a_carry_it_updates_in_place(write):
+    """XLA writes a carried buffer's update into the buffer: each trip moves the update's bytes (the body's
+    price), not the whole carry, so a wider buffer adds what filling and returning it once cost, not a pass
+    over it per trip (cost_analysis counts the same). A carry the body rewrites whole is moved each trip."""
+    from rewrite import explain
+
+    h, model = jnp.ones((8,)), AnalyticCost()
+    buffer = 256 * 4096 * 4  # bytes of the wide buffer
+    price = {w: explain(_fori_buffer(w, write=write), h).cost_before for w in (8, 4096)}
+    xla = {w: jax.jit(_fori_buffer(w, write=write)).lower(h).compile().cost_analysis()["bytes accessed"]
+           for w in (8, 4096)}
+    assert price[4096] - price[8] < 8 * model.byte * buffer, price
+    assert xla[4096] - xla[8] < 8 * buffer, xla
+
+    def rewritten(width):
+        def f(h):
+            return lax.fori_loop(0, 256, lambda i, buf: buf * 0.5 + h[0], jnp.zeros((256, width)))
+        return f
+    grows = {w: explain(rewritten(w), h).cost_before for w in (8, 4096)}
+    assert grows[4096] - grows[8] > 128 * model.byte * buffer, grows
+
+
+def test_the_carries_a_scan_body_updates_in_place():
+    from rewrite.ir.scanread import in_place_carries
+
+    def carries_of(f, *args):
+        (eqn,) = [e for e in jax.make_jaxpr(f)(*args).eqns if e.primitive.name == "scan"]
+        return in_place_carries(eqn.params["jaxpr"], *scan_counts(eqn.params))
+
+    h = jnp.ones((8,))
+    # fori_loop's scan carries the counter (rewritten each trip) and the buffer (updated in place)
+    assert carries_of(lambda h: lax.fori_loop(0, 4, lambda i, b: b.at[i].set(h), jnp.zeros((4, 8))), h)[-1]
+    assert carries_of(lambda h: lax.scan(lambda c, _: (c * 2, None), h, None, length=3)[0], h) == (False,)
+
+    def twice(h):  # two in-place updates in a row, and a nested loop that updates the carry it is handed
+        def body(c, i):
+            c = lax.dynamic_update_slice(lax.dynamic_update_slice(c, h[None], (i, 0)), h[None], (i + 1, 0))
+            inner = lax.scan(lambda d, j: (lax.dynamic_update_slice(d, h[None], (j, 0)), None), c, jnp.arange(2))[0]
+            return inner, None
+        return lax.scan(body, jnp.zeros((8, 8)), jnp.arange(4))[0]
+
+    assert carries_of(twice, h) == (True,)
+
+    def read_then_written(h):  # the update reads the whole carry first: a new array each trip
+        return lax.scan(lambda c, i: (lax.dynamic_update_slice(c * 2, h[None], (i, 0)), None),
+                        jnp.zeros((8, 8)), jnp.arange(4))[0]
+
+    assert carries_of(read_then_written, h) == (False,)
+
+
+def test_a_call_is_priced_at_what_the_outputs_read_need():
+    """A custom VJP's forward that returns two values, one read: XLA inlines the call's body and drops what the
+    unread output needs (cost_analysis counts the read one's flops alone), and so does the model's price."""
+    from rewrite import explain
+
+    @jax.custom_vjp
+    def both(x, w):
+        return jnp.tanh(x @ w) @ w, x.sum()
+
+    both.defvjp(lambda x, w: (both(x, w), (x, w)), lambda res, g: (jnp.zeros_like(res[0]), jnp.zeros_like(res[1])))
+
+    @jax.custom_vjp
+    def small(x, w):
+        return x.sum()
+
+    small.defvjp(lambda x, w: (small(x, w), (x, w)), lambda res, g: (jnp.zeros_like(res[0]), jnp.zeros_like(res[1])))
+
+    x, w = jnp.ones((256, 256)), jnp.ones((256, 256))
+    read_one = lambda x, w: both(x, w)[1]  # noqa: E731
+    flops = {f: jax.jit(f).lower(x, w).compile().cost_analysis().get("flops", 0.0) for f in (read_one, small)}
+    assert flops[read_one] == pytest.approx(flops[small], rel=0.01, abs=1e3), flops
+    read_both = lambda x, w: both(x, w)  # noqa: E731
+    price = {f: explain(f, x, w).cost_before for f in (read_one, small, read_both)}
+    assert price[read_one] == pytest.approx(price[small], rel=0.05), price
+    assert price[read_both] > 4 * price[read_one], price  # the products, when their output is read
+
+
+def test_a_peak_mapped_fresh_at_each_call_is_priced_per_byte():
+    """XLA:CPU allocates a program's temporaries at each call; from the table's ``fresh_bytes`` on, the C library
+    maps them fresh and every page faults on first touch (``calibrate.measure_fresh``: 0.27 ns per byte from 64 MiB
+    here, eight times moving it). A peak that large costs ``fresh`` per byte more; a smaller one nothing more."""
+    from rewrite import explain
+    from rewrite.cost import calibration
+
+    table = calibration.CPU
+    assert table["fresh"] > 3 * table["byte"] and table["fresh_bytes"] <= 2 ** 27  # measured on this backend
+
+    def held(n):  # exp(x) is read by two reductions: stored, n floats of temporaries
+        return lambda x: (jnp.sum(jnp.exp(x)), jnp.max(jnp.exp(x) * x))
+
+    fresh, at = 0.5, 2.0 ** 24  # a threshold of 16 MiB: the test's arrays stay small
+    for n, pays in ((1 << 20, False), (1 << 23, True)):  # 4 MiB and 32 MiB of temporaries
+        x = jnp.ones((n,))
+        with_term = explain(held(n), x, cost_model=AnalyticCost(fresh=fresh, fresh_at=at)).cost_before
+        without = explain(held(n), x, cost_model=AnalyticCost(fresh=0.0)).cost_before
+        assert with_term - without == pytest.approx(fresh * 4 * n if pays else 0.0, rel=0.02), (n, with_term, without)
+    assert AnalyticCost(fresh=0.0, memory=0.0).fusion_model().prices_peak is False
+    assert AnalyticCost(fresh=fresh, memory=0.0).fusion_model().prices_peak

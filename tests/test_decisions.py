@@ -79,6 +79,11 @@ def test_wrong_side_and_rank_correlation():
     assert not D.wrong_side(rec("second", 0.95))      # within 10%
     assert D.wrong_side(rec("first", 1.2))            # declined, measured 20% faster
     assert not D.wrong_side(rec("first", 0.5))
+    # declined, measured faster, but holding more temp memory than the program kept: declining it is right
+    held = lambda first, second: {**rec("first", 1.15, 1.03), "temp_first": first, "temp_second": second}  # noqa: E731
+    assert not D.wrong_side(held(1 << 20, int(1.16 * (1 << 20))))
+    assert D.wrong_side(held(1 << 20, 1 << 20))                     # the same memory: a wrong decline
+    assert D.wrong_side(held(1 << 20, (1 << 20) + 1024))            # within 64 KiB: the same memory
     assert D.spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
     assert D.spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
     assert D.spearman([1, 2, 3, 4], [1, 1, 2, 2]) == pytest.approx(0.894, abs=1e-3)

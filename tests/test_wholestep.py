@@ -309,20 +309,25 @@ def test_rewrite_step_keeps_the_leaner_step_by_default():
 
 def test_a_step_far_leaner_replaced_is_kept_within_the_far_band():
     """A step whose loss-first replacement holds under half the temp memory and drops arrays larger than the
-    cache is kept replaced though priced a few per cent dearer (``AnalyticCost.lean_band_far``): linen's step at
-    N=512, V=8192, with every pack but fastmath, is priced about 5% above the step as written, beyond
-    ``lean_band``. Without the far band the
-    step as written is kept."""
+    cache is kept replaced though priced a few per cent dearer (``AnalyticCost.lean_band_far``): linen's step
+    with its gradients accumulated over micro-batches in a scan, at N=512, V=8192, with every pack but fastmath,
+    is priced about 15% above the step as written without the fresh-buffer term (``fresh=0``), beyond
+    ``lean_band``. Without the far band the step as written is kept. With this machine's table, whose fresh term
+    prices the 100 MiB of temporaries the step as written holds (mapped afresh at each call), it is cheaper."""
     from rewrite.cost.model import AnalyticCost
 
     size = ws.Size(batch=2, length=512, width=64, heads=4, vocab=8192)
-    step, args = ws.CASES["linen_gpt"](size, ws.plain)  # optax.adamw, as linen's examples write it
-    near = rewrite(step, rulesets=ws.packs(), cache=False, cost_model=AnalyticCost(lean_band_far=0.0)).result(*args)
+    step, args = ws.CASES["linen_accumulate"](size, ws.plain)  # optax.adamw, as linen's examples write it
+    near = rewrite(step, rulesets=ws.packs(), cache=False,
+                   cost_model=AnalyticCost(fresh=0.0, lean_band_far=0.0)).result(*args)
     assert near.step.replaced and "loss-first" not in (near.why or ""), near.why
     assert any("kept the latter" in d for d in near.step.declined), near.step.declined
-    r = rewrite(step, rulesets=ws.packs(), cache=False)
+    r = rewrite(step, rulesets=ws.packs(), cache=False, cost_model=AnalyticCost(fresh=0.0))
     res = r.result(*args)
     assert "loss-first" in res.why and "lean band" in res.why, res.why
+    if AnalyticCost().fresh:  # measured on this backend (benchmarks/calibrate.py --fresh-only)
+        cheaper = rewrite(step, rulesets=ws.packs(), cache=False).result(*args)
+        assert "loss-first" in cheaper.why and "lean band" not in cheaper.why, cheaper.why
     flat, leaves = ws._flat(step, args)
     rflat, _ = ws._flat(r, args)
     temp = lambda f: jax.jit(f).lower(*leaves).compile().memory_analysis().temp_size_in_bytes  # noqa: E731

@@ -126,7 +126,8 @@ class FusionModel:
     and ``tiebreak`` (a node price, weighted by ``TIEBREAK``) so that of two
     programs that fuse alike the one a node-by-node model prefers wins
     (``x * (1/3)`` over ``x / 3``, which XLA compiles to the same loop).
-    ``memory`` is charged per byte of :func:`peak_temp_bytes`; ``inner(op)`` is what an op holds
+    ``memory`` is charged per byte of :func:`peak_temp_bytes`, and ``fresh`` more per byte of a peak of
+    ``fresh_at`` bytes or more (a buffer mapped fresh at each call); ``inner(op)`` is what an op holds
     inside itself while it runs (a loop body's temporaries, ``rewrite/cost/memory.py``), and a program
     whose peak is over ``budget`` bytes is priced above every program within it.
     """
@@ -135,8 +136,10 @@ class FusionModel:
                  cheap: float, node: float = 0.0, library_op: float | None = None,
                  tiebreak: Callable[[Op], float] | None = None, memory: float = 0.0,
                  inner: Callable[[Op], int] | None = None, budget: float | None = None,
-                 cache: float = math.inf, spill: float = 0.0) -> None:
+                 cache: float = math.inf, spill: float = 0.0, fresh: float = 0.0, fresh_at: float = math.inf) -> None:
         self.ns = dict(ns)
+        self.fresh = fresh
+        self.fresh_at = fresh_at
         self.cache = cache
         self.spill = spill
         self.memory = memory
@@ -372,14 +375,21 @@ class FusionModel:
         # loops' stacked outputs are priced as views; the sum is exact (``math.fsum``), so a program's price does
         # not depend on the order its kernels are listed in, nor on how the running Python rounds ``sum``
         cost = math.fsum([*(k.cost for k in kernels), *(op.own for op in prog.ops if op.prim == "proj")])
-        if self.memory or self.budget is not None:
+        if self.prices_peak:
             cost += self.memory_price(peak_temp_bytes(prog, kernels, self.inner))
         return float(cost)
 
+    @property
+    def prices_peak(self) -> bool:
+        """Whether a program's price reads its peak of temporaries (:meth:`memory_price`)."""
+        return bool(self.memory or self.fresh or self.budget is not None)
+
     def memory_price(self, peak: float) -> float:
-        """The price of holding ``peak`` bytes of temporaries; past the budget, dearer than any time saved."""
+        """The price of holding ``peak`` bytes of temporaries, and of touching them fresh at each call where the
+        buffer is that large (``fresh``); past the budget, dearer than any time saved."""
         over = 0.0 if self.budget is None else max(0.0, peak - self.budget)
-        return self.memory * peak + (OVER_BUDGET * (1.0 + over) if over else 0.0)
+        touched = self.fresh * peak if peak >= self.fresh_at else 0.0
+        return self.memory * peak + touched + (OVER_BUDGET * (1.0 + over) if over else 0.0)
 
     def describe(self, prog: Program) -> str:
         """One line per predicted kernel: what it computes and what it costs (for reports and tests)."""

@@ -306,7 +306,7 @@ class LiveFusion:
     def price(self) -> float:
         """The program's cost, as :meth:`FusionModel.__call__` prices it."""
         cost = math.fsum([*self._cost.values(), *self._views.values()])  # as FusionModel.__call__ sums
-        if self.model.memory or self.model.budget is not None:
+        if self.model.prices_peak:
             cost += self.model.memory_price(self.peak())
         return float(cost)
 

@@ -52,6 +52,7 @@ from typing import Any, Callable, ClassVar, Iterator, Mapping, Sequence
 import jax
 
 from ..ir import primitives as _primitives
+from ..ir.scanread import IN_PLACE
 from ..ir.primitives import BY_PRIM, DEFAULT as _OPAQUE_SPEC, NodeInfo, inner_jaxpr, nbytes, size  # noqa: F401
 from . import calibration as _calibration
 from .dot import FALLBACK as _DOT_FALLBACK, REPACK as _DOT_REPACK, library_dot
@@ -234,6 +235,12 @@ class AnalyticCost(CostModel):
     #: as much as writing it once more, so of two programs about as fast the one that holds
     #: less memory wins. 0 prices time only; raise it to trade time for memory.
     memory: float = dataclasses.field(default_factory=lambda: _table()["byte"])
+    #: a program whose predicted peak of temporaries is ``fresh_at`` bytes or more pays ``fresh`` per byte of it at
+    #: every call: the C library maps an allocation that large fresh from the system (glibc: from 32 MiB), so each
+    #: page of the buffer XLA allocates for a call's temporaries faults on first touch (``benchmarks/calibrate.py``,
+    #: ``measure_fresh``). The table's, where measured; else no such term (``fresh=0``).
+    fresh: float = dataclasses.field(default_factory=lambda: _table().get("fresh", 0.0))
+    fresh_at: float = dataclasses.field(default_factory=lambda: _table().get("fresh_bytes", math.inf))
     #: the most bytes of temporaries the chosen program may hold (predicted: ``rewrite/cost/memory.py``,
     #: a loop body's own included), or ``None``: a program over it is priced above every program
     #: within it, so the fastest program that fits is chosen (the input program too, if it does not fit).
@@ -400,7 +407,7 @@ class AnalyticCost(CostModel):
                          launch=self.launch,
                          default=self.transcendental, cheap=self.flop, node=self.node,
                          library_op=self.library_op, tiebreak=self._op_price, memory=self.memory,
-                         budget=self.memory_budget)
+                         budget=self.memory_budget, fresh=self.fresh, fresh_at=self.fresh_at)
         fm.inner = InnerPeak(fm)
         return fm
 
@@ -446,13 +453,6 @@ def _dot_flops(n: NodeInfo) -> float:
     lhs, rhs = n.in_avals[:2]
     contract = math.prod(lhs.shape[d] for d in lc)
     return 2.0 * size(n.out_avals[0]) * contract
-
-
-#: The updates XLA makes in place, and which operand is the update: the buffer updated is not read again
-#: (a loop's carried buffer, a gradient's fresh zeros), so XLA writes the update into it and moves the
-#: update's bytes, not the buffer's.
-IN_PLACE = {"dynamic_update_slice": 1, "scatter": 2, "scatter-add": 2, "scatter-mul": 2, "scatter-min": 2,
-            "scatter-max": 2}
 
 
 #: How :class:`AnalyticCost` prices a node of each family, unless its record has a ``price`` hook.

@@ -111,10 +111,13 @@ class Program:
     @classmethod
     def from_choice(cls, ex: Any, choice: Mapping[Any, tuple], roots: Sequence[Any],
                     own: Callable[[Any, tuple], float], cache: dict | None = None,
-                    inputs: frozenset | set = frozenset()) -> "Program":
+                    inputs: frozenset | set = frozenset(),
+                    partial: Callable[[Any, tuple, frozenset], float] | None = None) -> "Program":
         """The program an extractor's ``choice`` makes at ``roots`` (its own scope; bodies costed by ``own``).
 
-        Classes in ``inputs`` are the program's inputs: read, not computed.
+        Classes in ``inputs`` are the program's inputs: read, not computed. ``partial(cls, node, read)`` prices
+        a call XLA inlines at the part of its body that the outputs the program reads (``read``) need: XLA
+        drops the rest (:func:`read_outputs`).
         """
         cache = {} if cache is None else cache
         index: dict[Any, int] = {}
@@ -130,7 +133,32 @@ class Program:
             node = choice[c]
             index[c] = len(ops)
             ops.append(chosen_op(ex, c, node, choice, own, cache, tuple(index[k] for k in reads(node))))
-        return cls(ops, [index[r] for r in roots])
+        prog = cls(ops, [index[r] for r in roots])
+        if partial is not None:
+            for i, read in read_outputs(prog, choice).items():
+                op = ops[i]
+                op.own = float(partial(op.key, choice[op.key], read))
+                # it writes (and the program holds) the outputs read only; its facts are its own, not the node's
+                op.memo = {"bytes": sum(_nbytes(a) for k, a in enumerate(op.out_avals) if k in read)}
+        return prog
+
+
+def read_outputs(prog: "Program", choice: Mapping[Any, tuple]) -> dict[int, frozenset]:
+    """The calls XLA inlines (``OpSpec.inlined``, one body) of ``prog`` (built from ``choice``) whose outputs the
+    program reads only in part: op index -> the indices of the outputs read. XLA inlines such a call's body and
+    drops what no read output needs (a custom VJP's forward that returns three values, one of them read)."""
+    read: dict[int, set] = {}
+    for op in prog.ops:
+        if op.prim == "proj" and op.args:
+            read.setdefault(op.args[0], set()).add(choice[op.key][1][1])
+    out = {}
+    outputs = set(prog.outputs)
+    for i, used in read.items():
+        op = prog.ops[i]
+        spec = spec_of(op.prim)
+        if spec.inlined and i not in outputs and len(used) < len(op.out_avals):
+            out[i] = frozenset(used)
+    return out
 
 
 def chosen_op(ex: Any, c: Any, node: tuple, choice: Mapping[Any, tuple], own: Callable[[Any, tuple], float],
@@ -205,6 +233,11 @@ def _inlined_body(ex: Any, ctor: str, args: tuple, choice: Mapping[Any, tuple],
 def _size(aval: Any) -> int:
     shape = getattr(aval, "shape", None)
     return 0 if shape is None else int(math.prod(shape))
+
+
+def _nbytes(aval: Any) -> int:
+    dtype = getattr(aval, "dtype", None)
+    return 0 if dtype is None else _size(aval) * int(getattr(dtype, "itemsize", 0))
 
 
 def elementwise_call(op: Op) -> bool:

@@ -75,7 +75,9 @@ class ProgramPricer:
         #: the one program every price moves to (:meth:`live`), once one is made
         self._live: LiveProgram | None = None
 
-    def own(self, c: Any, node: tuple, choice: dict[Any, tuple]) -> float:
+    def own(self, c: Any, node: tuple, choice: dict[Any, tuple], read: frozenset | None = None) -> float:
+        """The node price of ``node`` in class ``c``, its bodies priced under ``choice``; ``read``: the outputs read
+        of a call XLA inlines, whose body is priced at what they need (``None``: every output)."""
         ctor, args = node
         bodies = self.ex.body_classes(ctor, args)
         if not bodies:
@@ -84,16 +86,22 @@ class ProgramPricer:
         for b in bodies:
             # A body's cost depends on the choice inside it, which differs between candidates (searches
             # switch classes of the program's own scope only, so it is fixed within one search).
-            key = (id(choice), b)
+            key = (id(choice), b, read)
             if key not in self._bodies:
                 _, (_, outs) = choice[b]
-                self._bodies[key] = self.ex.dag_cost(choice, self.ex.snap.list_items(outs))
+                items = self.ex.snap.list_items(outs)
+                if read is not None and len(bodies) == 1:
+                    items = [x for k, x in enumerate(items) if k in read]
+                self._bodies[key] = self.ex.dag_cost(choice, items)
             costs.append(self._bodies[key])
         return float(self.model(self.ex.info(c, ctor, args, choice, tuple(costs))))
 
     def program(self, choice: dict[Any, tuple], roots: Sequence[Any]) -> Any:
+        # A live program (the search's moves) prices such calls whole: the search does not move a projection
+        # to a second call (ProgramSearch._adds_loop), so only the programs priced whole read one in part.
         return Program.from_choice(self.ex, choice, roots, lambda c, n: self.own(c, n, choice),
-                                   self.templates(choice, roots))
+                                   self.templates(choice, roots),
+                                   partial=lambda c, n, read: self.own(c, n, choice, read))
 
     def templates(self, choice: dict[Any, tuple], roots: Sequence[Any]) -> dict:
         """Per-node facts of the programs ``choice`` makes (shared by all choices when no node has a body)."""

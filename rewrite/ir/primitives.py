@@ -44,6 +44,7 @@ import numpy as np
 import jax.numpy as jnp
 
 from . import loopstep as _loopstep
+from .scanread import in_place_carries as _in_place_carries, moved_per_trip as _moved_per_trip
 from .scanread import sliced_consts as _sliced_consts
 from .jaxapi import UnspecifiedValue, core, params_for_jax, scan_counts, scan_kept
 
@@ -400,9 +401,11 @@ def _row(names: str, layout: str, family: str, *groups: str) -> list[OpSpec]:
 # ---------------------------------------------------------------------- nested records: the hooks
 def _scan_load(ld: Any) -> list[Any]:
     p = ld.eqn.params  # _rw_* params are annotations the emitter drops. _rw_order: the body's Params in jaxpr order
-    # (a rule adding a carry appends a Param and inserts its index); _rw_sliced: rewrite/ir/scanread.py
+    # (a rule adding a carry appends a Param and inserts its index); _rw_sliced, _rw_inplace: rewrite/ir/scanread.py
+    nc, ncarry = scan_counts(p)
     return ld.nested([ld.closed_body(p["jaxpr"])], {"_rw_order": tuple(range(len(p["jaxpr"].in_avals))),
-                     "_rw_sliced": _sliced_consts(p["jaxpr"], scan_counts(p)[0])}, params=scan_kept(p))
+                     "_rw_sliced": _sliced_consts(p["jaxpr"], nc),
+                     "_rw_inplace": _in_place_carries(p["jaxpr"], nc, ncarry)}, params=scan_kept(p))
 
 
 def _scan_emit(em: Any, params: dict, bodies: list, n_out: int, n_in: int) -> dict:
@@ -415,10 +418,7 @@ def _scan_emit(em: Any, params: dict, bodies: list, n_out: int, n_in: int) -> di
 
 
 def _scan_price(m: Any, n: NodeInfo) -> float:
-    # per iteration: the carry and the consts the body reads whole (an LM-head block reads all of W), not those sliced
-    (nc, ncarry), sliced = scan_counts(n.params), n.params.get("_rw_sliced")
-    sliced = _sliced_consts(n.params["jaxpr"], nc) if sliced is None and "jaxpr" in n.params else sliced or ()
-    moved = n.out_avals[:ncarry] + tuple(a for i, a in enumerate(n.in_avals[:nc]) if i not in sliced)
+    moved = _moved_per_trip(n.params, n.in_avals, n.out_avals)
     return n.params.get("length", 1) * (n.body_costs[0] + m.iteration + m.byte * sum(nbytes(a) for a in moved))
 
 

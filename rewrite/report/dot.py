@@ -22,7 +22,7 @@ from ..ir import primitives as _primitives
 from ..ir.intern import LITERALS, PARAMS
 from ..ir.walk import children, walk
 
-_HIDDEN_PARAMS = {"sharding", "out_sharding", "accuracy", "out_dtype", "_rw_order", "_rw_sliced"}
+_HIDDEN_PARAMS = {"sharding", "out_sharding", "accuracy", "out_dtype", "_rw_order", "_rw_sliced", "_rw_inplace"}
 
 
 def _label(ctor: str, args: tuple) -> str:

@@ -124,8 +124,14 @@ def _cyclic(ex: Extractor, choice: dict, roots: list) -> bool:
 
 
 def _breakdown(ex: Extractor, choice: dict, roots: list) -> dict[str, float]:
-    """Node prices summed per operation; a body's nodes count once per trip of the loop that runs them."""
+    """Node prices summed per operation; a body's nodes count once per trip of the loop that runs them. A call XLA
+    inlines counts the part of its body that the outputs read need (``Program.from_choice``'s ``partial``)."""
     out: collections.Counter = collections.Counter()
+    read: dict[Any, set] = {}
+    for c in walk(roots, lambda c: ex.children(*choice[c]) if c in choice else ()):
+        if c in choice and choice[c][0] == "Proj":
+            tup, index = choice[c][1]
+            read.setdefault(tup, set()).add(index)
 
     def visit(c: Any, times: float) -> list:
         """Count ``c``'s price (a nested node's bodies, ``times`` its trips); return the classes it reads."""
@@ -144,9 +150,13 @@ def _breakdown(ex: Extractor, choice: dict, roots: list) -> dict[str, float]:
         # how often each body runs, as the model counts it
         trips = (float(ex.model(info1)) - own) / len(bodies)
         out[f"{info0.op} (its own work)"] += times * own
+        spec = _primitives.BY_CTOR.get(ctor)
         for b in bodies:
             _, (_, outs) = choice[b]
-            scope(list(ex.snap.list_items(outs)), times * trips)
+            items = list(ex.snap.list_items(outs))
+            if spec is not None and spec.inlined and len(bodies) == 1 and c in read:
+                items = [x for k, x in enumerate(items) if k in read[c]]
+            scope(items, times * trips)
         return ex.term_kids((ctor, args))  # what it reads in its own scope (its bodies were priced above)
 
     def scope(start: list, times: float) -> None:

@@ -350,6 +350,8 @@ class Loop:
                  + [stacked_aval(y.aval, self.length) for y in self._ys])
         params = dict(self.params, num_consts=ncon + len(c_idx), num_carry=nk + len(k_idx), _rw_order=new_order,
                       **annotations)
+        if "_rw_inplace" in self.params:  # the carries kept keep their body outputs; those added are priced whole
+            params["_rw_inplace"] = tuple(self.params["_rw_inplace"][k] for k in ck) + (False,) * len(k_idx)
         # The loop's consts keep their positions, and the copy's body is the loop's own (the same scope): a const
         # the loop reads only through slices (rewrite/ir/scanread.py) is read so by the copy too, and its price
         # must not charge it whole every step where the loop's does not. Consts added here are priced whole.
