@@ -148,7 +148,45 @@ def extract(snap: Snapshot, roots: Sequence[Any], model: CostModel, original: se
     cheapest = best
     if price is not None and band:
         best = _leanest(ranked, best, price, roots, band)
-    return Extraction(best.choice, best.cost, orig_cost, best.rewritten, ranked, lean=best is not cheapest)
+    if price is not None and best.rewritten and float(getattr(model, "memory", 0.0) or 0.0):
+        best = _no_fatter(ranked, best, price, roots)
+    return Extraction(best.choice, best.cost, orig_cost, best.rewritten, ranked,
+                      lean=best is not cheapest and best.rewritten)
+
+
+#: A rewritten program predicted to hold at least this many bytes of temporaries more than the input program
+#: is not chosen over it (:func:`_no_fatter`): a page, below which XLA's allocation rounds.
+FATTER_BYTES = 4096
+
+
+def _no_fatter(ranked: list[Candidate], best: Candidate, price: ProgramPricer, roots: Sequence[Any]) -> Candidate:
+    """``best``, unless it is predicted to hold more temporaries at its peak than the input program (by
+    :data:`FATTER_BYTES` or more); then the cheapest candidate that holds no more, the input at worst.
+
+    A rewrite may trade memory for time only where the user asked for it (``memory=0`` prices time alone):
+    a faster program that holds more memory is a regression a user cannot see coming (a distrax mixture's
+    gradient, priced 9% cheaper with one more ``[N, K, D]`` array held, measured no faster)."""
+    orig = next((cand for cand in ranked if not cand.rewritten), None)
+    if orig is None:
+        return best
+
+    def peak(cand: Candidate) -> int | None:
+        live = price.live(cand.choice, roots)
+        return live.peak() if live else None
+
+    limit = peak(orig)
+    if limit is None:
+        return best
+    top = peak(best)
+    if top is None or top < limit + FATTER_BYTES:
+        return best
+    for cand in ranked:
+        if cand is orig:
+            return orig
+        p = peak(cand)
+        if p is not None and p < limit + FATTER_BYTES:
+            return cand
+    return orig
 
 
 def _leanest(ranked: list[Candidate], best: Candidate, price: ProgramPricer, roots: Sequence[Any],
