@@ -22,7 +22,7 @@ from typing import Any, Sequence
 from .cost.memory import over_budget
 from .cost.model import CostModel
 from .extract.extract import extract, input_cost
-from .extract.policy import bar_preferred, worth_their_saving
+from .extract.policy import bar_preferred, no_fatter, worth_their_saving
 from .ir.egraph import EGraph
 from .ir.intern import TYPES
 from .ir.jaxapi import core
@@ -106,6 +106,7 @@ def _run(closed: core.ClosedJaxpr, entries: Sequence[tuple[Rule, Ruleset]], mode
         return emitted[id(choice)]
 
     after = emit_choice(ex.choice)
+    ex, after = no_fatter(ex, closed, after, emit_choice, model)
     times["emit"] = time.perf_counter() - t
 
     # Choose: cost_model="measure" times the best candidates on the backend (rewrite/cost/measure.py);

@@ -8,17 +8,21 @@ again and reported as lifted, so a preference never makes a program
 unextractable. A ruleset's ``min_saving`` keeps the program its rules built
 only if it saves at least that fraction of the input program's cost over the
 best program without them.
+
+After emission, :func:`no_fatter` keeps a rewritten program only if it is not predicted to hold more
+temporaries than the input program.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Sequence
 
 from ..cost.model import CostModel
 from ..ir.egraph import EGraph
 from ..records import Barred
 from .choice import reachable
-from .extract import extract
+from .extract import extract, fatter
 from .extractor import Extractor
 
 
@@ -44,6 +48,33 @@ def worth_their_saving(ex: Any, snap: Any, eg: EGraph, entries: Sequence[tuple[A
     if alt.cost - ex.cost < max(floors[r] for r in used) * ex.original_cost:
         return alt
     return ex
+
+
+def no_fatter(ex: Any, before: Any, after: Any, emit_choice: Callable[[dict], Any], model: CostModel
+              ) -> tuple[Any, Any]:
+    """``(ex, after)``, unless the chosen rewrite is predicted to hold more temporaries at its peak than the input
+    program ``before`` (``extract.fatter``): then ``ex.leaner_fallback`` (the cheapest candidate that holds
+    no more, the input at worst) and its program.
+
+    Two estimates must agree that it holds more: the extraction's live peak (``Extraction.leaner_fallback`` is set
+    only where it says so) and the emitted programs' (``AnalyticCost.predict_temp_bytes``, ``cost/memory.py``).
+    Each misses on some programs (a batched LM head's blocks, attention's gradient), where the other does not, and
+    a guard that fired on either alone moved decisions measured right. A rewrite trades memory for time only
+    where the user asks for it (``memory=0`` prices time alone; ``memory_budget`` bounds it): a faster program
+    that holds more is a regression a user cannot see coming. Merging two reductions into one, which keeps both
+    operands alive together, was the usual cause (a distrax mixture's gradient held one more ``[N, K, D]``
+    array, 424 -> 552 KiB, for no measured speed). Where preferred rules barred the input's forms (a stable form
+    for an unstable one) there is no input candidate, and no fallback.
+    """
+    fallback = getattr(ex, "leaner_fallback", None)
+    predict = getattr(model, "predict_temp_bytes", None)
+    if (fallback is None or not ex.rewritten or predict is None or not float(getattr(model, "memory", 0.0) or 0.0)
+            or getattr(model, "memory_budget", None) is not None):
+        return ex, after
+    if not fatter(predict(after), predict(before)):
+        return ex, after
+    return (dataclasses.replace(ex, choice=fallback.choice, cost=fallback.cost, rewritten=fallback.rewritten,
+                                lean=False, leaner_fallback=None), emit_choice(fallback.choice))
 
 
 def bar_preferred(snap: Any, eg: EGraph, notes: list, model: CostModel) -> dict[str, int]:

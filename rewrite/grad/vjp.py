@@ -50,6 +50,7 @@ import numpy as np
 from ..cost.program import Program
 from ..extract.extract import extract
 from ..extract.extractor import shared
+from ..extract.policy import no_fatter
 from ..extract.program import ProgramPricer, prices_programs
 from ..ir.jaxapi import core
 from ..ir.primitives import is_float
@@ -356,7 +357,19 @@ def _joint_choices(res: Result, n_out: int, n_params: int, model: Any
         if cls is not None:
             params[i] = cls
     tree = shared(snap, model).tree()[1]
-    grads_only = extract(snap, b_roots, model, res.original).choice
+    grads = extract(snap, b_roots, model, res.original)
+    if grads.rewritten:  # held to the input program's gradients' memory, as the joint program is (pipeline)
+        emitted: dict[int, Any] = {}
+
+        def emit_choice(choice: dict) -> Any:
+            if id(choice) not in emitted:
+                emitted[id(choice)] = emit(snap, choice, eg, res.before.in_avals, b_roots, None, None)
+            return emitted[id(choice)]
+
+        first = next((c for c in grads.candidates if not c.rewritten), None)
+        if first is not None:
+            grads = no_fatter(grads, emit_choice(first.choice), emit_choice(grads.choice), emit_choice, model)[0]
+    grads_only = grads.choice
     return f_roots, b_roots, params, [("joint", res.choice), ("gradients", {**tree, **grads_only})]
 
 
