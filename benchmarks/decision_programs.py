@@ -2,7 +2,9 @@
 
 A decision is the cost model's choice on one input program. Where a JAX traces a case's builder into another
 program (its own derivatives change between releases: jax 0.11 differentiates ``tanh`` through
-``one_minus_square``, so a ``pow_two`` rewrite has nothing to act on), the decision recorded for the first
+``one_minus_square``, which puts the GELU derivative's ``x^2`` in one chain of products with ``x``, so
+``prod_mul`` makes it the forward's own ``x^3`` and no ``pow_two`` is left to choose; tests/test_derivatives.py,
+``test_a_square_multiplied_by_its_base_is_the_cube_the_forward_computed``), the decision recorded for the first
 program does not apply. ``tests/golden/decisions.programs.json`` holds, per case, the decisions measured on
 such other programs, each under its :func:`program_key`: the hash of the program's text with its params in
 the version-neutral form (``rewrite.ir.jaxapi.neutral_jaxpr``), so that two JAX versions that trace the same

@@ -7,6 +7,11 @@ search), and egglog's ``tree`` and ``greedy-dag`` extractors given the same node
 read from the tree pass's choice; a node's class is fixed by the node). The whole extraction stage is timed
 too, for scale. Prices are computed before the clock starts, so egglog's figures leave out the cost model.
 Run under the bench lock; ``benchmarks/results/versions.md`` has the figures.
+
+``python -m benchmarks.egglog_dag --saturation [program ...]`` (any egglog) times, within saturation
+(``Engine.run``), what egglog itself runs: the ``facts`` ruleset to saturation and the ``match`` ruleset (the only
+runs a scheduler of egglog's could govern: the rules' right-hand sides are built in Python, under the engine's own
+back-off), and the batched inserts with their rebuild (``EGraph.flush``).
 """
 
 from __future__ import annotations
@@ -74,7 +79,57 @@ def compare(name: str) -> str:
             f"{times['greedy-dag']:.3f} | {whole:.3f} |")
 
 
+def saturation(name: str) -> str:
+    """One program's saturation time, and egglog's runs' and inserts' parts of it."""
+    from rewrite.ir.egraph import EGraph
+    from rewrite.rules.saturate import Engine
+
+    spent = {"facts": 0.0, "match": 0.0, "flush": 0.0, "saturate": 0.0}
+    runs = {"facts": 0, "match": 0}
+    originals = (EGraph.run, EGraph.flush, Engine.run)
+
+    def run(self, ruleset, *, saturate=False):
+        t = time.perf_counter()
+        try:
+            return originals[0](self, ruleset, saturate=saturate)
+        finally:
+            spent[ruleset] = spent.get(ruleset, 0.0) + time.perf_counter() - t
+            runs[ruleset] = runs.get(ruleset, 0) + 1
+
+    def flush(self):
+        t = time.perf_counter()
+        try:
+            return originals[1](self)
+        finally:
+            spent["flush"] += time.perf_counter() - t
+
+    def engine_run(self):
+        t = time.perf_counter()
+        try:
+            return originals[2](self)
+        finally:
+            spent["saturate"] += time.perf_counter() - t
+
+    fn, args = ecosystem.PROGRAMS[name].build()
+    flat, leaves = ecosystem._flat(fn, args)
+    EGraph.run, EGraph.flush, Engine.run = run, flush, engine_run
+    try:
+        explain(flat, *leaves, rulesets=[getattr(rulesets, p) for p in PACKS.split(",")])
+    finally:
+        EGraph.run, EGraph.flush, Engine.run = originals
+    whole = spent["saturate"]
+    part = lambda k: f"{spent[k]:.3f} ({100 * spent[k] / whole:.0f}%)"  # noqa: E731
+    return (f"| {name} | {runs['match']} | {whole:.3f} | {part('facts')} | {part('match')} | {part('flush')} |")
+
+
 def main(argv: list[str]) -> None:
+    if argv[:1] == ["--saturation"]:
+        print("| program | `match` runs | saturation (s) | egglog `facts` runs (s) | egglog `match` runs (s) | "
+              "inserts and rebuilds (s) |")
+        print("|---|---|---|---|---|---|")
+        for name in argv[1:] or DEFAULT:
+            print(saturation(name), flush=True)
+        return
     if not hasattr(eb, "extract_best_with_dag_cost_model"):
         raise SystemExit("this egglog has no native DAG extraction (egglog 14 has)")
     print("| program | classes | rows | our tree pass (s) | egglog tree (s) | egglog greedy-dag (s) | "

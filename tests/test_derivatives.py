@@ -324,6 +324,41 @@ def test_seed_vjp_is_simplified():
     for p, q in zip(r(x, a, g), seed_vjp(x, a, g)):
         np.testing.assert_allclose(p, q, rtol=2e-5, atol=2e-5)
 
+def _gelu_chain(x, t, g):
+    """The tanh-GELU's derivative term as jax 0.11+ traces it: tanh's factor one product (``one_minus_square``),
+    so the ``x`` of ``x * (...)`` and the ``3 x^2`` of ``d(x^3)`` meet in one chain of products."""
+    return x ** 3, ((g * x) * (1.0 - t * t)) * (3.0 * x ** 2)
+
+
+def _gelu_summed(x, t, g):
+    """The same as jax 0.10 traces it: tanh's factor ``g + g t``, so ``3 x^2`` multiplies a sum, not ``x``."""
+    return x ** 3, ((g + g * t) * (1.0 - t)) * (3.0 * x ** 2)
+
+
+def test_a_square_multiplied_by_its_base_is_the_cube_the_forward_computed():
+    """Why ``pow_two`` drops out of the flax steps' decisions on jax 0.11+ (``tests/golden/decisions.programs.json``):
+    both JAX versions trace ``integer_pow[y=2]`` in the GELU's derivative, but where it sits in one chain of
+    products with its base (0.11+'s form) ``prod_mul`` gathers ``x * x^2`` into ``x^3``, the class of the
+    forward's own cube, and the chosen program computes no square at all; where it multiplies a sum (0.10's
+    form) the square is still computed, and ``pow_two`` makes it ``square``."""
+    from rulesets import algebra
+
+    x = jnp.linspace(-2.0, 2.0, 64).reshape(4, 16)
+    t, g = jnp.tanh(x), jnp.cos(x)
+    packs = [algebra, derivatives]
+    chain = rewrite(_gelu_chain, rulesets=packs)
+    after = chain.jaxpr(x, t, g).jaxpr
+    assert primitive_counts(jax.make_jaxpr(_gelu_chain)(x, t, g))["integer_pow"] == 2
+    pows = [e.params["y"] for e in after.eqns if e.primitive.name == "integer_pow"]
+    assert pows == [3], after  # the forward's cube, read twice; no x^2
+    assert not any(e.primitive.name == "square" and e.invars[0] is after.invars[0] for e in after.eqns), after
+    summed = explain(_gelu_summed, x, t, g, rulesets=packs)
+    assert "pow_two" in summed.used and "square" in primitive_counts(summed.after)
+    for fn, r in ((_gelu_chain, chain), (_gelu_summed, rewrite(_gelu_summed, rulesets=packs))):
+        for p, q in zip(r(x, t, g), fn(x, t, g)):  # products reassociated: float32 rounding of a few products
+            np.testing.assert_allclose(p, q, rtol=8 * float(jnp.finfo(jnp.float32).eps), atol=0)
+
+
 
 def _mlp(params, x, y):
     h = x
