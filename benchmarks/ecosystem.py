@@ -1021,6 +1021,30 @@ def plot(results: list[Result], path: pathlib.Path) -> None:
     plt.close(fig)
 
 
+def temp_memory(prog: Program, packs: list) -> tuple[int, int]:
+    """XLA's temp memory of ``prog`` and of it rewritten with ``packs`` (compiled, not run), in bytes."""
+    from rewrite import rewrite
+
+    fn, args = prog.build()
+    flat, leaves = _flat(fn, args)
+    program = gradient(flat, leaves) if prog.grad else flat
+    rewritten = rewrite(flat, rulesets=packs, cache=False)
+    rewritten = gradient(rewritten, leaves) if prog.grad else rewritten
+    return tuple(jax.jit(f).lower(*leaves).compile().memory_analysis().temp_size_in_bytes  # type: ignore[return-value]
+                 for f in (program, rewritten))
+
+
+def memory_table(names: list[str], config: str, packs: list, say: Callable[[str], None]) -> str:
+    """``--memory``: one row per program, its temp memory before and after, no timing (needs no quiet machine)."""
+    rows = [f"| program | {config}: temp before (MiB) | after (MiB) | ratio |", "|---|---|---|---|"]
+    for name in names:
+        before, after = temp_memory(PROGRAMS[name], packs)
+        more = " (more)" if after > before + 4096 else ""
+        rows.append(f"| {name} | {_mib(before)} | {_mib(after)} | x{after / max(before, 1):.2f}{more} |")
+        say(rows[-1])
+    return "\n".join(rows)
+
+
 def main(argv: list[str] | None = None) -> list[Result]:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.ecosystem", description=__doc__.splitlines()[0])
     ap.add_argument("--programs", default=",".join(PROGRAMS), help=f"comma-separated subset of {','.join(PROGRAMS)}")
@@ -1029,6 +1053,7 @@ def main(argv: list[str] | None = None) -> list[Result]:
     ap.add_argument("--quick", action="store_true", help="3 rounds")
     ap.add_argument("--out", default=str(RESULTS), help="folder for ecosystem.md, .json and .png")
     ap.add_argument("--quiet", action="store_true")
+    ap.add_argument("--memory", action="store_true", help="temp memory before and after only, compiled and not timed")
     args = ap.parse_args(argv)
     rounds = 3 if args.quick else args.rounds
     say = (lambda s: None) if args.quiet else (lambda s: print(s, flush=True))
@@ -1036,6 +1061,10 @@ def main(argv: list[str] | None = None) -> list[Result]:
     packs = {c: load_rulesets(CONFIGS[c]) for c in configs}
     results: list[Result] = []
     failures: list[str] = []
+    if args.memory:
+        for config in configs:
+            memory_table([n for n in args.programs.split(",") if n], config, packs[config], print)
+        return results
     for name in [n for n in args.programs.split(",") if n]:
         for config in configs:
             try:
