@@ -135,63 +135,6 @@ _SOFTMAX_WIDE = Pat("div", Pat("exp", X), Pat("convert_element_type", Pat("broad
 
 
 # ---------------------------------------------------------------------- what the pack reads off the softmax
-def _ident(v: Value) -> Any:
-    return v.cls if v.cls is not None else ("name", v.name)
-
-
-def _inverse(perm: Sequence[int]) -> list[int]:
-    """Where each axis of a transpose's operand lands in its result."""
-    return [list(perm).index(j) for j in range(len(perm))]
-
-
-def _shift_is_own_max(shift: Value, s: Value, axis: int) -> bool:
-    """``shift`` is ``max(s)`` along ``axis``, row by row (maybe under ``max(-inf, .)``, broadcasts,
-    transposes and ``stop_gradient``; or the max of ``f`` where ``s`` is ``f`` transposed, as
-    ``jax.nn.dot_product_attention`` writes it under ``vmap``). Unlike ``Value.max_under`` it follows each axis
-    through the transposes and broadcasts, so a max that lands on other rows is refused."""
-    sources = [(s, list(range(s.ndim)))]  # what the max may be taken of, with its axes' places in s
-    node = s.node("transpose")
-    if node is not None:
-        perm = [int(d) for d in node.params["permutation"]]
-        sources.append((node.operands[0], _inverse(perm)))
-    v, pos = shift, list(range(s.ndim))  # pos: where each axis of v lies in s
-    for _ in range(8):
-        for prim in ("stop_gradient", "broadcast_in_dim", "transpose", "max", "reduce_max"):
-            node = v.node(prim)
-            if node is None:
-                continue
-            ops = node.operands
-            if prim == "reduce_max":
-                if len(node.params["axes"]) != 1:
-                    return False
-                a = int(node.params["axes"][0])
-                for src, place in sources:
-                    if _ident(ops[0]) != _ident(src) or place[a] != axis:
-                        continue
-                    rows = [j for j in range(src.ndim) if j != a]
-                    if all(pos[i] == place[j] or src.shape[j] == 1 for i, j in enumerate(rows)):
-                        return True
-                return False
-            if prim == "max":
-                lit = [o for o in ops if o.literal is not None]
-                rest = [o for o in ops if o.literal is None]
-                if len(lit) != 1 or len(rest) != 1 or float(lit[0].literal) != -math.inf:
-                    continue
-                v = rest[0]
-            elif prim == "broadcast_in_dim":
-                dims = [int(d) for d in node.params["broadcast_dimensions"]]
-                v, pos = ops[0], [pos[d] for d in dims]
-            elif prim == "transpose":
-                perm = [int(d) for d in node.params["permutation"]]
-                v, pos = ops[0], [pos[d] for d in _inverse(perm)]
-            else:
-                v = ops[0]
-            break
-        else:
-            return False
-    return False
-
-
 class _Scale(NamedTuple):
     """A literal scale of the product moved onto ``q``: its leaf ``q``, the scale's leaf ``c``, ``div`` or ``mul``."""
 
@@ -310,7 +253,7 @@ def _blocked(config: _Config, p_first: bool, widened: bool = False):
         if sub is None:
             return None
         s, shift = sub.operands
-        if s.shape != x.shape or not _shift_is_own_max(shift, s, axis):
+        if s.shape != x.shape or shift.max_under(s, axis, rows=True) is None:
             return None
         (lc, rc), (lb, rb) = pv["dimension_numbers"]
         pc, vc = (lc, rc) if p_first else (rc, lc)
