@@ -25,6 +25,7 @@ import numpy as np
 from jax import lax
 
 from rewrite import Sliced, Value
+from rulesets.kernels.attention import FusedAxes, fused_attention
 
 
 # ---------------------------------------------------------------------- a fused kernel where the backend has one
@@ -273,15 +274,6 @@ def _exact_in(logits: Sliced, ref: tuple, dtype: Any, depth: int = 0) -> bool:
     return False
 
 
-def _arrange(x: Any, axes: Sequence[int | None]) -> Any:
-    """``x`` with its axes in the order ``axes`` (``[b0, seq, b1, head]``, say); an axis given as ``None`` is
-    inserted, of size one."""
-    present = [a for a in axes if a is not None]
-    y = lax.transpose(x, tuple(present)) if present != sorted(present) else x
-    missing = tuple(i for i, a in enumerate(axes) if a is None)
-    return lax.expand_dims(y, missing) if missing else y
-
-
 def _as_product(x: Any, shape: tuple, amap: Sequence[int | None]) -> Any:
     """A bias term of ``shape`` (maybe broadcast to it) with its axes ``amap``, in the product's layout."""
     x = jnp.broadcast_to(x, shape)
@@ -364,19 +356,17 @@ def fused(logits: Sliced, p_first: bool, pv_dn: Any, v_aval: Any, squeezed: tupl
     q_free, q_group = q_axis_of[t_dot], (q_axis_of[g_dot] if g_dot is not None else None)
     k_free = next(d for d in range(k_rank) if d not in kb and d != kc)
 
-    def pad(batch: Sequence[int | None], seq: int, head: int) -> list:
-        return [batch[0] if nb > 0 else None, seq, batch[1] if nb > 1 else None, head]
+    def pad(batch: Sequence[int | None], seq: int, head: int) -> tuple:
+        return (batch[0] if nb > 0 else None, seq, batch[1] if nb > 1 else None, head)
 
     # Where each axis of the weights' product comes from in the call's output as [b0, T, b1, G, H]
     # (None: an axis of size one that it lacks).
     five = {t_dot: 1, g_dot: 3, None: None}
     src = [(0, 2)[p_dot[p]] for p in p_batch]
     src += [five[d] for d in free_dots] + [4] if p_first else [4] + [five[d] for d in free_dots]
-    present = [a for a in src if a is not None]
-    dropped = tuple(a for a in range(5) if a not in present)
-    perm = tuple(sorted(present).index(a) for a in present)
-    inserted = tuple(i for i, a in enumerate(src) if a is None)
-    out_dtype = out_aval.dtype
+    axes = FusedAxes(q=(qb[0] if nb > 0 else None, q_free, qb[1] if nb > 1 else None, q_group, qc),
+                     k=pad(kb, k_free, kc), v=pad(v_axes, v_c, v_free[0]), bias=pad(list(range(nb)), t_dot, key),
+                     out=tuple(src))
 
     def fn(*args: Any) -> Any:
         *leaves, v = args
@@ -388,17 +378,7 @@ def fused(logits: Sliced, p_first: bool, pv_dn: Any, v_aval: Any, squeezed: tupl
             t = logits.value(leaves, r, memo)
             t = _as_product(t if w == 1.0 else t * jnp.asarray(w, t.dtype), shape, amap).astype(q.dtype)
             b = t if b is None else b + t
-        if b is not None:
-            b = jnp.swapaxes(_arrange(b, pad(list(range(nb)), t_dot, key)), 1, 2)   # [b0, b1, T, S]
-        q5 = _arrange(q, [qb[0] if nb > 0 else None, q_free, qb[1] if nb > 1 else None, q_group, qc])
-        n0, t, n1, g, h = q5.shape
-        o = jax.nn.dot_product_attention(q5.reshape(n0, t, n1 * g, h), _arrange(k, pad(kb, k_free, kc)),
-                                         _arrange(v, pad(v_axes, v_c, v_free[0])), bias=b, scale=scale,
-                                         is_causal=causal is not None, implementation=impl)
-        o = o.reshape(n0, t, n1, g, h)
-        o = lax.squeeze(o, dropped) if dropped else o
-        o = lax.transpose(o, perm) if list(perm) != sorted(perm) else o
-        o = lax.expand_dims(o, inserted) if inserted else o
-        return o.astype(out_dtype)
+        return fused_attention(q, k, v, b, axes=axes, scale=scale, causal=causal is not None, implementation=impl,
+                               dtype=out_aval.dtype)
 
     return fn

@@ -156,3 +156,45 @@ def test_blocks_must_divide_the_axes():
     x = jnp.zeros((24, 4))
     with pytest.raises(ValueError, match="blocks of"):
         attention(x, x, x, block=16)
+
+
+@settings(max_examples=6, deadline=None)
+@given(st.permutations(range(5)), st.permutations(range(4)), st.permutations(range(4)), st.permutations(range(5)),
+       st.sampled_from([(2, 1), (1, 2), (2, 2)]), st.booleans(), st.booleans(),
+       st.sampled_from(["float32", "bfloat16"]))  # XLA:CPU has no float16 product with a float32 sum
+def test_fused_attention_in_any_layout_is_plain_attention(q_perm, k_perm, v_perm, out, heads, causal, biased, dtype):
+    """``fused_attention`` (``implementation="xla"``) with its operands and result in any order of axes,
+    grouped query heads, a bias and a causal mask: values and the query's gradient as softmax attention
+    written out in float32, rounded once."""
+    from rulesets.kernels.attention import FusedAxes, fused_attention
+    n1, g = heads
+    biased = biased and g == 1  # a bias over grouped heads is not the call's
+    b0, t, h = 2, 16, 8
+    keys = jax.random.split(jax.random.key(sum(q_perm) + 7 * n1 + g), 4)
+    q5 = jax.random.normal(keys[0], (b0, t, n1, g, h), dtype)
+    k4, v4 = (jax.random.normal(kk, (b0, t, n1, h), dtype) for kk in keys[1:3])
+    bias = jax.random.normal(keys[3], (b0, t, n1, t), dtype) if biased else None
+    inv = lambda p: tuple(int(i) for i in np.argsort(p))  # noqa: E731
+    axes = FusedAxes(q=inv(q_perm), k=inv(k_perm), v=inv(v_perm), bias=(0, 1, 2, 3), out=tuple(out))
+
+    def call(q):
+        return fused_attention(q, k4.transpose(k_perm), v4.transpose(v_perm), bias, axes=axes, scale=0.3,
+                               causal=causal, implementation="xla")
+
+    def plain_(q):
+        q = q.transpose(inv(q_perm)).astype(jnp.float32)
+        s = jnp.einsum("btngh,bsnh->bngts", q, k4.astype(jnp.float32)) * 0.3
+        if biased:
+            s = s + bias.astype(jnp.float32).transpose(0, 2, 1, 3)[:, :, None]
+        if causal:
+            s = jnp.where(jnp.tril(jnp.ones((t, t), bool)), s, -jnp.inf)
+        o = jnp.einsum("bngts,bsnh->btngh", jax.nn.softmax(s, axis=-1), v4.astype(jnp.float32))
+        return o.transpose(out).astype(dtype)
+
+    q = q5.transpose(q_perm)
+    tol = {"float32": 1e-5, "bfloat16": 2e-2}[dtype]
+    np.testing.assert_allclose(np.asarray(jax.jit(call)(q), np.float32), np.asarray(plain_(q), np.float32),
+                               rtol=tol, atol=tol)
+    grad = lambda f: jax.grad(lambda q: f(q).astype(jnp.float32).sum())(q)  # noqa: E731
+    np.testing.assert_allclose(np.asarray(grad(call), np.float32), np.asarray(grad(plain_), np.float32),
+                               rtol=10 * tol, atol=10 * tol)

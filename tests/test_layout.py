@@ -297,7 +297,22 @@ def _rules_defined(path: pathlib.Path) -> int:
 LM_HEAD_LINES_PER_RULE = 47.4
 
 
+def _lines_and_rules(*names: str) -> tuple[int, int]:
+    paths = [ROOT / "rulesets" / name for name in names]
+    return sum(len(p.read_text().splitlines()) for p in paths), sum(_rules_defined(p) for p in paths)
+
+
 def test_the_lm_head_reads_as_its_rules():
-    path = ROOT / "rulesets" / "nn_lm_head.py"
-    lines, rules = len(path.read_text().splitlines()), _rules_defined(path)
+    lines, rules = _lines_and_rules("nn_lm_head.py")
     assert rules and lines / rules <= LM_HEAD_LINES_PER_RULE, f"{lines} lines for {rules} rules"
+
+
+#: Attention's lines per rule: every line of ``rulesets/attention.py`` and ``rulesets/_fused_attention.py`` (the
+#: rule files: the rules and the matching that maps a program onto a kernel) over the rules they define; the
+#: kernels the rules call, ``rulesets/kernels/attention.py``, are not counted.
+ATTENTION_LINES_PER_RULE = 203.0
+
+
+def test_attention_reads_as_its_rules():
+    lines, rules = _lines_and_rules("attention.py", "_fused_attention.py")
+    assert rules and lines / rules <= ATTENTION_LINES_PER_RULE, f"{lines} lines for {rules} rules"

@@ -47,7 +47,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-__all__ = ["Window", "Logits", "ValueProduct", "blocked_attention", "Scores", "attention"]
+__all__ = ["Window", "Logits", "ValueProduct", "blocked_attention", "Scores", "attention", "FusedAxes",
+           "fused_attention"]
 
 
 class Window(NamedTuple):
@@ -453,3 +454,54 @@ def attention(q: Any, k: Any, v: Any, *, scores: Scores = Scores(), block: int =
                            cast=None if v.dtype == dtype else v.dtype, wide=jnp.dtype(jnp.float32) if half else None)
     return blocked_attention(logits, product, block=block, query_block=query_block,
                              backward_query_block=query_block)(*operands, v)
+
+
+class FusedAxes(NamedTuple):
+    """Where :func:`fused_attention`'s operands keep the axes of ``jax.nn.dot_product_attention``'s layout
+    (``None``: an axis of size one they lack, inserted). Batch axes ``b0`` and ``b1``, queries ``T``, keys
+    ``S``, a group of query heads sharing a key head ``G``, the head dimension ``H``."""
+    q: tuple  #: ``q``'s axes as ``[b0, T, b1, G, H]``
+    k: tuple  #: ``k``'s axes as ``[b0, S, b1, H]``
+    v: tuple  #: ``v``'s axes as ``[b0, S, b1, H]``
+    bias: tuple  #: the bias's axes as ``[b0, T, b1, S]``
+    out: tuple  #: for each axis of the result, its axis of ``[b0, T, b1, G, H]`` (``None``: a new axis of size one)
+
+
+def _arrange(x: Any, axes: Sequence[int | None]) -> Any:
+    """``x`` with its axes in the order ``axes`` (``[b0, seq, b1, head]``, say); an axis given as ``None`` is
+    inserted, of size one."""
+    present = [a for a in axes if a is not None]
+    y = lax.transpose(x, tuple(present)) if present != sorted(present) else x
+    missing = tuple(i for i, a in enumerate(axes) if a is None)
+    return lax.expand_dims(y, missing) if missing else y
+
+
+def fused_attention(q: Any, k: Any, v: Any, bias: Any = None, *, axes: FusedAxes, scale: float | None = None,
+                    causal: bool = False, implementation: str | None = None, dtype: Any = None) -> Any:
+    """Attention as one ``jax.nn.dot_product_attention`` call (cuDNN's fused kernel where ``implementation``
+    is ``"cudnn"``) on operands in any layout: each is put in the call's layout as ``axes`` says, the query
+    heads of a group ``G`` run as heads of their own, and the result is laid out as ``axes.out`` says, of
+    ``dtype`` (the query's by default).
+
+    >>> import jax, jax.numpy as jnp
+    >>> q, k, v = (jax.random.normal(jax.random.key(i), (16, 2, 8)) for i in range(3))  # [T, b0, H]
+    >>> out = fused_attention(q, k, v, axes=FusedAxes(q=(1, 0, None, None, 2), k=(1, 0, None, 2),
+    ...                       v=(1, 0, None, 2), bias=(), out=(1, 0, 4)), scale=0.5, implementation="xla")
+    >>> ref = jax.nn.softmax(jnp.einsum("tbh,sbh->bts", q, k) * 0.5, axis=-1)
+    >>> bool(jnp.allclose(out, jnp.einsum("bts,sbh->tbh", ref, v), atol=1e-6))
+    True
+    """
+    b = None if bias is None else jnp.swapaxes(_arrange(bias, axes.bias), 1, 2)  # [b0, b1, T, S]
+    q5 = _arrange(q, axes.q)
+    n0, t, n1, g, h = q5.shape
+    o = jax.nn.dot_product_attention(q5.reshape(n0, t, n1 * g, h), _arrange(k, axes.k), _arrange(v, axes.v),
+                                     bias=b, scale=scale, is_causal=causal, implementation=implementation)
+    o = o.reshape(n0, t, n1, g, h)
+    present = [a for a in axes.out if a is not None]
+    dropped = tuple(a for a in range(5) if a not in present)
+    perm = tuple(sorted(present).index(a) for a in present)
+    inserted = tuple(i for i, a in enumerate(axes.out) if a is None)
+    o = lax.squeeze(o, dropped) if dropped else o
+    o = lax.transpose(o, perm) if list(perm) != sorted(perm) else o
+    o = lax.expand_dims(o, inserted) if inserted else o
+    return o.astype(q.dtype if dtype is None else dtype)
