@@ -17,14 +17,15 @@ has its own position unmasked, so no row is masked everywhere.
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from rewrite import Sliced, Value
+from rewrite import Sliced
+from rewrite.rules.sliced import Ref
 from rulesets.kernels.attention import FusedAxes, fused_attention
 
 
@@ -53,92 +54,12 @@ def blocked() -> bool:
     return jax.default_backend() != "gpu"
 
 
-def _has_dot(logits: Sliced, ref: tuple) -> bool:
-    if ref.kind == "leaf":
-        return False
-    prim, _, args, _, _ = logits.steps[ref.index]
-    return prim.name == "dot_general" or any(_has_dot(logits, a) for a in args)
-
-
-def _literal_at(logits: Sliced, ref: tuple) -> float | None:
-    """The Python value of a literal scalar (maybe broadcast), else ``None``."""
-    if ref.kind == "step":
-        prim, params, args, _, _ = logits.steps[ref.index]
-        if prim.name == "broadcast_in_dim":  # a broadcast of a broadcast scalar is that scalar too
-            return _literal_at(logits, args[0])
-        return None
-    return _literal_through_converts(logits.leaves[ref.index])
-
-
-def _literal_through_converts(v: Value, depth: int = 0) -> float | None:
-    """A literal scalar's value, maybe converted to another dtype (a Python float under ``jnp.where``)."""
-    if v.shape != () or depth > 4:
-        return None
-    if v.literal is not None:
-        return float(v.literal)
-    node = v.node("convert_element_type")
-    inner = None if node is None else _literal_through_converts(node.operands[0], depth + 1)
-    return None if inner is None else float(np.asarray(inner).astype(node.params["new_dtype"]))
-
-
-def _exact(dtype: Any, size: int) -> bool:
-    """Whether ``dtype`` holds every position ``0 .. size - 1`` (an int8 iota over 512 wraps at 128)."""
-    dtype = np.dtype(dtype)
-    if jnp.issubdtype(dtype, jnp.integer):
-        return int(jnp.iinfo(dtype).max) >= size - 1
-    return jnp.issubdtype(dtype, jnp.floating) and size - 1 <= 2 ** (jnp.finfo(dtype).nmant + 1)
-
-
-def _own_position(dtype: Any, shape: tuple, axis: int | None) -> int | None:
-    return axis if axis is not None and _exact(dtype, shape[axis]) else None
-
-
-def _index_axis_of_value(v: Value, depth: int = 0) -> int | None:
-    """The axis along which ``v`` is its own position (an ``iota``, maybe broadcast or converted), each
-    position exact in its dtype."""
-    if depth > 8:
-        return None
-    node = v.node("iota")
-    if node is not None:
-        return _own_position(v.dtype, v.shape, int(node.params["dimension"]))
-    node = v.node("convert_element_type")
-    if node is not None and jnp.issubdtype(node.operands[0].dtype, jnp.integer):
-        return _own_position(v.dtype, v.shape, _index_axis_of_value(node.operands[0], depth + 1))
-    node = v.node("broadcast_in_dim")
-    if node is not None:
-        inner = _index_axis_of_value(node.operands[0], depth + 1)
-        if inner is not None and node.operands[0].shape[inner] == v.shape[node.params["broadcast_dimensions"][inner]]:
-            return int(node.params["broadcast_dimensions"][inner])
-    return None
-
-
-def _index_axis(logits: Sliced, ref: tuple, depth: int = 0) -> int | None:
-    if ref.kind == "leaf":
-        return _index_axis_of_value(logits.leaves[ref.index])
-    prim, params, args, aval, _ = logits.steps[ref.index]
-    if depth > 8:
-        return None
-    if prim.name == "iota":
-        return _own_position(aval.dtype, aval.shape, int(params["dimension"]))
-    if prim.name == "convert_element_type" and jnp.issubdtype(aval.dtype, jnp.integer):
-        return _own_position(aval.dtype, aval.shape, _index_axis(logits, args[0], depth + 1))
-    if prim.name in ("add", "sub") and len(args) == 2 and _literal_at(logits, args[1]) == 0.0:
-        return _index_axis(logits, args[0], depth + 1)  # jnp.tril's iota + 0
-    if prim.name == "broadcast_in_dim":
-        inner = _index_axis(logits, args[0], depth + 1)
-        dims = params["broadcast_dimensions"]
-        src = logits.aval(args[0]).shape
-        if inner is not None and src[inner] == aval.shape[dims[inner]]:
-            return int(dims[inner])
-    return None
-
-
-def _causal(logits: Sliced, ref: tuple, q_axis: int, k_axis: int, depth: int = 0) -> bool | None:
+def _causal(logits: Sliced, ref: Ref, q_axis: int, k_axis: int, depth: int = 0) -> bool | None:
     """``True`` where ``ref`` is ``query position >= key position``, ``False`` where it is ``<``, else ``None``."""
     if ref.kind == "leaf" or depth > 8:
         return None
-    prim, params, args, aval, _ = logits.steps[ref.index]
-    name = prim.name
+    step = logits.steps[ref.index]
+    name, params, args, aval = step.primitive.name, step.params, step.args, step.aval
     if name == "broadcast_in_dim":  # a mask of fewer axes (flax's [b, 1, q, k]) broadcast over heads
         src = logits.aval(args[0])
         dims = tuple(params["broadcast_dimensions"])
@@ -151,24 +72,24 @@ def _causal(logits: Sliced, ref: tuple, q_axis: int, k_axis: int, depth: int = 0
     if name == "convert_element_type":  # a bool mask as 0/1 numbers, read back by ``!= 0``
         return _causal(logits, args[0], q_axis, k_axis, depth + 1)
     if name == "ne" and len(args) == 2:
-        zero = [i for i, a in enumerate(args) if _literal_at(logits, a) == 0.0]
+        zero = [i for i, a in enumerate(args) if logits.literal(a) == 0.0]
         if len(zero) == 1:
             return _causal(logits, args[1 - zero[0]], q_axis, k_axis, depth + 1)
         return None
     if name == "and" and len(args) == 2:  # jax's masks start from all true: ``ones & tril``
-        true = [i for i, a in enumerate(args) if _literal_at(logits, a) == 1.0]
+        true = [i for i, a in enumerate(args) if logits.literal(a) == 1.0]
         if len(true) == 1:
             return _causal(logits, args[1 - true[0]], q_axis, k_axis, depth + 1)
         return None
     if name == "select_n" and len(args) == 3:  # ``where(p, True, False)`` (jnp.tril of ones) or its negation
-        on, off = _literal_at(logits, args[2]), _literal_at(logits, args[1])
+        on, off = logits.literal(args[2]), logits.literal(args[1])
         if (on, off) not in ((1.0, 0.0), (0.0, 1.0)):
             return None
         inner = _causal(logits, args[0], q_axis, k_axis, depth + 1)
         return inner if inner is None or on == 1.0 else not inner
     if name not in ("ge", "le", "gt", "lt"):
         return None
-    a, b = (_index_axis(logits, x) for x in args)
+    a, b = (logits.position_axis(x) for x in args)
     if (a, b) == (k_axis, q_axis):
         name = {"ge": "le", "le": "ge", "gt": "lt", "lt": "gt"}[name]
     elif (a, b) != (q_axis, k_axis):
@@ -176,53 +97,31 @@ def _causal(logits: Sliced, ref: tuple, q_axis: int, k_axis: int, depth: int = 0
     return {"ge": True, "lt": False}.get(name)
 
 
-def _path(logits: Sliced, out_ref: tuple) -> list[tuple] | None:
-    """The steps from the logits down to the product, each with the index of its operand that leads there."""
-    path, ref = [], out_ref
-    for _ in range(32):
-        if ref.kind == "leaf":
-            return None
-        prim, _, args, _, _ = logits.steps[ref.index]
-        if prim.name == "dot_general":
-            return path + [(ref, None)]
-        dotted = [i for i, a in enumerate(args) if _has_dot(logits, a)]
-        if len(dotted) != 1:
-            return None
-        path.append((ref, dotted[0]))
-        ref = args[dotted[0]]
-    return None
+class _Bias(NamedTuple):
+    """A bias term: its value, the factor it is added with, the shape and axes (as the product's) it is added at."""
+
+    ref: Ref
+    factor: float
+    shape: tuple
+    axes: list
 
 
-def _axis_maps(logits: Sliced, path: list[tuple]) -> list[list[int | None]] | None:
-    """For each step of ``path``, its axes as the product's (``None``: an axis of size one it inserts)."""
-    dot = path[-1][0]
-    maps = [list(range(len(logits.aval(dot).shape)))]
-    for ref, _ in reversed(path[:-1]):
-        prim, params, _, aval, _ = logits.steps[ref.index]
-        below = maps[0]
-        if prim.name == "broadcast_in_dim":
-            dims = tuple(params["broadcast_dimensions"])
-            if any(d not in dims and aval.shape[d] != 1 for d in range(len(aval.shape))):
-                return None  # a copy of the logits along a new axis: not attention's form
-            maps.insert(0, [below[dims.index(d)] if d in dims else None for d in range(len(aval.shape))])
-        elif prim.name == "transpose":
-            maps.insert(0, [below[int(d)] for d in params["permutation"]])
-        elif len(aval.shape) == len(below):
-            maps.insert(0, list(below))
-        else:
-            return None
-    return maps
+class _Form(NamedTuple):
+    """The logits as ``scale * (q k^T) + bias`` under at most one causal mask: the product's step, the scale,
+    the bias terms, the product's query axis that a causal mask compares (``None``: no mask), and the logits'
+    axes as the product's."""
+
+    dot: Ref
+    scale: float
+    bias: list
+    causal: int | None
+    top: list
 
 
-def _logits_form(logits: Sliced, out_ref: tuple) -> tuple | None:
-    """The logits as ``scale * (q k^T) + bias`` under at most one causal mask.
-
-    Returns ``(dot, scale, terms, causal, top)``: the product's step, the scale, the bias as ``(ref, factor,
-    shape, axes)`` terms (``axes``: the term's axes as the product's), the product's query axis that a
-    causal mask compares (``None``: no mask), and the logits' axes as the product's; ``None`` where the
-    logits are anything else (a mask given as an array, say)."""
-    path = _path(logits, out_ref)
-    maps = _axis_maps(logits, path) if path is not None else None
+def _logits_form(logits: Sliced) -> _Form | None:
+    """The logits as a :class:`_Form`, or ``None`` where they are anything else (a mask given as an array)."""
+    path = logits.path_to("dot_general")
+    maps = logits.axes_along(path) if path is not None else None
     if maps is None:
         return None
     dot = path[-1][0]
@@ -231,20 +130,20 @@ def _logits_form(logits: Sliced, out_ref: tuple) -> tuple | None:
     q_dots = [d for d in range(nb, len(maps[-1])) if d != key]  # the query's free axes in the product
     scale, bias, causal, fill = 1.0, [], None, None
     for (ref, i), amap in zip(path[:-1], maps):
-        prim, _, args, aval, _ = logits.steps[ref.index]
-        name = prim.name
+        step = logits.steps[ref.index]
+        name, args, aval = step.primitive.name, step.args, step.aval
         if name in ("broadcast_in_dim", "transpose") or (name == "convert_element_type"
                                                            and jnp.issubdtype(aval.dtype, jnp.floating)):
             continue
         if name in ("mul", "div") and len(args) == 2:
-            c = _literal_at(logits, args[1 - i])
+            c = logits.literal(args[1 - i])
             if c is None or not math.isfinite(c) or c <= 0 or (name == "div" and i == 1):
                 return None
             scale *= c if name == "mul" else 1.0 / c  # scales what lies below: the product, a bias added there
         elif name in ("add", "sub") and len(args) == 2 and not (name == "sub" and i == 1):
-            bias.append((args[1 - i], scale if name == "add" else -scale, tuple(aval.shape), amap))
+            bias.append(_Bias(args[1 - i], scale if name == "add" else -scale, tuple(aval.shape), amap))
         elif name == "select_n" and len(args) == 3 and i != 0 and causal is None:
-            lo = _literal_at(logits, args[3 - i])
+            lo = logits.literal(args[3 - i])
             # a bias added after the mask would move the masked logits: the fused call adds it before
             if lo is None or bias or key not in amap:
                 return None
@@ -259,19 +158,7 @@ def _logits_form(logits: Sliced, out_ref: tuple) -> tuple | None:
             return None
     if fill is not None and not (fill == -math.inf or fill <= _FILL_AT_MOST):
         return None
-    return dot, scale, bias, causal, maps[0]
-
-
-def _exact_in(logits: Sliced, ref: tuple, dtype: Any, depth: int = 0) -> bool:
-    """Whether every value of ``ref`` is one of ``dtype`` (values of it widened, broadcast or moved)."""
-    if logits.aval(ref).dtype == dtype:
-        return True
-    if ref.kind == "leaf" or depth > 8:
-        return False
-    prim, _, args, _, _ = logits.steps[ref.index]
-    if prim.name in ("convert_element_type", "broadcast_in_dim", "transpose", "reshape", "squeeze"):
-        return _exact_in(logits, args[0], dtype, depth + 1)
-    return False
+    return _Form(dot, scale, bias, causal, maps[0])
 
 
 def _as_product(x: Any, shape: tuple, amap: Sequence[int | None]) -> Any:
@@ -291,11 +178,12 @@ def fused(logits: Sliced, p_first: bool, pv_dn: Any, v_aval: Any, squeezed: tupl
     ``pv_dn`` is the dimension numbers of the weights' product with ``v`` (of ``v_aval``; ``p_first``: the
     weights on the left), whose weights are the logits less their axes ``squeezed``."""
     v_rank, v_dtype = len(v_aval.shape), v_aval.dtype
-    form = _logits_form(logits, logits.out)
+    form = _logits_form(logits)
     if form is None:
         return None
-    dot_ref, scale, bias, causal, top = form
-    _, dparams, (a_ref, b_ref), d_aval, key = logits.steps[dot_ref.index]
+    scale, bias, causal, top = form.scale, form.bias, form.causal, form.top
+    dot = logits.steps[form.dot.index]
+    dparams, (a_ref, b_ref), d_aval, key = dot.params, dot.args, dot.aval, dot.axis
     (lc, rc), (lb, rb) = dparams["dimension_numbers"]
     nb, rank = len(lb), len(d_aval.shape)
     q_lhs = key == rank - 1  # the query is the product's left operand
@@ -322,12 +210,11 @@ def fused(logits: Sliced, p_first: bool, pv_dn: Any, v_aval: Any, squeezed: tupl
         return None  # a bias over grouped heads: not mapped
     # A bias term goes to the fused call in the query's dtype: only where that rounds nothing (values of the
     # query's dtype, widened and broadcast, scaled by a power of two that cannot overflow the narrower dtype).
-    terms = []
-    for r, w, shape, amap in bias:
-        if not _exact_in(logits, r, dtype) or math.frexp(abs(w))[0] != 0.5 or (
-                abs(w) != 1.0 and jnp.finfo(dtype).maxexp < jnp.finfo(logits.aval(r).dtype).maxexp):
+    for term in bias:
+        w = term.factor
+        if not logits.exact_in(term.ref, dtype) or math.frexp(abs(w))[0] != 0.5 or (
+                abs(w) != 1.0 and jnp.finfo(dtype).maxexp < jnp.finfo(logits.aval(term.ref).dtype).maxexp):
             return None
-        terms.append((r, w, shape, amap))
     # The weights (the logits less ``squeezed``) times v: the product's batch axes are the logits' batch
     # axes that the weights keep, its contraction the key axis, its free axes the query's; v has one more
     # axis, the head dimension.
@@ -374,9 +261,9 @@ def fused(logits: Sliced, p_first: bool, pv_dn: Any, v_aval: Any, squeezed: tupl
         q = logits.value(leaves, q_ref, memo)
         k = logits.value(leaves, k_ref, memo)
         b = None
-        for r, w, shape, amap in terms:
-            t = logits.value(leaves, r, memo)
-            t = _as_product(t if w == 1.0 else t * jnp.asarray(w, t.dtype), shape, amap).astype(q.dtype)
+        for term in bias:
+            t, w = logits.value(leaves, term.ref, memo), term.factor
+            t = _as_product(t if w == 1.0 else t * jnp.asarray(w, t.dtype), term.shape, term.axes).astype(q.dtype)
             b = t if b is None else b + t
         return fused_attention(q, k, v, b, axes=axes, scale=scale, causal=causal is not None, implementation=impl,
                                dtype=out_aval.dtype)

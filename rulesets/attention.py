@@ -167,7 +167,7 @@ def _scale_outside(logits: Sliced) -> tuple[tuple, tuple]:
             if d_ref.kind != "step" or c_ref.kind != "leaf" or uses[d_ref.index] != 1:
                 continue
             c, product = logits.leaves[c_ref.index], steps[d_ref.index]
-            value, dtype = _fused._literal_through_converts(c), product.aval.dtype
+            value, dtype = logits.literal(c_ref), product.aval.dtype
             if product.primitive.name != "dot_general" or value is None or not np.isfinite(value) or value == 0:
                 continue
             if (abs(value) < 1) if step.primitive.name == "div" else (abs(value) > 1):

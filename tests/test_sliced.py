@@ -100,3 +100,30 @@ def test_an_axis_the_walk_cannot_follow_is_a_leaf():
     assert [leaf.shape for leaf in s.leaves if leaf.ndim] == [(4, 8)] and 1 in s.leaf_axes  # cumsum's result, sliced
     with pytest.raises(AttributeError):
         s.leaves = ()  # a record: read, not changed
+
+
+def test_readers_of_the_steps_say_what_a_value_is_made_of():
+    """``Sliced.path_to``, ``axes_along``, ``literal``, ``position_axis`` and ``exact_in`` on masked, scaled,
+    biased logits ``where(rows >= cols, (k q^T)^T * 0.5 + b, -1e9)``, sliced along the keys."""
+    def f(q, k, b):
+        rows, cols = (lax.broadcasted_iota(jnp.int32, (8, 16), d) for d in (0, 1))
+        return jnp.sum(jnp.where(rows >= cols, (k @ q.T).T * 0.5 + b.astype(jnp.float32), -1e9), axis=1)
+
+    seen.clear()
+    explain(f, jnp.ones((8, 4)), jnp.ones((16, 4)), jnp.ones((8, 16), jnp.bfloat16), rulesets=[PACK])
+    (s,) = seen
+    path = s.path_to("dot_general")
+    steps = [s.steps[ref.index] for ref, _ in path]
+    assert steps[-1].primitive.name == "dot_general" and path[-1][1] is None and path[0][0] == s.out
+    assert all(s.steps[ref.index].args[i] == below for (ref, i), (below, _) in zip(path, path[1:]))
+    assert s.axes_along(path)[0] == [1, 0]  # the logits' axes as the product's: transposed
+    assert s.path_to("cumsum") is None
+    select = next(step for step in steps if step.primitive.name == "select_n")
+    assert s.literal(select.args[1]) == np.float32(-1e9) and s.literal(select.args[2]) is None
+    compare = s.steps[select.args[0].index]
+    assert compare.primitive.name == "ge" and [s.position_axis(a) for a in compare.args] == [0, 1]
+    scaled = next(step for step in steps if step.primitive.name == "mul")
+    assert [s.literal(a) for a in scaled.args] == [None, 0.5]
+    added = next(step for step in steps if step.primitive.name == "add")
+    bias = next(a for a in added.args if not s.reads(a, "dot_general"))
+    assert s.exact_in(bias, jnp.bfloat16) and not s.exact_in(added.args[0], jnp.bfloat16)
