@@ -1,17 +1,6 @@
-"""Attention as one fused kernel (``jax.nn.dot_product_attention``) where the backend has one.
-
-``rulesets.attention`` reads a matched program's logits as a program over leaves (:meth:`rewrite.Match.sliced`).
-Where they are ``scale * (q k^T) + bias`` under at most a causal mask, and the backend has a fused attention
-kernel (cuDNN's, on a GPU), the pack builds one ``jax.nn.dot_product_attention`` call instead of its blocked
-form; the call declines (and the blocked form is built) where cuDNN does not
-take the dtype (float16 and bfloat16 only), the head dimension or the sequence lengths. A padding
-mask given as an array, a bias that the fused call would round, or a mask that is not exactly
-``query position >= key position`` keep the blocked form, which computes them as the original does.
-
-The fused call adds the bias and masks before the softmax like the original; a masked logit's weight
-is exactly 0 in both where the original fills it with ``-inf`` or with at most ``-1e4`` (after the
-scale): ``exp`` of that minus the row's largest unmasked logit underflows to 0. A causal row always
-has its own position unmasked, so no row is masked everywhere.
+"""Attention as one fused call (:func:`rulesets.kernels.attention.fused_attention`) where the backend has one:
+where the logits :meth:`rewrite.Match.sliced` reads are ``scale * (q k^T) + bias`` under at most a causal mask,
+with a masked logit's weight exactly 0 in the call and in the original (``docs/attention.md``).
 """
 
 from __future__ import annotations
@@ -35,22 +24,13 @@ _FILL_AT_MOST = -1e4
 
 
 def implementation() -> str | None:
-    """``jax.nn.dot_product_attention``'s implementation to use, or ``None`` for the blocked form.
-
-    cuDNN's fused attention where the default backend is a GPU; it declines (and the blocked form is
-    built) where cuDNN does not take the dtype, shapes or mask. Tests set ``"xla"`` to check the mapping
-    of a matched program onto the fused call on any backend."""
+    """``jax.nn.dot_product_attention``'s implementation: cuDNN's on a GPU, else ``None`` (the blocked form)."""
     return "cudnn" if jax.default_backend() == "gpu" else None
 
 
 def blocked() -> bool:
-    """Whether the pack builds its blocked form where the fused call does not apply.
-
-    Not on a GPU: there XLA's own attention runs faster than the blocked scan (H200, N=4096, B=4, H=16,
-    D=64: float32 forward 0.59x and gradient 0.69x, bfloat16 without a mask 0.54x and 0.71x), though it
-    holds 8 GiB of scores where the blocked form holds 0.5 GiB, and the cost model does not price that
-    loop on a GPU: with the GPU's measured loop trip it still predicts it 1.2-1.9x faster
-    (``benchmarks/results/gpu.md``, ``benchmarks/gpu_loops.py``)."""
+    """Whether the pack builds its blocked form: not on a GPU, where XLA's own attention measured faster
+    (``docs/attention.md``)."""
     return jax.default_backend() != "gpu"
 
 

@@ -1,80 +1,15 @@
 """``rulesets.attention``: softmax attention computed block by block, never holding the N x N scores.
 
-``softmax(Q K^T * scale + bias/mask) V`` is written in many ways (``jnp`` and
-``jax.nn.softmax``, ``einsum`` in any axis order, flax's and haiku's and
-equinox's attention layers, a scale on ``q`` or on the logits, a mask by
-``jnp.where`` with ``finfo.min``, ``-1e30`` or ``-inf``, an additive bias),
-and XLA materialises the N x N scores of every head, forward and backward.
-All of these trace to one term: a product of ``exp(s - max(s)) / sum(exp(s -
-max(s)))`` with ``v``, where the logits ``s`` are some computation that reads
-one product ``q k^T``. So the pack has one rule per operand order (and
-per softmax that sums in float32), the weights' casts and squeezes
-optional wrappers of one pattern (``Pat.optional``), and it reads the logits off the e-graph
-instead of spelling out their variants:
-
-* **The logits, a block of keys at a time.** The rule reads ``s`` with
-  :meth:`rewrite.Match.sliced` along the key axis (the softmax's axis),
-  through elementwise operations, ``select_n``, conversions, broadcasts,
-  transposes, ``iota`` and the one product ``q k^T``. What it reaches
-  without the key axis (``q``, a scale, a query mask) is read whole; what carries the key axis and is not
-  one of those (``k``, ``v``, a padding mask, a bias) is sliced per block. A
-  causal mask built from ``iota`` comparisons is rebuilt per block from
-  positions: no N x N mask is made. The rule declines when the softmax is not
-  shifted by its own maximum (``exp(s) / sum(exp(s))`` overflows where the
-  blocked form would not), when the key axis is not a multiple of the block,
-  or when anything on the way is not one of the operations above.
-* **The kernel.** The rule builds :func:`rulesets.kernels.attention.blocked_attention`
-  over the logits so read: an online softmax over key blocks in a ``lax.scan``
-  (flash attention's forward, masked rows computed as the original computes
-  them), its own product with the weights first and ``v`` read by keys, and a
-  backward (``jax.custom_vjp``) that recomputes each block's scores and takes
-  the logits' own computation's VJP on the block, in the accumulator's
-  precision; neither pass holds N x N. That module's page says how.
-* **A literal scale applied once.** A literal scale of the scores (haiku's
-  ``logits / sqrt(key_size)``) is applied to ``q`` before the forward's loop,
-  where it makes ``q`` no larger (exactly, for a power of two; in float32 and
-  float64 for any other): in the loop, XLA:CPU scaled every block of scores in
-  a pass of its own. The backward keeps it in its loop (measured faster).
-* **Blocks of queries too.** Where the queries are long (two blocks of
-  ``query_blocks`` or more), the forward's loop over key blocks runs once
-  per block of queries, each with its rows' part of ``q``, of a mask and of
-  a bias (the walk tracks the query axis as it tracks the key axis,
-  :meth:`rewrite.Sliced.place`): the scores held are a block by a block, small
-  enough to stay in the faster caches. The model chooses it, or every query at once.
-
-Programs whose key axis is 256 or shorter are left alone (the scores are
-small). The rule offers a loop for each key block it is given that makes two
-blocks or more, and extraction takes the cheapest; on this CPU that is 256
-keys alone (:func:`attention_with` configures the blocks and the rest).
-
-**On a GPU, cuDNN's fused attention instead.** Where the logits are
-``scale * (q k^T) + bias`` under at most a causal mask and the backend has a
-fused kernel, the rule builds one ``jax.nn.dot_product_attention(...,
-implementation="cudnn")`` call (``rulesets/_fused_attention.py``); cuDNN
-declines float32, some head dimensions and array masks, and there the
-program is kept, since on a GPU the blocked form measured slower than XLA's
-own attention (H200, N=4096: the cuDNN call 3.2-11.3x faster with 2-4% of
-the temp memory; the blocked form 0.54-0.71x without a mask;
-``benchmarks/results/gpu.md``).
-
-**Rewrite the forward, then differentiate:** ``jax.grad(rewrite(loss))``
-takes the blocked program's own backward. ``rewrite(jax.grad(loss))`` (or a
-rewritten training step that calls ``jax.grad`` inside) sees JAX's backward
-already written, which keeps the N x N weights as residuals for its
-products; the pack matches the forward there but cannot remove them, and
-the cost model keeps the program as it is.
-
-The pack is ``identity`` class, like ``linalg``: the blocked sums reorder the
-original's floating-point additions (the softmax's sum and the product's
-contraction), and the rescaling adds one rounding per block; nothing else
-changes. Its tolerance, ``Tolerance(rtol=2e-4, atol=2e-5, terms=16)`` at float32
-(scaled by machine epsilon for other dtypes), is what ``tests/test_attention.py``
-holds forward values and gradients to, against the original and against a
-float64 reference. ``terms=16``: where a gradient's terms cancel (``dq`` is 0
-when every value row is the same, a difference of two sums of ~1e3), the
-recomputing backward may leave up to 16 roundings of the terms' magnitude, as
-``check_ruleset``'s reverse-mode check found (``rewrite.testing``). Rule names
-start with ``attn_``.
+Every way of writing ``softmax(Q K^T * scale + bias/mask) V`` (``jnp``, ``einsum`` in any axis order, flax's,
+haiku's and equinox's layers, masks by ``jnp.where``, a bias) traces to one term: ``exp(s - max(s)) / sum(exp(s
+- max(s)))`` times ``v``, the logits ``s`` a computation that reads one product ``q k^T``. One rule per operand
+order, and per softmax that sums in float32, matches it (the weights' casts and squeezes are optional wrappers);
+it reads ``s`` a block of keys at a time (:meth:`rewrite.Match.sliced`) and builds the kernel
+:func:`rulesets.kernels.attention.blocked_attention`, an online softmax over blocks of keys (and of queries) whose
+backward recomputes each block; on a GPU, one fused call (``rulesets/_fused_attention.py``). Key axes of 256 or
+less are kept; the cost model chooses among the blocks offered (:func:`attention_with`). The pack is
+``identity`` class (the blocked sums reorder the original's additions); ``docs/attention.md`` says what a rule
+reads and declines, and why. Rule names start with ``attn_``.
 
 >>> import jax, jax.numpy as jnp
 >>> from rewrite import explain
@@ -111,7 +46,6 @@ __all__ = ["attention", "attention_with"]
 _log = logging.getLogger(__name__)
 
 
-
 @dataclasses.dataclass(frozen=True)
 class _Config:
     """What :func:`attention_with` configures (its docstring says what each is)."""
@@ -133,7 +67,6 @@ _SOFTMAX_WIDE = Pat("div", Pat("exp", X), Pat("convert_element_type", Pat("broad
     "reduce_sum", Pat("convert_element_type", Pat("exp", X), params="w"), params="r"), params="b"), params="n"))
 
 
-
 # ---------------------------------------------------------------------- what the pack reads off the softmax
 class _Scale(NamedTuple):
     """A literal scale of the product moved onto ``q``: its leaf ``q``, the scale's leaf ``c``, ``div`` or ``mul``."""
@@ -145,18 +78,9 @@ class _Scale(NamedTuple):
 
 def _scale_outside(logits: Sliced) -> tuple[tuple, tuple]:
     """The forward's steps with a literal scale of the product ``(q k^T) / c`` (or ``* c``) applied to ``q``, the
-    operand read whole: ``(steps, scaled)``, ``scaled`` at most one :class:`_Scale`, an extra leaf
-    after the logits' own, computed once before the loop.
-
-    In the loop the scale is its own pass over each block's scores: XLA:CPU's library product does not take
-    it in, so the scaled block is written and read again (haiku's ``attn_logits / sqrt(key_size)``: 16 MiB
-    per block at N=2048, B=2, H=4). The scale moves where it is a finite literal that makes ``q`` no larger
-    (a divisor of magnitude 1 or more, a factor of at most 1), so no element overflows where the original's
-    would not; a power of two moves exactly, and any other scale rounds ``q`` once, within the pack's
-    tolerance (in float32 and float64 only: in a half-precision dtype it stays in the loop). The backward
-    keeps the scale in its loop, where haiku's layer's gradient is faster, though the loop makes one pass more
-    (``benchmarks/results/attention.md``).
-    """
+    operand read whole: ``(steps, scaled)``, ``scaled`` at most one :class:`_Scale`, an extra leaf after the
+    logits' own, computed once before the loop. Where the scale makes ``q`` no larger and rounds nothing that
+    the original does not (``docs/attention.md``)."""
     steps = list(logits.steps)
     uses = collections.Counter(a.index for step in steps for a in step.args if a.kind == "step")
     for j, step in enumerate(steps):
@@ -183,10 +107,8 @@ def _scale_outside(logits: Sliced) -> tuple[tuple, tuple]:
                 continue
             args = list(product.args)
             args[whole[0]] = q_ref._replace(index=len(logits.leaves))  # the scaled q, a leaf after the logits'
-            # the scale's step becomes the product of the scaled q (the unscaled product is read no more).
-            # One scale moves, the first: the logits have one product, and a second scale of it (a soft cap's
-            # ``tanh(s / 20)`` after ``s = q k^T / 8``) would read this step as the product, over a leaf that
-            # is not the logits'.
+            # the scale's step becomes the product of the scaled q; one scale moves, the first (a second would
+            # read this step as the product, over a leaf that is not the logits')
             steps[j] = product._replace(args=tuple(args))
             return tuple(steps), (_Scale(q_ref.index, c_ref.index, step.primitive.name),)
     return tuple(steps), ()
