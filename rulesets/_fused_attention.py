@@ -34,49 +34,6 @@ def blocked() -> bool:
     return jax.default_backend() != "gpu"
 
 
-def _causal(logits: Sliced, ref: Ref, q_axis: int, k_axis: int, depth: int = 0) -> bool | None:
-    """``True`` where ``ref`` is ``query position >= key position``, ``False`` where it is ``<``, else ``None``."""
-    if ref.kind == "leaf" or depth > 8:
-        return None
-    step = logits.steps[ref.index]
-    name, params, args, aval = step.primitive.name, step.params, step.args, step.aval
-    if name == "broadcast_in_dim":  # a mask of fewer axes (flax's [b, 1, q, k]) broadcast over heads
-        src = logits.aval(args[0])
-        dims = tuple(params["broadcast_dimensions"])
-        if q_axis not in dims or k_axis not in dims:
-            return None
-        iq, ik = dims.index(q_axis), dims.index(k_axis)
-        if src.shape[iq] != aval.shape[q_axis] or src.shape[ik] != aval.shape[k_axis]:
-            return None
-        return _causal(logits, args[0], iq, ik, depth + 1)
-    if name == "convert_element_type":  # a bool mask as 0/1 numbers, read back by ``!= 0``
-        return _causal(logits, args[0], q_axis, k_axis, depth + 1)
-    if name == "ne" and len(args) == 2:
-        zero = [i for i, a in enumerate(args) if logits.literal(a) == 0.0]
-        if len(zero) == 1:
-            return _causal(logits, args[1 - zero[0]], q_axis, k_axis, depth + 1)
-        return None
-    if name == "and" and len(args) == 2:  # jax's masks start from all true: ``ones & tril``
-        true = [i for i, a in enumerate(args) if logits.literal(a) == 1.0]
-        if len(true) == 1:
-            return _causal(logits, args[1 - true[0]], q_axis, k_axis, depth + 1)
-        return None
-    if name == "select_n" and len(args) == 3:  # ``where(p, True, False)`` (jnp.tril of ones) or its negation
-        on, off = logits.literal(args[2]), logits.literal(args[1])
-        if (on, off) not in ((1.0, 0.0), (0.0, 1.0)):
-            return None
-        inner = _causal(logits, args[0], q_axis, k_axis, depth + 1)
-        return inner if inner is None or on == 1.0 else not inner
-    if name not in ("ge", "le", "gt", "lt"):
-        return None
-    a, b = (logits.position_axis(x) for x in args)
-    if (a, b) == (k_axis, q_axis):
-        name = {"ge": "le", "le": "ge", "gt": "lt", "lt": "gt"}[name]
-    elif (a, b) != (q_axis, k_axis):
-        return None
-    return {"ge": True, "lt": False}.get(name)
-
-
 class _Bias(NamedTuple):
     """A bias term: its value, the factor it is added with, the shape and axes (as the product's) it is added at."""
 
@@ -128,7 +85,7 @@ def _logits_form(logits: Sliced) -> _Form | None:
             if lo is None or bias or key not in amap:
                 return None
             for q_dot in (d for d in q_dots if d in amap):
-                keep = _causal(logits, args[0], amap.index(q_dot), amap.index(key))
+                keep = logits.positions_ge(args[0], amap.index(q_dot), amap.index(key))
                 if keep is not None:
                     break
             if keep is None or keep != (i == 2):  # select_n picks its last operand where the mask is true

@@ -103,7 +103,7 @@ def test_an_axis_the_walk_cannot_follow_is_a_leaf():
 
 
 def test_readers_of_the_steps_say_what_a_value_is_made_of():
-    """``Sliced.path_to``, ``axes_along``, ``literal``, ``position_axis`` and ``exact_in`` on masked, scaled,
+    """``Sliced.path_to``, ``axes_along``, ``literal``, ``position_axis``, ``positions_ge`` and ``exact_in`` on masked, scaled,
     biased logits ``where(rows >= cols, (k q^T)^T * 0.5 + b, -1e9)``, sliced along the keys."""
     def f(q, k, b):
         rows, cols = (lax.broadcasted_iota(jnp.int32, (8, 16), d) for d in (0, 1))
@@ -122,6 +122,7 @@ def test_readers_of_the_steps_say_what_a_value_is_made_of():
     assert s.literal(select.args[1]) == np.float32(-1e9) and s.literal(select.args[2]) is None
     compare = s.steps[select.args[0].index]
     assert compare.primitive.name == "ge" and [s.position_axis(a) for a in compare.args] == [0, 1]
+    assert s.positions_ge(select.args[0], 0, 1) is True and s.positions_ge(select.args[0], 1, 0) is None
     scaled = next(step for step in steps if step.primitive.name == "mul")
     assert [s.literal(a) for a in scaled.args] == [None, 0.5]
     added = next(step for step in steps if step.primitive.name == "add")

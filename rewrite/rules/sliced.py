@@ -8,7 +8,8 @@ it. What it reaches without the axis is a leaf read whole; what carries the axis
 a leaf sliced per block. :meth:`Sliced.block` then runs the steps for one block, each ``iota`` and
 ``shape`` param cut to it, reading only that block of each sliced leaf; :meth:`Sliced.place` follows a
 second axis through the same steps, so that a block may be cut along two axes at once. Readers of the steps
-(:meth:`Sliced.literal`, :meth:`Sliced.position_axis`, :meth:`Sliced.path_to`, ...) say what a value is made of.
+(:meth:`Sliced.literal`, :meth:`Sliced.position_axis`, :meth:`Sliced.positions_ge`, :meth:`Sliced.path_to`, ...) say
+what a value is made of.
 """
 
 from __future__ import annotations
@@ -196,6 +197,43 @@ class Sliced:
             if inner is not None and self.aval(args[0]).shape[inner] == aval.shape[dims[inner]]:
                 return int(dims[inner])
         return None
+
+    def positions_ge(self, ref: Ref, axis: int, other: int, depth: int = 0) -> bool | None:
+        """``True`` where the mask ``ref`` is ``position along axis >= position along other`` (a causal mask, with
+        ``axis`` the queries), ``False`` where it is ``<``, else ``None``: a comparison of two positions
+        (:meth:`position_axis`), maybe broadcast over more axes (flax's ``[b, 1, q, k]``), as 0/1 numbers read
+        back by ``!= 0``, under ``ones & mask`` or as ``where(mask, 1, 0)`` (``jnp.tril`` of ones) or its negation."""
+        if ref.kind == "leaf" or depth > 8:
+            return None
+        step = self.steps[ref.index]
+        name, params, args, aval = step.primitive.name, step.params, step.args, step.aval
+        literals = [self.literal(a) for a in args]
+        if name == "broadcast_in_dim":
+            src, dims = self.aval(args[0]), tuple(params["broadcast_dimensions"])
+            if axis not in dims or other not in dims:
+                return None
+            i, j = dims.index(axis), dims.index(other)
+            if src.shape[i] != aval.shape[axis] or src.shape[j] != aval.shape[other]:
+                return None
+            return self.positions_ge(args[0], i, j, depth + 1)
+        if name == "convert_element_type":
+            return self.positions_ge(args[0], axis, other, depth + 1)
+        if name in ("ne", "and") and len(args) == 2:  # mask != 0, ones & mask
+            unit = [i for i, c in enumerate(literals) if c == (0.0 if name == "ne" else 1.0)]
+            return self.positions_ge(args[1 - unit[0]], axis, other, depth + 1) if len(unit) == 1 else None
+        if name == "select_n" and len(args) == 3:  # select_n picks its last operand where the mask is true
+            if (literals[2], literals[1]) not in ((1.0, 0.0), (0.0, 1.0)):
+                return None
+            inner = self.positions_ge(args[0], axis, other, depth + 1)
+            return inner if inner is None or literals[2] == 1.0 else not inner
+        if name not in ("ge", "le", "gt", "lt"):
+            return None
+        a, b = (self.position_axis(x) for x in args)
+        if (a, b) == (other, axis):
+            name = {"ge": "le", "le": "ge", "gt": "lt", "lt": "gt"}[name]
+        elif (a, b) != (axis, other):
+            return None
+        return {"ge": True, "lt": False}.get(name)
 
     def reads(self, ref: Ref, prim: str) -> bool:
         """Whether the value of ``ref`` is computed through a step of ``prim``."""
