@@ -191,9 +191,10 @@ def _blocked(config: _Config, p_first: bool, widened: bool = False):
         p_shape = tuple(d for i, d in enumerate(x.shape) if i not in squeezed)
         pair = (jax.ShapeDtypeStruct(p_shape, cast or x.aval.dtype), jax.ShapeDtypeStruct(v.shape, v.aval.dtype))
         out_shape = jax.eval_shape(lambda a, c: lax.dot_general(a, c, **params), *(pair if p_first else pair[::-1]))
+        product = ValueProduct(p_first, pv["dimension_numbers"], params, int(vc[0]), out_shape, cast, squeezed, wide)
         impl = _fused.implementation() if config.fused == "auto" else config.fused
         if impl is not None:
-            call = _fused.fused(logits, p_first, pv["dimension_numbers"], v.aval, squeezed, out_shape, impl)
+            call = _fused.fused(logits, product, v.aval, impl)
             if call is not None:
                 try:
                     return m.trace(call, *logits.leaves, v)
@@ -215,7 +216,6 @@ def _blocked(config: _Config, p_first: bool, widened: bool = False):
         back = config.backward_query_block if fits(config.backward_query_block) else None
         placed = logits.place(s_q) if q_blocks or back else None  # placed only where some block fits
         q_blocks, back = (q_blocks, back) if placed is not None else ([], None)
-        product = ValueProduct(p_first, pv["dimension_numbers"], params, int(vc[0]), out_shape, cast, squeezed, wide)
         read = _logits(logits, None if placed is None else (s_q, placed))
         return [(m.root, m.trace(blocked_attention(read, product, block=block, query_block=qb,
                                                    backward_query_block=back), *logits.leaves, v))

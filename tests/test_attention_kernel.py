@@ -198,3 +198,47 @@ def test_fused_attention_in_any_layout_is_plain_attention(q_perm, k_perm, v_perm
     grad = lambda f: jax.grad(lambda q: f(q).astype(jnp.float32).sum())(q)  # noqa: E731
     np.testing.assert_allclose(np.asarray(grad(call), np.float32), np.asarray(grad(plain_), np.float32),
                                rtol=10 * tol, atol=10 * tol)
+
+
+#: Attention as two ``dot_general`` products: (scores' dimension numbers, q on the left, the logits' axes as the
+#: scores', the weights' product's dimension numbers, weights first, a causal mask over the logits' last two axes).
+LAYOUTS = {
+    "flax": ((((3,), (3,)), ((0, 2), (0, 2))), True, (0, 1, 2, 3), (((3,), (1,)), ((0, 1), (0, 2))), True, False),
+    "flax_causal": ((((3,), (3,)), ((0, 2), (0, 2))), True, (0, 1, 2, 3), (((3,), (1,)), ((0, 1), (0, 2))), True,
+                    True),
+    "q_right_v_first": ((((3,), (3,)), ((0, 2), (0, 2))), False, (0, 1, 3, 2), (((1,), (3,)), ((0, 2), (0, 1))),
+                        False, True),
+    "no_batch": ((((1,), (1,)), ((), ())), True, (0, 1), (((1,), (0,)), ((), ())), True, False),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_fused_axes_maps_attention_written_as_two_products(name):
+    """``fused_axes`` reads the two products' dimension numbers; ``fused_attention`` in that layout computes what
+    the products and a softmax between them compute."""
+    from jax import lax
+
+    from rulesets.kernels.attention import ValueProduct, fused_attention, fused_axes
+    qk, q_left, logits_axes, pv, weights_first, causal = LAYOUTS[name]
+    rank = len(logits_axes)
+    q_shape, k_shape = ((2, 16, 3, 8), (2, 16, 3, 8)) if rank == 4 else ((16, 8), (16, 8))
+    q, k, v = (jax.random.normal(jax.random.key(i), s) for i, s in enumerate((q_shape, k_shape, k_shape)))
+    scores = lax.dot_general(q, k, qk) if q_left else lax.dot_general(k, q, qk)
+    logits = jnp.transpose(scores, logits_axes) * 0.5
+    if causal:
+        logits = jnp.where(jnp.tril(jnp.ones(logits.shape[-2:], bool)), logits, -jnp.inf)
+    weights = jax.nn.softmax(logits, axis=-1)
+    want = lax.dot_general(weights, v, pv) if weights_first else lax.dot_general(v, weights, pv)
+    v_key = pv[0][1][0] if weights_first else pv[0][0][0]
+    product = ValueProduct(weights_first, pv, {}, v_key, jax.ShapeDtypeStruct(want.shape, want.dtype))
+    key_axis = logits_axes[-1]
+    query_axis = logits_axes[-2] if causal else None
+    found = fused_axes(qk, scores.shape, (len(q_shape), len(k_shape)), key_axis, logits_axes, product,
+                       causal_axis=query_axis)
+    assert found is not None and found[1] == q_left
+    got = fused_attention(q, k, v, axes=found[0], scale=0.5, causal=causal, implementation="xla")
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    # a causal mask over queries and keys of different lengths: how a kernel aligns it varies, so it is refused
+    longer = tuple(32 if d == logits_axes[-2] else n for d, n in enumerate(scores.shape))
+    assert fused_axes(qk, longer, (len(q_shape), len(k_shape)), key_axis, logits_axes, product,
+                      causal_axis=logits_axes[-2]) is None

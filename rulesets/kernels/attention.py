@@ -48,7 +48,7 @@ import numpy as np
 from jax import lax
 
 __all__ = ["Window", "Logits", "ValueProduct", "blocked_attention", "Scores", "attention", "FusedAxes",
-           "fused_attention"]
+           "fused_attention", "fused_axes"]
 
 
 class Window(NamedTuple):
@@ -465,6 +465,75 @@ class FusedAxes(NamedTuple):
     v: tuple  #: ``v``'s axes as ``[b0, S, b1, H]``
     bias: tuple  #: the bias's axes as ``[b0, T, b1, S]``
     out: tuple  #: for each axis of the result, its axis of ``[b0, T, b1, G, H]`` (``None``: a new axis of size one)
+
+
+def fused_axes(dimension_numbers: Any, shape: tuple, ranks: tuple[int, int], key_axis: int,
+               logits_axes: Sequence[int | None], product: ValueProduct, *, causal_axis: int | None = None,
+               biased: bool = False) -> tuple[FusedAxes, bool] | None:
+    """Where attention written as two ``dot_general`` products keep the axes of :func:`fused_attention`'s layout.
+
+    The scores are a ``dot_general`` of ``q`` and ``k`` (either on the left; operands of ``ranks``) with
+    ``dimension_numbers``, of ``shape``, the keys at ``key_axis``; the logits are the scores with their axes as
+    ``logits_axes`` says (for each, the scores' axis; ``None``: one of size one they add); the weights (the
+    logits less ``product.squeezed``) meet ``v`` in ``product``. ``causal_axis``: the scores' query axis that a
+    causal mask compares (the queries are else the longer of at most two free axes, the other a group of query
+    heads sharing a key head). Returns the :class:`FusedAxes` and whether ``q`` is the left operand, or
+    ``None`` where the layout is not one the call takes (more than two batch axes, a bias over grouped heads, a
+    causal mask over queries and keys of different lengths, ...)."""
+    (lc, rc), (lb, rb) = dimension_numbers
+    nb, rank = len(lb), len(shape)
+    q_lhs = key_axis == rank - 1  # the query is the scores' left operand
+    q_dots = [d for d in range(nb, rank) if d != key_axis]
+    if nb > 2 or len(lc) != 1 or len(q_dots) not in (1, 2) or (not q_lhs and key_axis != nb):
+        return None
+    t_dot = causal_axis if causal_axis is not None else max(q_dots, key=lambda d: (shape[d], -d))
+    if causal_axis is not None and shape[t_dot] != shape[key_axis]:
+        return None  # queries and keys of different lengths: how a kernel aligns its causal mask varies
+    g_dot = next((d for d in q_dots if d != t_dot), None)
+    qb, kb = (lb, rb) if q_lhs else (rb, lb)
+    qc, kc = (lc[0], rc[0]) if q_lhs else (rc[0], lc[0])
+    q_rank, k_rank = ranks if q_lhs else ranks[::-1]
+    if q_rank != rank or k_rank != nb + 2 or (g_dot is not None and biased):
+        return None
+    # The weights times v: the product's batch axes are the logits' batch axes that the weights keep, its
+    # contraction the key axis, its free axes the query's; v has one more axis, the head dimension.
+    (pc_l, pc_r), (pb_l, pb_r) = product.dimension_numbers
+    p_first = product.weights_first
+    p_batch, v_batch = (pb_l, pb_r) if p_first else (pb_r, pb_l)
+    v_c = (pc_r if p_first else pc_l)[0]
+    kept = [d for d in range(len(logits_axes)) if d not in product.squeezed]  # the weights' axes, as the logits'
+    p_dot = [logits_axes[d] for d in kept]                                  # ... as the scores' (None: size one)
+    if any(p_dot[p] is None or p_dot[p] >= nb for p in p_batch):
+        return None
+    v_axes: list[int | None] = []  # v's axis for each of the scores' batch axes (None: v lacks it)
+    for i in range(nb):
+        if i in p_dot and p_dot.index(i) in p_batch:
+            v_axes.append(int(v_batch[list(p_batch).index(p_dot.index(i))]))
+        elif i in p_dot or shape[i] != 1:
+            return None
+        else:
+            v_axes.append(None)
+    free = [p for p in range(len(kept)) if p not in p_batch and p_dot[p] != key_axis]
+    v_rank = len(product.out.shape) - len(free) + 1
+    v_free = [d for d in range(v_rank) if d not in v_batch and d != v_c]
+    free_dots = [p_dot[p] for p in free]
+    if len(v_free) != 1 or t_dot not in free_dots or any(d not in (t_dot, g_dot, None) for d in free_dots) \
+            or (g_dot is not None and g_dot not in free_dots and shape[g_dot] != 1):
+        return None
+    q_axis_of = dict(zip(q_dots, [d for d in range(q_rank) if d not in qb and d != qc]))
+    q_free, q_group = q_axis_of[t_dot], (q_axis_of[g_dot] if g_dot is not None else None)
+    k_free = next(d for d in range(k_rank) if d not in kb and d != kc)
+
+    def pad(batch: Sequence[int | None], seq: int, head: int) -> tuple:
+        return (batch[0] if nb > 0 else None, seq, batch[1] if nb > 1 else None, head)
+
+    # where each axis of the weights' product comes from in the call's output as [b0, T, b1, G, H]
+    five = {t_dot: 1, g_dot: 3, None: None}
+    src = [(0, 2)[p_dot[p]] for p in p_batch]
+    src += [five[d] for d in free_dots] + [4] if p_first else [4] + [five[d] for d in free_dots]
+    return FusedAxes(q=(qb[0] if nb > 0 else None, q_free, qb[1] if nb > 1 else None, q_group, qc),
+                     k=pad(kb, k_free, kc), v=pad(v_axes, v_c, v_free[0]),
+                     bias=pad(list(range(nb)), t_dot, key_axis), out=tuple(src)), q_lhs
 
 
 def _arrange(x: Any, axes: Sequence[int | None]) -> Any:
