@@ -255,9 +255,7 @@ def attention_with(*, blocks: Sequence[int] = (256,), query_blocks: Sequence[int
     """The attention pack, configured; ``rulesets.attention`` is ``attention_with()``.
 
     * ``blocks``: the key blocks offered to the cost model, each that divides the key axis into two blocks or
-      more; extraction takes the cheapest. 256 alone by default: on this CPU (32 MiB L3) it measured fastest at
-      every shape tried, 512 and 1024 8-40% slower (``benchmarks/results/attention.md``), which the model does
-      not always see (with one head it prices 1024 keys cheapest).
+      more; extraction takes the cheapest. 256 alone by default, the fastest measured (``docs/attention.md``).
     * ``query_blocks``: the query blocks offered to the forward (each that makes two blocks or more): the loop
       over key blocks then runs once per block of queries, each block of scores ``[.., 512, 256]``.
     * ``whole_queries``: whether the loop over every query at once is offered beside the query blocks.
