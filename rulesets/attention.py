@@ -35,9 +35,9 @@ from typing import Any, NamedTuple, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
-from rewrite import Pat, Ruleset, Sliced, Tolerance, Value, procedural, rule
+from rewrite import Pat, Ruleset, Sliced, Tolerance, procedural, rule
+from rewrite.rules.sliced import Placed
 from rulesets import _fused_attention as _fused
 from rulesets.kernels.attention import Logits, ValueProduct, Window, blocked_attention
 
@@ -115,16 +115,15 @@ def _scale_outside(logits: Sliced) -> tuple[tuple, tuple]:
 
 
 # ---------------------------------------------------------------------- the matched logits as the kernel's
-def _logits(sliced: Sliced, rows: tuple[int, Any] | None) -> Logits:
+def _logits(sliced: Sliced, query_axis: int | None, placed: Placed | None) -> Logits:
     """The matched logits (``sliced`` along the keys) as :class:`Logits`: the backward's over their own leaves, the
-    forward's with a literal scale applied to ``q`` before the loops (:func:`_scale_outside`). ``rows``: the
-    logits' query axis, and where the leaves and steps carry it."""
+    forward's with a literal scale applied to ``q`` before the loops (:func:`_scale_outside`). ``query_axis``: the
+    logits' query axis, ``placed`` where the leaves and steps carry it (``None``: the queries are not cut)."""
     forward_steps, scaled = _scale_outside(sliced)
     forward_keys = sliced.leaf_axes + (None,) * len(scaled)
     ahead = dataclasses.replace(sliced, steps=forward_steps, leaf_axes=forward_keys,
-                                leaves=sliced.leaves + tuple(sliced.leaves[q] for q, _, _ in scaled))
-    placed = None if rows is None else rows[1]
-    forward_q = None if rows is None else placed.leaf_axes + tuple(placed.leaf_axes[q] for q, _, _ in scaled)
+                                leaves=sliced.leaves + tuple(sliced.leaves[sc.q] for sc in scaled))
+    forward_q = None if placed is None else placed.leaf_axes + tuple(placed.leaf_axes[sc.q] for sc in scaled)
     # A literal scalar (a mask's fill, a scale) is the body's constant, as it is the original's (passed in as an
     # operand, XLA could not turn a division by 8 into a multiplication by 0.125).
     consts = {i: np.asarray(x.literal, x.dtype) for i, x in enumerate(sliced.leaves)
@@ -133,7 +132,8 @@ def _logits(sliced: Sliced, rows: tuple[int, Any] | None) -> Logits:
 
     def prepare(leaves: Sequence[Any]) -> list:
         c_of = lambda i: consts.get(i, leaves[i])
-        return list(leaves) + [leaves[q] / c_of(c) if prim == "div" else leaves[q] * c_of(c) for q, c, prim in scaled]
+        return list(leaves) + [leaves[sc.q] / c_of(sc.c) if sc.prim == "div" else leaves[sc.q] * c_of(sc.c)
+                               for sc in scaled]
 
     def forward_block(leaves: Sequence[Any], keys: Window, queries: Window | None) -> Any:
         cut = None if queries is None else placed._replace(leaf_axes=forward_q).window(queries.start, queries.size)
@@ -145,9 +145,9 @@ def _logits(sliced: Sliced, rows: tuple[int, Any] | None) -> Logits:
                             None if queries is None else placed.window(queries.start, queries.size))
 
     return Logits(tuple(s_aval.shape), s_aval.dtype, sliced.axis, block, sliced.leaf_axes,
-                  query_axis=None if rows is None else rows[0], forward_query_axes=forward_q, prepare=prepare,
+                  query_axis=query_axis, forward_query_axes=forward_q, prepare=prepare,
                   forward_block=forward_block, forward_key_axes=forward_keys,
-                  query_axes=None if rows is None else placed.leaf_axes)
+                  query_axes=None if placed is None else placed.leaf_axes)
 
 
 def _blocked(config: _Config, p_first: bool, widened: bool = False):
@@ -177,7 +177,7 @@ def _blocked(config: _Config, p_first: bool, widened: bool = False):
         s, shift = sub.operands
         if s.shape != x.shape or shift.max_under(s, axis, rows=True) is None:
             return None
-        (lc, rc), (lb, rb) = pv["dimension_numbers"]
+        (lc, rc), _ = pv["dimension_numbers"]
         pc, vc = (lc, rc) if p_first else (rc, lc)
         if axis in squeezed:
             return None
@@ -187,11 +187,7 @@ def _blocked(config: _Config, p_first: bool, widened: bool = False):
         logits = m.sliced(s, axis, limit={"dot_general": 1})  # one product, q k^T
         if logits is None or logits.passed.get("dot_general") != 1:
             return None
-        params = {k: pv[k] for k in ("dimension_numbers", "precision", "preferred_element_type") if k in pv}
-        p_shape = tuple(d for i, d in enumerate(x.shape) if i not in squeezed)
-        pair = (jax.ShapeDtypeStruct(p_shape, cast or x.aval.dtype), jax.ShapeDtypeStruct(v.shape, v.aval.dtype))
-        out_shape = jax.eval_shape(lambda a, c: lax.dot_general(a, c, **params), *(pair if p_first else pair[::-1]))
-        product = ValueProduct(p_first, pv["dimension_numbers"], params, int(vc[0]), out_shape, cast, squeezed, wide)
+        product = ValueProduct.of(p_first, pv, x, v, cast=cast, squeezed=squeezed, wide=wide)
         impl = _fused.implementation() if config.fused == "auto" else config.fused
         if impl is not None:
             call = _fused.fused(logits, product, v.aval, impl)
@@ -205,18 +201,14 @@ def _blocked(config: _Config, p_first: bool, widened: bool = False):
             return None
         # One loop per key block that fits, and one per query block too (``query_blocks``), all equal to the
         # matched product: extraction prices each.
-        pb = lb if p_first else rb
-        p_free = [d for d in range(len(p_shape)) if d != p_axis and d not in pb]
-        s_axes = [d for d in range(x.ndim) if d not in squeezed]
-        # the queries: the longest free axis of the weights (grouped-query heads have a group axis beside it)
-        s_q = s_axes[max(p_free, key=lambda d: (p_shape[d], d))] if p_free else None
+        s_q = product.query_axis(x.shape)
         nq = 0 if s_q is None else x.shape[s_q]
         fits = lambda b: b is not None and nq % b == 0 and nq // b >= 2
         q_blocks = [b for b in config.query_blocks if fits(b)]
         back = config.backward_query_block if fits(config.backward_query_block) else None
         placed = logits.place(s_q) if q_blocks or back else None  # placed only where some block fits
         q_blocks, back = (q_blocks, back) if placed is not None else ([], None)
-        read = _logits(logits, None if placed is None else (s_q, placed))
+        read = _logits(logits, None if placed is None else s_q, placed)
         return [(m.root, m.trace(blocked_attention(read, product, block=block, query_block=qb,
                                                    backward_query_block=back), *logits.leaves, v))
                 for block in blocks for qb in [None] * (config.whole_queries or not q_blocks) + q_blocks]

@@ -242,3 +242,29 @@ def test_fused_axes_maps_attention_written_as_two_products(name):
     longer = tuple(32 if d == logits_axes[-2] else n for d, n in enumerate(scores.shape))
     assert fused_axes(qk, longer, (len(q_shape), len(k_shape)), key_axis, logits_axes, product,
                       causal_axis=logits_axes[-2]) is None
+
+
+def test_value_product_of_a_programs_product_and_its_query_axis():
+    """``ValueProduct.of`` records a program's ``dot_general`` of the weights and ``v`` (either first, the
+    weights rounded and squeezed): its output as the product computes it and ``v``'s key axis;
+    ``query_axis`` is the weights' longest free axis, as the logits'."""
+    from jax import lax
+
+    from rulesets.kernels.attention import ValueProduct
+    logits = jax.ShapeDtypeStruct((1, 4, 32, 16), jnp.float32)   # [1, h, q, k], the batch of one squeezed
+    v = jax.ShapeDtypeStruct((4, 16, 8), jnp.bfloat16)             # [h, k, d]
+    dn = (((2,), (1,)), ((0,), (0,)))
+    p = ValueProduct.of(True, {"dimension_numbers": dn, "precision": None, "preferred_element_type": None,
+                               "unrelated": 1}, logits, v, cast=jnp.bfloat16, squeezed=(0,))
+    want = jax.eval_shape(lambda a, b: lax.dot_general(a, b, dn), jax.ShapeDtypeStruct((4, 32, 16), jnp.bfloat16), v)
+    assert (p.out.shape, p.out.dtype, p.v_key, p.squeezed, "unrelated" in p.params) == (
+        want.shape, want.dtype, 1, (0,), False)
+    assert p.query_axis(logits.shape) == 2
+    # v first, the weights' free axes a group of 2 heads beside 32 queries: the queries are the longer
+    grouped = jax.ShapeDtypeStruct((4, 2, 32, 16), jnp.float32)  # [h, g, q, k]
+    vg = jax.ShapeDtypeStruct((4, 16, 8), jnp.float32)
+    dn_vp = (((1,), (3,)), ((0,), (0,)))
+    q = ValueProduct.of(False, {"dimension_numbers": dn_vp}, grouped, vg)
+    assert q.v_key == 1 and q.out.shape == (4, 8, 2, 32) and q.query_axis(grouped.shape) == 2
+    assert ValueProduct.of(True, {"dimension_numbers": (((0,), (0,)), ((), ()))}, jax.ShapeDtypeStruct(
+        (1, 16), jnp.float32), jax.ShapeDtypeStruct((16, 8), jnp.float32), squeezed=(0,)).query_axis((1, 16)) is None

@@ -108,6 +108,30 @@ class ValueProduct:
     squeezed: tuple[int, ...] = ()
     wide: Any = None
 
+    @classmethod
+    def of(cls, weights_first: bool, params: dict, logits: Any, v: Any, *, cast: Any = None,
+           squeezed: Sequence[int] = (), wide: Any = None) -> "ValueProduct":
+        """The record of a program's ``dot_general(weights, v, **params)`` (``weights_first``; else of ``v`` and
+        the weights): ``logits`` and ``v`` have ``shape`` and ``dtype`` (avals), the weights are the logits
+        rounded to ``cast`` and less their axes ``squeezed``."""
+        kept = {k: params[k] for k in ("dimension_numbers", "precision", "preferred_element_type") if k in params}
+        weights = jax.ShapeDtypeStruct(tuple(d for i, d in enumerate(logits.shape) if i not in squeezed),
+                                       cast or logits.dtype)
+        pair = (weights, jax.ShapeDtypeStruct(v.shape, v.dtype))
+        out = jax.eval_shape(lambda a, b: lax.dot_general(a, b, **kept), *(pair if weights_first else pair[::-1]))
+        (lc, rc), _ = kept["dimension_numbers"]
+        return cls(weights_first, kept["dimension_numbers"], kept, int((rc if weights_first else lc)[0]), out,
+                   cast, tuple(squeezed), wide)
+
+    def query_axis(self, logits_shape: Sequence[int]) -> int | None:
+        """The logits' query axis: the weights' longest free axis (grouped-query heads have a group axis beside
+        it), as the logits' (of ``logits_shape``); ``None`` where the weights have no free axis."""
+        (lc, rc), (lb, rb) = self.dimension_numbers
+        key, batch = (lc[0], lb) if self.weights_first else (rc[0], rb)
+        axes = [d for d in range(len(logits_shape)) if d not in self.squeezed]  # the weights' axes as the logits'
+        free = [d for d in range(len(axes)) if d != key and d not in batch]
+        return axes[max(free, key=lambda d: (logits_shape[axes[d]], d))] if free else None
+
 
 def blocked_attention(logits: Logits, product: ValueProduct, *, block: int, query_block: int | None = None,
                       backward_query_block: int | None = None) -> Callable[..., Any]:
