@@ -26,11 +26,9 @@ True
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import logging
-import math
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -67,63 +65,14 @@ _SOFTMAX_WIDE = Pat("div", Pat("exp", X), Pat("convert_element_type", Pat("broad
     "reduce_sum", Pat("convert_element_type", Pat("exp", X), params="w"), params="r"), params="b"), params="n"))
 
 
-# ---------------------------------------------------------------------- what the pack reads off the softmax
-class _Scale(NamedTuple):
-    """A literal scale of the product moved onto ``q``: its leaf ``q``, the scale's leaf ``c``, ``div`` or ``mul``."""
-
-    q: int
-    c: int
-    prim: str
-
-
-def _scale_outside(logits: Sliced) -> tuple[tuple, tuple]:
-    """The forward's steps with a literal scale of the product ``(q k^T) / c`` (or ``* c``) applied to ``q``, the
-    operand read whole: ``(steps, scaled)``, ``scaled`` at most one :class:`_Scale`, an extra leaf after the
-    logits' own, computed once before the loop. Where the scale makes ``q`` no larger and rounds nothing that
-    the original does not (``docs/attention.md``)."""
-    steps = list(logits.steps)
-    uses = collections.Counter(a.index for step in steps for a in step.args if a.kind == "step")
-    for j, step in enumerate(steps):
-        if step.primitive.name not in ("div", "mul") or len(step.args) != 2:
-            continue
-        a, b = step.args
-        for d_ref, c_ref in [(a, b)] if step.primitive.name == "div" else [(a, b), (b, a)]:
-            if d_ref.kind != "step" or c_ref.kind != "leaf" or uses[d_ref.index] != 1:
-                continue
-            c, product = logits.leaves[c_ref.index], steps[d_ref.index]
-            value, dtype = logits.literal(c_ref), product.aval.dtype
-            if product.primitive.name != "dot_general" or value is None or not np.isfinite(value) or value == 0:
-                continue
-            if (abs(value) < 1) if step.primitive.name == "div" else (abs(value) > 1):
-                continue
-            exact = math.frexp(abs(value))[0] == 0.5  # a power of two scales every element exactly
-            if not exact and jnp.finfo(dtype).nmant < 23:
-                continue  # rounding q to a half-precision dtype once more is not within the logits' own rounding
-            whole = [k for k, r in enumerate(product.args) if r.kind == "leaf" and logits.leaf_axes[r.index] is None]
-            if len(whole) != 1:
-                continue
-            q_ref = product.args[whole[0]]
-            if logits.leaves[q_ref.index].dtype != dtype or c.dtype != dtype or step.aval.dtype != dtype:
-                continue
-            args = list(product.args)
-            args[whole[0]] = q_ref._replace(index=len(logits.leaves))  # the scaled q, a leaf after the logits'
-            # the scale's step becomes the product of the scaled q; one scale moves, the first (a second would
-            # read this step as the product, over a leaf that is not the logits')
-            steps[j] = product._replace(args=tuple(args))
-            return tuple(steps), (_Scale(q_ref.index, c_ref.index, step.primitive.name),)
-    return tuple(steps), ()
-
-
 # ---------------------------------------------------------------------- the matched logits as the kernel's
 def _logits(sliced: Sliced, query_axis: int | None, placed: Placed | None) -> Logits:
     """The matched logits (``sliced`` along the keys) as :class:`Logits`: the backward's over their own leaves, the
-    forward's with a literal scale applied to ``q`` before the loops (:func:`_scale_outside`). ``query_axis``: the
+    forward's with a literal scale applied to ``q`` before the loops (:meth:`rewrite.Sliced.hoist_scale`). ``query_axis``: the
     logits' query axis, ``placed`` where the leaves and steps carry it (``None``: the queries are not cut)."""
-    forward_steps, scaled = _scale_outside(sliced)
-    forward_keys = sliced.leaf_axes + (None,) * len(scaled)
-    ahead = dataclasses.replace(sliced, steps=forward_steps, leaf_axes=forward_keys,
-                                leaves=sliced.leaves + tuple(sliced.leaves[sc.q] for sc in scaled))
-    forward_q = None if placed is None else placed.leaf_axes + tuple(placed.leaf_axes[sc.q] for sc in scaled)
+    ahead, scaled = sliced.hoist_scale()
+    forward_keys = ahead.leaf_axes
+    forward_q = None if placed is None else placed.leaf_axes + tuple(placed.leaf_axes[h.operand] for h in scaled)
     # A literal scalar (a mask's fill, a scale) is the body's constant, as it is the original's (passed in as an
     # operand, XLA could not turn a division by 8 into a multiplication by 0.125).
     consts = {i: np.asarray(x.literal, x.dtype) for i, x in enumerate(sliced.leaves)
@@ -131,9 +80,7 @@ def _logits(sliced: Sliced, query_axis: int | None, placed: Placed | None) -> Lo
     own = lambda leaves: [consts.get(i, x) for i, x in enumerate(leaves)]
 
     def prepare(leaves: Sequence[Any]) -> list:
-        c_of = lambda i: consts.get(i, leaves[i])
-        return list(leaves) + [leaves[sc.q] / c_of(sc.c) if sc.prim == "div" else leaves[sc.q] * c_of(sc.c)
-                               for sc in scaled]
+        return list(leaves) + [h.of(own(leaves)) for h in scaled]
 
     def forward_block(leaves: Sequence[Any], keys: Window, queries: Window | None) -> Any:
         cut = None if queries is None else placed._replace(leaf_axes=forward_q).window(queries.start, queries.size)

@@ -13,6 +13,7 @@ from hypothesis import given, settings, strategies as st
 from jax import lax
 
 from rewrite import Pat, Ruleset, Sliced, explain, procedural, rewrite, rule
+from rewrite.rules.sliced import Ref
 
 BLOCK = 4
 seen: list = []
@@ -128,3 +129,30 @@ def test_readers_of_the_steps_say_what_a_value_is_made_of():
     added = next(step for step in steps if step.primitive.name == "add")
     bias = next(a for a in added.args if not s.reads(a, "dot_general"))
     assert s.exact_in(bias, jnp.bfloat16) and not s.exact_in(added.args[0], jnp.bfloat16)
+
+
+@pytest.mark.parametrize("scale, dtype, moves", [
+    (lambda s: s / 8.0, jnp.float32, True), (lambda s: 0.125 * s, jnp.float32, True),
+    (lambda s: s / 3.0, jnp.float32, True), (lambda s: s / 3.0, jnp.bfloat16, False),  # rounds a half-precision q
+    (lambda s: s / 8.0, jnp.bfloat16, True), (lambda s: s / 0.5, jnp.float32, False),  # makes q larger
+    (lambda s: s * 3.0, jnp.float32, False)])
+def test_hoist_scale_applies_a_literal_scale_of_the_product_to_its_operand_read_whole(scale, dtype, moves):
+    """``Sliced.hoist_scale``: the program with the scale on ``x`` (the product's operand read whole), given as a
+    leaf after its own, computes each block as the original does; a scale that makes ``x`` larger, or rounds a
+    half-precision ``x``, stays where it is."""
+    seen.clear()
+    x, y = (jnp.asarray(np.random.default_rng(i).standard_normal(s), dtype) for i, s in enumerate([(8, 4), (16, 4)]))
+    explain(lambda x, y: jnp.sum(scale(x @ y.T), axis=1), x, y, rulesets=[PACK])
+    (s,) = seen
+    hoisted, added = s.hoist_scale()
+    assert len(added) == moves and len(hoisted.leaves) == len(s.leaves) + moves
+    if not moves:
+        assert hoisted is s
+        return
+    (h,) = added
+    assert s.leaf_axes[h.operand] is None and hoisted.leaf_axes[-1] is None and s.literal(Ref("leaf", h.scale))
+    leaves = [x if leaf.shape == x.shape else y if leaf.shape == y.shape else jnp.asarray(leaf.literal, leaf.dtype)
+              for leaf in s.leaves]
+    got = hoisted.block(leaves + [h.of(leaves)], jnp.int32(4), 4)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(s.block(leaves, jnp.int32(4), 4), np.float32),
+                               rtol=1e-6 if dtype == jnp.float32 else 1e-2)

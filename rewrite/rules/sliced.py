@@ -14,7 +14,9 @@ what a value is made of.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import math
 from typing import Any, NamedTuple, Sequence
 
 import jax.numpy as jnp
@@ -64,6 +66,20 @@ class Placed(NamedTuple):
     def window(self, start: Any, size: int) -> Cut:
         """This axis cut to ``size`` positions from ``start``, for :meth:`Sliced.block`."""
         return Cut(self.leaf_axes, self.step_axes, start, size)
+
+
+class Hoisted(NamedTuple):
+    """A leaf that :meth:`Sliced.hoist_scale` adds after a program's own: leaf ``operand`` scaled by the literal
+    leaf ``scale`` (``prim``: ``"div"`` or ``"mul"``), computed once, before a loop over blocks."""
+
+    operand: int
+    scale: int
+    prim: str
+
+    def of(self, leaves: Sequence[Any]) -> Any:
+        """The added leaf's value, from arrays of the program's own leaves."""
+        x, c = leaves[self.operand], leaves[self.scale]
+        return x / c if self.prim == "div" else x * c
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,6 +183,46 @@ class Sliced:
         return Placed(tuple(leaf_q.get(i) for i in range(len(self.leaves))),
                       tuple(step_q.get(i) for i in range(len(self.steps))))
 
+
+    def hoist_scale(self) -> tuple["Sliced", tuple[Hoisted, ...]]:
+        """This program with a literal scale of its product, ``(a b) / c`` or ``(a b) * c``, applied to the product's
+        operand read whole, ``a``, as a leaf after the program's own (a :class:`Hoisted`): computed once, before a
+        loop over blocks, where in the loop the scale is a pass of its own over each block (attention's ``q k^T /
+        sqrt(d)``). The scale moves where it is a finite literal that makes ``a`` no larger (a divisor of magnitude
+        1 or more, a factor of at most 1), so nothing overflows where the original does not; a power of two moves
+        exactly, any other scale in float32 and float64 only (it rounds ``a`` once). One scale moves, the first
+        (a second would read this step as the product, over a leaf that is not the program's). Without one:
+        the program as it is, and no leaf."""
+        steps = list(self.steps)
+        uses = collections.Counter(a.index for step in steps for a in step.args if a.kind == "step")
+        for j, step in enumerate(steps):
+            if step.primitive.name not in ("div", "mul") or len(step.args) != 2:
+                continue
+            a, b = step.args
+            for d_ref, c_ref in [(a, b)] if step.primitive.name == "div" else [(a, b), (b, a)]:
+                if d_ref.kind != "step" or c_ref.kind != "leaf" or uses[d_ref.index] != 1:
+                    continue
+                product, value = steps[d_ref.index], self.literal(c_ref)
+                dtype = product.aval.dtype
+                if product.primitive.name != "dot_general" or value is None or not np.isfinite(value) or value == 0:
+                    continue
+                if (abs(value) < 1) if step.primitive.name == "div" else (abs(value) > 1):
+                    continue
+                if math.frexp(abs(value))[0] != 0.5 and jnp.finfo(dtype).nmant < 23:
+                    continue  # not a power of two: rounding a half-precision operand once more
+                whole = [k for k, r in enumerate(product.args) if r.kind == "leaf" and self.leaf_axes[r.index] is None]
+                if len(whole) != 1:
+                    continue
+                q_ref = product.args[whole[0]]
+                if any(x.dtype != dtype for x in (self.leaves[q_ref.index], self.leaves[c_ref.index], step.aval)):
+                    continue
+                args = list(product.args)
+                args[whole[0]] = q_ref._replace(index=len(self.leaves))  # the scaled operand, the added leaf
+                steps[j] = product._replace(args=tuple(args))  # the scale's step: the product of the scaled operand
+                hoisted = Hoisted(q_ref.index, c_ref.index, step.primitive.name)
+                return dataclasses.replace(self, steps=tuple(steps), leaves=self.leaves + (self.leaves[q_ref.index],),
+                                           leaf_axes=self.leaf_axes + (None,)), (hoisted,)
+        return self, ()
 
     def literal(self, ref: Ref) -> float | None:
         """The Python value of ``ref`` where it is a literal scalar (a leaf, maybe converted to another dtype: a
