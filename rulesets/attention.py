@@ -68,8 +68,8 @@ _SOFTMAX_WIDE = Pat("div", Pat("exp", X), Pat("convert_element_type", Pat("broad
 # ---------------------------------------------------------------------- the matched logits as the kernel's
 def _logits(sliced: Sliced, query_axis: int | None, placed: Placed | None) -> Logits:
     """The matched logits (``sliced`` along the keys) as :class:`Logits`: the backward's over their own leaves, the
-    forward's with a literal scale applied to ``q`` before the loops (:meth:`rewrite.Sliced.hoist_scale`). ``query_axis``: the
-    logits' query axis, ``placed`` where the leaves and steps carry it (``None``: the queries are not cut)."""
+    forward's with a literal scale applied to ``q`` before the loops (:meth:`rewrite.Sliced.hoist_scale`).
+    ``query_axis``: the logits' query axis, ``placed`` where the leaves and steps carry it (``None``: not cut)."""
     ahead, scaled = sliced.hoist_scale()
     forward_keys = ahead.leaf_axes
     forward_q = None if placed is None else placed.leaf_axes + tuple(placed.leaf_axes[h.operand] for h in scaled)
@@ -86,11 +86,11 @@ def _logits(sliced: Sliced, query_axis: int | None, placed: Placed | None) -> Lo
         cut = None if queries is None else placed._replace(leaf_axes=forward_q).window(queries.start, queries.size)
         return ahead.block(own(leaves), keys.start, keys.size, cut)
 
-    s_aval = sliced.aval(sliced.out)
     def block(leaves: Sequence[Any], keys: Window, queries: Window | None) -> Any:
         return sliced.block(own(leaves), keys.start, keys.size,
                             None if queries is None else placed.window(queries.start, queries.size))
 
+    s_aval = sliced.aval(sliced.out)
     return Logits(tuple(s_aval.shape), s_aval.dtype, sliced.axis, block, sliced.leaf_axes,
                   query_axis=query_axis, forward_query_axes=forward_q, prepare=prepare,
                   forward_block=forward_block, forward_key_axes=forward_keys,

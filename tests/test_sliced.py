@@ -104,8 +104,8 @@ def test_an_axis_the_walk_cannot_follow_is_a_leaf():
 
 
 def test_readers_of_the_steps_say_what_a_value_is_made_of():
-    """``Sliced.path_to``, ``axes_along``, ``literal``, ``position_axis``, ``positions_ge`` and ``exact_in`` on masked, scaled,
-    biased logits ``where(rows >= cols, (k q^T)^T * 0.5 + b, -1e9)``, sliced along the keys."""
+    """``Sliced.path_to``, ``axes_along``, ``literal``, ``position_axis``, ``positions_ge`` and ``exact_in`` on
+    masked, scaled, biased logits ``where(rows >= cols, (k q^T)^T * 0.5 + b, -1e9)``, sliced along the keys."""
     def f(q, k, b):
         rows, cols = (lax.broadcasted_iota(jnp.int32, (8, 16), d) for d in (0, 1))
         return jnp.sum(jnp.where(rows >= cols, (k @ q.T).T * 0.5 + b.astype(jnp.float32), -1e9), axis=1)
