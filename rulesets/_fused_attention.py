@@ -1,30 +1,21 @@
-"""Attention as one fused kernel (``jax.nn.dot_product_attention``) where the backend has one.
-
-``rulesets.attention`` reads a matched program's logits as a program over leaves (:meth:`rewrite.Match.sliced`).
-Where they are ``scale * (q k^T) + bias`` under at most a causal mask, and the backend has a fused attention
-kernel (cuDNN's, on a GPU), the pack builds one ``jax.nn.dot_product_attention`` call instead of its blocked
-form; the call declines (and the blocked form is built) where cuDNN does not
-take the dtype (float16 and bfloat16 only), the head dimension or the sequence lengths. A padding
-mask given as an array, a bias that the fused call would round, or a mask that is not exactly
-``query position >= key position`` keep the blocked form, which computes them as the original does.
-
-The fused call adds the bias and masks before the softmax like the original; a masked logit's weight
-is exactly 0 in both where the original fills it with ``-inf`` or with at most ``-1e4`` (after the
-scale): ``exp`` of that minus the row's largest unmasked logit underflows to 0. A causal row always
-has its own position unmasked, so no row is masked everywhere.
+"""Attention as one fused call (:func:`rulesets.kernels.attention.fused_attention`) where the backend has one:
+where the logits :meth:`rewrite.Match.sliced` reads are ``scale * (q k^T) + bias`` under at most a causal mask,
+with a masked logit's weight exactly 0 in the call and in the original (``docs/attention.md``).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from rewrite import Sliced, Value
+from rewrite import Sliced
+from rewrite.rules.sliced import Ref
+from rulesets.kernels.attention import ValueProduct, fused_attention, fused_axes
 
 
 # ---------------------------------------------------------------------- a fused kernel where the backend has one
@@ -33,195 +24,41 @@ _FILL_AT_MOST = -1e4
 
 
 def implementation() -> str | None:
-    """``jax.nn.dot_product_attention``'s implementation to use, or ``None`` for the blocked form.
-
-    cuDNN's fused attention where the default backend is a GPU; it declines (and the blocked form is
-    built) where cuDNN does not take the dtype, shapes or mask. Tests set ``"xla"`` to check the mapping
-    of a matched program onto the fused call on any backend."""
+    """``jax.nn.dot_product_attention``'s implementation: cuDNN's on a GPU, else ``None`` (the blocked form)."""
     return "cudnn" if jax.default_backend() == "gpu" else None
 
 
 def blocked() -> bool:
-    """Whether the pack builds its blocked form where the fused call does not apply.
-
-    Not on a GPU: there XLA's own attention runs faster than the blocked scan (H200, N=4096, B=4, H=16,
-    D=64: float32 forward 0.59x and gradient 0.69x, bfloat16 without a mask 0.54x and 0.71x), though it
-    holds 8 GiB of scores where the blocked form holds 0.5 GiB, and the cost model does not price that
-    loop on a GPU: with the GPU's measured loop trip it still predicts it 1.2-1.9x faster
-    (``benchmarks/results/gpu.md``, ``benchmarks/gpu_loops.py``)."""
+    """Whether the pack builds its blocked form: not on a GPU, where XLA's own attention measured faster
+    (``docs/attention.md``)."""
     return jax.default_backend() != "gpu"
 
 
-def _has_dot(logits: Sliced, ref: tuple) -> bool:
-    if ref.kind == "leaf":
-        return False
-    prim, _, args, _, _ = logits.steps[ref.index]
-    return prim.name == "dot_general" or any(_has_dot(logits, a) for a in args)
+class _Bias(NamedTuple):
+    """A bias term: its value, the factor it is added with, the shape and axes (as the product's) it is added at."""
+
+    ref: Ref
+    factor: float
+    shape: tuple
+    axes: list
 
 
-def _literal_at(logits: Sliced, ref: tuple) -> float | None:
-    """The Python value of a literal scalar (maybe broadcast), else ``None``."""
-    if ref.kind == "step":
-        prim, params, args, _, _ = logits.steps[ref.index]
-        if prim.name == "broadcast_in_dim":  # a broadcast of a broadcast scalar is that scalar too
-            return _literal_at(logits, args[0])
-        return None
-    return _literal_through_converts(logits.leaves[ref.index])
+class _Form(NamedTuple):
+    """The logits as ``scale * (q k^T) + bias`` under at most one causal mask: the product's step, the scale,
+    the bias terms, the product's query axis that a causal mask compares (``None``: no mask), and the logits'
+    axes as the product's."""
+
+    dot: Ref
+    scale: float
+    bias: list
+    causal: int | None
+    top: list
 
 
-def _literal_through_converts(v: Value, depth: int = 0) -> float | None:
-    """A literal scalar's value, maybe converted to another dtype (a Python float under ``jnp.where``)."""
-    if v.shape != () or depth > 4:
-        return None
-    if v.literal is not None:
-        return float(v.literal)
-    node = v.node("convert_element_type")
-    inner = None if node is None else _literal_through_converts(node.operands[0], depth + 1)
-    return None if inner is None else float(np.asarray(inner).astype(node.params["new_dtype"]))
-
-
-def _exact(dtype: Any, size: int) -> bool:
-    """Whether ``dtype`` holds every position ``0 .. size - 1`` (an int8 iota over 512 wraps at 128)."""
-    dtype = np.dtype(dtype)
-    if jnp.issubdtype(dtype, jnp.integer):
-        return int(jnp.iinfo(dtype).max) >= size - 1
-    return jnp.issubdtype(dtype, jnp.floating) and size - 1 <= 2 ** (jnp.finfo(dtype).nmant + 1)
-
-
-def _own_position(dtype: Any, shape: tuple, axis: int | None) -> int | None:
-    return axis if axis is not None and _exact(dtype, shape[axis]) else None
-
-
-def _index_axis_of_value(v: Value, depth: int = 0) -> int | None:
-    """The axis along which ``v`` is its own position (an ``iota``, maybe broadcast or converted), each
-    position exact in its dtype."""
-    if depth > 8:
-        return None
-    node = v.node("iota")
-    if node is not None:
-        return _own_position(v.dtype, v.shape, int(node.params["dimension"]))
-    node = v.node("convert_element_type")
-    if node is not None and jnp.issubdtype(node.operands[0].dtype, jnp.integer):
-        return _own_position(v.dtype, v.shape, _index_axis_of_value(node.operands[0], depth + 1))
-    node = v.node("broadcast_in_dim")
-    if node is not None:
-        inner = _index_axis_of_value(node.operands[0], depth + 1)
-        if inner is not None and node.operands[0].shape[inner] == v.shape[node.params["broadcast_dimensions"][inner]]:
-            return int(node.params["broadcast_dimensions"][inner])
-    return None
-
-
-def _index_axis(logits: Sliced, ref: tuple, depth: int = 0) -> int | None:
-    if ref.kind == "leaf":
-        return _index_axis_of_value(logits.leaves[ref.index])
-    prim, params, args, aval, _ = logits.steps[ref.index]
-    if depth > 8:
-        return None
-    if prim.name == "iota":
-        return _own_position(aval.dtype, aval.shape, int(params["dimension"]))
-    if prim.name == "convert_element_type" and jnp.issubdtype(aval.dtype, jnp.integer):
-        return _own_position(aval.dtype, aval.shape, _index_axis(logits, args[0], depth + 1))
-    if prim.name in ("add", "sub") and len(args) == 2 and _literal_at(logits, args[1]) == 0.0:
-        return _index_axis(logits, args[0], depth + 1)  # jnp.tril's iota + 0
-    if prim.name == "broadcast_in_dim":
-        inner = _index_axis(logits, args[0], depth + 1)
-        dims = params["broadcast_dimensions"]
-        src = logits.aval(args[0]).shape
-        if inner is not None and src[inner] == aval.shape[dims[inner]]:
-            return int(dims[inner])
-    return None
-
-
-def _causal(logits: Sliced, ref: tuple, q_axis: int, k_axis: int, depth: int = 0) -> bool | None:
-    """``True`` where ``ref`` is ``query position >= key position``, ``False`` where it is ``<``, else ``None``."""
-    if ref.kind == "leaf" or depth > 8:
-        return None
-    prim, params, args, aval, _ = logits.steps[ref.index]
-    name = prim.name
-    if name == "broadcast_in_dim":  # a mask of fewer axes (flax's [b, 1, q, k]) broadcast over heads
-        src = logits.aval(args[0])
-        dims = tuple(params["broadcast_dimensions"])
-        if q_axis not in dims or k_axis not in dims:
-            return None
-        iq, ik = dims.index(q_axis), dims.index(k_axis)
-        if src.shape[iq] != aval.shape[q_axis] or src.shape[ik] != aval.shape[k_axis]:
-            return None
-        return _causal(logits, args[0], iq, ik, depth + 1)
-    if name == "convert_element_type":  # a bool mask as 0/1 numbers, read back by ``!= 0``
-        return _causal(logits, args[0], q_axis, k_axis, depth + 1)
-    if name == "ne" and len(args) == 2:
-        zero = [i for i, a in enumerate(args) if _literal_at(logits, a) == 0.0]
-        if len(zero) == 1:
-            return _causal(logits, args[1 - zero[0]], q_axis, k_axis, depth + 1)
-        return None
-    if name == "and" and len(args) == 2:  # jax's masks start from all true: ``ones & tril``
-        true = [i for i, a in enumerate(args) if _literal_at(logits, a) == 1.0]
-        if len(true) == 1:
-            return _causal(logits, args[1 - true[0]], q_axis, k_axis, depth + 1)
-        return None
-    if name == "select_n" and len(args) == 3:  # ``where(p, True, False)`` (jnp.tril of ones) or its negation
-        on, off = _literal_at(logits, args[2]), _literal_at(logits, args[1])
-        if (on, off) not in ((1.0, 0.0), (0.0, 1.0)):
-            return None
-        inner = _causal(logits, args[0], q_axis, k_axis, depth + 1)
-        return inner if inner is None or on == 1.0 else not inner
-    if name not in ("ge", "le", "gt", "lt"):
-        return None
-    a, b = (_index_axis(logits, x) for x in args)
-    if (a, b) == (k_axis, q_axis):
-        name = {"ge": "le", "le": "ge", "gt": "lt", "lt": "gt"}[name]
-    elif (a, b) != (q_axis, k_axis):
-        return None
-    return {"ge": True, "lt": False}.get(name)
-
-
-def _path(logits: Sliced, out_ref: tuple) -> list[tuple] | None:
-    """The steps from the logits down to the product, each with the index of its operand that leads there."""
-    path, ref = [], out_ref
-    for _ in range(32):
-        if ref.kind == "leaf":
-            return None
-        prim, _, args, _, _ = logits.steps[ref.index]
-        if prim.name == "dot_general":
-            return path + [(ref, None)]
-        dotted = [i for i, a in enumerate(args) if _has_dot(logits, a)]
-        if len(dotted) != 1:
-            return None
-        path.append((ref, dotted[0]))
-        ref = args[dotted[0]]
-    return None
-
-
-def _axis_maps(logits: Sliced, path: list[tuple]) -> list[list[int | None]] | None:
-    """For each step of ``path``, its axes as the product's (``None``: an axis of size one it inserts)."""
-    dot = path[-1][0]
-    maps = [list(range(len(logits.aval(dot).shape)))]
-    for ref, _ in reversed(path[:-1]):
-        prim, params, _, aval, _ = logits.steps[ref.index]
-        below = maps[0]
-        if prim.name == "broadcast_in_dim":
-            dims = tuple(params["broadcast_dimensions"])
-            if any(d not in dims and aval.shape[d] != 1 for d in range(len(aval.shape))):
-                return None  # a copy of the logits along a new axis: not attention's form
-            maps.insert(0, [below[dims.index(d)] if d in dims else None for d in range(len(aval.shape))])
-        elif prim.name == "transpose":
-            maps.insert(0, [below[int(d)] for d in params["permutation"]])
-        elif len(aval.shape) == len(below):
-            maps.insert(0, list(below))
-        else:
-            return None
-    return maps
-
-
-def _logits_form(logits: Sliced, out_ref: tuple) -> tuple | None:
-    """The logits as ``scale * (q k^T) + bias`` under at most one causal mask.
-
-    Returns ``(dot, scale, terms, causal, top)``: the product's step, the scale, the bias as ``(ref, factor,
-    shape, axes)`` terms (``axes``: the term's axes as the product's), the product's query axis that a
-    causal mask compares (``None``: no mask), and the logits' axes as the product's; ``None`` where the
-    logits are anything else (a mask given as an array, say)."""
-    path = _path(logits, out_ref)
-    maps = _axis_maps(logits, path) if path is not None else None
+def _logits_form(logits: Sliced) -> _Form | None:
+    """The logits as a :class:`_Form`, or ``None`` where they are anything else (a mask given as an array)."""
+    path = logits.path_to("dot_general")
+    maps = logits.axes_along(path) if path is not None else None
     if maps is None:
         return None
     dot = path[-1][0]
@@ -230,25 +67,25 @@ def _logits_form(logits: Sliced, out_ref: tuple) -> tuple | None:
     q_dots = [d for d in range(nb, len(maps[-1])) if d != key]  # the query's free axes in the product
     scale, bias, causal, fill = 1.0, [], None, None
     for (ref, i), amap in zip(path[:-1], maps):
-        prim, _, args, aval, _ = logits.steps[ref.index]
-        name = prim.name
+        step = logits.steps[ref.index]
+        name, args, aval = step.primitive.name, step.args, step.aval
         if name in ("broadcast_in_dim", "transpose") or (name == "convert_element_type"
                                                            and jnp.issubdtype(aval.dtype, jnp.floating)):
             continue
         if name in ("mul", "div") and len(args) == 2:
-            c = _literal_at(logits, args[1 - i])
+            c = logits.literal(args[1 - i])
             if c is None or not math.isfinite(c) or c <= 0 or (name == "div" and i == 1):
                 return None
             scale *= c if name == "mul" else 1.0 / c  # scales what lies below: the product, a bias added there
         elif name in ("add", "sub") and len(args) == 2 and not (name == "sub" and i == 1):
-            bias.append((args[1 - i], scale if name == "add" else -scale, tuple(aval.shape), amap))
+            bias.append(_Bias(args[1 - i], scale if name == "add" else -scale, tuple(aval.shape), amap))
         elif name == "select_n" and len(args) == 3 and i != 0 and causal is None:
-            lo = _literal_at(logits, args[3 - i])
+            lo = logits.literal(args[3 - i])
             # a bias added after the mask would move the masked logits: the fused call adds it before
             if lo is None or bias or key not in amap:
                 return None
             for q_dot in (d for d in q_dots if d in amap):
-                keep = _causal(logits, args[0], amap.index(q_dot), amap.index(key))
+                keep = logits.positions_ge(args[0], amap.index(q_dot), amap.index(key))
                 if keep is not None:
                     break
             if keep is None or keep != (i == 2):  # select_n picks its last operand where the mask is true
@@ -258,28 +95,7 @@ def _logits_form(logits: Sliced, out_ref: tuple) -> tuple | None:
             return None
     if fill is not None and not (fill == -math.inf or fill <= _FILL_AT_MOST):
         return None
-    return dot, scale, bias, causal, maps[0]
-
-
-def _exact_in(logits: Sliced, ref: tuple, dtype: Any, depth: int = 0) -> bool:
-    """Whether every value of ``ref`` is one of ``dtype`` (values of it widened, broadcast or moved)."""
-    if logits.aval(ref).dtype == dtype:
-        return True
-    if ref.kind == "leaf" or depth > 8:
-        return False
-    prim, _, args, _, _ = logits.steps[ref.index]
-    if prim.name in ("convert_element_type", "broadcast_in_dim", "transpose", "reshape", "squeeze"):
-        return _exact_in(logits, args[0], dtype, depth + 1)
-    return False
-
-
-def _arrange(x: Any, axes: Sequence[int | None]) -> Any:
-    """``x`` with its axes in the order ``axes`` (``[b0, seq, b1, head]``, say); an axis given as ``None`` is
-    inserted, of size one."""
-    present = [a for a in axes if a is not None]
-    y = lax.transpose(x, tuple(present)) if present != sorted(present) else x
-    missing = tuple(i for i, a in enumerate(axes) if a is None)
-    return lax.expand_dims(y, missing) if missing else y
+    return _Form(dot, scale, bias, causal, maps[0])
 
 
 def _as_product(x: Any, shape: tuple, amap: Sequence[int | None]) -> Any:
@@ -292,113 +108,42 @@ def _as_product(x: Any, shape: tuple, amap: Sequence[int | None]) -> Any:
     return lax.transpose(x, perm) if list(perm) != sorted(perm) else x
 
 
-def fused(logits: Sliced, p_first: bool, pv_dn: Any, v_aval: Any, squeezed: tuple, out_aval: Any,
-          impl: str):
-    """``fn(*leaves, v)``: the attention as one ``jax.nn.dot_product_attention`` call, or ``None``.
-
-    ``pv_dn`` is the dimension numbers of the weights' product with ``v`` (of ``v_aval``; ``p_first``: the
-    weights on the left), whose weights are the logits less their axes ``squeezed``."""
-    v_rank, v_dtype = len(v_aval.shape), v_aval.dtype
-    form = _logits_form(logits, logits.out)
+def fused(logits: Sliced, product: ValueProduct, v_aval: Any, impl: str):
+    """``fn(*leaves, v)``: the attention as one ``jax.nn.dot_product_attention`` call, or ``None``; the weights
+    (``logits`` less the axes ``product.squeezed``) meet ``v`` (of ``v_aval``) in ``product``."""
+    form = _logits_form(logits)
     if form is None:
         return None
-    dot_ref, scale, bias, causal, top = form
-    _, dparams, (a_ref, b_ref), d_aval, key = logits.steps[dot_ref.index]
-    (lc, rc), (lb, rb) = dparams["dimension_numbers"]
-    nb, rank = len(lb), len(d_aval.shape)
-    q_lhs = key == rank - 1  # the query is the product's left operand
-    q_dots = [d for d in range(nb, rank) if d != key]
-    if nb > 2 or len(lc) != 1 or len(q_dots) not in (1, 2) or (not q_lhs and key != nb):
+    dot = logits.steps[form.dot.index]
+    ranks = tuple(len(logits.aval(a).shape) for a in dot.args)
+    layout = fused_axes(dot.params["dimension_numbers"], dot.aval.shape, ranks, dot.axis, form.top, product,
+                        causal_axis=form.causal, biased=bool(form.bias))
+    if layout is None:
         return None
-    # The query's free axes are its sequence (T) and at most one more, a group of heads sharing a key head
-    # (jax's grouped-query attention, G): T is the axis a causal mask compares, else the longer.
-    t_dot = causal if causal is not None else max(q_dots, key=lambda d: (d_aval.shape[d], -d))
-    if causal is not None and d_aval.shape[t_dot] != d_aval.shape[key]:
-        return None  # queries and keys of different lengths: how a kernel aligns its causal mask varies
-    g_dot = next((d for d in q_dots if d != t_dot), None)
-    q_ref, k_ref = (a_ref, b_ref) if q_lhs else (b_ref, a_ref)
-    qb, kb = (lb, rb) if q_lhs else (rb, lb)
-    qc, kc = (lc[0], rc[0]) if q_lhs else (rc[0], lc[0])
-    q_rank, k_rank = len(logits.aval(q_ref).shape), len(logits.aval(k_ref).shape)
+    axes, q_lhs = layout
+    q_ref, k_ref = dot.args if q_lhs else dot.args[::-1]
     dtype = logits.aval(q_ref).dtype
-    # the call computes in the query's dtype: k, v and the result must be of it too (no rounding the
-    # original does not do)
-    if q_rank != rank or k_rank != nb + 2 or dtype != logits.aval(k_ref).dtype or dtype != v_dtype \
-            or dtype != out_aval.dtype:
+    # the call computes in the query's dtype: k, v and the result must be of it too (no rounding the original
+    # does not do); a bias term too, where that rounds nothing (values of the query's dtype, widened and
+    # broadcast, scaled by a power of two that cannot overflow the narrower dtype)
+    if any(d != dtype for d in (logits.aval(k_ref).dtype, v_aval.dtype, product.out.dtype)):
         return None
-    if g_dot is not None and bias:
-        return None  # a bias over grouped heads: not mapped
-    # A bias term goes to the fused call in the query's dtype: only where that rounds nothing (values of the
-    # query's dtype, widened and broadcast, scaled by a power of two that cannot overflow the narrower dtype).
-    terms = []
-    for r, w, shape, amap in bias:
-        if not _exact_in(logits, r, dtype) or math.frexp(abs(w))[0] != 0.5 or (
-                abs(w) != 1.0 and jnp.finfo(dtype).maxexp < jnp.finfo(logits.aval(r).dtype).maxexp):
+    for term in form.bias:
+        w = term.factor
+        if not logits.exact_in(term.ref, dtype) or math.frexp(abs(w))[0] != 0.5 or (
+                abs(w) != 1.0 and jnp.finfo(dtype).maxexp < jnp.finfo(logits.aval(term.ref).dtype).maxexp):
             return None
-        terms.append((r, w, shape, amap))
-    # The weights (the logits less ``squeezed``) times v: the product's batch axes are the logits' batch
-    # axes that the weights keep, its contraction the key axis, its free axes the query's; v has one more
-    # axis, the head dimension.
-    (pc_l, pc_r), (pb_l, pb_r) = pv_dn
-    p_batch, v_batch = (pb_l, pb_r) if p_first else (pb_r, pb_l)
-    v_c = (pc_r if p_first else pc_l)[0]
-    kept = [d for d in range(len(top)) if d not in squeezed]   # the weights' axes, as the logits'
-    p_dot = [top[d] for d in kept]                              # ... as the product's (None: size one)
-    if any(p_dot[p] is None or p_dot[p] >= nb for p in p_batch):
-        return None
-    v_axes: list[int | None] = []  # v's axis for each of the product's batch axes (None: v lacks it)
-    for i in range(nb):
-        if i in p_dot and p_dot.index(i) in p_batch:
-            v_axes.append(int(v_batch[list(p_batch).index(p_dot.index(i))]))
-        elif i in p_dot or d_aval.shape[i] != 1:
-            return None
-        else:
-            v_axes.append(None)
-    free = [p for p in range(len(kept)) if p not in p_batch and p_dot[p] != key]
-    v_free = [d for d in range(v_rank) if d not in v_batch and d != v_c]
-    free_dots = [p_dot[p] for p in free]
-    if len(v_free) != 1 or t_dot not in free_dots or any(d not in (t_dot, g_dot, None) for d in free_dots) \
-            or (g_dot is not None and g_dot not in free_dots and d_aval.shape[g_dot] != 1):
-        return None
-    q_axis_of = dict(zip(q_dots, [d for d in range(q_rank) if d not in qb and d != qc]))
-    q_free, q_group = q_axis_of[t_dot], (q_axis_of[g_dot] if g_dot is not None else None)
-    k_free = next(d for d in range(k_rank) if d not in kb and d != kc)
-
-    def pad(batch: Sequence[int | None], seq: int, head: int) -> list:
-        return [batch[0] if nb > 0 else None, seq, batch[1] if nb > 1 else None, head]
-
-    # Where each axis of the weights' product comes from in the call's output as [b0, T, b1, G, H]
-    # (None: an axis of size one that it lacks).
-    five = {t_dot: 1, g_dot: 3, None: None}
-    src = [(0, 2)[p_dot[p]] for p in p_batch]
-    src += [five[d] for d in free_dots] + [4] if p_first else [4] + [five[d] for d in free_dots]
-    present = [a for a in src if a is not None]
-    dropped = tuple(a for a in range(5) if a not in present)
-    perm = tuple(sorted(present).index(a) for a in present)
-    inserted = tuple(i for i, a in enumerate(src) if a is None)
-    out_dtype = out_aval.dtype
 
     def fn(*args: Any) -> Any:
         *leaves, v = args
         memo: dict = {}
-        q = logits.value(leaves, q_ref, memo)
-        k = logits.value(leaves, k_ref, memo)
+        q, k = logits.value(leaves, q_ref, memo), logits.value(leaves, k_ref, memo)
         b = None
-        for r, w, shape, amap in terms:
-            t = logits.value(leaves, r, memo)
-            t = _as_product(t if w == 1.0 else t * jnp.asarray(w, t.dtype), shape, amap).astype(q.dtype)
+        for term in form.bias:
+            t, w = logits.value(leaves, term.ref, memo), term.factor
+            t = _as_product(t if w == 1.0 else t * jnp.asarray(w, t.dtype), term.shape, term.axes).astype(q.dtype)
             b = t if b is None else b + t
-        if b is not None:
-            b = jnp.swapaxes(_arrange(b, pad(list(range(nb)), t_dot, key)), 1, 2)   # [b0, b1, T, S]
-        q5 = _arrange(q, [qb[0] if nb > 0 else None, q_free, qb[1] if nb > 1 else None, q_group, qc])
-        n0, t, n1, g, h = q5.shape
-        o = jax.nn.dot_product_attention(q5.reshape(n0, t, n1 * g, h), _arrange(k, pad(kb, k_free, kc)),
-                                         _arrange(v, pad(v_axes, v_c, v_free[0])), bias=b, scale=scale,
-                                         is_causal=causal is not None, implementation=impl)
-        o = o.reshape(n0, t, n1, g, h)
-        o = lax.squeeze(o, dropped) if dropped else o
-        o = lax.transpose(o, perm) if list(perm) != sorted(perm) else o
-        o = lax.expand_dims(o, inserted) if inserted else o
-        return o.astype(out_dtype)
+        return fused_attention(q, k, v, b, axes=axes, scale=form.scale, causal=form.causal is not None,
+                               implementation=impl, dtype=product.out.dtype)
 
     return fn

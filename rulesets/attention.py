@@ -1,80 +1,15 @@
 """``rulesets.attention``: softmax attention computed block by block, never holding the N x N scores.
 
-``softmax(Q K^T * scale + bias/mask) V`` is written in many ways (``jnp`` and
-``jax.nn.softmax``, ``einsum`` in any axis order, flax's and haiku's and
-equinox's attention layers, a scale on ``q`` or on the logits, a mask by
-``jnp.where`` with ``finfo.min``, ``-1e30`` or ``-inf``, an additive bias),
-and XLA materialises the N x N scores of every head, forward and backward.
-All of these trace to one term: a product of ``exp(s - max(s)) / sum(exp(s -
-max(s)))`` with ``v``, where the logits ``s`` are some computation that reads
-one product ``q k^T``. So the pack has one rule per operand order (and
-per softmax that sums in float32), the weights' casts and squeezes
-optional wrappers of one pattern (``Pat.optional``), and it reads the logits off the e-graph
-instead of spelling out their variants:
-
-* **The logits, a block of keys at a time.** The rule reads ``s`` with
-  :meth:`rewrite.Match.sliced` along the key axis (the softmax's axis),
-  through elementwise operations, ``select_n``, conversions, broadcasts,
-  transposes, ``iota`` and the one product ``q k^T``. What it reaches
-  without the key axis (``q``, a scale, a query mask) is read whole; what carries the key axis and is not
-  one of those (``k``, ``v``, a padding mask, a bias) is sliced per block. A
-  causal mask built from ``iota`` comparisons is rebuilt per block from
-  positions: no N x N mask is made. The rule declines when the softmax is not
-  shifted by its own maximum (``exp(s) / sum(exp(s))`` overflows where the
-  blocked form would not), when the key axis is not a multiple of the block,
-  or when anything on the way is not one of the operations above.
-* **The kernel.** The rule builds :func:`rulesets.kernels.attention.blocked_attention`
-  over the logits so read: an online softmax over key blocks in a ``lax.scan``
-  (flash attention's forward, masked rows computed as the original computes
-  them), its own product with the weights first and ``v`` read by keys, and a
-  backward (``jax.custom_vjp``) that recomputes each block's scores and takes
-  the logits' own computation's VJP on the block, in the accumulator's
-  precision; neither pass holds N x N. That module's page says how.
-* **A literal scale applied once.** A literal scale of the scores (haiku's
-  ``logits / sqrt(key_size)``) is applied to ``q`` before the forward's loop,
-  where it makes ``q`` no larger (exactly, for a power of two; in float32 and
-  float64 for any other): in the loop, XLA:CPU scaled every block of scores in
-  a pass of its own. The backward keeps it in its loop (measured faster).
-* **Blocks of queries too.** Where the queries are long (two blocks of
-  ``query_blocks`` or more), the forward's loop over key blocks runs once
-  per block of queries, each with its rows' part of ``q``, of a mask and of
-  a bias (the walk tracks the query axis as it tracks the key axis,
-  :meth:`rewrite.Sliced.place`): the scores held are a block by a block, small
-  enough to stay in the faster caches. The model chooses it, or every query at once.
-
-Programs whose key axis is 256 or shorter are left alone (the scores are
-small). The rule offers a loop for each key block it is given that makes two
-blocks or more, and extraction takes the cheapest; on this CPU that is 256
-keys alone (:func:`attention_with` configures the blocks and the rest).
-
-**On a GPU, cuDNN's fused attention instead.** Where the logits are
-``scale * (q k^T) + bias`` under at most a causal mask and the backend has a
-fused kernel, the rule builds one ``jax.nn.dot_product_attention(...,
-implementation="cudnn")`` call (``rulesets/_fused_attention.py``); cuDNN
-declines float32, some head dimensions and array masks, and there the
-program is kept, since on a GPU the blocked form measured slower than XLA's
-own attention (H200, N=4096: the cuDNN call 3.2-11.3x faster with 2-4% of
-the temp memory; the blocked form 0.54-0.71x without a mask;
-``benchmarks/results/gpu.md``).
-
-**Rewrite the forward, then differentiate:** ``jax.grad(rewrite(loss))``
-takes the blocked program's own backward. ``rewrite(jax.grad(loss))`` (or a
-rewritten training step that calls ``jax.grad`` inside) sees JAX's backward
-already written, which keeps the N x N weights as residuals for its
-products; the pack matches the forward there but cannot remove them, and
-the cost model keeps the program as it is.
-
-The pack is ``identity`` class, like ``linalg``: the blocked sums reorder the
-original's floating-point additions (the softmax's sum and the product's
-contraction), and the rescaling adds one rounding per block; nothing else
-changes. Its tolerance, ``Tolerance(rtol=2e-4, atol=2e-5, terms=16)`` at float32
-(scaled by machine epsilon for other dtypes), is what ``tests/test_attention.py``
-holds forward values and gradients to, against the original and against a
-float64 reference. ``terms=16``: where a gradient's terms cancel (``dq`` is 0
-when every value row is the same, a difference of two sums of ~1e3), the
-recomputing backward may leave up to 16 roundings of the terms' magnitude, as
-``check_ruleset``'s reverse-mode check found (``rewrite.testing``). Rule names
-start with ``attn_``.
+Every way of writing ``softmax(Q K^T * scale + bias/mask) V`` (``jnp``, ``einsum`` in any axis order, flax's,
+haiku's and equinox's layers, masks by ``jnp.where``, a bias) traces to one term: ``exp(s - max(s)) / sum(exp(s
+- max(s)))`` times ``v``, the logits ``s`` a computation that reads one product ``q k^T``. One rule per operand
+order, and per softmax that sums in float32, matches it (the weights' casts and squeezes are optional wrappers);
+it reads ``s`` a block of keys at a time (:meth:`rewrite.Match.sliced`) and builds the kernel
+:func:`rulesets.kernels.attention.blocked_attention`, an online softmax over blocks of keys (and of queries) whose
+backward recomputes each block; on a GPU, one fused call (``rulesets/_fused_attention.py``). Key axes of 256 or
+less are kept; the cost model chooses among the blocks offered (:func:`attention_with`). The pack is
+``identity`` class (the blocked sums reorder the original's additions); ``docs/attention.md`` says what a rule
+reads and declines, and why. Rule names start with ``attn_``.
 
 >>> import jax, jax.numpy as jnp
 >>> from rewrite import explain
@@ -91,25 +26,22 @@ True
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import logging
-import math
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
-from rewrite import Pat, Ruleset, Sliced, Tolerance, Value, procedural, rule
+from rewrite import Pat, Ruleset, Sliced, Tolerance, procedural, rule
+from rewrite.rules.sliced import Placed
 from rulesets import _fused_attention as _fused
 from rulesets.kernels.attention import Logits, ValueProduct, Window, blocked_attention
 
 __all__ = ["attention", "attention_with"]
 
 _log = logging.getLogger(__name__)
-
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,133 +65,14 @@ _SOFTMAX_WIDE = Pat("div", Pat("exp", X), Pat("convert_element_type", Pat("broad
     "reduce_sum", Pat("convert_element_type", Pat("exp", X), params="w"), params="r"), params="b"), params="n"))
 
 
-
-# ---------------------------------------------------------------------- what the pack reads off the softmax
-def _ident(v: Value) -> Any:
-    return v.cls if v.cls is not None else ("name", v.name)
-
-
-def _inverse(perm: Sequence[int]) -> list[int]:
-    """Where each axis of a transpose's operand lands in its result."""
-    return [list(perm).index(j) for j in range(len(perm))]
-
-
-def _shift_is_own_max(shift: Value, s: Value, axis: int) -> bool:
-    """``shift`` is ``max(s)`` along ``axis``, row by row (maybe under ``max(-inf, .)``, broadcasts,
-    transposes and ``stop_gradient``; or the max of ``f`` where ``s`` is ``f`` transposed, as
-    ``jax.nn.dot_product_attention`` writes it under ``vmap``). Unlike ``Value.max_under`` it follows each axis
-    through the transposes and broadcasts, so a max that lands on other rows is refused."""
-    sources = [(s, list(range(s.ndim)))]  # what the max may be taken of, with its axes' places in s
-    node = s.node("transpose")
-    if node is not None:
-        perm = [int(d) for d in node.params["permutation"]]
-        sources.append((node.operands[0], _inverse(perm)))
-    v, pos = shift, list(range(s.ndim))  # pos: where each axis of v lies in s
-    for _ in range(8):
-        for prim in ("stop_gradient", "broadcast_in_dim", "transpose", "max", "reduce_max"):
-            node = v.node(prim)
-            if node is None:
-                continue
-            ops = node.operands
-            if prim == "reduce_max":
-                if len(node.params["axes"]) != 1:
-                    return False
-                a = int(node.params["axes"][0])
-                for src, place in sources:
-                    if _ident(ops[0]) != _ident(src) or place[a] != axis:
-                        continue
-                    rows = [j for j in range(src.ndim) if j != a]
-                    if all(pos[i] == place[j] or src.shape[j] == 1 for i, j in enumerate(rows)):
-                        return True
-                return False
-            if prim == "max":
-                lit = [o for o in ops if o.literal is not None]
-                rest = [o for o in ops if o.literal is None]
-                if len(lit) != 1 or len(rest) != 1 or float(lit[0].literal) != -math.inf:
-                    continue
-                v = rest[0]
-            elif prim == "broadcast_in_dim":
-                dims = [int(d) for d in node.params["broadcast_dimensions"]]
-                v, pos = ops[0], [pos[d] for d in dims]
-            elif prim == "transpose":
-                perm = [int(d) for d in node.params["permutation"]]
-                v, pos = ops[0], [pos[d] for d in _inverse(perm)]
-            else:
-                v = ops[0]
-            break
-        else:
-            return False
-    return False
-
-
-class _Scale(NamedTuple):
-    """A literal scale of the product moved onto ``q``: its leaf ``q``, the scale's leaf ``c``, ``div`` or ``mul``."""
-
-    q: int
-    c: int
-    prim: str
-
-
-def _scale_outside(logits: Sliced) -> tuple[tuple, tuple]:
-    """The forward's steps with a literal scale of the product ``(q k^T) / c`` (or ``* c``) applied to ``q``, the
-    operand read whole: ``(steps, scaled)``, ``scaled`` at most one :class:`_Scale`, an extra leaf
-    after the logits' own, computed once before the loop.
-
-    In the loop the scale is its own pass over each block's scores: XLA:CPU's library product does not take
-    it in, so the scaled block is written and read again (haiku's ``attn_logits / sqrt(key_size)``: 16 MiB
-    per block at N=2048, B=2, H=4). The scale moves where it is a finite literal that makes ``q`` no larger
-    (a divisor of magnitude 1 or more, a factor of at most 1), so no element overflows where the original's
-    would not; a power of two moves exactly, and any other scale rounds ``q`` once, within the pack's
-    tolerance (in float32 and float64 only: in a half-precision dtype it stays in the loop). The backward
-    keeps the scale in its loop, where haiku's layer's gradient is faster, though the loop makes one pass more
-    (``benchmarks/results/attention.md``).
-    """
-    steps = list(logits.steps)
-    uses = collections.Counter(a.index for step in steps for a in step.args if a.kind == "step")
-    for j, step in enumerate(steps):
-        if step.primitive.name not in ("div", "mul") or len(step.args) != 2:
-            continue
-        a, b = step.args
-        for d_ref, c_ref in [(a, b)] if step.primitive.name == "div" else [(a, b), (b, a)]:
-            if d_ref.kind != "step" or c_ref.kind != "leaf" or uses[d_ref.index] != 1:
-                continue
-            c, product = logits.leaves[c_ref.index], steps[d_ref.index]
-            value, dtype = _fused._literal_through_converts(c), product.aval.dtype
-            if product.primitive.name != "dot_general" or value is None or not np.isfinite(value) or value == 0:
-                continue
-            if (abs(value) < 1) if step.primitive.name == "div" else (abs(value) > 1):
-                continue
-            exact = math.frexp(abs(value))[0] == 0.5  # a power of two scales every element exactly
-            if not exact and jnp.finfo(dtype).nmant < 23:
-                continue  # rounding q to a half-precision dtype once more is not within the logits' own rounding
-            whole = [k for k, r in enumerate(product.args) if r.kind == "leaf" and logits.leaf_axes[r.index] is None]
-            if len(whole) != 1:
-                continue
-            q_ref = product.args[whole[0]]
-            if logits.leaves[q_ref.index].dtype != dtype or c.dtype != dtype or step.aval.dtype != dtype:
-                continue
-            args = list(product.args)
-            args[whole[0]] = q_ref._replace(index=len(logits.leaves))  # the scaled q, a leaf after the logits'
-            # the scale's step becomes the product of the scaled q (the unscaled product is read no more).
-            # One scale moves, the first: the logits have one product, and a second scale of it (a soft cap's
-            # ``tanh(s / 20)`` after ``s = q k^T / 8``) would read this step as the product, over a leaf that
-            # is not the logits'.
-            steps[j] = product._replace(args=tuple(args))
-            return tuple(steps), (_Scale(q_ref.index, c_ref.index, step.primitive.name),)
-    return tuple(steps), ()
-
-
 # ---------------------------------------------------------------------- the matched logits as the kernel's
-def _logits(sliced: Sliced, rows: tuple[int, Any] | None) -> Logits:
+def _logits(sliced: Sliced, query_axis: int | None, placed: Placed | None) -> Logits:
     """The matched logits (``sliced`` along the keys) as :class:`Logits`: the backward's over their own leaves, the
-    forward's with a literal scale applied to ``q`` before the loops (:func:`_scale_outside`). ``rows``: the
-    logits' query axis, and where the leaves and steps carry it."""
-    forward_steps, scaled = _scale_outside(sliced)
-    forward_keys = sliced.leaf_axes + (None,) * len(scaled)
-    ahead = dataclasses.replace(sliced, steps=forward_steps, leaf_axes=forward_keys,
-                                leaves=sliced.leaves + tuple(sliced.leaves[q] for q, _, _ in scaled))
-    placed = None if rows is None else rows[1]
-    forward_q = None if rows is None else placed.leaf_axes + tuple(placed.leaf_axes[q] for q, _, _ in scaled)
+    forward's with a literal scale applied to ``q`` before the loops (:meth:`rewrite.Sliced.hoist_scale`).
+    ``query_axis``: the logits' query axis, ``placed`` where the leaves and steps carry it (``None``: not cut)."""
+    ahead, scaled = sliced.hoist_scale()
+    forward_keys = ahead.leaf_axes
+    forward_q = None if placed is None else placed.leaf_axes + tuple(placed.leaf_axes[h.operand] for h in scaled)
     # A literal scalar (a mask's fill, a scale) is the body's constant, as it is the original's (passed in as an
     # operand, XLA could not turn a division by 8 into a multiplication by 0.125).
     consts = {i: np.asarray(x.literal, x.dtype) for i, x in enumerate(sliced.leaves)
@@ -267,22 +80,21 @@ def _logits(sliced: Sliced, rows: tuple[int, Any] | None) -> Logits:
     own = lambda leaves: [consts.get(i, x) for i, x in enumerate(leaves)]
 
     def prepare(leaves: Sequence[Any]) -> list:
-        c_of = lambda i: consts.get(i, leaves[i])
-        return list(leaves) + [leaves[q] / c_of(c) if prim == "div" else leaves[q] * c_of(c) for q, c, prim in scaled]
+        return list(leaves) + [h.of(own(leaves)) for h in scaled]
 
     def forward_block(leaves: Sequence[Any], keys: Window, queries: Window | None) -> Any:
         cut = None if queries is None else placed._replace(leaf_axes=forward_q).window(queries.start, queries.size)
         return ahead.block(own(leaves), keys.start, keys.size, cut)
 
-    s_aval = sliced.aval(sliced.out)
     def block(leaves: Sequence[Any], keys: Window, queries: Window | None) -> Any:
         return sliced.block(own(leaves), keys.start, keys.size,
                             None if queries is None else placed.window(queries.start, queries.size))
 
+    s_aval = sliced.aval(sliced.out)
     return Logits(tuple(s_aval.shape), s_aval.dtype, sliced.axis, block, sliced.leaf_axes,
-                  query_axis=None if rows is None else rows[0], forward_query_axes=forward_q, prepare=prepare,
+                  query_axis=query_axis, forward_query_axes=forward_q, prepare=prepare,
                   forward_block=forward_block, forward_key_axes=forward_keys,
-                  query_axes=None if rows is None else placed.leaf_axes)
+                  query_axes=None if placed is None else placed.leaf_axes)
 
 
 def _blocked(config: _Config, p_first: bool, widened: bool = False):
@@ -310,9 +122,9 @@ def _blocked(config: _Config, p_first: bool, widened: bool = False):
         if sub is None:
             return None
         s, shift = sub.operands
-        if s.shape != x.shape or not _shift_is_own_max(shift, s, axis):
+        if s.shape != x.shape or shift.max_under(s, axis, rows=True) is None:
             return None
-        (lc, rc), (lb, rb) = pv["dimension_numbers"]
+        (lc, rc), _ = pv["dimension_numbers"]
         pc, vc = (lc, rc) if p_first else (rc, lc)
         if axis in squeezed:
             return None
@@ -322,13 +134,10 @@ def _blocked(config: _Config, p_first: bool, widened: bool = False):
         logits = m.sliced(s, axis, limit={"dot_general": 1})  # one product, q k^T
         if logits is None or logits.passed.get("dot_general") != 1:
             return None
-        params = {k: pv[k] for k in ("dimension_numbers", "precision", "preferred_element_type") if k in pv}
-        p_shape = tuple(d for i, d in enumerate(x.shape) if i not in squeezed)
-        pair = (jax.ShapeDtypeStruct(p_shape, cast or x.aval.dtype), jax.ShapeDtypeStruct(v.shape, v.aval.dtype))
-        out_shape = jax.eval_shape(lambda a, c: lax.dot_general(a, c, **params), *(pair if p_first else pair[::-1]))
+        product = ValueProduct.of(p_first, pv, x, v, cast=cast, squeezed=squeezed, wide=wide)
         impl = _fused.implementation() if config.fused == "auto" else config.fused
         if impl is not None:
-            call = _fused.fused(logits, p_first, pv["dimension_numbers"], v.aval, squeezed, out_shape, impl)
+            call = _fused.fused(logits, product, v.aval, impl)
             if call is not None:
                 try:
                     return m.trace(call, *logits.leaves, v)
@@ -339,19 +148,14 @@ def _blocked(config: _Config, p_first: bool, widened: bool = False):
             return None
         # One loop per key block that fits, and one per query block too (``query_blocks``), all equal to the
         # matched product: extraction prices each.
-        pb = lb if p_first else rb
-        p_free = [d for d in range(len(p_shape)) if d != p_axis and d not in pb]
-        s_axes = [d for d in range(x.ndim) if d not in squeezed]
-        # the queries: the longest free axis of the weights (grouped-query heads have a group axis beside it)
-        s_q = s_axes[max(p_free, key=lambda d: (p_shape[d], d))] if p_free else None
+        s_q = product.query_axis(x.shape)
         nq = 0 if s_q is None else x.shape[s_q]
         fits = lambda b: b is not None and nq % b == 0 and nq // b >= 2
         q_blocks = [b for b in config.query_blocks if fits(b)]
         back = config.backward_query_block if fits(config.backward_query_block) else None
         placed = logits.place(s_q) if q_blocks or back else None  # placed only where some block fits
         q_blocks, back = (q_blocks, back) if placed is not None else ([], None)
-        product = ValueProduct(p_first, pv["dimension_numbers"], params, int(vc[0]), out_shape, cast, squeezed, wide)
-        read = _logits(logits, None if placed is None else (s_q, placed))
+        read = _logits(logits, None if placed is None else s_q, placed)
         return [(m.root, m.trace(blocked_attention(read, product, block=block, query_block=qb,
                                                    backward_query_block=back), *logits.leaves, v))
                 for block in blocks for qb in [None] * (config.whole_queries or not q_blocks) + q_blocks]
@@ -390,9 +194,7 @@ def attention_with(*, blocks: Sequence[int] = (256,), query_blocks: Sequence[int
     """The attention pack, configured; ``rulesets.attention`` is ``attention_with()``.
 
     * ``blocks``: the key blocks offered to the cost model, each that divides the key axis into two blocks or
-      more; extraction takes the cheapest. 256 alone by default: on this CPU (32 MiB L3) it measured fastest at
-      every shape tried, 512 and 1024 8-40% slower (``benchmarks/results/attention.md``), which the model does
-      not always see (with one head it prices 1024 keys cheapest).
+      more; extraction takes the cheapest. 256 alone by default, the fastest measured (``docs/attention.md``).
     * ``query_blocks``: the query blocks offered to the forward (each that makes two blocks or more): the loop
       over key blocks then runs once per block of queries, each block of scores ``[.., 512, 256]``.
     * ``whole_queries``: whether the loop over every query at once is offered beside the query blocks.

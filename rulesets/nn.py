@@ -240,25 +240,10 @@ def _one_hot_ce(logits: Any, labels: Any) -> Any:
 
 # ---------------------------------------------------------------------- normalised exponentials
 def _max_shifted(x: Value, axes: tuple[int, ...]) -> bool:
-    """Whether ``x`` is ``a - stop_gradient(max(a, axes))``, broadcast back: the shift ``jax.nn.softmax`` makes.
-    Stricter than ``Value.max_under``: several axes, this form only, and the broadcast must put the rows back."""
+    """Whether ``x`` is ``a - max(a, axes)`` with the max put back on ``a``'s rows (``stop_gradient``, the
+    ``max(-inf, .)`` guard, broadcasts): the shift ``jax.nn.softmax`` makes (:meth:`rewrite.Value.max_under`)."""
     sub = x.node("sub")
-    if sub is None:
-        return False
-    a, s = sub.operands
-    sg = s.node("stop_gradient")
-    s = sg.operands[0] if sg is not None else s
-    b = s.node("broadcast_in_dim")
-    if b is None or len(b.operands) != 1:
-        return False
-    mx = b.operands[0]
-    clamp = mx.node("max")  # max(-inf, m): jax.nn.softmax's guard against an empty axis
-    if clamp is not None:
-        lo, hi = clamp.operands
-        mx = hi if lo.literal == -np.inf else lo if hi.literal == -np.inf else mx
-    rm = mx.node("reduce_max")
-    return (rm is not None and rm.operands[0].name == a.name and tuple(rm.params["axes"]) == axes
-            and _keeps_axes(b.params, axes, a.shape))
+    return sub is not None and sub.operands[1].max_under(sub.operands[0], axes, rows=True) is not None
 
 
 def _keeps_axes(bcast: dict[str, Any], axes: tuple[int, ...], shape: tuple[int, ...]) -> bool:

@@ -156,3 +156,115 @@ def test_blocks_must_divide_the_axes():
     x = jnp.zeros((24, 4))
     with pytest.raises(ValueError, match="blocks of"):
         attention(x, x, x, block=16)
+
+
+@settings(max_examples=6, deadline=None)
+@given(st.permutations(range(5)), st.permutations(range(4)), st.permutations(range(4)), st.permutations(range(5)),
+       st.sampled_from([(2, 1), (1, 2), (2, 2)]), st.booleans(), st.booleans(),
+       st.sampled_from(["float32", "bfloat16"]))  # XLA:CPU has no float16 product with a float32 sum
+def test_fused_attention_in_any_layout_is_plain_attention(q_perm, k_perm, v_perm, out, heads, causal, biased, dtype):
+    """``fused_attention`` (``implementation="xla"``) with its operands and result in any order of axes,
+    grouped query heads, a bias and a causal mask: values and the query's gradient as softmax attention
+    written out in float32, rounded once."""
+    from rulesets.kernels.attention import FusedAxes, fused_attention
+    n1, g = heads
+    biased = biased and g == 1  # a bias over grouped heads is not the call's
+    b0, t, h = 2, 16, 8
+    keys = jax.random.split(jax.random.key(sum(q_perm) + 7 * n1 + g), 4)
+    q5 = jax.random.normal(keys[0], (b0, t, n1, g, h), dtype)
+    k4, v4 = (jax.random.normal(kk, (b0, t, n1, h), dtype) for kk in keys[1:3])
+    bias = jax.random.normal(keys[3], (b0, t, n1, t), dtype) if biased else None
+    inv = lambda p: tuple(int(i) for i in np.argsort(p))  # noqa: E731
+    axes = FusedAxes(q=inv(q_perm), k=inv(k_perm), v=inv(v_perm), bias=(0, 1, 2, 3), out=tuple(out))
+
+    def call(q):
+        return fused_attention(q, k4.transpose(k_perm), v4.transpose(v_perm), bias, axes=axes, scale=0.3,
+                               causal=causal, implementation="xla")
+
+    def plain_(q):
+        q = q.transpose(inv(q_perm)).astype(jnp.float32)
+        s = jnp.einsum("btngh,bsnh->bngts", q, k4.astype(jnp.float32)) * 0.3
+        if biased:
+            s = s + bias.astype(jnp.float32).transpose(0, 2, 1, 3)[:, :, None]
+        if causal:
+            s = jnp.where(jnp.tril(jnp.ones((t, t), bool)), s, -jnp.inf)
+        o = jnp.einsum("bngts,bsnh->btngh", jax.nn.softmax(s, axis=-1), v4.astype(jnp.float32))
+        return o.transpose(out).astype(dtype)
+
+    q = q5.transpose(q_perm)
+    tol = {"float32": 1e-5, "bfloat16": 2e-2}[dtype]
+    np.testing.assert_allclose(np.asarray(jax.jit(call)(q), np.float32), np.asarray(plain_(q), np.float32),
+                               rtol=tol, atol=tol)
+    grad = lambda f: jax.grad(lambda q: f(q).astype(jnp.float32).sum())(q)  # noqa: E731
+    np.testing.assert_allclose(np.asarray(grad(call), np.float32), np.asarray(grad(plain_), np.float32),
+                               rtol=10 * tol, atol=10 * tol)
+
+
+#: Attention as two ``dot_general`` products: (scores' dimension numbers, q on the left, the logits' axes as the
+#: scores', the weights' product's dimension numbers, weights first, a causal mask over the logits' last two axes).
+LAYOUTS = {
+    "flax": ((((3,), (3,)), ((0, 2), (0, 2))), True, (0, 1, 2, 3), (((3,), (1,)), ((0, 1), (0, 2))), True, False),
+    "flax_causal": ((((3,), (3,)), ((0, 2), (0, 2))), True, (0, 1, 2, 3), (((3,), (1,)), ((0, 1), (0, 2))), True,
+                    True),
+    "q_right_v_first": ((((3,), (3,)), ((0, 2), (0, 2))), False, (0, 1, 3, 2), (((1,), (3,)), ((0, 2), (0, 1))),
+                        False, True),
+    "no_batch": ((((1,), (1,)), ((), ())), True, (0, 1), (((1,), (0,)), ((), ())), True, False),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_fused_axes_maps_attention_written_as_two_products(name):
+    """``fused_axes`` reads the two products' dimension numbers; ``fused_attention`` in that layout computes what
+    the products and a softmax between them compute."""
+    from jax import lax
+
+    from rulesets.kernels.attention import ValueProduct, fused_attention, fused_axes
+    qk, q_left, logits_axes, pv, weights_first, causal = LAYOUTS[name]
+    rank = len(logits_axes)
+    q_shape, k_shape = ((2, 16, 3, 8), (2, 16, 3, 8)) if rank == 4 else ((16, 8), (16, 8))
+    q, k, v = (jax.random.normal(jax.random.key(i), s) for i, s in enumerate((q_shape, k_shape, k_shape)))
+    scores = lax.dot_general(q, k, qk) if q_left else lax.dot_general(k, q, qk)
+    logits = jnp.transpose(scores, logits_axes) * 0.5
+    if causal:
+        logits = jnp.where(jnp.tril(jnp.ones(logits.shape[-2:], bool)), logits, -jnp.inf)
+    weights = jax.nn.softmax(logits, axis=-1)
+    want = lax.dot_general(weights, v, pv) if weights_first else lax.dot_general(v, weights, pv)
+    v_key = pv[0][1][0] if weights_first else pv[0][0][0]
+    product = ValueProduct(weights_first, pv, {}, v_key, jax.ShapeDtypeStruct(want.shape, want.dtype))
+    key_axis = logits_axes[-1]
+    query_axis = logits_axes[-2] if causal else None
+    found = fused_axes(qk, scores.shape, (len(q_shape), len(k_shape)), key_axis, logits_axes, product,
+                       causal_axis=query_axis)
+    assert found is not None and found[1] == q_left
+    got = fused_attention(q, k, v, axes=found[0], scale=0.5, causal=causal, implementation="xla")
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    # a causal mask over queries and keys of different lengths: how a kernel aligns it varies, so it is refused
+    longer = tuple(32 if d == logits_axes[-2] else n for d, n in enumerate(scores.shape))
+    assert fused_axes(qk, longer, (len(q_shape), len(k_shape)), key_axis, logits_axes, product,
+                      causal_axis=logits_axes[-2]) is None
+
+
+def test_value_product_of_a_programs_product_and_its_query_axis():
+    """``ValueProduct.of`` records a program's ``dot_general`` of the weights and ``v`` (either first, the
+    weights rounded and squeezed): its output as the product computes it and ``v``'s key axis;
+    ``query_axis`` is the weights' longest free axis, as the logits'."""
+    from jax import lax
+
+    from rulesets.kernels.attention import ValueProduct
+    logits = jax.ShapeDtypeStruct((1, 4, 32, 16), jnp.float32)   # [1, h, q, k], the batch of one squeezed
+    v = jax.ShapeDtypeStruct((4, 16, 8), jnp.bfloat16)             # [h, k, d]
+    dn = (((2,), (1,)), ((0,), (0,)))
+    p = ValueProduct.of(True, {"dimension_numbers": dn, "precision": None, "preferred_element_type": None,
+                               "unrelated": 1}, logits, v, cast=jnp.bfloat16, squeezed=(0,))
+    want = jax.eval_shape(lambda a, b: lax.dot_general(a, b, dn), jax.ShapeDtypeStruct((4, 32, 16), jnp.bfloat16), v)
+    assert (p.out.shape, p.out.dtype, p.v_key, p.squeezed, "unrelated" in p.params) == (
+        want.shape, want.dtype, 1, (0,), False)
+    assert p.query_axis(logits.shape) == 2
+    # v first, the weights' free axes a group of 2 heads beside 32 queries: the queries are the longer
+    grouped = jax.ShapeDtypeStruct((4, 2, 32, 16), jnp.float32)  # [h, g, q, k]
+    vg = jax.ShapeDtypeStruct((4, 16, 8), jnp.float32)
+    dn_vp = (((1,), (3,)), ((0,), (0,)))
+    q = ValueProduct.of(False, {"dimension_numbers": dn_vp}, grouped, vg)
+    assert q.v_key == 1 and q.out.shape == (4, 8, 2, 32) and q.query_axis(grouped.shape) == 2
+    assert ValueProduct.of(True, {"dimension_numbers": (((0,), (0,)), ((), ()))}, jax.ShapeDtypeStruct(
+        (1, 16), jnp.float32), jax.ShapeDtypeStruct((16, 8), jnp.float32), squeezed=(0,)).query_axis((1, 16)) is None

@@ -297,7 +297,38 @@ def _rules_defined(path: pathlib.Path) -> int:
 LM_HEAD_LINES_PER_RULE = 47.4
 
 
+def _lines_and_rules(*names: str) -> tuple[int, int]:
+    paths = [ROOT / "rulesets" / name for name in names]
+    return sum(len(p.read_text().splitlines()) for p in paths), sum(_rules_defined(p) for p in paths)
+
+
 def test_the_lm_head_reads_as_its_rules():
-    path = ROOT / "rulesets" / "nn_lm_head.py"
-    lines, rules = len(path.read_text().splitlines()), _rules_defined(path)
+    lines, rules = _lines_and_rules("nn_lm_head.py")
     assert rules and lines / rules <= LM_HEAD_LINES_PER_RULE, f"{lines} lines for {rules} rules"
+
+
+#: Attention's lines per rule: every line of ``rulesets/attention.py`` and ``rulesets/_fused_attention.py`` (the
+#: rule files: the rules and the matching that maps a program onto a kernel) over the rules they define; the
+#: kernels the rules call, ``rulesets/kernels/attention.py``, and the readers of a matched program in the rules
+#: language (``rewrite/rules/sliced.py``, ``Value.max_under``) are not counted.
+ATTENTION_LINES_PER_RULE = 95.0
+
+
+def test_attention_reads_as_its_rules():
+    lines, rules = _lines_and_rules("attention.py", "_fused_attention.py")
+    assert rules and lines / rules <= ATTENTION_LINES_PER_RULE, f"{lines} lines for {rules} rules"
+
+
+def test_the_packs_read_a_sliced_program_by_field_names():
+    """No pack unpacks a :class:`rewrite.Sliced`'s steps by position (``prim, params, args, aval, _ = steps[i]``)
+    or indexes one (``steps[i][4]``): a step is a record read by its fields."""
+    found = []
+    for path in _sources("rulesets").values():
+        for node in ast.walk(ast.parse(path.read_text())):
+            steps = lambda n: isinstance(n, ast.Subscript) and isinstance(n.value, ast.Attribute) and \
+                n.value.attr == "steps"  # noqa: E731
+            if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Tuple) and steps(node.value):
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno} unpacks a step")
+            if isinstance(node, ast.Subscript) and steps(node.value):
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno} indexes a step")
+    assert not found, found

@@ -627,6 +627,43 @@ def test_value_max_under_finds_the_row_max_a_shift_is_made_from():
     assert seen and set(seen) == {None}
 
 
+def test_value_max_under_rows_follows_each_axis_back_to_its_own_row():
+    """``Value.max_under(..., rows=True)``: the max put back on its own rows (``keepdims``, a broadcast, a
+    transpose there and back, ``max(-inf, .)``, several axes, the max of a transposed operand) is found; a max
+    put on other rows (transposed once), over another axis, of another value, or reached through a reshape is
+    not."""
+    seen = []
+
+    @procedural
+    def look(m):
+        z, shift = m["z"], m["s"]
+        if z.ndim == 3 and shift.ndim == 3:
+            found = shift.max_under(z, seen_axes[0], rows=True)
+            seen.append(None if found is None else found.shape)
+        return None
+
+    pack = Ruleset("look", [rule(Pat("sub", Pat.var("z"), Pat.var("s")), look, name="look")])
+    z = jnp.arange(48.0).reshape(4, 4, 3) % 7
+    max_of = lambda a, axis: jnp.max(a, axis=axis, keepdims=True)
+    seen_axes = [2]
+    explain(lambda z: z - jax.lax.stop_gradient(max_of(z, 2)), z, rulesets=[pack])
+    explain(lambda z: z - jnp.maximum(-jnp.inf, jnp.broadcast_to(max_of(z, 2), z.shape)), z, rulesets=[pack])
+    explain(lambda z: z - jnp.swapaxes(jnp.swapaxes(max_of(z, 2), 0, 1), 0, 1), z, rulesets=[pack])
+    explain(lambda z: jnp.swapaxes(z, 0, 1) - max_of(jnp.swapaxes(z, 0, 1), 2), z, rulesets=[pack])
+    assert seen == [(4, 4)] * 4
+    seen.clear()
+    explain(lambda z: z - jnp.swapaxes(max_of(z, 2), 0, 1), z, rulesets=[pack])  # row (i, j) gets max of (j, i)
+    explain(lambda z: z - max_of(z, 1), z, rulesets=[pack])
+    explain(lambda z: z - max_of(z + 1.0, 2), z, rulesets=[pack])
+    explain(lambda z: z - jnp.max(z, axis=2).reshape(4, 4, 1), z, rulesets=[pack])
+    assert seen and set(seen) == {None}
+    seen.clear()
+    seen_axes[0] = (1, 2)
+    explain(lambda z: z - max_of(z, (1, 2)), z, rulesets=[pack])
+    explain(lambda z: z - max_of(z, 2), z, rulesets=[pack])
+    assert seen == [(4,), None]
+
+
 def test_params_takes_along_last_reads_a_label_gather_only():
     """``Params.takes_along_last``: ``take_along_axis`` along the last axis (2-D and 3-D, and with a batch of
     one, which JAX writes as an offset axis) is one element per row; along the first axis, a gather of whole

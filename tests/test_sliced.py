@@ -13,6 +13,7 @@ from hypothesis import given, settings, strategies as st
 from jax import lax
 
 from rewrite import Pat, Ruleset, Sliced, explain, procedural, rewrite, rule
+from rewrite.rules.sliced import Ref
 
 BLOCK = 4
 seen: list = []
@@ -100,3 +101,58 @@ def test_an_axis_the_walk_cannot_follow_is_a_leaf():
     assert [leaf.shape for leaf in s.leaves if leaf.ndim] == [(4, 8)] and 1 in s.leaf_axes  # cumsum's result, sliced
     with pytest.raises(AttributeError):
         s.leaves = ()  # a record: read, not changed
+
+
+def test_readers_of_the_steps_say_what_a_value_is_made_of():
+    """``Sliced.path_to``, ``axes_along``, ``literal``, ``position_axis``, ``positions_ge`` and ``exact_in`` on
+    masked, scaled, biased logits ``where(rows >= cols, (k q^T)^T * 0.5 + b, -1e9)``, sliced along the keys."""
+    def f(q, k, b):
+        rows, cols = (lax.broadcasted_iota(jnp.int32, (8, 16), d) for d in (0, 1))
+        return jnp.sum(jnp.where(rows >= cols, (k @ q.T).T * 0.5 + b.astype(jnp.float32), -1e9), axis=1)
+
+    seen.clear()
+    explain(f, jnp.ones((8, 4)), jnp.ones((16, 4)), jnp.ones((8, 16), jnp.bfloat16), rulesets=[PACK])
+    (s,) = seen
+    path = s.path_to("dot_general")
+    steps = [s.steps[ref.index] for ref, _ in path]
+    assert steps[-1].primitive.name == "dot_general" and path[-1][1] is None and path[0][0] == s.out
+    assert all(s.steps[ref.index].args[i] == below for (ref, i), (below, _) in zip(path, path[1:]))
+    assert s.axes_along(path)[0] == [1, 0]  # the logits' axes as the product's: transposed
+    assert s.path_to("cumsum") is None
+    select = next(step for step in steps if step.primitive.name == "select_n")
+    assert s.literal(select.args[1]) == np.float32(-1e9) and s.literal(select.args[2]) is None
+    compare = s.steps[select.args[0].index]
+    assert compare.primitive.name == "ge" and [s.position_axis(a) for a in compare.args] == [0, 1]
+    assert s.positions_ge(select.args[0], 0, 1) is True and s.positions_ge(select.args[0], 1, 0) is None
+    scaled = next(step for step in steps if step.primitive.name == "mul")
+    assert [s.literal(a) for a in scaled.args] == [None, 0.5]
+    added = next(step for step in steps if step.primitive.name == "add")
+    bias = next(a for a in added.args if not s.reads(a, "dot_general"))
+    assert s.exact_in(bias, jnp.bfloat16) and not s.exact_in(added.args[0], jnp.bfloat16)
+
+
+@pytest.mark.parametrize("scale, dtype, moves", [
+    (lambda s: s / 8.0, jnp.float32, True), (lambda s: 0.125 * s, jnp.float32, True),
+    (lambda s: s / 3.0, jnp.float32, True), (lambda s: s / 3.0, jnp.bfloat16, False),  # rounds a half-precision q
+    (lambda s: s / 8.0, jnp.bfloat16, True), (lambda s: s / 0.5, jnp.float32, False),  # makes q larger
+    (lambda s: s * 3.0, jnp.float32, False)])
+def test_hoist_scale_applies_a_literal_scale_of_the_product_to_its_operand_read_whole(scale, dtype, moves):
+    """``Sliced.hoist_scale``: the program with the scale on ``x`` (the product's operand read whole), given as a
+    leaf after its own, computes each block as the original does; a scale that makes ``x`` larger, or rounds a
+    half-precision ``x``, stays where it is."""
+    seen.clear()
+    x, y = (jnp.asarray(np.random.default_rng(i).standard_normal(s), dtype) for i, s in enumerate([(8, 4), (16, 4)]))
+    explain(lambda x, y: jnp.sum(scale(x @ y.T), axis=1), x, y, rulesets=[PACK])
+    (s,) = seen
+    hoisted, added = s.hoist_scale()
+    assert len(added) == moves and len(hoisted.leaves) == len(s.leaves) + moves
+    if not moves:
+        assert hoisted is s
+        return
+    (h,) = added
+    assert s.leaf_axes[h.operand] is None and hoisted.leaf_axes[-1] is None and s.literal(Ref("leaf", h.scale))
+    leaves = [x if leaf.shape == x.shape else y if leaf.shape == y.shape else jnp.asarray(leaf.literal, leaf.dtype)
+              for leaf in s.leaves]
+    got = hoisted.block(leaves + [h.of(leaves)], jnp.int32(4), 4)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(s.block(leaves, jnp.int32(4), 4), np.float32),
+                               rtol=1e-6 if dtype == jnp.float32 else 1e-2)

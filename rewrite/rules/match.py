@@ -276,11 +276,19 @@ class Value:
                 break
         return v, terms
 
-    def max_under(self, of: "Value", axis: int) -> "Value | None":
+    def max_under(self, of: "Value", axis: "int | Sequence[int]", *, rows: bool = False) -> "Value | None":
         """The ``max(of, axis)`` (a ``reduce_max`` over ``axis`` alone) that this value is computed from through
         the operations a softmax's shift is made of (:data:`SHIFT_OPS`: ``stop_gradient``, broadcasts, reshapes,
         converts, the ``max(-inf, .)`` guard, ``select_n`` on ``is_finite``), or ``None`` when some path reaches
-        another value or a ``reduce_max`` of anything else. Literals and single elements end a path."""
+        another value or a ``reduce_max`` of anything else. Literals and single elements end a path.
+
+        ``rows=True``: this value is that max put back on ``of``'s own rows (``axis`` may then be several axes),
+        each axis followed through ``stop_gradient``, unsharded broadcasts, transposes and the ``max(-inf, .)``
+        guard alone, and the max may be of ``f`` where ``of`` is ``f`` transposed (as
+        ``jax.nn.dot_product_attention`` writes it under ``vmap``); a max whose rows land on other rows, or a
+        value of another size than ``of`` but along ``axis`` (where it may be 1), is refused."""
+        if rows:
+            return _row_max(self, of, (axis,) if isinstance(axis, int) else tuple(axis))
         seen, stack, found = set(), [(self, 0)], None
         while stack:
             v, depth = stack.pop()
@@ -306,6 +314,60 @@ class Value:
 SHIFT_OPS = frozenset({"stop_gradient", "broadcast_in_dim", "max", "min", "select_n", "is_finite", "reshape",
                        "convert_element_type", "squeeze", "expand_dims"})
 """The primitives :meth:`Value.max_under` walks through: those a softmax's shift is made of from its row max."""
+
+
+def _same(a: Value, b: Value) -> bool:
+    """Whether two values are one class (or, outside a snapshot, one name)."""
+    return a.cls == b.cls if a.cls is not None and b.cls is not None else (a.cls, a.name) == (b.cls, b.name)
+
+
+def _inverse(perm: Sequence[int]) -> list[int]:
+    """Where each axis of a transpose's operand lands in its result."""
+    return [list(perm).index(j) for j in range(len(perm))]
+
+
+def _row_max(shift: Value, of: Value, axes: tuple[int, ...]) -> Value | None:
+    """:meth:`Value.max_under` with ``rows=True``: ``pos`` says where each axis of the value walked lies in ``of``."""
+    if shift.ndim != of.ndim or any(d != n and not (i in axes and d == 1)
+                                    for i, (d, n) in enumerate(zip(shift.shape, of.shape))):
+        return None
+    sources = [(of, list(range(of.ndim)))]  # what the max may be taken of, with its axes' places in ``of``
+    node = of.node("transpose")
+    if node is not None:
+        sources.append((node.operands[0], _inverse([int(d) for d in node.params["permutation"]])))
+    v, pos = shift, list(range(of.ndim))
+    for _ in range(8):
+        for prim in ("stop_gradient", "broadcast_in_dim", "transpose", "max", "reduce_max"):
+            node = v.node(prim)
+            if node is None:
+                continue
+            ops = node.operands
+            if prim == "reduce_max":
+                reduced = [int(a) for a in node.params["axes"]]
+                for src, place in sources:
+                    kept = [j for j in range(src.ndim) if j not in reduced]
+                    if _same(ops[0], src) and sorted(place[a] for a in reduced) == sorted(axes) and all(
+                            pos[i] == place[j] or src.shape[j] == 1 for i, j in enumerate(kept)):
+                        return v
+                return None
+            if prim == "max":  # the guard max(-inf, m)
+                lit = [o for o in ops if o.literal is not None]
+                rest = [o for o in ops if o.literal is None]
+                if len(lit) != 1 or len(rest) != 1 or float(lit[0].literal) != -np.inf:
+                    continue
+                v = rest[0]
+            elif prim == "broadcast_in_dim":
+                if node.params.get("sharding") is not None:
+                    return None
+                v, pos = ops[0], [pos[int(d)] for d in node.params["broadcast_dimensions"]]
+            elif prim == "transpose":
+                v, pos = ops[0], [pos[d] for d in _inverse([int(d) for d in node.params["permutation"]])]
+            else:
+                v = ops[0]
+            break
+        else:
+            return None
+    return None
 
 
 def _broadcast_term(term: Value, rest: Value, of: Value, axis: int) -> bool:

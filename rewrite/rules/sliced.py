@@ -7,15 +7,20 @@ carry the axis on one side, and records each value it passes as a :class:`Step` 
 it. What it reaches without the axis is a leaf read whole; what carries the axis and is none of those is
 a leaf sliced per block. :meth:`Sliced.block` then runs the steps for one block, each ``iota`` and
 ``shape`` param cut to it, reading only that block of each sliced leaf; :meth:`Sliced.place` follows a
-second axis through the same steps, so that a block may be cut along two axes at once.
+second axis through the same steps, so that a block may be cut along two axes at once. Readers of the steps
+(:meth:`Sliced.literal`, :meth:`Sliced.position_axis`, :meth:`Sliced.positions_ge`, :meth:`Sliced.path_to`, ...) say
+what a value is made of.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import math
 from typing import Any, NamedTuple, Sequence
 
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 #: Elementwise primitives the walk passes through (their operands have the result's shape, or are scalars).
@@ -63,6 +68,20 @@ class Placed(NamedTuple):
         return Cut(self.leaf_axes, self.step_axes, start, size)
 
 
+class Hoisted(NamedTuple):
+    """A leaf that :meth:`Sliced.hoist_scale` adds after a program's own: leaf ``operand`` scaled by the literal
+    leaf ``scale`` (``prim``: ``"div"`` or ``"mul"``), computed once, before a loop over blocks."""
+
+    operand: int
+    scale: int
+    prim: str
+
+    def of(self, leaves: Sequence[Any]) -> Any:
+        """The added leaf's value, from arrays of the program's own leaves."""
+        x, c = leaves[self.operand], leaves[self.scale]
+        return x / c if self.prim == "div" else x * c
+
+
 @dataclasses.dataclass(frozen=True)
 class Sliced:
     """A value computed from ``leaves`` by ``steps`` (the last one that ``out`` names), each value with the place
@@ -78,7 +97,7 @@ class Sliced:
 
     def aval(self, ref: Ref) -> Any:
         """The aval of the leaf or step ``ref`` names."""
-        return self.leaves[ref[1]].aval if ref[0] == "leaf" else self.steps[ref[1]].aval
+        return self.leaves[ref.index].aval if ref.kind == "leaf" else self.steps[ref.index].aval
 
     def block(self, leaves: Sequence[Any], start: Any, size: int, cut: Cut | None = None) -> Any:
         """The value at positions ``start .. start + size`` of the axis: the steps ``out`` reads, each once, with
@@ -123,10 +142,10 @@ class Sliced:
     def value(self, leaves: Sequence[Any], ref: Ref | None = None, memo: dict | None = None) -> Any:
         """The whole value of ``ref`` (``out`` by default), no block: the steps it needs, each once."""
         ref, memo = self.out if ref is None else ref, {} if memo is None else memo
-        if ref[0] == "leaf":
-            return leaves[ref[1]]
+        if ref.kind == "leaf":
+            return leaves[ref.index]
         if ref not in memo:
-            step = self.steps[ref[1]]
+            step = self.steps[ref.index]
             res = step.primitive.bind(*[self.value(leaves, a, memo) for a in step.args], **step.params)
             memo[ref] = res[0] if isinstance(res, (list, tuple)) else res
         return memo[ref]
@@ -135,21 +154,22 @@ class Sliced:
         """Where ``axis`` of the value lies in every leaf and step (a :class:`Placed`), or ``None`` where a value
         would carry it in two places, or a product carries it as a batch axis or on the side of the sliced axis."""
         leaf_q: dict[int, int | None] = {}
-        step_q: dict[int, int | None] = {self.out[1]: axis} if self.out[0] == "step" else {}
-        if self.out[0] == "leaf":
-            leaf_q[self.out[1]] = axis
+        step_q: dict[int, int | None] = {self.out.index: axis} if self.out.kind == "step" else {}
+        if self.out.kind == "leaf":
+            leaf_q[self.out.index] = axis
 
         def put(ref: Ref, ax: int | None) -> bool:
-            table = leaf_q if ref[0] == "leaf" else step_q
-            if ref[1] in table and table[ref[1]] != ax:
+            table = leaf_q if ref.kind == "leaf" else step_q
+            if ref.index in table and table[ref.index] != ax:
                 return False
-            table[ref[1]] = ax
+            table[ref.index] = ax
             return True
 
         for i in reversed(range(len(self.steps))):
             if i not in step_q:
                 continue
-            prim, params, args, aval, key = self.steps[i]
+            step = self.steps[i]
+            prim, params, args, aval, key = step.primitive, step.params, step.args, step.aval, step.axis
             ax = step_q[i]
             shapes = [self.aval(a).shape for a in args]
             axes = [None] * len(args) if ax is None else operand_axes(prim.name, params, shapes, aval.shape, ax)
@@ -162,6 +182,208 @@ class Sliced:
                 return None
         return Placed(tuple(leaf_q.get(i) for i in range(len(self.leaves))),
                       tuple(step_q.get(i) for i in range(len(self.steps))))
+
+
+    def hoist_scale(self) -> tuple["Sliced", tuple[Hoisted, ...]]:
+        """This program with a literal scale of its product, ``(a b) / c`` or ``(a b) * c``, applied to the product's
+        operand read whole, ``a``, as a leaf after the program's own (a :class:`Hoisted`): computed once, before a
+        loop over blocks, where in the loop the scale is a pass of its own over each block (attention's ``q k^T /
+        sqrt(d)``). The scale moves where it is a finite literal that makes ``a`` no larger (a divisor of magnitude
+        1 or more, a factor of at most 1), so nothing overflows where the original does not; a power of two moves
+        exactly, any other scale in float32 and float64 only (it rounds ``a`` once). One scale moves, the first
+        (a second would read this step as the product, over a leaf that is not the program's). Without one:
+        the program as it is, and no leaf."""
+        steps = list(self.steps)
+        uses = collections.Counter(a.index for step in steps for a in step.args if a.kind == "step")
+        for j, step in enumerate(steps):
+            if step.primitive.name not in ("div", "mul") or len(step.args) != 2:
+                continue
+            a, b = step.args
+            for d_ref, c_ref in [(a, b)] if step.primitive.name == "div" else [(a, b), (b, a)]:
+                if d_ref.kind != "step" or c_ref.kind != "leaf" or uses[d_ref.index] != 1:
+                    continue
+                product, value = steps[d_ref.index], self.literal(c_ref)
+                dtype = product.aval.dtype
+                if product.primitive.name != "dot_general" or value is None or not np.isfinite(value) or value == 0:
+                    continue
+                if (abs(value) < 1) if step.primitive.name == "div" else (abs(value) > 1):
+                    continue
+                if math.frexp(abs(value))[0] != 0.5 and jnp.finfo(dtype).nmant < 23:
+                    continue  # not a power of two: rounding a half-precision operand once more
+                whole = [k for k, r in enumerate(product.args) if r.kind == "leaf" and self.leaf_axes[r.index] is None]
+                if len(whole) != 1:
+                    continue
+                q_ref = product.args[whole[0]]
+                if any(x.dtype != dtype for x in (self.leaves[q_ref.index], self.leaves[c_ref.index], step.aval)):
+                    continue
+                args = list(product.args)
+                args[whole[0]] = q_ref._replace(index=len(self.leaves))  # the scaled operand, the added leaf
+                steps[j] = product._replace(args=tuple(args))  # the scale's step: the product of the scaled operand
+                hoisted = Hoisted(q_ref.index, c_ref.index, step.primitive.name)
+                return dataclasses.replace(self, steps=tuple(steps), leaves=self.leaves + (self.leaves[q_ref.index],),
+                                           leaf_axes=self.leaf_axes + (None,)), (hoisted,)
+        return self, ()
+
+    def literal(self, ref: Ref) -> float | None:
+        """The Python value of ``ref`` where it is a literal scalar (a leaf, maybe converted to another dtype: a
+        Python float under ``jnp.where``; or a broadcast of one), else ``None``."""
+        step = self.steps[ref.index] if ref.kind == "step" else None
+        if step is None:
+            return scalar_literal(self.leaves[ref.index])
+        return self.literal(step.args[0]) if step.primitive.name == "broadcast_in_dim" else None
+
+    def position_axis(self, ref: Ref, depth: int = 0) -> int | None:
+        """The axis along which ``ref`` is each element's own position (an ``iota``, maybe broadcast, converted
+        from an integer, or plus a literal 0, as ``jnp.tril`` writes it), each position exact in its dtype;
+        else ``None``."""
+        if ref.kind == "leaf":
+            return position_axis(self.leaves[ref.index])
+        step = self.steps[ref.index]
+        name, params, args, aval = step.primitive.name, step.params, step.args, step.aval
+        if depth > 8:
+            return None
+        if name == "iota":
+            return _own_position(aval.dtype, aval.shape, int(params["dimension"]))
+        if name == "convert_element_type" and jnp.issubdtype(aval.dtype, jnp.integer):
+            return _own_position(aval.dtype, aval.shape, self.position_axis(args[0], depth + 1))
+        if name in ("add", "sub") and len(args) == 2 and self.literal(args[1]) == 0.0:
+            return self.position_axis(args[0], depth + 1)
+        if name == "broadcast_in_dim":
+            inner, dims = self.position_axis(args[0], depth + 1), params["broadcast_dimensions"]
+            if inner is not None and self.aval(args[0]).shape[inner] == aval.shape[dims[inner]]:
+                return int(dims[inner])
+        return None
+
+    def positions_ge(self, ref: Ref, axis: int, other: int, depth: int = 0) -> bool | None:
+        """``True`` where the mask ``ref`` is ``position along axis >= position along other`` (a causal mask, with
+        ``axis`` the queries), ``False`` where it is ``<``, else ``None``: a comparison of two positions
+        (:meth:`position_axis`), maybe broadcast over more axes (flax's ``[b, 1, q, k]``), as 0/1 numbers read
+        back by ``!= 0``, under ``ones & mask`` or as ``where(mask, 1, 0)`` (``jnp.tril`` of ones) or its negation."""
+        if ref.kind == "leaf" or depth > 8:
+            return None
+        step = self.steps[ref.index]
+        name, params, args, aval = step.primitive.name, step.params, step.args, step.aval
+        literals = [self.literal(a) for a in args]
+        if name == "broadcast_in_dim":
+            src, dims = self.aval(args[0]), tuple(params["broadcast_dimensions"])
+            if axis not in dims or other not in dims:
+                return None
+            i, j = dims.index(axis), dims.index(other)
+            if src.shape[i] != aval.shape[axis] or src.shape[j] != aval.shape[other]:
+                return None
+            return self.positions_ge(args[0], i, j, depth + 1)
+        if name == "convert_element_type":
+            return self.positions_ge(args[0], axis, other, depth + 1)
+        if name in ("ne", "and") and len(args) == 2:  # mask != 0, ones & mask
+            unit = [i for i, c in enumerate(literals) if c == (0.0 if name == "ne" else 1.0)]
+            return self.positions_ge(args[1 - unit[0]], axis, other, depth + 1) if len(unit) == 1 else None
+        if name == "select_n" and len(args) == 3:  # select_n picks its last operand where the mask is true
+            if (literals[2], literals[1]) not in ((1.0, 0.0), (0.0, 1.0)):
+                return None
+            inner = self.positions_ge(args[0], axis, other, depth + 1)
+            return inner if inner is None or literals[2] == 1.0 else not inner
+        if name not in ("ge", "le", "gt", "lt"):
+            return None
+        a, b = (self.position_axis(x) for x in args)
+        if (a, b) == (other, axis):
+            name = {"ge": "le", "le": "ge", "gt": "lt", "lt": "gt"}[name]
+        elif (a, b) != (axis, other):
+            return None
+        return {"ge": True, "lt": False}.get(name)
+
+    def reads(self, ref: Ref, prim: str) -> bool:
+        """Whether the value of ``ref`` is computed through a step of ``prim``."""
+        step = self.steps[ref.index] if ref.kind == "step" else None
+        return step is not None and (step.primitive.name == prim or any(self.reads(a, prim) for a in step.args))
+
+    def path_to(self, prim: str) -> list[tuple[Ref, int | None]] | None:
+        """The steps from ``out`` down to the one step of ``prim`` (attention's logits down to ``q k^T``), each
+        with the index of its operand that leads there (``None`` for that last step); ``None`` where no step of
+        ``prim`` is reached, or a step reaches it through two operands."""
+        path, ref = [], self.out
+        for _ in range(32):
+            if ref.kind == "leaf":
+                return None
+            args = self.steps[ref.index].args
+            if self.steps[ref.index].primitive.name == prim:
+                return path + [(ref, None)]
+            leading = [i for i, a in enumerate(args) if self.reads(a, prim)]
+            if len(leading) != 1:
+                return None
+            path.append((ref, leading[0]))
+            ref = args[leading[0]]
+        return None
+
+    def axes_along(self, path: Sequence[tuple[Ref, int | None]]) -> list[list[int | None]] | None:
+        """For each step of ``path`` (:meth:`path_to`), its axes as the last step's (``None``: an axis of size one
+        it inserts): through broadcasts that add such axes only, transposes and steps that keep the rank; else
+        ``None``."""
+        maps = [list(range(len(self.aval(path[-1][0]).shape)))]
+        for ref, _ in reversed(path[:-1]):
+            step, below = self.steps[ref.index], maps[0]
+            shape = step.aval.shape
+            if step.primitive.name == "broadcast_in_dim":
+                dims = tuple(step.params["broadcast_dimensions"])
+                if any(d not in dims and shape[d] != 1 for d in range(len(shape))):
+                    return None  # a copy along a new axis
+                maps.insert(0, [below[dims.index(d)] if d in dims else None for d in range(len(shape))])
+            elif step.primitive.name == "transpose":
+                maps.insert(0, [below[int(d)] for d in step.params["permutation"]])
+            elif len(shape) == len(below):
+                maps.insert(0, list(below))
+            else:
+                return None
+        return maps
+
+    def exact_in(self, ref: Ref, dtype: Any, depth: int = 0) -> bool:
+        """Whether every value of ``ref`` is one of ``dtype``: of it, or values of it widened, broadcast or moved."""
+        if self.aval(ref).dtype == dtype:
+            return True
+        if ref.kind == "leaf" or depth > 8:
+            return False
+        step = self.steps[ref.index]
+        moves = ("convert_element_type", "broadcast_in_dim", "transpose", "reshape", "squeeze")
+        return step.primitive.name in moves and self.exact_in(step.args[0], dtype, depth + 1)
+
+
+def scalar_literal(v: Any, depth: int = 0) -> float | None:
+    """A literal scalar's value (of a matched :class:`rewrite.Value`), maybe converted to another dtype."""
+    if v.shape != () or depth > 4:
+        return None
+    if v.literal is not None:
+        return float(v.literal)
+    node = v.node("convert_element_type")
+    inner = None if node is None else scalar_literal(node.operands[0], depth + 1)
+    return None if inner is None else float(np.asarray(inner).astype(node.params["new_dtype"]))
+
+
+def _own_position(dtype: Any, shape: tuple, axis: int | None) -> int | None:
+    """``axis`` where ``dtype`` holds every position along it (an int8 iota over 512 wraps at 128), else ``None``."""
+    if axis is None:
+        return None
+    dtype, last = np.dtype(dtype), shape[axis] - 1
+    if jnp.issubdtype(dtype, jnp.integer):
+        return axis if int(jnp.iinfo(dtype).max) >= last else None
+    return axis if jnp.issubdtype(dtype, jnp.floating) and last <= 2 ** (jnp.finfo(dtype).nmant + 1) else None
+
+
+def position_axis(v: Any, depth: int = 0) -> int | None:
+    """:meth:`Sliced.position_axis` of a matched :class:`rewrite.Value`: an ``iota``, maybe broadcast or converted
+    from an integer."""
+    if depth > 8:
+        return None
+    node = v.node("iota")
+    if node is not None:
+        return _own_position(v.dtype, v.shape, int(node.params["dimension"]))
+    node = v.node("convert_element_type")
+    if node is not None and jnp.issubdtype(node.operands[0].dtype, jnp.integer):
+        return _own_position(v.dtype, v.shape, position_axis(node.operands[0], depth + 1))
+    node = v.node("broadcast_in_dim")
+    if node is not None:
+        inner = position_axis(node.operands[0], depth + 1)
+        if inner is not None and node.operands[0].shape[inner] == v.shape[node.params["broadcast_dimensions"][inner]]:
+            return int(node.params["broadcast_dimensions"][inner])
+    return None
 
 
 def operand_axes(prim: str, params: dict, shapes: Sequence[tuple], shape: tuple, ax: int) -> list | None:

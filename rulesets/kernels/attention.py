@@ -47,7 +47,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-__all__ = ["Window", "Logits", "ValueProduct", "blocked_attention", "Scores", "attention"]
+__all__ = ["Window", "Logits", "ValueProduct", "blocked_attention", "Scores", "attention", "FusedAxes",
+           "fused_attention", "fused_axes"]
 
 
 class Window(NamedTuple):
@@ -106,6 +107,30 @@ class ValueProduct:
     cast: Any = None
     squeezed: tuple[int, ...] = ()
     wide: Any = None
+
+    @classmethod
+    def of(cls, weights_first: bool, params: dict, logits: Any, v: Any, *, cast: Any = None,
+           squeezed: Sequence[int] = (), wide: Any = None) -> "ValueProduct":
+        """The record of a program's ``dot_general(weights, v, **params)`` (``weights_first``; else of ``v`` and
+        the weights): ``logits`` and ``v`` have ``shape`` and ``dtype`` (avals), the weights are the logits
+        rounded to ``cast`` and less their axes ``squeezed``."""
+        kept = {k: params[k] for k in ("dimension_numbers", "precision", "preferred_element_type") if k in params}
+        weights = jax.ShapeDtypeStruct(tuple(d for i, d in enumerate(logits.shape) if i not in squeezed),
+                                       cast or logits.dtype)
+        pair = (weights, jax.ShapeDtypeStruct(v.shape, v.dtype))
+        out = jax.eval_shape(lambda a, b: lax.dot_general(a, b, **kept), *(pair if weights_first else pair[::-1]))
+        (lc, rc), _ = kept["dimension_numbers"]
+        return cls(weights_first, kept["dimension_numbers"], kept, int((rc if weights_first else lc)[0]), out,
+                   cast, tuple(squeezed), wide)
+
+    def query_axis(self, logits_shape: Sequence[int]) -> int | None:
+        """The logits' query axis: the weights' longest free axis (grouped-query heads have a group axis beside
+        it), as the logits' (of ``logits_shape``); ``None`` where the weights have no free axis."""
+        (lc, rc), (lb, rb) = self.dimension_numbers
+        key, batch = (lc[0], lb) if self.weights_first else (rc[0], rb)
+        axes = [d for d in range(len(logits_shape)) if d not in self.squeezed]  # the weights' axes as the logits'
+        free = [d for d in range(len(axes)) if d != key and d not in batch]
+        return axes[max(free, key=lambda d: (logits_shape[axes[d]], d))] if free else None
 
 
 def blocked_attention(logits: Logits, product: ValueProduct, *, block: int, query_block: int | None = None,
@@ -453,3 +478,123 @@ def attention(q: Any, k: Any, v: Any, *, scores: Scores = Scores(), block: int =
                            cast=None if v.dtype == dtype else v.dtype, wide=jnp.dtype(jnp.float32) if half else None)
     return blocked_attention(logits, product, block=block, query_block=query_block,
                              backward_query_block=query_block)(*operands, v)
+
+
+class FusedAxes(NamedTuple):
+    """Where :func:`fused_attention`'s operands keep the axes of ``jax.nn.dot_product_attention``'s layout
+    (``None``: an axis of size one they lack, inserted). Batch axes ``b0`` and ``b1``, queries ``T``, keys
+    ``S``, a group of query heads sharing a key head ``G``, the head dimension ``H``."""
+    q: tuple  #: ``q``'s axes as ``[b0, T, b1, G, H]``
+    k: tuple  #: ``k``'s axes as ``[b0, S, b1, H]``
+    v: tuple  #: ``v``'s axes as ``[b0, S, b1, H]``
+    bias: tuple  #: the bias's axes as ``[b0, T, b1, S]``
+    out: tuple  #: for each axis of the result, its axis of ``[b0, T, b1, G, H]`` (``None``: a new axis of size one)
+
+
+def fused_axes(dimension_numbers: Any, shape: tuple, ranks: tuple[int, int], key_axis: int,
+               logits_axes: Sequence[int | None], product: ValueProduct, *, causal_axis: int | None = None,
+               biased: bool = False) -> tuple[FusedAxes, bool] | None:
+    """Where attention written as two ``dot_general`` products keep the axes of :func:`fused_attention`'s layout.
+
+    The scores are a ``dot_general`` of ``q`` and ``k`` (either on the left; operands of ``ranks``) with
+    ``dimension_numbers``, of ``shape``, the keys at ``key_axis``; the logits are the scores with their axes as
+    ``logits_axes`` says (for each, the scores' axis; ``None``: one of size one they add); the weights (the
+    logits less ``product.squeezed``) meet ``v`` in ``product``. ``causal_axis``: the scores' query axis that a
+    causal mask compares (the queries are else the longer of at most two free axes, the other a group of query
+    heads sharing a key head). Returns the :class:`FusedAxes` and whether ``q`` is the left operand, or
+    ``None`` where the layout is not one the call takes (more than two batch axes, a bias over grouped heads, a
+    causal mask over queries and keys of different lengths, ...)."""
+    (lc, rc), (lb, rb) = dimension_numbers
+    nb, rank = len(lb), len(shape)
+    q_lhs = key_axis == rank - 1  # the query is the scores' left operand
+    q_dots = [d for d in range(nb, rank) if d != key_axis]
+    if nb > 2 or len(lc) != 1 or len(q_dots) not in (1, 2) or (not q_lhs and key_axis != nb):
+        return None
+    t_dot = causal_axis if causal_axis is not None else max(q_dots, key=lambda d: (shape[d], -d))
+    if causal_axis is not None and shape[t_dot] != shape[key_axis]:
+        return None  # queries and keys of different lengths: how a kernel aligns its causal mask varies
+    g_dot = next((d for d in q_dots if d != t_dot), None)
+    qb, kb = (lb, rb) if q_lhs else (rb, lb)
+    qc, kc = (lc[0], rc[0]) if q_lhs else (rc[0], lc[0])
+    q_rank, k_rank = ranks if q_lhs else ranks[::-1]
+    if q_rank != rank or k_rank != nb + 2 or (g_dot is not None and biased):
+        return None
+    # The weights times v: the product's batch axes are the logits' batch axes that the weights keep, its
+    # contraction the key axis, its free axes the query's; v has one more axis, the head dimension.
+    (pc_l, pc_r), (pb_l, pb_r) = product.dimension_numbers
+    p_first = product.weights_first
+    p_batch, v_batch = (pb_l, pb_r) if p_first else (pb_r, pb_l)
+    v_c = (pc_r if p_first else pc_l)[0]
+    kept = [d for d in range(len(logits_axes)) if d not in product.squeezed]  # the weights' axes, as the logits'
+    p_dot = [logits_axes[d] for d in kept]                                  # ... as the scores' (None: size one)
+    if any(p_dot[p] is None or p_dot[p] >= nb for p in p_batch):
+        return None
+    v_axes: list[int | None] = []  # v's axis for each of the scores' batch axes (None: v lacks it)
+    for i in range(nb):
+        if i in p_dot and p_dot.index(i) in p_batch:
+            v_axes.append(int(v_batch[list(p_batch).index(p_dot.index(i))]))
+        elif i in p_dot or shape[i] != 1:
+            return None
+        else:
+            v_axes.append(None)
+    free = [p for p in range(len(kept)) if p not in p_batch and p_dot[p] != key_axis]
+    v_rank = len(product.out.shape) - len(free) + 1
+    v_free = [d for d in range(v_rank) if d not in v_batch and d != v_c]
+    free_dots = [p_dot[p] for p in free]
+    if len(v_free) != 1 or t_dot not in free_dots or any(d not in (t_dot, g_dot, None) for d in free_dots) \
+            or (g_dot is not None and g_dot not in free_dots and shape[g_dot] != 1):
+        return None
+    q_axis_of = dict(zip(q_dots, [d for d in range(q_rank) if d not in qb and d != qc]))
+    q_free, q_group = q_axis_of[t_dot], (q_axis_of[g_dot] if g_dot is not None else None)
+    k_free = next(d for d in range(k_rank) if d not in kb and d != kc)
+
+    def pad(batch: Sequence[int | None], seq: int, head: int) -> tuple:
+        return (batch[0] if nb > 0 else None, seq, batch[1] if nb > 1 else None, head)
+
+    # where each axis of the weights' product comes from in the call's output as [b0, T, b1, G, H]
+    five = {t_dot: 1, g_dot: 3, None: None}
+    src = [(0, 2)[p_dot[p]] for p in p_batch]
+    src += [five[d] for d in free_dots] + [4] if p_first else [4] + [five[d] for d in free_dots]
+    return FusedAxes(q=(qb[0] if nb > 0 else None, q_free, qb[1] if nb > 1 else None, q_group, qc),
+                     k=pad(kb, k_free, kc), v=pad(v_axes, v_c, v_free[0]),
+                     bias=pad(list(range(nb)), t_dot, key_axis), out=tuple(src)), q_lhs
+
+
+def _arrange(x: Any, axes: Sequence[int | None]) -> Any:
+    """``x`` with its axes in the order ``axes`` (``[b0, seq, b1, head]``, say); an axis given as ``None`` is
+    inserted, of size one."""
+    present = [a for a in axes if a is not None]
+    y = lax.transpose(x, tuple(present)) if present != sorted(present) else x
+    missing = tuple(i for i, a in enumerate(axes) if a is None)
+    return lax.expand_dims(y, missing) if missing else y
+
+
+def fused_attention(q: Any, k: Any, v: Any, bias: Any = None, *, axes: FusedAxes, scale: float | None = None,
+                    causal: bool = False, implementation: str | None = None, dtype: Any = None) -> Any:
+    """Attention as one ``jax.nn.dot_product_attention`` call (cuDNN's fused kernel where ``implementation``
+    is ``"cudnn"``) on operands in any layout: each is put in the call's layout as ``axes`` says, the query
+    heads of a group ``G`` run as heads of their own, and the result is laid out as ``axes.out`` says, of
+    ``dtype`` (the query's by default).
+
+    >>> import jax, jax.numpy as jnp
+    >>> q, k, v = (jax.random.normal(jax.random.key(i), (16, 2, 8)) for i in range(3))  # [T, b0, H]
+    >>> out = fused_attention(q, k, v, axes=FusedAxes(q=(1, 0, None, None, 2), k=(1, 0, None, 2),
+    ...                       v=(1, 0, None, 2), bias=(), out=(1, 0, 4)), scale=0.5, implementation="xla")
+    >>> ref = jax.nn.softmax(jnp.einsum("tbh,sbh->bts", q, k) * 0.5, axis=-1)
+    >>> bool(jnp.allclose(out, jnp.einsum("bts,sbh->tbh", ref, v), atol=1e-6))
+    True
+    """
+    b = None if bias is None else jnp.swapaxes(_arrange(bias, axes.bias), 1, 2)  # [b0, b1, T, S]
+    q5 = _arrange(q, axes.q)
+    n0, t, n1, g, h = q5.shape
+    o = jax.nn.dot_product_attention(q5.reshape(n0, t, n1 * g, h), _arrange(k, axes.k), _arrange(v, axes.v),
+                                     bias=b, scale=scale, is_causal=causal, implementation=implementation)
+    o = o.reshape(n0, t, n1, g, h)
+    present = [a for a in axes.out if a is not None]
+    dropped = tuple(a for a in range(5) if a not in present)
+    perm = tuple(sorted(present).index(a) for a in present)
+    inserted = tuple(i for i, a in enumerate(axes.out) if a is None)
+    o = lax.squeeze(o, dropped) if dropped else o
+    o = lax.transpose(o, perm) if list(perm) != sorted(perm) else o
+    o = lax.expand_dims(o, inserted) if inserted else o
+    return o.astype(q.dtype if dtype is None else dtype)
