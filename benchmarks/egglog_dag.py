@@ -96,19 +96,16 @@ def saturation(name: str) -> str:
             spent[ruleset] = spent.get(ruleset, 0.0) + time.perf_counter() - t
             runs[ruleset] = runs.get(ruleset, 0) + 1
 
-    def flush(self):
-        t = time.perf_counter()
-        try:
-            return originals[1](self)
-        finally:
-            spent["flush"] += time.perf_counter() - t
+    def timed(original, key):
+        def wrapped(self):
+            t = time.perf_counter()
+            try:
+                return original(self)
+            finally:
+                spent[key] += time.perf_counter() - t
+        return wrapped
 
-    def engine_run(self):
-        t = time.perf_counter()
-        try:
-            return originals[2](self)
-        finally:
-            spent["saturate"] += time.perf_counter() - t
+    flush, engine_run = timed(originals[1], "flush"), timed(originals[2], "saturate")
 
     fn, args = ecosystem.PROGRAMS[name].build()
     flat, leaves = ecosystem._flat(fn, args)
