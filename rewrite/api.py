@@ -341,7 +341,8 @@ class Rewritten:
     def _loss_first(self, cone: core.ClosedJaxpr) -> core.ClosedJaxpr:
         """A loss's VJP as ``jax.value_and_grad(rewrite(loss))`` runs it, with these rules, as one program
         ``(primals, cotangent) -> (loss, gradients)``: JAX's VJP of the rewritten forward, rewritten."""
-        forward = run_pipeline(cone, self.entries, self.cost_model, self.limits).after
+        # only the programs that come out are read: the inputs are not priced
+        forward = run_pipeline(cone, self.entries, self.cost_model, self.limits, price_input=False).after
         return rewrite_joint(forward, self.entries, self.cost_model, self.limits)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

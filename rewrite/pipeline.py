@@ -52,30 +52,32 @@ def limits_met(result: Result) -> list[str]:
 
 
 def run_pipeline(program: Traced | core.ClosedJaxpr, entries: Sequence[tuple[Rule, Ruleset]], model: CostModel,
-                 limits: Limits, keep: bool = False) -> Result:
+                 limits: Limits, keep: bool = False, price_input: bool = True) -> Result:
     """Rewrite one program with the given rules: load, saturate, extract, emit, choose.
 
     ``program`` is a traced function or a bare ``ClosedJaxpr``. The program
     that comes out has the same signature (checked). Stage times are in
     ``Result.times``; ``keep`` keeps the e-graph and the choice in the result
     for reports that look deeper (provenance, the VJP's split), otherwise the
-    e-graph goes back to the pool before this returns.
+    e-graph goes back to the pool before this returns. Without ``price_input`` the input program is not
+    priced (``cost_before`` is NaN, and ``why`` says nothing of it): for a caller that reads only the program
+    that comes out (the whole-step search's inner rewrites), whose extraction prices the input anyway.
     """
     closed = program.closed if isinstance(program, Traced) else program
     with _collect_young_only():
-        result = _run(closed, entries, model, limits, keep)
+        result = _run(closed, entries, model, limits, keep, price_input)
     check_signature(closed, result.after)
     return result
 
 
 def _run(closed: core.ClosedJaxpr, entries: Sequence[tuple[Rule, Ruleset]], model: CostModel, limits: Limits,
-         keep: bool) -> Result:
+         keep: bool, price_input: bool = True) -> Result:
     times = {"trace": 0.0}
 
     t = time.perf_counter()
     eg, outs, token, manual = _load(closed, entries)
     program_names = eg.num_names
-    cost_before = input_cost(eg.snapshot(), outs, token, model)
+    cost_before = input_cost(eg.snapshot(), outs, token, model) if price_input else float("nan")
     times["load"] = time.perf_counter() - t
 
     # Saturate, under limits.

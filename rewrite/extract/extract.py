@@ -98,7 +98,7 @@ def extract(snap: Snapshot, roots: Sequence[Any], model: CostModel, original: se
     candidates = [Candidate(search(ex, tree_choice, roots), math.nan, True)]
     orig_choice = None
     if original is not None:
-        _, orig_choice = ex.tree(lambda cls, ctor, args: ctor in _CONTAINERS or (ctor, args) in original)
+        orig_choice = ex.original_tree(original)
         if all(r in orig_choice for r in roots):
             # A rewrite that pays off only from the input program is found by the ProgramSearch from there
             # (below), so the input is not also locally searched under the node model: that third

@@ -50,6 +50,10 @@ class Extractor:
         self._all_kids: dict[tuple, list[Any]] = {}
         self._pair_ids: dict[tuple, int] = {}
         self._tree: tuple[dict, dict] | None = None
+        #: the tree pass restricted to a program's own nodes, by that set (kept alive here, so its id stays its)
+        self._original_trees: dict[int, tuple[set, dict]] = {}
+        #: how many tree passes this extractor made, unrestricted and restricted (a test reads it)
+        self.passes = 0
 
     # ------------------------------------------------------------------ node facts
     def term_kids(self, node: tuple) -> list[Any]:
@@ -203,7 +207,19 @@ class Extractor:
             return dict(self._tree[0]), dict(self._tree[1])
         return self._tree_pass(allowed)
 
+    def original_tree(self, original: set[tuple]) -> dict:
+        """:meth:`tree` over the input program's nodes alone (``original``, canonicalised ``(ctor, args)``, and
+        the containers): its choice, a new dict. The pass is made once per ``original`` set: a VJP extracts its
+        joint program, its gradients alone and its forward from one snapshot, each with the input program as a
+        candidate."""
+        found = self._original_trees.get(id(original))
+        if found is None or found[0] is not original:
+            choice = self._tree_pass(lambda cls, ctor, args: ctor in _CONTAINERS or (ctor, args) in original)[1]
+            found = self._original_trees[id(original)] = (original, choice)
+        return dict(found[1])
+
     def _tree_pass(self, allowed: Callable[[Any, str, tuple], bool] | None) -> tuple[dict, dict]:
+        self.passes += 1
         entries: list[tuple[Any, str, tuple, list[Any]]] = []
         parents: dict[Any, list[int]] = {}
         pending: list[int] = []

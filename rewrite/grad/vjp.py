@@ -379,7 +379,7 @@ def rewrite_joint(closed: core.ClosedJaxpr, entries: Sequence[Any], model: Any, 
     :func:`build_vjp`'s two extractions, the one whose split keeping every residual the backward reads is
     cheaper; no split is chosen, since the two passes are not kept apart."""
     joint = joint_program(closed)[0]
-    res = run_pipeline(joint, entries, model, limits, keep=True)
+    res = run_pipeline(joint, entries, model, limits, keep=True, price_input=False)
     snap, eg = res.snapshot, res.egraph
     try:
         n = len(closed.in_avals)

@@ -1,0 +1,93 @@
+"""Work a first call once did more than once, and must not again (issue 48, item 3: rewrite time).
+
+Counters, not timings: each test counts how often a stage that gives the same answer each time runs in one
+rewrite, so that a change that brings the repeat back fails here whatever the machine's load.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import jax
+import jax.numpy as jnp
+import optax
+
+import rulesets
+from rewrite import explain, rewrite
+from rewrite.cost.model import default_model
+from rewrite.extract import extractor as _extractor
+from rewrite.jaxpr.trace import trace_call
+from rewrite.records import Limits
+from rewrite.grad.vjp import build_vjp
+from rulesets.derivatives import derivatives
+
+
+def _restricted_passes(monkeypatch) -> collections.Counter:
+    """Counts the tree passes restricted to allowed nodes (the input program's, say), by extractor."""
+    counts: collections.Counter = collections.Counter()
+    tree_pass = _extractor.Extractor._tree_pass
+
+    def counted(self, allowed):
+        if allowed is not None:
+            counts[id(self)] += 1
+        return tree_pass(self, allowed)
+
+    monkeypatch.setattr(_extractor.Extractor, "_tree_pass", counted)
+    return counts
+
+
+def test_a_vjp_s_extractions_share_one_pass_over_the_input_program(monkeypatch):
+    """A VJP extracts its joint program, its gradients alone and its forward from one snapshot, each with the
+    input program as a candidate: the input program's own tree pass is made once for the three."""
+    counts = _restricted_passes(monkeypatch)
+    f = lambda x, a: jnp.sum(jnp.sin(a * x) ** 2 / a)  # noqa: E731
+    traced, _ = trace_call(f, (jnp.linspace(-1.0, 1.0, 8), jnp.float32(1.5)), {}, (), ())
+    model = default_model()
+    built = build_vjp(traced, derivatives.entries(), model, Limits(), primal=True, keep=True)
+    ex = _extractor.shared(built.joint.snapshot, model)
+    assert counts[id(ex)] == 1, counts
+    want = jax.grad(f, argnums=(0, 1))(jnp.linspace(-1.0, 1.0, 8), jnp.float32(1.5))
+    got = built.function(jnp.linspace(-1.0, 1.0, 8), jnp.float32(1.5))
+    assert jnp.allclose(got[0], f(jnp.linspace(-1.0, 1.0, 8), jnp.float32(1.5)), rtol=1e-6)
+    got = jax.grad(lambda x, a: built.function(x, a)[0], argnums=(0, 1))(jnp.linspace(-1.0, 1.0, 8),
+                                                                           jnp.float32(1.5))
+    assert all(jnp.allclose(p, q, rtol=1e-5, atol=1e-6) for p, q in zip(got, want))
+
+
+def _step():
+    w = jax.random.normal(jax.random.PRNGKey(0), (8, 16))
+    v = jax.random.normal(jax.random.PRNGKey(1), (16, 4))
+    x = jax.random.normal(jax.random.PRNGKey(2), (32, 8))
+    y = jnp.arange(32) % 4
+
+    def loss(w, v, x, y):
+        return optax.softmax_cross_entropy_with_integer_labels(jnp.tanh(x @ w) @ v, y).mean()
+
+    def step(w, v, x, y):
+        value, (gw, gv) = jax.value_and_grad(loss, argnums=(0, 1))(w, v, x, y)
+        return w - 0.1 * gw, v - 0.1 * gv, value
+
+    return step, [w, v, x, y]
+
+
+def test_the_whole_step_search_prices_only_the_inputs_it_reports(monkeypatch):
+    """The search rewrites the step as written, the loss's forward, the loss's VJP and the step with the loss
+    replaced; only the first and the last report a cost before (the step's), so only they price their input."""
+    import rewrite.pipeline as pipeline
+
+    priced = []
+    input_cost = pipeline.input_cost
+
+    def counted(snap, outs, token, model):
+        priced.append(len(outs))
+        return input_cost(snap, outs, token, model)
+
+    monkeypatch.setattr(pipeline, "input_cost", counted)
+    step, args = _step()
+    report = explain(step, *args, rulesets=[rulesets.algebra], whole_step=True)
+    assert report.result.step is not None and report.result.step.replaced, str(report.result.step)
+    assert priced == [3, 3], priced  # the step as written, and the step with its loss replaced: 3 outputs each
+    # and the step so rewritten still computes the step
+    r = rewrite(step, rulesets=[rulesets.algebra], cache=False, whole_step=True)
+    for p, q in zip(r(*args), jax.jit(step)(*args)):
+        assert jnp.allclose(p, q, rtol=1e-5, atol=1e-6)
