@@ -26,7 +26,7 @@ from .extract.policy import bar_preferred, no_fatter, worth_their_saving
 from .ir.egraph import EGraph
 from .ir.intern import TYPES
 from .ir.jaxapi import core
-from .jaxpr.emit import check_signature, emit
+from .jaxpr.emit import check_signature, emitter
 from .jaxpr.load import TOKEN_AVAL, load_closed
 from .jaxpr.trace import Traced, _collect_young_only
 from .records import Limits, Result
@@ -100,13 +100,7 @@ def _run(closed: core.ClosedJaxpr, entries: Sequence[tuple[Rule, Ruleset]], mode
 
     # Emit a ClosedJaxpr with the same signature: each candidate at most once.
     t = time.perf_counter()
-    emitted: dict[int, core.ClosedJaxpr] = {}
-
-    def emit_choice(choice: dict) -> core.ClosedJaxpr:
-        if id(choice) not in emitted:
-            emitted[id(choice)] = emit(snap, choice, eg, closed.in_avals, roots, token_root, closed.jaxpr.debug_info)
-        return emitted[id(choice)]
-
+    emit_choice = emitter(snap, eg, closed.in_avals, roots, token_root, closed.jaxpr.debug_info)
     after = emit_choice(ex.choice)
     ex, after = no_fatter(ex, closed, after, emit_choice, model)
     times["emit"] = time.perf_counter() - t

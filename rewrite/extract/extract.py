@@ -36,7 +36,7 @@ from typing import Any, Sequence
 
 from ..cost.model import CostModel
 from ..ir.egraph import Snapshot
-from .extractor import _CONTAINERS, Extractor, _signature, search, shared
+from .extractor import Extractor, _signature, search, shared
 from .program import ProgramPricer, ProgramSearch, lean_band, leaner, prices_programs
 
 
@@ -151,7 +151,8 @@ def extract(snap: Snapshot, roots: Sequence[Any], model: CostModel, original: se
     cheapest = best
     if price is not None and band:
         best = _leanest(ranked, best, price, roots, band)
-    fallback = _no_fatter(ranked, best, price, roots) if price is not None and best.rewritten else None
+    fallback = (_no_fatter(ranked, best, price, roots)
+                if price is not None and best.rewritten and bounds_memory(model) else None)
     return Extraction(best.choice, best.cost, orig_cost, best.rewritten, ranked, lean=best is not cheapest,
                       leaner_fallback=fallback)
 
@@ -162,6 +163,18 @@ def extract(snap: Snapshot, roots: Sequence[Any], model: CostModel, original: se
 #: N=512 in bfloat16 was predicted 0.2% over the plain program by both, and held 23% less).
 FATTER_BYTES = 4096
 FATTER_RATIO = 0.02
+
+
+def bounds_memory(model: Any) -> bool:
+    """Whether ``model`` holds a rewrite to the input program's memory: it prices memory (``memory=0`` prices
+    time alone) and sets no ``memory_budget`` (which bounds it instead)."""
+    return bool(float(getattr(model, "memory", 0.0) or 0.0)) and getattr(model, "memory_budget", None) is None
+
+
+def _peak(price: ProgramPricer, cand: Candidate, roots: Sequence[Any]) -> int | None:
+    """``cand``'s predicted peak of temporaries, as the extraction's live program reads it."""
+    live = price.live(cand.choice, roots)
+    return live.peak() if live else None
 
 
 def fatter(peak: float, than: float) -> bool:
@@ -177,19 +190,14 @@ def _no_fatter(ranked: list[Candidate], best: Candidate, price: ProgramPricer, r
     orig = next((cand for cand in ranked if not cand.rewritten), None)
     if orig is None:
         return None
-
-    def peak(cand: Candidate) -> int | None:
-        live = price.live(cand.choice, roots)
-        return live.peak() if live else None
-
-    limit = peak(orig)
-    top = peak(best)
+    limit = _peak(price, orig, roots)
+    top = _peak(price, best, roots)
     if limit is None or top is None or not fatter(top, limit):
         return None
     for cand in ranked:
         if cand is orig:
             return orig
-        p = peak(cand)
+        p = _peak(price, cand, roots)
         if p is not None and not fatter(p, limit):
             return cand
     return orig
@@ -202,13 +210,8 @@ def _leanest(ranked: list[Candidate], best: Candidate, price: ProgramPricer, roo
     within = [cand for cand in ranked if cand is not best and cand.cost <= ranked[0].cost * (1 + band)]
     if not within:
         return best
-
-    def peak(cand: Candidate) -> int | None:
-        live = price.live(cand.choice, roots)
-        return live.peak() if live else None
-
-    top = peak(best)
-    peaks = [(p, cand.cost, i, cand) for i, cand in enumerate(within) if (p := peak(cand)) is not None]
+    top = _peak(price, best, roots)
+    peaks = [(p, cand.cost, i, cand) for i, cand in enumerate(within) if (p := _peak(price, cand, roots)) is not None]
     if not peaks:
         return best
     p, _, _, cand = min(peaks, key=lambda t: t[:3])

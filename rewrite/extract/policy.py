@@ -66,12 +66,9 @@ def no_fatter(ex: Any, before: Any, after: Any, emit_choice: Callable[[dict], An
     array, 424 -> 552 KiB, for no measured speed). Where preferred rules barred the input's forms (a stable form
     for an unstable one) there is no input candidate, and no fallback.
     """
-    fallback = getattr(ex, "leaner_fallback", None)
+    fallback = getattr(ex, "leaner_fallback", None)  # set only for a model that bounds memory (extract.bounds_memory)
     predict = getattr(model, "predict_temp_bytes", None)
-    if (fallback is None or not ex.rewritten or predict is None or not float(getattr(model, "memory", 0.0) or 0.0)
-            or getattr(model, "memory_budget", None) is not None):
-        return ex, after
-    if not fatter(predict(after), predict(before)):
+    if fallback is None or predict is None or not fatter(predict(after), predict(before)):
         return ex, after
     return (dataclasses.replace(ex, choice=fallback.choice, cost=fallback.cost, rewritten=fallback.rewritten,
                                 lean=False, leaner_fallback=None), emit_choice(fallback.choice))

@@ -55,7 +55,7 @@ from ..extract.program import ProgramPricer, prices_programs
 from ..ir.jaxapi import core
 from ..ir.primitives import is_float
 from ..ir.walk import operands, walk
-from ..jaxpr.emit import Emitter, _Scope, check_signature, dce, emit
+from ..jaxpr.emit import Emitter, _Scope, check_signature, dce, emit, emitter
 from ..jaxpr.trace import Traced, spec_of
 from ..pipeline import run_pipeline
 from ..records import Result
@@ -358,17 +358,10 @@ def _joint_choices(res: Result, n_out: int, n_params: int, model: Any
             params[i] = cls
     tree = shared(snap, model).tree()[1]
     grads = extract(snap, b_roots, model, res.original)
-    if grads.rewritten:  # held to the input program's gradients' memory, as the joint program is (pipeline)
-        emitted: dict[int, Any] = {}
-
-        def emit_choice(choice: dict) -> Any:
-            if id(choice) not in emitted:
-                emitted[id(choice)] = emit(snap, choice, eg, res.before.in_avals, b_roots, None, None)
-            return emitted[id(choice)]
-
-        first = next((c for c in grads.candidates if not c.rewritten), None)
-        if first is not None:
-            grads = no_fatter(grads, emit_choice(first.choice), emit_choice(grads.choice), emit_choice, model)[0]
+    if grads.leaner_fallback is not None:  # held to the input's gradients' memory, as the joint program is (pipeline)
+        emit_choice = emitter(snap, eg, res.before.in_avals, b_roots, None, None)
+        first = next(c for c in grads.candidates if not c.rewritten)  # there is one, since a fallback is
+        grads = no_fatter(grads, emit_choice(first.choice), emit_choice(grads.choice), emit_choice, model)[0]
     grads_only = grads.choice
     return f_roots, b_roots, params, [("joint", res.choice), ("gradients", {**tree, **grads_only})]
 

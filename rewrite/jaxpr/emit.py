@@ -19,7 +19,7 @@ the emitted program stores per step. Other ``_rw_*`` params are dropped.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 from jax.extend import source_info_util
@@ -283,6 +283,19 @@ def dce(closed: core.ClosedJaxpr) -> core.ClosedJaxpr:
 def emit(snap: Snapshot, choice: dict[Any, tuple], egraph: Any, in_avals: Sequence[Any], outs: Sequence[Any],
          token: Any, debug_info: Any) -> core.ClosedJaxpr:
     return dce(Emitter(snap, choice, egraph).program(in_avals, outs, token, debug_info))
+
+
+def emitter(snap: Snapshot, egraph: Any, in_avals: Sequence[Any], outs: Sequence[Any], token: Any,
+            debug_info: Any) -> Callable[[dict], core.ClosedJaxpr]:
+    """:func:`emit` of one e-graph's choices for these outputs, each choice (by identity) emitted at most once."""
+    emitted: dict[int, core.ClosedJaxpr] = {}
+
+    def emit_choice(choice: dict) -> core.ClosedJaxpr:
+        if id(choice) not in emitted:
+            emitted[id(choice)] = emit(snap, choice, egraph, in_avals, outs, token, debug_info)
+        return emitted[id(choice)]
+
+    return emit_choice
 
 
 def check_signature(before: core.ClosedJaxpr, after: core.ClosedJaxpr) -> None:
