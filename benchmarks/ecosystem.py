@@ -774,20 +774,28 @@ def gradient(loss: Callable, leaves: Sequence[Any]) -> Callable:
     return grads
 
 
+def _pair(prog: Program, packs: list, **options: Any) -> tuple[Callable, Callable, list]:
+    """``prog``'s program and its rewrite with ``packs`` (``jax.grad(rewrite(loss))`` for a gradient), over its
+    flattened arguments."""
+    from rewrite import rewrite
+
+    fn, args = prog.build()
+    flat, leaves = _flat(fn, args)
+    rewritten = rewrite(flat, rulesets=packs, **options)
+    if prog.grad:
+        return gradient(flat, leaves), gradient(rewritten, leaves), leaves
+    return flat, rewritten, leaves
+
+
 def check_values(prog: Program, packs: list, tolerance: float) -> tuple[float, float, bool]:
     """The rewritten program's error against the original under ``jit``, the control's, and whether it is kept.
 
     The control is the original's own variation: op by op (``jax.disable_jit``) against ``jit``. A
     rewrite keeps the values when its error is within ``tolerance`` or ten times the control's.
     """
-    from rewrite import rewrite
-
-    fn, args = prog.build()
-    flat, leaves = _flat(fn, args)
-    program = gradient(flat, leaves) if prog.grad else flat
+    program, rewritten, leaves = _pair(prog, packs)
     want = jax.jit(program)(*leaves)
-    got = jax.jit(gradient(rewrite(flat, rulesets=packs), leaves) if prog.grad else rewrite(flat, rulesets=packs)
-                  )(*leaves)
+    got = jax.jit(rewritten)(*leaves)
     with jax.disable_jit():
         eager = program(*leaves)
     error, control = relative_error(want, got), relative_error(want, eager)
@@ -1023,13 +1031,7 @@ def plot(results: list[Result], path: pathlib.Path) -> None:
 
 def temp_memory(prog: Program, packs: list) -> tuple[int, int]:
     """XLA's temp memory of ``prog`` and of it rewritten with ``packs`` (compiled, not run), in bytes."""
-    from rewrite import rewrite
-
-    fn, args = prog.build()
-    flat, leaves = _flat(fn, args)
-    program = gradient(flat, leaves) if prog.grad else flat
-    rewritten = rewrite(flat, rulesets=packs, cache=False)
-    rewritten = gradient(rewritten, leaves) if prog.grad else rewritten
+    program, rewritten, leaves = _pair(prog, packs, cache=False)
     return tuple(jax.jit(f).lower(*leaves).compile().memory_analysis().temp_size_in_bytes  # type: ignore[return-value]
                  for f in (program, rewritten))
 
