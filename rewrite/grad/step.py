@@ -64,6 +64,7 @@ from ..ir.jaxapi import core
 from ..ir.primitives import is_float
 from ..jaxpr.emit import dce
 from ..jaxpr.trace import spec_of
+from .loops import find_loop_vjps
 
 log = logging.getLogger("rewrite")
 
@@ -444,6 +445,9 @@ def find_losses(closed: core.ClosedJaxpr, proof: Callable[[core.ClosedJaxpr], li
                 break
         if not progress:
             break
+    loops = find_loop_vjps(step, proof, loss_first, finding.replaced, finding.declined)
+    if loops is not None:
+        step, changed = loops, True
     inner = _in_loops(step, proof, loss_first, finding)
     if inner is not None:
         step, changed = inner, True

@@ -1,0 +1,340 @@
+"""A layer loop's backward in a training step: the per-iteration VJP found, proven and rewritten.
+
+Layers stacked with ``lax.scan`` (``nn.scan``, equinox's scan over stacked layers), differentiated inside the
+step, leave two loops in its program: JAX's partial evaluation of the user's scan gives a *forward* loop ``F``
+(its body the layer, with loop-invariant values moved out and the residuals the backward reads as stacked
+outputs) and a *backward* loop ``B`` running the other way, whose body reads those residuals and the
+cotangent carried from the next layer (under ``remat``, a body that recomputes the layer and transposes it).
+Neither is the re-derivation of the whole loss (``step.py`` proves a loss's cone only up to the loop), and
+``B``'s body still computes what the layer's VJP holds: an attention's N x N scores, each layer in turn.
+
+Here the pair is recognised by its data, not its op sequence, and proven one iteration at a time:
+
+1. **Pairs.** ``B`` is a ``scan`` that reads, as stacked inputs, stacked outputs of another ``scan`` ``F`` of
+   the same length that runs the other way.
+2. **One iteration, symbolically.** Fresh values stand for ``F``'s carry at some iteration (``d``), its
+   stacked inputs' slices there (``p``) and the cotangent ``B`` carries into that iteration (``c``). ``F``'s
+   body is applied to ``(consts, d, p)``; ``B``'s body to its own constants, ``c``, and its stacked inputs'
+   slices: a slice of an array ``F`` also reads is that ``p``, a slice of ``F``'s stacked output is what
+   ``F``'s body computed for it. JAX's own VJP of the layer ``f = F's body without its stacked outputs``,
+   traced (``(consts, d, p, c) -> (f(...), gradients of the float inputs)``), is applied to the same values.
+   Nested ``remat``/``checkpoint`` and ``jit`` calls are inlined, and the step's equations that compute the
+   loops' constants are included, so that an invariant moved out of ``F``'s body and recomputed in ``B``'s
+   (a mask) is one term.
+3. **Proof.** All of it is loaded into one e-graph with no rule; each of ``B``'s body outputs must share a
+   class with one of the re-derived values. Nothing is assumed about which output is which gradient.
+4. **Replacement.** ``B`` is replaced by a loop of the same shape (same direction, carries and stacked
+   outputs) whose body is ``loss_first(f)``: the layer rewritten with the step's rules and its VJP rewritten
+   jointly (``rewrite/grad/vjp.py``), reading the layer's inputs, which ``F`` now also stacks as an output
+   (or already did, as under ``remat``). ``F``'s other residual outputs are then dead and dropped. The
+   replacement recomputes the rewritten layer in the backward, as ``remat`` does, whatever ``F`` saved.
+
+What is declined (and said why): a ``B`` reading a stacked value that is neither ``F``'s input nor output,
+``F`` stacked outputs read by something else than ``B`` (the layer's own per-iteration outputs, whose
+cotangents ``B`` would read too), carries that do not pair one to one (a constant with a gradient, which
+``B`` accumulates), and any output of ``B``'s body not proven.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Sequence
+
+import jax
+
+from ..ir.jaxapi import core
+from ..ir.primitives import is_float
+from ..jaxpr.emit import dce
+from ..jaxpr.trace import spec_of
+
+log = logging.getLogger("rewrite")
+
+#: Call-like primitives whose body is inlined in a proof (their value is their body's).
+INLINED = frozenset({"remat2", "checkpoint", "remat", "jit", "pjit", "closed_call", "core_call"})
+
+
+def _read(env: dict, a: Any) -> Any:
+    return env.get(a, a) if isinstance(a, core.Var) else a
+
+
+def _body(p: Any) -> tuple[core.Jaxpr, list[Any]]:
+    if isinstance(p, core.ClosedJaxpr):
+        return p.jaxpr, list(p.consts)
+    return p, []
+
+
+def inline_flat(eqns: list, jaxpr: core.Jaxpr, consts: Sequence[Any], args: Sequence[Any],
+                constvars: list, cvals: list) -> list[Any]:
+    """Append ``jaxpr``'s equations to ``eqns`` with fresh outputs, its inputs bound to ``args`` and its call-like
+    equations (``INLINED``) inlined in turn; returns its outputs."""
+    env: dict[Any, Any] = dict(zip(jaxpr.invars, args))
+    for v, c in zip(jaxpr.constvars, consts):
+        w = core.Var(v.aval)
+        constvars.append(w)
+        cvals.append(c)
+        env[v] = w
+    for e in jaxpr.eqns:
+        ins = [_read(env, a) for a in e.invars]
+        key = "jaxpr" if "jaxpr" in e.params else "call_jaxpr" if "call_jaxpr" in e.params else None
+        if e.primitive.name in INLINED and key is not None and not e.effects:
+            inner, inner_consts = _body(e.params[key])
+            outs = inline_flat(eqns, inner, inner_consts, ins, constvars, cvals)
+            env.update((o, r) for o, r in zip(e.outvars, outs) if isinstance(o, core.Var))
+            continue
+        outs = [core.Var(v.aval) if isinstance(v, core.Var) else v for v in e.outvars]
+        env.update((o, r) for o, r in zip(e.outvars, outs) if isinstance(o, core.Var))
+        eqns.append(e.replace(invars=ins, outvars=outs))
+    return [_read(env, a) for a in jaxpr.outvars]
+
+
+class _Pair:
+    """A forward loop ``F`` and the backward loop ``B`` that reads its stacked outputs, at top-level positions
+    ``kf`` and ``kb`` of the step."""
+
+    def __init__(self, step: core.ClosedJaxpr, kf: int, kb: int) -> None:
+        eqns = step.jaxpr.eqns
+        self.kf, self.kb = kf, kb
+        self.F, self.B = eqns[kf], eqns[kb]
+
+    # F's parts
+    def f_split(self) -> tuple[list, list, list]:
+        F = self.F
+        nc, nk = F.params["num_consts"], F.params["num_carry"]
+        return F.invars[:nc], F.invars[nc:nc + nk], F.invars[nc + nk:]
+
+    def b_split(self) -> tuple[list, list, list]:
+        B = self.B
+        nc, nk = B.params["num_consts"], B.params["num_carry"]
+        return B.invars[:nc], B.invars[nc:nc + nk], B.invars[nc + nk:]
+
+
+def pairs(step: core.ClosedJaxpr) -> list[_Pair]:
+    """Backward loops and their forward loops, by data: ``B`` reads as a stacked input a stacked output of ``F``;
+    the same length, running the other way."""
+    eqns = step.jaxpr.eqns
+    producer = {w: k for k, e in enumerate(eqns) for w in e.outvars}
+    found = []
+    for kb, B in enumerate(eqns):
+        if B.primitive.name != "scan":
+            continue
+        nc, nk = B.params["num_consts"], B.params["num_carry"]
+        forwards = {producer[a] for a in B.invars[nc + nk:] if isinstance(a, core.Var) and a in producer}
+        for kf in sorted(forwards):
+            F = eqns[kf]
+            if (F.primitive.name != "scan" or F.params["length"] != B.params["length"]
+                    or F.params["reverse"] == B.params["reverse"]):
+                continue
+            ys = F.outvars[F.params["num_carry"]:]
+            if any(a in ys for a in B.invars[nc + nk:]):
+                found.append(_Pair(step, kf, kb))
+    return found
+
+
+def _layer(pair: _Pair) -> core.ClosedJaxpr:
+    """``F``'s body without its stacked outputs: the layer, ``(consts, carry, slices) -> carry``."""
+    body = pair.F.params["jaxpr"]
+    nk = pair.F.params["num_carry"]
+    jaxpr = body.jaxpr
+    new = core.Jaxpr(jaxpr.constvars, jaxpr.invars, jaxpr.outvars[:nk], jaxpr.eqns, jaxpr.effects)
+    return dce(core.ClosedJaxpr(new, body.consts))
+
+
+def _check(step: core.ClosedJaxpr, pair: _Pair) -> str:
+    """Why the pair is not handled, or ``""``."""
+    F, B = pair.F, pair.B
+    if F.effects or B.effects or F.params["jaxpr"].jaxpr.effects or B.params["jaxpr"].jaxpr.effects:
+        return "a loop has effects"
+    nkf = F.params["num_carry"]
+    ys = F.outvars[nkf:]
+    readers = {}
+    for k, e in enumerate(step.jaxpr.eqns):
+        for a in e.invars:
+            if isinstance(a, core.Var):
+                readers.setdefault(a, set()).add(k)
+    outs = set(a for a in step.jaxpr.outvars if isinstance(a, core.Var))
+    for y in ys:
+        if y in outs or readers.get(y, set()) - {pair.kb}:
+            return "the forward loop's stacked outputs are read by something other than its backward"
+    _, fcarry, fxs = pair.f_split()
+    _, bcarry, bxs = pair.b_split()
+    if len(bcarry) != sum(is_float(v.aval) for v in F.outvars[:nkf]):
+        return "the backward loop's carries do not pair with the forward loop's float carries"
+    for a in bxs:
+        if not isinstance(a, core.Var) or (a not in ys and a not in fxs):
+            return "the backward loop reads a stacked value that is neither the forward loop's input nor output"
+    return ""
+
+
+def prove_pair(step: core.ClosedJaxpr, pair: _Pair, proof: Callable[[core.ClosedJaxpr], list[Any]]
+               ) -> tuple[str, list[int] | None, core.ClosedJaxpr | None]:
+    """Is each output of ``B``'s body, one iteration, a value of the layer's VJP? ``("", [derived position of each
+    B body output], layer)`` or ``(why not, None, None)``. The derived program is ``joint_program(layer)``:
+    ``(consts, carry, slices, cotangents of the float carries) -> (carries, gradients of the float inputs)``."""
+    from .vjp import joint_program
+
+    why = _check(step, pair)
+    if why:
+        return why, None, None
+    F, B = pair.F, pair.B
+    layer = _layer(pair)
+    fconsts, fcarry, fxs = pair.f_split()
+    bconsts, bcarry, bxs = pair.b_split()
+    fbody, bbody = F.params["jaxpr"], B.params["jaxpr"]
+    nf = len(fconsts)
+    # one iteration's fresh values: F's carry in, its slices, the cotangents B carries in
+    d = [core.Var(v.aval) for v in fbody.jaxpr.invars[nf:nf + len(fcarry)]]
+    p = [core.Var(v.aval) for v in fbody.jaxpr.invars[nf + len(fcarry):]]
+    c = [core.Var(v.aval) for v in bbody.jaxpr.invars[len(bconsts):len(bconsts) + len(bcarry)]]
+    jaxpr = step.jaxpr
+    graph_producer = {w: k for k, e in enumerate(jaxpr.eqns) for w in e.outvars}
+    # the step's equations that compute the loops' constants
+    need: set[int] = set()
+    stack = [a for a in list(fconsts) + list(bconsts) if isinstance(a, core.Var)]
+    seen: set = set()
+    while stack:
+        v = stack.pop()
+        if v in seen:
+            continue
+        seen.add(v)
+        k = graph_producer.get(v)
+        if k is not None and k not in need:
+            need.add(k)
+            stack.extend(a for a in jaxpr.eqns[k].invars if isinstance(a, core.Var))
+    constvars, cvals = list(jaxpr.constvars), list(step.consts)
+    eqns: list = []
+    env: dict = {}
+    for k in sorted(need):
+        e = jaxpr.eqns[k]
+        key = "jaxpr" if "jaxpr" in e.params else None
+        ins = [_read(env, a) for a in e.invars]
+        if e.primitive.name in INLINED and key is not None and not e.effects:
+            inner, inner_consts = _body(e.params[key])
+            outs = inline_flat(eqns, inner, inner_consts, ins, constvars, cvals)
+            env.update(zip(e.outvars, outs))
+        else:
+            eqns.append(e.replace(invars=ins))
+    fc = [_read(env, a) for a in fconsts]
+    bc = [_read(env, a) for a in bconsts]
+    fouts = inline_flat(eqns, fbody.jaxpr, fbody.consts, fc + d + p, constvars, cvals)
+    ys = F.outvars[F.params["num_carry"]:]
+    fys = fouts[F.params["num_carry"]:]
+    slices = []
+    for a in bxs:
+        if a in ys:
+            slices.append(fys[ys.index(a)])
+        else:
+            slices.append(p[list(fxs).index(a)])
+    bouts = inline_flat(eqns, bbody.jaxpr, bbody.consts, bc + c + slices, constvars, cvals)
+    try:
+        joint = joint_program(layer)[0]
+    except Exception as e:  # a layer JAX cannot differentiate
+        return f"its VJP could not be re-derived ({type(e).__name__}: {e})", None, None
+    derived = inline_flat(eqns, joint.jaxpr, joint.consts, fc + d + p + c, constvars, cvals)
+    invars = list(jaxpr.invars) + d + p + c
+    if any(not isinstance(o, core.Var) for o in bouts):
+        return "the backward loop's body has a constant output", None, None
+    # a literal among the derived values (a zero) is no class: it is matched by nothing
+    kept = [j for j, o in enumerate(derived) if isinstance(o, core.Var)]
+    outs = list(bouts) + [derived[j] for j in kept]
+    program = core.ClosedJaxpr(core.Jaxpr(constvars, invars, outs, eqns, core.no_effects, None), cvals)
+    classes = proof(program)
+    bcls, dcls = classes[:len(bouts)], classes[len(bouts):]
+    # the derived values are the layer's outputs, then the gradients: B's outputs are cotangents, so gradients
+    nout = len(layer.out_avals)
+    grads: dict = {}
+    for j, cl in zip(kept, dcls):
+        if j >= nout:
+            grads.setdefault(cl, j)
+    where = [grads.get(cl) for cl in bcls]
+    if any(w is None for w in where):
+        missing = sum(w is None for w in where)
+        return (f"{missing} of the backward loop's {len(where)} body outputs not proven a gradient of the layer",
+                None, None)
+    return "", where, layer
+
+
+def replace_pair(step: core.ClosedJaxpr, pair: _Pair, where: list[int], layer: core.ClosedJaxpr,
+                 loss_first: Callable[[core.ClosedJaxpr], core.ClosedJaxpr]) -> tuple[core.ClosedJaxpr, list]:
+    """``step`` with ``B`` a loop whose body is the rewritten layer's VJP, reading the layer's inputs (``F``
+    stacks its carry-in as an output for it), and the new loop's outputs."""
+    from .step import _in_order, inline, _subst
+
+    F, B = pair.F, pair.B
+    vjp = loss_first(layer)  # (consts, carry, slices, cotangents) -> (carries, gradients), rewritten
+    fconsts, fcarry, fxs = pair.f_split()
+    bconsts, bcarry, bxs = pair.b_split()
+    nkf = F.params["num_carry"]
+    fbody = F.params["jaxpr"]
+    nf = len(fconsts)
+    carry_in = fbody.jaxpr.invars[nf:nf + nkf]
+    # F's stacked carry-in: an existing stacked output that is the carry-in, or a new one
+    stacked: list[Any] = []
+    new_outs = list(fbody.jaxpr.outvars)
+    new_outvars = list(F.outvars)
+    length = F.params["length"]
+    for v in carry_in:
+        if v in fbody.jaxpr.outvars[nkf:]:
+            stacked.append(F.outvars[fbody.jaxpr.outvars.index(v, nkf)])
+            continue
+        new_outs.append(v)
+        w = core.Var(core.ShapedArray((length,) + tuple(v.aval.shape), v.aval.dtype))
+        new_outvars.append(w)
+        stacked.append(w)
+    body = core.ClosedJaxpr(core.Jaxpr(fbody.jaxpr.constvars, fbody.jaxpr.invars, new_outs, fbody.jaxpr.eqns,
+                                       fbody.jaxpr.effects, fbody.jaxpr.debug_info), fbody.consts)
+    newF = F.replace(params={**F.params, "jaxpr": body}, outvars=new_outvars)
+    nbk = len(bcarry)
+    run = core.jaxpr_as_fun(vjp)
+
+    def backward(consts, init, ps, ds):
+        def body_fn(carry, xs):
+            sl, dd = xs
+            outs = run(*consts, *dd, *sl, *carry)
+            picked = [outs[j] for j in where]
+            return picked[:nbk], picked[nbk:]
+
+        return jax.lax.scan(body_fn, list(init), (list(ps), list(ds)), length=length, reverse=B.params["reverse"])
+
+    args = (list(fconsts), list(bcarry), list(fxs), stacked)
+    specs = jax.tree.map(lambda a: spec_of(a.aval), args, is_leaf=lambda a: isinstance(a, (core.Var, core.Literal)))
+    program = jax.make_jaxpr(backward)(*specs)
+    jaxpr = step.jaxpr
+    eqns: list = []
+    constvars, cvals = list(jaxpr.constvars), list(step.consts)
+    flat_args = list(fconsts) + list(bcarry) + list(fxs) + stacked
+    outs = inline(eqns, program, flat_args, constvars, cvals)
+    env = dict(zip(B.outvars, outs))
+    rest = [newF if k == pair.kf else _subst(e, env) for k, e in enumerate(jaxpr.eqns) if k != pair.kb]
+    new = core.Jaxpr(constvars, list(jaxpr.invars), [_read(env, a) for a in jaxpr.outvars],
+                     _in_order(rest + eqns), jaxpr.effects, jaxpr.debug_info)
+    return dce(core.ClosedJaxpr(new, cvals)), [o for o in outs if isinstance(o, core.Var)]
+
+
+def find_loop_vjps(step: core.ClosedJaxpr, proof: Callable[[core.ClosedJaxpr], list[Any]],
+                   loss_first: Callable[[core.ClosedJaxpr], core.ClosedJaxpr],
+                   replaced: list[str], declined: list[str]) -> core.ClosedJaxpr | None:
+    """``step`` with each proven backward layer loop's body read from the rewritten layer's VJP; ``None`` if
+    none was. What was replaced and declined is appended to the lists."""
+    changed = False
+    done: set = set()
+    while True:
+        progress = False
+        for pair in pairs(step):
+            if pair.B.outvars[0] in done:  # tried, or a replacement's own loop
+                continue
+            done.add(pair.B.outvars[0])
+            why, where, layer = prove_pair(step, pair, proof)
+            if where is None:
+                declined.append(f"a backward layer loop of {pair.B.params['length']} iterations: {why}")
+                continue
+            step, made = replace_pair(step, pair, where, layer, loss_first)
+            done.update(made)
+            replaced.append(f"a backward layer loop of {pair.B.params['length']} iterations with the rewritten "
+                            f"layer's VJP ({len(where)} outputs proven)")
+            changed = progress = True
+            break
+        if not progress:
+            return step if changed else None
+
+
+__all__ = ["find_loop_vjps", "pairs", "prove_pair", "replace_pair"]
