@@ -130,13 +130,64 @@ def pairs(step: core.ClosedJaxpr) -> list[_Pair]:
     return found
 
 
-def _layer(pair: _Pair) -> core.ClosedJaxpr:
-    """``F``'s body without its stacked outputs: the layer, ``(consts, carry, slices) -> carry``."""
+def _nbytes(a: Any) -> int:
+    aval = a.aval
+    return int(getattr(aval, "size", 1)) * getattr(getattr(aval, "dtype", None), "itemsize", 0)
+
+
+#: Primitives computing a loop's invariant that may be moved back into the layer (no loops, no effects).
+_NOT_SUNK = frozenset({"scan", "while", "cond", "custom_vjp_call", "custom_jvp_call", "shard_map"})
+
+
+def _sunk(step: core.ClosedJaxpr, consts: Sequence[Any]) -> tuple[list[Any], list[int]]:
+    """The forward loop's constants, with the step's equations that computed them from smaller values moved back
+    into the layer: ``(the layer's constants, those equations' positions in program order)``. JAX's partial
+    evaluation moved loop invariants out of the layer (a causal mask broadcast to every head, a fill value
+    broadcast to the scores' shape); an invariant larger than what it is computed from is cheaper recomputed
+    in the body than held as the loop's input, and the layer so written is the user's."""
+    eqns = step.jaxpr.eqns
+    producer = {w: k for k, e in enumerate(eqns) for w in e.outvars}
+    leaves = [a for a in consts if isinstance(a, core.Var)]
+    sunk: set[int] = set()
+    changed = True
+    while changed:
+        changed = False
+        for v in list(leaves):
+            k = producer.get(v)
+            if k is None or k in sunk:
+                continue
+            e = eqns[k]
+            if e.effects or e.primitive.name in _NOT_SUNK:
+                continue
+            if sum(_nbytes(w) for w in e.outvars) <= sum(_nbytes(a) for a in e.invars if isinstance(a, core.Var)):
+                continue
+            sunk.add(k)
+            leaves = [x for x in leaves if x not in e.outvars]
+            leaves += [a for a in e.invars if isinstance(a, core.Var) and a not in leaves]
+            changed = True
+    return leaves, sorted(sunk)
+
+
+def _layer(step: core.ClosedJaxpr, pair: _Pair) -> tuple[core.ClosedJaxpr, list[Any]]:
+    """``F``'s body without its stacked outputs, its invariants moved back in (:func:`_sunk`): the layer,
+    ``(constants, carry, slices) -> carry``; and its constants, values of the step."""
+    fconsts, fcarry, fxs = pair.f_split()
+    leaves, sunk = _sunk(step, fconsts)
     body = pair.F.params["jaxpr"]
-    nk = pair.F.params["num_carry"]
-    jaxpr = body.jaxpr
-    new = core.Jaxpr(jaxpr.constvars, jaxpr.invars, jaxpr.outvars[:nk], jaxpr.eqns, jaxpr.effects)
-    return dce(core.ClosedJaxpr(new, body.consts))
+    nf, nk = len(fconsts), pair.F.params["num_carry"]
+    ins = [core.Var(v.aval) for v in leaves]
+    env = dict(zip(leaves, ins))
+    eqns: list = []
+    constvars, cvals = [], []
+    for k in sunk:
+        e = step.jaxpr.eqns[k]
+        outs = [core.Var(w.aval) for w in e.outvars]
+        eqns.append(e.replace(invars=[_read(env, a) for a in e.invars], outvars=outs))
+        env.update(zip(e.outvars, outs))
+    d = [core.Var(v.aval) for v in body.jaxpr.invars[nf:]]
+    outs = inline_flat(eqns, body.jaxpr, body.consts, [_read(env, a) for a in fconsts] + d, constvars, cvals)
+    jaxpr = core.Jaxpr(constvars, ins + d, outs[:nk], eqns, core.no_effects)
+    return dce(core.ClosedJaxpr(jaxpr, cvals)), leaves
 
 
 def _check(step: core.ClosedJaxpr, pair: _Pair) -> str:
@@ -166,17 +217,17 @@ def _check(step: core.ClosedJaxpr, pair: _Pair) -> str:
 
 
 def prove_pair(step: core.ClosedJaxpr, pair: _Pair, proof: Callable[[core.ClosedJaxpr], list[Any]]
-               ) -> tuple[str, list[int] | None, core.ClosedJaxpr | None]:
+               ) -> tuple[str, list[int] | None, tuple | None]:
     """Is each output of ``B``'s body, one iteration, a value of the layer's VJP? ``("", [derived position of each
-    B body output], layer)`` or ``(why not, None, None)``. The derived program is ``joint_program(layer)``:
-    ``(consts, carry, slices, cotangents of the float carries) -> (carries, gradients of the float inputs)``."""
+    B body output], (layer, its constants))`` or ``(why not, None, None)``. The derived program is ``joint_program(layer)``:
+    ``(constants, carry, slices, cotangents of the float carries) -> (carries, gradients of the float inputs)``."""
     from .vjp import joint_program
 
     why = _check(step, pair)
     if why:
         return why, None, None
     F, B = pair.F, pair.B
-    layer = _layer(pair)
+    layer, lconsts = _layer(step, pair)
     fconsts, fcarry, fxs = pair.f_split()
     bconsts, bcarry, bxs = pair.b_split()
     fbody, bbody = F.params["jaxpr"], B.params["jaxpr"]
@@ -189,7 +240,7 @@ def prove_pair(step: core.ClosedJaxpr, pair: _Pair, proof: Callable[[core.Closed
     graph_producer = {w: k for k, e in enumerate(jaxpr.eqns) for w in e.outvars}
     # the step's equations that compute the loops' constants
     need: set[int] = set()
-    stack = [a for a in list(fconsts) + list(bconsts) if isinstance(a, core.Var)]
+    stack = [a for a in list(fconsts) + list(bconsts) + list(lconsts) if isinstance(a, core.Var)]
     seen: set = set()
     while stack:
         v = stack.pop()
@@ -229,7 +280,8 @@ def prove_pair(step: core.ClosedJaxpr, pair: _Pair, proof: Callable[[core.Closed
         joint = joint_program(layer)[0]
     except Exception as e:  # a layer JAX cannot differentiate
         return f"its VJP could not be re-derived ({type(e).__name__}: {e})", None, None
-    derived = inline_flat(eqns, joint.jaxpr, joint.consts, fc + d + p + c, constvars, cvals)
+    lc = [_read(env, a) for a in lconsts]
+    derived = inline_flat(eqns, joint.jaxpr, joint.consts, lc + d + p + c, constvars, cvals)
     invars = list(jaxpr.invars) + d + p + c
     if any(not isinstance(o, core.Var) for o in bouts):
         return "the backward loop's body has a constant output", None, None
@@ -250,64 +302,54 @@ def prove_pair(step: core.ClosedJaxpr, pair: _Pair, proof: Callable[[core.Closed
         missing = sum(w is None for w in where)
         return (f"{missing} of the backward loop's {len(where)} body outputs not proven a gradient of the layer",
                 None, None)
-    return "", where, layer
+    return "", where, (layer, lconsts)
 
 
-def replace_pair(step: core.ClosedJaxpr, pair: _Pair, where: list[int], layer: core.ClosedJaxpr,
+def replace_pair(step: core.ClosedJaxpr, pair: _Pair, where: list[int], layer: tuple,
                  loss_first: Callable[[core.ClosedJaxpr], core.ClosedJaxpr]) -> tuple[core.ClosedJaxpr, list]:
-    """``step`` with ``B`` a loop whose body is the rewritten layer's VJP, reading the layer's inputs (``F``
-    stacks its carry-in as an output for it), and the new loop's outputs."""
-    from .step import _in_order, inline, _subst
+    """``step`` with ``F`` and ``B`` two loops over the rewritten layer: ``F'`` runs its forward and stacks its
+    carry-in, ``B'`` its VJP at each carry-in (what ``B`` read of ``F`` is then dead); and ``B'``'s outputs."""
+    from .step import _in_order, _subst, inline
 
+    layer, lconsts = layer
     F, B = pair.F, pair.B
-    vjp = loss_first(layer)  # (consts, carry, slices, cotangents) -> (carries, gradients), rewritten
-    fconsts, fcarry, fxs = pair.f_split()
-    bconsts, bcarry, bxs = pair.b_split()
-    nkf = F.params["num_carry"]
-    fbody = F.params["jaxpr"]
-    nf = len(fconsts)
-    carry_in = fbody.jaxpr.invars[nf:nf + nkf]
-    # F's stacked carry-in: an existing stacked output that is the carry-in, or a new one
-    stacked: list[Any] = []
-    new_outs = list(fbody.jaxpr.outvars)
-    new_outvars = list(F.outvars)
-    length = F.params["length"]
-    for v in carry_in:
-        if v in fbody.jaxpr.outvars[nkf:]:
-            stacked.append(F.outvars[fbody.jaxpr.outvars.index(v, nkf)])
-            continue
-        new_outs.append(v)
-        w = core.Var(core.ShapedArray((length,) + tuple(v.aval.shape), v.aval.dtype))
-        new_outvars.append(w)
-        stacked.append(w)
-    body = core.ClosedJaxpr(core.Jaxpr(fbody.jaxpr.constvars, fbody.jaxpr.invars, new_outs, fbody.jaxpr.eqns,
-                                       fbody.jaxpr.effects, fbody.jaxpr.debug_info), fbody.consts)
-    newF = F.replace(params={**F.params, "jaxpr": body}, outvars=new_outvars)
-    nbk = len(bcarry)
+    vjp = loss_first(layer)  # (constants, carry, slices, cotangents) -> (carries, gradients), rewritten
+    _, fcarry, fxs = pair.f_split()
+    _, bcarry, _ = pair.b_split()
+    nk, nbk, length = F.params["num_carry"], len(bcarry), F.params["length"]
     run = core.jaxpr_as_fun(vjp)
+    cts = [a for a in vjp.in_avals[len(layer.in_avals):]]
 
-    def backward(consts, init, ps, ds):
-        def body_fn(carry, xs):
-            sl, dd = xs
-            outs = run(*consts, *dd, *sl, *carry)
+    def both(consts, init, ps, ct0):
+        def forward(carry, sl):  # the layer's forward: the cotangents' terms are dead, and dropped
+            outs = run(*consts, *carry, *sl, *[jax.numpy.zeros(a.shape, a.dtype) for a in cts])
+            return list(outs[:nk]), list(carry)
+
+        out, hs = jax.lax.scan(forward, list(init), list(ps), length=length, reverse=F.params["reverse"])
+
+        def backward(carry, xs):
+            sl, h = xs
+            outs = run(*consts, *h, *sl, *carry)
             picked = [outs[j] for j in where]
             return picked[:nbk], picked[nbk:]
 
-        return jax.lax.scan(body_fn, list(init), (list(ps), list(ds)), length=length, reverse=B.params["reverse"])
+        grads = jax.lax.scan(backward, list(ct0), (list(ps), hs), length=length, reverse=B.params["reverse"])
+        return out, grads
 
-    args = (list(fconsts), list(bcarry), list(fxs), stacked)
+    args = (list(lconsts), list(fcarry), list(fxs), list(bcarry))
     specs = jax.tree.map(lambda a: spec_of(a.aval), args, is_leaf=lambda a: isinstance(a, (core.Var, core.Literal)))
-    program = jax.make_jaxpr(backward)(*specs)
+    program = jax.make_jaxpr(both)(*specs)
     jaxpr = step.jaxpr
     eqns: list = []
     constvars, cvals = list(jaxpr.constvars), list(step.consts)
-    flat_args = list(fconsts) + list(bcarry) + list(fxs) + stacked
-    outs = inline(eqns, program, flat_args, constvars, cvals)
-    env = dict(zip(B.outvars, outs))
-    rest = [newF if k == pair.kf else _subst(e, env) for k, e in enumerate(jaxpr.eqns) if k != pair.kb]
+    outs = inline(eqns, program, [a for group in args for a in group], constvars, cvals)
+    env = dict(zip(F.outvars[:nk], outs[:nk]))
+    env.update(zip(B.outvars, outs[nk:]))
+    # B read of F only its stacked outputs (checked), so F's carries are all it gives the rest of the step
+    rest = [_subst(e, env) for k, e in enumerate(jaxpr.eqns) if k not in (pair.kf, pair.kb)]
     new = core.Jaxpr(constvars, list(jaxpr.invars), [_read(env, a) for a in jaxpr.outvars],
-                     _in_order(rest + eqns), jaxpr.effects, jaxpr.debug_info)
-    return dce(core.ClosedJaxpr(new, cvals)), [o for o in outs if isinstance(o, core.Var)]
+                     _in_order(eqns + rest), jaxpr.effects, jaxpr.debug_info)
+    return dce(core.ClosedJaxpr(new, cvals)), [o for o in outs[nk:] if isinstance(o, core.Var)]
 
 
 def find_loop_vjps(step: core.ClosedJaxpr, proof: Callable[[core.ClosedJaxpr], list[Any]],
