@@ -206,6 +206,9 @@ def _check(step: core.ClosedJaxpr, pair: _Pair) -> str:
     for y in ys:
         if y in outs or readers.get(y, set()) - {pair.kb}:
             return "the forward loop's stacked outputs are read by something other than its backward"
+    if not _recomputes(B.params["jaxpr"].jaxpr):
+        return ("the backward loop does not recompute the layer (no remat): the residuals it reads are kept as "
+                "the step saves them")
     _, fcarry, fxs = pair.f_split()
     _, bcarry, bxs = pair.b_split()
     if len(bcarry) != sum(is_float(v.aval) for v in F.outvars[:nkf]):
@@ -214,6 +217,72 @@ def _check(step: core.ClosedJaxpr, pair: _Pair) -> str:
         if not isinstance(a, core.Var) or (a not in ys and a not in fxs):
             return "the backward loop reads a stacked value that is neither the forward loop's input nor output"
     return ""
+
+
+#: Operations whose two operands commute exactly (``add_any`` is ``add``: the sum of two cotangents).
+COMMUTE = frozenset({"add", "mul", "add_any", "max", "min"})
+
+
+def _commuted(eqns: list, inputs: Sequence[Any]) -> list:
+    """``eqns`` with the operands of each commutative operation in a fixed order, by a hash of the terms they
+    compute (not of their names): JAX's transposes sum a value's cotangents in the order they reach it, which
+    differs between a backward recomputed under ``remat`` and one derived afresh. ``a + b`` and ``b + a`` are
+    then one term. A sum of cotangents (``add_any``) is written as the sum of its terms in that fixed order: the
+    proof holds up to the order in which a value's cotangents are summed (which rounds differently; JAX's own
+    two derivations differ so)."""
+    import hashlib
+
+    key: dict[Any, str] = {v: f"in{i}" for i, v in enumerate(inputs)}
+
+    def of(a: Any) -> str:
+        if isinstance(a, core.Var):
+            return key.get(a, f"free{id(a)}")
+        return f"lit{a.val!r}{a.aval}"
+
+    def keyed(e: Any) -> Any:
+        ins = list(e.invars)
+        keys = [of(a) for a in ins]
+        if e.primitive.name in COMMUTE and len(ins) == 2 and keys[1] < keys[0]:
+            ins, keys = ins[::-1], keys[::-1]
+            e = e.replace(invars=ins)
+        h = hashlib.blake2b(f"{e.primitive.name}|{sorted(e.params.items(), key=lambda kv: kv[0])!r}|{keys}"
+                            .encode(), digest_size=16).hexdigest()
+        for j, w in enumerate(e.outvars):
+            if isinstance(w, core.Var):
+                key[w] = f"{h}.{j}"
+        return e
+
+    terms: dict[Any, list] = {}  # an add_any's value: the cotangents it sums
+    out = []
+    for e in eqns:
+        if e.primitive.name == "add_any" and len(e.invars) == 2 and all(isinstance(a, core.Var) for a in e.invars):
+            summed = sorted((t for a in e.invars for t in terms.get(a, [(of(a), a)])), key=lambda t: t[0])
+            acc = summed[0][1]
+            for j, (_, a) in enumerate(summed[1:]):
+                w = e.outvars[0] if j == len(summed) - 2 else core.Var(e.outvars[0].aval)
+                out.append(keyed(e.replace(invars=[acc, a], outvars=[w])))
+                acc = w
+            terms[e.outvars[0]] = summed
+            continue
+        out.append(keyed(e))
+    return out
+
+
+#: Primitives by which a backward recomputes what its forward computed (``jax.checkpoint``, ``nn.remat``,
+#: ``eqx.filter_checkpoint``).
+REMAT = frozenset({"remat2", "checkpoint", "remat"})
+
+
+def _recomputes(jaxpr: core.Jaxpr) -> bool:
+    """Does ``jaxpr`` (a backward loop's body) recompute its layer: does it hold a ``remat`` call?"""
+    for e in jaxpr.eqns:
+        if e.primitive.name in REMAT:
+            return True
+        for v in e.params.values():
+            inner = v.jaxpr if isinstance(v, core.ClosedJaxpr) else v
+            if isinstance(inner, core.Jaxpr) and _recomputes(inner):
+                return True
+    return False
 
 
 def prove_pair(step: core.ClosedJaxpr, pair: _Pair, proof: Callable[[core.ClosedJaxpr], list[Any]]
@@ -288,6 +357,7 @@ def prove_pair(step: core.ClosedJaxpr, pair: _Pair, proof: Callable[[core.Closed
     # a literal among the derived values (a zero) is no class: it is matched by nothing
     kept = [j for j, o in enumerate(derived) if isinstance(o, core.Var)]
     outs = list(bouts) + [derived[j] for j in kept]
+    eqns = _commuted(eqns, constvars + invars)
     program = core.ClosedJaxpr(core.Jaxpr(constvars, invars, outs, eqns, core.no_effects, None), cvals)
     classes = proof(program)
     bcls, dcls = classes[:len(bouts)], classes[len(bouts):]
