@@ -31,10 +31,12 @@ def _dots_in_loops(jaxpr: core.Jaxpr, inside: bool = False) -> list[tuple]:
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_linen_scan_remat_backward_loop_replaced(dtype):
-    """linen's ``nn.scan`` over ``nn.remat`` blocks, under jit with SGD: the backward layer loop is proven and
-    replaced, and the loss and the new parameters are the original's, at f32 and with bf16 parameters."""
-    step, args = ws.CASES["linen_scan_remat"](TINY, ws.plain, opt=optax.sgd(0.1))
+@pytest.mark.parametrize("name", ["linen_scan_remat", "equinox_scan_remat"])
+def test_scan_remat_backward_loop_replaced(name, dtype):
+    """linen's ``nn.scan`` over ``nn.remat`` blocks, equinox's ``lax.scan`` over ``eqx.filter_checkpoint`` of
+    stacked blocks, under jit with SGD: the backward layer loop is proven and replaced, and the loss and the new
+    parameters are the original's, at f32 and with bf16 parameters."""
+    step, args = ws.CASES[name](TINY, ws.plain, opt=optax.sgd(0.1))
     args = _cast(args, jnp.dtype(dtype))
     flat, leaves = ws._flat(step, args)
     changed, finding = _replaced(flat, leaves)
@@ -48,12 +50,14 @@ def test_linen_scan_remat_backward_loop_replaced(dtype):
     _close(want, got, 2e-4 if dtype == "float32" else 2e-2, wider, _moved(want, leaves))
 
 
-def test_linen_scan_remat_backward_loop_holds_no_scores():
+@pytest.mark.parametrize("name", ["linen_scan_remat", "equinox_scan_remat"])
+def test_scan_remat_backward_loop_holds_no_scores(name):
     """At N=512 the rewritten layer's attention is blocked: no product inside either layer loop computes the
     N x N scores (the step's own backward loop recomputed them in each layer), and the step holds under 60% of
-    the original's temp memory (the loss cut at the loop alone held about as much as the original)."""
+    the original's temp memory (the loss cut at the loop alone held about as much as the original: linen 15.5
+    against 15.4 MiB, equinox 13.5 against 13.5; with the loops replaced 7.6 and 7.3)."""
     size = ws.Size(batch=2, length=512, width=16, heads=2, vocab=256)
-    step, args = ws.CASES["linen_scan_remat"](size, ws.plain, opt=optax.sgd(0.1))
+    step, args = ws.CASES[name](size, ws.plain, opt=optax.sgd(0.1))
     flat, leaves = ws._flat(step, args)
     changed, finding = _replaced(flat, leaves, packs=PACKS)
     assert changed is not None and any("backward layer loop" in r for r in finding.replaced), str(finding)

@@ -223,13 +223,14 @@ def _check(step: core.ClosedJaxpr, pair: _Pair) -> str:
 COMMUTE = frozenset({"add", "mul", "add_any", "max", "min"})
 
 
-def _commuted(eqns: list, inputs: Sequence[Any]) -> list:
+def _commuted(eqns: list, inputs: Sequence[Any]) -> tuple[list, dict]:
     """``eqns`` with the operands of each commutative operation in a fixed order, by a hash of the terms they
     compute (not of their names): JAX's transposes sum a value's cotangents in the order they reach it, which
     differs between a backward recomputed under ``remat`` and one derived afresh. ``a + b`` and ``b + a`` are
     then one term. A sum of cotangents (``add_any``) is written as the sum of its terms in that fixed order: the
     proof holds up to the order in which a value's cotangents are summed (which rounds differently; JAX's own
-    two derivations differ so)."""
+    two derivations differ so). Operations that only relabel elements (size-1 axes added or dropped) are one
+    reshape of the value they start from, or that value itself (``alias``: the values so replaced)."""
     import hashlib
 
     key: dict[Any, str] = {v: f"in{i}" for i, v in enumerate(inputs)}
@@ -252,9 +253,25 @@ def _commuted(eqns: list, inputs: Sequence[Any]) -> list:
                 key[w] = f"{h}.{j}"
         return e
 
+    origin: dict[Any, Any] = {}  # a reshape's operand, through reshapes
     terms: dict[Any, list] = {}  # an add_any's value: the cotangents it sums
+    alias: dict[Any, Any] = {}  # a value that is another one's elements in the same order, of the same shape
     out = []
     for e in eqns:
+        if alias and any(isinstance(a, core.Var) and a in alias for a in e.invars):
+            e = e.replace(invars=[alias.get(a, a) if isinstance(a, core.Var) else a for a in e.invars])
+        root = _relabelled(e)
+        if root is not None:
+            root = alias.get(root, root)
+            while root in origin:
+                root = origin[root]
+            w = e.outvars[0]
+            if tuple(root.aval.shape) == tuple(w.aval.shape):
+                alias[w] = root
+                continue
+            origin[w] = root
+            out.append(keyed(_reshape(root, w)))
+            continue
         if e.primitive.name == "add_any" and len(e.invars) == 2 and all(isinstance(a, core.Var) for a in e.invars):
             summed = sorted((t for a in e.invars for t in terms.get(a, [(of(a), a)])), key=lambda t: t[0])
             acc = summed[0][1]
@@ -265,7 +282,30 @@ def _commuted(eqns: list, inputs: Sequence[Any]) -> list:
             terms[e.outvars[0]] = summed
             continue
         out.append(keyed(e))
-    return out
+    return out, alias
+
+
+def _relabelled(e: Any) -> Any:
+    """The operand of ``e`` if ``e`` only relabels its elements in row-major order (a reshape, a broadcast or a
+    sum that adds or drops axes of size 1: what batching and transposing leave around a vmapped layer), else
+    ``None``."""
+    name = e.primitive.name
+    if len(e.invars) != 1 or len(e.outvars) != 1 or not isinstance(e.invars[0], core.Var):
+        return None
+    a, w = e.invars[0], e.outvars[0]
+    if a.aval.dtype != w.aval.dtype or int(a.aval.size) != int(w.aval.size):
+        return None
+    if name == "reshape" and e.params.get("dimensions") is None:
+        return a
+    if name in ("broadcast_in_dim", "reduce_sum", "squeeze", "expand_dims"):
+        return a
+    return None
+
+
+def _reshape(a: Any, w: Any) -> Any:
+    """The equation ``w = reshape(a)``, as JAX writes it."""
+    traced = jax.make_jaxpr(lambda x: jax.lax.reshape(x, tuple(w.aval.shape)))(spec_of(a.aval))
+    return traced.jaxpr.eqns[0].replace(invars=[a], outvars=[w])
 
 
 #: Primitives by which a backward recomputes what its forward computed (``jax.checkpoint``, ``nn.remat``,
@@ -357,7 +397,8 @@ def prove_pair(step: core.ClosedJaxpr, pair: _Pair, proof: Callable[[core.Closed
     # a literal among the derived values (a zero) is no class: it is matched by nothing
     kept = [j for j, o in enumerate(derived) if isinstance(o, core.Var)]
     outs = list(bouts) + [derived[j] for j in kept]
-    eqns = _commuted(eqns, constvars + invars)
+    eqns, alias = _commuted(eqns, constvars + invars)
+    outs = [alias.get(o, o) for o in outs]
     program = core.ClosedJaxpr(core.Jaxpr(constvars, invars, outs, eqns, core.no_effects, None), cvals)
     classes = proof(program)
     bcls, dcls = classes[:len(bouts)], classes[len(bouts):]
