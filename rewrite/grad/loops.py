@@ -22,17 +22,22 @@ Here the pair is recognised by its data, not its op sequence, and proven one ite
    loops' constants are included, so that an invariant moved out of ``F``'s body and recomputed in ``B``'s
    (a mask) is one term.
 3. **Proof.** All of it is loaded into one e-graph with no rule; each of ``B``'s body outputs must share a
-   class with one of the re-derived values. Nothing is assumed about which output is which gradient.
-4. **Replacement.** ``B`` is replaced by a loop of the same shape (same direction, carries and stacked
-   outputs) whose body is ``loss_first(f)``: the layer rewritten with the step's rules and its VJP rewritten
-   jointly (``rewrite/grad/vjp.py``), reading the layer's inputs, which ``F`` now also stacks as an output
-   (or already did, as under ``remat``). ``F``'s other residual outputs are then dead and dropped. The
-   replacement recomputes the rewritten layer in the backward, as ``remat`` does, whatever ``F`` saved.
+   class with one of the re-derived gradients. Nothing is assumed about which output is which gradient. Two
+   derivations of one VJP differ in the order cotangents are summed and in relabellings of size-1 axes, so
+   both sides are first normalised (:func:`_commuted`): the proof holds up to a cotangent sum's order.
+4. **Replacement.** ``F`` and ``B`` are replaced by two loops of the same shape over the *rewritten* layer,
+   ``loss_first(layer)``: the layer rewritten with the step's rules, its VJP rewritten jointly
+   (``rewrite/grad/vjp.py``). The forward loop runs its forward half and stacks the layer's inputs; the backward
+   loop runs the VJP at each of them (recomputing the rewritten layer, as ``remat`` does). What ``F`` saved for
+   ``B`` is then dead. Loop invariants ``F`` took that are larger than what they are computed from (a mask
+   broadcast to the scores' shape) are moved back into the layer first (:func:`_sunk`).
 
-What is declined (and said why): a ``B`` reading a stacked value that is neither ``F``'s input nor output,
-``F`` stacked outputs read by something else than ``B`` (the layer's own per-iteration outputs, whose
-cotangents ``B`` would read too), carries that do not pair one to one (a constant with a gradient, which
-``B`` accumulates), and any output of ``B``'s body not proven.
+Only a backward that recomputes its layer (a ``remat`` call in ``B``'s body) is replaced: without ``remat``,
+the residuals ``F`` saves are the user's choice of memory against time. Also declined, with why: a ``B``
+reading a stacked value that is neither ``F``'s input nor output, ``F``'s stacked outputs read by something
+other than ``B`` (the layer's own per-iteration outputs, whose cotangents ``B`` would read too), carries that do
+not pair one to one (a constant with a gradient, which ``B`` accumulates), and any output of ``B``'s body not
+proven.
 """
 
 from __future__ import annotations

@@ -41,7 +41,8 @@ Here it is recovered, and checked:
 Where the whole cone runs through a loop whose forward JAX's partial
 evaluation reshaped (residual outputs, invariants moved out, a ``remat``
 backward that recomputes the original body), the cone is tried again cut at
-the loop's outputs, which become leaves. A loop's body that holds a loss and
+the loop's outputs, which become leaves; the loop's backward is then proven and replaced one iteration at a
+time (``rewrite/grad/loops.py``). A loop's body that holds a loss and
 its gradients (gradient accumulation) is searched as a step of its own.
 
 Where the proof fails (the step's backward is not the VJP of its forward: a
