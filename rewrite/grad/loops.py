@@ -481,11 +481,17 @@ def find_loop_vjps(step: core.ClosedJaxpr, proof: Callable[[core.ClosedJaxpr], l
             if pair.B.outvars[0] in done:  # tried, or a replacement's own loop
                 continue
             done.add(pair.B.outvars[0])
-            why, where, layer = prove_pair(step, pair, proof)
-            if where is None:
-                declined.append(f"a backward layer loop of {pair.B.params['length']} iterations: {why}")
+            said = f"a backward layer loop of {pair.B.params['length']} iterations"
+            try:
+                why, where, layer = prove_pair(step, pair, proof)
+                if where is None:
+                    declined.append(f"{said}: {why}")
+                    continue
+                step, made = replace_pair(step, pair, where, layer, loss_first)
+            except Exception as e:  # a layer the proof or the rewrite cannot build: declined, the step as it was
+                declined.append(f"{said}: not replaced ({type(e).__name__}: {e})")
+                log.debug("layer loop declined", exc_info=True)
                 continue
-            step, made = replace_pair(step, pair, where, layer, loss_first)
             done.update(made)
             replaced.append(f"a backward layer loop of {pair.B.params['length']} iterations with the rewritten "
                             f"layer's VJP ({len(where)} outputs proven)")
