@@ -23,6 +23,8 @@ Cases (``--cases a,b``; ``--small`` runs them at N=128, V=1024, width 64, for a 
 * ``haiku_gpt``: the same in haiku (``hk.MultiHeadAttention``, ``hk.transform``);
 * ``equinox_gpt``: the same in equinox (``eqx.nn.MultiheadAttention``, ``eqx.filter_value_and_grad``);
 * ``linen_scan_remat``: ``linen_gpt`` with its blocks stacked by ``nn.scan`` over ``nn.remat``;
+* ``equinox_scan_remat``: ``equinox_gpt`` with its blocks stacked (``eqx.filter_vmap`` of their constructor) and
+  scanned by ``lax.scan`` over ``eqx.filter_checkpoint`` of the block;
 * ``haiku_encoder``: a BERT-like haiku encoder with a padding mask and a classifier head;
 * ``linen_cross``: a linen encoder-decoder, the decoder cross-attending to a source of another length;
 * ``linen_accumulate``: ``linen_gpt`` with its gradients accumulated over micro-batches of one sequence by a
@@ -326,7 +328,7 @@ def _haiku_encoder(s: Size, wrap: Callable, opt: Any = None) -> tuple[Callable, 
 
 # ---------------------------------------------------------------------- equinox
 @case
-def _equinox_gpt(s: Size, wrap: Callable, opt: Any = None) -> tuple[Callable, tuple]:
+def _equinox_gpt(s: Size, wrap: Callable, opt: Any = None, scan: bool = False) -> tuple[Callable, tuple]:
     import equinox as eqx
     import optax
 
@@ -358,15 +360,26 @@ def _equinox_gpt(s: Size, wrap: Callable, opt: Any = None) -> tuple[Callable, tu
             ks = jax.random.split(key, 4)
             self.embed = eqx.nn.Embedding(s.vocab, s.width, key=ks[0])
             self.pos = jax.random.normal(ks[1], (s.length, s.width)) * 0.02
-            self.blocks = [Block(k) for k in jax.random.split(ks[2], 2)]
+            keys = jax.random.split(ks[2], 2)
+            # stacked: one Block whose arrays have a leading layer axis, scanned over
+            self.blocks = eqx.filter_vmap(Block)(keys) if scan else [Block(k) for k in keys]
             self.ln = eqx.nn.LayerNorm(s.width)
             self.head = eqx.nn.Linear(s.width, s.vocab, key=ks[3])
 
         def __call__(self, tokens):
             x = jax.vmap(self.embed)(tokens) + self.pos
             mask = jnp.tril(jnp.ones((tokens.shape[0], tokens.shape[0]), bool))
-            for b in self.blocks:
-                x = b(x, mask)
+            if scan:
+                arrays, rest = eqx.partition(self.blocks, eqx.is_array)
+
+                @eqx.filter_checkpoint
+                def layer(x, b):
+                    return eqx.combine(b, rest)(x, mask)
+
+                x, _ = jax.lax.scan(lambda x, b: (layer(x, b), None), x, arrays)
+            else:
+                for b in self.blocks:
+                    x = b(x, mask)
             return jax.vmap(self.head)(jax.vmap(self.ln)(x))
 
     model = GPT(jax.random.PRNGKey(1))
@@ -384,6 +397,11 @@ def _equinox_gpt(s: Size, wrap: Callable, opt: Any = None) -> tuple[Callable, tu
         return eqx.apply_updates(params, updates), opt_state, loss
 
     return make_step, (params, opt.init(params), _tokens(s))
+
+
+@case
+def _equinox_scan_remat(s: Size, wrap: Callable, opt: Any = None) -> tuple[Callable, tuple]:
+    return _equinox_gpt(s, wrap, opt, scan=True)
 
 
 # ---------------------------------------------------------------------- measuring

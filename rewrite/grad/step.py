@@ -41,7 +41,8 @@ Here it is recovered, and checked:
 Where the whole cone runs through a loop whose forward JAX's partial
 evaluation reshaped (residual outputs, invariants moved out, a ``remat``
 backward that recomputes the original body), the cone is tried again cut at
-the loop's outputs, which become leaves. A loop's body that holds a loss and
+the loop's outputs, which become leaves; the loop's backward is then proven and replaced one iteration at a
+time (``rewrite/grad/loops.py``). A loop's body that holds a loss and
 its gradients (gradient accumulation) is searched as a step of its own.
 
 Where the proof fails (the step's backward is not the VJP of its forward: a
@@ -64,6 +65,7 @@ from ..ir.jaxapi import core
 from ..ir.primitives import is_float
 from ..jaxpr.emit import dce
 from ..jaxpr.trace import spec_of
+from .loops import find_loop_vjps
 
 log = logging.getLogger("rewrite")
 
@@ -444,6 +446,9 @@ def find_losses(closed: core.ClosedJaxpr, proof: Callable[[core.ClosedJaxpr], li
                 break
         if not progress:
             break
+    loops = find_loop_vjps(step, proof, loss_first, finding.replaced, finding.declined)
+    if loops is not None:
+        step, changed = loops, True
     inner = _in_loops(step, proof, loss_first, finding)
     if inner is not None:
         step, changed = inner, True

@@ -1,0 +1,504 @@
+"""A layer loop's backward in a training step: the per-iteration VJP found, proven and rewritten.
+
+Layers stacked with ``lax.scan`` (``nn.scan``, equinox's scan over stacked layers), differentiated inside the
+step, leave two loops in its program: JAX's partial evaluation of the user's scan gives a *forward* loop ``F``
+(its body the layer, with loop-invariant values moved out and the residuals the backward reads as stacked
+outputs) and a *backward* loop ``B`` running the other way, whose body reads those residuals and the
+cotangent carried from the next layer (under ``remat``, a body that recomputes the layer and transposes it).
+Neither is the re-derivation of the whole loss (``step.py`` proves a loss's cone only up to the loop), and
+``B``'s body still computes what the layer's VJP holds: an attention's N x N scores, each layer in turn.
+
+Here the pair is recognised by its data, not its op sequence, and proven one iteration at a time:
+
+1. **Pairs.** ``B`` is a ``scan`` that reads, as stacked inputs, stacked outputs of another ``scan`` ``F`` of
+   the same length that runs the other way.
+2. **One iteration, symbolically.** Fresh values stand for ``F``'s carry at some iteration (``d``), its
+   stacked inputs' slices there (``p``) and the cotangent ``B`` carries into that iteration (``c``). ``F``'s
+   body is applied to ``(consts, d, p)``; ``B``'s body to its own constants, ``c``, and its stacked inputs'
+   slices: a slice of an array ``F`` also reads is that ``p``, a slice of ``F``'s stacked output is what
+   ``F``'s body computed for it. JAX's own VJP of the layer ``f = F's body without its stacked outputs``,
+   traced (``(consts, d, p, c) -> (f(...), gradients of the float inputs)``), is applied to the same values.
+   Nested ``remat``/``checkpoint`` and ``jit`` calls are inlined, and the step's equations that compute the
+   loops' constants are included, so that an invariant moved out of ``F``'s body and recomputed in ``B``'s
+   (a mask) is one term.
+3. **Proof.** All of it is loaded into one e-graph with no rule; each of ``B``'s body outputs must share a
+   class with one of the re-derived gradients. Nothing is assumed about which output is which gradient. Two
+   derivations of one VJP differ in the order cotangents are summed and in relabellings of size-1 axes, so
+   both sides are first normalised (:func:`_commuted`): the proof holds up to a cotangent sum's order.
+4. **Replacement.** ``F`` and ``B`` are replaced by two loops of the same shape over the *rewritten* layer,
+   ``loss_first(layer)``: the layer rewritten with the step's rules, its VJP rewritten jointly
+   (``rewrite/grad/vjp.py``). The forward loop runs its forward half and stacks the layer's inputs; the backward
+   loop runs the VJP at each of them (recomputing the rewritten layer, as ``remat`` does). What ``F`` saved for
+   ``B`` is then dead. Loop invariants ``F`` took that are larger than what they are computed from (a mask
+   broadcast to the scores' shape) are moved back into the layer first (:func:`_sunk`).
+
+Only a backward that recomputes its layer (a ``remat`` call in ``B``'s body) is replaced: without ``remat``,
+the residuals ``F`` saves are the user's choice of memory against time. Also declined, with why: a ``B``
+reading a stacked value that is neither ``F``'s input nor output, ``F``'s stacked outputs read by something
+other than ``B`` (the layer's own per-iteration outputs, whose cotangents ``B`` would read too), carries that do
+not pair one to one (a constant with a gradient, which ``B`` accumulates), and any output of ``B``'s body not
+proven.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Sequence
+
+import jax
+
+from ..ir.jaxapi import core
+from ..ir.primitives import is_float
+from ..jaxpr.emit import dce
+from ..jaxpr.trace import spec_of
+
+log = logging.getLogger("rewrite")
+
+#: Call-like primitives whose body is inlined in a proof (their value is their body's).
+INLINED = frozenset({"remat2", "checkpoint", "remat", "jit", "pjit", "closed_call", "core_call"})
+
+
+def _read(env: dict, a: Any) -> Any:
+    return env.get(a, a) if isinstance(a, core.Var) else a
+
+
+def _body(p: Any) -> tuple[core.Jaxpr, list[Any]]:
+    if isinstance(p, core.ClosedJaxpr):
+        return p.jaxpr, list(p.consts)
+    return p, []
+
+
+def inline_flat(eqns: list, jaxpr: core.Jaxpr, consts: Sequence[Any], args: Sequence[Any],
+                constvars: list, cvals: list) -> list[Any]:
+    """Append ``jaxpr``'s equations to ``eqns`` with fresh outputs, its inputs bound to ``args`` and its call-like
+    equations (``INLINED``) inlined in turn; returns its outputs."""
+    env: dict[Any, Any] = dict(zip(jaxpr.invars, args))
+    for v, c in zip(jaxpr.constvars, consts):
+        w = core.Var(v.aval)
+        constvars.append(w)
+        cvals.append(c)
+        env[v] = w
+    for e in jaxpr.eqns:
+        ins = [_read(env, a) for a in e.invars]
+        key = "jaxpr" if "jaxpr" in e.params else "call_jaxpr" if "call_jaxpr" in e.params else None
+        if e.primitive.name in INLINED and key is not None and not e.effects:
+            inner, inner_consts = _body(e.params[key])
+            outs = inline_flat(eqns, inner, inner_consts, ins, constvars, cvals)
+            env.update((o, r) for o, r in zip(e.outvars, outs) if isinstance(o, core.Var))
+            continue
+        outs = [core.Var(v.aval) if isinstance(v, core.Var) else v for v in e.outvars]
+        env.update((o, r) for o, r in zip(e.outvars, outs) if isinstance(o, core.Var))
+        eqns.append(e.replace(invars=ins, outvars=outs))
+    return [_read(env, a) for a in jaxpr.outvars]
+
+
+class _Pair:
+    """A forward loop ``F`` and the backward loop ``B`` that reads its stacked outputs, at top-level positions
+    ``kf`` and ``kb`` of the step."""
+
+    def __init__(self, step: core.ClosedJaxpr, kf: int, kb: int) -> None:
+        eqns = step.jaxpr.eqns
+        self.kf, self.kb = kf, kb
+        self.F, self.B = eqns[kf], eqns[kb]
+
+    # F's parts
+    def f_split(self) -> tuple[list, list, list]:
+        F = self.F
+        nc, nk = F.params["num_consts"], F.params["num_carry"]
+        return F.invars[:nc], F.invars[nc:nc + nk], F.invars[nc + nk:]
+
+    def b_split(self) -> tuple[list, list, list]:
+        B = self.B
+        nc, nk = B.params["num_consts"], B.params["num_carry"]
+        return B.invars[:nc], B.invars[nc:nc + nk], B.invars[nc + nk:]
+
+
+def pairs(step: core.ClosedJaxpr) -> list[_Pair]:
+    """Backward loops and their forward loops, by data: ``B`` reads as a stacked input a stacked output of ``F``;
+    the same length, running the other way."""
+    eqns = step.jaxpr.eqns
+    producer = {w: k for k, e in enumerate(eqns) for w in e.outvars}
+    found = []
+    for kb, B in enumerate(eqns):
+        if B.primitive.name != "scan":
+            continue
+        nc, nk = B.params["num_consts"], B.params["num_carry"]
+        forwards = {producer[a] for a in B.invars[nc + nk:] if isinstance(a, core.Var) and a in producer}
+        for kf in sorted(forwards):
+            F = eqns[kf]
+            if (F.primitive.name != "scan" or F.params["length"] != B.params["length"]
+                    or F.params["reverse"] == B.params["reverse"]):
+                continue
+            ys = F.outvars[F.params["num_carry"]:]
+            if any(a in ys for a in B.invars[nc + nk:]):
+                found.append(_Pair(step, kf, kb))
+    return found
+
+
+def _nbytes(a: Any) -> int:
+    aval = a.aval
+    return int(getattr(aval, "size", 1)) * getattr(getattr(aval, "dtype", None), "itemsize", 0)
+
+
+#: Primitives computing a loop's invariant that may be moved back into the layer (no loops, no effects).
+_NOT_SUNK = frozenset({"scan", "while", "cond", "custom_vjp_call", "custom_jvp_call", "shard_map"})
+
+
+def _sunk(step: core.ClosedJaxpr, consts: Sequence[Any]) -> tuple[list[Any], list[int]]:
+    """The forward loop's constants, with the step's equations that computed them from smaller values moved back
+    into the layer: ``(the layer's constants, those equations' positions in program order)``. JAX's partial
+    evaluation moved loop invariants out of the layer (a causal mask broadcast to every head, a fill value
+    broadcast to the scores' shape); an invariant larger than what it is computed from is cheaper recomputed
+    in the body than held as the loop's input, and the layer so written is the user's."""
+    eqns = step.jaxpr.eqns
+    producer = {w: k for k, e in enumerate(eqns) for w in e.outvars}
+    leaves = [a for a in consts if isinstance(a, core.Var)]
+    sunk: set[int] = set()
+    changed = True
+    while changed:
+        changed = False
+        for v in list(leaves):
+            k = producer.get(v)
+            if k is None or k in sunk:
+                continue
+            e = eqns[k]
+            if e.effects or e.primitive.name in _NOT_SUNK:
+                continue
+            if sum(_nbytes(w) for w in e.outvars) <= sum(_nbytes(a) for a in e.invars if isinstance(a, core.Var)):
+                continue
+            sunk.add(k)
+            leaves = [x for x in leaves if x not in e.outvars]
+            leaves += [a for a in e.invars if isinstance(a, core.Var) and a not in leaves]
+            changed = True
+    return leaves, sorted(sunk)
+
+
+def _layer(step: core.ClosedJaxpr, pair: _Pair) -> tuple[core.ClosedJaxpr, list[Any]]:
+    """``F``'s body without its stacked outputs, its invariants moved back in (:func:`_sunk`): the layer,
+    ``(constants, carry, slices) -> carry``; and its constants, values of the step."""
+    fconsts, fcarry, fxs = pair.f_split()
+    leaves, sunk = _sunk(step, fconsts)
+    body = pair.F.params["jaxpr"]
+    nf, nk = len(fconsts), pair.F.params["num_carry"]
+    ins = [core.Var(v.aval) for v in leaves]
+    env = dict(zip(leaves, ins))
+    eqns: list = []
+    constvars, cvals = [], []
+    for k in sunk:
+        e = step.jaxpr.eqns[k]
+        outs = [core.Var(w.aval) for w in e.outvars]
+        eqns.append(e.replace(invars=[_read(env, a) for a in e.invars], outvars=outs))
+        env.update(zip(e.outvars, outs))
+    d = [core.Var(v.aval) for v in body.jaxpr.invars[nf:]]
+    outs = inline_flat(eqns, body.jaxpr, body.consts, [_read(env, a) for a in fconsts] + d, constvars, cvals)
+    jaxpr = core.Jaxpr(constvars, ins + d, outs[:nk], eqns, core.no_effects)
+    return dce(core.ClosedJaxpr(jaxpr, cvals)), leaves
+
+
+def _check(step: core.ClosedJaxpr, pair: _Pair) -> str:
+    """Why the pair is not handled, or ``""``."""
+    F, B = pair.F, pair.B
+    if F.effects or B.effects or F.params["jaxpr"].jaxpr.effects or B.params["jaxpr"].jaxpr.effects:
+        return "a loop has effects"
+    nkf = F.params["num_carry"]
+    ys = F.outvars[nkf:]
+    readers = {}
+    for k, e in enumerate(step.jaxpr.eqns):
+        for a in e.invars:
+            if isinstance(a, core.Var):
+                readers.setdefault(a, set()).add(k)
+    outs = set(a for a in step.jaxpr.outvars if isinstance(a, core.Var))
+    for y in ys:
+        if y in outs or readers.get(y, set()) - {pair.kb}:
+            return "the forward loop's stacked outputs are read by something other than its backward"
+    if not _recomputes(B.params["jaxpr"].jaxpr):
+        return ("the backward loop does not recompute the layer (no remat): the residuals it reads are kept as "
+                "the step saves them")
+    _, fcarry, fxs = pair.f_split()
+    _, bcarry, bxs = pair.b_split()
+    if len(bcarry) != sum(is_float(v.aval) for v in F.outvars[:nkf]):
+        return "the backward loop's carries do not pair with the forward loop's float carries"
+    for a in bxs:
+        if not isinstance(a, core.Var) or (a not in ys and a not in fxs):
+            return "the backward loop reads a stacked value that is neither the forward loop's input nor output"
+    return ""
+
+
+#: Operations whose two operands commute exactly (``add_any`` is ``add``: the sum of two cotangents).
+COMMUTE = frozenset({"add", "mul", "add_any", "max", "min"})
+
+
+def _commuted(eqns: list, inputs: Sequence[Any]) -> tuple[list, dict]:
+    """``eqns`` with the operands of each commutative operation in a fixed order, by a hash of the terms they
+    compute (not of their names): JAX's transposes sum a value's cotangents in the order they reach it, which
+    differs between a backward recomputed under ``remat`` and one derived afresh. ``a + b`` and ``b + a`` are
+    then one term. A sum of cotangents (``add_any``) is written as the sum of its terms in that fixed order: the
+    proof holds up to the order in which a value's cotangents are summed (which rounds differently; JAX's own
+    two derivations differ so). Operations that only relabel elements (size-1 axes added or dropped) are one
+    reshape of the value they start from, or that value itself (``alias``: the values so replaced)."""
+    import hashlib
+
+    key: dict[Any, str] = {v: f"in{i}" for i, v in enumerate(inputs)}
+
+    def of(a: Any) -> str:
+        if isinstance(a, core.Var):
+            return key.get(a, f"free{id(a)}")
+        return f"lit{a.val!r}{a.aval}"
+
+    def keyed(e: Any) -> Any:
+        ins = list(e.invars)
+        keys = [of(a) for a in ins]
+        if e.primitive.name in COMMUTE and len(ins) == 2 and keys[1] < keys[0]:
+            ins, keys = ins[::-1], keys[::-1]
+            e = e.replace(invars=ins)
+        h = hashlib.blake2b(f"{e.primitive.name}|{sorted(e.params.items(), key=lambda kv: kv[0])!r}|{keys}"
+                            .encode(), digest_size=16).hexdigest()
+        for j, w in enumerate(e.outvars):
+            if isinstance(w, core.Var):
+                key[w] = f"{h}.{j}"
+        return e
+
+    origin: dict[Any, Any] = {}  # a reshape's operand, through reshapes
+    terms: dict[Any, list] = {}  # an add_any's value: the cotangents it sums
+    alias: dict[Any, Any] = {}  # a value that is another one's elements in the same order, of the same shape
+    out = []
+    for e in eqns:
+        if alias and any(isinstance(a, core.Var) and a in alias for a in e.invars):
+            e = e.replace(invars=[alias.get(a, a) if isinstance(a, core.Var) else a for a in e.invars])
+        root = _relabelled(e)
+        if root is not None:
+            root = alias.get(root, root)
+            while root in origin:
+                root = origin[root]
+            w = e.outvars[0]
+            if tuple(root.aval.shape) == tuple(w.aval.shape):
+                alias[w] = root
+                continue
+            origin[w] = root
+            out.append(keyed(_reshape(root, w)))
+            continue
+        if e.primitive.name == "add_any" and len(e.invars) == 2 and all(isinstance(a, core.Var) for a in e.invars):
+            summed = sorted((t for a in e.invars for t in terms.get(a, [(of(a), a)])), key=lambda t: t[0])
+            acc = summed[0][1]
+            for j, (_, a) in enumerate(summed[1:]):
+                w = e.outvars[0] if j == len(summed) - 2 else core.Var(e.outvars[0].aval)
+                out.append(keyed(e.replace(invars=[acc, a], outvars=[w])))
+                acc = w
+            terms[e.outvars[0]] = summed
+            continue
+        out.append(keyed(e))
+    return out, alias
+
+
+def _relabelled(e: Any) -> Any:
+    """The operand of ``e`` if ``e`` only relabels its elements in row-major order (a reshape, a broadcast or a
+    sum that adds or drops axes of size 1: what batching and transposing leave around a vmapped layer), else
+    ``None``."""
+    name = e.primitive.name
+    if len(e.invars) != 1 or len(e.outvars) != 1 or not isinstance(e.invars[0], core.Var):
+        return None
+    a, w = e.invars[0], e.outvars[0]
+    if a.aval.dtype != w.aval.dtype or int(a.aval.size) != int(w.aval.size):
+        return None
+    if name == "reshape" and e.params.get("dimensions") is None:
+        return a
+    if name in ("broadcast_in_dim", "reduce_sum", "squeeze", "expand_dims"):
+        return a
+    return None
+
+
+def _reshape(a: Any, w: Any) -> Any:
+    """The equation ``w = reshape(a)``, as JAX writes it."""
+    traced = jax.make_jaxpr(lambda x: jax.lax.reshape(x, tuple(w.aval.shape)))(spec_of(a.aval))
+    return traced.jaxpr.eqns[0].replace(invars=[a], outvars=[w])
+
+
+#: Primitives by which a backward recomputes what its forward computed (``jax.checkpoint``, ``nn.remat``,
+#: ``eqx.filter_checkpoint``).
+REMAT = frozenset({"remat2", "checkpoint", "remat"})
+
+
+def _recomputes(jaxpr: core.Jaxpr) -> bool:
+    """Does ``jaxpr`` (a backward loop's body) recompute its layer: does it hold a ``remat`` call?"""
+    for e in jaxpr.eqns:
+        if e.primitive.name in REMAT:
+            return True
+        for v in e.params.values():
+            inner = v.jaxpr if isinstance(v, core.ClosedJaxpr) else v
+            if isinstance(inner, core.Jaxpr) and _recomputes(inner):
+                return True
+    return False
+
+
+def prove_pair(step: core.ClosedJaxpr, pair: _Pair, proof: Callable[[core.ClosedJaxpr], list[Any]]
+               ) -> tuple[str, list[int] | None, tuple | None]:
+    """Is each output of ``B``'s body, one iteration, a value of the layer's VJP? ``("", [derived position of each
+    B body output], (layer, its constants))`` or ``(why not, None, None)``. The derived program is ``joint_program(layer)``:
+    ``(constants, carry, slices, cotangents of the float carries) -> (carries, gradients of the float inputs)``."""
+    from .vjp import joint_program
+
+    why = _check(step, pair)
+    if why:
+        return why, None, None
+    F, B = pair.F, pair.B
+    layer, lconsts = _layer(step, pair)
+    fconsts, fcarry, fxs = pair.f_split()
+    bconsts, bcarry, bxs = pair.b_split()
+    fbody, bbody = F.params["jaxpr"], B.params["jaxpr"]
+    nf = len(fconsts)
+    # one iteration's fresh values: F's carry in, its slices, the cotangents B carries in
+    d = [core.Var(v.aval) for v in fbody.jaxpr.invars[nf:nf + len(fcarry)]]
+    p = [core.Var(v.aval) for v in fbody.jaxpr.invars[nf + len(fcarry):]]
+    c = [core.Var(v.aval) for v in bbody.jaxpr.invars[len(bconsts):len(bconsts) + len(bcarry)]]
+    jaxpr = step.jaxpr
+    graph_producer = {w: k for k, e in enumerate(jaxpr.eqns) for w in e.outvars}
+    # the step's equations that compute the loops' constants
+    need: set[int] = set()
+    stack = [a for a in list(fconsts) + list(bconsts) + list(lconsts) if isinstance(a, core.Var)]
+    seen: set = set()
+    while stack:
+        v = stack.pop()
+        if v in seen:
+            continue
+        seen.add(v)
+        k = graph_producer.get(v)
+        if k is not None and k not in need:
+            need.add(k)
+            stack.extend(a for a in jaxpr.eqns[k].invars if isinstance(a, core.Var))
+    constvars, cvals = list(jaxpr.constvars), list(step.consts)
+    eqns: list = []
+    env: dict = {}
+    for k in sorted(need):
+        e = jaxpr.eqns[k]
+        key = "jaxpr" if "jaxpr" in e.params else None
+        ins = [_read(env, a) for a in e.invars]
+        if e.primitive.name in INLINED and key is not None and not e.effects:
+            inner, inner_consts = _body(e.params[key])
+            outs = inline_flat(eqns, inner, inner_consts, ins, constvars, cvals)
+            env.update(zip(e.outvars, outs))
+        else:
+            eqns.append(e.replace(invars=ins))
+    fc = [_read(env, a) for a in fconsts]
+    bc = [_read(env, a) for a in bconsts]
+    fouts = inline_flat(eqns, fbody.jaxpr, fbody.consts, fc + d + p, constvars, cvals)
+    ys = F.outvars[F.params["num_carry"]:]
+    fys = fouts[F.params["num_carry"]:]
+    slices = []
+    for a in bxs:
+        if a in ys:
+            slices.append(fys[ys.index(a)])
+        else:
+            slices.append(p[list(fxs).index(a)])
+    bouts = inline_flat(eqns, bbody.jaxpr, bbody.consts, bc + c + slices, constvars, cvals)
+    try:
+        joint = joint_program(layer)[0]
+    except Exception as e:  # a layer JAX cannot differentiate
+        return f"its VJP could not be re-derived ({type(e).__name__}: {e})", None, None
+    lc = [_read(env, a) for a in lconsts]
+    derived = inline_flat(eqns, joint.jaxpr, joint.consts, lc + d + p + c, constvars, cvals)
+    invars = list(jaxpr.invars) + d + p + c
+    if any(not isinstance(o, core.Var) for o in bouts):
+        return "the backward loop's body has a constant output", None, None
+    # a literal among the derived values (a zero) is no class: it is matched by nothing
+    kept = [j for j, o in enumerate(derived) if isinstance(o, core.Var)]
+    outs = list(bouts) + [derived[j] for j in kept]
+    eqns, alias = _commuted(eqns, constvars + invars)
+    outs = [alias.get(o, o) for o in outs]
+    program = core.ClosedJaxpr(core.Jaxpr(constvars, invars, outs, eqns, core.no_effects, None), cvals)
+    classes = proof(program)
+    bcls, dcls = classes[:len(bouts)], classes[len(bouts):]
+    # the derived values are the layer's outputs, then the gradients: B's outputs are cotangents, so gradients
+    nout = len(layer.out_avals)
+    grads: dict = {}
+    for j, cl in zip(kept, dcls):
+        if j >= nout:
+            grads.setdefault(cl, j)
+    where = [grads.get(cl) for cl in bcls]
+    if any(w is None for w in where):
+        missing = sum(w is None for w in where)
+        return (f"{missing} of the backward loop's {len(where)} body outputs not proven a gradient of the layer",
+                None, None)
+    return "", where, (layer, lconsts)
+
+
+def replace_pair(step: core.ClosedJaxpr, pair: _Pair, where: list[int], layer: tuple,
+                 loss_first: Callable[[core.ClosedJaxpr], core.ClosedJaxpr]) -> tuple[core.ClosedJaxpr, list]:
+    """``step`` with ``F`` and ``B`` two loops over the rewritten layer: ``F'`` runs its forward and stacks its
+    carry-in, ``B'`` its VJP at each carry-in (what ``B`` read of ``F`` is then dead); and ``B'``'s outputs."""
+    from .step import _in_order, _subst, inline
+
+    layer, lconsts = layer
+    F, B = pair.F, pair.B
+    vjp = loss_first(layer)  # (constants, carry, slices, cotangents) -> (carries, gradients), rewritten
+    _, fcarry, fxs = pair.f_split()
+    _, bcarry, _ = pair.b_split()
+    nk, nbk, length = F.params["num_carry"], len(bcarry), F.params["length"]
+    run = core.jaxpr_as_fun(vjp)
+    cts = [a for a in vjp.in_avals[len(layer.in_avals):]]
+
+    def both(consts, init, ps, ct0):
+        def forward(carry, sl):  # the layer's forward: the cotangents' terms are dead, and dropped
+            outs = run(*consts, *carry, *sl, *[jax.numpy.zeros(a.shape, a.dtype) for a in cts])
+            return list(outs[:nk]), list(carry)
+
+        out, hs = jax.lax.scan(forward, list(init), list(ps), length=length, reverse=F.params["reverse"])
+
+        def backward(carry, xs):
+            sl, h = xs
+            outs = run(*consts, *h, *sl, *carry)
+            picked = [outs[j] for j in where]
+            return picked[:nbk], picked[nbk:]
+
+        grads = jax.lax.scan(backward, list(ct0), (list(ps), hs), length=length, reverse=B.params["reverse"])
+        return out, grads
+
+    args = (list(lconsts), list(fcarry), list(fxs), list(bcarry))
+    specs = jax.tree.map(lambda a: spec_of(a.aval), args, is_leaf=lambda a: isinstance(a, (core.Var, core.Literal)))
+    program = jax.make_jaxpr(both)(*specs)
+    jaxpr = step.jaxpr
+    eqns: list = []
+    constvars, cvals = list(jaxpr.constvars), list(step.consts)
+    outs = inline(eqns, program, [a for group in args for a in group], constvars, cvals)
+    env = dict(zip(F.outvars[:nk], outs[:nk]))
+    env.update(zip(B.outvars, outs[nk:]))
+    # B read of F only its stacked outputs (checked), so F's carries are all it gives the rest of the step
+    rest = [_subst(e, env) for k, e in enumerate(jaxpr.eqns) if k not in (pair.kf, pair.kb)]
+    new = core.Jaxpr(constvars, list(jaxpr.invars), [_read(env, a) for a in jaxpr.outvars],
+                     _in_order(eqns + rest), jaxpr.effects, jaxpr.debug_info)
+    return dce(core.ClosedJaxpr(new, cvals)), [o for o in outs[nk:] if isinstance(o, core.Var)]
+
+
+def find_loop_vjps(step: core.ClosedJaxpr, proof: Callable[[core.ClosedJaxpr], list[Any]],
+                   loss_first: Callable[[core.ClosedJaxpr], core.ClosedJaxpr],
+                   replaced: list[str], declined: list[str]) -> core.ClosedJaxpr | None:
+    """``step`` with each proven backward layer loop's body read from the rewritten layer's VJP; ``None`` if
+    none was. What was replaced and declined is appended to the lists."""
+    changed = False
+    done: set = set()
+    while True:
+        progress = False
+        for pair in pairs(step):
+            if pair.B.outvars[0] in done:  # tried, or a replacement's own loop
+                continue
+            done.add(pair.B.outvars[0])
+            said = f"a backward layer loop of {pair.B.params['length']} iterations"
+            try:
+                why, where, layer = prove_pair(step, pair, proof)
+                if where is None:
+                    declined.append(f"{said}: {why}")
+                    continue
+                step, made = replace_pair(step, pair, where, layer, loss_first)
+            except Exception as e:  # a layer the proof or the rewrite cannot build: declined, the step as it was
+                declined.append(f"{said}: not replaced ({type(e).__name__}: {e})")
+                log.debug("layer loop declined", exc_info=True)
+                continue
+            done.update(made)
+            replaced.append(f"a backward layer loop of {pair.B.params['length']} iterations with the rewritten "
+                            f"layer's VJP ({len(where)} outputs proven)")
+            changed = progress = True
+            break
+        if not progress:
+            return step if changed else None
+
+
+__all__ = ["find_loop_vjps", "pairs", "prove_pair", "replace_pair"]
