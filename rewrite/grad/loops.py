@@ -47,50 +47,14 @@ from typing import Any, Callable, Sequence
 
 import jax
 
-from ..ir.jaxapi import core
+from ..ir.jaxapi import core, scan_counts
 from ..ir.primitives import is_float
+from ..jaxpr.edit import CALLS, body_of, in_order, inline, read, substitute
 from ..jaxpr.emit import dce
 from ..jaxpr.trace import spec_of
+from .vjp import joint_program
 
 log = logging.getLogger("rewrite")
-
-#: Call-like primitives whose body is inlined in a proof (their value is their body's).
-INLINED = frozenset({"remat2", "checkpoint", "remat", "jit", "pjit", "closed_call", "core_call"})
-
-
-def _read(env: dict, a: Any) -> Any:
-    return env.get(a, a) if isinstance(a, core.Var) else a
-
-
-def _body(p: Any) -> tuple[core.Jaxpr, list[Any]]:
-    if isinstance(p, core.ClosedJaxpr):
-        return p.jaxpr, list(p.consts)
-    return p, []
-
-
-def inline_flat(eqns: list, jaxpr: core.Jaxpr, consts: Sequence[Any], args: Sequence[Any],
-                constvars: list, cvals: list) -> list[Any]:
-    """Append ``jaxpr``'s equations to ``eqns`` with fresh outputs, its inputs bound to ``args`` and its call-like
-    equations (``INLINED``) inlined in turn; returns its outputs."""
-    env: dict[Any, Any] = dict(zip(jaxpr.invars, args))
-    for v, c in zip(jaxpr.constvars, consts):
-        w = core.Var(v.aval)
-        constvars.append(w)
-        cvals.append(c)
-        env[v] = w
-    for e in jaxpr.eqns:
-        ins = [_read(env, a) for a in e.invars]
-        key = "jaxpr" if "jaxpr" in e.params else "call_jaxpr" if "call_jaxpr" in e.params else None
-        if e.primitive.name in INLINED and key is not None and not e.effects:
-            inner, inner_consts = _body(e.params[key])
-            outs = inline_flat(eqns, inner, inner_consts, ins, constvars, cvals)
-            env.update((o, r) for o, r in zip(e.outvars, outs) if isinstance(o, core.Var))
-            continue
-        outs = [core.Var(v.aval) if isinstance(v, core.Var) else v for v in e.outvars]
-        env.update((o, r) for o, r in zip(e.outvars, outs) if isinstance(o, core.Var))
-        eqns.append(e.replace(invars=ins, outvars=outs))
-    return [_read(env, a) for a in jaxpr.outvars]
-
 
 class _Pair:
     """A forward loop ``F`` and the backward loop ``B`` that reads its stacked outputs, at top-level positions
@@ -104,12 +68,12 @@ class _Pair:
     # F's parts
     def f_split(self) -> tuple[list, list, list]:
         F = self.F
-        nc, nk = F.params["num_consts"], F.params["num_carry"]
+        nc, nk = scan_counts(F.params)
         return F.invars[:nc], F.invars[nc:nc + nk], F.invars[nc + nk:]
 
     def b_split(self) -> tuple[list, list, list]:
         B = self.B
-        nc, nk = B.params["num_consts"], B.params["num_carry"]
+        nc, nk = scan_counts(B.params)
         return B.invars[:nc], B.invars[nc:nc + nk], B.invars[nc + nk:]
 
 
@@ -122,14 +86,14 @@ def pairs(step: core.ClosedJaxpr) -> list[_Pair]:
     for kb, B in enumerate(eqns):
         if B.primitive.name != "scan":
             continue
-        nc, nk = B.params["num_consts"], B.params["num_carry"]
+        nc, nk = scan_counts(B.params)
         forwards = {producer[a] for a in B.invars[nc + nk:] if isinstance(a, core.Var) and a in producer}
         for kf in sorted(forwards):
             F = eqns[kf]
             if (F.primitive.name != "scan" or F.params["length"] != B.params["length"]
                     or F.params["reverse"] == B.params["reverse"]):
                 continue
-            ys = F.outvars[F.params["num_carry"]:]
+            ys = F.outvars[scan_counts(F.params)[1]:]
             if any(a in ys for a in B.invars[nc + nk:]):
                 found.append(_Pair(step, kf, kb))
     return found
@@ -179,7 +143,7 @@ def _layer(step: core.ClosedJaxpr, pair: _Pair) -> tuple[core.ClosedJaxpr, list[
     fconsts, fcarry, fxs = pair.f_split()
     leaves, sunk = _sunk(step, fconsts)
     body = pair.F.params["jaxpr"]
-    nf, nk = len(fconsts), pair.F.params["num_carry"]
+    nf, nk = len(fconsts), scan_counts(pair.F.params)[1]
     ins = [core.Var(v.aval) for v in leaves]
     env = dict(zip(leaves, ins))
     eqns: list = []
@@ -187,10 +151,10 @@ def _layer(step: core.ClosedJaxpr, pair: _Pair) -> tuple[core.ClosedJaxpr, list[
     for k in sunk:
         e = step.jaxpr.eqns[k]
         outs = [core.Var(w.aval) for w in e.outvars]
-        eqns.append(e.replace(invars=[_read(env, a) for a in e.invars], outvars=outs))
+        eqns.append(e.replace(invars=[read(env, a) for a in e.invars], outvars=outs))
         env.update(zip(e.outvars, outs))
     d = [core.Var(v.aval) for v in body.jaxpr.invars[nf:]]
-    outs = inline_flat(eqns, body.jaxpr, body.consts, [_read(env, a) for a in fconsts] + d, constvars, cvals)
+    outs = inline(eqns, body.jaxpr, body.consts, [read(env, a) for a in fconsts] + d, constvars, cvals, CALLS)
     jaxpr = core.Jaxpr(constvars, ins + d, outs[:nk], eqns, core.no_effects)
     return dce(core.ClosedJaxpr(jaxpr, cvals)), leaves
 
@@ -200,7 +164,7 @@ def _check(step: core.ClosedJaxpr, pair: _Pair) -> str:
     F, B = pair.F, pair.B
     if F.effects or B.effects or F.params["jaxpr"].jaxpr.effects or B.params["jaxpr"].jaxpr.effects:
         return "a loop has effects"
-    nkf = F.params["num_carry"]
+    nkf = scan_counts(F.params)[1]
     ys = F.outvars[nkf:]
     readers = {}
     for k, e in enumerate(step.jaxpr.eqns):
@@ -335,8 +299,6 @@ def prove_pair(step: core.ClosedJaxpr, pair: _Pair, proof: Callable[[core.Closed
     """Is each output of ``B``'s body, one iteration, a value of the layer's VJP? ``("", [derived position of each
     B body output], (layer, its constants))`` or ``(why not, None, None)``. The derived program is ``joint_program(layer)``:
     ``(constants, carry, slices, cotangents of the float carries) -> (carries, gradients of the float inputs)``."""
-    from .vjp import joint_program
-
     why = _check(step, pair)
     if why:
         return why, None, None
@@ -371,31 +333,31 @@ def prove_pair(step: core.ClosedJaxpr, pair: _Pair, proof: Callable[[core.Closed
     for k in sorted(need):
         e = jaxpr.eqns[k]
         key = "jaxpr" if "jaxpr" in e.params else None
-        ins = [_read(env, a) for a in e.invars]
-        if e.primitive.name in INLINED and key is not None and not e.effects:
-            inner, inner_consts = _body(e.params[key])
-            outs = inline_flat(eqns, inner, inner_consts, ins, constvars, cvals)
+        ins = [read(env, a) for a in e.invars]
+        if e.primitive.name in CALLS and key is not None and not e.effects:
+            inner, inner_consts = body_of(e.params[key])
+            outs = inline(eqns, inner, inner_consts, ins, constvars, cvals, CALLS)
             env.update(zip(e.outvars, outs))
         else:
             eqns.append(e.replace(invars=ins))
-    fc = [_read(env, a) for a in fconsts]
-    bc = [_read(env, a) for a in bconsts]
-    fouts = inline_flat(eqns, fbody.jaxpr, fbody.consts, fc + d + p, constvars, cvals)
-    ys = F.outvars[F.params["num_carry"]:]
-    fys = fouts[F.params["num_carry"]:]
+    fc = [read(env, a) for a in fconsts]
+    bc = [read(env, a) for a in bconsts]
+    fouts = inline(eqns, fbody.jaxpr, fbody.consts, fc + d + p, constvars, cvals, CALLS)
+    ys = F.outvars[scan_counts(F.params)[1]:]
+    fys = fouts[scan_counts(F.params)[1]:]
     slices = []
     for a in bxs:
         if a in ys:
             slices.append(fys[ys.index(a)])
         else:
             slices.append(p[list(fxs).index(a)])
-    bouts = inline_flat(eqns, bbody.jaxpr, bbody.consts, bc + c + slices, constvars, cvals)
+    bouts = inline(eqns, bbody.jaxpr, bbody.consts, bc + c + slices, constvars, cvals, CALLS)
     try:
         joint = joint_program(layer)[0]
     except Exception as e:  # a layer JAX cannot differentiate
         return f"its VJP could not be re-derived ({type(e).__name__}: {e})", None, None
-    lc = [_read(env, a) for a in lconsts]
-    derived = inline_flat(eqns, joint.jaxpr, joint.consts, lc + d + p + c, constvars, cvals)
+    lc = [read(env, a) for a in lconsts]
+    derived = inline(eqns, joint.jaxpr, joint.consts, lc + d + p + c, constvars, cvals, CALLS)
     invars = list(jaxpr.invars) + d + p + c
     if any(not isinstance(o, core.Var) for o in bouts):
         return "the backward loop's body has a constant output", None, None
@@ -425,14 +387,12 @@ def replace_pair(step: core.ClosedJaxpr, pair: _Pair, where: list[int], layer: t
                  loss_first: Callable[[core.ClosedJaxpr], core.ClosedJaxpr]) -> tuple[core.ClosedJaxpr, list]:
     """``step`` with ``F`` and ``B`` two loops over the rewritten layer: ``F'`` runs its forward and stacks its
     carry-in, ``B'`` its VJP at each carry-in (what ``B`` read of ``F`` is then dead); and ``B'``'s outputs."""
-    from .step import _in_order, _subst, inline
-
     layer, lconsts = layer
     F, B = pair.F, pair.B
     vjp = loss_first(layer)  # (constants, carry, slices, cotangents) -> (carries, gradients), rewritten
     _, fcarry, fxs = pair.f_split()
     _, bcarry, _ = pair.b_split()
-    nk, nbk, length = F.params["num_carry"], len(bcarry), F.params["length"]
+    nk, nbk, length = scan_counts(F.params)[1], len(bcarry), F.params["length"]
     run = core.jaxpr_as_fun(vjp)
     cts = [a for a in vjp.in_avals[len(layer.in_avals):]]
 
@@ -458,13 +418,13 @@ def replace_pair(step: core.ClosedJaxpr, pair: _Pair, where: list[int], layer: t
     jaxpr = step.jaxpr
     eqns: list = []
     constvars, cvals = list(jaxpr.constvars), list(step.consts)
-    outs = inline(eqns, program, [a for group in args for a in group], constvars, cvals)
+    outs = inline(eqns, program.jaxpr, program.consts, [a for group in args for a in group], constvars, cvals)
     env = dict(zip(F.outvars[:nk], outs[:nk]))
     env.update(zip(B.outvars, outs[nk:]))
     # B read of F only its stacked outputs (checked), so F's carries are all it gives the rest of the step
-    rest = [_subst(e, env) for k, e in enumerate(jaxpr.eqns) if k not in (pair.kf, pair.kb)]
-    new = core.Jaxpr(constvars, list(jaxpr.invars), [_read(env, a) for a in jaxpr.outvars],
-                     _in_order(eqns + rest), jaxpr.effects, jaxpr.debug_info)
+    rest = [substitute(e, env) for k, e in enumerate(jaxpr.eqns) if k not in (pair.kf, pair.kb)]
+    new = core.Jaxpr(constvars, list(jaxpr.invars), [read(env, a) for a in jaxpr.outvars],
+                     in_order(eqns + rest), jaxpr.effects, jaxpr.debug_info)
     return dce(core.ClosedJaxpr(new, cvals)), [o for o in outs[nk:] if isinstance(o, core.Var)]
 
 

@@ -63,6 +63,7 @@ import jax
 
 from ..ir.jaxapi import core
 from ..ir.primitives import is_float
+from ..jaxpr.edit import in_order, inline, read, substitute
 from ..jaxpr.emit import dce
 from ..jaxpr.trace import spec_of
 from .loops import find_loop_vjps
@@ -108,22 +109,12 @@ def unwrap(closed: core.ClosedJaxpr) -> core.ClosedJaxpr:
         for v, c in zip(inner.jaxpr.constvars, inner.consts):
             constvars.append(v)
             consts.append(c)
-        new_eqns = [_subst(e, env) for e in inner.jaxpr.eqns]
-        outer = dict(zip(eqn.outvars, [_read(env, a) for a in inner.jaxpr.outvars]))
-        outvars = [_read(outer, a) for a in closed.jaxpr.outvars]
+        new_eqns = [substitute(e, env) for e in inner.jaxpr.eqns]
+        outer = dict(zip(eqn.outvars, [read(env, a) for a in inner.jaxpr.outvars]))
+        outvars = [read(outer, a) for a in closed.jaxpr.outvars]
         jaxpr = core.Jaxpr(constvars, list(closed.jaxpr.invars), outvars, new_eqns, closed.jaxpr.effects,
                            closed.jaxpr.debug_info)
         closed = core.ClosedJaxpr(jaxpr, consts)
-
-
-def _read(env: dict, a: Any) -> Any:
-    return env.get(a, a) if isinstance(a, core.Var) else a
-
-
-def _subst(e: Any, env: dict) -> Any:
-    if not env or not any(isinstance(a, core.Var) and a in env for a in e.invars):
-        return e
-    return e.replace(invars=[_read(env, a) for a in e.invars])
 
 
 class _Graph:
@@ -270,21 +261,6 @@ def value_and_grads(fn: Callable[..., Any], positions: Sequence[int]) -> Callabl
     return joint
 
 
-def inline(eqns: list, closed: core.ClosedJaxpr, args: Sequence[Any], constvars: list, consts: list) -> list[Any]:
-    """Append ``closed``'s equations to ``eqns`` with its inputs bound to ``args``; returns its outputs."""
-    env: dict[Any, Any] = dict(zip(closed.jaxpr.invars, args))
-    for v, c in zip(closed.jaxpr.constvars, closed.consts):
-        constvars.append(v)
-        consts.append(c)
-    # fresh variables: the same program may be inlined twice (two losses)
-    for e in closed.jaxpr.eqns:
-        outs = [core.Var(v.aval) if isinstance(v, core.Var) else v for v in e.outvars]
-        new = e.replace(invars=[_read(env, a) for a in e.invars], outvars=outs)
-        env.update(zip(e.outvars, outs))
-        eqns.append(new)
-    return [_read(env, a) for a in closed.jaxpr.outvars]
-
-
 def prove(step: core.ClosedJaxpr, graph: _Graph, root: Any, cone: core.ClosedJaxpr, leaves: Sequence[Any],
           dif: Sequence[int], derived: core.ClosedJaxpr, proof: Callable[[core.ClosedJaxpr], list[Any]]
           ) -> tuple[bool, dict[Any, int]]:
@@ -300,7 +276,7 @@ def prove(step: core.ClosedJaxpr, graph: _Graph, root: Any, cone: core.ClosedJax
                   if w not in inside and isinstance(w, core.Var) and (tuple(w.aval.shape), w.aval.dtype) in shapes]
     eqns = list(jaxpr.eqns)
     constvars, consts = list(jaxpr.constvars), list(step.consts)
-    outs = inline(eqns, derived, list(leaves), constvars, consts)
+    outs = inline(eqns, derived.jaxpr, derived.consts, list(leaves), constvars, consts)
     eqns = [_without_empty_mesh(e) for e in eqns]
     program = core.ClosedJaxpr(core.Jaxpr(constvars, list(jaxpr.invars), [root] + candidates + outs, eqns,
                                           jaxpr.effects, None), consts)
@@ -343,13 +319,13 @@ def replace(step: core.ClosedJaxpr, root: Any, leaves: Sequence[Any], consts: di
     jaxpr = step.jaxpr
     eqns: list = []
     constvars, cvals = list(jaxpr.constvars), list(step.consts)
-    outs = inline(eqns, program, lifted, constvars, cvals)
+    outs = inline(eqns, program.jaxpr, program.consts, lifted, constvars, cvals)
     made.update(w for e in eqns for w in e.outvars)
     env = {root: outs[0]}
     for w, j in found.items():
         env[w] = outs[1 + j]
-    eqns = _in_order(eqns + [_subst(e, env) for e in jaxpr.eqns])
-    new = core.Jaxpr(constvars, list(jaxpr.invars), [_read(env, a) for a in jaxpr.outvars], eqns, jaxpr.effects,
+    eqns = in_order(eqns + [substitute(e, env) for e in jaxpr.eqns])
+    new = core.Jaxpr(constvars, list(jaxpr.invars), [read(env, a) for a in jaxpr.outvars], eqns, jaxpr.effects,
                      jaxpr.debug_info)
     return dce(core.ClosedJaxpr(new, cvals))
 
@@ -372,32 +348,6 @@ def _attempt(step: core.ClosedJaxpr, graph: _Graph, root: Any, eqns: list[int], 
     if not found:
         return "the step holds no value proven to be its gradient", None
     return "", (lifted, flat_cone, dif, found)
-
-
-def _in_order(eqns: list) -> list:
-    """``eqns`` reordered so that each comes after the equations it reads (the replacement, put first, may read
-    values the step computes: a cone cut at a loop's outputs), otherwise keeping their order."""
-    import heapq
-
-    producer = {w: k for k, e in enumerate(eqns) for w in e.outvars}
-    waits = [0] * len(eqns)
-    readers: dict[int, list[int]] = {}
-    for k, e in enumerate(eqns):
-        for d in {producer[a] for a in e.invars if isinstance(a, core.Var) and a in producer}:
-            waits[k] += 1
-            readers.setdefault(d, []).append(k)
-    ready = [k for k, n in enumerate(waits) if n == 0]
-    heapq.heapify(ready)
-    out = []
-    while ready:
-        k = heapq.heappop(ready)
-        out.append(eqns[k])
-        for r in readers.get(k, ()):
-            waits[r] -= 1
-            if not waits[r]:
-                heapq.heappush(ready, r)
-    assert len(out) == len(eqns), "the step's equations read each other in a cycle"
-    return out
 
 
 def find_losses(closed: core.ClosedJaxpr, proof: Callable[[core.ClosedJaxpr], list[Any]],

@@ -1,0 +1,85 @@
+"""Editing a jaxpr's equations in place of others: what the whole-step search does to a step.
+
+A step's equations are rebuilt around a replacement: another program's equations are appended with its
+inputs bound to the step's values (:func:`inline`, fresh variables each time, so one program may be inlined
+twice), equations are re-pointed at the replacement's outputs (:func:`substitute`), and the whole is put back
+in an order where each equation follows those it reads (:func:`in_order`).
+"""
+
+from __future__ import annotations
+
+import heapq
+from typing import Any, Sequence
+
+from ..ir.jaxapi import core
+
+#: Call-like primitives whose body :func:`inline` can inline in turn (their value is their body's).
+CALLS = frozenset({"remat2", "checkpoint", "remat", "jit", "pjit", "closed_call", "core_call"})
+
+
+def read(env: dict, a: Any) -> Any:
+    """``a`` renamed by ``env`` (a literal is itself)."""
+    return env.get(a, a) if isinstance(a, core.Var) else a
+
+
+def substitute(e: Any, env: dict) -> Any:
+    """The equation ``e`` reading ``env``'s values in place of its inputs (``e`` itself where none is renamed)."""
+    if not env or not any(isinstance(a, core.Var) and a in env for a in e.invars):
+        return e
+    return e.replace(invars=[read(env, a) for a in e.invars])
+
+
+def body_of(p: Any) -> tuple[core.Jaxpr, list[Any]]:
+    """A call's or loop's body param as ``(jaxpr, its constants)``, closed or not."""
+    if isinstance(p, core.ClosedJaxpr):
+        return p.jaxpr, list(p.consts)
+    return p, []
+
+
+def inline(eqns: list, jaxpr: core.Jaxpr, consts: Sequence[Any], args: Sequence[Any], constvars: list,
+           cvals: list, calls: frozenset[str] = frozenset()) -> list[Any]:
+    """Append ``jaxpr``'s equations to ``eqns`` with fresh outputs and its inputs bound to ``args``; its constants
+    become fresh ``constvars`` (their values appended to ``cvals``); its equations of the call-like primitives in
+    ``calls`` (see :data:`CALLS`) are inlined in turn. Returns its outputs."""
+    env: dict[Any, Any] = dict(zip(jaxpr.invars, args))
+    for v, c in zip(jaxpr.constvars, consts):
+        w = core.Var(v.aval)
+        constvars.append(w)
+        cvals.append(c)
+        env[v] = w
+    for e in jaxpr.eqns:
+        ins = [read(env, a) for a in e.invars]
+        key = "jaxpr" if "jaxpr" in e.params else "call_jaxpr" if "call_jaxpr" in e.params else None
+        if e.primitive.name in calls and key is not None and not e.effects:
+            inner, inner_consts = body_of(e.params[key])
+            outs = inline(eqns, inner, inner_consts, ins, constvars, cvals, calls)
+            env.update((o, r) for o, r in zip(e.outvars, outs) if isinstance(o, core.Var))
+            continue
+        outs = [core.Var(v.aval) if isinstance(v, core.Var) else v for v in e.outvars]
+        env.update((o, r) for o, r in zip(e.outvars, outs) if isinstance(o, core.Var))
+        eqns.append(e.replace(invars=ins, outvars=outs))
+    return [read(env, a) for a in jaxpr.outvars]
+
+
+def in_order(eqns: list) -> list:
+    """``eqns`` reordered so that each comes after the equations it reads (a replacement put first may read
+    values computed after it), otherwise keeping their order."""
+    producer = {w: k for k, e in enumerate(eqns) for w in e.outvars}
+    waits = [0] * len(eqns)
+    readers: dict[int, list[int]] = {}
+    for k, e in enumerate(eqns):
+        for d in {producer[a] for a in e.invars if isinstance(a, core.Var) and a in producer}:
+            waits[k] += 1
+            readers.setdefault(d, []).append(k)
+    ready = [k for k, n in enumerate(waits) if n == 0]
+    heapq.heapify(ready)
+    out = []
+    while ready:
+        k = heapq.heappop(ready)
+        out.append(eqns[k])
+        for r in readers.get(k, ()):
+            waits[r] -= 1
+            if not waits[r]:
+                heapq.heappush(ready, r)
+    assert len(out) == len(eqns), "the equations read each other in a cycle"
+    return out
