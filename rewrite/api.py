@@ -38,7 +38,7 @@ from .grad.vjp import VJPResult, build_vjp, rewrite_joint
 from .ir.jaxapi import core
 from .jaxpr import state as _state
 from .jaxpr.trace import CONCRETIZATION_ERRORS, Traced, flatten_args, resolve_static, same_program, trace, trace_call
-from .pipeline import limits_met, run_pipeline, saturated_classes
+from .pipeline import limits_met, program_cost, run_pipeline, saturated_classes
 from .records import Limits, Result
 from .report.report import Report, gradient_report, report_of
 from .rules.ruleset import Ruleset, entries_of
@@ -134,6 +134,9 @@ class Rewritten:
         #: look in the program for a loss whose gradients it holds (a training step): rewrite/grad/step.py. By
         #: default only with the memory-shaped packs, whose forwards and backwards it exists to replace together
         self.whole_step = _searches_steps(self.entries, whole_step)
+        #: searched by default (``whole_step=None``): a loss is replaced only where a memory-shaped pack's rule
+        #: rewrote its forward (:meth:`_loss_first`)
+        self._memory_shaped_only = whole_step is None
 
     def _prepare(self, args: tuple, kwargs: dict) -> tuple[Any, list[Any], tuple[Traced, Result], tuple]:
         """The call's cache key, program operands, (traced, result) entry, and nnx nodes (``state.lift``)."""
@@ -269,11 +272,7 @@ class Rewritten:
     def _rewrite_fresh(self, traced: Traced) -> Result:
         name = getattr(self.fn, "__name__", "function")
         try:
-            result = run_pipeline(traced, self.entries, self.cost_model, self.limits)
-            try:
-                result = self._whole_step(traced, result)
-            except Exception as e:  # the step as written, rewritten, still runs
-                self._fall_back(e, f"the whole-step search of {name!r}", "running the step rewritten as written")
+            result = self._whole_step(traced)
         except Exception as e:
             self._fall_back(e, f"rewrite of {name!r}", "running it unchanged")
             return fallback_result(traced, f"error: {type(e).__name__}: {e}")
@@ -293,29 +292,57 @@ class Rewritten:
                  result.why or "input kept", result.stopped, fired)
         return result
 
-    def _whole_step(self, traced: Traced, result: Result) -> Result:
+    def _whole_step(self, traced: Traced, result: Result | None = None) -> Result:
         """A training step: each loss whose gradients the step holds, proven so (``rewrite/grad/step.py``), read
-        from the loss-first program instead; the step so changed is rewritten too, and the cheaper kept."""
+        from the loss-first program instead; the step so changed is rewritten, and kept where it is priced below
+        the step as written. ``result`` is the step as written, rewritten, where a caller has it (``explain``);
+        otherwise it is made here only where it is needed: where no loss is replaced, or where the step with
+        its losses replaced does not price below the step as written unrewritten. Then, as before, the cheaper
+        of the two rewritten steps is kept (or the leaner within the model's lean band)."""
+        def as_written() -> Result:
+            return result if result is not None else run_pipeline(traced, self.entries, self.cost_model,
+                                                                   self.limits)
+
         if not self.whole_step or not self.entries:
-            return result
-        changed, finding = find_losses(traced.closed, self._proof, self._loss_first)
-        result.step = finding
-        if changed is None:
-            return result
-        t = time.perf_counter()
-        alt = run_pipeline(changed, self.entries, self.cost_model, self.limits)
-        alt.times["whole_step"] = finding.seconds + time.perf_counter() - t
-        cheaper = alt.cost_after < result.cost_after
-        if cheaper or self._leaner(alt, result):
-            alt.before, alt.cost_before, alt.rewritten, alt.step = traced.closed, result.cost_before, True, finding
-            alt.why = (f"the step's loss and gradients read from the loss-first program ({finding}"
-                       + ("" if cheaper else f", priced {alt.cost_after:.4g} against {result.cost_after:.4g}, within "
-                          "the model's lean band, and predicted to hold less memory")
-                       + "); " + (alt.why or "its program kept as built"))
-            return alt
+            return as_written()
+        try:
+            changed, finding = find_losses(traced.closed, self._proof, self._loss_first)
+            alt = None
+            if changed is not None:
+                t = time.perf_counter()
+                alt = run_pipeline(changed, self.entries, self.cost_model, self.limits)
+                alt.times["whole_step"] = finding.seconds + time.perf_counter() - t
+                before = result.cost_before if result is not None else program_cost(traced.closed, self.cost_model)
+        except Exception as e:  # the step as written, rewritten, still runs
+            self._fall_back(e, f"the whole-step search of {getattr(self.fn, '__name__', 'function')!r}",
+                            "running the step rewritten as written")
+            return as_written()
+        if alt is None:
+            written = as_written()
+            written.step = finding
+            return written
+        if alt.cost_after < before:
+            # priced below the step as written: kept without rewriting the step as written (issue 48.3: that
+            # saturation was most of a training step's rewrite time), whatever the latter's rewrite would price
+            return self._replaced(traced, alt, finding, before, f"priced {alt.cost_after:.4g}, below the step as "
+                                  f"written ({before:.4g})")
+        written = as_written()
+        written.step = finding
+        cheaper = alt.cost_after < written.cost_after
+        if cheaper or self._leaner(alt, written):
+            return self._replaced(traced, alt, finding, written.cost_before, "" if cheaper else (
+                f"priced {alt.cost_after:.4g} against {written.cost_after:.4g}, within the model's lean band, and "
+                "predicted to hold less memory"))
         finding.declined.append(f"the step with them replaced was priced {alt.cost_after:.4g}, the step rewritten "
-                                f"as written {result.cost_after:.4g}: kept the latter")
-        return result
+                                f"as written {written.cost_after:.4g}: kept the latter")
+        return written
+
+    @staticmethod
+    def _replaced(traced: Traced, alt: Result, finding: Any, cost_before: float, how: str) -> Result:
+        alt.before, alt.cost_before, alt.rewritten, alt.step = traced.closed, cost_before, True, finding
+        alt.why = (f"the step's loss and gradients read from the loss-first program ({finding}"
+                   + (f", {how}" if how else "") + "); " + (alt.why or "its program kept as built"))
+        return alt
 
     def _proof(self, program: core.ClosedJaxpr) -> list[Any]:
         """The classes of ``program``'s outputs, saturated with no rules: equal values share one
@@ -338,12 +365,24 @@ class Rewritten:
             return True
         return far_leaner(peak, than, self.cost_model)
 
-    def _loss_first(self, cone: core.ClosedJaxpr) -> core.ClosedJaxpr:
+    def _loss_first(self, cone: core.ClosedJaxpr) -> core.ClosedJaxpr | None:
         """A loss's VJP as ``jax.value_and_grad(rewrite(loss))`` runs it, with these rules, as one program
-        ``(primals, cotangent) -> (loss, gradients)``: JAX's VJP of the rewritten forward, rewritten."""
+        ``(primals, cotangent) -> (loss, gradients)``: JAX's VJP of the rewritten forward, rewritten.
+
+        ``None`` where the search runs by default (``whole_step=None``) and no rule of a memory-shaped pack
+        (:data:`WHOLE_STEP_PACKS`) fired on the forward: the loss-first program then differs from the step's
+        own forward and backward only by what the same rules make of both in the step as written, so it is
+        not built (its VJP's and the changed step's saturations were most of such a step's rewrite time)."""
         # only the programs that come out are read: the inputs are not priced
-        forward = run_pipeline(cone, self.entries, self.cost_model, self.limits, price_input=False).after
-        return rewrite_joint(forward, self.entries, self.cost_model, self.limits)
+        res = run_pipeline(cone, self.entries, self.cost_model, self.limits, price_input=False)
+        if self._memory_shaped_only and not self._memory_shaped(res):
+            return None
+        return rewrite_joint(res.after, self.entries, self.cost_model, self.limits)
+
+    def _memory_shaped(self, res: Result) -> bool:
+        """Did a rule of a memory-shaped pack (:data:`WHOLE_STEP_PACKS`) fire in this rewrite?"""
+        owners = {rule.name: owner.name for rule, owner in self.entries}
+        return any(s.fired and owners.get(k) in WHOLE_STEP_PACKS for k, s in res.stats.items())
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         key, flat, (traced, result), nodes = self._prepare(args, kwargs)
@@ -573,6 +612,7 @@ def explain(fn: Any, *args: Any, rulesets: Any = (), cost_model: Any = None, lim
     finder = Rewritten(fn, (), model, limits, static_argnums, static_argnames, strict=None, cache=False)
     finder.entries = entries
     finder.whole_step = _searches_steps(entries, whole_step)
+    finder._memory_shaped_only = whole_step is None
     t = time.perf_counter()
     chosen = finder._whole_step(traced, result)
     if finder.whole_step and finder.entries:  # the search's time, whether or not its step is used
