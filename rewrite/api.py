@@ -317,6 +317,8 @@ class Rewritten:
             self._fall_back(e, f"the whole-step search of {getattr(self.fn, '__name__', 'function')!r}",
                             "running the step rewritten as written")
             return as_written()
+        if result is not None:
+            result.step = finding
         if alt is None:
             written = as_written()
             written.step = finding

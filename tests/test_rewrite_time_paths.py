@@ -91,3 +91,67 @@ def test_the_whole_step_search_prices_only_the_inputs_it_reports(monkeypatch):
     r = rewrite(step, rulesets=[rulesets.algebra], cache=False, whole_step=True)
     for p, q in zip(r(*args), jax.jit(step)(*args)):
         assert jnp.allclose(p, q, rtol=1e-5, atol=1e-6)
+
+
+def _pipelines(monkeypatch) -> list:
+    """Records each rewrite the whole-step search and the decorator run: ``"as written"`` for the step as
+    traced, ``"other"`` for the programs the search builds (a loss's forward, its VJP, the changed step)."""
+    import rewrite.api as api
+    import rewrite.grad.vjp as vjp
+    from rewrite.jaxpr.trace import Traced
+
+    runs: list = []
+    for module in (api, vjp):
+        run = module.run_pipeline
+
+        def counted(program, *a, _run=run, **k):
+            runs.append("as written" if isinstance(program, Traced) else "other")
+            return _run(program, *a, **k)
+
+        monkeypatch.setattr(module, "run_pipeline", counted)
+    return runs
+
+
+def test_a_step_whose_loss_no_memory_shaped_rule_rewrites_is_not_replaced_by_default(monkeypatch):
+    """Searched by default (a memory-shaped pack among the rules), a loss whose forward none of that pack's rules
+    rewrites is not replaced: its loss-first program would be the step's own forward and backward under the same
+    rules. Its VJP and the changed step are not rewritten (2 rewrites, 4 before); ``whole_step=True`` still
+    replaces it."""
+    runs = _pipelines(monkeypatch)
+    step, args = _step()
+    packs = [rulesets.algebra, rulesets.attention]  # attention turns the search on; the step has none
+    res = rewrite(step, rulesets=packs, cache=False).result(*args)
+    assert runs == ["other", "as written"], runs  # the loss's forward, then the step as written
+    assert res.step is not None and not res.step.replaced and "no memory-shaped rule" in str(res.step)
+    r = rewrite(step, rulesets=packs, cache=False)
+    for p, q in zip(r(*args), jax.jit(step)(*args)):
+        assert jnp.allclose(p, q, rtol=1e-5, atol=1e-6)
+    runs.clear()
+    forced = rewrite(step, rulesets=packs, cache=False, whole_step=True).result(*args)
+    assert forced.step.replaced, str(forced.step)
+    assert runs.count("other") == 3, runs  # the forward, its VJP, the step with the loss replaced
+
+
+def test_a_replaced_step_priced_below_the_step_as_written_skips_its_rewrite(monkeypatch):
+    """Where the step with its loss read from the loss-first program prices below the step as written, that is
+    kept without rewriting the step as written (which was most of a training step's rewrite time); its cost
+    before is the step as written's, as the pipeline prices it."""
+    from benchmarks import wholestep as ws
+    from rewrite.pipeline import program_cost, run_pipeline
+
+    runs = _pipelines(monkeypatch)
+    tiny = ws.Size(batch=2, length=16, width=16, heads=2, vocab=64)
+    step, args = ws.CASES["haiku_gpt"](tiny, ws.plain, opt=optax.sgd(0.1))
+    flat, leaves = ws._flat(step, args)
+    r = rewrite(flat, rulesets=[rulesets.nn, rulesets.attention], cache=False)
+    res = r.result(*leaves)
+    assert res.step is not None and res.step.replaced, str(res.step)
+    assert "as written" not in runs, runs
+    assert res.cost_after < res.cost_before
+    closed = jax.make_jaxpr(flat)(*leaves)
+    assert program_cost(closed, r.cost_model) == run_pipeline(closed, r.entries, r.cost_model, r.limits).cost_before
+    want, got = jax.jit(flat)(*leaves), jax.jit(r)(*leaves)
+    moved = max(float(jnp.max(jnp.abs(o - x))) for o, x in zip(want, leaves)
+                if o.shape == x.shape and jnp.issubdtype(o.dtype, jnp.floating))
+    for p, q in zip(want, got):
+        assert p.shape == q.shape and float(jnp.max(jnp.abs(p - q))) <= 1e-4 * max(moved, float(jnp.max(jnp.abs(p))))
