@@ -134,9 +134,6 @@ class Rewritten:
         #: look in the program for a loss whose gradients it holds (a training step): rewrite/grad/step.py. By
         #: default only with the memory-shaped packs, whose forwards and backwards it exists to replace together
         self.whole_step = _searches_steps(self.entries, whole_step)
-        #: searched by default (``whole_step=None``): a loss is replaced only where a memory-shaped pack's rule
-        #: rewrote its forward (:meth:`_loss_first`)
-        self._memory_shaped_only = whole_step is None
 
     def _prepare(self, args: tuple, kwargs: dict) -> tuple[Any, list[Any], tuple[Traced, Result], tuple]:
         """The call's cache key, program operands, (traced, result) entry, and nnx nodes (``state.lift``)."""
@@ -367,24 +364,12 @@ class Rewritten:
             return True
         return far_leaner(peak, than, self.cost_model)
 
-    def _loss_first(self, cone: core.ClosedJaxpr) -> core.ClosedJaxpr | None:
+    def _loss_first(self, cone: core.ClosedJaxpr) -> core.ClosedJaxpr:
         """A loss's VJP as ``jax.value_and_grad(rewrite(loss))`` runs it, with these rules, as one program
-        ``(primals, cotangent) -> (loss, gradients)``: JAX's VJP of the rewritten forward, rewritten.
-
-        ``None`` where the search runs by default (``whole_step=None``) and no rule of a memory-shaped pack
-        (:data:`WHOLE_STEP_PACKS`) fired on the forward: the loss-first program then differs from the step's
-        own forward and backward only by what the same rules make of both in the step as written, so it is
-        not built (its VJP's and the changed step's saturations were most of such a step's rewrite time)."""
+        ``(primals, cotangent) -> (loss, gradients)``: JAX's VJP of the rewritten forward, rewritten."""
         # only the programs that come out are read: the inputs are not priced
-        res = run_pipeline(cone, self.entries, self.cost_model, self.limits, price_input=False)
-        if self._memory_shaped_only and not self._memory_shaped(res):
-            return None
-        return rewrite_joint(res.after, self.entries, self.cost_model, self.limits)
-
-    def _memory_shaped(self, res: Result) -> bool:
-        """Did a rule of a memory-shaped pack (:data:`WHOLE_STEP_PACKS`) fire in this rewrite?"""
-        owners = {rule.name: owner.name for rule, owner in self.entries}
-        return any(s.fired and owners.get(k) in WHOLE_STEP_PACKS for k, s in res.stats.items())
+        forward = run_pipeline(cone, self.entries, self.cost_model, self.limits, price_input=False).after
+        return rewrite_joint(forward, self.entries, self.cost_model, self.limits)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         key, flat, (traced, result), nodes = self._prepare(args, kwargs)
@@ -614,7 +599,6 @@ def explain(fn: Any, *args: Any, rulesets: Any = (), cost_model: Any = None, lim
     finder = Rewritten(fn, (), model, limits, static_argnums, static_argnames, strict=None, cache=False)
     finder.entries = entries
     finder.whole_step = _searches_steps(entries, whole_step)
-    finder._memory_shaped_only = whole_step is None
     t = time.perf_counter()
     chosen = finder._whole_step(traced, result)
     if finder.whole_step and finder.entries:  # the search's time, whether or not its step is used

@@ -112,26 +112,6 @@ def _pipelines(monkeypatch) -> list:
     return runs
 
 
-def test_a_step_whose_loss_no_memory_shaped_rule_rewrites_is_not_replaced_by_default(monkeypatch):
-    """Searched by default (a memory-shaped pack among the rules), a loss whose forward none of that pack's rules
-    rewrites is not replaced: its loss-first program would be the step's own forward and backward under the same
-    rules. Its VJP and the changed step are not rewritten (2 rewrites, 4 before); ``whole_step=True`` still
-    replaces it."""
-    runs = _pipelines(monkeypatch)
-    step, args = _step()
-    packs = [rulesets.algebra, rulesets.attention]  # attention turns the search on; the step has none
-    res = rewrite(step, rulesets=packs, cache=False).result(*args)
-    assert runs == ["other", "as written"], runs  # the loss's forward, then the step as written
-    assert res.step is not None and not res.step.replaced and "no memory-shaped rule" in str(res.step)
-    r = rewrite(step, rulesets=packs, cache=False)
-    for p, q in zip(r(*args), jax.jit(step)(*args)):
-        assert jnp.allclose(p, q, rtol=1e-5, atol=1e-6)
-    runs.clear()
-    forced = rewrite(step, rulesets=packs, cache=False, whole_step=True).result(*args)
-    assert forced.step.replaced, str(forced.step)
-    assert runs.count("other") == 3, runs  # the forward, its VJP, the step with the loss replaced
-
-
 def test_a_replaced_step_priced_below_the_step_as_written_skips_its_rewrite(monkeypatch):
     """Where the step with its loss read from the loss-first program prices below the step as written, that is
     kept without rewriting the step as written (which was most of a training step's rewrite time); its cost

@@ -32,7 +32,7 @@ def _cast(args, dtype):
 
 def _replaced(flat, leaves, packs=PACKS):
     """The step's program with its losses replaced (``None`` if none was), and what was found."""
-    r = rewrite(flat, rulesets=packs, cache=False, whole_step=True)  # the proof and replacement, not the default's policy
+    r = rewrite(flat, rulesets=packs, cache=False)
     closed = jax.make_jaxpr(flat)(*leaves)
     return find_losses(closed, r._proof, r._loss_first)
 
@@ -506,9 +506,7 @@ def test_equinox_filter_jit_of_rewritten_step():
         updates, opt_state = opt.update(grads, opt_state, eqx.filter(model, eqx.is_array))
         return eqx.apply_updates(model, updates), opt_state, loss
 
-    # whole_step=True: no memory-shaped rule rewrites this loss's forward, and by default its replacement is not
-    # built (test_a_loss_no_memory_shaped_rule_rewrote_is_not_replaced_by_default)
-    rewritten = rewrite(make_step, rulesets=[rulesets.nn], cache=False, whole_step=True)
+    rewritten = rewrite(make_step, rulesets=[rulesets.nn], cache=False)
     want = eqx.filter_jit(make_step)(model, opt_state, x, y)
     got = eqx.filter_jit(rewritten)(model, opt_state, x, y)
     _close(jax.tree.leaves(eqx.filter(want, eqx.is_array)), jax.tree.leaves(eqx.filter(got, eqx.is_array)), 1e-5)

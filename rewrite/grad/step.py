@@ -324,14 +324,12 @@ def _without_empty_mesh(e: Any) -> Any:
 
 # ---------------------------------------------------------------------- replacement
 def replace(step: core.ClosedJaxpr, root: Any, leaves: Sequence[Any], consts: dict, cone: core.ClosedJaxpr,
-            dif: Sequence[int], found: dict[Any, int], loss_first: Callable[[core.ClosedJaxpr], core.ClosedJaxpr | None],
-            made: set) -> core.ClosedJaxpr | None:
+            dif: Sequence[int], found: dict[Any, int], loss_first: Callable[[core.ClosedJaxpr], core.ClosedJaxpr],
+            made: set) -> core.ClosedJaxpr:
     """``step`` with ``root`` and the values in ``found`` read from the loss-first program instead:
     ``loss_first(cone)``, the VJP of the cone's forward rewritten, ``(leaves, cotangent) -> (L, gradients)``,
-    seeded with 1; ``None`` where ``loss_first`` built none (a replacement not worth building)."""
+    seeded with 1."""
     vjp = loss_first(cone)
-    if vjp is None:
-        return None
     # the cone program takes its constants first as inputs here, so that all leaves are arguments
     lifted = [v for v in leaves if v in consts] + [v for v in leaves if v not in consts]
     L = cone.out_avals[0]
@@ -401,11 +399,11 @@ def _in_order(eqns: list) -> list:
 
 
 def find_losses(closed: core.ClosedJaxpr, proof: Callable[[core.ClosedJaxpr], list[Any]],
-                loss_first: Callable[[core.ClosedJaxpr], core.ClosedJaxpr | None]
+                loss_first: Callable[[core.ClosedJaxpr], core.ClosedJaxpr]
                 ) -> tuple[core.ClosedJaxpr | None, StepFinding]:
     """The step with each proven loss and its gradients read from the loss-first program; ``None`` if none was
     proven. ``loss_first(cone)`` is the loss-first program of a loss's forward program (its leaves the inputs):
-    ``(leaves, cotangent) -> (L, gradients of the float leaves)``, or ``None``: that loss is not replaced."""
+    ``(leaves, cotangent) -> (L, gradients of the float leaves)``."""
     t0 = time.perf_counter()
     finding = StepFinding()
     if closed.jaxpr.effects:
@@ -437,12 +435,7 @@ def find_losses(closed: core.ClosedJaxpr, proof: Callable[[core.ClosedJaxpr], li
                     finding.declined.append(f"a scalar of {len(cone_eqns)} equations{how}: {said}")
                     continue
                 lifted, flat_cone, dif, found = done
-                new = replace(step, root, lifted, consts, flat_cone, dif, found, loss_first, made)
-                if new is None:
-                    finding.declined.append(f"a loss of {len(cone_eqns)} equations{how}: no memory-shaped rule "
-                                            "rewrote its forward, so its loss-first program was not built")
-                    break
-                step = new
+                step = replace(step, root, lifted, consts, flat_cone, dif, found, loss_first, made)
                 finding.replaced.append(f"a loss of {len(cone_eqns)} equations{how} and its gradients with respect "
                                         f"to {len(set(found.values()))} of {len(dif)} float inputs")
                 changed = progress = True
@@ -465,7 +458,7 @@ BODIES = {"scan": "jaxpr", "while": "body_jaxpr"}
 
 
 def _in_loops(step: core.ClosedJaxpr, proof: Callable[[core.ClosedJaxpr], list[Any]],
-              loss_first: Callable[[core.ClosedJaxpr], core.ClosedJaxpr | None],
+              loss_first: Callable[[core.ClosedJaxpr], core.ClosedJaxpr],
               finding: StepFinding) -> core.ClosedJaxpr | None:
     """``step`` with the losses found in its loops' bodies replaced there (a body is searched as a step of its
     own: its inputs are the leaves), or ``None`` if none was."""
