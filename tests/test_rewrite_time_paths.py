@@ -135,3 +135,35 @@ def test_a_replaced_step_priced_below_the_step_as_written_skips_its_rewrite(monk
                 if o.shape == x.shape and jnp.issubdtype(o.dtype, jnp.floating))
     for p, q in zip(want, got):
         assert p.shape == q.shape and float(jnp.max(jnp.abs(p - q))) <= 1e-4 * max(moved, float(jnp.max(jnp.abs(p))))
+
+
+def test_match_function_prefers_a_pass_over_the_slice_s_classes_only(monkeypatch):
+    """``Match.function`` (``rulesets.scan``'s ``sink_inputs`` reads a loop's body back with it) prefers the
+    bottom-up pass's choice in each class. That pass is made over the classes below the slice's outputs, not
+    over the whole e-graph once per snapshot, and gives each of them the whole pass's choice."""
+    from benchmarks import scan as bs
+    import rewrite.rules.builder as builder
+    from rulesets.scan import scan
+
+    passes: list = []
+
+    class Counted(_extractor.Extractor):
+        def _tree_pass(self, allowed):
+            cost, choice = super()._tree_pass(allowed)
+            if allowed is None:
+                passes.append(None)
+            else:
+                whole = super()._tree_pass(None)[1]
+                passes.append(len(choice))
+                assert all(whole[c] == n for c, n in choice.items())  # the whole pass's choice, class by class
+                assert len(choice) < len(whole)
+            return cost, choice
+
+    monkeypatch.setattr(builder, "Extractor", Counted)
+    args = bs.rnn_params(2)
+    report = explain(bs.rnn_mse, *args, rulesets=[scan], grad=True)
+    assert report.fired.get("sink_inputs"), report.fired
+    assert passes and None not in passes, passes
+    got = jax.grad(rewrite(bs.rnn_mse, rulesets=[scan], cache=False))(*args)
+    want = jax.grad(bs.rnn_mse)(*args)
+    assert all(jnp.allclose(p, q, rtol=1e-5, atol=1e-6) for p, q in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
