@@ -38,7 +38,7 @@ from .grad.vjp import VJPResult, build_vjp, rewrite_joint
 from .ir.jaxapi import core
 from .jaxpr import state as _state
 from .jaxpr.trace import CONCRETIZATION_ERRORS, Traced, flatten_args, resolve_static, same_program, trace, trace_call
-from .pipeline import limits_met, run_pipeline, saturated_classes
+from .pipeline import limits_met, program_cost, run_pipeline, saturated_classes
 from .records import Limits, Result
 from .report.report import Report, gradient_report, report_of
 from .rules.ruleset import Ruleset, entries_of
@@ -269,11 +269,7 @@ class Rewritten:
     def _rewrite_fresh(self, traced: Traced) -> Result:
         name = getattr(self.fn, "__name__", "function")
         try:
-            result = run_pipeline(traced, self.entries, self.cost_model, self.limits)
-            try:
-                result = self._whole_step(traced, result)
-            except Exception as e:  # the step as written, rewritten, still runs
-                self._fall_back(e, f"the whole-step search of {name!r}", "running the step rewritten as written")
+            result = self._whole_step(traced)
         except Exception as e:
             self._fall_back(e, f"rewrite of {name!r}", "running it unchanged")
             return fallback_result(traced, f"error: {type(e).__name__}: {e}")
@@ -293,29 +289,59 @@ class Rewritten:
                  result.why or "input kept", result.stopped, fired)
         return result
 
-    def _whole_step(self, traced: Traced, result: Result) -> Result:
+    def _whole_step(self, traced: Traced, result: Result | None = None) -> Result:
         """A training step: each loss whose gradients the step holds, proven so (``rewrite/grad/step.py``), read
-        from the loss-first program instead; the step so changed is rewritten too, and the cheaper kept."""
+        from the loss-first program instead; the step so changed is rewritten, and kept where it is priced below
+        the step as written. ``result`` is the step as written, rewritten, where a caller has it (``explain``);
+        otherwise it is made here only where it is needed: where no loss is replaced, or where the step with
+        its losses replaced does not price below the step as written unrewritten. Then, as before, the cheaper
+        of the two rewritten steps is kept (or the leaner within the model's lean band)."""
+        def as_written() -> Result:
+            return result if result is not None else run_pipeline(traced, self.entries, self.cost_model,
+                                                                   self.limits)
+
         if not self.whole_step or not self.entries:
-            return result
-        changed, finding = find_losses(traced.closed, self._proof, self._loss_first)
-        result.step = finding
-        if changed is None:
-            return result
-        t = time.perf_counter()
-        alt = run_pipeline(changed, self.entries, self.cost_model, self.limits)
-        alt.times["whole_step"] = finding.seconds + time.perf_counter() - t
-        cheaper = alt.cost_after < result.cost_after
-        if cheaper or self._leaner(alt, result):
-            alt.before, alt.cost_before, alt.rewritten, alt.step = traced.closed, result.cost_before, True, finding
-            alt.why = (f"the step's loss and gradients read from the loss-first program ({finding}"
-                       + ("" if cheaper else f", priced {alt.cost_after:.4g} against {result.cost_after:.4g}, within "
-                          "the model's lean band, and predicted to hold less memory")
-                       + "); " + (alt.why or "its program kept as built"))
-            return alt
+            return as_written()
+        try:
+            changed, finding = find_losses(traced.closed, self._proof, self._loss_first)
+            alt = None
+            if changed is not None:
+                t = time.perf_counter()
+                alt = run_pipeline(changed, self.entries, self.cost_model, self.limits)
+                alt.times["whole_step"] = finding.seconds + time.perf_counter() - t
+                before = result.cost_before if result is not None else program_cost(traced.closed, self.cost_model)
+        except Exception as e:  # the step as written, rewritten, still runs
+            self._fall_back(e, f"the whole-step search of {getattr(self.fn, '__name__', 'function')!r}",
+                            "running the step rewritten as written")
+            return as_written()
+        if result is not None:
+            result.step = finding
+        if alt is None:
+            written = as_written()
+            written.step = finding
+            return written
+        if alt.cost_after < before:
+            # priced below the step as written: kept without rewriting the step as written (issue 48.3: that
+            # saturation was most of a training step's rewrite time), whatever the latter's rewrite would price
+            return self._replaced(traced, alt, finding, before, f"priced {alt.cost_after:.4g}, below the step as "
+                                  f"written ({before:.4g})")
+        written = as_written()
+        written.step = finding
+        cheaper = alt.cost_after < written.cost_after
+        if cheaper or self._leaner(alt, written):
+            return self._replaced(traced, alt, finding, written.cost_before, "" if cheaper else (
+                f"priced {alt.cost_after:.4g} against {written.cost_after:.4g}, within the model's lean band, and "
+                "predicted to hold less memory"))
         finding.declined.append(f"the step with them replaced was priced {alt.cost_after:.4g}, the step rewritten "
-                                f"as written {result.cost_after:.4g}: kept the latter")
-        return result
+                                f"as written {written.cost_after:.4g}: kept the latter")
+        return written
+
+    @staticmethod
+    def _replaced(traced: Traced, alt: Result, finding: Any, cost_before: float, how: str) -> Result:
+        alt.before, alt.cost_before, alt.rewritten, alt.step = traced.closed, cost_before, True, finding
+        alt.why = (f"the step's loss and gradients read from the loss-first program ({finding}"
+                   + (f", {how}" if how else "") + "); " + (alt.why or "its program kept as built"))
+        return alt
 
     def _proof(self, program: core.ClosedJaxpr) -> list[Any]:
         """The classes of ``program``'s outputs, saturated with no rules: equal values share one

@@ -141,6 +141,17 @@ def _load(closed: core.ClosedJaxpr, entries: Sequence[tuple[Rule, Ruleset]]) -> 
     return eg, outs, token, manual
 
 
+def program_cost(closed: core.ClosedJaxpr, model: CostModel) -> float:
+    """What ``run_pipeline`` reports as ``cost_before``: ``closed`` as loaded, priced, with no rule run (the
+    whole-step search prices the step as written so, where it does not rewrite it)."""
+    with _collect_young_only():
+        eg, outs, token, _ = _load(closed, ())
+        try:
+            return input_cost(eg.snapshot(), outs, token, model)
+        finally:
+            eg.release()
+
+
 def saturated_classes(closed: core.ClosedJaxpr, entries: Sequence[tuple[Rule, Ruleset]], limits: Limits) -> list:
     """The e-classes of ``closed``'s outputs once loaded and saturated with ``entries``: what a proof that two
     of its values are equal reads. Nothing is extracted or emitted, and the e-graph goes back to the pool."""

@@ -91,3 +91,79 @@ def test_the_whole_step_search_prices_only_the_inputs_it_reports(monkeypatch):
     r = rewrite(step, rulesets=[rulesets.algebra], cache=False, whole_step=True)
     for p, q in zip(r(*args), jax.jit(step)(*args)):
         assert jnp.allclose(p, q, rtol=1e-5, atol=1e-6)
+
+
+def _pipelines(monkeypatch) -> list:
+    """Records each rewrite the whole-step search and the decorator run: ``"as written"`` for the step as
+    traced, ``"other"`` for the programs the search builds (a loss's forward, its VJP, the changed step)."""
+    import rewrite.api as api
+    import rewrite.grad.vjp as vjp
+    from rewrite.jaxpr.trace import Traced
+
+    runs: list = []
+    for module in (api, vjp):
+        run = module.run_pipeline
+
+        def counted(program, *a, _run=run, **k):
+            runs.append("as written" if isinstance(program, Traced) else "other")
+            return _run(program, *a, **k)
+
+        monkeypatch.setattr(module, "run_pipeline", counted)
+    return runs
+
+
+def test_a_replaced_step_priced_below_the_step_as_written_skips_its_rewrite(monkeypatch):
+    """Where the step with its loss read from the loss-first program prices below the step as written, that is
+    kept without rewriting the step as written (which was most of a training step's rewrite time); its cost
+    before is the step as written's, as the pipeline prices it."""
+    from benchmarks import wholestep as ws
+    from rewrite.pipeline import program_cost, run_pipeline
+
+    runs = _pipelines(monkeypatch)
+    tiny = ws.Size(batch=2, length=16, width=16, heads=2, vocab=64)
+    step, args = ws.CASES["haiku_gpt"](tiny, ws.plain, opt=optax.sgd(0.1))
+    flat, leaves = ws._flat(step, args)
+    r = rewrite(flat, rulesets=[rulesets.nn, rulesets.attention], cache=False)
+    res = r.result(*leaves)
+    assert res.step is not None and res.step.replaced, str(res.step)
+    assert "as written" not in runs, runs
+    assert res.cost_after < res.cost_before
+    closed = jax.make_jaxpr(flat)(*leaves)
+    assert program_cost(closed, r.cost_model) == run_pipeline(closed, r.entries, r.cost_model, r.limits).cost_before
+    want, got = jax.jit(flat)(*leaves), jax.jit(r)(*leaves)
+    moved = max(float(jnp.max(jnp.abs(o - x))) for o, x in zip(want, leaves)
+                if o.shape == x.shape and jnp.issubdtype(o.dtype, jnp.floating))
+    for p, q in zip(want, got):
+        assert p.shape == q.shape and float(jnp.max(jnp.abs(p - q))) <= 1e-4 * max(moved, float(jnp.max(jnp.abs(p))))
+
+
+def test_match_function_prefers_a_pass_over_the_slice_s_classes_only(monkeypatch):
+    """``Match.function`` (``rulesets.scan``'s ``sink_inputs`` reads a loop's body back with it) prefers the
+    bottom-up pass's choice in each class. That pass is made over the classes below the slice's outputs, not
+    over the whole e-graph once per snapshot, and gives each of them the whole pass's choice."""
+    from benchmarks import scan as bs
+    import rewrite.rules.builder as builder
+    from rulesets.scan import scan
+
+    passes: list = []
+
+    class Counted(_extractor.Extractor):
+        def _tree_pass(self, allowed):
+            cost, choice = super()._tree_pass(allowed)
+            if allowed is None:
+                passes.append(None)
+            else:
+                whole = super()._tree_pass(None)[1]
+                passes.append(len(choice))
+                assert all(whole[c] == n for c, n in choice.items())  # the whole pass's choice, class by class
+                assert len(choice) < len(whole)
+            return cost, choice
+
+    monkeypatch.setattr(builder, "Extractor", Counted)
+    args = bs.rnn_params(2)
+    report = explain(bs.rnn_mse, *args, rulesets=[scan], grad=True)
+    assert report.fired.get("sink_inputs"), report.fired
+    assert passes and None not in passes, passes
+    got = jax.grad(rewrite(bs.rnn_mse, rulesets=[scan], cache=False))(*args)
+    want = jax.grad(bs.rnn_mse)(*args)
+    assert all(jnp.allclose(p, q, rtol=1e-5, atol=1e-6) for p, q in zip(jax.tree.leaves(got), jax.tree.leaves(want)))

@@ -48,8 +48,10 @@ its gradients (gradient accumulation) is searched as a step of its own.
 Where the proof fails (the step's backward is not the VJP of its forward: a
 ``stop_gradient`` applied to a use the cone does not stop, a ``custom_vjp``
 or hand-modified gradient), nothing is replaced, and :class:`StepFinding`
-says why. The pipeline then rewrites the step both as written and with the
-replacement, and keeps the one its cost model prices lower.
+says why. The caller (``Rewritten._whole_step``) rewrites the step with the
+replacement, and keeps it where its cost model prices it below the step as
+written; otherwise it rewrites the step as written too and keeps the one it
+prices lower (or the leaner within its lean band).
 """
 
 from __future__ import annotations

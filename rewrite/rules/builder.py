@@ -24,6 +24,7 @@ from ..extract.extractor import Extractor
 from ..ir import primitives as _primitives
 from ..ir.egraph import EGraph, Snapshot
 from ..ir.intern import PARAMS, TYPES
+from ..ir.walk import walk
 from ..ir.jaxapi import PRIMITIVE_MODULES, core
 from ..jaxpr.emit import EmitError, emit_slice
 from ..jaxpr.load import load_closed
@@ -60,7 +61,9 @@ class Builder:
     def snapshot(self, snap: Snapshot | None) -> None:
         # What is derived from a snapshot is kept with it, and dropped with it.
         self._snapshot = snap
-        self._prefer: dict | None = None  # the bottom-up choice, for Match.function
+        self._prefer: dict | None = None  # the bottom-up choice, for Match.function: see _preferred
+        self._covered: set = set()  # the classes _prefer holds the choice of (a set closed under children)
+        self._prefer_ex: Extractor | None = None
         self._nodes: dict[Any, list] = {}  # nodes_of's views
 
     def release(self) -> None:
@@ -166,10 +169,8 @@ class Builder:
         in_cls = [v.cls for v in inputs]
         if any(c is None for c in out_cls + in_cls):
             raise ValueError("Match.function takes values that exist in the e-graph (not ones built by this match)")
-        if self._prefer is None:
-            self._prefer = Extractor(snap, default_model()).tree()[1]
         seen: set | None = set() if self.reads is not None else None
-        choice = choose_slice(snap, out_cls, set(in_cls), self._prefer, visited=seen)
+        choice = choose_slice(snap, out_cls, set(in_cls), self._preferred(out_cls), visited=seen)
         if choice is None:
             if seen is not None:
                 # No slice yet: one may come when a class it looked at gains a node (a body's output
@@ -179,6 +180,26 @@ class Builder:
                 self.reads.update((c, None) for c in seen)
             return None
         return choice, in_cls, out_cls
+
+    def _preferred(self, out_cls: Sequence[Any]) -> dict:
+        """The bottom-up pass's choice (the cheapest tree under the default model) for every class below
+        ``out_cls``, which :func:`choose_slice` tries first. The pass is made over those classes alone: a
+        class's cheapest tree reads only classes below it, so each gets the choice a pass over the whole
+        e-graph gives it (ties too: the nodes are taken in the same order), for the work of the slice's part
+        of the e-graph, not the whole's (a loop body's, say, for ``rulesets.scan``'s ``sink_inputs``, once
+        per snapshot it ran on). Kept per snapshot; a later call's classes not yet covered add a pass."""
+        snap = self.snapshot
+        if self._prefer is None:
+            self._prefer, self._covered = {}, set()
+            self._prefer_ex = Extractor(snap, default_model())
+        if all(c in self._covered for c in out_cls):
+            return self._prefer
+        ex = self._prefer_ex
+        below = set(walk([c for c in out_cls if c not in self._covered],
+                         lambda c: [k for n in snap.nodes.get(c, ()) for k in ex.children(*n)]))
+        self._prefer.update(ex.tree(lambda cls, ctor, args: cls in below)[1])
+        self._covered |= below
+        return self._prefer
 
     def computes(self, outs: Sequence[Value], inputs: Sequence[Value]) -> bool:
         """Whether the e-graph computes ``outs`` from ``inputs`` alone: :meth:`function` would find a slice (it
