@@ -166,16 +166,32 @@ def _arrays(s, named):
             jnp.asarray(scalar_literal(leaf), leaf.dtype) for leaf in s.leaves]
 
 
-AFFINE = st.fixed_dictionaries({
-    "scale": st.sampled_from(["none", "mul", "div", "negative", "divided_by_s", "mul_by_array"]),
-    "term": st.sampled_from(["none", "add", "sub", "s_subtracted"]),
-    "mask": st.sampled_from(["none", "ge", "lt_flipped", "array", "after_term", "not_causal"]),
-    "transpose": st.booleans(), "seed": st.integers(0, 2 ** 16)})
+SCALES = ["none", "mul", "div", "negative", "divided_by_s", "mul_by_array"]
+TERMS = ["none", "add", "sub", "s_subtracted"]
+MASKS = ["none", "ge", "lt_flipped", "scaled_after", "array", "after_term", "not_causal"]
+AFFINE = st.fixed_dictionaries({"scale": st.sampled_from(SCALES), "term": st.sampled_from(TERMS),
+                                "mask": st.sampled_from(MASKS), "transpose": st.booleans(),
+                                "seed": st.integers(0, 2 ** 16)})
+#: each way that is read, and each way that is declined beside ways that are read
+EACH = [dict(scale=a, term=b, mask=c, transpose=t, seed=i) for i, (a, b, c, t) in enumerate([
+    ("none", "add", "ge", True), ("mul", "sub", "lt_flipped", False), ("div", "none", "none", True),
+    ("div", "add", "lt_flipped", False), ("negative", "add", "ge", False), ("divided_by_s", "none", "none", True),
+    ("mul_by_array", "sub", "ge", False), ("mul", "s_subtracted", "ge", True), ("div", "add", "array", False),
+    ("mul", "add", "after_term", True), ("mul", "none", "not_causal", False), ("div", "sub", "scaled_after", True)])]
 
 
-@settings(max_examples=12, deadline=None)
+@pytest.mark.parametrize("case", EACH, ids=lambda c: f"{c['scale']}-{c['term']}-{c['mask']}")
+def test_affine_reads_each_way_of_writing_the_logits(case):
+    check_affine(case)
+
+
+@settings(max_examples=8, deadline=None)
 @given(AFFINE)
 def test_affine_reads_a_scaled_biased_masked_product_or_declines(case):
+    check_affine(case)
+
+
+def check_affine(case):
     """``Sliced.affine``: logits written as a product scaled by a positive literal, plus terms, under a mask that
     compares positions, read as ``where(mask, scale * product + terms, fill)``: the form recomputes the value from
     its parts (``Term.as_product`` lays a term out as the product); a negative scale, a division by the logits,
@@ -187,7 +203,8 @@ def test_affine_reads_a_scaled_biased_masked_product_or_declines(case):
              "mul_by_array": s * b}[case["scale"]]
         s = {"none": s, "add": s + b.astype(jnp.float32), "sub": s - b, "s_subtracted": b - s}[case["term"]]
         s = {"none": s, "ge": jnp.where(rows >= cols, s, -1e9), "lt_flipped": jnp.where(rows < cols, -jnp.inf, s),
-             "array": jnp.where(m, s, -1e9), "after_term": jnp.where(rows >= cols, s, -1e9) + b,
+             "scaled_after": jnp.where(rows >= cols, s, -1e9) * 0.5, "array": jnp.where(m, s, -1e9),
+             "after_term": jnp.where(rows >= cols, s, -1e9) + b,
              "not_causal": jnp.where(rows + cols >= 3, s, -1e9)}[case["mask"]]
         return jnp.sum(s, axis=1)
 
@@ -204,14 +221,15 @@ def test_affine_reads_a_scaled_biased_masked_product_or_declines(case):
     if form is None:
         return
     assert s.steps[form.product.index].primitive.name == "dot_general"
-    assert form.scale == {"none": 1.0, "mul": 0.5, "div": 0.25}[case["scale"]]
-    assert [t.factor for t in form.terms] == {"none": [], "add": [1.0], "sub": [-1.0]}[case["term"]]
+    after = 0.5 if case["mask"] == "scaled_after" else 1.0  # a scale of the masked value scales all below it
+    assert form.scale == after * {"none": 1.0, "mul": 0.5, "div": 0.25}[case["scale"]]
+    assert [t.factor for t in form.terms] == {"none": [], "add": [after], "sub": [-after]}[case["term"]]
     leaves = _arrays(s, {((8, 4), q.dtype): q, ((4, 8), q.dtype): q.T, ((16, 4), k.dtype): k, ((8, 16), b.dtype): b})
     value = form.scale * s.value(leaves, form.product)
     for t in form.terms:
         value = value + t.factor * t.as_product(s.value(leaves, t.ref))
     if form.mask is not None:
-        assert form.fill == {"ge": -1e9, "lt_flipped": -np.inf}[case["mask"]]
+        assert form.fill == {"ge": -1e9, "lt_flipped": -np.inf, "scaled_after": -5e8}[case["mask"]]
         a, c = form.mask  # kept where the position along the product's axis a >= along c
         pos = lambda d: lax.broadcasted_iota(jnp.int32, value.shape, d)
         value = jnp.where(pos(a) >= pos(c), value, form.fill)

@@ -7,9 +7,10 @@ carry the axis on one side, and records each value it passes as a :class:`Step` 
 it. What it reaches without the axis is a leaf read whole; what carries the axis and is none of those is
 a leaf sliced per block. :meth:`Sliced.block` then runs the steps for one block, each ``iota`` and
 ``shape`` param cut to it, reading only that block of each sliced leaf; :meth:`Sliced.place` follows a
-second axis through the same steps, so that a block may be cut along two axes at once. Readers of the steps
-(:meth:`Sliced.literal`, :meth:`Sliced.position_axis`, :meth:`Sliced.positions_ge`, :meth:`Sliced.path_to`, ...) say
-what a value is made of.
+second axis through the same steps, so that a block may be cut along two axes at once, and
+:meth:`Sliced.blocks` gives what a loop over such blocks reads. Readers of the steps (:meth:`Sliced.literal`,
+:meth:`Sliced.position_axis`, :meth:`Sliced.positions_ge`, :meth:`Sliced.path_to`, :meth:`Sliced.affine`, ...)
+say what a value is made of.
 """
 
 from __future__ import annotations
