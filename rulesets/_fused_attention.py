@@ -6,15 +6,12 @@ with a masked logit's weight exactly 0 in the call and in the original (``docs/a
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-from jax import lax
 
 from rewrite import Sliced
-from rewrite.rules.sliced import Ref
 from rulesets.kernels.attention import ValueProduct, fused_attention, fused_axes
 
 
@@ -34,90 +31,20 @@ def blocked() -> bool:
     return jax.default_backend() != "gpu"
 
 
-class _Bias(NamedTuple):
-    """A bias term: its value, the factor it is added with, the shape and axes (as the product's) it is added at."""
-
-    ref: Ref
-    factor: float
-    shape: tuple
-    axes: list
-
-
-class _Form(NamedTuple):
-    """The logits as ``scale * (q k^T) + bias`` under at most one causal mask: the product's step, the scale,
-    the bias terms, the product's query axis that a causal mask compares (``None``: no mask), and the logits'
-    axes as the product's."""
-
-    dot: Ref
-    scale: float
-    bias: list
-    causal: int | None
-    top: list
-
-
-def _logits_form(logits: Sliced) -> _Form | None:
-    """The logits as a :class:`_Form`, or ``None`` where they are anything else (a mask given as an array)."""
-    path = logits.path_to("dot_general")
-    maps = logits.axes_along(path) if path is not None else None
-    if maps is None:
-        return None
-    dot = path[-1][0]
-    dparams, key = logits.steps[dot.index].params, logits.steps[dot.index].axis
-    nb = len(dparams["dimension_numbers"][1][0])
-    q_dots = [d for d in range(nb, len(maps[-1])) if d != key]  # the query's free axes in the product
-    scale, bias, causal, fill = 1.0, [], None, None
-    for (ref, i), amap in zip(path[:-1], maps):
-        step = logits.steps[ref.index]
-        name, args, aval = step.primitive.name, step.args, step.aval
-        if name in ("broadcast_in_dim", "transpose") or (name == "convert_element_type"
-                                                           and jnp.issubdtype(aval.dtype, jnp.floating)):
-            continue
-        if name in ("mul", "div") and len(args) == 2:
-            c = logits.literal(args[1 - i])
-            if c is None or not math.isfinite(c) or c <= 0 or (name == "div" and i == 1):
-                return None
-            scale *= c if name == "mul" else 1.0 / c  # scales what lies below: the product, a bias added there
-        elif name in ("add", "sub") and len(args) == 2 and not (name == "sub" and i == 1):
-            bias.append(_Bias(args[1 - i], scale if name == "add" else -scale, tuple(aval.shape), amap))
-        elif name == "select_n" and len(args) == 3 and i != 0 and causal is None:
-            lo = logits.literal(args[3 - i])
-            # a bias added after the mask would move the masked logits: the fused call adds it before
-            if lo is None or bias or key not in amap:
-                return None
-            for q_dot in (d for d in q_dots if d in amap):
-                keep = logits.positions_ge(args[0], amap.index(q_dot), amap.index(key))
-                if keep is not None:
-                    break
-            if keep is None or keep != (i == 2):  # select_n picks its last operand where the mask is true
-                return None
-            causal, fill = q_dot, lo * scale  # the masked logit as the softmax sees it
-        else:
-            return None
-    if fill is not None and not (fill == -math.inf or fill <= _FILL_AT_MOST):
-        return None
-    return _Form(dot, scale, bias, causal, maps[0])
-
-
-def _as_product(x: Any, shape: tuple, amap: Sequence[int | None]) -> Any:
-    """A bias term of ``shape`` (maybe broadcast to it) with its axes ``amap``, in the product's layout."""
-    x = jnp.broadcast_to(x, shape)
-    unit = tuple(d for d, a in enumerate(amap) if a is None)
-    x = lax.squeeze(x, unit) if unit else x
-    kept = [a for a in amap if a is not None]
-    perm = tuple(int(j) for j in np.argsort(kept))
-    return lax.transpose(x, perm) if list(perm) != sorted(perm) else x
-
-
 def fused(logits: Sliced, product: ValueProduct, v_aval: Any, impl: str):
-    """``fn(*leaves, v)``: the attention as one ``jax.nn.dot_product_attention`` call, or ``None``; the weights
-    (``logits`` less the axes ``product.squeezed``) meet ``v`` (of ``v_aval``) in ``product``."""
-    form = _logits_form(logits)
-    if form is None:
+    """``fn(*leaves, v)``: the attention as one ``jax.nn.dot_product_attention`` call, or ``None``; the logits
+    ``scale * (q k^T) + bias`` under at most a causal mask (:meth:`rewrite.Sliced.affine`), the weights (the logits
+    less the axes ``product.squeezed``) meeting ``v`` (of ``v_aval``) in ``product``."""
+    form = logits.affine("dot_general")
+    if form is None or (form.fill is not None and not form.fill <= _FILL_AT_MOST):
         return None
-    dot = logits.steps[form.dot.index]
+    dot = logits.steps[form.product.index]
+    nb = len(dot.params["dimension_numbers"][1][0])
+    if form.mask is not None and (form.mask[1] != dot.axis or form.mask[0] < nb):
+        return None  # not query position >= key position
     ranks = tuple(len(logits.aval(a).shape) for a in dot.args)
-    layout = fused_axes(dot.params["dimension_numbers"], dot.aval.shape, ranks, dot.axis, form.top, product,
-                        causal_axis=form.causal, biased=bool(form.bias))
+    layout = fused_axes(dot.params["dimension_numbers"], dot.aval.shape, ranks, dot.axis, form.axes, product,
+                        causal_axis=None if form.mask is None else form.mask[0], biased=bool(form.terms))
     if layout is None:
         return None
     axes, q_lhs = layout
@@ -128,7 +55,7 @@ def fused(logits: Sliced, product: ValueProduct, v_aval: Any, impl: str):
     # broadcast, scaled by a power of two that cannot overflow the narrower dtype)
     if any(d != dtype for d in (logits.aval(k_ref).dtype, v_aval.dtype, product.out.dtype)):
         return None
-    for term in form.bias:
+    for term in form.terms:
         w = term.factor
         if not logits.exact_in(term.ref, dtype) or math.frexp(abs(w))[0] != 0.5 or (
                 abs(w) != 1.0 and jnp.finfo(dtype).maxexp < jnp.finfo(logits.aval(term.ref).dtype).maxexp):
@@ -139,11 +66,11 @@ def fused(logits: Sliced, product: ValueProduct, v_aval: Any, impl: str):
         memo: dict = {}
         q, k = logits.value(leaves, q_ref, memo), logits.value(leaves, k_ref, memo)
         b = None
-        for term in form.bias:
+        for term in form.terms:
             t, w = logits.value(leaves, term.ref, memo), term.factor
-            t = _as_product(t if w == 1.0 else t * jnp.asarray(w, t.dtype), term.shape, term.axes).astype(q.dtype)
+            t = term.as_product(t if w == 1.0 else t * jnp.asarray(w, t.dtype)).astype(q.dtype)
             b = t if b is None else b + t
-        return fused_attention(q, k, v, b, axes=axes, scale=form.scale, causal=form.causal is not None,
+        return fused_attention(q, k, v, b, axes=axes, scale=form.scale, causal=form.mask is not None,
                                implementation=impl, dtype=product.out.dtype)
 
     return fn

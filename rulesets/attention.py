@@ -26,35 +26,28 @@ True
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from rewrite import Pat, Ruleset, Sliced, Tolerance, procedural, rule
-from rewrite.rules.sliced import Placed
 from rulesets import _fused_attention as _fused
-from rulesets.kernels.attention import Logits, ValueProduct, Window, blocked_attention
+from rulesets.kernels.attention import Blocking, Logits, ValueProduct, blocked_attention
 
 __all__ = ["attention", "attention_with"]
 
 _log = logging.getLogger(__name__)
 
 
-@dataclasses.dataclass(frozen=True)
-class _Config:
+class _Config(NamedTuple):
     """What :func:`attention_with` configures (its docstring says what each is)."""
 
-    blocks: tuple[int, ...]
-    query_blocks: tuple[int, ...]
-    whole_queries: bool
+    blocking: Blocking
     min_keys: int
     fused: str | None
     blocked: bool | None
-    backward_query_block: int | None
 
 
 X, V = Pat.var("x"), Pat.var("v")
@@ -65,36 +58,15 @@ _SOFTMAX_WIDE = Pat("div", Pat("exp", X), Pat("convert_element_type", Pat("broad
     "reduce_sum", Pat("convert_element_type", Pat("exp", X), params="w"), params="r"), params="b"), params="n"))
 
 
-# ---------------------------------------------------------------------- the matched logits as the kernel's
-def _logits(sliced: Sliced, query_axis: int | None, placed: Placed | None) -> Logits:
-    """The matched logits (``sliced`` along the keys) as :class:`Logits`: the backward's over their own leaves, the
-    forward's with a literal scale applied to ``q`` before the loops (:meth:`rewrite.Sliced.hoist_scale`).
-    ``query_axis``: the logits' query axis, ``placed`` where the leaves and steps carry it (``None``: not cut)."""
-    ahead, scaled = sliced.hoist_scale()
-    forward_keys = ahead.leaf_axes
-    forward_q = None if placed is None else placed.leaf_axes + tuple(placed.leaf_axes[h.operand] for h in scaled)
-    # A literal scalar (a mask's fill, a scale) is the body's constant, as it is the original's (passed in as an
-    # operand, XLA could not turn a division by 8 into a multiplication by 0.125).
-    consts = {i: np.asarray(x.literal, x.dtype) for i, x in enumerate(sliced.leaves)
-              if x.shape == () and x.literal is not None}
-    own = lambda leaves: [consts.get(i, x) for i, x in enumerate(leaves)]
-
-    def prepare(leaves: Sequence[Any]) -> list:
-        return list(leaves) + [h.of(own(leaves)) for h in scaled]
-
-    def forward_block(leaves: Sequence[Any], keys: Window, queries: Window | None) -> Any:
-        cut = None if queries is None else placed._replace(leaf_axes=forward_q).window(queries.start, queries.size)
-        return ahead.block(own(leaves), keys.start, keys.size, cut)
-
-    def block(leaves: Sequence[Any], keys: Window, queries: Window | None) -> Any:
-        return sliced.block(own(leaves), keys.start, keys.size,
-                            None if queries is None else placed.window(queries.start, queries.size))
-
-    s_aval = sliced.aval(sliced.out)
-    return Logits(tuple(s_aval.shape), s_aval.dtype, sliced.axis, block, sliced.leaf_axes,
-                  query_axis=query_axis, forward_query_axes=forward_q, prepare=prepare,
-                  forward_block=forward_block, forward_key_axes=forward_keys,
-                  query_axes=None if placed is None else placed.leaf_axes)
+def _logits(sliced: Sliced, query_axis: int | None) -> Logits:
+    """The matched logits (``sliced`` along the keys) as :class:`Logits`, blocks of ``query_axis`` too (``None``:
+    not cut): the backward's over their own leaves, the forward's with a literal scale applied to ``q`` before
+    the loops (:meth:`rewrite.Sliced.blocks`)."""
+    back, ahead = sliced.blocks(query_axis), sliced.blocks(query_axis, hoist=True)
+    s = sliced.aval(sliced.out)
+    return Logits(tuple(s.shape), s.dtype, sliced.axis, back.block, back.leaf_axes, query_axis=query_axis,
+                  query_axes=back.across_axes, prepare=ahead.prepare, forward_block=ahead.block,
+                  forward_key_axes=ahead.leaf_axes, forward_query_axes=ahead.across_axes)
 
 
 def _blocked(config: _Config, p_first: bool, widened: bool = False):
@@ -124,12 +96,7 @@ def _blocked(config: _Config, p_first: bool, widened: bool = False):
         s, shift = sub.operands
         if s.shape != x.shape or shift.max_under(s, axis, rows=True) is None:
             return None
-        (lc, rc), _ = pv["dimension_numbers"]
-        pc, vc = (lc, rc) if p_first else (rc, lc)
-        if axis in squeezed:
-            return None
-        p_axis = axis - sum(1 for e in squeezed if e < axis)
-        if tuple(pc) != (p_axis,) or len(vc) != 1:
+        if not ValueProduct.contracts(p_first, pv["dimension_numbers"], squeezed, axis):
             return None
         logits = m.sliced(s, axis, limit={"dot_general": 1})  # one product, q k^T
         if logits is None or logits.passed.get("dot_general") != 1:
@@ -143,22 +110,16 @@ def _blocked(config: _Config, p_first: bool, widened: bool = False):
                     return m.trace(call, *logits.leaves, v)
                 except Exception as e:  # noqa: BLE001 - the fused kernel does not take this: the blocked form
                     _log.info("attention: %s declined (%s: %s); blocked form", impl, type(e).__name__, e)
-        blocks = [b for b in config.blocks if n % b == 0 and n // b >= 2]
-        if not blocks or not (_fused.blocked() if config.blocked is None else config.blocked):
+        if not (_fused.blocked() if config.blocked is None else config.blocked):
             return None
-        # One loop per key block that fits, and one per query block too (``query_blocks``), all equal to the
-        # matched product: extraction prices each.
+        # One loop per key block that fits, and one per query block too, all equal to the matched product:
+        # extraction prices each. The queries are cut where every value carries them in one place.
         s_q = product.query_axis(x.shape)
-        nq = 0 if s_q is None else x.shape[s_q]
-        fits = lambda b: b is not None and nq % b == 0 and nq // b >= 2
-        q_blocks = [b for b in config.query_blocks if fits(b)]
-        back = config.backward_query_block if fits(config.backward_query_block) else None
-        placed = logits.place(s_q) if q_blocks or back else None  # placed only where some block fits
-        q_blocks, back = (q_blocks, back) if placed is not None else ([], None)
-        read = _logits(logits, None if placed is None else s_q, placed)
-        return [(m.root, m.trace(blocked_attention(read, product, block=block, query_block=qb,
-                                                   backward_query_block=back), *logits.leaves, v))
-                for block in blocks for qb in [None] * (config.whole_queries or not q_blocks) + q_blocks]
+        nq = 0 if s_q is None or logits.place(s_q) is None else x.shape[s_q]
+        offers = config.blocking.offers(n, nq)
+        read = _logits(logits, s_q if any(o.query_block or o.backward_query_block for o in offers) else None)
+        return [(m.root, m.trace(blocked_attention(read, product, **o._asdict()), *logits.leaves, v))
+                for o in offers] or None
 
     return build
 
@@ -178,8 +139,8 @@ def _vp(q: Any, k: Any, v: Any) -> Any:
 def _example(fn: Any, dtype: Any, config: _Config) -> tuple:
     """A rule's example: two blocks of the smallest key block and two of the smallest query block (its larger
     blocks run the same code and are checked at their own sizes in ``tests/test_attention.py``)."""
-    keys = jax.ShapeDtypeStruct((2, 2 * min(config.blocks), 8), dtype)
-    return fn, (jax.ShapeDtypeStruct((2, 2 * min(config.query_blocks, default=256), 8), dtype), keys, keys)
+    keys = jax.ShapeDtypeStruct((2, 2 * min(config.blocking.blocks), 8), dtype)
+    return fn, (jax.ShapeDtypeStruct((2, 2 * min(config.blocking.query_blocks, default=256), 8), dtype), keys, keys)
 
 
 #: The weights as a program hands them to the product: maybe rounded (bf16 weights of an f32 softmax), maybe with
@@ -212,7 +173,8 @@ def attention_with(*, blocks: Sequence[int] = (256,), query_blocks: Sequence[int
     >>> pack.name, [r.name for r in pack.rules]
     ('attention', ['attn_blocked', 'attn_blocked_vp', 'attn_blocked_wide', 'attn_blocked_wide_vp'])
     """
-    c = _Config(tuple(blocks), tuple(query_blocks), whole_queries, min_keys, fused, blocked, backward_query_block)
+    c = _Config(Blocking(tuple(blocks), tuple(query_blocks), whole_queries, backward_query_block), min_keys, fused,
+                blocked)
     f32, bf16 = jnp.float32, jnp.bfloat16
     return Ruleset("attention", [
         rule(Pat("dot_general", _WEIGHTS, V, params="p"),  # softmax(s) v -> loops over blocks

@@ -268,3 +268,42 @@ def test_value_product_of_a_programs_product_and_its_query_axis():
     assert q.v_key == 1 and q.out.shape == (4, 8, 2, 32) and q.query_axis(grouped.shape) == 2
     assert ValueProduct.of(True, {"dimension_numbers": (((0,), (0,)), ((), ()))}, jax.ShapeDtypeStruct(
         (1, 16), jnp.float32), jax.ShapeDtypeStruct((16, 8), jnp.float32), squeezed=(0,)).query_axis((1, 16)) is None
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.sampled_from([64, 128, 256, 512]), min_size=1, max_size=3, unique=True),
+       st.lists(st.sampled_from([64, 128, 512]), max_size=2, unique=True), st.booleans(),
+       st.sampled_from([None, 128, 512]), st.sampled_from([256, 512, 768, 1024]), st.sampled_from([0, 256, 1024]))
+def test_blocking_offers_each_loop_whose_blocks_divide_the_axes_in_two_or_more(blocks, query_blocks, whole, back,
+                                                                                keys, queries):
+    """``Blocking.offers``: one loop per key block that makes two blocks or more, each over every query at once
+    (where asked, or where no query block fits) and over each query block that makes two or more; the
+    backward's query block where it makes two or more (no queries, 0: none fits)."""
+    from rulesets.kernels.attention import Blocking, Offer
+
+    fits = lambda b, n: b is not None and n % b == 0 and n // b >= 2
+    offers = Blocking(tuple(blocks), tuple(query_blocks), whole, back).offers(keys, queries)
+    q_fit = [b for b in query_blocks if fits(b, queries)]
+    assert sorted(offers, key=str) == sorted(
+        [Offer(b, qb, back if fits(back, queries) else None) for b in blocks if fits(b, keys)
+         for qb in ([None] if whole or not q_fit else []) + q_fit], key=str)
+    assert len(set(offers)) == len(offers) and all(isinstance(o, Offer) for o in offers)
+    assert Blocking().offers(1024, 1024) == [Offer(256, None, 512), Offer(256, 512, 512)]
+    assert Blocking().offers(256, 1024) == []  # one block of keys: nothing to loop over
+
+
+def test_value_product_contracts_the_weights_along_the_key_axis_alone():
+    """``ValueProduct.contracts``: the weights' product with ``v`` contracts them along the logits' key axis (as
+    the weights', less a squeezed axis before it), either operand first; not along another axis, not along two,
+    not along none, not along an axis the weights squeeze."""
+    from rulesets.kernels.attention import ValueProduct
+
+    bhqk_v = (((3,), (2,)), ((0, 1), (0, 1)))  # [b, h, q, k] x [b, h, k, d]
+    assert ValueProduct.contracts(True, bhqk_v, (), 3)
+    assert not ValueProduct.contracts(True, bhqk_v, (), 2)  # the queries contracted: not attention's product
+    assert not ValueProduct.contracts(False, bhqk_v, (), 3)  # v's axis 3 is contracted, not the weights'
+    assert ValueProduct.contracts(False, (((2,), (3,)), ((0, 1), (0, 1))), (), 3)  # v first
+    assert ValueProduct.contracts(True, (((2,), (1,)), ((0,), (0,))), (0,), 3)  # [1, h, q, k] squeezed to [h, q, k]
+    assert not ValueProduct.contracts(True, (((0,), (0,)), ((), ())), (0,), 0)  # the squeezed axis itself
+    assert not ValueProduct.contracts(True, (((2, 3), (1, 2)), ((0,), (0,))), (), 3)  # two axes
+    assert not ValueProduct.contracts(True, (((), ()), ((0,), (0,))), (), 3)  # none: an outer product

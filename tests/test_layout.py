@@ -310,8 +310,8 @@ def test_the_lm_head_reads_as_its_rules():
 #: Attention's lines per rule: every line of ``rulesets/attention.py`` and ``rulesets/_fused_attention.py`` (the
 #: rule files: the rules and the matching that maps a program onto a kernel) over the rules they define; the
 #: kernels the rules call, ``rulesets/kernels/attention.py``, and the readers of a matched program in the rules
-#: language (``rewrite/rules/sliced.py``, ``Value.max_under``) are not counted.
-ATTENTION_LINES_PER_RULE = 95.0
+#: language (``rewrite/rules/sliced.py``: ``Sliced.affine``, ``Sliced.blocks``; ``Value.max_under``) are not counted.
+ATTENTION_LINES_PER_RULE = 67.0
 
 
 def test_attention_reads_as_its_rules():

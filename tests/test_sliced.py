@@ -5,6 +5,8 @@ loop over blocks: values must equal the original's for every way the summand is 
 broadcasts, transposes, an ``iota`` mask, a product), the leaves must be what the walk reached, and a second
 axis placed by ``Sliced.place`` must cut the same values."""
 
+import collections
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,7 +15,7 @@ from hypothesis import given, settings, strategies as st
 from jax import lax
 
 from rewrite import Pat, Ruleset, Sliced, explain, procedural, rewrite, rule
-from rewrite.rules.sliced import Ref
+from rewrite.rules.sliced import Ref, Term, scalar_literal
 
 BLOCK = 4
 seen: list = []
@@ -156,3 +158,115 @@ def test_hoist_scale_applies_a_literal_scale_of_the_product_to_its_operand_read_
     got = hoisted.block(leaves + [h.of(leaves)], jnp.int32(4), 4)
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(s.block(leaves, jnp.int32(4), 4), np.float32),
                                rtol=1e-6 if dtype == jnp.float32 else 1e-2)
+
+
+def _arrays(s, named):
+    """One array per leaf of ``s``: a literal's value, else the input of that shape and dtype in ``named``."""
+    return [named[(leaf.shape, leaf.dtype)] if scalar_literal(leaf) is None else
+            jnp.asarray(scalar_literal(leaf), leaf.dtype) for leaf in s.leaves]
+
+
+SCALES = ["none", "mul", "div", "negative", "divided_by_s", "mul_by_array"]
+TERMS = ["none", "add", "sub", "s_subtracted"]
+MASKS = ["none", "ge", "lt_flipped", "scaled_after", "array", "after_term", "not_causal"]
+AFFINE = st.fixed_dictionaries({"scale": st.sampled_from(SCALES), "term": st.sampled_from(TERMS),
+                                "mask": st.sampled_from(MASKS), "transpose": st.booleans(),
+                                "seed": st.integers(0, 2 ** 16)})
+#: each way that is read, and each way that is declined beside ways that are read
+EACH = [dict(scale=a, term=b, mask=c, transpose=t, seed=i) for i, (a, b, c, t) in enumerate([
+    ("none", "add", "ge", True), ("mul", "sub", "lt_flipped", False), ("div", "none", "none", True),
+    ("div", "add", "lt_flipped", False), ("negative", "add", "ge", False), ("divided_by_s", "none", "none", True),
+    ("mul_by_array", "sub", "ge", False), ("mul", "s_subtracted", "ge", True), ("div", "add", "array", False),
+    ("mul", "add", "after_term", True), ("mul", "none", "not_causal", False), ("div", "sub", "scaled_after", True)])]
+
+
+@pytest.mark.parametrize("case", EACH, ids=lambda c: f"{c['scale']}-{c['term']}-{c['mask']}")
+def test_affine_reads_each_way_of_writing_the_logits(case):
+    check_affine(case)
+
+
+@settings(max_examples=8, deadline=None)
+@given(AFFINE)
+def test_affine_reads_a_scaled_biased_masked_product_or_declines(case):
+    check_affine(case)
+
+
+def check_affine(case):
+    """``Sliced.affine``: logits written as a product scaled by a positive literal, plus terms, under a mask that
+    compares positions, read as ``where(mask, scale * product + terms, fill)``: the form recomputes the value from
+    its parts (``Term.as_product`` lays a term out as the product); a negative scale, a division by the logits,
+    a term the logits are subtracted from, a mask given as an array, a term added after the mask: ``None``."""
+    def f(q, k, b, m):
+        rows, cols = (lax.broadcasted_iota(jnp.int32, (8, 16), d) for d in (0, 1))
+        s = (k @ q.T).T if case["transpose"] else q @ k.T
+        s = {"none": s, "mul": 0.5 * s, "div": s / 4.0, "negative": s * -2.0, "divided_by_s": 2.0 / s,
+             "mul_by_array": s * b}[case["scale"]]
+        s = {"none": s, "add": s + b.astype(jnp.float32), "sub": s - b, "s_subtracted": b - s}[case["term"]]
+        s = {"none": s, "ge": jnp.where(rows >= cols, s, -1e9), "lt_flipped": jnp.where(rows < cols, -jnp.inf, s),
+             "scaled_after": jnp.where(rows >= cols, s, -1e9) * 0.5, "array": jnp.where(m, s, -1e9),
+             "after_term": jnp.where(rows >= cols, s, -1e9) + b,
+             "not_causal": jnp.where(rows + cols >= 3, s, -1e9)}[case["mask"]]
+        return jnp.sum(s, axis=1)
+
+    rng = np.random.default_rng(case["seed"])
+    q, k, b = (jnp.asarray(rng.standard_normal(sh), jnp.float32) for sh in [(8, 4), (16, 4), (8, 16)])
+    m = jnp.asarray(rng.random((8, 16)) < 0.5)
+    seen.clear()
+    explain(f, q, k, b, m, rulesets=[PACK])
+    (s,) = seen
+    form = s.affine("dot_general")
+    declines = case["scale"] in ("negative", "divided_by_s", "mul_by_array") or case["term"] == "s_subtracted" or \
+        case["mask"] in ("array", "after_term", "not_causal")
+    assert (form is None) == declines, form
+    if form is None:
+        return
+    assert s.steps[form.product.index].primitive.name == "dot_general"
+    after = 0.5 if case["mask"] == "scaled_after" else 1.0  # a scale of the masked value scales all below it
+    assert form.scale == after * {"none": 1.0, "mul": 0.5, "div": 0.25}[case["scale"]]
+    assert [t.factor for t in form.terms] == {"none": [], "add": [after], "sub": [-after]}[case["term"]]
+    leaves = _arrays(s, {((8, 4), q.dtype): q, ((4, 8), q.dtype): q.T, ((16, 4), k.dtype): k, ((8, 16), b.dtype): b})
+    value = form.scale * s.value(leaves, form.product)
+    for t in form.terms:
+        value = value + t.factor * t.as_product(s.value(leaves, t.ref))
+    if form.mask is not None:
+        assert form.fill == {"ge": -1e9, "lt_flipped": -np.inf, "scaled_after": -5e8}[case["mask"]]
+        a, c = form.mask  # kept where the position along the product's axis a >= along c
+        pos = lambda d: lax.broadcasted_iota(jnp.int32, value.shape, d)
+        value = jnp.where(pos(a) >= pos(c), value, form.fill)
+    whole = s.value(leaves)
+    np.testing.assert_allclose(Term(None, 1.0, whole.shape, form.axes).as_product(whole), value, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_blocks_cut_both_axes_hoist_the_scale_and_keep_literals_constant(dtype):
+    """``Sliced.blocks``: a block along the sliced axis and a window of a second one equals that part of the whole
+    value, with the literal scale applied once, before the loop (``hoist``), and a literal scalar leaf (the mask's
+    fill) a constant of the block, not read from its operand."""
+    def f(q, k, b):
+        rows, cols = (lax.broadcasted_iota(jnp.int32, (8, 16), d) for d in (0, 1))
+        return jnp.sum(jnp.where(rows >= cols, (q @ k.T) / 8.0 + b, -1e9), axis=1)
+
+    rng = np.random.default_rng(0)
+    q, k, b = (jnp.asarray(rng.standard_normal(sh), dtype) for sh in [(8, 4), (16, 4), (8, 16)])
+    seen.clear()
+    explain(f, q, k, b, rulesets=[PACK])
+    (s,) = seen
+    leaves = _arrays(s, {((8, 4), q.dtype): q, ((16, 4), k.dtype): k, ((8, 16), b.dtype): b})
+    whole = s.value(leaves)
+    Window = collections.namedtuple("Window", "start size")
+    for hoist in (False, True):
+        blocks = s.blocks(0, hoist=hoist)  # the rows: on the other side of the product from the keys
+        ready = blocks.prepare(leaves)
+        assert len(ready) == len(leaves) + hoist and len(blocks.leaf_axes) == len(blocks.across_axes) == len(ready)
+        assert s.blocks(1).across_axes is None  # the keys' own side of the product: not cut
+        cut = [x if a is None or ka is not None else lax.dynamic_slice_in_dim(x, 2, 3, axis=a)
+               for x, a, ka in zip(ready, blocks.across_axes, blocks.leaf_axes)]
+        got = blocks.block(cut, Window(jnp.int32(8), 4), Window(jnp.int32(2), 3))
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(whole[2:5, 8:12], np.float32),
+                                   rtol=1e-5 if dtype == jnp.float32 else 1e-2, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(blocks.block(ready, Window(jnp.int32(4), 4)), np.float32),
+                                   np.asarray(whole[:, 4:8], np.float32), rtol=1e-5 if dtype == jnp.float32 else 1e-2)
+        jaxpr = jax.make_jaxpr(lambda *ls: blocks.block(ls, Window(jnp.int32(4), 4)))(*ready).jaxpr
+        literals = [v for v, leaf in zip(jaxpr.invars, s.leaves) if leaf.shape == () and leaf.literal is not None]
+        used = {id(a) for e in jaxpr.eqns for a in e.invars}
+        assert literals and not any(id(v) in used for v in literals)  # each literal scalar: the block's constant

@@ -7,9 +7,10 @@ carry the axis on one side, and records each value it passes as a :class:`Step` 
 it. What it reaches without the axis is a leaf read whole; what carries the axis and is none of those is
 a leaf sliced per block. :meth:`Sliced.block` then runs the steps for one block, each ``iota`` and
 ``shape`` param cut to it, reading only that block of each sliced leaf; :meth:`Sliced.place` follows a
-second axis through the same steps, so that a block may be cut along two axes at once. Readers of the steps
-(:meth:`Sliced.literal`, :meth:`Sliced.position_axis`, :meth:`Sliced.positions_ge`, :meth:`Sliced.path_to`, ...) say
-what a value is made of.
+second axis through the same steps, so that a block may be cut along two axes at once, and
+:meth:`Sliced.blocks` gives what a loop over such blocks reads. Readers of the steps (:meth:`Sliced.literal`,
+:meth:`Sliced.position_axis`, :meth:`Sliced.positions_ge`, :meth:`Sliced.path_to`, :meth:`Sliced.affine`, ...)
+say what a value is made of.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import jax.numpy as jnp
 import numpy as np
@@ -80,6 +81,52 @@ class Hoisted(NamedTuple):
         """The added leaf's value, from arrays of the program's own leaves."""
         x, c = leaves[self.operand], leaves[self.scale]
         return x / c if self.prim == "div" else x * c
+
+
+class Blocks(NamedTuple):
+    """A :class:`Sliced` as a loop over its blocks reads it (:meth:`Sliced.blocks`). ``block(leaves, along,
+    across)``: the value at the window ``along`` of the sliced axis (a ``start`` and a ``size``) and, where
+    ``across`` is a window too, at those positions of the second axis only; the leaves that carry the second axis
+    and not the sliced one come cut to it already. ``leaf_axes`` and ``across_axes``: where each leaf carries each
+    axis (``None``: it does not; ``across_axes`` ``None``: no second axis). ``prepare(leaves)``: the leaves
+    ``block`` reads, from the program's own (those a hoisted scale adds, :meth:`Sliced.hoist_scale`, after them)."""
+
+    block: Callable[[Sequence[Any], Any, Any], Any]
+    leaf_axes: tuple[int | None, ...]
+    across_axes: tuple[int | None, ...] | None
+    prepare: Callable[[Sequence[Any]], list]
+
+
+class Term(NamedTuple):
+    """A term of an :class:`Affine` value: the value of ``ref`` times ``factor``, added to a value of ``shape`` whose
+    axes are ``axes`` (for each, the product's axis; ``None``: one of size one that the product lacks)."""
+
+    ref: Ref
+    factor: float
+    shape: tuple
+    axes: list
+
+    def as_product(self, x: Any) -> Any:
+        """``x``, the value of ``ref``, broadcast to ``shape`` and laid out as the product's axes."""
+        x = jnp.broadcast_to(x, self.shape)
+        unit = tuple(d for d, a in enumerate(self.axes) if a is None)
+        x = lax.squeeze(x, unit) if unit else x
+        perm = tuple(int(j) for j in np.argsort([a for a in self.axes if a is not None]))
+        return lax.transpose(x, perm) if list(perm) != sorted(perm) else x
+
+
+class Affine(NamedTuple):
+    """A value as ``where(mask, scale * product + sum of terms, fill)`` (:meth:`Sliced.affine`): ``product`` the step
+    of the primitive, ``scale`` a positive literal, ``terms`` the :class:`Term` s; ``mask`` ``(a, b)``: the value
+    is kept where the position along the product's axis ``a`` is at least that along ``b`` (``None``: no mask),
+    ``fill`` the masked value as the result holds it; ``axes``: the value's axes as the product's."""
+
+    product: Ref
+    scale: float
+    terms: tuple[Term, ...]
+    mask: tuple[int, int] | None
+    fill: float | None
+    axes: list
 
 
 @dataclasses.dataclass(frozen=True)
@@ -223,6 +270,63 @@ class Sliced:
                 return dataclasses.replace(self, steps=tuple(steps), leaves=self.leaves + (self.leaves[q_ref.index],),
                                            leaf_axes=self.leaf_axes + (None,)), (hoisted,)
         return self, ()
+
+
+    def blocks(self, across: int | None = None, hoist: bool = False) -> Blocks:
+        """This value as a loop over blocks reads it (a :class:`Blocks`): along the sliced axis, and along the
+        value's axis ``across`` too where every value carries it in one place (:meth:`place`; else the blocks are
+        cut along the sliced axis only). ``hoist``: the program with a literal scale of its product applied once,
+        before the loop (:meth:`hoist_scale`). A literal scalar leaf (a mask's fill, a scale) is the block's
+        constant, as it is the program's: XLA can then fold it (a division by 8 into a product by 0.125)."""
+        placed = None if across is None else self.place(across)
+        program, hoisted = self.hoist_scale() if hoist else (self, ())
+        consts = {i: np.asarray(x.literal, x.dtype) for i, x in enumerate(self.leaves)
+                  if x.shape == () and x.literal is not None}
+        own = lambda leaves: [consts.get(i, x) for i, x in enumerate(leaves)]  # noqa: E731
+        axes = None if placed is None else placed.leaf_axes + tuple(placed.leaf_axes[h.operand] for h in hoisted)
+
+        def block(leaves: Sequence[Any], along: Any, window: Any = None) -> Any:
+            cut = None if window is None or axes is None else Cut(axes, placed.step_axes, window.start, window.size)
+            return program.block(own(leaves), along.start, along.size, cut)
+
+        prepare = lambda leaves: list(leaves) + [h.of(own(leaves)) for h in hoisted]  # noqa: E731
+        return Blocks(block, program.leaf_axes, axes, prepare)
+
+    def affine(self, prim: str) -> Affine | None:
+        """The value as an :class:`Affine` form of its one step of ``prim`` (attention's logits: ``q k^T`` scaled,
+        biased, causally masked), through broadcasts, transposes and conversions to a floating dtype; ``None``
+        where it is anything else: a scale that is not a positive finite literal, a mask that is not a
+        comparison of positions (:meth:`positions_ge`) or whose fill is not a literal, a term added after it."""
+        path = self.path_to(prim)
+        maps = self.axes_along(path) if path is not None else None
+        if maps is None:
+            return None
+        scale, terms, mask, fill = 1.0, [], None, None
+        for (ref, i), amap in zip(path[:-1], maps):
+            step = self.steps[ref.index]
+            name, args, aval = step.primitive.name, step.args, step.aval
+            if name in ("broadcast_in_dim", "transpose") or (name == "convert_element_type"
+                                                               and jnp.issubdtype(aval.dtype, jnp.floating)):
+                continue
+            if name in ("mul", "div") and len(args) == 2:
+                c = self.literal(args[1 - i])
+                if c is None or not math.isfinite(c) or c <= 0 or (name == "div" and i == 1):
+                    return None
+                scale *= c if name == "mul" else 1.0 / c  # scales what lies below: the product, a term added there
+            elif name in ("add", "sub") and len(args) == 2 and not (name == "sub" and i == 1):
+                terms.append(Term(args[1 - i], scale if name == "add" else -scale, tuple(aval.shape), amap))
+            elif name == "select_n" and len(args) == 3 and i != 0 and mask is None and not terms:
+                pairs = [(a, b) for a in amap for b in amap if a is not None and b is not None and a != b]
+                # select_n picks its last operand where the predicate holds
+                mask = next((p for p in pairs if self.positions_ge(
+                    args[0], amap.index(p[0]), amap.index(p[1])) == (i == 2)), None)
+                fill = self.literal(args[3 - i])
+                if mask is None or fill is None:
+                    return None
+                fill *= scale  # the masked value as the result holds it
+            else:
+                return None
+        return Affine(path[-1][0], scale, tuple(terms), mask, fill, maps[0])
 
     def literal(self, ref: Ref) -> float | None:
         """The Python value of ``ref`` where it is a literal scalar (a leaf, maybe converted to another dtype: a

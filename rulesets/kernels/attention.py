@@ -47,8 +47,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-__all__ = ["Window", "Logits", "ValueProduct", "blocked_attention", "Scores", "attention", "FusedAxes",
-           "fused_attention", "fused_axes"]
+__all__ = ["Window", "Logits", "ValueProduct", "blocked_attention", "Offer", "Blocking", "Scores", "attention",
+           "FusedAxes", "fused_attention", "fused_axes"]
 
 
 class Window(NamedTuple):
@@ -131,6 +131,17 @@ class ValueProduct:
         axes = [d for d in range(len(logits_shape)) if d not in self.squeezed]  # the weights' axes as the logits'
         free = [d for d in range(len(axes)) if d != key and d not in batch]
         return axes[max(free, key=lambda d: (logits_shape[axes[d]], d))] if free else None
+
+    @staticmethod
+    def contracts(weights_first: bool, dimension_numbers: Any, squeezed: Sequence[int], key_axis: int) -> bool:
+        """Whether a ``dot_general`` of the weights and ``v`` (``weights_first``; else of ``v`` and the weights) with
+        ``dimension_numbers``, the weights the logits less their axes ``squeezed``, contracts the weights along the
+        logits' axis ``key_axis`` (one they keep) and along it alone, as attention's product does (the record,
+        :meth:`of`, is of such a product only)."""
+        (lc, rc), _ = dimension_numbers
+        pc, vc = (lc, rc) if weights_first else (rc, lc)
+        p_axis = key_axis - sum(1 for e in squeezed if e < key_axis)  # as the weights'
+        return key_axis not in squeezed and tuple(pc) == (p_axis,) and len(vc) == 1
 
 
 def blocked_attention(logits: Logits, product: ValueProduct, *, block: int, query_block: int | None = None,
@@ -407,6 +418,37 @@ def blocked_attention(logits: Logits, product: ValueProduct, *, block: int, quer
         return attend(tuple(operands), v)
 
     return fn
+
+
+class Offer(NamedTuple):
+    """One loop of :func:`blocked_attention` (its keyword arguments): over blocks of ``block`` keys, in the forward
+    over blocks of ``query_block`` queries (``None``: every query at once), in the backward over blocks of
+    ``backward_query_block`` queries (``None``: every query at once)."""
+
+    block: int
+    query_block: int | None
+    backward_query_block: int | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Blocking:
+    """Which loops of :func:`blocked_attention` to build for a length of keys and of queries (:meth:`offers`): one
+    per key block of ``blocks`` that makes two blocks or more, each over every query at once (``whole_queries``,
+    or where no query block fits) and over each block of ``query_blocks`` that makes two or more; the backward
+    over blocks of ``backward_query_block`` queries where that makes two blocks or more."""
+
+    blocks: tuple[int, ...] = (256,)
+    query_blocks: tuple[int, ...] = (512,)
+    whole_queries: bool = True
+    backward_query_block: int | None = 512
+
+    def offers(self, keys: int, queries: int) -> list[Offer]:
+        """The loops for ``keys`` keys and ``queries`` queries (0: the queries cannot be cut into blocks)."""
+        fits = lambda b, n: b is not None and n % b == 0 and n // b >= 2  # noqa: E731
+        q_blocks = [b for b in self.query_blocks if fits(b, queries)]
+        back = self.backward_query_block if fits(self.backward_query_block, queries) else None
+        return [Offer(b, qb, back) for b in self.blocks if fits(b, keys)
+                for qb in [None] * (self.whole_queries or not q_blocks) + q_blocks]
 
 
 @dataclasses.dataclass(frozen=True)
