@@ -34,7 +34,9 @@ computation's VJP on the block. The block's weights, their gradient and the sums
 gradients over the blocks are kept in the accumulator's precision (float32 for half precision), each
 gradient rounded to its dtype once, at the end. In half precision the row term of the softmax's backward
 is ``sum(p * dp) / sum(p)`` over the loop's own weights and rounded cotangents, in one more pass over the
-key blocks, so that each row of the logits' gradient sums to zero as the unblocked form's does.
+key blocks, so that each row of the logits' gradient sums to zero as the unblocked form's does. The backward's
+accumulators start from zeros made from the cotangent, so that XLA makes them when the backward starts, not at the
+program's start (where it schedules arrays that read no operand), held through the forward.
 """
 
 from __future__ import annotations
