@@ -34,7 +34,9 @@ computation's VJP on the block. The block's weights, their gradient and the sums
 gradients over the blocks are kept in the accumulator's precision (float32 for half precision), each
 gradient rounded to its dtype once, at the end. In half precision the row term of the softmax's backward
 is ``sum(p * dp) / sum(p)`` over the loop's own weights and rounded cotangents, in one more pass over the
-key blocks, so that each row of the logits' gradient sums to zero as the unblocked form's does.
+key blocks, so that each row of the logits' gradient sums to zero as the unblocked form's does. The backward's
+accumulators start from zeros made from the cotangent, so that XLA makes them when the backward starts, not at the
+program's start (where it schedules arrays that read no operand), held through the forward.
 """
 
 from __future__ import annotations
@@ -142,6 +144,20 @@ class ValueProduct:
         pc, vc = (lc, rc) if weights_first else (rc, lc)
         p_axis = key_axis - sum(1 for e in squeezed if e < key_axis)  # as the weights'
         return key_axis not in squeezed and tuple(pc) == (p_axis,) and len(vc) == 1
+
+
+def _zeros_after(x: Any, shape: Sequence[int], dtype: Any) -> Any:
+    """Zeros of ``shape`` and ``dtype`` that XLA makes only once ``x`` is computed: a loop's initial value.
+
+    XLA:CPU schedules an array of zeros, which has no operands, at the program's start, and there copies it into
+    each loop that carries it: the backward's accumulators of every attention layer were held through the whole
+    forward. ``(x[0] > 0) * 0`` is an exact zero (a boolean times zero is never NaN) that XLA does not fold."""
+    x = jnp.asarray(x)
+    if x.size == 0 or not (jnp.issubdtype(x.dtype, jnp.floating) or jnp.issubdtype(x.dtype, jnp.integer)):
+        return jnp.zeros(shape, dtype)
+    first = lax.reshape(lax.slice(x, (0,) * x.ndim, (1,) * x.ndim), ())
+    zero = lax.convert_element_type(first > 0, dtype) * jnp.zeros((), dtype)
+    return jnp.broadcast_to(zero, tuple(shape))
 
 
 def blocked_attention(logits: Logits, product: ValueProduct, *, block: int, query_block: int | None = None,
@@ -384,16 +400,17 @@ def blocked_attention(logits: Logits, product: ValueProduct, *, block: int, quer
                 return (add_rows(d, jnp.sum(p * dp, axis=axis), queries),
                         add_rows(total, jnp.sum(p, axis=axis), queries)), None
 
-            zero = jnp.zeros(row_shape, acc_dtype)
+            zero = _zeros_after(g, row_shape, acc_dtype)
             (d_row, total), _ = lax.scan(rows_body, (zero, zero), jnp.arange(pairs))
             # over the weights' own sum, which the sum rounded to the logits' dtype leaves off 1 by its rounding:
             # the rows of p * (dp - d_row) then sum to zero as the exact weights' do
             d_row = d_row / jnp.where(total == 0, jnp.ones((), acc_dtype), total)
         # An operand without the key axis (q, a scale) sums its gradient over the key blocks: in the accumulator's
         # precision. The others' blocks are disjoint (each element written once), so they stay in their dtype.
-        grads0 = tuple(jnp.zeros(x.shape, x.dtype if k is not None else jnp.promote_types(x.dtype, acc_dtype))
+        # made from the cotangent, so that XLA makes them when the backward starts (_zeros_after)
+        grads0 = tuple(_zeros_after(g, x.shape, x.dtype if k is not None else jnp.promote_types(x.dtype, acc_dtype))
                        if f else None for x, f, k in zip(operands, floating, key_axes))
-        dv0 = jnp.zeros(v.shape, v.dtype)
+        dv0 = _zeros_after(g, v.shape, v.dtype)
 
         def body(carry: tuple, t: Any) -> tuple:
             grads, dv = carry
