@@ -8,9 +8,13 @@ test session already holds does not blur the reading.
 
 import sys
 
+import jax
+import jax.numpy as jnp
 import pytest
 
+import rulesets
 from benchmarks.held_memory import measure
+from rewrite import rewrite
 
 #: MiB a signature may keep: its programs and statistics, and JAX's own compiled programs (plain
 #: ``jax.jit(jax.grad(loss))`` keeps 1.7 MiB a shape). One e-graph kept would be some 90.
@@ -58,3 +62,30 @@ def test_interning_tables_stay_bounded_across_new_signatures():
 
     done = subprocess.run([sys.executable, "-c", _BOUNDED], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def _egraphs_alive() -> int:
+    import gc
+
+    from rewrite.ir.egraph import EGraph
+
+    gc.collect()
+    return sum(isinstance(o, EGraph) for o in gc.get_objects())
+
+
+def test_a_blocked_attention_keeps_no_e_graph_alive_once_its_function_is_gone():
+    """The blocked kernel's per-block function outlives the match (JAX's caches keep the programs that call
+    it); it must not hold the matched values, each of which holds its builder and the whole e-graph."""
+
+    def attention(q, k, v):
+        return jax.nn.softmax(q @ k.T / 8.0, axis=-1) @ v
+
+    before = _egraphs_alive()
+    for n in (512, 1024):
+        x = jnp.ones((n, 64))
+        f = rewrite(attention, rulesets=[rulesets.attention])
+        assert any("attn" in k for k, s in f.result(x, x, x).stats.items() if s.fired), "the blocked form is built"
+        jax.jit(f)(x, x, x).block_until_ready()
+        jax.jit(jax.grad(lambda q: f(q, x, x).sum()))(x).block_until_ready()  # noqa: B023
+        del f
+    assert _egraphs_alive() <= before

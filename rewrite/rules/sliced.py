@@ -284,6 +284,9 @@ class Sliced:
                   if x.shape == () and x.literal is not None}
         own = lambda leaves: [consts.get(i, x) for i, x in enumerate(leaves)]  # noqa: E731
         axes = None if placed is None else placed.leaf_axes + tuple(placed.leaf_axes[h.operand] for h in hoisted)
+        # the loop's function outlives the match (JAX's caches keep the programs that call it): it holds the steps
+        # and not the matched values, each of which holds its builder and with it the whole e-graph
+        program = dataclasses.replace(program, leaves=tuple(None for _ in program.leaves))
 
         def block(leaves: Sequence[Any], along: Any, window: Any = None) -> Any:
             cut = None if window is None or axes is None else Cut(axes, placed.step_axes, window.start, window.size)
