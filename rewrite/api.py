@@ -321,8 +321,8 @@ class Rewritten:
             written.step = finding
             return written
         if alt.cost_after < before:
-            # priced below the step as written: kept without rewriting the step as written (issue 48.3: that
-            # saturation was most of a training step's rewrite time), whatever the latter's rewrite would price
+            # priced below the step as written: kept without rewriting the step as written (that saturation is
+            # most of a training step's rewrite time), whatever the latter's rewrite would price
             return self._replaced(traced, alt, finding, before, f"priced {alt.cost_after:.4g}, below the step as "
                                   f"written ({before:.4g})")
         written = as_written()

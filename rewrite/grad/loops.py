@@ -42,6 +42,7 @@ proven.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from typing import Any, Callable, Sequence
 
@@ -65,16 +66,17 @@ class _Pair:
         self.kf, self.kb = kf, kb
         self.F, self.B = eqns[kf], eqns[kb]
 
-    # F's parts
     def f_split(self) -> tuple[list, list, list]:
-        F = self.F
-        nc, nk = scan_counts(F.params)
-        return F.invars[:nc], F.invars[nc:nc + nk], F.invars[nc + nk:]
+        return _split(self.F)
 
     def b_split(self) -> tuple[list, list, list]:
-        B = self.B
-        nc, nk = scan_counts(B.params)
-        return B.invars[:nc], B.invars[nc:nc + nk], B.invars[nc + nk:]
+        return _split(self.B)
+
+
+def _split(e: Any) -> tuple[list, list, list]:
+    """A scan equation's inputs: ``(constants, carries, stacked inputs)``."""
+    nc, nk = scan_counts(e.params)
+    return e.invars[:nc], e.invars[nc:nc + nk], e.invars[nc + nk:]
 
 
 def pairs(step: core.ClosedJaxpr) -> list[_Pair]:
@@ -86,15 +88,15 @@ def pairs(step: core.ClosedJaxpr) -> list[_Pair]:
     for kb, B in enumerate(eqns):
         if B.primitive.name != "scan":
             continue
-        nc, nk = scan_counts(B.params)
-        forwards = {producer[a] for a in B.invars[nc + nk:] if isinstance(a, core.Var) and a in producer}
+        xs = _split(B)[2]
+        forwards = {producer[a] for a in xs if isinstance(a, core.Var) and a in producer}
         for kf in sorted(forwards):
             F = eqns[kf]
             if (F.primitive.name != "scan" or F.params["length"] != B.params["length"]
                     or F.params["reverse"] == B.params["reverse"]):
                 continue
             ys = F.outvars[scan_counts(F.params)[1]:]
-            if any(a in ys for a in B.invars[nc + nk:]):
+            if any(a in ys for a in xs):
                 found.append(_Pair(step, kf, kb))
     return found
 
@@ -200,8 +202,6 @@ def _commuted(eqns: list, inputs: Sequence[Any]) -> tuple[list, dict]:
     proof holds up to the order in which a value's cotangents are summed (which rounds differently; JAX's own
     two derivations differ so). Operations that only relabel elements (size-1 axes added or dropped) are one
     reshape of the value they start from, or that value itself (``alias``: the values so replaced)."""
-    import hashlib
-
     key: dict[Any, str] = {v: f"in{i}" for i, v in enumerate(inputs)}
 
     def of(a: Any) -> str:
@@ -394,7 +394,7 @@ def replace_pair(step: core.ClosedJaxpr, pair: _Pair, where: list[int], layer: t
     _, bcarry, _ = pair.b_split()
     nk, nbk, length = scan_counts(F.params)[1], len(bcarry), F.params["length"]
     run = core.jaxpr_as_fun(vjp)
-    cts = [a for a in vjp.in_avals[len(layer.in_avals):]]
+    cts = list(vjp.in_avals[len(layer.in_avals):])
 
     def both(consts, init, ps, ct0):
         def forward(carry, sl):  # the layer's forward: the cotangents' terms are dead, and dropped
@@ -453,8 +453,7 @@ def find_loop_vjps(step: core.ClosedJaxpr, proof: Callable[[core.ClosedJaxpr], l
                 log.debug("layer loop declined", exc_info=True)
                 continue
             done.update(made)
-            replaced.append(f"a backward layer loop of {pair.B.params['length']} iterations with the rewritten "
-                            f"layer's VJP ({len(where)} outputs proven)")
+            replaced.append(f"{said} with the rewritten layer's VJP ({len(where)} outputs proven)")
             changed = progress = True
             break
         if not progress:
