@@ -122,7 +122,9 @@ def _report(i):
     name, fn, specs, _, _ = CASES[i]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return explain(fn, *_args(specs), rulesets=[ALGEBRA + only(FASTMATH, name)])
+        report = explain(fn, *_args(specs), rulesets=[ALGEBRA + only(FASTMATH, name)])
+    report.release()  # cached for the session: keep the programs and counts, not each e-graph
+    return report
 
 
 @pytest.mark.parametrize("i", range(len(CASES)), ids=_ids(CASES))

@@ -89,3 +89,28 @@ def test_a_blocked_attention_keeps_no_e_graph_alive_once_its_function_is_gone():
         jax.jit(jax.grad(lambda q: f(q, x, x).sum()))(x).block_until_ready()  # noqa: B023
         del f
     assert _egraphs_alive() <= before
+
+
+
+def test_a_released_report_keeps_no_e_graph_and_still_reads():
+    """``Report.release``: a cache of reports (a loop over programs, a test's cache) keeps the programs and the
+    counts, not every report's e-graph."""
+    from rewrite import explain
+
+    before = _egraphs_alive()
+    sizes = (5, 6, 7)
+    reports = [explain(lambda x: jnp.sum(jnp.tanh(x @ x.T)) * 1.0, jnp.ones((n, 4)),
+                       rulesets=[rulesets.algebra, rulesets.linalg]) for n in sizes]
+    assert _egraphs_alive() >= before + len(sizes)  # each report keeps its own, for why() and to_dot()
+    text = [str(r) for r in reports]
+    for r in reports:
+        r.release()
+    assert _egraphs_alive() <= before
+    for n, r, t in zip(sizes, reports, text):
+        assert str(r) == t and r.fired.get("mul_one") == 1
+        assert r.why("mul_one") is None and r.forced("mul_one") is None and r.declined() == []
+        with pytest.raises(ValueError, match="kept no e-graph"):
+            r.to_dot()
+        x = jnp.arange(n * 4.0).reshape(n, 4) / 10
+        got = jax.extend.core.jaxpr_as_fun(r.after)(x)[0]
+        assert float(got) == pytest.approx(float(jnp.sum(jnp.tanh(x @ x.T))), rel=1e-6)

@@ -223,6 +223,28 @@ class Report:
             cache[rule] = declined(self.result, self.model, rule)
         return cache[rule]
 
+    def release(self) -> None:
+        """Let go of the e-graph this report keeps for :meth:`why`, :meth:`forced`, :meth:`declined` and
+        :meth:`to_dot`: with the built-in packs it holds tens of MB of native memory, for as long as the
+        report lives. The programs, counts, prices and the text stay; afterwards :meth:`why` and
+        :meth:`forced` answer ``None``, :meth:`declined` ``[]``, and :meth:`to_dot` raises. Call it on
+        reports you keep many of (a loop over programs, a cache of reports).
+
+        >>> import jax.numpy as jnp
+        >>> import rulesets
+        >>> from rewrite import explain
+        >>> report = explain(lambda x: jnp.exp(x) * 1.0, jnp.ones(3), rulesets=[rulesets.algebra])
+        >>> report.release()
+        >>> report.fired, report.eqns_after, report.forced("mul_one")
+        ({'mul_one': 1}, 1, None)
+        """
+        res = self.result
+        eg = res.egraph
+        res.egraph = res.snapshot = res.choice = res.roots = res.original = res.out_names = None
+        self.__dict__.pop("_why", None)
+        if eg is not None:
+            eg.release()
+
     def forced(self, rule: str) -> core.ClosedJaxpr | None:
         """The program extraction chose, with ``rule``'s nodes forced in (as :meth:`why` prices it), emitted:
         a candidate that was built and not chosen, to run or time beside :attr:`result`'s ``after``
