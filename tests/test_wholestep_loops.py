@@ -41,6 +41,7 @@ def test_scan_remat_backward_loop_replaced(name, dtype):
     flat, leaves = ws._flat(step, args)
     changed, finding = _replaced(flat, leaves)
     assert changed is not None and any("backward layer loop" in r for r in finding.replaced), str(finding)
+    assert not any("split at its residuals" in r for r in finding.replaced), str(finding)  # recomputing, as remat
     want = jax.jit(flat)(*leaves)
     got = jax.jit(core.jaxpr_as_fun(changed))(*leaves)
     wider = None
@@ -127,6 +128,7 @@ def test_plain_scan_backward_loop_replaced(name, dtype):
     flat, leaves = ws._flat(step, args)
     changed, finding = _replaced(flat, leaves)
     assert changed is not None and any("backward layer loop" in r for r in finding.replaced), str(finding)
+    assert any("split at its residuals" in r for r in finding.replaced), str(finding)
     want = jax.jit(flat)(*leaves)
     got = jax.jit(core.jaxpr_as_fun(changed))(*leaves)
     wider = None

@@ -27,17 +27,26 @@ Here the pair is recognised by its data, not its op sequence, and proven one ite
    both sides are first normalised (:func:`_commuted`): the proof holds up to a cotangent sum's order.
 4. **Replacement.** ``F`` and ``B`` are replaced by two loops of the same shape over the *rewritten* layer,
    ``loss_first(layer)``: the layer rewritten with the step's rules, its VJP rewritten jointly
-   (``rewrite/grad/vjp.py``). The forward loop runs its forward half and stacks the layer's inputs; the backward
-   loop runs the VJP at each of them (recomputing the rewritten layer, as ``remat`` does). What ``F`` saved for
-   ``B`` is then dead. Loop invariants ``F`` took that are larger than what they are computed from (a mask
-   broadcast to the scores' shape) are moved back into the layer first (:func:`_sunk`).
+   (``rewrite/grad/vjp.py``). Loop invariants ``F`` took that are larger than what they are computed from (a mask
+   broadcast to the scores' shape) are moved back into the layer first (:func:`_sunk`). Then:
 
-Only a backward that recomputes its layer (a ``remat`` call in ``B``'s body) is replaced: without ``remat``,
-the residuals ``F`` saves are the user's choice of memory against time. Also declined, with why: a ``B``
-reading a stacked value that is neither ``F``'s input nor output, ``F``'s stacked outputs read by something
-other than ``B`` (the layer's own per-iteration outputs, whose cotangents ``B`` would read too), carries that do
-not pair one to one (a constant with a gradient, which ``B`` accumulates), and any output of ``B``'s body not
-proven.
+   * where ``B`` recomputes its layer (a ``remat`` call in its body), the forward loop runs the rewritten VJP's
+     forward half and stacks the layer's inputs; the backward loop runs the VJP at each of them (recomputing the
+     rewritten layer, as ``remat`` does);
+   * where it does not (``B`` reads the residuals ``F`` stacked: a plain ``nn.scan``), the rewritten VJP is split
+     where its cotangents enter (:func:`_split_vjp`): the forward loop runs the forward half and stacks the
+     residuals the backward half reads, the backward loop runs the backward half at each iteration's slice. That
+     is the rewritten layer's own split, what the loss-first form runs: no memory-for-time choice is made for the
+     user, and the recomputation is the rewritten layer's (the blocked attention's backward recomputing its
+     blocks' scores), not the layer's.
+
+   What ``F`` saved for ``B`` is then dead. Whether the step so replaced is kept is the cost model's decision
+   (``api.py``'s step search), as for every whole-step replacement.
+
+Declined, with why: a ``B`` reading a stacked value that is neither ``F``'s input nor output, ``F``'s stacked
+outputs read by something other than ``B`` (the layer's own per-iteration outputs, whose cotangents ``B`` would
+read too), carries that do not pair one to one (a constant with a gradient, which ``B`` accumulates), and any
+output of ``B``'s body not proven.
 """
 
 from __future__ import annotations
@@ -495,8 +504,10 @@ def _split_loops(fwd: core.ClosedJaxpr, bwd: core.ClosedJaxpr, outer: list[int],
 
 def replace_pair(step: core.ClosedJaxpr, pair: _Pair, where: list[int], layer: tuple,
                  loss_first: Callable[[core.ClosedJaxpr], core.ClosedJaxpr]) -> tuple[core.ClosedJaxpr, list]:
-    """``step`` with ``F`` and ``B`` two loops over the rewritten layer: ``F'`` runs its forward and stacks its
-    carry-in, ``B'`` its VJP at each carry-in (what ``B`` read of ``F`` is then dead); and ``B'``'s outputs."""
+    """``step`` with ``F`` and ``B`` two loops over the rewritten layer, and ``B'``'s outputs. Under ``remat``
+    ``F'`` runs its forward and stacks its carry-in, ``B'`` its VJP at each carry-in (:func:`_recomputing`);
+    without, ``F'`` runs its VJP's forward half and stacks the residuals, ``B'`` the backward half at each
+    (:func:`_split_loops`). What ``B`` read of ``F`` is then dead."""
     layer, lconsts = layer
     F, B = pair.F, pair.B
     vjp = loss_first(layer)  # (constants, carry, slices, cotangents) -> (carries, gradients), rewritten
@@ -546,13 +557,14 @@ def find_loop_vjps(step: core.ClosedJaxpr, proof: Callable[[core.ClosedJaxpr], l
                 if where is None:
                     declined.append(f"{said}: {why}")
                     continue
+                how = "" if _recomputes(pair.B.params["jaxpr"].jaxpr) else ", split at its residuals"
                 step, made = replace_pair(step, pair, where, layer, loss_first)
             except Exception as e:  # a layer the proof or the rewrite cannot build: declined, the step as it was
                 declined.append(f"{said}: not replaced ({type(e).__name__}: {e})")
                 log.debug("layer loop declined", exc_info=True)
                 continue
             done.update(made)
-            replaced.append(f"{said} with the rewritten layer's VJP ({len(where)} outputs proven)")
+            replaced.append(f"{said} with the rewritten layer's VJP{how} ({len(where)} outputs proven)")
             changed = progress = True
             break
         if not progress:
