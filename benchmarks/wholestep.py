@@ -25,6 +25,9 @@ Cases (``--cases a,b``; ``--small`` runs them at N=128, V=1024, width 64, for a 
 * ``linen_scan_remat``: ``linen_gpt`` with its blocks stacked by ``nn.scan`` over ``nn.remat``;
 * ``equinox_scan_remat``: ``equinox_gpt`` with its blocks stacked (``eqx.filter_vmap`` of their constructor) and
   scanned by ``lax.scan`` over ``eqx.filter_checkpoint`` of the block;
+* ``linen_scan`` and ``equinox_scan``: the same two without ``remat`` (``nn.scan`` over the plain block;
+  ``lax.scan`` over the stacked blocks, not checkpointed): the step's backward loop reads the residuals its
+  forward loop stacked;
 * ``haiku_encoder``: a BERT-like haiku encoder with a padding mask and a classifier head;
 * ``linen_cross``: a linen encoder-decoder, the decoder cross-attending to a source of another length;
 * ``linen_accumulate``: ``linen_gpt`` with its gradients accumulated over micro-batches of one sequence by a
@@ -95,7 +98,7 @@ def _tokens(s: Size, seed: int = 0) -> jax.Array:
 
 
 # ---------------------------------------------------------------------- flax linen
-def _linen_model(s: Size, scan: bool = False, cross: bool = False) -> Any:
+def _linen_model(s: Size, scan: bool = False, cross: bool = False, remat: bool = True) -> Any:
     import flax.linen as nn
 
     class Block(nn.Module):
@@ -112,7 +115,7 @@ def _linen_model(s: Size, scan: bool = False, cross: bool = False) -> Any:
     class ScanBlock(nn.Module):
         @nn.compact
         def __call__(self, x, mask):
-            return nn.remat(Block)()(x, mask), None
+            return (nn.remat(Block) if remat else Block)()(x, mask), None
 
     class GPT(nn.Module):
         @nn.compact
@@ -134,11 +137,11 @@ def _linen_model(s: Size, scan: bool = False, cross: bool = False) -> Any:
 
 
 def _linen(s: Size, wrap: Callable, scan: bool = False, cross: bool = False, opt: Any = None,
-           form: str = "plain") -> tuple[Callable, tuple]:
+           form: str = "plain", remat: bool = True) -> tuple[Callable, tuple]:
     import optax
     from flax.training import train_state
 
-    model = _linen_model(s, scan, cross)
+    model = _linen_model(s, scan, cross, remat)
     tokens = _tokens(s)
     src = jax.random.normal(jax.random.PRNGKey(3), (s.batch, s.length // 2, 32)) if cross else None
     variables = model.init(jax.random.PRNGKey(1), tokens[:, :-1], src)
@@ -175,6 +178,11 @@ def _linen_gpt(s: Size, wrap: Callable, opt: Any = None) -> tuple[Callable, tupl
 @case
 def _linen_scan_remat(s: Size, wrap: Callable, opt: Any = None) -> tuple[Callable, tuple]:
     return _linen(s, wrap, scan=True, opt=opt)
+
+
+@case
+def _linen_scan(s: Size, wrap: Callable, opt: Any = None) -> tuple[Callable, tuple]:
+    return _linen(s, wrap, scan=True, opt=opt, remat=False)
 
 
 @case
@@ -328,7 +336,8 @@ def _haiku_encoder(s: Size, wrap: Callable, opt: Any = None) -> tuple[Callable, 
 
 # ---------------------------------------------------------------------- equinox
 @case
-def _equinox_gpt(s: Size, wrap: Callable, opt: Any = None, scan: bool = False) -> tuple[Callable, tuple]:
+def _equinox_gpt(s: Size, wrap: Callable, opt: Any = None, scan: bool = False, remat: bool = True
+                 ) -> tuple[Callable, tuple]:
     import equinox as eqx
     import optax
 
@@ -372,9 +381,11 @@ def _equinox_gpt(s: Size, wrap: Callable, opt: Any = None, scan: bool = False) -
             if scan:
                 arrays, rest = eqx.partition(self.blocks, eqx.is_array)
 
-                @eqx.filter_checkpoint
                 def layer(x, b):
                     return eqx.combine(b, rest)(x, mask)
+
+                if remat:
+                    layer = eqx.filter_checkpoint(layer)
 
                 x, _ = jax.lax.scan(lambda x, b: (layer(x, b), None), x, arrays)
             else:
@@ -402,6 +413,11 @@ def _equinox_gpt(s: Size, wrap: Callable, opt: Any = None, scan: bool = False) -
 @case
 def _equinox_scan_remat(s: Size, wrap: Callable, opt: Any = None) -> tuple[Callable, tuple]:
     return _equinox_gpt(s, wrap, opt, scan=True)
+
+
+@case
+def _equinox_scan(s: Size, wrap: Callable, opt: Any = None) -> tuple[Callable, tuple]:
+    return _equinox_gpt(s, wrap, opt, scan=True, remat=False)
 
 
 # ---------------------------------------------------------------------- measuring

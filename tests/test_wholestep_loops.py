@@ -1,19 +1,19 @@
 """A layer loop's backward in a whole training step (``rewrite/grad/loops.py``): layers stacked by ``lax.scan``
-under ``remat`` (linen's ``nn.scan`` over ``nn.remat``), whose backward loop is proven, one iteration at a
-time, to run the layer's VJP, and replaced by a loop over the rewritten layer's VJP."""
+(linen's ``nn.scan``, equinox's scan over stacked blocks), with or without ``remat``, whose backward loop is
+proven, one iteration at a time, to run the layer's VJP, and replaced by loops over the rewritten layer: under
+``remat`` recomputing it, without it reading the residuals its VJP's split stacks."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 import pytest
 from hypothesis import given, settings, strategies as st
 
 import rulesets
 from benchmarks import wholestep as ws
-from rewrite.ir.jaxapi import core
+from rewrite.ir.jaxapi import core, scan_counts
 from tests.test_wholestep import PACKS, TINY, _cast, _close, _moved, _replaced
 
 
@@ -41,6 +41,7 @@ def test_scan_remat_backward_loop_replaced(name, dtype):
     flat, leaves = ws._flat(step, args)
     changed, finding = _replaced(flat, leaves)
     assert changed is not None and any("backward layer loop" in r for r in finding.replaced), str(finding)
+    assert not any("split at its residuals" in r for r in finding.replaced), str(finding)  # recomputing, as remat
     want = jax.jit(flat)(*leaves)
     got = jax.jit(core.jaxpr_as_fun(changed))(*leaves)
     wider = None
@@ -106,13 +107,100 @@ def test_scan_checkpoint_backward_loop_values(dtype, scale, seed):
     _close(want, got, tol)
 
 
-def test_plain_scan_backward_loop_is_kept():
-    """Without ``remat`` the step's backward loop reads the residuals the forward loop saved (the user's
-    choice of memory against time): it is not replaced by one that recomputes the layer, and says why."""
-    args = [jax.random.normal(jax.random.PRNGKey(0), (3, 2, 8, 8)) * 0.5, jax.random.normal(jax.random.PRNGKey(1), (8, 4)),
-            jax.random.normal(jax.random.PRNGKey(2), (16, 8)), jnp.arange(16) % 4]
+def _stacked(jaxpr: core.Jaxpr) -> list[tuple]:
+    """The shapes of the arrays the step's loops stack (their per-iteration outputs), at the top level."""
+    found = []
+    for e in jaxpr.eqns:
+        if e.primitive.name == "scan":
+            found += [tuple(v.aval.shape) for v in e.outvars[scan_counts(e.params)[1]:]]
+    return found
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("name", ["linen_scan", "equinox_scan"])
+def test_plain_scan_backward_loop_replaced(name, dtype):
+    """linen's ``nn.scan`` over plain blocks and equinox's ``lax.scan`` over stacked blocks, no ``remat``, under jit
+    with SGD: the backward layer loop, which reads the residuals the forward loop stacked, is proven and replaced
+    by the rewritten layer's split, and the loss and the new parameters are the original's, at f32 and with
+    bf16 parameters."""
+    step, args = ws.CASES[name](TINY, ws.plain, opt=optax.sgd(0.1))
+    args = _cast(args, jnp.dtype(dtype))
+    flat, leaves = ws._flat(step, args)
+    changed, finding = _replaced(flat, leaves)
+    assert changed is not None and any("backward layer loop" in r for r in finding.replaced), str(finding)
+    assert any("split at its residuals" in r for r in finding.replaced), str(finding)
+    want = jax.jit(flat)(*leaves)
+    got = jax.jit(core.jaxpr_as_fun(changed))(*leaves)
+    wider = None
+    if dtype != "float32":
+        flat32, _ = ws._flat(step, _cast(args, jnp.float32))
+        wider = jax.jit(flat32)(*_cast(leaves, jnp.float32))
+    _close(want, got, 2e-4 if dtype == "float32" else 2e-2, wider, _moved(want, leaves))
+
+
+@pytest.mark.parametrize("name", ["linen_scan", "equinox_scan"])
+def test_plain_scan_stacks_no_scores(name):
+    """At N=512, without ``remat``, the step's forward layer loop stacks each layer's N x N scores and
+    probabilities for its backward; with the pair replaced by the rewritten layer's split, no array the loops
+    stack has an N x N trailing pair, no product inside them computes one, and the step holds under half the
+    original's temp memory (linen 33.8 -> 11.9 MiB, equinox 34.2 -> 11.8; their loss-first forms 19.7 and 19.3)."""
+    size = ws.Size(batch=2, length=512, width=16, heads=2, vocab=256)
+    step, args = ws.CASES[name](size, ws.plain, opt=optax.sgd(0.1))
+    flat, leaves = ws._flat(step, args)
+    changed, finding = _replaced(flat, leaves, packs=PACKS)
+    assert changed is not None and any("backward layer loop" in r for r in finding.replaced), str(finding)
+    n = size.length
+    assert [s for s in _stacked(jax.make_jaxpr(flat)(*leaves).jaxpr) if s[-2:] == (n, n)]  # the test's premise
+    assert not [s for s in _stacked(changed.jaxpr) if s[-2:] == (n, n)]
+    assert not [s for s in _dots_in_loops(changed.jaxpr) if s[-2:] == (n, n)]
+
+    def temp(f):
+        return jax.jit(f).lower(*leaves).compile().memory_analysis().temp_size_in_bytes
+
+    assert temp(core.jaxpr_as_fun(changed)) < 0.5 * temp(flat)
+
+
+@settings(max_examples=6, deadline=None)
+@given(dtype=st.sampled_from(["float32", "bfloat16", "float16"]), scale=st.sampled_from([0.0, 0.5, -2.0]),
+       seed=st.integers(0, 2**16))
+def test_plain_scan_backward_loop_values(dtype, scale, seed):
+    """``lax.scan`` over a residual layer, no ``remat``, any of three float dtypes, weights scaled by 0, a half or
+    -2: the backward loop is replaced by the layer's split (a loop reading the residuals its forward loop
+    stacked), and the new parameters and loss are the original's, under jit and run eagerly."""
+    dt = jnp.dtype(dtype)
+    k = jax.random.split(jax.random.PRNGKey(seed), 4)
+    args = [(jax.random.normal(k[0], (3, 2, 8, 8)) * scale).astype(dt), jax.random.normal(k[1], (8, 4)).astype(dt),
+            jax.random.normal(k[2], (16, 8)).astype(dt), jnp.arange(16) % 4]
     step = _scan_step(False)
     changed, finding = _replaced(step, args, packs=[rulesets.algebra])
+    assert changed is not None and any("backward layer loop" in r for r in finding.replaced), str(finding)
+    assert not any("backward layer loop" in d for d in finding.declined), str(finding)
+    want = jax.jit(step)(*args)
+    tol = 1e-5 if dtype == "float32" else 2e-2
+    _close(want, jax.jit(core.jaxpr_as_fun(changed))(*args), tol)
+    _close(want, core.jaxpr_as_fun(changed)(*args), tol)
+
+
+def test_scan_with_stacked_outputs_read_is_kept():
+    """A layer loop whose per-iteration outputs the loss reads too (``lax.scan`` returning each layer's output):
+    the forward loop's stacked outputs are read by something other than its backward, whose body then also reads
+    their cotangents. The pair is declined, says why, and the step's values are unchanged."""
+    layer = lambda h, w: (jnp.tanh(h @ w[0]) @ w[1] + h,) * 2  # noqa: E731
+
+    def loss(ws_, v, x, y):
+        h, hs = jax.lax.scan(layer, x, ws_)
+        logits = (h @ v).astype(jnp.float32)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean() + 0.1 * jnp.mean(hs ** 2)
+
+    def step(ws_, v, x, y):
+        value, (gw, gv) = jax.value_and_grad(loss, argnums=(0, 1))(ws_, v, x, y)
+        return ws_ - 0.1 * gw, v - 0.1 * gv, value
+
+    args = [jax.random.normal(jax.random.PRNGKey(0), (3, 2, 8, 8)) * 0.5, jax.random.normal(jax.random.PRNGKey(1), (8, 4)),
+            jax.random.normal(jax.random.PRNGKey(2), (16, 8)), jnp.arange(16) % 4]
+    changed, finding = _replaced(step, args, packs=[rulesets.algebra])
     assert not any("backward layer loop" in r for r in finding.replaced), str(finding)
-    assert any("does not recompute the layer" in d for d in finding.declined), str(finding)
-    np.testing.assert_allclose(jax.jit(step)(*args)[2], jax.jit(core.jaxpr_as_fun(changed))(*args)[2], rtol=1e-6)
+    assert any("stacked outputs are read by something other than its backward" in d for d in finding.declined), \
+        str(finding)
+    if changed is not None:
+        _close(jax.jit(step)(*args), jax.jit(core.jaxpr_as_fun(changed))(*args), 1e-5)

@@ -27,17 +27,26 @@ Here the pair is recognised by its data, not its op sequence, and proven one ite
    both sides are first normalised (:func:`_commuted`): the proof holds up to a cotangent sum's order.
 4. **Replacement.** ``F`` and ``B`` are replaced by two loops of the same shape over the *rewritten* layer,
    ``loss_first(layer)``: the layer rewritten with the step's rules, its VJP rewritten jointly
-   (``rewrite/grad/vjp.py``). The forward loop runs its forward half and stacks the layer's inputs; the backward
-   loop runs the VJP at each of them (recomputing the rewritten layer, as ``remat`` does). What ``F`` saved for
-   ``B`` is then dead. Loop invariants ``F`` took that are larger than what they are computed from (a mask
-   broadcast to the scores' shape) are moved back into the layer first (:func:`_sunk`).
+   (``rewrite/grad/vjp.py``). Loop invariants ``F`` took that are larger than what they are computed from (a mask
+   broadcast to the scores' shape) are moved back into the layer first (:func:`_sunk`). Then:
 
-Only a backward that recomputes its layer (a ``remat`` call in ``B``'s body) is replaced: without ``remat``,
-the residuals ``F`` saves are the user's choice of memory against time. Also declined, with why: a ``B``
-reading a stacked value that is neither ``F``'s input nor output, ``F``'s stacked outputs read by something
-other than ``B`` (the layer's own per-iteration outputs, whose cotangents ``B`` would read too), carries that do
-not pair one to one (a constant with a gradient, which ``B`` accumulates), and any output of ``B``'s body not
-proven.
+   * where ``B`` recomputes its layer (a ``remat`` call in its body), the forward loop runs the rewritten VJP's
+     forward half and stacks the layer's inputs; the backward loop runs the VJP at each of them (recomputing the
+     rewritten layer, as ``remat`` does);
+   * where it does not (``B`` reads the residuals ``F`` stacked: a plain ``nn.scan``), the rewritten VJP is split
+     where its cotangents enter (:func:`_split_vjp`): the forward loop runs the forward half and stacks the
+     residuals the backward half reads, the backward loop runs the backward half at each iteration's slice. That
+     is the rewritten layer's own split, what the loss-first form runs: no memory-for-time choice is made for the
+     user, and the recomputation is the rewritten layer's (the blocked attention's backward recomputing its
+     blocks' scores), not the layer's.
+
+   What ``F`` saved for ``B`` is then dead. Whether the step so replaced is kept is the cost model's decision
+   (``api.py``'s step search), as for every whole-step replacement.
+
+Declined, with why: a ``B`` reading a stacked value that is neither ``F``'s input nor output, ``F``'s stacked
+outputs read by something other than ``B`` (the layer's own per-iteration outputs, whose cotangents ``B`` would
+read too), carries that do not pair one to one (a constant with a gradient, which ``B`` accumulates), and any
+output of ``B``'s body not proven.
 """
 
 from __future__ import annotations
@@ -177,9 +186,6 @@ def _check(step: core.ClosedJaxpr, pair: _Pair) -> str:
     for y in ys:
         if y in outs or readers.get(y, set()) - {pair.kb}:
             return "the forward loop's stacked outputs are read by something other than its backward"
-    if not _recomputes(B.params["jaxpr"].jaxpr):
-        return ("the backward loop does not recompute the layer (no remat): the residuals it reads are kept as "
-                "the step saves them")
     _, fcarry, fxs = pair.f_split()
     _, bcarry, bxs = pair.b_split()
     if len(bcarry) != sum(is_float(v.aval) for v in F.outvars[:nkf]):
@@ -383,10 +389,125 @@ def prove_pair(step: core.ClosedJaxpr, pair: _Pair, proof: Callable[[core.Closed
     return "", where, (layer, lconsts)
 
 
+def _split_vjp(vjp: core.ClosedJaxpr, n_consts: int, n_layer_in: int, nk: int, where: Sequence[int]
+               ) -> tuple[core.ClosedJaxpr, core.ClosedJaxpr, list[int], int]:
+    """The rewritten layer's VJP ``(constants, carry, slices, cotangents) -> (carries, gradients)`` split where its
+    cotangents enter: ``fwd: (constants, carry, slices) -> (carries, residuals it computes)`` and ``bwd:
+    (constants, residuals, cotangents) -> the outputs at where``; with the positions among ``(carry, slices)`` of
+    the residuals that are the layer's inputs (they come first in ``bwd``'s residuals) and how many ``fwd``
+    computes.
+
+    An equation belongs to the backward half if it reads a cotangent (through any other), to the forward half if
+    it reads the carry or a slice, otherwise it is loop-invariant (it reads the constants alone), and each half
+    computes what it needs of those. A residual is a value of the forward half that the backward reads: the
+    split that keeps every value the backward reads, which is how ``rewrite_joint`` prices the extraction it
+    chose; a loop (the blocked attention's backward) is one equation, whole in the half it belongs to. A
+    residual larger than what it is computed from (a value broadcast) is recomputed by the backward from those
+    instead, as :func:`_sunk` does for the loop's constants; a loop or a call is never so moved."""
+    jaxpr = vjp.jaxpr
+    ins = list(jaxpr.invars)
+    consts, state, cts = ins[:n_consts], ins[n_consts:n_layer_in], ins[n_layer_in:]
+    kind: dict[Any, int] = {v: 0 for v in list(jaxpr.constvars) + consts}  # 0 invariant, 1 forward, 2 backward
+    kind.update({v: 1 for v in state})
+    kind.update({v: 2 for v in cts})
+    part: list[int] = []
+    for e in jaxpr.eqns:
+        k = max((kind[a] for a in e.invars if isinstance(a, core.Var)), default=0)
+        if k == 0 and e.effects:
+            k = 1
+        part.append(k)
+        kind.update({w: k for w in e.outvars})
+    if any(isinstance(o, core.Var) and kind[o] == 2 for o in jaxpr.outvars[:nk]):
+        raise ValueError("the layer's carry depends on a cotangent")
+    producer = {w: k for k, e in enumerate(jaxpr.eqns) for w in e.outvars}
+    picked = [jaxpr.outvars[j] for j in where]
+    moved: set[int] = set()  # forward equations the backward recomputes
+    while True:
+        reads = [a for k, e in enumerate(jaxpr.eqns) if part[k] == 2 or k in moved for a in e.invars] + picked
+        residuals = list(dict.fromkeys(a for a in reads if isinstance(a, core.Var) and kind[a] == 1
+                                       and producer.get(a) not in moved))
+        more = False
+        for r in residuals:
+            k = producer.get(r)
+            if k is None:
+                continue
+            e = jaxpr.eqns[k]
+            if e.effects or e.primitive.name in _NOT_SUNK or any(
+                    isinstance(v, (core.ClosedJaxpr, core.Jaxpr)) for v in e.params.values()):
+                continue
+            if sum(_nbytes(w) for w in e.outvars) <= sum(_nbytes(a) for a in e.invars if isinstance(a, core.Var)):
+                continue
+            moved.add(k)
+            more = True
+        if not more:
+            break
+    fwd_eqns = [e for k, e in enumerate(jaxpr.eqns) if part[k] < 2]
+    bwd_eqns = [e for k, e in enumerate(jaxpr.eqns) if part[k] != 1 or k in moved]
+    outer = [r for r in residuals if r in state]
+    inner = [r for r in residuals if r not in state]
+    fwd = core.Jaxpr(list(jaxpr.constvars), consts + state, list(jaxpr.outvars[:nk]) + inner, fwd_eqns,
+                     core.no_effects)
+    bwd = core.Jaxpr(list(jaxpr.constvars), consts + outer + inner + cts, picked, bwd_eqns, core.no_effects)
+    return (dce(core.ClosedJaxpr(fwd, vjp.consts)), dce(core.ClosedJaxpr(bwd, vjp.consts)),
+            [state.index(r) for r in outer], len(inner))
+
+
+def _recomputing(run: Callable, cts: list, nk: int, nbk: int, where: list[int], length: int, f_reverse: bool,
+                 b_reverse: bool) -> Callable:
+    """The two loops of a backward that recomputes its layer (``remat``): the forward runs the rewritten VJP's
+    forward and stacks the layer's carry-in; the backward runs the whole VJP at each of them."""
+    def both(consts, init, ps, ct0):
+        def forward(carry, sl):  # the layer's forward: the cotangents' terms are dead, and dropped
+            outs = run(*consts, *carry, *sl, *[jax.numpy.zeros(a.shape, a.dtype) for a in cts])
+            return list(outs[:nk]), list(carry)
+
+        out, hs = jax.lax.scan(forward, list(init), list(ps), length=length, reverse=f_reverse)
+
+        def backward(carry, xs):
+            sl, h = xs
+            outs = run(*consts, *h, *sl, *carry)
+            picked = [outs[j] for j in where]
+            return picked[:nbk], picked[nbk:]
+
+        grads = jax.lax.scan(backward, list(ct0), (list(ps), hs), length=length, reverse=b_reverse)
+        return out, grads
+
+    return both
+
+
+def _split_loops(fwd: core.ClosedJaxpr, bwd: core.ClosedJaxpr, outer: list[int], nk: int, nbk: int, length: int,
+                 f_reverse: bool, b_reverse: bool) -> Callable:
+    """The two loops of a backward that reads what its forward saved (no ``remat``): the forward runs the rewritten
+    VJP's forward half and stacks the residuals it computes (and the carry-ins the backward half reads); the
+    backward runs the backward half at each iteration's residuals (:func:`_split_vjp`)."""
+    run_f, run_b = core.jaxpr_as_fun(fwd), core.jaxpr_as_fun(bwd)
+
+    def both(consts, init, ps, ct0):
+        def forward(carry, sl):
+            outs = run_f(*consts, *carry, *sl)
+            return list(outs[:nk]), ([carry[i] for i in outer if i < nk], list(outs[nk:]))
+
+        out, (hs, rs) = jax.lax.scan(forward, list(init), list(ps), length=length, reverse=f_reverse)
+
+        def backward(carry, xs):
+            sl, h, r = xs
+            h = iter(h)
+            state = [next(h) if i < nk else sl[i - nk] for i in outer]
+            picked = run_b(*consts, *state, *r, *carry)
+            return list(picked[:nbk]), list(picked[nbk:])
+
+        grads = jax.lax.scan(backward, list(ct0), (list(ps), hs, rs), length=length, reverse=b_reverse)
+        return out, grads
+
+    return both
+
+
 def replace_pair(step: core.ClosedJaxpr, pair: _Pair, where: list[int], layer: tuple,
                  loss_first: Callable[[core.ClosedJaxpr], core.ClosedJaxpr]) -> tuple[core.ClosedJaxpr, list]:
-    """``step`` with ``F`` and ``B`` two loops over the rewritten layer: ``F'`` runs its forward and stacks its
-    carry-in, ``B'`` its VJP at each carry-in (what ``B`` read of ``F`` is then dead); and ``B'``'s outputs."""
+    """``step`` with ``F`` and ``B`` two loops over the rewritten layer, and ``B'``'s outputs. Under ``remat``
+    ``F'`` runs its forward and stacks its carry-in, ``B'`` its VJP at each carry-in (:func:`_recomputing`);
+    without, ``F'`` runs its VJP's forward half and stacks the residuals, ``B'`` the backward half at each
+    (:func:`_split_loops`). What ``B`` read of ``F`` is then dead."""
     layer, lconsts = layer
     F, B = pair.F, pair.B
     vjp = loss_first(layer)  # (constants, carry, slices, cotangents) -> (carries, gradients), rewritten
@@ -396,22 +517,11 @@ def replace_pair(step: core.ClosedJaxpr, pair: _Pair, where: list[int], layer: t
     run = core.jaxpr_as_fun(vjp)
     cts = list(vjp.in_avals[len(layer.in_avals):])
 
-    def both(consts, init, ps, ct0):
-        def forward(carry, sl):  # the layer's forward: the cotangents' terms are dead, and dropped
-            outs = run(*consts, *carry, *sl, *[jax.numpy.zeros(a.shape, a.dtype) for a in cts])
-            return list(outs[:nk]), list(carry)
-
-        out, hs = jax.lax.scan(forward, list(init), list(ps), length=length, reverse=F.params["reverse"])
-
-        def backward(carry, xs):
-            sl, h = xs
-            outs = run(*consts, *h, *sl, *carry)
-            picked = [outs[j] for j in where]
-            return picked[:nbk], picked[nbk:]
-
-        grads = jax.lax.scan(backward, list(ct0), (list(ps), hs), length=length, reverse=B.params["reverse"])
-        return out, grads
-
+    if _recomputes(B.params["jaxpr"].jaxpr):
+        both = _recomputing(run, cts, nk, nbk, where, length, F.params["reverse"], B.params["reverse"])
+    else:
+        fwd, bwd, outer, _ = _split_vjp(vjp, len(lconsts), len(layer.in_avals), nk, where)
+        both = _split_loops(fwd, bwd, outer, nk, nbk, length, F.params["reverse"], B.params["reverse"])
     args = (list(lconsts), list(fcarry), list(fxs), list(bcarry))
     specs = jax.tree.map(lambda a: spec_of(a.aval), args, is_leaf=lambda a: isinstance(a, (core.Var, core.Literal)))
     program = jax.make_jaxpr(both)(*specs)
@@ -447,13 +557,14 @@ def find_loop_vjps(step: core.ClosedJaxpr, proof: Callable[[core.ClosedJaxpr], l
                 if where is None:
                     declined.append(f"{said}: {why}")
                     continue
+                how = "" if _recomputes(pair.B.params["jaxpr"].jaxpr) else ", split at its residuals"
                 step, made = replace_pair(step, pair, where, layer, loss_first)
             except Exception as e:  # a layer the proof or the rewrite cannot build: declined, the step as it was
                 declined.append(f"{said}: not replaced ({type(e).__name__}: {e})")
                 log.debug("layer loop declined", exc_info=True)
                 continue
             done.update(made)
-            replaced.append(f"{said} with the rewritten layer's VJP ({len(where)} outputs proven)")
+            replaced.append(f"{said} with the rewritten layer's VJP{how} ({len(where)} outputs proven)")
             changed = progress = True
             break
         if not progress:
