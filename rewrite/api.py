@@ -340,8 +340,9 @@ class Rewritten:
     def _rewrite_rest(self, changed: core.ClosedJaxpr, pinned: set) -> Result:
         """The step with its losses replaced, rewritten: the loss-first programs in it are already rewritten
         (each jointly with its forward, ``_loss_first``), so only the remainder (the optimizer's update, what
-        computes the losses' inputs) is saturated, and the step so joined is priced with no rule (which also
-        merges what the two parts both compute). Where the step cannot be cut so, all of it is rewritten."""
+        computes the losses' inputs) is saturated, and the step so joined is priced as it is (loaded, with no rule:
+        what the two parts both compute is priced once, and XLA computes it once). Where the step cannot be cut
+        so, all of it is rewritten."""
         cut = split_pinned(changed, pinned)
         if cut is None:
             return run_pipeline(changed, self.entries, self.cost_model, self.limits)
@@ -349,13 +350,11 @@ class Rewritten:
         joined = join_pinned(cut, rest.after)
         if joined is None:
             return run_pipeline(changed, self.entries, self.cost_model, self.limits)
-        out = run_pipeline(joined, (), self.cost_model, self.limits, price_input=False)
-        out.before = changed
-        out.stats, out.stopped, out.iterations, out.warnings = rest.stats, rest.stopped, rest.iterations, \
-            rest.warnings + out.warnings
-        out.times = {k: rest.times.get(k, 0.0) + out.times.get(k, 0.0) for k in {*rest.times, *out.times}}
-        out.rewritten = True
-        return out
+        t = time.perf_counter()
+        cost = program_cost(joined, self.cost_model)
+        times = {**rest.times, "price": time.perf_counter() - t}
+        return dataclasses.replace(rest, before=changed, after=joined, cost_before=float("nan"), cost_after=cost,
+                                   rewritten=True, times=times)
 
     @staticmethod
     def _replaced(traced: Traced, alt: Result, finding: Any, cost_before: float, how: str) -> Result:
