@@ -139,10 +139,53 @@ class _Graph:
                 if isinstance(a, core.Var):
                     self.readers.setdefault(a, []).append(k)
         self.inputs = set(jaxpr.invars) | set(jaxpr.constvars)
+        self._bits: tuple[list[int], list[int], list[Any]] | None = None
+        self._readers: list[int] | None = None
+
+    def _cones(self) -> tuple[list[int], list[int], list[Any]]:
+        """Each equation's cone as bit sets, made once in one pass in program order: the equations it depends on
+        (bit ``k`` for equation ``k``, itself included) and the inputs it reaches (bit ``i`` for ``inputs[i]``)."""
+        if self._bits is None:
+            inputs = list(self.jaxpr.constvars) + list(self.jaxpr.invars)
+            index = {v: i for i, v in enumerate(inputs)}
+            eqn_bits: list[int] = []
+            leaf_bits: list[int] = []
+            for k, e in enumerate(self.jaxpr.eqns):
+                b, leaf = 1 << k, 0
+                for a in e.invars:
+                    if not isinstance(a, core.Var):
+                        continue
+                    j = self.producer.get(a)
+                    if j is not None:
+                        b |= eqn_bits[j]
+                        leaf |= leaf_bits[j]
+                    elif a in index:
+                        leaf |= 1 << index[a]
+                eqn_bits.append(b)
+                leaf_bits.append(leaf)
+            self._bits = eqn_bits, leaf_bits, inputs
+        return self._bits
+
+    def reader_bits(self) -> list[int]:
+        """For each equation, the equations that read any of its outputs, as a bit set (made once)."""
+        if self._readers is None:
+            self._readers = [0] * len(self.jaxpr.eqns)
+            for v, ks in self.readers.items():
+                k = self.producer.get(v)
+                if k is not None:
+                    for k2 in ks:
+                        self._readers[k] |= 1 << k2
+        return self._readers
 
     def cone(self, root: Any, cut: frozenset[str] = frozenset()) -> tuple[list[int], set]:
         """The equations ``root`` depends on (in program order) and the inputs it reaches; the outputs of
         equations whose primitive is in ``cut`` are leaves too, their equations not followed."""
+        if not cut:
+            k = self.producer.get(root) if isinstance(root, core.Var) else None
+            if k is None:
+                return [], ({root} if root in self.inputs else set())
+            eqn_bits, leaf_bits, inputs = self._cones()
+            return _positions(eqn_bits[k]), {inputs[i] for i in _positions(leaf_bits[k])}
         eqns: set[int] = set()
         leaves: set = set()
         stack = [root]
@@ -173,12 +216,32 @@ class _Graph:
         return [x for x in order if x in leaves]
 
 
+def _positions(bits: int) -> list[int]:
+    """The positions of the set bits of ``bits``, ascending."""
+    return [i for i, c in enumerate(reversed(bin(bits))) if c == "1"]
+
+
 def _backward_shaped(graph: _Graph, root: Any, cone: set, shapes: set) -> bool:
     """Does a value outside the cone, computed from what the cone computed (not from ``root`` alone: JAX's
     backward reads the forward's residuals), have the shape and dtype of a float leaf, as a gradient would?"""
     jaxpr = graph.jaxpr
-    frontier = [k2 for k in cone for w in jaxpr.eqns[k].outvars if w is not root
-                for k2 in graph.readers.get(w, ()) if k2 not in cone]
+    eqns, readers = jaxpr.eqns, graph.readers
+    # the equations outside the cone that read a value of it other than root: each equation's readers as a bit
+    # set (made once), OR-ed over the cone, less the cone; root's producer's other outputs are read one by one
+    read_by = graph.reader_bits()
+    made = graph.producer.get(root)
+    bits = 0
+    inside = 0
+    for k in cone:
+        inside |= 1 << k
+        if k != made:
+            bits |= read_by[k]
+    if made is not None:
+        for w in eqns[made].outvars:
+            if w is not root:
+                for k2 in readers.get(w, ()):
+                    bits |= 1 << k2
+    frontier = _positions(bits & ~inside)
     seen: set[int] = set()
     while frontier:
         k = frontier.pop()
