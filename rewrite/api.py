@@ -33,7 +33,7 @@ from .cost.measure import resolve
 from .errors import RewriteLimitWarning, RewriteWarning, _strict
 from .extract.program import far_leaner, lean_band, leaner
 from .grad.primitive import Signature, bind_if_differentiated
-from .grad.step import find_losses
+from .grad.step import find_losses, join_pinned, split_pinned
 from .grad.vjp import VJPResult, build_vjp, rewrite_joint
 from .ir.jaxapi import core
 from .jaxpr import state as _state
@@ -303,11 +303,12 @@ class Rewritten:
         if not self.whole_step or not self.entries:
             return as_written()
         try:
-            changed, finding = find_losses(traced.closed, self._proof, self._loss_first)
+            pinned: set = set()
+            changed, finding = find_losses(traced.closed, self._proof, self._loss_first, pinned)
             alt = None
             if changed is not None:
                 t = time.perf_counter()
-                alt = run_pipeline(changed, self.entries, self.cost_model, self.limits)
+                alt = self._rewrite_rest(changed, pinned)
                 alt.times["whole_step"] = finding.seconds + time.perf_counter() - t
                 before = result.cost_before if result is not None else program_cost(traced.closed, self.cost_model)
         except Exception as e:  # the step as written, rewritten, still runs
@@ -335,6 +336,25 @@ class Rewritten:
         finding.declined.append(f"the step with them replaced was priced {alt.cost_after:.4g}, the step rewritten "
                                 f"as written {written.cost_after:.4g}: kept the latter")
         return written
+
+    def _rewrite_rest(self, changed: core.ClosedJaxpr, pinned: set) -> Result:
+        """The step with its losses replaced, rewritten: the loss-first programs in it are already rewritten
+        (each jointly with its forward, ``_loss_first``), so only the remainder (the optimizer's update, what
+        computes the losses' inputs) is saturated, and the step so joined is priced as it is (loaded, with no rule:
+        what the two parts both compute is priced once, and XLA computes it once). Where the step cannot be cut
+        so, all of it is rewritten."""
+        cut = split_pinned(changed, pinned)
+        if cut is None:
+            return run_pipeline(changed, self.entries, self.cost_model, self.limits)
+        rest = run_pipeline(cut.rest, self.entries, self.cost_model, self.limits, price_input=False)
+        joined = join_pinned(cut, rest.after)
+        if joined is None:
+            return run_pipeline(changed, self.entries, self.cost_model, self.limits)
+        t = time.perf_counter()
+        cost = program_cost(joined, self.cost_model)
+        times = {**rest.times, "price": time.perf_counter() - t}
+        return dataclasses.replace(rest, before=changed, after=joined, cost_before=float("nan"), cost_after=cost,
+                                   rewritten=True, times=times)
 
     @staticmethod
     def _replaced(traced: Traced, alt: Result, finding: Any, cost_before: float, how: str) -> Result:

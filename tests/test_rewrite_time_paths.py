@@ -137,6 +137,53 @@ def test_a_replaced_step_priced_below_the_step_as_written_skips_its_rewrite(monk
         assert p.shape == q.shape and float(jnp.max(jnp.abs(p - q))) <= 1e-4 * max(moved, float(jnp.max(jnp.abs(p))))
 
 
+def test_a_replaced_step_saturates_only_its_remainder(monkeypatch):
+    """The loss-first program a step's loss is read from is already rewritten, jointly with its forward; the step
+    so changed has only the rest (the update, what computes the loss's inputs) saturated, and is priced whole with
+    no rule. It used to be saturated whole again: the loss-first program twice, most of a large step's search."""
+    from benchmarks import wholestep as ws
+    import rewrite.api as api
+    from rewrite.grad.step import PIN_FROM
+    from rewrite.pipeline import run_pipeline
+
+    saturated: list = []  # (equations, with rules) of each program the step search rewrites at the top
+    run = api.run_pipeline
+
+    def counted(program, entries, *a, **k):
+        closed = getattr(program, "closed", program)
+        saturated.append((len(closed.jaxpr.eqns), bool(entries)))
+        return run(program, entries, *a, **k)
+
+    monkeypatch.setattr(api, "run_pipeline", counted)
+    changed: list = []
+    find = api.find_losses
+
+    def found(*a, **k):
+        out = find(*a, **k)
+        changed.append(out[0])
+        return out
+
+    monkeypatch.setattr(api, "find_losses", found)
+    tiny = ws.Size(batch=2, length=16, width=16, heads=2, vocab=64)
+    step, args = ws.CASES["haiku_gpt"](tiny, ws.plain, opt=optax.sgd(0.1))
+    flat, leaves = ws._flat(step, args)
+    r = rewrite(flat, rulesets=[rulesets.nn, rulesets.attention], cache=False)
+    res = r.result(*leaves)
+    assert res.step is not None and res.step.replaced, str(res.step)
+    size = len(changed[0].jaxpr.eqns)
+    assert size >= PIN_FROM
+    with_rules = [n for n, rules in saturated if rules]
+    assert max(with_rules) < size, (saturated, size)  # the whole step with its loss replaced: never saturated
+    # the price is the whole step's saturated again, to a hair (what that saturation found beyond the remainder's)
+    whole = run_pipeline(changed[0], r.entries, r.cost_model, r.limits).cost_after
+    assert res.cost_after <= whole * (1 + 1e-4), (res.cost_after, whole)
+    want, got = jax.jit(flat)(*leaves), jax.jit(r)(*leaves)
+    moved = max(float(jnp.max(jnp.abs(o - x))) for o, x in zip(want, leaves)
+                if o.shape == x.shape and jnp.issubdtype(o.dtype, jnp.floating))
+    for p, q in zip(want, got):
+        assert p.shape == q.shape and float(jnp.max(jnp.abs(p - q))) <= 1e-4 * max(moved, float(jnp.max(jnp.abs(p))))
+
+
 def test_match_function_prefers_a_pass_over_the_slice_s_classes_only(monkeypatch):
     """``Match.function`` (``rulesets.scan``'s ``sink_inputs`` reads a loop's body back with it) prefers the
     bottom-up pass's choice in each class. That pass is made over the classes below the slice's outputs, not
