@@ -226,3 +226,30 @@ def test_a_whole_step_search_that_keeps_the_step_as_written_reports_its_time(tmp
     assert "whole_step" in res.times and res.times["whole_step"] >= res.step.seconds, res.times
     assert "cache_store" in res.times, res.times
     assert jnp.allclose(r(x), f(x), rtol=1e-6)
+
+
+def test_an_extraction_whose_memory_fallback_nobody_reads_does_not_price_it(monkeypatch):
+    """An extraction's fallback for a rewrite predicted to hold more memory (``Extraction.leaner_fallback``) prices
+    the live peaks of the input and the chosen program; it is found when read. A VJP's forward alone (``primal``)
+    never reads it, and priced it every time before."""
+    from rewrite.extract import extract as _extract
+
+    asked = []
+    no_fatter = _extract._no_fatter
+
+    def counted(ranked, best, price, roots):
+        asked.append(list(roots))
+        return no_fatter(ranked, best, price, roots)
+
+    monkeypatch.setattr(_extract, "_no_fatter", counted)
+    f = lambda x, a: jnp.sum(jnp.sin(a * x) ** 2 / a + jnp.log(jnp.exp(x) + 1.0) * 2 + jnp.log(jnp.exp(x) + 1.0) * 2)  # noqa: E731
+    x, a = jnp.linspace(-1.0, 1.0, 8), jnp.float32(1.5)
+    traced, _ = trace_call(f, (x, a), {}, (), ())
+    entries = [e for p in (rulesets.derivatives, rulesets.algebra) for e in p.entries()]
+    built = build_vjp(traced, entries, default_model(), Limits(), primal=True, keep=True)
+    f_roots = built.joint.roots[:1]
+    assert asked and f_roots not in asked, (asked, f_roots)
+    assert jnp.allclose(built.function(x, a)[0], f(x, a), rtol=1e-6)
+    got = jax.grad(lambda x, a: built.function(x, a)[0], argnums=(0, 1))(x, a)
+    want = jax.grad(f, argnums=(0, 1))(x, a)
+    assert all(jnp.allclose(p, q, rtol=1e-5, atol=1e-6) for p, q in zip(got, want))
