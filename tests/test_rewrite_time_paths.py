@@ -214,3 +214,89 @@ def test_match_function_prefers_a_pass_over_the_slice_s_classes_only(monkeypatch
     got = jax.grad(rewrite(bs.rnn_mse, rulesets=[scan], cache=False))(*args)
     want = jax.grad(bs.rnn_mse)(*args)
     assert all(jnp.allclose(p, q, rtol=1e-5, atol=1e-6) for p, q in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
+
+
+def _own_primitive():
+    """A primitive of the user's own (as equinox defines some): not found among JAX's and this library's by name."""
+    from jax.extend.core import Primitive
+
+    p = Primitive("h_time_own_double")
+    p.def_impl(lambda x: 2 * x)
+    p.def_abstract_eval(lambda x: x)
+    return p
+
+
+def test_storing_a_program_with_a_library_s_own_primitive_scans_the_modules_once(monkeypatch):
+    """A primitive of a library's own is not found by name, and each of its equations rescanned every loaded module
+    for it (30 scans, most of storing a diffrax program): they are scanned again only when a module was imported
+    since."""
+    from rewrite.cache import serialise
+
+    scans = []
+    by_name = serialise._primitives_by_name
+
+    class Counted:
+        def __call__(self):
+            return by_name()
+
+        def cache_clear(self):
+            scans.append(1)
+            by_name.cache_clear()
+
+    monkeypatch.setattr(serialise, "_primitives_by_name", Counted())
+    p = _own_primitive()
+
+    def f(x):
+        for _ in range(6):
+            x = jnp.sin(p.bind(x))
+        return x
+
+    x = jnp.linspace(-1.0, 1.0, 5)
+    closed = jax.make_jaxpr(f)(x)
+    blob = serialise.dumps_program(closed, closed)
+    assert len(scans) <= 1, len(scans)
+    back = serialise.loads_program(blob, closed)
+    assert jnp.array_equal(jax.core.eval_jaxpr(back.jaxpr, back.consts, x)[0], f(x))
+
+
+def test_a_whole_step_search_that_keeps_the_step_as_written_reports_its_time(tmp_path):
+    """Where the whole-step search runs and the step as written is kept (no loss found), the search's time is a
+    stage of the result (it was missing: the stages of such a rewrite summed to half its time), and so is the
+    disk cache's store."""
+    from rewrite.cache.store import DiskCache
+
+    f = lambda x: jnp.sum(jnp.sin(x) * 2 + jnp.sin(x) * 2)  # noqa: E731
+    x = jnp.linspace(-1.0, 1.0, 8)
+    r = rewrite(f, rulesets=[rulesets.algebra], whole_step=True, cache=DiskCache(tmp_path))
+    res = r.result(x)
+    assert res.step is not None and not res.step.replaced, str(res.step)
+    assert "whole_step" in res.times and res.times["whole_step"] >= res.step.seconds, res.times
+    assert "cache_store" in res.times, res.times
+    assert jnp.allclose(r(x), f(x), rtol=1e-6)
+
+
+def test_an_extraction_whose_memory_fallback_nobody_reads_does_not_price_it(monkeypatch):
+    """An extraction's fallback for a rewrite predicted to hold more memory (``Extraction.leaner_fallback``) prices
+    the live peaks of the input and the chosen program; it is found when read. A VJP's forward alone (``primal``)
+    never reads it, and priced it every time before."""
+    from rewrite.extract import extract as _extract
+
+    asked = []
+    no_fatter = _extract._no_fatter
+
+    def counted(ranked, best, price, roots):
+        asked.append(list(roots))
+        return no_fatter(ranked, best, price, roots)
+
+    monkeypatch.setattr(_extract, "_no_fatter", counted)
+    f = lambda x, a: jnp.sum(jnp.sin(a * x) ** 2 / a + jnp.log(jnp.exp(x) + 1.0) * 2 + jnp.log(jnp.exp(x) + 1.0) * 2)  # noqa: E731
+    x, a = jnp.linspace(-1.0, 1.0, 8), jnp.float32(1.5)
+    traced, _ = trace_call(f, (x, a), {}, (), ())
+    entries = [e for p in (rulesets.derivatives, rulesets.algebra) for e in p.entries()]
+    built = build_vjp(traced, entries, default_model(), Limits(), primal=True, keep=True)
+    f_roots = built.joint.roots[:1]
+    assert asked and f_roots not in asked, (asked, f_roots)
+    assert jnp.allclose(built.function(x, a)[0], f(x, a), rtol=1e-6)
+    got = jax.grad(lambda x, a: built.function(x, a)[0], argnums=(0, 1))(x, a)
+    want = jax.grad(f, argnums=(0, 1))(x, a)
+    assert all(jnp.allclose(p, q, rtol=1e-5, atol=1e-6) for p, q in zip(got, want))
