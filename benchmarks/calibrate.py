@@ -374,6 +374,72 @@ def measure_loop(rounds: int, progress: bool, launch: float) -> dict[str, float]
     return {"iteration": max(per_trip - launch, 0.0), "iteration_trip": per_trip}
 
 
+#: Products timed by ``measure_dot_sizes``: (batch, M, K, N), row-major ``[M, K] x [K, N]`` (the library path), from
+#: 8M to 2G flops; attention's block products among them (``[2, 4]`` heads, head width 64).
+DOT_SIZES = ((8, 128, 64, 256), (8, 256, 64, 256), (8, 512, 64, 128), (8, 512, 64, 256), (8, 512, 256, 64),
+             (8, 1024, 64, 128), (8, 1024, 64, 256), (8, 1024, 256, 64), (8, 1024, 64, 512), (8, 2048, 64, 256),
+             (8, 2048, 64, 512), (8, 2048, 64, 1024), (1, 1024, 1024, 1024), (1, 2048, 512, 2048))
+
+
+def _dot_seconds(shapes: Any, rounds: int) -> dict[Any, float]:
+    """Seconds per call of each product, the median of ``rounds`` interleaved runs after a warm-up."""
+    key = jax.random.PRNGKey(0)
+    progs = {}
+    for b, m, k, n in shapes:
+        x = jax.random.normal(key, (b, m, k), jnp.float32)
+        y = jax.random.normal(key, (b, k, n), jnp.float32)
+        c = jax.jit(lambda x, y: jnp.einsum("bmk,bkn->bmn", x, y)).lower(x, y).compile()
+        progs[(b, m, k, n)] = (c, (x, y))
+    inner = {}
+    for s, (c, a) in progs.items():
+        for _ in range(2):
+            _run_once(c, a, 1)
+        inner[s] = max(1, int(0.02 / max(_run_once(c, a, 1), 1e-6)))
+    times: dict[Any, list[float]] = {s: [] for s in progs}
+    for _ in range(rounds):
+        for s, (c, a) in progs.items():
+            times[s].append(_run_once(c, a, inner[s]))
+    return {s: statistics.median(t) for s, t in times.items()}
+
+
+def fit_dot_sizes(flops_seconds: dict[float, float]) -> dict[str, float]:
+    """The two product rates and the size between them that fit ``flops -> seconds`` best (least squares in log
+    time): ``dot_flop`` (ns per flop below ``dot_parallel_at``, one core) and ``dot_parallel_flop`` (from it)."""
+    import math
+
+    points = sorted(flops_seconds.items())
+    best = None
+    for i in range(1, len(points)):
+        at = math.sqrt(points[i - 1][0] * points[i][0])
+        lo = [math.log(t * 1e9 / f) for f, t in points[:i]]
+        hi = [math.log(t * 1e9 / f) for f, t in points[i:]]
+        a, b = sum(lo) / len(lo), sum(hi) / len(hi)
+        err = sum((x - a) ** 2 for x in lo) + sum((x - b) ** 2 for x in hi)
+        if best is None or err < best[0]:
+            best = (err, at, math.exp(a), math.exp(b))
+    assert best is not None
+    _, at, small, large = best
+    if large >= small:  # no faster regime for large products: one rate
+        rate = statistics.median(t * 1e9 / f for f, t in points)
+        return {"dot_flop": rate, "dot_parallel_flop": rate}
+    return {"dot_flop": small, "dot_parallel_flop": large, "dot_parallel_at": at}
+
+
+def measure_dot_sizes(rounds: int, progress: bool) -> dict[str, float]:
+    """ns per flop of a product by its size (``AnalyticCost.dot_rate``): ``DOT_SIZES`` timed interleaved, and two
+    rates fitted, one below a size and one above it (``fit_dot_sizes``). On this 2-core CPU a product under about
+    1e8 flops runs on one core (about 100 GFLOP/s) and a larger one on both (180-200)."""
+    seconds = _dot_seconds(DOT_SIZES, max(rounds, 5))
+    flops = {s: 2.0 * s[0] * s[1] * s[2] * s[3] for s in seconds}
+    for s in sorted(seconds, key=flops.get):
+        print(f"dot {s}: {flops[s]:.3g} flops, {seconds[s] * 1e3:.3f} ms, {flops[s] / seconds[s] / 1e9:.0f} GFLOP/s",
+              file=sys.stderr)
+    by_flops: dict[float, list[float]] = {}
+    for s, t in seconds.items():
+        by_flops.setdefault(flops[s], []).append(t)
+    return fit_dot_sizes({f: statistics.median(t) for f, t in by_flops.items()})
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=9)
@@ -389,6 +455,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="measure only the per-trip cost of a loop, and store it in this backend's table")
     ap.add_argument("--cache-only", action="store_true",
                     help="measure only the last-level cache's size and price (CPU), and store them in its table")
+    ap.add_argument("--dot-only", action="store_true",
+                    help="measure only the product rates by size (dot_flop, dot_parallel_flop, dot_parallel_at)")
     ap.add_argument("--fresh-only", action="store_true",
                     help="measure only what a byte of a buffer allocated per call costs, and from what size (CPU)")
     args = ap.parse_args(argv)
@@ -400,6 +468,9 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.cache_only:
         _cache_only(args)
+        return
+    if args.dot_only:
+        _store_only(args, measure_dot_sizes(args.rounds, args.progress), "dot")
         return
     if args.fresh_only:
         if jax.default_backend() != "cpu":
@@ -466,7 +537,7 @@ def _memory_history(table: dict, keys: Any) -> list[dict]:
 
 #: Figures stored to one decimal (nanoseconds of a call, a buffer or a trip; the cache's bytes); the rest of
 #: the call, loop and cache figures to four significant digits.
-_TO_ONE_DECIMAL = ("call", "buffer", "iteration", "iteration_trip", "cache_bytes", "fresh_bytes")
+_TO_ONE_DECIMAL = ("call", "buffer", "iteration", "iteration_trip", "cache_bytes", "fresh_bytes", "dot_parallel_at")
 
 
 def _rounded(figures: dict[str, float]) -> dict[str, float]:

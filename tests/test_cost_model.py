@@ -1,6 +1,10 @@
 """The cost model against the backend: the fusion model predicts what XLA:CPU computes, and
 ``cost_model="measure"`` times candidates, picks the fastest and caches the choice."""
 
+import json
+import math
+import pathlib
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -286,12 +290,15 @@ def test_calibration_tables_store_each_memory_figure_once():
 
 
 def test_a_loop_trip_is_priced_from_the_backend_s_table_where_it_was_measured():
-    """``AnalyticCost.iteration`` is the table's measured trip (``calibrate --loop-only``), else the 1 us estimate;
-    on a GPU a trip measured 8.7 us (H200), eight times the estimate, and a loop of more trips costs more there."""
+    """``AnalyticCost.iteration`` is the table's trip (measured by ``calibrate --loop-only``, or on this CPU fitted to the
+    decision corpus by ``benchmarks/fit_corpus.py``), else the 1 us estimate; on a GPU a trip measured 8.7 us (H200),
+    eight times the estimate, and a loop of more trips costs more there."""
     from rewrite.cost import calibration
-    from rewrite.cost.model import priced_with
+    from rewrite.cost.model import ITERATION_ESTIMATE, priced_with
 
-    assert "iteration" not in calibration.CPU and AnalyticCost().iteration == 1000.0
+    assert AnalyticCost().iteration == calibration.CPU.get("iteration", ITERATION_ESTIMATE)
+    with priced_with({k: v for k, v in calibration.CPU.items() if k != "iteration"}):
+        assert AnalyticCost().iteration == ITERATION_ESTIMATE == 1000.0
     with priced_with(calibration.GPU):
         assert AnalyticCost().iteration == calibration.GPU["iteration"] > 5000.0
     with priced_with({**calibration.CPU, "iteration": 25.0}):
@@ -306,6 +313,46 @@ def test_a_loop_trip_is_priced_from_the_backend_s_table_where_it_was_measured():
     cost = {trips: [explain(scan(trips), x, cost_model=AnalyticCost(iteration=it)).cost_before for it in (0.0, 1e4)]
             for trips in (4, 64)}
     assert cost[64][1] - cost[64][0] == pytest.approx(64 * 1e4) and cost[4][1] - cost[4][0] == pytest.approx(4 * 1e4)
+
+
+def _product(m, k, n, batch=8):
+    from jax.core import ShapedArray
+
+    lhs, rhs = ShapedArray((batch, m, k), jnp.float32), ShapedArray((batch, k, n), jnp.float32)
+    return NodeInfo("dot_general", "contract", {"dimension_numbers": (((2,), (1,)), ((0,), (0,)))}, (lhs, rhs),
+                    (ShapedArray((batch, m, n), jnp.float32),))
+
+
+def test_a_product_large_enough_for_every_core_is_priced_at_the_parallel_rate():
+    """``AnalyticCost.dot_rate``: a product of ``dot_parallel_at`` flops or more costs ``dot_parallel`` per flop, a
+    smaller one ``dot``; with no such entry in the table (the golden table) every product costs ``dot``."""
+    from rewrite.cost import calibration
+    from rewrite.cost.model import _dot_flops, priced_with
+
+    small, large = _product(512, 64, 128), _product(2048, 64, 1024)   # 67M and 2.1G flops
+    m = AnalyticCost(dot=0.01, dot_parallel=0.005, dot_parallel_at=1e8)
+    flat = AnalyticCost(dot=0.01, dot_parallel=0.005, dot_parallel_at=math.inf)
+    assert m(small) == flat(small)
+    assert flat(large) - m(large) == pytest.approx(0.005 * _dot_flops(large))
+    # the same flops on either side of the size: the large product per flop about half the small one's
+    per_flop = lambda model, n: (model(n) - model.node) / _dot_flops(n)  # noqa: E731
+    assert per_flop(m, large) < 0.6 * per_flop(m, small)
+    table = json.loads((pathlib.Path(__file__).parent / "golden" / "cost_table.json").read_text())
+    with priced_with(table):
+        assert AnalyticCost().dot_parallel_at == math.inf and AnalyticCost().dot_parallel == table["dot_flop"]
+    with priced_with({**calibration.CPU, "dot_parallel_at": 1e8, "dot_parallel_flop": 0.004}):
+        assert AnalyticCost().dot_rate(2e8) == 0.004 and AnalyticCost().dot_rate(5e7) == AnalyticCost().dot
+
+
+def test_the_product_calibration_fits_two_rates_and_the_size_between():
+    from benchmarks.calibrate import fit_dot_sizes
+
+    one, two = 0.01, 0.0053  # ns per flop: one core, both
+    fit = fit_dot_sizes({f: f * (one if f < 1e8 else two) * 1e-9 for f in (1.7e7, 3.4e7, 6.7e7, 1.3e8, 2.7e8, 1.1e9)})
+    assert fit["dot_flop"] == pytest.approx(one) and fit["dot_parallel_flop"] == pytest.approx(two)
+    assert 6.7e7 < fit["dot_parallel_at"] <= 1.3e8
+    same = fit_dot_sizes({f: f * one * 1e-9 for f in (1.7e7, 1.1e9)})
+    assert same == {"dot_flop": pytest.approx(one), "dot_parallel_flop": pytest.approx(one)}  # no faster regime
 
 
 def test_the_loop_calibration_measures_a_trip_beyond_its_body_s_kernel():

@@ -259,6 +259,13 @@ class AnalyticCost(CostModel):
     lean_band_far: float = 0.2
     ops: Mapping[str, float] = dataclasses.field(default_factory=lambda: dict(_table()["elementwise_ns"]))
     dot: float = dataclasses.field(default_factory=lambda: _table()["dot_flop"])
+    #: a product of ``dot_parallel_at`` flops or more costs ``dot_parallel`` per flop in place of ``dot``: on XLA:CPU
+    #: a small product runs on one core and a large one on every core (``benchmarks/calibrate.py``,
+    #: ``measure_dot_sizes``: about 100 GFLOP/s below ~1e8 flops on this 2-core machine, 180-200 above). The
+    #: table's, where measured; else one rate for every product (``dot_parallel_at=inf``).
+    dot_parallel_at: float = dataclasses.field(default_factory=lambda: _table().get("dot_parallel_at", math.inf))
+    dot_parallel: float = dataclasses.field(
+        default_factory=lambda: _table().get("dot_parallel_flop", _table()["dot_flop"]))
     #: how much dearer a flop is on the backend's generic product path than on its library path, and what
     #: that path costs beyond it per element of the left operand, in flops (``rewrite/cost/dot.py``: on
     #: XLA:CPU, a left operand that contracts a major dimension)
@@ -359,13 +366,25 @@ class AnalyticCost(CostModel):
         return (self.node + self.reduce * sum(size(a) for a in n.in_avals) + self.byte * sum(nbytes(a) for a in n.in_avals)
                 + self.spilled(n.in_avals))
 
+    def dot_rate(self, flops: float) -> float:
+        """Nanoseconds per flop of a product of ``flops`` flops: ``dot_parallel`` from ``dot_parallel_at`` flops
+        (a product large enough to run on every core), ``dot`` below.
+
+        >>> from rewrite import AnalyticCost
+        >>> m = AnalyticCost(dot=0.01, dot_parallel=0.005, dot_parallel_at=1e8)
+        >>> m.dot_rate(5e7), m.dot_rate(2e8)
+        (0.01, 0.005)
+        """
+        return self.dot_parallel if flops >= self.dot_parallel_at else self.dot
+
     def _contract(self, n: NodeInfo) -> float:
         flops = _dot_flops(n)
+        rate = self.dot_rate(flops)
         if not library_dot(n.params, n.in_avals):
             flops = self.dot_fallback * flops + self.dot_repack * size(n.in_avals[0])
         # Its output spills like any array; its operands do not: a library product reads them tile by tile,
         # each tile many times from the cache.
-        return (self.node + self.dot * flops + self.byte * (sum(nbytes(a) for a in n.in_avals) + nbytes(n.out_avals[0]))
+        return (self.node + rate * flops + self.byte * (sum(nbytes(a) for a in n.in_avals) + nbytes(n.out_avals[0]))
                 + self.spilled(n.out_avals[:1]))
 
     def _in_place(self, n: NodeInfo) -> float:
