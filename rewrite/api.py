@@ -37,8 +37,7 @@ from .grad.step import find_losses, join_pinned, split_pinned
 from .grad.vjp import VJPResult, build_vjp, rewrite_joint
 from .ir.jaxapi import core
 from .jaxpr import state as _state
-from .jaxpr.trace import (CONCRETIZATION_ERRORS, Traced, _collect_young_only, flatten_args, resolve_static, same_program,
-                          trace, trace_call)
+from .jaxpr.trace import CONCRETIZATION_ERRORS, Traced, flatten_args, resolve_static, same_program, trace, trace_call
 from .pipeline import limits_met, program_cost, run_pipeline, saturated_classes
 from .records import Limits, Result
 from .report.report import Report, gradient_report, report_of
@@ -174,10 +173,7 @@ class Rewritten:
                     trace_time = time.perf_counter() - t
                     # the cache keeps no tracer: they belong to this call's trace
                     kept = dataclasses.replace(traced, captured=())
-                    # no full collection while it runs (the disk cache's key and store, the whole-step search's
-                    # traces too): see _collect_young_only
-                    with _collect_young_only():
-                        entry = (kept, self._rewrite(kept, _concrete(leaves, traced)))
+                    entry = (kept, self._rewrite(kept, _concrete(leaves, traced)))
                     entry[1].times["trace"] = trace_time
                     self._cache[key] = entry
                     self.rewrites += 1
@@ -210,10 +206,8 @@ class Rewritten:
             self._guard(result, args)
         if key is not None and not failed:
             result.times["cache_key"] = key_time
-            t = time.perf_counter()
             self.disk.store(key, None if result.after is traced.closed else result.after, _cache.result_meta(result),
                             traced.closed, program)
-            result.times["cache_store"] = time.perf_counter() - t
         return result
 
     def _disk_key(self, traced: Traced) -> tuple[str | None, str | None]:
@@ -274,14 +268,8 @@ class Rewritten:
 
     def _rewrite_fresh(self, traced: Traced) -> Result:
         name = getattr(self.fn, "__name__", "function")
-        t = time.perf_counter()
         try:
             result = self._whole_step(traced)
-            if getattr(result, "step", None) is not None and "whole_step" not in result.times:
-                # The search ran and its step was not kept (no loss found, or the step as written priced
-                # lower): its time is what the call took besides the step as written's own stages.
-                rest = time.perf_counter() - t - sum(v for k, v in result.times.items() if k != "trace")
-                result.times["whole_step"] = max(rest, result.step.seconds)
         except Exception as e:
             self._fall_back(e, f"rewrite of {name!r}", "running it unchanged")
             return fallback_result(traced, f"error: {type(e).__name__}: {e}")

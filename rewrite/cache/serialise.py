@@ -127,18 +127,10 @@ def _primitives_by_name() -> dict[str, Any]:
     return {k: v for k, v in found.items() if k not in dup}
 
 
-#: how many modules were imported when :func:`_primitives_by_name` last scanned them
-_SCANNED = [-1]
-
-
 def _primitive(name: str) -> Any:
     found = _primitives_by_name().get(name)
-    if found is None and len(sys.modules) != _SCANNED[0]:
-        # A module imported since the last scan may define it. Only then: a library's own primitive (equinox
-        # has some) is never found by name, and scanning every module for each of its equations again was
-        # most of storing a diffrax program (30 scans, 0.3 s).
-        _primitives_by_name.cache_clear()
-        _SCANNED[0] = len(sys.modules)
+    if found is None:
+        _primitives_by_name.cache_clear()  # a module imported since may define it
         found = _primitives_by_name().get(name)
     return found
 

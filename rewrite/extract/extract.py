@@ -61,17 +61,9 @@ class Extraction:
     candidates: list[Candidate] = dataclasses.field(default_factory=list)
     #: chosen over the cheapest for a lower peak of live memory, within the model's ``lean_band``
     lean: bool = False
-    #: :attr:`leaner_fallback`, or a function that finds it (called on first use: most extractions never ask,
-    #: and finding it prices the peaks of the input and the chosen program)
-    fallback: Any = None
-
-    @property
-    def leaner_fallback(self) -> "Candidate | None":
-        """Where the chosen rewrite is predicted (by the extraction's live peak) to hold more temporaries than the
-        input program, the cheapest candidate that holds no more, the input at worst (``extract.policy.no_fatter``)."""
-        if callable(self.fallback):
-            self.fallback = self.fallback()
-        return self.fallback
+    #: where the chosen rewrite is predicted (by the extraction's live peak) to hold more temporaries than the input
+    #: program, the cheapest candidate that holds no more, the input at worst (``extract.policy.no_fatter``)
+    leaner_fallback: "Candidate | None" = None
 
 
 def input_cost(snap: Snapshot, outs: Sequence[int], token: int | None, model: CostModel) -> float:
@@ -159,15 +151,10 @@ def extract(snap: Snapshot, roots: Sequence[Any], model: CostModel, original: se
     cheapest = best
     if price is not None and band:
         best = _leanest(ranked, best, price, roots, band)
-    # Found when first asked for: the pricer's live program moves only for this extraction's own peaks, so
-    # it gives what it would have given here. (The extraction that ``worth_their_saving`` drops, and the
-    # forward alone that a VJP extracts, never ask.)
-    # The function holds the snapshot, which the extractor reads through a weak proxy (policy.worth_their_saving's
-    # copy is gone once it returns).
-    fallback = ((lambda snap=snap: _no_fatter(ranked, best, price, roots))
+    fallback = (_no_fatter(ranked, best, price, roots)
                 if price is not None and best.rewritten and bounds_memory(model) else None)
     return Extraction(best.choice, best.cost, orig_cost, best.rewritten, ranked, lean=best is not cheapest,
-                      fallback=fallback)
+                      leaner_fallback=fallback)
 
 
 #: A rewritten program predicted to hold at least this many bytes of temporaries more than the input program, and

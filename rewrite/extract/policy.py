@@ -71,7 +71,7 @@ def no_fatter(ex: Any, before: Any, after: Any, emit_choice: Callable[[dict], An
     if fallback is None or predict is None or not fatter(predict(after), predict(before)):
         return ex, after
     return (dataclasses.replace(ex, choice=fallback.choice, cost=fallback.cost, rewritten=fallback.rewritten,
-                                lean=False, fallback=None), emit_choice(fallback.choice))
+                                lean=False, leaner_fallback=None), emit_choice(fallback.choice))
 
 
 def bar_preferred(snap: Any, eg: EGraph, notes: list, model: CostModel) -> dict[str, int]:

@@ -67,7 +67,7 @@ from jax.interpreters import batching, mlir
 from ..errors import RewriteLimitWarning, RewriteWarning, _strict
 from ..ir.jaxapi import ad, core, custom_staging_rules, fallback_linearize, held_weakly_by_jax_caches, register_linearization
 from ..ir.walk import has_custom_vjp
-from ..jaxpr.trace import Traced, _collect_young_only, spec_of
+from ..jaxpr.trace import Traced, spec_of
 from ..pipeline import limits_met, run_pipeline
 from .vjp import build_vjp, float_positions, of_floats
 
@@ -123,8 +123,7 @@ class Signature:
             with self._lock:
                 found = self._built.get(kind, _UNBUILT)
                 if found is _UNBUILT:
-                    with _collect_young_only():  # no full collection while it builds (JAX's traces of it too)
-                        found = self._built[kind] = self._build(kind, keep)
+                    found = self._built[kind] = self._build(kind, keep)
         return found
 
     def _of_forward(self) -> Traced:
