@@ -116,16 +116,10 @@ def test_a_replaced_step_priced_below_the_step_as_written_skips_its_rewrite(monk
     """Where the step with its loss read from the loss-first program prices below the step as written, that is
     kept without rewriting the step as written (which was most of a training step's rewrite time); its cost
     before is the step as written's, as the pipeline prices it."""
-    from benchmarks import wholestep as ws
     from rewrite.pipeline import program_cost, run_pipeline
 
     runs = _pipelines(monkeypatch)
-    tiny = ws.Size(batch=2, length=16, width=16, heads=2, vocab=64)
-    step, args = ws.CASES["haiku_gpt"](tiny, ws.plain, opt=optax.sgd(0.1))
-    flat, leaves = ws._flat(step, args)
-    r = rewrite(flat, rulesets=[rulesets.nn, rulesets.attention], cache=False)
-    res = r.result(*leaves)
-    assert res.step is not None and res.step.replaced, str(res.step)
+    flat, leaves, r, res = _small_haiku_step_replaced()
     assert "as written" not in runs, runs
     assert res.cost_after < res.cost_before
     closed = jax.make_jaxpr(flat)(*leaves)
@@ -141,7 +135,6 @@ def test_a_replaced_step_saturates_only_its_remainder(monkeypatch):
     """The loss-first program a step's loss is read from is already rewritten, jointly with its forward; the step
     so changed has only the rest (the update, what computes the loss's inputs) saturated, and is priced whole with
     no rule. It used to be saturated whole again: the loss-first program twice, most of a large step's search."""
-    from benchmarks import wholestep as ws
     import rewrite.api as api
     from rewrite.grad.step import PIN_FROM
     from rewrite.pipeline import run_pipeline
@@ -164,12 +157,7 @@ def test_a_replaced_step_saturates_only_its_remainder(monkeypatch):
         return out
 
     monkeypatch.setattr(api, "find_losses", found)
-    tiny = ws.Size(batch=2, length=16, width=16, heads=2, vocab=64)
-    step, args = ws.CASES["haiku_gpt"](tiny, ws.plain, opt=optax.sgd(0.1))
-    flat, leaves = ws._flat(step, args)
-    r = rewrite(flat, rulesets=[rulesets.nn, rulesets.attention], cache=False)
-    res = r.result(*leaves)
-    assert res.step is not None and res.step.replaced, str(res.step)
+    flat, leaves, r, res = _small_haiku_step_replaced()
     size = len(changed[0].jaxpr.eqns)
     assert size >= PIN_FROM
     with_rules = [n for n, rules in saturated if rules]
@@ -214,3 +202,16 @@ def test_match_function_prefers_a_pass_over_the_slice_s_classes_only(monkeypatch
     got = jax.grad(rewrite(bs.rnn_mse, rulesets=[scan], cache=False))(*args)
     want = jax.grad(bs.rnn_mse)(*args)
     assert all(jnp.allclose(p, q, rtol=1e-5, atol=1e-6) for p, q in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
+
+
+def _small_haiku_step_replaced() -> tuple:
+    """A small haiku GPT step with SGD, rewritten with the memory packs: its loss is found and replaced."""
+    from benchmarks import wholestep as ws
+
+    tiny = ws.Size(batch=2, length=16, width=16, heads=2, vocab=64)
+    step, args = ws.CASES["haiku_gpt"](tiny, ws.plain, opt=optax.sgd(0.1))
+    flat, leaves = ws._flat(step, args)
+    r = rewrite(flat, rulesets=[rulesets.nn, rulesets.attention], cache=False)
+    res = r.result(*leaves)
+    assert res.step is not None and res.step.replaced, str(res.step)
+    return flat, leaves, r, res

@@ -30,18 +30,15 @@ def _dots_in_loops(jaxpr: core.Jaxpr, inside: bool = False) -> list[tuple]:
     return found
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("name", ["linen_scan_remat", "equinox_scan_remat"])
-def test_scan_remat_backward_loop_replaced(name, dtype):
-    """linen's ``nn.scan`` over ``nn.remat`` blocks, equinox's ``lax.scan`` over ``eqx.filter_checkpoint`` of
-    stacked blocks, under jit with SGD: the backward layer loop is proven and replaced, and the loss and the new
-    parameters are the original's, at f32 and with bf16 parameters."""
+def _step_replaced_keeps_values(name: str, dtype: str, split: bool) -> None:
+    """The SGD step ``name`` under jit: its backward layer loop is replaced (recomputing the layer, or ``split``
+    at the rewritten layer's residuals), and the loss and new parameters are the original's."""
     step, args = ws.CASES[name](TINY, ws.plain, opt=optax.sgd(0.1))
     args = _cast(args, jnp.dtype(dtype))
     flat, leaves = ws._flat(step, args)
     changed, finding = _replaced(flat, leaves)
     assert changed is not None and any("backward layer loop" in r for r in finding.replaced), str(finding)
-    assert not any("split at its residuals" in r for r in finding.replaced), str(finding)  # recomputing, as remat
+    assert any("split at its residuals" in r for r in finding.replaced) == split, str(finding)
     want = jax.jit(flat)(*leaves)
     got = jax.jit(core.jaxpr_as_fun(changed))(*leaves)
     wider = None
@@ -51,18 +48,33 @@ def test_scan_remat_backward_loop_replaced(name, dtype):
     _close(want, got, 2e-4 if dtype == "float32" else 2e-2, wider, _moved(want, leaves))
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("name", ["linen_scan_remat", "equinox_scan_remat"])
+def test_scan_remat_backward_loop_replaced(name, dtype):
+    """linen's ``nn.scan`` over ``nn.remat`` blocks, equinox's ``lax.scan`` over ``eqx.filter_checkpoint`` of
+    stacked blocks, under jit with SGD: the backward layer loop is proven and replaced, and the loss and the new
+    parameters are the original's, at f32 and with bf16 parameters."""
+    _step_replaced_keeps_values(name, dtype, split=False)  # recomputing, as remat
+
+
+def _step_at_512_replaced(name: str) -> tuple:
+    """The SGD step ``name`` at N=512 with the memory packs: its backward layer loop is replaced. Returns the
+    step, its arguments, the changed program and N."""
+    size = ws.Size(batch=2, length=512, width=16, heads=2, vocab=256)
+    step, args = ws.CASES[name](size, ws.plain, opt=optax.sgd(0.1))
+    flat, leaves = ws._flat(step, args)
+    changed, finding = _replaced(flat, leaves, packs=PACKS)
+    assert changed is not None and any("backward layer loop" in r for r in finding.replaced), str(finding)
+    return flat, leaves, changed, size.length
+
+
 @pytest.mark.parametrize("name", ["linen_scan_remat", "equinox_scan_remat"])
 def test_scan_remat_backward_loop_holds_no_scores(name):
     """At N=512 the rewritten layer's attention is blocked: no product inside either layer loop computes the
     N x N scores (the step's own backward loop recomputed them in each layer), and the step holds under 60% of
     the original's temp memory (the loss cut at the loop alone held about as much as the original: linen 15.5
     against 15.4 MiB, equinox 13.5 against 13.5; with the loops replaced 7.6 and 7.3)."""
-    size = ws.Size(batch=2, length=512, width=16, heads=2, vocab=256)
-    step, args = ws.CASES[name](size, ws.plain, opt=optax.sgd(0.1))
-    flat, leaves = ws._flat(step, args)
-    changed, finding = _replaced(flat, leaves, packs=PACKS)
-    assert changed is not None and any("backward layer loop" in r for r in finding.replaced), str(finding)
-    n = size.length
+    flat, leaves, changed, n = _step_at_512_replaced(name)
     assert not [s for s in _dots_in_loops(changed.jaxpr) if s[-2:] == (n, n)]
     assert [s for s in _dots_in_loops(jax.make_jaxpr(flat)(*leaves).jaxpr) if s[-2:] == (n, n)]  # the test's premise
 
@@ -87,6 +99,19 @@ def _scan_step(remat: bool, dtype: str = "float32"):
     return step
 
 
+def _small_scan_step_replaced(remat: bool, dtype: str, scale: float, seed: int) -> tuple:
+    """``_scan_step(remat)`` at ``dtype`` with its layers' weights scaled by ``scale``: its backward layer loop
+    is replaced (``rulesets.algebra``)."""
+    dt = jnp.dtype(dtype)
+    k = jax.random.split(jax.random.PRNGKey(seed), 4)
+    args = [(jax.random.normal(k[0], (3, 2, 8, 8)) * scale).astype(dt), jax.random.normal(k[1], (8, 4)).astype(dt),
+            jax.random.normal(k[2], (16, 8)).astype(dt), jnp.arange(16) % 4]
+    step = _scan_step(remat)
+    changed, finding = _replaced(step, args, packs=[rulesets.algebra])
+    assert changed is not None and any("backward layer loop" in r for r in finding.replaced), str(finding)
+    return step, args, changed, finding
+
+
 @settings(max_examples=6, deadline=None)
 @given(dtype=st.sampled_from(["float32", "bfloat16", "float16", "float64"]),
        scale=st.sampled_from([0.0, 0.5, -2.0]), seed=st.integers(0, 2**16))
@@ -95,13 +120,7 @@ def test_scan_checkpoint_backward_loop_values(dtype, scale, seed):
     -2: the backward loop is replaced and the new parameters and loss are the original's."""
     if dtype == "float64" and not jax.config.jax_enable_x64:
         dtype = "float32"
-    dt = jnp.dtype(dtype)
-    k = jax.random.split(jax.random.PRNGKey(seed), 4)
-    args = [(jax.random.normal(k[0], (3, 2, 8, 8)) * scale).astype(dt), jax.random.normal(k[1], (8, 4)).astype(dt),
-            jax.random.normal(k[2], (16, 8)).astype(dt), jnp.arange(16) % 4]
-    step = _scan_step(True)
-    changed, finding = _replaced(step, args, packs=[rulesets.algebra])
-    assert changed is not None and any("backward layer loop" in r for r in finding.replaced), str(finding)
+    step, args, changed, finding = _small_scan_step_replaced(True, dtype, scale, seed)
     want, got = jax.jit(step)(*args), jax.jit(core.jaxpr_as_fun(changed))(*args)
     tol = {"float32": 1e-5, "float64": 1e-12}.get(dtype, 2e-2)
     _close(want, got, tol)
@@ -123,19 +142,7 @@ def test_plain_scan_backward_loop_replaced(name, dtype):
     with SGD: the backward layer loop, which reads the residuals the forward loop stacked, is proven and replaced
     by the rewritten layer's split, and the loss and the new parameters are the original's, at f32 and with
     bf16 parameters."""
-    step, args = ws.CASES[name](TINY, ws.plain, opt=optax.sgd(0.1))
-    args = _cast(args, jnp.dtype(dtype))
-    flat, leaves = ws._flat(step, args)
-    changed, finding = _replaced(flat, leaves)
-    assert changed is not None and any("backward layer loop" in r for r in finding.replaced), str(finding)
-    assert any("split at its residuals" in r for r in finding.replaced), str(finding)
-    want = jax.jit(flat)(*leaves)
-    got = jax.jit(core.jaxpr_as_fun(changed))(*leaves)
-    wider = None
-    if dtype != "float32":
-        flat32, _ = ws._flat(step, _cast(args, jnp.float32))
-        wider = jax.jit(flat32)(*_cast(leaves, jnp.float32))
-    _close(want, got, 2e-4 if dtype == "float32" else 2e-2, wider, _moved(want, leaves))
+    _step_replaced_keeps_values(name, dtype, split=True)
 
 
 @pytest.mark.parametrize("name", ["linen_scan", "equinox_scan"])
@@ -144,12 +151,7 @@ def test_plain_scan_stacks_no_scores(name):
     probabilities for its backward; with the pair replaced by the rewritten layer's split, no array the loops
     stack has an N x N trailing pair, no product inside them computes one, and the step holds under half the
     original's temp memory (linen 33.8 -> 11.9 MiB, equinox 34.2 -> 11.8; their loss-first forms 19.7 and 19.3)."""
-    size = ws.Size(batch=2, length=512, width=16, heads=2, vocab=256)
-    step, args = ws.CASES[name](size, ws.plain, opt=optax.sgd(0.1))
-    flat, leaves = ws._flat(step, args)
-    changed, finding = _replaced(flat, leaves, packs=PACKS)
-    assert changed is not None and any("backward layer loop" in r for r in finding.replaced), str(finding)
-    n = size.length
+    flat, leaves, changed, n = _step_at_512_replaced(name)
     assert [s for s in _stacked(jax.make_jaxpr(flat)(*leaves).jaxpr) if s[-2:] == (n, n)]  # the test's premise
     assert not [s for s in _stacked(changed.jaxpr) if s[-2:] == (n, n)]
     assert not [s for s in _dots_in_loops(changed.jaxpr) if s[-2:] == (n, n)]
@@ -167,13 +169,7 @@ def test_plain_scan_backward_loop_values(dtype, scale, seed):
     """``lax.scan`` over a residual layer, no ``remat``, any of three float dtypes, weights scaled by 0, a half or
     -2: the backward loop is replaced by the layer's split (a loop reading the residuals its forward loop
     stacked), and the new parameters and loss are the original's, under jit and run eagerly."""
-    dt = jnp.dtype(dtype)
-    k = jax.random.split(jax.random.PRNGKey(seed), 4)
-    args = [(jax.random.normal(k[0], (3, 2, 8, 8)) * scale).astype(dt), jax.random.normal(k[1], (8, 4)).astype(dt),
-            jax.random.normal(k[2], (16, 8)).astype(dt), jnp.arange(16) % 4]
-    step = _scan_step(False)
-    changed, finding = _replaced(step, args, packs=[rulesets.algebra])
-    assert changed is not None and any("backward layer loop" in r for r in finding.replaced), str(finding)
+    step, args, changed, finding = _small_scan_step_replaced(False, dtype, scale, seed)
     assert not any("backward layer loop" in d for d in finding.declined), str(finding)
     want = jax.jit(step)(*args)
     tol = 1e-5 if dtype == "float32" else 2e-2
