@@ -390,12 +390,11 @@ def prove_pair(step: core.ClosedJaxpr, pair: _Pair, proof: Callable[[core.Closed
 
 
 def _split_vjp(vjp: core.ClosedJaxpr, n_consts: int, n_layer_in: int, nk: int, where: Sequence[int]
-               ) -> tuple[core.ClosedJaxpr, core.ClosedJaxpr, list[int], int]:
+               ) -> tuple[core.ClosedJaxpr, core.ClosedJaxpr, list[int]]:
     """The rewritten layer's VJP ``(constants, carry, slices, cotangents) -> (carries, gradients)`` split where its
     cotangents enter: ``fwd: (constants, carry, slices) -> (carries, residuals it computes)`` and ``bwd:
     (constants, residuals, cotangents) -> the outputs at where``; with the positions among ``(carry, slices)`` of
-    the residuals that are the layer's inputs (they come first in ``bwd``'s residuals) and how many ``fwd``
-    computes.
+    the residuals that are the layer's inputs (they come first in ``bwd``'s residuals).
 
     An equation belongs to the backward half if it reads a cotangent (through any other), to the forward half if
     it reads the carry or a slice, otherwise it is loop-invariant (it reads the constants alone), and each half
@@ -448,8 +447,7 @@ def _split_vjp(vjp: core.ClosedJaxpr, n_consts: int, n_layer_in: int, nk: int, w
     fwd = core.Jaxpr(list(jaxpr.constvars), consts + state, list(jaxpr.outvars[:nk]) + inner, fwd_eqns,
                      core.no_effects)
     bwd = core.Jaxpr(list(jaxpr.constvars), consts + outer + inner + cts, picked, bwd_eqns, core.no_effects)
-    return (dce(core.ClosedJaxpr(fwd, vjp.consts)), dce(core.ClosedJaxpr(bwd, vjp.consts)),
-            [state.index(r) for r in outer], len(inner))
+    return dce(core.ClosedJaxpr(fwd, vjp.consts)), dce(core.ClosedJaxpr(bwd, vjp.consts)), [state.index(r) for r in outer]
 
 
 def _recomputing(run: Callable, cts: list, nk: int, nbk: int, where: list[int], length: int, f_reverse: bool,
@@ -514,13 +512,11 @@ def replace_pair(step: core.ClosedJaxpr, pair: _Pair, where: list[int], layer: t
     _, fcarry, fxs = pair.f_split()
     _, bcarry, _ = pair.b_split()
     nk, nbk, length = scan_counts(F.params)[1], len(bcarry), F.params["length"]
-    run = core.jaxpr_as_fun(vjp)
-    cts = list(vjp.in_avals[len(layer.in_avals):])
-
     if _recomputes(B.params["jaxpr"].jaxpr):
-        both = _recomputing(run, cts, nk, nbk, where, length, F.params["reverse"], B.params["reverse"])
+        both = _recomputing(core.jaxpr_as_fun(vjp), list(vjp.in_avals[len(layer.in_avals):]), nk, nbk, where, length,
+                            F.params["reverse"], B.params["reverse"])
     else:
-        fwd, bwd, outer, _ = _split_vjp(vjp, len(lconsts), len(layer.in_avals), nk, where)
+        fwd, bwd, outer = _split_vjp(vjp, len(lconsts), len(layer.in_avals), nk, where)
         both = _split_loops(fwd, bwd, outer, nk, nbk, length, F.params["reverse"], B.params["reverse"])
     args = (list(lconsts), list(fcarry), list(fxs), list(bcarry))
     specs = jax.tree.map(lambda a: spec_of(a.aval), args, is_leaf=lambda a: isinstance(a, (core.Var, core.Literal)))
