@@ -119,6 +119,13 @@ def _nbytes(a: Any) -> int:
 _NOT_SUNK = frozenset({"scan", "while", "cond", "custom_vjp_call", "custom_jvp_call", "shard_map"})
 
 
+def _cheaper_recomputed(e: core.JaxprEqn) -> bool:
+    """Whether ``e`` may be recomputed where its outputs are read instead of being held: no effects, no loop or
+    custom derivative, and outputs larger than the values it reads (a value broadcast)."""
+    return (not e.effects and e.primitive.name not in _NOT_SUNK
+            and sum(_nbytes(w) for w in e.outvars) > sum(_nbytes(a) for a in e.invars if isinstance(a, core.Var)))
+
+
 def _sunk(step: core.ClosedJaxpr, consts: Sequence[Any]) -> tuple[list[Any], list[int]]:
     """The forward loop's constants, with the step's equations that computed them from smaller values moved back
     into the layer: ``(the layer's constants, those equations' positions in program order)``. JAX's partial
@@ -137,9 +144,7 @@ def _sunk(step: core.ClosedJaxpr, consts: Sequence[Any]) -> tuple[list[Any], lis
             if k is None or k in sunk:
                 continue
             e = eqns[k]
-            if e.effects or e.primitive.name in _NOT_SUNK:
-                continue
-            if sum(_nbytes(w) for w in e.outvars) <= sum(_nbytes(a) for a in e.invars if isinstance(a, core.Var)):
+            if not _cheaper_recomputed(e):
                 continue
             sunk.add(k)
             leaves = [x for x in leaves if x not in e.outvars]
@@ -431,10 +436,8 @@ def _split_vjp(vjp: core.ClosedJaxpr, n_consts: int, n_layer_in: int, nk: int, w
             if k is None:
                 continue
             e = jaxpr.eqns[k]
-            if e.effects or e.primitive.name in _NOT_SUNK or any(
-                    isinstance(v, (core.ClosedJaxpr, core.Jaxpr)) for v in e.params.values()):
-                continue
-            if sum(_nbytes(w) for w in e.outvars) <= sum(_nbytes(a) for a in e.invars if isinstance(a, core.Var)):
+            if not _cheaper_recomputed(e) or any(isinstance(v, (core.ClosedJaxpr, core.Jaxpr))
+                                                 for v in e.params.values()):
                 continue
             moved.add(k)
             more = True
@@ -501,7 +504,8 @@ def _split_loops(fwd: core.ClosedJaxpr, bwd: core.ClosedJaxpr, outer: list[int],
 
 
 def replace_pair(step: core.ClosedJaxpr, pair: _Pair, where: list[int], layer: tuple,
-                 loss_first: Callable[[core.ClosedJaxpr], core.ClosedJaxpr]) -> tuple[core.ClosedJaxpr, list]:
+                 loss_first: Callable[[core.ClosedJaxpr], core.ClosedJaxpr], remat: bool
+                 ) -> tuple[core.ClosedJaxpr, list]:
     """``step`` with ``F`` and ``B`` two loops over the rewritten layer, and ``B'``'s outputs. Under ``remat``
     ``F'`` runs its forward and stacks its carry-in, ``B'`` its VJP at each carry-in (:func:`_recomputing`);
     without, ``F'`` runs its VJP's forward half and stacks the residuals, ``B'`` the backward half at each
@@ -512,7 +516,7 @@ def replace_pair(step: core.ClosedJaxpr, pair: _Pair, where: list[int], layer: t
     _, fcarry, fxs = pair.f_split()
     _, bcarry, _ = pair.b_split()
     nk, nbk, length = scan_counts(F.params)[1], len(bcarry), F.params["length"]
-    if _recomputes(B.params["jaxpr"].jaxpr):
+    if remat:
         both = _recomputing(core.jaxpr_as_fun(vjp), list(vjp.in_avals[len(layer.in_avals):]), nk, nbk, where, length,
                             F.params["reverse"], B.params["reverse"])
     else:
@@ -553,13 +557,14 @@ def find_loop_vjps(step: core.ClosedJaxpr, proof: Callable[[core.ClosedJaxpr], l
                 if where is None:
                     declined.append(f"{said}: {why}")
                     continue
-                how = "" if _recomputes(pair.B.params["jaxpr"].jaxpr) else ", split at its residuals"
-                step, made = replace_pair(step, pair, where, layer, loss_first)
+                remat = _recomputes(pair.B.params["jaxpr"].jaxpr)
+                step, made = replace_pair(step, pair, where, layer, loss_first, remat)
             except Exception as e:  # a layer the proof or the rewrite cannot build: declined, the step as it was
                 declined.append(f"{said}: not replaced ({type(e).__name__}: {e})")
                 log.debug("layer loop declined", exc_info=True)
                 continue
             done.update(made)
+            how = "" if remat else ", split at its residuals"
             replaced.append(f"{said} with the rewritten layer's VJP{how} ({len(where)} outputs proven)")
             changed = progress = True
             break
