@@ -126,20 +126,25 @@ class FusionModel:
     and ``tiebreak`` (a node price, weighted by ``TIEBREAK``) so that of two
     programs that fuse alike the one a node-by-node model prefers wins
     (``x * (1/3)`` over ``x / 3``, which XLA compiles to the same loop).
-    ``memory`` is charged per byte of :func:`peak_temp_bytes`, and ``fresh`` more per byte of a peak of
-    ``fresh_at`` bytes or more (a buffer mapped fresh at each call); ``inner(op)`` is what an op holds
-    inside itself while it runs (a loop body's temporaries, ``rewrite/cost/memory.py``), and a program
-    whose peak is over ``budget`` bytes is priced above every program within it.
+    ``memory`` is charged per byte of :func:`peak_temp_bytes`, and ``fresh`` more per byte of the
+    temporaries XLA allocates for a call where they are ``fresh_at`` bytes or more (a buffer mapped fresh
+    at each call): ``held(prog, kernels, inner)``, the peak of the buffers live at once as XLA shares and
+    schedules them (``rewrite/cost/memory.py``'s ``scheduled_peak``), or without it :func:`peak_temp_bytes`, which counts an
+    elementwise kernel's input and the output XLA writes over it twice. ``inner(op)`` is what an op holds
+    inside itself while it runs (a loop body's temporaries), and a program whose peak is over ``budget``
+    bytes is priced above every program within it.
     """
 
     def __init__(self, ns: Mapping[str, float], *, byte: float, reduce: float, launch: float, default: float,
                  cheap: float, node: float = 0.0, library_op: float | None = None,
                  tiebreak: Callable[[Op], float] | None = None, memory: float = 0.0,
                  inner: Callable[[Op], int] | None = None, budget: float | None = None,
-                 cache: float = math.inf, spill: float = 0.0, fresh: float = 0.0, fresh_at: float = math.inf) -> None:
+                 cache: float = math.inf, spill: float = 0.0, fresh: float = 0.0, fresh_at: float = math.inf,
+                 held: Callable[[Any, Sequence[Fusion], Callable[[Op], int] | None], int] | None = None) -> None:
         self.ns = dict(ns)
         self.fresh = fresh
         self.fresh_at = fresh_at
+        self.held = held
         self.cache = cache
         self.spill = spill
         self.memory = memory
@@ -376,7 +381,8 @@ class FusionModel:
         # not depend on the order its kernels are listed in, nor on how the running Python rounds ``sum``
         cost = math.fsum([*(k.cost for k in kernels), *(op.own for op in prog.ops if op.prim == "proj")])
         if self.prices_peak:
-            cost += self.memory_price(peak_temp_bytes(prog, kernels, self.inner))
+            temps = kernel_temps(prog, kernels, self.inner)
+            cost += self.memory_price(max(temps, default=0), self.held_bytes(prog, kernels, sum(temps)))
         return float(cost)
 
     @property
@@ -384,12 +390,24 @@ class FusionModel:
         """Whether a program's price reads its peak of temporaries (:meth:`memory_price`)."""
         return bool(self.memory or self.fresh or self.budget is not None)
 
-    def memory_price(self, peak: float) -> float:
-        """The price of holding ``peak`` bytes of temporaries, and of touching them fresh at each call where the
-        buffer is that large (``fresh``); past the budget, dearer than any time saved."""
+    def memory_price(self, peak: float, held: float | None = None) -> float:
+        """The price of holding ``peak`` bytes of temporaries (:func:`peak_temp_bytes`), and of touching the
+        ``held`` bytes XLA allocates for them (:meth:`held_bytes`; ``None``: ``peak``) fresh at each call where
+        that buffer is ``fresh_at`` bytes or more; past the budget, dearer than any time saved."""
+        held = peak if held is None else held
         over = 0.0 if self.budget is None else max(0.0, peak - self.budget)
-        touched = self.fresh * peak if peak >= self.fresh_at else 0.0
+        touched = self.fresh * held if held >= self.fresh_at else 0.0
         return self.memory * peak + touched + (OVER_BUDGET * (1.0 + over) if over else 0.0)
+
+    def held_bytes(self, prog: Any, kernels: Sequence[Fusion], most: float) -> float | None:
+        """The bytes of temporaries XLA allocates for a call of ``prog``, as the fresh charge reads them
+        (``held``), where they can reach ``fresh_at``: ``most`` bounds them (every kernel's temporaries,
+        summed), so below ``fresh_at`` nothing is computed and 0 returned. ``None`` without ``held``."""
+        if self.held is None:
+            return None
+        if not self.fresh or most < self.fresh_at:
+            return 0.0
+        return float(self.held(prog, kernels, self.inner))
 
     def describe(self, prog: Program) -> str:
         """One line per predicted kernel: what it computes and what it costs (for reports and tests)."""
@@ -414,11 +432,17 @@ def peak_temp_bytes(prog: Program, kernels: Sequence[Fusion], inner: Callable[[O
     inputs alive at once, where two kernels would hold one each. ``inner``
     adds what a kernel's op holds inside itself (a loop body's temporaries).
     """
+    return max(kernel_temps(prog, kernels, inner), default=0)
+
+
+def kernel_temps(prog: Program, kernels: Sequence[Fusion], inner: Callable[[Op], int] | None = None) -> list[int]:
+    """Per kernel, the temporaries it reads and writes and what its op holds inside itself: their largest is
+    :func:`peak_temp_bytes`; their sum bounds every buffer live at once (each is written by one kernel)."""
     outputs = set(prog.outputs)
     written = {k.root for k in kernels}
-    return max((sum(_temp(prog, a, outputs, written) for a in k.reads) + _temp(prog, k.root, outputs, written)
-                + (inner(prog.ops[k.root]) if inner is not None else 0)
-                for k in kernels), default=0)
+    return [sum(_temp(prog, a, outputs, written) for a in k.reads) + _temp(prog, k.root, outputs, written)
+            + (inner(prog.ops[k.root]) if inner is not None else 0)
+            for k in kernels]
 
 
 def _temp(prog: Any, i: Any, outputs: Container[Any], written: Container[Any]) -> int:

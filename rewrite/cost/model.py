@@ -57,7 +57,7 @@ from ..ir.primitives import BY_PRIM, DEFAULT as _OPAQUE_SPEC, NodeInfo, inner_ja
 from . import calibration as _calibration
 from .dot import FALLBACK as _DOT_FALLBACK, REPACK as _DOT_REPACK, library_dot
 from .fusion import FusionModel
-from .memory import InnerPeak, liveness_peak
+from .memory import InnerPeak, liveness_peak, scheduled_peak
 from .program import Program
 
 
@@ -235,10 +235,12 @@ class AnalyticCost(CostModel):
     #: as much as writing it once more, so of two programs about as fast the one that holds
     #: less memory wins. 0 prices time only; raise it to trade time for memory.
     memory: float = dataclasses.field(default_factory=lambda: _table()["byte"])
-    #: a program whose predicted peak of temporaries is ``fresh_at`` bytes or more pays ``fresh`` per byte of it at
+    #: a program whose predicted temporaries are ``fresh_at`` bytes or more pays ``fresh`` per byte of them at
     #: every call: the C library maps an allocation that large fresh from the system (glibc: from 32 MiB), so each
     #: page of the buffer XLA allocates for a call's temporaries faults on first touch (``benchmarks/calibrate.py``,
-    #: ``measure_fresh``). The table's, where measured; else no such term (``fresh=0``).
+    #: ``measure_fresh``). Read from the liveness peak in XLA's order (``cost/memory.py``'s ``scheduled_peak``: what
+    #: ``memory_analysis`` reports), not the kernels' peak that ``memory`` reads. The table's, where measured;
+    #: else no such term (``fresh=0``).
     fresh: float = dataclasses.field(default_factory=lambda: _table().get("fresh", 0.0))
     fresh_at: float = dataclasses.field(default_factory=lambda: _table().get("fresh_bytes", math.inf))
     #: the most bytes of temporaries the chosen program may hold (predicted: ``rewrite/cost/memory.py``,
@@ -426,7 +428,7 @@ class AnalyticCost(CostModel):
                          launch=self.launch,
                          default=self.transcendental, cheap=self.flop, node=self.node,
                          library_op=self.library_op, tiebreak=self._op_price, memory=self.memory,
-                         budget=self.memory_budget, fresh=self.fresh, fresh_at=self.fresh_at)
+                         budget=self.memory_budget, fresh=self.fresh, fresh_at=self.fresh_at, held=scheduled_peak)
         fm.inner = InnerPeak(fm)
         return fm
 
