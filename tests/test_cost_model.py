@@ -569,3 +569,19 @@ def test_the_fresh_charge_reads_the_temporaries_xla_allocates():
     with_term = explain(loss, *args, cost_model=AnalyticCost(fresh=fresh, fresh_at=2.0 ** 19)).cost_before
     without = explain(loss, *args, cost_model=AnalyticCost(fresh=0.0)).cost_before
     assert (with_term - without) / fresh == pytest.approx(xla, rel=0.01), ((with_term - without) / fresh, xla)
+
+
+def test_a_large_loop_kernel_outside_loops_prices_its_work_at_the_parallel_share():
+    """``loop_parallel``: XLA:CPU splits a large elementwise loop across the cores, where a loop body's kernels run
+    on one (``scan_seed_hand_vectorised``). A kernel of ``loop_parallel_at`` elements or more has its arithmetic
+    priced at that share; its bytes, and smaller kernels, as before; off (1) in the tables."""
+    from rewrite import explain
+
+    model = AnalyticCost(loop_parallel=0.5, loop_parallel_at=2.0 ** 16)
+    assert AnalyticCost().loop_parallel == 1.0
+    for n, pays in ((1 << 12, False), (1 << 18, True)):
+        x = jnp.linspace(-3.0, 3.0, n)
+        f = lambda x: jnp.cos(x) * 2.0 + 1.0  # noqa: E731  (one kernel: cos and two cheap operations)
+        work = n * (model.ops["cos"] + 2 * model.flop)
+        saved = explain(f, x).cost_before - explain(f, x, cost_model=model).cost_before
+        assert saved == pytest.approx(0.5 * work if pays else 0.0, rel=0.05, abs=1e-6), (n, saved, work)

@@ -132,7 +132,8 @@ class FusionModel:
     schedules them (``rewrite/cost/memory.py``'s ``scheduled_peak``), or without it :func:`peak_temp_bytes`, which counts an
     elementwise kernel's input and the output XLA writes over it twice. ``inner(op)`` is what an op holds
     inside itself while it runs (a loop body's temporaries), and a program whose peak is over ``budget``
-    bytes is priced above every program within it.
+    bytes is priced above every program within it. A loop kernel of ``parallel_at`` elements or more has
+    its work priced at ``parallel`` times the per-element prices (:meth:`parallel_share`).
     """
 
     def __init__(self, ns: Mapping[str, float], *, byte: float, reduce: float, launch: float, default: float,
@@ -140,8 +141,11 @@ class FusionModel:
                  tiebreak: Callable[[Op], float] | None = None, memory: float = 0.0,
                  inner: Callable[[Op], int] | None = None, budget: float | None = None,
                  cache: float = math.inf, spill: float = 0.0, fresh: float = 0.0, fresh_at: float = math.inf,
-                 held: Callable[[Any, Sequence[Fusion], Callable[[Op], int] | None], int] | None = None) -> None:
+                 held: Callable[[Any, Sequence[Fusion], Callable[[Op], int] | None], int] | None = None,
+                 parallel: float = 1.0, parallel_at: float = math.inf) -> None:
         self.ns = dict(ns)
+        self.parallel = parallel
+        self.parallel_at = parallel_at
         self.fresh = fresh
         self.fresh_at = fresh_at
         self.held = held
@@ -320,13 +324,16 @@ class FusionModel:
         sincos: dict[Any, set[str]] = {}
         # Each op's share: its reduction, its pass in a library reduction, or its elementwise work.
         share = 4 if kind == LIBRARY and self.library_op is not None else 5
+        par = self.parallel_share(root_op, kind)
+        work = cost if par == 1.0 else 0.0  # (summed as before where the term is off: equal prices stay equal)
         for i in comp:
             f = facts(ops[i], prog)
             if f[2]:
                 sincos.setdefault(ops[i].args[0], set()).add(ops[i].prim)
                 continue
-            cost += f[3] if (i == r and kind in (LIBRARY, REDUCE)) or f[7] else f[share]
-        cost = _add_sincos(cost, self, ops, sincos)
+            work += f[3] if (i == r and kind in (LIBRARY, REDUCE)) or f[7] else f[share]
+        work = _add_sincos(work, self, ops, sincos)
+        cost = work if par == 1.0 else cost + par * work
         cost += self.byte * (sum(facts(ops[a], prog)[6] if a in whole else min(facts(ops[a], prog)[6], sliced[a])
                                  for a in reads if ops[a].out_avals)
                              + facts(root_op, prog)[8])
@@ -334,6 +341,14 @@ class FusionModel:
             cost += self.spill * (sum(facts(ops[a], prog)[9] for a in reads if ops[a].out_avals and a in whole)
                                   + facts(root_op, prog)[10])
         return cost, reads
+
+    def parallel_share(self, root: Op, kind: str) -> float:
+        """What a kernel's work costs, as a share of its per-element prices: ``parallel`` for a loop kernel of
+        ``parallel_at`` elements or more (XLA:CPU splits one that large across the cores; a loop body's
+        kernels, priced by the node model, and smaller ones run on one), else 1."""
+        if self.parallel == 1.0 or kind != LOOP or not root.out_avals:
+            return 1.0
+        return self.parallel if _size(root.out_avals[0]) >= self.parallel_at else 1.0
 
     def _facts(self, op: Op, prog: Any) -> tuple:
         """What :meth:`kernel` reads of an op, kept in its memo (per model): nothing (a place kept), its

@@ -305,8 +305,12 @@ class LiveFusion:
         cost = model.launch + model.node * len(members)
         if model.tiebreak is not None:
             cost += TIEBREAK * k.tiebreak
-        cost += k.work
-        cost = _add_sincos(cost, model, ops, sincos)
+        par = model.parallel_share(ops[r], kind)
+        if par == 1.0:
+            cost += k.work
+            cost = _add_sincos(cost, model, ops, sincos)
+        else:
+            cost += par * _add_sincos(k.work, model, ops, sincos)
         cost += model.byte * (k.read_bytes + facts(ops[r], self)[8])
         if model.spill:
             cost += model.spill * (k.read_spilled + facts(ops[r], self)[10])

@@ -268,6 +268,13 @@ class AnalyticCost(CostModel):
     dot_parallel_at: float = dataclasses.field(default_factory=lambda: _table().get("dot_parallel_at", math.inf))
     dot_parallel: float = dataclasses.field(
         default_factory=lambda: _table().get("dot_parallel_flop", _table()["dot_flop"]))
+    #: a loop kernel (XLA's fused elementwise loop) outside any loop body, of ``loop_parallel_at`` elements or more,
+    #: has its work priced at ``loop_parallel`` times the per-element prices: XLA:CPU splits a kernel that large
+    #: across the cores, where a loop body's kernels and small ones run on one (``scan_seed_hand_vectorised``: one
+    #: ``cos`` over 2M elements at 4.2 ns each, 64 loop trips of 32K at 7.5). The table's, where fitted; else one
+    #: rate for every kernel (``loop_parallel=1``).
+    loop_parallel: float = dataclasses.field(default_factory=lambda: _table().get("loop_parallel", 1.0))
+    loop_parallel_at: float = dataclasses.field(default_factory=lambda: _table().get("loop_parallel_at", math.inf))
     #: how much dearer a flop is on the backend's generic product path than on its library path, and what
     #: that path costs beyond it per element of the left operand, in flops (``rewrite/cost/dot.py``: on
     #: XLA:CPU, a left operand that contracts a major dimension)
@@ -428,7 +435,8 @@ class AnalyticCost(CostModel):
                          launch=self.launch,
                          default=self.transcendental, cheap=self.flop, node=self.node,
                          library_op=self.library_op, tiebreak=self._op_price, memory=self.memory,
-                         budget=self.memory_budget, fresh=self.fresh, fresh_at=self.fresh_at, held=scheduled_peak)
+                         budget=self.memory_budget, fresh=self.fresh, fresh_at=self.fresh_at, held=scheduled_peak,
+                         parallel=self.loop_parallel, parallel_at=self.loop_parallel_at)
         fm.inner = InnerPeak(fm)
         return fm
 
