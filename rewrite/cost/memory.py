@@ -47,7 +47,7 @@ def liveness_peak(prog: Any, kernels: Sequence[Fusion], inner: Callable[[Any], i
     own op holds while it runs (a loop body's peak): added at that kernel.
     """
     order = sorted(kernels, key=lambda k: _position(prog, k.root))
-    return _peak_in(prog, order, inner, *_buffers(prog, kernels))
+    return _peak_in(prog, order, _held_inside(prog, order, inner), *_buffers(prog, kernels))
 
 
 def scheduled_peak(prog: Any, kernels: Sequence[Fusion], inner: Callable[[Any], int] | None = None) -> int:
@@ -64,10 +64,16 @@ def scheduled_peak(prog: Any, kernels: Sequence[Fusion], inner: Callable[[Any], 
     """
     order = sorted(kernels, key=lambda k: _position(prog, k.root))
     buffers = _buffers(prog, kernels)
-    peak = _peak_in(prog, order, inner, *buffers)
+    held = _held_inside(prog, order, inner)
+    peak = _peak_in(prog, order, held, *buffers)
     if len(order) > 2 and peak:
-        peak = min(peak, _peak_in(prog, _ready_order(prog, order, *buffers), inner, *buffers))
+        peak = min(peak, _peak_in(prog, _ready_order(prog, order, *buffers), held, *buffers))
     return peak
+
+
+def _held_inside(prog: Any, kernels: Sequence[Fusion], inner: Callable[[Any], int] | None) -> dict:
+    """What each kernel's op holds inside itself while it runs (``inner``), by the kernel's root."""
+    return {k.root: inner(prog.ops[k.root]) for k in kernels} if inner is not None else {}
 
 
 def _buffers(prog: Any, kernels: Sequence[Fusion]) -> tuple[dict, set, set]:
@@ -82,9 +88,9 @@ def _buffers(prog: Any, kernels: Sequence[Fusion]) -> tuple[dict, set, set]:
     return projs, set(prog.outputs), {k.root for k in kernels}
 
 
-def _peak_in(prog: Any, order: Sequence[Fusion], inner: Callable[[Any], int] | None, projs: dict, outputs: set,
-             written: set) -> int:
-    """The peak of live temporaries with the kernels run in ``order`` (see :func:`liveness_peak`)."""
+def _peak_in(prog: Any, order: Sequence[Fusion], held: dict, projs: dict, outputs: set, written: set) -> int:
+    """The peak of live temporaries with the kernels run in ``order`` (see :func:`liveness_peak`); ``held``: what
+    each kernel holds inside itself, by its root."""
     step: dict[Any, int] = {}  # buffer -> the step that writes it
     last: dict[Any, int] = {}  # buffer -> the last step that reads it
     for t, k in enumerate(order):
@@ -119,7 +125,7 @@ def _peak_in(prog: Any, order: Sequence[Fusion], inner: Callable[[Any], int] | N
             live_at[t] += size
     peak = 0
     for t, k in enumerate(order):
-        peak = max(peak, live_at[t] + (inner(prog.ops[k.root]) if inner is not None else 0))
+        peak = max(peak, live_at[t] + held.get(k.root, 0))
     return peak
 
 
@@ -230,9 +236,14 @@ class InnerPeak:
         self._found: dict[int, tuple[Any, int]] = {}  # id(body) -> (the body, kept alive so its id is not reused; peak)
 
     def __call__(self, op: Any) -> int:
-        bodies = op.memo.get("bodies") if getattr(op, "memo", None) else None
+        memo = getattr(op, "memo", None)
+        bodies = memo.get("bodies") if memo else None
         if bodies:  # an extractor's op: its chosen bodies (``rewrite.cost.program._chosen_bodies``)
-            return max(liveness_peak(b, self.fusion.kernels(b), self) for b in bodies)
+            key = ("inner peak", id(self))  # kept with the bodies, which the memo holds for this op alone
+            found = memo.get(key)
+            if found is None:
+                found = memo[key] = max(liveness_peak(b, self.fusion.kernels(b), self) for b in bodies)
+            return found
         params = getattr(op, "params", None) or {}
         j = inner_jaxpr(params)
         if j is None:
