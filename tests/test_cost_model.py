@@ -545,3 +545,43 @@ def test_a_peak_mapped_fresh_at_each_call_is_priced_per_byte():
         assert with_term - without == pytest.approx(fresh * 4 * n if pays else 0.0, rel=0.02), (n, with_term, without)
     assert AnalyticCost(fresh=0.0, memory=0.0).fusion_model().prices_peak is False
     assert AnalyticCost(fresh=fresh, memory=0.0).fusion_model().prices_peak
+
+
+def test_the_fresh_charge_reads_the_temporaries_xla_allocates():
+    """The LM head's loss reads its logits twice, in the normaliser's ``exp`` and in the label's gather. XLA
+    runs the gather first, so ``exp`` writes over the logits and the call allocates one array of them
+    (``memory_analysis``); the kernels' peak (``peak_temp_bytes``) holds both. The fresh charge is taken on what
+    XLA allocates (``cost/memory.py``'s ``scheduled_peak``, the liveness peak in XLA's order), here half the
+    kernels' peak; program order (the gather after ``exp``, as traced) holds both as well."""
+    from rewrite import explain
+
+    def loss(h, w, y):
+        z = h @ w
+        lse = jax.nn.logsumexp(z, axis=-1)
+        return jnp.mean(lse - jnp.take_along_axis(z, y[:, None], axis=-1)[:, 0])
+
+    k = jax.random.split(jax.random.PRNGKey(0), 3)
+    args = (jax.random.normal(k[0], (256, 64)), jax.random.normal(k[1], (64, 2048)),
+            jax.random.randint(k[2], (256,), 0, 2048))
+    xla = jax.jit(loss).lower(*args).compile().memory_analysis().temp_size_in_bytes
+    assert xla == pytest.approx(2 ** 21, rel=0.01), xla  # 2 MiB: one array of logits
+    fresh = 0.5
+    with_term = explain(loss, *args, cost_model=AnalyticCost(fresh=fresh, fresh_at=2.0 ** 19)).cost_before
+    without = explain(loss, *args, cost_model=AnalyticCost(fresh=0.0)).cost_before
+    assert (with_term - without) / fresh == pytest.approx(xla, rel=0.01), ((with_term - without) / fresh, xla)
+
+
+def test_a_large_loop_kernel_outside_loops_prices_its_work_at_the_parallel_share():
+    """``loop_parallel``: XLA:CPU splits a large elementwise loop across the cores, where a loop body's kernels run
+    on one (``scan_seed_hand_vectorised``). A kernel of ``loop_parallel_at`` elements or more has its arithmetic
+    priced at that share; its bytes, and smaller kernels, as before; off (1) in the tables."""
+    from rewrite import explain
+
+    model = AnalyticCost(loop_parallel=0.5, loop_parallel_at=2.0 ** 16)
+    assert AnalyticCost().loop_parallel == 1.0
+    for n, pays in ((1 << 12, False), (1 << 18, True)):
+        x = jnp.linspace(-3.0, 3.0, n)
+        f = lambda x: jnp.cos(x) * 2.0 + 1.0  # noqa: E731  (one kernel: cos and two cheap operations)
+        work = n * (model.ops["cos"] + 2 * model.flop)
+        saved = explain(f, x).cost_before - explain(f, x, cost_model=model).cost_before
+        assert saved == pytest.approx(0.5 * work if pays else 0.0, rel=0.05, abs=1e-6), (n, saved, work)

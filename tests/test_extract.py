@@ -60,18 +60,23 @@ PROGRAMS = {
 }
 
 
-def _search_state(name):
+def _search_state(name, **model_fields):
     fn, args, packs = PROGRAMS[name]
     res = explain(fn, *args, rulesets=packs).result
-    model = AnalyticCost()
+    model = AnalyticCost(**model_fields)
     ex = Extractor(res.snapshot, model)
     _, choice = ex.tree()
     return res, model, ex, choice
 
 
+# The second model charges every program's temporaries as mapped fresh at each call, which reads their liveness
+# peak in XLA's order (``FusionModel.held``): the live program's kernels and order must give the whole program's.
+# The third prices large loop kernels' work at half (``FusionModel.parallel_share``), summed apart from the rest.
+@pytest.mark.parametrize("fields", [{}, {"fresh": 0.5, "fresh_at": 1.0}, {"loop_parallel": 0.5, "loop_parallel_at": 2048}],
+                         ids=["table", "fresh", "parallel"])
 @pytest.mark.parametrize("name", sorted(PROGRAMS))
-def test_live_prices_equal_whole_program_prices(name):
-    res, model, ex, choice = _search_state(name)
+def test_live_prices_equal_whole_program_prices(name, fields):
+    res, model, ex, choice = _search_state(name, **fields)
     roots = res.roots
     pricer = ProgramPricer(ex, model)
     live = pricer.live(choice, roots)

@@ -126,20 +126,29 @@ class FusionModel:
     and ``tiebreak`` (a node price, weighted by ``TIEBREAK``) so that of two
     programs that fuse alike the one a node-by-node model prefers wins
     (``x * (1/3)`` over ``x / 3``, which XLA compiles to the same loop).
-    ``memory`` is charged per byte of :func:`peak_temp_bytes`, and ``fresh`` more per byte of a peak of
-    ``fresh_at`` bytes or more (a buffer mapped fresh at each call); ``inner(op)`` is what an op holds
-    inside itself while it runs (a loop body's temporaries, ``rewrite/cost/memory.py``), and a program
-    whose peak is over ``budget`` bytes is priced above every program within it.
+    ``memory`` is charged per byte of :func:`peak_temp_bytes`, and ``fresh`` more per byte of the
+    temporaries XLA allocates for a call where they are ``fresh_at`` bytes or more (a buffer mapped fresh
+    at each call): ``held(prog, kernels, inner)``, the peak of the buffers live at once as XLA shares and
+    schedules them (``rewrite/cost/memory.py``'s ``scheduled_peak``), or without it :func:`peak_temp_bytes`, which counts an
+    elementwise kernel's input and the output XLA writes over it twice. ``inner(op)`` is what an op holds
+    inside itself while it runs (a loop body's temporaries), and a program whose peak is over ``budget``
+    bytes is priced above every program within it. A loop kernel of ``parallel_at`` elements or more has
+    its work priced at ``parallel`` times the per-element prices (:meth:`parallel_share`).
     """
 
     def __init__(self, ns: Mapping[str, float], *, byte: float, reduce: float, launch: float, default: float,
                  cheap: float, node: float = 0.0, library_op: float | None = None,
                  tiebreak: Callable[[Op], float] | None = None, memory: float = 0.0,
                  inner: Callable[[Op], int] | None = None, budget: float | None = None,
-                 cache: float = math.inf, spill: float = 0.0, fresh: float = 0.0, fresh_at: float = math.inf) -> None:
+                 cache: float = math.inf, spill: float = 0.0, fresh: float = 0.0, fresh_at: float = math.inf,
+                 held: Callable[[Any, Sequence[Fusion], Callable[[Op], int] | None], int] | None = None,
+                 parallel: float = 1.0, parallel_at: float = math.inf) -> None:
         self.ns = dict(ns)
+        self.parallel = parallel
+        self.parallel_at = parallel_at
         self.fresh = fresh
         self.fresh_at = fresh_at
+        self.held = held
         self.cache = cache
         self.spill = spill
         self.memory = memory
@@ -315,13 +324,16 @@ class FusionModel:
         sincos: dict[Any, set[str]] = {}
         # Each op's share: its reduction, its pass in a library reduction, or its elementwise work.
         share = 4 if kind == LIBRARY and self.library_op is not None else 5
+        par = self.parallel_share(root_op, kind)
+        work = cost if par == 1.0 else 0.0  # (summed as before where the term is off: equal prices stay equal)
         for i in comp:
             f = facts(ops[i], prog)
             if f[2]:
                 sincos.setdefault(ops[i].args[0], set()).add(ops[i].prim)
                 continue
-            cost += f[3] if (i == r and kind in (LIBRARY, REDUCE)) or f[7] else f[share]
-        cost = _add_sincos(cost, self, ops, sincos)
+            work += f[3] if (i == r and kind in (LIBRARY, REDUCE)) or f[7] else f[share]
+        work = _add_sincos(work, self, ops, sincos)
+        cost = work if par == 1.0 else cost + par * work
         cost += self.byte * (sum(facts(ops[a], prog)[6] if a in whole else min(facts(ops[a], prog)[6], sliced[a])
                                  for a in reads if ops[a].out_avals)
                              + facts(root_op, prog)[8])
@@ -329,6 +341,14 @@ class FusionModel:
             cost += self.spill * (sum(facts(ops[a], prog)[9] for a in reads if ops[a].out_avals and a in whole)
                                   + facts(root_op, prog)[10])
         return cost, reads
+
+    def parallel_share(self, root: Op, kind: str) -> float:
+        """What a kernel's work costs, as a share of its per-element prices: ``parallel`` for a loop kernel of
+        ``parallel_at`` elements or more (XLA:CPU splits one that large across the cores; a loop body's
+        kernels, priced by the node model, and smaller ones run on one), else 1."""
+        if self.parallel == 1.0 or kind != LOOP or not root.out_avals:
+            return 1.0
+        return self.parallel if _size(root.out_avals[0]) >= self.parallel_at else 1.0
 
     def _facts(self, op: Op, prog: Any) -> tuple:
         """What :meth:`kernel` reads of an op, kept in its memo (per model): nothing (a place kept), its
@@ -376,7 +396,8 @@ class FusionModel:
         # not depend on the order its kernels are listed in, nor on how the running Python rounds ``sum``
         cost = math.fsum([*(k.cost for k in kernels), *(op.own for op in prog.ops if op.prim == "proj")])
         if self.prices_peak:
-            cost += self.memory_price(peak_temp_bytes(prog, kernels, self.inner))
+            temps = kernel_temps(prog, kernels, self.inner)
+            cost += self.memory_price(max(temps, default=0), self.held_bytes(prog, kernels, sum(temps)))
         return float(cost)
 
     @property
@@ -384,12 +405,24 @@ class FusionModel:
         """Whether a program's price reads its peak of temporaries (:meth:`memory_price`)."""
         return bool(self.memory or self.fresh or self.budget is not None)
 
-    def memory_price(self, peak: float) -> float:
-        """The price of holding ``peak`` bytes of temporaries, and of touching them fresh at each call where the
-        buffer is that large (``fresh``); past the budget, dearer than any time saved."""
+    def memory_price(self, peak: float, held: float | None = None) -> float:
+        """The price of holding ``peak`` bytes of temporaries (:func:`peak_temp_bytes`), and of touching the
+        ``held`` bytes XLA allocates for them (:meth:`held_bytes`; ``None``: ``peak``) fresh at each call where
+        that buffer is ``fresh_at`` bytes or more; past the budget, dearer than any time saved."""
+        held = peak if held is None else held
         over = 0.0 if self.budget is None else max(0.0, peak - self.budget)
-        touched = self.fresh * peak if peak >= self.fresh_at else 0.0
+        touched = self.fresh * held if held >= self.fresh_at else 0.0
         return self.memory * peak + touched + (OVER_BUDGET * (1.0 + over) if over else 0.0)
+
+    def held_bytes(self, prog: Any, kernels: Sequence[Fusion], most: float) -> float | None:
+        """The bytes of temporaries XLA allocates for a call of ``prog``, as the fresh charge reads them
+        (``held``), where they can reach ``fresh_at``: ``most`` bounds them (every kernel's temporaries,
+        summed), so below ``fresh_at`` nothing is computed and 0 returned. ``None`` without ``held``."""
+        if self.held is None:
+            return None
+        if not self.fresh or most < self.fresh_at:
+            return 0.0
+        return float(self.held(prog, kernels, self.inner))
 
     def describe(self, prog: Program) -> str:
         """One line per predicted kernel: what it computes and what it costs (for reports and tests)."""
@@ -414,11 +447,17 @@ def peak_temp_bytes(prog: Program, kernels: Sequence[Fusion], inner: Callable[[O
     inputs alive at once, where two kernels would hold one each. ``inner``
     adds what a kernel's op holds inside itself (a loop body's temporaries).
     """
+    return max(kernel_temps(prog, kernels, inner), default=0)
+
+
+def kernel_temps(prog: Program, kernels: Sequence[Fusion], inner: Callable[[Op], int] | None = None) -> list[int]:
+    """Per kernel, the temporaries it reads and writes and what its op holds inside itself: their largest is
+    :func:`peak_temp_bytes`; their sum bounds every buffer live at once (each is written by one kernel)."""
     outputs = set(prog.outputs)
     written = {k.root for k in kernels}
-    return max((sum(_temp(prog, a, outputs, written) for a in k.reads) + _temp(prog, k.root, outputs, written)
-                + (inner(prog.ops[k.root]) if inner is not None else 0)
-                for k in kernels), default=0)
+    return [sum(_temp(prog, a, outputs, written) for a in k.reads) + _temp(prog, k.root, outputs, written)
+            + (inner(prog.ops[k.root]) if inner is not None else 0)
+            for k in kernels]
 
 
 def _temp(prog: Any, i: Any, outputs: Container[Any], written: Container[Any]) -> int:

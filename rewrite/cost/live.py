@@ -14,7 +14,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from ..ir import primitives as _primitives  # read by the class docstring's example
 from ..ir.walk import postorder
-from .fusion import TIEBREAK, FusionModel, _add_sincos, _temp, slices
+from .fusion import TIEBREAK, Fusion, FusionModel, _add_sincos, _temp, slices
 from .program import LEAF, LIBRARY, OTHER, REDUCE, VIEW, Op, _kind
 
 
@@ -61,17 +61,22 @@ class LiveFusion:
         self._members: dict[Any, set] = {}
         self._cost: dict[Any, float] = {}
         self._temp: dict[Any, int] = {}
+        self._temp_sum = 0  # of ``_temp``'s values: bounds the buffers live at once (``FusionModel.held_bytes``)
+        self._reads: dict[Any, Iterable] = {}  # per kernel, the ops it reads (for the liveness of ``held``)
         #: per kernel, the sums its price is made of (see _kernel)
         self._sums: dict[Any, _KernelSums] = {}
         self._moved: set = set()
         self._views: dict[Any, float] = {}
         self._order = 0
+        self._version = 0  # edits so far: the positions (``position``) of an older program are out of date
+        self._positions: tuple[int, dict] | None = None
 
     def edit(self, changes: Mapping[Any, "Op | None"]) -> None:
         """Set the op of each key of ``changes`` (``None`` removes it), and bring the kernels up to date.
 
         An edit leaves a whole program: every op's arguments are ops of it.
         """
+        self._version += 1
         ops, users, homes, roots, members = self.ops, self.users, self.homes, self.roots, self._members
         seeds: set = set()
         dirty: set = set()
@@ -204,7 +209,8 @@ class LiveFusion:
             kind = self.roots.get(r)
             if kind is None:
                 self._cost.pop(r, None)
-                self._temp.pop(r, None)
+                self._temp_sum -= self._temp.pop(r, 0)
+                self._reads.pop(r, None)
                 self._sums.pop(r, None)
                 continue
             if incremental and kind != OTHER:
@@ -213,9 +219,12 @@ class LiveFusion:
                 cost, reads = self.model.kernel(self, r, kind, self._members[r])
                 self._sums.pop(r, None)  # not kept up to date while priced whole
             self._cost[r] = cost
-            self._temp[r] = (sum(_temp(self, a, self._outputs, self.roots) for a in reads)
-                             + _temp(self, r, self._outputs, self.roots)
-                             + (self.model.inner(self.ops[r]) if self.model.inner is not None else 0))
+            self._reads[r] = reads
+            temp = (sum(_temp(self, a, self._outputs, self.roots) for a in reads)
+                    + _temp(self, r, self._outputs, self.roots)
+                    + (self.model.inner(self.ops[r]) if self.model.inner is not None else 0))
+            self._temp_sum += temp - self._temp.get(r, 0)
+            self._temp[r] = temp
 
     def _kernel(self, r: Any, kind: str, changes: Mapping[Any, Any]) -> tuple[float, Iterable]:
         """:meth:`FusionModel.kernel` of kernel ``r``, from its sums at its last price and the members that
@@ -296,8 +305,12 @@ class LiveFusion:
         cost = model.launch + model.node * len(members)
         if model.tiebreak is not None:
             cost += TIEBREAK * k.tiebreak
-        cost += k.work
-        cost = _add_sincos(cost, model, ops, sincos)
+        par = model.parallel_share(ops[r], kind)
+        if par == 1.0:
+            cost += k.work
+            cost = _add_sincos(cost, model, ops, sincos)
+        else:
+            cost += par * _add_sincos(k.work, model, ops, sincos)
         cost += model.byte * (k.read_bytes + facts(ops[r], self)[8])
         if model.spill:
             cost += model.spill * (k.read_spilled + facts(ops[r], self)[10])
@@ -307,12 +320,26 @@ class LiveFusion:
         """The program's cost, as :meth:`FusionModel.__call__` prices it."""
         cost = math.fsum([*self._cost.values(), *self._views.values()])  # as FusionModel.__call__ sums
         if self.model.prices_peak:
-            cost += self.model.memory_price(self.peak())
+            cost += self.model.memory_price(self.peak(), self.model.held_bytes(self, self.kernels(), self._temp_sum))
         return float(cost)
 
     def peak(self) -> int:
         """The program's predicted peak of temporaries, as :meth:`price` reads it."""
         return max(self._temp.values(), default=0)
+
+    def kernels(self) -> list[Fusion]:
+        """The program's kernels (their costs left out), for what reads them whole (``FusionModel.held``)."""
+        return [Fusion(r, kind, list(self._members.get(r, ())), list(self._reads.get(r, ())), 0.0)
+                for r, kind in self.roots.items()]
+
+    def position(self, key: Any) -> int:
+        """Where op ``key`` is in the program :meth:`rewrite.cost.program.Program.from_choice` makes of the same
+        choice (its roots' postorder), which is the order the kernels run in for their liveness."""
+        found = self._positions
+        if found is None or found[0] != self._version:
+            at = {c: i for i, c in enumerate(postorder(self.outputs, lambda c: self.ops[c].args))}
+            found = self._positions = (self._version, at)
+        return found[1].get(key, len(found[1]))
 
 
 class _KernelSums:

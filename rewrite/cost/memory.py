@@ -17,14 +17,16 @@ library (YNN) fusion, whose scratch ``memory_analysis()`` does not see (it
 reports 0 bytes for plain attention's forward, which holds the N x N scores
 inside the library); the model predicts the scores as stored.
 
-The cost model charges ``AnalyticCost.memory`` per byte of this peak, and with
+The cost model charges ``AnalyticCost.fresh`` per byte of this peak where it is large enough for the C
+library to map it fresh at each call (``AnalyticCost.fresh_at``), ``AnalyticCost.memory`` per byte of the
+kernels' peak (``cost/fusion.py``'s ``peak_temp_bytes``), and with
 ``AnalyticCost.memory_budget`` prices any program over the budget above every
 program within it, so that the fastest program that fits is chosen.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from jax.extend.core import ClosedJaxpr
 
@@ -44,17 +46,55 @@ def liveness_peak(prog: Any, kernels: Sequence[Fusion], inner: Callable[[Any], i
     holds a program output is the output's allocation, not a temporary. ``inner(op)`` is what a kernel's
     own op holds while it runs (a loop body's peak): added at that kernel.
     """
-    outputs = set(prog.outputs)
-    written = {k.root for k in kernels}
     order = sorted(kernels, key=lambda k: _position(prog, k.root))
-    projs: dict[Any, list] = {}
-    for i, op in enumerate(prog.ops):
+    return _peak_in(prog, order, _held_inside(prog, order, inner), *_buffers(prog, kernels))
+
+
+def scheduled_peak(prog: Any, kernels: Sequence[Fusion], inner: Callable[[Any], int] | None = None) -> int:
+    """:func:`liveness_peak` in the order of the two that needs less: program order or a greedy list schedule
+    (:func:`_ready_order`). What the fresh charge reads (``AnalyticCost.fresh``).
+
+    XLA schedules a program's kernels for memory and keeps the least peak of several schedulers (a list
+    scheduler among them), where an extractor's program lists its kernels in the order its outputs reach
+    them: the LM head's loss reads the logits in its normaliser's ``exp`` and in the label's gather; XLA runs
+    the gather first, so that ``exp`` writes over the logits, where the extractor's order holds both (512
+    against the 256 MiB ``memory_analysis`` reports at N=2048, V=32768). On the attention gradients of
+    ``tests/test_memory.py`` the list schedule is both nearer XLA and further from it, so the memory
+    predictions (:func:`liveness_peak`) keep program order.
+    """
+    order = sorted(kernels, key=lambda k: _position(prog, k.root))
+    buffers = _buffers(prog, kernels)
+    held = _held_inside(prog, order, inner)
+    peak = _peak_in(prog, order, held, *buffers)
+    if len(order) > 2 and peak:
+        peak = min(peak, _peak_in(prog, _ready_order(prog, order, *buffers), held, *buffers))
+    return peak
+
+
+def _held_inside(prog: Any, kernels: Sequence[Fusion], inner: Callable[[Any], int] | None) -> dict:
+    """What each kernel's op holds inside itself while it runs (``inner``), by the kernel's root."""
+    return {k.root: inner(prog.ops[k.root]) for k in kernels} if inner is not None else {}
+
+
+def _buffers(prog: Any, kernels: Sequence[Fusion]) -> tuple[dict, set, set]:
+    """What the peaks read of a program: each loop's buffers (the output index of each of its outputs the
+    program reads), the program's outputs, and the kernels' roots (what is written)."""
+    projs: dict[Any, dict] = {}
+    ops = prog.ops
+    for i, op in (ops.items() if isinstance(ops, Mapping) else enumerate(ops)):  # a live program's: by class
         if op.prim == "proj":
-            projs.setdefault(op.args[0], []).append(i)
+            outs = projs.setdefault(op.args[0], {})
+            outs[op.params.get("index", len(outs))] = i
+    return projs, set(prog.outputs), {k.root for k in kernels}
+
+
+def _peak_in(prog: Any, order: Sequence[Fusion], held: dict, projs: dict, outputs: set, written: set) -> int:
+    """The peak of live temporaries with the kernels run in ``order`` (see :func:`liveness_peak`); ``held``: what
+    each kernel holds inside itself, by its root."""
     step: dict[Any, int] = {}  # buffer -> the step that writes it
     last: dict[Any, int] = {}  # buffer -> the last step that reads it
     for t, k in enumerate(order):
-        for b in projs.get(k.root, [k.root]):
+        for b in projs.get(k.root, {0: k.root}).values():
             step[b] = t
         for a in k.reads:
             last[a] = t
@@ -85,15 +125,64 @@ def liveness_peak(prog: Any, kernels: Sequence[Fusion], inner: Callable[[Any], i
             live_at[t] += size
     peak = 0
     for t, k in enumerate(order):
-        peak = max(peak, live_at[t] + (inner(prog.ops[k.root]) if inner is not None else 0))
+        peak = max(peak, live_at[t] + held.get(k.root, 0))
     return peak
+
+
+def _ready_order(prog: Any, order: Sequence[Fusion], projs: dict, outputs: set, written: set) -> list[Fusion]:
+    """The kernels in the order a greedy list scheduler runs them, as XLA's does: of the kernels whose inputs
+    are written, the one that frees the most bytes of temporaries (those it is the last to read) less the
+    bytes it writes; ties in program order. A kernel that reads a view reads what the view is of."""
+    writer: dict[Any, int] = {}
+    for n, k in enumerate(order):
+        for b in projs.get(k.root, {0: k.root}).values():
+            writer[b] = n
+    ops = prog.ops
+    found: dict[Any, frozenset] = {}
+
+    def sources(a: Any) -> frozenset:  # the buffers ``a`` is (or is a view of)
+        got = found.get(a)
+        if got is None:
+            if a in writer:
+                got = frozenset((a,))
+            else:
+                got = found[a] = frozenset()  # a leaf, or a cycle guard while its operands are read
+                got = frozenset().union(*(sources(x) for x in getattr(ops[a], "args", ())))
+            found[a] = got
+        return got
+
+    reads = [frozenset().union(*(sources(a) for a in k.reads)) for k in order]
+    readers: dict[Any, int] = {}
+    for rs in reads:
+        for b in rs:
+            readers[b] = readers.get(b, 0) + 1
+    waiting = [len({writer[b] for b in rs} - {n}) for n, rs in enumerate(reads)]
+    users: dict[int, list[int]] = {}
+    for n, rs in enumerate(reads):
+        for w in {writer[b] for b in rs} - {n}:
+            users.setdefault(w, []).append(n)
+    size = {b: _temp(prog, b, outputs, written) for b in writer}
+    writes = [sum(size[b] for b in projs.get(k.root, {0: k.root}).values()) for k in order]
+    ready = {n for n, w in enumerate(waiting) if not w}
+    out: list[Fusion] = []
+    while ready:
+        n = max(ready, key=lambda n: (sum(size[b] for b in reads[n] if readers[b] == 1) - writes[n], -n))
+        ready.discard(n)
+        out.append(order[n])
+        for b in reads[n]:
+            readers[b] -= 1
+        for u in users.get(n, ()):
+            waiting[u] -= 1
+            if not waiting[u]:
+                ready.add(u)
+    return out if len(out) == len(order) else list(order)
 
 
 #: What an elementwise kernel may compute and still write in place over an operand of its shape.
 _IN_PLACE = frozenset({"elementwise", "transcendental"})
 
 
-def _shares(prog: Any, k: Fusion, outs: Sequence[Any] | None, last: dict, step: dict, t: int) -> list[tuple]:
+def _shares(prog: Any, k: Fusion, outs: Mapping[int, Any] | None, last: dict, step: dict, t: int) -> list[tuple]:
     """The buffers kernel ``k`` (at step ``t``) writes into an operand's bytes: (its buffer, the operand).
 
     XLA:CPU lets a loop fusion's output reuse an operand's buffer when the operand has the output's
@@ -106,12 +195,12 @@ def _shares(prog: Any, k: Fusion, outs: Sequence[Any] | None, last: dict, step: 
         if op.prim == "scan":
             first, n = scan_counts(op.params)
         elif op.prim == "while":
-            first, n = op.params.get("body_nconsts", 0) + op.params.get("cond_nconsts", 0), len(outs)
+            first, n = op.params.get("body_nconsts", 0) + op.params.get("cond_nconsts", 0), len(op.out_avals)
         else:
             return found
-        for i in range(min(n, len(outs))):
+        for i in range(n):  # (``outs``: the loop's outputs the program reads, by index)
             a = op.args[first + i]
-            if a in step and last.get(a) == t and _same(prog, a, outs[i]):
+            if i in outs and a in step and last.get(a) == t and _same(prog, a, outs[i]):
                 found.append((outs[i], a))
         return found
     if k.kind != "loop" or len(op.out_avals) != 1:
@@ -147,9 +236,14 @@ class InnerPeak:
         self._found: dict[int, tuple[Any, int]] = {}  # id(body) -> (the body, kept alive so its id is not reused; peak)
 
     def __call__(self, op: Any) -> int:
-        bodies = op.memo.get("bodies") if getattr(op, "memo", None) else None
+        memo = getattr(op, "memo", None)
+        bodies = memo.get("bodies") if memo else None
         if bodies:  # an extractor's op: its chosen bodies (``rewrite.cost.program._chosen_bodies``)
-            return max(liveness_peak(b, self.fusion.kernels(b), self) for b in bodies)
+            key = ("inner peak", id(self))  # kept with the bodies, which the memo holds for this op alone
+            found = memo.get(key)
+            if found is None:
+                found = memo[key] = max(liveness_peak(b, self.fusion.kernels(b), self) for b in bodies)
+            return found
         params = getattr(op, "params", None) or {}
         j = inner_jaxpr(params)
         if j is None:

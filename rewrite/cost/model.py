@@ -57,7 +57,7 @@ from ..ir.primitives import BY_PRIM, DEFAULT as _OPAQUE_SPEC, NodeInfo, inner_ja
 from . import calibration as _calibration
 from .dot import FALLBACK as _DOT_FALLBACK, REPACK as _DOT_REPACK, library_dot
 from .fusion import FusionModel
-from .memory import InnerPeak, liveness_peak
+from .memory import InnerPeak, liveness_peak, scheduled_peak
 from .program import Program
 
 
@@ -235,10 +235,12 @@ class AnalyticCost(CostModel):
     #: as much as writing it once more, so of two programs about as fast the one that holds
     #: less memory wins. 0 prices time only; raise it to trade time for memory.
     memory: float = dataclasses.field(default_factory=lambda: _table()["byte"])
-    #: a program whose predicted peak of temporaries is ``fresh_at`` bytes or more pays ``fresh`` per byte of it at
+    #: a program whose predicted temporaries are ``fresh_at`` bytes or more pays ``fresh`` per byte of them at
     #: every call: the C library maps an allocation that large fresh from the system (glibc: from 32 MiB), so each
     #: page of the buffer XLA allocates for a call's temporaries faults on first touch (``benchmarks/calibrate.py``,
-    #: ``measure_fresh``). The table's, where measured; else no such term (``fresh=0``).
+    #: ``measure_fresh``). Read from the liveness peak in XLA's order (``cost/memory.py``'s ``scheduled_peak``: what
+    #: ``memory_analysis`` reports), not the kernels' peak that ``memory`` reads. The table's, where measured;
+    #: else no such term (``fresh=0``).
     fresh: float = dataclasses.field(default_factory=lambda: _table().get("fresh", 0.0))
     fresh_at: float = dataclasses.field(default_factory=lambda: _table().get("fresh_bytes", math.inf))
     #: the most bytes of temporaries the chosen program may hold (predicted: ``rewrite/cost/memory.py``,
@@ -266,6 +268,13 @@ class AnalyticCost(CostModel):
     dot_parallel_at: float = dataclasses.field(default_factory=lambda: _table().get("dot_parallel_at", math.inf))
     dot_parallel: float = dataclasses.field(
         default_factory=lambda: _table().get("dot_parallel_flop", _table()["dot_flop"]))
+    #: a loop kernel (XLA's fused elementwise loop) outside any loop body, of ``loop_parallel_at`` elements or more,
+    #: has its work priced at ``loop_parallel`` times the per-element prices: XLA:CPU splits a kernel that large
+    #: across the cores, where a loop body's kernels and small ones run on one (``scan_seed_hand_vectorised``: one
+    #: ``cos`` over 2M elements at 4.2 ns each, 64 loop trips of 32K at 7.5). The table's, where fitted; else one
+    #: rate for every kernel (``loop_parallel=1``).
+    loop_parallel: float = dataclasses.field(default_factory=lambda: _table().get("loop_parallel", 1.0))
+    loop_parallel_at: float = dataclasses.field(default_factory=lambda: _table().get("loop_parallel_at", math.inf))
     #: how much dearer a flop is on the backend's generic product path than on its library path, and what
     #: that path costs beyond it per element of the left operand, in flops (``rewrite/cost/dot.py``: on
     #: XLA:CPU, a left operand that contracts a major dimension)
@@ -426,7 +435,8 @@ class AnalyticCost(CostModel):
                          launch=self.launch,
                          default=self.transcendental, cheap=self.flop, node=self.node,
                          library_op=self.library_op, tiebreak=self._op_price, memory=self.memory,
-                         budget=self.memory_budget, fresh=self.fresh, fresh_at=self.fresh_at)
+                         budget=self.memory_budget, fresh=self.fresh, fresh_at=self.fresh_at, held=scheduled_peak,
+                         parallel=self.loop_parallel, parallel_at=self.loop_parallel_at)
         fm.inner = InnerPeak(fm)
         return fm
 

@@ -102,7 +102,7 @@ class Program:
                 env[eqn.outvars[0]] = tup
             else:
                 for i, v in enumerate(eqn.outvars):
-                    ops.append(Op("proj", _primitives.SPECIAL, {}, (tup,), (), (v.aval,), key=i))
+                    ops.append(Op("proj", _primitives.SPECIAL, {"index": i}, (tup,), (), (v.aval,), key=i))
                     env[v] = len(ops) - 1
         outputs = [read(a) for a in jaxpr.outvars]
         return cls(ops, outputs)
@@ -184,7 +184,7 @@ def _template(ex: Any, c: Any, node: tuple, choice: Mapping[Any, tuple], own: Ca
     if ctor == "Proj":
         # What the node model charges a projection: a loop's stacked output is written (and,
         # with ``stacked``, held); fusion has no say in that, so it is added as it is.
-        return "proj", _primitives.SPECIAL, {}, (), (ex.snap.aval(c),), float(own(c, node)), {}
+        return "proj", _primitives.SPECIAL, {"index": args[1]}, (), (ex.snap.aval(c),), float(own(c, node)), {}
     info = ex.info(c, ctor, args, choice)
     op = Op(info.op, info.family, info.params, (), info.in_avals, info.out_avals)
     inner = _inlined_body(ex, ctor, args, choice, own) if len(info.out_avals) == 1 else None
