@@ -206,8 +206,10 @@ class Rewritten:
             self._guard(result, args)
         if key is not None and not failed:
             result.times["cache_key"] = key_time
+            t = time.perf_counter()
             self.disk.store(key, None if result.after is traced.closed else result.after, _cache.result_meta(result),
                             traced.closed, program)
+            result.times["cache_store"] = time.perf_counter() - t
         return result
 
     def _disk_key(self, traced: Traced) -> tuple[str | None, str | None]:
@@ -320,6 +322,7 @@ class Rewritten:
         if alt is None:
             written = as_written()
             written.step = finding
+            written.times["whole_step"] = finding.seconds  # the search ran, though its step was not kept
             return written
         if alt.cost_after < before:
             # priced below the step as written: kept without rewriting the step as written (that saturation is
@@ -335,6 +338,7 @@ class Rewritten:
                 "predicted to hold less memory"))
         finding.declined.append(f"the step with them replaced was priced {alt.cost_after:.4g}, the step rewritten "
                                 f"as written {written.cost_after:.4g}: kept the latter")
+        written.times["whole_step"] = alt.times["whole_step"]
         return written
 
     def _rewrite_rest(self, changed: core.ClosedJaxpr, pinned: set) -> Result:

@@ -16,6 +16,7 @@ from jax.extend.core import Primitive
 import rulesets
 from rewrite import explain, rewrite
 from rewrite.cache import serialise
+from rewrite.cache.store import DiskCache
 from rewrite.cost.model import default_model
 from rewrite.extract import extractor as _extractor
 from rewrite.jaxpr.trace import trace_call
@@ -257,3 +258,16 @@ def test_storing_a_program_with_a_library_s_own_primitive_scans_the_modules_once
     back = serialise.loads_program(blob, closed)
     assert jnp.array_equal(jax.core.eval_jaxpr(back.jaxpr, back.consts, x)[0], f(x))
 
+
+def test_a_whole_step_search_that_keeps_the_step_as_written_reports_its_time(tmp_path):
+    """Where the whole-step search runs and the step as written is kept (no loss found), the search's time is a
+    stage of the result (it was missing: the stages of such a rewrite summed to half its time), and so is the
+    disk cache's store."""
+    f = lambda x: jnp.sum(jnp.sin(x) * 2 + jnp.sin(x) * 2)  # noqa: E731
+    x = jnp.linspace(-1.0, 1.0, 8)
+    r = rewrite(f, rulesets=[rulesets.algebra], whole_step=True, cache=DiskCache(tmp_path))
+    res = r.result(x)
+    assert res.step is not None and not res.step.replaced, str(res.step)
+    assert res.times.get("whole_step") == res.step.seconds > 0, res.times
+    assert "cache_store" in res.times, res.times
+    assert jnp.allclose(r(x), f(x), rtol=1e-6)
