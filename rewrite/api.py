@@ -33,7 +33,7 @@ from .cost.measure import resolve
 from .errors import RewriteLimitWarning, RewriteWarning, _strict
 from .extract.program import far_leaner, lean_band, leaner
 from .grad.primitive import Signature, bind_if_differentiated
-from .grad.step import find_losses, join_pinned, split_pinned
+from .grad.step import find_losses, join_pinned, proof_graph, split_pinned
 from .grad.vjp import VJPResult, build_vjp, rewrite_joint
 from .ir.jaxapi import core
 from .jaxpr import state as _state
@@ -306,7 +306,8 @@ class Rewritten:
             return as_written()
         try:
             pinned: set = set()
-            changed, finding = find_losses(traced.closed, self._proof, self._loss_first, pinned)
+            # the proofs saturate with no rule: a step is loaded once for all of them (proof_graph)
+            changed, finding = find_losses(traced.closed, self._proof, self._loss_first, pinned, proof_graph)
             alt = None
             if changed is not None:
                 t = time.perf_counter()

@@ -14,7 +14,7 @@ import optax
 from jax.extend.core import Primitive
 
 import rulesets
-from rewrite import explain, rewrite
+from rewrite import explain, pipeline, rewrite
 from rewrite.cache import serialise
 from rewrite.cache.store import DiskCache
 from rewrite.cost.model import default_model
@@ -271,3 +271,32 @@ def test_a_whole_step_search_that_keeps_the_step_as_written_reports_its_time(tmp
     assert res.times.get("whole_step") == res.step.seconds > 0, res.times
     assert "cache_store" in res.times, res.times
     assert jnp.allclose(r(x), f(x), rtol=1e-6)
+
+
+def _hand_written_step(w, x):
+    """Two scalars, each with a hand-written gradient that is no VJP JAX makes: both are tried, neither proven."""
+    h = x @ w
+    e1 = jnp.sum(h**2)
+    e2 = jnp.sum(jnp.sin(h))
+    g1 = 2.0 * (x.T @ h)
+    g2 = x.T @ jnp.cos(h)
+    return w - 0.1 * g1 - 0.01 * g2, e1, e2
+
+
+def test_the_step_search_loads_the_step_once_for_all_its_proofs(monkeypatch):
+    """Each candidate loss's proof loaded the whole step again with its re-derivation (blackjax_hmc_step: 12 loads
+    of the step, about half of each proof): the step is loaded once, and each proof loads only its re-derivation
+    into it. The search finds what it found before."""
+    loads = []
+    load = pipeline._load
+    monkeypatch.setattr(pipeline, "_load", lambda closed, entries: loads.append(len(closed.jaxpr.eqns))
+                        or load(closed, entries))
+    w = jax.random.normal(jax.random.PRNGKey(0), (8, 4))
+    x = jax.random.normal(jax.random.PRNGKey(1), (16, 8))
+    r = rewrite(_hand_written_step, rulesets=[rulesets.algebra], whole_step=True, cache=False)
+    res = r.result(w, x)
+    declined = [d for d in res.step.declined if "no value proven to be its gradient" in d]
+    assert not res.step.replaced and len(declined) >= 2, str(res.step)
+    n = len(jax.make_jaxpr(_hand_written_step)(w, x).jaxpr.eqns)
+    assert sum(k >= n for k in loads) == 2, loads  # the step for the proofs, once; the step as written, rewritten
+    assert all(jnp.allclose(p, q, rtol=1e-5, atol=1e-5) for p, q in zip(r(w, x), _hand_written_step(w, x)))
