@@ -33,7 +33,7 @@ from .cost.measure import resolve
 from .errors import RewriteLimitWarning, RewriteWarning, _strict
 from .extract.program import far_leaner, lean_band, leaner
 from .grad.primitive import Signature, bind_if_differentiated
-from .grad.step import find_losses, join_pinned, split_pinned
+from .grad.step import find_losses, join_pinned, proof_graph, split_pinned
 from .grad.vjp import VJPResult, build_vjp, rewrite_joint
 from .ir.jaxapi import core
 from .jaxpr import state as _state
@@ -206,8 +206,10 @@ class Rewritten:
             self._guard(result, args)
         if key is not None and not failed:
             result.times["cache_key"] = key_time
+            t = time.perf_counter()
             self.disk.store(key, None if result.after is traced.closed else result.after, _cache.result_meta(result),
                             traced.closed, program)
+            result.times["cache_store"] = time.perf_counter() - t
         return result
 
     def _disk_key(self, traced: Traced) -> tuple[str | None, str | None]:
@@ -304,7 +306,8 @@ class Rewritten:
             return as_written()
         try:
             pinned: set = set()
-            changed, finding = find_losses(traced.closed, self._proof, self._loss_first, pinned)
+            # the proofs saturate with no rule: a step is loaded once for all of them (proof_graph)
+            changed, finding = find_losses(traced.closed, self._proof, self._loss_first, pinned, proof_graph)
             alt = None
             if changed is not None:
                 t = time.perf_counter()
@@ -320,6 +323,7 @@ class Rewritten:
         if alt is None:
             written = as_written()
             written.step = finding
+            written.times["whole_step"] = finding.seconds  # the search ran, though its step was not kept
             return written
         if alt.cost_after < before:
             # priced below the step as written: kept without rewriting the step as written (that saturation is
@@ -335,6 +339,7 @@ class Rewritten:
                 "predicted to hold less memory"))
         finding.declined.append(f"the step with them replaced was priced {alt.cost_after:.4g}, the step rewritten "
                                 f"as written {written.cost_after:.4g}: kept the latter")
+        written.times["whole_step"] = alt.times["whole_step"]
         return written
 
     def _rewrite_rest(self, changed: core.ClosedJaxpr, pinned: set) -> Result:

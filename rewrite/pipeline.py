@@ -165,6 +165,40 @@ def saturated_classes(closed: core.ClosedJaxpr, entries: Sequence[tuple[Rule, Ru
             eg.release()
 
 
+class ProofGraph:
+    """``closed`` loaded once, with no rule, for several proofs over its values (the whole-step search's candidate
+    losses, ``rewrite/grad/step.py``): each proof loads another program into the same e-graph, its inputs bound to
+    values of ``closed``, and reads classes. With no rule nothing is merged (a class is a hash-consed term, and
+    each body loaded is a scope of its own), so the classes read are those that loading ``closed`` and that
+    program together into a fresh e-graph gives (:func:`saturated_classes`); only ``closed`` is loaded once for
+    all of them, not once per proof. ``closed`` has no effects."""
+
+    def __init__(self, closed: core.ClosedJaxpr) -> None:
+        jaxpr = closed.jaxpr
+        values = list(jaxpr.constvars) + list(jaxpr.invars)
+        values += [w for e in jaxpr.eqns for w in e.outvars if not isinstance(w, core.DropVar)]
+        every = core.ClosedJaxpr(core.Jaxpr(jaxpr.constvars, jaxpr.invars, values, jaxpr.eqns, jaxpr.effects),
+                                 closed.consts)
+        with _collect_young_only():
+            self.egraph, outs, _, _ = _load(every, ())
+        self.ref = dict(zip(values, outs))
+
+    def classes(self, values: Sequence[Any], program: core.ClosedJaxpr, args: Sequence[Any]) -> tuple[list, list]:
+        """The classes of ``values`` (of the program loaded at first) and of ``program``'s outputs, ``program``
+        loaded with its inputs bound to the values ``args``."""
+        eg = self.egraph
+        with _collect_young_only():
+            outs, _ = load_closed(program, [self.ref[a] for a in args], eg)
+            snap = eg.snapshot()
+            return [snap.cls_of_name[self.ref[v]] for v in values], [snap.cls_of_name[o] for o in outs]
+
+    def release(self) -> None:
+        """The e-graph goes back to the pool: no proof is read from this one again."""
+        if self.egraph is not None:
+            self.egraph.release()
+            self.egraph = None
+
+
 def why_chosen(result: Result, lean: bool = False) -> str:
     """Why a rewritten program is used: ``"cheaper"`` (its predicted cost is below the input's), or one of
     the reasons that can make it cost more: ``"preferred"`` (preferred rules barred the forms they

@@ -11,9 +11,12 @@ import collections
 import jax
 import jax.numpy as jnp
 import optax
+from jax.extend.core import Primitive
 
 import rulesets
-from rewrite import explain, rewrite
+from rewrite import explain, pipeline, rewrite
+from rewrite.cache import serialise
+from rewrite.cache.store import DiskCache
 from rewrite.cost.model import default_model
 from rewrite.extract import extractor as _extractor
 from rewrite.jaxpr.trace import trace_call
@@ -215,3 +218,85 @@ def _small_haiku_step_replaced() -> tuple:
     res = r.result(*leaves)
     assert res.step is not None and res.step.replaced, str(res.step)
     return flat, leaves, r, res
+
+
+def _own_primitive():
+    """A primitive of the user's own (as equinox defines some): not found among JAX's and this library's by name."""
+    p = Primitive("h_time_own_double")
+    p.def_impl(lambda x: 2 * x)
+    p.def_abstract_eval(lambda x: x)
+    return p
+
+
+def test_storing_a_program_with_a_library_s_own_primitive_scans_the_modules_once(monkeypatch):
+    """A primitive of a library's own is not found by name, and each of its equations rescanned every loaded module
+    for it (30 scans, most of storing a diffrax program): they are scanned again only when a module was imported
+    since."""
+    scans = []
+    by_name = serialise._primitives_by_name
+
+    class Counted:
+        def __call__(self):
+            return by_name()
+
+        def cache_clear(self):
+            scans.append(1)
+            by_name.cache_clear()
+
+    monkeypatch.setattr(serialise, "_primitives_by_name", Counted())
+    p = _own_primitive()
+
+    def f(x):
+        for _ in range(6):
+            x = jnp.sin(p.bind(x))
+        return x
+
+    x = jnp.linspace(-1.0, 1.0, 5)
+    closed = jax.make_jaxpr(f)(x)
+    blob = serialise.dumps_program(closed, closed)
+    assert len(scans) <= 1, len(scans)
+    back = serialise.loads_program(blob, closed)
+    assert jnp.array_equal(jax.core.eval_jaxpr(back.jaxpr, back.consts, x)[0], f(x))
+
+
+def test_a_whole_step_search_that_keeps_the_step_as_written_reports_its_time(tmp_path):
+    """Where the whole-step search runs and the step as written is kept (no loss found), the search's time is a
+    stage of the result (it was missing: the stages of such a rewrite summed to half its time), and so is the
+    disk cache's store."""
+    f = lambda x: jnp.sum(jnp.sin(x) * 2 + jnp.sin(x) * 2)  # noqa: E731
+    x = jnp.linspace(-1.0, 1.0, 8)
+    r = rewrite(f, rulesets=[rulesets.algebra], whole_step=True, cache=DiskCache(tmp_path))
+    res = r.result(x)
+    assert res.step is not None and not res.step.replaced, str(res.step)
+    assert res.times.get("whole_step") == res.step.seconds > 0, res.times
+    assert "cache_store" in res.times, res.times
+    assert jnp.allclose(r(x), f(x), rtol=1e-6)
+
+
+def _hand_written_step(w, x):
+    """Two scalars, each with a hand-written gradient that is no VJP JAX makes: both are tried, neither proven."""
+    h = x @ w
+    e1 = jnp.sum(h**2)
+    e2 = jnp.sum(jnp.sin(h))
+    g1 = 2.0 * (x.T @ h)
+    g2 = x.T @ jnp.cos(h)
+    return w - 0.1 * g1 - 0.01 * g2, e1, e2
+
+
+def test_the_step_search_loads_the_step_once_for_all_its_proofs(monkeypatch):
+    """Each candidate loss's proof loaded the whole step again with its re-derivation (blackjax_hmc_step: 12 loads
+    of the step, about half of each proof): the step is loaded once, and each proof loads only its re-derivation
+    into it. The search finds what it found before."""
+    loads = []
+    load = pipeline._load
+    monkeypatch.setattr(pipeline, "_load", lambda closed, entries: loads.append(len(closed.jaxpr.eqns))
+                        or load(closed, entries))
+    w = jax.random.normal(jax.random.PRNGKey(0), (8, 4))
+    x = jax.random.normal(jax.random.PRNGKey(1), (16, 8))
+    r = rewrite(_hand_written_step, rulesets=[rulesets.algebra], whole_step=True, cache=False)
+    res = r.result(w, x)
+    declined = [d for d in res.step.declined if "no value proven to be its gradient" in d]
+    assert not res.step.replaced and len(declined) >= 2, str(res.step)
+    n = len(jax.make_jaxpr(_hand_written_step)(w, x).jaxpr.eqns)
+    assert sum(k >= n for k in loads) == 2, loads  # the step for the proofs, once; the step as written, rewritten
+    assert all(jnp.allclose(p, q, rtol=1e-5, atol=1e-5) for p, q in zip(r(w, x), _hand_written_step(w, x)))

@@ -127,10 +127,18 @@ def _primitives_by_name() -> dict[str, Any]:
     return {k: v for k, v in found.items() if k not in dup}
 
 
+#: how many modules were loaded when :func:`_primitives_by_name` last scanned them
+_SCANNED = [-1]
+
+
 def _primitive(name: str) -> Any:
     found = _primitives_by_name().get(name)
-    if found is None:
-        _primitives_by_name.cache_clear()  # a module imported since may define it
+    if found is None and len(sys.modules) != _SCANNED[0]:
+        # A module imported since the last scan may define it; only then is every module scanned again. A
+        # library's own primitive (equinox defines some) is never found by name, and scanning for each of its
+        # equations was most of storing a diffrax program.
+        _primitives_by_name.cache_clear()
+        _SCANNED[0] = len(sys.modules)
         found = _primitives_by_name().get(name)
     return found
 

@@ -68,6 +68,7 @@ from ..ir.primitives import is_float
 from ..jaxpr.edit import in_order, inline, read, substitute
 from ..jaxpr.emit import dce
 from ..jaxpr.trace import spec_of
+from ..pipeline import ProofGraph
 from .loops import find_loop_vjps
 
 log = logging.getLogger("rewrite")
@@ -332,18 +333,27 @@ def value_and_grads(fn: Callable[..., Any], positions: Sequence[int]) -> Callabl
 
 
 def prove(step: core.ClosedJaxpr, graph: _Graph, root: Any, cone: core.ClosedJaxpr, leaves: Sequence[Any],
-          dif: Sequence[int], derived: core.ClosedJaxpr, proof: Callable[[core.ClosedJaxpr], list[Any]]
-          ) -> tuple[bool, dict[Any, int]]:
+          dif: Sequence[int], derived: core.ClosedJaxpr, proof: Callable[[core.ClosedJaxpr], list[Any]],
+          shared: ProofGraph | None = None) -> tuple[bool, dict[Any, int]]:
     """Is ``root`` the re-derived loss, and which of the step's values are its re-derived gradients?
 
     ``proof(program)`` loads a program into an e-graph, saturates it, and returns its outputs' e-classes.
-    Returns ``(loss proven, {step value: position in dif})``.
+    ``shared``, where given, is the step (its equations as :func:`proof_graph` makes them) loaded once with no
+    rule for all the proofs over it: the re-derived program is loaded into it instead (``proof`` saturates with no
+    rule too, so the classes are the same). Returns ``(loss proven, {step value: position in dif})``.
     """
     jaxpr = step.jaxpr
     inside = {w for e in cone.jaxpr.eqns for w in e.outvars}
     shapes = {(tuple(leaves[i].aval.shape), leaves[i].aval.dtype) for i in dif}
     candidates = [w for e in jaxpr.eqns for w in e.outvars
                   if w not in inside and isinstance(w, core.Var) and (tuple(w.aval.shape), w.aval.dtype) in shapes]
+    if shared is not None:
+        plain = derived.jaxpr.replace(eqns=[_without_empty_mesh(e) for e in derived.jaxpr.eqns])
+        mine, derived_cls = shared.classes([root] + candidates, core.ClosedJaxpr(plain, derived.consts), leaves)
+        loss_cls, cand_cls = mine[0], mine[1:]
+        grads = {c: j for j, c in enumerate(derived_cls[1:])}
+        found = {w: grads[c] for w, c in zip(candidates, cand_cls) if c in grads}
+        return loss_cls == derived_cls[0], found
     eqns = list(jaxpr.eqns)
     constvars, consts = list(jaxpr.constvars), list(step.consts)
     outs = inline(eqns, derived.jaxpr, derived.consts, list(leaves), constvars, consts)
@@ -368,6 +378,13 @@ def _without_empty_mesh(e: Any) -> Any:
     changed = {k: None for k in ("sharding", "out_sharding") if k in e.params and e.params[k] is not None
                and plain(e.params[k])}
     return e.replace(params={**e.params, **changed}) if changed else e
+
+
+def proof_graph(step: core.ClosedJaxpr) -> ProofGraph:
+    """``step`` loaded once, as :func:`prove` loads it, for every proof over it (:class:`ProofGraph`)."""
+    jaxpr = step.jaxpr
+    return ProofGraph(core.ClosedJaxpr(jaxpr.replace(eqns=[_without_empty_mesh(e) for e in jaxpr.eqns]),
+                                       step.consts))
 
 
 # ---------------------------------------------------------------------- replacement
@@ -401,16 +418,19 @@ def replace(step: core.ClosedJaxpr, root: Any, leaves: Sequence[Any], consts: di
 
 
 def _attempt(step: core.ClosedJaxpr, graph: _Graph, root: Any, eqns: list[int], leaves: list[Any], consts: dict,
-             proof: Callable[[core.ClosedJaxpr], list[Any]]) -> tuple[str, tuple | None]:
+             proof: Callable[[core.ClosedJaxpr], list[Any]], shared: Callable[[], ProofGraph] | None = None
+             ) -> tuple[str, tuple | None]:
     """Re-derive the cone ``eqns`` of ``root`` over ``leaves`` and prove it: ``("", (lifted leaves, cone program,
-    differentiable positions, {step value: gradient position}))``, or why not and ``None``."""
+    differentiable positions, {step value: gradient position}))``, or why not and ``None``. ``shared()``, where
+    given, is the step loaded once for all the proofs over it (:func:`proof_graph`)."""
     cone = cone_program(graph, root, eqns, leaves, consts)
     lifted = [v for v in leaves if v in consts] + [v for v in leaves if v not in consts]
     flat_cone = core.ClosedJaxpr(core.Jaxpr([], lifted, cone.jaxpr.outvars, cone.jaxpr.eqns, core.no_effects), [])
     dif = [i for i, v in enumerate(lifted) if is_float(v.aval)]
     try:
         derived = rederive(flat_cone, dif)
-        same, found = prove(step, graph, root, flat_cone, lifted, dif, derived, proof)
+        same, found = prove(step, graph, root, flat_cone, lifted, dif, derived, proof,
+                            None if shared is None else shared())
     except Exception as e:  # a cone JAX cannot differentiate (an integer loss, a custom rule)
         return f"its VJP could not be re-derived ({type(e).__name__}: {e})", None
     if not same:
@@ -421,12 +441,15 @@ def _attempt(step: core.ClosedJaxpr, graph: _Graph, root: Any, eqns: list[int], 
 
 
 def find_losses(closed: core.ClosedJaxpr, proof: Callable[[core.ClosedJaxpr], list[Any]],
-                loss_first: Callable[[core.ClosedJaxpr], core.ClosedJaxpr], pinned: set | None = None
+                loss_first: Callable[[core.ClosedJaxpr], core.ClosedJaxpr], pinned: set | None = None,
+                over: Callable[[core.ClosedJaxpr], ProofGraph] | None = None
                 ) -> tuple[core.ClosedJaxpr | None, StepFinding]:
     """The step with each proven loss and its gradients read from the loss-first program; ``None`` if none was
     proven. ``loss_first(cone)`` is the loss-first program of a loss's forward program (its leaves the inputs):
     ``(leaves, cotangent) -> (L, gradients of the float leaves)``. ``pinned``, where given, receives the values
-    the returned step's top-level equations from a loss-first program compute (:func:`split_pinned`)."""
+    the returned step's top-level equations from a loss-first program compute (:func:`split_pinned`). ``over``,
+    where ``proof`` saturates with no rule, is :func:`proof_graph`: the candidates' proofs then load the step once
+    (per step, as its losses are replaced), not once each."""
     t0 = time.perf_counter()
     finding = StepFinding()
     if closed.jaxpr.effects:
@@ -437,40 +460,56 @@ def find_losses(closed: core.ClosedJaxpr, proof: Callable[[core.ClosedJaxpr], li
     tried: set = set()
     made: set = set()  # the values the replacements compute
     tries = 0
-    while len(finding.replaced) < MAX_LOSSES and tries < MAX_TRIES:
-        graph = _Graph(step.jaxpr)
-        consts = dict(zip(step.jaxpr.constvars, step.consts))
-        progress = False
-        for root, eqns, leaves in candidates(graph):
-            if root in tried or any(w in made for k in eqns for w in graph.jaxpr.eqns[k].outvars):
-                continue  # tried, or reads a replacement (its loss is the loss-first program's own)
-            if tries >= MAX_TRIES:
+    shared: list[ProofGraph] = []  # the step as it is now, loaded for the proofs over it (at the first)
+
+    def loaded() -> ProofGraph:
+        if not shared:
+            shared.append(over(step))  # type: ignore[misc]
+        return shared[0]
+
+    def unload() -> None:  # the step is replaced, or the search is over
+        while shared:
+            shared.pop().release()
+
+    try:
+        while len(finding.replaced) < MAX_LOSSES and tries < MAX_TRIES:
+            graph = _Graph(step.jaxpr)
+            consts = dict(zip(step.jaxpr.constvars, step.consts))
+            progress = False
+            for root, eqns, leaves in candidates(graph):
+                if root in tried or any(w in made for k in eqns for w in graph.jaxpr.eqns[k].outvars):
+                    continue  # tried, or reads a replacement (its loss is the loss-first program's own)
+                if tries >= MAX_TRIES:
+                    break
+                tried.add(root)
+                tries += 1
+                cut = graph.cone(root, LOOPS)
+                tries_here = [(eqns, leaves, "")]
+                if cut[0] != eqns and len(cut[0]) >= 2:  # a loop in the cone: its outputs as leaves, if the whole fails
+                    tries_here.append((cut[0], graph.ordered(cut[1]), ", its cone cut at loop outputs"))
+                for cone_eqns, cone_leaves, how in tries_here:
+                    said, done = _attempt(step, graph, root, cone_eqns, cone_leaves, consts, proof,
+                                          None if over is None else loaded)
+                    if done is None:
+                        finding.declined.append(f"a scalar of {len(cone_eqns)} equations{how}: {said}")
+                        continue
+                    lifted, flat_cone, dif, found = done
+                    unload()
+                    step = replace(step, root, lifted, consts, flat_cone, dif, found, loss_first, made)
+                    finding.replaced.append(f"a loss of {len(cone_eqns)} equations{how} and its gradients with "
+                                            f"respect to {len(set(found.values()))} of {len(dif)} float inputs")
+                    changed = progress = True
+                    break
+                if progress:
+                    break
+            if not progress:
                 break
-            tried.add(root)
-            tries += 1
-            cut = graph.cone(root, LOOPS)
-            tries_here = [(eqns, leaves, "")]
-            if cut[0] != eqns and len(cut[0]) >= 2:  # a loop in the cone: its outputs as leaves, if the whole fails
-                tries_here.append((cut[0], graph.ordered(cut[1]), ", its cone cut at loop outputs"))
-            for cone_eqns, cone_leaves, how in tries_here:
-                said, done = _attempt(step, graph, root, cone_eqns, cone_leaves, consts, proof)
-                if done is None:
-                    finding.declined.append(f"a scalar of {len(cone_eqns)} equations{how}: {said}")
-                    continue
-                lifted, flat_cone, dif, found = done
-                step = replace(step, root, lifted, consts, flat_cone, dif, found, loss_first, made)
-                finding.replaced.append(f"a loss of {len(cone_eqns)} equations{how} and its gradients with respect "
-                                        f"to {len(set(found.values()))} of {len(dif)} float inputs")
-                changed = progress = True
-                break
-            if progress:
-                break
-        if not progress:
-            break
+    finally:
+        unload()
     loops = find_loop_vjps(step, proof, loss_first, finding.replaced, finding.declined)
     if loops is not None:
         step, changed = loops, True
-    inner = _in_loops(step, proof, loss_first, finding)
+    inner = _in_loops(step, proof, loss_first, finding, over)
     if inner is not None:
         step, changed = inner, True
     if pinned is not None and changed:
@@ -486,8 +525,8 @@ BODIES = {"scan": "jaxpr", "while": "body_jaxpr"}
 
 
 def _in_loops(step: core.ClosedJaxpr, proof: Callable[[core.ClosedJaxpr], list[Any]],
-              loss_first: Callable[[core.ClosedJaxpr], core.ClosedJaxpr],
-              finding: StepFinding) -> core.ClosedJaxpr | None:
+              loss_first: Callable[[core.ClosedJaxpr], core.ClosedJaxpr], finding: StepFinding,
+              over: Callable[[core.ClosedJaxpr], ProofGraph] | None = None) -> core.ClosedJaxpr | None:
     """``step`` with the losses found in its loops' bodies replaced there (a body is searched as a step of its
     own: its inputs are the leaves), or ``None`` if none was."""
     eqns = list(step.jaxpr.eqns)
@@ -496,7 +535,7 @@ def _in_loops(step: core.ClosedJaxpr, proof: Callable[[core.ClosedJaxpr], list[A
         key = BODIES.get(e.primitive.name)
         if key is None:
             continue
-        body, inner = find_losses(e.params[key], proof, loss_first)
+        body, inner = find_losses(e.params[key], proof, loss_first, over=over)
         if body is None:
             continue
         where = f", in a {e.primitive.name} body"
