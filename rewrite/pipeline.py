@@ -22,7 +22,7 @@ from typing import Any, Sequence
 from .cost.memory import over_budget
 from .cost.model import CostModel
 from .extract.extract import extract, input_cost
-from .extract.policy import bar_preferred, no_fatter, worth_their_saving
+from .extract.policy import bar_preferred, no_fatter, recomputations, withheld, worth_their_saving
 from .ir.egraph import EGraph
 from .ir.intern import TYPES
 from .ir.jaxapi import core
@@ -94,8 +94,10 @@ def _run(closed: core.ClosedJaxpr, entries: Sequence[tuple[Rule, Ruleset]], mode
     roots = [snap.cls_of_name[o] for o in outs]
     token_root = snap.cls_of_name[token] if token is not None else None
     all_roots = roots + ([token_root] if token_root is not None else [])
-    ex = extract(snap, all_roots, model, original)
-    ex = worth_their_saving(ex, snap, eg, entries, all_roots, model, original)
+    plain, recomputing = withheld(snap, eg, entries, original)
+    ex = extract(plain, all_roots, model, original)
+    ex = worth_their_saving(ex, plain, eg, entries, all_roots, model, original)
+    ex = recomputations(ex, snap, recomputing, all_roots, model)
     times["extract"] = time.perf_counter() - t
 
     # Emit a ClosedJaxpr with the same signature: each candidate at most once.

@@ -334,5 +334,29 @@ nn_stable = Ruleset("nn_stable", [
 ], soundness="identity",
     description="model idioms in their stable forms: log_softmax, logsumexp, softplus, log1p, expm1")
 
-nn = Ruleset("nn", [nn_one_hot, nn_stable, nn_lm_head], soundness="identity",
+
+def _gelu_tanh(x: Any) -> Any:
+    return jax.nn.gelu(x, approximate=True)
+
+
+def _gelu_tanh_vjp(x: Any, g: Any) -> Any:
+    """JAX's VJP of the tanh GELU: its backward reads the forward's tanh and polynomial terms."""
+    return jax.vjp(_gelu_tanh, x)[1](g)[0]
+
+
+def _gelu_tanh_remat_vjp(x: Any, g: Any) -> Any:
+    """JAX's VJP of the tanh GELU under ``jax.checkpoint``: the same operations, recomputed from ``x``.
+    (Module-level functions, not closures over a checkpointed function, so that the disk cache can key them.)"""
+    return jax.vjp(jax.checkpoint(_gelu_tanh), x)[1](g)[0]
+
+
+#: The literals of the tanh GELU are rounded to the dtype, so its VJP is a different term at each: one rule a dtype.
+_GELU_DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16}
+nn_remat = Ruleset("nn_remat", [
+    rule(_gelu_tanh_vjp, _gelu_tanh_remat_vjp, name=f"nn_remat_gelu_tanh_{d}",  # gelu'(x)·g -> recompute gelu from x
+         example_inputs=(jax.ShapeDtypeStruct((3, 4), t),) * 2) for d, t in _GELU_DTYPES.items()
+], soundness="exact", recomputes=True,
+    description="backward passes that recompute an activation from its input instead of holding its intermediates")
+
+nn = Ruleset("nn", [nn_one_hot, nn_stable, nn_lm_head, nn_remat], soundness="identity",
             description="the idioms of model code in their lean and stable forms")

@@ -7,7 +7,9 @@ would leave a class of the program without a finite-cost choice is lifted
 again and reported as lifted, so a preference never makes a program
 unextractable. A ruleset's ``min_saving`` keeps the program its rules built
 only if it saves at least that fraction of the input program's cost over the
-best program without them.
+best program without them. Recomputing rules (``Ruleset(recomputes=True)``) are withheld
+from the choice, and their forms are then taken together as one whole-program candidate, kept
+only where it prices no higher and frees memory (:func:`recomputations`).
 
 After emission, :func:`no_fatter` keeps a rewritten program only if it is not predicted to hold more
 temporaries than the input program.
@@ -16,14 +18,19 @@ temporaries than the input program.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Callable, Sequence
+
+import numpy as np
 
 from ..cost.model import CostModel
 from ..ir.egraph import EGraph
+from ..ir.walk import children, operands
 from ..records import Barred
 from .choice import reachable
-from .extract import extract, fatter
-from .extractor import Extractor
+from .extract import Candidate, extract, fatter
+from .extractor import Extractor, shared
+from .program import ProgramPricer, prices_programs
 
 
 def worth_their_saving(ex: Any, snap: Any, eg: EGraph, entries: Sequence[tuple[Any, Any]], roots: list,
@@ -48,6 +55,97 @@ def worth_their_saving(ex: Any, snap: Any, eg: EGraph, entries: Sequence[tuple[A
     if alt.cost - ex.cost < max(floors[r] for r in used) * ex.original_cost:
         return alt
     return ex
+
+
+#: A program that recomputes (``Ruleset(recomputes=True)``) must no longer compute at least this many bytes of values
+#: that the program without its recomputations computes: recomputing costs work, so it pays only in memory.
+RECOMPUTE_BYTES = 2 ** 20
+
+
+def made_by(snap: Any, eg: EGraph, rules: set[str], original: set) -> set[tuple]:
+    """The nodes (canonicalised) that the rules named ``rules`` built and the input program does not hold, as the
+    e-graph's record of the rule that made each name says (``EGraph.vorigin``)."""
+    made = set()
+    for vid, origin in enumerate(eg.vorigin):
+        if origin in rules:
+            key = eg.canonical(snap, vid)
+            if key is not None and key not in original:
+                made.add(key)
+    return made
+
+
+def withheld(snap: Any, eg: EGraph, entries: Sequence[tuple[Any, Any]], original: set) -> tuple[Any, set]:
+    """``(snap, made)``: the snapshot to extract from without the recomputing rules' nodes (``snap`` itself where
+    none were built), and those nodes."""
+    made = made_by(snap, eg, {r.name for r, owner in entries if getattr(owner, "recomputes", False)}, original)
+    return (snap.without(lambda cls, node: node in made) if made else snap), made
+
+
+def recomputations(ex: Any, snap: Any, made: set, roots: list, model: CostModel) -> Any:
+    """``ex`` (extracted without the recomputing nodes ``made``), or the program that takes every one of them
+    where ``ex`` can (each class ``ex``'s program uses that holds one), as one whole-program candidate.
+
+    It is kept if it prices no higher, is not predicted to hold more at its peak (``extract.fatter``), and no longer
+    computes at least :data:`RECOMPUTE_BYTES` of the values the program without it computes (:func:`held_for`):
+    the residuals a backward read from its forward, now recomputed inside the checkpoint from its inputs.
+    The fusion model's peak does not see every residual a step holds from its forward to its backward (in a
+    haiku encoder's step it predicts 3.0 MiB of 8.5 at N=256 either way), so the values dropped are counted too.
+
+    Only a model that prices whole programs and memory can tell: a recomputation costs time, so under a price of
+    time alone, or a node model that does not see what a program holds, it is never taken. What counts as a
+    recomputation is the rule that built a node, never the node's shape: a loop rule's checkpointed body
+    (``rulesets.scan``) is chosen as any other node is.
+    """
+    if not made or not prices_programs(model) or not float(getattr(model, "memory", 0.0) or 0.0):
+        return ex
+    full = shared(snap, model)
+    _, tree = full.tree()
+    base = {**tree, **ex.choice}
+    used = reachable(snap, base, roots)
+    swaps = {c: n for c in used for n in snap.nodes.get(c, ()) if n in made and base.get(c) != n}
+    if not swaps:
+        return ex
+    cand = {**base, **swaps}
+    if held_for(snap, base, cand, swaps, used - reachable(snap, cand, roots)) < RECOMPUTE_BYTES:
+        return ex
+    price = ProgramPricer(full, model)
+    before, after = price(base, roots), price(cand, roots)
+    peak_before = (live := price.live(base, roots)) and live.peak()
+    peak_after = (live := price.live(cand, roots)) and live.peak()
+    if peak_before is None or peak_after is None or after > before or fatter(peak_after, peak_before):
+        return ex
+    return dataclasses.replace(ex, choice=cand, cost=after, rewritten=True, lean=False,
+                               candidates=[Candidate(cand, after, True), *ex.candidates])
+
+
+def held_for(snap: Any, base: dict, cand: dict, swaps: dict, dropped: set) -> int:
+    """The bytes of the residuals the recomputing nodes ``swaps`` free: of the values the program ``base`` computes
+    and the program with ``swaps`` does not (``dropped``), those that a recomputation does not compute from all of
+    its operands. A backward recomputed from ``(x, g)`` drops both the forward's residuals, which read ``x`` alone
+    (``tanh(...)``, ``3 x**2``), and its own intermediates, which read the cotangent ``g`` as well and were never
+    held; only the first are counted."""
+    def recomputing(n: tuple) -> tuple:  # the node a projection of a multi-result recomputation projects
+        return recomputing(cand[n[1][0]]) if n[0] == "Proj" else n
+
+    ops = [frozenset(operands(snap, recomputing(n))) for n in swaps.values()]
+    found: dict[Any, frozenset] = {}
+
+    def reads(c: Any) -> frozenset:  # the swaps' operands that dropped class c is computed from
+        if c not in found:
+            found[c] = frozenset()  # a class inside a body reached again through its scope reads nothing more
+            if c in dropped:
+                found[c] = frozenset().union(*(reads(k) for k in children(base[c]))) if c in base else frozenset()
+            else:
+                found[c] = frozenset({c})
+        return found[c]
+
+    total = 0
+    for c in dropped:
+        aval = snap.aval(c)
+        shape, dtype = getattr(aval, "shape", None), getattr(aval, "dtype", None)
+        if shape is not None and dtype is not None and not any(o <= reads(c) for o in ops):
+            total += math.prod(shape) * np.dtype(dtype).itemsize
+    return total
 
 
 def no_fatter(ex: Any, before: Any, after: Any, emit_choice: Callable[[dict], Any], model: CostModel

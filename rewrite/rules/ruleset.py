@@ -87,7 +87,7 @@ class Ruleset:
 
     def __init__(self, name: str, rules: Iterable[Rule | "Ruleset"] = (), *, soundness: str = "exact",
                  tolerance: Tolerance | None = None, description: str = "", limits: Any = None,
-                 min_saving: float = 0.0) -> None:
+                 min_saving: float = 0.0, recomputes: bool = False) -> None:
         if soundness not in SOUNDNESS:
             raise ValueError(f"ruleset {name!r}: soundness must be one of {SOUNDNESS}, got {soundness!r}")
         self.name = name
@@ -103,6 +103,11 @@ class Ruleset:
         if not (isinstance(min_saving, (int, float)) and 0.0 <= min_saving < 1.0):
             raise ValueError(f"ruleset {name!r}: min_saving must be a fraction in [0, 1), got {min_saving!r}")
         self.min_saving = float(min_saving)
+        #: This ruleset's rules build forms that recompute values to hold fewer (a backward that recomputes its
+        #: forward under ``jax.checkpoint``): their nodes are used only where the program that uses them frees
+        #: memory at a price no higher (``extract.policy.recomputations``), as the rule that built a node says,
+        #: whatever its shape (a loop rule's checkpointed body is not one of them).
+        self.recomputes = bool(recomputes)
         self.rules: list[Rule] = []
         self.parts: list[Ruleset] = []
         if isinstance(rules, (Rule, Ruleset)):  # Ruleset("r", rule(...)): one rule is a list of one
