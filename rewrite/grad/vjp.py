@@ -50,7 +50,7 @@ import numpy as np
 from ..cost.program import Program
 from ..extract.extract import extract
 from ..extract.extractor import shared
-from ..extract.policy import no_fatter
+from ..extract.policy import no_fatter, recomputations, withheld
 from ..extract.program import ProgramPricer, prices_programs
 from ..ir.jaxapi import core
 from ..ir.primitives import is_float
@@ -315,7 +315,7 @@ def build_vjp(traced: Traced, entries: Sequence[Any], model: Any, limits: Any, p
     in_avals = list(closed.in_avals)
     ct_avals = [closed.out_avals[i] for i in dif_out]
     t0 = time.perf_counter()
-    f_roots, b_roots, params, choices = _joint_choices(res, len(closed.out_avals), n + len(ct_avals), model)
+    f_roots, b_roots, params, choices = _joint_choices(res, len(closed.out_avals), n + len(ct_avals), model, entries)
     considered: list[Split] = []
     # Each split is priced in both uses, weighted alike, and the cheapest (choice, split) wins.
     best: tuple[float, dict, Split] | None = None
@@ -343,12 +343,13 @@ def build_vjp(traced: Traced, entries: Sequence[Any], model: Any, limits: Any, p
     return VJPResult(forward, fwd, bwd, split, considered, res, dif_in, dif_out, fn, times)
 
 
-def _joint_choices(res: Result, n_out: int, n_params: int, model: Any
+def _joint_choices(res: Result, n_out: int, n_params: int, model: Any, entries: Sequence[Any]
                    ) -> tuple[list[Any], list[Any], dict[int, Any], list[tuple[str, dict]]]:
     """A joint program's pipeline result read as a VJP: its forward roots (the outputs), backward roots (the
     gradients), input classes by position, and two extractions: for a training step (outputs and gradients
     both used) and for the gradients alone (``jax.grad`` drops the value, and XLA the forward work only the
-    value needed)."""
+    value needed). The second is made under the pipeline's policy, as the first was: without the recomputing
+    rules' nodes, then with them where they free memory (``extract.policy.recomputations``)."""
     snap, eg = res.snapshot, res.egraph
     f_roots, b_roots = res.roots[:n_out], res.roots[n_out:]
     params = {}
@@ -357,7 +358,8 @@ def _joint_choices(res: Result, n_out: int, n_params: int, model: Any
         if cls is not None:
             params[i] = cls
     tree = shared(snap, model).tree()[1]
-    grads = extract(snap, b_roots, model, res.original)
+    plain, recomputing = withheld(snap, eg, entries, res.original)
+    grads = recomputations(extract(plain, b_roots, model, res.original), snap, recomputing, b_roots, model)
     if grads.leaner_fallback is not None:  # held to the input's gradients' memory, as the joint program is (pipeline)
         emit_choice = emitter(snap, eg, res.before.in_avals, b_roots, None, None)
         first = next(c for c in grads.candidates if not c.rewritten)  # there is one, since a fallback is
@@ -376,7 +378,8 @@ def rewrite_joint(closed: core.ClosedJaxpr, entries: Sequence[Any], model: Any, 
     snap, eg = res.snapshot, res.egraph
     try:
         n = len(closed.in_avals)
-        f_roots, b_roots, params, choices = _joint_choices(res, len(closed.out_avals), len(joint.in_avals), model)
+        f_roots, b_roots, params, choices = _joint_choices(res, len(closed.out_avals), len(joint.in_avals), model,
+                                                           entries)
         inputs = {c for i, c in params.items() if i < n}
 
         def reuse_price(choice: dict) -> float:
