@@ -540,13 +540,12 @@ def _write(rows: list[dict[str, Any]], size: Size, rounds: int) -> None:
     ran = {d["case"] for d in rows}
     kept = [d for d in (json.loads(old.read_text()) if old.exists() else []) if d["case"] not in ran]
     rows = kept + rows
-    if True:
-        setup = (f"B={size.batch}, N={size.length}, width {size.width}, {size.heads} heads, V={size.vocab}; every "
-                 "built-in pack but fastmath. Ratios are speed against `standard` (higher is faster); memory is "
-                 "XLA's temp memory and its ratio to `standard`'s.")
-        write_results(RESULTS, "wholestep_small" if size == SMALL else "wholestep", "Whole training steps: jit(step), jit(rewrite(step)), loss first",
-                      setup, rounds, HEADER, [line(d) for d in rows] + [""] + [f"- {d['case']}: {d['found']}"
-                                                                          for d in rows], rows)
+    setup = (f"B={size.batch}, N={size.length}, width {size.width}, {size.heads} heads, V={size.vocab}; every "
+             "built-in pack but fastmath. Ratios are speed against `standard` (higher is faster); memory is "
+             "XLA's temp memory and its ratio to `standard`'s.")
+    write_results(RESULTS, "wholestep_small" if size == SMALL else "wholestep",
+                  "Whole training steps: jit(step), jit(rewrite(step)), loss first", setup, rounds, HEADER,
+                  [line(d) for d in rows] + [""] + [f"- {d['case']}: {d['found']}" for d in rows], rows)
 
 
 if __name__ == "__main__":
