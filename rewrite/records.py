@@ -140,4 +140,12 @@ class Result:
     #: (:class:`rewrite.grad.step.StepFinding`), else None
     step: Any = None
 
+    def release(self) -> None:
+        """Drop what is kept for deeper reports (the e-graph, its snapshot and the choice over it) and give the
+        e-graph back to the pool: with the built-in packs it holds tens of MB of native memory."""
+        eg = self.egraph
+        self.egraph = self.snapshot = self.choice = self.roots = self.original = self.out_names = None
+        if eg is not None:
+            eg.release()
+
 

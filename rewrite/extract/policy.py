@@ -41,12 +41,7 @@ def worth_their_saving(ex: Any, snap: Any, eg: EGraph, entries: Sequence[tuple[A
     floors = {r.name: owner.min_saving for r, owner in entries if getattr(owner, "min_saving", 0.0) > 0}
     if not floors or not ex.rewritten or not (0 < ex.original_cost < float("inf")):
         return ex
-    made: dict[tuple, str] = {}
-    for vid, origin in enumerate(eg.vorigin):
-        if origin in floors:
-            key = eg.canonical(snap, vid)
-            if key is not None and key not in original:
-                made.setdefault(key, origin)
+    made = made_by(snap, eg, set(floors), original)
     used = {made[n] for n in (ex.choice[c] for c in reachable(snap, ex.choice, roots)) if n in made}
     if not used:
         return ex
@@ -62,26 +57,27 @@ def worth_their_saving(ex: Any, snap: Any, eg: EGraph, entries: Sequence[tuple[A
 RECOMPUTE_BYTES = 2 ** 20
 
 
-def made_by(snap: Any, eg: EGraph, rules: set[str], original: set) -> set[tuple]:
-    """The nodes (canonicalised) that the rules named ``rules`` built and the input program does not hold, as the
-    e-graph's record of the rule that made each name says (``EGraph.vorigin``)."""
-    made = set()
+def made_by(snap: Any, eg: EGraph, rules: set[str], original: set) -> dict[tuple, str]:
+    """The nodes (canonicalised) that the rules named ``rules`` built and the input program does not hold, each with
+    the first of those rules that made it, as the e-graph's record of the rule that made each name says
+    (``EGraph.vorigin``)."""
+    made: dict[tuple, str] = {}
     for vid, origin in enumerate(eg.vorigin):
         if origin in rules:
             key = eg.canonical(snap, vid)
             if key is not None and key not in original:
-                made.add(key)
+                made.setdefault(key, origin)
     return made
 
 
-def withheld(snap: Any, eg: EGraph, entries: Sequence[tuple[Any, Any]], original: set) -> tuple[Any, set]:
+def withheld(snap: Any, eg: EGraph, entries: Sequence[tuple[Any, Any]], original: set) -> tuple[Any, dict]:
     """``(snap, made)``: the snapshot to extract from without the recomputing rules' nodes (``snap`` itself where
     none were built), and those nodes."""
     made = made_by(snap, eg, {r.name for r, owner in entries if getattr(owner, "recomputes", False)}, original)
     return (snap.without(lambda cls, node: node in made) if made else snap), made
 
 
-def recomputations(ex: Any, snap: Any, made: set, roots: list, model: CostModel) -> Any:
+def recomputations(ex: Any, snap: Any, made: dict, roots: list, model: CostModel) -> Any:
     """``ex`` (extracted without the recomputing nodes ``made``), or the program that takes every one of them
     where ``ex`` can (each class ``ex``'s program uses that holds one), as one whole-program candidate.
 

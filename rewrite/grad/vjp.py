@@ -338,8 +338,7 @@ def build_vjp(traced: Traced, entries: Sequence[Any], model: Any, limits: Any, p
         check_signature(closed, forward)
         fn = custom_vjp_function(forward, fwd, bwd, n, dif_in, dif_out)
     if not keep:
-        res.egraph = res.snapshot = res.choice = res.roots = res.original = res.out_names = None
-        eg.release()
+        res.release()
     return VJPResult(forward, fwd, bwd, split, considered, res, dif_in, dif_out, fn, times)
 
 

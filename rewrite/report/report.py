@@ -238,12 +238,8 @@ class Report:
         >>> report.fired, report.eqns_after, report.forced("mul_one")
         ({'mul_one': 1}, 1, None)
         """
-        res = self.result
-        eg = res.egraph
-        res.egraph = res.snapshot = res.choice = res.roots = res.original = res.out_names = None
+        self.result.release()
         self.__dict__.pop("_why", None)
-        if eg is not None:
-            eg.release()
 
     def forced(self, rule: str) -> core.ClosedJaxpr | None:
         """The program extraction chose, with ``rule``'s nodes forced in (as :meth:`why` prices it), emitted:
