@@ -83,25 +83,29 @@ def gap(result: Any, model: Any, entries: list, kicks: int, seed: int = 0, secon
     A ruleset's ``min_saving`` (linalg's reorderings) is kept as extraction keeps it
     (``extract.policy.worth_their_saving``): a program using its rules' nodes counts only where it saves that
     fraction of the input's price over the cheapest program without them, which is searched for apart, in the
-    e-graph without those nodes."""
+    e-graph without those nodes. So is a recomputing ruleset's (``Ruleset(recomputes=True)``): its nodes are
+    taken only as one candidate, so the searches take none that the chosen program does not."""
     from rewrite.extract.extract import extract
     from rewrite.extract.extractor import shared
+    from rewrite.extract.policy import made_by
     from rewrite.extract.program import ProgramPricer, prices_programs
     from rewrite.ir.walk import walk
 
     if result.snapshot is None or result.choice is None or not prices_programs(model):
         return None
-    snap, roots, choice = result.snapshot, list(result.roots), dict(result.choice)
+    loaded, roots, choice = result.snapshot, list(result.roots), dict(result.choice)
+    # A recomputing rule's nodes are taken only together, as one candidate (extract.policy.recomputations), which
+    # the chosen program already answers: the searches may not take one of them the chosen program does not use.
+    recomputes = {r.name for r, owner in entries if getattr(owner, "recomputes", False)}
+    recomputing = made_by(loaded, result.egraph, recomputes, result.original)
+    snap = loaded.without(lambda cls, node: node in recomputing and choice.get(cls) != node) if recomputing else loaded
     ex = shared(snap, model)
     price = ProgramPricer(ex, model)
     chosen = price(choice, roots)
     rng = random.Random(seed)
     full = _explore(ex, price, choice, roots, kicks, rng, seconds)
     floors = {r.name: owner.min_saving for r, owner in entries if getattr(owner, "min_saving", 0.0) > 0}
-    made: dict[tuple, float] = {}
-    for vid, origin in enumerate(result.egraph.vorigin if floors else ()):
-        if origin in floors and (key := result.egraph.canonical(snap, vid)) is not None and key not in result.original:
-            made.setdefault(key, floors[origin])
+    made = {node: floors[rule] for node, rule in made_by(loaded, result.egraph, set(floors), result.original).items()}
 
     def floor(ch: dict) -> float:
         return max((made[n] for n in (ch[c] for c in walk(roots, lambda c: ex.term_kids(ch[c]))) if n in made),
