@@ -575,6 +575,33 @@ def test_remat_gelu_keeps_every_bit_of_the_value_and_gradient(dtype):
     check()
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_remat_gelu_under_vmap_and_jvp_eagerly_and_under_jit(dtype):
+    """The recomputing VJP under the transformations a step meets, eagerly and under ``jit``: ``vmap`` over a leading
+    axis gives the value and the gradient bitwise (the same operations on the same values), and ``jvp`` along random
+    tangents gives the same primal outputs bitwise and tangents within a few roundings of their terms (the
+    derivative of the backward, which JAX takes through the checkpoint in another order)."""
+    dt = jnp.dtype(dtype)
+    name = f"nn_remat_gelu_tanh_{ {'float32': 'f32', 'bfloat16': 'bf16', 'float16': 'f16'}[dtype] }"
+    new = _forced(name, _gelu_step, _aval(3, 5, dtype=dt), _aval(3, 5, dtype=dt))
+    k = jax.random.split(jax.random.PRNGKey(0), 4)
+    x, g = (3 * jax.random.normal(k[i], (2, 3, 5), jnp.float32).astype(dt) for i in range(2))
+    tx, tg = (jax.random.normal(k[i], (3, 5), jnp.float32).astype(dt) for i in (2, 3))
+    eps, tiny = float(jnp.finfo(dt).eps), float(jnp.finfo(dt).smallest_normal)
+    f64 = (lambda a: np.asarray(a, np.float64))
+    for wrap in (lambda f: f, jax.jit):
+        for a, b in zip(wrap(jax.vmap(_gelu_step))(x, g), wrap(jax.vmap(new))(x, g)):
+            assert _same_bits(a, b), (dtype, a, b)
+        (want_p, want_t), (got_p, got_t) = (wrap(lambda x, g, tx, tg, f=f: jax.jvp(f, (x, g), (tx, tg)))(
+            x[0], g[0], tx, tg) for f in (_gelu_step, new))
+        for a, b in zip(want_p, got_p):
+            assert _same_bits(a, b), (dtype, a, b)
+        scale = f64(g[0]) * f64(tx) + f64(tg)
+        for a, b in zip(want_t, got_t):
+            bound = 16 * eps * (np.abs(f64(a)) + np.abs(scale) + np.abs(f64(g[0]))) + tiny
+            assert (np.abs(f64(b) - f64(a)) <= bound).all(), (dtype, a, b)
+
+
 def test_remat_gelu_is_withheld_where_it_frees_nothing():
     """A recomputing rule's form is withheld from the choice and taken only as a whole program that prices no higher
     and holds at least a MiB less (``extract.policy.recomputations``): in a small program it frees nothing, and the
