@@ -52,7 +52,8 @@ def limits_met(result: Result) -> list[str]:
 
 
 def run_pipeline(program: Traced | core.ClosedJaxpr, entries: Sequence[tuple[Rule, Ruleset]], model: CostModel,
-                 limits: Limits, keep: bool = False, price_input: bool = True) -> Result:
+                 limits: Limits, keep: bool = False, price_input: bool = True,
+                 input_price: float | None = None) -> Result:
     """Rewrite one program with the given rules: load, saturate, extract, emit, choose.
 
     ``program`` is a traced function or a bare ``ClosedJaxpr``. The program
@@ -62,22 +63,28 @@ def run_pipeline(program: Traced | core.ClosedJaxpr, entries: Sequence[tuple[Rul
     e-graph goes back to the pool before this returns. Without ``price_input`` the input program is not
     priced (``cost_before`` is NaN, and ``why`` says nothing of it): for a caller that reads only the program
     that comes out (the whole-step search's inner rewrites), whose extraction prices the input anyway.
+    ``input_price``, where given, is the input's price as :func:`program_cost` gives it, which the caller has
+    already (the whole-step search prices the step as written before it decides to rewrite it): it is
+    ``cost_before``, and the input is not priced again.
     """
     closed = program.closed if isinstance(program, Traced) else program
     with _collect_young_only():
-        result = _run(closed, entries, model, limits, keep, price_input)
+        result = _run(closed, entries, model, limits, keep, price_input, input_price)
     check_signature(closed, result.after)
     return result
 
 
 def _run(closed: core.ClosedJaxpr, entries: Sequence[tuple[Rule, Ruleset]], model: CostModel, limits: Limits,
-         keep: bool, price_input: bool = True) -> Result:
+         keep: bool, price_input: bool = True, input_price: float | None = None) -> Result:
     times = {"trace": 0.0}
 
     t = time.perf_counter()
     eg, outs, token, manual = _load(closed, entries)
     program_names = eg.num_names
-    cost_before = input_cost(eg.snapshot(), outs, token, model) if price_input else float("nan")
+    if input_price is not None:
+        cost_before = input_price
+    else:
+        cost_before = input_cost(eg.snapshot(), outs, token, model) if price_input else float("nan")
     times["load"] = time.perf_counter() - t
 
     # Saturate, under limits.
