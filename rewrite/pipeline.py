@@ -25,6 +25,8 @@ from .extract.extract import extract, input_cost
 from .extract.policy import bar_preferred, no_fatter, recomputations, withheld, worth_their_saving
 from .ir.egraph import EGraph
 from .ir.intern import TYPES
+from .ir.terms import ctor_arg_sorts
+from .ir.walk import operands, walk
 from .ir.jaxapi import core
 from .jaxpr.emit import check_signature, emitter
 from .jaxpr.load import TOKEN_AVAL, load_closed
@@ -200,6 +202,28 @@ class ProofGraph:
             outs, _ = load_closed(program, [self.ref[a] for a in args], eg)
             snap = eg.snapshot()
             return [snap.cls_of_name[self.ref[v]] for v in values], [snap.cls_of_name[o] for o in outs]
+
+    def body_between(self, value: Any, leaves: Sequence[Any]) -> str | None:
+        """The constructor of a node with a body (a ``cond``'s branches, a ``jit`` or ``custom_jvp_call`` kept as a
+        call) that ``value``'s term, of the program loaded at first, runs through before it reaches ``leaves``;
+        ``None`` if there is none. A program loaded later with its inputs bound to ``leaves`` then never computes
+        ``value``'s class: each body it loads is a scope of its own (``Body`` names its scope), so none of its
+        terms above its inputs is one that holds a body of the first program, and with no rule a class is one
+        term. A proof that would read it is known to fail before that program is made."""
+        snap = self.egraph.snapshot()
+        stop = {snap.cls_of_name[self.ref[a]] for a in leaves}
+        nodes = snap.nodes
+
+        def kids(c: Any) -> list[Any]:
+            return [] if c in stop else [a for node in nodes.get(c, ()) for a in operands(snap, node)]
+
+        for c in walk([snap.cls_of_name[self.ref[value]]], kids):
+            if c in stop:
+                continue
+            for ctor, _ in nodes.get(c, ()):
+                if any(sort in ("Region", "BList") for sort in ctor_arg_sorts(ctor)):
+                    return ctor
+        return None
 
     def release(self) -> None:
         """The e-graph goes back to the pool: no proof is read from this one again."""
