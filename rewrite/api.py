@@ -298,9 +298,10 @@ class Rewritten:
         otherwise it is made here only where it is needed: where no loss is replaced, or where the step with
         its losses replaced does not price below the step as written unrewritten. Then, as before, the cheaper
         of the two rewritten steps is kept (or the leaner within the model's lean band)."""
-        def as_written() -> Result:
+        def as_written(price: float | None = None) -> Result:
+            # ``price``: the step as written, priced already (program_cost), is not priced again
             return result if result is not None else run_pipeline(traced, self.entries, self.cost_model,
-                                                                   self.limits)
+                                                                   self.limits, input_price=price)
 
         if not self.whole_step or not self.entries:
             return as_written()
@@ -330,7 +331,7 @@ class Rewritten:
             # most of a training step's rewrite time), whatever the latter's rewrite would price
             return self._replaced(traced, alt, finding, before, f"priced {alt.cost_after:.4g}, below the step as "
                                   f"written ({before:.4g})")
-        written = as_written()
+        written = as_written(before)
         written.step = finding
         cheaper = alt.cost_after < written.cost_after
         if cheaper or self._leaner(alt, written):

@@ -25,6 +25,8 @@ from .extract.extract import extract, input_cost
 from .extract.policy import bar_preferred, no_fatter, recomputations, withheld, worth_their_saving
 from .ir.egraph import EGraph
 from .ir.intern import TYPES
+from .ir.terms import ctor_arg_sorts
+from .ir.walk import operands, walk
 from .ir.jaxapi import core
 from .jaxpr.emit import check_signature, emitter
 from .jaxpr.load import TOKEN_AVAL, load_closed
@@ -52,7 +54,8 @@ def limits_met(result: Result) -> list[str]:
 
 
 def run_pipeline(program: Traced | core.ClosedJaxpr, entries: Sequence[tuple[Rule, Ruleset]], model: CostModel,
-                 limits: Limits, keep: bool = False, price_input: bool = True) -> Result:
+                 limits: Limits, keep: bool = False, price_input: bool = True,
+                 input_price: float | None = None) -> Result:
     """Rewrite one program with the given rules: load, saturate, extract, emit, choose.
 
     ``program`` is a traced function or a bare ``ClosedJaxpr``. The program
@@ -62,22 +65,28 @@ def run_pipeline(program: Traced | core.ClosedJaxpr, entries: Sequence[tuple[Rul
     e-graph goes back to the pool before this returns. Without ``price_input`` the input program is not
     priced (``cost_before`` is NaN, and ``why`` says nothing of it): for a caller that reads only the program
     that comes out (the whole-step search's inner rewrites), whose extraction prices the input anyway.
+    ``input_price``, where given, is the input's price as :func:`program_cost` gives it, which the caller has
+    already (the whole-step search prices the step as written before it decides to rewrite it): it is
+    ``cost_before``, and the input is not priced again.
     """
     closed = program.closed if isinstance(program, Traced) else program
     with _collect_young_only():
-        result = _run(closed, entries, model, limits, keep, price_input)
+        result = _run(closed, entries, model, limits, keep, price_input, input_price)
     check_signature(closed, result.after)
     return result
 
 
 def _run(closed: core.ClosedJaxpr, entries: Sequence[tuple[Rule, Ruleset]], model: CostModel, limits: Limits,
-         keep: bool, price_input: bool = True) -> Result:
+         keep: bool, price_input: bool = True, input_price: float | None = None) -> Result:
     times = {"trace": 0.0}
 
     t = time.perf_counter()
     eg, outs, token, manual = _load(closed, entries)
     program_names = eg.num_names
-    cost_before = input_cost(eg.snapshot(), outs, token, model) if price_input else float("nan")
+    if input_price is not None:
+        cost_before = input_price
+    else:
+        cost_before = input_cost(eg.snapshot(), outs, token, model) if price_input else float("nan")
     times["load"] = time.perf_counter() - t
 
     # Saturate, under limits.
@@ -193,6 +202,28 @@ class ProofGraph:
             outs, _ = load_closed(program, [self.ref[a] for a in args], eg)
             snap = eg.snapshot()
             return [snap.cls_of_name[self.ref[v]] for v in values], [snap.cls_of_name[o] for o in outs]
+
+    def body_between(self, value: Any, leaves: Sequence[Any]) -> str | None:
+        """The constructor of a node with a body (a ``cond``'s branches, a ``jit`` or ``custom_jvp_call`` kept as a
+        call) that ``value``'s term, of the program loaded at first, runs through before it reaches ``leaves``;
+        ``None`` if there is none. A program loaded later with its inputs bound to ``leaves`` then never computes
+        ``value``'s class: each body it loads is a scope of its own (``Body`` names its scope), so none of its
+        terms above its inputs is one that holds a body of the first program, and with no rule a class is one
+        term. A proof that would read it is known to fail before that program is made."""
+        snap = self.egraph.snapshot()
+        stop = {snap.cls_of_name[self.ref[a]] for a in leaves}
+        nodes = snap.nodes
+
+        def kids(c: Any) -> list[Any]:
+            return [] if c in stop else [a for node in nodes.get(c, ()) for a in operands(snap, node)]
+
+        for c in walk([snap.cls_of_name[self.ref[value]]], kids):
+            if c in stop:
+                continue
+            for ctor, _ in nodes.get(c, ()):
+                if any(sort in ("Region", "BList") for sort in ctor_arg_sorts(ctor)):
+                    return ctor
+        return None
 
     def release(self) -> None:
         """The e-graph goes back to the pool: no proof is read from this one again."""

@@ -427,6 +427,10 @@ def _attempt(step: core.ClosedJaxpr, graph: _Graph, root: Any, eqns: list[int], 
     lifted = [v for v in leaves if v in consts] + [v for v in leaves if v not in consts]
     flat_cone = core.ClosedJaxpr(core.Jaxpr([], lifted, cone.jaxpr.outvars, cone.jaxpr.eqns, core.no_effects), [])
     dif = [i for i, v in enumerate(lifted) if is_float(v.aval)]
+    body = None if shared is None else shared().body_between(root, lifted)
+    if body is not None:  # its re-derivation's loss could never be proven the step's: not made
+        return (f"not proven equal to its re-derivation, which was not made: its cone runs through a {body} body, "
+                "which a body loaded again (a scope of its own) never is"), None
     try:
         derived = rederive(flat_cone, dif)
         same, found = prove(step, graph, root, flat_cone, lifted, dif, derived, proof,
