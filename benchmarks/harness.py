@@ -192,9 +192,9 @@ HAND_NOTES = "## Notes (written by hand"
 
 
 def write_results(folder: pathlib.Path, name: str, title: str, setup: str, rounds: int, header: str,
-                  lines: Sequence[str], rows: Any) -> None:
+                  lines: Sequence[str], rows: Any, command: str | None = None) -> None:
     """``folder/name.json`` (``rows``) and ``folder/name.md``: ``title``, the command and the machine that ran
-    it (``python -m benchmarks.<name> --rounds <rounds>``), ``setup`` (what was measured, how to read it),
+    it (``command``; by default ``python -m benchmarks.<name> --rounds <rounds>``), ``setup`` (what was measured, how to read it),
     then the table ``header`` and ``lines``. A section of the old ``name.md`` from a heading ``## Notes (written by
     hand...`` on is kept after the new table."""
     folder.mkdir(exist_ok=True)
@@ -202,8 +202,9 @@ def write_results(folder: pathlib.Path, name: str, title: str, setup: str, round
     old = old.read_text() if old.exists() else ""
     kept = old[old.index(HAND_NOTES):] if HAND_NOTES in old else ""
     (folder / f"{name}.json").write_text(json.dumps(rows, indent=1, default=float))
+    default = f"python -m benchmarks.{name} --rounds {rounds}"
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     text = [f"# {title}\n",
-            f"`python -m benchmarks.{name} --rounds {rounds}`, {stamp}, {platform.processor() or platform.machine()}, "
+            f"`{command or default}`, {stamp}, {platform.processor() or platform.machine()}, "
             f"{jax.devices()[0].device_kind}, jax {jax.__version__}. {setup}\n", header, *lines]
     (folder / f"{name}.md").write_text("\n".join(text) + "\n" + (f"\n{kept}" if kept else ""))

@@ -535,11 +535,11 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         print(line(d), flush=True)
         print(f"  found: {d['found']}", flush=True)
         if a.write:  # after each case, so that a long run keeps what it measured
-            _write(rows, size, a.rounds)
+            _write(rows, size, a.rounds, a.round_seconds)
     return rows
 
 
-def _write(rows: list[dict[str, Any]], size: Size, rounds: int) -> None:
+def _write(rows: list[dict[str, Any]], size: Size, rounds: int, round_seconds: float = 0.02) -> None:
     """The results file: these rows, after the rows of other cases an earlier run wrote (``--cases`` runs some)."""
     import json
 
@@ -548,11 +548,14 @@ def _write(rows: list[dict[str, Any]], size: Size, rounds: int) -> None:
     kept = [d for d in (json.loads(old.read_text()) if old.exists() else []) if d["case"] not in ran]
     rows = kept + rows
     setup = (f"B={size.batch}, N={size.length}, width {size.width}, {size.heads} heads, V={size.vocab}; every "
-             "built-in pack but fastmath. Ratios are speed against `standard` (higher is faster); memory is "
-             "XLA's temp memory and its ratio to `standard`'s.")
+             "built-in pack but fastmath. Ratios are speed against `standard` (higher is faster): the median over "
+             "rounds of each round's ratio, with its 90% bootstrap interval where measured so (every variant "
+             "repeated as often in a round); memory is XLA's temp memory and its ratio to `standard`'s.")
+    command = (f"python -m benchmarks.wholestep{' --small' if size == SMALL else ''} --rounds {rounds}"
+               + (f" --round-seconds {round_seconds:g}" if round_seconds != 0.02 else ""))
     write_results(RESULTS, "wholestep_small" if size == SMALL else "wholestep",
                   "Whole training steps: jit(step), jit(rewrite(step)), loss first", setup, rounds, HEADER,
-                  [line(d) for d in rows] + [""] + [f"- {d['case']}: {d['found']}" for d in rows], rows)
+                  [line(d) for d in rows] + [""] + [f"- {d['case']}: {d['found']}" for d in rows], rows, command)
 
 
 if __name__ == "__main__":
