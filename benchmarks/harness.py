@@ -194,9 +194,9 @@ HAND_NOTES = "## Notes (written by hand"
 def write_results(folder: pathlib.Path, name: str, title: str, setup: str, rounds: int, header: str,
                   lines: Sequence[str], rows: Any, command: str | None = None) -> None:
     """``folder/name.json`` (``rows``) and ``folder/name.md``: ``title``, the command and the machine that ran
-    it (``command``; by default ``python -m benchmarks.<name> --rounds <rounds>``), ``setup`` (what was measured, how to read it),
-    then the table ``header`` and ``lines``. A section of the old ``name.md`` from a heading ``## Notes (written by
-    hand...`` on is kept after the new table."""
+    it (``command``; by default ``python -m benchmarks.<name> --rounds <rounds>``), ``setup`` (what was measured,
+    how to read it), then the table ``header`` and ``lines``. A section of the old ``name.md`` from a heading
+    ``## Notes (written by hand...`` on is kept after the new table."""
     folder.mkdir(exist_ok=True)
     old = folder / f"{name}.md"
     old = old.read_text() if old.exists() else ""

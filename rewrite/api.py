@@ -374,9 +374,10 @@ class Rewritten:
         return saturated_classes(program, (), self.limits)
 
     def _leaner(self, alt: Result, result: Result) -> bool:
-        """The cost model's own rule between two programs it prices close (:func:`rewrite.extract.program.keeps_leaner`):
-        within its ``lean_band`` the one predicted to hold less memory at its peak wins; within ``lean_band_far``,
-        the one that holds at most half and drops arrays larger than the cache."""
+        """The cost model's own rule between two programs it prices close
+        (:func:`rewrite.extract.program.keeps_leaner`): within its ``lean_band`` the one predicted to hold less
+        memory at its peak wins; within ``lean_band_far``, the one that holds at most half and drops arrays larger
+        than the cache."""
         predict = getattr(self.cost_model, "predict_temp_bytes", None)
         if not lean_band(self.cost_model) or predict is None:
             return False

@@ -253,8 +253,8 @@ def test_a_small_head_keeps_its_logits_in_a_step():
     as large as the head's: that pays where the logits are large (``test_memory_shaped_rewrite_fires_in_a_step``)
     and costs where they are not. At N=128, V=1024, width 64 (1 MiB of logits: ``benchmarks.wholestep --small``)
     the loss-first program built for the forward alone took it (the step 0.93-0.96x of the original's speed, and
-    111% of its product flops, 100.02% now); decided on the joint program (``Ruleset(jointly=True)``) it is not taken, and the
-    step runs the products the original runs, with the loss still read from the loss-first program."""
+    111% of its product flops, 100.02% now); decided on the joint program (``Ruleset(jointly=True)``) it is not
+    taken, and the step runs the products the original runs, with the loss still read from the loss-first program."""
     size = ws.Size(batch=2, length=128, width=64, heads=2, vocab=1024)
     step, args = ws.CASES["linen_gpt"](size, ws.plain, opt=optax.sgd(0.1))
     flat, leaves = ws._flat(step, args)
