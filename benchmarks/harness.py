@@ -52,15 +52,34 @@ class Row:
     spread: dict[str, float]  # (p75 - p25) / median of the per-round times
     stats: dict[str, Stats]
     rounds: int
+    samples: dict[str, list[float]] = dataclasses.field(default_factory=dict)  # per variant, one time per round
 
     def ratio(self, variant: str) -> float:
         return self.seconds[self.baseline] / self.seconds[variant]
+
+    def paired(self, variant: str, level: float = 0.9, resamples: int = 4000, seed: int = 0
+               ) -> tuple[float, float, float]:
+        """(median, low, high) of the per-round ratios ``time(baseline) / time(variant)``, with a bootstrap interval.
+
+        Each round ran every variant once, back to back, so a ratio within one round cancels the drift between
+        rounds that the ratio of the two medians (:meth:`ratio`) keeps. The interval is the percentile bootstrap
+        of the median over rounds, at ``level``; with the A/A control's interval beside it, it says whether a
+        difference of a few percent is there at all.
+        """
+        base, var = self.samples[self.baseline], self.samples[variant]
+        ratios = [b / v for b, v in zip(base, var)]
+        rng = random.Random(seed)
+        meds = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(resamples))
+        tail = (1.0 - level) / 2
+        return (statistics.median(ratios), meds[int(tail * resamples)],
+                meds[min(resamples - 1, int((1.0 - tail) * resamples))])
 
     def as_dict(self) -> dict[str, Any]:
         return {
             "case": self.case, "baseline": self.baseline, "rounds": self.rounds,
             "variants": {
                 v: {"seconds": self.seconds[v], "ratio": self.ratio(v), "spread": self.spread[v],
+                    **({"samples": self.samples[v], "paired": self.paired(v)} if self.samples else {}),
                     **dataclasses.asdict(self.stats[v])}
                 for v in self.seconds
             },
@@ -95,8 +114,12 @@ def _run_once(compiled: Any, args: Sequence[Any], inner: int) -> float:
 
 def measure(case: str, variants: dict[str, Callable[..., Any]], args: Sequence[Any], *, baseline: str = "standard",
             rounds: int = 15, warmup: int = 3, min_round_seconds: float = 0.02, seed: int = 0,
-            progress: Callable[[str], None] | None = None) -> Row:
-    """Time ``variants`` (same arguments) interleaved; see the module docstring."""
+            progress: Callable[[str], None] | None = None, same_count: bool = False) -> Row:
+    """Time ``variants`` (same arguments) interleaved; see the module docstring.
+
+    Each timed block repeats a variant's call often enough to last ``min_round_seconds``; with ``same_count``
+    every variant repeats it as often as the fastest needs, so that programs of a few milliseconds, whose
+    per-block overheads (dispatch, the last call's wait) are a few per cent of a block, are timed alike."""
     if baseline not in variants:
         raise ValueError(f"baseline {baseline!r} is not one of {list(variants)}")
     compiled: dict[str, Any] = {}
@@ -114,6 +137,8 @@ def measure(case: str, variants: dict[str, Callable[..., Any]], args: Sequence[A
             _run_once(c, args, 1)
         one = max(_run_once(c, args, 1), 1e-6)
         inner[name] = max(1, int(min_round_seconds / one))
+    if same_count:
+        inner = dict.fromkeys(inner, max(inner.values()))
     rng = random.Random(seed)
     samples: dict[str, list[float]] = {n: [] for n in variants}
     order = list(variants)
@@ -128,7 +153,7 @@ def measure(case: str, variants: dict[str, Callable[..., Any]], args: Sequence[A
     for n, s in samples.items():
         q = statistics.quantiles(s, n=4) if len(s) >= 4 else [s[0], s[0], s[-1]]
         spread[n] = (q[2] - q[0]) / med[n] if med[n] else 0.0
-    return Row(case, baseline, med, spread, stats, rounds)
+    return Row(case, baseline, med, spread, stats, rounds, samples)
 
 
 def format_variants(row: Row) -> str:
@@ -167,18 +192,19 @@ HAND_NOTES = "## Notes (written by hand"
 
 
 def write_results(folder: pathlib.Path, name: str, title: str, setup: str, rounds: int, header: str,
-                  lines: Sequence[str], rows: Any) -> None:
+                  lines: Sequence[str], rows: Any, command: str | None = None) -> None:
     """``folder/name.json`` (``rows``) and ``folder/name.md``: ``title``, the command and the machine that ran
-    it (``python -m benchmarks.<name> --rounds <rounds>``), ``setup`` (what was measured, how to read it),
-    then the table ``header`` and ``lines``. A section of the old ``name.md`` from a heading ``## Notes (written by
-    hand...`` on is kept after the new table."""
+    it (``command``; by default ``python -m benchmarks.<name> --rounds <rounds>``), ``setup`` (what was measured,
+    how to read it), then the table ``header`` and ``lines``. A section of the old ``name.md`` from a heading
+    ``## Notes (written by hand...`` on is kept after the new table."""
     folder.mkdir(exist_ok=True)
     old = folder / f"{name}.md"
     old = old.read_text() if old.exists() else ""
     kept = old[old.index(HAND_NOTES):] if HAND_NOTES in old else ""
     (folder / f"{name}.json").write_text(json.dumps(rows, indent=1, default=float))
+    default = f"python -m benchmarks.{name} --rounds {rounds}"
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     text = [f"# {title}\n",
-            f"`python -m benchmarks.{name} --rounds {rounds}`, {stamp}, {platform.processor() or platform.machine()}, "
+            f"`{command or default}`, {stamp}, {platform.processor() or platform.machine()}, "
             f"{jax.devices()[0].device_kind}, jax {jax.__version__}. {setup}\n", header, *lines]
     (folder / f"{name}.md").write_text("\n".join(text) + "\n" + (f"\n{kept}" if kept else ""))

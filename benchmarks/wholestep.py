@@ -442,7 +442,7 @@ def values_error(a: Callable, b: Callable, args: list) -> tuple[float, float]:
     return loss_err, worst
 
 
-def run_case(name: str, size: Size, rounds: int) -> dict[str, Any]:
+def run_case(name: str, size: Size, rounds: int, round_seconds: float = 0.02) -> dict[str, Any]:
     build = CASES[name]
     step, args = build(size, plain)
     first, first_args = build(size, loss_first)  # its own modules (equinox's classes are made per build)
@@ -455,7 +455,8 @@ def run_case(name: str, size: Size, rounds: int) -> dict[str, Any]:
     rewrite_s = time.perf_counter() - t
     res = whole.result(*args)
     row = measure(name, {"standard": flat_step, "aa": lambda *a: flat_step(*a), "whole": flat_whole,
-                         "loss_first": flat_first}, leaves, rounds=rounds)
+                         "loss_first": flat_first}, leaves, rounds=rounds, min_round_seconds=round_seconds,
+                  same_count=True)
     loss_err, param_err = values_error(flat_step, flat_whole, leaves)
     d = row.as_dict()
     d.update(rewrite_seconds=rewrite_s, loss_error=loss_err, param_error=param_err,
@@ -492,7 +493,11 @@ def line(d: dict[str, Any]) -> str:
     base = v["standard"]["temp_bytes"]
 
     def cell(k: str) -> str:
-        return f"{v[k]['ratio']:.2f}x, {v[k]['temp_bytes'] / MiB:.1f} MiB (x{v[k]['temp_bytes'] / max(base, 1):.2f})"
+        mem = f"{v[k]['temp_bytes'] / MiB:.1f} MiB (x{v[k]['temp_bytes'] / max(base, 1):.2f})"
+        if "paired" not in v[k]:  # a row an older run wrote
+            return f"{v[k]['ratio']:.2f}x, {mem}"
+        mid, lo, hi = v[k]["paired"]
+        return f"{mid:.2f}x [{lo:.2f}, {hi:.2f}], {mem}"
 
     whole, first = v["whole"], v["loss_first"]
     return (f"| {d['case']} | {v['standard']['seconds'] * 1e3:.1f} ms, {base / MiB:.1f} MiB | {cell('aa')} | "
@@ -510,6 +515,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     p.add_argument("--cases", default=",".join(CASES))
     p.add_argument("--small", action="store_true", help="N=128, V=1024, width 64")
     p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--round-seconds", type=float, default=0.02,
+                   help="the least time one variant's timed block lasts in a round (it repeats the step to fill it)")
     p.add_argument("--write", action="store_true", help="write benchmarks/results/wholestep[_small].md and .json")
     p.add_argument("--memory", action="store_true", help="temp memory and values only, compiled and not timed")
     a = p.parse_args(argv)
@@ -523,16 +530,16 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     rows = []
     print(HEADER)
     for name in a.cases.split(","):
-        d = run_case(name, size, a.rounds)
+        d = run_case(name, size, a.rounds, a.round_seconds)
         rows.append(d)
         print(line(d), flush=True)
         print(f"  found: {d['found']}", flush=True)
         if a.write:  # after each case, so that a long run keeps what it measured
-            _write(rows, size, a.rounds)
+            _write(rows, size, a.rounds, a.round_seconds)
     return rows
 
 
-def _write(rows: list[dict[str, Any]], size: Size, rounds: int) -> None:
+def _write(rows: list[dict[str, Any]], size: Size, rounds: int, round_seconds: float = 0.02) -> None:
     """The results file: these rows, after the rows of other cases an earlier run wrote (``--cases`` runs some)."""
     import json
 
@@ -541,11 +548,14 @@ def _write(rows: list[dict[str, Any]], size: Size, rounds: int) -> None:
     kept = [d for d in (json.loads(old.read_text()) if old.exists() else []) if d["case"] not in ran]
     rows = kept + rows
     setup = (f"B={size.batch}, N={size.length}, width {size.width}, {size.heads} heads, V={size.vocab}; every "
-             "built-in pack but fastmath. Ratios are speed against `standard` (higher is faster); memory is "
-             "XLA's temp memory and its ratio to `standard`'s.")
+             "built-in pack but fastmath. Ratios are speed against `standard` (higher is faster): the median over "
+             "rounds of each round's ratio, with its 90% bootstrap interval where measured so (every variant "
+             "repeated as often in a round); memory is XLA's temp memory and its ratio to `standard`'s.")
+    command = (f"python -m benchmarks.wholestep{' --small' if size == SMALL else ''} --rounds {rounds}"
+               + (f" --round-seconds {round_seconds:g}" if round_seconds != 0.02 else ""))
     write_results(RESULTS, "wholestep_small" if size == SMALL else "wholestep",
                   "Whole training steps: jit(step), jit(rewrite(step)), loss first", setup, rounds, HEADER,
-                  [line(d) for d in rows] + [""] + [f"- {d['case']}: {d['found']}" for d in rows], rows)
+                  [line(d) for d in rows] + [""] + [f"- {d['case']}: {d['found']}" for d in rows], rows, command)
 
 
 if __name__ == "__main__":

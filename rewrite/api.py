@@ -31,7 +31,7 @@ from .cache.key import make_key
 from .cost import guard as _guard
 from .cost.measure import resolve
 from .errors import RewriteLimitWarning, RewriteWarning, _strict
-from .extract.program import far_leaner, lean_band, leaner
+from .extract.program import keeps_leaner, lean_band
 from .grad.primitive import Signature, bind_if_differentiated
 from .grad.step import find_losses, join_pinned, proof_graph, split_pinned
 from .grad.vjp import VJPResult, build_vjp, rewrite_joint
@@ -375,27 +375,44 @@ class Rewritten:
         return saturated_classes(program, (), self.limits)
 
     def _leaner(self, alt: Result, result: Result) -> bool:
-        """The cost model's own rule between two programs it prices within its ``lean_band``: the one predicted
-        to hold less memory at its peak (:func:`rewrite.extract.program.leaner`) wins; within ``lean_band_far``,
-        the one that holds at most half and drops arrays larger than the cache (:func:`far_leaner`)."""
-        band = lean_band(self.cost_model)
+        """The cost model's own rule between two programs it prices close
+        (:func:`rewrite.extract.program.keeps_leaner`): within its ``lean_band`` the one predicted to hold less
+        memory at its peak wins; within ``lean_band_far``, the one that holds at most half and drops arrays larger
+        than the cache."""
         predict = getattr(self.cost_model, "predict_temp_bytes", None)
-        if not band or predict is None:
+        if not lean_band(self.cost_model) or predict is None:
             return False
-        far = max(band, float(getattr(self.cost_model, "lean_band_far", 0.0) or 0.0))
-        if alt.cost_after > result.cost_after * (1 + far):
-            return False
-        peak, than = predict(alt.after), predict(result.after)
-        if alt.cost_after <= result.cost_after * (1 + band) and leaner(peak, than):
-            return True
-        return far_leaner(peak, than, self.cost_model)
+        return keeps_leaner(alt.cost_after, predict(alt.after), result.cost_after, predict(result.after),
+                            self.cost_model)
 
     def _loss_first(self, cone: core.ClosedJaxpr) -> core.ClosedJaxpr:
         """A loss's VJP as ``jax.value_and_grad(rewrite(loss))`` runs it, with these rules, as one program
-        ``(primals, cotangent) -> (loss, gradients)``: JAX's VJP of the rewritten forward, rewritten."""
+        ``(primals, cotangent) -> (loss, gradients)``: JAX's VJP of the rewritten forward, rewritten.
+
+        The forward is rewritten for the forward alone, which does not see the backward a form brings with it.
+        Where rules of a ruleset made with ``jointly=True`` fired in it (``rulesets.nn``'s LM head over token
+        blocks, whose backward recomputes each block's logits: that pays where the logits are large and costs a
+        product where they are not), the same loss-first program is built without that ruleset too, and of
+        the two the cheaper is kept, or the leaner within the model's lean band
+        (:func:`rewrite.extract.program.keeps_leaner`), as a step is chosen."""
         # only the programs that come out are read: the inputs are not priced
-        forward = run_pipeline(cone, self.entries, self.cost_model, self.limits, price_input=False).after
-        return rewrite_joint(forward, self.entries, self.cost_model, self.limits)
+        forward = run_pipeline(cone, self.entries, self.cost_model, self.limits, price_input=False)
+        built = rewrite_joint(forward.after, self.entries, self.cost_model, self.limits)
+        jointly = {r.name for r, owner in self.entries if getattr(owner, "jointly", False)}
+        if not any(s.fired for n, s in forward.stats.items() if n in jointly):
+            return built
+        rest = [(r, owner) for r, owner in self.entries if r.name not in jointly]
+        plain = run_pipeline(cone, rest, self.cost_model, self.limits, price_input=False).after
+        if same_program(plain, forward.after):
+            return built
+        other = rewrite_joint(plain, rest, self.cost_model, self.limits)
+        (cheap, c_cost), (dear, d_cost) = sorted(((p, program_cost(p, self.cost_model)) for p in (built, other)),
+                                                 key=lambda pc: pc[1])  # a tie keeps the program built with them
+        predict = getattr(self.cost_model, "predict_temp_bytes", None)
+        if predict is not None and lean_band(self.cost_model) and keeps_leaner(
+                d_cost, predict(dear), c_cost, predict(cheap), self.cost_model):
+            return dear
+        return cheap
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         key, flat, (traced, result), nodes = self._prepare(args, kwargs)

@@ -12,7 +12,7 @@ backward. The rules below read those quantities from the product instead:
   each block. The shift is the program's, found from ``max(logits)`` under ``stop_gradient``.
 
 One rule per token block of :data:`BLOCKS` offers its loop where the block divides the tokens (at least two
-blocks); the cost model chooses, the block too, and keeps the logits where the vocabulary is small. A dense
+blocks); the cost model chooses (in a step, on the loss's joint program: ``jointly=True``), the block too. A dense
 target ``t`` (``optax.softmax_cross_entropy(logits, t)`` with ``t`` an input) is read a block of rows per step,
 ``sum(t * ((z - shift) - log(sum)))`` elementwise as ``log_softmax`` computes it, in blocks of 128 tokens only:
 XLA:CPU copies each block of ``t`` out of it (two blocks held), and 128 tokens measured fastest too. On a GPU
@@ -467,7 +467,7 @@ def lm_head_rules(*, columns: int = COLUMNS, loop: bool | None = None) -> Rulese
              example_program=_int_at(256)),
         rule(_NORMALISER, _lse(512, c, g), name="nn_lm_head_lse_512",  # sum(exp(h @ W - shift)) -> scan over token blocks
              example_program=_int_at(512)),
-    ], soundness="identity", tolerance=Tolerance(rtol=2e-4, atol=2e-5),
+    ], soundness="identity", tolerance=Tolerance(rtol=2e-4, atol=2e-5), jointly=True,
         description="a cross-entropy over a product h @ W computed over token blocks, never holding the logits")
 
 

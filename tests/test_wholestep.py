@@ -231,6 +231,42 @@ def test_memory_shaped_rewrite_fires_in_a_step():
     assert after <= 1.1 * by_hand, (after, by_hand)
 
 
+def _product_flops(jaxpr: core.Jaxpr) -> int:
+    """The flops of every ``dot_general`` a program runs: a loop's body's times its length, a nested body's once."""
+    total = 0
+    for e in jaxpr.eqns:
+        if e.primitive.name == "dot_general":
+            (contracting, _), _ = e.params["dimension_numbers"]
+            total += 2 * int(np.prod(e.outvars[0].aval.shape)) * int(
+                np.prod([e.invars[0].aval.shape[a] for a in contracting]))
+        times = e.params.get("length", 1) if e.primitive.name == "scan" else 1
+        for p in e.params.values():
+            for sub in p if isinstance(p, (list, tuple)) else [p]:
+                body = getattr(sub, "jaxpr", sub)
+                if isinstance(body, core.Jaxpr):
+                    total += times * _product_flops(body)
+    return total
+
+
+def test_a_small_head_keeps_its_logits_in_a_step():
+    """The LM head's token loop drops the logits from the forward and recomputes them in its backward, a product
+    as large as the head's: that pays where the logits are large (``test_memory_shaped_rewrite_fires_in_a_step``)
+    and costs where they are not. At N=128, V=1024, width 64 (1 MiB of logits: ``benchmarks.wholestep --small``)
+    the loss-first program built for the forward alone took it (the step 0.93-0.96x of the original's speed, and
+    111% of its product flops, 100.02% now); decided on the joint program (``Ruleset(jointly=True)``) it is not
+    taken, and the step runs the products the original runs, with the loss still read from the loss-first program."""
+    size = ws.Size(batch=2, length=128, width=64, heads=2, vocab=1024)
+    step, args = ws.CASES["linen_gpt"](size, ws.plain, opt=optax.sgd(0.1))
+    flat, leaves = ws._flat(step, args)
+    r = rewrite(flat, rulesets=ws.packs(), cache=False)
+    res = r.result(*leaves)
+    assert res.step.replaced and "loss-first" in res.why, (str(res.step), res.why)
+    # the label's logit read as a product of its own (``nn_lm_head_label``) adds 0.02%; the head's, 11%
+    before = _product_flops(jax.make_jaxpr(flat)(*leaves).jaxpr)
+    assert _product_flops(res.after.jaxpr) <= 1.01 * before, (_product_flops(res.after.jaxpr), before)
+    _close(jax.jit(flat)(*leaves), jax.jit(r)(*leaves), 2e-4)
+
+
 def test_the_encoder_step_recomputes_its_gelu_to_hold_less():
     """The haiku encoder's MLP activation is the tanh GELU: with ``rulesets.nn``'s recomputing backward
     (``nn_remat``) the step recomputes it from its input instead of holding its tanh and polynomial terms from the
@@ -251,13 +287,17 @@ def test_the_encoder_step_recomputes_its_gelu_to_hold_less():
     _close(want, got["with"], 1e-4, moved=_moved(want, leaves))
 
 
-def test_the_accumulating_step_and_its_loss_first_form_recompute_alike():
+def test_the_accumulating_step_and_its_loss_first_form_recompute_alike(monkeypatch):
     """A VJP's gradients-only extraction is held to the pipeline's policy, as its joint extraction is: without the
     recomputing rules' nodes, then with them as one candidate where they free memory. Before, it took them only
     where ordinary extraction found them one class at a time, so the two forms of a step that accumulates its
     gradients over micro-batches took different backward passes: at N=1024 the loss-first form held 16.1% more
     than the whole step here (33.3 against 29.1 MiB), and at the benchmark's size the whole step 26% more than the
-    loss-first form (43.1 against 34.1 MiB; now 35.1 both)."""
+    loss-first form (43.1 against 34.1 MiB; now 35.1 both). The whole step's search decides the LM head's token
+    loop on the joint program (``Ruleset(jointly=True)``), which the loss-first form does not: here it keeps the
+    4 MiB logits of each micro-batch (28.6 against 25.6 MiB, at the same speed), so the head is decided as the
+    loss-first form decides it, for the forward alone, and the two differ only where recomputation could."""
+    monkeypatch.setattr(rulesets.nn.nn_lm_head, "jointly", False)
     size = ws.Size(batch=2, length=1024, width=128, heads=2, vocab=1024)
     step, args = ws.CASES["linen_accumulate"](size, ws.plain, opt=optax.sgd(0.1))
     first, first_args = ws.CASES["linen_accumulate"](size, ws.loss_first, opt=optax.sgd(0.1))
@@ -392,14 +432,18 @@ def test_rewrite_step_keeps_the_leaner_step_by_default():
     _close(jax.jit(flat)(*leaves), jax.jit(r)(*leaves), 2e-4)
 
 
-def test_a_step_far_leaner_replaced_is_kept_within_the_far_band():
+def test_a_step_far_leaner_replaced_is_kept_within_the_far_band(monkeypatch):
     """A step whose loss-first replacement holds under half the temp memory and drops arrays larger than the
     cache is kept replaced though priced a few per cent dearer (``AnalyticCost.lean_band_far``): linen's step
     with its gradients accumulated over micro-batches in a scan, at N=512, V=8192, with every pack but fastmath,
     is priced about 15% above the step as written without the fresh-buffer term (``fresh=0``), beyond
     ``lean_band``. Without the far band the step as written is kept. With this machine's table, whose fresh term
-    prices the 100 MiB of temporaries the step as written holds (mapped afresh at each call), it is cheaper."""
+    prices the 100 MiB of temporaries the step as written holds (mapped afresh at each call), it is cheaper.
+    The LM head's token loop is decided for the forward alone here: decided on the joint program
+    (``Ruleset(jointly=True)``), the same band would act inside the loss-first program, before the step's choice."""
     from rewrite.cost.model import AnalyticCost
+
+    monkeypatch.setattr(rulesets.nn.nn_lm_head, "jointly", False)
 
     size = ws.Size(batch=2, length=512, width=64, heads=4, vocab=8192)
     step, args = ws.CASES["linen_accumulate"](size, ws.plain)  # optax.adamw, as linen's examples write it

@@ -68,7 +68,8 @@ def rules_fingerprint(entries: Sequence[tuple[Any, Any]]) -> str:
         try:
             parts.append((rule_fingerprint(r), owner.soundness, fingerprint(owner.tolerance),
                           fingerprint(owner.limits), getattr(owner, "min_saving", 0.0))
-                         + (("recomputes",) if getattr(owner, "recomputes", False) else ()))
+                         + (("recomputes",) if getattr(owner, "recomputes", False) else ())
+                         + (("jointly",) if getattr(owner, "jointly", False) else ()))
         except Unstable as e:
             raise Unstable(f"rule {r.name!r}: {e}") from None
     return fingerprint(parts)

@@ -54,6 +54,22 @@ def far_leaner(peak: float | None, than: float | None, model: Any) -> bool:
             and peak <= than / 2 and than - peak > cache)
 
 
+def keeps_leaner(cost: float, peak: float | None, than_cost: float, than_peak: float | None, model: Any) -> bool:
+    """The cost model's own rule between two whole programs priced ``cost`` and ``than_cost``, predicted to hold
+    ``peak`` and ``than_peak`` bytes at their peaks: whether the first is kept though it is priced no lower. It is
+    where it is priced within the model's ``lean_band`` and :func:`leaner`, or within ``lean_band_far`` and
+    :func:`far_leaner` (``AnalyticCost.lean_band_far``); never where the model has no band."""
+    band = lean_band(model)
+    if not band:
+        return False
+    far = max(band, float(getattr(model, "lean_band_far", 0.0) or 0.0))
+    if cost > than_cost * (1 + far):
+        return False
+    if cost <= than_cost * (1 + band) and leaner(peak, than_peak):
+        return True
+    return far_leaner(peak, than_peak, model)
+
+
 class ProgramPricer:
     """The whole-program price of a choice under ``model.program``, with per-node work cached."""
 

@@ -87,7 +87,7 @@ class Ruleset:
 
     def __init__(self, name: str, rules: Iterable[Rule | "Ruleset"] = (), *, soundness: str = "exact",
                  tolerance: Tolerance | None = None, description: str = "", limits: Any = None,
-                 min_saving: float = 0.0, recomputes: bool = False) -> None:
+                 min_saving: float = 0.0, recomputes: bool = False, jointly: bool = False) -> None:
         if soundness not in SOUNDNESS:
             raise ValueError(f"ruleset {name!r}: soundness must be one of {SOUNDNESS}, got {soundness!r}")
         self.name = name
@@ -108,6 +108,11 @@ class Ruleset:
         #: memory at a price no higher (``extract.policy.recomputations``), as the rule that built a node says,
         #: whatever its shape (a loop rule's checkpointed body is not one of them).
         self.recomputes = bool(recomputes)
+        #: This ruleset's rules replace a forward computation together with its backward (a loop whose own
+        #: backward recomputes what JAX's would read): in a training step, whether one pays depends on that
+        #: backward, which a forward's price does not see. So the whole-step search's loss-first program is also
+        #: built without them, and the cheaper of the two kept (``rewrite/api.py``, ``_loss_first``).
+        self.jointly = bool(jointly)
         self.rules: list[Rule] = []
         self.parts: list[Ruleset] = []
         if isinstance(rules, (Rule, Ruleset)):  # Ruleset("r", rule(...)): one rule is a list of one
