@@ -135,12 +135,11 @@ def _run(closed: core.ClosedJaxpr, entries: Sequence[tuple[Rule, Ruleset]], mode
 def _load(closed: core.ClosedJaxpr, entries: Sequence[tuple[Rule, Ruleset]]
           ) -> tuple[EGraph, list, Any, Held]:
     """A new e-graph holding ``closed``: it, the outputs' names, the final token's, and what the program holds
-    (with ``pvary`` it is inside a ``shard_map`` body). The program's inputs are the Params of scope 0; its
-    effects, if any, are threaded on a token that starts at (Tok 0). The e-graph is declared with the rules'
-    queries (see ir/egraph.py's _POOL), but for anchored rules whose primitive or literals the program lacks
-    (``Rule.anchor``: the engine declares them if a rule builds what they need)."""
+    (with ``pvary`` it is inside a ``shard_map`` body), for the engine to declare the anchored rules it admits
+    (``Rule.anchor``). The program's inputs are the Params of scope 0; its effects, if any, are threaded on a
+    token that starts at (Tok 0)."""
     held = _held(closed, entries)
-    eg = EGraph(match_program(entries, "pvary" in held.primitives, held)[0])
+    eg = EGraph(match_program(entries, "pvary" in held.primitives)[0])  # with the rules' queries: ir/egraph.py's _POOL
     inputs = [eg.term("Param", [0, i], TYPES.intern_aval(a)) for i, a in enumerate(closed.in_avals)]
     token = eg.term("Tok", [0], TYPES.intern_aval(TOKEN_AVAL)) if closed.jaxpr.effects else None
     outs, token = load_closed(closed, inputs, eg, token)

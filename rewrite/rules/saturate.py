@@ -78,7 +78,7 @@ class Held:
         return rule.anchor is None or (rule.anchor in self.primitives and rule.anchor_literals <= self.literals)
 
 
-def match_program(entries: Sequence[tuple[Rule, Ruleset]], manual: bool = False, held: Held | None = None
+def match_program(entries: Sequence[tuple[Rule, Ruleset]], manual: bool = False
                   ) -> tuple[str, list[list[tuple[tuple[str, int], list[tuple[str, str]]]]]]:
     """The egglog declarations of the rules' queries (ruleset ``match``), and per rule its relations and binds.
 
@@ -91,27 +91,24 @@ def match_program(entries: Sequence[tuple[Rule, Ruleset]], manual: bool = False,
     made once and lent to every rewrite with the same rules (``ir/egraph.py``'s ``_POOL``),
     and it is made once per list of rules (the last few are kept).
 
-    ``held``: what the program holds (``None``: anything). An anchored rule (``Rule.anchor``) whose primitive or
-    literals it lacks has its queries left out; the engine declares them if the e-graph comes to hold them
-    (:func:`deferred`). The relations and query ids are the same either way.
+    An anchored rule's queries (``Rule.anchor``) are left out: the engine declares them in the e-graph it
+    borrows, where it holds what they need (:func:`anchored_rules`). Whether a program holds a primitive is
+    no part of the text, so every program shares the one pooled e-graph (a second text would be a second
+    e-graph, its schema declared anew: some 0.15 s, where the queries of an anchored rule take 10 ms).
     """
     decl = _declarations(entries, manual)
-    live = tuple(i for i, (rule, _) in enumerate(entries) if held is None or held.admits(rule))
-    text = decl.texts.get(live)
-    if text is None:
-        text = decl.texts[live] = "\n".join(decl.head + [line for i in live for line in decl.lines[i]])
-    return text, decl.relations
+    if decl.text is None:
+        decl.text = "\n".join(decl.head + [line for (rule, _), lines in zip(entries, decl.lines)
+                                            if rule.anchor is None for line in lines])
+    return decl.text, decl.relations
 
 
-def deferred(entries: Sequence[tuple[Rule, Ruleset]], manual: bool, held: Held | None
-             ) -> list[tuple[str, frozenset[int], str]]:
-    """The anchored rules :func:`match_program` left out for ``held``: the anchor's constructor, the literals
-    the rule needs, and the declarations of its queries."""
-    if held is None:
-        return []
+def anchored_rules(entries: Sequence[tuple[Rule, Ruleset]], manual: bool) -> list[tuple[Rule, str, str]]:
+    """The anchored rules :func:`match_program` leaves out: each with its anchor's constructor and the egglog
+    declarations of its queries (their relations are declared with the rest)."""
     decl = _declarations(entries, manual)
-    return [(_primitives.BY_PRIM[rule.anchor].ctor, rule.anchor_literals, "\n".join(decl.lines[i]))
-            for i, (rule, _) in enumerate(entries) if not held.admits(rule)]
+    return [(rule, _primitives.BY_PRIM[rule.anchor].ctor, "\n".join(lines))
+            for (rule, _), lines in zip(entries, decl.lines) if rule.anchor is not None]
 
 
 @dataclasses.dataclass
@@ -119,7 +116,7 @@ class _Declarations:
     head: list[str]  # the ruleset and the relations
     lines: list[list[str]]  # per rule, its queries' egglog rules
     relations: list[list[tuple[tuple[str, int], list[tuple[str, str]]]]]
-    texts: dict[tuple[int, ...], str] = dataclasses.field(default_factory=dict)  # by the rules declared
+    text: str | None = None  # the rules' but for the anchored ones'
 
 
 def _declarations(entries: Sequence[tuple[Rule, Ruleset]], manual: bool) -> _Declarations:
@@ -182,9 +179,9 @@ class Engine:
         #: absent then, entries). A match is acted on again when one of those classes gains a node or a
         #: fact (a factor folded into a literal, say), not only when a new match appears.
         self._watched: dict[int, list] = {}
-        text, relations = match_program(entries, manual, held)
-        #: anchored rules whose primitive the program did not hold (``held``): declared if a node of it appears
-        self._deferred = deferred(entries, manual, held)
+        text, relations = match_program(entries, manual)
+        #: anchored rules whose primitive or literals the program lacked (``held``): declared if they appear
+        self._deferred: list[tuple[str, frozenset[int], str]] = []
         for (rule, owner), rels in zip(entries, relations):
             # A ruleset may set its own back-off (say, a tighter allowance for
             # associativity); the run's limits govern everything else.
@@ -195,6 +192,11 @@ class Engine:
             self.stats[rule.name] = RuleStats()
         if egraph.prelude != text:  # an e-graph made without them (EGraph(match_program(...)[0]) has them)
             egraph.declare(text)
+        for rule, ctor, queries in anchored_rules(entries, manual):
+            if held is None or held.admits(rule):
+                egraph.declare(queries)  # above the pooled e-graph's push: gone when it goes back
+            else:
+                self._deferred.append((ctor, rule.anchor_literals, queries))
 
     # ------------------------------------------------------------------ the loop
     @property
