@@ -27,12 +27,13 @@ from .records import Limits
 
 def rule(lhs: Any, rhs: Any, *, name: str, when: Callable[..., bool] | None = None, example_inputs: Any = None,
          example_program: Any = None, prefer: bool = False, check: bool = True,
-         check_inputs: Mapping[str, Callable[[Any], Any]] | None = None, example: Any = None) -> Rule:
+         check_inputs: Mapping[str, Callable[[Any], Any]] | None = None, example: Any = None,
+         anchor: str | None = None) -> Rule:
     # the deprecated spelling is resolved here, so that its warning points at the caller's line
     example = _one_example(name, isinstance(lhs, Pat), example_inputs, example_program, example)
     is_pat = isinstance(lhs, Pat)
     r = build_rule(lhs, rhs, name=name, when=when, example_inputs=None if is_pat else example,
-              example_program=example if is_pat else None, prefer=prefer)
+              example_program=example if is_pat else None, prefer=prefer, anchor=anchor)
     r.defined_at = _call_site()
     if check_inputs:
         unknown = [k for k in check_inputs if k not in r.var_names]

@@ -19,12 +19,14 @@ import logging
 import time
 from typing import Any, Sequence
 
+import numpy as np
+
 from .cost.memory import over_budget
 from .cost.model import CostModel
 from .extract.extract import extract, input_cost
 from .extract.policy import bar_preferred, no_fatter, recomputations, withheld, worth_their_saving
 from .ir.egraph import EGraph
-from .ir.intern import TYPES
+from .ir.intern import LITERALS, TYPES, in_dtype
 from .ir.terms import ctor_arg_sorts
 from .ir.walk import operands, walk
 from .ir.jaxapi import core
@@ -34,7 +36,7 @@ from .jaxpr.trace import Traced, _collect_young_only
 from .records import Limits, Result
 from .rules.rule import Rule
 from .rules.ruleset import Ruleset
-from .rules.saturate import Engine, match_program
+from .rules.saturate import Engine, Held, match_program
 
 log = logging.getLogger("rewrite")
 
@@ -81,7 +83,7 @@ def _run(closed: core.ClosedJaxpr, entries: Sequence[tuple[Rule, Ruleset]], mode
     times = {"trace": 0.0}
 
     t = time.perf_counter()
-    eg, outs, token, manual = _load(closed, entries)
+    eg, outs, token, held = _load(closed, entries)
     program_names = eg.num_names
     if input_price is not None:
         cost_before = input_price
@@ -91,7 +93,7 @@ def _run(closed: core.ClosedJaxpr, entries: Sequence[tuple[Rule, Ruleset]], mode
 
     # Saturate, under limits.
     t = time.perf_counter()
-    engine = Engine(eg, entries, limits, manual=manual)
+    engine = Engine(eg, entries, limits, manual="pvary" in held.primitives, held=held)
     stopped = engine.run()
     times["saturate"] = time.perf_counter() - t
 
@@ -139,17 +141,19 @@ def _run(closed: core.ClosedJaxpr, entries: Sequence[tuple[Rule, Ruleset]], mode
     return result
 
 
-def _load(closed: core.ClosedJaxpr, entries: Sequence[tuple[Rule, Ruleset]]) -> tuple[EGraph, list, Any, bool]:
-    """A new e-graph holding ``closed``: it, the outputs' names, the final token's, and whether the program is
-    inside a ``shard_map`` body (``manual``). The program's inputs are the Params of scope 0; its effects, if
-    any, are threaded on a token that starts at (Tok 0)."""
-    manual = _has_primitive(closed.jaxpr, "pvary")
-    eg = EGraph(match_program(entries, manual)[0])  # declared with the rules' queries: see ir/egraph.py's _POOL
+def _load(closed: core.ClosedJaxpr, entries: Sequence[tuple[Rule, Ruleset]]
+          ) -> tuple[EGraph, list, Any, Held]:
+    """A new e-graph holding ``closed``: it, the outputs' names, the final token's, and what the program holds
+    (with ``pvary`` it is inside a ``shard_map`` body), for the engine to declare the anchored rules it admits
+    (``Rule.anchor``). The program's inputs are the Params of scope 0; its effects, if any, are threaded on a
+    token that starts at (Tok 0)."""
+    held = _held(closed, entries)
+    eg = EGraph(match_program(entries, "pvary" in held.primitives)[0])  # with the rules' queries: ir/egraph.py's _POOL
     inputs = [eg.term("Param", [0, i], TYPES.intern_aval(a)) for i, a in enumerate(closed.in_avals)]
     token = eg.term("Tok", [0], TYPES.intern_aval(TOKEN_AVAL)) if closed.jaxpr.effects else None
     outs, token = load_closed(closed, inputs, eg, token)
     eg.flush()
-    return eg, outs, token, manual
+    return eg, outs, token, held
 
 
 def program_cost(closed: core.ClosedJaxpr, model: CostModel) -> float:
@@ -167,9 +171,9 @@ def saturated_classes(closed: core.ClosedJaxpr, entries: Sequence[tuple[Rule, Ru
     """The e-classes of ``closed``'s outputs once loaded and saturated with ``entries``: what a proof that two
     of its values are equal reads. Nothing is extracted or emitted, and the e-graph goes back to the pool."""
     with _collect_young_only():
-        eg, outs, _, manual = _load(closed, entries)
+        eg, outs, _, held = _load(closed, entries)
         try:
-            Engine(eg, entries, limits, manual=manual).run()
+            Engine(eg, entries, limits, manual="pvary" in held.primitives, held=held).run()
             snap = eg.snapshot()
             return [snap.cls_of_name[o] for o in outs]
         finally:
@@ -255,7 +259,35 @@ def why_chosen(result: Result, lean: bool = False) -> str:
     return "unexplained"
 
 
-def _has_primitive(jaxpr: core.Jaxpr, name: str) -> bool:
-    return any(e.primitive.name == name or any(_has_primitive(getattr(j, "jaxpr", j), name)
-                                               for j in core.jaxprs_in_params(e.params))
-               for e in jaxpr.eqns)
+def _held(closed: core.ClosedJaxpr, entries: Sequence[tuple[Rule, Ruleset]]) -> Held:
+    """The primitives ``closed`` holds, in its bodies too, and, if an anchored rule's primitive is among them,
+    the ids of its literals as the e-graph will hold them (scalar literals and constants, rounded to their
+    dtypes: ``jaxpr/load.py``). A literal missed here only defers a rule to the engine's own check."""
+    prims: set[str] = set()
+    bodies = [closed]
+    stack, seen = [closed.jaxpr], {id(closed.jaxpr)}
+    while stack:
+        for e in stack.pop().eqns:
+            prims.add(e.primitive.name)
+            for b in core.jaxprs_in_params(e.params):
+                j = getattr(b, "jaxpr", b)
+                if id(j) not in seen:  # a body several equations share is read once
+                    seen.add(id(j))
+                    stack.append(j)
+                    bodies.append(b)
+    if not any(rule.anchor in prims for rule, _ in entries):
+        return Held(frozenset(prims))
+    values: dict[tuple, tuple] = {}  # each distinct (value, dtype) once: a program repeats its few literals
+    for b in bodies:
+        for c in getattr(b, "consts", ()):
+            arr = np.asarray(c)
+            if arr.shape == () and arr.dtype != object:
+                values.setdefault((arr.item(), arr.dtype), (arr, arr.dtype))
+        for e in getattr(b, "jaxpr", b).eqns:
+            for a in e.invars:
+                if isinstance(a, core.Literal):
+                    try:
+                        values.setdefault((a.val, a.aval.dtype), (a.val, a.aval.dtype))
+                    except TypeError:  # an unhashable value (an array scalar): read as it is
+                        values[(id(a), None)] = (a.val, a.aval.dtype)
+    return Held(frozenset(prims), frozenset(LITERALS.intern_value(in_dtype(v, d)) for v, d in values.values()))

@@ -679,3 +679,14 @@ def test_a_stored_custom_vjp_rule_that_does_not_match_its_call_is_refused(tmp_pa
     assert calls and second.loaded == 0
     for a, b in zip(got, want):
         np.testing.assert_array_equal(a, b)
+
+
+def test_a_rule_s_anchor_is_part_of_its_key():
+    """An anchored rule matches its left side in more operand orders than the same rule unanchored (the lookup of
+    the whole accepts either order at every sum and product): a result one made is not the other's."""
+    from rewrite.cache.key import rule_fingerprint
+
+    lhs, rhs = (lambda x, y: jnp.tanh(x) * y + y), (lambda x, y: (jnp.tanh(x) + 1.0) * y)
+    plain, anchored = rule(lhs, rhs, name="tf"), rule(lhs, rhs, name="tf", anchor="tanh")
+    assert rule_fingerprint(plain) == rule_fingerprint(rule(lhs, rhs, name="tf"))
+    assert rule_fingerprint(anchored) != rule_fingerprint(plain)

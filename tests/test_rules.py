@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
+from jax._src.core import jaxpr_as_fun
 
 from rewrite import Params, Pat, Rule, Ruleset, explain, ops, procedural, rewrite, rule
 from rewrite.testing import check_ruleset
@@ -689,3 +690,86 @@ def test_params_takes_along_last_reads_a_label_gather_only():
     assert gathers(lambda x, i: x[i], jnp.ones((5, 4)), i2) == [False]
     assert gathers(lambda x, i: jnp.take_along_axis(x, jnp.stack([i, i], 1), axis=-1), jnp.ones((4, 5)), i2) \
         == [False]
+
+
+# ---------------------------------------------------------------- anchored rules (rule(..., anchor=))
+def _declared(monkeypatch) -> list:
+    """Every egglog program declared into an e-graph from now on: the preludes taken from the pool, and what an
+    engine declares on its own (an anchored rule whose primitive a rule built)."""
+    from rewrite.ir import egraph as _egraph
+
+    texts: list = []
+    take, declare = _egraph._Pool.take, _egraph.EGraph.declare
+    monkeypatch.setattr(_egraph._Pool, "take", lambda self, schema, prelude: texts.append(prelude)
+                        or take(self, schema, prelude))
+    monkeypatch.setattr(_egraph.EGraph, "declare", lambda self, program: texts.append(program)
+                        or declare(self, program))
+    return texts
+
+
+def _tanh_factor():
+    return rule(lambda x, y: jnp.tanh(x) * y + y, lambda x, y: (jnp.tanh(x) + 1.0) * y, name="tanh_factor",
+                anchor="tanh")  # tanh(x)·y + y -> (tanh(x) + 1)·y
+
+
+def test_an_anchored_rule_queries_the_part_of_its_left_side_around_the_anchor():
+    """The query is the smallest part of the left side that holds the anchor and binds every variable; the match
+    of the whole is found by looking it up, so the rule fires where the whole is, with the same value."""
+    from rewrite.rules.pattern import commuted
+
+    r = _tanh_factor()
+    plain = rule(r.lhs, r.rhs, name="tanh_factor_plain")
+    assert [len(q.atoms) for q in r.queries] == [2] and [len(q.atoms) for q in plain.queries] == [3]
+    assert sum(len(commuted(q)) for q in r.queries) < sum(len(commuted(q)) for q in plain.queries)
+    f = lambda x, y: jnp.tanh(x) * y + y  # noqa: E731
+    x, y = jnp.linspace(-2.0, 2.0, 6), jnp.linspace(1.0, 3.0, 6)
+    rep = explain(f, x, y, rulesets=[Ruleset("a", [r], soundness="identity")])
+    assert rep.fired == {"tanh_factor": 1} and rep.result.stats["tanh_factor"].matched == 1
+    np.testing.assert_allclose(jaxpr_as_fun(rep.after)(x, y)[0], f(x, y), rtol=1e-6)
+    # the part alone (a product with a tanh, no "+ y") is no match
+    assert explain(lambda x, y: jnp.tanh(x) * y, x, y, rulesets=[Ruleset("a", [r], soundness="identity")]).fired == {}
+    with pytest.raises(ValueError, match="anchor='exp': no part of the left side holds a exp"):
+        rule(r.lhs, r.rhs, name="no_exp", anchor="exp")
+    with pytest.raises(ValueError, match="anchor= names a primitive"):
+        rule(Pat("tanh", Pat.var("x")), lambda x: x, name="pat_anchor", anchor="tanh")
+
+
+def test_an_anchored_rule_is_declared_only_once_its_anchor_is_in_the_egraph(monkeypatch):
+    """A program without a tanh never declares the anchored rule's query. Where another rule's replacement builds
+    the first tanh, the engine declares it then, and it fires on what that replacement made, in a second rewrite
+    too (the declaration is undone when the pooled e-graph goes back). The pooled e-graph's own queries (its
+    prelude) never hold it, so programs with and without a tanh share one."""
+    from rewrite.rules.pattern import commuted
+
+    texts = _declared(monkeypatch)
+    r = _tanh_factor()
+    ours = [v.text for q in r.queries for v in commuted(q)]
+    to_tanh = rule(lambda x: 2.0 * jax.nn.sigmoid(2.0 * x) - 1.0, lambda x: jnp.tanh(x), name="sigmoid_to_tanh")
+    pack = Ruleset("lazy", [to_tanh, r], soundness="identity")
+    x, y = jnp.linspace(-2.0, 2.0, 6), jnp.linspace(1.0, 3.0, 6)
+    assert explain(lambda x, y: jnp.sin(x) * y + y, x, y, rulesets=[pack]).fired == {}
+    assert texts and not any(q in t for t in texts for q in ours)  # never declared
+    f = lambda x, y: (2.0 * jax.nn.sigmoid(2.0 * x) - 1.0) * y + y  # noqa: E731
+    for _ in range(2):
+        del texts[:]
+        rep = explain(f, x, y, rulesets=[pack])
+        assert rep.fired == {"sigmoid_to_tanh": 1, "tanh_factor": 1}, rep.fired
+        assert not any(q in texts[0] for q in ours) and any(q in t for t in texts[1:] for q in ours)
+        np.testing.assert_allclose(jaxpr_as_fun(rep.after)(x, y)[0], f(x, y), rtol=1e-5)
+    del texts[:]
+    assert explain(lambda x, y: jnp.tanh(x) * y + y, x, y, rulesets=[pack]).fired == {"tanh_factor": 1}
+    # a program with a tanh declares it up front, in the e-graph it borrows: the pooled one's queries are the same
+    assert not any(q in texts[0] for q in ours) and any(q in t for t in texts[1:] for q in ours)
+
+
+def test_an_anchored_match_waits_for_the_rest_of_its_left_side():
+    """The part matches before a later rule builds the rest of the left side over the same classes (nothing the
+    part binds changes): the match is looked at again each iteration, and fires once the whole is there."""
+    r = _tanh_factor()
+    sub_neg = rule(lambda a, b: a - (-b), lambda a, b: a + b, name="sub_neg_l")  # a - (-b) -> a + b
+    pack = Ruleset("wait", [sub_neg, r], soundness="identity")
+    f = lambda x, y: jnp.tanh(x) * y - (-y)  # noqa: E731
+    x, y = jnp.linspace(-2.0, 2.0, 6), jnp.linspace(1.0, 3.0, 6)
+    rep = explain(f, x, y, rulesets=[pack])
+    assert rep.fired == {"sub_neg_l": 1, "tanh_factor": 1}, rep.fired
+    np.testing.assert_allclose(jaxpr_as_fun(rep.after)(x, y)[0], f(x, y), rtol=1e-6)

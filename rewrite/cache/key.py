@@ -53,11 +53,13 @@ _RULES: "weakref.WeakKeyDictionary[Any, str]" = weakref.WeakKeyDictionary()
 
 
 def rule_fingerprint(rule: Any) -> str:
-    """A rule's code: its two sides, its guard and its example. Raises :class:`Unstable`."""
+    """A rule's code: its two sides, its guard and its example (and its anchor, which decides the operand orders
+    it matches). Raises :class:`Unstable`."""
     found = _RULES.get(rule)
     if found is None:
         found = _RULES[rule] = fingerprint(("rule", rule.name, rule.lhs, rule.rhs, rule.when, rule.example,
-                                            rule.program) + (("prefer",) if getattr(rule, "prefer", False) else ()))
+                                            rule.program) + (("prefer",) if getattr(rule, "prefer", False) else ())
+                                           + ((("anchor", rule.anchor),) if getattr(rule, "anchor", None) else ()))
     return found
 
 

@@ -251,6 +251,71 @@ def generalize(query: Query, other: Query) -> Query | None:
 
 
 _BINARY_ATOM = re.compile(r"^\(= (\S+) \((\S+) (\S+) (\S+) (\S+)\)\)$")
+_ATOM_HEAD = re.compile(r"^\(= (\S+) \((\S+)")
+_TERM_VAR = re.compile(r"(?<![\w])_t\d+\b")
+
+
+_LIT_ID = re.compile(r"\(Lit (\d+) ")
+
+
+def literal_ids(query: Query) -> frozenset[int]:
+    """The ids of the literals (``LITERALS``) a match of ``query`` must hold: an e-graph without one has no match.
+
+    >>> sorted(literal_ids(Query(["(= _t1 (Lit 7 _d2))", "(= _t3 (Mul v_x _t1 0))"], "_t3", [("v_x", "Term")])))
+    [7]
+    """
+    return frozenset(int(m) for atom in query.atoms for m in _LIT_ID.findall(atom))
+
+
+def anchored(query: Query, ctor: str) -> Query | None:
+    """The part of ``query`` that matches on a node of ``ctor``: the smallest subterm that holds one and binds
+    every variable (its atoms, rooted at that subterm), or ``None`` if no subterm does.
+
+    A match of the part is not one of the whole: the engine looks the whole left side up at the part's
+    bindings (:func:`present`, which verifies every match anyway) to find its root. Every match of the whole
+    holds a match of the part, so nothing is lost, and a part rooted at a rare node is a small join where
+    the whole may be a large one (a VJP's twenty products).
+
+    >>> q = Query(["(= _t1 (Tanh v_x 0))", "(= _t2 (Mul _t1 v_y 0))", "(= _t3 (Add _t2 v_y 0))"], "_t3",
+    ...           [("v_x", "Term"), ("v_y", "Term")])
+    >>> a = anchored(q, "Tanh"); a.root, a.atoms
+    ('_t2', ['(= _t1 (Tanh v_x 0))', '(= _t2 (Mul _t1 v_y 0))'])
+    """
+    defined: dict[str, tuple[str, str, set[str]]] = {}  # term var -> (ctor, atom, the term vars it reads)
+    for atom in query.atoms:
+        head = _ATOM_HEAD.match(atom)
+        if head is None:
+            return None
+        defined[head.group(1)] = (head.group(2), atom, set(_TERM_VAR.findall(atom[len(head.group(0)):])))
+
+    @functools.cache
+    def below(var: str) -> frozenset[str]:
+        return frozenset({var}).union(*(below(v) for v in defined[var][2] if v in defined))
+
+    binds = {v for v, _ in query.binds}
+    best = None
+    for var in defined:
+        part = below(var)
+        if not any(defined[v][0] == ctor for v in part):
+            continue
+        text = " ".join(defined[v][1] for v in part)
+        binds_all = all(re.search(rf"(?<![\w]){re.escape(b)}\b", text) for b in binds)
+        if binds_all and (best is None or len(part) < len(best[1])):
+            best = (var, part)
+    if best is None:
+        return None
+    var, part = best
+    return Query([a for a in query.atoms if _ATOM_HEAD.match(a).group(1) in part], var, list(query.binds))
+
+
+def anchored_queries(queries: list[Query], ctor: str) -> tuple[list[Query], frozenset[int]] | None:
+    """Each query's part around ``ctor`` (:func:`anchored`) and the literal ids every part holds (what an e-graph
+    must hold before any can match); ``None`` if a query has no such part."""
+    parts = [anchored(q, ctor) for q in queries]
+    if not parts or any(p is None for p in parts):
+        return None
+    return parts, frozenset.intersection(*map(literal_ids, parts))
+
 
 #: At most this many commutative operations of one query are matched in both orders (2**n variants).
 MAX_COMMUTED = 4

@@ -38,7 +38,8 @@ from ..ir.jaxapi import core
 from ..ir.primitives import GROUPS
 from ..jaxpr.trace import _mesh_of, trace_at
 from .match import Params, Value, _short
-from .pattern import CONVERTED, Pat, PatternError, Query, commuted, compile_pats, compile_traced, generalize
+from .pattern import (CONVERTED, Pat, PatternError, Query, anchored_queries, commuted, compile_pats,
+                      compile_traced, generalize)
 
 
 #: Pattern variables are traced at these shapes (float32) when no example is given.
@@ -236,6 +237,9 @@ class Rule:
         self.check_inputs: dict[str, Callable[[Any], Any]] = {}
         #: The replacement is preferred whatever it costs: the matched form is barred where it fired.
         self.prefer = False
+        #: ``anchor=``'s primitive, which the queries match around (``pattern.anchored``), and the literal ids they hold
+        self.anchor: str | None = None
+        self.anchor_literals: frozenset[int] = frozenset()
         #: both sides traced per avals, the :data:`TRACED_KEEP` used last (a new input shape adds some)
         self._traced: collections.OrderedDict[tuple, Any] = collections.OrderedDict()
         #: elementwise sides traced at one shape, by the inputs' dtypes (see :meth:`traced`)
@@ -296,9 +300,9 @@ class Rule:
         Patterns match sums and products in either operand order, so ``exp(x) * exp(y) -> exp(x + y)``
         matches every product of exponentials twice, as ``(a, b)`` and ``(b, a)``; the engine acts on one
         of each such pair. Only traced rules without a guard whose queries match in several operand
-        orders have any: a procedure's or a guard's symmetry is not known, and a query in one order finds
-        no mirrored pairs. Checked at the shapes the rule was defined at, where the permuted variables
-        agree; computed once per rule.
+        orders have any: a procedure's or a guard's symmetry is not known, a query in one order finds no
+        mirrored pairs, and an anchored rule's match may wait for the rest of its left side. Checked at
+        the shapes the rule was defined at, where the permuted variables agree; computed once per rule.
 
         >>> import jax.numpy as jnp
         >>> from rewrite import rule
@@ -308,7 +312,7 @@ class Rule:
         ()
         """
         n = len(self.var_names)
-        if (self.is_pat or self.is_procedural or self.when is not None or not 2 <= n <= 4
+        if (self.is_pat or self.is_procedural or self.when is not None or self.anchor or not 2 <= n <= 4
                 or not any(len(commuted(q)) > 1 for q in self.queries)):
             return ()
         found = []
@@ -416,7 +420,7 @@ def _canonical(closed: core.ClosedJaxpr, labels: Sequence[int]) -> tuple:
 
 def build_rule(lhs: Any, rhs: Any, *, name: str, when: Callable[..., bool] | None = None,
          example_inputs: Any = None, example_program: Any = None, prefer: bool = False,
-         example: Any = None) -> Rule:
+         example: Any = None, anchor: str | None = None) -> Rule:
     """Define a rewrite ``lhs -> rhs``.
 
     ``lhs`` and ``rhs`` are functions of the pattern variables, written with
@@ -474,9 +478,20 @@ def build_rule(lhs: Any, rhs: Any, *, name: str, when: Callable[..., bool] | Non
 
     >>> rule(lambda x: jnp.log(1.0 + x), lambda x: jnp.log1p(x), name="log1p", prefer=True).prefer
     True
+
+    ``anchor="tanh"`` (a rule of two functions) names a primitive of the left
+    side that programs hold rarely. The rule's query is then the smallest part
+    of the left side that holds one and binds every variable, and each match of
+    it looks the whole left side up at its bindings: the same matches, by a
+    small join where a large left side (a VJP) is a large one. The query is
+    declared only where the program holds the primitive and the part's literals.
+
+    >>> [len(q.atoms) for q in rule(lambda x, y: jnp.tanh(x) * y + y, lambda x, y: (jnp.tanh(x) + 1.0) * y,
+    ...                                 name="tanh_y", anchor="tanh").queries]  # tanh(x) * y: 2 of 3 nodes
+    [2]
     """
     example = _one_example(name, isinstance(lhs, Pat), example_inputs, example_program, example)
-    r = _rule(lhs, rhs, name=name, when=when, example=example)
+    r = _rule(lhs, rhs, name=name, when=when, example=example, anchor=anchor)
     r.prefer = bool(prefer)
     return r
 
@@ -504,9 +519,12 @@ def _one_example(name: Any, is_pat: bool, inputs: Any, program: Any, old: Any, s
     return program if is_pat else inputs
 
 
-def _rule(lhs: Any, rhs: Any, *, name: str, when: Callable[..., bool] | None, example: Any) -> Rule:
+def _rule(lhs: Any, rhs: Any, *, name: str, when: Callable[..., bool] | None, example: Any,
+          anchor: str | None = None) -> Rule:
     if not isinstance(name, str) or not name.strip():
         raise ValueError("rule(): name= must be a non-empty string")
+    if anchor is not None and (isinstance(lhs, Pat) or anchor not in _primitives.BY_PRIM):
+        raise ValueError(f"rule {name!r}: anchor= names a primitive of a left side written as a function")
     if when is not None and not callable(when):
         raise ValueError(f"rule {name!r}: when= must be a callable, got {type(when).__name__}")
     if isinstance(lhs, Pat):
@@ -605,7 +623,14 @@ def _rule(lhs: Any, rhs: Any, *, name: str, when: Callable[..., bool] | None, ex
         why = f": {first_error}" if first_error else ""
         raise ValueError(f"rule {name!r}: lhs cannot be traced at any probe shape{why}; give example_inputs=")
     ex = tuple(probes[0]) if example is not None else None
-    return Rule(name, lhs, rhs, when, ex, names, queries, traced_at, manual)
+    parts = anchored_queries(queries + manual, _primitives.BY_PRIM[anchor].ctor) if anchor is not None else None
+    if anchor is not None and parts is None:
+        raise ValueError(f"rule {name!r}: anchor={anchor!r}: no part of the left side holds a {anchor} and "
+                         f"binds every pattern variable {names}")
+    r = Rule(name, lhs, rhs, when, ex, names, *((queries, traced_at, manual) if parts is None else
+                                                (parts[0][:len(queries)], traced_at, parts[0][len(queries):])))
+    r.anchor, r.anchor_literals = (None, frozenset()) if parts is None else (anchor, parts[1])
+    return r
 
 
 def _stretched(lhs: Callable[..., Any], avals: tuple[Any, ...]) -> tuple[tuple[Any, ...], core.ClosedJaxpr | None]:

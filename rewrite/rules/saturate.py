@@ -28,6 +28,7 @@ import time
 from typing import Any, Sequence
 
 
+from ..ir import primitives as _primitives
 from ..ir.egraph import EGraph, Snapshot
 from ..ir.jaxapi import core
 from ..ir.intern import TYPES, types_agree
@@ -60,6 +61,21 @@ class _Active:
     symmetries: tuple = ()
     #: the matches acted on, by their names with the bindings in a canonical order (``Engine._mirrored``)
     mirrors: set = dataclasses.field(default_factory=set)
+    #: an anchored rule's matches whose left side is not all in the e-graph yet: looked at again each
+    #: iteration, and not counted against its allowance (they are not new)
+    pending: set = dataclasses.field(default_factory=set)
+
+
+@dataclasses.dataclass(frozen=True)
+class Held:
+    """What a program holds that an anchored rule (``Rule.anchor``) needs before its queries can match: the
+    names of its primitives, and the ids of its literals (``LITERALS``)."""
+
+    primitives: frozenset[str]
+    literals: frozenset[int] = frozenset()
+
+    def admits(self, rule: Rule) -> bool:
+        return rule.anchor is None or (rule.anchor in self.primitives and rule.anchor_literals <= self.literals)
 
 
 def match_program(entries: Sequence[tuple[Rule, Ruleset]], manual: bool = False
@@ -74,32 +90,62 @@ def match_program(entries: Sequence[tuple[Rule, Ruleset]], manual: bool = False
     The text depends on the rules only, so an e-graph declared with it can be
     made once and lent to every rewrite with the same rules (``ir/egraph.py``'s ``_POOL``),
     and it is made once per list of rules (the last few are kept).
+
+    An anchored rule's queries (``Rule.anchor``) are left out: the engine declares them in the e-graph it
+    borrows, where it holds what they need (:func:`anchored_rules`). Whether a program holds a primitive is
+    no part of the text, so every program shares the one pooled e-graph (a second text would be a second
+    e-graph, its schema declared anew: some 0.15 s, where the queries of an anchored rule take 10 ms).
     """
+    decl = _declarations(entries, manual)
+    if decl.text is None:
+        decl.text = "\n".join(decl.head + [line for (rule, _), lines in zip(entries, decl.lines)
+                                            if rule.anchor is None for line in lines])
+    return decl.text, decl.relations
+
+
+def anchored_rules(entries: Sequence[tuple[Rule, Ruleset]], manual: bool) -> list[tuple[Rule, str, str]]:
+    """The anchored rules :func:`match_program` leaves out: each with its anchor's constructor and the egglog
+    declarations of its queries (their relations are declared with the rest)."""
+    decl = _declarations(entries, manual)
+    return [(rule, _primitives.BY_PRIM[rule.anchor].ctor, "\n".join(lines))
+            for (rule, _), lines in zip(entries, decl.lines) if rule.anchor is not None]
+
+
+@dataclasses.dataclass
+class _Declarations:
+    head: list[str]  # the ruleset and the relations
+    lines: list[list[str]]  # per rule, its queries' egglog rules
+    relations: list[list[tuple[tuple[str, int], list[tuple[str, str]]]]]
+    text: str | None = None  # the rules' but for the anchored ones'
+
+
+def _declarations(entries: Sequence[tuple[Rule, Ruleset]], manual: bool) -> _Declarations:
     key = (tuple((id(rule), id(owner)) for rule, owner in entries), manual)
     with _MATCH_LOCK:
         found = _MATCH_TEXTS.get(key)
     if found is not None and len(found[0]) == len(entries) and all(
             a[0] is b[0] and a[1] is b[1] for a, b in zip(found[0], entries)):
         return found[1]
-    lines = ["(ruleset match)"]
+    head = ["(ruleset match)"]
     signatures: dict[tuple[str, ...], str] = {}
-    relations = []
+    lines, relations = [], []
     query = 0
     for rule, _ in entries:
-        rels = []
+        rels, mine = [], []
         for q in rule.queries + (rule.manual_queries if manual else []):
             sorts = ("Term",) + tuple(s for _, s in q.binds)
             rel = signatures.get(sorts)
             if rel is None:
                 rel = signatures[sorts] = f"M{len(signatures)}"
-                lines.append(f"(relation {rel} (i64 {' '.join(sorts)}))")
+                head.append(f"(relation {rel} (i64 {' '.join(sorts)}))")
             args = " ".join([str(query), q.root] + [v for v, _ in q.binds])
             for k, variant in enumerate(commuted(q)):  # either order of add and mul
-                lines.append(f'(rule ({variant.text}) (({rel} {args})) :ruleset match :name "M{query}_{k}")')
+                mine.append(f'(rule ({variant.text}) (({rel} {args})) :ruleset match :name "M{query}_{k}")')
             rels.append(((rel, query), q.binds))
             query += 1
+        lines.append(mine)
         relations.append(rels)
-    made = ("\n".join(lines), relations)
+    made = _Declarations(head, lines, relations)
     with _MATCH_LOCK:
         _MATCH_TEXTS[key] = (list(entries), made)  # the entries kept: their ids stay theirs
         while len(_MATCH_TEXTS) > 8:
@@ -107,7 +153,7 @@ def match_program(entries: Sequence[tuple[Rule, Ruleset]], manual: bool = False
     return made
 
 
-_MATCH_TEXTS: dict[tuple, tuple[list, tuple]] = {}
+_MATCH_TEXTS: dict[tuple, tuple[list, _Declarations]] = {}
 _MATCH_LOCK = threading.Lock()
 
 
@@ -116,7 +162,7 @@ class Engine:
     build goes through its :class:`Builder`."""
 
     def __init__(self, egraph: EGraph, entries: Sequence[tuple[Rule, Ruleset]], limits: Limits,
-                 manual: bool = False) -> None:
+                 manual: bool = False, held: Held | None = None) -> None:
         self.egraph = egraph
         self.limits = limits
         self.stats: dict[str, RuleStats] = collections.OrderedDict()
@@ -134,6 +180,8 @@ class Engine:
         #: fact (a factor folded into a literal, say), not only when a new match appears.
         self._watched: dict[int, list] = {}
         text, relations = match_program(entries, manual)
+        #: anchored rules whose primitive or literals the program lacked (``held``): declared if they appear
+        self._deferred: list[tuple[str, frozenset[int], str]] = []
         for (rule, owner), rels in zip(entries, relations):
             # A ruleset may set its own back-off (say, a tighter allowance for
             # associativity); the run's limits govern everything else.
@@ -144,6 +192,11 @@ class Engine:
             self.stats[rule.name] = RuleStats()
         if egraph.prelude != text:  # an e-graph made without them (EGraph(match_program(...)[0]) has them)
             egraph.declare(text)
+        for rule, ctor, queries in anchored_rules(entries, manual):
+            if held is None or held.admits(rule):
+                egraph.declare(queries)  # above the pooled e-graph's push: gone when it goes back
+            else:
+                self._deferred.append((ctor, rule.anchor_literals, queries))
 
     # ------------------------------------------------------------------ the loop
     @property
@@ -183,6 +236,7 @@ class Engine:
                 start_rows = self.snapshot.num_rows
             grown = self.snapshot.num_rows > limits.growth * start_rows
             self._wake()
+            declared = bool(self._deferred) and self._declare_deferred()
             if self.snapshot.num_rows > limits.nodes:
                 return "node limit"
             if time.perf_counter() - start > limits.seconds:
@@ -195,19 +249,20 @@ class Engine:
                 if it < act.banned_until:
                     waiting = True
                     continue
-                seen = act.seen
+                seen, pending = act.seen, act.pending
                 new = [(rel, binds, r) for rel, binds in act.relations for r in matches(*rel) if (rel, r) not in seen]
                 if not new and not act.retry:
                     continue
                 retry, act.retry = act.retry, []
-                if len(new) > act.allowance and grown:
+                fresh = sum((rel, r) not in pending for rel, _, r in new) if pending else len(new)
+                if fresh > act.allowance and grown:
                     act.last = it  # retired: see Limits.growth
                     self.stats[act.rule.name].retired = True
                     self.stats[act.rule.name].banned += 1
                     log.debug("rule %r retired at iteration %d (%d new matches in a grown e-graph)",
                               act.rule.name, it, len(new))
                     continue
-                if len(new) > act.allowance:
+                if fresh > act.allowance:
                     act.banned_until = it + act.ban_length
                     act.allowance *= 2
                     act.ban_length *= 2
@@ -224,8 +279,14 @@ class Engine:
                     now = time.perf_counter()
                     self.builder.deadline = min(end, now + share - stats.seconds - (now - t))
                     try:
-                        if self._apply(act, binds, inputs) and rel is not None:  # (a retried match is seen already)
-                            act.seen.add((rel, tuple(inputs)))
+                        settled = self._apply(act, binds, inputs)
+                        if rel is not None:  # (a retried match is seen already)
+                            key = (rel, tuple(inputs))
+                            if settled:
+                                act.seen.add(key)
+                                pending.discard(key)
+                            elif act.rule.anchor is not None:
+                                pending.add(key)
                     except OutOfTime:
                         stats.rejected["out of time"] += 1
                     finally:
@@ -247,19 +308,47 @@ class Engine:
                     self.egraph.flush()
                     return "time limit"
             changed = self.egraph.flush()
-            if not changed and not waiting:
+            if not changed and not waiting and not declared:
                 self.snapshot = self.egraph.snapshot()
                 return "saturated"  # rules retired in a grown e-graph say so in their stats (``RuleStats.retired``)
         return "iteration limit"
+
+    def _declare_deferred(self) -> bool:
+        """Declare the queries of the anchored rules whose primitive and literals the e-graph now holds (a rule's
+        replacement built them); returns whether any were, so that they run in the next iteration."""
+        snap, now, literals = self.snapshot, [], None
+        for item in self._deferred:
+            ctor, needs, text = item
+            if not snap.rows(ctor):
+                continue
+            if needs and literals is None:
+                to_int = self.egraph.eg.value_to_i64
+                literals = {to_int(r.inputs[0]) for r in snap.rows("Lit")}
+            if needs <= (literals or set()):
+                self.egraph.declare(text)
+                now.append(item)
+        self._deferred = [item for item in self._deferred if item not in now]
+        return bool(now)
 
     # ------------------------------------------------------------------ one match
     def _apply(self, act: _Active, binds: list[tuple[str, str]], inputs: Sequence[Any]) -> bool:
         """Act on one match. Returns whether it is settled (never to be looked at again)."""
         rule, stats = act.rule, self.stats[act.rule.name]
-        stats.matched += 1
         root, vals = inputs[0], inputs[1:]
         snap = self.snapshot
         eg = self.egraph
+        if rule.anchor is not None:
+            # The match is of a part of the left side (``Rule.anchor``): the whole, looked up at its
+            # bindings, is the match's root; until all of it is in the e-graph, the match waits.
+            try:
+                lhs, _ = rule.traced(tuple(snap.aval(c) for c in vals))
+            except Exception:
+                pass  # the steps below say why it cannot be traced
+            else:
+                root = present(eg, lhs, list(vals))
+                if root is None:
+                    return False
+        stats.matched += 1
         if rule.prefer and self._own_replacement(rule, root, vals, binds):
             # A preferred rule never rewrites a term its own replacement built: that replacement is
             # forced into the result, so one that holds a match of the rule (jax.nn.softplus of a
