@@ -73,12 +73,9 @@ def _step():
     return step, [w, v, x, y]
 
 
-def test_the_whole_step_search_prices_only_the_inputs_it_reports(monkeypatch):
-    """The search rewrites the step as written, the loss's forward, the loss's VJP and the step with the loss
-    replaced; only the first and the last report a cost before (the step's), so only they price their input."""
-    import rewrite.pipeline as pipeline
-
-    priced = []
+def _count_input_prices(monkeypatch) -> list[int]:
+    """The number of outputs of each program whose input ``run_pipeline`` prices (``pipeline.input_cost``)."""
+    priced: list[int] = []
     input_cost = pipeline.input_cost
 
     def counted(snap, outs, token, model):
@@ -86,6 +83,13 @@ def test_the_whole_step_search_prices_only_the_inputs_it_reports(monkeypatch):
         return input_cost(snap, outs, token, model)
 
     monkeypatch.setattr(pipeline, "input_cost", counted)
+    return priced
+
+
+def test_the_whole_step_search_prices_only_the_inputs_it_reports(monkeypatch):
+    """The search rewrites the step as written, the loss's forward, the loss's VJP and the step with the loss
+    replaced; only the first and the last report a cost before (the step's), so only they price their input."""
+    priced = _count_input_prices(monkeypatch)
     step, args = _step()
     report = explain(step, *args, rulesets=[rulesets.algebra], whole_step=True)
     assert report.result.step is not None and report.result.step.replaced, str(report.result.step)
@@ -307,21 +311,14 @@ def test_a_step_kept_as_written_after_its_search_is_priced_once(monkeypatch):
     flax_transformer_step does with every pack), the step as written is rewritten too: its price, taken first to
     decide that, is its rewrite's cost before. It was priced again by that rewrite (a load and a price of the whole
     step: some 0.05 s of flax_transformer_step's 1,297 equations)."""
-    priced = []
-    input_cost = pipeline.input_cost
-
-    def counted(snap, outs, token, model):
-        priced.append(len(outs))
-        return input_cost(snap, outs, token, model)
-
-    monkeypatch.setattr(pipeline, "input_cost", counted)
+    priced = _count_input_prices(monkeypatch)
     step, args = _step()
     r = rewrite(step, rulesets=[rulesets.nn], cache=False, whole_step=True)
     res = r.result(*args)
     assert res.step.replaced and any("kept the latter" in d for d in res.step.declined), str(res.step)
     # the step as written, once; the step with its loss replaced (both of 3 outputs; a rule's checks price others)
     assert [n for n in priced if n == 3] == [3, 3], priced
-    monkeypatch.setattr(pipeline, "input_cost", input_cost)
+    monkeypatch.undo()
     assert res.cost_before == pipeline.program_cost(jax.make_jaxpr(step)(*args), r.cost_model)
     assert res.cost_before == pipeline.run_pipeline(jax.make_jaxpr(step)(*args), r.entries, r.cost_model,
                                                     r.limits).cost_before
