@@ -379,11 +379,16 @@ class Rewritten:
         (:func:`rewrite.extract.program.keeps_leaner`): within its ``lean_band`` the one predicted to hold less
         memory at its peak wins; within ``lean_band_far``, the one that holds at most half and drops arrays larger
         than the cache."""
+        return self._keeps_leaner(alt.cost_after, alt.after, result.cost_after, result.after)
+
+    def _keeps_leaner(self, cost: float, program: core.ClosedJaxpr, than_cost: float,
+                      than: core.ClosedJaxpr) -> bool:
+        """:func:`rewrite.extract.program.keeps_leaner` of two programs, their peaks predicted only where the
+        model has a lean band to read them in."""
         predict = getattr(self.cost_model, "predict_temp_bytes", None)
         if not lean_band(self.cost_model) or predict is None:
             return False
-        return keeps_leaner(alt.cost_after, predict(alt.after), result.cost_after, predict(result.after),
-                            self.cost_model)
+        return keeps_leaner(cost, predict(program), than_cost, predict(than), self.cost_model)
 
     def _loss_first(self, cone: core.ClosedJaxpr) -> core.ClosedJaxpr:
         """A loss's VJP as ``jax.value_and_grad(rewrite(loss))`` runs it, with these rules, as one program
@@ -408,11 +413,7 @@ class Rewritten:
         other = rewrite_joint(plain, rest, self.cost_model, self.limits)
         (cheap, c_cost), (dear, d_cost) = sorted(((p, program_cost(p, self.cost_model)) for p in (built, other)),
                                                  key=lambda pc: pc[1])  # a tie keeps the program built with them
-        predict = getattr(self.cost_model, "predict_temp_bytes", None)
-        if predict is not None and lean_band(self.cost_model) and keeps_leaner(
-                d_cost, predict(dear), c_cost, predict(cheap), self.cost_model):
-            return dear
-        return cheap
+        return dear if self._keeps_leaner(d_cost, dear, c_cost, cheap) else cheap
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         key, flat, (traced, result), nodes = self._prepare(args, kwargs)

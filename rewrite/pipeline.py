@@ -93,7 +93,7 @@ def _run(closed: core.ClosedJaxpr, entries: Sequence[tuple[Rule, Ruleset]], mode
 
     # Saturate, under limits.
     t = time.perf_counter()
-    engine = Engine(eg, entries, limits, manual="pvary" in held.primitives, held=held)
+    engine = Engine(eg, entries, limits, manual=held.manual, held=held)
     stopped = engine.run()
     times["saturate"] = time.perf_counter() - t
 
@@ -148,7 +148,7 @@ def _load(closed: core.ClosedJaxpr, entries: Sequence[tuple[Rule, Ruleset]]
     (``Rule.anchor``). The program's inputs are the Params of scope 0; its effects, if any, are threaded on a
     token that starts at (Tok 0)."""
     held = _held(closed, entries)
-    eg = EGraph(match_program(entries, "pvary" in held.primitives)[0])  # with the rules' queries: ir/egraph.py's _POOL
+    eg = EGraph(match_program(entries, held.manual)[0])  # with the rules' queries: ir/egraph.py's _POOL
     inputs = [eg.term("Param", [0, i], TYPES.intern_aval(a)) for i, a in enumerate(closed.in_avals)]
     token = eg.term("Tok", [0], TYPES.intern_aval(TOKEN_AVAL)) if closed.jaxpr.effects else None
     outs, token = load_closed(closed, inputs, eg, token)
@@ -173,7 +173,7 @@ def saturated_classes(closed: core.ClosedJaxpr, entries: Sequence[tuple[Rule, Ru
     with _collect_young_only():
         eg, outs, _, held = _load(closed, entries)
         try:
-            Engine(eg, entries, limits, manual="pvary" in held.primitives, held=held).run()
+            Engine(eg, entries, limits, manual=held.manual, held=held).run()
             snap = eg.snapshot()
             return [snap.cls_of_name[o] for o in outs]
         finally:

@@ -74,6 +74,11 @@ class Held:
     primitives: frozenset[str]
     literals: frozenset[int] = frozenset()
 
+    @property
+    def manual(self) -> bool:
+        """Whether the program is inside a ``shard_map`` body (it holds ``pvary``): its rules' manual queries run."""
+        return "pvary" in self.primitives
+
     def admits(self, rule: Rule) -> bool:
         return rule.anchor is None or (rule.anchor in self.primitives and rule.anchor_literals <= self.literals)
 
