@@ -627,11 +627,9 @@ def _rule(lhs: Any, rhs: Any, *, name: str, when: Callable[..., bool] | None, ex
     if anchor is not None and parts is None:
         raise ValueError(f"rule {name!r}: anchor={anchor!r}: no part of the left side holds a {anchor} and "
                          f"binds every pattern variable {names}")
-    if parts is not None:  # the queries become their parts around the anchor, in the same order
-        queries, manual = parts[0][:len(queries)], parts[0][len(queries):]
-    r = Rule(name, lhs, rhs, when, ex, names, queries, traced_at, manual)
-    if parts is not None:
-        r.anchor, r.anchor_literals = anchor, parts[1]
+    r = Rule(name, lhs, rhs, when, ex, names, *((queries, traced_at, manual) if parts is None else
+                                                (parts[0][:len(queries)], traced_at, parts[0][len(queries):])))
+    r.anchor, r.anchor_literals = (None, frozenset()) if parts is None else (anchor, parts[1])
     return r
 
 
