@@ -396,3 +396,23 @@ def test_nn_remat_declares_its_queries_only_for_a_tanh_gelu_of_their_dtype(monke
     rep = explain(_gelu_step, x, g, rulesets=[rulesets.nn])
     assert rep.fired.get("nn_remat_gelu_tanh_f32") == 1, rep.fired
     assert [n for n in remat if declared(n)] == ["nn_remat_gelu_tanh_f32"]
+
+
+def test_a_whole_step_search_reports_its_parts():
+    """The search's time is split into its parts (``rewrite.records.STEP_STAGES``), which sum to ``whole_step``: a
+    report says where a step's search spends its time (issue 48), in ``Result.times`` and in ``explain``'s."""
+    from rewrite.records import STEP_STAGES
+
+    step, args = _step()
+    res = rewrite(step, rulesets=[rulesets.algebra], cache=False, whole_step=True).result(*args)
+    assert res.step is not None and res.step.replaced, str(res.step)
+    assert set(STEP_STAGES) <= set(res.times), res.times
+    assert abs(sum(res.times[k] for k in STEP_STAGES) - res.times["whole_step"]) < 1e-9, res.times
+    assert all(res.times[k] >= 0 for k in STEP_STAGES), res.times
+    # what ran: a loss found and proven, its forward and its VJP rewritten, the step so changed rewritten and
+    # priced, the step as written priced; nothing of rulesets.algebra builds jointly
+    assert all(res.times[k] > 0 for k in STEP_STAGES if k != "step jointly"), res.times
+    assert res.times["step jointly"] == 0, res.times
+    report = explain(step, *args, rulesets=[rulesets.algebra], whole_step=True)
+    assert set(STEP_STAGES) <= set(report.times), report.times
+    assert sum(report.times[k] for k in STEP_STAGES) <= report.times["whole_step"], report.times
