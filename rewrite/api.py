@@ -18,6 +18,7 @@ import collections
 import dataclasses
 import functools
 import logging
+import math
 import threading
 import time
 import warnings
@@ -407,6 +408,10 @@ class Rewritten:
         model has a lean band to read them in."""
         predict = getattr(self.cost_model, "predict_temp_bytes", None)
         if not lean_band(self.cost_model) or predict is None:
+            return False
+        # a peak of nothing against one of everything: where even those would not keep it (priced beyond the far
+        # band), no peak does, and none is predicted (two whole programs' liveness, 0.04 s of an LM step's search)
+        if not keeps_leaner(cost, 0.0, than_cost, math.inf, self.cost_model):
             return False
         return keeps_leaner(cost, predict(program), than_cost, predict(than), self.cost_model)
 

@@ -416,3 +416,31 @@ def test_a_whole_step_search_reports_its_parts():
     report = explain(step, *args, rulesets=[rulesets.algebra], whole_step=True)
     assert set(STEP_STAGES) <= set(report.times), report.times
     assert sum(report.times[k] for k in STEP_STAGES) <= report.times["whole_step"], report.times
+
+
+def test_two_programs_priced_apart_are_not_compared_by_their_peaks(monkeypatch):
+    """Within the cost model's lean bands the leaner of two programs priced close is kept, which needs the peak of
+    each (two whole programs' liveness); priced further apart than the far band, no peak can keep the dearer, and
+    none is predicted. The choice is the same either way."""
+    from rewrite.extract.program import keeps_leaner
+
+    step, args = _step()
+    r = rewrite(step, rulesets=[rulesets.algebra], cache=False, whole_step=True)
+    program = jax.make_jaxpr(step)(*args)
+    predicted: list = []
+    predict = r.cost_model.predict_temp_bytes  # bound before the class's is counted
+    model_type = type(r.cost_model)
+    real = model_type.predict_temp_bytes
+
+    def counted(self, closed):
+        predicted.append(closed)
+        return real(self, closed)
+
+    monkeypatch.setattr(model_type, "predict_temp_bytes", counted)
+    far = max(r.cost_model.lean_band, r.cost_model.lean_band_far)
+    assert not r._keeps_leaner(1.0 + 2 * far, program, 1.0, program)
+    assert predicted == [], len(predicted)
+    near = 1.0 + r.cost_model.lean_band / 2
+    assert r._keeps_leaner(near, program, 1.0, program) == keeps_leaner(near, predict(program), 1.0,
+                                                                       predict(program), r.cost_model)
+    assert len(predicted) == 2, len(predicted)
