@@ -308,10 +308,10 @@ class Rewritten:
         of the two rewritten steps is kept (or the leaner within the model's lean band).
 
         The result's ``times`` hold the search's seconds as ``whole_step`` and its parts, which sum to it
-        (:data:`rewrite.records.STEP_STAGES`): ``step find`` (the candidates, their re-derivations and proofs, the replacement), ``step
-        forward`` and ``step joint`` (each loss's forward rewritten, and its VJP jointly, ``_loss_first``), ``step
-        jointly`` (the same built again without a ``jointly`` ruleset, where one fired), ``step rest`` (the step so
-        changed, rewritten and priced) and ``step price`` (the step as written, priced)."""
+        (:data:`rewrite.records.STEP_STAGES`): ``step find`` (the candidates, their re-derivations and proofs, the
+        replacement), ``step forward`` and ``step joint`` (each loss's forward rewritten, and its VJP jointly,
+        ``_loss_first``), ``step jointly`` (the same built again without a ``jointly`` ruleset, where one fired),
+        ``step rest`` (the step so changed, rewritten and priced) and ``step price`` (the step as written, priced)."""
         def as_written(price: float | None = None) -> Result:
             # ``price``: the step as written, priced already (program_cost), is not priced again
             return result if result is not None else run_pipeline(traced, self.entries, self.cost_model,
