@@ -444,3 +444,9 @@ def test_two_programs_priced_apart_are_not_compared_by_their_peaks(monkeypatch):
     assert r._keeps_leaner(near, program, 1.0, program) == keeps_leaner(near, predict(program), 1.0,
                                                                        predict(program), r.cost_model)
     assert len(predicted) == 2, len(predicted)
+    # the same answer as with the peaks, at every distance: a program against a leaner and a fatter one
+    lean = jax.make_jaxpr(lambda w, v, x, y: step(w, v, x, y)[2])(*args)
+    for first, second in ((program, lean), (lean, program)):
+        for ratio in (0.5, 1.0, 1.0 + r.cost_model.lean_band, 1.1, 1.0 + far, 1.0 + far * 1.01, 2.0):
+            assert r._keeps_leaner(ratio, first, 1.0, second) == keeps_leaner(
+                ratio, predict(first), 1.0, predict(second), r.cost_model), ratio
