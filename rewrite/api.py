@@ -18,6 +18,7 @@ import collections
 import dataclasses
 import functools
 import logging
+import math
 import threading
 import time
 import warnings
@@ -39,7 +40,7 @@ from .ir.jaxapi import core
 from .jaxpr import state as _state
 from .jaxpr.trace import CONCRETIZATION_ERRORS, Traced, flatten_args, resolve_static, same_program, trace, trace_call
 from .pipeline import limits_met, program_cost, run_pipeline, saturated_classes
-from .records import Limits, Result
+from .records import STEP_STAGES, Limits, Result
 from .report.report import Report, gradient_report, report_of
 from .rules.ruleset import Ruleset, entries_of
 
@@ -48,6 +49,13 @@ log = logging.getLogger("rewrite")
 
 #: the rulesets whose presence turns on the whole-step search by default (``rewrite(..., whole_step=None)``)
 WHOLE_STEP_PACKS = frozenset({"attention", "nn_lm_head"})
+
+
+def _lap(spent: dict[str, float], stage: str, since: float) -> float:
+    """Add the seconds since ``since`` to ``spent[stage]``; return now."""
+    now = time.perf_counter()
+    spent[stage] = spent.get(stage, 0.0) + now - since
+    return now
 
 
 def _searches_steps(entries: Sequence[tuple[Any, Ruleset]], whole_step: bool | None) -> bool:
@@ -297,24 +305,39 @@ class Rewritten:
         the step as written. ``result`` is the step as written, rewritten, where a caller has it (``explain``);
         otherwise it is made here only where it is needed: where no loss is replaced, or where the step with
         its losses replaced does not price below the step as written unrewritten. Then, as before, the cheaper
-        of the two rewritten steps is kept (or the leaner within the model's lean band)."""
+        of the two rewritten steps is kept (or the leaner within the model's lean band).
+
+        The result's ``times`` hold the search's seconds as ``whole_step`` and its parts, which sum to it
+        (:data:`rewrite.records.STEP_STAGES`): ``step find`` (the candidates, their re-derivations and proofs, the
+        replacement), ``step forward`` and ``step joint`` (each loss's forward rewritten, and its VJP jointly,
+        ``_loss_first``), ``step jointly`` (the same built again without a ``jointly`` ruleset, where one fired),
+        ``step rest`` (the step so changed, rewritten and priced) and ``step price`` (the step as written, priced)."""
         def as_written(price: float | None = None) -> Result:
             # ``price``: the step as written, priced already (program_cost), is not priced again
             return result if result is not None else run_pipeline(traced, self.entries, self.cost_model,
                                                                    self.limits, input_price=price)
 
+        def timed(kept: Result) -> Result:
+            spent["step find"] = finding.seconds - sum(spent.get(k, 0.0) for k in STEP_STAGES[1:4])
+            kept.times.update({k: spent.get(k, 0.0) for k in STEP_STAGES})
+            kept.times["whole_step"] = sum(spent.get(k, 0.0) for k in STEP_STAGES)
+            return kept
+
         if not self.whole_step or not self.entries:
             return as_written()
+        spent: dict[str, float] = {}
         try:
             pinned: set = set()
             # the proofs saturate with no rule: a step is loaded once for all of them (proof_graph)
-            changed, finding = find_losses(traced.closed, self._proof, self._loss_first, pinned, proof_graph)
+            changed, finding = find_losses(traced.closed, self._proof,
+                                           functools.partial(self._loss_first, spent=spent), pinned, proof_graph)
             alt = None
             if changed is not None:
                 t = time.perf_counter()
                 alt = self._rewrite_rest(changed, pinned)
-                alt.times["whole_step"] = finding.seconds + time.perf_counter() - t
+                t = _lap(spent, "step rest", t)
                 before = result.cost_before if result is not None else program_cost(traced.closed, self.cost_model)
+                _lap(spent, "step price", t)
         except Exception as e:  # the step as written, rewritten, still runs
             self._fall_back(e, f"the whole-step search of {getattr(self.fn, '__name__', 'function')!r}",
                             "running the step rewritten as written")
@@ -324,24 +347,22 @@ class Rewritten:
         if alt is None:
             written = as_written()
             written.step = finding
-            written.times["whole_step"] = finding.seconds  # the search ran, though its step was not kept
-            return written
+            return timed(written)  # the search ran, though its step was not kept
         if alt.cost_after < before:
             # priced below the step as written: kept without rewriting the step as written (that saturation is
             # most of a training step's rewrite time), whatever the latter's rewrite would price
-            return self._replaced(traced, alt, finding, before, f"priced {alt.cost_after:.4g}, below the step as "
-                                  f"written ({before:.4g})")
+            return timed(self._replaced(traced, alt, finding, before, f"priced {alt.cost_after:.4g}, below the "
+                                        f"step as written ({before:.4g})"))
         written = as_written(before)
         written.step = finding
         cheaper = alt.cost_after < written.cost_after
         if cheaper or self._leaner(alt, written):
-            return self._replaced(traced, alt, finding, written.cost_before, "" if cheaper else (
+            return timed(self._replaced(traced, alt, finding, written.cost_before, "" if cheaper else (
                 f"priced {alt.cost_after:.4g} against {written.cost_after:.4g}, within the model's lean band, and "
-                "predicted to hold less memory"))
+                "predicted to hold less memory")))
         finding.declined.append(f"the step with them replaced was priced {alt.cost_after:.4g}, the step rewritten "
                                 f"as written {written.cost_after:.4g}: kept the latter")
-        written.times["whole_step"] = alt.times["whole_step"]
-        return written
+        return timed(written)
 
     def _rewrite_rest(self, changed: core.ClosedJaxpr, pinned: set) -> Result:
         """The step with its losses replaced, rewritten: the loss-first programs in it are already rewritten
@@ -388,9 +409,13 @@ class Rewritten:
         predict = getattr(self.cost_model, "predict_temp_bytes", None)
         if not lean_band(self.cost_model) or predict is None:
             return False
+        # a peak of nothing against one of everything: where even those would not keep it (priced beyond the far
+        # band), no peak does, and none is predicted (two whole programs' liveness, 0.04 s of an LM step's search)
+        if not keeps_leaner(cost, 0.0, than_cost, math.inf, self.cost_model):
+            return False
         return keeps_leaner(cost, predict(program), than_cost, predict(than), self.cost_model)
 
-    def _loss_first(self, cone: core.ClosedJaxpr) -> core.ClosedJaxpr:
+    def _loss_first(self, cone: core.ClosedJaxpr, spent: dict[str, float] | None = None) -> core.ClosedJaxpr:
         """A loss's VJP as ``jax.value_and_grad(rewrite(loss))`` runs it, with these rules, as one program
         ``(primals, cotangent) -> (loss, gradients)``: JAX's VJP of the rewritten forward, rewritten.
 
@@ -399,21 +424,29 @@ class Rewritten:
         blocks, whose backward recomputes each block's logits: that pays where the logits are large and costs a
         product where they are not), the same loss-first program is built without that ruleset too, and of
         the two the cheaper is kept, or the leaner within the model's lean band
-        (:func:`rewrite.extract.program.keeps_leaner`), as a step is chosen."""
+        (:func:`rewrite.extract.program.keeps_leaner`), as a step is chosen. ``spent``, where given, adds the
+        seconds of each part to its ``step forward``, ``step joint`` and ``step jointly`` (``_whole_step``)."""
         # only the programs that come out are read: the inputs are not priced
+        spent = {} if spent is None else spent
+        t = time.perf_counter()
         forward = run_pipeline(cone, self.entries, self.cost_model, self.limits, price_input=False)
+        t = _lap(spent, "step forward", t)
         built = rewrite_joint(forward.after, self.entries, self.cost_model, self.limits)
+        t = _lap(spent, "step joint", t)
         jointly = {r.name for r, owner in self.entries if getattr(owner, "jointly", False)}
         if not any(s.fired for n, s in forward.stats.items() if n in jointly):
             return built
-        rest = [(r, owner) for r, owner in self.entries if r.name not in jointly]
-        plain = run_pipeline(cone, rest, self.cost_model, self.limits, price_input=False).after
-        if same_program(plain, forward.after):
-            return built
-        other = rewrite_joint(plain, rest, self.cost_model, self.limits)
-        (cheap, c_cost), (dear, d_cost) = sorted(((p, program_cost(p, self.cost_model)) for p in (built, other)),
-                                                 key=lambda pc: pc[1])  # a tie keeps the program built with them
-        return dear if self._keeps_leaner(d_cost, dear, c_cost, cheap) else cheap
+        try:
+            rest = [(r, owner) for r, owner in self.entries if r.name not in jointly]
+            plain = run_pipeline(cone, rest, self.cost_model, self.limits, price_input=False).after
+            if same_program(plain, forward.after):
+                return built
+            other = rewrite_joint(plain, rest, self.cost_model, self.limits)
+            (cheap, c_cost), (dear, d_cost) = sorted(((p, program_cost(p, self.cost_model)) for p in (built, other)),
+                                                     key=lambda pc: pc[1])  # a tie keeps the program built with them
+            return dear if self._keeps_leaner(d_cost, dear, c_cost, cheap) else cheap
+        finally:
+            _lap(spent, "step jointly", t)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         key, flat, (traced, result), nodes = self._prepare(args, kwargs)
@@ -645,6 +678,7 @@ def explain(fn: Any, *args: Any, rulesets: Any = (), cost_model: Any = None, lim
     finder.whole_step = _searches_steps(entries, whole_step)
     t = time.perf_counter()
     chosen = finder._whole_step(traced, result)
-    if finder.whole_step and finder.entries:  # the search's time, whether or not its step is used
+    if finder.whole_step and finder.entries:  # the search's time and its parts, whether or not its step is used
+        result.times.update({k: chosen.times[k] for k in STEP_STAGES if k in chosen.times})
         result.times["whole_step"] = time.perf_counter() - t
     return report_of(result, entries, model, step=chosen.step, step_used=chosen is not result)

@@ -104,6 +104,15 @@ class RuleStats:
     examples: list[tuple[Any, Any]] = dataclasses.field(default_factory=list)  # (avals, root source)
 
 
+#: the pipeline's stages, as ``Result.times`` names them
+STAGES = ("trace", "load", "saturate", "extract", "emit")
+#: the whole-step search's parts (``Rewritten._whole_step``), as ``Result.times`` names them beside ``whole_step``,
+#: their sum: the candidates, their re-derivations, proofs and replacement; each loss's forward rewritten, its VJP
+#: rewritten jointly, the two built again without a ``jointly`` ruleset (where one fired); the step so changed,
+#: rewritten and priced; the step as written, priced
+STEP_STAGES = ("step find", "step forward", "step joint", "step jointly", "step rest", "step price")
+
+
 @dataclasses.dataclass
 class Result:
     before: core.ClosedJaxpr

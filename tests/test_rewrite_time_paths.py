@@ -396,3 +396,57 @@ def test_nn_remat_declares_its_queries_only_for_a_tanh_gelu_of_their_dtype(monke
     rep = explain(_gelu_step, x, g, rulesets=[rulesets.nn])
     assert rep.fired.get("nn_remat_gelu_tanh_f32") == 1, rep.fired
     assert [n for n in remat if declared(n)] == ["nn_remat_gelu_tanh_f32"]
+
+
+def test_a_whole_step_search_reports_its_parts():
+    """The search's time is split into its parts (``rewrite.records.STEP_STAGES``), which sum to ``whole_step``: a
+    report says where a step's search spends its time (issue 48), in ``Result.times`` and in ``explain``'s."""
+    from rewrite.records import STEP_STAGES
+
+    step, args = _step()
+    res = rewrite(step, rulesets=[rulesets.algebra], cache=False, whole_step=True).result(*args)
+    assert res.step is not None and res.step.replaced, str(res.step)
+    assert set(STEP_STAGES) <= set(res.times), res.times
+    assert abs(sum(res.times[k] for k in STEP_STAGES) - res.times["whole_step"]) < 1e-9, res.times
+    assert all(res.times[k] >= 0 for k in STEP_STAGES), res.times
+    # what ran: a loss found and proven, its forward and its VJP rewritten, the step so changed rewritten and
+    # priced, the step as written priced; nothing of rulesets.algebra builds jointly
+    assert all(res.times[k] > 0 for k in STEP_STAGES if k != "step jointly"), res.times
+    assert res.times["step jointly"] == 0, res.times
+    report = explain(step, *args, rulesets=[rulesets.algebra], whole_step=True)
+    assert set(STEP_STAGES) <= set(report.times), report.times
+    assert sum(report.times[k] for k in STEP_STAGES) <= report.times["whole_step"], report.times
+
+
+def test_two_programs_priced_apart_are_not_compared_by_their_peaks(monkeypatch):
+    """Within the cost model's lean bands the leaner of two programs priced close is kept, which needs the peak of
+    each (two whole programs' liveness); priced further apart than the far band, no peak can keep the dearer, and
+    none is predicted. The choice is the same either way."""
+    from rewrite.extract.program import keeps_leaner
+
+    step, args = _step()
+    r = rewrite(step, rulesets=[rulesets.algebra], cache=False, whole_step=True)
+    program = jax.make_jaxpr(step)(*args)
+    predicted: list = []
+    predict = r.cost_model.predict_temp_bytes  # bound before the class's is counted
+    model_type = type(r.cost_model)
+    real = model_type.predict_temp_bytes
+
+    def counted(self, closed):
+        predicted.append(closed)
+        return real(self, closed)
+
+    monkeypatch.setattr(model_type, "predict_temp_bytes", counted)
+    far = max(r.cost_model.lean_band, r.cost_model.lean_band_far)
+    assert not r._keeps_leaner(1.0 + 2 * far, program, 1.0, program)
+    assert predicted == [], len(predicted)
+    near = 1.0 + r.cost_model.lean_band / 2
+    assert r._keeps_leaner(near, program, 1.0, program) == keeps_leaner(near, predict(program), 1.0,
+                                                                       predict(program), r.cost_model)
+    assert len(predicted) == 2, len(predicted)
+    # the same answer as with the peaks, at every distance: a program against a leaner and a fatter one
+    lean = jax.make_jaxpr(lambda w, v, x, y: step(w, v, x, y)[2])(*args)
+    for first, second in ((program, lean), (lean, program)):
+        for ratio in (0.5, 1.0, 1.0 + r.cost_model.lean_band, 1.1, 1.0 + far, 1.0 + far * 1.01, 2.0):
+            assert r._keeps_leaner(ratio, first, 1.0, second) == keeps_leaner(
+                ratio, predict(first), 1.0, predict(second), r.cost_model), ratio

@@ -22,7 +22,7 @@ from ..ir.jaxapi import core, user_frame
 from ..ir.primitives import nbytes
 from ..jaxpr.emit import emit
 from ..jaxpr.trace import spec_of
-from ..records import Result
+from ..records import STAGES, STEP_STAGES, Result
 from ..rules.match import _short
 from ..rules.rule import Rule
 from ..rules.ruleset import Ruleset
@@ -371,8 +371,9 @@ def report_of(result: Result, entries: Sequence[tuple[Rule, Ruleset]], model: An
               step_used: bool = False) -> Report:
     """The report of one rewrite (:func:`rewrite.explain`): ``result`` kept its e-graph (``keep=True``);
     ``step`` is what ``rewrite(step)`` found of a training step's losses, ``step_used`` whether it runs."""
-    times = {k: result.times.get(k, 0.0) for k in ("trace", "load", "saturate", "extract", "emit", "whole_step")
-             if k != "whole_step" or k in result.times}
+    # the whole-step search's time and its parts (``Rewritten._whole_step``), where it ran
+    times = {k: result.times.get(k, 0.0) for k in (*STAGES, "whole_step", *STEP_STAGES)
+             if k in STAGES or k in result.times}
     return Report(
         before=result.before, after=result.after, cost_before=result.cost_before, cost_after=result.cost_after,
         step=step, step_used=step_used,
