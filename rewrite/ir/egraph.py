@@ -496,6 +496,9 @@ class Snapshot:
         self.egraph = egraph
         #: what the extractions from this snapshot share (``rewrite/extract/extractor.py``'s ``shared``)
         self.extractors: list[tuple[Any, Any]] = []
+        #: the copies without some rules' nodes that extractions from this snapshot take (``extract/policy.py``'s
+        #: ``withheld``), by what they leave out: a VJP's two extractions take one copy, and price its nodes once
+        self.withholding: dict[tuple, tuple[Any, dict, Any]] = {}
         self.frozen = egraph.eg.freeze()
         self.functions = self.frozen.functions
         to_int = egraph.eg.value_to_i64
@@ -558,6 +561,7 @@ class Snapshot:
         out._nodes = {cls: [n for n in ns if not drop(cls, n)] for cls, ns in self.nodes.items()}
         out._parents = None
         out.extractors = []  # an extraction from the copy prices its own node table
+        out.withholding = {}
         return out
 
     # -- node tables (built on first use)
