@@ -40,11 +40,25 @@ def shared(snap: Snapshot, model: CostModel) -> "Extractor":
     return ex
 
 
+def _prices(snap: Snapshot, model: CostModel) -> dict[tuple, float]:
+    """The node prices under ``model`` that the extractors of ``snap`` share (``Snapshot.prices``)."""
+    shelf = getattr(snap, "prices", None)
+    if shelf is None:  # (a stand-in for a snapshot)
+        return {}
+    for m, prices in shelf:
+        if m is model:
+            return prices
+    prices = {}
+    shelf.append((model, prices))
+    return prices
+
+
 class Extractor:
     def __init__(self, snap: Snapshot, model: CostModel) -> None:
         self.snap = snap
         self.model = model
-        self._own: dict[tuple, float] = {}
+        self._own: dict[tuple, float] = _prices(snap, model)
+        self._unique_kids: dict[tuple, list[Any]] = {}
         self._kids: dict[tuple, list[Any]] = {}
         self._operands: dict[tuple, list[Any]] = {}
         self._all_kids: dict[tuple, list[Any]] = {}
@@ -226,11 +240,15 @@ class Extractor:
         heap: list[tuple[float, int]] = []
         cost: dict[Any, float] = {}
         choice: dict[Any, tuple] = {}
+        unique = self._unique_kids
         for cls, ns in self.snap.nodes.items():
-            for ctor, args in ns:
+            for node in ns:
+                ctor, args = node
                 if allowed is not None and not allowed(cls, ctor, args):
                     continue
-                kids = list(dict.fromkeys(self.children(ctor, args)))
+                kids = unique.get(node)
+                if kids is None:
+                    kids = unique[node] = list(dict.fromkeys(self.all_kids(node)))
                 i = len(entries)
                 entries.append((cls, ctor, args, kids))
                 pending.append(len(kids))
@@ -364,12 +382,35 @@ class LocalSearch:
         return found
 
     def _inc(self, c: Any) -> None:
-        for x in _crossings(self.ref, self.choice, self.ex.term_kids, c, 1):
-            self.cost += self._own(x, self.choice[x])
+        # _crossings written out (the search's innermost loop): the same walk, the same order of sums
+        ref, choice, kids, costs, own = self.ref, self.choice, self.ex.term_kids, self._costs, self._own
+        cost = self.cost
+        stack = [c]
+        while stack:
+            x = stack.pop()
+            n = ref.get(x, 0) + 1
+            ref[x] = n
+            if n == 1:
+                node = choice[x]
+                found = costs.get((x, node)) if node[0] != "Proj" else None
+                cost += own(x, node) if found is None else found
+                stack.extend(kids(node))
+        self.cost = cost
 
     def _dec(self, c: Any) -> None:
-        for x in _crossings(self.ref, self.choice, self.ex.term_kids, c, -1):
-            self.cost -= self._own(x, self.choice[x])
+        ref, choice, kids, costs, own = self.ref, self.choice, self.ex.term_kids, self._costs, self._own
+        cost = self.cost
+        stack = [c]
+        while stack:
+            x = stack.pop()
+            n = ref[x] - 1
+            ref[x] = n
+            if n == 0:
+                node = choice[x]
+                found = costs.get((x, node)) if node[0] != "Proj" else None
+                cost -= own(x, node) if found is None else found
+                stack.extend(kids(node))
+        self.cost = cost
 
     def _set(self, c: Any, node: tuple) -> None:
         old = self.choice[c]

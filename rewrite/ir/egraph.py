@@ -499,6 +499,9 @@ class Snapshot:
         #: the copies without some rules' nodes that extractions from this snapshot take (``extract/policy.py``'s
         #: ``withheld``), by what they leave out: a VJP's two extractions take one copy, and price its nodes once
         self.withholding: dict[tuple, tuple[Any, dict, Any]] = {}
+        #: per cost model, the prices of nodes without bodies (``Extractor.own``), shared by every extractor of this
+        #: snapshot and of its copies (:meth:`without`): a node's own price reads its class's type and its operands'
+        self.prices: list[tuple[Any, dict]] = []
         self.frozen = egraph.eg.freeze()
         self.functions = self.frozen.functions
         to_int = egraph.eg.value_to_i64
@@ -561,7 +564,7 @@ class Snapshot:
         out._nodes = {cls: [n for n in ns if not drop(cls, n)] for cls, ns in self.nodes.items()}
         out._parents = None
         out.extractors = []  # an extraction from the copy prices its own node table
-        out.withholding = {}
+        out.withholding = {}  # (out.prices stays this snapshot's: the copy's nodes are priced alike)
         return out
 
     # -- node tables (built on first use)
