@@ -59,6 +59,7 @@ class Extractor:
         self.model = model
         self._own: dict[tuple, float] = _prices(snap, model)
         self._unique_kids: dict[tuple, list[Any]] = {}
+        self._class_order: dict[Any, int] | None = None
         self._kids: dict[tuple, list[Any]] = {}
         self._operands: dict[tuple, list[Any]] = {}
         self._all_kids: dict[tuple, list[Any]] = {}
@@ -232,7 +233,19 @@ class Extractor:
             found = self._original_trees[id(original)] = (original, choice)
         return dict(found[1])
 
-    def _tree_pass(self, allowed: Callable[[Any, str, tuple], bool] | None) -> tuple[dict, dict]:
+    def tree_of(self, classes: set[Any]) -> tuple[dict, dict]:
+        """:meth:`tree` restricted to ``classes`` (a set closed under children), every node of theirs allowed: the
+        same choice as ``tree(lambda cls, ctor, args: cls in classes)`` (the classes are taken in the snapshot's
+        order, so ties go alike), for the work of those classes alone, not of a test of every node."""
+        order = self._class_order
+        if order is None:
+            order = self._class_order = {c: i for i, c in enumerate(self.snap.nodes)}
+        nodes = self.snap.nodes
+        return self._tree_pass(None, [(c, nodes[c]) for c in sorted((c for c in classes if c in order),
+                                                                    key=order.__getitem__)])
+
+    def _tree_pass(self, allowed: Callable[[Any, str, tuple], bool] | None,
+                   items: Sequence[tuple[Any, list]] | None = None) -> tuple[dict, dict]:
         self.passes += 1
         entries: list[tuple[Any, str, tuple, list[Any]]] = []
         parents: dict[Any, list[int]] = {}
@@ -241,7 +254,7 @@ class Extractor:
         cost: dict[Any, float] = {}
         choice: dict[Any, tuple] = {}
         unique = self._unique_kids
-        for cls, ns in self.snap.nodes.items():
+        for cls, ns in (self.snap.nodes.items() if items is None else items):
             for node in ns:
                 ctor, args = node
                 if allowed is not None and not allowed(cls, ctor, args):
