@@ -180,7 +180,7 @@ class Extractor:
             of_op = PARAMS.prim(of_args[-1]).name if of_ctor not in _LEAVES and of_ctor != "Proj" else of_ctor
             return NodeInfo("proj", _primitives.SPECIAL, of_params, (snap.aval(tup),), outs, index=index, of=of_op)
         pid = args[-1]
-        reads = operands(snap, (ctor, args))
+        reads = self.operands((ctor, args))  # (memoised: a loop's operand list is long, and its price asked often)
         ins = [snap.aval(a) for a in (reads[1:] if ctor == "Effect" else reads)]  # not an effect's token
         family = _primitives.BY_CTOR.get(ctor, _primitives.DEFAULT).family
         return NodeInfo(PARAMS.prim(pid).name, family, PARAMS.params(pid), tuple(ins), outs, body_costs)

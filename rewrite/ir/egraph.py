@@ -608,8 +608,9 @@ class Snapshot:
     def list_items(self, lst: Any) -> list[Any]:
         """The elements of a ``TList`` or ``BList`` class."""
         out = []
+        nodes = self.nodes
         while True:
-            (ctor, args), *_ = self.nodes[lst]
+            ctor, args = nodes[lst][0]
             if ctor in ("TNil", "BNil"):
                 return out
             out.append(args[0])
