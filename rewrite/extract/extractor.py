@@ -397,6 +397,7 @@ class LocalSearch:
     def _inc(self, c: Any) -> None:
         # _crossings written out (the search's innermost loop): the same walk, the same order of sums
         ref, choice, kids, costs, own = self.ref, self.choice, self.ex.term_kids, self._costs, self._own
+        memo = self.ex._kids
         cost = self.cost
         stack = [c]
         while stack:
@@ -407,11 +408,13 @@ class LocalSearch:
                 node = choice[x]
                 found = costs.get((x, node)) if node[0] != "Proj" else None
                 cost += own(x, node) if found is None else found
-                stack.extend(kids(node))
+                known = memo.get(node)
+                stack.extend(kids(node) if known is None else known)
         self.cost = cost
 
     def _dec(self, c: Any) -> None:
         ref, choice, kids, costs, own = self.ref, self.choice, self.ex.term_kids, self._costs, self._own
+        memo = self.ex._kids
         cost = self.cost
         stack = [c]
         while stack:
@@ -422,7 +425,8 @@ class LocalSearch:
                 node = choice[x]
                 found = costs.get((x, node)) if node[0] != "Proj" else None
                 cost -= own(x, node) if found is None else found
-                stack.extend(kids(node))
+                known = memo.get(node)
+                stack.extend(kids(node) if known is None else known)
         self.cost = cost
 
     def _set(self, c: Any, node: tuple) -> None:
