@@ -190,9 +190,9 @@ def test_match_function_prefers_a_pass_over_the_slice_s_classes_only(monkeypatch
     passes: list = []
 
     class Counted(_extractor.Extractor):
-        def _tree_pass(self, allowed):
-            cost, choice = super()._tree_pass(allowed)
-            if allowed is None:
+        def _tree_pass(self, allowed, items=None):  # (items: the classes of a restricted pass, Extractor.tree_of)
+            cost, choice = super()._tree_pass(allowed, items)
+            if allowed is None and items is None:
                 passes.append(None)
             else:
                 whole = super()._tree_pass(None)[1]

@@ -182,3 +182,31 @@ def test_effects_are_refused():
         warnings.simplefilter("always")
         np.testing.assert_allclose(jax.grad(lambda x: r(x).sum())(jnp.ones(3)), jnp.cos(jnp.ones(3)))
     assert any("effects" in str(w.message) for w in caught)
+
+
+def test_the_gradients_alone_are_extracted_from_the_pipelines_copy(monkeypatch):
+    """A VJP extracts its joint program, then its gradients alone, both without the recomputing rules' nodes
+    (``extract.policy.withheld``): from one copy of the snapshot, whose nodes are priced and passed over once."""
+    from rewrite.ir.egraph import Snapshot
+    from rulesets.nn import nn
+
+    copies = []
+    real = Snapshot.without
+
+    def without(self, drop):
+        copies.append(self)
+        return real(self, drop)
+
+    monkeypatch.setattr(Snapshot, "without", without)
+
+    def loss(x, w):
+        return jnp.sum(jax.nn.gelu(x @ w, approximate=True))
+
+    x, w = jnp.linspace(-2.0, 2.0, 32).reshape(4, 8), jnp.linspace(-1.0, 1.0, 64).reshape(8, 8)
+    r = rewrite(loss, rulesets=[nn])
+    got = jax.grad(r, argnums=(0, 1))(x, w)
+    built = r.grad_result(x, w)
+    assert built.joint.stats["nn_remat_gelu_tanh_f32"].fired  # the recomputing rule built nodes to withhold
+    assert len(copies) == 1, len(copies)
+    for a, b in zip(got, jax.grad(loss, argnums=(0, 1))(x, w)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

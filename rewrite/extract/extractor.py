@@ -40,11 +40,26 @@ def shared(snap: Snapshot, model: CostModel) -> "Extractor":
     return ex
 
 
+def _prices(snap: Snapshot, model: CostModel) -> dict[tuple, float]:
+    """The node prices under ``model`` that the extractors of ``snap`` share (``Snapshot.prices``)."""
+    shelf = getattr(snap, "prices", None)
+    if shelf is None:  # (a stand-in for a snapshot)
+        return {}
+    for m, prices in shelf:
+        if m is model:
+            return prices
+    prices = {}
+    shelf.append((model, prices))
+    return prices
+
+
 class Extractor:
     def __init__(self, snap: Snapshot, model: CostModel) -> None:
         self.snap = snap
         self.model = model
-        self._own: dict[tuple, float] = {}
+        self._own: dict[tuple, float] = _prices(snap, model)
+        self._unique_kids: dict[tuple, list[Any]] = {}
+        self._class_order: dict[Any, int] | None = None
         self._kids: dict[tuple, list[Any]] = {}
         self._operands: dict[tuple, list[Any]] = {}
         self._all_kids: dict[tuple, list[Any]] = {}
@@ -165,7 +180,7 @@ class Extractor:
             of_op = PARAMS.prim(of_args[-1]).name if of_ctor not in _LEAVES and of_ctor != "Proj" else of_ctor
             return NodeInfo("proj", _primitives.SPECIAL, of_params, (snap.aval(tup),), outs, index=index, of=of_op)
         pid = args[-1]
-        reads = operands(snap, (ctor, args))
+        reads = self.operands((ctor, args))  # (memoised: a loop's operand list is long, and its price asked often)
         ins = [snap.aval(a) for a in (reads[1:] if ctor == "Effect" else reads)]  # not an effect's token
         family = _primitives.BY_CTOR.get(ctor, _primitives.DEFAULT).family
         return NodeInfo(PARAMS.prim(pid).name, family, PARAMS.params(pid), tuple(ins), outs, body_costs)
@@ -218,7 +233,19 @@ class Extractor:
             found = self._original_trees[id(original)] = (original, choice)
         return dict(found[1])
 
-    def _tree_pass(self, allowed: Callable[[Any, str, tuple], bool] | None) -> tuple[dict, dict]:
+    def tree_of(self, classes: set[Any]) -> tuple[dict, dict]:
+        """:meth:`tree` restricted to ``classes`` (a set closed under children), every node of theirs allowed: the
+        same choice as ``tree(lambda cls, ctor, args: cls in classes)`` (the classes are taken in the snapshot's
+        order, so ties go alike), for the work of those classes alone, not of a test of every node."""
+        order = self._class_order
+        if order is None:
+            order = self._class_order = {c: i for i, c in enumerate(self.snap.nodes)}
+        nodes = self.snap.nodes
+        return self._tree_pass(None, [(c, nodes[c]) for c in sorted((c for c in classes if c in order),
+                                                                    key=order.__getitem__)])
+
+    def _tree_pass(self, allowed: Callable[[Any, str, tuple], bool] | None,
+                   items: Sequence[tuple[Any, list]] | None = None) -> tuple[dict, dict]:
         self.passes += 1
         entries: list[tuple[Any, str, tuple, list[Any]]] = []
         parents: dict[Any, list[int]] = {}
@@ -226,11 +253,15 @@ class Extractor:
         heap: list[tuple[float, int]] = []
         cost: dict[Any, float] = {}
         choice: dict[Any, tuple] = {}
-        for cls, ns in self.snap.nodes.items():
-            for ctor, args in ns:
+        unique = self._unique_kids
+        for cls, ns in (self.snap.nodes.items() if items is None else items):
+            for node in ns:
+                ctor, args = node
                 if allowed is not None and not allowed(cls, ctor, args):
                     continue
-                kids = list(dict.fromkeys(self.children(ctor, args)))
+                kids = unique.get(node)
+                if kids is None:
+                    kids = unique[node] = list(dict.fromkeys(self.all_kids(node)))
                 i = len(entries)
                 entries.append((cls, ctor, args, kids))
                 pending.append(len(kids))
@@ -364,12 +395,39 @@ class LocalSearch:
         return found
 
     def _inc(self, c: Any) -> None:
-        for x in _crossings(self.ref, self.choice, self.ex.term_kids, c, 1):
-            self.cost += self._own(x, self.choice[x])
+        # _crossings written out (the search's innermost loop): the same walk, the same order of sums
+        ref, choice, kids, costs, own = self.ref, self.choice, self.ex.term_kids, self._costs, self._own
+        memo = self.ex._kids
+        cost = self.cost
+        stack = [c]
+        while stack:
+            x = stack.pop()
+            n = ref.get(x, 0) + 1
+            ref[x] = n
+            if n == 1:
+                node = choice[x]
+                found = costs.get((x, node)) if node[0] != "Proj" else None
+                cost += own(x, node) if found is None else found
+                known = memo.get(node)
+                stack.extend(kids(node) if known is None else known)
+        self.cost = cost
 
     def _dec(self, c: Any) -> None:
-        for x in _crossings(self.ref, self.choice, self.ex.term_kids, c, -1):
-            self.cost -= self._own(x, self.choice[x])
+        ref, choice, kids, costs, own = self.ref, self.choice, self.ex.term_kids, self._costs, self._own
+        memo = self.ex._kids
+        cost = self.cost
+        stack = [c]
+        while stack:
+            x = stack.pop()
+            n = ref[x] - 1
+            ref[x] = n
+            if n == 0:
+                node = choice[x]
+                found = costs.get((x, node)) if node[0] != "Proj" else None
+                cost -= own(x, node) if found is None else found
+                known = memo.get(node)
+                stack.extend(kids(node) if known is None else known)
+        self.cost = cost
 
     def _set(self, c: Any, node: tuple) -> None:
         old = self.choice[c]

@@ -72,9 +72,18 @@ def made_by(snap: Any, eg: EGraph, rules: set[str], original: set) -> dict[tuple
 
 def withheld(snap: Any, eg: EGraph, entries: Sequence[tuple[Any, Any]], original: set) -> tuple[Any, dict]:
     """``(snap, made)``: the snapshot to extract from without the recomputing rules' nodes (``snap`` itself where
-    none were built), and those nodes."""
-    made = made_by(snap, eg, {r.name for r, owner in entries if getattr(owner, "recomputes", False)}, original)
-    return (snap.without(lambda cls, node: node in made) if made else snap), made
+    none were built), and those nodes. Asked again for the same rules and input program (a VJP's pipeline, then its
+    gradients alone, ``grad/vjp.py``), the same copy: its extractor (``extractor.shared``) has priced its nodes
+    and made its bottom-up passes already."""
+    rules = frozenset(r.name for r, owner in entries if getattr(owner, "recomputes", False))
+    key = (rules, id(original), len(eg.vorigin))
+    found = snap.withholding.get(key)
+    if found is not None and found[2] is original:
+        return (snap if found[0] is None else found[0]), found[1]
+    made = made_by(snap, eg, set(rules), original)
+    plain = snap.without(lambda cls, node: node in made) if made else None  # (None: snap itself, kept without a cycle)
+    snap.withholding[key] = (plain, made, original)  # original kept with it, so that its id stays its
+    return (snap if plain is None else plain), made
 
 
 def recomputations(ex: Any, snap: Any, made: dict, roots: list, model: CostModel) -> Any:

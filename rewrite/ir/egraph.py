@@ -496,6 +496,12 @@ class Snapshot:
         self.egraph = egraph
         #: what the extractions from this snapshot share (``rewrite/extract/extractor.py``'s ``shared``)
         self.extractors: list[tuple[Any, Any]] = []
+        #: the copies without some rules' nodes that extractions from this snapshot take (``extract/policy.py``'s
+        #: ``withheld``), by what they leave out: a VJP's two extractions take one copy, and price its nodes once
+        self.withholding: dict[tuple, tuple[Any, dict, Any]] = {}
+        #: per cost model, the prices of nodes without bodies (``Extractor.own``), shared by every extractor of this
+        #: snapshot and of its copies (:meth:`without`): a node's own price reads its class's type and its operands'
+        self.prices: list[tuple[Any, dict]] = []
         self.frozen = egraph.eg.freeze()
         self.functions = self.frozen.functions
         to_int = egraph.eg.value_to_i64
@@ -558,6 +564,7 @@ class Snapshot:
         out._nodes = {cls: [n for n in ns if not drop(cls, n)] for cls, ns in self.nodes.items()}
         out._parents = None
         out.extractors = []  # an extraction from the copy prices its own node table
+        out.withholding = {}  # (out.prices stays this snapshot's: the copy's nodes are priced alike)
         return out
 
     # -- node tables (built on first use)
@@ -601,8 +608,9 @@ class Snapshot:
     def list_items(self, lst: Any) -> list[Any]:
         """The elements of a ``TList`` or ``BList`` class."""
         out = []
+        nodes = self.nodes
         while True:
-            (ctor, args), *_ = self.nodes[lst]
+            ctor, args = nodes[lst][0]
             if ctor in ("TNil", "BNil"):
                 return out
             out.append(args[0])

@@ -197,7 +197,7 @@ class Builder:
         ex = self._prefer_ex
         below = set(walk([c for c in out_cls if c not in self._covered],
                          lambda c: [k for n in snap.nodes.get(c, ()) for k in ex.children(*n)]))
-        self._prefer.update(ex.tree(lambda cls, ctor, args: cls in below)[1])
+        self._prefer.update(ex.tree_of(below)[1])
         self._covered |= below
         return self._prefer
 
