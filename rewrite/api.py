@@ -34,7 +34,7 @@ from .errors import RewriteLimitWarning, RewriteWarning, _strict
 from .extract.program import keeps_leaner, lean_band
 from .grad.primitive import Signature, bind_if_differentiated
 from .grad.step import find_losses, join_pinned, proof_graph, split_pinned
-from .grad.vjp import VJPResult, build_vjp, decided_jointly, rewrite_joint
+from .grad.vjp import VJPResult, build_vjp, rewrite_joint
 from .ir.jaxapi import core
 from .jaxpr import state as _state
 from .jaxpr.trace import CONCRETIZATION_ERRORS, Traced, flatten_args, resolve_static, same_program, trace, trace_call
@@ -392,19 +392,34 @@ class Rewritten:
 
     def _loss_first(self, cone: core.ClosedJaxpr) -> core.ClosedJaxpr:
         """A loss's VJP as ``jax.value_and_grad(rewrite(loss))`` runs it, with these rules, as one program
-        ``(primals, cotangent) -> (loss, gradients)``: JAX's VJP of the rewritten forward, rewritten, decided on
-        that joint program where a ``jointly`` ruleset's rules fired in the forward
-        (:func:`rewrite.grad.vjp.decided_jointly`), as the derivative rules decide it (``grad/primitive.py``)."""
+        ``(primals, cotangent) -> (loss, gradients)``: JAX's VJP of the rewritten forward, rewritten.
+
+        The forward is rewritten for the forward alone, which does not see the backward a form brings with it.
+        Where rules of a ruleset made with ``jointly=True`` fired in it (``rulesets.nn``'s LM head over token
+        blocks, whose backward recomputes each block's logits: that pays where the logits are large and costs a
+        product where they are not), the same loss-first program is built without that ruleset too, and of
+        the two the cheaper is kept, or the leaner within the model's lean band
+        (:func:`rewrite.extract.program.keeps_leaner`), as a step is chosen."""
         # only the programs that come out are read: the inputs are not priced
         forward = run_pipeline(cone, self.entries, self.cost_model, self.limits, price_input=False)
-        return decided_jointly(cone, forward, self.entries, self.cost_model, self.limits,
-                               lambda f, entries: rewrite_joint(f, entries, self.cost_model, self.limits))
+        built = rewrite_joint(forward.after, self.entries, self.cost_model, self.limits)
+        jointly = {r.name for r, owner in self.entries if getattr(owner, "jointly", False)}
+        if not any(s.fired for n, s in forward.stats.items() if n in jointly):
+            return built
+        rest = [(r, owner) for r, owner in self.entries if r.name not in jointly]
+        plain = run_pipeline(cone, rest, self.cost_model, self.limits, price_input=False).after
+        if same_program(plain, forward.after):
+            return built
+        other = rewrite_joint(plain, rest, self.cost_model, self.limits)
+        (cheap, c_cost), (dear, d_cost) = sorted(((p, program_cost(p, self.cost_model)) for p in (built, other)),
+                                                 key=lambda pc: pc[1])  # a tie keeps the program built with them
+        return dear if self._keeps_leaner(d_cost, dear, c_cost, cheap) else cheap
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         key, flat, (traced, result), nodes = self._prepare(args, kwargs)
         closed = result.after
         # Under grad/jvp the derivative rules run derivative programs rewritten for them (rewrite/grad/primitive.py).
-        outs = bind_if_differentiated(lambda: self._program(key, traced, result), traced, flat)
+        outs = bind_if_differentiated(lambda: self._program(key, traced, closed), traced, flat)
         if outs is None and traced.jitted:
             # fn was a jitted function, whose jit the trace inlined: the rewritten program runs compiled
             # too, not one operation at a time (which an eager call of eval_jaxpr would do)
@@ -420,11 +435,11 @@ class Rewritten:
             self._jitted[key] = found
         return found[1]
 
-    def _program(self, key: Any, traced: Traced, result: Result) -> Any:
+    def _program(self, key: Any, traced: Traced, forward: core.ClosedJaxpr) -> Any:
         program = self._programs.get(key)
         if program is None:
             with self._lock:
-                program = self._programs.setdefault(key, Signature(self, traced, result))
+                program = self._programs.setdefault(key, Signature(self, traced, forward))
         return program
 
     def grad_result(self, *args: Any, **kwargs: Any) -> Any:
@@ -439,7 +454,7 @@ class Rewritten:
 
     def _signature(self, args: tuple, kwargs: dict) -> Signature:
         key, _, (traced, result), _ = self._prepare(args, kwargs)
-        return self._program(key, traced, result)
+        return self._program(key, traced, result.after)
 
     def vjp_jaxprs(self, *args: Any, **kwargs: Any) -> tuple[core.ClosedJaxpr, core.ClosedJaxpr]:
         """The forward (primals -> outputs + residuals) and backward (residuals + cotangents -> gradients) programs."""
