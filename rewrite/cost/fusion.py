@@ -310,7 +310,12 @@ class FusionModel:
         ops = prog.ops
         root_op = ops[r]
         if kind == OTHER:
-            return root_op.own + self.launch + self.node, set(root_op.args)
+            # what else it holds is bitcasts it reads (``place``): no work, but an equation each, as in a loop
+            cost = root_op.own + self.launch + self.node
+            for i in comp:
+                if i != r:
+                    cost += self.node + (TIEBREAK * self._facts(ops[i], prog)[1] if self.tiebreak is not None else 0.0)
+            return cost, set(root_op.args)
         inside = comp if isinstance(comp, (set, frozenset)) else set(comp)
         reads: set = set()
         facts = self._facts
@@ -493,8 +498,9 @@ def buffer_of(prog: Any, i: Any, written: Container[Any]) -> Any:
 
 def output_buffers(prog: Any, visited: set | None = None) -> set:
     """The program's outputs, and the values XLA writes into their allocations: where an output is a bitcast (of
-    a bitcast...) of a value some kernel computes, that value and the bitcasts between. Where it is one of an
-    input, XLA copies the input into the output, and the output stays a kernel of its own (:func:`copied`).
+    a bitcast...) of a value a kernel of its own computes (a product, a loop, a reduction), that value and the
+    bitcasts between. Where it is one of an input, XLA copies the input into the output, and where it is one of
+    elementwise work, that work is fused into the output's loop: the output stays a kernel (:func:`copied`).
     ``visited`` (where given) gets every op read to find them: only an edit of one of those changes them."""
     found = set(prog.outputs)
     for i in prog.outputs:
@@ -508,17 +514,18 @@ def output_buffers(prog: Any, visited: set | None = None) -> set:
             chain.append(i)
             if visited is not None:
                 visited.add(i)
-        if chain and _kind(op) != LEAF:
+        if chain and _kind(op) not in (LEAF, LOOP):
             found.update(chain)
     return found
 
 
 def copied(prog: Any, i: Any) -> bool:
-    """Whether op ``i``, a bitcast, is one of a program input (or a literal): as an output, XLA copies it."""
+    """Whether op ``i``, a bitcast, is one of a program input (or a literal), which XLA copies into an output, or of
+    elementwise work, which it computes into the output's loop: as an output, a kernel of its own."""
     op = prog.ops[i]
     while op.args and bitcast(op):
         op = prog.ops[op.args[0]]
-    return _kind(op) == LEAF
+    return _kind(op) in (LEAF, LOOP)
 
 
 def slices(op: "Op", a: Any) -> bool:
