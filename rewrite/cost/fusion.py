@@ -28,6 +28,11 @@ an extractor's choice:
   XLA may also merge sibling ones, which the model does not.)
 * ``sin`` and ``cos`` of one argument in one loop cost about one of them
   (LLVM merges them into ``sincos``).
+* A reshape that keeps row-major order (``reshape`` without ``dimensions``,
+  ``squeeze``, a broadcast that only adds axes of size 1) is a ``bitcast``:
+  no kernel, no bytes read or written. A kernel that reads it reads its
+  operand's buffer, and an output that is one is its operand's allocation
+  (:func:`rewrite.cost.program.bitcast`, :func:`buffer_of`, :func:`output_buffers`).
 
 Costs are nanoseconds per element and per byte from
 ``benchmarks/calibrate.py``. The prediction is a model: ``cost_model="measure"``
@@ -45,7 +50,7 @@ import numpy as np
 from ..ir import primitives as _primitives
 from ..ir.primitives import inner_jaxpr, spec_of
 from ..ir.scanread import SLICES
-from .program import LEAF, LIBRARY, LOOP, OTHER, REDUCE, VIEW, Op, Program, _kind, _size
+from .program import LEAF, LIBRARY, LOOP, OTHER, REDUCE, VIEW, Op, Program, _kind, _size, bitcast
 
 
 #: The weight of the node-by-node price that breaks ties between programs that fuse alike.
@@ -171,7 +176,7 @@ class FusionModel:
         for i, op in enumerate(ops):
             for a in set(op.args):
                 users[a].append(i)
-        outputs = set(prog.outputs)
+        outputs = output_buffers(prog)
         homes: dict[int, set[int]] = {}
         roots: dict[int, str] = {}
         for i in range(len(ops) - 1, -1, -1):
@@ -204,6 +209,11 @@ class FusionModel:
                 return need, None
         if kind != LOOP:
             return {i}, kind
+        if bitcast(prog.ops[i]) and not (output and copied(prog, i)):
+            # XLA bitcasts it: it is read where its readers are, none of them writes it, and a kernel that
+            # cannot absorb it (a product, a loop) reads its operand's buffer as it is; an output's operand is
+            # written into the output's allocation (output_buffers)
+            return need or None, None
         if not need and not output:
             return None, None  # every reader is dead
         accept = {r for r in need if self._absorbs(roots[r], prog, i, len(need))}
@@ -300,7 +310,12 @@ class FusionModel:
         ops = prog.ops
         root_op = ops[r]
         if kind == OTHER:
-            return root_op.own + self.launch + self.node, set(root_op.args)
+            # what else it holds is bitcasts it reads (``place``): no work, but an equation each, as in a loop
+            cost = root_op.own + self.launch + self.node
+            for i in comp:
+                if i != r:
+                    cost += self.node + (TIEBREAK * self._facts(ops[i], prog)[1] if self.tiebreak is not None else 0.0)
+            return cost, set(root_op.args)
         inside = comp if isinstance(comp, (set, frozenset)) else set(comp)
         reads: set = set()
         facts = self._facts
@@ -371,7 +386,8 @@ class FusionModel:
                  self._tiebreak(op) if self.tiebreak is not None else 0.0,
                  op.prim in ("sin", "cos") and bool(op.args),
                  _size(ins[0]) * self.reduce if ins else 0.0,
-                 _size(outs[0]) * self.library_op if self.library_op is not None and outs else 0.0,
+                 _size(outs[0]) * self.library_op if self.library_op is not None and outs and not bitcast(op)
+                 else 0.0,
                  _size(outs[0]) * self.op_ns(op, prog) if outs and kind == LOOP else 0.0,  # only loops fuse others
                  _nbytes(outs[0]) if outs else 0,
                  kind == REDUCE,
@@ -453,9 +469,10 @@ def peak_temp_bytes(prog: Program, kernels: Sequence[Fusion], inner: Callable[[O
 def kernel_temps(prog: Program, kernels: Sequence[Fusion], inner: Callable[[Op], int] | None = None) -> list[int]:
     """Per kernel, the temporaries it reads and writes and what its op holds inside itself: their largest is
     :func:`peak_temp_bytes`; their sum bounds every buffer live at once (each is written by one kernel)."""
-    outputs = set(prog.outputs)
+    outputs = output_buffers(prog)
     written = {k.root for k in kernels}
-    return [sum(_temp(prog, a, outputs, written) for a in k.reads) + _temp(prog, k.root, outputs, written)
+    return [sum(_temp(prog, a, outputs, written) for a in {buffer_of(prog, a, written) for a in k.reads})
+            + _temp(prog, k.root, outputs, written)
             + (inner(prog.ops[k.root]) if inner is not None else 0)
             for k in kernels]
 
@@ -467,6 +484,48 @@ def _temp(prog: Any, i: Any, outputs: Container[Any], written: Container[Any]) -
     if i in outputs or made_by not in written or op.prim in ("param", "literal", "const", "token"):
         return 0
     return _out_bytes(op)
+
+
+def buffer_of(prog: Any, i: Any, written: Container[Any]) -> Any:
+    """The op whose buffer op ``i``'s value is: a bitcast (:func:`rewrite.cost.program.bitcast`) that no kernel
+    writes is its operand's bytes, so a kernel that reads it reads, and keeps alive, its operand's buffer."""
+    op = prog.ops[i]
+    while i not in written and op.args and op.prim != "proj" and bitcast(op):
+        i = op.args[0]
+        op = prog.ops[i]
+    return i
+
+
+def output_buffers(prog: Any, visited: set | None = None) -> set:
+    """The program's outputs, and the values XLA writes into their allocations: where an output is a bitcast (of
+    a bitcast...) of a value a kernel of its own computes (a product, a loop, a reduction), that value and the
+    bitcasts between. Where it is one of an input, XLA copies the input into the output, and where it is one of
+    elementwise work, that work is fused into the output's loop: the output stays a kernel (:func:`copied`).
+    ``visited`` (where given) gets every op read to find them: only an edit of one of those changes them."""
+    found = set(prog.outputs)
+    for i in prog.outputs:
+        chain = []
+        op = prog.ops[i]
+        if visited is not None:
+            visited.add(i)
+        while op.args and bitcast(op):
+            i = op.args[0]
+            op = prog.ops[i]
+            chain.append(i)
+            if visited is not None:
+                visited.add(i)
+        if chain and _kind(op) not in (LEAF, LOOP):
+            found.update(chain)
+    return found
+
+
+def copied(prog: Any, i: Any) -> bool:
+    """Whether op ``i``, a bitcast, is one of a program input (or a literal), which XLA copies into an output, or of
+    elementwise work, which it computes into the output's loop: as an output, a kernel of its own."""
+    op = prog.ops[i]
+    while op.args and bitcast(op):
+        op = prog.ops[op.args[0]]
+    return _kind(op) in (LEAF, LOOP)
 
 
 def slices(op: "Op", a: Any) -> bool:

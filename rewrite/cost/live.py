@@ -14,8 +14,8 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from ..ir import primitives as _primitives  # read by the class docstring's example
 from ..ir.walk import postorder
-from .fusion import TIEBREAK, Fusion, FusionModel, _add_sincos, _temp, slices
-from .program import LEAF, LIBRARY, OTHER, REDUCE, VIEW, Op, _kind
+from .fusion import TIEBREAK, Fusion, FusionModel, _add_sincos, _temp, buffer_of, output_buffers, slices
+from .program import LEAF, LIBRARY, OTHER, REDUCE, VIEW, Op, _kind, bitcast
 
 
 class LiveFusion:
@@ -52,6 +52,10 @@ class LiveFusion:
         self.ops: dict[Any, Op] = {}
         self.outputs = list(outputs)
         self._outputs = set(outputs)
+        #: the outputs and the values written into their allocations (``output_buffers``), and the ops read to
+        #: find them
+        self._held_outputs = set(outputs)
+        self._output_chains: set = set(outputs)
         #: the ops that read each op
         self.users: dict[Any, set] = {}
         self.homes: dict[Any, set] = {}
@@ -116,19 +120,40 @@ class LiveFusion:
             # Readers of a changed op see what it is: a literal is not read, a leaf is no temporary.
             seeds.update(users.get(c, ()))
             dirty |= self._reading(c)
+        if not self._output_chains.isdisjoint(changes):
+            self._rechain(seeds, dirty)
         self._lift([c for c, new in changes.items() if new is not None])
         self._place(seeds, changes, dirty)
         self._price(dirty, changes)
 
+    def _rechain(self, seeds: set, dirty: set) -> None:
+        """After an edit of an output or of a bitcast an output is of: the values written into the outputs'
+        allocations again; each op that joined or left them is placed again, and the kernels that write or read
+        it priced again (their temporaries)."""
+        visited: set = set()
+        held = output_buffers(self, visited)
+        self._output_chains = visited
+        moved = held ^ self._held_outputs
+        self._held_outputs = held
+        for x in (moved | self._outputs) if moved else ():
+            if x in self.ops:
+                seeds.add(x)
+                dirty.update(self.homes.get(x, ()))
+                if x in self.roots:
+                    dirty.add(x)
+                dirty |= self._reading(x)
+
     def _reading(self, x: Any) -> set:
-        """The kernels that read ``x``, or a projection of it."""
+        """The kernels that read ``x``, a projection of it, or a bitcast of either (which reads its buffer)."""
         found: set = set()
-        for u in self.users.get(x, ()):
-            found.update(self.homes.get(u, ()))
-            op = self.ops.get(u)
-            if op is not None and op.prim == "proj":
-                for w in self.users.get(u, ()):
-                    found.update(self.homes.get(w, ()))
+        stack, seen = [x], {x}
+        while stack:
+            for u in self.users.get(stack.pop(), ()):
+                found.update(self.homes.get(u, ()))
+                op = self.ops.get(u)
+                if op is not None and u not in seen and (op.prim == "proj" or bitcast(op)):
+                    seen.add(u)
+                    stack.append(u)
         return found
 
     def _lift(self, changed: list) -> None:
@@ -173,7 +198,7 @@ class LiveFusion:
                     h = homes.get(u)
                     if h:
                         need |= h
-                home, root = self.model.place(self, x, kind, need, x in self._outputs, roots)
+                home, root = self.model.place(self, x, kind, need, x in self._held_outputs, roots)
             if home != old_home:
                 self._moved.add(x)
                 for r in old_home or ():
@@ -189,8 +214,13 @@ class LiveFusion:
                 dirty.update(home or ())
                 for a in op.args:
                     push(a)
-            elif x in changes:
-                dirty.update(home or ())
+            else:
+                if x in changes:
+                    dirty.update(home or ())
+                if root is None and home and bitcast(op):
+                    # its operand is placed by the kinds of its readers' kernels, which may have changed
+                    for a in op.args:
+                        push(a)
             if root != old_root:
                 for m in members.get(x, ()):  # their placement read this kernel's kind
                     push(m)
@@ -220,8 +250,9 @@ class LiveFusion:
                 self._sums.pop(r, None)  # not kept up to date while priced whole
             self._cost[r] = cost
             self._reads[r] = reads
-            temp = (sum(_temp(self, a, self._outputs, self.roots) for a in reads)
-                    + _temp(self, r, self._outputs, self.roots)
+            temp = (sum(_temp(self, a, self._held_outputs, self.roots)
+                        for a in {buffer_of(self, a, self.roots) for a in reads})
+                    + _temp(self, r, self._held_outputs, self.roots)
                     + (self.model.inner(self.ops[r]) if self.model.inner is not None else 0))
             self._temp_sum += temp - self._temp.get(r, 0)
             self._temp[r] = temp

@@ -7,7 +7,8 @@ buffer lives from the kernel that writes it to the last kernel that reads it,
 in the order the kernels run. The peak is the largest sum of live buffers at
 any kernel, plus what that kernel holds inside itself: a loop's body has
 temporaries of its own (its peak, computed the same way, recursively), and
-its carry is a buffer of the loop. This module computes that peak over the
+its carry is a buffer of the loop. A bitcast (a reshape that keeps row-major
+order) has no buffer: a kernel that reads it keeps its operand's alive. This module computes that peak over the
 kernels the fusion model predicts (``rewrite/cost/fusion.py``), in program order.
 
 ``tests/test_memory.py`` holds it to what ``memory_analysis()`` reports on the
@@ -32,7 +33,7 @@ from jax.extend.core import ClosedJaxpr
 
 from ..ir.jaxapi import scan_counts
 from ..ir.primitives import inner_jaxpr
-from .fusion import OVER_BUDGET, Fusion, FusionModel, _temp
+from .fusion import OVER_BUDGET, Fusion, FusionModel, _temp, buffer_of, output_buffers
 from .program import Program
 
 
@@ -85,7 +86,7 @@ def _buffers(prog: Any, kernels: Sequence[Fusion]) -> tuple[dict, set, set]:
         if op.prim == "proj":
             outs = projs.setdefault(op.args[0], {})
             outs[op.params.get("index", len(outs))] = i
-    return projs, set(prog.outputs), {k.root for k in kernels}
+    return projs, output_buffers(prog), {k.root for k in kernels}
 
 
 def _peak_in(prog: Any, order: Sequence[Fusion], held: dict, projs: dict, outputs: set, written: set) -> int:
@@ -97,7 +98,7 @@ def _peak_in(prog: Any, order: Sequence[Fusion], held: dict, projs: dict, output
         for b in projs.get(k.root, {0: k.root}).values():
             step[b] = t
         for a in k.reads:
-            last[a] = t
+            last[buffer_of(prog, a, written)] = t  # a bitcast read keeps its operand's buffer alive
     parent: dict[Any, Any] = {}
 
     def find(b: Any) -> Any:
@@ -106,7 +107,7 @@ def _peak_in(prog: Any, order: Sequence[Fusion], held: dict, projs: dict, output
         return b
 
     for t, k in enumerate(order):
-        for b, donor in _shares(prog, k, projs.get(k.root), last, step, t):
+        for b, donor in _shares(prog, k, projs.get(k.root), last, step, t, written):
             if find(donor) != find(b):
                 parent[find(b)] = find(donor)
     groups: dict[Any, list] = {}
@@ -182,7 +183,8 @@ def _ready_order(prog: Any, order: Sequence[Fusion], projs: dict, outputs: set, 
 _IN_PLACE = frozenset({"elementwise", "transcendental"})
 
 
-def _shares(prog: Any, k: Fusion, outs: Mapping[int, Any] | None, last: dict, step: dict, t: int) -> list[tuple]:
+def _shares(prog: Any, k: Fusion, outs: Mapping[int, Any] | None, last: dict, step: dict, t: int,
+            written: set) -> list[tuple]:
     """The buffers kernel ``k`` (at step ``t``) writes into an operand's bytes: (its buffer, the operand).
 
     XLA:CPU lets a loop fusion's output reuse an operand's buffer when the operand has the output's
@@ -199,7 +201,7 @@ def _shares(prog: Any, k: Fusion, outs: Mapping[int, Any] | None, last: dict, st
         else:
             return found
         for i in range(n):  # (``outs``: the loop's outputs the program reads, by index)
-            a = op.args[first + i]
+            a = buffer_of(prog, op.args[first + i], written)
             if i in outs and a in step and last.get(a) == t and _same(prog, a, outs[i]):
                 found.append((outs[i], a))
         return found
@@ -207,7 +209,7 @@ def _shares(prog: Any, k: Fusion, outs: Mapping[int, Any] | None, last: dict, st
         return found
     if any(prog.ops[i].family not in _IN_PLACE and prog.ops[i].prim != "broadcast_in_dim" for i in k.computes):
         return found
-    for a in k.reads:
+    for a in dict.fromkeys(buffer_of(prog, a, written) for a in k.reads):
         if a in step and last.get(a) == t and _same(prog, a, k.root):
             found.append((k.root, a))
             break

@@ -274,6 +274,25 @@ def _kind_of(op: Op) -> str:
     return OTHER
 
 
+def bitcast(op: Op) -> bool:
+    """Whether XLA makes a bitcast of ``op``: a reshape that keeps row-major order (``reshape`` without
+    ``dimensions``, ``squeeze``, a ``broadcast_in_dim`` that only adds axes of size 1). On the default layouts
+    XLA:CPU keeps, such a result is its operand's bytes read another way: no kernel computes it and it has no
+    buffer of its own (``jax.jit(f).lower(x).compile().as_text()`` shows ``bitcast``). Kept in the op's memo."""
+    memo = op.memo
+    if memo is not None and "bitcast" in memo:
+        return memo["bitcast"]
+    found = False
+    if op.prim in ("reshape", "squeeze", "broadcast_in_dim") and len(op.in_avals) >= 1 and len(op.out_avals) == 1:
+        src, out = op.in_avals[0], op.out_avals[0]
+        found = (getattr(src, "dtype", None) == getattr(out, "dtype", None) and _size(src) == _size(out)
+                 and hasattr(src, "shape") and hasattr(out, "shape")
+                 and (op.prim != "reshape" or op.params.get("dimensions") is None))
+    if memo is not None:
+        memo["bitcast"] = found
+    return found
+
+
 def _kind(op: Op) -> str:
     """``_kind_of(op)``, remembered in the op's memo when it has one."""
     memo = op.memo
