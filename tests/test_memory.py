@@ -245,3 +245,27 @@ def test_a_loop_s_stacked_output_reshaped_as_an_output_is_not_copied():
 
     x = jnp.ones((4 * RN, 2 * RV))
     assert abs(AnalyticCost().predict_temp_bytes(jax.make_jaxpr(fn)(x)) - _xla(fn, (x,))) <= 1024
+
+
+@pytest.mark.parametrize("name, fn, args", [pytest.param(n, f, a, id=n) for n, f, a, _ in CASES[:6]])
+def test_the_fresh_charge_schedules_no_program_that_cannot_reach_its_threshold(name, fn, args, monkeypatch):
+    """``scheduled_peak(..., below=)`` (what ``FusionModel.held_bytes`` asks, with the fresh charge's threshold)
+    gives the peak it gives without a threshold, or 0 where that peak is under the threshold; it schedules
+    nothing (no ``_peak_in``) where every temporary held at once, each once, stays under it."""
+    from rewrite.cost import memory
+
+    model = AnalyticCost()
+    fm = model.fusion_model()
+    prog = Program.from_jaxpr(jax.make_jaxpr(fn)(*args), model)
+    kernels = fm.kernels(prog)
+    full = memory.scheduled_peak(prog, kernels, fm.inner)
+    assert full > 0, name
+    calls = []
+    real = memory._peak_in
+    monkeypatch.setattr(memory, "_peak_in", lambda *a: calls.append(1) or real(*a))
+    for below in (full / 2, full, full + 1, 4 * full, 64 * full):
+        got = memory.scheduled_peak(prog, kernels, fm.inner, below)
+        assert got in (full, 0) and (got == full or full < below), (name, below, got, full)
+    calls.clear()
+    assert memory.scheduled_peak(prog, kernels, fm.inner, 2 ** 62) == 0 and not calls
+    assert memory.scheduled_peak(prog, kernels, fm.inner, full) == full and calls

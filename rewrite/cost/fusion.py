@@ -146,7 +146,7 @@ class FusionModel:
                  tiebreak: Callable[[Op], float] | None = None, memory: float = 0.0,
                  inner: Callable[[Op], int] | None = None, budget: float | None = None,
                  cache: float = math.inf, spill: float = 0.0, fresh: float = 0.0, fresh_at: float = math.inf,
-                 held: Callable[[Any, Sequence[Fusion], Callable[[Op], int] | None], int] | None = None,
+                 held: Callable[[Any, Sequence[Fusion], Callable[[Op], int] | None, float], int] | None = None,
                  parallel: float = 1.0, parallel_at: float = math.inf) -> None:
         self.ns = dict(ns)
         self.parallel = parallel
@@ -438,7 +438,7 @@ class FusionModel:
             return None
         if not self.fresh or most < self.fresh_at:
             return 0.0
-        return float(self.held(prog, kernels, self.inner))
+        return float(self.held(prog, kernels, self.inner, self.fresh_at))
 
     def describe(self, prog: Program) -> str:
         """One line per predicted kernel: what it computes and what it costs (for reports and tests)."""

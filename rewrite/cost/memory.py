@@ -51,7 +51,8 @@ def liveness_peak(prog: Any, kernels: Sequence[Fusion], inner: Callable[[Any], i
     return _peak_in(prog, order, _held_inside(prog, order, inner), *_buffers(prog, kernels))
 
 
-def scheduled_peak(prog: Any, kernels: Sequence[Fusion], inner: Callable[[Any], int] | None = None) -> int:
+def scheduled_peak(prog: Any, kernels: Sequence[Fusion], inner: Callable[[Any], int] | None = None,
+                   below: float = 0.0) -> int:
     """:func:`liveness_peak` in the order of the two that needs less: program order or a greedy list schedule
     (:func:`_ready_order`). What the fresh charge reads (``AnalyticCost.fresh``).
 
@@ -62,14 +63,27 @@ def scheduled_peak(prog: Any, kernels: Sequence[Fusion], inner: Callable[[Any], 
     against the 256 MiB ``memory_analysis`` reports at N=2048, V=32768). On the attention gradients of
     ``tests/test_memory.py`` the list schedule is both nearer XLA and further from it, so the memory
     predictions (:func:`liveness_peak`) keep program order.
+
+    ``below``: where every temporary held at once (each buffer once) with the most any kernel holds inside
+    stays under it, so must the peak, and 0 is returned without scheduling (what the fresh charge reads below
+    its threshold: ``FusionModel.held_bytes``).
     """
     order = sorted(kernels, key=lambda k: _position(prog, k.root))
     buffers = _buffers(prog, kernels)
     held = _held_inside(prog, order, inner)
+    if below and _all_at_once(prog, order, held, *buffers) < below:
+        return 0
     peak = _peak_in(prog, order, held, *buffers)
     if len(order) > 2 and peak:
         peak = min(peak, _peak_in(prog, _ready_order(prog, order, *buffers), held, *buffers))
     return peak
+
+
+def _all_at_once(prog: Any, kernels: Sequence[Fusion], held: dict, projs: dict, outputs: set, written: set) -> int:
+    """A bound on :func:`_peak_in` in any order: every buffer a kernel writes, each once (a group that shares
+    one holds the largest of its members, no more than their sum), with the most any kernel holds inside."""
+    return (sum(_temp(prog, b, outputs, written) for k in kernels for b in projs.get(k.root, {0: k.root}).values())
+            + max(held.values(), default=0))
 
 
 def _held_inside(prog: Any, kernels: Sequence[Fusion], inner: Callable[[Any], int] | None) -> dict:
