@@ -395,36 +395,28 @@ class LocalSearch:
         return found
 
     def _inc(self, c: Any) -> None:
-        # _crossings written out (the search's innermost loop): the same walk, the same order of sums
-        ref, choice, kids, costs, own = self.ref, self.choice, self.ex.term_kids, self._costs, self._own
-        memo = self.ex._kids
-        cost = self.cost
-        stack = [c]
-        while stack:
-            x = stack.pop()
-            n = ref.get(x, 0) + 1
-            ref[x] = n
-            if n == 1:
-                node = choice[x]
-                found = costs.get((x, node)) if node[0] != "Proj" else None
-                cost += own(x, node) if found is None else found
-                known = memo.get(node)
-                stack.extend(kids(node) if known is None else known)
-        self.cost = cost
+        self._count(c, 1)
 
     def _dec(self, c: Any) -> None:
+        self._count(c, -1)
+
+    def _count(self, c: Any, step: int) -> None:
+        # _crossings written out (the search's innermost loop): the same walk, the same order of sums; a node's
+        # cost is added where its count rises to 1 and taken off where it falls to 0 (``step`` -1: ``cost + -v``
+        # is ``cost - v`` exactly)
         ref, choice, kids, costs, own = self.ref, self.choice, self.ex.term_kids, self._costs, self._own
         memo = self.ex._kids
         cost = self.cost
+        edge = 1 if step > 0 else 0
         stack = [c]
         while stack:
             x = stack.pop()
-            n = ref[x] - 1
+            n = ref.get(x, 0) + step
             ref[x] = n
-            if n == 0:
+            if n == edge:
                 node = choice[x]
                 found = costs.get((x, node)) if node[0] != "Proj" else None
-                cost -= own(x, node) if found is None else found
+                cost += step * (own(x, node) if found is None else found)
                 known = memo.get(node)
                 stack.extend(kids(node) if known is None else known)
         self.cost = cost
