@@ -496,6 +496,11 @@ def buffer_of(prog: Any, i: Any, written: Container[Any]) -> Any:
     return i
 
 
+#: the kinds of op (:func:`rewrite.cost.program._kind`) that an output which is a bitcast of one stays a kernel of
+#: its own for: an input's is copied into the output, and elementwise work is computed into the output's loop
+COPIED = (LEAF, LOOP)
+
+
 def output_buffers(prog: Any, visited: set | None = None) -> set:
     """The program's outputs, and the values XLA writes into their allocations: where an output is a bitcast (of
     a bitcast...) of a value a kernel of its own computes (a product, a loop, a reduction), that value and the
@@ -504,17 +509,8 @@ def output_buffers(prog: Any, visited: set | None = None) -> set:
     ``visited`` (where given) gets every op read to find them: only an edit of one of those changes them."""
     found = set(prog.outputs)
     for i in prog.outputs:
-        chain = []
-        op = prog.ops[i]
-        if visited is not None:
-            visited.add(i)
-        while op.args and bitcast(op):
-            i = op.args[0]
-            op = prog.ops[i]
-            chain.append(i)
-            if visited is not None:
-                visited.add(i)
-        if chain and _kind(op) not in (LEAF, LOOP):
+        chain, base = _bitcasts_from(prog, i, visited)
+        if chain and _kind(base) not in COPIED:
             found.update(chain)
     return found
 
@@ -522,10 +518,23 @@ def output_buffers(prog: Any, visited: set | None = None) -> set:
 def copied(prog: Any, i: Any) -> bool:
     """Whether op ``i``, a bitcast, is one of a program input (or a literal), which XLA copies into an output, or of
     elementwise work, which it computes into the output's loop: as an output, a kernel of its own."""
+    return _kind(_bitcasts_from(prog, i)[1]) in COPIED
+
+
+def _bitcasts_from(prog: Any, i: Any, visited: set | None = None) -> tuple[list, Any]:
+    """The ops a chain of bitcasts from op ``i`` reads down to the first op that is not one (``i``'s operand, its
+    operand, ...), and that op; ``visited``, where given, gets ``i`` and each of them."""
+    chain = []
     op = prog.ops[i]
+    if visited is not None:
+        visited.add(i)
     while op.args and bitcast(op):
-        op = prog.ops[op.args[0]]
-    return _kind(op) in (LEAF, LOOP)
+        i = op.args[0]
+        op = prog.ops[i]
+        chain.append(i)
+        if visited is not None:
+            visited.add(i)
+    return chain, op
 
 
 def slices(op: "Op", a: Any) -> bool:
