@@ -611,6 +611,23 @@ def test_remat_gelu_is_withheld_where_it_frees_nothing():
     assert "remat2" not in {e.primitive.name for e in small.after.eqns}
 
 
+def test_the_residuals_a_recomputation_frees_are_counted_in_arrays_not_operand_lists():
+    """``extract.policy.held_for`` counts the bytes of the values a recomputation drops; an operand list or a body
+    that drops with them holds no array of its own and counts nothing. (On egglog 14 such a list was among the
+    dropped classes of every recomputed GELU backward: a ``KeyError`` there made each ``jax.grad`` of a rewritten
+    function warn and fall back to JAX's own derivative of the forward.)"""
+    from rewrite.extract.extractor import _CONTAINERS
+    from rewrite.extract.policy import held_for
+
+    r = explain(_gelu_step, jnp.ones((4, 8)), jnp.ones((4, 8)), rulesets=[nn]).result
+    snap, choice = r.snapshot, r.choice
+    lists = {c for c, n in choice.items() if n[0] in _CONTAINERS}
+    arrays = set(choice) - lists
+    assert lists and arrays
+    every = held_for(snap, choice, choice, {}, set(choice))
+    assert every == held_for(snap, choice, choice, {}, arrays) > 0
+
+
 def test_a_checkpoint_another_rule_builds_is_not_withheld_as_a_recomputation():
     """Recomputations are known by the rule that built them, not by their shape: where the GELU's recomputing
     backward is withheld, the checkpointed loop body that ``lift_independent`` builds, lifting a loop-invariant

@@ -146,6 +146,8 @@ def held_for(snap: Any, base: dict, cand: dict, swaps: dict, dropped: set) -> in
 
     total = 0
     for c in dropped:
+        if c not in snap.name_of_cls:  # a container (an operand list, a body): no array of its own
+            continue
         aval = snap.aval(c)
         shape, dtype = getattr(aval, "shape", None), getattr(aval, "dtype", None)
         if shape is not None and dtype is not None and not any(o <= reads(c) for o in ops):
