@@ -4,9 +4,10 @@ A pair of the decision corpus (``benchmarks/decisions.py``) measured against its
 is faster, not why. This script compiles the case's programs as ``decisions.py`` does and traces each alone
 with JAX's profiler: on XLA:CPU every kernel (a thunk: a loop fusion, a library (YNN) fusion, a product) is one
 trace event named as in the compiled HLO (``jax.jit(f).lower(...).compile().as_text()``), so the two programs
-can be compared kernel by kernel, against the kernels the fusion model predicts (``FusionModel.describe``)::
+can be compared kernel by kernel, against the kernels the fusion model predicts (``FusionModel.describe``).
+Run it holding the benchmark lock (``flock``, as every timing here)::
 
-    flock /tmp/bench.lock python -m benchmarks.kernel_times ising_vjp_T256 --calls 200
+    python -m benchmarks.kernel_times ising_vjp_T256 --calls 200
 
 Per kernel: its time per call (the sum of its events over the calls; kernels on two threads may overlap, so the
 sum is not the call's time), and its median and least single time. Take the least on a shared machine: the
