@@ -29,8 +29,10 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import platform
+import re
 import statistics
 import sys
 import time
@@ -374,6 +376,27 @@ def measure_loop(rounds: int, progress: bool, launch: float) -> dict[str, float]
     return {"iteration": max(per_trip - launch, 0.0), "iteration_trip": per_trip}
 
 
+def _partitions(n: int) -> int:
+    """Into how many parts XLA:CPU splits a float32 elementwise loop of ``n`` elements across the cores: its
+    parallel task assignment writes them into the loop fusion's ``outer_dimension_partitions`` (1: not split)."""
+    shape = jax.ShapeDtypeStruct((n,), jnp.float32)
+    text = jax.jit(lambda x: jnp.exp(x) * 2.0).lower(shape).compile().as_text()
+    found = re.search(r'outer_dimension_partitions":\[([^\]]*)\]', text)
+    return math.prod(int(p.strip('" ')) for p in found.group(1).split(",")) if found and found.group(1) else 1
+
+
+def parallel_at() -> dict[str, float]:
+    """From what size XLA:CPU splits an elementwise loop across the cores, and into how many parts, read from the
+    compiled program (nothing timed): ``loop_parallel_at``, the fewest float32 elements it splits (on this
+    2-core machine 64K, 256 KiB), and ``loop_parallel``, the share of one core's time the split loop's work takes
+    (one over the parts it makes of a large loop: 0.5 here). Where it splits none, no such term."""
+    parts = _partitions(1 << 24)
+    if parts <= 1:
+        return {"loop_parallel_at": float("inf"), "loop_parallel": 1.0}
+    k = next(k for k in range(10, 25) if _partitions(1 << k) > 1)
+    return {"loop_parallel_at": float(1 << k), "loop_parallel": 1.0 / parts}
+
+
 #: Products timed by ``measure_dot_sizes``: (batch, M, K, N), row-major ``[M, K] x [K, N]`` (the library path), from
 #: 8M to 2G flops; attention's block products among them (``[2, 4]`` heads, head width 64).
 DOT_SIZES = ((8, 128, 64, 256), (8, 256, 64, 256), (8, 512, 64, 128), (8, 512, 64, 256), (8, 512, 256, 64),
@@ -457,6 +480,9 @@ def main(argv: list[str] | None = None) -> None:
                     help="measure only the last-level cache's size and price (CPU), and store them in its table")
     ap.add_argument("--dot-only", action="store_true",
                     help="measure only the product rates by size (dot_flop, dot_parallel_flop, dot_parallel_at)")
+    ap.add_argument("--parallel-only", action="store_true",
+                    help="read only from what size and into how many parts XLA:CPU splits a loop across the cores "
+                         "(loop_parallel_at, loop_parallel: from the compiled program, nothing timed), and store them")
     ap.add_argument("--fresh-only", action="store_true",
                     help="measure only what a byte of a buffer allocated per call costs, and from what size (CPU)")
     args = ap.parse_args(argv)
@@ -471,6 +497,9 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.dot_only:
         _store_only(args, measure_dot_sizes(args.rounds, args.progress), "dot")
+        return
+    if args.parallel_only:
+        _store_only(args, parallel_at(), "parallel")
         return
     if args.fresh_only:
         if jax.default_backend() != "cpu":
@@ -489,6 +518,7 @@ def main(argv: list[str] | None = None) -> None:
     if jax.default_backend() == "cpu":
         loop.update(measure_cache(args.rounds, args.progress))
         loop.update(measure_fresh(args.rounds, args.progress))
+        loop.update(parallel_at())
     table = {
         "platform": jax.default_backend(),
         "device": str(jax.devices()[0].device_kind),
@@ -537,7 +567,8 @@ def _memory_history(table: dict, keys: Any) -> list[dict]:
 
 #: Figures stored to one decimal (nanoseconds of a call, a buffer or a trip; the cache's bytes); the rest of
 #: the call, loop and cache figures to four significant digits.
-_TO_ONE_DECIMAL = ("call", "buffer", "iteration", "iteration_trip", "cache_bytes", "fresh_bytes", "dot_parallel_at")
+_TO_ONE_DECIMAL = ("call", "buffer", "iteration", "iteration_trip", "cache_bytes", "fresh_bytes", "dot_parallel_at",
+                   "loop_parallel_at")
 
 
 def _rounded(figures: dict[str, float]) -> dict[str, float]:

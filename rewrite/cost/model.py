@@ -270,9 +270,10 @@ class AnalyticCost(CostModel):
         default_factory=lambda: _table().get("dot_parallel_flop", _table()["dot_flop"]))
     #: a loop kernel (XLA's fused elementwise loop) outside any loop body, of ``loop_parallel_at`` elements or more,
     #: has its work priced at ``loop_parallel`` times the per-element prices: XLA:CPU splits a kernel that large
-    #: across the cores, where a loop body's kernels and small ones run on one (``scan_seed_hand_vectorised``: one
-    #: ``cos`` over 2M elements at 4.2 ns each, 64 loop trips of 32K at 7.5). The table's, where fitted; else one
-    #: rate for every kernel (``loop_parallel=1``).
+    #: across the cores (its compiled program names the split, ``outer_dimension_partitions``: from 64K float32
+    #: elements on this machine, which ``benchmarks/calibrate.py --parallel-only`` reads), where small ones run on
+    #: one (``scan_seed_hand_vectorised``: one ``cos`` over 2M elements at 4.2 ns each, 64 loop trips of 32K at 7.5).
+    #: The table's (the share fitted to the decision corpus); else one rate for every kernel (``loop_parallel=1``).
     loop_parallel: float = dataclasses.field(default_factory=lambda: _table().get("loop_parallel", 1.0))
     loop_parallel_at: float = dataclasses.field(default_factory=lambda: _table().get("loop_parallel_at", math.inf))
     #: how much dearer a flop is on the backend's generic product path than on its library path, and what
