@@ -273,7 +273,8 @@ class AnalyticCost(CostModel):
     #: across the cores (its compiled program names the split, ``outer_dimension_partitions``: from 64K float32
     #: elements on this machine, which ``benchmarks/calibrate.py --parallel-only`` reads), where small ones run on
     #: one (``scan_seed_hand_vectorised``: one ``cos`` over 2M elements at 4.2 ns each, 64 loop trips of 32K at 7.5).
-    #: The table's (the share fitted to the decision corpus); else one rate for every kernel (``loop_parallel=1``).
+    #: The table's where it has one; the tables have none (priced so, seed 001's accumulator lost to its vectorised
+    #: form: ``tests/test_scan.py``'s demo-size test), so one rate for every kernel (``loop_parallel=1``).
     loop_parallel: float = dataclasses.field(default_factory=lambda: _table().get("loop_parallel", 1.0))
     loop_parallel_at: float = dataclasses.field(default_factory=lambda: _table().get("loop_parallel_at", math.inf))
     #: how much dearer a flop is on the backend's generic product path than on its library path, and what
