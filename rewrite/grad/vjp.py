@@ -51,14 +51,14 @@ from ..cost.program import Program
 from ..extract.extract import extract
 from ..extract.extractor import shared
 from ..extract.policy import no_fatter, recomputations, withheld
-from ..extract.program import ProgramPricer, prices_programs
+from ..extract.program import ProgramPricer, prices_programs, programs_keep_leaner
 from ..ir.jaxapi import core
 from ..ir.primitives import is_float
 from ..ir.walk import operands, walk
 from ..jaxpr.emit import Emitter, _Scope, check_signature, dce, emit, emitter
-from ..jaxpr.trace import Traced, spec_of
-from ..pipeline import run_pipeline
-from ..records import Result
+from ..jaxpr.trace import Traced, same_program, spec_of
+from ..pipeline import program_cost, run_pipeline
+from ..records import Result, lap
 
 log = logging.getLogger("rewrite")
 
@@ -390,6 +390,60 @@ def rewrite_joint(closed: core.ClosedJaxpr, entries: Sequence[Any], model: Any, 
         return emit(snap, choice, eg, joint.in_avals, res.roots, None, joint.jaxpr.debug_info)
     finally:
         eg.release()
+
+
+def split_joint(built: VJPResult) -> core.ClosedJaxpr:
+    """The program a caller of both halves of ``built``'s split runs (``jax.value_and_grad`` under ``jit``, which
+    inlines them together), as :func:`joint_program` shapes it: ``(primals, cotangents) -> (outputs, gradients)``."""
+    fwd, bwd = built.fwd, built.bwd
+    n_in, n_res = len(fwd.in_avals), len(built.split.residuals)
+    n_out = len(fwd.out_avals) - n_res
+
+    def joint(*args: Any) -> list[Any]:
+        outs = core.eval_jaxpr(fwd.jaxpr, fwd.consts, *args[:n_in])
+        return list(outs[:n_out]) + list(core.eval_jaxpr(bwd.jaxpr, bwd.consts, *outs[n_out:], *args[n_in:]))
+
+    return jax.make_jaxpr(joint)(*[spec_of(a) for a in (*fwd.in_avals, *bwd.in_avals[n_res:])])
+
+
+def decided_jointly(closed: core.ClosedJaxpr, forward: Result, entries: Sequence[Any], model: Any, limits: Any,
+                    build: Callable[[core.ClosedJaxpr, Sequence[Any]], Any],
+                    joint_of: Callable[[Any], core.ClosedJaxpr] = lambda built: built,
+                    spent: dict[str, float] | None = None) -> Any:
+    """``build(forward.after, entries)``, a derivative of ``closed`` rewritten (``forward``) for the forward alone,
+    decided on its joint program where rules of a ruleset made with ``jointly=True`` fired in that forward.
+
+    Such rules replace a forward computation together with its backward (``rulesets.nn``'s LM head over token
+    blocks, whose backward recomputes each block's logits: that pays where the logits are large and costs a
+    product where they are not), which the forward's price does not see. So ``closed`` is also rewritten
+    without those rulesets and built from, and of the two joint programs (``joint_of``, rewritten: the
+    unrewritten joints rank them otherwise) the cheaper is kept, or the leaner within the model's lean band
+    (:func:`rewrite.extract.program.keeps_leaner`), as a training step is chosen; a tie keeps the first."""
+    spent = {} if spent is None else spent
+    t = time.perf_counter()
+    built = build(forward.after, entries)
+    t = lap(spent, "step joint", t)
+    jointly = {r.name for r, owner in entries if getattr(owner, "jointly", False)}
+    if not any(s.fired for n, s in forward.stats.items() if n in jointly):
+        return built
+    try:
+        rest = [(r, owner) for r, owner in entries if r.name not in jointly]
+        # only the program that comes out is read: the input is not priced
+        plain = run_pipeline(closed, rest, model, limits, price_input=False).after
+        if same_program(plain, forward.after):
+            return built
+        other = build(plain, rest)
+        joints = [(b, joint_of(b)) for b in (built, other)]
+        (cheap, c_joint, c_cost), (dear, d_joint, d_cost) = sorted(
+            ((b, j, program_cost(j, model)) for b, j in joints), key=lambda bjc: bjc[2])  # a tie keeps the first
+        if programs_keep_leaner(d_cost, d_joint, c_cost, c_joint, model):
+            cheap, dear = dear, cheap
+        release = getattr(getattr(dear, "joint", None), "release", None)
+        if release is not None:  # a VJP built to keep its e-graph (a report's) keeps only the one chosen
+            release()
+        return cheap
+    finally:
+        lap(spent, "step jointly", t)
 
 
 def split_pricer(snap: Any, model: Any, choice: dict, f_roots: Sequence[Any], b_roots: Sequence[Any]
