@@ -34,7 +34,7 @@ from .errors import RewriteLimitWarning, RewriteWarning, _strict
 from .extract.program import programs_keep_leaner
 from .grad.primitive import Signature, bind_if_differentiated
 from .grad.step import find_losses, join_pinned, proof_graph, split_pinned
-from .grad.vjp import VJPResult, build_vjp, decided_jointly, rewrite_joint
+from .grad.vjp import VJPResult, build_vjp, decided_jointly, joint_program, rewrite_joint
 from .ir.jaxapi import core
 from .jaxpr import state as _state
 from .jaxpr.trace import CONCRETIZATION_ERRORS, Traced, flatten_args, resolve_static, same_program, trace, trace_call
@@ -321,8 +321,11 @@ class Rewritten:
         try:
             pinned: set = set()
             # the proofs saturate with no rule: a step is loaded once for all of them (proof_graph)
+            decided: list[str] = []
             changed, finding = find_losses(traced.closed, self._proof,
-                                           functools.partial(self._loss_first, spent=spent), pinned, proof_graph)
+                                           functools.partial(self._loss_first, spent=spent, decided=decided), pinned,
+                                           proof_graph)
+            finding.decided = decided
             alt = None
             if changed is not None:
                 t = time.perf_counter()
@@ -399,19 +402,24 @@ class Rewritten:
         """:func:`rewrite.extract.program.programs_keep_leaner` under this rewrite's cost model."""
         return programs_keep_leaner(cost, program, than_cost, than, self.cost_model)
 
-    def _loss_first(self, cone: core.ClosedJaxpr, spent: dict[str, float] | None = None) -> core.ClosedJaxpr:
+    def _loss_first(self, cone: core.ClosedJaxpr, spent: dict[str, float] | None = None,
+                    decided: list[str] | None = None) -> core.ClosedJaxpr:
         """A loss's VJP as ``jax.value_and_grad(rewrite(loss))`` runs it, with these rules, as one program
         ``(primals, cotangent) -> (loss, gradients)``: JAX's VJP of the rewritten forward, rewritten, decided on
-        that joint program where a ``jointly`` ruleset's rules fired in the forward
-        (:func:`rewrite.grad.vjp.decided_jointly`), as the derivative rules decide it (``grad/primitive.py``)."""
+        that joint program where a ``jointly`` ruleset's rules fired in the forward, and held to JAX's joint of the
+        loss as written (:func:`rewrite.grad.vjp.decided_jointly`), as the derivative rules decide it
+        (``grad/primitive.py``). ``decided``, where given, receives that decision in words."""
         # only the programs that come out are read: the inputs are not priced
         spent = {} if spent is None else spent
         t = time.perf_counter()
         forward = run_pipeline(cone, self.entries, self.cost_model, self.limits, price_input=False)
         t = lap(spent, "step forward", t)
-        return decided_jointly(cone, forward, self.entries, self.cost_model, self.limits,
-                               lambda f, entries: rewrite_joint(f, entries, self.cost_model, self.limits),
-                               spent=spent)
+        program, why = decided_jointly(cone, forward, self.entries, self.cost_model, self.limits,
+                                       lambda f, entries: rewrite_joint(f, entries, self.cost_model, self.limits),
+                                       lambda f: joint_program(f)[0], spent=spent)
+        if why and decided is not None:
+            decided.append(why)
+        return program
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         key, flat, (traced, result), nodes = self._prepare(args, kwargs)

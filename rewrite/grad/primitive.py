@@ -69,7 +69,7 @@ from ..ir.jaxapi import ad, core, custom_staging_rules, fallback_linearize, held
 from ..ir.walk import has_custom_vjp
 from ..jaxpr.trace import Traced, spec_of
 from ..pipeline import limits_met, run_pipeline
-from .vjp import build_vjp, decided_jointly, float_positions, of_floats, split_joint
+from .vjp import as_written_vjp, build_vjp, decided_jointly, float_positions, of_floats, split_joint
 
 log = logging.getLogger("rewrite")
 
@@ -150,11 +150,12 @@ class Signature:
         t = time.perf_counter()
         try:
             if kind == "vjp":
-                built: Any = decided_jointly(
+                built, decided = decided_jointly(
                     self.traced.closed, self.result, owner.entries, owner.cost_model, owner.limits,
                     lambda f, entries: build_vjp(self._of(f), entries, owner.cost_model, owner.limits, primal=False,
                                                  keep=keep),
-                    split_joint)
+                    lambda f: as_written_vjp(self._of(f), owner.cost_model), split_joint)
+                built.decided = decided
             else:
                 program, dif_in, dif_out = jvp_program(self.jvp_source())
                 result = run_pipeline(program, owner.entries, owner.cost_model, owner.limits)

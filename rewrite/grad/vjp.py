@@ -48,7 +48,7 @@ import jax
 import numpy as np
 
 from ..cost.program import Program
-from ..extract.extract import extract
+from ..extract.extract import bounds_memory, extract, fatter
 from ..extract.extractor import shared
 from ..extract.policy import no_fatter, recomputations, withheld
 from ..extract.program import ProgramPricer, prices_programs, programs_keep_leaner
@@ -245,6 +245,8 @@ class VJPResult:
     dif_out: list[int]
     function: Callable[..., Any] | None
     times: dict[str, float]
+    #: which derivative :func:`decided_jointly` kept, and why ("" where it did not decide: no ``jointly`` rule fired)
+    decided: str = ""
 
     @property
     def after(self) -> core.ClosedJaxpr:
@@ -367,6 +369,46 @@ def _joint_choices(res: Result, n_out: int, n_params: int, model: Any, entries: 
     return f_roots, b_roots, params, [("joint", res.choice), ("gradients", {**tree, **grads_only})]
 
 
+def as_written_vjp(traced: Traced, model: Any) -> VJPResult:
+    """JAX's own VJP of ``traced``, split where JAX splits it, as a :class:`VJPResult` with nothing rewritten: the
+    forward ``primals -> (outputs, residuals)`` returns the residuals ``jax.vjp``'s pullback holds (its leaves),
+    and the backward is that pullback. Under ``jit`` the two inline into the program ``jax.value_and_grad`` of
+    the function as written compiles, so that is what a derivative held to it (:func:`decided_jointly`) runs.
+    Its ``joint`` is :func:`joint_program`, unrewritten and priced."""
+    closed = traced.closed
+    t0 = time.perf_counter()
+    joint, dif_in, dif_out = joint_program(closed)
+    in_avals, out_avals = list(closed.in_avals), list(closed.out_avals)
+    fn = core.jaxpr_as_fun(closed)
+    trees: list[Any] = []
+
+    def forward(*primals: Any) -> list[Any]:
+        outs, pullback = jax.vjp(of_floats(fn, primals, dif_in), *[primals[i] for i in dif_in])
+        residuals, tree = jax.tree.flatten(pullback)
+        trees.append(tree)
+        return list(outs) + residuals
+
+    fwd = jax.make_jaxpr(forward)(*[spec_of(a) for a in in_avals])
+    n_res = len(fwd.out_avals) - len(out_avals)
+
+    def backward(*args: Any) -> list[Any]:
+        pullback = jax.tree.unflatten(trees[0], args[:n_res])
+        full = [np.zeros(a.shape, jax.dtypes.float0) for a in out_avals]
+        for i, c in zip(dif_out, args[n_res:]):
+            full[i] = c
+        return list(pullback(full))
+
+    bwd = jax.make_jaxpr(backward)(*[spec_of(a) for a in fwd.out_avals[len(out_avals):]],
+                                   *[spec_of(joint.in_avals[len(in_avals) + j]) for j in range(len(dif_out))])
+    times = {"trace_vjp": time.perf_counter() - t0}
+    cost = program_cost(joint, model)
+    # no e-graph holds these residuals: the split names their types
+    split = Split("as written", list(fwd.out_avals[len(out_avals):]), cost)
+    result = Result(before=joint, after=joint, cost_before=cost, cost_after=cost, stopped="as written", iterations=0,
+                    rows=0, times=times, stats={}, rewritten=False, warnings=[])
+    return VJPResult(None, fwd, bwd, split, [split], result, dif_in, dif_out, None, times)
+
+
 def rewrite_joint(closed: core.ClosedJaxpr, entries: Sequence[Any], model: Any, limits: Any) -> core.ClosedJaxpr:
     """``closed``'s VJP as one program ``(primals, cotangents) -> (outputs, gradients)`` (:func:`joint_program`),
     rewritten: what a caller that runs the forward and backward passes together (a training step) reads. Of
@@ -408,42 +450,98 @@ def split_joint(built: VJPResult) -> core.ClosedJaxpr:
 
 def decided_jointly(closed: core.ClosedJaxpr, forward: Result, entries: Sequence[Any], model: Any, limits: Any,
                     build: Callable[[core.ClosedJaxpr, Sequence[Any]], Any],
+                    as_written: Callable[[core.ClosedJaxpr], Any],
                     joint_of: Callable[[Any], core.ClosedJaxpr] = lambda built: built,
-                    spent: dict[str, float] | None = None) -> Any:
+                    spent: dict[str, float] | None = None) -> tuple[Any, str]:
     """``build(forward.after, entries)``, a derivative of ``closed`` rewritten (``forward``) for the forward alone,
-    decided on its joint program where rules of a ruleset made with ``jointly=True`` fired in that forward.
+    decided on its joint program where rules of a ruleset made with ``jointly=True`` fired in that forward; and why,
+    in words ("" where none fired).
 
     Such rules replace a forward computation together with its backward (``rulesets.nn``'s LM head over token
     blocks, whose backward recomputes each block's logits: that pays where the logits are large and costs a
-    product where they are not), which the forward's price does not see. So ``closed`` is also rewritten
-    without those rulesets and built from, and of the two joint programs (``joint_of``, rewritten: the
-    unrewritten joints rank them otherwise) the cheaper is kept, or the leaner within the model's lean band
-    (:func:`rewrite.extract.program.keeps_leaner`), as a training step is chosen; a tie keeps the first."""
+    product where they are not), which the forward's price does not see. So three derivatives are built and
+    their joint programs (``joint_of``) priced: the one from the forward with those rules, the one from
+    ``closed`` rewritten without them (where that differs), and ``as_written(closed)``, JAX's derivative of the
+    loss as written, with no rule at all (:func:`joint_program`, :func:`as_written_vjp`). Of the two rewritten joints the cheaper is taken, or the leaner
+    within the model's lean band (:func:`rewrite.extract.program.programs_keep_leaner`), as a training step is
+    chosen; it is kept only where it is also so taken against the joint as written, and not predicted to hold
+    more temporaries than that one at its peak (``extract.fatter``, as extraction's ``no_fatter`` holds a
+    rewrite to its input) where the model bounds memory; else the other rewritten joint, where it passes
+    both, else the joint as written. A tie keeps the first of (as written, with the rules, without them)."""
     spent = {} if spent is None else spent
     t = time.perf_counter()
     built = build(forward.after, entries)
     t = lap(spent, "step joint", t)
     jointly = {r.name for r, owner in entries if getattr(owner, "jointly", False)}
-    if not any(s.fired for n, s in forward.stats.items() if n in jointly):
-        return built
+    fired = sorted(n for n, s in forward.stats.items() if n in jointly and s.fired)
+    if not fired:
+        return built, ""
+    made = [built]
     try:
         rest = [(r, owner) for r, owner in entries if r.name not in jointly]
         # only the program that comes out is read: the input is not priced
         plain = run_pipeline(closed, rest, model, limits, price_input=False).after
-        if same_program(plain, forward.after):
-            return built
-        other = build(plain, rest)
-        joints = [(b, joint_of(b)) for b in (built, other)]
-        (cheap, c_joint, c_cost), (dear, d_joint, d_cost) = sorted(
-            ((b, j, program_cost(j, model)) for b, j in joints), key=lambda bjc: bjc[2])  # a tie keeps the first
-        if programs_keep_leaner(d_cost, d_joint, c_cost, c_joint, model):
-            cheap, dear = dear, cheap
-        release = getattr(getattr(dear, "joint", None), "release", None)
-        if release is not None:  # a VJP built to keep its e-graph (a report's) keeps only the one chosen
-            release()
-        return cheap
+        rewritten = [Joint(f"the forward rewritten with {', '.join(fired)}", built, model, joint_of)]
+        if not same_program(plain, forward.after):
+            made.append(build(plain, rest))
+            rewritten.append(Joint(f"the forward rewritten without {'it' if len(fired) == 1 else 'them'}", made[-1],
+                                   model, joint_of))
+        made.append(as_written(closed))
+        written = Joint("JAX's derivative of the loss as written", made[-1], model, joint_of)
+        chosen, why = held_to_written(rewritten, written, model)
+        for b in made:
+            release = getattr(getattr(b, "joint", None), "release", None)
+            if b is not chosen.built and release is not None:  # a VJP built to keep its e-graph (a report's)
+                release()                                        # keeps only the one chosen
+        return chosen.built, why
     finally:
         lap(spent, "step jointly", t)
+
+
+class Joint:
+    """One candidate of :func:`decided_jointly`: a derivative built, its joint program, that program's price, and
+    its predicted peak of temporaries (``AnalyticCost.predict_temp_bytes``), predicted once and only if asked."""
+
+    def __init__(self, name: str, built: Any, model: Any, joint_of: Callable[[Any], core.ClosedJaxpr]) -> None:
+        self.name, self.built, self.model = name, built, model
+        self.program = joint_of(built)
+        self.cost = program_cost(self.program, model)
+        self._peak: float | None = None
+
+    def peak(self) -> float | None:
+        predict = getattr(self.model, "predict_temp_bytes", None)
+        if self._peak is None and predict is not None:
+            self._peak = float(predict(self.program))
+        return self._peak
+
+    def __str__(self) -> str:
+        peak = f", {self._peak / 2 ** 20:.2f} MiB predicted" if self._peak is not None else ""
+        return f"{self.name} (priced {self.cost:.4g}{peak})"
+
+
+def _taken(a: Joint, b: Joint) -> bool:
+    """Whether ``a`` is taken over ``b``: priced lower and ``b`` not kept for being the leaner within the lean band,
+    or priced no lower and kept for being the leaner (:func:`rewrite.extract.program.programs_keep_leaner`)."""
+    if a.cost < b.cost:
+        return not programs_keep_leaner(b.cost, b.program, a.cost, a.program, a.model)
+    return programs_keep_leaner(a.cost, a.program, b.cost, b.program, a.model)
+
+
+def held_to_written(rewritten: Sequence[Joint], written: Joint, model: Any) -> tuple[Joint, str]:
+    """The joint :func:`decided_jointly` keeps, of one or two rewritten ones and the one as written, and why."""
+    first = rewritten[1] if len(rewritten) > 1 and _taken(rewritten[1], rewritten[0]) else rewritten[0]
+    bounded = bounds_memory(model) and getattr(model, "predict_temp_bytes", None) is not None
+    said = []
+    for r in sorted(rewritten, key=lambda j: j is not first):  # the one taken between the two first
+        if not _taken(r, written):
+            said.append(f"{r} is not priced below {written}, nor kept as the leaner")
+            continue
+        if bounded and fatter(r.peak(), written.peak()):
+            said.append(f"{r} is predicted to hold more temporaries than {written}")
+            continue
+        others = [str(o) for o in rewritten if o is not r] + [str(written)]
+        return r, f"kept {r}; against {', '.join(others)}" + (f" ({'; '.join(said)})" if said else "")
+    return written, f"kept {written}: {'; '.join(said)}"
 
 
 def split_pricer(snap: Any, model: Any, choice: dict, f_roots: Sequence[Any], b_roots: Sequence[Any]

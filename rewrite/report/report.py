@@ -208,6 +208,8 @@ class Report:
             lines.append(f"gradient: forward and backward rewritten together; residuals: {len(g.split.residuals)} "
                          f"value(s), {held / 2**20:.2f} MiB ({g.split.policy}, the cheapest of "
                          f"{len(g.splits_considered)} splits priced)")
+            if g.decided:
+                lines.append(f"gradient decided on its joint program: {g.decided}")
         for w in self.warnings:
             lines.append(f"warning: {w}")
         return "\n".join(lines)
