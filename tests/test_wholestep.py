@@ -17,7 +17,7 @@ import pytest
 
 import rulesets
 from benchmarks import wholestep as ws
-from rewrite import rewrite
+from rewrite import explain, rewrite
 from rewrite.grad.step import find_losses
 from rewrite.ir.jaxapi import core
 
@@ -324,9 +324,11 @@ def test_a_dense_target_s_gradient_keeps_its_loop_against_the_loss_as_written():
     def loss(h, w, b, t):
         return optax.softmax_cross_entropy(h @ w + b, t).mean()
 
-    decided = rewrite(loss, rulesets=[rulesets.nn], cache=False).grad_result(h, w, b, t).decided
+    g = rewrite(loss, rulesets=[rulesets.nn], cache=False)
+    decided = g.grad_result(h, w, b, t).decided
     assert decided.startswith("kept the forward rewritten with nn_lm_head"), decided
     assert "as written" in decided and "without" in decided, decided
+    assert decided in explain(g, h, w, b, t, grad=True).summary()
 
 
 def test_the_encoder_step_recomputes_its_gelu_to_hold_less():
