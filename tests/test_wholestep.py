@@ -312,6 +312,35 @@ def test_the_loss_first_vjp_is_held_to_the_loss_as_written():
     _close(jax.jit(flat)(*leaves), jax.jit(flat_first)(*leaves), 2e-4)
 
 
+def test_a_head_whose_rewrites_price_no_lower_runs_jax_s_own_vjp():
+    """An LM head at N=256, C=128, V=1024 under ``rulesets.nn``: the joint built from the forward with the head's
+    token loop is priced above JAX's joint of the loss as written, and the one without it the same as JAX's (a tie,
+    which keeps the loss as written). So ``jax.grad(rewrite(loss))`` runs JAX's own VJP: ``explain`` says so, and
+    the gradients are JAX's, under ``jit`` and eagerly, including where the inputs hold infinities and NaN."""
+    n, c, v = 256, 128, 1024
+    rng = np.random.default_rng(0)
+    h = rng.standard_normal((n, c)).astype(np.float32)
+    w = (rng.standard_normal((c, v)) * 0.1).astype(np.float32)
+    y = jnp.asarray(rng.integers(0, v, n))
+
+    def loss(h, w, y):
+        return optax.softmax_cross_entropy_with_integer_labels(h @ w, y).mean()
+
+    g = rewrite(loss, rulesets=[rulesets.nn], cache=False)
+    decided = g.grad_result(h, w, y).decided
+    assert decided.startswith("kept JAX's derivative of the loss as written"), decided
+    summary = explain(g, h, w, y, grad=True).summary()
+    assert "gradient: JAX's own VJP of the function as written" in summary and decided in summary, summary
+    special = h.copy()
+    special[3, 5], special[7, 1] = np.inf, np.nan
+    for x in (h, np.zeros_like(h), -h, special):
+        for transform in (jax.jit, lambda f: f):
+            got = transform(jax.value_and_grad(g, argnums=(0, 1)))(x, w, y)
+            want = transform(jax.value_and_grad(loss, argnums=(0, 1)))(x, w, y)
+            for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+                np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+
+
 def test_a_dense_target_s_gradient_keeps_its_loop_against_the_loss_as_written():
     """The other end: the LM head against a dense (N, V) target at N=1024, C=256, V=16384, where the head's token
     loop holds 16.3 MiB and the plain program 128 MiB (``tests/test_lm_head.py``). Its VJP is decided among the

@@ -253,6 +253,11 @@ class VJPResult:
         return self.forward
 
     @property
+    def as_written(self) -> bool:
+        """Whether this is JAX's own VJP of the function as written, nothing rewritten (:func:`as_written_vjp`)."""
+        return self.split.policy == AS_WRITTEN
+
+    @property
     def before(self) -> core.ClosedJaxpr:
         return self.joint.before
 
@@ -369,6 +374,10 @@ def _joint_choices(res: Result, n_out: int, n_params: int, model: Any, entries: 
     return f_roots, b_roots, params, [("joint", res.choice), ("gradients", {**tree, **grads_only})]
 
 
+#: the :class:`Split` policy of :func:`as_written_vjp`'s split: JAX's own
+AS_WRITTEN = "as written"
+
+
 def as_written_vjp(traced: Traced, model: Any) -> VJPResult:
     """JAX's own VJP of ``traced``, split where JAX splits it, as a :class:`VJPResult` with nothing rewritten: the
     forward ``primals -> (outputs, residuals)`` returns the residuals ``jax.vjp``'s pullback holds (its leaves),
@@ -403,7 +412,7 @@ def as_written_vjp(traced: Traced, model: Any) -> VJPResult:
     times = {"trace_vjp": time.perf_counter() - t0}
     cost = program_cost(joint, model)
     # no e-graph holds these residuals: the split names their types
-    split = Split("as written", list(fwd.out_avals[len(out_avals):]), cost)
+    split = Split(AS_WRITTEN, list(fwd.out_avals[len(out_avals):]), cost)
     result = Result(before=joint, after=joint, cost_before=cost, cost_after=cost, stopped="as written", iterations=0,
                     rows=0, times=times, stats={}, rewritten=False, warnings=[])
     return VJPResult(None, fwd, bwd, split, [split], result, dif_in, dif_out, None, times)
