@@ -19,7 +19,10 @@ transformation) and reusing it after:
   the split ``rewrite(fn, vjp=True)`` builds, from the rewritten forward program
   rather than the original: JAX's own derivative of that program (what ran
   before) is always a candidate, and the forward's choices (an accurate form,
-  a loop's checkpoint policy) hold for the gradient too.
+  a loop's checkpoint policy) hold for the gradient too. Where rules of a ``jointly`` ruleset fired in the
+  forward (the LM head's token loop), the split is decided on its joint program among the one from that forward,
+  the one from the forward rewritten without them, and JAX's own VJP of the function as written, which a
+  rewritten one must beat by price and not hold more than (``rewrite/grad/vjp.py``, ``decided_jointly``).
 * **Forward mode** (``jvp``, ``jacfwd``; ``linearize``, whose linear part is
   evaluated rather than transposed). The JVP rule runs the rewritten program's JVP,
   ``(primals, tangents) -> (outputs, output tangents)``, rewritten as one
