@@ -471,12 +471,11 @@ def decided_jointly(closed: core.ClosedJaxpr, forward: Result, entries: Sequence
     product where they are not), which the forward's price does not see. So three derivatives are built and
     their joint programs (``joint_of``) priced: the one from the forward with those rules, the one from
     ``closed`` rewritten without them (where that differs), and ``as_written(closed)``, JAX's derivative of the
-    loss as written, with no rule at all (:func:`joint_program`, :func:`as_written_vjp`). Of the two rewritten joints the cheaper is taken, or the leaner
-    within the model's lean band (:func:`rewrite.extract.program.programs_keep_leaner`), as a training step is
-    chosen; it is kept only where it is also so taken against the joint as written, and not predicted to hold
-    more temporaries than that one at its peak (``extract.fatter``, as extraction's ``no_fatter`` holds a
-    rewrite to its input) where the model bounds memory; else the other rewritten joint, where it passes
-    both, else the joint as written. A tie keeps the first of (as written, with the rules, without them)."""
+    loss as written, with no rule at all (:func:`joint_program`, :func:`as_written_vjp`). A rewritten joint
+    replaces the one it is held to only where it is taken by price or the lean bands
+    (:func:`rewrite.extract.program.programs_keep_leaner`, as a training step is chosen) and is not predicted
+    to hold more (:func:`held_to_written`): the plain one the one with the rules, and either JAX's as written.
+    A tie keeps the one held to."""
     spent = {} if spent is None else spent
     t = time.perf_counter()
     built = build(forward.after, entries)
