@@ -18,7 +18,6 @@ import collections
 import dataclasses
 import functools
 import logging
-import math
 import threading
 import time
 import warnings
@@ -32,15 +31,15 @@ from .cache.key import make_key
 from .cost import guard as _guard
 from .cost.measure import resolve
 from .errors import RewriteLimitWarning, RewriteWarning, _strict
-from .extract.program import keeps_leaner, lean_band
+from .extract.program import programs_keep_leaner
 from .grad.primitive import Signature, bind_if_differentiated
 from .grad.step import find_losses, join_pinned, proof_graph, split_pinned
-from .grad.vjp import VJPResult, build_vjp, rewrite_joint
+from .grad.vjp import VJPResult, build_vjp, decided_jointly, joint_program, rewrite_joint
 from .ir.jaxapi import core
 from .jaxpr import state as _state
 from .jaxpr.trace import CONCRETIZATION_ERRORS, Traced, flatten_args, resolve_static, same_program, trace, trace_call
 from .pipeline import limits_met, program_cost, run_pipeline, saturated_classes
-from .records import STEP_STAGES, Limits, Result
+from .records import STEP_STAGES, Limits, Result, lap
 from .report.report import Report, gradient_report, report_of
 from .rules.ruleset import Ruleset, entries_of
 
@@ -49,13 +48,6 @@ log = logging.getLogger("rewrite")
 
 #: the rulesets whose presence turns on the whole-step search by default (``rewrite(..., whole_step=None)``)
 WHOLE_STEP_PACKS = frozenset({"attention", "nn_lm_head"})
-
-
-def _lap(spent: dict[str, float], stage: str, since: float) -> float:
-    """Add the seconds since ``since`` to ``spent[stage]``; return now."""
-    now = time.perf_counter()
-    spent[stage] = spent.get(stage, 0.0) + now - since
-    return now
 
 
 def _searches_steps(entries: Sequence[tuple[Any, Ruleset]], whole_step: bool | None) -> bool:
@@ -329,15 +321,18 @@ class Rewritten:
         try:
             pinned: set = set()
             # the proofs saturate with no rule: a step is loaded once for all of them (proof_graph)
+            decided: list[str] = []
             changed, finding = find_losses(traced.closed, self._proof,
-                                           functools.partial(self._loss_first, spent=spent), pinned, proof_graph)
+                                           functools.partial(self._loss_first, spent=spent, decided=decided), pinned,
+                                           proof_graph)
+            finding.decided = decided
             alt = None
             if changed is not None:
                 t = time.perf_counter()
                 alt = self._rewrite_rest(changed, pinned)
-                t = _lap(spent, "step rest", t)
+                t = lap(spent, "step rest", t)
                 before = result.cost_before if result is not None else program_cost(traced.closed, self.cost_model)
-                _lap(spent, "step price", t)
+                lap(spent, "step price", t)
         except Exception as e:  # the step as written, rewritten, still runs
             self._fall_back(e, f"the whole-step search of {getattr(self.fn, '__name__', 'function')!r}",
                             "running the step rewritten as written")
@@ -404,55 +399,33 @@ class Rewritten:
 
     def _keeps_leaner(self, cost: float, program: core.ClosedJaxpr, than_cost: float,
                       than: core.ClosedJaxpr) -> bool:
-        """:func:`rewrite.extract.program.keeps_leaner` of two programs, their peaks predicted only where the
-        model has a lean band to read them in."""
-        predict = getattr(self.cost_model, "predict_temp_bytes", None)
-        if not lean_band(self.cost_model) or predict is None:
-            return False
-        # a peak of nothing against one of everything: where even those would not keep it (priced beyond the far
-        # band), no peak does, and none is predicted (two whole programs' liveness, 0.04 s of an LM step's search)
-        if not keeps_leaner(cost, 0.0, than_cost, math.inf, self.cost_model):
-            return False
-        return keeps_leaner(cost, predict(program), than_cost, predict(than), self.cost_model)
+        """:func:`rewrite.extract.program.programs_keep_leaner` under this rewrite's cost model."""
+        return programs_keep_leaner(cost, program, than_cost, than, self.cost_model)
 
-    def _loss_first(self, cone: core.ClosedJaxpr, spent: dict[str, float] | None = None) -> core.ClosedJaxpr:
+    def _loss_first(self, cone: core.ClosedJaxpr, spent: dict[str, float] | None = None,
+                    decided: list[str] | None = None) -> core.ClosedJaxpr:
         """A loss's VJP as ``jax.value_and_grad(rewrite(loss))`` runs it, with these rules, as one program
-        ``(primals, cotangent) -> (loss, gradients)``: JAX's VJP of the rewritten forward, rewritten.
-
-        The forward is rewritten for the forward alone, which does not see the backward a form brings with it.
-        Where rules of a ruleset made with ``jointly=True`` fired in it (``rulesets.nn``'s LM head over token
-        blocks, whose backward recomputes each block's logits: that pays where the logits are large and costs a
-        product where they are not), the same loss-first program is built without that ruleset too, and of
-        the two the cheaper is kept, or the leaner within the model's lean band
-        (:func:`rewrite.extract.program.keeps_leaner`), as a step is chosen. ``spent``, where given, adds the
-        seconds of each part to its ``step forward``, ``step joint`` and ``step jointly`` (``_whole_step``)."""
+        ``(primals, cotangent) -> (loss, gradients)``: JAX's VJP of the rewritten forward, rewritten, decided on
+        that joint program where a ``jointly`` ruleset's rules fired in the forward, and held to JAX's joint of the
+        loss as written (:func:`rewrite.grad.vjp.decided_jointly`), as the derivative rules decide it
+        (``grad/primitive.py``). ``decided``, where given, receives that decision in words."""
         # only the programs that come out are read: the inputs are not priced
         spent = {} if spent is None else spent
         t = time.perf_counter()
         forward = run_pipeline(cone, self.entries, self.cost_model, self.limits, price_input=False)
-        t = _lap(spent, "step forward", t)
-        built = rewrite_joint(forward.after, self.entries, self.cost_model, self.limits)
-        t = _lap(spent, "step joint", t)
-        jointly = {r.name for r, owner in self.entries if getattr(owner, "jointly", False)}
-        if not any(s.fired for n, s in forward.stats.items() if n in jointly):
-            return built
-        try:
-            rest = [(r, owner) for r, owner in self.entries if r.name not in jointly]
-            plain = run_pipeline(cone, rest, self.cost_model, self.limits, price_input=False).after
-            if same_program(plain, forward.after):
-                return built
-            other = rewrite_joint(plain, rest, self.cost_model, self.limits)
-            (cheap, c_cost), (dear, d_cost) = sorted(((p, program_cost(p, self.cost_model)) for p in (built, other)),
-                                                     key=lambda pc: pc[1])  # a tie keeps the program built with them
-            return dear if self._keeps_leaner(d_cost, dear, c_cost, cheap) else cheap
-        finally:
-            _lap(spent, "step jointly", t)
+        t = lap(spent, "step forward", t)
+        program, why = decided_jointly(cone, forward, self.entries, self.cost_model, self.limits,
+                                       lambda f, entries: rewrite_joint(f, entries, self.cost_model, self.limits),
+                                       lambda f: joint_program(f)[0], spent=spent)
+        if why and decided is not None:
+            decided.append(why)
+        return program
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         key, flat, (traced, result), nodes = self._prepare(args, kwargs)
         closed = result.after
         # Under grad/jvp the derivative rules run derivative programs rewritten for them (rewrite/grad/primitive.py).
-        outs = bind_if_differentiated(lambda: self._program(key, traced, closed), traced, flat)
+        outs = bind_if_differentiated(lambda: self._program(key, traced, result), traced, flat)
         if outs is None and traced.jitted:
             # fn was a jitted function, whose jit the trace inlined: the rewritten program runs compiled
             # too, not one operation at a time (which an eager call of eval_jaxpr would do)
@@ -468,11 +441,11 @@ class Rewritten:
             self._jitted[key] = found
         return found[1]
 
-    def _program(self, key: Any, traced: Traced, forward: core.ClosedJaxpr) -> Any:
+    def _program(self, key: Any, traced: Traced, result: Result) -> Any:
         program = self._programs.get(key)
         if program is None:
             with self._lock:
-                program = self._programs.setdefault(key, Signature(self, traced, forward))
+                program = self._programs.setdefault(key, Signature(self, traced, result))
         return program
 
     def grad_result(self, *args: Any, **kwargs: Any) -> Any:
@@ -487,7 +460,7 @@ class Rewritten:
 
     def _signature(self, args: tuple, kwargs: dict) -> Signature:
         key, _, (traced, result), _ = self._prepare(args, kwargs)
-        return self._program(key, traced, result.after)
+        return self._program(key, traced, result)
 
     def vjp_jaxprs(self, *args: Any, **kwargs: Any) -> tuple[core.ClosedJaxpr, core.ClosedJaxpr]:
         """The forward (primals -> outputs + residuals) and backward (residuals + cotangents -> gradients) programs."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import collections.abc
 import dataclasses
+import time
 from typing import Any
 
 from .ir.jaxapi import core
@@ -111,6 +112,13 @@ STAGES = ("trace", "load", "saturate", "extract", "emit")
 #: rewritten jointly, the two built again without a ``jointly`` ruleset (where one fired); the step so changed,
 #: rewritten and priced; the step as written, priced
 STEP_STAGES = ("step find", "step forward", "step joint", "step jointly", "step rest", "step price")
+
+
+def lap(spent: dict[str, float], stage: str, since: float) -> float:
+    """Add the seconds since ``since`` to ``spent[stage]`` (one of :data:`STEP_STAGES`); return now."""
+    now = time.perf_counter()
+    spent[stage] = spent.get(stage, 0.0) + now - since
+    return now
 
 
 @dataclasses.dataclass

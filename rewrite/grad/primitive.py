@@ -19,7 +19,10 @@ transformation) and reusing it after:
   the split ``rewrite(fn, vjp=True)`` builds, from the rewritten forward program
   rather than the original: JAX's own derivative of that program (what ran
   before) is always a candidate, and the forward's choices (an accurate form,
-  a loop's checkpoint policy) hold for the gradient too.
+  a loop's checkpoint policy) hold for the gradient too. Where rules of a ``jointly`` ruleset fired in the
+  forward (the LM head's token loop), the split is decided on its joint program among the one from that forward,
+  the one from the forward rewritten without them, and JAX's own VJP of the function as written, which a
+  rewritten one must beat by price and not hold more than (``rewrite/grad/vjp.py``, ``decided_jointly``).
 * **Forward mode** (``jvp``, ``jacfwd``; ``linearize``, whose linear part is
   evaluated rather than transposed). The JVP rule runs the rewritten program's JVP,
   ``(primals, tangents) -> (outputs, output tangents)``, rewritten as one
@@ -69,7 +72,7 @@ from ..ir.jaxapi import ad, core, custom_staging_rules, fallback_linearize, held
 from ..ir.walk import has_custom_vjp
 from ..jaxpr.trace import Traced, spec_of
 from ..pipeline import limits_met, run_pipeline
-from .vjp import build_vjp, float_positions, of_floats
+from .vjp import as_written_vjp, build_vjp, decided_jointly, float_positions, of_floats, split_joint
 
 log = logging.getLogger("rewrite")
 
@@ -99,10 +102,11 @@ class Signature:
     built) keeps it, for the report's provenance.
     """
 
-    def __init__(self, owner: Any, traced: Traced, forward: core.ClosedJaxpr) -> None:
+    def __init__(self, owner: Any, traced: Traced, result: Any) -> None:
         self.owner = owner
         self.traced = traced
-        self.forward = forward
+        self.result = result  # the forward's rewrite: its rules' statistics say whether the VJP is decided jointly
+        self.forward = result.after
         self._built: dict[str, Any] = {}  # "vjp", "jvp" -> its program, or None if rewriting it failed
         self._lock = threading.Lock()
 
@@ -126,12 +130,12 @@ class Signature:
                     found = self._built[kind] = self._build(kind, keep)
         return found
 
-    def _of_forward(self) -> Traced:
+    def _of(self, program: core.ClosedJaxpr) -> Traced:
         # The derivative programs start from the rewritten forward program: JAX's derivative of it is
         # what ran before, so it is always a candidate (nothing gets slower), and what the forward
         # rules chose (an accurate form, a loop's checkpoint policy) holds for the gradient too.
         t = self.traced
-        return Traced(self.forward, t.in_tree, t.out_tree, t.dynamic)
+        return Traced(program, t.in_tree, t.out_tree, t.dynamic)
 
     def jvp_source(self) -> core.ClosedJaxpr:
         """The program forward mode differentiates: the rewritten forward program, unless a rule built a
@@ -149,8 +153,12 @@ class Signature:
         t = time.perf_counter()
         try:
             if kind == "vjp":
-                built: Any = build_vjp(self._of_forward(), owner.entries, owner.cost_model, owner.limits, primal=False,
-                                       keep=keep)
+                built, decided = decided_jointly(
+                    self.traced.closed, self.result, owner.entries, owner.cost_model, owner.limits,
+                    lambda f, entries: build_vjp(self._of(f), entries, owner.cost_model, owner.limits, primal=False,
+                                                 keep=keep),
+                    lambda f: as_written_vjp(self._of(f), owner.cost_model), split_joint)
+                built.decided = decided
             else:
                 program, dif_in, dif_out = jvp_program(self.jvp_source())
                 result = run_pipeline(program, owner.entries, owner.cost_model, owner.limits)

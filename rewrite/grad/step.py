@@ -95,9 +95,12 @@ class StepFinding:
     replaced: list[str] = dataclasses.field(default_factory=list)
     declined: list[str] = dataclasses.field(default_factory=list)
     seconds: float = 0.0
+    #: for each loss-first program decided on its joint program (``rewrite.grad.vjp.decided_jointly``), which was kept
+    decided: list[str] = dataclasses.field(default_factory=list)
 
     def __str__(self) -> str:
-        parts = [f"replaced {r}" for r in self.replaced] + [f"declined {d}" for d in self.declined]
+        parts = ([f"replaced {r}" for r in self.replaced] + [f"declined {d}" for d in self.declined]
+                 + [f"loss-first VJP decided jointly: {d}" for d in self.decided])
         return "; ".join(parts) or "no loss with its gradients found"
 
 

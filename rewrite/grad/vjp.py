@@ -48,17 +48,17 @@ import jax
 import numpy as np
 
 from ..cost.program import Program
-from ..extract.extract import extract
+from ..extract.extract import bounds_memory, extract, fatter
 from ..extract.extractor import shared
 from ..extract.policy import no_fatter, recomputations, withheld
-from ..extract.program import ProgramPricer, prices_programs
+from ..extract.program import ProgramPricer, prices_programs, programs_keep_leaner
 from ..ir.jaxapi import core
 from ..ir.primitives import is_float
 from ..ir.walk import operands, walk
 from ..jaxpr.emit import Emitter, _Scope, check_signature, dce, emit, emitter
-from ..jaxpr.trace import Traced, spec_of
-from ..pipeline import run_pipeline
-from ..records import Result
+from ..jaxpr.trace import Traced, same_program, spec_of
+from ..pipeline import program_cost, run_pipeline
+from ..records import Result, lap
 
 log = logging.getLogger("rewrite")
 
@@ -245,10 +245,17 @@ class VJPResult:
     dif_out: list[int]
     function: Callable[..., Any] | None
     times: dict[str, float]
+    #: which derivative :func:`decided_jointly` kept, and why ("" where it did not decide: no ``jointly`` rule fired)
+    decided: str = ""
 
     @property
     def after(self) -> core.ClosedJaxpr:
         return self.forward
+
+    @property
+    def as_written(self) -> bool:
+        """Whether this is JAX's own VJP of the function as written, nothing rewritten (:func:`as_written_vjp`)."""
+        return self.split.policy == AS_WRITTEN
 
     @property
     def before(self) -> core.ClosedJaxpr:
@@ -367,6 +374,50 @@ def _joint_choices(res: Result, n_out: int, n_params: int, model: Any, entries: 
     return f_roots, b_roots, params, [("joint", res.choice), ("gradients", {**tree, **grads_only})]
 
 
+#: the :class:`Split` policy of :func:`as_written_vjp`'s split: JAX's own
+AS_WRITTEN = "as written"
+
+
+def as_written_vjp(traced: Traced, model: Any) -> VJPResult:
+    """JAX's own VJP of ``traced``, split where JAX splits it, as a :class:`VJPResult` with nothing rewritten: the
+    forward ``primals -> (outputs, residuals)`` returns the residuals ``jax.vjp``'s pullback holds (its leaves),
+    and the backward is that pullback. Under ``jit`` the two inline into the program ``jax.value_and_grad`` of
+    the function as written compiles, so that is what a derivative held to it (:func:`decided_jointly`) runs.
+    Its ``joint`` is :func:`joint_program`, unrewritten and priced."""
+    closed = traced.closed
+    t0 = time.perf_counter()
+    joint, dif_in, dif_out = joint_program(closed)
+    in_avals, out_avals = list(closed.in_avals), list(closed.out_avals)
+    fn = core.jaxpr_as_fun(closed)
+    trees: list[Any] = []
+
+    def forward(*primals: Any) -> list[Any]:
+        outs, pullback = jax.vjp(of_floats(fn, primals, dif_in), *[primals[i] for i in dif_in])
+        residuals, tree = jax.tree.flatten(pullback)
+        trees.append(tree)
+        return list(outs) + residuals
+
+    fwd = jax.make_jaxpr(forward)(*[spec_of(a) for a in in_avals])
+    n_res = len(fwd.out_avals) - len(out_avals)
+
+    def backward(*args: Any) -> list[Any]:
+        pullback = jax.tree.unflatten(trees[0], args[:n_res])
+        full = [np.zeros(a.shape, jax.dtypes.float0) for a in out_avals]
+        for i, c in zip(dif_out, args[n_res:]):
+            full[i] = c
+        return list(pullback(full))
+
+    bwd = jax.make_jaxpr(backward)(*[spec_of(a) for a in fwd.out_avals[len(out_avals):]],
+                                   *[spec_of(joint.in_avals[len(in_avals) + j]) for j in range(len(dif_out))])
+    times = {"trace_vjp": time.perf_counter() - t0}
+    cost = program_cost(joint, model)
+    # no e-graph holds these residuals: the split names their types
+    split = Split(AS_WRITTEN, list(fwd.out_avals[len(out_avals):]), cost)
+    result = Result(before=joint, after=joint, cost_before=cost, cost_after=cost, stopped="as written", iterations=0,
+                    rows=0, times=times, stats={}, rewritten=False, warnings=[])
+    return VJPResult(None, fwd, bwd, split, [split], result, dif_in, dif_out, None, times)
+
+
 def rewrite_joint(closed: core.ClosedJaxpr, entries: Sequence[Any], model: Any, limits: Any) -> core.ClosedJaxpr:
     """``closed``'s VJP as one program ``(primals, cotangents) -> (outputs, gradients)`` (:func:`joint_program`),
     rewritten: what a caller that runs the forward and backward passes together (a training step) reads. Of
@@ -390,6 +441,137 @@ def rewrite_joint(closed: core.ClosedJaxpr, entries: Sequence[Any], model: Any, 
         return emit(snap, choice, eg, joint.in_avals, res.roots, None, joint.jaxpr.debug_info)
     finally:
         eg.release()
+
+
+def split_joint(built: VJPResult) -> core.ClosedJaxpr:
+    """The program a caller of both halves of ``built``'s split runs (``jax.value_and_grad`` under ``jit``, which
+    inlines them together), as :func:`joint_program` shapes it: ``(primals, cotangents) -> (outputs, gradients)``."""
+    fwd, bwd = built.fwd, built.bwd
+    n_in, n_res = len(fwd.in_avals), len(built.split.residuals)
+    n_out = len(fwd.out_avals) - n_res
+
+    def joint(*args: Any) -> list[Any]:
+        outs = core.eval_jaxpr(fwd.jaxpr, fwd.consts, *args[:n_in])
+        return list(outs[:n_out]) + list(core.eval_jaxpr(bwd.jaxpr, bwd.consts, *outs[n_out:], *args[n_in:]))
+
+    return jax.make_jaxpr(joint)(*[spec_of(a) for a in (*fwd.in_avals, *bwd.in_avals[n_res:])])
+
+
+def decided_jointly(closed: core.ClosedJaxpr, forward: Result, entries: Sequence[Any], model: Any, limits: Any,
+                    build: Callable[[core.ClosedJaxpr, Sequence[Any]], Any],
+                    as_written: Callable[[core.ClosedJaxpr], Any],
+                    joint_of: Callable[[Any], core.ClosedJaxpr] = lambda built: built,
+                    spent: dict[str, float] | None = None) -> tuple[Any, str]:
+    """``build(forward.after, entries)``, a derivative of ``closed`` rewritten (``forward``) for the forward alone,
+    decided on its joint program where rules of a ruleset made with ``jointly=True`` fired in that forward; and why,
+    in words ("" where none fired).
+
+    Such rules replace a forward computation together with its backward (``rulesets.nn``'s LM head over token
+    blocks, whose backward recomputes each block's logits: that pays where the logits are large and costs a
+    product where they are not), which the forward's price does not see. So three derivatives are built and
+    their joint programs (``joint_of``) priced: the one from the forward with those rules, the one from
+    ``closed`` rewritten without them (where that differs), and ``as_written(closed)``, JAX's derivative of the
+    loss as written, with no rule at all (:func:`joint_program`, :func:`as_written_vjp`). A rewritten joint
+    replaces the one it is held to only where it is taken by price or the lean bands
+    (:func:`rewrite.extract.program.programs_keep_leaner`, as a training step is chosen) and is not predicted
+    to hold more (:func:`held_to_written`): the plain one the one with the rules, and either JAX's as written.
+    A tie keeps the one held to."""
+    spent = {} if spent is None else spent
+    t = time.perf_counter()
+    built = build(forward.after, entries)
+    t = lap(spent, "step joint", t)
+    jointly = {r.name for r, owner in entries if getattr(owner, "jointly", False)}
+    fired = sorted(n for n, s in forward.stats.items() if n in jointly and s.fired)
+    if not fired:
+        return built, ""
+    made = [built]
+    try:
+        rest = [(r, owner) for r, owner in entries if r.name not in jointly]
+        # only the program that comes out is read: the input is not priced
+        plain = run_pipeline(closed, rest, model, limits, price_input=False).after
+        rewritten = [Joint(f"the forward rewritten with {', '.join(fired)}", built, model, joint_of)]
+        if not same_program(plain, forward.after):
+            made.append(build(plain, rest))
+            rewritten.append(Joint(f"the forward rewritten without {'it' if len(fired) == 1 else 'them'}", made[-1],
+                                   model, joint_of))
+        made.append(as_written(closed))
+        written = Joint("JAX's derivative of the loss as written", made[-1], model, joint_of)
+        chosen, why = held_to_written(rewritten, written, model)
+        for b in made:
+            release = getattr(getattr(b, "joint", None), "release", None)
+            if b is not chosen.built and release is not None:  # a VJP built to keep its e-graph (a report's)
+                release()                                        # keeps only the one chosen
+        return chosen.built, why
+    finally:
+        lap(spent, "step jointly", t)
+
+
+class Joint:
+    """One candidate of :func:`decided_jointly`: a derivative built, its joint program, that program's price, and
+    its predicted peak of temporaries (``AnalyticCost.predict_temp_bytes``), predicted once and only if asked."""
+
+    def __init__(self, name: str, built: Any, model: Any, joint_of: Callable[[Any], core.ClosedJaxpr]) -> None:
+        self.name, self.built, self.model = name, built, model
+        self.program = joint_of(built)
+        self.cost = program_cost(self.program, model)
+        self._peak: float | None = None
+
+    def peak(self) -> float | None:
+        predict = getattr(self.model, "predict_temp_bytes", None)
+        if self._peak is None and predict is not None:
+            self._peak = float(predict(self.program))
+        return self._peak
+
+    def __str__(self) -> str:
+        peak = f", {self._peak / 2 ** 20:.2f} MiB predicted" if self._peak is not None else ""
+        return f"{self.name} (priced {self.cost:.4g}{peak})"
+
+
+def _taken(a: Joint, b: Joint) -> bool:
+    """Whether ``a`` is taken over ``b``: priced lower and ``b`` not kept for being the leaner within the lean band,
+    or priced no lower and kept for being the leaner (:func:`rewrite.extract.program.programs_keep_leaner`)."""
+    if a.cost < b.cost:
+        return not programs_keep_leaner(b.cost, b.program, a.cost, a.program, a.model)
+    return programs_keep_leaner(a.cost, a.program, b.cost, b.program, a.model)
+
+
+def held_to_written(rewritten: Sequence[Joint], written: Joint, model: Any) -> tuple[Joint, str]:
+    """The joint :func:`decided_jointly` keeps, of one or two rewritten ones and the one as written, and why.
+
+    Each is held to the one it would replace, as extraction holds a rewrite to its input (``no_fatter``): taken by
+    price or lean band (:func:`_taken`) and, where the model bounds memory, not predicted to hold more
+    (``extract.fatter``). The joint from the forward rewritten without the ``jointly`` rules (the second) replaces
+    the one from the forward as its rules chose it (the first) so, but for holding more by no more than the
+    model's ``cache``: what a small head's loop saves stays in the cache, where the price is right (the plain
+    joint of ``linen_gpt`` at N=128 held 1.3 MiB more, predicted, and ran 1.11-1.17x against 0.93x); past it the
+    arrays stream from memory, which the price underrates (``equinox_scan`` at N=1024: 7% cheaper, 179 MiB more,
+    as ``AnalyticCost.lean_band_far`` reads it). The one taken replaces JAX's as written so; else the other
+    rewritten one where it passes against JAX's, else JAX's."""
+    bounded = bounds_memory(model) and getattr(model, "predict_temp_bytes", None) is not None
+
+    def held(r: Joint, than: Joint, slack: float = 0.0) -> str:
+        """Why ``r`` does not replace ``than``, or "" where it does."""
+        if not _taken(r, than):
+            return f"{r} is not priced below {than}, nor kept as the leaner"
+        if bounded and fatter(r.peak(), than.peak()) and r.peak() - than.peak() > slack:  # type: ignore[operator]
+            return f"{r} is predicted to hold more temporaries than {than}"
+        return ""
+
+    said = []
+    order = list(rewritten)
+    if len(rewritten) > 1:
+        why = held(rewritten[1], rewritten[0], float(getattr(model, "cache", 0.0) or 0.0))
+        if why:
+            said.append(why)
+        else:
+            order.reverse()
+    for r in order:  # the one taken between the two first
+        why = held(r, written)
+        if not why:
+            others = [str(o) for o in rewritten if o is not r] + [str(written)]
+            return r, f"kept {r}; against {', '.join(others)}" + (f" ({'; '.join(said)})" if said else "")
+        said.append(why)
+    return written, f"kept {written}: {'; '.join(said)}"
 
 
 def split_pricer(snap: Any, model: Any, choice: dict, f_roots: Sequence[Any], b_roots: Sequence[Any]

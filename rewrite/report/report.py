@@ -205,9 +205,15 @@ class Report:
         if self.gradient is not None:
             g = self.gradient
             held = sum(nbytes(v.aval) for v in g.fwd.jaxpr.outvars[len(g.fwd.out_avals) - len(g.split.residuals):])
-            lines.append(f"gradient: forward and backward rewritten together; residuals: {len(g.split.residuals)} "
-                         f"value(s), {held / 2**20:.2f} MiB ({g.split.policy}, the cheapest of "
-                         f"{len(g.splits_considered)} splits priced)")
+            if g.as_written:
+                lines.append(f"gradient: JAX's own VJP of the function as written; residuals: {len(g.split.residuals)} "
+                             f"value(s), {held / 2**20:.2f} MiB (where JAX splits it)")
+            else:
+                lines.append(f"gradient: forward and backward rewritten together; residuals: {len(g.split.residuals)} "
+                             f"value(s), {held / 2**20:.2f} MiB ({g.split.policy}, the cheapest of "
+                             f"{len(g.splits_considered)} splits priced)")
+            if g.decided:
+                lines.append(f"gradient decided on its joint program: {g.decided}")
         for w in self.warnings:
             lines.append(f"warning: {w}")
         return "\n".join(lines)

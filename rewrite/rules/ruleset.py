@@ -110,8 +110,9 @@ class Ruleset:
         self.recomputes = bool(recomputes)
         #: This ruleset's rules replace a forward computation together with its backward (a loop whose own
         #: backward recomputes what JAX's would read): in a training step, whether one pays depends on that
-        #: backward, which a forward's price does not see. So the whole-step search's loss-first program is also
-        #: built without them, and the cheaper of the two kept (``rewrite/api.py``, ``_loss_first``).
+        #: backward, which a forward's price does not see. So the whole-step search's loss-first program, and
+        #: the VJP ``jax.grad`` of a rewritten function runs, are also built without them, and the cheaper of the
+        #: two joint programs kept (``rewrite/grad/vjp.py``, ``decided_jointly``).
         self.jointly = bool(jointly)
         self.rules: list[Rule] = []
         self.parts: list[Ruleset] = []
