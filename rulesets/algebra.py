@@ -112,12 +112,13 @@ def _reshape_like(params: dict, src: Value, dst: Value) -> bool:
 def _collapse(m):
     """Two reshape-like ops in a row are one reshape (or nothing, when the shape comes back)."""
     x, y, out, pi, po = m["x"], m["y"], m.root, m.params("pi"), m.params("po")
+    shape = out.shape  # (the replacements close over the shape, not the term: their traces are then kept)
     if pi.prim == po.prim == "broadcast_in_dim":
         return None  # broadcast_broadcast's
     if _reshape_like(po, y, out) and _reshape_like(pi, x, y):
-        return x if x.aval == out.aval else m.trace(lambda v: lax.reshape(v, out.shape), x)
+        return x if x.aval == out.aval else m.trace(lambda v: lax.reshape(v, shape), x)
     if pi.prim == "broadcast_in_dim" and x.ndim == 0 and pi.get("sharding") is None and po.get("sharding") is None:
-        return m.trace(lambda v: lax.broadcast_in_dim(v, out.shape, ()), x)  # a broadcast scalar, reshaped
+        return m.trace(lambda v: lax.broadcast_in_dim(v, shape, ()), x)  # a broadcast scalar, reshaped
     return None
 
 

@@ -252,7 +252,7 @@ def _sink(m, recompute: str | None, depth: int, shared: dict) -> tuple[Any, Call
     at = [drop.get(p, params[p]) for p in range(len(loop.args))]
     traced = tuple(v.name for v in at)
     if traced not in shared:  # two policies that compute the same inputs inside build the same body
-        outs = m.trace(lambda *a: tuple(body(*a)), *at)
+        outs = m.trace(body, *at)  # (traced once per avals: Match.function)
         shared[traced] = list(outs) if isinstance(outs, tuple) else [outs]
     outs = shared[traced]
     # the same dropped inputs and body outputs (which name every input the copy adds) are the same copy

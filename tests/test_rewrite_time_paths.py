@@ -211,6 +211,107 @@ def test_match_function_prefers_a_pass_over_the_slice_s_classes_only(monkeypatch
     assert all(jnp.allclose(p, q, rtol=1e-5, atol=1e-6) for p, q in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
 
 
+def test_a_body_read_back_is_emitted_once_per_snapshot_and_traced_once_per_avals(monkeypatch):
+    """``sink_inputs`` reads a loop's body back (``Match.function``) for each of its three policies and for every
+    copy of the loop that shares the body, then traces it at the inputs it computes inside. One snapshot reads the
+    same classes back as one function, emitted once, and that function is traced once per avals: the policies'
+    bodies differ in their inputs' names only."""
+    from benchmarks import scan as bs
+    import rewrite.rules.builder as builder
+    from rulesets.scan import scan
+
+    emitted: collections.Counter = collections.Counter()
+    traced: collections.Counter = collections.Counter()
+    kept: list = []  # what the keys' ids name, kept alive so that no id is reused
+    emit_slice, trace_at = builder.emit_slice, builder.trace_at
+
+    def counted_emit(snap, choice, egraph, in_cls, out_cls):
+        kept.append(snap)
+        emitted[(id(snap), tuple(in_cls), tuple(out_cls))] += 1
+        return emit_slice(snap, choice, egraph, in_cls, out_cls)
+
+    def counted_trace(fn, avals):
+        closed = getattr(fn, "jaxpr", None)
+        if closed is not None:
+            kept.append(closed)
+            traced[(id(closed), tuple(avals))] += 1
+        return trace_at(fn, avals)
+
+    monkeypatch.setattr(builder, "emit_slice", counted_emit)
+    monkeypatch.setattr(builder, "trace_at", counted_trace)
+    args = bs.rnn_params(2)
+    report = explain(bs.rnn_mse, *args, rulesets=[scan], grad=True)
+    assert report.fired.get("sink_inputs"), report.fired
+    assert emitted and max(emitted.values()) == 1, emitted.most_common(3)
+    assert traced and max(traced.values()) == 1, traced.most_common(3)  # (none: the body traced through a wrapper)
+    got = jax.grad(rewrite(bs.rnn_mse, rulesets=[scan], cache=False))(*args)
+    want = jax.grad(bs.rnn_mse)(*args)
+    assert all(jnp.allclose(p, q, rtol=1e-5, atol=1e-6) for p, q in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
+
+
+def test_a_loop_step_s_primitives_are_traced_once_per_params_and_avals(monkeypatch):
+    """A loop rule builds step ``t`` of the work it moves into a loop (``Loop.per_step``) one primitive at a time,
+    the same few primitives at the same shapes in every copy of every loop: each is traced once and kept
+    (``rewrite/ir/loopstep.py``'s ``bound``), so a second rewrite of the same program traces none of them."""
+    import rewrite.rules.builder as builder
+    from rewrite.ir import loopstep
+    from rulesets.scan import hoist
+
+    steps: list = []
+    trace_at = builder.trace_at
+
+    def counted(fn, avals):
+        if getattr(getattr(fn, "__code__", None), "co_filename", "") == loopstep.__file__:
+            steps.append(fn)
+        return trace_at(fn, avals)
+
+    monkeypatch.setattr(builder, "trace_at", counted)
+
+    def loss(h0, xs, y):
+        _, ys = jax.lax.scan(lambda h, x: (jnp.tanh(h + x), h * x), h0, xs)
+        return jnp.mean((jnp.sin(ys) - y) ** 2)
+
+    args = jnp.ones(32), jnp.ones((8, 32)), jnp.zeros((8, 32))
+    first = explain(loss, *args, rulesets=[hoist])
+    assert first.fired.get("hoist_reductions"), first.fired
+    steps.clear()
+    again = explain(loss, *args, rulesets=[hoist])
+    assert again.fired.get("hoist_reductions"), again.fired
+    assert not steps, len(steps)
+    assert jnp.allclose(rewrite(loss, rulesets=[hoist], cache=False)(*args), loss(*args), rtol=1e-5)
+
+
+def test_collapsed_reshapes_are_traced_once_per_shape(monkeypatch):
+    """``rulesets.algebra``'s ``reshape_reshape`` (two reshapes in a row are one) builds its reshape from the shape alone,
+    so its trace is kept: a second rewrite of the same program traces none (it closed over the matched term and
+    traced every match anew, 894 of the 1639 traces in a first call of two ecosystem programs)."""
+    import importlib
+
+    import rewrite.rules.builder as builder
+
+    alg = importlib.import_module("rulesets.algebra")  # (rulesets.algebra, the attribute, is the pack)
+    made: list = []
+    trace_at = builder.trace_at
+
+    def counted(fn, avals):
+        if getattr(getattr(fn, "__code__", None), "co_filename", "") == alg.__file__:
+            made.append(fn)
+        return trace_at(fn, avals)
+
+    monkeypatch.setattr(builder, "trace_at", counted)
+
+    def f(x):
+        return jnp.sin(x.reshape(4, 6).reshape(2, 12)).sum()
+
+    x = jnp.arange(24.0)
+    first = explain(f, x, rulesets=[rulesets.algebra])
+    assert first.fired.get("reshape_reshape"), first.fired
+    made.clear()
+    explain(f, x, rulesets=[rulesets.algebra])
+    assert not made, len(made)
+    assert jnp.allclose(rewrite(f, rulesets=[rulesets.algebra], cache=False)(x), f(x))
+
+
 def _small_haiku_step_replaced() -> tuple:
     """A small haiku GPT step with SGD, rewritten with the memory packs: its loss is found and replaced."""
     from benchmarks import wholestep as ws

@@ -34,8 +34,15 @@ def _drop(dims: Sequence[int], axis: int) -> tuple[int, ...]:
 def pointwise_step(loop: Any, node: Any, v: Any, axis: int, step: Callable) -> Any:
     ops = [step(o, axis) if o.ndim == v.ndim else loop.invariant(o) if o.ndim == 0 else _no(o)
            for o in node.operands]
-    prim, params = node.primitive, node.params
-    return loop.m.trace(lambda *a: prim.bind(*a, **params), *ops)
+    return loop.m.trace(bound(node.primitive, node.params), *ops)
+
+
+def bound(prim: Any, params: dict) -> Callable[..., Any]:
+    """``prim`` applied with ``params``. Its closure holds only the primitive and the params' items, so that
+    ``Match.trace`` keeps its trace per avals (``rewrite/rules/builder.py``'s ``_trace_key``) where the params
+    are plain values: a loop's steps apply the same few primitives at the same shapes again and again."""
+    items = tuple(params.items())
+    return lambda *a: prim.bind(*a, **dict(items))
 
 
 def _no(v: Any) -> Any:
@@ -94,8 +101,7 @@ def reduce_step(loop: Any, node: Any, v: Any, axis: int, step: Callable) -> Any:
     kept = [d for d in range(x.ndim) if d not in axes]
     src = kept[axis]
     inner = step(x, src)
-    prim, params = node.primitive, dict(node.params, axes=_drop(axes, src))
-    return loop.m.trace(lambda a: prim.bind(a, **params), inner)
+    return loop.m.trace(bound(node.primitive, dict(node.params, axes=_drop(axes, src))), inner)
 
 
 def dot_general_step(loop: Any, node: Any, v: Any, axis: int, step: Callable) -> Any:
@@ -116,8 +122,7 @@ def dot_general_step(loop: Any, node: Any, v: Any, axis: int, step: Callable) ->
         ra = rfree[axis - len(lb) - len(lfree)]
         a, b = loop.invariant(lhs), step(rhs, ra)
         nb = ((lc, _drop(rc, ra)), (lb, _drop(rb, ra)))
-    prim, params = node.primitive, dict(node.params, dimension_numbers=nb)
-    return loop.m.trace(lambda x, y: prim.bind(x, y, **params), a, b)
+    return loop.m.trace(bound(node.primitive, dict(node.params, dimension_numbers=nb)), a, b)
 
 
 def slice_step(loop: Any, node: Any, v: Any, axis: int, step: Callable) -> Any:

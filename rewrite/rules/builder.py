@@ -65,6 +65,7 @@ class Builder:
         self._covered: set = set()  # the classes _prefer holds the choice of (a set closed under children)
         self._prefer_ex: Extractor | None = None
         self._nodes: dict[Any, list] = {}  # nodes_of's views
+        self._functions: dict[tuple, Callable[..., list]] = {}  # function's results, by output and input classes
 
     def release(self) -> None:
         """Drop the views of the last snapshot: they refer back to the builder (a Node to the builder that
@@ -72,6 +73,7 @@ class Builder:
         full collection."""
         self._nodes = {}
         self._prefer = None
+        self._functions = {}
 
     def value(self, x: Any) -> Value:
         """A :class:`Value` for a class of the current snapshot, or for a V id."""
@@ -207,7 +209,20 @@ class Builder:
         return self._slice(outs, inputs) is not None
 
     def function(self, outs: Sequence[Value], inputs: Sequence[Value]) -> Callable[..., list] | None:
-        """``outs`` as a JAX function of ``inputs`` (classes of this snapshot), or ``None``."""
+        """``outs`` as a JAX function of ``inputs`` (classes of this snapshot), or ``None``.
+
+        One snapshot reads the same classes back as the same function, and :meth:`insert_traced` traces
+        that function once per avals: ``rulesets.scan``'s ``sink_inputs`` reads a loop's body back for each
+        of its policies and for every copy of the loop that shares the body, and traced it each time."""
+        key = (tuple(v.cls for v in outs), tuple(v.cls for v in inputs))
+        fn = self._functions.get(key)
+        if fn is None:
+            fn = self._function(outs, inputs)
+            if fn is not None:  # (one not found is asked again: _slice notes the classes it read)
+                self._functions[key] = fn
+        return fn
+
+    def _function(self, outs: Sequence[Value], inputs: Sequence[Value]) -> Callable[..., list] | None:
         found = self._slice(outs, inputs)
         if found is None:
             return None
@@ -222,6 +237,7 @@ class Builder:
         read |= {a for a in closed.jaxpr.outvars if isinstance(a, core.Var)}
         fn.jaxpr = closed  # type: ignore[attr-defined]
         fn.uses = tuple(v in read for v in closed.jaxpr.invars)  # type: ignore[attr-defined]
+        fn.traces = {}  # type: ignore[attr-defined]  # its traces, by avals (insert_traced)
         return fn
 
     def check_time(self) -> None:
@@ -232,6 +248,15 @@ class Builder:
     def insert_traced(self, fn: Callable[..., Any], inputs: Sequence[Value]) -> Any:
         self.check_time()  # every procedure builds through here: a long one stops at its next build
         avals = [v.aval for v in inputs]
+        traces = getattr(fn, "traces", None)
+        if isinstance(traces, dict) and hasattr(fn, "jaxpr"):  # a function read back by function(): see there
+            at = (tuple(avals), _config())
+            closed = traces.get(at)
+            if closed is None:
+                closed = traces[at] = trace_at(fn, avals)
+            outs, _ = load_closed(closed, [v.name for v in inputs], self.egraph)
+            vals = [Value(TYPES[self.egraph.vtype[o]], o, None, self) for o in outs]
+            return vals[0] if len(vals) == 1 else tuple(vals)
         key = _trace_key(fn, avals)
         closed = _TRACES.get(key) if key is not None else None
         if closed is None:
@@ -316,6 +341,8 @@ def _plain(x: Any, depth: int = 0) -> Any:
     keyed = getattr(type(x), "_trace_key", None)
     if keyed is not None:  # a view that says what of it a trace can read (rules/match.py Product)
         return (type(x), _plain(keyed(x), depth))  # the key stands for x: no level of its own
+    if isinstance(x, core.Primitive):
+        return ("primitive", x)  # one object per primitive: its identity is its meaning
     if callable(x) and getattr(x, "__closure__", 0) is None and hasattr(x, "__code__"):
         return ("fn", x)  # a module-level function: its identity is its meaning
     if callable(x) and isinstance(getattr(x, "__name__", None), str) and not hasattr(x, "__dict__"):

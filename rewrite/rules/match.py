@@ -592,7 +592,9 @@ class Match:
         nothing but its inputs, so ``None`` means the outputs depend on
         something else (a loop's carry, for instance). Its ``jaxpr`` attribute
         is the closed jaxpr it runs, and ``uses`` says, per input, whether
-        the outputs read it. Trace it into the
+        the outputs read it. Asked again in one snapshot for the same
+        classes, it is the same function, and :meth:`trace` of it directly
+        traces it once per avals. Trace it into the
         e-graph with :meth:`trace`, under ``jax.vmap`` or ``jax.checkpoint``
         if need be::
 
