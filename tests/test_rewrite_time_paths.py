@@ -249,23 +249,31 @@ def test_a_body_read_back_is_emitted_once_per_snapshot_and_traced_once_per_avals
     assert all(jnp.allclose(p, q, rtol=1e-5, atol=1e-6) for p, q in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
 
 
+def _traces_of(monkeypatch, filename: str) -> list:
+    """The functions defined in ``filename`` that rules trace from now on (``rules.builder.trace_at``), as a list
+    that grows with each trace."""
+    import rewrite.rules.builder as builder
+
+    seen: list = []
+    trace_at = builder.trace_at
+
+    def counted(fn, avals):
+        if getattr(getattr(fn, "__code__", None), "co_filename", "") == filename:
+            seen.append(fn)
+        return trace_at(fn, avals)
+
+    monkeypatch.setattr(builder, "trace_at", counted)
+    return seen
+
+
 def test_a_loop_step_s_primitives_are_traced_once_per_params_and_avals(monkeypatch):
     """A loop rule builds step ``t`` of the work it moves into a loop (``Loop.per_step``) one primitive at a time,
     the same few primitives at the same shapes in every copy of every loop: each is traced once and kept
     (``rewrite/ir/loopstep.py``'s ``bound``), so a second rewrite of the same program traces none of them."""
-    import rewrite.rules.builder as builder
     from rewrite.ir import loopstep
     from rulesets.scan import hoist
 
-    steps: list = []
-    trace_at = builder.trace_at
-
-    def counted(fn, avals):
-        if getattr(getattr(fn, "__code__", None), "co_filename", "") == loopstep.__file__:
-            steps.append(fn)
-        return trace_at(fn, avals)
-
-    monkeypatch.setattr(builder, "trace_at", counted)
+    steps = _traces_of(monkeypatch, loopstep.__file__)
 
     def loss(h0, xs, y):
         _, ys = jax.lax.scan(lambda h, x: (jnp.tanh(h + x), h * x), h0, xs)
@@ -287,18 +295,8 @@ def test_collapsed_reshapes_are_traced_once_per_shape(monkeypatch):
     traced every match anew, 894 of the 1639 traces in a first call of two ecosystem programs)."""
     import importlib
 
-    import rewrite.rules.builder as builder
-
     alg = importlib.import_module("rulesets.algebra")  # (rulesets.algebra, the attribute, is the pack)
-    made: list = []
-    trace_at = builder.trace_at
-
-    def counted(fn, avals):
-        if getattr(getattr(fn, "__code__", None), "co_filename", "") == alg.__file__:
-            made.append(fn)
-        return trace_at(fn, avals)
-
-    monkeypatch.setattr(builder, "trace_at", counted)
+    made = _traces_of(monkeypatch, alg.__file__)
 
     def f(x):
         return jnp.sin(x.reshape(4, 6).reshape(2, 12)).sum()
