@@ -327,8 +327,10 @@ def test_a_head_whose_rewrites_price_no_lower_runs_jax_s_own_vjp():
         return optax.softmax_cross_entropy_with_integer_labels(h @ w, y).mean()
 
     g = rewrite(loss, rulesets=[rulesets.nn], cache=False)
-    decided = g.grad_result(h, w, y).decided
+    built = g.grad_result(h, w, y)
+    decided = built.decided
     assert decided.startswith("kept JAX's derivative of the loss as written"), decided
+    assert built.times["decided jointly"] > 0, built.times  # the time the three derivatives took is reported
     summary = explain(g, h, w, y, grad=True).summary()
     assert "gradient: JAX's own VJP of the function as written" in summary and decided in summary, summary
     special = h.copy()

@@ -153,12 +153,15 @@ class Signature:
         t = time.perf_counter()
         try:
             if kind == "vjp":
+                spent: dict[str, float] = {}
                 built, decided = decided_jointly(
                     self.traced.closed, self.result, owner.entries, owner.cost_model, owner.limits,
                     lambda f, entries: build_vjp(self._of(f), entries, owner.cost_model, owner.limits, primal=False,
                                                  keep=keep),
-                    lambda f: as_written_vjp(self._of(f), owner.cost_model), split_joint)
+                    lambda f: as_written_vjp(self._of(f), owner.cost_model), split_joint, spent)
                 built.decided = decided
+                if "step jointly" in spent:  # decided jointly: every candidate built and priced, the kept one's stages too
+                    built.times = {**built.times, "decided jointly": spent.get("step joint", 0.0) + spent["step jointly"]}
             else:
                 program, dif_in, dif_out = jvp_program(self.jvp_source())
                 result = run_pipeline(program, owner.entries, owner.cost_model, owner.limits)
