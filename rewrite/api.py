@@ -31,7 +31,7 @@ from .cache.key import make_key
 from .cost import guard as _guard
 from .cost.measure import resolve
 from .errors import RewriteLimitWarning, RewriteWarning, _strict
-from .extract.program import programs_keep_leaner
+from .extract.program import peaks_keep_leaner
 from .grad.primitive import Signature, bind_if_differentiated
 from .grad.step import find_losses, join_pinned, proof_graph, split_pinned
 from .grad.vjp import VJPResult, build_vjp, decided_jointly, joint_program, rewrite_joint
@@ -399,8 +399,11 @@ class Rewritten:
 
     def _keeps_leaner(self, cost: float, program: core.ClosedJaxpr, than_cost: float,
                       than: core.ClosedJaxpr) -> bool:
-        """:func:`rewrite.extract.program.programs_keep_leaner` under this rewrite's cost model."""
-        return programs_keep_leaner(cost, program, than_cost, than, self.cost_model)
+        """:func:`rewrite.extract.program.peaks_keep_leaner` of two programs, their peaks predicted by this rewrite's
+        cost model (never where it predicts none)."""
+        predict = getattr(self.cost_model, "predict_temp_bytes", None)
+        return predict is not None and peaks_keep_leaner(cost, lambda: predict(program), than_cost,
+                                                         lambda: predict(than), self.cost_model)
 
     def _loss_first(self, cone: core.ClosedJaxpr, spent: dict[str, float] | None = None,
                     decided: list[str] | None = None) -> core.ClosedJaxpr:

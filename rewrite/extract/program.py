@@ -70,15 +70,15 @@ def keeps_leaner(cost: float, peak: float | None, than_cost: float, than_peak: f
     return far_leaner(peak, than_peak, model)
 
 
-
-def programs_keep_leaner(cost: float, program: Any, than_cost: float, than: Any, model: Any) -> bool:
-    """:func:`keeps_leaner` of two whole programs (closed jaxprs) priced ``cost`` and ``than_cost``, their peaks
-    predicted only where the model has a lean band and they are priced close enough for any peak to keep the
+def peaks_keep_leaner(cost: float, peak: Callable[[], float | None], than_cost: float,
+                      than_peak: Callable[[], float | None], model: Any) -> bool:
+    """:func:`keeps_leaner` of two programs priced ``cost`` and ``than_cost``, their peaks asked of ``peak()`` and
+    ``than_peak()`` only where the model has a lean band and they are priced close enough for any peak to keep the
     first (a peak of nothing against one of everything tells; two programs' liveness: 0.04 s of an LM step)."""
-    predict = getattr(model, "predict_temp_bytes", None)
-    if not lean_band(model) or predict is None or not keeps_leaner(cost, 0.0, than_cost, math.inf, model):
+    if not lean_band(model) or not keeps_leaner(cost, 0.0, than_cost, math.inf, model):
         return False
-    return keeps_leaner(cost, predict(program), than_cost, predict(than), model)
+    return keeps_leaner(cost, peak(), than_cost, than_peak(), model)
+
 
 class ProgramPricer:
     """The whole-program price of a choice under ``model.program``, with per-node work cached."""

@@ -51,7 +51,7 @@ from ..cost.program import Program
 from ..extract.extract import bounds_memory, extract, fatter
 from ..extract.extractor import shared
 from ..extract.policy import no_fatter, recomputations, withheld
-from ..extract.program import ProgramPricer, prices_programs, programs_keep_leaner
+from ..extract.program import ProgramPricer, peaks_keep_leaner, prices_programs
 from ..ir.jaxapi import core
 from ..ir.primitives import is_float
 from ..ir.walk import operands, walk
@@ -473,7 +473,7 @@ def decided_jointly(closed: core.ClosedJaxpr, forward: Result, entries: Sequence
     ``closed`` rewritten without them (where that differs), and ``as_written(closed)``, JAX's derivative of the
     loss as written, with no rule at all (:func:`joint_program`, :func:`as_written_vjp`). A rewritten joint
     replaces the one it is held to only where it is taken by price or the lean bands
-    (:func:`rewrite.extract.program.programs_keep_leaner`, as a training step is chosen) and is not predicted
+    (:func:`rewrite.extract.program.peaks_keep_leaner`, as a training step is chosen) and is not predicted
     to hold more (:func:`held_to_written`): the plain one the one with the rules, and either JAX's as written.
     A tie keeps the one held to."""
     spent = {} if spent is None else spent
@@ -529,10 +529,11 @@ class Joint:
 
 def _taken(a: Joint, b: Joint) -> bool:
     """Whether ``a`` is taken over ``b``: priced lower and ``b`` not kept for being the leaner within the lean band,
-    or priced no lower and kept for being the leaner (:func:`rewrite.extract.program.programs_keep_leaner`)."""
+    or priced no lower and kept for being the leaner (:func:`rewrite.extract.program.peaks_keep_leaner`, with the
+    peaks each :class:`Joint` predicts once, for this and :func:`held_to_written`'s memory test alike)."""
     if a.cost < b.cost:
-        return not programs_keep_leaner(b.cost, b.program, a.cost, a.program, a.model)
-    return programs_keep_leaner(a.cost, a.program, b.cost, b.program, a.model)
+        return not peaks_keep_leaner(b.cost, b.peak, a.cost, a.peak, a.model)
+    return peaks_keep_leaner(a.cost, a.peak, b.cost, b.peak, a.model)
 
 
 def held_to_written(rewritten: Sequence[Joint], written: Joint, model: Any) -> tuple[Joint, str]:
