@@ -210,3 +210,47 @@ def test_the_gradients_alone_are_extracted_from_the_pipelines_copy(monkeypatch):
     assert len(copies) == 1, len(copies)
     for a, b in zip(got, jax.grad(loss, argnums=(0, 1))(x, w)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_jax_s_own_vjp_as_written_is_jax_s_split_at_every_dtype_and_under_vmap(dtype):
+    """``grad.vjp.as_written_vjp`` (the derivative ``decided_jointly`` falls back to) splits a function where
+    ``jax.vjp`` does: its forward returns the pullback's residuals and its backward is that pullback, so the two
+    give JAX's own outputs and gradients bit for bit, at each training dtype, with zeros, infinities and NaN among
+    the inputs, eagerly, under ``jit`` and under ``vmap``; an integer input gets no gradient."""
+    from jax.extend.core import jaxpr_as_fun
+
+    from rewrite import AnalyticCost
+    from rewrite.grad.vjp import as_written_vjp
+    from rewrite.jaxpr.trace import Traced
+
+    def f(x, w, k):
+        return jnp.sum(jnp.tanh(x @ w) * jnp.exp(-x[:, :1]) + k.astype(x.dtype)), jnp.log1p(jnp.abs(w))
+
+    dt = jnp.dtype(dtype)
+    x = jnp.linspace(-3.0, 3.0, 24, dtype=dt).reshape(4, 6).at[0, 0].set(0.0).at[1, 2].set(jnp.inf)
+    x = x.at[2, 3].set(jnp.nan)
+    w, k = jnp.linspace(-1.0, 1.0, 18, dtype=dt).reshape(6, 3), jnp.arange(3)
+    built = as_written_vjp(Traced(jax.make_jaxpr(f)(x, w, k), None, None, None), AnalyticCost())
+    assert built.as_written and built.dif_in == [0, 1] and built.dif_out == [0, 1]
+    fwd, bwd = jaxpr_as_fun(built.fwd), jaxpr_as_fun(built.bwd)
+    n_res = len(built.split.residuals)
+    cts = (jnp.ones((), dt), jnp.full((6, 3), 0.5, dt))
+
+    def split(x, w):
+        outs = fwd(x, w, k)
+        return outs[:-n_res], bwd(*outs[-n_res:], *cts)
+
+    def jax_s(x, w):
+        outs, pullback = jax.vjp(lambda x, w: f(x, w, k), x, w)
+        return list(outs), pullback(cts)
+
+    def same(a, b):
+        for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+            assert u.dtype == v.dtype and np.array_equal(np.asarray(u, np.float64), np.asarray(v, np.float64),
+                                                         equal_nan=True), (dtype, u, v)
+
+    for wrap in (lambda g: g, jax.jit):
+        same(wrap(split)(x, w), wrap(jax_s)(x, w))
+        xs = jnp.stack([x, -x, jnp.zeros_like(x)])
+        same(wrap(jax.vmap(split, in_axes=(0, None)))(xs, w), wrap(jax.vmap(jax_s, in_axes=(0, None)))(xs, w))
