@@ -254,3 +254,54 @@ def test_jax_s_own_vjp_as_written_is_jax_s_split_at_every_dtype_and_under_vmap(d
         same(wrap(split)(x, w), wrap(jax_s)(x, w))
         xs = jnp.stack([x, -x, jnp.zeros_like(x)])
         same(wrap(jax.vmap(split, in_axes=(0, None)))(xs, w), wrap(jax.vmap(jax_s, in_axes=(0, None)))(xs, w))
+
+
+def test_decided_jointly_traces_and_prices_jax_s_split_once(monkeypatch):
+    """Where a ``jointly`` rule fires (``rulesets.nn``'s LM head), ``decided_jointly`` builds three derivatives
+    and prices each one's joint program once: JAX's split of the loss as written (``as_written_vjp``) is traced as
+    the split runs it (``split_joint``) and priced as it is made, and that is the program and price the decision
+    reads; it is not traced again as ``joint_program`` and priced beside it (3 prices and 2 VJP traces for the 3
+    candidates, where there were 4 and 3). Its joint gives ``jax.vjp``'s outputs and gradients bit for bit."""
+    import collections
+
+    import rulesets
+    import rewrite.grad.vjp as vjp
+    from jax.extend.core import jaxpr_as_fun
+
+    counts: collections.Counter = collections.Counter()
+
+    def counting(name, f):
+        def counted(*args, **kwargs):
+            counts[name] += 1
+            return f(*args, **kwargs)
+        return counted
+
+    monkeypatch.setattr(vjp, "program_cost", counting("priced", vjp.program_cost))
+    monkeypatch.setattr(vjp, "joint_program", counting("traced", vjp.joint_program))
+    joints = []
+    made = vjp.Joint.__init__
+
+    def joint(self, *args, **kwargs):
+        made(self, *args, **kwargs)
+        joints.append(self)
+
+    monkeypatch.setattr(vjp.Joint, "__init__", joint)
+    n, c, v = 256, 128, 1024
+    rng = np.random.default_rng(0)
+    h = rng.standard_normal((n, c)).astype(np.float32)
+    w = (rng.standard_normal((c, v)) * 0.1).astype(np.float32)
+    y = jnp.asarray(rng.integers(0, v, n))
+
+    def loss(h, w, y):
+        return optax.softmax_cross_entropy_with_integer_labels(h @ w, y).mean()
+
+    built = rewrite(loss, rulesets=[rulesets.nn], cache=False).grad_result(h, w, y)
+    assert built.decided and len(joints) == 3, (built.decided, [str(j) for j in joints])
+    assert counts["priced"] == 3 and counts["traced"] == 2, counts
+    written = [j for j in joints if j.built.as_written]
+    assert len(written) == 1 and written[0].program is written[0].built.joint.before, joints
+    assert written[0].cost == written[0].built.joint.cost_after == written[0].built.split.cost
+    got = jaxpr_as_fun(written[0].program)(h, w, y, jnp.float32(0.75))
+    outs, pullback = jax.vjp(lambda h, w: loss(h, w, y), h, w)
+    for a, b in zip(got, [outs, *pullback(jnp.float32(0.75))]):
+        assert a.dtype == b.dtype and np.array_equal(np.asarray(a), np.asarray(b)), (a, b)

@@ -383,10 +383,11 @@ def as_written_vjp(traced: Traced, model: Any) -> VJPResult:
     forward ``primals -> (outputs, residuals)`` returns the residuals ``jax.vjp``'s pullback holds (its leaves),
     and the backward is that pullback. Under ``jit`` the two inline into the program ``jax.value_and_grad`` of
     the function as written compiles, so that is what a derivative held to it (:func:`decided_jointly`) runs.
-    Its ``joint`` is :func:`joint_program`, unrewritten and priced."""
+    Its ``joint`` is that program (:func:`split_joint`), unrewritten and priced: the one :func:`decided_jointly`
+    prices, so it is traced and priced once (not :func:`joint_program` traced again beside it)."""
     closed = traced.closed
     t0 = time.perf_counter()
-    joint, dif_in, dif_out = joint_program(closed)
+    dif_in, dif_out = float_positions(closed)
     in_avals, out_avals = list(closed.in_avals), list(closed.out_avals)
     fn = core.jaxpr_as_fun(closed)
     trees: list[Any] = []
@@ -407,15 +408,18 @@ def as_written_vjp(traced: Traced, model: Any) -> VJPResult:
             full[i] = c
         return list(pullback(full))
 
+    # the cotangents as joint_program types them
     bwd = jax.make_jaxpr(backward)(*[spec_of(a) for a in fwd.out_avals[len(out_avals):]],
-                                   *[spec_of(joint.in_avals[len(in_avals) + j]) for j in range(len(dif_out))])
-    times = {"trace_vjp": time.perf_counter() - t0}
-    cost = program_cost(joint, model)
+                                   *[spec_of(out_avals[i].update(weak_type=False)) for i in dif_out])
     # no e-graph holds these residuals: the split names their types
-    split = Split(AS_WRITTEN, list(fwd.out_avals[len(out_avals):]), cost)
-    result = Result(before=joint, after=joint, cost_before=cost, cost_after=cost, stopped="as written", iterations=0,
-                    rows=0, times=times, stats={}, rewritten=False, warnings=[])
-    return VJPResult(None, fwd, bwd, split, [split], result, dif_in, dif_out, None, times)
+    split = Split(AS_WRITTEN, list(fwd.out_avals[len(out_avals):]), float("nan"))
+    built = VJPResult(None, fwd, bwd, split, [split], None, dif_in, dif_out, None, {})  # type: ignore[arg-type]
+    joint = split_joint(built)
+    built.times["trace_vjp"] = time.perf_counter() - t0
+    split.cost = cost = program_cost(joint, model)
+    built.joint = Result(before=joint, after=joint, cost_before=cost, cost_after=cost, stopped="as written",
+                         iterations=0, rows=0, times=built.times, stats={}, rewritten=False, warnings=[])
+    return built
 
 
 def rewrite_joint(closed: core.ClosedJaxpr, entries: Sequence[Any], model: Any, limits: Any) -> core.ClosedJaxpr:
@@ -445,7 +449,10 @@ def rewrite_joint(closed: core.ClosedJaxpr, entries: Sequence[Any], model: Any, 
 
 def split_joint(built: VJPResult) -> core.ClosedJaxpr:
     """The program a caller of both halves of ``built``'s split runs (``jax.value_and_grad`` under ``jit``, which
-    inlines them together), as :func:`joint_program` shapes it: ``(primals, cotangents) -> (outputs, gradients)``."""
+    inlines them together), as :func:`joint_program` shapes it: ``(primals, cotangents) -> (outputs, gradients)``.
+    JAX's split (:func:`as_written_vjp`) holds it already, as its ``joint``."""
+    if built.as_written and built.joint is not None:
+        return built.joint.before
     fwd, bwd = built.fwd, built.bwd
     n_in, n_res = len(fwd.in_avals), len(built.split.residuals)
     n_out = len(fwd.out_avals) - n_res
@@ -513,7 +520,11 @@ class Joint:
     def __init__(self, name: str, built: Any, model: Any, joint_of: Callable[[Any], core.ClosedJaxpr]) -> None:
         self.name, self.built, self.model = name, built, model
         self.program = joint_of(built)
-        self.cost = program_cost(self.program, model)
+        made = getattr(built, "joint", None)
+        if isinstance(made, Result) and made.before is self.program and made.cost_before == made.cost_before:
+            self.cost = made.cost_before  # the built's own joint, priced as it was made (as_written_vjp)
+        else:
+            self.cost = program_cost(self.program, model)
         self._peak: float | None = None
 
     def peak(self) -> float | None:
