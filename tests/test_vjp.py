@@ -305,3 +305,30 @@ def test_decided_jointly_traces_and_prices_jax_s_split_once(monkeypatch):
     outs, pullback = jax.vjp(lambda h, w: loss(h, w, y), h, w)
     for a, b in zip(got, [outs, *pullback(jnp.float32(0.75))]):
         assert a.dtype == b.dtype and np.array_equal(np.asarray(a), np.asarray(b)), (a, b)
+
+
+def test_a_gradients_extraction_that_chooses_the_joint_s_program_is_not_searched_again(monkeypatch):
+    """``build_vjp`` searches a split of two extractions, the joint one and the gradients' alone; where the second
+    chooses the same node in every class the first's program uses (``grad.vjp.same_choice``: the seed's VJP), its
+    splits are the first's at the same prices, so the residual search runs once and both are listed as priced. The
+    split kept is the joint's, as the first of a tie, and the gradients are JAX's."""
+    import rewrite.grad.vjp as vjp
+
+    searches = []
+    search = vjp.choose_residuals
+
+    def counted(*args, **kwargs):
+        searches.append(args[1])
+        return search(*args, **kwargs)
+
+    monkeypatch.setattr(vjp, "choose_residuals", counted)
+    r = rewrite(seed, rulesets=[derivatives], cache=False)
+    built = r.grad_result(X, A)
+    assert len(searches) == 1, len(searches)
+    joint = [s for s in built.splits_considered if s.policy.startswith("joint:")]
+    grads = [s for s in built.splits_considered if s.policy.startswith("gradients:")]
+    assert joint and [(s.policy[6:], s.cost, s.residuals) for s in joint] == [
+        (s.policy[10:], s.cost, s.residuals) for s in grads], built.splits_considered
+    assert built.split.policy.startswith("joint:") and built.split.cost == min(s.cost for s in joint)
+    _close(jax.grad(lambda x, a: r(x, a).sum(), argnums=(0, 1))(X, A),
+           jax.grad(lambda x, a: seed(x, a).sum(), argnums=(0, 1))(X, A))

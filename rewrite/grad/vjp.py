@@ -48,6 +48,7 @@ import jax
 import numpy as np
 
 from ..cost.program import Program
+from ..extract.choice import reachable
 from ..extract.extract import bounds_memory, extract, fatter
 from ..extract.extractor import shared
 from ..extract.policy import no_fatter, recomputations, withheld
@@ -326,10 +327,16 @@ def build_vjp(traced: Traced, entries: Sequence[Any], model: Any, limits: Any, p
     considered: list[Split] = []
     # Each split is priced in both uses, weighted alike, and the cheapest (choice, split) wins.
     best: tuple[float, dict, Split] | None = None
+    searched: list[tuple[dict, Split, list[Split]]] = []
     for name, choice in choices:
-        price = split_pricer(snap, model, choice, f_roots, b_roots)
-        tried: list[Split] = []
-        split = choose_residuals(snap, choice, f_roots, b_roots, params, n, price, tried)
+        same = next((s for s in searched if same_choice(snap, s[0], choice, f_roots + b_roots)), None)
+        if same is not None:  # the program of a choice searched already: the same splits, at the same prices
+            _, split, tried = same
+        else:
+            price = split_pricer(snap, model, choice, f_roots, b_roots)
+            tried = []
+            split = choose_residuals(snap, choice, f_roots, b_roots, params, n, price, tried)
+            searched.append((choice, split, tried))
         considered += [dataclasses.replace(t, policy=f"{name}:{t.policy}") for t in tried]
         if best is None or split.cost < best[0]:
             best = (split.cost, choice, dataclasses.replace(split, policy=f"{name}:{split.policy}"))
@@ -347,6 +354,14 @@ def build_vjp(traced: Traced, entries: Sequence[Any], model: Any, limits: Any, p
     if not keep:
         res.release()
     return VJPResult(forward, fwd, bwd, split, considered, res, dif_in, dif_out, fn, times)
+
+
+def same_choice(snap: Any, a: dict, b: dict, roots: Sequence[Any]) -> bool:
+    """Whether choices ``a`` and ``b`` make one program from ``roots``: the same node in every class ``a``'s
+    program uses, inside bodies too (``extract.choice.reachable``). What is read of a choice from those roots
+    (a split's classes, frontier and prices) is then the same for both: :func:`_joint_choices`' extraction for the
+    gradients alone often chooses as the joint one did, and its residual search is not made twice."""
+    return a is b or all(a[c] == b.get(c) for c in reachable(snap, a, roots))
 
 
 def _joint_choices(res: Result, n_out: int, n_params: int, model: Any, entries: Sequence[Any]
@@ -440,7 +455,10 @@ def rewrite_joint(closed: core.ClosedJaxpr, entries: Sequence[Any], model: Any, 
             forward = scope_classes(snap, choice, f_roots) | inputs
             return split_pricer(snap, model, choice, f_roots, b_roots)(frontier(snap, choice, b_roots, forward))
 
-        prices = [reuse_price(choice) for _, choice in choices]
+        prices: list[float] = []
+        for k, (_, choice) in enumerate(choices):  # the program of a choice priced already is not priced again
+            same = next((j for j in range(k) if same_choice(snap, choices[j][1], choice, res.roots)), None)
+            prices.append(reuse_price(choice) if same is None else prices[same])
         choice = choices[prices.index(min(prices))][1]
         return emit(snap, choice, eg, joint.in_avals, res.roots, None, joint.jaxpr.debug_info)
     finally:
