@@ -271,6 +271,20 @@ def test_read_only_directory(tmp_path):
         tmp_path.chmod(0o700)
 
 
+def test_an_entry_is_written_without_waiting_for_the_disk(tmp_path, monkeypatch):
+    """A store renames a complete file into place and does not ``fsync`` it (a first call's cost, 1-30 ms on a
+    busy disk): what a power loss could tear fails the checksum (test_truncated_entry, test_empty_entry)."""
+    synced = []
+    real = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real(fd))[1])
+    closed = jax.make_jaxpr(lambda x: jnp.sin(x) * 2.0)(jnp.ones(3))
+    cache = DiskCache(tmp_path)
+    assert cache.store("cd" * 32, closed, {"note": "doubled sine"}, original=closed)
+    assert synced == []
+    program, meta = cache.load("cd" * 32, original=closed)
+    assert meta == {"note": "doubled sine"} and [e.primitive.name for e in program.eqns] == ["sin", "mul"]
+
+
 def test_failed_rename_leaves_no_temporary_file(tmp_path, monkeypatch):
     def refuse(*a, **k):
         raise PermissionError("read-only file system")

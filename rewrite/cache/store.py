@@ -150,7 +150,11 @@ class DiskCache:
 
     # -- bytes
     def write(self, key: str, header: dict, blob: bytes) -> None:
-        """Write an entry atomically: to a temporary file in the same directory, then renamed into place."""
+        """Write an entry atomically: to a temporary file in the same directory, then renamed into place.
+
+        Not synced to the disk (as JAX's compilation cache is not): an ``fsync`` cost a first call 1-30 ms, as
+        the disk was busy, and an entry a power loss leaves torn fails its checksum on load, which warns and
+        rewrites afresh."""
         head = json.dumps(header, sort_keys=True).encode()
         payload = len(head).to_bytes(8, "little") + head + blob
         data = MAGIC + hashlib.sha256(payload).digest() + payload
@@ -160,8 +164,6 @@ class DiskCache:
         try:
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
             os.replace(tmp, target)
         except BaseException:
             with contextlib.suppress(OSError):
