@@ -32,7 +32,7 @@ from .ir.walk import operands, walk
 from .ir.jaxapi import core
 from .jaxpr.emit import check_signature, emitter
 from .jaxpr.load import TOKEN_AVAL, load_closed
-from .jaxpr.trace import Traced, _collect_young_only
+from .jaxpr.trace import Traced, collect_young_only
 from .records import Limits, Result
 from .rules.rule import Rule
 from .rules.ruleset import Ruleset
@@ -72,7 +72,7 @@ def run_pipeline(program: Traced | core.ClosedJaxpr, entries: Sequence[tuple[Rul
     ``cost_before``, and the input is not priced again.
     """
     closed = program.closed if isinstance(program, Traced) else program
-    with _collect_young_only():
+    with collect_young_only():
         result = _run(closed, entries, model, limits, keep, price_input, input_price)
     check_signature(closed, result.after)
     return result
@@ -159,7 +159,7 @@ def _load(closed: core.ClosedJaxpr, entries: Sequence[tuple[Rule, Ruleset]]
 def program_cost(closed: core.ClosedJaxpr, model: CostModel) -> float:
     """What ``run_pipeline`` reports as ``cost_before``: ``closed`` as loaded, priced, with no rule run (the
     whole-step search prices the step as written so, where it does not rewrite it)."""
-    with _collect_young_only():
+    with collect_young_only():
         eg, outs, token, _ = _load(closed, ())
         try:
             return input_cost(eg.snapshot(), outs, token, model)
@@ -170,7 +170,7 @@ def program_cost(closed: core.ClosedJaxpr, model: CostModel) -> float:
 def saturated_classes(closed: core.ClosedJaxpr, entries: Sequence[tuple[Rule, Ruleset]], limits: Limits) -> list:
     """The e-classes of ``closed``'s outputs once loaded and saturated with ``entries``: what a proof that two
     of its values are equal reads. Nothing is extracted or emitted, and the e-graph goes back to the pool."""
-    with _collect_young_only():
+    with collect_young_only():
         eg, outs, _, held = _load(closed, entries)
         try:
             Engine(eg, entries, limits, manual=held.manual, held=held).run()
@@ -194,7 +194,7 @@ class ProofGraph:
         values += [w for e in jaxpr.eqns for w in e.outvars if not isinstance(w, core.DropVar)]
         every = core.ClosedJaxpr(core.Jaxpr(jaxpr.constvars, jaxpr.invars, values, jaxpr.eqns, jaxpr.effects),
                                  closed.consts)
-        with _collect_young_only():
+        with collect_young_only():
             self.egraph, outs, _, _ = _load(every, ())
         self.ref = dict(zip(values, outs))
 
@@ -202,7 +202,7 @@ class ProofGraph:
         """The classes of ``values`` (of the program loaded at first) and of ``program``'s outputs, ``program``
         loaded with its inputs bound to the values ``args``."""
         eg = self.egraph
-        with _collect_young_only():
+        with collect_young_only():
             outs, _ = load_closed(program, [self.ref[a] for a in args], eg)
             snap = eg.snapshot()
             return [snap.cls_of_name[self.ref[v]] for v in values], [snap.cls_of_name[o] for o in outs]

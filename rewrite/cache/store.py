@@ -73,6 +73,7 @@ from ..cost.guard import GuardDecision
 from ..errors import RewriteWarning
 from ..ir.jaxapi import core
 from ..jaxpr.emit import check_signature
+from ..jaxpr.trace import collect_young_only
 from ..records import Result, RuleStats
 from .fingerprint import aval_key, program_fingerprint
 from .key import environment
@@ -149,7 +150,11 @@ class DiskCache:
 
     # -- bytes
     def write(self, key: str, header: dict, blob: bytes) -> None:
-        """Write an entry atomically: to a temporary file in the same directory, then renamed into place."""
+        """Write an entry atomically: to a temporary file in the same directory, then renamed into place.
+
+        Not synced to the disk (as JAX's compilation cache is not): an ``fsync`` cost a first call 1-30 ms, as
+        the disk was busy, and an entry a power loss leaves torn fails its checksum on load, which warns and
+        rewrites afresh."""
         head = json.dumps(header, sort_keys=True).encode()
         payload = len(head).to_bytes(8, "little") + head + blob
         data = MAGIC + hashlib.sha256(payload).digest() + payload
@@ -159,8 +164,6 @@ class DiskCache:
         try:
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
             os.replace(tmp, target)
         except BaseException:
             with contextlib.suppress(OSError):
@@ -199,6 +202,7 @@ class DiskCache:
         return header, payload[8 + n:]
 
     # -- programs
+    @collect_young_only()  # what a first call stores, without a full collection of the process's objects
     def store(self, key: str, program: core.ClosedJaxpr | None, meta: dict, original: core.ClosedJaxpr,
               original_fingerprint: str | None = None) -> bool:
         """Store ``program`` (``None``: the original is the answer) with ``meta`` (JSON data). False if not stored.
@@ -223,6 +227,7 @@ class DiskCache:
             return False
         return True
 
+    @collect_young_only()
     def load(self, key: str, original: core.ClosedJaxpr, original_fingerprint: str | None = None
              ) -> tuple[core.ClosedJaxpr | None, dict] | None:
         """``(program, meta)`` stored under ``key``, checked against ``original``, the fresh trace;
