@@ -37,7 +37,8 @@ from .grad.step import find_losses, join_pinned, proof_graph, split_pinned
 from .grad.vjp import VJPResult, build_vjp, decided_jointly, joint_program, rewrite_joint
 from .ir.jaxapi import core
 from .jaxpr import state as _state
-from .jaxpr.trace import CONCRETIZATION_ERRORS, Traced, flatten_args, resolve_static, same_program, trace, trace_call
+from .jaxpr.trace import (CONCRETIZATION_ERRORS, Traced, collect_young_only, flatten_args, resolve_static, same_program,
+                          trace, trace_call)
 from .pipeline import limits_met, program_cost, run_pipeline, saturated_classes
 from .records import STEP_STAGES, Limits, Result, lap
 from .report.report import Report, gradient_report, report_of
@@ -271,7 +272,8 @@ class Rewritten:
     def _rewrite_fresh(self, traced: Traced) -> Result:
         name = getattr(self.fn, "__name__", "function")
         try:
-            result = self._whole_step(traced)
+            with collect_young_only():  # a first call's pipelines, pricings and searches: see there
+                result = self._whole_step(traced)
         except Exception as e:
             self._fall_back(e, f"rewrite of {name!r}", "running it unchanged")
             return fallback_result(traced, f"error: {type(e).__name__}: {e}")

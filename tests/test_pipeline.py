@@ -230,6 +230,41 @@ def test_collector_state_is_restored(monkeypatch):
         real_unfreeze()
 
 
+def test_a_first_calls_searches_and_derivative_builds_run_with_the_older_objects_frozen(monkeypatch):
+    """Not only the pipelines: the whole-step search (``find_losses``, the candidates' pricing) and a derivative's
+    build (its residual search, the joints' prices) run with the older objects out of the collector's sight,
+    where full collections of 0.1-0.26 s fell between pipelines on the LM steps and the seq2seq gradient."""
+    import gc
+
+    import rewrite.api as api
+    import rewrite.grad.vjp as vjp
+
+    seen: dict[str, list[int]] = {}
+
+    def spy(where, real):
+        def counted(*a, **k):
+            seen.setdefault(where, []).append(gc.get_freeze_count())
+            return real(*a, **k)
+        return counted
+
+    monkeypatch.setattr(api, "find_losses", spy("find_losses", api.find_losses))
+    monkeypatch.setattr(vjp, "choose_residuals", spy("choose_residuals", vjp.choose_residuals))
+
+    def loss(w, x):
+        return jnp.sum(jnp.tanh(x @ w) ** 2)
+
+    def step(w, x):
+        value, g = jax.value_and_grad(loss)(w, x)
+        return value, w - 0.1 * g
+
+    w, x = jnp.linspace(-1.0, 1.0, 12).reshape(4, 3), jnp.linspace(0.0, 1.0, 8).reshape(2, 4)
+    rewrite(step, rulesets=["algebra"], whole_step=True)(w, x)
+    jax.grad(rewrite(loss, rulesets=["algebra"]))(w, x)
+    assert seen.get("find_losses") and seen.get("choose_residuals"), seen
+    assert all(n > 0 for ns in seen.values() for n in ns), seen
+    assert gc.get_freeze_count() == 0  # put back after
+
+
 # ---------------------------------------------------------------- failures stay inside
 def test_internal_failure_falls_back(monkeypatch):
     import rewrite.pipeline as pipeline

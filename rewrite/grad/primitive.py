@@ -70,7 +70,7 @@ from jax.interpreters import batching, mlir
 from ..errors import RewriteLimitWarning, RewriteWarning, _strict
 from ..ir.jaxapi import ad, core, custom_staging_rules, fallback_linearize, held_weakly_by_jax_caches, register_linearization
 from ..ir.walk import has_custom_vjp
-from ..jaxpr.trace import Traced, spec_of
+from ..jaxpr.trace import Traced, collect_young_only, spec_of
 from ..pipeline import limits_met, run_pipeline
 from .vjp import as_written_vjp, build_vjp, decided_jointly, float_positions, of_floats, split_joint
 
@@ -152,20 +152,8 @@ class Signature:
         name = getattr(owner.fn, "__name__", "function")
         t = time.perf_counter()
         try:
-            if kind == "vjp":
-                spent: dict[str, float] = {}
-                built, decided = decided_jointly(
-                    self.traced.closed, self.result, owner.entries, owner.cost_model, owner.limits,
-                    lambda f, entries: build_vjp(self._of(f), entries, owner.cost_model, owner.limits, primal=False,
-                                                 keep=keep),
-                    lambda f: as_written_vjp(self._of(f), owner.cost_model), split_joint, spent)
-                built.decided = decided
-                if "step jointly" in spent:  # decided jointly: every candidate built and priced, the kept one's stages too
-                    built.times = {**built.times, "decided jointly": spent.get("step joint", 0.0) + spent["step jointly"]}
-            else:
-                program, dif_in, dif_out = jvp_program(self.jvp_source())
-                result = run_pipeline(program, owner.entries, owner.cost_model, owner.limits)
-                built = JVP(result.after, dif_in, dif_out, result)
+            with collect_young_only():  # the derivative's builds and pricings: see there
+                built = self._build_kind(kind, keep)
             warned = built.warnings if kind == "vjp" else built.result.warnings
             if warned and _strict(owner.strict):
                 raise RuntimeError(f"rewrite of the {kind.upper()} of {name!r} (strict): {'; '.join(warned)}")
@@ -183,6 +171,25 @@ class Signature:
         finally:
             owner.derivative_rewrites[kind] += 1
         log.info("rewrote the %s of %s in %.3f s", kind.upper(), name, time.perf_counter() - t)
+        return built
+
+    def _build_kind(self, kind: str, keep: bool) -> Any:
+        """The ``kind`` program built: the VJP decided jointly (:func:`decided_jointly`), or the JVP rewritten."""
+        owner = self.owner
+        if kind == "vjp":
+            spent: dict[str, float] = {}
+            built, decided = decided_jointly(
+                self.traced.closed, self.result, owner.entries, owner.cost_model, owner.limits,
+                lambda f, entries: build_vjp(self._of(f), entries, owner.cost_model, owner.limits, primal=False,
+                                             keep=keep),
+                lambda f: as_written_vjp(self._of(f), owner.cost_model), split_joint, spent)
+            built.decided = decided
+            if "step jointly" in spent:  # decided jointly: every candidate built and priced, the kept one's stages too
+                built.times = {**built.times, "decided jointly": spent.get("step joint", 0.0) + spent["step jointly"]}
+        else:
+            program, dif_in, dif_out = jvp_program(self.jvp_source())
+            result = run_pipeline(program, owner.entries, owner.cost_model, owner.limits)
+            built = JVP(result.after, dif_in, dif_out, result)
         return built
 
 
