@@ -574,10 +574,12 @@ products = Ruleset("derivatives_products", [
 
 #: What reordering sums must save, as a fraction of the program's price, before its nodes are used
 #: (``Ruleset.min_saving``). Pulling a factor out of a sum, or merging and splitting sums, changes the
-#: rounding and saves at most a pass of a multiply or an add inside a fused reduction, which XLA:CPU runs
-#: at the speed of memory: seed 000's VJP, rewritten so, was priced 0.5% cheaper and measured 0.80-0.93x
+#: rounding; where it saves only a multiply or an add per element inside a fused reduction, which XLA:CPU
+#: runs at the speed of memory, the gain is within the model's error: seed 000's VJP, rewritten so, was
+#: priced 0.5% cheaper and measured 0.80-0.93x
 #: of the program as written on two idle cores (benchmarks/results/log.md). Below the floor the sums stay
-#: as written; above it they still merge (the Ising free energy's VJP, priced 1.41x faster).
+#: as written; above it they are still taken (``(x * b).sum(0)`` pulled, priced 1.14x; ``x.sum(0) + y.sum(0)``
+#: merged, 1.11x: tests/test_derivatives.py).
 SUMS_MIN_SAVING = 0.01
 
 sums = Ruleset("derivatives_sums", [
