@@ -20,7 +20,9 @@ computes the primal output nobody reads. The rules here undo that.
   procedural rule per product primitive does this, so no commutativity or
   associativity rule is needed to find ``2*sin*cos`` spread over a chain.
 * **Reductions**: a factor constant along the reduced axes moves out of
-  ``reduce_sum``; sums over the same axes merge (and split); ``neg``
+  ``reduce_sum``; sums over the same axes merge (and split), where that
+  saves 1% of the program or more (``SUMS_MIN_SAVING``: less is a multiply
+  moved out of a fused reduction, not worth a changed rounding); ``neg``
   commutes with ``reduce_sum``; reductions over size-1 axes are reshapes
   (``rulesets.algebra``'s rule, as are ``x + -y -> x - y``, ``x - -y -> x + y``
   and ``reshape(reshape(x))``: this pack includes those rules, and no copy).
@@ -570,19 +572,34 @@ products = Ruleset("derivatives_products", [
 ], soundness="identity",
     description="products and quotients normalised: powers of a base gathered, pairs made one function")
 
-reductions = Ruleset("derivatives_reductions", [
+#: What reordering sums must save, as a fraction of the program's price, before its nodes are used
+#: (``Ruleset.min_saving``). Pulling a factor out of a sum, or merging and splitting sums, changes the
+#: rounding; where it saves only a multiply or an add per element inside a fused reduction, which XLA:CPU
+#: runs at the speed of memory, the gain is within the model's error: seed 000's VJP, rewritten so, was
+#: priced 0.5% cheaper and measured 0.80-0.93x
+#: of the program as written on two idle cores (benchmarks/results/log.md). Below the floor the sums stay
+#: as written; above it they are still taken (``(x * b).sum(0)`` pulled, priced 1.14x; ``x.sum(0) + y.sum(0)``
+#: merged, 1.11x: tests/test_derivatives.py).
+SUMS_MIN_SAVING = 0.01
+
+sums = Ruleset("derivatives_sums", [
     rule(Pat("reduce_sum", X, params="p"), _sum_pull, name="red_pull",                             # sum(b*x) -> b*sum(x), b broadcast on the axes
          example_program=(lambda x, b: _sum0(x * b[None, :]), (_S, f32(4)))),
-    rule(Pat("reduce_sum", Pat("neg", X), params="p"), lambda x, p: lax.neg(p.bind(x)), name="red_sum_neg",  # sum(-x) -> -sum(x)
-         example_program=(lambda x: _sum0(-x), (_S,))),
-    rule(Pat("neg", Pat("reduce_sum", X, params="p")), lambda x, p: p.bind(lax.neg(x)), name="red_neg_sum",  # -sum(x) -> sum(-x): merges with a sum
-         example_program=(lambda x, y: -_sum0(x) + _sum0(y), (_S, _S))),
     rule(_SUM_SUM, lambda x, y, p, op: p.bind(op.bind(x, y)), name="red_merge",                    # sum x ± sum y -> sum(x ± y)  (identity: docs/rules.md)
          when=lambda x, y, p, q: p.axes == q.axes and x.aval == y.aval,
          example_program=(lambda x, y: (_sum0(x) + _sum0(y), _sum1(x) - _sum1(y)), (_S, _S))),
     rule(_SUM_OF, lambda x, y, p, op: op.bind(p.bind(x), p.bind(y)), name="red_split",            # sum(x ± y) -> sum x ± sum y
          when=lambda x, y, s: x.aval == s.aval == y.aval,
          example_program=(lambda x, y: (_sum0(x + y), jnp.sum(x - y, axis=(0, 1))), (_S, _S))),
+], soundness="identity", tolerance=Tolerance(terms=64), min_saving=SUMS_MIN_SAVING,
+    description="sums reordered (factors pulled out, sums merged and split) where that saves 1% or more")
+
+reductions = Ruleset("derivatives_reductions", [
+    rule(Pat("reduce_sum", Pat("neg", X), params="p"), lambda x, p: lax.neg(p.bind(x)), name="red_sum_neg",  # sum(-x) -> -sum(x)
+         example_program=(lambda x: _sum0(-x), (_S,))),
+    rule(Pat("neg", Pat("reduce_sum", X, params="p")), lambda x, p: p.bind(lax.neg(x)), name="red_neg_sum",  # -sum(x) -> sum(-x): merges with a sum
+         example_program=(lambda x, y: -_sum0(x) + _sum0(y), (_S, _S))),
+    sums,
 ], soundness="identity", tolerance=Tolerance(terms=64),
     description="sums pulled through negations and factors constant along the summed axes, merged and split")
 
