@@ -351,6 +351,20 @@ def test_sums_are_reordered_only_where_that_saves_the_floor():
     assert min(pulled.predicted_speedup, merged.predicted_speedup) > 1.0 + SUMS_MIN_SAVING
 
 
+def test_the_gradients_alone_keep_the_floor_too():
+    """``jax.vjp(rewrite(seed))`` runs the split of one of two extractions of the joint program, the joint one or
+    the gradients' alone (``grad/vjp.py``'s ``_joint_choices``); the second is held to the rulesets'
+    ``min_saving`` as the first is, so a's sums stay as JAX writes them there too: no reduction's result is then
+    multiplied by the pulled factor (before, the gradients' extraction pulled ``a**-2`` out of a's sum)."""
+    x, a, _ = _seed_args()
+    built = rewrite(seed, rulesets=[derivatives]).grad_result(x, a)
+    summed = {v for e in built.bwd.jaxpr.eqns if e.primitive.name == "reduce_sum" for v in e.outvars}
+    assert summed
+    pulled = [e for e in built.bwd.jaxpr.eqns
+              if e.primitive.name == "mul" and any(v in summed for v in e.invars if isinstance(v, core.Var))]
+    assert not pulled, (built.split.policy, built.bwd)
+
+
 _SEED_SPECIALS = st.sampled_from([0.0, -0.0, math.inf, -math.inf, math.nan, 3e38, -3e38, 1e-45, -1.0])
 
 

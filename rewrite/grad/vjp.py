@@ -51,7 +51,7 @@ from ..cost.program import Program
 from ..extract.choice import reachable
 from ..extract.extract import bounds_memory, extract, fatter
 from ..extract.extractor import shared
-from ..extract.policy import no_fatter, recomputations, withheld
+from ..extract.policy import no_fatter, recomputations, withheld, worth_their_saving
 from ..extract.program import ProgramPricer, peaks_keep_leaner, prices_programs
 from ..ir.jaxapi import core
 from ..ir.primitives import is_float
@@ -370,7 +370,8 @@ def _joint_choices(res: Result, n_out: int, n_params: int, model: Any, entries: 
     gradients), input classes by position, and two extractions: for a training step (outputs and gradients
     both used) and for the gradients alone (``jax.grad`` drops the value, and XLA the forward work only the
     value needed). The second is made under the pipeline's policy, as the first was: without the recomputing
-    rules' nodes, then with them where they free memory (``extract.policy.recomputations``)."""
+    rules' nodes, held to the rulesets' ``min_saving`` (``extract.policy.worth_their_saving``), then with the
+    recomputing nodes where they free memory (``extract.policy.recomputations``)."""
     snap, eg = res.snapshot, res.egraph
     f_roots, b_roots = res.roots[:n_out], res.roots[n_out:]
     params = {}
@@ -380,7 +381,9 @@ def _joint_choices(res: Result, n_out: int, n_params: int, model: Any, entries: 
             params[i] = cls
     tree = shared(snap, model).tree()[1]
     plain, recomputing = withheld(snap, eg, entries, res.original)
-    grads = recomputations(extract(plain, b_roots, model, res.original), snap, recomputing, b_roots, model)
+    grads = worth_their_saving(extract(plain, b_roots, model, res.original), plain, eg, entries, b_roots, model,
+                               res.original)  # a ruleset's min_saving, as the pipeline's extraction holds it
+    grads = recomputations(grads, snap, recomputing, b_roots, model)
     if grads.leaner_fallback is not None:  # held to the input's gradients' memory, as the joint program is (pipeline)
         emit_choice = emitter(snap, eg, res.before.in_avals, b_roots, None, None)
         first = next(c for c in grads.candidates if not c.rewritten)  # there is one, since a fallback is
