@@ -24,6 +24,20 @@ def _rand(*shape, seed=0, dtype=jnp.float32):
     return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), dtype)
 
 
+def lm_head_case(n: int = 256, c: int = 128, v: int = 1024):
+    """An LM head's loss (optax's integer-label cross-entropy of ``h @ w``, averaged) and its inputs ``(h, w, y)``:
+    hidden states ``[n, c]``, a weight ``[c, v]`` and labels in ``[0, v)``."""
+    rng = np.random.default_rng(0)
+    h = rng.standard_normal((n, c)).astype(np.float32)
+    w = (rng.standard_normal((c, v)) * 0.1).astype(np.float32)
+    y = jnp.asarray(rng.integers(0, v, n))
+
+    def loss(h, w, y):
+        return optax.softmax_cross_entropy_with_integer_labels(h @ w, y).mean()
+
+    return loss, (h, w, y)
+
+
 def seed000(x, a):
     return jnp.sin(a * x) ** 2 / a
 

@@ -15,6 +15,8 @@ from rewrite.report.report import primitive_counts
 from rulesets.algebra import algebra
 from rulesets.derivatives import derivatives, derivatives_fastmath
 
+from .corpus import lm_head_case
+
 pytestmark = pytest.mark.filterwarnings(r"ignore:rewrite\(\.\.\., vjp=True\) is deprecated:DeprecationWarning")
 
 
@@ -287,14 +289,7 @@ def test_decided_jointly_traces_and_prices_jax_s_split_once(monkeypatch):
         joints.append(self)
 
     monkeypatch.setattr(vjp.Joint, "__init__", joint)
-    n, c, v = 256, 128, 1024
-    rng = np.random.default_rng(0)
-    h = rng.standard_normal((n, c)).astype(np.float32)
-    w = (rng.standard_normal((c, v)) * 0.1).astype(np.float32)
-    y = jnp.asarray(rng.integers(0, v, n))
-
-    def loss(h, w, y):
-        return optax.softmax_cross_entropy_with_integer_labels(h @ w, y).mean()
+    loss, (h, w, y) = lm_head_case()
 
     built = rewrite(loss, rulesets=[rulesets.nn], cache=False).grad_result(h, w, y)
     assert built.decided and len(joints) == 3, (built.decided, [str(j) for j in joints])

@@ -21,6 +21,8 @@ from rewrite import explain, rewrite
 from rewrite.grad.step import find_losses
 from rewrite.ir.jaxapi import core
 
+from .corpus import lm_head_case
+
 TINY = ws.Size(batch=2, length=16, width=16, heads=2, vocab=64)
 PACKS = [rulesets.nn, rulesets.attention]
 
@@ -317,14 +319,7 @@ def test_a_head_whose_rewrites_price_no_lower_runs_jax_s_own_vjp():
     token loop is priced above JAX's joint of the loss as written, and the one without it the same as JAX's (a tie,
     which keeps the loss as written). So ``jax.grad(rewrite(loss))`` runs JAX's own VJP: ``explain`` says so, and
     the gradients are JAX's, under ``jit`` and eagerly, including where the inputs hold infinities and NaN."""
-    n, c, v = 256, 128, 1024
-    rng = np.random.default_rng(0)
-    h = rng.standard_normal((n, c)).astype(np.float32)
-    w = (rng.standard_normal((c, v)) * 0.1).astype(np.float32)
-    y = jnp.asarray(rng.integers(0, v, n))
-
-    def loss(h, w, y):
-        return optax.softmax_cross_entropy_with_integer_labels(h @ w, y).mean()
+    loss, (h, w, y) = lm_head_case()
 
     g = rewrite(loss, rulesets=[rulesets.nn], cache=False)
     built = g.grad_result(h, w, y)
