@@ -105,10 +105,7 @@ def _run(closed: core.ClosedJaxpr, entries: Sequence[tuple[Rule, Ruleset]], mode
     roots = [snap.cls_of_name[o] for o in outs]
     token_root = snap.cls_of_name[token] if token is not None else None
     all_roots = roots + ([token_root] if token_root is not None else [])
-    plain, recomputing = withheld(snap, eg, entries, original)
-    ex = extract(plain, all_roots, model, original)
-    ex = worth_their_saving(ex, plain, eg, entries, all_roots, model, original)
-    ex = recomputations(ex, snap, recomputing, all_roots, model)
+    ex = extract_by_policy(snap, eg, entries, all_roots, model, original)
     times["extract"] = time.perf_counter() - t
 
     # Emit a ClosedJaxpr with the same signature: each candidate at most once.
@@ -139,6 +136,18 @@ def _run(closed: core.ClosedJaxpr, entries: Sequence[tuple[Rule, Ruleset]], mode
     if not keep:
         eg.release()  # to the pool now, even if something the rewrite made holds the e-graph in a cycle
     return result
+
+
+def extract_by_policy(snap: Any, eg: Any, entries: Sequence[tuple[Rule, Ruleset]], roots: list, model: CostModel,
+                      original: set) -> Any:
+    """The program from ``roots`` under the extraction policy: the cheapest without the recomputing rules' nodes
+    (``extract.policy.withheld``), held to the rulesets' ``min_saving`` (``worth_their_saving``), then with the
+    recomputing nodes where they free memory (``recomputations``). A pipeline's extraction, and a VJP's of its
+    gradients alone (``grad/vjp.py``), which must hold the same policy."""
+    plain, recomputing = withheld(snap, eg, entries, original)
+    ex = extract(plain, roots, model, original)
+    ex = worth_their_saving(ex, plain, eg, entries, roots, model, original)
+    return recomputations(ex, snap, recomputing, roots, model)
 
 
 def _load(closed: core.ClosedJaxpr, entries: Sequence[tuple[Rule, Ruleset]]

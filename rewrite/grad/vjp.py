@@ -51,14 +51,14 @@ from ..cost.program import Program
 from ..extract.choice import reachable
 from ..extract.extract import bounds_memory, extract, fatter
 from ..extract.extractor import shared
-from ..extract.policy import no_fatter, recomputations, withheld, worth_their_saving
+from ..extract.policy import no_fatter
 from ..extract.program import ProgramPricer, peaks_keep_leaner, prices_programs
 from ..ir.jaxapi import core
 from ..ir.primitives import is_float
 from ..ir.walk import operands, walk
 from ..jaxpr.emit import Emitter, _Scope, check_signature, dce, emit, emitter
 from ..jaxpr.trace import Traced, same_program, spec_of
-from ..pipeline import program_cost, run_pipeline
+from ..pipeline import extract_by_policy, program_cost, run_pipeline
 from ..records import Result, lap
 
 log = logging.getLogger("rewrite")
@@ -380,10 +380,7 @@ def _joint_choices(res: Result, n_out: int, n_params: int, model: Any, entries: 
         if cls is not None:
             params[i] = cls
     tree = shared(snap, model).tree()[1]
-    plain, recomputing = withheld(snap, eg, entries, res.original)
-    grads = worth_their_saving(extract(plain, b_roots, model, res.original), plain, eg, entries, b_roots, model,
-                               res.original)  # a ruleset's min_saving, as the pipeline's extraction holds it
-    grads = recomputations(grads, snap, recomputing, b_roots, model)
+    grads = extract_by_policy(snap, eg, entries, b_roots, model, res.original)  # the pipeline's policy, min_saving too
     if grads.leaner_fallback is not None:  # held to the input's gradients' memory, as the joint program is (pipeline)
         emit_choice = emitter(snap, eg, res.before.in_avals, b_roots, None, None)
         first = next(c for c in grads.candidates if not c.rewritten)  # there is one, since a fallback is
