@@ -249,21 +249,21 @@ class Builder:
         self.check_time()  # every procedure builds through here: a long one stops at its next build
         avals = [v.aval for v in inputs]
         traces = getattr(fn, "traces", None)
+        remember = False
         if isinstance(traces, dict) and hasattr(fn, "jaxpr"):  # a function read back by function(): see there
             at = (tuple(avals), _config())
             closed = traces.get(at)
             if closed is None:
                 closed = traces[at] = trace_at(fn, avals)
-            outs, _ = load_closed(closed, [v.name for v in inputs], self.egraph)
-            vals = [Value(TYPES[self.egraph.vtype[o]], o, None, self) for o in outs]
-            return vals[0] if len(vals) == 1 else tuple(vals)
-        key = _trace_key(fn, avals)
-        closed = _TRACES.get(key) if key is not None else None
-        if closed is None:
-            closed = trace_at(fn, avals)
-            if key is not None:
-                _TRACES.put(key, closed)
-        outs, _ = load_closed(closed, [v.name for v in inputs], self.egraph, remember=key is not None)
+        else:
+            key = _trace_key(fn, avals)
+            closed = _TRACES.get(key) if key is not None else None
+            if closed is None:
+                closed = trace_at(fn, avals)
+                if key is not None:
+                    _TRACES.put(key, closed)
+            remember = key is not None
+        outs, _ = load_closed(closed, [v.name for v in inputs], self.egraph, remember=remember)
         vals = [Value(TYPES[self.egraph.vtype[o]], o, None, self) for o in outs]
         return vals[0] if len(vals) == 1 else tuple(vals)
 
