@@ -184,6 +184,7 @@ class Rewritten:
         flat = [_as_operand(x) for x, d in zip(leaves, entry[0].dynamic) if d] + list(captured)
         return key, flat, entry, nodes
 
+    @collect_young_only()  # a first call, whole: the cache's key, load and store, the pipelines, pricings, searches
     def _rewrite(self, traced: Traced, args: Sequence[Any] | None = None) -> Result:
         """The result for one traced program: from the disk cache, else rewritten (and guarded, timed on
         ``args``, the call's operands if concrete) and stored."""
@@ -272,8 +273,7 @@ class Rewritten:
     def _rewrite_fresh(self, traced: Traced) -> Result:
         name = getattr(self.fn, "__name__", "function")
         try:
-            with collect_young_only():  # a first call's pipelines, pricings and searches: see there
-                result = self._whole_step(traced)
+            result = self._whole_step(traced)
         except Exception as e:
             self._fall_back(e, f"rewrite of {name!r}", "running it unchanged")
             return fallback_result(traced, f"error: {type(e).__name__}: {e}")

@@ -34,7 +34,6 @@ from typing import Any
 import numpy as np
 
 from ..ir.jaxapi import core, neutral_params
-from ..jaxpr.trace import collect_young_only
 
 #: Top-level packages whose objects are named, not hashed: their versions are in the key.
 VERSIONED = frozenset({"jax", "jaxlib", "numpy", "egglog", "ml_dtypes", "opt_einsum", "scipy", "rewrite",
@@ -243,7 +242,6 @@ def aval_key(aval: Any) -> tuple:
             str(getattr(aval, "memory_space", None)))
 
 
-@collect_young_only()  # a first call's fixed stages: see there
 def program_fingerprint(closed: Any) -> str:
     """A digest of a program's canonical form: equations, params, avals, shardings, constants."""
     h = hashlib.sha256()

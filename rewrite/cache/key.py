@@ -18,7 +18,6 @@ from typing import Any, Sequence
 
 
 from ..ir.jaxapi import core
-from ..jaxpr.trace import collect_young_only
 from .fingerprint import Unstable, fingerprint, program_fingerprint
 from .serialise import FORMAT
 
@@ -84,7 +83,6 @@ def model_fingerprint(model: Any) -> str:
     return fingerprint(("model", key() if callable(key) else model))
 
 
-@collect_young_only()  # a first call's fixed stages: see there
 def make_key(closed: core.ClosedJaxpr, entries: Sequence[tuple[Any, Any]], model: Any, limits: Any,
              program: str | None = None, **extra: Any) -> str:
     """The cache key of rewriting ``closed`` so (``program``: its :func:`program_fingerprint`, if known).

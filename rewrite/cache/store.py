@@ -73,7 +73,6 @@ from ..cost.guard import GuardDecision
 from ..errors import RewriteWarning
 from ..ir.jaxapi import core
 from ..jaxpr.emit import check_signature
-from ..jaxpr.trace import collect_young_only
 from ..records import Result, RuleStats
 from .fingerprint import aval_key, program_fingerprint
 from .key import environment
@@ -202,7 +201,6 @@ class DiskCache:
         return header, payload[8 + n:]
 
     # -- programs
-    @collect_young_only()  # what a first call stores, without a full collection of the process's objects
     def store(self, key: str, program: core.ClosedJaxpr | None, meta: dict, original: core.ClosedJaxpr,
               original_fingerprint: str | None = None) -> bool:
         """Store ``program`` (``None``: the original is the answer) with ``meta`` (JSON data). False if not stored.
@@ -227,7 +225,6 @@ class DiskCache:
             return False
         return True
 
-    @collect_young_only()
     def load(self, key: str, original: core.ClosedJaxpr, original_fingerprint: str | None = None
              ) -> tuple[core.ClosedJaxpr | None, dict] | None:
         """``(program, meta)`` stored under ``key``, checked against ``original``, the fresh trace;
