@@ -223,7 +223,8 @@ def _shares(prog: Any, k: Fusion, outs: Mapping[int, Any] | None, last: dict, st
         return found
     if any(prog.ops[i].family not in _IN_PLACE and prog.ops[i].prim != "broadcast_in_dim" for i in k.computes):
         return found
-    for a in dict.fromkeys(buffer_of(prog, a, written) for a in k.reads):
+    # the first operand in program order: a live program's kernels list their reads in another order
+    for a in sorted(dict.fromkeys(buffer_of(prog, a, written) for a in k.reads), key=lambda a: _position(prog, a)):
         if a in step and last.get(a) == t and _same(prog, a, k.root):
             found.append((k.root, a))
             break
