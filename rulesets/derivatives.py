@@ -29,6 +29,10 @@ computes the primal output nobody reads. The rules here undo that.
 * **Trigonometry, exp and log**: Pythagoras, ``cos(-x)``, double angles,
   ``tan`` as ``sin/cos`` (so it shares them), ``log(exp(x))``,
   ``exp(log(x))`` for non-negative ``x``, ``1 - logistic(x)``.
+* **A sin stored once**: where ``cos(x)`` is computed too, ``sin(x)`` may become
+  ``select(|x| < tiny, x, sin x)``, bitwise the same, which XLA:CPU stores once
+  instead of computing ``sin`` again in each loop that reads it
+  (``rulesets/_sincos.py``; ``derivatives_exact``).
 * **Dead primal code** needs no rule: extraction starts from the outputs, so
   a primal value that no gradient reads is never emitted.
 
