@@ -107,10 +107,12 @@ ELEMENTWISE = {
     "pow": (lambda x: x ** (x * 0.5), "pos"),
     "atan2": (lambda x: jnp.arctan2(x, 0.75), "any"),
     "sincos": (lambda x: jnp.sin(x) * jnp.cos(x), "any"),
+    # exp of complex numbers (rewrite.cost.fusion.ns_key); a real part that XLA cannot fold away
+    "exp_complex": (lambda x: (lambda z: z.real * z.imag)(jnp.exp(lax.complex(x * 0.5, x))), "any"),
 }
 
 #: Ops whose calibration program needs more than the op itself (a multiply here).
-_EXTRA_MUL = {"sincos"}
+_EXTRA_MUL = {"sincos", "exp_complex"}
 
 
 def _inputs(domain: str) -> jax.Array:

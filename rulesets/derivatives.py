@@ -29,6 +29,10 @@ computes the primal output nobody reads. The rules here undo that.
 * **Trigonometry, exp and log**: Pythagoras, ``cos(-x)``, double angles,
   ``tan`` as ``sin/cos`` (so it shares them), ``log(exp(x))``,
   ``exp(log(x))`` for non-negative ``x``, ``1 - logistic(x)``.
+* **A sin stored once**: where ``cos(x)`` is computed too, ``sin(x)`` may become
+  ``select(|x| < tiny, x, sin x)``, bitwise the same, which XLA:CPU stores once
+  instead of computing ``sin`` again in each loop that reads it
+  (``rulesets/_sincos.py``; ``derivatives_exact``).
 * **Dead primal code** needs no rule: extraction starts from the outputs, so
   a primal value that no gradient reads is never emitted.
 
@@ -77,6 +81,7 @@ from jax import lax
 import rulesets
 from rewrite import Pat, Ruleset, Tolerance, Value, procedural, rule
 from rulesets._examples import f32
+from rulesets._sincos import sin_stored
 
 __all__ = ["derivatives", "derivatives_fastmath", "doubles_safely", "product_tree", "simplify", "pieces", "Factor"]
 
@@ -528,6 +533,7 @@ def _vjp_of(f):
 _sum0, _sum1 = (lambda x: jnp.sum(x, axis=0)), (lambda x: jnp.sum(x, axis=1))
 _SUM_SUM = Pat({"add", "sub"}, Pat("reduce_sum", X, params="p"), Pat("reduce_sum", Y, params="q"), params="op")
 _SUM_OF = Pat("reduce_sum", Pat({"add", "sub"}, X, Y, name="s", params="op"), params="p")
+_SINCOS = _vjp_of(lambda x: jnp.sin(x) ** 2)  # sin x and cos x of one x
 _COS2_SIN2 = Pat("sub", Pat("integer_pow", Pat("cos", X), params="p"), Pat("integer_pow", Pat("sin", X), params="q"))
 
 # Bitwise exact: IEEE defines x - y as x + (-y), add_any is add, and a sum over size-1 axes adds
@@ -540,6 +546,7 @@ derivatives_exact = Ruleset("derivatives_exact", [
          example_program=(_vjp_of(lambda v: v * jnp.sin(v)), (_S, _S))),
     rule(Pat("reshape", Pat("neg", X), params="p"), lambda x, p: lax.neg(p.bind(x)), name="red_reshape_neg",  # reshape(-x) -> -reshape(x)
          when=lambda p: p.dimensions is None, example_program=(lambda x: (-(x.reshape(12))).reshape(3, 4), (_S,))),
+    rule(Pat("sin", X), sin_stored, name="trig_sin_stored", example_program=(_SINCOS, (_S, _S))),  # sin x -> select(|x| < tiny, x, sin x)
 ], soundness="exact",
     description="sign and product identities that keep every bit")
 trig = Ruleset("derivatives_trig", [

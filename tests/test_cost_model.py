@@ -611,3 +611,24 @@ def test_calibrate_reads_the_size_where_xla_cpu_splits_a_loop_and_the_tables_lea
     at = int(found["loop_parallel_at"])
     assert found["loop_parallel"] < 1.0 and _split(at) and not _split(at // 2), found
     assert AnalyticCost().loop_parallel == 1.0 and AnalyticCost().loop_parallel_at == math.inf
+
+
+def test_exp_of_complex_numbers_is_priced_as_an_exp_a_sin_and_a_cos():
+    """``exp`` of complex numbers is ``exp(re) * (cos(im) + i sin(im))``: priced as measured (``exp_complex``, about
+    a ``sincos``), not as a real ``exp``, in the node price and in the fusion model's."""
+    z = jax.core.ShapedArray((4096,), jnp.complex64)
+    r = jax.core.ShapedArray((4096,), jnp.float32)
+    m = AnalyticCost()
+    exp_z, exp_r, sin_r = (m(NodeInfo(p, "transcendental", {}, (a,), (a,))) for p, a in (("exp", z), ("exp", r),
+                                                                                          ("sin", r)))
+    assert exp_z > sin_r > 10 * exp_r
+
+    def program(x):
+        return jnp.exp(lax.complex(x * 0.5, x)).real
+
+    def real_exp(x):
+        return jnp.exp(x * 0.5) + x
+
+    x = jnp.linspace(-3.0, 3.0, 4096)
+    priced = [m.program(Program.from_jaxpr(jax.make_jaxpr(f)(x), m)) for f in (program, real_exp)]
+    assert priced[0] > priced[1] + 4096 * m.ops["sin"]

@@ -154,6 +154,8 @@ CASES = [
     ("reduce_unit_axes", lambda x: jnp.sum(x, axis=1), [(3, 1, 4)], "special"),
     ("reshape_reshape", lambda x: x.reshape(12).reshape(2, 6), [S], "special"),
     ("red_reshape_neg", lambda x: (-(x.reshape(12))).reshape(3, 4), [S], "special"),
+    ("trig_sin_stored", lambda x, g: jax.vjp(lambda v: jnp.sin(v) ** 2, x)[1](g)[0], [S, S], "special"),
+    ("trig_sin_stored", lambda x, g: (jnp.sin(x) * g, jnp.cos(x) * g), [S, S], "special"),
     ("trig_cos_neg", lambda x: jnp.cos(-x), [S], "moderate"),
     ("trig_sin_neg", lambda x: jnp.sin(-x) * jnp.sin(x), [S], "moderate"),
     ("trig_pythagoras", lambda x: jnp.sin(x) ** 2 + jnp.cos(x) ** 2, [S], "moderate"),

@@ -150,7 +150,9 @@ MIRRORED = {
     "nn_log1p_r": ("nn", lambda x: jnp.log(x + 1.0), (_X,), {"nn_log1p"}, "log1p"),
     "nn_softplus_r": ("nn", lambda x: jnp.log(jnp.exp(x) + 1.0), (_X,),
                       {"nn_softplus", "nn_log1p", "nn_softplus_log1p"}, "custom_jvp_call"),
-    "trig_pythagoras_r": ("derivatives", lambda x: jnp.cos(x) ** 2 + jnp.sin(x) ** 2, (_X,), {"trig_pythagoras"}, None),
+    # trig_sin_stored fires on any sin x beside cos x (derivatives_exact); the sum becomes 1 by trig_pythagoras
+    "trig_pythagoras_r": ("derivatives", lambda x: jnp.cos(x) ** 2 + jnp.sin(x) ** 2, (_X,),
+                          {"trig_pythagoras", "trig_sin_stored"}, None),
     "la_factor_in_mul_r": ("linalg", lambda r, a, b: (a @ b) * r[:, None], (_R, _A, _B), {"la_factor_in_mul"}, None),
 }
 

@@ -83,6 +83,14 @@ def _add_sincos(cost: float, model: Any, ops: Sequence[Any], sincos: dict) -> fl
     return cost
 
 
+def ns_key(prim: str, out_avals: Sequence[Any]) -> str:
+    """The calibration table's key for ``prim`` with these results: ``exp_complex`` for ``exp`` of complex
+    numbers (an ``exp``, a ``sin`` and a ``cos`` an element, priced as measured), else the primitive's name."""
+    if prim == "exp" and out_avals and np.issubdtype(getattr(out_avals[0], "dtype", np.float32), np.complexfloating):
+        return "exp_complex"
+    return prim
+
+
 def _true_rank(aval: Any) -> int:
     return sum(1 for d in getattr(aval, "shape", ()) if d != 1)
 
@@ -272,7 +280,7 @@ class FusionModel:
             return sum(self.op_ns(o) + self.node for o in inner)
         if op.family == _primitives.OPAQUE or spec.inlined:
             return self._inner_ns(inner_jaxpr(op.params))
-        found = self.ns.get(op.prim)
+        found = self.ns.get(ns_key(op.prim, op.out_avals))
         if found is not None:
             return found
         return self.default if op.family == _primitives.TRANSCENDENTAL or _expensive(op) else self.cheap

@@ -56,7 +56,7 @@ from ..ir.scanread import IN_PLACE
 from ..ir.primitives import BY_PRIM, DEFAULT as _OPAQUE_SPEC, NodeInfo, inner_jaxpr, nbytes, size  # noqa: F401
 from . import calibration as _calibration
 from .dot import FALLBACK as _DOT_FALLBACK, REPACK as _DOT_REPACK, library_dot
-from .fusion import FusionModel
+from .fusion import FusionModel, ns_key
 from .memory import InnerPeak, liveness_peak, scheduled_peak
 from .program import Program
 
@@ -365,7 +365,8 @@ class AnalyticCost(CostModel):
         return 0.0
 
     def _pointwise(self, n: NodeInfo) -> float:
-        return self.node + self.elementwise(n.op, n.family, n.params) * sum(size(a) for a in n.out_avals)
+        per = self.elementwise(ns_key(n.op, n.out_avals), n.family, n.params)
+        return self.node + per * sum(size(a) for a in n.out_avals)
 
     def _layout(self, n: NodeInfo) -> float:
         return self.node + 0.05 * self.flop * sum(size(a) for a in n.out_avals)
