@@ -233,6 +233,11 @@ class Extractor:
             found = self._original_trees[id(original)] = (original, choice)
         return dict(found[1])
 
+    def adopt_original_tree(self, original: set[tuple], choice: dict) -> None:
+        """Take ``choice`` as :meth:`original_tree`'s pass over ``original``: the same pass made by another extractor
+        over the same nodes in the same order (``extract.policy.same_original_tree``)."""
+        self._original_trees.setdefault(id(original), (original, dict(choice)))
+
     def tree_of(self, classes: set[Any]) -> tuple[dict, dict]:
         """:meth:`tree` restricted to ``classes`` (a set closed under children), every node of theirs allowed: the
         same choice as ``tree(lambda cls, ctor, args: cls in classes)`` (the classes are taken in the snapshot's
