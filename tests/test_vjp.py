@@ -220,18 +220,30 @@ def test_the_floors_copy_is_made_once_per_snapshot_and_takes_its_input_tree(monk
     in the joint program and in the gradients' alone), it is extracted again without them
     (``extract.policy.worth_their_saving``): from one copy of each snapshot, so the gradients' extraction takes the
     joint one's copy, whose nodes are priced and passed over once; and the copy's tree pass over the input program's
-    nodes is the snapshot's (``same_original_tree``), so its extractor makes one pass, the unrestricted one."""
+    nodes is the snapshot's (``same_original_tree``), so its extractor makes one pass, the unrestricted one; and no
+    program of the snapshot is priced whole twice (the input program, a candidate of both extractions, is priced
+    once: ``Extractor.share_prices``)."""
+    from rewrite.extract.choice import reachable
+    from rewrite.extract.program import ProgramPricer
     from rewrite.ir.egraph import Snapshot
 
-    copied, copies = [], []
-    real = Snapshot.without
+    copied, copies, priced = [], [], []
+    real, exact_price = Snapshot.without, ProgramPricer.exact_price
 
     def without(self, drop):
         copied.append(self)
         copies.append(real(self, drop))
         return copies[-1]
 
+    def pricing(self, choice, roots, key):
+        if key not in self.exact:  # priced now: the snapshot's tables, the roots and the chosen nodes they reach
+            snap = self.ex.snap
+            priced.append((id(snap.frozen), tuple(roots),
+                           frozenset((c, choice[c]) for c in reachable(snap, choice, roots))))
+        return exact_price(self, choice, roots, key)
+
     monkeypatch.setattr(Snapshot, "without", without)
+    monkeypatch.setattr(ProgramPricer, "exact_price", pricing)
     r = rewrite(seed, rulesets=[derivatives], cache=False)
     built = r.grad_result(X, A)
     assert copies and len(copied) == len(set(map(id, copied))), len(copied)  # no snapshot copied twice
@@ -239,6 +251,7 @@ def test_the_floors_copy_is_made_once_per_snapshot_and_takes_its_input_tree(monk
         [e.passes for _, e in c.extractors] for c in copies]
     assert all(e.passes <= 1 for c in copies for _, e in c.extractors), [
         [e.passes for _, e in c.extractors] for c in copies]
+    assert len(priced) == len(set(priced)), len(priced) - len(set(priced))
     _close(jax.grad(lambda x, a: r(x, a).sum(), argnums=(0, 1))(X, A),
            jax.grad(lambda x, a: seed(x, a).sum(), argnums=(0, 1))(X, A))
     assert built.split is not None

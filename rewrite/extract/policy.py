@@ -51,7 +51,9 @@ def worth_their_saving(ex: Any, snap: Any, eg: EGraph, entries: Sequence[tuple[A
     if not used:
         return ex
     without, _ = copy_without(snap, eg, frozenset(floors), original)
-    same_original_tree(shared(snap, model), shared(without, model), made, original)
+    full, copy = shared(snap, model), shared(without, model)
+    copy.share_prices(full)  # the input program, priced by the first extraction, is a candidate of the second
+    same_original_tree(full, copy, made, original)
     alt = extract(without, roots, model, original)
     if alt.cost - ex.cost < max(floors[r] for r in used) * ex.original_cost:
         return alt

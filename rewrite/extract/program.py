@@ -91,8 +91,8 @@ class ProgramPricer:
         self._nested: bool | None = None
         self._bodies: dict = {}
         self._known: dict[tuple, float] = {}
-        #: whole-program prices (not live sums, in another order) of the programs priced whole, by key
-        self.exact: dict[tuple, float] = {}
+        #: whole-program prices (not live sums, in another order) of the programs priced whole, by key: the extractor's
+        self.exact: dict[tuple, float] = ex.whole_prices if model is ex.model else {}
         #: the program the last price was asked for (its roots and signature)
         self.last_key: tuple | None = None
         self.evaluations = 0
