@@ -100,8 +100,8 @@ class ProgramPricer:
         self.asked = 0
         #: the one program every price moves to (:meth:`live`), once one is made
         self._live: LiveProgram | None = None
-        #: the peaks the live program was read at, by program key (``LiveProgram.peak``, ``extract._peak``)
-        self.peaks: dict[tuple, int] = {}
+        #: the peaks its live program was read at, by key (``LiveProgram.peak``, ``extract._peak``): the extractor's
+        self.peaks: dict[tuple, int] = ex.peaks if model is ex.model else {}
 
     def own(self, c: Any, node: tuple, choice: dict[Any, tuple], read: frozenset | None = None) -> float:
         """The node price of ``node`` in class ``c``, its bodies priced under ``choice``; ``read``: the outputs read
