@@ -215,6 +215,80 @@ def test_the_gradients_alone_are_extracted_from_the_pipelines_copy(monkeypatch):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+def test_the_floors_copy_is_made_once_per_snapshot_and_takes_its_input_tree(monkeypatch):
+    """Where a chosen program uses ``derivatives_sums``' nodes (the seed's VJP: pulling ``a**-2`` out of a's sum,
+    in the joint program and in the gradients' alone), it is extracted again without them
+    (``extract.policy.worth_their_saving``): from one copy of each snapshot, so the gradients' extraction takes the
+    joint one's copy, whose nodes are priced and passed over once; and the copy's tree pass over the input program's
+    nodes is the snapshot's (``same_original_tree``), so its extractor makes one pass, the unrestricted one; and no
+    program of the snapshot is priced whole twice (the input program, a candidate of both extractions, is priced
+    once: ``Extractor.share_prices``)."""
+    from rewrite.extract.choice import reachable
+    from rewrite.extract.program import ProgramPricer
+    from rewrite.ir.egraph import Snapshot
+
+    copied, copies, priced = [], [], []
+    real, exact_price = Snapshot.without, ProgramPricer.exact_price
+
+    def without(self, drop):
+        copied.append(self)
+        copies.append(real(self, drop))
+        return copies[-1]
+
+    def pricing(self, choice, roots, key):
+        if key not in self.exact:  # priced now: the snapshot's tables, the roots and the chosen nodes they reach
+            snap = self.ex.snap
+            priced.append((id(snap.frozen), tuple(roots),
+                           frozenset((c, choice[c]) for c in reachable(snap, choice, roots))))
+        return exact_price(self, choice, roots, key)
+
+    monkeypatch.setattr(Snapshot, "without", without)
+    monkeypatch.setattr(ProgramPricer, "exact_price", pricing)
+    r = rewrite(seed, rulesets=[derivatives], cache=False)
+    built = r.grad_result(X, A)
+    assert copies and len(copied) == len(set(map(id, copied))), len(copied)  # no snapshot copied twice
+    assert any(len(c.extractors) == 1 and c.extractors[0][1].passes == 1 for c in copies), [
+        [e.passes for _, e in c.extractors] for c in copies]
+    assert all(e.passes <= 1 for c in copies for _, e in c.extractors), [
+        [e.passes for _, e in c.extractors] for c in copies]
+    assert len(priced) == len(set(priced)), len(priced) - len(set(priced))
+    _close(jax.grad(lambda x, a: r(x, a).sum(), argnums=(0, 1))(X, A),
+           jax.grad(lambda x, a: seed(x, a).sum(), argnums=(0, 1))(X, A))
+    assert built.split is not None
+
+
+def test_a_peak_read_is_not_read_again_by_moving_the_live_program_back(monkeypatch):
+    """An extraction compares candidates by their predicted peaks (``extract._leanest``, ``_no_fatter``); most are
+    programs a search read already (its result), and those are answered from the pricer's memory
+    (``ProgramPricer.peaks``), not by moving its live program back and re-placing the kernels where they differ: in
+    the seed's VJP's extractions, no program's peak is read twice after a jump. The memory is sound because a
+    program's peak is the same whatever moves brought the live program there (checked here on every read)."""
+    from rewrite.extract.program import LiveProgram, ProgramPricer
+
+    lives, reads, jumped = [], [], [False]
+    jump, peak = LiveProgram.jump, LiveProgram.peak
+
+    def jumping(self, choice):
+        jumped[0] = True
+        return jump(self, choice)
+
+    def reading(self):
+        got = peak(self)
+        lives.append(self)  # (kept, so that no other live program takes its id)
+        if jumped[0]:
+            reads.append((id(self), self.key()))
+        jumped[0] = False
+        pricer = ProgramPricer(self.ex, self.pricer.model)  # (held: a live program holds its pricer weakly)
+        assert peak(pricer.live(dict(self.choice), self.roots)) == got
+        return got
+
+    monkeypatch.setattr(LiveProgram, "jump", jumping)
+    monkeypatch.setattr(LiveProgram, "peak", reading)
+    r = rewrite(seed, rulesets=[derivatives], cache=False)
+    r.grad_result(X, A)
+    assert reads and len(reads) == len(set(reads)), len(reads) - len(set(reads))
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 def test_jax_s_own_vjp_as_written_is_jax_s_split_at_every_dtype_and_under_vmap(dtype):
     """``grad.vjp.as_written_vjp`` (the derivative ``decided_jointly`` falls back to) splits a function where

@@ -172,7 +172,11 @@ def bounds_memory(model: Any) -> bool:
 
 
 def _peak(price: ProgramPricer, cand: Candidate, roots: Sequence[Any]) -> int | None:
-    """``cand``'s predicted peak of temporaries, as the extraction's live program reads it."""
+    """``cand``'s predicted peak of temporaries, as the extraction's live program reads it: remembered where a
+    search read it already (``ProgramPricer.peaks``), which saves moving the live program back there."""
+    found = None if cand.signature is None else price.peaks.get((tuple(roots), cand.signature))
+    if found is not None:
+        return found
     live = price.live(cand.choice, roots)
     return live.peak() if live else None
 

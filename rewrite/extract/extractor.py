@@ -64,6 +64,11 @@ class Extractor:
         self._operands: dict[tuple, list[Any]] = {}
         self._all_kids: dict[tuple, list[Any]] = {}
         self._pair_ids: dict[tuple, int] = {}
+        #: the whole-program prices of this snapshot's programs by key (roots, signature), for every pricer of this
+        #: extractor (``ProgramPricer.exact``): a price reads the program alone, not what else the snapshot holds
+        self.whole_prices: dict[tuple, float] = {}
+        #: and the predicted peaks its pricers' live programs read (``ProgramPricer.peaks``), by key alike
+        self.peaks: dict[tuple, int] = {}
         self._tree: tuple[dict, dict] | None = None
         #: the tree pass restricted to a program's own nodes, by that set (kept alive here, so its id stays its)
         self._original_trees: dict[int, tuple[set, dict]] = {}
@@ -232,6 +237,19 @@ class Extractor:
             choice = self._tree_pass(lambda cls, ctor, args: ctor in _CONTAINERS or (ctor, args) in original)[1]
             found = self._original_trees[id(original)] = (original, choice)
         return dict(found[1])
+
+    def adopt_original_tree(self, original: set[tuple], choice: dict) -> None:
+        """Take ``choice`` as :meth:`original_tree`'s pass over ``original``: the same pass made by another extractor
+        over the same nodes in the same order (``extract.policy.same_original_tree``)."""
+        self._original_trees.setdefault(id(original), (original, dict(choice)))
+
+    def share_prices(self, of: "Extractor") -> None:
+        """Number choices as ``of`` does (:meth:`pair_id`) and share its whole-program prices and peaks
+        (:attr:`whole_prices`, :attr:`peaks`): this extractor's snapshot is a copy of ``of``'s with fewer nodes
+        (``Snapshot.without``), whose classes are the same, so one key names one program in both. Only before
+        this extractor numbered any choice."""
+        if not self._pair_ids and not self.whole_prices and not self.peaks:
+            self._pair_ids, self.whole_prices, self.peaks = of._pair_ids, of.whole_prices, of.peaks
 
     def tree_of(self, classes: set[Any]) -> tuple[dict, dict]:
         """:meth:`tree` restricted to ``classes`` (a set closed under children), every node of theirs allowed: the

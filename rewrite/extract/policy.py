@@ -29,7 +29,7 @@ from ..ir.walk import children, operands
 from ..records import Barred
 from .choice import reachable
 from .extract import Candidate, extract, fatter
-from .extractor import Extractor, shared
+from .extractor import _CONTAINERS, Extractor, shared
 from .program import ProgramPricer, prices_programs
 
 
@@ -37,19 +37,38 @@ def worth_their_saving(ex: Any, snap: Any, eg: EGraph, entries: Sequence[tuple[A
                         model: CostModel, original: set) -> Any:
     """A ruleset's ``min_saving``: if the chosen program uses nodes built by rules of rulesets that ask
     for one, the program is extracted again without any node those rules built, and that program is
-    used unless theirs saves at least the largest such fraction of the input program's cost more."""
+    used unless theirs saves at least the largest such fraction of the input program's cost more.
+
+    The program without them is extracted from one copy of ``snap`` per input program (:func:`copy_without`), so
+    a VJP's joint program and its gradients alone (``grad/vjp.py``) take one, whose nodes are priced and passed
+    over once, and the copy takes the input program's own tree pass from ``snap``'s extractor where it is the same
+    pass (:func:`same_original_tree`)."""
     floors = {r.name: owner.min_saving for r, owner in entries if getattr(owner, "min_saving", 0.0) > 0}
     if not floors or not ex.rewritten or not (0 < ex.original_cost < float("inf")):
         return ex
-    made = made_by(snap, eg, set(floors), original)
+    made = _withholding(snap, eg, frozenset(floors), original)[1][1]
     used = {made[n] for n in (ex.choice[c] for c in reachable(snap, ex.choice, roots)) if n in made}
     if not used:
         return ex
-    without = snap.without(lambda cls, node: node in made)
+    without, _ = copy_without(snap, eg, frozenset(floors), original)
+    full, copy = shared(snap, model), shared(without, model)
+    copy.share_prices(full)  # the input program, priced by the first extraction, is a candidate of the second
+    same_original_tree(full, copy, made, original)
     alt = extract(without, roots, model, original)
     if alt.cost - ex.cost < max(floors[r] for r in used) * ex.original_cost:
         return alt
     return ex
+
+
+def same_original_tree(ex: Extractor, copy: Extractor, made: dict, original: set) -> None:
+    """Give ``copy`` (the extractor of a copy of ``ex``'s snapshot without the nodes ``made``) ``ex``'s tree pass
+    over the input program's nodes (``Extractor.original_tree``), where the two passes are one: that pass takes the
+    nodes of ``original`` and the containers, in the snapshot's order, and the copy leaves out only nodes of
+    ``made``, which holds none of ``original``'s (:func:`made_by`); so where ``made`` holds no container either,
+    each pass sees the same nodes in the same order, and chooses alike."""
+    if any(node[0] in _CONTAINERS for node in made):
+        return
+    copy.adopt_original_tree(original, ex.original_tree(original))
 
 
 #: A program that recomputes (``Ruleset(recomputes=True)``) must no longer compute at least this many bytes of values
@@ -72,18 +91,35 @@ def made_by(snap: Any, eg: EGraph, rules: set[str], original: set) -> dict[tuple
 
 def withheld(snap: Any, eg: EGraph, entries: Sequence[tuple[Any, Any]], original: set) -> tuple[Any, dict]:
     """``(snap, made)``: the snapshot to extract from without the recomputing rules' nodes (``snap`` itself where
-    none were built), and those nodes. Asked again for the same rules and input program (a VJP's pipeline, then its
-    gradients alone, ``grad/vjp.py``), the same copy: its extractor (``extractor.shared``) has priced its nodes
-    and made its bottom-up passes already."""
-    rules = frozenset(r.name for r, owner in entries if getattr(owner, "recomputes", False))
+    none were built), and those nodes (:func:`copy_without`)."""
+    return copy_without(snap, eg, frozenset(r.name for r, owner in entries if getattr(owner, "recomputes", False)),
+                        original)
+
+
+def copy_without(snap: Any, eg: EGraph, rules: frozenset, original: set) -> tuple[Any, dict]:
+    """``(copy, made)``: the nodes (canonicalised) that the rules named ``rules`` built and the input program does
+    not hold (:func:`made_by`), and a copy of ``snap`` without them (``snap`` itself where there are none). Asked
+    again for the same rules and input program (a VJP's pipeline, then its gradients alone, ``grad/vjp.py``), the
+    same copy: its extractor (``extractor.shared``) has priced its nodes and made its bottom-up passes already."""
+    key, (copy, made, _) = _withholding(snap, eg, rules, original)
+    if copy is _UNMADE:
+        copy = snap.without(lambda cls, node: node in made) if made else None  # (None: snap itself, without a cycle)
+        snap.withholding[key] = (copy, made, original)  # original kept with it, so that its id stays its
+    return (snap if copy is None else copy), made
+
+
+#: A copy :func:`copy_without` has not made yet (its nodes were asked for, ``_withholding``).
+_UNMADE = object()
+
+
+def _withholding(snap: Any, eg: EGraph, rules: frozenset, original: set) -> tuple[tuple, tuple[Any, dict, Any]]:
+    """``snap``'s entry for the copy without ``rules``' nodes (``Snapshot.withholding``), and its key: the nodes are
+    found once per input program, the copy made only where an extraction needs it (:func:`copy_without`)."""
     key = (rules, id(original), len(eg.vorigin))
     found = snap.withholding.get(key)
-    if found is not None and found[2] is original:
-        return (snap if found[0] is None else found[0]), found[1]
-    made = made_by(snap, eg, set(rules), original)
-    plain = snap.without(lambda cls, node: node in made) if made else None  # (None: snap itself, kept without a cycle)
-    snap.withholding[key] = (plain, made, original)  # original kept with it, so that its id stays its
-    return (snap if plain is None else plain), made
+    if found is None or found[2] is not original:
+        found = snap.withholding[key] = (_UNMADE, made_by(snap, eg, set(rules), original), original)
+    return key, found
 
 
 def recomputations(ex: Any, snap: Any, made: dict, roots: list, model: CostModel) -> Any:

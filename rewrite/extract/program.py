@@ -91,8 +91,8 @@ class ProgramPricer:
         self._nested: bool | None = None
         self._bodies: dict = {}
         self._known: dict[tuple, float] = {}
-        #: whole-program prices (not live sums, in another order) of the programs priced whole, by key
-        self.exact: dict[tuple, float] = {}
+        #: whole-program prices (not live sums, in another order) of the programs priced whole, by key: the extractor's
+        self.exact: dict[tuple, float] = ex.whole_prices if model is ex.model else {}
         #: the program the last price was asked for (its roots and signature)
         self.last_key: tuple | None = None
         self.evaluations = 0
@@ -100,6 +100,8 @@ class ProgramPricer:
         self.asked = 0
         #: the one program every price moves to (:meth:`live`), once one is made
         self._live: LiveProgram | None = None
+        #: the peaks its live program was read at, by key (``LiveProgram.peak``, ``extract._peak``): the extractor's
+        self.peaks: dict[tuple, int] = ex.peaks if model is ex.model else {}
 
     def own(self, c: Any, node: tuple, choice: dict[Any, tuple], read: frozenset | None = None) -> float:
         """The node price of ``node`` in class ``c``, its bodies priced under ``choice``; ``read``: the outputs read
@@ -151,12 +153,11 @@ class ProgramPricer:
     def live(self, choice: dict[Any, tuple], roots: Sequence[Any]) -> "LiveProgram | None":
         """A :class:`LiveProgram` over ``choice`` (kept up to date in place), if the model can price one.
 
-        There is one per pricer: asked again, it moves to the new choice
-        (:meth:`LiveProgram.jump`), re-placing and re-pricing only the kernels
-        where the two programs differ. The searches of one extraction start
-        from programs that differ in few classes, and building the kernels
-        of a program afresh costs about twice as much as pricing it whole.
-        """
+        There is one per pricer: asked again, it moves to the new choice (:meth:`LiveProgram.jump`), re-placing
+        and re-pricing only the kernels where the two programs differ. The searches of one extraction start from
+        programs that differ in few classes, and building the kernels of a program afresh costs about twice as
+        much as pricing it whole. A peak read is remembered (:attr:`peaks`): a program's kernels, and so its
+        peak, are the same whatever moves brought the live program there."""
         live = self._live
         if live is not None and live._roots == tuple(roots):
             live.jump(choice)
@@ -178,10 +179,8 @@ class ProgramPricer:
     def __call__(self, choice: dict[Any, tuple], roots: Sequence[Any]) -> float:
         """The price of the program ``choice`` makes at ``roots``; each distinct program is priced once.
 
-        A program is the set of chosen nodes it uses (bodies included), so
-        a search that tries a move it tried before, or that reaches from
-        another start a program it priced already, is answered from memory.
-        """
+        A program is the set of chosen nodes it uses (bodies included), so a search that tries a move it tried
+        before, or that reaches from another start a program it priced already, is answered from memory."""
         key = (tuple(roots), _signature(self.ex, choice, roots))
         return self.remember(key, lambda: self.exact_price(choice, roots, key))
 
@@ -350,7 +349,8 @@ class LiveProgram:
     def peak(self) -> int:
         """The current program's predicted peak of temporaries (the fusion model's, as its price reads it)."""
         self.flush()
-        return self.fusion.peak()
+        found = self.pricer.peaks[self.key()] = self.fusion.peak()
+        return found
 
     def flush(self) -> None:
         """Bring the kernels up to date with the moves made since the last price."""
