@@ -211,3 +211,40 @@ def test_sharded_inputs():
     for p, q in zip(got, want):
         assert p.sharding.is_equivalent_to(q.sharding, p.ndim)
     assert r.derivative_rewrites == {"vjp": 1}
+
+
+def test_a_first_call_collects_rarely_and_puts_the_collector_back(monkeypatch):
+    """A first call's rewrite and a derivative's build run with the collector's thresholds raised
+    (``grad.primitive.rare_collections``: no full collection walks what the rewrite made, young ones are rarer), and
+    only then; a process that turned automatic collection off keeps it off. Read where each pipeline extracts."""
+    import gc
+
+    import rewrite.pipeline as pipeline
+    from rewrite.grad.primitive import RARE_THRESHOLDS
+
+    seen = []
+    real = pipeline.extract
+
+    def spy(*a, **k):
+        seen.append(gc.get_threshold())
+        return real(*a, **k)
+
+    monkeypatch.setattr(pipeline, "extract", spy)
+    before = gc.get_threshold()
+    x = jnp.linspace(0.0, 1.0, 8)
+    f = rewrite(lambda x: jnp.sin(x) ** 2 * 3.0, rulesets=[derivatives])
+    f(x)
+    forward = len(seen)
+    jax.grad(lambda x: f(x).sum())(x)
+    assert 0 < forward < len(seen) and f.derivative_rewrites["vjp"] == 1
+    assert all(all(a >= b for a, b in zip(t, RARE_THRESHOLDS)) for t in seen), seen  # the forward's and the VJP's
+    assert gc.get_threshold() == before  # put back after
+
+    seen.clear()
+    gc.set_threshold(0)
+    try:
+        rewrite(lambda x: jnp.cos(x) * 2.0 + 1.0, rulesets=[derivatives])(x)
+        assert seen and all(t[0] == 0 for t in seen)
+        assert gc.get_threshold()[0] == 0
+    finally:
+        gc.set_threshold(*before)
