@@ -32,7 +32,7 @@ from .cost import guard as _guard
 from .cost.measure import resolve
 from .errors import RewriteLimitWarning, RewriteWarning, _strict
 from .extract.program import peaks_keep_leaner
-from .grad.primitive import Signature, bind_if_differentiated, rare_collections
+from .grad.primitive import Signature, bind_if_differentiated
 from .grad.step import find_losses, join_pinned, proof_graph, split_pinned
 from .grad.vjp import VJPResult, build_vjp, decided_jointly, joint_program, rewrite_joint
 from .ir.jaxapi import core
@@ -185,7 +185,6 @@ class Rewritten:
         return key, flat, entry, nodes
 
     @collect_young_only()  # a first call, whole: the cache's key, load and store, the pipelines, pricings, searches
-    @rare_collections()
     def _rewrite(self, traced: Traced, args: Sequence[Any] | None = None) -> Result:
         """The result for one traced program: from the disk cache, else rewritten (and guarded, timed on
         ``args``, the call's operands if concrete) and stored."""

@@ -215,12 +215,12 @@ def test_sharded_inputs():
 
 def test_a_first_call_collects_rarely_and_puts_the_collector_back(monkeypatch):
     """A first call's rewrite and a derivative's build run with the collector's thresholds raised
-    (``grad.primitive.rare_collections``: no full collection walks what the rewrite made, young ones are rarer), and
+    (``jaxpr.trace.collect_young_only``: no full collection walks what the rewrite made, young ones are rarer), and
     only then; a process that turned automatic collection off keeps it off. Read where each pipeline extracts."""
     import gc
 
     import rewrite.pipeline as pipeline
-    from rewrite.grad.primitive import RARE_THRESHOLDS
+    from rewrite.jaxpr.trace import RARE_THRESHOLDS
 
     seen = []
     real = pipeline.extract

@@ -57,8 +57,6 @@ True
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import logging
 import threading
 import time
@@ -82,36 +80,6 @@ rewritten_p = core.Primitive("rewritten")
 rewritten_p.multiple_results = True
 rewritten_lin_p = core.Primitive("rewritten_vjp_linear")
 rewritten_lin_p.multiple_results = True
-
-
-#: The collector's thresholds while a first call's rewrite runs (:func:`rare_collections`): a young collection every
-#: 10,000 net allocations instead of 700, and no full one (its third threshold is never reached there).
-RARE_THRESHOLDS = (10_000, 50, 1_000)
-
-
-@contextlib.contextmanager
-def rare_collections():
-    """While a first call's rewrite runs (``Rewritten._rewrite``, a derivative's build), the collector runs young
-    collections less often and no full one; its thresholds are put back after.
-
-    The rewrite runs with the process's older objects frozen (``jaxpr.trace.collect_young_only``), so a full
-    collection there walks only what the rewrite made, most of it alive until the rewrite ends (e-graph
-    snapshots, programs, choices); at CPython's thresholds one still falls every few hundred thousand allocations.
-    In the ecosystem benchmark's process ``flax_long_context_step``'s first call made 7 full, 94 middle and
-    1,023 young collections, 0.38 s of a loaded machine's time; at these thresholds none, 3 and 61, 0.11 s
-    (``jax.grad`` of ``flax_seq2seq_grad`` alone in a process: 13 full collections, then none). Garbage is
-    still collected young, and what survives is collected after (the window unfreezes everything); the peak
-    resident memory of those runs did not rise. A process that set thresholds higher keeps them, and one that
-    turned automatic collection off (threshold 0 or ``gc.disable``) is left so."""
-    old = gc.get_threshold()
-    if not gc.isenabled() or old[0] == 0:
-        yield
-        return
-    gc.set_threshold(*(max(a, b) for a, b in zip(old, RARE_THRESHOLDS)))
-    try:
-        yield
-    finally:
-        gc.set_threshold(*old)
 
 
 @held_weakly_by_jax_caches
@@ -184,7 +152,7 @@ class Signature:
         name = getattr(owner.fn, "__name__", "function")
         t = time.perf_counter()
         try:
-            with collect_young_only(), rare_collections():  # the derivative's builds and pricings: see there
+            with collect_young_only():  # the derivative's builds and pricings: see there
                 built = self._build_kind(kind, keep)
             warned = built.warnings if kind == "vjp" else built.result.warnings
             if warned and _strict(owner.strict):
