@@ -327,16 +327,16 @@ def build_vjp(traced: Traced, entries: Sequence[Any], model: Any, limits: Any, p
     considered: list[Split] = []
     # Each split is priced in both uses, weighted alike, and the cheapest (choice, split) wins.
     best: tuple[float, dict, Split] | None = None
-    searched: list[tuple[dict, Split, list[Split]]] = []
+    searched: list[tuple[dict, tuple[Split, list[Split]]]] = []
     for name, choice in choices:
-        same = next((s for s in searched if same_choice(snap, s[0], choice, f_roots + b_roots)), None)
-        if same is not None:  # the program of a choice searched already: the same splits, at the same prices
-            _, split, tried = same
+        found = made_before(snap, searched, choice, f_roots + b_roots)
+        if found is not None:  # the program of a choice searched already: the same splits, at the same prices
+            split, tried = found
         else:
             price = split_pricer(snap, model, choice, f_roots, b_roots)
             tried = []
             split = choose_residuals(snap, choice, f_roots, b_roots, params, n, price, tried)
-            searched.append((choice, split, tried))
+            searched.append((choice, (split, tried)))
         considered += [dataclasses.replace(t, policy=f"{name}:{t.policy}") for t in tried]
         if best is None or split.cost < best[0]:
             best = (split.cost, choice, dataclasses.replace(split, policy=f"{name}:{split.policy}"))
@@ -362,6 +362,12 @@ def same_choice(snap: Any, a: dict, b: dict, roots: Sequence[Any]) -> bool:
     (a split's classes, frontier and prices) is then the same for both: :func:`_joint_choices`' extraction for the
     gradients alone often chooses as the joint one did, and its residual search is not made twice."""
     return a is b or all(a[c] == b.get(c) for c in reachable(snap, a, roots))
+
+
+def made_before(snap: Any, made: Sequence[tuple[dict, Any]], choice: dict, roots: Sequence[Any]) -> Any:
+    """What was made of the first choice in ``made`` (pairs ``(choice, what)``) whose program from ``roots`` is
+    ``choice``'s (:func:`same_choice`), or ``None``: a residual search or a price is not made twice."""
+    return next((what for c, what in made if same_choice(snap, c, choice, roots)), None)
 
 
 def _joint_choices(res: Result, n_out: int, n_params: int, model: Any, entries: Sequence[Any]
@@ -455,10 +461,11 @@ def rewrite_joint(closed: core.ClosedJaxpr, entries: Sequence[Any], model: Any, 
             forward = scope_classes(snap, choice, f_roots) | inputs
             return split_pricer(snap, model, choice, f_roots, b_roots)(frontier(snap, choice, b_roots, forward))
 
-        prices: list[float] = []
-        for k, (_, choice) in enumerate(choices):  # the program of a choice priced already is not priced again
-            same = next((j for j in range(k) if same_choice(snap, choices[j][1], choice, res.roots)), None)
-            prices.append(reuse_price(choice) if same is None else prices[same])
+        priced: list[tuple[dict, float]] = []
+        for _, choice in choices:  # the program of a choice priced already is not priced again
+            price = made_before(snap, priced, choice, res.roots)
+            priced.append((choice, reuse_price(choice) if price is None else price))
+        prices = [price for _, price in priced]
         choice = choices[prices.index(min(prices))][1]
         return emit(snap, choice, eg, joint.in_avals, res.roots, None, joint.jaxpr.debug_info)
     finally:
