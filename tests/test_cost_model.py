@@ -632,3 +632,69 @@ def test_exp_of_complex_numbers_is_priced_as_an_exp_a_sin_and_a_cos():
     x = jnp.linspace(-3.0, 3.0, 4096)
     priced = [m.program(Program.from_jaxpr(jax.make_jaxpr(f)(x), m)) for f in (program, real_exp)]
     assert priced[0] > priced[1] + 4096 * m.ops["sin"]
+
+
+def _ising(h, b):  # benchmarks/derivatives.py's mean-field free energy
+    return -jnp.log(2.0 * jnp.cosh(b * h)) / b
+
+
+def _priced(model, f, *args):
+    from rewrite.pipeline import program_cost
+
+    return program_cost(jax.make_jaxpr(f)(*args), model)
+
+
+def test_sinh_and_cosh_of_one_argument_are_priced_with_their_exps_once():
+    """JAX lowers ``sinh`` and ``cosh`` through ``exp(x - ln 2)`` and ``exp(-x - ln 2)``, which XLA computes once for
+    both (``benchmarks/calibrate.py --shared-only``): in one loop the pair costs the table's ``sinhcosh``; in two
+    kernels (the VJP of ``log(2 cosh(b h))``: ``cosh`` stored for the ``log`` and the backward's division, ``sinh`` in
+    the backward's loop) XLA stores the two ``exp`` for both, so the shared part is charged once there too. A table
+    without the pair's price (the golden one) prices them apart, as before."""
+    from rewrite.cost.fusion import SHARED
+
+    model = AnalyticCost()
+    assert SHARED["sinh"] == SHARED["cosh"] == "sinhcosh" and "sinhcosh" in model.ops
+    apart = AnalyticCost(ops={k: v for k, v in model.ops.items() if k != "sinhcosh"})
+    part = model.ops["sinh"] + model.ops["cosh"] - model.ops["sinhcosh"]
+    assert part > 0.5 * model.ops["cosh"]  # the pair costs about its dearer member
+    x = jnp.linspace(-3.0, 3.0, 1 << 14)
+    one_loop = lambda x: jnp.sinh(x) * jnp.cosh(x) + 1.0  # noqa: E731
+    assert _priced(apart, one_loop, x) - _priced(model, one_loop, x) == pytest.approx(x.size * part, rel=1e-6)
+
+    h, b = jnp.linspace(-2.0, 2.0, 1 << 14).reshape(64, 256), jnp.linspace(0.5, 1.5, 256)
+    vjp = lambda h, b, g: jax.vjp(_ising, h, b)[1](g)  # noqa: E731
+    prog = Program.from_jaxpr(jax.make_jaxpr(vjp)(h, b, h), model)
+    homes = {}
+    for k in model.fusion_model().kernels(prog):
+        for i in k.computes:
+            homes.setdefault(prog.ops[i].prim, set()).add(k.root)
+    assert homes["sinh"].isdisjoint(homes["cosh"])  # in two kernels
+    assert _priced(apart, vjp, h, b, h) - _priced(model, vjp, h, b, h) == pytest.approx(h.size * part, rel=1e-6)
+    # sin and cos of one argument in two kernels are each computed there: no such credit
+    trig = lambda x: (jnp.sin(x), jnp.cos(x).sum())  # noqa: E731
+    no_sincos = AnalyticCost(ops={k: v for k, v in model.ops.items() if k != "sincos"})
+    assert _priced(no_sincos, trig, x) == pytest.approx(_priced(model, trig, x), rel=1e-12)
+
+
+def test_calibrate_reads_which_transcendentals_xla_computes_from_shared_work():
+    """``benchmarks/calibrate.py --shared-only`` reads from the compiled programs which pairs of transcendentals of one
+    argument XLA computes from shared work (nothing timed): ``sinh`` with ``cosh``, and ``logistic`` with ``exp(-x)``;
+    not ``exp`` with ``cosh`` or ``sinh`` (their ``exp`` is of ``x - ln 2``), nor ``tanh`` (a rational function of its
+    own) with ``exp`` or ``cosh``. Every group the fusion model prices as shared across kernels is one of them, and
+    the machine table's price of it lies between its dearer member and the two apart."""
+    from benchmarks.calibrate import SHARED_CANDIDATES, costly_instructions
+    from rewrite.cost.fusion import SHARED, SHARED_ACROSS
+
+    fewer = set()
+    for name, ((_, fa), (_, fb)) in SHARED_CANDIDATES.items():
+        apart = costly_instructions(fa) + costly_instructions(fb)
+        together = costly_instructions(lambda x, fa=fa, fb=fb: fa(x) * fb(x))
+        assert together <= apart, name
+        if together < apart:
+            fewer.add(name)
+    assert fewer == {"sinhcosh", "logistic_expneg"}
+    table = AnalyticCost().ops
+    for group in SHARED_ACROSS:
+        assert group in fewer
+        members = [p for p, g in SHARED.items() if g == group]
+        assert max(table[p] for p in members) <= table[group] < sum(table[p] for p in members), group

@@ -27,7 +27,10 @@ an extractor's choice:
   loop fusions that absorb anything, and fuse into their one consumer loop;
   XLA may also merge sibling ones, which the model does not.)
 * ``sin`` and ``cos`` of one argument in one loop cost about one of them
-  (LLVM merges them into ``sincos``).
+  (LLVM merges them into ``sincos``), and so do ``sinh`` and ``cosh`` of one
+  argument: both are lowered to ``exp(x - ln 2)`` and ``exp(-x - ln 2)``, which
+  XLA computes once, and stores for both where they are in two kernels
+  (:data:`SHARED`, :data:`SHARED_ACROSS`).
 * A reshape that keeps row-major order (``reshape`` without ``dimensions``,
   ``squeeze``, a broadcast that only adds axes of size 1) is a ``bitcast``:
   no kernel, no bytes read or written. A kernel that reads it reads its
@@ -70,17 +73,69 @@ def _nbytes(aval: Any) -> int:
         return 0
 
 
+#: Transcendentals XLA:CPU computes from shared work where they take one argument, each to the calibration table's key
+#: for the pair of them in one loop: ``sin`` and ``cos`` (LLVM merges them into one ``sincos`` call); ``sinh`` and
+#: ``cosh`` (JAX lowers both through ``exp(x - ln 2)`` and ``exp(-x - ln 2)``, which XLA's common-subexpression
+#: elimination computes once). ``benchmarks/calibrate.py --shared-only`` reads the sharing from the compiled programs
+#: and times each pair alone and together.
+SHARED = {"sin": "sincos", "cos": "sincos", "sinh": "sinhcosh", "cosh": "sinhcosh"}
+#: The groups whose shared work XLA computes once in the whole program, not once per kernel: the two ``exp`` of
+#: ``sinh`` and ``cosh`` are operations of their own, expensive, so XLA stores them for every kernel that reads them
+#: (the VJP of ``log(cosh(x))``: ``cosh`` in one kernel, ``sinh`` in another, two ``exp`` kernels between). ``sin`` and
+#: ``cos`` are each one operation, recomputed in every loop that needs them.
+SHARED_ACROSS = frozenset({"sinhcosh"})
+
+
+def shared_group(op: Op) -> str | None:
+    """The :data:`SHARED` group ``op`` is a member of (``None``: none): ``sin``/``cos`` of an argument, and ``sinh``/
+    ``cosh`` of real numbers (of complex ones XLA computes each apart)."""
+    group = SHARED.get(op.prim)
+    if group is None or not op.args:
+        return None
+    if group != "sincos" and op.out_avals and np.issubdtype(getattr(op.out_avals[0], "dtype", np.float32),
+                                                           np.complexfloating):
+        return None
+    return group
+
+
+def _group_price(model: Any, group: str, which: Iterable[str]) -> float:
+    """ns per element of a group's members in one loop: the table's measured price of the group where both are
+    there, else (a table that has none) ``sincos`` at 1.3 ``sin`` as always, and another group at its members' sum."""
+    which = sorted(which)
+    if len(which) == 1:
+        return model.ns.get(which[0], model.default)
+    found = model.ns.get(group)
+    if found is not None:
+        return found
+    if group == "sincos":
+        return model.ns.get("sin", model.default) * 1.3
+    return sum(model.ns.get(p, model.default) for p in which)
+
+
 def _add_sincos(cost: float, model: Any, ops: Sequence[Any], sincos: dict) -> float:
-    """``cost`` plus the transcendentals of ``sincos`` (argument -> which of sin and cos a kernel takes of
-    it): both of one argument are one ``sincos`` call. Added one by one, in order, so that the whole and the
-    live price (``LiveFusion._kernel``) sum them alike."""
-    for arg, which in sincos.items():
-        elems = _size(ops[arg].out_avals[0])
-        if len(which) == 2:
-            cost += elems * model.ns.get("sincos", model.ns.get("sin", model.default) * 1.3)
-        else:
-            cost += elems * model.ns.get(next(iter(which)), model.default)
+    """``cost`` plus the transcendentals of ``sincos`` ((group, argument) -> which of the group's members a kernel
+    takes of it, :data:`SHARED`): both of one argument are priced as the group. Added one by one, in order, so that
+    the whole and the live price (``LiveFusion._kernel``) sum them alike."""
+    for (group, arg), which in sincos.items():
+        cost += _size(ops[arg].out_avals[0]) * _group_price(model, group, which)
     return cost
+
+
+def shared_across(model: Any, ops: Any, kernels_of: Mapping[tuple, int]) -> float:
+    """What the kernels of a program pay more than XLA for the work of :data:`SHARED_ACROSS` it computes once:
+    ``kernels_of`` maps (group, argument) to how many kernels compute a member of the group of that argument, each of
+    which pays the shared part (the two members apart less the pair in one loop); XLA pays it once. 0 where the table
+    has no price of the pair (the members are then priced apart, as before). The bytes of the stored ``exp`` are not
+    counted: each kernel reads a member's argument or the other member's output in their place."""
+    terms = []
+    for (group, arg), k in kernels_of.items():
+        if k < 2 or group not in model.ns:
+            continue
+        members = [p for p, g in SHARED.items() if g == group]
+        part = sum(model.ns.get(p, model.default) for p in members) - model.ns[group]
+        if part > 0:
+            terms.append((k - 1) * _size(ops[arg].out_avals[0]) * part)
+    return math.fsum(terms)
 
 
 def ns_key(prim: str, out_avals: Sequence[Any]) -> str:
@@ -344,7 +399,7 @@ class FusionModel:
         cost = self.launch + self.node * len(inside)
         if self.tiebreak is not None:
             cost += TIEBREAK * sum(facts(ops[i], prog)[1] for i in comp)
-        sincos: dict[Any, set[str]] = {}
+        sincos: dict[tuple, set[str]] = {}
         # Each op's share: its reduction, its pass in a library reduction, or its elementwise work.
         share = 4 if kind == LIBRARY and self.library_op is not None else 5
         par = self.parallel_share(root_op, kind)
@@ -352,7 +407,7 @@ class FusionModel:
         for i in comp:
             f = facts(ops[i], prog)
             if f[2]:
-                sincos.setdefault(ops[i].args[0], set()).add(ops[i].prim)
+                sincos.setdefault((f[2], ops[i].args[0]), set()).add(ops[i].prim)
                 continue
             work += f[3] if (i == r and kind in (LIBRARY, REDUCE)) or f[7] else f[share]
         work = _add_sincos(work, self, ops, sincos)
@@ -375,7 +430,7 @@ class FusionModel:
 
     def _facts(self, op: Op, prog: Any) -> tuple:
         """What :meth:`kernel` reads of an op, kept in its memo (per model): nothing (a place kept), its
-        tie-break price, whether it is a ``sin``/``cos``, its share of a kernel's cost as a reduction, as a
+        tie-break price, the :data:`SHARED` group it is a member of (or ``None``), its share of a kernel's cost as a reduction, as a
         pass of a library reduction and as elementwise work, the bytes of its first output, whether it is a
         reduction, the bytes of all its outputs, and of those beyond ``cache`` (spilled) for the first output
         and for all. (Of the program they read only the sizes of the op's
@@ -392,7 +447,7 @@ class FusionModel:
         kind = _kind(op)
         found = memo[key] = (None,
                  self._tiebreak(op) if self.tiebreak is not None else 0.0,
-                 op.prim in ("sin", "cos") and bool(op.args),
+                 shared_group(op),
                  _size(ins[0]) * self.reduce if ins else 0.0,
                  _size(outs[0]) * self.library_op if self.library_op is not None and outs and not bitcast(op)
                  else 0.0,
@@ -419,10 +474,38 @@ class FusionModel:
         # loops' stacked outputs are priced as views; the sum is exact (``math.fsum``), so a program's price does
         # not depend on the order its kernels are listed in, nor on how the running Python rounds ``sum``
         cost = math.fsum([*(k.cost for k in kernels), *(op.own for op in prog.ops if op.prim == "proj")])
+        if self.prices_across:
+            cost -= shared_across(self, prog.ops, self.across(prog, kernels))
         if self.prices_peak:
             temps = kernel_temps(prog, kernels, self.inner)
             cost += self.memory_price(max(temps, default=0), self.held_bytes(prog, kernels, sum(temps)))
         return float(cost)
+
+    def across(self, prog: Any, kernels: Iterable[Fusion]) -> dict[tuple, int]:
+        """(group, argument) -> how many of the kernels compute a member of a :data:`SHARED_ACROSS` group of that
+        argument (:func:`shared_across`)."""
+        found: dict[tuple, int] = {}
+        for k in kernels:
+            for key in self.kernel_across(prog, k.computes):
+                found[key] = found.get(key, 0) + 1
+        return found
+
+    def kernel_across(self, prog: Any, comp: Iterable[Any]) -> set[tuple]:
+        """The (group, argument) of the :data:`SHARED_ACROSS` groups whose members the kernel computing ``comp``
+        computes."""
+        ops = prog.ops
+        out = set()
+        for i in comp:
+            if ops[i].prim in SHARED:
+                group = shared_group(ops[i])
+                if group in SHARED_ACROSS:
+                    out.add((group, ops[i].args[0]))
+        return out
+
+    @property
+    def prices_across(self) -> bool:
+        """Whether the table prices a :data:`SHARED_ACROSS` group (:func:`shared_across` is 0 where it does not)."""
+        return any(g in self.ns for g in SHARED_ACROSS)
 
     @property
     def prices_peak(self) -> bool:

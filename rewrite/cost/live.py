@@ -14,7 +14,8 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from ..ir import primitives as _primitives  # read by the class docstring's example
 from ..ir.walk import postorder
-from .fusion import TIEBREAK, Fusion, FusionModel, _add_sincos, _temp, buffer_of, output_buffers, slices
+from .fusion import (TIEBREAK, SHARED_ACROSS, Fusion, FusionModel, _add_sincos, _temp, buffer_of, output_buffers,
+                     shared_across, slices)
 from .program import LEAF, LIBRARY, OTHER, REDUCE, VIEW, Op, _kind, bitcast
 
 
@@ -70,6 +71,10 @@ class LiveFusion:
         #: per kernel, the sums its price is made of (see _kernel)
         self._sums: dict[Any, _KernelSums] = {}
         self._moved: set = set()
+        #: per kernel, the (group, argument) of the ``SHARED_ACROSS`` groups it computes members of; and per (group,
+        #: argument), how many kernels do (``FusionModel.across``)
+        self._across: dict[Any, set] = {}
+        self._across_count: dict[tuple, int] = {}
         self._views: dict[Any, float] = {}
         self._order = 0
         self._version = 0  # edits so far: the positions (``position``) of an older program are out of date
@@ -242,12 +247,17 @@ class LiveFusion:
                 self._temp_sum -= self._temp.pop(r, 0)
                 self._reads.pop(r, None)
                 self._sums.pop(r, None)
+                self._count_across(r, set())
                 continue
             if incremental and kind != OTHER:
                 cost, reads = self._kernel(r, kind, changes)
             else:
                 cost, reads = self.model.kernel(self, r, kind, self._members[r])
                 self._sums.pop(r, None)  # not kept up to date while priced whole
+            if self.model.prices_across:
+                sums = self._sums.get(r)
+                self._count_across(r, {key for key in sums.sincos if key[0] in SHARED_ACROSS} if sums is not None
+                                   else self.model.kernel_across(self, self._members[r]))
             self._cost[r] = cost
             self._reads[r] = reads
             temp = (sum(_temp(self, a, self._held_outputs, self.roots)
@@ -296,12 +306,13 @@ class LiveFusion:
             f = facts(op, self)
             tiebreak += sign * f[1]
             if f[2]:
-                prims = sincos.setdefault(op.args[0], {})
+                key = (f[2], op.args[0])
+                prims = sincos.setdefault(key, {})
                 prims[op.prim] = prims.get(op.prim, 0) + sign
                 if not prims[op.prim]:
                     del prims[op.prim]
                     if not prims:
-                        del sincos[op.args[0]]
+                        del sincos[key]
             else:
                 work += sign * (f[3] if (x == r and reducing) or f[7] else f[share])
             for a in set(op.args):
@@ -350,9 +361,28 @@ class LiveFusion:
     def price(self) -> float:
         """The program's cost, as :meth:`FusionModel.__call__` prices it."""
         cost = math.fsum([*self._cost.values(), *self._views.values()])  # as FusionModel.__call__ sums
+        if self._across_count:
+            cost -= shared_across(self.model, self.ops, self._across_count)
         if self.model.prices_peak:
             cost += self.model.memory_price(self.peak(), self.model.held_bytes(self, self.kernels(), self._temp_sum))
         return float(cost)
+
+    def _count_across(self, r: Any, keys: set) -> None:
+        """Kernel ``r`` now computes members of the ``SHARED_ACROSS`` groups ``keys``: the counts follow."""
+        old = self._across.get(r, set())
+        if old == keys:
+            return
+        count = self._across_count
+        for key in old - keys:
+            count[key] -= 1
+            if not count[key]:
+                del count[key]
+        for key in keys - old:
+            count[key] = count.get(key, 0) + 1
+        if keys:
+            self._across[r] = keys
+        else:
+            self._across.pop(r, None)
 
     def peak(self) -> int:
         """The program's predicted peak of temporaries, as :meth:`price` reads it."""
@@ -384,7 +414,7 @@ class _KernelSums:
         self.ops: dict[Any, Op] = {}        # each member, with the op it was counted with
         self.tiebreak = 0.0
         self.work = 0.0
-        self.sincos: dict[Any, dict[str, int]] = {}
+        self.sincos: dict[tuple, dict[str, int]] = {}  # (SHARED group, argument) -> its members here, counted
         self.edges: dict[Any, int] = {}     # op -> how many members read it
         self.reads: dict[Any, int] = {}     # op read -> its bytes
         self.read_bytes = 0
