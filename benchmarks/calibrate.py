@@ -261,6 +261,48 @@ def shared_prices(found: dict[str, dict[str, Any]], table: dict[str, float], gro
     return prices
 
 
+def _pos(x: jax.Array) -> jax.Array:
+    return jnp.abs(x) + 0.5
+
+
+#: Chains of two transcendentals in one loop, the second reading the first's result: name -> (first, second, the
+#: chain), each a function of ``x`` (``_pos`` keeps a ``log``'s argument positive in every form).
+CHAINS: dict[str, tuple[Callable, Callable, Callable]] = {
+    "log_cosh": (jnp.cosh, lambda x: jnp.log(_pos(x)), lambda x: jnp.log(2.0 * jnp.cosh(x))),
+    "log_exp": (jnp.exp, lambda x: jnp.log(_pos(x)), lambda x: jnp.log(jnp.exp(x) + 0.5)),
+    "log1p_exp": (jnp.exp, lambda x: jnp.log1p(_pos(x)), lambda x: jnp.log1p(jnp.exp(x))),
+    "exp_log": (lambda x: jnp.log(_pos(x)), lambda x: jnp.exp(0.5 * x), lambda x: jnp.exp(0.5 * jnp.log(_pos(x)))),
+    "tanh_log": (lambda x: jnp.log(_pos(x)), jnp.tanh, lambda x: jnp.tanh(jnp.log(_pos(x)))),
+    "exp_exp": (lambda x: jnp.exp(0.1 * x), jnp.exp, lambda x: jnp.exp(jnp.exp(0.1 * x))),
+}
+
+
+def measure_chain(rounds: int, progress: bool) -> dict[str, Any]:
+    """What a loop pays more where one transcendental reads another's result than for the two apart (``chain``).
+
+    Per pair of :data:`CHAINS`: ns per element of each function alone, of the two side by side in one loop (``f(x) +
+    g(x)``, neither reading the other) and of the chain (``g(f(x))``), each ``... + 1`` against ``x + 1`` as
+    :func:`measure_ops`, in one process. The model prices a loop at its members' prices summed; a chain's excess over
+    that sum, as a share of it, is what a chain pays more (``FusionModel.chained``): ``chain`` is its median over the
+    pairs. Side by side they cost about their sum, so the excess is the waiting, not the work.
+    """
+    x = _inputs("any")
+    variants: dict[str, Callable] = {"base": lambda x: x + 1.0}
+    for name, (f, g, fg) in CHAINS.items():
+        variants[f"{name}:first"] = lambda x, f=f: f(x) + 1.0
+        variants[f"{name}:second"] = lambda x, g=g: g(x) + 1.0
+        variants[f"{name}:apart"] = lambda x, f=f, g=g: f(x) + g(x) + 1.0
+        variants[f"{name}:chain"] = lambda x, fg=fg: fg(x) + 1.0
+    net = _paired(variants, (x,), "base", rounds, progress)
+    ns = {k: t / N * 1e9 for k, t in net.items()}
+    pairs = {}
+    for name in CHAINS:
+        alone = max(ns[f"{name}:first"], MIN_NS) + max(ns[f"{name}:second"], MIN_NS)
+        pairs[name] = {"alone": alone, "apart": ns[f"{name}:apart"], "chain": ns[f"{name}:chain"],
+                       "excess": (ns[f"{name}:chain"] - alone) / alone}
+    return {"chain": max(statistics.median(p["excess"] for p in pairs.values()), 0.0), "pairs": pairs}
+
+
 def measure_memory(rounds: int, progress: bool) -> dict[str, float]:
     """ns per byte a fused loop moves, per element a reduction reads, per flop of a dot, per extra kernel."""
     x = _inputs("any")
@@ -574,6 +616,9 @@ def main(argv: list[str] | None = None) -> None:
                          "and (with --write) store the price of each of --groups found to share (SHARED_CANDIDATES)")
     ap.add_argument("--groups", default="sinhcosh",
                     help="with --shared-only --write: the pairs whose price is stored (comma-separated)")
+    ap.add_argument("--chain-only", action="store_true",
+                    help="measure only what a loop pays more where a transcendental reads another's result (chain), "
+                         "and store it in this backend's table")
     ap.add_argument("--fresh-only", action="store_true",
                     help="measure only what a byte of a buffer allocated per call costs, and from what size (CPU)")
     args = ap.parse_args(argv)
@@ -597,6 +642,18 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.shared_only:
         _shared_only(args)
+        return
+    if args.chain_only:
+        runs = [measure_chain(args.rounds, args.progress) for _ in range(args.runs)]
+        for r in runs:
+            print(json.dumps(r, indent=1), file=sys.stderr)
+        # the median over the runs: an excess is a difference of times, which the load moves either way
+        excess = {n: statistics.median(r["pairs"][n]["excess"] for r in runs) for n in CHAINS}
+        _store_only(args, {"chain": statistics.median(r["chain"] for r in runs)}, "chain",
+                    note=f"python -m benchmarks.calibrate --chain-only, {len(runs)} runs: each chain's excess over its "
+                         "two functions each alone, summed (a share of that sum), median over the runs: "
+                         + ", ".join(f"{n} {v:.2f}" for n, v in excess.items()) + "; stored: the runs' median of "
+                         "the chains' median")
         return
     if args.fresh_only:
         if jax.default_backend() != "cpu":
@@ -671,9 +728,11 @@ def _rounded(figures: dict[str, float]) -> dict[str, float]:
     return {k: (round(v, 1) if k in _TO_ONE_DECIMAL else float(f"{v:.4g}")) for k, v in figures.items()}
 
 
-def _store_only(args: argparse.Namespace, figures: dict[str, float], stamp: str, drop: str | None = None) -> None:
+def _store_only(args: argparse.Namespace, figures: dict[str, float], stamp: str, drop: str | None = None,
+                note: str | None = None) -> None:
     """Print figures measured alone and, with ``--write``, store them in this backend's table, with the date,
-    device and load they were measured under as ``<stamp>_measured`` (``drop``: a key they supersede)."""
+    device and load they were measured under as ``<stamp>_measured`` (``drop``: a key they supersede; ``note``: what
+    they were measured from)."""
     from rewrite.cost import calibration as _calibration
 
     print(json.dumps(figures, indent=1))
@@ -684,7 +743,8 @@ def _store_only(args: argparse.Namespace, figures: dict[str, float], stamp: str,
     table.update(_rounded(figures))
     table[f"{stamp}_measured"] = {"date": datetime.date.today().isoformat(),
                                   "device": str(jax.devices()[0].device_kind),
-                                  "load_average": [round(x, 2) for x in os.getloadavg()]}
+                                  "load_average": [round(x, 2) for x in os.getloadavg()],
+                                  **({"note": note} if note else {})}
     if drop is not None:
         table.pop(drop, None)
     _write(tables)

@@ -698,3 +698,47 @@ def test_calibrate_reads_which_transcendentals_xla_computes_from_shared_work():
         assert group in fewer
         members = [p for p, g in SHARED.items() if g == group]
         assert max(table[p] for p in members) <= table[group] < sum(table[p] for p in members), group
+
+
+def test_a_loop_whose_transcendental_reads_another_pays_for_the_chain():
+    """``chain``: a loop in which one transcendental reads another's result (``log(2 cosh(x))``, the rewritten ising
+    VJP's forward) runs at about twice the two apart on XLA:CPU (``benchmarks/calibrate.py --chain-only``), where two
+    side by side cost their sum. The fusion model charges the dearest chain's prices ``chain`` times more; a
+    reduction between the two ends the chain, and a table without the term (the golden one) charges nothing."""
+    x = jnp.linspace(0.5, 3.0, 1 << 14)
+    n = x.size
+    on, off = AnalyticCost(chain=1.25), AnalyticCost(chain=0.0)
+    ops = on.ops
+    chained = lambda x: jnp.log(2.0 * jnp.cosh(x)) + 1.0  # noqa: E731
+    apart = lambda x: jnp.log(x) * jnp.cosh(x) + 1.0  # noqa: E731
+    summed = lambda x: jnp.log(jnp.exp(x).sum(-1))  # noqa: E731  (a small reduction fused into the log's loop)
+    three = lambda x: jnp.tanh(jnp.log(2.0 * jnp.cosh(x)))  # noqa: E731
+    extra = {f: _priced(on, f, x) - _priced(off, f, x) for f in (chained, apart, three)}
+    assert extra[chained] == pytest.approx(1.25 * n * (ops["cosh"] + ops["log"]), rel=1e-6)
+    assert extra[apart] == 0.0
+    assert extra[three] == pytest.approx(1.25 * n * (ops["cosh"] + ops["log"] + ops["tanh"]), rel=1e-6)
+    xs = x.reshape(64, -1)
+    assert _priced(on, summed, xs) == _priced(off, summed, xs)
+
+
+def test_the_chain_calibration_times_each_chain_in_one_loop_and_the_table_has_it():
+    """``calibrate.py --chain-only`` times each of its chains as one loop (else it would time the bytes between two),
+    and the two functions side by side as one loop too; this machine's table prices the term."""
+    from benchmarks.calibrate import CHAINS
+
+    def loops(f):
+        text = jax.jit(f).lower(jax.ShapeDtypeStruct((1 << 16,), jnp.float32)).compile().as_text()
+        return text.count("kind=kLoop")
+
+    for name, (f, g, fg) in CHAINS.items():
+        assert loops(fg) == 1 and loops(lambda x, f=f, g=g: f(x) + g(x)) == 1, name
+        assert costs_more_than_a_multiply(fg), name
+    table_chain = AnalyticCost().chain
+    assert 0.3 <= table_chain <= 3.0, table_chain
+
+
+def costs_more_than_a_multiply(f):
+    """Whether ``f``'s loop evaluates two of XLA's costly elementwise instructions (a chain of two)."""
+    from benchmarks.calibrate import costly_instructions
+
+    return costly_instructions(f) >= 2

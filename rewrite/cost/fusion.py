@@ -201,7 +201,9 @@ class FusionModel:
     elementwise kernel's input and the output XLA writes over it twice. ``inner(op)`` is what an op holds
     inside itself while it runs (a loop body's temporaries), and a program whose peak is over ``budget``
     bytes is priced above every program within it. A loop kernel of ``parallel_at`` elements or more has
-    its work priced at ``parallel`` times the per-element prices (:meth:`parallel_share`).
+    its work priced at ``parallel`` times the per-element prices (:meth:`parallel_share`). A loop in which a
+    transcendental reads another's result pays ``chain`` times the prices of the dearest such chain more
+    (:meth:`chained`).
     """
 
     def __init__(self, ns: Mapping[str, float], *, byte: float, reduce: float, launch: float, default: float,
@@ -210,8 +212,9 @@ class FusionModel:
                  inner: Callable[[Op], int] | None = None, budget: float | None = None,
                  cache: float = math.inf, spill: float = 0.0, fresh: float = 0.0, fresh_at: float = math.inf,
                  held: Callable[[Any, Sequence[Fusion], Callable[[Op], int] | None, float], int] | None = None,
-                 parallel: float = 1.0, parallel_at: float = math.inf) -> None:
+                 parallel: float = 1.0, parallel_at: float = math.inf, chain: float = 0.0) -> None:
         self.ns = dict(ns)
+        self.chain = chain
         self.parallel = parallel
         self.parallel_at = parallel_at
         self.fresh = fresh
@@ -411,6 +414,8 @@ class FusionModel:
                 continue
             work += f[3] if (i == r and kind in (LIBRARY, REDUCE)) or f[7] else f[share]
         work = _add_sincos(work, self, ops, sincos)
+        if self.chain and kind in (LOOP, REDUCE):
+            work += self.chain * self.chained(prog, inside)
         cost = work if par == 1.0 else cost + par * work
         cost += self.byte * (sum(facts(ops[a], prog)[6] if a in whole else min(facts(ops[a], prog)[6], sliced[a])
                                  for a in reads if ops[a].out_avals)
@@ -419,6 +424,45 @@ class FusionModel:
             cost += self.spill * (sum(facts(ops[a], prog)[9] for a in reads if ops[a].out_avals and a in whole)
                                   + facts(root_op, prog)[10])
         return cost, reads
+
+    def chained(self, prog: Any, inside: Container[Any] | Iterable[Any]) -> float:
+        """The price of the dearest chain of transcendentals in the loop computing ``inside``, where one reads
+        another's result through the loop's own arithmetic (``log(2 cosh(x))``, ``log1p(exp(x))``); 0 where none does.
+
+        A loop is evaluated element by element: a transcendental alone runs at its throughput, but one that waits for
+        another waits for its latency too, and XLA:CPU's loops of a few such functions run at about 1.5-2 times
+        the two apart (``benchmarks/calibrate.py --chain-only``: ``chain`` is the measured share of the chain's
+        prices paid more). A reduction in the loop ends a chain: what it reads is summed, not waited for element by
+        element.
+        """
+        ops = prog.ops
+        members = inside if isinstance(inside, (set, frozenset, dict)) else set(inside)
+        trans = [i for i in members if ops[i].family == _primitives.TRANSCENDENTAL]
+        if len(trans) < 2:
+            return 0.0
+        best: dict[Any, tuple[float, int]] = {}  # op -> (price, transcendentals) of the dearest chain ending there
+
+        def chain_to(i: Any) -> tuple[float, int]:
+            stack = [i]
+            while stack:
+                x = stack[-1]
+                if x in best:
+                    stack.pop()
+                    continue
+                op = ops[x]
+                todo = [a for a in op.args if a in members and a not in best]
+                if todo and _kind(op) != REDUCE:
+                    stack.extend(todo)
+                    continue
+                stack.pop()
+                ins = [best[a] for a in op.args if a in members] if _kind(op) != REDUCE else []
+                price, count = max(ins, default=(0.0, 0))
+                if op.family == _primitives.TRANSCENDENTAL:
+                    price, count = price + self._facts(op, prog)[5], count + 1
+                best[x] = (price, count)
+            return best[i]
+
+        return max((p for p, n in map(chain_to, trans) if n >= 2), default=0.0)
 
     def parallel_share(self, root: Op, kind: str) -> float:
         """What a kernel's work costs, as a share of its per-element prices: ``parallel`` for a loop kernel of

@@ -12,11 +12,11 @@ import heapq
 import math
 from typing import Any, Iterable, Mapping, Sequence
 
-from ..ir import primitives as _primitives  # read by the class docstring's example
+from ..ir import primitives as _primitives
 from ..ir.walk import postorder
 from .fusion import (TIEBREAK, SHARED_ACROSS, Fusion, FusionModel, _add_sincos, _temp, buffer_of, output_buffers,
                      shared_across, slices)
-from .program import LEAF, LIBRARY, OTHER, REDUCE, VIEW, Op, _kind, bitcast
+from .program import LEAF, LIBRARY, LOOP, OTHER, REDUCE, VIEW, Op, _kind, bitcast
 
 
 class LiveFusion:
@@ -305,6 +305,8 @@ class LiveFusion:
         for x, op, sign in came:
             f = facts(op, self)
             tiebreak += sign * f[1]
+            if op.family == _primitives.TRANSCENDENTAL:
+                k.transcendentals += sign
             if f[2]:
                 key = (f[2], op.args[0])
                 prims = sincos.setdefault(key, {})
@@ -348,11 +350,15 @@ class LiveFusion:
         if model.tiebreak is not None:
             cost += TIEBREAK * k.tiebreak
         par = model.parallel_share(ops[r], kind)
+        chain = (model.chain * model.chained(self, members)
+                 if model.chain and k.transcendentals >= 2 and kind in (LOOP, REDUCE) else 0.0)
         if par == 1.0:
             cost += k.work
             cost = _add_sincos(cost, model, ops, sincos)
+            if chain:
+                cost += chain
         else:
-            cost += par * _add_sincos(k.work, model, ops, sincos)
+            cost += par * (_add_sincos(k.work, model, ops, sincos) + chain)
         cost += model.byte * (k.read_bytes + facts(ops[r], self)[8])
         if model.spill:
             cost += model.spill * (k.read_spilled + facts(ops[r], self)[10])
@@ -406,8 +412,8 @@ class LiveFusion:
 class _KernelSums:
     """What :meth:`LiveFusion._kernel` keeps of one kernel between prices."""
 
-    __slots__ = ("kind", "ops", "tiebreak", "work", "sincos", "edges", "reads", "read_bytes", "spilled",
-                 "read_spilled", "slice_edges", "slice_bytes")
+    __slots__ = ("kind", "ops", "tiebreak", "work", "sincos", "transcendentals", "edges", "reads", "read_bytes",
+                 "spilled", "read_spilled", "slice_edges", "slice_bytes")
 
     def __init__(self, kind: str) -> None:
         self.kind = kind
@@ -415,6 +421,7 @@ class _KernelSums:
         self.tiebreak = 0.0
         self.work = 0.0
         self.sincos: dict[tuple, dict[str, int]] = {}  # (SHARED group, argument) -> its members here, counted
+        self.transcendentals = 0            # members of the transcendental family (FusionModel.chained)
         self.edges: dict[Any, int] = {}     # op -> how many members read it
         self.reads: dict[Any, int] = {}     # op read -> its bytes
         self.read_bytes = 0

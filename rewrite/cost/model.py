@@ -277,6 +277,10 @@ class AnalyticCost(CostModel):
     #: form: ``tests/test_scan.py``'s demo-size test), so one rate for every kernel (``loop_parallel=1``).
     loop_parallel: float = dataclasses.field(default_factory=lambda: _table().get("loop_parallel", 1.0))
     loop_parallel_at: float = dataclasses.field(default_factory=lambda: _table().get("loop_parallel_at", math.inf))
+    #: a loop kernel in which a transcendental reads another's result (``log(2 cosh(x))``) pays ``chain`` times the
+    #: prices of the dearest such chain more: each waits for the other's latency (``benchmarks/calibrate.py
+    #: --chain-only``; ``rewrite/cost/fusion.py``'s ``FusionModel.chained``). The table's, where measured; else 0.
+    chain: float = dataclasses.field(default_factory=lambda: _table().get("chain", 0.0))
     #: how much dearer a flop is on the backend's generic product path than on its library path, and what
     #: that path costs beyond it per element of the left operand, in flops (``rewrite/cost/dot.py``: on
     #: XLA:CPU, a left operand that contracts a major dimension)
@@ -439,7 +443,7 @@ class AnalyticCost(CostModel):
                          default=self.transcendental, cheap=self.flop, node=self.node,
                          library_op=self.library_op, tiebreak=self._op_price, memory=self.memory,
                          budget=self.memory_budget, fresh=self.fresh, fresh_at=self.fresh_at, held=scheduled_peak,
-                         parallel=self.loop_parallel, parallel_at=self.loop_parallel_at)
+                         parallel=self.loop_parallel, parallel_at=self.loop_parallel_at, chain=self.chain)
         fm.inner = InnerPeak(fm)
         return fm
 
