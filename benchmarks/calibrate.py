@@ -180,8 +180,8 @@ def measure_ops(rounds: int, progress: bool) -> dict[str, float]:
 
 
 #: Pairs of transcendentals of one argument that XLA:CPU might compute from shared work, each as the calibration
-#: table's key for the pair in one loop (``rewrite/cost/fusion.py``'s ``SHARED`` prices those it names) -> its two
-#: members, as functions of ``x``. The rest are checked and found apart: ``exp`` beside ``cosh``/``sinh`` (their
+#: table's key for the pair in one loop (``rewrite/cost/transcendental.py``'s ``SHARED`` prices those it names) -> its
+#: two members, as functions of ``x``. The rest are checked and found apart: ``exp`` beside ``cosh``/``sinh`` (their
 #: ``exp(x - ln 2)`` is not ``exp(x)``), ``tanh`` (a rational function of its own) beside ``exp`` or ``cosh``,
 #: ``expm1`` beside ``exp``; ``logistic(x)`` is ``1 / (1 + exp(-x))``, which shares its ``exp`` with an ``exp(-x)``
 #: (read through a ``neg``, which the fusion model's groups of one argument do not follow).
@@ -283,8 +283,8 @@ def measure_chain(rounds: int, progress: bool) -> dict[str, Any]:
     Per pair of :data:`CHAINS`: ns per element of each function alone, of the two side by side in one loop (``f(x) +
     g(x)``, neither reading the other) and of the chain (``g(f(x))``), each ``... + 1`` against ``x + 1`` as
     :func:`measure_ops`, in one process. The model prices a loop at its members' prices summed; a chain's excess over
-    that sum, as a share of it, is what a chain pays more (``FusionModel.chained``): ``chain`` is its median over the
-    pairs. Side by side they cost about their sum, so the excess is the waiting, not the work.
+    that sum, as a share of it, is what a chain pays more (``rewrite/cost/transcendental.py``'s ``chained``): ``chain``
+    is its median over the pairs. Side by side they cost about their sum, so the excess is the waiting, not the work.
     """
     x = _inputs("any")
     variants: dict[str, Callable] = {"base": lambda x: x + 1.0}

@@ -650,7 +650,7 @@ def test_sinh_and_cosh_of_one_argument_are_priced_with_their_exps_once():
     kernels (the VJP of ``log(2 cosh(b h))``: ``cosh`` stored for the ``log`` and the backward's division, ``sinh`` in
     the backward's loop) XLA stores the two ``exp`` for both, so the shared part is charged once there too. A table
     without the pair's price (the golden one) prices them apart, as before."""
-    from rewrite.cost.fusion import SHARED
+    from rewrite.cost.transcendental import SHARED
 
     model = AnalyticCost()
     assert SHARED["sinh"] == SHARED["cosh"] == "sinhcosh" and "sinhcosh" in model.ops
@@ -683,7 +683,7 @@ def test_calibrate_reads_which_transcendentals_xla_computes_from_shared_work():
     own) with ``exp`` or ``cosh``. Every group the fusion model prices as shared across kernels is one of them, and
     the machine table's price of it lies between its dearer member and the two apart."""
     from benchmarks.calibrate import SHARED_CANDIDATES, costly_instructions
-    from rewrite.cost.fusion import SHARED, SHARED_ACROSS
+    from rewrite.cost.transcendental import SHARED, SHARED_ACROSS
 
     fewer = set()
     for name, ((_, fa), (_, fb)) in SHARED_CANDIDATES.items():

@@ -77,9 +77,11 @@ def _search_state(name, **model_fields):
 # The second model charges every program's temporaries as mapped fresh at each call, which reads their liveness
 # peak in XLA's order (``FusionModel.held``): the live program's kernels and order must give the whole program's.
 # The third prices large loop kernels' work at half (``FusionModel.parallel_share``), summed apart from the rest; the
-# fourth charges chains of transcendentals in one loop (``FusionModel.chained``), which reads the loop's own graph.
-@pytest.mark.parametrize("fields", [{}, {"fresh": 0.5, "fresh_at": 1.0}, {"loop_parallel": 0.5, "loop_parallel_at": 2048},
-                                    {"chain": 0.6}], ids=["table", "fresh", "parallel", "chain"])
+# fourth charges chains of transcendentals in one loop (``rewrite/cost/transcendental.py``'s ``chained``), which reads
+# the loop's own graph.
+@pytest.mark.parametrize("fields", [{}, {"fresh": 0.5, "fresh_at": 1.0},
+                                    {"loop_parallel": 0.5, "loop_parallel_at": 2048}, {"chain": 0.6}],
+                         ids=["table", "fresh", "parallel", "chain"])
 @pytest.mark.parametrize("name", sorted(PROGRAMS))
 def test_live_prices_equal_whole_program_prices(name, fields):
     res, model, ex, choice = _search_state(name, **fields)

@@ -30,7 +30,7 @@ an extractor's choice:
   (LLVM merges them into ``sincos``), and so do ``sinh`` and ``cosh`` of one
   argument: both are lowered to ``exp(x - ln 2)`` and ``exp(-x - ln 2)``, which
   XLA computes once, and stores for both where they are in two kernels
-  (:data:`SHARED`, :data:`SHARED_ACROSS`).
+  (``rewrite/cost/transcendental.py``).
 * A reshape that keeps row-major order (``reshape`` without ``dimensions``,
   ``squeeze``, a broadcast that only adds axes of size 1) is a ``bitcast``:
   no kernel, no bytes read or written. A kernel that reads it reads its
@@ -54,6 +54,7 @@ from ..ir import primitives as _primitives
 from ..ir.primitives import inner_jaxpr, spec_of
 from ..ir.scanread import SLICES
 from .program import LEAF, LIBRARY, LOOP, OTHER, REDUCE, VIEW, Op, Program, _kind, _size, bitcast
+from .transcendental import SHARED, SHARED_ACROSS, add_shared, chained, shared_across, shared_group
 
 
 #: The weight of the node-by-node price that breaks ties between programs that fuse alike.
@@ -71,71 +72,6 @@ def _nbytes(aval: Any) -> int:
         return int(math.prod(shape)) * np.dtype(dtype).itemsize
     except TypeError:
         return 0
-
-
-#: Transcendentals XLA:CPU computes from shared work where they take one argument, each to the calibration table's key
-#: for the pair of them in one loop: ``sin`` and ``cos`` (LLVM merges them into one ``sincos`` call); ``sinh`` and
-#: ``cosh`` (JAX lowers both through ``exp(x - ln 2)`` and ``exp(-x - ln 2)``, which XLA's common-subexpression
-#: elimination computes once). ``benchmarks/calibrate.py --shared-only`` reads the sharing from the compiled programs
-#: and times each pair alone and together.
-SHARED = {"sin": "sincos", "cos": "sincos", "sinh": "sinhcosh", "cosh": "sinhcosh"}
-#: The groups whose shared work XLA computes once in the whole program, not once per kernel: the two ``exp`` of
-#: ``sinh`` and ``cosh`` are operations of their own, expensive, so XLA stores them for every kernel that reads them
-#: (the VJP of ``log(cosh(x))``: ``cosh`` in one kernel, ``sinh`` in another, two ``exp`` kernels between). ``sin`` and
-#: ``cos`` are each one operation, recomputed in every loop that needs them.
-SHARED_ACROSS = frozenset({"sinhcosh"})
-
-
-def shared_group(op: Op) -> str | None:
-    """The :data:`SHARED` group ``op`` is a member of (``None``: none): ``sin``/``cos`` of an argument, and ``sinh``/
-    ``cosh`` of real numbers (of complex ones XLA computes each apart)."""
-    group = SHARED.get(op.prim)
-    if group is None or not op.args:
-        return None
-    if group != "sincos" and op.out_avals and np.issubdtype(getattr(op.out_avals[0], "dtype", np.float32),
-                                                           np.complexfloating):
-        return None
-    return group
-
-
-def _group_price(model: Any, group: str, which: Iterable[str]) -> float:
-    """ns per element of a group's members in one loop: the table's measured price of the group where both are
-    there, else (a table that has none) ``sincos`` at 1.3 ``sin`` as always, and another group at its members' sum."""
-    which = sorted(which)
-    if len(which) == 1:
-        return model.ns.get(which[0], model.default)
-    found = model.ns.get(group)
-    if found is not None:
-        return found
-    if group == "sincos":
-        return model.ns.get("sin", model.default) * 1.3
-    return sum(model.ns.get(p, model.default) for p in which)
-
-
-def _add_sincos(cost: float, model: Any, ops: Sequence[Any], sincos: dict) -> float:
-    """``cost`` plus the transcendentals of ``sincos`` ((group, argument) -> which of the group's members a kernel
-    takes of it, :data:`SHARED`): both of one argument are priced as the group. Added one by one, in order, so that
-    the whole and the live price (``LiveFusion._kernel``) sum them alike."""
-    for (group, arg), which in sincos.items():
-        cost += _size(ops[arg].out_avals[0]) * _group_price(model, group, which)
-    return cost
-
-
-def shared_across(model: Any, ops: Any, kernels_of: Mapping[tuple, int]) -> float:
-    """What the kernels of a program pay more than XLA for the work of :data:`SHARED_ACROSS` it computes once:
-    ``kernels_of`` maps (group, argument) to how many kernels compute a member of the group of that argument, each of
-    which pays the shared part (the two members apart less the pair in one loop); XLA pays it once. 0 where the table
-    has no price of the pair (the members are then priced apart, as before). The bytes of the stored ``exp`` are not
-    counted: each kernel reads a member's argument or the other member's output in their place."""
-    terms = []
-    for (group, arg), k in kernels_of.items():
-        if k < 2 or group not in model.ns:
-            continue
-        members = [p for p, g in SHARED.items() if g == group]
-        part = sum(model.ns.get(p, model.default) for p in members) - model.ns[group]
-        if part > 0:
-            terms.append((k - 1) * _size(ops[arg].out_avals[0]) * part)
-    return math.fsum(terms)
 
 
 def ns_key(prim: str, out_avals: Sequence[Any]) -> str:
@@ -203,7 +139,7 @@ class FusionModel:
     bytes is priced above every program within it. A loop kernel of ``parallel_at`` elements or more has
     its work priced at ``parallel`` times the per-element prices (:meth:`parallel_share`). A loop in which a
     transcendental reads another's result pays ``chain`` times the prices of the dearest such chain more
-    (:meth:`chained`).
+    (:func:`rewrite.cost.transcendental.chained`).
     """
 
     def __init__(self, ns: Mapping[str, float], *, byte: float, reduce: float, launch: float, default: float,
@@ -413,9 +349,9 @@ class FusionModel:
                 sincos.setdefault((f[2], ops[i].args[0]), set()).add(ops[i].prim)
                 continue
             work += f[3] if (i == r and kind in (LIBRARY, REDUCE)) or f[7] else f[share]
-        work = _add_sincos(work, self, ops, sincos)
+        work = add_shared(work, self, ops, sincos)
         if self.chain and kind in (LOOP, REDUCE):
-            work += self.chain * self.chained(prog, inside)
+            work += self.chain * chained(self, prog, inside)
         cost = work if par == 1.0 else cost + par * work
         cost += self.byte * (sum(facts(ops[a], prog)[6] if a in whole else min(facts(ops[a], prog)[6], sliced[a])
                                  for a in reads if ops[a].out_avals)
@@ -424,45 +360,6 @@ class FusionModel:
             cost += self.spill * (sum(facts(ops[a], prog)[9] for a in reads if ops[a].out_avals and a in whole)
                                   + facts(root_op, prog)[10])
         return cost, reads
-
-    def chained(self, prog: Any, inside: Container[Any] | Iterable[Any]) -> float:
-        """The price of the dearest chain of transcendentals in the loop computing ``inside``, where one reads
-        another's result through the loop's own arithmetic (``log(2 cosh(x))``, ``log1p(exp(x))``); 0 where none does.
-
-        A loop is evaluated element by element: a transcendental alone runs at its throughput, but one that waits for
-        another waits for its latency too, and XLA:CPU's loops of a few such functions run at about 1.5-2 times
-        the two apart (``benchmarks/calibrate.py --chain-only``: ``chain`` is the measured share of the chain's
-        prices paid more). A reduction in the loop ends a chain: what it reads is summed, not waited for element by
-        element.
-        """
-        ops = prog.ops
-        members = inside if isinstance(inside, (set, frozenset, dict)) else set(inside)
-        trans = [i for i in members if ops[i].family == _primitives.TRANSCENDENTAL]
-        if len(trans) < 2:
-            return 0.0
-        best: dict[Any, tuple[float, int]] = {}  # op -> (price, transcendentals) of the dearest chain ending there
-
-        def chain_to(i: Any) -> tuple[float, int]:
-            stack = [i]
-            while stack:
-                x = stack[-1]
-                if x in best:
-                    stack.pop()
-                    continue
-                op = ops[x]
-                todo = [a for a in op.args if a in members and a not in best]
-                if todo and _kind(op) != REDUCE:
-                    stack.extend(todo)
-                    continue
-                stack.pop()
-                ins = [best[a] for a in op.args if a in members] if _kind(op) != REDUCE else []
-                price, count = max(ins, default=(0.0, 0))
-                if op.family == _primitives.TRANSCENDENTAL:
-                    price, count = price + self._facts(op, prog)[5], count + 1
-                best[x] = (price, count)
-            return best[i]
-
-        return max((p for p, n in map(chain_to, trans) if n >= 2), default=0.0)
 
     def parallel_share(self, root: Op, kind: str) -> float:
         """What a kernel's work costs, as a share of its per-element prices: ``parallel`` for a loop kernel of
@@ -474,10 +371,10 @@ class FusionModel:
 
     def _facts(self, op: Op, prog: Any) -> tuple:
         """What :meth:`kernel` reads of an op, kept in its memo (per model): nothing (a place kept), its
-        tie-break price, the :data:`SHARED` group it is a member of (or ``None``), its share of a kernel's cost as a reduction, as a
-        pass of a library reduction and as elementwise work, the bytes of its first output, whether it is a
-        reduction, the bytes of all its outputs, and of those beyond ``cache`` (spilled) for the first output
-        and for all. (Of the program they read only the sizes of the op's
+        tie-break price, the ``SHARED`` group it is a member of (or ``None``), its share of a kernel's cost
+        as a reduction, as a pass of a library reduction and as elementwise work, the bytes of its first output,
+        whether it is a reduction, the bytes of all its outputs, and of those beyond ``cache`` (spilled) for the
+        first output and for all. (Of the program they read only the sizes of the op's
         arguments, which its node fixes: an op's facts are the same in every program of one extraction,
         though its arguments' positions are not.)"""
         memo = op.memo
@@ -526,8 +423,8 @@ class FusionModel:
         return float(cost)
 
     def across(self, prog: Any, kernels: Iterable[Fusion]) -> dict[tuple, int]:
-        """(group, argument) -> how many of the kernels compute a member of a :data:`SHARED_ACROSS` group of that
-        argument (:func:`shared_across`)."""
+        """(group, argument) -> how many of the kernels compute a member of a ``SHARED_ACROSS`` group of that
+        argument (``rewrite/cost/transcendental.py``'s ``shared_across``)."""
         found: dict[tuple, int] = {}
         for k in kernels:
             for key in self.kernel_across(prog, k.computes):
@@ -535,7 +432,7 @@ class FusionModel:
         return found
 
     def kernel_across(self, prog: Any, comp: Iterable[Any]) -> set[tuple]:
-        """The (group, argument) of the :data:`SHARED_ACROSS` groups whose members the kernel computing ``comp``
+        """The (group, argument) of the ``SHARED_ACROSS`` groups whose members the kernel computing ``comp``
         computes."""
         ops = prog.ops
         out = set()
@@ -548,7 +445,7 @@ class FusionModel:
 
     @property
     def prices_across(self) -> bool:
-        """Whether the table prices a :data:`SHARED_ACROSS` group (:func:`shared_across` is 0 where it does not)."""
+        """Whether the table prices a ``SHARED_ACROSS`` group (``shared_across`` is 0 where it does not)."""
         return any(g in self.ns for g in SHARED_ACROSS)
 
     @property

@@ -14,9 +14,9 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from ..ir import primitives as _primitives
 from ..ir.walk import postorder
-from .fusion import (TIEBREAK, SHARED_ACROSS, Fusion, FusionModel, _add_sincos, _temp, buffer_of, output_buffers,
-                     shared_across, slices)
+from .fusion import TIEBREAK, Fusion, FusionModel, _temp, buffer_of, output_buffers, slices
 from .program import LEAF, LIBRARY, LOOP, OTHER, REDUCE, VIEW, Op, _kind, bitcast
+from .transcendental import SHARED_ACROSS, add_shared, chained, shared_across
 
 
 class LiveFusion:
@@ -350,15 +350,15 @@ class LiveFusion:
         if model.tiebreak is not None:
             cost += TIEBREAK * k.tiebreak
         par = model.parallel_share(ops[r], kind)
-        chain = (model.chain * model.chained(self, members)
+        chain = (model.chain * chained(model, self, members)
                  if model.chain and k.transcendentals >= 2 and kind in (LOOP, REDUCE) else 0.0)
         if par == 1.0:
             cost += k.work
-            cost = _add_sincos(cost, model, ops, sincos)
+            cost = add_shared(cost, model, ops, sincos)
             if chain:
                 cost += chain
         else:
-            cost += par * (_add_sincos(k.work, model, ops, sincos) + chain)
+            cost += par * (add_shared(k.work, model, ops, sincos) + chain)
         cost += model.byte * (k.read_bytes + facts(ops[r], self)[8])
         if model.spill:
             cost += model.spill * (k.read_spilled + facts(ops[r], self)[10])
@@ -421,7 +421,7 @@ class _KernelSums:
         self.tiebreak = 0.0
         self.work = 0.0
         self.sincos: dict[tuple, dict[str, int]] = {}  # (SHARED group, argument) -> its members here, counted
-        self.transcendentals = 0            # members of the transcendental family (FusionModel.chained)
+        self.transcendentals = 0            # members of the transcendental family (transcendental.chained)
         self.edges: dict[Any, int] = {}     # op -> how many members read it
         self.reads: dict[Any, int] = {}     # op read -> its bytes
         self.read_bytes = 0

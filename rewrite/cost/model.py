@@ -279,7 +279,7 @@ class AnalyticCost(CostModel):
     loop_parallel_at: float = dataclasses.field(default_factory=lambda: _table().get("loop_parallel_at", math.inf))
     #: a loop kernel in which a transcendental reads another's result (``log(2 cosh(x))``) pays ``chain`` times the
     #: prices of the dearest such chain more: each waits for the other's latency (``benchmarks/calibrate.py
-    #: --chain-only``; ``rewrite/cost/fusion.py``'s ``FusionModel.chained``). The table's, where measured; else 0.
+    #: --chain-only``; ``rewrite/cost/transcendental.py``'s ``chained``). The table's, where measured; else 0.
     chain: float = dataclasses.field(default_factory=lambda: _table().get("chain", 0.0))
     #: how much dearer a flop is on the backend's generic product path than on its library path, and what
     #: that path costs beyond it per element of the left operand, in flops (``rewrite/cost/dot.py``: on
