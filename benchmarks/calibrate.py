@@ -524,6 +524,44 @@ def parallel_at() -> dict[str, float]:
     return {"loop_parallel_at": float(1 << k), "loop_parallel": 1.0 / parts}
 
 
+#: Elementwise operations whose arithmetic is large beside the bytes their loop moves (ns per element well above a
+#: copy's), timed by :func:`measure_serial` on a loop XLA:CPU splits across the cores and on one it does not.
+SERIAL_OPS = ("sin", "cos", "tan", "atan", "cbrt")
+
+
+def measure_serial(rounds: int, progress: bool, runs: int = 1) -> dict[str, Any]:
+    """What an elementwise loop too small for XLA:CPU to split across the cores pays per element, as a multiple of
+    the table's prices (``loop_serial``), and from what size it is split (``loop_parallel_at``, :func:`parallel_at`).
+
+    The table's per-element prices (:func:`measure_ops`) are measured on loops of ``N`` elements, which XLA:CPU splits
+    across the cores (its compiled program's ``outer_dimension_partitions``); a loop under ``loop_parallel_at``
+    elements (a loop body's kernel, a small program's) runs on one. Each of :data:`SERIAL_OPS` is timed as in
+    :func:`measure_ops` on ``N`` elements and on half of ``loop_parallel_at`` (in the cache: its arithmetic, not its
+    bytes), ``runs`` times; ``loop_serial`` is the median over the operations of the small loop's least ns per element
+    over the large one's. The split pays only while the other cores are idle: with them busy the two cost about the
+    same per element, so the least of several runs (the least disturbed) is taken, as :func:`measure_ops` takes its
+    prices. On this 2-core machine the loop body of ``scan_seed_hand_vectorised`` (32K elements a trip) runs ``cos``
+    at 7.5 ns an element, the vectorised form's one loop of 2M at 4.2.
+    """
+    at = parallel_at()["loop_parallel_at"]
+    if not math.isfinite(at):
+        return {"loop_parallel_at": at, "loop_serial": 1.0}
+    small = int(at) // 2
+    key = jax.random.PRNGKey(0)
+    least: dict[int, dict[str, float]] = {N: {}, small: {}}
+    for _ in range(runs):
+        for n in (N, small):
+            x = jax.random.normal(key, (n,), jnp.float32) * 1.5
+            variants = {"base": lambda x: x + 1.0,
+                        **{op: (lambda x, f=ELEMENTWISE[op][0]: f(x) + 1.0) for op in SERIAL_OPS}}
+            for op, t in _paired(variants, (x,), "base", rounds, progress).items():
+                least[n][op] = min(t / n * 1e9, least[n].get(op, math.inf))
+    ratios = {op: least[small][op] / least[N][op] for op in SERIAL_OPS}
+    if progress:
+        print(f"least ns per element at {N} and {small} elements: {least}", file=sys.stderr)
+    return {"loop_parallel_at": at, "loop_serial": max(statistics.median(ratios.values()), 1.0), "ratios": ratios}
+
+
 #: Products timed by ``measure_dot_sizes``: (batch, M, K, N), row-major ``[M, K] x [K, N]`` (the library path), from
 #: 8M to 2G flops; attention's block products among them (``[2, 4]`` heads, head width 64).
 DOT_SIZES = ((8, 128, 64, 256), (8, 256, 64, 256), (8, 512, 64, 128), (8, 512, 64, 256), (8, 512, 256, 64),
@@ -616,6 +654,9 @@ def main(argv: list[str] | None = None) -> None:
                          "and (with --write) store the price of each of --groups found to share (SHARED_CANDIDATES)")
     ap.add_argument("--groups", default="sinhcosh",
                     help="with --shared-only --write: the pairs whose price is stored (comma-separated)")
+    ap.add_argument("--serial-only", action="store_true",
+                    help="measure only what an elementwise loop too small for XLA:CPU to split across the cores pays "
+                         "per element more (loop_serial) and from what size it splits (loop_parallel_at); store them")
     ap.add_argument("--chain-only", action="store_true",
                     help="measure only what a loop pays more where a transcendental reads another's result (chain), "
                          "and store it in this backend's table")
@@ -642,6 +683,16 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.shared_only:
         _shared_only(args)
+        return
+    if args.serial_only:
+        found = measure_serial(args.rounds, args.progress, args.runs)
+        print(json.dumps(found, indent=1), file=sys.stderr)
+        _store_only(args, {"loop_parallel_at": found["loop_parallel_at"], "loop_serial": found["loop_serial"]},
+                    "serial",
+                    note=f"python -m benchmarks.calibrate --serial-only, {args.runs} runs: least ns per element at "
+                         f"{int(found['loop_parallel_at']) // 2} elements over at {N}: "
+                         + ", ".join(f"{op} {v:.2f}" for op, v in found.get("ratios", {}).items())
+                         + "; the split pays only with the other cores idle (with them busy the ratio is about 1)")
         return
     if args.chain_only:
         runs = [measure_chain(args.rounds, args.progress) for _ in range(args.runs)]

@@ -76,12 +76,13 @@ def _search_state(name, **model_fields):
 
 # The second model charges every program's temporaries as mapped fresh at each call, which reads their liveness
 # peak in XLA's order (``FusionModel.held``): the live program's kernels and order must give the whole program's.
-# The third prices large loop kernels' work at half (``FusionModel.parallel_share``), summed apart from the rest; the
-# fourth charges chains of transcendentals in one loop (``rewrite/cost/transcendental.py``'s ``chained``), which reads
-# the loop's own graph.
+# The third prices large loop kernels' work at half (``FusionModel.parallel_share``), summed apart from the rest, and
+# the fourth small ones' at 1.85 times; the fifth charges chains of transcendentals in one loop
+# (``rewrite/cost/transcendental.py``'s ``chained``), which reads the loop's own graph.
 @pytest.mark.parametrize("fields", [{}, {"fresh": 0.5, "fresh_at": 1.0},
-                                    {"loop_parallel": 0.5, "loop_parallel_at": 2048}, {"chain": 0.6}],
-                         ids=["table", "fresh", "parallel", "chain"])
+                                    {"loop_parallel": 0.5, "loop_parallel_at": 2048},
+                                    {"loop_serial": 1.85, "loop_parallel_at": 2048}, {"chain": 0.6}],
+                         ids=["table", "fresh", "parallel", "serial", "chain"])
 @pytest.mark.parametrize("name", sorted(PROGRAMS))
 def test_live_prices_equal_whole_program_prices(name, fields):
     res, model, ex, choice = _search_state(name, **fields)
@@ -274,7 +275,8 @@ def test_live_fusion_prices_random_edits_as_the_whole_program(seed):
     model = FusionModel({"exp": 2.0, "log": 2.5, "tanh": 3.0, "sin": 1.5, "cos": 1.5, "div": 1.2, "sincos": 2.0,
                          "sinh": 2.2, "cosh": 1.1, "sinhcosh": 2.4},
                         byte=0.05, reduce=0.3, launch=500.0, default=3.0, cheap=0.25, node=20.0, library_op=0.4,
-                        memory=rng.choice([0.0, 0.01, 1.0]), chain=rng.choice([0.0, 0.6]))
+                        memory=rng.choice([0.0, 0.01, 1.0]), chain=rng.choice([0.0, 0.6]),
+                        serial=rng.choice([1.0, 1.85]), parallel_at=4096.0)
     kinds: dict[int, str] = {}
     ops: dict[int, Op] = {}
     for c in range(rng.randint(3, 25)):

@@ -137,7 +137,8 @@ class FusionModel:
     elementwise kernel's input and the output XLA writes over it twice. ``inner(op)`` is what an op holds
     inside itself while it runs (a loop body's temporaries), and a program whose peak is over ``budget``
     bytes is priced above every program within it. A loop kernel of ``parallel_at`` elements or more has
-    its work priced at ``parallel`` times the per-element prices (:meth:`parallel_share`). A loop in which a
+    its work priced at ``parallel`` times the per-element prices, a smaller one at ``serial`` times
+    (:meth:`parallel_share`). A loop in which a
     transcendental reads another's result pays ``chain`` times the prices of the dearest such chain more
     (:func:`rewrite.cost.transcendental.chained`).
     """
@@ -148,8 +149,10 @@ class FusionModel:
                  inner: Callable[[Op], int] | None = None, budget: float | None = None,
                  cache: float = math.inf, spill: float = 0.0, fresh: float = 0.0, fresh_at: float = math.inf,
                  held: Callable[[Any, Sequence[Fusion], Callable[[Op], int] | None, float], int] | None = None,
-                 parallel: float = 1.0, parallel_at: float = math.inf, chain: float = 0.0) -> None:
+                 parallel: float = 1.0, parallel_at: float = math.inf, chain: float = 0.0,
+                 serial: float = 1.0) -> None:
         self.ns = dict(ns)
+        self.serial = serial
         self.chain = chain
         self.parallel = parallel
         self.parallel_at = parallel_at
@@ -343,16 +346,23 @@ class FusionModel:
         share = 4 if kind == LIBRARY and self.library_op is not None else 5
         par = self.parallel_share(root_op, kind)
         work = cost if par == 1.0 else 0.0  # (summed as before where the term is off: equal prices stay equal)
+        reduced = 0.0  # a reduction's share where ``par`` scales the rest: its price is measured on one core
         for i in comp:
             f = facts(ops[i], prog)
             if f[2]:
                 sincos.setdefault((f[2], ops[i].args[0]), set()).add(ops[i].prim)
                 continue
-            work += f[3] if (i == r and kind in (LIBRARY, REDUCE)) or f[7] else f[share]
+            if (i == r and kind in (LIBRARY, REDUCE)) or f[7]:
+                if par == 1.0:
+                    work += f[3]
+                else:
+                    reduced += f[3]
+            else:
+                work += f[share]
         work = add_shared(work, self, ops, sincos)
         if self.chain and kind in (LOOP, REDUCE):
             work += self.chain * chained(self, prog, inside)
-        cost = work if par == 1.0 else cost + par * work
+        cost = work if par == 1.0 else cost + par * work + reduced
         cost += self.byte * (sum(facts(ops[a], prog)[6] if a in whole else min(facts(ops[a], prog)[6], sliced[a])
                                  for a in reads if ops[a].out_avals)
                              + facts(root_op, prog)[8])
@@ -362,12 +372,17 @@ class FusionModel:
         return cost, reads
 
     def parallel_share(self, root: Op, kind: str) -> float:
-        """What a kernel's work costs, as a share of its per-element prices: ``parallel`` for a loop kernel of
-        ``parallel_at`` elements or more (XLA:CPU splits one that large across the cores; a loop body's
-        kernels, priced by the node model, and smaller ones run on one), else 1."""
-        if self.parallel == 1.0 or kind != LOOP or not root.out_avals:
+        """What a kernel's elementwise work costs, as a multiple of its per-element prices: ``parallel`` for a loop
+        kernel of ``parallel_at`` elements or more (XLA:CPU splits one that large across the cores), ``serial`` for a
+        smaller one (which runs on one core, where the prices were measured on split loops:
+        ``AnalyticCost.loop_serial``); 1 for other kernels. A reduction fused into the loop is priced as measured."""
+        if (self.parallel == 1.0 and self.serial == 1.0) or kind != LOOP or not root.out_avals:
             return 1.0
-        return self.parallel if _size(root.out_avals[0]) >= self.parallel_at else 1.0
+        return self.loop_share(_size(root.out_avals[0]))
+
+    def loop_share(self, elems: float) -> float:
+        """The multiple of its per-element prices a loop kernel of ``elems`` elements pays (:meth:`parallel_share`)."""
+        return self.parallel if elems >= self.parallel_at else self.serial
 
     def _facts(self, op: Op, prog: Any) -> tuple:
         """What :meth:`kernel` reads of an op, kept in its memo (per model): nothing (a place kept), its

@@ -285,7 +285,7 @@ class LiveFusion:
         had = k.ops
         touched: set = set()
         edges, sincos = k.edges, k.sincos
-        tiebreak, work = k.tiebreak, k.work
+        tiebreak, work, reduced = k.tiebreak, k.work, k.reduced
         # Only ops that joined or left a kernel, or changed, can be counted wrong (a fresh kernel: all of them).
         if had:
             came = []
@@ -316,7 +316,10 @@ class LiveFusion:
                     if not prims:
                         del sincos[key]
             else:
-                work += sign * (f[3] if (x == r and reducing) or f[7] else f[share])
+                if (x == r and reducing) or f[7]:
+                    reduced += sign * f[3]  # apart: a loop's share (parallel_share) scales only the rest
+                else:
+                    work += sign * f[share]
             for a in set(op.args):
                 n = edges.get(a, 0) + sign
                 if n:
@@ -328,7 +331,7 @@ class LiveFusion:
                     k.slice_bytes[a] = k.slice_bytes.get(a, 0) + sign * f[6]
                 touched.add(a)
             touched.add(x)
-        k.tiebreak, k.work = tiebreak, work
+        k.tiebreak, k.work, k.reduced = tiebreak, work, reduced
         touched.update(x for x in changes if x in edges)  # a read op that became a literal, or stopped being one
         reads = k.reads
         for a in touched:
@@ -353,12 +356,12 @@ class LiveFusion:
         chain = (model.chain * chained(model, self, members)
                  if model.chain and k.transcendentals >= 2 and kind in (LOOP, REDUCE) else 0.0)
         if par == 1.0:
-            cost += k.work
+            cost += k.work + k.reduced
             cost = add_shared(cost, model, ops, sincos)
             if chain:
                 cost += chain
         else:
-            cost += par * (add_shared(k.work, model, ops, sincos) + chain)
+            cost += par * (add_shared(k.work, model, ops, sincos) + chain) + k.reduced
         cost += model.byte * (k.read_bytes + facts(ops[r], self)[8])
         if model.spill:
             cost += model.spill * (k.read_spilled + facts(ops[r], self)[10])
@@ -412,14 +415,15 @@ class LiveFusion:
 class _KernelSums:
     """What :meth:`LiveFusion._kernel` keeps of one kernel between prices."""
 
-    __slots__ = ("kind", "ops", "tiebreak", "work", "sincos", "transcendentals", "edges", "reads", "read_bytes",
-                 "spilled", "read_spilled", "slice_edges", "slice_bytes")
+    __slots__ = ("kind", "ops", "tiebreak", "work", "reduced", "sincos", "transcendentals", "edges", "reads",
+                 "read_bytes", "spilled", "read_spilled", "slice_edges", "slice_bytes")
 
     def __init__(self, kind: str) -> None:
         self.kind = kind
         self.ops: dict[Any, Op] = {}        # each member, with the op it was counted with
         self.tiebreak = 0.0
         self.work = 0.0
+        self.reduced = 0.0                  # the reductions' shares (apart from ``work``, which a loop's share scales)
         self.sincos: dict[tuple, dict[str, int]] = {}  # (SHARED group, argument) -> its members here, counted
         self.transcendentals = 0            # members of the transcendental family (transcendental.chained)
         self.edges: dict[Any, int] = {}     # op -> how many members read it

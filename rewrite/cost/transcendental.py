@@ -71,8 +71,9 @@ def shared_across(model: Any, ops: Any, kernels_of: Mapping[tuple, int]) -> floa
     """What the kernels of a program pay more than XLA for the work of :data:`SHARED_ACROSS` it computes once:
     ``kernels_of`` maps (group, argument) to how many kernels compute a member of the group of that argument, each of
     which pays the shared part (the two members apart less the pair in one loop); XLA pays it once. 0 where the table
-    has no price of the pair (the members are then priced apart, as before). The bytes of the stored ``exp`` are not
-    counted: each kernel reads a member's argument or the other member's output in their place."""
+    has no price of the pair (the members are then priced apart, as before), at the multiple of its per-element prices
+    a loop of that size pays (``FusionModel.loop_share``). The bytes of the stored ``exp`` are not counted: each
+    kernel reads a member's argument or the other member's output in their place."""
     terms = []
     for (group, arg), k in kernels_of.items():
         if k < 2 or group not in model.ns:
@@ -80,7 +81,8 @@ def shared_across(model: Any, ops: Any, kernels_of: Mapping[tuple, int]) -> floa
         members = [p for p, g in SHARED.items() if g == group]
         part = sum(model.ns.get(p, model.default) for p in members) - model.ns[group]
         if part > 0:
-            terms.append((k - 1) * _size(ops[arg].out_avals[0]) * part)
+            elems = _size(ops[arg].out_avals[0])
+            terms.append((k - 1) * elems * part * model.loop_share(elems))
     return math.fsum(terms)
 
 
