@@ -763,6 +763,12 @@ def test_a_loop_too_small_for_xla_cpu_to_split_pays_its_arithmetic_at_the_serial
         assert _priced(model, f, x) - _priced(off, f, x) == pytest.approx(work if pays else 0.0, rel=2e-3, abs=1e-6)
         node = NodeInfo("cos", "transcendental", {}, (x.aval,), (x.aval,))
         assert model(node) - off(node) == pytest.approx(n * model.ops["cos"] if pays else 0.0, rel=1e-9, abs=1e-9)
+    # a small loop that reduces (a reduction of under 4096 elements is a loop, not a library call): its elementwise
+    # work as any small loop's, its reduction as measured
+    x = jnp.linspace(-3.0, 3.0, 1024)
+    g = lambda x: jnp.sum(jnp.cos(x) * 2.0)  # noqa: E731
+    work = x.size * (model.ops["cos"] + model.flop)
+    assert _priced(model, g, x) - _priced(off, g, x) == pytest.approx(work, rel=2e-3)
 
 
 def test_the_machine_table_prices_the_seed_s_stacked_cos_on_one_core():

@@ -373,12 +373,13 @@ class FusionModel:
 
     def parallel_share(self, root: Op, kind: str) -> float:
         """What a kernel's elementwise work costs, as a multiple of its per-element prices: ``parallel`` for a loop
-        kernel of ``parallel_at`` elements or more (XLA:CPU splits one that large across the cores), ``serial`` for a
-        smaller one (which runs on one core, where the prices were measured on split loops:
-        ``AnalyticCost.loop_serial``); 1 for other kernels. A reduction fused into the loop is priced as measured."""
-        if (self.parallel == 1.0 and self.serial == 1.0) or kind != LOOP or not root.out_avals:
+        kernel (one that reduces too) of ``parallel_at`` elements or more (XLA:CPU splits one that large across the
+        cores), ``serial`` for a smaller one (which runs on one core, where the prices were measured on split loops:
+        ``AnalyticCost.loop_serial``); 1 for other kernels. A reduction in the loop is priced as measured."""
+        if (self.parallel == 1.0 and self.serial == 1.0) or kind not in (LOOP, REDUCE) or not root.out_avals:
             return 1.0
-        return self.loop_share(_size(root.out_avals[0]))
+        # a loop that reduces runs over its operand's elements
+        return self.loop_share(_size(root.in_avals[0] if kind == REDUCE and root.in_avals else root.out_avals[0]))
 
     def loop_share(self, elems: float) -> float:
         """The multiple of its per-element prices a loop kernel of ``elems`` elements pays (:meth:`parallel_share`)."""
