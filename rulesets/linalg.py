@@ -381,21 +381,24 @@ def _computed_from(f: Value, x: Value, depth: int = 6) -> bool:
     return False
 
 
-def _read_elsewhere(m: Any, rest: Value, x: Value, f: Value) -> bool:
-    """Whether ``rest`` is read by anything but products, ``x`` (``rest`` scaled by ``f``) and the computation of
-    ``f`` from it (followed through arrays of ``rest``'s size on the way, ``rest`` converted, say): by a
-    gradient's residual, or another reduction of it."""
+def _forks(m: Any, rest: Value, x: Value, f: Value) -> bool:
+    """Whether moving ``f`` (in ``x = f rest``) past the product leaves ``rest`` read by the product and by the
+    computation of ``f`` alone: ``f`` is computed from ``rest``, and nothing but products, ``x`` and that
+    computation reads ``rest`` (followed through arrays of ``rest``'s size on the way, ``rest`` converted, say).
+    A gradient's residual, or another reduction of ``rest``, is a reader elsewhere."""
+    if not _computed_from(f, rest):
+        return False
     seen, stack = {rest.name}, [rest]
     while stack:
         for user, node in m.users(stack.pop()):
             if node.prim == "dot_general" or user.name in (x.name, f.name) or user.name in seen:
                 continue
             if not _computed_from(f, user):
-                return True
+                return False
             if user.size >= rest.size:  # rest in another dtype or layout, on the way to f: who else reads it?
                 seen.add(user.name)
                 stack.append(user)
-    return False
+    return True
 
 
 def _factor_out(side: str) -> Callable:
@@ -425,8 +428,7 @@ def _factor_out(side: str) -> Callable:
         for op, rest, f, dims in _factors_of(x):
             along = tuple(None if d is None else lx[d] for d in dims)
             used = {l for l in along if l is not None}
-            forks = _computed_from(f, rest) and not _read_elsewhere(m, rest, x, f)
-            if used <= set(lo) and m.root.size < x.size and not forks:  # along the result: (f a) b -> f (a b)
+            if used <= set(lo) and m.root.size < x.size and not _forks(m, rest, x, f):  # (f a) b -> f (a b)
                 how = _placement(f, along, lo, m.root.shape)
 
                 def fn(f, r, o, how=how, op=op, lhs=side == "lhs"):
