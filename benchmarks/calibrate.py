@@ -107,12 +107,13 @@ ELEMENTWISE = {
     "pow": (lambda x: x ** (x * 0.5), "pos"),
     "atan2": (lambda x: jnp.arctan2(x, 0.75), "any"),
     "sincos": (lambda x: jnp.sin(x) * jnp.cos(x), "any"),
+    "sinhcosh": (lambda x: jnp.sinh(x) * jnp.cosh(x), "unit"),
     # exp of complex numbers (rewrite.cost.fusion.ns_key); a real part that XLA cannot fold away
     "exp_complex": (lambda x: (lambda z: z.real * z.imag)(jnp.exp(lax.complex(x * 0.5, x))), "any"),
 }
 
 #: Ops whose calibration program needs more than the op itself (a multiply here).
-_EXTRA_MUL = {"sincos", "exp_complex"}
+_EXTRA_MUL = {"sincos", "sinhcosh", "exp_complex"}
 
 
 def _inputs(domain: str) -> jax.Array:
@@ -176,6 +177,130 @@ def measure_ops(rounds: int, progress: bool) -> dict[str, float]:
     # Cheap operations cost less than the noise; a floor keeps them above zero, so fewer is still better.
     floor = MIN_NS if REPEAT == 1 else MIN_NS / 100
     return {n: max(t / (N * REPEAT) * 1e9, floor) for n, t in net.items()}
+
+
+#: Pairs of transcendentals of one argument that XLA:CPU might compute from shared work, each as the calibration
+#: table's key for the pair in one loop (``rewrite/cost/transcendental.py``'s ``SHARED`` prices those it names) -> its
+#: two members, as functions of ``x``. The rest are checked and found apart: ``exp`` beside ``cosh``/``sinh`` (their
+#: ``exp(x - ln 2)`` is not ``exp(x)``), ``tanh`` (a rational function of its own) beside ``exp`` or ``cosh``,
+#: ``expm1`` beside ``exp``; ``logistic(x)`` is ``1 / (1 + exp(-x))``, which shares its ``exp`` with an ``exp(-x)``
+#: (read through a ``neg``, which the fusion model's groups of one argument do not follow).
+SHARED_CANDIDATES: dict[str, tuple[tuple[str, Callable], tuple[str, Callable]]] = {
+    "sincos": (("sin", jnp.sin), ("cos", jnp.cos)),
+    "sinhcosh": (("sinh", jnp.sinh), ("cosh", jnp.cosh)),
+    "exp_cosh": (("exp", jnp.exp), ("cosh", jnp.cosh)),
+    "exp_sinh": (("exp", jnp.exp), ("sinh", jnp.sinh)),
+    "exp_tanh": (("exp", jnp.exp), ("tanh", jnp.tanh)),
+    "tanh_cosh": (("tanh", jnp.tanh), ("cosh", jnp.cosh)),
+    "exp_expm1": (("exp", jnp.exp), ("expm1", jnp.expm1)),
+    "logistic_expneg": (("logistic", lax.logistic), ("exp(-x)", lambda x: jnp.exp(-x))),
+}
+
+#: ns per element both members of a pair must cost alone for a timing to show that they share (:func:`measure_shared`).
+TIMED_SHARING_NS = 1.0
+
+#: XLA's elementwise instructions that cost more than arithmetic, as the compiled HLO names them.
+_COSTLY_HLO = ("exponential-minus-one", "exponential", "log-plus-one", "log", "tanh", "logistic", "sine", "cosine",
+               "divide", "power", "sqrt", "rsqrt", "cbrt", "atan2")
+
+
+def costly_instructions(f: Callable, n: int = 1 << 16) -> int:
+    """How many of :data:`_COSTLY_HLO` the compiled program of ``f`` on ``n`` float32 elements evaluates per element:
+    a pair computed from shared work evaluates fewer than its two members apart."""
+    text = jax.jit(f).lower(jax.ShapeDtypeStruct((n,), jnp.float32)).compile().as_text()
+    names = "|".join(re.escape(h) for h in _COSTLY_HLO)
+    return len(re.findall(r"f32\[" + str(n) + r"\](?:\{[0-9,]*\})? (?:" + names + r")\(", text))
+
+
+def measure_shared(rounds: int, progress: bool) -> dict[str, dict[str, Any]]:
+    """Which of :data:`SHARED_CANDIDATES` XLA:CPU computes from shared work, and what the pair costs in one loop.
+
+    Per pair: the costly instructions of each member alone and of the two together (read from the compiled programs,
+    nothing timed: ``sinh`` and ``cosh`` 4 and 2 alone, 4 together), and ns per element of each member alone and of
+    the pair (``m1(x) * m2(x) + 1`` against ``x + 1``, as :func:`measure_ops`), timed in one process; ``ratio`` is the
+    pair's time over its dearer member's. A pair shares where it evaluates fewer instructions than its members apart,
+    or (``sin``/``cos``: LLVM merges them after XLA) where together it costs less than the cheaper member more than
+    the dearer one alone (``saved`` over half the cheaper member's time), judged so only where both members cost
+    :data:`TIMED_SHARING_NS` or more alone: a cheaper one hides under the loop's memory traffic (``exp``, 0.01-0.3 ns),
+    and is then as free beside any other member as beside one it shares with.
+    """
+    x = _inputs("any")
+    variants: dict[str, Callable] = {"base": lambda x: x + 1.0}
+    for name, ((a, fa), (b, fb)) in SHARED_CANDIDATES.items():
+        variants.setdefault(a, lambda x, f=fa: f(x) + 1.0)
+        variants.setdefault(b, lambda x, f=fb: f(x) + 1.0)
+        variants[name] = lambda x, f=fa, g=fb: f(x) * g(x) + 1.0
+    net = _paired(variants, (x,), "base", rounds, progress)
+    ns = {k: max(t / N * 1e9, MIN_NS) for k, t in net.items()}
+    out = {}
+    for name, ((a, fa), (b, fb)) in SHARED_CANDIDATES.items():
+        apart = costly_instructions(fa) + costly_instructions(fb)
+        together = costly_instructions(lambda x, f=fa, g=fb: f(x) * g(x))
+        dear, cheap = sorted((ns[a], ns[b]), reverse=True)
+        saved = (ns[a] + ns[b] - ns[name]) / cheap
+        out[name] = {"members": [a, b], "instructions_apart": apart, "instructions_together": together,
+                     "ns": {a: ns[a], b: ns[b], name: ns[name]}, "ratio": ns[name] / dear, "saved": saved,
+                     "shares": together < apart or (cheap >= TIMED_SHARING_NS and saved > 0.5)}
+    return out
+
+
+def shared_prices(found: dict[str, dict[str, Any]], table: dict[str, float], groups: Any) -> dict[str, float]:
+    """The price of each pair of ``groups`` found to share, on the scale of ``table`` (an ``elementwise_ns`` table):
+    its dearer member's price there times the measured ratio of the pair to that member (the ratio, not the time, is
+    what one run on a shared machine measures well), and never below that member's price: the pair computes all it
+    does."""
+    prices = {}
+    for name in groups:
+        f = found.get(name)
+        if f is None or not f["shares"]:
+            continue
+        a, b = f["members"]
+        dear = a if f["ns"][a] >= f["ns"][b] else b
+        if dear in table:
+            prices[name] = round(table[dear] * max(f["ratio"], 1.0), 4)
+    return prices
+
+
+def _pos(x: jax.Array) -> jax.Array:
+    return jnp.abs(x) + 0.5
+
+
+#: Chains of two transcendentals in one loop, the second reading the first's result: name -> (first, second, the
+#: chain), each a function of ``x`` (``_pos`` keeps a ``log``'s argument positive in every form).
+CHAINS: dict[str, tuple[Callable, Callable, Callable]] = {
+    "log_cosh": (jnp.cosh, lambda x: jnp.log(_pos(x)), lambda x: jnp.log(2.0 * jnp.cosh(x))),
+    "log_exp": (jnp.exp, lambda x: jnp.log(_pos(x)), lambda x: jnp.log(jnp.exp(x) + 0.5)),
+    "log1p_exp": (jnp.exp, lambda x: jnp.log1p(_pos(x)), lambda x: jnp.log1p(jnp.exp(x))),
+    "exp_log": (lambda x: jnp.log(_pos(x)), lambda x: jnp.exp(0.5 * x), lambda x: jnp.exp(0.5 * jnp.log(_pos(x)))),
+    "tanh_log": (lambda x: jnp.log(_pos(x)), jnp.tanh, lambda x: jnp.tanh(jnp.log(_pos(x)))),
+    "exp_exp": (lambda x: jnp.exp(0.1 * x), jnp.exp, lambda x: jnp.exp(jnp.exp(0.1 * x))),
+}
+
+
+def measure_chain(rounds: int, progress: bool) -> dict[str, Any]:
+    """What a loop pays more where one transcendental reads another's result than for the two apart (``chain``).
+
+    Per pair of :data:`CHAINS`: ns per element of each function alone, of the two side by side in one loop (``f(x) +
+    g(x)``, neither reading the other) and of the chain (``g(f(x))``), each ``... + 1`` against ``x + 1`` as
+    :func:`measure_ops`, in one process. The model prices a loop at its members' prices summed; a chain's excess over
+    that sum, as a share of it, is what a chain pays more (``rewrite/cost/transcendental.py``'s ``chained``): ``chain``
+    is its median over the pairs. Side by side they cost about their sum, so the excess is the waiting, not the work.
+    """
+    x = _inputs("any")
+    variants: dict[str, Callable] = {"base": lambda x: x + 1.0}
+    for name, (f, g, fg) in CHAINS.items():
+        variants[f"{name}:first"] = lambda x, f=f: f(x) + 1.0
+        variants[f"{name}:second"] = lambda x, g=g: g(x) + 1.0
+        variants[f"{name}:apart"] = lambda x, f=f, g=g: f(x) + g(x) + 1.0
+        variants[f"{name}:chain"] = lambda x, fg=fg: fg(x) + 1.0
+    net = _paired(variants, (x,), "base", rounds, progress)
+    ns = {k: t / N * 1e9 for k, t in net.items()}
+    pairs = {}
+    for name in CHAINS:
+        alone = max(ns[f"{name}:first"], MIN_NS) + max(ns[f"{name}:second"], MIN_NS)
+        pairs[name] = {"alone": alone, "apart": ns[f"{name}:apart"], "chain": ns[f"{name}:chain"],
+                       "excess": (ns[f"{name}:chain"] - alone) / alone}
+    return {"chain": max(statistics.median(p["excess"] for p in pairs.values()), 0.0), "pairs": pairs}
 
 
 def measure_memory(rounds: int, progress: bool) -> dict[str, float]:
@@ -399,6 +524,44 @@ def parallel_at() -> dict[str, float]:
     return {"loop_parallel_at": float(1 << k), "loop_parallel": 1.0 / parts}
 
 
+#: Elementwise operations whose arithmetic is large beside the bytes their loop moves (ns per element well above a
+#: copy's), timed by :func:`measure_serial` on a loop XLA:CPU splits across the cores and on one it does not.
+SERIAL_OPS = ("sin", "cos", "tan", "atan", "cbrt")
+
+
+def measure_serial(rounds: int, progress: bool, runs: int = 1) -> dict[str, Any]:
+    """What an elementwise loop too small for XLA:CPU to split across the cores pays per element, as a multiple of
+    the table's prices (``loop_serial``), and from what size it is split (``loop_parallel_at``, :func:`parallel_at`).
+
+    The table's per-element prices (:func:`measure_ops`) are measured on loops of ``N`` elements, which XLA:CPU splits
+    across the cores (its compiled program's ``outer_dimension_partitions``); a loop under ``loop_parallel_at``
+    elements (a loop body's kernel, a small program's) runs on one. Each of :data:`SERIAL_OPS` is timed as in
+    :func:`measure_ops` on ``N`` elements and on half of ``loop_parallel_at`` (in the cache: its arithmetic, not its
+    bytes), ``runs`` times; ``loop_serial`` is the median over the operations of the small loop's least ns per element
+    over the large one's. The split pays only while the other cores are idle: with them busy the two cost about the
+    same per element, so the least of several runs (the least disturbed) is taken, as :func:`measure_ops` takes its
+    prices. On this 2-core machine the loop body of ``scan_seed_hand_vectorised`` (32K elements a trip) runs ``cos``
+    at 7.5 ns an element, the vectorised form's one loop of 2M at 4.2.
+    """
+    at = parallel_at()["loop_parallel_at"]
+    if not math.isfinite(at):
+        return {"loop_parallel_at": at, "loop_serial": 1.0}
+    small = int(at) // 2
+    key = jax.random.PRNGKey(0)
+    least: dict[int, dict[str, float]] = {N: {}, small: {}}
+    for _ in range(runs):
+        for n in (N, small):
+            x = jax.random.normal(key, (n,), jnp.float32) * 1.5
+            variants = {"base": lambda x: x + 1.0,
+                        **{op: (lambda x, f=ELEMENTWISE[op][0]: f(x) + 1.0) for op in SERIAL_OPS}}
+            for op, t in _paired(variants, (x,), "base", rounds, progress).items():
+                least[n][op] = min(t / n * 1e9, least[n].get(op, math.inf))
+    ratios = {op: least[small][op] / least[N][op] for op in SERIAL_OPS}
+    if progress:
+        print(f"least ns per element at {N} and {small} elements: {least}", file=sys.stderr)
+    return {"loop_parallel_at": at, "loop_serial": max(statistics.median(ratios.values()), 1.0), "ratios": ratios}
+
+
 #: Products timed by ``measure_dot_sizes``: (batch, M, K, N), row-major ``[M, K] x [K, N]`` (the library path), from
 #: 8M to 2G flops; attention's block products among them (``[2, 4]`` heads, head width 64).
 DOT_SIZES = ((8, 128, 64, 256), (8, 256, 64, 256), (8, 512, 64, 128), (8, 512, 64, 256), (8, 512, 256, 64),
@@ -486,6 +649,17 @@ def main(argv: list[str] | None = None) -> None:
                     help="read only from what size and into how many parts XLA:CPU splits a loop across the cores "
                          "(loop_parallel_at, loop_parallel: from the compiled program, nothing timed); printed, "
                          "not stored (the tables leave the term off)")
+    ap.add_argument("--shared-only", action="store_true",
+                    help="measure only which pairs of transcendentals of one argument XLA computes from shared work, "
+                         "and (with --write) store the price of each of --groups found to share (SHARED_CANDIDATES)")
+    ap.add_argument("--groups", default="sinhcosh",
+                    help="with --shared-only --write: the pairs whose price is stored (comma-separated)")
+    ap.add_argument("--serial-only", action="store_true",
+                    help="measure only what an elementwise loop too small for XLA:CPU to split across the cores pays "
+                         "per element more (loop_serial) and from what size it splits (loop_parallel_at); store them")
+    ap.add_argument("--chain-only", action="store_true",
+                    help="measure only what a loop pays more where a transcendental reads another's result (chain), "
+                         "and store it in this backend's table")
     ap.add_argument("--fresh-only", action="store_true",
                     help="measure only what a byte of a buffer allocated per call costs, and from what size (CPU)")
     args = ap.parse_args(argv)
@@ -506,6 +680,31 @@ def main(argv: list[str] | None = None) -> None:
         # (scan_seed at xs 256x512x128: 0.99x and 64 MiB against main's 1.56x and 0.5 MiB, load 6), so the
         # tables leave the term off (decisions.md, 2026-11-29 notes).
         print(json.dumps(parallel_at(), indent=1))
+        return
+    if args.shared_only:
+        _shared_only(args)
+        return
+    if args.serial_only:
+        found = measure_serial(args.rounds, args.progress, args.runs)
+        print(json.dumps(found, indent=1), file=sys.stderr)
+        _store_only(args, {"loop_parallel_at": found["loop_parallel_at"], "loop_serial": found["loop_serial"]},
+                    "serial",
+                    note=f"python -m benchmarks.calibrate --serial-only, {args.runs} runs: least ns per element at "
+                         f"{int(found['loop_parallel_at']) // 2} elements over at {N}: "
+                         + ", ".join(f"{op} {v:.2f}" for op, v in found.get("ratios", {}).items())
+                         + "; the split pays only with the other cores idle (with them busy the ratio is about 1)")
+        return
+    if args.chain_only:
+        runs = [measure_chain(args.rounds, args.progress) for _ in range(args.runs)]
+        for r in runs:
+            print(json.dumps(r, indent=1), file=sys.stderr)
+        # the median over the runs: an excess is a difference of times, which the load moves either way
+        excess = {n: statistics.median(r["pairs"][n]["excess"] for r in runs) for n in CHAINS}
+        _store_only(args, {"chain": statistics.median(r["chain"] for r in runs)}, "chain",
+                    note=f"python -m benchmarks.calibrate --chain-only, {len(runs)} runs: each chain's excess over its "
+                         "two functions each alone, summed (a share of that sum), median over the runs: "
+                         + ", ".join(f"{n} {v:.2f}" for n, v in excess.items()) + "; stored: the runs' median of "
+                         "the chains' median")
         return
     if args.fresh_only:
         if jax.default_backend() != "cpu":
@@ -580,9 +779,11 @@ def _rounded(figures: dict[str, float]) -> dict[str, float]:
     return {k: (round(v, 1) if k in _TO_ONE_DECIMAL else float(f"{v:.4g}")) for k, v in figures.items()}
 
 
-def _store_only(args: argparse.Namespace, figures: dict[str, float], stamp: str, drop: str | None = None) -> None:
+def _store_only(args: argparse.Namespace, figures: dict[str, float], stamp: str, drop: str | None = None,
+                note: str | None = None) -> None:
     """Print figures measured alone and, with ``--write``, store them in this backend's table, with the date,
-    device and load they were measured under as ``<stamp>_measured`` (``drop``: a key they supersede)."""
+    device and load they were measured under as ``<stamp>_measured`` (``drop``: a key they supersede; ``note``: what
+    they were measured from)."""
     from rewrite.cost import calibration as _calibration
 
     print(json.dumps(figures, indent=1))
@@ -593,9 +794,39 @@ def _store_only(args: argparse.Namespace, figures: dict[str, float], stamp: str,
     table.update(_rounded(figures))
     table[f"{stamp}_measured"] = {"date": datetime.date.today().isoformat(),
                                   "device": str(jax.devices()[0].device_kind),
-                                  "load_average": [round(x, 2) for x in os.getloadavg()]}
+                                  "load_average": [round(x, 2) for x in os.getloadavg()],
+                                  **({"note": note} if note else {})}
     if drop is not None:
         table.pop(drop, None)
+    _write(tables)
+
+
+def _shared_only(args: argparse.Namespace) -> None:
+    """Print :func:`measure_shared`'s findings and, with ``--write``, store the prices of ``--groups`` that share in
+    this backend's ``elementwise_ns``, with what they were measured from as ``shared_measured``."""
+    from rewrite.cost import calibration as _calibration
+
+    found = {}
+    for _ in range(args.runs):  # each pair's ratio: the lowest of the runs
+        for name, f in measure_shared(args.rounds, args.progress).items():
+            if name not in found or f["ratio"] < found[name]["ratio"]:
+                found[name] = f
+    print(json.dumps(found, indent=1))
+    tables = {name: dict(getattr(_calibration, name)) for name in _calibration.BACKENDS.values()}
+    table = tables[jax.default_backend().upper()]
+    prices = shared_prices(found, table["elementwise_ns"], [g for g in args.groups.split(",") if g])
+    print(json.dumps(prices, indent=1))
+    if not args.write or not prices:
+        return
+    table["elementwise_ns"] = dict(sorted({**table["elementwise_ns"], **prices}.items()))
+    table["shared_measured"] = {
+        "date": datetime.date.today().isoformat(), "device": str(jax.devices()[0].device_kind),
+        "load_average": [round(x, 2) for x in os.getloadavg()], "runs": args.runs,
+        "pairs": {n: (f"instructions {f['instructions_apart']} apart, {f['instructions_together']} together; ns "
+                      + ", ".join(f"{k} {v:.3f}" for k, v in f["ns"].items())
+                      + f"; ratio {f['ratio']:.3f}; {'shares' if f['shares'] else 'apart'}") for n, f in found.items()},
+        "note": "python -m benchmarks.calibrate --shared-only: each stored pair priced at the table's dearer member "
+                "times the pair's measured ratio to it, never below that member"}
     _write(tables)
 
 

@@ -184,7 +184,9 @@ def test_memory_price_keeps_the_backward_pass_as_small_as_jax():
         return jax.jit(f).lower(*ARGS).compile().memory_analysis().temp_size_in_bytes
 
     full = B * T * C * 4
-    time_only = rewrite(jax_vjp, rulesets=[derivatives], cost_model=AnalyticCost(memory=0.0))
+    # (its loops, 8K elements, run on one core: with their arithmetic priced so, loop_serial, time alone keeps the
+    # reductions apart too; the table's prices as measured, on split loops, show the trade)
+    time_only = rewrite(jax_vjp, rulesets=[derivatives], cost_model=AnalyticCost(memory=0.0, loop_serial=1.0))
     default = rewrite(jax_vjp, rulesets=[derivatives])
     assert temp(time_only) >= 2 * full
     assert temp(default) <= temp(jax_vjp) < 2 * full
@@ -600,17 +602,19 @@ def _split(n: int) -> bool:
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu" or (os.cpu_count() or 1) < 2, reason="XLA:CPU on 2 cores or more")
-def test_calibrate_reads_the_size_where_xla_cpu_splits_a_loop_and_the_tables_leave_it_off():
+def test_calibrate_reads_the_size_where_xla_cpu_splits_a_loop_and_the_tables_price_smaller_loops_serial():
     """``benchmarks/calibrate.py --parallel-only`` reads from the compiled program the size at which XLA:CPU splits an
-    elementwise loop across the cores (``outer_dimension_partitions``), and not below. The machine's table does not
-    price it: with the split priced, seed 001's accumulator (1.56x, 0.5 MiB at xs 256x512x128) lost to the
-    vectorised form (0.99x, 64 MiB, load 6), so ``AnalyticCost()`` keeps one rate for every kernel."""
+    elementwise loop across the cores (``outer_dimension_partitions``), and not below. The machine's table prices a
+    smaller loop at ``loop_serial`` times its per-element prices (measured on split loops) and leaves the share of a
+    split one (``loop_parallel``) at 1: priced at a half, with loop bodies' kernels at 1, seed 001's accumulator (1.56x,
+    0.5 MiB at xs 256x512x128) lost to the vectorised form (0.99x, 64 MiB, load 6)."""
     from benchmarks.calibrate import parallel_at
 
     found = parallel_at()
     at = int(found["loop_parallel_at"])
     assert found["loop_parallel"] < 1.0 and _split(at) and not _split(at // 2), found
-    assert AnalyticCost().loop_parallel == 1.0 and AnalyticCost().loop_parallel_at == math.inf
+    assert AnalyticCost().loop_parallel == 1.0 and AnalyticCost().loop_parallel_at == at
+    assert AnalyticCost().loop_serial > 1.0
 
 
 def test_exp_of_complex_numbers_is_priced_as_an_exp_a_sin_and_a_cos():
@@ -632,3 +636,144 @@ def test_exp_of_complex_numbers_is_priced_as_an_exp_a_sin_and_a_cos():
     x = jnp.linspace(-3.0, 3.0, 4096)
     priced = [m.program(Program.from_jaxpr(jax.make_jaxpr(f)(x), m)) for f in (program, real_exp)]
     assert priced[0] > priced[1] + 4096 * m.ops["sin"]
+
+
+def _ising(h, b):  # benchmarks/derivatives.py's mean-field free energy
+    return -jnp.log(2.0 * jnp.cosh(b * h)) / b
+
+
+def _priced(model, f, *args):
+    from rewrite.pipeline import program_cost
+
+    return program_cost(jax.make_jaxpr(f)(*args), model)
+
+
+def test_sinh_and_cosh_of_one_argument_are_priced_with_their_exps_once():
+    """JAX lowers ``sinh`` and ``cosh`` through ``exp(x - ln 2)`` and ``exp(-x - ln 2)``, which XLA computes once for
+    both (``benchmarks/calibrate.py --shared-only``): in one loop the pair costs the table's ``sinhcosh``; in two
+    kernels (the VJP of ``log(2 cosh(b h))``: ``cosh`` stored for the ``log`` and the backward's division, ``sinh`` in
+    the backward's loop) XLA stores the two ``exp`` for both, so the shared part is charged once there too. A table
+    without the pair's price (the golden one) prices them apart, as before."""
+    from rewrite.cost.transcendental import SHARED
+
+    model = AnalyticCost()
+    assert SHARED["sinh"] == SHARED["cosh"] == "sinhcosh" and "sinhcosh" in model.ops
+    apart = AnalyticCost(ops={k: v for k, v in model.ops.items() if k != "sinhcosh"})
+    part = model.ops["sinh"] + model.ops["cosh"] - model.ops["sinhcosh"]
+    assert part > 0.5 * model.ops["cosh"]  # the pair costs about its dearer member
+    x = jnp.linspace(-3.0, 3.0, 1 << 17)  # a loop XLA:CPU splits across the cores: the table's own prices
+    one_loop = lambda x: jnp.sinh(x) * jnp.cosh(x) + 1.0  # noqa: E731
+    assert _priced(apart, one_loop, x) - _priced(model, one_loop, x) == pytest.approx(x.size * part, rel=1e-6)
+
+    h, b = jnp.linspace(-2.0, 2.0, 1 << 17).reshape(256, 512), jnp.linspace(0.5, 1.5, 512)
+    vjp = lambda h, b, g: jax.vjp(_ising, h, b)[1](g)  # noqa: E731
+    prog = Program.from_jaxpr(jax.make_jaxpr(vjp)(h, b, h), model)
+    homes = {}
+    for k in model.fusion_model().kernels(prog):
+        for i in k.computes:
+            homes.setdefault(prog.ops[i].prim, set()).add(k.root)
+    assert homes["sinh"].isdisjoint(homes["cosh"])  # in two kernels
+    assert _priced(apart, vjp, h, b, h) - _priced(model, vjp, h, b, h) == pytest.approx(h.size * part, rel=1e-6)
+    # sin and cos of one argument in two kernels are each computed there: no such credit
+    trig = lambda x: (jnp.sin(x), jnp.cos(x).sum())  # noqa: E731
+    no_sincos = AnalyticCost(ops={k: v for k, v in model.ops.items() if k != "sincos"})
+    assert _priced(no_sincos, trig, x) == pytest.approx(_priced(model, trig, x), rel=1e-12)
+
+
+def test_calibrate_reads_which_transcendentals_xla_computes_from_shared_work():
+    """``benchmarks/calibrate.py --shared-only`` reads from the compiled programs which pairs of transcendentals of one
+    argument XLA computes from shared work (nothing timed): ``sinh`` with ``cosh``, and ``logistic`` with ``exp(-x)``;
+    not ``exp`` with ``cosh`` or ``sinh`` (their ``exp`` is of ``x - ln 2``), nor ``tanh`` (a rational function of its
+    own) with ``exp`` or ``cosh``. Every group the fusion model prices as shared across kernels is one of them, and
+    the machine table's price of it lies between its dearer member and the two apart."""
+    from benchmarks.calibrate import SHARED_CANDIDATES, costly_instructions
+    from rewrite.cost.transcendental import SHARED, SHARED_ACROSS
+
+    fewer = set()
+    for name, ((_, fa), (_, fb)) in SHARED_CANDIDATES.items():
+        apart = costly_instructions(fa) + costly_instructions(fb)
+        together = costly_instructions(lambda x, fa=fa, fb=fb: fa(x) * fb(x))
+        assert together <= apart, name
+        if together < apart:
+            fewer.add(name)
+    assert fewer == {"sinhcosh", "logistic_expneg"}
+    table = AnalyticCost().ops
+    for group in SHARED_ACROSS:
+        assert group in fewer
+        members = [p for p, g in SHARED.items() if g == group]
+        assert max(table[p] for p in members) <= table[group] < sum(table[p] for p in members), group
+
+
+def test_a_loop_whose_transcendental_reads_another_pays_for_the_chain():
+    """``chain``: a loop in which one transcendental reads another's result (``log(2 cosh(x))``, the rewritten ising
+    VJP's forward) runs at about twice the two apart on XLA:CPU (``benchmarks/calibrate.py --chain-only``), where two
+    side by side cost their sum. The fusion model charges the dearest chain's prices ``chain`` times more; a
+    reduction between the two ends the chain, and a table without the term (the golden one) charges nothing."""
+    x = jnp.linspace(0.5, 3.0, 1 << 17)  # a loop XLA:CPU splits across the cores: the table's own prices
+    n = x.size
+    on, off = AnalyticCost(chain=1.25), AnalyticCost(chain=0.0)
+    ops = on.ops
+    chained = lambda x: jnp.log(2.0 * jnp.cosh(x)) + 1.0  # noqa: E731
+    apart = lambda x: jnp.log(x) * jnp.cosh(x) + 1.0  # noqa: E731
+    summed = lambda x: jnp.log(jnp.exp(x).sum(-1))  # noqa: E731  (a small reduction fused into the log's loop)
+    three = lambda x: jnp.tanh(jnp.log(2.0 * jnp.cosh(x)))  # noqa: E731
+    extra = {f: _priced(on, f, x) - _priced(off, f, x) for f in (chained, apart, three)}
+    assert extra[chained] == pytest.approx(1.25 * n * (ops["cosh"] + ops["log"]), rel=1e-6)
+    assert extra[apart] == 0.0
+    assert extra[three] == pytest.approx(1.25 * n * (ops["cosh"] + ops["log"] + ops["tanh"]), rel=1e-6)
+    xs = x.reshape(64, -1)
+    assert _priced(on, summed, xs) == _priced(off, summed, xs)
+
+
+def test_the_chain_calibration_times_each_chain_in_one_loop_and_the_table_has_it():
+    """``calibrate.py --chain-only`` times each of its chains as one loop (else it would time the bytes between two),
+    and the two functions side by side as one loop too; this machine's table prices the term."""
+    from benchmarks.calibrate import CHAINS
+
+    def loops(f):
+        text = jax.jit(f).lower(jax.ShapeDtypeStruct((1 << 16,), jnp.float32)).compile().as_text()
+        return text.count("kind=kLoop")
+
+    for name, (f, g, fg) in CHAINS.items():
+        assert loops(fg) == 1 and loops(lambda x, f=f, g=g: f(x) + g(x)) == 1, name
+        assert costs_more_than_a_multiply(fg), name
+    table_chain = AnalyticCost().chain
+    assert 0.3 <= table_chain <= 3.0, table_chain
+
+
+def costs_more_than_a_multiply(f):
+    """Whether ``f``'s loop evaluates two of XLA's costly elementwise instructions (a chain of two)."""
+    from benchmarks.calibrate import costly_instructions
+
+    return costly_instructions(f) >= 2
+
+
+def test_a_loop_too_small_for_xla_cpu_to_split_pays_its_arithmetic_at_the_serial_rate():
+    """The table's per-element prices are measured on loops XLA:CPU splits across the cores; a loop under
+    ``loop_parallel_at`` elements runs on one and pays ``loop_serial`` times them, in the fusion model and in a loop
+    body's node prices (``scan_seed_hand_vectorised``: 64 loop trips of 32K ``cos`` at 7.5 ns each against one loop
+    of 2M at 4.2). Its bytes, and larger loops, as before."""
+    model = AnalyticCost(loop_serial=2.0, loop_parallel_at=2.0 ** 16)
+    off = AnalyticCost(loop_serial=1.0, loop_parallel_at=2.0 ** 16)
+    f = lambda x: jnp.cos(x) * 2.0 + 1.0  # noqa: E731  (one kernel: cos and two cheap operations)
+    for n, pays in ((1 << 12, True), (1 << 18, False)):
+        x = jnp.linspace(-3.0, 3.0, n)
+        work = n * (model.ops["cos"] + 2 * model.flop)
+        # (and a thousandth of the node price's own share more: the tie-break, FusionModel.tiebreak)
+        assert _priced(model, f, x) - _priced(off, f, x) == pytest.approx(work if pays else 0.0, rel=2e-3, abs=1e-6)
+        node = NodeInfo("cos", "transcendental", {}, (x.aval,), (x.aval,))
+        assert model(node) - off(node) == pytest.approx(n * model.ops["cos"] if pays else 0.0, rel=1e-9, abs=1e-9)
+
+
+def test_the_machine_table_prices_the_seed_s_stacked_cos_on_one_core():
+    """Seed 001 at the decision corpus's size (xs 64 x 256 x 128): its loop's ``cos`` runs 64 trips of 32K elements on
+    one core, the vectorised form's one loop of 2M on both (measured 1.67-1.88x quiet, 0.88-0.99x with the second core
+    busy); at the demo's size (``tests/test_scan.py``) the trips are 64K, split too, and the accumulator is kept."""
+    from benchmarks import scan as bs
+
+    table = AnalyticCost()
+    assert table.loop_serial > 1.0 and table.loop_parallel == 1.0 and table.loop_parallel_at == 2.0 ** 16
+    args = bs.seed_case((10, 5, 8), (64, 256, 128))[0]
+    price = {f.__name__: _priced(table, f, *args) for f in (bs.seed, bs.seed_vectorised, bs.seed_accumulator)}
+    assert price["seed"] > 1.3 * price["seed_vectorised"]
+    assert price["seed_accumulator"] > 1.3 * price["seed_vectorised"]

@@ -42,6 +42,10 @@ def vjp_of_seed(x, a, g):
     return jax.vjp(lambda x, a: jnp.sin(a * x) ** 2 / a + jnp.exp(x).sum() * jnp.cos(a * x), x, a)[1](g)
 
 
+def vjp_of_log_cosh(h, b, g):  # sinh and cosh of one argument, in two kernels (rewrite.cost.fusion.SHARED_ACROSS)
+    return jax.vjp(lambda h, b: -jnp.log(2.0 * jnp.cosh(b * h)) / b, h, b)[1](g)
+
+
 def shared(x, a):
     s, c = jnp.sin(a * x), jnp.cos(a * x)
     return s * c * 2.0 + jnp.exp(x) / 3.0, (s * x).sum(0) / a, jnp.log(jnp.exp(x) + 1.0).max()
@@ -52,6 +56,7 @@ COMMUTE = Ruleset("commute", [rule(lambda a, b: a * b, lambda a, b: b * a, name=
 X3, A3 = jnp.linspace(-1.0, 1.0, 64 * 96).reshape(64, 96), jnp.linspace(0.5, 1.5, 96)
 PROGRAMS = {
     "vjp": (vjp_of_seed, (X3, A3, X3), [derivatives]),
+    "vjp_log_cosh": (vjp_of_log_cosh, (X3, A3, X3), [rulesets.algebra, derivatives]),
     # a user's commutativity rules (patterns need none): every product and sum gets a second node to move to
     "shared": (shared, (X3, A3), [rulesets.algebra, derivatives, derivatives_fastmath, COMMUTE]),  # sin·cos -> sin 2x: fastmath for an unbounded x
     "shared_fastmath": (shared, (X3, A3), [rulesets.algebra, derivatives, rulesets.fastmath]),
@@ -71,9 +76,13 @@ def _search_state(name, **model_fields):
 
 # The second model charges every program's temporaries as mapped fresh at each call, which reads their liveness
 # peak in XLA's order (``FusionModel.held``): the live program's kernels and order must give the whole program's.
-# The third prices large loop kernels' work at half (``FusionModel.parallel_share``), summed apart from the rest.
-@pytest.mark.parametrize("fields", [{}, {"fresh": 0.5, "fresh_at": 1.0}, {"loop_parallel": 0.5, "loop_parallel_at": 2048}],
-                         ids=["table", "fresh", "parallel"])
+# The third prices large loop kernels' work at half (``FusionModel.parallel_share``), summed apart from the rest, and
+# the fourth small ones' at 1.85 times; the fifth charges chains of transcendentals in one loop
+# (``rewrite/cost/transcendental.py``'s ``chained``), which reads the loop's own graph.
+@pytest.mark.parametrize("fields", [{}, {"fresh": 0.5, "fresh_at": 1.0},
+                                    {"loop_parallel": 0.5, "loop_parallel_at": 2048},
+                                    {"loop_serial": 1.85, "loop_parallel_at": 2048}, {"chain": 0.6}],
+                         ids=["table", "fresh", "parallel", "serial", "chain"])
 @pytest.mark.parametrize("name", sorted(PROGRAMS))
 def test_live_prices_equal_whole_program_prices(name, fields):
     res, model, ex, choice = _search_state(name, **fields)
@@ -205,7 +214,7 @@ from rewrite.cost.program import Op, Program  # noqa: E402
 
 _S = jcore.ShapedArray((64, 96), jnp.float32)   # large enough for a library reduction
 _R = jcore.ShapedArray((96,), jnp.float32)
-_UNARY = ["exp", "sin", "cos", "neg", "log", "tanh"]
+_UNARY = ["exp", "sin", "cos", "neg", "log", "tanh", "sinh", "cosh"]
 _BINARY = ["add", "mul", "sub", "div"]
 
 
@@ -263,9 +272,11 @@ def _whole(ops, outputs):
 @given(st.integers(0, 2 ** 32 - 1))
 def test_live_fusion_prices_random_edits_as_the_whole_program(seed):
     rng = random.Random(seed)
-    model = FusionModel({"exp": 2.0, "log": 2.5, "tanh": 3.0, "sin": 1.5, "cos": 1.5, "div": 1.2, "sincos": 2.0},
+    model = FusionModel({"exp": 2.0, "log": 2.5, "tanh": 3.0, "sin": 1.5, "cos": 1.5, "div": 1.2, "sincos": 2.0,
+                         "sinh": 2.2, "cosh": 1.1, "sinhcosh": 2.4},
                         byte=0.05, reduce=0.3, launch=500.0, default=3.0, cheap=0.25, node=20.0, library_op=0.4,
-                        memory=rng.choice([0.0, 0.01, 1.0]))
+                        memory=rng.choice([0.0, 0.01, 1.0]), chain=rng.choice([0.0, 0.6]),
+                        serial=rng.choice([1.0, 1.85]), parallel_at=4096.0)
     kinds: dict[int, str] = {}
     ops: dict[int, Op] = {}
     for c in range(rng.randint(3, 25)):

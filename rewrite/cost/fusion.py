@@ -27,7 +27,10 @@ an extractor's choice:
   loop fusions that absorb anything, and fuse into their one consumer loop;
   XLA may also merge sibling ones, which the model does not.)
 * ``sin`` and ``cos`` of one argument in one loop cost about one of them
-  (LLVM merges them into ``sincos``).
+  (LLVM merges them into ``sincos``), and so do ``sinh`` and ``cosh`` of one
+  argument: both are lowered to ``exp(x - ln 2)`` and ``exp(-x - ln 2)``, which
+  XLA computes once, and stores for both where they are in two kernels
+  (``rewrite/cost/transcendental.py``).
 * A reshape that keeps row-major order (``reshape`` without ``dimensions``,
   ``squeeze``, a broadcast that only adds axes of size 1) is a ``bitcast``:
   no kernel, no bytes read or written. A kernel that reads it reads its
@@ -51,6 +54,7 @@ from ..ir import primitives as _primitives
 from ..ir.primitives import inner_jaxpr, spec_of
 from ..ir.scanread import SLICES
 from .program import LEAF, LIBRARY, LOOP, OTHER, REDUCE, VIEW, Op, Program, _kind, _size, bitcast
+from .transcendental import SHARED, SHARED_ACROSS, add_shared, chained, shared_across, shared_group
 
 
 #: The weight of the node-by-node price that breaks ties between programs that fuse alike.
@@ -68,19 +72,6 @@ def _nbytes(aval: Any) -> int:
         return int(math.prod(shape)) * np.dtype(dtype).itemsize
     except TypeError:
         return 0
-
-
-def _add_sincos(cost: float, model: Any, ops: Sequence[Any], sincos: dict) -> float:
-    """``cost`` plus the transcendentals of ``sincos`` (argument -> which of sin and cos a kernel takes of
-    it): both of one argument are one ``sincos`` call. Added one by one, in order, so that the whole and the
-    live price (``LiveFusion._kernel``) sum them alike."""
-    for arg, which in sincos.items():
-        elems = _size(ops[arg].out_avals[0])
-        if len(which) == 2:
-            cost += elems * model.ns.get("sincos", model.ns.get("sin", model.default) * 1.3)
-        else:
-            cost += elems * model.ns.get(next(iter(which)), model.default)
-    return cost
 
 
 def ns_key(prim: str, out_avals: Sequence[Any]) -> str:
@@ -146,7 +137,10 @@ class FusionModel:
     elementwise kernel's input and the output XLA writes over it twice. ``inner(op)`` is what an op holds
     inside itself while it runs (a loop body's temporaries), and a program whose peak is over ``budget``
     bytes is priced above every program within it. A loop kernel of ``parallel_at`` elements or more has
-    its work priced at ``parallel`` times the per-element prices (:meth:`parallel_share`).
+    its work priced at ``parallel`` times the per-element prices, a smaller one at ``serial`` times
+    (:meth:`parallel_share`). A loop in which a
+    transcendental reads another's result pays ``chain`` times the prices of the dearest such chain more
+    (:func:`rewrite.cost.transcendental.chained`).
     """
 
     def __init__(self, ns: Mapping[str, float], *, byte: float, reduce: float, launch: float, default: float,
@@ -155,8 +149,11 @@ class FusionModel:
                  inner: Callable[[Op], int] | None = None, budget: float | None = None,
                  cache: float = math.inf, spill: float = 0.0, fresh: float = 0.0, fresh_at: float = math.inf,
                  held: Callable[[Any, Sequence[Fusion], Callable[[Op], int] | None, float], int] | None = None,
-                 parallel: float = 1.0, parallel_at: float = math.inf) -> None:
+                 parallel: float = 1.0, parallel_at: float = math.inf, chain: float = 0.0,
+                 serial: float = 1.0) -> None:
         self.ns = dict(ns)
+        self.serial = serial
+        self.chain = chain
         self.parallel = parallel
         self.parallel_at = parallel_at
         self.fresh = fresh
@@ -344,19 +341,28 @@ class FusionModel:
         cost = self.launch + self.node * len(inside)
         if self.tiebreak is not None:
             cost += TIEBREAK * sum(facts(ops[i], prog)[1] for i in comp)
-        sincos: dict[Any, set[str]] = {}
+        sincos: dict[tuple, set[str]] = {}
         # Each op's share: its reduction, its pass in a library reduction, or its elementwise work.
         share = 4 if kind == LIBRARY and self.library_op is not None else 5
         par = self.parallel_share(root_op, kind)
         work = cost if par == 1.0 else 0.0  # (summed as before where the term is off: equal prices stay equal)
+        reduced = 0.0  # a reduction's share where ``par`` scales the rest: its price is measured on one core
         for i in comp:
             f = facts(ops[i], prog)
             if f[2]:
-                sincos.setdefault(ops[i].args[0], set()).add(ops[i].prim)
+                sincos.setdefault((f[2], ops[i].args[0]), set()).add(ops[i].prim)
                 continue
-            work += f[3] if (i == r and kind in (LIBRARY, REDUCE)) or f[7] else f[share]
-        work = _add_sincos(work, self, ops, sincos)
-        cost = work if par == 1.0 else cost + par * work
+            if (i == r and kind in (LIBRARY, REDUCE)) or f[7]:
+                if par == 1.0:
+                    work += f[3]
+                else:
+                    reduced += f[3]
+            else:
+                work += f[share]
+        work = add_shared(work, self, ops, sincos)
+        if self.chain and kind in (LOOP, REDUCE):
+            work += self.chain * chained(self, prog, inside)
+        cost = work if par == 1.0 else cost + par * work + reduced
         cost += self.byte * (sum(facts(ops[a], prog)[6] if a in whole else min(facts(ops[a], prog)[6], sliced[a])
                                  for a in reads if ops[a].out_avals)
                              + facts(root_op, prog)[8])
@@ -366,19 +372,24 @@ class FusionModel:
         return cost, reads
 
     def parallel_share(self, root: Op, kind: str) -> float:
-        """What a kernel's work costs, as a share of its per-element prices: ``parallel`` for a loop kernel of
-        ``parallel_at`` elements or more (XLA:CPU splits one that large across the cores; a loop body's
-        kernels, priced by the node model, and smaller ones run on one), else 1."""
-        if self.parallel == 1.0 or kind != LOOP or not root.out_avals:
+        """What a kernel's elementwise work costs, as a multiple of its per-element prices: ``parallel`` for a loop
+        kernel of ``parallel_at`` elements or more (XLA:CPU splits one that large across the cores), ``serial`` for a
+        smaller one (which runs on one core, where the prices were measured on split loops:
+        ``AnalyticCost.loop_serial``); 1 for other kernels. A reduction fused into the loop is priced as measured."""
+        if (self.parallel == 1.0 and self.serial == 1.0) or kind != LOOP or not root.out_avals:
             return 1.0
-        return self.parallel if _size(root.out_avals[0]) >= self.parallel_at else 1.0
+        return self.loop_share(_size(root.out_avals[0]))
+
+    def loop_share(self, elems: float) -> float:
+        """The multiple of its per-element prices a loop kernel of ``elems`` elements pays (:meth:`parallel_share`)."""
+        return self.parallel if elems >= self.parallel_at else self.serial
 
     def _facts(self, op: Op, prog: Any) -> tuple:
         """What :meth:`kernel` reads of an op, kept in its memo (per model): nothing (a place kept), its
-        tie-break price, whether it is a ``sin``/``cos``, its share of a kernel's cost as a reduction, as a
-        pass of a library reduction and as elementwise work, the bytes of its first output, whether it is a
-        reduction, the bytes of all its outputs, and of those beyond ``cache`` (spilled) for the first output
-        and for all. (Of the program they read only the sizes of the op's
+        tie-break price, the ``SHARED`` group it is a member of (or ``None``), its share of a kernel's cost
+        as a reduction, as a pass of a library reduction and as elementwise work, the bytes of its first output,
+        whether it is a reduction, the bytes of all its outputs, and of those beyond ``cache`` (spilled) for the
+        first output and for all. (Of the program they read only the sizes of the op's
         arguments, which its node fixes: an op's facts are the same in every program of one extraction,
         though its arguments' positions are not.)"""
         memo = op.memo
@@ -392,7 +403,7 @@ class FusionModel:
         kind = _kind(op)
         found = memo[key] = (None,
                  self._tiebreak(op) if self.tiebreak is not None else 0.0,
-                 op.prim in ("sin", "cos") and bool(op.args),
+                 shared_group(op),
                  _size(ins[0]) * self.reduce if ins else 0.0,
                  _size(outs[0]) * self.library_op if self.library_op is not None and outs and not bitcast(op)
                  else 0.0,
@@ -419,10 +430,38 @@ class FusionModel:
         # loops' stacked outputs are priced as views; the sum is exact (``math.fsum``), so a program's price does
         # not depend on the order its kernels are listed in, nor on how the running Python rounds ``sum``
         cost = math.fsum([*(k.cost for k in kernels), *(op.own for op in prog.ops if op.prim == "proj")])
+        if self.prices_across:
+            cost -= shared_across(self, prog.ops, self.across(prog, kernels))
         if self.prices_peak:
             temps = kernel_temps(prog, kernels, self.inner)
             cost += self.memory_price(max(temps, default=0), self.held_bytes(prog, kernels, sum(temps)))
         return float(cost)
+
+    def across(self, prog: Any, kernels: Iterable[Fusion]) -> dict[tuple, int]:
+        """(group, argument) -> how many of the kernels compute a member of a ``SHARED_ACROSS`` group of that
+        argument (``rewrite/cost/transcendental.py``'s ``shared_across``)."""
+        found: dict[tuple, int] = {}
+        for k in kernels:
+            for key in self.kernel_across(prog, k.computes):
+                found[key] = found.get(key, 0) + 1
+        return found
+
+    def kernel_across(self, prog: Any, comp: Iterable[Any]) -> set[tuple]:
+        """The (group, argument) of the ``SHARED_ACROSS`` groups whose members the kernel computing ``comp``
+        computes."""
+        ops = prog.ops
+        out = set()
+        for i in comp:
+            if ops[i].prim in SHARED:
+                group = shared_group(ops[i])
+                if group in SHARED_ACROSS:
+                    out.add((group, ops[i].args[0]))
+        return out
+
+    @property
+    def prices_across(self) -> bool:
+        """Whether the table prices a ``SHARED_ACROSS`` group (``shared_across`` is 0 where it does not)."""
+        return any(g in self.ns for g in SHARED_ACROSS)
 
     @property
     def prices_peak(self) -> bool:

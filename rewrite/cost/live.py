@@ -12,10 +12,11 @@ import heapq
 import math
 from typing import Any, Iterable, Mapping, Sequence
 
-from ..ir import primitives as _primitives  # read by the class docstring's example
+from ..ir import primitives as _primitives
 from ..ir.walk import postorder
-from .fusion import TIEBREAK, Fusion, FusionModel, _add_sincos, _temp, buffer_of, output_buffers, slices
-from .program import LEAF, LIBRARY, OTHER, REDUCE, VIEW, Op, _kind, bitcast
+from .fusion import TIEBREAK, Fusion, FusionModel, _temp, buffer_of, output_buffers, slices
+from .program import LEAF, LIBRARY, LOOP, OTHER, REDUCE, VIEW, Op, _kind, bitcast
+from .transcendental import SHARED_ACROSS, add_shared, chained, shared_across
 
 
 class LiveFusion:
@@ -70,6 +71,10 @@ class LiveFusion:
         #: per kernel, the sums its price is made of (see _kernel)
         self._sums: dict[Any, _KernelSums] = {}
         self._moved: set = set()
+        #: per kernel, the (group, argument) of the ``SHARED_ACROSS`` groups it computes members of; and per (group,
+        #: argument), how many kernels do (``FusionModel.across``)
+        self._across: dict[Any, set] = {}
+        self._across_count: dict[tuple, int] = {}
         self._views: dict[Any, float] = {}
         self._order = 0
         self._version = 0  # edits so far: the positions (``position``) of an older program are out of date
@@ -242,12 +247,17 @@ class LiveFusion:
                 self._temp_sum -= self._temp.pop(r, 0)
                 self._reads.pop(r, None)
                 self._sums.pop(r, None)
+                self._count_across(r, set())
                 continue
             if incremental and kind != OTHER:
                 cost, reads = self._kernel(r, kind, changes)
             else:
                 cost, reads = self.model.kernel(self, r, kind, self._members[r])
                 self._sums.pop(r, None)  # not kept up to date while priced whole
+            if self.model.prices_across:
+                sums = self._sums.get(r)
+                self._count_across(r, {key for key in sums.sincos if key[0] in SHARED_ACROSS} if sums is not None
+                                   else self.model.kernel_across(self, self._members[r]))
             self._cost[r] = cost
             self._reads[r] = reads
             temp = (sum(_temp(self, a, self._held_outputs, self.roots)
@@ -275,7 +285,7 @@ class LiveFusion:
         had = k.ops
         touched: set = set()
         edges, sincos = k.edges, k.sincos
-        tiebreak, work = k.tiebreak, k.work
+        tiebreak, work, reduced = k.tiebreak, k.work, k.reduced
         # Only ops that joined or left a kernel, or changed, can be counted wrong (a fresh kernel: all of them).
         if had:
             came = []
@@ -295,15 +305,21 @@ class LiveFusion:
         for x, op, sign in came:
             f = facts(op, self)
             tiebreak += sign * f[1]
+            if op.family == _primitives.TRANSCENDENTAL:
+                k.transcendentals += sign
             if f[2]:
-                prims = sincos.setdefault(op.args[0], {})
+                key = (f[2], op.args[0])
+                prims = sincos.setdefault(key, {})
                 prims[op.prim] = prims.get(op.prim, 0) + sign
                 if not prims[op.prim]:
                     del prims[op.prim]
                     if not prims:
-                        del sincos[op.args[0]]
+                        del sincos[key]
             else:
-                work += sign * (f[3] if (x == r and reducing) or f[7] else f[share])
+                if (x == r and reducing) or f[7]:
+                    reduced += sign * f[3]  # apart: a loop's share (parallel_share) scales only the rest
+                else:
+                    work += sign * f[share]
             for a in set(op.args):
                 n = edges.get(a, 0) + sign
                 if n:
@@ -315,7 +331,7 @@ class LiveFusion:
                     k.slice_bytes[a] = k.slice_bytes.get(a, 0) + sign * f[6]
                 touched.add(a)
             touched.add(x)
-        k.tiebreak, k.work = tiebreak, work
+        k.tiebreak, k.work, k.reduced = tiebreak, work, reduced
         touched.update(x for x in changes if x in edges)  # a read op that became a literal, or stopped being one
         reads = k.reads
         for a in touched:
@@ -337,11 +353,15 @@ class LiveFusion:
         if model.tiebreak is not None:
             cost += TIEBREAK * k.tiebreak
         par = model.parallel_share(ops[r], kind)
+        chain = (model.chain * chained(model, self, members)
+                 if model.chain and k.transcendentals >= 2 and kind in (LOOP, REDUCE) else 0.0)
         if par == 1.0:
-            cost += k.work
-            cost = _add_sincos(cost, model, ops, sincos)
+            cost += k.work + k.reduced
+            cost = add_shared(cost, model, ops, sincos)
+            if chain:
+                cost += chain
         else:
-            cost += par * _add_sincos(k.work, model, ops, sincos)
+            cost += par * (add_shared(k.work, model, ops, sincos) + chain) + k.reduced
         cost += model.byte * (k.read_bytes + facts(ops[r], self)[8])
         if model.spill:
             cost += model.spill * (k.read_spilled + facts(ops[r], self)[10])
@@ -350,9 +370,28 @@ class LiveFusion:
     def price(self) -> float:
         """The program's cost, as :meth:`FusionModel.__call__` prices it."""
         cost = math.fsum([*self._cost.values(), *self._views.values()])  # as FusionModel.__call__ sums
+        if self._across_count:
+            cost -= shared_across(self.model, self.ops, self._across_count)
         if self.model.prices_peak:
             cost += self.model.memory_price(self.peak(), self.model.held_bytes(self, self.kernels(), self._temp_sum))
         return float(cost)
+
+    def _count_across(self, r: Any, keys: set) -> None:
+        """Kernel ``r`` now computes members of the ``SHARED_ACROSS`` groups ``keys``: the counts follow."""
+        old = self._across.get(r, set())
+        if old == keys:
+            return
+        count = self._across_count
+        for key in old - keys:
+            count[key] -= 1
+            if not count[key]:
+                del count[key]
+        for key in keys - old:
+            count[key] = count.get(key, 0) + 1
+        if keys:
+            self._across[r] = keys
+        else:
+            self._across.pop(r, None)
 
     def peak(self) -> int:
         """The program's predicted peak of temporaries, as :meth:`price` reads it."""
@@ -376,15 +415,17 @@ class LiveFusion:
 class _KernelSums:
     """What :meth:`LiveFusion._kernel` keeps of one kernel between prices."""
 
-    __slots__ = ("kind", "ops", "tiebreak", "work", "sincos", "edges", "reads", "read_bytes", "spilled",
-                 "read_spilled", "slice_edges", "slice_bytes")
+    __slots__ = ("kind", "ops", "tiebreak", "work", "reduced", "sincos", "transcendentals", "edges", "reads",
+                 "read_bytes", "spilled", "read_spilled", "slice_edges", "slice_bytes")
 
     def __init__(self, kind: str) -> None:
         self.kind = kind
         self.ops: dict[Any, Op] = {}        # each member, with the op it was counted with
         self.tiebreak = 0.0
         self.work = 0.0
-        self.sincos: dict[Any, dict[str, int]] = {}
+        self.reduced = 0.0                  # the reductions' shares (apart from ``work``, which a loop's share scales)
+        self.sincos: dict[tuple, dict[str, int]] = {}  # (SHARED group, argument) -> its members here, counted
+        self.transcendentals = 0            # members of the transcendental family (transcendental.chained)
         self.edges: dict[Any, int] = {}     # op -> how many members read it
         self.reads: dict[Any, int] = {}     # op read -> its bytes
         self.read_bytes = 0

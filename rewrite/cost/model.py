@@ -268,15 +268,23 @@ class AnalyticCost(CostModel):
     dot_parallel_at: float = dataclasses.field(default_factory=lambda: _table().get("dot_parallel_at", math.inf))
     dot_parallel: float = dataclasses.field(
         default_factory=lambda: _table().get("dot_parallel_flop", _table()["dot_flop"]))
-    #: a loop kernel (XLA's fused elementwise loop) outside any loop body, of ``loop_parallel_at`` elements or more,
-    #: has its work priced at ``loop_parallel`` times the per-element prices: XLA:CPU splits a kernel that large
-    #: across the cores (its compiled program names the split, ``outer_dimension_partitions``: from 64K float32
-    #: elements on this machine, which ``benchmarks/calibrate.py --parallel-only`` reads), where small ones run on
-    #: one (``scan_seed_hand_vectorised``: one ``cos`` over 2M elements at 4.2 ns each, 64 loop trips of 32K at 7.5).
-    #: The table's where it has one; the tables have none (priced so, seed 001's accumulator lost to its vectorised
-    #: form: ``tests/test_scan.py``'s demo-size test), so one rate for every kernel (``loop_parallel=1``).
+    #: XLA:CPU splits an elementwise loop (a fused loop kernel, in a loop body too) of ``loop_parallel_at`` elements or
+    #: more across the cores (its compiled program names the split, ``outer_dimension_partitions``: from 64K float32
+    #: elements on this machine), and runs a smaller one on one core. The table's per-element prices are measured on
+    #: split loops (``benchmarks/calibrate.py``'s 4M elements), so an elementwise operation in a smaller loop is priced
+    #: at ``loop_serial`` times them (``calibrate.py --serial-only``, timed on a quiet machine: 1.8 on these two cores;
+    #: ``scan_seed_hand_vectorised``: one ``cos`` over 2M elements at 4.2 ns each, 64 loop trips of 32K at 7.5), in
+    #: the fusion model's kernels and in the node price of a loop body's operations. ``loop_parallel`` prices a split
+    #: loop's work at that share of the table's instead (the tables leave it at 1: priced so, with loop bodies at 1,
+    #: seed 001's accumulator lost to its vectorised form at the demo's size, ``tests/test_scan.py``). Both off (1)
+    #: where the table has no ``loop_parallel_at``.
     loop_parallel: float = dataclasses.field(default_factory=lambda: _table().get("loop_parallel", 1.0))
     loop_parallel_at: float = dataclasses.field(default_factory=lambda: _table().get("loop_parallel_at", math.inf))
+    loop_serial: float = dataclasses.field(default_factory=lambda: _table().get("loop_serial", 1.0))
+    #: a loop kernel in which a transcendental reads another's result (``log(2 cosh(x))``) pays ``chain`` times the
+    #: prices of the dearest such chain more: each waits for the other's latency (``benchmarks/calibrate.py
+    #: --chain-only``; ``rewrite/cost/transcendental.py``'s ``chained``). The table's, where measured; else 0.
+    chain: float = dataclasses.field(default_factory=lambda: _table().get("chain", 0.0))
     #: how much dearer a flop is on the backend's generic product path than on its library path, and what
     #: that path costs beyond it per element of the left operand, in flops (``rewrite/cost/dot.py``: on
     #: XLA:CPU, a left operand that contracts a major dimension)
@@ -366,7 +374,10 @@ class AnalyticCost(CostModel):
 
     def _pointwise(self, n: NodeInfo) -> float:
         per = self.elementwise(ns_key(n.op, n.out_avals), n.family, n.params)
-        return self.node + per * sum(size(a) for a in n.out_avals)
+        elems = sum(size(a) for a in n.out_avals)
+        if self.loop_serial != 1.0 and elems < self.loop_parallel_at:
+            per *= self.loop_serial  # a loop too small to split: one core (a loop body's operations are priced here)
+        return self.node + per * elems
 
     def _layout(self, n: NodeInfo) -> float:
         return self.node + 0.05 * self.flop * sum(size(a) for a in n.out_avals)
@@ -439,7 +450,8 @@ class AnalyticCost(CostModel):
                          default=self.transcendental, cheap=self.flop, node=self.node,
                          library_op=self.library_op, tiebreak=self._op_price, memory=self.memory,
                          budget=self.memory_budget, fresh=self.fresh, fresh_at=self.fresh_at, held=scheduled_peak,
-                         parallel=self.loop_parallel, parallel_at=self.loop_parallel_at)
+                         parallel=self.loop_parallel, parallel_at=self.loop_parallel_at, chain=self.chain,
+                         serial=self.loop_serial)
         fm.inner = InnerPeak(fm)
         return fm
 

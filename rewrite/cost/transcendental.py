@@ -1,0 +1,126 @@
+"""How XLA:CPU evaluates transcendentals in a fused loop beyond their prices one by one.
+
+The fusion model (``rewrite/cost/fusion.py``) prices a kernel's elementwise work as the sum of its operations'
+measured prices. Two things make a loop's transcendentals cost other than that sum, each measured on this backend
+(``benchmarks/calibrate.py``): some pairs of one argument are computed from shared work (``sin`` and ``cos``;
+``sinh`` and ``cosh``, also across kernels), and a transcendental that reads another's result in the same loop waits
+for its latency (a chain). The functions here are read by ``FusionModel.kernel`` and by its incremental twin
+``LiveFusion`` alike.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Container, Iterable, Mapping, Sequence
+
+import numpy as np
+
+from ..ir import primitives as _primitives
+from .program import REDUCE, Op, _kind, _size
+
+
+#: Transcendentals XLA:CPU computes from shared work where they take one argument, each to the calibration table's key
+#: for the pair of them in one loop: ``sin`` and ``cos`` (LLVM merges them into one ``sincos`` call); ``sinh`` and
+#: ``cosh`` (JAX lowers both through ``exp(x - ln 2)`` and ``exp(-x - ln 2)``, which XLA's common-subexpression
+#: elimination computes once). ``benchmarks/calibrate.py --shared-only`` reads the sharing from the compiled programs
+#: and times each pair alone and together.
+SHARED = {"sin": "sincos", "cos": "sincos", "sinh": "sinhcosh", "cosh": "sinhcosh"}
+#: The groups whose shared work XLA computes once in the whole program, not once per kernel: the two ``exp`` of
+#: ``sinh`` and ``cosh`` are operations of their own, expensive, so XLA stores them for every kernel that reads them
+#: (the VJP of ``log(cosh(x))``: ``cosh`` in one kernel, ``sinh`` in another, two ``exp`` kernels between). ``sin`` and
+#: ``cos`` are each one operation, recomputed in every loop that needs them.
+SHARED_ACROSS = frozenset({"sinhcosh"})
+
+
+def shared_group(op: Op) -> str | None:
+    """The :data:`SHARED` group ``op`` is a member of (``None``: none): ``sin``/``cos`` of an argument, and ``sinh``/
+    ``cosh`` of real numbers (of complex ones XLA computes each apart)."""
+    group = SHARED.get(op.prim)
+    if group is None or not op.args:
+        return None
+    if group != "sincos" and op.out_avals and np.issubdtype(getattr(op.out_avals[0], "dtype", np.float32),
+                                                           np.complexfloating):
+        return None
+    return group
+
+
+def group_price(model: Any, group: str, which: Iterable[str]) -> float:
+    """ns per element of a group's members in one loop: the table's measured price of the group where both are
+    there, else (a table that has none) ``sincos`` at 1.3 ``sin`` as always, and another group at its members' sum."""
+    which = sorted(which)
+    if len(which) == 1:
+        return model.ns.get(which[0], model.default)
+    found = model.ns.get(group)
+    if found is not None:
+        return found
+    if group == "sincos":
+        return model.ns.get("sin", model.default) * 1.3
+    return sum(model.ns.get(p, model.default) for p in which)
+
+
+def add_shared(cost: float, model: Any, ops: Sequence[Any], sincos: dict) -> float:
+    """``cost`` plus the transcendentals of ``sincos`` ((group, argument) -> which of the group's members a kernel
+    takes of it, :data:`SHARED`): both of one argument are priced as the group. Added one by one, in order, so that
+    the whole and the live price (``LiveFusion._kernel``) sum them alike."""
+    for (group, arg), which in sincos.items():
+        cost += _size(ops[arg].out_avals[0]) * group_price(model, group, which)
+    return cost
+
+
+def shared_across(model: Any, ops: Any, kernels_of: Mapping[tuple, int]) -> float:
+    """What the kernels of a program pay more than XLA for the work of :data:`SHARED_ACROSS` it computes once:
+    ``kernels_of`` maps (group, argument) to how many kernels compute a member of the group of that argument, each of
+    which pays the shared part (the two members apart less the pair in one loop); XLA pays it once. 0 where the table
+    has no price of the pair (the members are then priced apart, as before), at the multiple of its per-element prices
+    a loop of that size pays (``FusionModel.loop_share``). The bytes of the stored ``exp`` are not counted: each
+    kernel reads a member's argument or the other member's output in their place."""
+    terms = []
+    for (group, arg), k in kernels_of.items():
+        if k < 2 or group not in model.ns:
+            continue
+        members = [p for p, g in SHARED.items() if g == group]
+        part = sum(model.ns.get(p, model.default) for p in members) - model.ns[group]
+        if part > 0:
+            elems = _size(ops[arg].out_avals[0])
+            terms.append((k - 1) * elems * part * model.loop_share(elems))
+    return math.fsum(terms)
+
+
+def chained(model: Any, prog: Any, inside: Container[Any] | Iterable[Any]) -> float:
+    """The price of the dearest chain of transcendentals in the loop computing ``inside``, where one reads
+    another's result through the loop's own arithmetic (``log(2 cosh(x))``, ``log1p(exp(x))``); 0 where none does.
+
+    A loop is evaluated element by element: a transcendental alone runs at its throughput, but one that waits for
+    another waits for its latency too, and XLA:CPU's loops of a few such functions run at about 1.5-2 times
+    the two apart (``benchmarks/calibrate.py --chain-only``: ``chain`` is the measured share of the chain's
+    prices paid more). A reduction in the loop ends a chain: what it reads is summed, not waited for element by
+    element.
+    """
+    ops = prog.ops
+    members = inside if isinstance(inside, (set, frozenset, dict)) else set(inside)
+    trans = [i for i in members if ops[i].family == _primitives.TRANSCENDENTAL]
+    if len(trans) < 2:
+        return 0.0
+    best: dict[Any, tuple[float, int]] = {}  # op -> (price, transcendentals) of the dearest chain ending there
+
+    def chain_to(i: Any) -> tuple[float, int]:
+        stack = [i]
+        while stack:
+            x = stack[-1]
+            if x in best:
+                stack.pop()
+                continue
+            op = ops[x]
+            todo = [a for a in op.args if a in members and a not in best]
+            if todo and _kind(op) != REDUCE:
+                stack.extend(todo)
+                continue
+            stack.pop()
+            ins = [best[a] for a in op.args if a in members] if _kind(op) != REDUCE else []
+            price, count = max(ins, default=(0.0, 0))
+            if op.family == _primitives.TRANSCENDENTAL:
+                price, count = price + model._facts(op, prog)[5], count + 1
+            best[x] = (price, count)
+        return best[i]
+
+    return max((p for p, n in map(chain_to, trans) if n >= 2), default=0.0)
