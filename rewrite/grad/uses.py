@@ -94,6 +94,7 @@ class Uses:
     train: core.ClosedJaxpr
     alone: core.ClosedJaxpr
     price: float
+    train_price: float
     peaks: tuple[float, float] | None = None
 
 
@@ -111,7 +112,8 @@ def uses_price(fwd: core.ClosedJaxpr, bwd: core.ClosedJaxpr, n_res: int, model: 
         return got
 
     train, alone = inlined(fwd, bwd, n_res), inlined(fwd, bwd, n_res, outputs=False)
-    return Uses(train, alone, price(train) + price(alone))
+    train_price = price(train)
+    return Uses(train, alone, train_price + price(alone), train_price)
 
 
 def cheapest_use(uses: Sequence[Uses], written: tuple[core.ClosedJaxpr, core.ClosedJaxpr], model: Any,

@@ -261,6 +261,9 @@ class VJPResult:
     times: dict[str, float]
     #: which derivative :func:`decided_jointly` kept, and why ("" where it did not decide: no ``jointly`` rule fired)
     decided: str = ""
+    #: the price of the training step the split runs (its halves inlined, ``grad/uses.py``) where the split taken is
+    #: not the joint extraction's, whose price is ``joint.cost_after``; NaN otherwise
+    composed_cost: float = math.nan
 
     @property
     def after(self) -> core.ClosedJaxpr:
@@ -360,13 +363,14 @@ def build_vjp(traced: Traced, entries: Sequence[Any], model: Any, limits: Any, p
                           dataclasses.replace(gsplit, policy=f"{jname}+{gsplit.policy}")))
     halves = [emit_split(snap, choice, eg, in_avals, ct_avals, f_roots, b_roots, split.residuals, forward)
               for _, choice, forward, split in found]
-    best = 0
+    best, composed = 0, math.nan
     if len(found) > 1:
         seen: list = []
         uses = [uses_price(fwd, bwd, len(split.residuals), model, seen) for (fwd, bwd), (*_, split) in zip(halves, found)]
         best = cheapest_use(uses, (res.before, without_outputs(res.before, len(closed.out_avals))), model)
         for (*_, split), u in zip(found, uses):
             split.uses = u.price
+        composed = uses[best].train_price if best else math.nan
     split = found[best][3]
     considered += [s for *_, s in found if s.policy.startswith(f"{found[0][0]}+")]
     times["residuals"] = time.perf_counter() - t0
@@ -380,7 +384,7 @@ def build_vjp(traced: Traced, entries: Sequence[Any], model: Any, limits: Any, p
         fn = custom_vjp_function(forward, fwd, bwd, n, dif_in, dif_out)
     if not keep:
         res.release()
-    return VJPResult(forward, fwd, bwd, split, considered, res, dif_in, dif_out, fn, times)
+    return VJPResult(forward, fwd, bwd, split, considered, res, dif_in, dif_out, fn, times, composed_cost=composed)
 
 
 def same_choice(snap: Any, a: dict, b: dict, roots: Sequence[Any]) -> bool:
