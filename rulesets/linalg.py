@@ -35,7 +35,9 @@ dimension numbers; a rule declines whenever its replacement is not a
   scalars (``(s A) B = s (A B) = A (s B)``, attention's ``/ sqrt(d)``), and
   arrays broadcast along an operand's dimensions (row scalings move to the
   result, column scalings to the other operand). A factor only moves to a
-  smaller array than the one it scales, so it never moves back.
+  smaller array than the one it scales, so it never moves back; and one computed from the
+  operand it scales (a softmax's normaliser, ``e / sum(e)``) stays before the product where
+  nothing else reads that operand.
 * **Distributivity**: ``A x + A y -> A (x + y)``, ``A x + B x -> (A + B) x``,
   and the same for ``-``.
 * **Reductions of products**: a sum over a dimension of one operand is taken
@@ -362,6 +364,43 @@ def _factors_of(x: Value) -> list[tuple[str, Value, Value, tuple]]:
     return out
 
 
+def _computed_from(f: Value, x: Value, depth: int = 6) -> bool:
+    """Whether some way of computing ``f`` reads ``x`` within ``depth`` operations (``sum(x, axis)``, or
+    ``1 / sum(x, axis)`` accumulated in float32 for a bfloat16 ``x``)."""
+    seen, stack = set(), [(f, 0)]
+    while stack:
+        v, d = stack.pop()
+        if d >= depth or v.name in seen or v.literal is not None:
+            continue
+        seen.add(v.name)
+        for n in v.nodes:
+            for o in n.operands:
+                if o.name == x.name:
+                    return True
+                stack.append((o, d + 1))
+    return False
+
+
+def _forks(m: Any, rest: Value, x: Value, f: Value) -> bool:
+    """Whether moving ``f`` (in ``x = f rest``) past the product leaves ``rest`` read by the product and by the
+    computation of ``f`` alone: ``f`` is computed from ``rest``, and nothing but products, ``x`` and that
+    computation reads ``rest`` (followed through arrays of ``rest``'s size on the way, ``rest`` converted, say).
+    A gradient's residual, or another reduction of ``rest``, is a reader elsewhere."""
+    if not _computed_from(f, rest):
+        return False
+    seen, stack = {rest.name}, [rest]
+    while stack:
+        for user, node in m.users(stack.pop()):
+            if node.prim == "dot_general" or user.name in (x.name, f.name) or user.name in seen:
+                continue
+            if not _computed_from(f, user):
+                return False
+            if user.size >= rest.size:  # rest in another dtype or layout, on the way to f: who else reads it?
+                seen.add(user.name)
+                stack.append(user)
+    return True
+
+
 def _factor_out(side: str) -> Callable:
     """A factor of one operand that runs along the result's dimensions moves to the result; one that runs
     along contracted (or batch) dimensions moves to the other operand.
@@ -369,6 +408,16 @@ def _factor_out(side: str) -> Callable:
     A factor only ever moves to a smaller array than the one it scales (here and in :func:`_factor_in`):
     that is where it can be cheaper, and it keeps a factor from moving back and forth, and from
     settling on every operand of every sub-product of a chain.
+
+    A factor computed from the operand it scales (a softmax's normaliser, ``e / sum(e)``) does not move to
+    the result where nothing else reads that operand. There the operand is reduced first and scaled in the
+    pass that reads it for the product, so the move saves no pass over it, only the scaling's arithmetic;
+    moved, the operand is read by the product and by its own reduction, whose results meet only after the
+    product. XLA:CPU fuses an operand into a product's library (YNN) fusion when all its readers are in that
+    fusion, so a forward attention's scores, softmax and second product become one fusion, and it ran 3-7.5x
+    slower in the moved form. Where something else reads the operand (a gradient's residual), it is stored
+    anyway and the move saves the scaled copy: a long-context training step ran 1.30x faster with it
+    (``benchmarks/results/log.md``, issue 50).
     """
 
     @_of_product
@@ -379,7 +428,7 @@ def _factor_out(side: str) -> Callable:
         for op, rest, f, dims in _factors_of(x):
             along = tuple(None if d is None else lx[d] for d in dims)
             used = {l for l in along if l is not None}
-            if used <= set(lo) and m.root.size < x.size:  # along the result: (f a) b -> f (a b)
+            if used <= set(lo) and m.root.size < x.size and not _forks(m, rest, x, f):  # (f a) b -> f (a b)
                 how = _placement(f, along, lo, m.root.shape)
 
                 def fn(f, r, o, how=how, op=op, lhs=side == "lhs"):

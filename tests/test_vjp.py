@@ -404,3 +404,54 @@ def test_a_gradients_extraction_that_chooses_the_joint_s_program_is_not_searched
     assert built.split.policy.startswith("joint:") and built.split.cost == min(s.cost for s in joint)
     _close(jax.grad(lambda x, a: r(x, a).sum(), argnums=(0, 1))(X, A),
            jax.grad(lambda x, a: seed(x, a).sum(), argnums=(0, 1))(X, A))
+
+
+# ---------------------------------------------------------------------- a split chosen as jit runs it (grad/uses.py)
+def _every_pack_but_fastmath():
+    import rulesets
+
+    return [getattr(rulesets, p) for p in ("algebra", "derivatives", "scan", "linalg", "nn", "attention")]
+
+
+def test_jax_vjp_of_seed_000_computes_two_transcendentals_an_element_where_jax_s_computes_three():
+    """Issue 50's seed 000 under every pack but fastmath: ``sin`` stored as a ``select`` (``trig_sin_stored``) is
+    stored once by XLA for the gradients, where JAX's VJP stores ``sin`` for the reduction and computes it again
+    beside ``cos``; with the primal output too, that output reads ``sin`` as written, where the ``select`` would be
+    copied into its loop. So ``jax.vjp``'s pullback under ``jit`` computes 2 transcendentals an element (JAX: 3),
+    a training step 3 (JAX: 4), holding no more temporaries, bit for bit JAX's results, special values included.
+    At arrays of 2 MiB, past the lean band's 1 MiB (``extract.program.LEAN_BYTES``)."""
+    shape = (32, 256, 64)
+    x = jnp.linspace(-4.0, 4.0, int(np.prod(shape)), dtype=jnp.float32).reshape(shape)
+    special = jnp.asarray([0.0, -0.0, 1e-45, -1e-45, 1.2e-38, 3e38, -3e38, jnp.inf, -jnp.inf, jnp.nan], jnp.float32)
+    x = x.at[0, 0, :10].set(special)
+    a, g = jnp.linspace(0.5, 2.0, shape[-1]), jnp.cos(x * 3.0)
+    f = rewrite(seed, rulesets=_every_pack_but_fastmath(), cache=False)
+
+    def grads(fn):
+        return lambda x, a, g: jax.vjp(fn, x, a)[1](g)
+
+    def step(fn):
+        return lambda x, a, g: (lambda out, pullback: (out, *pullback(g)))(*jax.vjp(fn, x, a))
+
+    n = x.size
+    for use, (ours_per, jax_per) in ((grads, (2, 3)), (step, (3, 4))):
+        ours, theirs = (jax.jit(use(fn)).lower(x, a, g).compile() for fn in (f, seed))
+        assert ours.cost_analysis()["transcendentals"] == ours_per * n, use.__name__
+        assert theirs.cost_analysis()["transcendentals"] == jax_per * n, use.__name__
+        assert ours.memory_analysis().temp_size_in_bytes <= theirs.memory_analysis().temp_size_in_bytes, use.__name__
+        for p, q in zip(jax.jit(use(f))(x, a, g), jax.jit(use(seed))(x, a, g)):
+            assert np.array_equal(np.asarray(p).view(np.uint32), np.asarray(q).view(np.uint32)), use.__name__
+    assert f.grad_result(x, a).split.policy.startswith("joint+gradients:")
+
+
+@pytest.mark.filterwarnings("ignore::rewrite.testing.VacuousCheckWarning")  # the forward is unchanged: its VJP is not
+def test_seed_000_s_split_of_two_extractions_keeps_jax_s_gradients_on_drawn_inputs():
+    """The split that computes the outputs as the joint extraction does and the gradients as their own extraction
+    does (``grad/uses.py``), on drawn inputs and cotangents, within ``derivatives``' tolerance. (In float64 and
+    the half types the model prices the stored ``sin`` no lower here, and the joint extraction's split is kept.)"""
+    from rewrite.testing import assert_equivalent
+
+    x, a = jnp.ones((8, 64, 64)), jnp.ones(64)
+    policy = rewrite(seed, rulesets=[derivatives], cache=False).grad_result(x, a).split.policy
+    assert policy.startswith("joint+gradients:"), policy
+    assert_equivalent(seed, x, a, rulesets=[derivatives], grads=True, max_examples=25)

@@ -57,7 +57,7 @@ from ..ir.primitives import BY_PRIM, DEFAULT as _OPAQUE_SPEC, NodeInfo, inner_ja
 from . import calibration as _calibration
 from .dot import FALLBACK as _DOT_FALLBACK, REPACK as _DOT_REPACK, library_dot
 from .fusion import FusionModel, ns_key
-from .memory import InnerPeak, liveness_peak, scheduled_peak
+from .memory import InnerPeak, as_xla_simplifies, scheduled_peak
 from .program import Program
 
 
@@ -469,8 +469,8 @@ class AnalyticCost(CostModel):
         """
         fusion = self.fusion_model()
         fusion.tiebreak = None  # sizes only: no node prices (a loop's would need its body's)
-        prog = Program.from_jaxpr(closed, None)
-        return liveness_peak(prog, fusion.kernels(prog), fusion.inner)
+        prog = Program.from_jaxpr(as_xla_simplifies(closed), None)
+        return scheduled_peak(prog, fusion.kernels(prog), fusion.inner)
 
     def _op_price(self, op: Any) -> float:
         return self(NodeInfo(op.prim, op.family, op.params, op.in_avals, op.out_avals))

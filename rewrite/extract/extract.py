@@ -181,6 +181,16 @@ def _peak(price: ProgramPricer, cand: Candidate, roots: Sequence[Any]) -> int | 
     return live.peak() if live else None
 
 
+def _held(price: ProgramPricer, cand: Candidate, roots: Sequence[Any]) -> int | None:
+    """``cand``'s temporaries held at once in the order XLA runs its kernels (``LiveProgram.held``), remembered as
+    :func:`_peak` remembers a peak: what the lean band compares."""
+    found = None if cand.signature is None else price.peaks.get(("held", tuple(roots), cand.signature))
+    if found is not None:
+        return found
+    live = price.live(cand.choice, roots)
+    return live.held() if live else None
+
+
 def fatter(peak: float, than: float) -> bool:
     """Whether a predicted peak of ``peak`` bytes holds more than one of ``than`` (:data:`FATTER_BYTES`,
     :data:`FATTER_RATIO`)."""
@@ -214,8 +224,8 @@ def _leanest(ranked: list[Candidate], best: Candidate, price: ProgramPricer, roo
     within = [cand for cand in ranked if cand is not best and cand.cost <= ranked[0].cost * (1 + band)]
     if not within:
         return best
-    top = _peak(price, best, roots)
-    peaks = [(p, cand.cost, i, cand) for i, cand in enumerate(within) if (p := _peak(price, cand, roots)) is not None]
+    top = _held(price, best, roots)
+    peaks = [(p, cand.cost, i, cand) for i, cand in enumerate(within) if (p := _held(price, cand, roots)) is not None]
     if not peaks:
         return best
     p, _, _, cand = min(peaks, key=lambda t: t[:3])

@@ -14,6 +14,7 @@ import weakref
 from typing import Any, Callable, Sequence
 
 from ..cost.live import LiveFusion
+from ..cost.memory import scheduled_peak
 from ..cost.model import CostModel
 from ..cost.program import Program, chosen_op
 from ..ir import primitives as _primitives
@@ -230,14 +231,11 @@ class _ChoiceTemplates(dict):
 class LiveProgram:
     """The program a choice makes, kept up to date as single classes switch node: what :class:`ProgramSearch` prices.
 
-    Reference counts over what each chosen node reads tell which classes a
-    move brings into the program and which it leaves behind: over its own
-    scope for the kernels (a :class:`rewrite.cost.live.LiveFusion`, which
-    re-places and re-prices only what the move touches), and over bodies too
-    for the program's signature (``_signature``), so that a move to a program
-    priced before is answered from the pricer's memory. ``choice`` is
-    updated in place. Prices equal the pricer's whole-program ones up to the
-    order of the sums.
+    Reference counts over what each chosen node reads tell which classes a move brings into the program and which
+    it leaves behind: over its own scope for the kernels (a :class:`rewrite.cost.live.LiveFusion`, which re-places
+    and re-prices only what the move touches), and over bodies too for the program's signature (``_signature``), so
+    that a move to a program priced before is answered from the pricer's memory. ``choice`` is updated in place.
+    Prices equal the pricer's whole-program ones up to the order of the sums.
     """
 
     def __init__(self, pricer: ProgramPricer, fusion: Any, choice: dict[Any, tuple], roots: Sequence[Any]) -> None:
@@ -352,6 +350,14 @@ class LiveProgram:
         found = self.pricer.peaks[self.key()] = self.fusion.peak()
         return found
 
+    def held(self) -> int:
+        """The temporaries held at once in the order XLA:CPU runs the kernels (``cost.memory.scheduled_peak``), which
+        the lean band compares: :meth:`peak` cannot see a kernel write over an operand that dies there."""
+        self.flush()
+        found = self.pricer.peaks[("held", *self.key())] = scheduled_peak(self.fusion, self.fusion.kernels(),
+                                                                           self.fusion.model.inner)
+        return found
+
     def flush(self) -> None:
         """Bring the kernels up to date with the moves made since the last price."""
         ex, choice, ref, fused, stale = self.ex, self.choice, self._ref, self._fused, self._stale
@@ -381,19 +387,15 @@ class LiveProgram:
 class ProgramSearch:
     """Improve a choice under a whole-program price by switching one class at a time.
 
-    A move is priced from the kernels it touches (:class:`LiveProgram`; under
-    a model that prices programs its own way, by pricing the whole program
-    again). The search runs only on programs of at most ``max_classes``
-    classes, for at most ``max_evaluations`` prices of distinct programs, and at most
-    ``per_class`` per class of the program it starts from (at least 64): on
-    the ecosystem suite the last improving move came within one price per
-    class, and the moves after it only confirmed that none improves. A move
-    is kept when it lowers the price and keeps the program acyclic. Bodies
-    keep their choice.
+    A move is priced from the kernels it touches (:class:`LiveProgram`; under a model that prices programs its own
+    way, by pricing the whole program again). The search runs only on programs of at most ``max_classes`` classes,
+    for at most ``max_evaluations`` prices of distinct programs, and at most ``per_class`` per class of the program
+    it starts from (at least 64): on the ecosystem suite the last improving move came within one price per class,
+    and the moves after it only confirmed that none improves. A move is kept when it lowers the price and keeps
+    the program acyclic. Bodies keep their choice.
 
-    Searches from several starts may share ``visited``, the programs every
-    search has passed through: a search that reaches a program another one
-    passed through stops there, since the other went on from it (and the
+    Searches from several starts may share ``visited``, the programs every search has passed through: a search
+    that reaches a program another one passed through stops there, since the other went on from it (and the
     extractor keeps the best of all searches).
     """
 
@@ -572,7 +574,7 @@ class ProgramSearch:
         of those the one that holds less memory is the better: the LM head's loss at N=8192 in blocks of 256
         tokens against 512. One pass over the program's classes; a move, or a loop swapped for another (a
         group move), is kept when the price stays within the band of ``best`` and the program becomes
-        :func:`leaner` than it was. Each kept move lowers the peak by a quarter, so the pass is short.
+        :func:`leaner` than it was (:meth:`LiveProgram.held`). Each kept move lowers the peak by a quarter.
         """
         if len(self._program_classes()) > self.max_classes:
             return best
@@ -581,7 +583,7 @@ class ProgramSearch:
         if not self._live:
             return best  # the model prices programs its own way: no peak to read
         ceiling = best * (1 + band)
-        peak = self._live.peak()
+        peak = self._live.held()
         start = self.pricer.evaluations
         nodes = self.ex.snap.nodes
         classes = self._program_classes()
@@ -605,7 +607,7 @@ class ProgramSearch:
                 kept = False
                 if not swap:
                     self._switch(c, alt)
-                    kept = accept(self._price(), self._live.peak)
+                    kept = accept(self._price(), self._live.held)
                     if not kept:
                         self._switch(c, cur)
                 if not kept:
@@ -614,7 +616,7 @@ class ProgramSearch:
                 if not kept:
                     continue
                 self._tried_groups.clear()
-                best, peak = self._price(), self._live.peak()
+                best, peak = self._price(), self._live.held()
                 self.visited.add(self.pricer.last_key)
                 live = set(self._program_classes())
                 if c not in live:
@@ -642,16 +644,13 @@ class ProgramSearch:
         and not holding more temporaries (or, given ``accept(price, peak)``, ``peak`` a function that reads
         it, acyclic and accepted).
 
-        A group move swaps one loop for another. The model prices a loop body
-        from its operations, not from the kernels XLA makes of them on every
-        iteration, so a swap that only moves work into a body is priced too
-        cheap: a reduction of an output the program returns anyway (stacked
-        either way) hoisted into its loop was predicted 8.0% and 0.005%
-        cheaper on two RNNs and measured 0.82x both (``tests/test_scan.py``,
-        ``tests/test_loops.py``). The swaps that pay lower the predicted peak
-        (a loop over token blocks in place of the LM head's logits), so a swap
-        that raises it is not made, unless it swaps a loop for the same loop
-        in other blocks (:meth:`_reblocks`), whose bodies do the same work.
+        A group move swaps one loop for another. The model prices a loop body from its operations, not from the
+        kernels XLA makes of them on every iteration, so a swap that only moves work into a body is priced too
+        cheap: a reduction of an output the program returns anyway (stacked either way) hoisted into its loop was
+        predicted 8.0% and 0.005% cheaper on two RNNs and measured 0.82x both (``tests/test_scan.py``,
+        ``tests/test_loops.py``). The swaps that pay lower the predicted peak (a loop over token blocks in place of
+        the LM head's logits), so a swap that raises it is not made, unless it swaps a loop for the same loop in
+        other blocks (:meth:`_reblocks`), whose bodies do the same work.
         """
         # The same move comes from every class of the program that the new loop offers (each of a loop's
         # outputs, moving all of them to the other loop): one declined since the search last moved is declined
@@ -670,7 +669,7 @@ class ProgramSearch:
         kids = [k for x, _ in moved for k in self._kids(self.choice[x])]
         ok = not self.ex.reaches(self.choice, kids, {x for x, _ in moved})
         if ok and accept is not None:
-            if accept(self._price(), self._live.peak):
+            if accept(self._price(), self._live.held):
                 return True
         elif ok and self._price() < best - 1e-9 * max(1.0, abs(best)) and (
                 peak is None or self._live.peak() <= peak or self._reblocks(cur, alt)):

@@ -18,7 +18,11 @@ two and wrapped in a ``jax.custom_vjp``:
   apart (``AnalyticCost.program``), in two uses weighted alike: a training
   step, which reads the outputs, and ``jax.grad``, which drops them (and
   XLA the forward work only they needed). Both the joint extraction and
-  one for the gradients alone are tried.
+  one for the gradients alone are split so, and where they differ a third
+  split computes the outputs as the first does and the gradients as the
+  second; of those the one taken is the cheapest as ``jit`` runs it, where
+  the two halves inline into one program and each use is one program
+  (``grad/uses.py``).
 * Without differentiation, the primal function runs: the forward program
   extracted on its own, so inference pays nothing for the backward pass.
 
@@ -41,6 +45,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 from typing import Any, Callable, Sequence
 
@@ -60,6 +65,7 @@ from ..jaxpr.emit import Emitter, _Scope, check_signature, dce, emit, emitter
 from ..jaxpr.trace import Traced, same_program, spec_of
 from ..pipeline import extract_by_policy, program_cost, run_pipeline
 from ..records import Result, lap
+from .uses import cheapest_use, emit_parts, uses_price, without_outputs
 
 log = logging.getLogger("rewrite")
 
@@ -118,6 +124,9 @@ class Split:
     policy: str
     residuals: list[Any]
     cost: float
+    #: the price of its two uses under ``jit``, each one program (``grad/uses.py``), where it was chosen among the
+    #: extractions' splits so; NaN where there was one to take
+    uses: float = math.nan
 
 
 def _is_free(snap: Any, choice: dict, c: Any) -> bool:
@@ -212,11 +221,15 @@ _BWD_DEBUG = core.DebugInfo("rewrite", "backward pass emitted by rewrite(vjp=Tru
 
 
 def emit_split(snap: Any, choice: dict, egraph: Any, in_avals: Sequence[Any], ct_avals: Sequence[Any],
-               f_roots: Sequence[Any], b_roots: Sequence[Any], residuals: Sequence[Any]
+               f_roots: Sequence[Any], b_roots: Sequence[Any], residuals: Sequence[Any], forward: dict | None = None
                ) -> tuple[core.ClosedJaxpr, core.ClosedJaxpr]:
-    """The forward program (primals -> outputs + residuals) and the backward (residuals + cotangents -> grads)."""
+    """The forward program (primals -> outputs + residuals) and the backward (residuals + cotangents -> grads);
+    ``forward``, where given, is the choice the outputs are computed under (``grad.uses.emit_parts``)."""
     em = Emitter(snap, choice, egraph)
-    fwd = dce(em.program(in_avals, list(f_roots) + list(residuals), None, _FWD_DEBUG))
+    if forward is None:
+        fwd = dce(em.program(in_avals, list(f_roots) + list(residuals), None, _FWD_DEBUG))
+    else:
+        fwd = dce(emit_parts(snap, egraph, in_avals, [(forward, f_roots), (choice, residuals)], _FWD_DEBUG))
     debug_info = _BWD_DEBUG
     n = len(in_avals)
     params = {n + j: core.Var(a) for j, a in enumerate(ct_avals)}
@@ -248,6 +261,9 @@ class VJPResult:
     times: dict[str, float]
     #: which derivative :func:`decided_jointly` kept, and why ("" where it did not decide: no ``jointly`` rule fired)
     decided: str = ""
+    #: the price of the training step the split runs (its halves inlined, ``grad/uses.py``) where the split taken is
+    #: not the joint extraction's, whose price is ``joint.cost_after``; NaN otherwise
+    composed_cost: float = math.nan
 
     @property
     def after(self) -> core.ClosedJaxpr:
@@ -325,25 +341,40 @@ def build_vjp(traced: Traced, entries: Sequence[Any], model: Any, limits: Any, p
     t0 = time.perf_counter()
     f_roots, b_roots, params, choices = _joint_choices(res, len(closed.out_avals), n + len(ct_avals), model, entries)
     considered: list[Split] = []
-    # Each split is priced in both uses, weighted alike, and the cheapest (choice, split) wins.
-    best: tuple[float, dict, Split] | None = None
+    # Each choice's residuals are searched with its halves priced apart (choose_residuals); the splits so found are
+    # chosen between as they run, each use one program (grad/uses.py).
+    found: list[tuple[str, dict, dict | None, Split]] = []
     searched: list[tuple[dict, tuple[Split, list[Split]]]] = []
     for name, choice in choices:
-        found = made_before(snap, searched, choice, f_roots + b_roots)
-        if found is not None:  # the program of a choice searched already: the same splits, at the same prices
-            split, tried = found
+        made = made_before(snap, searched, choice, f_roots + b_roots)
+        if made is not None:  # the program of a choice searched already: the same splits, at the same prices
+            split, tried = made
         else:
             price = split_pricer(snap, model, choice, f_roots, b_roots)
             tried = []
             split = choose_residuals(snap, choice, f_roots, b_roots, params, n, price, tried)
             searched.append((choice, (split, tried)))
+            found.append((name, choice, None, dataclasses.replace(split, policy=f"{name}:{split.policy}")))
         considered += [dataclasses.replace(t, policy=f"{name}:{t.policy}") for t in tried]
-        if best is None or split.cost < best[0]:
-            best = (split.cost, choice, dataclasses.replace(split, policy=f"{name}:{split.policy}"))
-    assert best is not None
-    _, choice, split = best
+    if len(found) == 2:  # the outputs as the joint extraction computes them, the gradients as their own does
+        (jname, joint_choice, _, _), (gname, grads_choice, _, gsplit) = found
+        if not same_choice(snap, joint_choice, grads_choice, f_roots):
+            found.append((f"{jname}+{gname}", grads_choice, joint_choice,
+                          dataclasses.replace(gsplit, policy=f"{jname}+{gsplit.policy}")))
+    halves = [emit_split(snap, choice, eg, in_avals, ct_avals, f_roots, b_roots, split.residuals, forward)
+              for _, choice, forward, split in found]
+    best, composed = 0, math.nan
+    if len(found) > 1:
+        seen: list = []
+        uses = [uses_price(fwd, bwd, len(split.residuals), model, seen) for (fwd, bwd), (*_, split) in zip(halves, found)]
+        best = cheapest_use(uses, (res.before, without_outputs(res.before, len(closed.out_avals))), model)
+        for (*_, split), u in zip(found, uses):
+            split.uses = u.price
+        composed = uses[best].train_price if best else math.nan
+    split = found[best][3]
+    considered += [s for *_, s in found if s.policy.startswith(f"{found[0][0]}+")]
     times["residuals"] = time.perf_counter() - t0
-    fwd, bwd = emit_split(snap, choice, eg, in_avals, ct_avals, f_roots, b_roots, split.residuals)
+    fwd, bwd = halves[best]
     forward = fn = None
     if primal:
         # The primal function alone: extracted for the outputs only, so inference skips the backward pass.
@@ -353,7 +384,7 @@ def build_vjp(traced: Traced, entries: Sequence[Any], model: Any, limits: Any, p
         fn = custom_vjp_function(forward, fwd, bwd, n, dif_in, dif_out)
     if not keep:
         res.release()
-    return VJPResult(forward, fwd, bwd, split, considered, res, dif_in, dif_out, fn, times)
+    return VJPResult(forward, fwd, bwd, split, considered, res, dif_in, dif_out, fn, times, composed_cost=composed)
 
 
 def same_choice(snap: Any, a: dict, b: dict, roots: Sequence[Any]) -> bool:

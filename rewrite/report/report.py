@@ -209,8 +209,9 @@ class Report:
                 lines.append(f"gradient: JAX's own VJP of the function as written; residuals: {len(g.split.residuals)} "
                              f"value(s), {held / 2**20:.2f} MiB (where JAX splits it)")
             else:
+                how = ("the cheapest as jit runs it" if g.split.uses == g.split.uses else "the cheapest")  # not NaN
                 lines.append(f"gradient: forward and backward rewritten together; residuals: {len(g.split.residuals)} "
-                             f"value(s), {held / 2**20:.2f} MiB ({g.split.policy}, the cheapest of "
+                             f"value(s), {held / 2**20:.2f} MiB ({g.split.policy}, {how} of "
                              f"{len(g.splits_considered)} splits priced)")
             if g.decided:
                 lines.append(f"gradient decided on its joint program: {g.decided}")
@@ -400,7 +401,9 @@ def gradient_report(gradient: Any, entries: Sequence[tuple[Rule, Ruleset]], mode
              **{k: t.get(k, 0.0) for k in ("load", "saturate", "extract", "emit", "residuals")}}
     return Report(
         before=result.before, after=_composed(gradient), cost_before=result.cost_before,
-        cost_after=result.cost_after, fired={k: s.fired for k, s in result.stats.items() if s.fired},
+        # the split's own training step where it is not the joint extraction's (grad/uses.py)
+        cost_after=result.cost_after if math.isnan(getattr(gradient, "composed_cost", math.nan))
+        else gradient.composed_cost, fired={k: s.fired for k, s in result.stats.items() if s.fired},
         used=provenance(result), stopped=result.stopped, times=times, iterations=result.iterations,
         egraph_rows=result.rows, rejected={k: dict(s.rejected) for k, s in result.stats.items()},
         warnings=result.warnings, rulesets=entries, result=result, gradient=gradient, model=model,
