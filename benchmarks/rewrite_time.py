@@ -15,6 +15,7 @@ Run ``python -m benchmarks.rewrite_time [--configs identity] [--programs a,b]
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import os
 import pathlib
@@ -29,6 +30,28 @@ from benchmarks import ecosystem as eco
 from benchmarks.overhead import load_rulesets, xla_compile_seconds
 
 RESULTS = pathlib.Path(__file__).parent / "results"
+
+
+@contextlib.contextmanager
+def counted_pipelines():
+    """The rows of every pipeline run (saturation) while the block runs, in a list the block can read after: a
+    count that the machine's load does not move, beside the seconds it does (``run_pipeline`` calls ``_run`` once
+    a rewrite; the whole-step search, the derivative builds and their candidates each run their own)."""
+    from rewrite import pipeline
+
+    rows: list[int] = []
+    run = pipeline._run
+
+    def counting(*args, **kwargs):
+        result = run(*args, **kwargs)
+        rows.append(result.rows)
+        return result
+
+    pipeline._run = counting
+    try:
+        yield rows
+    finally:
+        pipeline._run = run
 
 
 def measure(name: str, packs: list, via: str = "rewrite") -> dict:
@@ -46,28 +69,33 @@ def measure(name: str, packs: list, via: str = "rewrite") -> dict:
     flat, leaves = eco._flat(fn, args)
     program = eco.gradient(flat, leaves) if prog.grad else flat
     compile_s = statistics.median(xla_compile_seconds(program, leaves) for _ in range(2))
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), counted_pipelines() as pipelines:
         warnings.simplefilter("ignore")
+        cpu = time.process_time()
         t = time.perf_counter()
         if via == "explain":
             report = explain(flat, *leaves, rulesets=packs, grad=prog.grad)
             rewrite_s = time.perf_counter() - t
+            cpu = time.process_time() - cpu
             result, times, stopped, rows = report.result, report.times, report.stopped, report.egraph_rows
         else:
             r = rewrite(flat, rulesets=packs)
             if prog.grad:
                 built = r.grad_result(*leaves)
                 rewrite_s = time.perf_counter() - t
+                cpu = time.process_time() - cpu
                 result = built.joint
                 times = {**{f"forward {k}": v for k, v in r.result(*leaves).times.items()}, **built.times}
             else:
                 result = r.result(*leaves)
                 rewrite_s = time.perf_counter() - t
+                cpu = time.process_time() - cpu
                 times = result.times
             stopped, rows = result.stopped, result.rows
     stats = result.stats
     slow = max(stats.items(), key=lambda kv: kv[1].seconds) if stats else None
     return {"program": name, "compile_s": compile_s, "rewrite_s": rewrite_s, "ratio": rewrite_s / compile_s,
+            "cpu_s": cpu, "pipelines": len(pipelines), "pipeline_rows": sum(pipelines),
             "stages": {k: v for k, v in times.items() if v >= 0.005}, "stopped": stopped,
             "rows": rows,
             "slowest_rule": None if slow is None else (slow[0], slow[1].seconds)}
@@ -81,7 +109,9 @@ def markdown(rows: list[dict], config: str, load: tuple, via: str = "rewrite") -
         f"`python -m benchmarks.rewrite_time` on {jax.default_backend()}, jax {jax.__version__}, "
         f"{datetime.date.today().isoformat()}; load average {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} "
         f"(1 / 5 / 15 min) at the start, on {os.cpu_count()} cores. One process, the suite's order; each "
-        "rewrite is its first call (a fresh disk cache). Ratio: rewrite seconds over XLA's. The rewrite timed: "
+        "rewrite is its first call (a fresh disk cache). Ratio: rewrite seconds over XLA's. CPU s: the rewrite's "
+        "`time.process_time`; pipelines: the saturations it ran (`run_pipeline`), with their e-graph rows summed (two "
+        "counts the load does not move). The rewrite timed: "
         + ("`explain`'s." if via == "explain" else "`rewrite(fn)`'s first call (`result`; for a gradient program "
                                                    "`grad_result`, what `jax.grad(rewrite(fn))` builds)."),
         "",
@@ -89,13 +119,15 @@ def markdown(rows: list[dict], config: str, load: tuple, via: str = "rewrite") -
         f"({max(rows, key=lambda r: r['ratio'])['program']}); {sum(x <= 1 for x in ratios)} of {len(rows)} "
         "at or under 1.0x.",
         "",
-        "| program | XLA compile s | rewrite s | ratio | stages (s) | slowest rule (s) | stopped |",
-        "|---|---|---|---|---|---|---|",
+        "| program | XLA compile s | rewrite s | ratio | CPU s | pipelines (rows) | stages (s) | slowest rule (s) "
+        "| stopped |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         stages = ", ".join(f"{k} {v:.2f}" for k, v in sorted(r["stages"].items(), key=lambda kv: -kv[1]))
         slow = "-" if r["slowest_rule"] is None else f"{r['slowest_rule'][0]} {r['slowest_rule'][1]:.2f}"
         lines.append(f"| {r['program']} | {r['compile_s']:.2f} | {r['rewrite_s']:.2f} | {r['ratio']:.2f}x | "
+                     f"{r['cpu_s']:.2f} | {r['pipelines']} ({r['pipeline_rows']:,}) | "
                      f"{stages} | {slow} | {r['stopped'].split(',')[0]} |")
     return "\n".join(lines) + "\n"
 
@@ -116,7 +148,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
             rows.append(measure(name, packs, args.via))
             r = rows[-1]
             print(f"{name:26s} compile {r['compile_s']:6.2f} s  rewrite {r['rewrite_s']:6.2f} s  "
-                  f"ratio {r['ratio']:5.2f}x  slowest rule {r['slowest_rule']}", flush=True)
+                  f"ratio {r['ratio']:5.2f}x  cpu {r['cpu_s']:5.2f} s  pipelines {r['pipelines']} "
+                  f"({r['pipeline_rows']} rows)  slowest rule {r['slowest_rule']}", flush=True)
     print(f"median {statistics.median(r['ratio'] for r in rows):.2f}x, worst {max(r['ratio'] for r in rows):.2f}x")
     if args.out:
         pathlib.Path(args.out).write_text(markdown(rows, args.configs, load, args.via))

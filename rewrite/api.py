@@ -239,6 +239,7 @@ class Rewritten:
             result.guard = _guard.GuardDecision("rewritten", None, None, untimed)
             result.times["guard"] = time.perf_counter() - t
             return
+        chosen = result.after
         try:
             # an unchanged program is passed as ``before`` itself, which the guard keeps without timing
             after = result.after if result.rewritten else result.before
@@ -248,6 +249,8 @@ class Rewritten:
                 raise
             result.after = result.before
             result.guard = _guard.GuardDecision("original", None, None, f"timing failed: {type(e).__name__}: {e}")
+        if result.after is not chosen:  # not the extraction's program: what it used is not known (decided_jointly)
+            result.jointly_chosen = None
         if result.guard.seconds_original is None and result.rewritten:
             warnings.warn(RewriteWarning(f"the guard could not time {name!r} ({result.guard.reason}); "
                                          "keeping the original program"), stacklevel=5)

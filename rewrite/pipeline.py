@@ -23,8 +23,9 @@ import numpy as np
 
 from .cost.memory import over_budget
 from .cost.model import CostModel
+from .extract.choice import reachable
 from .extract.extract import extract, input_cost
-from .extract.policy import bar_preferred, no_fatter, recomputations, withheld, worth_their_saving
+from .extract.policy import bar_preferred, made_by, no_fatter, recomputations, withheld, worth_their_saving
 from .ir.egraph import EGraph
 from .ir.intern import LITERALS, TYPES, in_dtype
 from .ir.terms import ctor_arg_sorts
@@ -131,11 +132,28 @@ def _run(closed: core.ClosedJaxpr, entries: Sequence[tuple[Rule, Ruleset]], mode
         egraph=eg if keep else None, choice=ex.choice if keep else None, snapshot=snap if keep else None,
         roots=roots if keep else None, original=original if keep else None, out_names=list(outs) if keep else None,
         timing=timing, preferred=forced, over_budget=excluded,
+        # a program the backend timed may be another candidate than ex's
+        jointly_chosen=None if timing is not None else jointly_chosen(snap, eg, entries, engine.stats, ex.choice,
+                                                                      all_roots, original),
     )
     result.why = why_chosen(result, ex.lean)
     if not keep:
         eg.release()  # to the pool now, even if something the rewrite made holds the e-graph in a cycle
     return result
+
+
+def jointly_chosen(snap: Any, eg: Any, entries: Sequence[tuple[Rule, Ruleset]], stats: dict, choice: dict,
+                   roots: list, original: set) -> frozenset:
+    """Of the rules of ``jointly=True`` rulesets that fired (``stats``), those that built a node the program
+    ``choice`` makes from ``roots`` uses (``extract.policy.made_by``): ``Result.jointly_chosen``. Where none did,
+    the forward rewritten without them is the forward as chosen (``grad/vjp.py``'s ``decided_jointly``
+    does not saturate it again)."""
+    fired = {r.name for r, owner in entries if getattr(owner, "jointly", False)
+             and getattr(stats.get(r.name), "fired", 0)}
+    if not fired:
+        return frozenset()
+    made = made_by(snap, eg, fired, original)
+    return frozenset(made[n] for n in (choice[c] for c in reachable(snap, choice, roots)) if n in made)
 
 
 def extract_by_policy(snap: Any, eg: Any, entries: Sequence[tuple[Rule, Ruleset]], roots: list, model: CostModel,

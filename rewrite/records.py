@@ -156,6 +156,10 @@ class Result:
     #: a training step: the losses whose gradients were found, proven and replaced, or why not
     #: (:class:`rewrite.grad.step.StepFinding`), else None
     step: Any = None
+    #: of the rules of ``jointly=True`` rulesets that fired, those whose nodes the program that comes out uses
+    #: (``rewrite.grad.vjp.decided_jointly`` builds the forward again without them only where there are some);
+    #: None where that is not known (a program timed by ``cost_model="measure"``, one read from the disk cache)
+    jointly_chosen: frozenset | None = None
 
     def release(self) -> None:
         """Drop what is kept for deeper reports (the e-graph, its snapshot and the choice over it) and give the

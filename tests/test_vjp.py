@@ -377,6 +377,46 @@ def test_decided_jointly_traces_and_prices_jax_s_split_once(monkeypatch):
         assert a.dtype == b.dtype and np.array_equal(np.asarray(a), np.asarray(b)), (a, b)
 
 
+def test_a_jointly_rule_the_forward_does_not_choose_is_not_saturated_again(monkeypatch):
+    """Where a ``jointly`` rule fired in the forward (``rulesets.nn``'s ``nn_lm_head_label`` on a small head) but the
+    forward as chosen uses nothing it built (``Result.jointly_chosen``), the forward rewritten without the
+    ``jointly`` rules is that forward: ``decided_jointly`` does not saturate it again, through
+    ``jax.grad(rewrite(loss))`` nor in a training step's loss-first program, and decides as it did (JAX's
+    derivative of the loss as written kept, against the derivative of that one forward). Saturated again, it is
+    the same program: the shortcut is the second saturation's answer here, not a guess."""
+    import rulesets
+    import rewrite.grad.vjp as vjp
+    from rewrite.jaxpr.trace import same_program
+
+    run = vjp.run_pipeline
+    plain: list = []
+
+    def counted(program, entries, *args, **kwargs):
+        if not any(getattr(owner, "jointly", False) for _, owner in entries):  # the forward without them
+            plain.append(program)
+        return run(program, entries, *args, **kwargs)
+
+    monkeypatch.setattr(vjp, "run_pipeline", counted)
+    loss, (h, w, y) = lm_head_case(16, 32, 64)
+
+    def step(h, w, y):
+        value, grad = jax.value_and_grad(loss, argnums=1)(h, w, y)
+        return value, w - 0.1 * grad
+
+    g = rewrite(loss, rulesets=[rulesets.nn], cache=False)
+    forward = g.result(h, w, y)
+    assert forward.stats["nn_lm_head_label"].fired and forward.jointly_chosen == frozenset(), forward.jointly_chosen
+    built = g.grad_result(h, w, y)
+    assert built.decided.startswith("kept JAX's derivative of the loss as written"), built.decided
+    assert "without" not in built.decided and plain == [], (built.decided, len(plain))
+    rest = [(r, owner) for r, owner in g.entries if not owner.jointly]
+    assert same_program(run(forward.before, rest, g.cost_model, g.limits).after, forward.after)
+    stepped = rewrite(step, rulesets=[rulesets.nn], cache=False).result(h, w, y)
+    assert stepped.step.replaced and len(stepped.step.decided) == 1, str(stepped.step)
+    assert stepped.step.decided[0].startswith("kept JAX's derivative of the loss as written"), stepped.step.decided
+    assert plain == [], len(plain)
+
+
 def test_a_gradients_extraction_that_chooses_the_joint_s_program_is_not_searched_again(monkeypatch):
     """``build_vjp`` searches a split of two extractions, the joint one and the gradients' alone; where the second
     chooses the same node in every class the first's program uses (``grad.vjp.same_choice``: the seed's VJP under

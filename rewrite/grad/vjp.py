@@ -533,9 +533,10 @@ def decided_jointly(closed: core.ClosedJaxpr, forward: Result, entries: Sequence
     blocks, whose backward recomputes each block's logits: that pays where the logits are large and costs a
     product where they are not), which the forward's price does not see. So three derivatives are built and
     their joint programs (``joint_of``) priced: the one from the forward with those rules, the one from
-    ``closed`` rewritten without them (where that differs), and ``as_written(closed)``, JAX's derivative of the
-    loss as written, with no rule at all (:func:`joint_program`, :func:`as_written_vjp`). A rewritten joint
-    replaces the one it is held to only where it is taken by price or the lean bands
+    ``closed`` rewritten without them (where that differs; where the forward as chosen uses nothing they built,
+    ``Result.jointly_chosen``, that is the forward itself, not saturated again), and ``as_written(closed)``,
+    JAX's derivative of the loss as written, with no rule at all (:func:`joint_program`, :func:`as_written_vjp`).
+    A rewritten joint replaces the one it is held to only where it is taken by price or the lean bands
     (:func:`rewrite.extract.program.peaks_keep_leaner`, as a training step is chosen) and is not predicted
     to hold more (:func:`held_to_written`): the plain one the one with the rules, and either JAX's as written.
     A tie keeps the one held to."""
@@ -550,8 +551,12 @@ def decided_jointly(closed: core.ClosedJaxpr, forward: Result, entries: Sequence
     made = [built]
     try:
         rest = [(r, owner) for r, owner in entries if r.name not in jointly]
-        # only the program that comes out is read: the input is not priced
-        plain = run_pipeline(closed, rest, model, limits, price_input=False).after
+        if forward.jointly_chosen == frozenset() and not getattr(forward.step, "replaced", None):
+            # they fired, but the forward as chosen uses nothing they built: it is the plain one (a step whose losses
+            # are read from loss-first programs is not the pipeline's program of ``closed``: it is rewritten again)
+            plain = forward.after
+        else:  # only the program that comes out is read: the input is not priced
+            plain = run_pipeline(closed, rest, model, limits, price_input=False).after
         rewritten = [Joint(f"the forward rewritten with {', '.join(fired)}", built, model, joint_of)]
         if not same_program(plain, forward.after):
             made.append(build(plain, rest))
