@@ -39,13 +39,6 @@ def body_prims(eqn):
     return primitive_counts(eqn.params["jaxpr"])
 
 
-#: The model with a loop body's kernels priced at their work alone (no ``loop_launch``), as the golden table prices
-#: them: the tests that check what hoisting builds in the small RNN below use it. The machine table's launches decline
-#: that hoisting there, as the clock does: the per-step output of ``test_reduction_over_other_axes_...`` adds two
-#: kernels a trip and measured 0.80x (A/A 1.00x, load 4.5; ``tests/test_cost_model.py``).
-NO_LAUNCH = AnalyticCost(loop_launch=0.0, loop_launch_library=0.0)
-
-
 def check(fn, *args, rulesets=(SCAN,), tol=TOL, cost_model=None):
     """Rewrite ``fn``, compare it with the original at ``args``, and return the report."""
     report = explain(fn, *args, rulesets=list(rulesets), cost_model=cost_model)
@@ -117,7 +110,7 @@ def test_reduction_over_other_axes_becomes_a_per_step_output():
     def loss(p, xs):
         return jnp.sum(rnn(p, xs)[1] ** 2, axis=(1, 2))
 
-    report = check(loss, P, XS, cost_model=NO_LAUNCH)
+    report = check(loss, P, XS)
     (loop,) = scans(report.after)
     assert top_prims(report.after) == ["broadcast_in_dim", "scan"]
     assert [v.aval.shape for v in loop.outvars] == [(B, H), (T,)]
@@ -152,7 +145,7 @@ def test_reverse_unrolled_jitted_and_nested_loops(variant):
             def outer(c, y):
                 return c + jnp.mean((rnn(p, xs * c)[1] - y) ** 2), None
             return lax.scan(outer, 1.0, jnp.stack([ys, -ys, 2 * ys]))[0]
-    report = check(loss, P, XS, YS, cost_model=NO_LAUNCH if variant == "nested" else None)
+    report = check(loss, P, XS, YS)
     assert report.fired.get("hoist_reductions") and report.used.get("hoist_reductions")
     inner = scans(report.after)[-1]
     assert body_prims(inner)["reduce_sum"] == 1
@@ -197,7 +190,7 @@ SEED_ARGS = (jnp.ones((15, 12)), jax.random.normal(jax.random.PRNGKey(3), (30, 1
 
 
 def test_seed_reduction_inside_the_body():
-    report = check(seed, *SEED_ARGS, rulesets=[SCAN.hoist], cost_model=NO_LAUNCH)
+    report = check(seed, *SEED_ARGS, rulesets=[SCAN.hoist])
     (loop,) = scans(report.after)
     assert body_prims(loop)["reduce_sum"] == 1 and body_prims(loop)["cos"] == 1
     assert "sin" not in body_prims(loop)  # the dropped carry is dead code now
@@ -559,6 +552,6 @@ def test_extraction_prices_a_declined_swap_of_loops_once(monkeypatch):
     monkeypatch.setattr(P.ProgramPricer, "remember", lambda self, key, price: asked.append(key) or remember(self, key, price))
     args = (jnp.ones(8), jnp.linspace(-1.0, 1.0, 32).reshape(4, 8), jnp.linspace(0.0, 2.0, 32).reshape(4, 8),
             jnp.float32(0.5), jnp.zeros((4, 8)))
-    r = explain(_every_loop_rule, *args, rulesets=[rulesets.scan], cost_model=NO_LAUNCH)
+    r = explain(_every_loop_rule, *args, rulesets=[rulesets.scan])
     assert r.used.get("hoist_reductions")
     assert len(asked) <= 40, (len(asked), len(set(asked)))

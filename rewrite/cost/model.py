@@ -227,8 +227,10 @@ class AnalyticCost(CostModel):
     while_trips: float = 10.0
     #: what a kernel of a loop body costs at each trip beyond its work, in the whole-program price: a loop kernel
     #: ``loop_launch``, a library kernel (a product on the library path, a library reduction) ``loop_launch_library``
-    #: (``benchmarks/calibrate.py --loop-kernels-only``; ``rewrite/cost/fusion.py``'s ``FusionModel.launches``). The
-    #: table's, where measured; else 0 (a body's kernels priced by their work alone).
+    #: (``benchmarks/calibrate.py --loop-kernels-only``: 166 and 115 ns on this CPU; ``rewrite/cost/fusion.py``'s
+    #: ``FusionModel.launches``). The table's, where it has them; else 0 (a body's kernels priced by their work alone).
+    #: The tables leave them off: so priced, the scan pack's hoisting was declined where it measured faster as well as
+    #: where it measured slower (``benchmarks/results/decisions.md``, h-loop's note).
     loop_launch: float = dataclasses.field(default_factory=lambda: _table().get("loop_launch", 0.0))
     loop_launch_library: float = dataclasses.field(default_factory=lambda: _table().get("loop_launch_library", 0.0))
     #: extra charge per byte of a loop's stacked output, on top of writing it: the memory it
