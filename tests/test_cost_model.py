@@ -783,3 +783,72 @@ def test_the_machine_table_prices_the_seed_s_stacked_cos_on_one_core():
     price = {f.__name__: _priced(table, f, *args) for f in (bs.seed, bs.seed_vectorised, bs.seed_accumulator)}
     assert price["seed"] > 1.3 * price["seed_vectorised"]
     assert price["seed_accumulator"] > 1.3 * price["seed_vectorised"]
+
+
+def _products_in_a_loop(k, trips=16, nested=0, call=False):
+    """A scan of ``trips`` trips whose body runs ``k`` steps, each a product on the library path and the loop kernel
+    after it; ``nested``: the steps run in an inner scan of that many trips instead; ``call``: the scan inside a
+    ``custom_vjp`` function (as the attention pack builds its blocked attention)."""
+    eye = jnp.eye(64, dtype=jnp.float32)
+
+    def steps(c):
+        for _ in range(k):
+            c = (c.reshape(-1, 64) @ eye).reshape(-1) * 0.5 + 1.0
+        return c
+
+    def body(c, _):
+        if nested:
+            return lax.scan(lambda c, _: (steps(c), None), c, None, length=nested)[0], None
+        return steps(c), None
+
+    def loop(c):
+        return lax.scan(body, c, None, length=trips)[0]
+
+    if call:
+        loop = jax.custom_vjp(loop)
+        loop.defvjp(lambda c: (loop(c), None), lambda _, g: (g,))
+    return jax.make_jaxpr(loop)(jnp.ones(512, jnp.float32))
+
+
+def test_a_loop_pays_for_each_kernel_of_its_body_at_every_trip():
+    """``loop_launch`` per loop kernel and ``loop_launch_library`` per library kernel of a loop body, at each trip
+    (``FusionModel.launches``), beyond the body's node prices: three more steps of a product and a loop kernel in a
+    scan of 16 trips cost 48 of each more; in a scan of 4 trips nested in one of 16, 3 x 64; in a ``custom_vjp``
+    call, as in a loop of the program's own. The node prices alone (the term at 0) leave them at their work."""
+    from rewrite.pipeline import program_cost
+
+    off = AnalyticCost(loop_launch=0.0, loop_launch_library=0.0)
+    on = AnalyticCost(loop_launch=40.0, loop_launch_library=300.0)
+    extra = lambda closed: program_cost(closed, on) - program_cost(closed, off)  # noqa: E731
+    per_step = 40.0 + 300.0
+    assert extra(_products_in_a_loop(4)) - extra(_products_in_a_loop(1)) == pytest.approx(16 * 3 * per_step)
+    assert (extra(_products_in_a_loop(4, nested=4)) - extra(_products_in_a_loop(1, nested=4))
+            == pytest.approx(16 * 4 * 3 * per_step))
+    assert extra(_products_in_a_loop(4, call=True)) == pytest.approx(extra(_products_in_a_loop(4)))
+    # a while loop (a fori_loop of a traced trip count) runs ``while_trips`` trips
+    eye = jnp.eye(64, dtype=jnp.float32)
+
+    def fori(c, n):
+        return lax.fori_loop(0, n, lambda i, c: (c.reshape(-1, 64) @ eye).reshape(-1) + 1.0, c)
+
+    closed = jax.make_jaxpr(fori)(jnp.ones(512, jnp.float32), 3)
+    assert extra(closed) >= 10 * per_step and AnalyticCost().while_trips == 10
+
+
+def test_the_loop_kernel_calibration_counts_a_body_s_kernels_as_the_model_and_xla_do():
+    """``calibrate --loop-kernels-only`` fits its prices over kernels the fusion model and XLA:CPU count alike: each
+    step of ``_LOOP_STEPS`` adds as many kernels of each kind to the compiled body as to the predicted one."""
+    from benchmarks import calibrate
+
+    for name, (step, n) in calibrate._LOOP_STEPS.items():
+        x = jnp.linspace(0.0, 1.0, n, dtype=jnp.float32)
+        counts = []
+        for k in (1, 3):
+            f = lambda c, k=k: lax.scan(lambda c, _: ([c := step(c) for _ in range(k)][-1], None), c, None,  # noqa
+                                        length=4)[0]
+            counts.append((calibrate.model_body_kernels(jax.make_jaxpr(f)(x), AnalyticCost()),
+                           calibrate.body_kernels(jax.jit(f).lower(x).compile().as_text())))
+        (m1, x1), (m3, x3) = counts
+        assert {k: m3[k] - m1[k] for k in m1} == {k: x3[k] - x1[k] for k in x1}, name
+        assert sum(m3.values()) > sum(m1.values()), name
+

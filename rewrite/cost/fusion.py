@@ -49,10 +49,12 @@ import math
 from typing import Any, Callable, Container, Iterable, Mapping, Sequence
 
 import numpy as np
+from jax.extend.core import ClosedJaxpr
 
 from ..ir import primitives as _primitives
 from ..ir.primitives import inner_jaxpr, spec_of
 from ..ir.scanread import SLICES
+from .dot import library_dot
 from .program import LEAF, LIBRARY, LOOP, OTHER, REDUCE, VIEW, Op, Program, _kind, _size, bitcast
 from .transcendental import SHARED, SHARED_ACROSS, add_shared, chained, shared_across, shared_group
 
@@ -98,6 +100,11 @@ def _expensive(op: Op, prog: "Program | None" = None) -> bool:
     return spec_of(op.prim).is_expensive(op.params, op.out_avals)
 
 
+def _closed(jaxpr: Any) -> Any:
+    """A call's ``Jaxpr`` (no constants) as the ``ClosedJaxpr`` that :meth:`Program.from_jaxpr` reads."""
+    return ClosedJaxpr(jaxpr, ())
+
+
 def _library_ok(prog: "Program", i: int) -> bool:
     op = prog.ops[i]
     return spec_of(op.prim).library_absorbs(op.params, op.out_avals) or _scaled_by_small(prog, op)
@@ -140,7 +147,9 @@ class FusionModel:
     its work priced at ``parallel`` times the per-element prices, a smaller one at ``serial`` times
     (:meth:`parallel_share`). A loop in which a
     transcendental reads another's result pays ``chain`` times the prices of the dearest such chain more
-    (:func:`rewrite.cost.transcendental.chained`).
+    (:func:`rewrite.cost.transcendental.chained`). A loop (``scan``, ``while``) pays, at each trip, ``loop_launch``
+    for each loop kernel of its body and ``loop_library`` for each library kernel (:meth:`launches`); a ``while``
+    loop is taken to run ``while_trips`` trips.
     """
 
     def __init__(self, ns: Mapping[str, float], *, byte: float, reduce: float, launch: float, default: float,
@@ -150,8 +159,12 @@ class FusionModel:
                  cache: float = math.inf, spill: float = 0.0, fresh: float = 0.0, fresh_at: float = math.inf,
                  held: Callable[[Any, Sequence[Fusion], Callable[[Op], int] | None, float], int] | None = None,
                  parallel: float = 1.0, parallel_at: float = math.inf, chain: float = 0.0,
-                 serial: float = 1.0) -> None:
+                 serial: float = 1.0, loop_launch: float = 0.0, loop_library: float = 0.0,
+                 while_trips: float = 10.0) -> None:
         self.ns = dict(ns)
+        self.loop_launch = loop_launch
+        self.loop_library = loop_library
+        self.while_trips = while_trips
         self.serial = serial
         self.chain = chain
         self.parallel = parallel
@@ -310,13 +323,54 @@ class FusionModel:
             out.append(Fusion(r, kind, sorted(comp), sorted(reads), cost))
         return out
 
+    def launches(self, op: Op) -> float:
+        """What the kernels of a loop's bodies cost per execution of the loop beyond their work: at each trip,
+        ``loop_launch`` per loop kernel and ``loop_library`` per library kernel (a product on the library path, a
+        library reduction), the loops nested in them included; for a call (``custom_vjp_call``, ``jit``), what the
+        loops in its body cost so; 0 for any other op, or with both prices 0.
+
+        XLA:CPU runs a loop body's kernels one after another at every trip, each waiting for the one before
+        (``benchmarks/calibrate.py --loop-kernels-only``); the node prices a body is priced by hold only their work.
+        Kept in the op's memo (an extractor's op holds its chosen bodies there; one loaded from a jaxpr, its params).
+        """
+        loop = op.prim in ("scan", "while")
+        if not (self.loop_launch or self.loop_library) or (not loop and op.family != _primitives.NESTED
+                                                             and inner_jaxpr(op.params) is None):
+            return 0.0
+        memo = op.memo
+        key = ("launches", id(self))
+        if memo is not None and key in memo:
+            return memo[key]
+        bodies = memo.get("bodies") if memo else None
+        if not bodies:
+            names = ("jaxpr",) if op.prim == "scan" else ("cond_jaxpr", "body_jaxpr") if loop else ()
+            found_bodies = [op.params.get(n) for n in names] if loop else [inner_jaxpr(op.params)]
+            bodies = tuple(Program.from_jaxpr(b if hasattr(b, "consts") else _closed(b), None)
+                           for b in found_bodies if b is not None)
+        per_trip = 0.0
+        for body in bodies:
+            _, roots = self.fuse(body)
+            for r, kind in roots.items():
+                root = body.ops[r]
+                if loop:  # a call's own kernels run as the program's (``launch``); the loops in it are charged
+                    library = kind == LIBRARY or (root.prim == "dot_general"
+                                                  and library_dot(root.params, root.in_avals))
+                    per_trip += self.loop_library if library else self.loop_launch
+                if kind == OTHER:
+                    per_trip += self.launches(root)
+        trips = (op.params.get("length", 1) if op.prim == "scan" else self.while_trips) if loop else 1
+        found = float(trips) * per_trip
+        if memo is not None:
+            memo[key] = found
+        return found
+
     def kernel(self, prog: Any, r: Any, kind: str, comp: Iterable[Any]) -> tuple[float, set]:
         """The cost of the kernel rooted at ``r`` that computes ``comp``, and the ops it reads."""
         ops = prog.ops
         root_op = ops[r]
         if kind == OTHER:
             # what else it holds is bitcasts it reads (``place``): no work, but an equation each, as in a loop
-            cost = root_op.own + self.launch + self.node
+            cost = root_op.own + self.launch + self.node + self.launches(root_op)
             for i in comp:
                 if i != r:
                     cost += self.node + (TIEBREAK * self._facts(ops[i], prog)[1] if self.tiebreak is not None else 0.0)

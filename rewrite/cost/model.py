@@ -225,6 +225,14 @@ class AnalyticCost(CostModel):
     iteration: float = dataclasses.field(default_factory=lambda: _table().get("iteration", ITERATION_ESTIMATE))
     #: assumed trip count of a while loop
     while_trips: float = 10.0
+    #: what a kernel of a loop body costs at each trip beyond its work, in the whole-program price: a loop kernel
+    #: ``loop_launch``, a library kernel (a product on the library path, a library reduction) ``loop_launch_library``
+    #: (``benchmarks/calibrate.py --loop-kernels-only``: 166 and 115 ns on this CPU; ``rewrite/cost/fusion.py``'s
+    #: ``FusionModel.launches``). The table's, where it has them; else 0 (a body's kernels priced by their work alone).
+    #: The tables leave them off: so priced, the scan pack's hoisting was declined where it measured faster as well as
+    #: where it measured slower (``benchmarks/results/decisions.md``, h-loop's note).
+    loop_launch: float = dataclasses.field(default_factory=lambda: _table().get("loop_launch", 0.0))
+    loop_launch_library: float = dataclasses.field(default_factory=lambda: _table().get("loop_launch_library", 0.0))
     #: extra charge per byte of a loop's stacked output, on top of writing it: the memory it
     #: holds (in a backward program, until the backward loop reads it). Raise it to trade
     #: recomputation for memory; 0 prices time only.
@@ -451,7 +459,8 @@ class AnalyticCost(CostModel):
                          library_op=self.library_op, tiebreak=self._op_price, memory=self.memory,
                          budget=self.memory_budget, fresh=self.fresh, fresh_at=self.fresh_at, held=scheduled_peak,
                          parallel=self.loop_parallel, parallel_at=self.loop_parallel_at, chain=self.chain,
-                         serial=self.loop_serial)
+                         serial=self.loop_serial, loop_launch=self.loop_launch, loop_library=self.loop_launch_library,
+                         while_trips=self.while_trips)
         fm.inner = InnerPeak(fm)
         return fm
 
