@@ -442,3 +442,47 @@ def test_the_input_is_a_search_start_only_where_it_prices_as_the_rewritten_start
         assert starts[1:] == [pytest.approx(original, rel=1e-12)]
     else:
         assert len(starts) == 1 or starts[1] == pytest.approx(rewritten, rel=1e-12)  # the same program once
+
+
+def test_a_choice_priced_and_dropped_does_not_lend_its_price_to_another_at_its_id():
+    """``ProgramPricer`` keeps a loop body's price under the choice's ``id`` (bodies differ between choices, not
+    within one search). A choice dropped after pricing must not hand that price to the next choice that CPython
+    gives the same address: the pricer keeps each choice so keyed alive. Before, a choice that differed inside the
+    body took the first one's body price whenever its dict landed at the freed address."""
+    res, model, ex, choice = _search_state("scan_grad")
+    loops = [(c, n) for c, n in choice.items() if ex.body_classes(*n)]
+    assert loops
+    found = None
+    for c, node in loops:
+        for b in ex.body_classes(*node):
+            inner = reachable(ex.snap, choice, ex.snap.list_items(choice[b][1][1]))
+            for x in inner:
+                for alt in ex.snap.nodes.get(x, ()):
+                    if alt == choice[x] or alt[0] in _CONTAINERS or not all(k in choice for k in ex.term_kids(alt)) \
+                            or ex.reaches(choice, ex.term_kids(alt), {x}):
+                        continue
+                    other = {**choice, x: alt}
+                    want = ProgramPricer(ex, model).own(c, node, other)
+                    if want != pytest.approx(ProgramPricer(ex, model).own(c, node, choice), rel=1e-9):
+                        found = (c, node, x, alt, want)
+                        break
+                if found:
+                    break
+            if found:
+                break
+        if found:
+            break
+    assert found is not None, "no move inside a loop body changes the loop's price"
+    c, node, x, alt, want = found
+    pricer = ProgramPricer(ex, model)
+    first = dict(choice)
+    pricer.own(c, node, first)
+    freed = id(first)
+    del first
+    kept = []  # dicts that missed the address, held so that the allocator moves on
+    for _ in range(200):
+        other = {**choice, x: alt}  # as searches make their choices
+        if id(other) == freed:
+            break
+        kept.append(other)
+    assert pricer.own(c, node, other) == pytest.approx(want, rel=1e-9)

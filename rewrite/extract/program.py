@@ -85,12 +85,11 @@ class ProgramPricer:
     """The whole-program price of a choice under ``model.program``, with per-node work cached."""
 
     def __init__(self, ex: "Extractor", model: Any) -> None:
-        self.ex = ex
-        self.model = model
-        self._templates: dict = {}
-        self._shared: dict = {}
+        self.ex, self.model = ex, model
+        self._templates, self._shared, self._bodies = {}, {}, {}  # by id(choice), with the choice kept in _pins
         self._nested: bool | None = None
-        self._bodies: dict = {}
+        #: every choice a price is keyed by ``id`` of, kept alive so that no other choice is given its id
+        self._pins: dict[int, dict] = {}
         self._known: dict[tuple, float] = {}
         #: whole-program prices (not live sums, in another order) of the programs priced whole, by key: the extractor's
         self.exact: dict[tuple, float] = ex.whole_prices if model is ex.model else {}
@@ -117,6 +116,7 @@ class ProgramPricer:
             # switch classes of the program's own scope only, so it is fixed within one search).
             key = (id(choice), b, read)
             if key not in self._bodies:
+                self._pins[id(choice)] = choice
                 _, (_, outs) = choice[b]
                 items = self.ex.snap.list_items(outs)
                 if read is not None and len(bodies) == 1:
@@ -139,6 +139,7 @@ class ProgramPricer:
         found = self._templates.get(id(choice))
         if found is None:
             found = self._templates[id(choice)] = _ChoiceTemplates(self.ex, self._shared)
+            self._pins[id(choice)] = choice
         return found
 
     def remember(self, key: tuple, price: Callable[[], float]) -> float:

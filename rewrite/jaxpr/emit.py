@@ -288,12 +288,12 @@ def emit(snap: Snapshot, choice: dict[Any, tuple], egraph: Any, in_avals: Sequen
 def emitter(snap: Snapshot, egraph: Any, in_avals: Sequence[Any], outs: Sequence[Any], token: Any,
             debug_info: Any) -> Callable[[dict], core.ClosedJaxpr]:
     """:func:`emit` of one e-graph's choices for these outputs, each choice (by identity) emitted at most once."""
-    emitted: dict[int, core.ClosedJaxpr] = {}
+    emitted: dict[int, tuple[dict, core.ClosedJaxpr]] = {}  # the choice kept beside its program: its id stays its
 
     def emit_choice(choice: dict) -> core.ClosedJaxpr:
         if id(choice) not in emitted:
-            emitted[id(choice)] = emit(snap, choice, egraph, in_avals, outs, token, debug_info)
-        return emitted[id(choice)]
+            emitted[id(choice)] = (choice, emit(snap, choice, egraph, in_avals, outs, token, debug_info))
+        return emitted[id(choice)][1]
 
     return emit_choice
 
