@@ -423,8 +423,8 @@ class Rewritten:
         forward = run_pipeline(cone, self.entries, self.cost_model, self.limits, price_input=False)
         t = lap(spent, "step forward", t)
         program, why = decided_jointly(cone, forward, self.entries, self.cost_model, self.limits,
-                                       lambda f, entries: rewrite_joint(f, entries, self.cost_model, self.limits, wrt,
-                                                                                 value),
+                                       lambda f, entries: rewrite_joint(f, entries, self.cost_model, self.limits,
+                                                                        wrt, value),
                                        lambda f: joint_program(f, wrt)[0], spent=spent)
         if why and decided is not None:
             decided.append(why)

@@ -146,6 +146,7 @@ def cheapest_use(uses: Sequence[Uses], written: tuple[core.ClosedJaxpr, core.Clo
     joint extraction's, which the pipeline held to the written training step already."""
     predict = getattr(model, "predict_temp_bytes", None)
     bounded = bounds_memory(model) and predict is not None
+
     def peaks(train: core.ClosedJaxpr, alone: core.ClosedJaxpr) -> tuple[float, float]:
         first = float(predict(train))  # type: ignore[misc]
         return first, first if alone is train else float(predict(alone))  # type: ignore[misc]
@@ -167,8 +168,8 @@ def cheapest_use(uses: Sequence[Uses], written: tuple[core.ClosedJaxpr, core.Clo
 def same_choice(snap: Any, a: dict, b: dict, roots: Sequence[Any]) -> bool:
     """Whether choices ``a`` and ``b`` make one program from ``roots``: the same node in every class ``a``'s
     program uses, inside bodies too (``extract.choice.reachable``). What is read of a choice from those roots
-    (a split's classes, frontier and prices) is then the same for both: ``grad.vjp._joint_choices``' extraction for the
-    gradients alone often chooses as the joint one did, and its residual search is not made twice."""
+    (a split's classes, frontier and prices) is then the same for both: ``grad.vjp._joint_choices``' extraction for
+    the gradients alone often chooses as the joint one did, and its residual search is not made twice."""
     return a is b or all(a[c] == b.get(c) for c in reachable(snap, a, roots))
 
 
