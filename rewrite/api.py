@@ -411,20 +411,24 @@ class Rewritten:
                                                          lambda: predict(than), self.cost_model)
 
     def _loss_first(self, cone: core.ClosedJaxpr, spent: dict[str, float] | None = None,
-                    decided: list[str] | None = None) -> core.ClosedJaxpr:
+                    decided: list[str] | None = None, wrt: Sequence[int] | None = None,
+                    value: bool | None = None) -> core.ClosedJaxpr:
         """A loss's VJP as ``jax.value_and_grad(rewrite(loss))`` runs it, with these rules, as one program
         ``(primals, cotangent) -> (loss, gradients)``: JAX's VJP of the rewritten forward, rewritten, decided on
         that joint program where a ``jointly`` ruleset's rules fired in the forward, and held to JAX's joint of the
         loss as written (:func:`rewrite.grad.vjp.decided_jointly`), as the derivative rules decide it
-        (``grad/primitive.py``). ``decided``, where given, receives that decision in words."""
+        (``grad/primitive.py``). ``decided``, where given, receives that decision in words; ``wrt``, where given,
+        the positions of the float inputs whose gradients the step reads (the program has only those), and ``value``
+        whether it reads the loss (:func:`rewrite.grad.vjp.rewrite_joint`)."""
         # only the programs that come out are read: the inputs are not priced
         spent = {} if spent is None else spent
         t = time.perf_counter()
         forward = run_pipeline(cone, self.entries, self.cost_model, self.limits, price_input=False)
         t = lap(spent, "step forward", t)
         program, why = decided_jointly(cone, forward, self.entries, self.cost_model, self.limits,
-                                       lambda f, entries: rewrite_joint(f, entries, self.cost_model, self.limits),
-                                       lambda f: joint_program(f)[0], spent=spent)
+                                       lambda f, entries: rewrite_joint(f, entries, self.cost_model, self.limits,
+                                                                        wrt, value),
+                                       lambda f: joint_program(f, wrt)[0], spent=spent)
         if why and decided is not None:
             decided.append(why)
         return program

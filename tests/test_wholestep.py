@@ -712,3 +712,63 @@ def test_the_search_runs_by_default_only_with_the_memory_shaped_packs():
     assert rewrite(step, rulesets=[rulesets.algebra], cache=False, whole_step=True).result(*args).step is not None
     assert rewrite(step, rulesets=[rulesets.nn], cache=False).result(*args).step is not None
     assert rewrite(step, rulesets=[rulesets.nn], cache=False, whole_step=False).result(*args).step is None
+
+
+def _seed_step(kind):
+    """Seed 000's training step, its loss weighted by ``ct`` (a leaf whose gradient the step never reads)."""
+    from benchmarks import derivatives as bd
+
+    def loss(x, a, ct):
+        return (bd.seed(x, a) * ct).sum()
+
+    if kind == "grad":
+        return lambda x, a, ct: jax.grad(loss, (0, 1))(x, a, ct)
+    return lambda x, a, ct: jax.value_and_grad(loss, (0, 1))(x, a, ct)
+
+
+def _counters(closed, args):
+    compiled = jax.jit(core.jaxpr_as_fun(closed)).lower(*args).compile()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    return cost["transcendentals"], compiled.memory_analysis().temp_size_in_bytes
+
+
+def test_a_grad_step_reads_the_seeds_pullback_with_the_stored_sin():
+    """``jax.grad`` of seed 000's loss in a step: the step drops the loss and the weights' gradient, so its loss-first
+    program is chosen for the gradients it reads alone, as ``jit`` runs them (``grad.uses.joint_as_run``): the
+    stored ``sin`` (``rulesets._sincos``), two transcendentals an element where JAX's step computes three. Before,
+    it was chosen for the loss and every gradient priced as a split (three), as JAX's."""
+    from benchmarks import derivatives as bd
+
+    x, a, ct = bd.inputs(8)
+    step = _seed_step("grad")
+    changed, finding = _replaced(step, (x, a, ct), [rulesets.derivatives])
+    assert changed is not None, finding
+    written = jax.make_jaxpr(step)(x, a, ct)
+    (got, temp), (jax_tr, jax_temp) = _counters(changed, (x, a, ct)), _counters(written, (x, a, ct))
+    assert (got, jax_tr) == (2 * x.size, 3 * x.size)
+    assert temp <= jax_temp
+    for p, q in zip(core.jaxpr_as_fun(changed)(x, a, ct), jax.jit(step)(x, a, ct)):
+        assert np.array_equal(np.asarray(p), np.asarray(q))  # bit for bit: the stored sin is sin's own bits
+
+
+@pytest.mark.parametrize("kind,value", [("grad", False), ("value_and_grad", True)])
+def test_the_loss_first_program_is_chosen_for_what_the_step_reads(monkeypatch, kind, value):
+    """The step's loss-first program holds the gradients the step reads alone (not the weights'), and is priced in
+    the use the step makes of it: with the loss (``value_and_grad``) or without (``grad``)."""
+    from benchmarks import derivatives as bd
+    from rewrite import api as rewrite_api
+    from rewrite.grad import vjp
+
+    asked = []
+    joint = vjp.rewrite_joint
+
+    def spy(closed, *args, **kwargs):
+        made = joint(closed, *args, **kwargs)
+        asked.append((args[3:], len(made.out_avals)))
+        return made
+
+    monkeypatch.setattr(rewrite_api, "rewrite_joint", spy)
+    changed, _ = _replaced(_seed_step(kind), bd.inputs(8), [rulesets.derivatives])
+    assert changed is not None
+    assert asked == [(([0, 1], value), 3)]  # the loss, the gradients of x and a; not ct's

@@ -404,10 +404,10 @@ def _split_vjp(vjp: core.ClosedJaxpr, n_consts: int, n_layer_in: int, nk: int, w
     An equation belongs to the backward half if it reads a cotangent (through any other), to the forward half if
     it reads the carry or a slice, otherwise it is loop-invariant (it reads the constants alone), and each half
     computes what it needs of those. A residual is a value of the forward half that the backward reads: the
-    split that keeps every value the backward reads, which is how ``rewrite_joint`` prices the extraction it
-    chose; a loop (the blocked attention's backward) is one equation, whole in the half it belongs to. A
-    residual larger than what it is computed from (a value broadcast) is recomputed by the backward from those
-    instead, as :func:`_sunk` does for the loop's constants; a loop or a call is never so moved."""
+    split that keeps every value the backward reads; a loop (the blocked attention's backward) is one equation,
+    whole in the half it belongs to. A residual larger than what it is computed from (a value broadcast) is
+    recomputed by the backward from those instead, as :func:`_sunk` does for the loop's constants; a loop or a
+    call is never so moved."""
     jaxpr = vjp.jaxpr
     ins = list(jaxpr.invars)
     consts, state, cts = ins[:n_consts], ins[n_consts:n_layer_in], ins[n_layer_in:]

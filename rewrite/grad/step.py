@@ -395,9 +395,11 @@ def replace(step: core.ClosedJaxpr, root: Any, leaves: Sequence[Any], consts: di
             dif: Sequence[int], found: dict[Any, int], loss_first: Callable[[core.ClosedJaxpr], core.ClosedJaxpr],
             made: set) -> core.ClosedJaxpr:
     """``step`` with ``root`` and the values in ``found`` read from the loss-first program instead:
-    ``loss_first(cone)``, the VJP of the cone's forward rewritten, ``(leaves, cotangent) -> (L, gradients)``,
-    seeded with 1."""
-    vjp = loss_first(cone)
+    ``loss_first(cone, wrt=..., value=...)``, the VJP of the cone's forward rewritten, ``(leaves, cotangent) ->
+    (L, gradients)``, seeded with 1, chosen for what the step reads of it: the gradients of those float leaves
+    alone, and ``L`` or not (``jax.grad`` drops it, ``jax.value_and_grad`` keeps it)."""
+    reads = sorted(set(found.values()))  # positions among ``dif``
+    vjp = loss_first(cone, wrt=[dif[j] for j in reads], value=root in _read(step.jaxpr, {root, *found}))
     # the cone program takes its constants first as inputs here, so that all leaves are arguments
     lifted = [v for v in leaves if v in consts] + [v for v in leaves if v not in consts]
     L = cone.out_avals[0]
@@ -413,11 +415,21 @@ def replace(step: core.ClosedJaxpr, root: Any, leaves: Sequence[Any], consts: di
     made.update(w for e in eqns for w in e.outvars)
     env = {root: outs[0]}
     for w, j in found.items():
-        env[w] = outs[1 + j]
+        env[w] = outs[1 + reads.index(j)]
     eqns = in_order(eqns + [substitute(e, env) for e in jaxpr.eqns])
     new = core.Jaxpr(constvars, list(jaxpr.invars), [read(env, a) for a in jaxpr.outvars], eqns, jaxpr.effects,
                      jaxpr.debug_info)
     return dce(core.ClosedJaxpr(new, cvals))
+
+
+def _read(jaxpr: core.Jaxpr, cut: set) -> set:
+    """The values ``jaxpr``'s outputs read once the values in ``cut`` are read from elsewhere: an equation that
+    makes only such values is not walked through."""
+    need = {v for v in jaxpr.outvars if isinstance(v, core.Var)}
+    for e in reversed(jaxpr.eqns):
+        if any(w in need and w not in cut for w in e.outvars):
+            need.update(v for v in e.invars if isinstance(v, core.Var))
+    return need
 
 
 def _attempt(step: core.ClosedJaxpr, graph: _Graph, root: Any, eqns: list[int], leaves: list[Any], consts: dict,

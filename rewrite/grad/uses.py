@@ -13,6 +13,10 @@ choose alike computed once. A form that pays in the gradients alone and costs in
 ``sin(a x)``, computed as a ``select`` that XLA stores once for the gradients, but copies into every loop that
 also computes the output: ``rulesets._sincos``) then runs where it pays: the gradients read it, and the outputs
 read ``sin`` as written.
+
+A training step that holds a loss's backward (``rewrite(step)``, ``grad/step.py``) reads the loss's VJP as one
+program rewritten (``grad.vjp.rewrite_joint``), which it inlines: that program is chosen among the same three
+(:func:`joint_as_run`), priced in the use the step makes of it (the loss read too, or its gradients alone).
 """
 
 from __future__ import annotations
@@ -23,10 +27,11 @@ from typing import Any, Callable, Sequence
 
 import jax
 
+from ..extract.choice import reachable
 from ..extract.extract import bounds_memory, fatter
 from ..ir.jaxapi import core
 from ..ir.walk import children, postorder
-from ..jaxpr.emit import Emitter, _Scope, dce
+from ..jaxpr.emit import Emitter, _Scope, dce, emit
 from ..jaxpr.trace import same_program, spec_of
 from ..pipeline import program_cost
 
@@ -103,6 +108,14 @@ def uses_price(fwd: core.ClosedJaxpr, bwd: core.ClosedJaxpr, n_res: int, model: 
     """:class:`Uses` of the split ``fwd``/``bwd``: each use priced whole (``program_cost``, as the pipeline prices an
     input program), the two weighted alike; a program priced already (``seen``: two splits share their
     gradients alone) is not priced again."""
+    return priced_uses(inlined(fwd, bwd, n_res), inlined(fwd, bwd, n_res, outputs=False), model, seen)
+
+
+def priced_uses(train: core.ClosedJaxpr, alone: core.ClosedJaxpr, model: Any,
+                seen: list[tuple[core.ClosedJaxpr, float]], value: bool | None = None) -> Uses:
+    """:class:`Uses` of the programs ``train`` and ``alone``, each priced whole unless ``seen`` holds it priced;
+    ``value``, where given, says which one runs (``train`` where the outputs are read): that one alone is priced,
+    and only it is held to memory (:func:`cheapest_use`)."""
     def price(closed: core.ClosedJaxpr) -> float:
         for other, got in seen:
             if same_program(other, closed):
@@ -111,9 +124,17 @@ def uses_price(fwd: core.ClosedJaxpr, bwd: core.ClosedJaxpr, n_res: int, model: 
         seen.append((closed, got))
         return got
 
-    train, alone = inlined(fwd, bwd, n_res), inlined(fwd, bwd, n_res, outputs=False)
+    train, alone = run_uses(train, alone, value)
     train_price = price(train)
-    return Uses(train, alone, train_price + price(alone), train_price)
+    return Uses(train, alone, train_price + (price(alone) if value is None else 0.0), train_price)
+
+
+def run_uses(train: core.ClosedJaxpr, alone: core.ClosedJaxpr, value: bool | None) -> tuple[Any, Any]:
+    """The programs of the uses that run, as :class:`Uses` holds them: ``(train, alone)``, or where ``value`` says
+    which one runs (``train`` where the outputs are read), that one twice."""
+    if value is None:
+        return train, alone
+    return (train, train) if value else (alone, alone)
 
 
 def cheapest_use(uses: Sequence[Uses], written: tuple[core.ClosedJaxpr, core.ClosedJaxpr], model: Any,
@@ -125,15 +146,51 @@ def cheapest_use(uses: Sequence[Uses], written: tuple[core.ClosedJaxpr, core.Clo
     joint extraction's, which the pipeline held to the written training step already."""
     predict = getattr(model, "predict_temp_bytes", None)
     bounded = bounds_memory(model) and predict is not None
-    limits: list[float] = []
+
+    def peaks(train: core.ClosedJaxpr, alone: core.ClosedJaxpr) -> tuple[float, float]:
+        first = float(predict(train))  # type: ignore[misc]
+        return first, first if alone is train else float(predict(alone))  # type: ignore[misc]
+
+    limits: tuple[float, ...] = ()
     best = 0
     for i, u in enumerate(uses):
         if bounded and held(i):
             if not limits:
-                limits = [float(predict(p)) for p in written]
-            u.peaks = (float(predict(u.train)), float(predict(u.alone)))
+                limits = peaks(*written)
+            u.peaks = peaks(u.train, u.alone)
             if any(fatter(p, w) for p, w in zip(u.peaks, limits)):
                 continue
         if u.price < uses[best].price and not math.isnan(u.price):
             best = i
     return best
+
+
+def same_choice(snap: Any, a: dict, b: dict, roots: Sequence[Any]) -> bool:
+    """Whether choices ``a`` and ``b`` make one program from ``roots``: the same node in every class ``a``'s
+    program uses, inside bodies too (``extract.choice.reachable``). What is read of a choice from those roots
+    (a split's classes, frontier and prices) is then the same for both: ``grad.vjp._joint_choices``' extraction for
+    the gradients alone often chooses as the joint one did, and its residual search is not made twice."""
+    return a is b or all(a[c] == b.get(c) for c in reachable(snap, a, roots))
+
+
+def joint_as_run(snap: Any, eg: Any, joint: core.ClosedJaxpr, roots: Sequence[Any], before: core.ClosedJaxpr,
+                 f_roots: Sequence[Any], choices: Sequence[dict], model: Any, value: bool | None = None
+                 ) -> core.ClosedJaxpr:
+    """``grad.vjp.rewrite_joint``'s program from the e-graph of ``joint`` (``roots``: outputs, then gradients) and
+    its two extractions ``choices`` (the joint one first): the cheapest of each emitted whole and, where the two
+    compute the outputs apart, the outputs as the first and the gradients as the second (:func:`emit_parts`), in
+    the uses that run (``value``: :func:`priced_uses`), held to ``before`` (``joint`` as written) as
+    :func:`cheapest_use` holds a split."""
+    first, grads = choices
+    n_out = len(f_roots)
+    debug = joint.jaxpr.debug_info
+    made = emit(snap, first, eg, joint.in_avals, roots, None, debug)
+    if same_choice(snap, first, grads, roots):  # one program: nothing to choose
+        return made
+    programs = [made, emit(snap, grads, eg, joint.in_avals, roots, None, debug)]
+    if not same_choice(snap, first, grads, f_roots):  # otherwise that program is the second
+        parts = [(first, f_roots), (grads, roots[n_out:])]
+        programs.append(dce(emit_parts(snap, eg, joint.in_avals, parts, debug)))
+    seen: list = []
+    uses = [priced_uses(p, without_outputs(p, n_out), model, seen, value) for p in programs]
+    return programs[cheapest_use(uses, run_uses(before, without_outputs(before, n_out), value), model)]

@@ -53,7 +53,6 @@ import jax
 import numpy as np
 
 from ..cost.program import Program
-from ..extract.choice import reachable
 from ..extract.extract import bounds_memory, extract, fatter
 from ..extract.extractor import shared
 from ..extract.policy import no_fatter
@@ -61,11 +60,11 @@ from ..extract.program import ProgramPricer, peaks_keep_leaner, prices_programs
 from ..ir.jaxapi import core
 from ..ir.primitives import is_float
 from ..ir.walk import operands, walk
-from ..jaxpr.emit import Emitter, _Scope, check_signature, dce, emit, emitter
+from ..jaxpr.emit import Emitter, _Scope, check_signature, dce, emitter
 from ..jaxpr.trace import Traced, same_program, spec_of
 from ..pipeline import extract_by_policy, program_cost, run_pipeline
 from ..records import Result, lap
-from .uses import cheapest_use, emit_parts, uses_price, without_outputs
+from .uses import cheapest_use, emit_parts, joint_as_run, same_choice, uses_price, without_outputs
 
 log = logging.getLogger("rewrite")
 
@@ -86,13 +85,17 @@ def of_floats(fn: Any, primals: Sequence[Any], dif_in: Sequence[int]) -> Any:
     return call
 
 
-def joint_program(closed: core.ClosedJaxpr) -> tuple[core.ClosedJaxpr, list[int], list[int]]:
-    """``(primals, cotangents of the float outputs) -> (outputs, gradients of the float inputs)``, traced.
+def joint_program(closed: core.ClosedJaxpr, wrt: Sequence[int] | None = None
+                  ) -> tuple[core.ClosedJaxpr, list[int], list[int]]:
+    """``(primals, cotangents of the float outputs) -> (outputs, gradients of the float inputs)``, traced;
+    ``wrt``, where given, the positions of the float inputs whose gradients are wanted (the others get none).
 
-    Returns the program and the positions of the float inputs and outputs.
+    Returns the program and the positions of the float inputs (differentiated) and outputs.
     """
     in_avals, out_avals = closed.in_avals, closed.out_avals
     dif_in, dif_out = float_positions(closed)
+    if wrt is not None:
+        dif_in = [i for i in dif_in if i in set(wrt)]
     n = len(in_avals)
     fn = core.jaxpr_as_fun(closed)
 
@@ -387,14 +390,6 @@ def build_vjp(traced: Traced, entries: Sequence[Any], model: Any, limits: Any, p
     return VJPResult(forward, fwd, bwd, split, considered, res, dif_in, dif_out, fn, times, composed_cost=composed)
 
 
-def same_choice(snap: Any, a: dict, b: dict, roots: Sequence[Any]) -> bool:
-    """Whether choices ``a`` and ``b`` make one program from ``roots``: the same node in every class ``a``'s
-    program uses, inside bodies too (``extract.choice.reachable``). What is read of a choice from those roots
-    (a split's classes, frontier and prices) is then the same for both: :func:`_joint_choices`' extraction for the
-    gradients alone often chooses as the joint one did, and its residual search is not made twice."""
-    return a is b or all(a[c] == b.get(c) for c in reachable(snap, a, roots))
-
-
 def made_before(snap: Any, made: Sequence[tuple[dict, Any]], choice: dict, roots: Sequence[Any]) -> Any:
     """What was made of the first choice in ``made`` (pairs ``(choice, what)``) whose program from ``roots`` is
     ``choice``'s (:func:`same_choice`), or ``None``: a residual search or a price is not made twice."""
@@ -474,31 +469,26 @@ def as_written_vjp(traced: Traced, model: Any) -> VJPResult:
     return built
 
 
-def rewrite_joint(closed: core.ClosedJaxpr, entries: Sequence[Any], model: Any, limits: Any) -> core.ClosedJaxpr:
-    """``closed``'s VJP as one program ``(primals, cotangents) -> (outputs, gradients)`` (:func:`joint_program`),
-    rewritten: what a caller that runs the forward and backward passes together (a training step) reads. Of
-    :func:`build_vjp`'s two extractions, the one whose split keeping every residual the backward reads is
-    cheaper; no split is chosen, since the two passes are not kept apart."""
-    joint = joint_program(closed)[0]
+def rewrite_joint(closed: core.ClosedJaxpr, entries: Sequence[Any], model: Any, limits: Any,
+                  wrt: Sequence[int] | None = None, value: bool | None = None) -> core.ClosedJaxpr:
+    """``closed``'s VJP as one program ``(primals, cotangents) -> (outputs, gradients)`` (:func:`joint_program`,
+    the gradients of the float inputs at ``wrt`` where given: those its caller reads), rewritten: what a caller
+    that runs the forward and backward passes together (a training step) reads.
+
+    The caller inlines it, so it is chosen as ``jit`` runs it, as :func:`build_vjp` chooses its split
+    (``grad/uses.py``): of :func:`build_vjp`'s two extractions, each emitted whole, and where they compute the
+    outputs apart a third program, the outputs as the joint extraction computes them and the gradients as their
+    own (:func:`rewrite.grad.uses.emit_parts`), the one priced lowest in the use its caller makes of it (``value``:
+    the outputs read too, or the gradients alone; where not given, the two uses weighted alike, as
+    :func:`build_vjp` weighs them), each use one program, held to the input's memory in that use as
+    :func:`rewrite.grad.uses.cheapest_use` holds a split."""
+    joint = joint_program(closed, wrt)[0]
     res = run_pipeline(joint, entries, model, limits, keep=True, price_input=False)
     snap, eg = res.snapshot, res.egraph
     try:
-        n = len(closed.in_avals)
-        f_roots, b_roots, params, choices = _joint_choices(res, len(closed.out_avals), len(joint.in_avals), model,
-                                                           entries)
-        inputs = {c for i, c in params.items() if i < n}
-
-        def reuse_price(choice: dict) -> float:
-            forward = scope_classes(snap, choice, f_roots) | inputs
-            return split_pricer(snap, model, choice, f_roots, b_roots)(frontier(snap, choice, b_roots, forward))
-
-        priced: list[tuple[dict, float]] = []
-        for _, choice in choices:  # the program of a choice priced already is not priced again
-            price = made_before(snap, priced, choice, res.roots)
-            priced.append((choice, reuse_price(choice) if price is None else price))
-        prices = [price for _, price in priced]
-        choice = choices[prices.index(min(prices))][1]
-        return emit(snap, choice, eg, joint.in_avals, res.roots, None, joint.jaxpr.debug_info)
+        n_out = len(closed.out_avals)
+        f_roots, _, _, choices = _joint_choices(res, n_out, len(joint.in_avals), model, entries)
+        return joint_as_run(snap, eg, joint, res.roots, res.before, f_roots, [c for _, c in choices], model, value)
     finally:
         eg.release()
 
