@@ -64,7 +64,7 @@ from ..jaxpr.emit import Emitter, _Scope, check_signature, dce, emitter
 from ..jaxpr.trace import Traced, same_program, spec_of
 from ..pipeline import extract_by_policy, program_cost, run_pipeline
 from ..records import Result, lap
-from .uses import cheapest_use, emit_parts, joint_as_run, same_choice, uses_price, without_outputs
+from .uses import cheapest_use, emit_parts, inlined, joint_as_run, same_choice, uses_price, without_outputs
 
 log = logging.getLogger("rewrite")
 
@@ -95,7 +95,8 @@ def joint_program(closed: core.ClosedJaxpr, wrt: Sequence[int] | None = None
     in_avals, out_avals = closed.in_avals, closed.out_avals
     dif_in, dif_out = float_positions(closed)
     if wrt is not None:
-        dif_in = [i for i in dif_in if i in set(wrt)]
+        wanted = set(wrt)
+        dif_in = [i for i in dif_in if i in wanted]
     n = len(in_avals)
     fn = core.jaxpr_as_fun(closed)
 
@@ -499,15 +500,7 @@ def split_joint(built: VJPResult) -> core.ClosedJaxpr:
     JAX's split (:func:`as_written_vjp`) holds it already, as its ``joint``."""
     if built.as_written and built.joint is not None:
         return built.joint.before
-    fwd, bwd = built.fwd, built.bwd
-    n_in, n_res = len(fwd.in_avals), len(built.split.residuals)
-    n_out = len(fwd.out_avals) - n_res
-
-    def joint(*args: Any) -> list[Any]:
-        outs = core.eval_jaxpr(fwd.jaxpr, fwd.consts, *args[:n_in])
-        return list(outs[:n_out]) + list(core.eval_jaxpr(bwd.jaxpr, bwd.consts, *outs[n_out:], *args[n_in:]))
-
-    return jax.make_jaxpr(joint)(*[spec_of(a) for a in (*fwd.in_avals, *bwd.in_avals[n_res:])])
+    return inlined(built.fwd, built.bwd, len(built.split.residuals))
 
 
 def decided_jointly(closed: core.ClosedJaxpr, forward: Result, entries: Sequence[Any], model: Any, limits: Any,
