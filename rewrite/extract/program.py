@@ -88,8 +88,7 @@ class ProgramPricer:
         self.ex, self.model = ex, model
         self._templates, self._shared, self._bodies = {}, {}, {}  # by id(choice), with the choice kept in _pins
         self._nested: bool | None = None
-        #: every choice a price is keyed by ``id`` of, kept alive so that no other choice is given its id
-        self._pins: dict[int, dict] = {}
+        self._pins: dict[int, dict] = {}  # every choice a price is keyed by ``id`` of, kept alive: no other gets its id
         self._known: dict[tuple, float] = {}
         #: whole-program prices (not live sums, in another order) of the programs priced whole, by key: the extractor's
         self.exact: dict[tuple, float] = ex.whole_prices if model is ex.model else {}
@@ -354,9 +353,10 @@ class LiveProgram:
     def held(self) -> int:
         """The temporaries held at once in the order XLA:CPU runs the kernels (``cost.memory.scheduled_peak``), which
         the lean band compares: :meth:`peak` cannot see a kernel write over an operand that dies there."""
-        self.flush()
-        found = self.pricer.peaks[("held", *self.key())] = scheduled_peak(self.fusion, self.fusion.kernels(),
-                                                                           self.fusion.model.inner)
+        key = ("held", *self.key())  # a program read before (extract._held reads the same memory)
+        if (found := self.pricer.peaks.get(key)) is None:
+            self.flush()
+            found = self.pricer.peaks[key] = scheduled_peak(self.fusion, self.fusion.kernels(), self.fusion.model.inner)
         return found
 
     def flush(self) -> None:

@@ -209,7 +209,7 @@ class Report:
                 lines.append(f"gradient: JAX's own VJP of the function as written; residuals: {len(g.split.residuals)} "
                              f"value(s), {held / 2**20:.2f} MiB (where JAX splits it)")
             else:
-                how = ("the cheapest as jit runs it" if g.split.uses == g.split.uses else "the cheapest")  # not NaN
+                how = "the cheapest" if math.isnan(g.split.uses) else "the cheapest as jit runs it"
                 lines.append(f"gradient: forward and backward rewritten together; residuals: {len(g.split.residuals)} "
                              f"value(s), {held / 2**20:.2f} MiB ({g.split.policy}, {how} of "
                              f"{len(g.splits_considered)} splits priced)")
