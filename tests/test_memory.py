@@ -41,9 +41,10 @@ BNHD = [jax.ShapeDtypeStruct((2, N, HEADS, D), jnp.float32)] * 3
 #   scale and the softmax's division into library (YNN) product fusions and materialises their broadcast operands
 #   at N x N (a broadcast of 0.125 among them), which the model, fusing nothing into a product, does not.
 #   Misses (xfail): dot_product_attention's gradient, 128.1 vs 100.1 (134.1 in program order); and plain
-#   attention's forward, 64.0 vs 0.0: XLA compiles its product, softmax and product
+#   attention's forward, 34.0 vs 0.0: XLA compiles its product, softmax and product
 #   into one library fusion whose scratch memory_analysis does not count (the process's resident memory does:
-#   benchmarks/results/attention_rss.md), so the model's 64 MiB is the truer figure. The blocked gradient whose
+#   benchmarks/results/attention_rss.md, 40 MiB a call at N=1024), so the model's 32 MiB of scratch (and k^T,
+#   2 MiB, which XLA's product reads as it is) is the truer figure (tests/test_attention_cost.py). The blocked gradient whose
 #   backward runs over blocks of 512 queries by 256 keys (the pack's default): 20.6 vs 14.6, the model above.
 CASES = [
     ("dpa forward [b,h,n,d]", lambda q, k, v: jnp.swapaxes(flax_layout(*(jnp.swapaxes(x, 1, 2) for x in (q, k, v))), 1, 2),

@@ -31,6 +31,15 @@ an extractor's choice:
   argument: both are lowered to ``exp(x - ln 2)`` and ``exp(-x - ln 2)``, which
   XLA computes once, and stores for both where they are in two kernels
   (``rewrite/cost/transcendental.py``).
+* A product whose result a softmax reads, row by row, for a second product (``softmax(q k^T) v``, as
+  ``jax.nn.softmax`` traces it) is one library (YNN) kernel with both products and the softmax, where every
+  operation between them is read only there and XLA's library matcher takes each: float32, every one of
+  4096 elements or more (``kMinElements`` of ``IsInstructionPreferredByYnn``: the row maxima and sums,
+  b x h x nq, are the smallest), and no size-1 axis among the scores' batch axes (layout assignment then
+  copies the probabilities into another layout, which the matcher does not absorb):
+  ``rewrite/cost/attention.py``'s ``attention_chain``. It stores no scores: its scratch holds them
+  outside the temporaries ``memory_analysis`` counts, mapped fresh at every call from ``SCRATCH_FRESH_AT``
+  bytes (``scratch_bytes``).
 * A reshape that keeps row-major order (``reshape`` without ``dimensions``,
   ``squeeze``, a broadcast that only adds axes of size 1) is a ``bitcast``:
   no kernel, no bytes read or written. A kernel that reads it reads its
@@ -55,12 +64,12 @@ from ..ir import primitives as _primitives
 from ..ir.primitives import inner_jaxpr, spec_of
 from ..ir.scanread import SLICES
 from .dot import library_dot
-from .program import LEAF, LIBRARY, LOOP, OTHER, REDUCE, VIEW, Op, Program, _kind, _size, bitcast
+from .attention import attention_chain, attention_price, scratch_bytes
+from .program import (ATTENTION, LEAF, LIBRARY, LOOP, OTHER, REDUCE, TIEBREAK, VIEW, Op, Program, _kind, _size,
+                      bitcast)
 from .transcendental import SHARED, SHARED_ACROSS, add_shared, chained, shared_across, shared_group
 
 
-#: The weight of the node-by-node price that breaks ties between programs that fuse alike.
-TIEBREAK = 1e-3
 #: What a program over the memory budget pays, plus this per byte over: more than any program's time.
 OVER_BUDGET = 1e15
 
@@ -219,6 +228,12 @@ class FusionModel:
         the kernels that compute ``i`` (``None``: dead) and, if ``i`` roots a kernel of its own, that
         kernel's kind. One decision of :meth:`fuse`, shared with :class:`LiveFusion`.
         """
+        if len(need) == 1:
+            r = next(iter(need))
+            if roots[r] == ATTENTION and i in (attention_chain(prog, r) or ()):
+                return need, None  # the library kernel of the product that reads the softmax computes it
+        if prog.ops[i].prim == "dot_general" and attention_chain(prog, i) is not None:
+            return {i}, ATTENTION
         if kind == REDUCE and not output:
             # A small reduction is a loop XLA can fuse into its one consumer loop (never duplicated).
             if not need:
@@ -368,6 +383,8 @@ class FusionModel:
         """The cost of the kernel rooted at ``r`` that computes ``comp``, and the ops it reads."""
         ops = prog.ops
         root_op = ops[r]
+        if kind == ATTENTION:
+            return attention_price(self, prog, r, comp)
         if kind == OTHER:
             # what else it holds is bitcasts it reads (``place``): no work, but an equation each, as in a loop
             cost = root_op.own + self.launch + self.node + self.launches(root_op)
@@ -575,7 +592,7 @@ def kernel_temps(prog: Program, kernels: Sequence[Fusion], inner: Callable[[Op],
     written = {k.root for k in kernels}
     return [sum(_temp(prog, a, outputs, written) for a in {buffer_of(prog, a, written) for a in k.reads})
             + _temp(prog, k.root, outputs, written)
-            + (inner(prog.ops[k.root]) if inner is not None else 0)
+            + (inner(prog.ops[k.root]) if inner is not None else 0) + scratch_bytes(prog, k)
             for k in kernels]
 
 

@@ -14,8 +14,9 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from ..ir import primitives as _primitives
 from ..ir.walk import postorder
+from .attention import SOFTMAX_OPS, scratch_bytes
 from .fusion import TIEBREAK, Fusion, FusionModel, _temp, buffer_of, output_buffers, slices
-from .program import LEAF, LIBRARY, LOOP, OTHER, REDUCE, VIEW, Op, _kind, bitcast
+from .program import ATTENTION, LEAF, LIBRARY, LOOP, OTHER, REDUCE, VIEW, Op, _kind, bitcast
 from .transcendental import SHARED_ACROSS, add_shared, chained, shared_across
 
 
@@ -128,8 +129,28 @@ class LiveFusion:
         if not self._output_chains.isdisjoint(changes):
             self._rechain(seeds, dirty)
         self._lift([c for c, new in changes.items() if new is not None])
+        seeds |= self._products_above(seeds)
         self._place(seeds, changes, dirty)
         self._price(dirty, changes)
+
+    def _products_above(self, seeds: set) -> set:
+        """The products whose attention kernel (``FusionModel.place``: ``ATTENTION``) an edit at ``seeds`` may make
+        or unmake: those that read them through a softmax's operations. Such a product is placed by what is below
+        it, so it is placed again even where nothing it reads directly changed."""
+        found: set = set()
+        stack, seen = [x for x in seeds if x in self.ops], set(seeds)
+        while stack:
+            x = stack.pop()
+            for u in self.users.get(x, ()):
+                op = self.ops.get(u)
+                if op is None or u in seen:
+                    continue
+                seen.add(u)
+                if op.prim == "dot_general":
+                    found.add(u)
+                if op.prim in SOFTMAX_OPS:
+                    stack.append(u)
+        return found
 
     def _rechain(self, seeds: set, dirty: set) -> None:
         """After an edit of an output or of a bitcast an output is of: the values written into the outputs'
@@ -249,7 +270,7 @@ class LiveFusion:
                 self._sums.pop(r, None)
                 self._count_across(r, set())
                 continue
-            if incremental and kind != OTHER:
+            if incremental and kind not in (OTHER, ATTENTION):
                 cost, reads = self._kernel(r, kind, changes)
             else:
                 cost, reads = self.model.kernel(self, r, kind, self._members[r])
@@ -263,7 +284,8 @@ class LiveFusion:
             temp = (sum(_temp(self, a, self._held_outputs, self.roots)
                         for a in {buffer_of(self, a, self.roots) for a in reads})
                     + _temp(self, r, self._held_outputs, self.roots)
-                    + (self.model.inner(self.ops[r]) if self.model.inner is not None else 0))
+                    + (self.model.inner(self.ops[r]) if self.model.inner is not None else 0)
+                    + (scratch_bytes(self, Fusion(r, kind, [], [], 0.0)) if kind == ATTENTION else 0))
             self._temp_sum += temp - self._temp.get(r, 0)
             self._temp[r] = temp
 

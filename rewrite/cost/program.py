@@ -4,7 +4,8 @@ A :class:`Program` is built from a jaxpr's top-level equations or from an
 extractor's choice (bodies are priced whole by the node model, except a call
 XLA inlines whose body is elementwise). Each op's kind says what XLA:CPU's
 fusion makes of it (``LEAF``, ``VIEW``, ``LOOP``, ``LIBRARY``, ``REDUCE``,
-``OTHER``), from the primitive's record; ``fusion.py`` prices programs.
+``OTHER``), from the primitive's record; ``fusion.py`` prices programs (and makes one more kind of kernel,
+``ATTENTION``, of several ops).
 """
 
 from __future__ import annotations
@@ -23,11 +24,16 @@ from ..ir.walk import operands, postorder
 
 # What XLA:CPU does with each primitive (expensive, cheap, what a library reduction absorbs) lives in its
 # record (rewrite/ir/primitives.py), which the functions below read.
+#: The weight of the node-by-node price that breaks ties between programs that fuse alike (``cost/fusion.py``).
+TIEBREAK = 1e-3
 #: Smaller reductions stay ordinary loop fusions (measured: 2048 elements do, 4096 do not).
 LIBRARY_MIN_ELEMENTS = 4096
 
 
 LEAF, VIEW, LOOP, LIBRARY, REDUCE, OTHER = "leaf", "view", "loop", "library", "reduce", "other"
+#: The kind of a kernel XLA:CPU's library (YNN) fusion makes of a product, a softmax and a product together
+#: (``rewrite/cost/fusion.py``'s :func:`~rewrite.cost.fusion.attention_chain`): no op is of this kind, a kernel is.
+ATTENTION = "attention"
 
 
 @dataclasses.dataclass
