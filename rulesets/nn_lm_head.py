@@ -7,9 +7,8 @@ backward. The rules below read those quantities from the product instead:
 
 * the label's logit is a row of the product, ``h . W[:, y] + b[y]``, through a ``log_softmax`` too;
 * smoothed labels ``p * one_hot(y) + q`` need the logits' row sums, ``h @ W.sum(-1) + sum(b)``;
-* the normaliser ``sum(exp(logits - shift))``, with the label, the row sums or a dense target read beside it,
-  is one loop over token blocks (:func:`rulesets.nn_lm_head_kernels.blocked_loss`) whose backward recomputes
-  each block. The shift is the program's, found from ``max(logits)`` under ``stop_gradient``.
+* the normaliser ``sum(exp(logits - shift))`` (shift from ``max(logits)`` under ``stop_gradient``), with the label,
+  row sums or a dense target beside it, is a loop (:func:`rulesets.nn_lm_head_kernels.blocked_loss`).
 
 One rule per token block of :data:`BLOCKS` offers its loop where the block divides the tokens (at least two
 blocks); the cost model chooses (in a step, on the loss's joint program: ``jointly=True``), the block too. A dense
@@ -17,10 +16,9 @@ target ``t`` (``optax.softmax_cross_entropy(logits, t)`` with ``t`` an input) is
 ``sum(t * ((z - shift) - log(sum)))`` elementwise as ``log_softmax`` computes it, in blocks of 128 tokens only:
 XLA:CPU copies each block of ``t`` out of it (two blocks held), and 128 tokens measured fastest too. On a GPU
 the loop is not offered by default (:func:`offered`). The part is ``identity`` class with the tolerance of
-``linalg``: the products sum their contraction in another order, ``dW`` is summed over blocks, and the forward
-sums each row's exponentials by vocabulary tiles, rescaled (:func:`~rulesets.nn_lm_head_kernels.combine_tiles`);
-every other per-row and elementwise operation is the original's, and infinite and NaN logits come out as the
-original computes them. ``docs/nn.md`` says more; ``tests/test_lm_head.py`` holds losses and gradients to it.
+``linalg``: the products sum their contraction in another order, ``dW`` over blocks, the forward each row's
+exponentials by vocabulary tiles (:func:`~rulesets.nn_lm_head_kernels.combine_tiles`); infinite and NaN logits
+come out as the original computes them. ``docs/nn.md`` says more; ``tests/test_lm_head.py`` holds losses and gradients to it.
 """
 
 from __future__ import annotations
@@ -39,10 +37,8 @@ from rulesets.nn_lm_head_kernels import COLUMNS, Layout, Reads, Stats, blocked_l
 
 __all__ = ["nn_lm_head", "lm_head_rules", "BLOCKS", "offered"]
 
-#: Token blocks offered to the cost model: one rule each; extraction chooses. The block is the backward's: the
-#: forward computes the same program for each (:func:`~rulesets.nn_lm_head_kernels.forward_rows`), so a forward
-#: alone takes the first offered, 256 (its rules come first): under ``jax.grad`` of the issue's head (N=2048,
-#: C=512, V=32,768) the joint program with 128-token blocks is priced 21% above JAX's own and declined, 256 17%.
+#: Token blocks of the backward, one rule each (the forward is one program for all: a forward alone takes the
+#: first; under ``jax.grad`` at N=2048, C=512, V=32,768 128 prices 21% above JAX's VJP and is declined, 256 17%).
 BLOCKS = (256, 128, 512)
 
 D, S, I, X, Y = Pat.var("d"), Pat.var("s"), Pat.var("i"), Pat.var("x"), Pat.var("y")
