@@ -213,10 +213,11 @@ def _tile_stats(hb: Any, wc: Any, bv: Any, cols: Any = None, *, layout: Layout, 
         total = jnp.sum(jnp.exp(z - row_shift("finite", m)[:, None]), axis=1)
         if cols is None:
             return m, total, None
-        # the logit at the column by a masked maximum: a pass over the tile beside its maximum's (a gather
-        # from each tile measured 0.6x of the whole loss); -inf where the column is in another tile
+        # the logit at the column by a masked sum, a pass over the tile beside its maximum's (a gather from each
+        # tile measured 0.79x of the whole loss): x + -0.0 is x for every x, NaN and -0.0 included (a masked
+        # maximum turned a NaN logit into -inf: XLA:CPU's vectorised max drops NaN)
         hit = lax.broadcasted_iota(cols.dtype, z.shape, 1) == (cols - at)[:, None]
-        return m, total, jnp.max(jnp.where(hit, z, jnp.full((), -jnp.inf, z.dtype)), axis=1)
+        return m, total, jnp.sum(jnp.where(hit, z, jnp.full((), -0.0, z.dtype)), axis=1)
 
     def step(_: Any, j: Any) -> tuple:
         at = j * tile

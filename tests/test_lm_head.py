@@ -15,7 +15,7 @@ from jax import lax
 import numpy as np
 import optax
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import example, given, settings, strategies as st
 
 import rulesets
 from rewrite import Ruleset, explain, rewrite
@@ -596,6 +596,8 @@ TILE_CASES = st.fixed_dictionaries({
 
 @settings(max_examples=25, deadline=None)
 @given(TILE_CASES, st.sampled_from(["float16", "bfloat16", "float32", "float64"]))
+@example({"vocab": 40, "tile": 16, "bias": False, "shift": "max", "log": False, "jit": False, "label": True,
+          "fills": False, "tokens": 256, "special": "nan_h", "seed": 0}, "float32")  # a NaN label, once read as -inf
 def test_vocabulary_tiles_as_the_whole_row(case, dtype):
     """The forward's rows summed by vocabulary tiles (a scan over whole tiles, a remainder, one tile and a
     remainder, or none; all tokens at once, or two blocks of them) against the whole logits: the maxima (on rows
