@@ -6,8 +6,10 @@ sums or a dense target's weighted sum. :func:`blocked_forward` computes those ov
 no block; :func:`blocked_backward` computes each block again and keeps nothing of the forward;
 :func:`blocked_loss` joins them as one ``jax.custom_vjp`` function, the node the pack's rules trace into the
 e-graph. :func:`label_logit` and :func:`row_sums` read the same quantities from the product without a loop.
-Every block computes each row's statistics as the original program does, elementwise operation for
-elementwise operation; only the products sum their contraction in another order.
+The forward computes a block's logits a vocabulary tile at a time and sums each row's exponentials by
+tiles, rescaled to the row's shift (:func:`combine_tiles`); every other statistic is computed as the
+original program does, elementwise operation for elementwise operation, and the products sum their
+contraction in another order.
 
 >>> import jax, jax.numpy as jnp
 >>> h, w = jnp.ones((256, 8)), jnp.ones((8, 32)) / 8
@@ -26,12 +28,19 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-__all__ = ["Layout", "Reads", "Stats", "COLUMNS", "blocked_forward", "blocked_backward", "blocked_loss",
-           "label_logit", "row_sums", "label_column", "row_shift", "shift_kind", "add_by_columns", "plus_terms",
-           "label_plus_terms", "smoothed_sum"]
+__all__ = ["Layout", "Reads", "Stats", "COLUMNS", "TILE", "ROWS_BYTES", "forward_rows", "blocked_forward",
+           "blocked_backward", "blocked_loss", "combine_tiles", "label_logit", "row_sums", "label_column", "row_shift",
+           "shift_kind", "add_by_columns", "plus_terms", "label_plus_terms", "smoothed_sum"]
 
 #: The widest column block of ``dW`` that the backward adds in one product (:func:`add_by_columns`).
 COLUMNS = 2048
+
+#: The vocabulary columns of a forward block's logits computed at a time (:func:`blocked_forward`): 512 columns
+#: of 512 tokens hold 1 MiB (f32), read twice while in the cache.
+TILE = 512
+
+#: The bytes of ``h``'s rows, and of their logits' tile, that the forward computes at once (:func:`forward_rows`).
+ROWS_BYTES = 4 * 2 ** 20
 
 
 class Layout(NamedTuple):
@@ -190,29 +199,130 @@ def _blocks(x: Any, n: int, block: int) -> Any:
     return None if x is None else x.reshape((n, block) + x.shape[1:])
 
 
+def _tile_stats(hb: Any, wc: Any, bv: Any, cols: Any = None, *, layout: Layout, tile: int) -> tuple:
+    """Each vocabulary tile's ``(max, sum(exp(z - finite max)), z at cols)`` of the logits ``z = cast(hb @ W +
+    b)``, tiles of ``tile`` columns (a ``lax.scan``, the remainder last), stacked: tiles x rows (the third
+    ``None`` without ``cols``; each row's column is read from every tile, clamped into it). The tile's own
+    shift is its maximum where finite, else 0, so that a tile masked with ``-inf`` sums to 0 and one holding
+    ``+inf`` to ``inf``."""
+    k, tail = divmod(layout.vocab, tile)
+
+    def stats(wj: Any, bj: Any, at: Any) -> tuple:
+        z = _cast(layout, _product(layout, hb, wj, bj))
+        m = jnp.max(z, axis=1)
+        total = jnp.sum(jnp.exp(z - row_shift("finite", m)[:, None]), axis=1)
+        if cols is None:
+            return m, total, None
+        # the logit at the column by a masked sum, a pass over the tile beside its maximum's (a gather from each
+        # tile measured 0.79x of the whole loss): x + -0.0 is x for every x, NaN and -0.0 included (a masked
+        # maximum turned a NaN logit into -inf: XLA:CPU's vectorised max drops NaN)
+        hit = lax.broadcasted_iota(cols.dtype, z.shape, 1) == (cols - at)[:, None]
+        return m, total, jnp.sum(jnp.where(hit, z, jnp.full((), -0.0, z.dtype)), axis=1)
+
+    def step(_: Any, j: Any) -> tuple:
+        at = j * tile
+        return None, stats(lax.dynamic_slice_in_dim(wc, at, tile, 1),
+                           None if bv is None else lax.dynamic_slice_in_dim(bv, at, tile), at.astype(cols.dtype)
+                           if cols is not None else at)
+
+    one = lambda x: None if x is None else x[None]  # noqa: E731
+    parts = [lax.scan(step, None, jnp.arange(k))[1]] if k > 1 else []
+    if k == 1:
+        parts = [tuple(one(x) for x in stats(wc[:, :tile], None if bv is None else bv[:tile], 0))]
+    if tail:
+        parts.append(tuple(one(x) for x in stats(wc[:, k * tile:], None if bv is None else bv[k * tile:], k * tile)))
+    return tuple(None if x[0] is None else jnp.concatenate(x) if len(parts) > 1 else x[0] for x in zip(*parts))
+
+
+def _tiled_rows(hb: Any, wc: Any, bv: Any, cols: Any, *, layout: Layout, tile: int, kind: str) -> tuple:
+    """``(max, normaliser, logit at cols or None)`` of rows ``hb``, their logits computed by vocabulary tiles:
+    the label's logit is the one its tile read."""
+    m, s, picked = _tile_stats(hb, wc, bv, cols, layout=layout, tile=tile)
+    rows, total = combine_tiles(m, s, kind)
+    label = None if cols is None else jnp.take_along_axis(picked, (cols // tile)[None], axis=0, mode="clip")[0]
+    return rows, total, label
+
+
+def forward_rows(layout: Layout, block: int, itemsize: int, tile: int = TILE) -> int:
+    """The tokens the forward computes at once: the most, a multiple of ``block`` that divides the tokens,
+    whose rows of ``h`` and whose rows x ``tile`` logits each fit in :data:`ROWS_BYTES` (``block`` where none
+    does). At N=2048, width 512, V=32,768 (f32) that is all 2048 tokens, ``W`` read once: measured 1.32x
+    against 1.17x for 512-token blocks (``benchmarks/results/lm_head.md``)."""
+    cap = ROWS_BYTES // (max(layout.width, tile) * itemsize)
+    fits = [r for r in range(block, layout.tokens + 1, block) if layout.tokens % r == 0 and r <= cap]
+    return max(fits, default=block)
+
+
+def combine_tiles(m: Any, s: Any, kind: str) -> tuple[Any, Any]:
+    """Rows' ``(max, sum(exp(z - row_shift(kind, max))))`` from their tiles' :func:`_tile_stats` (tiles first).
+
+    Each tile's sum is rescaled by ``exp(tile shift - row shift)`` (at most 1 where the row's maximum is finite)
+    and the tiles summed in at least float32. A tile that sums to 0 (every logit ``-inf``) adds 0. Where the
+    row's maximum is not finite the rescaled sums give what the whole row gives: ``"finite"`` shifts by 0, so a
+    ``+inf`` tile's sum is ``inf`` and a NaN tile's NaN, every tile ``-inf`` sums to 0; ``"max"`` shifts by the
+    infinity or NaN itself, which makes every such row's sum NaN, as ``inf - inf`` and ``-inf + inf`` do.
+    """
+    rows = jnp.max(m, axis=0)
+    shift = row_shift(kind, rows)
+    wide = jnp.promote_types(s.dtype, jnp.float32)
+    scaled = s.astype(wide) * jnp.exp(row_shift("finite", m).astype(wide) - shift.astype(wide)[None])
+    total = jnp.sum(jnp.where(s == 0, jnp.zeros((), wide), scaled), axis=0).astype(s.dtype)
+    if kind == "max":
+        total = jnp.where(jnp.isfinite(rows), total, jnp.full((), jnp.nan, total.dtype))
+    return rows, total
+
+
 def blocked_forward(h: Any, w: Any, b: Any = None, labels: Any = None, target: Any = None, *, layout: Layout,
-                    block: int, reads: Reads) -> Stats:
+                    block: int, reads: Reads, tile: int = TILE, rows: int | None = None) -> Stats:
     """:class:`Stats` of ``logits = cast(h @ W + b)``, computed over blocks of ``block`` tokens (a ``lax.scan``
     that keeps no block). ``labels`` (any shape, one per token) is read where ``reads.label``; ``target``
-    (the logits' shape) where ``reads.target``, a block of its rows per step."""
-    n = layout.tokens // block
+    (the logits' shape) where ``reads.target``, a block of its rows per step.
+
+    Without a target the logits are computed ``tile`` vocabulary columns at a time (:func:`_tile_stats`,
+    :func:`combine_tiles`) for ``rows`` tokens at once (:func:`forward_rows` where ``None``), not ``block``: a
+    rows x tile array is read twice (maximum, then sum; the label's column beside the maximum) while it is in
+    the cache, where a block's whole logits are written out and read back from memory twice, and ``W`` is read
+    once per rows, not per block. The rows' maxima and labels are the original's; their sums are each tile's,
+    rescaled, so they differ from the original's by rounding. The backward keeps ``block`` (its logits'
+    cotangent is what a block holds). A dense target reads ``(z - shift) - log(sum)`` elementwise, which needs
+    the row's shift before the first tile: its blocks of ``block`` tokens hold their logits whole."""
     hc, wc, bv = canonical(layout, h, w, b)
     tc = target.reshape(layout.tokens, layout.vocab) if reads.target else None
+    if tc is None and tile < layout.vocab:
+        rows = forward_rows(layout, block, jnp.dtype(hc.dtype).itemsize, tile) if rows is None else rows
+        cols, inside = label_column(labels.reshape(-1), layout.vocab) if reads.label else (None, None)
+        run = lambda hb, cb: _tiled_rows(hb, wc, bv, cb, layout=layout, tile=tile, kind=reads.shift)  # noqa: E731
+        if rows == layout.tokens:
+            m, total, label = run(hc, cols)
+        else:
+            n = layout.tokens // rows
+            _, (m, total, label) = lax.scan(lambda _, x: (None, run(*x)), None,
+                                            (_blocks(hc, n, rows), None if cols is None else cols.reshape(n, rows)))
+        if label is not None:
+            label = label.reshape(-1)
+            if reads.fills:
+                fill = jnp.asarray(jnp.nan if reads.fill is None else reads.fill, label.dtype)
+                label = jnp.where(inside, label, fill)
+        weighted = None
+    else:
+        n, label = layout.tokens // block, None
 
-    def body(_: Any, x: tuple) -> tuple:
-        hb, tb = x
-        z = _cast(layout, _product(layout, hb, wc, bv))
-        m = jnp.max(z, axis=1)
-        shifted = z - row_shift(reads.shift, m)[:, None]
-        total = jnp.sum(jnp.exp(shifted), axis=1)
-        if tb is None:
-            return None, (m, total, None)
-        return None, (m, total, jnp.sum(tb * (shifted - jnp.log(total)[:, None]), axis=1))
+        def body(_: Any, x: tuple) -> tuple:
+            hb, tb = x
+            z = _cast(layout, _product(layout, hb, wc, bv))
+            m = jnp.max(z, axis=1)
+            shifted = z - row_shift(reads.shift, m)[:, None]
+            total = jnp.sum(jnp.exp(shifted), axis=1)
+            if tb is None:
+                return None, (m, total, None)
+            return None, (m, total, jnp.sum(tb * (shifted - jnp.log(total)[:, None]), axis=1))
 
-    _, (m, total, weighted) = lax.scan(body, None, (_blocks(hc, n, block), _blocks(tc, n, block)))
+        _, (m, total, weighted) = lax.scan(body, None, (_blocks(hc, n, block), _blocks(tc, n, block)))
     # the log after the loop: in its body, log(sum(exp(z - shift))) is what nn_logsumexp rewrites
     stats = Stats(m.reshape(-1), (jnp.log(total) if reads.log else total).reshape(-1))
-    if reads.label:
+    if reads.label and label is not None:
+        stats = stats._replace(label=label)
+    elif reads.label:
         stats = stats._replace(label=label_logit(h, w, b, labels, layout=layout, fills=reads.fills, fill=reads.fill))
     if reads.row_sums:
         stats = stats._replace(row_sums=row_sums(h, w, b, layout=layout))
