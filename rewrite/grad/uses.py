@@ -192,6 +192,8 @@ def joint_as_run(snap: Any, eg: Any, joint: core.ClosedJaxpr, roots: Sequence[An
     if not same_choice(snap, first, grads, f_roots):  # otherwise that program is the second
         parts = [(first, f_roots), (grads, roots[n_out:])]
         programs.append(dce(emit_parts(snap, eg, joint.in_avals, parts, debug)))
-    seen = [] if seen is None else seen
-    uses = [priced_uses(p, without_outputs(p, n_out), model, seen, value) for p in programs]
+    priced: list = []
+    uses = [priced_uses(p, without_outputs(p, n_out), model, priced, value) for p in programs]
+    if seen is not None:  # (priced_uses compares programs by their text: only this call's, as before)
+        seen.extend(priced)
     return programs[cheapest_use(uses, run_uses(before, without_outputs(before, n_out), value), model)]
