@@ -425,10 +425,11 @@ class Rewritten:
         t = time.perf_counter()
         forward = run_pipeline(cone, self.entries, self.cost_model, self.limits, price_input=False)
         t = lap(spent, "step forward", t)
+        priced: list = []  # the joint programs priced whole as they were chosen: decided_jointly does not price again
         program, why = decided_jointly(cone, forward, self.entries, self.cost_model, self.limits,
                                        lambda f, entries: rewrite_joint(f, entries, self.cost_model, self.limits,
-                                                                        wrt, value),
-                                       lambda f: joint_program(f, wrt)[0], spent=spent)
+                                                                        wrt, value, seen=priced),
+                                       lambda f: joint_program(f, wrt)[0], spent=spent, priced=priced)
         if why and decided is not None:
             decided.append(why)
         return program

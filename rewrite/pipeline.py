@@ -25,6 +25,7 @@ from .cost.memory import over_budget
 from .cost.model import CostModel
 from .extract.choice import reachable
 from .extract.extract import extract, input_cost
+from .extract.extractor import shared
 from .extract.policy import bar_preferred, made_by, no_fatter, recomputations, withheld, worth_their_saving
 from .ir.egraph import EGraph
 from .ir.intern import LITERALS, TYPES, in_dtype
@@ -163,6 +164,8 @@ def extract_by_policy(snap: Any, eg: Any, entries: Sequence[tuple[Rule, Ruleset]
     recomputing nodes where they free memory (``recomputations``). A pipeline's extraction, and a VJP's of its
     gradients alone (``grad/vjp.py``), which must hold the same policy."""
     plain, recomputing = withheld(snap, eg, entries, original)
+    if plain is not snap:  # one key names one program in both: recomputations prices the copy's program again
+        shared(plain, model).share_prices(shared(snap, model))
     ex = extract(plain, roots, model, original)
     ex = worth_their_saving(ex, plain, eg, entries, roots, model, original)
     return recomputations(ex, snap, recomputing, roots, model)

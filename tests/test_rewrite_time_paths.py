@@ -552,3 +552,57 @@ def test_two_programs_priced_apart_are_not_compared_by_their_peaks(monkeypatch):
         for ratio in (0.5, 1.0, 1.0 + r.cost_model.lean_band, 1.1, 1.0 + far, 1.0 + far * 1.01, 2.0):
             assert r._keeps_leaner(ratio, first, 1.0, second) == keeps_leaner(
                 ratio, predict(first), 1.0, predict(second), r.cost_model), ratio
+
+
+def _gelu_step(x, g):
+    """The tanh GELU's value and JAX's VJP of it, as a training step holds them (``tests/test_nn.py``)."""
+    y, vjp = jax.vjp(lambda x: jax.nn.gelu(x, approximate=True), x)
+    return y, vjp(g)[0]
+
+
+def test_a_program_with_recomputations_is_priced_whole_once(monkeypatch):
+    """The program extracted without the recomputing rules' nodes (``extract.policy.withheld``, from a copy of the
+    snapshot) is priced whole again where ``recomputations`` weighs it against the one with them, from the
+    snapshot itself: the copy's extractor shares the snapshot's whole-program prices (one key names one program in
+    both, ``Extractor.share_prices``), so each program is priced whole once (some 0.02 s a price on an LM step)."""
+    from jax._src.core import jaxpr_as_fun
+
+    from rewrite.extract import program as _program
+
+    priced: collections.Counter = collections.Counter()  # by e-graph (a snapshot and its copies) and program
+    held: list = []  # the e-graphs counted, kept alive: no other takes the id of one
+    exact_price = _program.ProgramPricer.exact_price
+
+    def counted(self, choice, roots, key):
+        if key not in self.exact:
+            held.append(self.ex.snap.egraph)
+            priced[id(held[-1]), key] += 1
+        return exact_price(self, choice, roots, key)
+
+    monkeypatch.setattr(_program.ProgramPricer, "exact_price", counted)
+    x = jnp.linspace(-3.0, 3.0, 512 * 1024).reshape(512, 1024)  # 2 MiB: the recomputation frees over a MiB
+    report = explain(_gelu_step, x, jnp.ones_like(x), rulesets=[rulesets.nn])
+    assert report.fired.get("nn_remat_gelu_tanh_f32"), report.fired
+    assert priced and max(priced.values()) == 1, sorted(priced.values())
+    for p, q in zip(jax.jit(jaxpr_as_fun(report.result.after))(x, jnp.ones_like(x)),
+                    _gelu_step(x, jnp.ones_like(x))):
+        assert jnp.allclose(p, q, rtol=2e-4, atol=2e-5)  # rulesets.nn's tolerance (an identity pack)
+
+
+def test_a_joint_program_priced_as_it_was_chosen_is_not_priced_again(monkeypatch):
+    """``decided_jointly`` prices each derivative's joint program; ``rewrite_joint`` priced the one it returns already
+    where it chose it among others (``grad.uses.joint_as_run``, the loss read: the program itself), and hands that
+    price on (``seen``): that program (the same object) is not loaded and priced again (flax_long_context_step: 6
+    prices of whole programs there, now 5). Another object, even an equal program, is priced."""
+    from rewrite.grad import vjp
+
+    calls: list = []
+    price = vjp.program_cost
+    monkeypatch.setattr(vjp, "program_cost", lambda closed, model: calls.append(closed) or price(closed, model))
+    model = default_model()
+    program = jax.make_jaxpr(lambda x, g: (jnp.sin(x), g * jnp.cos(x)))(jnp.ones(8), jnp.ones(8))
+    joint = vjp.Joint("the joint", program, model, lambda built: built, [(program, 123.0)])
+    assert joint.cost == 123.0 and not calls
+    again = jax.make_jaxpr(lambda x, g: (jnp.sin(x), g * jnp.cos(x)))(jnp.ones(8), jnp.ones(8))
+    assert vjp.Joint("the joint", again, model, lambda built: built, [(program, 123.0)]).cost == price(again, model)
+    assert calls == [again]

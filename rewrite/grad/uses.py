@@ -174,13 +174,14 @@ def same_choice(snap: Any, a: dict, b: dict, roots: Sequence[Any]) -> bool:
 
 
 def joint_as_run(snap: Any, eg: Any, joint: core.ClosedJaxpr, roots: Sequence[Any], before: core.ClosedJaxpr,
-                 f_roots: Sequence[Any], choices: Sequence[dict], model: Any, value: bool | None = None
-                 ) -> core.ClosedJaxpr:
+                 f_roots: Sequence[Any], choices: Sequence[dict], model: Any, value: bool | None = None,
+                 seen: list[tuple[core.ClosedJaxpr, float]] | None = None) -> core.ClosedJaxpr:
     """``grad.vjp.rewrite_joint``'s program from the e-graph of ``joint`` (``roots``: outputs, then gradients) and
     its two extractions ``choices`` (the joint one first): the cheapest of each emitted whole and, where the two
     compute the outputs apart, the outputs as the first and the gradients as the second (:func:`emit_parts`), in
     the uses that run (``value``: :func:`priced_uses`), held to ``before`` (``joint`` as written) as
-    :func:`cheapest_use` holds a split."""
+    :func:`cheapest_use` holds a split. ``seen``, where given, receives each program priced with its price
+    (:func:`priced_uses`), for a caller that prices the program returned again."""
     first, grads = choices
     n_out = len(f_roots)
     debug = joint.jaxpr.debug_info
@@ -191,6 +192,8 @@ def joint_as_run(snap: Any, eg: Any, joint: core.ClosedJaxpr, roots: Sequence[An
     if not same_choice(snap, first, grads, f_roots):  # otherwise that program is the second
         parts = [(first, f_roots), (grads, roots[n_out:])]
         programs.append(dce(emit_parts(snap, eg, joint.in_avals, parts, debug)))
-    seen: list = []
-    uses = [priced_uses(p, without_outputs(p, n_out), model, seen, value) for p in programs]
+    priced: list = []
+    uses = [priced_uses(p, without_outputs(p, n_out), model, priced, value) for p in programs]
+    if seen is not None:  # (priced_uses compares programs by their text: only this call's, as before)
+        seen.extend(priced)
     return programs[cheapest_use(uses, run_uses(before, without_outputs(before, n_out), value), model)]

@@ -471,7 +471,8 @@ def as_written_vjp(traced: Traced, model: Any) -> VJPResult:
 
 
 def rewrite_joint(closed: core.ClosedJaxpr, entries: Sequence[Any], model: Any, limits: Any,
-                  wrt: Sequence[int] | None = None, value: bool | None = None) -> core.ClosedJaxpr:
+                  wrt: Sequence[int] | None = None, value: bool | None = None,
+                  seen: list[tuple[core.ClosedJaxpr, float]] | None = None) -> core.ClosedJaxpr:
     """``closed``'s VJP as one program ``(primals, cotangents) -> (outputs, gradients)`` (:func:`joint_program`,
     the gradients of the float inputs at ``wrt`` where given: those its caller reads), rewritten: what a caller
     that runs the forward and backward passes together (a training step) reads.
@@ -482,14 +483,16 @@ def rewrite_joint(closed: core.ClosedJaxpr, entries: Sequence[Any], model: Any, 
     own (:func:`rewrite.grad.uses.emit_parts`), the one priced lowest in the use its caller makes of it (``value``:
     the outputs read too, or the gradients alone; where not given, the two uses weighted alike, as
     :func:`build_vjp` weighs them), each use one program, held to the input's memory in that use as
-    :func:`rewrite.grad.uses.cheapest_use` holds a split."""
+    :func:`rewrite.grad.uses.cheapest_use` holds a split. ``seen``, where given, receives the programs priced whole
+    with their prices (:func:`rewrite.grad.uses.joint_as_run`): :func:`decided_jointly` reads the returned one's."""
     joint = joint_program(closed, wrt)[0]
     res = run_pipeline(joint, entries, model, limits, keep=True, price_input=False)
     snap, eg = res.snapshot, res.egraph
     try:
         n_out = len(closed.out_avals)
         f_roots, _, _, choices = _joint_choices(res, n_out, len(joint.in_avals), model, entries)
-        return joint_as_run(snap, eg, joint, res.roots, res.before, f_roots, [c for _, c in choices], model, value)
+        return joint_as_run(snap, eg, joint, res.roots, res.before, f_roots, [c for _, c in choices], model, value,
+                            seen)
     finally:
         eg.release()
 
@@ -507,7 +510,8 @@ def decided_jointly(closed: core.ClosedJaxpr, forward: Result, entries: Sequence
                     build: Callable[[core.ClosedJaxpr, Sequence[Any]], Any],
                     as_written: Callable[[core.ClosedJaxpr], Any],
                     joint_of: Callable[[Any], core.ClosedJaxpr] = lambda built: built,
-                    spent: dict[str, float] | None = None) -> tuple[Any, str]:
+                    spent: dict[str, float] | None = None,
+                    priced: Sequence[tuple[core.ClosedJaxpr, float]] = ()) -> tuple[Any, str]:
     """``build(forward.after, entries)``, a derivative of ``closed`` rewritten (``forward``) for the forward alone,
     decided on its joint program where rules of a ruleset made with ``jointly=True`` fired in that forward; and why,
     in words ("" where none fired).
@@ -522,7 +526,9 @@ def decided_jointly(closed: core.ClosedJaxpr, forward: Result, entries: Sequence
     A rewritten joint replaces the one it is held to only where it is taken by price or the lean bands
     (:func:`rewrite.extract.program.peaks_keep_leaner`, as a training step is chosen) and is not predicted
     to hold more (:func:`held_to_written`): the plain one the one with the rules, and either JAX's as written.
-    A tie keeps the one held to."""
+    A tie keeps the one held to. ``priced``: programs ``build`` priced whole already (``program_cost``), with their
+    prices (:func:`rewrite_joint`'s ``seen``): a joint program that is one of them (the same object) is not priced
+    again."""
     spent = {} if spent is None else spent
     t = time.perf_counter()
     built = build(forward.after, entries)
@@ -540,13 +546,13 @@ def decided_jointly(closed: core.ClosedJaxpr, forward: Result, entries: Sequence
             plain = forward.after
         else:  # only the program that comes out is read: the input is not priced
             plain = run_pipeline(closed, rest, model, limits, price_input=False).after
-        rewritten = [Joint(f"the forward rewritten with {', '.join(fired)}", built, model, joint_of)]
+        rewritten = [Joint(f"the forward rewritten with {', '.join(fired)}", built, model, joint_of, priced)]
         if not same_program(plain, forward.after):
             made.append(build(plain, rest))
             rewritten.append(Joint(f"the forward rewritten without {'it' if len(fired) == 1 else 'them'}", made[-1],
-                                   model, joint_of))
+                                   model, joint_of, priced))
         made.append(as_written(closed))
-        written = Joint("JAX's derivative of the loss as written", made[-1], model, joint_of)
+        written = Joint("JAX's derivative of the loss as written", made[-1], model, joint_of, priced)
         chosen, why = held_to_written(rewritten, written, model)
         for b in made:
             release = getattr(getattr(b, "joint", None), "release", None)
@@ -559,14 +565,20 @@ def decided_jointly(closed: core.ClosedJaxpr, forward: Result, entries: Sequence
 
 class Joint:
     """One candidate of :func:`decided_jointly`: a derivative built, its joint program, that program's price, and
-    its predicted peak of temporaries (``AnalyticCost.predict_temp_bytes``), predicted once and only if asked."""
+    its predicted peak of temporaries (``AnalyticCost.predict_temp_bytes``), predicted once and only if asked.
+    A program ``priced`` holds (by identity: the same object, priced by ``program_cost`` as it was built) is not
+    priced again."""
 
-    def __init__(self, name: str, built: Any, model: Any, joint_of: Callable[[Any], core.ClosedJaxpr]) -> None:
+    def __init__(self, name: str, built: Any, model: Any, joint_of: Callable[[Any], core.ClosedJaxpr],
+                 priced: Sequence[tuple[core.ClosedJaxpr, float]] = ()) -> None:
         self.name, self.built, self.model = name, built, model
         self.program = joint_of(built)
         made = getattr(built, "joint", None)
+        known = next((cost for program, cost in priced if program is self.program), None)
         if isinstance(made, Result) and made.before is self.program and made.cost_before == made.cost_before:
             self.cost = made.cost_before  # the built's own joint, priced as it was made (as_written_vjp)
+        elif known is not None:
+            self.cost = known  # priced whole as it was chosen (rewrite_joint's joint_as_run)
         else:
             self.cost = program_cost(self.program, model)
         self._peak: float | None = None
