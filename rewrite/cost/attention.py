@@ -160,29 +160,29 @@ def _scores_bytes(prog: Any, r: Any) -> int:
 
 
 def attention_price(self: Any, prog: Any, r: Any, comp: Iterable[Any]) -> tuple[float, set]:
-        """The price of the kernel of the fusion model ``self`` rooted at ``r`` of kind ``ATTENTION`` (computing
+    """The price of the kernel of the fusion model ``self`` rooted at ``r`` of kind ``ATTENTION`` (computing
     ``comp``), and what it reads: its two products at their own prices but for the scores they write
-        and read, which stay in the library's tiles; each softmax operation a pass over its tiles (``library_op``
-        per element) and each reduction its elements (``reduce``); and, where the scores' scratch is
-        ``SCRATCH_FRESH_AT`` bytes or more, ``fresh`` per byte of it (its pages fault at every call)."""
-        ops = prog.ops
-        inside = set(comp)
-        facts = self._facts  # (the fusion model's, per op: see FusionModel._facts)
-        cost = self.launch + self.node * len(inside)
-        reads: set = set()
-        scores = _scores_bytes(prog, r)
-        for i in inside:
-            op = ops[i]
-            f = facts(op, prog)
-            if self.tiebreak is not None:
-                cost += TIEBREAK * f[1]
-            if op.prim == "dot_general":  # the first writes the scores (and spills them), the second reads them
-                cost += op.own - self.byte * scores - (self.spill * max(0.0, scores - self.cache) if i != r else 0.0)
-            elif f[7]:
-                cost += f[3]
-            elif not bitcast(op):
-                cost += _size(op.out_avals[0]) * (self.library_op if self.library_op is not None else self.cheap)
-            reads.update(a for a in op.args if a not in inside and ops[a].prim != "literal")
-        if self.fresh and scores >= SCRATCH_FRESH_AT:
-            cost += self.fresh * scores
-        return cost, reads
+    and read, which stay in the library's tiles; each softmax operation a pass over its tiles (``library_op``
+    per element) and each reduction its elements (``reduce``); and, where the scores' scratch is
+    ``SCRATCH_FRESH_AT`` bytes or more, ``fresh`` per byte of it (its pages fault at every call)."""
+    ops = prog.ops
+    inside = set(comp)
+    facts = self._facts  # (the fusion model's, per op: see FusionModel._facts)
+    cost = self.launch + self.node * len(inside)
+    reads: set = set()
+    scores = _scores_bytes(prog, r)
+    for i in inside:
+        op = ops[i]
+        f = facts(op, prog)
+        if self.tiebreak is not None:
+            cost += TIEBREAK * f[1]
+        if op.prim == "dot_general":  # the first writes the scores (and spills them), the second reads them
+            cost += op.own - self.byte * scores - (self.spill * max(0.0, scores - self.cache) if i != r else 0.0)
+        elif f[7]:
+            cost += f[3]
+        elif not bitcast(op):
+            cost += _size(op.out_avals[0]) * (self.library_op if self.library_op is not None else self.cheap)
+        reads.update(a for a in op.args if a not in inside and ops[a].prim != "literal")
+    if self.fresh and scores >= SCRATCH_FRESH_AT:
+        cost += self.fresh * scores
+    return cost, reads
