@@ -226,8 +226,9 @@ def _tile_stats(hb: Any, wc: Any, bv: Any, cols: Any = None, *, layout: Layout, 
                            if cols is not None else at)
 
     one = lambda x: None if x is None else x[None]  # noqa: E731
-    parts = [lax.scan(step, None, jnp.arange(k))[1]] if k > 1 else []
-    if k == 1:
+    if k > 1:
+        parts = [lax.scan(step, None, jnp.arange(k))[1]]
+    else:
         parts = [tuple(one(x) for x in stats(wc[:, :tile], None if bv is None else bv[:tile], 0))]
     if tail:
         parts.append(tuple(one(x) for x in stats(wc[:, k * tile:], None if bv is None else bv[k * tile:], k * tile)))

@@ -146,10 +146,10 @@ def scratch_bytes(prog: Any, k: Any) -> int:
     kernel's (``ATTENTION``) scores, in the library's scratch; 0 for any other (``k``: a ``Fusion``)."""
     if k.kind != ATTENTION:
         return 0
-    return _scores_bytes(prog, k.root)
+    return scores_bytes(prog, k.root)
 
 
-def _scores_bytes(prog: Any, r: Any) -> int:
+def scores_bytes(prog: Any, r: Any) -> int:
     """The bytes of the scores of the attention kernel rooted at product ``r``: its probabilities'."""
     for a in prog.ops[r].args:
         op = prog.ops[a]
@@ -170,7 +170,7 @@ def attention_price(self: Any, prog: Any, r: Any, comp: Iterable[Any]) -> tuple[
     facts = self._facts  # (the fusion model's, per op: see FusionModel._facts)
     cost = self.launch + self.node * len(inside)
     reads: set = set()
-    scores = _scores_bytes(prog, r)
+    scores = scores_bytes(prog, r)
     for i in inside:
         op = ops[i]
         f = facts(op, prog)

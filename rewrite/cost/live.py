@@ -14,7 +14,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from ..ir import primitives as _primitives
 from ..ir.walk import postorder
-from .attention import SOFTMAX_OPS, scratch_bytes
+from .attention import SOFTMAX_OPS, scores_bytes
 from .fusion import TIEBREAK, Fusion, FusionModel, _temp, buffer_of, output_buffers, slices
 from .program import ATTENTION, LEAF, LIBRARY, LOOP, OTHER, REDUCE, VIEW, Op, _kind, bitcast
 from .transcendental import SHARED_ACROSS, add_shared, chained, shared_across
@@ -285,7 +285,7 @@ class LiveFusion:
                         for a in {buffer_of(self, a, self.roots) for a in reads})
                     + _temp(self, r, self._held_outputs, self.roots)
                     + (self.model.inner(self.ops[r]) if self.model.inner is not None else 0)
-                    + (scratch_bytes(self, Fusion(r, kind, [], [], 0.0)) if kind == ATTENTION else 0))
+                    + (scores_bytes(self, r) if kind == ATTENTION else 0))
             self._temp_sum += temp - self._temp.get(r, 0)
             self._temp[r] = temp
 

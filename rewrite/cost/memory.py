@@ -16,7 +16,7 @@ a loop body's own peak is read in program order.
 ``tests/test_memory.py`` holds it to what ``memory_analysis()`` reports on the
 attention benchmark's programs (within 25%). One kind of program is predicted apart from it on purpose:
 XLA:CPU compiles a product, a softmax and a product into one library (YNN) kernel
-(``cost/fusion.py``'s ``attention_chain``), which stores no scores but holds them in its scratch,
+(``cost/attention.py``'s ``attention_chain``), which stores no scores but holds them in its scratch,
 which ``memory_analysis()`` does not see (it reports 0 bytes for plain attention's forward; the
 process's resident memory grows by the scores, ``benchmarks/results/attention_rss.md``): the peak
 holds that scratch at that kernel, as memory the program holds.
@@ -76,10 +76,10 @@ def scheduled_peak(prog: Any, kernels: Sequence[Fusion], inner: Callable[[Any], 
     stays under it, so must the peak, and 0 is returned without scheduling (what the fresh charge reads below
     its threshold: ``FusionModel.held_bytes``).
 
-    ``scratch``: whether a library kernel's scratch (``cost/fusion.py``'s ``scratch_bytes``: attention's scores in
+    ``scratch``: whether a library kernel's scratch (``cost/attention.py``'s ``scratch_bytes``: attention's scores in
     its one kernel) is held at that kernel. It is memory the program holds, which ``memory_analysis`` does not
     count; the fresh charge leaves it out, since it is not in the temporaries' allocation (the kernel pays for its
-    own pages: ``FusionModel._attention``).
+    own pages: ``cost/attention.py``'s ``attention_price``).
     """
     order = sorted(kernels, key=lambda k: _position(prog, k.root))
     buffers = _buffers(prog, kernels)

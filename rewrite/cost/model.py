@@ -457,7 +457,8 @@ class AnalyticCost(CostModel):
                          launch=self.launch,
                          default=self.transcendental, cheap=self.flop, node=self.node,
                          library_op=self.library_op, tiebreak=self._op_price, memory=self.memory,
-                         budget=self.memory_budget, fresh=self.fresh, fresh_at=self.fresh_at, held=functools.partial(scheduled_peak, scratch=False),
+                         budget=self.memory_budget, fresh=self.fresh, fresh_at=self.fresh_at,
+                         held=functools.partial(scheduled_peak, scratch=False),
                          parallel=self.loop_parallel, parallel_at=self.loop_parallel_at, chain=self.chain,
                          serial=self.loop_serial, loop_launch=self.loop_launch, loop_library=self.loop_launch_library,
                          while_trips=self.while_trips)

@@ -32,7 +32,7 @@ LIBRARY_MIN_ELEMENTS = 4096
 
 LEAF, VIEW, LOOP, LIBRARY, REDUCE, OTHER = "leaf", "view", "loop", "library", "reduce", "other"
 #: The kind of a kernel XLA:CPU's library (YNN) fusion makes of a product, a softmax and a product together
-#: (``rewrite/cost/fusion.py``'s :func:`~rewrite.cost.fusion.attention_chain`): no op is of this kind, a kernel is.
+#: (``rewrite/cost/fusion.py``'s :func:`~rewrite.cost.attention.attention_chain`): no op is of this kind, a kernel is.
 ATTENTION = "attention"
 
 
