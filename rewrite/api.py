@@ -412,14 +412,16 @@ class Rewritten:
 
     def _loss_first(self, cone: core.ClosedJaxpr, spent: dict[str, float] | None = None,
                     decided: list[str] | None = None, wrt: Sequence[int] | None = None,
-                    value: bool | None = None) -> core.ClosedJaxpr:
+                    value: bool | None = None, written: core.ClosedJaxpr | None = None) -> core.ClosedJaxpr:
         """A loss's VJP as ``jax.value_and_grad(rewrite(loss))`` runs it, with these rules, as one program
         ``(primals, cotangent) -> (loss, gradients)``: JAX's VJP of the rewritten forward, rewritten, decided on
         that joint program where a ``jointly`` ruleset's rules fired in the forward, and held to JAX's joint of the
         loss as written (:func:`rewrite.grad.vjp.decided_jointly`), as the derivative rules decide it
         (``grad/primitive.py``). ``decided``, where given, receives that decision in words; ``wrt``, where given,
         the positions of the float inputs whose gradients the step reads (the program has only those), and ``value``
-        whether it reads the loss (:func:`rewrite.grad.vjp.rewrite_joint`)."""
+        whether it reads the loss (:func:`rewrite.grad.vjp.rewrite_joint`); ``written``, where given, JAX's joint
+        program of ``cone`` as written at ``wrt`` (:func:`rewrite.grad.vjp.joint_program`), traced already (by the
+        proof's re-derivation, :func:`rewrite.grad.step.rederive`): not traced again."""
         # only the programs that come out are read: the inputs are not priced
         spent = {} if spent is None else spent
         t = time.perf_counter()
@@ -429,7 +431,8 @@ class Rewritten:
         program, why = decided_jointly(cone, forward, self.entries, self.cost_model, self.limits,
                                        lambda f, entries: rewrite_joint(f, entries, self.cost_model, self.limits,
                                                                         wrt, value, seen=priced),
-                                       lambda f: joint_program(f, wrt)[0], spent=spent, priced=priced)
+                                       lambda f: written if written is not None and f is cone else
+                                       joint_program(f, wrt)[0], spent=spent, priced=priced)
         if why and decided is not None:
             decided.append(why)
         return program

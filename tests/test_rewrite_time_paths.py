@@ -606,3 +606,39 @@ def test_a_joint_program_priced_as_it_was_chosen_is_not_priced_again(monkeypatch
     again = jax.make_jaxpr(lambda x, g: (jnp.sin(x), g * jnp.cos(x)))(jnp.ones(8), jnp.ones(8))
     assert vjp.Joint("the joint", again, model, lambda built: built, [(program, 123.0)]).cost == price(again, model)
     assert calls == [again]
+
+
+def test_a_step_s_loss_as_written_is_traced_once_for_its_proof_and_its_decision(monkeypatch):
+    """A training step whose loss-first VJP is decided jointly (a ``jointly`` rule fired in its forward: the LM head
+    under ``rulesets.nn``) holds it to JAX's joint program of the loss as written, and its proof re-derives the
+    loss's VJP seeded with 1. Both are one trace of ``jax.vjp`` of the cone (``grad.step.rederive``: the joint,
+    then seeded by evaluating it at 1, the same program bit for bit): two traces in all, that and the rewritten
+    forward's joint, where there were three (the LM steps: 0.12 s of a trace each). The step chosen is the one the
+    three traces chose."""
+    import rewrite.grad.step as step_mod
+    from tests.corpus import lm_head_case
+    from rewrite.jaxpr.trace import same_program
+
+    loss, (h, w, y) = lm_head_case(16, 32, 64)
+
+    def step(h, w, y):  # every float input's gradient read: the joint as written is the re-derivation's
+        value, (gh, gw) = jax.value_and_grad(loss, argnums=(0, 1))(h, w, y)
+        return value, h - 0.1 * gh, w - 0.1 * gw
+
+    import rewrite.api as api_mod
+    import rewrite.grad.vjp as vjp_mod
+
+    traced: list = []  # each trace of jax.vjp of a program: seeded (value_and_grads) or joint (joint_program)
+    for mod, name in [(step_mod, "value_and_grads"), (step_mod, "joint_program"), (vjp_mod, "joint_program"),
+                      (api_mod, "joint_program")]:
+        if hasattr(mod, name):
+            counted = (lambda f: lambda *a, **k: traced.append(1) or f(*a, **k))(getattr(mod, name))
+            monkeypatch.setattr(mod, name, counted)
+    res = rewrite(step, rulesets=[rulesets.nn], cache=False).result(h, w, y)
+    assert res.step.replaced and len(res.step.decided) == 1, str(res.step)
+    assert len(traced) == 2, len(traced)
+    rederive = step_mod.rederive
+    monkeypatch.setattr(step_mod, "rederive", lambda cone, dif: (rederive(cone, dif)[0], None))  # traced apart
+    again = rewrite(step, rulesets=[rulesets.nn], cache=False).result(h, w, y)
+    assert len(traced) == 2 + 3 and same_program(again.after, res.after), len(traced)
+    assert again.step.decided == res.step.decided, (again.step.decided, res.step.decided)
