@@ -613,8 +613,8 @@ def test_a_step_s_loss_as_written_is_traced_once_for_its_proof_and_its_decision(
     under ``rulesets.nn``) holds it to JAX's joint program of the loss as written, and its proof re-derives the
     loss's VJP seeded with 1. Both are one trace of ``jax.vjp`` of the cone (``grad.step.rederive``: the joint,
     then seeded by evaluating it at 1, the same program bit for bit): two traces in all, that and the rewritten
-    forward's joint, where there were three (flax_lm_step: 0.06-0.09 s of its first call). The step chosen is the one the
-    three traces chose."""
+    forward's joint, where there were three (flax_lm_step: 0.06-0.09 s of its first call). The step chosen is the
+    one the three traces chose."""
     import rewrite.grad.step as step_mod
     from tests.corpus import lm_head_case
     from rewrite.jaxpr.trace import same_program
