@@ -95,7 +95,7 @@ def measure(name: str, packs: list, via: str = "rewrite") -> dict:
     stats = result.stats
     slow = max(stats.items(), key=lambda kv: kv[1].seconds) if stats else None
     return {"program": name, "compile_s": compile_s, "rewrite_s": rewrite_s, "ratio": rewrite_s / compile_s,
-            "cpu_s": cpu, "pipelines": len(pipelines), "pipeline_rows": sum(pipelines),
+            "cpu_s": cpu, "pipelines": len(pipelines), "pipeline_rows": sum(pipelines), "rows_each": list(pipelines),
             "stages": {k: v for k, v in times.items() if v >= 0.005}, "stopped": stopped,
             "rows": rows,
             "slowest_rule": None if slow is None else (slow[0], slow[1].seconds)}
@@ -111,7 +111,8 @@ def markdown(rows: list[dict], config: str, load: tuple, via: str = "rewrite") -
         f"(1 / 5 / 15 min) at the start, on {os.cpu_count()} cores. One process, the suite's order; each "
         "rewrite is its first call (a fresh disk cache). Ratio: rewrite seconds over XLA's. CPU s: the rewrite's "
         "`time.process_time`; pipelines: the saturations it ran (`run_pipeline`), with their e-graph rows summed (two "
-        "counts the load does not move). The rewrite timed: "
+        "counts the load does not move; where there are several, each one's rows in the order they ran). The "
+        "rewrite timed: "
         + ("`explain`'s." if via == "explain" else "`rewrite(fn)`'s first call (`result`; for a gradient program "
                                                    "`grad_result`, what `jax.grad(rewrite(fn))` builds)."),
         "",
@@ -127,9 +128,16 @@ def markdown(rows: list[dict], config: str, load: tuple, via: str = "rewrite") -
         stages = ", ".join(f"{k} {v:.2f}" for k, v in sorted(r["stages"].items(), key=lambda kv: -kv[1]))
         slow = "-" if r["slowest_rule"] is None else f"{r['slowest_rule'][0]} {r['slowest_rule'][1]:.2f}"
         lines.append(f"| {r['program']} | {r['compile_s']:.2f} | {r['rewrite_s']:.2f} | {r['ratio']:.2f}x | "
-                     f"{r['cpu_s']:.2f} | {r['pipelines']} ({r['pipeline_rows']:,}) | "
+                     f"{r['cpu_s']:.2f} | {r['pipelines']} ({_rows(r)}) | "
                      f"{stages} | {slow} | {r['stopped'].split(',')[0]} |")
     return "\n".join(lines) + "\n"
+
+
+def _rows(r: dict) -> str:
+    """The pipelines' rows summed, and each one's where there are several (which of a training step's pipelines
+    grew: its forward, its joint, the forward without the ``jointly`` rules and its joint, the step's rest)."""
+    each = r.get("rows_each", [])
+    return f"{r['pipeline_rows']:,}" + (f": {' + '.join(f'{n:,}' for n in each)}" if len(each) > 1 else "")
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -149,7 +157,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             r = rows[-1]
             print(f"{name:26s} compile {r['compile_s']:6.2f} s  rewrite {r['rewrite_s']:6.2f} s  "
                   f"ratio {r['ratio']:5.2f}x  cpu {r['cpu_s']:5.2f} s  pipelines {r['pipelines']} "
-                  f"({r['pipeline_rows']} rows)  slowest rule {r['slowest_rule']}", flush=True)
+                  f"({_rows(r)} rows)  slowest rule {r['slowest_rule']}", flush=True)
     print(f"median {statistics.median(r['ratio'] for r in rows):.2f}x, worst {max(r['ratio'] for r in rows):.2f}x")
     if args.out:
         pathlib.Path(args.out).write_text(markdown(rows, args.configs, load, args.via))
