@@ -42,6 +42,7 @@ import math
 import os
 import pathlib
 import platform
+import statistics
 import sys
 import warnings
 from typing import Any, Callable, Iterator, Sequence
@@ -279,8 +280,10 @@ class Pair:
 
     @property
     def prefers(self) -> str:
-        """Which program the model takes: the second only where it prices it lower."""
-        return "second" if self.predicted > 1.0 else "first"
+        """Which program the model takes: a rewrite's choice (``chosen``) always, which it took (the lean band takes
+        a program priced up to ``lean_band`` dearer for the memory it saves); elsewhere the second only where it
+        prices it lower."""
+        return "second" if self.kind == "chosen" or self.predicted > 1.0 else "first"
 
 
 @dataclasses.dataclass
@@ -465,24 +468,94 @@ def golden_decisions(chosen: Sequence[Case]) -> dict[str, dict]:
 
 
 # ---------------------------------------------------------------------------------------------- measuring
-def measure_case(d: Decided, rounds: int) -> list[dict]:
-    """Time the case's programs interleaved (with an A/A control) and return one record per pair."""
+#: A case is timed in ``rounds`` interleaved rounds, and again as many more, up to ``MORE_ROUNDS`` times ``rounds``,
+#: while it is noisy (:func:`noisy`): its A/A control off by more than ``NOISY``, or a pair's per-round ratios spread
+#: (interquartile range over median) by more than ``WIDE``. A quiet case costs what it did; a loaded one is timed
+#: until its ratios settle or the rounds run out.
+MORE_ROUNDS = 3
+NOISY = 0.03
+WIDE = 0.15
+
+
+def paired(samples: dict[str, list[float]], first: str, second: str) -> tuple[float, float]:
+    """The median over rounds of ``time(first) / time(second)`` within a round, and the interquartile range of
+    those ratios over it. Each round ran every variant once, back to back, so a ratio within a round cancels the
+    machine's drift between rounds, which the ratio of the two medians keeps."""
+    ratios = [a / b for a, b in zip(samples[first], samples[second])]
+    med = statistics.median(ratios)
+    q = statistics.quantiles(ratios, n=4) if len(ratios) >= 4 else [min(ratios), med, max(ratios)]
+    return med, (q[2] - q[0]) / med if med else 0.0
+
+
+def noisy(samples: dict[str, list[float]], pairs: Sequence[tuple[str, str]]) -> bool:
+    """Whether the rounds so far leave the case's ratios unsettled: the A/A control's paired ratio off 1 by more
+    than :data:`NOISY`, or some pair's per-round ratios spread by more than :data:`WIDE`.
+
+    >>> noisy({"original": [1.0, 1.0, 1.0], "aa": [1.0, 1.01, 0.99], "b": [0.5, 0.5, 0.5]}, [("original", "b")])
+    False
+    >>> noisy({"original": [1.0, 1.0, 1.0], "aa": [0.9, 0.9, 0.9], "b": [0.5, 0.5, 0.5]}, [("original", "b")])
+    True
+    """
+    if "aa" in samples and abs(paired(samples, "original", "aa")[0] - 1.0) > NOISY:
+        return True
+    return any(paired(samples, a, b)[1] > WIDE for a, b in pairs)
+
+
+def timed(d: "Decided", rounds: int, most: int) -> harness.Row:
+    """The case's variants compiled, warmed up and timed as ``harness.measure`` times them (interleaved rounds in a
+    shuffled order, each block at least 20 ms), in ``rounds`` rounds and, while :func:`noisy`, ``rounds`` more at a
+    time, up to ``most``."""
+    import random
+
+    compiled, stats, inner = {}, {}, {}
+    for name, fn in d.variants.items():
+        compiled[name], stats[name] = harness.compile_stats(fn, *d.args)
+    for name, c in compiled.items():
+        for _ in range(2):
+            harness._run_once(c, d.args, 1)
+        inner[name] = max(1, int(0.02 / max(harness._run_once(c, d.args, 1), 1e-6)))
+    rng = random.Random(0)
+    samples: dict[str, list[float]] = {n: [] for n in compiled}
+    order = list(compiled)
+    pairs = [(p.first, p.second) for p in d.pairs]
+    target = rounds
+    while True:
+        while len(samples["original"]) < target:
+            rng.shuffle(order)
+            for name in order:
+                samples[name].append(harness._run_once(compiled[name], d.args, inner[name]))
+        if target >= most or not noisy(samples, pairs):
+            break
+        target = min(most, target + rounds)
+    med = {n: statistics.median(s) for n, s in samples.items()}
+    spread = {}
+    for n, s in samples.items():
+        q = statistics.quantiles(s, n=4) if len(s) >= 4 else [s[0], s[0], s[-1]]
+        spread[n] = (q[2] - q[0]) / med[n] if med[n] else 0.0
+    return harness.Row(d.case.name, "original", med, spread, stats, target, samples)
+
+
+def measure_case(d: Decided, rounds: int, most: int | None = None) -> list[dict]:
+    """Time the case's programs interleaved (with an A/A control) and return one record per pair: the measured
+    ratio is the median of the per-round ratios (:func:`paired`), in ``rounds`` rounds or, where the case is noisy,
+    up to ``most`` (:func:`timed`; by default :data:`MORE_ROUNDS` times ``rounds``)."""
     if not d.pairs:
         return []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        row = harness.measure(d.case.name, d.variants, d.args, baseline="original", rounds=rounds, warmup=2)
-    aa = row.ratio("aa")
+        row = timed(d, rounds, most if most is not None else MORE_ROUNDS * rounds)
+    aa = paired(row.samples, "original", "aa")[0]
     out = []
     for p in d.pairs:
-        measured = row.seconds[p.first] / row.seconds[p.second]
+        measured, spread = paired(row.samples, p.first, p.second)
         rec = {"case": p.case, "pair": p.name, "kind": p.kind, "source": d.case.source, "mode": d.case.mode,
                "decision": d.decision, "predicted": p.predicted, "prefers": p.prefers, "measured": measured,
-               "aa": aa, "noise": abs(1.0 - aa), "spread": max(row.spread[p.first], row.spread[p.second]),
+               "measured_medians": row.seconds[p.first] / row.seconds[p.second],
+               "aa": aa, "noise": abs(1.0 - aa), "spread": spread,
                "ms_first": row.seconds[p.first] * 1e3, "ms_second": row.seconds[p.second] * 1e3,
                "temp_first": row.stats[p.first].temp_bytes, "temp_second": row.stats[p.second].temp_bytes,
                "predicted_temp_first": p.predicted_temp[0], "predicted_temp_second": p.predicted_temp[1],
-               "drivers": [list(t) for t in p.drivers], "rounds": rounds}
+               "drivers": [list(t) for t in p.drivers], "rounds": row.rounds}
         rec["wrong"] = wrong_side(rec)
         out.append(rec)
     return out
@@ -571,9 +644,15 @@ def markdown(records: list[dict], meta: dict) -> str:
         f"Load average at the start {meta['load'][0]}, at the end {meta['load'][1]}: **this machine is shared** "
         "(two cores, other sessions compiling and timing beside this run), so single ratios move by the A/A "
         "column and more. Each case is measured in one process, interleaved rounds after a warm-up, with an A/A "
-        f"control (the first program compiled again); {meta['rounds']} rounds. Predicted: the model's price of the "
+        f"control (the first program compiled again); {meta['rounds']} rounds"
+        + (f", and more, up to {meta['most_rounds']}, where a case's A/A is off by over {NOISY:.0%} or a pair's "
+           f"per-round ratios spread over {WIDE:.0%}" if meta.get("most_rounds", meta["rounds"]) > meta["rounds"]
+           else "")
+        + ". Predicted: the model's price of the "
         "first program over the second (`AnalyticCost` with this machine's calibration table, a call's fixed cost "
-        "included); measured: the first's median time over the second's. Above 1: the second is (predicted) "
+        "included); measured: "
+        + ("the median over rounds of the first's time over the second's in the same round (paired)"
+           if "most_rounds" in meta else "the first's median time over the second's") + ". Above 1: the second is (predicted) "
         "faster. The model *prefers* the second where it predicts above 1. Memory: the second's temp memory "
         "over the first's (`memory_analysis`).\n",
         "## Headline\n",
@@ -662,6 +741,8 @@ def main(argv: list[str] | None = None) -> None:
                     "input programs this JAX traces (tests/golden/decisions.programs.json), nothing else")
     ap.add_argument("--list", action="store_true", help="list the cases and exit")
     ap.add_argument("--report", action="store_true", help="write decisions.md again from decisions.json, measuring nothing")
+    ap.add_argument("--most-rounds", type=int, default=0, help="rounds a noisy case is timed up to (default "
+                    f"{MORE_ROUNDS} times --rounds; --rounds itself: no more rounds)")
     ap.add_argument("--lock", default="", help="a lock file (flock) to hold while cases are timed, and only then")
     ap.add_argument("--chunk", type=int, default=12, help="cases rewritten before each hold of the lock")
     ap.add_argument("--skip", default="", help="cases decided and recorded but not timed (a program XLA compiles for minutes)")
@@ -703,7 +784,7 @@ def main(argv: list[str] | None = None) -> None:
         with holding(opts.lock):
             for d in decided:
                 try:
-                    recs = measure_case(d, rounds)
+                    recs = measure_case(d, rounds, opts.most_rounds or None)
                 except Exception as e:
                     print(f"{d.case.name}: FAILED to run: {type(e).__name__}: {e}", flush=True)
                     continue
@@ -722,7 +803,7 @@ def main(argv: list[str] | None = None) -> None:
             + (" --chosen-only" if opts.chosen_only else ""),
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "machine": platform.processor() or platform.machine(), "device": jax.devices()[0].device_kind,
-            "jax": jax.__version__, "rounds": rounds,
+            "jax": jax.__version__, "rounds": rounds, "most_rounds": opts.most_rounds or MORE_ROUNDS * rounds,
             "load": [f"{x:.1f}" for x in load0[:1]] + [f"{os.getloadavg()[0]:.1f}"]}
     if records:
         print(markdown(records, meta).split("## Worst misses")[0])

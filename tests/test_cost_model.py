@@ -347,6 +347,37 @@ def test_a_product_large_enough_for_every_core_is_priced_at_the_parallel_rate():
         assert AnalyticCost().dot_rate(2e8) == 0.004 and AnalyticCost().dot_rate(5e7) == AnalyticCost().dot
 
 
+def test_the_products_of_one_attention_kernel_are_priced_at_their_own_rate():
+    """A product large enough for every core runs at ``dot_parallel`` where XLA:CPU runs it alone (a blocked
+    attention's, a chain of matrices), and at ``attention_dot`` inside the one library kernel XLA makes of
+    ``softmax(q k^T) v`` (plain attention at N=1024 and 2048 ran its products at 100-110 GFLOP/s, its blocked form's
+    at 260-290): a faster parallel rate does not make the one kernel cheaper, ``attention_dot`` does."""
+    from rewrite.cost.program import ATTENTION
+
+    def plain(q, k, v):
+        return jax.nn.softmax(q @ jnp.swapaxes(k, -1, -2) / 8.0, axis=-1) @ v
+
+    q = jax.ShapeDtypeStruct((2, 4, 1024, 64), jnp.float32)
+    closed = jax.make_jaxpr(plain)(q, q, q)
+
+    def attention_kernel(model):
+        prog = Program.from_jaxpr(closed, model)
+        [k] = [k for k in model._fusion.kernels(prog) if k.kind == ATTENTION]
+        return k.cost
+
+    slow = AnalyticCost(dot=0.01, dot_parallel=0.01, dot_parallel_at=1e8, attention_dot=0.01)
+    fast = AnalyticCost(dot=0.01, dot_parallel=0.0035, dot_parallel_at=1e8, attention_dot=0.01)
+    assert attention_kernel(fast) == pytest.approx(attention_kernel(slow), rel=1e-3)  # (but for the tie-break)
+    flops = 2 * 2 * (2 * 4 * 1024 * 1024 * 64)  # both products
+    cheaper = AnalyticCost(dot=0.01, dot_parallel=0.0035, dot_parallel_at=1e8, attention_dot=0.005)
+    assert attention_kernel(slow) - attention_kernel(cheaper) == pytest.approx(0.005 * flops, rel=1e-2)
+    # the same product alone (the scores stored between) is priced at the parallel rate
+    alone = AnalyticCost(dot=0.01, dot_parallel=0.0035, dot_parallel_at=1e8, attention_dot=0.01)
+    s = jax.ShapeDtypeStruct((2, 4, 1024, 1024), jnp.float32)
+    product = jax.make_jaxpr(lambda p, v: p @ v)(s, q)
+    assert alone.program(Program.from_jaxpr(product, alone)) < slow.program(Program.from_jaxpr(product, slow))
+
+
 def test_the_product_calibration_fits_two_rates_and_the_size_between():
     from benchmarks.calibrate import fit_dot_sizes
 

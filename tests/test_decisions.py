@@ -87,3 +87,29 @@ def test_wrong_side_and_rank_correlation():
     assert D.spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
     assert D.spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
     assert D.spearman([1, 2, 3, 4], [1, 1, 2, 2]) == pytest.approx(0.894, abs=1e-3)
+
+
+def test_a_case_is_measured_by_paired_ratios_and_timed_longer_while_noisy():
+    """The measured ratio is the median of the per-round ratios (each round runs every program once): a drift
+    that slows one whole round cancels within it. A case whose A/A control is off, or whose ratios spread, is
+    timed for more rounds (``timed``)."""
+    drift = [1.0, 3.0, 1.0, 3.0, 1.0]  # every program slowed threefold in rounds 2 and 4
+    samples = {"original": [2.0 * d for d in drift], "aa": [2.0 * d for d in drift], "b": [1.0 * d for d in drift]}
+    assert D.paired(samples, "original", "b") == (2.0, 0.0)
+    assert not D.noisy(samples, [("original", "b")])
+    # the ratio of the two medians, which the slowed rounds move, is the same here; a drift in one program's
+    # round alone is what pairing cannot cancel, and what more rounds are for
+    samples["b"][1] = 9.0
+    assert D.paired(samples, "original", "b")[0] == 2.0
+    assert D.noisy({**samples, "aa": [2.2, 6.6, 2.2, 6.6, 2.2]}, [("original", "b")])  # A/A off by 9%
+    wide = {"original": [1.0] * 8, "aa": [1.0] * 8, "b": [0.5, 0.8, 0.5, 0.8, 0.5, 0.8, 0.5, 0.8]}
+    assert D.noisy(wide, [("original", "b")])
+
+
+def test_a_rewrites_choice_is_the_program_the_model_prefers_whatever_its_predicted_ratio():
+    """A chosen pair's second program is what the rewrite took, though the lean band may take it priced up to 3%
+    dearer for its memory: measured 10% slower beyond the A/A, that is a wrong decision, not a right one."""
+    lean = D.Pair("c", "chosen", "chosen", "original", "rewritten", 0.99)
+    assert lean.prefers == "second"
+    assert D.Pair("c", "declined:r", "declined", "rewritten", "declined:r", 0.99).prefers == "first"
+    assert D.wrong_side({"prefers": lean.prefers, "measured": 0.69, "noise": 0.02})

@@ -161,7 +161,8 @@ def scores_bytes(prog: Any, r: Any) -> int:
 
 def attention_price(self: Any, prog: Any, r: Any, comp: Iterable[Any]) -> tuple[float, set]:
     """The price of the kernel of the fusion model ``self`` rooted at ``r`` of kind ``ATTENTION`` (computing
-    ``comp``), and what it reads: its two products at their own prices but for the scores they write
+    ``comp``), and what it reads: its two products at their own prices (``kernel_product``'s, where the model
+    gives one: a product at the one-core rate) but for the scores they write
     and read, which stay in the library's tiles; each softmax operation a pass over its tiles (``library_op``
     per element) and each reduction its elements (``reduce``); and, where the scores' scratch is
     ``SCRATCH_FRESH_AT`` bytes or more, ``fresh`` per byte of it (its pages fault at every call)."""
@@ -177,7 +178,8 @@ def attention_price(self: Any, prog: Any, r: Any, comp: Iterable[Any]) -> tuple[
         if self.tiebreak is not None:
             cost += TIEBREAK * f[1]
         if op.prim == "dot_general":  # the first writes the scores (and spills them), the second reads them
-            cost += op.own - self.byte * scores - (self.spill * max(0.0, scores - self.cache) if i != r else 0.0)
+            own = op.own if self.kernel_product is None else self.kernel_product(op)
+            cost += own - self.byte * scores - (self.spill * max(0.0, scores - self.cache) if i != r else 0.0)
         elif f[7]:
             cost += f[3]
         elif not bitcast(op):

@@ -169,8 +169,11 @@ class FusionModel:
                  held: Callable[[Any, Sequence[Fusion], Callable[[Op], int] | None, float], int] | None = None,
                  parallel: float = 1.0, parallel_at: float = math.inf, chain: float = 0.0,
                  serial: float = 1.0, loop_launch: float = 0.0, loop_library: float = 0.0,
-                 while_trips: float = 10.0) -> None:
+                 while_trips: float = 10.0, kernel_product: Callable[[Op], float] | None = None) -> None:
         self.ns = dict(ns)
+        #: the price of a product inside one attention kernel (``attention.py``'s ``attention_price``), where it is
+        #: not its own node price (``Op.own``): ``AnalyticCost``'s product at its one-core rate
+        self.kernel_product = kernel_product
         self.loop_launch = loop_launch
         self.loop_library = loop_library
         self.while_trips = while_trips

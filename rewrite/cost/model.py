@@ -276,6 +276,13 @@ class AnalyticCost(CostModel):
     dot_parallel_at: float = dataclasses.field(default_factory=lambda: _table().get("dot_parallel_at", math.inf))
     dot_parallel: float = dataclasses.field(
         default_factory=lambda: _table().get("dot_parallel_flop", _table()["dot_flop"]))
+    #: ns per flop of the two products inside one attention kernel (``softmax(q k^T) v`` that XLA:CPU's library runs
+    #: as one fusion, ``rewrite/cost/attention.py``), whatever their size: measured, that kernel runs its products at
+    #: about the one-core rate (plain attention at N=1024 and 2048: 2.1 and 8.6 GFLOP at 100-110 GFLOP/s, where its
+    #: blocked form's products run at 260-290; ``benchmarks/results/decisions.md``). The table's
+    #: ``attention_dot_flop``, else ``dot``.
+    attention_dot: float = dataclasses.field(
+        default_factory=lambda: _table().get("attention_dot_flop", _table()["dot_flop"]))
     #: XLA:CPU splits an elementwise loop (a fused loop kernel, in a loop body too) of ``loop_parallel_at`` elements or
     #: more across the cores (its compiled program names the split, ``outer_dimension_partitions``: from 64K float32
     #: elements on this machine), and runs a smaller one on one core. The table's per-element prices are measured on
@@ -408,9 +415,9 @@ class AnalyticCost(CostModel):
         """
         return self.dot_parallel if flops >= self.dot_parallel_at else self.dot
 
-    def _contract(self, n: NodeInfo) -> float:
+    def _contract(self, n: NodeInfo, rate: float | None = None) -> float:
         flops = _dot_flops(n)
-        rate = self.dot_rate(flops)
+        rate = self.dot_rate(flops) if rate is None else rate
         if not library_dot(n.params, n.in_avals):
             flops = self.dot_fallback * flops + self.dot_repack * size(n.in_avals[0])
         # Its output spills like any array; its operands do not: a library product reads them tile by tile,
@@ -461,7 +468,9 @@ class AnalyticCost(CostModel):
                          held=functools.partial(scheduled_peak, scratch=False),
                          parallel=self.loop_parallel, parallel_at=self.loop_parallel_at, chain=self.chain,
                          serial=self.loop_serial, loop_launch=self.loop_launch, loop_library=self.loop_launch_library,
-                         while_trips=self.while_trips)
+                         while_trips=self.while_trips,
+                         kernel_product=(self._kernel_product if self.attention_dot != self.dot
+                                         or self.dot_parallel_at != math.inf else None))
         fm.inner = InnerPeak(fm)
         return fm
 
@@ -481,6 +490,17 @@ class AnalyticCost(CostModel):
         fusion.tiebreak = None  # sizes only: no node prices (a loop's would need its body's)
         prog = Program.from_jaxpr(as_xla_simplifies(closed), None)
         return scheduled_peak(prog, fusion.kernels(prog), fusion.inner)
+
+    def _kernel_product(self, op: Any) -> float:
+        """A product's price inside one attention kernel: at ``attention_dot`` per flop (kept in its memo)."""
+        memo = op.memo
+        key = ("kernel_product", id(self))
+        if memo is not None and key in memo:
+            return memo[key]
+        found = self._contract(NodeInfo(op.prim, op.family, op.params, op.in_avals, op.out_avals), rate=self.attention_dot)
+        if memo is not None:
+            memo[key] = found
+        return found
 
     def _op_price(self, op: Any) -> float:
         return self(NodeInfo(op.prim, op.family, op.params, op.in_avals, op.out_avals))
