@@ -53,6 +53,37 @@ output, and the old loop's stacked output is handed over unchanged.
 (['sum_squares_inside'], ['scan'])
 """
 
+from typing import Any, ContextManager
+
+import jax
+
+from .ir.jaxapi import LAID_OUT_SCOPE
 from .rules.loops import SCAN, WHILE, Body, Decline, Loop, adds_one, is_pointwise, stacked_aval, step_aval
 
-__all__ = ["SCAN", "WHILE", "Body", "Decline", "Loop", "adds_one", "is_pointwise", "stacked_aval", "step_aval"]
+__all__ = ["SCAN", "WHILE", "Body", "Decline", "Loop", "adds_one", "is_pointwise", "laid_out", "stacked_aval",
+           "step_aval"]
+
+
+def laid_out() -> ContextManager[Any]:
+    """The scope in which a pack's kernel traces a loop it laid out by hand.
+
+    A ``lax.scan`` traced inside it (or, through ``jax.custom_vjp``, the
+    backward loops JAX traces from a kernel's ``bwd`` inside it) is loaded
+    with ``_rw_laid_out`` in its params, and loop rules that choose which
+    inputs a loop reads (``rulesets.scan``'s ``sink_inputs``) leave it as the
+    kernel wrote it. The LM head's kernels (``rulesets.nn``) use it: their
+    backward loop over token blocks reads a copy of every token's hidden
+    state and cotangent by design, and sinking the work that makes those into
+    it built copies of a 57-operand body that no chosen program used (three
+    times the joint e-graph's rows on a GPT step).
+
+    >>> import jax, jax.numpy as jnp
+    >>> from jax import lax
+    >>> from rewrite.loops import laid_out
+    >>> def f(xs):
+    ...     with laid_out():
+    ...         return lax.scan(lambda c, x: (c + x, c * x), 0.0, xs)[1]
+    >>> "rewrite_laid_out" in str(jax.make_jaxpr(f)(jnp.ones(3)).eqns[0].source_info.name_stack)
+    True
+    """
+    return jax.named_scope(LAID_OUT_SCOPE)

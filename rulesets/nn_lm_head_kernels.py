@@ -28,6 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from rewrite.loops import laid_out
+
 __all__ = ["Layout", "Reads", "Stats", "COLUMNS", "TILE", "ROWS_BYTES", "forward_rows", "blocked_forward",
            "blocked_backward", "blocked_loss", "combine_tiles", "label_logit", "row_sums", "label_column", "row_shift",
            "shift_kind", "add_by_columns", "plus_terms", "label_plus_terms", "smoothed_sum"]
@@ -389,7 +391,8 @@ def blocked_backward(h: Any, w: Any, b: Any, labels: Any, target: Any, cotangent
         return (dw, None if db is None else db + jnp.sum(dz.astype(acc), axis=0)), (dhb, dt)
 
     zero_b = None if bv is None else jnp.zeros(bv.shape, acc)
-    (dwc, dbv), (dhc, dtc) = lax.scan(body, (jnp.zeros(wc.shape, acc), zero_b), xs)
+    with laid_out():  # the loop reads every token's h and cotangents as written: the scan pack sinks nothing in
+        (dwc, dbv), (dhc, dtc) = lax.scan(body, (jnp.zeros(wc.shape, acc), zero_b), xs)
     dh = lax.transpose(dhc.reshape(tuple(h.shape[i] for i in layout.h_perm)), tuple(np.argsort(layout.h_perm)))
     dw = lax.transpose(dwc.astype(wc.dtype).reshape(tuple(w.shape[i] for i in layout.w_perm)),
                        tuple(np.argsort(layout.w_perm)))

@@ -199,10 +199,12 @@ def sink_inputs(m) -> Any:
     offered: without recomputation, recomputing only arithmetic, and
     recomputing anything; extraction weighs the work against the storage.
     A copy is sunk again (up to three rounds) with the policies that built it.
+    A loop a pack's kernel laid out (:func:`rewrite.loops.laid_out`) is left
+    as it is.
     """
     sp = m.params("sp")
     depth = int(sp.get("_rw_sunk", 0))
-    if depth >= 3:  # each copy drops an input; a few rounds reach everything worth moving
+    if depth >= 3 or sp.get("_rw_laid_out"):  # each copy drops an input; a few rounds reach everything worth moving
         return None
     if _after(sp, "sink"):
         return None

@@ -674,6 +674,21 @@ def test_a_tiled_forward_under_value_and_grad(dtype):
         close(a, w, rtol, atol)
 
 
+def test_the_backward_loop_is_laid_out():
+    """The backward's loop over token blocks is traced inside :func:`rewrite.loops.laid_out`, also as JAX
+    transposes it under ``jax.grad``: ``rulesets.scan``'s ``sink_inputs`` leaves it as written."""
+    from rewrite.ir.jaxapi import LAID_OUT_SCOPE
+
+    n, c, v = 256, 8, 64
+    layout, reads = kernels.Layout((0, 1), (0, 1), (n,), c, v, False), kernels.Reads(shift="finite", log=True)
+    loss = kernels.blocked_loss(layout=layout, block=128, reads=reads)
+    jaxpr = jax.make_jaxpr(jax.grad(lambda h, W: jnp.mean(loss(h, W, None, None, None).normaliser),
+                                    argnums=(0, 1)))(jnp.ones((n, c)), jnp.ones((c, v)))
+    stacks = [str(e.source_info.name_stack) for e in jaxpr.jaxpr.eqns if e.primitive.name == "scan"]
+    backward = [s for s in stacks if s.startswith("transpose")]  # the forward's loop (jvp) is not marked
+    assert backward and all(LAID_OUT_SCOPE in s for s in backward), stacks
+
+
 # ---------------------------------------------------------------------- a dense target
 def make_dense(reduce: str, bias: bool, batch: bool, bf16: bool):
     """``optax.softmax_cross_entropy`` against a dense target passed in: labels smoothed outside the loss, or

@@ -555,3 +555,23 @@ def test_extraction_prices_a_declined_swap_of_loops_once(monkeypatch):
     r = explain(_every_loop_rule, *args, rulesets=[rulesets.scan])
     assert r.used.get("hoist_reductions")
     assert len(asked) <= 40, (len(asked), len(set(asked)))
+
+
+@pytest.mark.parametrize("laid", [False, True])
+def test_sink_inputs_leaves_a_loop_a_kernel_laid_out(laid):
+    """A loop traced inside :func:`rewrite.loops.laid_out` (the LM head's backward over token blocks, whose
+    sunk copies no chosen program used: three times the rows of a GPT step's joint e-graph) is not sunk into;
+    the same loop outside it is. Values kept either way."""
+    from contextlib import nullcontext
+
+    from rewrite.loops import laid_out
+
+    def fn(c0, xs, w):
+        _, (a, b) = lax.scan(lambda c, x: (jnp.tanh(c * w + x), (c * 2.0 + x, x * w)), c0, xs)
+        with laid_out() if laid else nullcontext():
+            return lax.scan(lambda c, z: (c * 0.5 + z * c, jnp.sum(z * c)), c0, a * w + b)
+
+    k = jax.random.split(jax.random.PRNGKey(0), 2)
+    args = (jax.random.normal(k[0], (2, 3)), jax.random.normal(k[1], (6, 2, 3)), jnp.float32(0.7))
+    report = check(fn, *args, rulesets=[SCAN.sink], cost_model=BYTE_HEAVY)
+    assert bool(report.fired.get("sink_inputs")) is not laid

@@ -373,6 +373,16 @@ def neutral_jaxpr(jaxpr: Any) -> Any:
     return jaxpr.replace(eqns=[e.replace(params=params_of(e)) for e in jaxpr.eqns])
 
 
+#: The name scope in which a pack's kernel traces a loop it lays out by hand (:func:`rewrite.loops.laid_out`).
+LAID_OUT_SCOPE = "rewrite_laid_out"
+
+
+def laid_out_mark(eqn: Any) -> dict:
+    """``{"_rw_laid_out": True}`` for a loop equation traced inside :data:`LAID_OUT_SCOPE` (JAX keeps the scope
+    in the equation's name stack through ``jvp`` and ``transpose``: a kernel's backward loop is marked too)."""
+    return {"_rw_laid_out": True} if LAID_OUT_SCOPE in str(eqn.source_info.name_stack) else {}
+
+
 def scan_kept(params: Any) -> dict:
     """A scan's params as the loader keeps them: :func:`neutral_params` with the scan's own flat trees."""
     return neutral_params("scan", params, trees=True)

@@ -46,7 +46,7 @@ import jax.numpy as jnp
 from . import loopstep as _loopstep
 from .scanread import in_place_carries as _in_place_carries, moved_per_trip as _moved_per_trip
 from .scanread import sliced_consts as _sliced_consts
-from .jaxapi import UnspecifiedValue, core, params_for_jax, scan_counts, scan_kept
+from .jaxapi import UnspecifiedValue, core, laid_out_mark, params_for_jax, scan_counts, scan_kept
 
 #: Families: how the cost model prices a primitive, and whether its params are wildcards in patterns.
 ELEMENTWISE = "elementwise"   # cheap pointwise arithmetic; fuses
@@ -401,10 +401,10 @@ def _row(names: str, layout: str, family: str, *groups: str) -> list[OpSpec]:
 # ---------------------------------------------------------------------- nested records: the hooks
 def _scan_load(ld: Any) -> list[Any]:
     p = ld.eqn.params  # _rw_* params are annotations the emitter drops. _rw_order: the body's Params in jaxpr order
-    # (a rule adding a carry appends a Param and inserts its index); _rw_sliced, _rw_inplace: rewrite/ir/scanread.py
-    nc, ncarry = scan_counts(p)
+    # (a rule adding a carry appends a Param and inserts its index); _rw_sliced, _rw_inplace: rewrite/ir/scanread.py;
+    nc, ncarry = scan_counts(p)  # _rw_laid_out: a loop a pack's kernel wrote (jaxapi.laid_out_mark)
     return ld.nested([ld.closed_body(p["jaxpr"])], {"_rw_order": tuple(range(len(p["jaxpr"].in_avals))),
-                     "_rw_sliced": _sliced_consts(p["jaxpr"], nc),
+                     **laid_out_mark(ld.eqn), "_rw_sliced": _sliced_consts(p["jaxpr"], nc),
                      "_rw_inplace": _in_place_carries(p["jaxpr"], nc, ncarry)}, params=scan_kept(p))
 
 
