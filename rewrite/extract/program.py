@@ -590,10 +590,8 @@ class ProgramSearch:
         classes = self._program_classes()
         budget = self._budget(classes)
         live = set(classes)
-        # the peak is read only for a price within the band: reading it brings the kernels up to date, which
-        # a price the pricer remembers does not need; and only where a program can be leaner than the current one
-        # at all (``leaner(0, peak)``: it holds LEAN_BYTES or more), since no peak read would be accepted otherwise.
-        # The moves are still priced: the prices a later search finds remembered are the same.
+        # a peak is read only for a price within the band (reading it brings the kernels up to date) and where a
+        # program can be leaner at all (``leaner(0, peak)``); a move is priced anyway, as a later search remembers
         accept = lambda price, new_peak: price <= ceiling and leaner(0, peak) and leaner(new_peak(), peak)  # noqa: E731
         self._tried_groups = set()
         for c in classes:
