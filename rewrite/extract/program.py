@@ -697,4 +697,4 @@ def _permuted(ex: "Extractor", a: tuple, b: tuple) -> bool:
     if a[0] != b[0] or a[0] in _LEAVES or a[0] == "Proj" or a[1][-1] != b[1][-1]:
         return False
     ka, kb = ex.term_kids(a), ex.term_kids(b)
-    return len(ka) == len(kb) and sorted(ka, key=repr) == sorted(kb, key=repr)
+    return len(ka) == len(kb) and sorted(ka, key=hash) == sorted(kb, key=hash)  # (a class's repr is an address)
