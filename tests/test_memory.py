@@ -370,3 +370,30 @@ def test_a_reduction_of_a_broadcast_reduces_before_it_broadcasts():
     want = _xla(fn, args)
     assert abs(AnalyticCost().predict_temp_bytes(jax.make_jaxpr(fn)(*args)) - want) <= 4096
     assert _program_order(fn, args) >= 4 * want - 4096  # the broadcast, as program order prices it
+
+
+@pytest.mark.parametrize("fn, args", [pytest.param(_seed_vjp_sin_stored, _SEED, id="seed vjp"),
+                                      pytest.param(CASES[2][1], CASES[2][2], id="plain attention gradient")])
+def test_a_live_program_s_peak_walks_it_once_per_version(fn, args, monkeypatch):
+    """``scheduled_peak`` of extraction's live program (``cost.live.LiveFusion``) reads the order XLA's fusion pass
+    makes kernels in (``memory._made_at``) from the postorder its positions walked: one walk per version of the
+    program (it walked twice: for the positions, then ``_made_at``'s own), giving the order and the peak the
+    separate walk gives."""
+    from types import SimpleNamespace
+
+    from rewrite.cost import memory
+    from rewrite.cost.live import LiveFusion
+
+    fm = AnalyticCost().fusion_model()
+    prog = Program.from_jaxpr(jax.make_jaxpr(fn)(*args), AnalyticCost())
+    live = LiveFusion(fm, prog.outputs)
+    live.edit(dict(enumerate(prog.ops)))
+    peak = memory.scheduled_peak(live, live.kernels(), fm.inner)
+    assert peak > 0 and live.walks == 1
+    assert memory.scheduled_peak(live, live.kernels(), fm.inner) == peak and live.walks == 1  # the same version
+    assert memory._made_at(live) == memory._made_at(SimpleNamespace(ops=live.ops, outputs=live.outputs))
+    monkeypatch.setattr(LiveFusion, "made_at", None)  # the walk of its own, as before
+    assert memory.scheduled_peak(live, live.kernels(), fm.inner) == peak
+    live.edit({prog.outputs[0]: prog.ops[prog.outputs[0]]})  # a new version: walked again
+    live.positions()
+    assert live.walks == 2

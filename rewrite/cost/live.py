@@ -79,7 +79,10 @@ class LiveFusion:
         self._views: dict[Any, float] = {}
         self._order = 0
         self._version = 0  # edits so far: the positions (``position``) of an older program are out of date
-        self._positions: tuple[int, dict] | None = None
+        #: (version, each op's postorder position, its place in XLA's fusion order or None till asked)
+        self._positions: tuple[int, dict, dict | None] | None = None
+        #: the postorders walked (:meth:`positions`): one per version of the program read (a test reads it)
+        self.walks = 0
 
     def edit(self, changes: Mapping[Any, "Op | None"]) -> None:
         """Set the op of each key of ``changes`` (``None`` removes it), and bring the kernels up to date.
@@ -427,11 +430,29 @@ class LiveFusion:
     def position(self, key: Any) -> int:
         """Where op ``key`` is in the program :meth:`rewrite.cost.program.Program.from_choice` makes of the same
         choice (its roots' postorder), which is the order the kernels run in for their liveness."""
+        at = self.positions()
+        return at.get(key, len(at))
+
+    def positions(self) -> dict:
+        """:meth:`position` of every op of the program, in one dict: the postorder from the outputs (operands in
+        order), walked once per version of the program, for the position and for :meth:`made_at` alike."""
         found = self._positions
         if found is None or found[0] != self._version:
+            self.walks += 1
             at = {c: i for i, c in enumerate(postorder(self.outputs, lambda c: self.ops[c].args))}
-            found = self._positions = (self._version, at)
-        return found[1].get(key, len(found[1]))
+            found = self._positions = (self._version, at, None)
+        return found[1]
+
+    def made_at(self) -> dict:
+        """Each op's place in the order XLA's fusion pass makes kernels (``cost/memory.py``'s ``_made_at``): the
+        reverse of the postorder :meth:`positions` walked, so the scheduled peak walks the program once, not twice."""
+        at = self.positions()
+        version, _, made = self._positions
+        if made is None:
+            last = len(at) - 1
+            made = {c: last - i for c, i in at.items()}
+            self._positions = (version, at, made)
+        return made
 
 
 class _KernelSums:

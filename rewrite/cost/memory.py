@@ -54,7 +54,8 @@ def liveness_peak(prog: Any, kernels: Sequence[Fusion], inner: Callable[[Any], i
     holds a program output is the output's allocation, not a temporary. ``inner(op)`` is what a kernel's
     own op holds while it runs (a loop body's peak): added at that kernel.
     """
-    order = sorted(kernels, key=lambda k: _position(prog, k.root))
+    at = _position_of(prog)
+    order = sorted(kernels, key=lambda k: at(k.root))
     return _peak_in(prog, order, _held_inside(prog, order, inner), *_buffers(prog, kernels))
 
 
@@ -81,7 +82,8 @@ def scheduled_peak(prog: Any, kernels: Sequence[Fusion], inner: Callable[[Any], 
     count; the fresh charge leaves it out, since it is not in the temporaries' allocation (the kernel pays for its
     own pages: ``cost/attention.py``'s ``attention_price``).
     """
-    order = sorted(kernels, key=lambda k: _position(prog, k.root))
+    at = _position_of(prog)
+    order = sorted(kernels, key=lambda k: at(k.root))
     buffers = _buffers(prog, kernels)
     held = _held_inside(prog, order, inner, scratch)
     if below and _all_at_once(prog, order, held, *buffers) < below:
@@ -189,6 +191,7 @@ def xla_order(prog: Any, order: Sequence[Fusion], projs: dict, outputs: set, wri
     the decision corpus's 154 programs (``benchmarks/decisions.py``) the peak so read is within 25% of
     ``memory_analysis`` on 91 (program order: 88) and says which of a pair holds more on 52 of 71 (48)."""
     made = _made_at(prog)
+    at = _position_of(prog)
     writer: dict[Any, int] = {}
     for n, k in enumerate(order):
         for b in projs.get(k.root, {0: k.root}).values():
@@ -211,7 +214,7 @@ def xla_order(prog: Any, order: Sequence[Fusion], projs: dict, outputs: set, wri
 
     # each node: (when XLA made it, what it waits for); a library kernel is made after every loop kernel
     nodes: dict[tuple, tuple[tuple, frozenset]] = {
-        ("input", a): ((-1, _position(prog, a)), frozenset()) for a, op in _items(ops) if op.prim == "param"}
+        ("input", a): ((-1, at(a)), frozenset()) for a, op in _items(ops) if op.prim == "param"}
     for n, k in enumerate(order):
         waits: set = set()
         for a in k.reads:
@@ -262,7 +265,11 @@ def xla_order(prog: Any, order: Sequence[Fusion], projs: dict, outputs: set, wri
 
 def _made_at(prog: Any) -> dict:
     """Each op's place in the order XLA's fusion pass makes kernels: the reverse of the post order from the
-    outputs (operands in order), so that a kernel nearer the outputs is made first."""
+    outputs (operands in order), so that a kernel nearer the outputs is made first. A live program
+    (``cost/live.py``'s ``LiveFusion``) has walked that postorder for its positions already (``made_at``)."""
+    shared = getattr(prog, "made_at", None)
+    if shared is not None:
+        return shared()
     ops = prog.ops
     post: list[Any] = []
     seen: set = set()
@@ -310,7 +317,7 @@ def _shares(prog: Any, k: Fusion, outs: Mapping[int, Any] | None, last: dict, st
     if any(prog.ops[i].family not in _IN_PLACE and prog.ops[i].prim != "broadcast_in_dim" for i in k.computes):
         return found
     # the first operand in program order: a live program's kernels list their reads in another order
-    for a in sorted(dict.fromkeys(buffer_of(prog, a, written) for a in k.reads), key=lambda a: _position(prog, a)):
+    for a in sorted(dict.fromkeys(buffer_of(prog, a, written) for a in k.reads), key=_position_of(prog)):
         if a in step and last.get(a) == t and _same(prog, a, k.root):
             found.append((k.root, a))
             break
@@ -323,8 +330,19 @@ def _same(prog: Any, a: Any, b: Any) -> bool:
         getattr(x[0], "dtype", None) == getattr(y[0], "dtype", None)
 
 
-def _position(prog: Any, key: Any) -> Any:
-    return getattr(prog, "position", lambda k: k)(key)
+def _position_of(prog: Any) -> Callable[[Any], Any]:
+    """Where each op is in ``prog``, as a sort key: a live program's postorder position (``LiveFusion.positions``,
+    walked once per version), else the op's key itself (a program's ops are in program order)."""
+    positions = getattr(prog, "positions", None)
+    if positions is None:
+        return _itself
+    at = positions()
+    missing = len(at)
+    return lambda key: at.get(key, missing)
+
+
+def _itself(key: Any) -> Any:
+    return key
 
 
 #: The reductions XLA's algebraic simplifier moves before a broadcast they read (:func:`as_xla_simplifies`).

@@ -225,6 +225,8 @@ def _leanest(ranked: list[Candidate], best: Candidate, price: ProgramPricer, roo
     if not within:
         return best
     top = _held(price, best, roots)
+    if not leaner(0, top):
+        return best  # nothing holds less than nothing: no candidate's peak need be read
     peaks = [(p, cand.cost, i, cand) for i, cand in enumerate(within) if (p := _held(price, cand, roots)) is not None]
     if not peaks:
         return best

@@ -590,9 +590,9 @@ class ProgramSearch:
         classes = self._program_classes()
         budget = self._budget(classes)
         live = set(classes)
-        # the peak is read only for a price within the band: reading it brings the kernels up to date, which
-        # a price the pricer remembers does not need
-        accept = lambda price, new_peak: price <= ceiling and leaner(new_peak(), peak)  # noqa: E731
+        # a peak is read only for a price within the band (reading it brings the kernels up to date) and where a
+        # program can be leaner at all (``leaner(0, peak)``); a move is priced anyway, as a later search remembers
+        accept = lambda price, new_peak: price <= ceiling and leaner(0, peak) and leaner(new_peak(), peak)  # noqa: E731
         self._tried_groups = set()
         for c in classes:
             alts = nodes.get(c, ())
@@ -697,4 +697,4 @@ def _permuted(ex: "Extractor", a: tuple, b: tuple) -> bool:
     if a[0] != b[0] or a[0] in _LEAVES or a[0] == "Proj" or a[1][-1] != b[1][-1]:
         return False
     ka, kb = ex.term_kids(a), ex.term_kids(b)
-    return len(ka) == len(kb) and sorted(ka, key=repr) == sorted(kb, key=repr)
+    return len(ka) == len(kb) and sorted(ka, key=hash) == sorted(kb, key=hash)  # (a class's repr is an address)
