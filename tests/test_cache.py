@@ -737,3 +737,23 @@ def test_a_rule_s_anchor_is_part_of_its_key():
     plain, anchored = rule(lhs, rhs, name="tf"), rule(lhs, rhs, name="tf", anchor="tanh")
     assert rule_fingerprint(plain) == rule_fingerprint(rule(lhs, rhs, name="tf"))
     assert rule_fingerprint(anchored) != rule_fingerprint(plain)
+
+
+def test_a_stored_program_keeps_its_name_scopes():
+    """A loop a kernel laid out (:func:`rewrite.loops.laid_out`) is still marked when its program comes back
+    from the disk cache: flax_seq2seq_grad, whose forward (with the LM head's custom VJP) was read back,
+    sank into the head's backward loop again (45,287 e-graph rows against 21,081 built fresh)."""
+    from jax import lax
+
+    from rewrite.cache.serialise import dumps_program, loads_program
+    from rewrite.ir.jaxapi import LAID_OUT_SCOPE
+    from rewrite.loops import laid_out
+
+    def f(xs):
+        with laid_out():
+            return lax.scan(lambda c, x: (c + x, c * x), 0.0, xs)[1]
+
+    closed = jax.make_jaxpr(f)(jnp.ones(3))
+    other = jax.make_jaxpr(jnp.sin)(1.0)  # the call's own program: nothing of the stored one's is shared
+    back = loads_program(dumps_program(closed, other), other)
+    assert LAID_OUT_SCOPE in str(back.jaxpr.eqns[0].source_info.name_stack)

@@ -203,8 +203,8 @@ class _Writer:
             return ("ctx", x.compute_type, x.threefry_partitionable, self.value(x.cur_abstract_mesh),
                     x.remove_size_one_mesh_axis, self.value(None if x.xla_metadata is None
                                                             else tuple(sorted(x.xla_metadata.items()))))
-        if isinstance(x, source_info_util.SourceInfo):
-            return ("source",)  # a new location; the traceback object cannot be written
+        if isinstance(x, source_info_util.SourceInfo):  # a new location (the traceback object cannot be written)
+            return ("source", str(x.name_stack))  # in its name scopes, as one: rewrite.loops.laid_out's is read there
         return self.typed_value(x)
 
     def params(self, e: Any) -> list:
@@ -434,7 +434,8 @@ class _Reader:
             return core.JaxprEqnContext._create(x[1], x[2], self.value(x[3]), x[4],
                                                 None if meta is None else tuple(meta))
         if tag == "source":
-            return source_info_util.new_source_info()
+            new = source_info_util.new_source_info()
+            return new.replace(name_stack=source_info_util.new_name_stack(x[1])) if x[1:] and x[1] else new
         if tag == "empty_mesh":
             return empty_concrete_mesh
         if tag == "unspecified":
