@@ -502,37 +502,12 @@ def noisy(samples: dict[str, list[float]], pairs: Sequence[tuple[str, str]]) -> 
 
 
 def timed(d: "Decided", rounds: int, most: int) -> harness.Row:
-    """The case's variants compiled, warmed up and timed as ``harness.measure`` times them (interleaved rounds in a
-    shuffled order, each block at least 20 ms), in ``rounds`` rounds and, while :func:`noisy`, ``rounds`` more at a
-    time, up to ``most``."""
-    import random
-
-    compiled, stats, inner = {}, {}, {}
-    for name, fn in d.variants.items():
-        compiled[name], stats[name] = harness.compile_stats(fn, *d.args)
-    for name, c in compiled.items():
-        for _ in range(2):
-            harness._run_once(c, d.args, 1)
-        inner[name] = max(1, int(0.02 / max(harness._run_once(c, d.args, 1), 1e-6)))
-    rng = random.Random(0)
-    samples: dict[str, list[float]] = {n: [] for n in compiled}
-    order = list(compiled)
+    """The case's variants compiled, warmed up and timed by ``harness.measure`` (interleaved rounds in a shuffled
+    order, each block at least 20 ms), in ``rounds`` rounds and, while :func:`noisy`, ``rounds`` more at a time, up
+    to ``most``."""
     pairs = [(p.first, p.second) for p in d.pairs]
-    target = rounds
-    while True:
-        while len(samples["original"]) < target:
-            rng.shuffle(order)
-            for name in order:
-                samples[name].append(harness._run_once(compiled[name], d.args, inner[name]))
-        if target >= most or not noisy(samples, pairs):
-            break
-        target = min(most, target + rounds)
-    med = {n: statistics.median(s) for n, s in samples.items()}
-    spread = {}
-    for n, s in samples.items():
-        q = statistics.quantiles(s, n=4) if len(s) >= 4 else [s[0], s[0], s[-1]]
-        spread[n] = (q[2] - q[0]) / med[n] if med[n] else 0.0
-    return harness.Row(d.case.name, "original", med, spread, stats, target, samples)
+    return harness.measure(d.case.name, d.variants, d.args, baseline="original", rounds=rounds, warmup=2,
+                           more=lambda samples: noisy(samples, pairs), most_rounds=most)
 
 
 def measure_case(d: Decided, rounds: int, most: int | None = None) -> list[dict]:

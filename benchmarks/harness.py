@@ -114,12 +114,15 @@ def _run_once(compiled: Any, args: Sequence[Any], inner: int) -> float:
 
 def measure(case: str, variants: dict[str, Callable[..., Any]], args: Sequence[Any], *, baseline: str = "standard",
             rounds: int = 15, warmup: int = 3, min_round_seconds: float = 0.02, seed: int = 0,
-            progress: Callable[[str], None] | None = None, same_count: bool = False) -> Row:
+            progress: Callable[[str], None] | None = None, same_count: bool = False,
+            more: Callable[[dict[str, list[float]]], bool] | None = None, most_rounds: int = 0) -> Row:
     """Time ``variants`` (same arguments) interleaved; see the module docstring.
 
     Each timed block repeats a variant's call often enough to last ``min_round_seconds``; with ``same_count``
     every variant repeats it as often as the fastest needs, so that programs of a few milliseconds, whose
-    per-block overheads (dispatch, the last call's wait) are a few per cent of a block, are timed alike."""
+    per-block overheads (dispatch, the last call's wait) are a few per cent of a block, are timed alike.
+    ``more``, where given, reads the per-round samples after the ``rounds`` rounds: while it says they have not
+    settled, ``rounds`` more are timed, up to ``most_rounds`` in all (``Row.rounds``: how many ran)."""
     if baseline not in variants:
         raise ValueError(f"baseline {baseline!r} is not one of {list(variants)}")
     compiled: dict[str, Any] = {}
@@ -142,18 +145,24 @@ def measure(case: str, variants: dict[str, Callable[..., Any]], args: Sequence[A
     rng = random.Random(seed)
     samples: dict[str, list[float]] = {n: [] for n in variants}
     order = list(variants)
-    for r in range(rounds):
-        rng.shuffle(order)
-        for name in order:
-            samples[name].append(_run_once(compiled[name], args, inner[name]))
-        if progress is not None:
-            progress(f"{case}: round {r + 1}/{rounds}")
+    done, target = 0, rounds
+    while True:
+        for r in range(done, target):
+            rng.shuffle(order)
+            for name in order:
+                samples[name].append(_run_once(compiled[name], args, inner[name]))
+            if progress is not None:
+                progress(f"{case}: round {r + 1}/{target}")
+        done = target
+        if more is None or target >= most_rounds or not more(samples):
+            break
+        target = min(most_rounds, target + rounds)
     med = {n: statistics.median(s) for n, s in samples.items()}
     spread = {}
     for n, s in samples.items():
         q = statistics.quantiles(s, n=4) if len(s) >= 4 else [s[0], s[0], s[-1]]
         spread[n] = (q[2] - q[0]) / med[n] if med[n] else 0.0
-    return Row(case, baseline, med, spread, stats, rounds, samples)
+    return Row(case, baseline, med, spread, stats, done, samples)
 
 
 def format_variants(row: Row) -> str:

@@ -113,3 +113,21 @@ def test_a_rewrites_choice_is_the_program_the_model_prefers_whatever_its_predict
     assert lean.prefers == "second"
     assert D.Pair("c", "declined:r", "declined", "rewritten", "declined:r", 0.99).prefers == "first"
     assert D.wrong_side({"prefers": lean.prefers, "measured": 0.69, "noise": 0.02})
+
+
+def test_a_noisy_case_is_timed_for_more_rounds_up_to_the_most():
+    """``harness.measure`` (which ``decisions.timed`` calls) times ``rounds`` more while ``more`` says the samples
+    have not settled, and stops at ``most_rounds``; without ``more``, ``rounds`` exactly."""
+    import jax.numpy as jnp
+
+    from benchmarks import harness
+
+    variants = {"a": lambda x: x + 1.0, "b": lambda x: x * 2.0}
+    args = (jnp.ones(8),)
+    settles = harness.measure("t", variants, args, baseline="a", rounds=2, warmup=1, min_round_seconds=1e-4,
+                              more=lambda s: len(s["a"]) < 5, most_rounds=8)
+    capped = harness.measure("t", variants, args, baseline="a", rounds=2, warmup=1, min_round_seconds=1e-4,
+                             more=lambda s: True, most_rounds=5)
+    plain = harness.measure("t", variants, args, baseline="a", rounds=2, warmup=1, min_round_seconds=1e-4)
+    assert (settles.rounds, capped.rounds, plain.rounds) == (6, 5, 2)
+    assert [len(r.samples["b"]) for r in (settles, capped, plain)] == [6, 5, 2]
