@@ -204,9 +204,9 @@ def sink_inputs(m) -> Any:
     """
     sp = m.params("sp")
     depth = int(sp.get("_rw_sunk", 0))
-    if depth >= 3 or sp.get("_rw_laid_out"):  # each copy drops an input; a few rounds reach everything worth moving
+    if depth >= 3:  # each copy drops an input; a few rounds reach everything worth moving
         return None
-    if _after(sp, "sink"):
+    if _after(sp, "sink") or sp.get("_rw_laid_out"):  # a later rule's copy, or a loop a kernel wrote
         return None
     # Each policy's copy is sunk again with that policy only (a policy that built the same copy as another
     # shares it): in every combination of policies over three rounds (39 copies of each loop, where these
