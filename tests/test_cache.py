@@ -707,19 +707,19 @@ def _avals(jaxpr):
 
 def test_a_stored_custom_vjp_rule_that_does_not_match_its_call_is_refused(tmp_path, monkeypatch):
     """A stored backward whose types do not fit the call is not trusted: a warning, and a fresh rewrite."""
-    from rewrite.cache import serialise
+    from rewrite.cache import rules
 
     fn, args, packs, argnums, _ = _pack_case("attention")
     first = rewrite(fn, rulesets=packs, cache=tmp_path)
     want = _grad(first, argnums)(*args)
-    real = serialise._residual_avals
+    real = rules.residual_avals
     calls = []
 
     def shifted(call, fwd, fwds):  # on load, the residuals' types read as one fewer
         calls.append(1)
         return real(call, fwd, fwds)[1:]
 
-    monkeypatch.setattr(serialise, "_residual_avals", shifted)
+    monkeypatch.setattr(rules, "residual_avals", shifted)
     second = rewrite(fn, rulesets=packs, cache=tmp_path)
     with pytest.warns(RewriteWarning, match="unusable.*custom_vjp"):
         got = _grad(second, argnums)(*args)
@@ -757,3 +757,107 @@ def test_a_stored_program_keeps_its_name_scopes():
     other = jax.make_jaxpr(jnp.sin)(1.0)  # the call's own program: nothing of the stored one's is shared
     back = loads_program(dumps_program(closed, other), other)
     assert LAID_OUT_SCOPE in str(back.jaxpr.eqns[0].source_info.name_stack)
+
+
+def _bitwise(a, b):
+    for p, q in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b), strict=True):
+        np.testing.assert_array_equal(np.asarray(p), np.asarray(q))
+
+
+def test_a_custom_jvp_a_rule_built_is_stored_and_differentiates_alike(tmp_path):
+    """The nn pack writes ``log(sigmoid(z))`` as ``-softplus(-z)``: a ``custom_jvp`` (``logaddexp``) no original
+    program holds, whose own JVP calls ``logaddexp`` again. Such entries were never written (the rule is a
+    Python function), so every process rewrote afresh; now the rule is written as its JVP's jaxpr, referring
+    to itself, and the loaded program's derivatives are the fresh one's, bit for bit, at every order."""
+    import rulesets
+    from tests.corpus import binary_cross_entropy as bce
+
+    z = jnp.array([-200.0, -3.0, -0.0, 1e-30, 2.0, 200.0, jnp.inf, -jnp.inf, jnp.nan])
+    t = jnp.array([1.0, 0.3, 0.5, 0.0, 1.0, 0.0, 1.0, 0.0, 0.5])
+    first, second = fresh_and_loaded(bce, (z, t), tmp_path, rulesets=[rulesets.nn])
+    assert second.loaded == 1
+    assert "custom_jvp_call" in str(second.jaxpr(z, t))
+    for how in (lambda f: jax.grad(lambda z: f(z, t).sum())(z),
+                lambda f: jax.jit(jax.grad(lambda z, t: f(z, t).sum(), argnums=(0, 1)))(z, t),
+                lambda f: jax.jvp(lambda t: f(z, t), (t,), (jnp.ones_like(t),)),  # z's tangent a symbolic zero
+                lambda f: jax.jvp(lambda z: f(z, t), (z,), (jnp.ones_like(z),)),
+                lambda f: jax.grad(jax.grad(lambda s: f(s[None], t[:1]).sum()))(z[1])):  # through the JVP's own
+        _bitwise(how(second), how(first))
+
+
+@jax.custom_jvp
+def _sin_and_cos(x):
+    return jnp.sin(x), jnp.cos(x)
+
+
+@_sin_and_cos.defjvp
+def _sin_and_cos_jvp(primals, tangents):
+    (x,), (t,) = primals, tangents
+    s, c = _sin_and_cos(x)
+    if type(t) is jax.custom_derivatives.SymbolicZero:
+        return (s, c), (jnp.zeros_like(s), jnp.zeros_like(c))
+    return (s, c), (c * t * 3.0, -s * t)  # not the true derivative: the rule's own answer must be kept
+
+
+_sin_and_cos.defjvp(_sin_and_cos_jvp, symbolic_zeros=True)
+
+
+def test_a_users_custom_jvp_with_an_output_dropped_is_stored_under_the_same_elimination(tmp_path):
+    """The emitter's dead-code elimination drops a ``custom_jvp``'s unused output and wraps its rule (with
+    symbolic zeros here, so its JVP cannot be written as one jaxpr): the entry names the user's rule and the
+    elimination, and the loaded program runs the user's rule. Before, no entry was written (diffrax's neural ODE
+    and optimistix's BFGS among the ecosystem programs)."""
+
+    def f(x, y):
+        return _sin_and_cos(x * y)[0] * 2.0
+
+    args = (jnp.linspace(-2.0, 2.0, 5), jnp.full(5, 0.5))
+    first, second = fresh_and_loaded(f, args, tmp_path)
+    assert second.loaded == 1
+    for how in (lambda g: jax.grad(lambda x, y: g(x, y).sum(), argnums=(0, 1))(*args),
+                lambda g: jax.jvp(lambda x: g(x, args[1]), (args[0],), (jnp.ones(5),)),
+                lambda g: jax.jit(jax.vmap(jax.grad(lambda x, y: g(x, y).sum())))(args[0][:, None], args[1][:, None])):
+        _bitwise(how(second), how(first))
+    np.testing.assert_allclose(jax.grad(lambda x: second(x, args[1]).sum())(args[0]),
+                               2.0 * 3.0 * 0.5 * jnp.cos(args[0] * 0.5), rtol=1e-6)  # the rule's 3.0, kept
+
+
+def test_every_corpus_program_rewritten_writes_and_reads_back_as_itself():
+    """Every program of the corpus rewritten with every pack but fastmath writes down (no param the cache
+    cannot write) and reads back as the same program: the same text and the same name scopes, where the
+    laid-out mark lives (``rewrite.loops.laid_out``)."""
+    import rulesets
+    from rewrite.cache.serialise import dumps_program, loads_program
+    from tests.corpus import corpus
+
+    packs = [getattr(rulesets, n) for n in rulesets.PACKS if n != "fastmath"]
+
+    def scopes(j, out):
+        for e in j.eqns:
+            out.append((e.primitive.name, str(e.source_info.name_stack)))
+            for sub in jax.extend.core.jaxprs_in_params(e.params):
+                scopes(sub, out)
+        return out
+
+    for name, fn, args in corpus():
+        result = rewrite(fn, rulesets=packs, cache=False).result(*args)
+        back = loads_program(dumps_program(result.after, result.before), result.before)
+        assert str(back) == str(result.after), name
+        assert scopes(back.jaxpr, []) == scopes(result.after.jaxpr, []), name
+
+
+def test_a_stored_custom_jvp_rule_that_does_not_match_its_call_is_refused(tmp_path, monkeypatch):
+    """A stored JVP whose types do not fit its call is not trusted: a warning, and a fresh rewrite."""
+    import rulesets
+    from rewrite.cache import rules
+    from tests.corpus import binary_cross_entropy as bce
+
+    z, t = jnp.linspace(-3.0, 3.0, 7), jnp.full(7, 0.25)
+    first = rewrite(bce, rulesets=[rulesets.nn], cache=tmp_path)
+    want = jax.grad(lambda z: first(z, t).sum())(z)
+    monkeypatch.setattr(rules, "_same_type", lambda a, b: False)  # on load, every type reads as another
+    second = rewrite(bce, rulesets=[rulesets.nn], cache=tmp_path)
+    with pytest.warns(RewriteWarning, match="unusable.*custom_jvp"):
+        got = jax.grad(lambda z: second(z, t).sum())(z)
+    assert second.loaded == 0
+    np.testing.assert_array_equal(got, want)

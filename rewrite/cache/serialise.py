@@ -33,23 +33,22 @@ from jax.extend import source_info_util
 
 from jax.extend import linear_util as lu
 
-from ..ir.jaxapi import (UNSPECIFIED, UnspecifiedValue, ad, call_custom_vjp_bwd, core, custom_vjp_bwd, empty_concrete_mesh,
+from ..ir.jaxapi import (UNSPECIFIED, UnspecifiedValue, ad, call_custom_vjp_bwd, core, empty_concrete_mesh,
                          literals, neutral_params, params_for_jax)
 from ..jaxpr.trace import trace_at
+from .rules import Forward, Unserialisable, dce_chain, dce_jvp, jvp_rule_fun, residual_avals, vjp_rule_params
 
 
-FORMAT = 4  # 2: the modules moved into subpackages; 3: params by schema, nothing pickled with globals;
-#            4: a rule's custom_vjp written as its forward and backward jaxprs
-
-
-class Unserialisable(Exception):
-    """The chosen program holds something this module cannot write down."""
+FORMAT = 5  # 2: the modules moved into subpackages; 3: params by schema, nothing pickled with globals;
+#            4: a rule's custom_vjp written as its forward and backward jaxprs; 5: a custom_jvp's rule as its jaxpr
 
 
 #: A ``custom_vjp_call``'s params that hold its rule as Python functions.
 _VJP_RULE = ("fwd_jaxpr_thunk", "bwd", "out_trees")
 #: The param name under which a rule written as jaxprs stands for those (no primitive has a param so named).
 _VJP_WRITTEN = "<custom_vjp rule>"
+#: The same for a ``custom_jvp_call``'s rule (its ``jvp_jaxpr_fun``), written as the jaxpr of its JVP.
+_JVP_WRITTEN = "<custom_jvp rule>"
 
 
 def _original_objects(closed: core.ClosedJaxpr) -> list[Any]:
@@ -156,6 +155,8 @@ class _Writer:
             except TypeError:
                 pass
         self.keep = original  # the ids above stay valid while it lives
+        self.writing: dict[tuple, int] = {}  # custom_jvp rules being written, to their number (see jvp_rule)
+        self.rules = 0
 
     def find(self, x: Any) -> int | None:
         i = self.objects.get(id(x))
@@ -164,10 +165,10 @@ class _Writer:
                 i = self.equal.get((type(x), x))
             except TypeError:
                 return None
-        if i is None:
-            inner = _dce_wrapped(x)
-            if inner is not None:
-                return self.find(inner)
+        if i is None:  # JAX's dead-code elimination's wrapper of a rule, keeping every output: the rule itself
+            chain = dce_chain(x)
+            if chain is not None and all(all(used) for used in chain[1]):
+                return self.find(chain[0])
         return i
 
     def value(self, x: Any) -> Any:
@@ -209,12 +210,15 @@ class _Writer:
 
     def params(self, e: Any) -> list:
         params = neutral_params(e.primitive, e.params, trees=True)  # the same entry whichever JAX traced it
-        if e.primitive.name != "custom_vjp_call":
+        if e.primitive.name not in ("custom_vjp_call", "custom_jvp_call"):
             return [(k, self.value(v)) for k, v in params.items()]
-        try:  # a custom_vjp of the original program (the user's): its rule by place
+        try:  # a custom derivative of the original program (the user's): its rule by place
             return [(k, self.value(v)) for k, v in params.items()]
         except Unserialisable:
             pass
+        if e.primitive.name == "custom_jvp_call":
+            return [(k, self.value(v)) for k, v in params.items() if k != "jvp_jaxpr_fun"] + [
+                (_JVP_WRITTEN, self.jvp_rule(params))]
         return [(k, self.value(v)) for k, v in params.items() if k not in _VJP_RULE] + [
             (_VJP_WRITTEN, self.vjp_rule(params))]
 
@@ -230,7 +234,7 @@ class _Writer:
             out_tree, res_tree, fwds = params["out_trees"]()
             if out_tree.num_leaves != len(call.out_avals):  # outputs pruned after tracing: the tree is the traced one
                 raise Unserialisable("a custom_vjp whose unused outputs were removed")
-            res_avals = _residual_avals(call, fwd, fwds)
+            res_avals = residual_avals(call, fwd, fwds)
             zeros: list[bool] = []
 
             def bwd(*args: Any) -> list:
@@ -247,6 +251,35 @@ class _Writer:
                  for d in (params["fwd_jaxpr_thunk"].debug_info, params["bwd"].debug_info)]
         return ("vjp_rule", self.value(fwd), self.value(back), _tree_skeleton(out_tree), _tree_skeleton(res_tree),
                 self.value(list(fwds)), self.value(zeros), self.value(names))
+
+    def jvp_rule(self, params: dict) -> Any:
+        """A ``custom_jvp``'s rule that the original program does not hold: the original's under dead-code
+        elimination (``jvp_dce``), else the jaxpr of its JVP with every tangent given, one a rule built (the nn
+        pack's ``softplus``). A rule met again inside its own JVP is written as a reference (``jvp_ref``)."""
+        fun = params["jvp_jaxpr_fun"]
+        chain = dce_chain(fun)
+        if chain is not None and self.find(chain[0]) is not None:
+            return ("jvp_dce", self.value(chain[0]), self.value(chain[1]), bool(params["symbolic_zeros"]))
+        if params.get("symbolic_zeros"):
+            raise Unserialisable("a custom_jvp with symbolic zeros")
+        d = fun.debug_info
+        name = (d.traced_for, d.func_src_info) if isinstance(getattr(d, "func_src_info", None), str) else None
+        key = (name, str(params["call_jaxpr"]))
+        if key in self.writing:
+            return ("jvp_ref", self.writing[key])
+        n = self.writing[key] = self.rules
+        self.rules += 1
+        try:
+            jaxpr, consts, out_zeros = fun.call_wrapped(*([False] * (len(params["call_jaxpr"].in_avals)
+                                                                      - params["num_consts"])))
+            body = self.value(core.ClosedJaxpr(jaxpr, list(consts)))
+        except Unserialisable:
+            raise
+        except Exception as e:  # a rule that does not trace at its own types: not written
+            raise Unserialisable(f"custom_jvp rule does not trace ({type(e).__name__}: {e})") from None
+        finally:
+            del self.writing[key]
+        return ("jvp_rule", n, body, self.value(list(out_zeros)), self.value(name))
 
     def typed_value(self, x: Any) -> Any:
         """A value of one of the kinds of plain data that primitives' params hold, by its schema: a
@@ -325,16 +358,6 @@ class _Writer:
         return (consts, ins, eqns, outs, [self.value(x) for x in j.effects], self.value(j.debug_info))
 
 
-def _residual_avals(call: core.ClosedJaxpr, fwd: core.ClosedJaxpr, fwds: Any) -> list:
-    """The residuals' types, as JAX hands them to the backward: the forward's first outputs, or inputs it
-    forwards (``fwds[i]``: the input's index)."""
-    outs = iter(fwd.out_avals)
-    res = [next(outs) if f is None else call.in_avals[f] for f in fwds]
-    if list(outs) != list(call.out_avals):
-        raise Unserialisable("the custom_vjp's forward does not end in the call's outputs")
-    return res
-
-
 def _tree_skeleton(tree: Any) -> Any:
     """A pytree structure as plain containers with ``0`` leaves (tuples, lists, dicts, ``None``); raises
     :class:`Unserialisable` for any other node."""
@@ -350,26 +373,6 @@ def _tree_skeleton(tree: Any) -> Any:
         raise Unserialisable(f"a custom_vjp's pytree holds a {type(x).__qualname__}")
 
     return ("tree", plain(skeleton))
-
-
-def _dce_wrapped(x: Any) -> Any:
-    """The function that JAX's dead-code elimination wrapped, if ``x`` is such a wrapper keeping every output.
-
-    ``pe.dce_jaxpr`` (which the emitter runs) re-wraps a ``custom_jvp_call``'s
-    rule in a fresh closure that drops the rule's unused outputs. When it
-    drops none, the wrapped rule computes the same, so the stored program may
-    name the original rule instead.
-    """
-    f = getattr(x, "f", None)
-    seen = 0
-    while callable(f) and seen < 4 and getattr(f, "__closure__", None):
-        cells = dict(zip(f.__code__.co_freevars, (c.cell_contents for c in f.__closure__)))
-        if "used_outs" in cells:
-            inner = [v for v in cells.values() if type(v) is type(x)]
-            return inner[0] if len(inner) == 1 and all(cells["used_outs"]) else None
-        f = next((v for v in cells.values() if callable(v) and hasattr(v, "__code__")), None)
-        seen += 1
-    return None
 
 
 def _dtype_by_name(dtype: Any) -> bool:
@@ -391,6 +394,7 @@ def _jax_array(x: Any) -> bool:
 class _Reader:
     def __init__(self, original: core.ClosedJaxpr) -> None:
         self.objects = _original_objects(original)
+        self.forwards: dict[int, Forward] = {}  # custom_jvp rules by number, each built once its call is read
 
     def value(self, x: Any) -> Any:
         if not isinstance(x, tuple):
@@ -444,6 +448,11 @@ class _Reader:
             return jax.tree_util.tree_structure(self.value(x[1]))
         if tag == "vjp_rule":
             return tuple(self.value(v) for v in x[1:])
+        if tag == "jvp_rule":  # its number is known before its body, which may refer to it, is read
+            self.forwards.setdefault(x[1], Forward())
+            return (tag, x[1], *(self.value(v) for v in x[2:]))
+        if tag in ("jvp_ref", "jvp_dce"):
+            return (tag, *(self.value(v) for v in x[1:]))
         if tag == "complex":
             return complex(float(x[1]), float(x[2]))
         if tag == "frozenset":
@@ -460,6 +469,23 @@ class _Reader:
                 return cls(**{str(k): self.value(v) for k, v in x[3]})
             raise Unserialisable(f"{x[1]}.{x[2]} is not a {tag}")
         raise Unserialisable(f"unknown tag {tag!r}")
+
+    def jvp_fun(self, written: Any, params: dict) -> Any:
+        """A ``custom_jvp_call``'s ``jvp_jaxpr_fun`` from what :meth:`_Writer.jvp_rule` wrote."""
+        kind = written[0] if isinstance(written, tuple) and written else None
+        if kind == "jvp_dce" and isinstance(written[1], lu.WrappedFun) and isinstance(written[2], list) \
+                and all(isinstance(u, list) and all(type(b) is bool for b in u) for u in written[2]):
+            fun = written[1]
+            for used in reversed(written[2]):
+                fun = dce_jvp(fun, used, bool(written[3]))
+            return fun
+        if kind == "jvp_ref" and written[1] in self.forwards:
+            return self.forwards[written[1]].fun(params["call_jaxpr"].jaxpr.debug_info)
+        if kind == "jvp_rule" and written[1] in self.forwards:
+            rule = jvp_rule_fun(written[2:], params["call_jaxpr"], params["num_consts"])
+            self.forwards[written[1]].rule = rule
+            return rule
+        raise Unserialisable("a custom_jvp rule of the wrong form")
 
     @staticmethod
     def _dtype(name: str) -> Any:
@@ -505,47 +531,14 @@ class _Reader:
             outvars = [bind(a) for a in outs_]
             new_params = {k: self.value(v) for k, v in params}
             if _VJP_WRITTEN in new_params:
-                new_params.update(_vjp_rule(new_params.pop(_VJP_WRITTEN), new_params["call_jaxpr"]))
+                new_params.update(vjp_rule_params(new_params.pop(_VJP_WRITTEN), new_params["call_jaxpr"]))
+            if _JVP_WRITTEN in new_params:
+                new_params["jvp_jaxpr_fun"] = self.jvp_fun(new_params.pop(_JVP_WRITTEN), new_params)
             new_params = params_for_jax(p, new_params)
             new_eqns.append(core.new_jaxpr_eqn(args, outvars, p, new_params,
                                                set(self.value(e) for e in effs), self.value(src), self.value(ctx)))
         return core.Jaxpr(constvars, invars, [atom(a) for a in outs], new_eqns,
                           set(self.value(e) for e in effects), self.value(debug))
-
-
-def _vjp_rule(written: tuple, call: core.ClosedJaxpr) -> dict:
-    """A ``custom_vjp_call``'s rule params rebuilt from its jaxprs, once they are checked against ``call``."""
-    fwd, back, out_tree, res_tree, fwds, zeros, names = written
-    if not (isinstance(fwd, core.ClosedJaxpr) and isinstance(back, core.ClosedJaxpr)
-            and isinstance(fwds, list) and isinstance(zeros, list)):
-        raise Unserialisable("a custom_vjp rule of the wrong form")
-    for j in (fwd, back):
-        core.check_jaxpr(j.jaxpr)
-    if len(fwds) != res_tree.num_leaves or out_tree.num_leaves != len(call.out_avals) \
-            or any(f is not None and not (type(f) is int and 0 <= f < len(call.in_avals)) for f in fwds):
-        raise Unserialisable("a custom_vjp's residuals do not match its forward")
-    if list(fwd.in_avals) != list(call.in_avals):
-        raise Unserialisable("a custom_vjp's forward takes other inputs than its call")
-    res_avals = _residual_avals(call, fwd, fwds)
-    if list(back.in_avals) != res_avals + [a.to_ct_aval() for a in call.out_avals] \
-            or len(zeros) != len(call.in_avals) \
-            or list(back.out_avals) != [a.to_ct_aval() for a, z in zip(call.in_avals, zeros) if not z]:
-        raise Unserialisable("a custom_vjp's backward does not match its call")
-    # the functions' names, which the program's text shows
-    fwd_debug, bwd_debug = (call.jaxpr.debug_info if n is None else core.DebugInfo(str(n[0]), str(n[1]), None, None)
-                            for n in (names if isinstance(names, list) and len(names) == 2 else [None, None]))
-
-    def fwd_jaxpr(*_: Any) -> tuple:
-        return fwd.jaxpr, fwd.consts
-
-    def bwd(*args: Any) -> list:
-        outs = iter(core.eval_jaxpr(back.jaxpr, back.consts, *args))
-        return [ad.Zero(a.to_ct_aval()) if z else next(outs) for a, z in zip(call.in_avals, zeros)]
-
-    trees = (out_tree, res_tree, list(fwds))
-    return {"fwd_jaxpr_thunk": lu.wrap_init(fwd_jaxpr, debug_info=fwd_debug),
-            "bwd": lu.wrap_init(custom_vjp_bwd(bwd), debug_info=bwd_debug),
-            "out_trees": lambda: trees}
 
 
 #: the libraries whose plain-data classes (enums, named tuples, dataclasses) an entry may name

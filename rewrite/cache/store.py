@@ -19,8 +19,10 @@ callback) enter the key by type and position only: the stored program
 refers to them by position, and takes them from the fresh trace on load.
 
 **An entry** is the chosen program in a serialisation of this module's own
-(equations by primitive name, avals, params; see :func:`dumps_program`),
-what the report needs (costs, stop reason, the rules that fired, the
+(equations by primitive name, avals, params; see :func:`dumps_program`;
+a custom derivative a rule built, or one dead-code elimination re-wrapped,
+as jaxprs or as the original's rule under that elimination:
+``rewrite/cache/rules.py``), what the report needs (costs, stop reason, the rules that fired, the
 guard's decision) and a checksum. The entry is written to a temporary file
 and renamed into place, so concurrent writers never leave a torn file. On
 load the checksum, the format and the versions are checked, the program is

@@ -1,0 +1,169 @@
+"""A program's custom derivatives written down: rules a stored program holds that no original program does.
+
+A ``custom_vjp_call`` or ``custom_jvp_call`` of the user's program is stored by
+its place in the traced program and taken from the fresh trace on load. One a
+rule built (the nn pack's ``softplus``, the attention pack's backward) or one
+JAX's dead-code elimination re-wrapped is not in the original: its rule is
+written as jaxprs (:func:`vjp_rule_params`, :func:`jvp_rule_fun`), or as the
+original's rule under the same dead-code elimination (:func:`dce_chain`,
+:func:`dce_jvp`), and rebuilt on load after its types are checked against the
+call. A rule whose JVP calls the same rule again (``logaddexp``'s does) is
+written once and referred to from inside itself (:class:`Forward`).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from jax.extend import linear_util as lu
+from jax.interpreters import partial_eval as pe
+
+from ..ir.jaxapi import ad, core, custom_vjp_bwd
+from ..jaxpr.trace import trace_at
+
+
+class Unserialisable(Exception):
+    """The chosen program holds something this module cannot write down."""
+
+
+def dce_chain(x: Any) -> tuple[Any, list] | None:
+    """``(rule, [used_outs, ...])`` if ``x`` is JAX's dead-code elimination's wrapper of a ``custom_jvp_call``'s
+    ``rule`` (once or more, outermost first), else ``None``.
+
+    ``pe.dce_jaxpr`` (which the emitter runs) re-wraps the rule in a fresh
+    closure that drops the rule's unused outputs (``_custom_jvp_call_dce``):
+    its cells hold the wrapped rule and ``used_outs``.
+    """
+    chain: list = []
+    while True:
+        f, seen, inner = getattr(x, "f", None), 0, None
+        while callable(f) and seen < 4 and getattr(f, "__closure__", None) and inner is None:
+            cells = dict(zip(f.__code__.co_freevars, (c.cell_contents for c in f.__closure__)))
+            if "used_outs" in cells:
+                found = [v for v in cells.values() if type(v) is type(x)]
+                if len(found) != 1 or not all(type(u) is bool for u in cells["used_outs"]):
+                    return None
+                inner = found[0]
+                chain.append([bool(u) for u in cells["used_outs"]])
+            f = next((v for v in cells.values() if callable(v) and hasattr(v, "__code__")), None)
+            seen += 1
+        if inner is None:
+            return (x, chain) if chain else None
+        x = inner
+
+
+def dce_jvp(fun: Any, used_outs: list, symbolic_zeros: bool) -> Any:
+    """``fun`` (a ``jvp_jaxpr_fun``) under dead-code elimination to ``used_outs``, as JAX's own
+    ``_custom_jvp_call_dce`` wraps it."""
+
+    @functools.lru_cache(maxsize=None)
+    def at(in_zeros: tuple) -> tuple:
+        jaxpr, consts, out_zeros = fun.call_wrapped(*in_zeros)
+        nz_used = [u for u, z in zip(used_outs, out_zeros) if not z] if symbolic_zeros else used_outs
+        dce, _ = pe.dce_jaxpr(jaxpr, [*used_outs, *nz_used], True)
+        return dce, consts, [z for u, z in zip(used_outs, out_zeros) if u]
+
+    return lu.wrap_init(lambda *in_zeros: at(tuple(in_zeros)), debug_info=fun.debug_info)
+
+
+def _same_type(a: Any, b: Any) -> bool:
+    """The same type up to weak typing (a rule's JVP may trace its outputs weak where its call's are not)."""
+    if hasattr(a, "shape") and hasattr(b, "shape"):
+        return a.shape == b.shape and a.dtype == b.dtype
+    return a == b
+
+
+class Forward:
+    """A rule read back before it is built: the ``jvp_jaxpr_fun`` of a ``custom_jvp_call`` inside its own
+    rule's JVP (``logaddexp``'s JVP calls ``logaddexp``). It is called only once the program is read."""
+
+    def __init__(self) -> None:
+        self.rule: Any = None
+
+    def fun(self, debug: Any) -> Any:
+        return lu.wrap_init(lambda *in_zeros: self.rule.call_wrapped(*in_zeros), debug_info=debug)
+
+
+def residual_avals(call: core.ClosedJaxpr, fwd: core.ClosedJaxpr, fwds: Any) -> list:
+    """The residuals' types, as JAX hands them to the backward: the forward's first outputs, or inputs it
+    forwards (``fwds[i]``: the input's index)."""
+    outs = iter(fwd.out_avals)
+    res = [next(outs) if f is None else call.in_avals[f] for f in fwds]
+    if list(outs) != list(call.out_avals):
+        raise Unserialisable("the custom_vjp's forward does not end in the call's outputs")
+    return res
+
+
+
+
+def vjp_rule_params(written: tuple, call: core.ClosedJaxpr) -> dict:
+    """A ``custom_vjp_call``'s rule params rebuilt from its jaxprs, once they are checked against ``call``."""
+    fwd, back, out_tree, res_tree, fwds, zeros, names = written
+    if not (isinstance(fwd, core.ClosedJaxpr) and isinstance(back, core.ClosedJaxpr)
+            and isinstance(fwds, list) and isinstance(zeros, list)):
+        raise Unserialisable("a custom_vjp rule of the wrong form")
+    for j in (fwd, back):
+        core.check_jaxpr(j.jaxpr)
+    if len(fwds) != res_tree.num_leaves or out_tree.num_leaves != len(call.out_avals) \
+            or any(f is not None and not (type(f) is int and 0 <= f < len(call.in_avals)) for f in fwds):
+        raise Unserialisable("a custom_vjp's residuals do not match its forward")
+    if list(fwd.in_avals) != list(call.in_avals):
+        raise Unserialisable("a custom_vjp's forward takes other inputs than its call")
+    res_avals = residual_avals(call, fwd, fwds)
+    if list(back.in_avals) != res_avals + [a.to_ct_aval() for a in call.out_avals] \
+            or len(zeros) != len(call.in_avals) \
+            or list(back.out_avals) != [a.to_ct_aval() for a, z in zip(call.in_avals, zeros) if not z]:
+        raise Unserialisable("a custom_vjp's backward does not match its call")
+    # the functions' names, which the program's text shows
+    fwd_debug, bwd_debug = (call.jaxpr.debug_info if n is None else core.DebugInfo(str(n[0]), str(n[1]), None, None)
+                            for n in (names if isinstance(names, list) and len(names) == 2 else [None, None]))
+
+    def fwd_jaxpr(*_: Any) -> tuple:
+        return fwd.jaxpr, fwd.consts
+
+    def bwd(*args: Any) -> list:
+        outs = iter(core.eval_jaxpr(back.jaxpr, back.consts, *args))
+        return [ad.Zero(a.to_ct_aval()) if z else next(outs) for a, z in zip(call.in_avals, zeros)]
+
+    trees = (out_tree, res_tree, list(fwds))
+    return {"fwd_jaxpr_thunk": lu.wrap_init(fwd_jaxpr, debug_info=fwd_debug),
+            "bwd": lu.wrap_init(custom_vjp_bwd(bwd), debug_info=bwd_debug),
+            "out_trees": lambda: trees}
+
+
+def jvp_rule_fun(written: tuple, call: core.ClosedJaxpr, num_consts: Any) -> Any:
+    """A ``custom_jvp_call``'s ``jvp_jaxpr_fun`` rebuilt from its JVP's jaxpr, once that is checked against
+    ``call``. JAX asks it for the JVP at the tangents that are not symbolic zeros; without symbolic zeros a
+    rule sees zeros there as arrays, so the jaxpr for those is the written one with zeros in their place."""
+    jvp, out_zeros, name = written
+    if not (isinstance(jvp, core.ClosedJaxpr) and isinstance(out_zeros, list) and type(num_consts) is int
+            and 0 <= num_consts <= len(call.in_avals)):
+        raise Unserialisable("a custom_jvp rule of the wrong form")
+    core.check_jaxpr(jvp.jaxpr)
+    primals, outs = list(call.in_avals[num_consts:]), list(call.out_avals)
+    tangents = [a.to_tangent_aval() for a in primals]
+    want_out = outs + [a.to_tangent_aval() for a, z in zip(outs, out_zeros) if not z]
+    if len(out_zeros) != len(outs) or len(jvp.in_avals) != 2 * len(primals) or len(jvp.out_avals) != len(want_out) \
+            or not all(map(_same_type, jvp.in_avals, primals + tangents)) \
+            or not all(map(_same_type, jvp.out_avals, want_out)):
+        raise Unserialisable("a custom_jvp's rule does not match its call")
+    debug = call.jaxpr.debug_info if not (isinstance(name, tuple) and len(name) == 2) \
+        else core.DebugInfo(str(name[0]), str(name[1]), None, None)
+
+    @functools.lru_cache(maxsize=None)
+    def at(in_zeros: tuple) -> tuple:
+        if not any(in_zeros):
+            return jvp.jaxpr, jvp.consts, list(out_zeros)
+
+        def given(*xs: Any) -> list:
+            nonzero = iter(xs[len(primals):])
+            ts = [ad.zeros_like_aval(t) if z else next(nonzero) for t, z in zip(tangents, in_zeros)]
+            return core.eval_jaxpr(jvp.jaxpr, jvp.consts, *xs[:len(primals)], *ts)
+
+        closed = trace_at(given, primals + [t for t, z in zip(tangents, in_zeros) if not z])
+        return closed.jaxpr, closed.consts, list(out_zeros)
+
+    return lu.wrap_init(lambda *in_zeros: at(tuple(bool(z) for z in in_zeros)), debug_info=debug)
+
+
