@@ -173,7 +173,7 @@ class _Writer:
 
     def value(self, x: Any) -> Any:
         t = type(x)
-        if t in (bool, int, float, str, type(None)):
+        if t in (bool, int, float, str, bytes, type(None)):  # bytes: a pytree's structure in a scan's flat trees
             return x
         if t in (tuple, list):
             return (t.__name__, [self.value(v) for v in x])
