@@ -861,3 +861,18 @@ def test_a_stored_custom_jvp_rule_that_does_not_match_its_call_is_refused(tmp_pa
         got = jax.grad(lambda z: second(z, t).sum())(z)
     assert second.loaded == 0
     np.testing.assert_array_equal(got, want)
+
+
+def test_the_emitters_checkpoint_policy_is_written():
+    """The emitter checkpoints a loop's carry with ``save_only_these_names``, on JAX 0.11+ a value of this
+    library's (JAX's own is a closure there): an entry holding it was not written (haiku_lstm_loss on jax 0.12)."""
+    from rewrite.cache.serialise import dumps_program, loads_program
+    from rewrite.ir.jaxapi import SaveOnlyTheseNames
+
+    policy = SaveOnlyTheseNames(frozenset({"carry"}))
+    closed = jax.make_jaxpr(jax.checkpoint(lambda x: jnp.sin(jnp.sin(x)), policy=policy))(jnp.ones(3))
+    other = jax.make_jaxpr(jnp.cos)(1.0)
+    back = loads_program(dumps_program(closed, other), other)
+    assert str(back) == str(closed)
+    np.testing.assert_array_equal(jax.grad(lambda x: core.jaxpr_as_fun(back)(x)[0].sum())(jnp.ones(3)),
+                                  jax.grad(lambda x: core.jaxpr_as_fun(closed)(x)[0].sum())(jnp.ones(3)))

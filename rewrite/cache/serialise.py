@@ -34,7 +34,8 @@ from jax.extend import source_info_util
 from jax.extend import linear_util as lu
 
 from ..ir.jaxapi import (UNSPECIFIED, UnspecifiedValue, ad, call_custom_vjp_bwd, core, empty_concrete_mesh,
-                         literals, neutral_params, params_for_jax)
+                         literals, neutral_params, params_for_jax, SaveOnlyTheseNames,
+                         save_only_these_names)
 from ..jaxpr.trace import trace_at
 from .rules import Forward, Unserialisable, dce_chain, dce_jvp, jvp_rule_fun, residual_avals, vjp_rule_params
 
@@ -295,6 +296,8 @@ class _Writer:
             return ("empty_mesh",)
         if t is UnspecifiedValue:  # "no sharding given", in a jit's params that a rule's backward traced
             return ("unspecified",)
+        if t is SaveOnlyTheseNames:  # the emitter's checkpoint policy on JAX 0.11+ (a closure of JAX's there)
+            return ("save_only", sorted(str(n) for n in x.saveable_names))
         if t is core.ManualAxisType:  # the manual axes a value of a shard_map body varies over
             return ("manual_axis", self.value(x.varying), self.value(x.unreduced), self.value(x.reduced))
         where = _library_class(t)
@@ -457,6 +460,8 @@ class _Reader:
             return complex(float(x[1]), float(x[2]))
         if tag == "frozenset":
             return frozenset(self.value(v) for v in x[1])
+        if tag == "save_only" and isinstance(x[1], list) and all(type(n) is str for n in x[1]):
+            return save_only_these_names(*x[1])
         if tag == "manual_axis":
             return core.ManualAxisType(varying=self.value(x[1]), unreduced=self.value(x[2]), reduced=self.value(x[3]))
         if tag in ("enum", "namedtuple", "dataclass"):
