@@ -12,6 +12,16 @@ softmax attention (B=2, H=4, N=1024, D=64, float32) with ``attention``, whose
 entry holds the rule's custom_vjp written as jaxprs.
 
 Run: ``python -m benchmarks.cache [--layers 6]``. Writes ``benchmarks/results/cache.md``.
+
+``python -m benchmarks.cache --ecosystem [--programs a,b]`` checks instead
+that every ecosystem program (``benchmarks/ecosystem.py``, its identity packs)
+is stored after its first rewrite and reads back as the same program: for each,
+in one process, a rewrite with a fresh cache directory, then a second
+``rewrite`` of it that must load the entry, compared by XLA's optimised HLO
+(source metadata left out; a loaded program's shared sub-jaxprs print apart,
+and a literal read back as a typed array lowers a no-op ``convert`` less). It
+prints a table and exits non-zero if any program is not stored, not loaded or
+not the same; nothing is written.
 """
 
 from __future__ import annotations
@@ -78,11 +88,79 @@ def spawn(program: str, layers: int, cache: str) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def ecosystem_round_trip(names: list[str]) -> list[dict]:
+    """Each ecosystem program rewritten with a fresh cache directory, then loaded by a second ``rewrite``."""
+    import logging
+    import re
+    import warnings
+
+    import jax
+
+    from benchmarks import ecosystem as eco
+    from benchmarks.overhead import load_rulesets
+    from rewrite import rewrite
+    from rewrite.ir.jaxapi import core
+
+    refused: list[str] = []
+
+    class Refusals(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "not storing" in record.getMessage():
+                refused.append(record.getMessage())
+
+    logger = logging.getLogger("rewrite")
+    logger.setLevel(logging.DEBUG)
+    logger.addHandler(Refusals())
+    packs = load_rulesets(eco.CONFIGS["identity"])
+
+    def hlo(closed):
+        avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in closed.jaxpr.invars]
+        text = jax.jit(core.jaxpr_as_fun(closed)).lower(*avals).compile().as_text()
+        text = text.split("\nFileNames")[0]  # the source locations' tables, after the computations
+        return re.sub(r", metadata=\{[^}]*\}", "", text)
+
+    rows = []
+    for name in names:
+        fn, args = eco.PROGRAMS[name].build()
+        flat, leaves = eco._flat(fn, args)
+        refused.clear()
+        with tempfile.TemporaryDirectory() as d, warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            t = time.perf_counter()
+            first = rewrite(flat, rulesets=packs, cache=d).result(*leaves)
+            rewrite_s = time.perf_counter() - t
+            second_fn = rewrite(flat, rulesets=packs, cache=d)
+            t = time.perf_counter()
+            second = second_fn.result(*leaves)
+            load_s = time.perf_counter() - t
+        same = (first.after is None) == (second.after is None) and (
+            first.after is None or hlo(first.after) == hlo(second.after))
+        rows.append({"program": name, "stored": not refused, "loaded": second_fn.loaded == 1, "same": same,
+                     "rewrite_s": rewrite_s, "load_s": load_s, "why": refused[0] if refused else ""})
+        print(f"{name}: stored {not refused}, loaded {second_fn.loaded == 1}, same {same}, "
+              f"{rewrite_s:.2f} s -> {load_s:.2f} s", file=sys.stderr)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--child", default=None)
     ap.add_argument("--layers", type=int, default=6)
+    ap.add_argument("--ecosystem", action="store_true", help="check every ecosystem program's round trip")
+    ap.add_argument("--programs", default="", help="with --ecosystem: these programs only (comma-separated)")
     args = ap.parse_args()
+    if args.ecosystem:
+        import jax
+
+        from benchmarks import ecosystem as eco
+
+        rows = ecosystem_round_trip([p for p in args.programs.split(",") if p] or list(eco.PROGRAMS))
+        print(f"jax {jax.__version__}, {datetime.date.today()}\n\n| program | stored | loaded | same program | "
+              "rewrite s | load s |\n|---|---|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['program']} | {r['stored']} | {r['loaded']} | {r['same']} | {r['rewrite_s']:.2f} | "
+                  f"{r['load_s']:.2f} |" + (f" {r['why']}" if r["why"] else ""))
+        sys.exit(0 if all(r["stored"] and r["loaded"] and r["same"] for r in rows) else 1)
     if args.child:
         print(json.dumps(child(args.child, args.layers)))
         return
