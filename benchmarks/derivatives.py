@@ -169,7 +169,7 @@ LOOPS = {"sin": loop_sin, "cos": loop_cos, "sin*cos": loop_sin_cos}
 
 
 def kernels(compiled, shape) -> list[str]:
-    """The full-size kernels of a compiled program, in order: ``loop`` or ``library`` and the transcendentals in each."""
+    """The full-size kernels of a compiled program, in order: ``loop`` or ``library``, with their transcendentals."""
     text = re.sub(r", metadata=\{[^}]*\}", "", compiled.as_text())
     bodies = dict(re.findall(r"^%(\S+) \(.*?\{\n(.*?)^\}", text, re.S | re.M))
     full = "f32[" + ",".join(map(str, shape)) + "]"
@@ -403,7 +403,8 @@ def report(seed_rows, other_rows, step_rows, preds, rounds: int, load: tuple) ->
         "The rewrite (`trig_sin_stored`) stores `sin` once as a `select` and computes `cos` alone beside it: "
         "`sinf` + `cosf` against `sinf` + `sincosf`. One `sincosf` an element would need one loop to write both "
         "`grad x` and what `a`'s reduction reads; `--forms` (derivatives_forms.md) measures the forms tried.",
-        "* `floor` has one loop of `sin` and `cos` (one `sincosf` an element) and is ~1.9x faster: that is the figure quoted in the issue, and it is not a "
+        "* `floor` has one loop of `sin` and `cos` (one `sincosf` an element) and is ~1.9x faster: that is the "
+        "figure quoted in the issue, and it is not a "
         "VJP of this function (it drops the `sin(ax)**2` term of the gradient of `a`). The issue's target of 1.5x "
         "over JAX's VJP is out of reach on this backend for any program that computes the gradient.",
         "* The hand-derived VJPs are slower than JAX's: each computes the reduction from `sin`/`cos` it must "
