@@ -77,9 +77,15 @@ class Case:
     size: int | None = None
 
 
+#: The A/A control: the standard program compiled apart, timed as one more variant (its ratio is the noise band).
+AA = "standard (A/A)"
+
+
 def _seed000(T: int) -> tuple[tuple, dict]:
     args, vs = derivatives.seed_case(T, extras=False, floor=False)
-    return args, {ours: vs[theirs] for ours, theirs in SEED000_VARIANTS.items()}
+    out = {ours: vs[theirs] for ours, theirs in SEED000_VARIANTS.items()}
+    out[AA] = derivatives.as_vjp(lambda x, a: derivatives.seed(x, a))
+    return args, out
 
 
 def _scan_variants(builder: Callable[[], tuple], kind: str) -> Callable[[], tuple[tuple, dict]]:
@@ -196,13 +202,15 @@ def _rewrites(row: Row) -> list[str]:
 
 def summary_table(rows: list[Row]) -> str:
     """One line per case: standard's time, the rewrite's speed-up, the best hand-written one, temp memory."""
-    lines = ["| case | standard ms | rewritten | best hand-written | temp memory: standard / rewritten / hand |",
-             "|---|---|---|---|---|"]
+    lines = ["| case | standard ms | rewritten | paired [90%] | A/A | best hand-written | "
+             "temp memory: standard / rewritten / hand |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         hands = _hands(r)
         best = max(hands, key=r.ratio) if hands else None
         mem = lambda v: fmt_bytes(r.stats[v].temp_bytes) if v else "-"  # noqa: E731
-        lines.append(f"| {r.case} | {fmt_ms(r.seconds['standard'])} | {r.ratio('rewritten'):.2f}x | "
+        paired = "{:.2f}x [{:.2f}, {:.2f}]".format(*r.paired("rewritten")) if r.samples else "-"
+        aa = f"{r.paired(AA)[0]:.2f}x" if AA in r.seconds and r.samples else "-"
+        lines.append(f"| {r.case} | {fmt_ms(r.seconds['standard'])} | {r.ratio('rewritten'):.2f}x | {paired} | {aa} | "
                      + (f"{r.ratio(best):.2f}x ({best[len('hand: '):]})" if best else "-")
                      + f" | {mem('standard')} / {mem('rewritten')} / {mem(best)} |")
     return "\n".join(lines)
@@ -291,7 +299,9 @@ def report(rows: list[Row], cases_: list[Case], first_run: dict[str, dict[str, f
         "How to read it: every variant of a case takes the same arguments and was checked against `standard` "
         "before timing. Times are medians over rounds that run every variant once, interleaved in shuffled "
         "order after a warm-up (`benchmarks/harness.py`). **Speed-up = time(standard) / time(variant)**: above "
-        "1 is faster. Temp memory is XLA's `memory_analysis().temp_size_in_bytes`; GFLOP and transcendentals "
+        "1 is faster; `paired` is the median over rounds of the per-round ratio, with its 90% bootstrap interval "
+        "(`Row.paired`), and `A/A` the same for the standard program compiled apart (seed 000): the noise band. "
+        "Temp memory is XLA's `memory_analysis().temp_size_in_bytes`; GFLOP and transcendentals "
         "come from `cost_analysis()`, which does not count the work inside a loop (so for `scan` programs they "
         "are not comparable between looped and unlooped variants). On a shared CPU, times drift between runs; "
         "ratios within one run are what to read, and they move by about 10% (more for tiny cases).",

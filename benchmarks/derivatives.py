@@ -25,9 +25,14 @@ Variants, all taking the same arguments:
 * ``floor``: not a VJP: ``g*sin(ax)*cos(ax)`` and ``sum(g*x)``, the same
   inputs and outputs with no transcendental in the reduction.
 
+``--forms`` times seed 000's VJP written by hand in other forms (``SEED_FORMS``:
+where ``sin`` and ``cos`` are computed and what is stored), with the kernels
+XLA:CPU compiles each to, and single loops of ``sin``, ``cos`` and both.
+
 Run holding the benchmark lock::
 
     flock /tmp/bench.lock python -m benchmarks.derivatives --write
+    flock /tmp/bench.lock python -m benchmarks.derivatives --forms --sizes 512,2048,8192 --rounds 15 --write
 """
 
 from __future__ import annotations
@@ -41,12 +46,17 @@ import sys
 import warnings
 from pathlib import Path
 
+import re
+
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax import lax
 
-from benchmarks.harness import Row, format_rows, measure
+from benchmarks.harness import Row, compile_stats, format_rows, measure
 from rewrite import AnalyticCost, rewrite
 from rewrite.cost.program import Program
+from rulesets._sincos import stored_sin
 from rulesets.derivatives import derivatives, derivatives_fastmath
 
 B, C = 32, 64
@@ -92,6 +102,135 @@ seed_shared.defvjp(lambda x, a: (seed(x, a), (x, a)), _shared_bwd)
 
 def seed_floor(x, a, g):
     return g * jnp.sin(a * x) * jnp.cos(a * x), (g * x).sum((0, 1))
+
+
+# ---------------------------------------------------------------------- seed 000's VJP in other forms (``--forms``)
+# Each takes (x, a, g) and computes JAX's VJP of ``seed``, op for op, from ``sin(ax)`` and ``cos(ax)`` obtained
+# differently: what each makes XLA:CPU compute and store is the question (benchmarks/results/derivatives_forms.md).
+def _seed_terms(x, a, g, s, c):
+    """JAX's ``t`` (``grad x / a``) and ``u`` (``a``'s second summand) from ``s = sin(ax)``, ``c = cos(ax)``."""
+    return ((g * (1 / a)) * (s * 2)) * c, (g * (1 / (a * a))) * (s * s)
+
+
+def _seed_grads(x, a, t, u):
+    return a * t, (t * x).sum((0, 1)) - u.sum((0, 1))
+
+
+def _tiny(v):
+    return np.asarray(np.finfo(v.dtype).tiny, v.dtype)
+
+
+def form_stored_sin(x, a, g):
+    """The rewrite's program by hand (``trig_sin_stored``): ``sin`` stored once as a ``select``, ``cos`` beside it."""
+    ax = a * x
+    return _seed_grads(x, a, *_seed_terms(x, a, g, stored_sin(ax), jnp.cos(ax)))
+
+
+def form_one_sum(x, a, g):
+    """``form_stored_sin`` with ``a``'s two sums as one (one library reduction, not bit for bit: the sums' order)."""
+    ax = a * x
+    t, u = _seed_terms(x, a, g, stored_sin(ax), jnp.cos(ax))
+    return a * t, (t * x - u).sum((0, 1))
+
+
+def form_complex_pair(x, a, g):
+    """``t`` and ``u`` from one loop of ``sin`` and ``cos``, as one complex array a ``select`` would store once."""
+    ax = a * x
+    t, u = _seed_terms(x, a, g, jnp.sin(ax), jnp.cos(ax))
+    t0, u0 = _seed_terms(x, a, g, ax, jnp.ones_like(ax))  # sin(ax) = ax and cos(ax) = 1 below the smallest normal
+    z = lax.select(jnp.abs(ax) < _tiny(ax), lax.complex(t0, u0), lax.complex(t, u))
+    return _seed_grads(x, a, jnp.real(z), jnp.imag(z))
+
+
+def form_complex_exp(x, a, g):
+    """``cos`` and ``sin`` as one complex ``exp`` (an operation XLA:CPU counts expensive, so stores once)."""
+    ax = a * x
+    e = jnp.exp(lax.complex(ax * 0, ax))  # exp(+-0) = 1 for finite ax; NaN where sin(ax) and cos(ax) are NaN
+    s = lax.select(jnp.abs(ax) < _tiny(ax), ax, jnp.imag(e))  # imag(e) is +0 at -0 and 0 at subnormals
+    return _seed_grads(x, a, *_seed_terms(x, a, g, s, jnp.real(e)))
+
+
+def loop_sin(x, a, g):
+    return jnp.sin(a * x)
+
+
+def loop_cos(x, a, g):
+    return jnp.cos(a * x)
+
+
+def loop_sin_cos(x, a, g):
+    return jnp.sin(a * x) * jnp.cos(a * x)
+
+
+#: The hand-written forms that compute JAX's VJP of ``seed`` value for value (``tests/test_derivatives.py``).
+SEED_FORMS = {"stored_sin": form_stored_sin, "one_sum": form_one_sum, "complex_pair": form_complex_pair,
+              "complex_exp": form_complex_exp}
+LOOPS = {"sin": loop_sin, "cos": loop_cos, "sin*cos": loop_sin_cos}
+
+
+def kernels(compiled, shape) -> list[str]:
+    """The full-size kernels of a compiled program, in order: ``loop`` or ``library``, with their transcendentals."""
+    text = re.sub(r", metadata=\{[^}]*\}", "", compiled.as_text())
+    bodies = dict(re.findall(r"^%(\S+) \(.*?\{\n(.*?)^\}", text, re.S | re.M))
+    full = "f32[" + ",".join(map(str, shape)) + "]"
+    out = []
+    for line in text[text.index("ENTRY"):].splitlines():
+        m = re.search(r"= (\S+?)\{.*? fusion\(.*calls=%([\w.-]+)", line)
+        if not m or (full not in m.group(1) and "__ynn_fusion" not in line):
+            continue
+        body = bodies.get(m.group(2), "")
+        fns = [f for f in ("sine", "cosine", "exponential") if re.search(rf"\b{f}\(", body)]
+        kind = "library" if "__ynn_fusion" in line else "loop"
+        out.append(kind + (f" ({'+'.join(fns)})" if fns else ""))
+    return out
+
+
+def forms_case(T: int) -> tuple[tuple, dict]:
+    """Seed 000's arguments at ``T`` and the programs ``--forms`` times: JAX's VJP (twice: the A/A control), the
+    rewrite's, the hand-written forms, and, not VJPs, ``fastmath``'s and ``floor``."""
+    vs = {"jax": as_vjp(seed), "jax (A/A)": as_vjp(lambda x, a: seed(x, a)),
+          "rewritten": as_vjp(rewrite(seed, rulesets=[derivatives]))}
+    vs.update(SEED_FORMS)
+    vs["fastmath"] = as_vjp(rewrite(seed, rulesets=[derivatives, derivatives_fastmath]))
+    vs["floor"] = seed_floor
+    return inputs(T), vs
+
+
+def forms_report(sizes: list[int], rounds: int, progress: bool) -> str:
+    say = (lambda s: print(s, file=sys.stderr, flush=True)) if progress else None
+    load = os.getloadavg()
+    lines = [
+        "# Seed 000's VJP in other forms: what XLA:CPU computes and stores",
+        "",
+        f"Generated by `python -m benchmarks.derivatives --forms` on {datetime.date.today().isoformat()}: jax "
+        f"{jax.__version__}, {jax.devices()[0].platform.upper()} ({platform.machine()}, {os.cpu_count()} cores "
+        f"shared; load average {load[0]:.1f} when the run started). {rounds} interleaved rounds a size; `paired` "
+        "is the median over rounds of JAX's time over the form's (`Row.paired`, 90% interval); `jax (A/A)` is "
+        "JAX's VJP compiled apart. `kernels` lists the full-size loops and library (YNN) reductions of the "
+        "compiled program and the transcendentals each computes; XLA:CPU calls libm's `sinf`/`cosf` for each "
+        "element of a `sin`/`cos` (LLVM scalarises its vector `sin`), and one `sincosf` where one loop computes "
+        "both of one argument. `fastmath` and `floor` are not exact VJPs (see derivatives.md).",
+        "",
+    ]
+    for T in sizes:
+        args, vs = forms_case(T)
+        n = args[0].size
+        row = measure(f"seed000 forms T={T}", vs, args, baseline="jax", rounds=rounds, progress=say)
+        lines += [f"## T={T} ({n:,} elements)", "",
+                  "| form | ms | ns/element | paired | transcendentals/element | bytes/element | temp MiB | kernels |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for name, fn in vs.items():
+            st = row.stats[name]
+            med, lo, hi = row.paired(name)
+            ks = kernels(compile_stats(fn, *args)[0], args[0].shape)
+            lines.append(f"| {name} | {row.seconds[name] * 1e3:.2f} | {row.seconds[name] / n * 1e9:.2f} | "
+                         f"{med:.3f} [{lo:.3f}, {hi:.3f}] | {st.transcendentals / n:.0f} | "
+                         f"{st.bytes_accessed / n:.0f} | {st.temp_bytes / 2 ** 20:.1f} | {', '.join(ks)} |")
+        loops = measure(f"loops T={T}", LOOPS, args, baseline="sin", rounds=rounds, progress=say)
+        lines += ["", "One loop over the same elements, writing one array: " + ", ".join(
+            f"`{k}` {loops.seconds[k] / n * 1e9:.2f} ns/element" for k in LOOPS) + ".", ""]
+    lines.append(f"Load average at the end: {os.getloadavg()[0]:.1f}.")
+    return "\n".join(lines) + "\n"
 
 
 # ---------------------------------------------------------------------- two more functions
@@ -254,16 +393,18 @@ def report(seed_rows, other_rows, step_rows, preds, rounds: int, load: tuple) ->
         "",
         "## Reading the results",
         "",
-        "* On XLA:CPU `sin` and `cos` cost about 4.5 ns per element each, and about 5 ns together when one loop "
-        "computes both of one argument (LLVM merges them); a multiply or an `exp` is nearly free next to them. "
-        "Speed is therefore the number of loops that evaluate `sin`/`cos`, times the elements.",
-        "* XLA:CPU fuses no loop with two outputs of different shapes, and its library (YNN) reductions take no "
-        "transcendental: a `sin` feeding a reduction is computed in a loop of its own and stored, and every other "
-        "loop that needs it recomputes it. A VJP of this function must produce the full-size `grad x` "
-        "(needs `sin(ax)cos(ax)`) and a reduction of `g*sin(ax)**2`: two loops with transcendentals, whatever the "
-        "algebra. JAX's VJP already has exactly two (`sin`, then `sin`+`cos` merged); the best a rewrite can do is "
-        "two cheaper ones (`sin(ax)` and `sin(2ax)`), and `sin(2ax)` has larger arguments, so it is not cheaper.",
-        "* `floor` has one such loop and is ~1.9x faster: that is the figure quoted in the issue, and it is not a "
+        "* On XLA:CPU `sin` and `cos` are libm calls, `sinf`/`cosf` for every element (LLVM scalarises the vector "
+        "`sin` XLA emits; the loop's object code calls them), and one `sincosf` (about 1.25x one of them) where one "
+        "loop computes both of one argument; a multiply or an `exp` (XLA's own vectorised polynomial) is nearly free "
+        "next to them. Speed is the libm calls an element, times the elements.",
+        "* XLA:CPU fuses no loop with two outputs, recomputes `sin` and `cos` in every loop that reads them (it "
+        "counts them cheap), and its library (YNN) reductions take no transcendental. JAX's VJP computes `sin` in "
+        "a loop of its own, stored for `a`'s reduction, and `sin` and `cos` (one `sincosf`) in the gradient's loop. "
+        "The rewrite (`trig_sin_stored`) stores `sin` once as a `select` and computes `cos` alone beside it: "
+        "`sinf` + `cosf` against `sinf` + `sincosf`. One `sincosf` an element would need one loop to write both "
+        "`grad x` and what `a`'s reduction reads; `--forms` (derivatives_forms.md) measures the forms tried.",
+        "* `floor` has one loop of `sin` and `cos` (one `sincosf` an element) and is ~1.9x faster: that is the "
+        "figure quoted in the issue, and it is not a "
         "VJP of this function (it drops the `sin(ax)**2` term of the gradient of `a`). The issue's target of 1.5x "
         "over JAX's VJP is out of reach on this backend for any program that computes the gradient.",
         "* The hand-derived VJPs are slower than JAX's: each computes the reduction from `sin`/`cos` it must "
@@ -311,7 +452,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--sizes", default="512,1024,2048,4096,8192,16384")
     ap.add_argument("--write", action="store_true", help="write benchmarks/results/derivatives.md and .json")
     ap.add_argument("--progress", action="store_true")
+    ap.add_argument("--forms", action="store_true",
+                    help="time seed 000's VJP in other forms instead (with --write: results/derivatives_forms.md)")
     args = ap.parse_args(argv)
+    if args.forms:
+        text = forms_report([int(s) for s in args.sizes.split(",")], args.rounds, args.progress)
+        print(text)
+        if args.write:
+            (Path(__file__).resolve().parent / "results" / "derivatives_forms.md").write_text(text)
+        return
     load = os.getloadavg()
     sizes = [int(s) for s in args.sizes.split(",")]
     seed_rows, other_rows, step_rows, preds = run(args.rounds, sizes, args.progress)

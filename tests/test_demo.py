@@ -27,8 +27,9 @@ def test_smoke_run_writes_report_and_plots(tmp_path, capsys):
         assert row["variants"]["standard"]["temp_bytes"] >= 0
         for name in names:  # every variant is in the report's table for its case
             assert f"| {name} |" in report
-    for variant in demo.SEED000_VARIANTS:
+    for variant in (*demo.SEED000_VARIANTS, demo.AA):
         assert f"| {variant} |" in report
+    assert "| A/A |" in report.splitlines()[report.splitlines().index("## Summary") + 2]  # the noise band's column
     # the explain section shows which rules fired
     assert "rules fired" in report and "lift_independent" in report
     assert "/work/" not in report and str(tmp_path) not in report  # nothing of this machine's paths

@@ -419,6 +419,49 @@ def test_seed_vjp_under_the_default_packs_gives_jax_vjp_values(dtype, scale, whe
                 np.testing.assert_allclose(p, q, rtol=1e-5, atol=1e-5 * float(jnp.abs(q).max()))
 
 
+
+def _bits(v):
+    """The bit patterns of a float array, every NaN as one (so ``-0.0`` and ``0.0`` differ, NaN payloads do not)."""
+    v = np.asarray(v)
+    return np.where(np.isnan(v), np.array(np.nan, v.dtype), v).view(f"u{v.dtype.itemsize}")
+
+
+@settings(max_examples=20, deadline=None)
+@given(dtype=st.sampled_from(["float32", "float64"]),
+       where=st.lists(st.tuples(st.integers(0, 3), st.integers(0, 32 * 8 * 64 - 1), _SEED_SPECIALS), max_size=6))
+def test_the_seed_forms_benchmarks_time_are_jax_vjp(dtype, where):
+    """``benchmarks/derivatives.py``'s hand-written forms of the seed's VJP (``--forms``: one ``sin`` stored as a
+    ``select``, ``t`` and ``u`` as one complex array, ``sin`` and ``cos`` from one complex ``exp``) compute JAX's VJP
+    bit for bit under ``jit``, with zeros, infinities, NaN, 3e38 and subnormals among the inputs; ``one_sum`` (a's
+    two sums as one) has ``grad x`` bit for bit and ``grad a`` as :func:`_same_or_as_close` allows a changed sum."""
+    from benchmarks.derivatives import SEED_FORMS
+
+    with jax.enable_x64(True):
+        dt = jnp.dtype(dtype)
+        x, a, g = (np.array(v, np.float64) for v in _seed_args(jnp.float64))
+        tiny = float(jnp.finfo(dt).tiny)
+        x.flat[:12] = [0.0, -0.0, math.inf, -math.inf, math.nan, 3e38, -3e38, tiny, -tiny / 3, tiny / 2 ** 20,
+                       1e-45, -1.5e-323]  # in every example: the values the forms' selects are for, and their edges
+        for arg, i, v in where:
+            target = (x, g, a, a)[arg]
+            target.flat[i % target.size] = v
+        ref = jax.jit(seed_vjp)(x, a, g)
+        x, a, g = (jnp.asarray(v, dt) for v in (x, a, g))
+        want = jax.jit(seed_vjp)(x, a, g)
+        for name, form in SEED_FORMS.items():
+            got = jax.jit(form)(x, a, g)
+            np.testing.assert_array_equal(_bits(got[0]), _bits(want[0]), err_msg=name)
+            if name == "one_sum":  # as close to the float64 evaluation as JAX's, plus the rounding of a changed sum
+                p, q, r = (np.asarray(v, np.float64) for v in (got[1], want[1], ref[1]))
+                np.testing.assert_array_equal(np.isfinite(p), np.isfinite(q), err_msg=name)
+                np.testing.assert_array_equal(np.isnan(p), np.isnan(q), err_msg=name)
+                ok = np.isfinite(q) & np.isfinite(r)
+                scale = np.abs(r[ok]).max(initial=0.0)
+                assert np.all(np.abs(p - r)[ok] <= np.abs(q - r)[ok] + 64 * float(jnp.finfo(dt).eps) * scale), name
+            else:
+                np.testing.assert_array_equal(_bits(got[1]), _bits(want[1]), err_msg=name)
+
+
 def _gelu_chain(x, t, g):
     """The tanh-GELU's derivative term as jax 0.11+ traces it: tanh's factor one product (``one_minus_square``),
     so the ``x`` of ``x * (...)`` and the ``3 x^2`` of ``d(x^3)`` meet in one chain of products."""
