@@ -642,3 +642,76 @@ def test_a_step_s_loss_as_written_is_traced_once_for_its_proof_and_its_decision(
     again = rewrite(step, rulesets=[rulesets.nn], cache=False).result(h, w, y)
     assert len(traced) == 2 + 3 and same_program(again.after, res.after), len(traced)
     assert again.step.decided == res.step.decided, (again.step.decided, res.step.decided)
+
+
+# helpers for the fingerprint tests below: module-level, as a pack's helpers are
+_TABLE: dict = {}
+
+
+def _shared_helper(x):
+    return _even(x) or _odd(x)
+
+
+def _tabled(x):
+    return _TABLE.get(x, _shared_helper(x))
+
+
+def _even(n):
+    return n == 0 or _odd(n - 1)
+
+
+def _odd(n):
+    return n != 0 and _even(n - 1)
+
+
+def _rule_a(m):
+    return _shared_helper(m) + 1
+
+
+def _rule_b(m):
+    return _shared_helper(m) * 2
+
+
+def _rule_c(m):
+    return _tabled(m) - 1
+
+
+_TABLE["rule"] = _rule_c  # a cycle through a container: the table reaches a rule that reads the table
+
+
+def test_rules_fingerprinted_together_walk_their_shared_helpers_once(monkeypatch):
+    """A process's first cache key fingerprints every rule, and a pack's rules share its helpers: with the memo
+    that ``rules_fingerprint`` passes, a helper two rules read is walked once, and each rule's digest is the one it
+    has fingerprinted alone (recursion, mutual recursion and a cycle through a module's table included)."""
+    from rewrite.cache import fingerprint as fp
+
+    walked: collections.Counter = collections.Counter()
+    body = getattr(fp._Walker, "_function_body", None) or fp._Walker._function
+
+    def counted(self, fn):
+        walked[fn.__name__] += 1
+        return body(self, fn)
+
+    monkeypatch.setattr(fp._Walker, "_function_body" if hasattr(fp._Walker, "_function_body") else "_function",
+                        counted)
+    rules = (_rule_a, _rule_b, _rule_c, _tabled, _even, _odd)
+    alone = [fp.fingerprint(("rule", f)) for f in rules]
+    walked.clear()
+    memo: dict = {}
+    together = [fp.fingerprint(("rule", f), memo) for f in rules]
+    assert together == alone
+    assert walked["_shared_helper"] == 1, walked
+    assert len(set(alone)) == len(rules)
+    # the digests of a walk in another order, where the memo holds functions first reached below others
+    memo = {}
+    backwards = [fp.fingerprint(("rule", f), memo) for f in reversed(rules)][::-1]
+    assert backwards == alone
+    # every rule of the packs the benchmarks use: the same digest with the memo as alone
+    from rewrite.cache.key import _RULES, rule_fingerprint
+
+    entries = rewrite(lambda x: x, rulesets=[rulesets.nn, rulesets.scan, rulesets.algebra]).entries
+    memo = {}
+    shared = [rule_fingerprint(r, memo) for r, _ in entries]
+    for r, _ in entries:
+        _RULES.pop(r, None)
+    assert [rule_fingerprint(r) for r, _ in entries] == shared

@@ -52,23 +52,26 @@ def _version(dist: str) -> str:
 _RULES: "weakref.WeakKeyDictionary[Any, str]" = weakref.WeakKeyDictionary()
 
 
-def rule_fingerprint(rule: Any) -> str:
+def rule_fingerprint(rule: Any, memo: dict | None = None) -> str:
     """A rule's code: its two sides, its guard and its example (and its anchor, which decides the operand orders
-    it matches). Raises :class:`Unstable`."""
+    it matches). Raises :class:`Unstable`. ``memo``: :func:`rewrite.cache.fingerprint.fingerprint`'s, shared by
+    rules fingerprinted together (the digest is the same with it or without it)."""
     found = _RULES.get(rule)
     if found is None:
         found = _RULES[rule] = fingerprint(("rule", rule.name, rule.lhs, rule.rhs, rule.when, rule.example,
                                             rule.program) + (("prefer",) if getattr(rule, "prefer", False) else ())
-                                           + ((("anchor", rule.anchor),) if getattr(rule, "anchor", None) else ()))
+                                           + ((("anchor", rule.anchor),) if getattr(rule, "anchor", None) else ()),
+                                           memo)
     return found
 
 
 def rules_fingerprint(entries: Sequence[tuple[Any, Any]]) -> str:
     """Every rule in order, with its ruleset's soundness class, tolerance and back-off. Raises :class:`Unstable`."""
     parts = []
+    memo: dict = {}  # a pack's rules share its helpers: each is walked once for all of them
     for r, owner in entries:
         try:
-            parts.append((rule_fingerprint(r), owner.soundness, fingerprint(owner.tolerance),
+            parts.append((rule_fingerprint(r, memo), owner.soundness, fingerprint(owner.tolerance),
                           fingerprint(owner.limits), getattr(owner, "min_saving", 0.0))
                          + (("recomputes",) if getattr(owner, "recomputes", False) else ())
                          + (("jointly",) if getattr(owner, "jointly", False) else ()))

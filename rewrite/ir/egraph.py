@@ -521,6 +521,7 @@ class Snapshot:
         self._parents: dict[Any, list[tuple]] | None = None
         self._matches: dict[str, dict[Any, list[tuple]]] = {}
         self._facts: dict[str, frozenset] = {}
+        self._avals: dict[Any, Any] = {}  # class -> aval, as read (a copy, ``without``, shares it: the same classes)
 
     @functools.cached_property
     def num_rows(self) -> int:
@@ -555,7 +556,10 @@ class Snapshot:
         return self.egraph.vtype[self.name_of_cls[cls]]
 
     def aval(self, cls: Any) -> Any:
-        return TYPES[self.type_id(cls)]
+        found = self._avals.get(cls)  # asked for most classes many times over (an extraction's pricing)
+        if found is None:
+            found = self._avals[cls] = TYPES[self.egraph.vtype[self.name_of_cls[cls]]]
+        return found
 
     def without(self, drop: Callable[[Any, tuple], bool]) -> "Snapshot":
         """A copy of this snapshot whose node table leaves out the nodes ``drop(cls, node)`` names

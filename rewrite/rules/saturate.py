@@ -49,7 +49,8 @@ class _Active:
     rule: Rule
     ruleset: Ruleset
     relations: list[tuple[tuple[str, int], list[tuple[str, str]]]]  # (relation, query id), binds (var, sort)
-    seen: set = dataclasses.field(default_factory=set)
+    #: the matches acted on for good, by relation: each its row (the query's bindings)
+    seen: dict = dataclasses.field(default_factory=dict)
     allowance: int = 0
     ban_length: int = 0
     banned_until: int = -1
@@ -255,7 +256,11 @@ class Engine:
                     waiting = True
                     continue
                 seen, pending = act.seen, act.pending
-                new = [(rel, binds, r) for rel, binds in act.relations for r in matches(*rel) if (rel, r) not in seen]
+                new = []
+                for rel, binds in act.relations:
+                    done = seen.get(rel)
+                    new += ([(rel, binds, r) for r in matches(*rel) if r not in done] if done
+                            else [(rel, binds, r) for r in matches(*rel)])
                 if not new and not act.retry:
                     continue
                 retry, act.retry = act.retry, []
@@ -279,7 +284,8 @@ class Engine:
                 t = time.perf_counter()
                 for rel, binds, inputs in new + retry:
                     if rel is not None and act.symmetries and self._mirrored(act, inputs):
-                        act.seen.add((rel, tuple(inputs)))  # its mirror image was acted on: the same program
+                        # its mirror image was acted on: the same program
+                        seen.setdefault(rel, set()).add(tuple(inputs))
                         continue
                     now = time.perf_counter()
                     self.builder.deadline = min(end, now + share - stats.seconds - (now - t))
@@ -288,7 +294,7 @@ class Engine:
                         if rel is not None:  # (a retried match is seen already)
                             key = (rel, tuple(inputs))
                             if settled:
-                                act.seen.add(key)
+                                seen.setdefault(rel, set()).add(key[1])
                                 pending.discard(key)
                             elif act.rule.anchor is not None:
                                 pending.add(key)
