@@ -876,3 +876,24 @@ def test_the_emitters_checkpoint_policy_is_written():
     assert str(back) == str(closed)
     np.testing.assert_array_equal(jax.grad(lambda x: core.jaxpr_as_fun(back)(x)[0].sum())(jnp.ones(3)),
                                   jax.grad(lambda x: core.jaxpr_as_fun(closed)(x)[0].sum())(jnp.ones(3)))
+
+
+def test_a_rules_key_does_not_depend_on_what_the_process_rewrote_before():
+    """A rule's fingerprint walks the rules its functions reach; those cache their sides' traces per shape (and
+    their symmetries) as they are used. Such caches were walked: the nn pack's rules read other keys after a
+    rewrite had used them (9 of its 22 rules), so a process that rewrote something first missed the entries
+    another had stored."""
+    import rulesets
+    from rewrite.cache.key import _RULES, rule_fingerprint
+    from tests.corpus import binary_cross_entropy as bce
+
+    entries = [r for r, _ in rewrite(lambda x: x, rulesets=[rulesets.nn]).entries]
+    for r in entries:
+        _RULES.pop(r, None)
+    before = [rule_fingerprint(r) for r in entries]
+    z, t = jnp.linspace(-3.0, 3.0, 7), jnp.full(7, 0.25)
+    rewrite(bce, rulesets=[rulesets.nn], cache=False)(z, t)
+    jax.grad(lambda z: rewrite(bce, rulesets=[rulesets.nn], cache=False)(z, t[:3]).sum())(z[:3])  # other shapes
+    for r in entries:
+        _RULES.pop(r, None)
+    assert [rule_fingerprint(r) for r in entries] == before

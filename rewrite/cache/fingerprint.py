@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import hashlib
 import logging
 import os
@@ -47,6 +48,12 @@ _WHERE_DEFINED = 0x10 | 0x40  # CO_NESTED, CO_NOFREE
 #: The kinds of synchronisation object a function may hold: its output never depends on their state.
 _SYNC = tuple({type(threading.Lock()), type(threading.RLock()), threading.Condition, threading.Event,
                threading.Semaphore, threading.Barrier})
+
+
+#: Attributes of this library's objects that cache what their others decide, left out of a walk (as is any
+#: ``functools.cached_property``'s value): a rule a function reaches is the same rule before and after it traced
+#: its sides at new shapes, so a key does not depend on what the process rewrote before.
+_CACHES = {("rewrite.rules.rule", "Rule"): frozenset({"_traced", "_elementwise"})}
 
 
 class Unstable(Exception):
@@ -206,7 +213,9 @@ class _Walker:
         elif cls.__module__ == "functools" and cls.__name__ == "partial":
             self.walk((x.func, x.args, x.keywords))
         elif hasattr(x, "__dict__") and not isinstance(x, type):
-            self.walk({k: v for k, v in vars(x).items()})
+            skip = _CACHES.get((cls.__module__, cls.__qualname__), frozenset())
+            self.walk({k: v for k, v in vars(x).items()
+                       if k not in skip and not isinstance(getattr(cls, k, None), functools.cached_property)})
         else:
             r = repr(x)
             if " at 0x" in r or "object at" in r:
