@@ -179,3 +179,18 @@ def test_each_case_records_what_else_ran_and_the_quiet_pairs_have_their_own_rank
     for r in recs[:3] + recs[4:]:
         r["measured_least"] = r["measured"]
     assert D.rank_figures(recs)["least"] == 1.0 > D.rank_figures(recs)["all"]
+
+
+def test_a_case_timed_again_keeps_the_quieter_timing_and_shows_both():
+    """``--again-above``: a case timed while other processes were busy is timed once more, and the timing with
+    the smaller share of the cores taken by others is kept, both listed in its records (``keep_quieter``)."""
+    rec = lambda case, pair, m, others: {"case": case, "pair": pair, "measured": m, "aa": 1.0,  # noqa: E731
+                                         "load": [1.0, 1.0], "others": others}
+    first = [rec("a", "chosen", 0.9, 0.6), rec("a", "hand", 0.8, 0.6), rec("b", "chosen", 1.1, 0.0)]
+    quieter = D.keep_quieter(first, [rec("a", "chosen", 1.2, 0.1), rec("a", "hand", 1.0, 0.1)])
+    assert [(r["case"], r["pair"], r["measured"]) for r in quieter] == [("a", "chosen", 1.2), ("a", "hand", 1.0),
+                                                                       ("b", "chosen", 1.1)]
+    assert [t["measured"] for t in quieter[0]["timings"]] == [0.9, 1.2]
+    busier = D.keep_quieter(first, [rec("a", "chosen", 1.2, 0.9), rec("a", "hand", 1.0, 0.9)])
+    assert [r["measured"] for r in busier] == [0.9, 0.8, 1.1]  # the first timing was the quieter: kept
+    assert D.keep_quieter(first, []) == first
