@@ -759,8 +759,8 @@ def markdown(records: list[dict], meta: dict) -> str:
                         f"{r['temp_second'] / harness.MiB:.1f} MiB)"
                        for r in for_memory) if for_memory else ""),
         f"- **Spearman rank correlation** of predicted against measured ratio: **{ranks['all']:.2f}** over every pair; "
-        f"{ranks['near']:.2f} over the {ranks['n_near']} pairs predicted within 0.8-1.25x (the decisions that are close "
-        f"calls); over the {ranks['n_quiet']} pairs whose case was timed with the load average under {QUIET_LOAD:g} at "
+        f"{ranks['near']:.2f} over the {ranks['n_near']} pairs predicted within 0.8-1.25x (the decisions that are "
+        f"close calls); over the {ranks['n_quiet']} pairs whose case was timed with the load average under {QUIET_LOAD:g} at "
         f"its start and end (the load column): {ranks['quiet']:.2f}, close calls {ranks['quiet_near']:.2f} "
         f"({ranks['n_quiet_near']})"
         + (f"; against each program's least time over the rounds (`measured_least`, the least disturbed; the "
@@ -778,8 +778,8 @@ def markdown(records: list[dict], meta: dict) -> str:
         lines.append(f"| {r['case']} | {r['pair']} | {r['predicted']:.2f}x | {r['measured']:.2f}x | {r['aa']:.2f}x | "
                      f"{_term(r)} |")
     lines += ["", "## Every pair\n",
-              "Load: the load average (one minute) at the start and end of the case's timing, and in brackets the share "
-              "of the two cores other processes kept busy meanwhile (this process's own threads are in the load "
+              "Load: the load average (one minute) at the start and end of the case's timing, and in brackets the "
+              "share of the two cores other processes kept busy meanwhile (this process's own threads are in the load "
               "average, not in the share).\n",
               "| case | pair | predicted | measured | A/A | first ms | temp | load | |",
               "|---|---|---|---|---|---|---|---|---|"]
@@ -897,8 +897,8 @@ def main(argv: list[str] | None = None) -> None:
                     found.extend(recs)
                     for r in recs:
                         print(f"{r['case']:45s} {r['pair']:40s} predicted {r['predicted']:6.2f}x measured "
-                              f"{r['measured']:6.2f}x A/A {r['aa']:.2f}x load {_load(r)}{'  WRONG' if r['wrong'] else ''}",
-                              flush=True)
+                              f"{r['measured']:6.2f}x A/A {r['aa']:.2f}x load {_load(r)}"
+                              f"{'  WRONG' if r['wrong'] else ''}", flush=True)
                     if not recs:
                         print(f"{d.case.name:45s} ({d.decision}; no pair to time)", flush=True)
                     done.add(d.case.name)
