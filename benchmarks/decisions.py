@@ -510,13 +510,67 @@ def timed(d: "Decided", rounds: int, most: int) -> harness.Row:
                            more=lambda samples: noisy(samples, pairs), most_rounds=most)
 
 
+def _cpu_busy() -> tuple[float, float]:
+    """Seconds of CPU the whole machine and this process have spent busy so far (``/proc/stat``, ``os.times``)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [float(x) for x in f.readline().split()[1:]]
+    except OSError:
+        return math.nan, math.nan
+    hz = os.sysconf("SC_CLK_TCK")
+    own = os.times()
+    return (sum(fields) - fields[3] - (fields[4] if len(fields) > 4 else 0.0)) / hz, own.user + own.system
+
+
+class Contention:
+    """What else ran on the machine while a case was timed: the load average (one minute) at the start and the
+    end, and ``others``, the share of the machine's cores that other processes kept busy on average (the machine's
+    busy CPU time less this process's, over the wall time and the cores). The load average counts this process's
+    own threads (a product on both cores adds 2) and lags by a minute; ``others`` does neither.
+
+    >>> with Contention() as c:
+    ...     pass
+    >>> sorted(c.record())
+    ['load', 'others']
+    """
+
+    def __enter__(self) -> "Contention":
+        import time
+
+        self.load0, (self.busy0, self.own0), self.t0 = os.getloadavg()[0], _cpu_busy(), time.monotonic()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        import time
+
+        busy, own = _cpu_busy()
+        wall = max(time.monotonic() - self.t0, 1e-9)
+        others = ((busy - self.busy0) - (own - self.own0)) / (wall * (os.cpu_count() or 1))
+        self.load = [round(self.load0, 2), round(os.getloadavg()[0], 2)]
+        self.others = round(min(max(others, 0.0), 1.0), 3) if not math.isnan(others) else math.nan
+
+    def record(self) -> dict[str, Any]:
+        return {"load": self.load, "others": self.others}
+
+
+#: a pair counts as measured on a quiet machine when the load average stayed under ``QUIET_LOAD`` through its case
+QUIET_LOAD = 2.0
+
+
+def quiet(rec: dict) -> bool:
+    """Whether the pair's case was timed with the load average under :data:`QUIET_LOAD` at its start and end
+    (records made before the load was recorded are not)."""
+    return bool(rec.get("load")) and max(rec["load"]) < QUIET_LOAD
+
+
 def measure_case(d: Decided, rounds: int, most: int | None = None) -> list[dict]:
     """Time the case's programs interleaved (with an A/A control) and return one record per pair: the measured
     ratio is the median of the per-round ratios (:func:`paired`), in ``rounds`` rounds or, where the case is noisy,
-    up to ``most`` (:func:`timed`; by default :data:`MORE_ROUNDS` times ``rounds``)."""
+    up to ``most`` (:func:`timed`; by default :data:`MORE_ROUNDS` times ``rounds``). Each record keeps what else
+    ran meanwhile (:class:`Contention`)."""
     if not d.pairs:
         return []
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), Contention() as busy:
         warnings.simplefilter("ignore")
         row = timed(d, rounds, most if most is not None else MORE_ROUNDS * rounds)
     aa = paired(row.samples, "original", "aa")[0]
@@ -526,13 +580,47 @@ def measure_case(d: Decided, rounds: int, most: int | None = None) -> list[dict]
         rec = {"case": p.case, "pair": p.name, "kind": p.kind, "source": d.case.source, "mode": d.case.mode,
                "decision": d.decision, "predicted": p.predicted, "prefers": p.prefers, "measured": measured,
                "measured_medians": row.seconds[p.first] / row.seconds[p.second],
+               # the least time of each over the rounds (the least disturbed): an estimator that a busy machine
+               # moves less than the median, kept beside it to compare (not the headline's)
+               "measured_least": min(row.samples[p.first]) / min(row.samples[p.second]),
                "aa": aa, "noise": abs(1.0 - aa), "spread": spread,
                "ms_first": row.seconds[p.first] * 1e3, "ms_second": row.seconds[p.second] * 1e3,
                "temp_first": row.stats[p.first].temp_bytes, "temp_second": row.stats[p.second].temp_bytes,
                "predicted_temp_first": p.predicted_temp[0], "predicted_temp_second": p.predicted_temp[1],
-               "drivers": [list(t) for t in p.drivers], "rounds": row.rounds}
+               "drivers": [list(t) for t in p.drivers], "rounds": row.rounds, **busy.record()}
         rec["wrong"] = wrong_side(rec)
         out.append(rec)
+    return out
+
+
+def keep_quieter(records: list[dict], again: list[dict]) -> list[dict]:
+    """``records`` with each case timed ``again`` replaced by the timing during which other processes kept the
+    smaller share of the cores busy (:class:`Contention`); each pair of such a case lists both timings
+    (``timings``), so the choice stays visible. Cases not timed again are kept as they are, in their order.
+
+    >>> first = [{"case": "a", "pair": "chosen", "measured": 0.9, "aa": 1.0, "load": [3, 3], "others": 0.6},
+    ...          {"case": "b", "pair": "chosen", "measured": 1.1, "aa": 1.0, "load": [1, 1], "others": 0.0}]
+    >>> again = [{"case": "a", "pair": "chosen", "measured": 1.2, "aa": 1.0, "load": [1, 1], "others": 0.1}]
+    >>> [(r["case"], r["measured"], len(r.get("timings", []))) for r in keep_quieter(first, again)]
+    [('a', 1.2, 2), ('b', 1.1, 0)]
+    """
+    by_case: dict[str, list[dict]] = {}
+    for r in again:
+        by_case.setdefault(r["case"], []).append(r)
+    out: list[dict] = []
+    for r in records:
+        if r["case"] not in by_case:
+            out.append(r)
+            continue
+        if any(x["case"] == r["case"] for x in out):  # the case's records are already in
+            continue
+        first = [x for x in records if x["case"] == r["case"]]
+        second = by_case[r["case"]]
+        quieter = second if second[0].get("others", 1.0) < first[0].get("others", 1.0) else first
+        for x in quieter:
+            x["timings"] = [{k: y.get(k) for k in ("measured", "aa", "load", "others")}
+                            for y in first + second if y["pair"] == x["pair"]]
+        out.extend(quieter)
     return out
 
 
@@ -590,19 +678,47 @@ def _term(rec: dict) -> str:
     return "; ".join(parts) or "-"
 
 
+def _load(rec: dict) -> str:
+    """The load average at the case's start and end, and the share of the cores other processes kept busy."""
+    if not rec.get("load"):
+        return "-"
+    others = rec.get("others", math.nan)
+    return (f"{rec['load'][0]:.1f}-{rec['load'][1]:.1f}"
+            + (f" ({others:.0%})" if isinstance(others, (int, float)) and not math.isnan(others) else "")
+            + (", the quieter of " + " and ".join(f"{t['measured']:.2f}x ({t['others']:.0%})" for t in rec["timings"])
+               if len(rec.get("timings", [])) > 1 else ""))
+
+
 def _row(rec: dict) -> str:
     mem = rec["temp_second"] / rec["temp_first"] if rec["temp_first"] else math.nan
     return (f"| {rec['case']} | {rec['pair']} | {rec['predicted']:.2f}x | {rec['measured']:.2f}x | {rec['aa']:.2f}x | "
-            f"{rec['ms_first']:.2f} | {'x' + format(mem, '.2f') if not math.isnan(mem) else '-'} | "
+            f"{rec['ms_first']:.2f} | {'x' + format(mem, '.2f') if not math.isnan(mem) else '-'} | {_load(rec)} | "
             f"{'**wrong**' if rec['wrong'] else ''} |")
 
 
-def markdown(records: list[dict], meta: dict) -> str:
-    pred = [math.log(r["predicted"]) for r in records]
-    meas = [math.log(r["measured"]) for r in records]
-    rho = spearman(pred, meas)
+def rank_figures(records: Sequence[dict]) -> dict[str, Any]:
+    """Spearman's rank correlation of predicted against measured ratios over every pair, over the close calls
+    (predicted within 0.8-1.25x), and over the pairs timed on a quiet machine (:func:`quiet`), with their counts.
+
+    >>> recs = [{"predicted": p, "measured": m, "load": [l, l]} for p, m, l in
+    ...         ((1.0, 1.0, 1.0), (2.0, 2.1, 1.0), (3.0, 2.9, 1.5), (1.1, 0.5, 4.0))]
+    >>> f = rank_figures(recs)
+    >>> round(f["all"], 2), f["quiet"], f["n_quiet"]
+    (0.8, 1.0, 3)
+    """
+    def rho(rows: Sequence[dict]) -> float:
+        return spearman([math.log(r["predicted"]) for r in rows], [math.log(r["measured"]) for r in rows])
+
     near = [r for r in records if 0.8 <= r["predicted"] <= 1.25]
-    rho_near = spearman([math.log(r["predicted"]) for r in near], [math.log(r["measured"]) for r in near])
+    calm = [r for r in records if quiet(r)]
+    least = [{**r, "measured": r["measured_least"]} for r in records if r.get("measured_least")]
+    return {"all": rho(records), "near": rho(near), "n_near": len(near), "quiet": rho(calm), "n_quiet": len(calm),
+            "quiet_near": rho([r for r in calm if r in near]), "n_quiet_near": sum(1 for r in calm if r in near),
+            "least": rho(least), "n_least": len(least)}
+
+
+def markdown(records: list[dict], meta: dict) -> str:
+    ranks = rank_figures(records)
     errors = sorted(abs(math.log(r["measured"] / r["predicted"])) for r in records)
     band = {q: math.exp(errors[min(len(errors) - 1, int(q * len(errors)))]) - 1 for q in (0.5, 0.8, 0.9)}
     for r in records:
@@ -642,8 +758,13 @@ def markdown(records: list[dict], meta: dict) -> str:
            + ", ".join(f"{r['case']} {r['pair']} ({r['measured']:.2f}x, temp {r['temp_first'] / harness.MiB:.1f} -> "
                         f"{r['temp_second'] / harness.MiB:.1f} MiB)"
                        for r in for_memory) if for_memory else ""),
-        f"- **Spearman rank correlation** of predicted against measured ratio: **{rho:.2f}** over every pair; "
-        f"{rho_near:.2f} over the {len(near)} pairs predicted within 0.8-1.25x (the decisions that are close calls)",
+        f"- **Spearman rank correlation** of predicted against measured ratio: **{ranks['all']:.2f}** over every pair; "
+        f"{ranks['near']:.2f} over the {ranks['n_near']} pairs predicted within 0.8-1.25x (the decisions that are "
+        f"close calls); over the {ranks['n_quiet']} pairs whose case was timed with the load average under {QUIET_LOAD:g} at "
+        f"its start and end (the load column): {ranks['quiet']:.2f}, close calls {ranks['quiet_near']:.2f} "
+        f"({ranks['n_quiet_near']})"
+        + (f"; against each program's least time over the rounds (`measured_least`, the least disturbed; the "
+           f"{ranks['n_least']} pairs that record it) {ranks['least']:.2f}" if ranks["n_least"] else ""),
         f"- the model's error (measured over predicted, either way): median {band[0.5]:.0%}, 80th percentile "
         f"{band[0.8]:.0%}, 90th {band[0.9]:.0%}",
         f"- preferred programs that hold more temp memory than the first (by 1% and 64 KiB): {len(grew)}"
@@ -657,7 +778,11 @@ def markdown(records: list[dict], meta: dict) -> str:
         lines.append(f"| {r['case']} | {r['pair']} | {r['predicted']:.2f}x | {r['measured']:.2f}x | {r['aa']:.2f}x | "
                      f"{_term(r)} |")
     lines += ["", "## Every pair\n",
-              "| case | pair | predicted | measured | A/A | first ms | temp | |", "|---|---|---|---|---|---|---|---|"]
+              "Load: the load average (one minute) at the start and end of the case's timing, and in brackets the "
+              "share of the two cores other processes kept busy meanwhile (this process's own threads are in the load "
+              "average, not in the share).\n",
+              "| case | pair | predicted | measured | A/A | first ms | temp | load | |",
+              "|---|---|---|---|---|---|---|---|---|"]
     lines += [_row(r) for r in records]
     return "\n".join(lines) + "\n"
 
@@ -723,6 +848,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--skip", default="", help="cases decided and recorded but not timed (a program XLA compiles for minutes)")
     ap.add_argument("--chosen-only", action="store_true", help="time no declined pair (a forced program XLA "
                     "compiles for minutes); the golden decisions still record every pair's side")
+    ap.add_argument("--again-above", type=float, default=1.0, help="time once more, at the end, each case timed while "
+                    "other processes kept more than this share of the cores busy (decisions.Contention), and keep the "
+                    "quieter of its two timings (both in the record's timings); default 1: never")
     ap.add_argument("--resume", action="store_true", help=f"keep the cases already timed in {PARTIAL.name} and time the rest")
     opts = ap.parse_args(argv)
     names = [n for n in opts.cases.split(",") if n]
@@ -748,34 +876,45 @@ def main(argv: list[str] | None = None) -> None:
         saved = json.loads(PARTIAL.read_text())
         records, done = saved["records"], set(saved["done"])
     timed = [c for c in chosen if c.name not in skip and c.name not in done]
-    # rewritten outside the lock, a chunk of cases at a time, then timed holding it
-    for start in range(0, len(timed), opts.chunk):
-        decided = []
-        for case in timed[start:start + opts.chunk]:
-            try:
-                decided.append(decide(case, declined=not opts.chosen_only))
-            except Exception as e:  # a case that fails to build is reported, not hidden
-                print(f"{case.name}: FAILED to decide: {type(e).__name__}: {e}", flush=True)
-        with holding(opts.lock):
-            for d in decided:
+
+    def run(cases: Sequence[Case]) -> list[dict]:
+        """Decide and time ``cases``: rewritten outside the lock, a chunk of cases at a time, then timed holding it."""
+        found: list[dict] = []
+        for start in range(0, len(cases), opts.chunk):
+            decided = []
+            for case in cases[start:start + opts.chunk]:
                 try:
-                    recs = measure_case(d, rounds, opts.most_rounds or None)
-                except Exception as e:
-                    print(f"{d.case.name}: FAILED to run: {type(e).__name__}: {e}", flush=True)
-                    continue
-                records.extend(recs)
-                for r in recs:
-                    print(f"{r['case']:45s} {r['pair']:40s} predicted {r['predicted']:6.2f}x measured "
-                          f"{r['measured']:6.2f}x A/A {r['aa']:.2f}x{'  WRONG' if r['wrong'] else ''}", flush=True)
-                if not recs:
-                    print(f"{d.case.name:45s} ({d.decision}; no pair to time)", flush=True)
-                done.add(d.case.name)
-                PARTIAL.write_text(json.dumps({"records": records, "done": sorted(done)}, default=float))
-        del decided
-        jax.clear_caches()
+                    decided.append(decide(case, declined=not opts.chosen_only))
+                except Exception as e:  # a case that fails to build is reported, not hidden
+                    print(f"{case.name}: FAILED to decide: {type(e).__name__}: {e}", flush=True)
+            with holding(opts.lock):
+                for d in decided:
+                    try:
+                        recs = measure_case(d, rounds, opts.most_rounds or None)
+                    except Exception as e:
+                        print(f"{d.case.name}: FAILED to run: {type(e).__name__}: {e}", flush=True)
+                        continue
+                    found.extend(recs)
+                    for r in recs:
+                        print(f"{r['case']:45s} {r['pair']:40s} predicted {r['predicted']:6.2f}x measured "
+                              f"{r['measured']:6.2f}x A/A {r['aa']:.2f}x load {_load(r)}"
+                              f"{'  WRONG' if r['wrong'] else ''}", flush=True)
+                    if not recs:
+                        print(f"{d.case.name:45s} ({d.decision}; no pair to time)", flush=True)
+                    done.add(d.case.name)
+                    PARTIAL.write_text(json.dumps({"records": records + found, "done": sorted(done)}, default=float))
+            del decided
+            jax.clear_caches()
+        return found
+
+    records.extend(run(timed))
+    if opts.again_above < 1.0:  # the cases timed while other processes were busy, once more at the end
+        busy = {r["case"] for r in records if r.get("others", 0.0) > opts.again_above}
+        records[:] = keep_quieter(records, run([c for c in timed if c.name in busy]))
     meta = {"command": "python -m benchmarks.decisions" + (" --quick" if opts.quick else "")
             + (f" --cases {opts.cases}" if names else "") + (f" --rounds {opts.rounds}" if opts.rounds else "")
-            + (" --chosen-only" if opts.chosen_only else ""),
+            + (" --chosen-only" if opts.chosen_only else "")
+            + (f" --again-above {opts.again_above:g}" if opts.again_above < 1.0 else ""),
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "machine": platform.processor() or platform.machine(), "device": jax.devices()[0].device_kind,
             "jax": jax.__version__, "rounds": rounds, "most_rounds": opts.most_rounds or MORE_ROUNDS * rounds,

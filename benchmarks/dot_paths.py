@@ -16,6 +16,7 @@ to the recorded grid)::
 
     python -m benchmarks.dot_paths --lock LOCKFILE              # the grid, a few minutes
     python -m benchmarks.dot_paths --lock LOCKFILE --write      # and benchmarks/results/dot_paths.md/.json
+    python -m benchmarks.dot_paths --lock LOCKFILE --tiles      # a product whole against it in tiles (measure_tiles)
 """
 
 from __future__ import annotations
@@ -100,6 +101,72 @@ def measure_shape(batch: int, k: int, m: int, n: int, trips: int, rounds: int) -
             "major_on_library_path": "ynn" in entry}
 
 
+#: (N, C, V) of :func:`measure_tiles`: the LM heads of ``benchmarks/decisions.py`` (``lm_head_*_small``) and one four
+#: times as many tokens
+TILE_SHAPES = ((512, 256, 8192), (2048, 256, 8192))
+TILES = (2, 4, 16)
+
+
+def _whole(h: jax.Array, w: jax.Array) -> jax.Array:
+    return jax.nn.logsumexp(h @ w, axis=1).sum()
+
+
+def _vocab_tiles(t: int) -> Any:
+    """The head over ``t`` vocabulary tiles, a ``scan`` carrying each row's running max and sum (the nn pack's form)."""
+    def f(h: jax.Array, w: jax.Array) -> jax.Array:
+        c, v = w.shape
+
+        def body(carry: tuple, wi: jax.Array) -> tuple:
+            m, s = carry
+            z = h @ wi
+            m2 = jnp.maximum(m, z.max(1))
+            return (m2, s * jnp.exp(m - m2) + jnp.exp(z - m2[:, None]).sum(1)), None
+        start = (jnp.full((h.shape[0],), -jnp.inf), jnp.zeros((h.shape[0],)))
+        (m, s), _ = lax.scan(body, start, w.reshape(c, t, v // t).transpose(1, 0, 2))
+        return (m + jnp.log(s)).sum()
+    return f
+
+
+def _token_tiles(t: int) -> Any:
+    """The head over ``t`` blocks of tokens, a ``scan`` (the hand-written chunked form's)."""
+    def f(h: jax.Array, w: jax.Array) -> jax.Array:
+        n, c = h.shape
+        return lax.scan(lambda acc, hi: (acc + jax.nn.logsumexp(hi @ w, axis=1).sum(), None), jnp.float32(0.0),
+                        h.reshape(t, n // t, c))[0]
+    return f
+
+
+def measure_tiles(n: int, c: int, v: int, rounds: int) -> list[dict]:
+    """One ``[n, c] x [c, v]`` product and its rows' logsumexp against the same in :data:`TILES` vocabulary tiles and
+    token blocks, timed interleaved with an A/A control, beside the cost model's prediction (with its memory term,
+    as it decides, and time alone: ``memory=0``): does a product cut in tiles pay per tile (a library call's fixed
+    cost), or by the tile's size (the threads it gets)? Each row keeps what else ran meanwhile."""
+    from benchmarks.decisions import Contention
+    from rewrite.cost.model import AnalyticCost
+    from rewrite.pipeline import program_cost
+
+    keys = jax.random.split(jax.random.PRNGKey(0), 2)
+    h = jax.random.normal(keys[0], (n, c), jnp.float32)
+    w = jax.random.normal(keys[1], (c, v), jnp.float32) / 16
+    variants = {"whole": _whole, "aa": lambda h, w: _whole(h, w),
+                **{f"vocab{t}": _vocab_tiles(t) for t in TILES}, **{f"tokens{t}": _token_tiles(t) for t in TILES}}
+    with warnings.catch_warnings(), Contention() as busy:
+        warnings.simplefilter("ignore")
+        row = harness.measure(f"tiles {n} {c} {v}", variants, [h, w], baseline="whole", rounds=rounds, warmup=2)
+    models = {"predicted": AnalyticCost(), "predicted_time": AnalyticCost(memory=0.0)}
+    price = {k: {name: program_cost(jax.make_jaxpr(f)(h, w), m) for name, f in variants.items()}
+             for k, m in models.items()}
+    out = []
+    for name in variants:
+        if name == "whole":
+            continue
+        paired = sorted(a / b for a, b in zip(row.samples["whole"], row.samples[name]))
+        out.append({"n": n, "c": c, "v": v, "form": name, "ms": row.seconds[name] * 1e3,
+                    "measured": paired[len(paired) // 2], **{k: p["whole"] / p[name] for k, p in price.items()},
+                    **busy.record()})
+    return out
+
+
 def markdown(rows: list[dict], meta: dict) -> str:
     lines = ["# XLA:CPU's product paths: a left operand contracting its major dimension against its minor one\n",
              f"`{meta['command']}`, {meta['date']}, {meta['machine']}, jax {meta['jax']}, load average "
@@ -122,8 +189,20 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--quick", action="store_true", help="four shapes")
     ap.add_argument("--loop", type=int, default=8, help="trips of the loop form (0: no loop forms)")
     ap.add_argument("--write", action="store_true", help="write benchmarks/results/dot_paths.md and .json")
+    ap.add_argument("--tiles", action="store_true", help="time the LM head's product whole against it in vocabulary "
+                    "tiles and token blocks (measure_tiles), print, write nothing")
     a = ap.parse_args(argv)
     load0 = os.getloadavg()[0]
+    if a.tiles:
+        found = []
+        for shape in TILE_SHAPES:
+            with holding(a.lock):
+                found += measure_tiles(*shape, a.rounds)
+            for r in found[-(2 * len(TILES) + 1):]:
+                print(f"{r['n']}x{r['c']}x{r['v']} {r['form']:9s} {r['ms']:8.2f} ms  measured {r['measured']:.3f}x  "
+                      f"predicted {r['predicted']:.3f}x (time alone {r['predicted_time']:.3f}x)  load {r['load']} "
+                      f"others {r['others']:.0%}", flush=True)
+        return found
     grid = QUICK if a.quick else GRID
     rows = []
     for shape in grid:

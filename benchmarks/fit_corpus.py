@@ -107,6 +107,7 @@ def score(model: Any, progs: dict, base: dict, forms: dict) -> dict:
     # a candidate that moves a pair out of the band (plain attention's 1.1x toward its measured 2.2x) would else
     # score on fewer pairs, and look worse for the pairs it ranks right
     near = [g for g in got if 0.8 <= recs[g[2]]["predicted"] <= 1.25]
+    calm = [g for g in got if D.quiet(recs[g[2]])]  # timed with the load under 2 (records that keep their load)
     errors = sorted(abs(math.log(m / p)) for p, m, *_ in got)
     prices = {k: program_cost(p, model) for k, p in forms.items()}
     chosen = {}
@@ -114,6 +115,7 @@ def score(model: Any, progs: dict, base: dict, forms: dict) -> dict:
         best = min((k for k in forms if k[0] == n), key=prices.get)
         chosen[n] = (best, ATTENTION_FORMS[best])
     return {"spearman": D.spearman(logs(got, 0), logs(got, 1)), "spearman_near": D.spearman(logs(near, 0), logs(near, 1)),
+            "spearman_quiet": D.spearman(logs(calm, 0), logs(calm, 1)), "n_quiet": len(calm),
             "median_error": math.exp(errors[len(errors) // 2]) - 1, "p90_error": math.exp(errors[int(0.9 * len(errors))]) - 1,
             "attention": chosen, "ratios": {g[2]: g[3] for g in got},
             "moves": sorted(((g[2], recs[g[2]]["predicted"], g[0], g[1]) for g in got
@@ -180,7 +182,8 @@ def main(argv: list[str] | None = None) -> None:
         s = score(AnalyticCost(**kw), progs, base, forms)
         att = ", ".join(f"N={n}: {'every query' if k[1] else '512 queries'}, {k[2]} keys ({m:.2f}x the best)"
                         for n, (k, m) in s["attention"].items())
-        print(f"{kw}: Spearman {s['spearman']:.3f} (close calls {s['spearman_near']:.3f}), error median "
+        print(f"{kw}: Spearman {s['spearman']:.3f} (close calls {s['spearman_near']:.3f}; the {s['n_quiet']} timed "
+              f"quiet {s['spearman_quiet']:.3f}), error median "
               f"{s['median_error']:.0%} p90 {s['p90_error']:.0%}; attention {att}", flush=True)
         for (case, pair), was, now, measured in s["moves"] if opts.moves else ():
             print(f"    {case} {pair}: predicted {was:.3f}x -> {now:.3f}x, measured {measured:.3f}x", flush=True)

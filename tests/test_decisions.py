@@ -131,3 +131,66 @@ def test_a_noisy_case_is_timed_for_more_rounds_up_to_the_most():
     plain = harness.measure("t", variants, args, baseline="a", rounds=2, warmup=1, min_round_seconds=1e-4)
     assert (settles.rounds, capped.rounds, plain.rounds) == (6, 5, 2)
     assert [len(r.samples["b"]) for r in (settles, capped, plain)] == [6, 5, 2]
+
+
+def test_each_case_records_what_else_ran_and_the_quiet_pairs_have_their_own_rank_correlation():
+    """A pair's record keeps the load average at its case's start and end and the share of the cores other
+    processes kept busy (``Contention``); the report's rank correlation over the pairs timed quiet (load under 2)
+    stands beside the one over every pair, neither hiding a pair."""
+    import math
+    import threading
+    import time
+
+    with D.Contention() as idle:
+        time.sleep(0.3)
+    stop = threading.Event()
+
+    def spin() -> None:  # this process's own work: not counted as another process's
+        while not stop.is_set():
+            sum(range(1000))
+
+    t = threading.Thread(target=spin)
+    t.start()
+    try:
+        with D.Contention() as own:
+            time.sleep(0.3)
+    finally:
+        stop.set()
+        t.join()
+    for c in (idle, own):
+        rec = c.record()
+        assert len(rec["load"]) == 2 and all(x >= 0 for x in rec["load"])
+        assert math.isnan(rec["others"]) or 0.0 <= rec["others"] <= 1.0
+    recs = [{"predicted": p, "measured": m, "load": [l, l]} for p, m, l in
+            ((1.0, 1.0, 1.0), (2.0, 2.1, 1.0), (3.0, 2.9, 1.5), (1.1, 0.5, 4.0), (1.2, 1.3, 2.0))]
+    assert D.quiet(recs[0]) and not D.quiet(recs[3]) and not D.quiet(recs[4]) and not D.quiet({"load": None})
+    f = D.rank_figures(recs)
+    assert f["n_quiet"] == 3 and f["quiet"] == 1.0 and f["all"] < 1.0
+    recs[0].pop("load")  # a record made before loads were recorded counts in every figure but the quiet one
+    assert D.rank_figures(recs)["n_quiet"] == 2
+    md = D.markdown([{**r, "case": "c", "pair": "chosen", "kind": "chosen", "prefers": "second", "aa": 1.0,
+                      "noise": 0.0, "ms_first": 1.0, "temp_first": 0, "temp_second": 0, "predicted_temp_first": 0,
+                      "predicted_temp_second": 0, "drivers": []} for r in recs],
+                    {"command": "x", "date": "d", "machine": "m", "device": "cpu", "jax": "0", "load": ["1", "1"],
+                     "rounds": 5})
+    assert "| 4.0-4.0 |" in md and "over the 2 pairs whose case was timed with the load average under 2" in md
+    assert "least time" not in md
+    recs[3]["measured_least"] = 1.05  # the busy pair's least times rank it where the model does
+    for r in recs[:3] + recs[4:]:
+        r["measured_least"] = r["measured"]
+    assert D.rank_figures(recs)["least"] == 1.0 > D.rank_figures(recs)["all"]
+
+
+def test_a_case_timed_again_keeps_the_quieter_timing_and_shows_both():
+    """``--again-above``: a case timed while other processes were busy is timed once more, and the timing with
+    the smaller share of the cores taken by others is kept, both listed in its records (``keep_quieter``)."""
+    rec = lambda case, pair, m, others: {"case": case, "pair": pair, "measured": m, "aa": 1.0,  # noqa: E731
+                                         "load": [1.0, 1.0], "others": others}
+    first = [rec("a", "chosen", 0.9, 0.6), rec("a", "hand", 0.8, 0.6), rec("b", "chosen", 1.1, 0.0)]
+    quieter = D.keep_quieter(first, [rec("a", "chosen", 1.2, 0.1), rec("a", "hand", 1.0, 0.1)])
+    assert [(r["case"], r["pair"], r["measured"]) for r in quieter] == [("a", "chosen", 1.2), ("a", "hand", 1.0),
+                                                                       ("b", "chosen", 1.1)]
+    assert [t["measured"] for t in quieter[0]["timings"]] == [0.9, 1.2]
+    busier = D.keep_quieter(first, [rec("a", "chosen", 1.2, 0.9), rec("a", "hand", 1.0, 0.9)])
+    assert [r["measured"] for r in busier] == [0.9, 0.8, 1.1]  # the first timing was the quieter: kept
+    assert D.keep_quieter(first, []) == first
