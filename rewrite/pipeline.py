@@ -31,7 +31,7 @@ from .ir.egraph import EGraph
 from .ir.intern import LITERALS, TYPES, in_dtype
 from .ir.terms import ctor_arg_sorts
 from .ir.walk import operands, walk
-from .ir.jaxapi import core
+from .ir.jaxapi import BUILT_DEBUG, core
 from .jaxpr.emit import check_signature, emitter
 from .jaxpr.load import TOKEN_AVAL, load_closed
 from .jaxpr.trace import Traced, collect_young_only
@@ -222,7 +222,8 @@ class ProofGraph:
         jaxpr = closed.jaxpr
         values = list(jaxpr.constvars) + list(jaxpr.invars)
         values += [w for e in jaxpr.eqns for w in e.outvars if not isinstance(w, core.DropVar)]
-        every = core.ClosedJaxpr(core.Jaxpr(jaxpr.constvars, jaxpr.invars, values, jaxpr.eqns, jaxpr.effects),
+        every = core.ClosedJaxpr(core.Jaxpr(jaxpr.constvars, jaxpr.invars, values, jaxpr.eqns, jaxpr.effects,
+                                            BUILT_DEBUG),
                                  closed.consts)
         with collect_young_only():
             self.egraph, outs, _, _ = _load(every, ())

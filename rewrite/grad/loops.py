@@ -57,7 +57,7 @@ from typing import Any, Callable, Sequence
 
 import jax
 
-from ..ir.jaxapi import core, scan_counts
+from ..ir.jaxapi import BUILT_DEBUG, core, scan_counts
 from ..ir.primitives import is_float
 from ..jaxpr.edit import CALLS, body_of, in_order, inline, read, substitute
 from ..jaxpr.emit import dce
@@ -171,7 +171,7 @@ def _layer(step: core.ClosedJaxpr, pair: _Pair) -> tuple[core.ClosedJaxpr, list[
         env.update(zip(e.outvars, outs))
     d = [core.Var(v.aval) for v in body.jaxpr.invars[nf:]]
     outs = inline(eqns, body.jaxpr, body.consts, [read(env, a) for a in fconsts] + d, constvars, cvals, CALLS)
-    jaxpr = core.Jaxpr(constvars, ins + d, outs[:nk], eqns, core.no_effects)
+    jaxpr = core.Jaxpr(constvars, ins + d, outs[:nk], eqns, core.no_effects, BUILT_DEBUG)
     return dce(core.ClosedJaxpr(jaxpr, cvals)), leaves
 
 
@@ -377,7 +377,7 @@ def prove_pair(step: core.ClosedJaxpr, pair: _Pair, proof: Callable[[core.Closed
     outs = list(bouts) + [derived[j] for j in kept]
     eqns, alias = _commuted(eqns, constvars + invars)
     outs = [alias.get(o, o) for o in outs]
-    program = core.ClosedJaxpr(core.Jaxpr(constvars, invars, outs, eqns, core.no_effects, None), cvals)
+    program = core.ClosedJaxpr(core.Jaxpr(constvars, invars, outs, eqns, core.no_effects, BUILT_DEBUG), cvals)
     classes = proof(program)
     bcls, dcls = classes[:len(bouts)], classes[len(bouts):]
     # the derived values are the layer's outputs, then the gradients: B's outputs are cotangents, so gradients
@@ -448,8 +448,9 @@ def _split_vjp(vjp: core.ClosedJaxpr, n_consts: int, n_layer_in: int, nk: int, w
     outer = [r for r in residuals if r in state]
     inner = [r for r in residuals if r not in state]
     fwd = core.Jaxpr(list(jaxpr.constvars), consts + state, list(jaxpr.outvars[:nk]) + inner, fwd_eqns,
-                     core.no_effects)
-    bwd = core.Jaxpr(list(jaxpr.constvars), consts + outer + inner + cts, picked, bwd_eqns, core.no_effects)
+                     core.no_effects, BUILT_DEBUG)
+    bwd = core.Jaxpr(list(jaxpr.constvars), consts + outer + inner + cts, picked, bwd_eqns, core.no_effects,
+                     BUILT_DEBUG)
     return dce(core.ClosedJaxpr(fwd, vjp.consts)), dce(core.ClosedJaxpr(bwd, vjp.consts)), [state.index(r) for r in outer]
 
 

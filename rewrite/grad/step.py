@@ -63,7 +63,7 @@ from typing import Any, Callable, Sequence
 
 import jax
 
-from ..ir.jaxapi import core
+from ..ir.jaxapi import BUILT_DEBUG, core
 from ..ir.primitives import is_float
 from ..jaxpr.edit import in_order, inline, read, substitute
 from ..jaxpr.emit import dce
@@ -312,7 +312,7 @@ def cone_program(graph: _Graph, root: Any, eqns: Sequence[int], leaves: Sequence
     """The cone as a program of its leaves (the step's constants among them stay constants)."""
     cvars = [v for v in leaves if v in consts]
     ivars = [v for v in leaves if v not in consts]
-    jaxpr = core.Jaxpr(cvars, ivars, [root], [graph.jaxpr.eqns[k] for k in eqns], core.no_effects)
+    jaxpr = core.Jaxpr(cvars, ivars, [root], [graph.jaxpr.eqns[k] for k in eqns], core.no_effects, BUILT_DEBUG)
     return core.ClosedJaxpr(jaxpr, [consts[v] for v in cvars])
 
 
@@ -380,7 +380,7 @@ def prove(step: core.ClosedJaxpr, graph: _Graph, root: Any, cone: core.ClosedJax
     outs = inline(eqns, derived.jaxpr, derived.consts, list(leaves), constvars, consts)
     eqns = [_without_empty_mesh(e) for e in eqns]
     program = core.ClosedJaxpr(core.Jaxpr(constvars, list(jaxpr.invars), [root] + candidates + outs, eqns,
-                                          jaxpr.effects, None), consts)
+                                          jaxpr.effects, BUILT_DEBUG), consts)
     classes = proof(program)
     loss_cls, cand_cls, derived_cls = classes[0], classes[1:1 + len(candidates)], classes[1 + len(candidates):]
     grads = {c: j for j, c in enumerate(derived_cls[1:])}
@@ -463,7 +463,8 @@ def _attempt(step: core.ClosedJaxpr, graph: _Graph, root: Any, eqns: list[int], 
     given, is the step loaded once for all the proofs over it (:func:`proof_graph`)."""
     cone = cone_program(graph, root, eqns, leaves, consts)
     lifted = [v for v in leaves if v in consts] + [v for v in leaves if v not in consts]
-    flat_cone = core.ClosedJaxpr(core.Jaxpr([], lifted, cone.jaxpr.outvars, cone.jaxpr.eqns, core.no_effects), [])
+    flat_cone = core.ClosedJaxpr(core.Jaxpr([], lifted, cone.jaxpr.outvars, cone.jaxpr.eqns, core.no_effects,
+                                            BUILT_DEBUG), [])
     dif = [i for i, v in enumerate(lifted) if is_float(v.aval)]
     body = None if shared is None else shared().body_between(root, lifted)
     if body is not None:  # its re-derivation's loss could never be proven the step's: not made
@@ -639,7 +640,7 @@ def split_pinned(step: core.ClosedJaxpr, pinned: set) -> Pinned | None:
                for e in kept for a in e.invars if isinstance(a, core.Var)):
         return None
     program = core.Jaxpr(list(jaxpr.constvars), list(jaxpr.invars) + taken, list(jaxpr.outvars) + given, rest,
-                         jaxpr.effects, None)
+                         jaxpr.effects, BUILT_DEBUG)
     return Pinned(step, core.ClosedJaxpr(program, list(step.consts)), kept, taken, given)
 
 

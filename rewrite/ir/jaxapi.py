@@ -88,6 +88,9 @@ core = types.SimpleNamespace(
     ShardingTypeError=getattr(_core, "ShardingTypeError", ()),
 )
 
+#: The debug info of a program the rewriter assembles from another's equations (JAX warns where a jaxpr has none).
+BUILT_DEBUG = _core.DebugInfo("rewrite", "a program assembled by rewrite", None, None)
+
 #: Automatic differentiation's rule tables. ``jax.interpreters.ad`` exports ``primitive_jvps``,
 #: ``primitive_transposes``, ``Zero``, ``instantiate_zeros``, ``is_undefined_primal`` and ``JVPTrace``;
 #: the linearization protocol (``primitive_linearizations``, ``fallback_linearize_rule``,

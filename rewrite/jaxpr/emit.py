@@ -174,7 +174,7 @@ class Emitter:
         outvars = atoms[: len(outs)]
         jaxpr = core.Jaxpr(sc.constvars, [invars[i] for i in range(len(in_avals))], outvars, sc.eqns,
                            core.join_effects(*(e.effects for e in sc.eqns)) if sc.eqns else core.no_effects,
-                           debug_info)
+                           debug_info or _BODY_DEBUG)
         return core.ClosedJaxpr(jaxpr, sc.consts)
 
 
