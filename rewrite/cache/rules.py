@@ -95,8 +95,6 @@ def residual_avals(call: core.ClosedJaxpr, fwd: core.ClosedJaxpr, fwds: Any) -> 
     return res
 
 
-
-
 def vjp_rule_params(written: tuple, call: core.ClosedJaxpr) -> dict:
     """A ``custom_vjp_call``'s rule params rebuilt from its jaxprs, once they are checked against ``call``."""
     fwd, back, out_tree, res_tree, fwds, zeros, names = written

@@ -33,9 +33,8 @@ from jax.extend import source_info_util
 
 from jax.extend import linear_util as lu
 
-from ..ir.jaxapi import (UNSPECIFIED, UnspecifiedValue, ad, call_custom_vjp_bwd, core, empty_concrete_mesh,
-                         literals, neutral_params, params_for_jax, SaveOnlyTheseNames,
-                         save_only_these_names)
+from ..ir.jaxapi import (UNSPECIFIED, SaveOnlyTheseNames, UnspecifiedValue, ad, call_custom_vjp_bwd, core,
+                         empty_concrete_mesh, literals, neutral_params, params_for_jax, save_only_these_names)
 from ..jaxpr.trace import trace_at
 from .rules import Forward, Unserialisable, dce_chain, dce_jvp, jvp_rule_fun, residual_avals, vjp_rule_params
 
@@ -259,8 +258,9 @@ class _Writer:
         pack's ``softplus``). A rule met again inside its own JVP is written as a reference (``jvp_ref``)."""
         fun = params["jvp_jaxpr_fun"]
         chain = dce_chain(fun)
-        if chain is not None and self.find(chain[0]) is not None:
-            return ("jvp_dce", self.value(chain[0]), self.value(chain[1]), bool(params["symbolic_zeros"]))
+        place = None if chain is None else self.find(chain[0])
+        if place is not None:
+            return ("jvp_dce", ("orig", place), self.value(chain[1]), bool(params["symbolic_zeros"]))
         if params.get("symbolic_zeros"):
             raise Unserialisable("a custom_jvp with symbolic zeros")
         d = fun.debug_info

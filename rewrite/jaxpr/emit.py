@@ -28,7 +28,7 @@ from jax.interpreters import partial_eval as pe
 from ..ir import primitives as _primitives
 from ..ir.egraph import Snapshot
 from ..ir.intern import EFFECTS, PARAMS, TYPES, TupleType, literal_value
-from ..ir.jaxapi import core, literals, primitives, save_only_these_names
+from ..ir.jaxapi import BUILT_DEBUG, core, literals, primitives, save_only_these_names
 from ..ir.walk import CycleError, operands, postorder
 from .load import side_effects
 
@@ -38,7 +38,6 @@ class EmitError(RuntimeError):
 
 
 _TOKEN = object()  # the effect token is an ordering edge only; jaxprs thread effects themselves
-_BODY_DEBUG = core.DebugInfo("rewrite", "body emitted by rewrite", None, None)
 
 
 class _Scope:
@@ -162,8 +161,8 @@ class Emitter:
         if not closed:
             if sc.constvars:
                 raise EmitError("a shard_map body cannot hold constants")
-            return core.Jaxpr([], invars, outvars, sc.eqns, effects, _BODY_DEBUG)
-        jaxpr = core.Jaxpr(sc.constvars, invars, outvars, sc.eqns, effects, _BODY_DEBUG)
+            return core.Jaxpr([], invars, outvars, sc.eqns, effects, BUILT_DEBUG)
+        jaxpr = core.Jaxpr(sc.constvars, invars, outvars, sc.eqns, effects, BUILT_DEBUG)
         return core.ClosedJaxpr(jaxpr, sc.consts)
 
     def program(self, in_avals: Sequence[Any], outs: Sequence[Any], token: Any, debug_info: Any) -> core.ClosedJaxpr:
@@ -174,7 +173,7 @@ class Emitter:
         outvars = atoms[: len(outs)]
         jaxpr = core.Jaxpr(sc.constvars, [invars[i] for i in range(len(in_avals))], outvars, sc.eqns,
                            core.join_effects(*(e.effects for e in sc.eqns)) if sc.eqns else core.no_effects,
-                           debug_info or _BODY_DEBUG)
+                           debug_info or BUILT_DEBUG)
         return core.ClosedJaxpr(jaxpr, sc.consts)
 
 
@@ -269,7 +268,7 @@ def emit_slice(snap: Snapshot, choice: dict[Any, tuple], egraph: Any, inputs: Se
     outvars = sc.atoms(list(roots))
     if sc.effects or any(o is _TOKEN for o in outvars):
         raise EmitError("a slice of the program cannot carry effects")
-    jaxpr = core.Jaxpr(sc.constvars, invars, outvars, sc.eqns, core.no_effects, _BODY_DEBUG)
+    jaxpr = core.Jaxpr(sc.constvars, invars, outvars, sc.eqns, core.no_effects, BUILT_DEBUG)
     return core.ClosedJaxpr(jaxpr, sc.consts)
 
 
