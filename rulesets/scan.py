@@ -69,6 +69,7 @@ from jax import lax
 from rewrite import Ruleset, Tolerance, procedural, rule
 from rewrite.ir.jaxapi import scan_counted
 from rewrite.ir.primitives import nbytes
+from rewrite.jaxpr.trace import trace_at
 from rewrite.loops import SCAN, WHILE, Body, Decline, Loop, adds_one
 from rewrite.report.report import equations
 from rulesets._examples import f32
@@ -309,10 +310,15 @@ def lift_independent(m) -> Any:
         return same or None
     in_axes = tuple(None if p < ncon + nc else 0 for p in positions)
     lifted_fn = jax.vmap(lambda *a: tuple(f(*a)), in_axes=in_axes, axis_size=loop.length)
-    if _holds_more(lifted_fn, [loop.args[p].aval for p in positions], [loop.scan.aval[k] for k in free],
-                   stacked=[p >= ncon + nc for p in positions]):
+    try:  # traced once: read for what it holds, then inserted as it is
+        traced = trace_at(lifted_fn, [loop.args[p].aval for p in positions])
+    except Exception:  # noqa: BLE001  (a trace that fails here fails in m.trace too, which decides)
+        traced = None
+    if traced is not None and _holds_more(traced, [loop.args[p].aval for p in positions],
+                                          [loop.scan.aval[k] for k in free], stacked=[p >= ncon + nc for p in positions]):
         return same or None
-    ys = m.trace(lifted_fn, *[loop.args[p] for p in positions])
+    at = [loop.args[p] for p in positions]
+    ys = m.trace(lifted_fn, *at) if traced is None else m.insert(traced, *at)
     ys = ys if isinstance(ys, (tuple, list)) else (ys,)
     lifted = {k: y for k, y in zip(free, ys) if y.aval == loop.scan.aval[k]}
     if not lifted:
@@ -328,13 +334,10 @@ LIFT_HOLDS = 4
 LIFT_BYTES = 2 ** 20
 
 
-def _holds_more(fn: Callable[..., Any], ins: list[Any], outs: list[Any], stacked: list[bool] | None = None) -> bool:
-    """Whether ``fn`` at avals ``ins`` (returning ``outs``) holds an array, in its bodies too, :data:`LIFT_HOLDS`
-    times the stacked inputs (``stacked``, all by default) and ``outs`` together, and at least :data:`LIFT_BYTES`."""
-    try:
-        traced = jax.make_jaxpr(fn)(*[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in ins])
-    except Exception:  # a trace that fails here fails in m.trace too, which decides
-        return False
+def _holds_more(traced: Any, ins: list[Any], outs: list[Any], stacked: list[bool] | None = None) -> bool:
+    """Whether ``traced`` (a closed jaxpr of inputs ``ins`` returning ``outs``) holds an array, in its bodies too,
+    :data:`LIFT_HOLDS` times the stacked inputs (``stacked``, all by default) and ``outs`` together, and at least
+    :data:`LIFT_BYTES`."""
     held = max((nbytes(v.aval) for e in equations(traced) for v in e.outvars), default=0)
     read = [a for a, s in zip(ins, stacked or [True] * len(ins)) if s]
     return held >= LIFT_BYTES and held > LIFT_HOLDS * sum(nbytes(a) for a in (*read, *outs))

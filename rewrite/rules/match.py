@@ -567,6 +567,12 @@ class Match:
         """Insert ``fn(*inputs)``, traced at the inputs' avals; returns its result term(s)."""
         return self._engine.insert_traced(fn, inputs)
 
+    def insert(self, closed: Any, *inputs: Value) -> Any:
+        """Insert a closed jaxpr already traced at the inputs' avals (``rewrite.jaxpr.trace.trace_at``), applied to ``inputs``:
+        what :meth:`trace` of the function it was traced from inserts, for a rule that read the trace first (to
+        decline on what it holds, say) and would otherwise trace it twice. Returns its result term(s)."""
+        return self._engine.insert_closed(closed, inputs)
+
     def param(self, scope: int, index: int, aval: Any) -> Value:
         """Input ``index`` of body scope ``scope`` (a new index adds an input to that body)."""
         return self._engine.build_param(scope, index, aval)
