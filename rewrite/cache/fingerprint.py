@@ -50,10 +50,11 @@ _SYNC = tuple({type(threading.Lock()), type(threading.RLock()), threading.Condit
                threading.Semaphore, threading.Barrier})
 
 
-#: Attributes of this library's objects that cache what their others decide, left out of a walk (as is any
-#: ``functools.cached_property``'s value): a rule a function reaches is the same rule before and after it traced
-#: its sides at new shapes, so a key does not depend on what the process rewrote before.
-_CACHES = {("rewrite.rules.rule", "Rule"): frozenset({"_traced", "_elementwise"})}
+#: A class's attributes that cache what its others decide, named in a class attribute of this name, are left out
+#: of a walk (as is any ``functools.cached_property``'s value): a rule a function reaches is the same rule before
+#: and after it traced its sides at new shapes (``Rule.FINGERPRINT_SKIPS``), so a key does not depend on what the
+#: process rewrote before.
+SKIPS = "FINGERPRINT_SKIPS"
 
 
 class Unstable(Exception):
@@ -213,7 +214,7 @@ class _Walker:
         elif cls.__module__ == "functools" and cls.__name__ == "partial":
             self.walk((x.func, x.args, x.keywords))
         elif hasattr(x, "__dict__") and not isinstance(x, type):
-            skip = _CACHES.get((cls.__module__, cls.__qualname__), frozenset())
+            skip = getattr(cls, SKIPS, frozenset())
             self.walk({k: v for k, v in vars(x).items()
                        if k not in skip and not isinstance(getattr(cls, k, None), functools.cached_property)})
         else:

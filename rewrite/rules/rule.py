@@ -190,9 +190,8 @@ class _NamedGuard:
         return bool(self.fn(**self.bindings.values(m)))
 
 
-#: How many avals' traces of its two sides a rule keeps (:meth:`Rule.traced`). Rules live as long as
-#: the process, and each new input shape a rule matches at adds one: an elementwise rule's come from
-#: its one-shape traces (``_elementwise``), so these are the others', a few kilobytes each.
+#: How many avals' traces of its two sides a rule keeps (:meth:`Rule.traced`). Rules live as long as the process, and
+#: each new input shape adds one: an elementwise rule's come from its one-shape traces, so these are the others'.
 TRACED_KEEP = 256
 
 
@@ -213,6 +212,7 @@ class Rule:
     >>> [e.primitive.name for e in lhs.eqns], [e.primitive.name for e in rhs.eqns]
     (['add', 'log'], ['log1p'])
     """
+    FINGERPRINT_SKIPS = frozenset({"_traced", "_elementwise"})  # caches, not what the rule is: rewrite.cache's key
 
     def __init__(self, name: str, lhs: Any, rhs: Any, when: Callable[..., bool] | None,
                  example: tuple[Any, ...] | None, var_names: list[str], queries: list[Query],
