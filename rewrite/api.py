@@ -31,7 +31,7 @@ from .cache.key import make_key
 from .cost import guard as _guard
 from .cost.measure import resolve
 from .errors import RewriteLimitWarning, RewriteWarning, _strict
-from .extract.program import peaks_keep_leaner
+from .extract.lean import peaks_keep_leaner
 from .grad.primitive import Signature, bind_if_differentiated
 from .grad.step import find_losses, join_pinned, proof_graph, split_pinned
 from .grad.vjp import VJPResult, build_vjp, decided_jointly, joint_program, rewrite_joint
@@ -397,14 +397,14 @@ class Rewritten:
 
     def _leaner(self, alt: Result, result: Result) -> bool:
         """The cost model's own rule between two programs it prices close
-        (:func:`rewrite.extract.program.keeps_leaner`): within its ``lean_band`` the one predicted to hold less
+        (:func:`rewrite.extract.lean.keeps_leaner`): within its ``lean_band`` the one predicted to hold less
         memory at its peak wins; within ``lean_band_far``, the one that holds at most half and drops arrays larger
         than the cache."""
         return self._keeps_leaner(alt.cost_after, alt.after, result.cost_after, result.after)
 
     def _keeps_leaner(self, cost: float, program: core.ClosedJaxpr, than_cost: float,
                       than: core.ClosedJaxpr) -> bool:
-        """:func:`rewrite.extract.program.peaks_keep_leaner` of two programs, their peaks predicted by this rewrite's
+        """:func:`rewrite.extract.lean.peaks_keep_leaner` of two programs, their peaks predicted by this rewrite's
         cost model (never where it predicts none)."""
         predict = getattr(self.cost_model, "predict_temp_bytes", None)
         return predict is not None and peaks_keep_leaner(cost, lambda: predict(program), than_cost,

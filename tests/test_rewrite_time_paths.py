@@ -524,7 +524,7 @@ def test_two_programs_priced_apart_are_not_compared_by_their_peaks(monkeypatch):
     """Within the cost model's lean bands the leaner of two programs priced close is kept, which needs the peak of
     each (two whole programs' liveness); priced further apart than the far band, no peak can keep the dearer, and
     none is predicted. The choice is the same either way."""
-    from rewrite.extract.program import keeps_leaner
+    from rewrite.extract.lean import keeps_leaner
 
     step, args = _step()
     r = rewrite(step, rulesets=[rulesets.algebra], cache=False, whole_step=True)

@@ -256,8 +256,8 @@ class AnalyticCost(CostModel):
     #: within it, so the fastest program that fits is chosen (the input program too, if it does not fit).
     memory_budget: float | None = None
     #: programs priced within this fraction of each other are taken as equally fast, and of those the
-    #: leaner wins (at most 3/4 of the other's predicted peak, and 1 MiB less: ``rewrite/extract/program.py``,
-    #: :func:`rewrite.extract.program.leaner`). The model's error between two forms of one loop is of this
+    #: leaner wins (at most 3/4 of the other's predicted peak, and 1 MiB less: ``rewrite/extract/lean.py``,
+    #: :func:`rewrite.extract.lean.leaner`). The model's error between two forms of one loop is of this
     #: order: the LM head's loss at N=8192 in blocks of 256 tokens is priced 2.5% above blocks of 512 and
     #: measured 3.6% slower, holding half the memory. 0 prices by the sum alone, and so does ``memory=0``.
     lean_band: float = 0.03

@@ -37,7 +37,8 @@ from typing import Any, Sequence
 from ..cost.model import CostModel
 from ..ir.egraph import Snapshot
 from .extractor import Extractor, _signature, search, shared
-from .program import ProgramPricer, ProgramSearch, lean_band, leaner, prices_programs
+from .lean import lean_band, leaner
+from .program import ProgramPricer, ProgramSearch, prices_programs
 
 
 @dataclasses.dataclass

@@ -56,7 +56,8 @@ from ..cost.program import Program
 from ..extract.extract import bounds_memory, extract, fatter
 from ..extract.extractor import shared
 from ..extract.policy import no_fatter
-from ..extract.program import ProgramPricer, peaks_keep_leaner, prices_programs
+from ..extract.lean import peaks_keep_leaner
+from ..extract.program import ProgramPricer, prices_programs
 from ..ir.jaxapi import core
 from ..ir.primitives import is_float
 from ..ir.walk import operands, walk
@@ -524,7 +525,7 @@ def decided_jointly(closed: core.ClosedJaxpr, forward: Result, entries: Sequence
     ``Result.jointly_chosen``, that is the forward itself, not saturated again), and ``as_written(closed)``,
     JAX's derivative of the loss as written, with no rule at all (:func:`joint_program`, :func:`as_written_vjp`).
     A rewritten joint replaces the one it is held to only where it is taken by price or the lean bands
-    (:func:`rewrite.extract.program.peaks_keep_leaner`, as a training step is chosen) and is not predicted
+    (:func:`rewrite.extract.lean.peaks_keep_leaner`, as a training step is chosen) and is not predicted
     to hold more (:func:`held_to_written`): the plain one the one with the rules, and either JAX's as written.
     A tie keeps the one held to. ``priced``: programs ``build`` priced whole already (``program_cost``), with their
     prices (:func:`rewrite_joint`'s ``seen``): a joint program that is one of them (the same object) is not priced
@@ -596,7 +597,7 @@ class Joint:
 
 def _taken(a: Joint, b: Joint) -> bool:
     """Whether ``a`` is taken over ``b``: priced lower and ``b`` not kept for being the leaner within the lean band,
-    or priced no lower and kept for being the leaner (:func:`rewrite.extract.program.peaks_keep_leaner`, with the
+    or priced no lower and kept for being the leaner (:func:`rewrite.extract.lean.peaks_keep_leaner`, with the
     peaks each :class:`Joint` predicts once, for this and :func:`held_to_written`'s memory test alike)."""
     if a.cost < b.cost:
         return not peaks_keep_leaner(b.cost, b.peak, a.cost, a.peak, a.model)
