@@ -21,7 +21,7 @@ from ..ir import primitives as _primitives
 from ..ir.intern import PARAMS
 from ..ir.walk import operands, walk
 from .extractor import _CONTAINERS, _LEAVES, Extractor, _crossings, _signature
-from .lean import lean_band, leaner
+from .lean import lean_band, leaner, time_price
 
 
 def prices_programs(model: Any) -> bool:
@@ -522,8 +522,9 @@ class ProgramSearch:
         Programs that close are equally fast as far as the model can tell (``AnalyticCost.lean_band``), and
         of those the one that holds less memory is the better: the LM head's loss at N=8192 in blocks of 256
         tokens against 512. One pass over the program's classes; a move, or a loop swapped for another (a
-        group move), is kept when the price stays within the band of ``best`` and the program becomes
-        :func:`leaner` than it was (:meth:`LiveProgram.held`). Each kept move lowers the peak by a quarter.
+        group move), is kept when the price and the time (``lean.time_price``: the price less its memory charge)
+        stay within the band of ``best``'s and the program becomes :func:`leaner` than it was
+        (:meth:`LiveProgram.held`). Each kept move lowers the peak by a quarter.
         """
         if len(self._program_classes()) > self.max_classes:
             return best
@@ -532,6 +533,8 @@ class ProgramSearch:
         if not self._live:
             return best  # the model prices programs its own way: no peak to read
         ceiling = best * (1 + band)
+        model = self.pricer.model
+        fastest = time_price(best, self._live.peak(), model) * (1 + band)
         peak = self._live.held()
         start = self.pricer.evaluations
         nodes = self.ex.snap.nodes
@@ -539,8 +542,12 @@ class ProgramSearch:
         budget = self._budget(classes)
         live = set(classes)
         # a peak is read only for a price within the band (reading it brings the kernels up to date) and where a
-        # program can be leaner at all (``leaner(0, peak)``); a move is priced anyway, as a later search remembers
-        accept = lambda price, new_peak: price <= ceiling and leaner(0, peak) and leaner(new_peak(), peak)  # noqa: E731
+        # program can be leaner at all (``leaner(0, peak)``); a move is priced anyway, as a later search remembers.
+        # The time is read from the kernels' peak the price was computed with (flushed by ``held``: no second price)
+        def accept(price: float, new_peak: Callable[[], int]) -> bool:
+            return (price <= ceiling and leaner(0, peak) and leaner(new_peak(), peak)
+                    and time_price(price, self._live.peak(), model) <= fastest)
+
         self._tried_groups = set()
         for c in classes:
             alts = nodes.get(c, ())
