@@ -31,7 +31,7 @@ from .cache.key import make_key
 from .cost import guard as _guard
 from .cost.measure import resolve
 from .errors import RewriteLimitWarning, RewriteWarning, _strict
-from .extract.program import peaks_keep_leaner
+from .extract.lean import closed_peaks, peaks_keep_leaner, time_price
 from .grad.primitive import Signature, bind_if_differentiated
 from .grad.step import find_losses, join_pinned, proof_graph, split_pinned
 from .grad.vjp import VJPResult, build_vjp, decided_jointly, joint_program, rewrite_joint
@@ -397,18 +397,28 @@ class Rewritten:
 
     def _leaner(self, alt: Result, result: Result) -> bool:
         """The cost model's own rule between two programs it prices close
-        (:func:`rewrite.extract.program.keeps_leaner`): within its ``lean_band`` the one predicted to hold less
+        (:func:`rewrite.extract.lean.keeps_leaner`): within its ``lean_band`` the one predicted to hold less
         memory at its peak wins; within ``lean_band_far``, the one that holds at most half and drops arrays larger
         than the cache."""
         return self._keeps_leaner(alt.cost_after, alt.after, result.cost_after, result.after)
 
     def _keeps_leaner(self, cost: float, program: core.ClosedJaxpr, than_cost: float,
                       than: core.ClosedJaxpr) -> bool:
-        """:func:`rewrite.extract.program.peaks_keep_leaner` of two programs, their peaks predicted by this rewrite's
-        cost model (never where it predicts none)."""
-        predict = getattr(self.cost_model, "predict_temp_bytes", None)
-        return predict is not None and peaks_keep_leaner(cost, lambda: predict(program), than_cost,
-                                                         lambda: predict(than), self.cost_model)
+        """:func:`rewrite.extract.lean.peaks_keep_leaner` of two programs, their peaks and the memory charges of
+        their prices predicted by this rewrite's cost model, each program's once (never where it predicts none)."""
+        model = self.cost_model
+        if getattr(model, "predict_temp_bytes", None) is None:
+            return False
+        found: dict[int, Any] = {}  # closed_peaks is never None here: the model predicts temporaries
+
+        def peaks(p: core.ClosedJaxpr) -> tuple[float, float]:
+            if id(p) not in found:
+                found[id(p)] = closed_peaks(model, p)
+            return found[id(p)]
+
+        return peaks_keep_leaner(cost, lambda: peaks(program)[0], than_cost, lambda: peaks(than)[0], model,
+                                 lambda: time_price(cost, peaks(program)[1], model),
+                                 lambda: time_price(than_cost, peaks(than)[1], model))
 
     def _loss_first(self, cone: core.ClosedJaxpr, spent: dict[str, float] | None = None,
                     decided: list[str] | None = None, wrt: Sequence[int] | None = None,

@@ -522,36 +522,41 @@ def test_a_whole_step_search_reports_its_parts():
 
 def test_two_programs_priced_apart_are_not_compared_by_their_peaks(monkeypatch):
     """Within the cost model's lean bands the leaner of two programs priced close is kept, which needs the peak of
-    each (two whole programs' liveness); priced further apart than the far band, no peak can keep the dearer, and
-    none is predicted. The choice is the same either way."""
-    from rewrite.extract.program import keeps_leaner
+    each (two whole programs' liveness) and the memory charge of each price (read from the same replay); priced
+    further apart than the far band, no peak can keep the dearer, and none is predicted. The choice is the same
+    either way."""
+    from rewrite.extract.lean import keeps_leaner, time_price
 
     step, args = _step()
     r = rewrite(step, rulesets=[rulesets.algebra], cache=False, whole_step=True)
     program = jax.make_jaxpr(step)(*args)
     predicted: list = []
-    predict = r.cost_model.predict_temp_bytes  # bound before the class's is counted
-    model_type = type(r.cost_model)
-    real = model_type.predict_temp_bytes
+    model = r.cost_model
+    predict = model.predict_peaks  # bound before the class's is counted
+    model_type = type(model)
+    real = model_type.predict_peaks
 
     def counted(self, closed):
         predicted.append(closed)
         return real(self, closed)
 
-    monkeypatch.setattr(model_type, "predict_temp_bytes", counted)
-    far = max(r.cost_model.lean_band, r.cost_model.lean_band_far)
+    def decided(cost, first, than_cost, second):
+        (held, charged), (than_held, than_charged) = predict(first), predict(second)
+        return keeps_leaner(cost, held, than_cost, than_held, model, time_price(cost, charged, model),
+                            time_price(than_cost, than_charged, model))
+
+    monkeypatch.setattr(model_type, "predict_peaks", counted)
+    far = max(model.lean_band, model.lean_band_far)
     assert not r._keeps_leaner(1.0 + 2 * far, program, 1.0, program)
     assert predicted == [], len(predicted)
-    near = 1.0 + r.cost_model.lean_band / 2
-    assert r._keeps_leaner(near, program, 1.0, program) == keeps_leaner(near, predict(program), 1.0,
-                                                                       predict(program), r.cost_model)
-    assert len(predicted) == 2, len(predicted)
+    near = 1.0 + model.lean_band / 2
+    assert r._keeps_leaner(near, program, 1.0, program) == decided(near, program, 1.0, program)
+    assert len(predicted) == 1, len(predicted)  # one program, predicted once
     # the same answer as with the peaks, at every distance: a program against a leaner and a fatter one
     lean = jax.make_jaxpr(lambda w, v, x, y: step(w, v, x, y)[2])(*args)
     for first, second in ((program, lean), (lean, program)):
-        for ratio in (0.5, 1.0, 1.0 + r.cost_model.lean_band, 1.1, 1.0 + far, 1.0 + far * 1.01, 2.0):
-            assert r._keeps_leaner(ratio, first, 1.0, second) == keeps_leaner(
-                ratio, predict(first), 1.0, predict(second), r.cost_model), ratio
+        for ratio in (0.5, 1.0, 1.0 + model.lean_band, 1.1, 1.0 + far, 1.0 + far * 1.01, 2.0):
+            assert r._keeps_leaner(ratio, first, 1.0, second) == decided(ratio, first, 1.0, second), ratio
 
 
 def _gelu_step(x, g):

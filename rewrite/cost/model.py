@@ -56,7 +56,7 @@ from ..ir.scanread import IN_PLACE
 from ..ir.primitives import BY_PRIM, DEFAULT as _OPAQUE_SPEC, NodeInfo, inner_jaxpr, nbytes, size  # noqa: F401
 from . import calibration as _calibration
 from .dot import FALLBACK as _DOT_FALLBACK, REPACK as _DOT_REPACK, library_dot
-from .fusion import FusionModel, ns_key
+from .fusion import FusionModel, ns_key, peak_temp_bytes
 from .memory import InnerPeak, as_xla_simplifies, scheduled_peak
 from .program import Program
 
@@ -255,9 +255,10 @@ class AnalyticCost(CostModel):
     #: a loop body's own included), or ``None``: a program over it is priced above every program
     #: within it, so the fastest program that fits is chosen (the input program too, if it does not fit).
     memory_budget: float | None = None
-    #: programs priced within this fraction of each other are taken as equally fast, and of those the
-    #: leaner wins (at most 3/4 of the other's predicted peak, and 1 MiB less: ``rewrite/extract/program.py``,
-    #: :func:`rewrite.extract.program.leaner`). The model's error between two forms of one loop is of this
+    #: programs priced within this fraction of each other, in their prices and in their times (a price less its
+    #: memory charge, ``memory`` per byte of the peak: the charge is not counted twice), are taken as equally
+    #: fast, and of those the leaner wins (at most 3/4 of the other's predicted peak, and 1 MiB less: ``rewrite/extract/lean.py``,
+    #: :func:`rewrite.extract.lean.leaner`). The model's error between two forms of one loop is of this
     #: order: the LM head's loss at N=8192 in blocks of 256 tokens is priced 2.5% above blocks of 512 and
     #: measured 3.6% slower, holding half the memory. 0 prices by the sum alone, and so does ``memory=0``.
     lean_band: float = 0.03
@@ -490,6 +491,30 @@ class AnalyticCost(CostModel):
         fusion.tiebreak = None  # sizes only: no node prices (a loop's would need its body's)
         prog = Program.from_jaxpr(as_xla_simplifies(closed), None)
         return scheduled_peak(prog, fusion.kernels(prog), fusion.inner)
+
+    def predict_peaks(self, closed: Any) -> tuple[int, int]:
+        """``(predict_temp_bytes(closed), charged)``: the temporaries the backend allocates, and the kernels' peak of
+        temporaries that ``closed``'s whole-program price charges ``memory`` per byte of (``cost/fusion.py``'s
+        ``peak_temp_bytes``), from one replay of its kernels where XLA's simplifier stores nothing else. The lean
+        band takes the charge off a price to compare times (``rewrite/extract/lean.py``'s ``time_price``).
+
+        >>> import jax, jax.numpy as jnp
+        >>> from rewrite import AnalyticCost
+        >>> x = jnp.ones((1024, 1024))
+        >>> closed = jax.make_jaxpr(lambda x: jnp.exp(x) @ x)(x)
+        >>> AnalyticCost().predict_peaks(closed) == (AnalyticCost().predict_temp_bytes(closed), 4 * 2 ** 20)
+        True
+        """
+        fusion = self.fusion_model()
+        fusion.tiebreak = None  # sizes only, as predict_temp_bytes reads them
+        simple = as_xla_simplifies(closed)
+        prog = Program.from_jaxpr(simple, None)
+        kernels = fusion.kernels(prog)
+        held = scheduled_peak(prog, kernels, fusion.inner)
+        if simple is not closed:  # the price reads the program as written
+            prog = Program.from_jaxpr(closed, None)
+            kernels = fusion.kernels(prog)
+        return held, peak_temp_bytes(prog, kernels, fusion.inner)
 
     def _kernel_product(self, op: Any) -> float:
         """A product's price inside one attention kernel: at ``attention_dot`` per flop (kept in its memo)."""

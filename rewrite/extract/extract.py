@@ -37,7 +37,8 @@ from typing import Any, Sequence
 from ..cost.model import CostModel
 from ..ir.egraph import Snapshot
 from .extractor import Extractor, _signature, search, shared
-from .program import ProgramPricer, ProgramSearch, lean_band, leaner, prices_programs
+from .lean import lean_band, leaner, time_price
+from .program import ProgramPricer, ProgramSearch, prices_programs
 
 
 @dataclasses.dataclass
@@ -191,6 +192,13 @@ def _held(price: ProgramPricer, cand: Candidate, roots: Sequence[Any]) -> int | 
     return live.held() if live else None
 
 
+def _time(price: ProgramPricer, cand: Candidate, roots: Sequence[Any]) -> float | None:
+    """``cand``'s price less its memory charge (``lean.time_price``), read from the kernels' peak its price was
+    computed with (:func:`_peak`); ``None`` where no peak is read."""
+    peak = _peak(price, cand, roots)
+    return None if peak is None else time_price(cand.cost, peak, price.model)
+
+
 def fatter(peak: float, than: float) -> bool:
     """Whether a predicted peak of ``peak`` bytes holds more than one of ``than`` (:data:`FATTER_BYTES`,
     :data:`FATTER_RATIO`)."""
@@ -219,14 +227,19 @@ def _no_fatter(ranked: list[Candidate], best: Candidate, price: ProgramPricer, r
 
 def _leanest(ranked: list[Candidate], best: Candidate, price: ProgramPricer, roots: Sequence[Any],
              band: float) -> Candidate:
-    """Of the candidates priced within ``band`` of the cheapest, the leanest, where it is :func:`leaner`
-    than ``best`` (``AnalyticCost.lean_band``: the model cannot tell their times apart)."""
+    """Of the candidates priced within ``band`` of the cheapest, and whose times (``lean.time_price``: a price less
+    its memory charge) are within ``band`` of ``best``'s, the leanest, where it is :func:`leaner` than ``best``
+    (``AnalyticCost.lean_band``: the model cannot tell their times apart)."""
     within = [cand for cand in ranked if cand is not best and cand.cost <= ranked[0].cost * (1 + band)]
     if not within:
         return best
     top = _held(price, best, roots)
     if not leaner(0, top):
         return best  # nothing holds less than nothing: no candidate's peak need be read
+    fastest = _time(price, best, roots)
+    if fastest is None:
+        return best
+    within = [cand for cand in within if (t := _time(price, cand, roots)) is not None and t <= fastest * (1 + band)]
     peaks = [(p, cand.cost, i, cand) for i, cand in enumerate(within) if (p := _held(price, cand, roots)) is not None]
     if not peaks:
         return best

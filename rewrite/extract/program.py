@@ -21,64 +21,12 @@ from ..ir import primitives as _primitives
 from ..ir.intern import PARAMS
 from ..ir.walk import operands, walk
 from .extractor import _CONTAINERS, _LEAVES, Extractor, _crossings, _signature
+from .lean import lean_band, leaner, time_price
 
 
 def prices_programs(model: Any) -> bool:
     """Does ``model`` declare a whole-program price (:attr:`rewrite.CostModel.prices_programs`)?"""
     return isinstance(model, CostModel) and bool(model.prices_programs)
-
-
-#: A program is leaner than another when its predicted peak of temporaries is at most this fraction of
-#: the other's, and at least :data:`LEAN_BYTES` less.
-LEAN_RATIO = 0.75
-LEAN_BYTES = 2 ** 20
-
-
-def lean_band(model: Any) -> float:
-    """The fraction within which ``model`` takes two programs' prices as equal, so that the leaner wins
-    (``AnalyticCost.lean_band``); 0 where it prices time only (``memory=0``) or has no band."""
-    if not float(getattr(model, "memory", 0.0) or 0.0):
-        return 0.0
-    return max(0.0, float(getattr(model, "lean_band", 0.0) or 0.0))
-
-
-def leaner(peak: float | None, than: float | None) -> bool:
-    """Whether a predicted peak of ``peak`` bytes is leaner than one of ``than`` (:data:`LEAN_RATIO`)."""
-    return peak is not None and than is not None and peak <= LEAN_RATIO * than and than - peak >= LEAN_BYTES
-
-
-def far_leaner(peak: float | None, than: float | None, model: Any) -> bool:
-    """Whether a predicted peak of ``peak`` bytes holds at most half of ``than`` and more than ``model.cache`` bytes
-    less, so that the arrays it drops stream from memory (``AnalyticCost.lean_band_far``)."""
-    cache = getattr(model, "cache", None)
-    return (peak is not None and than is not None and cache is not None and math.isfinite(cache)
-            and peak <= than / 2 and than - peak > cache)
-
-
-def keeps_leaner(cost: float, peak: float | None, than_cost: float, than_peak: float | None, model: Any) -> bool:
-    """The cost model's own rule between two whole programs priced ``cost`` and ``than_cost``, predicted to hold
-    ``peak`` and ``than_peak`` bytes at their peaks: whether the first is kept though it is priced no lower. It is
-    where it is priced within the model's ``lean_band`` and :func:`leaner`, or within ``lean_band_far`` and
-    :func:`far_leaner` (``AnalyticCost.lean_band_far``); never where the model has no band."""
-    band = lean_band(model)
-    if not band:
-        return False
-    far = max(band, float(getattr(model, "lean_band_far", 0.0) or 0.0))
-    if cost > than_cost * (1 + far):
-        return False
-    if cost <= than_cost * (1 + band) and leaner(peak, than_peak):
-        return True
-    return far_leaner(peak, than_peak, model)
-
-
-def peaks_keep_leaner(cost: float, peak: Callable[[], float | None], than_cost: float,
-                      than_peak: Callable[[], float | None], model: Any) -> bool:
-    """:func:`keeps_leaner` of two programs priced ``cost`` and ``than_cost``, their peaks asked of ``peak()`` and
-    ``than_peak()`` only where the model has a lean band and they are priced close enough for any peak to keep the
-    first (a peak of nothing against one of everything tells; two programs' liveness: 0.04 s of an LM step)."""
-    if not lean_band(model) or not keeps_leaner(cost, 0.0, than_cost, math.inf, model):
-        return False
-    return keeps_leaner(cost, peak(), than_cost, than_peak(), model)
 
 
 class ProgramPricer:
@@ -574,8 +522,9 @@ class ProgramSearch:
         Programs that close are equally fast as far as the model can tell (``AnalyticCost.lean_band``), and
         of those the one that holds less memory is the better: the LM head's loss at N=8192 in blocks of 256
         tokens against 512. One pass over the program's classes; a move, or a loop swapped for another (a
-        group move), is kept when the price stays within the band of ``best`` and the program becomes
-        :func:`leaner` than it was (:meth:`LiveProgram.held`). Each kept move lowers the peak by a quarter.
+        group move), is kept when the price and the time (``lean.time_price``: the price less its memory charge)
+        stay within the band of ``best``'s and the program becomes :func:`leaner` than it was
+        (:meth:`LiveProgram.held`). Each kept move lowers the peak by a quarter.
         """
         if len(self._program_classes()) > self.max_classes:
             return best
@@ -584,6 +533,8 @@ class ProgramSearch:
         if not self._live:
             return best  # the model prices programs its own way: no peak to read
         ceiling = best * (1 + band)
+        model = self.pricer.model
+        fastest = time_price(best, self._live.peak(), model) * (1 + band)
         peak = self._live.held()
         start = self.pricer.evaluations
         nodes = self.ex.snap.nodes
@@ -591,8 +542,12 @@ class ProgramSearch:
         budget = self._budget(classes)
         live = set(classes)
         # a peak is read only for a price within the band (reading it brings the kernels up to date) and where a
-        # program can be leaner at all (``leaner(0, peak)``); a move is priced anyway, as a later search remembers
-        accept = lambda price, new_peak: price <= ceiling and leaner(0, peak) and leaner(new_peak(), peak)  # noqa: E731
+        # program can be leaner at all (``leaner(0, peak)``); a move is priced anyway, as a later search remembers.
+        # The time is read from the kernels' peak the price was computed with (flushed by ``held``: no second price)
+        def accept(price: float, new_peak: Callable[[], int]) -> bool:
+            return (price <= ceiling and leaner(0, peak) and leaner(new_peak(), peak)
+                    and time_price(price, self._live.peak(), model) <= fastest)
+
         self._tried_groups = set()
         for c in classes:
             alts = nodes.get(c, ())

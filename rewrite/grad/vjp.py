@@ -56,7 +56,8 @@ from ..cost.program import Program
 from ..extract.extract import bounds_memory, extract, fatter
 from ..extract.extractor import shared
 from ..extract.policy import no_fatter
-from ..extract.program import ProgramPricer, peaks_keep_leaner, prices_programs
+from ..extract.lean import closed_peaks, peaks_keep_leaner, time_price
+from ..extract.program import ProgramPricer, prices_programs
 from ..ir.jaxapi import core
 from ..ir.primitives import is_float
 from ..ir.walk import operands, walk
@@ -524,7 +525,7 @@ def decided_jointly(closed: core.ClosedJaxpr, forward: Result, entries: Sequence
     ``Result.jointly_chosen``, that is the forward itself, not saturated again), and ``as_written(closed)``,
     JAX's derivative of the loss as written, with no rule at all (:func:`joint_program`, :func:`as_written_vjp`).
     A rewritten joint replaces the one it is held to only where it is taken by price or the lean bands
-    (:func:`rewrite.extract.program.peaks_keep_leaner`, as a training step is chosen) and is not predicted
+    (:func:`rewrite.extract.lean.peaks_keep_leaner`, as a training step is chosen) and is not predicted
     to hold more (:func:`held_to_written`): the plain one the one with the rules, and either JAX's as written.
     A tie keeps the one held to. ``priced``: programs ``build`` priced whole already (``program_cost``), with their
     prices (:func:`rewrite_joint`'s ``seen``): a joint program that is one of them (the same object) is not priced
@@ -565,7 +566,8 @@ def decided_jointly(closed: core.ClosedJaxpr, forward: Result, entries: Sequence
 
 class Joint:
     """One candidate of :func:`decided_jointly`: a derivative built, its joint program, that program's price, and
-    its predicted peak of temporaries (``AnalyticCost.predict_temp_bytes``), predicted once and only if asked.
+    its predicted peak of temporaries (``AnalyticCost.predict_temp_bytes``) and the part of its price that is the
+    memory charge (``AnalyticCost.predict_peaks``), predicted once and only if asked.
     A program ``priced`` holds (by identity: the same object, priced by ``program_cost`` as it was built) is not
     priced again."""
 
@@ -582,12 +584,17 @@ class Joint:
         else:
             self.cost = program_cost(self.program, model)
         self._peak: float | None = None
+        self._charged = 0.0
 
     def peak(self) -> float | None:
-        predict = getattr(self.model, "predict_temp_bytes", None)
-        if self._peak is None and predict is not None:
-            self._peak = float(predict(self.program))
+        if self._peak is None and (found := closed_peaks(self.model, self.program)) is not None:
+            self._peak, self._charged = found
         return self._peak
+
+    def time(self) -> float:
+        """The price less its memory charge (:func:`rewrite.extract.lean.time_price`), which the lean band compares."""
+        self.peak()
+        return time_price(self.cost, self._charged, self.model)
 
     def __str__(self) -> str:
         peak = f", {self._peak / 2 ** 20:.2f} MiB predicted" if self._peak is not None else ""
@@ -596,11 +603,11 @@ class Joint:
 
 def _taken(a: Joint, b: Joint) -> bool:
     """Whether ``a`` is taken over ``b``: priced lower and ``b`` not kept for being the leaner within the lean band,
-    or priced no lower and kept for being the leaner (:func:`rewrite.extract.program.peaks_keep_leaner`, with the
+    or priced no lower and kept for being the leaner (:func:`rewrite.extract.lean.peaks_keep_leaner`, with the
     peaks each :class:`Joint` predicts once, for this and :func:`held_to_written`'s memory test alike)."""
     if a.cost < b.cost:
-        return not peaks_keep_leaner(b.cost, b.peak, a.cost, a.peak, a.model)
-    return peaks_keep_leaner(a.cost, a.peak, b.cost, b.peak, a.model)
+        return not peaks_keep_leaner(b.cost, b.peak, a.cost, a.peak, a.model, b.time, a.time)
+    return peaks_keep_leaner(a.cost, a.peak, b.cost, b.peak, a.model, a.time, b.time)
 
 
 def held_to_written(rewritten: Sequence[Joint], written: Joint, model: Any) -> tuple[Joint, str]:
