@@ -539,3 +539,29 @@ def test_a_node_s_operands_in_another_order_are_told_apart_from_the_classes_not_
     assert _permuted(ex, ("Mul", (a1, b1, 7)), ("Mul", (b2, a2, 7)))
     assert not _permuted(ex, ("Mul", (a1, b1, 7)), ("Mul", (b2, b2, 7)))
     assert not _permuted(ex, ("Mul", (a1, b1, 7)), ("Mul", (b2, a2, 8)))  # other params
+
+
+def test_a_loop_bodys_ops_are_made_once_for_every_program_a_pricer_prices():
+    """A nested node's chosen bodies (``cost/program.py``'s ``_chosen_bodies``) are built with the program's
+    template cache, as its own ops are: an op of a body that the same node computes in two programs is made from one
+    template, so its facts (kind, tie-break price, bytes) are found once, not once per program priced. Before, each
+    body was built with a cache of its own (flax_seq2seq_grad, flax_rnn_grad, haiku_lstm_grad and
+    flax_long_context_step made 86,531 templates, now 44,636). A projection's template and a nested node's read the
+    choice, so they stay apart; the price is the same as the program's built without any cache."""
+    from rewrite.cost.program import Program
+
+    res, model, ex, choice = _search_state("scan_grad")
+    pricer = ProgramPricer(ex, model)
+    other = dict(choice)  # another choice (its own templates where they read the choice), the same program
+    first, second = pricer.program(choice, res.roots), pricer.program(other, res.roots)
+    shared = 0
+    for x, y in zip(first.ops, second.ops):
+        assert x.key == y.key
+        for bx, by in zip((x.memo or {}).get("bodies", ()), (y.memo or {}).get("bodies", ())):
+            for u, v in zip(bx.ops, by.ops):
+                if u.prim != "proj" and not (u.memo or {}).get("bodies"):
+                    assert u.memo is v.memo, (u.prim, u.key)
+                    shared += 1
+    assert shared > 10
+    fresh = Program.from_choice(ex, choice, res.roots, lambda c, n: pricer.own(c, n, choice))
+    assert model.program(fresh) == pricer.price(first) == pricer.price(second)

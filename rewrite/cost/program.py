@@ -173,7 +173,7 @@ def chosen_op(ex: Any, c: Any, node: tuple, choice: Mapping[Any, tuple], own: Ca
     key = (c, node)
     tmpl = cache.get(key)
     if tmpl is None:
-        tmpl = _template(ex, c, node, choice, own)
+        tmpl = _template(ex, c, node, choice, own, cache)
         if "inner" not in tmpl[6] and "bodies" not in tmpl[6]:  # a body may differ between choices: not kept
             cache[key] = tmpl
     prim, family, params, in_avals, out_avals, own_cost, memo = tmpl
@@ -183,7 +183,8 @@ def chosen_op(ex: Any, c: Any, node: tuple, choice: Mapping[Any, tuple], own: Ca
 _LEAF_CTORS = _terms.LEAVES
 
 
-def _template(ex: Any, c: Any, node: tuple, choice: Mapping[Any, tuple], own: Callable[[Any, tuple], float]) -> tuple:
+def _template(ex: Any, c: Any, node: tuple, choice: Mapping[Any, tuple], own: Callable[[Any, tuple], float],
+              cache: dict) -> tuple:
     ctor, args = node
     if ctor in _LEAF_CTORS:
         return _LEAF_CTORS[ctor], _primitives.SPECIAL, {}, (), (ex.snap.aval(c),), 0.0, {}
@@ -193,30 +194,31 @@ def _template(ex: Any, c: Any, node: tuple, choice: Mapping[Any, tuple], own: Ca
         return "proj", _primitives.SPECIAL, {"index": args[1]}, (), (ex.snap.aval(c),), float(own(c, node)), {}
     info = ex.info(c, ctor, args, choice)
     op = Op(info.op, info.family, info.params, (), info.in_avals, info.out_avals)
-    inner = _inlined_body(ex, ctor, args, choice, own) if len(info.out_avals) == 1 else None
+    inner = _inlined_body(ex, ctor, args, choice, own, cache) if len(info.out_avals) == 1 else None
     if inner is not None:
         return info.op, info.family, info.params, info.in_avals, info.out_avals, 0.0, {"kind": LOOP, "inner": inner}
     cost = float(own(c, node)) if _kind_of(op) == OTHER else 0.0
-    bodies = _chosen_bodies(ex, ctor, args, choice, own)
+    bodies = _chosen_bodies(ex, ctor, args, choice, own, cache)
     return info.op, info.family, info.params, info.in_avals, info.out_avals, cost, {"bodies": bodies} if bodies else {}
 
 
 def _chosen_bodies(ex: Any, ctor: str, args: tuple, choice: Mapping[Any, tuple],
-                   own: Callable[[Any, tuple], float]) -> tuple["Program", ...]:
+                   own: Callable[[Any, tuple], float], cache: dict) -> tuple["Program", ...]:
     """The programs a nested node's chosen bodies make (a loop's body, a ``cond``'s branches): in the
     e-graph a body is a class of its own, not a jaxpr in the params, so the memory model
-    (``rewrite/cost/memory.py``) reads a body's temporaries from these."""
+    (``rewrite/cost/memory.py``) reads a body's temporaries from these. Their ops' facts are kept in the program's
+    ``cache`` (:func:`chosen_op`), made with the same ``own``: a search prices the same loop in many programs."""
     found = []
     for b in getattr(ex, "body_classes", lambda *_: [])(ctor, args):
         node = choice.get(b)
         if node is None or len(node[1]) < 2:
             return ()
-        found.append(Program.from_choice(ex, choice, ex.snap.list_items(node[1][1]), own))
+        found.append(Program.from_choice(ex, choice, ex.snap.list_items(node[1][1]), own, cache))
     return tuple(found)
 
 
 def _inlined_body(ex: Any, ctor: str, args: tuple, choice: Mapping[Any, tuple],
-                  own: Callable[[Any, tuple], float]) -> tuple["Op", ...] | None:
+                  own: Callable[[Any, tuple], float], cache: dict) -> tuple["Op", ...] | None:
     """The chosen body of a call XLA inlines (``OpSpec.inlined``), when every operation in it is elementwise.
 
     Such a call fuses like one elementwise operation (its price: its body's), not as a kernel boundary.
@@ -230,7 +232,7 @@ def _inlined_body(ex: Any, ctor: str, args: tuple, choice: Mapping[Any, tuple],
     outs = ex.snap.list_items(choice[bodies[0]][1][1])
     if len(outs) != 1:
         return None
-    body = Program.from_choice(ex, choice, outs, own)
+    body = Program.from_choice(ex, choice, outs, own, cache)
     if not all(_kind(op) in (LEAF, LOOP) for op in body.ops):
         return None
     return tuple(op for op in body.ops if _kind(op) == LOOP)
