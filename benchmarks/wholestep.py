@@ -32,6 +32,9 @@ Cases (``--cases a,b``; ``--small`` runs them at N=128, V=1024, width 64, for a 
 * ``linen_cross``: a linen encoder-decoder, the decoder cross-attending to a source of another length;
 * ``linen_accumulate``: ``linen_gpt`` with its gradients accumulated over micro-batches of one sequence by a
   ``lax.scan``;
+* ``linen_unroll2`` and ``linen_unroll4``: ``linen_gpt`` with its gradients accumulated by a Python loop (unrolled:
+  each micro-batch's ``value_and_grad`` at the top level of the step, the losses and gradients summed in the
+  step's own order) over 2 and 4 micro-batches, each of ``linen_gpt``'s B sequences;
 * ``linen_master16``: ``linen_gpt`` with f32 master weights, the loss and its gradients taken at their bf16
   copies (cast back to f32 for the update).
 
@@ -159,6 +162,13 @@ def _linen(s: Size, wrap: Callable, scan: bool = False, cross: bool = False, opt
             zero = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, state.params))
             total, _ = jax.lax.scan(micro, zero, tokens)
             loss, grads = jax.tree.map(lambda a: a / tokens.shape[0], total)
+        elif form.startswith("unroll"):  # micro-batches of B sequences, gradients summed by a Python loop
+            loss, grads = 0.0, jax.tree.map(jnp.zeros_like, state.params)
+            micro = int(form[len("unroll"):])
+            for seq in jnp.split(tokens, micro):
+                l, g = jax.value_and_grad(wrap(loss_fn))(state.params, seq, src)
+                loss, grads = loss + l, jax.tree.map(jnp.add, grads, g)
+            loss, grads = jax.tree.map(lambda a: a / micro, (loss, grads))
         elif form == "master16":  # f32 master weights, the loss and its gradients at their bf16 copies
             params16 = jax.tree.map(lambda p: p.astype(jnp.bfloat16), state.params)
             loss, grads16 = jax.value_and_grad(wrap(loss_fn))(params16, tokens, src)
@@ -193,6 +203,16 @@ def _linen_cross(s: Size, wrap: Callable, opt: Any = None) -> tuple[Callable, tu
 @case
 def _linen_accumulate(s: Size, wrap: Callable, opt: Any = None) -> tuple[Callable, tuple]:
     return _linen(s, wrap, opt=opt, form="accumulate")
+
+
+@case
+def _linen_unroll2(s: Size, wrap: Callable, opt: Any = None) -> tuple[Callable, tuple]:
+    return _linen(dataclasses.replace(s, batch=2 * s.batch), wrap, opt=opt, form="unroll2")
+
+
+@case
+def _linen_unroll4(s: Size, wrap: Callable, opt: Any = None) -> tuple[Callable, tuple]:
+    return _linen(dataclasses.replace(s, batch=4 * s.batch), wrap, opt=opt, form="unroll4")
 
 
 @case

@@ -33,7 +33,8 @@ from .cost.measure import resolve
 from .errors import RewriteLimitWarning, RewriteWarning, _strict
 from .extract.lean import closed_peaks, peaks_keep_leaner, time_price
 from .grad.primitive import Signature, bind_if_differentiated
-from .grad.step import find_losses, join_pinned, proof_graph, split_pinned
+from .grad.pinned import join_pinned, split_pinned
+from .grad.step import find_losses, proof_graph
 from .grad.vjp import VJPResult, build_vjp, decided_jointly, joint_program, rewrite_joint
 from .ir.jaxapi import core
 from .jaxpr import state as _state

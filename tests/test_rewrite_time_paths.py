@@ -145,7 +145,7 @@ def test_a_replaced_step_saturates_only_its_remainder(monkeypatch):
     so changed has only the rest (the update, what computes the loss's inputs) saturated, and is priced whole with
     no rule. It used to be saturated whole again: the loss-first program twice, most of a large step's search."""
     import rewrite.api as api
-    from rewrite.grad.step import PIN_FROM
+    from rewrite.grad.pinned import PIN_FROM
     from rewrite.pipeline import run_pipeline
 
     saturated: list = []  # (equations, with rules) of each program the step search rewrites at the top

@@ -43,7 +43,10 @@ evaluation reshaped (residual outputs, invariants moved out, a ``remat``
 backward that recomputes the original body), the cone is tried again cut at
 the loop's outputs, which become leaves; the loop's backward is then proven and replaced one iteration at a
 time (``rewrite/grad/loops.py``). A loop's body that holds a loss and
-its gradients (gradient accumulation) is searched as a step of its own.
+its gradients (gradient accumulation) is searched as a step of its own. Gradient accumulation unrolled by a Python
+loop sums the micro-batches' losses, and their gradients, in the step's own order: the sum is not proven (the
+step holds no gradient of it), and its parts (:func:`parts`), each a micro-batch's loss, are tried next. Only
+candidates that fail count against :data:`MAX_TRIES`, so that each loss replaced leaves the budget for the next.
 
 Where the proof fails (the step's backward is not the VJP of its forward: a
 ``stop_gradient`` applied to a use the cone does not stop, a ``custom_vjp``
@@ -74,7 +77,8 @@ from .vjp import float_positions, joint_program
 
 log = logging.getLogger("rewrite")
 
-#: How many candidate losses are re-derived and tried, at most, per step.
+#: How many candidate losses are re-derived and tried without being proven, at most, per step (those proven and
+#: replaced are not counted: a step accumulating micro-batches unrolled holds a loss each).
 MAX_TRIES = 4
 #: Primitives whose outputs a cone is cut at when the whole cone is not proven: JAX's partial evaluation gives a
 #: loop in the step residual outputs (and, under ``remat``, a backward that recomputes its body) that the
@@ -82,11 +86,6 @@ MAX_TRIES = 4
 LOOPS = frozenset({"scan", "while"})
 #: How many losses (micro-batches of gradient accumulation) are replaced, at most.
 MAX_LOSSES = 8
-#: From how many top-level equations a step with its losses replaced has only its remainder saturated, its
-#: loss-first programs (each already rewritten jointly with its forward) pinned (:func:`split_pinned`). A smaller
-#: step is saturated whole: there it is cheap, and a second saturation of a loss-first program can still find a
-#: form its first extraction missed (numpyro_mixture_logp's step prices 2% lower so).
-PIN_FROM = 400
 
 
 @dataclasses.dataclass
@@ -306,6 +305,47 @@ def candidates(graph: _Graph) -> list[tuple[Any, list[int], list[Any]]]:
     return [(v, eqns, leaves) for _, _, v, eqns, leaves in found]
 
 
+#: Scalar arithmetic that sums losses (gradient accumulation unrolled by a Python loop: ``total = total + loss``),
+#: and that scales a sum (``total / micro``) without being a loss's own (a mean's ``reduce_sum / n`` is not walked).
+SUMS = frozenset({"add", "sub", "add_any"})
+SCALES = frozenset({"div", "mul", "neg", "convert_element_type"})
+
+
+def parts(graph: _Graph, v: Any) -> list[Any]:
+    """The scalars ``v`` sums, where it is a sum of scalars (possibly scaled by constants), in program order:
+    ``[l0, l1, l2]`` for ``((0 + l0) + l1 + l2) / 3``; ``[]`` where it is not. A step that sums its micro-batches'
+    losses in its own order holds no gradient of the sum (it sums the micro-batches' gradients, in that order), so
+    the sum is never proven; each micro-batch's loss is."""
+    def scalars(w: Any) -> tuple[str, list[Any]] | None:  # its equation's primitive and scalar operands
+        k = graph.producer.get(w) if isinstance(w, core.Var) else None
+        if k is None or not _scalar_float(w):
+            return None
+        e = graph.jaxpr.eqns[k]
+        ins = [a for a in e.invars if isinstance(a, core.Var)]
+        return (e.primitive.name, ins) if all(_scalar_float(a) for a in ins) else None
+
+    def a_sum(w: Any) -> bool:  # a sum, possibly scaled
+        while (made := scalars(w)) is not None and made[0] in SCALES and len(made[1]) == 1:
+            w = made[1][0]
+        return made is not None and made[0] in SUMS
+
+    if not a_sum(v):
+        return []
+    found: dict = {}  # in the order met (a dict: a set's order would vary between runs)
+    stack = [v]  # walked without recursion: a sum may have thousands of terms
+    while stack:
+        w = stack.pop()
+        made = scalars(w)
+        if made is not None and made[0] in SUMS:
+            stack.extend(made[1])
+        elif made is not None and made[0] in SCALES and len(made[1]) == 1 and a_sum(made[1][0]):
+            stack.append(made[1][0])
+        elif w is not v and _scalar_float(w):
+            found[w] = None
+    order = {w: k for k, e in enumerate(graph.jaxpr.eqns) for w in e.outvars if w in found}
+    return sorted(found, key=lambda w: order.get(w, -1)) if len(found) >= 2 else []  # a stable sort
+
+
 # ---------------------------------------------------------------------- re-derivation and proof
 def cone_program(graph: _Graph, root: Any, eqns: Sequence[int], leaves: Sequence[Any],
                  consts: dict) -> core.ClosedJaxpr:
@@ -490,9 +530,10 @@ def find_losses(closed: core.ClosedJaxpr, proof: Callable[[core.ClosedJaxpr], li
     """The step with each proven loss and its gradients read from the loss-first program; ``None`` if none was
     proven. ``loss_first(cone)`` is the loss-first program of a loss's forward program (its leaves the inputs):
     ``(leaves, cotangent) -> (L, gradients of the float leaves)``. ``pinned``, where given, receives the values
-    the returned step's top-level equations from a loss-first program compute (:func:`split_pinned`). ``over``,
-    where ``proof`` saturates with no rule, is :func:`proof_graph`: the candidates' proofs then load the step once
-    (per step, as its losses are replaced), not once each."""
+    the returned step's top-level equations from a loss-first program compute
+    (:func:`rewrite.grad.pinned.split_pinned`). ``over``, where ``proof`` saturates with no rule, is
+    :func:`proof_graph`: the candidates' proofs then load the step once (per step, as its losses are replaced),
+    not once each."""
     t0 = time.perf_counter()
     finding = StepFinding()
     if closed.jaxpr.effects:
@@ -502,7 +543,8 @@ def find_losses(closed: core.ClosedJaxpr, proof: Callable[[core.ClosedJaxpr], li
     changed = False
     tried: set = set()
     made: set = set()  # the values the replacements compute
-    tries = 0
+    failed = 0  # candidates tried and not proven: a replaced loss does not spend the budget finding the next needs
+    queued: list = []  # the parts of the sums tried (:func:`parts`), tried before the other candidates
     shared: list[ProofGraph] = []  # the step as it is now, loaded for the proofs over it (at the first)
 
     def loaded() -> ProofGraph:
@@ -515,38 +557,41 @@ def find_losses(closed: core.ClosedJaxpr, proof: Callable[[core.ClosedJaxpr], li
             shared.pop().release()
 
     try:
-        while len(finding.replaced) < MAX_LOSSES and tries < MAX_TRIES:
-            graph = _Graph(step.jaxpr)
-            consts = dict(zip(step.jaxpr.constvars, step.consts))
-            progress = False
-            for root, eqns, leaves in candidates(graph):
-                if root in tried or any(w in made for k in eqns for w in graph.jaxpr.eqns[k].outvars):
-                    continue  # tried, or reads a replacement (its loss is the loss-first program's own)
-                if tries >= MAX_TRIES:
-                    break
-                tried.add(root)
-                tries += 1
-                cut = graph.cone(root, LOOPS)
-                tries_here = [(eqns, leaves, "")]
-                if cut[0] != eqns and len(cut[0]) >= 2:  # a loop in the cone: its outputs as leaves, if the whole fails
-                    tries_here.append((cut[0], graph.ordered(cut[1]), ", its cone cut at loop outputs"))
-                for cone_eqns, cone_leaves, how in tries_here:
-                    said, done = _attempt(step, graph, root, cone_eqns, cone_leaves, consts, proof,
-                                          None if over is None else loaded)
-                    if done is None:
-                        finding.declined.append(f"a scalar of {len(cone_eqns)} equations{how}: {said}")
-                        continue
-                    lifted, flat_cone, dif, found, joint = done
-                    unload()
-                    step = replace(step, root, lifted, consts, flat_cone, dif, found, loss_first, made, joint)
-                    finding.replaced.append(f"a loss of {len(cone_eqns)} equations{how} and its gradients with "
-                                            f"respect to {len(set(found.values()))} of {len(dif)} float inputs")
-                    changed = progress = True
-                    break
-                if progress:
-                    break
-            if not progress:
+        graph: _Graph | None = None
+        while len(finding.replaced) < MAX_LOSSES and failed < MAX_TRIES:
+            if graph is None:  # the step as it is now, and its candidates
+                graph = _Graph(step.jaxpr)
+                consts = dict(zip(step.jaxpr.constvars, step.consts))
+                found = {c[0]: c for c in candidates(graph)}
+                order = list(found)
+            # the parts of a sum that failed come first, then the candidates in their order; one not tried whose
+            # cone reads no replacement (its loss is the loss-first program's own)
+            root = next((v for v in queued + order if v in found and v not in tried
+                         and not any(w in made for k in found[v][1] for w in graph.jaxpr.eqns[k].outvars)), None)
+            if root is None:
                 break
+            _, eqns, leaves = found[root]
+            tried.add(root)
+            cut = graph.cone(root, LOOPS)
+            tries_here = [(eqns, leaves, "")]
+            if cut[0] != eqns and len(cut[0]) >= 2:  # a loop in the cone: its outputs as leaves, if the whole fails
+                tries_here.append((cut[0], graph.ordered(cut[1]), ", its cone cut at loop outputs"))
+            for cone_eqns, cone_leaves, how in tries_here:
+                said, done = _attempt(step, graph, root, cone_eqns, cone_leaves, consts, proof,
+                                      None if over is None else loaded)
+                if done is None:
+                    finding.declined.append(f"a scalar of {len(cone_eqns)} equations{how}: {said}")
+                    continue
+                lifted, flat_cone, dif, found_grads, joint = done
+                unload()
+                step = replace(step, root, lifted, consts, flat_cone, dif, found_grads, loss_first, made, joint)
+                finding.replaced.append(f"a loss of {len(cone_eqns)} equations{how} and its gradients with "
+                                        f"respect to {len(set(found_grads.values()))} of {len(dif)} float inputs")
+                changed, graph = True, None
+                break
+            else:  # not proven: a sum of losses is tried as its parts next
+                failed += 1
+                queued[:0] = parts(graph, root)
     finally:
         unload()
     loops = find_loop_vjps(step, proof, loss_first, finding.replaced, finding.declined)
@@ -593,81 +638,4 @@ def _in_loops(step: core.ClosedJaxpr, proof: Callable[[core.ClosedJaxpr], list[A
                                        jaxpr.debug_info), step.consts)
 
 
-# ---------------------------------------------------------------------- the remainder, rewritten alone
-@dataclasses.dataclass
-class Pinned:
-    """A step cut at its loss-first programs (already rewritten, each jointly with its forward): ``rest`` is the
-    remainder as a program ``(step inputs, what it reads of them) -> (step outputs, what they read of it)``."""
-
-    step: core.ClosedJaxpr
-    rest: core.ClosedJaxpr
-    kept: list  # the loss-first programs' equations, in program order
-    taken: list  # the values of theirs the remainder reads (its inputs after the step's own)
-    given: list  # the remainder's values they read (its outputs after the step's own)
-
-
-def split_pinned(step: core.ClosedJaxpr, pinned: set) -> Pinned | None:
-    """``step`` cut at the equations that compute ``pinned`` values, or ``None`` where the step is smaller than
-    :data:`PIN_FROM`, there are none, or nothing else (an equation computing some pinned values and some not is
-    not cut)."""
-    jaxpr = step.jaxpr
-    if len(jaxpr.eqns) < PIN_FROM:
-        return None
-    kept, rest = [], []
-    for e in jaxpr.eqns:
-        ins = [w in pinned for w in e.outvars]
-        if ins and all(ins):
-            kept.append(e)
-        elif any(ins):
-            return None
-        else:
-            rest.append(e)
-    if not kept or not rest:
-        return None
-    inputs = set(jaxpr.invars) | set(jaxpr.constvars)
-    made_by_rest = {w for e in rest for w in e.outvars}
-    taken, given = [], []
-    seen: set = set()
-    for a in [a for e in rest for a in e.invars] + list(jaxpr.outvars):
-        if isinstance(a, core.Var) and a in pinned and a not in seen:
-            seen.add(a)
-            taken.append(a)
-    for a in (a for e in kept for a in e.invars):
-        if isinstance(a, core.Var) and a in made_by_rest and a not in seen:
-            seen.add(a)
-            given.append(a)
-    if not all(a in pinned or a in made_by_rest or a in inputs
-               for e in kept for a in e.invars if isinstance(a, core.Var)):
-        return None
-    program = core.Jaxpr(list(jaxpr.constvars), list(jaxpr.invars) + taken, list(jaxpr.outvars) + given, rest,
-                         jaxpr.effects, BUILT_DEBUG)
-    return Pinned(step, core.ClosedJaxpr(program, list(step.consts)), kept, taken, given)
-
-
-def join_pinned(cut: Pinned, rest: core.ClosedJaxpr) -> core.ClosedJaxpr | None:
-    """The step again, its remainder now ``rest`` (``cut.rest`` rewritten), or ``None`` where ``rest`` computes
-    what the loss-first programs read from what they compute (it cannot run before them)."""
-    jaxpr, n_out, n_in = cut.step.jaxpr, len(cut.step.jaxpr.outvars), len(cut.step.jaxpr.invars)
-    rj = rest.jaxpr
-    after_taken = set(rj.invars[n_in:])
-    for e in rj.eqns:  # values of rest that read what the loss-first programs compute
-        if any(isinstance(a, core.Var) and a in after_taken for a in e.invars):
-            after_taken.update(e.outvars)
-    if any(isinstance(a, core.Var) and a in after_taken for a in rj.outvars[n_out:]):
-        return None
-    env: dict[Any, Any] = dict(zip(rj.invars, list(jaxpr.invars) + cut.taken))
-    constvars, consts = list(jaxpr.constvars), list(cut.step.consts)
-    for v, c in zip(rj.constvars, rest.consts):
-        w = core.Var(v.aval)
-        constvars.append(w)
-        consts.append(c)
-        env[v] = w
-    eqns = [substitute(e, env) for e in rj.eqns]
-    back = {g: read(env, o) for g, o in zip(cut.given, rj.outvars[n_out:])}
-    eqns = in_order(eqns + [substitute(e, back) for e in cut.kept])
-    new = core.Jaxpr(constvars, list(jaxpr.invars), [read(env, o) for o in rj.outvars[:n_out]], eqns,
-                     jaxpr.effects, jaxpr.debug_info)
-    return dce(core.ClosedJaxpr(new, consts))
-
-
-__all__ = ["Pinned", "StepFinding", "find_losses", "join_pinned", "split_pinned", "unwrap"]
+__all__ = ["StepFinding", "find_losses", "unwrap"]
