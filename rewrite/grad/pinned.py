@@ -9,6 +9,7 @@ puts the rewritten remainder back.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from ..ir.jaxapi import BUILT_DEBUG, core
 from ..jaxpr.edit import in_order, read, substitute
