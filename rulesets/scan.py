@@ -314,8 +314,9 @@ def lift_independent(m) -> Any:
         traced = trace_at(lifted_fn, [loop.args[p].aval for p in positions])
     except Exception:  # noqa: BLE001  (a trace that fails here fails in m.trace too, which decides)
         traced = None
+    stacked = [p >= ncon + nc for p in positions]
     if traced is not None and _holds_more(traced, [loop.args[p].aval for p in positions],
-                                          [loop.scan.aval[k] for k in free], stacked=[p >= ncon + nc for p in positions]):
+                                          [loop.scan.aval[k] for k in free], stacked=stacked):
         return same or None
     at = [loop.args[p] for p in positions]
     ys = m.trace(lifted_fn, *at) if traced is None else m.insert(traced, *at)

@@ -257,8 +257,8 @@ class AnalyticCost(CostModel):
     memory_budget: float | None = None
     #: programs priced within this fraction of each other, in their prices and in their times (a price less its
     #: memory charge, ``memory`` per byte of the peak: the charge is not counted twice), are taken as equally
-    #: fast, and of those the leaner wins (at most 3/4 of the other's predicted peak, and 1 MiB less: ``rewrite/extract/lean.py``,
-    #: :func:`rewrite.extract.lean.leaner`). The model's error between two forms of one loop is of this
+    #: fast, and of those the leaner wins (at most 3/4 of the other's predicted peak, and 1 MiB less:
+    #: ``rewrite/extract/lean.py``, :func:`rewrite.extract.lean.leaner`). The model's error between two forms of one loop is of this
     #: order: the LM head's loss at N=8192 in blocks of 256 tokens is priced 2.5% above blocks of 512 and
     #: measured 3.6% slower, holding half the memory. 0 prices by the sum alone, and so does ``memory=0``.
     lean_band: float = 0.03

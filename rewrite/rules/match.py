@@ -568,9 +568,9 @@ class Match:
         return self._engine.insert_traced(fn, inputs)
 
     def insert(self, closed: Any, *inputs: Value) -> Any:
-        """Insert a closed jaxpr already traced at the inputs' avals (``rewrite.jaxpr.trace.trace_at``), applied to ``inputs``:
-        what :meth:`trace` of the function it was traced from inserts, for a rule that read the trace first (to
-        decline on what it holds, say) and would otherwise trace it twice. Returns its result term(s)."""
+        """Insert a closed jaxpr already traced at the inputs' avals (``rewrite.jaxpr.trace.trace_at``), applied to
+        ``inputs``: what :meth:`trace` of the function it was traced from inserts, for a rule that read the trace
+        first (to decline on what it holds, say) and would otherwise trace it twice. Returns its result term(s)."""
         return self._engine.insert_closed(closed, inputs)
 
     def param(self, scope: int, index: int, aval: Any) -> Value:
