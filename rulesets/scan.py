@@ -310,15 +310,14 @@ def lift_independent(m) -> Any:
         return same or None
     in_axes = tuple(None if p < ncon + nc else 0 for p in positions)
     lifted_fn = jax.vmap(lambda *a: tuple(f(*a)), in_axes=in_axes, axis_size=loop.length)
+    at = [loop.args[p] for p in positions]
     try:  # traced once: read for what it holds, then inserted as it is
-        traced = trace_at(lifted_fn, [loop.args[p].aval for p in positions])
+        traced = trace_at(lifted_fn, [v.aval for v in at])
     except Exception:  # noqa: BLE001  (a trace that fails here fails in m.trace too, which decides)
         traced = None
     stacked = [p >= ncon + nc for p in positions]
-    if traced is not None and _holds_more(traced, [loop.args[p].aval for p in positions],
-                                          [loop.scan.aval[k] for k in free], stacked=stacked):
+    if traced is not None and _holds_more(traced, [loop.scan.aval[k] for k in free], stacked):
         return same or None
-    at = [loop.args[p] for p in positions]
     ys = m.trace(lifted_fn, *at) if traced is None else m.insert(traced, *at)
     ys = ys if isinstance(ys, (tuple, list)) else (ys,)
     lifted = {k: y for k, y in zip(free, ys) if y.aval == loop.scan.aval[k]}
@@ -335,12 +334,11 @@ LIFT_HOLDS = 4
 LIFT_BYTES = 2 ** 20
 
 
-def _holds_more(traced: Any, ins: list[Any], outs: list[Any], stacked: list[bool] | None = None) -> bool:
-    """Whether ``traced`` (a closed jaxpr of inputs ``ins`` returning ``outs``) holds an array, in its bodies too,
-    :data:`LIFT_HOLDS` times the stacked inputs (``stacked``, all by default) and ``outs`` together, and at least
-    :data:`LIFT_BYTES`."""
+def _holds_more(traced: Any, outs: list[Any], stacked: list[bool]) -> bool:
+    """Whether ``traced`` (a closed jaxpr returning ``outs``) holds an array, in its bodies too, :data:`LIFT_HOLDS`
+    times its stacked inputs (``stacked``, one flag an input) and ``outs`` together, and at least :data:`LIFT_BYTES`."""
     held = max((nbytes(v.aval) for e in equations(traced) for v in e.outvars), default=0)
-    read = [a for a, s in zip(ins, stacked or [True] * len(ins)) if s]
+    read = [a for a, s in zip(traced.in_avals, stacked) if s]
     return held >= LIFT_BYTES and held > LIFT_HOLDS * sum(nbytes(a) for a in (*read, *outs))
 
 

@@ -258,9 +258,9 @@ class AnalyticCost(CostModel):
     #: programs priced within this fraction of each other, in their prices and in their times (a price less its
     #: memory charge, ``memory`` per byte of the peak: the charge is not counted twice), are taken as equally
     #: fast, and of those the leaner wins (at most 3/4 of the other's predicted peak, and 1 MiB less:
-    #: ``rewrite/extract/lean.py``, :func:`rewrite.extract.lean.leaner`). The model's error between two forms of one loop is of this
-    #: order: the LM head's loss at N=8192 in blocks of 256 tokens is priced 2.5% above blocks of 512 and
-    #: measured 3.6% slower, holding half the memory. 0 prices by the sum alone, and so does ``memory=0``.
+    #: ``rewrite/extract/lean.py``, :func:`rewrite.extract.lean.leaner`). The model's error between two forms of
+    #: one loop is of this order: the LM head's loss at N=8192 in blocks of 256 tokens is priced 2.5% above blocks
+    #: of 512 and measured 3.6% slower, holding half the memory. 0 prices by the sum alone, and so does ``memory=0``.
     lean_band: float = 0.03
     #: whole programs priced within this fraction of each other are taken as equally fast where one is predicted
     #: to hold at most half the other's temporaries and more than ``cache`` bytes less (arrays that stream from
@@ -487,10 +487,17 @@ class AnalyticCost(CostModel):
         >>> AnalyticCost().predict_temp_bytes(jax.make_jaxpr(f)(x)) == compiled
         True
         """
+        return self._replayed(closed)[0]
+
+    def _replayed(self, closed: Any) -> tuple[int, Any, Any, Any, Any]:
+        """:meth:`predict_temp_bytes`'s replay of ``closed``'s kernels as XLA simplifies it: ``(the peak, the fusion
+        model, the simplified jaxpr, its program, its kernels)``."""
         fusion = self.fusion_model()
         fusion.tiebreak = None  # sizes only: no node prices (a loop's would need its body's)
-        prog = Program.from_jaxpr(as_xla_simplifies(closed), None)
-        return scheduled_peak(prog, fusion.kernels(prog), fusion.inner)
+        simple = as_xla_simplifies(closed)
+        prog = Program.from_jaxpr(simple, None)
+        kernels = fusion.kernels(prog)
+        return scheduled_peak(prog, kernels, fusion.inner), fusion, simple, prog, kernels
 
     def predict_peaks(self, closed: Any) -> tuple[int, int]:
         """``(predict_temp_bytes(closed), charged)``: the temporaries the backend allocates, and the kernels' peak of
@@ -505,12 +512,7 @@ class AnalyticCost(CostModel):
         >>> AnalyticCost().predict_peaks(closed) == (AnalyticCost().predict_temp_bytes(closed), 4 * 2 ** 20)
         True
         """
-        fusion = self.fusion_model()
-        fusion.tiebreak = None  # sizes only, as predict_temp_bytes reads them
-        simple = as_xla_simplifies(closed)
-        prog = Program.from_jaxpr(simple, None)
-        kernels = fusion.kernels(prog)
-        held = scheduled_peak(prog, kernels, fusion.inner)
+        held, fusion, simple, prog, kernels = self._replayed(closed)
         if simple is not closed:  # the price reads the program as written
             prog = Program.from_jaxpr(closed, None)
             kernels = fusion.kernels(prog)

@@ -263,14 +263,18 @@ class Builder:
                 if key is not None:
                     _TRACES.put(key, closed)
             remember = key is not None
-        return self.insert_closed(closed, inputs, remember=remember)
+        return self._insert(closed, inputs, remember)
 
-    def insert_closed(self, closed: core.ClosedJaxpr, inputs: Sequence[Value], remember: bool = False) -> Any:
-        """Insert ``closed`` (traced at the inputs' avals) applied to ``inputs``; returns its result term(s)."""
+    def insert_closed(self, closed: core.ClosedJaxpr, inputs: Sequence[Value]) -> Any:
+        """Insert ``closed``, a jaxpr a rule traced itself, applied to ``inputs``, which must be of its input types;
+        returns its result term(s)."""
         self.check_time()
-        if [tuple(v.aval.shape) for v in inputs] != [tuple(a.shape) for a in closed.in_avals] or \
-                [v.aval.dtype for v in inputs] != [a.dtype for a in closed.in_avals]:
+        types = lambda avals: [(tuple(a.shape), a.dtype) for a in avals]  # noqa: E731
+        if types(v.aval for v in inputs) != types(closed.in_avals):
             raise TypeError(f"a jaxpr of inputs {closed.in_avals} applied to {[v.aval for v in inputs]}")
+        return self._insert(closed, inputs, False)
+
+    def _insert(self, closed: core.ClosedJaxpr, inputs: Sequence[Value], remember: bool) -> Any:
         outs, _ = load_closed(closed, [v.name for v in inputs], self.egraph, remember=remember)
         vals = [Value(TYPES[self.egraph.vtype[o]], o, None, self) for o in outs]
         return vals[0] if len(vals) == 1 else tuple(vals)
