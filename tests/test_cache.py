@@ -326,8 +326,10 @@ def test_concurrent_writers_of_one_key(tmp_path):
     import time
 
     start = time.time() + 5.0  # every writer has imported JAX by then, so their stores overlap
+    # the repository first, then whatever the caller's path holds (on a machine with packages beside the install)
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     procs = [subprocess.Popen([sys.executable, "-c", WRITER.format(writer=s), str(tmp_path), str(start)],
-                              cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+                              cwd=ROOT, env=dict(os.environ, PYTHONPATH=path))
              for s in (1, 2, 3)]
     cache = DiskCache(tmp_path)
     closed = jax.make_jaxpr(lambda x: jnp.sin(x) * 2.0)(jnp.ones(64))

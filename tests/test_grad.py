@@ -8,8 +8,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.extend.core import Primitive
+from jax.interpreters import mlir
 
-from rewrite import RewriteWarning, explain, rewrite
+from rewrite import RewriteWarning, Ruleset, explain, rewrite, rule
 from rewrite.report.report import primitive_counts
 from rulesets.derivatives import derivatives, derivatives_fastmath
 
@@ -101,6 +103,41 @@ def test_higher_order():
     gg = jax.grad(lambda x, a: jax.grad(loss)(x, a).sum(), (0, 1))
     _close(jax.jit(gg_r)(X, A), gg(X, A), tol=1e-4)
     assert r.derivative_rewrites["vjp"] >= 1
+
+
+# A rule whose replacement JAX cannot differentiate in forward mode, as cuDNN's fused attention on a GPU: a
+# custom_vjp around a primitive with no JVP rule. Its VJP program holds the primitive bare.
+_sin_without_jvp_p = Primitive("test_sin_without_jvp")
+_sin_without_jvp_p.def_impl(jnp.sin)
+_sin_without_jvp_p.def_abstract_eval(lambda x: x)
+mlir.register_lowering(_sin_without_jvp_p, mlir.lower_fun(jnp.sin, multiple_results=False))
+
+
+@jax.custom_vjp
+def _vjp_only_sin(x):
+    return _sin_without_jvp_p.bind(x)
+
+
+_vjp_only_sin.defvjp(lambda x: (_sin_without_jvp_p.bind(x), x), lambda x, g: (g * jnp.cos(x),))
+VJP_ONLY = Ruleset("vjp_only", [rule(jnp.sin, _vjp_only_sin, name="sin_vjp_only", prefer=True)])
+
+
+@pytest.mark.parametrize("order", ["hvp", "jit_hvp", "vmap_hvp", "grad_of_grad", "hessian"])
+def test_a_replacement_without_forward_mode_is_differentiated_twice_as_written(order):
+    """Differentiated again (jax.jvp of jax.grad, grad of grad), a VJP whose program holds what JAX cannot
+    differentiate in forward mode gives way to JAX's derivative of the program as written (on a GPU, bf16
+    attention's hvp raised NotImplementedError for cuDNN's fused call); plain grad still runs the rule's."""
+    f = lambda x: jnp.sum(jnp.sin(x) * x)  # noqa: E731
+    g = rewrite(f, rulesets=[VJP_ONLY])
+    x, t = jnp.linspace(-1.0, 1.0, 5), jnp.linspace(0.5, 1.5, 5)
+    assert "test_sin_without_jvp" in str(g.grad_result(x).fwd)
+    hvp = lambda h, x, t: jax.jvp(jax.grad(h), (x,), (t,))[1]  # noqa: E731
+    run = {"hvp": lambda h: hvp(h, x, t), "jit_hvp": lambda h: jax.jit(lambda x, t: hvp(h, x, t))(x, t),
+           "vmap_hvp": lambda h: jax.vmap(lambda t: hvp(h, x, t))(jnp.eye(5)),
+           "grad_of_grad": lambda h: jax.grad(lambda x: jax.grad(h)(x).sum())(x),
+           "hessian": lambda h: jax.hessian(h)(x)}[order]
+    _close(run(g), run(f), tol=1e-6)
+    _close(jax.grad(g)(x), jax.grad(f)(x), tol=1e-6)
 
 
 def test_vmap_jit_and_nesting():

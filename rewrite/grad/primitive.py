@@ -69,7 +69,7 @@ from jax.interpreters import batching, mlir
 
 from ..errors import RewriteLimitWarning, RewriteWarning, _strict
 from ..ir.jaxapi import ad, core, custom_staging_rules, fallback_linearize, held_weakly_by_jax_caches, register_linearization
-from ..ir.walk import has_custom_vjp
+from ..ir.walk import without_jvp
 from ..jaxpr.trace import Traced, collect_young_only, spec_of
 from ..pipeline import limits_met, run_pipeline
 from .vjp import as_written_vjp, build_vjp, decided_jointly, float_positions, of_floats, split_joint
@@ -143,9 +143,13 @@ class Signature:
         have. JAX has no JVP of a ``custom_vjp``, and the blocked primal's own JVP would round its
         uncentred tangents where the original rounds centred ones (bf16 weights); so forward mode
         differentiates the program as written (its JVP is rewritten still) and keeps JAX's derivative."""
-        if has_custom_vjp(self.forward.jaxpr) and not has_custom_vjp(self.traced.closed.jaxpr):
-            return self.traced.closed
-        return self.forward
+        return self.traced.closed if self.breaks_forward_mode(self.forward) else self.forward
+
+    def breaks_forward_mode(self, *programs: core.ClosedJaxpr) -> bool:
+        """Whether ``programs`` hold something JAX cannot differentiate in forward mode (a ``jax.custom_vjp``, a
+        primitive with no JVP rule) that the program as written does not hold."""
+        new = set().union(*(without_jvp(p.jaxpr, _has_jvp) for p in programs))
+        return bool(new - without_jvp(self.traced.closed.jaxpr, _has_jvp))
 
     def _build(self, kind: str, keep: bool) -> Any:
         owner = self.owner
@@ -242,6 +246,21 @@ def bind_if_differentiated(program_of: Any, traced: Traced, flat: Sequence[Any])
     return rewritten_p.bind(*flat, program=program_of())
 
 
+def _has_jvp(prim: Any) -> bool:
+    return prim in ad.primitive_jvps or prim in ad.primitive_linearizations
+
+
+def _differentiated_above() -> bool:
+    """Whether the trace a linearization rule runs in (its parent's) is itself differentiating: the program's
+    forward half would be differentiated again."""
+    trace = core.trace_ctx.trace
+    while trace is not None:
+        if isinstance(trace, (ad.JVPTrace, ad.LinearizeTrace)):
+            return True
+        trace = getattr(trace, "parent_trace", None)
+    return False
+
+
 def _eval(closed: core.ClosedJaxpr, *args: Any) -> list[Any]:
     return core.eval_jaxpr(closed.jaxpr, closed.consts, *args)
 
@@ -285,6 +304,8 @@ def _jvp(primals: Sequence[Any], tangents: Sequence[Any], *, program: Signature)
         log.warning("the rewritten JVP of %s does not differentiate every input JAX does; "
                     "JAX differentiates the forward program", program)
         built = None
+    if built is not None and _differentiated_above() and program.breaks_forward_mode(built.program):
+        built = None  # differentiated again (see _linearize): JAX's JVP of the program forward mode differentiates
     if built is None:
         ts = [ad.instantiate_zeros(t) for t in tangents]
         outs, touts = jax.jvp(core.jaxpr_as_fun(program.jvp_source()), list(primals), ts)
@@ -302,6 +323,11 @@ def _linearize(is_vjp: bool, nonzeros: Sequence[bool], *primals: Any, program: S
     if built is not None and _untracked(built.dif_in, nonzeros):
         log.warning("the rewritten VJP of %s does not differentiate every input JAX does; "
                     "JAX differentiates the forward program", program)
+        built = None
+    if built is not None and _differentiated_above() and program.breaks_forward_mode(built.fwd, built.bwd):
+        # Differentiated again (jax.jvp of jax.grad: a Hessian-vector product), by a trace that would have to
+        # differentiate what a rule built and JAX cannot (cuDNN's fused attention): JAX's linearization of the
+        # program forward mode differentiates (jvp_source) instead.
         built = None
     if built is None:
         # jax.linearize evaluates its linear part (forward mode); a failed VJP rewrite lands here too.

@@ -129,6 +129,21 @@ def has_custom_vjp(jaxpr: Any) -> bool:
     return _any_eqn(jaxpr, lambda e: e.primitive.name == "custom_vjp_call")
 
 
+def without_jvp(jaxpr: Any, has_jvp: Callable[[Any], bool]) -> set[str]:
+    """The names of what JAX cannot differentiate in forward mode in ``jaxpr`` or a body in it: a ``jax.custom_vjp``
+    call, and a primitive with no body of its own for which ``has_jvp(primitive)`` is false (cuDNN's fused
+    attention, say)."""
+    found: set[str] = set()
+
+    def note(e: Any) -> bool:
+        if e.primitive.name == "custom_vjp_call" or (inner_jaxpr(e.params) is None and not has_jvp(e.primitive)):
+            found.add(e.primitive.name)
+        return False
+
+    _any_eqn(jaxpr, note)
+    return found
+
+
 def computes_half_precision(jaxpr: Any) -> bool:
     """Whether ``jaxpr``, or a body in it, computes a 16-bit float (bfloat16 or float16)."""
     return _any_eqn(jaxpr, lambda e: any(getattr(v.aval, "dtype", None) in (jnp.bfloat16, jnp.float16)
