@@ -132,15 +132,18 @@ def has_custom_vjp(jaxpr: Any) -> bool:
 def without_jvp(jaxpr: Any, has_jvp: Callable[[Any], bool]) -> set[str]:
     """The names of what JAX cannot differentiate in forward mode in ``jaxpr`` or a body in it: a ``jax.custom_vjp``
     call, and a primitive with no body of its own for which ``has_jvp(primitive)`` is false (cuDNN's fused
-    attention, say)."""
+    attention, say). A ``jax.custom_jvp``'s body is not read: its rule differentiates it."""
     found: set[str] = set()
 
-    def note(e: Any) -> bool:
-        if e.primitive.name == "custom_vjp_call" or (inner_jaxpr(e.params) is None and not has_jvp(e.primitive)):
-            found.add(e.primitive.name)
-        return False
+    def walk(j: Any) -> None:
+        for e in j.eqns:
+            inner = inner_jaxpr(e.params)
+            if e.primitive.name == "custom_vjp_call" or (inner is None and not has_jvp(e.primitive)):
+                found.add(e.primitive.name)
+            elif inner is not None and e.primitive.name != "custom_jvp_call":
+                walk(inner)
 
-    _any_eqn(jaxpr, note)
+    walk(jaxpr)
     return found
 
 
