@@ -240,10 +240,11 @@ def _one_hot_ce(logits: Any, labels: Any) -> Any:
 
 # ---------------------------------------------------------------------- normalised exponentials
 def _max_shifted(x: Value, axes: tuple[int, ...]) -> bool:
-    """Whether ``x`` is ``a - max(a, axes)`` with the max put back on ``a``'s rows (``stop_gradient``, the
-    ``max(-inf, .)`` guard, broadcasts): the shift ``jax.nn.softmax`` makes (:meth:`rewrite.Value.max_under`)."""
-    sub = x.node("sub")
-    return sub is not None and sub.operands[1].max_under(sub.operands[0], axes, rows=True) is not None
+    """Whether ``x`` is ``a - max(a, axes)`` (by any ``sub`` of its class) with the max put back on ``a``'s rows
+    (``stop_gradient``, the guards ``max(-inf, .)`` and ``where(isfinite(m), m, 0)``, broadcasts): the shift
+    ``jax.nn.softmax`` and ``jax.nn.logsumexp`` make (:meth:`rewrite.Value.max_under`)."""
+    return any(n.prim == "sub" and n.operands[1].max_under(n.operands[0], axes, rows=True) is not None
+               for n in x.nodes)
 
 
 def _keeps_axes(bcast: dict[str, Any], axes: tuple[int, ...], shape: tuple[int, ...]) -> bool:

@@ -283,10 +283,11 @@ class Value:
         another value or a ``reduce_max`` of anything else. Literals and single elements end a path.
 
         ``rows=True``: this value is that max put back on ``of``'s own rows (``axis`` may then be several axes),
-        each axis followed through ``stop_gradient``, unsharded broadcasts, transposes and the ``max(-inf, .)``
-        guard alone, and the max may be of ``f`` where ``of`` is ``f`` transposed (as
-        ``jax.nn.dot_product_attention`` writes it under ``vmap``); a max whose rows land on other rows, or a
-        value of another size than ``of`` but along ``axis`` (where it may be 1), is refused."""
+        each axis followed through ``stop_gradient``, unsharded broadcasts, transposes and the guards
+        ``max(-inf, .)`` and ``where(isfinite(m), m, 0)`` (``jax.nn.logsumexp``'s) alone, and the max may be of
+        ``f`` where ``of`` is ``f`` transposed (as ``jax.nn.dot_product_attention`` writes it under ``vmap``); a
+        max whose rows land on other rows, or a value of another size than ``of`` but along ``axis`` (where it may
+        be 1), is refused."""
         if rows:
             return _row_max(self, of, (axis,) if isinstance(axis, int) else tuple(axis))
         seen, stack, found = set(), [(self, 0)], None
@@ -337,11 +338,16 @@ def _row_max(shift: Value, of: Value, axes: tuple[int, ...]) -> Value | None:
         sources.append((node.operands[0], _inverse([int(d) for d in node.params["permutation"]])))
     v, pos = shift, list(range(of.ndim))
     for _ in range(8):
-        for prim in ("stop_gradient", "broadcast_in_dim", "transpose", "max", "reduce_max"):
+        for prim in ("stop_gradient", "broadcast_in_dim", "transpose", "max", "select_n", "reduce_max"):
             node = v.node(prim)
             if node is None:
                 continue
             ops = node.operands
+            if prim == "select_n":  # the guard where(isfinite(m), m, 0)
+                if not _finite_guard(ops):
+                    continue
+                v = ops[2]
+                break
             if prim == "reduce_max":
                 reduced = [int(a) for a in node.params["axes"]]
                 for src, place in sources:
@@ -368,6 +374,23 @@ def _row_max(shift: Value, of: Value, axes: tuple[int, ...]) -> Value | None:
         else:
             return None
     return None
+
+
+def _finite_guard(ops: Sequence[Value]) -> bool:
+    """Whether a ``select_n``'s operands are ``where(isfinite(m), m, 0)``'s: ``jax.nn.logsumexp``'s shift, which is 0
+    where the row max is infinite."""
+    if len(ops) != 3:
+        return False
+    test = ops[0].node("is_finite")
+    return test is not None and _same(test.operands[0], ops[2]) and _zeros(ops[1])
+
+
+def _zeros(v: Value, depth: int = 0) -> bool:
+    """Whether ``v`` is a literal 0 or a broadcast of one (the loader may give broadcasts of broadcasts)."""
+    if v.literal is not None:
+        return float(v.literal) == 0.0
+    node = v.node("broadcast_in_dim")
+    return node is not None and depth < 4 and len(node.operands) == 1 and _zeros(node.operands[0], depth + 1)
 
 
 def _broadcast_term(term: Value, rest: Value, of: Value, axis: int) -> bool:
