@@ -388,6 +388,12 @@ def decide(case: Case, *, programs: bool = True, declined: bool = True) -> Decid
             pairs[-1].drivers = _breakdown(report)
             pairs[-1].predicted_temp = (_temp(model, report.before), _temp(model, report.after))
             variants["rewritten"] = _fun(report.after)
+    if report.step_used:  # what rewrite(step) runs: the step with its losses read from the loss-first program
+        pairs.append(Pair(case.name, "runs", "chosen", "original", "runs",
+                          (report.cost_before + fixed) / (report.runs_cost + fixed)))
+        if programs:
+            pairs[-1].predicted_temp = (_temp(model, report.before), _temp(model, report.runs))
+            variants["runs"] = _fun(report.runs)
     # the loop rewrites built and not chosen, each against the program chosen (for a gradient, both unsplit)
     kept = "rewritten" if case.mode == "forward" and res.rewritten else ("kept" if res.rewritten else "original")
     for d in report.declined() if declined else ():

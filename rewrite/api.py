@@ -681,4 +681,4 @@ def explain(fn: Any, *args: Any, rulesets: Any = (), cost_model: Any = None, lim
     if finder.whole_step and finder.entries:  # the search's time and its parts, whether or not its step is used
         result.times.update({k: chosen.times[k] for k in STEP_STAGES if k in chosen.times})
         result.times["whole_step"] = time.perf_counter() - t
-    return report_of(result, entries, model, step=chosen.step, step_used=chosen is not result)
+    return report_of(result, entries, model, step=chosen.step, runs=None if chosen is result else chosen)

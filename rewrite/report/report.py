@@ -93,6 +93,10 @@ class Report:
     #: ``rewrite`` runs (the report's ``after`` is the step rewritten as written either way)
     step: Any = None
     step_used: bool = False
+    #: where ``step_used``: the program ``rewrite`` runs (the step with its losses read from the loss-first
+    #: program, rewritten) and its price; ``None`` and NaN where it runs ``after``
+    runs: Any = dataclasses.field(default=None, repr=False)
+    runs_cost: float = math.nan
 
     @property
     def excluded_by_budget(self) -> list[dict]:
@@ -375,15 +379,17 @@ _WHY = {
 
 
 def report_of(result: Result, entries: Sequence[tuple[Rule, Ruleset]], model: Any, step: Any = None,
-              step_used: bool = False) -> Report:
+              runs: Result | None = None) -> Report:
     """The report of one rewrite (:func:`rewrite.explain`): ``result`` kept its e-graph (``keep=True``);
-    ``step`` is what ``rewrite(step)`` found of a training step's losses, ``step_used`` whether it runs."""
+    ``step`` is what ``rewrite(step)`` found of a training step's losses, ``runs`` the step so changed where that
+    is what ``rewrite`` runs."""
     # the whole-step search's time and its parts (``Rewritten._whole_step``), where it ran
     times = {k: result.times.get(k, 0.0) for k in (*STAGES, "whole_step", *STEP_STAGES)
              if k in STAGES or k in result.times}
     return Report(
         before=result.before, after=result.after, cost_before=result.cost_before, cost_after=result.cost_after,
-        step=step, step_used=step_used,
+        step=step, step_used=runs is not None, runs=None if runs is None else runs.after,
+        runs_cost=math.nan if runs is None else runs.cost_after,
         fired={k: s.fired for k, s in result.stats.items() if s.fired},
         used=provenance(result), stopped=result.stopped, times=times, iterations=result.iterations,
         egraph_rows=result.rows, rejected={k: dict(s.rejected) for k, s in result.stats.items()},
