@@ -722,3 +722,47 @@ def test_rules_fingerprinted_together_walk_their_shared_helpers_once(monkeypatch
     for r, _ in entries:
         _RULES.pop(r, None)
     assert [rule_fingerprint(r) for r, _ in entries] == shared
+
+
+def test_a_loop_s_op_is_made_once_for_the_programs_of_one_choice(monkeypatch):
+    """A nested node's op holds its chosen bodies' programs, and in their memo the peak of their temporaries: it
+    reads the choice inside the bodies, so it was made again for every program priced (flax_seq2seq_grad: 758 kernel
+    replays for 182 whole-program prices). It is kept with the choices it read (``cost/program.py``'s
+    ``chosen_op``), and made again only where one of them changed, in place or not (374 replays)."""
+    from rewrite.cost import program as _cost_program
+    from rewrite.extract.program import ProgramPricer
+    from rewrite.ir.walk import walk
+    from tests.test_extract import _search_state
+
+    res, model, ex, choice = _search_state("scan_grad")
+    made: list = []  # the loops' bodies built
+    bodies = _cost_program._chosen_bodies
+
+    def counted(*args):
+        found = bodies(*args)
+        if found:
+            made.append(args[1])
+        return found
+
+    monkeypatch.setattr(_cost_program, "_chosen_bodies", counted)
+    pricer = ProgramPricer(ex, model)
+    first = pricer.program(choice, res.roots)
+    loops = [op for op in first.ops if (op.memo or {}).get("bodies")]
+    assert len(loops) == 2 and len(made) == 2, (len(loops), made)
+    second = pricer.program(choice, res.roots)
+    assert len(made) == 2, made
+    assert [op.memo for op in second.ops if (op.memo or {}).get("bodies")] == [op.memo for op in loops]
+    # a class inside a body switched in place to its other node: that loop's op is made again, as a fresh one reads
+    loop = next(op for op in loops if any(len(ex.snap.nodes[x]) > 1 for x in walk(
+        ex.body_classes(*choice[op.key]), lambda x: ex.all_kids(choice[x]))))
+    inside = next(x for x in walk(ex.body_classes(*choice[loop.key]), lambda x: ex.all_kids(choice[x]))
+                  if len(ex.snap.nodes[x]) > 1)
+    choice[inside] = next(n for n in ex.snap.nodes[inside] if n != choice[inside])
+    third = pricer.program(choice, res.roots)
+    assert len(made) == 3, made
+    fresh = _cost_program.Program.from_choice(ex, choice, res.roots, lambda c, n: pricer.own(c, n, choice))
+    assert [op.prim for op in third.ops] == [op.prim for op in fresh.ops]
+    assert model.program(third) == model.program(fresh)
+    changed = next(op for op in third.ops if op.key == loop.key)
+    prims = lambda op: [o.prim for b in op.memo["bodies"] for o in b.ops]  # noqa: E731
+    assert prims(changed) != prims(loop)
