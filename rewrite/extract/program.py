@@ -152,9 +152,9 @@ class ProgramPricer:
 class _ChoiceTemplates(dict):
     """The per-node facts (``cost/program.py``'s ``chosen_op``) of the programs one choice makes, where nodes have bodies.
 
-    Only a node with bodies (its price reads its bodies' choice) or a projection (its price reads the
-    projected node) has facts that depend on the choice; the facts of every other node are kept in
-    ``shared``, for every choice.
+    Only a projection (its price reads the projected node) has facts kept for this choice alone; the facts of every
+    other node are kept in ``shared``, for every choice: a node with bodies (its price reads its bodies' choice)
+    keeps the choices it read with its facts, which are used only where those are the same.
     """
 
     __slots__ = ("ex", "shared")
@@ -169,8 +169,7 @@ class _ChoiceTemplates(dict):
         return self.shared.get(key, default) if found is None else found
 
     def __setitem__(self, key: tuple, value: Any) -> None:
-        node = key[1]
-        if node[0] == "Proj" or self.ex.body_classes(*node):
+        if key[1][0] == "Proj":
             dict.__setitem__(self, key, value)
         else:
             self.shared[key] = value
