@@ -795,3 +795,34 @@ def test_programs_compared_are_printed_only_where_their_counts_agree_and_once_ea
     assert same_program(one, again) and same_program(one, again) and same_program(again, one)
     assert not same_program(one, other) and not same_program(other, one)
     assert len(printed) == 3 and {id(j) for j in printed} == {id(one.jaxpr), id(again.jaxpr), id(other.jaxpr)}
+
+
+def test_an_extractor_s_pricers_make_each_op_once(monkeypatch):
+    """Every pricer of one snapshot (an extraction's, the policy's, a VJP's split pricer) makes the same ops from
+    its nodes, and the copy of a snapshot without some nodes (``Snapshot.without``) too: their facts are kept by the
+    extractor (``Extractor.templates``), not by each pricer, but for a projection's, which read the choice.
+    Templates made on nine ecosystem programs: 39,850 -> 20,826."""
+    from rewrite.cost import program as _cost_program
+    from rewrite.extract.program import ProgramPricer
+    from tests.test_extract import _search_state
+
+    res, model, ex, choice = _search_state("scan_grad")
+    made: list = []
+    template = _cost_program._template
+    monkeypatch.setattr(_cost_program, "_template", lambda *a: made.append(a[2][0]) or template(*a))
+    first = ProgramPricer(ex, model).program(choice, res.roots)
+    assert len(made) > 20 and "Proj" in made, made
+    made.clear()
+    second = ProgramPricer(ex, model).program(dict(choice), res.roots)
+    assert set(made) == {"Proj"}, made
+    assert model.program(first) == model.program(second)
+    copy = _extractor.Extractor(ex.snap.without(lambda c, n: False), model)
+    copy.share_prices(ex)
+    made.clear()
+    third = ProgramPricer(copy, model).program(dict(choice), res.roots)
+    assert set(made) == {"Proj"}, made
+    assert model.program(third) == model.program(first)
+    # another model prices with facts of its own
+    made.clear()
+    ProgramPricer(ex, type(model)()).program(choice, res.roots)
+    assert len(made) > 20
