@@ -171,6 +171,8 @@ class FusionModel:
                  serial: float = 1.0, loop_launch: float = 0.0, loop_library: float = 0.0,
                  while_trips: float = 10.0, kernel_product: Callable[[Op], float] | None = None) -> None:
         self.ns = dict(ns)
+        #: where an op's memo keeps its facts for this model (:meth:`_facts`): one memo may meet two models
+        self._facts_key = ("facts", id(self))
         #: the price of a product inside one attention kernel (``attention.py``'s ``attention_price``), where it is
         #: not its own node price (``Op.own``): ``AnalyticCost``'s product at its one-core rate
         self.kernel_product = kernel_product
@@ -413,16 +415,16 @@ class FusionModel:
                 else:
                     whole.add(a)
         cost = self.launch + self.node * len(inside)
+        found = [facts(ops[i], prog) for i in comp]  # (each member's, read twice below)
         if self.tiebreak is not None:
-            cost += TIEBREAK * sum(facts(ops[i], prog)[1] for i in comp)
+            cost += TIEBREAK * sum(f[1] for f in found)
         sincos: dict[tuple, set[str]] = {}
         # Each op's share: its reduction, its pass in a library reduction, or its elementwise work.
         share = 4 if kind == LIBRARY and self.library_op is not None else 5
         par = self.parallel_share(root_op, kind)
         work = cost if par == 1.0 else 0.0  # (summed as before where the term is off: equal prices stay equal)
         reduced = 0.0  # a reduction's share where ``par`` scales the rest: its price is measured on one core
-        for i in comp:
-            f = facts(ops[i], prog)
+        for i, f in zip(comp, found):
             if f[2]:
                 sincos.setdefault((f[2], ops[i].args[0]), set()).add(ops[i].prim)
                 continue
@@ -470,7 +472,7 @@ class FusionModel:
         memo = op.memo
         if memo is None:
             memo = op.memo = {}
-        key = ("facts", id(self))
+        key = self._facts_key
         found = memo.get(key)
         if found is not None:
             return found

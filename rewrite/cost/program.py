@@ -19,7 +19,7 @@ from ..ir import terms as _terms
 from ..ir.intern import PARAMS
 from ..ir.jaxapi import core
 from ..ir.primitives import NodeInfo, inner_jaxpr, is_float as _is_float, spec_of
-from ..ir.walk import operands, postorder
+from ..ir.walk import children, operands, postorder, walk
 
 
 # What XLA:CPU does with each primitive (expensive, cheap, what a library reduction absorbs) lives in its
@@ -169,14 +169,26 @@ def read_outputs(prog: "Program", choice: Mapping[Any, tuple]) -> dict[int, froz
 
 def chosen_op(ex: Any, c: Any, node: tuple, choice: Mapping[Any, tuple], own: Callable[[Any, tuple], float],
               cache: dict, args: tuple) -> Op:
-    """The op class ``c`` computes with ``node``, reading ``args``; its facts are kept in ``cache`` per node."""
+    """The op class ``c`` computes with ``node``, reading ``args``; its facts are kept in ``cache`` per node.
+
+    The facts of a node with bodies (a loop's body programs, a call's inlined body) read the choice inside them,
+    which may differ between the programs that share ``cache``: they are kept with the choices they read, and
+    used again only where those are the same (a search prices the same loop in many programs).
+    """
     key = (c, node)
     tmpl = cache.get(key)
+    if tmpl is not None and tmpl[7] is not None and any(choice.get(x) != n for x, n in tmpl[7]):
+        tmpl = None
     if tmpl is None:
         tmpl = _template(ex, c, node, choice, own, cache)
-        if "inner" not in tmpl[6] and "bodies" not in tmpl[6]:  # a body may differ between choices: not kept
-            cache[key] = tmpl
-    prim, family, params, in_avals, out_avals, own_cost, memo = tmpl
+        memo = tmpl[6]
+        read = None
+        if "inner" in memo or "bodies" in memo:
+            kids = getattr(ex, "all_kids", children)
+            read = tuple((x, choice.get(x)) for x in walk(
+                ex.body_classes(*node), lambda x: kids(choice[x]) if x in choice else ()))
+        tmpl = cache[key] = (*tmpl, read)
+    prim, family, params, in_avals, out_avals, own_cost, memo, _ = tmpl
     return Op(prim, family, params, args, in_avals, out_avals, own_cost, key=c, memo=memo)
 
 

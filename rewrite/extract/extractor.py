@@ -69,6 +69,8 @@ class Extractor:
         self.whole_prices: dict[tuple, float] = {}
         #: and the predicted peaks its pricers' live programs read (``ProgramPricer.peaks``), by key alike
         self.peaks: dict[tuple, int] = {}
+        #: the per-node facts of the ops its pricers' programs are made of (``ProgramPricer.templates``)
+        self.templates: dict[tuple, tuple] = {}
         self._tree: tuple[dict, dict] | None = None
         #: the tree pass restricted to a program's own nodes, by that set (kept alive here, so its id stays its)
         self._original_trees: dict[int, tuple[set, dict]] = {}
@@ -244,12 +246,13 @@ class Extractor:
         self._original_trees.setdefault(id(original), (original, dict(choice)))
 
     def share_prices(self, of: "Extractor") -> None:
-        """Number choices as ``of`` does (:meth:`pair_id`) and share its whole-program prices and peaks
-        (:attr:`whole_prices`, :attr:`peaks`): this extractor's snapshot is a copy of ``of``'s with fewer nodes
-        (``Snapshot.without``), whose classes are the same, so one key names one program in both. Only before
-        this extractor numbered any choice."""
-        if not self._pair_ids and not self.whole_prices and not self.peaks:
+        """Number choices as ``of`` does (:meth:`pair_id`) and share its whole-program prices, peaks and ops' facts
+        (:attr:`whole_prices`, :attr:`peaks`, :attr:`templates`): this extractor's snapshot is a copy of ``of``'s with
+        fewer nodes (``Snapshot.without``), whose classes are the same, so one key names one program in both, and one
+        node the same op. Only before this extractor numbered any choice."""
+        if not self._pair_ids and not self.whole_prices and not self.peaks and not self.templates:
             self._pair_ids, self.whole_prices, self.peaks = of._pair_ids, of.whole_prices, of.peaks
+            self.templates = of.templates
 
     def tree_of(self, classes: set[Any]) -> tuple[dict, dict]:
         """:meth:`tree` restricted to ``classes`` (a set closed under children), every node of theirs allowed: the

@@ -34,7 +34,12 @@ class ProgramPricer:
 
     def __init__(self, ex: "Extractor", model: Any) -> None:
         self.ex, self.model = ex, model
-        self._templates, self._shared, self._bodies = {}, {}, {}  # by id(choice), with the choice kept in _pins
+        self._templates, self._bodies = {}, {}  # by id(choice), with the choice kept in _pins
+        #: the per-node facts every choice's programs share (``cost/program.py``'s ``chosen_op``): the extractor's
+        #: (every pricer of its snapshot builds the same ops), where they are priced by its model; a projection's
+        #: are this pricer's (:meth:`templates`)
+        self._shared: dict = ex.templates if model is ex.model else {}
+        self._plain = _ChoiceTemplates(ex, self._shared)
         self._nested: bool | None = None
         self._pins: dict[int, dict] = {}  # every choice a price is keyed by ``id`` of, kept alive: no other gets its id
         self._known: dict[tuple, float] = {}
@@ -80,9 +85,10 @@ class ProgramPricer:
                                    partial=lambda c, n, read: self.own(c, n, choice, read))
 
     def templates(self, choice: dict[Any, tuple], roots: Sequence[Any]) -> dict:
-        """Per-node facts of the programs ``choice`` makes (shared by all choices when no node has a body)."""
+        """Per-node facts of the programs ``choice`` makes (a projection's shared by all choices when no node has a
+        body)."""
         if not self._has_bodies(choice, roots):
-            return self._shared
+            return self._plain
         found = self._templates.get(id(choice))
         if found is None:
             found = self._templates[id(choice)] = _ChoiceTemplates(self.ex, self._shared)
@@ -150,11 +156,12 @@ class ProgramPricer:
 
 
 class _ChoiceTemplates(dict):
-    """The per-node facts (``cost/program.py``'s ``chosen_op``) of the programs one choice makes, where nodes have bodies.
+    """The per-node facts (``cost/program.py``'s ``chosen_op``) of the programs one choice makes, where nodes have bodies
+    (where none has, of every choice one pricer prices).
 
-    Only a node with bodies (its price reads its bodies' choice) or a projection (its price reads the
-    projected node) has facts that depend on the choice; the facts of every other node are kept in
-    ``shared``, for every choice.
+    Only a projection (its price reads the projected node) has facts kept here; the facts of every other node are
+    kept in ``shared``, for every choice and every pricer of the extractor: a node with bodies (its price reads its
+    bodies' choice) keeps the choices it read with its facts, which are used only where those are the same.
     """
 
     __slots__ = ("ex", "shared")
@@ -169,8 +176,7 @@ class _ChoiceTemplates(dict):
         return self.shared.get(key, default) if found is None else found
 
     def __setitem__(self, key: tuple, value: Any) -> None:
-        node = key[1]
-        if node[0] == "Proj" or self.ex.body_classes(*node):
+        if key[1][0] == "Proj":
             dict.__setitem__(self, key, value)
         else:
             self.shared[key] = value

@@ -655,7 +655,7 @@ def split_pricer(snap: Any, model: Any, choice: dict, f_roots: Sequence[Any], b_
     ex = shared(snap, model)
     if prices_programs(model):
         pricer = ProgramPricer(ex, model)
-        templates: dict = {}
+        templates = pricer.templates(choice, f_roots)  # the extractor's, but for what reads this choice
 
         def program(roots: Sequence[Any], inputs: frozenset = frozenset()) -> float:
             prog = Program.from_choice(ex, choice, roots, lambda c, nd: pricer.own(c, nd, choice),

@@ -27,6 +27,7 @@ import inspect
 import operator
 import struct
 import time
+import weakref
 from typing import Any, Callable, Sequence
 
 import jax
@@ -311,9 +312,29 @@ def _capture(closed: core.ClosedJaxpr) -> tuple[core.ClosedJaxpr, tuple[Any, ...
     return core.ClosedJaxpr(new, [consts[i] for i in keep]), tuple(consts[i] for i in moved)
 
 
+#: each jaxpr's text (``str``), kept while the jaxpr lives (a jaxpr is not changed once made)
+_TEXTS: "weakref.WeakKeyDictionary[Any, str]" = weakref.WeakKeyDictionary()
+
+
+def _text(jaxpr: Any) -> str:
+    found = _TEXTS.get(jaxpr)
+    if found is None:
+        found = _TEXTS[jaxpr] = str(jaxpr)
+    return found
+
+
 def same_program(a: core.ClosedJaxpr, b: core.ClosedJaxpr) -> bool:
-    """Are these two traces of a function the same program, constants included (bit for bit)?"""
-    if len(a.consts) != len(b.consts) or str(a.jaxpr) != str(b.jaxpr):
+    """Are these two traces of a function the same program, constants included (bit for bit)?
+
+    The texts are compared only where the counts of inputs, equations and outputs, which they print, agree, and
+    each jaxpr's is printed once (:func:`_text`): a search compares each program it prices with every one it priced
+    before (``grad/uses.py``'s ``priced_uses``).
+    """
+    ja, jb = a.jaxpr, b.jaxpr
+    if len(a.consts) != len(b.consts):
+        return False
+    if ja is not jb and (len(ja.invars) != len(jb.invars) or len(ja.eqns) != len(jb.eqns)
+                         or len(ja.outvars) != len(jb.outvars) or _text(ja) != _text(jb)):
         return False
     for x, y in zip(a.consts, b.consts):
         if x is y:
