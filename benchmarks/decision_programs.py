@@ -9,7 +9,10 @@ program does not apply. ``tests/golden/decisions.programs.json`` holds, per case
 such other programs, each under its :func:`program_key`: the hash of the program's text with its params in
 the version-neutral form (``rewrite.ir.jaxapi.neutral_jaxpr``), so that two JAX versions that trace the same
 program share one entry and no entry is chosen by a version number. A program that has none is held to
-``decisions.json``.
+``decisions.json``. The one exception: a training step whose whole-step search (``rewrite/grad/step.py``) traces
+its loss's VJP with the installed JAX, so one input program can decide otherwise on another JAX; its decision
+there is recorded under the key and that JAX's minor version (:func:`jax_key`, ``--this-jax``), which is read
+first.
 """
 
 from __future__ import annotations
@@ -38,10 +41,18 @@ def _recorded() -> dict:
     return json.loads(PROGRAMS.read_text())["cases"] if PROGRAMS.exists() else {}
 
 
+def jax_key(program: str) -> str:
+    """``program``'s key qualified by the installed JAX's minor version (``<key>@jax 0.12``)."""
+    import jax
+
+    return f"{program}@jax {'.'.join(jax.__version__.split('.')[:2])}"
+
+
 def golden_for(name: str, program: str, base: dict | None) -> tuple[dict | None, bool]:
-    """The golden decision of case ``name`` on input program ``program``: the one recorded for that program
-    if any (and True), else ``base`` (and False)."""
-    found = _recorded().get(name, {}).get(program)
+    """The golden decision of case ``name`` on input program ``program``: the one recorded for that program on
+    this JAX, else for that program, if any (and True), else ``base`` (and False)."""
+    recorded = _recorded().get(name, {})
+    found = recorded.get(jax_key(program), recorded.get(program))
     return (found, True) if found is not None else (base, False)
 
 
@@ -58,12 +69,12 @@ def measured_pairs(name: str, decided: dict, records: list[dict]) -> dict:
     return pairs
 
 
-def write(golden: dict[str, dict], records: list[dict], traced_on: str) -> None:
-    """Record each case's decision in ``golden`` (with its ``program``) for that program, with the ratios
-    ``records`` measured for its pairs."""
+def write(golden: dict[str, dict], records: list[dict], traced_on: str, by_jax: bool = False) -> None:
+    """Record each case's decision in ``golden`` (with its ``program``) for that program (``by_jax``: and this
+    JAX's minor version), with the ratios ``records`` measured for its pairs."""
     cases = _recorded()
     for name, g in golden.items():
-        cases.setdefault(name, {})[g["program"]] = {"traced_on": traced_on, "decision": g["decision"],
+        cases.setdefault(name, {})[jax_key(g["program"]) if by_jax else g["program"]] = {"traced_on": traced_on, "decision": g["decision"],
                                                     "pairs": measured_pairs(name, g, records)}
     PROGRAMS.write_text(json.dumps({
         "note": "Golden decisions on input programs other than decisions.json's (benchmarks/decision_programs.py), "

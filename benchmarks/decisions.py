@@ -845,6 +845,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--write", action="store_true", help="write the results and the golden decisions")
     ap.add_argument("--this-program", action="store_true", help="with --write: record the golden decisions for the "
                     "input programs this JAX traces (tests/golden/decisions.programs.json), nothing else")
+    ap.add_argument("--this-jax", action="store_true",
+                    help="with --this-program: record them for this JAX's minor version too, where the same input "
+                         "program decides otherwise on another JAX (the whole-step search traces the loss's VJP)")
     ap.add_argument("--list", action="store_true", help="list the cases and exit")
     ap.add_argument("--report", action="store_true", help="write decisions.md again from decisions.json, measuring nothing")
     ap.add_argument("--most-rounds", type=int, default=0, help="rounds a noisy case is timed up to (default "
@@ -929,7 +932,7 @@ def main(argv: list[str] | None = None) -> None:
         print(markdown(records, meta).split("## Worst misses")[0])
     meta["skipped"] = sorted(skip)
     if opts.write and opts.this_program:
-        decision_programs.write(golden_decisions(chosen), records, f"jax {jax.__version__}")
+        decision_programs.write(golden_decisions(chosen), records, f"jax {jax.__version__}", by_jax=opts.this_jax)
         PARTIAL.unlink(missing_ok=True)
         print(f"wrote {decision_programs.PROGRAMS}")
     elif opts.write:
