@@ -74,8 +74,9 @@ def write(golden: dict[str, dict], records: list[dict], traced_on: str, by_jax: 
     JAX's minor version), with the ratios ``records`` measured for its pairs."""
     cases = _recorded()
     for name, g in golden.items():
-        cases.setdefault(name, {})[jax_key(g["program"]) if by_jax else g["program"]] = {"traced_on": traced_on, "decision": g["decision"],
-                                                    "pairs": measured_pairs(name, g, records)}
+        key = jax_key(g["program"]) if by_jax else g["program"]
+        cases.setdefault(name, {})[key] = {"traced_on": traced_on, "decision": g["decision"],
+                                           "pairs": measured_pairs(name, g, records)}
     PROGRAMS.write_text(json.dumps({
         "note": "Golden decisions on input programs other than decisions.json's (benchmarks/decision_programs.py), "
                 "by program key; regenerate only with a new measurement: "

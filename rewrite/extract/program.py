@@ -156,8 +156,8 @@ class ProgramPricer:
 
 
 class _ChoiceTemplates(dict):
-    """The per-node facts (``cost/program.py``'s ``chosen_op``) of the programs one choice makes, where nodes have bodies
-    (where none has, of every choice one pricer prices).
+    """The per-node facts (``cost/program.py``'s ``chosen_op``) of the programs one choice makes, where nodes have
+    bodies (where none has, of every choice one pricer prices).
 
     Only a projection (its price reads the projected node) has facts kept here; the facts of every other node are
     kept in ``shared``, for every choice and every pricer of the extractor: a node with bodies (its price reads its
