@@ -772,3 +772,17 @@ def test_the_loss_first_program_is_chosen_for_what_the_step_reads(monkeypatch, k
     changed, _ = _replaced(_seed_step(kind), bd.inputs(8), [rulesets.derivatives])
     assert changed is not None
     assert asked == [(([0, 1], value), 3)]  # the loss, the gradients of x and a; not ct's
+
+
+def test_explain_of_a_step_gives_the_program_rewrite_runs():
+    """Where ``rewrite(step)`` runs the step with its losses read from the loss-first program, ``explain`` carries
+    that program (``Report.runs``, the one the decision corpus times) and its price, and says both in its
+    summary; ``after`` stays the step rewritten as written."""
+    from rewrite import explain
+
+    r, res, flat, leaves, _ = _small_linen_step()
+    report = explain(flat, *leaves, rulesets=PACKS)
+    assert report.step_used and report.runs is not None
+    assert str(report.runs) == str(res.after) and report.runs_cost == res.cost_after
+    assert str(report.after) != str(report.runs)
+    assert f"the program rewrite runs: cost {report.cost_before:,.0f} -> {report.runs_cost:,.0f}" in report.summary()

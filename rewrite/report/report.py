@@ -175,6 +175,11 @@ class Report:
             lines.insert(1, f"the rewritten program is used though not predicted cheaper: {_WHY.get(why, why)}")
         if self.step is not None:
             lines.append(f"whole step: {self.step}" + (" (the program rewrite runs)" if self.step_used else ""))
+        if self.step_used:  # the figures above are the step rewritten as written's, which rewrite does not run
+            f = self.fixed_cost
+            lines.append(f"the program rewrite runs: cost {self.cost_before:,.0f} -> {self.runs_cost:,.0f}, predicted "
+                         f"speed-up per call {(self.cost_before + f) / (self.runs_cost + f):.2f}x (the lines above "
+                         "are the step rewritten as written)")
         if self._slowest():
             lines.append(self._slowest())
         if self.fired:
