@@ -452,6 +452,8 @@ def test_reorders_for_no_real_saving_are_not_made(method):
 
     import jax.scipy.linalg as jsl
 
+    if method == "schur" and jax.default_backend() != "cpu":
+        pytest.skip("jax.scipy.linalg.schur has no GPU or TPU lowering")
     rng = np.random.default_rng(0)
     a, b, c = (jnp.asarray(rng.standard_normal(s), jnp.float32) for s in ((4, 4), (6, 6), (4, 6)))
     f = functools.partial(jsl.solve_sylvester, method=method)
