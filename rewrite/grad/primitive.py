@@ -69,7 +69,7 @@ from jax.interpreters import batching, mlir
 
 from ..errors import RewriteLimitWarning, RewriteWarning, _strict
 from ..ir.jaxapi import ad, core, custom_staging_rules, fallback_linearize, held_weakly_by_jax_caches, register_linearization
-from ..ir.walk import without_jvp
+from ..ir.walk import loses_forward_mode
 from ..jaxpr.trace import Traced, collect_young_only, spec_of
 from ..pipeline import limits_met, run_pipeline
 from .vjp import as_written_vjp, build_vjp, decided_jointly, float_positions, of_floats, split_joint
@@ -148,8 +148,7 @@ class Signature:
     def breaks_forward_mode(self, *programs: core.ClosedJaxpr) -> bool:
         """Whether ``programs`` hold something JAX cannot differentiate in forward mode (a ``jax.custom_vjp``, a
         primitive with no JVP rule) that the program as written does not hold."""
-        new = set().union(*(without_jvp(p.jaxpr, _has_jvp) for p in programs))
-        return bool(new - without_jvp(self.traced.closed.jaxpr, _has_jvp))
+        return loses_forward_mode(self.traced.closed.jaxpr, *(p.jaxpr for p in programs))
 
     def _build(self, kind: str, keep: bool) -> Any:
         owner = self.owner
@@ -244,10 +243,6 @@ def bind_if_differentiated(program_of: Any, traced: Traced, flat: Sequence[Any])
                   [core.typeof(x) for x in flat], closed.in_avals)
         return None
     return rewritten_p.bind(*flat, program=program_of())
-
-
-def _has_jvp(prim: Any) -> bool:
-    return prim in ad.primitive_jvps or prim in ad.primitive_linearizations
 
 
 def _differentiated_above() -> bool:

@@ -28,6 +28,7 @@ from typing import Any, Callable, Container, Iterable, Iterator, Sequence
 import jax.numpy as jnp
 
 from . import terms as _terms
+from .jaxapi import ad
 from .primitives import inner_jaxpr
 
 Node = tuple  # (ctor, args)
@@ -124,27 +125,33 @@ def _any_eqn(jaxpr: Any, pred: Callable[[Any], bool]) -> bool:
     return False
 
 
-def has_custom_vjp(jaxpr: Any) -> bool:
-    """Whether ``jaxpr``, or a body in it, holds a ``jax.custom_vjp`` call (which has no JVP)."""
-    return _any_eqn(jaxpr, lambda e: e.primitive.name == "custom_vjp_call")
+def _has_jvp(prim: Any) -> bool:
+    return prim in ad.primitive_jvps or prim in ad.primitive_linearizations
 
 
-def without_jvp(jaxpr: Any, has_jvp: Callable[[Any], bool]) -> set[str]:
+def _without_jvp(jaxpr: Any) -> set[str]:
     """The names of what JAX cannot differentiate in forward mode in ``jaxpr`` or a body in it: a ``jax.custom_vjp``
-    call, and a primitive with no body of its own for which ``has_jvp(primitive)`` is false (cuDNN's fused
-    attention, say). A ``jax.custom_jvp``'s body is not read: its rule differentiates it."""
+    call, and a primitive with no body of its own and no JVP rule (cuDNN's fused attention, say). A
+    ``jax.custom_jvp``'s body is not read: its rule differentiates it."""
     found: set[str] = set()
 
     def walk(j: Any) -> None:
         for e in j.eqns:
             inner = inner_jaxpr(e.params)
-            if e.primitive.name == "custom_vjp_call" or (inner is None and not has_jvp(e.primitive)):
+            if e.primitive.name == "custom_vjp_call" or (inner is None and not _has_jvp(e.primitive)):
                 found.add(e.primitive.name)
             elif inner is not None and e.primitive.name != "custom_jvp_call":
                 walk(inner)
 
     walk(jaxpr)
     return found
+
+
+def loses_forward_mode(before: Any, *after: Any) -> bool:
+    """Whether the jaxprs ``after`` (a rewrite of ``before``) hold something JAX cannot differentiate in forward mode
+    that ``before`` does not: a backward of their own (``jax.custom_vjp``), a primitive with no JVP rule. Forward
+    mode then differentiates ``before`` (``rewrite.grad.primitive.Signature.jvp_source``)."""
+    return bool(set().union(*map(_without_jvp, after)) - _without_jvp(before))
 
 
 def computes_half_precision(jaxpr: Any) -> bool:

@@ -30,7 +30,7 @@ from ..cost.model import AnalyticCost
 from ..extract.extractor import Extractor, _CONTAINERS
 from ..ir.intern import TupleType
 from ..ir.jaxapi import core
-from ..ir.walk import computes_half_precision, has_custom_vjp
+from ..ir.walk import computes_half_precision, loses_forward_mode
 from ..jaxpr.emit import emit
 from ..jaxpr.trace import trace
 from ..pipeline import run_pipeline
@@ -179,8 +179,9 @@ class _Case:
 
     @functools.cached_property
     def own_backward(self) -> bool:
-        """Whether the rewrite brought a backward of its own (``jax.custom_vjp``) that the original lacks."""
-        return has_custom_vjp(self.after.jaxpr) and not has_custom_vjp(self.before.jaxpr)
+        """Whether the rewrite brought a backward of its own (``jax.custom_vjp``), or anything else JAX cannot
+        differentiate in forward mode, that the original lacks (forward mode then differentiates the original)."""
+        return loses_forward_mode(self.before.jaxpr, self.after.jaxpr)
 
     @functools.cached_property
     def half_precision(self) -> bool:
