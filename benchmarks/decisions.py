@@ -389,8 +389,7 @@ def decide(case: Case, *, programs: bool = True, declined: bool = True) -> Decid
             pairs[-1].predicted_temp = (_temp(model, report.before), _temp(model, report.after))
             variants["rewritten"] = _fun(report.after)
     if report.step_used:  # what rewrite(step) runs: the step with its losses read from the loss-first program
-        pairs.append(Pair(case.name, "runs", "chosen", "original", "runs",
-                          (report.cost_before + fixed) / (report.runs_cost + fixed)))
+        pairs.append(Pair(case.name, "runs", "chosen", "original", "runs", report.runs_speedup))
         if programs:
             pairs[-1].predicted_temp = (_temp(model, report.before), _temp(model, report.runs))
             variants["runs"] = _fun(report.runs)

@@ -137,7 +137,16 @@ class Report:
         >>> report.predicted_speedup
         1.0
         """
-        before, after = self.cost_before + self.fixed_cost, self.cost_after + self.fixed_cost
+        return self._speedup(self.cost_after)
+
+    @property
+    def runs_speedup(self) -> float:
+        """:attr:`predicted_speedup` of the program ``rewrite`` runs: :attr:`runs` where ``step_used``, else
+        ``after``."""
+        return self._speedup(self.runs_cost if self.step_used else self.cost_after)
+
+    def _speedup(self, cost_after: float) -> float:
+        before, after = self.cost_before + self.fixed_cost, cost_after + self.fixed_cost
         if not after or math.isnan(before) or math.isinf(before):
             return 1.0
         return before / after
@@ -176,10 +185,9 @@ class Report:
         if self.step is not None:
             lines.append(f"whole step: {self.step}" + (" (the program rewrite runs)" if self.step_used else ""))
         if self.step_used:  # the figures above are the step rewritten as written's, which rewrite does not run
-            f = self.fixed_cost
             lines.append(f"the program rewrite runs: cost {self.cost_before:,.0f} -> {self.runs_cost:,.0f}, predicted "
-                         f"speed-up per call {(self.cost_before + f) / (self.runs_cost + f):.2f}x (the lines above "
-                         "are the step rewritten as written)")
+                         f"speed-up per call {self.runs_speedup:.2f}x (the lines above are the step rewritten as "
+                         "written)")
         if self._slowest():
             lines.append(self._slowest())
         if self.fired:
