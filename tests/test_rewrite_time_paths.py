@@ -849,3 +849,36 @@ def test_a_kernel_reads_each_member_s_facts_once(monkeypatch):
     computed = collections.Counter(id(prog.ops[i]) for k in kernels for i in k.computes
                                    if i not in apart and prog.ops[i].prim in ("mul", "add"))
     assert len(computed) == 2 and all(read[m] == n for m, n in computed.items()), (read, computed)
+
+
+def test_a_lifted_loop_body_is_traced_once_per_program_and_avals(monkeypatch):
+    """``lift_independent`` reads a loop's carry-independent outputs back as a function (``Match.function``) and
+    traces it lifted, ``vmap`` over the steps, to see what it holds before it inserts it. The body is read back
+    afresh at each snapshot and in each pipeline of a step (flax_lm_step traced 4 programs 22 times): the lifted
+    trace is kept by the body's program (``rulesets.scan._lifted_trace``), so one rewrite traces it once and a
+    second rewrite of the program none (before: twice in each)."""
+    import importlib
+
+    scan_module = importlib.import_module("rulesets.scan")  # (rulesets.scan, the attribute, is the pack)
+    traced: list = []
+    trace_at = scan_module.trace_at
+
+    def counted(fn, avals):
+        traced.append(tuple(avals))
+        return trace_at(fn, avals)
+
+    monkeypatch.setattr(scan_module, "trace_at", counted)
+    monkeypatch.setattr(scan_module, "_LIFTED", [], raising=False)  # (none kept from an earlier test)
+
+    def loss(h0, xs, w):
+        _, ys = jax.lax.scan(lambda h, x: (jnp.tanh(h + x), jnp.sin(x * w)), h0, xs)
+        return jnp.sum(ys)
+
+    args = jnp.ones(32), jnp.ones((8, 32)), jnp.float32(0.5)
+    first = explain(loss, *args, rulesets=[rulesets.scan])
+    assert first.fired.get("lift_independent"), first.fired
+    assert len(traced) == 1, traced
+    again = explain(loss, *args, rulesets=[rulesets.scan])
+    assert again.fired == first.fired and str(again.after) == str(first.after)
+    assert len(traced) == 1, traced
+    assert jnp.allclose(rewrite(loss, rulesets=[rulesets.scan], cache=False)(*args), loss(*args), rtol=1e-5)
