@@ -434,20 +434,14 @@ def test_the_input_is_a_search_start_only_where_it_prices_as_the_rewritten_start
     finally:
         X.ProgramSearch.run = real
     fresh = ProgramPricer(ex, model)
-    first = X.search(ex, tree_choice, res.roots)
-    rewritten = fresh(first, res.roots)
-    # where the first candidate uses a loop a rule built, the program searched from the tree pass without such
-    # loops is a start too (X._without_new_loops), refined after the cheaper of the two
-    unlooped = X._without_new_loops(ex, first, res.roots, res.original)
-    ours = [rewritten] if unlooped is None else sorted([rewritten, fresh(X.search(ex, unlooped, res.roots), res.roots)])
+    rewritten = fresh(X.search(ex, tree_choice, res.roots), res.roots)
     _, orig = ex.tree(lambda cls, ctor, args: ctor in _CONTAINERS or (ctor, args) in res.original)
     original = fresh(orig, res.roots)
-    assert starts[:len(ours)] == [pytest.approx(p, rel=1e-12) for p in ours]
-    rest = starts[len(ours):]
-    if original <= ours[0] * (1 + X.INPUT_START) and original not in ours:
-        assert rest == [pytest.approx(original, rel=1e-12)]
+    assert starts[0] == pytest.approx(rewritten, rel=1e-12)
+    if original <= rewritten * (1 + X.INPUT_START) and original != rewritten:
+        assert starts[1:] == [pytest.approx(original, rel=1e-12)]
     else:
-        assert not rest or rest == [pytest.approx(ours[0], rel=1e-12)]  # the same program once
+        assert len(starts) == 1 or starts[1] == pytest.approx(rewritten, rel=1e-12)  # the same program once
 
 
 def test_a_choice_priced_and_dropped_does_not_lend_its_price_to_another_at_its_id():

@@ -21,11 +21,7 @@ DAGs, and its DAG-aware extractor is too slow at our sizes (see
    under that price: whether a value is stored or recomputed in every loop
    that reads it depends on the whole program, which no sum of node costs
    sees. A switch re-prices only the kernels it touches (:class:`LiveProgram`,
-   one per extraction, moved between the searches' starts). Where the first
-   candidate uses a loop a rule built, the passes 1 and 3 are made again
-   without such loops, and that program is refined too (:func:`_without_new_loops`):
-   a search does not take a whole loop out of a program again, so a loop
-   the bottom-up pass prefers class by class can hide a cheaper program without it.
+   one per extraction, moved between the searches' starts).
 5. The cheapest candidate wins, and the input program is one of them, so the
    result never costs more than the input; with no rules it is the input.
    The distinct candidates stay available, cheapest first, for
@@ -39,9 +35,7 @@ import math
 from typing import Any, Sequence
 
 from ..cost.model import CostModel
-from ..ir import primitives as _primitives
 from ..ir.egraph import Snapshot
-from .choice import reachable
 from .extractor import Extractor, _signature, search, shared
 from .lean import lean_band, leaner, time_price
 from .program import ProgramPricer, ProgramSearch, prices_programs
@@ -103,9 +97,6 @@ def extract(snap: Snapshot, roots: Sequence[Any], model: CostModel, original: se
     if missing:
         raise RuntimeError("extraction found no finite-cost program for an output; the e-graph is malformed")
     candidates = [Candidate(search(ex, tree_choice, roots), math.nan, True)]
-    unlooped = _without_new_loops(ex, candidates[0].choice, roots, original)
-    if unlooped is not None:
-        candidates.append(Candidate(search(ex, unlooped, roots), math.nan, True))
     orig_choice = None
     if original is not None:
         orig_choice = ex.original_tree(original)
@@ -125,8 +116,6 @@ def extract(snap: Snapshot, roots: Sequence[Any], model: CostModel, original: se
         # Refine the best rewritten candidate under the whole-program price, and the input where it is a
         # start as good (see INPUT_START).
         starts = sorted([cand for cand in candidates if cand.rewritten], key=lambda cand: cand.cost)[:1]
-        if unlooped is not None:  # both starts, the tree pass's and the one without new loops, are refined
-            starts += [cand for cand in candidates[:2] if all(cand is not s for s in starts)]
         if orig_choice is not None:
             # The input program again: it reaches only classes of orig_choice (a closed choice), so it is the same program.
             orig = next(cand for cand in candidates if not cand.rewritten)
@@ -167,29 +156,6 @@ def extract(snap: Snapshot, roots: Sequence[Any], model: CostModel, original: se
                 if price is not None and best.rewritten and bounds_memory(model) else None)
     return Extraction(best.choice, best.cost, orig_cost, best.rewritten, ranked, lean=best is not cheapest,
                       leaner_fallback=fallback)
-
-
-def _without_new_loops(ex: Extractor, chosen: dict, roots: Sequence[Any], original: set[tuple] | None
-                       ) -> dict | None:
-    """The bottom-up pass without the loops rules built (nodes with bodies that the input program does not hold),
-    where ``chosen`` (the first candidate) uses one and every output can be had without: a second start.
-
-    A search switches one class, or one loop's outputs, at a time; it does not take a whole loop out again. In a
-    flax language model's training step as written, the LM head's blocked loss (a ``while``) so hid linalg's
-    reordered products: extraction ended on the head with the reorders, priced 4.6% under the step (below linalg's
-    ``min_saving``, so the step was kept), where the reorders without the head price 14% under it and measure
-    1.32x faster (``tests/test_extract_loops.py``; issue 50)."""
-    if original is None:
-        return None
-
-    def new_loop(ctor: str, args: tuple) -> bool:
-        spec = _primitives.BY_CTOR.get(ctor)
-        return spec is not None and spec.family == _primitives.NESTED and (ctor, args) not in original
-
-    if not any(new_loop(*chosen[c]) for c in reachable(ex.snap, chosen, roots) if c in chosen):
-        return None
-    _, choice = ex.tree(lambda cls, ctor, args: not new_loop(ctor, args))
-    return choice if all(r in choice for r in roots) else None
 
 
 #: A rewritten program predicted to hold at least this many bytes of temporaries more than the input program, and
