@@ -58,3 +58,42 @@ def library_dot(params: Mapping[str, Any], in_avals: Sequence[Any]) -> bool:
     rest = [d for d in range(len(shape)) if d not in lb and shape[d] != 1]
     contracted = [i for i, d in enumerate(rest) if d in lc]
     return contracted == list(range(len(rest) - len(contracted), len(rest)))
+
+
+def _leading(shape: Sequence[int], batch: Sequence[int]) -> bool:
+    """Whether the ``batch`` dimensions come first in ``shape``, dimensions of size 1 aside (a bitcast away)."""
+    rest = [d for d in range(len(shape)) if shape[d] != 1]
+    return [d for d in rest if d in batch] == rest[:len([d for d in rest if d in batch])]
+
+
+def rhs_copied(params: Mapping[str, Any], in_avals: Sequence[Any]) -> bool:
+    """Whether XLA:CPU copies this ``dot_general``'s right operand into another layout before the product.
+
+    Where an operand's batch dimensions do not come first (``[b, n, h, d]`` heads, as attention traces them), XLA
+    puts the product in its canonical form first, the left operand ``[B, M, K]`` and the right ``[B, K, N]``,
+    copying each operand stored otherwise. A right operand that contracts its minor-most dimensions (``[N, K]``:
+    ``v^T p^T``, the probabilities contracted on their keys) is then copied whole, which :func:`library_dot`
+    (the left operand's layout) does not see; where both batch axes lead, the library path reads it as it is.
+    Contractions shorter than :data:`MIN_CONTRACTION` are priced alike, as there.
+
+    >>> from jax.core import ShapedArray
+    >>> import jax.numpy as jnp
+    >>> p = ShapedArray((1, 2, 2048, 2048), jnp.float32); v = ShapedArray((1, 2048, 2, 64), jnp.float32)
+    >>> rhs_copied({"dimension_numbers": (((1,), (3,)), ((0, 2), (0, 1)))}, (v, p))   # v^T p^T: p copied
+    True
+    >>> rhs_copied({"dimension_numbers": (((1,), (2,)), ((0, 2), (0, 1)))}, (v, p))   # v^T p: p read as it is
+    False
+    >>> vt = ShapedArray((2, 64, 2048), jnp.float32); pp = ShapedArray((2, 2048, 2048), jnp.float32)
+    >>> rhs_copied({"dimension_numbers": (((2,), (2,)), ((0,), (0,)))}, (vt, pp))     # batch axes lead: not copied
+    False
+    """
+    (lc, rc), (lb, rb) = params["dimension_numbers"]
+    lhs, rhs = in_avals[0], in_avals[1]
+    ls, rs = getattr(lhs, "shape", ()), getattr(rhs, "shape", ())
+    if not rc or math.prod(rs[d] for d in rc) < MIN_CONTRACTION:
+        return False
+    if _leading(ls, lb) and _leading(rs, rb):
+        return False
+    rest = [d for d in range(len(rs)) if d not in rb and rs[d] != 1]
+    contracted = [i for i, d in enumerate(rest) if d in rc]
+    return len(contracted) < len(rest) and contracted != list(range(len(contracted)))
