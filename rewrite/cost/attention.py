@@ -178,8 +178,7 @@ def attention_price(self: Any, prog: Any, r: Any, comp: Iterable[Any]) -> tuple[
         if self.tiebreak is not None:
             cost += TIEBREAK * f[1]
         if op.prim == "dot_general":  # the first writes the scores (and spills them), the second reads them
-            own = self.kernel_product(op) if self.kernel_product is not None else (
-                op.own - (self.kernel_copy(op) if self.kernel_copy is not None else 0.0))
+            own = op.own if self.kernel_product is None else self.kernel_product(op)
             cost += own - self.byte * scores - (self.spill * max(0.0, scores - self.cache) if i != r else 0.0)
         elif f[7]:
             cost += f[3]

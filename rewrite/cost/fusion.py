@@ -169,17 +169,13 @@ class FusionModel:
                  held: Callable[[Any, Sequence[Fusion], Callable[[Op], int] | None, float], int] | None = None,
                  parallel: float = 1.0, parallel_at: float = math.inf, chain: float = 0.0,
                  serial: float = 1.0, loop_launch: float = 0.0, loop_library: float = 0.0,
-                 while_trips: float = 10.0, kernel_product: Callable[[Op], float] | None = None,
-                 kernel_copy: Callable[[Op], float] | None = None) -> None:
+                 while_trips: float = 10.0, kernel_product: Callable[[Op], float] | None = None) -> None:
         self.ns = dict(ns)
         #: where an op's memo keeps its facts for this model (:meth:`_facts`): one memo may meet two models
         self._facts_key = ("facts", id(self))
         #: the price of a product inside one attention kernel (``attention.py``'s ``attention_price``), where it is
         #: not its own node price (``Op.own``): ``AnalyticCost``'s product at its one-core rate
         self.kernel_product = kernel_product
-        #: what a product's own price holds for a copy of its right operand that one attention kernel does not make
-        #: (``AnalyticCost._kernel_copy``; read where ``kernel_product`` is not given)
-        self.kernel_copy = kernel_copy
         self.loop_launch = loop_launch
         self.loop_library = loop_library
         self.while_trips = while_trips

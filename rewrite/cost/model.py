@@ -55,7 +55,7 @@ from ..ir import primitives as _primitives
 from ..ir.scanread import IN_PLACE
 from ..ir.primitives import BY_PRIM, DEFAULT as _OPAQUE_SPEC, NodeInfo, inner_jaxpr, nbytes, size  # noqa: F401
 from . import calibration as _calibration
-from .dot import FALLBACK as _DOT_FALLBACK, REPACK as _DOT_REPACK, library_dot, rhs_copied
+from .dot import FALLBACK as _DOT_FALLBACK, REPACK as _DOT_REPACK, library_dot
 from .fusion import FusionModel, ns_key, peak_temp_bytes
 from .memory import InnerPeak, as_xla_simplifies, scheduled_peak
 from .program import Program
@@ -416,13 +416,11 @@ class AnalyticCost(CostModel):
         """
         return self.dot_parallel if flops >= self.dot_parallel_at else self.dot
 
-    def _contract(self, n: NodeInfo, rate: float | None = None, copy: bool = True) -> float:
+    def _contract(self, n: NodeInfo, rate: float | None = None) -> float:
         flops = _dot_flops(n)
         rate = self.dot_rate(flops) if rate is None else rate
         if not library_dot(n.params, n.in_avals):
             flops = self.dot_fallback * flops + self.dot_repack * size(n.in_avals[0])
-        if copy and rhs_copied(n.params, n.in_avals):  # copied into [B, K, N] first, priced as a left operand's
-            flops += self.dot_repack * size(n.in_avals[1])  # repacking (not inside one attention kernel)
         # Its output spills like any array; its operands do not: a library product reads them tile by tile,
         # each tile many times from the cache.
         return (self.node + rate * flops + self.byte * (sum(nbytes(a) for a in n.in_avals) + nbytes(n.out_avals[0]))
@@ -473,8 +471,7 @@ class AnalyticCost(CostModel):
                          serial=self.loop_serial, loop_launch=self.loop_launch, loop_library=self.loop_launch_library,
                          while_trips=self.while_trips,
                          kernel_product=(self._kernel_product if self.attention_dot != self.dot
-                                         or self.dot_parallel_at != math.inf else None),
-                         kernel_copy=self._kernel_copy)
+                                         or self.dot_parallel_at != math.inf else None))
         fm.inner = InnerPeak(fm)
         return fm
 
@@ -527,19 +524,10 @@ class AnalyticCost(CostModel):
         key = ("kernel_product", id(self))
         if memo is not None and key in memo:
             return memo[key]
-        found = self._contract(NodeInfo(op.prim, op.family, op.params, op.in_avals, op.out_avals), rate=self.attention_dot,
-                               copy=False)
+        found = self._contract(NodeInfo(op.prim, op.family, op.params, op.in_avals, op.out_avals), rate=self.attention_dot)
         if memo is not None:
             memo[key] = found
         return found
-
-    def _kernel_copy(self, op: Any) -> float:
-        """What a product's own price (``Op.own``) holds for copying its right operand (:func:`rhs_copied`), which
-        it does not pay inside one attention kernel: the library reads the probabilities from its tiles."""
-        if not rhs_copied(op.params, op.in_avals):
-            return 0.0
-        return self.dot_rate(_dot_flops(NodeInfo(op.prim, op.family, op.params, op.in_avals, op.out_avals))) \
-            * self.dot_repack * size(op.in_avals[1])
 
     def _op_price(self, op: Any) -> float:
         return self(NodeInfo(op.prim, op.family, op.params, op.in_avals, op.out_avals))
