@@ -69,8 +69,8 @@ from jax import lax
 from rewrite import Ruleset, Tolerance, procedural, rule
 from rewrite.ir.jaxapi import scan_counted
 from rewrite.ir.primitives import nbytes
-from rewrite.jaxpr.trace import same_program, trace_at
-from rewrite.rules.builder import _config
+from rewrite.jaxpr.trace import program_key, trace_at
+from rewrite.rules.builder import _config, _Traces
 from rewrite.loops import SCAN, WHILE, Body, Decline, Loop, adds_one
 from rewrite.report.report import equations
 from rulesets._examples import f32
@@ -337,27 +337,26 @@ LIFT_BYTES = 2 ** 20
 
 def _lifted_trace(f: Any, lifted_fn: Callable[..., Any], in_axes: tuple, length: int, avals: list) -> Any:
     """``trace_at(lifted_fn, avals)``, ``lifted_fn`` being ``vmap(f)`` at ``in_axes`` over ``length`` steps: remembered
-    by ``f``'s program (``f.jaxpr``, the body's slice ``Match.function`` read back), as ``same_program`` tells two
-    apart (text and constants, bit for bit), for the process. The same loop's body is read back afresh at each
-    snapshot, in each of a step's pipelines (its forward, its joint, the two again without the ``jointly``
-    rules), and traced lifted each time a match of it is tried: flax_lm_step traced 4 programs 22 times, 0.10 s
-    of its 3.7 s (``tests/test_rewrite_time_paths.py`` counts the traces)."""
+    by ``f``'s program (``f.jaxpr``, the body's slice ``Match.function`` read back; ``program_key``: its text and
+    constants, bit for bit), for the process. The same loop's body is read back afresh at each snapshot, in each of
+    a step's pipelines (its forward, its joint, the two again without the ``jointly`` rules), and traced lifted
+    each time a match of it is tried: flax_lm_step traced 4 programs 22 times, 0.10 s of its 3.7 s
+    (``tests/test_rewrite_time_paths.py`` counts the traces)."""
     closed = getattr(f, "jaxpr", None)
-    if closed is None:
+    program = None if closed is None else program_key(closed)
+    if program is None:
         return trace_at(lifted_fn, avals)
-    key = (in_axes, length, tuple(avals), _config())
-    for program, where, traced in _LIFTED:
-        if where == key and same_program(program, closed):
-            return traced
-    traced = trace_at(lifted_fn, avals)
-    _LIFTED.append((closed, key, traced))
-    del _LIFTED[:-_LIFTED_KEPT]
+    key = (program, in_axes, length, tuple(avals), _config())
+    traced = _LIFTED.get(key)
+    if traced is None:
+        traced = trace_at(lifted_fn, avals)
+        _LIFTED.put(key, traced)
     return traced
 
 
-#: :func:`_lifted_trace`'s traces, the latest last: ``(f.jaxpr, (in_axes, length, avals, config), trace)``
-_LIFTED: list[tuple[Any, tuple, Any]] = []
-_LIFTED_KEPT = 64
+#: :func:`_lifted_trace`'s traces, by the body's program, ``in_axes``, length, avals and JAX's config; the oldest of
+#: more than 64 dropped
+_LIFTED = _Traces(size=64)
 
 
 def _holds_more(traced: Any, outs: list[Any], stacked: list[bool]) -> bool:

@@ -868,7 +868,7 @@ def test_a_lifted_loop_body_is_traced_once_per_program_and_avals(monkeypatch):
         return trace_at(fn, avals)
 
     monkeypatch.setattr(scan_module, "trace_at", counted)
-    monkeypatch.setattr(scan_module, "_LIFTED", [], raising=False)  # (none kept from an earlier test)
+    monkeypatch.setattr(scan_module, "_LIFTED", type(scan_module._LIFTED)(size=64))  # (none kept from an earlier test)
 
     def loss(h0, xs, w):
         _, ys = jax.lax.scan(lambda h, x: (jnp.tanh(h + x), jnp.sin(x * w)), h0, xs)

@@ -214,7 +214,7 @@ def test_lift_traces_the_lifted_function_once(monkeypatch):
     pack = sys.modules["rulesets.scan"]  # the module (``rulesets.scan`` is the pack)
 
     lifted, again = [], []
-    monkeypatch.setattr(pack, "_LIFTED", [])  # none kept from an earlier test's rewrite: this one traces anew
+    monkeypatch.setattr(pack, "_LIFTED", type(pack._LIFTED)(size=64))  # none kept from an earlier test: this traces anew
     trace_at = pack.trace_at
     monkeypatch.setattr(pack, "trace_at", lambda fn, avals: lifted.append(fn) or trace_at(fn, avals))
     rule_trace = builder.trace_at

@@ -347,6 +347,25 @@ def same_program(a: core.ClosedJaxpr, b: core.ClosedJaxpr) -> bool:
     return True
 
 
+def program_key(closed: core.ClosedJaxpr) -> tuple | None:
+    """A hashable key two traces share exactly where :func:`same_program` calls them the same program (their texts,
+    and their constants bit for bit), for a store of what is made from a program; ``None`` where a constant is a
+    tracer (no other program is the same).
+
+    >>> import jax, jax.numpy as jnp
+    >>> one, again, other = (jax.make_jaxpr(lambda x: jnp.sin(x) * k)(jnp.ones(3)) for k in (2.0, 2.0, 3.0))
+    >>> program_key(one) == program_key(again), program_key(one) == program_key(other)
+    (True, False)
+    """
+    consts = []
+    for x in closed.consts:
+        if isinstance(x, core.Tracer):
+            return None
+        x = np.asarray(x)
+        consts.append((x.dtype, x.shape, x.tobytes()))
+    return _text(closed.jaxpr), tuple(consts)
+
+
 def spec_of(aval: Any) -> Any:
     """A ``ShapeDtypeStruct`` that traces exactly like ``aval``: weak type, and inside a
     ``shard_map`` body its manual mesh and varying axes too."""
