@@ -57,10 +57,20 @@ _CHUNK = 200
 
 @dataclasses.dataclass(frozen=True)
 class ListRef:
-    """A ``TList`` (or ``BList``) built from named classes: its key and its egglog expression."""
+    """A ``TList`` (or ``BList``) built from named classes: its key, and its egglog expression, made from the key
+    only where a node is inserted as an action (most lists are of a node already made, or loaded from rows)."""
 
     key: tuple
-    expr: Any = dataclasses.field(default=None, compare=False, hash=False)
+
+    @functools.cached_property
+    def expr(self) -> Any:
+        kind, *items = self.key
+        if kind == "T":
+            return tlist_expr(items)
+        expr = call("BNil")
+        for scope, outs in reversed(items):
+            expr = call("BCons", call("Body", int_lit(scope), ListRef(outs).expr), expr)
+        return expr
 
 
 @dataclasses.dataclass(frozen=True)
@@ -334,18 +344,13 @@ class EGraph:
         raise TypeError(f"cannot use {a!r} as {sort}")
 
     def tlist(self, refs: Iterable[int]) -> ListRef:
-        refs = tuple(refs)
-        return ListRef(("T",) + refs, tlist_expr(refs))
+        return ListRef(("T",) + tuple(refs))
 
     def body(self, scope: int, outs: Iterable[int]) -> BodyRef:
         return BodyRef(scope, self.tlist(outs))
 
     def blist(self, bodies: Iterable[BodyRef]) -> ListRef:
-        bodies = tuple(bodies)
-        expr = call("BNil")
-        for b in reversed(bodies):
-            expr = call("BCons", self._expr("Region", b), expr)
-        return ListRef(("B",) + tuple((b.scope, b.outs.key) for b in bodies), expr)
+        return ListRef(("B",) + tuple((b.scope, b.outs.key) for b in bodies))
 
     def literal(self, value: Any, aval: Any) -> int:
         value = in_dtype(value, aval.dtype)
