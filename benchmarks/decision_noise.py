@@ -130,8 +130,8 @@ def headline(records: Sequence[dict], spearman: Any) -> list[str]:
             f"against one run; the model against the two runs' mean: {f['both']:.2f}")
     if f["n_halves"] >= 3 and not math.isnan(f["halves"]):
         r = f["halves"]
-        parts.append(f"the odd rounds against the even within this run: {r:.2f} over {f['n_halves']} pairs (two whole "
-                     f"runs would agree at about {2 * r / (1 + r):.2f})")
+        parts.append(f"the odd rounds against the even within this run: {r:.2f} over {f['n_halves']} pairs"
+                     + (f" (two whole runs would agree at about {2 * r / (1 + r):.2f})" if r > 0 else ""))
     if f["n_clear"] >= 3:
         parts.append(f"over the {f['n_clear']} of {f['n_shown']} pairs whose measured ratio is clear of their noise "
                      f"(off 1 by more than the A/A and twice the standard error of the median over rounds), the model's "
