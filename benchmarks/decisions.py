@@ -27,7 +27,10 @@ benchmark lock while cases are timed (``--chunk`` at a time), not while they are
     python -m benchmarks.decisions --lock /tmp/bench.lock --quick            # a few minutes, nothing written
     python -m benchmarks.decisions --lock /tmp/bench.lock --write --cases lm_head_loss_small,seed000_vjp_T64
 
-With ``--cases`` and ``--write`` only those cases are measured again; the other cases' records are kept.
+With ``--cases`` and ``--write`` only those cases are measured again; the other cases' records are kept. A write
+keeps beside each pair the last run's measurement of the same programs, and each round's ratio, from which the
+report says how far the clock's own noise caps the rank correlation (``benchmarks/decision_noise.py``);
+``--report --retest-from OLD.json`` takes another run's measurements instead.
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import harness
-from benchmarks import decision_programs
+from benchmarks import decision_noise, decision_programs
 from benchmarks.decision_programs import program_key
 
 RESULTS = pathlib.Path(__file__).parent / "results"
@@ -592,7 +595,9 @@ def measure_case(d: Decided, rounds: int, most: int | None = None) -> list[dict]
                "ms_first": row.seconds[p.first] * 1e3, "ms_second": row.seconds[p.second] * 1e3,
                "temp_first": row.stats[p.first].temp_bytes, "temp_second": row.stats[p.second].temp_bytes,
                "predicted_temp_first": p.predicted_temp[0], "predicted_temp_second": p.predicted_temp[1],
-               "drivers": [list(t) for t in p.drivers], "rounds": row.rounds, **busy.record()}
+               "drivers": [list(t) for t in p.drivers], "rounds": row.rounds, **busy.record(),
+               # each round's ratio, for the noise ceiling (benchmarks/decision_noise.py: odd rounds against even)
+               "ratios": [round(a / b, 5) for a, b in zip(row.samples[p.first], row.samples[p.second])]}
         rec["wrong"] = wrong_side(rec)
         out.append(rec)
     return out
@@ -770,6 +775,7 @@ def markdown(records: list[dict], meta: dict) -> str:
         f"({ranks['n_quiet_near']})"
         + (f"; against each program's least time over the rounds (`measured_least`, the least disturbed; the "
            f"{ranks['n_least']} pairs that record it) {ranks['least']:.2f}" if ranks["n_least"] else ""),
+        *decision_noise.headline(records, spearman),
         f"- the model's error (measured over predicted, either way): median {band[0.5]:.0%}, 80th percentile "
         f"{band[0.8]:.0%}, 90th {band[0.9]:.0%}",
         f"- preferred programs that hold more temp memory than the first (by 1% and 64 KiB): {len(grew)}"
@@ -795,8 +801,11 @@ def markdown(records: list[dict], meta: dict) -> str:
 def write(records: list[dict], meta: dict, golden: dict[str, dict], only: Sequence[str] | None) -> None:
     """The results (md, json) and the golden decisions. With ``only``, the other cases' records are kept."""
     path = RESULTS / "decisions.json"
+    if path.exists():  # the last run's measurements of the same programs: the clock's noise (decision_noise)
+        last = json.loads(path.read_text())
+        decision_noise.carry_retest(records, last["records"], last["meta"]["date"])
     if only and path.exists():
-        old = json.loads(path.read_text())["records"]
+        old = last["records"]
         records = [r for r in old if r["case"] not in only] + records
     (RESULTS / "decisions.json").write_text(json.dumps({"meta": meta, "records": records}, indent=1, default=float))
     old_md = RESULTS / "decisions.md"
@@ -849,6 +858,8 @@ def main(argv: list[str] | None = None) -> None:
                          "program decides otherwise on another JAX (the whole-step search traces the loss's VJP)")
     ap.add_argument("--list", action="store_true", help="list the cases and exit")
     ap.add_argument("--report", action="store_true", help="write decisions.md again from decisions.json, measuring nothing")
+    ap.add_argument("--retest-from", default="", help="with --report: a decisions.json of another run, whose "
+                    "measurements of the same pairs are kept beside this run's for the noise ceiling")
     ap.add_argument("--most-rounds", type=int, default=0, help="rounds a noisy case is timed up to (default "
                     f"{MORE_ROUNDS} times --rounds; --rounds itself: no more rounds)")
     ap.add_argument("--lock", default="", help="a lock file (flock) to hold while cases are timed, and only then")
@@ -869,6 +880,11 @@ def main(argv: list[str] | None = None) -> None:
         return
     if opts.report:
         saved = json.loads((RESULTS / "decisions.json").read_text())
+        if opts.retest_from:  # another run's measurements of the same pairs, kept beside this run's (decision_noise)
+            other = json.loads(pathlib.Path(opts.retest_from).read_text())
+            found = decision_noise.carry_retest(saved["records"], other["records"], other["meta"]["date"])
+            print(f"{found} of {len(saved['records'])} pairs measured in the run of {other['meta']['date']}")
+            (RESULTS / "decisions.json").write_text(json.dumps(saved, indent=1, default=float))
         old_md = (RESULTS / "decisions.md").read_text() if (RESULTS / "decisions.md").exists() else ""
         kept = old_md[old_md.index(harness.HAND_NOTES):] if harness.HAND_NOTES in old_md else ""
         (RESULTS / "decisions.md").write_text(markdown(saved["records"], saved["meta"]) + (f"\n{kept}" if kept else ""))

@@ -194,3 +194,26 @@ def test_a_case_timed_again_keeps_the_quieter_timing_and_shows_both():
     busier = D.keep_quieter(first, [rec("a", "chosen", 1.2, 0.9), rec("a", "hand", 1.0, 0.9)])
     assert [r["measured"] for r in busier] == [0.9, 0.8, 1.1]  # the first timing was the quieter: kept
     assert D.keep_quieter(first, []) == first
+
+
+def test_the_report_says_how_far_the_clocks_own_noise_caps_the_rank_correlation():
+    """Two timings of the same pairs rank alike only so far: the report gives that figure (an earlier run's
+    measurements carried over where the prediction did not move), the halves of one run's rounds, and the model's
+    Spearman over the pairs whose measured ratio is clear of their A/A and standard error."""
+    from benchmarks import decision_noise as N
+
+    base = {"kind": "chosen", "prefers": "second", "noise": 0.0, "ms_first": 1.0, "temp_first": 0, "temp_second": 0,
+            "predicted_temp_first": 0, "predicted_temp_second": 0, "drivers": [], "spread": 0.02, "rounds": 8}
+    rows = ((1.0, 1.01, 0.99), (1.3, 1.2, 1.25), (2.0, 2.1, 2.0), (3.0, 2.8, 3.1), (1.1, 0.99, 1.02), (0.5, 0.6, 0.6))
+    recs = [{**base, "case": f"c{i}", "pair": "chosen", "predicted": p, "measured": m, "aa": 1.02,
+             "ratios": [m, t] * 4} for i, (p, m, t) in enumerate(rows)]
+    earlier = [{"case": f"c{i}", "pair": "chosen", "predicted": p if i else 1.5, "measured": t, "aa": 1.0}
+               for i, (p, _, t) in enumerate(rows)]
+    assert N.carry_retest(recs, earlier, "then") == 5  # c0's prediction moved: another program, not a retest
+    f = N.figures(recs, D.spearman)
+    assert f["n_retest"] == 5 and f["n_halves"] == 6 and f["n_clear"] == 4 and f["clear"] == 1.0
+    assert not N.clear(recs[0]) and not N.clear(recs[4]) and N.clear(recs[1])
+    md = D.markdown(recs, {"command": "x", "date": "d", "machine": "m", "device": "cpu", "jax": "0",
+                           "load": ["1", "1"], "rounds": 8})
+    assert "the clock's own noise" in md and "against the run of then, the 5 pairs" in md
+    assert "over the 4 of 6 pairs whose measured ratio is clear of their noise" in md

@@ -45,6 +45,8 @@ an extractor's choice:
   no kernel, no bytes read or written. A kernel that reads it reads its
   operand's buffer, and an output that is one is its operand's allocation
   (:func:`rewrite.cost.program.bitcast`, :func:`buffer_of`, :func:`output_buffers`).
+* A reduction of a broadcast it absorbs reduces the broadcast's operand, where it reduces only axes the broadcast
+  kept, and nothing where that operand is a literal (XLA's simplifier: ``rewrite/cost/simplify.py``).
 
 Costs are nanoseconds per element and per byte from
 ``benchmarks/calibrate.py``. The prediction is a model: ``cost_model="measure"``
@@ -67,6 +69,7 @@ from .dot import library_dot
 from .attention import attention_chain, attention_price, scratch_bytes
 from .program import (ATTENTION, LEAF, LIBRARY, LOOP, OTHER, REDUCE, TIEBREAK, VIEW, Op, Program, _kind, _size,
                       bitcast)
+from .simplify import folded_reduction
 from .transcendental import SHARED, SHARED_ACROSS, add_shared, chained, shared_across, shared_group
 
 
@@ -445,7 +448,7 @@ class FusionModel:
         if self.spill:  # a slice of an array beyond the cache is streamed once, as any array read
             cost += self.spill * (sum(facts(ops[a], prog)[9] for a in reads if ops[a].out_avals and a in whole)
                                   + facts(root_op, prog)[10])
-        return cost, reads
+        return cost - folded_reduction(self, prog, r, kind, inside), reads
 
     def parallel_share(self, root: Op, kind: str) -> float:
         """What a kernel's elementwise work costs, as a multiple of its per-element prices: ``parallel`` for a loop

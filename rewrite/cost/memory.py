@@ -41,6 +41,7 @@ from ..ir.primitives import inner_jaxpr
 from .attention import scratch_bytes
 from .fusion import OVER_BUDGET, Fusion, FusionModel, _out_bytes, _scaled_by_small, _temp, buffer_of, output_buffers
 from .program import LIBRARY, Program
+from .simplify import REDUCE_BEFORE_BROADCAST
 
 
 def liveness_peak(prog: Any, kernels: Sequence[Fusion], inner: Callable[[Any], int] | None = None) -> int:
@@ -345,10 +346,6 @@ def _itself(key: Any) -> Any:
     return key
 
 
-#: The reductions XLA's algebraic simplifier moves before a broadcast they read (:func:`as_xla_simplifies`).
-_REDUCE_BEFORE_BROADCAST = frozenset({"reduce_sum", "reduce_max", "reduce_min"})
-
-
 def as_xla_simplifies(closed: ClosedJaxpr) -> ClosedJaxpr:
     """``closed`` with the rewrites of XLA's algebraic simplifier that change what a program stores: a reduction
     over axes a broadcast did not add is the broadcast of the reduction of the broadcast's operand (``reduce(
@@ -362,7 +359,7 @@ def as_xla_simplifies(closed: ClosedJaxpr) -> ClosedJaxpr:
     changed = False
     for e in jaxpr.eqns:
         src = made.get(e.invars[0]) if e.invars and isinstance(e.invars[0], Var) else None
-        if (e.primitive.name in _REDUCE_BEFORE_BROADCAST and src is not None
+        if (e.primitive.name in REDUCE_BEFORE_BROADCAST and src is not None
                 and src.primitive.name == "broadcast_in_dim" and src.params.get("sharding") is None):
             y, dims, axes = src.invars[0], tuple(src.params["broadcast_dimensions"]), tuple(e.params["axes"])
             if axes and all(a in dims for a in axes) and not src.params.get("out_sharding"):
