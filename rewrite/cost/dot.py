@@ -58,6 +58,16 @@ def canonical(params: Mapping[str, Any], in_avals: Sequence[Any]) -> bool:
     return True
 
 
+def heads_between(params: Mapping[str, Any], in_avals: Sequence[Any]) -> bool:
+    """Whether XLA rewrites this product (:func:`canonical`) because an operand's batch dimensions do not come
+    first (flax's ``[b, n, h, d]``: the heads between batch and sequence). The model prices only these as rewritten:
+    a product XLA rewrites for two contracted dimensions (a dense layer's weight gradient over batch and sequence) is
+    copied and takes the library path too, but its price is the generic path's as fitted to it
+    (``benchmarks/results/dot_paths.md``: N >= 1024, 0.95-1.2x either way)."""
+    _, (lb, rb) = params["dimension_numbers"]
+    return any(tuple(b) != tuple(range(len(b))) for b in (lb, rb)) and not canonical(params, in_avals)
+
+
 def copied(params: Mapping[str, Any], in_avals: Sequence[Any]) -> tuple[bool, bool]:
     """Which operands (left, right) XLA:CPU copies into another layout before a product it does not leave as
     written (:func:`canonical`): the left where ``[batch, free, contracted]`` is not its order, the right where
@@ -66,7 +76,7 @@ def copied(params: Mapping[str, Any], in_avals: Sequence[Any]) -> tuple[bool, bo
     shorter than :data:`MIN_CONTRACTION` is priced without, as its path is (:func:`library_dot`)."""
     (lc, rc), (lb, rb) = params["dimension_numbers"]
     lhs = getattr(in_avals[0], "shape", ())
-    if not lc or math.prod(lhs[d] for d in lc) < MIN_CONTRACTION or canonical(params, in_avals):
+    if not lc or math.prod(lhs[d] for d in lc) < MIN_CONTRACTION or not heads_between(params, in_avals):
         return False, False
     out = []
     for i, (c, b) in enumerate(((lc, lb), (rc, rb))):
@@ -89,7 +99,8 @@ def library_dot(params: Mapping[str, Any], in_avals: Sequence[Any]) -> bool:
     A product XLA does not leave as written (:func:`canonical`: flax's heads between the batch and the sequence,
     two contracted dimensions) is rewritten with its left operand copied into ``[B, M, K]`` first, which the
     library takes (the compiled HLO: a ``transpose_copy`` fusion, then a ``ynn`` one); one it leaves runs on
-    the generic path where its left operand contracts a major dimension (``[B, K, M]``).
+    the generic path where its left operand contracts a major dimension (``[B, K, M]``). Only the first kind is
+    priced so (:func:`heads_between`).
 
     >>> from jax.core import ShapedArray
     >>> import jax.numpy as jnp
@@ -104,7 +115,7 @@ def library_dot(params: Mapping[str, Any], in_avals: Sequence[Any]) -> bool:
     shape = getattr(lhs, "shape", ())
     if not lc or math.prod(shape[d] for d in lc) < MIN_CONTRACTION:
         return True
-    if not canonical(params, in_avals):
+    if heads_between(params, in_avals):
         return True
     rest = [d for d in range(len(shape)) if d not in lb and shape[d] != 1]
     contracted = [i for i, d in enumerate(rest) if d in lc]
