@@ -11,7 +11,7 @@ import pytest
 from jax import lax
 
 from rewrite import AnalyticCost, NodeInfo
-from rewrite.cost.dot import MIN_CONTRACTION, library_dot
+from rewrite.cost.dot import MIN_CONTRACTION, canonical, copied, heads_between, library_dot
 
 H, M, K, N = 2, 512, 512, 64
 
@@ -75,9 +75,35 @@ def test_generic_path_price_follows_the_measured_grid():
 
 
 def test_batch_axes_aside():
-    # flax's layout [B, N, H, D]: the heads are a batch axis in the middle; v contracts its key axis,
-    # which comes before its free axis d: the generic path.
+    # flax's layout [B, N, H, D]: the heads are a batch axis in the middle, which XLA's DotDecomposer does not
+    # leave as written: it copies v into [B, H, D, N] first, and the product takes the library path.
     v = jax.ShapeDtypeStruct((2, 2048, 8, 64), jnp.float32)
     p = jax.ShapeDtypeStruct((2, 8, 2048, 2048), jnp.float32)
-    assert not library_dot({"dimension_numbers": (((1,), (3,)), ((0, 2), (0, 1)))}, (v, p))
+    assert library_dot({"dimension_numbers": (((1,), (3,)), ((0, 2), (0, 1)))}, (v, p))
+    assert copied({"dimension_numbers": (((1,), (3,)), ((0, 2), (0, 1)))}, (v, p)) == (True, False)
     assert library_dot({"dimension_numbers": (((3,), (1,)), ((0, 1), (0, 2)))}, (p, v))
+
+
+#: (left, right, dimension numbers): products XLA does not leave as written (DotDecomposer's IsCanonical) and one
+#: it does, each with a left operand that contracts a major dimension as written.
+LAYOUTS = [
+    ((2, 2048, 8, 64), (2, 8, 2048, 2048), (((1,), (3,)), ((0, 2), (0, 1)))),  # flax's v^T p^T
+    ((2, 1024, 2, 32), (2, 2, 256, 1024), (((1,), (3,)), ((0, 2), (0, 1)))),   # its cross-attention's
+    ((4, 256, 64), (4, 256, 128), (((0, 1), (0, 1)), ((), ()))),              # two contracted axes
+    ((512, 8, 64), (8, 512, 128), (((0,), (1,)), ((1,), (0,)))),              # the batch axis second
+    ((8, 512, 64), (8, 512, 128), (((1,), (1,)), ((0,), (0,)))),              # as written: [B, K, M], generic
+]
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's paths")
+@pytest.mark.parametrize("a, b, dn", LAYOUTS)
+def test_a_product_xla_rewrites_takes_the_library_after_a_copy(a, b, dn):
+    a, b = jax.ShapeDtypeStruct(a, jnp.float32), jax.ShapeDtypeStruct(b, jnp.float32)
+    hlo = jax.jit(lambda x, y: lax.dot_general(x, y, dn)).lower(a, b).compile().as_text()
+    entry = hlo[hlo.index("ENTRY"):]
+    params = {"dimension_numbers": dn}
+    assert ("ynn" in entry) == (not canonical(params, (a, b)))
+    assert ("copy" in entry) == (not canonical(params, (a, b)))
+    if heads_between(params, (a, b)) or canonical(params, (a, b)):  # two contracted axes: priced as fitted
+        assert library_dot(params, (a, b)) == ("ynn" in entry)
+        assert copied(params, (a, b))[0] == ("copy" in entry)

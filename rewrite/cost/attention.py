@@ -31,6 +31,14 @@ from .program import ATTENTION, LEAF, LIBRARY_MIN_ELEMENTS, TIEBREAK, _kind, _si
 #: faults per call, ``getrusage``): 0-3.5 MiB at 18 MiB of scores, 32-39 MiB at 32 MiB, 128 MiB at 128 MiB.
 SCRATCH_FRESH_AT = 32 * 2 ** 20
 
+#: Scores of this many bytes or fewer stay in the last-level cache between the kernels of a softmax that XLA:CPU
+#: does not make one kernel (its row statistics under the library's floor, a batch axis of size 1): half this
+#: machine's 32 MiB L3, as ``benchmarks/calibrate.py`` measures ``cache_bytes`` (the model's ``cache`` where the
+#: table has it). There the scores' passes cost what they cost inside the one kernel, not memory traffic, and
+#: :func:`attention_chain` takes them (``cached``): flax's cross-attention (b=2, h=2, d=32, 256 x 1024 keys, 1,024
+#: rows, 4 MiB of scores) runs its three kernels in 1.1 ms, its blocked form 1.4x that (``benchmarks/results/log.md``).
+SCORES_CACHED = 16 * 2 ** 20
+
 #: What may sit between the two products of one attention kernel (``attention_chain``), by primitive.
 SOFTMAX_OPS = frozenset({"mul", "div", "reduce_max", "max", "broadcast_in_dim", "stop_gradient", "sub", "exp",
                           "reduce_sum"})
@@ -54,7 +62,7 @@ def _scalar(prog: Any, i: Any) -> bool:
     return _kind(op) == LEAF and _size(op.out_avals[0] if op.out_avals else None) == 1
 
 
-def attention_chain(prog: Any, i: Any) -> frozenset | None:
+def attention_chain(prog: Any, i: Any, cached: float = 0.0) -> frozenset | None:
     """The ops XLA:CPU computes in one library (YNN) kernel with ``dot_general`` op ``i``, ``softmax(s) v`` (or
     ``v softmax(s)``) with the logits ``s`` a product ``q k^T`` maybe scaled by a scalar: the first product, the
     softmax's operations and ``i``; ``None`` where XLA makes no such kernel (see the module docstring).
@@ -63,13 +71,15 @@ def attention_chain(prog: Any, i: Any) -> frozenset | None:
     through ``max(-inf, .)``, a broadcast and ``stop_gradient``. Every operation between the two products must be
     read only by the others (a value read elsewhere is stored, and the library does not absorb it), none of them
     an output, all float32 (the dtype measured), the row statistics of ``LIBRARY_MIN_ELEMENTS`` or more, and the
-    scores' batch axes longer than 1."""
+    scores' batch axes longer than 1; or, with scores of ``cached`` bytes or fewer, whatever their rows and batch
+    axes: XLA then runs the softmax in three kernels, but over scores the cache holds, priced as the one
+    (:data:`SCORES_CACHED`; :func:`one_kernel` says which)."""
     ops = prog.ops
     d2 = ops[i]
     if d2.prim != "dot_general" or len(d2.args) != 2:
         return None
     for p_at in (0, 1):
-        found = _softmax_of(prog, d2.args[p_at])
+        found = _softmax_of(prog, d2.args[p_at], cached)
         if found is not None:
             break
     else:
@@ -83,7 +93,7 @@ def attention_chain(prog: Any, i: Any) -> frozenset | None:
     return frozenset(members | {i})
 
 
-def _softmax_of(prog: Any, n: Any) -> tuple[set, Any] | None:
+def _softmax_of(prog: Any, n: Any, cached: float = 0.0) -> tuple[set, Any] | None:
     """(the ops of ``div(exp(s - max(s)), sum(exp(s - max(s))))`` at op ``n`` back to the product that makes ``s``,
     the scores ``s``), or ``None``."""
     ops = prog.ops
@@ -134,11 +144,18 @@ def _softmax_of(prog: Any, n: Any) -> tuple[set, Any] | None:
     shape = getattr(scores, "shape", ())
     axis = ops[stats].params.get("axes", ())
     if (getattr(scores, "dtype", None) != np.float32 or len(shape) < 2 or tuple(axis) != (len(shape) - 1,)
-            or any(d == 1 for d in shape[:-2]) or shape[-2] == 1
-            or _size(ops[stats].out_avals[0]) < LIBRARY_MIN_ELEMENTS
             or any(ops[x].prim not in SOFTMAX_OPS for x in members if x != d1)):
         return None
+    if _size(scores) * 4 > cached and (any(d == 1 for d in shape[:-2]) or shape[-2] == 1
+                                       or _size(ops[stats].out_avals[0]) < LIBRARY_MIN_ELEMENTS):
+        return None
     return members, s
+
+
+def one_kernel(prog: Any, i: Any) -> bool:
+    """Whether XLA:CPU makes product ``i`` and the softmax it reads one library kernel (:func:`attention_chain`
+    without ``cached``)."""
+    return attention_chain(prog, i) is not None
 
 
 def scratch_bytes(prog: Any, k: Any) -> int:

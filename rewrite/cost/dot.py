@@ -4,7 +4,10 @@ XLA:CPU runs a product through its library (YNN) kernels only when the left
 operand contracts its minor-most dimensions, batch dimensions aside (a row-major ``[M, K]``
 times anything); a left operand that contracts a major dimension (``[K, M]``,
 which ``jnp.einsum("hkd,hqk->hdq", v, p)`` writes, and which ``linalg``'s rules
-reach by swapping a product's operands) goes to the generic Eigen path.
+reach by swapping a product's operands) goes to the generic Eigen path. That holds of a product
+XLA leaves as written (:func:`canonical`); any other (flax's heads between batch and sequence, two
+contracted dimensions) its ``DotDecomposer`` rewrites into ``[B, M, K] x [B, K, N]`` first, copying the
+operands stored otherwise (:func:`copied`), and the library takes it.
 
 What the generic path costs more is mostly a fixed amount per element of the left
 operand, not per flop: ``python -m benchmarks.dot_paths`` (results in
@@ -36,9 +39,68 @@ FALLBACK = {"cpu": 1.1}
 REPACK = {"cpu": 175.0}
 
 
+def canonical(params: Mapping[str, Any], in_avals: Sequence[Any]) -> bool:
+    """Whether XLA leaves this ``dot_general`` as it is written (``DotDecomposer``'s ``IsCanonical``, both operands):
+    one contracting dimension, at most one free one, and the batch dimensions first, in order. XLA rewrites any
+    other product into ``[B, M, K] x [B, K, N]`` first, transposing each operand (:func:`copied`).
+
+    >>> from jax.core import ShapedArray
+    >>> import jax.numpy as jnp
+    >>> v = ShapedArray((2, 1024, 2, 32), jnp.float32); p = ShapedArray((2, 2, 256, 1024), jnp.float32)
+    >>> canonical({"dimension_numbers": (((1,), (3,)), ((0, 2), (0, 1)))}, (v, p))   # flax's heads in the middle
+    False
+    """
+    (lc, rc), (lb, rb) = params["dimension_numbers"]
+    for aval, c, b in zip(in_avals[:2], (lc, rc), (lb, rb)):
+        rank = len(getattr(aval, "shape", ()))
+        if len(c) != 1 or len(b) + 2 < rank or tuple(b) != tuple(range(len(b))):
+            return False
+    return True
+
+
+def heads_between(params: Mapping[str, Any], in_avals: Sequence[Any]) -> bool:
+    """Whether XLA rewrites this product (:func:`canonical`) because an operand's batch dimensions do not come
+    first (flax's ``[b, n, h, d]``: the heads between batch and sequence). The model prices only these as rewritten:
+    a product XLA rewrites for two contracted dimensions (a dense layer's weight gradient over batch and sequence) is
+    copied and takes the library path too, but its price is the generic path's as fitted to it
+    (``benchmarks/results/dot_paths.md``: N >= 1024, 0.95-1.2x either way)."""
+    _, (lb, rb) = params["dimension_numbers"]
+    return any(tuple(b) != tuple(range(len(b))) for b in (lb, rb)) and not canonical(params, in_avals)
+
+
+def copied(params: Mapping[str, Any], in_avals: Sequence[Any]) -> tuple[bool, bool]:
+    """Which operands (left, right) XLA:CPU copies into another layout before a product it does not leave as
+    written (:func:`canonical`): the left where ``[batch, free, contracted]`` is not its order, the right where
+    its batch dimensions do not come first (a right operand stored ``[B, N, K]`` is read as it is: the compiled
+    HLO of flax's ``v^T p^T`` stores ``v`` transposed and reads ``p`` so). Dimensions of size 1 aside; a contraction
+    shorter than :data:`MIN_CONTRACTION` is priced without, as its path is (:func:`library_dot`)."""
+    (lc, rc), (lb, rb) = params["dimension_numbers"]
+    lhs = getattr(in_avals[0], "shape", ())
+    if not lc or math.prod(lhs[d] for d in lc) < MIN_CONTRACTION or not heads_between(params, in_avals):
+        return False, False
+    out = []
+    for i, (c, b) in enumerate(((lc, lb), (rc, rb))):
+        shape = getattr(in_avals[i], "shape", ())
+        order = [d for d in range(len(shape)) if shape[d] != 1]
+        batch = [d for d in b if shape[d] != 1]
+        if i == 0:
+            free = [d for d in order if d not in b and d not in c]
+            want = batch + free + [d for d in c if shape[d] != 1]
+        else:
+            want = batch + [d for d in order if d not in b]
+        out.append(order[:len(want)] != want)
+    return out[0], out[1]
+
+
 def library_dot(params: Mapping[str, Any], in_avals: Sequence[Any]) -> bool:
     """Whether XLA:CPU runs this ``dot_general`` on its library path (or it is priced as if it did: a
     contraction shorter than :data:`MIN_CONTRACTION`).
+
+    A product XLA does not leave as written (:func:`canonical`: flax's heads between the batch and the sequence,
+    two contracted dimensions) is rewritten with its left operand copied into ``[B, M, K]`` first, which the
+    library takes (the compiled HLO: a ``transpose_copy`` fusion, then a ``ynn`` one); one it leaves runs on
+    the generic path where its left operand contracts a major dimension (``[B, K, M]``). Only the first kind is
+    priced so (:func:`heads_between`).
 
     >>> from jax.core import ShapedArray
     >>> import jax.numpy as jnp
@@ -53,8 +115,8 @@ def library_dot(params: Mapping[str, Any], in_avals: Sequence[Any]) -> bool:
     shape = getattr(lhs, "shape", ())
     if not lc or math.prod(shape[d] for d in lc) < MIN_CONTRACTION:
         return True
-    # XLA moves batch dimensions to the front (copying the operand where they are not there already);
-    # what decides the path is the order of the rest: contracted dimensions after every free one.
+    if heads_between(params, in_avals):
+        return True
     rest = [d for d in range(len(shape)) if d not in lb and shape[d] != 1]
     contracted = [i for i, d in enumerate(rest) if d in lc]
     return contracted == list(range(len(rest) - len(contracted), len(rest)))

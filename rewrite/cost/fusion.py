@@ -66,7 +66,7 @@ from ..ir import primitives as _primitives
 from ..ir.primitives import inner_jaxpr, spec_of
 from ..ir.scanread import SLICES
 from .dot import library_dot
-from .attention import attention_chain, attention_price, scratch_bytes
+from .attention import SCORES_CACHED, attention_chain, attention_price, scratch_bytes
 from .program import (ATTENTION, LEAF, LIBRARY, LOOP, OTHER, REDUCE, TIEBREAK, VIEW, Op, Program, _kind, _size,
                       bitcast)
 from .simplify import folded_reduction
@@ -169,6 +169,7 @@ class FusionModel:
                  tiebreak: Callable[[Op], float] | None = None, memory: float = 0.0,
                  inner: Callable[[Op], int] | None = None, budget: float | None = None,
                  cache: float = math.inf, spill: float = 0.0, fresh: float = 0.0, fresh_at: float = math.inf,
+                 scores_cached: float = SCORES_CACHED,
                  held: Callable[[Any, Sequence[Fusion], Callable[[Op], int] | None, float], int] | None = None,
                  parallel: float = 1.0, parallel_at: float = math.inf, chain: float = 0.0,
                  serial: float = 1.0, loop_launch: float = 0.0, loop_library: float = 0.0,
@@ -190,6 +191,9 @@ class FusionModel:
         self.fresh_at = fresh_at
         self.held = held
         self.cache = cache
+        #: the scores of a softmax between two products, in bytes, up to which it is priced as one attention kernel
+        #: where XLA makes three (``attention.py``'s ``SCORES_CACHED``: the cache holds the stored scores)
+        self.scores_cached = scores_cached
         self.spill = spill
         self.memory = memory
         self.inner = inner
@@ -238,9 +242,9 @@ class FusionModel:
         """
         if len(need) == 1:
             r = next(iter(need))
-            if roots[r] == ATTENTION and i in (attention_chain(prog, r) or ()):
+            if roots[r] == ATTENTION and i in (attention_chain(prog, r, self.scores_cached) or ()):
                 return need, None  # the library kernel of the product that reads the softmax computes it
-        if prog.ops[i].prim == "dot_general" and attention_chain(prog, i) is not None:
+        if prog.ops[i].prim == "dot_general" and attention_chain(prog, i, self.scores_cached) is not None:
             return {i}, ATTENTION
         if kind == REDUCE and not output:
             # A small reduction is a loop XLA can fuse into its one consumer loop (never duplicated).

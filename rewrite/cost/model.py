@@ -55,7 +55,8 @@ from ..ir import primitives as _primitives
 from ..ir.scanread import IN_PLACE
 from ..ir.primitives import BY_PRIM, DEFAULT as _OPAQUE_SPEC, NodeInfo, inner_jaxpr, nbytes, size  # noqa: F401
 from . import calibration as _calibration
-from .dot import FALLBACK as _DOT_FALLBACK, REPACK as _DOT_REPACK, library_dot
+from .attention import SCORES_CACHED
+from .dot import FALLBACK as _DOT_FALLBACK, REPACK as _DOT_REPACK, copied as dot_copied, library_dot
 from .fusion import FusionModel, ns_key, peak_temp_bytes
 from .memory import InnerPeak, as_xla_simplifies, scheduled_peak
 from .program import Program
@@ -218,6 +219,11 @@ class AnalyticCost(CostModel):
     #: else no such term (``spill=0``).
     cache: float = dataclasses.field(default_factory=lambda: _table().get("cache_bytes", math.inf))
     spill: float = dataclasses.field(default_factory=lambda: _table().get("spill", 0.0))
+    #: a softmax between two products that XLA:CPU runs in three kernels over scores of ``scores_cached`` bytes or
+    #: fewer is priced as the one attention kernel (``rewrite/cost/attention.py``'s ``SCORES_CACHED``): the cache
+    #: holds the stored scores. The table's ``cache_bytes``, else ``SCORES_CACHED``; 0 prices them stored always.
+    scores_cached: float = dataclasses.field(
+        default_factory=lambda: _table().get("cache_bytes", SCORES_CACHED))
     #: a fixed charge per node; it breaks ties in favour of fewer equations
     node: float = 5.0
     #: per loop iteration, for the loop's own bookkeeping beyond its body's kernels: the table's
@@ -421,10 +427,14 @@ class AnalyticCost(CostModel):
         rate = self.dot_rate(flops) if rate is None else rate
         if not library_dot(n.params, n.in_avals):
             flops = self.dot_fallback * flops + self.dot_repack * size(n.in_avals[0])
+        # An operand XLA copies into the product's canonical layout first is read and written once more
+        # (``cost/dot.py``'s ``copied``).
+        moved = [a for a, c in zip(n.in_avals, dot_copied(n.params, n.in_avals)) if c]
         # Its output spills like any array; its operands do not: a library product reads them tile by tile,
         # each tile many times from the cache.
         return (self.node + rate * flops + self.byte * (sum(nbytes(a) for a in n.in_avals) + nbytes(n.out_avals[0]))
-                + self.spilled(n.out_avals[:1]))
+                + self.spilled(n.out_avals[:1]) + 2.0 * (self.byte * sum(nbytes(a) for a in moved)
+                                                        + self.spilled(moved)))
 
     def _in_place(self, n: NodeInfo) -> float:
         # reads the update and the indices, writes the update into the buffer it is given
@@ -462,6 +472,7 @@ class AnalyticCost(CostModel):
     def fusion_model(self) -> FusionModel:
         """The whole-program model with this model's prices (see ``rewrite/cost/fusion.py``)."""
         fm = FusionModel(self.ops, byte=self.byte, cache=self.cache, spill=self.spill, reduce=self.reduce,
+                         scores_cached=self.scores_cached,
                          launch=self.launch,
                          default=self.transcendental, cheap=self.flop, node=self.node,
                          library_op=self.library_op, tiebreak=self._op_price, memory=self.memory,
