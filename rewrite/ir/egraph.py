@@ -69,7 +69,7 @@ class ListRef:
             return tlist_expr(items)
         expr = call("BNil")
         for scope, outs in reversed(items):
-            expr = call("BCons", call("Body", int_lit(scope), ListRef(outs).expr), expr)
+            expr = call("BCons", BodyRef(scope, ListRef(outs)).expr, expr)
         return expr
 
 
@@ -77,6 +77,10 @@ class ListRef:
 class BodyRef:
     scope: int
     outs: ListRef
+
+    @property
+    def expr(self) -> Any:
+        return call("Body", int_lit(self.scope), self.outs.expr)
 
 
 class _Pool:
@@ -337,10 +341,8 @@ class EGraph:
             return v_expr(a)
         if sort == "i64":
             return int_lit(a)
-        if isinstance(a, ListRef):
+        if isinstance(a, (ListRef, BodyRef)):
             return a.expr
-        if isinstance(a, BodyRef):
-            return call("Body", int_lit(a.scope), a.outs.expr)
         raise TypeError(f"cannot use {a!r} as {sort}")
 
     def tlist(self, refs: Iterable[int]) -> ListRef:
