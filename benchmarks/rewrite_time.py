@@ -9,7 +9,7 @@ back), its stages and its slowest rule. The ratio of the two is the suite's
 overhead column.
 
 Run ``python -m benchmarks.rewrite_time [--configs identity] [--programs a,b]
-[--out benchmarks/results/rewrite_time.md]``.
+[--out benchmarks/results/rewrite_time.md] [--emitted DIR]``.
 """
 
 from __future__ import annotations
@@ -54,13 +54,15 @@ def counted_pipelines():
         pipeline._run = run
 
 
-def measure(name: str, packs: list, via: str = "rewrite") -> dict:
+def measure(name: str, packs: list, via: str = "rewrite", emitted: str = "") -> dict:
     """One program: XLA's compile seconds, the rewrite's, its stages and its slowest rule.
 
     ``via="rewrite"``: the first call's rewrite of ``rewrite(fn)`` (``Rewritten.result``: trace to emit, the
     disk cache's key and store included; for a gradient program, ``grad_result``: the forward's rewrite and its
     VJP's, what ``jax.grad(rewrite(fn))`` builds at its first call). ``via="explain"``: ``explain``, which also
-    rewrites a training step as written for its report where ``rewrite`` need not.
+    rewrites a training step as written for its report where ``rewrite`` need not. ``emitted``: a folder where
+    the programs that come out are written as text (``NAME.txt``), so that two versions of the code can be
+    compared program by program (``diff -r``): a change meant only to save time must leave them byte-identical.
     """
     from rewrite import explain, rewrite
 
@@ -92,6 +94,8 @@ def measure(name: str, packs: list, via: str = "rewrite") -> dict:
                 rewrite_s, cpu = elapsed()
                 times = result.times
             stopped, rows = result.stopped, result.rows
+            if emitted:
+                _write_emitted(pathlib.Path(emitted) / f"{name}.txt", r, leaves, prog.grad)
     stats = result.stats
     slow = max(stats.items(), key=lambda kv: kv[1].seconds) if stats else None
     return {"program": name, "compile_s": compile_s, "rewrite_s": rewrite_s, "ratio": rewrite_s / compile_s,
@@ -99,6 +103,17 @@ def measure(name: str, packs: list, via: str = "rewrite") -> dict:
             "stages": {k: v for k, v in times.items() if v >= 0.005}, "stopped": stopped,
             "rows": rows,
             "slowest_rule": None if slow is None else (slow[0], slow[1].seconds)}
+
+
+def _write_emitted(path: pathlib.Path, r, leaves: tuple, grad: bool) -> None:
+    """What ``rewrite(fn)`` runs for these arguments, as text: the program, and for a gradient program the
+    VJP's forward and backward as ``jax.grad`` runs them; a training step's decisions come out in its program."""
+    parts = [("program", r.jaxpr(*leaves))]
+    if grad:
+        built = r.grad_result(*leaves)
+        parts += [("vjp forward", built.fwd), ("vjp backward", built.bwd)] if built is not None else []
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(f"# {label}\n{jaxpr}\n" for label, jaxpr in parts))
 
 
 def markdown(rows: list[dict], config: str, load: tuple, via: str = "rewrite") -> str:
@@ -146,6 +161,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--configs", default="identity", help=f"one of {','.join(eco.CONFIGS)}")
     ap.add_argument("--out", default=str(RESULTS / "rewrite_time.md"), help="the report ('' for none)")
     ap.add_argument("--via", default="rewrite", choices=("rewrite", "explain"), help="what is timed (see measure)")
+    ap.add_argument("--emitted", default="", help="a folder to write each program's emitted programs to (text)")
     args = ap.parse_args(argv)
     load = os.getloadavg()
     packs = load_rulesets(eco.CONFIGS[args.configs])
@@ -153,7 +169,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     with tempfile.TemporaryDirectory() as folder:
         os.environ["JAX_REWRITE_CACHE_DIR"] = folder  # a first call: nothing stored before
         for name in [n for n in args.programs.split(",") if n]:
-            rows.append(measure(name, packs, args.via))
+            rows.append(measure(name, packs, args.via, args.emitted))
             r = rows[-1]
             print(f"{name:26s} compile {r['compile_s']:6.2f} s  rewrite {r['rewrite_s']:6.2f} s  "
                   f"ratio {r['ratio']:5.2f}x  cpu {r['cpu_s']:5.2f} s  pipelines {r['pipelines']} "
