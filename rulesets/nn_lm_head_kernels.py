@@ -151,12 +151,17 @@ def label_logit(h: Any, w: Any, b: Any = None, labels: Any = None, *, layout: La
     gather, never the logits."""
     hc, wc, bv = canonical(layout, h, w, b)
     safe, inside = label_column(labels.reshape(-1), layout.vocab)
+    z = _label_rows(layout, hc, wc, bv, safe)
+    return jnp.where(inside, z, jnp.asarray(jnp.nan if fill is None else fill, z.dtype)) if fills else z
+
+
+def _label_rows(layout: Layout, hc: Any, wc: Any, bv: Any, safe: Any) -> Any:
+    """The logits of rows ``hc`` (tokens x width) at the columns ``safe`` (one per row, in the vocabulary)."""
     cols = jnp.take(wc, safe, axis=1, mode="clip")  # width x tokens: the label's column per token
     z = lax.dot_general(hc, cols, (((1,), (0,)), ((0,), (1,))), **dict(layout.dot))
     if bv is not None:
         z = z + jnp.take(bv, safe, mode="clip")
-    z = _cast(layout, z)
-    return jnp.where(inside, z, jnp.asarray(jnp.nan if fill is None else fill, z.dtype)) if fills else z
+    return _cast(layout, z)
 
 
 def row_sums(h: Any, w: Any, b: Any = None, *, layout: Layout) -> Any:
@@ -301,35 +306,68 @@ def blocked_forward(h: Any, w: Any, b: Any = None, labels: Any = None, target: A
             n = layout.tokens // rows
             _, (m, total, label) = lax.scan(lambda _, x: (None, run(*x)), None,
                                             (_blocks(hc, n, rows), None if cols is None else cols.reshape(n, rows)))
-        if label is not None:
-            label = label.reshape(-1)
-            if reads.fills:
-                fill = jnp.asarray(jnp.nan if reads.fill is None else reads.fill, label.dtype)
-                label = jnp.where(inside, label, fill)
+        label = None if label is None else _filled(label.reshape(-1), inside, reads)
         weighted = None
     else:
-        n, label = layout.tokens // block, None
-
-        def body(_: Any, x: tuple) -> tuple:
-            hb, tb = x
-            z = _cast(layout, _product(layout, hb, wc, bv))
-            m = jnp.max(z, axis=1)
-            shifted = z - row_shift(reads.shift, m)[:, None]
-            total = jnp.sum(jnp.exp(shifted), axis=1)
-            if tb is None:
-                return None, (m, total, None)
-            return None, (m, total, jnp.sum(tb * (shifted - jnp.log(total)[:, None]), axis=1))
-
-        _, (m, total, weighted) = lax.scan(body, None, (_blocks(hc, n, block), _blocks(tc, n, block)))
+        m, total, label, weighted = _block_loop(hc, wc, bv, labels, tc, layout=layout, block=block, reads=reads)
     # the log after the loop: in its body, log(sum(exp(z - shift))) is what nn_logsumexp rewrites
     stats = Stats(m.reshape(-1), (jnp.log(total) if reads.log else total).reshape(-1))
-    if reads.label and label is not None:
-        stats = stats._replace(label=label)
-    elif reads.label:
-        stats = stats._replace(label=label_logit(h, w, b, labels, layout=layout, fills=reads.fills, fill=reads.fill))
+    if label is not None:
+        stats = stats._replace(label=label.reshape(-1))
     if reads.row_sums:
         stats = stats._replace(row_sums=row_sums(h, w, b, layout=layout))
     return stats if weighted is None else stats._replace(target=weighted.reshape(-1))
+
+
+def _filled(label: Any, inside: Any, reads: Reads) -> Any:
+    """``label`` where the index was ``inside`` the vocabulary, else the gather's fill, where ``reads.fills``."""
+    if not reads.fills:
+        return label
+    return jnp.where(inside, label, jnp.asarray(jnp.nan if reads.fill is None else reads.fill, label.dtype))
+
+
+def _block_loop(hc: Any, wc: Any, bv: Any, labels: Any, tc: Any, *, layout: Layout, block: int, reads: Reads) -> tuple:
+    """``(max, normaliser, label, weighted)`` (the last two ``None`` unless read), ``block`` tokens x
+    ``n`` blocks, of rows ``hc``: a loop over token blocks, each block's logits whole.
+
+    The loop reads nothing computed from the inputs alone, which XLA:CPU computes first (its list scheduler takes
+    the smallest allocations first) and holds until the loop: flax's seq2seq loss held its label columns of ``W``
+    (tokens x width, gathered before the loop), its labels wrapped into the vocabulary, the loop's zeroed stacked
+    results and its block index across its cross-attention's peak, 135,216 bytes more than its program as written.
+    So the label's column is gathered and clamped a block at a time, the stacked results are carried, and what
+    the loop starts from (the labels, the zeros, the index) is selected by :func:`_late`, made from ``hc``."""
+    n = layout.tokens // block
+    late = _late(hc)
+
+    def stats(hb: Any, tb: Any, yb: Any) -> tuple:
+        z = _cast(layout, _product(layout, hb, wc, bv))
+        m = jnp.max(z, axis=1)
+        shifted = z - row_shift(reads.shift, m)[:, None]
+        total = jnp.sum(jnp.exp(shifted), axis=1)
+        label = None
+        if yb is not None:
+            safe, inside = label_column(yb, layout.vocab)
+            label = _filled(_label_rows(layout, hb, wc, bv, safe), inside, reads)
+        weighted = None if tb is None else jnp.sum(tb * (shifted - jnp.log(total)[:, None]), axis=1)
+        return m, total, label, weighted
+
+    def body(carry: tuple, x: tuple) -> tuple:
+        i, out = carry
+        put = lambda a, v: None if a is None else lax.dynamic_update_index_in_dim(a, v, i, 0)  # noqa: E731
+        return (i + 1, tuple(put(a, v) for a, v in zip(out, stats(*x)))), None
+
+    yl = None if not reads.label else jnp.where(late, jnp.zeros((), labels.dtype), labels).reshape(n, block)
+    xs = (_blocks(hc, n, block), _blocks(tc, n, block), yl)
+    shapes = jax.eval_shape(stats, *(None if x is None else x[0] for x in xs))
+    init = tuple(None if s is None else jnp.broadcast_to(late.astype(s.dtype), (n, block)) for s in shapes)
+    return lax.scan(body, (late.astype(jnp.int32), init), xs)[0][1]
+
+
+def _late(hc: Any) -> Any:
+    """``False``, computed from ``hc``'s first element (never both NaN and infinite): what the head's loop
+    starts from is selected by it, so that XLA:CPU computes it once ``hc`` is, not first (:func:`_block_loop`)."""
+    first = hc[0, 0]
+    return jnp.isnan(first) & jnp.isinf(first)
 
 
 def blocked_backward(h: Any, w: Any, b: Any, labels: Any, target: Any, cotangents: Stats, *, layout: Layout,
