@@ -604,7 +604,7 @@ class Snapshot:
                 if r.subsumed:
                     continue
                 if int_pos:
-                    args = r.inputs
+                    args = list(r.inputs)
                     for i in int_pos:
                         args[i] = to_int(args[i])
                     node = (fname, tuple(args))
