@@ -511,8 +511,11 @@ class Snapshot:
         self.prices: list[tuple[Any, dict]] = []
         self.frozen = egraph.eg.freeze()
         self.functions = self.frozen.functions
+        #: each function's rows, read once: egglog makes the list and its rows anew at every read of ``rows``, and
+        #: the count of rows, the node table, the match relations and the deferred queries each read them
+        self._fn_rows: dict[str, list] = {}
         to_int = egraph.eg.value_to_i64
-        rows = self.functions["V"].rows
+        rows = self.rows("V")
         n = egraph.num_names
         cls_of: list[Any] = [None] * n
         name_of: dict[Any, int] = {}
@@ -533,11 +536,14 @@ class Snapshot:
     @functools.cached_property
     def num_rows(self) -> int:
         """Rows in the e-graph: nodes, names, facts and matches (the loader's are left out)."""
-        return sum(len(f.rows) for name, f in self.functions.items() if name != LOAD)
+        return sum(len(self.rows(name)) for name in self.functions if name != LOAD)
 
     def rows(self, function: str) -> list[Any]:
-        f = self.functions.get(function)
-        return [] if f is None else f.rows
+        found = self._fn_rows.get(function)
+        if found is None:
+            f = self.functions.get(function)
+            found = self._fn_rows[function] = [] if f is None else f.rows
+        return found
 
     def matches(self, relation: str, query: int) -> list[tuple]:
         """The rows of a shared match relation whose first column is ``query``, without it.
@@ -594,13 +600,22 @@ class Snapshot:
                 continue
             sorts = _terms.ctor_arg_sorts(fname)
             int_pos = [i for i, s in enumerate(sorts) if s == "i64"]
-            for r in fn.rows:
+            for r in self.rows(fname):
                 if r.subsumed:
                     continue
-                args = list(r.inputs)
-                for i in int_pos:
-                    args[i] = to_int(args[i])
-                nodes.setdefault(r.output, []).append((fname, tuple(args)))
+                if int_pos:
+                    args = list(r.inputs)
+                    for i in int_pos:
+                        args[i] = to_int(args[i])
+                    node = (fname, tuple(args))
+                else:
+                    node = (fname, tuple(r.inputs))
+                out = r.output
+                found = nodes.get(out)
+                if found is None:
+                    nodes[out] = [node]
+                else:
+                    found.append(node)
         self._nodes = nodes
 
     @property

@@ -164,6 +164,8 @@ def _freeze(value: Any) -> Hashable:
     if isinstance(value, (bool, int, float, complex, np.generic)):
         return (type(value).__name__, repr(value))
     if isinstance(value, (list, tuple)):
+        if all(type(v) is int for v in value):  # a shape or axes (most params): the keys the loop below makes
+            return (type(value).__name__, tuple(("int", repr(v)) for v in value))
         parts = tuple(_freeze(v) for v in value)
         return _IDENTITY if any(p is _IDENTITY for p in parts) else (type(value).__name__, parts)
     if isinstance(value, dict):
