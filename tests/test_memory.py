@@ -397,3 +397,23 @@ def test_a_live_program_s_peak_walks_it_once_per_version(fn, args, monkeypatch):
     live.edit({prog.outputs[0]: prog.ops[prog.outputs[0]]})  # a new version: walked again
     live.positions()
     assert live.walks == 2
+
+
+@pytest.mark.parametrize("fresh_at", [0.0, float("inf")], ids=["charged", "under the threshold"])
+def test_a_live_program_lists_its_kernels_for_the_fresh_charge_only_where_it_is_charged(fresh_at, monkeypatch):
+    """``LiveFusion.price`` hands ``FusionModel.held_bytes`` a function that lists its kernels, called only where
+    the temporaries can reach the fresh charge's threshold (``fresh_at``): a search prices hundreds of programs
+    under it, each of which listed every kernel for nothing. The price is the whole program's either way."""
+    from rewrite.cost.live import LiveFusion
+
+    fm = AnalyticCost().fusion_model()
+    assert fm.fresh and fm.held is not None
+    fm.fresh_at = fresh_at
+    prog = Program.from_jaxpr(jax.make_jaxpr(_seed_vjp_sin_stored)(*_SEED), AnalyticCost())
+    live = LiveFusion(fm, prog.outputs)
+    live.edit(dict(enumerate(prog.ops)))
+    listed = []
+    kernels = LiveFusion.kernels
+    monkeypatch.setattr(LiveFusion, "kernels", lambda self: listed.append(1) or kernels(self))
+    assert live.price() == pytest.approx(fm(prog), rel=1e-12)
+    assert len(listed) == (1 if fresh_at == 0.0 else 0)

@@ -224,7 +224,7 @@ class FusionModel:
                 continue
             need: set[int] = set()
             for u in users[i]:
-                need |= homes.get(u, set())
+                need.update(homes.get(u, ()))
             home, root = self.place(prog, i, kind, need, i in outputs, roots)
             if home is not None:
                 homes[i] = home
@@ -417,7 +417,7 @@ class FusionModel:
                 if ops[a].prim == "literal":
                     continue
                 reads.add(a)
-                if slices(op, a):
+                if op.prim in SLICES and slices(op, a):
                     sliced[a] = sliced.get(a, 0) + facts(op, prog)[6]
                 else:
                     whole.add(a)
@@ -561,15 +561,17 @@ class FusionModel:
         touched = self.fresh * held if held >= self.fresh_at else 0.0
         return self.memory * peak + touched + (OVER_BUDGET * (1.0 + over) if over else 0.0)
 
-    def held_bytes(self, prog: Any, kernels: Sequence[Fusion], most: float) -> float | None:
+    def held_bytes(self, prog: Any, kernels: Sequence[Fusion] | Callable[[], Sequence[Fusion]], most: float
+                   ) -> float | None:
         """The bytes of temporaries XLA allocates for a call of ``prog``, as the fresh charge reads them
         (``held``), where they can reach ``fresh_at``: ``most`` bounds them (every kernel's temporaries,
-        summed), so below ``fresh_at`` nothing is computed and 0 returned. ``None`` without ``held``."""
+        summed), so below ``fresh_at`` nothing is computed and 0 returned. ``None`` without ``held``.
+        ``kernels``: the program's kernels, or a function that lists them (called only where they are read)."""
         if self.held is None:
             return None
         if not self.fresh or most < self.fresh_at:
             return 0.0
-        return float(self.held(prog, kernels, self.inner, self.fresh_at))
+        return float(self.held(prog, kernels() if callable(kernels) else kernels, self.inner, self.fresh_at))
 
     def describe(self, prog: Program) -> str:
         """One line per predicted kernel: what it computes and what it costs (for reports and tests)."""
@@ -602,7 +604,8 @@ def kernel_temps(prog: Program, kernels: Sequence[Fusion], inner: Callable[[Op],
     :func:`peak_temp_bytes`; their sum bounds every buffer live at once (each is written by one kernel)."""
     outputs = output_buffers(prog)
     written = {k.root for k in kernels}
-    return [sum(_temp(prog, a, outputs, written) for a in {buffer_of(prog, a, written) for a in k.reads})
+    return [sum(_temp(prog, a, outputs, written)
+                for a in {a if a in written else buffer_of(prog, a, written) for a in k.reads})
             + _temp(prog, k.root, outputs, written)
             + (inner(prog.ops[k.root]) if inner is not None else 0) + scratch_bytes(prog, k)
             for k in kernels]

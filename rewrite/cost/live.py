@@ -285,8 +285,9 @@ class LiveFusion:
                                    else self.model.kernel_across(self, self._members[r]))
             self._cost[r] = cost
             self._reads[r] = reads
-            temp = (sum(_temp(self, a, self._held_outputs, self.roots)
-                        for a in {buffer_of(self, a, self.roots) for a in reads})
+            written = self.roots
+            temp = (sum(_temp(self, a, self._held_outputs, written)
+                        for a in {a if a in written else buffer_of(self, a, written) for a in reads})
                     + _temp(self, r, self._held_outputs, self.roots)
                     + (self.model.inner(self.ops[r]) if self.model.inner is not None else 0)
                     + (scores_bytes(self, r) if kind == ATTENTION else 0))
@@ -399,7 +400,7 @@ class LiveFusion:
         if self._across_count:
             cost -= shared_across(self.model, self.ops, self._across_count)
         if self.model.prices_peak:
-            cost += self.model.memory_price(self.peak(), self.model.held_bytes(self, self.kernels(), self._temp_sum))
+            cost += self.model.memory_price(self.peak(), self.model.held_bytes(self, self.kernels, self._temp_sum))
         return float(cost)
 
     def _count_across(self, r: Any, keys: set) -> None:

@@ -137,10 +137,14 @@ def _peak_in(prog: Any, order: Sequence[Fusion], held: dict, projs: dict, output
     step: dict[Any, int] = {}  # buffer -> the step that writes it
     last: dict[Any, int] = {}  # buffer -> the last step that reads it
     for t, k in enumerate(order):
-        for b in projs.get(k.root, {0: k.root}).values():
-            step[b] = t
+        outs = projs.get(k.root)
+        if outs is None:
+            step[k.root] = t
+        else:
+            for b in outs.values():
+                step[b] = t
         for a in k.reads:
-            last[buffer_of(prog, a, written)] = t  # a bitcast read keeps its operand's buffer alive
+            last[a if a in written else buffer_of(prog, a, written)] = t  # a bitcast read keeps its operand's buffer
     parent: dict[Any, Any] = {}
 
     def find(b: Any) -> Any:
@@ -154,30 +158,53 @@ def _peak_in(prog: Any, order: Sequence[Fusion], held: dict, projs: dict, output
                 parent[find(b)] = find(donor)
     groups: dict[Any, list] = {}
     for b in step:
-        groups.setdefault(find(b), []).append(b)
+        groups.setdefault(find(b) if parent else b, []).append(b)
     temps: list[tuple[int, int, int]] = []
     free: list[tuple[int, list[tuple[int, int]]]] = []  # an output allocation: its size, the steps it is taken
+    ops = prog.ops
     for members in groups.values():
+        if len(members) == 1:  # (most buffers share with none: the same sums, read once)
+            b = members[0]
+            first = step[b]
+            if b in outputs:  # the program output's allocation
+                if in_outputs:
+                    free.append((_out_bytes(ops[b]), [(first, len(order))]))
+                continue
+            size = _temp(prog, b, outputs, written)
+            if size:
+                end = last.get(b, first)
+                temps.append((size, first, end if end > first else first))
+            continue
         first = min(step[b] for b in members)
         if any(b in outputs for b in members):  # the program output's allocation
             if in_outputs:
-                free.append((max(_out_bytes(prog.ops[b]) for b in members if b in outputs), [(first, len(order))]))
+                free.append((max(_out_bytes(ops[b]) for b in members if b in outputs), [(first, len(order))]))
             continue
         size = max(_temp(prog, b, outputs, written) for b in members)
         if size:
             temps.append((size, first, max(max(last.get(b, step[b]), step[b]) for b in members)))
-    live_at = [0] * len(order)
-    for size, first, end in sorted(temps, key=lambda t: (-t[0], t[1])):
-        room = next((taken for bytes_, taken in free if bytes_ == size
-                     and all(end < a or first > b for a, b in taken)), None)
-        if room is not None:
-            room.append((first, end))
-            continue
-        for t in range(first, end + 1):
-            live_at[t] += size
-    peak = 0
+    # what is live at each step, as the steps where each buffer starts and stops being held (the same sums)
+    delta = [0] * (len(order) + 1)
+    rooms: dict[int, list] = {}  # the output allocations by size, in their order
+    for bytes_, taken in free:
+        rooms.setdefault(bytes_, []).append(taken)
+    if rooms:
+        temps.sort(key=lambda t: (-t[0], t[1]))
+    for size, first, end in temps:
+        same = rooms.get(size)
+        if same is not None:
+            room = next((taken for taken in same if all(end < a or first > b for a, b in taken)), None)
+            if room is not None:
+                room.append((first, end))
+                continue
+        delta[first] += size
+        delta[end + 1] -= size
+    peak = live = 0
     for t, k in enumerate(order):
-        peak = max(peak, live_at[t] + held.get(k.root, 0))
+        live += delta[t]
+        here = live + held.get(k.root, 0)
+        if here > peak:
+            peak = here
     return peak
 
 
@@ -193,10 +220,15 @@ def xla_order(prog: Any, order: Sequence[Fusion], projs: dict, outputs: set, wri
     ``memory_analysis`` on 91 (program order: 88) and says which of a pair holds more on 52 of 71 (48)."""
     made = _made_at(prog)
     at = _position_of(prog)
-    writer: dict[Any, int] = {}
+    writer: dict[Any, tuple] = {}  # buffer -> the node of the kernel that writes it
+    kernel_nodes = [("kernel", n) for n in range(len(order))]
     for n, k in enumerate(order):
-        for b in projs.get(k.root, {0: k.root}).values():
-            writer[b] = n
+        outs = projs.get(k.root)
+        if outs is None:
+            writer[k.root] = kernel_nodes[n]
+        else:
+            for b in outs.values():
+                writer[b] = kernel_nodes[n]
     ops = prog.ops
     found: dict[Any, frozenset] = {}
 
@@ -204,7 +236,7 @@ def xla_order(prog: Any, order: Sequence[Fusion], projs: dict, outputs: set, wri
         got = found.get(a)
         if got is None:
             if a in writer:
-                got = frozenset((("kernel", writer[a]),))
+                got = frozenset((writer[a],))
             elif ops[a].prim == "param":
                 got = frozenset((("input", a),))
             else:
@@ -216,30 +248,36 @@ def xla_order(prog: Any, order: Sequence[Fusion], projs: dict, outputs: set, wri
     # each node: (when XLA made it, what it waits for); a library kernel is made after every loop kernel
     nodes: dict[tuple, tuple[tuple, frozenset]] = {
         ("input", a): ((-1, at(a)), frozenset()) for a, op in _items(ops) if op.prim == "param"}
+    inf = math.inf
     for n, k in enumerate(order):
-        waits: set = set()
-        for a in k.reads:
-            waits |= sources(a)
+        waits: set = set().union(*[found[a] if a in found else sources(a) for a in k.reads])
         for i in k.computes:
-            if _scaled_by_small(prog, ops[i]):
-                node = ("reciprocal", ops[i].args[1])
-                at = (0, made.get(i, math.inf) + 0.5)
-                nodes[node] = (min(nodes[node][0], at) if node in nodes else at, sources(ops[i].args[1]))
+            op = ops[i]
+            if op.prim == "div" and _scaled_by_small(prog, op):
+                node = ("reciprocal", op.args[1])
+                at = (0, made.get(i, inf) + 0.5)
+                nodes[node] = (min(nodes[node][0], at) if node in nodes else at, sources(op.args[1]))
                 waits.add(node)
-        waits.discard(("kernel", n))
-        nodes[("kernel", n)] = ((int(k.kind == LIBRARY), made.get(k.root, math.inf)), frozenset(waits))
+        me = kernel_nodes[n]
+        waits.discard(me)
+        nodes[me] = ((int(k.kind == LIBRARY), made.get(k.root, inf)), waits)
     users: dict[tuple, list] = {node: [] for node in nodes}
-    for node, (_, waits) in nodes.items():
+    waiting: dict[tuple, int] = {}
+    when: dict[tuple, tuple] = {}  # each node's sort key: when XLA made it
+    for node, (made_when, waits) in nodes.items():
+        when[node] = made_when
+        waiting[node] = len(waits)
         for w in waits:
             users[w].append(node)
-    waiting = {node: len(waits) for node, (_, waits) in nodes.items()}
-    queue = collections.deque(sorted((node for node in nodes if not waiting[node]), key=lambda node: nodes[node][0]))
+    key = when.__getitem__
+    queue = collections.deque(sorted((node for node in nodes if not waiting[node]), key=key))
     out: list[Fusion] = []
     while queue:
         node = queue.popleft()
         if node[0] == "kernel":
             out.append(order[node[1]])
-        for u in sorted(users[node], key=lambda u: nodes[u][0]):
+        ready = users[node]
+        for u in sorted(ready, key=key) if len(ready) > 1 else ready:
             waiting[u] -= 1
             if not waiting[u]:
                 queue.append(u)
@@ -250,18 +288,18 @@ def xla_order(prog: Any, order: Sequence[Fusion], projs: dict, outputs: set, wri
     # is made at all, it is made for its first reader, not before everything that reads the inputs.
     const: set = set()
     for k in out:
-        node = ("kernel", index[k.root])
-        if all(w in const for w in nodes[node][1]):
+        node = kernel_nodes[index[k.root]]
+        if const.issuperset(nodes[node][1]):
             const.add(node)
     if not const:
         return out
-    when = {k.root: float(t) for t, k in enumerate(out)}
+    at_step = {k.root: float(t) for t, k in enumerate(out)}
     for k in reversed(out):
-        node = ("kernel", index[k.root])
+        node = kernel_nodes[index[k.root]]
         if node in const:
-            readers = [when[order[u[1]].root] for u in users[node] if u[0] == "kernel"]
-            when[k.root] = min(readers, default=when[k.root]) - 0.5 ** 20
-    return sorted(out, key=lambda k: when[k.root])
+            readers = [at_step[order[u[1]].root] for u in users[node] if u[0] == "kernel"]
+            at_step[k.root] = min(readers, default=at_step[k.root]) - 0.5 ** 20
+    return sorted(out, key=lambda k: at_step[k.root])
 
 
 def _made_at(prog: Any) -> dict:
@@ -276,15 +314,19 @@ def _made_at(prog: Any) -> dict:
     seen: set = set()
     for r in prog.outputs:
         stack = [(r, False)]
+        push = stack.append
         while stack:
             c, done = stack.pop()
             if done:
                 post.append(c)
             elif c not in seen:
                 seen.add(c)
-                stack.append((c, True))
-                stack.extend((a, False) for a in reversed(tuple(getattr(ops[c], "args", ()))) if a not in seen)
-    return {c: len(post) - 1 - i for i, c in enumerate(post)}
+                push((c, True))
+                for a in reversed(tuple(getattr(ops[c], "args", ()))):
+                    if a not in seen:
+                        push((a, False))
+    last = len(post) - 1
+    return {c: last - i for i, c in enumerate(post)}
 
 
 #: What an elementwise kernel may compute and still write in place over an operand of its shape.
@@ -400,6 +442,14 @@ class InnerPeak:
             if found is None:
                 found = memo[key] = max(liveness_peak(b, self.fusion.kernels(b), self) for b in bodies)
             return found
+        if memo is not None:  # an op of one node, whose params are the node's: its peak kept with it
+            found = memo.get(self)  # (keyed by this object, which the key keeps alive: no other gets its id)
+            if found is None:
+                found = memo[self] = self._params_peak(op)
+            return found
+        return self._params_peak(op)
+
+    def _params_peak(self, op: Any) -> int:
         params = getattr(op, "params", None) or {}
         j = inner_jaxpr(params)
         if j is None:
