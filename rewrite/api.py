@@ -436,7 +436,7 @@ class Rewritten:
         # only the programs that come out are read: the inputs are not priced
         spent = {} if spent is None else spent
         t = time.perf_counter()
-        forward = run_pipeline(cone, self.entries, self.cost_model, self.limits, price_input=False)
+        forward = run_pipeline(cone, self.entries, self.cost_model, self.limits, price_input=False, plain=True)
         t = lap(spent, "step forward", t)
         priced: list = []  # the joint programs priced whole as they were chosen: decided_jointly does not price again
         program, why = decided_jointly(cone, forward, self.entries, self.cost_model, self.limits,

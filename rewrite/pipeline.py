@@ -26,7 +26,8 @@ from .cost.model import CostModel
 from .extract.choice import reachable
 from .extract.extract import extract, input_cost
 from .extract.extractor import shared
-from .extract.policy import bar_preferred, made_by, no_fatter, recomputations, withheld, worth_their_saving
+from .extract.policy import (bar_preferred, copy_without, made_by, no_fatter, recomputations, withheld,
+                             worth_their_saving)
 from .ir.egraph import EGraph
 from .ir.intern import LITERALS, TYPES, in_dtype
 from .ir.terms import ctor_arg_sorts
@@ -59,7 +60,7 @@ def limits_met(result: Result) -> list[str]:
 
 def run_pipeline(program: Traced | core.ClosedJaxpr, entries: Sequence[tuple[Rule, Ruleset]], model: CostModel,
                  limits: Limits, keep: bool = False, price_input: bool = True,
-                 input_price: float | None = None) -> Result:
+                 input_price: float | None = None, plain: bool = False) -> Result:
     """Rewrite one program with the given rules: load, saturate, extract, emit, choose.
 
     ``program`` is a traced function or a bare ``ClosedJaxpr``. The program
@@ -71,17 +72,18 @@ def run_pipeline(program: Traced | core.ClosedJaxpr, entries: Sequence[tuple[Rul
     that comes out (the whole-step search's inner rewrites), whose extraction prices the input anyway.
     ``input_price``, where given, is the input's price as :func:`program_cost` gives it, which the caller has
     already (the whole-step search prices the step as written before it decides to rewrite it): it is
-    ``cost_before``, and the input is not priced again.
+    ``cost_before``, and the input is not priced again. ``plain``: where the program that comes out uses nodes of
+    ``jointly`` rulesets' rules, the program without them is read off the same e-graph too (``Result.plain``).
     """
     closed = program.closed if isinstance(program, Traced) else program
     with collect_young_only():
-        result = _run(closed, entries, model, limits, keep, price_input, input_price)
+        result = _run(closed, entries, model, limits, keep, price_input, input_price, plain)
     check_signature(closed, result.after)
     return result
 
 
 def _run(closed: core.ClosedJaxpr, entries: Sequence[tuple[Rule, Ruleset]], model: CostModel, limits: Limits,
-         keep: bool, price_input: bool = True, input_price: float | None = None) -> Result:
+         keep: bool, price_input: bool = True, input_price: float | None = None, plain: bool = False) -> Result:
     times = {"trace": 0.0}
 
     t = time.perf_counter()
@@ -138,6 +140,10 @@ def _run(closed: core.ClosedJaxpr, entries: Sequence[tuple[Rule, Ruleset]], mode
                                                                       all_roots, original),
     )
     result.why = why_chosen(result, ex.lean)
+    if plain and result.jointly_chosen:
+        t = time.perf_counter()
+        result.plain = plain_program(snap, eg, entries, all_roots, model, original, closed, emit_choice)
+        times["plain"] = time.perf_counter() - t
     if not keep:
         eg.release()  # to the pool now, even if something the rewrite made holds the e-graph in a cycle
     return result
@@ -155,6 +161,21 @@ def jointly_chosen(snap: Any, eg: Any, entries: Sequence[tuple[Rule, Ruleset]], 
         return frozenset()
     made = made_by(snap, eg, fired, original)
     return frozenset(made[n] for n in (choice[c] for c in reachable(snap, choice, roots)) if n in made)
+
+
+def plain_program(snap: Any, eg: Any, entries: Sequence[tuple[Rule, Ruleset]], roots: list, model: CostModel,
+                  original: set, closed: core.ClosedJaxpr, emit_choice: Any) -> core.ClosedJaxpr:
+    """The program extracted from ``snap`` without the nodes the rules of ``jointly`` rulesets built
+    (``extract.policy.copy_without``), under the policy of the other rules (:func:`extract_by_policy`,
+    ``no_fatter``): the forward rewritten without them (``grad/vjp.py``'s ``decided_jointly``), read off the
+    e-graph saturated with them instead of a second load and saturation. That e-graph may hold merges the one
+    saturated without them lacks, so the program may differ from that saturation's."""
+    jointly = frozenset(r.name for r, owner in entries if getattr(owner, "jointly", False))
+    rest = [(r, owner) for r, owner in entries if r.name not in jointly]
+    without, _ = copy_without(snap, eg, jointly, original)
+    shared(without, model).share_prices(shared(snap, model))
+    ex = extract_by_policy(without, eg, rest, roots, model, original)
+    return no_fatter(ex, closed, emit_choice(ex.choice), emit_choice, model)[1]
 
 
 def extract_by_policy(snap: Any, eg: Any, entries: Sequence[tuple[Rule, Ruleset]], roots: list, model: CostModel,

@@ -545,6 +545,8 @@ def decided_jointly(closed: core.ClosedJaxpr, forward: Result, entries: Sequence
             # they fired, but the forward as chosen uses nothing they built: it is the plain one (a step whose losses
             # are read from loss-first programs is not the pipeline's program of ``closed``: it is rewritten again)
             plain = forward.after
+        elif forward.plain is not None and not getattr(forward.step, "replaced", None):
+            plain = forward.plain  # read off the forward's own saturated e-graph (run_pipeline's ``plain``)
         else:  # only the program that comes out is read: the input is not priced
             plain = run_pipeline(closed, rest, model, limits, price_input=False).after
         rewritten = [Joint(f"the forward rewritten with {', '.join(fired)}", built, model, joint_of, priced)]
