@@ -35,6 +35,7 @@ from .extract.lean import closed_peaks, peaks_keep_leaner, time_price
 from .grad.primitive import Signature, bind_if_differentiated
 from .grad.pinned import join_pinned, split_pinned
 from .grad.step import find_losses, proof_graph
+from .grad.together import rewrite_joints
 from .grad.vjp import VJPResult, build_vjp, decided_jointly, joint_program, rewrite_joint
 from .ir.jaxapi import core
 from .jaxpr import state as _state
@@ -308,8 +309,9 @@ class Rewritten:
         The result's ``times`` hold the search's seconds as ``whole_step`` and its parts, which sum to it
         (:data:`rewrite.records.STEP_STAGES`): ``step find`` (the candidates, their re-derivations and proofs, the
         replacement), ``step forward`` and ``step joint`` (each loss's forward rewritten, and its VJP jointly,
-        ``_loss_first``), ``step jointly`` (the same built again without a ``jointly`` ruleset, where one fired),
-        ``step rest`` (the step so changed, rewritten and priced) and ``step price`` (the step as written, priced)."""
+        ``_loss_first``; where a ``jointly`` ruleset fired, both joints), ``step jointly`` (the forward without
+        it, and the choice), ``step rest`` (the step so changed, rewritten and priced) and ``step price`` (the step
+        as written, priced)."""
         def as_written(price: float | None = None) -> Result:
             # ``price``: the step as written, priced already (program_cost), is not priced again
             return result if result is not None else run_pipeline(traced, self.entries, self.cost_model,
@@ -436,14 +438,16 @@ class Rewritten:
         # only the programs that come out are read: the inputs are not priced
         spent = {} if spent is None else spent
         t = time.perf_counter()
-        forward = run_pipeline(cone, self.entries, self.cost_model, self.limits, price_input=False)
+        forward = run_pipeline(cone, self.entries, self.cost_model, self.limits, price_input=False, plain=True)
         t = lap(spent, "step forward", t)
         priced: list = []  # the joint programs priced whole as they were chosen: decided_jointly does not price again
         program, why = decided_jointly(cone, forward, self.entries, self.cost_model, self.limits,
                                        lambda f, entries: rewrite_joint(f, entries, self.cost_model, self.limits,
                                                                         wrt, value, seen=priced),
                                        lambda f: written if written is not None and f is cone else
-                                       joint_program(f, wrt)[0], spent=spent, priced=priced)
+                                       joint_program(f, wrt)[0], spent=spent, priced=priced,
+                                       build_both=lambda f, p, rest: rewrite_joints(f, p, rest, self.cost_model,
+                                                                                    self.limits, wrt, value, priced))
         if why and decided is not None:
             decided.append(why)
         return program

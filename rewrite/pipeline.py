@@ -26,8 +26,9 @@ from .cost.model import CostModel
 from .extract.choice import reachable
 from .extract.extract import extract, input_cost
 from .extract.extractor import shared
-from .extract.policy import bar_preferred, made_by, no_fatter, recomputations, withheld, worth_their_saving
-from .ir.egraph import EGraph
+from .extract.policy import (bar_preferred, copy_without, made_by, no_fatter, recomputations, withheld,
+                             worth_their_saving)
+from .ir.egraph import BodyRef, EGraph, ListRef
 from .ir.intern import LITERALS, TYPES, in_dtype
 from .ir.terms import ctor_arg_sorts
 from .ir.walk import operands, walk
@@ -59,7 +60,7 @@ def limits_met(result: Result) -> list[str]:
 
 def run_pipeline(program: Traced | core.ClosedJaxpr, entries: Sequence[tuple[Rule, Ruleset]], model: CostModel,
                  limits: Limits, keep: bool = False, price_input: bool = True,
-                 input_price: float | None = None) -> Result:
+                 input_price: float | None = None, plain: bool = False) -> Result:
     """Rewrite one program with the given rules: load, saturate, extract, emit, choose.
 
     ``program`` is a traced function or a bare ``ClosedJaxpr``. The program
@@ -71,17 +72,18 @@ def run_pipeline(program: Traced | core.ClosedJaxpr, entries: Sequence[tuple[Rul
     that comes out (the whole-step search's inner rewrites), whose extraction prices the input anyway.
     ``input_price``, where given, is the input's price as :func:`program_cost` gives it, which the caller has
     already (the whole-step search prices the step as written before it decides to rewrite it): it is
-    ``cost_before``, and the input is not priced again.
+    ``cost_before``, and the input is not priced again. ``plain``: where the program that comes out uses nodes of
+    ``jointly`` rulesets' rules, the program without them is read off the same e-graph too (``Result.plain``).
     """
     closed = program.closed if isinstance(program, Traced) else program
     with collect_young_only():
-        result = _run(closed, entries, model, limits, keep, price_input, input_price)
+        result = _run(closed, entries, model, limits, keep, price_input, input_price, plain)
     check_signature(closed, result.after)
     return result
 
 
 def _run(closed: core.ClosedJaxpr, entries: Sequence[tuple[Rule, Ruleset]], model: CostModel, limits: Limits,
-         keep: bool, price_input: bool = True, input_price: float | None = None) -> Result:
+         keep: bool, price_input: bool = True, input_price: float | None = None, plain: bool = False) -> Result:
     times = {"trace": 0.0}
 
     t = time.perf_counter()
@@ -138,9 +140,107 @@ def _run(closed: core.ClosedJaxpr, entries: Sequence[tuple[Rule, Ruleset]], mode
                                                                       all_roots, original),
     )
     result.why = why_chosen(result, ex.lean)
+    if plain and result.jointly_chosen:
+        t = time.perf_counter()
+        result.plain = plain_program(snap, eg, entries, all_roots, model, original, closed, emit_choice)
+        times["plain"] = time.perf_counter() - t
     if not keep:
         eg.release()  # to the pool now, even if something the rewrite made holds the e-graph in a cycle
     return result
+
+
+def run_together(first: core.ClosedJaxpr, second: core.ClosedJaxpr, entries: Sequence[tuple[Rule, Ruleset]],
+                 model: CostModel, limits: Limits, price_input: bool = False) -> tuple[Result, Result]:
+    """Two programs of the same inputs rewritten in one e-graph: ``first`` loaded, then ``second`` (the terms they
+    share are one), saturated once with ``entries``, and each extracted from its own roots under the extraction
+    policy and held to itself (``no_fatter``), as :func:`run_pipeline` with ``keep`` would.
+    ``first`` is extracted without the nodes only ``second`` holds as loaded, so a form only ``second``'s input
+    has is not taken into ``first``'s program; what the rules built is, where it is equal (a merge): as
+    ``extract.policy.copy_without`` leaves what other rules built from a ruleset's nodes. The two joint programs of
+    a forward rewritten with and without a ``jointly`` ruleset's rules (``grad/vjp.py``'s ``decided_jointly``)
+    share most of their equations, which are saturated once so. Both results keep the e-graph: the caller
+    releases it (once) after reading both. Not for ``cost_model="measure"`` (the backend times one program)."""
+    if first.in_avals != second.in_avals or first.jaxpr.effects or second.jaxpr.effects:
+        raise ValueError("run_together: two programs of the same inputs, with no effects")
+    with collect_young_only():
+        t = time.perf_counter()
+        held = _held(first, entries)
+        other = _held(second, entries)
+        held = Held(held.primitives | other.primitives, held.literals | other.literals)
+        eg = EGraph(match_program(entries, held.manual)[0])
+        inputs = [eg.term("Param", [0, i], TYPES.intern_aval(a)) for i, a in enumerate(first.in_avals)]
+        outs_first, _ = load_closed(first, inputs, eg)
+        n_first = eg.num_names
+        outs_second, _ = load_closed(second, inputs, eg)
+        n_both = eg.num_names
+        eg.flush()
+        before = [input_cost(eg.snapshot(), outs, None, model) if price_input else float("nan")
+                  for outs in (outs_first, outs_second)]
+        loaded = time.perf_counter() - t
+        t = time.perf_counter()
+        engine = Engine(eg, entries, limits, manual=held.manual, held=held)
+        stopped = engine.run()
+        saturated = time.perf_counter() - t
+        snap = eg.snapshot()
+        forced = bar_preferred(snap, eg, engine.preferred, model)
+        keys = [eg.canonical(snap, vid) for vid in range(n_both)]
+        own_first = {k for k in keys[:n_first] if k is not None}
+        own_second = {keys[v] for v in _names_of(eg, outs_second, range(n_first, n_both)) if keys[v] is not None}
+        only_second = {k for k in keys[n_first:] if k is not None} - own_first
+        apart = snap.without(lambda cls, node: node in only_second) if only_second else snap
+        if apart is not snap:
+            shared(apart, model).share_prices(shared(snap, model))
+        results = []
+        for closed, view, outs, original, cost_before in ((first, apart, outs_first, own_first, before[0]),
+                                                          (second, snap, outs_second, own_second, before[1])):
+            t = time.perf_counter()
+            roots = [view.cls_of_name[o] for o in outs]
+            ex = extract_by_policy(view, eg, entries, roots, model, original)
+            extracted = time.perf_counter() - t
+            t = time.perf_counter()
+            emit_choice = emitter(view, eg, closed.in_avals, roots, None, closed.jaxpr.debug_info)
+            ex, after = no_fatter(ex, closed, emit_choice(ex.choice), emit_choice, model)
+            times = {"trace": 0.0, "load": loaded, "saturate": saturated, "extract": extracted,
+                     "emit": time.perf_counter() - t}
+            loaded = saturated = 0.0  # counted once, on the first
+            result = Result(
+                before=closed, after=after, cost_before=cost_before, cost_after=ex.cost, stopped=stopped,
+                iterations=engine.iterations, rows=snap.num_rows, times=times, stats=dict(engine.stats),
+                rewritten=ex.rewritten, warnings=list(engine.warnings), egraph=eg, choice=ex.choice, snapshot=view,
+                roots=roots, original=original, out_names=list(outs), preferred=forced,
+                over_budget=over_budget(ex.candidates, model, emit_choice),
+                jointly_chosen=jointly_chosen(view, eg, entries, engine.stats, ex.choice, roots, original))
+            result.why = why_chosen(result, ex.lean)
+            check_signature(closed, result.after)
+            results.append(result)
+    return results[0], results[1]
+
+
+def _names_of(eg: EGraph, outs: Sequence[int], new: Sequence[int]) -> set[int]:
+    """The names a program loaded after another uses: those it made (``new``) and those they and its outputs read,
+    through lists and bodies (``EGraph.defs``): the terms it shares with the first program."""
+    seen: set[int] = set()
+    stack = list(outs) + list(new)
+    while stack:
+        vid = stack.pop()
+        if vid in seen:
+            continue
+        seen.add(vid)
+        ctor, args = eg.defs[vid]
+        for sort, a in zip(ctor_arg_sorts(ctor), args):
+            if sort == "Term":
+                stack.append(a)
+            elif isinstance(a, (ListRef, BodyRef)):
+                stack.extend(_listed(a.outs.key if isinstance(a, BodyRef) else a.key))
+    return seen
+
+
+def _listed(key: tuple) -> list[int]:
+    """The names a list's key holds: a ``TList``'s items, a ``BList``'s bodies' outputs."""
+    kind, *items = key
+    if kind == "T":
+        return list(items)
+    return [v for _, outs in items for v in _listed(outs)]
 
 
 def jointly_chosen(snap: Any, eg: Any, entries: Sequence[tuple[Rule, Ruleset]], stats: dict, choice: dict,
@@ -155,6 +255,21 @@ def jointly_chosen(snap: Any, eg: Any, entries: Sequence[tuple[Rule, Ruleset]], 
         return frozenset()
     made = made_by(snap, eg, fired, original)
     return frozenset(made[n] for n in (choice[c] for c in reachable(snap, choice, roots)) if n in made)
+
+
+def plain_program(snap: Any, eg: Any, entries: Sequence[tuple[Rule, Ruleset]], roots: list, model: CostModel,
+                  original: set, closed: core.ClosedJaxpr, emit_choice: Any) -> core.ClosedJaxpr:
+    """The program extracted from ``snap`` without the nodes the rules of ``jointly`` rulesets built
+    (``extract.policy.copy_without``), under the policy of the other rules (:func:`extract_by_policy`,
+    ``no_fatter``): the forward rewritten without them (``grad/vjp.py``'s ``decided_jointly``), read off the
+    e-graph saturated with them instead of a second load and saturation. That e-graph may hold merges the one
+    saturated without them lacks, so the program may differ from that saturation's."""
+    jointly = frozenset(r.name for r, owner in entries if getattr(owner, "jointly", False))
+    rest = [(r, owner) for r, owner in entries if r.name not in jointly]
+    without, _ = copy_without(snap, eg, jointly, original)
+    shared(without, model).share_prices(shared(snap, model))
+    ex = extract_by_policy(without, eg, rest, roots, model, original)
+    return no_fatter(ex, closed, emit_choice(ex.choice), emit_choice, model)[1]
 
 
 def extract_by_policy(snap: Any, eg: Any, entries: Sequence[tuple[Rule, Ruleset]], roots: list, model: CostModel,

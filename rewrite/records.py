@@ -160,6 +160,10 @@ class Result:
     #: (``rewrite.grad.vjp.decided_jointly`` builds the forward again without them only where there are some);
     #: None where that is not known (a program timed by ``cost_model="measure"``, one read from the disk cache)
     jointly_chosen: frozenset | None = None
+    #: where asked (``run_pipeline(plain=True)``) and ``jointly_chosen`` is not empty: the program read off the same
+    #: saturated e-graph without the nodes those rules built (``pipeline.plain_program``), which
+    #: ``decided_jointly`` takes for the forward rewritten without them instead of saturating it again; else None
+    plain: core.ClosedJaxpr | None = None
 
     def release(self) -> None:
         """Drop what is kept for deeper reports (the e-graph, its snapshot and the choice over it) and give the

@@ -72,6 +72,7 @@ from ..ir.jaxapi import ad, core, custom_staging_rules, fallback_linearize, held
 from ..ir.walk import loses_forward_mode
 from ..jaxpr.trace import Traced, collect_young_only, spec_of
 from ..pipeline import limits_met, run_pipeline
+from .together import build_vjps
 from .vjp import as_written_vjp, build_vjp, decided_jointly, float_positions, of_floats, split_joint
 
 log = logging.getLogger("rewrite")
@@ -185,7 +186,9 @@ class Signature:
                 self.traced.closed, self.result, owner.entries, owner.cost_model, owner.limits,
                 lambda f, entries: build_vjp(self._of(f), entries, owner.cost_model, owner.limits, primal=False,
                                              keep=keep),
-                lambda f: as_written_vjp(self._of(f), owner.cost_model), split_joint, spent)
+                lambda f: as_written_vjp(self._of(f), owner.cost_model), split_joint, spent,
+                build_both=None if keep else lambda f, p, rest: build_vjps(self._of(f), self._of(p), rest,
+                                                                           owner.cost_model, owner.limits))
             built.decided = decided
             if "step jointly" in spent:  # decided jointly: every candidate built and priced, the kept one's stages too
                 built.times = {**built.times, "decided jointly": spent.get("step joint", 0.0) + spent["step jointly"]}

@@ -338,6 +338,12 @@ def build_vjp(traced: Traced, entries: Sequence[Any], model: Any, limits: Any, p
     joint, dif_in, dif_out = joint_program(closed)
     times = {"trace_vjp": time.perf_counter() - t0}
     res = run_pipeline(joint, entries, model, limits, keep=True)
+    return _vjp_of(res, closed, dif_in, dif_out, model, entries, times, primal, keep)
+
+
+def _vjp_of(res: Result, closed: core.ClosedJaxpr, dif_in: list[int], dif_out: list[int], model: Any,
+            entries: Sequence[Any], times: dict, primal: bool, keep: bool) -> VJPResult:
+    """:func:`build_vjp` from the joint program's pipeline result ``res``: the split, and the forward alone."""
     times.update(res.times)
     snap, eg = res.snapshot, res.egraph
     n = len(closed.in_avals)
@@ -488,14 +494,19 @@ def rewrite_joint(closed: core.ClosedJaxpr, entries: Sequence[Any], model: Any, 
     with their prices (:func:`rewrite.grad.uses.joint_as_run`): :func:`decided_jointly` reads the returned one's."""
     joint = joint_program(closed, wrt)[0]
     res = run_pipeline(joint, entries, model, limits, keep=True, price_input=False)
-    snap, eg = res.snapshot, res.egraph
     try:
-        n_out = len(closed.out_avals)
-        f_roots, _, _, choices = _joint_choices(res, n_out, len(joint.in_avals), model, entries)
-        return joint_as_run(snap, eg, joint, res.roots, res.before, f_roots, [c for _, c in choices], model, value,
-                            seen)
+        return _as_run(res, len(closed.out_avals), model, entries, value, seen)
     finally:
-        eg.release()
+        res.egraph.release()
+
+
+def _as_run(res: Result, n_out: int, model: Any, entries: Sequence[Any], value: bool | None,
+            seen: list[tuple[core.ClosedJaxpr, float]] | None) -> core.ClosedJaxpr:
+    """:func:`rewrite_joint`'s program from its joint program's pipeline result ``res`` (kept)."""
+    joint = res.before
+    f_roots, _, _, choices = _joint_choices(res, n_out, len(joint.in_avals), model, entries)
+    return joint_as_run(res.snapshot, res.egraph, joint, res.roots, joint, f_roots, [c for _, c in choices], model,
+                        value, seen)
 
 
 def split_joint(built: VJPResult) -> core.ClosedJaxpr:
@@ -512,7 +523,9 @@ def decided_jointly(closed: core.ClosedJaxpr, forward: Result, entries: Sequence
                     as_written: Callable[[core.ClosedJaxpr], Any],
                     joint_of: Callable[[Any], core.ClosedJaxpr] = lambda built: built,
                     spent: dict[str, float] | None = None,
-                    priced: Sequence[tuple[core.ClosedJaxpr, float]] = ()) -> tuple[Any, str]:
+                    priced: Sequence[tuple[core.ClosedJaxpr, float]] = (),
+                    build_both: Callable[[core.ClosedJaxpr, core.ClosedJaxpr, Sequence[Any]], tuple] | None = None
+                    ) -> tuple[Any, str]:
     """``build(forward.after, entries)``, a derivative of ``closed`` rewritten (``forward``) for the forward alone,
     decided on its joint program where rules of a ruleset made with ``jointly=True`` fired in that forward; and why,
     in words ("" where none fired).
@@ -529,27 +542,38 @@ def decided_jointly(closed: core.ClosedJaxpr, forward: Result, entries: Sequence
     to hold more (:func:`held_to_written`): the plain one the one with the rules, and either JAX's as written.
     A tie keeps the one held to. ``priced``: programs ``build`` priced whole already (``program_cost``), with their
     prices (:func:`rewrite_joint`'s ``seen``): a joint program that is one of them (the same object) is not priced
-    again."""
+    again. ``build_both(forward, plain, rest)``, where given, builds the two rewritten ones in one e-graph
+    (``grad/together.py``)."""
     spent = {} if spent is None else spent
     t = time.perf_counter()
-    built = build(forward.after, entries)
-    t = lap(spent, "step joint", t)
     jointly = {r.name for r, owner in entries if getattr(owner, "jointly", False)}
     fired = sorted(n for n, s in forward.stats.items() if n in jointly and s.fired)
     if not fired:
+        built = build(forward.after, entries)
+        lap(spent, "step joint", t)
         return built, ""
-    made = [built]
+    made: list = []
     try:
         rest = [(r, owner) for r, owner in entries if r.name not in jointly]
         if forward.jointly_chosen == frozenset() and not getattr(forward.step, "replaced", None):
             # they fired, but the forward as chosen uses nothing they built: it is the plain one (a step whose losses
             # are read from loss-first programs is not the pipeline's program of ``closed``: it is rewritten again)
             plain = forward.after
+        elif forward.plain is not None and not getattr(forward.step, "replaced", None):
+            plain = forward.plain  # read off the forward's own saturated e-graph (run_pipeline's ``plain``)
         else:  # only the program that comes out is read: the input is not priced
             plain = run_pipeline(closed, rest, model, limits, price_input=False).after
+        t = lap(spent, "step jointly", t)
+        if same_program(plain, forward.after):
+            made = [build(forward.after, entries)]
+        elif build_both is not None:  # the two joint programs rewritten in one e-graph, with the other rules
+            made = list(build_both(forward.after, plain, rest))
+        else:
+            made = [build(forward.after, entries), build(plain, rest)]
+        t = lap(spent, "step joint", t)
+        built = made[0]
         rewritten = [Joint(f"the forward rewritten with {', '.join(fired)}", built, model, joint_of, priced)]
-        if not same_program(plain, forward.after):
-            made.append(build(plain, rest))
+        if len(made) > 1:
             rewritten.append(Joint(f"the forward rewritten without {'it' if len(fired) == 1 else 'them'}", made[-1],
                                    model, joint_of, priced))
         made.append(as_written(closed))

@@ -1,0 +1,54 @@
+"""Two derivatives of one loss built together: :func:`rewrite.grad.vjp.decided_jointly`'s joint programs of the
+forward rewritten with and without a ``jointly`` ruleset's rules share most of their equations, so they are loaded
+into one e-graph and saturated once (:func:`rewrite.pipeline.run_together`), each extracted from its own roots, the
+plain one without the terms only the other holds as loaded. The rules they are saturated with are the other rules:
+those of ``jointly`` rulesets are decided on the forward, where they act (they replace a forward computation
+together with its backward), and a joint program of the forward they rewrote holds none of the sites they match
+(of the five ecosystem programs where they fire in the forward, none fired in a joint program: where one did, the
+joint with them would differ from saturating it alone with all the rules)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Sequence
+
+from ..ir.jaxapi import core
+from ..jaxpr.trace import Traced
+from .. import pipeline  # run_together looked up at each call: benchmarks.rewrite_time counts its rows
+from . import vjp  # its joint_program looked up at each call, as vjp's own callers do (a test counts the traces)
+from .vjp import VJPResult, _as_run, _vjp_of
+
+
+def build_vjps(traced: Traced, plain: Traced, entries: Sequence[Any], model: Any, limits: Any
+               ) -> tuple[VJPResult, VJPResult]:
+    """:func:`build_vjp` of two forwards of one function (``primal=False``, not kept), their joint programs
+    rewritten in one e-graph (:func:`rewrite.pipeline.run_together`, ``plain``'s without the terms only
+    ``traced``'s holds): :func:`decided_jointly`'s two, with and without a ``jointly`` ruleset's rules."""
+    t0 = time.perf_counter()
+    joint, dif_in, dif_out = vjp.joint_program(traced.closed)
+    other = vjp.joint_program(plain.closed)[0]
+    traced_s = time.perf_counter() - t0
+    res_plain, res = pipeline.run_together(other, joint, entries, model, limits, price_input=True)
+    try:
+        return tuple(_vjp_of(r, c, dif_in, dif_out, model, entries, {"trace_vjp": traced_s / 2}, False, True)
+                     for r, c in ((res, traced.closed), (res_plain, plain.closed)))  # type: ignore[return-value]
+    finally:
+        res.release()
+        res_plain.release()
+
+
+def rewrite_joints(closed: core.ClosedJaxpr, plain: core.ClosedJaxpr, entries: Sequence[Any], model: Any,
+                   limits: Any, wrt: Sequence[int] | None = None, value: bool | None = None,
+                   seen: list[tuple[core.ClosedJaxpr, float]] | None = None
+                   ) -> tuple[core.ClosedJaxpr, core.ClosedJaxpr]:
+    """:func:`rewrite_joint` of two forwards of one loss, their joint programs rewritten in one e-graph
+    (:func:`rewrite.pipeline.run_together`, ``plain``'s without the terms only ``closed``'s holds):
+    :func:`decided_jointly`'s two, with and without a ``jointly`` ruleset's rules."""
+    res_plain, res = pipeline.run_together(vjp.joint_program(plain, wrt)[0], vjp.joint_program(closed, wrt)[0],
+                                           entries, model, limits)
+    try:
+        n_out = len(closed.out_avals)
+        return (_as_run(res, n_out, model, entries, value, seen), _as_run(res_plain, n_out, model, entries, value,
+                                                                          seen))
+    finally:
+        res.egraph.release()
