@@ -231,16 +231,8 @@ def _names_of(eg: EGraph, outs: Sequence[int], new: Sequence[int]) -> set[int]:
             if sort == "Term":
                 stack.append(a)
             elif isinstance(a, (ListRef, BodyRef)):
-                stack.extend(_listed(a.outs.key if isinstance(a, BodyRef) else a.key))
+                stack.extend(a.names())
     return seen
-
-
-def _listed(key: tuple) -> list[int]:
-    """The names a list's key holds: a ``TList``'s items, a ``BList``'s bodies' outputs."""
-    kind, *items = key
-    if kind == "T":
-        return list(items)
-    return [v for _, outs in items for v in _listed(outs)]
 
 
 def jointly_chosen(snap: Any, eg: Any, entries: Sequence[tuple[Rule, Ruleset]], stats: dict, choice: dict,

@@ -72,6 +72,13 @@ class ListRef:
             expr = call("BCons", BodyRef(scope, ListRef(outs)).expr, expr)
         return expr
 
+    def names(self) -> list[int]:
+        """The names the list holds: a ``TList``'s items, a ``BList``'s bodies' outputs."""
+        kind, *items = self.key
+        if kind == "T":
+            return list(items)
+        return [v for _, outs in items for v in ListRef(outs).names()]
+
 
 @dataclasses.dataclass(frozen=True)
 class BodyRef:
@@ -81,6 +88,9 @@ class BodyRef:
     @property
     def expr(self) -> Any:
         return call("Body", int_lit(self.scope), self.outs.expr)
+
+    def names(self) -> list[int]:
+        return self.outs.names()
 
 
 class _Pool:
