@@ -101,7 +101,8 @@ def _run(closed: core.ClosedJaxpr, entries: Sequence[tuple[Rule, Ruleset]], mode
     stopped = engine.run()
     times["saturate"] = time.perf_counter() - t
 
-    # Extract the cheapest program under the extraction policy; the input program is always a candidate.
+    # Extract the cheapest program under the extraction policy (the input program is always a candidate), and emit
+    # a ClosedJaxpr with the same signature: each candidate at most once.
     t = time.perf_counter()
     snap = eg.snapshot()
     forced = bar_preferred(snap, eg, engine.preferred, model)
@@ -109,15 +110,8 @@ def _run(closed: core.ClosedJaxpr, entries: Sequence[tuple[Rule, Ruleset]], mode
     roots = [snap.cls_of_name[o] for o in outs]
     token_root = snap.cls_of_name[token] if token is not None else None
     all_roots = roots + ([token_root] if token_root is not None else [])
-    ex = extract_by_policy(snap, eg, entries, all_roots, model, original)
     times["extract"] = time.perf_counter() - t
-
-    # Emit a ClosedJaxpr with the same signature: each candidate at most once.
-    t = time.perf_counter()
-    emit_choice = emitter(snap, eg, closed.in_avals, roots, token_root, closed.jaxpr.debug_info)
-    after = emit_choice(ex.choice)
-    ex, after = no_fatter(ex, closed, after, emit_choice, model)
-    times["emit"] = time.perf_counter() - t
+    ex, after, emit_choice = _extracted(snap, eg, entries, closed, roots, token_root, model, original, times)
 
     # Choose: cost_model="measure" times the best candidates on the backend (rewrite/cost/measure.py);
     # a memory budget reports the candidates it excluded.
@@ -164,23 +158,16 @@ def run_together(first: core.ClosedJaxpr, second: core.ClosedJaxpr, entries: Seq
         raise ValueError("run_together: two programs of the same inputs, with no effects")
     with collect_young_only():
         t = time.perf_counter()
-        held = _held(first, entries)
-        other = _held(second, entries)
-        held = Held(held.primitives | other.primitives, held.literals | other.literals)
-        eg = EGraph(match_program(entries, held.manual)[0])
-        inputs = [eg.term("Param", [0, i], TYPES.intern_aval(a)) for i, a in enumerate(first.in_avals)]
-        outs_first, _ = load_closed(first, inputs, eg)
-        n_first = eg.num_names
-        outs_second, _ = load_closed(second, inputs, eg)
-        n_both = eg.num_names
-        eg.flush()
+        eg, loaded, held, names = _load_all((first, second), entries)
+        (outs_first, _), (outs_second, _) = loaded
+        n_first, n_both = names
         before = [input_cost(eg.snapshot(), outs, None, model) if price_input else float("nan")
                   for outs in (outs_first, outs_second)]
-        loaded = time.perf_counter() - t
+        load_s = time.perf_counter() - t
         t = time.perf_counter()
         engine = Engine(eg, entries, limits, manual=held.manual, held=held)
         stopped = engine.run()
-        saturated = time.perf_counter() - t
+        saturate_s = time.perf_counter() - t
         snap = eg.snapshot()
         forced = bar_preferred(snap, eg, engine.preferred, model)
         keys = [eg.canonical(snap, vid) for vid in range(n_both)]
@@ -193,16 +180,10 @@ def run_together(first: core.ClosedJaxpr, second: core.ClosedJaxpr, entries: Seq
         results = []
         for closed, view, outs, original, cost_before in ((first, apart, outs_first, own_first, before[0]),
                                                           (second, snap, outs_second, own_second, before[1])):
-            t = time.perf_counter()
+            times = {"trace": 0.0, "load": load_s, "saturate": saturate_s}
+            load_s = saturate_s = 0.0  # counted once, on the first
             roots = [view.cls_of_name[o] for o in outs]
-            ex = extract_by_policy(view, eg, entries, roots, model, original)
-            extracted = time.perf_counter() - t
-            t = time.perf_counter()
-            emit_choice = emitter(view, eg, closed.in_avals, roots, None, closed.jaxpr.debug_info)
-            ex, after = no_fatter(ex, closed, emit_choice(ex.choice), emit_choice, model)
-            times = {"trace": 0.0, "load": loaded, "saturate": saturated, "extract": extracted,
-                     "emit": time.perf_counter() - t}
-            loaded = saturated = 0.0  # counted once, on the first
+            ex, after, emit_choice = _extracted(view, eg, entries, closed, roots, None, model, original, times)
             result = Result(
                 before=closed, after=after, cost_before=cost_before, cost_after=ex.cost, stopped=stopped,
                 iterations=engine.iterations, rows=snap.num_rows, times=times, stats=dict(engine.stats),
@@ -214,6 +195,25 @@ def run_together(first: core.ClosedJaxpr, second: core.ClosedJaxpr, entries: Seq
             check_signature(closed, result.after)
             results.append(result)
     return results[0], results[1]
+
+
+def _extracted(snap: Any, eg: EGraph, entries: Sequence[tuple[Rule, Ruleset]], closed: core.ClosedJaxpr,
+               roots: list, token_root: Any, model: CostModel, original: set, times: dict[str, float]
+               ) -> tuple[Any, core.ClosedJaxpr, Any]:
+    """``(ex, after, emit_choice)``: the program of ``closed`` from ``roots`` (and ``token_root``, its final token,
+    where it has effects) under the extraction policy (:func:`extract_by_policy`), emitted with ``closed``'s
+    signature and held to it (``no_fatter``), and the emitter of choices of ``snap`` (which may be a view of
+    ``eg``'s snapshot). ``times`` receives the seconds of ``extract`` (added to any there) and ``emit``:
+    :func:`_run`'s and :func:`run_together`'s sequence, the same for each program."""
+    t = time.perf_counter()
+    ex = extract_by_policy(snap, eg, entries, roots + ([token_root] if token_root is not None else []), model,
+                           original)
+    times["extract"] = times.get("extract", 0.0) + time.perf_counter() - t
+    t = time.perf_counter()
+    emit_choice = emitter(snap, eg, closed.in_avals, roots, token_root, closed.jaxpr.debug_info)
+    ex, after = no_fatter(ex, closed, emit_choice(ex.choice), emit_choice, model)
+    times["emit"] = time.perf_counter() - t
+    return ex, after, emit_choice
 
 
 def _names_of(eg: EGraph, outs: Sequence[int], new: Sequence[int]) -> set[int]:
@@ -284,13 +284,29 @@ def _load(closed: core.ClosedJaxpr, entries: Sequence[tuple[Rule, Ruleset]]
     (with ``pvary`` it is inside a ``shard_map`` body), for the engine to declare the anchored rules it admits
     (``Rule.anchor``). The program's inputs are the Params of scope 0; its effects, if any, are threaded on a
     token that starts at (Tok 0)."""
-    held = _held(closed, entries)
-    eg = EGraph(match_program(entries, held.manual)[0])  # with the rules' queries: ir/egraph.py's _POOL
-    inputs = [eg.term("Param", [0, i], TYPES.intern_aval(a)) for i, a in enumerate(closed.in_avals)]
-    token = eg.term("Tok", [0], TYPES.intern_aval(TOKEN_AVAL)) if closed.jaxpr.effects else None
-    outs, token = load_closed(closed, inputs, eg, token)
-    eg.flush()
+    eg, ((outs, token),), held, _ = _load_all((closed,), entries)
     return eg, outs, token, held
+
+
+def _load_all(programs: Sequence[core.ClosedJaxpr], entries: Sequence[tuple[Rule, Ruleset]]
+              ) -> tuple[EGraph, list[tuple[list, Any]], Held, list[int]]:
+    """A new e-graph holding ``programs`` (of the same inputs, the Params of scope 0), loaded in order, so that the
+    terms they share are one: the e-graph, each program's outputs' names and final token's (:func:`_load`), what
+    they hold together (:func:`_held`), and the e-graph's count of names after each was loaded (the names below
+    the first count are the first program's, and so on)."""
+    held = _held(programs[0], entries)
+    for other in programs[1:]:
+        more = _held(other, entries)
+        held = Held(held.primitives | more.primitives, held.literals | more.literals)
+    eg = EGraph(match_program(entries, held.manual)[0])  # with the rules' queries: ir/egraph.py's _POOL
+    inputs = [eg.term("Param", [0, i], TYPES.intern_aval(a)) for i, a in enumerate(programs[0].in_avals)]
+    loaded, names = [], []
+    for closed in programs:
+        token = eg.term("Tok", [0], TYPES.intern_aval(TOKEN_AVAL)) if closed.jaxpr.effects else None
+        loaded.append(load_closed(closed, inputs, eg, token))
+        names.append(eg.num_names)
+    eg.flush()
+    return eg, loaded, held, names
 
 
 def program_cost(closed: core.ClosedJaxpr, model: CostModel) -> float:
