@@ -1,0 +1,50 @@
+"""The two joint programs of a whole step's loss (``rewrite/grad/together.py``): saturated in one e-graph for at most
+``JOINT_ITERATIONS`` iterations, which leaves the step's program as the saturated joints give it."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import optax
+
+from benchmarks import ecosystem as eco
+from benchmarks import wholestep as ws
+from benchmarks.overhead import load_rulesets
+from rewrite import pipeline, rewrite
+from rewrite.grad import together
+
+
+def _step_program(monkeypatch, bound: int) -> tuple[str, list, object]:
+    """A small linen GPT's training step rewritten whole (the LM head's ``jointly`` rules fire in its loss's forward,
+    so its two joint programs are saturated together) with the ecosystem suite's rules (``benchmarks.rewrite_time``),
+    the joints bounded at ``bound`` iterations: the step's
+    program as text, the joints' (iterations, stop reason), and the rewritten step with its arguments' run."""
+    monkeypatch.setattr(together, "JOINT_ITERATIONS", bound)
+    ran: list = []
+    run = pipeline.run_together
+
+    def counted(*args, **kwargs):
+        results = run(*args, **kwargs)
+        ran.append((results[0].iterations, results[0].stopped))
+        return results
+
+    monkeypatch.setattr(pipeline, "run_together", counted)
+    size = ws.Size(batch=2, length=128, width=64, heads=2, vocab=1024)
+    step, args = ws.CASES["linen_gpt"](size, ws.plain, opt=optax.sgd(0.1))
+    flat, leaves = ws._flat(step, args)
+    r = rewrite(flat, rulesets=load_rulesets(eco.CONFIGS["identity"]), whole_step=True, cache=False)
+    return str(r.jaxpr(*leaves)), ran, (r(*leaves), flat(*leaves))
+
+
+def test_the_joints_are_bounded_and_the_step_is_what_saturation_gives(monkeypatch):
+    """Bounded, the joints stop at ``JOINT_ITERATIONS``; saturated (a bound above what they take) they run longer, and
+    the step's program is the same text either way; its values are the step's as written."""
+    bound = together.JOINT_ITERATIONS
+    bounded, ran, (got, want) = _step_program(monkeypatch, bound)
+    assert ran and all(it <= bound for it, _ in ran), ran
+    saturated, ran_all, _ = _step_program(monkeypatch, 1000)
+    assert ran_all and max(it for it, _ in ran_all) > bound, ran_all
+    assert all(stopped == "saturated" for _, stopped in ran_all), ran_all
+    assert bounded == saturated
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=2e-4, atol=2e-5)
