@@ -85,16 +85,12 @@ class LiveFusion:
         #: the postorders walked (:meth:`positions`): one per version of the program read (a test reads it)
         self.walks = 0
 
-    def edit(self, changes: Mapping[Any, "Op | None"], outputs: Sequence[Any] | None = None) -> None:
-        """Set the op of each key of ``changes`` (``None`` removes it), and bring the kernels up to date;
-        ``outputs``, where given, are the program's outputs from now on.
+    def edit(self, changes: Mapping[Any, "Op | None"]) -> None:
+        """Set the op of each key of ``changes`` (``None`` removes it), and bring the kernels up to date.
 
         An edit leaves a whole program: every op's arguments are ops of it.
         """
         self._version += 1
-        rechain = False
-        if outputs is not None and list(outputs) != self.outputs:
-            self.outputs, self._outputs, rechain = list(outputs), set(outputs), True
         ops, users, homes, roots, members = self.ops, self.users, self.homes, self.roots, self._members
         seeds: set = set()
         dirty: set = set()
@@ -134,7 +130,7 @@ class LiveFusion:
             # Readers of a changed op see what it is: a literal is not read, a leaf is no temporary.
             seeds.update(users.get(c, ()))
             dirty |= self._reading(c)
-        if rechain or not self._output_chains.isdisjoint(changes):
+        if not self._output_chains.isdisjoint(changes):
             self._rechain(seeds, dirty)
         self._lift([c for c, new in changes.items() if new is not None])
         seeds |= self._products_above(seeds)

@@ -52,10 +52,12 @@ from typing import Any, Callable, Sequence
 import jax
 import numpy as np
 
+from ..cost.program import Program
 from ..extract.extract import bounds_memory, extract, fatter
 from ..extract.extractor import shared
 from ..extract.policy import no_fatter
 from ..extract.lean import closed_peaks, peaks_keep_leaner, time_price
+from ..extract.program import ProgramPricer, prices_programs
 from ..ir.jaxapi import core
 from ..ir.primitives import is_float
 from ..ir.walk import operands, walk
@@ -63,7 +65,6 @@ from ..jaxpr.emit import Emitter, _Scope, check_signature, dce, emitter
 from ..jaxpr.trace import Traced, same_program, spec_of
 from ..pipeline import extract_by_policy, program_cost, run_pipeline
 from ..records import Result, lap
-from .splits import scope_classes, split_pricer
 from .uses import cheapest_use, emit_parts, inlined, joint_as_run, same_choice, uses_price, without_outputs
 
 log = logging.getLogger("rewrite")
@@ -116,6 +117,11 @@ def joint_program(closed: core.ClosedJaxpr, wrt: Sequence[int] | None = None
 
 
 # ---------------------------------------------------------------------- residuals
+def scope_classes(snap: Any, choice: dict, roots: Sequence[Any], stop: set | frozenset = frozenset()) -> set:
+    """Classes the program's own scope computes for ``roots`` (not inside bodies), not looking past ``stop``."""
+    return set(walk(roots, lambda c: () if c in stop else operands(snap, choice[c])))
+
+
 @dataclasses.dataclass
 class Split:
     """A forward/backward split: residual classes, and the predicted cost of the two programs."""
@@ -163,10 +169,9 @@ def choose_residuals(snap: Any, choice: dict, f_roots: Sequence[Any], b_roots: S
     steps = GREEDY_STEPS if steps is None else steps
     tried = [] if tried is None else tried
     inner_price = price
-    live = getattr(price, "live", price)  # the trials priced move by move (grad/splits.py), the two first whole
 
     def price(residuals: list[Any], policy: str = "greedy") -> float:  # noqa: F811
-        cost = (live if policy == "greedy" else inner_price)(residuals)
+        cost = inner_price(residuals)
         tried.append(Split(policy, list(residuals), cost))
         return cost
 
@@ -666,3 +671,30 @@ def held_to_written(rewritten: Sequence[Joint], written: Joint, model: Any) -> t
             return r, f"kept {r}; against {', '.join(others)}" + (f" ({'; '.join(said)})" if said else "")
         said.append(why)
     return written, f"kept {written}: {'; '.join(said)}"
+
+
+def split_pricer(snap: Any, model: Any, choice: dict, f_roots: Sequence[Any], b_roots: Sequence[Any]
+                 ) -> Callable[[list[Any]], float]:
+    """The price of a split of ``choice``: a training step's plus a gradient alone's."""
+    ex = shared(snap, model)
+    if prices_programs(model):
+        pricer = ProgramPricer(ex, model)
+        templates = pricer.templates(choice, f_roots)  # the extractor's, but for what reads this choice
+
+        def program(roots: Sequence[Any], inputs: frozenset = frozenset()) -> float:
+            prog = Program.from_choice(ex, choice, roots, lambda c, nd: pricer.own(c, nd, choice),
+                                       templates, inputs=inputs)
+            return pricer.price(prog)
+    else:
+        def program(roots: Sequence[Any], inputs: frozenset = frozenset()) -> float:
+            stop = set(inputs)
+            cs = scope_classes(snap, choice, roots, stop) - stop
+            return sum(ex.own(c, choice[c], choice) for c in cs)
+
+    def price(residuals: list[Any]) -> float:
+        bwd = program(b_roots, frozenset(residuals))
+        train = program(list(f_roots) + list(residuals))
+        alone = program(list(residuals)) if residuals else 0.0
+        return train + alone + 2 * bwd
+
+    return price
