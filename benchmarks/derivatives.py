@@ -150,6 +150,93 @@ def form_complex_exp(x, a, g):
     return _seed_grads(x, a, *_seed_terms(x, a, g, s, jnp.real(e)))
 
 
+def _interleaved(parts):
+    """``parts`` (one shape) as one array with a last axis of ``len(parts)``, built so XLA:CPU stores it once.
+
+    Each part is padded to its own slot and the slots are chosen by a ``select`` on the last axis's index: the
+    ``select`` reads two full-size operands (the pads, not broadcasts), so XLA does not duplicate it into its
+    readers when one of them (the library reduction) cannot take it, and the loop that writes it computes each
+    element's ``sin`` and ``cos`` once for all slots (LLVM vectorises it: ``llvm.sin.v8f32`` and
+    ``llvm.cos.v8f32`` of one argument)."""
+    k, nd = len(parts), parts[0].ndim
+    zero = np.asarray(0, parts[0].dtype)
+    pads = [lax.pad(p[..., None], zero, [(0, 0, 0)] * nd + [(n, k - 1 - n, 0)]) for n, p in enumerate(parts)]
+    slot = lax.broadcasted_iota(np.int32, pads[0].shape, nd)
+    out = pads[-1]
+    for n in range(k - 2, -1, -1):
+        out = lax.select(slot == n, pads[n], out)
+    return out
+
+
+def form_interleaved(x, a, g):
+    """``grad x``, ``t * x`` and ``u`` written by one loop as one ``[..., 3]`` array (one ``sin`` and one ``cos``
+    an element), ``a``'s sums one library reduction of it over the rows (each sum's own terms, in another order);
+    three times JAX's temp memory."""
+    ax = a * x
+    t, u = _seed_terms(x, a, g, jnp.sin(ax), jnp.cos(ax))
+    y = _interleaved([a * t, t * x, u])
+    r = y.sum(tuple(range(x.ndim - 1)))
+    return y[..., 0], r[:, 1] - r[:, 2]
+
+
+def form_interleaved_one_sum(x, a, g):
+    """``form_interleaved`` with ``a``'s two sums as one (``t * x - u``): two slots, twice JAX's temp memory."""
+    ax = a * x
+    t, u = _seed_terms(x, a, g, jnp.sin(ax), jnp.cos(ax))
+    y = _interleaved([a * t, t * x - u])
+    return y[..., 0], y.sum(tuple(range(x.ndim - 1)))[:, 1]
+
+
+def form_blocked(x, a, g, trips: int = 4):
+    """``form_interleaved_one_sum`` over ``trips`` blocks of rows in a ``fori_loop`` (temp memory one block's
+    ``[..., 2]``): XLA:CPU compiles the loop body's fusion without the vector ``sin``/``cos`` (scalar calls for
+    each slot), so it runs at JAX's speed, not the unblocked form's."""
+    c = x.shape[-1]
+    xs, gs = x.reshape(-1, c), g.reshape(-1, c)
+    rows = xs.shape[0] // trips
+
+    def body(i, carry):
+        gx, acc = carry
+        xb, gb = (lax.dynamic_slice_in_dim(v, i * rows, rows, 0) for v in (xs, gs))
+        ab = a * xb
+        t, u = _seed_terms(xb, a, gb, jnp.sin(ab), jnp.cos(ab))
+        y = _interleaved([a * t, t * xb - u])
+        return lax.dynamic_update_slice_in_dim(gx, y[..., 0], i * rows, 0), acc + y.sum(0)
+
+    gx, acc = lax.fori_loop(0, trips, body, (jnp.zeros_like(xs), jnp.zeros((c, 2), x.dtype)))
+    return gx.reshape(x.shape), acc[:, 1]
+
+
+def _always_true(v):
+    """A ``bool`` that is true for every ``v`` (the top bit of ``bits(v) >> 1`` is 0) and that XLA does not fold."""
+    b = lax.bitcast_convert_type(v, np.dtype(f"uint{8 * np.dtype(v.dtype).itemsize}"))
+    return lax.shift_right_logical(b, np.asarray(1, b.dtype)) < np.asarray(1 << (8 * b.dtype.itemsize - 1), b.dtype)
+
+
+def form_chained(x, a, g, blocks: int = 0):
+    """``form_interleaved`` over ``blocks`` blocks of the leading axis (all of it by default), unrolled: each block
+    one loop writing its ``[..., 3]`` (in cache), one library reduction of it, ``grad x``'s rows put in place.
+
+    Each block's ``x`` is ``select(p, x_block, g_block)`` with ``p`` true but computed from the sums so far, so XLA
+    runs the blocks one after another and holds one block's array at a time (without it, it computes every block's
+    first: the temp memory of the unblocked form); a ``fori_loop`` over the blocks would do the same, but XLA:CPU
+    compiles a loop fusion that reads a ``dynamic-slice`` without the vector ``sin``/``cos`` (``form_blocked``)."""
+    blocks = blocks or x.shape[0]
+    rows = x.shape[0] // blocks
+    lead = tuple(range(x.ndim - 1))
+    gx, acc = jnp.zeros_like(x), jnp.zeros((x.shape[-1], 3), x.dtype)
+    for b in range(blocks):
+        xb, gb = x[b * rows:(b + 1) * rows], g[b * rows:(b + 1) * rows]
+        if b:
+            xb = lax.select(lax.broadcast(_always_true(acc[0, 0]), xb.shape), xb, gb)
+        ab = a * xb
+        t, u = _seed_terms(xb, a, gb, jnp.sin(ab), jnp.cos(ab))
+        y = _interleaved([a * t, t * xb, u])
+        gx = lax.dynamic_update_slice_in_dim(gx, y[..., 0], b * rows, 0)
+        acc = acc + y.sum(lead)
+    return gx, acc[:, 1] - acc[:, 2]
+
+
 def loop_sin(x, a, g):
     return jnp.sin(a * x)
 
@@ -164,7 +251,11 @@ def loop_sin_cos(x, a, g):
 
 #: The hand-written forms that compute JAX's VJP of ``seed`` value for value (``tests/test_derivatives.py``).
 SEED_FORMS = {"stored_sin": form_stored_sin, "one_sum": form_one_sum, "complex_pair": form_complex_pair,
-              "complex_exp": form_complex_exp}
+              "complex_exp": form_complex_exp, "interleaved": form_interleaved,
+              "interleaved_one_sum": form_interleaved_one_sum, "blocked": form_blocked,
+              "chained": form_chained}
+#: The forms whose ``grad a`` sums its terms in another order (not bit for bit JAX's; the test allows the rounding).
+CHANGED_SUMS = {"one_sum", "interleaved", "interleaved_one_sum", "blocked", "chained"}
 LOOPS = {"sin": loop_sin, "cos": loop_cos, "sin*cos": loop_sin_cos}
 
 
@@ -183,6 +274,13 @@ def kernels(compiled, shape) -> list[str]:
         kind = "library" if "__ynn_fusion" in line else "loop"
         out.append(kind + (f" ({'+'.join(fns)})" if fns else ""))
     return out
+
+
+def _repeats(ks: list[str]) -> list[str]:
+    """``ks`` with a pair of kernels repeated back to back written once: ``32 x (loop, library)``."""
+    if len(ks) > 4 and len(ks) % 2 == 0 and ks == ks[:2] * (len(ks) // 2):
+        return [f"{len(ks) // 2} x ({', '.join(ks[:2])})"]
+    return ks
 
 
 def forms_case(T: int) -> tuple[tuple, dict]:
@@ -222,7 +320,7 @@ def forms_report(sizes: list[int], rounds: int, progress: bool) -> str:
         for name, fn in vs.items():
             st = row.stats[name]
             med, lo, hi = row.paired(name)
-            ks = kernels(compile_stats(fn, *args)[0], args[0].shape)
+            ks = _repeats(kernels(compile_stats(fn, *args)[0], args[0].shape))
             lines.append(f"| {name} | {row.seconds[name] * 1e3:.2f} | {row.seconds[name] / n * 1e9:.2f} | "
                          f"{med:.3f} [{lo:.3f}, {hi:.3f}] | {st.transcendentals / n:.0f} | "
                          f"{st.bytes_accessed / n:.0f} | {st.temp_bytes / 2 ** 20:.1f} | {', '.join(ks)} |")
