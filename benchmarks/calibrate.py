@@ -479,6 +479,46 @@ def measure_fresh(rounds: int, progress: bool) -> dict[str, float]:
     return {"fresh_bytes": float(over[0] << 20), "fresh": statistics.median(excess[m] for m in over)}
 
 
+#: Array sizes (MiB) at which :func:`measure_tier` times a kernel that reads one array and writes another.
+TIER_MIB = (2, 4, 6, 8, 12, 16, 24)
+
+
+def _out_of_place(n: int, rounds: int) -> float:
+    """ns per byte that ``x * 0.125 + 1`` moves (read and written) on ``n`` floats into a second buffer (below the
+    size whose output is mapped fresh at each call), the fastest of ``rounds`` runs."""
+    step = jax.jit(lambda a: a * 0.125 + 1.0)
+    x = jnp.ones((n,), jnp.float32)
+    reps = max(3, (1 << 27) // (4 * n))
+    best = float("inf")
+    for _ in range(max(rounds, 5)):
+        t = time.perf_counter()
+        for _ in range(reps):
+            y = step(x)
+        y.block_until_ready()
+        best = min(best, (time.perf_counter() - t) / reps)
+    return best / (8 * n) * 1e9
+
+
+def measure_tier(rounds: int, progress: bool, cache: float, spill: float) -> dict[str, float]:
+    """Where a kernel that reads one array and writes another as large stops finding both in its share of the
+    last-level cache, and what each byte of an array past that costs more per pass (CPU): ``near_bytes``, the
+    largest of :data:`TIER_MIB` whose rate is within 1.5x of the smallest sizes' (their median, ``base``);
+    ``tier``, the median over the larger sizes of the excess over ``base`` less ``spill`` past ``cache``, per byte
+    past ``near_bytes``. On this machine (2 cores, 1 MiB L2 each, 32 MiB L3 shared with other processes, load 8-12):
+    0.013-0.015 ns per byte at 2-8 MiB, 0.033 at 12, 0.049 at 16, 0.084 at 24. ``AnalyticCost.tier``."""
+    rates = {mib: _out_of_place(mib << 18, rounds) for mib in TIER_MIB}
+    if progress:
+        print("out of place: " + ", ".join(f"{m} MiB {r:.4f} ns/B" for m, r in rates.items()), file=sys.stderr)
+    base = statistics.median(rates[m] for m in TIER_MIB[:3])
+    near = max((m for m in TIER_MIB if rates[m] <= 1.5 * base), default=TIER_MIB[0])
+    past = [m for m in TIER_MIB if m > near]
+    if not past:
+        return {}
+    per = [((rates[m] - base) * (m << 21) - 2 * spill * max(0.0, (m << 20) - cache)) / (2 * ((m - near) << 20))
+           for m in past]
+    return {"near_bytes": float(near << 20), "tier": max(0.0, statistics.median(per))}
+
+
 #: Trips of the loop whose per-trip cost :func:`measure_loop` takes.
 TRIPS = 257
 
@@ -763,6 +803,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--loop-kernels-only", action="store_true",
                     help="measure only what a loop body's kernels cost per trip beyond the model's price of their work "
                          "(loop_launch, loop_launch_library); printed, not stored (the tables leave the term off)")
+    ap.add_argument("--tier-only", action="store_true",
+                    help="measure only from what array size a kernel's input and output outgrow their share of the "
+                         "cache, and what a byte past it costs (CPU): near_bytes, tier; printed, not stored")
     ap.add_argument("--fresh-only", action="store_true",
                     help="measure only what a byte of a buffer allocated per call costs, and from what size (CPU)")
     args = ap.parse_args(argv)
@@ -820,6 +863,20 @@ def main(argv: list[str] | None = None) -> None:
                          "two functions each alone, summed (a share of that sum), median over the runs: "
                          + ", ".join(f"{n} {v:.2f}" for n, v in excess.items()) + "; stored: the runs' median of "
                          "the chains' median")
+        return
+    if args.tier_only:
+        # Printed, never stored: priced so (near_bytes 8 MiB, tier 0.018 ns/B, 2026-12-01, load 6.5 falling to 1.9),
+        # the model would rewrite lm_head_loss_small with nn_lm_head_lse_label_256 (measured 0.97x, decisions.md)
+        # and lm_head_grad_small, and it still did not choose attention's block within 5% of the best (its query
+        # blocks' per-trip cost is the larger error: benchmarks/results/log.md, h-block): the tables leave it off.
+        from rewrite.cost import calibration as _c  # (read here: the table the figures are measured against)
+
+        cpu = _c.CPU
+        runs = [measure_tier(args.rounds, args.progress, cpu.get("cache_bytes", math.inf), cpu.get("spill", 0.0))
+                for _ in range(args.runs)]
+        runs = [r for r in runs if r]
+        print(json.dumps({k: statistics.median(r[k] for r in runs) for k in ("near_bytes", "tier")} if runs else {},
+                         indent=1))
         return
     if args.fresh_only:
         if jax.default_backend() != "cpu":

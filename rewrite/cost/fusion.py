@@ -169,7 +169,7 @@ class FusionModel:
                  tiebreak: Callable[[Op], float] | None = None, memory: float = 0.0,
                  inner: Callable[[Op], int] | None = None, budget: float | None = None,
                  cache: float = math.inf, spill: float = 0.0, fresh: float = 0.0, fresh_at: float = math.inf,
-                 scores_cached: float = SCORES_CACHED,
+                 near: float = math.inf, tier: float = 0.0, scores_cached: float = SCORES_CACHED,
                  held: Callable[[Any, Sequence[Fusion], Callable[[Op], int] | None, float], int] | None = None,
                  parallel: float = 1.0, parallel_at: float = math.inf, chain: float = 0.0,
                  serial: float = 1.0, loop_launch: float = 0.0, loop_library: float = 0.0,
@@ -180,21 +180,18 @@ class FusionModel:
         #: the price of a product inside one attention kernel (``attention.py``'s ``attention_price``), where it is
         #: not its own node price (``Op.own``): ``AnalyticCost``'s product at its one-core rate
         self.kernel_product = kernel_product
-        self.loop_launch = loop_launch
-        self.loop_library = loop_library
+        self.loop_launch, self.loop_library = loop_launch, loop_library
         self.while_trips = while_trips
-        self.serial = serial
-        self.chain = chain
-        self.parallel = parallel
-        self.parallel_at = parallel_at
-        self.fresh = fresh
-        self.fresh_at = fresh_at
+        self.serial, self.chain = serial, chain
+        self.parallel, self.parallel_at = parallel, parallel_at
+        self.fresh, self.fresh_at = fresh, fresh_at
         self.held = held
         self.cache = cache
         #: the scores of a softmax between two products, in bytes, up to which it is priced as one attention kernel
         #: where XLA makes three (``attention.py``'s ``SCORES_CACHED``: the cache holds the stored scores)
         self.scores_cached = scores_cached
         self.spill = spill
+        self.near, self.tier_ratio = near, (tier / spill if spill and tier else 0.0)  # (AnalyticCost.near)
         self.memory = memory
         self.inner = inner
         self.budget = budget
@@ -495,9 +492,13 @@ class FusionModel:
                  _nbytes(outs[0]) if outs else 0,
                  kind == REDUCE,
                  _out_bytes(op),
-                 max(0.0, _nbytes(outs[0]) - self.cache) if outs else 0.0,
-                 sum(max(0.0, _nbytes(a) - self.cache) for a in outs))
+                 self.spilled_bytes(_nbytes(outs[0])) if outs else 0.0,
+                 sum(self.spilled_bytes(_nbytes(a)) for a in outs))
         return found
+
+    def spilled_bytes(self, b: float) -> float:
+        """What moving ``b`` bytes costs beyond ``byte``'s, in bytes at ``spill``: past ``cache``, and past ``near``."""
+        return max(0.0, b - self.cache) + (self.tier_ratio * max(0.0, b - self.near) if self.tier_ratio else 0.0)
 
     def _tiebreak(self, op: Op) -> float:
         memo = op.memo

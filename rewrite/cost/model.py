@@ -219,6 +219,15 @@ class AnalyticCost(CostModel):
     #: else no such term (``spill=0``).
     cache: float = dataclasses.field(default_factory=lambda: _table().get("cache_bytes", math.inf))
     spill: float = dataclasses.field(default_factory=lambda: _table().get("spill", 0.0))
+    #: a kernel that reads an array of more than ``near`` bytes and writes another as large does not keep both in
+    #: the part of the last-level cache it gets (the cache is shared with the other core and the machine's other
+    #: processes): each byte of an array beyond ``near`` costs ``tier`` more, each time it is written or read, on
+    #: top of ``spill`` beyond ``cache`` (``benchmarks/calibrate.py``, ``measure_tier``: ``x * c + 1`` into a
+    #: second buffer costs ~0.009 ns per byte moved from 2 to 8 MiB and 1.5-6 times that from 12 to 24 MiB, more
+    #: the busier the machine). Only where ``spill`` is priced. The table's, where stored; the tables leave it off
+    #: (it moved two LM-head decisions, one to a rewrite measured slower: ``benchmarks/calibrate.py``'s note).
+    near: float = dataclasses.field(default_factory=lambda: _table().get("near_bytes", math.inf))
+    tier: float = dataclasses.field(default_factory=lambda: _table().get("tier", 0.0))
     #: a softmax between two products that XLA:CPU runs in three kernels over scores of ``scores_cached`` bytes or
     #: fewer is priced as the one attention kernel (``rewrite/cost/attention.py``'s ``SCORES_CACHED``): the cache
     #: holds the stored scores. The table's ``cache_bytes``, else ``SCORES_CACHED``; 0 prices them stored always.
@@ -345,10 +354,13 @@ class AnalyticCost(CostModel):
         >>> m = AnalyticCost(cache=1000.0, spill=0.5)
         >>> m.spilled([ShapedArray((100,), jnp.float32)]), m.spilled([ShapedArray((1000,), jnp.float32)])
         (0.0, 1500.0)
+        >>> AnalyticCost(cache=1000.0, spill=0.5, near=100.0, tier=0.1).spilled([ShapedArray((1000,), jnp.float32)])
+        1890.0
         """
         if not self.spill:
             return 0.0
-        return self.spill * sum(max(0, nbytes(a) - self.cache) for a in avals)
+        return sum(self.spill * max(0, nbytes(a) - self.cache) + self.tier * max(0, nbytes(a) - self.near)
+                   for a in avals)
 
     def fixed(self, buffers: int) -> float:
         """The fixed cost of calling a program that takes and returns ``buffers`` arrays in all.
@@ -472,6 +484,7 @@ class AnalyticCost(CostModel):
     def fusion_model(self) -> FusionModel:
         """The whole-program model with this model's prices (see ``rewrite/cost/fusion.py``)."""
         fm = FusionModel(self.ops, byte=self.byte, cache=self.cache, spill=self.spill, reduce=self.reduce,
+                         near=self.near, tier=self.tier,
                          scores_cached=self.scores_cached,
                          launch=self.launch,
                          default=self.transcendental, cheap=self.flop, node=self.node,
