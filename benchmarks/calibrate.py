@@ -396,16 +396,27 @@ def _streamed(n: int, rounds: int) -> float:
     """ns per byte that ``x + 1`` moves (read and written) on ``n`` floats, in place (donated): no fresh pages."""
     step = jax.jit(lambda a: a + 1.0, donate_argnums=0)
     x = step(jnp.zeros((n,), jnp.float32))
-    reps = max(2, (1 << 28) // (4 * n))
+    state = [x]
+
+    def run() -> Any:
+        state[0] = step(state[0])
+        return state[0]
+
+    state[0].block_until_ready()
+    return _fastest(run, rounds, max(2, (1 << 28) // (4 * n))) / (8 * n) * 1e9
+
+
+def _fastest(run: Callable[[], Any], rounds: int, reps: int) -> float:
+    """The fewest seconds per call of ``run`` (which returns an array), ``reps`` calls a round, of ``max(rounds, 5)``
+    rounds: :func:`_streamed`'s and :func:`_out_of_place`'s timing."""
     best = float("inf")
     for _ in range(max(rounds, 5)):
-        x.block_until_ready()
         t = time.perf_counter()
         for _ in range(reps):
-            x = step(x)
-        x.block_until_ready()
+            y = run()
+        y.block_until_ready()
         best = min(best, (time.perf_counter() - t) / reps)
-    return best / (8 * n) * 1e9
+    return best
 
 
 def measure_cache(rounds: int, progress: bool) -> dict[str, float]:
@@ -488,15 +499,7 @@ def _out_of_place(n: int, rounds: int) -> float:
     size whose output is mapped fresh at each call), the fastest of ``rounds`` runs."""
     step = jax.jit(lambda a: a * 0.125 + 1.0)
     x = jnp.ones((n,), jnp.float32)
-    reps = max(3, (1 << 27) // (4 * n))
-    best = float("inf")
-    for _ in range(max(rounds, 5)):
-        t = time.perf_counter()
-        for _ in range(reps):
-            y = step(x)
-        y.block_until_ready()
-        best = min(best, (time.perf_counter() - t) / reps)
-    return best / (8 * n) * 1e9
+    return _fastest(lambda: step(x), rounds, max(3, (1 << 27) // (4 * n))) / (8 * n) * 1e9
 
 
 def measure_tier(rounds: int, progress: bool, cache: float, spill: float) -> dict[str, float]:
