@@ -158,7 +158,8 @@ class Result:
     step: Any = None
     #: of the rules of ``jointly=True`` rulesets that fired, those whose nodes the program that comes out uses
     #: (``rewrite.grad.vjp.decided_jointly`` builds the forward again without them only where there are some);
-    #: None where that is not known (a program timed by ``cost_model="measure"``, one read from the disk cache)
+    #: None where that is not known (a program timed by ``cost_model="measure"``, one the guard replaced, an entry of
+    #: the disk cache that does not keep it: ``rewrite/cache/store.py``)
     jointly_chosen: frozenset | None = None
     #: where asked (``run_pipeline(plain=True)``) and ``jointly_chosen`` is not empty: the program read off the same
     #: saturated e-graph without the nodes those rules built (``pipeline.plain_program``), which

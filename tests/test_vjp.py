@@ -419,6 +419,50 @@ def test_a_jointly_rule_the_forward_does_not_choose_is_not_saturated_again(monke
     assert plain == [], len(plain)
 
 
+def test_a_cached_forward_keeps_what_its_jointly_rules_chose(monkeypatch, tmp_path):
+    """A forward read from the disk cache keeps ``Result.jointly_chosen`` (``rewrite/cache/store.py``), so that
+    ``jax.grad`` of it does not saturate the forward without the ``jointly`` rules again where a fresh forward does
+    not (the case of the test above), and builds the same derivative. An entry whose field does not read as the
+    names of rules that fired is not taken at its word: the set is unknown, and the forward is rewritten again."""
+    import rulesets
+    import rewrite.grad.vjp as vjp
+    from rewrite.cache.store import DiskCache
+
+    run = vjp.run_pipeline
+    plain: list = []
+
+    def counted(program, entries, *args, **kwargs):
+        if not any(getattr(owner, "jointly", False) for _, owner in entries):  # the forward without them
+            plain.append(program)
+        return run(program, entries, *args, **kwargs)
+
+    monkeypatch.setattr(vjp, "run_pipeline", counted)
+    loss, (h, w, y) = lm_head_case(16, 32, 64)
+    fresh = rewrite(loss, rulesets=[rulesets.nn], cache=tmp_path)
+    assert fresh.result(h, w, y).cached is None and fresh.result(h, w, y).jointly_chosen == frozenset()
+    want = fresh.grad_result(h, w, y)
+    assert plain == [], len(plain)
+    loaded = rewrite(loss, rulesets=[rulesets.nn], cache=tmp_path)
+    forward = loaded.result(h, w, y)
+    assert forward.cached is not None and forward.jointly_chosen == frozenset(), forward.jointly_chosen
+    got = loaded.grad_result(h, w, y)
+    assert plain == [] and got.decided == want.decided, (len(plain), got.decided, want.decided)
+    assert str(got.fwd) == str(want.fwd) and str(got.bwd) == str(want.bwd)
+
+    (path,) = sorted(tmp_path.rglob("*.rwx"))
+    cache = DiskCache(tmp_path)
+    for bad in (["no_such_rule"], "nn_lm_head_label", [1]):
+        header, blob = cache.read(path.stem)
+        header["meta"]["jointly_chosen"] = bad
+        cache.write(path.stem, header, blob)  # a valid checksum: only the field is wrong
+        again = rewrite(loss, rulesets=[rulesets.nn], cache=tmp_path)
+        assert again.result(h, w, y).cached is not None and again.result(h, w, y).jointly_chosen is None, bad
+        plain.clear()
+        built = again.grad_result(h, w, y)
+        assert len(plain) == 1 and built.decided == want.decided, (bad, len(plain), built.decided)
+        assert str(built.fwd) == str(want.fwd) and str(built.bwd) == str(want.bwd)
+
+
 def test_a_gradients_extraction_that_chooses_the_joint_s_program_is_not_searched_again(monkeypatch):
     """``build_vjp`` searches a split of two extractions, the joint one and the gradients' alone; where the second
     chooses the same node in every class the first's program uses (``grad.vjp.same_choice``: the seed's VJP under

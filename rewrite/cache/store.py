@@ -315,7 +315,28 @@ def result_meta(result: Any) -> dict:
             "times": result.times, "rewritten": bool(result.rewritten), "warnings": list(result.warnings),
             "fired": {k: s.fired for k, s in result.stats.items() if s.fired},
             "guard": None if guard is None else guard.as_dict(), "why": getattr(result, "why", ""),
-            "preferred": dict(getattr(result, "preferred", {}) or {}), "written": time.time()}
+            "preferred": dict(getattr(result, "preferred", {}) or {}), "written": time.time(),
+            "jointly_chosen": _jointly_chosen_meta(result)}
+
+
+def _jointly_chosen_meta(result: Any) -> list[str] | None:
+    """``Result.jointly_chosen`` as an entry keeps it: the names sorted, or ``None`` where it is not known or does
+    not describe the stored program as the forward of a derivative (a step whose losses were replaced is rewritten
+    again by ``grad.vjp.decided_jointly`` whatever the set says)."""
+    chosen = getattr(result, "jointly_chosen", None)
+    if chosen is None or getattr(getattr(result, "step", None), "replaced", None):
+        return None
+    return sorted(chosen)
+
+
+def _jointly_chosen_of(meta: dict, fired: dict) -> frozenset | None:
+    """The stored ``jointly_chosen`` (:func:`_jointly_chosen_meta`), or ``None`` (not known: ``decided_jointly``
+    then rewrites the forward without the ``jointly`` rules again) unless it is a list of names of rules the entry
+    says fired: an entry from before this field, or one whose field does not read so, is not taken at its word."""
+    found = meta.get("jointly_chosen")
+    if not isinstance(found, list) or not all(isinstance(n, str) and fired.get(n) for n in found):
+        return None
+    return frozenset(found)
 
 
 def _num(x: float) -> Any:
@@ -338,4 +359,7 @@ def result_from(traced_closed: core.ClosedJaxpr, program: core.ClosedJaxpr | Non
     result.guard = None if g is None else GuardDecision.from_dict(g, cached=True)
     result.why = meta.get("why", "") if result.rewritten else ""
     result.preferred = dict(meta.get("preferred", {}))
+    # where the stored program is the one the entry's jointly_chosen was read off (not the original, kept instead)
+    result.jointly_chosen = (_jointly_chosen_of(meta, meta.get("fired") or {})
+                             if program is not None or not meta.get("rewritten") else None)
     return result
