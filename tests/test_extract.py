@@ -171,6 +171,31 @@ def test_a_live_program_jumps_between_choices(name):
     assert len({frozenset(map(id, s.values())) for s in starts}) >= 2  # the starts differ
 
 
+@pytest.mark.parametrize("name", sorted(PROGRAMS))
+def test_a_whole_price_remembers_the_peak_its_live_program_reads(name):
+    """A program priced whole (``ProgramPricer.__call__``) leaves the peak its price charged in ``peaks`` under its
+    key, which ``extract._peak`` then reads without moving the live program there: it must be the peak the live
+    program reads of the same choice (``LiveProgram.peak``), after any jump."""
+    from rewrite.extract.extract import Candidate, _peak
+
+    res, model, ex, tree_choice = _search_state(name)
+    roots = res.roots
+    _, orig = ex.tree(lambda cls, ctor, args: ctor in _CONTAINERS or (ctor, args) in res.original)
+    starts = [tree_choice, {**tree_choice, **orig}]
+    whole = ProgramPricer(Extractor(ex.snap, model), model)
+    for choice in starts:
+        cost = whole(choice, roots)
+        key = whole.last_key
+        assert key in whole.peaks, key
+        jumps = whole._live
+        assert _peak(whole, Candidate(choice, cost, True, key[1]), roots) == whole.peaks[key]
+        assert whole._live is jumps  # read from memory: no live program made or moved
+        other = ProgramPricer(Extractor(ex.snap, model), model)  # (kept: its live program reads it by a proxy)
+        live = other.live(dict(starts[1 - starts.index(choice)]), roots)  # there by a jump from the other start
+        live.jump(dict(choice))
+        assert live is not None and live.peak() == whole.peaks[key], (name, live.peak(), whole.peaks[key])
+
+
 class _EveryMove(LocalSearch):
     """The local search without its memory of failed group moves: every move is made and priced."""
 

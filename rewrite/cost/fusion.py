@@ -510,16 +510,17 @@ class FusionModel:
             found = memo[key] = self.tiebreak(op)  # type: ignore[misc]
         return found
 
-    def __call__(self, prog: Program) -> float:
+    def __call__(self, prog: Program, peaks: list | None = None) -> float:
         kernels = self.kernels(prog)
-        # loops' stacked outputs are priced as views; the sum is exact (``math.fsum``), so a program's price does
-        # not depend on the order its kernels are listed in, nor on how the running Python rounds ``sum``
+        # loops' stacked outputs are priced as views; the sum is exact (``math.fsum``): the kernels' order is moot
         cost = math.fsum([*(k.cost for k in kernels), *(op.own for op in prog.ops if op.prim == "proj")])
         if self.prices_across:
             cost -= shared_across(self, prog.ops, self.across(prog, kernels))
         if self.prices_peak:
-            temps = kernel_temps(prog, kernels, self.inner)
-            cost += self.memory_price(max(temps, default=0), self.held_bytes(prog, kernels, sum(temps)))
+            peak = max(temps := kernel_temps(prog, kernels, self.inner), default=0)
+            cost += self.memory_price(peak, self.held_bytes(prog, kernels, sum(temps)))
+            if peaks is not None:  # the peak charged, for a caller that reads it too (``ProgramPricer.price``)
+                peaks.append(peak)
         return float(cost)
 
     def across(self, prog: Any, kernels: Iterable[Fusion]) -> dict[tuple, int]:

@@ -28,7 +28,7 @@ from ..ir.egraph import EGraph
 from ..ir.walk import children, operands
 from ..records import Barred
 from .choice import reachable
-from .extract import Candidate, extract, fatter
+from .extract import Candidate, _peak, extract, fatter
 from .extractor import _CONTAINERS, Extractor, shared
 from .program import ProgramPricer, prices_programs
 
@@ -150,9 +150,11 @@ def recomputations(ex: Any, snap: Any, made: dict, roots: list, model: CostModel
     if held_for(snap, base, cand, swaps, used - reachable(snap, cand, roots)) < RECOMPUTE_BYTES:
         return ex
     price = ProgramPricer(full, model)
-    before, after = price(base, roots), price(cand, roots)
-    peak_before = (live := price.live(base, roots)) and live.peak()
-    peak_after = (live := price.live(cand, roots)) and live.peak()
+    before, key_before = price(base, roots), price.last_key
+    after, key_after = price(cand, roots), price.last_key
+    # (read from the whole prices where they charged one: the live program is moved only where not)
+    peak_before = _peak(price, Candidate(base, before, True, key_before[1]), roots)
+    peak_after = _peak(price, Candidate(cand, after, True, key_after[1]), roots)
     if peak_before is None or peak_after is None or after > before or fatter(peak_after, peak_before):
         return ex
     return dataclasses.replace(ex, choice=cand, cost=after, rewritten=True, lean=False,

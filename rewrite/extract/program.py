@@ -143,12 +143,23 @@ class ProgramPricer:
         """The whole-program price of ``choice`` (whose key is ``key``), remembered from an earlier one if any."""
         found = self.exact.get(key)
         if found is None:
-            found = self.exact[key] = self.price(self.program(choice, roots))
+            found = self.exact[key] = self.price(self.program(choice, roots), key)
         return found
 
-    def price(self, prog: Any) -> float:
-        """The model's whole-program price of ``prog``."""
-        return float(self.model.program(prog))
+    def price(self, prog: Any, key: tuple | None = None) -> float:
+        """The model's whole-program price of ``prog``; where ``key`` names it and the price is its fusion model's
+        (``program_fusion``), the peak that price charges is remembered as its live program's (:attr:`peaks`,
+        ``LiveProgram.peak``: the same kernels' largest temporaries), so that a caller reading it does not move the
+        live program there (``extract._peak``)."""
+        fusion = None if key is None else getattr(self.model, "program_fusion", None)
+        fusion = fusion() if fusion is not None else None
+        if fusion is None:
+            return float(self.model.program(prog))
+        charged: list[int] = []
+        price = fusion(prog, charged)
+        if charged:
+            self.peaks.setdefault(key, charged[0])
+        return float(price)
 
     def price_fused(self, fusion: Any) -> float:
         """The model's price of the program a :class:`rewrite.cost.live.LiveFusion` holds."""
