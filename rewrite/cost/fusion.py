@@ -70,6 +70,7 @@ from .attention import SCORES_CACHED, attention_chain, attention_price, scratch_
 from .program import (ATTENTION, LEAF, LIBRARY, LOOP, OTHER, REDUCE, TIEBREAK, VIEW, Op, Program, _kind, _size,
                       bitcast)
 from .simplify import folded_reduction
+from .spill import spilled as _spilled
 from .transcendental import SHARED, SHARED_ACROSS, add_shared, chained, shared_across, shared_group
 
 
@@ -191,7 +192,7 @@ class FusionModel:
         #: where XLA makes three (``attention.py``'s ``SCORES_CACHED``: the cache holds the stored scores)
         self.scores_cached = scores_cached
         self.spill = spill
-        self.near, self.tier_ratio = near, (tier / spill if spill and tier else 0.0)  # (AnalyticCost.near)
+        self.near, self.tier = near, tier  # (AnalyticCost.near)
         self.memory = memory
         self.inner = inner
         self.budget = budget
@@ -447,8 +448,8 @@ class FusionModel:
                                  for a in reads if ops[a].out_avals)
                              + facts(root_op, prog)[8])
         if self.spill:  # a slice of an array beyond the cache is streamed once, as any array read
-            cost += self.spill * (sum(facts(ops[a], prog)[9] for a in reads if ops[a].out_avals and a in whole)
-                                  + facts(root_op, prog)[10])
+            cost += (sum(facts(ops[a], prog)[9] for a in reads if ops[a].out_avals and a in whole)
+                     + facts(root_op, prog)[10])
         return cost - folded_reduction(self, prog, r, kind, inside), reads
 
     def parallel_share(self, root: Op, kind: str) -> float:
@@ -469,8 +470,8 @@ class FusionModel:
         """What :meth:`kernel` reads of an op, kept in its memo (per model): nothing (a place kept), its
         tie-break price, the ``SHARED`` group it is a member of (or ``None``), its share of a kernel's cost
         as a reduction, as a pass of a library reduction and as elementwise work, the bytes of its first output,
-        whether it is a reduction, the bytes of all its outputs, and of those beyond ``cache`` (spilled) for the
-        first output and for all. (Of the program they read only the sizes of the op's
+        whether it is a reduction, the bytes of all its outputs, and what moving them costs beyond ``byte``
+        (:meth:`spilled`, ns) for the first output and for all. (Of the program they read only the sizes of the op's
         arguments, which its node fixes: an op's facts are the same in every program of one extraction,
         though its arguments' positions are not.)"""
         memo = op.memo
@@ -492,13 +493,13 @@ class FusionModel:
                  _nbytes(outs[0]) if outs else 0,
                  kind == REDUCE,
                  _out_bytes(op),
-                 self.spilled_bytes(_nbytes(outs[0])) if outs else 0.0,
-                 sum(self.spilled_bytes(_nbytes(a)) for a in outs))
+                 self.spilled(_nbytes(outs[0])) if outs else 0.0,
+                 sum(self.spilled(_nbytes(a)) for a in outs))
         return found
 
-    def spilled_bytes(self, b: float) -> float:
-        """What moving ``b`` bytes costs beyond ``byte``'s, in bytes at ``spill``: past ``cache``, and past ``near``."""
-        return max(0.0, b - self.cache) + (self.tier_ratio * max(0.0, b - self.near) if self.tier_ratio else 0.0)
+    def spilled(self, b: float) -> float:
+        """What moving ``b`` bytes once costs beyond ``byte``'s, in ns (``rewrite/cost/spill.py``'s ``spilled``)."""
+        return _spilled(b, self.cache, self.spill, self.near, self.tier)
 
     def _tiebreak(self, op: Op) -> float:
         memo = op.memo

@@ -60,6 +60,7 @@ from .dot import FALLBACK as _DOT_FALLBACK, REPACK as _DOT_REPACK, copied as dot
 from .fusion import FusionModel, ns_key, peak_temp_bytes
 from .memory import InnerPeak, as_xla_simplifies, scheduled_peak
 from .program import Program
+from .spill import spilled as _spilled
 
 
 class CostModel(abc.ABC):
@@ -346,7 +347,8 @@ class AnalyticCost(CostModel):
 
     def spilled(self, avals: Any) -> float:
         """What moving these arrays once costs beyond ``byte`` per byte: ``spill`` per byte of each beyond
-        ``cache`` (an array that outgrows the last-level cache streams from memory); 0 without the term.
+        ``cache`` (an array that outgrows the last-level cache streams from memory) and ``tier`` beyond ``near``
+        (``rewrite/cost/spill.py``'s ``spilled``); 0 without the term.
 
         >>> import jax.numpy as jnp
         >>> from jax.core import ShapedArray
@@ -357,10 +359,7 @@ class AnalyticCost(CostModel):
         >>> AnalyticCost(cache=1000.0, spill=0.5, near=100.0, tier=0.1).spilled([ShapedArray((1000,), jnp.float32)])
         1890.0
         """
-        if not self.spill:
-            return 0.0
-        return sum(self.spill * max(0, nbytes(a) - self.cache) + self.tier * max(0, nbytes(a) - self.near)
-                   for a in avals)
+        return sum(_spilled(nbytes(a), self.cache, self.spill, self.near, self.tier) for a in avals)
 
     def fixed(self, buffers: int) -> float:
         """The fixed cost of calling a program that takes and returns ``buffers`` arrays in all.
