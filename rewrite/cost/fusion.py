@@ -16,8 +16,7 @@ an extractor's choice:
 * Expensive ones (``exp``, ``log``, ``tanh``, float ``div``, ``sqrt``, ...)
   read by more than one loop are computed once and stored.
 * An operation whose inputs are larger than its output and that some
-  consumer cannot absorb is stored, not duplicated
-  (``ComputeGloballyUnfusible``).
+  consumer cannot absorb is stored, not duplicated (``ComputeGloballyUnfusible``).
 * A floating ``reduce_sum``/``reduce_max``/``reduce_min`` of 4096 elements
   or more becomes a library (YNN) reduction that absorbs only plain
   arithmetic (``mul``, ``add``, ``sub``, ``neg``, broadcasts) that it alone
@@ -158,10 +157,10 @@ class FusionModel:
     inside itself while it runs (a loop body's temporaries), and a program whose peak is over ``budget``
     bytes is priced above every program within it. A loop kernel of ``parallel_at`` elements or more has
     its work priced at ``parallel`` times the per-element prices, a smaller one at ``serial`` times
-    (:meth:`parallel_share`). A loop in which a
-    transcendental reads another's result pays ``chain`` times the prices of the dearest such chain more
-    (:func:`rewrite.cost.transcendental.chained`). A loop (``scan``, ``while``) pays, at each trip, ``loop_launch``
-    for each loop kernel of its body and ``loop_library`` for each library kernel (:meth:`launches`); a ``while``
+    (:meth:`parallel_share`). A loop in which a transcendental reads another's result pays ``chain`` times the
+    prices of the dearest such chain more (:func:`rewrite.cost.transcendental.chained`). A loop (``scan``,
+    ``while``) pays, at each trip, ``loop_launch`` for each loop kernel of its body, ``loop_split`` more for each of
+    ``parallel_at`` elements or more, and ``loop_library`` for each library kernel (:meth:`launches`); a ``while``
     loop is taken to run ``while_trips`` trips.
     """
 
@@ -173,7 +172,7 @@ class FusionModel:
                  near: float = math.inf, tier: float = 0.0, scores_cached: float = SCORES_CACHED,
                  held: Callable[[Any, Sequence[Fusion], Callable[[Op], int] | None, float], int] | None = None,
                  parallel: float = 1.0, parallel_at: float = math.inf, chain: float = 0.0,
-                 serial: float = 1.0, loop_launch: float = 0.0, loop_library: float = 0.0,
+                 serial: float = 1.0, loop_launch: float = 0.0, loop_library: float = 0.0, loop_split: float = 0.0,
                  while_trips: float = 10.0, kernel_product: Callable[[Op], float] | None = None) -> None:
         self.ns = dict(ns)
         #: where an op's memo keeps its facts for this model (:meth:`_facts`): one memo may meet two models
@@ -181,7 +180,7 @@ class FusionModel:
         #: the price of a product inside one attention kernel (``attention.py``'s ``attention_price``), where it is
         #: not its own node price (``Op.own``): ``AnalyticCost``'s product at its one-core rate
         self.kernel_product = kernel_product
-        self.loop_launch, self.loop_library = loop_launch, loop_library
+        self.loop_launch, self.loop_library, self.loop_split = loop_launch, loop_library, loop_split
         self.while_trips = while_trips
         self.serial, self.chain = serial, chain
         self.parallel, self.parallel_at = parallel, parallel_at
@@ -350,17 +349,16 @@ class FusionModel:
 
     def launches(self, op: Op) -> float:
         """What the kernels of a loop's bodies cost per execution of the loop beyond their work: at each trip,
-        ``loop_launch`` per loop kernel and ``loop_library`` per library kernel (a product on the library path, a
+        ``loop_launch`` per loop kernel (``loop_split`` more where XLA:CPU splits it across the cores: ``parallel_at``
+        elements or more) and ``loop_library`` per library kernel (a product on the library path, a
         library reduction), the loops nested in them included; for a call (``custom_vjp_call``, ``jit``), what the
-        loops in its body cost so; 0 for any other op, or with both prices 0.
-
-        XLA:CPU runs a loop body's kernels one after another at every trip, each waiting for the one before
-        (``benchmarks/calibrate.py --loop-kernels-only``); the node prices a body is priced by hold only their work.
-        Kept in the op's memo (an extractor's op holds its chosen bodies there; one loaded from a jaxpr, its params).
-        """
+        loops in its body cost so; 0 for any other op, or with no such price. XLA:CPU runs a loop body's kernels one
+        after another at every trip, each waiting for the one before (``benchmarks/calibrate.py --loop-kernels-only``,
+        ``--loop-split-only``); the node prices a body is priced by hold only their work. Kept in the op's memo (an
+        extractor's op holds its chosen bodies there; one loaded from a jaxpr, its params)."""
         loop = op.prim in ("scan", "while")
-        if not (self.loop_launch or self.loop_library) or (not loop and op.family != _primitives.NESTED
-                                                             and inner_jaxpr(op.params) is None):
+        priced = self.loop_launch or self.loop_library or self.loop_split
+        if not priced or (not loop and op.family != _primitives.NESTED and inner_jaxpr(op.params) is None):
             return 0.0
         memo = op.memo
         key = ("launches", id(self))
@@ -381,6 +379,8 @@ class FusionModel:
                     library = kind == LIBRARY or (root.prim == "dot_general"
                                                   and library_dot(root.params, root.in_avals))
                     per_trip += self.loop_library if library else self.loop_launch
+                    if kind == LOOP and self.loop_split and _size(root.out_avals[0]) >= self.parallel_at:
+                        per_trip += self.loop_split
                 if kind == OTHER:
                     per_trip += self.launches(root)
         trips = (op.params.get("length", 1) if op.prim == "scan" else self.while_trips) if loop else 1

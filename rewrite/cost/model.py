@@ -249,6 +249,12 @@ class AnalyticCost(CostModel):
     #: where it measured slower (``benchmarks/results/decisions.md``, h-loop's note).
     loop_launch: float = dataclasses.field(default_factory=lambda: _table().get("loop_launch", 0.0))
     loop_launch_library: float = dataclasses.field(default_factory=lambda: _table().get("loop_launch_library", 0.0))
+    #: what a loop kernel of a loop body that XLA:CPU splits across the cores (``loop_parallel_at`` elements or more)
+    #: costs more at each trip than one it runs on one core, beyond the price of its work (``benchmarks/calibrate.py
+    #: --loop-split-only``: the pool's hand-off and join at every trip; ``FusionModel.launches``). Attention's query
+    #: blocks run eight times the trips of its key blocks alone, each trip's kernels split. The table's, where it has
+    #: it; else 0.
+    loop_split: float = dataclasses.field(default_factory=lambda: _table().get("loop_split", 0.0))
     #: extra charge per byte of a loop's stacked output, on top of writing it: the memory it
     #: holds (in a backward program, until the backward loop reads it). Raise it to trade
     #: recomputation for memory; 0 prices time only.
@@ -492,6 +498,7 @@ class AnalyticCost(CostModel):
                          held=functools.partial(scheduled_peak, scratch=False),
                          parallel=self.loop_parallel, parallel_at=self.loop_parallel_at, chain=self.chain,
                          serial=self.loop_serial, loop_launch=self.loop_launch, loop_library=self.loop_launch_library,
+                         loop_split=self.loop_split,
                          while_trips=self.while_trips,
                          kernel_product=(self._kernel_product if self.attention_dot != self.dot
                                          or self.dot_parallel_at != math.inf else None))
