@@ -54,11 +54,12 @@ class _Config(NamedTuple):
 #: The key blocks the pack offers by default (each that makes two blocks or more and whose scores fit ``SCORES_BAND``).
 BLOCKS = (128, 256, 512, 1024)
 #: The bytes of one trip's block of scores the pack's loops are offered within (``attention_with``'s
-#: ``scores_band``): on this 2-core CPU (1 MiB L2 each, 32 MiB L3) the fastest loop of 128-1024 keys, with query
-#: blocks of 512 or without, held 2-8 MiB of scores a trip at every shape measured; blocks of 16 MiB or more
-#: measured 1.08-1.8x the best, of 1 MiB or less 1.12-1.30x (a query block's small kernels, eight times the trips:
-#: ``benchmarks/results/attention.md``, 2026-12-01). The cost model chooses among those within it.
-SCORES_BAND = (3.0 * 2 ** 20, 6.0 * 2 ** 20)
+#: ``scores_band``). On this 2-core CPU (1 MiB L2 each, 32 MiB L3 shared) the loops of 128-1024 keys, with query
+#: blocks of 512 or without, that hold 4 MiB a trip measured fastest or within a few per cent at every shape timed;
+#: 8 MiB as fast on a quiet machine (every query by 256 keys at [2, 4, 1024]); 2 MiB or less (one head's query blocks,
+#: whose products are small) 1.03-1.34x the best, 16 MiB or more 1.08-2.3x (``benchmarks/results/attention.md``,
+#: 2026-12-01). The cost model chooses among those within it; fewer loops also keep the rewrite's time.
+SCORES_BAND = (3.0 * 2 ** 20, 8.0 * 2 ** 20)
 
 X, V = Pat.var("x"), Pat.var("v")
 _SOFTMAX = Pat("div", Pat("exp", X), Pat("broadcast_in_dim", Pat("reduce_sum", Pat("exp", X), params="r"),

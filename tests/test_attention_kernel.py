@@ -323,19 +323,20 @@ def test_the_scores_band_offers_the_loops_whose_scores_fit_or_the_nearest(keys, 
         assert size(o) == want
 
 
-def test_the_default_pack_offers_the_blocks_whose_scores_are_2_to_8_mib():
+def test_the_default_pack_offers_the_blocks_whose_scores_are_3_to_8_mib():
     """``rulesets.attention`` offers 128-1024 keys, over every query and over query blocks of 512, where a trip's
-    block of scores is 2-8 MiB: at ``[2, 4, 2048]`` (16K rows) 128 keys over every query and 128-512 over query
-    blocks; at one head of 4096, 128-512 over every query and 1024 over query blocks."""
+    block of scores is 3-8 MiB, for the model to choose among: at ``[2, 4, 2048]`` (16K rows) 128 keys over every
+    query and 256 and 512 over query blocks; at one head of 4096, 256 and 512 over every query (not 1024 over query
+    blocks, 2 MiB); at ``[2, 4, 1024]`` four; a small attention, whose loops all hold less, the one nearest."""
     from rulesets.attention import BLOCKS, SCORES_BAND
     from rulesets.kernels.attention import Blocking, Offer
 
+    assert SCORES_BAND == (3 * 2 ** 20, 8 * 2 ** 20) and BLOCKS == (128, 256, 512, 1024)
     b = Blocking(BLOCKS, (512,), True, 512, SCORES_BAND)
-    assert b.offers(2048, 2048, 2 * 4 * 2048) == [Offer(128, None, 512), Offer(128, 512, 512), Offer(256, 512, 512),
+    assert b.offers(2048, 2048, 2 * 4 * 2048) == [Offer(128, None, 512), Offer(256, 512, 512), Offer(512, 512, 512)]
+    assert b.offers(4096, 4096, 4096) == [Offer(256, None, 512), Offer(512, None, 512)]
+    assert b.offers(1024, 1024, 2 * 4 * 1024) == [Offer(128, None, 512), Offer(256, None, 512), Offer(256, 512, 512),
                                                    Offer(512, 512, 512)]
-    assert b.offers(4096, 4096, 4096) == [Offer(128, None, 512), Offer(256, None, 512), Offer(512, None, 512),
-                                          Offer(1024, 512, 512)]
-    # a small attention: nothing fits, the loop with the most scores a trip (the fewest trips)
     assert b.offers(512, 512, 2 * 512) == [Offer(256, None, None)]
 
 
