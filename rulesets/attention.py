@@ -51,14 +51,15 @@ class _Config(NamedTuple):
     blocked: bool | None
 
 
-#: The key blocks the pack offers by default (each that makes two blocks or more and whose scores fit ``SCORES_BAND``).
+#: The key blocks to offer with :data:`SCORES_BAND` (each that makes two blocks or more and whose scores fit it).
 BLOCKS = (128, 256, 512, 1024)
 #: The bytes of one trip's block of scores the pack's loops are offered within (``attention_with``'s
 #: ``scores_band``). On this 2-core CPU (1 MiB L2 each, 32 MiB L3 shared) the loops of 128-1024 keys, with query
 #: blocks of 512 or without, that hold 4 MiB a trip measured fastest or within a few per cent at every shape timed;
 #: 8 MiB as fast on a quiet machine (every query by 256 keys at [2, 4, 1024]); 2 MiB or less (one head's query blocks,
 #: whose products are small) 1.03-1.34x the best, 16 MiB or more 1.08-2.3x (``benchmarks/results/attention.md``,
-#: 2026-12-01). The cost model chooses among those within it; fewer loops also keep the rewrite's time.
+#: 2026-12-01). The cost model chooses among those within it; fewer loops also keep the rewrite's time. Opt-in:
+#: ``attention_with(blocks=BLOCKS, scores_band=SCORES_BAND)``.
 SCORES_BAND = (3.0 * 2 ** 20, 8.0 * 2 ** 20)
 
 X, V = Pat.var("x"), Pat.var("v")
@@ -161,14 +162,15 @@ _WEIGHTS = Pat.optional("squeeze", Pat.optional("convert_element_type", _SOFTMAX
 _WEIGHTS_WIDE = Pat.optional("squeeze", _SOFTMAX_WIDE, params="sq")
 
 
-def attention_with(*, blocks: Sequence[int] = BLOCKS, query_blocks: Sequence[int] = (512,),
+def attention_with(*, blocks: Sequence[int] = (256,), query_blocks: Sequence[int] = (512,),
                    whole_queries: bool = True, min_keys: int = 256, fused: str | None = "auto",
                    blocked: bool | None = None, backward_query_block: int | None = 512,
-                   scores_band: tuple[float, float] | None = SCORES_BAND) -> Ruleset:
+                   scores_band: tuple[float, float] | None = None) -> Ruleset:
     """The attention pack, configured; ``rulesets.attention`` is ``attention_with()``.
 
     * ``blocks``: the key blocks offered to the cost model, each that divides the key axis into two blocks or
-      more (and whose scores are within ``scores_band``); extraction takes the cheapest. 128 to 1024 by default.
+      more (and whose scores are within ``scores_band``); extraction takes the cheapest. 256 alone by default;
+      ``blocks=BLOCKS, scores_band=SCORES_BAND`` offers 128-1024 where a trip's scores are 3-8 MiB.
     * ``query_blocks``: the query blocks offered to the forward (each that makes two blocks or more): the loop
       over key blocks then runs once per block of queries, each block of scores ``[.., 512, 256]``.
     * ``whole_queries``: whether the loop over every query at once is offered beside the query blocks.
@@ -181,8 +183,10 @@ def attention_with(*, blocks: Sequence[int] = BLOCKS, query_blocks: Sequence[int
       It holds a few blocks of ``[.., backward_query_block, block]``, where the key blocks alone would hold
       ``[.., Nq, block]``.
     * ``scores_band``: bytes, low and high: only the loops whose block of scores (one trip's, float32) is within
-      them are offered, or, where none is, the one nearest (:class:`rulesets.kernels.attention.Blocking`); ``None``:
-      every loop. :data:`SCORES_BAND` by default: the blocks measured fastest, and fewer loops to price.
+      them are offered, or, where none is, the one nearest (:class:`rulesets.kernels.attention.Blocking`); ``None``
+      (the default): every loop. :data:`SCORES_BAND`: the loops measured fastest, and few to price (not the
+      default: at the decision corpus's three shapes where it moved the choice, the new loop did not measure faster
+      than 256 keys, and one held 2 MiB more; ``benchmarks/results/log.md``, h-block2).
 
     >>> from rulesets.attention import attention_with
     >>> pack = attention_with(blocks=(128, 256), query_blocks=(), scores_band=None)

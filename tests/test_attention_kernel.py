@@ -323,9 +323,9 @@ def test_the_scores_band_offers_the_loops_whose_scores_fit_or_the_nearest(keys, 
         assert size(o) == want
 
 
-def test_the_default_pack_offers_the_blocks_whose_scores_are_3_to_8_mib():
-    """``rulesets.attention`` offers 128-1024 keys, over every query and over query blocks of 512, where a trip's
-    block of scores is 3-8 MiB, for the model to choose among: at ``[2, 4, 2048]`` (16K rows) 128 keys over every
+def test_the_band_offers_the_blocks_whose_scores_are_3_to_8_mib():
+    """``attention_with(blocks=BLOCKS, scores_band=SCORES_BAND)`` offers 128-1024 keys, over every query and over
+    query blocks of 512, where a trip's block of scores is 3-8 MiB, for the model to choose among: at ``[2, 4, 2048]`` (16K rows) 128 keys over every
     query and 256 and 512 over query blocks; at one head of 4096, 256 and 512 over every query (not 1024 over query
     blocks, 2 MiB); at ``[2, 4, 1024]`` four; a small attention, whose loops all hold less, the one nearest."""
     from rulesets.attention import BLOCKS, SCORES_BAND
