@@ -646,6 +646,70 @@ def measure_loop_kernels(rounds: int, progress: bool) -> dict[str, Any]:
     return {"loop_launch": max(float(loop), 0.0), "loop_launch_library": max(float(library), 0.0), "steps": steps}
 
 
+#: Trips of the loops ``measure_loop_split`` times, and their carries' sizes as multiples of ``loop_parallel_at``:
+#: two that XLA:CPU runs on one core, three it splits across the cores (at 3/4 of ``loop_parallel_at`` a trip
+#: measured 1.5-2.7x the line through the two smaller sizes, 2026-12-01: no line through the three).
+LOOP_SPLIT_TRIPS = 128
+LOOP_SPLIT_SIZES = (0.25, 0.5, 1, 1.5, 2)
+
+
+def _split_in_body(compiled_text: str) -> bool:
+    """Whether a compiled program's first while loop's body holds a loop fusion XLA:CPU splits across the cores."""
+    found = re.search(r" while\(.*?body=%([\w.\-]+)", compiled_text)
+    body = found and re.search(r"\n%" + re.escape(found.group(1)) + r" .*?\n}", compiled_text, re.S)
+    return bool(body) and any(re.search(r'outer_dimension_partitions":\[[^\]]', line)
+                              for line in body.group(0).splitlines() if "fusion(" in line)
+
+
+def _line(points: list[tuple[float, float]]) -> Callable[[float], float]:
+    """The least-squares line through ``(x, y)`` points."""
+    import numpy as np
+
+    xs, ys = np.array(points, dtype=float).T
+    slope, at0 = np.polyfit(xs, ys, 1)
+    return lambda x: float(at0 + slope * x)
+
+
+def measure_loop_split(rounds: int, progress: bool) -> dict[str, Any]:
+    """ns per trip that a loop body's kernel which XLA:CPU splits across the cores costs more than its work at the
+    rate it runs on one core (``loop_split``; ``AnalyticCost.loop_split``).
+
+    A ``lax.scan`` of ``LOOP_SPLIT_TRIPS`` trips whose body is one elementwise kernel (``c * 0.999 + 1``) on a carry
+    of each of ``LOOP_SPLIT_SIZES`` times ``loop_parallel_at`` elements (:func:`parallel_at`), timed against one trip
+    (the fastest of ``rounds`` interleaved runs). Through the trips' times at the sizes XLA runs on one core a line in
+    the carry's elements; each size XLA splits (read from the compiled body: ``split``) measures its ``excess`` over
+    that line. ``loop_split`` is the excess at the smallest size split, ``loop_parallel_at``: the thread pool's
+    hand-off and join, which a program that runs the kernel once pays once (in ``launch``) and a loop body at every
+    trip. With the other core busy (this machine is shared) the split kernel also runs its work no faster than one
+    core, so the excess grows with the size (2026-12-01, load 4: 1.7-6.6 us at 64K, 3.4-7.2 us at 128K).
+    """
+    at = parallel_at()["loop_parallel_at"]
+    if not math.isfinite(at):
+        return {}
+
+    def looped(trips: int) -> Callable:
+        return lambda c: lax.scan(lambda c, _: (c * 0.999 + 1.0, None), c, None, length=trips)[0]
+
+    rows = {}
+    for share in LOOP_SPLIT_SIZES:
+        n = int(at * share)
+        x = jnp.linspace(0.0, 1.0, n, dtype=jnp.float32)
+        variants = {"one": looped(1), "many": looped(LOOP_SPLIT_TRIPS)}
+        net = _paired(variants, (x,), "one", max(rounds, 5), progress)
+        split = _split_in_body(jax.jit(variants["many"]).lower(x).compile().as_text())
+        rows[n] = {"split": split, "ns_per_trip": round(net["many"] * 1e9 / (LOOP_SPLIT_TRIPS - 1), 1)}
+        if progress:
+            print(f"{n} elements: {rows[n]}", file=sys.stderr)
+    alone = [(n, r["ns_per_trip"]) for n, r in rows.items() if not r["split"]]
+    if len(alone) < 2 or not any(r["split"] for r in rows.values()):
+        return {"sizes": rows}
+    one_core = _line(alone)
+    for n, r in rows.items():
+        if r["split"]:
+            r["excess"] = round(r["ns_per_trip"] - one_core(n), 1)
+    return {"loop_split": max(0.0, rows[min(n for n, r in rows.items() if r["split"])]["excess"]), "sizes": rows}
+
+
 def _partitions(n: int) -> int:
     """Into how many parts XLA:CPU splits a float32 elementwise loop of ``n`` elements across the cores: its
     parallel task assignment writes them into the loop fusion's ``outer_dimension_partitions`` (1: not split)."""
@@ -809,6 +873,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tier-only", action="store_true",
                     help="measure only from what array size a kernel's input and output outgrow their share of the "
                          "cache, and what a byte past it costs (CPU): near_bytes, tier; printed, not stored")
+    ap.add_argument("--loop-split-only", action="store_true",
+                    help="measure only what a loop body's kernel that XLA:CPU splits across the cores costs more per "
+                         "trip than one it runs on one core (loop_split), and store it in this backend's table")
     ap.add_argument("--fresh-only", action="store_true",
                     help="measure only what a byte of a buffer allocated per call costs, and from what size (CPU)")
     args = ap.parse_args(argv)
@@ -880,6 +947,20 @@ def main(argv: list[str] | None = None) -> None:
         runs = [r for r in runs if r]
         print(json.dumps({k: statistics.median(r[k] for r in runs) for k in ("near_bytes", "tier")} if runs else {},
                          indent=1))
+        return
+    if args.loop_split_only:
+        runs = [measure_loop_split(args.rounds, args.progress) for _ in range(args.runs)]
+        for r in runs:
+            print(json.dumps(r, indent=1), file=sys.stderr)
+        found = [r["loop_split"] for r in runs if "loop_split" in r]
+        # the median over the runs: a difference of times, which the load moves either way
+        _store_only(args, {"loop_split": statistics.median(found)} if found else {}, "loop_split",
+                    note=f"python -m benchmarks.calibrate --loop-split-only, {len(runs)} runs of {args.rounds} rounds: "
+                         "ns per trip by the carry's elements (excess over the one-core line where split): "
+                         + "; ".join(", ".join(f"{n}: {v['ns_per_trip']}" + (f" ({v['excess']})" if "excess" in v
+                                                                              else "")
+                                               for n, v in r["sizes"].items()) for r in runs)
+                         + "; stored: the runs' median excess at the smallest size split")
         return
     if args.fresh_only:
         if jax.default_backend() != "cpu":

@@ -27,6 +27,7 @@ True
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any, NamedTuple, Sequence
 
 import jax
@@ -36,7 +37,7 @@ from rewrite import Pat, Ruleset, Sliced, Tolerance, procedural, rule
 from rulesets import _fused_attention as _fused
 from rulesets.kernels.attention import Blocking, Logits, ValueProduct, blocked_attention
 
-__all__ = ["attention", "attention_with"]
+__all__ = ["attention", "attention_with", "BLOCKS", "SCORES_BAND"]
 
 _log = logging.getLogger(__name__)
 
@@ -49,6 +50,17 @@ class _Config(NamedTuple):
     fused: str | None
     blocked: bool | None
 
+
+#: The key blocks to offer with :data:`SCORES_BAND` (each that makes two blocks or more and whose scores fit it).
+BLOCKS = (128, 256, 512, 1024)
+#: The bytes of one trip's block of scores the pack's loops are offered within (``attention_with``'s
+#: ``scores_band``). On this 2-core CPU (1 MiB L2 each, 32 MiB L3 shared) the loops of 128-1024 keys, with query
+#: blocks of 512 or without, that hold 4 MiB a trip measured fastest or within a few per cent at every shape timed;
+#: 8 MiB as fast on a quiet machine (every query by 256 keys at [2, 4, 1024]); 2 MiB or less (one head's query blocks,
+#: whose products are small) 1.03-1.34x the best, 16 MiB or more 1.08-2.3x (``benchmarks/results/attention.md``,
+#: 2026-12-01). The cost model chooses among those within it; fewer loops also keep the rewrite's time. Opt-in:
+#: ``attention_with(blocks=BLOCKS, scores_band=SCORES_BAND)``.
+SCORES_BAND = (3.0 * 2 ** 20, 8.0 * 2 ** 20)
 
 X, V = Pat.var("x"), Pat.var("v")
 _SOFTMAX = Pat("div", Pat("exp", X), Pat("broadcast_in_dim", Pat("reduce_sum", Pat("exp", X), params="r"),
@@ -116,7 +128,7 @@ def _blocked(config: _Config, p_first: bool, widened: bool = False):
         # extraction prices each. The queries are cut where every value carries them in one place.
         s_q = product.query_axis(x.shape)
         nq = 0 if s_q is None or logits.place(s_q) is None else x.shape[s_q]
-        offers = config.blocking.offers(n, nq)
+        offers = config.blocking.offers(n, nq, math.prod(x.shape) // n)
         read = _logits(logits, s_q if any(o.query_block or o.backward_query_block for o in offers) else None)
         return [(m.root, m.trace(blocked_attention(read, product, **o._asdict()), *logits.leaves, v))
                 for o in offers] or None
@@ -137,9 +149,10 @@ def _vp(q: Any, k: Any, v: Any) -> Any:
 
 
 def _example(fn: Any, dtype: Any, config: _Config) -> tuple:
-    """A rule's example: two blocks of the smallest key block and two of the smallest query block (its larger
-    blocks run the same code and are checked at their own sizes in ``tests/test_attention.py``)."""
-    keys = jax.ShapeDtypeStruct((2, 2 * min(config.blocking.blocks), 8), dtype)
+    """A rule's example: two blocks of the smallest key block (of more keys than ``min_keys``: two of ``min_keys``
+    where the block is smaller) and two of the smallest query block (its larger blocks run the same code and are
+    checked at their own sizes in ``tests/test_attention.py``)."""
+    keys = jax.ShapeDtypeStruct((2, 2 * max(min(config.blocking.blocks), config.min_keys), 8), dtype)
     return fn, (jax.ShapeDtypeStruct((2, 2 * min(config.blocking.query_blocks, default=256), 8), dtype), keys, keys)
 
 
@@ -151,11 +164,13 @@ _WEIGHTS_WIDE = Pat.optional("squeeze", _SOFTMAX_WIDE, params="sq")
 
 def attention_with(*, blocks: Sequence[int] = (256,), query_blocks: Sequence[int] = (512,),
                    whole_queries: bool = True, min_keys: int = 256, fused: str | None = "auto",
-                   blocked: bool | None = None, backward_query_block: int | None = 512) -> Ruleset:
+                   blocked: bool | None = None, backward_query_block: int | None = 512,
+                   scores_band: tuple[float, float] | None = None) -> Ruleset:
     """The attention pack, configured; ``rulesets.attention`` is ``attention_with()``.
 
     * ``blocks``: the key blocks offered to the cost model, each that divides the key axis into two blocks or
-      more; extraction takes the cheapest. 256 alone by default, the fastest measured (``docs/attention.md``).
+      more (and whose scores are within ``scores_band``); extraction takes the cheapest. 256 alone by default;
+      ``blocks=BLOCKS, scores_band=SCORES_BAND`` offers 128-1024 where a trip's scores are 3-8 MiB.
     * ``query_blocks``: the query blocks offered to the forward (each that makes two blocks or more): the loop
       over key blocks then runs once per block of queries, each block of scores ``[.., 512, 256]``.
     * ``whole_queries``: whether the loop over every query at once is offered beside the query blocks.
@@ -167,14 +182,19 @@ def attention_with(*, blocks: Sequence[int] = (256,), query_blocks: Sequence[int
       queries at a time (512 by default), where it makes two blocks or more (``None``: every query at once).
       It holds a few blocks of ``[.., backward_query_block, block]``, where the key blocks alone would hold
       ``[.., Nq, block]``.
+    * ``scores_band``: bytes, low and high: only the loops whose block of scores (one trip's, float32) is within
+      them are offered, or, where none is, the one nearest (:class:`rulesets.kernels.attention.Blocking`); ``None``
+      (the default): every loop. :data:`SCORES_BAND`: the loops measured fastest, and few to price (not the
+      default: at the decision corpus's three shapes where it moved the choice, the new loop did not measure faster
+      than 256 keys, and one held 2 MiB more; ``benchmarks/results/log.md``, h-block2).
 
     >>> from rulesets.attention import attention_with
-    >>> pack = attention_with(blocks=(128, 256), query_blocks=())
+    >>> pack = attention_with(blocks=(128, 256), query_blocks=(), scores_band=None)
     >>> pack.name, [r.name for r in pack.rules]
     ('attention', ['attn_blocked', 'attn_blocked_vp', 'attn_blocked_wide', 'attn_blocked_wide_vp'])
     """
-    c = _Config(Blocking(tuple(blocks), tuple(query_blocks), whole_queries, backward_query_block), min_keys, fused,
-                blocked)
+    c = _Config(Blocking(tuple(blocks), tuple(query_blocks), whole_queries, backward_query_block,
+                         None if scores_band is None else tuple(scores_band)), min_keys, fused, blocked)
     f32, bf16 = jnp.float32, jnp.bfloat16
     return Ruleset("attention", [
         rule(Pat("dot_general", _WEIGHTS, V, params="p"),  # softmax(s) v -> loops over blocks

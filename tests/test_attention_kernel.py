@@ -292,6 +292,54 @@ def test_blocking_offers_each_loop_whose_blocks_divide_the_axes_in_two_or_more(b
     assert Blocking().offers(256, 1024) == []  # one block of keys: nothing to loop over
 
 
+@settings(max_examples=40, deadline=None)
+@given(st.sampled_from([512, 1024, 2048, 4096]), st.sampled_from([0, 512, 1024, 2048, 4096]),
+       st.sampled_from([1, 2, 8, 32]), st.sampled_from([(1, 4), (2, 8), (4, 16), (0.25, 0.5)]), st.booleans())
+def test_the_scores_band_offers_the_loops_whose_scores_fit_or_the_nearest(keys, queries, heads, band_mib, whole):
+    """``Blocking.offers`` with a ``band``: of the loops it offers without one, those whose block of scores (one
+    trip's, float32: its rows by the key block) is within the band; where none is, the one nearest it (by the ratio
+    to the band's geometric middle); every loop where the rows are not known."""
+    from rulesets.kernels.attention import Blocking
+
+    lo, hi = (x * 2 ** 20 for x in band_mib)
+    rows = heads * (queries or 1024)
+    plain = Blocking((128, 256, 512, 1024), (512,), whole, 512)
+    banded = Blocking((128, 256, 512, 1024), (512,), whole, 512, (lo, hi))
+    every = plain.offers(keys, queries)
+    got = banded.offers(keys, queries, rows)
+    assert banded.offers(keys, queries) == every  # no rows: no band
+    size = lambda o: Blocking.scores_bytes(o, queries, rows)  # noqa: E731
+    inside = [o for o in every if lo <= size(o) <= hi]
+    if inside:
+        assert got == inside
+    elif every:
+        assert len(got) == 1 and got[0] in every
+        mid = (lo * hi) ** 0.5
+        assert all(abs(np.log(size(got[0]) / mid)) <= abs(np.log(size(o) / mid)) for o in every)
+    else:
+        assert got == []
+    for o in got:
+        want = 4 * o.block * (rows if o.query_block is None else rows // queries * o.query_block)
+        assert size(o) == want
+
+
+def test_the_band_offers_the_blocks_whose_scores_are_3_to_8_mib():
+    """``attention_with(blocks=BLOCKS, scores_band=SCORES_BAND)`` offers 128-1024 keys, over every query and over
+    query blocks of 512, where a trip's block of scores is 3-8 MiB, for the model to choose among: at ``[2, 4, 2048]`` (16K rows) 128 keys over every
+    query and 256 and 512 over query blocks; at one head of 4096, 256 and 512 over every query (not 1024 over query
+    blocks, 2 MiB); at ``[2, 4, 1024]`` four; a small attention, whose loops all hold less, the one nearest."""
+    from rulesets.attention import BLOCKS, SCORES_BAND
+    from rulesets.kernels.attention import Blocking, Offer
+
+    assert SCORES_BAND == (3 * 2 ** 20, 8 * 2 ** 20) and BLOCKS == (128, 256, 512, 1024)
+    b = Blocking(BLOCKS, (512,), True, 512, SCORES_BAND)
+    assert b.offers(2048, 2048, 2 * 4 * 2048) == [Offer(128, None, 512), Offer(256, 512, 512), Offer(512, 512, 512)]
+    assert b.offers(4096, 4096, 4096) == [Offer(256, None, 512), Offer(512, None, 512)]
+    assert b.offers(1024, 1024, 2 * 4 * 1024) == [Offer(128, None, 512), Offer(256, None, 512), Offer(256, 512, 512),
+                                                   Offer(512, 512, 512)]
+    assert b.offers(512, 512, 2 * 512) == [Offer(256, None, None)]
+
+
 def test_value_product_contracts_the_weights_along_the_key_axis_alone():
     """``ValueProduct.contracts``: the weights' product with ``v`` contracts them along the logits' key axis (as
     the weights', less a squeezed axis before it), either operand first; not along another axis, not along two,

@@ -1,6 +1,7 @@
 """The cost model against the backend: the fusion model predicts what XLA:CPU computes, and
 ``cost_model="measure"`` times candidates, picks the fastest and caches the choice."""
 
+import dataclasses
 import json
 import math
 import os
@@ -889,6 +890,72 @@ def test_a_loop_pays_for_each_kernel_of_its_body_at_every_trip():
 
     closed = jax.make_jaxpr(fori)(jnp.ones(512, jnp.float32), 3)
     assert extra(closed) >= 10 * per_step and AnalyticCost().while_trips == 10
+
+
+def _elementwise_loop(n: int, trips: int = 16, kernels: int = 1):
+    """A scan of ``trips`` trips whose body runs ``kernels`` elementwise kernels (a sort between two) on ``n``
+    float32 elements."""
+    def body(c, _):
+        for i in range(kernels):
+            c = jnp.exp(c * 0.5) if i == 0 else jnp.exp(jnp.sort(c) * 0.5)
+        return c, None
+
+    return jax.make_jaxpr(lambda c: lax.scan(body, c, None, length=trips)[0])(jnp.ones(n, jnp.float32))
+
+
+@pytest.mark.parametrize("at", [1024.0, 65536.0])
+def test_a_loop_pays_loop_split_for_each_kernel_xla_splits_at_every_trip(at):
+    """``loop_split`` per loop kernel of ``loop_parallel_at`` elements or more in a loop body, at each trip
+    (``FusionModel.launches``), and nothing for a smaller one: 16 trips of one such kernel cost 16 x ``loop_split``
+    more, of one under the size nothing more; off (0) the loop is priced by its work alone."""
+    from rewrite.pipeline import program_cost
+
+    off = AnalyticCost(loop_split=0.0, loop_launch=0.0, loop_launch_library=0.0, loop_parallel_at=at)
+    on = dataclasses.replace(off, loop_split=2500.0)
+    extra = lambda closed: program_cost(closed, on) - program_cost(closed, off)  # noqa: E731
+    big, small = int(at), int(at) // 2
+    assert extra(_elementwise_loop(big)) == pytest.approx(16 * 2500.0)
+    assert extra(_elementwise_loop(big, trips=64)) == pytest.approx(64 * 2500.0)
+    assert extra(_elementwise_loop(small)) == 0.0
+    # the sort between two exponentials makes a second loop kernel XLA splits (a sort is not a loop fusion: unpriced)
+    assert extra(_elementwise_loop(big, kernels=2)) == pytest.approx(2 * 16 * 2500.0)
+    # beside loop_launch, not instead of it
+    both = dataclasses.replace(on, loop_launch=40.0)
+    assert (program_cost(_elementwise_loop(big), both) - program_cost(_elementwise_loop(big), off)
+            == pytest.approx(16 * (2500.0 + 40.0)))
+
+
+def test_the_loop_split_calibration_reads_the_split_from_the_compiled_body():
+    """``calibrate --loop-split-only`` tells the sizes XLA:CPU splits from those it runs on one core by the compiled
+    loop body (its ``outer_dimension_partitions``), which is what ``loop_parallel_at`` says (this backend's table)."""
+    from benchmarks import calibrate
+
+    at = int(calibrate.parallel_at()["loop_parallel_at"])
+    f = lambda c: lax.scan(lambda c, _: (c * 0.999 + 1.0, None), c, None, length=4)[0]  # noqa: E731
+    split = {n: calibrate._split_in_body(jax.jit(f).lower(jnp.ones(n, jnp.float32)).compile().as_text())
+             for n in (at // 2, at, 2 * at)}
+    assert split == {at // 2: False, at: True, 2 * at: True}
+    line = calibrate._line([(1.0, 3.0), (3.0, 7.0)])
+    assert line(0.0) == pytest.approx(1.0) and line(5.0) == pytest.approx(11.0)
+
+
+def test_the_spill_and_tier_formula_is_one_for_the_node_and_the_whole_program_price():
+    """``rewrite/cost/spill.py``'s ``spilled`` prices a byte past ``cache`` at ``spill`` and past ``near`` at ``tier``
+    more, in ``AnalyticCost.spilled`` and ``FusionModel.spilled`` alike; nothing where ``spill`` is 0."""
+    from jax.core import ShapedArray
+
+    from rewrite.cost.spill import spilled
+
+    m = AnalyticCost(cache=4096.0, spill=0.5, near=1024.0, tier=0.25)
+    fm = m.fusion_model()
+    for n in (100, 256, 1024, 5000):
+        b = 4 * n
+        want = 0.5 * max(0, b - 4096) + 0.25 * max(0, b - 1024)
+        assert spilled(b, 4096.0, 0.5, 1024.0, 0.25) == pytest.approx(want)
+        assert m.spilled([ShapedArray((n,), jnp.float32)]) == pytest.approx(want)
+        assert fm.spilled(b) == pytest.approx(want)
+    assert spilled(1e9, 4096.0, 0.0, 1024.0, 0.25) == 0.0
+    assert AnalyticCost(cache=4096.0, spill=0.0, near=1024.0, tier=0.25).fusion_model().spilled(1e9) == 0.0
 
 
 def test_the_loop_kernel_calibration_counts_a_body_s_kernels_as_the_model_and_xla_do():

@@ -196,7 +196,7 @@ def attention_price(self: Any, prog: Any, r: Any, comp: Iterable[Any]) -> tuple[
             cost += TIEBREAK * f[1]
         if op.prim == "dot_general":  # the first writes the scores (and spills them), the second reads them
             own = op.own if self.kernel_product is None else self.kernel_product(op)
-            cost += own - self.byte * scores - (self.spill * self.spilled_bytes(scores) if i != r else 0.0)
+            cost += own - self.byte * scores - (self.spilled(scores) if i != r else 0.0)
         elif f[7]:
             cost += f[3]
         elif not bitcast(op):

@@ -16,8 +16,7 @@ an extractor's choice:
 * Expensive ones (``exp``, ``log``, ``tanh``, float ``div``, ``sqrt``, ...)
   read by more than one loop are computed once and stored.
 * An operation whose inputs are larger than its output and that some
-  consumer cannot absorb is stored, not duplicated
-  (``ComputeGloballyUnfusible``).
+  consumer cannot absorb is stored, not duplicated (``ComputeGloballyUnfusible``).
 * A floating ``reduce_sum``/``reduce_max``/``reduce_min`` of 4096 elements
   or more becomes a library (YNN) reduction that absorbs only plain
   arithmetic (``mul``, ``add``, ``sub``, ``neg``, broadcasts) that it alone
@@ -70,6 +69,7 @@ from .attention import SCORES_CACHED, attention_chain, attention_price, scratch_
 from .program import (ATTENTION, LEAF, LIBRARY, LOOP, OTHER, REDUCE, TIEBREAK, VIEW, Op, Program, _kind, _size,
                       bitcast)
 from .simplify import folded_reduction
+from .spill import spilled as _spilled
 from .transcendental import SHARED, SHARED_ACROSS, add_shared, chained, shared_across, shared_group
 
 
@@ -157,10 +157,10 @@ class FusionModel:
     inside itself while it runs (a loop body's temporaries), and a program whose peak is over ``budget``
     bytes is priced above every program within it. A loop kernel of ``parallel_at`` elements or more has
     its work priced at ``parallel`` times the per-element prices, a smaller one at ``serial`` times
-    (:meth:`parallel_share`). A loop in which a
-    transcendental reads another's result pays ``chain`` times the prices of the dearest such chain more
-    (:func:`rewrite.cost.transcendental.chained`). A loop (``scan``, ``while``) pays, at each trip, ``loop_launch``
-    for each loop kernel of its body and ``loop_library`` for each library kernel (:meth:`launches`); a ``while``
+    (:meth:`parallel_share`). A loop in which a transcendental reads another's result pays ``chain`` times the
+    prices of the dearest such chain more (:func:`rewrite.cost.transcendental.chained`). A loop (``scan``,
+    ``while``) pays, at each trip, ``loop_launch`` for each loop kernel of its body, ``loop_split`` more for each of
+    ``parallel_at`` elements or more, and ``loop_library`` for each library kernel (:meth:`launches`); a ``while``
     loop is taken to run ``while_trips`` trips.
     """
 
@@ -172,7 +172,7 @@ class FusionModel:
                  near: float = math.inf, tier: float = 0.0, scores_cached: float = SCORES_CACHED,
                  held: Callable[[Any, Sequence[Fusion], Callable[[Op], int] | None, float], int] | None = None,
                  parallel: float = 1.0, parallel_at: float = math.inf, chain: float = 0.0,
-                 serial: float = 1.0, loop_launch: float = 0.0, loop_library: float = 0.0,
+                 serial: float = 1.0, loop_launch: float = 0.0, loop_library: float = 0.0, loop_split: float = 0.0,
                  while_trips: float = 10.0, kernel_product: Callable[[Op], float] | None = None) -> None:
         self.ns = dict(ns)
         #: where an op's memo keeps its facts for this model (:meth:`_facts`): one memo may meet two models
@@ -180,7 +180,7 @@ class FusionModel:
         #: the price of a product inside one attention kernel (``attention.py``'s ``attention_price``), where it is
         #: not its own node price (``Op.own``): ``AnalyticCost``'s product at its one-core rate
         self.kernel_product = kernel_product
-        self.loop_launch, self.loop_library = loop_launch, loop_library
+        self.loop_launch, self.loop_library, self.loop_split = loop_launch, loop_library, loop_split
         self.while_trips = while_trips
         self.serial, self.chain = serial, chain
         self.parallel, self.parallel_at = parallel, parallel_at
@@ -191,7 +191,7 @@ class FusionModel:
         #: where XLA makes three (``attention.py``'s ``SCORES_CACHED``: the cache holds the stored scores)
         self.scores_cached = scores_cached
         self.spill = spill
-        self.near, self.tier_ratio = near, (tier / spill if spill and tier else 0.0)  # (AnalyticCost.near)
+        self.near, self.tier = near, tier  # (AnalyticCost.near)
         self.memory = memory
         self.inner = inner
         self.budget = budget
@@ -349,17 +349,16 @@ class FusionModel:
 
     def launches(self, op: Op) -> float:
         """What the kernels of a loop's bodies cost per execution of the loop beyond their work: at each trip,
-        ``loop_launch`` per loop kernel and ``loop_library`` per library kernel (a product on the library path, a
+        ``loop_launch`` per loop kernel (``loop_split`` more where XLA:CPU splits it across the cores: ``parallel_at``
+        elements or more) and ``loop_library`` per library kernel (a product on the library path, a
         library reduction), the loops nested in them included; for a call (``custom_vjp_call``, ``jit``), what the
-        loops in its body cost so; 0 for any other op, or with both prices 0.
-
-        XLA:CPU runs a loop body's kernels one after another at every trip, each waiting for the one before
-        (``benchmarks/calibrate.py --loop-kernels-only``); the node prices a body is priced by hold only their work.
-        Kept in the op's memo (an extractor's op holds its chosen bodies there; one loaded from a jaxpr, its params).
-        """
+        loops in its body cost so; 0 for any other op, or with no such price. XLA:CPU runs a loop body's kernels one
+        after another at every trip, each waiting for the one before (``benchmarks/calibrate.py --loop-kernels-only``,
+        ``--loop-split-only``); the node prices a body is priced by hold only their work. Kept in the op's memo (an
+        extractor's op holds its chosen bodies there; one loaded from a jaxpr, its params)."""
         loop = op.prim in ("scan", "while")
-        if not (self.loop_launch or self.loop_library) or (not loop and op.family != _primitives.NESTED
-                                                             and inner_jaxpr(op.params) is None):
+        priced = self.loop_launch or self.loop_library or self.loop_split
+        if not priced or (not loop and op.family != _primitives.NESTED and inner_jaxpr(op.params) is None):
             return 0.0
         memo = op.memo
         key = ("launches", id(self))
@@ -380,6 +379,8 @@ class FusionModel:
                     library = kind == LIBRARY or (root.prim == "dot_general"
                                                   and library_dot(root.params, root.in_avals))
                     per_trip += self.loop_library if library else self.loop_launch
+                    if kind == LOOP and self.loop_split and _size(root.out_avals[0]) >= self.parallel_at:
+                        per_trip += self.loop_split
                 if kind == OTHER:
                     per_trip += self.launches(root)
         trips = (op.params.get("length", 1) if op.prim == "scan" else self.while_trips) if loop else 1
@@ -447,8 +448,8 @@ class FusionModel:
                                  for a in reads if ops[a].out_avals)
                              + facts(root_op, prog)[8])
         if self.spill:  # a slice of an array beyond the cache is streamed once, as any array read
-            cost += self.spill * (sum(facts(ops[a], prog)[9] for a in reads if ops[a].out_avals and a in whole)
-                                  + facts(root_op, prog)[10])
+            cost += (sum(facts(ops[a], prog)[9] for a in reads if ops[a].out_avals and a in whole)
+                     + facts(root_op, prog)[10])
         return cost - folded_reduction(self, prog, r, kind, inside), reads
 
     def parallel_share(self, root: Op, kind: str) -> float:
@@ -469,8 +470,8 @@ class FusionModel:
         """What :meth:`kernel` reads of an op, kept in its memo (per model): nothing (a place kept), its
         tie-break price, the ``SHARED`` group it is a member of (or ``None``), its share of a kernel's cost
         as a reduction, as a pass of a library reduction and as elementwise work, the bytes of its first output,
-        whether it is a reduction, the bytes of all its outputs, and of those beyond ``cache`` (spilled) for the
-        first output and for all. (Of the program they read only the sizes of the op's
+        whether it is a reduction, the bytes of all its outputs, and what moving them costs beyond ``byte``
+        (:meth:`spilled`, ns) for the first output and for all. (Of the program they read only the sizes of the op's
         arguments, which its node fixes: an op's facts are the same in every program of one extraction,
         though its arguments' positions are not.)"""
         memo = op.memo
@@ -492,13 +493,13 @@ class FusionModel:
                  _nbytes(outs[0]) if outs else 0,
                  kind == REDUCE,
                  _out_bytes(op),
-                 self.spilled_bytes(_nbytes(outs[0])) if outs else 0.0,
-                 sum(self.spilled_bytes(_nbytes(a)) for a in outs))
+                 self.spilled(_nbytes(outs[0])) if outs else 0.0,
+                 sum(self.spilled(_nbytes(a)) for a in outs))
         return found
 
-    def spilled_bytes(self, b: float) -> float:
-        """What moving ``b`` bytes costs beyond ``byte``'s, in bytes at ``spill``: past ``cache``, and past ``near``."""
-        return max(0.0, b - self.cache) + (self.tier_ratio * max(0.0, b - self.near) if self.tier_ratio else 0.0)
+    def spilled(self, b: float) -> float:
+        """What moving ``b`` bytes once costs beyond ``byte``'s, in ns (``rewrite/cost/spill.py``'s ``spilled``)."""
+        return _spilled(b, self.cache, self.spill, self.near, self.tier)
 
     def _tiebreak(self, op: Op) -> float:
         memo = op.memo

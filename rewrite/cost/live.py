@@ -391,7 +391,7 @@ class LiveFusion:
             cost += par * (add_shared(k.work, model, ops, sincos) + chain) + k.reduced
         cost += model.byte * (k.read_bytes + facts(ops[r], self)[8])
         if model.spill:
-            cost += model.spill * (k.read_spilled + facts(ops[r], self)[10])
+            cost += k.read_spilled + facts(ops[r], self)[10]
         return cost - folded_reduction(model, self, r, kind, members), reads
 
     def price(self) -> float:
@@ -474,7 +474,7 @@ class _KernelSums:
         self.edges: dict[Any, int] = {}     # op -> how many members read it
         self.reads: dict[Any, int] = {}     # op read -> its bytes
         self.read_bytes = 0
-        self.spilled: dict[Any, float] = {}  # op read -> its bytes beyond the model's cache (FusionModel.spill)
+        self.spilled: dict[Any, float] = {}  # op read -> what moving it costs past the cache (FusionModel.spilled)
         self.read_spilled = 0.0             # their sum
         self.slice_edges: dict[Any, int] = {}  # op -> how many members read it only as the operand they slice
         self.slice_bytes: dict[Any, int] = {}  # op -> the bytes those slices return

@@ -60,6 +60,7 @@ from .dot import FALLBACK as _DOT_FALLBACK, REPACK as _DOT_REPACK, copied as dot
 from .fusion import FusionModel, ns_key, peak_temp_bytes
 from .memory import InnerPeak, as_xla_simplifies, scheduled_peak
 from .program import Program
+from .spill import spilled as _spilled
 
 
 class CostModel(abc.ABC):
@@ -248,6 +249,12 @@ class AnalyticCost(CostModel):
     #: where it measured slower (``benchmarks/results/decisions.md``, h-loop's note).
     loop_launch: float = dataclasses.field(default_factory=lambda: _table().get("loop_launch", 0.0))
     loop_launch_library: float = dataclasses.field(default_factory=lambda: _table().get("loop_launch_library", 0.0))
+    #: what a loop kernel of a loop body that XLA:CPU splits across the cores (``loop_parallel_at`` elements or more)
+    #: costs more at each trip than one it runs on one core, beyond the price of its work (``benchmarks/calibrate.py
+    #: --loop-split-only``: the pool's hand-off and join at every trip; ``FusionModel.launches``). Attention's query
+    #: blocks run eight times the trips of its key blocks alone, each trip's kernels split. The table's, where it has
+    #: it; else 0.
+    loop_split: float = dataclasses.field(default_factory=lambda: _table().get("loop_split", 0.0))
     #: extra charge per byte of a loop's stacked output, on top of writing it: the memory it
     #: holds (in a backward program, until the backward loop reads it). Raise it to trade
     #: recomputation for memory; 0 prices time only.
@@ -346,7 +353,8 @@ class AnalyticCost(CostModel):
 
     def spilled(self, avals: Any) -> float:
         """What moving these arrays once costs beyond ``byte`` per byte: ``spill`` per byte of each beyond
-        ``cache`` (an array that outgrows the last-level cache streams from memory); 0 without the term.
+        ``cache`` (an array that outgrows the last-level cache streams from memory) and ``tier`` beyond ``near``
+        (``rewrite/cost/spill.py``'s ``spilled``); 0 without the term.
 
         >>> import jax.numpy as jnp
         >>> from jax.core import ShapedArray
@@ -357,10 +365,7 @@ class AnalyticCost(CostModel):
         >>> AnalyticCost(cache=1000.0, spill=0.5, near=100.0, tier=0.1).spilled([ShapedArray((1000,), jnp.float32)])
         1890.0
         """
-        if not self.spill:
-            return 0.0
-        return sum(self.spill * max(0, nbytes(a) - self.cache) + self.tier * max(0, nbytes(a) - self.near)
-                   for a in avals)
+        return sum(_spilled(nbytes(a), self.cache, self.spill, self.near, self.tier) for a in avals)
 
     def fixed(self, buffers: int) -> float:
         """The fixed cost of calling a program that takes and returns ``buffers`` arrays in all.
@@ -493,6 +498,7 @@ class AnalyticCost(CostModel):
                          held=functools.partial(scheduled_peak, scratch=False),
                          parallel=self.loop_parallel, parallel_at=self.loop_parallel_at, chain=self.chain,
                          serial=self.loop_serial, loop_launch=self.loop_launch, loop_library=self.loop_launch_library,
+                         loop_split=self.loop_split,
                          while_trips=self.while_trips,
                          kernel_product=(self._kernel_product if self.attention_dot != self.dot
                                          or self.dot_parallel_at != math.inf else None))

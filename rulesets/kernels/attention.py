@@ -452,20 +452,37 @@ class Blocking:
     """Which loops of :func:`blocked_attention` to build for a length of keys and of queries (:meth:`offers`): one
     per key block of ``blocks`` that makes two blocks or more, each over every query at once (``whole_queries``,
     or where no query block fits) and over each block of ``query_blocks`` that makes two or more; the backward
-    over blocks of ``backward_query_block`` queries where that makes two blocks or more."""
+    over blocks of ``backward_query_block`` queries where that makes two blocks or more. With ``band`` (bytes,
+    low and high) and the scores' rows known, only the loops whose block of scores (a trip's, float32) is within it,
+    or where none is, the one nearest it (:meth:`scores_bytes`)."""
 
     blocks: tuple[int, ...] = (256,)
     query_blocks: tuple[int, ...] = (512,)
     whole_queries: bool = True
     backward_query_block: int | None = 512
+    band: tuple[float, float] | None = None
 
-    def offers(self, keys: int, queries: int) -> list[Offer]:
-        """The loops for ``keys`` keys and ``queries`` queries (0: the queries cannot be cut into blocks)."""
+    def offers(self, keys: int, queries: int, rows: int = 0) -> list[Offer]:
+        """The loops for ``keys`` keys and ``queries`` queries (0: the queries cannot be cut into blocks), the logits
+        ``rows`` rows in all (batch x heads x queries; 0: not known, no band)."""
         fits = lambda b, n: b is not None and n % b == 0 and n // b >= 2  # noqa: E731
         q_blocks = [b for b in self.query_blocks if fits(b, queries)]
         back = self.backward_query_block if fits(self.backward_query_block, queries) else None
-        return [Offer(b, qb, back) for b in self.blocks if fits(b, keys)
-                for qb in [None] * (self.whole_queries or not q_blocks) + q_blocks]
+        found = [Offer(b, qb, back) for b in self.blocks if fits(b, keys)
+                 for qb in [None] * (self.whole_queries or not q_blocks) + q_blocks]
+        if self.band is None or not rows or not found:
+            return found
+        lo, hi = self.band
+        inside = [o for o in found if lo <= self.scores_bytes(o, queries, rows) <= hi]
+        off = lambda o: abs(np.log(self.scores_bytes(o, queries, rows) / np.sqrt(lo * hi)))  # noqa: E731
+        return inside or [min(found, key=off)]
+
+    @staticmethod
+    def scores_bytes(offer: Offer, queries: int, rows: int) -> int:
+        """The bytes of one trip's block of scores (float32): its rows (a query block's share of ``rows`` where the
+        queries are cut) by the key block."""
+        share = rows if offer.query_block is None or not queries else rows // queries * offer.query_block
+        return 4 * share * offer.block
 
 
 @dataclasses.dataclass(frozen=True)
