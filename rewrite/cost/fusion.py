@@ -1,14 +1,11 @@
 """What XLA will actually run: a whole program's cost after fusion, predicted from its structure.
 
-A node-by-node cost cannot see fusion. XLA compiles elementwise chains into
-one loop per *materialised* value, and the cost of a program is the cost of
-those loops: the arithmetic each does (an operation duplicated into two
-loops is paid twice) plus the bytes each reads and writes. Whether a value
-is materialised or recomputed depends on all of its consumers, so it is a
-property of the chosen program, not of a node. This module replays the
-decisions XLA:CPU's fusion passes make (``cpu_instruction_fusion.cc``,
-``instruction_fusion.cc`` and the library reduction fusion), on a jaxpr or on
-an extractor's choice:
+A node-by-node cost cannot see fusion. XLA compiles elementwise chains into one loop per *materialised* value, and
+the cost of a program is the cost of those loops: the arithmetic each does (an operation duplicated into two loops
+is paid twice) plus the bytes each reads and writes. Whether a value is materialised or recomputed depends on all of
+its consumers, so it is a property of the chosen program, not of a node. This module replays the decisions XLA:CPU's
+fusion passes make (``cpu_instruction_fusion.cc``, ``instruction_fusion.cc`` and the library reduction fusion), on a
+jaxpr or on an extractor's choice:
 
 * Cheap elementwise operations (``IsExpensive`` is false: ``mul``, ``add``,
   ``select_n``, broadcasts, and, for real numbers, ``sin``, ``cos``,
