@@ -379,6 +379,22 @@ def test_decided_jointly_traces_and_prices_jax_s_split_once(monkeypatch):
         assert a.dtype == b.dtype and np.array_equal(np.asarray(a), np.asarray(b)), (a, b)
 
 
+def _count_plain_forwards(monkeypatch) -> list:
+    """Every program ``rewrite.grad.vjp`` runs the pipeline on without the ``jointly`` rulesets (the forward rewritten
+    again without them), appended to the list returned, as the pipeline is patched to record them."""
+    import rewrite.grad.vjp as vjp
+
+    run, plain = vjp.run_pipeline, []
+
+    def counted(program, entries, *args, **kwargs):
+        if not any(getattr(owner, "jointly", False) for _, owner in entries):  # the forward without them
+            plain.append(program)
+        return run(program, entries, *args, **kwargs)
+
+    monkeypatch.setattr(vjp, "run_pipeline", counted)
+    return plain
+
+
 def test_a_jointly_rule_the_forward_does_not_choose_is_not_saturated_again(monkeypatch):
     """Where a ``jointly`` rule fired in the forward (``rulesets.nn``'s ``nn_lm_head_label`` on a small head) but the
     forward as chosen uses nothing it built (``Result.jointly_chosen``), the forward rewritten without the
@@ -390,15 +406,7 @@ def test_a_jointly_rule_the_forward_does_not_choose_is_not_saturated_again(monke
     import rewrite.grad.vjp as vjp
     from rewrite.jaxpr.trace import same_program
 
-    run = vjp.run_pipeline
-    plain: list = []
-
-    def counted(program, entries, *args, **kwargs):
-        if not any(getattr(owner, "jointly", False) for _, owner in entries):  # the forward without them
-            plain.append(program)
-        return run(program, entries, *args, **kwargs)
-
-    monkeypatch.setattr(vjp, "run_pipeline", counted)
+    run, plain = vjp.run_pipeline, _count_plain_forwards(monkeypatch)
     loss, (h, w, y) = lm_head_case(16, 32, 64)
 
     def step(h, w, y):
@@ -425,18 +433,9 @@ def test_a_cached_forward_keeps_what_its_jointly_rules_chose(monkeypatch, tmp_pa
     not (the case of the test above), and builds the same derivative. An entry whose field does not read as the
     names of rules that fired is not taken at its word: the set is unknown, and the forward is rewritten again."""
     import rulesets
-    import rewrite.grad.vjp as vjp
     from rewrite.cache.store import DiskCache
 
-    run = vjp.run_pipeline
-    plain: list = []
-
-    def counted(program, entries, *args, **kwargs):
-        if not any(getattr(owner, "jointly", False) for _, owner in entries):  # the forward without them
-            plain.append(program)
-        return run(program, entries, *args, **kwargs)
-
-    monkeypatch.setattr(vjp, "run_pipeline", counted)
+    plain = _count_plain_forwards(monkeypatch)
     loss, (h, w, y) = lm_head_case(16, 32, 64)
     fresh = rewrite(loss, rulesets=[rulesets.nn], cache=tmp_path)
     assert fresh.result(h, w, y).cached is None and fresh.result(h, w, y).jointly_chosen == frozenset()
