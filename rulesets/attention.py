@@ -35,7 +35,7 @@ import jax.numpy as jnp
 
 from rewrite import Pat, Ruleset, Sliced, Tolerance, procedural, rule
 from rulesets import _fused_attention as _fused
-from rulesets.kernels.attention import Blocking, Logits, ValueProduct, blocked_attention
+from rulesets.kernels.attention import BLOCKS, SCORES_BAND, Blocking, Logits, ValueProduct, blocked_attention
 
 __all__ = ["attention", "attention_with", "BLOCKS", "SCORES_BAND"]
 
@@ -50,17 +50,6 @@ class _Config(NamedTuple):
     fused: str | None
     blocked: bool | None
 
-
-#: The key blocks to offer with :data:`SCORES_BAND` (each that makes two blocks or more and whose scores fit it).
-BLOCKS = (128, 256, 512, 1024)
-#: The bytes of one trip's block of scores the pack's loops are offered within (``attention_with``'s
-#: ``scores_band``). On this 2-core CPU (1 MiB L2 each, 32 MiB L3 shared) the loops of 128-1024 keys, with query
-#: blocks of 512 or without, that hold 4 MiB a trip measured fastest or within a few per cent at every shape timed;
-#: 8 MiB as fast on a quiet machine (every query by 256 keys at [2, 4, 1024]); 2 MiB or less (one head's query blocks,
-#: whose products are small) 1.03-1.34x the best, 16 MiB or more 1.08-2.3x (``benchmarks/results/attention.md``,
-#: 2026-12-01). The cost model chooses among those within it; fewer loops also keep the rewrite's time. Opt-in:
-#: ``attention_with(blocks=BLOCKS, scores_band=SCORES_BAND)``.
-SCORES_BAND = (3.0 * 2 ** 20, 8.0 * 2 ** 20)
 
 X, V = Pat.var("x"), Pat.var("v")
 _SOFTMAX = Pat("div", Pat("exp", X), Pat("broadcast_in_dim", Pat("reduce_sum", Pat("exp", X), params="r"),
@@ -182,11 +171,8 @@ def attention_with(*, blocks: Sequence[int] = (256,), query_blocks: Sequence[int
       queries at a time (512 by default), where it makes two blocks or more (``None``: every query at once).
       It holds a few blocks of ``[.., backward_query_block, block]``, where the key blocks alone would hold
       ``[.., Nq, block]``.
-    * ``scores_band``: bytes, low and high: only the loops whose block of scores (one trip's, float32) is within
-      them are offered, or, where none is, the one nearest (:class:`rulesets.kernels.attention.Blocking`); ``None``
-      (the default): every loop. :data:`SCORES_BAND`: the loops measured fastest, and few to price (not the
-      default: at the decision corpus's three shapes where it moved the choice, the new loop did not measure faster
-      than 256 keys, and one held 2 MiB more; ``benchmarks/results/log.md``, h-block2).
+    * ``scores_band``: bytes, low and high: only the loops whose one trip's scores are within them are offered (else
+      the nearest); ``None``, the default: every loop. :data:`SCORES_BAND`: the loops measured fastest (opt-in).
 
     >>> from rulesets.attention import attention_with
     >>> pack = attention_with(blocks=(128, 256), query_blocks=(), scores_band=None)

@@ -447,6 +447,18 @@ class Offer(NamedTuple):
     backward_query_block: int | None
 
 
+#: The key blocks to offer with :data:`SCORES_BAND` (each that makes two blocks or more and whose scores fit it).
+BLOCKS = (128, 256, 512, 1024)
+#: The bytes of one trip's block of scores the pack's loops are offered within (``attention_with``'s
+#: ``scores_band``). On this 2-core CPU (1 MiB L2 each, 32 MiB L3 shared) the loops of 128-1024 keys, with query
+#: blocks of 512 or without, that hold 4 MiB a trip measured fastest or within a few per cent at every shape timed;
+#: 8 MiB as fast on a quiet machine (every query by 256 keys at [2, 4, 1024]); 2 MiB or less (one head's query blocks,
+#: whose products are small) 1.03-1.34x the best, 16 MiB or more 1.08-2.3x (``benchmarks/results/attention.md``,
+#: 2026-12-01). The cost model chooses among those within it; fewer loops also keep the rewrite's time. Opt-in:
+#: ``attention_with(blocks=BLOCKS, scores_band=SCORES_BAND)``.
+SCORES_BAND = (3.0 * 2 ** 20, 8.0 * 2 ** 20)
+
+
 @dataclasses.dataclass(frozen=True)
 class Blocking:
     """Which loops of :func:`blocked_attention` to build for a length of keys and of queries (:meth:`offers`): one
