@@ -33,6 +33,9 @@ computes the primal output nobody reads. The rules here undo that.
   ``select(|x| < tiny, x, sin x)``, bitwise the same, which XLA:CPU stores once
   instead of computing ``sin`` again in each loop that reads it
   (``rulesets/_sincos.py``; ``derivatives_exact``).
+* **A kernel**: ``sin(b x)**2 / b`` (seed 000) may become a ``jax.custom_vjp`` with the same forward whose
+  backward computes both gradients from one ``sin`` and one ``cos`` an element, over blocks of the leading
+  axis (``rulesets/_sin2.py``; ``derivatives_kernels``, decided on a gradient's joint program: ``jointly``).
 * **Dead primal code** needs no rule: extraction starts from the outputs, so
   a primal value that no gradient reads is never emitted.
 
@@ -81,6 +84,7 @@ from jax import lax
 import rulesets
 from rewrite import Pat, Ruleset, Tolerance, Value, procedural, rule
 from rulesets._examples import f32
+from rulesets._sin2 import derivatives_kernels
 from rulesets._sincos import sin_stored
 
 __all__ = ["derivatives", "derivatives_fastmath", "doubles_safely", "product_tree", "simplify", "pieces", "Factor"]
@@ -623,5 +627,6 @@ derivatives_fastmath = Ruleset("derivatives_fastmath", [
          when=lambda x, y: _nonneg(x) and _nonneg(y)),
 ], soundness="fastmath")
 
-derivatives = Ruleset("derivatives", [derivatives_exact, trig, explog, products, reductions], soundness="identity",
+derivatives = Ruleset("derivatives", [derivatives_exact, trig, explog, products, reductions, derivatives_kernels],
+                      soundness="identity",
                       description="identities that make autodiff's backward passes as fast as hand-derived ones")
