@@ -338,7 +338,8 @@ def _shares(prog: Any, k: Fusion, outs: Mapping[int, Any] | None, last: dict, st
     """The buffers kernel ``k`` (at step ``t``) writes into an operand's bytes: (its buffer, the operand).
 
     XLA:CPU lets a loop fusion's output reuse an operand's buffer when the operand has the output's
-    shape, dies at the fusion and is read elementwise; a ``scan``/``while`` keeps its carry in one
+    shape, dies at the fusion and is read elementwise; a ``dynamic_update_slice`` writes over its operand's
+    buffer where the operand dies there; a ``scan``/``while`` keeps its carry in one
     buffer, which is its initial value's where that value dies at the loop.
     """
     op = prog.ops[k.root]
@@ -355,6 +356,9 @@ def _shares(prog: Any, k: Fusion, outs: Mapping[int, Any] | None, last: dict, st
             if i in outs and a in step and last.get(a) == t and _same(prog, a, outs[i]):
                 found.append((outs[i], a))
         return found
+    if op.prim == "dynamic_update_slice":  # a kernel of its own that writes its update over its operand's buffer
+        a = buffer_of(prog, op.args[0], written)
+        return [(k.root, a)] if a in step and last.get(a) == t and _same(prog, a, k.root) else found
     if k.kind != "loop" or len(op.out_avals) != 1:
         return found
     if any(prog.ops[i].family not in _IN_PLACE and prog.ops[i].prim != "broadcast_in_dim" for i in k.computes):

@@ -283,6 +283,8 @@ def _kind_of(op: Op) -> str:
         return LEAF
     if op.prim == "proj":
         return VIEW
+    if op.prim == "dynamic_update_slice":  # XLA:CPU writes it in place over its operand (memory.py's _shares)
+        return OTHER
     spec = spec_of(op.prim)
     if spec.fusion == "loop" or elementwise_call(op):
         return LOOP
