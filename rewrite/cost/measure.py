@@ -238,19 +238,29 @@ def choose(model: Measured, programs: Sequence[core.ClosedJaxpr]) -> tuple[core.
         if pinned is not None:
             programs.append(pinned)
             labels.append("candidate 0, transcendentals pinned")
+    timing = fastest(model, programs, labels)
+    return programs[timing.chosen], timing
+
+
+def fastest(model: Measured, programs: Sequence[core.ClosedJaxpr], labels: Sequence[str]) -> Timing:
+    """``programs`` (of one signature) timed side by side (:func:`time_programs`, outside any trace) and the fastest
+    chosen; a choice made before for the same programs is read from the cache (``Timing.cached``, no seconds).
+    Nothing is timed, and the first chosen, where there are fewer than two or the first cannot run
+    (:func:`measurable`)."""
+    labels = list(labels)
     if len(programs) < 2 or not measurable(programs[0]):
-        return programs[0], Timing([None] * len(programs), 0, labels)
+        return Timing([None] * len(programs), 0, labels)
     key = _key(programs)
     with _LOCK:
         found = _CACHE.get(key)
     if found is not None:
-        return programs[found], Timing([None] * len(programs), found, labels, cached=True)
+        return Timing([None] * len(programs), found, labels, cached=True)
     seconds = _outside_traces(time_programs, programs, model)
     ok = [(s, i) for i, s in enumerate(seconds) if s is not None]
     chosen = min(ok)[1] if ok else 0
     with _LOCK:
         _CACHE[key] = chosen
-    return programs[chosen], Timing(seconds, chosen, labels)
+    return Timing(seconds, chosen, labels)
 
 
 def resolve(model: Any) -> CostModel:

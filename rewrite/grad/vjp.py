@@ -53,10 +53,9 @@ import jax
 import numpy as np
 
 from ..cost.program import Program
-from ..extract.extract import bounds_memory, extract, fatter
+from ..extract.extract import extract
 from ..extract.extractor import shared
 from ..extract.policy import no_fatter
-from ..extract.lean import closed_peaks, peaks_keep_leaner, time_price
 from ..extract.program import ProgramPricer, prices_programs
 from ..ir.jaxapi import core
 from ..ir.primitives import is_float
@@ -65,6 +64,7 @@ from ..jaxpr.emit import Emitter, _Scope, check_signature, dce, emitter
 from ..jaxpr.trace import Traced, same_program, spec_of
 from ..pipeline import extract_by_policy, program_cost, run_pipeline
 from ..records import Result, lap
+from .decide import Joint, decide
 from .uses import cheapest_use, emit_parts, inlined, joint_as_run, same_choice, uses_price, without_outputs
 
 log = logging.getLogger("rewrite")
@@ -539,7 +539,9 @@ def decided_jointly(closed: core.ClosedJaxpr, forward: Result, entries: Sequence
     JAX's derivative of the loss as written, with no rule at all (:func:`joint_program`, :func:`as_written_vjp`).
     A rewritten joint replaces the one it is held to only where it is taken by price or the lean bands
     (:func:`rewrite.extract.lean.peaks_keep_leaner`, as a training step is chosen) and is not predicted
-    to hold more (:func:`held_to_written`): the plain one the one with the rules, and either JAX's as written.
+    to hold more (:func:`rewrite.grad.decide.held_to_written`): the plain one the one with the rules, and either
+    JAX's as written. Under a model that times programs (``Measured``) the joint programs are timed instead and the
+    fastest kept of those not predicted to hold more than JAX's (:func:`rewrite.grad.decide.timed`).
     A tie keeps the one held to. ``priced``: programs ``build`` priced whole already (``program_cost``), with their
     prices (:func:`rewrite_joint`'s ``seen``): a joint program that is one of them (the same object) is not priced
     again. ``build_both(forward, plain, rest)``, where given, builds the two rewritten ones in one e-graph
@@ -578,7 +580,7 @@ def decided_jointly(closed: core.ClosedJaxpr, forward: Result, entries: Sequence
                                    model, joint_of, priced))
         made.append(as_written(closed))
         written = Joint("JAX's derivative of the loss as written", made[-1], model, joint_of, priced)
-        chosen, why = held_to_written(rewritten, written, model)
+        chosen, why = decide(rewritten, written, model)
         for b in made:
             release = getattr(getattr(b, "joint", None), "release", None)
             if b is not chosen.built and release is not None:  # a VJP built to keep its e-graph (a report's)
@@ -586,91 +588,6 @@ def decided_jointly(closed: core.ClosedJaxpr, forward: Result, entries: Sequence
         return chosen.built, why
     finally:
         lap(spent, "step jointly", t)
-
-
-class Joint:
-    """One candidate of :func:`decided_jointly`: a derivative built, its joint program, that program's price, and
-    its predicted peak of temporaries (``AnalyticCost.predict_temp_bytes``) and the part of its price that is the
-    memory charge (``AnalyticCost.predict_peaks``), predicted once and only if asked.
-    A program ``priced`` holds (by identity: the same object, priced by ``program_cost`` as it was built) is not
-    priced again."""
-
-    def __init__(self, name: str, built: Any, model: Any, joint_of: Callable[[Any], core.ClosedJaxpr],
-                 priced: Sequence[tuple[core.ClosedJaxpr, float]] = ()) -> None:
-        self.name, self.built, self.model = name, built, model
-        self.program = joint_of(built)
-        made = getattr(built, "joint", None)
-        known = next((cost for program, cost in priced if program is self.program), None)
-        if isinstance(made, Result) and made.before is self.program and made.cost_before == made.cost_before:
-            self.cost = made.cost_before  # the built's own joint, priced as it was made (as_written_vjp)
-        elif known is not None:
-            self.cost = known  # priced whole as it was chosen (rewrite_joint's joint_as_run)
-        else:
-            self.cost = program_cost(self.program, model)
-        self._peak: float | None = None
-        self._charged = 0.0
-
-    def peak(self) -> float | None:
-        if self._peak is None and (found := closed_peaks(self.model, self.program)) is not None:
-            self._peak, self._charged = found
-        return self._peak
-
-    def time(self) -> float:
-        """The price less its memory charge (:func:`rewrite.extract.lean.time_price`), which the lean band compares."""
-        self.peak()
-        return time_price(self.cost, self._charged, self.model)
-
-    def __str__(self) -> str:
-        peak = f", {self._peak / 2 ** 20:.2f} MiB predicted" if self._peak is not None else ""
-        return f"{self.name} (priced {self.cost:.4g}{peak})"
-
-
-def _taken(a: Joint, b: Joint) -> bool:
-    """Whether ``a`` is taken over ``b``: priced lower and ``b`` not kept for being the leaner within the lean band,
-    or priced no lower and kept for being the leaner (:func:`rewrite.extract.lean.peaks_keep_leaner`, with the
-    peaks each :class:`Joint` predicts once, for this and :func:`held_to_written`'s memory test alike)."""
-    if a.cost < b.cost:
-        return not peaks_keep_leaner(b.cost, b.peak, a.cost, a.peak, a.model, b.time, a.time)
-    return peaks_keep_leaner(a.cost, a.peak, b.cost, b.peak, a.model, a.time, b.time)
-
-
-def held_to_written(rewritten: Sequence[Joint], written: Joint, model: Any) -> tuple[Joint, str]:
-    """The joint :func:`decided_jointly` keeps, of one or two rewritten ones and the one as written, and why.
-
-    Each is held to the one it would replace, as extraction holds a rewrite to its input (``no_fatter``): taken by
-    price or lean band (:func:`_taken`) and, where the model bounds memory, not predicted to hold more
-    (``extract.fatter``). The joint from the forward rewritten without the ``jointly`` rules (the second) replaces
-    the one from the forward as its rules chose it (the first) so, but for holding more by no more than the
-    model's ``cache``: what a small head's loop saves stays in the cache, where the price is right (the plain
-    joint of ``linen_gpt`` at N=128 held 1.3 MiB more, predicted, and ran 1.11-1.17x against 0.93x); past it the
-    arrays stream from memory, which the price underrates (``equinox_scan`` at N=1024: 7% cheaper, 179 MiB more,
-    as ``AnalyticCost.lean_band_far`` reads it). The one taken replaces JAX's as written so; else the other
-    rewritten one where it passes against JAX's, else JAX's."""
-    bounded = bounds_memory(model) and getattr(model, "predict_temp_bytes", None) is not None
-
-    def held(r: Joint, than: Joint, slack: float = 0.0) -> str:
-        """Why ``r`` does not replace ``than``, or "" where it does."""
-        if not _taken(r, than):
-            return f"{r} is not priced below {than}, nor kept as the leaner"
-        if bounded and fatter(r.peak(), than.peak()) and r.peak() - than.peak() > slack:  # type: ignore[operator]
-            return f"{r} is predicted to hold more temporaries than {than}"
-        return ""
-
-    said = []
-    order = list(rewritten)
-    if len(rewritten) > 1:
-        why = held(rewritten[1], rewritten[0], float(getattr(model, "cache", 0.0) or 0.0))
-        if why:
-            said.append(why)
-        else:
-            order.reverse()
-    for r in order:  # the one taken between the two first
-        why = held(r, written)
-        if not why:
-            others = [str(o) for o in rewritten if o is not r] + [str(written)]
-            return r, f"kept {r}; against {', '.join(others)}" + (f" ({'; '.join(said)})" if said else "")
-        said.append(why)
-    return written, f"kept {written}: {'; '.join(said)}"
 
 
 def split_pricer(snap: Any, model: Any, choice: dict, f_roots: Sequence[Any], b_roots: Sequence[Any]

@@ -1,0 +1,136 @@
+"""The choice :func:`rewrite.grad.vjp.decided_jointly` makes between derivatives of one loss: each candidate a
+:class:`Joint` (a derivative built, its joint program priced), the one kept held to the one it would replace, as
+extraction holds a rewrite to its input (:func:`held_to_written`); under a model that times programs
+(``cost_model="measure"``, :class:`rewrite.cost.measure.Measured`) the joint programs are run and the fastest kept
+of those the model does not predict to hold more than JAX's as written (:func:`timed`), as the pipeline times its
+own candidates."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Sequence
+
+from ..cost.measure import Timing, fastest
+from ..extract.extract import bounds_memory, fatter
+from ..extract.lean import closed_peaks, peaks_keep_leaner, time_price
+from ..ir.jaxapi import core
+from ..pipeline import program_cost
+from ..records import Result
+
+
+class Joint:
+    """One candidate of :func:`decided_jointly`: a derivative built, its joint program, that program's price, and
+    its predicted peak of temporaries (``AnalyticCost.predict_temp_bytes``) and the part of its price that is the
+    memory charge (``AnalyticCost.predict_peaks``), predicted once and only if asked.
+    A program ``priced`` holds (by identity: the same object, priced by ``program_cost`` as it was built) is not
+    priced again."""
+
+    def __init__(self, name: str, built: Any, model: Any, joint_of: Callable[[Any], core.ClosedJaxpr],
+                 priced: Sequence[tuple[core.ClosedJaxpr, float]] = ()) -> None:
+        self.name, self.built, self.model = name, built, model
+        self.program = joint_of(built)
+        made = getattr(built, "joint", None)
+        known = next((cost for program, cost in priced if program is self.program), None)
+        if isinstance(made, Result) and made.before is self.program and made.cost_before == made.cost_before:
+            self.cost = made.cost_before  # the built's own joint, priced as it was made (as_written_vjp)
+        elif known is not None:
+            self.cost = known  # priced whole as it was chosen (rewrite_joint's joint_as_run)
+        else:
+            self.cost = program_cost(self.program, model)
+        self._peak: float | None = None
+        self._charged = 0.0
+
+    def peak(self) -> float | None:
+        if self._peak is None and (found := closed_peaks(self.model, self.program)) is not None:
+            self._peak, self._charged = found
+        return self._peak
+
+    def time(self) -> float:
+        """The price less its memory charge (:func:`rewrite.extract.lean.time_price`), which the lean band compares."""
+        self.peak()
+        return time_price(self.cost, self._charged, self.model)
+
+    def __str__(self) -> str:
+        peak = f", {self._peak / 2 ** 20:.2f} MiB predicted" if self._peak is not None else ""
+        return f"{self.name} (priced {self.cost:.4g}{peak})"
+
+
+def _taken(a: Joint, b: Joint) -> bool:
+    """Whether ``a`` is taken over ``b``: priced lower and ``b`` not kept for being the leaner within the lean band,
+    or priced no lower and kept for being the leaner (:func:`rewrite.extract.lean.peaks_keep_leaner`, with the
+    peaks each :class:`Joint` predicts once, for this and :func:`held_to_written`'s memory test alike)."""
+    if a.cost < b.cost:
+        return not peaks_keep_leaner(b.cost, b.peak, a.cost, a.peak, a.model, b.time, a.time)
+    return peaks_keep_leaner(a.cost, a.peak, b.cost, b.peak, a.model, a.time, b.time)
+
+
+def held_to_written(rewritten: Sequence[Joint], written: Joint, model: Any) -> tuple[Joint, str]:
+    """The joint :func:`decided_jointly` keeps, of one or two rewritten ones and the one as written, and why.
+
+    Each is held to the one it would replace, as extraction holds a rewrite to its input (``no_fatter``): taken by
+    price or lean band (:func:`_taken`) and, where the model bounds memory, not predicted to hold more
+    (``extract.fatter``). The joint from the forward rewritten without the ``jointly`` rules (the second) replaces
+    the one from the forward as its rules chose it (the first) so, but for holding more by no more than the
+    model's ``cache``: what a small head's loop saves stays in the cache, where the price is right (the plain
+    joint of ``linen_gpt`` at N=128 held 1.3 MiB more, predicted, and ran 1.11-1.17x against 0.93x); past it the
+    arrays stream from memory, which the price underrates (``equinox_scan`` at N=1024: 7% cheaper, 179 MiB more,
+    as ``AnalyticCost.lean_band_far`` reads it). The one taken replaces JAX's as written so; else the other
+    rewritten one where it passes against JAX's, else JAX's."""
+    bounded = bounds_memory(model) and getattr(model, "predict_temp_bytes", None) is not None
+
+    def held(r: Joint, than: Joint, slack: float = 0.0) -> str:
+        """Why ``r`` does not replace ``than``, or "" where it does."""
+        if not _taken(r, than):
+            return f"{r} is not priced below {than}, nor kept as the leaner"
+        if bounded and fatter(r.peak(), than.peak()) and r.peak() - than.peak() > slack:  # type: ignore[operator]
+            return f"{r} is predicted to hold more temporaries than {than}"
+        return ""
+
+    said = []
+    order = list(rewritten)
+    if len(rewritten) > 1:
+        why = held(rewritten[1], rewritten[0], float(getattr(model, "cache", 0.0) or 0.0))
+        if why:
+            said.append(why)
+        else:
+            order.reverse()
+    for r in order:  # the one taken between the two first
+        why = held(r, written)
+        if not why:
+            others = [str(o) for o in rewritten if o is not r] + [str(written)]
+            return r, f"kept {r}; against {', '.join(others)}" + (f" ({'; '.join(said)})" if said else "")
+        said.append(why)
+    return written, f"kept {written}: {'; '.join(said)}"
+
+
+def decide(rewritten: Sequence[Joint], written: Joint, model: Any) -> tuple[Joint, str]:
+    """The joint kept and why: timed where the model measures (:func:`timed`), else by price (:func:`held_to_written`)."""
+    if getattr(model, "measures", False):
+        found = timed(rewritten, written, model)
+        if found is not None:
+            return found
+    return held_to_written(rewritten, written, model)
+
+
+def timed(rewritten: Sequence[Joint], written: Joint, model: Any) -> tuple[Joint, str] | None:
+    """The fastest joint as run (:func:`rewrite.cost.measure.fastest`, cached as the pipeline's timings are) of
+    ``written`` and the ``rewritten`` not predicted to hold more than it where the model bounds memory, and why;
+    its ``Timing`` is the kept derivative's ``joint.timing``. ``None`` where they cannot be timed (one candidate,
+    programs of other inputs, effects, a timing that failed): then prices decide."""
+    bounded = bounds_memory(model) and getattr(model, "predict_temp_bytes", None) is not None
+    held = [r for r in rewritten if bounded and fatter(r.peak(), written.peak())]
+    timed_ = [r for r in rewritten if r not in held] + [written]
+    avals = [tuple(j.program.in_avals) for j in timed_]
+    if len(timed_) < 2 or any(a != avals[0] for a in avals):
+        return None
+    timing = fastest(model, [j.program for j in timed_], [j.name for j in timed_])
+    if all(s is None for s in timing.seconds) and not timing.cached:
+        return None
+    chosen = timed_[timing.chosen]
+    joint = getattr(chosen.built, "joint", None)
+    if isinstance(joint, Result):  # the kept derivative says how it was chosen, as a pipeline's result does
+        chosen.built.joint = dataclasses.replace(joint, timing=timing)
+    runs = ", ".join(f"{j.name}: {'cached' if s is None else f'{s * 1e6:.4g} us'}"
+                     for j, s in zip(timed_, timing.seconds))
+    over = "".join(f"; {r} is predicted to hold more temporaries than {written}" for r in held)
+    return chosen, f"kept {chosen.name}, the fastest as timed ({runs}){over}"
