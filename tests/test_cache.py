@@ -766,6 +766,36 @@ def test_a_stored_program_keeps_its_name_scopes():
     assert LAID_OUT_SCOPE in str(back.jaxpr.eqns[0].source_info.name_stack)
 
 
+@jax.custom_vjp
+def _calls_itself(x):
+    return jnp.sin(x)
+
+
+_calls_itself.defvjp(lambda x: (_calls_itself(x), x), lambda x, g: (g * jnp.cos(x),))  # JAX's idiom: fwd calls it
+
+
+def test_a_rules_custom_vjp_whose_forward_calls_itself_is_not_written_and_one_that_does_not_is():
+    """A rule's custom_vjp whose forward calls the custom_vjp itself holds it again in its forward's jaxpr: the
+    writer refuses it at once (written, it would write the rule again inside itself, to Python's recursion limit);
+    seed 000's kernel, whose forward computes the operations, is written and read back, its backward with it."""
+    from rewrite.cache.rules import Unserialisable
+    from rewrite.cache.serialise import dumps_program, loads_program
+    from rulesets.kernels.sin_squared import sin_squared_over
+
+    other = jax.make_jaxpr(jnp.cos)(jnp.ones(3))  # the call's own program: it holds neither custom_vjp
+    with pytest.raises(Unserialisable, match="calls itself"):
+        dumps_program(jax.make_jaxpr(_calls_itself)(jnp.ones(3)), other)
+    x, b = jax.random.normal(jax.random.key(0), (8, 4)), jnp.linspace(0.5, 2.0, 4)[None]
+    closed = jax.make_jaxpr(sin_squared_over)(x, b)
+    back = loads_program(dumps_program(closed, other), other)
+    run = core.jaxpr_as_fun(back)
+    np.testing.assert_array_equal(run(x, b)[0], sin_squared_over(x, b))
+    got = jax.grad(lambda x, b: run(x, b)[0].sum(), (0, 1))(x, b)
+    want = jax.grad(lambda x, b: sin_squared_over(x, b).sum(), (0, 1))(x, b)
+    for p, q in zip(got, want):
+        np.testing.assert_array_equal(p, q)
+
+
 def _bitwise(a, b):
     """Equal values, NaN where NaN (half-precision values compared widened to float32, which is exact: numpy's
     comparison does not see bfloat16's NaN as NaN)."""

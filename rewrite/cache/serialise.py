@@ -156,6 +156,7 @@ class _Writer:
                 pass
         self.keep = original  # the ids above stay valid while it lives
         self.writing: dict[tuple, int] = {}  # custom_jvp rules being written, to their number (see jvp_rule)
+        self.writing_vjp: set[int] = set()  # the backward functions of the custom_vjp rules being written (vjp_rule)
         self.rules = 0
 
     def find(self, x: Any) -> int | None:
@@ -227,6 +228,18 @@ class _Writer:
         call = params["call_jaxpr"]
         if params.get("symbolic_zeros") or params.get("num_consts"):
             raise Unserialisable("a custom_vjp with symbolic zeros or constants")
+        # a rule met again inside its own forward (one that calls the custom_vjp itself) would be written again
+        # and again, to Python's recursion limit: refused at once
+        own = id(getattr(params["bwd"], "f", params["bwd"]))
+        if own in self.writing_vjp:
+            raise Unserialisable("a custom_vjp rule that calls itself")
+        self.writing_vjp.add(own)
+        try:
+            return self._vjp_rule(params, call)
+        finally:
+            self.writing_vjp.discard(own)
+
+    def _vjp_rule(self, params: dict, call: Any) -> Any:
         try:
             # every input differentiable: without symbolic zeros the forward is the same for any
             fwd_jaxpr, fwd_consts = params["fwd_jaxpr_thunk"].call_wrapped(*([True] * len(call.in_avals)))
