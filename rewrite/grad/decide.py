@@ -104,7 +104,8 @@ def held_to_written(rewritten: Sequence[Joint], written: Joint, model: Any) -> t
 
 
 def decide(rewritten: Sequence[Joint], written: Joint, model: Any) -> tuple[Joint, str]:
-    """The joint kept and why: timed where the model measures (:func:`timed`), else by price (:func:`held_to_written`)."""
+    """The joint kept and why: timed where the model measures (:func:`timed`), else by price
+    (:func:`held_to_written`)."""
     if getattr(model, "measures", False):
         found = timed(rewritten, written, model)
         if found is not None:

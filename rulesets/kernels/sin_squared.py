@@ -102,6 +102,8 @@ def _slots(x: Any, b: Any, g: Any) -> Any:
     ``u = g b**-2 * s**2``)."""
     bx = lax.mul(b, x)
     s, c = lax.sin(bx), lax.cos(bx)
+    # g / b, as JAX writes it (XLA computes g * (1 / b) either way): written so, 1 and 2 would be two literals of one
+    # product, which prod_mul folds, reordering the product in the joint program and changing grad x's bits
     t = lax.mul(lax.mul(lax.div(g, b), lax.mul(np.asarray(2, s.dtype), s)), c)
     u = lax.mul(lax.mul(g, lax.integer_pow(b, -2)), lax.integer_pow(s, 2))
     return interleaved([lax.mul(b, t), lax.mul(t, x), u])
