@@ -52,3 +52,11 @@ identity = Ruleset("local_identity", [
 ], soundness="identity")
 
 local = Ruleset("local", [exact, identity])
+
+
+def without_kernels(pack):
+    """``pack`` without its ``jointly`` parts (``rulesets.derivatives``' ``derivatives_kernels``): what the tests of
+    the VJP's residual split and of the stored ``sin`` read, which the kernel's backward would replace where it is
+    chosen (``rulesets/_sin2.py``)."""
+    return Ruleset(f"{pack.name}_without_kernels", [p for p in pack.parts if not p.jointly] + list(pack.rules),
+                   soundness=pack.soundness, tolerance=pack.tolerance)

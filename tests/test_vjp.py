@@ -16,6 +16,11 @@ from rulesets.algebra import algebra
 from rulesets.derivatives import derivatives, derivatives_fastmath
 
 from .corpus import lm_head_case
+from .local_rulesets import without_kernels
+
+#: the pack without its kernel (``derivatives_kernels``): these tests read JAX's VJP split, which the kernel's
+#: backward replaces where the joint decision takes it (``tests/test_sin_squared.py`` tests that)
+DERIVATIVES = without_kernels(derivatives)
 
 pytestmark = pytest.mark.filterwarnings(r"ignore:rewrite\(\.\.\., vjp=True\) is deprecated:DeprecationWarning")
 
@@ -244,7 +249,7 @@ def test_the_floors_copy_is_made_once_per_snapshot_and_takes_its_input_tree(monk
 
     monkeypatch.setattr(Snapshot, "without", without)
     monkeypatch.setattr(ProgramPricer, "exact_price", pricing)
-    r = rewrite(seed, rulesets=[derivatives], cache=False)
+    r = rewrite(seed, rulesets=[DERIVATIVES], cache=False)
     built = r.grad_result(X, A)
     assert copies and len(copied) == len(set(map(id, copied))), len(copied)  # no snapshot copied twice
     assert any(len(c.extractors) == 1 and c.extractors[0][1].passes == 1 for c in copies), [
@@ -342,6 +347,7 @@ def test_decided_jointly_traces_and_prices_jax_s_split_once(monkeypatch):
     import collections
 
     import rulesets
+    import rewrite.grad.decide as decide
     import rewrite.grad.vjp as vjp
     from jax.extend.core import jaxpr_as_fun
 
@@ -353,7 +359,8 @@ def test_decided_jointly_traces_and_prices_jax_s_split_once(monkeypatch):
             return f(*args, **kwargs)
         return counted
 
-    monkeypatch.setattr(vjp, "program_cost", counting("priced", vjp.program_cost))
+    monkeypatch.setattr(vjp, "program_cost", counting("priced", vjp.program_cost))  # as_written_vjp's
+    monkeypatch.setattr(decide, "program_cost", counting("priced", decide.program_cost))  # each Joint's
     monkeypatch.setattr(vjp, "joint_program", counting("traced", vjp.joint_program))
     joints = []
     made = vjp.Joint.__init__
@@ -537,6 +544,6 @@ def test_seed_000_s_split_of_two_extractions_keeps_jax_s_gradients_on_drawn_inpu
     from rewrite.testing import assert_equivalent
 
     x, a = jnp.ones((8, 64, 64)), jnp.ones(64)
-    policy = rewrite(seed, rulesets=[derivatives], cache=False).grad_result(x, a).split.policy
+    policy = rewrite(seed, rulesets=[DERIVATIVES], cache=False).grad_result(x, a).split.policy
     assert policy.startswith("joint+gradients:"), policy
-    assert_equivalent(seed, x, a, rulesets=[derivatives], grads=True, max_examples=25)
+    assert_equivalent(seed, x, a, rulesets=[DERIVATIVES], grads=True, max_examples=25)
