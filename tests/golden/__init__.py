@@ -203,6 +203,9 @@ def _cases() -> list[Case]:
     add("derivatives", "seed000_value_and_grad",
         "benchmarks.derivatives: as_value_and_grad(rewrite(seed, vjp=True)) at T=8",
         lambda: (bd.seed, _seed000()[:2], der(), {"vjp": True, "outer": bd.as_value_and_grad, "outer_args": _seed000()}))
+    add("derivatives", "seed000_rewrite_vjp",
+        "benchmarks.derivatives: as_vjp(rewrite(seed)) at T=8 (the demo's: jax.vjp of the plain decorator)",
+        lambda: (bd.seed, _seed000()[:2], der(), {"outer": bd.as_vjp, "outer_args": _seed000()}))
     add("derivatives", "ising_vjp", "benchmarks.derivatives: rewrite(ising, vjp=True) at T=8",
         lambda: (bd.ising, _seed000()[:2], der(), {"vjp": True}))
     add("derivatives", "softplus_vjp", "benchmarks.derivatives: rewrite(softplus, vjp=True) at T=8",
