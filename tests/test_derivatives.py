@@ -165,6 +165,7 @@ CASES = [
     ("trig_cos_double", lambda x: jnp.cos(jnp.tanh(x)) ** 2 - jnp.sin(jnp.tanh(x)) ** 2, [S], "moderate"),
     ("trig_cos_double_any", lambda x: jnp.cos(x) ** 2 - jnp.sin(x) ** 2, [S], "moderate"),
     ("trig_tan", lambda x: jnp.tan(x) + jnp.sin(x) * jnp.cos(x), [S], "moderate"),
+    ("trig_sin2_over", lambda x, b: jnp.sin(b[None, :] * x) ** 2 / b[None, :], [S, V], "special"),  # its kernel
     ("explog_log_exp", lambda x: jnp.log(jnp.exp(x)), [S], "exp"),
     ("explog_exp_log", lambda x: jnp.exp(jnp.log(jnp.abs(x))), [S], "wide"),
     ("explog_log_add", lambda x, y: jnp.log(jnp.abs(x)) + jnp.log(y * y), [S, S], "pos"),
