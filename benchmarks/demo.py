@@ -317,9 +317,11 @@ def report(rows: list[Row], cases_: list[Case], first_run: dict[str, dict[str, f
         "",
         "* **Seed 000** (`benchmarks/derivatives.py`): the VJP of `sin(a*x)**2 / a`; standard is JAX's own "
         "VJP, rewritten is `jax.vjp(rewrite(f, rulesets=[rulesets.derivatives]), x, a)`, hand-written are the "
-        "seed's hand-derived `custom_vjp`s. The rewrite beats the hand-derived VJPs; on XLA:CPU it does not "
-        "beat JAX's VJP by much (the issue's 1.5x is out of reach on this backend for any program that "
-        "computes both gradients; see `benchmarks/results/derivatives.md`).",
+        "seed's hand-derived `custom_vjp`s. The rewrite replaces the forward with a kernel "
+        "(`rulesets/kernels/sin_squared.py`, rule `trig_sin2_over`) whose backward computes both gradients from "
+        "one `sin` and one `cos` an element over blocks of the leading axis (one block's temporaries held), "
+        "`grad x` bit for bit JAX's and `a`'s sums in another order; the joint program decides it "
+        "(see `benchmarks/results/derivatives.md`).",
         "* **Seed 001** (`benchmarks/scan.py`): a loss over a `lax.scan`'s stacked output; rewritten is "
         "`rewrite(loss, rulesets=[rulesets.scan])`, which computes the reduction inside the loop (or, as "
         "here, deletes a loop nothing depends on). **RNN**: an RNN with an MSE loss; the rewrite sums the "

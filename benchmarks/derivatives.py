@@ -503,8 +503,9 @@ def report(seed_rows, other_rows, step_rows, preds, rounds: int, load: tuple) ->
         "`grad x` and what `a`'s reduction reads; `--forms` (derivatives_forms.md) measures the forms tried.",
         "* `floor` has one loop of `sin` and `cos` (one `sincosf` an element) and is ~1.9x faster: that is the "
         "figure quoted in the issue, and it is not a "
-        "VJP of this function (it drops the `sin(ax)**2` term of the gradient of `a`). The issue's target of 1.5x "
-        "over JAX's VJP is out of reach on this backend for any program that computes the gradient.",
+        "VJP of this function (it drops the `sin(ax)**2` term of the gradient of `a`). A VJP that computes both "
+        "gradients from one `sin` and one `cos` an element needs one loop for both: `chained` (below) writes them as "
+        "slots of one array over blocks of the leading axis, and the pack's `trig_sin2_over` builds it.",
         "* The hand-derived VJPs are slower than JAX's: each computes the reduction from `sin`/`cos` it must "
         "recompute in a third loop (see their transcendental counts). The rewrite never does that.",
         "* `fastmath` adds `a * (g / a) -> g` (no fact says `a != 0`): `grad x` becomes `g * sin(2ax)` read by the "
