@@ -36,6 +36,7 @@ from .grad.primitive import Signature, bind_if_differentiated
 from .grad.pinned import join_pinned, split_pinned
 from .grad.step import find_losses, proof_graph
 from .grad.together import rewrite_joints
+from .grad.uses import without_outputs
 from .grad.vjp import VJPResult, build_vjp, decided_jointly, joint_program, rewrite_joint
 from .ir.jaxapi import core
 from .jaxpr import state as _state
@@ -441,11 +442,15 @@ class Rewritten:
         forward = run_pipeline(cone, self.entries, self.cost_model, self.limits, price_input=False, plain=True)
         t = lap(spent, "step forward", t)
         priced: list = []  # the joint programs priced whole as they were chosen: decided_jointly does not price again
+        n_out = len(cone.out_avals)
+        # a step that reads only the gradients runs each candidate without the loss (XLA drops what only it reads):
+        # each is priced and held to memory so (the stored sin of seed 000's pullback costs more with the loss kept)
+        as_run = (lambda joint: without_outputs(joint, n_out)) if value is False else (lambda joint: joint)
         program, why = decided_jointly(cone, forward, self.entries, self.cost_model, self.limits,
                                        lambda f, entries: rewrite_joint(f, entries, self.cost_model, self.limits,
                                                                         wrt, value, seen=priced),
                                        lambda f: written if written is not None and f is cone else
-                                       joint_program(f, wrt)[0], spent=spent, priced=priced,
+                                       joint_program(f, wrt)[0], joint_of=as_run, spent=spent, priced=priced,
                                        build_both=lambda f, p, rest: rewrite_joints(f, p, rest, self.cost_model,
                                                                                     self.limits, wrt, value, priced))
         if why and decided is not None:
