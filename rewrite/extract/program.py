@@ -127,8 +127,8 @@ class ProgramPricer:
     def _has_bodies(self, choice: dict[Any, tuple], roots: Sequence[Any]) -> bool:
         """Whether the program has nested nodes, whose prices depend on the choice (so no sharing of prices)."""
         if self._nested is None:
-            self._nested = any(_primitives.BY_CTOR.get(ctor) is not None and _primitives.BY_CTOR[ctor].family == _primitives.NESTED
-                               for ns in self.ex.snap.nodes.values() for ctor, _ in ns)
+            nested = lambda ctor: getattr(_primitives.BY_CTOR.get(ctor), "family", None) == _primitives.NESTED  # noqa: E731
+            self._nested = any(nested(ctor) for ns in self.ex.snap.nodes.values() for ctor, _ in ns)
         return self._nested
 
     def __call__(self, choice: dict[Any, tuple], roots: Sequence[Any]) -> float:
@@ -338,7 +338,8 @@ class LiveProgram:
             want = choice[x] if ref.get(x, 0) > 0 else None
             tup = None if want is None else one_result(ex, want)
             node = want if tup is None else choice[tup]  # what the op is built from
-            if want == fused.get(x) and (want is None or x not in stale) and via.get(x) == (None if tup is None else node):
+            same = via.get(x) == (None if tup is None else node)
+            if want == fused.get(x) and (want is None or x not in stale) and same:
                 continue
             if want is None:
                 fused.pop(x, None)
