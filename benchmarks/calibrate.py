@@ -657,8 +657,7 @@ def _split_in_body(compiled_text: str) -> bool:
     """Whether a compiled program's first while loop's body holds a loop fusion XLA:CPU splits across the cores."""
     found = re.search(r" while\(.*?body=%([\w.\-]+)", compiled_text)
     body = found and re.search(r"\n%" + re.escape(found.group(1)) + r" .*?\n}", compiled_text, re.S)
-    return bool(body) and any(re.search(r'outer_dimension_partitions":\[[^\]]', line)
-                              for line in body.group(0).splitlines() if "fusion(" in line)
+    return bool(body) and any(_parts(line) > 1 for line in body.group(0).splitlines() if "fusion(" in line)
 
 
 def _line(points: list[tuple[float, float]]) -> Callable[[float], float]:
@@ -714,8 +713,16 @@ def _partitions(n: int) -> int:
     """Into how many parts XLA:CPU splits a float32 elementwise loop of ``n`` elements across the cores: its
     parallel task assignment writes them into the loop fusion's ``outer_dimension_partitions`` (1: not split)."""
     shape = jax.ShapeDtypeStruct((n,), jnp.float32)
-    text = jax.jit(lambda x: jnp.exp(x) * 2.0).lower(shape).compile().as_text()
-    found = re.search(r'outer_dimension_partitions":\[([^\]]*)\]', text)
+    return _parts(jax.jit(lambda x: jnp.exp(x) * 2.0).lower(shape).compile().as_text())
+
+
+#: XLA:CPU's parallel task assignment of a loop fusion, in its compiled text: the parts of its outer dimensions.
+_PARTITIONS = re.compile(r'outer_dimension_partitions":\[([^\]]*)\]')
+
+
+def _parts(text: str) -> int:
+    """Into how many parts the first loop fusion in ``text`` (a compiled program, or one line of it) is split."""
+    found = _PARTITIONS.search(text)
     return math.prod(int(p.strip('" ')) for p in found.group(1).split(",")) if found and found.group(1) else 1
 
 

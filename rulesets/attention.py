@@ -27,7 +27,6 @@ True
 from __future__ import annotations
 
 import logging
-import math
 from typing import Any, NamedTuple, Sequence
 
 import jax
@@ -117,7 +116,7 @@ def _blocked(config: _Config, p_first: bool, widened: bool = False):
         # extraction prices each. The queries are cut where every value carries them in one place.
         s_q = product.query_axis(x.shape)
         nq = 0 if s_q is None or logits.place(s_q) is None else x.shape[s_q]
-        offers = config.blocking.offers(n, nq, math.prod(x.shape) // n)
+        offers = config.blocking.offers(n, nq, x.aval.size // n)
         read = _logits(logits, s_q if any(o.query_block or o.backward_query_block for o in offers) else None)
         return [(m.root, m.trace(blocked_attention(read, product, **o._asdict()), *logits.leaves, v))
                 for o in offers] or None
@@ -125,22 +124,17 @@ def _blocked(config: _Config, p_first: bool, widened: bool = False):
     return build
 
 
-def _softmax(s: Any) -> Any:
-    return jax.nn.softmax(s, axis=-1)
-
-
 def _pv(q: Any, k: Any, v: Any) -> Any:
-    return _softmax(q @ jnp.swapaxes(k, -1, -2) * 0.125) @ v
+    return jax.nn.softmax(q @ jnp.swapaxes(k, -1, -2) * 0.125, axis=-1) @ v
 
 
 def _vp(q: Any, k: Any, v: Any) -> Any:
-    return jnp.einsum("bkd,bqk->bdq", v, _softmax(jnp.einsum("bqd,bkd->bqk", q, k) * 0.125))
+    return jnp.einsum("bkd,bqk->bdq", v, jax.nn.softmax(jnp.einsum("bqd,bkd->bqk", q, k) * 0.125, axis=-1))
 
 
 def _example(fn: Any, dtype: Any, config: _Config) -> tuple:
-    """A rule's example: two blocks of the smallest key block (of more keys than ``min_keys``: two of ``min_keys``
-    where the block is smaller) and two of the smallest query block (its larger blocks run the same code and are
-    checked at their own sizes in ``tests/test_attention.py``)."""
+    """A rule's example: two of the smallest key block (of ``min_keys`` if smaller) and of the smallest query block
+    (larger blocks run the same code, checked at their own sizes in ``tests/test_attention.py``)."""
     keys = jax.ShapeDtypeStruct((2, 2 * max(min(config.blocking.blocks), config.min_keys), 8), dtype)
     return fn, (jax.ShapeDtypeStruct((2, 2 * min(config.blocking.query_blocks, default=256), 8), dtype), keys, keys)
 
@@ -158,8 +152,9 @@ def attention_with(*, blocks: Sequence[int] = (256,), query_blocks: Sequence[int
     """The attention pack, configured; ``rulesets.attention`` is ``attention_with()``.
 
     * ``blocks``: the key blocks offered to the cost model, each that divides the key axis into two blocks or
-      more (and whose scores are within ``scores_band``); extraction takes the cheapest. 256 alone by default;
-      ``blocks=BLOCKS, scores_band=SCORES_BAND`` offers 128-1024 where a trip's scores are 3-8 MiB.
+      more; extraction takes the cheapest. 256 alone by default. ``scores_band``: bytes, low and high: only loops
+      whose one trip's scores are within them are offered (else the nearest; ``None``: all); ``blocks=BLOCKS,
+      scores_band=SCORES_BAND`` offers 128-1024 where a trip's scores are 3-8 MiB, measured fastest (opt-in).
     * ``query_blocks``: the query blocks offered to the forward (each that makes two blocks or more): the loop
       over key blocks then runs once per block of queries, each block of scores ``[.., 512, 256]``.
     * ``whole_queries``: whether the loop over every query at once is offered beside the query blocks.
@@ -171,8 +166,6 @@ def attention_with(*, blocks: Sequence[int] = (256,), query_blocks: Sequence[int
       queries at a time (512 by default), where it makes two blocks or more (``None``: every query at once).
       It holds a few blocks of ``[.., backward_query_block, block]``, where the key blocks alone would hold
       ``[.., Nq, block]``.
-    * ``scores_band``: bytes, low and high: only the loops whose one trip's scores are within them are offered (else
-      the nearest); ``None``, the default: every loop. :data:`SCORES_BAND`: the loops measured fastest (opt-in).
 
     >>> from rulesets.attention import attention_with
     >>> pack = attention_with(blocks=(128, 256), query_blocks=(), scores_band=None)

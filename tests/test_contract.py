@@ -7,7 +7,7 @@ Each ruleset must
 * hold rule by rule, in its own soundness class (``check_ruleset``);
 * terminate within its budget (``ruleset.limits``, or the default ``Limits``);
 * keep values within its class tolerance, on the corpus and on random programs;
-* never raise the cost under the default cost model;
+* never raise the cost under the default cost model, but where a preferred rule took its replacement;
 * never raise while building a replacement: a rule that cannot build one declines the match
   (the engine survives a rule that raises, with a warning, but the contract fails it).
 
@@ -67,7 +67,10 @@ def _keeps_budget_and_cost(ruleset, result, what):
     assert result.stopped in ("saturated", "iteration limit", "node limit", "time limit"), (what, result.stopped)
     assert result.times["saturate"] <= limits.seconds + GRACE_SECONDS, (what, result.times)
     assert result.iterations <= limits.iterations, (what, result.iterations)
-    assert result.cost_after <= result.cost_before * (1 + 1e-9), (what, result.cost_before, result.cost_after)
+    # a preferred rule's replacement is taken whatever it costs (rewrite/rules/prefer.py): nn's log_sigmoid and
+    # softplus forms are stable and dearer (the written forms ran in 0.63-0.85x of their time, log.md)
+    assert result.cost_after <= result.cost_before * (1 + 1e-9) or result.preferred, (
+        what, result.cost_before, result.cost_after)
 
 
 @pytest.mark.parametrize("name,ruleset", RULESETS, ids=IDS)

@@ -584,6 +584,58 @@ def test_a_call_is_priced_at_what_the_outputs_read_need():
     assert price[read_both] > 4 * price[read_one], price  # the products, when their output is read
 
 
+@jax.custom_vjp
+def _sin_twice(x):  # a custom_vjp call of one output whose body is elementwise
+    return jnp.sin(x) * 2.0
+
+
+_sin_twice.defvjp(lambda x: (jnp.sin(x) * 2.0, x), lambda x, g: (2.0 * g * jnp.cos(x),))
+
+
+@jax.custom_jvp
+def _sin_and_cos(x):  # a custom_jvp call of two outputs, both elementwise
+    return jnp.sin(x) * 2.0, jnp.cos(x)
+
+
+_sin_and_cos.defjvp(lambda p, t: (_sin_and_cos(*p), (2.0 * jnp.cos(p[0]) * t[0], -jnp.sin(p[0]) * t[0])))
+
+
+def _as_loaded(f, *args):
+    """``f``'s program as extraction builds it from its choice with no rule run (``Program.from_choice``), and
+    its price there (``explain``'s ``cost_before``)."""
+    from rewrite import explain
+    from rewrite.extract.extractor import Extractor
+    from rewrite.extract.program import ProgramPricer
+
+    model = AnalyticCost()
+    res = explain(f, *args, rulesets=[]).result
+    ex = Extractor(res.snapshot, model)
+    pricer = ProgramPricer(ex, model)
+    prog = pricer.program(ex.tree()[1], res.roots)
+    return prog, pricer.price(prog)
+
+
+def test_a_call_of_one_elementwise_output_is_priced_as_its_body():
+    """``jax.nn.relu`` is a ``custom_jvp_call`` of one output whose body is ``max(x, 0)``: XLA inlines it, and the
+    model prices it as that body, as loaded for extraction. Its program holds no projection of the call (as
+    ``Program.from_jaxpr`` builds none for one output): a projection between an elementwise call and its
+    readers left the call with no reader, priced 0 (relu at 512x512: 0.0; ``relu(x) + 1`` the ``add`` alone).
+    A call of two outputs keeps a projection per output."""
+    x = jnp.linspace(-1.0, 1.0, 512 * 512).reshape(512, 512)
+    for f, body in [(jax.nn.relu, lambda x: jnp.maximum(x, 0.0)),
+                    (lambda x: jax.nn.relu(x) + 1.0, lambda x: jnp.maximum(x, 0.0) + 1.0),
+                    (lambda x: _sin_twice(x) * x, lambda x: jnp.sin(x) * 2.0 * x)]:
+        prog, price = _as_loaded(f, x)
+        assert not [op for op in prog.ops if op.prim == "proj"]
+        assert price == pytest.approx(_as_loaded(body, x)[1], rel=0.02), (f, body)
+    model = AnalyticCost()
+    prog, price = _as_loaded(_sin_twice, x)
+    assert price == pytest.approx(model.program(Program.from_jaxpr(jax.make_jaxpr(_sin_twice)(x), model)), rel=1e-9)
+    prog, price = _as_loaded(lambda x: _sin_and_cos(x), x)
+    assert sorted(op.params["index"] for op in prog.ops if op.prim == "proj") == [0, 1]
+    assert price == pytest.approx(_as_loaded(lambda x: (jnp.sin(x) * 2.0, jnp.cos(x)), x)[1], rel=0.1)  # node prices
+
+
 def test_a_peak_mapped_fresh_at_each_call_is_priced_per_byte():
     """XLA:CPU allocates a program's temporaries at each call; from the table's ``fresh_bytes`` on, the C library
     maps them fresh and every page faults on first touch (``calibrate.measure_fresh``: 0.27 ns per byte from 64 MiB

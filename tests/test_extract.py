@@ -51,8 +51,18 @@ def shared(x, a):
     return s * c * 2.0 + jnp.exp(x) / 3.0, (s * x).sum(0) / a, jnp.log(jnp.exp(x) + 1.0).max()
 
 
+def _relu(x):  # a module-level right side: the engine caches its trace by its code
+    return jax.nn.relu(x)
+
+
+def relus(x, a):  # relu is a custom_jvp call of one result: as written, and offered for every max(x, 0)
+    h = jnp.maximum(x * a, 0.0)
+    return h * jnp.sin(a * x) + jnp.maximum(x, 0.0).sum(0), jax.nn.relu(x - a) * 2.0
+
+
 COMMUTE = Ruleset("commute", [rule(lambda a, b: a * b, lambda a, b: b * a, name="mul_comm"),
                               rule(lambda a, b: a + b, lambda a, b: b + a, name="add_comm")])
+TO_RELU = Ruleset("to_relu", [rule(lambda x: jnp.maximum(x, 0.0), _relu, name="to_relu")])
 X3, A3 = jnp.linspace(-1.0, 1.0, 64 * 96).reshape(64, 96), jnp.linspace(0.5, 1.5, 96)
 PROGRAMS = {
     "vjp": (vjp_of_seed, (X3, A3, X3), [derivatives]),
@@ -60,6 +70,7 @@ PROGRAMS = {
     # a user's commutativity rules (patterns need none): every product and sum gets a second node to move to
     "shared": (shared, (X3, A3), [rulesets.algebra, derivatives, derivatives_fastmath, COMMUTE]),  # sin·cos -> sin 2x: fastmath for an unbounded x
     "shared_fastmath": (shared, (X3, A3), [rulesets.algebra, derivatives, rulesets.fastmath]),
+    "relus": (relus, (X3, A3), [rulesets.algebra, derivatives, TO_RELU, COMMUTE]),
     "scan": (rnn_loss, (P, XS, YS), [rulesets.scan]),
     "scan_grad": (jax.grad(lambda p, xs, ys: rnn_loss(p, xs, ys)[0]), (P, XS, YS), [rulesets.scan, derivatives]),
 }

@@ -209,14 +209,18 @@ def test_binary_cross_entropy_on_finite_inputs(z, y):
     assert why is None, why
 
 
-def test_the_cost_model_takes_the_forms_that_save_work():
-    """log_softmax, log_sigmoid and softplus replace their written forms under the default cost model."""
+def test_the_cost_model_takes_the_nn_forms_priced_as_they_run():
+    """log_softmax, log_sigmoid and softplus replace their written forms under the default cost model: the first
+    priced lower (it saves work), the other two as preferred rules (stable), priced higher as they run. The
+    ``softplus`` they build is a ``custom_jvp_call`` of one output, priced as its body (``logaddexp``), 1.14-1.66x
+    the written forms at 64x100 to 2048x1024; the written forms ran in 0.73-0.85x (``log(sigmoid(x))``) and
+    0.63-0.70x (``log(1 + exp(x))``) of its time (2026-12-01, load 7). Priced 0, as it was, it seemed to save."""
     x = jnp.ones((64, 100))
-    for fn, name in [(lambda x: jnp.log(jax.nn.softmax(x)), "nn_log_softmax"),
-                     (lambda x: jnp.log(jax.nn.sigmoid(x)), "nn_log_sigmoid"),
-                     (lambda x: 2.0 * jnp.log(1.0 + jnp.exp(x)), "nn_softplus")]:
+    for fn, name, saves in [(lambda x: jnp.log(jax.nn.softmax(x)), "nn_log_softmax", True),
+                            (lambda x: jnp.log(jax.nn.sigmoid(x)), "nn_log_sigmoid", False),
+                            (lambda x: 2.0 * jnp.log(1.0 + jnp.exp(x)), "nn_softplus", False)]:
         r = explain(fn, x, rulesets=[nn])
-        assert r.fired.get(name) and r.cost_after < r.cost_before, (name, r.fired)
+        assert r.fired.get(name) and (r.cost_after < r.cost_before) == saves, (name, r.fired)
         assert "log" not in [e.primitive.name for e in r.after.eqns if e.outvars[0].aval.shape == x.shape], name
 
 

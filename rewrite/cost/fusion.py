@@ -308,7 +308,7 @@ class FusionModel:
             return self.cheap
         inner = op.memo.get("inner") if op.memo else None
         if inner is not None:  # a call fused as its chosen body
-            return sum(self.op_ns(o) + self.node for o in inner)
+            return sum(self.op_ns(o) for o in inner)  # per element: ``node`` is per op, the kernel's
         if op.family == _primitives.OPAQUE or spec.inlined:
             return self._inner_ns(inner_jaxpr(op.params))
         found = self.ns.get(ns_key(op.prim, op.out_avals))
@@ -326,7 +326,7 @@ class FusionModel:
                 continue
             op = Op(e.primitive.name, spec.family, e.params, (),
                     tuple(v.aval for v in e.invars), tuple(v.aval for v in e.outvars))
-            total += self.op_ns(op) + self.node
+            total += self.op_ns(op)
         return total
 
     def kernels(self, prog: Program) -> list[Fusion]:

@@ -560,6 +560,8 @@ class AnalyticCost(CostModel):
         return found
 
     def _op_price(self, op: Any) -> float:
+        if op.family == _primitives.NESTED and op.own:
+            return op.own  # its node price with its bodies' (Program.from_choice): a NodeInfo alone has none
         return self(NodeInfo(op.prim, op.family, op.params, op.in_avals, op.out_avals))
 
     @functools.cached_property

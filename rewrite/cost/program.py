@@ -16,7 +16,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from ..ir import primitives as _primitives
 from ..ir import terms as _terms
-from ..ir.intern import PARAMS
+from ..ir.intern import PARAMS, TupleType
 from ..ir.jaxapi import core
 from ..ir.primitives import NodeInfo, inner_jaxpr, is_float as _is_float, spec_of
 from ..ir.walk import children, operands, postorder, walk
@@ -121,9 +121,10 @@ class Program:
                     partial: Callable[[Any, tuple, frozenset], float] | None = None) -> "Program":
         """The program an extractor's ``choice`` makes at ``roots`` (its own scope; bodies costed by ``own``).
 
-        Classes in ``inputs`` are the program's inputs: read, not computed. ``partial(cls, node, read)`` prices
-        a call XLA inlines at the part of its body that the outputs the program reads (``read``) need: XLA
-        drops the rest (:func:`read_outputs`).
+        A projection of a call of one result is the call's op (:func:`one_result`), as :meth:`from_jaxpr` builds
+        no projection for one output. Classes in ``inputs`` are the program's inputs: read, not computed.
+        ``partial(cls, node, read)`` prices a call XLA inlines at the part of its body that the outputs the program
+        reads (``read``) need: XLA drops the rest (:func:`read_outputs`).
         """
         cache = {} if cache is None else cache
         index: dict[Any, int] = {}
@@ -137,6 +138,13 @@ class Program:
                 ops.append(Op("param", _primitives.SPECIAL, {}, (), (), (ex.snap.aval(c),), key=c))
                 continue
             node = choice[c]
+            tup = one_result(ex, node)
+            if tup is not None and tup not in inputs:
+                # the value of a call of one result is the call (as from_jaxpr reads it): no view between them,
+                # which the fusion model would not pass its readers' kernels through
+                index[c] = index[tup]
+                ops[index[c]].own += chosen_op(ex, c, node, choice, own, cache, ()).own
+                continue
             index[c] = len(ops)
             ops.append(chosen_op(ex, c, node, choice, own, cache, tuple(index[k] for k in reads(node))))
         prog = cls(ops, [index[r] for r in roots])
@@ -147,6 +155,29 @@ class Program:
                 # it writes (and the program holds) the outputs read only; its facts are its own, not the node's
                 op.memo = {"bytes": sum(_nbytes(a) for k, a in enumerate(op.out_avals) if k in read)}
         return prog
+
+
+def one_result(ex: Any, node: tuple) -> Any:
+    """The class a projection ``node`` reads where that class's nodes have one result (a ``custom_jvp_call`` of one
+    output, as ``jax.nn.relu``), else ``None``: the program's op for the projection is then that node's, its own
+    price (a loop's stacked output) added (:func:`projected_op`)."""
+    return node[1][0] if node[0] == "Proj" and of_one_result(ex, node[1][0]) else None
+
+
+def of_one_result(ex: Any, c: Any) -> bool:
+    """Whether class ``c``'s nodes have one result, read through a projection (:func:`one_result`)."""
+    aval = ex.snap.aval(c)
+    return isinstance(aval, TupleType) and len(aval) == 1
+
+
+def projected_op(ex: Any, c: Any, node: tuple, choice: Mapping[Any, tuple], own: Callable[[Any, tuple], float],
+                 cache: dict, args: tuple) -> Op:
+    """The op of class ``c``, whose ``node`` projects the one result of class ``one_result(ex, node)``'s node: that
+    node's op (reading ``args``), with the projection's own price added."""
+    tup = node[1][0]
+    op = chosen_op(ex, tup, choice[tup], choice, own, cache, args)
+    op.own += chosen_op(ex, c, node, choice, own, cache, ()).own
+    return op
 
 
 def read_outputs(prog: "Program", choice: Mapping[Any, tuple]) -> dict[int, frozenset]:

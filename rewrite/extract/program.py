@@ -16,7 +16,7 @@ from typing import Any, Callable, Sequence
 from ..cost.live import LiveFusion
 from ..cost.memory import scheduled_peak
 from ..cost.model import CostModel
-from ..cost.program import Program, chosen_op
+from ..cost.program import Program, chosen_op, of_one_result, one_result, projected_op
 from ..ir import primitives as _primitives
 from ..ir.intern import PARAMS
 from ..ir.walk import operands, walk
@@ -127,8 +127,8 @@ class ProgramPricer:
     def _has_bodies(self, choice: dict[Any, tuple], roots: Sequence[Any]) -> bool:
         """Whether the program has nested nodes, whose prices depend on the choice (so no sharing of prices)."""
         if self._nested is None:
-            self._nested = any(_primitives.BY_CTOR.get(ctor) is not None and _primitives.BY_CTOR[ctor].family == _primitives.NESTED
-                               for ns in self.ex.snap.nodes.values() for ctor, _ in ns)
+            nested = lambda ctor: getattr(_primitives.BY_CTOR.get(ctor), "family", None) == _primitives.NESTED  # noqa: E731
+            self._nested = any(nested(ctor) for ns in self.ex.snap.nodes.values() for ctor, _ in ns)
         return self._nested
 
     def __call__(self, choice: dict[Any, tuple], roots: Sequence[Any]) -> float:
@@ -221,6 +221,10 @@ class LiveProgram:
         self._inlined: dict[Any, set] = {}
         #: classes whose op is built again at the next flush though their node is the same (see jump)
         self._stale: set[Any] = set()
+        #: a call of one result -> the class of its value, whose op is the call's (``cost.program.one_result``), and
+        #: that class -> the call's node its op was built from
+        self._one: dict[Any, Any] = {}
+        self._via: dict[Any, tuple] = {}
         for r in self.roots:
             self._inc(r)
             self._inc_sig(r)
@@ -326,21 +330,34 @@ class LiveProgram:
 
     def flush(self) -> None:
         """Bring the kernels up to date with the moves made since the last price."""
-        ex, choice, ref, fused, stale = self.ex, self.choice, self._ref, self._fused, self._stale
+        ex, choice, ref, fused, stale, via = self.ex, self.choice, self._ref, self._fused, self._stale, self._via
         changes: dict[Any, Any] = {}
-        for x in self._touched:
+        touched = self._touched
+        touched.update([self._one[x] for x in touched if x in self._one])  # a call of one result: its value's op
+        for x in touched:
             want = choice[x] if ref.get(x, 0) > 0 else None
-            if want == fused.get(x) and (want is None or x not in stale):
+            tup = None if want is None else one_result(ex, want)
+            node = want if tup is None else choice[tup]  # what the op is built from
+            same = via.get(x) == (None if tup is None else node)
+            if want == fused.get(x) and (want is None or x not in stale) and same:
                 continue
             if want is None:
                 fused.pop(x, None)
+                via.pop(x, None)
                 self._inlined.pop(x, None)
                 changes[x] = None
                 continue
+            if want[0] != "Proj" and of_one_result(ex, x):
+                continue  # the call's op is its value's class's (Program.from_choice)
             fused[x] = want
-            op = chosen_op(ex, x, want, choice, self._own, self._templates, tuple(ex.operands(want)))
+            if tup is None:
+                via.pop(x, None)
+                op = chosen_op(ex, x, want, choice, self._own, self._templates, tuple(ex.operands(want)))
+            else:
+                via[x], self._one[tup] = node, x
+                op = projected_op(ex, x, want, choice, self._own, self._templates, tuple(ex.operands(node)))
             if op.memo and "inner" in op.memo:
-                self._inlined[x] = set(walk(ex.body_classes(*want), lambda b: ex.all_kids(choice[b])))
+                self._inlined[x] = set(walk(ex.body_classes(*node), lambda b: ex.all_kids(choice[b])))
             else:
                 self._inlined.pop(x, None)
             changes[x] = op
