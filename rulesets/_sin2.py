@@ -10,6 +10,12 @@ the CPU (not measured there), and where the program reads ``b x`` or ``sin(b x)`
 a step that JAX differentiated itself, whose backward would compute ``sin`` again beside the kernel's, measured
 0.78x and 0.91x at T=512, 2048). The kernel's forward divides by ``reduce_precision(b)``, so the pattern is not
 found again in its own body.
+
+The rule is ``prefer=True``: its forward is the program's own operations (the ``reduce_precision`` XLA drops), priced
+as they are, so a forward's extraction alone would never take it over the matched form and the joint programs
+would never be compared; preferred, the forward takes it wherever it fires, and ``jax.grad``/``jax.vjp`` of the
+rewritten function keep it only where its joint program is taken over the one without it and JAX's
+(``rewrite.grad.vjp.decided_jointly``).
 """
 
 from __future__ import annotations
@@ -57,7 +63,7 @@ def _seed(x: Any, a: Any) -> Any:
 
 
 derivatives_kernels = Ruleset("derivatives_kernels", [
-    rule(_SIN2_OVER, _sin2_over, name="trig_sin2_over",  # sin(b x)**2 / b -> sin_squared_over(x, b): one sin, one cos
+    rule(_SIN2_OVER, _sin2_over, name="trig_sin2_over", prefer=True,  # sin(b x)**2 / b -> sin_squared_over(x, b)
          example_program=(_seed, (f32(64, 64), f32(64)))),
 ], soundness="identity", tolerance=Tolerance(terms=64), jointly=True,
     description="sin(b x)**2 / b as a kernel whose backward reads one sin and one cos an element")
