@@ -105,7 +105,12 @@ def _run(closed: core.ClosedJaxpr, entries: Sequence[tuple[Rule, Ruleset]], mode
     # a ClosedJaxpr with the same signature: each candidate at most once.
     t = time.perf_counter()
     snap = eg.snapshot()
-    forced = bar_preferred(snap, eg, engine.preferred, model)
+    jointly = {r.name for r, owner in entries if getattr(owner, "jointly", False)}
+    theirs = [n for n in engine.preferred if n.rule in jointly]
+    forced = bar_preferred(snap, eg, [n for n in engine.preferred if n.rule not in jointly], model)
+    # the forward without the jointly rules (``plain``) is read without their bars too: the form one barred is its own
+    unbarred = snap.without(lambda cls, node: False) if plain and theirs else snap
+    forced.update(bar_preferred(snap, eg, theirs, model))
     original = {key for vid in range(program_names) if (key := eg.canonical(snap, vid)) is not None}
     roots = [snap.cls_of_name[o] for o in outs]
     token_root = snap.cls_of_name[token] if token is not None else None
@@ -136,7 +141,7 @@ def _run(closed: core.ClosedJaxpr, entries: Sequence[tuple[Rule, Ruleset]], mode
     result.why = why_chosen(result, ex.lean)
     if plain and result.jointly_chosen:
         t = time.perf_counter()
-        result.plain = plain_program(snap, eg, entries, all_roots, model, original, closed, emit_choice)
+        result.plain = plain_program(unbarred, eg, entries, all_roots, model, original, closed, emit_choice)
         times["plain"] = time.perf_counter() - t
     if not keep:
         eg.release()  # to the pool now, even if something the rewrite made holds the e-graph in a cycle

@@ -153,3 +153,20 @@ def test_declined_off_the_cpu(monkeypatch):
     x, a = jnp.ones((32, 8, 64)), jnp.linspace(0.5, 2.0, 64)
     monkeypatch.setattr(sin2.jax, "default_backend", lambda: "gpu")
     assert _fired(seed, x, a) == 0
+
+
+def test_the_forward_without_the_kernel_is_read_without_its_bar():
+    """The rule is preferred (its forward is priced as the program's own operations, so only a preference puts it
+    in the forward for the joint decision): the matched form is barred in its class, and the forward without the
+    ``jointly`` rules (``Result.plain``, what ``decided_jointly`` takes for the plain candidate) is read with the
+    form back, not from a class left with the kernel alone (before: "extraction found no finite-cost program")."""
+    from rewrite.pipeline import run_pipeline
+
+    x, a = jnp.ones((32, 8, 64)), jnp.linspace(0.5, 2.0, 64)
+    r = rewrite(seed, rulesets=[derivatives])
+    closed = jax.make_jaxpr(seed)(x, a)
+    res = run_pipeline(closed, r.entries, r.cost_model, r.limits, price_input=False, plain=True)
+    assert res.preferred.get("trig_sin2_over") and res.jointly_chosen == {"trig_sin2_over"}
+    assert "custom_vjp_call" in [e.primitive.name for e in res.after.eqns]
+    plain = [e.primitive.name for e in res.plain.eqns]
+    assert "custom_vjp_call" not in plain and {"mul", "sin", "integer_pow", "div"} <= set(plain), plain
