@@ -599,17 +599,17 @@ def test_a_joint_program_priced_as_it_was_chosen_is_not_priced_again(monkeypatch
     where it chose it among others (``grad.uses.joint_as_run``, the loss read: the program itself), and hands that
     price on (``seen``): that program (the same object) is not loaded and priced again (flax_long_context_step: 6
     prices of whole programs there, now 5). Another object, even an equal program, is priced."""
-    from rewrite.grad import vjp
+    from rewrite.grad import decide  # Joint's module, which prices it (rewrite.grad.vjp re-exports Joint)
 
     calls: list = []
-    price = vjp.program_cost
-    monkeypatch.setattr(vjp, "program_cost", lambda closed, model: calls.append(closed) or price(closed, model))
+    price = decide.program_cost
+    monkeypatch.setattr(decide, "program_cost", lambda closed, model: calls.append(closed) or price(closed, model))
     model = default_model()
     program = jax.make_jaxpr(lambda x, g: (jnp.sin(x), g * jnp.cos(x)))(jnp.ones(8), jnp.ones(8))
-    joint = vjp.Joint("the joint", program, model, lambda built: built, [(program, 123.0)])
+    joint = decide.Joint("the joint", program, model, lambda built: built, [(program, 123.0)])
     assert joint.cost == 123.0 and not calls
     again = jax.make_jaxpr(lambda x, g: (jnp.sin(x), g * jnp.cos(x)))(jnp.ones(8), jnp.ones(8))
-    assert vjp.Joint("the joint", again, model, lambda built: built, [(program, 123.0)]).cost == price(again, model)
+    assert decide.Joint("the joint", again, model, lambda built: built, [(program, 123.0)]).cost == price(again, model)
     assert calls == [again]
 
 
