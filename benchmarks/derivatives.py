@@ -58,6 +58,7 @@ from rewrite import AnalyticCost, rewrite
 from rewrite.cost.program import Program
 from rulesets._sincos import stored_sin
 from rulesets.derivatives import derivatives, derivatives_fastmath
+from rulesets.kernels.sin_squared import always_true, interleaved
 
 B, C = 32, 64
 
@@ -150,31 +151,13 @@ def form_complex_exp(x, a, g):
     return _seed_grads(x, a, *_seed_terms(x, a, g, s, jnp.real(e)))
 
 
-def _interleaved(parts):
-    """``parts`` (one shape) as one array with a last axis of ``len(parts)``, built so XLA:CPU stores it once.
-
-    Each part is padded to its own slot and the slots are chosen by a ``select`` on the last axis's index: the
-    ``select`` reads two full-size operands (the pads, not broadcasts), so XLA does not duplicate it into its
-    readers when one of them (the library reduction) cannot take it, and the loop that writes it computes each
-    element's ``sin`` and ``cos`` once for all slots (LLVM vectorises it: ``llvm.sin.v8f32`` and
-    ``llvm.cos.v8f32`` of one argument)."""
-    k, nd = len(parts), parts[0].ndim
-    zero = np.asarray(0, parts[0].dtype)
-    pads = [lax.pad(p[..., None], zero, [(0, 0, 0)] * nd + [(n, k - 1 - n, 0)]) for n, p in enumerate(parts)]
-    slot = lax.broadcasted_iota(np.int32, pads[0].shape, nd)
-    out = pads[-1]
-    for n in range(k - 2, -1, -1):
-        out = lax.select(slot == n, pads[n], out)
-    return out
-
-
 def form_interleaved(x, a, g):
     """``grad x``, ``t * x`` and ``u`` written by one loop as one ``[..., 3]`` array (one ``sin`` and one ``cos``
     an element), ``a``'s sums one library reduction of it over the rows (each sum's own terms, in another order);
     three times JAX's temp memory."""
     ax = a * x
     t, u = _seed_terms(x, a, g, jnp.sin(ax), jnp.cos(ax))
-    y = _interleaved([a * t, t * x, u])
+    y = interleaved([a * t, t * x, u])
     r = y.sum(tuple(range(x.ndim - 1)))
     return y[..., 0], r[:, 1] - r[:, 2]
 
@@ -183,7 +166,7 @@ def form_interleaved_one_sum(x, a, g):
     """``form_interleaved`` with ``a``'s two sums as one (``t * x - u``): two slots, twice JAX's temp memory."""
     ax = a * x
     t, u = _seed_terms(x, a, g, jnp.sin(ax), jnp.cos(ax))
-    y = _interleaved([a * t, t * x - u])
+    y = interleaved([a * t, t * x - u])
     return y[..., 0], y.sum(tuple(range(x.ndim - 1)))[:, 1]
 
 
@@ -200,17 +183,11 @@ def form_blocked(x, a, g, trips: int = 4):
         xb, gb = (lax.dynamic_slice_in_dim(v, i * rows, rows, 0) for v in (xs, gs))
         ab = a * xb
         t, u = _seed_terms(xb, a, gb, jnp.sin(ab), jnp.cos(ab))
-        y = _interleaved([a * t, t * xb - u])
+        y = interleaved([a * t, t * xb - u])
         return lax.dynamic_update_slice_in_dim(gx, y[..., 0], i * rows, 0), acc + y.sum(0)
 
     gx, acc = lax.fori_loop(0, trips, body, (jnp.zeros_like(xs), jnp.zeros((c, 2), x.dtype)))
     return gx.reshape(x.shape), acc[:, 1]
-
-
-def _always_true(v):
-    """A ``bool`` that is true for every ``v`` (the top bit of ``bits(v) >> 1`` is 0) and that XLA does not fold."""
-    b = lax.bitcast_convert_type(v, np.dtype(f"uint{8 * np.dtype(v.dtype).itemsize}"))
-    return lax.shift_right_logical(b, np.asarray(1, b.dtype)) < np.asarray(1 << (8 * b.dtype.itemsize - 1), b.dtype)
 
 
 def form_chained(x, a, g, blocks: int = 0):
@@ -228,10 +205,10 @@ def form_chained(x, a, g, blocks: int = 0):
     for b in range(blocks):
         xb, gb = x[b * rows:(b + 1) * rows], g[b * rows:(b + 1) * rows]
         if b:
-            xb = lax.select(lax.broadcast(_always_true(acc[0, 0]), xb.shape), xb, gb)
+            xb = lax.select(lax.broadcast(always_true(acc[0, 0]), xb.shape), xb, gb)
         ab = a * xb
         t, u = _seed_terms(xb, a, gb, jnp.sin(ab), jnp.cos(ab))
-        y = _interleaved([a * t, t * xb, u])
+        y = interleaved([a * t, t * xb, u])
         gx = lax.dynamic_update_slice_in_dim(gx, y[..., 0], b * rows, 0)
         acc = acc + y.sum(lead)
     return gx, acc[:, 1] - acc[:, 2]
