@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Sequence
 
-from ..cost.measure import Timing, fastest
+from ..cost.measure import fastest
 from ..extract.extract import bounds_memory, fatter
 from ..extract.lean import closed_peaks, peaks_keep_leaner, time_price
 from ..ir.jaxapi import core
@@ -64,6 +64,12 @@ def _taken(a: Joint, b: Joint) -> bool:
     return peaks_keep_leaner(a.cost, a.peak, b.cost, b.peak, a.model, a.time, b.time)
 
 
+def _bounded(model: Any) -> bool:
+    """Whether a joint is held to the one it replaces by memory too: the model bounds memory
+    (``extract.bounds_memory``) and predicts a program's temporaries (``predict_temp_bytes``)."""
+    return bounds_memory(model) and getattr(model, "predict_temp_bytes", None) is not None
+
+
 def held_to_written(rewritten: Sequence[Joint], written: Joint, model: Any) -> tuple[Joint, str]:
     """The joint :func:`decided_jointly` keeps, of one or two rewritten ones and the one as written, and why.
 
@@ -76,7 +82,7 @@ def held_to_written(rewritten: Sequence[Joint], written: Joint, model: Any) -> t
     arrays stream from memory, which the price underrates (``equinox_scan`` at N=1024: 7% cheaper, 179 MiB more,
     as ``AnalyticCost.lean_band_far`` reads it). The one taken replaces JAX's as written so; else the other
     rewritten one where it passes against JAX's, else JAX's."""
-    bounded = bounds_memory(model) and getattr(model, "predict_temp_bytes", None) is not None
+    bounded = _bounded(model)
 
     def held(r: Joint, than: Joint, slack: float = 0.0) -> str:
         """Why ``r`` does not replace ``than``, or "" where it does."""
@@ -118,7 +124,7 @@ def timed(rewritten: Sequence[Joint], written: Joint, model: Any) -> tuple[Joint
     ``written`` and the ``rewritten`` not predicted to hold more than it where the model bounds memory, and why;
     its ``Timing`` is the kept derivative's ``joint.timing``. ``None`` where they cannot be timed (one candidate,
     programs of other inputs, effects, a timing that failed): then prices decide."""
-    bounded = bounds_memory(model) and getattr(model, "predict_temp_bytes", None) is not None
+    bounded = _bounded(model)
     held = [r for r in rewritten if bounded and fatter(r.peak(), written.peak())]
     timed_ = [r for r in rewritten if r not in held] + [written]
     avals = [tuple(j.program.in_avals) for j in timed_]
