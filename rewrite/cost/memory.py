@@ -61,7 +61,7 @@ def liveness_peak(prog: Any, kernels: Sequence[Fusion], inner: Callable[[Any], i
 
 
 def scheduled_peak(prog: Any, kernels: Sequence[Fusion], inner: Callable[[Any], int] | None = None,
-                   below: float = 0.0, scratch: bool = True) -> int:
+                   below: float = 0.0, scratch: bool = True, users: bool = False) -> int:
     """The peak of live temporaries with the kernels run in the order XLA:CPU runs them (:func:`xla_order`), and a
     temporary that dies before an output is written held in that output's allocation, as XLA's buffer assignment
     places it: what ``memory_analysis`` reports, and what the predictions (``AnalyticCost.predict_temp_bytes``)
@@ -78,6 +78,9 @@ def scheduled_peak(prog: Any, kernels: Sequence[Fusion], inner: Callable[[Any], 
     stays under it, so must the peak, and 0 is returned without scheduling (what the fresh charge reads below
     its threshold: ``FusionModel.held_bytes``).
 
+    ``users``: the kernels a kernel makes ready are queued in the order of XLA's list of its users
+    (:func:`_users_rank`), not in the order the fusion pass made them (see :func:`xla_order`).
+
     ``scratch``: whether a library kernel's scratch (``cost/attention.py``'s ``scratch_bytes``: attention's scores in
     its one kernel) is held at that kernel. It is memory the program holds, which ``memory_analysis`` does not
     count; the fresh charge leaves it out, since it is not in the temporaries' allocation (the kernel pays for its
@@ -89,7 +92,7 @@ def scheduled_peak(prog: Any, kernels: Sequence[Fusion], inner: Callable[[Any], 
     held = _held_inside(prog, order, inner, scratch)
     if below and _all_at_once(prog, order, held, *buffers) < below:
         return 0
-    return _peak_in(prog, xla_order(prog, order, *buffers), held, *buffers, in_outputs=True)
+    return _peak_in(prog, xla_order(prog, order, *buffers, users=users), held, *buffers, in_outputs=True)
 
 
 def _all_at_once(prog: Any, kernels: Sequence[Fusion], held: dict, projs: dict, outputs: set, written: set) -> int:
@@ -208,7 +211,8 @@ def _peak_in(prog: Any, order: Sequence[Fusion], held: dict, projs: dict, output
     return peak
 
 
-def xla_order(prog: Any, order: Sequence[Fusion], projs: dict, outputs: set, written: set) -> list[Fusion]:
+def xla_order(prog: Any, order: Sequence[Fusion], projs: dict, outputs: set, written: set,
+              users: bool = False) -> list[Fusion]:
     """The kernels (``order``: in program order) in the order XLA:CPU runs them: breadth first from the program's
     inputs, as its scheduler does, each kernel queued once everything it reads is computed; the inputs first, then
     what each one computed makes ready, in the order XLA's fusion pass made those kernels (:func:`_made_at`; the
@@ -217,9 +221,16 @@ def xla_order(prog: Any, order: Sequence[Fusion], projs: dict, outputs: set, wri
     too. Checked kernel for kernel against the schedules XLA:CPU compiled (``--xla_dump_to``'s live ranges) for JAX's
     VJP of seed 000, its gradients alone, both with ``sin`` stored, and a VJP whose two reductions are merged; on
     the decision corpus's 154 programs (``benchmarks/decisions.py``) the peak so read is within 25% of
-    ``memory_analysis`` on 91 (program order: 88) and says which of a pair holds more on 52 of 71 (48)."""
+    ``memory_analysis`` on 91 (program order: 88) and says which of a pair holds more on 52 of 71 (48).
+
+    XLA:CPU schedules with its ``BFScheduler`` (``--xla_cpu_enable_concurrency_optimized_scheduler``, on by
+    default), not the least-memory of the list, DFS and post-order schedules its other backends try: a FIFO
+    queue seeded with what reads nothing, and a popped instruction's ``users()`` pushed, in that list's order, once
+    they wait for nothing else. With ``users`` the queue follows that list as :func:`_users_rank` replays it;
+    without, the order the fusion pass made the kernels (which agrees with it where each kernel has one reader)."""
     made = _made_at(prog)
     at = _position_of(prog)
+    in_users_order = users
     writer: dict[Any, tuple] = {}  # buffer -> the node of the kernel that writes it
     kernel_nodes = [("kernel", n) for n in range(len(order))]
     for n, k in enumerate(order):
@@ -255,8 +266,8 @@ def xla_order(prog: Any, order: Sequence[Fusion], projs: dict, outputs: set, wri
             op = ops[i]
             if op.prim == "div" and _scaled_by_small(prog, op):
                 node = ("reciprocal", op.args[1])
-                at = (0, made.get(i, inf) + 0.5)
-                nodes[node] = (min(nodes[node][0], at) if node in nodes else at, sources(op.args[1]))
+                then = (0, made.get(i, inf) + 0.5)
+                nodes[node] = (min(nodes[node][0], then) if node in nodes else then, sources(op.args[1]))
                 waits.add(node)
         me = kernel_nodes[n]
         waits.discard(me)
@@ -270,6 +281,7 @@ def xla_order(prog: Any, order: Sequence[Fusion], projs: dict, outputs: set, wri
         for w in waits:
             users[w].append(node)
     key = when.__getitem__
+    rank = _users_rank(prog, order, made, at) if in_users_order else None
     queue = collections.deque(sorted((node for node in nodes if not waiting[node]), key=key))
     out: list[Fusion] = []
     while queue:
@@ -277,7 +289,9 @@ def xla_order(prog: Any, order: Sequence[Fusion], projs: dict, outputs: set, wri
         if node[0] == "kernel":
             out.append(order[node[1]])
         ready = users[node]
-        for u in sorted(ready, key=key) if len(ready) > 1 else ready:
+        if len(ready) > 1:
+            ready = sorted(ready, key=key) if rank is None else sorted(ready, key=lambda u: (rank(node, u), key(u)))
+        for u in ready:
             waiting[u] -= 1
             if not waiting[u]:
                 queue.append(u)
@@ -328,6 +342,76 @@ def _made_at(prog: Any) -> dict:
     last = len(post) - 1
     return {c: last - i for i, c in enumerate(post)}
 
+
+def _users_rank(prog: Any, order: Sequence[Fusion], made: dict, at: Callable[[Any], Any]) -> Callable:
+    """``rank(node, user)``: where kernel ``user`` stands among the readers of ``node`` (an input or a kernel) in
+    XLA's list of its users, which its BFS scheduler walks: a reader is added at the end of the list when it is
+    made, and removed by moving the last reader into its slot. The lists are replayed as XLA's fusion pass makes
+    the kernels: each op's readers in program order, then kernel by kernel (:func:`_made_at`; library kernels
+    last), the root first and its producers after, each fused op's slot taken over (or, for a producer another
+    kernel still reads, the kernel appended)."""
+    ops = prog.ops
+    users: dict[Any, list] = {}
+    for i in sorted((key for key, _ in _items(ops)), key=at):
+        for x in dict.fromkeys(getattr(ops[i], "args", ())):
+            users.setdefault(x, []).append(i)
+    rep: dict[Any, Any] = {}
+
+    def drop(lst: list, u: Any) -> None:
+        j = lst.index(u)
+        last = lst.pop()
+        if j < len(lst):
+            lst[j] = last
+
+    def absorb(i: Any, f: tuple) -> None:
+        mine = users.get(i)
+        if mine and f in mine:
+            drop(mine, f)
+        args = [rep.get(x, x) for x in dict.fromkeys(getattr(ops[i], "args", ()))]
+        for x in args:
+            ux = users.setdefault(x, [])
+            if f not in ux:
+                ux.append(f)
+        if not users.get(i):
+            users.pop(i, None)
+            for x in args:
+                if i in users.get(x, ()):
+                    drop(users[x], i)
+
+    inf = math.inf
+    for k in sorted(order, key=lambda k: (int(k.kind == LIBRARY), made.get(k.root, inf))):
+        f = ("k", k.root)
+        users[f] = users.pop(k.root, [])
+        rep[k.root] = f
+        absorb(k.root, f)
+        for i in sorted((i for i in k.computes if i != k.root), key=at, reverse=True):
+            absorb(i, f)
+    ranks: dict[Any, dict] = {}
+
+    def ranked(x: Any) -> dict:
+        got = ranks.get(x)
+        if got is None:
+            got = ranks[x] = {}
+            seen: set = set()
+            stack = list(reversed(users.get(x, ())))
+            while stack:
+                u = stack.pop()
+                if u in seen:
+                    continue
+                seen.add(u)
+                if isinstance(u, tuple):
+                    got.setdefault(u[1], len(got))
+                else:  # an op outside every kernel (a bitcast, a loop's output): its readers in its place
+                    stack.extend(reversed(users.get(u, ())))
+        return got
+
+    def rank(node: tuple, user: tuple) -> float:
+        if user[0] != "kernel":
+            return inf
+        src = ("k", order[node[1]].root) if node[0] == "kernel" else node[1] if node[0] == "input" else None
+        return inf if src is None else ranked(src).get(order[user[1]].root, inf)
+
+    return rank
 
 #: What an elementwise kernel may compute and still write in place over an operand of its shape.
 _IN_PLACE = frozenset({"elementwise", "transcendental"})
