@@ -435,6 +435,37 @@ def test_a_dynamic_update_slice_writes_its_update_in_place(T):
     assert abs(got - want) <= 0.5 * want, (got / 2 ** 20, want / 2 ** 20)
 
 
+
+def _dense_transposed(w, x, b, v):  # JAX's dense layer under vmap: the product as [out, batch], then transposed
+    return jnp.tanh(jax.lax.dot_general(w, x, (((1,), (1,)), ((), ()))).T + b) @ v
+
+
+def _unit_transposed(x, w, p, v):  # a [1, N] input read as [N, 1]: a transpose of an axis of size 1
+    return jnp.tanh(x @ w + p.T) @ v
+
+
+def _unit_reshaped(x, w, p, v):
+    return jnp.tanh(x @ w + p.reshape(512, 1)) @ v
+
+
+_K = jax.random.split(jax.random.PRNGKey(0), 4)
+
+
+@pytest.mark.parametrize("fn, shapes", [
+    (_dense_transposed, [(256, 32), (512, 32), (256,), (256, 64)]),
+    (_unit_transposed, [(512, 32), (32, 256), (1, 512), (256, 64)]),
+    (_unit_reshaped, [(512, 32), (32, 256), (1, 512), (256, 64)]),
+], ids=["a product transposed", "an axis of size 1 moved", "a bitcast"])
+def test_an_elementwise_kernel_writes_in_place_through_what_xla_reads_as_stored(fn, shapes):
+    """An elementwise kernel writes over an operand of its size that dies there even where it reads it through a
+    transpose XLA does not compute: a product's result transposed (XLA's simplifier folds it into the product,
+    stored as ``[512, 256]``), a transpose that moves only an axis of size 1, a bitcast. XLA holds one
+    ``[512, 256]`` array (524,288 bytes); the model held two (1,048,576) before."""
+    args = [jax.random.normal(k, s) for k, s in zip(_K, shapes)]
+    want = _xla(fn, args)
+    assert want == 512 * 256 * 4
+    assert AnalyticCost().predict_temp_bytes(jax.make_jaxpr(fn)(*args)) == want
+
 def _scheduled(closed, users):
     from rewrite.cost.memory import as_xla_simplifies, scheduled_peak
 

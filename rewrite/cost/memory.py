@@ -40,7 +40,7 @@ from ..ir.jaxapi import scan_counts
 from ..ir.primitives import inner_jaxpr
 from .attention import scratch_bytes
 from .fusion import OVER_BUDGET, Fusion, FusionModel, _out_bytes, _scaled_by_small, _temp, buffer_of, output_buffers
-from .program import LIBRARY, Program
+from .program import LIBRARY, Program, bitcast
 from .simplify import REDUCE_BEFORE_BROADCAST
 
 
@@ -422,7 +422,8 @@ def _shares(prog: Any, k: Fusion, outs: Mapping[int, Any] | None, last: dict, st
     """The buffers kernel ``k`` (at step ``t``) writes into an operand's bytes: (its buffer, the operand).
 
     XLA:CPU lets a loop fusion's output reuse an operand's buffer when the operand has the output's
-    shape, dies at the fusion and is read elementwise; a ``dynamic_update_slice`` writes over its operand's
+    shape, dies at the fusion and is read elementwise (through what XLA reads as stored included:
+    :func:`_read_as_stored`); a ``dynamic_update_slice`` writes over its operand's
     buffer where the operand dies there; a ``scan``/``while`` keeps its carry in one
     buffer, which is its initial value's where that value dies at the loop.
     """
@@ -445,14 +446,47 @@ def _shares(prog: Any, k: Fusion, outs: Mapping[int, Any] | None, last: dict, st
         return [(k.root, a)] if a in step and last.get(a) == t and _same(prog, a, k.root) else found
     if k.kind != "loop" or len(op.out_avals) != 1:
         return found
-    if any(prog.ops[i].family not in _IN_PLACE and prog.ops[i].prim != "broadcast_in_dim" for i in k.computes):
+    ops = prog.ops
+    if any(ops[i].family not in _IN_PLACE and ops[i].prim != "broadcast_in_dim" and not _read_as_stored(prog, ops[i])
+           for i in k.computes):
         return found
     # the first operand in program order: a live program's kernels list their reads in another order
     for a in sorted(dict.fromkeys(buffer_of(prog, a, written) for a in k.reads), key=_position_of(prog)):
-        if a in step and last.get(a) == t and _same(prog, a, k.root):
+        if a in step and last.get(a) == t and (_same(prog, a, k.root) or _transposed_product(prog, a, k.root)):
             found.append((k.root, a))
             break
     return found
+
+
+def _read_as_stored(prog: Any, op: Any) -> bool:
+    """Whether a loop kernel reads through ``op`` as it would read its operand's bytes, so that it can still write
+    in place: a bitcast (``cost/program.py``'s ``bitcast``), a transpose that moves only axes of size 1 (XLA's
+    simplifier makes it a bitcast), or a transpose of a product's result, which XLA's simplifier folds into the
+    product (``transpose(dot(a, b)) -> dot(b, a)``: the product is stored in the transposed order)."""
+    if bitcast(op):
+        return True
+    if op.prim != "transpose" or len(op.in_avals) != 1:
+        return False
+    shape = getattr(op.in_avals[0], "shape", None)
+    perm = op.params.get("permutation")
+    if shape is None or perm is None:
+        return False
+    kept = [a for a in perm if shape[a] != 1]
+    if kept == sorted(kept):
+        return True
+    src = op.args[0] if getattr(op, "args", ()) else None
+    return src is not None and prog.ops[src].prim == "dot_general" and len(shape) == 2
+
+
+def _transposed_product(prog: Any, a: Any, b: Any) -> bool:
+    """Whether ``a`` is a rank-2 product stored as ``b``'s transpose (which XLA stores in ``b``'s order:
+    :func:`_read_as_stored`)."""
+    x, y = prog.ops[a].out_avals, prog.ops[b].out_avals
+    if prog.ops[a].prim != "dot_general" or len(x) != 1 or len(y) != 1:
+        return False
+    shape = tuple(getattr(x[0], "shape", ()))
+    return (len(shape) == 2 and shape[::-1] == tuple(getattr(y[0], "shape", ()))
+            and getattr(x[0], "dtype", None) == getattr(y[0], "dtype", None))
 
 
 def _same(prog: Any, a: Any, b: Any) -> bool:
