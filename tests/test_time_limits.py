@@ -70,6 +70,23 @@ def test_the_time_limit_holds_inside_a_procedure():
     assert report.result.stats["spin"].rejected["out of time"] == 1
 
 
+def test_the_time_limit_inside_a_procedure_warns_at_the_call():
+    """``Limits.seconds`` holds inside a procedure that never ends by itself, and the user of ``rewrite`` is told:
+    one ``RewriteLimitWarning`` naming the time limit, and the program still computes the same values."""
+    spin = Ruleset("spin", [rule(lambda x: jnp.sin(x), _spinning, name="spin")], soundness="identity")
+    f = rewrite(_sin3, rulesets=[spin], limits=Limits(seconds=0.5, rule_share=1.0))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        t = time.perf_counter()
+        out = f(jnp.ones(3))
+        took = time.perf_counter() - t
+    assert took < 0.5 + 1.0  # the limit, and the trace, extraction and emission around it
+    np.testing.assert_allclose(out, _sin3(jnp.ones(3)), rtol=1e-6)
+    said = [str(w.message) for w in caught if w.category is RewriteLimitWarning]
+    assert len(said) == 1 and "time limit" in said[0], said
+    assert f.result(jnp.ones(3)).stats["spin"].rejected["out of time"] == 1
+
+
 def test_a_limit_reached_under_grad_warns():
     import jax
 
@@ -264,15 +281,18 @@ def test_a_vjp_prices_its_snapshot_with_one_extractor(monkeypatch):
 
     made: collections.Counter = collections.Counter()
     passes: collections.Counter = collections.Counter()
+    kept: list = []  # each table counted, held until the end: a freed one's id can name the next one (a flake)
     real_init, real_tree = ex_mod.Extractor.__init__, ex_mod.Extractor.tree
 
     def init(self, snap, model):
         made[id(snap.frozen)] += 1  # the snapshot's tables, whether it is passed itself or by a proxy
+        kept.append(snap.frozen)
         real_init(self, snap, model)
 
     def tree(self, allowed=None):
         if allowed is None and getattr(self, "_tree", None) is None:
             passes[id(self.snap.frozen)] += 1
+            kept.append(self.snap.frozen)
         return real_tree(self, allowed)
 
     monkeypatch.setattr(ex_mod.Extractor, "__init__", init)
