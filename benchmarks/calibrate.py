@@ -801,7 +801,8 @@ SERIAL_BLOCKS = (8192, 1 << 17)
 
 
 def measure_serial_blocks(rounds: int, progress: bool, runs: int = 3) -> dict[str, Any]:
-    """``loop_serial`` as a program pays it: each of :data:`SERIAL_OPS` and ``sin * cos`` timed in loops of
+    """``AnalyticCost.kernel_serial`` (returned as ``loop_serial``): what a program's own loops too small to split
+    pay, not a loop body's (``loop_serial``, :func:`measure_serial`). Each of :data:`SERIAL_OPS` and ``sin * cos`` timed in loops of
     :data:`SERIAL_BLOCKS`'s block, one after another (:func:`_chained`), against one loop of all their elements (split
     across the cores), each net of the same loops with a multiply in place of the operation, interleaved, the least
     over ``runs`` runs of ``rounds`` rounds; ``loop_serial`` is the median over the operations of the blocks' ns per
@@ -950,8 +951,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dot-only", action="store_true",
                     help="measure only the product rates by size (dot_flop, dot_parallel_flop, dot_parallel_at)")
     ap.add_argument("--serial-blocks-only", action="store_true",
-                    help="measure only loop_serial as a program pays it: loops too small to split, run one after "
-                    "another, against one split loop of the same elements (measure_serial_blocks)")
+                    help="measure only kernel_serial: a program's loops too small to split, run one after another, "
+                    "against one split loop of the same elements (measure_serial_blocks)")
     ap.add_argument("--dot-parallel-only", action="store_true",
                     help="measure only the rate of the products XLA:CPU runs on every core, and from what size "
                     "(dot_parallel_flop, dot_parallel_at; the least time of --runs runs, outputs in the cache)")
@@ -1009,7 +1010,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.serial_blocks_only:
         found = measure_serial_blocks(args.rounds, args.progress, max(args.runs, 1))
         print(json.dumps(found, indent=1), file=sys.stderr)
-        _store_only(args, {"loop_serial": found["loop_serial"]}, "serial",
+        _store_only(args, {"kernel_serial": found["loop_serial"]}, "kernel_serial",
                     note=f"python -m benchmarks.calibrate --serial-blocks-only --runs {args.runs} --rounds "
                     f"{args.rounds}: least ns per element of {SERIAL_BLOCKS[1]} elements in chained loops of "
                     f"{SERIAL_BLOCKS[0]} over one split loop: {found.get('ratios')}; stored the median")
