@@ -187,7 +187,8 @@ def test_memory_price_keeps_the_backward_pass_as_small_as_jax():
     full = B * T * C * 4
     # (its loops, 8K elements, run on one core: with their arithmetic priced so, loop_serial, time alone keeps the
     # reductions apart too; the table's prices as measured, on split loops, show the trade)
-    time_only = rewrite(jax_vjp, rulesets=[derivatives], cost_model=AnalyticCost(memory=0.0, loop_serial=1.0))
+    time_only = rewrite(jax_vjp, rulesets=[derivatives], cost_model=AnalyticCost(memory=0.0, loop_serial=1.0,
+                                                                                     kernel_serial=1.0))
     default = rewrite(jax_vjp, rulesets=[derivatives])
     assert temp(time_only) >= 2 * full
     assert temp(default) <= temp(jax_vjp) < 2 * full

@@ -321,7 +321,7 @@ class AnalyticCost(CostModel):
     loop_serial: float = dataclasses.field(default_factory=lambda: _table().get("loop_serial", 1.0))
     #: ``loop_serial`` for the program's own loop kernels (the fusion model's), where a loop body's operations pay
     #: ``loop_serial``; either is paid by transcendentals only (``fusion.light_share``). Measured apart
-    #: (``calibrate.py --serial-blocks-only``: 32 loops of 8K run one after another against one split loop of 128K,
+    #: (``calibrate.py --serial-blocks-only``: 16 loops of 8K run one after another against one split loop of 128K,
     #: sin 1.11, cos 1.05, sin * cos 1.02x, load 5.5), where a ``cos`` in a scan's trips paid 1.94-2.08x (load 3) and
     #: seed 000's kernel (its blocks' slot arrays of 6K-24K elements) ran at 1.5x JAX's VJP, priced 0.9x at 1.865.
     #: The table's ``kernel_serial``; ``None`` (where it has none): ``loop_serial``.
