@@ -82,10 +82,10 @@ def test_memory_budget_picks_the_fastest_program_that_fits():
     # a budget of one and a half keeps it to one, whatever the time.
     full = B * T * C * 4
     # (at the table's prices as measured, on loops split across the cores: its loops, 8K elements, run on one, and
-    # with their arithmetic priced so, loop_serial and kernel_serial, time alone keeps the reductions apart too)
-    serial_off = dict(memory=0.0, loop_serial=1.0, kernel_serial=1.0)
-    time_only = rewrite(jax_vjp, rulesets=[derivatives], cost_model=AnalyticCost(**serial_off))
-    budget = rewrite(jax_vjp, rulesets=[derivatives], cost_model=AnalyticCost(memory_budget=1.5 * full, **serial_off))
+    # with their arithmetic priced so, loop_serial, time alone keeps the reductions apart too)
+    time_only = rewrite(jax_vjp, rulesets=[derivatives], cost_model=AnalyticCost(memory=0.0, loop_serial=1.0))
+    budget = rewrite(jax_vjp, rulesets=[derivatives],
+                     cost_model=AnalyticCost(memory=0.0, memory_budget=1.5 * full, loop_serial=1.0))
     assert _xla(time_only, ARGS) >= 2 * full
     assert _xla(budget, ARGS) <= 1.5 * full
     np.testing.assert_allclose(jax.jit(budget)(*ARGS)[1], jax_vjp(*ARGS)[1], rtol=2e-5)
