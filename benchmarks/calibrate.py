@@ -776,68 +776,6 @@ def measure_serial(rounds: int, progress: bool, runs: int = 1) -> dict[str, Any]
     return {"loop_parallel_at": at, "loop_serial": max(statistics.median(ratios.values()), 1.0), "ratios": ratios}
 
 
-def _chained(f: Callable, n: int, block: int) -> Callable:
-    """``f`` over ``n`` elements in blocks of ``block``, each block's input read through the last block's first
-    result (:func:`rulesets.kernels.sin_squared.always_true`, true, not folded): XLA runs the blocks one after
-    another, each a loop too small to split, as the seed 000 kernel's backward runs its blocks."""
-    from rulesets.kernels.sin_squared import always_true
-
-    def program(x: jax.Array) -> jax.Array:
-        out, last = [], None
-        for j in range(n // block):
-            xb = lax.slice_in_dim(x, j * block, (j + 1) * block)
-            if last is not None:
-                xb = lax.select(lax.broadcast(always_true(last), xb.shape), xb, -xb)
-            y = f(xb)
-            last = y[0]
-            out.append(y)
-        return jnp.concatenate(out)
-    return program
-
-
-#: What :func:`measure_serial_blocks` chains: a loop of ``SERIAL_BLOCKS[1]`` elements in blocks of ``[0]``, one
-#: core each (under ``loop_parallel_at``), against one loop of all of them, which XLA:CPU splits.
-SERIAL_BLOCKS = (8192, 1 << 17)
-
-
-def measure_serial_blocks(rounds: int, progress: bool, runs: int = 3) -> dict[str, Any]:
-    """``AnalyticCost.kernel_serial`` (returned as ``loop_serial``): what a program's own loops too small to split
-    pay, not a loop body's (``loop_serial``, :func:`measure_serial`). Each of :data:`SERIAL_OPS` and ``sin * cos`` timed in loops of
-    :data:`SERIAL_BLOCKS`'s block, one after another (:func:`_chained`), against one loop of all their elements (split
-    across the cores), each net of the same loops with a multiply in place of the operation, interleaved, the least
-    over ``runs`` runs of ``rounds`` rounds; ``loop_serial`` is the median over the operations of the blocks' ns per
-    element over the split loop's. Where :func:`measure_serial` compares a loop of half ``loop_parallel_at`` with the
-    4M elements the table's prices are measured on, each alone, this compares what the model compares: the small
-    loops one program runs against the split loop of another program over the same elements."""
-    at = parallel_at()["loop_parallel_at"]
-    block, n = SERIAL_BLOCKS
-    if not math.isfinite(at) or block >= at or n < at:
-        return {"loop_parallel_at": at, "loop_serial": 1.0}
-    x = jax.random.normal(jax.random.PRNGKey(0), (n,), jnp.float32) * 1.5
-    ops = {**{op: ELEMENTWISE[op][0] for op in SERIAL_OPS}, "sincos": lambda x: jnp.sin(x) * jnp.cos(x)}
-    progs = {"whole": lambda x: x * 1.5 + 1.0, "blocks": _chained(lambda x: x * 1.5 + 1.0, n, block)}
-    for op, f in ops.items():
-        progs[f"whole {op}"] = lambda x, f=f: f(x) + 1.0
-        progs[f"blocks {op}"] = _chained(lambda x, f=f: f(x) + 1.0, n, block)
-    compiled = {k: jax.jit(f).lower(x).compile() for k, f in progs.items()}
-    inner = {}
-    for k, c in compiled.items():
-        for _ in range(2):
-            _run_once(c, (x,), 1)
-        inner[k] = max(1, int(0.01 / max(_run_once(c, (x,), 1), 1e-6)))
-    least = dict.fromkeys(compiled, math.inf)
-    for _ in range(runs * rounds):
-        for k, c in compiled.items():
-            least[k] = min(least[k], _run_once(c, (x,), inner[k]))
-    net = {k: max(least[k] - least[k.split()[0]], 1e-12) / n * 1e9 for k in least if " " in k}
-    ratios = {op: net[f"blocks {op}"] / net[f"whole {op}"] for op in ops}
-    if progress:
-        print("least ns per element, split loop / blocks: "
-              + ", ".join(f"{op} {net[f'whole {op}']:.2f} / {net[f'blocks {op}']:.2f}" for op in ops), file=sys.stderr)
-    return {"loop_parallel_at": at, "loop_serial": max(statistics.median(ratios.values()), 1.0),
-            "ratios": {op: round(r, 3) for op, r in ratios.items()}}
-
-
 #: Products timed by ``measure_dot_sizes``: (batch, M, K, N), row-major ``[M, K] x [K, N]`` (the library path), from
 #: 8M to 2G flops; attention's block products among them (``[2, 4]`` heads, head width 64).
 DOT_SIZES = ((8, 128, 64, 256), (8, 256, 64, 256), (8, 512, 64, 128), (8, 512, 64, 256), (8, 512, 256, 64),
@@ -845,9 +783,8 @@ DOT_SIZES = ((8, 128, 64, 256), (8, 256, 64, 256), (8, 512, 64, 128), (8, 512, 6
              (8, 2048, 64, 512), (8, 2048, 64, 1024), (1, 1024, 1024, 1024), (1, 2048, 512, 2048))
 
 
-def _dot_seconds(shapes: Any, rounds: int, least: bool = False) -> dict[Any, float]:
-    """Seconds per call of each product, the median of ``rounds`` interleaved runs after a warm-up (``least``: the
-    fastest, the run least disturbed by other users of the cores)."""
+def _dot_seconds(shapes: Any, rounds: int) -> dict[Any, float]:
+    """Seconds per call of each product, the median of ``rounds`` interleaved runs after a warm-up."""
     key = jax.random.PRNGKey(0)
     progs = {}
     for b, m, k, n in shapes:
@@ -864,7 +801,7 @@ def _dot_seconds(shapes: Any, rounds: int, least: bool = False) -> dict[Any, flo
     for _ in range(rounds):
         for s, (c, a) in progs.items():
             times[s].append(_run_once(c, a, inner[s]))
-    return {s: (min(t) if least else statistics.median(t)) for s, t in times.items()}
+    return {s: statistics.median(t) for s, t in times.items()}
 
 
 def fit_dot_sizes(flops_seconds: dict[float, float]) -> dict[str, float]:
@@ -905,34 +842,6 @@ def measure_dot_sizes(rounds: int, progress: bool) -> dict[str, float]:
     return fit_dot_sizes({f: statistics.median(t) for f, t in by_flops.items()})
 
 
-#: A product whose output is at most this many bytes: its time is its flops, not its output's traffic to memory
-#: (which ``AnalyticCost.spilled`` prices apart); ``measure_dot_parallel`` fits its rates on these only.
-DOT_IN_CACHE = 8 << 20
-
-
-def measure_dot_parallel(rounds: int, progress: bool, runs: int = 3) -> dict[str, Any]:
-    """The product rate from the size at which XLA:CPU runs a product on every core (``dot_parallel_at``,
-    ``dot_parallel_flop``), measured where the other core is free: the :data:`DOT_SIZES` whose output stays in the
-    cache (:data:`DOT_IN_CACHE`), timed interleaved ``runs`` times, each product's least time over the runs and
-    rounds (as :func:`measure_ops` takes its prices: with the cores busy a large product runs at the one-core rate,
-    and the median reads the load), fitted by :func:`fit_dot_sizes`. ``dot_flop`` is returned as ``one_core``, for
-    the note: the table's own is kept (the model's every product below the size is priced by it)."""
-    shapes = [s for s in DOT_SIZES if 4 * s[0] * s[1] * s[3] <= DOT_IN_CACHE]
-    least: dict[Any, float] = {}
-    for _ in range(runs):
-        for s, t in _dot_seconds(shapes, max(rounds, 5), least=True).items():
-            least[s] = min(t, least.get(s, math.inf))
-    flops = {s: 2.0 * s[0] * s[1] * s[2] * s[3] for s in least}
-    gflops = {str(s): round(flops[s] / least[s] / 1e9) for s in sorted(least, key=flops.get)}
-    if progress:
-        print(f"GFLOP/s, least over {runs} runs: {gflops}", file=sys.stderr)
-    by_flops: dict[float, list[float]] = {}
-    for s, t in least.items():
-        by_flops.setdefault(flops[s], []).append(t)
-    fit = fit_dot_sizes({f: statistics.median(t) for f, t in by_flops.items()})
-    return {**fit, "gflops": gflops}
-
-
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=9)
@@ -950,12 +859,6 @@ def main(argv: list[str] | None = None) -> None:
                     help="measure only the last-level cache's size and price (CPU), and store them in its table")
     ap.add_argument("--dot-only", action="store_true",
                     help="measure only the product rates by size (dot_flop, dot_parallel_flop, dot_parallel_at)")
-    ap.add_argument("--serial-blocks-only", action="store_true",
-                    help="measure only kernel_serial: a program's loops too small to split, run one after another, "
-                    "against one split loop of the same elements (measure_serial_blocks)")
-    ap.add_argument("--dot-parallel-only", action="store_true",
-                    help="measure only the rate of the products XLA:CPU runs on every core, and from what size "
-                    "(dot_parallel_flop, dot_parallel_at; the least time of --runs runs, outputs in the cache)")
     ap.add_argument("--parallel-only", action="store_true",
                     help="read only from what size and into how many parts XLA:CPU splits a loop across the cores "
                          "(loop_parallel_at, loop_parallel: from the compiled program, nothing timed); printed, "
@@ -1006,24 +909,6 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.dot_only:
         _store_only(args, measure_dot_sizes(args.rounds, args.progress), "dot")
-        return
-    if args.serial_blocks_only:
-        found = measure_serial_blocks(args.rounds, args.progress, max(args.runs, 1))
-        print(json.dumps(found, indent=1), file=sys.stderr)
-        _store_only(args, {"kernel_serial": found["loop_serial"]}, "kernel_serial",
-                    note=f"python -m benchmarks.calibrate --serial-blocks-only --runs {args.runs} --rounds "
-                    f"{args.rounds}: least ns per element of {SERIAL_BLOCKS[1]} elements in chained loops of "
-                    f"{SERIAL_BLOCKS[0]} over one split loop: {found.get('ratios')}; stored the median")
-        return
-    if args.dot_parallel_only:
-        found = measure_dot_parallel(args.rounds, args.progress, max(args.runs, 1))
-        print(json.dumps(found, indent=1), file=sys.stderr)
-        if "dot_parallel_at" not in found:
-            raise SystemExit("no faster rate for large products measured (the other core busy?): nothing stored")
-        _store_only(args, {k: found[k] for k in ("dot_parallel_at", "dot_parallel_flop")}, "dot_parallel",
-                    note=f"python -m benchmarks.calibrate --dot-parallel-only --runs {args.runs} --rounds "
-                    f"{args.rounds}: least GFLOP/s by product (batch, M, K, N): {found['gflops']}; one-core rate "
-                    f"fitted {found['dot_flop']:.4g} ns/flop (the table's dot_flop kept)")
         return
     if args.parallel_only:
         # Printed, never stored: with the split priced, the model chose the vectorised seed 001 over its accumulator

@@ -118,17 +118,6 @@ def test_the_rule_fires_on_seed_000_and_the_gradient_runs_the_kernel():
     np.testing.assert_array_equal(_bits(grads[0]), _bits(want[0]))
 
 
-@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU's table")
-@pytest.mark.parametrize("T", [64, 128])
-def test_the_machine_table_keeps_the_kernel_where_its_small_blocks_ran_faster(T):
-    # x of (32, T, 64): 32 blocks of 4K-8K elements, slot arrays of 12K-24K, under loop_parallel_at. Timed against
-    # JAX's VJP (benchmarks/results/log.md, h-rate): the kernel 1.50x / 1.57x (load 1.5-2), 1.10x / 1.58x (load 3.5),
-    # where the joint decision kept JAX's stored-sin pullback, priced with the blocks' whole work at loop_serial (1.865)
-    x, a = (jnp.asarray(v, jnp.float32) for v in _args("float32", (32, T, 64))[:2])
-    built = rewrite(seed, rulesets=[derivatives]).grad_result(x, a)
-    assert built.decided.startswith("kept the forward rewritten with trig_sin2_over"), built.decided
-
-
 def test_jvp_of_the_rewritten_function_is_the_program_s():
     x, a, g = (jnp.asarray(v, jnp.float32) for v in _args("float32", (32, 8, 64)))
     r = rewrite(seed, rulesets=[derivatives])

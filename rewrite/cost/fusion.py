@@ -67,7 +67,7 @@ from .program import (ATTENTION, LEAF, LIBRARY, LOOP, OTHER, REDUCE, TIEBREAK, V
                       bitcast)
 from .simplify import folded_reduction
 from .spill import spilled as _spilled
-from .transcendental import SHARED, SHARED_ACROSS, add_shared, chained, light_share, shared_across, shared_group
+from .transcendental import SHARED, SHARED_ACROSS, add_shared, chained, shared_across, shared_group
 
 
 #: What a program over the memory budget pays, plus this per byte over: more than any program's time.
@@ -425,7 +425,7 @@ class FusionModel:
         share = 4 if kind == LIBRARY and self.library_op is not None else 5
         par = self.parallel_share(root_op, kind)
         work = cost if par == 1.0 else 0.0  # (summed as before where the term is off: equal prices stay equal)
-        reduced = light = 0.0  # where ``par`` scales the rest: a reduction's share, others' than transcendentals'
+        reduced = 0.0  # a reduction's share where ``par`` scales the rest: its price is measured on one core
         for i, f in zip(comp, found):
             if f[2]:
                 sincos.setdefault((f[2], ops[i].args[0]), set()).add(ops[i].prim)
@@ -435,14 +435,12 @@ class FusionModel:
                     work += f[3]
                 else:
                     reduced += f[3]
-            elif par != 1.0 and ops[i].family != _primitives.TRANSCENDENTAL:
-                light += f[share]
             else:
                 work += f[share]
         work = add_shared(work, self, ops, sincos)
         if self.chain and kind in (LOOP, REDUCE):
             work += self.chain * chained(self, prog, inside)
-        cost = work if par == 1.0 else cost + par * work + light_share(par) * light + reduced
+        cost = work if par == 1.0 else cost + par * work + reduced
         cost += self.byte * (sum(facts(ops[a], prog)[6] if a in whole else min(facts(ops[a], prog)[6], sliced[a])
                                  for a in reads if ops[a].out_avals)
                              + facts(root_op, prog)[8])
@@ -455,7 +453,7 @@ class FusionModel:
         """What a kernel's elementwise work costs, as a multiple of its per-element prices: ``parallel`` for a loop
         kernel (one that reduces too) of ``parallel_at`` elements or more (XLA:CPU splits one that large across the
         cores), ``serial`` for a smaller one (which runs on one core, where the prices were measured on split loops:
-        ``AnalyticCost.kernel_serial``); 1 for other kernels. A reduction in the loop is priced as measured."""
+        ``AnalyticCost.loop_serial``); 1 for other kernels. A reduction in the loop is priced as measured."""
         if (self.parallel == 1.0 and self.serial == 1.0) or kind not in (LOOP, REDUCE) or not root.out_avals:
             return 1.0
         # a loop that reduces runs over its operand's elements

@@ -18,7 +18,7 @@ from .attention import SOFTMAX_OPS, scores_bytes
 from .fusion import TIEBREAK, Fusion, FusionModel, _temp, buffer_of, output_buffers, slices
 from .program import ATTENTION, LEAF, LIBRARY, LOOP, OTHER, REDUCE, VIEW, Op, _kind, bitcast
 from .simplify import folded_reduction
-from .transcendental import SHARED_ACROSS, add_shared, chained, light_share, shared_across
+from .transcendental import SHARED_ACROSS, add_shared, chained, shared_across
 
 
 class LiveFusion:
@@ -312,7 +312,7 @@ class LiveFusion:
         had = k.ops
         touched: set = set()
         edges, sincos = k.edges, k.sincos
-        tiebreak, work, reduced, light = k.tiebreak, k.work, k.reduced, k.light
+        tiebreak, work, reduced = k.tiebreak, k.work, k.reduced
         # Only ops that joined or left a kernel, or changed, can be counted wrong (a fresh kernel: all of them).
         if had:
             came = []
@@ -345,8 +345,6 @@ class LiveFusion:
             else:
                 if (x == r and reducing) or f[7]:
                     reduced += sign * f[3]  # apart: a loop's share (parallel_share) scales only the rest
-                elif op.family != _primitives.TRANSCENDENTAL:
-                    light += sign * f[share]  # apart: the serial rate is the transcendentals' (light_share)
                 else:
                     work += sign * f[share]
             for a in set(op.args):
@@ -360,7 +358,7 @@ class LiveFusion:
                     k.slice_bytes[a] = k.slice_bytes.get(a, 0) + sign * f[6]
                 touched.add(a)
             touched.add(x)
-        k.tiebreak, k.work, k.reduced, k.light = tiebreak, work, reduced, light
+        k.tiebreak, k.work, k.reduced = tiebreak, work, reduced
         touched.update(x for x in changes if x in edges)  # a read op that became a literal, or stopped being one
         reads = k.reads
         for a in touched:
@@ -385,12 +383,12 @@ class LiveFusion:
         chain = (model.chain * chained(model, self, members)
                  if model.chain and k.transcendentals >= 2 and kind in (LOOP, REDUCE) else 0.0)
         if par == 1.0:
-            cost += k.work + k.light + k.reduced
+            cost += k.work + k.reduced
             cost = add_shared(cost, model, ops, sincos)
             if chain:
                 cost += chain
         else:
-            cost += par * (add_shared(k.work, model, ops, sincos) + chain) + light_share(par) * k.light + k.reduced
+            cost += par * (add_shared(k.work, model, ops, sincos) + chain) + k.reduced
         cost += model.byte * (k.read_bytes + facts(ops[r], self)[8])
         if model.spill:
             cost += k.read_spilled + facts(ops[r], self)[10]
@@ -462,15 +460,14 @@ class LiveFusion:
 class _KernelSums:
     """What :meth:`LiveFusion._kernel` keeps of one kernel between prices."""
 
-    __slots__ = ("kind", "ops", "tiebreak", "work", "light", "reduced", "sincos", "transcendentals", "edges", "reads",
+    __slots__ = ("kind", "ops", "tiebreak", "work", "reduced", "sincos", "transcendentals", "edges", "reads",
                  "read_bytes", "spilled", "read_spilled", "slice_edges", "slice_bytes")
 
     def __init__(self, kind: str) -> None:
         self.kind = kind
         self.ops: dict[Any, Op] = {}        # each member, with the op it was counted with
         self.tiebreak = 0.0
-        self.work = 0.0                     # the transcendentals' shares (all, where the term is off)
-        self.light = 0.0                    # the other operations' (fusion.light_share)
+        self.work = 0.0
         self.reduced = 0.0                  # the reductions' shares (apart from ``work``, which a loop's share scales)
         self.sincos: dict[tuple, dict[str, int]] = {}  # (SHARED group, argument) -> its members here, counted
         self.transcendentals = 0            # members of the transcendental family (transcendental.chained)

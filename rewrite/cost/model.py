@@ -312,20 +312,13 @@ class AnalyticCost(CostModel):
     #: split loops (``benchmarks/calibrate.py``'s 4M elements), so an elementwise operation in a smaller loop is priced
     #: at ``loop_serial`` times them (``calibrate.py --serial-only``, timed on a quiet machine: 1.8 on these two cores;
     #: ``scan_seed_hand_vectorised``: one ``cos`` over 2M elements at 4.2 ns each, 64 loop trips of 32K at 7.5), in
-    #: the node price of a loop body's operations (the fusion model's kernels: ``kernel_serial``). ``loop_parallel``
-    #: prices a split loop's work at that share of the table's instead (the tables leave it at 1: priced so, with loop
-    #: bodies at 1, seed 001's accumulator lost to its vectorised form at the demo's size, ``tests/test_scan.py``).
-    #: Both off (1) where the table has no ``loop_parallel_at``.
+    #: the fusion model's kernels and in the node price of a loop body's operations. ``loop_parallel`` prices a split
+    #: loop's work at that share of the table's instead (the tables leave it at 1: priced so, with loop bodies at 1,
+    #: seed 001's accumulator lost to its vectorised form at the demo's size, ``tests/test_scan.py``). Both off (1)
+    #: where the table has no ``loop_parallel_at``.
     loop_parallel: float = dataclasses.field(default_factory=lambda: _table().get("loop_parallel", 1.0))
     loop_parallel_at: float = dataclasses.field(default_factory=lambda: _table().get("loop_parallel_at", math.inf))
     loop_serial: float = dataclasses.field(default_factory=lambda: _table().get("loop_serial", 1.0))
-    #: ``loop_serial`` for the program's own loop kernels (the fusion model's), where a loop body's operations pay
-    #: ``loop_serial``; either is paid by transcendentals only (``fusion.light_share``). Measured apart
-    #: (``calibrate.py --serial-blocks-only``: 16 loops of 8K run one after another against one split loop of 128K,
-    #: sin 1.11, cos 1.05, sin * cos 1.02x, load 5.5), where a ``cos`` in a scan's trips paid 1.94-2.08x (load 3) and
-    #: seed 000's kernel (its blocks' slot arrays of 6K-24K elements) ran at 1.5x JAX's VJP, priced 0.9x at 1.865.
-    #: The table's ``kernel_serial``; ``None`` (where it has none): ``loop_serial``.
-    kernel_serial: float | None = dataclasses.field(default_factory=lambda: _table().get("kernel_serial"))
     #: a loop kernel in which a transcendental reads another's result (``log(2 cosh(x))``) pays ``chain`` times the
     #: prices of the dearest such chain more: each waits for the other's latency (``benchmarks/calibrate.py
     #: --chain-only``; ``rewrite/cost/transcendental.py``'s ``chained``). The table's, where measured; else 0.
@@ -421,9 +414,8 @@ class AnalyticCost(CostModel):
     def _pointwise(self, n: NodeInfo) -> float:
         per = self.elementwise(ns_key(n.op, n.out_avals), n.family, n.params)
         elems = sum(size(a) for a in n.out_avals)
-        if self.loop_serial != 1.0 and elems < self.loop_parallel_at and n.family == _primitives.TRANSCENDENTAL:
-            per *= self.loop_serial  # a loop too small to split: one core (a loop body's operations are priced here;
-            # the cheap ones run from the cache no slower: ``fusion.light_share``)
+        if self.loop_serial != 1.0 and elems < self.loop_parallel_at:
+            per *= self.loop_serial  # a loop too small to split: one core (a loop body's operations are priced here)
         return self.node + per * elems
 
     def _layout(self, n: NodeInfo) -> float:
@@ -505,8 +497,7 @@ class AnalyticCost(CostModel):
                          budget=self.memory_budget, fresh=self.fresh, fresh_at=self.fresh_at,
                          held=functools.partial(scheduled_peak, scratch=False),
                          parallel=self.loop_parallel, parallel_at=self.loop_parallel_at, chain=self.chain,
-                         serial=self.loop_serial if self.kernel_serial is None else self.kernel_serial,
-                         loop_launch=self.loop_launch, loop_library=self.loop_launch_library,
+                         serial=self.loop_serial, loop_launch=self.loop_launch, loop_library=self.loop_launch_library,
                          loop_split=self.loop_split,
                          while_trips=self.while_trips,
                          kernel_product=(self._kernel_product if self.attention_dot != self.dot

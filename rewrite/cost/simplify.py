@@ -13,7 +13,6 @@ from __future__ import annotations
 from typing import Any, Container
 
 from .program import LIBRARY, _size
-from .transcendental import light_share
 
 #: The reductions XLA's algebraic simplifier moves before a broadcast they read.
 REDUCE_BEFORE_BROADCAST = frozenset({"reduce_sum", "reduce_max", "reduce_min"})
@@ -52,4 +51,4 @@ def folded_reduction(model: Any, prog: Any, r: Any, kind: str, inside: Container
     share = 4 if kind == LIBRARY and model.library_op is not None else 5
     facts = model._facts
     kept = 0.0 if literal else _size(src.in_avals[0]) * model.reduce
-    return facts(root, prog)[3] - kept + light_share(model.parallel_share(root, kind)) * facts(src, prog)[share]
+    return facts(root, prog)[3] - kept + model.parallel_share(root, kind) * facts(src, prog)[share]

@@ -124,15 +124,3 @@ def chained(model: Any, prog: Any, inside: Container[Any] | Iterable[Any]) -> fl
         return best[i]
 
     return max((p for p, n in map(chain_to, trans) if n >= 2), default=0.0)
-
-
-def light_share(par: float) -> float:
-    """What a loop kernel's operations other than transcendentals pay, as a multiple of their per-element prices,
-    where its transcendentals pay ``par`` (:meth:`FusionModel.parallel_share`): a split loop's share, but never the
-    serial rate of a loop too small to split. That rate is measured on transcendentals (``benchmarks/calibrate.py``'s
-    ``SERIAL_OPS``: a ``cos`` in a scan's trips of 4K-16K elements costs 1.94-2.08x its split loop's, load 3); the
-    cheap operations of such a loop run from the cache, and measured no slower than in a split loop streamed from
-    memory (eight multiply-adds and a select: 0.09-0.84x; ``benchmarks/results/log.md``, h-rate). Priced at it, seed
-    000's kernel (its blocks' slot arrays, 6K-24K elements of products, pads and selects beside one ``sin`` and one
-    ``cos``) was declined at T=64 and 128, where it ran 1.5x JAX's VJP."""
-    return min(par, 1.0)
