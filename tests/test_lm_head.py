@@ -325,8 +325,8 @@ def test_under_vmap_and_jit():
 def test_a_flax_language_model_training_step():
     """A small flax transformer LM (embedding, causal self-attention, MLP, a Dense head with bias over 8192
     tokens): its loss rewritten, then differentiated in an SGD step, gives the original step's loss and new
-    parameters. The rewrite acts on the loss: a program already differentiated reads the logits in its
-    backward, and there the head is kept (the second half of this test)."""
+    parameters. A program already differentiated reads the logits in its backward: rewritten, it holds no more than
+    JAX's gradient and gives its values (the second half of this test)."""
     flax_nn = pytest.importorskip("flax.linen")
     vocab, width = 8192, 64
 
@@ -364,9 +364,16 @@ def test_a_flax_language_model_training_step():
     close(v1, v0, *TOLERANCE["float32"])
     for a, b in zip(jax.tree_util.tree_leaves(p1), jax.tree_util.tree_leaves(p0)):
         close(a, b, *TOLERANCE["float32"])
-    # differentiated first, rewritten after: the backward reads the logits, so the head is kept
-    after = explain(jax.grad(loss), params, tokens, rulesets=[NN])
-    assert not blocked(after)
+    # differentiated first, rewritten after: the backward reads the logits, which stay; whether the normaliser is
+    # also taken by blocks there moves with the memory model (it is since the in-place fix of 2026-12-01: the same
+    # 26.6 MB of temporaries as without, 2.5-2.8x JAX's gradient either way), so what is held is what it holds
+    grad = jax.grad(loss)
+    rewritten = rewrite(grad, rulesets=[NN])
+    temp = [jax.jit(f).lower(params, tokens).compile().memory_analysis().temp_size_in_bytes for f in (grad, rewritten)]
+    assert temp[1] <= temp[0], temp
+    for a, b in zip(jax.tree_util.tree_leaves(jax.jit(rewritten)(params, tokens)),
+                    jax.tree_util.tree_leaves(grad(params, tokens))):
+        close(a, b, *TOLERANCE["float32"])
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
