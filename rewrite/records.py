@@ -11,6 +11,7 @@ import collections.abc
 import contextlib
 import contextvars
 import dataclasses
+import threading
 import time
 from typing import Any, Iterator
 
@@ -113,38 +114,41 @@ class Budget:
     ...     b.record(given, 1.01, "time limit")
     >>> given <= 1.0, b.ran_out, b.passes[0][0]
     (True, True, 'forward')
-    >>> b.allow(20.0) == FLOOR
+    >>> Budget(0.0).allow(20.0) == FLOOR  # spent: a later saturation still gets the floor
     True
     """
 
     def __init__(self, seconds: float) -> None:
         self.seconds = seconds
-        self.spent = 0.0  # inside spending(), outermost only
+        self.spent = 0.0  # while nothing is inside spending()
         self.passes: list[tuple[str, float, float, str]] = []
         self.told = False  # its time limit was said to the user (once a rewrite: :meth:`tell`)
-        self._since: float | None = None
-        self._what = "the program"
+        self._inside = 0  # spending() blocks open, in any thread: the wall time they cover is counted once
+        self._since = 0.0
+        self._lock = threading.Lock()
 
     @contextlib.contextmanager
     def spending(self, what: str | None = None) -> Iterator["Budget"]:
         """Count the time inside as spent, and make this budget the one saturations read (:func:`budget_now`);
-        ``what`` names the saturations inside (``passes``). Nested calls count once."""
-        outer, was = self._since is None, self._what
-        if outer:
-            self._since = time.perf_counter()
-        self._what = what or was
-        token = _BUDGET.set(self)
+        ``what`` names the saturations inside (``passes``). Nested calls, and calls in other threads at the same
+        time (a signature's VJP and JVP built at once), count the time once."""
+        with self._lock:
+            if not self._inside:
+                self._since = time.perf_counter()
+            self._inside += 1
+        tokens = _BUDGET.set(self), _STAGE.set(what or _STAGE.get())
         try:
             yield self
         finally:
-            _BUDGET.reset(token)
-            self._what = was
-            if outer:
-                self.spent += time.perf_counter() - self._since
-                self._since = None
+            _BUDGET.reset(tokens[0])
+            _STAGE.reset(tokens[1])
+            with self._lock:
+                self._inside -= 1
+                if not self._inside:
+                    self.spent += time.perf_counter() - self._since
 
     def left(self) -> float:
-        running = time.perf_counter() - self._since if self._since is not None else 0.0
+        running = time.perf_counter() - self._since if self._inside else 0.0
         return self.seconds - self.spent - running
 
     def allow(self, seconds: float) -> float:
@@ -152,7 +156,7 @@ class Budget:
         return min(seconds, max(self.left(), FLOOR))
 
     def record(self, given: float, took: float, stopped: str) -> None:
-        self.passes.append((self._what, given, took, stopped))
+        self.passes.append((_STAGE.get(), given, took, stopped))
 
     @property
     def ran_out(self) -> bool:
@@ -176,6 +180,7 @@ class Budget:
 
 
 _BUDGET: contextvars.ContextVar[Budget | None] = contextvars.ContextVar("rewrite_budget", default=None)
+_STAGE: contextvars.ContextVar[str] = contextvars.ContextVar("rewrite_stage", default="the program")
 
 
 def budget_now() -> Budget | None:

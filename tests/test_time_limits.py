@@ -177,6 +177,27 @@ def test_a_rewrite_far_under_its_limit_records_each_saturation():
     assert 19.0 < second < first <= 20.0 and second <= 20.0 - took
 
 
+def test_a_budget_counts_time_spent_in_two_threads_at_once_once():
+    """A signature's VJP and JVP may be built in two threads at once: the budget counts the wall time either is
+    inside it, once (not the first block's alone, nor the two added)."""
+    import threading
+
+    from rewrite.records import Budget
+
+    budget = Budget(10.0)
+
+    def jvp():
+        with budget.spending("the JVP"):
+            time.sleep(0.3)
+
+    other = threading.Thread(target=jvp)
+    with budget.spending("the VJP"):
+        other.start()
+        time.sleep(0.1)
+    other.join()
+    assert 0.28 < budget.spent < 0.5, budget.spent
+
+
 # ---------------------------------------------------------------------- hoist_reductions' walk
 def _walks(levels: int) -> int:
     """How many values ``Loop.per_step`` built (or failed to build) for a reduction over ``levels`` doublings of
