@@ -43,7 +43,7 @@ from .jaxpr import state as _state
 from .jaxpr.trace import (CONCRETIZATION_ERRORS, Traced, collect_young_only, flatten_args, resolve_static, same_program,
                           trace, trace_call)
 from .pipeline import limits_met, program_cost, run_pipeline, saturated_classes
-from .records import STEP_STAGES, Limits, Result, lap
+from .records import STEP_STAGES, Budget, Limits, Result, lap, stage
 from .report.report import Report, gradient_report, report_of
 from .rules.ruleset import Ruleset, entries_of
 
@@ -278,15 +278,18 @@ class Rewritten:
 
     def _rewrite_fresh(self, traced: Traced) -> Result:
         name = getattr(self.fn, "__name__", "function")
+        budget = Budget(self.limits.seconds)  # all this signature's saturations, its derivatives' too (Limits)
         try:
-            result = self._whole_step(traced)
+            with budget.spending():
+                result = self._whole_step(traced)
         except Exception as e:
             self._fall_back(e, f"rewrite of {name!r}", "running it unchanged")
             return fallback_result(traced, f"error: {type(e).__name__}: {e}")
+        result.budget = budget
         if result.warnings and _strict(self.strict):
             raise RuntimeError(f"rewrite of {name!r} (strict): {'; '.join(result.warnings)}")
-        for said in limits_met(result):
-            key = said.split(" after ")[0]  # once per reason, whatever the counts
+        for said in limits_met(result, budget):
+            key = said.split(" after ")[0].split(" (")[0]  # once per reason, whatever the counts
             if key not in self._warned:
                 self._warned.add(key)
                 warnings.warn(RewriteLimitWarning(f"rewrite of {name!r} {said}"), stacklevel=4)
@@ -315,8 +318,9 @@ class Rewritten:
         as written, priced)."""
         def as_written(price: float | None = None) -> Result:
             # ``price``: the step as written, priced already (program_cost), is not priced again
-            return result if result is not None else run_pipeline(traced, self.entries, self.cost_model,
-                                                                   self.limits, input_price=price)
+            with stage("the step as written" if self.whole_step and self.entries else "the program"):
+                return result if result is not None else run_pipeline(traced, self.entries, self.cost_model,
+                                                                       self.limits, input_price=price)
 
         def timed(kept: Result) -> Result:
             spent["step find"] = finding.seconds - sum(spent.get(k, 0.0) for k in STEP_STAGES[1:4])
@@ -338,7 +342,8 @@ class Rewritten:
             alt = None
             if changed is not None:
                 t = time.perf_counter()
-                alt = self._rewrite_rest(changed, pinned)
+                with stage("the step's rest"):
+                    alt = self._rewrite_rest(changed, pinned)
                 t = lap(spent, "step rest", t)
                 before = result.cost_before if result is not None else program_cost(traced.closed, self.cost_model)
                 lap(spent, "step price", t)
@@ -439,20 +444,21 @@ class Rewritten:
         # only the programs that come out are read: the inputs are not priced
         spent = {} if spent is None else spent
         t = time.perf_counter()
-        forward = run_pipeline(cone, self.entries, self.cost_model, self.limits, price_input=False, plain=True)
+        with stage("a loss's forward"):
+            forward = run_pipeline(cone, self.entries, self.cost_model, self.limits, price_input=False, plain=True)
         t = lap(spent, "step forward", t)
         priced: list = []  # the joint programs priced whole as they were chosen: decided_jointly does not price again
         n_out = len(cone.out_avals)
         # a step that reads only the gradients runs each candidate without the loss (XLA drops what only it reads):
         # each is priced and held to memory so (the stored sin of seed 000's pullback costs more with the loss kept)
         as_run = (lambda joint: without_outputs(joint, n_out)) if value is False else (lambda joint: joint)
-        program, why = decided_jointly(cone, forward, self.entries, self.cost_model, self.limits,
-                                       lambda f, entries: rewrite_joint(f, entries, self.cost_model, self.limits,
-                                                                        wrt, value, seen=priced),
-                                       lambda f: written if written is not None and f is cone else
-                                       joint_program(f, wrt)[0], joint_of=as_run, spent=spent, priced=priced,
-                                       build_both=lambda f, p, rest: rewrite_joints(f, p, rest, self.cost_model,
-                                                                                    self.limits, wrt, value, priced))
+        with stage("a loss's joint"):
+            program, why = decided_jointly(
+                cone, forward, self.entries, self.cost_model, self.limits,
+                lambda f, entries: rewrite_joint(f, entries, self.cost_model, self.limits, wrt, value, seen=priced),
+                lambda f: written if written is not None and f is cone else joint_program(f, wrt)[0], joint_of=as_run,
+                spent=spent, priced=priced, build_both=lambda f, p, rest: rewrite_joints(
+                    f, p, rest, self.cost_model, self.limits, wrt, value, priced))
         if why and decided is not None:
             decided.append(why)
         return program
@@ -533,12 +539,11 @@ def rewrite(fn: Callable[..., Any] | None = None, *, rulesets: Any = (), cost_mo
             whole_step: bool | None = None) -> Any:
     """Rewrite ``fn``'s program with the given rulesets; returns a function with the same signature.
 
-    Usable directly or as a decorator. The program is traced once per input
-    signature, saturated with the rules, and the cheapest equivalent program
-    under ``cost_model`` runs in its place. ``limits`` bounds saturation.
-    ``cost_model`` is ``None``/``"analytic"`` (predicted), ``"measure"``
-    (the best candidates timed on the backend) or a :class:`rewrite.CostModel`
-    (a plain function is a node price alone: :class:`rewrite.NodeCost`).
+    Usable directly or as a decorator. The program is traced once per input signature, saturated with the rules,
+    and the cheapest equivalent program under ``cost_model`` runs in its place. ``limits`` bounds saturation
+    (``Limits.seconds`` the time of all one signature's saturations, its derivatives' too). ``cost_model`` is
+    ``None``/``"analytic"`` (predicted), ``"measure"`` (the best candidates timed on the backend) or a
+    :class:`rewrite.CostModel` (a plain function is a node price alone: :class:`rewrite.NodeCost`).
 
     Differentiating the result runs programs rewritten for the derivative
     asked for (``rewrite/grad/primitive.py``): ``jax.grad``/``jax.vjp`` run ``fn``'s
@@ -679,14 +684,16 @@ def explain(fn: Any, *args: Any, rulesets: Any = (), cost_model: Any = None, lim
     entries = entries_of(rulesets, builtin_packs)
     traced, trace_time = trace_call(fn, args, kwargs, static_argnums, static_argnames)
     model = resolve(cost_model)
-    result = run_pipeline(traced, entries, model, Limits.of(limits), keep=True)
-    result.times["trace"] = trace_time
-    # what rewrite(step) does besides: a loss whose gradients the step holds (rewrite/grad/step.py)
-    finder = Rewritten(fn, (), model, limits, static_argnums, static_argnames, strict=None, cache=False)
-    finder.entries = entries
-    finder.whole_step = _searches_steps(entries, whole_step)
-    t = time.perf_counter()
-    chosen = finder._whole_step(traced, result)
+    budget = Budget(Limits.of(limits).seconds)  # as rewrite's: the pipeline and the step's search share it
+    with budget.spending():
+        result = run_pipeline(traced, entries, model, Limits.of(limits), keep=True)
+        result.times["trace"], result.budget = trace_time, budget
+        # what rewrite(step) does besides: a loss whose gradients the step holds (rewrite/grad/step.py)
+        finder = Rewritten(fn, (), model, limits, static_argnums, static_argnames, strict=None, cache=False)
+        finder.entries = entries
+        finder.whole_step = _searches_steps(entries, whole_step)
+        t = time.perf_counter()
+        chosen = finder._whole_step(traced, result)
     if finder.whole_step and finder.entries:  # the search's time and its parts, whether or not its step is used
         result.times.update({k: chosen.times[k] for k in STEP_STAGES if k in chosen.times})
         result.times["whole_step"] = time.perf_counter() - t

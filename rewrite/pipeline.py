@@ -36,7 +36,7 @@ from .ir.jaxapi import BUILT_DEBUG, core
 from .jaxpr.emit import check_signature, emitter
 from .jaxpr.load import TOKEN_AVAL, load_closed
 from .jaxpr.trace import Traced, collect_young_only
-from .records import Limits, Result
+from .records import Budget, Limits, Result
 from .rules.rule import Rule
 from .rules.ruleset import Ruleset
 from .rules.saturate import Engine, Held, match_program
@@ -44,11 +44,16 @@ from .rules.saturate import Engine, Held, match_program
 log = logging.getLogger("rewrite")
 
 
-def limits_met(result: Result) -> list[str]:
+def limits_met(result: Result, budget: Budget | None = None) -> list[str]:
     """What a limit cut short in this rewrite, in words: the run stopped at one, or rules stopped at their
-    time share (``Limits.rule_share``). Each is a :class:`rewrite.RewriteLimitWarning` at the user's call."""
+    time share (``Limits.rule_share``). Each is a :class:`rewrite.RewriteLimitWarning` at the user's call.
+    Where the rewrite ran under ``budget`` (``Limits.seconds`` for all its saturations), the time limit is said by
+    it, once for the rewrite and whichever pass stopped (:meth:`rewrite.records.Budget.tell`)."""
     out = []
-    if result.stopped in ("time limit", "node limit", "iteration limit"):
+    told = budget.tell() if budget is not None else None
+    if told:
+        out.append(told)
+    if result.stopped in ("node limit", "iteration limit") or (result.stopped == "time limit" and budget is None):
         out.append(f"stopped at the {result.stopped} after {result.iterations} iterations ({result.rows} e-graph "
                    f"rows); using the best program found so far")
     slow = {k: s.seconds for k, s in result.stats.items() if getattr(s, "timed_out", False)}

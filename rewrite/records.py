@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import collections
 import collections.abc
+import contextlib
+import contextvars
 import dataclasses
+import threading
 import time
-from typing import Any
+from typing import Any, Iterator
 
 from .ir.jaxapi import core
 
@@ -31,7 +34,10 @@ class Limits:
 
     ``iterations``: rounds of matching. ``nodes``: rows in the e-graph
     (nodes, names, facts and matches together). ``seconds``: wall time for
-    saturation. ``matches``: new matches a rule may act on in one iteration
+    all the saturations of one signature's rewrite together: its program, the
+    passes of a training step's search, and the derivative programs ``jax.grad``
+    or ``jax.jvp`` of it asks for (a :class:`Budget`); each saturation gets what
+    the earlier ones left, at least :data:`FLOOR`. ``matches``: new matches a rule may act on in one iteration
     before it is banned for ``ban`` iterations (both double on each ban).
     ``growth`` retires a rule that outruns its allowance in an e-graph grown
     past that many times its starting size, instead of banning it for a while.
@@ -57,7 +63,7 @@ class Limits:
     #: (commutativity, associativity, and what merges and splits along them), whose matches grow
     #: exponentially while the rewrites worth having were found early (benchmarks/growth.py).
     growth: float = 16.0
-    #: the share of ``seconds`` one rule may spend in all: a rule past it stops at once (a procedure at its next
+    #: the share of ``seconds`` one rule may spend in one saturation: a rule past it stops at once (a procedure at its next
     #: build or ``Match.check_time``), keeps what it built, fires no more in this rewrite, and is reported
     #: (``RuleStats.timed_out``, a :class:`RewriteLimitWarning`). One rule cannot take the whole budget.
     rule_share: float = 0.25
@@ -89,6 +95,109 @@ class Limits:
                 raise TypeError(f"limits=: Limits has no field {unknown[0]!r}; its fields are {', '.join(names)}")
             return cls(**limits)
         raise TypeError(f"limits= takes a Limits or a mapping of its fields, got {type(limits).__name__}")
+
+
+#: the least time a saturation is given once its rewrite's :class:`Budget` is spent: each later pass (a training
+#: step's remainder, a derivative program) still runs a little, and stops at the time limit with what it found
+FLOOR = 0.02
+
+
+class Budget:
+    """The time one signature's rewrite may saturate in all (``Limits.seconds``): its program, a training step's
+    passes and the derivative programs asked for later share it. Only the time spent inside the rewrite counts
+    (:meth:`spending`), so a gradient asked for long after the forward gets what the forward left. ``passes``:
+    each saturation's (what, seconds given, seconds taken, why it stopped), in order.
+
+    >>> b = Budget(1.0)
+    >>> with b.spending("forward"):
+    ...     given = b.allow(20.0)
+    ...     b.record(given, 1.01, "time limit")
+    >>> given <= 1.0, b.ran_out, b.passes[0][0]
+    (True, True, 'forward')
+    >>> Budget(0.0).allow(20.0) == FLOOR  # spent: a later saturation still gets the floor
+    True
+    """
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.spent = 0.0  # while nothing is inside spending()
+        self.passes: list[tuple[str, float, float, str]] = []
+        self.told = False  # its time limit was said to the user (once a rewrite: :meth:`tell`)
+        self._inside = 0  # spending() blocks open, in any thread: the wall time they cover is counted once
+        self._since = 0.0
+        self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def spending(self, what: str | None = None) -> Iterator["Budget"]:
+        """Count the time inside as spent, and make this budget the one saturations read (:func:`budget_now`);
+        ``what`` names the saturations inside (``passes``). Nested calls, and calls in other threads at the same
+        time (a signature's VJP and JVP built at once), count the time once."""
+        with self._lock:
+            if not self._inside:
+                self._since = time.perf_counter()
+            self._inside += 1
+        tokens = _BUDGET.set(self), _STAGE.set(what or _STAGE.get())
+        try:
+            yield self
+        finally:
+            _BUDGET.reset(tokens[0])
+            _STAGE.reset(tokens[1])
+            with self._lock:
+                self._inside -= 1
+                if not self._inside:
+                    self.spent += time.perf_counter() - self._since
+
+    def left(self) -> float:
+        running = time.perf_counter() - self._since if self._inside else 0.0
+        return self.seconds - self.spent - running
+
+    def allow(self, seconds: float) -> float:
+        """The seconds a saturation bounded by ``seconds`` may take now: what is left, at least :data:`FLOOR`."""
+        return min(seconds, max(self.left(), FLOOR))
+
+    def record(self, given: float, took: float, stopped: str) -> None:
+        self.passes.append((_STAGE.get(), given, took, stopped))
+
+    @property
+    def ran_out(self) -> bool:
+        return any(p[3] == "time limit" for p in self.passes)
+
+    def said(self) -> str:
+        """Which pass stopped at the time limit, and each saturation's seconds, in words."""
+        first = next(i for i, p in enumerate(self.passes) if p[3] == "time limit")
+        each = ", ".join(f"{w} {took:.2f} s" + (" (stopped)" if why == "time limit" else "")
+                         for w, _, took, why in self.passes)
+        return (f"stopped at the time limit (Limits.seconds = {self.seconds:g} s for the whole rewrite) in "
+                f"{self.passes[first][0]}, saturation {first + 1} of {len(self.passes)}; using the best program "
+                f"found so far. Saturations: {each}")
+
+    def tell(self) -> str | None:
+        """:meth:`said`, the first time it is asked for after the budget ran out; else ``None``."""
+        if self.told or not self.ran_out:
+            return None
+        self.told = True
+        return self.said()
+
+
+_BUDGET: contextvars.ContextVar[Budget | None] = contextvars.ContextVar("rewrite_budget", default=None)
+_STAGE: contextvars.ContextVar[str] = contextvars.ContextVar("rewrite_stage", default="the program")
+
+
+def budget_now() -> Budget | None:
+    """The budget of the rewrite running in this context (:meth:`Budget.spending`), else ``None`` (a bare
+    pipeline, whose saturation is bounded by ``Limits.seconds`` alone)."""
+    return _BUDGET.get()
+
+
+@contextlib.contextmanager
+def stage(what: str) -> Iterator[None]:
+    """Name the saturations inside ``what`` in the running rewrite's budget, if any."""
+    budget = budget_now()
+    if budget is None:
+        yield
+        return
+    with budget.spending(what):
+        yield
 
 
 @dataclasses.dataclass
@@ -165,6 +274,9 @@ class Result:
     #: saturated e-graph without the nodes those rules built (``pipeline.plain_program``), which
     #: ``decided_jointly`` takes for the forward rewritten without them instead of saturating it again; else None
     plain: core.ClosedJaxpr | None = None
+    #: the time budget this signature's rewrite shared among its saturations (:class:`Budget`); None for a bare
+    #: pipeline's result or one read from the disk cache
+    budget: Budget | None = None
 
     def release(self) -> None:
         """Drop what is kept for deeper reports (the e-graph, its snapshot and the choice over it) and give the

@@ -98,6 +98,106 @@ def test_a_limit_reached_under_grad_warns():
     assert any("VJP" in s and "slow_sin" in s for s in said), said
 
 
+# ---------------------------------------------------------------------- one budget for a whole rewrite
+#: what a rewrite takes beyond Limits.seconds (its trace, loads, extractions, pricings and emissions, and the FLOOR
+#: of each pass after the budget is spent): 0.03-0.05 s under jax.grad and 0.06-0.23 s for the step below, measured
+#: at load 4.7-6 on two cores (2026-12-01); the test allows 0.5 s. Before the budget: 2.09 s and 4.15 s in all.
+_MARGIN = 0.5
+
+
+def _spin():
+    return Ruleset("spin", [rule(lambda x: jnp.sin(x), _spinning, name="spin")], soundness="identity")
+
+
+def _timed(fn):
+    """``fn()``'s value, its seconds, and the RewriteLimitWarnings it gave."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        t = time.perf_counter()
+        out = fn()
+        took = time.perf_counter() - t
+    return out, took, [str(w.message) for w in caught if w.category is RewriteLimitWarning]
+
+
+def test_the_time_limit_bounds_the_whole_rewrite_under_grad():
+    """``Limits.seconds`` bounds all of a signature's saturations: under ``jax.grad`` the VJP is rewritten in what the
+    forward left of it (before, each got the full limit: 2.1x the limit in all), and the user is told once."""
+    import jax
+
+    def loss(x):
+        return jnp.sum(_sin3(x))
+
+    f = rewrite(loss, rulesets=[_spin()], limits=Limits(seconds=1.0, rule_share=1.0), cache=False)
+    x = jnp.linspace(-1.0, 1.0, 3)
+    # traced, not run: the rewrite's time without XLA's compiles
+    _, took, said = _timed(lambda: jax.make_jaxpr(jax.grad(f))(x))
+    assert f.derivative_rewrites["vjp"] == 1
+    assert took < 1.0 + _MARGIN, took
+    assert len(said) == 1 and "time limit" in said[0] and "whole rewrite" in said[0], said
+    budget = f.result(x).budget
+    assert [p[0] for p in budget.passes] == ["the program", "the VJP"] and budget.spent < 1.0 + _MARGIN
+    np.testing.assert_allclose(jax.grad(f)(x), jax.grad(loss)(x), rtol=1e-6)
+
+
+def test_the_time_limit_bounds_a_training_steps_whole_rewrite():
+    """A training step's search saturates a loss's forward, its joint, the step's remainder and the step as written:
+    one budget for them all (before, each got the full limit: 4.4x it in all), one warning naming the pass that
+    spent it, and ``explain`` says the same; the values are right."""
+    import jax
+
+    def step(w, x, y):
+        value, g = jax.value_and_grad(lambda w: jnp.mean((_sin3(x @ w) - y) ** 2))(w)
+        return value, w - 0.1 * g
+
+    args = (jnp.linspace(-1.0, 1.0, 12).reshape(4, 3), jnp.ones((8, 4)), jnp.zeros((8, 3)))
+    limits = Limits(seconds=1.0, rule_share=1.0)
+    f = rewrite(step, rulesets=[_spin(), rulesets.algebra], limits=limits, whole_step=True, cache=False)
+    res, took, said = _timed(lambda: f.result(*args))
+    assert took < 1.0 + _MARGIN, took
+    assert len(said) == 1 and "time limit" in said[0] and "saturation 1 of" in said[0], said
+    assert res.budget.passes[0][0] == "a loss's forward" and len(res.budget.passes) >= 3, res.budget.passes
+    for got, want in zip(jax.jit(f)(*args), jax.jit(step)(*args)):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    report = explain(step, *args, rulesets=[_spin(), rulesets.algebra], limits=limits, whole_step=True)
+    assert "time limit: stopped at the time limit" in report.summary() and "a loss's forward" in report.summary()
+
+
+def test_a_rewrite_far_under_its_limit_records_each_saturation():
+    """Far under the limit nothing stops: the forward's and the VJP's saturations are recorded, each given what the
+    one before left of the whole limit, none at the time limit, and nothing is said."""
+    import jax
+
+    one = Ruleset("one", [rule(lambda x: x * 1.0, lambda x: x, name="mul_one")])
+    g = rewrite(lambda x: jnp.sum(jnp.sin(x) * 1.0), rulesets=[one], cache=False)
+    _, _, said = _timed(lambda: jax.grad(g)(jnp.ones(3)))
+    budget = g.result(jnp.ones(3)).budget
+    assert not said and not budget.ran_out, said
+    assert [(p[0], p[3]) for p in budget.passes] == [("the program", "saturated"), ("the VJP", "saturated")]
+    (_, first, took, _), (_, second, _, _) = budget.passes
+    assert 19.0 < second < first <= 20.0 and second <= 20.0 - took
+
+
+def test_a_budget_counts_time_spent_in_two_threads_at_once_once():
+    """A signature's VJP and JVP may be built in two threads at once: the budget counts the wall time either is
+    inside it, once (not the first block's alone, nor the two added)."""
+    import threading
+
+    from rewrite.records import Budget
+
+    budget = Budget(10.0)
+
+    def jvp():
+        with budget.spending("the JVP"):
+            time.sleep(0.3)
+
+    other = threading.Thread(target=jvp)
+    with budget.spending("the VJP"):
+        other.start()
+        time.sleep(0.1)
+    other.join()
+    assert 0.28 < budget.spent < 0.5, budget.spent
+
+
 # ---------------------------------------------------------------------- hoist_reductions' walk
 def _walks(levels: int) -> int:
     """How many values ``Loop.per_step`` built (or failed to build) for a reduction over ``levels`` doublings of

@@ -72,6 +72,7 @@ from ..ir.jaxapi import ad, core, custom_staging_rules, fallback_linearize, held
 from ..ir.walk import loses_forward_mode
 from ..jaxpr.trace import Traced, collect_young_only, spec_of
 from ..pipeline import limits_met, run_pipeline
+from ..records import Budget
 from .together import build_vjps
 from .vjp import as_written_vjp, build_vjp, decided_jointly, float_positions, of_floats, split_joint
 
@@ -155,13 +156,17 @@ class Signature:
         owner = self.owner
         name = getattr(owner.fn, "__name__", "function")
         t = time.perf_counter()
+        # what the forward's rewrite left of Limits.seconds (a forward read from the disk cache saturated nothing)
+        budget = getattr(self.result, "budget", None) or Budget(owner.limits.seconds)
         try:
-            with collect_young_only():  # the derivative's builds and pricings: see there
+            with collect_young_only(), budget.spending(f"the {kind.upper()}"):  # collect_young_only: see there
                 built = self._build_kind(kind, keep)
             warned = built.warnings if kind == "vjp" else built.result.warnings
             if warned and _strict(owner.strict):
                 raise RuntimeError(f"rewrite of the {kind.upper()} of {name!r} (strict): {'; '.join(warned)}")
-            for said in limits_met(built.joint if kind == "vjp" else built.result):
+            result = built.joint if kind == "vjp" else built.result
+            result.budget = budget  # explain(grad=True)'s report says which saturation used the time up
+            for said in limits_met(result, budget):
                 # the derivative program is rewritten under the same limits, and a user waits on it the same
                 warnings.warn(RewriteLimitWarning(f"rewrite of the {kind.upper()} of {name!r} {said}"), stacklevel=2)
         except Exception as e:

@@ -190,6 +190,9 @@ class Report:
                          "written)")
         if self._slowest():
             lines.append(self._slowest())
+        budget = getattr(self.result, "budget", None)
+        if budget is not None and budget.ran_out:  # which of the rewrite's saturations used Limits.seconds up
+            lines.append(f"time limit: {budget.said()}")
         if self.fired:
             width = max(len(k) for k in self.fired)
             lines.append("rules fired (nodes they built that the result uses):")

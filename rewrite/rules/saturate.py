@@ -39,7 +39,7 @@ from .pattern import commuted, present
 from .prefer import lhs_ctors
 from .rule import Rule
 from .ruleset import Ruleset
-from ..records import Barred, Limits, RuleStats
+from ..records import Barred, Limits, RuleStats, budget_now
 
 log = logging.getLogger("rewrite")
 
@@ -219,15 +219,22 @@ class Engine:
 
     def run(self) -> str:
         """Saturate; returns why it stopped."""
+        budget = budget_now()
+        # the run's seconds are what its rewrite's budget has left (Limits.seconds bounds all its saturations)
+        seconds = self.limits.seconds if budget is None or not self.active else budget.allow(self.limits.seconds)
+        start = time.perf_counter()
         try:
-            return self._run()
+            stopped = self._run(seconds)
+            if budget is not None and self.active:
+                budget.record(seconds, time.perf_counter() - start, stopped)
+            return stopped
         finally:
             self.builder.release()  # the e-graph goes back to its pool (ir.egraph._POOL) with the engine
 
-    def _run(self) -> str:
+    def _run(self, seconds: float) -> str:
         start = time.perf_counter()
         limits = self.limits
-        end = start + limits.seconds
+        end = start + seconds
         share = limits.seconds * limits.rule_share
         if not self.active:
             self.snapshot = self.egraph.snapshot()
@@ -245,7 +252,7 @@ class Engine:
             declared = bool(self._deferred) and self._declare_deferred()
             if self.snapshot.num_rows > limits.nodes:
                 return "node limit"
-            if time.perf_counter() - start > limits.seconds:
+            if time.perf_counter() - start > seconds:
                 return "time limit"
             waiting = False
             matches = self.snapshot.matches
@@ -303,6 +310,10 @@ class Engine:
                     finally:
                         self.builder.deadline = float("inf")
                     now = time.perf_counter()
+                    if now > end:  # the run's limit (a rule cut off by it did not outrun its own share)
+                        stats.seconds += now - t
+                        self.egraph.flush()
+                        return "time limit"
                     if stats.seconds + (now - t) > share:
                         # Past its share (a procedure cut off mid-way, or many matches): what it built stays.
                         act.last = it
@@ -310,10 +321,6 @@ class Engine:
                         log.debug("rule %r stopped at iteration %d: past its time share (%.3f s)",
                                   act.rule.name, it, share)
                         break
-                    if now > end:
-                        stats.seconds += now - t
-                        self.egraph.flush()
-                        return "time limit"
                 stats.seconds += time.perf_counter() - t
                 if time.perf_counter() > end:
                     self.egraph.flush()
