@@ -373,23 +373,26 @@ def test_a_product_large_enough_for_every_core_is_priced_at_the_parallel_rate():
         assert AnalyticCost().dot_rate(2e8) == 0.004 and AnalyticCost().dot_rate(5e7) == AnalyticCost().dot
 
 
-def test_the_products_of_one_attention_kernel_are_priced_at_their_own_rate():
-    """A product large enough for every core runs at ``dot_parallel`` where XLA:CPU runs it alone (a blocked
-    attention's, a chain of matrices), and at ``attention_dot`` inside the one library kernel XLA makes of
-    ``softmax(q k^T) v`` (plain attention at N=1024 and 2048 ran its products at 100-110 GFLOP/s, its blocked form's
-    at 260-290): a faster parallel rate does not make the one kernel cheaper, ``attention_dot`` does."""
+def _plain_attention_kernel(model):
+    """The price of plain attention's one library kernel at [2, 4, 1024, 64] under ``model``."""
     from rewrite.cost.program import ATTENTION
 
     def plain(q, k, v):
         return jax.nn.softmax(q @ jnp.swapaxes(k, -1, -2) / 8.0, axis=-1) @ v
 
     q = jax.ShapeDtypeStruct((2, 4, 1024, 64), jnp.float32)
-    closed = jax.make_jaxpr(plain)(q, q, q)
+    prog = Program.from_jaxpr(jax.make_jaxpr(plain)(q, q, q), model)
+    [k] = [k for k in model._fusion.kernels(prog) if k.kind == ATTENTION]
+    return k.cost
 
-    def attention_kernel(model):
-        prog = Program.from_jaxpr(closed, model)
-        [k] = [k for k in model._fusion.kernels(prog) if k.kind == ATTENTION]
-        return k.cost
+
+def test_the_products_of_one_attention_kernel_are_priced_at_their_own_rate():
+    """A product large enough for every core runs at ``dot_parallel`` where XLA:CPU runs it alone (a blocked
+    attention's, a chain of matrices), and at ``attention_dot`` inside the one library kernel XLA makes of
+    ``softmax(q k^T) v``, where a model sets it: a faster parallel rate does not make the one kernel cheaper then,
+    ``attention_dot`` does."""
+    q = jax.ShapeDtypeStruct((2, 4, 1024, 64), jnp.float32)
+    attention_kernel = _plain_attention_kernel
 
     slow = AnalyticCost(dot=0.01, dot_parallel=0.01, dot_parallel_at=1e8, attention_dot=0.01)
     fast = AnalyticCost(dot=0.01, dot_parallel=0.0035, dot_parallel_at=1e8, attention_dot=0.01)
@@ -402,6 +405,25 @@ def test_the_products_of_one_attention_kernel_are_priced_at_their_own_rate():
     s = jax.ShapeDtypeStruct((2, 4, 1024, 1024), jnp.float32)
     product = jax.make_jaxpr(lambda p, v: p @ v)(s, q)
     assert alone.program(Program.from_jaxpr(product, alone)) < slow.program(Program.from_jaxpr(product, slow))
+
+
+def test_the_one_attention_kernel_takes_the_rate_by_size_where_no_rate_of_its_own_is_set():
+    """Where the table sets no ``attention_dot_flop``, the one kernel's products are priced at the rate by size, as
+    the same products alone: measured so once the scratch it maps fresh is priced apart (plain attention at N=768,
+    no scratch mapped fresh: 1.2 GFLOP in 7.88 ms with its softmax, 153 GFLOP/s, above the one-core rate of 100;
+    ``benchmarks/results/log.md``, h-fresh)."""
+    from rewrite.cost import calibration
+    from rewrite.cost.model import priced_with
+
+    flops = 2 * 2 * (2 * 4 * 1024 * 1024 * 64)  # both products, each 1.07 GFLOP: above the size
+    with priced_with({**calibration.CPU, "dot_parallel_at": 1e8, "dot_parallel_flop": 0.004}):
+        assert AnalyticCost().attention_dot is None
+        one_rate = AnalyticCost(dot_parallel=AnalyticCost().dot)
+        assert _plain_attention_kernel(one_rate) - _plain_attention_kernel(AnalyticCost()) == pytest.approx(
+            (one_rate.dot - 0.004) * flops, rel=1e-2)
+        own = AnalyticCost(attention_dot=0.02)  # a rate of its own, where a table sets one, still rules
+        assert _plain_attention_kernel(own) - _plain_attention_kernel(one_rate) == pytest.approx(
+            (0.02 - one_rate.dot) * flops, rel=1e-2)
 
 
 def test_the_product_calibration_fits_two_rates_and_the_size_between():

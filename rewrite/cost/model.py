@@ -300,12 +300,13 @@ class AnalyticCost(CostModel):
     dot_parallel: float = dataclasses.field(
         default_factory=lambda: _table().get("dot_parallel_flop", _table()["dot_flop"]))
     #: ns per flop of the two products inside one attention kernel (``softmax(q k^T) v`` that XLA:CPU's library runs
-    #: as one fusion, ``rewrite/cost/attention.py``), whatever their size: measured, that kernel runs its products at
-    #: about the one-core rate (plain attention at N=1024 and 2048: 2.1 and 8.6 GFLOP at 100-110 GFLOP/s, where its
-    #: blocked form's products run at 260-290; ``benchmarks/results/decisions.md``). The table's
-    #: ``attention_dot_flop``, else ``dot``.
-    attention_dot: float = dataclasses.field(
-        default_factory=lambda: _table().get("attention_dot_flop", _table()["dot_flop"]))
+    #: as one fusion, ``rewrite/cost/attention.py``), whatever their size; ``None``: the rate by size that a product
+    #: alone gets (:meth:`dot_rate`). Measured, that kernel runs its products at the rate by size once the scratch it
+    #: maps fresh is priced apart (``attention_price``'s ``fresh``): plain attention at N=768 (18 MiB of scores, none
+    #: mapped fresh) ran 1.2 GFLOP in 7.88 ms, 153 GFLOP/s with its softmax; at N=1024 25.06 ms, of which its 32 MiB
+    #: mapped fresh at 0.27-0.33 ns a byte are 9-11 ms (``benchmarks/results/log.md``, h-rate's and h-fresh's
+    #: sections). The table's ``attention_dot_flop``, else ``None``.
+    attention_dot: float | None = dataclasses.field(default_factory=lambda: _table().get("attention_dot_flop"))
     #: XLA:CPU splits an elementwise loop (a fused loop kernel, in a loop body too) of ``loop_parallel_at`` elements or
     #: more across the cores (its compiled program names the split, ``outer_dimension_partitions``: from 64K float32
     #: elements on this machine), and runs a smaller one on one core. The table's per-element prices are measured on
@@ -500,8 +501,9 @@ class AnalyticCost(CostModel):
                          serial=self.loop_serial, loop_launch=self.loop_launch, loop_library=self.loop_launch_library,
                          loop_split=self.loop_split,
                          while_trips=self.while_trips,
-                         kernel_product=(self._kernel_product if self.attention_dot != self.dot
-                                         or self.dot_parallel_at != math.inf else None))
+                         kernel_product=(self._kernel_product if self.attention_dot is not None
+                                         and (self.attention_dot != self.dot or self.dot_parallel_at != math.inf)
+                                         else None))
         fm.inner = InnerPeak(fm)
         return fm
 
@@ -549,7 +551,8 @@ class AnalyticCost(CostModel):
         return held, peak_temp_bytes(prog, kernels, fusion.inner)
 
     def _kernel_product(self, op: Any) -> float:
-        """A product's price inside one attention kernel: at ``attention_dot`` per flop (kept in its memo)."""
+        """A product's price inside one attention kernel: at ``attention_dot`` per flop (kept in its memo), where the
+        model sets a rate of its own for them."""
         memo = op.memo
         key = ("kernel_product", id(self))
         if memo is not None and key in memo:
