@@ -477,6 +477,13 @@ def measure_fresh(rounds: int, progress: bool) -> dict[str, float]:
     that size and above. On this machine: 0.00 ns per byte at 8-24 MiB, 0.2-0.25 from 32 MiB (a 4 KiB page
     fault is about a microsecond). ``AnalyticCost.fresh`` charges it per byte of a program's predicted peak of
     temporaries from ``fresh_bytes`` on.
+
+    Between 32 and 64 MiB the answer is the process's history, not the size: glibc serves a request from its
+    heap's free top before it maps one, and keeps up to twice its mmap threshold free there (the threshold rises
+    to a freed mapping's size, at most 32 MiB, so at most 64 MiB). Counted in minor faults (``malloc``, touch,
+    ``free``): 40-60 MiB fault every page in a fresh process and none after two 24 MiB blocks were held and freed;
+    64 MiB and more fault every time. Timed so (2026-12-01, h-fresh): 32 MiB read 0.29-0.51 ns per byte in a
+    fresh process and 0.06 after buffers of 8-24 MiB; so this mode reads 32 MiB or 64 MiB by the order it runs in.
     """
     excess = {}
     for mib in FRESH_MIB:

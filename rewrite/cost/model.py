@@ -266,9 +266,12 @@ class AnalyticCost(CostModel):
     #: less memory wins. 0 prices time only; raise it to trade time for memory.
     memory: float = dataclasses.field(default_factory=lambda: _table()["byte"])
     #: a program whose predicted temporaries are ``fresh_at`` bytes or more pays ``fresh`` per byte of them at
-    #: every call: the C library maps an allocation that large fresh from the system (glibc: from 32 MiB), so each
-    #: page of the buffer XLA allocates for a call's temporaries faults on first touch (``benchmarks/calibrate.py``,
-    #: ``measure_fresh``). Read from the liveness peak in XLA's order (``cost/memory.py``'s ``scheduled_peak``: what
+    #: every call: the C library maps an allocation that large fresh from the system, so each page of the buffer XLA
+    #: allocates for a call's temporaries faults on first touch (``benchmarks/calibrate.py``, ``measure_fresh``).
+    #: glibc maps one from 32 MiB only where its heap lacks that much free at its top, which it keeps up to 64 MiB
+    #: (twice the mmap threshold, which a freed mapping raises to at most 32 MiB): from 64 MiB always, between by
+    #: what the process held before, so the table's 64 MiB (the corpus agrees: at 32 MiB its rank correlation
+    #: falls). Read from the liveness peak in XLA's order (``cost/memory.py``'s ``scheduled_peak``: what
     #: ``memory_analysis`` reports), not the kernels' peak that ``memory`` reads. The table's, where measured;
     #: else no such term (``fresh=0``).
     fresh: float = dataclasses.field(default_factory=lambda: _table().get("fresh", 0.0))
