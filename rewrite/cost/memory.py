@@ -230,7 +230,7 @@ def xla_order(prog: Any, order: Sequence[Fusion], projs: dict, outputs: set, wri
     without, the order the fusion pass made the kernels (which agrees with it where each kernel has one reader)."""
     made = _made_at(prog)
     at = _position_of(prog)
-    in_users_order = users
+    rank = _users_rank(prog, order, made, at) if users else None  # before ``users`` names the readers below
     writer: dict[Any, tuple] = {}  # buffer -> the node of the kernel that writes it
     kernel_nodes = [("kernel", n) for n in range(len(order))]
     for n, k in enumerate(order):
@@ -281,7 +281,6 @@ def xla_order(prog: Any, order: Sequence[Fusion], projs: dict, outputs: set, wri
         for w in waits:
             users[w].append(node)
     key = when.__getitem__
-    rank = _users_rank(prog, order, made, at) if in_users_order else None
     queue = collections.deque(sorted((node for node in nodes if not waiting[node]), key=key))
     out: list[Fusion] = []
     while queue:
