@@ -101,6 +101,11 @@ def close(a, b, rtol, atol):
     np.testing.assert_allclose(a[ok], b[ok], rtol=rtol, atol=atol * max(1.0, float(np.abs(b[ok]).max(initial=0))))
 
 
+def temp_bytes(fn, *args) -> int:
+    """The temporaries XLA allocates for ``fn`` at ``args`` (arrays or ``ShapeDtypeStruct``s), compiled under jit."""
+    return jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes
+
+
 def blocked(report) -> bool:
     """Whether the rewritten program computes the normaliser by blocks (and holds no tokens x vocabulary array)."""
     names = [e.primitive.name for e in report.after.eqns]
@@ -159,7 +164,7 @@ def test_no_logits_in_the_rewritten_gradient():
     f = make("optax_int", "mean", True, False, False)
     args = inputs(np.random.default_rng(0), N, C, V)
     g = rewrite(f, rulesets=[NN])
-    temp = lambda fn: jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes
+    temp = lambda fn: temp_bytes(fn, *args)
     logits = N * V * 4
     assert temp(f) >= logits  # the original holds the logits
     assert temp(g) < logits / 2
@@ -177,7 +182,7 @@ def test_every_identity_pack_keeps_the_head_without_its_logits():
     is chosen by its price (at 1024 x 256 x 4096 without a bias it was chosen only because ``nn_logsumexp``'s
     bar, wrongly fired on ``jax.nn.logsumexp``'s guarded shift, left no other program)."""
     packs = [r for name, r in rulesets.BUILTIN.items() if name != "fastmath"]
-    temp = lambda fn, args: jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes
+    temp = lambda fn, args: temp_bytes(fn, *args)
     for n, c, v, bias in ((1024, 256, 16384, False), (1024, 512, 4096, True)):
         f = make("optax_int", "mean", bias, False, False)
         args = inputs(np.random.default_rng(0), n, c, v)
@@ -199,7 +204,7 @@ def test_the_weight_gradient_is_added_in_place():
     def temp(head):
         f = make("optax_int", "mean", False, False, False)
         grad = jax.grad(rewrite(f, rulesets=[nn_with(head)]), argnums=(0, 1))
-        return jax.jit(grad).lower(*args).compile().memory_analysis().temp_size_in_bytes
+        return temp_bytes(grad, *args)
 
     by_columns = temp(nn_lm_head)
     whole = temp(lm_head_rules(loop=True, columns=v))
@@ -369,7 +374,7 @@ def test_a_flax_language_model_training_step():
     # 26.6 MB of temporaries as without, 2.5-2.8x JAX's gradient either way), so what is held is what it holds
     grad = jax.grad(loss)
     rewritten = rewrite(grad, rulesets=[NN])
-    temp = [jax.jit(f).lower(params, tokens).compile().memory_analysis().temp_size_in_bytes for f in (grad, rewritten)]
+    temp = [temp_bytes(f, params, tokens) for f in (grad, rewritten)]
     assert temp[1] <= temp[0], temp
     for a, b in zip(jax.tree_util.tree_leaves(jax.jit(rewritten)(params, tokens)),
                     jax.tree_util.tree_leaves(grad(params, tokens))):
@@ -447,7 +452,7 @@ def test_smoothed_labels_hold_no_logits(traced_alpha, dtype):
     grad = lambda fn: jax.jit(jax.grad(fn, argnums=(0, 1, 2, 4)))
     for a, b in zip(grad(g)(*args), grad(f)(*args)):
         close(a, b, *TOLERANCE[dtype])
-    temp = lambda fn: jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes
+    temp = lambda fn: temp_bytes(fn, *args)
     original = jax.grad(f, argnums=(0, 1, 2))
     assert temp(g) < temp(f) / 4 and temp(jax.grad(g, argnums=(0, 1, 2))) < temp(original) / 4
 
@@ -817,7 +822,7 @@ def test_a_dense_target_holds_under_30_percent_of_the_original_s_memory():
     args = [jax.ShapeDtypeStruct(s, jnp.float32) for s in ((n, c), (c, v), (v,), (n, v), (n,))]
     f = make_dense("mean", True, False, False)
     g = rewrite(f, rulesets=[NN])
-    temp = lambda fn: jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes  # noqa: E731
+    temp = lambda fn: temp_bytes(fn, *args)  # noqa: E731
     assert temp(g) <= 0.3 * temp(f), (temp(g), temp(f))
     grad = lambda fn: jax.grad(fn, argnums=(0, 1, 2))  # noqa: E731
     assert temp(grad(g)) <= 0.3 * temp(grad(f)), (temp(grad(g)), temp(grad(f)))
@@ -855,7 +860,7 @@ def test_a_dense_target_in_a_whole_training_step(dtype):
     rtol, atol = TOLERANCE[dtype]
     for a, w in zip(jax.jit(g)(*args), jax.jit(step)(*args)):
         close(a, w, rtol, atol)
-    temp = lambda fn: jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes  # noqa: E731
+    temp = lambda fn: temp_bytes(fn, *args)  # noqa: E731
     assert temp(g) <= 0.3 * temp(step), (temp(g), temp(step))
 
 
@@ -876,7 +881,7 @@ def test_a_dense_target_step_at_full_size_is_replaced():
     args = (W, b, h, t)
     g = rewrite(step, rulesets=[NN])
     assert g.result(*args).step.replaced, g.result(*args).step
-    temp = lambda fn: jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes  # noqa: E731
+    temp = lambda fn: temp_bytes(fn, *args)  # noqa: E731
     assert temp(g) <= 0.3 * temp(step), (temp(g), temp(step))
 
 
@@ -914,7 +919,7 @@ def test_a_batch_of_one_sequence_reads_the_label_from_the_loop(form, dtype):
     grad = lambda fn: jax.jit(jax.grad(fn, argnums=(0, 1, 2)))
     for a, b in zip(grad(g)(*args), grad(f)(*args)):
         close(a, b, rtol, atol)
-    temp = lambda fn: jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes
+    temp = lambda fn: temp_bytes(fn, *args)
     # 256-token blocks (the first offered): the backward holds two block x V arrays, 16.1 MiB of the 32 MiB logits
     assert temp(jax.grad(g, argnums=(0, 1, 2))) < N * V * 4 * 0.6
 
