@@ -28,6 +28,7 @@ from .extract.extract import extract, input_cost
 from .extract.extractor import shared
 from .extract.policy import (bar_preferred, copy_without, made_by, no_fatter, recomputations, withheld,
                              worth_their_saving)
+from .extract.tie import on_xla_count
 from .ir.egraph import BodyRef, EGraph, ListRef
 from .ir.intern import LITERALS, TYPES, in_dtype
 from .ir.terms import ctor_arg_sorts
@@ -222,6 +223,7 @@ def _extracted(snap: Any, eg: EGraph, entries: Sequence[tuple[Rule, Ruleset]], c
     t = time.perf_counter()
     emit_choice = emitter(snap, eg, closed.in_avals, roots, token_root, closed.jaxpr.debug_info)
     ex, after = no_fatter(ex, closed, emit_choice(ex.choice), emit_choice, model)
+    ex, after = on_xla_count(ex, closed, after, emit_choice, model)  # priced alike: XLA counts temporaries
     times["emit"] = time.perf_counter() - t
     return ex, after, emit_choice
 
@@ -271,7 +273,8 @@ def plain_program(snap: Any, eg: Any, entries: Sequence[tuple[Rule, Ruleset]], r
     without, _ = copy_without(snap, eg, jointly, original)
     shared(without, model).share_prices(shared(snap, model))
     ex = extract_by_policy(without, eg, rest, roots, model, original)
-    return no_fatter(ex, closed, emit_choice(ex.choice), emit_choice, model)[1]
+    ex, after = no_fatter(ex, closed, emit_choice(ex.choice), emit_choice, model)
+    return on_xla_count(ex, closed, after, emit_choice, model)[1]
 
 
 def extract_by_policy(snap: Any, eg: Any, entries: Sequence[tuple[Rule, Ruleset]], roots: list, model: CostModel,

@@ -293,6 +293,11 @@ class AnalyticCost(CostModel):
     #: loss-first program against the step as written (``rewrite/api.py``; measured in
     #: ``benchmarks/results/wholestep.md``). 0 turns it off; it is off wherever ``lean_band`` is.
     lean_band_far: float = 0.2
+    #: a rewrite chosen priced within this fraction of the input, where either is predicted to hold 1 MiB of
+    #: temporaries or more, is compiled with the input for abstract inputs, and not used where XLA says it holds
+    #: more temporaries (``memory_analysis``): the model does not always see the order XLA runs kernels in
+    #: (``rewrite/extract/tie.py``). 0 turns it off; it is off with ``memory=0`` and under a ``memory_budget``.
+    memory_tie: float = 0.001
     ops: Mapping[str, float] = dataclasses.field(default_factory=lambda: dict(_table()["elementwise_ns"]))
     dot: float = dataclasses.field(default_factory=lambda: _table()["dot_flop"])
     #: a product of ``dot_parallel_at`` flops or more costs ``dot_parallel`` per flop in place of ``dot``: on XLA:CPU

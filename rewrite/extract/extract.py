@@ -65,6 +65,9 @@ class Extraction:
     #: where the chosen rewrite is predicted (by the extraction's live peak) to hold more temporaries than the input
     #: program, the cheapest candidate that holds no more, the input at worst (``extract.policy.no_fatter``)
     leaner_fallback: "Candidate | None" = None
+    #: where the memory tie (``extract.tie``) replaced the choice: XLA's temporaries of the program kept and of the
+    #: one it replaced
+    xla_temps: "tuple[int, int] | None" = None
 
 
 def input_cost(snap: Snapshot, outs: Sequence[int], token: int | None, model: CostModel) -> float:
