@@ -1,9 +1,9 @@
-"""The memory tie: where the model prices the chosen program and its rival alike, XLA's own count of their
-temporaries decides.
+"""The memory tie: where the model prices a rewrite and the input alike, XLA's own count of their temporaries
+decides.
 
 The model predicts a program's peak of temporaries (``cost/memory.py``), but not always the order XLA runs its
 kernels in, which its simplifier's choice of a canonical form can move: ``eqx.nn.MLP``'s gradient, rewritten,
-is priced 0.02% below JAX's with the same predicted peak, and XLA holds 3.67 MiB of temporaries for it against
+is priced 0.003% below JAX's with the same predicted peak, and XLA holds 3.67 MiB of temporaries for it against
 3.15 for JAX's; a recurrent network's gradient, rewritten, priced 0.3% below, holds 870,916 B against 1,312,004.
 The model is blind both ways, so neither side can be preferred on a tie by rule (``benchmarks/results/log.md``,
 "A time tie, measured and not kept"). Instead, where a rewrite was chosen priced within the model's
@@ -12,11 +12,12 @@ for abstract inputs (nothing runs) and ``memory_analysis()`` is read: the input 
 the rewrite holds more by ``extract.fatter`` (a page and 2%); on an equal count the price decides, as everywhere
 else. On the decision corpus with the tie widened to 3%, 21 cases compiled 34 pairs (93 s); only the equinox
 gradient's rewrite held more; every pair XLA sized apart beyond 0.1% held less for the rewrite, so the tie is
-0.1% wide: 14 cases, 16 pairs, 27 s (``benchmarks/results/log.md``).
+0.1% wide: 9 cases, 11 pairs, 13 s (``benchmarks/results/log.md``, "The memory tie"; ``docs/design.md`` says
+what it costs a first call).
 
-Each verdict (the two counts) is kept for the life of the process and, where the disk cache is on
-(``rewrite/cache/store.py``, ``JAX_REWRITE_CACHE_DIR``), on disk beside the rewritten programs, keyed by the two
-programs and the versions, so that a second process does not compile them again (:func:`xla_temps`).
+Each program's count is kept for the life of the process and, where the disk cache is on
+(``rewrite/cache/store.py``, ``JAX_REWRITE_CACHE_DIR``), on disk beside the rewritten programs, keyed by the
+program and the versions, so that a second process does not compile it again (:func:`xla_temps`).
 """
 
 from __future__ import annotations
@@ -77,65 +78,74 @@ def on_xla_count(ex: Any, before: Any, after: Any, emit_choice: Callable[[dict],
                                 leaner_fallback=None, xla_temps=(counts[1], counts[0])), before)
 
 
-def _key(first: Any, second: Any) -> str:
+def _key(program: Any) -> str:
     from ..cache.fingerprint import Unstable, program_fingerprint
 
-    h = hashlib.sha256(b"memory tie\0")
-    for p in (first, second):
-        try:
-            h.update(program_fingerprint(p).encode())
-        except Unstable:
-            h.update(str(p).encode())
-        h.update(b"\0")
-    return h.hexdigest()
+    try:
+        found = program_fingerprint(program)
+    except Unstable:
+        found = str(program)
+    return hashlib.sha256(b"memory tie\0" + found.encode()).hexdigest()
 
 
 def xla_temps(first: Any, second: Any) -> tuple[int, int] | None:
     """XLA's temporaries (``memory_analysis().temp_size_in_bytes``) of two ``ClosedJaxpr`` of one signature,
     compiled for abstract inputs (``jax.ShapeDtypeStruct``: nothing runs), outside any trace (as
-    ``cost/measure.py`` times); read from this process's cache or the disk cache where they were counted before.
-    ``None`` where either cannot be compiled so (effects, sharded inputs, a failed compile)."""
-    from ..cost.measure import measurable
+    ``cost/measure.py`` times), the two at once (XLA's compiler lets go of Python's lock); each read from this
+    process's cache or the disk cache where it was counted before (the input as written, held to several
+    rewrites, is compiled once). ``None`` where either cannot be compiled so (effects, sharded inputs, a failed
+    compile)."""
+    from ..cost.measure import _outside_traces, measurable
 
     if not (measurable(first) and measurable(second)):
         return None
-    key = _key(first, second)
-    with _LOCK:
-        found = _COUNTS.get(key)
-    if found is None:
-        found = _from_disk(key)
-    if found is not None:
-        COMPILED["cached"] += 1
+    keys = [_key(first), _key(second)]
+    counts: list[int | None] = []
+    for key in keys:
         with _LOCK:
-            _COUNTS[key] = found
-        return found
-    from ..cost.measure import _outside_traces
+            found = _COUNTS.get(key)
+        if found is None and (found := _from_disk(key)) is not None:
+            with _LOCK:
+                _COUNTS[key] = found
+        counts.append(found)
+    missing = [p for p, c in zip((first, second), counts) if c is None]
+    COMPILED["cached"] += 2 - len(missing)
+    if missing:
+        t = time.perf_counter()
+        try:
+            made = iter(_outside_traces(_compile_all, missing))
+        except Exception as e:  # a program XLA will not compile for abstract inputs: the price decides
+            log.info("memory tie: could not compile: %s: %s", type(e).__name__, e)
+            return None
+        finally:
+            COMPILED["seconds"] += time.perf_counter() - t
+        COMPILED["compiled"] += len(missing)
+        for i, key in enumerate(keys):
+            if counts[i] is None:
+                counts[i] = next(made)
+                with _LOCK:
+                    _COUNTS[key] = counts[i]
+                _to_disk(key, counts[i])
+    return counts[0], counts[1]  # type: ignore[return-value]
 
-    t = time.perf_counter()
-    try:
-        found = _outside_traces(_compile_both, first, second)
-    except Exception as e:  # a program XLA will not compile for abstract inputs: the price decides
-        log.info("memory tie: could not compile: %s: %s", type(e).__name__, e)
-        return None
-    finally:
-        COMPILED["seconds"] += time.perf_counter() - t
-    COMPILED["compiled"] += 1
-    with _LOCK:
-        _COUNTS[key] = found
-    _to_disk(key, found)
-    return found
 
-
-def _compile_both(first: Any, second: Any) -> tuple[int, int]:
+def _compile(p: Any) -> int:
     import jax
 
     from ..ir.jaxapi import core
 
-    def temp(p: Any) -> int:
-        args = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in p.in_avals]
-        return int(jax.jit(core.jaxpr_as_fun(p)).lower(*args).compile().memory_analysis().temp_size_in_bytes)
+    args = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in p.in_avals]
+    return int(jax.jit(core.jaxpr_as_fun(p)).lower(*args).compile().memory_analysis().temp_size_in_bytes)
 
-    return temp(first), temp(second)
+
+def _compile_all(programs: list) -> list[int]:
+    """Each program's count (:func:`_compile`), the programs compiled on threads of their own at once."""
+    if len(programs) == 1:
+        return [_compile(programs[0])]
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(programs), thread_name_prefix="rewrite-tie") as pool:
+        return list(pool.map(_compile, programs))
 
 
 def _disk() -> Any:
@@ -147,7 +157,7 @@ def _disk() -> Any:
         return None
 
 
-def _from_disk(key: str) -> tuple[int, int] | None:
+def _from_disk(key: str) -> int | None:
     cache = _disk()
     if cache is None:
         return None
@@ -156,12 +166,10 @@ def _from_disk(key: str) -> tuple[int, int] | None:
     except Exception:  # unusable or untrusted: compiled again, and written over
         return None
     temps = None if found is None else found[0].get("meta", {}).get("xla_temps")
-    if isinstance(temps, list) and len(temps) == 2 and all(isinstance(t, int) for t in temps):
-        return temps[0], temps[1]
-    return None
+    return temps if isinstance(temps, int) and not isinstance(temps, bool) else None
 
 
-def _to_disk(key: str, temps: tuple[int, int]) -> None:
+def _to_disk(key: str, temps: int) -> None:
     from ..cache.key import environment
     from ..cache.serialise import FORMAT
 
@@ -169,7 +177,7 @@ def _to_disk(key: str, temps: tuple[int, int]) -> None:
     if cache is None:
         return
     try:
-        cache.write(key, {"format": FORMAT, "key": key, "env": environment(), "meta": {"xla_temps": list(temps)}},
+        cache.write(key, {"format": FORMAT, "key": key, "env": environment(), "meta": {"xla_temps": temps}},
                     b"")
     except Exception as e:  # a directory it cannot write: counted again next time
         log.debug("memory tie: not stored: %s: %s", type(e).__name__, e)
