@@ -43,7 +43,7 @@ def _extraction(chose_rewrite: bool, input_cost: float, rewrite_cost: float) -> 
 def fresh(monkeypatch):
     """No verdict of another test, nothing on disk, and a count of the compiles."""
     monkeypatch.setattr(tie, "_COUNTS", {})
-    monkeypatch.setattr(tie, "_disk", lambda: None)
+    monkeypatch.setattr(tie, "STORE", None)
     compiled = []
     real = tie._compile
     monkeypatch.setattr(tie, "_compile", lambda p: compiled.append(1) or real(p))
@@ -88,9 +88,10 @@ def test_the_tie_is_narrow_and_asks_xla_only_about_programs_that_hold_a_mebibyte
 
 
 def test_the_count_is_kept_in_the_process_and_on_disk(fresh, monkeypatch, tmp_path):
-    from rewrite.cache.store import DiskCache
+    from rewrite.cache.store import TieCounts
 
-    monkeypatch.setattr(tie, "_disk", lambda: DiskCache(tmp_path))
+    monkeypatch.setattr(tie, "STORE", TieCounts())
+    monkeypatch.setenv("JAX_REWRITE_CACHE_DIR", str(tmp_path))
     assert tie.xla_temps(FAT, LEAN) == (2 * 2 ** 20, 2 ** 20)
     assert len(fresh) == 2
     assert tie.xla_temps(LEAN, FAT) == (2 ** 20, 2 * 2 ** 20)  # each program counted once, in either place
@@ -98,7 +99,7 @@ def test_the_count_is_kept_in_the_process_and_on_disk(fresh, monkeypatch, tmp_pa
     monkeypatch.setattr(tie, "_COUNTS", {})  # a second process: read from the disk
     assert tie.xla_temps(FAT, LEAN) == (2 * 2 ** 20, 2 ** 20)
     assert len(fresh) == 2
-    monkeypatch.setattr(tie, "_disk", lambda: DiskCache(tmp_path / "other"))
+    monkeypatch.setenv("JAX_REWRITE_CACHE_DIR", str(tmp_path / "other"))
     monkeypatch.setattr(tie, "_COUNTS", {})
     assert tie.xla_temps(FAT, LEAN) == (2 * 2 ** 20, 2 ** 20)  # nothing kept: compiled again
     assert len(fresh) == 4

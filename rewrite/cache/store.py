@@ -73,6 +73,7 @@ from typing import Any
 
 from ..cost.guard import GuardDecision
 from ..errors import RewriteWarning
+from ..extract import tie as _tie
 from ..ir.jaxapi import core
 from ..jaxpr.emit import check_signature
 from ..records import Result, RuleStats
@@ -363,3 +364,40 @@ def result_from(traced_closed: core.ClosedJaxpr, program: core.ClosedJaxpr | Non
     result.jointly_chosen = (_jointly_chosen_of(meta, meta.get("fired") or {})
                              if program is not None or not meta.get("rewritten") else None)
     return result
+
+
+# ---------------------------------------------------------------------- for the memory tie
+
+
+class TieCounts:
+    """Where ``extract.tie`` keeps XLA's count of a program's temporaries across processes: an entry with no
+    program and the count in its header, in the default directory (:func:`default_dir`; none where it is off),
+    keyed by the program's fingerprint and this library's versions (:func:`environment`, checked on read)."""
+
+    def key(self, program: core.ClosedJaxpr) -> str | None:
+        try:
+            found = program_fingerprint(program)
+        except Exception:  # a param that cannot be hashed stably: this process's cache alone
+            return None
+        return hashlib.sha256(f"memory tie\0{found}".encode()).hexdigest()
+
+    def read(self, key: str) -> int | None:
+        try:
+            cache = resolve(None)
+            found = None if cache is None else cache.read(key)
+        except Exception:  # unusable or untrusted: compiled again, and written over
+            return None
+        count = None if found is None else found[0].get("meta", {}).get("xla_temps")
+        return count if isinstance(count, int) and not isinstance(count, bool) else None
+
+    def write(self, key: str, count: int) -> None:
+        try:
+            cache = resolve(None)
+            if cache is not None:
+                cache.write(key, {"format": FORMAT, "key": key, "env": environment(), "meta": {"xla_temps": count}},
+                            b"")
+        except Exception as e:  # a directory it cannot write: counted again next time
+            log.debug("memory tie: not stored: %s: %s", type(e).__name__, e)
+
+
+_tie.STORE = TieCounts()

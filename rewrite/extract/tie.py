@@ -27,8 +27,13 @@ import hashlib
 import logging
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
+import jax
+
+from ..cost.measure import _outside_traces, measurable
+from ..ir.jaxapi import core
 from .extract import bounds_memory, fatter
 from .program import prices_programs
 
@@ -38,9 +43,13 @@ log = logging.getLogger("rewrite")
 #: below it a difference costs little, and a compile of a small program costs as much as a large one's rewrite.
 TIE_BYTES = 2 ** 20
 
-_COUNTS: dict[str, tuple[int, int]] = {}
+_COUNTS: dict[str, int] = {}
+#: Where counts are kept across processes: ``rewrite/cache/store.py`` (a layer above this one) sets a
+#: ``TieCounts`` here as it is imported, with ``key(program)``, ``read(key)`` and ``write(key, count)``; ``None``:
+#: this process's cache alone.
+STORE: Any = None
 _LOCK = threading.Lock()
-#: How many pairs this process compiled, and how many it read from the caches (for ``benchmarks``' counts).
+#: How many programs this process compiled for the tie and read from the caches, the seconds, the rewrites given up.
 COMPILED: dict[str, float] = {"compiled": 0, "cached": 0, "switched": 0, "seconds": 0.0}
 
 
@@ -79,13 +88,9 @@ def on_xla_count(ex: Any, before: Any, after: Any, emit_choice: Callable[[dict],
 
 
 def _key(program: Any) -> str:
-    from ..cache.fingerprint import Unstable, program_fingerprint
-
-    try:
-        found = program_fingerprint(program)
-    except Unstable:
-        found = str(program)
-    return hashlib.sha256(b"memory tie\0" + found.encode()).hexdigest()
+    key = getattr(STORE, "key", None)
+    found = key(program) if key is not None else None
+    return found or hashlib.sha256(b"memory tie\0" + str(program).encode()).hexdigest()
 
 
 def xla_temps(first: Any, second: Any) -> tuple[int, int] | None:
@@ -95,8 +100,6 @@ def xla_temps(first: Any, second: Any) -> tuple[int, int] | None:
     process's cache or the disk cache where it was counted before (the input as written, held to several
     rewrites, is compiled once). ``None`` where either cannot be compiled so (effects, sharded inputs, a failed
     compile)."""
-    from ..cost.measure import _outside_traces, measurable
-
     if not (measurable(first) and measurable(second)):
         return None
     keys = [_key(first), _key(second)]
@@ -104,7 +107,7 @@ def xla_temps(first: Any, second: Any) -> tuple[int, int] | None:
     for key in keys:
         with _LOCK:
             found = _COUNTS.get(key)
-        if found is None and (found := _from_disk(key)) is not None:
+        if found is None and STORE is not None and (found := STORE.read(key)) is not None:
             with _LOCK:
                 _COUNTS[key] = found
         counts.append(found)
@@ -125,15 +128,12 @@ def xla_temps(first: Any, second: Any) -> tuple[int, int] | None:
                 counts[i] = next(made)
                 with _LOCK:
                     _COUNTS[key] = counts[i]
-                _to_disk(key, counts[i])
+                if STORE is not None:
+                    STORE.write(key, counts[i])
     return counts[0], counts[1]  # type: ignore[return-value]
 
 
 def _compile(p: Any) -> int:
-    import jax
-
-    from ..ir.jaxapi import core
-
     args = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in p.in_avals]
     return int(jax.jit(core.jaxpr_as_fun(p)).lower(*args).compile().memory_analysis().temp_size_in_bytes)
 
@@ -142,42 +142,5 @@ def _compile_all(programs: list) -> list[int]:
     """Each program's count (:func:`_compile`), the programs compiled on threads of their own at once."""
     if len(programs) == 1:
         return [_compile(programs[0])]
-    from concurrent.futures import ThreadPoolExecutor
-
     with ThreadPoolExecutor(len(programs), thread_name_prefix="rewrite-tie") as pool:
         return list(pool.map(_compile, programs))
-
-
-def _disk() -> Any:
-    from ..cache.store import resolve
-
-    try:
-        return resolve(None)
-    except Exception:
-        return None
-
-
-def _from_disk(key: str) -> int | None:
-    cache = _disk()
-    if cache is None:
-        return None
-    try:
-        found = cache.read(key)
-    except Exception:  # unusable or untrusted: compiled again, and written over
-        return None
-    temps = None if found is None else found[0].get("meta", {}).get("xla_temps")
-    return temps if isinstance(temps, int) and not isinstance(temps, bool) else None
-
-
-def _to_disk(key: str, temps: int) -> None:
-    from ..cache.key import environment
-    from ..cache.serialise import FORMAT
-
-    cache = _disk()
-    if cache is None:
-        return
-    try:
-        cache.write(key, {"format": FORMAT, "key": key, "env": environment(), "meta": {"xla_temps": temps}},
-                    b"")
-    except Exception as e:  # a directory it cannot write: counted again next time
-        log.debug("memory tie: not stored: %s: %s", type(e).__name__, e)
