@@ -164,7 +164,8 @@ def choose_residuals(snap: Any, choice: dict, f_roots: Sequence[Any], b_roots: S
     (reuse everything), then a greedy descent from the cheaper of the two
     that recomputes one residual at a time while the price falls, largest
     residuals first, each tried once, at most ``steps`` trials
-    (:data:`GREEDY_STEPS`). Every split priced is appended to ``tried``.
+    (:data:`GREEDY_STEPS`), while the rewrite has time left (``records.out_of_time``).
+    Every split priced is appended to ``tried``.
     """
     steps = GREEDY_STEPS if steps is None else steps
     tried = [] if tried is None else tried
@@ -192,7 +193,7 @@ def choose_residuals(snap: Any, choice: dict, f_roots: Sequence[Any], b_roots: S
         for r in sorted(current, key=lambda c: -_nbytes_of(snap, c)):
             if r in inputs or r in seen:
                 continue
-            if len(seen) >= steps:
+            if len(seen) >= steps or out_of_time():  # (the rewrite's time spent: the best split found)
                 break
             seen.add(r)
             trial_expand = expand | {r}
