@@ -106,7 +106,8 @@ class Budget:
     """The time one signature's rewrite may saturate in all (``Limits.seconds``): its program, a training step's
     passes and the derivative programs asked for later share it. Only the time spent inside the rewrite counts
     (:meth:`spending`), so a gradient asked for long after the forward gets what the forward left. ``passes``:
-    each saturation's (what, seconds given, seconds taken, why it stopped), in order.
+    each saturation's (what, seconds given, seconds taken, why it stopped), in order; ``cut``: the passes whose
+    extraction stopped searching once the time was spent (:func:`out_of_time`), each named once.
 
     >>> b = Budget(1.0)
     >>> with b.spending("forward"):
@@ -123,6 +124,7 @@ class Budget:
         self.spent = 0.0  # while nothing is inside spending()
         self.passes: list[tuple[str, float, float, str]] = []
         self.told = False  # its time limit was said to the user (once a rewrite: :meth:`tell`)
+        self.cut: list[str] = []
         self._inside = 0  # spending() blocks open, in any thread: the wall time they cover is counted once
         self._since = 0.0
         self._lock = threading.Lock()
@@ -160,16 +162,18 @@ class Budget:
 
     @property
     def ran_out(self) -> bool:
-        return any(p[3] == "time limit" for p in self.passes)
+        return bool(self.cut) or any(p[3] == "time limit" for p in self.passes)
 
     def said(self) -> str:
         """Which pass stopped at the time limit, and each saturation's seconds, in words."""
-        first = next(i for i, p in enumerate(self.passes) if p[3] == "time limit")
+        first = next((i for i, p in enumerate(self.passes) if p[3] == "time limit"), None)
         each = ", ".join(f"{w} {took:.2f} s" + (" (stopped)" if why == "time limit" else "")
                          for w, _, took, why in self.passes)
+        where = (f"{self.passes[first][0]}, saturation {first + 1} of {len(self.passes)}" if first is not None
+                 else f"{self.cut[0]}'s extraction")
+        cut = f"; extraction cut short in {', '.join(self.cut)}" if self.cut else ""
         return (f"stopped at the time limit (Limits.seconds = {self.seconds:g} s for the whole rewrite) in "
-                f"{self.passes[first][0]}, saturation {first + 1} of {len(self.passes)}; using the best program "
-                f"found so far. Saturations: {each}")
+                f"{where}; using the best program found so far. Saturations: {each}{cut}")
 
     def tell(self) -> str | None:
         """:meth:`said`, the first time it is asked for after the budget ran out; else ``None``."""
@@ -187,6 +191,21 @@ def budget_now() -> Budget | None:
     """The budget of the rewrite running in this context (:meth:`Budget.spending`), else ``None`` (a bare
     pipeline, whose saturation is bounded by ``Limits.seconds`` alone)."""
     return _BUDGET.get()
+
+
+def out_of_time() -> bool:
+    """Whether the running rewrite's time (:class:`Budget`, ``Limits.seconds``) is spent: an extraction's searches
+    (``extract/program.py``'s ``ProgramSearch``, a ruleset's ``min_saving`` check, a VJP's gradients alone) then
+    keep the best program found so far instead of searching on, and the pass is named in ``Budget.cut`` (so
+    ``limits_met`` warns). ``False`` outside a rewrite's budget (a bare pipeline) and while time is left: far
+    under the limit an extraction is the same as with no budget."""
+    budget = _BUDGET.get()
+    if budget is None or budget.left() > 0:
+        return False
+    what = _STAGE.get()
+    if what not in budget.cut:
+        budget.cut.append(what)
+    return True
 
 
 @contextlib.contextmanager

@@ -435,3 +435,93 @@ def test_a_shared_extractor_does_not_keep_its_snapshot_alive():
         if was:
             gc.enable()
         eg.release()
+
+
+def test_an_extraction_stops_searching_once_the_rewrites_time_is_spent(monkeypatch):
+    """``Limits.seconds`` bounds the extraction too: once the rewrite's time is spent (here each saturation, done,
+    takes all of it), the whole-program searches price no more moves and the program found so far is kept, the
+    pass is named (``Budget.cut``) and the user told once; far under the limit the same searches price moves."""
+    from rewrite.extract import program
+    from rewrite.records import budget_now
+    from rewrite.rules import saturate
+
+    priced: list[int] = []
+    search = program.ProgramSearch._run
+
+    def counted(self, passes, known):
+        start = self.pricer.evaluations
+        out = search(self, passes, known)
+        priced.append(self.pricer.evaluations - start)
+        return out
+
+    monkeypatch.setattr(program.ProgramSearch, "_run", counted)
+
+    def f(x, w):
+        h = jnp.tanh(x @ w) * 1.0
+        return jnp.sum(jnp.exp(h) / jnp.sum(jnp.exp(h), axis=-1, keepdims=True)) + jnp.sum(h * h)
+
+    args = (jnp.ones((8, 16)), jnp.full((16, 16), 0.1))
+    packs = [rulesets.algebra, rulesets.nn]
+    _, _, said = _timed(lambda: rewrite(f, rulesets=packs, limits=Limits(seconds=20.0), cache=False).result(*args))
+    assert not said and sum(priced) > 0, (said, priced)  # far under the limit: the searches move
+
+    run = saturate.Engine.run
+
+    def spending_it_all(self):
+        stopped = run(self)
+        budget = budget_now()
+        budget.spent += budget.seconds  # the saturation finished, and took the rewrite's time with it
+        return stopped
+
+    monkeypatch.setattr(saturate.Engine, "run", spending_it_all)
+    priced.clear()
+    g = rewrite(f, rulesets=packs, limits=Limits(seconds=20.0), cache=False)
+    res, _, said = _timed(lambda: g.result(*args))
+    assert priced and sum(priced) == 0, priced
+    assert res.budget.cut and res.budget.ran_out, res.budget.cut
+    assert len(said) == 1 and "extraction" in said[0] and "whole rewrite" in said[0], said
+    np.testing.assert_allclose(g(*args), f(*args), rtol=1e-5)
+
+
+def test_a_vjps_residual_search_stops_once_the_rewrites_time_is_spent(monkeypatch):
+    """The greedy residual search of a VJP (``grad.vjp.choose_residuals``) tries no split beyond the first two once the
+    rewrite's time is spent (each saturation, done, takes all of it); far under the limit it tries more."""
+    import jax
+
+    from rewrite.grad import vjp
+    from rewrite.records import budget_now
+    from rewrite.rules import saturate
+
+    tried: list[int] = []
+    choose = vjp.choose_residuals
+
+    def counted(*args, **kwargs):
+        out = choose(*args, **kwargs)
+        tried.append(len(args[7]) if len(args) > 7 else len(kwargs["tried"]))
+        return out
+
+    monkeypatch.setattr(vjp, "choose_residuals", counted)
+
+    def loss(x, w):
+        h = jnp.tanh(x @ w)
+        return jnp.sum(jnp.exp(h) * h + jnp.sin(h) ** 2)
+
+    args = (jnp.ones((8, 16)), jnp.full((16, 16), 0.1))
+    f = rewrite(loss, rulesets=[rulesets.algebra], limits=Limits(seconds=20.0), cache=False)
+    jax.make_jaxpr(jax.grad(f, argnums=1))(*args)
+    assert tried and max(tried) > 2, tried  # far under the limit: the descent tries splits
+    run = saturate.Engine.run
+
+    def spending_it_all(self):
+        stopped = run(self)
+        budget = budget_now()
+        budget.spent += budget.seconds
+        return stopped
+
+    monkeypatch.setattr(saturate.Engine, "run", spending_it_all)
+    tried.clear()
+    g = rewrite(loss, rulesets=[rulesets.algebra], limits=Limits(seconds=20.0), cache=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RewriteLimitWarning)
+        np.testing.assert_allclose(jax.grad(g, argnums=1)(*args), jax.grad(loss, argnums=1)(*args), rtol=1e-5)
+    assert tried and max(tried) == 2, tried

@@ -26,7 +26,7 @@ import numpy as np
 from ..cost.model import CostModel
 from ..ir.egraph import EGraph
 from ..ir.walk import children, operands
-from ..records import Barred
+from ..records import Barred, out_of_time
 from .choice import reachable
 from .extract import Candidate, _peak, extract, fatter
 from .extractor import _CONTAINERS, Extractor, shared
@@ -37,7 +37,8 @@ def worth_their_saving(ex: Any, snap: Any, eg: EGraph, entries: Sequence[tuple[A
                         model: CostModel, original: set) -> Any:
     """A ruleset's ``min_saving``: if the chosen program uses nodes built by rules of rulesets that ask
     for one, the program is extracted again without any node those rules built, and that program is
-    used unless theirs saves at least the largest such fraction of the input program's cost more.
+    used unless theirs saves at least the largest such fraction of the input program's cost more. Where the
+    rewrite's time is spent (``records.out_of_time``, ``Limits.seconds``), the chosen program is kept unchecked.
 
     The program without them is extracted from one copy of ``snap`` per input program (:func:`copy_without`), so
     a VJP's joint program and its gradients alone (``grad/vjp.py``) take one, whose nodes are priced and passed
@@ -48,7 +49,7 @@ def worth_their_saving(ex: Any, snap: Any, eg: EGraph, entries: Sequence[tuple[A
         return ex
     made = _withholding(snap, eg, frozenset(floors), original)[1][1]
     used = {made[n] for n in (ex.choice[c] for c in reachable(snap, ex.choice, roots)) if n in made}
-    if not used:
+    if not used or out_of_time():  # (the rewrite's time spent: the program found is kept, not extracted again)
         return ex
     without, _ = copy_without(snap, eg, frozenset(floors), original)
     full, copy = shared(snap, model), shared(without, model)

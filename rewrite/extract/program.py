@@ -20,6 +20,7 @@ from ..cost.program import Program, chosen_op, of_one_result, one_result, projec
 from ..ir import primitives as _primitives
 from ..ir.intern import PARAMS
 from ..ir.walk import operands, walk
+from ..records import out_of_time
 from .extractor import _CONTAINERS, _LEAVES, Extractor, _crossings, _signature
 from .lean import lean_band, leaner, time_price
 
@@ -374,8 +375,9 @@ class ProgramSearch:
     way, by pricing the whole program again). The search runs only on programs of at most ``max_classes`` classes,
     for at most ``max_evaluations`` prices of distinct programs, and at most ``per_class`` per class of the program
     it starts from (at least 64): on the ecosystem suite the last improving move came within one price per class,
-    and the moves after it only confirmed that none improves. A move is kept when it lowers the price and keeps
-    the program acyclic. Bodies keep their choice.
+    and the moves after it only confirmed that none improves; and only while the running rewrite has time left
+    (``records.out_of_time``, ``Limits.seconds``). A move is kept when it lowers the price and keeps the program
+    acyclic. Bodies keep their choice.
 
     Searches from several starts may share ``visited``, the programs every search has passed through: a search
     that reaches a program another one passed through stops there, since the other went on from it (and the
@@ -473,6 +475,11 @@ class ProgramSearch:
         """How many distinct programs one pass over ``classes`` may price (see the class's docstring)."""
         return min(self.max_evaluations, max(64, int(self.per_class * len(classes))))
 
+    def _spent(self, start: int, budget: int) -> bool:
+        """Whether a pass that started at ``start`` evaluations has priced its ``budget``, or the rewrite's time is
+        spent (``records.out_of_time``): the search then keeps the best program it found."""
+        return self.pricer.evaluations - start >= budget or out_of_time()
+
     def _run(self, passes: int, known: float | None) -> tuple[dict[Any, tuple], float]:
         nodes = self.ex.snap.nodes
         best = self.pricer(self.choice, self.roots) if known is None else known
@@ -496,7 +503,7 @@ class ProgramSearch:
                 if len(alts) < 2 or c not in live:
                     continue  # a class an earlier move left out of the program: no move of it changes the price
                 for alt in alts:
-                    if self.pricer.evaluations - start >= budget:
+                    if self._spent(start, budget):
                         return self.choice, best
                     move = self._movable(c, alt)
                     if move is None:
@@ -522,7 +529,7 @@ class ProgramSearch:
                         group = self._siblings(c, alt, live)
                         if not group:
                             continue
-                        if self.pricer.evaluations - start >= budget:
+                        if self._spent(start, budget):
                             return self.choice, best
                         if self._group_move(c, alt, cur, group, best):
                             best = self._price()
@@ -588,7 +595,7 @@ class ProgramSearch:
             if len(alts) < 2 or c not in live:
                 continue
             for alt in alts:
-                if self.pricer.evaluations - start >= budget:
+                if self._spent(start, budget):
                     return best
                 move = self._movable(c, alt)
                 if move is None:

@@ -63,7 +63,7 @@ from ..ir.walk import operands, walk
 from ..jaxpr.emit import Emitter, _Scope, check_signature, dce, emitter
 from ..jaxpr.trace import Traced, same_program, spec_of
 from ..pipeline import extract_by_policy, program_cost, run_pipeline
-from ..records import Result, lap
+from ..records import Result, lap, out_of_time
 from .decide import Joint, decide
 from .uses import cheapest_use, emit_parts, inlined, joint_as_run, same_choice, uses_price, without_outputs
 
@@ -164,7 +164,8 @@ def choose_residuals(snap: Any, choice: dict, f_roots: Sequence[Any], b_roots: S
     (reuse everything), then a greedy descent from the cheaper of the two
     that recomputes one residual at a time while the price falls, largest
     residuals first, each tried once, at most ``steps`` trials
-    (:data:`GREEDY_STEPS`). Every split priced is appended to ``tried``.
+    (:data:`GREEDY_STEPS`), while the rewrite has time left (``records.out_of_time``).
+    Every split priced is appended to ``tried``.
     """
     steps = GREEDY_STEPS if steps is None else steps
     tried = [] if tried is None else tried
@@ -192,7 +193,7 @@ def choose_residuals(snap: Any, choice: dict, f_roots: Sequence[Any], b_roots: S
         for r in sorted(current, key=lambda c: -_nbytes_of(snap, c)):
             if r in inputs or r in seen:
                 continue
-            if len(seen) >= steps:
+            if len(seen) >= steps or out_of_time():  # (the rewrite's time spent: the best split found)
                 break
             seen.add(r)
             trial_expand = expand | {r}
@@ -411,7 +412,8 @@ def _joint_choices(res: Result, n_out: int, n_params: int, model: Any, entries: 
     both used) and for the gradients alone (``jax.grad`` drops the value, and XLA the forward work only the
     value needed). The second is made under the pipeline's policy, as the first was: without the recomputing
     rules' nodes, held to the rulesets' ``min_saving`` (``extract.policy.worth_their_saving``), then with the
-    recomputing nodes where they free memory (``extract.policy.recomputations``)."""
+    recomputing nodes where they free memory (``extract.policy.recomputations``). Where the rewrite's time is spent
+    (``records.out_of_time``), the second is the first."""
     snap, eg = res.snapshot, res.egraph
     f_roots, b_roots = res.roots[:n_out], res.roots[n_out:]
     params = {}
@@ -420,6 +422,8 @@ def _joint_choices(res: Result, n_out: int, n_params: int, model: Any, entries: 
         if cls is not None:
             params[i] = cls
     tree = shared(snap, model).tree()[1]
+    if out_of_time():  # the rewrite's time spent (Limits.seconds): the joint extraction's gradients, not searched apart
+        return f_roots, b_roots, params, [("joint", res.choice), ("gradients", res.choice)]
     grads = extract_by_policy(snap, eg, entries, b_roots, model, res.original)  # the pipeline's policy, min_saving too
     if grads.leaner_fallback is not None:  # held to the input's gradients' memory, as the joint program is (pipeline)
         emit_choice = emitter(snap, eg, res.before.in_avals, b_roots, None, None)
