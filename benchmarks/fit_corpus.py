@@ -165,8 +165,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--write", action="store_true", help="store each pair's prediction under this machine's table in "
                     "decisions.json (the measurements kept) and write decisions.md again from it")
     ap.add_argument("--was", default="", help="with --write, where no record holds it yet: the AnalyticCost fields "
-                    "(k=v,...) the records' predictions were made with beyond this table (the fields a new fit changed; "
-                    "'none': a term that table did not have, as reduce_cached=none)")
+                    "(k=v,...) the records' predictions were made with beyond this table (the fields a new fit "
+                    "changed; 'none': a term that table did not have, as reduce_cached=none)")
     opts = ap.parse_args(argv)
     from rewrite.cost.model import AnalyticCost
 
