@@ -438,6 +438,42 @@ def measure_cache(rounds: int, progress: bool) -> dict[str, float]:
             "streamed_memory": large}
 
 
+#: A block of attention's scores as the blocked form reduces it (rows of 256 keys), in the cache (8 MiB: plain
+#: attention's trip at N=1024, 2 x 4 x 1024 queries), and eight such blocks, streamed from memory.
+REDUCED_ROW, REDUCED_CACHED, REDUCED_STREAMED = 256, 8 << 20, 64 << 20
+
+
+def measure_reduce_cached(rounds: int, progress: bool, table: dict) -> dict[str, Any]:
+    """What a library (YNN) row reduction costs per element over an array the cache holds, against one streamed
+    from memory: ``max`` and ``sum`` over rows of 256 of 8 MiB (called again and again, it stays in the cache, as a
+    block of scores the product before it wrote) and of 64 MiB, interleaved, the median of the rounds' ratios.
+    ``reduce_cached`` is ``table``'s price of the streamed reduction per element (``reduce``, 4 bytes at ``byte``
+    and what ``spill`` adds at 64 MiB) times the two reductions' median ratio: the table's rates are medians of
+    other days, and a least time here would price in-cache reductions against them at another load."""
+    prog = {"max": jax.jit(lambda x: x.max(-1)), "sum": jax.jit(lambda x: x.sum(-1))}
+    arrays = {n: jax.random.normal(jax.random.PRNGKey(0), (b // 4 // REDUCED_ROW, REDUCED_ROW))
+              for n, b in (("cached", REDUCED_CACHED), ("streamed", REDUCED_STREAMED))}
+    inner = {"cached": 16, "streamed": 2}
+    times: dict[tuple, list[float]] = {(f, a): [] for f in prog for a in arrays}
+    for f in prog:
+        for a in arrays:
+            _run_once(prog[f], (arrays[a],), 2)
+    for r in range(rounds):
+        for key in times:
+            f, a = key
+            times[key].append(_run_once(prog[f], (arrays[a],), inner[a]) / (arrays[a].size) * 1e9)
+        if progress:
+            print(f"round {r + 1}/{rounds}", file=sys.stderr)
+    ratios = {f: statistics.median(c / s for c, s in zip(times[(f, "cached")], times[(f, "streamed")])) for f in prog}
+    cache = table.get("cache_bytes", math.inf)
+    streamed = (table["reduce_per_element"] + 4 * table["byte"]
+                + 4 * table.get("spill", 0.0) * max(0.0, 1.0 - cache / REDUCED_STREAMED))
+    return {"ns_per_element": {f"{f} {a}": round(min(t), 4) for (f, a), t in times.items()},
+            "median_ns_per_element": {f"{f} {a}": round(statistics.median(t), 4) for (f, a), t in times.items()},
+            "ratio": {f: round(v, 3) for f, v in ratios.items()}, "streamed_priced": round(streamed, 4),
+            "reduce_cached": streamed * statistics.median(ratios.values())}
+
+
 def _fresh_and_kept(n: int, rounds: int) -> tuple[float, float]:
     """ns per byte of ``x + 1``'s output on ``n`` floats: written to a buffer allocated for the call, and written
     in place (donated); each the fastest of ``rounds`` runs."""
@@ -790,8 +826,9 @@ DOT_SIZES = ((8, 128, 64, 256), (8, 256, 64, 256), (8, 512, 64, 128), (8, 512, 6
              (8, 2048, 64, 512), (8, 2048, 64, 1024), (1, 1024, 1024, 1024), (1, 2048, 512, 2048))
 
 
-def _dot_seconds(shapes: Any, rounds: int) -> dict[Any, float]:
-    """Seconds per call of each product, the median of ``rounds`` interleaved runs after a warm-up."""
+def _dot_seconds(shapes: Any, rounds: int, least: bool = False) -> dict[Any, float]:
+    """Seconds per call of each product, the median of ``rounds`` interleaved runs after a warm-up (``least``: the
+    fastest, the run least disturbed by other users of the cores)."""
     key = jax.random.PRNGKey(0)
     progs = {}
     for b, m, k, n in shapes:
@@ -808,7 +845,7 @@ def _dot_seconds(shapes: Any, rounds: int) -> dict[Any, float]:
     for _ in range(rounds):
         for s, (c, a) in progs.items():
             times[s].append(_run_once(c, a, inner[s]))
-    return {s: statistics.median(t) for s, t in times.items()}
+    return {s: (min(t) if least else statistics.median(t)) for s, t in times.items()}
 
 
 def fit_dot_sizes(flops_seconds: dict[float, float]) -> dict[str, float]:
@@ -849,6 +886,46 @@ def measure_dot_sizes(rounds: int, progress: bool) -> dict[str, float]:
     return fit_dot_sizes({f: statistics.median(t) for f, t in by_flops.items()})
 
 
+#: A product whose output is at most this many bytes: its time is its flops, not its output's traffic to memory
+#: (which ``AnalyticCost.spilled`` prices apart); ``measure_dot_parallel`` fits its rates on these only.
+DOT_IN_CACHE = 8 << 20
+
+
+def measure_dot_parallel(rounds: int, progress: bool, runs: int = 3) -> dict[str, Any]:
+    """The product rate from the size at which XLA:CPU runs a product on every core (``dot_parallel_at``, and the
+    ratio of the two rates), measured where the other core is free: the :data:`DOT_SIZES` whose output stays in the
+    cache (:data:`DOT_IN_CACHE`), timed interleaved ``runs`` times, each product's least time over the runs and
+    rounds (with the cores busy a large product runs at the one-core rate, and the median reads the load), fitted
+    by :func:`fit_dot_sizes`. Its two rates are least times; :func:`parallel_rate` reads them as a ratio."""
+    shapes = [s for s in DOT_SIZES if 4 * s[0] * s[1] * s[3] <= DOT_IN_CACHE]
+    least: dict[Any, float] = {}
+    for _ in range(runs):
+        for s, t in _dot_seconds(shapes, max(rounds, 5), least=True).items():
+            least[s] = min(t, least.get(s, math.inf))
+    flops = {s: 2.0 * s[0] * s[1] * s[2] * s[3] for s in least}
+    gflops = {str(s): round(flops[s] / least[s] / 1e9) for s in sorted(least, key=flops.get)}
+    if progress:
+        print(f"GFLOP/s, least over {runs} runs: {gflops}", file=sys.stderr)
+    by_flops: dict[float, list[float]] = {}
+    for s, t in least.items():
+        by_flops.setdefault(flops[s], []).append(t)
+    fit = fit_dot_sizes({f: statistics.median(t) for f, t in by_flops.items()})
+    return {**fit, "gflops": gflops}
+
+
+def parallel_rate(found: dict[str, float], dot_flop: float) -> dict[str, float]:
+    """What ``--dot-parallel-only`` stores from :func:`measure_dot_parallel`'s fit: ``dot_parallel_at`` as fitted, and
+    ``dot_parallel_flop`` the table's ``dot_flop`` times the fitted ratio of the fast rate to the one-core rate. The
+    fit reads least times, faster than the table's median ``dot_flop`` (0.0066 and 0.0035 ns/flop against 0.00995,
+    2026-12-01): stored as fitted, a large product would be priced 2.8x faster than a small one where it ran 1.9x.
+
+    >>> parallel_rate({"dot_flop": 0.006, "dot_parallel_flop": 0.003, "dot_parallel_at": 1e8}, 0.01)
+    {'dot_parallel_at': 100000000.0, 'dot_parallel_flop': 0.005}
+    """
+    return {"dot_parallel_at": found["dot_parallel_at"],
+            "dot_parallel_flop": dot_flop * found["dot_parallel_flop"] / found["dot_flop"]}
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=9)
@@ -866,6 +943,9 @@ def main(argv: list[str] | None = None) -> None:
                     help="measure only the last-level cache's size and price (CPU), and store them in its table")
     ap.add_argument("--dot-only", action="store_true",
                     help="measure only the product rates by size (dot_flop, dot_parallel_flop, dot_parallel_at)")
+    ap.add_argument("--dot-parallel-only", action="store_true",
+                    help="measure only the rate of the products XLA:CPU runs on every core, and from what size "
+                    "(dot_parallel_at; dot_parallel_flop: the table's dot_flop times the fitted ratio of the rates)")
     ap.add_argument("--parallel-only", action="store_true",
                     help="read only from what size and into how many parts XLA:CPU splits a loop across the cores "
                          "(loop_parallel_at, loop_parallel: from the compiled program, nothing timed); printed, "
@@ -890,6 +970,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--loop-split-only", action="store_true",
                     help="measure only what a loop body's kernel that XLA:CPU splits across the cores costs more per "
                          "trip than one it runs on one core (loop_split), and store it in this backend's table")
+    ap.add_argument("--reduce-cached-only", action="store_true",
+                    help="measure only what a library row reduction of an array the cache holds costs per element "
+                         "against one streamed (reduce_cached), and store it in this backend's table")
     ap.add_argument("--fresh-only", action="store_true",
                     help="measure only what a byte of a buffer allocated per call costs, and from what size (CPU)")
     args = ap.parse_args(argv)
@@ -916,6 +999,19 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.dot_only:
         _store_only(args, measure_dot_sizes(args.rounds, args.progress), "dot")
+        return
+    if args.dot_parallel_only:
+        from rewrite.cost import calibration as _c  # (read here: the table the ratio is applied to)
+
+        found = measure_dot_parallel(args.rounds, args.progress, max(args.runs, 1))
+        print(json.dumps(found, indent=1), file=sys.stderr)
+        if "dot_parallel_at" not in found:
+            raise SystemExit("no faster rate for large products measured (the other core busy?): nothing stored")
+        _store_only(args, parallel_rate(found, _c.CPU["dot_flop"]), "dot_parallel",
+                    note=f"python -m benchmarks.calibrate --dot-parallel-only --runs {args.runs} --rounds "
+                    f"{args.rounds}: least GFLOP/s by product (batch, M, K, N): {found['gflops']}; fitted "
+                    f"{found['dot_flop']:.4g} and {found['dot_parallel_flop']:.4g} ns/flop, stored the table's "
+                    f"dot_flop times their ratio")
         return
     if args.parallel_only:
         # Printed, never stored: with the split priced, the model chose the vectorised seed 001 over its accumulator
@@ -975,6 +1071,19 @@ def main(argv: list[str] | None = None) -> None:
                                                                               else "")
                                                for n, v in r["sizes"].items()) for r in runs)
                          + "; stored: the runs' median excess at the smallest size split")
+        return
+    if args.reduce_cached_only:
+        from rewrite.cost import calibration as _c  # (read here: the table the figures are measured against)
+
+        runs = [measure_reduce_cached(args.rounds, args.progress, _c.CPU) for _ in range(args.runs)]
+        for r in runs:
+            print(json.dumps(r, indent=1), file=sys.stderr)
+        _store_only(args, {"reduce_cached": statistics.median(r["reduce_cached"] for r in runs)}, "reduce_cached",
+                    note=f"python -m benchmarks.calibrate --reduce-cached-only, {len(runs)} runs of {args.rounds} "
+                         "rounds: cached (8 MiB) over streamed (64 MiB) row max / sum: "
+                         + "; ".join(f"{r['ratio']['max']} / {r['ratio']['sum']}" for r in runs)
+                         + f" (least ns per element: " + "; ".join(str(r["ns_per_element"]) for r in runs)
+                         + f"); times the table's streamed price {runs[0]['streamed_priced']}; stored: the median")
         return
     if args.fresh_only:
         if jax.default_backend() != "cpu":

@@ -165,7 +165,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--write", action="store_true", help="store each pair's prediction under this machine's table in "
                     "decisions.json (the measurements kept) and write decisions.md again from it")
     ap.add_argument("--was", default="", help="with --write, where no record holds it yet: the AnalyticCost fields "
-                    "(k=v,...) the records' predictions were made with beyond this table (the fields a new fit changed)")
+                    "(k=v,...) the records' predictions were made with beyond this table (the fields a new fit "
+                    "changed; 'none': a term that table did not have, as reduce_cached=none)")
     opts = ap.parse_args(argv)
     from rewrite.cost.model import AnalyticCost
 
@@ -175,7 +176,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"built {len(progs)} pairs and {len(forms)} attention forms in {time.time() - t:.0f} s", flush=True)
     base = score(AnalyticCost(), progs, {}, forms)["ratios"]
     if opts.write:
-        repredict(progs, {k: float(v) for k, v in (w.split("=") for w in opts.was.split(",") if w)})
+        was = (w.split("=") for w in opts.was.split(",") if w)
+        repredict(progs, {k: None if v == "none" else float(v) for k, v in was})
         return
     for values in itertools.product(*grid.values()):
         kw = dict(zip(grid, values))

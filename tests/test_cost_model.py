@@ -1049,3 +1049,57 @@ def test_the_loop_kernel_calibration_counts_a_body_s_kernels_as_the_model_and_xl
         assert {k: m3[k] - m1[k] for k in m1} == {k: x3[k] - x1[k] for k in x1}, name
         assert sum(m3.values()) > sum(m1.values()), name
 
+
+
+def test_a_library_reduction_of_an_array_the_cache_holds_is_priced_as_it_runs():
+    """A block of attention's scores (rows of 256 keys, 8 MiB), which the product before it wrote, is reduced from
+    the cache: ``calibrate.py --reduce-cached-only`` timed its row ``max`` and ``sum`` at 0.53-0.66 of the same
+    reductions over 64 MiB streamed from memory (2026-12-01), where the table priced both as streamed (``reduce``
+    per element and ``byte`` per byte read: the blocked attention trip's two reductions at 0.64 ms each, timed
+    0.34-0.37). So ``reduce_cached`` prices such a reduction per element, its reading included: whole, by
+    extraction's live program and as a node (a loop body's price) alike; over 64 MiB it is priced as before."""
+    from rewrite.cost.live import LiveFusion
+    from rewrite.pipeline import program_cost
+
+    def priced(model, x, f):
+        return program_cost(jax.make_jaxpr(f)(x), model)
+
+    streamed, cached = AnalyticCost(reduce_cached=None), AnalyticCost(reduce_cached=0.2)
+    block, big = jnp.ones((8192, 256)), jnp.ones((65536, 256))
+    for f in (lambda s: s.max(-1), lambda s: s.sum(-1)):
+        saved = priced(streamed, block, f) - priced(cached, block, f)
+        # (and the tie-break's share of the node price: TIEBREAK of it)
+        assert saved == pytest.approx((streamed.reduce + 4 * streamed.byte - 0.2) * block.size, rel=2e-3)
+        assert priced(cached, big, f) == priced(streamed, big, f)  # 64 MiB: streamed from memory
+        node = lambda m, x: m(NodeInfo("reduce_max", family_of("reduce_max"), {"axes": (1,)}, (x.aval,),  # noqa
+                                       (jax.core.ShapedArray(x.shape[:1], x.dtype),)))
+        assert node(streamed, block) - node(cached, block) == pytest.approx(saved, rel=2e-3)
+    # where the reduction computes its operand (a library reduction absorbs plain arithmetic) it is not the term's
+    # (but for the tie-break: the node price reads the operand it names)
+    squares = lambda s: (s * s).sum(-1)  # noqa: E731
+    assert priced(cached, block, squares) == pytest.approx(priced(streamed, block, squares), rel=1e-3)
+    fm = cached.fusion_model()
+    prog = Program.from_jaxpr(jax.make_jaxpr(lambda s: jnp.exp(s - s.max(-1, keepdims=True)).sum(-1))(block), cached)
+    live = LiveFusion(fm, prog.outputs)
+    live.edit(dict(enumerate(prog.ops)))
+    assert live.price() == pytest.approx(fm(prog), rel=1e-12)
+
+
+def test_the_blocked_attention_trip_prices_its_reductions_from_the_cache():
+    """Plain attention at N=1024 blocked over 256 keys: each trip reduces an 8 MiB block of scores twice (max and
+    sum, XLA:CPU's library reductions between the products, which write and read it in the cache). With
+    ``reduce_cached`` the two reductions of each of its 4 trips are priced at it, the rest as before."""
+    from rewrite import explain
+    from rewrite.pipeline import program_cost
+    from rulesets.attention import attention
+
+    def plain(q, k, v):
+        return jax.nn.softmax(q @ jnp.swapaxes(k, -1, -2) / 8.0, axis=-1) @ v
+
+    x = jnp.ones((2, 4, 1024, 64))
+    rep = explain(plain, x, x, x, rulesets=[attention])
+    assert rep.result.rewritten
+    streamed, cached = AnalyticCost(reduce_cached=None), AnalyticCost(reduce_cached=0.2)
+    saved = program_cost(rep.after, streamed) - program_cost(rep.after, cached)
+    assert saved == pytest.approx(4 * 2 * (streamed.reduce + 4 * streamed.byte - 0.2) * (2 * 4 * 1024 * 256), rel=1e-3)
+    assert program_cost(rep.before, streamed) == program_cost(rep.before, cached)  # the one kernel: no reductions

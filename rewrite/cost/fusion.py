@@ -66,7 +66,7 @@ from .attention import SCORES_CACHED, attention_chain, attention_price, scratch_
 from .program import (ATTENTION, LEAF, LIBRARY, LOOP, OTHER, REDUCE, TIEBREAK, VIEW, Op, Program, _kind, _size,
                       bitcast)
 from .simplify import folded_reduction
-from .spill import spilled as _spilled
+from .spill import cached_reduction, spilled as _spilled
 from .transcendental import SHARED, SHARED_ACROSS, add_shared, chained, shared_across, shared_group
 
 
@@ -170,7 +170,8 @@ class FusionModel:
                  held: Callable[[Any, Sequence[Fusion], Callable[[Op], int] | None, float], int] | None = None,
                  parallel: float = 1.0, parallel_at: float = math.inf, chain: float = 0.0,
                  serial: float = 1.0, loop_launch: float = 0.0, loop_library: float = 0.0, loop_split: float = 0.0,
-                 while_trips: float = 10.0, kernel_product: Callable[[Op], float] | None = None) -> None:
+                 while_trips: float = 10.0, kernel_product: Callable[[Op], float] | None = None,
+                 reduce_cached: float | None = None) -> None:
         self.ns = dict(ns)
         #: where an op's memo keeps its facts for this model (:meth:`_facts`): one memo may meet two models
         self._facts_key = ("facts", id(self))
@@ -196,7 +197,7 @@ class FusionModel:
         self.library_op = library_op
         self.tiebreak = tiebreak
         self.byte = byte
-        self.reduce = reduce
+        self.reduce, self.reduce_cached = reduce, reduce_cached  # (spill.py's cached_reduction)
         self.launch = launch
         self.default = default
         self.cheap = cheap
@@ -447,7 +448,8 @@ class FusionModel:
         if self.spill:  # a slice of an array beyond the cache is streamed once, as any array read
             cost += (sum(facts(ops[a], prog)[9] for a in reads if ops[a].out_avals and a in whole)
                      + facts(root_op, prog)[10])
-        return cost - folded_reduction(self, prog, r, kind, inside), reads
+        return cost - folded_reduction(self, prog, r, kind, inside) - cached_reduction(self, prog, r, kind, inside), \
+            reads
 
     def parallel_share(self, root: Op, kind: str) -> float:
         """What a kernel's elementwise work costs, as a multiple of its per-element prices: ``parallel`` for a loop

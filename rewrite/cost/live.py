@@ -18,6 +18,7 @@ from .attention import SOFTMAX_OPS, scores_bytes
 from .fusion import TIEBREAK, Fusion, FusionModel, _temp, buffer_of, output_buffers, slices
 from .program import ATTENTION, LEAF, LIBRARY, LOOP, OTHER, REDUCE, VIEW, Op, _kind, bitcast
 from .simplify import folded_reduction
+from .spill import cached_reduction
 from .transcendental import SHARED_ACROSS, add_shared, chained, shared_across
 
 
@@ -392,7 +393,8 @@ class LiveFusion:
         cost += model.byte * (k.read_bytes + facts(ops[r], self)[8])
         if model.spill:
             cost += k.read_spilled + facts(ops[r], self)[10]
-        return cost - folded_reduction(model, self, r, kind, members), reads
+        return (cost - folded_reduction(model, self, r, kind, members)
+                - cached_reduction(model, self, r, kind, members)), reads
 
     def price(self) -> float:
         """The program's cost, as :meth:`FusionModel.__call__` prices it."""

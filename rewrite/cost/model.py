@@ -59,7 +59,7 @@ from .attention import SCORES_CACHED
 from .dot import FALLBACK as _DOT_FALLBACK, REPACK as _DOT_REPACK, copied as dot_copied, library_dot
 from .fusion import FusionModel, ns_key, peak_temp_bytes
 from .memory import InnerPeak, as_xla_simplifies, scheduled_peak
-from .program import Program
+from .program import Program, library_reduction
 from .spill import spilled as _spilled
 
 
@@ -338,6 +338,11 @@ class AnalyticCost(CostModel):
     dot_fallback: float = dataclasses.field(default_factory=lambda: _DOT_FALLBACK.get(jax.default_backend(), 1.0))
     dot_repack: float = dataclasses.field(default_factory=lambda: _DOT_REPACK.get(jax.default_backend(), 0.0))
     reduce: float = dataclasses.field(default_factory=lambda: _table()["reduce_per_element"])
+    #: ns per element of a library (YNN) reduction whose operand the cache holds (``cache`` bytes or fewer), its
+    #: reading included, in place of ``reduce`` and ``byte`` (measured streamed): a block of attention's scores
+    #: that the product before it wrote (``rewrite/cost/spill.py``'s ``cached_reduction``). The table's
+    #: ``reduce_cached``, else ``None`` (priced as streamed).
+    reduce_cached: float | None = dataclasses.field(default_factory=lambda: _table().get("reduce_cached"))
     launch: float = dataclasses.field(default_factory=lambda: _table()["launch"])
     #: per element of each operation fused into a library (YNN) reduction
     library_op: float = dataclasses.field(default_factory=lambda: _table().get("library_op", 0.3))
@@ -434,8 +439,10 @@ class AnalyticCost(CostModel):
         return self.node + self.byte * sum(nbytes(a) for a in n.out_avals) + self.spilled(n.out_avals)
 
     def _reduce(self, n: NodeInfo) -> float:
-        return (self.node + self.reduce * sum(size(a) for a in n.in_avals) + self.byte * sum(nbytes(a) for a in n.in_avals)
-                + self.spilled(n.in_avals))
+        read = sum(nbytes(a) for a in n.in_avals)
+        if self.reduce_cached is not None and read <= self.cache and library_reduction(n.op, n.in_avals):
+            return self.node + self.reduce_cached * sum(size(a) for a in n.in_avals)  # (spill.py's cached_reduction)
+        return self.node + self.reduce * sum(size(a) for a in n.in_avals) + self.byte * read + self.spilled(n.in_avals)
 
     def dot_rate(self, flops: float) -> float:
         """Nanoseconds per flop of a product of ``flops`` flops: ``dot_parallel`` from ``dot_parallel_at`` flops
@@ -508,7 +515,7 @@ class AnalyticCost(CostModel):
                          parallel=self.loop_parallel, parallel_at=self.loop_parallel_at, chain=self.chain,
                          serial=self.loop_serial, loop_launch=self.loop_launch, loop_library=self.loop_launch_library,
                          loop_split=self.loop_split,
-                         while_trips=self.while_trips,
+                         while_trips=self.while_trips, reduce_cached=self.reduce_cached,
                          kernel_product=(self._kernel_product if self.attention_dot is not None
                                          and (self.attention_dot != self.dot or self.dot_parallel_at != math.inf)
                                          else None))

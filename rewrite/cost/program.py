@@ -320,11 +320,15 @@ def _kind_of(op: Op) -> str:
     if spec.fusion == "loop" or elementwise_call(op):
         return LOOP
     if op.family == _primitives.REDUCE:
-        if (spec.library_reduction and op.in_avals and _is_float(op.in_avals[0])
-                and _size(op.in_avals[0]) >= LIBRARY_MIN_ELEMENTS):
-            return LIBRARY
-        return REDUCE
+        return LIBRARY if library_reduction(op.prim, op.in_avals) else REDUCE
     return OTHER
+
+
+def library_reduction(prim: str, in_avals: Sequence[Any]) -> bool:
+    """Whether XLA:CPU runs a reduction ``prim`` of operands ``in_avals`` as a library (YNN) reduction: a floating
+    ``reduce_sum``/``reduce_max``/``reduce_min`` of ``LIBRARY_MIN_ELEMENTS`` elements or more."""
+    return bool(spec_of(prim).library_reduction and in_avals and _is_float(in_avals[0])
+                and _size(in_avals[0]) >= LIBRARY_MIN_ELEMENTS)
 
 
 def bitcast(op: Op) -> bool:
