@@ -70,7 +70,8 @@ def tie_width(model: Any) -> float:
 def on_xla_count(ex: Any, before: Any, after: Any, emit_choice: Callable[[dict], Any], model: Any
                  ) -> tuple[Any, Any]:
     """``(ex, after)``, or the input and ``before`` where a rewrite was chosen priced within the tie of the input
-    and XLA says it holds more temporaries (see the module docstring). ``ex`` is an ``Extraction`` after
+    and XLA says it holds more temporaries (see the module docstring), or priced alike (:data:`ALIKE`: kept
+    without a compile). ``ex`` is an ``Extraction`` after
     ``policy.no_fatter``, ``after`` its emitted program, ``before`` the input program as written, which is what is
     compared and kept (the input's candidate, emitted again, may be ordered otherwise, and XLA may hold more for
     it: ``eqx.nn.MLP``'s gradient so emitted holds 3.67 MiB, as written 3.15). ``emit_choice`` is not called:
