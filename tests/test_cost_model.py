@@ -276,6 +276,23 @@ def test_programs_xla_compiles_alike_are_priced_alike():
     assert none <= one <= none * 1.01
 
 
+def test_a_kernel_that_slices_an_elementwise_product_is_priced_by_its_slice():
+    """XLA's loop emitter computes a fused elementwise producer at the indices its readers ask for: a kernel that
+    slices ``ct * s`` computes that slice's products and reads that slice of ``ct``. Seed 000's kernel
+    (``rulesets/kernels/sin_squared.py``) slices its cotangent into 32 blocks, each priced the whole product: its
+    joint in a ``value_and_grad`` step at T=2048 8.18e7 against JAX's 5.50e7, measured 1.12x faster (6.00e7 now)."""
+    ct, s = jnp.ones((32, 4096)), jnp.float32(2.0)
+    sliced = lambda ct, s: jnp.sin(lax.slice_in_dim(ct * s, 0, 1))  # noqa: E731
+    hlo = jax.jit(sliced).lower(ct, s).compile().as_text()
+    entry = hlo[hlo.index("ENTRY"):]
+    assert entry.count(" fusion(") == 1 and "f32[32,4096]{1,0} fusion" not in entry  # one kernel, no product stored
+    assert _price(sliced, ct, s) <= 1.05 * _price(lambda ct, s: jnp.sin(lax.slice_in_dim(ct, 0, 1) * s), ct, s)
+    # read by two kernels that slice it, each computes its own slice; by one that reads it whole, all of it
+    two = lambda ct, s: (jnp.sin(lax.slice_in_dim(ct * s, 0, 1)), jnp.cos(lax.slice_in_dim(ct * s, 1, 2)))  # noqa
+    assert _price(two, ct, s) <= 1.05 * _price(lambda ct, s: (jnp.sin(ct[:1] * s), jnp.cos(ct[1:2] * s)), ct, s)
+    assert _price(lambda ct, s: jnp.sin(ct * s), ct, s) > 8 * _price(sliced, ct, s)
+
+
 def test_a_reduction_of_a_broadcast_is_priced_as_xla_simplifies_it():
     """XLA's simplifier reduces a broadcast over the axes it did not add as the broadcast of the reduction of its
     operand, and folds the reduction of a broadcast literal: distrax's flow log-density sums ``[2048, 16]``

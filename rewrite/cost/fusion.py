@@ -64,7 +64,7 @@ from ..ir.scanread import SLICES
 from .dot import library_dot
 from .attention import SCORES_CACHED, attention_chain, attention_price, scratch_bytes
 from .program import (ATTENTION, LEAF, LIBRARY, LOOP, OTHER, REDUCE, TIEBREAK, VIEW, Op, Program, _kind, _size,
-                      bitcast)
+                      bitcast, sliced_parts)
 from .simplify import folded_reduction
 from .spill import cached_reduction, spilled as _spilled
 from .transcendental import SHARED, SHARED_ACROSS, add_shared, chained, shared_across, shared_group
@@ -405,16 +405,17 @@ class FusionModel:
         facts = self._facts
         whole: set = set()        # read as a whole by some member
         sliced: dict[Any, int] = {}  # read by slices only: the bytes of the slices
+        # members computed only where slices read them, and the part of each (program.sliced_parts)
+        part = sliced_parts(prog, inside, r, slices) if any(ops[i].prim in SLICES for i in inside) else {}
         for i in inside:
             op = ops[i]
             for a in op.args:
-                if a in inside:
-                    continue
-                if ops[a].prim == "literal":
+                if a in inside or ops[a].prim == "literal":
                     continue
                 reads.add(a)
-                if op.prim in SLICES and slices(op, a):
-                    sliced[a] = sliced.get(a, 0) + facts(op, prog)[6]
+                if i in part or slices(op, a):
+                    read = part[i] * facts(ops[a], prog)[6] if i in part else facts(op, prog)[6]
+                    sliced[a] = sliced.get(a, 0) + read
                 else:
                     whole.add(a)
         cost = self.launch + self.node * len(inside)
@@ -437,7 +438,7 @@ class FusionModel:
                 else:
                     reduced += f[3]
             else:
-                work += f[share]
+                work += f[share] * part.get(i, 1.0)
         work = add_shared(work, self, ops, sincos)
         if self.chain and kind in (LOOP, REDUCE):
             work += self.chain * chained(self, prog, inside)

@@ -359,3 +359,38 @@ def _kind(op: Op) -> str:
     if found is None:
         found = memo["kind"] = _kind_of(op)
     return found
+
+
+def sliced_parts(prog: Any, inside: Any, root: Any, slicing: Any) -> dict[Any, float]:
+    """The members of the loop kernel ``inside`` (rooted at ``root``) that it computes only where slices in it read
+    them, each with the part of its elements computed: XLA's loop emitter computes a fused elementwise producer at
+    the indices its readers ask for, so a kernel that slices ``1 * ct`` computes that slice's products and reads
+    that slice of ``ct``. ``slicing(op, i)``: whether ``op`` reads ``i`` only as the operand it slices. (Seed
+    000's kernel slices its cotangent into 32 blocks, each priced the whole product before: the joint of a
+    ``value_and_grad`` step 8.18e7 against JAX's 5.50e7 at T=2048, measured 1.12x faster.)"""
+    readers: dict[Any, list] = {}
+    for i in inside:
+        for a in set(prog.ops[i].args):
+            if a in inside:
+                readers.setdefault(a, []).append(i)
+    part: dict[Any, float] = {}
+
+    def of(i: Any) -> float:  # the part of member i's elements its readers in the kernel ask for
+        if i not in part:
+            op = prog.ops[i]
+            part[i] = 1.0
+            if i != root and i in readers and _kind(op) == LOOP and len(op.out_avals) == 1:
+                shape, got = op.out_avals[0].shape, 0.0
+                for u in readers[i]:
+                    reader = prog.ops[u]
+                    if slicing(reader, i):
+                        got += _size(reader.out_avals[0]) / max(_size(op.out_avals[0]), 1)
+                    elif reader.out_avals and reader.out_avals[0].shape == shape and of(u) < 1.0:
+                        got += of(u)
+                    else:
+                        got = 1.0
+                        break
+                part[i] = min(got, 1.0)
+        return part[i]
+
+    return {i: f for i in inside if (f := of(i)) < 1.0}
