@@ -408,8 +408,7 @@ class FusionModel:
         # members computed only where slices read them, and the part of each (program.sliced_parts)
         part = sliced_parts(prog, inside, r, slices) if any(ops[i].prim in SLICES for i in inside) else {}
         for i in inside:
-            op = ops[i]
-            for a in op.args:
+            for a in (op := ops[i]).args:
                 if a in inside or ops[a].prim == "literal":
                     continue
                 reads.add(a)
@@ -449,8 +448,8 @@ class FusionModel:
         if self.spill:  # a slice of an array beyond the cache is streamed once, as any array read
             cost += (sum(facts(ops[a], prog)[9] for a in reads if ops[a].out_avals and a in whole)
                      + facts(root_op, prog)[10])
-        return cost - folded_reduction(self, prog, r, kind, inside) - cached_reduction(self, prog, r, kind, inside), \
-            reads
+        less = folded_reduction(self, prog, r, kind, inside) + cached_reduction(self, prog, r, kind, inside)
+        return cost - less, reads
 
     def parallel_share(self, root: Op, kind: str) -> float:
         """What a kernel's elementwise work costs, as a multiple of its per-element prices: ``parallel`` for a loop
