@@ -346,12 +346,15 @@ def test_sums_are_reordered_only_where_that_saves_the_floor():
     seed_report = explain(seed_vjp, *_seed_args(), rulesets=[derivatives])
     assert _SUMS & set(seed_report.fired), seed_report.summary()  # they fire ...
     assert not _SUMS & set(seed_report.used), seed_report.summary()  # ... and their sums are not used
-    # Where the factor or the second sum is most of the program, the saving is over the floor: they are used.
+    # Where the factor is most of the program, the saving is over the floor: it is pulled out.
     x, b = jax.random.normal(jax.random.PRNGKey(0), (512, 64)), jnp.linspace(0.5, 2.0, 64)
     pulled = explain(lambda x, b: (x * b).sum(0), x, b, rulesets=[derivatives])
+    assert "red_pull" in pulled.used and pulled.predicted_speedup > 1.0 + SUMS_MIN_SAVING
+    # Two sums of arrays the cache holds are each a library reduction read from the cache (``reduce_cached``);
+    # one sum of their fused sum is not cheaper: merged, x.sum(0) + y.sum(0) at [512, 64] ran 0.95x (A/A 1.00x,
+    # 15 interleaved rounds), at [2048, 512] 0.89x (A/A 0.98x). So it is kept as written.
     merged = explain(lambda x, y: x.sum(0) + y.sum(0), x, x + 1.0, rulesets=[derivatives])
-    assert "red_pull" in pulled.used and "red_merge" in merged.used
-    assert min(pulled.predicted_speedup, merged.predicted_speedup) > 1.0 + SUMS_MIN_SAVING
+    assert "red_merge" in merged.fired and "red_merge" not in merged.used, merged.summary()
 
 
 def test_the_gradients_alone_keep_the_floor_too():
