@@ -435,6 +435,24 @@ def test_a_dynamic_update_slice_writes_its_update_in_place(T):
     assert abs(got - want) <= 0.5 * want, (got / 2 ** 20, want / 2 ** 20)
 
 
+def test_a_dynamic_update_slice_chain_read_by_one_loop_is_fused_into_it():
+    """The same kernel in a step that updates ``x`` with its gradient (``x - 0.01 * grad x``, issue 50's form C):
+    XLA:CPU fuses the 32 updates into that one loop (``multiply_subtract_fusion``), which reads every block's
+    ``[..., 3]`` array, so all 32 are held until it runs: 12.02 MiB at T=512 (48 at 2048, 192 at 8192), predicted
+    0.52 MiB as 32 in-place updates (8 at T=8192, where the step took the kernel and ran 0.85-0.89x as written)."""
+    from rulesets.kernels.sin_squared import sin_squared_over
+
+    def step(a, x):
+        l, (ga, gx) = jax.value_and_grad(lambda a, x: jnp.sum(sin_squared_over(x, a.reshape(1, 1, -1))), (0, 1))(a, x)
+        return a - 0.01 * ga, x - 0.01 * gx, l
+
+    k = jax.random.key(0)
+    a, x = jax.random.uniform(k, (64,), minval=0.5, maxval=2.0), jax.random.normal(k, (32, 512, 64))
+    want = _xla(step, (a, x))
+    got = AnalyticCost().predict_temp_bytes(jax.make_jaxpr(step)(a, x))
+    assert want > 2 * x.nbytes and abs(got - want) <= 0.25 * want, (got / 2 ** 20, want / 2 ** 20)
+
+
 
 def _dense_transposed(w, x, b, v):  # JAX's dense layer under vmap: the product as [out, batch], then transposed
     return jnp.tanh(jax.lax.dot_general(w, x, (((1,), (1,)), ((), ()))).T + b) @ v

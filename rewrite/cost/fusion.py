@@ -64,7 +64,7 @@ from ..ir.scanread import SLICES
 from .dot import library_dot
 from .attention import SCORES_CACHED, attention_chain, attention_price, scratch_bytes
 from .program import (ATTENTION, LEAF, LIBRARY, LOOP, OTHER, REDUCE, TIEBREAK, VIEW, Op, Program, _kind, _size,
-                      bitcast, sliced_parts)
+                      bitcast, fused_update, sliced_parts)
 from .simplify import folded_reduction
 from .spill import cached_reduction, spilled as _spilled
 from .transcendental import SHARED, SHARED_ACROSS, add_shared, chained, shared_across, shared_group
@@ -248,7 +248,7 @@ class FusionModel:
             if len(need) == 1 and roots[next(iter(need))] in (LOOP, REDUCE):
                 return need, None
         if kind != LOOP:
-            return {i}, kind
+            return (need, None) if fused_update(prog.ops[i], need, output, roots) else ({i}, kind)
         if bitcast(prog.ops[i]) and not (output and copied(prog, i)):
             # XLA bitcasts it: it is read where its readers are, none of them writes it, and a kernel that
             # cannot absorb it (a product, a loop) reads its operand's buffer as it is; an output's operand is
