@@ -474,6 +474,31 @@ def measure_reduce_cached(rounds: int, progress: bool, table: dict) -> dict[str,
             "reduce_cached": streamed * statistics.median(ratios.values())}
 
 
+#: The array ``measure_transpose_copy`` transposes: two 1024 x 1024 blocks (8 MiB, no buffer mapped fresh), rows of
+#: 4 KiB (``rewrite/cost/dot.py``'s ``ALIASED_STRIDE``), 1024 of them (``ALIASED_ROWS``).
+TRANSPOSED = (2, 1024, 1024)
+
+
+def measure_transpose_copy(rounds: int, progress: bool, table: dict) -> dict[str, Any]:
+    """What a copy that moves an array's minor-most dimension down a page-multiple stride costs per element
+    (``AnalyticCost.transpose_copy``): ``swapaxes(x * 2)`` against ``x * 2`` on :data:`TRANSPOSED`, interleaved,
+    the median of the rounds' ratios times ``table``'s ``copy_per_element`` (as ``reduce_cached``: a ratio at
+    this load against the table's median rate, not a time at it)."""
+    x = jax.random.normal(jax.random.PRNGKey(0), TRANSPOSED)
+    prog = {"copy": jax.jit(lambda a: a * 2.0), "transpose": jax.jit(lambda a: jnp.swapaxes(a * 2.0, -1, -2))}
+    times: dict[str, list[float]] = {n: [] for n in prog}
+    for f in prog.values():
+        _run_once(f, (x,), 2)
+    for r in range(rounds):
+        for n, f in prog.items():
+            times[n].append(_run_once(f, (x,), 4) / x.size * 1e9)
+        if progress:
+            print(f"round {r + 1}/{rounds}", file=sys.stderr)
+    ratio = statistics.median(t / c for t, c in zip(times["transpose"], times["copy"]))
+    return {"median_ns_per_element": {n: round(statistics.median(t), 4) for n, t in times.items()},
+            "ratio": round(ratio, 3), "transpose_copy": table["copy_per_element"] * ratio}
+
+
 def _fresh_and_kept(n: int, rounds: int) -> tuple[float, float]:
     """ns per byte of ``x + 1``'s output on ``n`` floats: written to a buffer allocated for the call, and written
     in place (donated); each the fastest of ``rounds`` runs."""
@@ -973,6 +998,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--reduce-cached-only", action="store_true",
                     help="measure only what a library row reduction of an array the cache holds costs per element "
                          "against one streamed (reduce_cached), and store it in this backend's table")
+    ap.add_argument("--transpose-copy-only", action="store_true",
+                    help="measure only what a product operand's copy that moves its minor-most dimension down a "
+                         "page-multiple stride costs per element (transpose_copy), and store it in this backend's table")
     ap.add_argument("--fresh-only", action="store_true",
                     help="measure only what a byte of a buffer allocated per call costs, and from what size (CPU)")
     args = ap.parse_args(argv)
@@ -1084,6 +1112,19 @@ def main(argv: list[str] | None = None) -> None:
                          + "; ".join(f"{r['ratio']['max']} / {r['ratio']['sum']}" for r in runs)
                          + f" (least ns per element: " + "; ".join(str(r["ns_per_element"]) for r in runs)
                          + f"); times the table's streamed price {runs[0]['streamed_priced']}; stored: the median")
+        return
+    if args.transpose_copy_only:
+        from rewrite.cost import calibration as _c
+
+        runs = [measure_transpose_copy(args.rounds, args.progress, _c.CPU) for _ in range(args.runs)]
+        for r in runs:
+            print(json.dumps(r), file=sys.stderr)
+        _store_only(args, {"transpose_copy": statistics.median(r["transpose_copy"] for r in runs)}, "transpose_copy",
+                    note=f"python -m benchmarks.calibrate --transpose-copy-only, {len(runs)} runs of {args.rounds} "
+                         f"rounds: swapaxes(x * 2) over x * 2 on {TRANSPOSED}: "
+                         + "; ".join(str(r["ratio"]) for r in runs)
+                         + f" (median ns per element: " + "; ".join(str(r["median_ns_per_element"]) for r in runs)
+                         + f"); times the table's copy_per_element {_c.CPU['copy_per_element']}; stored: the median")
         return
     if args.fresh_only:
         if jax.default_backend() != "cpu":
