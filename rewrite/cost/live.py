@@ -13,10 +13,11 @@ import math
 from typing import Any, Iterable, Mapping, Sequence
 
 from ..ir import primitives as _primitives
+from ..ir.scanread import SLICES
 from ..ir.walk import postorder
 from .attention import SOFTMAX_OPS, scores_bytes
 from .fusion import TIEBREAK, Fusion, FusionModel, _temp, buffer_of, output_buffers, slices
-from .program import ATTENTION, LEAF, LIBRARY, LOOP, OTHER, REDUCE, VIEW, Op, _kind, bitcast
+from .program import ATTENTION, LEAF, LIBRARY, LOOP, OTHER, REDUCE, VIEW, Op, _kind, bitcast, sliced_parts
 from .simplify import folded_reduction
 from .spill import cached_reduction
 from .transcendental import SHARED_ACROSS, add_shared, chained, shared_across
@@ -275,7 +276,7 @@ class LiveFusion:
                 self._sums.pop(r, None)
                 self._count_across(r, set())
                 continue
-            if incremental and kind not in (OTHER, ATTENTION):
+            if incremental and kind not in (OTHER, ATTENTION) and not self._sliced(r):
                 cost, reads = self._kernel(r, kind, changes)
             else:
                 cost, reads = self.model.kernel(self, r, kind, self._members[r])
@@ -294,6 +295,12 @@ class LiveFusion:
                     + (scores_bytes(self, r) if kind == ATTENTION else 0))
             self._temp_sum += temp - self._temp.get(r, 0)
             self._temp[r] = temp
+
+    def _sliced(self, r: Any) -> bool:
+        """Whether kernel ``r`` computes a member only where slices read it (``program.sliced_parts``): its sums do
+        not follow that part, so it is priced whole."""
+        members, ops = self._members[r], self.ops
+        return any(ops[i].prim in SLICES for i in members) and bool(sliced_parts(self, members, r, slices))
 
     def _kernel(self, r: Any, kind: str, changes: Mapping[Any, Any]) -> tuple[float, Iterable]:
         """:meth:`FusionModel.kernel` of kernel ``r``, from its sums at its last price and the members that
