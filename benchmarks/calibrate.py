@@ -1110,7 +1110,7 @@ def main(argv: list[str] | None = None) -> None:
                     note=f"python -m benchmarks.calibrate --reduce-cached-only, {len(runs)} runs of {args.rounds} "
                          "rounds: cached (8 MiB) over streamed (64 MiB) row max / sum: "
                          + "; ".join(f"{r['ratio']['max']} / {r['ratio']['sum']}" for r in runs)
-                         + f" (least ns per element: " + "; ".join(str(r["ns_per_element"]) for r in runs)
+                         + " (least ns per element: " + "; ".join(str(r["ns_per_element"]) for r in runs)
                          + f"); times the table's streamed price {runs[0]['streamed_priced']}; stored: the median")
         return
     if args.transpose_copy_only:
@@ -1123,7 +1123,7 @@ def main(argv: list[str] | None = None) -> None:
                     note=f"python -m benchmarks.calibrate --transpose-copy-only, {len(runs)} runs of {args.rounds} "
                          f"rounds: swapaxes(x * 2) over x * 2 on {TRANSPOSED}: "
                          + "; ".join(str(r["ratio"]) for r in runs)
-                         + f" (median ns per element: " + "; ".join(str(r["median_ns_per_element"]) for r in runs)
+                         + " (median ns per element: " + "; ".join(str(r["median_ns_per_element"]) for r in runs)
                          + f"); times the table's copy_per_element {_c.CPU['copy_per_element']}; stored: the median")
         return
     if args.fresh_only:
