@@ -126,11 +126,12 @@ def _orders(params: Mapping[str, Any], in_avals: Sequence[Any]) -> list[tuple[li
     both alike where it is not copied."""
     (lc, rc), (lb, rb) = params["dimension_numbers"]
     lhs = getattr(in_avals[0], "shape", ())
+    as_written = not lc or math.prod(lhs[d] for d in lc) < MIN_CONTRACTION or not heads_between(params, in_avals)
     out = []
     for i, (c, b) in enumerate(((lc, lb), (rc, rb))):
         shape = getattr(in_avals[i], "shape", ())
         order = [d for d in range(len(shape)) if shape[d] != 1]
-        if not lc or math.prod(lhs[d] for d in lc) < MIN_CONTRACTION or not heads_between(params, in_avals):
+        if as_written:
             out.append((order, order))
             continue
         batch = [d for d in b if shape[d] != 1]

@@ -406,7 +406,7 @@ class FusionModel:
         whole: set = set()        # read as a whole by some member
         sliced: dict[Any, int] = {}  # read by slices only: the bytes of the slices
         # members computed only where slices read them, and the part of each (program.sliced_parts)
-        part = sliced_parts(prog, inside, r, slices) if any(ops[i].prim in SLICES for i in inside) else {}
+        part = sliced_parts(prog, inside, r, slices)
         for i in inside:
             for a in (op := ops[i]).args:
                 if a in inside or ops[a].prim == "literal":

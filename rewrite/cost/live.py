@@ -13,7 +13,6 @@ import math
 from typing import Any, Iterable, Mapping, Sequence
 
 from ..ir import primitives as _primitives
-from ..ir.scanread import SLICES
 from ..ir.walk import postorder
 from .attention import SOFTMAX_OPS, scores_bytes
 from .fusion import TIEBREAK, Fusion, FusionModel, _temp, buffer_of, output_buffers, slices
@@ -299,8 +298,7 @@ class LiveFusion:
     def _sliced(self, r: Any) -> bool:
         """Whether kernel ``r`` computes a member only where slices read it (``program.sliced_parts``): its sums do
         not follow that part, so it is priced whole."""
-        members, ops = self._members[r], self.ops
-        return any(ops[i].prim in SLICES for i in members) and bool(sliced_parts(self, members, r, slices))
+        return bool(sliced_parts(self, self._members[r], r, slices))
 
     def _kernel(self, r: Any, kind: str, changes: Mapping[Any, Any]) -> tuple[float, Iterable]:
         """:meth:`FusionModel.kernel` of kernel ``r``, from its sums at its last price and the members that
