@@ -499,6 +499,38 @@ def measure_transpose_copy(rounds: int, progress: bool, table: dict) -> dict[str
             "ratio": round(ratio, 3), "transpose_copy": table["copy_per_element"] * ratio}
 
 
+#: The transposes ``measure_transpose_strided`` times: strides off a page, or walks shorter than
+#: ``rewrite/cost/dot.py``'s ``ALIASED_ROWS`` (its ``STRIDED`` regime), 2-8 MiB, each by the permutation given.
+STRIDED_TRANSPOSES = (((2, 512, 512), (0, 2, 1)), ((8, 1024, 256), (0, 2, 1)), ((8, 256, 1024), (0, 2, 1)),
+                      ((1, 4096, 128), (0, 2, 1)), ((2, 4, 1024, 64), (0, 1, 3, 2)))
+
+
+def measure_transpose_strided(rounds: int, progress: bool, table: dict) -> dict[str, Any]:
+    """What a copy that moves an array's minor-most dimension costs per element where it does not walk a
+    page-multiple stride (``AnalyticCost.transpose_strided``): ``transpose(x * 2)`` against ``x * 2`` on each of
+    :data:`STRIDED_TRANSPOSES`, interleaved, the median of the rounds' ratios at each shape; the median over the
+    shapes times ``table``'s ``copy_per_element`` (as ``transpose_copy``: a ratio at this load against the table's
+    median rate, not a time at it)."""
+    ratios, medians = {}, {}
+    for shape, perm in STRIDED_TRANSPOSES:
+        x = jax.random.normal(jax.random.PRNGKey(0), shape)
+        prog = {"copy": jax.jit(lambda a: a * 2.0), "transpose": jax.jit(lambda a, p=perm: jnp.transpose(a * 2.0, p))}
+        times: dict[str, list[float]] = {n: [] for n in prog}
+        inner = max(2, (16 << 20) // x.size)
+        for f in prog.values():
+            _run_once(f, (x,), 2)
+        for _ in range(rounds):
+            for n, f in prog.items():
+                times[n].append(_run_once(f, (x,), inner) / x.size * 1e9)
+        ratios[str(shape)] = round(statistics.median(t / c for t, c in zip(times["transpose"], times["copy"])), 3)
+        medians[str(shape)] = {n: round(statistics.median(t), 4) for n, t in times.items()}
+        if progress:
+            print(f"{shape}: {ratios[str(shape)]}", file=sys.stderr)
+    ratio = statistics.median(ratios.values())
+    return {"median_ns_per_element": medians, "ratio": ratios,
+            "transpose_strided": table["copy_per_element"] * ratio}
+
+
 def _fresh_and_kept(n: int, rounds: int) -> tuple[float, float]:
     """ns per byte of ``x + 1``'s output on ``n`` floats: written to a buffer allocated for the call, and written
     in place (donated); each the fastest of ``rounds`` runs."""
@@ -998,6 +1030,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--reduce-cached-only", action="store_true",
                     help="measure only what a library row reduction of an array the cache holds costs per element "
                          "against one streamed (reduce_cached), and store it in this backend's table")
+    ap.add_argument("--transpose-strided-only", action="store_true",
+                    help="measure only what a copy that moves the minor-most dimension down a stride off a page costs "
+                         "per element (transpose_strided), and store it in this backend's table")
     ap.add_argument("--transpose-copy-only", action="store_true",
                     help="measure only what a product operand's copy that moves its minor-most dimension down a "
                          "page-multiple stride costs per element (transpose_copy), and store it in this backend's table")
@@ -1125,6 +1160,20 @@ def main(argv: list[str] | None = None) -> None:
                          + "; ".join(str(r["ratio"]) for r in runs)
                          + " (median ns per element: " + "; ".join(str(r["median_ns_per_element"]) for r in runs)
                          + f"); times the table's copy_per_element {_c.CPU['copy_per_element']}; stored: the median")
+        return
+    if args.transpose_strided_only:
+        from rewrite.cost import calibration as _c
+
+        start = [round(x, 2) for x in os.getloadavg()]
+        runs = [measure_transpose_strided(args.rounds, args.progress, _c.CPU) for _ in range(args.runs)]
+        for r in runs:
+            print(json.dumps(r), file=sys.stderr)
+        _store_only(args, {"transpose_strided": statistics.median(r["transpose_strided"] for r in runs)},
+                    "transpose_strided",
+                    note=f"python -m benchmarks.calibrate --transpose-strided-only, {len(runs)} runs of {args.rounds} "
+                         "rounds: transpose(x * 2) over x * 2, by shape: " + "; ".join(str(r["ratio"]) for r in runs)
+                         + f"; the median over shapes times the table's copy_per_element {_c.CPU['copy_per_element']};"
+                         f" stored: the runs' median (load average at the start {start})")
         return
     if args.fresh_only:
         if jax.default_backend() != "cpu":

@@ -11,7 +11,7 @@ import pytest
 from jax import lax
 
 from rewrite import AnalyticCost, NodeInfo
-from rewrite.cost.dot import MIN_CONTRACTION, canonical, copied, heads_between, library_dot, transposed
+from rewrite.cost.dot import MIN_CONTRACTION, canonical, copied, heads_between, library_dot, transposed, turns
 
 H, M, K, N = 2, 512, 512, 64
 
@@ -142,7 +142,8 @@ def test_a_transposing_copy_of_the_scores_is_priced_as_it_runs():
     params = {"dimension_numbers": (((1,), (3,)), ((0, 2), (0, 1)))}
     assert transposed(params, (v, p)) == (False, True)
     node = NodeInfo("dot_general", "contract", params, (v, p), (jax.core.ShapedArray((1, 2, 64, 2048), jnp.float32),))
-    off, on = AnalyticCost(transpose_copy=None, spill=0.0), AnalyticCost(transpose_copy=7.0, spill=0.0)
+    off = AnalyticCost(transpose_copy=None, transpose_strided=None, spill=0.0)
+    on = AnalyticCost(transpose_copy=7.0, transpose_strided=None, spill=0.0)
     assert on(node) - off(node) == pytest.approx(7.0 * p.size - 2 * off.byte * p.size * 4, rel=1e-9)
     # the blocked form's products (a block of 256 keys) and p v copy no scores down such a stride
     k = jax.core.ShapedArray((1, 256, 2, 64), jnp.float32)
@@ -151,3 +152,23 @@ def test_a_transposing_copy_of_the_scores_is_priced_as_it_runs():
         node = NodeInfo("dot_general", "contract", {"dimension_numbers": dn}, args,
                         (jax.core.ShapedArray(out, jnp.float32),))
         assert on(node) == off(node)
+
+
+def test_a_copy_that_moves_the_minor_dimension_off_a_page_stride_is_priced_per_element():
+    """The long-context step's ``v^T p^T``: XLA copies ``v`` (``[1, 2048, 2, 64]``) into ``[2, 64, 2048]`` too, a
+    transpose down rows of 512 bytes (the strided regime: 3-9x a copy, 1.1-1.2 ns per element measured, h-spear's
+    ``calibrate.py --transpose-strided-only``). With ``transpose_strided`` it is priced per element in place of
+    two passes over its bytes; ``p``'s copy stays at ``transpose_copy``; a copy that keeps its minor dimension (``v``
+    in ``p v``: the heads moved ahead of the keys) is priced as a copy still. Off (``None``) it is priced as before."""
+    v = jax.core.ShapedArray((1, 2048, 2, 64), jnp.float32)
+    p = jax.core.ShapedArray((1, 2, 2048, 2048), jnp.float32)
+    params = {"dimension_numbers": (((1,), (3,)), ((0, 2), (0, 1)))}
+    assert turns(params, (v, p)) == ("strided", "aliased")
+    node = NodeInfo("dot_general", "contract", params, (v, p), (jax.core.ShapedArray((1, 2, 64, 2048), jnp.float32),))
+    off = AnalyticCost(transpose_copy=7.0, transpose_strided=None, spill=0.0)
+    on = AnalyticCost(transpose_copy=7.0, transpose_strided=1.2, spill=0.0)
+    assert on(node) - off(node) == pytest.approx((1.2 - 2 * off.byte * 4) * v.size, rel=1e-9)
+    pv = {"dimension_numbers": (((3,), (1,)), ((0, 1), (0, 2)))}  # p v: v copied to [2, 2048, 64], rows kept
+    assert copied(pv, (p, v)) == (False, True) and turns(pv, (p, v)) == (None, None)
+    node = NodeInfo("dot_general", "contract", pv, (p, v), (jax.core.ShapedArray((1, 2, 2048, 64), jnp.float32),))
+    assert on(node) == off(node)

@@ -101,8 +101,8 @@ def transposed(params: Mapping[str, Any], in_avals: Sequence[Any]) -> tuple[bool
     its output's order, so it reads the source down a column, each element from another page and the same cache
     sets. Timed (``swapaxes(x * 2)`` against ``x * 2``, 9 rounds, load 5.3): ``[2, 1024, 1024]`` 18.6x the copy
     (6.9 ns per element), ``[2, 2048, 2048]`` 9.2 ns; ``[2, 1000, 1000]`` 2.2x, ``[8, 256, 1024]`` 3.7x,
-    ``[8, 1024, 256]`` 3.8x, ``[1, 4096, 128]`` 8.1x (strides off a page, or too few rows: about 1 ns). The
-    others are priced as copies (:attr:`rewrite.AnalyticCost.transpose_copy`).
+    ``[8, 1024, 256]`` 3.8x, ``[1, 4096, 128]`` 8.1x (strides off a page, or too few rows: about 1 ns, the
+    strided regime of :func:`turns`). Priced at :attr:`rewrite.AnalyticCost.transpose_copy`.
 
     >>> from jax.core import ShapedArray
     >>> import jax.numpy as jnp
@@ -110,15 +110,45 @@ def transposed(params: Mapping[str, Any], in_avals: Sequence[Any]) -> tuple[bool
     >>> transposed({"dimension_numbers": (((1,), (3,)), ((0, 2), (0, 1)))}, (v, p))   # v^T p^T: only p's
     (False, True)
     """
+    out = [t == ALIASED for t in turns(params, in_avals)]
+    return out[0], out[1]
+
+
+#: How a transposing copy reads its source (:func:`regime`): down a page-multiple stride, or down any other.
+ALIASED, STRIDED = "aliased", "strided"
+
+
+def turns(params: Mapping[str, Any], in_avals: Sequence[Any]) -> tuple[str | None, str | None]:
+    """How XLA:CPU's copy of each operand (:func:`copied`) reads its source (:func:`regime`), or ``None`` for an
+    operand not copied, or copied with its minor-most dimension kept (a copy, priced as one).
+
+    >>> from jax.core import ShapedArray
+    >>> import jax.numpy as jnp
+    >>> v = ShapedArray((1, 2048, 2, 64), jnp.float32); p = ShapedArray((1, 2, 2048, 2048), jnp.float32)
+    >>> turns({"dimension_numbers": (((1,), (3,)), ((0, 2), (0, 1)))}, (v, p))   # v^T p^T
+    ('strided', 'aliased')
+    """
     out = []
     for (order, want), aval in zip(_orders(params, in_avals), in_avals):
-        shape = getattr(aval, "shape", ())
-        if order == want or order[-1] == want[-1] or len(order) < 2:
-            out.append(False)
+        if order == want or len(order) < 2 or order[-1] == want[-1]:
+            out.append(None)
             continue
-        stride = math.prod(shape[d] for d in order[order.index(want[-1]) + 1:]) * aval.dtype.itemsize
-        out.append(stride % ALIASED_STRIDE == 0 and shape[want[-1]] >= ALIASED_ROWS)
+        out.append(regime(getattr(aval, "shape", ()), want[-1], aval.dtype.itemsize))
     return out[0], out[1]
+
+
+def regime(shape: Sequence[int], minor: int, itemsize: int) -> str:
+    """How a copy of an array of ``shape`` that makes its dimension ``minor`` the minor-most reads it: XLA:CPU's
+    loop writes the copy in its output's order, so it walks the source down ``minor``'s stride. :data:`ALIASED`
+    where that stride is a multiple of :data:`ALIASED_STRIDE` bytes and the walk :data:`ALIASED_ROWS` long or more
+    (each element on another page and in the same cache sets: ``AnalyticCost.transpose_copy``); else
+    :data:`STRIDED` (a cache line read for each element, 3-8x a copy: ``AnalyticCost.transpose_strided``).
+
+    >>> regime((1024, 1024), 0, 4), regime((4096, 64), 0, 4), regime((2, 1000, 1000), 1, 4)
+    ('aliased', 'strided', 'strided')
+    """
+    stride = math.prod(shape[minor + 1:]) * itemsize
+    return ALIASED if stride % ALIASED_STRIDE == 0 and shape[minor] >= ALIASED_ROWS else STRIDED
 
 
 def _orders(params: Mapping[str, Any], in_avals: Sequence[Any]) -> list[tuple[list[int], list[int]]]:

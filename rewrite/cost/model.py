@@ -57,7 +57,7 @@ from ..ir.primitives import BY_PRIM, DEFAULT as _OPAQUE_SPEC, NodeInfo, inner_ja
 from . import calibration as _calibration
 from .attention import SCORES_CACHED
 from .dot import FALLBACK as _DOT_FALLBACK, REPACK as _DOT_REPACK, copied as dot_copied, library_dot
-from .dot import transposed as dot_transposed
+from .dot import ALIASED, STRIDED, turns as dot_turns
 from .fusion import FusionModel, ns_key, peak_temp_bytes
 from .memory import InnerPeak, as_xla_simplifies, scheduled_peak
 from .program import Program, library_reduction
@@ -342,6 +342,13 @@ class AnalyticCost(CostModel):
     #: stride (``rewrite/cost/dot.py``'s ``transposed``: flax's ``v^T p^T`` transposes its 32 MiB of scores), its
     #: reading and writing included, in place of the copy's bytes. The table's ``transpose_copy``, else ``None``.
     transpose_copy: float | None = dataclasses.field(default_factory=lambda: _table().get("transpose_copy"))
+    #: ns per element of any other copy of a product's operand that moves its minor-most dimension
+    #: (``rewrite/cost/dot.py``'s ``turns``: the ``STRIDED`` regime), its reading and writing included, in place of
+    #: the copy's bytes: measured 3-9x a copy, 1.1-1.2 ns (``benchmarks/calibrate.py --transpose-strided-only``).
+    #: The table's ``transpose_strided``, else ``None`` (priced as a copy). The tables leave it off: it moves the
+    #: decision corpus by nothing (``benchmarks/results/log.md``, h-spear's section). A ``transpose`` equation is
+    #: priced as a copy whatever it moves: XLA folds those that products read into them.
+    transpose_strided: float | None = dataclasses.field(default_factory=lambda: _table().get("transpose_strided"))
     reduce: float = dataclasses.field(default_factory=lambda: _table()["reduce_per_element"])
     #: ns per element of a library (YNN) reduction whose operand the cache holds (``cache`` bytes or fewer), its
     #: reading included, in place of ``reduce`` and ``byte`` (measured streamed): a block of attention's scores
@@ -467,18 +474,20 @@ class AnalyticCost(CostModel):
             flops = self.dot_fallback * flops + self.dot_repack * size(n.in_avals[0])
         # An operand XLA copies into the product's canonical layout first is read and written once more
         # (``cost/dot.py``'s ``copied``).
-        # One whose copy walks its source down a page-multiple stride (``transposed``) at ``transpose_copy``.
+        # One whose copy moves its minor-most dimension (``turns``) at ``transpose_copy`` down a page-multiple
+        # stride, ``transpose_strided`` down any other (each where the table has it).
         copied = dot_copied(n.params, n.in_avals)
-        turns = dot_transposed(n.params, n.in_avals) if self.transpose_copy is not None else (False, False)
+        per = {ALIASED: self.transpose_copy, STRIDED: self.transpose_strided}
+        turns = [per.get(t) for t in dot_turns(n.params, n.in_avals)] if any(per.values()) else [None, None]
         moved = [a for a, c in zip(n.in_avals, copied) if c]
-        turned = [a for a, t in zip(n.in_avals, turns) if t]
-        copies = [a for a, c, t in zip(n.in_avals, copied, turns) if c and not t]
+        turned = [(a, t) for a, t in zip(n.in_avals, turns) if t is not None]
+        copies = [a for a, c, t in zip(n.in_avals, copied, turns) if c and t is None]
         # Its output spills like any array; its operands do not: a library product reads them tile by tile,
         # each tile many times from the cache.
         return (self.node + rate * flops + self.byte * (sum(nbytes(a) for a in n.in_avals) + nbytes(n.out_avals[0]))
                 + self.spilled(n.out_avals[:1]) + 2.0 * (self.byte * sum(nbytes(a) for a in copies)
                                                         + self.spilled(moved))
-                + sum(self.transpose_copy * size(a) for a in turned))
+                + sum(t * size(a) for a, t in turned))
 
     def _in_place(self, n: NodeInfo) -> float:
         # reads the update and the indices, writes the update into the buffer it is given
