@@ -143,6 +143,8 @@ def regime(shape: Sequence[int], minor: int, itemsize: int) -> str:
     where that stride is a multiple of :data:`ALIASED_STRIDE` bytes and the walk :data:`ALIASED_ROWS` long or more
     (each element on another page and in the same cache sets: ``AnalyticCost.transpose_copy``); else
     :data:`STRIDED` (a cache line read for each element, 3-8x a copy: ``AnalyticCost.transpose_strided``).
+    A copy with work fused into it (the long-context step's ``multiply``) is the aliased kind measured: a lone
+    ``[1024, 1024]`` transpose ran 1.4-4.1 ns per element where ``x * 2`` transposed ran 5.3-24 (load 5-10).
 
     >>> regime((1024, 1024), 0, 4), regime((4096, 64), 0, 4), regime((2, 1000, 1000), 1, 4)
     ('aliased', 'strided', 'strided')
