@@ -295,10 +295,12 @@ class AnalyticCost(CostModel):
     #: ``benchmarks/results/wholestep.md``). 0 turns it off; it is off wherever ``lean_band`` is.
     lean_band_far: float = 0.2
     #: a rewrite chosen priced within this fraction of the input, where either is predicted to hold 1 MiB of
-    #: temporaries or more, is compiled with the input for abstract inputs, and not used where XLA says it holds
-    #: more temporaries (``memory_analysis``): the model does not always see the order XLA runs kernels in
-    #: (``rewrite/extract/tie.py``). 0 turns it off; it is off with ``memory=0`` and under a ``memory_budget``.
-    memory_tie: float = 0.001
+    #: temporaries or more, gives way to the input: within ``tie.ALIKE`` (0.01%, the default here) without a
+    #: compile, beyond it where XLA says the rewrite holds more temporaries (``memory_analysis``, both compiled for
+    #: abstract inputs): the model does not always see the order XLA runs kernels in (``rewrite/extract/tie.py``;
+    #: XLA was never seen to hold more for a rewrite priced further off, so it is not asked by default). 0 turns
+    #: it off; it is off with ``memory=0`` and under a ``memory_budget``.
+    memory_tie: float = 1e-4
     ops: Mapping[str, float] = dataclasses.field(default_factory=lambda: dict(_table()["elementwise_ns"]))
     dot: float = dataclasses.field(default_factory=lambda: _table()["dot_flop"])
     #: a product of ``dot_parallel_at`` flops or more costs ``dot_parallel`` per flop in place of ``dot``: on XLA:CPU

@@ -13,7 +13,9 @@ the rewrite holds more by ``extract.fatter`` (a page and 2%); on an equal count 
 else. On the decision corpus with the tie widened to 3%, 21 cases compiled 34 pairs (93 s); only the equinox
 gradient's rewrite held more; every pair XLA sized apart beyond 0.1% held less for the rewrite, so the tie is
 0.1% wide: 9 cases, 11 pairs, 13 s (``benchmarks/results/log.md``, "The memory tie"; ``docs/design.md`` says
-what it costs a first call).
+what it costs a first call). Since a rewrite priced within :data:`ALIKE` gives way without a compile, the band
+beyond it compiled one pair on the decision corpus and the ecosystem suite, which switched nothing: the tie is
+``ALIKE`` wide by default (``AnalyticCost.memory_tie``), and XLA is asked only where a caller widens it.
 
 Each program's count is kept for the life of the process and, where the disk cache is on
 (``rewrite/cache/store.py``, ``JAX_REWRITE_CACHE_DIR``), on disk beside the rewritten programs, keyed by the
