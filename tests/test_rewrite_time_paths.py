@@ -882,3 +882,39 @@ def test_a_lifted_loop_body_is_traced_once_per_program_and_avals(monkeypatch):
     assert again.fired == first.fired and str(again.after) == str(first.after)
     assert len(traced) == 1, traced
     assert jnp.allclose(rewrite(loss, rulesets=[rulesets.scan], cache=False)(*args), loss(*args), rtol=1e-5)
+
+
+def test_a_program_fingerprint_walks_a_body_that_appears_again_once(monkeypatch):
+    """A body called in several places (one ``Jaxpr`` object: a solver's step, a custom rule's function) is walked
+    once for the disk cache's key (``diffrax_neural_ode`` holds 251 bodies, 135 apart), and the digest is the one
+    a walk of every occurrence writes: that of the same program with the bodies apart (copies)."""
+    from rewrite.cache import fingerprint as fp
+    from rewrite.ir.jaxapi import core
+
+    @jax.jit
+    def body(x):
+        return jnp.sin(x) * 2.0
+
+    def f(x):
+        return body(body(x) + 1.0) + body(x)
+
+    closed = jax.make_jaxpr(f)(jnp.ones(8))
+    calls = [e for e in closed.jaxpr.eqns if e.primitive.name in ("pjit", "jit")]
+    assert len(calls) == 3 and len({id(e.params["jaxpr"].jaxpr) for e in calls}) == 1
+    written = collections.Counter()
+    put = fp._Canon.put
+
+    def counted(self, x):
+        if isinstance(x, tuple) and x[:1] == ("eqn",):
+            written[x[1]] += 1
+        return put(self, x)
+
+    monkeypatch.setattr(fp._Canon, "put", counted)
+    digest = fp.program_fingerprint(closed)
+    assert written["sin"] == 1 and written["add"] == 2, written  # the body's equations walked once, not thrice
+    apart = [e.replace(params={**e.params, "jaxpr": core.ClosedJaxpr(e.params["jaxpr"].jaxpr.replace(),
+                                                                     e.params["jaxpr"].consts)})
+             if e in calls else e for e in closed.jaxpr.eqns]
+    copies = core.ClosedJaxpr(closed.jaxpr.replace(eqns=apart), closed.consts)
+    assert len({id(e.params["jaxpr"].jaxpr) for e in copies.jaxpr.eqns if "jaxpr" in e.params}) == 3
+    assert fp.program_fingerprint(copies) == digest
