@@ -688,10 +688,13 @@ def fill_scratch(records: list[dict]) -> int:
 
 def scratch_only(chosen: Sequence[Case], declined: bool) -> None:
     """Decide each case, compile its programs (timing nothing) and record each pair's library scratch in
-    :data:`SCRATCH`, beside those already there."""
+    :data:`SCRATCH`, beside those already there, and in ``decisions.json``'s records of the pair that keep one
+    (a count read from the compiled programs again, not a timing)."""
     from benchmarks.library_scratch import scratch_bytes
 
     out = json.loads(SCRATCH.read_text())["pairs"] if SCRATCH.exists() else {}
+    path = RESULTS / "decisions.json"
+    saved = json.loads(path.read_text()) if path.exists() else {"records": []}
     for case in chosen:
         try:
             d = decide(case, declined=declined)
@@ -703,6 +706,10 @@ def scratch_only(chosen: Sequence[Case], declined: bool) -> None:
             out[f"{case.name}|{p.name}"] = [got[p.first], got[p.second]]
             print(f"{case.name:45s} {p.name:40s} scratch {got[p.first] / harness.MiB:.1f} -> "
                   f"{got[p.second] / harness.MiB:.1f} MiB", flush=True)
+            for r in saved["records"]:
+                if (r["case"], r["pair"]) == (case.name, p.name) and "scratch_first" in r:
+                    r["scratch_first"], r["scratch_second"] = got[p.first], got[p.second]
+                    path.write_text(json.dumps(saved, indent=1, default=float))
         SCRATCH.write_text(json.dumps({"note": "the library (YNN) fusions' scratch of each pair's programs, bytes "
                                        "(python -m benchmarks.decisions --scratch-only), for the records made "
                                        "before decisions.json kept it", "pairs": dict(sorted(out.items()))}, indent=1)

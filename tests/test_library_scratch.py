@@ -49,26 +49,35 @@ def test_a_program_without_library_fusions_or_whose_chains_stream_holds_no_scrat
     assert L.scratch_bytes(_compiled(lambda h, w: jax.nn.logsumexp(h @ w, axis=-1), h, w)) <= 64 * 1024
 
 
-def test_a_value_read_twice_inside_a_library_fusion_is_its_scratch():
-    hlo = """
-%fused_computation (p0: f32[8,1024], p1: f32[1024,1024]) -> f32[8,1024] {
+_FUSION = """
+%fused_computation (p0: f32[8,1024], p1: f32[1024,4096]) -> RESULT {
   %p0 = f32[8,1024]{1,0} parameter(0)
-  %p1 = f32[1024,1024]{1,0} parameter(1)
-  %s = f32[8,1024]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %p1 = f32[1024,4096]{1,0} parameter(1)
+  %s = f32[8,4096]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
   %c = f32[] constant(-inf)
   %m = f32[8]{0} reduce(%s, %c), dimensions={1}, to_apply=%max
-  %b = f32[8,1024]{1,0} broadcast(%m), dimensions={0}
-  ROOT %d = f32[8,1024]{1,0} subtract(%s, %b)
+  %b = f32[8,4096]{1,0} broadcast(%m), dimensions={0}
+  %d = f32[8,4096]{1,0} subtract(%s, %b)
+  ROOT %r = f32[8]{0} reduce(%d, %c), dimensions={1}, to_apply=%max
 }
 
-ENTRY %main (a: f32[8,1024], w: f32[1024,1024]) -> f32[8,1024] {
+ENTRY %main (a: f32[8,1024], w: f32[1024,4096]) -> RESULT {
   %a = f32[8,1024]{1,0} parameter(0)
-  %w = f32[1024,1024]{1,0} parameter(1)
-  ROOT %f = f32[8,1024]{1,0} fusion(%a, %w), kind=kCustom, calls=%fused_computation, BACKEND
+  %w = f32[1024,4096]{1,0} parameter(1)
+  ROOT %f = RESULT fusion(%a, %w), kind=kCustom, calls=%fused_computation, BACKEND
 }
 """.replace("BACKEND", 'backend_config={"fusion_config":{"kind":"__ynn_fusion"}}')
-    assert L.fusion_scratch(hlo) == {"fused_computation": 8 * 1024 * 4}
-    assert L.scratch_bytes(hlo.replace("__ynn_fusion", "__other")) == 0
+
+
+def test_a_value_read_twice_inside_a_library_fusion_is_its_scratch():
+    hlo = _FUSION.replace("RESULT", "f32[8]{0}")
+    assert L.fusion_scratch(hlo) == {"fused_computation": 8 * 4096 * 4}  # the scores, read by the max and the sub
+    assert L.scratch_bytes(hlo.replace("__ynn_fusion", "__other")) == 0  # not a library fusion
+    # a result as large as the held value: computed in the result's buffer (dot_product_attention(xla)'s fusion)
+    whole = hlo.replace("ROOT %r = f32[8]{0} reduce(%d, %c), dimensions={1}, to_apply=%max", "%r = f32[8]{0} "
+                        "reduce(%d, %c), dimensions={1}, to_apply=%max").replace(
+        "%d = f32[8,4096]{1,0} subtract(%s, %b)", "ROOT %d = f32[8,4096]{1,0} subtract(%s, %b)")
+    assert L.scratch_bytes(whole) == 0
 
 
 def test_the_temp_gate_counts_the_library_scratch():
