@@ -230,8 +230,8 @@ def main(argv: list[str] | None = None) -> None:
              "`benchmarks.library_scratch.scratch_bytes`, the largest value a library fusion holds whole inside "
              "itself (read by two of its instructions) and not computed in its result's buffer. Expected: output + "
              "temp + scratch. `dot_product_attention(implementation=\"xla\")` (`dpa_xla`) grows by 20-25 MiB more "
-             "than that at N=1024, and by 34 and 75 MiB at N=2048 and 4096 (`attention_rss.md`): not its scores (32, 128, 512 "
-             "MiB), which its library fusion computes in its result, the probabilities.\n",
+             "than that at N=1024, and by 34 and 75 MiB at N=2048 and 4096 (`attention_rss.md`): not its scores "
+             "(32, 128, 512 MiB), which its library fusion computes in its result, the probabilities.\n",
              "| program | variant | RSS growth MiB | temp MiB | output MiB | scratch MiB | output + temp + scratch |",
              "|---|---|---|---|---|---|---|"]
     for name in programs():
