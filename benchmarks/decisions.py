@@ -833,7 +833,8 @@ def markdown(records: list[dict], meta: dict) -> str:
         "`memory_analysis` does not count (plain attention's N x N scores, held inside its one library fusion: "
         "`benchmarks/library_scratch.py` reads it from the compiled HLO, checked against the peak resident memory "
         "of one call in `results/library_scratch.md`); `memory_analysis`'s alone beside it"
-        + (f" ({unscratched} pairs have no scratch recorded, `?`: counted 0)" if unscratched else "") + ".\n",
+        + (f" ({unscratched} pair{'s have' if unscratched > 1 else ' has'} no scratch recorded, `?`: counted 0)"
+           if unscratched else "") + ".\n",
         "## Headline\n",
         *([f"- decided and recorded but not timed (XLA compiled one of their programs for minutes): "
            f"{', '.join(meta['skipped'])}"] if meta.get("skipped") else []),
