@@ -36,7 +36,7 @@ from jax import lax
 
 from benchmarks.harness import MiB, Row, compile_stats, measure, write_results
 from rewrite import explain, rewrite
-from rulesets.attention import attention, attention_with
+from rulesets.attention import BLOCKS, SCORES_BAND, attention, attention_with
 
 B, H, D = 2, 4, 64
 RESULTS = Path(__file__).parent / "results"
@@ -121,10 +121,10 @@ def _again(f: Callable) -> Callable:
     return lambda *a: f(*a)
 
 
-def variants(name: str, f: Callable, mode: str, qkv: bool) -> dict[str, Callable]:
+def variants(name: str, f: Callable, mode: str, qkv: bool, pack: Any = None) -> dict[str, Callable]:
     argnums = (0, 1, 2) if qkv else (0,)
     wrap = (lambda g: g) if mode == "forward" else (lambda g: grad_of(g, argnums))
-    out = {"standard": wrap(f), "aa": wrap(_again(f)), "rewritten": wrap(rewrite(f, rulesets=[attention]))}
+    out = {"standard": wrap(f), "aa": wrap(_again(f)), "rewritten": wrap(rewrite(f, rulesets=[pack or attention]))}
     if qkv:
         out["chunked"] = wrap(chunked if name == "plain" else chunked_bnhd)
         out["dpa_xla"] = wrap(dpa_xla_bhnd if name == "plain" else _dpa_bnhd)
@@ -141,9 +141,9 @@ def qkv_args(name: str, n: int) -> list:
     return [jax.random.normal(kk, shape, jnp.float32) for kk in ks]
 
 
-def blocks_chosen(f: Callable, args: list) -> str:
-    fired = explain(f, *args, rulesets=[attention]).result
-    after = explain(f, *args, rulesets=[attention]).after
+def blocks_chosen(f: Callable, args: list, pack: Any = None) -> str:
+    fired = explain(f, *args, rulesets=[pack or attention]).result
+    after = explain(f, *args, rulesets=[pack or attention]).after
     for e in after.eqns:
         if e.primitive.name == "custom_vjp_call":
             inner = e.params.get("call_jaxpr") or e.params.get("fun_jaxpr")
@@ -174,12 +174,12 @@ CANDIDATE_BLOCKS = (128, 256, 512, 1024)
 QUERY_BLOCK = 512
 
 
-def run_blocks(cases: list[tuple[str, str, int, tuple]], rounds: int) -> list[str]:
+def run_blocks(cases: list[tuple[str, str, int, tuple]], rounds: int, pack: Any = None) -> list[str]:
     """Each of ``CANDIDATE_BLOCKS`` that makes two blocks or more, forced alone over every query (``b``) and over
     query blocks (``b/q``), beside the pack's choice: one process, interleaved rounds after warm-up, the fastest
     round of each (the machine is shared: its medians move by more than the blocks differ), as a ratio over the
     fastest forced variant (1.00: the best; the A/A is the 256-key program twice). ``cases``: (program, mode,
-    keys, shape)."""
+    keys, shape); ``pack``: the attention pack whose choice is timed beside them (the default pack where None)."""
     names = [f"{b}{q}" for b in CANDIDATE_BLOCKS for q in ("", f"/q{QUERY_BLOCK}")]
     lines = ["| case | shape | A/A (256 keys twice) | chosen | " + " | ".join(names) + " |",
              "|---|---|---|---|" + "---|" * len(names)]
@@ -187,14 +187,14 @@ def run_blocks(cases: list[tuple[str, str, int, tuple]], rounds: int) -> list[st
         f = plain if name == "plain" else flax_dpa
         ks = jax.random.split(jax.random.PRNGKey(0), 3)
         args = [jax.random.normal(kk, shape, jnp.float32) for kk in ks]
-        vs = {k: v for k, v in variants(name, f, mode, True).items() if k in ("standard", "rewritten")}
+        vs = {k: v for k, v in variants(name, f, mode, True, pack).items() if k in ("standard", "rewritten")}
         for b in CANDIDATE_BLOCKS:
             for qb in (None, QUERY_BLOCK):
                 if n % b == 0 and n // b >= 2 and (qb is None or n // qb >= 2):
                     vs[f"{b}" + ("" if qb is None else f"/q{qb}")] = forced_block(f, args, b, mode, (0, 1, 2), qb)
         if "256" in vs:
             vs["256 again"] = _again(vs["256"])
-        chosen = blocks_chosen(f, args)
+        chosen = blocks_chosen(f, args, pack)
         row = measure(f"{name} {mode} N={n}", vs, args, rounds=rounds)
         fast = {k: min(t) for k, t in row.samples.items()}
         best = min(t for k, t in fast.items() if k in names)
@@ -338,12 +338,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--step", action="store_true", help="the ecosystem suite's long-context training step (printed)")
     ap.add_argument("--blocks", action="store_true",
                     help="each candidate key block forced alone beside the model's choice (printed)")
+    ap.add_argument("--band", action="store_true", help="with --blocks: the model's choice offered BLOCKS within "
+                    "SCORES_BAND (attention_with(blocks=BLOCKS, scores_band=SCORES_BAND)), not the default pack's")
     a = ap.parse_args(argv)
     if a.blocks:
         cases = [("plain", "forward", 2048, (B, H, 2048, D)), ("plain", "forward", 4096, (1, 1, 4096, D)),
                  ("plain", "forward", 2048, (1, 1, 2048, D)), ("flax", "forward", 2048, (B, 2048, H, D)),
                  ("plain", "grad", 2048, (B, H, 2048, D)), ("plain", "grad", 4096, (1, 1, 4096, D))]
-        return print("\n".join(run_blocks([c for c in cases if not a.only or c[0] in a.only.split(",")], a.rounds)))
+        pack = attention_with(blocks=BLOCKS, scores_band=SCORES_BAND) if a.band else None
+        return print("\n".join(run_blocks([c for c in cases if not a.only or c[0] in a.only.split(",")], a.rounds,
+                                          pack)))
     if a.step:
         return print(run_step(a.rounds), flush=True)
     if a.rss_one:

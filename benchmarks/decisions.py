@@ -15,8 +15,10 @@ The programs are the benchmarks' own builders: the seeds (``derivatives.py``, ``
 ``fastmath``. For each pair the model's predicted ratio (price of the first over the second, a call's fixed
 cost included: above 1 means the model prefers the second) is set beside the measured one: one process,
 interleaved rounds after a warm-up with an A/A control (``benchmarks/harness.py``), and the temp memory
-XLA allocates (``memory_analysis``). A pair is on the wrong side when the model prefers a program measured
-at least 10% slower, or declines one measured at least 10% faster, by more than the A/A control moved.
+each holds: what XLA allocates (``memory_analysis``) plus the scratch of its library (YNN) fusions, which
+``memory_analysis`` does not count (``benchmarks/library_scratch.py``; plain attention's N x N scores). A pair
+is on the wrong side when the model prefers a program measured at least 10% slower, or declines one measured
+at least 10% faster, by more than the A/A control moved.
 
 ``--write`` writes ``benchmarks/results/decisions.md`` and ``.json``, and the golden decisions
 ``tests/golden/decisions.json``: each case's choice under the fixed table ``tests/golden/cost_table.json``
@@ -594,6 +596,7 @@ def measure_case(d: Decided, rounds: int, most: int | None = None) -> list[dict]
                "aa": aa, "noise": abs(1.0 - aa), "spread": spread,
                "ms_first": row.seconds[p.first] * 1e3, "ms_second": row.seconds[p.second] * 1e3,
                "temp_first": row.stats[p.first].temp_bytes, "temp_second": row.stats[p.second].temp_bytes,
+               "scratch_first": row.stats[p.first].scratch_bytes, "scratch_second": row.stats[p.second].scratch_bytes,
                "predicted_temp_first": p.predicted_temp[0], "predicted_temp_second": p.predicted_temp[1],
                "drivers": [list(t) for t in p.drivers], "rounds": row.rounds, **busy.record(),
                # each round's ratio, for the noise ceiling (benchmarks/decision_noise.py: odd rounds against even)
@@ -644,11 +647,74 @@ def wrong_side(rec: dict) -> bool:
     return m >= 1.0 + MARGIN and (m - 1.0) > noise and not holds_more(rec)
 
 
-def holds_more(rec: dict) -> bool:
+def held(rec: dict, side: str, scratch: bool = True) -> int:
+    """The temp memory the pair's ``side`` (``first``, ``second``) program holds: ``memory_analysis``'s temp plus,
+    with ``scratch``, its library fusions' scratch (``benchmarks.library_scratch``; 0 where not recorded).
+
+    >>> rec = {"temp_first": 0, "scratch_first": 32}
+    >>> held(rec, "first"), held(rec, "first", scratch=False)
+    (32, 0)
+    """
+    return rec.get(f"temp_{side}", 0) + (rec.get(f"scratch_{side}", 0) if scratch else 0)
+
+
+def holds_more(rec: dict, scratch: bool = True) -> bool:
     """Whether the pair's second program holds more temp memory than its first, by 1% and 64 KiB (as measured:
-    ``memory_analysis``)."""
-    first, second = rec.get("temp_first", 0), rec.get("temp_second", 0)
+    ``memory_analysis`` plus, with ``scratch``, the library scratch it does not count: :func:`held`)."""
+    first, second = held(rec, "first", scratch), held(rec, "second", scratch)
     return second > first * 1.01 and second - first > 64 * 1024
+
+
+#: the library scratch of the pairs recorded before records kept it (``--scratch-only``): "case|pair" ->
+#: [first, second], bytes
+SCRATCH = RESULTS / "decisions_scratch.json"
+
+
+def fill_scratch(records: list[dict]) -> int:
+    """Give each record without its programs' library scratch the one :data:`SCRATCH` holds for its pair; the
+    number of records left without (their scratch counts 0)."""
+    known = json.loads(SCRATCH.read_text())["pairs"] if SCRATCH.exists() else {}
+    missing = 0
+    for r in records:
+        if "scratch_first" in r:
+            continue
+        got = known.get(f"{r['case']}|{r['pair']}")
+        if got is None:
+            missing += 1
+            continue
+        r["scratch_first"], r["scratch_second"] = got
+    return missing
+
+
+def scratch_only(chosen: Sequence[Case], declined: bool) -> None:
+    """Decide each case, compile its programs (timing nothing) and record each pair's library scratch in
+    :data:`SCRATCH`, beside those already there, and in ``decisions.json``'s records of the pair that keep one
+    (a count read from the compiled programs again, not a timing)."""
+    from benchmarks.library_scratch import scratch_bytes
+
+    out = json.loads(SCRATCH.read_text())["pairs"] if SCRATCH.exists() else {}
+    path = RESULTS / "decisions.json"
+    saved = json.loads(path.read_text()) if path.exists() else {"records": []}
+    for case in chosen:
+        try:
+            d = decide(case, declined=declined)
+            got = {v: scratch_bytes(jax.jit(fn).lower(*d.args).compile()) for v, fn in d.variants.items() if v != "aa"}
+        except Exception as e:
+            print(f"{case.name}: FAILED: {type(e).__name__}: {e}", flush=True)
+            continue
+        for p in d.pairs:
+            out[f"{case.name}|{p.name}"] = [got[p.first], got[p.second]]
+            print(f"{case.name:45s} {p.name:40s} scratch {got[p.first] / harness.MiB:.1f} -> "
+                  f"{got[p.second] / harness.MiB:.1f} MiB", flush=True)
+            for r in saved["records"]:
+                if (r["case"], r["pair"]) == (case.name, p.name) and "scratch_first" in r:
+                    r["scratch_first"], r["scratch_second"] = got[p.first], got[p.second]
+                    path.write_text(json.dumps(saved, indent=1, default=float))
+        SCRATCH.write_text(json.dumps({"note": "the library (YNN) fusions' scratch of each pair's programs, bytes "
+                                       "(python -m benchmarks.decisions --scratch-only), for the records made "
+                                       "before decisions.json kept it", "pairs": dict(sorted(out.items()))}, indent=1)
+                           + "\n")
+        jax.clear_caches()
 
 
 def spearman(xs: Sequence[float], ys: Sequence[float]) -> float:
@@ -680,9 +746,12 @@ def _term(rec: dict) -> str:
     """The model's terms behind a pair's prediction: the node prices that differ most, and the memory term."""
     parts = [f"{op} {a:,.0f} -> {b:,.0f}" for op, a, b in rec["drivers"][:2]]
     pt = (rec["predicted_temp_first"], rec["predicted_temp_second"])
+    mib = harness.MiB
     if pt[0] or pt[1]:
-        parts.append(f"predicted temp {pt[0] / harness.MiB:.1f} -> {pt[1] / harness.MiB:.1f} MiB "
-                     f"(measured {rec['temp_first'] / harness.MiB:.1f} -> {rec['temp_second'] / harness.MiB:.1f})")
+        parts.append(f"predicted temp {pt[0] / mib:.1f} -> {pt[1] / mib:.1f} MiB "
+                     f"(measured {held(rec, 'first') / mib:.1f} -> {held(rec, 'second') / mib:.1f}"
+                     + (f"; memory_analysis {rec['temp_first'] / mib:.1f} -> {rec['temp_second'] / mib:.1f}"
+                        if rec.get("scratch_first") or rec.get("scratch_second") else "") + ")")
     if not rec["drivers"] and rec["kind"] == "hand":
         parts.insert(0, "priced whole (fusion model), no per-node split")
     return "; ".join(parts) or "-"
@@ -700,10 +769,13 @@ def _load(rec: dict) -> str:
 
 
 def _row(rec: dict) -> str:
-    mem = rec["temp_second"] / rec["temp_first"] if rec["temp_first"] else math.nan
+    def ratio(scratch: bool) -> str:
+        first, second = held(rec, "first", scratch), held(rec, "second", scratch)
+        return f"x{second / first:.2f}" if first else ("-" if not second else f"0 -> {second / harness.MiB:.1f} MiB")
+
+    mem = ratio(True) if "scratch_first" in rec else "?"
     return (f"| {rec['case']} | {rec['pair']} | {rec['predicted']:.2f}x | {rec['measured']:.2f}x | {rec['aa']:.2f}x | "
-            f"{rec['ms_first']:.2f} | {'x' + format(mem, '.2f') if not math.isnan(mem) else '-'} | {_load(rec)} | "
-            f"{'**wrong**' if rec['wrong'] else ''} |")
+            f"{rec['ms_first']:.2f} | {mem} | {ratio(False)} | {_load(rec)} | {'**wrong**' if rec['wrong'] else ''} |")
 
 
 def rank_figures(records: Sequence[dict]) -> dict[str, Any]:
@@ -728,6 +800,7 @@ def rank_figures(records: Sequence[dict]) -> dict[str, Any]:
 
 
 def markdown(records: list[dict], meta: dict) -> str:
+    unscratched = fill_scratch(records)
     ranks = rank_figures(records)
     errors = sorted(abs(math.log(r["measured"] / r["predicted"])) for r in records)
     band = {q: math.exp(errors[min(len(errors) - 1, int(q * len(errors)))]) - 1 for q in (0.5, 0.8, 0.9)}
@@ -739,6 +812,7 @@ def markdown(records: list[dict], meta: dict) -> str:
     miss = sorted(records, key=lambda r: -abs(math.log(r["predicted"]) - math.log(r["measured"])))
     kinds = {k: sum(1 for r in records if r["kind"] == k) for k in ("chosen", "declined", "block", "hand")}
     grew = [r for r in records if r["prefers"] == "second" and holds_more(r)]
+    grew_ma = [r for r in records if r["prefers"] == "second" and holds_more(r, scratch=False)]
     lines = [
         "# Decisions: the cost model's choices against the clock\n",
         f"`{meta['command']}`, {meta['date']}, {meta['machine']}, {meta['device']}, jax {meta['jax']}. "
@@ -755,7 +829,12 @@ def markdown(records: list[dict], meta: dict) -> str:
         + ("the median over rounds of the first's time over the second's in the same round (paired)"
            if "most_rounds" in meta else "the first's median time over the second's") + ". Above 1: the second is (predicted) "
         "faster. The model *prefers* the second where it predicts above 1. Memory: the second's temp memory "
-        "over the first's (`memory_analysis`).\n",
+        "over the first's, **`memory_analysis`'s temp plus the scratch of XLA:CPU's library (YNN) fusions**, which "
+        "`memory_analysis` does not count (plain attention's N x N scores, held inside its one library fusion: "
+        "`benchmarks/library_scratch.py` reads it from the compiled HLO, checked against the peak resident memory "
+        "of one call in `results/library_scratch.md`); `memory_analysis`'s alone beside it"
+        + (f" ({unscratched} pair{'s have' if unscratched > 1 else ' has'} no scratch recorded, `?`: counted 0)"
+           if unscratched else "") + ".\n",
         "## Headline\n",
         *([f"- decided and recorded but not timed (XLA compiled one of their programs for minutes): "
            f"{', '.join(meta['skipped'])}"] if meta.get("skipped") else []),
@@ -765,8 +844,8 @@ def markdown(records: list[dict], meta: dict) -> str:
         f">= {MARGIN:.0%} faster, beyond the A/A): **{len(wrong)}**"
         + (f": {', '.join(r['case'] + ' ' + r['pair'] for r in wrong)}" if wrong else "")
         + (f"; not counted, declined though measured faster because they hold more temp memory than the first: "
-           + ", ".join(f"{r['case']} {r['pair']} ({r['measured']:.2f}x, temp {r['temp_first'] / harness.MiB:.1f} -> "
-                        f"{r['temp_second'] / harness.MiB:.1f} MiB)"
+           + ", ".join(f"{r['case']} {r['pair']} ({r['measured']:.2f}x, temp {held(r, 'first') / harness.MiB:.1f} -> "
+                        f"{held(r, 'second') / harness.MiB:.1f} MiB)"
                        for r in for_memory) if for_memory else ""),
         f"- **Spearman rank correlation** of predicted against measured ratio: **{ranks['all']:.2f}** over every pair; "
         f"{ranks['near']:.2f} over the {ranks['n_near']} pairs predicted within 0.8-1.25x (the decisions that are "
@@ -778,8 +857,9 @@ def markdown(records: list[dict], meta: dict) -> str:
         *decision_noise.headline(records, spearman),
         f"- the model's error (measured over predicted, either way): median {band[0.5]:.0%}, 80th percentile "
         f"{band[0.8]:.0%}, 90th {band[0.9]:.0%}",
-        f"- preferred programs that hold more temp memory than the first (by 1% and 64 KiB): {len(grew)}"
-        + (f": {', '.join(r['case'] + ' ' + r['pair'] for r in grew)}" if grew else ""),
+        f"- preferred programs that hold more temp memory than the first (`memory_analysis` + library scratch, by 1% "
+        f"and 64 KiB): **{len(grew)}**" + (f": {', '.join(r['case'] + ' ' + r['pair'] for r in grew)}" if grew else "")
+        + f"; by `memory_analysis` alone: {len(grew_ma)}",
         "",
         "## Worst misses (largest gap between predicted and measured, in log ratio)\n",
         "| case | pair | predicted | measured | A/A | the model's terms behind the prediction |",
@@ -792,8 +872,10 @@ def markdown(records: list[dict], meta: dict) -> str:
               "Load: the load average (one minute) at the start and end of the case's timing, and in brackets the "
               "share of the two cores other processes kept busy meanwhile (this process's own threads are in the load "
               "average, not in the share).\n",
-              "| case | pair | predicted | measured | A/A | first ms | temp | load | |",
-              "|---|---|---|---|---|---|---|---|---|"]
+              "Temp: the second's over the first's, `memory_analysis` + library scratch (`?`: no scratch recorded); "
+              "memory_analysis: its alone.\n",
+              "| case | pair | predicted | measured | A/A | first ms | temp | memory_analysis | load | |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
     lines += [_row(r) for r in records]
     return "\n".join(lines) + "\n"
 
@@ -870,6 +952,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--again-above", type=float, default=1.0, help="time once more, at the end, each case timed while "
                     "other processes kept more than this share of the cores busy (decisions.Contention), and keep the "
                     "quieter of its two timings (both in the record's timings); default 1: never")
+    ap.add_argument("--scratch-only", action="store_true", help="decide and compile the cases (timing nothing) and "
+                    f"record each pair's library scratch in {SCRATCH.name}, for records made before they kept it")
     ap.add_argument("--resume", action="store_true", help=f"keep the cases already timed in {PARTIAL.name} and time the rest")
     opts = ap.parse_args(argv)
     names = [n for n in opts.cases.split(",") if n]
@@ -878,6 +962,8 @@ def main(argv: list[str] | None = None) -> None:
         for c in chosen:
             print(f"{c.name:55s} {c.mode:8s} {c.source}")
         return
+    if opts.scratch_only:
+        return scratch_only(chosen, declined=not opts.chosen_only)
     if opts.report:
         saved = json.loads((RESULTS / "decisions.json").read_text())
         if opts.retest_from:  # another run's measurements of the same pairs, kept beside this run's (decision_noise)

@@ -40,6 +40,8 @@ class Stats:
     flops: float
     transcendentals: float
     bytes_accessed: float
+    #: the library (YNN) fusions' scratch, which ``temp_bytes`` does not count (``benchmarks/library_scratch.py``)
+    scratch_bytes: int = 0
 
 
 @dataclasses.dataclass
@@ -101,7 +103,19 @@ def compile_stats(fn: Callable[..., Any], *args: Any) -> tuple[Any, Stats]:
         flops=float(cost.get("flops", 0.0)),
         transcendentals=float(cost.get("transcendentals", 0.0)),
         bytes_accessed=float(cost.get("bytes accessed", 0.0)),
+        scratch_bytes=_scratch(compiled),
     )
+
+
+def _scratch(compiled: Any) -> int:
+    """The compiled program's library scratch (``benchmarks.library_scratch.scratch_bytes``), 0 where its HLO
+    cannot be read."""
+    from benchmarks.library_scratch import scratch_bytes
+
+    try:
+        return scratch_bytes(compiled)
+    except Exception:
+        return 0
 
 
 def _run_once(compiled: Any, args: Sequence[Any], inner: int) -> float:

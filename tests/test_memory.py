@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from benchmarks.library_scratch import scratch_bytes
 from rewrite import AnalyticCost, CostModel, Ruleset, explain, rewrite
 from rewrite.cost.program import Program
 from rulesets.attention import attention, attention_with
@@ -40,19 +41,20 @@ BNHD = [jax.ShapeDtypeStruct((2, N, HEADS, D), jnp.float32)] * 3
 #   The plain gradient, 98.1 vs 128.0 in XLA's order (70.1 in program order), short of it because XLA:CPU fuses the
 #   scale and the softmax's division into library (YNN) product fusions and materialises their broadcast operands
 #   at N x N (a broadcast of 0.125 among them), which the model, fusing nothing into a product, does not.
-#   Misses (xfail): dot_product_attention's gradient, 128.1 vs 100.1 (134.1 in program order); and plain
-#   attention's forward, 34.0 vs 0.0: XLA compiles its product, softmax and product
-#   into one library fusion whose scratch memory_analysis does not count (the process's resident memory does:
-#   benchmarks/results/attention_rss.md, 40 MiB a call at N=1024), so the model's 32 MiB of scratch (and k^T,
-#   2 MiB, which XLA's product reads as it is) is the truer figure (tests/test_attention_cost.py). The blocked gradient whose
-#   backward runs over blocks of 512 queries by 256 keys (the pack's default): 20.6 vs 14.6, the model above.
+#   Misses (xfail): dot_product_attention's gradient, 128.1 vs 100.1 (134.1 in program order). Plain attention's
+#   forward, 34.0 vs 0.0 by memory_analysis alone: XLA compiles its product, softmax and product into one library
+#   fusion whose scratch memory_analysis does not count (the process's resident memory does: 40 MiB a call at
+#   N=1024, benchmarks/results/library_scratch.md); XLA's side counts it (benchmarks.library_scratch, read from the
+#   compiled HLO: 32 MiB), so 34.0 vs 32.0 (the model's k^T, 2 MiB, XLA's product reads as it is). The blocked
+#   gradient whose backward runs over blocks of 512 queries by 256 keys (the pack's default): 20.6 vs 14.6, the
+#   model above.
 CASES = [
     ("dpa forward [b,h,n,d]", lambda q, k, v: jnp.swapaxes(flax_layout(*(jnp.swapaxes(x, 1, 2) for x in (q, k, v))), 1, 2),
      BHND, True),
     ("dpa forward [b,n,h,d]", flax_layout, BNHD, True),
     ("plain gradient", grad(plain), BHND, True),
     ("dpa gradient [b,n,h,d]", grad(flax_layout), BNHD, False),
-    ("plain forward (one YNN fusion)", plain, BHND, False),
+    ("plain forward (one YNN fusion)", plain, BHND, True),
     ("blocked forward", rewrite(plain, rulesets=[attention]), BHND, True),
     ("blocked gradient, key blocks", grad(rewrite(plain, rulesets=[attention_with(backward_query_block=None)])),
      BHND, True),
@@ -67,7 +69,8 @@ _MISS = pytest.mark.xfail(strict=True, reason="a known miss of the memory model 
                                             for n, f, a, holds in CASES])
 def test_predicted_peak_is_within_a_quarter_of_xla(name, fn, args):
     # The misses run too, as strict xfails: a model that comes to hold them fails here until they are moved.
-    want = _xla(fn, args)
+    # XLA's side: memory_analysis's temp and the library fusions' scratch it does not count (0 but for plain forward)
+    want = _xla(fn, args) + scratch_bytes(jax.jit(fn).lower(*args).compile())
     got = AnalyticCost().predict_temp_bytes(jax.make_jaxpr(fn)(*args))
     assert abs(got - want) <= 0.25 * want, (got / 2 ** 20, want / 2 ** 20)
 
