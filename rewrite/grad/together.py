@@ -54,9 +54,9 @@ JOINT_ITERATIONS = 4
 #: :func:`build_vjps` saturates the two joint programs of a gradient program (``jax.grad(rewrite(loss))``) for at most
 #: this many iterations, for :data:`JOINT_ITERATIONS`' reason: flax_seq2seq_grad's two joints saturated in 12
 #: iterations (18,403 rows; the last seven added 1,491 of them, over a quarter of the saturation's seconds), and the
-#: programs emitted for the 24 ecosystem programs (``benchmarks.rewrite_time --emitted``) are the same at 5 or 6 as
-#: saturated; at 4 flax_seq2seq_grad's backward differs (a negation no longer between two reshapes). Tuned on that
-#: corpus as :data:`JOINT_ITERATIONS` was, one iteration above where it first differs.
+#: programs emitted for the 24 ecosystem programs (``benchmarks.rewrite_time --emitted``) are the same at 5 as
+#: saturated (flax_seq2seq_grad's at 6 too); at 4 flax_seq2seq_grad's backward differs (a negation no longer between
+#: two reshapes). Tuned on that corpus as :data:`JOINT_ITERATIONS` was, one iteration above where it first differs.
 VJPS_ITERATIONS = 5
 
 
