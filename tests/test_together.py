@@ -48,3 +48,41 @@ def test_the_joints_are_bounded_and_the_step_is_what_saturation_gives(monkeypatc
     assert bounded == saturated
     for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=2e-4, atol=2e-5)
+
+
+def _gradient_program(monkeypatch, bound: int) -> tuple[str, list, list, list]:
+    """A small flax encoder-decoder's ``jax.grad(rewrite(loss))`` (the LM head's ``jointly`` rules fire in its forward,
+    so :func:`rewrite.grad.together.build_vjps` saturates its two joint programs together) with the ecosystem suite's
+    rules, the joints bounded at ``bound`` iterations: the VJP's forward and backward as text, the joints' (iterations,
+    stop reason), the gradients and JAX's."""
+    monkeypatch.setattr(together, "VJPS_ITERATIONS", bound)
+    ran: list = []
+    run = pipeline.run_together
+
+    def counted(*args, **kwargs):
+        results = run(*args, **kwargs)
+        ran.append((results[0].iterations, results[0].stopped))
+        return results
+
+    monkeypatch.setattr(pipeline, "run_together", counted)
+    loss, args = eco.flax_seq2seq_loss(nq=64, nk=256, width=32, heads=2, vocab=512, batch=1)
+    flat, leaves = eco._flat(loss, args)
+    r = rewrite(flat, rulesets=load_rulesets(eco.CONFIGS["identity"]), cache=False)
+    built = r.grad_result(*leaves)
+    got = jax.jit(eco.gradient(r, leaves))(*leaves)
+    return f"{built.fwd}\n{built.bwd}", ran, list(got), list(jax.jit(eco.gradient(flat, leaves))(*leaves))
+
+
+def test_a_gradients_joints_are_bounded_and_its_vjp_is_what_saturation_gives(monkeypatch):
+    """``jax.grad(rewrite(loss))``'s two joint programs (``build_vjps``) stop at ``VJPS_ITERATIONS``; saturated they
+    run longer (10 iterations here), and the VJP's forward and backward are the same text either way; the gradients
+    are JAX's."""
+    bound = together.VJPS_ITERATIONS
+    bounded, ran, got, want = _gradient_program(monkeypatch, bound)
+    assert ran and all(it <= bound for it, _ in ran), ran
+    saturated, ran_all, _, _ = _gradient_program(monkeypatch, 1000)
+    assert ran_all and max(it for it, _ in ran_all) > bound, ran_all
+    assert all(stopped == "saturated" for _, stopped in ran_all), ran_all
+    assert bounded == saturated
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=2e-4, atol=2e-5)
