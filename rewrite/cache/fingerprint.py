@@ -57,6 +57,18 @@ _SYNC = tuple({type(threading.Lock()), type(threading.RLock()), threading.Condit
 SKIPS = "FINGERPRINT_SKIPS"
 
 
+#: The primitives whose ``callback`` param is a host function, entered in a program's fingerprint by its type and
+#: place, never by value (:meth:`_Canon.opaque_value`). The rewriter never calls one or reads into it (rules match
+#: primitives and params; the cost model prices a callback by its avals; ``guard=True`` and
+#: ``cost_model="measure"`` only time it), and an entry never holds one: the serialiser refers to it by its place in
+#: the traced program and a hit takes it from this process's fresh trace (``rewrite/cache/serialise.py``; a
+#: callback not found there is not written, and no entry is stored). So a hit runs this process's callback, and
+#: what a callback carries of its process does not part two processes' keys: equinox's ``error_if`` (so every
+#: equinox and diffrax program) closes over ``filter_jit``'s random 16-byte call id (``os.urandom``) in its
+#: ``stack`` cell, and diffrax's entries were never read by another process.
+CALLBACKS = frozenset({"pure_callback", "io_callback", "debug_callback"})
+
+
 class Unstable(Exception):
     """This value has no fingerprint that another process would reproduce."""
 
@@ -344,7 +356,10 @@ class _Canon:
             params = neutral_params(e.primitive, e.params)  # a scan's input groups as counts on every JAX
             for k in sorted(params):
                 self.put(("param", k))
-                self.value(params[k])
+                if k == "callback" and e.primitive.name in CALLBACKS:
+                    self.opaque_value(params[k])
+                else:
+                    self.value(params[k])
             for v in e.outvars:
                 env[v] = len(env)
                 self.put(self.aval(v.aval))
@@ -378,5 +393,9 @@ class _Canon:
             except Unstable:
                 # Never looked into by the rewriter, and taken from the fresh trace on load: its place is
                 # its identity here.
-                n = self.opaque.setdefault(id(x), len(self.opaque))
-                self.put(("opaque", type(x).__module__, type(x).__qualname__, n))
+                self.opaque_value(x)
+
+    def opaque_value(self, x: Any) -> None:
+        """``x`` by its type and its place: the number of distinct opaque objects written before it."""
+        n = self.opaque.setdefault(id(x), len(self.opaque))
+        self.put(("opaque", type(x).__module__, type(x).__qualname__, n))

@@ -36,6 +36,7 @@ from jax.extend import linear_util as lu
 from ..ir.jaxapi import (UNSPECIFIED, SaveOnlyTheseNames, UnspecifiedValue, ad, call_custom_vjp_bwd, core,
                          empty_concrete_mesh, literals, neutral_params, params_for_jax, save_only_these_names)
 from ..jaxpr.trace import trace_at
+from .fingerprint import CALLBACKS
 from .rules import Forward, Unserialisable, dce_chain, dce_jvp, jvp_rule_fun, residual_avals, vjp_rule_params
 
 
@@ -49,6 +50,11 @@ _VJP_RULE = ("fwd_jaxpr_thunk", "bwd", "out_trees")
 _VJP_WRITTEN = "<custom_vjp rule>"
 #: The same for a ``custom_jvp_call``'s rule (its ``jvp_jaxpr_fun``), written as the jaxpr of its JVP.
 _JVP_WRITTEN = "<custom_jvp rule>"
+
+
+class ForeignCallback(Unserialisable):
+    """The program calls back into a function that its traced original does not hold: a hit could not take it
+    from the fresh trace, so no entry is written (with a warning: ``DiskCache.store``)."""
 
 
 def _original_objects(closed: core.ClosedJaxpr) -> list[Any]:
@@ -211,6 +217,10 @@ class _Writer:
 
     def params(self, e: Any) -> list:
         params = neutral_params(e.primitive, e.params, trees=True)  # the same entry whichever JAX traced it
+        if e.primitive.name in CALLBACKS and self.find(params.get("callback")) is None:
+            # the key holds a callback by its place (fingerprint.CALLBACKS): an entry may refer to none but the
+            # traced program's, which a hit takes from its own fresh trace
+            raise ForeignCallback(f"a {e.primitive.name} whose callback is not one of the traced program's")
         if e.primitive.name not in ("custom_vjp_call", "custom_jvp_call"):
             return [(k, self.value(v)) for k, v in params.items()]
         try:  # a custom derivative of the original program (the user's): its rule by place
@@ -547,6 +557,9 @@ class _Reader:
             p = self.value(prim)
             args = [atom(a) for a in invs]
             outvars = [bind(a) for a in outs_]
+            if p.name in CALLBACKS and not any(k == "callback" and isinstance(v, tuple) and v[:1] == ("orig",)
+                                               for k, v in params):
+                raise Unserialisable(f"a {p.name} whose callback is not one of this process's trace")
             new_params = {k: self.value(v) for k, v in params}
             if _VJP_WRITTEN in new_params:
                 new_params.update(vjp_rule_params(new_params.pop(_VJP_WRITTEN), new_params["call_jaxpr"]))

@@ -14,9 +14,13 @@ tolerance (``rewrite/cache/fingerprint.py``), the cost model and its settings,
 the limits, the guard, and the versions of Python, jax, jaxlib, egglog and
 this library (its version and a hash of its source). A rule whose identity
 cannot be hashed stably turns the cache off for that function, with a
-:class:`RewriteWarning` (once per function and reason). Params the rewriter never looks into (a ``custom_jvp``'s rule, a
-callback) enter the key by type and position only: the stored program
-refers to them by position, and takes them from the fresh trace on load.
+:class:`RewriteWarning` (once per function and reason). A callback (of
+``pure_callback``, ``io_callback``, ``jax.debug.callback``; equinox's and
+diffrax's checks) enters the key by type and position only, as does any
+other param the rewriter never looks into (a ``custom_jvp``'s rule) that
+cannot be hashed: the stored program refers to them by position, and takes
+them from the fresh trace on load, so a hit runs this process's callback. A
+program whose callback is not its trace's is not stored, with a warning.
 
 **An entry** is the chosen program in a serialisation of this module's own
 (equations by primitive name, avals, params; see :func:`dumps_program`;
@@ -79,7 +83,7 @@ from ..jaxpr.emit import check_signature
 from ..records import Result, RuleStats
 from .fingerprint import aval_key, program_fingerprint
 from .key import environment
-from .serialise import FORMAT, dumps_program, loads_program
+from .serialise import FORMAT, ForeignCallback, dumps_program, loads_program
 
 log = logging.getLogger("rewrite")
 
@@ -217,6 +221,10 @@ class DiskCache:
                       "program": program is not None, "signature": _signature(original),
                       "original": original_fingerprint or program_fingerprint(original)}
             json.dumps(header)
+        except ForeignCallback as e:  # the key holds callbacks by place: an entry must take them from the trace
+            self._warn(f"the rewrite of this program is not kept in the rewrite cache: {e}, so a later process "
+                       "could not run its own; each process rewrites it afresh", once=f"callback {e}")
+            return False
         except Exception as e:  # Unserialisable, or a param object that fails in a way of its own
             log.debug("rewrite cache: not storing %s: %s: %s", key[:12], type(e).__name__, e)
             return False
