@@ -65,9 +65,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.extend.core import Var, jaxprs_in_params
 
 from rewrite import Ruleset, Tolerance, procedural, rule
-from rewrite.ir.jaxapi import core, scan_counted
+from rewrite.ir.jaxapi import scan_counted
 from rewrite.ir.primitives import nbytes
 from rewrite.jaxpr.trace import program_key, trace_at
 from rewrite.rules.builder import _config, _Traces
@@ -389,8 +390,8 @@ def _batched_bytes(f: Any, in_axes: tuple, length: int) -> int:
     mapped = {v for v, a in zip(closed.jaxpr.invars, in_axes) if a is not None}
     held = 0
     for e in closed.jaxpr.eqns:
-        nested = next(core.jaxprs_in_params(e.params), None) is not None
-        if nested or not any(isinstance(v, core.Var) and v in mapped for v in e.invars):
+        nested = next(jaxprs_in_params(e.params), None) is not None
+        if nested or not any(isinstance(v, Var) and v in mapped for v in e.invars):
             continue
         mapped.update(e.outvars)
         held = max([held] + [nbytes(v.aval) * length for v in e.outvars])
