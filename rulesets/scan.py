@@ -65,6 +65,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.extend.core import Var, jaxprs_in_params
 
 from rewrite import Ruleset, Tolerance, procedural, rule
 from rewrite.ir.jaxapi import scan_counted
@@ -310,14 +311,19 @@ def lift_independent(m) -> Any:
     if f is None:
         return same or None
     in_axes = tuple(None if p < ncon + nc else 0 for p in positions)
-    lifted_fn = jax.vmap(lambda *a: tuple(f(*a)), in_axes=in_axes, axis_size=loop.length)
     at = [loop.args[p] for p in positions]
+    stacked = [p >= ncon + nc for p in positions]
+    outs = [loop.scan.aval[k] for k in free]
+    # the decline below, made before the lifted trace where the step's own program already shows an array that
+    # vmap(f) holds (every decline of the heavy steps' loops; the trace and its key were 0.06 s of a step's rewrite)
+    if _too_large(_batched_bytes(f, in_axes, loop.length), [v.aval for v, s in zip(at, stacked) if s], outs):
+        return same or None
+    lifted_fn = jax.vmap(lambda *a: tuple(f(*a)), in_axes=in_axes, axis_size=loop.length)
     try:  # traced once: read for what it holds, then inserted as it is
         traced = _lifted_trace(f, lifted_fn, in_axes, loop.length, [v.aval for v in at])
     except Exception:  # noqa: BLE001  (a trace that fails here fails in m.trace too, which decides)
         traced = None
-    stacked = [p >= ncon + nc for p in positions]
-    if traced is not None and _holds_more(traced, [loop.scan.aval[k] for k in free], stacked):
+    if traced is not None and _holds_more(traced, outs, stacked):
         return same or None
     ys = m.trace(lifted_fn, *at) if traced is None else m.insert(traced, *at)
     ys = ys if isinstance(ys, (tuple, list)) else (ys,)
@@ -363,8 +369,33 @@ def _holds_more(traced: Any, outs: list[Any], stacked: list[bool]) -> bool:
     """Whether ``traced`` (a closed jaxpr returning ``outs``) holds an array, in its bodies too, :data:`LIFT_HOLDS`
     times its stacked inputs (``stacked``, one flag an input) and ``outs`` together, and at least :data:`LIFT_BYTES`."""
     held = max((nbytes(v.aval) for e in equations(traced) for v in e.outvars), default=0)
-    read = [a for a, s in zip(traced.in_avals, stacked) if s]
+    return _too_large(held, [a for a, s in zip(traced.in_avals, stacked) if s], outs)
+
+
+def _too_large(held: int, read: list[Any], outs: list[Any]) -> bool:
+    """Whether an array of ``held`` bytes is :data:`LIFT_HOLDS` times the stacked arrays ``read`` and ``outs`` (avals)
+    together, and at least :data:`LIFT_BYTES`: what :func:`lift_independent` declines."""
     return held >= LIFT_BYTES and held > LIFT_HOLDS * sum(nbytes(a) for a in (*read, *outs))
+
+
+def _batched_bytes(f: Any, in_axes: tuple, length: int) -> int:
+    """A lower bound of the largest array ``vmap(f, in_axes)`` over ``length`` steps holds, from ``f``'s own program
+    (``f.jaxpr``; 0 without one), not traced: an equation of it without bodies that reads a mapped value
+    (an input at axis 0, or what such an equation made) is mapped too, its result ``length`` times as large. An
+    equation with bodies (``custom_vjp``, ``checkpoint``, ``jit``) neither counts nor passes the mapping on: vmap
+    may leave some of its results unmapped."""
+    closed = getattr(f, "jaxpr", None)
+    if closed is None:
+        return 0
+    mapped = {v for v, a in zip(closed.jaxpr.invars, in_axes) if a is not None}
+    held = 0
+    for e in closed.jaxpr.eqns:
+        nested = next(jaxprs_in_params(e.params), None) is not None
+        if nested or not any(isinstance(v, Var) and v in mapped for v in e.invars):
+            continue
+        mapped.update(e.outvars)
+        held = max([held] + [nbytes(v.aval) * length for v in e.outvars])
+    return held
 
 
 # ---------------------------------------------------------------------- fori_loop buffers
