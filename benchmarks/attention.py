@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from benchmarks import harness
 from benchmarks.harness import MiB, Row, compile_stats, measure, write_results
 from rewrite import explain, rewrite
 from rulesets.attention import BLOCKS, SCORES_BAND, attention, attention_with
@@ -257,22 +258,10 @@ FULL = ([("plain", "forward", n) for n in (256, 1024, 2048, 4096)]
 
 
 def _peak_reset() -> Callable[[], float] | None:
-    """Reset this process's peak resident memory (Linux's ``VmHWM``, by ``/proc/self/clear_refs``) and return a
-    function that reads its growth since, in MiB; None where the kernel does not allow it."""
-    def status(key: str) -> float:
-        with open("/proc/self/status") as fh:
-            for line in fh:
-                if line.startswith(key):
-                    return int(line.split()[1]) / 1024
-        raise KeyError(key)
-
-    try:
-        with open("/proc/self/clear_refs", "w") as fh:
-            fh.write("5")
-        base = status("VmRSS:")
-        return lambda: status("VmHWM:") - base
-    except OSError:
-        return None
+    """``harness.peak_rss_since`` in MiB: the growth of this process's peak resident memory from now (None: the
+    kernel does not allow the reset)."""
+    since = harness.peak_rss_since()
+    return None if since is None else (lambda: since() / MiB)
 
 
 def rss(name: str, mode: str, variant: str, n: int) -> None:

@@ -231,3 +231,24 @@ def write_results(folder: pathlib.Path, name: str, title: str, setup: str, round
             f"`{command or default}`, {stamp}, {platform.processor() or platform.machine()}, "
             f"{jax.devices()[0].device_kind}, jax {jax.__version__}. {setup}\n", header, *lines]
     (folder / f"{name}.md").write_text("\n".join(text) + "\n" + (f"\n{kept}" if kept else ""))
+
+
+def peak_rss_since() -> Callable[[], int] | None:
+    """Reset this process's peak resident memory (Linux's ``VmHWM``, by ``/proc/self/clear_refs``) and return a
+    function that reads its growth since, in bytes; None where the kernel does not allow it. What
+    ``memory_analysis()`` does not see (the scratch of XLA:CPU's library fusions) shows here
+    (``benchmarks/attention.py --rss``, ``benchmarks/library_scratch.py``)."""
+    def status(key: str) -> int:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith(key):
+                    return int(line.split()[1]) * 1024
+        raise KeyError(key)
+
+    try:
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")
+        base = status("VmRSS:")
+        return lambda: status("VmHWM:") - base
+    except OSError:
+        return None

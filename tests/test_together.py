@@ -14,12 +14,8 @@ from rewrite import pipeline, rewrite
 from rewrite.grad import together
 
 
-def _step_program(monkeypatch, bound: int) -> tuple[str, list, object]:
-    """A small linen GPT's training step rewritten whole (the LM head's ``jointly`` rules fire in its loss's forward,
-    so its two joint programs are saturated together) with the ecosystem suite's rules (``benchmarks.rewrite_time``),
-    the joints bounded at ``bound`` iterations: the step's
-    program as text, the joints' (iterations, stop reason), and the rewritten step with its arguments' run."""
-    monkeypatch.setattr(together, "JOINT_ITERATIONS", bound)
+def _count_joints(monkeypatch) -> list:
+    """``pipeline.run_together`` spied on: the list it fills with each run's (iterations, stop reason)."""
     ran: list = []
     run = pipeline.run_together
 
@@ -29,6 +25,16 @@ def _step_program(monkeypatch, bound: int) -> tuple[str, list, object]:
         return results
 
     monkeypatch.setattr(pipeline, "run_together", counted)
+    return ran
+
+
+def _step_program(monkeypatch, bound: int) -> tuple[str, list, object]:
+    """A small linen GPT's training step rewritten whole (the LM head's ``jointly`` rules fire in its loss's forward,
+    so its two joint programs are saturated together) with the ecosystem suite's rules (``benchmarks.rewrite_time``),
+    the joints bounded at ``bound`` iterations: the step's
+    program as text, the joints' (iterations, stop reason), and the rewritten step with its arguments' run."""
+    monkeypatch.setattr(together, "JOINT_ITERATIONS", bound)
+    ran = _count_joints(monkeypatch)
     size = ws.Size(batch=2, length=128, width=64, heads=2, vocab=1024)
     step, args = ws.CASES["linen_gpt"](size, ws.plain, opt=optax.sgd(0.1))
     flat, leaves = ws._flat(step, args)
@@ -56,15 +62,7 @@ def _gradient_program(monkeypatch, bound: int) -> tuple[str, list, list, list]:
     rules, the joints bounded at ``bound`` iterations: the VJP's forward and backward as text, the joints' (iterations,
     stop reason), the gradients and JAX's."""
     monkeypatch.setattr(together, "VJPS_ITERATIONS", bound)
-    ran: list = []
-    run = pipeline.run_together
-
-    def counted(*args, **kwargs):
-        results = run(*args, **kwargs)
-        ran.append((results[0].iterations, results[0].stopped))
-        return results
-
-    monkeypatch.setattr(pipeline, "run_together", counted)
+    ran = _count_joints(monkeypatch)
     loss, args = eco.flax_seq2seq_loss(nq=64, nk=256, width=32, heads=2, vocab=512, batch=1)
     flat, leaves = eco._flat(loss, args)
     r = rewrite(flat, rulesets=load_rulesets(eco.CONFIGS["identity"]), cache=False)
