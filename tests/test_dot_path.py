@@ -11,7 +11,7 @@ import pytest
 from jax import lax
 
 from rewrite import AnalyticCost, NodeInfo
-from rewrite.cost.dot import MIN_CONTRACTION, canonical, copied, heads_between, library_dot, transposed, turns
+from rewrite.cost.dot import ALIASED, MIN_CONTRACTION, canonical, copied, heads_between, library_dot, turns
 
 H, M, K, N = 2, 512, 512, 64
 
@@ -140,7 +140,7 @@ def test_a_transposing_copy_of_the_scores_is_priced_as_it_runs():
     v = jax.core.ShapedArray((1, 2048, 2, 64), jnp.float32)
     p = jax.core.ShapedArray((1, 2, 2048, 2048), jnp.float32)
     params = {"dimension_numbers": (((1,), (3,)), ((0, 2), (0, 1)))}
-    assert transposed(params, (v, p)) == (False, True)
+    assert tuple(t == ALIASED for t in turns(params, (v, p))) == (False, True)
     node = NodeInfo("dot_general", "contract", params, (v, p), (jax.core.ShapedArray((1, 2, 64, 2048), jnp.float32),))
     off = AnalyticCost(transpose_copy=None, transpose_strided=None, spill=0.0)
     on = AnalyticCost(transpose_copy=7.0, transpose_strided=None, spill=0.0)

@@ -88,30 +88,11 @@ def copied(params: Mapping[str, Any], in_avals: Sequence[Any]) -> tuple[bool, bo
 
 #: A copy that walks its source down a dimension whose stride is a multiple of this many bytes (a page), for
 #: :data:`ALIASED_ROWS` rows or more, reads every element from another page and the same cache sets
-#: (:func:`transposed`).
+#: (:func:`regime`).
 ALIASED_STRIDE = 4096
 
 #: How many rows of such a stride a transposing copy walks before it runs at :data:`ALIASED_STRIDE`'s rate.
 ALIASED_ROWS = 1024
-
-
-def transposed(params: Mapping[str, Any], in_avals: Sequence[Any]) -> tuple[bool, bool]:
-    """Which operands' copies (:func:`copied`) move their minor-most dimension, walking rows of a page-multiple
-    stride (:data:`ALIASED_STRIDE` bytes) :data:`ALIASED_ROWS` or more at a time: XLA:CPU's loop writes the copy in
-    its output's order, so it reads the source down a column, each element from another page and the same cache
-    sets. Timed (``swapaxes(x * 2)`` against ``x * 2``, 9 rounds, load 5.3): ``[2, 1024, 1024]`` 18.6x the copy
-    (6.9 ns per element), ``[2, 2048, 2048]`` 9.2 ns; ``[2, 1000, 1000]`` 2.2x, ``[8, 256, 1024]`` 3.7x,
-    ``[8, 1024, 256]`` 3.8x, ``[1, 4096, 128]`` 8.1x (strides off a page, or too few rows: about 1 ns, the
-    strided regime of :func:`turns`). Priced at :attr:`rewrite.AnalyticCost.transpose_copy`.
-
-    >>> from jax.core import ShapedArray
-    >>> import jax.numpy as jnp
-    >>> v = ShapedArray((1, 2048, 2, 64), jnp.float32); p = ShapedArray((1, 2, 2048, 2048), jnp.float32)
-    >>> transposed({"dimension_numbers": (((1,), (3,)), ((0, 2), (0, 1)))}, (v, p))   # v^T p^T: only p's
-    (False, True)
-    """
-    out = [t == ALIASED for t in turns(params, in_avals)]
-    return out[0], out[1]
 
 
 #: How a transposing copy reads its source (:func:`regime`): down a page-multiple stride, or down any other.
@@ -143,6 +124,9 @@ def regime(shape: Sequence[int], minor: int, itemsize: int) -> str:
     where that stride is a multiple of :data:`ALIASED_STRIDE` bytes and the walk :data:`ALIASED_ROWS` long or more
     (each element on another page and in the same cache sets: ``AnalyticCost.transpose_copy``); else
     :data:`STRIDED` (a cache line read for each element, 3-8x a copy: ``AnalyticCost.transpose_strided``).
+    Timed (``swapaxes(x * 2)`` against ``x * 2``, 9 rounds, load 5.3): ``[2, 1024, 1024]`` 18.6x the copy (6.9 ns
+    per element), ``[2, 2048, 2048]`` 9.2 ns; ``[2, 1000, 1000]`` 2.2x, ``[8, 256, 1024]`` 3.7x, ``[8, 1024, 256]``
+    3.8x, ``[1, 4096, 128]`` 8.1x (strides off a page, or too few rows: about 1 ns).
     A copy with work fused into it (the long-context step's ``multiply``) is the aliased kind measured: a lone
     ``[1024, 1024]`` transpose ran 1.4-4.1 ns per element where ``x * 2`` transposed ran 5.3-24 (load 5-10).
 

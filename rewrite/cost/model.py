@@ -341,7 +341,7 @@ class AnalyticCost(CostModel):
     dot_fallback: float = dataclasses.field(default_factory=lambda: _DOT_FALLBACK.get(jax.default_backend(), 1.0))
     dot_repack: float = dataclasses.field(default_factory=lambda: _DOT_REPACK.get(jax.default_backend(), 0.0))
     #: ns per element of a product's operand that XLA copies with its minor-most dimension moved down a page-multiple
-    #: stride (``rewrite/cost/dot.py``'s ``transposed``: flax's ``v^T p^T`` transposes its 32 MiB of scores), its
+    #: stride (``rewrite/cost/dot.py``'s ``turns``, aliased: flax's ``v^T p^T`` transposes its 32 MiB of scores), its
     #: reading and writing included, in place of the copy's bytes. The table's ``transpose_copy``, else ``None``.
     transpose_copy: float | None = dataclasses.field(default_factory=lambda: _table().get("transpose_copy"))
     #: ns per element of any other copy of a product's operand that moves its minor-most dimension
