@@ -479,24 +479,32 @@ def measure_reduce_cached(rounds: int, progress: bool, table: dict) -> dict[str,
 TRANSPOSED = (2, 1024, 1024)
 
 
-def measure_transpose_copy(rounds: int, progress: bool, table: dict) -> dict[str, Any]:
-    """What a copy that moves an array's minor-most dimension down a page-multiple stride costs per element
-    (``AnalyticCost.transpose_copy``): ``swapaxes(x * 2)`` against ``x * 2`` on :data:`TRANSPOSED`, interleaved,
-    the median of the rounds' ratios times ``table``'s ``copy_per_element`` (as ``reduce_cached``: a ratio at
-    this load against the table's median rate, not a time at it)."""
-    x = jax.random.normal(jax.random.PRNGKey(0), TRANSPOSED)
-    prog = {"copy": jax.jit(lambda a: a * 2.0), "transpose": jax.jit(lambda a: jnp.swapaxes(a * 2.0, -1, -2))}
+def _transpose_over_copy(shape: tuple, perm: tuple, rounds: int, inner: int, progress: bool = False
+                         ) -> tuple[float, dict[str, float]]:
+    """``transpose(x * 2, perm)`` against ``x * 2`` on an array of ``shape``, interleaved, ``inner`` calls a timing:
+    the median of the rounds' ratios and each program's median ns per element."""
+    x = jax.random.normal(jax.random.PRNGKey(0), shape)
+    prog = {"copy": jax.jit(lambda a: a * 2.0), "transpose": jax.jit(lambda a: jnp.transpose(a * 2.0, perm))}
     times: dict[str, list[float]] = {n: [] for n in prog}
     for f in prog.values():
         _run_once(f, (x,), 2)
     for r in range(rounds):
         for n, f in prog.items():
-            times[n].append(_run_once(f, (x,), 4) / x.size * 1e9)
+            times[n].append(_run_once(f, (x,), inner) / x.size * 1e9)
         if progress:
             print(f"round {r + 1}/{rounds}", file=sys.stderr)
     ratio = statistics.median(t / c for t, c in zip(times["transpose"], times["copy"]))
-    return {"median_ns_per_element": {n: round(statistics.median(t), 4) for n, t in times.items()},
-            "ratio": round(ratio, 3), "transpose_copy": table["copy_per_element"] * ratio}
+    return ratio, {n: round(statistics.median(t), 4) for n, t in times.items()}
+
+
+def measure_transpose_copy(rounds: int, progress: bool, table: dict) -> dict[str, Any]:
+    """What a copy that moves an array's minor-most dimension down a page-multiple stride costs per element
+    (``AnalyticCost.transpose_copy``): ``swapaxes(x * 2)`` against ``x * 2`` on :data:`TRANSPOSED`, interleaved,
+    the median of the rounds' ratios times ``table``'s ``copy_per_element`` (as ``reduce_cached``: a ratio at
+    this load against the table's median rate, not a time at it)."""
+    ratio, medians = _transpose_over_copy(TRANSPOSED, (0, 2, 1), rounds, 4, progress)
+    return {"median_ns_per_element": medians, "ratio": round(ratio, 3),
+            "transpose_copy": table["copy_per_element"] * ratio}
 
 
 #: The transposes ``measure_transpose_strided`` times: strides off a page, or walks shorter than
@@ -513,17 +521,8 @@ def measure_transpose_strided(rounds: int, progress: bool, table: dict) -> dict[
     median rate, not a time at it)."""
     ratios, medians = {}, {}
     for shape, perm in STRIDED_TRANSPOSES:
-        x = jax.random.normal(jax.random.PRNGKey(0), shape)
-        prog = {"copy": jax.jit(lambda a: a * 2.0), "transpose": jax.jit(lambda a, p=perm: jnp.transpose(a * 2.0, p))}
-        times: dict[str, list[float]] = {n: [] for n in prog}
-        inner = max(2, (16 << 20) // x.size)
-        for f in prog.values():
-            _run_once(f, (x,), 2)
-        for _ in range(rounds):
-            for n, f in prog.items():
-                times[n].append(_run_once(f, (x,), inner) / x.size * 1e9)
-        ratios[str(shape)] = round(statistics.median(t / c for t, c in zip(times["transpose"], times["copy"])), 3)
-        medians[str(shape)] = {n: round(statistics.median(t), 4) for n, t in times.items()}
+        ratio, medians[str(shape)] = _transpose_over_copy(shape, perm, rounds, max(2, (16 << 20) // math.prod(shape)))
+        ratios[str(shape)] = round(ratio, 3)
         if progress:
             print(f"{shape}: {ratios[str(shape)]}", file=sys.stderr)
     ratio = statistics.median(ratios.values())

@@ -702,6 +702,7 @@ def scratch_only(chosen: Sequence[Case], declined: bool) -> None:
         except Exception as e:
             print(f"{case.name}: FAILED: {type(e).__name__}: {e}", flush=True)
             continue
+        kept = False
         for p in d.pairs:
             out[f"{case.name}|{p.name}"] = [got[p.first], got[p.second]]
             print(f"{case.name:45s} {p.name:40s} scratch {got[p.first] / harness.MiB:.1f} -> "
@@ -709,7 +710,9 @@ def scratch_only(chosen: Sequence[Case], declined: bool) -> None:
             for r in saved["records"]:
                 if (r["case"], r["pair"]) == (case.name, p.name) and "scratch_first" in r:
                     r["scratch_first"], r["scratch_second"] = got[p.first], got[p.second]
-                    path.write_text(json.dumps(saved, indent=1, default=float))
+                    kept = True
+        if kept:  # once a case, not once a record: the whole file each time
+            path.write_text(json.dumps(saved, indent=1, default=float))
         SCRATCH.write_text(json.dumps({"note": "the library (YNN) fusions' scratch of each pair's programs, bytes "
                                        "(python -m benchmarks.decisions --scratch-only), for the records made "
                                        "before decisions.json kept it", "pairs": dict(sorted(out.items()))}, indent=1)
