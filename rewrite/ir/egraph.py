@@ -49,8 +49,8 @@ from . import primitives as _primitives
 from . import terms as _terms
 from . import intern as _intern
 from .intern import LITERALS, PARAMS, TYPES, content_hash, in_dtype
-from .loader import (LOAD, LOADER, _SPAN, _flat_ctors, _loader, _Rows, call, int_lit, loader_program, tlist_expr,
-                     v_expr)
+from .loader import (LOAD, LOADER, _SPAN, _flat_ctors, _loader, _Rows, call, commands, int_lit, loader_program,
+                     tlist_expr, v_expr)
 
 _CHUNK = 200
 
@@ -126,7 +126,7 @@ class _Pool:
             eg = self._base(schema)
             eg.run_program(eb.Push(1))  # the prelude's own level: popped, the e-graph declares the schema alone
             if prelude:
-                eg.run_program(*eg.parse_program(prelude))
+                eg.run_program(*commands(eg, prelude))
         eg.run_program(eb.Push(1))
         return eg
 
@@ -138,8 +138,8 @@ class _Pool:
                 if bases:
                     return bases.pop()
         eg = eb.EGraph()
-        eg.run_program(*eg.parse_program(schema))
-        eg.run_program(*eg.parse_program(loader_program(schema)))
+        eg.run_program(*commands(eg, schema))
+        eg.run_program(*commands(eg, loader_program(schema)))
         return eg
 
     def give(self, schema: str, prelude: str, eg: Any, made_on_main: bool) -> None:
@@ -442,7 +442,7 @@ class EGraph:
     # ------------------------------------------------------------------ running
     def declare(self, program: str) -> None:
         self._changes += 1
-        self.eg.run_program(*self.eg.parse_program(program))
+        self.eg.run_program(*commands(self.eg, program))
 
     def run(self, ruleset: str, *, saturate: bool = False) -> Any:
         sched = eb.Run(_SPAN, eb.RunConfig(ruleset))

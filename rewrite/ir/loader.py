@@ -8,7 +8,8 @@ egglog reads with ``input``, and rules declared once with the schema
 (:func:`loader_program`) turn the rows into nodes: a tenth of the cost.
 So do two nodes with a short list argument (:data:`LIST_ROWS`). The
 expression helpers (:func:`call`, :func:`v_expr`, ...) build what cannot
-be a row.
+be a row. :func:`commands` parses the texts an e-graph declares (the schema, the
+loader, the rules' queries), a form at a time and once per process.
 """
 
 from __future__ import annotations
@@ -205,3 +206,66 @@ class _Rows:
                 args = [v_expr(a) if srt == "Term" else int_lit(a) for srt, a in zip(sorts, r[1:])]
                 out.append(eb.Union(_SPAN, v_expr(r[0]), call(kind, *args)))
         return out
+
+
+#: The commands of the texts parsed last (:func:`commands`), by text.
+_PARSED: dict[str, list[Any]] = {}
+_PARSED_TEXTS = 16
+_PARSED_LOCK = threading.Lock()
+
+
+def commands(eg: Any, text: str) -> list[Any]:
+    """The egglog commands of ``text`` (run with ``eg.run_program``), parsed once per process (the last few texts).
+
+    egglog 13 gives every node of a parsed command a span that holds the whole text: parsing a text of n forms
+    at once copies it into each of them (the rules' queries of the benchmarks' packs, 200 forms of 25 kB: 35-80
+    ms), and running those commands copies it again (115-145 ms, where the same commands parsed a form at a time
+    run in 30-50 ms). So a text is parsed a top-level form at a time (:func:`forms`), and its commands, which
+    hold no state of the e-graph they were parsed by, are kept and run again on the next e-graph that declares
+    it: another pooled instance, another thread's."""
+    with _PARSED_LOCK:
+        found = _PARSED.pop(text, None)
+        if found is not None:
+            _PARSED[text] = found  # most recently used last
+            return found
+    parts = forms(text)
+    found = [c for part in parts for c in eg.parse_program(part)] if parts is not None else eg.parse_program(text)
+    with _PARSED_LOCK:
+        _PARSED[text] = found
+        while len(_PARSED) > _PARSED_TEXTS:
+            del _PARSED[next(iter(_PARSED))]
+    return found
+
+
+def forms(text: str) -> list[str] | None:
+    """``text``'s top-level parenthesised forms, in order, with strings and ``;`` comments read as egglog reads
+    them; ``None`` where it holds anything else at the top level or its parentheses do not balance (parsed
+    whole, egglog reports the error)."""
+    out: list[str] = []
+    depth, start, i, n = 0, 0, 0, len(text)
+    while i < n:
+        c = text[i]
+        if c == '"':
+            i += 1
+            while i < n and text[i] != '"':
+                i += 2 if text[i] == "\\" else 1
+            if i >= n:
+                return None
+        elif c == ";":
+            while i < n and text[i] != "\n":
+                i += 1
+            continue
+        elif c == "(":
+            if depth == 0:
+                start = i
+            depth += 1
+        elif c == ")":
+            depth -= 1
+            if depth < 0:
+                return None
+            if depth == 0:
+                out.append(text[start:i + 1])
+        elif depth == 0 and not c.isspace():
+            return None
+        i += 1
+    return out if depth == 0 else None
