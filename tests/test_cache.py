@@ -407,6 +407,43 @@ def test_the_key_follows_rules_models_limits_and_program():
     assert make_key(wider, ents, AnalyticCost(), Limits()) != base
 
 
+def test_with_the_cache_off_no_key_is_made(monkeypatch):
+    """``JAX_REWRITE_CACHE_DIR=off``: a first call fingerprints no rule (the identity packs' walk is most of a
+    process's first cache key)."""
+    from rewrite.cache import key as _key
+
+    made = []
+    monkeypatch.setattr(_key, "rules_fingerprint", lambda *a: made.append(a) or "")
+    monkeypatch.setenv("JAX_REWRITE_CACHE_DIR", "off")
+    f = rewrite(lambda x: jnp.sum(jnp.sin(x) ** 2), rulesets=[TRIG])
+    f(jnp.ones(4))
+    assert made == [] and "cache_key" not in f.result(jnp.ones(4)).times
+
+
+def test_a_key_follows_an_object_two_rules_share():
+    """Rules fingerprinted together walk an object they both reach once (``_Walker._memoised``): a change to it
+    changes every such rule's key, and each key is the one it has alone."""
+    from rewrite.cache.key import _RULES, rules_fingerprint
+
+    table = {"k": 2.0}
+    holder = type("Holder", (), {})()
+    holder.table = table
+    one = Ruleset("one", [rule(lambda x: x * holder.table["k"], lambda x: x + x, name="twice_a")])
+    two = Ruleset("two", [rule(lambda x: holder.table["k"] * x, lambda x: x + x, name="twice_b")])
+    ents = [(r, one) for r in one] + [(r, two) for r in two]
+
+    def walked(entries):  # not read from the process's table of rules fingerprinted before
+        for r, _ in ents:
+            _RULES.pop(r, None)
+        return rules_fingerprint(entries)
+
+    before = walked(ents[:1]), walked(ents[1:]), walked(ents)
+    table["k"] = 3.0
+    assert walked(ents) != before[2] and walked(ents[:1]) != before[0] and walked(ents[1:]) != before[1]
+    table["k"] = 2.0
+    assert walked(ents) == before[2]
+
+
 def test_fingerprints_follow_closures_and_globals():
     def make(k):
         return lambda x: x * k
