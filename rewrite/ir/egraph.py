@@ -23,12 +23,13 @@ Five facts about egglog 13 shape this module (see ``docs/design.md``):
   empties it again for the next rewrite. Both copy or drop every
   declaration (10-20 us a relation or rule), so there are few: one loader
   relation, and one match relation per signature of the rules' queries.
-  The schema and the loader are most of a new e-graph's cost (0.1-0.2 s;
-  a few rules' queries, a tenth of it), so the rules' queries sit above a
-  ``push`` of their own, and an e-graph the pool stops keeping for them is
-  popped back to the schema and lent to the next set of rules. An egglog
-  e-graph belongs to the thread that made it, so only the main thread's
-  are kept.
+  The schema and the loader are half a new e-graph's cost (20-60 ms; the
+  identity packs' 200 queries, 30-80 ms: every text parsed a form at a
+  time and once per process, ``loader.commands``), so the rules' queries
+  sit above a ``push`` of their own, and an e-graph the pool stops keeping
+  for them is popped back to the schema and lent to the next set of rules.
+  An egglog e-graph belongs to the thread that made it, so only the main
+  thread's are kept.
 """
 
 from __future__ import annotations
@@ -229,7 +230,7 @@ class EGraph:
         Otherwise it goes back when this object is collected, which an object
         made during the rewrite (a rule's closure, say) can put off until the
         collector finds the cycle it is in; meanwhile the next rewrite finds
-        the pool empty and declares a new instance (50-200 ms).
+        the pool empty and declares a new instance (50-150 ms).
         """
         self._give()
         self.eg = None
