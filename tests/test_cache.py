@@ -981,3 +981,27 @@ def test_a_rules_key_does_not_depend_on_what_the_process_rewrote_before():
     for r in entries:
         _RULES.pop(r, None)
     assert [rule_fingerprint(r) for r in entries] == before
+
+
+def test_a_rules_key_does_not_depend_on_the_path_it_was_defined_at():
+    """A rule's procedure reaches other rules through its globals (``hoist_reductions`` does, ``rulesets/scan.py``),
+    and those recorded the absolute path of the file that defined them (``Rule.defined_at``, for listings): the
+    same packs installed at two paths made two keys, and a cache folder was never shared between checkouts."""
+    import rulesets
+    from rewrite.cache.key import _RULES, rules_fingerprint
+
+    entries = rewrite(lambda x: x, rulesets=[rulesets.scan, rulesets.nn]).entries
+    rules = [r for r, _ in entries]
+    assert any(r.defined_at for r in rules)
+    before = rules_fingerprint(entries)
+    saved = {r: r.defined_at for r in rules}
+    try:
+        for r in rules:
+            _RULES.pop(r, None)
+            if r.defined_at is not None:
+                r.defined_at = ("/elsewhere/" + os.path.basename(r.defined_at[0]), r.defined_at[1])
+        assert rules_fingerprint(entries) == before
+    finally:
+        for r, where in saved.items():
+            r.defined_at = where
+            _RULES.pop(r, None)
