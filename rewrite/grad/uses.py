@@ -16,7 +16,9 @@ read ``sin`` as written.
 
 A training step that holds a loss's backward (``rewrite(step)``, ``grad/step.py``) reads the loss's VJP as one
 program rewritten (``grad.vjp.rewrite_joint``), which it inlines: that program is chosen among the same three
-(:func:`joint_as_run`), priced in the use the step makes of it (the loss read too, or its gradients alone).
+(:func:`joint_as_run`), priced in the use the step makes of it (the loss read too, or its gradients alone). A step
+that reads the loss runs the joint program whole, as its joint extraction priced it: the gradients are then not
+extracted apart (``grad.vjp._joint_choices``), and the joint extraction's program is the one taken.
 """
 
 from __future__ import annotations
