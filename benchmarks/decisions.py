@@ -32,7 +32,9 @@ benchmark lock while cases are timed (``--chunk`` at a time), not while they are
 With ``--cases`` and ``--write`` only those cases are measured again; the other cases' records are kept. A write
 keeps beside each pair the last run's measurement of the same programs, and each round's ratio, from which the
 report says how far the clock's own noise caps the rank correlation (``benchmarks/decision_noise.py``);
-``--report --retest-from OLD.json`` takes another run's measurements instead.
+``--report --retest-from OLD.json`` takes another run's measurements instead. A record keeps the prediction of
+the model it was timed under; ``--stale`` decides the recorded cases under the model in force (timing nothing)
+and names the cases whose decision or predictions have moved since, with the command that times them again.
 """
 
 from __future__ import annotations
@@ -686,6 +688,66 @@ def fill_scratch(records: list[dict]) -> int:
     return missing
 
 
+#: a recorded pair whose prediction under the model in force has moved by more than this share is stale (``--stale``)
+STALE = 0.02
+
+
+def stale(records: Sequence[dict], now: dict[str, tuple[str, dict[str, float]]]) -> dict[str, list[str]]:
+    """The recorded pairs that the model in force no longer predicts as their records say, by case: ``now`` maps
+    each case decided again (``decide(case, programs=False)``) to its decision and each pair's predicted ratio.
+    A case is stale where its decision moved (its programs measured are not the ones it chooses now), where a
+    pair's prediction moved by over :data:`STALE`, or where a pair is built and not recorded, or recorded and no
+    longer built; a line for each. Cases not in ``now`` are not judged.
+
+    >>> recs = [{"case": "a", "pair": "chosen", "decision": "rewritten: r", "predicted": 1.10},
+    ...         {"case": "b", "pair": "chosen", "decision": "rewritten: r", "predicted": 1.10}]
+    >>> stale(recs, {"a": ("rewritten: r", {"chosen": 1.105}), "b": ("rewritten: r, s", {"chosen": 1.3})})
+    {'b': ["decision 'rewritten: r' -> 'rewritten: r, s'", 'chosen predicted 1.100 -> 1.300']}
+    """
+    out: dict[str, list[str]] = {}
+    by_case: dict[str, dict[str, dict]] = {}
+    for r in records:
+        by_case.setdefault(r["case"], {})[r["pair"]] = r
+    for case, (decision, pairs) in now.items():
+        recorded = by_case.get(case, {})
+        lines = []
+        was = {r.get("decision") for r in recorded.values()} - {None}
+        if was and decision not in was:
+            lines.append(f"decision {sorted(was)[0]!r} -> {decision!r}")
+        for name, predicted in pairs.items():
+            rec = recorded.get(name)
+            if rec is None:
+                lines.append(f"{name} built (predicted {predicted:.3f}), not recorded")
+            elif abs(math.log(predicted / rec["predicted"])) > math.log1p(STALE):
+                lines.append(f"{name} predicted {rec['predicted']:.3f} -> {predicted:.3f}")
+        lines += [f"{name} recorded, no longer built" for name in recorded if name not in pairs]
+        if lines:
+            out[case] = lines
+    return out
+
+
+def stale_only(chosen: Sequence[Case]) -> None:
+    """``--stale``: decide each recorded case under the model in force (nothing compiled or timed), print the
+    stale pairs (:func:`stale`) and the command that times their cases again, and the corpus's rank correlation
+    with every pair's prediction made now."""
+    saved = json.loads((RESULTS / "decisions.json").read_text())
+    records = saved["records"]
+    now: dict[str, tuple[str, dict[str, float]]] = {}
+    for case in chosen:
+        if any(r["case"] == case.name for r in records):
+            d = decide(case, programs=False)
+            now[case.name] = (d.decision, {p.name: p.predicted for p in d.pairs})
+    found = stale(records, now)
+    for case, lines in found.items():
+        print(f"{case}:\n  " + "\n  ".join(lines), flush=True)
+    here = [r for r in records if r["pair"] in now.get(r["case"], ("", {}))[1]]
+    made = [{**r, "predicted": now[r["case"]][1][r["pair"]]} for r in here]
+    print(f"{len(found)} of {len(now)} cases stale; Spearman over the {len(here)} pairs still built: recorded "
+          f"{rank_figures(here)['all']:.4f}, predicted now {rank_figures(made)['all']:.4f}", flush=True)
+    if found:
+        print("time them again:\n  " + REGENERATE.format(cases=",".join(found)), flush=True)
+
+
 def scratch_only(chosen: Sequence[Case], declined: bool) -> None:
     """Decide each case, compile its programs (timing nothing) and record each pair's library scratch in
     :data:`SCRATCH`, beside those already there, and in ``decisions.json``'s records of the pair that keep one
@@ -957,6 +1019,8 @@ def main(argv: list[str] | None = None) -> None:
                     "quieter of its two timings (both in the record's timings); default 1: never")
     ap.add_argument("--scratch-only", action="store_true", help="decide and compile the cases (timing nothing) and "
                     f"record each pair's library scratch in {SCRATCH.name}, for records made before they kept it")
+    ap.add_argument("--stale", action="store_true", help="decide the recorded cases under the model in force "
+                    "(timing nothing) and list the pairs whose decision or prediction moved since they were timed")
     ap.add_argument("--resume", action="store_true", help=f"keep the cases already timed in {PARTIAL.name} and time the rest")
     opts = ap.parse_args(argv)
     names = [n for n in opts.cases.split(",") if n]
@@ -967,6 +1031,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     if opts.scratch_only:
         return scratch_only(chosen, declined=not opts.chosen_only)
+    if opts.stale:
+        return stale_only(chosen)
     if opts.report:
         saved = json.loads((RESULTS / "decisions.json").read_text())
         if opts.retest_from:  # another run's measurements of the same pairs, kept beside this run's (decision_noise)

@@ -217,3 +217,21 @@ def test_the_report_says_how_far_the_clocks_own_noise_caps_the_rank_correlation(
                            "load": ["1", "1"], "rounds": 8})
     assert "the clock's own noise" in md and "against the run of then, the 5 pairs" in md
     assert "over the 4 of 6 pairs whose measured ratio is clear of their noise" in md
+
+
+def test_stale_names_the_cases_whose_decision_or_prediction_moved_since_they_were_timed():
+    """``--stale``: a record timed under an earlier model is judged against the model in force, nothing timed."""
+    recs = [{"case": "a", "pair": "chosen", "decision": "rewritten: r", "predicted": 1.10},
+            {"case": "a", "pair": "declined:s", "decision": "rewritten: r", "predicted": 0.90},
+            {"case": "b", "pair": "chosen", "decision": "rewritten: r", "predicted": 1.039},
+            {"case": "c", "pair": "hand", "decision": "prefers the hand-written form", "predicted": 1.2},
+            {"case": "d", "pair": "chosen", "decision": "rewritten: r", "predicted": 1.0}]
+    now = {"a": ("rewritten: r", {"chosen": 1.11, "declined:s": 0.905}),  # within 2%: not stale
+           "b": ("rewritten: r", {"chosen": 1.0003}),                    # the remat pair's move: stale
+           "c": ("prefers the hand-written form", {"hand": 1.2, "block:256": 1.1}),
+           "d": ("rewritten: q, r", {})}
+    got = D.stale(recs, now)
+    assert set(got) == {"b", "c", "d"}
+    assert got["b"] == ["chosen predicted 1.039 -> 1.000"]
+    assert got["c"] == ["block:256 built (predicted 1.100), not recorded"]
+    assert got["d"] == ["decision 'rewritten: r' -> 'rewritten: q, r'", "chosen recorded, no longer built"]

@@ -171,7 +171,7 @@ class FusionModel:
                  parallel: float = 1.0, parallel_at: float = math.inf, chain: float = 0.0,
                  serial: float = 1.0, loop_launch: float = 0.0, loop_library: float = 0.0, loop_split: float = 0.0,
                  while_trips: float = 10.0, kernel_product: Callable[[Op], float] | None = None,
-                 reduce_cached: float | None = None) -> None:
+                 reduce_cached: float | None = None, overlap: bool = False) -> None:
         self.ns = dict(ns)
         #: where an op's memo keeps its facts for this model (:meth:`_facts`): one memo may meet two models
         self._facts_key = ("facts", id(self))
@@ -188,15 +188,14 @@ class FusionModel:
         #: the scores of a softmax between two products, in bytes, up to which it is priced as one attention kernel
         #: where XLA makes three (``attention.py``'s ``SCORES_CACHED``: the cache holds the stored scores)
         self.scores_cached = scores_cached
-        self.spill = spill
-        self.near, self.tier = near, tier  # (AnalyticCost.near)
+        self.spill, self.near, self.tier = spill, near, tier  # (AnalyticCost.near)
         self.memory = memory
         self.inner = inner
         self.budget = budget
         self.node = node
         self.library_op = library_op
         self.tiebreak = tiebreak
-        self.byte = byte
+        self.byte, self.overlap = byte, overlap  # (AnalyticCost.overlap)
         self.reduce, self.reduce_cached = reduce, reduce_cached  # (spill.py's cached_reduction)
         self.launch = launch
         self.default = default
@@ -442,9 +441,10 @@ class FusionModel:
         if self.chain and kind in (LOOP, REDUCE):
             work += self.chain * chained(self, prog, inside)
         cost = work if par == 1.0 else cost + par * work + reduced
-        cost += self.byte * (sum(facts(ops[a], prog)[6] if a in whole else min(facts(ops[a], prog)[6], sliced[a])
+        moved = self.byte * (sum(facts(ops[a], prog)[6] if a in whole else min(facts(ops[a], prog)[6], sliced[a])
                                  for a in reads if ops[a].out_avals)
                              + facts(root_op, prog)[8])
+        cost = max(cost, moved + self.launch) if self.overlap and kind == LOOP else cost + moved
         if self.spill:  # a slice of an array beyond the cache is streamed once, as any array read
             cost += (sum(facts(ops[a], prog)[9] for a in reads if ops[a].out_avals and a in whole)
                      + facts(root_op, prog)[10])

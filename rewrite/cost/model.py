@@ -331,6 +331,12 @@ class AnalyticCost(CostModel):
     loop_parallel: float = dataclasses.field(default_factory=lambda: _table().get("loop_parallel", 1.0))
     loop_parallel_at: float = dataclasses.field(default_factory=lambda: _table().get("loop_parallel_at", math.inf))
     loop_serial: float = dataclasses.field(default_factory=lambda: _table().get("loop_serial", 1.0))
+    #: a loop kernel costs the larger of its arithmetic and the bytes it moves (at ``byte``), not their sum: the CPU
+    #: hides cheap arithmetic under the memory traffic (``benchmarks/remat_parts.py``: gelu's backward reading four
+    #: 2 MiB arrays with sixteen operations priced 283 + 238 us, measured 276). Scored over the decision corpus (106
+    #: pairs, nothing timed) it takes Spearman 0.902 to 0.916 (log.md, h-spear2); off (``False``) unless the
+    #: table's ``overlap`` turns it on, which needs the corpus timed again (it moves the machine's decisions).
+    overlap: bool = dataclasses.field(default_factory=lambda: bool(_table().get("overlap", False)))
     #: a loop kernel in which a transcendental reads another's result (``log(2 cosh(x))``) pays ``chain`` times the
     #: prices of the dearest such chain more: each waits for the other's latency (``benchmarks/calibrate.py
     #: --chain-only``; ``rewrite/cost/transcendental.py``'s ``chained``). The table's, where measured; else 0.
@@ -536,7 +542,7 @@ class AnalyticCost(CostModel):
                          held=functools.partial(scheduled_peak, scratch=False),
                          parallel=self.loop_parallel, parallel_at=self.loop_parallel_at, chain=self.chain,
                          serial=self.loop_serial, loop_launch=self.loop_launch, loop_library=self.loop_launch_library,
-                         loop_split=self.loop_split,
+                         loop_split=self.loop_split, overlap=self.overlap,
                          while_trips=self.while_trips, reduce_cached=self.reduce_cached,
                          kernel_product=(self._kernel_product if self.attention_dot is not None
                                          and (self.attention_dot != self.dot or self.dot_parallel_at != math.inf)
