@@ -60,3 +60,21 @@ def test_overlap_prices_a_loop_kernel_the_larger_of_its_arithmetic_and_its_bytes
     # at the flax block's 248 rows the kept form is priced below the remat's, as measured (0.82-0.85)
     small = R.prices(248, AnalyticCost(overlap=True))
     assert sum(small[n] for n in R.KEPT) < sum(small[n] for n in R.REMAT)
+
+
+def test_the_searches_live_price_takes_the_overlap_as_the_fusion_model_does():
+    """``LiveFusion`` (the price extraction's searches keep up to date) prices a loop kernel as
+    ``FusionModel.kernel`` does, with the term on and off: else a search ranks programs by another price."""
+    from rewrite.cost.live import LiveFusion
+    from rewrite.cost.model import AnalyticCost
+    from rewrite.cost.program import Program
+
+    a = R._arrays(4096)
+    for overlap in (False, True):
+        model = AnalyticCost(overlap=overlap)
+        fm = model.fusion_model()
+        for name, (fn, names) in R.KERNELS.items():
+            prog = Program.from_jaxpr(jax.make_jaxpr(fn)(*(a[n] for n in names)), model)
+            live = LiveFusion(fm, prog.outputs)
+            live.edit(dict(enumerate(prog.ops)))
+            assert abs(live.price() - fm(prog)) <= 1e-9 * fm(prog), (name, overlap)

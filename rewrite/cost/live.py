@@ -395,7 +395,9 @@ class LiveFusion:
                 cost += chain
         else:
             cost += par * (add_shared(k.work, model, ops, sincos) + chain) + k.reduced
-        cost += model.byte * (k.read_bytes + facts(ops[r], self)[8])
+        moved = model.byte * (k.read_bytes + facts(ops[r], self)[8])
+        # AnalyticCost.overlap, as FusionModel.kernel prices it: a loop kernel's bytes hide its arithmetic
+        cost = max(cost, moved + model.launch) if model.overlap and kind == LOOP else cost + moved
         if model.spill:
             cost += k.read_spilled + facts(ops[r], self)[10]
         return (cost - folded_reduction(model, self, r, kind, members)
