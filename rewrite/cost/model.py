@@ -333,9 +333,11 @@ class AnalyticCost(CostModel):
     loop_serial: float = dataclasses.field(default_factory=lambda: _table().get("loop_serial", 1.0))
     #: a loop kernel costs the larger of its arithmetic and the bytes it moves (at ``byte``), not their sum: the CPU
     #: hides cheap arithmetic under the memory traffic (``benchmarks/remat_parts.py``: gelu's backward reading four
-    #: 2 MiB arrays with sixteen operations priced 283 + 238 us, measured 276). Scored over the decision corpus (106
-    #: pairs, nothing timed) it takes Spearman 0.902 to 0.916 (log.md, h-spear2); off (``False``) unless the
-    #: table's ``overlap`` turns it on, which needs the corpus timed again (it moves the machine's decisions).
+    #: 2 MiB arrays with sixteen operations priced 283 + 238 us, measured 276; kept/remat at 248 rows measured
+    #: 0.82-0.85, priced 1.025 summed, 0.859 overlapped). Scored over the decision corpus (nothing timed) it takes
+    #: Spearman 0.902 to 0.916 (log.md, h-spear2); this CPU's table turns it on (``overlap``), after the cases whose
+    #: decision it moves were timed (log.md, h-overlap). Off (``False``) where the table has none: the GPU's and the
+    #: golden files' fixed table.
     overlap: bool = dataclasses.field(default_factory=lambda: bool(_table().get("overlap", False)))
     #: a loop kernel in which a transcendental reads another's result (``log(2 cosh(x))``) pays ``chain`` times the
     #: prices of the dearest such chain more: each waits for the other's latency (``benchmarks/calibrate.py
