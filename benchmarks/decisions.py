@@ -466,7 +466,7 @@ def compare(name: str, want: dict, got: dict) -> str | None:
     if not lines:
         return None
     return (f"decision flipped in case {name}:\n  " + "\n  ".join(lines) + "\nIf the change is meant, measure the case "
-            f"again and record the new decision (put the new ratio in the commit message):\n  "
+            "again and record the new decision (put the new ratio in the commit message):\n  "
             + REGENERATE.format(cases=name))
 
 
@@ -908,7 +908,7 @@ def markdown(records: list[dict], meta: dict) -> str:
         f"- **on the wrong side** (prefers a program measured >= {MARGIN:.0%} slower, or declines one measured "
         f">= {MARGIN:.0%} faster, beyond the A/A): **{len(wrong)}**"
         + (f": {', '.join(r['case'] + ' ' + r['pair'] for r in wrong)}" if wrong else "")
-        + (f"; not counted, declined though measured faster because they hold more temp memory than the first: "
+        + ("; not counted, declined though measured faster because they hold more temp memory than the first: "
            + ", ".join(f"{r['case']} {r['pair']} ({r['measured']:.2f}x, temp {held(r, 'first') / harness.MiB:.1f} -> "
                         f"{held(r, 'second') / harness.MiB:.1f} MiB)"
                        for r in for_memory) if for_memory else ""),
