@@ -66,7 +66,7 @@ from .attention import SCORES_CACHED, attention_chain, attention_price, scratch_
 from .program import (ATTENTION, LEAF, LIBRARY, LOOP, OTHER, REDUCE, TIEBREAK, VIEW, Op, Program, _kind, _size,
                       bitcast, fused_update, sliced_parts)
 from .simplify import folded_reduction
-from .spill import cached_reduction, spilled as _spilled
+from .spill import cached_reduction, spilled as _spilled, with_bytes
 from .transcendental import SHARED, SHARED_ACROSS, add_shared, chained, shared_across, shared_group
 
 
@@ -444,7 +444,7 @@ class FusionModel:
         moved = self.byte * (sum(facts(ops[a], prog)[6] if a in whole else min(facts(ops[a], prog)[6], sliced[a])
                                  for a in reads if ops[a].out_avals)
                              + facts(root_op, prog)[8])
-        cost = max(cost, moved + self.launch) if self.overlap and kind == LOOP else cost + moved
+        cost = with_bytes(self, kind, cost, moved)
         if self.spill:  # a slice of an array beyond the cache is streamed once, as any array read
             cost += (sum(facts(ops[a], prog)[9] for a in reads if ops[a].out_avals and a in whole)
                      + facts(root_op, prog)[10])

@@ -18,7 +18,7 @@ from .attention import SOFTMAX_OPS, scores_bytes
 from .fusion import TIEBREAK, Fusion, FusionModel, _temp, buffer_of, output_buffers, slices
 from .program import ATTENTION, LEAF, LIBRARY, LOOP, OTHER, REDUCE, VIEW, Op, _kind, bitcast, sliced_parts
 from .simplify import folded_reduction
-from .spill import cached_reduction
+from .spill import cached_reduction, with_bytes
 from .transcendental import SHARED_ACROSS, add_shared, chained, shared_across
 
 
@@ -396,8 +396,7 @@ class LiveFusion:
         else:
             cost += par * (add_shared(k.work, model, ops, sincos) + chain) + k.reduced
         moved = model.byte * (k.read_bytes + facts(ops[r], self)[8])
-        # AnalyticCost.overlap, as FusionModel.kernel prices it: a loop kernel's bytes hide its arithmetic
-        cost = max(cost, moved + model.launch) if model.overlap and kind == LOOP else cost + moved
+        cost = with_bytes(model, kind, cost, moved)  # as FusionModel.kernel adds them
         if model.spill:
             cost += k.read_spilled + facts(ops[r], self)[10]
         return (cost - folded_reduction(model, self, r, kind, members)

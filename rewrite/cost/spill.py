@@ -1,14 +1,14 @@
 """What moving an array costs beyond ``byte`` per byte where it outgrows the cache: one formula for the node price
 (``AnalyticCost.spilled``) and the whole-program price (``FusionModel.spilled``, its kernels and attention's); and
 what a library reduction of an array the cache holds costs less than one streamed from memory
-(:func:`cached_reduction`).
+(:func:`cached_reduction`); and how a kernel's bytes add to its work (:func:`with_bytes`).
 """
 
 from __future__ import annotations
 
 from typing import Any, Container
 
-from .program import LIBRARY, _size
+from .program import LIBRARY, LOOP, _size
 
 
 def spilled(nbytes: float, cache: float, spill: float, near: float, tier: float) -> float:
@@ -25,6 +25,19 @@ def spilled(nbytes: float, cache: float, spill: float, near: float, tier: float)
     if not spill:
         return 0.0
     return spill * max(0.0, nbytes - cache) + (tier * max(0.0, nbytes - near) if tier else 0.0)
+
+
+def with_bytes(model: Any, kind: str, cost: float, moved: float) -> float:
+    """A kernel's price of ``cost`` for its work and ``moved`` for its bytes (at ``byte``), for the whole-program
+    price (``FusionModel.kernel``) and the search's (``LiveFusion``) alike: their sum, or where ``model.overlap``
+    holds (``AnalyticCost.overlap``) a loop kernel's larger of the two, its bytes hiding its arithmetic (plus its
+    launch, which ``cost`` holds).
+
+    >>> from types import SimpleNamespace as M
+    >>> [with_bytes(M(overlap=on, launch=2.0), "loop", 10.0, 6.0) for on in (False, True)]
+    [16.0, 10.0]
+    """
+    return max(cost, moved + model.launch) if model.overlap and kind == LOOP else cost + moved
 
 
 def cached_reduction(model: Any, prog: Any, r: Any, kind: str, inside: Container[Any]) -> float:
