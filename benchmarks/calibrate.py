@@ -43,7 +43,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from benchmarks.harness import _run_once
+from benchmarks.harness import _run_once, interleaved
 
 MIN_NS = 0.01  # the least an elementwise operation is priced at (CPU)
 
@@ -892,15 +892,7 @@ def _dot_seconds(shapes: Any, rounds: int, least: bool = False) -> dict[Any, flo
         y = jax.random.normal(key, (b, k, n), jnp.float32)
         c = jax.jit(lambda x, y: jnp.einsum("bmk,bkn->bmn", x, y)).lower(x, y).compile()
         progs[(b, m, k, n)] = (c, (x, y))
-    inner = {}
-    for s, (c, a) in progs.items():
-        for _ in range(2):
-            _run_once(c, a, 1)
-        inner[s] = max(1, int(0.02 / max(_run_once(c, a, 1), 1e-6)))
-    times: dict[Any, list[float]] = {s: [] for s in progs}
-    for _ in range(rounds):
-        for s, (c, a) in progs.items():
-            times[s].append(_run_once(c, a, inner[s]))
+    times = interleaved(progs, rounds)
     return {s: (min(t) if least else statistics.median(t)) for s, t in times.items()}
 
 

@@ -126,6 +126,24 @@ def _run_once(compiled: Any, args: Sequence[Any], inner: int) -> float:
     return (time.perf_counter() - t) / inner
 
 
+def interleaved(runs: dict[Any, tuple[Any, Sequence[Any]]], rounds: int, *, warmup: int = 2,
+                min_round_seconds: float = 0.02) -> dict[Any, list[float]]:
+    """Seconds per call of each compiled program with its own arguments (``runs``: key -> ``(compiled, args)``),
+    one sample a round over ``rounds`` rounds in a fixed order, after ``warmup`` calls each; a sample repeats the
+    call often enough to last ``min_round_seconds``. For programs that take different arguments (:func:`measure`
+    times variants of one call, in a shuffled order)."""
+    inner = {}
+    for k, (c, args) in runs.items():
+        for _ in range(warmup):
+            _run_once(c, args, 1)
+        inner[k] = max(1, int(min_round_seconds / max(_run_once(c, args, 1), 1e-6)))
+    times: dict[Any, list[float]] = {k: [] for k in runs}
+    for _ in range(rounds):
+        for k, (c, args) in runs.items():
+            times[k].append(_run_once(c, args, inner[k]))
+    return times
+
+
 def measure(case: str, variants: dict[str, Callable[..., Any]], args: Sequence[Any], *, baseline: str = "standard",
             rounds: int = 15, warmup: int = 3, min_round_seconds: float = 0.02, seed: int = 0,
             progress: Callable[[str], None] | None = None, same_count: bool = False,

@@ -27,7 +27,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from benchmarks.harness import _run_once
+from benchmarks.harness import interleaved
 
 C0, C1 = 0.7978845834732056, 0.044714998453855515  # gelu's sqrt(2/pi) and its cubic's coefficient
 
@@ -86,15 +86,7 @@ def timed(rows: int, rounds: int) -> tuple[dict[str, float], dict[str, bool]]:
            "tanh_aa": (lambda z, b: _tanh(z + b) * 1.0, ("z", "b"))}
     args = {n: tuple(arrays[a] for a in names) for n, (_, names) in fns.items()}
     comp = {n: jax.jit(f).lower(*args[n]).compile() for n, (f, _) in fns.items()}
-    inner = {}
-    for n, c in comp.items():
-        for _ in range(3):
-            _run_once(c, args[n], 1)
-        inner[n] = max(1, int(0.02 / max(_run_once(c, args[n], 1), 1e-7)))
-    times: dict[str, list[float]] = {n: [] for n in comp}
-    for _ in range(rounds):
-        for n, c in comp.items():
-            times[n].append(_run_once(c, args[n], inner[n]))
+    times = interleaved({n: (c, args[n]) for n, c in comp.items()}, rounds, warmup=3)
     return ({n: sorted(v)[len(v) // 2] * 1e6 for n, v in times.items()},
             {n: split(c.as_text()) for n, c in comp.items()})
 
