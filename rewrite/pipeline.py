@@ -222,8 +222,7 @@ def _extracted(snap: Any, eg: EGraph, entries: Sequence[tuple[Rule, Ruleset]], c
     times["extract"] = times.get("extract", 0.0) + time.perf_counter() - t
     t = time.perf_counter()
     emit_choice = emitter(snap, eg, closed.in_avals, roots, token_root, closed.jaxpr.debug_info)
-    ex, after = no_fatter(ex, closed, emit_choice(ex.choice), emit_choice, model)
-    ex, after = on_xla_count(ex, closed, after, emit_choice, model)  # priced alike: XLA counts temporaries
+    ex, after = _held_to_input(ex, closed, emit_choice, model)
     times["emit"] = time.perf_counter() - t
     return ex, after, emit_choice
 
@@ -273,8 +272,16 @@ def plain_program(snap: Any, eg: Any, entries: Sequence[tuple[Rule, Ruleset]], r
     without, _ = copy_without(snap, eg, jointly, original)
     shared(without, model).share_prices(shared(snap, model))
     ex = extract_by_policy(without, eg, rest, roots, model, original)
+    return _held_to_input(ex, closed, emit_choice, model)[1]
+
+
+def _held_to_input(ex: Any, closed: core.ClosedJaxpr, emit_choice: Any, model: CostModel
+                   ) -> tuple[Any, core.ClosedJaxpr]:
+    """``(ex, after)``: the extraction ``ex``'s program emitted and held to the input ``closed``: no fatter than it
+    (``no_fatter``), and where the two are priced alike, the one XLA holds fewer temporaries for
+    (``on_xla_count``)."""
     ex, after = no_fatter(ex, closed, emit_choice(ex.choice), emit_choice, model)
-    return on_xla_count(ex, closed, after, emit_choice, model)[1]
+    return on_xla_count(ex, closed, after, emit_choice, model)
 
 
 def extract_by_policy(snap: Any, eg: Any, entries: Sequence[tuple[Rule, Ruleset]], roots: list, model: CostModel,
