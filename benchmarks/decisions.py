@@ -151,6 +151,9 @@ def _cases() -> list[Case]:
         lambda: (bs.rnn_mse, bs.rnn_params(64)), "grad")
     add("scan_rnn64_hand", "benchmarks.scan: rnn_mse against rnn_accumulator at batch 64",
         lambda: (bs.rnn_mse, bs.rnn_params(64)), "hand", hand=lambda: bs.rnn_accumulator)
+    for steps, width in ((16, 128), (64, 1024)):  # docs/api.md's rulesets.scan example, at its size and larger
+        add(f"scan_docs_rnn_{steps}x{width}", f"benchmarks.scan.docs_rnn (docs/api.md's RNN loss) at {steps} x {width}",
+            lambda s=steps, w=width: (bs.docs_rnn, bs.docs_rnn_args(s, w)))
 
     # loops.py: library loops and a fori_loop buffer, forward, gradient and the hand-written accumulators
     for name, make in bo.CASES.items():
