@@ -736,10 +736,9 @@ def stale_only(chosen: Sequence[Case]) -> None:
     saved = json.loads((RESULTS / "decisions.json").read_text())
     records = saved["records"]
     now: dict[str, tuple[str, dict[str, float]]] = {}
-    for case in chosen:
-        if any(r["case"] == case.name for r in records):
-            d = decide(case, programs=False)
-            now[case.name] = (d.decision, {p.name: p.predicted for p in d.pairs})
+    for case in chosen:  # every case: one recorded with no pair (the program kept) may rewrite under the model now
+        d = decide(case, programs=False)
+        now[case.name] = (d.decision, {p.name: p.predicted for p in d.pairs})
     found = stale(records, now)
     for case, lines in found.items():
         print(f"{case}:\n  " + "\n  ".join(lines), flush=True)
