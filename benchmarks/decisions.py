@@ -151,6 +151,9 @@ def _cases() -> list[Case]:
         lambda: (bs.rnn_mse, bs.rnn_params(64)), "grad")
     add("scan_rnn64_hand", "benchmarks.scan: rnn_mse against rnn_accumulator at batch 64",
         lambda: (bs.rnn_mse, bs.rnn_params(64)), "hand", hand=lambda: bs.rnn_accumulator)
+    for steps, width in ((16, 128), (64, 1024)):  # docs/api.md's rulesets.scan example, at its size and larger
+        add(f"scan_docs_rnn_{steps}x{width}", f"benchmarks.scan.docs_rnn (docs/api.md's RNN loss) at {steps} x {width}",
+            lambda s=steps, w=width: (bs.docs_rnn, bs.docs_rnn_args(s, w)))
 
     # loops.py: library loops and a fori_loop buffer, forward, gradient and the hand-written accumulators
     for name, make in bo.CASES.items():
@@ -733,10 +736,9 @@ def stale_only(chosen: Sequence[Case]) -> None:
     saved = json.loads((RESULTS / "decisions.json").read_text())
     records = saved["records"]
     now: dict[str, tuple[str, dict[str, float]]] = {}
-    for case in chosen:
-        if any(r["case"] == case.name for r in records):
-            d = decide(case, programs=False)
-            now[case.name] = (d.decision, {p.name: p.predicted for p in d.pairs})
+    for case in chosen:  # every case: one recorded with no pair (the program kept) may rewrite under the model now
+        d = decide(case, programs=False)
+        now[case.name] = (d.decision, {p.name: p.predicted for p in d.pairs})
     found = stale(records, now)
     for case, lines in found.items():
         print(f"{case}:\n  " + "\n  ".join(lines), flush=True)

@@ -111,6 +111,18 @@ def rnn_accumulator(p, xs, ys, remat: str | None = None):
     return acc / ys.size
 
 
+def docs_rnn(h0, xs, ys):
+    """``docs/api.md``'s ``rulesets.scan`` example: an RNN loss over the loop's stacked output, which the hoist keeps
+    from being built (the decision corpus times it at the docs' 16 x 128 and at 64 x 1024)."""
+    _, outs = lax.scan(lambda h, x: (jnp.tanh(h + x), 2.0 * h), h0, xs)
+    return jnp.mean((outs - ys) ** 2)
+
+
+def docs_rnn_args(steps: int, width: int) -> tuple:
+    """The docs' arguments at ``steps`` x ``width``: ``h0`` zeros, ``xs`` ones, ``ys`` zeros."""
+    return jnp.zeros(width), jnp.ones((steps, width)), jnp.zeros((steps, width))
+
+
 def rnn_case(batch: int):
     args = rnn_params(batch)
     fwd = {

@@ -235,3 +235,23 @@ def test_stale_names_the_cases_whose_decision_or_prediction_moved_since_they_wer
     assert got["b"] == ["chosen predicted 1.039 -> 1.000"]
     assert got["c"] == ["block:256 built (predicted 1.100), not recorded"]
     assert got["d"] == ["decision 'rewritten: r' -> 'rewritten: q, r'", "chosen recorded, no longer built"]
+
+
+def test_stale_decides_the_cases_with_no_pair_recorded_too(tmp_path, monkeypatch, capsys):
+    """A case kept as written has no record; under another model it may rewrite, and ``--stale`` names it (with the
+    overlap on, two gradients rewritten that ``--stale`` did not see: log.md, h-spear3)."""
+    import json
+    import types
+
+    (tmp_path / "decisions.json").write_text(json.dumps({"records": [
+        {"case": "a", "pair": "chosen", "decision": "rewritten: r", "predicted": 1.1, "measured": 1.05}]}))
+    monkeypatch.setattr(D, "RESULTS", tmp_path)
+    pair = types.SimpleNamespace(name="chosen", predicted=1.0)
+    made = {"a": ("rewritten: r", [types.SimpleNamespace(name="chosen", predicted=1.1)]),
+            "b": ("rewritten: s", [pair])}
+    monkeypatch.setattr(D, "decide", lambda case, programs: types.SimpleNamespace(
+        decision=made[case.name][0], pairs=made[case.name][1]))
+    D.stale_only([types.SimpleNamespace(name="a"), types.SimpleNamespace(name="b")])
+    out = capsys.readouterr().out
+    assert "b:\n  chosen built (predicted 1.000), not recorded" in out and "a:" not in out
+    assert "--cases b" in out

@@ -189,17 +189,11 @@ class FusionModel:
         #: where XLA makes three (``attention.py``'s ``SCORES_CACHED``: the cache holds the stored scores)
         self.scores_cached = scores_cached
         self.spill, self.near, self.tier = spill, near, tier  # (AnalyticCost.near)
-        self.memory = memory
-        self.inner = inner
-        self.budget = budget
-        self.node = node
-        self.library_op = library_op
-        self.tiebreak = tiebreak
+        self.memory, self.inner, self.budget, self.node = memory, inner, budget, node
+        self.library_op, self.tiebreak = library_op, tiebreak
         self.byte, self.overlap = byte, overlap  # (AnalyticCost.overlap)
         self.reduce, self.reduce_cached = reduce, reduce_cached  # (spill.py's cached_reduction)
-        self.launch = launch
-        self.default = default
-        self.cheap = cheap
+        self.launch, self.default, self.cheap = launch, default, cheap
 
     # ------------------------------------------------------------------ fusion decisions
     def fuse(self, prog: Program) -> tuple[dict[int, set[int]], dict[int, str]]:
@@ -351,10 +345,12 @@ class FusionModel:
         library reduction), the loops nested in them included; for a call (``custom_vjp_call``, ``jit``), what the
         loops in its body cost so; 0 for any other op, or with no such price. XLA:CPU runs a loop body's kernels one
         after another at every trip, each waiting for the one before (``benchmarks/calibrate.py --loop-kernels-only``,
-        ``--loop-split-only``); the node prices a body is priced by hold only their work. Kept in the op's memo (an
+        ``--loop-split-only``); the node prices a body is priced by hold only their work. Under ``overlap`` a loop's
+        body's loop kernels take the term at each trip as a program's do (:func:`rewrite.cost.spill.with_bytes`: the
+        kernel's price less its price summed), where the node prices sum them. Kept in the op's memo (an
         extractor's op holds its chosen bodies there; one loaded from a jaxpr, its params)."""
         loop = op.prim in ("scan", "while")
-        priced = self.loop_launch or self.loop_library or self.loop_split
+        priced = self.loop_launch or self.loop_library or self.loop_split or (loop and self.overlap)
         if not priced or (not loop and op.family != _primitives.NESTED and inner_jaxpr(op.params) is None):
             return 0.0
         memo = op.memo
@@ -369,8 +365,11 @@ class FusionModel:
                            for b in found_bodies if b is not None)
         per_trip = 0.0
         for body in bodies:
-            _, roots = self.fuse(body)
+            homes, roots = self.fuse(body)
             for r, kind in roots.items():
+                if loop and kind == LOOP and self.overlap:  # its bytes hide its work, as a program's loop kernel's
+                    comp = [i for i, hs in homes.items() if r in hs]
+                    per_trip += self.kernel(body, r, kind, comp)[0] - self.kernel(body, r, kind, comp, summed=True)[0]
                 root = body.ops[r]
                 if loop:  # a call's own kernels run as the program's (``launch``); the loops in it are charged
                     library = kind == LIBRARY or (root.prim == "dot_general"
@@ -386,8 +385,9 @@ class FusionModel:
             memo[key] = found
         return found
 
-    def kernel(self, prog: Any, r: Any, kind: str, comp: Iterable[Any]) -> tuple[float, set]:
-        """The cost of the kernel rooted at ``r`` that computes ``comp``, and the ops it reads."""
+    def kernel(self, prog: Any, r: Any, kind: str, comp: Iterable[Any], summed: bool = False) -> tuple[float, set]:
+        """The cost of the kernel rooted at ``r`` that computes ``comp``, and the ops it reads (``summed``: its work
+        and bytes summed, whatever ``overlap``: :meth:`launches` takes the term's share of a loop body's kernel)."""
         ops = prog.ops
         root_op = ops[r]
         if kind == ATTENTION:
@@ -444,7 +444,7 @@ class FusionModel:
         moved = self.byte * (sum(facts(ops[a], prog)[6] if a in whole else min(facts(ops[a], prog)[6], sliced[a])
                                  for a in reads if ops[a].out_avals)
                              + facts(root_op, prog)[8])
-        cost = with_bytes(self, kind, cost, moved)
+        cost = with_bytes(self, kind, cost, moved, overlap=False if summed else None)
         if self.spill:  # a slice of an array beyond the cache is streamed once, as any array read
             cost += (sum(facts(ops[a], prog)[9] for a in reads if ops[a].out_avals and a in whole)
                      + facts(root_op, prog)[10])

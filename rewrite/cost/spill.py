@@ -27,17 +27,21 @@ def spilled(nbytes: float, cache: float, spill: float, near: float, tier: float)
     return spill * max(0.0, nbytes - cache) + (tier * max(0.0, nbytes - near) if tier else 0.0)
 
 
-def with_bytes(model: Any, kind: str, cost: float, moved: float) -> float:
+def with_bytes(model: Any, kind: str, cost: float, moved: float, overlap: bool | None = None) -> float:
     """A kernel's price of ``cost`` for its work and ``moved`` for its bytes (at ``byte``), for the whole-program
-    price (``FusionModel.kernel``) and the search's (``LiveFusion``) alike: their sum, or where ``model.overlap``
-    holds (``AnalyticCost.overlap``) a loop kernel's larger of the two, its bytes hiding its arithmetic (plus its
-    launch, which ``cost`` holds).
+    price (``FusionModel.kernel``, a loop body's kernels in ``FusionModel.launches`` too) and the search's
+    (``LiveFusion``) alike: their sum, or where ``model.overlap`` holds (``AnalyticCost.overlap``; ``overlap``, where
+    given, in its place) a loop kernel's larger of the two, its bytes hiding its arithmetic (plus its launch, which
+    ``cost`` holds).
 
     >>> from types import SimpleNamespace as M
     >>> [with_bytes(M(overlap=on, launch=2.0), "loop", 10.0, 6.0) for on in (False, True)]
     [16.0, 10.0]
+    >>> with_bytes(M(overlap=True, launch=2.0), "loop", 10.0, 6.0, overlap=False)
+    16.0
     """
-    return max(cost, moved + model.launch) if model.overlap and kind == LOOP else cost + moved
+    on = model.overlap if overlap is None else overlap
+    return max(cost, moved + model.launch) if on and kind == LOOP else cost + moved
 
 
 def cached_reduction(model: Any, prog: Any, r: Any, kind: str, inside: Container[Any]) -> float:
