@@ -548,6 +548,47 @@ def test_the_lean_search_reads_no_peak_where_no_program_can_be_leaner(monkeypatc
     assert searches and len(calls) <= len(searches), (len(calls), len(searches))
 
 
+def test_the_lean_search_schedules_no_move_its_floor_shows_is_no_leaner(monkeypatch):
+    """A move within the lean band is kept only where the moved program is :func:`leaner`, at most 3/4 of the
+    peak and ``LEAN_BYTES`` under it; ``LiveProgram.held`` reads ``cost.memory.peak_floor`` first, and where the
+    floor is already over that, schedules nothing (``scheduled_peak``). The forces of a Lennard-Jones energy over
+    all pairs (jaxmd_lj_forces' form): every move the lean pass prices within the band holds the [N, N] arrays
+    its program does, and its peak is scheduled for the starting program alone, not for each of 4 moves."""
+    from rewrite import rewrite
+    from rewrite.extract import program as P
+
+    scheduled, floors, searches = [], [], []
+    real, floor, lean = P.scheduled_peak, P.peak_floor, P.ProgramSearch._lean
+
+    def searching(self, *a):
+        searches.append(1)
+        try:
+            return lean(self, *a)
+        finally:
+            searches.append(-1)
+
+    monkeypatch.setattr(P, "scheduled_peak", lambda *a, **k: scheduled.append(sum(searches)) or real(*a, **k))
+    def floored(prog, kernels, inner, above):
+        found = floor(prog, kernels, inner, above)
+        floors.append(found > above)
+        return found
+
+    monkeypatch.setattr(P, "peak_floor", floored)
+    monkeypatch.setattr(P.ProgramSearch, "_lean", searching)
+
+    def energy(r):
+        d = r[:, None, :] - r[None, :, :]
+        d = d - 10.0 * jnp.round(d / 10.0)
+        d2 = jnp.sum(d ** 2, axis=-1)
+        inv = jnp.where(d2 > 0, 1.0 / jnp.where(d2 > 0, d2, 1.0), 0.0)
+        return jnp.sum(4.0 * (inv ** 6 - inv ** 3))
+
+    r = jax.random.uniform(jax.random.PRNGKey(0), (512, 3)) * 10
+    rewrite(lambda r: -jax.grad(energy)(r), rulesets=[rulesets.algebra]).result(r)
+    assert scheduled.count(1) <= searches.count(1), (scheduled, searches.count(1))
+    assert floors.count(True) >= 4, floors
+
+
 def test_a_node_s_operands_in_another_order_are_told_apart_from_the_classes_not_their_addresses():
     """``ProgramSearch`` does not price ``b*a`` for ``a*b`` (``program._permuted``). It compared the operands sorted by
     their repr, which for an e-class's value is its address: two reads of one class are two objects, so whether

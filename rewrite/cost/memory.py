@@ -95,6 +95,73 @@ def scheduled_peak(prog: Any, kernels: Sequence[Fusion], inner: Callable[[Any], 
     return _peak_in(prog, xla_order(prog, order, *buffers, users=users), held, *buffers, in_outputs=True)
 
 
+def peak_floor(prog: Any, kernels: Sequence[Fusion], inner: Callable[[Any], int] | None = None,
+               above: float = math.inf) -> int:
+    """A lower bound on :func:`scheduled_peak` (``scratch`` held) of the same kernels, read without ordering them:
+    the most, over kernels, of what a kernel holds inside (its ``inner`` and scratch) and the buffers it reads and
+    writes of sizes no program output has (``_out_bytes``), each read once and each written one that may write
+    over a read of its size not at all. The first bound over ``above`` is returned at once (whether it exceeds
+    ``above`` is all a caller that passes it reads). It costs a third to a half of the peak (no order, no sharing).
+
+    Why it bounds the peak in every order the kernels can run in (:func:`xla_order` gives one where each kernel
+    comes after the kernels it reads, or program order, which does too): :func:`_peak_in` holds a group of buffers
+    that share bytes (:func:`_shares`) at every step from its first write to its last read, at the group's size,
+    unless the group holds an output (the output's allocation) or is placed in an output allocation of exactly its
+    size. A buffer shares only with one of the same bytes (``_same``, ``_transposed_product``: one value each), so a
+    group's members all have one size S, and its size, the most ``_temp`` of them, is S where any member is a
+    temporary. A buffer of a size no output has is then in a group that holds no output and fits no output's
+    allocation: held at S from its write to its last read. A kernel's step lies in that span for each buffer it
+    writes and each it reads (written by a kernel that ran before it, read again no earlier). Buffers of different
+    sizes are in different groups. Of one size: each buffer takes at most one donor, an operand that dies where it
+    is written, and a donor gives its bytes to one buffer but where a loop carries one value in two carries (checked
+    here: then every size is counted once). So a group is a chain whose members' lives meet only where one dies and
+    the next is written: at a kernel's step, its reads are in different groups, and each buffer it writes is in a
+    group of its own or in one read's, so a size S held by r reads and w writes is held max(r, w) times at least.
+    """
+    projs, outputs, written = _buffers(prog, kernels)
+    ops = prog.ops
+    taken = {_out_bytes(ops[o]) for o in outputs}  # sizes a buffer may share with an output or be placed in
+    mine = {k.root: (k.root,) if k.root not in projs else tuple(projs[k.root].values()) for k in kernels}
+    buffers = {b for bs in mine.values() for b in bs}  # what ``_peak_in`` holds: a loop's are its outputs
+    once = any(_carries_one_twice(prog, ops[r], written) for r in projs)
+    found = 0
+    for k in kernels:
+        wrote: dict[int, int] = {}
+        for b in mine[k.root]:
+            if (s := _temp(prog, b, outputs, written)) and s not in taken:
+                wrote[s] = wrote.get(s, 0) + 1
+        read: dict[int, int] = {}
+        for b in {a if a in written else buffer_of(prog, a, written) for a in k.reads}:
+            if b in buffers and (s := _temp(prog, b, outputs, written)) and s not in taken:
+                read[s] = read.get(s, 0) + 1
+        if once:
+            here = sum(wrote.keys() | read.keys())
+        elif k.root in projs or ops[k.root].prim == "dynamic_update_slice" or _writes_in_place(prog, k, ops[k.root]):
+            here = sum(s * max(wrote.get(s, 0), read.get(s, 0)) for s in wrote.keys() | read.keys())
+        else:  # it writes over no operand (:func:`_shares`)
+            here = sum(s * n for s, n in wrote.items()) + sum(s * n for s, n in read.items())
+        if inner is not None:
+            here += inner(ops[k.root])
+        here += scratch_bytes(prog, k)
+        if here > found:
+            found = here
+            if found > above:
+                return found
+    return found
+
+
+def _carries_one_twice(prog: Any, op: Any, written: set) -> bool:
+    """Whether loop ``op`` starts two of its carries from one buffer (which :func:`_shares` may give to both)."""
+    if op.prim == "scan":
+        first, n = scan_counts(op.params)
+    elif op.prim == "while":
+        first, n = op.params.get("body_nconsts", 0) + op.params.get("cond_nconsts", 0), len(op.out_avals)
+    else:
+        return False
+    inits = [buffer_of(prog, a, written) for a in op.args[first:first + n]]
+    return len(set(inits)) < len(inits)
+
+
 def _all_at_once(prog: Any, kernels: Sequence[Fusion], held: dict, projs: dict, outputs: set, written: set) -> int:
     """A bound on :func:`_peak_in` in any order: every buffer a kernel writes, each once (a group that shares
     one holds the largest of its members, no more than their sum), with the most any kernel holds inside."""
@@ -443,11 +510,7 @@ def _shares(prog: Any, k: Fusion, outs: Mapping[int, Any] | None, last: dict, st
     if op.prim == "dynamic_update_slice":  # a kernel of its own that writes its update over its operand's buffer
         a = buffer_of(prog, op.args[0], written)
         return [(k.root, a)] if a in step and last.get(a) == t and _same(prog, a, k.root) else found
-    if k.kind != "loop" or len(op.out_avals) != 1:
-        return found
-    ops = prog.ops
-    if any(ops[i].family not in _IN_PLACE and ops[i].prim != "broadcast_in_dim" and not _read_as_stored(prog, ops[i])
-           for i in k.computes):
+    if not _writes_in_place(prog, k, op):
         return found
     # the first operand in program order: a live program's kernels list their reads in another order
     for a in sorted(dict.fromkeys(buffer_of(prog, a, written) for a in k.reads), key=_position_of(prog)):
@@ -455,6 +518,16 @@ def _shares(prog: Any, k: Fusion, outs: Mapping[int, Any] | None, last: dict, st
             found.append((k.root, a))
             break
     return found
+
+
+def _writes_in_place(prog: Any, k: Fusion, op: Any) -> bool:
+    """Whether kernel ``k`` (of one result, root op ``op``, neither a loop nor an update) may write over an operand
+    that dies there (:func:`_shares`): a loop kernel of elementwise work on what it reads as stored."""
+    if k.kind != "loop" or len(op.out_avals) != 1:
+        return False
+    ops = prog.ops
+    return not any(ops[i].family not in _IN_PLACE and ops[i].prim != "broadcast_in_dim"
+                   and not _read_as_stored(prog, ops[i]) for i in k.computes)
 
 
 def _read_as_stored(prog: Any, op: Any) -> bool:

@@ -66,6 +66,15 @@ def leaner(peak: float | None, than: float | None) -> bool:
     return peak is not None and than is not None and peak <= LEAN_RATIO * than and than - peak >= LEAN_BYTES
 
 
+def leaner_at_most(than: float) -> float:
+    """The most bytes a peak :func:`leaner` than one of ``than`` holds: ``leaner(p, than)`` is ``p <= this``.
+
+    >>> [leaner(p, 8 * 2 ** 20) for p in (leaner_at_most(8 * 2 ** 20), leaner_at_most(8 * 2 ** 20) + 1)]
+    [True, False]
+    """
+    return min(LEAN_RATIO * than, than - LEAN_BYTES)
+
+
 def far_leaner(peak: float | None, than: float | None, model: Any) -> bool:
     """Whether a predicted peak of ``peak`` bytes holds at most half of ``than`` and more than ``model.cache`` bytes
     less, so that the arrays it drops stream from memory (``AnalyticCost.lean_band_far``)."""

@@ -14,7 +14,7 @@ import weakref
 from typing import Any, Callable, Sequence
 
 from ..cost.live import LiveFusion
-from ..cost.memory import scheduled_peak
+from ..cost.memory import peak_floor, scheduled_peak
 from ..cost.model import CostModel
 from ..cost.program import Program, chosen_op, of_one_result, one_result, projected_op
 from ..ir import primitives as _primitives
@@ -22,7 +22,7 @@ from ..ir.intern import PARAMS
 from ..ir.walk import operands, walk
 from ..records import out_of_time
 from .extractor import _CONTAINERS, _LEAVES, Extractor, _crossings, _signature
-from .lean import lean_band, leaner, time_price
+from .lean import lean_band, leaner, leaner_at_most, time_price
 
 
 def prices_programs(model: Any) -> bool:
@@ -320,13 +320,17 @@ class LiveProgram:
         found = self.pricer.peaks[self.key()] = self.fusion.peak()
         return found
 
-    def held(self) -> int:
+    def held(self, most: float = math.inf) -> int:
         """The temporaries held at once in the order XLA:CPU runs the kernels (``cost.memory.scheduled_peak``), which
-        the lean band compares: :meth:`peak` cannot see a kernel write over an operand that dies there."""
+        the lean band compares: :meth:`peak` cannot see a kernel write over an operand that dies there. Where
+        ``cost.memory.peak_floor`` is over ``most``, that floor, nothing scheduled (what the lean pass asks)."""
         key = ("held", *self.key())  # a program read before (extract._held reads the same memory)
         if (found := self.pricer.peaks.get(key)) is None:
             self.flush()
-            found = self.pricer.peaks[key] = scheduled_peak(self.fusion, self.fusion.kernels(), self.fusion.model.inner)
+            fusion, kernels = self.fusion, self.fusion.kernels()
+            if most < math.inf and (floor := peak_floor(fusion, kernels, fusion.model.inner, most)) > most:
+                return floor
+            found = self.pricer.peaks[key] = scheduled_peak(fusion, kernels, fusion.model.inner)
         return found
 
     def flush(self) -> None:
@@ -585,8 +589,8 @@ class ProgramSearch:
         # a peak is read only for a price within the band (reading it brings the kernels up to date) and where a
         # program can be leaner at all (``leaner(0, peak)``); a move is priced anyway, as a later search remembers.
         # The time is read from the kernels' peak the price was computed with (flushed by ``held``: no second price)
-        def accept(price: float, new_peak: Callable[[], int]) -> bool:
-            return (price <= ceiling and leaner(0, peak) and leaner(new_peak(), peak)
+        def accept(price: float, new_peak: Callable[[float], int]) -> bool:
+            return (price <= ceiling and leaner(0, peak) and leaner(new_peak(leaner_at_most(peak)), peak)
                     and time_price(price, self._live.peak(), model) <= fastest)
 
         self._tried_groups = set()
@@ -636,10 +640,10 @@ class ProgramSearch:
         return out
 
     def _group_move(self, c: Any, alt: tuple, cur: tuple, group: list, best: float,
-                    accept: Callable[[float, Callable[[], int]], bool] | None = None) -> bool:
+                    accept: Callable[[float, Callable[[float], int]], bool] | None = None) -> bool:
         """Move ``c`` to ``alt`` and ``group`` to their projections at once; kept when cheaper, acyclic,
         and not holding more temporaries (or, given ``accept(price, peak)``, ``peak`` a function that reads
-        it, acyclic and accepted).
+        it, :meth:`LiveProgram.held`, acyclic and accepted).
 
         A group move swaps one loop for another. The model prices a loop body from its operations, not from the
         kernels XLA makes of them on every iteration, so a swap that only moves work into a body is priced too
