@@ -458,7 +458,10 @@ def _buffer_rows(loop: Loop, k: int, counters: dict[int, int]) -> tuple[Any, np.
             if at is None:
                 continue
             steps = np.arange(start, start + T, dtype=loop.args[loop.num_consts + c].dtype)
-            values = [np.asarray(v).reshape(T, -1) for v in _compute_now(jax.vmap(lambda i, at=at: at(i)), steps)]
+            text = _text_of(at)
+            key = None if text is None else ("rows", text, _value_key(steps))
+            values = [np.asarray(v).reshape(T, -1)
+                      for v in _compute_now(jax.vmap(lambda i, at=at: at(i)), steps, key=key)]
             if any(np.any(v != 0) for v in values[1:]):
                 raise Decline("the write is not at a whole row")
             rows = values[0][:, 0].astype(np.int64)
@@ -470,10 +473,39 @@ def _buffer_rows(loop: Loop, k: int, counters: dict[int, int]) -> tuple[Any, np.
     raise Decline("no row write of a counter")
 
 
-def _compute_now(fn: Callable, *args: Any) -> Any:
-    """``fn(*args)`` computed now, also while a rewrite runs inside an outer trace (``jit(grad(rewrite(f)))``)."""
+def _compute_now(fn: Callable, *args: Any, key: Any = None) -> Any:
+    """``fn(*args)`` computed now, also while a rewrite runs inside an outer trace (``jit(grad(rewrite(f)))``).
+
+    With a ``key`` (what the value depends on: the jaxpr it runs, as text, and the arguments), ``fn`` is compiled
+    whole and run once (a ``Compiled`` call binds nothing in an outer trace), and the value kept by the key for
+    the process (:data:`_NOW`): one by one, each operation compiled apart in a process's first rewrite, and a later
+    rewrite of the same loop asks nothing of XLA. Without one, it is evaluated an operation at a time."""
+    if key is not None:
+        key = (key, jax.config.jax_enable_x64)
+        if key in _NOW:
+            return _NOW[key]
+        found = _NOW[key] = jax.tree.map(np.asarray, jax.jit(fn).lower(*args).compile()(*args))
+        while len(_NOW) > 256:
+            del _NOW[next(iter(_NOW))]
+        return found
     with jax.ensure_compile_time_eval():
         return jax.tree.map(np.asarray, fn(*args))
+
+
+#: :func:`_compute_now`'s values, by their keys
+_NOW: dict[Any, Any] = {}
+
+
+def _text_of(fn: Any) -> str | None:
+    """The text of the jaxpr a function read back from the e-graph runs (``Match.function``), where that text
+    says all it computes (no constants held apart); else ``None``."""
+    closed = getattr(fn, "jaxpr", None)
+    return None if closed is None or closed.consts else str(closed.jaxpr)
+
+
+def _value_key(v: Any) -> tuple:
+    a = np.asarray(v)
+    return a.dtype.str, a.shape, a.tobytes()
 
 
 def _sets_one_row(params: dict, ndim: int) -> bool:
@@ -533,7 +565,11 @@ def while_to_scan(m) -> Any:
         return test(*[i if j == cnc + k else (v if v is not None else jnp.zeros(cond_in[j].shape, cond_in[j].dtype))
                       for j, v in enumerate(vals)])[0]
 
-    go = np.asarray(_compute_now(jax.vmap(at), steps))
+    text = _text_of(test)
+    key = None if text is None else ("trip", text, cnc + k, int(start), steps.dtype.str, cap, tuple(
+        None if j == cnc + k else ("zeros", cond_in[j].shape, np.dtype(cond_in[j].dtype).str) if v is None
+        else _value_key(v) for j, v in enumerate(vals)))
+    go = np.asarray(_compute_now(jax.vmap(at), steps, key=key))
     if go.all():
         return None
     trip = int(np.argmin(go))

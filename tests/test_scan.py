@@ -635,3 +635,52 @@ def test_sink_inputs_leaves_a_loop_a_kernel_laid_out(laid):
     args = (jax.random.normal(k[0], (2, 3)), jax.random.normal(k[1], (6, 2, 3)), jnp.float32(0.7))
     report = check(fn, *args, rulesets=[SCAN.sink], cost_model=BYTE_HEAVY)
     assert bool(report.fired.get("sink_inputs")) is not laid
+
+
+def test_a_while_loops_trip_count_is_computed_in_one_compiled_call_and_kept():
+    """``while_to_scan`` evaluates the condition at 2^20 counter values: in one compiled call (one by one, each
+    operation compiled apart in a process's first rewrite), kept by the condition's jaxpr and its constants, so a
+    second rewrite of the same loop compiles nothing; under an outer jit too."""
+    import importlib
+
+    from jax._src.dispatch import BACKEND_COMPILE_EVENT
+
+    scan = importlib.import_module("rulesets.scan")  # the module (``rulesets.scan`` is the pack)
+
+    def loop(x, bound):
+        def body(c):
+            i, s = c
+            return i + jnp.int16(1), s + jnp.sin(x[i])
+        # an int16 counter and this arithmetic: operations no other test compiles
+        return lax.while_loop(lambda c: c[0] * jnp.int16(3) + jnp.int16(7) < jnp.int16(bound), body,
+                              (jnp.int16(0), jnp.zeros(x.shape[1:])))[1]
+
+    x = jnp.arange(60.0).reshape(12, 5)
+    n = []
+    compute = scan._compute_now
+
+    def counted(*args, **kwargs):
+        def listen(event, duration, **kw):
+            if event == BACKEND_COMPILE_EVENT:
+                n.append(duration)
+        jax.monitoring.register_event_duration_secs_listener(listen)
+        try:
+            return compute(*args, **kwargs)
+        finally:
+            jax.monitoring.unregister_event_duration_listener(listen)
+
+    scan._compute_now = counted
+    try:
+        for expected in (None, 0):
+            n.clear()
+            report = explain(lambda x: loop(x, 34), x, rulesets=[rulesets.scan])
+            assert report.fired.get("while_to_scan") and "while" not in primitive_counts(report.after)
+            assert len(n) <= 1 if expected is None else len(n) == 0
+        np.testing.assert_allclose(rewrite(lambda x: loop(x, 34), rulesets=[rulesets.scan])(x), loop(x, 34))
+        # a bound not seen before, under jit: computed while the outer trace runs
+        n.clear()
+        out = jax.jit(rewrite(lambda x: loop(x, 31), rulesets=[rulesets.scan]))(x)
+        np.testing.assert_allclose(out, loop(x, 31), rtol=1e-6)
+        assert len(n) == 1
+    finally:
+        scan._compute_now = compute
