@@ -37,7 +37,7 @@ from .grad.pinned import join_pinned, split_pinned
 from .grad.step import find_losses, proof_graph
 from .grad.together import rewrite_joints
 from .grad.uses import without_outputs
-from .grad.vjp import VJPResult, build_vjp, decided_jointly, joint_program, rewrite_joint
+from .grad.vjp import VJPResult, build_vjp, decided_jointly, joint_at, rewrite_joint
 from .ir.jaxapi import core
 from .jaxpr import state as _state
 from .jaxpr.trace import (CONCRETIZATION_ERRORS, Traced, collect_young_only, flatten_args, resolve_static, same_program,
@@ -439,8 +439,8 @@ class Rewritten:
         (``grad/primitive.py``). ``decided``, where given, receives that decision in words; ``wrt``, where given,
         the positions of the float inputs whose gradients the step reads (the program has only those), and ``value``
         whether it reads the loss (:func:`rewrite.grad.vjp.rewrite_joint`); ``written``, where given, JAX's joint
-        program of ``cone`` as written at ``wrt`` (:func:`rewrite.grad.vjp.joint_program`), traced already (by the
-        proof's re-derivation, :func:`rewrite.grad.step.rederive`): not traced again."""
+        program of ``cone`` as written at ``wrt``, traced already (:func:`rewrite.grad.step.rederive`): not traced
+        again, for ``cone`` nor a forward that is the same program (:func:`rewrite.grad.vjp.joint_at`)."""
         # only the programs that come out are read: the inputs are not priced
         spent = {} if spent is None else spent
         t = time.perf_counter()
@@ -452,13 +452,13 @@ class Rewritten:
         # a step that reads only the gradients runs each candidate without the loss (XLA drops what only it reads):
         # each is priced and held to memory so (the stored sin of seed 000's pullback costs more with the loss kept)
         as_run = (lambda joint: without_outputs(joint, n_out)) if value is False else (lambda joint: joint)
+        trace = functools.partial(joint_at, wrt=wrt, written=None if written is None else (cone, written))
         with stage("a loss's joint"):
             program, why = decided_jointly(
-                cone, forward, self.entries, self.cost_model, self.limits,
-                lambda f, entries: rewrite_joint(f, entries, self.cost_model, self.limits, wrt, value, seen=priced),
-                lambda f: written if written is not None and f is cone else joint_program(f, wrt)[0], joint_of=as_run,
-                spent=spent, priced=priced, build_both=lambda f, p, rest: rewrite_joints(
-                    f, p, rest, self.cost_model, self.limits, wrt, value, priced))
+                cone, forward, self.entries, self.cost_model, self.limits, lambda f, entries: rewrite_joint(
+                    f, entries, self.cost_model, self.limits, wrt, value, seen=priced, trace=trace), trace,
+                joint_of=as_run, spent=spent, priced=priced, build_both=lambda f, p, rest: rewrite_joints(
+                    f, p, rest, self.cost_model, self.limits, wrt, value, priced, trace))
         if why and decided is not None:
             decided.append(why)
         return program
