@@ -307,15 +307,15 @@ class Rewritten:
         from the loss-first program instead; the step so changed is rewritten, and kept where it is priced below
         the step as written. ``result`` is the step as written, rewritten, where a caller has it (``explain``);
         otherwise it is made here only where it is needed: where no loss is replaced, or where the step with
-        its losses replaced does not price below the step as written unrewritten. Then, as before, the cheaper
-        of the two rewritten steps is kept (or the leaner within the model's lean band).
+        its losses replaced does not price below the step as written unrewritten. Then, as before, the cheaper of the
+        two rewritten steps is kept (or the leaner within the model's lean band).
 
         The result's ``times`` hold the search's seconds as ``whole_step`` and its parts, which sum to it
         (:data:`rewrite.records.STEP_STAGES`): ``step find`` (the candidates, their re-derivations and proofs, the
         replacement), ``step forward`` and ``step joint`` (each loss's forward rewritten, and its VJP jointly,
         ``_loss_first``; where a ``jointly`` ruleset fired, both joints), ``step jointly`` (the forward without
         it, and the choice), ``step rest`` (the step so changed, rewritten and priced) and ``step price`` (the step
-        as written, priced)."""
+        as written, priced; read off the proofs' load, ``StepFinding.price``, where it can be, in ``step find``)."""
         def as_written(price: float | None = None) -> Result:
             # ``price``: the step as written, priced already (program_cost), is not priced again
             with stage("the step as written" if self.whole_step and self.entries else "the program"):
@@ -337,7 +337,7 @@ class Rewritten:
             decided: list[str] = []
             changed, finding = find_losses(traced.closed, self._proof,
                                            functools.partial(self._loss_first, spent=spent, decided=decided), pinned,
-                                           proof_graph)
+                                           functools.partial(proof_graph, model=self.cost_model), price=result is None)
             finding.decided = decided
             alt = None
             if changed is not None:
@@ -345,7 +345,8 @@ class Rewritten:
                 with stage("the step's rest"):
                     alt = self._rewrite_rest(changed, pinned)
                 t = lap(spent, "step rest", t)
-                before = result.cost_before if result is not None else program_cost(traced.closed, self.cost_model)
+                before = result.cost_before if result is not None else finding.price  # off the proofs' load
+                before = program_cost(traced.closed, self.cost_model) if before is None else before
                 lap(spent, "step price", t)
         except Exception as e:  # the step as written, rewritten, still runs
             self._fall_back(e, f"the whole-step search of {getattr(self.fn, '__name__', 'function')!r}",
@@ -405,10 +406,9 @@ class Rewritten:
         return saturated_classes(program, (), self.limits)
 
     def _leaner(self, alt: Result, result: Result) -> bool:
-        """The cost model's own rule between two programs it prices close
-        (:func:`rewrite.extract.lean.keeps_leaner`): within its ``lean_band`` the one predicted to hold less
-        memory at its peak wins; within ``lean_band_far``, the one that holds at most half and drops arrays larger
-        than the cache."""
+        """The cost model's own rule between two programs it prices close (:func:`rewrite.extract.lean.keeps_leaner`):
+        within its ``lean_band`` the one predicted to hold less memory at its peak wins; within ``lean_band_far``,
+        the one that holds at most half and drops arrays larger than the cache."""
         return self._keeps_leaner(alt.cost_after, alt.after, result.cost_after, result.after)
 
     def _keeps_leaner(self, cost: float, program: core.ClosedJaxpr, than_cost: float,
