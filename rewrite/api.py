@@ -37,7 +37,7 @@ from .grad.pinned import join_pinned, split_pinned
 from .grad.step import find_losses, proof_graph
 from .grad.together import rewrite_joints
 from .grad.uses import without_outputs
-from .grad.vjp import VJPResult, build_vjp, decided_jointly, joint_program, rewrite_joint
+from .grad.vjp import VJPResult, build_vjp, decided_jointly, joint_at, rewrite_joint
 from .ir.jaxapi import core
 from .jaxpr import state as _state
 from .jaxpr.trace import (CONCRETIZATION_ERRORS, Traced, collect_young_only, flatten_args, resolve_static, same_program,
@@ -307,15 +307,15 @@ class Rewritten:
         from the loss-first program instead; the step so changed is rewritten, and kept where it is priced below
         the step as written. ``result`` is the step as written, rewritten, where a caller has it (``explain``);
         otherwise it is made here only where it is needed: where no loss is replaced, or where the step with
-        its losses replaced does not price below the step as written unrewritten. Then, as before, the cheaper
-        of the two rewritten steps is kept (or the leaner within the model's lean band).
+        its losses replaced does not price below the step as written unrewritten. Then, as before, the cheaper of the
+        two rewritten steps is kept (or the leaner within the model's lean band).
 
         The result's ``times`` hold the search's seconds as ``whole_step`` and its parts, which sum to it
         (:data:`rewrite.records.STEP_STAGES`): ``step find`` (the candidates, their re-derivations and proofs, the
         replacement), ``step forward`` and ``step joint`` (each loss's forward rewritten, and its VJP jointly,
         ``_loss_first``; where a ``jointly`` ruleset fired, both joints), ``step jointly`` (the forward without
         it, and the choice), ``step rest`` (the step so changed, rewritten and priced) and ``step price`` (the step
-        as written, priced)."""
+        as written, priced; read off the proofs' load, ``StepFinding.price``, where it can be, in ``step find``)."""
         def as_written(price: float | None = None) -> Result:
             # ``price``: the step as written, priced already (program_cost), is not priced again
             with stage("the step as written" if self.whole_step and self.entries else "the program"):
@@ -337,7 +337,7 @@ class Rewritten:
             decided: list[str] = []
             changed, finding = find_losses(traced.closed, self._proof,
                                            functools.partial(self._loss_first, spent=spent, decided=decided), pinned,
-                                           proof_graph)
+                                           functools.partial(proof_graph, model=self.cost_model), price=result is None)
             finding.decided = decided
             alt = None
             if changed is not None:
@@ -345,7 +345,8 @@ class Rewritten:
                 with stage("the step's rest"):
                     alt = self._rewrite_rest(changed, pinned)
                 t = lap(spent, "step rest", t)
-                before = result.cost_before if result is not None else program_cost(traced.closed, self.cost_model)
+                before = result.cost_before if result is not None else finding.price  # off the proofs' load
+                before = program_cost(traced.closed, self.cost_model) if before is None else before
                 lap(spent, "step price", t)
         except Exception as e:  # the step as written, rewritten, still runs
             self._fall_back(e, f"the whole-step search of {getattr(self.fn, '__name__', 'function')!r}",
@@ -405,10 +406,9 @@ class Rewritten:
         return saturated_classes(program, (), self.limits)
 
     def _leaner(self, alt: Result, result: Result) -> bool:
-        """The cost model's own rule between two programs it prices close
-        (:func:`rewrite.extract.lean.keeps_leaner`): within its ``lean_band`` the one predicted to hold less
-        memory at its peak wins; within ``lean_band_far``, the one that holds at most half and drops arrays larger
-        than the cache."""
+        """The cost model's own rule between two programs it prices close (:func:`rewrite.extract.lean.keeps_leaner`):
+        within its ``lean_band`` the one predicted to hold less memory at its peak wins; within ``lean_band_far``,
+        the one that holds at most half and drops arrays larger than the cache."""
         return self._keeps_leaner(alt.cost_after, alt.after, result.cost_after, result.after)
 
     def _keeps_leaner(self, cost: float, program: core.ClosedJaxpr, than_cost: float,
@@ -439,8 +439,8 @@ class Rewritten:
         (``grad/primitive.py``). ``decided``, where given, receives that decision in words; ``wrt``, where given,
         the positions of the float inputs whose gradients the step reads (the program has only those), and ``value``
         whether it reads the loss (:func:`rewrite.grad.vjp.rewrite_joint`); ``written``, where given, JAX's joint
-        program of ``cone`` as written at ``wrt`` (:func:`rewrite.grad.vjp.joint_program`), traced already (by the
-        proof's re-derivation, :func:`rewrite.grad.step.rederive`): not traced again."""
+        program of ``cone`` as written at ``wrt``, traced already (:func:`rewrite.grad.step.rederive`): not traced
+        again, for ``cone`` nor a forward that is the same program (:func:`rewrite.grad.vjp.joint_at`)."""
         # only the programs that come out are read: the inputs are not priced
         spent = {} if spent is None else spent
         t = time.perf_counter()
@@ -452,13 +452,13 @@ class Rewritten:
         # a step that reads only the gradients runs each candidate without the loss (XLA drops what only it reads):
         # each is priced and held to memory so (the stored sin of seed 000's pullback costs more with the loss kept)
         as_run = (lambda joint: without_outputs(joint, n_out)) if value is False else (lambda joint: joint)
+        trace = functools.partial(joint_at, wrt=wrt, written=None if written is None else (cone, written))
         with stage("a loss's joint"):
             program, why = decided_jointly(
-                cone, forward, self.entries, self.cost_model, self.limits,
-                lambda f, entries: rewrite_joint(f, entries, self.cost_model, self.limits, wrt, value, seen=priced),
-                lambda f: written if written is not None and f is cone else joint_program(f, wrt)[0], joint_of=as_run,
-                spent=spent, priced=priced, build_both=lambda f, p, rest: rewrite_joints(
-                    f, p, rest, self.cost_model, self.limits, wrt, value, priced))
+                cone, forward, self.entries, self.cost_model, self.limits, lambda f, entries: rewrite_joint(
+                    f, entries, self.cost_model, self.limits, wrt, value, seen=priced, trace=trace), trace,
+                joint_of=as_run, spent=spent, priced=priced, build_both=lambda f, p, rest: rewrite_joints(
+                    f, p, rest, self.cost_model, self.limits, wrt, value, priced, trace))
         if why and decided is not None:
             decided.append(why)
         return program

@@ -359,9 +359,10 @@ class ProofGraph:
     values of ``closed``, and reads classes. With no rule nothing is merged (a class is a hash-consed term, and
     each body loaded is a scope of its own), so the classes read are those that loading ``closed`` and that
     program together into a fresh e-graph gives (:func:`saturated_classes`); only ``closed`` is loaded once for
-    all of them, not once per proof. ``closed`` has no effects."""
+    all of them, not once per proof. ``closed`` has no effects. ``model``, where given, prices ``closed`` as
+    loaded (:meth:`price`)."""
 
-    def __init__(self, closed: core.ClosedJaxpr) -> None:
+    def __init__(self, closed: core.ClosedJaxpr, model: CostModel | None = None) -> None:
         jaxpr = closed.jaxpr
         values = list(jaxpr.constvars) + list(jaxpr.invars)
         values += [w for e in jaxpr.eqns for w in e.outvars if not isinstance(w, core.DropVar)]
@@ -371,6 +372,20 @@ class ProofGraph:
         with collect_young_only():
             self.egraph, outs, _, _ = _load(every, ())
         self.ref = dict(zip(values, outs))
+        self.model = model
+        #: ``closed`` alone as loaded, before any proof's program: the snapshot the first proof's
+        #: :meth:`body_between` reads (kept, not made again), which :meth:`price` reads
+        self.first = self.egraph.snapshot() if model is not None else None
+
+    def price(self, outs: Sequence[Any]) -> float | None:
+        """:func:`program_cost` of ``closed`` with the outputs ``outs`` (its values), read off its load here rather
+        than loaded again (the same program, loaded alone into a fresh e-graph with no rule, as ``program_cost``
+        loads it: the same terms, and a whole program's price reads the program alone); ``None`` without a model
+        or where an output is not one of its values (a literal)."""
+        if self.first is None or not all(isinstance(v, core.Var) and v in self.ref for v in outs):
+            return None
+        with collect_young_only():
+            return input_cost(self.first, [self.ref[v] for v in outs], None, self.model)
 
     def classes(self, values: Sequence[Any], program: core.ClosedJaxpr, args: Sequence[Any]) -> tuple[list, list]:
         """The classes of ``values`` (of the program loaded at first) and of ``program``'s outputs, ``program``
@@ -406,6 +421,7 @@ class ProofGraph:
     def release(self) -> None:
         """The e-graph goes back to the pool: no proof is read from this one again."""
         if self.egraph is not None:
+            self.first = None
             self.egraph.release()
             self.egraph = None
 

@@ -428,6 +428,26 @@ def test_a_step_kept_as_written_after_its_search_is_priced_once(monkeypatch):
         assert jnp.allclose(p, q, rtol=1e-5, atol=1e-6)
 
 
+def test_the_step_as_written_is_priced_off_its_proofs_load(monkeypatch):
+    """The step as written, priced to decide whether the step with its loss replaced is kept, was loaded again for
+    that price (``program_cost``: a load of the whole step, 0.05-0.11 s of the heavy steps' first call) though the
+    proofs had loaded it already (``ProofGraph``): it is priced off that load (``ProofGraph.price``, from the
+    snapshot taken before any proof's program was loaded into it), to the same float."""
+    step, args = _step()
+    written = str(jax.make_jaxpr(step)(*args))
+    loads: list = []
+    load = pipeline._load
+    monkeypatch.setattr(pipeline, "_load", lambda closed, entries: loads.append(str(closed) == written)
+                        or load(closed, entries))
+    r = rewrite(step, rulesets=[rulesets.algebra], cache=False, whole_step=True)
+    res = r.result(*args)
+    assert res.step.replaced and not any(loads), (str(res.step), loads)  # the step as written not loaded alone
+    monkeypatch.undo()
+    assert res.cost_before == res.step.price == pipeline.program_cost(jax.make_jaxpr(step)(*args), r.cost_model)
+    for p, q in zip(r(*args), jax.jit(step)(*args)):
+        assert jnp.allclose(p, q, rtol=1e-5, atol=1e-6)
+
+
 def test_a_cone_through_a_body_is_declined_before_its_re_derivation(monkeypatch):
     """A candidate loss whose cone runs through a body (``jax.nn.relu``'s ``custom_jvp_call``, a ``cond``, a ``jit``
     kept as a call) can never be proven equal to its re-derivation: each body loaded is a scope of its own, so the

@@ -109,3 +109,38 @@ def test_a_step_that_reads_its_loss_takes_the_joint_extraction_alone(monkeypatch
     assert not apart, len(apart)
     for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=2e-4, atol=2e-5)
+
+
+def test_a_forward_that_is_the_loss_as_written_is_not_traced_again(monkeypatch):
+    """The forward rewritten without the LM head's ``jointly`` rules is the loss as written in wholestep_linen_gpt (as
+    in flax_lm_step and wholestep_equinox_gpt): its joint program is the one the proof's re-derivation traced
+    (``grad.step.rederive``), not traced again for the two joints' e-graph (``vjp.joint_at``); main traced it twice,
+    0.16-0.19 s of those steps' first call (the forward is the loss's program itself, ``plain_program``'s input kept).
+    Each program's joint is traced once, and the step's program is the text it is where each is traced anew."""
+    from rewrite.grad import step as grad_step
+    from rewrite.grad import vjp
+
+    traced: list = []
+    joint_program = vjp.joint_program
+
+    def spied(closed, wrt=None):
+        traced.append((str(closed), None if wrt is None else tuple(wrt)))
+        return joint_program(closed, wrt)
+
+    monkeypatch.setattr(vjp, "joint_program", spied)
+    monkeypatch.setattr(grad_step, "joint_program", spied)
+    flat, leaves = eco._flat(*eco.PROGRAMS["wholestep_linen_gpt"].build())
+
+    def program() -> str:
+        return str(rewrite(flat, rulesets=load_rulesets(eco.CONFIGS["identity"]), whole_step=True,
+                           cache=False).jaxpr(*leaves))
+
+    reused = program()
+    assert len(traced) == 2, [len(t) for t, _ in traced]  # the loss as written, the forward with the rules
+    assert len(set(traced)) == len(traced)
+    traced.clear()
+    import rewrite.api as api
+
+    monkeypatch.setattr(api, "joint_at", lambda closed, wrt=None, written=None: spied(closed, wrt)[0])  # all anew
+    assert program() == reused
+    assert len(traced) == 4 and len(set(traced)) == 2, [len(t) for t, _ in traced]

@@ -97,6 +97,9 @@ class StepFinding:
     seconds: float = 0.0
     #: for each loss-first program decided on its joint program (``rewrite.grad.vjp.decided_jointly``), which was kept
     decided: list[str] = dataclasses.field(default_factory=list)
+    #: the step as given, priced as ``program_cost`` prices it, read off the proofs' load where :func:`find_losses`
+    #: was asked to (``price``) and a loss of the step as given was replaced; else ``None``
+    price: float | None = None
 
     def __str__(self) -> str:
         parts = ([f"replaced {r}" for r in self.replaced] + [f"declined {d}" for d in self.declined]
@@ -441,11 +444,13 @@ def _without_empty_mesh(e: Any) -> Any:
     return e.replace(params={**e.params, **changed}) if changed else e
 
 
-def proof_graph(step: core.ClosedJaxpr) -> ProofGraph:
-    """``step`` loaded once, as :func:`prove` loads it, for every proof over it (:class:`ProofGraph`)."""
+def proof_graph(step: core.ClosedJaxpr, model: Any = None) -> ProofGraph:
+    """``step`` loaded once, as :func:`prove` loads it, for every proof over it (:class:`ProofGraph`); ``model``,
+    where given, prices it as loaded (``ProofGraph.price``), where that is ``step`` itself (no sharing made plain)."""
     jaxpr = step.jaxpr
-    return ProofGraph(core.ClosedJaxpr(jaxpr.replace(eqns=[_without_empty_mesh(e) for e in jaxpr.eqns]),
-                                       step.consts))
+    eqns = [_without_empty_mesh(e) for e in jaxpr.eqns]
+    same = all(a is b for a, b in zip(eqns, jaxpr.eqns))
+    return ProofGraph(core.ClosedJaxpr(jaxpr.replace(eqns=eqns), step.consts), model if same else None)
 
 
 # ---------------------------------------------------------------------- replacement
@@ -525,7 +530,7 @@ def _attempt(step: core.ClosedJaxpr, graph: _Graph, root: Any, eqns: list[int], 
 
 def find_losses(closed: core.ClosedJaxpr, proof: Callable[[core.ClosedJaxpr], list[Any]],
                 loss_first: Callable[[core.ClosedJaxpr], core.ClosedJaxpr], pinned: set | None = None,
-                over: Callable[[core.ClosedJaxpr], ProofGraph] | None = None
+                over: Callable[[core.ClosedJaxpr], ProofGraph] | None = None, price: bool = False
                 ) -> tuple[core.ClosedJaxpr | None, StepFinding]:
     """The step with each proven loss and its gradients read from the loss-first program; ``None`` if none was
     proven. ``loss_first(cone)`` is the loss-first program of a loss's forward program (its leaves the inputs):
@@ -533,7 +538,8 @@ def find_losses(closed: core.ClosedJaxpr, proof: Callable[[core.ClosedJaxpr], li
     the returned step's top-level equations from a loss-first program compute
     (:func:`rewrite.grad.pinned.split_pinned`). ``over``, where ``proof`` saturates with no rule, is
     :func:`proof_graph`: the candidates' proofs then load the step once (per step, as its losses are replaced),
-    not once each."""
+    not once each. ``price``: where the first loss replaced is in ``closed`` as given, ``StepFinding.price`` is its
+    price read off that load (``ProofGraph.price``; its caller prices the step as written: not loaded again)."""
     t0 = time.perf_counter()
     finding = StepFinding()
     if closed.jaxpr.effects:
@@ -583,6 +589,8 @@ def find_losses(closed: core.ClosedJaxpr, proof: Callable[[core.ClosedJaxpr], li
                     finding.declined.append(f"a scalar of {len(cone_eqns)} equations{how}: {said}")
                     continue
                 lifted, flat_cone, dif, found_grads, joint = done
+                if price and step is closed and shared:  # the step as given, loaded for its proofs: priced off that
+                    finding.price = shared[0].price(closed.jaxpr.outvars)
                 unload()
                 step = replace(step, root, lifted, consts, flat_cone, dif, found_grads, loss_first, made, joint)
                 finding.replaced.append(f"a loss of {len(cone_eqns)} equations{how} and its gradients with "

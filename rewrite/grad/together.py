@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from ..ir.jaxapi import core
 from ..jaxpr.trace import Traced
@@ -62,15 +62,17 @@ VJPS_ITERATIONS = 5
 
 def rewrite_joints(closed: core.ClosedJaxpr, plain: core.ClosedJaxpr, entries: Sequence[Any], model: Any,
                    limits: Any, wrt: Sequence[int] | None = None, value: bool | None = None,
-                   seen: list[tuple[core.ClosedJaxpr, float]] | None = None
+                   seen: list[tuple[core.ClosedJaxpr, float]] | None = None,
+                   trace: Callable[[core.ClosedJaxpr], core.ClosedJaxpr] | None = None
                    ) -> tuple[core.ClosedJaxpr, core.ClosedJaxpr]:
     """:func:`rewrite_joint` of two forwards of one loss, their joint programs rewritten in one e-graph
     (:func:`rewrite.pipeline.run_together`, ``plain``'s without the terms only ``closed``'s holds):
     :func:`decided_jointly`'s two, with and without a ``jointly`` ruleset's rules, saturated for at most
-    :data:`JOINT_ITERATIONS` iterations."""
+    :data:`JOINT_ITERATIONS` iterations. ``trace``, where given, makes a forward's joint program (at ``wrt``:
+    :func:`rewrite.grad.vjp.joint_at`, which reuses one traced already)."""
     bounded = dataclasses.replace(limits, iterations=min(limits.iterations, JOINT_ITERATIONS))
-    res_plain, res = pipeline.run_together(vjp.joint_program(plain, wrt)[0], vjp.joint_program(closed, wrt)[0],
-                                           entries, model, bounded)
+    trace = trace or (lambda f: vjp.joint_program(f, wrt)[0])
+    res_plain, res = pipeline.run_together(trace(plain), trace(closed), entries, model, bounded)
     try:
         n_out = len(closed.out_avals)
         return (_as_run(res, n_out, model, entries, value, seen), _as_run(res_plain, n_out, model, entries, value,

@@ -116,6 +116,18 @@ def joint_program(closed: core.ClosedJaxpr, wrt: Sequence[int] | None = None
     return jax.make_jaxpr(joint)(*specs), dif_in, dif_out
 
 
+def joint_at(closed: core.ClosedJaxpr, wrt: Sequence[int] | None = None,
+             written: tuple[core.ClosedJaxpr, core.ClosedJaxpr] | None = None) -> core.ClosedJaxpr:
+    """:func:`joint_program`'s program of ``closed`` at ``wrt``; ``written``, where given, is a program and its joint
+    program at ``wrt`` traced already (``grad/step.py``'s ``rederive``): where ``closed`` is that program, or the same
+    program (:func:`rewrite.jaxpr.trace.same_program`: its text and constants, bit for bit, so that JAX traces the
+    same joint), that joint, not traced again. A forward rewritten without a ``jointly`` ruleset's rules is often the
+    loss as written (flax_lm_step, both ``wholestep_*_gpt``: 0.16-0.19 s a trace of their first call)."""
+    if written is not None and (closed is written[0] or same_program(closed, written[0])):
+        return written[1]
+    return joint_program(closed, wrt)[0]
+
+
 # ---------------------------------------------------------------------- residuals
 def scope_classes(snap: Any, choice: dict, roots: Sequence[Any], stop: set | frozenset = frozenset()) -> set:
     """Classes the program's own scope computes for ``roots`` (not inside bodies), not looking past ``stop``."""
@@ -484,7 +496,8 @@ def as_written_vjp(traced: Traced, model: Any) -> VJPResult:
 
 def rewrite_joint(closed: core.ClosedJaxpr, entries: Sequence[Any], model: Any, limits: Any,
                   wrt: Sequence[int] | None = None, value: bool | None = None,
-                  seen: list[tuple[core.ClosedJaxpr, float]] | None = None) -> core.ClosedJaxpr:
+                  seen: list[tuple[core.ClosedJaxpr, float]] | None = None,
+                  trace: Callable[[core.ClosedJaxpr], core.ClosedJaxpr] | None = None) -> core.ClosedJaxpr:
     """``closed``'s VJP as one program ``(primals, cotangents) -> (outputs, gradients)`` (:func:`joint_program`,
     the gradients of the float inputs at ``wrt`` where given: those its caller reads), rewritten: what a caller
     that runs the forward and backward passes together (a training step) reads.
@@ -499,8 +512,9 @@ def rewrite_joint(closed: core.ClosedJaxpr, entries: Sequence[Any], model: Any, 
     extraction alone: its program is the one the caller runs whole (the gradients extracted apart, about a tenth of
     a heavy step's rewrite, chose otherwise in 3 of the 12 such joints of the 24 ecosystem programs, and changed
     no step's program). ``seen``, where given, receives the programs priced whole with their prices
-    (:func:`rewrite.grad.uses.joint_as_run`): :func:`decided_jointly` reads the returned one's."""
-    joint = joint_program(closed, wrt)[0]
+    (:func:`rewrite.grad.uses.joint_as_run`): :func:`decided_jointly` reads the returned one's. ``trace``, where
+    given, makes the joint program of ``closed`` (at ``wrt``: :func:`joint_at`, which reuses one traced already)."""
+    joint = joint_program(closed, wrt)[0] if trace is None else trace(closed)
     res = run_pipeline(joint, entries, model, limits, keep=True, price_input=False)
     try:
         return _as_run(res, len(closed.out_avals), model, entries, value, seen)
