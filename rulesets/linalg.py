@@ -81,6 +81,7 @@ import numpy as np
 from jax import lax
 
 from rewrite import Pat, Ruleset, Tolerance, Value, procedural, rule
+from rewrite.cache.fingerprint import memo
 from rulesets._examples import f32
 
 __all__ = ["linalg"]
@@ -606,7 +607,7 @@ def _all_diagonal(branches: Sequence[Callable[..., list]], fmask: Callable[..., 
 
 
 #: :func:`_all_diagonal`'s verdicts, by the mask's and the branches' jaxprs and ``q``'s type
-_DIAGONAL: dict[tuple, bool] = {}
+_DIAGONAL: dict[tuple, bool] = memo({}, "rulesets.linalg._DIAGONAL")
 
 
 @procedural

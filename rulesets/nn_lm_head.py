@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from rewrite import Params, Pat, Ruleset, Tolerance, Value, procedural, rule
+from rewrite.cache.fingerprint import memo
 from rewrite.rules.match import SHIFT_OPS
 from rulesets._examples import f32, i32
 from rulesets.nn_lm_head_kernels import COLUMNS, Layout, Reads, Stats, blocked_loss, label_logit, label_plus_terms, \
@@ -128,7 +129,7 @@ def _shift_kind(shift_of: Any, shape: tuple, dtype: Any) -> str | None:
 
 
 #: :func:`_shift_kind`'s answers by :func:`_shift_key`
-_KINDS: dict[tuple, str | None] = {}
+_KINDS: dict[tuple, str | None] = memo({}, "rulesets.nn_lm_head._KINDS")
 
 
 def _shift_key(shift_of: Any, shape: tuple, dtype: Any) -> tuple | None:

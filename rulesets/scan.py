@@ -70,6 +70,7 @@ from jax.extend.core import Var, jaxprs_in_params
 from rewrite import Ruleset, Tolerance, procedural, rule
 from rewrite.ir.jaxapi import scan_counted
 from rewrite.ir.primitives import nbytes
+from rewrite.cache.fingerprint import memo
 from rewrite.jaxpr.trace import program_key, trace_at
 from rewrite.rules.builder import _config, _Traces
 from rewrite.loops import SCAN, WHILE, Body, Decline, Loop, adds_one
@@ -493,7 +494,7 @@ def _compute_now(fn: Callable, *args: Any, key: Any = None) -> Any:
 
 
 #: :func:`_compute_now`'s values, by their keys
-_NOW: dict[Any, Any] = {}
+_NOW: dict[Any, Any] = memo({}, "rulesets.scan._NOW")
 
 
 def _text_of(fn: Any) -> str | None:

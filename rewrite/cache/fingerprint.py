@@ -56,6 +56,26 @@ _SYNC = tuple({type(threading.Lock()), type(threading.RLock()), threading.Condit
 #: process rewrote before.
 SKIPS = "FINGERPRINT_SKIPS"
 
+#: Objects a walk writes by their name alone, never by what they hold (:func:`memo`), by ``id``, each kept here
+#: beside its name (so that its ``id`` is never another's).
+_MEMOS: dict[int, tuple[Any, str]] = {}
+
+
+def memo(obj: Any, name: str) -> Any:
+    """``obj``, a module's memo of a function's values (a rule procedure's cache, reached through its globals),
+    registered to be written by ``name`` in every walk, not by its content: what it holds depends on what the
+    process computed before, not on what the rule computes, so a rule's key is the same in a fresh process and
+    after any number of rewrites, as with :data:`SKIPS`.
+
+    >>> cache = memo({}, "example cache")
+    >>> before = fingerprint(("rule", cache))
+    >>> cache[("some", "key")] = 1.0
+    >>> fingerprint(("rule", cache)) == before
+    True
+    """
+    _MEMOS[id(obj)] = (obj, name)
+    return obj
+
 
 #: The primitives whose ``callback`` param is a host function, entered in a program's fingerprint by its type and
 #: place, never by value (:meth:`_Canon.opaque_value`). The rewriter never calls one or reads into it (rules match
@@ -161,6 +181,10 @@ class _Walker:
         b = _plain(x)
         if b is not None:
             self.out += b
+            return
+        found = _MEMOS.get(id(x))
+        if found is not None and found[0] is x:
+            self.put("memo", found[1])
             return
         depth = self.active.get(id(x))
         self.trail.append(id(x))
