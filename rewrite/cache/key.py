@@ -58,11 +58,15 @@ def rule_fingerprint(rule: Any, memo: dict | None = None) -> str:
     rules fingerprinted together (the digest is the same with it or without it)."""
     found = _RULES.get(rule)
     if found is None:
-        found = _RULES[rule] = fingerprint(("rule", rule.name, rule.lhs, rule.rhs, rule.when, rule.example,
-                                            rule.program) + (("prefer",) if getattr(rule, "prefer", False) else ())
-                                           + ((("anchor", rule.anchor),) if getattr(rule, "anchor", None) else ()),
-                                           memo)
+        found = _RULES[rule] = fingerprint(rule_parts(rule), memo)
     return found
+
+
+def rule_parts(rule: Any) -> tuple:
+    """What :func:`rule_fingerprint` hashes of a rule."""
+    return (("rule", rule.name, rule.lhs, rule.rhs, rule.when, rule.example, rule.program)
+            + (("prefer",) if getattr(rule, "prefer", False) else ())
+            + ((("anchor", rule.anchor),) if getattr(rule, "anchor", None) else ()))
 
 
 def rules_fingerprint(entries: Sequence[tuple[Any, Any]]) -> str:

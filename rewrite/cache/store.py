@@ -44,6 +44,10 @@ user owns it and the directories above it, and neither group nor others can
 write them; otherwise a :class:`RewriteWarning` says why and the program is
 rewritten afresh.
 
+Beside the programs it keeps a mark per rule that passed the check of its
+example when it was defined (:class:`ExampleChecks`), and XLA's count of a
+program's temporaries for the memory tie (:class:`TieCounts`).
+
 Other callers store their own programs under a key derived from a
 function's (:meth:`DiskCache.derive`), with :meth:`DiskCache.store` and
 :meth:`DiskCache.load`:
@@ -81,8 +85,8 @@ from ..extract import tie as _tie
 from ..ir.jaxapi import core
 from ..jaxpr.emit import check_signature
 from ..records import Result, RuleStats
-from .fingerprint import aval_key, program_fingerprint
-from .key import environment
+from .fingerprint import aval_key, fingerprint, program_fingerprint
+from .key import environment, rule_parts
 from .serialise import FORMAT, ForeignCallback, dumps_program, loads_program
 
 log = logging.getLogger("rewrite")
@@ -409,3 +413,44 @@ class TieCounts:
 
 
 _tie.STORE = TieCounts()
+
+
+# ---------------------------------------------------------------------- for a rule's example check
+
+
+class ExampleChecks:
+    """Where ``rewrite.define.check_example`` keeps across processes that a rule passed the check of its example:
+    an entry with no program, in the default directory (:func:`default_dir`; none where it is off), keyed by the
+    rule's code (``rewrite.cache.key.rule_parts``, as the rewrite cache hashes it: its sides, guard and example, and
+    what they reach) and checked on read against this library's versions and source (:func:`environment`). Only a
+    pass is kept: a rule that fails is checked, and fails, at each definition. What cannot be read (absent,
+    corrupt, untrusted, other versions) is checked again."""
+
+    def key(self, rule: Any) -> str | None:
+        if default_dir() is None:
+            return None
+        try:
+            found = fingerprint(rule_parts(rule))
+        except Exception:  # a part that cannot be hashed stably: checked in each process
+            return None
+        return hashlib.sha256(f"example check\0{found}".encode()).hexdigest()
+
+    def passed(self, key: str) -> bool:
+        try:
+            cache = resolve(None)
+            found = None if cache is None else cache.read(key)
+        except Exception:  # unusable or untrusted: checked again, and written over
+            return False
+        return found is not None and found[0].get("meta", {}).get("example_check") == "passed"
+
+    def write(self, key: str) -> None:
+        try:
+            cache = resolve(None)
+            if cache is not None:
+                cache.write(key, {"format": FORMAT, "key": key, "env": environment(),
+                                  "meta": {"example_check": "passed"}}, b"")
+        except Exception as e:  # a directory it cannot write: checked again next time
+            log.debug("example check: not stored: %s: %s", type(e).__name__, e)
+
+
+CHECKS = ExampleChecks()
