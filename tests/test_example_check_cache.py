@@ -80,7 +80,7 @@ def test_with_the_cache_off_every_definition_is_checked(monkeypatch, pipelines):
 
 @pytest.mark.parametrize("module, cache, rule_name", [
     ("rulesets.scan", "_NOW", "buffer_to_output"),
-    ("rulesets.linalg", "_DIAGONAL", "la_diagonal_product"),
+    ("rulesets._diagonal", "_DIAGONAL", "la_diagonal_product"),
     ("rulesets.nn_lm_head", "_KINDS", "nn_lm_head_lse_256"),
 ])
 def test_a_procedures_memo_does_not_move_its_rules_key(module, cache, rule_name):

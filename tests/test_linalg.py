@@ -547,7 +547,7 @@ def test_the_diagonal_check_compiles_once_keeps_its_verdict_and_still_declines_a
     import types
 
     from jax.extend.core import jaxpr_as_fun
-    from rulesets.linalg import _all_diagonal
+    from rulesets._diagonal import _all_diagonal
 
     n = 21  # a shape no other test checks
     q = types.SimpleNamespace(shape=(n, n), dtype=np.dtype(np.float32))
