@@ -459,7 +459,6 @@ def lm_head_rules(*, columns: int = COLUMNS, loop: bool | None = None) -> Rulese
              example_program=_int_at(128)),
         rule(_GATHER, _lse_label(512, c, g), name="nn_lm_head_lse_label_512",  # lse(h @ W) and (h @ W)[y] -> one scan over token blocks
              example_program=_int_at(512)),
-
         rule(_SUM_PRODUCT, _lse_target(128, c, g), name="nn_lm_head_lse_target_128",  # sum(t * log_softmax(h @ W)) -> one scan reading t per token block
              example_program=_target_at(128)),
         rule(_NORMALISER, _lse(256, c, g), name="nn_lm_head_lse_256",  # sum(exp(h @ W - shift)) -> scan over token blocks

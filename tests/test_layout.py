@@ -30,15 +30,16 @@ MAX_FUNCTION_IMPORTS = 4
 #: The layers of ``rewrite/``, bottom first: a folder (or top-level module) imports only from layers below
 #: its own. The stages sit low, the one entry point (``pipeline``) above them, its callers above that, and
 #: the public entry points (``api``: ``rewrite``, ``explain``, pack names; ``loops``: the loop rules' public
-#: path, whose code is in ``rules/``) on top of the core.
+#: path, whose code is in ``rules/``; ``define``: ``rule``, which keeps its example checks in the disk cache)
+#: on top of the core.
 LAYERS = (
     ("rewrite.ir", "rewrite.errors"),
     ("rewrite.records", "rewrite.jaxpr", "rewrite.cost"),
     ("rewrite.extract",),
     ("rewrite.rules",),
     ("rewrite.pipeline",),
-    ("rewrite.define", "rewrite.grad", "rewrite.cache", "rewrite.report"),
-    ("rewrite.api", "rewrite.loops"),
+    ("rewrite.grad", "rewrite.cache", "rewrite.report"),
+    ("rewrite.api", "rewrite.loops", "rewrite.define"),
     ("rewrite.testing",),
     ("rewrite",),
 )
