@@ -611,7 +611,8 @@ def test_the_peak_s_floor_is_under_the_peak_of_random_programs():
 def test_the_peak_s_floor_counts_once_a_size_a_loop_carries_twice_from_one_value():
     """A loop that starts two carries from one value that dies there gives that value's bytes to both
     (``cost.memory._shares``): the two are one group, held once, though a later kernel reads both. The floor
-    (``peak_floor``) then counts each size once, or it would be over the peak (32 KiB against 16)."""
+    (``peak_floor``) then counts each size once, or it would be over the peak (32 KiB against 16), the carries live
+    across a kernel too."""
     from rewrite.cost import floor as F, memory
 
     def body(c, _):
@@ -628,6 +629,15 @@ def test_the_peak_s_floor_counts_once_a_size_a_loop_carries_twice_from_one_value
     kernels = fm.kernels(prog)
     peak = memory.scheduled_peak(prog, kernels, fm.inner)
     assert F.peak_floor(prog, kernels, fm.inner) == peak == 64 * 64 * 4
+
+    def across(x):  # the second carry is live across the reduction of the first (``floor._across``): still once
+        c0, c1 = jax.lax.scan(body, (jnp.sin(x), jnp.sin(x)), None, length=3)[0]
+        return jnp.sum(c1 * jnp.sum(c0, axis=0))
+
+    prog = Program.from_jaxpr(jax.make_jaxpr(across)(jnp.ones((64, 64))), None)
+    kernels = fm.kernels(prog)
+    peak = memory.scheduled_peak(prog, kernels, fm.inner)
+    assert F.peak_floor(prog, kernels, fm.inner) == peak == 64 * 64 * 4 + 64 * 4
 
 
 def test_the_peak_s_floor_holds_a_buffer_live_across_kernels_that_do_not_read_it():
