@@ -550,7 +550,7 @@ def test_the_lean_search_reads_no_peak_where_no_program_can_be_leaner(monkeypatc
 
 def test_the_lean_search_schedules_no_move_its_floor_shows_is_no_leaner(monkeypatch):
     """A move within the lean band is kept only where the moved program is :func:`leaner`, at most 3/4 of the
-    peak and ``LEAN_BYTES`` under it; ``LiveProgram.held`` reads ``cost.memory.peak_floor`` first, and where the
+    peak and ``LEAN_BYTES`` under it; ``LiveProgram.held`` reads ``cost.floor.peak_floor`` first, and where the
     floor is already over that, schedules nothing (``scheduled_peak``). The forces of a Lennard-Jones energy over
     all pairs (jaxmd_lj_forces' form): every move the lean pass prices within the band holds the [N, N] arrays
     its program does, and its peak is scheduled for the starting program alone, not for each of 4 moves."""

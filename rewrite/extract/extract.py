@@ -37,7 +37,7 @@ from typing import Any, Sequence
 from ..cost.model import CostModel
 from ..ir.egraph import Snapshot
 from .extractor import Extractor, _signature, search, shared
-from .lean import lean_band, leaner, time_price
+from .lean import lean_band, leaner, leaner_at_most, time_price
 from .program import ProgramPricer, ProgramSearch, prices_programs
 
 
@@ -185,14 +185,15 @@ def _peak(price: ProgramPricer, cand: Candidate, roots: Sequence[Any]) -> int | 
     return live.peak() if live else None
 
 
-def _held(price: ProgramPricer, cand: Candidate, roots: Sequence[Any]) -> int | None:
+def _held(price: ProgramPricer, cand: Candidate, roots: Sequence[Any], most: float = math.inf) -> int | None:
     """``cand``'s temporaries held at once in the order XLA runs its kernels (``LiveProgram.held``), remembered as
-    :func:`_peak` remembers a peak: what the lean band compares."""
+    :func:`_peak` remembers a peak: what the lean band compares. Where it is over ``most``, any bound over it (the
+    floor ``held(most)`` reads before it schedules)."""
     found = None if cand.signature is None else price.peaks.get(("held", tuple(roots), cand.signature))
     if found is not None:
         return found
     live = price.live(cand.choice, roots)
-    return live.held() if live else None
+    return live.held(most) if live else None
 
 
 def _time(price: ProgramPricer, cand: Candidate, roots: Sequence[Any]) -> float | None:
@@ -232,7 +233,10 @@ def _leanest(ranked: list[Candidate], best: Candidate, price: ProgramPricer, roo
              band: float) -> Candidate:
     """Of the candidates priced within ``band`` of the cheapest, and whose times (``lean.time_price``: a price less
     its memory charge) are within ``band`` of ``best``'s, the leanest, where it is :func:`leaner` than ``best``
-    (``AnalyticCost.lean_band``: the model cannot tell their times apart)."""
+    (``AnalyticCost.lean_band``: the model cannot tell their times apart). A candidate's peak is scheduled only
+    where its floor (``LiveProgram.held``) is at most both the most a leaner peak holds and the least so far: one
+    over either is neither the leanest (ties: the cheaper, then the first) nor leaner, so none is skipped that
+    could be chosen."""
     within = [cand for cand in ranked if cand is not best and cand.cost <= ranked[0].cost * (1 + band)]
     if not within:
         return best
@@ -243,8 +247,10 @@ def _leanest(ranked: list[Candidate], best: Candidate, price: ProgramPricer, roo
     if fastest is None:
         return best
     within = [cand for cand in within if (t := _time(price, cand, roots)) is not None and t <= fastest * (1 + band)]
-    peaks = [(p, cand.cost, i, cand) for i, cand in enumerate(within) if (p := _held(price, cand, roots)) is not None]
-    if not peaks:
-        return best
-    p, _, _, cand = min(peaks, key=lambda t: t[:3])
-    return cand if leaner(p, top) else best
+    chosen = None
+    for i, cand in enumerate(within):
+        most = leaner_at_most(top) if chosen is None else min(leaner_at_most(top), chosen[0])
+        if (p := _held(price, cand, roots, most)) is not None and p <= most and (
+                chosen is None or (p, cand.cost, i) < chosen[:3]):
+            chosen = (p, cand.cost, i, cand)
+    return best if chosen is None else chosen[3]

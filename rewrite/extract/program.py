@@ -1,10 +1,8 @@
 """Whole-program extraction: pricing a choice as XLA would compile it, and improving it by single switches.
 
-When the cost model prices whole programs (``AnalyticCost.program``: what
-XLA fuses, stores and recomputes), :class:`ProgramPricer` prices a choice
-that way, :class:`LiveProgram` keeps one program's price up to date as
-single classes switch node, and :class:`ProgramSearch` refines a choice
-under that price.
+When the cost model prices whole programs (``AnalyticCost.program``: what XLA fuses, stores and recomputes),
+:class:`ProgramPricer` prices a choice that way, :class:`LiveProgram` keeps one program's price up to date as
+single classes switch node, and :class:`ProgramSearch` refines a choice under that price.
 """
 
 from __future__ import annotations
@@ -14,7 +12,8 @@ import weakref
 from typing import Any, Callable, Sequence
 
 from ..cost.live import LiveFusion
-from ..cost.memory import peak_floor, scheduled_peak
+from ..cost.floor import peak_floor
+from ..cost.memory import scheduled_peak
 from ..cost.model import CostModel
 from ..cost.program import Program, chosen_op, of_one_result, one_result, projected_op
 from ..ir import primitives as _primitives
@@ -323,7 +322,7 @@ class LiveProgram:
     def held(self, most: float = math.inf) -> int:
         """The temporaries held at once in the order XLA:CPU runs the kernels (``cost.memory.scheduled_peak``), which
         the lean band compares: :meth:`peak` cannot see a kernel write over an operand that dies there. Where
-        ``cost.memory.peak_floor`` is over ``most``, that floor, nothing scheduled (what the lean pass asks)."""
+        ``cost.floor.peak_floor`` is over ``most``, that floor, nothing scheduled (what the lean pass asks)."""
         key = ("held", *self.key())  # a program read before (extract._held reads the same memory)
         if (found := self.pricer.peaks.get(key)) is None:
             self.flush()
