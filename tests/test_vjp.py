@@ -551,3 +551,51 @@ def test_seed_000_s_split_of_two_extractions_keeps_jax_s_gradients_on_drawn_inpu
     policy = rewrite(seed, rulesets=[DERIVATIVES], cache=False).grad_result(x, a).split.policy
     assert policy.startswith("joint+gradients:"), policy
     assert_equivalent(seed, x, a, rulesets=[DERIVATIVES], grads=True, max_examples=25)
+
+
+def test_a_split_s_training_step_is_the_forward_s_ops_priced_at_the_split_s_outputs(monkeypatch):
+    """The residual search's price of a split (``grad.vjp.split_pricer``) builds the forward's program once: each
+    split's training step is its ops at that split's outputs, their kernels priced once (``cost.program``'s
+    ``remembered_kernel``). Every price is the float main's pricer made building the three programs afresh."""
+    import rewrite.grad.vjp as vjp
+    from rewrite.cost.program import Program
+    from rewrite.extract.program import ProgramPricer
+
+    built, prices, inside = [], [], [False]
+    from_choice = Program.from_choice.__func__
+
+    def counted(cls, *args, **kwargs):
+        if inside[0]:
+            built.append(args[2])
+        return from_choice(cls, *args, **kwargs)
+
+    def afresh(snap, model, choice, f_roots, b_roots, residuals):
+        ex = vjp.shared(snap, model)
+        pricer = ProgramPricer(ex, model)
+        templates = pricer.templates(choice, f_roots)
+
+        def program(roots, inputs=frozenset()):
+            return pricer.price(from_choice(Program, ex, choice, roots, lambda c, nd: pricer.own(c, nd, choice),
+                                            templates, inputs=inputs))
+        alone = program(list(residuals)) if residuals else 0.0
+        return program(list(f_roots) + list(residuals)) + alone + 2 * program(b_roots, frozenset(residuals))
+
+    split_pricer = vjp.split_pricer
+
+    def checked(snap, model, choice, f_roots, b_roots):
+        price = split_pricer(snap, model, choice, f_roots, b_roots)
+
+        def priced(residuals):
+            inside[0] = True
+            cost = price(residuals)
+            inside[0] = False
+            prices.append((cost, afresh(snap, model, choice, f_roots, b_roots, residuals)))
+            return cost
+        return priced
+
+    monkeypatch.setattr(Program, "from_choice", classmethod(counted))
+    monkeypatch.setattr(vjp, "split_pricer", checked)
+    rewrite(seed, rulesets=[algebra], cache=False).grad_result(X, A)
+    assert len(prices) >= 2 and all(a == b for a, b in prices), prices
+    # per split: the backward and the residuals alone are built, not the training step (three, before)
+    assert len(built) <= 2 * len(prices), (len(built), len(prices))

@@ -64,7 +64,7 @@ from ..ir.scanread import SLICES
 from .dot import library_dot
 from .attention import SCORES_CACHED, attention_chain, attention_price, scratch_bytes
 from .program import (ATTENTION, LEAF, LIBRARY, LOOP, OTHER, REDUCE, TIEBREAK, VIEW, Op, Program, _kind, _size,
-                      bitcast, fused_update, sliced_parts)
+                      bitcast, fused_update, remembered_kernel, sliced_parts)
 from .simplify import folded_reduction
 from .spill import cached_reduction, spilled as _spilled, with_bytes
 from .transcendental import SHARED, SHARED_ACROSS, add_shared, chained, shared_across, shared_group
@@ -331,10 +331,10 @@ class FusionModel:
             for r in hs:
                 if r in members:
                     members[r].append(i)
-        out = []
+        out, kernel = [], self.kernel if getattr(prog, "kernel_prices", None) is None else remembered_kernel(self)
         for r, kind in roots.items():
             comp = members[r]
-            cost, reads = self.kernel(prog, r, kind, comp)
+            cost, reads = kernel(prog, r, kind, comp)
             out.append(Fusion(r, kind, sorted(comp), sorted(reads), cost))
         return out
 

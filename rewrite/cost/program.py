@@ -62,6 +62,9 @@ class Program:
 
     ops: list[Op]
     outputs: list[int]
+    #: Where several programs share one ``ops`` list (they differ in their outputs only): their kernels' prices, by
+    #: model, root, kind and members (:func:`remembered_kernel`); ``None``: each priced afresh.
+    kernel_prices: dict | None = dataclasses.field(default=None, repr=False, compare=False)
 
     @classmethod
     def from_jaxpr(cls, closed: Any, node_cost: Callable[[Any], float] | None = None) -> "Program":
@@ -119,16 +122,18 @@ class Program:
     def from_choice(cls, ex: Any, choice: Mapping[Any, tuple], roots: Sequence[Any],
                     own: Callable[[Any, tuple], float], cache: dict | None = None,
                     inputs: frozenset | set = frozenset(),
-                    partial: Callable[[Any, tuple, frozenset], float] | None = None) -> "Program":
+                    partial: Callable[[Any, tuple, frozenset], float] | None = None,
+                    index: dict | None = None) -> "Program":
         """The program an extractor's ``choice`` makes at ``roots`` (its own scope; bodies costed by ``own``).
 
         A projection of a call of one result is the call's op (:func:`one_result`), as :meth:`from_jaxpr` builds
         no projection for one output. Classes in ``inputs`` are the program's inputs: read, not computed.
         ``partial(cls, node, read)`` prices a call XLA inlines at the part of its body that the outputs the program
-        reads (``read``) need: XLA drops the rest (:func:`read_outputs`).
+        reads (``read``) need: XLA drops the rest (:func:`read_outputs`). ``index``, where given, is filled with
+        the op of each class the program computes or reads.
         """
         cache = {} if cache is None else cache
-        index: dict[Any, int] = {}
+        index = {} if index is None else index
         ops: list[Op] = []
         snap = ex.snap
         reads = getattr(ex, "operands", None) or (lambda node: operands(snap, node))
@@ -156,6 +161,23 @@ class Program:
                 # it writes (and the program holds) the outputs read only; its facts are its own, not the node's
                 op.memo = {"bytes": sum(_nbytes(a) for k, a in enumerate(op.out_avals) if k in read)}
         return prog
+
+
+def remembered_kernel(model: Any) -> Callable[[Program, Any, str, list], tuple[float, set]]:
+    """``model.kernel`` of a program whose :attr:`Program.kernel_prices` holds the prices of the kernels of the
+    programs that share its ops: a kernel's price reads those ops (its members, what they read, ``sliced_parts``,
+    ``chained``, ``folded_reduction``, ``cached_reduction``), not the program's outputs, so one of the same root, kind
+    and members (in order: the sums run in it) is the same float. An attention kernel, which reads the outputs
+    (``attention_chain``), is priced afresh."""
+    def kernel(prog: Program, r: Any, kind: str, comp: list) -> tuple[float, set]:
+        if kind == ATTENTION:
+            return model.kernel(prog, r, kind, comp)
+        key = (id(model), r, kind, tuple(comp))
+        found = prog.kernel_prices.get(key)  # type: ignore[union-attr]
+        if found is None:
+            found = prog.kernel_prices[key] = model.kernel(prog, r, kind, comp)  # type: ignore[index]
+        return found
+    return kernel
 
 
 def one_result(ex: Any, node: tuple) -> Any:

@@ -619,11 +619,17 @@ def split_pricer(snap: Any, model: Any, choice: dict, f_roots: Sequence[Any], b_
     if prices_programs(model):
         pricer = ProgramPricer(ex, model)
         templates = pricer.templates(choice, f_roots)  # the extractor's, but for what reads this choice
+        own = lambda c, nd: pricer.own(c, nd, choice)  # noqa: E731
+        index: dict[Any, int] = {}
+        # every split's training step is the forward's ops (postorder from its outputs reaches each residual it
+        # computes): built once, the outputs the split's, its kernels' prices shared (``remembered_kernel``)
+        step = Program.from_choice(ex, choice, list(f_roots), own, templates, index=index)
+        step.kernel_prices = {}
 
         def program(roots: Sequence[Any], inputs: frozenset = frozenset()) -> float:
-            prog = Program.from_choice(ex, choice, roots, lambda c, nd: pricer.own(c, nd, choice),
-                                       templates, inputs=inputs)
-            return pricer.price(prog)
+            if not inputs and roots[:len(f_roots)] == list(f_roots) and all(r in index for r in roots):
+                return pricer.price(Program(step.ops, [index[r] for r in roots], step.kernel_prices))
+            return pricer.price(Program.from_choice(ex, choice, roots, own, templates, inputs=inputs))
     else:
         def program(roots: Sequence[Any], inputs: frozenset = frozenset()) -> float:
             stop = set(inputs)
