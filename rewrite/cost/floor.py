@@ -10,10 +10,9 @@ from __future__ import annotations
 import math
 from typing import Any, Callable, Sequence
 
-from ..ir.jaxapi import scan_counts
 from .attention import scratch_bytes
 from .fusion import Fusion, _out_bytes, _temp, buffer_of
-from .memory import _buffers, _position_of, _writes_in_place
+from .memory import _buffers, _position_of, _writes_in_place, loop_carries
 
 
 def peak_floor(prog: Any, kernels: Sequence[Fusion], inner: Callable[[Any], int] | None = None,
@@ -150,12 +149,9 @@ def _across(prog: Any, kernels: Sequence[Fusion], mine: dict, written: set, outp
 
 def _carries_one_twice(prog: Any, op: Any, written: set) -> bool:
     """Whether loop ``op`` starts two of its carries from one buffer (which :func:`_shares` may give to both)."""
-    if op.prim == "scan":
-        first, n = scan_counts(op.params)
-    elif op.prim == "while":
-        first, n = op.params.get("body_nconsts", 0) + op.params.get("cond_nconsts", 0), len(op.out_avals)
-    else:
+    if (carries := loop_carries(op)) is None:
         return False
+    first, n = carries
     inits = [buffer_of(prog, a, written) for a in op.args[first:first + n]]
     return len(set(inits)) < len(inits)
 

@@ -416,6 +416,16 @@ def _users_rank(prog: Any, order: Sequence[Fusion], made: dict, at: Callable[[An
 _IN_PLACE = frozenset({"elementwise", "transcendental"})
 
 
+def loop_carries(op: Any) -> tuple[int, int] | None:
+    """``(first, n)``: where a ``scan``'s or ``while``'s carries start among its operands and how many there are;
+    ``None`` for any other op."""
+    if op.prim == "scan":
+        return scan_counts(op.params)
+    if op.prim == "while":
+        return op.params.get("body_nconsts", 0) + op.params.get("cond_nconsts", 0), len(op.out_avals)
+    return None
+
+
 def _shares(prog: Any, k: Fusion, outs: Mapping[int, Any] | None, last: dict, step: dict, t: int,
             written: set) -> list[tuple]:
     """The buffers kernel ``k`` (at step ``t``) writes into an operand's bytes: (its buffer, the operand).
@@ -429,12 +439,9 @@ def _shares(prog: Any, k: Fusion, outs: Mapping[int, Any] | None, last: dict, st
     op = prog.ops[k.root]
     found = []
     if outs is not None:  # a loop: carry i is the buffer of init i when init i dies here
-        if op.prim == "scan":
-            first, n = scan_counts(op.params)
-        elif op.prim == "while":
-            first, n = op.params.get("body_nconsts", 0) + op.params.get("cond_nconsts", 0), len(op.out_avals)
-        else:
+        if (carries := loop_carries(op)) is None:
             return found
+        first, n = carries
         for i in range(n):  # (``outs``: the loop's outputs the program reads, by index)
             a = buffer_of(prog, op.args[first + i], written)
             if i in outs and a in step and last.get(a) == t and _same(prog, a, outs[i]):
