@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from rewrite import Value
-from rewrite.cache.fingerprint import memo
+from rewrite.cache.fingerprint import Memo
 
 
 #: Primitives through which a value flows linearly (``mul`` when its other operand does not read it).
@@ -78,12 +78,8 @@ def _all_diagonal(branches: Sequence[Callable[..., list]], fmask: Callable[..., 
         verdict = False
     else:
         verdict = all(np.array_equal(np.asarray(y), np.diagonal(x)) for y, x in zip(got, xs * len(branches)))
-    if key is not None:
-        _DIAGONAL[key] = verdict
-        while len(_DIAGONAL) > 256:
-            del _DIAGONAL[next(iter(_DIAGONAL))]
-    return verdict
+    return verdict if key is None else _DIAGONAL.keep(key, verdict)
 
 
 #: :func:`_all_diagonal`'s verdicts, by the mask's and the branches' jaxprs and ``q``'s type
-_DIAGONAL: dict[tuple, bool] = memo({}, "rulesets._diagonal._DIAGONAL")
+_DIAGONAL = Memo("rulesets._diagonal._DIAGONAL")

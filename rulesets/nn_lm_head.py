@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from rewrite import Params, Pat, Ruleset, Tolerance, Value, procedural, rule
-from rewrite.cache.fingerprint import memo
+from rewrite.cache.fingerprint import Memo
 from rewrite.rules.match import SHIFT_OPS
 from rulesets._examples import f32, i32
 from rulesets.nn_lm_head_kernels import COLUMNS, Layout, Reads, Stats, blocked_loss, label_logit, label_plus_terms, \
@@ -121,15 +121,11 @@ def _shift_kind(shift_of: Any, shape: tuple, dtype: Any) -> str | None:
     if key is not None and key in _KINDS:
         return _KINDS[key]
     kind = shift_kind(shift_of, shape, dtype)
-    if key is not None:
-        _KINDS[key] = kind
-        while len(_KINDS) > 256:
-            del _KINDS[next(iter(_KINDS))]
-    return kind
+    return kind if key is None else _KINDS.keep(key, kind)
 
 
 #: :func:`_shift_kind`'s answers by :func:`_shift_key`
-_KINDS: dict[tuple, str | None] = memo({}, "rulesets.nn_lm_head._KINDS")
+_KINDS = Memo("rulesets.nn_lm_head._KINDS")
 
 
 def _shift_key(shift_of: Any, shape: tuple, dtype: Any) -> tuple | None:

@@ -70,7 +70,7 @@ from jax.extend.core import Var, jaxprs_in_params
 from rewrite import Ruleset, Tolerance, procedural, rule
 from rewrite.ir.jaxapi import scan_counted
 from rewrite.ir.primitives import nbytes
-from rewrite.cache.fingerprint import memo
+from rewrite.cache.fingerprint import Memo
 from rewrite.jaxpr.trace import program_key, trace_at
 from rewrite.rules.builder import _config, _Traces
 from rewrite.loops import SCAN, WHILE, Body, Decline, Loop, adds_one
@@ -485,16 +485,13 @@ def _compute_now(fn: Callable, *args: Any, key: Any = None) -> Any:
         key = (key, jax.config.jax_enable_x64)
         if key in _NOW:
             return _NOW[key]
-        found = _NOW[key] = jax.tree.map(np.asarray, jax.jit(fn).lower(*args).compile()(*args))
-        while len(_NOW) > 256:
-            del _NOW[next(iter(_NOW))]
-        return found
+        return _NOW.keep(key, jax.tree.map(np.asarray, jax.jit(fn).lower(*args).compile()(*args)))
     with jax.ensure_compile_time_eval():
         return jax.tree.map(np.asarray, fn(*args))
 
 
 #: :func:`_compute_now`'s values, by their keys
-_NOW: dict[Any, Any] = memo({}, "rulesets.scan._NOW")
+_NOW = Memo("rulesets.scan._NOW")
 
 
 def _text_of(fn: Any) -> str | None:

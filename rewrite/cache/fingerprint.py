@@ -56,25 +56,30 @@ _SYNC = tuple({type(threading.Lock()), type(threading.RLock()), threading.Condit
 #: process rewrote before.
 SKIPS = "FINGERPRINT_SKIPS"
 
-#: Objects a walk writes by their name alone, never by what they hold (:func:`memo`), by ``id``, each kept here
-#: beside its name (so that its ``id`` is never another's).
-_MEMOS: dict[int, tuple[Any, str]] = {}
+class Memo(dict):
+    """A module's memo of a function's values (a rule procedure's cache, reached through its globals), of at most
+    ``most`` entries (:meth:`keep` drops the oldest), which a walk writes by its ``name``, never by its content: what
+    it holds depends on what the process computed before, not on what the rule computes, so a rule's key is the same
+    in a fresh process and after any number of rewrites, as with :data:`SKIPS`.
 
-
-def memo(obj: Any, name: str) -> Any:
-    """``obj``, a module's memo of a function's values (a rule procedure's cache, reached through its globals),
-    registered to be written by ``name`` in every walk, not by its content: what it holds depends on what the
-    process computed before, not on what the rule computes, so a rule's key is the same in a fresh process and
-    after any number of rewrites, as with :data:`SKIPS`.
-
-    >>> cache = memo({}, "example cache")
+    >>> cache = Memo("example cache", most=2)
     >>> before = fingerprint(("rule", cache))
-    >>> cache[("some", "key")] = 1.0
+    >>> [cache.keep(k, k * 2) for k in (1, 2, 3)], sorted(cache)
+    ([2, 4, 6], [2, 3])
     >>> fingerprint(("rule", cache)) == before
     True
     """
-    _MEMOS[id(obj)] = (obj, name)
-    return obj
+
+    def __init__(self, name: str, most: int = 256) -> None:
+        super().__init__()
+        self.name, self.most = name, most
+
+    def keep(self, key: Any, value: Any) -> Any:
+        """``value``, kept under ``key``; the oldest entries dropped beyond ``most``."""
+        self[key] = value
+        while len(self) > self.most:
+            del self[next(iter(self))]
+        return value
 
 
 #: The primitives whose ``callback`` param is a host function, entered in a program's fingerprint by its type and
@@ -182,9 +187,8 @@ class _Walker:
         if b is not None:
             self.out += b
             return
-        found = _MEMOS.get(id(x))
-        if found is not None and found[0] is x:
-            self.put("memo", found[1])
+        if type(x) is Memo:
+            self.put("memo", x.name)
             return
         depth = self.active.get(id(x))
         self.trail.append(id(x))
