@@ -455,6 +455,24 @@ def test_fingerprints_follow_closures_and_globals():
         fingerprint(iter([1, 2]))
 
 
+def test_fingerprints_follow_the_items_of_a_containers_subclass():
+    """An ``OrderedDict``, a ``Counter`` or a user's list subclass keeps its items outside its ``__dict__``: two rules
+    closing over two such configurations are two keys (before, one: a disk cache hit could serve the other's
+    program)."""
+    import collections
+
+    class Scales(list):
+        pass
+
+    def make(config):
+        return lambda x: x * config["s"]
+
+    for kind in (collections.OrderedDict, collections.Counter):
+        assert fingerprint(make(kind(s=1))) == fingerprint(make(kind(s=1))) != fingerprint(make(kind(s=3)))
+    assert fingerprint(Scales([1.0])) == fingerprint(Scales([1.0])) != fingerprint(Scales([3.0]))
+    assert fingerprint(collections.OrderedDict(a=1, b=2)) != fingerprint(collections.OrderedDict(b=2, a=1))
+
+
 def test_where_the_cache_lives(monkeypatch, tmp_path):
     monkeypatch.delenv("JAX_REWRITE_CACHE_DIR", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))

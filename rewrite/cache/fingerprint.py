@@ -270,6 +270,12 @@ class _Walker:
     def _instance(self, x: Any) -> None:
         cls = type(x)
         self.walk(cls)
+        if isinstance(x, (dict, list, set, frozenset)):
+            # a container's subclass (``OrderedDict``, ``Counter``, a user's): its items, in their order, as well as
+            # what the branches below write (its attributes): they are not in its ``__dict__``
+            self.put("items")
+            self.walk(list(x.items()) if isinstance(x, dict) else list(x) if isinstance(x, list)
+                      else sorted(fingerprint(v) for v in x))
         if dataclasses.is_dataclass(x):
             for f in dataclasses.fields(x):
                 self.put(f.name)
