@@ -394,25 +394,36 @@ class TieCounts:
         return hashlib.sha256(f"memory tie\0{found}".encode()).hexdigest()
 
     def read(self, key: str) -> int | None:
-        try:
-            cache = resolve(None)
-            found = None if cache is None else cache.read(key)
-        except Exception:  # unusable or untrusted: compiled again, and written over
-            return None
-        count = None if found is None else found[0].get("meta", {}).get("xla_temps")
+        count = _read_mark(key, "xla_temps")  # unusable or untrusted: compiled again, and written over
         return count if isinstance(count, int) and not isinstance(count, bool) else None
 
     def write(self, key: str, count: int) -> None:
-        try:
-            cache = resolve(None)
-            if cache is not None:
-                cache.write(key, {"format": FORMAT, "key": key, "env": environment(), "meta": {"xla_temps": count}},
-                            b"")
-        except Exception as e:  # a directory it cannot write: counted again next time
-            log.debug("memory tie: not stored: %s: %s", type(e).__name__, e)
+        _write_mark(key, {"xla_temps": count}, "memory tie")  # a directory it cannot write: counted again next time
 
 
 _tie.STORE = TieCounts()
+
+
+def _read_mark(key: str, field: str) -> Any:
+    """The ``field`` of the mark under ``key`` (an entry with no program, its value in the header's ``meta``) in the
+    default directory (:func:`default_dir`); ``None`` where there is none, or it is unusable or untrusted."""
+    try:
+        cache = resolve(None)
+        found = None if cache is None else cache.read(key)
+    except Exception:
+        return None
+    return None if found is None else found[0].get("meta", {}).get(field)
+
+
+def _write_mark(key: str, meta: dict, what: str) -> None:
+    """A mark of ``meta`` under ``key`` in the default directory (none where it is off); where it cannot be written,
+    a debug line on ``what``."""
+    try:
+        cache = resolve(None)
+        if cache is not None:
+            cache.write(key, {"format": FORMAT, "key": key, "env": environment(), "meta": meta}, b"")
+    except Exception as e:
+        log.debug("%s: not stored: %s: %s", what, type(e).__name__, e)
 
 
 # ---------------------------------------------------------------------- for a rule's example check
@@ -436,21 +447,10 @@ class ExampleChecks:
         return hashlib.sha256(f"example check\0{found}".encode()).hexdigest()
 
     def passed(self, key: str) -> bool:
-        try:
-            cache = resolve(None)
-            found = None if cache is None else cache.read(key)
-        except Exception:  # unusable or untrusted: checked again, and written over
-            return False
-        return found is not None and found[0].get("meta", {}).get("example_check") == "passed"
+        return _read_mark(key, "example_check") == "passed"  # unusable or untrusted: checked again, written over
 
     def write(self, key: str) -> None:
-        try:
-            cache = resolve(None)
-            if cache is not None:
-                cache.write(key, {"format": FORMAT, "key": key, "env": environment(),
-                                  "meta": {"example_check": "passed"}}, b"")
-        except Exception as e:  # a directory it cannot write: checked again next time
-            log.debug("example check: not stored: %s: %s", type(e).__name__, e)
+        _write_mark(key, {"example_check": "passed"}, "example check")  # unwritable: checked again next time
 
 
 CHECKS = ExampleChecks()
