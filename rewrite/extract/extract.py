@@ -247,9 +247,9 @@ def _leanest(ranked: list[Candidate], best: Candidate, price: ProgramPricer, roo
     if fastest is None:
         return best
     within = [cand for cand in within if (t := _time(price, cand, roots)) is not None and t <= fastest * (1 + band)]
-    chosen = None
+    chosen, bar = None, leaner_at_most(top)
     for i, cand in enumerate(within):
-        most = leaner_at_most(top) if chosen is None else min(leaner_at_most(top), chosen[0])
+        most = bar if chosen is None else min(bar, chosen[0])
         if (p := _held(price, cand, roots, most)) is not None and p <= most and (
                 chosen is None or (p, cand.cost, i) < chosen[:3]):
             chosen = (p, cand.cost, i, cand)
