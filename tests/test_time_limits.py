@@ -11,6 +11,7 @@ from jax import lax
 
 import rulesets
 from rewrite import Limits, RewriteLimitWarning, Ruleset, explain, procedural, rewrite, rule
+from rewrite.cache.fingerprint import Memo
 from rewrite.loops import Loop
 from rewrite.rules.match import SHIFT_OPS
 
@@ -262,7 +263,7 @@ def test_the_lm_head_probes_its_shift_with_one_compile_for_every_block_size(monk
 
     from rulesets import nn_lm_head as pack
 
-    monkeypatch.setattr(pack, "_KINDS", {})
+    monkeypatch.setattr(pack, "_KINDS", Memo("a fresh _KINDS"))
     n, c, v = 640, 8, 24  # rows no other test uses: JAX's per-operation compile cache holds none of them
 
     def loss(h, w, y):
@@ -330,7 +331,7 @@ def test_a_shift_without_stop_gradient_is_declined_unprobed(monkeypatch):
     from rewrite.ir.jaxapi import core
     from rulesets import nn_lm_head as pack
 
-    monkeypatch.setattr(pack, "_KINDS", {})
+    monkeypatch.setattr(pack, "_KINDS", Memo("a fresh _KINDS"))
 
     def shift(m):  # the maximum where finite, else 0, as a column: logsumexp's shift without its stop_gradient
         return [lax.broadcast_in_dim(lax.select(lax.is_finite(m), m, lax.full_like(m, 0.0)), (72, 1), (0,))]
