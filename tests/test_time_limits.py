@@ -102,7 +102,8 @@ def test_a_limit_reached_under_grad_warns():
 # ---------------------------------------------------------------------- one budget for a whole rewrite
 #: what a rewrite takes beyond Limits.seconds (its trace, loads, extractions, pricings and emissions, and the FLOOR
 #: of each pass after the budget is spent): 0.03-0.05 s under jax.grad and 0.06-0.23 s for the step below, measured
-#: at load 4.7-6 on two cores (2026-12-01); the test allows 0.5 s. Before the budget: 2.09 s and 4.15 s in all.
+#: at load 4.7-6 on two cores (2026-12-01); the test allows 0.5 s (the step's test adds what the same rewrite takes
+#: without the spinning rule, measured beside it). Before the budget: 2.09 s and 4.15 s in all.
 _MARGIN = 0.5
 
 
@@ -152,9 +153,13 @@ def test_the_time_limit_bounds_a_training_steps_whole_rewrite():
 
     args = (jnp.linspace(-1.0, 1.0, 12).reshape(4, 3), jnp.ones((8, 4)), jnp.zeros((8, 3)))
     limits = Limits(seconds=1.0, rule_share=1.0)
+    # what the same rewrite takes with nothing to spin: its traces, loads, extractions and emissions, measured here
+    # and now, so the bound moves with the machine's load (0.15 s at rest, 0.6 s at load 5-7 on two cores)
+    plain = rewrite(step, rulesets=[rulesets.algebra], limits=limits, whole_step=True, cache=False)
+    _, rest, _ = _timed(lambda: plain.result(*args))
     f = rewrite(step, rulesets=[_spin(), rulesets.algebra], limits=limits, whole_step=True, cache=False)
     res, took, said = _timed(lambda: f.result(*args))
-    assert took < 1.0 + _MARGIN, took
+    assert took < 1.0 + _MARGIN + rest, (took, rest)
     assert len(said) == 1 and "time limit" in said[0] and "saturation 1 of" in said[0], said
     assert res.budget.passes[0][0] == "a loss's forward" and len(res.budget.passes) >= 3, res.budget.passes
     for got, want in zip(jax.jit(f)(*args), jax.jit(step)(*args)):
