@@ -268,8 +268,8 @@ def plain_program(snap: Any, eg: Any, entries: Sequence[tuple[Rule, Ruleset]], r
     e-graph saturated with them instead of a second load and saturation. That e-graph may hold merges the one
     saturated without them lacks, so the program may differ from that saturation's. The copy takes ``snap``'s tree
     pass over the input program's nodes (``extract.policy.same_original_tree``: the nodes they built are none of
-    the input's), which the forward's extraction made where ``snap`` is its own snapshot (no ``jointly`` rule
-    barred a form: :func:`_run`'s ``unbarred``)."""
+    the input's), which the forward's extraction made where it read ``snap`` itself (no ``jointly`` rule barred a
+    form, :func:`_run`'s ``unbarred``, and no recomputing rule's node was withheld, ``extract_by_policy``)."""
     jointly = frozenset(r.name for r, owner in entries if getattr(owner, "jointly", False))
     rest = [(r, owner) for r, owner in entries if r.name not in jointly]
     without, made = copy_without(snap, eg, jointly, original)
