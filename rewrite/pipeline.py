@@ -26,8 +26,8 @@ from .cost.model import CostModel
 from .extract.choice import reachable
 from .extract.extract import extract, input_cost
 from .extract.extractor import shared
-from .extract.policy import (bar_preferred, copy_without, made_by, no_fatter, recomputations, withheld,
-                             worth_their_saving)
+from .extract.policy import (bar_preferred, copy_without, made_by, no_fatter, recomputations, same_original_tree,
+                             withheld, worth_their_saving)
 from .extract.tie import on_xla_count
 from .ir.egraph import BodyRef, EGraph, ListRef
 from .ir.intern import LITERALS, TYPES, in_dtype
@@ -266,11 +266,17 @@ def plain_program(snap: Any, eg: Any, entries: Sequence[tuple[Rule, Ruleset]], r
     (``extract.policy.copy_without``), under the policy of the other rules (:func:`extract_by_policy`,
     ``no_fatter``): the forward rewritten without them (``grad/vjp.py``'s ``decided_jointly``), read off the
     e-graph saturated with them instead of a second load and saturation. That e-graph may hold merges the one
-    saturated without them lacks, so the program may differ from that saturation's."""
+    saturated without them lacks, so the program may differ from that saturation's. The copy takes ``snap``'s tree
+    pass over the input program's nodes (``extract.policy.same_original_tree``: the nodes they built are none of
+    the input's), which the forward's extraction made where it read ``snap`` itself (no ``jointly`` rule barred a
+    form, :func:`_run`'s ``unbarred``, and no recomputing rule's node was withheld, ``extract_by_policy``)."""
     jointly = frozenset(r.name for r, owner in entries if getattr(owner, "jointly", False))
     rest = [(r, owner) for r, owner in entries if r.name not in jointly]
-    without, _ = copy_without(snap, eg, jointly, original)
-    shared(without, model).share_prices(shared(snap, model))
+    without, made = copy_without(snap, eg, jointly, original)
+    if without is not snap:
+        full, copy = shared(snap, model), shared(without, model)
+        copy.share_prices(full)
+        same_original_tree(full, copy, made, original)
     ex = extract_by_policy(without, eg, rest, roots, model, original)
     return _held_to_input(ex, closed, emit_choice, model)[1]
 

@@ -386,6 +386,37 @@ def test_decided_jointly_traces_and_prices_jax_s_split_once(monkeypatch):
         assert a.dtype == b.dtype and np.array_equal(np.asarray(a), np.asarray(b)), (a, b)
 
 
+def test_the_forward_without_its_jointly_rules_takes_the_forwards_input_tree(monkeypatch):
+    """The forward without the ``jointly`` rules' nodes (``pipeline.plain_program``, ``Result.plain``) is extracted
+    from a copy of the forward's snapshot without them, which takes the forward's tree pass over the input program's
+    nodes (``extract.policy.same_original_tree``: the nodes they built are none of the input's): its extractor makes
+    one pass, the unrestricted one (two before), and the program is the one its own pass gives."""
+    import rulesets
+    import rewrite.pipeline as pipeline
+    from rewrite.ir.egraph import Snapshot
+    from rewrite.jaxpr.trace import same_program
+
+    copies, real = [], Snapshot.without
+
+    def without(self, drop):
+        copies.append(real(self, drop))
+        return copies[-1]
+
+    monkeypatch.setattr(Snapshot, "without", without)
+    # 512 tokens, V=4096: the forward takes the head's loop (the test above), so its plain twin is extracted
+    loss, (h, w, y) = lm_head_case(512, 128, 4096)
+    g = rewrite(loss, rulesets=[rulesets.nn], cache=False)
+    closed = jax.make_jaxpr(loss)(h, w, y)
+    res = pipeline.run_pipeline(closed, g.entries, g.cost_model, g.limits, price_input=False, plain=True)
+    assert res.jointly_chosen and res.plain is not None and len(copies) == 1, (res.jointly_chosen, len(copies))
+    assert [e.passes for _, e in copies[0].extractors] == [1], [e.passes for _, e in copies[0].extractors]
+    copies.clear()
+    monkeypatch.setattr(pipeline, "same_original_tree", lambda *args: None)  # the copy's own pass, as before
+    again = pipeline.run_pipeline(closed, g.entries, g.cost_model, g.limits, price_input=False, plain=True)
+    assert [e.passes for _, e in copies[0].extractors] == [2], [e.passes for _, e in copies[0].extractors]
+    assert same_program(again.plain, res.plain) and str(again.plain) == str(res.plain)
+
+
 def _count_plain_forwards(monkeypatch) -> list:
     """Every program ``rewrite.grad.vjp`` runs the pipeline on without the ``jointly`` rulesets (the forward rewritten
     again without them), appended to the list returned, as the pipeline is patched to record them."""
