@@ -630,3 +630,60 @@ def test_a_split_s_training_step_is_the_forward_s_ops_priced_at_the_split_s_outp
     assert len(prices) >= 2 and all(a == b for a, b in prices), prices
     # per split: the backward and the residuals alone are built, not the training step (three, before)
     assert len(built) <= 2 * len(prices), (len(built), len(prices))
+
+
+def test_a_split_s_backward_and_residuals_alone_keep_the_last_ones_kernel_prices_the_same_floats(monkeypatch):
+    """The residual search prices a split's backward and its residuals alone as moves from the last ones it priced
+    (``grad.vjp.split_pricer``): the kernels before the first op the two programs build apart keep their prices
+    (``cost.program``'s ``shared_prefix``, ``prices_before``). Splits drawn at random (each a set of classes
+    recomputed: ``frontier``), priced in turn by one pricer, are each the float of the three programs built and
+    priced afresh; and some kernels' prices were kept."""
+    import random
+
+    import rewrite.grad.vjp as vjp
+    from rewrite.cost import program as P
+    from rewrite.extract.program import ProgramPricer
+
+    def loss(x, w1, w2):
+        h = jnp.tanh(x @ w1)
+        return jnp.sum(jnp.sin(h @ w2) ** 2) + jnp.sum(jnp.exp(-h.mean(axis=-1)))
+
+    x, w1, w2 = _rand(8, 16), _rand(16, 32, seed=1), _rand(32, 4, seed=2)
+    searches = []
+    split_pricer = vjp.split_pricer
+
+    def recorded(snap, model, choice, f_roots, b_roots):
+        searches.append((snap, model, choice, list(f_roots), list(b_roots)))
+        return split_pricer(snap, model, choice, f_roots, b_roots)
+
+    monkeypatch.setattr(vjp, "split_pricer", recorded)
+    rewrite(loss, rulesets=[algebra], cache=False).grad_result(x, w1, w2)
+    monkeypatch.setattr(vjp, "split_pricer", split_pricer)
+    assert searches
+    kept = []
+    prices_before = P.prices_before
+    monkeypatch.setattr(vjp, "prices_before", lambda prices, upto: kept.append(prices_before(prices, upto)) or kept[-1])
+
+    def afresh(snap, model, choice, f_roots, b_roots, residuals):
+        ex = vjp.shared(snap, model)
+        pricer = ProgramPricer(ex, model)
+        templates = pricer.templates(choice, f_roots)
+
+        def program(roots, inputs=frozenset()):
+            return pricer.price(P.Program.from_choice(ex, choice, roots, lambda c, nd: pricer.own(c, nd, choice),
+                                                      templates, inputs=inputs))
+        alone = program(list(residuals)) if residuals else 0.0
+        return program(list(f_roots) + list(residuals)) + alone + 2 * program(b_roots, frozenset(residuals))
+
+    draw = random.Random(0)
+    priced = 0
+    for snap, model, choice, f_roots, b_roots in searches:
+        forward = vjp.scope_classes(snap, choice, f_roots)
+        computed = sorted((c for c in forward if choice[c][0] not in ("Param", "Lit", "Const", "Tok")), key=str)
+        price = vjp.split_pricer(snap, model, choice, f_roots, b_roots)
+        for _ in range(24):
+            expand = set(draw.sample(computed, draw.randint(0, len(computed))))
+            residuals = vjp.frontier(snap, choice, b_roots, forward, expand=expand)
+            assert price(residuals) == afresh(snap, model, choice, f_roots, b_roots, residuals), residuals
+            priced += 1
+    assert priced >= 24 and any(kept), [len(k) for k in kept]

@@ -180,6 +180,30 @@ def remembered_kernel(model: Any) -> Callable[[Program, Any, str, list], tuple[f
     return kernel
 
 
+def shared_prefix(old: Program, new: Program) -> int:
+    """How many ops, from the first, two programs :meth:`Program.from_choice` built from one choice with one
+    ``cache`` hold alike: the same class, arguments, own price and template (its ``memo``, made once per template:
+    the same one is the same primitive, params and types), or both that class's input. (A class moved from input
+    to computed, or roots in another order, renumbers the ops after where the walk first meets it; those before
+    are built alike.)"""
+    n = 0
+    for a, b in zip(old.ops, new.ops):
+        if not (a.key == b.key and a.args == b.args and a.own == b.own and a.prim == b.prim
+                and (a.memo is b.memo or a.prim == "param")):
+            break
+        n += 1
+    return n
+
+
+def prices_before(prices: dict, upto: int) -> dict:
+    """Of :func:`remembered_kernel`'s prices (by model, root, kind and members), those of kernels whose root and
+    members are all before position ``upto``: a kernel's price reads its members and the ops they read, which come
+    before them (a program is in topological order), so in another program holding the same ops up to ``upto``
+    (:func:`shared_prefix`) the kernel of that root, kind and members reads the same ops at the same positions,
+    its sums run over the same sets in the same order, and its price is the same float."""
+    return {key: found for key, found in prices.items() if max(key[1], *key[3]) < upto}
+
+
 def one_result(ex: Any, node: tuple) -> Any:
     """The class a projection ``node`` reads where that class's nodes have one result (a ``custom_jvp_call`` of one
     output, as ``jax.nn.relu``), else ``None``: the program's op for the projection is then that node's, its own
