@@ -13,7 +13,8 @@ import math
 from typing import Any, Iterable, Mapping, Sequence
 
 from ..ir import primitives as _primitives
-from ..ir.walk import postorder
+from ..ir.scanread import SLICES
+from ..ir.walk import CycleError, postorder
 from .attention import SOFTMAX_OPS, scores_bytes
 from .fusion import TIEBREAK, Fusion, FusionModel, _temp, buffer_of, output_buffers, slices
 from .program import ATTENTION, LEAF, LIBRARY, LOOP, OTHER, REDUCE, VIEW, Op, _kind, bitcast, sliced_parts
@@ -71,6 +72,8 @@ class LiveFusion:
         self._temp: dict[Any, int] = {}
         self._temp_sum = 0  # of ``_temp``'s values: bounds the buffers live at once (``FusionModel.held_bytes``)
         self._reads: dict[Any, Iterable] = {}  # per kernel, the ops it reads (for the liveness of ``held``)
+        #: per kernel, its :class:`Fusion` as :meth:`kernels` lists it, till an edit prices the kernel again
+        self._fusions: dict[Any, Fusion] = {}
         #: per kernel, the sums its price is made of (see _kernel)
         self._sums: dict[Any, _KernelSums] = {}
         self._moved: set = set()
@@ -79,6 +82,10 @@ class LiveFusion:
         self._across: dict[Any, set] = {}
         self._across_count: dict[tuple, int] = {}
         self._views: dict[Any, float] = {}
+        #: the ops that slice (``SLICES``): a kernel with none of them among its members is not :meth:`_sliced`
+        self._slicing: set = set()
+        #: the products (``dot_general``): an edit of a program with none makes or unmakes no attention kernel
+        self._products: set = set()
         self._order = 0
         self._version = 0  # edits so far: the positions (``position``) of an older program are out of date
         #: (version, each op's postorder position, its place in XLA's fusion order or None till asked)
@@ -107,6 +114,8 @@ class LiveFusion:
             if new is None:
                 ops.pop(c, None)
                 self._views.pop(c, None)
+                self._slicing.discard(c)
+                self._products.discard(c)
                 old_home = homes.pop(c, None)
                 if old_home:
                     for r in old_home:
@@ -118,6 +127,14 @@ class LiveFusion:
                     dirty.add(c)
                 continue
             ops[c] = new
+            if new.prim in SLICES:
+                self._slicing.add(c)
+            else:
+                self._slicing.discard(c)
+            if new.prim == "dot_general":
+                self._products.add(c)
+            else:
+                self._products.discard(c)
             if new.prim == "proj":
                 self._views[c] = new.own  # a loop's stacked output (see FusionModel.__call__)
             else:
@@ -141,8 +158,11 @@ class LiveFusion:
     def _products_above(self, seeds: set) -> set:
         """The products whose attention kernel (``FusionModel.place``: ``ATTENTION``) an edit at ``seeds`` may make
         or unmake: those that read them through a softmax's operations. Such a product is placed by what is below
-        it, so it is placed again even where nothing it reads directly changed."""
+        it, so it is placed again even where nothing it reads directly changed. (None where the program has no
+        product: nothing is walked.)"""
         found: set = set()
+        if not self._products:
+            return found
         stack, seen = [x for x in seeds if x in self.ops], set(seeds)
         while stack:
             x = stack.pop()
@@ -207,12 +227,14 @@ class LiveFusion:
                                                       self._height)
         heap: list = []
         queued: set = set()
+        heappush, place, held = heapq.heappush, self.model.place, self._held_outputs
+        users_get, homes_get = users.get, homes.get
 
         def push(x: Any) -> None:
             if x in ops and x not in queued:
                 queued.add(x)
                 self._order += 1
-                heapq.heappush(heap, (-height[x], self._order, x))
+                heappush(heap, (-height[x], self._order, x))
 
         for x in seeds:
             push(x)
@@ -220,16 +242,16 @@ class LiveFusion:
             x = heapq.heappop(heap)[2]
             op = ops[x]
             kind = _kind(op)
-            old_home, old_root = homes.get(x), roots.get(x)
+            old_home, old_root = homes_get(x), roots.get(x)
             if kind in (LEAF, VIEW):
                 home, root = None, None
             else:
                 need: set = set()
-                for u in users.get(x, ()):
-                    h = homes.get(u)
+                for u in users_get(x, ()):
+                    h = homes_get(u)
                     if h:
                         need |= h
-                home, root = self.model.place(self, x, kind, need, x in self._held_outputs, roots)
+                home, root = place(self, x, kind, need, x in held, roots)
             if home != old_home:
                 self._moved.add(x)
                 for r in old_home or ():
@@ -265,40 +287,45 @@ class LiveFusion:
                     push(a)
 
     def _price(self, dirty: set, changes: Mapping[Any, Any]) -> None:
-        incremental = type(self.model).kernel is FusionModel.kernel
+        model = self.model
+        incremental = type(model).kernel is FusionModel.kernel
+        roots, held, inner, across = self.roots, self._held_outputs, model.inner, model.prices_across
+        costs, temps, reads_of, sums, fusions = self._cost, self._temp, self._reads, self._sums, self._fusions
         for r in dirty:
-            kind = self.roots.get(r)
+            fusions.pop(r, None)  # (its members, reads or kind may have changed: a kernel that kept them is not dirty)
+            kind = roots.get(r)
             if kind is None:
-                self._cost.pop(r, None)
-                self._temp_sum -= self._temp.pop(r, 0)
-                self._reads.pop(r, None)
-                self._sums.pop(r, None)
+                costs.pop(r, None)
+                self._temp_sum -= temps.pop(r, 0)
+                reads_of.pop(r, None)
+                sums.pop(r, None)
                 self._count_across(r, set())
                 continue
             if incremental and kind not in (OTHER, ATTENTION) and not self._sliced(r):
                 cost, reads = self._kernel(r, kind, changes)
             else:
-                cost, reads = self.model.kernel(self, r, kind, self._members[r])
-                self._sums.pop(r, None)  # not kept up to date while priced whole
-            if self.model.prices_across:
-                sums = self._sums.get(r)
-                self._count_across(r, {key for key in sums.sincos if key[0] in SHARED_ACROSS} if sums is not None
-                                   else self.model.kernel_across(self, self._members[r]))
-            self._cost[r] = cost
-            self._reads[r] = reads
-            written = self.roots
-            temp = (sum(_temp(self, a, self._held_outputs, written)
-                        for a in {a if a in written else buffer_of(self, a, written) for a in reads})
-                    + _temp(self, r, self._held_outputs, self.roots)
-                    + (self.model.inner(self.ops[r]) if self.model.inner is not None else 0)
+                cost, reads = model.kernel(self, r, kind, self._members[r])
+                sums.pop(r, None)  # not kept up to date while priced whole
+            if across:
+                k = sums.get(r)
+                self._count_across(r, {key for key in k.sincos if key[0] in SHARED_ACROSS} if k is not None
+                                   else model.kernel_across(self, self._members[r]))
+            costs[r] = cost
+            reads_of[r] = reads
+            temp = (sum(_temp(self, a, held, roots)
+                        for a in {a if a in roots else buffer_of(self, a, roots) for a in reads})
+                    + _temp(self, r, held, roots)
+                    + (inner(self.ops[r]) if inner is not None else 0)
                     + (scores_bytes(self, r) if kind == ATTENTION else 0))
-            self._temp_sum += temp - self._temp.get(r, 0)
-            self._temp[r] = temp
+            self._temp_sum += temp - temps.get(r, 0)
+            temps[r] = temp
 
     def _sliced(self, r: Any) -> bool:
         """Whether kernel ``r`` computes a member only where slices read it (``program.sliced_parts``): its sums do
-        not follow that part, so it is priced whole."""
-        return bool(sliced_parts(self, self._members[r], r, slices))
+        not follow that part, so it is priced whole. (``sliced_parts`` is empty at once where no member slices: the
+        members are tested against the program's slicing ops, which are few, not walked.)"""
+        members = self._members[r]
+        return not members.isdisjoint(self._slicing) and bool(sliced_parts(self, members, r, slices))
 
     def _kernel(self, r: Any, kind: str, changes: Mapping[Any, Any]) -> tuple[float, Iterable]:
         """:meth:`FusionModel.kernel` of kernel ``r``, from its sums at its last price and the members that
@@ -322,12 +349,13 @@ class LiveFusion:
         # Only ops that joined or left a kernel, or changed, can be counted wrong (a fresh kernel: all of them).
         if had:
             came = []
-            for x in (*self._moved, *changes):
+            moved = (*self._moved, *changes)
+            for x in moved:
                 old = had.get(x)
                 if old is not None and (x not in members or old is not ops[x]):
                     came.append((x, old, -1))
                     del had[x]
-            for x in (*self._moved, *changes):
+            for x in moved:
                 if x in members and x not in had:
                     had[x] = ops[x]
                     came.append((x, ops[x], 1))
@@ -335,10 +363,13 @@ class LiveFusion:
             for x in members:
                 had[x] = ops[x]
             came = [(x, op, 1) for x, op in had.items()]
+        transcendental = _primitives.TRANSCENDENTAL
+        slice_edges, slice_bytes = k.slice_edges, k.slice_bytes
+        edges_get, touch = edges.get, touched.add
         for x, op, sign in came:
             f = facts(op, self)
             tiebreak += sign * f[1]
-            if op.family == _primitives.TRANSCENDENTAL:
+            if op.family == transcendental:
                 k.transcendentals += sign
             if f[2]:
                 key = (f[2], op.args[0])
@@ -353,34 +384,36 @@ class LiveFusion:
                     reduced += sign * f[3]  # apart: a loop's share (parallel_share) scales only the rest
                 else:
                     work += sign * f[share]
+            slicing = op.prim in SLICES  # (``slices(op, a)``, asked of each argument, is false for every one)
             for a in set(op.args):
-                n = edges.get(a, 0) + sign
+                n = edges_get(a, 0) + sign
                 if n:
                     edges[a] = n
                 else:
                     del edges[a]
-                if slices(op, a):
-                    k.slice_edges[a] = k.slice_edges.get(a, 0) + sign
-                    k.slice_bytes[a] = k.slice_bytes.get(a, 0) + sign * f[6]
-                touched.add(a)
-            touched.add(x)
+                if slicing and slices(op, a):
+                    slice_edges[a] = slice_edges.get(a, 0) + sign
+                    slice_bytes[a] = slice_bytes.get(a, 0) + sign * f[6]
+                touch(a)
+            touch(x)
         k.tiebreak, k.work, k.reduced = tiebreak, work, reduced
         touched.update(x for x in changes if x in edges)  # a read op that became a literal, or stopped being one
-        reads = k.reads
+        reads, spilled = k.reads, k.spilled
+        spill = model.spill
         for a in touched:
             op = ops.get(a)
-            want = edges.get(a, 0) > 0 and a not in members and op is not None and op.prim != "literal"
+            want = edges_get(a, 0) > 0 and a not in members and op is not None and op.prim != "literal"
             if a in reads:  # counted afresh: a member that slices it may have come or gone
                 k.read_bytes -= reads.pop(a)
-                k.read_spilled -= k.spilled.pop(a, 0.0)
+                k.read_spilled -= spilled.pop(a, 0.0)
             if want:
                 f = facts(op, self)
                 size = f[6] if op.out_avals else 0
-                whole = k.slice_edges.get(a, 0) < edges[a]  # FusionModel.kernel: read by slices only, their bytes
-                size = reads[a] = size if whole else min(size, k.slice_bytes[a])
+                whole = slice_edges.get(a, 0) < edges[a]  # FusionModel.kernel: read by slices only, their bytes
+                size = reads[a] = size if whole else min(size, slice_bytes[a])
                 k.read_bytes += size
-                if model.spill and op.out_avals and f[9] and whole:
-                    k.spilled[a] = f[9]
+                if spill and op.out_avals and f[9] and whole:
+                    spilled[a] = f[9]
                     k.read_spilled += f[9]
         cost = model.launch + model.node * len(members)
         if model.tiebreak is not None:
@@ -433,9 +466,17 @@ class LiveFusion:
         return max(self._temp.values(), default=0)
 
     def kernels(self) -> list[Fusion]:
-        """The program's kernels (their costs left out), for what reads them whole (``FusionModel.held``)."""
-        return [Fusion(r, kind, list(self._members.get(r, ())), list(self._reads.get(r, ())), 0.0)
-                for r, kind in self.roots.items()]
+        """The program's kernels (their costs left out), for what reads them whole (``FusionModel.held``): each
+        listed once and kept till an edit prices it again (its members, reads and kind are what they were), so that
+        a search that reads the kernels of each program it prices lists only the kernels its moves touched."""
+        fusions, members, reads = self._fusions, self._members, self._reads
+        out = []
+        for r, kind in self.roots.items():
+            k = fusions.get(r)
+            if k is None:
+                k = fusions[r] = Fusion(r, kind, list(members.get(r, ())), list(reads.get(r, ())), 0.0)
+            out.append(k)
+        return out
 
     def position(self, key: Any) -> int:
         """Where op ``key`` is in the program :meth:`rewrite.cost.program.Program.from_choice` makes of the same
@@ -449,8 +490,7 @@ class LiveFusion:
         found = self._positions
         if found is None or found[0] != self._version:
             self.walks += 1
-            at = {c: i for i, c in enumerate(postorder(self.outputs, lambda c: self.ops[c].args))}
-            found = self._positions = (self._version, at, None)
+            found = self._positions = (self._version, _postorder_at(self.outputs, self.ops), None)
         return found[1]
 
     def made_at(self) -> dict:
@@ -463,6 +503,40 @@ class LiveFusion:
             made = {c: last - i for c, i in at.items()}
             self._positions = (version, at, made)
         return made
+
+
+def _postorder_at(outputs: Sequence[Any], ops: Mapping[Any, Op]) -> dict:
+    """Each op's position in ``ir.walk.postorder(outputs, lambda c: ops[c].args)``, written out (walked once per
+    version of a live program: a search's every price under the fresh charge): the same walk, the same order, the
+    same :class:`rewrite.ir.walk.CycleError` on a cycle.
+
+    >>> from rewrite.ir.walk import postorder
+    >>> v = Op("x", _primitives.ELEMENTWISE, {}, (), (), ())
+    >>> ops = {"a": v, "b": Op("y", _primitives.ELEMENTWISE, {}, ("a",), (), ()),
+    ...        "c": Op("z", _primitives.ELEMENTWISE, {}, ("b", "a", "b"), (), ())}
+    >>> _postorder_at(["c", "a"], ops) == {c: i for i, c in enumerate(postorder(["c", "a"], lambda c: ops[c].args))}
+    True
+    """
+    at: dict[Any, int] = {}
+    on_path: set = set()
+    stack: list[tuple[Any, bool]] = [(r, False) for r in reversed(outputs)]
+    pop, push, enter, leave = stack.pop, stack.append, on_path.add, on_path.discard
+    while stack:
+        c, after = pop()
+        if c in at:
+            continue
+        if after:
+            leave(c)
+            at[c] = len(at)
+            continue
+        if c in on_path:
+            raise CycleError("the chosen program has a cycle")
+        enter(c)
+        push((c, True))
+        for k in reversed(ops[c].args):
+            if k not in at:
+                push((k, False))
+    return at
 
 
 class _KernelSums:
