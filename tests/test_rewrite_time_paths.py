@@ -669,6 +669,35 @@ def test_a_step_s_loss_as_written_is_traced_once_for_its_proof_and_its_decision(
     assert again.step.decided == res.step.decided, (again.step.decided, res.step.decided)
 
 
+
+def test_a_step_that_keeps_the_loss_as_written_seeds_its_joint_once(monkeypatch):
+    """Where a step's loss-first VJP is decided jointly and JAX's derivative of the loss as written is kept (an LM
+    head too small for its blocks to pay: ``decide`` keeps it), the loss-first program is the proof's own joint
+    program (``grad.step.rederive``'s), so the step reads the program the proof seeded from it: one seeded trace
+    (``grad.step.seeded_from``), not a second of the same joint (flax_transformer_step, flax_bf16_step). The step's
+    program is the one seeding it again gives."""
+    import rewrite.grad.step as step_mod
+    from tests.corpus import lm_head_case
+    from rewrite.jaxpr.trace import same_program
+
+    loss, (h, w, y) = lm_head_case(16, 32, 64)
+
+    def step(h, w, y):
+        value, (gh, gw) = jax.value_and_grad(loss, argnums=(0, 1))(h, w, y)
+        return value, h - 0.1 * gh, w - 0.1 * gw
+
+    seeded: list = []
+    seeded_from = step_mod.seeded_from
+    monkeypatch.setattr(step_mod, "seeded_from", lambda *a: seeded.append(1) or seeded_from(*a))
+    res = rewrite(step, rulesets=[rulesets.nn], cache=False).result(h, w, y)
+    assert res.step.replaced and res.step.decided[0].startswith("kept JAX's derivative"), str(res.step)
+    assert len(seeded) == 1, len(seeded)
+    replace = step_mod.replace
+    monkeypatch.setattr(step_mod, "replace", lambda *a: replace(*a[:-1], None))  # seeded again
+    again = rewrite(step, rulesets=[rulesets.nn], cache=False).result(h, w, y)
+    assert len(seeded) == 1 + 2 and same_program(again.after, res.after), len(seeded)
+
+
 # helpers for the fingerprint tests below: module-level, as a pack's helpers are
 _TABLE: dict = {}
 

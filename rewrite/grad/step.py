@@ -375,11 +375,20 @@ def rederive(cone: core.ClosedJaxpr, dif: Sequence[int]) -> tuple[core.ClosedJax
     if L is None or not is_float(L) or getattr(L, "weak_type", False) or list(dif) != float_positions(cone)[0]:
         return jax.make_jaxpr(value_and_grads(core.jaxpr_as_fun(cone), dif))(*specs), None
     joint = joint_program(cone, dif)[0]
+    return seeded_from(joint, cone), joint
+
+
+def seeded_from(joint: core.ClosedJaxpr, cone: core.ClosedJaxpr) -> core.ClosedJaxpr:
+    """``leaves -> (L, gradients)``: the joint program ``joint`` of ``cone`` (``(leaves, cotangent) -> (L,
+    gradients)``) evaluated at a cotangent of 1, traced. A function of ``joint`` and of the cone's types alone: the
+    same ``joint`` and ``cone`` give the same program (:func:`rederive` and :func:`replace` trace it so), which is
+    why :func:`replace` reads :func:`rederive`'s where the loss-first program is the same ``joint``."""
+    L = cone.out_avals[0]
 
     def seeded(*xs: Any) -> list[Any]:
         return core.jaxpr_as_fun(joint)(*xs, jax.numpy.ones(L.shape, L.dtype))
 
-    return jax.make_jaxpr(seeded)(*specs), joint
+    return jax.make_jaxpr(seeded)(*[spec_of(a) for a in cone.in_avals])
 
 
 def value_and_grads(fn: Callable[..., Any], positions: Sequence[int]) -> Callable[..., list[Any]]:
@@ -456,25 +465,24 @@ def proof_graph(step: core.ClosedJaxpr, model: Any = None) -> ProofGraph:
 # ---------------------------------------------------------------------- replacement
 def replace(step: core.ClosedJaxpr, root: Any, leaves: Sequence[Any], consts: dict, cone: core.ClosedJaxpr,
             dif: Sequence[int], found: dict[Any, int], loss_first: Callable[[core.ClosedJaxpr], core.ClosedJaxpr],
-            made: set, joint: core.ClosedJaxpr | None = None) -> core.ClosedJaxpr:
+            made: set, joint: core.ClosedJaxpr | None = None,
+            derived: core.ClosedJaxpr | None = None) -> core.ClosedJaxpr:
     """``step`` with ``root`` and the values in ``found`` read from the loss-first program instead:
     ``loss_first(cone, wrt=..., value=...)``, the VJP of the cone's forward rewritten, ``(leaves, cotangent) ->
     (L, gradients)``, seeded with 1, chosen for what the step reads of it: the gradients of those float leaves
     alone, and ``L`` or not (``jax.grad`` drops it, ``jax.value_and_grad`` keeps it). ``joint``, where given, is
     JAX's joint program of the cone as written at every float leaf (:func:`rederive`'s): where the step reads
-    every gradient it is that of ``wrt``, and ``loss_first`` receives it as ``written`` rather than tracing it."""
+    every gradient it is that of ``wrt``, and ``loss_first`` receives it as ``written`` rather than tracing it.
+    ``derived``, where given, is :func:`rederive`'s program seeded from ``joint``: where ``loss_first`` keeps
+    ``joint`` itself (its decision kept JAX's derivative of the loss as written: flax_transformer_step,
+    flax_bf16_step), that is the program seeded here, not traced again (:func:`seeded_from`)."""
     reads = sorted(set(found.values()))  # positions among ``dif``
     wrt = [dif[j] for j in reads]
     written = {"written": joint} if joint is not None and wrt == list(dif) else {}
     vjp = loss_first(cone, wrt=wrt, value=root in _read(step.jaxpr, {root, *found}), **written)
     # the cone program takes its constants first as inputs here, so that all leaves are arguments
     lifted = [v for v in leaves if v in consts] + [v for v in leaves if v not in consts]
-    L = cone.out_avals[0]
-
-    def seeded(*xs: Any) -> list[Any]:
-        return core.jaxpr_as_fun(vjp)(*xs, jax.numpy.ones(L.shape, L.dtype))
-
-    program = jax.make_jaxpr(seeded)(*[spec_of(v.aval) for v in lifted])
+    program = derived if derived is not None and vjp is joint else seeded_from(vjp, cone)
     jaxpr = step.jaxpr
     eqns: list = []
     constvars, cvals = list(jaxpr.constvars), list(step.consts)
@@ -503,9 +511,9 @@ def _attempt(step: core.ClosedJaxpr, graph: _Graph, root: Any, eqns: list[int], 
              proof: Callable[[core.ClosedJaxpr], list[Any]], shared: Callable[[], ProofGraph] | None = None
              ) -> tuple[str, tuple | None]:
     """Re-derive the cone ``eqns`` of ``root`` over ``leaves`` and prove it: ``("", (lifted leaves, cone program,
-    differentiable positions, {step value: gradient position}, its joint program or None: :func:`rederive`))``, or
-    why not and ``None``. ``shared()``, where
-    given, is the step loaded once for all the proofs over it (:func:`proof_graph`)."""
+    differentiable positions, {step value: gradient position}, its joint program or None, its seeded program:
+    :func:`rederive`))``, or why not and ``None``. ``shared()``, where given, is the step loaded once for all the
+    proofs over it (:func:`proof_graph`)."""
     cone = cone_program(graph, root, eqns, leaves, consts)
     lifted = [v for v in leaves if v in consts] + [v for v in leaves if v not in consts]
     flat_cone = core.ClosedJaxpr(core.Jaxpr([], lifted, cone.jaxpr.outvars, cone.jaxpr.eqns, core.no_effects,
@@ -525,7 +533,7 @@ def _attempt(step: core.ClosedJaxpr, graph: _Graph, root: Any, eqns: list[int], 
         return "not proven equal to its re-derivation", None
     if not found:
         return "the step holds no value proven to be its gradient", None
-    return "", (lifted, flat_cone, dif, found, joint)
+    return "", (lifted, flat_cone, dif, found, joint, derived)
 
 
 def find_losses(closed: core.ClosedJaxpr, proof: Callable[[core.ClosedJaxpr], list[Any]],
@@ -588,11 +596,12 @@ def find_losses(closed: core.ClosedJaxpr, proof: Callable[[core.ClosedJaxpr], li
                 if done is None:
                     finding.declined.append(f"a scalar of {len(cone_eqns)} equations{how}: {said}")
                     continue
-                lifted, flat_cone, dif, found_grads, joint = done
+                lifted, flat_cone, dif, found_grads, joint, derived = done
                 if price and step is closed and shared:  # the step as given, loaded for its proofs: priced off that
                     finding.price = shared[0].price(closed.jaxpr.outvars)
                 unload()
-                step = replace(step, root, lifted, consts, flat_cone, dif, found_grads, loss_first, made, joint)
+                step = replace(step, root, lifted, consts, flat_cone, dif, found_grads, loss_first, made, joint,
+                               derived)
                 finding.replaced.append(f"a loss of {len(cone_eqns)} equations{how} and its gradients with "
                                         f"respect to {len(set(found_grads.values()))} of {len(dif)} float inputs")
                 changed, graph = True, None
