@@ -303,7 +303,7 @@ def lift_independent(m) -> Any:
     inputs = [loop.input(p) for p in positions]
     # which outputs the inputs alone compute: a slice each, not a function each (a loop of many outputs, as
     # hoist and the LM head's backward make, emitted its body once per output)
-    free = [k for k in used if m.computes([loop.body.outs[k]], inputs)]
+    free = [k for k, ok in zip(used, m.computes_each([loop.body.outs[k] for k in used], inputs)) if ok]
     # one function for all of them, so that work they share (a checkpointed body, say) is done once
     f = m.function([loop.body.outs[k] for k in free], inputs) if free else None
     if f is None and free:  # a slice that cannot be emitted (effects): the outputs that can be, as before

@@ -208,6 +208,15 @@ class Builder:
         may still fail to emit one that carries effects), without emitting it."""
         return self._slice(outs, inputs) is not None
 
+    def computes_each(self, outs: Sequence[Value], inputs: Sequence[Value]) -> list[bool]:
+        """:meth:`computes` of each of ``outs`` alone, with one bottom-up pass (:meth:`_preferred`) over the classes
+        below them all, not one per output over the classes below it: a pass's choice of a class does not depend
+        on which other classes it is made with (see there), so each answer is :meth:`computes`'. A loop's outputs
+        share most of its body (``rulesets.scan``'s ``lift_independent`` walked 4x the classes it covered)."""
+        if all(v.cls is not None for v in outs) and all(v.cls is not None for v in inputs):
+            self._preferred([v.cls for v in outs])
+        return [self._slice([v], inputs) is not None for v in outs]
+
     def function(self, outs: Sequence[Value], inputs: Sequence[Value]) -> Callable[..., list] | None:
         """``outs`` as a JAX function of ``inputs`` (classes of this snapshot), or ``None``.
 

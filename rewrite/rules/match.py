@@ -657,6 +657,11 @@ class Match:
         says, without building the function (it may still be ``None`` for a slice that carries effects)."""
         return self._engine.computes(outs, inputs)
 
+    def computes_each(self, outs: Sequence[Value], inputs: Sequence[Value]) -> list[bool]:
+        """``[m.computes([v], inputs) for v in outs]``, the same answers for less work where the outputs share
+        classes (a loop body's outputs)."""
+        return self._engine.computes_each(outs, inputs)
+
     def node(self, prim: Any, operands: Sequence[Value], params: dict[str, Any], out_avals: Sequence[Any], *,
              bodies: Sequence[Body] = ()) -> Any:
         """Insert one application of ``prim`` (a primitive or its name) and return its result(s).
