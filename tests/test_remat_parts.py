@@ -144,3 +144,14 @@ def test_the_searches_live_price_takes_a_loop_bodys_overlap_as_the_fusion_model_
         live = LiveFusion(fm, prog.outputs)
         live.edit(dict(enumerate(prog.ops)))
         assert abs(live.price() - fm(prog)) <= 1e-9 * fm(prog), overlap
+
+
+def test_the_body_probe_computes_one_thing_both_ways():
+    """``--bodies``: the kernel over every block at once and trip by trip in a scan give the same row sums; the
+    docs' RNN loop with and without its stacked output, the same carry (``--stacked``)."""
+    xs, m = R._blocks(3, 8)
+    np.testing.assert_allclose(R._whole(xs, m).sum(0), R._loop(xs, m), rtol=1e-5)
+    h0, xs = R._rnn(3, 16)
+    np.testing.assert_allclose(R._carried(h0, xs), R._stacked(h0, xs)[0])
+    assert set(R.body_prices(64)) == set(R.BODIES) and set(R.body_prices(64, None, R.STACKED, R._rnn)) == set(R.STACKED)
+
