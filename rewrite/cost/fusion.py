@@ -171,7 +171,7 @@ class FusionModel:
                  parallel: float = 1.0, parallel_at: float = math.inf, chain: float = 0.0,
                  serial: float = 1.0, loop_launch: float = 0.0, loop_library: float = 0.0, loop_split: float = 0.0,
                  while_trips: float = 10.0, kernel_product: Callable[[Op], float] | None = None,
-                 reduce_cached: float | None = None, overlap: bool = False) -> None:
+                 reduce_cached: float | None = None, overlap: bool = False, loop_bytes: bool = False) -> None:
         self.ns = dict(ns)
         #: where an op's memo keeps its facts for this model (:meth:`_facts`): one memo may meet two models
         self._facts_key = ("facts", id(self))
@@ -191,7 +191,7 @@ class FusionModel:
         self.spill, self.near, self.tier = spill, near, tier  # (AnalyticCost.near)
         self.memory, self.inner, self.budget, self.node = memory, inner, budget, node
         self.library_op, self.tiebreak = library_op, tiebreak
-        self.byte, self.overlap = byte, overlap  # (AnalyticCost.overlap)
+        self.byte, self.overlap, self.loop_bytes = byte, overlap, loop_bytes  # (AnalyticCost.overlap, .loop_bytes)
         self.reduce, self.reduce_cached = reduce, reduce_cached  # (spill.py's cached_reduction)
         self.launch, self.default, self.cheap = launch, default, cheap
 
@@ -341,16 +341,15 @@ class FusionModel:
     def launches(self, op: Op) -> float:
         """What the kernels of a loop's bodies cost per execution of the loop beyond their work: at each trip,
         ``loop_launch`` per loop kernel (``loop_split`` more where XLA:CPU splits it across the cores: ``parallel_at``
-        elements or more) and ``loop_library`` per library kernel (a product on the library path, a
-        library reduction), the loops nested in them included; for a call (``custom_vjp_call``, ``jit``), what the
-        loops in its body cost so; 0 for any other op, or with no such price. XLA:CPU runs a loop body's kernels one
-        after another at every trip, each waiting for the one before (``benchmarks/calibrate.py --loop-kernels-only``,
-        ``--loop-split-only``); the node prices a body is priced by hold only their work. Under ``overlap`` a loop's
-        body's loop kernels take the term at each trip as a program's do (:func:`rewrite.cost.spill.with_bytes`: the
-        kernel's price less its price summed), where the node prices sum them. Kept in the op's memo (an
-        extractor's op holds its chosen bodies there; one loaded from a jaxpr, its params)."""
-        loop = op.prim in ("scan", "while")
-        priced = self.loop_launch or self.loop_library or self.loop_split or (loop and self.overlap)
+        elements or more) and ``loop_library`` per library kernel (a product on the library path, a library
+        reduction), the loops nested in them included; for a call (``custom_vjp_call``, ``jit``), what the loops in
+        its body cost so; 0 for any other op, or with no such price. XLA:CPU runs a body's kernels one after another
+        at every trip (``calibrate.py --loop-kernels-only``, ``--loop-split-only``); the node prices a body is priced
+        by hold only their work: with ``loop_bytes`` its loop kernels pay their bytes at each trip, else under
+        ``overlap`` the term's share (:func:`~rewrite.cost.spill.with_bytes`: the kernel's price less its price
+        summed). Kept in the op's memo (an extractor's op holds its chosen bodies; one from a jaxpr, its params)."""
+        loop, bytes_ = op.prim in ("scan", "while"), self.overlap or self.loop_bytes
+        priced = self.loop_launch or self.loop_library or self.loop_split or (loop and bytes_)
         if not priced or (not loop and op.family != _primitives.NESTED and inner_jaxpr(op.params) is None):
             return 0.0
         memo = op.memo
@@ -367,9 +366,10 @@ class FusionModel:
         for body in bodies:
             homes, roots = self.fuse(body)
             for r, kind in roots.items():
-                if loop and kind == LOOP and self.overlap:  # its bytes hide its work, as a program's loop kernel's
+                if loop and kind == LOOP and bytes_:  # its bytes, which its members' node prices leave out
                     comp = [i for i, hs in homes.items() if r in hs]
-                    per_trip += self.kernel(body, r, kind, comp)[0] - self.kernel(body, r, kind, comp, summed=True)[0]
+                    per_trip += (self.kernel(body, r, kind, comp, summed=None)[0] if self.loop_bytes else
+                                 self.kernel(body, r, kind, comp)[0] - self.kernel(body, r, kind, comp, summed=True)[0])
                 root = body.ops[r]
                 if loop:  # a call's own kernels run as the program's (``launch``); the loops in it are charged
                     library = kind == LIBRARY or (root.prim == "dot_general"
@@ -385,9 +385,9 @@ class FusionModel:
             memo[key] = found
         return found
 
-    def kernel(self, prog: Any, r: Any, kind: str, comp: Iterable[Any], summed: bool = False) -> tuple[float, set]:
+    def kernel(self, prog: Any, r: Any, kind: str, comp: Iterable[Any], summed: bool | None = False) -> tuple:
         """The cost of the kernel rooted at ``r`` that computes ``comp``, and the ops it reads (``summed``: its work
-        and bytes summed, whatever ``overlap``: :meth:`launches` takes the term's share of a loop body's kernel)."""
+        and bytes summed, whatever ``overlap``; ``None``: its bytes' price alone, spill included: :meth:`launches`)."""
         ops = prog.ops
         root_op = ops[r]
         if kind == ATTENTION:
@@ -444,7 +444,7 @@ class FusionModel:
         moved = self.byte * (sum(facts(ops[a], prog)[6] if a in whole else min(facts(ops[a], prog)[6], sliced[a])
                                  for a in reads if ops[a].out_avals)
                              + facts(root_op, prog)[8])
-        cost = with_bytes(self, kind, cost, moved, overlap=False if summed else None)
+        cost = moved if summed is None else with_bytes(self, kind, cost, moved, overlap=False if summed else None)
         if self.spill:  # a slice of an array beyond the cache is streamed once, as any array read
             cost += (sum(facts(ops[a], prog)[9] for a in reads if ops[a].out_avals and a in whole)
                      + facts(root_op, prog)[10])
