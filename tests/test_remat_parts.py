@@ -193,3 +193,24 @@ def test_the_searches_live_price_takes_a_loop_bodys_bytes_as_the_fusion_model_do
             live.edit(dict(enumerate(prog.ops)))
             assert abs(live.price() - fm(prog)) <= 1e-9 * fm(prog), overlap
 
+
+def test_a_call_in_a_loop_body_runs_its_kernels_at_every_trip():
+    """A call in a scan's body (the ``remat2`` that ``hoist_reductions`` wraps a body in, a ``jax.checkpoint``) runs its
+    kernels at every trip as the body's own: ``FusionModel.launches`` charges them per trip (here ``loop_split``, a
+    kernel of 64K elements or more, and ``loop_bytes``) as it does the same kernels unwrapped. Before, a call in a body
+    was charged only for the loops in it, so a hoist's body escaped the per-trip charges its input's body paid."""
+    from rewrite.cost.model import AnalyticCost
+    from rewrite.cost.program import Program
+
+    xs, m = R._blocks(8, 256)
+
+    def wrapped(xs, m):
+        body = jax.checkpoint(lambda c, x: (c + jnp.sum(jnp.exp(x - m[:, None]), axis=1), None))
+        return jax.lax.scan(body, jnp.zeros(m.shape, xs.dtype), xs)[0]
+
+    for kw in ({"loop_split": 2262.0, "loop_parallel_at": 65536.0}, {"loop_bytes": True}):
+        fm = AnalyticCost(**kw).fusion_model()
+        plain, inside = (Program.from_jaxpr(jax.make_jaxpr(f)(xs, m), None) for f in (R._loop, wrapped))
+        (a,), (b,) = ([op for op in p.ops if op.prim == "scan"] for p in (plain, inside))
+        assert fm.launches(a) > 0, kw
+        assert abs(fm.launches(b) - fm.launches(a)) <= 1e-9 * fm.launches(a), kw
