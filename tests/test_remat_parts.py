@@ -144,3 +144,73 @@ def test_the_searches_live_price_takes_a_loop_bodys_overlap_as_the_fusion_model_
         live = LiveFusion(fm, prog.outputs)
         live.edit(dict(enumerate(prog.ops)))
         assert abs(live.price() - fm(prog)) <= 1e-9 * fm(prog), overlap
+
+
+def test_the_body_probe_computes_one_thing_both_ways():
+    """``--bodies``: the kernel over every block at once and trip by trip in a scan give the same row sums; the
+    docs' RNN loop with and without its stacked output, the same carry (``--stacked``)."""
+    xs, m = R._blocks(3, 8)
+    np.testing.assert_allclose(R._whole(xs, m).sum(0), R._loop(xs, m), rtol=1e-5)
+    h0, xs = R._rnn(3, 16)
+    np.testing.assert_allclose(R._carried(h0, xs), R._stacked(h0, xs)[0])
+    assert set(R.body_prices(64)) == set(R.BODIES) and set(R.body_prices(64, None, R.STACKED, R._rnn)) == set(R.STACKED)
+
+
+def test_with_loop_bytes_a_loop_bodys_loop_kernels_pay_their_bytes_at_every_trip():
+    """``AnalyticCost.loop_bytes``: a scan's body's loop kernels pay, at every trip, the bytes they read and write (the
+    node prices a body is priced by hold their work alone: the LM head's block body, ``exp`` over ``[rows, 512]``, was
+    priced 0.29-0.55x of the clock at 64-4096 rows, ``remat_parts --bodies``), summed, not overlapped."""
+    from rewrite.cost.model import AnalyticCost
+    from rewrite.cost.program import LOOP, Program
+
+    xs, m = R._blocks(16, 256)
+    prog = Program.from_jaxpr(jax.make_jaxpr(R._loop)(xs, m), None)
+    (loop,) = [op for op in prog.ops if op.prim == "scan"]
+    body = Program.from_jaxpr(loop.params["jaxpr"], None)
+    off = AnalyticCost(loop_bytes=False).fusion_model()
+    free = AnalyticCost(byte=0.0).fusion_model()  # the same kernels' prices with their bytes free
+    kernels = [k for k in off.kernels(body) if k.kind == LOOP]
+    assert kernels
+    moved = sum(off.kernel(body, k.root, LOOP, k.computes, summed=True)[0]
+                - free.kernel(body, k.root, LOOP, k.computes, summed=True)[0] for k in kernels)
+    assert moved > 0
+    for overlap in (False, True):  # with loop_bytes, the overlap's share is not taken in a body
+        on = AnalyticCost(loop_bytes=True, overlap=overlap).fusion_model()
+        base = AnalyticCost(loop_bytes=False, overlap=False).fusion_model().launches(loop)
+        assert abs(on.launches(loop) - base - 16 * moved) <= 1e-9 * 16 * moved, overlap
+
+
+def test_the_searches_live_price_takes_a_loop_bodys_bytes_as_the_fusion_model_does():
+    from rewrite.cost.live import LiveFusion
+    from rewrite.cost.model import AnalyticCost
+    from rewrite.cost.program import Program
+
+    xs, m = R._blocks(16, 256)
+    for prog in (_docs_rnn_program(16, 128), Program.from_jaxpr(jax.make_jaxpr(R._loop)(xs, m), None)):
+        for overlap in (False, True):
+            fm = AnalyticCost(loop_bytes=True, overlap=overlap).fusion_model()
+            live = LiveFusion(fm, prog.outputs)
+            live.edit(dict(enumerate(prog.ops)))
+            assert abs(live.price() - fm(prog)) <= 1e-9 * fm(prog), overlap
+
+
+def test_a_call_in_a_loop_body_runs_its_kernels_at_every_trip():
+    """A call in a scan's body (the ``remat2`` that ``hoist_reductions`` wraps a body in, a ``jax.checkpoint``) runs its
+    kernels at every trip as the body's own: ``FusionModel.launches`` charges them per trip (here ``loop_split``, a
+    kernel of 64K elements or more, and ``loop_bytes``) as it does the same kernels unwrapped. Before, a call in a body
+    was charged only for the loops in it, so a hoist's body escaped the per-trip charges its input's body paid."""
+    from rewrite.cost.model import AnalyticCost
+    from rewrite.cost.program import Program
+
+    xs, m = R._blocks(8, 256)
+
+    def wrapped(xs, m):
+        body = jax.checkpoint(lambda c, x: (c + jnp.sum(jnp.exp(x - m[:, None]), axis=1), None))
+        return jax.lax.scan(body, jnp.zeros(m.shape, xs.dtype), xs)[0]
+
+    for kw in ({"loop_split": 2262.0, "loop_parallel_at": 65536.0}, {"loop_bytes": True}):
+        fm = AnalyticCost(**kw).fusion_model()
+        plain, inside = (Program.from_jaxpr(jax.make_jaxpr(f)(xs, m), None) for f in (R._loop, wrapped))
+        (a,), (b,) = ([op for op in p.ops if op.prim == "scan"] for p in (plain, inside))
+        assert fm.launches(a) > 0, kw
+        assert abs(fm.launches(b) - fm.launches(a)) <= 1e-9 * fm.launches(a), kw

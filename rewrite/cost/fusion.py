@@ -171,7 +171,7 @@ class FusionModel:
                  parallel: float = 1.0, parallel_at: float = math.inf, chain: float = 0.0,
                  serial: float = 1.0, loop_launch: float = 0.0, loop_library: float = 0.0, loop_split: float = 0.0,
                  while_trips: float = 10.0, kernel_product: Callable[[Op], float] | None = None,
-                 reduce_cached: float | None = None, overlap: bool = False) -> None:
+                 reduce_cached: float | None = None, overlap: bool = False, loop_bytes: bool = False) -> None:
         self.ns = dict(ns)
         #: where an op's memo keeps its facts for this model (:meth:`_facts`): one memo may meet two models
         self._facts_key = ("facts", id(self))
@@ -191,7 +191,7 @@ class FusionModel:
         self.spill, self.near, self.tier = spill, near, tier  # (AnalyticCost.near)
         self.memory, self.inner, self.budget, self.node = memory, inner, budget, node
         self.library_op, self.tiebreak = library_op, tiebreak
-        self.byte, self.overlap = byte, overlap  # (AnalyticCost.overlap)
+        self.byte, self.overlap, self.loop_bytes = byte, overlap, loop_bytes  # (AnalyticCost.overlap, .loop_bytes)
         self.reduce, self.reduce_cached = reduce, reduce_cached  # (spill.py's cached_reduction)
         self.launch, self.default, self.cheap = launch, default, cheap
 
@@ -338,23 +338,23 @@ class FusionModel:
             out.append(Fusion(r, kind, sorted(comp), sorted(reads), cost))
         return out
 
-    def launches(self, op: Op) -> float:
+    def launches(self, op: Op, trip: bool = False) -> float:
         """What the kernels of a loop's bodies cost per execution of the loop beyond their work: at each trip,
         ``loop_launch`` per loop kernel (``loop_split`` more where XLA:CPU splits it across the cores: ``parallel_at``
-        elements or more) and ``loop_library`` per library kernel (a product on the library path, a
-        library reduction), the loops nested in them included; for a call (``custom_vjp_call``, ``jit``), what the
-        loops in its body cost so; 0 for any other op, or with no such price. XLA:CPU runs a loop body's kernels one
-        after another at every trip, each waiting for the one before (``benchmarks/calibrate.py --loop-kernels-only``,
-        ``--loop-split-only``); the node prices a body is priced by hold only their work. Under ``overlap`` a loop's
-        body's loop kernels take the term at each trip as a program's do (:func:`rewrite.cost.spill.with_bytes`: the
-        kernel's price less its price summed), where the node prices sum them. Kept in the op's memo (an
-        extractor's op holds its chosen bodies there; one loaded from a jaxpr, its params)."""
-        loop = op.prim in ("scan", "while")
-        priced = self.loop_launch or self.loop_library or self.loop_split or (loop and self.overlap)
+        elements or more) and ``loop_library`` per library kernel (a product on the library path, a library
+        reduction), the loops and calls nested in them included; for a call (``custom_vjp_call``, ``jit``), what the
+        loops in its body cost so; 0 for any other op, or with no such price. XLA:CPU runs a body's kernels one after another
+        at every trip (``calibrate.py --loop-kernels-only``, ``--loop-split-only``); the node prices a body is priced
+        by hold only their work: with ``loop_bytes`` its loop kernels pay their bytes at each trip, else under
+        ``overlap`` the term's share (:func:`~rewrite.cost.spill.with_bytes`: the kernel's price less its price
+        summed); ``trip``: a call in a loop's body (its kernels run at every trip). Kept in the op's memo."""
+        loop, bytes_ = op.prim in ("scan", "while"), self.overlap or self.loop_bytes
+        each = loop or trip  # (its bodies' kernels run at every trip of a loop)
+        priced = self.loop_launch or self.loop_library or self.loop_split or (each and bytes_)
         if not priced or (not loop and op.family != _primitives.NESTED and inner_jaxpr(op.params) is None):
             return 0.0
         memo = op.memo
-        key = ("launches", id(self))
+        key = ("launches", id(self), trip)
         if memo is not None and key in memo:
             return memo[key]
         bodies = memo.get("bodies") if memo else None
@@ -367,27 +367,28 @@ class FusionModel:
         for body in bodies:
             homes, roots = self.fuse(body)
             for r, kind in roots.items():
-                if loop and kind == LOOP and self.overlap:  # its bytes hide its work, as a program's loop kernel's
+                if each and kind == LOOP and bytes_:  # its bytes, which its members' node prices leave out
                     comp = [i for i, hs in homes.items() if r in hs]
-                    per_trip += self.kernel(body, r, kind, comp)[0] - self.kernel(body, r, kind, comp, summed=True)[0]
+                    per_trip += (self.kernel(body, r, kind, comp, summed=None)[0] if self.loop_bytes else
+                                 self.kernel(body, r, kind, comp)[0] - self.kernel(body, r, kind, comp, summed=True)[0])
                 root = body.ops[r]
-                if loop:  # a call's own kernels run as the program's (``launch``); the loops in it are charged
+                if each:  # a call's own kernels run as the program's (``launch``); the loops in it are charged
                     library = kind == LIBRARY or (root.prim == "dot_general"
                                                   and library_dot(root.params, root.in_avals))
                     per_trip += self.loop_library if library else self.loop_launch
                     if kind == LOOP and self.loop_split and _size(root.out_avals[0]) >= self.parallel_at:
                         per_trip += self.loop_split
                 if kind == OTHER:
-                    per_trip += self.launches(root)
+                    per_trip += self.launches(root, each)
         trips = (op.params.get("length", 1) if op.prim == "scan" else self.while_trips) if loop else 1
         found = float(trips) * per_trip
         if memo is not None:
             memo[key] = found
         return found
 
-    def kernel(self, prog: Any, r: Any, kind: str, comp: Iterable[Any], summed: bool = False) -> tuple[float, set]:
+    def kernel(self, prog: Any, r: Any, kind: str, comp: Iterable[Any], summed: bool | None = False) -> tuple:
         """The cost of the kernel rooted at ``r`` that computes ``comp``, and the ops it reads (``summed``: its work
-        and bytes summed, whatever ``overlap``: :meth:`launches` takes the term's share of a loop body's kernel)."""
+        and bytes summed, whatever ``overlap``; ``None``: its bytes' price alone, spill included: :meth:`launches`)."""
         ops = prog.ops
         root_op = ops[r]
         if kind == ATTENTION:
@@ -444,7 +445,7 @@ class FusionModel:
         moved = self.byte * (sum(facts(ops[a], prog)[6] if a in whole else min(facts(ops[a], prog)[6], sliced[a])
                                  for a in reads if ops[a].out_avals)
                              + facts(root_op, prog)[8])
-        cost = with_bytes(self, kind, cost, moved, overlap=False if summed else None)
+        cost = moved if summed is None else with_bytes(self, kind, cost, moved, overlap=False if summed else None)
         if self.spill:  # a slice of an array beyond the cache is streamed once, as any array read
             cost += (sum(facts(ops[a], prog)[9] for a in reads if ops[a].out_avals and a in whole)
                      + facts(root_op, prog)[10])
@@ -489,9 +490,7 @@ class FusionModel:
                  _size(outs[0]) * self.library_op if self.library_op is not None and outs and not bitcast(op)
                  else 0.0,
                  _size(outs[0]) * self.op_ns(op, prog) if outs and kind == LOOP else 0.0,  # only loops fuse others
-                 _nbytes(outs[0]) if outs else 0,
-                 kind == REDUCE,
-                 _out_bytes(op),
+                 _nbytes(outs[0]) if outs else 0, kind == REDUCE, _out_bytes(op),
                  self.spilled(_nbytes(outs[0])) if outs else 0.0,
                  sum(self.spilled(_nbytes(a)) for a in outs))
         return found

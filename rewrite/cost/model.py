@@ -340,6 +340,9 @@ class AnalyticCost(CostModel):
     #: ``lm_head_loss_small``'s head (``nn_lm_head_lse_label_256``, predicted 1.01x), measured 0.88x, and
     #: ``gymnax_cartpole_rollout``'s choice takes a hoist measured 0.92x (log.md, h-overlap and h-spear3).
     overlap: bool = dataclasses.field(default_factory=lambda: bool(_table().get("overlap", False)))
+    #: a loop body's loop kernels pay their bytes at every trip, summed with their work (its node prices hold the work
+    #: alone), not ``overlap``'s share (``remat_parts.py --bodies``; ``FusionModel.launches``). The table's, else off.
+    loop_bytes: bool = dataclasses.field(default_factory=lambda: bool(_table().get("loop_bytes", False)))
     #: a loop kernel in which a transcendental reads another's result (``log(2 cosh(x))``) pays ``chain`` times the
     #: prices of the dearest such chain more: each waits for the other's latency (``benchmarks/calibrate.py
     #: --chain-only``; ``rewrite/cost/transcendental.py``'s ``chained``). The table's, where measured; else 0.
@@ -545,7 +548,7 @@ class AnalyticCost(CostModel):
                          held=functools.partial(scheduled_peak, scratch=False),
                          parallel=self.loop_parallel, parallel_at=self.loop_parallel_at, chain=self.chain,
                          serial=self.loop_serial, loop_launch=self.loop_launch, loop_library=self.loop_launch_library,
-                         loop_split=self.loop_split, overlap=self.overlap,
+                         loop_split=self.loop_split, overlap=self.overlap, loop_bytes=self.loop_bytes,
                          while_trips=self.while_trips, reduce_cached=self.reduce_cached,
                          kernel_product=(self._kernel_product if self.attention_dot is not None
                                          and (self.attention_dot != self.dot or self.dot_parallel_at != math.inf)
