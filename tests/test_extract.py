@@ -692,3 +692,48 @@ def test_a_loop_bodys_ops_are_made_once_for_every_program_a_pricer_prices():
     assert shared > 10
     fresh = Program.from_choice(ex, choice, res.roots, lambda c, n: pricer.own(c, n, choice))
     assert model.program(fresh) == pricer.price(first) == pricer.price(second)
+
+
+def _reference_tree(ex, allowed, items=None):
+    """The bottom-up pass as first written (every entry priced by ``Extractor._total``), which the pass must equal."""
+    import heapq
+    entries, parents, pending, heap, cost, choice = [], {}, [], [], {}, {}
+    for cls, ns in (ex.snap.nodes.items() if items is None else items):
+        for ctor, args in ns:
+            if allowed is not None and not allowed(cls, ctor, args):
+                continue
+            kids = list(dict.fromkeys(ex.all_kids((ctor, args))))
+            entries.append((cls, ctor, args, kids))
+            pending.append(len(kids))
+            for k in kids:
+                parents.setdefault(k, []).append(len(entries) - 1)
+            if not kids:
+                heap.append((ex.own(cls, (ctor, args), choice), len(entries) - 1))
+    heapq.heapify(heap)
+    while heap:
+        c, i = heapq.heappop(heap)
+        cls, ctor, args, _ = entries[i]
+        if cls in cost:
+            continue
+        cost[cls], choice[cls] = c, (ctor, args)
+        for p in parents.get(cls, ()):
+            pending[p] -= 1
+            if pending[p] == 0 and entries[p][0] not in cost:
+                heapq.heappush(heap, (ex._total(*entries[p], cost, choice), p))
+    return cost, choice
+
+
+@pytest.mark.parametrize("name", sorted(PROGRAMS))
+def test_the_tree_pass_equals_the_pass_as_first_written(name):
+    # (its lookups bound once and a node's own price read off the shared prices: the same costs, floats and
+    # choices, in the same order, unrestricted, restricted to the input's nodes, and over a set of classes)
+    res, model, ex, _ = _search_state(name)
+    fresh = Extractor(res.snapshot, model)
+    cases = [(None, None), (lambda cls, ctor, args: ctor in _CONTAINERS or len(ex.snap.nodes[cls]) == 1, None)]
+    classes = sorted(reachable(ex.snap, ex.tree()[1], res.roots), key=list(ex.snap.nodes).index)
+    cases.append((None, [(c, ex.snap.nodes[c]) for c in classes]))
+    for allowed, items in cases:
+        want = _reference_tree(fresh, allowed, items)
+        got = ex._tree_pass(allowed, items)
+        assert list(got[0].items()) == list(want[0].items()) and list(got[1].items()) == list(want[1].items())
+        assert all(type(v) is float for v in got[0].values())

@@ -27,6 +27,12 @@ _CONTAINERS = {"TNil", "TCons", "Body", "BNil", "BCons"}
 _LEAVES = _terms.LEAVES
 
 
+def _nested(ctor: str) -> bool:
+    """Whether a node of ``ctor`` may have bodies (:meth:`Extractor.body_classes` is empty for any other)."""
+    spec = _primitives.BY_CTOR.get(ctor)
+    return spec is not None and spec.family == _primitives.NESTED
+
+
 def shared(snap: Snapshot, model: CostModel) -> "Extractor":
     """The extractor of ``snap`` under ``model`` that every extraction from that snapshot uses (a VJP extracts its
     joint program and its gradients alone, and prices its splits, from one): each node is priced and the tree
@@ -267,43 +273,68 @@ class Extractor:
 
     def _tree_pass(self, allowed: Callable[[Any, str, tuple], bool] | None,
                    items: Sequence[tuple[Any, list]] | None = None) -> tuple[dict, dict]:
+        # (its lookups bound once, a node's own price read off the shared prices before it is asked for, and a
+        # nested node told by its constructor: the same entries, prices, sums and heap as :meth:`_total` per entry)
         self.passes += 1
-        entries: list[tuple[Any, str, tuple, list[Any]]] = []
+        entries: list[tuple[Any, tuple, list[Any]]] = []
         parents: dict[Any, list[int]] = {}
         pending: list[int] = []
         heap: list[tuple[float, int]] = []
         cost: dict[Any, float] = {}
         choice: dict[Any, tuple] = {}
-        unique = self._unique_kids
+        unique, all_kids, own = self._unique_kids, self.all_kids, self.own
         for cls, ns in (self.snap.nodes.items() if items is None else items):
             for node in ns:
-                ctor, args = node
-                if allowed is not None and not allowed(cls, ctor, args):
+                if allowed is not None and not allowed(cls, node[0], node[1]):
                     continue
                 kids = unique.get(node)
                 if kids is None:
-                    kids = unique[node] = list(dict.fromkeys(self.all_kids(node)))
+                    kids = unique[node] = list(dict.fromkeys(all_kids(node)))
                 i = len(entries)
-                entries.append((cls, ctor, args, kids))
+                entries.append((cls, node, kids))
                 pending.append(len(kids))
-                for k in kids:
-                    parents.setdefault(k, []).append(i)
-                if not kids:
-                    heap.append((self.own(cls, (ctor, args), choice), i))
+                if kids:
+                    for k in kids:
+                        found = parents.get(k)
+                        if found is None:
+                            parents[k] = [i]
+                        else:
+                            found.append(i)
+                else:
+                    heap.append((own(cls, node, choice), i))
         heapq.heapify(heap)
+        prices, total = self._own, self._total
+        nested: dict[str, bool] = {}  # by constructor, for this pass (a primitive may be registered between two)
+        get, heappop, heappush = cost.__getitem__, heapq.heappop, heapq.heappush
         while heap:
-            c, i = heapq.heappop(heap)
-            cls, ctor, args, _ = entries[i]
+            c, i = heappop(heap)
+            cls, node, _ = entries[i]
             if cls in cost:
                 continue
             cost[cls] = c
-            choice[cls] = (ctor, args)
+            choice[cls] = node
             for p in parents.get(cls, ()):
-                pending[p] -= 1
-                if pending[p] == 0:
-                    pcls, pctor, pargs, pkids = entries[p]
-                    if pcls not in cost:
-                        heapq.heappush(heap, (self._total(pcls, pctor, pargs, pkids, cost, choice), p))
+                n = pending[p] - 1
+                pending[p] = n
+                if n == 0:
+                    pcls, pnode, pkids = entries[p]
+                    if pcls in cost:
+                        continue
+                    pctor = pnode[0]
+                    bodied = nested.get(pctor)
+                    if bodied is None:
+                        bodied = nested[pctor] = _nested(pctor)
+                    if bodied:
+                        heappush(heap, (total(pcls, pctor, pnode[1], pkids, cost, choice), p))
+                        continue
+                    if pctor in _CONTAINERS:
+                        o = 0.0
+                    else:
+                        pargs = pnode[1]
+                        o = prices.get((pcls, pctor, pargs, choice[pargs[0]] if pctor == "Proj" else None))
+                        if o is None:
+                            o = own(pcls, pnode, choice)
+                    heappush(heap, (o + sum(map(get, pkids)), p))
         return cost, choice
 
     def _total(self, cls: Any, ctor: str, args: tuple, kids: list[Any], cost: dict, choice: dict) -> float:
