@@ -254,6 +254,19 @@ _UNARY = ["exp", "sin", "cos", "neg", "log", "tanh", "sinh", "cosh"]
 _BINARY = ["add", "mul", "sub", "div"]
 
 
+def _random_program(rng, least, pool):
+    """A random program's ops by class, and each class's kind: up to 25 classes, each of a kind drawn from ``pool``
+    (an op that cannot be made from the classes before it is left out)."""
+    kinds: dict[int, str] = {}
+    ops: dict[int, Op] = {}
+    for c in range(rng.randint(least, 25)):
+        kind = rng.choice(pool)
+        op = _random_op(rng, kind, kinds)
+        if op is not None:
+            kinds[c], ops[c] = kind, op
+    return kinds, ops
+
+
 def _random_op(rng, kind, earlier):
     """An op computing a value of ``kind`` ('S', 'R' or 'T': a pair of S) from the classes ``earlier``."""
     of = {k: [c for c, t in earlier.items() if t == k] for k in "SRT"}
@@ -313,14 +326,7 @@ def test_live_fusion_prices_random_edits_as_the_whole_program(seed):
                         byte=0.05, reduce=0.3, launch=500.0, default=3.0, cheap=0.25, node=20.0, library_op=0.4,
                         memory=rng.choice([0.0, 0.01, 1.0]), chain=rng.choice([0.0, 0.6]),
                         serial=rng.choice([1.0, 1.85]), parallel_at=4096.0)
-    kinds: dict[int, str] = {}
-    ops: dict[int, Op] = {}
-    for c in range(rng.randint(3, 25)):
-        kind = rng.choice("SSSRRT")
-        op = _random_op(rng, kind, kinds)
-        if op is None:
-            continue
-        kinds[c], ops[c] = kind, op
+    kinds, ops = _random_program(rng, 3, "SSSRRT")
     outputs = rng.sample(sorted(c for c in ops if kinds[c] != "T"), k=min(2, sum(kinds[c] != "T" for c in ops)))
     live = LiveFusion(model, outputs)
     live.edit(dict(ops))
@@ -375,13 +381,7 @@ def test_a_live_fusion_keeps_between_edits_what_it_would_read_afresh(seed):
     and the postorder written out for the positions. Each must be what a fresh read gives, after every edit."""
     rng = random.Random(seed)
     model = FusionModel({"exp": 2.0, "log": 2.5}, byte=0.05, reduce=0.3, launch=500.0, default=3.0, cheap=0.25)
-    kinds: dict[int, str] = {}
-    ops: dict[int, Op] = {}
-    for c in range(rng.randint(3, 25)):
-        kind = rng.choice("SSSRRT")
-        op = _random_op(rng, kind, kinds)
-        if op is not None:
-            kinds[c], ops[c] = kind, op
+    kinds, ops = _random_program(rng, 3, "SSSRRT")
     outputs = rng.sample(sorted(c for c in ops if kinds[c] != "T"), k=min(2, sum(kinds[c] != "T" for c in ops)))
     live = LiveFusion(model, outputs)
     live.edit(dict(ops))
@@ -478,13 +478,7 @@ def test_kernel_facts_kept_in_memos_price_as_fresh_ops():
               for m in (0.0, 1.0)]
     used = False
     for _ in range(20):
-        kinds: dict[int, str] = {}
-        ops: dict[int, Op] = {}
-        for c in range(rng.randint(4, 25)):
-            kind = rng.choice("SSSRR")
-            op = _random_op(rng, kind, kinds)
-            if op is not None:
-                kinds[c], ops[c] = kind, op
+        kinds, ops = _random_program(rng, 4, "SSSRR")
         outputs = sorted(ops)[-1:]
         memo = {k: {} for k in ops}  # shared by every copy of the program, as an extraction's templates share them
 
