@@ -14,7 +14,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from ..ir import primitives as _primitives
 from ..ir.scanread import SLICES
-from ..ir.walk import CycleError, postorder
+from ..ir.walk import postorder
 from .attention import SOFTMAX_OPS, scores_bytes
 from .fusion import TIEBREAK, Fusion, FusionModel, _temp, buffer_of, output_buffers, slices
 from .program import ATTENTION, LEAF, LIBRARY, LOOP, OTHER, REDUCE, VIEW, Op, _kind, bitcast, sliced_parts
@@ -490,7 +490,8 @@ class LiveFusion:
         found = self._positions
         if found is None or found[0] != self._version:
             self.walks += 1
-            found = self._positions = (self._version, _postorder_at(self.outputs, self.ops), None)
+            at = {c: i for i, c in enumerate(postorder(self.outputs, lambda c: self.ops[c].args))}
+            found = self._positions = (self._version, at, None)
         return found[1]
 
     def made_at(self) -> dict:
@@ -503,40 +504,6 @@ class LiveFusion:
             made = {c: last - i for c, i in at.items()}
             self._positions = (version, at, made)
         return made
-
-
-def _postorder_at(outputs: Sequence[Any], ops: Mapping[Any, Op]) -> dict:
-    """Each op's position in ``ir.walk.postorder(outputs, lambda c: ops[c].args)``, written out (walked once per
-    version of a live program: a search's every price under the fresh charge): the same walk, the same order, the
-    same :class:`rewrite.ir.walk.CycleError` on a cycle.
-
-    >>> from rewrite.ir.walk import postorder
-    >>> v = Op("x", _primitives.ELEMENTWISE, {}, (), (), ())
-    >>> ops = {"a": v, "b": Op("y", _primitives.ELEMENTWISE, {}, ("a",), (), ()),
-    ...        "c": Op("z", _primitives.ELEMENTWISE, {}, ("b", "a", "b"), (), ())}
-    >>> _postorder_at(["c", "a"], ops) == {c: i for i, c in enumerate(postorder(["c", "a"], lambda c: ops[c].args))}
-    True
-    """
-    at: dict[Any, int] = {}
-    on_path: set = set()
-    stack: list[tuple[Any, bool]] = [(r, False) for r in reversed(outputs)]
-    pop, push, enter, leave = stack.pop, stack.append, on_path.add, on_path.discard
-    while stack:
-        c, after = pop()
-        if c in at:
-            continue
-        if after:
-            leave(c)
-            at[c] = len(at)
-            continue
-        if c in on_path:
-            raise CycleError("the chosen program has a cycle")
-        enter(c)
-        push((c, True))
-        for k in reversed(ops[c].args):
-            if k not in at:
-                push((k, False))
-    return at
 
 
 class _KernelSums:
