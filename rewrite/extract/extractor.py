@@ -273,8 +273,8 @@ class Extractor:
 
     def _tree_pass(self, allowed: Callable[[Any, str, tuple], bool] | None,
                    items: Sequence[tuple[Any, list]] | None = None) -> tuple[dict, dict]:
-        # (its lookups bound once, a node's own price read off the shared prices before it is asked for, and a
-        # nested node told by its constructor: the same entries, prices, sums and heap as :meth:`_total` per entry)
+        # (its lookups bound once and a nested node told by its constructor: the same entries, prices, sums and heap
+        # as :meth:`_total` per entry)
         self.passes += 1
         entries: list[tuple[Any, tuple, list[Any]]] = []
         parents: dict[Any, list[int]] = {}
@@ -303,7 +303,7 @@ class Extractor:
                 else:
                     heap.append((own(cls, node, choice), i))
         heapq.heapify(heap)
-        prices, total = self._own, self._total
+        total = self._total
         nested: dict[str, bool] = {}  # by constructor, for this pass (a primitive may be registered between two)
         get, heappop, heappush = cost.__getitem__, heapq.heappop, heapq.heappush
         while heap:
@@ -326,15 +326,8 @@ class Extractor:
                         bodied = nested[pctor] = _nested(pctor)
                     if bodied:
                         heappush(heap, (total(pcls, pctor, pnode[1], pkids, cost, choice), p))
-                        continue
-                    if pctor in _CONTAINERS:
-                        o = 0.0
                     else:
-                        pargs = pnode[1]
-                        o = prices.get((pcls, pctor, pargs, choice[pargs[0]] if pctor == "Proj" else None))
-                        if o is None:
-                            o = own(pcls, pnode, choice)
-                    heappush(heap, (o + sum(map(get, pkids)), p))
+                        heappush(heap, (own(pcls, pnode, choice) + sum(map(get, pkids)), p))
         return cost, choice
 
     def _total(self, cls: Any, ctor: str, args: tuple, kids: list[Any], cost: dict, choice: dict) -> float:
