@@ -36,7 +36,7 @@ _UNARY = [jnp.sin, jnp.exp, jnp.tanh, lambda x: x * x, lambda x: jnp.maximum(x, 
 _BINARY = [jnp.add, jnp.multiply, jnp.subtract, lambda a, b: a / (1.0 + b * b)]
 
 
-def _random_program(seed):
+def _random_jax_program(seed):
     """A random program over a (n, m) and a (m, k) input: pointwise chains, products, transposes, reductions."""
     rng = random.Random(seed)
     n, m, k = rng.choice([8, 16, 32]), rng.choice([8, 24]), rng.choice([8, 16])
@@ -94,7 +94,7 @@ def _priced(ex, choice):
     return out
 
 
-CASES = [(f"random{s}", *_random_program(s), [rulesets.algebra, derivatives]) for s in range(4)]
+CASES = [(f"random{s}", *_random_jax_program(s), [rulesets.algebra, derivatives]) for s in range(4)]
 CASES.append(("scan_grad", *_scan_program(), [rulesets.scan, derivatives]))
 
 
