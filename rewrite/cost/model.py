@@ -60,6 +60,7 @@ from .dot import FALLBACK as _DOT_FALLBACK, REPACK as _DOT_REPACK, copied as dot
 from .dot import ALIASED, STRIDED, turns as dot_turns
 from .fusion import FusionModel, ns_key, peak_temp_bytes
 from .memory import InnerPeak, as_xla_simplifies, scheduled_peak
+from .prices import NODE_KEY, price_of
 from .program import Program, library_reduction
 from .spill import spilled as _spilled
 
@@ -539,9 +540,7 @@ class AnalyticCost(CostModel):
     def fusion_model(self) -> FusionModel:
         """The whole-program model with this model's prices (see ``rewrite/cost/fusion.py``)."""
         fm = FusionModel(self.ops, byte=self.byte, cache=self.cache, spill=self.spill, reduce=self.reduce,
-                         near=self.near, tier=self.tier,
-                         scores_cached=self.scores_cached,
-                         launch=self.launch,
+                         near=self.near, tier=self.tier, scores_cached=self.scores_cached, launch=self.launch,
                          default=self.transcendental, cheap=self.flop, node=self.node,
                          library_op=self.library_op, tiebreak=self._op_price, memory=self.memory,
                          budget=self.memory_budget, fresh=self.fresh, fresh_at=self.fresh_at,
@@ -614,7 +613,8 @@ class AnalyticCost(CostModel):
     def _op_price(self, op: Any) -> float:
         if op.family == _primitives.NESTED and op.own:
             return op.own  # its node price with its bodies' (Program.from_choice): a NodeInfo alone has none
-        return self(NodeInfo(op.prim, op.family, op.params, op.in_avals, op.out_avals))
+        key = op.memo.get(NODE_KEY) if op.memo and type(self) is AnalyticCost else None  # (kept: cost/prices.py)
+        return price_of(self, key, lambda: self(NodeInfo(op.prim, op.family, op.params, op.in_avals, op.out_avals)))
 
     @functools.cached_property
     def _fusion(self) -> FusionModel:

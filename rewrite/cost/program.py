@@ -21,6 +21,7 @@ from ..ir.jaxapi import core
 from ..ir.primitives import NodeInfo, inner_jaxpr, is_float as _is_float, spec_of
 from ..ir.scanread import SLICES
 from ..ir.walk import children, operands, postorder, walk
+from .prices import NODE_KEY
 
 
 # What XLA:CPU does with each primitive (expensive, cheap, what a library reduction absorbs) lives in its
@@ -289,7 +290,11 @@ def _template(ex: Any, c: Any, node: tuple, choice: Mapping[Any, tuple], own: Ca
         return info.op, info.family, info.params, info.in_avals, info.out_avals, 0.0, {"kind": LOOP, "inner": inner}
     cost = float(own(c, node)) if _kind_of(op) == OTHER else 0.0
     bodies = _chosen_bodies(ex, ctor, args, choice, own, cache)
-    return info.op, info.family, info.params, info.in_avals, info.out_avals, cost, {"bodies": bodies} if bodies else {}
+    # a node without bodies: its key, by which its node price is kept across extractions (``cost/prices.py``)
+    node_key = getattr(ex, "node_key", None)  # (an extractor's)
+    memo = ({"bodies": bodies} if bodies else {} if node_key is None or ex.body_classes(ctor, args)
+            else {NODE_KEY: node_key(c, ctor, args, choice)})
+    return info.op, info.family, info.params, info.in_avals, info.out_avals, cost, memo
 
 
 def _chosen_bodies(ex: Any, ctor: str, args: tuple, choice: Mapping[Any, tuple],

@@ -13,7 +13,8 @@ import heapq
 import weakref
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
-from ..cost.model import CostModel, NodeInfo
+from ..cost.model import AnalyticCost, CostModel, NodeInfo
+from ..cost.prices import keep, kept
 from ..ir import primitives as _primitives
 from ..ir import terms as _terms
 from ..ir.egraph import Snapshot
@@ -64,6 +65,8 @@ class Extractor:
         self.snap = snap
         self.model = model
         self._own: dict[tuple, float] = _prices(snap, model)
+        #: the node prices ``model`` keeps across snapshots by :meth:`node_key` (``cost/prices.py``), if it keeps any
+        self._kept: dict[tuple, float] | None = kept(model) if type(model) is AnalyticCost else None
         self._unique_kids: dict[tuple, list[Any]] = {}
         self._class_order: dict[Any, int] | None = None
         self._kids: dict[tuple, list[Any]] = {}
@@ -207,10 +210,33 @@ class Extractor:
         key = (cls, ctor, args, choice[args[0]] if ctor == "Proj" else None)
         found = self._own.get(key)
         if found is None:
-            found = self._own[key] = float(self.model(self.info(cls, ctor, args, choice)))
-            if not found >= 0.0:
-                raise ValueError(f"cost model returned {found!r} for {ctor}; costs must be non-negative numbers")
+            table = self._kept  # (a node of another snapshot, or of another class, may be the same term)
+            if table is not None:
+                found = table.get(same := self.node_key(cls, ctor, args, choice))
+            if found is None:
+                found = float(self.model(self.info(cls, ctor, args, choice)))
+                if not found >= 0.0:
+                    raise ValueError(f"cost model returned {found!r} for {ctor}; costs must be non-negative numbers")
+                if table is not None:
+                    keep(table, same, found)
+            self._own[key] = found
         return found
+
+    def node_key(self, cls: Any, ctor: str, args: tuple, choice: dict[Any, tuple]) -> tuple:
+        """What :meth:`info` reads of node ``(ctor, args)`` in ``cls`` without bodies, as a key: equal keys, equal
+        infos (``cost/prices.py`` says why). Its constructor; its params id (one primitive and params for the
+        process); its operands' and its class's avals; for a projection, the index and the projected node's
+        constructor, params id and aval."""
+        snap = self.snap
+        if ctor in _LEAVES:
+            return (ctor, snap.aval(cls))
+        if ctor == "Proj":
+            tup, index = args
+            of_ctor, of_args = choice[tup]
+            of = of_args[-1] if of_ctor not in _LEAVES and of_ctor != "Proj" else None
+            return (ctor, index, of_ctor, of, snap.aval(tup), snap.aval(cls))
+        reads = self.operands((ctor, args))
+        return (ctor, args[-1], snap.aval(cls), *[snap.aval(a) for a in (reads[1:] if ctor == "Effect" else reads)])
 
     def body_classes(self, ctor: str, args: tuple) -> list[Any]:
         """The Body classes of a nested node, in order."""

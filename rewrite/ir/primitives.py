@@ -540,8 +540,7 @@ _BINARY_TRANSCENDENTAL = "pow atan2 igamma igammac zeta"
 SPECS: tuple[OpSpec, ...] = tuple(
     _row(_UNARY, "T", ELEMENTWISE)
     + _row(_UNARY_TRANSCENDENTAL, "T", TRANSCENDENTAL)
-    + _row(_BINARY, "TT", ELEMENTWISE)
-    + _row(_BINARY_TRANSCENDENTAL, "TT", TRANSCENDENTAL)
+    + _row(_BINARY, "TT", ELEMENTWISE) + _row(_BINARY_TRANSCENDENTAL, "TT", TRANSCENDENTAL)
     + _row("broadcast_in_dim reshape squeeze rev", "T", LAYOUT)
     + _row("transpose", "T", TRANSPOSE)
     + _row("reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or", "T", REDUCE, "reduction")
@@ -549,10 +548,8 @@ SPECS: tuple[OpSpec, ...] = tuple(
     + _row("dot_general", "TT", CONTRACT)
     + _row("clamp", "TTT", ELEMENTWISE)
     + _row("select_n", "TL", ELEMENTWISE)
-    + _row("slice", "T", INDEX)
-    + _row("pad", "TT", INDEX)
-    + _row("concatenate", "L", INDEX)
-    + _row("iota", "", INDEX)
+    + _row("slice", "T", INDEX) + _row("pad", "TT", INDEX)
+    + _row("concatenate", "L", INDEX) + _row("iota", "", INDEX)
     + _row("dynamic_slice", "TL", INDEX)
     + _row("dynamic_update_slice", "TTL", INDEX)
     + [
@@ -614,13 +611,16 @@ GROUPS: Mapping[str, frozenset[str]] = types.MappingProxyType(_GROUPS)
 
 
 #: Argument sorts by constructor, as ``ir/terms.py``'s ``ctor_arg_sorts`` memoises them; state derived from the table,
-#: so it is emptied whenever the table changes (a replaced record may have another layout).
+#: so it is emptied whenever the table changes (a replaced record may have another layout). ``CHANGES[0]`` counts the
+#: changes: the node prices ``cost/prices.py`` keeps are dropped at each (a record's hooks decide prices).
 ARG_SORTS: dict[str, tuple[str, ...]] = {}
+CHANGES = [0]
 
 
 def _rebuild_groups() -> None:
-    """Refresh what is derived from the table: the groups, and the memoised argument sorts."""
+    """Refresh what is derived from the table: the groups, and the memoised argument sorts; count the change."""
     ARG_SORTS.clear()
+    CHANGES[0] += 1
     acc: dict[str, set[str]] = {}
     for spec in BY_PRIM.values():
         for g in _groups_of(spec):
