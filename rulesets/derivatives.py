@@ -149,19 +149,7 @@ def product_tree(v: Value) -> Factor | None:
     ``None`` when ``v`` is not a floating product. Of several product nodes
     in one class the oldest is followed, so that a class rewritten before is
     read the way the program wrote it.
-
-    Walked once per class per snapshot (``Value.once``), whichever rule asks: ``prod_mul``, ``prod_div`` and
-    ``prod_pow`` at a class holding a ``mul``, a ``div`` and an ``integer_pow``, ``red_pull`` at a sum of it.
-    The tree is the same for each, because it reads nothing that tells them apart: the value's type (one per
-    class), the nodes of the classes it walks and their literals (the snapshot's), and which product node to
-    follow, :func:`_product_node`'s choice among the class's nodes by their operands' names (not the node the
-    rule matched). The walk's order and its budget follow from those alone. The trees are read, never changed
-    (:func:`simplify`, :func:`split` and :func:`pieces` build their own lists), so one tree serves every rule.
     """
-    return v.once(product_tree, _product_tree)
-
-
-def _product_tree(v: Value) -> Factor | None:
     if not v.is_floating or v.weak_type or _product_node(v) is None:
         return None
     budget = [_MAX_NODES]
@@ -472,20 +460,9 @@ def _scaled(coeff: float, x: Any) -> Any:
 
 
 def _normalize(fastmath: bool) -> Any:
-    """The procedure of the product rules (``prod_mul``, ``prod_div``, ``prod_pow``; ``fastmath``: the ``_cancel``
-    pair): the class's product normalised, or ``None`` where nothing is saved.
-
-    Its verdict is made once per class per snapshot for each ``fastmath`` (``Value.once``), by whichever of the
-    rules matches the class first, and the others take it: it reads the class's :func:`product_tree` (the same
-    whichever rule matched: see there), the facts and nodes of the tree's leaves, and ``fastmath``, never the
-    match's bindings, and it builds through the builder alone (``Match.trace`` inserts terms, which the e-graph
-    keeps once each: a second build gives back the first's names). So a rule that takes the verdict unions what
-    it would have built, or declines where it would have declined. The stats stay as they were: a decline counts
-    in each rule that takes it (``declined``, each watched on what the verdict read), and a replacement fires once,
-    in the rule that made it, as before (the engine made a union of a class and one term once per snapshot,
-    ``Engine._unioned``, and the others' found it made).
-    """
-    def verdict(m: Any, root: Value) -> Any:
+    @procedural
+    def normalize(m):
+        root = m.root
         tree = product_tree(root)
         if tree is None:
             return None
@@ -497,10 +474,7 @@ def _normalize(fastmath: bool) -> Any:
             return None  # literals whose product overflows
         return build(m, coeff * simp.coeff, kept, simp.new, root.shape, root.dtype)
 
-    def normalize(m: Any) -> Any:
-        return m.root.once((_normalize, fastmath), lambda root: verdict(m, root))
-
-    return procedural(normalize)
+    return normalize
 
 
 # ---------------------------------------------------------------------- reductions

@@ -66,7 +66,6 @@ class Builder:
         self._prefer_ex: Extractor | None = None
         self._nodes: dict[Any, list] = {}  # nodes_of's views
         self._functions: dict[tuple, Callable[..., list]] = {}  # function's results, by output and input classes
-        self._once: dict[Any, tuple[Any, frozenset]] = {}  # once's results, with the classes each read
 
     def release(self) -> None:
         """Drop the views of the last snapshot: they refer back to the builder (a Node to the builder that
@@ -75,33 +74,6 @@ class Builder:
         self._nodes = {}
         self._prefer = None
         self._functions = {}
-        self._once = {}
-
-    def once(self, key: Any, fn: Callable[[], Any]) -> Any:
-        """``fn()``, run once per snapshot for ``key``: a later call with the same key, from any rule's match, gets the
-        first call's result, and the classes and facts the first call read count as read by this match too (``reads``:
-        a procedure that declines on the result is watched on them, as it would be had it run ``fn`` itself).
-
-        For work that several rules repeat on one class (``rulesets.derivatives``' product tree, read by a rule per
-        product primitive and by the one that pulls factors out of sums): ``key`` must name everything the result
-        depends on besides the snapshot (a class by its id in this snapshot, ``Value.cls``), so that the result is
-        the one ``fn`` would return again. A call that raises (``OutOfTime``, say) keeps nothing."""
-        found = self._once.get(key)
-        outer = self.reads
-        if found is None:
-            self.reads = set()  # what fn reads, kept with its result (recorded even outside a procedure)
-            try:
-                result = fn()
-            finally:
-                read, self.reads = self.reads, outer
-                if outer is not None:
-                    outer |= read
-            self._once[key] = (result, frozenset(read))
-            return result
-        result, read = found
-        if outer is not None:
-            outer |= read
-        return result
 
     def value(self, x: Any) -> Value:
         """A :class:`Value` for a class of the current snapshot, or for a V id."""

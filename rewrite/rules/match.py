@@ -229,14 +229,6 @@ class Value:
             return []
         return list(self._engine.nodes_of(self.cls))
 
-    def once(self, tag: Any, fn: Callable[["Value"], Any]) -> Any:
-        """``fn(self)``, computed once per snapshot for this class and ``tag`` by whichever rule asks first, when
-        ``fn`` reads nothing but the snapshot at this class (and ``tag`` names what else it depends on): see
-        ``Builder.once``. A value outside a snapshot, or built by this match, computes it each time."""
-        if self._engine is None or self.cls is None:
-            return fn(self)
-        return self._engine.once((tag, self.cls), lambda: fn(self))
-
     def node(self, prim: str) -> "Node | None":
         """One e-node of this class that applies ``prim``, if there is one."""
         for n in self.nodes:
