@@ -4,11 +4,14 @@ read once per object, and what they make is what reading it each time made (the 
 
 from __future__ import annotations
 
+import builtins
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from rewrite import Limits, Ruleset, Tolerance, rule
+from rewrite.cache import fingerprint as _fp
 from rewrite.cache import key as _key
 from rewrite.cache import serialise
 from rewrite.cache.fingerprint import fingerprint
@@ -92,3 +95,42 @@ def test_each_aval_and_dtype_is_written_once_and_the_program_reads_back_alike(mo
     monkeypatch.undo()
     back = serialise.loads_program(blob, original)
     assert str(back) == str(closed)
+
+
+class _Written(_fp._Canon):
+    """The canonical walk as it wrote an aval's key before: the key's tuple, its repr made at each occurrence."""
+
+    def aval(self, aval):
+        return _fp.aval_key(aval)
+
+    def put_tagged(self, tag, key):
+        self.put((tag.decode()[1:-3], key))  # b"'in', " -> "in"
+
+    def put_bytes(self, key):
+        self.put(key)
+
+
+def test_a_programs_fingerprint_writes_each_avals_key_once_and_the_same_bytes(monkeypatch):
+    """``program_fingerprint`` makes the repr of an aval's key once per aval object (a key holds its sharding's
+    repr, written at every variable and literal before), and writes the bytes the key's repr at each occurrence
+    wrote: the same digest."""
+    closed = _program()
+    canon, written = _fp._Canon(), _Written()
+    written.closed(closed)
+    avals = {id(v.aval): v.aval for v in _variables(closed.jaxpr)}
+    keys_made = [_fp.aval_key(a) for a in avals.values()]
+    made = []
+
+    def counted(x):
+        if type(x) is tuple and len(x) == 6 and type(x[0]) is tuple and x in keys_made:
+            made.append(x)
+        return builtins.repr(x)
+
+    monkeypatch.setattr(_fp, "repr", counted, raising=False)
+    canon.closed(closed)
+    assert bytes(canon.out) == bytes(written.out)
+    assert len(made) == len(avals) < len(_variables(closed.jaxpr))  # one repr per aval object, not per variable
+
+
+def _variables(jaxpr):
+    return [*jaxpr.constvars, *jaxpr.invars, *(v for e in jaxpr.eqns for v in [*e.invars, *e.outvars])]
