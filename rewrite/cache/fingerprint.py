@@ -377,18 +377,31 @@ class _Canon:
         self.out = bytearray()
         self.opaque: dict[int, int] = {}
         self.bodies: dict[int, tuple[Any, bytes]] = {}  # id -> (the body, kept alive; what its walk wrote)
-        self.avals: dict[int, tuple[Any, tuple]] = {}
+        self.avals: dict[int, tuple[Any, bytes]] = {}
 
     def put(self, x: Any) -> None:
         b = repr(x).encode()
         self.out += len(b).to_bytes(8, "little")
         self.out += b
 
-    def aval(self, aval: Any) -> tuple:
+    def aval(self, aval: Any) -> bytes:
+        """``repr(aval_key(aval))`` as bytes, made once per aval object: what :meth:`put` writes of the key (a
+        key holds its sharding's repr, whose repr again costs most of a variable's write)."""
         found = self.avals.get(id(aval))
         if found is None or found[0] is not aval:
-            found = self.avals[id(aval)] = (aval, aval_key(aval))
+            found = self.avals[id(aval)] = (aval, repr(aval_key(aval)).encode())
         return found[1]
+
+    def put_tagged(self, tag: bytes, key: bytes) -> None:
+        """``put((tag, key))`` of a key :meth:`aval` wrote: a pair's repr is its items' joined (``tag``: the
+        tag's repr and the separator)."""
+        n = len(tag) + len(key) + 2
+        self.out += n.to_bytes(8, "little")
+        self.out += b"(" + tag + key + b")"
+
+    def put_bytes(self, b: bytes) -> None:
+        self.out += len(b).to_bytes(8, "little")
+        self.out += b
 
     def closed(self, closed: core.ClosedJaxpr) -> None:
         self.put(("consts", len(closed.consts)))
@@ -411,7 +424,7 @@ class _Canon:
         env: dict[Any, int] = {}
         for v in list(jaxpr.constvars) + list(jaxpr.invars):
             env[v] = len(env)
-            self.put(("in", self.aval(v.aval)))
+            self.put_tagged(b"'in', ", self.aval(v.aval))
         for e in jaxpr.eqns:
             self.put(("eqn", e.primitive.name, len(e.invars), len(e.outvars)))
             for v in e.invars:
@@ -425,7 +438,7 @@ class _Canon:
                     self.value(params[k])
             for v in e.outvars:
                 env[v] = len(env)
-                self.put(self.aval(v.aval))
+                self.put_bytes(self.aval(v.aval))
             self.put(sorted(map(str, e.effects)))
         self.put(("out", len(jaxpr.outvars)))
         for v in jaxpr.outvars:
@@ -434,7 +447,7 @@ class _Canon:
 
     def atom(self, v: Any, env: dict) -> None:
         if isinstance(v, core.Literal):
-            self.put(("lit", self.aval(v.aval)))
+            self.put_tagged(b"'lit', ", self.aval(v.aval))
             self.value(v.val)
         else:
             self.put(("var", env[v]))

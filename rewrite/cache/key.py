@@ -73,12 +73,19 @@ def rules_fingerprint(entries: Sequence[tuple[Any, Any]]) -> str:
     """Every rule in order, with its ruleset's soundness class, tolerance and back-off. Raises :class:`Unstable`."""
     parts = []
     memo: dict = {}  # a pack's rules share its helpers: each is walked once for all of them
+    # a ruleset's own part, once for all its rules (18 rulesets own the identity packs' 112 rules): read in this
+    # call, so a ruleset changed between rewrites is read afresh
+    owners: dict[int, tuple] = {}
     for r, owner in entries:
         try:
-            parts.append((rule_fingerprint(r, memo), owner.soundness, fingerprint(owner.tolerance),
-                          fingerprint(owner.limits), getattr(owner, "min_saving", 0.0))
-                         + (("recomputes",) if getattr(owner, "recomputes", False) else ())
-                         + (("jointly",) if getattr(owner, "jointly", False) else ()))
+            own = owners.get(id(owner))
+            if own is None:
+                own = owners[id(owner)] = (
+                    (owner.soundness, fingerprint(owner.tolerance), fingerprint(owner.limits),
+                     getattr(owner, "min_saving", 0.0))
+                    + (("recomputes",) if getattr(owner, "recomputes", False) else ())
+                    + (("jointly",) if getattr(owner, "jointly", False) else ()))
+            parts.append((rule_fingerprint(r, memo),) + own)
         except Unstable as e:
             raise Unstable(f"rule {r.name!r}: {e}") from None
     return fingerprint(parts)
