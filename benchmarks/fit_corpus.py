@@ -152,7 +152,8 @@ def repredict(progs: dict, was: dict) -> None:
         rec["predicted_measured_with"] = rec.get("predicted_measured_with", rec["predicted"])
         # as the extractor priced its choice when measured, moved by as much as the new table moves the two programs
         rec["predicted"] = rec["predicted_measured_with"] * ratio / rec["repriced_measured_with"]
-        rec["prefers"] = "second" if rec["predicted"] > 1.0 else "first"
+        # as ``decisions.Pair.prefers``: a rewrite's choice is taken whatever its price (the lean band's)
+        rec["prefers"] = "second" if rec.get("kind") == "chosen" or rec["predicted"] > 1.0 else "first"
     saved["meta"]["repredicted"] = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     path.write_text(json.dumps(saved, indent=1, default=float))
     md = D.RESULTS / "decisions.md"
