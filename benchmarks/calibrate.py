@@ -44,6 +44,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from benchmarks.harness import _run_once, interleaved
+from rewrite.cost.dispatch import DISPATCH_FLOPS
 
 MIN_NS = 0.01  # the least an elementwise operation is priced at (CPU)
 
@@ -645,6 +646,38 @@ def measure_loop(rounds: int, progress: bool, launch: float) -> dict[str, float]
     return {"iteration": max(per_trip - launch, 0.0), "iteration_trip": per_trip}
 
 
+#: XLA:CPU's PjRt client runs a program whose flop count (``HloCostAnalysis``, what ``compiled.cost_analysis()``
+#: reports) is under this on the caller's thread, and hands any other to a worker thread (``cpu_client.cc``'s
+#: ``cheap_computation_``): ``rewrite/cost/dispatch.py``'s ``DISPATCH_FLOPS``.
+def measure_dispatch(rounds: int, progress: bool) -> dict[str, float]:
+    """ns per call that a program of ``DISPATCH_FLOPS`` flops or more costs beyond one just under them
+    (``dispatch``): the hand-off to the client's worker thread and back. Two programs of four flops an element,
+    ``((x * 2 + 1) * 3 + 1)`` over 240 and over 256 floats (960 and 1,024 flops, their work ~10 ns apart), timed
+    as the decision corpus times programs (calls back to back, the last one waited for: ``harness._run_once``).
+    ``AnalyticCost.dispatch`` charges it in a call's fixed cost (``AnalyticCost.fixed``)."""
+    def program(x: jax.Array) -> jax.Array:
+        return (x * 2.0 + 1.0) * 3.0 + 1.0
+
+    under, over = jnp.ones(240, jnp.float32), jnp.ones(256, jnp.float32)
+    flops = [jax.jit(program).lower(v).compile().cost_analysis() for v in (under, over)]
+    flops = [(f[0] if isinstance(f, list) else f).get("flops", 0.0) for f in flops]
+    if not flops[0] < DISPATCH_FLOPS <= flops[1]:
+        raise SystemExit(f"--dispatch-only: the two programs count {flops} flops, not either side of {DISPATCH_FLOPS}")
+    compiled = {n: jax.jit(program).lower(v).compile() for n, v in (("under", under), ("over", over))}
+    args = {"under": (under,), "over": (over,)}
+    for n, c in compiled.items():
+        _run_once(c, args[n], 200)
+    times: dict[str, list[float]] = {n: [] for n in compiled}
+    for r in range(max(rounds, 5)):
+        for n, c in compiled.items():
+            times[n].append(_run_once(c, args[n], 2000))
+        if progress:
+            print(f"dispatch round {r + 1}", file=sys.stderr)
+    # the fastest run is the least disturbed by other users, as in measure_call
+    return {"dispatch": max(min(times["over"]) - min(times["under"]), 0.0) * 1e9,
+            "dispatch_flops": float(DISPATCH_FLOPS)}
+
+
 #: Loop bodies for ``measure_loop_kernels``: name -> (step on the carry, the carry's elements). Each step is kernels
 #: that the fusion model and XLA:CPU count alike (``body_kernels`` against ``FusionModel.fuse``), on so few elements
 #: that their work is a few ns (the model's price of it is taken off): a sort and the loop after it (two loop
@@ -985,6 +1018,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--progress", action="store_true")
     ap.add_argument("--call-only", action="store_true",
                     help="measure only the per-call and per-buffer cost, and store it in this backend's table")
+    ap.add_argument("--dispatch-only", action="store_true",
+                    help="measure only what a call costs more from DISPATCH_FLOPS flops (the hand-off to XLA:CPU's "
+                         "worker thread), and store it in this backend's table")
     ap.add_argument("--loop-only", action="store_true",
                     help="measure only the per-trip cost of a loop, and store it in this backend's table")
     ap.add_argument("--cache-only", action="store_true",
@@ -1032,6 +1068,9 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     if args.call_only:
         _call_only(args)
+        return
+    if args.dispatch_only:
+        _store_only(args, measure_dispatch(args.rounds, args.progress), "dispatch")
         return
     if args.loop_only:
         _loop_only(args)
@@ -1231,7 +1270,7 @@ def _memory_history(table: dict, keys: Any) -> list[dict]:
 
 #: Figures stored to one decimal (nanoseconds of a call, a buffer or a trip; the cache's bytes); the rest of
 #: the call, loop and cache figures to four significant digits.
-_TO_ONE_DECIMAL = ("call", "buffer", "iteration", "iteration_trip", "cache_bytes", "fresh_bytes", "dot_parallel_at",
+_TO_ONE_DECIMAL = ("call", "buffer", "dispatch", "dispatch_flops", "iteration", "iteration_trip", "cache_bytes", "fresh_bytes", "dot_parallel_at",
                    "loop_parallel_at")
 
 

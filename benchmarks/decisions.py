@@ -371,7 +371,7 @@ def decide(case: Case, *, programs: bool = True, declined: bool = True) -> Decid
             warnings.simplefilter("ignore")
             first, second = explain(flat, *leaves), explain(hand, *leaves)  # no rules: the programs as loaded
         before, after = first.before, second.before
-        predicted = (first.cost_before + first.fixed_cost) / (second.cost_before + first.fixed_cost)
+        predicted = (first.cost_before + first.fixed_cost) / (second.cost_before + first.fixed_cost_of(after))
         pair = Pair(case.name, "hand", "hand", "original", "hand", predicted,
                     predicted_temp=(_temp(model, before), _temp(model, after)) if programs else (0, 0))
         decision = "prefers the hand-written form" if pair.prefers == "second" else "prefers the program as written"

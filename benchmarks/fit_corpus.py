@@ -92,6 +92,15 @@ def attention_forms() -> dict[tuple[int, bool, int], Any]:
     return out
 
 
+def _ratio(model: Any, a: Any, b: Any) -> float:
+    """The model's price of ``a`` over ``b``, each with a call's fixed cost (its dispatch included: a program of
+    under 1,000 flops runs on the caller's thread, ``rewrite/cost/dispatch.py``)."""
+    from rewrite.pipeline import program_cost
+
+    n = len(a.in_avals) + len(a.out_avals)
+    return (program_cost(a, model) + model.fixed(n, a)) / (program_cost(b, model) + model.fixed(n, b))
+
+
 def score(model: Any, progs: dict, base: dict, forms: dict) -> dict:
     """The corpus's rank correlation and error under ``model``, and the attention form it takes at each size."""
     from rewrite.pipeline import program_cost
@@ -99,8 +108,7 @@ def score(model: Any, progs: dict, base: dict, forms: dict) -> dict:
     recs = {(r["case"], r["pair"]): r for r in json.loads((D.RESULTS / "decisions.json").read_text())["records"]}
     got = []
     for k, (a, b) in progs.items():
-        fixed = model.fixed(len(a.in_avals) + len(a.out_avals))
-        ratio = (program_cost(a, model) + fixed) / (program_cost(b, model) + fixed)
+        ratio = _ratio(model, a, b)
         got.append((recs[k]["predicted"] * ratio / base[k] if base else ratio, recs[k]["measured"], k, ratio))
     logs = lambda rows, i: [math.log(r[i]) for r in rows]  # noqa: E731
     # the close calls are the pairs the recorded predictions put within 0.8-1.25x, the same set for every candidate:
@@ -129,7 +137,6 @@ def repredict(progs: dict, was: dict) -> None:
 
     from benchmarks import harness
     from rewrite.cost.model import AnalyticCost
-    from rewrite.pipeline import program_cost
 
     path = D.RESULTS / "decisions.json"
     saved = json.loads(path.read_text())
@@ -139,15 +146,14 @@ def repredict(progs: dict, was: dict) -> None:
         if k not in progs:
             continue
         a, b = progs[k]
-        fixed = model.fixed(len(a.in_avals) + len(a.out_avals))
-        ratio = (program_cost(a, model) + fixed) / (program_cost(b, model) + fixed)
+        ratio = _ratio(model, a, b)
         if "repriced_measured_with" not in rec:  # the two programs re-priced under the table the record was made with
-            then = AnalyticCost(**was)
-            rec["repriced_measured_with"] = (program_cost(a, then) + fixed) / (program_cost(b, then) + fixed)
+            rec["repriced_measured_with"] = _ratio(AnalyticCost(**was), a, b)
         rec["predicted_measured_with"] = rec.get("predicted_measured_with", rec["predicted"])
         # as the extractor priced its choice when measured, moved by as much as the new table moves the two programs
         rec["predicted"] = rec["predicted_measured_with"] * ratio / rec["repriced_measured_with"]
-        rec["prefers"] = "second" if rec["predicted"] > 1.0 else "first"
+        # as ``decisions.Pair.prefers``: a rewrite's choice is taken whatever its price (the lean band's)
+        rec["prefers"] = "second" if rec.get("kind") == "chosen" or rec["predicted"] > 1.0 else "first"
     saved["meta"]["repredicted"] = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     path.write_text(json.dumps(saved, indent=1, default=float))
     md = D.RESULTS / "decisions.md"

@@ -44,7 +44,7 @@ from .jaxpr.trace import (CONCRETIZATION_ERRORS, Traced, collect_young_only, fla
                           trace, trace_call)
 from .pipeline import limits_met, program_cost, run_pipeline, saturated_classes
 from .records import STEP_STAGES, Budget, Limits, Result, lap, stage
-from .report.report import Report, gradient_report, report_of
+from .report.report import Report, _fixed_cost, gradient_report, report_of
 from .rules.ruleset import Ruleset, entries_of
 
 log = logging.getLogger("rewrite")
@@ -261,11 +261,9 @@ class Rewritten:
 
     def _predicted(self, result: Result) -> float:
         """The model's predicted speed-up of the rewrite, a call's fixed cost included where the model has one."""
-        fixed = getattr(self.cost_model, "fixed", None)
-        closed = result.before
-        extra = float(fixed(len(closed.in_avals) + len(closed.out_avals))) if callable(fixed) else 0.0
-        after = result.cost_after + extra
-        return (result.cost_before + extra) / after if after > 0 else float("nan")
+        before = result.cost_before + _fixed_cost(self.cost_model, result.before)  # each its dispatch (cost/dispatch.py)
+        after = result.cost_after + _fixed_cost(self.cost_model, result.before if result.after is None else result.after)
+        return before / after if after > 0 else float("nan")
 
     def _fall_back(self, e: Exception, what: str, instead: str) -> None:
         """Called while ``e`` is handled: re-raise it under strict; else say, as a warning at the user's call

@@ -56,6 +56,7 @@ from ..ir.scanread import IN_PLACE
 from ..ir.primitives import BY_PRIM, DEFAULT as _OPAQUE_SPEC, NodeInfo, inner_jaxpr, nbytes, size  # noqa: F401
 from . import calibration as _calibration
 from .attention import SCORES_CACHED
+from .dispatch import dispatched
 from .dot import FALLBACK as _DOT_FALLBACK, REPACK as _DOT_REPACK, copied as dot_copied, library_dot
 from .dot import ALIASED, STRIDED, turns as dot_turns
 from .fusion import FusionModel, ns_key, peak_temp_bytes
@@ -375,12 +376,13 @@ class AnalyticCost(CostModel):
     library_op: float = dataclasses.field(default_factory=lambda: _table().get("library_op", 0.3))
     #: price whole programs as XLA fuses them (:meth:`program`); ``False`` sums node costs only
     fusion: bool = True
-    #: the fixed cost of one call of a compiled program, and of each buffer it takes or returns
-    #: (``benchmarks/calibrate.py``, ``measure_call``). No rewrite removes it, so it never changes
-    #: which program extraction chooses; it is part of a predicted speed-up (:meth:`fixed`,
-    #: :attr:`rewrite.Report.predicted_speedup`), where it dominates small programs.
+    #: the fixed cost of one call of a compiled program, of each buffer it takes or returns (``calibrate.py``'s
+    #: ``measure_call``), and ``dispatch`` more where XLA's client runs it on a worker thread (``cost/dispatch.py``):
+    #: part of a predicted speed-up (:meth:`fixed`, ``Report.predicted_speedup``), where it dominates small programs,
+    #: never of the price extraction compares (only ``dispatch`` differs between programs, and for small ones only).
     call: float = dataclasses.field(default_factory=lambda: _table().get("call", 0.0))
     buffer: float = dataclasses.field(default_factory=lambda: _table().get("buffer", 0.0))
+    dispatch: float = dataclasses.field(default_factory=lambda: _table().get("dispatch", 0.0))
     #: the least saving, as a fraction of the input program's price (fixed costs left out), for
     #: which the rewritten program is used; below it the input program is kept, since a smaller
     #: saving is within the model's error (a program predicted a few per cent faster may measure
@@ -408,14 +410,10 @@ class AnalyticCost(CostModel):
         """
         return sum(_spilled(nbytes(a), self.cache, self.spill, self.near, self.tier) for a in avals)
 
-    def fixed(self, buffers: int) -> float:
-        """The fixed cost of calling a program that takes and returns ``buffers`` arrays in all.
-
-        >>> from rewrite import AnalyticCost
-        >>> AnalyticCost(call=3000.0, buffer=1500.0).fixed(3)
-        7500.0
-        """
-        return self.call + self.buffer * buffers
+    def fixed(self, buffers: int, program: Any = None) -> float:
+        """The fixed cost of calling a program of ``buffers`` arrays in and out; with the ``program``, ``dispatch`` more
+        where XLA:CPU runs it on a worker thread (``cost/dispatch.py``: ``AnalyticCost(call=3e3).fixed(0)`` is 3000)."""
+        return self.call + self.buffer * buffers + (dispatched(self.dispatch, program) if program is not None else 0.0)
 
     def elementwise(self, op: str, family: str, params: Mapping[str, Any] | None = None) -> float:
         """Nanoseconds per element of ``op`` inside a fused loop.

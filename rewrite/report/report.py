@@ -137,16 +137,28 @@ class Report:
         >>> report.predicted_speedup
         1.0
         """
-        return self._speedup(self.cost_after)
+        return self._speedup(self.cost_after, self.after)
 
     @property
     def runs_speedup(self) -> float:
         """:attr:`predicted_speedup` of the program ``rewrite`` runs: :attr:`runs` where ``step_used``, else
         ``after``."""
-        return self._speedup(self.runs_cost if self.step_used else self.cost_after)
+        return self._speedup(*((self.runs_cost, self.runs) if self.step_used else (self.cost_after, self.after)))
 
-    def _speedup(self, cost_after: float) -> float:
-        before, after = self.cost_before + self.fixed_cost, cost_after + self.fixed_cost
+    def fixed_cost_of(self, program: Any) -> float:
+        """:attr:`fixed_cost` for a call of ``program`` in place of the input (its buffers counted as the input's):
+        the model's ``dispatch`` may differ between them (``rewrite/cost/dispatch.py``: XLA:CPU runs a program of
+        under 1,000 flops on the caller's thread), where the model prices it."""
+        fixed = getattr(self.model, "fixed", None)
+        if program is None or program is self.before or not callable(fixed):
+            return self.fixed_cost
+        try:
+            return self.fixed_cost - float(fixed(0, self.before)) + float(fixed(0, program))
+        except TypeError:  # a model whose ``fixed`` takes the buffers alone
+            return self.fixed_cost
+
+    def _speedup(self, cost_after: float, program: Any = None) -> float:
+        before, after = self.cost_before + self.fixed_cost, cost_after + self.fixed_cost_of(program)
         if not after or math.isnan(before) or math.isinf(before):
             return 1.0
         return before / after
@@ -458,7 +470,13 @@ def _fixed_cost(model: Any, closed: core.ClosedJaxpr) -> float:
     fixed = getattr(model, "fixed", None)
     if not callable(fixed):
         return 0.0
+    buffers = len(closed.in_avals) + len(closed.out_avals)
     try:
-        return float(fixed(len(closed.in_avals) + len(closed.out_avals)))
+        return float(fixed(buffers, closed))  # its dispatch too (rewrite/cost/dispatch.py)
+    except TypeError:  # a model whose ``fixed`` takes the buffers alone
+        try:
+            return float(fixed(buffers))
+        except Exception:
+            return 0.0
     except Exception:
         return 0.0
