@@ -176,7 +176,8 @@ def _hoist_one(loop: Loop, root: Any, node: Any, axis: int) -> Callable:
     if acc_dtype != dtype:
         step = m.trace(lambda e: e.astype(acc_dtype), step)
     ident = _identity(node.prim, acc_dtype)
-    init = m.trace(lambda: lax.full(root.shape, ident, acc_dtype))
+    shape = root.shape  # (not root: a closure over a Value is traced afresh each time, builder._trace_key)
+    init = m.trace(lambda: lax.full(shape, ident, acc_dtype))
     if init.aval != step.aval:
         raise Decline(f"accumulator {init.aval} does not match the step's {step.aval}")
     j, acc = loop.add_carry(init)
