@@ -124,9 +124,9 @@ def headline(records: Sequence[dict], spearman: Any) -> list[str]:
     if f["n_retest"] >= 3 and not math.isnan(f["retest"]):
         ceiling = math.sqrt(max(f["retest"], 0.0))
         parts.append(
-            f"two timings of the same programs rank alike at Spearman **{f['retest']:.2f}** (this run's measured ratios "
+            f"two timings of the same programs rank alike at Spearman **{f['retest']:.3f}** (this run's measured ratios "
             f"against the run of {', '.join(f['retest_dates'])}, the {f['n_retest']} pairs whose prediction moved by "
-            f"under {SAME_PREDICTION:.1%}): a model that predicted every true ratio would reach about **{ceiling:.2f}** "
+            f"under {SAME_PREDICTION:.1%}): a model that predicted every true ratio would reach about **{ceiling:.3f}** "
             f"against one run; the model against the two runs' mean: {f['both']:.2f}")
     if f["n_halves"] >= 3 and not math.isnan(f["halves"]):
         r = f["halves"]

@@ -914,13 +914,13 @@ def markdown(records: list[dict], meta: dict) -> str:
            + ", ".join(f"{r['case']} {r['pair']} ({r['measured']:.2f}x, temp {held(r, 'first') / harness.MiB:.1f} -> "
                         f"{held(r, 'second') / harness.MiB:.1f} MiB)"
                        for r in for_memory) if for_memory else ""),
-        f"- **Spearman rank correlation** of predicted against measured ratio: **{ranks['all']:.2f}** over every pair; "
-        f"{ranks['near']:.2f} over the {ranks['n_near']} pairs predicted within 0.8-1.25x (the decisions that are "
+        f"- **Spearman rank correlation** of predicted against measured ratio: **{ranks['all']:.3f}** over every pair; "
+        f"{ranks['near']:.3f} over the {ranks['n_near']} pairs predicted within 0.8-1.25x (the decisions that are "
         f"close calls); over the {ranks['n_quiet']} pairs whose case was timed with the load average under {QUIET_LOAD:g} at "
-        f"its start and end (the load column): {ranks['quiet']:.2f}, close calls {ranks['quiet_near']:.2f} "
+        f"its start and end (the load column): {ranks['quiet']:.3f}, close calls {ranks['quiet_near']:.3f} "
         f"({ranks['n_quiet_near']})"
         + (f"; against each program's least time over the rounds (`measured_least`, the least disturbed; the "
-           f"{ranks['n_least']} pairs that record it) {ranks['least']:.2f}" if ranks["n_least"] else ""),
+           f"{ranks['n_least']} pairs that record it) {ranks['least']:.3f}" if ranks["n_least"] else ""),
         *decision_noise.headline(records, spearman),
         f"- the model's error (measured over predicted, either way): median {band[0.5]:.0%}, 80th percentile "
         f"{band[0.8]:.0%}, 90th {band[0.9]:.0%}",
