@@ -65,10 +65,15 @@ def _eqn_flops(e: Any) -> float:
     if family == _primitives.REDUCE:
         return float(max(sum(size(v.aval) for v in e.invars[:1]) - sum(size(a) for a in outs[:1]), 0))
     if family == _primitives.CONTRACT and outs:
-        (lc, _), _ = params["dimension_numbers"]
-        lhs = e.invars[0].aval
-        return 2.0 * size(outs[0]) * math.prod(lhs.shape[d] for d in lc)
+        return contraction_flops(params["dimension_numbers"], e.invars[0].aval, outs[0])
     return 0.0
+
+
+def contraction_flops(dimension_numbers: Any, lhs: Any, out: Any) -> float:
+    """A ``dot_general``'s flops, a multiply and an add for each output element and contracted index: as
+    ``HloCostAnalysis`` counts them, and as the cost model prices a product's work (``model._dot_flops``)."""
+    (lc, _), _ = dimension_numbers
+    return 2.0 * size(out) * math.prod(lhs.shape[d] for d in lc)
 
 
 def dispatched(dispatch: float, program: Any) -> float:

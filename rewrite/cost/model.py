@@ -56,7 +56,7 @@ from ..ir.scanread import IN_PLACE
 from ..ir.primitives import BY_PRIM, DEFAULT as _OPAQUE_SPEC, NodeInfo, inner_jaxpr, nbytes, size  # noqa: F401
 from . import calibration as _calibration
 from .attention import SCORES_CACHED
-from .dispatch import dispatched
+from .dispatch import contraction_flops, dispatched
 from .dot import FALLBACK as _DOT_FALLBACK, REPACK as _DOT_REPACK, copied as dot_copied, library_dot
 from .dot import ALIASED, STRIDED, turns as dot_turns
 from .fusion import FusionModel, ns_key, peak_temp_bytes
@@ -632,10 +632,7 @@ class AnalyticCost(CostModel):
 
 
 def _dot_flops(n: NodeInfo) -> float:
-    (lc, rc), (lb, rb) = n.params["dimension_numbers"]
-    lhs, rhs = n.in_avals[:2]
-    contract = math.prod(lhs.shape[d] for d in lc)
-    return 2.0 * size(n.out_avals[0]) * contract
+    return contraction_flops(n.params["dimension_numbers"], n.in_avals[0], n.out_avals[0])
 
 
 #: How :class:`AnalyticCost` prices a node of each family, unless its record has a ``price`` hook.
