@@ -19,7 +19,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from ..cost.model import default_model
-from ..extract.choice import choose_slice
+from ..extract.choice import choose_slice, preferred_computes
 from ..extract.extractor import Extractor
 from ..ir import primitives as _primitives
 from ..ir.egraph import EGraph, Snapshot
@@ -212,10 +212,15 @@ class Builder:
         """:meth:`computes` of each of ``outs`` alone, with one bottom-up pass (:meth:`_preferred`) over the classes
         below them all, not one per output over the classes below it: a pass's choice of a class does not depend
         on which other classes it is made with (see there), so each answer is :meth:`computes`'. A loop's outputs
-        share most of its body (``rulesets.scan``'s ``lift_independent`` walked 4x the classes it covered)."""
-        if all(v.cls is not None for v in outs) and all(v.cls is not None for v in inputs):
-            self._preferred([v.cls for v in outs])
-        return [self._slice([v], inputs) is not None for v in outs]
+        share most of its body (``rulesets.scan``'s ``lift_independent`` walked 4x the classes it covered). An output
+        whose preferred tree alone computes it from ``inputs`` is answered by one walk over all of theirs
+        (:func:`preferred_computes`, exact where it says yes); the others by :meth:`_slice`, as before, which notes what
+        a failed one read."""
+        if not (all(v.cls is not None for v in outs) and all(v.cls is not None for v in inputs)):
+            return [self._slice([v], inputs) is not None for v in outs]  # (which raises, as computes does)
+        prefer = self._preferred([v.cls for v in outs])
+        known = preferred_computes(self.snapshot, [v.cls for v in outs], {v.cls for v in inputs}, prefer)
+        return [ok or self._slice([v], inputs) is not None for v, ok in zip(outs, known)]
 
     def function(self, outs: Sequence[Value], inputs: Sequence[Value]) -> Callable[..., list] | None:
         """``outs`` as a JAX function of ``inputs`` (classes of this snapshot), or ``None``.

@@ -1,0 +1,161 @@
+"""``Builder.computes_each``'s shortcut (``rewrite.extract.choice.preferred_computes``): the outputs of a loop body
+whose preferred trees compute them from the body's inputs are answered with one walk over all of them, and its yes
+is ``choose_slice``'s for each output alone."""
+
+from __future__ import annotations
+
+import random
+import sys
+
+import jax
+import jax.numpy as jnp
+
+import rulesets
+from rewrite import explain
+from rewrite.extract import choice as _choice
+from rewrite.rules import builder as _builder
+from rewrite.rules.match import Match
+
+
+class _Snap:
+    """What the two walks read of a snapshot: its nodes per class."""
+
+    def __init__(self, nodes):
+        self.nodes = nodes
+
+
+def _graph(rng: random.Random, n: int):
+    """A random e-graph of ``n`` term classes (0..n-1), list classes and two bodies, with cycles, ``Param`` s of the
+    bodies' two scopes, effects, and calls of the bodies, and a random ``prefer`` (sometimes a node the class lacks)."""
+    nodes: dict = {}
+    lists = []
+    for j in range(3):  # list classes n.., each a one-item TList or empty
+        c = n + j
+        nodes[c] = [("TCons", (rng.randrange(n), n + 3)), ("TNil", ())] if j < 2 else [("TNil", ())]
+        lists.append(c)
+    nodes[n + 3] = [("TNil", ())]
+    regions = [n + 4, n + 5]  # bodies of scopes 1 and 2, over the first two lists
+    nodes[n + 4] = [("Body", (1, n))]
+    nodes[n + 5] = [("Body", (2, n + 1))]
+    for c in range(n):
+        ns = []
+        for _ in range(rng.randint(1, 3)):
+            kind = rng.random()
+            if kind < 0.35:
+                ns.append(("Add", (rng.randrange(n), rng.randrange(n), 0)))
+            elif kind < 0.6:
+                ns.append(("Sin", (rng.randrange(n), 0)))
+            elif kind < 0.72:
+                ns.append(("Param", (rng.choice((1, 2)), rng.randrange(3))))
+            elif kind < 0.8:
+                ns.append(("Lit", (rng.randrange(3), 0)))
+            elif kind < 0.85:
+                ns.append(("Tok", (0,)))
+            elif kind < 0.92:
+                ns.append(("Opaque", (rng.choice(lists), 7)))
+            else:
+                ns.append(("Jit", (rng.choice(regions), rng.choice(lists), 7)))
+        nodes[c] = list(dict.fromkeys(ns))
+    prefer = {}
+    for c, ns in nodes.items():
+        r = rng.random()
+        if r < 0.8:
+            prefer[c] = rng.choice(ns)
+        elif r < 0.9:
+            prefer[c] = ("Sin", (rng.randrange(n), 0))  # perhaps not a node of c
+    return nodes, prefer
+
+
+def test_its_yes_is_choose_slice_s_for_each_root_alone():
+    """On random graphs (cycles, ``Param`` s in and out of their bodies, effects, lists), every root the shared walk proves is one
+    ``choose_slice`` finds a slice for, walked alone with a fresh memo; and it proves some."""
+    rng = random.Random(7)
+    proven = 0
+    for _ in range(400):
+        n = rng.randint(3, 14)
+        nodes, prefer = _graph(rng, n)
+        snap = _Snap(nodes)
+        inputs = set(rng.sample(range(n), rng.randint(0, 3)))
+        roots = rng.sample(range(n), rng.randint(1, n))
+        said = _choice.preferred_computes(snap, roots, inputs, prefer)
+        for r, ok in zip(roots, said):
+            if ok:
+                proven += 1
+                assert _choice.choose_slice(snap, [r], inputs, prefer) is not None, (nodes, prefer, inputs, r)
+    assert proven > 100, proven
+
+
+def test_a_body_is_entered_with_its_scope_and_a_cycle_is_not_proven():
+    """A ``Param`` is proven only inside a ``Body`` of its scope (as ``choose_slice`` takes it), and a class on a
+    cycle of preferred nodes never is, though ``choose_slice`` may find it through another node."""
+    nodes = {
+        0: [("Param", (5, 0))],
+        1: [("Sin", (0, 0))],
+        2: [("TCons", (1, 3))], 3: [("TNil", ())],
+        4: [("Body", (5, 2))],
+        5: [("Add", (6, 7, 0))], 6: [("Sin", (5, 0)), ("Lit", (0, 0))], 7: [("Lit", (1, 0))],
+    }
+    prefer = {c: ns[0] for c, ns in nodes.items()}
+    snap = _Snap(nodes)
+    assert _choice.preferred_computes(snap, [4, 1, 5, 7], set(), prefer) == [True, False, False, True]
+    assert _choice.choose_slice(snap, [4], set(), prefer) is not None
+    assert _choice.choose_slice(snap, [5], set(), prefer) is not None  # (through 6's literal)
+    # a class proven inside a body is not taken as proven outside it, where another root reads it
+    nodes = {0: [("Param", (5, 0))], 1: [("TCons", (0, 2))], 2: [("TNil", ())], 3: [("Body", (5, 1))],
+             4: [("Jit", (3, 2, 0))], 6: [("Sin", (0, 0))]}
+    prefer = {c: ns[0] for c, ns in nodes.items()}
+    assert _choice.preferred_computes(_Snap(nodes), [4, 6], set(), prefer) == [True, False]
+    assert _choice.choose_slice(_Snap(nodes), [6], set(), prefer) is None
+
+
+def test_a_loop_s_outputs_that_share_a_body_are_walked_once(monkeypatch):
+    """``lift_independent`` asks of each stacked output whether the body's inputs compute it. Asked one by one, each
+    output's ``choose_slice`` walked the body's shared classes again (flax_lm_step's joint: 25 outputs of 200-460
+    classes each, 0.04 s). Those the preferred trees compute are answered by one shared walk; only the output that
+    reads the carry is walked alone. The answers, and the classes a declined procedure is watched on, are those
+    asked one by one."""
+    walks: list = []
+    asked: list = []
+    slice_ = _builder.choose_slice
+
+    def counted(snap, roots, *a, **k):
+        f = sys._getframe(1)
+        while f is not None and f.f_code.co_name != "computes_each":
+            f = f.f_back
+        if f is not None:
+            walks.append(tuple(roots))
+        return slice_(snap, roots, *a, **k)
+
+    each = Match.computes_each
+
+    def checked(self, outs, inputs):
+        engine = self._engine
+        before = None if engine.reads is None else set(engine.reads)
+        alone = [engine._slice([v], inputs) is not None for v in outs]
+        read_alone = None if engine.reads is None else set(engine.reads)
+        if before is not None:
+            engine.reads.clear()
+            engine.reads.update(before)
+        del walks[:]
+        got = each(self, outs, inputs)
+        asked.append((got, alone, list(walks), read_alone == (None if engine.reads is None else set(engine.reads))))
+        return got
+
+    monkeypatch.setattr(_builder, "choose_slice", counted)
+    monkeypatch.setattr(Match, "computes_each", checked)
+
+    def loss(h0, xs, w):
+        def step(h, x):
+            u = jnp.tanh(x * w + 1.0) * x
+            return jnp.tanh(h + x), (jnp.sin(u), jnp.cos(u), u * u, h * u)
+        _, (a, b, c, d) = jax.lax.scan(step, h0, xs)
+        return jnp.sum(a) + jnp.sum(b * c) + jnp.sum(d)
+
+    args = jnp.ones(32), jnp.ones((8, 32)), jnp.float32(0.5)
+    report = explain(loss, *args, rulesets=[rulesets.scan.lift])
+    assert report.fired.get("lift_independent"), report.fired
+    assert asked and all(got == alone and same_reads for got, alone, _, same_reads in asked), asked
+    big = [(got, w) for got, _, w, _ in asked if len(got) >= 4]
+    assert big, asked
+    for got, w in big:
+        assert sum(got) >= 3 and len(w) == got.count(False), (got, w)  # only the carry's output walked alone
