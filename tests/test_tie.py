@@ -87,6 +87,26 @@ def test_a_rewrite_priced_alike_the_input_gives_way_to_it_without_a_compile(fres
     assert tie.on_xla_count(ex, FAT, LEAN, unused, model) == (ex, LEAN) and fresh == [1, 1]
 
 
+def test_the_input_is_not_predicted_where_the_rewrite_is_predicted_over_the_tie_bytes(fresh, monkeypatch):
+    """Either program predicted to hold ``TIE_BYTES`` brings the tie in, so where the rewrite is, the input's
+    kernels are not replayed as well (jaxmd_lj_forces' forward, priced alike: 10 ms of a first rewrite); where it
+    is not, the input's prediction decides."""
+    predicted = []
+    real = AnalyticCost.predict_temp_bytes
+    monkeypatch.setattr(AnalyticCost, "predict_temp_bytes", lambda self, p: predicted.append(p) or real(self, p))
+    unused = lambda ch: pytest.fail("the input is kept as written, not emitted again")  # noqa: E731
+    model = AnalyticCost(memory_tie=0.001)
+    got, program = tie.on_xla_count(_extraction(True, 1000.0, 999.95), LEAN, FAT, unused, model)  # alike
+    assert not got.rewritten and program is LEAN and predicted == [FAT] and fresh == []
+    small = jax.make_jaxpr(_fat)(jax.ShapeDtypeStruct((64, 64), jnp.float32))
+    predicted.clear()
+    got, program = tie.on_xla_count(_extraction(True, 1000.0, 999.95), LEAN, small, unused, model)
+    assert not got.rewritten and program is LEAN and predicted == [small, LEAN] and fresh == []
+    predicted.clear()
+    ex = _extraction(True, 1000.0, 999.95)
+    assert tie.on_xla_count(ex, small, small, unused, model) == (ex, small) and predicted == [small, small]
+
+
 def test_by_default_xla_is_not_asked_beyond_alike(fresh):
     """The tie is ``ALIKE`` wide by default: on the decision corpus (85 cases) and the ecosystem suite the one
     pair compiled between 0.01% and 0.1% (jax-md's forces, 0.075%: 9,175,040 B each) switched nothing, at 0.35-0.8 s
