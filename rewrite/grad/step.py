@@ -386,8 +386,11 @@ def seeded_from(joint: core.ClosedJaxpr, cone: core.ClosedJaxpr) -> core.ClosedJ
     why :func:`replace` reads :func:`rederive`'s where the loss-first program is the same ``joint``. Built from
     ``joint``'s equations where that is the program the trace makes (:func:`rewrite.grad.seed.seeded_edit`)."""
     edited = seeded_edit(joint, cone)
-    if edited is not None:
-        return edited
+    return edited if edited is not None else seeded_by_trace(joint, cone)
+
+
+def seeded_by_trace(joint: core.ClosedJaxpr, cone: core.ClosedJaxpr) -> core.ClosedJaxpr:
+    """:func:`seeded_from`'s program, traced: ``jax.make_jaxpr`` of ``joint`` evaluated at a cotangent of 1."""
     L = cone.out_avals[0]
 
     def seeded(*xs: Any) -> list[Any]:
