@@ -75,9 +75,9 @@ core = types.SimpleNamespace(
     eval_jaxpr=_jax_core.eval_jaxpr,
     typeof=jax.typeof,
     # internal: no public API
-    current_jaxpr_eqn_context=_core.current_jaxpr_eqn_context,  # the context a traced equation gets (grad/seed.py)
-    Ref=_core.Ref,
-    is_literalable=_core.is_literalable,  # whether the tracer stages a constant as a literal (grad/seed.py)  # a mutable array constant, which jit's staging rule moves out of its body (grad/seed.py)
+    current_jaxpr_eqn_context=_core.current_jaxpr_eqn_context,  # a traced equation's context (grad/seed.py)
+    Ref=_core.Ref,  # a mutable array constant, which jit's staging rule moves out of its body (grad/seed.py)
+    is_literalable=_core.is_literalable,  # whether the tracer stages a constant as a literal (grad/seed.py)
     JaxprEqnContext=_core.JaxprEqnContext,  # an equation's context (mesh, compute type), which an emitted equation keeps
     ManualAxisType=_core.ManualAxisType,  # the manual axes a value of a shard_map body varies over, which the cache writes
     NamedAxisEffect=_core.NamedAxisEffect,  # the effect of a collective over a named axis, which a loaded program keeps
