@@ -73,6 +73,7 @@ from ..jaxpr.emit import dce
 from ..jaxpr.trace import spec_of
 from ..pipeline import ProofGraph
 from .loops import find_loop_vjps
+from .seed import seeded_edit
 from .vjp import float_positions, joint_program
 
 log = logging.getLogger("rewrite")
@@ -382,7 +383,14 @@ def seeded_from(joint: core.ClosedJaxpr, cone: core.ClosedJaxpr) -> core.ClosedJ
     """``leaves -> (L, gradients)``: the joint program ``joint`` of ``cone`` (``(leaves, cotangent) -> (L,
     gradients)``) evaluated at a cotangent of 1, traced. A function of ``joint`` and of the cone's types alone: the
     same ``joint`` and ``cone`` give the same program (:func:`rederive` and :func:`replace` trace it so), which is
-    why :func:`replace` reads :func:`rederive`'s where the loss-first program is the same ``joint``."""
+    why :func:`replace` reads :func:`rederive`'s where the loss-first program is the same ``joint``. Built from
+    ``joint``'s equations where that is the program the trace makes (:func:`rewrite.grad.seed.seeded_edit`)."""
+    edited = seeded_edit(joint, cone)
+    return edited if edited is not None else seeded_by_trace(joint, cone)
+
+
+def seeded_by_trace(joint: core.ClosedJaxpr, cone: core.ClosedJaxpr) -> core.ClosedJaxpr:
+    """:func:`seeded_from`'s program, traced: ``jax.make_jaxpr`` of ``joint`` evaluated at a cotangent of 1."""
     L = cone.out_avals[0]
 
     def seeded(*xs: Any) -> list[Any]:

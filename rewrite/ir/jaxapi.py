@@ -75,6 +75,9 @@ core = types.SimpleNamespace(
     eval_jaxpr=_jax_core.eval_jaxpr,
     typeof=jax.typeof,
     # internal: no public API
+    current_jaxpr_eqn_context=_core.current_jaxpr_eqn_context,  # a traced equation's context (grad/seed.py)
+    Ref=_core.Ref,  # a mutable array constant, which jit's staging rule moves out of its body (grad/seed.py)
+    is_literalable=_core.is_literalable,  # whether the tracer stages a constant as a literal (grad/seed.py)
     JaxprEqnContext=_core.JaxprEqnContext,  # an equation's context (mesh, compute type), which an emitted equation keeps
     ManualAxisType=_core.ManualAxisType,  # the manual axes a value of a shard_map body varies over, which the cache writes
     NamedAxisEffect=_core.NamedAxisEffect,  # the effect of a collective over a named axis, which a loaded program keeps
@@ -150,6 +153,11 @@ def fallback_linearize(prim: Any, is_vjp: bool, nonzeros: Any, *primals: Any, **
 #: What the rewritten-derivative primitive registers with the tracer: a rule that stages it out as is.
 #: ``jax.interpreters.partial_eval`` does not export the table.
 custom_staging_rules = _pe.custom_staging_rules
+
+#: The tracer's table of primitives it folds where an input is a constant (``convert_element_type``,
+#: ``device_put``): a program edited as its trace would stage it (``rewrite/grad/seed.py``) leaves such an
+#: equation with a literal input to the trace. Not exported.
+const_fold_rules = _pe.const_fold_rules
 
 #: A literal's value with its dtype, as jaxprs hold them (``TypedNdArray``, and the scalars ``TypedInt``,
 #: ``TypedFloat``, ``TypedComplex``): no public name; the emitter builds them and the cache writes them down.
