@@ -1,0 +1,70 @@
+"""The LM head's reading of a normaliser's shift (``rulesets.nn_lm_head._shift_kind``): which shifts are read
+from their text, and that the answer read so is the probe's (``rulesets.nn_lm_head_kernels.shift_kind``)."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from rewrite.cache.fingerprint import Memo
+from rewrite.ir.jaxapi import core
+from rulesets import nn_lm_head as pack
+from rulesets.nn_lm_head_kernels import shift_kind
+
+
+def _compiles(fn):
+    """How many XLA compiles ``fn()`` made, and its value."""
+    seen = []
+
+    def listen(event, duration, **kw):
+        if event == "/jax/core/compile/backend_compile_duration":
+            seen.append(duration)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        out = fn()
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    return len(seen), out
+
+
+def _read_back(f, shape, dtype):
+    """``f`` as ``Match.function`` hands it to the rules: a function of its jaxpr, which it carries."""
+    closed = jax.make_jaxpr(lambda m: [f(m)])(jax.ShapeDtypeStruct(shape, dtype))
+    fn = core.jaxpr_as_fun(closed)
+    fn.jaxpr = closed
+    return fn
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("shape", [(12,), (3, 4), (1, 9)])
+def test_each_known_shift_is_the_kind_the_probe_finds(shape, dtype):
+    """The table ``_known_kind`` reads is the probe's answer: each of ``_FINITE_SHIFTS`` probes as ``"finite"``."""
+    for f in pack._FINITE_SHIFTS:
+        assert shift_kind(lambda m, f=f: (f(m),), shape, dtype) == "finite"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_logsumexp_s_shift_is_read_without_a_compile(monkeypatch, dtype):
+    """``jax.nn.logsumexp``'s shift (as flax_lm_step's loss holds it) is known by its text: the rules read its kind
+    without compiling the probe (85-110 ms of CPU per program), and answer as the probe does; another shift is
+    probed."""
+    monkeypatch.setattr(pack, "_KINDS", Memo("a fresh _KINDS"))
+    shape = (4, 32)
+    fn = _read_back(lambda m: jax.lax.stop_gradient(pack._unit(m)), shape, dtype)  # log_softmax's: probed
+    count, kind = _compiles(lambda: pack._shift_kind(fn, shape, dtype))
+    assert (count, kind) == (1, "max")
+    fn = _read_back(pack._FINITE_SHIFTS[0], shape, dtype)
+    assert "max -inf" in str(fn.jaxpr) and "is_finite" in str(fn.jaxpr)
+    count, kind = _compiles(lambda: pack._shift_kind(fn, shape, dtype))
+    assert (count, kind) == (0, "finite")
+    assert kind == shift_kind(fn, shape, dtype)
+
+
+def test_a_dtype_without_infinities_is_probed(monkeypatch):
+    """In ``float8_e4m3fn`` the guard ``max(-inf, .)`` is NaN, and the probe says the shift is no known kind: the
+    text alone is not read there."""
+    monkeypatch.setattr(pack, "_KINDS", Memo("a fresh _KINDS"))
+    dtype, shape = jnp.float8_e4m3fn, (12,)
+    fn = _read_back(pack._FINITE_SHIFTS[0], shape, dtype)
+    assert pack._known_kind(str(fn.jaxpr.jaxpr), shape, dtype) is None
+    assert pack._shift_kind(fn, shape, dtype) is None
