@@ -245,7 +245,16 @@ def _loop(m: Any, site: Site, block: int, reads: Reads, columns: int, idx: Value
         return tuple(x for x in kernel(args[0], args[1], b, args[-1].reshape(-1) if idx is not None else None, t)
                      if x is not None)
 
-    outs = m.trace(fn, *head.values(), *([] if idx is None else [idx]), *([] if target is None else [target]))
+    inputs = [*head.values(), *([] if idx is None else [idx]), *([] if target is None else [target])]
+    # The loop is a function of these and of the inputs alone: built once per saturation (a match found again
+    # after a merge, in a later iteration, would trace and insert a copy, its custom_vjp's closures new)
+    key = ("nn_lm_head loop", head.layout, block, reads, site.kind, columns, shapes, tuple(v.name for v in inputs))
+    kept = m.engine.kept
+    if key in kept:
+        outs = [m.engine.value(name) for name in kept[key]]
+    else:
+        outs = m.trace(fn, *inputs)
+        kept[key] = [o.name for o in outs]
     pairs = [(site.target, outs[1]), (site.rmax, outs[0])]
     if site.log is not None:  # the sum itself, for any other reader
         pairs.append((site.total, m.trace(lambda t: jnp.exp(t).reshape(site.total.shape), outs[1])))

@@ -50,6 +50,11 @@ class Builder:
         #: ``time.perf_counter()`` past which the running rule must stop (Engine sets it per match: the
         #: rule's time share or the run's time limit, whichever comes first)
         self.deadline = math.inf
+        #: What a rule keeps for the rest of this saturation, not per snapshot: e-graph names (which stay
+        #: valid while it grows) by what the rule built them from. A match seen again after a merge (its
+        #: classes' ids changed, so the engine finds it anew) then reuses its replacement: the LM head's
+        #: token loops (``rulesets.nn_lm_head``) were traced and inserted again, a copy of each.
+        self.kept: dict[Any, Any] = {}
         self.snapshot = None  # type: ignore[assignment]  # (also empties the per-snapshot caches)
 
     @property
@@ -74,6 +79,7 @@ class Builder:
         self._nodes = {}
         self._prefer = None
         self._functions = {}
+        self.kept = {}
 
     def value(self, x: Any) -> Value:
         """A :class:`Value` for a class of the current snapshot, or for a V id."""
