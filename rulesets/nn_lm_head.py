@@ -28,14 +28,13 @@ from typing import Any, Iterator, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 from rewrite import Params, Pat, Ruleset, Tolerance, Value, procedural, rule
 from rewrite.cache.fingerprint import Memo
 from rewrite.rules.match import SHIFT_OPS
 from rulesets._examples import f32, i32
-from rulesets.nn_lm_head_kernels import COLUMNS, Layout, Reads, Stats, blocked_loss, label_logit, label_plus_terms, \
-    row_sums, shift_kind, smoothed_sum
+from rulesets.nn_lm_head_kernels import COLUMNS, Layout, Reads, Stats, blocked_loss, known_shift_kind, label_logit, \
+    label_plus_terms, row_sums, shift_kind, smoothed_sum
 
 __all__ = ["nn_lm_head", "lm_head_rules", "BLOCKS", "offered"]
 
@@ -121,45 +120,12 @@ def _shift_kind(shift_of: Any, shape: tuple, dtype: Any) -> str | None:
         return None
     if key is not None and key in _KINDS:
         return _KINDS[key]
-    kind = _known_kind(key[0], shape, dtype) if key is not None else None
-    kind = shift_kind(shift_of, shape, dtype) if kind is None else kind
+    kind = (key is not None and known_shift_kind(key[0], shape, dtype)) or shift_kind(shift_of, shape, dtype)
     return kind if key is None else _KINDS.keep(key, kind)
 
 
 #: :func:`_shift_kind`'s answers by :func:`_shift_key`
 _KINDS = Memo("rulesets.nn_lm_head._KINDS")
-
-
-def _unit(x: Any) -> Any:
-    return lax.broadcast_in_dim(x, x.shape + (1,), tuple(range(x.ndim)))
-
-
-def _finite(m: Any) -> Any:
-    return lax.stop_gradient(lax.select(lax.is_finite(m), m, lax.full_like(m, 0)))
-
-
-#: Shifts (functions of the rows' maxima) whose :func:`~rulesets.nn_lm_head_kernels.shift_kind` is ``"finite"``
-#: by construction, in the dtypes of :data:`_IEEE`: ``jax.nn.logsumexp``'s (the maximum, guarded by
-#: ``max(-inf, .)``, 0 where not finite, under ``stop_gradient``, as a column), and the same without the guard.
-#: Every element of ``stop_gradient(where(isfinite(g(m)), g(m), 0))`` is the probe's ``row_shift("finite", m)``
-#: of it: ``g(m)`` is ``m`` where ``m`` is finite, and not finite (``-inf``, or NaN where ``max`` returns
-#: it) where ``m`` is not, so both give 0 there; the probe's first row is ``-inf``, so it is not ``"max"``,
-#: and its tangent is 0.
-_FINITE_SHIFTS = (lambda m: _unit(_finite(lax.max(jnp.asarray(-jnp.inf, m.dtype), m))), lambda m: _unit(_finite(m)))
-#: The dtypes with infinities and NaN (``float8_e4m3fn`` has no ``-inf``: its guard is NaN, and the probe says
-#: something else there)
-_IEEE = ("float16", "bfloat16", "float32", "float64")
-
-
-def _known_kind(text: str, shape: tuple, dtype: Any) -> str | None:
-    """``"finite"`` where the shift's ``text`` (of its :func:`_shift_key`) is that of one of :data:`_FINITE_SHIFTS` at
-    its shape and dtype: the same program, so the probe's answer, read without compiling it (85-110 ms of CPU
-    in each of flax_lm_step, flax_long_context_step and wholestep_linen_gpt, the first time their shape is
-    seen); else ``None``, and the probe runs."""
-    if np.dtype(dtype).name not in _IEEE:
-        return None
-    arg = jax.ShapeDtypeStruct(tuple(shape), dtype)
-    return "finite" if any(str(jax.make_jaxpr(f)(arg).jaxpr) == text for f in _FINITE_SHIFTS) else None
 
 
 def _shift_key(shift_of: Any, shape: tuple, dtype: Any) -> tuple | None:
@@ -246,15 +212,9 @@ def _loop(m: Any, site: Site, block: int, reads: Reads, columns: int, idx: Value
                      if x is not None)
 
     inputs = [*head.values(), *([] if idx is None else [idx]), *([] if target is None else [target])]
-    # The loop is a function of these and of the inputs alone: built once per saturation (a match found again
-    # after a merge, in a later iteration, would trace and insert a copy, its custom_vjp's closures new)
-    key = ("nn_lm_head loop", head.layout, block, reads, site.kind, columns, shapes, tuple(v.name for v in inputs))
-    kept = m.engine.kept
-    if key in kept:
-        outs = [m.engine.value(name) for name in kept[key]]
-    else:
-        outs = m.trace(fn, *inputs)
-        kept[key] = [o.name for o in outs]
+    # a function of these alone: one loop per saturation (a match found again after a merge reuses it)
+    outs = m.engine.once(("nn_lm_head loop", head.layout, block, reads, site.kind, columns, shapes,
+                          tuple(v.name for v in inputs)), lambda: m.trace(fn, *inputs))
     pairs = [(site.target, outs[1]), (site.rmax, outs[0])]
     if site.log is not None:  # the sum itself, for any other reader
         pairs.append((site.total, m.trace(lambda t: jnp.exp(t).reshape(site.total.shape), outs[1])))

@@ -14,6 +14,7 @@ from rewrite.cache.fingerprint import Memo
 from rewrite.ir.jaxapi import core
 from rulesets import nn_lm_head as pack
 from rewrite.rules import saturate
+from rulesets import nn_lm_head_kernels as kernels
 from rulesets.nn_lm_head_kernels import shift_kind
 
 
@@ -44,8 +45,8 @@ def _read_back(f, shape, dtype):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 @pytest.mark.parametrize("shape", [(12,), (3, 4), (1, 9)])
 def test_each_known_shift_is_the_kind_the_probe_finds(shape, dtype):
-    """The table ``_known_kind`` reads is the probe's answer: each of ``_FINITE_SHIFTS`` probes as ``"finite"``."""
-    for f in pack._FINITE_SHIFTS:
+    """The table ``known_shift_kind`` reads is the probe's answer: each of ``_FINITE_SHIFTS`` probes as ``"finite"``."""
+    for f in kernels._FINITE_SHIFTS:
         assert shift_kind(lambda m, f=f: (f(m),), shape, dtype) == "finite"
 
 
@@ -56,10 +57,10 @@ def test_logsumexp_s_shift_is_read_without_a_compile(monkeypatch, dtype):
     probed."""
     monkeypatch.setattr(pack, "_KINDS", Memo("a fresh _KINDS"))
     shape = (4, 32)
-    fn = _read_back(lambda m: jax.lax.stop_gradient(pack._unit(m)), shape, dtype)  # log_softmax's: probed
+    fn = _read_back(lambda m: jax.lax.stop_gradient(kernels._unit(m)), shape, dtype)  # log_softmax's: probed
     count, kind = _compiles(lambda: pack._shift_kind(fn, shape, dtype))
     assert (count, kind) == (1, "max")
-    fn = _read_back(pack._FINITE_SHIFTS[0], shape, dtype)
+    fn = _read_back(kernels._FINITE_SHIFTS[0], shape, dtype)
     assert "max -inf" in str(fn.jaxpr) and "is_finite" in str(fn.jaxpr)
     count, kind = _compiles(lambda: pack._shift_kind(fn, shape, dtype))
     assert (count, kind) == (0, "finite")
@@ -71,8 +72,8 @@ def test_a_dtype_without_infinities_is_probed(monkeypatch):
     text alone is not read there."""
     monkeypatch.setattr(pack, "_KINDS", Memo("a fresh _KINDS"))
     dtype, shape = jnp.float8_e4m3fn, (12,)
-    fn = _read_back(pack._FINITE_SHIFTS[0], shape, dtype)
-    assert pack._known_kind(str(fn.jaxpr.jaxpr), shape, dtype) is None
+    fn = _read_back(kernels._FINITE_SHIFTS[0], shape, dtype)
+    assert kernels.known_shift_kind(str(fn.jaxpr.jaxpr), shape, dtype) is None
     assert pack._shift_kind(fn, shape, dtype) is None
 
 
