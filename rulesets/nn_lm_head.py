@@ -33,8 +33,8 @@ from rewrite import Params, Pat, Ruleset, Tolerance, Value, procedural, rule
 from rewrite.cache.fingerprint import Memo
 from rewrite.rules.match import SHIFT_OPS
 from rulesets._examples import f32, i32
-from rulesets.nn_lm_head_kernels import COLUMNS, Layout, Reads, Stats, blocked_loss, label_logit, label_plus_terms, \
-    row_sums, shift_kind, smoothed_sum
+from rulesets.nn_lm_head_kernels import COLUMNS, Layout, Reads, Stats, blocked_loss, known_shift_kind, label_logit, \
+    label_plus_terms, row_sums, shift_kind, smoothed_sum
 
 __all__ = ["nn_lm_head", "lm_head_rules", "BLOCKS", "offered"]
 
@@ -120,7 +120,7 @@ def _shift_kind(shift_of: Any, shape: tuple, dtype: Any) -> str | None:
         return None
     if key is not None and key in _KINDS:
         return _KINDS[key]
-    kind = shift_kind(shift_of, shape, dtype)
+    kind = (key is not None and known_shift_kind(key[0], shape, dtype)) or shift_kind(shift_of, shape, dtype)
     return kind if key is None else _KINDS.keep(key, kind)
 
 
@@ -211,7 +211,10 @@ def _loop(m: Any, site: Site, block: int, reads: Reads, columns: int, idx: Value
         return tuple(x for x in kernel(args[0], args[1], b, args[-1].reshape(-1) if idx is not None else None, t)
                      if x is not None)
 
-    outs = m.trace(fn, *head.values(), *([] if idx is None else [idx]), *([] if target is None else [target]))
+    inputs = [*head.values(), *([] if idx is None else [idx]), *([] if target is None else [target])]
+    # a function of these alone: one loop per saturation (a match found again after a merge reuses it)
+    outs = m.engine.once(("nn_lm_head loop", head.layout, block, reads, site.kind, columns, shapes,
+                          tuple(v.name for v in inputs)), lambda: m.trace(fn, *inputs))
     pairs = [(site.target, outs[1]), (site.rmax, outs[0])]
     if site.log is not None:  # the sum itself, for any other reader
         pairs.append((site.total, m.trace(lambda t: jnp.exp(t).reshape(site.total.shape), outs[1])))

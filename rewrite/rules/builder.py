@@ -50,6 +50,7 @@ class Builder:
         #: ``time.perf_counter()`` past which the running rule must stop (Engine sets it per match: the
         #: rule's time share or the run's time limit, whichever comes first)
         self.deadline = math.inf
+        self.kept: dict[Any, Any] = {}  # once's terms (their names) by key, for the whole saturation
         self.snapshot = None  # type: ignore[assignment]  # (also empties the per-snapshot caches)
 
     @property
@@ -74,6 +75,7 @@ class Builder:
         self._nodes = {}
         self._prefer = None
         self._functions = {}
+        self.kept = {}
 
     def value(self, x: Any) -> Value:
         """A :class:`Value` for a class of the current snapshot, or for a V id."""
@@ -253,6 +255,19 @@ class Builder:
         fn.uses = tuple(v in read for v in closed.jaxpr.invars)  # type: ignore[attr-defined]
         fn.traces = {}  # type: ignore[attr-defined]  # its traces, by avals (insert_traced)
         return fn
+
+    def once(self, key: Any, build: Callable[[], Any]) -> Any:
+        """``build()``'s terms (one or a tuple) the first time ``key`` is asked for in this saturation, and the same
+        terms after, where ``key`` says all they are built from (the inputs' names among it). A match the engine
+        finds again after a merge (its classes' ids changed) otherwise inserts a copy: the LM head's token loops
+        (``rulesets.nn_lm_head``) were traced again in the third iteration of each heavy step, custom_vjp
+        closures and all. Names stay valid while the e-graph grows; they are kept until :meth:`release`."""
+        names = self.kept.get(key)
+        if names is None:
+            built = build()
+            self.kept[key] = [v.name for v in built] if isinstance(built, tuple) else built.name
+            return built
+        return tuple(self.value(n) for n in names) if isinstance(names, list) else self.value(names)
 
     def check_time(self) -> None:
         """Raise :class:`OutOfTime` once the running rule's deadline has passed."""

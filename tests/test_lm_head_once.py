@@ -1,0 +1,121 @@
+"""What the LM head's procedures work out once: a normaliser's shift read from its text where that says its kind
+(``rulesets.nn_lm_head._shift_kind``, the answer the probe ``rulesets.nn_lm_head_kernels.shift_kind`` gives), and
+a token loop built once per saturation for a match found again."""
+
+import collections
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import rulesets
+from rewrite import explain
+from rewrite.cache.fingerprint import Memo
+from rewrite.ir.jaxapi import core
+from rulesets import nn_lm_head as pack
+from rewrite.rules import saturate
+from rulesets import nn_lm_head_kernels as kernels
+from rulesets.nn_lm_head_kernels import shift_kind
+
+
+def _compiles(fn):
+    """How many XLA compiles ``fn()`` made, and its value."""
+    seen = []
+
+    def listen(event, duration, **kw):
+        if event == "/jax/core/compile/backend_compile_duration":
+            seen.append(duration)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        out = fn()
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    return len(seen), out
+
+
+def _read_back(f, shape, dtype):
+    """``f`` as ``Match.function`` hands it to the rules: a function of its jaxpr, which it carries."""
+    closed = jax.make_jaxpr(lambda m: [f(m)])(jax.ShapeDtypeStruct(shape, dtype))
+    fn = core.jaxpr_as_fun(closed)
+    fn.jaxpr = closed
+    return fn
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("shape", [(12,), (3, 4), (1, 9)])
+def test_each_known_shift_is_the_kind_the_probe_finds(shape, dtype):
+    """The table ``known_shift_kind`` reads is the probe's answer: each of ``_FINITE_SHIFTS`` probes as ``"finite"``."""
+    for f in kernels._FINITE_SHIFTS:
+        assert shift_kind(lambda m, f=f: (f(m),), shape, dtype) == "finite"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_logsumexp_s_shift_is_read_without_a_compile(monkeypatch, dtype):
+    """``jax.nn.logsumexp``'s shift (as flax_lm_step's loss holds it) is known by its text: the rules read its kind
+    without compiling the probe (85-110 ms of CPU per program), and answer as the probe does; another shift is
+    probed."""
+    monkeypatch.setattr(pack, "_KINDS", Memo("a fresh _KINDS"))
+    shape = (4, 32)
+    fn = _read_back(lambda m: jax.lax.stop_gradient(kernels._unit(m)), shape, dtype)  # log_softmax's: probed
+    count, kind = _compiles(lambda: pack._shift_kind(fn, shape, dtype))
+    assert (count, kind) == (1, "max")
+    fn = _read_back(kernels._FINITE_SHIFTS[0], shape, dtype)
+    assert "max -inf" in str(fn.jaxpr) and "is_finite" in str(fn.jaxpr)
+    count, kind = _compiles(lambda: pack._shift_kind(fn, shape, dtype))
+    assert (count, kind) == (0, "finite")
+    assert kind == shift_kind(fn, shape, dtype)
+
+
+def test_a_dtype_without_infinities_is_probed(monkeypatch):
+    """In ``float8_e4m3fn`` the guard ``max(-inf, .)`` is NaN, and the probe says the shift is no known kind: the
+    text alone is not read there."""
+    monkeypatch.setattr(pack, "_KINDS", Memo("a fresh _KINDS"))
+    dtype, shape = jnp.float8_e4m3fn, (12,)
+    fn = _read_back(kernels._FINITE_SHIFTS[0], shape, dtype)
+    assert kernels.known_shift_kind(str(fn.jaxpr.jaxpr), shape, dtype) is None
+    assert pack._shift_kind(fn, shape, dtype) is None
+
+
+def _loss(h, w, b, y):
+    logits = h @ w + b
+    return jnp.mean(jax.nn.logsumexp(logits, axis=-1) - jnp.take_along_axis(logits, y[:, None], axis=-1)[:, 0])
+
+
+def _loops_built(monkeypatch, twice: bool):
+    """The token loops the LM head traces (by block) rewriting ``_loss``, and the rules' firings; ``twice``: each
+    of its loop rules acts on each match a second time, as on a match found again after a merge."""
+    monkeypatch.undo()  # (a second call wraps the originals again, not the first call's wrappers)
+    built = collections.Counter()
+    real = pack.blocked_loss
+
+    def counting(**kw):  # the kernel, counted where it is traced
+        kernel = real(**kw)
+
+        def traced(*args):
+            built[kw["block"]] += 1
+            return kernel(*args)
+
+        return traced
+
+    monkeypatch.setattr(pack, "blocked_loss", counting)
+    run = saturate.Engine._run_procedure
+
+    def again(self, m, stats):
+        settled = run(self, m, stats)
+        return run(self, m, stats) if twice and m.rule.name.startswith("nn_lm_head_lse") else settled
+
+    monkeypatch.setattr(saturate.Engine, "_run_procedure", again)
+    n, c, v = 1024, 16, 64
+    args = (jnp.ones((n, c)), jnp.ones((c, v)), jnp.ones((v,)), jnp.zeros((n,), jnp.int32))
+    report = explain(_loss, *args, rulesets=[rulesets.nn])
+    return dict(built), {k: f for k, f in report.fired.items() if k.startswith("nn_lm_head")}
+
+
+def test_a_match_found_again_reuses_its_loop(monkeypatch):
+    """A loop rule acting again on a match in one saturation (flax_lm_step's normaliser is found anew in the third
+    iteration, its classes merged) reuses the loop it built: no second trace, no copy in the e-graph (the base
+    traced and inserted each of its three loops again, 13-20 ms of CPU in each heavy step)."""
+    once = _loops_built(monkeypatch, twice=False)
+    assert once[0] == {256: 2, 128: 2, 512: 2}, once  # the normaliser's loop and the label's, per block
+    assert _loops_built(monkeypatch, twice=True) == once
