@@ -66,6 +66,13 @@ def _scalar(prog: Any, i: Any) -> bool:
     return _kind(op) == LEAF and _size(op.out_avals[0] if op.out_avals else None) == 1
 
 
+def keep_readers(prog: Any, users: list) -> None:
+    """Keep with a :class:`Program` the readers ``FusionModel.fuse`` listed of each of its ops (``users[i]``: the ops
+    that read op ``i``, in program order, each once), for :func:`_readers` to read off, not find again."""
+    if type(prog) is Program:
+        prog.__dict__.setdefault("_reader_lists", users)
+
+
 def attention_chain(prog: Any, i: Any, cached: float = 0.0) -> frozenset | None:
     """The ops XLA:CPU computes in one library (YNN) kernel with ``dot_general`` op ``i``, ``softmax(s) v`` (or
     ``v softmax(s)``) with the logits ``s`` a product ``q k^T`` maybe scaled by a scalar: the first product, the

@@ -62,7 +62,7 @@ from ..ir import primitives as _primitives
 from ..ir.primitives import inner_jaxpr, spec_of
 from ..ir.scanread import SLICES
 from .dot import library_dot
-from .attention import SCORES_CACHED, attention_price, kept_chain, scratch_bytes
+from .attention import SCORES_CACHED, attention_price, keep_readers, kept_chain, scratch_bytes
 from .program import (ATTENTION, LEAF, LIBRARY, LOOP, OTHER, REDUCE, TIEBREAK, VIEW, Op, Program, _kind, _size,
                       bitcast, fused_update, remembered_kernel, sliced_parts)
 from .simplify import folded_reduction
@@ -203,8 +203,7 @@ class FusionModel:
         for i, op in enumerate(ops):
             for a in set(op.args):
                 users[a].append(i)
-        if type(prog) is Program:  # attention's readers, the same (attention.py's ``_readers``): not found again
-            prog.__dict__.setdefault("_reader_lists", users)
+        keep_readers(prog, users)  # (attention's ``_readers``: the same, not found again)
         outputs = output_buffers(prog)
         homes: dict[int, set[int]] = {}
         roots: dict[int, str] = {}
