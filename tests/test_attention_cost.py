@@ -192,6 +192,35 @@ def test_the_chain_is_the_softmax_between_the_products():
          "broadcast_in_dim", "div", "dot_general"])
 
 
+def test_a_programs_chains_and_readers_are_found_once_and_price_it_the_same(monkeypatch):
+    """``FusionModel.fuse`` asks for a product's chain where it places the product and again for each op of its
+    softmax (``place``): a :class:`Program`'s chains are kept with it (``kept_chain``), and its readers read off
+    the lists ``fuse`` made (``_reader_lists``). Each chain is found once per program, and the kernels and price
+    are the same floats as with every chain and reader found afresh (a new program, the memos taken away)."""
+    import rewrite.cost.attention as attn
+
+    args = _args([(2, 4, 512, 16)] * 3)
+    closed = jax.make_jaxpr(lambda q, k, v: plain(q, k, v) + plain(v, q, k))(*args)
+    m = AnalyticCost()
+    fm = m._fusion
+    asked: list = []
+    found = attn.attention_chain
+    monkeypatch.setattr(attn, "attention_chain", lambda prog, i, cached=0.0: asked.append(i) or found(prog, i, cached))
+    prog = Program.from_jaxpr(closed, m)
+    kept = fm.kernels(prog)
+    assert any(k.kind == ATTENTION for k in kept)
+    assert len(asked) == len(set(asked)) and {k.root for k in kept if k.kind == ATTENTION} <= set(asked)
+    price = fm(prog)
+    assert len(asked) == len(set(asked))  # priced again: not one chain found again
+    fresh = Program.from_jaxpr(closed, m)
+    fresh.__class__ = type("Afresh", (Program,), {})  # not a Program by type: nothing kept, every chain found
+    assert [(k.root, k.kind, k.computes, k.reads, k.cost) for k in fm.kernels(fresh)] == [
+        (k.root, k.kind, k.computes, k.reads, k.cost) for k in kept]
+    assert fm(fresh) == price and "_chains" not in fresh.__dict__ and "_reader_lists" not in fresh.__dict__
+    for i in range(len(prog.ops)):
+        assert attn._readers(prog, i) == attn._readers(fresh, i)
+
+
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 

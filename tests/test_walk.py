@@ -6,7 +6,7 @@ import pytest
 
 from rewrite import explain
 from rewrite.extract.choice import reachable
-from rewrite.ir.walk import CycleError, children, operands, postorder, term_children, walk
+from rewrite.ir.walk import CycleError, children, operands, postorder, postorder_list, term_children, walk
 
 GRAPH = {"r": ["a", "b"], "a": ["c"], "b": ["c", "d"], "c": [], "d": ["c"]}
 
@@ -24,6 +24,32 @@ def test_postorder_visits_each_class_after_what_it_reads():
     assert list(postorder(["r"], GRAPH.__getitem__, done={"b"})) == ["c", "a", "r"]
     with pytest.raises(CycleError):
         list(postorder(["x"], {"x": ["y"], "y": ["x"]}.__getitem__))
+
+
+def test_the_listed_postorder_is_the_generators_order_and_finds_its_cycles():
+    """``postorder_list`` (what ``Program.from_choice`` walks) is ``list(postorder(...))`` exactly: the same classes
+    in the same order on random graphs with shared children, repeated children, several roots (one read by another,
+    one repeated) and leaves, and a cycle raised wherever the generator raises one."""
+    import random
+
+    rng = random.Random(0)
+    for trial in range(300):
+        n = rng.randrange(1, 40)
+        graph = {i: [rng.randrange(i) for _ in range(rng.choice([0, 1, 1, 2, 3]))] if i else [] for i in range(n)}
+        if trial % 3 == 0 and n > 2:  # a back edge: a cycle where the walk reaches it
+            a = rng.randrange(1, n)
+            graph[rng.randrange(a)].append(a)
+        roots = [rng.randrange(n) for _ in range(rng.randrange(1, 4))]
+        try:
+            want = list(postorder(roots, graph.__getitem__))
+        except CycleError:
+            with pytest.raises(CycleError):
+                postorder_list(roots, graph.__getitem__)
+            continue
+        assert postorder_list(roots, graph.__getitem__) == want
+    assert postorder_list(["r"], GRAPH.__getitem__) == list(postorder(["r"], GRAPH.__getitem__))
+    with pytest.raises(CycleError):
+        postorder_list(["x"], {"x": ["x"]}.__getitem__)
 
 
 def test_children_keep_lists_and_bodies_whole_and_operands_spell_lists_out():

@@ -22,7 +22,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from .program import ATTENTION, LEAF, LIBRARY_MIN_ELEMENTS, TIEBREAK, _kind, _size, bitcast
+from .program import ATTENTION, LEAF, LIBRARY_MIN_ELEMENTS, TIEBREAK, Program, _kind, _size, bitcast
 
 
 #: A library kernel's scratch of this many bytes or more is mapped fresh from the system at every call, and its
@@ -45,11 +45,15 @@ SOFTMAX_OPS = frozenset({"mul", "div", "reduce_max", "max", "broadcast_in_dim", 
 
 
 def _readers(prog: Any, i: Any) -> Any:
-    """The ops that read op ``i``: a live program keeps them (``users``); a :class:`Program`'s are found once."""
+    """The ops that read op ``i``: a live program keeps them (``users``); a :class:`Program`'s are found once, or
+    read off the lists ``FusionModel.fuse`` made of them (``_reader_lists``: the same readers, in program order)."""
     users = getattr(prog, "users", None)
     if users is None:
         users = prog.__dict__.get("_readers")
         if users is None:
+            lists = prog.__dict__.get("_reader_lists")
+            if lists is not None:
+                return set(lists[i])
             users = prog.__dict__["_readers"] = {}
             for j, op in enumerate(prog.ops):
                 for a in set(op.args):
@@ -60,6 +64,13 @@ def _readers(prog: Any, i: Any) -> Any:
 def _scalar(prog: Any, i: Any) -> bool:
     op = prog.ops[i]
     return _kind(op) == LEAF and _size(op.out_avals[0] if op.out_avals else None) == 1
+
+
+def keep_readers(prog: Any, users: list) -> None:
+    """Keep with a :class:`Program` the readers ``FusionModel.fuse`` listed of each of its ops (``users[i]``: the ops
+    that read op ``i``, in program order, each once), for :func:`_readers` to read off, not find again."""
+    if type(prog) is Program:
+        prog.__dict__.setdefault("_reader_lists", users)
 
 
 def attention_chain(prog: Any, i: Any, cached: float = 0.0) -> frozenset | None:
@@ -91,6 +102,22 @@ def attention_chain(prog: Any, i: Any, cached: float = 0.0) -> frozenset | None:
         if m in outs or not _readers(prog, m) <= members | {i}:
             return None
     return frozenset(members | {i})
+
+
+def kept_chain(prog: Any, i: Any, cached: float = 0.0) -> frozenset | None:
+    """:func:`attention_chain`, kept with a :class:`Program` (by op and ``cached``): its ops and outputs do not change
+    once built, and ``FusionModel.fuse`` asks for a product's chain where it places the product and again for each
+    op it reads (``FusionModel.place``). A live program (``cost/live.py``), which edits its ops, is asked afresh."""
+    if type(prog) is not Program:
+        return attention_chain(prog, i, cached)
+    kept = prog.__dict__.get("_chains")
+    if kept is None:
+        kept = prog.__dict__["_chains"] = {}
+    key = (i, cached)
+    if key in kept:
+        return kept[key]
+    found = kept[key] = attention_chain(prog, i, cached)
+    return found
 
 
 def _softmax_of(prog: Any, n: Any, cached: float = 0.0) -> tuple[set, Any] | None:

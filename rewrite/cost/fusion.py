@@ -62,7 +62,7 @@ from ..ir import primitives as _primitives
 from ..ir.primitives import inner_jaxpr, spec_of
 from ..ir.scanread import SLICES
 from .dot import library_dot
-from .attention import SCORES_CACHED, attention_chain, attention_price, scratch_bytes
+from .attention import SCORES_CACHED, attention_price, keep_readers, kept_chain, scratch_bytes
 from .program import (ATTENTION, LEAF, LIBRARY, LOOP, OTHER, REDUCE, TIEBREAK, VIEW, Op, Program, _kind, _size,
                       bitcast, fused_update, remembered_kernel, sliced_parts)
 from .simplify import folded_reduction
@@ -203,6 +203,7 @@ class FusionModel:
         for i, op in enumerate(ops):
             for a in set(op.args):
                 users[a].append(i)
+        keep_readers(prog, users)  # (attention's ``_readers``: the same, not found again)
         outputs = output_buffers(prog)
         homes: dict[int, set[int]] = {}
         roots: dict[int, str] = {}
@@ -230,9 +231,9 @@ class FusionModel:
         """
         if len(need) == 1:
             r = next(iter(need))
-            if roots[r] == ATTENTION and i in (attention_chain(prog, r, self.scores_cached) or ()):
+            if roots[r] == ATTENTION and i in (kept_chain(prog, r, self.scores_cached) or ()):
                 return need, None  # the library kernel of the product that reads the softmax computes it
-        if prog.ops[i].prim == "dot_general" and attention_chain(prog, i, self.scores_cached) is not None:
+        if prog.ops[i].prim == "dot_general" and kept_chain(prog, i, self.scores_cached) is not None:
             return {i}, ATTENTION
         if kind == REDUCE and not output:
             # A small reduction is a loop XLA can fuse into its one consumer loop (never duplicated).

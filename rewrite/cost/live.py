@@ -14,7 +14,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from ..ir import primitives as _primitives
 from ..ir.scanread import SLICES
-from ..ir.walk import postorder
+from ..ir.walk import postorder, postorder_list
 from .attention import SOFTMAX_OPS, scores_bytes
 from .fusion import TIEBREAK, Fusion, FusionModel, _temp, buffer_of, output_buffers, slices
 from .program import ATTENTION, LEAF, LIBRARY, LOOP, OTHER, REDUCE, VIEW, Op, _kind, bitcast, sliced_parts
@@ -490,7 +490,8 @@ class LiveFusion:
         found = self._positions
         if found is None or found[0] != self._version:
             self.walks += 1
-            at = {c: i for i, c in enumerate(postorder(self.outputs, lambda c: self.ops[c].args))}
+            ops = self.ops
+            at = {c: i for i, c in enumerate(postorder_list(self.outputs, lambda c: ops[c].args))}
             found = self._positions = (self._version, at, None)
         return found[1]
 

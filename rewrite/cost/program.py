@@ -20,7 +20,7 @@ from ..ir.intern import PARAMS, TupleType
 from ..ir.jaxapi import core
 from ..ir.primitives import NodeInfo, inner_jaxpr, is_float as _is_float, spec_of
 from ..ir.scanread import SLICES
-from ..ir.walk import children, operands, postorder, walk
+from ..ir.walk import children, operands, postorder_list, walk
 from .prices import NODE_KEY
 
 
@@ -138,7 +138,7 @@ class Program:
         ops: list[Op] = []
         snap = ex.snap
         reads = getattr(ex, "operands", None) or (lambda node: operands(snap, node))
-        order = list(postorder(list(roots), lambda c: () if c in inputs else reads(choice[c])))
+        order = postorder_list(roots, lambda c: () if c in inputs else reads(choice[c]))
         for c in order:
             if c in inputs:
                 index[c] = len(ops)

@@ -114,6 +114,43 @@ def postorder(roots: Sequence[Any], kids: Callable[[Any], Sequence[Any]],
                 stack.append((k, False))
 
 
+def postorder_list(roots: Sequence[Any], kids: Callable[[Any], Iterable[Any]]) -> list[Any]:
+    """``list(postorder(roots, kids))``, the same classes in the same order (each after every class it reads, a
+    root's first child's first), made without a generator: ``Program.from_choice`` builds every program a price
+    reads so, and reads the whole walk. Each class's children are read once, from one iterator kept on the path, not
+    pushed all at once. Raises :class:`CycleError` on a cycle, as :func:`postorder` does.
+
+    >>> g = {"a": ["b", "c"], "b": ["c"], "c": []}
+    >>> postorder_list(["a"], g.__getitem__)
+    ['c', 'b', 'a']
+    """
+    finished: set[Any] = set()
+    on_path: set[Any] = set()
+    out: list[Any] = []
+    done, enter, leave, emit = finished.add, on_path.add, on_path.discard, out.append
+    for r in roots:
+        if r in finished:
+            continue
+        enter(r)
+        path = [(r, iter(kids(r)))]
+        push, pop = path.append, path.pop
+        while path:
+            c, rest = path[-1]
+            for k in rest:
+                if k not in finished:
+                    if k in on_path:
+                        raise CycleError("the chosen program has a cycle")
+                    enter(k)
+                    push((k, iter(kids(k))))
+                    break
+            else:
+                pop()
+                leave(c)
+                done(c)
+                emit(c)
+    return out
+
+
 def _any_eqn(jaxpr: Any, pred: Callable[[Any], bool]) -> bool:
     """Whether ``pred`` holds of an equation of ``jaxpr`` or of a call-like body in it (``inner_jaxpr``)."""
     for e in jaxpr.eqns:
