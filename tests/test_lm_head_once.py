@@ -17,21 +17,7 @@ from rewrite.rules import saturate
 from rulesets import nn_lm_head_kernels as kernels
 from rulesets.nn_lm_head_kernels import shift_kind
 
-
-def _compiles(fn):
-    """How many XLA compiles ``fn()`` made, and its value."""
-    seen = []
-
-    def listen(event, duration, **kw):
-        if event == "/jax/core/compile/backend_compile_duration":
-            seen.append(duration)
-
-    jax.monitoring.register_event_duration_secs_listener(listen)
-    try:
-        out = fn()
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listen)
-    return len(seen), out
+from .test_time_limits import _compiles
 
 
 def _read_back(f, shape, dtype):

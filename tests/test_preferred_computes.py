@@ -7,14 +7,12 @@ from __future__ import annotations
 import random
 import sys
 
-import jax
-import jax.numpy as jnp
 
-import rulesets
-from rewrite import explain
 from rewrite.extract import choice as _choice
 from rewrite.rules import builder as _builder
 from rewrite.rules.match import Match
+
+from .test_rewrite_time_paths import explain_a_loop_of_four_outputs
 
 
 class _Snap:
@@ -144,15 +142,7 @@ def test_a_loop_s_outputs_that_share_a_body_are_walked_once(monkeypatch):
     monkeypatch.setattr(_builder, "choose_slice", counted)
     monkeypatch.setattr(Match, "computes_each", checked)
 
-    def loss(h0, xs, w):
-        def step(h, x):
-            u = jnp.tanh(x * w + 1.0) * x
-            return jnp.tanh(h + x), (jnp.sin(u), jnp.cos(u), u * u, h * u)
-        _, (a, b, c, d) = jax.lax.scan(step, h0, xs)
-        return jnp.sum(a) + jnp.sum(b * c) + jnp.sum(d)
-
-    args = jnp.ones(32), jnp.ones((8, 32)), jnp.float32(0.5)
-    report = explain(loss, *args, rulesets=[rulesets.scan.lift])
+    report, _, _ = explain_a_loop_of_four_outputs()
     assert report.fired.get("lift_independent"), report.fired
     assert asked and all(got == alone and same_reads for got, alone, _, same_reads in asked), asked
     big = [(got, w) for got, _, w, _ in asked if len(got) >= 4]

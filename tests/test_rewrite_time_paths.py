@@ -1018,6 +1018,21 @@ def test_a_program_fingerprint_walks_a_body_that_appears_again_once(monkeypatch)
     assert fp.program_fingerprint(copies) == digest
 
 
+def explain_a_loop_of_four_outputs():
+    """``explain`` of a scan whose four stacked outputs share its body, with ``lift_independent`` alone: the loop
+    whose outputs it asks ``computes_each`` about (``test_preferred_computes.py`` reads it too); with the loss and
+    its arguments."""
+    def loss(h0, xs, w):
+        def step(h, x):
+            u = jnp.tanh(x * w + 1.0) * x
+            return jnp.tanh(h + x), (jnp.sin(u), jnp.cos(u), u * u, h * u)
+        _, (a, b, c, d) = jax.lax.scan(step, h0, xs)
+        return jnp.sum(a) + jnp.sum(b * c) + jnp.sum(d)
+
+    args = jnp.ones(32), jnp.ones((8, 32)), jnp.float32(0.5)
+    return explain(loss, *args, rulesets=[rulesets.scan.lift]), loss, args
+
+
 def test_a_loop_s_carry_independent_outputs_are_found_with_one_pass_over_its_body(monkeypatch):
     """``lift_independent`` asks for each stacked output of a loop whether the body's inputs alone compute it
     (``Match.computes_each``). Each question prefers the bottom-up pass's choice below its output
@@ -1051,15 +1066,7 @@ def test_a_loop_s_carry_independent_outputs_are_found_with_one_pass_over_its_bod
     if each is not None:
         monkeypatch.setattr(Match, "computes_each", checked)
 
-    def loss(h0, xs, w):
-        def step(h, x):
-            u = jnp.tanh(x * w + 1.0) * x
-            return jnp.tanh(h + x), (jnp.sin(u), jnp.cos(u), u * u, h * u)
-        _, (a, b, c, d) = jax.lax.scan(step, h0, xs)
-        return jnp.sum(a) + jnp.sum(b * c) + jnp.sum(d)
-
-    args = jnp.ones(32), jnp.ones((8, 32)), jnp.float32(0.5)
-    report = explain(loss, *args, rulesets=[rulesets.scan.lift])
+    report, loss, args = explain_a_loop_of_four_outputs()
     assert report.fired.get("lift_independent"), report.fired
     assert passes and max(passes.values()) == 1, passes
     assert asked and all(got == one_by_one for got, one_by_one in asked), asked
