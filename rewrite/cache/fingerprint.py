@@ -350,6 +350,16 @@ def _is_array(x: Any) -> bool:
     return isinstance(x, jax.Array)
 
 
+def by_identity(table: dict[int, tuple[Any, Any]], x: Any, make: Any) -> Any:
+    """``make(x)``, made once per object ``x`` while ``table`` lives: ``table`` maps ``id(x)`` to ``(x, make(x))``,
+    holding ``x`` so that its id is not reused by another object meanwhile (a walk's memo of what it wrote of an
+    aval or dtype met many times: the fingerprint's avals, the serialiser's avals and dtypes)."""
+    found = table.get(id(x))
+    if found is None or found[0] is not x:
+        found = table[id(x)] = (x, make(x))
+    return found[1]
+
+
 def aval_key(aval: Any) -> tuple:
     if not hasattr(aval, "shape"):
         return (type(aval).__name__, str(aval))
@@ -387,10 +397,7 @@ class _Canon:
     def aval(self, aval: Any) -> bytes:
         """``repr(aval_key(aval))`` as bytes, made once per aval object: what :meth:`put` writes of the key (a
         key holds its sharding's repr, whose repr again costs most of a variable's write)."""
-        found = self.avals.get(id(aval))
-        if found is None or found[0] is not aval:
-            found = self.avals[id(aval)] = (aval, repr(aval_key(aval)).encode())
-        return found[1]
+        return by_identity(self.avals, aval, lambda a: repr(aval_key(a)).encode())
 
     def put_tagged(self, tag: bytes, key: bytes) -> None:
         """``put((tag, key))`` of a key :meth:`aval` wrote: a pair's repr is its items' joined (``tag``: the

@@ -36,7 +36,7 @@ from jax.extend import linear_util as lu
 from ..ir.jaxapi import (UNSPECIFIED, SaveOnlyTheseNames, UnspecifiedValue, ad, call_custom_vjp_bwd, core,
                          empty_concrete_mesh, literals, neutral_params, params_for_jax, save_only_these_names)
 from ..jaxpr.trace import trace_at
-from .fingerprint import CALLBACKS
+from .fingerprint import CALLBACKS, by_identity
 from .rules import Forward, Unserialisable, dce_chain, dce_jvp, jvp_rule_fun, residual_avals, vjp_rule_params
 
 
@@ -174,18 +174,12 @@ class _Writer:
         self.by_name: dict[int, tuple[Any, bool]] = {}
 
     def dtype_name(self, dtype: Any) -> str:
-        found = self.dtypes.get(id(dtype))
-        if found is None or found[0] is not dtype:
-            found = self.dtypes[id(dtype)] = (dtype, str(dtype))
-        return found[1]
+        return by_identity(self.dtypes, dtype, str)
 
     def written_by_name(self, dtype: Any) -> bool:
         """An array of ``dtype`` can be written: not of objects, and its dtype found again by its name
         (:func:`_dtype_by_name`), asked once per dtype object."""
-        found = self.by_name.get(id(dtype))
-        if found is None or found[0] is not dtype:
-            found = self.by_name[id(dtype)] = (dtype, not (dtype == object or not _dtype_by_name(dtype)))
-        return found[1]
+        return by_identity(self.by_name, dtype, lambda d: not (d == object or not _dtype_by_name(d)))
 
     def find(self, x: Any) -> int | None:
         i = self.objects.get(id(x))
@@ -367,10 +361,7 @@ class _Writer:
         return ("array", self.dtype_name(a.dtype), a.shape, np.ascontiguousarray(a).tobytes(), _jax_array(x))
 
     def aval(self, a: Any) -> Any:
-        found = self.avals.get(id(a))
-        if found is None or found[0] is not a:
-            found = self.avals[id(a)] = (a, self._aval(a))
-        return found[1]
+        return by_identity(self.avals, a, self._aval)
 
     def _aval(self, a: Any) -> Any:
         if isinstance(a, core.ShapedArray):
