@@ -14,7 +14,7 @@ import weakref
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 from ..cost.model import AnalyticCost, CostModel, NodeInfo
-from ..cost.prices import keep, kept
+from ..cost.prices import price_of
 from ..ir import primitives as _primitives
 from ..ir import terms as _terms
 from ..ir.egraph import Snapshot
@@ -65,8 +65,8 @@ class Extractor:
         self.snap = snap
         self.model = model
         self._own: dict[tuple, float] = _prices(snap, model)
-        #: the node prices ``model`` keeps across snapshots by :meth:`node_key` (``cost/prices.py``), if it keeps any
-        self._kept: dict[tuple, float] | None = kept(model) if type(model) is AnalyticCost else None
+        #: whether ``model`` keeps node prices across snapshots by :meth:`node_key` (``cost/prices.py``)
+        self._keeps = type(model) is AnalyticCost
         self._unique_kids: dict[tuple, list[Any]] = {}
         self._class_order: dict[Any, int] | None = None
         self._kids: dict[tuple, list[Any]] = {}
@@ -209,17 +209,17 @@ class Extractor:
             return 0.0
         key = (cls, ctor, args, choice[args[0]] if ctor == "Proj" else None)
         found = self._own.get(key)
-        if found is None:
-            table = self._kept  # (a node of another snapshot, or of another class, may be the same term)
-            if table is not None:
-                found = table.get(same := self.node_key(cls, ctor, args, choice))
-            if found is None:
-                found = float(self.model(self.info(cls, ctor, args, choice)))
-                if not found >= 0.0:
-                    raise ValueError(f"cost model returned {found!r} for {ctor}; costs must be non-negative numbers")
-                if table is not None:
-                    keep(table, same, found)
-            self._own[key] = found
+        if found is None:  # (a node of another snapshot, or of another class, may be the same term: kept by its key)
+            same = self.node_key(cls, ctor, args, choice) if self._keeps else None
+            found = self._own[key] = price_of(self.model, same, lambda: self._priced(cls, ctor, args, choice))
+        return found
+
+    def _priced(self, cls: Any, ctor: str, args: tuple, choice: dict[Any, tuple]) -> float:
+        """The model's price of a node without bodies, asked afresh; a price that is not a non-negative number is
+        refused."""
+        found = float(self.model(self.info(cls, ctor, args, choice)))
+        if not found >= 0.0:
+            raise ValueError(f"cost model returned {found!r} for {ctor}; costs must be non-negative numbers")
         return found
 
     def node_key(self, cls: Any, ctor: str, args: tuple, choice: dict[Any, tuple]) -> tuple:
