@@ -61,6 +61,8 @@ def pairs() -> dict[tuple[str, str], tuple[Any, Any]]:
             res = rep.result
             if res.rewritten:
                 out[(case.name, "chosen")] = (rep.before, rep.after)
+            if rep.step_used:  # what rewrite(step) runs (decisions.decide's "runs" pair), re-priced as the others
+                out[(case.name, "runs")] = (rep.before, rep.runs)
             kept = res.after if res.rewritten else rep.before
             for d in rep.declined():
                 if (case.name, f"declined:{d.rule}") in want:
