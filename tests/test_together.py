@@ -144,3 +144,39 @@ def test_a_forward_that_is_the_loss_as_written_is_not_traced_again(monkeypatch):
     monkeypatch.setattr(api, "joint_at", lambda closed, wrt=None, written=None: spied(closed, wrt)[0])  # all anew
     assert program() == reused
     assert len(traced) == 4 and len(set(traced)) == 2, [len(t) for t, _ in traced]
+
+
+def test_a_gradients_two_derivatives_are_split_only_where_the_choice_reaches_them(monkeypatch):
+    """``jax.grad(rewrite(loss))`` where the LM head's ``jointly`` rules fire: ``build_vjps`` saturates the two joint
+    programs together and returns them unsplit (``Pending``); ``decided_jointly`` orders them by their joint
+    extractions and searches the residuals of the one it holds to JAX's derivative first, the other only where that
+    one is not taken. Where the first is kept (V=8192: the head's loop) one split is searched, not two, and the VJP and
+    the decision in words are what splitting both gives; where JAX's is kept (V=4096), both are split, as before."""
+    import rulesets
+    import rewrite.grad.primitive as primitive
+    from tests.corpus import lm_head_case
+
+    searched: list = []
+    split = together._vjp_of
+
+    def counted(*args, **kwargs):
+        searched.append(1)
+        return split(*args, **kwargs)
+
+    monkeypatch.setattr(together, "_vjp_of", counted)
+    eager = primitive.build_vjps
+
+    def built(case: tuple, lazy: bool) -> tuple:
+        searched.clear()
+        monkeypatch.setattr(primitive, "build_vjps", eager if lazy else (
+            lambda *args, lazy=False, **kwargs: eager(*args, **kwargs)))
+        loss, (h, w, y) = lm_head_case(*case)
+        made = rewrite(loss, rulesets=[rulesets.nn], cache=False).grad_result(h, w, y)
+        return str(made.fwd), str(made.bwd), made.decided, len(searched)
+
+    for case, kept, splits in (((1024, 128, 8192), "kept the forward rewritten with", 1),
+                               ((512, 128, 4096), "kept JAX's derivative", 2)):
+        got, want = built(case, True), built(case, False)
+        assert got[2].startswith(kept), got[2]
+        assert got[:3] == want[:3], (case, got[2], want[2])
+        assert (got[3], want[3]) == (splits, 2), (case, got[3], want[3])

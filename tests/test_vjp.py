@@ -350,6 +350,7 @@ def test_decided_jointly_traces_and_prices_jax_s_split_once(monkeypatch):
     import rewrite.grad.decide as decide
     import rewrite.grad.vjp as vjp
     from jax.extend.core import jaxpr_as_fun
+    from rewrite.grad import together
 
     counts: collections.Counter = collections.Counter()
 
@@ -375,6 +376,9 @@ def test_decided_jointly_traces_and_prices_jax_s_split_once(monkeypatch):
     loss, (h, w, y) = lm_head_case(512, 128, 4096)
 
     built = rewrite(loss, rulesets=[rulesets.nn], cache=False).grad_result(h, w, y)
+    # (the two rewritten are ordered by their joint extractions first, priced as their pipeline priced them:
+    # grad/together.py's Pending; here both are split, the first not being taken over JAX's)
+    joints = [j for j in joints if not isinstance(j.built, together.Pending)]
     assert built.decided and len(joints) == 3, (built.decided, [str(j) for j in joints])
     assert counts["priced"] == 3 and counts["traced"] == 2, counts
     written = [j for j in joints if j.built.as_written]

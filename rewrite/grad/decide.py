@@ -70,7 +70,28 @@ def _bounded(model: Any) -> bool:
     return bounds_memory(model) and getattr(model, "predict_temp_bytes", None) is not None
 
 
-def held_to_written(rewritten: Sequence[Joint], written: Joint, model: Any) -> tuple[Joint, str]:
+def _held(r: Joint, than: Joint, model: Any, slack: float = 0.0) -> str:
+    """Why ``r`` does not replace ``than``, or "" where it does (:func:`held_to_written`)."""
+    if not _taken(r, than):
+        return f"{r} is not priced below {than}, nor kept as the leaner"
+    if _bounded(model) and fatter(r.peak(), than.peak()) and r.peak() - than.peak() > slack:  # type: ignore[operator]
+        return f"{r} is predicted to hold more temporaries than {than}"
+    return ""
+
+
+def in_order(rewritten: Sequence[Joint], model: Any) -> tuple[list[int], list[str]]:
+    """The positions of one or two rewritten joints in the order :func:`held_to_written` holds them to JAX's as
+    written, and why the first is not taken over the second where it is not: the second (the forward rewritten without
+    the ``jointly`` rules) is taken over the first so, but for holding more by no more than the model's ``cache``."""
+    if len(rewritten) < 2:
+        return list(range(len(rewritten))), []
+    why = _held(rewritten[1], rewritten[0], model, float(getattr(model, "cache", 0.0) or 0.0))
+    return ([0, 1], [why]) if why else ([1, 0], [])
+
+
+def held_to_written(rewritten: Sequence[Joint], written: Joint, model: Any,
+                    order: tuple[list[int], list[str]] | None = None,
+                    made: Callable[[int], Joint] | None = None) -> tuple[Joint, str]:
     """The joint :func:`decided_jointly` keeps, of one or two rewritten ones and the one as written, and why.
 
     Each is held to the one it would replace, as extraction holds a rewrite to its input (``no_fatter``): taken by
@@ -81,29 +102,20 @@ def held_to_written(rewritten: Sequence[Joint], written: Joint, model: Any) -> t
     joint of ``linen_gpt`` at N=128 held 1.3 MiB more, predicted, and ran 1.11-1.17x against 0.93x); past it the
     arrays stream from memory, which the price underrates (``equinox_scan`` at N=1024: 7% cheaper, 179 MiB more,
     as ``AnalyticCost.lean_band_far`` reads it). The one taken replaces JAX's as written so; else the other
-    rewritten one where it passes against JAX's, else JAX's."""
-    bounded = _bounded(model)
+    rewritten one where it passes against JAX's, else JAX's.
 
-    def held(r: Joint, than: Joint, slack: float = 0.0) -> str:
-        """Why ``r`` does not replace ``than``, or "" where it does."""
-        if not _taken(r, than):
-            return f"{r} is not priced below {than}, nor kept as the leaner"
-        if bounded and fatter(r.peak(), than.peak()) and r.peak() - than.peak() > slack:  # type: ignore[operator]
-            return f"{r} is predicted to hold more temporaries than {than}"
-        return ""
-
-    said = []
-    order = list(rewritten)
-    if len(rewritten) > 1:
-        why = held(rewritten[1], rewritten[0], float(getattr(model, "cache", 0.0) or 0.0))
-        if why:
-            said.append(why)
-        else:
-            order.reverse()
-    for r in order:  # the one taken between the two first
-        why = held(r, written)
+    ``order``, where given, is that order and its reason (:func:`in_order`) found already, on other joints of the
+    same two derivatives (their joint extractions, before either is split: ``grad/together.py``'s ``build_vjps``);
+    ``made(i)``, where given, the joint of the ``i``-th derivative that is held to JAX's, made only when the choice
+    reaches it (``rewritten[i]`` stands for it in the reasons till then)."""
+    positions, said = in_order(rewritten, model) if order is None else order
+    said = list(said)
+    held: dict[int, Joint] = {}
+    for i in positions:  # the one taken between the two first
+        r = held[i] = rewritten[i] if made is None else made(i)
+        why = _held(r, written, model)
         if not why:
-            others = [str(o) for o in rewritten if o is not r] + [str(written)]
+            others = [str(held.get(j, o)) for j, o in enumerate(rewritten) if j != i] + [str(written)]
             return r, f"kept {r}; against {', '.join(others)}" + (f" ({'; '.join(said)})" if said else "")
         said.append(why)
     return written, f"kept {written}: {'; '.join(said)}"

@@ -193,7 +193,7 @@ class Signature:
                                              keep=keep),
                 lambda f: as_written_vjp(self._of(f), owner.cost_model), split_joint, spent,
                 build_both=None if keep else lambda f, p, rest: build_vjps(self._of(f), self._of(p), rest,
-                                                                           owner.cost_model, owner.limits))
+                                                                           owner.cost_model, owner.limits, lazy=True))
             built.decided = decided
             if "step jointly" in spent:  # decided jointly: every candidate built and priced, the kept one's stages too
                 built.times = {**built.times, "decided jointly": spent.get("step joint", 0.0) + spent["step jointly"]}
