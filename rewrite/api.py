@@ -34,7 +34,7 @@ from .errors import RewriteLimitWarning, RewriteWarning, _strict
 from .extract.lean import closed_peaks, peaks_keep_leaner, time_price
 from .grad.primitive import Signature, bind_if_differentiated
 from .grad.pinned import join_pinned, split_pinned
-from .grad.step import find_losses, holds_product, proof_graph
+from .grad.step import find_losses, proof_graph
 from .grad.together import rewrite_joints
 from .grad.uses import without_outputs
 from .grad.vjp import VJPResult, build_vjp, decided_jointly, joint_at, rewrite_joint
@@ -136,9 +136,8 @@ class Rewritten:
         self._programs: dict[Any, Any] = {}
         self._jitted: dict[Any, tuple[core.ClosedJaxpr, Any]] = {}  # key -> (program, jax.jit of it)
         #: look in the program for a loss whose gradients it holds (a training step): rewrite/grad/step.py. By
-        #: default only with the memory-shaped packs, whose forwards and backwards it exists to replace together,
-        #: and only on a step that computes a product, where their rules start (``grad.step.holds_product``)
-        self.whole_step, self.step_by_default = _searches_steps(self.entries, whole_step), whole_step is None
+        #: default only with the memory-shaped packs, whose forwards and backwards it exists to replace together
+        self.whole_step = _searches_steps(self.entries, whole_step)
 
     def _prepare(self, args: tuple, kwargs: dict) -> tuple[Any, list[Any], tuple[Traced, Result], tuple]:
         """The call's cache key, program operands, (traced, result) entry, and nnx nodes (``state.lift``)."""
@@ -327,7 +326,7 @@ class Rewritten:
             kept.times["whole_step"] = sum(spent.get(k, 0.0) for k in STEP_STAGES)
             return kept
 
-        if not self.whole_step or not self.entries or (self.step_by_default and not holds_product(traced.closed)):
+        if not self.whole_step or not self.entries:
             return as_written()
         spent: dict[str, float] = {}
         try:
@@ -565,7 +564,7 @@ def rewrite(fn: Callable[..., Any] | None = None, *, rulesets: Any = (), cost_mo
     from the loss-first program, as ``jax.value_and_grad(rewrite(loss))`` would run it
     (``rewrite/grad/step.py``, docs/steps.md); the cheaper of that and the step as written is kept. ``None``
     (the default) searches when the rulesets hold ``rulesets.attention`` or the LM head's rules
-    (``rulesets.nn``) and the step computes a product, where their rules start, ``True`` always, ``False`` never.
+    (``rulesets.nn``), ``True`` always, ``False`` never.
 
     >>> import jax, jax.numpy as jnp
     >>> from rewrite import rewrite, rule, Ruleset
@@ -690,7 +689,7 @@ def explain(fn: Any, *args: Any, rulesets: Any = (), cost_model: Any = None, lim
         # what rewrite(step) does besides: a loss whose gradients the step holds (rewrite/grad/step.py)
         finder = Rewritten(fn, (), model, limits, static_argnums, static_argnames, strict=None, cache=False)
         finder.entries = entries
-        finder.whole_step, finder.step_by_default = _searches_steps(entries, whole_step), whole_step is None
+        finder.whole_step = _searches_steps(entries, whole_step)
         t = time.perf_counter()
         chosen = finder._whole_step(traced, result)
     if finder.whole_step and finder.entries:  # the search's time and its parts, whether or not its step is used

@@ -715,24 +715,6 @@ def test_the_search_runs_by_default_only_with_the_memory_shaped_packs():
     assert rewrite(step, rulesets=[rulesets.nn], cache=False, whole_step=False).result(*args).step is None
 
 
-def test_the_default_search_skips_a_step_without_a_product():
-    """``whole_step=None`` with the memory-shaped packs: a step that computes no product (``grad.step.holds_product``:
-    seed 000's step, sines and sums) is not searched, since attention's and the LM head's rules both start from one
-    (jaxmd_lj_forces: three pipelines for the program the step as written gives in one); ``True`` still searches it,
-    and a product inside a loop's body counts."""
-    from benchmarks import derivatives as bd
-    from rewrite.grad.step import holds_product
-
-    x, a, ct = bd.inputs(8)
-    step = _seed_step("value_and_grad")
-    assert not holds_product(jax.make_jaxpr(step)(x, a, ct))
-    assert rewrite(step, rulesets=PACKS, cache=False).result(x, a, ct).step is None
-    assert rewrite(step, rulesets=PACKS, cache=False, whole_step=True).result(x, a, ct).step is not None
-    w = jnp.ones((3, 3))
-    looped = jax.make_jaxpr(lambda w, v: jax.lax.scan(lambda c, _: (c @ w, None), v, None, length=2)[0])(w, w[0])
-    assert holds_product(looped) and not holds_product(jax.make_jaxpr(jnp.sin)(w))
-
-
 def _seed_step(kind):
     """Seed 000's training step, its loss weighted by ``ct`` (a leaf whose gradient the step never reads)."""
     from benchmarks import derivatives as bd

@@ -87,9 +87,6 @@ MAX_TRIES = 4
 LOOPS = frozenset({"scan", "while"})
 #: How many losses (micro-batches of gradient accumulation) are replaced, at most.
 MAX_LOSSES = 8
-#: The operations the memory-shaped packs' rules start from (``api.WHOLE_STEP_PACKS``: attention's scores and its
-#: output, the LM head's logits, are products): a step without one is not searched by default (:func:`holds_product`).
-PRODUCTS = frozenset({"dot_general"})
 
 
 @dataclasses.dataclass
@@ -109,18 +106,6 @@ class StepFinding:
         parts = ([f"replaced {r}" for r in self.replaced] + [f"declined {d}" for d in self.declined]
                  + [f"loss-first VJP decided jointly: {d}" for d in self.decided])
         return "; ".join(parts) or "no loss with its gradients found"
-
-
-def holds_product(closed: Any) -> bool:
-    """Whether ``closed`` computes a product (:data:`PRODUCTS`), in its bodies too: the default whole-step search
-    (``rewrite(..., whole_step=None)``, on with the memory-shaped packs) runs only on a step that does. It exists to
-    replace a loss's forward and backward together where those packs' rules rebuild them (attention, the LM head
-    over token blocks), and both start from a product; on a step without one the search re-derives each loss's
-    VJP, saturates it, and saturates the step with it again, three pipelines where the step as written takes one:
-    jaxmd_lj_forces 0.43 s against 0.16 s, and the same program out (``benchmarks/results/log.md``, h-small)."""
-    jaxpr = closed.jaxpr if isinstance(closed, core.ClosedJaxpr) else closed
-    return any(e.primitive.name in PRODUCTS or any(holds_product(sub) for sub in core.jaxprs_in_params(e.params))
-               for e in jaxpr.eqns)
 
 
 # ---------------------------------------------------------------------- the flat program
