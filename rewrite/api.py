@@ -33,8 +33,8 @@ from .cost.measure import resolve
 from .errors import RewriteLimitWarning, RewriteWarning, _strict
 from .extract.lean import closed_peaks, peaks_keep_leaner, time_price
 from .grad.primitive import Signature, bind_if_differentiated
-from .grad.pinned import join_pinned, split_pinned
-from .grad.step import find_losses, proof_graph
+from .grad.pinned import PIN_FROM, join_pinned, split_pinned
+from .grad.step import AsWritten, StepFinding, find_losses, proof_graph, searches_steps
 from .grad.together import rewrite_joints
 from .grad.uses import without_outputs
 from .grad.vjp import VJPResult, build_vjp, decided_jointly, joint_at, rewrite_joint
@@ -48,15 +48,6 @@ from .report.report import Report, _fixed_cost, gradient_report, report_of
 from .rules.ruleset import Ruleset, entries_of
 
 log = logging.getLogger("rewrite")
-
-
-#: the rulesets whose presence turns on the whole-step search by default (``rewrite(..., whole_step=None)``)
-WHOLE_STEP_PACKS = frozenset({"attention", "nn_lm_head"})
-
-
-def _searches_steps(entries: Sequence[tuple[Any, Ruleset]], whole_step: bool | None) -> bool:
-    """``whole_step=`` decided: ``None`` searches when the rules hold a memory-shaped pack's."""
-    return any(owner.name in WHOLE_STEP_PACKS for _, owner in entries) if whole_step is None else bool(whole_step)
 
 
 def builtin_packs() -> Mapping[str, Ruleset]:
@@ -137,7 +128,7 @@ class Rewritten:
         self._jitted: dict[Any, tuple[core.ClosedJaxpr, Any]] = {}  # key -> (program, jax.jit of it)
         #: look in the program for a loss whose gradients it holds (a training step): rewrite/grad/step.py. By
         #: default only with the memory-shaped packs, whose forwards and backwards it exists to replace together
-        self.whole_step = _searches_steps(self.entries, whole_step)
+        self.whole_step, self.step_by_default = searches_steps(self.entries, whole_step), whole_step is None
 
     def _prepare(self, args: tuple, kwargs: dict) -> tuple[Any, list[Any], tuple[Traced, Result], tuple]:
         """The call's cache key, program operands, (traced, result) entry, and nnx nodes (``state.lift``)."""
@@ -329,12 +320,13 @@ class Rewritten:
         if not self.whole_step or not self.entries:
             return as_written()
         spent: dict[str, float] = {}
+        small = self.step_by_default and len(traced.closed.jaxpr.eqns) < PIN_FROM  # (grad.step.AsWritten)
         try:
             pinned: set = set()
             # the proofs saturate with no rule: a step is loaded once for all of them (proof_graph)
             decided: list[str] = []
-            changed, finding = find_losses(traced.closed, self._proof,
-                                           functools.partial(self._loss_first, spent=spent, decided=decided), pinned,
+            loss_first = functools.partial(self._loss_first, spent=spent, decided=decided, small=small)
+            changed, finding = find_losses(traced.closed, self._proof, loss_first, pinned,
                                            functools.partial(proof_graph, model=self.cost_model), price=result is None)
             finding.decided = decided
             alt = None
@@ -346,6 +338,10 @@ class Rewritten:
                 before = result.cost_before if result is not None else finding.price  # off the proofs' load
                 before = program_cost(traced.closed, self.cost_model) if before is None else before
                 lap(spent, "step price", t)
+        except AsWritten as e:  # the search left: the step as written, rewritten, with why
+            written = as_written()
+            written.step = StepFinding(declined=[str(e)])
+            return written
         except Exception as e:  # the step as written, rewritten, still runs
             self._fall_back(e, f"the whole-step search of {getattr(self.fn, '__name__', 'function')!r}",
                             "running the step rewritten as written")
@@ -429,7 +425,8 @@ class Rewritten:
 
     def _loss_first(self, cone: core.ClosedJaxpr, spent: dict[str, float] | None = None,
                     decided: list[str] | None = None, wrt: Sequence[int] | None = None,
-                    value: bool | None = None, written: core.ClosedJaxpr | None = None) -> core.ClosedJaxpr:
+                    value: bool | None = None, written: core.ClosedJaxpr | None = None, small: bool = False
+                    ) -> core.ClosedJaxpr:
         """A loss's VJP as ``jax.value_and_grad(rewrite(loss))`` runs it, with these rules, as one program
         ``(primals, cotangent) -> (loss, gradients)``: JAX's VJP of the rewritten forward, rewritten, decided on
         that joint program where a ``jointly`` ruleset's rules fired in the forward, and held to JAX's joint of the
@@ -445,6 +442,9 @@ class Rewritten:
         with stage("a loss's forward"):
             forward = run_pipeline(cone, self.entries, self.cost_model, self.limits, price_input=False, plain=True)
         t = lap(spent, "step forward", t)
+        if small and not forward.rewritten:
+            raise AsWritten("a small step whose loss's forward comes out as written: the step as written is rewritten "
+                            "(grad.step.AsWritten)")
         priced: list = []  # the joint programs priced whole as they were chosen: decided_jointly does not price again
         n_out = len(cone.out_avals)
         # a step that reads only the gradients runs each candidate without the loss (XLA drops what only it reads):
@@ -564,7 +564,8 @@ def rewrite(fn: Callable[..., Any] | None = None, *, rulesets: Any = (), cost_mo
     from the loss-first program, as ``jax.value_and_grad(rewrite(loss))`` would run it
     (``rewrite/grad/step.py``, docs/steps.md); the cheaper of that and the step as written is kept. ``None``
     (the default) searches when the rulesets hold ``rulesets.attention`` or the LM head's rules
-    (``rulesets.nn``), ``True`` always, ``False`` never.
+    (``rulesets.nn``), and leaves a small step whose loss's forward no rule rewrites (``grad.step.AsWritten``),
+    ``True`` always, ``False`` never.
 
     >>> import jax, jax.numpy as jnp
     >>> from rewrite import rewrite, rule, Ruleset
@@ -689,7 +690,7 @@ def explain(fn: Any, *args: Any, rulesets: Any = (), cost_model: Any = None, lim
         # what rewrite(step) does besides: a loss whose gradients the step holds (rewrite/grad/step.py)
         finder = Rewritten(fn, (), model, limits, static_argnums, static_argnames, strict=None, cache=False)
         finder.entries = entries
-        finder.whole_step = _searches_steps(entries, whole_step)
+        finder.whole_step, finder.step_by_default = searches_steps(entries, whole_step), whole_step is None
         t = time.perf_counter()
         chosen = finder._whole_step(traced, result)
     if finder.whole_step and finder.entries:  # the search's time and its parts, whether or not its step is used

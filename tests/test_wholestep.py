@@ -650,7 +650,7 @@ def test_nnx_jit_of_rewritten_step_with_nnx_optimizer():
         return loss
 
     (m1, o1), (m2, o2) = make(), make()
-    rewritten = rewrite(train_step, rulesets=[rulesets.nn], cache=False)
+    rewritten = rewrite(train_step, rulesets=[rulesets.nn], cache=False, whole_step=True)  # (small: step.AsWritten)
     for _ in range(2):
         want = nnx.jit(train_step)(m1, o1, x, y)
         got = nnx.jit(rewritten)(m2, o2, x, y)
@@ -678,7 +678,7 @@ def test_equinox_filter_jit_of_rewritten_step():
         updates, opt_state = opt.update(grads, opt_state, eqx.filter(model, eqx.is_array))
         return eqx.apply_updates(model, updates), opt_state, loss
 
-    rewritten = rewrite(make_step, rulesets=[rulesets.nn], cache=False)
+    rewritten = rewrite(make_step, rulesets=[rulesets.nn], cache=False, whole_step=True)  # (small: grad.step.AsWritten)
     want = eqx.filter_jit(make_step)(model, opt_state, x, y)
     got = eqx.filter_jit(rewritten)(model, opt_state, x, y)
     _close(jax.tree.leaves(eqx.filter(want, eqx.is_array)), jax.tree.leaves(eqx.filter(got, eqx.is_array)), 1e-5)
@@ -713,6 +713,23 @@ def test_the_search_runs_by_default_only_with_the_memory_shaped_packs():
     assert rewrite(step, rulesets=[rulesets.algebra], cache=False, whole_step=True).result(*args).step is not None
     assert rewrite(step, rulesets=[rulesets.nn], cache=False).result(*args).step is not None
     assert rewrite(step, rulesets=[rulesets.nn], cache=False, whole_step=False).result(*args).step is None
+
+
+def test_the_default_search_leaves_a_small_step_whose_loss_forward_comes_out_as_written():
+    """``whole_step=None``: a step under ``PIN_FROM`` equations whose loss's forward no rule rewrites (seed 000's
+    under the memory-shaped packs) is rewritten as written (``grad.step.AsWritten``): the search would give JAX's
+    own VJP back, saturated apart and again in the step. The same program as ``whole_step=False``; ``True`` still
+    searches and replaces it."""
+    from benchmarks import derivatives as bd
+
+    x, a, ct = bd.inputs(8)
+    step = _seed_step("value_and_grad")
+    left = rewrite(step, rulesets=PACKS, cache=False)
+    found = left.result(x, a, ct).step
+    assert not found.replaced and "comes out as written" in found.declined[0], str(found)
+    plain = rewrite(step, rulesets=PACKS, cache=False, whole_step=False)
+    assert str(left.jaxpr(x, a, ct)) == str(plain.jaxpr(x, a, ct))
+    assert rewrite(step, rulesets=PACKS, cache=False, whole_step=True).result(x, a, ct).step.replaced
 
 
 def _seed_step(kind):

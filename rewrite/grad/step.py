@@ -89,6 +89,22 @@ LOOPS = frozenset({"scan", "while"})
 MAX_LOSSES = 8
 
 
+#: the rulesets whose presence turns on the whole-step search by default (``rewrite(..., whole_step=None)``)
+WHOLE_STEP_PACKS = frozenset({"attention", "nn_lm_head"})
+
+
+def searches_steps(entries: Sequence[tuple[Any, Any]], whole_step: bool | None) -> bool:
+    """``whole_step=`` decided: ``None`` searches when the rules hold a memory-shaped pack's."""
+    return any(owner.name in WHOLE_STEP_PACKS for _, owner in entries) if whole_step is None else bool(whole_step)
+
+
+class AsWritten(Exception):
+    """Raised by a loss-first build to leave the search (``Rewritten._whole_step``): the step as written is rewritten
+    instead, as where no loss is found. A small step (under ``grad.pinned.PIN_FROM`` equations, saturated whole again
+    after its losses are replaced) whose loss's forward no rule rewrote gets JAX's own VJP of it back, saturated once
+    apart and once again in the step: on jaxmd_lj_forces three pipelines for the step as written's program."""
+
+
 @dataclasses.dataclass
 class StepFinding:
     """What the search found in one step: the losses replaced and the candidates declined, with why."""
