@@ -34,7 +34,7 @@ from .errors import RewriteLimitWarning, RewriteWarning, _strict
 from .extract.lean import closed_peaks, peaks_keep_leaner, time_price
 from .grad.primitive import Signature, bind_if_differentiated
 from .grad.pinned import PIN_FROM, join_pinned, split_pinned
-from .grad.step import AsWritten, StepFinding, find_losses, proof_graph, searches_steps
+from .grad.step import AsWritten, find_losses, proof_graph, searches_steps
 from .grad.together import rewrite_joints
 from .grad.uses import without_outputs
 from .grad.vjp import VJPResult, build_vjp, decided_jointly, joint_at, rewrite_joint
@@ -338,10 +338,6 @@ class Rewritten:
                 before = result.cost_before if result is not None else finding.price  # off the proofs' load
                 before = program_cost(traced.closed, self.cost_model) if before is None else before
                 lap(spent, "step price", t)
-        except AsWritten as e:  # the search left: the step as written, rewritten, with why
-            written = as_written()
-            written.step = StepFinding(declined=[str(e)])
-            return written
         except Exception as e:  # the step as written, rewritten, still runs
             self._fall_back(e, f"the whole-step search of {getattr(self.fn, '__name__', 'function')!r}",
                             "running the step rewritten as written")
@@ -443,8 +439,8 @@ class Rewritten:
             forward = run_pipeline(cone, self.entries, self.cost_model, self.limits, price_input=False, plain=True)
         t = lap(spent, "step forward", t)
         if small and not forward.rewritten:
-            raise AsWritten("a small step whose loss's forward comes out as written: the step as written is rewritten "
-                            "(grad.step.AsWritten)")
+            raise AsWritten("a small step's loss whose forward comes out as written: left as written, JAX's VJP in "
+                            "the step (grad.step.AsWritten)")
         priced: list = []  # the joint programs priced whole as they were chosen: decided_jointly does not price again
         n_out = len(cone.out_avals)
         # a step that reads only the gradients runs each candidate without the loss (XLA drops what only it reads):
@@ -564,7 +560,7 @@ def rewrite(fn: Callable[..., Any] | None = None, *, rulesets: Any = (), cost_mo
     from the loss-first program, as ``jax.value_and_grad(rewrite(loss))`` would run it
     (``rewrite/grad/step.py``, docs/steps.md); the cheaper of that and the step as written is kept. ``None``
     (the default) searches when the rulesets hold ``rulesets.attention`` or the LM head's rules
-    (``rulesets.nn``), and leaves a small step whose loss's forward no rule rewrites (``grad.step.AsWritten``),
+    (``rulesets.nn``), and leaves as written a small step's loss whose forward no rule rewrites (``grad.step.AsWritten``),
     ``True`` always, ``False`` never.
 
     >>> import jax, jax.numpy as jnp

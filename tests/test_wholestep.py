@@ -732,6 +732,28 @@ def test_the_default_search_leaves_a_small_step_whose_loss_forward_comes_out_as_
     assert rewrite(step, rulesets=PACKS, cache=False, whole_step=True).result(x, a, ct).step.replaced
 
 
+def test_a_small_steps_loss_left_as_written_does_not_end_the_search_for_its_other_losses():
+    """``grad.step.AsWritten`` leaves one loss as written, not the step: a small step with a least-squares loss,
+    which no rule rewrites, and a log-sigmoid one, which ``rulesets.nn`` makes stable, still has the second
+    replaced by its loss-first program (when the first loss's decline ended the search, the step came out as
+    written, whichever loss was tried first), and its values are the step's."""
+    k = jax.random.split(jax.random.PRNGKey(3), 4)
+    w1, w2 = jax.random.normal(k[0], (16, 4)), jax.random.normal(k[1], (16, 4))
+    x, y = jax.random.normal(k[2], (32, 16)), jax.random.normal(k[3], (32, 4))
+
+    def step(w1, w2, x, y):
+        l1, g1 = jax.value_and_grad(lambda w: jnp.sum((x @ w - y) ** 2))(w1)
+        l2, g2 = jax.value_and_grad(lambda w: jnp.sum(-jnp.log(jax.nn.sigmoid(x @ w))))(w2)
+        return l1, l2, w1 - 0.1 * g1, w2 - 0.1 * g2
+
+    r = rewrite(step, rulesets=PACKS, cache=False)
+    found = r.result(w1, w2, x, y).step
+    assert len(found.replaced) == 1, str(found)
+    assert any("comes out as written" in d for d in found.declined), str(found)
+    for want, got in zip(jax.jit(step)(w1, w2, x, y), jax.jit(r)(w1, w2, x, y)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=1e-5)
+
+
 def _seed_step(kind):
     """Seed 000's training step, its loss weighted by ``ct`` (a leaf whose gradient the step never reads)."""
     from benchmarks import derivatives as bd

@@ -99,10 +99,12 @@ def searches_steps(entries: Sequence[tuple[Any, Any]], whole_step: bool | None) 
 
 
 class AsWritten(Exception):
-    """Raised by a loss-first build to leave the search (``Rewritten._whole_step``): the step as written is rewritten
-    instead, as where no loss is found. A small step (under ``grad.pinned.PIN_FROM`` equations, saturated whole again
-    after its losses are replaced) whose loss's forward no rule rewrote gets JAX's own VJP of it back, saturated once
-    apart and once again in the step: on jaxmd_lj_forces three pipelines for the step as written's program."""
+    """Raised by a loss-first build (``Rewritten._loss_first``) to leave its loss as written: in a small step (under
+    ``grad.pinned.PIN_FROM`` equations, saturated whole again after its losses are replaced) a loss whose forward no
+    rule rewrote gets JAX's own VJP of it back, saturated once apart and once again in the step (on jaxmd_lj_forces
+    three pipelines for the step as written's program). :func:`find_losses` records the decline and goes on to the
+    step's other losses, which may be rewritten (a loop's layers, :func:`rewrite.grad.loops.find_loop_vjps`, decline
+    it as any layer the rewrite cannot build): a step where none is replaced is rewritten as written."""
 
 
 @dataclasses.dataclass
@@ -624,8 +626,12 @@ def find_losses(closed: core.ClosedJaxpr, proof: Callable[[core.ClosedJaxpr], li
                 if price and step is closed and shared:  # the step as given, loaded for its proofs: priced off that
                     finding.price = shared[0].price(closed.jaxpr.outvars)
                 unload()
-                step = replace(step, root, lifted, consts, flat_cone, dif, found_grads, loss_first, made, joint,
-                               derived)
+                try:
+                    step = replace(step, root, lifted, consts, flat_cone, dif, found_grads, loss_first, made, joint,
+                                   derived)
+                except AsWritten as e:  # this loss is left as written (not its parts): the search goes on to the rest
+                    finding.declined.append(f"a scalar of {len(cone_eqns)} equations{how}: {e}")
+                    break
                 finding.replaced.append(f"a loss of {len(cone_eqns)} equations{how} and its gradients with "
                                         f"respect to {len(set(found_grads.values()))} of {len(dif)} float inputs")
                 changed, graph = True, None
