@@ -583,6 +583,7 @@ def find_losses(closed: core.ClosedJaxpr, proof: Callable[[core.ClosedJaxpr], li
     changed = False
     tried: set = set()
     made: set = set()  # the values the replacements compute
+    left: set = set()  # the values of the losses left as written (``AsWritten``): no scalar among them is tried
     failed = 0  # candidates tried and not proven: a replaced loss does not spend the budget finding the next needs
     queued: list = []  # the parts of the sums tried (:func:`parts`), tried before the other candidates
     shared: list[ProofGraph] = []  # the step as it is now, loaded for the proofs over it (at the first)
@@ -606,7 +607,7 @@ def find_losses(closed: core.ClosedJaxpr, proof: Callable[[core.ClosedJaxpr], li
                 order = list(found)
             # the parts of a sum that failed come first, then the candidates in their order; one not tried whose
             # cone reads no replacement (its loss is the loss-first program's own)
-            root = next((v for v in queued + order if v in found and v not in tried
+            root = next((v for v in queued + order if v in found and v not in tried and v not in left
                          and not any(w in made for k in found[v][1] for w in graph.jaxpr.eqns[k].outvars)), None)
             if root is None:
                 break
@@ -629,8 +630,11 @@ def find_losses(closed: core.ClosedJaxpr, proof: Callable[[core.ClosedJaxpr], li
                 try:
                     step = replace(step, root, lifted, consts, flat_cone, dif, found_grads, loss_first, made, joint,
                                    derived)
-                except AsWritten as e:  # this loss is left as written (not its parts): the search goes on to the rest
+                except AsWritten as e:  # this loss is left as written, and the scalars its forward and its
+                    # gradients compute (whose own gradients the step does not hold): the search goes on to the rest
                     finding.declined.append(f"a scalar of {len(cone_eqns)} equations{how}: {e}")
+                    for v in [root, *found_grads]:  # its forward and JAX's backward of it, as the step holds them
+                        left.update(w for k in graph.cone(v)[0] for w in graph.jaxpr.eqns[k].outvars)
                     break
                 finding.replaced.append(f"a loss of {len(cone_eqns)} equations{how} and its gradients with "
                                         f"respect to {len(set(found_grads.values()))} of {len(dif)} float inputs")
