@@ -659,12 +659,12 @@ def test_a_step_s_loss_as_written_is_traced_once_for_its_proof_and_its_decision(
         if hasattr(mod, name):
             counted = (lambda f: lambda *a, **k: traced.append(1) or f(*a, **k))(getattr(mod, name))
             monkeypatch.setattr(mod, name, counted)
-    res = rewrite(step, rulesets=[rulesets.nn], cache=False).result(h, w, y)
+    res = rewrite(step, rulesets=[rulesets.nn], cache=False, whole_step=True).result(h, w, y)
     assert res.step.replaced and len(res.step.decided) == 1, str(res.step)
     assert len(traced) == 2, len(traced)
     rederive = step_mod.rederive
     monkeypatch.setattr(step_mod, "rederive", lambda cone, dif: (rederive(cone, dif)[0], None))  # traced apart
-    again = rewrite(step, rulesets=[rulesets.nn], cache=False).result(h, w, y)
+    again = rewrite(step, rulesets=[rulesets.nn], cache=False, whole_step=True).result(h, w, y)
     assert len(traced) == 2 + 3 and same_program(again.after, res.after), len(traced)
     assert again.step.decided == res.step.decided, (again.step.decided, res.step.decided)
 
@@ -689,12 +689,12 @@ def test_a_step_that_keeps_the_loss_as_written_seeds_its_joint_once(monkeypatch)
     seeded: list = []
     seeded_from = step_mod.seeded_from
     monkeypatch.setattr(step_mod, "seeded_from", lambda *a: seeded.append(1) or seeded_from(*a))
-    res = rewrite(step, rulesets=[rulesets.nn], cache=False).result(h, w, y)
+    res = rewrite(step, rulesets=[rulesets.nn], cache=False, whole_step=True).result(h, w, y)
     assert res.step.replaced and res.step.decided[0].startswith("kept JAX's derivative"), str(res.step)
     assert len(seeded) == 1, len(seeded)
     replace = step_mod.replace
     monkeypatch.setattr(step_mod, "replace", lambda *a: replace(*a[:-1], None))  # seeded again
-    again = rewrite(step, rulesets=[rulesets.nn], cache=False).result(h, w, y)
+    again = rewrite(step, rulesets=[rulesets.nn], cache=False, whole_step=True).result(h, w, y)
     assert len(seeded) == 1 + 2 and same_program(again.after, res.after), len(seeded)
 
 

@@ -151,6 +151,6 @@ def test_a_steps_rewrite_seeds_its_joints_without_a_trace(monkeypatch):
 
     monkeypatch.setattr(jax, "make_jaxpr", counting)
     monkeypatch.setattr(step_mod, "seeded_from", wrapped)
-    res = rewrite(step, rulesets=[rulesets.nn], cache=False).result(*args)
+    res = rewrite(step, rulesets=[rulesets.nn], cache=False, whole_step=True).result(*args)
     assert res.step.replaced, str(res.step)
     assert len(seeded) == 2 and not traced, (len(seeded), len(traced))

@@ -463,7 +463,7 @@ def test_a_jointly_rule_the_forward_does_not_choose_is_not_saturated_again(monke
     assert "without" not in built.decided and plain == [], (built.decided, len(plain))
     rest = [(r, owner) for r, owner in g.entries if not owner.jointly]
     assert same_program(run(forward.before, rest, g.cost_model, g.limits).after, forward.after)
-    stepped = rewrite(step, rulesets=[rulesets.nn], cache=False).result(h, w, y)
+    stepped = rewrite(step, rulesets=[rulesets.nn], cache=False, whole_step=True).result(h, w, y)
     assert stepped.step.replaced and len(stepped.step.decided) == 1, str(stepped.step)
     assert stepped.step.decided[0].startswith("kept JAX's derivative of the loss as written"), stepped.step.decided
     assert plain == [], len(plain)
