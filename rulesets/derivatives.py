@@ -82,7 +82,7 @@ import numpy as np
 from jax import lax
 
 import rulesets
-from rewrite import Pat, Ruleset, Tolerance, Value, procedural, rule
+from rewrite import Limits, Pat, Ruleset, Tolerance, Value, procedural, rule
 from rulesets._examples import f32
 from rulesets._sin2 import derivatives_kernels
 from rulesets._sincos import sin_stored
@@ -593,6 +593,15 @@ products = Ruleset("derivatives_products", [
 #: merged, 1.11x: tests/test_derivatives.py).
 SUMS_MIN_SAVING = 0.01
 
+#: The rounds the sums' rules run in (``Ruleset.limits``). ``red_split`` splits ``sum(a + b)`` into ``sum a + sum b``;
+#: over a chain of additions it goes one addition deeper a round, since each partial sum it builds is a new class
+#: for the next round to split (``red_merge`` and, over size-1 axes, ``reduce_unit_axes`` take it up): a sum over
+#: the batch of a residual stream's gradient (16 added terms) kept the decision corpus's language-model steps
+#: saturating for 17-18 rounds, their last seven to nine firing those three rules alone (``ecosystem_flax_long_context_step``'s
+#: program final from round 6). Eight rounds: no emitted program of the ecosystem suite, golden file or golden
+#: decision moves, and those saturations take 0.71x of their CPU time (benchmarks/results/log.md, h-tail).
+SUMS_ITERATIONS = 8
+
 sums = Ruleset("derivatives_sums", [
     rule(Pat("reduce_sum", X, params="p"), _sum_pull, name="red_pull",                             # sum(b*x) -> b*sum(x), b broadcast on the axes
          example_program=(lambda x, b: _sum0(x * b[None, :]), (_S, f32(4)))),
@@ -603,6 +612,7 @@ sums = Ruleset("derivatives_sums", [
          when=lambda x, y, s: x.aval == s.aval == y.aval,
          example_program=(lambda x, y: (_sum0(x + y), jnp.sum(x - y, axis=(0, 1))), (_S, _S))),
 ], soundness="identity", tolerance=Tolerance(terms=64), min_saving=SUMS_MIN_SAVING,
+    limits=Limits(iterations=SUMS_ITERATIONS),
     description="sums reordered (factors pulled out, sums merged and split) where that saves 1% or more")
 
 reductions = Ruleset("derivatives_reductions", [

@@ -37,7 +37,7 @@ from rewrite import AnalyticCost, Ruleset, Tolerance, explain, rewrite
 from rewrite.extract.extractor import Extractor
 from rewrite.jaxpr.emit import EmitError, emit
 from rewrite.report.report import primitive_counts
-from rulesets.derivatives import SUMS_MIN_SAVING, derivatives, derivatives_fastmath
+from rulesets.derivatives import SUMS_ITERATIONS, SUMS_MIN_SAVING, derivatives, derivatives_fastmath
 
 F32 = np.float32
 
@@ -355,6 +355,24 @@ def test_sums_are_reordered_only_where_that_saves_the_floor():
     # 15 interleaved rounds), at [2048, 512] 0.89x (A/A 0.98x). So it is kept as written.
     merged = explain(lambda x, y: x.sum(0) + y.sum(0), x, x + 1.0, rulesets=[derivatives])
     assert "red_merge" in merged.fired and "red_merge" not in merged.used, merged.summary()
+
+
+def test_a_sum_over_a_long_chain_of_additions_is_split_in_the_sums_first_rounds_only():
+    """``red_split`` goes one addition deeper into a chain a round (each partial sum it builds is a new class to
+    split in the next): a sum over the batch of twelve added terms kept the saturation going for 13 rounds, the
+    last ones firing only ``red_split`` and ``red_merge``, as a residual stream's gradient did in the decision
+    corpus's language-model steps (17 rounds). The sums' rules run in their first ``SUMS_ITERATIONS`` rounds."""
+    def chain(x, w):
+        h = x * w[0]
+        for i in range(1, 12):
+            h = h + jnp.sin(x * w[i])
+        return h.sum(0)
+
+    x, w = jax.random.normal(jax.random.PRNGKey(0), (4, 8)), jnp.linspace(0.5, 2.0, 12)
+    report = explain(chain, x, w, rulesets=[derivatives])
+    assert "red_split" in report.fired
+    assert report.result.iterations <= SUMS_ITERATIONS + 1 < 12, report.summary()  # 13 when the sums ran every round
+    np.testing.assert_allclose(rewrite(chain, rulesets=[derivatives])(x, w), chain(x, w), rtol=1e-6, atol=1e-6)
 
 
 def test_the_gradients_alone_keep_the_floor_too():
