@@ -588,6 +588,43 @@ def test_the_lean_search_reads_no_peak_where_no_program_can_be_leaner(monkeypatc
     assert searches and len(calls) <= len(searches), (len(calls), len(searches))
 
 
+def test_a_lean_pass_that_starts_where_no_program_can_be_leaner_weighs_no_move(monkeypatch):
+    """Where the search's program holds less than ``LEAN_BYTES`` (``leaner(0, peak)`` false), ``accept`` declines
+    every move of the lean pass, so the pass priced each move and undid it (82 of the ecosystem suite's 124
+    passes, 0.08 s, not one of them a price the pricer had not). It is left before its first move now: no move
+    is weighed, and the program is the one the walked pass gives (walked here by a ``leaner`` that calls every
+    program leaner than nothing, which lets each move reach ``accept``'s real test of its peak)."""
+    from rewrite import rewrite
+    from rewrite.extract import program as P
+
+    def log_density(mu, tau, theta, y, sigma):
+        lp = -0.5 * ((theta - mu) / tau) ** 2 - jnp.log(tau)
+        ll = -0.5 * ((y - theta) / sigma) ** 2 - jnp.log(sigma)
+        return jnp.sum(lp) + jnp.sum(ll)
+
+    x = jnp.linspace(0.1, 1.0, 8)
+    args = (1.0, 2.0, x, x, x + 1)
+    inside, weighed, passes = [], [], []
+    lean, movable, leaner = P.ProgramSearch._lean, P.ProgramSearch._movable, P.leaner
+
+    def searching(self, *a):
+        inside.append(1)
+        passes.append(1)
+        try:
+            return lean(self, *a)
+        finally:
+            inside.pop()
+
+    monkeypatch.setattr(P.ProgramSearch, "_lean", searching)
+    monkeypatch.setattr(P.ProgramSearch, "_movable", lambda self, *a: weighed.append(bool(inside))
+                        or movable(self, *a))
+    program = str(rewrite(log_density, rulesets=[rulesets.algebra], cache=False).jaxpr(*args))
+    assert passes and not any(weighed), (len(passes), weighed.count(True))
+    monkeypatch.setattr(P, "leaner", lambda p, than: p == 0 or leaner(p, than))
+    walked = str(rewrite(log_density, rulesets=[rulesets.algebra], cache=False).jaxpr(*args))
+    assert weighed.count(True) > 0 and walked == program
+
+
 def test_the_lean_search_schedules_no_move_its_floor_shows_is_no_leaner(monkeypatch):
     """A move within the lean band is kept only where the moved program is :func:`leaner`, at most 3/4 of the
     peak and ``LEAN_BYTES`` under it; ``LiveProgram.held`` reads ``cost.floor.peak_floor`` first, and where the

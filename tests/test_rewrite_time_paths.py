@@ -19,6 +19,7 @@ from rewrite.cache import serialise
 from rewrite.cache.store import DiskCache
 from rewrite.cost.model import default_model
 from rewrite.extract import extractor as _extractor
+from rewrite.jaxpr import edit
 from rewrite.jaxpr.trace import trace_call
 from rewrite.records import Limits
 from rewrite.grad.vjp import build_vjp
@@ -1072,3 +1073,46 @@ def test_a_loop_s_carry_independent_outputs_are_found_with_one_pass_over_its_bod
     assert asked and all(got == one_by_one for got, one_by_one in asked), asked
     assert any(len(got) >= 3 and not all(got) for got, _ in asked), asked  # (the carry's output is not computed)
     assert jnp.allclose(rewrite(loss, rulesets=[rulesets.scan.lift], cache=False)(*args), loss(*args), rtol=1e-5)
+
+
+def _bf16_step():
+    """:func:`_step` at bf16 copies of f32 weights: JAX's transposes of the casts write their sharding on the
+    empty mesh, which the proofs' load makes plain (``jaxpr.edit.without_empty_mesh``)."""
+    step, args = _step()
+
+    def cast(w, v, x, y):
+        def loss(w16, v16):
+            logits = (jnp.tanh(x.astype(jnp.bfloat16) @ w16) @ v16).astype(jnp.float32)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+        value, (gw, gv) = jax.value_and_grad(loss, argnums=(0, 1))(w.astype(jnp.bfloat16), v.astype(jnp.bfloat16))
+        return w - 0.1 * gw.astype(jnp.float32), v - 0.1 * gv.astype(jnp.float32), value
+
+    return cast, args
+
+
+def test_a_step_whose_converts_are_made_plain_is_priced_off_its_proofs_load(monkeypatch):
+    """The step as written was priced off the proofs' load only where that load is the step's own equations; where
+    the proofs made plain the empty-mesh sharding of converts (numpyro_eight_schools' six), the step was loaded
+    again alone to be priced (``program_cost``, 15-20 ms). A convert's sharding is read by no price, and where
+    none of the converts made plain meets another conversion of its kind the load is the same terms: priced off it,
+    to the same float. Where one would merge with a convert written plain, it is still priced apart."""
+    step, args = _bf16_step()
+    closed = jax.make_jaxpr(step)(*args)
+    plain = [edit.without_empty_mesh(e) for e in closed.jaxpr.eqns]
+    changed = [e.primitive.name for e, f in zip(plain, closed.jaxpr.eqns) if e is not f]
+    assert changed and set(changed) == {"convert_element_type"}, changed
+    assert edit.loads_alike(plain, closed.jaxpr.eqns)
+    written = str(closed)
+    loads: list = []
+    load = pipeline._load
+    monkeypatch.setattr(pipeline, "_load", lambda closed, entries: loads.append(str(closed) == written)
+                        or load(closed, entries))
+    r = rewrite(step, rulesets=[rulesets.algebra], cache=False, whole_step=True)
+    res = r.result(*args)
+    assert res.step.replaced and not any(loads), (str(res.step), loads)  # the step as written not loaded alone
+    monkeypatch.undo()
+    assert res.step.price is not None and res.step.price == pipeline.program_cost(closed, r.cost_model)
+    # a convert written plain of the kind of one made plain: the two would be one term, the step not priced so
+    k = next(i for i, (e, f) in enumerate(zip(plain, closed.jaxpr.eqns)) if e is not f)
+    twin = plain[k].replace(outvars=[jax.extend.core.Var(plain[k].outvars[0].aval)])
+    assert not edit.loads_alike(plain + [twin], closed.jaxpr.eqns + [twin])

@@ -68,7 +68,7 @@ import jax
 
 from ..ir.jaxapi import BUILT_DEBUG, core
 from ..ir.primitives import is_float
-from ..jaxpr.edit import in_order, inline, read, substitute
+from ..jaxpr.edit import in_order, inline, loads_alike, read, substitute, without_empty_mesh
 from ..jaxpr.emit import dce
 from ..jaxpr.trace import spec_of
 from ..pipeline import ProofGraph
@@ -447,7 +447,7 @@ def prove(step: core.ClosedJaxpr, graph: _Graph, root: Any, cone: core.ClosedJax
     candidates = [w for e in jaxpr.eqns for w in e.outvars
                   if w not in inside and isinstance(w, core.Var) and (tuple(w.aval.shape), w.aval.dtype) in shapes]
     if shared is not None:
-        plain = derived.jaxpr.replace(eqns=[_without_empty_mesh(e) for e in derived.jaxpr.eqns])
+        plain = derived.jaxpr.replace(eqns=[without_empty_mesh(e) for e in derived.jaxpr.eqns])
         mine, derived_cls = shared.classes([root] + candidates, core.ClosedJaxpr(plain, derived.consts), leaves)
         loss_cls, cand_cls = mine[0], mine[1:]
         grads = {c: j for j, c in enumerate(derived_cls[1:])}
@@ -456,7 +456,7 @@ def prove(step: core.ClosedJaxpr, graph: _Graph, root: Any, cone: core.ClosedJax
     eqns = list(jaxpr.eqns)
     constvars, consts = list(jaxpr.constvars), list(step.consts)
     outs = inline(eqns, derived.jaxpr, derived.consts, list(leaves), constvars, consts)
-    eqns = [_without_empty_mesh(e) for e in eqns]
+    eqns = [without_empty_mesh(e) for e in eqns]
     program = core.ClosedJaxpr(core.Jaxpr(constvars, list(jaxpr.invars), [root] + candidates + outs, eqns,
                                           jaxpr.effects, BUILT_DEBUG), consts)
     classes = proof(program)
@@ -466,25 +466,13 @@ def prove(step: core.ClosedJaxpr, graph: _Graph, root: Any, cone: core.ClosedJax
     return loss_cls == derived_cls[0], found
 
 
-def _without_empty_mesh(e: Any) -> Any:
-    """``e`` with a sharding on the empty mesh that shards nothing (what JAX's transposes put on a
-    ``convert_element_type`` or a ``broadcast_in_dim``) written as ``None`` (what user code writes): the two
-    compute the same, and are then one term."""
-    def plain(s: Any) -> bool:
-        mesh = getattr(s, "mesh", None)
-        return getattr(mesh, "empty", False) and all(p is None for p in getattr(s, "spec", (0,)))
-
-    changed = {k: None for k in ("sharding", "out_sharding") if k in e.params and e.params[k] is not None
-               and plain(e.params[k])}
-    return e.replace(params={**e.params, **changed}) if changed else e
-
-
 def proof_graph(step: core.ClosedJaxpr, model: Any = None) -> ProofGraph:
     """``step`` loaded once, as :func:`prove` loads it, for every proof over it (:class:`ProofGraph`); ``model``,
-    where given, prices it as loaded (``ProofGraph.price``), where that is ``step`` itself (no sharing made plain)."""
+    where given, prices it as loaded (``ProofGraph.price``), where that is ``step``'s price: no sharding made
+    plain, or only converts' that merge no term (:func:`rewrite.jaxpr.edit.loads_alike`)."""
     jaxpr = step.jaxpr
-    eqns = [_without_empty_mesh(e) for e in jaxpr.eqns]
-    same = all(a is b for a, b in zip(eqns, jaxpr.eqns))
+    eqns = [without_empty_mesh(e) for e in jaxpr.eqns]
+    same = all(a is b for a, b in zip(eqns, jaxpr.eqns)) or loads_alike(eqns, jaxpr.eqns)
     return ProofGraph(core.ClosedJaxpr(jaxpr.replace(eqns=eqns), step.consts), model if same else None)
 
 

@@ -83,3 +83,43 @@ def in_order(eqns: list) -> list:
                 heapq.heappush(ready, r)
     assert len(out) == len(eqns), "the equations read each other in a cycle"
     return out
+
+
+def without_empty_mesh(e: Any) -> Any:
+    """``e`` with a sharding on the empty mesh that shards nothing (what JAX's transposes put on a
+    ``convert_element_type`` or a ``broadcast_in_dim``) written as ``None`` (what user code writes): the two
+    compute the same, and are then one term."""
+    def plain(s: Any) -> bool:
+        mesh = getattr(s, "mesh", None)
+        return getattr(mesh, "empty", False) and all(p is None for p in getattr(s, "spec", (0,)))
+
+    changed = {k: None for k in ("sharding", "out_sharding") if k in e.params and e.params[k] is not None
+               and plain(e.params[k])}
+    return e.replace(params={**e.params, **changed}) if changed else e
+
+
+def loads_alike(eqns: Sequence[Any], before: Sequence[Any]) -> bool:
+    """Whether ``eqns`` (a step's top-level equations, :func:`without_empty_mesh` of ``before``) load into the
+    terms ``before`` loads into, each with the same operands, but for the ``sharding`` param of the converts made
+    plain, so that a whole program's price (``program_cost``) is the same float for both.
+
+    Only a ``convert_element_type`` may have changed: no price reads a convert's sharding (the cost model reads
+    ``sharding`` of a ``broadcast_in_dim`` alone, ``cost/memory.py`` and ``cost/simplify.py``). And no term may
+    merge that did not: a changed convert is hash-consed with another convert of its scope (the top level) only
+    where that one converts to the same dtype from an operand of the same type, so none may be unchanged, and the
+    changed ones that may meet had one sharding before. numpyro_eight_schools' step (six such converts from JAX's
+    transposes) was priced again apart, loaded into a fresh e-graph (``program_cost``, 15-20 ms), for the price
+    read here off the proofs' load (5-6 ms): the same float."""
+    def key(e: Any) -> tuple:
+        return e.params.get("new_dtype"), e.params.get("weak_type"), e.invars[0].aval
+
+    changed: dict[tuple, Any] = {}
+    for e, f in zip(eqns, before):
+        if e is f:
+            continue
+        if e.primitive.name != "convert_element_type" or len(e.invars) != 1:
+            return False
+        if changed.setdefault(key(f), f.params.get("sharding")) != f.params.get("sharding"):
+            return False  # two shardings of one conversion, made one: their terms merge
+    return not any(e is f and e.primitive.name == "convert_element_type" and key(f) in changed
+                   for e, f in zip(eqns, before))
