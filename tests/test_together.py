@@ -204,3 +204,30 @@ def test_a_gradients_joints_stop_before_an_iteration_that_buys_only_reshapes(mon
     built = rewrite(flat, rulesets=load_rulesets(eco.CONFIGS["identity"]), cache=False).grad_result(*leaves)
     assert ran and all(it <= together.VJPS_ITERATIONS for it, _ in ran), ran
     assert _negations_between_reshapes(built.bwd) == 0
+
+
+def test_the_joints_run_without_the_rules_that_cannot_cheapen_them(monkeypatch):
+    """``together.joint_rules``: the joints are saturated without ``hoist_reductions`` (which in a joint copies JAX's
+    backward loops around the backward's sums: never extracted on the corpus, a third of the whole steps' joint
+    rows) and without the attention pack (a blocked form recomputes weights the forward holds). A small linen GPT's
+    step, whose joints the identity packs (both included) saturate: neither is among the rules its joints ran, and
+    the step's values are the step's as written."""
+    ran_rules: list = []
+    run = pipeline.run_together
+
+    def spied(first, second, entries, *args, **kwargs):
+        ran_rules.append({r.name for r, _ in entries})
+        return run(first, second, entries, *args, **kwargs)
+
+    monkeypatch.setattr(pipeline, "run_together", spied)
+    packs = load_rulesets(eco.CONFIGS["identity"])
+    names = {r.name for p in packs for r, _ in p.entries()}
+    assert {"hoist_reductions", "attn_blocked", "attn_blocked_vp", "red_pull", "sink_inputs"} <= names
+    _, ran, (got, want) = _step_program(monkeypatch, together.JOINT_ITERATIONS)
+    assert ran_rules and ran, (ran_rules, ran)
+    for names in ran_rules:
+        assert not names & {"hoist_reductions", "attn_blocked", "attn_blocked_vp", "attn_blocked_wide",
+                            "attn_blocked_wide_vp"}, names
+        assert {"red_pull", "sink_inputs", "lift_independent"} <= names  # the rest run
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=2e-4, atol=2e-5)

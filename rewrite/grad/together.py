@@ -56,7 +56,7 @@ def build_vjps(traced: Traced, plain: Traced, entries: Sequence[Any], model: Any
     other = vjp.joint_program(plain.closed)[0]
     traced_s = time.perf_counter() - t0
     bounded = dataclasses.replace(limits, iterations=min(limits.iterations, VJPS_ITERATIONS))
-    res_plain, res = pipeline.run_together(other, joint, entries, model, bounded, price_input=True)
+    res_plain, res = pipeline.run_together(other, joint, joint_rules(entries), model, bounded, price_input=True)
     pending = tuple(Pending(r, c, dif_in, dif_out, model, entries, {"trace_vjp": traced_s / 2})
                     for r, c in ((res, traced.closed), (res_plain, plain.closed)))
     if lazy:
@@ -89,6 +89,32 @@ JOINT_ITERATIONS = 4
 VJPS_ITERATIONS = 4
 
 
+#: Rules the joint programs are not saturated with (:func:`joint_rules`), by name (a rule's name is unique among a
+#: rewrite's rules; ``rulesets.attention_with`` keeps them). They cannot make a joint cheaper:
+#:
+#: * ``hoist_reductions`` (``rulesets.scan``): in a joint the loops it finds are the forward's, which the forward's
+#:   own pipeline offered it already (a loop it built declines), and JAX's transposes of them, whose consumers'
+#:   sums it would move into a copy of the backward loop (flax_lm_step: 42 of the layer norms' backward sums into
+#:   the LM head's backward loop). On the four whole steps and flax_seq2seq_grad it built 538-651 e-graph names in
+#:   the joints' first iteration, and a third of their rows once the other rules had worked on the copies' bodies
+#:   (flax_lm_step 11,617 -> 8,270 rows), none of which either joint's extraction took. A measured decision:
+#:   without it two steps' programs move (flax_lm_step, wholestep_equinox_gpt; the commit says by what).
+#: * the attention pack's blocked forms: a joint's forward is the forward as its pipeline chose it, so an
+#:   attention it left as written computes and holds its weights (``softmax(s)``) for the backward, which reads
+#:   them; a blocked form of a product that reads them (the forward's ``softmax(s) v``, the backward's
+#:   ``v softmax(s)``) recomputes them block by block beside the copy held: more flops, no lower peak.
+#:   flax_seq2seq_grad's joints built 339 names and about 1,050 rows for ``attn_blocked_vp`` (6 firings), none
+#:   extracted; its program is the same without them.
+JOINT_WITHOUT = frozenset({"hoist_reductions", "attn_blocked", "attn_blocked_vp", "attn_blocked_wide",
+                           "attn_blocked_wide_vp"})
+
+
+def joint_rules(entries: Sequence[Any]) -> list:
+    """``entries`` without the rules the joints are not saturated with (:data:`JOINT_WITHOUT`): the rules
+    :func:`rewrite_joints` and :func:`build_vjps` saturate with (read at each call)."""
+    return [(r, owner) for r, owner in entries if r.name not in JOINT_WITHOUT]
+
+
 def rewrite_joints(closed: core.ClosedJaxpr, plain: core.ClosedJaxpr, entries: Sequence[Any], model: Any,
                    limits: Any, wrt: Sequence[int] | None = None, value: bool | None = None,
                    seen: list[tuple[core.ClosedJaxpr, float]] | None = None,
@@ -101,7 +127,7 @@ def rewrite_joints(closed: core.ClosedJaxpr, plain: core.ClosedJaxpr, entries: S
     :func:`rewrite.grad.vjp.joint_at`, which reuses one traced already)."""
     bounded = dataclasses.replace(limits, iterations=min(limits.iterations, JOINT_ITERATIONS))
     trace = trace or (lambda f: vjp.joint_program(f, wrt)[0])
-    res_plain, res = pipeline.run_together(trace(plain), trace(closed), entries, model, bounded)
+    res_plain, res = pipeline.run_together(trace(plain), trace(closed), joint_rules(entries), model, bounded)
     try:
         n_out = len(closed.out_avals)
         return (_as_run(res, n_out, model, entries, value, seen), _as_run(res_plain, n_out, model, entries, value,
