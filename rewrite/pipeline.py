@@ -155,7 +155,8 @@ def _run(closed: core.ClosedJaxpr, entries: Sequence[tuple[Rule, Ruleset]], mode
 
 
 def run_together(first: core.ClosedJaxpr, second: core.ClosedJaxpr, entries: Sequence[tuple[Rule, Ruleset]],
-                 model: CostModel, limits: Limits, price_input: bool = False) -> tuple[Result, Result]:
+                 model: CostModel, limits: Limits, price_input: bool = False,
+                 input_prices: Sequence[float | None] = (None, None)) -> tuple[Result, Result]:
     """Two programs of the same inputs rewritten in one e-graph: ``first`` loaded, then ``second`` (the terms they
     share are one), saturated once with ``entries``, and each extracted from its own roots under the extraction
     policy and held to itself (``no_fatter``), as :func:`run_pipeline` with ``keep`` would.
@@ -164,7 +165,9 @@ def run_together(first: core.ClosedJaxpr, second: core.ClosedJaxpr, entries: Seq
     ``extract.policy.copy_without`` leaves what other rules built from a ruleset's nodes. The two joint programs of
     a forward rewritten with and without a ``jointly`` ruleset's rules (``grad/vjp.py``'s ``decided_jointly``)
     share most of their equations, which are saturated once so. Both results keep the e-graph: the caller
-    releases it (once) after reading both. Not for ``cost_model="measure"`` (the backend times one program)."""
+    releases it (once) after reading both. Not for ``cost_model="measure"`` (the backend times one program).
+    ``input_prices``: where one is given, ``price_input``'s price of that program, known already
+    (:func:`program_cost`'s of the same program: ``grad/together.py``'s ``build_vjps``), not priced again."""
     if first.in_avals != second.in_avals or first.jaxpr.effects or second.jaxpr.effects:
         raise ValueError("run_together: two programs of the same inputs, with no effects")
     with collect_young_only():
@@ -172,8 +175,8 @@ def run_together(first: core.ClosedJaxpr, second: core.ClosedJaxpr, entries: Seq
         eg, loaded, held, names = _load_all((first, second), entries)
         (outs_first, _), (outs_second, _) = loaded
         n_first, n_both = names
-        before = [input_cost(eg.snapshot(), outs, None, model) if price_input else float("nan")
-                  for outs in (outs_first, outs_second)]
+        before = [known if known is not None else input_cost(eg.snapshot(), outs, None, model) if price_input
+                  else float("nan") for outs, known in zip((outs_first, outs_second), input_prices)]
         load_s = time.perf_counter() - t
         t = time.perf_counter()
         engine = Engine(eg, entries, limits, manual=held.manual, held=held)

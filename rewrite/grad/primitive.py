@@ -70,7 +70,7 @@ from jax.interpreters import batching, mlir
 from ..errors import RewriteLimitWarning, RewriteWarning, _strict
 from ..ir.jaxapi import ad, core, custom_staging_rules, fallback_linearize, held_weakly_by_jax_caches, register_linearization
 from ..ir.walk import loses_forward_mode
-from ..jaxpr.trace import Traced, collect_young_only, spec_of
+from ..jaxpr.trace import Traced, collect_young_only, same_program, spec_of
 from ..pipeline import limits_met, run_pipeline
 from ..records import Budget
 from .together import build_vjps
@@ -187,13 +187,25 @@ class Signature:
         owner = self.owner
         if kind == "vjp":
             spent: dict[str, float] = {}
+            closed, written = self.traced.closed, []
+
+            def as_written(f: core.ClosedJaxpr) -> Any:  # traced and priced once: decided_jointly asks it of closed
+                if not written or written[0][0] is not f:
+                    written[:] = [(f, as_written_vjp(self._of(f), owner.cost_model))]
+                return written[0][1]
+
+            def build_both(f: core.ClosedJaxpr, p: core.ClosedJaxpr, rest: Sequence[Any]) -> Any:
+                # the forward rewritten without the jointly rules is often the loss as written (flax_seq2seq_grad):
+                # its joint program is JAX's as written (the same text), traced and priced once for both
+                known = as_written(closed).joint if p is closed or same_program(p, closed) else None
+                return build_vjps(self._of(f), self._of(p), rest, owner.cost_model, owner.limits, lazy=True,
+                                  plain_joint=None if known is None else (known.before, known.cost_before))
+
             built, decided = decided_jointly(
-                self.traced.closed, self.result, owner.entries, owner.cost_model, owner.limits,
+                closed, self.result, owner.entries, owner.cost_model, owner.limits,
                 lambda f, entries: build_vjp(self._of(f), entries, owner.cost_model, owner.limits, primal=False,
                                              keep=keep),
-                lambda f: as_written_vjp(self._of(f), owner.cost_model), split_joint, spent,
-                build_both=None if keep else lambda f, p, rest: build_vjps(self._of(f), self._of(p), rest,
-                                                                           owner.cost_model, owner.limits, lazy=True))
+                as_written, split_joint, spent, build_both=None if keep else build_both)
             built.decided = decided
             if "step jointly" in spent:  # decided jointly: every candidate built and priced, the kept one's stages too
                 built.times = {**built.times, "decided jointly": spent.get("step joint", 0.0) + spent["step jointly"]}

@@ -45,18 +45,21 @@ class Pending:
 
 
 def build_vjps(traced: Traced, plain: Traced, entries: Sequence[Any], model: Any, limits: Any,
-               lazy: bool = False) -> tuple[Any, Any]:
+               lazy: bool = False, plain_joint: tuple[core.ClosedJaxpr, float] | None = None) -> tuple[Any, Any]:
     """:func:`build_vjp` of two forwards of one function (``primal=False``, not kept), their joint programs
     rewritten in one e-graph (:func:`rewrite.pipeline.run_together`, ``plain``'s without the terms only
     ``traced``'s holds): :func:`decided_jointly`'s two, with and without a ``jointly`` ruleset's rules, saturated for
     at most :data:`VJPS_ITERATIONS` iterations. ``lazy``: the two as :class:`Pending`, split where asked; the caller
-    releases them."""
+    releases them. ``plain_joint``, where given, is ``plain``'s joint program traced and priced already, with its
+    price (where ``plain`` is the loss as written: :func:`rewrite.grad.vjp.as_written_vjp`'s joint, which is
+    :func:`rewrite.grad.vjp.joint_program`'s program of it, the same text): not traced nor priced again."""
     t0 = time.perf_counter()
     joint, dif_in, dif_out = vjp.joint_program(traced.closed)
-    other = vjp.joint_program(plain.closed)[0]
+    other = vjp.joint_program(plain.closed)[0] if plain_joint is None else plain_joint[0]
     traced_s = time.perf_counter() - t0
     bounded = dataclasses.replace(limits, iterations=min(limits.iterations, VJPS_ITERATIONS))
-    res_plain, res = pipeline.run_together(other, joint, joint_rules(entries), model, bounded, price_input=True)
+    res_plain, res = pipeline.run_together(other, joint, joint_rules(entries), model, bounded, price_input=True,
+                                           input_prices=(None if plain_joint is None else plain_joint[1], None))
     pending = tuple(Pending(r, c, dif_in, dif_out, model, entries, {"trace_vjp": traced_s / 2})
                     for r, c in ((res, traced.closed), (res_plain, plain.closed)))
     if lazy:
