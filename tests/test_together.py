@@ -182,14 +182,14 @@ def test_a_gradients_two_derivatives_are_split_only_where_the_choice_reaches_the
         assert (got[3], want[3]) == (splits, 2), (case, got[3], want[3])
 
 
-def test_a_gradients_plain_forward_that_is_the_loss_as_written_is_traced_and_priced_once(monkeypatch):
+def test_a_gradients_plain_forward_that_is_the_loss_as_written_is_traced_and_loaded_once(monkeypatch):
     """``jax.grad(rewrite(loss))`` where the forward without the ``jointly`` rules is the loss as written (here no
-    other rule: flax_seq2seq_grad, whose plain forward comes out as written): its joint program is JAX's as written,
-    which ``as_written_vjp`` traces and prices for the decision (the same text as ``joint_program``'s), so
-    ``build_vjps`` loads that program and reads its price (``run_together``'s ``input_prices``) rather than tracing and
-    pricing it again. One VJP trace of ``joint_program`` (the forward with the rules') where there were two, and one
-    input priced in the joints' e-graph where there were two; the VJP and the decision in words are those of the
-    joint traced and priced anew, and the price read is the float the joints' e-graph gives it."""
+    other rule: flax_seq2seq_grad's plain forward comes out as written too): its joint program is JAX's as written,
+    which ``as_written_vjp`` traces for the decision (the same text as ``joint_program``'s), so ``build_vjps`` loads
+    that program rather than tracing it again, and its price is ``run_together``'s of it as loaded rather than a load
+    of its own (``program_cost``). One VJP trace of ``joint_program`` (the forward with the rules') where there were
+    two, one e-graph load fewer; the VJP, the decision in words and the prices are those of the joint traced and
+    priced anew (the as-written joint's price the same float both ways)."""
     import rewrite.grad.primitive as primitive
     from jax.extend.core import jaxpr_as_fun
     from rewrite.cost.measure import resolve
@@ -198,38 +198,38 @@ def test_a_gradients_plain_forward_that_is_the_loss_as_written_is_traced_and_pri
     from rulesets.nn_lm_head import nn_lm_head
     from tests.corpus import lm_head_case
 
-    counts = {"traced": 0, "priced": 0}
-    joint_program, input_cost = vjp.joint_program, pipeline.input_cost
+    counts = {"traced": 0, "loaded": 0}
+    joint_program, load = vjp.joint_program, pipeline._load
 
     def traced(*args, **kwargs):
         counts["traced"] += 1
         return joint_program(*args, **kwargs)
 
-    def priced(*args, **kwargs):
-        counts["priced"] += 1
-        return input_cost(*args, **kwargs)
+    def loaded(*args, **kwargs):
+        counts["loaded"] += 1
+        return load(*args, **kwargs)
 
     monkeypatch.setattr(vjp, "joint_program", traced)
-    monkeypatch.setattr(pipeline, "input_cost", priced)
-    together_run = pipeline.run_together
+    monkeypatch.setattr(pipeline, "_load", loaded)
+    written_as = primitive.written_as
+    made = vjp.as_written_vjp
     prices: list = []
 
-    def run(*args, input_prices=(None, None), **kwargs):
-        results = together_run(*args, input_prices=input_prices, **kwargs)
-        prices.append((input_prices[0], results[0].cost_before, results[1].cost_before))
-        return results
+    def as_written(*args, **kwargs):
+        built = made(*args, **kwargs)
+        prices.append(built)
+        return built
 
-    monkeypatch.setattr(pipeline, "run_together", run)
-    eager = primitive.build_vjps
+    monkeypatch.setattr(primitive, "as_written_vjp", as_written)
 
     def built(known: bool) -> tuple:
         for k in counts:
             counts[k] = 0
         prices.clear()
-        monkeypatch.setattr(primitive, "build_vjps", eager if known else (
-            lambda *args, plain_joint=None, **kwargs: eager(*args, **kwargs)))
+        monkeypatch.setattr(primitive, "written_as", written_as if known else lambda program, closed: False)
         made = rewrite(loss, rulesets=[nn_lm_head], cache=False).grad_result(h, w, y)
-        return str(made.fwd), str(made.bwd), made.decided, dict(counts), list(prices)
+        (aw,) = prices
+        return str(made.fwd), str(made.bwd), made.decided, dict(counts), (aw.split.cost, aw.joint.cost_before)
 
     # an LM head's loss as the pipeline emits it (optax's nested jits inlined), so that the plain forward (no rule)
     # comes out as the loss's own text, as flax_seq2seq_grad's does
@@ -237,16 +237,12 @@ def test_a_gradients_plain_forward_that_is_the_loss_as_written_is_traced_and_pri
     inlined = pipeline.run_pipeline(jax.make_jaxpr(written)(h, w, y), [], resolve(None), Limits(),
                                     price_input=False).after
     loss = lambda h, w, y: jaxpr_as_fun(inlined)(h, w, y)[0]  # noqa: E731
-
     got, want = built(True), built(False)
     assert got[2] and got[:3] == want[:3], (got[2], want[2])
     # the forward's joint traced alone (JAX's as written is traced by as_written_vjp, not joint_program)
     assert (got[3]["traced"], want[3]["traced"]) == (1, 2), (got[3], want[3])
-    # in run_together: the forward's joint alone priced, the plain one's price read (as_written_vjp's load prices it)
-    assert got[3]["priced"] == want[3]["priced"] - 1, (got[3], want[3])
-    (known, plain_before, fwd_before), = got[4]
-    (_, plain_anew, fwd_anew), = want[4]
-    assert known is not None and known == plain_before == plain_anew and fwd_before == fwd_anew, (got[4], want[4])
+    assert got[3]["loaded"] == want[3]["loaded"] - 1, (got[3], want[3])  # as_written_vjp's program_cost
+    assert got[4] == want[4] and got[4][0] == got[4][0], (got[4], want[4])
 
 
 def _negations_between_reshapes(closed) -> int:

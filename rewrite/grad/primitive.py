@@ -71,10 +71,10 @@ from ..errors import RewriteLimitWarning, RewriteWarning, _strict
 from ..ir.jaxapi import ad, core, custom_staging_rules, fallback_linearize, held_weakly_by_jax_caches, register_linearization
 from ..ir.walk import loses_forward_mode
 from ..jaxpr.trace import Traced, collect_young_only, same_program, spec_of
-from ..pipeline import limits_met, run_pipeline
+from ..pipeline import limits_met, program_cost, run_pipeline
 from ..records import Budget
 from .together import build_vjps
-from .vjp import as_written_vjp, build_vjp, decided_jointly, float_positions, of_floats, split_joint
+from .vjp import as_written_vjp, build_vjp, decided_jointly, float_positions, of_floats, priced_as, split_joint
 
 log = logging.getLogger("rewrite")
 
@@ -189,17 +189,25 @@ class Signature:
             spent: dict[str, float] = {}
             closed, written = self.traced.closed, []
 
-            def as_written(f: core.ClosedJaxpr) -> Any:  # traced and priced once: decided_jointly asks it of closed
-                if not written or written[0][0] is not f:
-                    written[:] = [(f, as_written_vjp(self._of(f), owner.cost_model))]
-                return written[0][1]
+            def as_written(f: core.ClosedJaxpr, priced: bool = True) -> Any:  # traced once: decided_jointly asks
+                if not written or written[0][0] is not f:                        # it of closed
+                    written[:] = [(f, as_written_vjp(self._of(f), owner.cost_model, priced))]
+                built = written[0][1]
+                if priced and built.split.cost != built.split.cost:  # not priced where it was made: priced now
+                    priced_as(built, program_cost(built.joint.before, owner.cost_model))
+                return built
 
             def build_both(f: core.ClosedJaxpr, p: core.ClosedJaxpr, rest: Sequence[Any]) -> Any:
                 # the forward rewritten without the jointly rules is often the loss as written (flax_seq2seq_grad):
-                # its joint program is JAX's as written (the same text), traced and priced once for both
-                known = as_written(closed).joint if p is closed or same_program(p, closed) else None
-                return build_vjps(self._of(f), self._of(p), rest, owner.cost_model, owner.limits, lazy=True,
-                                  plain_joint=None if known is None else (known.before, known.cost_before))
+                # its joint program is JAX's as written (the same text), traced once for both, and priced where the
+                # joints' e-graph loads it (run_together's price of the plain joint as loaded), not loaded apart
+                if not written_as(p, closed):
+                    return build_vjps(self._of(f), self._of(p), rest, owner.cost_model, owner.limits, lazy=True)
+                aw = as_written(closed, priced=False)
+                pending = build_vjps(self._of(f), self._of(p), rest, owner.cost_model, owner.limits, lazy=True,
+                                     plain_joint=(aw.joint.before, None))
+                priced_as(aw, pending[1].res.cost_before)
+                return pending
 
             built, decided = decided_jointly(
                 closed, self.result, owner.entries, owner.cost_model, owner.limits,
@@ -214,6 +222,12 @@ class Signature:
             result = run_pipeline(program, owner.entries, owner.cost_model, owner.limits)
             built = JVP(result.after, dif_in, dif_out, result)
         return built
+
+
+def written_as(program: core.ClosedJaxpr, closed: core.ClosedJaxpr) -> bool:
+    """Whether ``program`` (a forward rewritten without the ``jointly`` rules) is ``closed``, the loss as written:
+    the same object, or the same text and constants (:func:`rewrite.jaxpr.trace.same_program`)."""
+    return program is closed or same_program(program, closed)
 
 
 class _Unbuilt:

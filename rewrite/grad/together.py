@@ -45,14 +45,16 @@ class Pending:
 
 
 def build_vjps(traced: Traced, plain: Traced, entries: Sequence[Any], model: Any, limits: Any,
-               lazy: bool = False, plain_joint: tuple[core.ClosedJaxpr, float] | None = None) -> tuple[Any, Any]:
+               lazy: bool = False, plain_joint: tuple[core.ClosedJaxpr, float | None] | None = None
+               ) -> tuple[Any, Any]:
     """:func:`build_vjp` of two forwards of one function (``primal=False``, not kept), their joint programs
     rewritten in one e-graph (:func:`rewrite.pipeline.run_together`, ``plain``'s without the terms only
     ``traced``'s holds): :func:`decided_jointly`'s two, with and without a ``jointly`` ruleset's rules, saturated for
     at most :data:`VJPS_ITERATIONS` iterations. ``lazy``: the two as :class:`Pending`, split where asked; the caller
-    releases them. ``plain_joint``, where given, is ``plain``'s joint program traced and priced already, with its
-    price (where ``plain`` is the loss as written: :func:`rewrite.grad.vjp.as_written_vjp`'s joint, which is
-    :func:`rewrite.grad.vjp.joint_program`'s program of it, the same text): not traced nor priced again."""
+    releases them. ``plain_joint``, where given, is ``plain``'s joint program traced already, with its price where
+    known (where ``plain`` is the loss as written: :func:`rewrite.grad.vjp.as_written_vjp`'s joint, which is
+    :func:`rewrite.grad.vjp.joint_program`'s program of it, the same text): not traced again, nor priced again
+    where its price is given."""
     t0 = time.perf_counter()
     joint, dif_in, dif_out = vjp.joint_program(traced.closed)
     other = vjp.joint_program(plain.closed)[0] if plain_joint is None else plain_joint[0]

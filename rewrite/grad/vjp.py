@@ -450,13 +450,14 @@ def _joint_choices(res: Result, n_out: int, n_params: int, model: Any, entries: 
 AS_WRITTEN = "as written"
 
 
-def as_written_vjp(traced: Traced, model: Any) -> VJPResult:
+def as_written_vjp(traced: Traced, model: Any, priced: bool = True) -> VJPResult:
     """JAX's own VJP of ``traced``, split where JAX splits it, as a :class:`VJPResult` with nothing rewritten: the
     forward ``primals -> (outputs, residuals)`` returns the residuals ``jax.vjp``'s pullback holds (its leaves),
     and the backward is that pullback. Under ``jit`` the two inline into the program ``jax.value_and_grad`` of
     the function as written compiles, so that is what a derivative held to it (:func:`decided_jointly`) runs.
     Its ``joint`` is that program (:func:`split_joint`), unrewritten and priced: the one :func:`decided_jointly`
-    prices, so it is traced and priced once (not :func:`joint_program` traced again beside it)."""
+    prices, so it is traced and priced once (not :func:`joint_program` traced again beside it). ``priced`` false: its
+    price is left NaN, for a caller that prices that program where it loads it anyway (:func:`priced_as`)."""
     closed = traced.closed
     t0 = time.perf_counter()
     dif_in, dif_out = float_positions(closed)
@@ -488,9 +489,17 @@ def as_written_vjp(traced: Traced, model: Any) -> VJPResult:
     built = VJPResult(None, fwd, bwd, split, [split], None, dif_in, dif_out, None, {})  # type: ignore[arg-type]
     joint = split_joint(built)
     built.times["trace_vjp"] = time.perf_counter() - t0
-    split.cost = cost = program_cost(joint, model)
+    split.cost = cost = program_cost(joint, model) if priced else float("nan")
     built.joint = Result(before=joint, after=joint, cost_before=cost, cost_after=cost, stopped="as written",
                          iterations=0, rows=0, times=built.times, stats={}, rewritten=False, warnings=[])
+    return built
+
+
+def priced_as(built: VJPResult, cost: float) -> VJPResult:
+    """``built`` (:func:`as_written_vjp`'s, made with ``priced`` false) with its joint's price ``cost``: what
+    :func:`rewrite.pipeline.program_cost` gives that program (``run_together``'s price of it as loaded)."""
+    built.split.cost = cost
+    built.joint = dataclasses.replace(built.joint, cost_before=cost, cost_after=cost)
     return built
 
 
