@@ -31,7 +31,7 @@ from .cache.key import make_key
 from .cost import guard as _guard
 from .cost.measure import resolve
 from .errors import RewriteLimitWarning, RewriteWarning, _strict
-from .extract.lean import closed_peaks, peaks_keep_leaner, time_price
+from .extract.lean import closed_keep_leaner
 from .grad.primitive import Signature, bind_if_differentiated
 from .grad.pinned import PIN_FROM, join_pinned, split_pinned
 from .grad.step import AsWritten, find_losses, proof_graph, searches_steps
@@ -325,7 +325,9 @@ class Rewritten:
             pinned: set = set()
             # the proofs saturate with no rule: a step is loaded once for all of them (proof_graph)
             decided: list[str] = []
-            loss_first = functools.partial(self._loss_first, spent=spent, decided=decided, small=small)
+            loss_first = functools.partial(self._loss_first, spent=spent, decided=decided, small=small, forwards={})
+            if small:  # a loss whose forward comes out as written is left so before its proof (grad.step._attempt)
+                loss_first.as_written = functools.partial(loss_first, written_only=True)  # type: ignore[attr-defined]
             changed, finding = find_losses(traced.closed, self._proof, loss_first, pinned,
                                            functools.partial(proof_graph, model=self.cost_model), price=result is None)
             finding.decided = decided
@@ -399,30 +401,12 @@ class Rewritten:
         """The cost model's own rule between two programs it prices close (:func:`rewrite.extract.lean.keeps_leaner`):
         within its ``lean_band`` the one predicted to hold less memory at its peak wins; within ``lean_band_far``,
         the one that holds at most half and drops arrays larger than the cache."""
-        return self._keeps_leaner(alt.cost_after, alt.after, result.cost_after, result.after)
-
-    def _keeps_leaner(self, cost: float, program: core.ClosedJaxpr, than_cost: float,
-                      than: core.ClosedJaxpr) -> bool:
-        """:func:`rewrite.extract.lean.peaks_keep_leaner` of two programs, their peaks and the memory charges of
-        their prices predicted by this rewrite's cost model, each program's once (never where it predicts none)."""
-        model = self.cost_model
-        if getattr(model, "predict_temp_bytes", None) is None:
-            return False
-        found: dict[int, Any] = {}  # closed_peaks is never None here: the model predicts temporaries
-
-        def peaks(p: core.ClosedJaxpr) -> tuple[float, float]:
-            if id(p) not in found:
-                found[id(p)] = closed_peaks(model, p)
-            return found[id(p)]
-
-        return peaks_keep_leaner(cost, lambda: peaks(program)[0], than_cost, lambda: peaks(than)[0], model,
-                                 lambda: time_price(cost, peaks(program)[1], model),
-                                 lambda: time_price(than_cost, peaks(than)[1], model))
+        return closed_keep_leaner(self.cost_model, alt.cost_after, alt.after, result.cost_after, result.after)
 
     def _loss_first(self, cone: core.ClosedJaxpr, spent: dict[str, float] | None = None,
                     decided: list[str] | None = None, wrt: Sequence[int] | None = None,
-                    value: bool | None = None, written: core.ClosedJaxpr | None = None, small: bool = False
-                    ) -> core.ClosedJaxpr:
+                    value: bool | None = None, written: core.ClosedJaxpr | None = None, small: bool = False,
+                    forwards: dict | None = None, written_only: bool = False) -> core.ClosedJaxpr | None:
         """A loss's VJP as ``jax.value_and_grad(rewrite(loss))`` runs it, with these rules, as one program
         ``(primals, cotangent) -> (loss, gradients)``: JAX's VJP of the rewritten forward, rewritten, decided on
         that joint program where a ``jointly`` ruleset's rules fired in the forward, and held to JAX's joint of the
@@ -431,16 +415,24 @@ class Rewritten:
         the positions of the float inputs whose gradients the step reads (the program has only those), and ``value``
         whether it reads the loss (:func:`rewrite.grad.vjp.rewrite_joint`); ``written``, where given, JAX's joint
         program of ``cone`` as written at ``wrt``, traced already (:func:`rewrite.grad.step.rederive`): not traced
-        again, for ``cone`` nor a forward that is the same program (:func:`rewrite.grad.vjp.joint_at`)."""
+        again, for ``cone`` nor a forward that is the same program (:func:`rewrite.grad.vjp.joint_at`). ``forwards``,
+        where given, keeps each cone's forward by the cone's ``id`` (with the cone), so that ``written_only`` (raise
+        ``AsWritten`` or return ``None``: the search's test before a proof) and the build after it run one pipeline."""
         # only the programs that come out are read: the inputs are not priced
         spent = {} if spent is None else spent
         t = time.perf_counter()
-        with stage("a loss's forward"):
-            forward = run_pipeline(cone, self.entries, self.cost_model, self.limits, price_input=False, plain=True)
+        forwards = {} if forwards is None else forwards
+        if forwards.get(id(cone), (None,))[0] is not cone:
+            with stage("a loss's forward"):
+                forwards[id(cone)] = (cone, run_pipeline(cone, self.entries, self.cost_model, self.limits,
+                                                         price_input=False, plain=True))
+        forward = forwards[id(cone)][1]
         t = lap(spent, "step forward", t)
         if small and not forward.rewritten:
             raise AsWritten("a small step's loss whose forward comes out as written: left as written, JAX's VJP in "
                             "the step (grad.step.AsWritten)")
+        if written_only:
+            return None
         priced: list = []  # the joint programs priced whole as they were chosen: decided_jointly does not price again
         n_out = len(cone.out_avals)
         # a step that reads only the gradients runs each candidate without the loss (XLA drops what only it reads):

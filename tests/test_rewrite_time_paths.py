@@ -546,7 +546,7 @@ def test_two_programs_priced_apart_are_not_compared_by_their_peaks(monkeypatch):
     each (two whole programs' liveness) and the memory charge of each price (read from the same replay); priced
     further apart than the far band, no peak can keep the dearer, and none is predicted. The choice is the same
     either way."""
-    from rewrite.extract.lean import keeps_leaner, time_price
+    from rewrite.extract.lean import closed_keep_leaner, keeps_leaner, time_price
 
     step, args = _step()
     r = rewrite(step, rulesets=[rulesets.algebra], cache=False, whole_step=True)
@@ -568,16 +568,16 @@ def test_two_programs_priced_apart_are_not_compared_by_their_peaks(monkeypatch):
 
     monkeypatch.setattr(model_type, "predict_peaks", counted)
     far = max(model.lean_band, model.lean_band_far)
-    assert not r._keeps_leaner(1.0 + 2 * far, program, 1.0, program)
+    assert not closed_keep_leaner(model, 1.0 + 2 * far, program, 1.0, program)
     assert predicted == [], len(predicted)
     near = 1.0 + model.lean_band / 2
-    assert r._keeps_leaner(near, program, 1.0, program) == decided(near, program, 1.0, program)
+    assert closed_keep_leaner(model, near, program, 1.0, program) == decided(near, program, 1.0, program)
     assert len(predicted) == 1, len(predicted)  # one program, predicted once
     # the same answer as with the peaks, at every distance: a program against a leaner and a fatter one
     lean = jax.make_jaxpr(lambda w, v, x, y: step(w, v, x, y)[2])(*args)
     for first, second in ((program, lean), (lean, program)):
         for ratio in (0.5, 1.0, 1.0 + model.lean_band, 1.1, 1.0 + far, 1.0 + far * 1.01, 2.0):
-            assert r._keeps_leaner(ratio, first, 1.0, second) == decided(ratio, first, 1.0, second), ratio
+            assert closed_keep_leaner(model, ratio, first, 1.0, second) == decided(ratio, first, 1.0, second), ratio
 
 
 def _gelu_step(x, g):

@@ -773,6 +773,33 @@ def test_a_small_steps_loss_left_as_written_leaves_the_scalars_it_computes_untri
     assert str(r.jaxpr(w, x)) == str(rewrite(step, rulesets=PACKS, cache=False, whole_step=False).jaxpr(w, x))
 
 
+def test_a_small_steps_loss_whose_forward_comes_out_as_written_is_left_before_its_proof(monkeypatch):
+    """The forward of a small step's loss is rewritten before the loss is re-derived and proven
+    (``Rewritten._loss_first``'s ``as_written``, ``grad.step._attempt``): where it comes out as written, the loss is
+    left as written with no re-derivation (jaxmd_lj_forces: its joint's trace and its proof, a quarter of its first
+    call), its forward rewritten once. The decline and the program are as before."""
+    from benchmarks import derivatives as bd
+    from rewrite import pipeline
+    from rewrite.grad import step as search
+
+    x, a, ct = bd.inputs(8)
+    step = _seed_step("value_and_grad")
+    rederived, runs = [], []
+    derive, run = search.rederive, pipeline._run
+    monkeypatch.setattr(search, "rederive", lambda *a, **k: rederived.append(1) or derive(*a, **k))
+    monkeypatch.setattr(pipeline, "_run", lambda *a, **k: runs.append(1) or run(*a, **k))
+    r = rewrite(step, rulesets=PACKS, cache=False)
+    found = r.result(x, a, ct).step
+    assert not found.replaced and "comes out as written" in found.declined[0], str(found)
+    assert not rederived and len(runs) == 2, (rederived, runs)  # the loss's forward, the step as written
+    plain = rewrite(step, rulesets=PACKS, cache=False, whole_step=False)
+    assert str(r.jaxpr(x, a, ct)) == str(plain.jaxpr(x, a, ct))
+    # a loss whose forward is rewritten is still proven first, its forward run once (the search's, then the build's)
+    runs.clear()
+    assert rewrite(step, rulesets=PACKS, cache=False, whole_step=True).result(x, a, ct).step.replaced
+    assert rederived and len(runs) == 3, (rederived, runs)  # the forward, the joint, the step's rest
+
+
 def _seed_step(kind):
     """Seed 000's training step, its loss weighted by ``ct`` (a leaf whose gradient the step never reads)."""
     from benchmarks import derivatives as bd

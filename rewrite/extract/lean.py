@@ -115,3 +115,20 @@ def peaks_keep_leaner(cost: float, peak: Callable[[], float | None], than_cost: 
     if far_leaner(p, q, model):
         return keeps_leaner(cost, p, than_cost, q, model, math.inf, 0.0)  # the far band reads no time
     return leaner(p, q) and keeps_leaner(cost, p, than_cost, q, model, time(), than_time())
+
+
+def closed_keep_leaner(model: Any, cost: float, program: Any, than_cost: float, than: Any) -> bool:
+    """:func:`peaks_keep_leaner` of two ``ClosedJaxpr`` programs, their peaks and the memory charges of their prices
+    predicted by ``model`` (:func:`closed_peaks`), each program's once (never where it predicts none)."""
+    if getattr(model, "predict_temp_bytes", None) is None:
+        return False
+    found: dict[int, Any] = {}  # closed_peaks is never None here: the model predicts temporaries
+
+    def peaks(p: Any) -> tuple[float, float]:
+        if id(p) not in found:
+            found[id(p)] = closed_peaks(model, p)
+        return found[id(p)]
+
+    return peaks_keep_leaner(cost, lambda: peaks(program)[0], than_cost, lambda: peaks(than)[0], model,
+                             lambda: time_price(cost, peaks(program)[1], model),
+                             lambda: time_price(than_cost, peaks(than)[1], model))

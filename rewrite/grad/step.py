@@ -60,6 +60,7 @@ prices lower (or the leaner within its lean band).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from typing import Any, Callable, Sequence
@@ -522,12 +523,17 @@ def _read(jaxpr: core.Jaxpr, cut: set) -> set:
 
 
 def _attempt(step: core.ClosedJaxpr, graph: _Graph, root: Any, eqns: list[int], leaves: list[Any], consts: dict,
-             proof: Callable[[core.ClosedJaxpr], list[Any]], shared: Callable[[], ProofGraph] | None = None
-             ) -> tuple[str, tuple | None]:
+             proof: Callable[[core.ClosedJaxpr], list[Any]], shared: Callable[[], ProofGraph] | None = None,
+             left_as_written: Callable[[core.ClosedJaxpr], None] | None = None) -> tuple[str, tuple | None]:
     """Re-derive the cone ``eqns`` of ``root`` over ``leaves`` and prove it: ``("", (lifted leaves, cone program,
     differentiable positions, {step value: gradient position}, its joint program or None, its seeded program:
     :func:`rederive`))``, or why not and ``None``. ``shared()``, where given, is the step loaded once for all the
-    proofs over it (:func:`proof_graph`)."""
+    proofs over it (:func:`proof_graph`). ``left_as_written(cone)``, where given (the loss-first build's
+    ``as_written``), raises :class:`AsWritten` before the re-derivation where the loss-first build would leave the
+    cone as written whatever the proof says: its forward, rewritten first, comes out as written (jaxmd_lj_forces:
+    the trace of its joint and its proof, a quarter of its first call, were spent on a loss then left as written).
+    Not for a cone cut at loop outputs, tried where the whole cone failed its proof: there the proof fails again
+    more often than not, and a forward rewritten before it is spent (blackjax_hmc_step: five pipelines)."""
     cone = cone_program(graph, root, eqns, leaves, consts)
     lifted = [v for v in leaves if v in consts] + [v for v in leaves if v not in consts]
     flat_cone = core.ClosedJaxpr(core.Jaxpr([], lifted, cone.jaxpr.outvars, cone.jaxpr.eqns, core.no_effects,
@@ -537,6 +543,8 @@ def _attempt(step: core.ClosedJaxpr, graph: _Graph, root: Any, eqns: list[int], 
     if body is not None:  # its re-derivation's loss could never be proven the step's: not made
         return (f"not proven equal to its re-derivation, which was not made: its cone runs through a {body} body, "
                 "which a body loaded again (a scope of its own) never is"), None
+    if left_as_written is not None:
+        left_as_written(flat_cone)
     try:
         derived, joint = rederive(flat_cone, dif)
         same, found = prove(step, graph, root, flat_cone, lifted, dif, derived, proof,
@@ -606,16 +614,18 @@ def find_losses(closed: core.ClosedJaxpr, proof: Callable[[core.ClosedJaxpr], li
             if cut[0] != eqns and len(cut[0]) >= 2:  # a loop in the cone: its outputs as leaves, if the whole fails
                 tries_here.append((cut[0], graph.ordered(cut[1]), ", its cone cut at loop outputs"))
             for cone_eqns, cone_leaves, how in tries_here:
-                said, done = _attempt(step, graph, root, cone_eqns, cone_leaves, consts, proof,
-                                      None if over is None else loaded)
-                if done is None:
-                    finding.declined.append(f"a scalar of {len(cone_eqns)} equations{how}: {said}")
-                    continue
-                lifted, flat_cone, dif, found_grads, joint, derived = done
-                if price and step is closed and shared:  # the step as given, loaded for its proofs: priced off that
-                    finding.price = shared[0].price(closed.jaxpr.outvars)
-                unload()
+                found_grads: dict = {}  # (none known where the loss is left as written before its proof)
                 try:
+                    said, done = _attempt(step, graph, root, cone_eqns, cone_leaves, consts, proof,
+                                          None if over is None else loaded,
+                                          None if how else getattr(loss_first, "as_written", None))
+                    if done is None:
+                        finding.declined.append(f"a scalar of {len(cone_eqns)} equations{how}: {said}")
+                        continue
+                    lifted, flat_cone, dif, found_grads, joint, derived = done
+                    if price and step is closed and shared:  # the step as given, loaded for its proofs: priced so
+                        finding.price = shared[0].price(closed.jaxpr.outvars)
+                    unload()
                     step = replace(step, root, lifted, consts, flat_cone, dif, found_grads, loss_first, made, joint,
                                    derived)
                 except AsWritten as e:  # this loss is left as written, and the scalars its forward and its
@@ -623,6 +633,9 @@ def find_losses(closed: core.ClosedJaxpr, proof: Callable[[core.ClosedJaxpr], li
                     finding.declined.append(f"a scalar of {len(cone_eqns)} equations{how}: {e}")
                     for v in [root, *found_grads]:  # its forward and JAX's backward of it, as the step holds them
                         left.update(w for k in graph.cone(v)[0] for w in graph.jaxpr.eqns[k].outvars)
+                    if not found_grads:  # left before its proof: the backward's unknown, what reads its forward left
+                        left.update(w for e in graph.jaxpr.eqns if any(x in left for x in e.invars if
+                                                                       isinstance(x, core.Var)) for w in e.outvars)
                     break
                 finding.replaced.append(f"a loss of {len(cone_eqns)} equations{how} and its gradients with "
                                         f"respect to {len(set(found_grads.values()))} of {len(dif)} float inputs")
@@ -662,7 +675,8 @@ def _in_loops(step: core.ClosedJaxpr, proof: Callable[[core.ClosedJaxpr], list[A
         key = BODIES.get(e.primitive.name)
         if key is None:
             continue
-        body, inner = find_losses(e.params[key], proof, loss_first, over=over)
+        # (without its ``as_written``: a body's whole cone fails its proof more often, blackjax_hmc_step's two)
+        body, inner = find_losses(e.params[key], proof, functools.partial(loss_first), over=over)
         if body is None:
             continue
         where = f", in a {e.primitive.name} body"
