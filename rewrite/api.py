@@ -326,10 +326,11 @@ class Rewritten:
             # the proofs saturate with no rule: a step is loaded once for all of them (proof_graph)
             decided: list[str] = []
             loss_first = functools.partial(self._loss_first, spent=spent, decided=decided, small=small, forwards={})
-            if small:  # a loss whose forward comes out as written is left so before its proof (grad.step._attempt)
-                loss_first.as_written = functools.partial(loss_first, written_only=True)  # type: ignore[attr-defined]
+            # a small step's loss whose forward comes out as written is left so before its proof (grad.step._attempt)
             changed, finding = find_losses(traced.closed, self._proof, loss_first, pinned,
-                                           functools.partial(proof_graph, model=self.cost_model), price=result is None)
+                                           functools.partial(proof_graph, model=self.cost_model), price=result is None,
+                                           left_as_written=functools.partial(loss_first, written_only=True)
+                                           if small else None)
             finding.decided = decided
             alt = None
             if changed is not None:

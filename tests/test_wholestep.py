@@ -775,7 +775,7 @@ def test_a_small_steps_loss_left_as_written_leaves_the_scalars_it_computes_untri
 
 def test_a_small_steps_loss_whose_forward_comes_out_as_written_is_left_before_its_proof(monkeypatch):
     """The forward of a small step's loss is rewritten before the loss is re-derived and proven
-    (``Rewritten._loss_first``'s ``as_written``, ``grad.step._attempt``): where it comes out as written, the loss is
+    (``find_losses``'s ``left_as_written``, ``grad.step._attempt``): where it comes out as written, the loss is
     left as written with no re-derivation (jaxmd_lj_forces: its joint's trace and its proof, a quarter of its first
     call), its forward rewritten once. The decline and the program are as before."""
     from benchmarks import derivatives as bd

@@ -60,7 +60,6 @@ prices lower (or the leaner within its lean band).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import time
 from typing import Any, Callable, Sequence
@@ -528,8 +527,7 @@ def _attempt(step: core.ClosedJaxpr, graph: _Graph, root: Any, eqns: list[int], 
     """Re-derive the cone ``eqns`` of ``root`` over ``leaves`` and prove it: ``("", (lifted leaves, cone program,
     differentiable positions, {step value: gradient position}, its joint program or None, its seeded program:
     :func:`rederive`))``, or why not and ``None``. ``shared()``, where given, is the step loaded once for all the
-    proofs over it (:func:`proof_graph`). ``left_as_written(cone)``, where given (the loss-first build's
-    ``as_written``), raises :class:`AsWritten` before the re-derivation where the loss-first build would leave the
+    proofs over it (:func:`proof_graph`). ``left_as_written(cone)``, where given (:func:`find_losses`'s), raises :class:`AsWritten` before the re-derivation where the loss-first build would leave the
     cone as written whatever the proof says: its forward, rewritten first, comes out as written (jaxmd_lj_forces:
     the trace of its joint and its proof, a quarter of its first call, were spent on a loss then left as written).
     Not for a cone cut at loop outputs, tried where the whole cone failed its proof: there the proof fails again
@@ -560,7 +558,8 @@ def _attempt(step: core.ClosedJaxpr, graph: _Graph, root: Any, eqns: list[int], 
 
 def find_losses(closed: core.ClosedJaxpr, proof: Callable[[core.ClosedJaxpr], list[Any]],
                 loss_first: Callable[[core.ClosedJaxpr], core.ClosedJaxpr], pinned: set | None = None,
-                over: Callable[[core.ClosedJaxpr], ProofGraph] | None = None, price: bool = False
+                over: Callable[[core.ClosedJaxpr], ProofGraph] | None = None, price: bool = False,
+                left_as_written: Callable[[core.ClosedJaxpr], Any] | None = None
                 ) -> tuple[core.ClosedJaxpr | None, StepFinding]:
     """The step with each proven loss and its gradients read from the loss-first program; ``None`` if none was
     proven. ``loss_first(cone)`` is the loss-first program of a loss's forward program (its leaves the inputs):
@@ -569,7 +568,9 @@ def find_losses(closed: core.ClosedJaxpr, proof: Callable[[core.ClosedJaxpr], li
     (:func:`rewrite.grad.pinned.split_pinned`). ``over``, where ``proof`` saturates with no rule, is
     :func:`proof_graph`: the candidates' proofs then load the step once (per step, as its losses are replaced),
     not once each. ``price``: where the first loss replaced is in ``closed`` as given, ``StepFinding.price`` is its
-    price read off that load (``ProofGraph.price``; its caller prices the step as written: not loaded again)."""
+    price read off that load (``ProofGraph.price``; its caller prices the step as written: not loaded again).
+    ``left_as_written(cone)``, where given, raises :class:`AsWritten` where ``loss_first`` would leave ``cone`` as
+    written: asked of a whole cone before its re-derivation and proof (:func:`_attempt`); not of a loop's body."""
     t0 = time.perf_counter()
     finding = StepFinding()
     if closed.jaxpr.effects:
@@ -618,7 +619,7 @@ def find_losses(closed: core.ClosedJaxpr, proof: Callable[[core.ClosedJaxpr], li
                 try:
                     said, done = _attempt(step, graph, root, cone_eqns, cone_leaves, consts, proof,
                                           None if over is None else loaded,
-                                          None if how else getattr(loss_first, "as_written", None))
+                                          None if how else left_as_written)
                     if done is None:
                         finding.declined.append(f"a scalar of {len(cone_eqns)} equations{how}: {said}")
                         continue
@@ -675,8 +676,8 @@ def _in_loops(step: core.ClosedJaxpr, proof: Callable[[core.ClosedJaxpr], list[A
         key = BODIES.get(e.primitive.name)
         if key is None:
             continue
-        # (without its ``as_written``: a body's whole cone fails its proof more often, blackjax_hmc_step's two)
-        body, inner = find_losses(e.params[key], proof, functools.partial(loss_first), over=over)
+        # (without ``left_as_written``: a body's whole cone fails its proof more often, blackjax_hmc_step's two)
+        body, inner = find_losses(e.params[key], proof, loss_first, over=over)
         if body is None:
             continue
         where = f", in a {e.primitive.name} body"
