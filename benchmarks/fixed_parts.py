@@ -10,7 +10,8 @@ the parts wrapped are called at most a few hundred times a rewrite.
 
 The parts: the user's function traced (``trace``, what any rewrite of the function pays), the programs loaded
 into egglog (``load``) and the e-graphs taken from and given back to the pool (``pool``: egglog's push and pop),
-the input program priced (``input price``), saturation, extraction (``emit`` apart), the memory tie's predictions
+the input program priced (``input price``), saturation, extraction (``emit`` apart, and ``min_saving``: the
+program extracted again without the nodes of rulesets that ask for a ``min_saving``), the memory tie's predictions
 (``tie``), the whole-step search's JAX traces of joints (``joint trace``, ``rederive``) and its proofs, the disk
 cache's key and store. ``floor`` is trace + load + pool + emit: what a rewrite of this design pays with no rule
 work and no decision made.
@@ -45,6 +46,7 @@ PARTS = (
     ("input price", "rewrite.extract.extract", "input_cost", None),
     ("saturation", "rewrite.rules.saturate", "run", "Engine"),
     ("extraction", "rewrite.pipeline", "_extracted", None),
+    ("min_saving", "rewrite.extract.policy", "worth_their_saving", None),
     ("tie", "rewrite.extract.tie", "on_xla_count", None),
     ("emit", "rewrite.jaxpr.emit", "emit", None),
     ("rederive", "rewrite.grad.step", "rederive", None),
@@ -52,7 +54,7 @@ PARTS = (
     ("prove", "rewrite.grad.step", "prove", None),
 )
 FLOOR = ("trace", "load", "pool", "emit")
-WORK = ("saturation", "extraction", "rederive", "joint trace", "prove")
+WORK = ("saturation", "extraction", "min_saving", "rederive", "joint trace", "prove")
 
 
 class Parts:
