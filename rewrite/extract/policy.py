@@ -69,6 +69,24 @@ def worth_their_saving(ex: Any, snap: Any, eg: EGraph, entries: Sequence[tuple[A
     return ex
 
 
+def floor_test(snap: Any, eg: EGraph, entries: Sequence[tuple[Any, Any]], roots: list, original: set
+               ) -> Callable[[Any, float], bool] | None:
+    """``extract.extract``'s ``floored``: whether :func:`worth_their_saving` with ``as_loaded`` would leave a
+    rewritten candidate (priced against the input's ``input_cost``) as loaded (:func:`floored`): it uses nodes of
+    rules with a ``min_saving`` and saves less than the largest of theirs. ``None`` where no ruleset sets a floor."""
+    floors = {r.name: owner.min_saving for r, owner in entries if getattr(owner, "min_saving", 0.0) > 0}
+    if not floors:
+        return None
+
+    def test(cand: Any, input_cost: float) -> bool:
+        if not (0 < input_cost < float("inf")) or out_of_time():
+            return False
+        made = _withholding(snap, eg, frozenset(floors), original)[1][1]
+        used = {made[n] for n in (cand.choice[c] for c in reachable(snap, cand.choice, roots)) if n in made}
+        return bool(used) and input_cost - cand.cost < max(floors[r] for r in used) * input_cost
+    return test
+
+
 def floored(ex: Any, floor: float) -> Any:
     """``ex``'s input program as an extraction of its own (not rewritten), where ``ex`` saves less than ``floor``
     of the input's price, else ``None``: :func:`worth_their_saving`'s ``as_loaded``.
