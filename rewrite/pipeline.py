@@ -26,8 +26,8 @@ from .cost.model import CostModel
 from .extract.choice import reachable
 from .extract.extract import extract, input_cost
 from .extract.extractor import shared
-from .extract.policy import (bar_preferred, copy_without, made_by, no_fatter, recomputations, same_original_tree,
-                             withheld, worth_their_saving)
+from .extract.policy import (bar_preferred, copy_without, floor_test, made_by, no_fatter, recomputations,
+                             same_original_tree, withheld, worth_their_saving)
 from .extract.tie import on_xla_count
 from .ir.egraph import BodyRef, EGraph, ListRef
 from .ir.intern import LITERALS, TYPES, in_dtype
@@ -167,7 +167,9 @@ def run_together(first: core.ClosedJaxpr, second: core.ClosedJaxpr, entries: Seq
     share most of their equations, which are saturated once so. Both results keep the e-graph: the caller
     releases it (once) after reading both. Not for ``cost_model="measure"`` (the backend times one program).
     ``input_prices``: where one is given, ``price_input``'s price of that program, known already
-    (:func:`program_cost`'s of the same program: ``grad/together.py``'s ``build_vjps``), not priced again."""
+    (:func:`program_cost`'s of the same program: ``grad/together.py``'s ``build_vjps``), not priced again.
+    A program whose extraction saves less than its floored rules' ``min_saving`` is left as loaded, the one without
+    them not extracted (:func:`extract_by_policy`'s ``as_loaded``: a decision for these joint programs alone)."""
     if first.in_avals != second.in_avals or first.jaxpr.effects or second.jaxpr.effects:
         raise ValueError("run_together: two programs of the same inputs, with no effects")
     with collect_young_only():
@@ -197,7 +199,8 @@ def run_together(first: core.ClosedJaxpr, second: core.ClosedJaxpr, entries: Seq
             times = {"trace": 0.0, "load": load_s, "saturate": saturate_s}
             load_s = saturate_s = 0.0  # counted once, on the first
             roots = [view.cls_of_name[o] for o in outs]
-            ex, after, emit_choice = _extracted(view, eg, entries, closed, roots, None, model, original, times)
+            ex, after, emit_choice = _extracted(view, eg, entries, closed, roots, None, model, original, times,
+                                                as_loaded=True)
             result = Result(
                 before=closed, after=after, cost_before=cost_before, cost_after=ex.cost, stopped=stopped,
                 iterations=engine.iterations, rows=snap.num_rows, times=times, stats=dict(engine.stats),
@@ -212,16 +215,17 @@ def run_together(first: core.ClosedJaxpr, second: core.ClosedJaxpr, entries: Seq
 
 
 def _extracted(snap: Any, eg: EGraph, entries: Sequence[tuple[Rule, Ruleset]], closed: core.ClosedJaxpr,
-               roots: list, token_root: Any, model: CostModel, original: set, times: dict[str, float]
-               ) -> tuple[Any, core.ClosedJaxpr, Any]:
+               roots: list, token_root: Any, model: CostModel, original: set, times: dict[str, float],
+               as_loaded: bool = False) -> tuple[Any, core.ClosedJaxpr, Any]:
     """``(ex, after, emit_choice)``: the program of ``closed`` from ``roots`` (and ``token_root``, its final token,
     where it has effects) under the extraction policy (:func:`extract_by_policy`), emitted with ``closed``'s
     signature and held to it (``no_fatter``), and the emitter of choices of ``snap`` (which may be a view of
     ``eg``'s snapshot). ``times`` receives the seconds of ``extract`` (added to any there) and ``emit``:
-    :func:`_run`'s and :func:`run_together`'s sequence, the same for each program."""
+    :func:`_run`'s and :func:`run_together`'s sequence, the same for each program (``as_loaded``:
+    :func:`extract_by_policy`'s, :func:`run_together`'s)."""
     t = time.perf_counter()
     ex = extract_by_policy(snap, eg, entries, roots + ([token_root] if token_root is not None else []), model,
-                           original)
+                           original, as_loaded)
     times["extract"] = times.get("extract", 0.0) + time.perf_counter() - t
     t = time.perf_counter()
     emit_choice = emitter(snap, eg, closed.in_avals, roots, token_root, closed.jaxpr.debug_info)
@@ -294,16 +298,18 @@ def _held_to_input(ex: Any, closed: core.ClosedJaxpr, emit_choice: Any, model: C
 
 
 def extract_by_policy(snap: Any, eg: Any, entries: Sequence[tuple[Rule, Ruleset]], roots: list, model: CostModel,
-                      original: set) -> Any:
+                      original: set, as_loaded: bool = False) -> Any:
     """The program from ``roots`` under the extraction policy: the cheapest without the recomputing rules' nodes
     (``extract.policy.withheld``), held to the rulesets' ``min_saving`` (``worth_their_saving``), then with the
     recomputing nodes where they free memory (``recomputations``). A pipeline's extraction, and a VJP's of its
-    gradients alone (``grad/vjp.py``), which must hold the same policy."""
+    gradients alone (``grad/vjp.py``), which must hold the same policy. ``as_loaded`` (:func:`run_together`'s joint
+    programs): a program that saves less than its floored rules' ``min_saving`` is left as loaded, the program
+    without them not extracted (``extract.policy.floored``)."""
     plain, recomputing = withheld(snap, eg, entries, original)
     if plain is not snap:  # one key names one program in both: recomputations prices the copy's program again
         shared(plain, model).share_prices(shared(snap, model))
-    ex = extract(plain, roots, model, original)
-    ex = worth_their_saving(ex, plain, eg, entries, roots, model, original)
+    ex = extract(plain, roots, model, original, floor_test(plain, eg, entries, roots, original) if as_loaded else None)
+    ex = worth_their_saving(ex, plain, eg, entries, roots, model, original, as_loaded)
     return recomputations(ex, snap, recomputing, roots, model)
 
 

@@ -294,3 +294,49 @@ def test_the_joints_run_without_the_rules_that_cannot_cheapen_them(monkeypatch):
         assert {"red_pull", "sink_inputs", "lift_independent"} <= names  # the rest run
     for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=2e-4, atol=2e-5)
+
+
+def test_a_joint_that_saves_less_than_its_floor_is_left_as_loaded(monkeypatch):
+    """Two programs rewritten together (as a step's two joint programs are) whose cheapest extraction takes
+    ``linalg``'s reordered product for less than its floor (``min_saving``, 10%): each is left as loaded, and the
+    program without the floored rules' nodes is not extracted (``extract.policy.floored``: flax_long_context_step's
+    two joints, about a tenth of its rewrite), nor are the lean band's peaks read for a candidate so left
+    (``extract.extract``'s ``floored``). The same program through ``run_pipeline`` extracts it, and keeps the input
+    too."""
+    import jax.numpy as jnp
+    import rulesets as packs
+    from rewrite.extract import extract as extract_module, policy
+
+    args = (jnp.ones((64, 64)), jnp.ones((64, 64)), jnp.ones((64, 60)))
+    first = jax.make_jaxpr(lambda a, b, c: (a @ b) @ c)(*args)
+    second = jax.make_jaxpr(lambda a, b, c: ((a @ b) @ c) * 2.0)(*args)
+    r = rewrite(lambda a, b, c: (a @ b) @ c, rulesets=[packs.linalg])
+    seconds: list = []
+    extract = policy.extract
+
+    def counted(*a, **k):
+        seconds.append(1)
+        return extract(*a, **k)
+
+    bands: list = []
+    leanest = extract_module._leanest
+
+    def banded(*a, **k):
+        bands.append(1)
+        return leanest(*a, **k)
+
+    monkeypatch.setattr(policy, "extract", counted)
+    monkeypatch.setattr(extract_module, "_leanest", banded)
+    alone = pipeline.run_pipeline(first, r.entries, r.cost_model, r.limits, price_input=True)
+    assert not alone.rewritten and len(seconds) == 1  # the floor declined the reorder: extracted without it
+    assert bands  # the cheapest (the reorder) held to the lean band
+    seconds.clear()
+    bands.clear()
+    both = pipeline.run_together(first, second, r.entries, r.cost_model, r.limits, price_input=True)
+    try:
+        assert seconds == [] and bands == []
+        for res, closed in zip(both, (first, second)):
+            assert not res.rewritten and res.cost_after == res.cost_before
+            assert str(res.after) == str(closed)
+    finally:
+        both[0].egraph.release()

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from ..cost.model import CostModel
 from ..ir.egraph import Snapshot
@@ -92,8 +92,15 @@ def input_cost(snap: Snapshot, outs: Sequence[int], token: int | None, model: Co
 INPUT_START = 1e-3
 
 
-def extract(snap: Snapshot, roots: Sequence[Any], model: CostModel, original: set[tuple] | None) -> Extraction:
-    """Choose the program to emit. ``original`` holds the input program's nodes, canonicalised."""
+def extract(snap: Snapshot, roots: Sequence[Any], model: CostModel, original: set[tuple] | None,
+            floored: Callable[[Candidate, float], bool] | None = None) -> Extraction:
+    """Choose the program to emit. ``original`` holds the input program's nodes, canonicalised.
+
+    ``floored(candidate, input_cost)``, where given, says whether a rewritten candidate would be left as loaded
+    after (``extract.policy.floored``): where the cheapest and every rewritten candidate the lean band could take
+    instead would be, the input program is returned, unrewritten, and the band's peaks (``_leanest``) and the
+    leaner fallback (``_no_fatter``) are not read: whichever of them they chose, the input is what comes out
+    (where the band would have taken the input itself, the same program, not marked ``lean``)."""
     ex = shared(snap, model)
     _, tree_choice = ex.tree()
     missing = [r for r in roots if r not in tree_choice]
@@ -152,6 +159,12 @@ def extract(snap: Snapshot, roots: Sequence[Any], model: CostModel, original: se
         if not cand.rewritten and cand.cost <= best.cost * (1 + 1e-9) + keep_below * cand.cost:
             best = cand
     band = lean_band(model)
+    if floored is not None and best.rewritten and orig_cost < math.inf:
+        reach = [best] + ([cand for cand in ranked if cand is not best and cand.rewritten
+                           and cand.cost <= ranked[0].cost * (1 + band)] if price is not None and band else [])
+        if all(floored(cand, orig_cost) for cand in reach):
+            written = next(cand for cand in ranked if not cand.rewritten)
+            return Extraction(written.choice, written.cost, orig_cost, False, ranked)
     cheapest = best
     if price is not None and band:
         best = _leanest(ranked, best, price, roots, band)

@@ -34,7 +34,7 @@ from .program import ProgramPricer, prices_programs
 
 
 def worth_their_saving(ex: Any, snap: Any, eg: EGraph, entries: Sequence[tuple[Any, Any]], roots: list,
-                        model: CostModel, original: set) -> Any:
+                        model: CostModel, original: set, as_loaded: bool = False) -> Any:
     """A ruleset's ``min_saving``: if the chosen program uses nodes built by rules of rulesets that ask
     for one, the program is extracted again without any node those rules built, and that program is
     used unless theirs saves at least the largest such fraction of the input program's cost more. Where the
@@ -43,7 +43,12 @@ def worth_their_saving(ex: Any, snap: Any, eg: EGraph, entries: Sequence[tuple[A
     The program without them is extracted from one copy of ``snap`` per input program (:func:`copy_without`), so
     a VJP's joint program and its gradients alone (``grad/vjp.py``) take one, whose nodes are priced and passed
     over once, and the copy takes the input program's own tree pass from ``snap``'s extractor where it is the same
-    pass (:func:`same_original_tree`)."""
+    pass (:func:`same_original_tree`).
+
+    ``as_loaded``: where the chosen program saves less than that fraction of the input's cost, the program without
+    those rules is what is used whatever it is (it prices no less than the chosen one, and the input program is one
+    of its candidates), and it saves less than the floor too; it is then not extracted, and the input program is
+    kept as loaded (:func:`floored`). A decision for :func:`rewrite.pipeline.run_together`'s joint programs only."""
     floors = {r.name: owner.min_saving for r, owner in entries if getattr(owner, "min_saving", 0.0) > 0}
     if not floors or not ex.rewritten or not (0 < ex.original_cost < float("inf")):
         return ex
@@ -51,6 +56,9 @@ def worth_their_saving(ex: Any, snap: Any, eg: EGraph, entries: Sequence[tuple[A
     used = {made[n] for n in (ex.choice[c] for c in reachable(snap, ex.choice, roots)) if n in made}
     if not used or out_of_time():  # (the rewrite's time spent: the program found is kept, not extracted again)
         return ex
+    kept = floored(ex, max(floors[r] for r in used)) if as_loaded else None
+    if kept is not None:
+        return kept
     without, _ = copy_without(snap, eg, frozenset(floors), original)
     full, copy = shared(snap, model), shared(without, model)
     copy.share_prices(full)  # the input program, priced by the first extraction, is a candidate of the second
@@ -59,6 +67,47 @@ def worth_their_saving(ex: Any, snap: Any, eg: EGraph, entries: Sequence[tuple[A
     if alt.cost - ex.cost < max(floors[r] for r in used) * ex.original_cost:
         return alt
     return ex
+
+
+def floor_test(snap: Any, eg: EGraph, entries: Sequence[tuple[Any, Any]], roots: list, original: set
+               ) -> Callable[[Any, float], bool] | None:
+    """``extract.extract``'s ``floored``: whether :func:`worth_their_saving` with ``as_loaded`` would leave a
+    rewritten candidate (priced against the input's ``input_cost``) as loaded (:func:`floored`): it uses nodes of
+    rules with a ``min_saving`` and saves less than the largest of theirs. ``None`` where no ruleset sets a floor."""
+    floors = {r.name: owner.min_saving for r, owner in entries if getattr(owner, "min_saving", 0.0) > 0}
+    if not floors:
+        return None
+
+    def test(cand: Any, input_cost: float) -> bool:
+        if not (0 < input_cost < float("inf")) or out_of_time():
+            return False
+        made = _withholding(snap, eg, frozenset(floors), original)[1][1]
+        used = {made[n] for n in (cand.choice[c] for c in reachable(snap, cand.choice, roots)) if n in made}
+        return bool(used) and input_cost - cand.cost < max(floors[r] for r in used) * input_cost
+    return test
+
+
+def floored(ex: Any, floor: float) -> Any:
+    """``ex``'s input program as an extraction of its own (not rewritten), where ``ex`` saves less than ``floor``
+    of the input's price, else ``None``: :func:`worth_their_saving`'s ``as_loaded``.
+
+    Where the cheapest program found with the floored rules' nodes saves less than their floor, the program
+    extracted without them is used (it cannot be cheaper than the input by more than ``ex`` is, up to the search's
+    own misses); what it could still save is under the floor too, found by rules that set none. A whole step's two
+    joint programs (:func:`rewrite.pipeline.run_together`) are JAX's transposes of a forward rewritten already:
+    their first extractions take ``linalg``'s factored products (floor 10%) and come out 1-2% under their inputs
+    (flax_long_context_step: 1.9% and 1.4%), and the programs without them at the inputs' prices exactly
+    (benchmarks/results/log.md, h-seedj and h-long): that second extraction, about a tenth of the step's rewrite,
+    bought nothing there. A measured decision: of the 24 ecosystem programs only flax_lm_step's moves (its joint
+    with the LM head's loop: the program without them saved 0.07% of its input, 9.4451e7 against 9.4518e7), at the
+    same temp memory (32,825,608 bytes) and run time (0.98x, A/A 0.93-1.04); no golden decision moves."""
+    if ex.original_cost - ex.cost >= floor * ex.original_cost:
+        return None
+    written = next((cand for cand in ex.candidates if not cand.rewritten), None)
+    if written is None:
+        return None
+    return dataclasses.replace(ex, choice=written.choice, cost=written.cost, rewritten=False, lean=False,
+                               leaner_fallback=None)
 
 
 def same_original_tree(ex: Extractor, copy: Extractor, made: dict, original: set) -> None:
