@@ -294,3 +294,67 @@ def test_the_joints_run_without_the_rules_that_cannot_cheapen_them(monkeypatch):
         assert {"red_pull", "sink_inputs", "lift_independent"} <= names  # the rest run
     for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=2e-4, atol=2e-5)
+
+
+def test_one_joint_is_built_alone_only_past_a_margin_wider_than_any_saturation_bought():
+    """``decide.ONE_JOINT_MARGIN``: the plain joint can be kept over the one with the ``jointly`` rules where it comes
+    out within the far lean band (0.2) above it, so the margin must leave room for the most a plain joint's saturation
+    was measured to take off its input (wholestep_equinox_gpt: 15.9%). Under the golden table flax_lm_step's inputs
+    are 23.4% apart (its plain joint's saturation took 14.0% off there): both are built; on the CPU table 35.3%."""
+    import dataclasses
+
+    from rewrite import AnalyticCost
+    from rewrite.grad import decide
+
+    model = AnalyticCost()
+    assert (1 - decide.ONE_JOINT_MARGIN) * (1 + model.lean_band_far) <= 1 - 0.159, decide.ONE_JOINT_MARGIN
+    assert not decide.one_joint_can_win(0.766, 1.0, model)
+    assert not decide.one_joint_can_win(0.71, 1.0, model)
+    assert decide.one_joint_can_win(0.647, 1.0, model)
+    assert not decide.one_joint_can_win(0.647, 1.0, dataclasses.replace(model, lean_band_far=0.3))
+    assert decide.one_joint_can_win(0.647, 1.0, dataclasses.replace(model, lean_band=0.0))  # no band: price alone
+    measured = type("Measured", (), {"measures": True, "lean_band": 0.03, "lean_band_far": 0.2})()
+    assert not decide.one_joint_can_win(0.1, 1.0, measured)
+
+
+def _lm_step_decided(monkeypatch, margin: float) -> tuple[str, list, list, list]:
+    """flax_lm_step rewritten whole under the golden table with ``ONE_JOINT_MARGIN`` at ``margin``: its program as
+    text, the decision in words, the two joints' e-graphs (``run_together``) and the joints rewritten alone."""
+    import json
+    import pathlib
+
+    import rewrite.api as api
+    from rewrite.cost.model import priced_with
+    from rewrite.grad import decide
+
+    monkeypatch.setattr(decide, "ONE_JOINT_MARGIN", margin)
+    ran = _count_joints(monkeypatch)
+    alone: list = []
+    build = together.Alone.build
+    monkeypatch.setattr(together.Alone, "build", lambda self: alone.append(self.note) or build(self))
+    why: list = []
+    decided_jointly = api.decided_jointly
+    monkeypatch.setattr(api, "decided_jointly", lambda *a, **k: (lambda out: why.append(out[1]) or out)(
+        decided_jointly(*a, **k)))
+    table = json.loads((pathlib.Path(__file__).parent / "golden" / "cost_table.json").read_text())
+    flat, leaves = eco._flat(*eco.PROGRAMS["flax_lm_step"].build())
+    with priced_with(table):
+        program = str(rewrite(flat, rulesets=load_rulesets(eco.CONFIGS["identity"]), whole_step=True,
+                              cache=False).jaxpr(*leaves))
+    return program, why, ran, alone
+
+
+def test_a_steps_joint_far_under_the_plain_one_is_built_alone(monkeypatch):
+    """flax_lm_step's joint with the LM head's ``jointly`` rules is priced 23.4% under its plain joint as traced
+    (the golden table): at the default margin both are saturated together; with the margin at 20% only that one is
+    built and extracted (no ``run_together``; the plain one, which cannot be kept, is never rewritten), and the
+    same joint is kept, priced alike."""
+    import re
+
+    both, why_both, ran_both, alone_both = _lm_step_decided(monkeypatch, 0.3)
+    assert len(ran_both) == 1 and not alone_both, (ran_both, alone_both)
+    one, why_one, ran_one, alone_one = _lm_step_decided(monkeypatch, 0.2)
+    assert not ran_one and alone_one == [" (its joint as traced)"], (ran_one, alone_one)
+    kept = [re.match(r"kept (the forward rewritten with [^(]*)\(priced ([^,]*),", w[0]).groups() for w in (why_both,
+                                                                                                          why_one)]
+    assert kept[0] == kept[1], (why_both, why_one)

@@ -18,7 +18,7 @@ from ..ir.jaxapi import core
 from ..jaxpr.trace import Traced
 from .. import pipeline  # run_together looked up at each call: benchmarks.rewrite_time counts its rows
 from . import vjp  # its joint_program looked up at each call, as vjp's own callers do (a test counts the traces)
-from ..pipeline import program_cost, run_pipeline
+from ..pipeline import program_cost
 from .decide import one_joint_can_win
 from .uses import without_outputs
 from .vjp import VJPResult, _as_run, _vjp_of
@@ -172,12 +172,8 @@ def rewrite_joints(closed: core.ClosedJaxpr, plain: core.ClosedJaxpr, entries: S
         if seen is not None:  # the plain one is JAX's as written where plain is the loss: not priced again
             seen.extend((j, p) for j, p in zip(inputs, prices) if as_run(j) is j)
         if one_joint_can_win(prices[0], prices[1], model):
-            def alone(joint: core.ClosedJaxpr) -> core.ClosedJaxpr:
-                res = run_pipeline(joint, rules, model, bounded, keep=True, price_input=False)
-                try:
-                    return _as_run(res, n_out, model, entries, value, seen)
-                finally:
-                    res.egraph.release()
+            def alone(joint: core.ClosedJaxpr) -> core.ClosedJaxpr:  # the joints' rules, extracted by them too
+                return vjp.rewrite_joint(joint, rules, model, bounded, value=value, seen=seen, trace=lambda j: j)
             notes = (" (its joint as traced)", " (its joint as traced, rewritten only where the other is not kept)")
             return tuple(Alone(j, p, functools.partial(alone, j), n)  # type: ignore[return-value]
                          for j, p, n in zip(inputs, prices, notes))
