@@ -358,3 +358,29 @@ def test_a_steps_joint_far_under_the_plain_one_is_built_alone(monkeypatch):
     kept = [re.match(r"kept (the forward rewritten with [^(]*)\(priced ([^,]*),", w[0]).groups() for w in (why_both,
                                                                                                           why_one)]
     assert kept[0] == kept[1], (why_both, why_one)
+
+
+def test_the_plain_joint_built_alone_is_rewritten_only_where_the_other_is_not_kept():
+    """``together.Alone`` under ``vjp.held_pending``: ordered by their inputs' prices, the one with the ``jointly``
+    rules is rewritten first; the plain one only where that one is not taken against JAX's as written, and then
+    held to it as the pair's would be."""
+    from rewrite import AnalyticCost
+    from rewrite.grad import vjp
+    from rewrite.grad.decide import Joint
+
+    model = AnalyticCost()
+    progs = {k: jax.make_jaxpr(lambda x, k=k: x * float(k))(np.float32(1.0)) for k in range(5)}
+    built: list = []
+
+    def run(written_cost: float, out: dict[int, float]) -> tuple[str, list]:
+        built.clear()
+        priced = [(progs[2 + i], c) for i, c in out.items()] + [(progs[4], written_cost)]
+        pending = [together.Alone(progs[i], c, lambda i=i: built.append(i) or progs[2 + i], note)
+                   for i, c, note in ((0, 60.0, " (its joint as traced)"), (1, 100.0, " (not rewritten)"))]
+        written = Joint("JAX's", progs[4], model, lambda b: b, priced)
+        chosen, why = vjp.held_pending(pending, ["with", "without"], written, model, lambda b: b, priced)
+        return chosen.name, list(built)
+
+    assert run(80.0, {0: 55.0, 1: 70.0}) == ("with", [0])  # the first kept: the plain one never rewritten
+    assert run(50.0, {0: 55.0, 1: 45.0}) == ("without", [0, 1])  # the first not kept: the plain one rewritten
+    assert run(40.0, {0: 55.0, 1: 45.0}) == ("JAX's", [0, 1])
