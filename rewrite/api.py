@@ -445,7 +445,8 @@ class Rewritten:
                 cone, forward, self.entries, self.cost_model, self.limits, lambda f, entries: rewrite_joint(
                     f, entries, self.cost_model, self.limits, wrt, value, seen=priced, trace=trace), trace,
                 joint_of=as_run, spent=spent, priced=priced, build_both=lambda f, p, rest: rewrite_joints(
-                    f, p, rest, self.cost_model, self.limits, wrt, value, priced, trace))
+                    f, p, rest, self.cost_model, self.limits, wrt, value, priced, trace,
+                    (forward.cost_after, forward.plain_cost) if p is forward.plain else None))
         if why and decided is not None:
             decided.append(why)
         return program

@@ -147,7 +147,8 @@ def _run(closed: core.ClosedJaxpr, entries: Sequence[tuple[Rule, Ruleset]], mode
     result.why = why_chosen(result, ex.lean)
     if plain and result.jointly_chosen:
         t = time.perf_counter()
-        result.plain = plain_program(unbarred, eg, entries, all_roots, model, original, closed, emit_choice)
+        result.plain, result.plain_cost = plain_program(unbarred, eg, entries, all_roots, model, original, closed,
+                                                        emit_choice)
         times["plain"] = time.perf_counter() - t
     if not keep:
         eg.release()  # to the pool now, even if something the rewrite made holds the e-graph in a cycle
@@ -268,7 +269,7 @@ def jointly_chosen(snap: Any, eg: Any, entries: Sequence[tuple[Rule, Ruleset]], 
 
 
 def plain_program(snap: Any, eg: Any, entries: Sequence[tuple[Rule, Ruleset]], roots: list, model: CostModel,
-                  original: set, closed: core.ClosedJaxpr, emit_choice: Any) -> core.ClosedJaxpr:
+                  original: set, closed: core.ClosedJaxpr, emit_choice: Any) -> tuple[core.ClosedJaxpr, float]:
     """The program extracted from ``snap`` without the nodes the rules of ``jointly`` rulesets built
     (``extract.policy.copy_without``), under the policy of the other rules (:func:`extract_by_policy`,
     ``no_fatter``): the forward rewritten without them (``grad/vjp.py``'s ``decided_jointly``), read off the
@@ -276,7 +277,8 @@ def plain_program(snap: Any, eg: Any, entries: Sequence[tuple[Rule, Ruleset]], r
     saturated without them lacks, so the program may differ from that saturation's. The copy takes ``snap``'s tree
     pass over the input program's nodes (``extract.policy.same_original_tree``: the nodes they built are none of
     the input's), which the forward's extraction made where it read ``snap`` itself (no ``jointly`` rule barred a
-    form, :func:`_run`'s ``unbarred``, and no recomputing rule's node was withheld, ``extract_by_policy``)."""
+    form, :func:`_run`'s ``unbarred``, and no recomputing rule's node was withheld, ``extract_by_policy``). With its
+    price as extracted (``Result.plain_cost``)."""
     jointly = frozenset(r.name for r, owner in entries if getattr(owner, "jointly", False))
     rest = [(r, owner) for r, owner in entries if r.name not in jointly]
     without, made = copy_without(snap, eg, jointly, original)
@@ -285,7 +287,8 @@ def plain_program(snap: Any, eg: Any, entries: Sequence[tuple[Rule, Ruleset]], r
         copy.share_prices(full)
         same_original_tree(full, copy, made, original)
     ex = extract_by_policy(without, eg, rest, roots, model, original)
-    return _held_to_input(ex, closed, emit_choice, model)[1]
+    ex, after = _held_to_input(ex, closed, emit_choice, model)
+    return after, ex.cost
 
 
 def _held_to_input(ex: Any, closed: core.ClosedJaxpr, emit_choice: Any, model: CostModel

@@ -11,6 +11,7 @@ import collections.abc
 import contextlib
 import contextvars
 import dataclasses
+import math
 import threading
 import time
 from typing import Any, Iterator
@@ -293,6 +294,9 @@ class Result:
     #: saturated e-graph without the nodes those rules built (``pipeline.plain_program``), which
     #: ``decided_jointly`` takes for the forward rewritten without them instead of saturating it again; else None
     plain: core.ClosedJaxpr | None = None
+    #: ``plain``'s price as its extraction priced it (NaN where there is no ``plain``): ``grad/together.py``'s
+    #: ``rewrite_joints`` reads it beside ``cost_after`` (``one_joint_can_win``)
+    plain_cost: float = math.nan
     #: the time budget this signature's rewrite shared among its saturations (:class:`Budget`); None for a bare
     #: pipeline's result or one read from the disk cache
     budget: Budget | None = None

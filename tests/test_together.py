@@ -340,3 +340,93 @@ def test_a_joint_that_saves_less_than_its_floor_is_left_as_loaded(monkeypatch):
             assert str(res.after) == str(closed)
     finally:
         both[0].egraph.release()
+
+
+def test_one_joint_is_built_alone_only_past_a_margin_wider_than_any_saturation_bought():
+    """``decide.ONE_JOINT_MARGIN``: the plain joint can be kept over the one with the ``jointly`` rules where it comes
+    out within the far lean band (0.2) above it, so the margin must leave room for the most a plain joint's saturation
+    was measured to take off its input (wholestep_equinox_gpt: 15.9%). Under the golden table flax_lm_step's inputs
+    are 23.4% apart (its plain joint's saturation took 14.0% off there): both are built; on the CPU table 35.3%."""
+    import dataclasses
+
+    from rewrite import AnalyticCost
+    from rewrite.grad import decide
+
+    model = AnalyticCost()
+    assert (1 - decide.ONE_JOINT_MARGIN) * (1 + model.lean_band_far) <= 1 - 0.159, decide.ONE_JOINT_MARGIN
+    assert not decide.one_joint_can_win(0.766, 1.0, model)
+    assert not decide.one_joint_can_win(0.71, 1.0, model)
+    assert decide.one_joint_can_win(0.647, 1.0, model)
+    assert not decide.one_joint_can_win(0.647, 1.0, dataclasses.replace(model, lean_band_far=0.3))
+    assert decide.one_joint_can_win(0.647, 1.0, dataclasses.replace(model, lean_band=0.0))  # no band: price alone
+    measured = type("Measured", (), {"measures": True, "lean_band": 0.03, "lean_band_far": 0.2})()
+    assert not decide.one_joint_can_win(0.1, 1.0, measured)
+
+
+def _lm_step_decided(monkeypatch, margin: float) -> tuple[str, list, list, list]:
+    """flax_lm_step rewritten whole under the golden table with ``ONE_JOINT_MARGIN`` at ``margin``: its program as
+    text, the decision in words, the two joints' e-graphs (``run_together``) and the joints rewritten alone."""
+    import json
+    import pathlib
+
+    import rewrite.api as api
+    from rewrite.cost.model import priced_with
+    from rewrite.grad import decide
+
+    monkeypatch.setattr(decide, "ONE_JOINT_MARGIN", margin)
+    ran = _count_joints(monkeypatch)
+    alone: list = []
+    build = together.Alone.build
+    monkeypatch.setattr(together.Alone, "build", lambda self: alone.append(self.note) or build(self))
+    why: list = []
+    decided_jointly = api.decided_jointly
+    monkeypatch.setattr(api, "decided_jointly", lambda *a, **k: (lambda out: why.append(out[1]) or out)(
+        decided_jointly(*a, **k)))
+    table = json.loads((pathlib.Path(__file__).parent / "golden" / "cost_table.json").read_text())
+    flat, leaves = eco._flat(*eco.PROGRAMS["flax_lm_step"].build())
+    with priced_with(table):
+        program = str(rewrite(flat, rulesets=load_rulesets(eco.CONFIGS["identity"]), whole_step=True,
+                              cache=False).jaxpr(*leaves))
+    return program, why, ran, alone
+
+
+def test_a_steps_joint_far_under_the_plain_one_is_built_alone(monkeypatch):
+    """flax_lm_step's joint with the LM head's ``jointly`` rules is priced 23.4% under its plain joint as traced
+    (the golden table): at the default margin both are saturated together; with the margin at 20% only that one is
+    built and extracted (no ``run_together``; the plain one, which cannot be kept, is never rewritten), and the
+    same joint is kept, priced alike."""
+    import re
+
+    both, why_both, ran_both, alone_both = _lm_step_decided(monkeypatch, 0.3)
+    assert len(ran_both) == 1 and not alone_both, (ran_both, alone_both)
+    one, why_one, ran_one, alone_one = _lm_step_decided(monkeypatch, 0.2)
+    assert not ran_one and alone_one == [" (its joint as traced)"], (ran_one, alone_one)
+    kept = [re.match(r"kept (the forward rewritten with [^(]*)\(priced ([^,]*),", w[0]).groups() for w in (why_both,
+                                                                                                          why_one)]
+    assert kept[0] == kept[1], (why_both, why_one)
+
+
+def test_the_plain_joint_built_alone_is_rewritten_only_where_the_other_is_not_kept():
+    """``together.Alone`` under ``vjp.held_pending``: ordered by their inputs' prices, the one with the ``jointly``
+    rules is rewritten first; the plain one only where that one is not taken against JAX's as written, and then
+    held to it as the pair's would be."""
+    from rewrite import AnalyticCost
+    from rewrite.grad import vjp
+    from rewrite.grad.decide import Joint
+
+    model = AnalyticCost()
+    progs = {k: jax.make_jaxpr(lambda x, k=k: x * float(k))(np.float32(1.0)) for k in range(5)}
+    built: list = []
+
+    def run(written_cost: float, out: dict[int, float]) -> tuple[str, list]:
+        built.clear()
+        priced = [(progs[2 + i], c) for i, c in out.items()] + [(progs[4], written_cost)]
+        pending = [together.Alone(progs[i], c, lambda i=i: built.append(i) or progs[2 + i], note)
+                   for i, c, note in ((0, 60.0, " (its joint as traced)"), (1, 100.0, " (not rewritten)"))]
+        written = Joint("JAX's", progs[4], model, lambda b: b, priced)
+        chosen, why = vjp.held_pending(pending, ["with", "without"], written, model, lambda b: b, priced)
+        return chosen.name, list(built)
+
+    assert run(80.0, {0: 55.0, 1: 70.0}) == ("with", [0])  # the first kept: the plain one never rewritten
+    assert run(50.0, {0: 55.0, 1: 45.0}) == ("without", [0, 1])  # the first not kept: the plain one rewritten
+    assert run(40.0, {0: 55.0, 1: 45.0}) == ("JAX's", [0, 1])

@@ -153,3 +153,34 @@ def timed(rewritten: Sequence[Joint], written: Joint, model: Any) -> tuple[Joint
                      for j, s in zip(timed_, timing.seconds))
     over = "".join(f"; {r} is predicted to hold more temporaries than {written}" for r in held)
     return chosen, f"kept {chosen.name}, the fastest as timed ({runs}){over}"
+
+
+#: :func:`one_joint_can_win`: the joint program of the forward rewritten with the ``jointly`` rules, as traced, is
+#: the only one of a whole step's two joints (``grad/together.py``'s ``rewrite_joints``) that can be kept where its
+#: price is under the plain joint's (the forward rewritten without them) by more than this fraction. A rewritten joint
+#: comes out no dearer than its input (it is held to it); the plain one is taken over it (:func:`in_order`) only where
+#: it comes out priced below it, or within ``AnalyticCost.lean_band_far`` (0.2) above it and far leaner. So the plain
+#: one cannot be taken unless its saturation takes more than ``1 - (1 - 0.3) * 1.2 = 16%`` off its input: the most any
+#: plain joint's saturation was measured to take off (the extracted joint against its input, each priced whole,
+#: 2026-12-03): 15.9% (wholestep_equinox_gpt), 15.1% (wholestep_linen_gpt), 12.7% (flax_lm_step), 0.3%
+#: (flax_long_context_step), 0.3% (flax_seq2seq_grad's two VJP joints); in the decision corpus under the golden
+#: table 14.0% (ecosystem_flax_lm_step), 0.3% (ecosystem_flax_long_context_step), 0.08% (transformer_step). The two
+#: joints' inputs were apart by 0.2-2.2% in all of those but flax_lm_step's: there the jointly one is 35.3% under
+#: (its saturation takes 0.3% off; the two together 0.71-0.75 s of CPU against 0.38-0.40 s for it alone, h-seedj),
+#: and 23.4% under the golden table (both built there). Where the inputs are closer, or a wider far band is set,
+#: both are built, as before.
+ONE_JOINT_MARGIN = 0.3
+
+#: the widest ``lean_band_far`` :data:`ONE_JOINT_MARGIN` was derived for (``AnalyticCost``'s default)
+_MARGIN_FAR_BAND = 0.2
+
+
+def one_joint_can_win(jointly_in: float, plain_in: float, model: Any) -> bool:
+    """Whether only the joint with the ``jointly`` rules, its input priced ``jointly_in``, can be kept of a whole
+    step's two (:data:`ONE_JOINT_MARGIN`): not where the model times programs (``measures``: both are timed) nor
+    where its far lean band is wider than the margin was derived for."""
+    band = float(getattr(model, "lean_band", 0.0) or 0.0)
+    far = max(band, float(getattr(model, "lean_band_far", 0.0) or 0.0)) if band else 0.0
+    if getattr(model, "measures", False) or far > _MARGIN_FAR_BAND:
+        return False
+    return jointly_in < plain_in * (1 - ONE_JOINT_MARGIN)

@@ -643,8 +643,9 @@ def held_pending(pending: Sequence[Any], names: Sequence[str], written: Joint, m
     extracted, 90,540,607 split and loaded afresh, 57.22 MiB both; the decisions in words of it and of three LM
     heads' are the same text). It is not exact: a split taken from the gradients-alone extraction is another
     program, and the two are ordered here as a step's are. The split not reached, about 0.6 s of
-    flax_seq2seq_grad's 4.3, is not made."""
-    pre = [Joint(n, p, model, lambda p: p.program, [(p.program, p.cost)]) for n, p in zip(names, pending)]
+    flax_seq2seq_grad's 4.3, is not made. A step's two ``rewrite_joints`` returns as ``Alone`` alike, by their inputs."""
+    pre = [Joint(n + getattr(p, "note", ""), p, model, lambda p: p.program, [(p.program, p.cost)])
+           for n, p in zip(names, pending)]
     return held_to_written(pre, written, model, in_order(pre, model),
                            lambda i: Joint(names[i], pending[i].build(), model, joint_of, priced))
 
