@@ -394,7 +394,9 @@ def test_a_steps_joint_far_under_the_plain_one_is_built_alone(monkeypatch):
     """flax_lm_step's joint with the LM head's ``jointly`` rules is priced 23.4% under its plain joint as traced
     (the golden table): at the default margin both are saturated together; with the margin at 20% only that one is
     built and extracted (no ``run_together``; the plain one, which cannot be kept, is never rewritten), and the
-    same joint is kept, priced alike."""
+    same joint is kept, priced alike: within 0.1%, since the pair leaves a joint whose extraction cannot clear its
+    floors as loaded (``extract.policy.floored``) where ``run_pipeline`` alone keeps the program without the floored
+    rules' nodes (9.752e7 against 9.755e7 as loaded)."""
     import re
 
     both, why_both, ran_both, alone_both = _lm_step_decided(monkeypatch, 0.3)
@@ -403,7 +405,8 @@ def test_a_steps_joint_far_under_the_plain_one_is_built_alone(monkeypatch):
     assert not ran_one and alone_one == [" (its joint as traced)"], (ran_one, alone_one)
     kept = [re.match(r"kept (the forward rewritten with [^(]*)\(priced ([^,]*),", w[0]).groups() for w in (why_both,
                                                                                                           why_one)]
-    assert kept[0] == kept[1], (why_both, why_one)
+    assert kept[0][0] == kept[1][0], (why_both, why_one)
+    assert abs(float(kept[0][1]) / float(kept[1][1]) - 1) < 1e-3, (why_both, why_one)
 
 
 def test_the_plain_joint_built_alone_is_rewritten_only_where_the_other_is_not_kept():
