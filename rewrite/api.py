@@ -33,7 +33,7 @@ from .cost.measure import resolve
 from .errors import RewriteLimitWarning, RewriteWarning, _strict
 from .extract.lean import closed_keep_leaner
 from .grad.primitive import Signature, bind_if_differentiated
-from .grad.pinned import PIN_FROM, join_pinned, split_pinned
+from .grad.pinned import PIN_FROM, join_pinned, split_pinned, wholly_pinned
 from .grad.step import AsWritten, find_losses, proof_graph, searches_steps
 from .grad.together import rewrite_joints
 from .grad.uses import without_outputs
@@ -373,6 +373,12 @@ class Rewritten:
         computes the losses' inputs) is saturated, and the step so joined is priced as it is (loaded, with no rule:
         what the two parts both compute is priced once, and XLA computes it once). Where the step cannot be cut
         so, all of it is rewritten."""
+        if wholly_pinned(changed, pinned):  # its loss-first programs only, each rewritten jointly: priced as is
+            t = time.perf_counter()
+            cost = program_cost(changed, self.cost_model)
+            return Result(before=changed, after=changed, cost_before=float("nan"), cost_after=cost, stopped="pinned",
+                          iterations=0, rows=0, times={"price": time.perf_counter() - t}, stats={}, rewritten=True,
+                          warnings=[])
         cut = split_pinned(changed, pinned)
         if cut is None:
             return run_pipeline(changed, self.entries, self.cost_model, self.limits)

@@ -691,3 +691,25 @@ def test_a_split_s_backward_and_residuals_alone_keep_the_last_ones_kernel_prices
             assert price(residuals) == afresh(snap, model, choice, f_roots, b_roots, residuals), residuals
             priced += 1
     assert priced >= 24 and any(kept), [len(k) for k in kept]
+
+
+def test_the_residual_search_tries_at_most_twelve_recomputations():
+    """The greedy descent over residuals (``choose_residuals``) stops after ``GREEDY_STEPS`` (12) trials, each a
+    split priced whole: a measured decision (flax_seq2seq_grad's search priced 26 splits, about 11 ms each, for
+    gains after the 12th trial of 0.21% of the predicted price together, its gradient's run time and temp memory
+    the same). A chain of 16 layers has more candidates than that; its split is still the cheapest considered."""
+    import collections
+
+    def f(x, w):
+        h = x
+        for i in range(16):
+            h = jnp.tanh(h * w[i]) + h
+        return h
+
+    x, w = _rand(64, 64), _rand(16, 64, 64, seed=1)
+    res = rewrite(f, rulesets=[derivatives], vjp=True, cache=False).result(x, w)
+    greedy = collections.Counter(s.policy.split(":")[0] for s in res.splits_considered if s.policy.endswith("greedy"))
+    assert greedy and set(greedy.values()) == {12}, greedy
+    assert res.split.cost == min(s.cost for s in res.splits_considered)
+    _close(jax.grad(lambda x, w: rewrite(f, rulesets=[derivatives], vjp=True, cache=False)(x, w).sum(), (0, 1))(x, w),
+           jax.grad(lambda x, w: f(x, w).sum(), (0, 1))(x, w))
