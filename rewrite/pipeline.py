@@ -157,7 +157,8 @@ def _run(closed: core.ClosedJaxpr, entries: Sequence[tuple[Rule, Ruleset]], mode
 
 def run_together(first: core.ClosedJaxpr, second: core.ClosedJaxpr, entries: Sequence[tuple[Rule, Ruleset]],
                  model: CostModel, limits: Limits, price_input: bool = False,
-                 input_prices: Sequence[float | None] = (None, None)) -> tuple[Result, Result]:
+                 input_prices: Sequence[float | None] = (None, None), as_loaded: bool = False
+                 ) -> tuple[Result, Result]:
     """Two programs of the same inputs rewritten in one e-graph: ``first`` loaded, then ``second`` (the terms they
     share are one), saturated once with ``entries``, and each extracted from its own roots under the extraction
     policy and held to itself (``no_fatter``), as :func:`run_pipeline` with ``keep`` would.
@@ -169,8 +170,11 @@ def run_together(first: core.ClosedJaxpr, second: core.ClosedJaxpr, entries: Seq
     releases it (once) after reading both. Not for ``cost_model="measure"`` (the backend times one program).
     ``input_prices``: where one is given, ``price_input``'s price of that program, known already
     (:func:`program_cost`'s of the same program: ``grad/together.py``'s ``build_vjps``), not priced again.
-    A program whose extraction saves less than its floored rules' ``min_saving`` is left as loaded, the one without
-    them not extracted (:func:`extract_by_policy`'s ``as_loaded``: a decision for these joint programs alone)."""
+    ``as_loaded`` (a whole step's two joints, ``grad/together.py``'s ``rewrite_joints``): a program whose extraction
+    saves less than its floored rules' ``min_saving`` is left as loaded, the one without them not extracted
+    (:func:`extract_by_policy`'s ``as_loaded``: a decision for those joint programs alone). Not for a VJP's joint
+    and gradients alone (``build_vjps``): their split searches its residuals over the program extracted, and over
+    the joint as loaded flax_seq2seq_grad's search took 0.5-0.6 s more for the same program (2026-12-03)."""
     if first.in_avals != second.in_avals or first.jaxpr.effects or second.jaxpr.effects:
         raise ValueError("run_together: two programs of the same inputs, with no effects")
     with collect_young_only():
@@ -201,7 +205,7 @@ def run_together(first: core.ClosedJaxpr, second: core.ClosedJaxpr, entries: Seq
             load_s = saturate_s = 0.0  # counted once, on the first
             roots = [view.cls_of_name[o] for o in outs]
             ex, after, emit_choice = _extracted(view, eg, entries, closed, roots, None, model, original, times,
-                                                as_loaded=True)
+                                                as_loaded=as_loaded)
             result = Result(
                 before=closed, after=after, cost_before=cost_before, cost_after=ex.cost, stopped=stopped,
                 iterations=engine.iterations, rows=snap.num_rows, times=times, stats=dict(engine.stats),

@@ -301,8 +301,9 @@ def test_a_joint_that_saves_less_than_its_floor_is_left_as_loaded(monkeypatch):
     ``linalg``'s reordered product for less than its floor (``min_saving``, 10%): each is left as loaded, and the
     program without the floored rules' nodes is not extracted (``extract.policy.floored``: flax_long_context_step's
     two joints, about a tenth of its rewrite), nor are the lean band's peaks read for a candidate so left
-    (``extract.extract``'s ``floored``). The same program through ``run_pipeline`` extracts it, and keeps the input
-    too."""
+    (``extract.extract``'s ``floored``). The same program through ``run_pipeline``, or ``run_together`` without
+    ``as_loaded`` (a VJP's two joints, whose split searches residuals over the extraction), extracts it again, and
+    keeps the input too."""
     import jax.numpy as jnp
     import rulesets as packs
     from rewrite.extract import extract as extract_module, policy
@@ -332,7 +333,15 @@ def test_a_joint_that_saves_less_than_its_floor_is_left_as_loaded(monkeypatch):
     assert bands  # the cheapest (the reorder) held to the lean band
     seconds.clear()
     bands.clear()
-    both = pipeline.run_together(first, second, r.entries, r.cost_model, r.limits, price_input=True)
+    apart = pipeline.run_together(first, second, r.entries, r.cost_model, r.limits, price_input=True)
+    try:  # without ``as_loaded`` (a VJP's joint and gradients alone: build_vjps), each is extracted again
+        assert len(seconds) == 2 and bands
+        assert all(not res.rewritten for res in apart)
+    finally:
+        apart[0].egraph.release()
+    seconds.clear()
+    bands.clear()
+    both = pipeline.run_together(first, second, r.entries, r.cost_model, r.limits, price_input=True, as_loaded=True)
     try:
         assert seconds == [] and bands == []
         for res, closed in zip(both, (first, second)):

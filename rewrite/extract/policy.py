@@ -48,7 +48,8 @@ def worth_their_saving(ex: Any, snap: Any, eg: EGraph, entries: Sequence[tuple[A
     ``as_loaded``: where the chosen program saves less than that fraction of the input's cost, the program without
     those rules is what is used whatever it is (it prices no less than the chosen one, and the input program is one
     of its candidates), and it saves less than the floor too; it is then not extracted, and the input program is
-    kept as loaded (:func:`floored`). A decision for :func:`rewrite.pipeline.run_together`'s joint programs only."""
+    kept as loaded (:func:`floored`). A decision for a whole step's joint programs only
+    (:func:`rewrite.pipeline.run_together` with ``as_loaded``, from ``grad/together.py``'s ``rewrite_joints``)."""
     floors = {r.name: owner.min_saving for r, owner in entries if getattr(owner, "min_saving", 0.0) > 0}
     if not floors or not ex.rewritten or not (0 < ex.original_cost < float("inf")):
         return ex

@@ -177,7 +177,7 @@ def rewrite_joints(closed: core.ClosedJaxpr, plain: core.ClosedJaxpr, entries: S
             notes = (" (its joint as traced)", " (its joint as traced, rewritten only where the other is not kept)")
             return tuple(Alone(j, p, functools.partial(alone, j), n)  # type: ignore[return-value]
                          for j, p, n in zip(inputs, prices, notes))
-    res_plain, res = pipeline.run_together(trace(plain), trace(closed), rules, model, bounded)
+    res_plain, res = pipeline.run_together(trace(plain), trace(closed), rules, model, bounded, as_loaded=True)
     try:
         return (_as_run(res, n_out, model, entries, value, seen), _as_run(res_plain, n_out, model, entries, value,
                                                                           seen))
