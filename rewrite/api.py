@@ -36,7 +36,7 @@ from .grad.primitive import Signature, bind_if_differentiated
 from .grad.pinned import PIN_FROM, join_pinned, split_pinned, wholly_pinned
 from .grad.step import AsWritten, find_losses, proof_graph, searches_steps
 from .grad.together import rewrite_joints
-from .grad.uses import without_outputs
+from .grad.uses import as_run
 from .grad.vjp import VJPResult, build_vjp, decided_jointly, joint_at, rewrite_joint
 from .ir.jaxapi import core
 from .jaxpr import state as _state
@@ -441,16 +441,15 @@ class Rewritten:
         if written_only:
             return None
         priced: list = []  # the joint programs priced whole as they were chosen: decided_jointly does not price again
-        n_out = len(cone.out_avals)
         # a step that reads only the gradients runs each candidate without the loss (XLA drops what only it reads):
         # each is priced and held to memory so (the stored sin of seed 000's pullback costs more with the loss kept)
-        as_run = (lambda joint: without_outputs(joint, n_out)) if value is False else (lambda joint: joint)
+        run = as_run(len(cone.out_avals), value)
         trace = functools.partial(joint_at, wrt=wrt, written=None if written is None else (cone, written))
         with stage("a loss's joint"):
             program, why = decided_jointly(
                 cone, forward, self.entries, self.cost_model, self.limits, lambda f, entries: rewrite_joint(
                     f, entries, self.cost_model, self.limits, wrt, value, seen=priced, trace=trace), trace,
-                joint_of=as_run, spent=spent, priced=priced, build_both=lambda f, p, rest: rewrite_joints(
+                joint_of=run, spent=spent, priced=priced, build_both=lambda f, p, rest: rewrite_joints(
                     f, p, rest, self.cost_model, self.limits, wrt, value, priced, trace,
                     (forward.cost_after, forward.plain_cost) if p is forward.plain else None))
         if why and decided is not None:

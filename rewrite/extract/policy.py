@@ -50,24 +50,37 @@ def worth_their_saving(ex: Any, snap: Any, eg: EGraph, entries: Sequence[tuple[A
     of its candidates), and it saves less than the floor too; it is then not extracted, and the input program is
     kept as loaded (:func:`floored`). A decision for a whole step's joint programs only
     (:func:`rewrite.pipeline.run_together` with ``as_loaded``, from ``grad/together.py``'s ``rewrite_joints``)."""
-    floors = {r.name: owner.min_saving for r, owner in entries if getattr(owner, "min_saving", 0.0) > 0}
+    floors = _floors(entries)
     if not floors or not ex.rewritten or not (0 < ex.original_cost < float("inf")):
         return ex
-    made = _withholding(snap, eg, frozenset(floors), original)[1][1]
-    used = {made[n] for n in (ex.choice[c] for c in reachable(snap, ex.choice, roots)) if n in made}
-    if not used or out_of_time():  # (the rewrite's time spent: the program found is kept, not extracted again)
+    floor = _floor_of(ex.choice, snap, eg, floors, roots, original)
+    if floor is None or out_of_time():  # (the rewrite's time spent: the program found is kept, not extracted again)
         return ex
-    kept = floored(ex, max(floors[r] for r in used)) if as_loaded else None
+    kept = floored(ex, floor) if as_loaded else None
     if kept is not None:
         return kept
-    without, _ = copy_without(snap, eg, frozenset(floors), original)
+    without, made = copy_without(snap, eg, frozenset(floors), original)
     full, copy = shared(snap, model), shared(without, model)
     copy.share_prices(full)  # the input program, priced by the first extraction, is a candidate of the second
     same_original_tree(full, copy, made, original)
     alt = extract(without, roots, model, original)
-    if alt.cost - ex.cost < max(floors[r] for r in used) * ex.original_cost:
+    if alt.cost - ex.cost < floor * ex.original_cost:
         return alt
     return ex
+
+
+def _floors(entries: Sequence[tuple[Any, Any]]) -> dict[str, float]:
+    """Each rule's ``min_saving``, of the rules whose rulesets ask for one."""
+    return {r.name: owner.min_saving for r, owner in entries if getattr(owner, "min_saving", 0.0) > 0}
+
+
+def _floor_of(choice: dict, snap: Any, eg: EGraph, floors: dict[str, float], roots: list, original: set
+              ) -> float | None:
+    """The largest ``min_saving`` of the rules whose nodes (those the input program does not hold) the program
+    ``choice`` takes from ``roots`` uses, or ``None`` where it uses none."""
+    made = _withholding(snap, eg, frozenset(floors), original)[1][1]
+    used = {made[n] for n in (choice[c] for c in reachable(snap, choice, roots)) if n in made}
+    return max(floors[r] for r in used) if used else None
 
 
 def floor_test(snap: Any, eg: EGraph, entries: Sequence[tuple[Any, Any]], roots: list, original: set
@@ -75,16 +88,15 @@ def floor_test(snap: Any, eg: EGraph, entries: Sequence[tuple[Any, Any]], roots:
     """``extract.extract``'s ``floored``: whether :func:`worth_their_saving` with ``as_loaded`` would leave a
     rewritten candidate (priced against the input's ``input_cost``) as loaded (:func:`floored`): it uses nodes of
     rules with a ``min_saving`` and saves less than the largest of theirs. ``None`` where no ruleset sets a floor."""
-    floors = {r.name: owner.min_saving for r, owner in entries if getattr(owner, "min_saving", 0.0) > 0}
+    floors = _floors(entries)
     if not floors:
         return None
 
     def test(cand: Any, input_cost: float) -> bool:
         if not (0 < input_cost < float("inf")) or out_of_time():
             return False
-        made = _withholding(snap, eg, frozenset(floors), original)[1][1]
-        used = {made[n] for n in (cand.choice[c] for c in reachable(snap, cand.choice, roots)) if n in made}
-        return bool(used) and input_cost - cand.cost < max(floors[r] for r in used) * input_cost
+        floor = _floor_of(cand.choice, snap, eg, floors, roots, original)
+        return floor is not None and input_cost - cand.cost < floor * input_cost
     return test
 
 

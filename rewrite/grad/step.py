@@ -527,8 +527,9 @@ def _attempt(step: core.ClosedJaxpr, graph: _Graph, root: Any, eqns: list[int], 
     """Re-derive the cone ``eqns`` of ``root`` over ``leaves`` and prove it: ``("", (lifted leaves, cone program,
     differentiable positions, {step value: gradient position}, its joint program or None, its seeded program:
     :func:`rederive`))``, or why not and ``None``. ``shared()``, where given, is the step loaded once for all the
-    proofs over it (:func:`proof_graph`). ``left_as_written(cone)``, where given (:func:`find_losses`'s), raises :class:`AsWritten` before the re-derivation where the loss-first build would leave the
-    cone as written whatever the proof says: its forward, rewritten first, comes out as written (jaxmd_lj_forces:
+    proofs over it (:func:`proof_graph`). ``left_as_written(cone)``, where given (:func:`find_losses`'s), raises
+    :class:`AsWritten` before the re-derivation where the loss-first build would leave the cone as written whatever
+    the proof says: its forward, rewritten first, comes out as written (jaxmd_lj_forces:
     the trace of its joint and its proof, a quarter of its first call, were spent on a loss then left as written).
     Not for a cone cut at loop outputs, tried where the whole cone failed its proof: there the proof fails again
     more often than not, and a forward rewritten before it is spent (blackjax_hmc_step: five pipelines)."""

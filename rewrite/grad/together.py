@@ -20,7 +20,7 @@ from .. import pipeline  # run_together looked up at each call: benchmarks.rewri
 from . import vjp  # its joint_program looked up at each call, as vjp's own callers do (a test counts the traces)
 from ..pipeline import program_cost
 from .decide import one_joint_can_win
-from .uses import without_outputs
+from .uses import as_run
 from .vjp import VJPResult, _as_run, _vjp_of
 
 
@@ -30,6 +30,9 @@ class Pending:
     split (:func:`rewrite.grad.vjp._vjp_of`) at the first :meth:`build` only. :func:`decided_jointly` orders the two
     by their joint extractions and splits the one it holds to JAX's derivative first, the other only where that one
     is not taken: each split's residual search prices some 26 whole programs (flax_seq2seq_grad: 0.35-0.4 s each)."""
+
+    #: nothing added to its name in the decision's words (:class:`Alone` says how it was built)
+    note = ""
 
     def __init__(self, res: Any, closed: core.ClosedJaxpr, dif_in: list[int], dif_out: list[int], model: Any,
                  entries: Sequence[Any], times: dict[str, float]) -> None:
@@ -165,19 +168,23 @@ def rewrite_joints(closed: core.ClosedJaxpr, plain: core.ClosedJaxpr, entries: S
     bounded = dataclasses.replace(limits, iterations=min(limits.iterations, JOINT_ITERATIONS))
     trace = trace or (lambda f: vjp.joint_program(f, wrt)[0])
     rules, n_out = joint_rules(entries), len(closed.out_avals)
+    inputs = None  # the two joints as traced, where traced to be priced first: not traced again for run_together
     if forwards is not None and one_joint_can_win(forwards[0], forwards[1], model):
-        as_run = (lambda joint: without_outputs(joint, n_out)) if value is False else (lambda joint: joint)
         inputs = [trace(closed), trace(plain)]
-        prices = [program_cost(as_run(j), model) for j in inputs]
+        runs = [as_run(n_out, value)(j) for j in inputs]
+        prices = [program_cost(r, model) for r in runs]
         if seen is not None:  # the plain one is JAX's as written where plain is the loss: not priced again
-            seen.extend((j, p) for j, p in zip(inputs, prices) if as_run(j) is j)
+            seen.extend((j, p) for j, r, p in zip(inputs, runs, prices) if r is j)
         if one_joint_can_win(prices[0], prices[1], model):
             def alone(joint: core.ClosedJaxpr) -> core.ClosedJaxpr:  # the joints' rules, extracted by them too
                 return vjp.rewrite_joint(joint, rules, model, bounded, value=value, seen=seen, trace=lambda j: j)
             notes = (" (its joint as traced)", " (its joint as traced, rewritten only where the other is not kept)")
             return tuple(Alone(j, p, functools.partial(alone, j), n)  # type: ignore[return-value]
                          for j, p, n in zip(inputs, prices, notes))
-    res_plain, res = pipeline.run_together(trace(plain), trace(closed), rules, model, bounded, as_loaded=True)
+    if inputs is None:
+        plain_joint = trace(plain)  # traced first, as before: run_together loads it first
+        inputs = [trace(closed), plain_joint]
+    res_plain, res = pipeline.run_together(inputs[1], inputs[0], rules, model, bounded, as_loaded=True)
     try:
         return (_as_run(res, n_out, model, entries, value, seen), _as_run(res_plain, n_out, model, entries, value,
                                                                           seen))

@@ -93,6 +93,14 @@ def without_outputs(joint: core.ClosedJaxpr, n_out: int) -> core.ClosedJaxpr:
     return dce(core.ClosedJaxpr(j.replace(outvars=j.outvars[n_out:]), joint.consts))
 
 
+def as_run(n_out: int, value: bool | None) -> Callable[[core.ClosedJaxpr], core.ClosedJaxpr]:
+    """A joint program as a step that reads it runs it: where the step reads only the gradients (``value`` False)
+    without its ``n_out`` outputs (:func:`without_outputs`: XLA drops what only they read), else as it is."""
+    if value is False:
+        return lambda joint: without_outputs(joint, n_out)
+    return lambda joint: joint
+
+
 @dataclasses.dataclass
 class Uses:
     """One split's two uses under ``jit``, each one program: ``train`` (outputs and gradients) and ``alone``

@@ -647,7 +647,7 @@ def held_pending(pending: Sequence[Any], names: Sequence[str], written: Joint, m
     heads' are the same text). It is not exact: a split taken from the gradients-alone extraction is another
     program, and the two are ordered here as a step's are. The split not reached, about 0.6 s of
     flax_seq2seq_grad's 4.3, is not made. A step's two ``rewrite_joints`` returns as ``Alone`` alike, by their inputs."""
-    pre = [Joint(n + getattr(p, "note", ""), p, model, lambda p: p.program, [(p.program, p.cost)])
+    pre = [Joint(n + p.note, p, model, lambda p: p.program, [(p.program, p.cost)])
            for n, p in zip(names, pending)]
     return held_to_written(pre, written, model, in_order(pre, model),
                            lambda i: Joint(names[i], pending[i].build(), model, joint_of, priced))
