@@ -109,15 +109,10 @@ class Parts:
 def measure(name: str, packs: list, parts: Parts) -> dict:
     """One program's first rewrite, as ``rewrite_time.measure`` times it: XLA's compile (median of two), the
     rewrite's CPU s and its parts."""
-    from benchmarks import ecosystem as eco
-    from benchmarks.overhead import xla_compile_seconds
+    from benchmarks.rewrite_time import prepared
     from rewrite import rewrite
 
-    prog = eco.PROGRAMS[name]
-    fn, args = prog.build()
-    flat, leaves = eco._flat(fn, args)
-    program = eco.gradient(flat, leaves) if prog.grad else flat
-    compile_s = statistics.median(xla_compile_seconds(program, leaves) for _ in range(2))
+    prog, flat, leaves, compile_s = prepared(name)
     parts.seconds.clear()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -60,6 +60,16 @@ def counted_pipelines():
         pipeline._run, pipeline.run_together = run, together
 
 
+def prepared(name: str) -> tuple:
+    """``(prog, flat, leaves, compile_s)``: the suite's program ``name`` built and flattened, and XLA's compile of it
+    (of its gradient where it is a gradient program; the median of two), which a first call's rewrite is held to."""
+    prog = eco.PROGRAMS[name]
+    fn, args = prog.build()
+    flat, leaves = eco._flat(fn, args)
+    program = eco.gradient(flat, leaves) if prog.grad else flat
+    return prog, flat, leaves, statistics.median(xla_compile_seconds(program, leaves) for _ in range(2))
+
+
 def measure(name: str, packs: list, via: str = "rewrite", emitted: str = "") -> dict:
     """One program: XLA's compile seconds, the rewrite's, its stages and its slowest rule.
 
@@ -72,11 +82,7 @@ def measure(name: str, packs: list, via: str = "rewrite", emitted: str = "") -> 
     """
     from rewrite import explain, rewrite
 
-    prog = eco.PROGRAMS[name]
-    fn, args = prog.build()
-    flat, leaves = eco._flat(fn, args)
-    program = eco.gradient(flat, leaves) if prog.grad else flat
-    compile_s = statistics.median(xla_compile_seconds(program, leaves) for _ in range(2))
+    prog, flat, leaves, compile_s = prepared(name)
     with warnings.catch_warnings(), counted_pipelines() as pipelines:
         warnings.simplefilter("ignore")
         cpu0, t = time.process_time(), time.perf_counter()
