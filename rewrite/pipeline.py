@@ -362,6 +362,26 @@ def program_cost(closed: core.ClosedJaxpr, model: CostModel) -> float:
             eg.release()
 
 
+def programs_cost(programs: Sequence[core.ClosedJaxpr], model: CostModel) -> list[float]:
+    """:func:`program_cost` of each of ``programs``, read off one load of them all where they take the same inputs
+    and have no effects: with no rule nothing merges (a class is a hash-consed term: :class:`ProofGraph`'s price
+    reads one program off a load that holds others so), each program's classes and the price read from its outputs
+    are those it has loaded alone, the same floats, and the terms the programs share are loaded once (a step's
+    three joint programs, ``grad/decide.py``'s ``priced_joints``, share most of theirs). Where the load holds a
+    class of two nodes (a price read of it would choose between them), each is priced alone."""
+    same = all(p.in_avals == programs[0].in_avals and not p.jaxpr.effects for p in programs)
+    if len(programs) > 1 and same:
+        with collect_young_only():
+            eg, loaded, _, _ = _load_all(programs, ())
+            try:
+                snap = eg.snapshot()
+                if all(len(ns) == 1 for ns in snap.nodes.values()):
+                    return [input_cost(snap, outs, None, model) for outs, _ in loaded]
+            finally:
+                eg.release()
+    return [program_cost(p, model) for p in programs]
+
+
 def saturated_classes(closed: core.ClosedJaxpr, entries: Sequence[tuple[Rule, Ruleset]], limits: Limits) -> list:
     """The e-classes of ``closed``'s outputs once loaded and saturated with ``entries``: what a proof that two
     of its values are equal reads. Nothing is extracted or emitted, and the e-graph goes back to the pool."""

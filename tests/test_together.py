@@ -442,3 +442,37 @@ def test_the_plain_joint_built_alone_is_rewritten_only_where_the_other_is_not_ke
     assert run(80.0, {0: 55.0, 1: 70.0}) == ("with", [0])  # the first kept: the plain one never rewritten
     assert run(50.0, {0: 55.0, 1: 45.0}) == ("without", [0, 1])  # the first not kept: the plain one rewritten
     assert run(40.0, {0: 55.0, 1: 45.0}) == ("JAX's", [0, 1])
+
+
+def test_a_steps_three_joints_are_priced_in_one_load_at_the_prices_each_has_alone(monkeypatch):
+    """``decided_jointly``'s candidates (JAX's derivative as written and the two rewritten joints) are priced in one
+    load (``decide.priced_joints``, ``pipeline.programs_cost``), not three: with no rule nothing merges, so each is
+    priced the float ``program_cost`` gives it alone, and the step's program is the text it is so. Main loaded each
+    afresh (wholestep_linen_gpt: 637, 529 and 494 equations, most of them shared)."""
+    from rewrite.grad import decide
+
+    batches: list = []
+    alone: list = []
+    together_cost, alone_cost = decide.programs_cost, decide.program_cost
+
+    def spied(programs, model):
+        prices = together_cost(programs, model)
+        batches.append((list(programs), model, prices))
+        return prices
+
+    monkeypatch.setattr(decide, "programs_cost", spied)
+    monkeypatch.setattr(decide, "program_cost", lambda p, m: alone.append(p) or alone_cost(p, m))
+    text, ran, (got, want) = _step_program(monkeypatch, together.JOINT_ITERATIONS)
+    assert ran and len(batches) == 1 and len(batches[0][0]) == 3, [len(b[0]) for b in batches]
+    assert not alone, len(alone)  # no joint of the decision loaded alone
+    programs, model, prices = batches[0]
+    assert prices == [pipeline.program_cost(p, model) for p in programs]  # bit for bit
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=2e-4, atol=2e-5)
+    # each priced alone, as main did: the same step
+    monkeypatch.setattr(decide, "programs_cost", lambda ps, m: [alone_cost(p, m) for p in ps])
+    assert _step_program(monkeypatch, together.JOINT_ITERATIONS)[0] == text
+    # programs of other inputs are priced alone
+    other = jax.make_jaxpr(lambda x: x * 2.0)(np.ones(3, np.float32))
+    assert pipeline.programs_cost([programs[0], other], model) == [pipeline.program_cost(programs[0], model),
+                                                                    pipeline.program_cost(other, model)]

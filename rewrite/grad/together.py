@@ -18,7 +18,7 @@ from ..ir.jaxapi import core
 from ..jaxpr.trace import Traced
 from .. import pipeline  # run_together looked up at each call: benchmarks.rewrite_time counts its rows
 from . import vjp  # its joint_program looked up at each call, as vjp's own callers do (a test counts the traces)
-from ..pipeline import program_cost
+from ..pipeline import programs_cost
 from .decide import one_joint_can_win
 from .uses import as_run
 from .vjp import VJPResult, _as_run, _vjp_of
@@ -172,7 +172,7 @@ def rewrite_joints(closed: core.ClosedJaxpr, plain: core.ClosedJaxpr, entries: S
     if forwards is not None and one_joint_can_win(forwards[0], forwards[1], model):
         inputs = [trace(closed), trace(plain)]
         runs = [as_run(n_out, value)(j) for j in inputs]
-        prices = [program_cost(r, model) for r in runs]
+        prices = programs_cost(runs, model)  # in one load: the same floats (pipeline.programs_cost)
         if seen is not None:  # the plain one is JAX's as written where plain is the loss: not priced again
             seen.extend((j, p) for j, r, p in zip(inputs, runs, prices) if r is j)
         if one_joint_can_win(prices[0], prices[1], model):

@@ -64,7 +64,7 @@ from ..jaxpr.emit import Emitter, _Scope, check_signature, dce, emitter
 from ..jaxpr.trace import Traced, same_program, spec_of
 from ..pipeline import extract_by_policy, program_cost, run_pipeline
 from ..records import Result, lap, out_of_time
-from .decide import Joint, decide, held_to_written, in_order
+from .decide import Joint, decide, held_to_written, in_order, priced_joints
 from .uses import cheapest_use, emit_parts, inlined, joint_as_run, same_choice, uses_price, without_outputs
 
 log = logging.getLogger("rewrite")
@@ -616,11 +616,12 @@ def decided_jointly(closed: core.ClosedJaxpr, forward: Result, entries: Sequence
             made = [p.build() for p in pending]
         t = lap(spent, "step joint", t)
         made.append(as_written(closed))
-        written = Joint("JAX's derivative of the loss as written", made[-1], model, joint_of, priced)
+        named = [*zip(names, made[:-1]), ("JAX's derivative of the loss as written", made[-1])]
         if pending and not getattr(model, "measures", False):
+            written = Joint(*named[-1], model, joint_of, priced)
             chosen, why = held_pending(pending, names, written, model, joint_of, priced)
-        else:
-            rewritten = [Joint(name, b, model, joint_of, priced) for name, b in zip(names, made[:-1])]
+        else:  # the three priced in one load (decide.priced_joints)
+            *rewritten, written = priced_joints(named, model, joint_of, priced)
             chosen, why = decide(rewritten, written, model)
         for b in made:
             release = getattr(getattr(b, "joint", None), "release", None)
