@@ -11,9 +11,11 @@ the parts wrapped are called at most a few hundred times a rewrite.
 The parts: the user's function traced (``trace``, what any rewrite of the function pays), the programs loaded
 into egglog (``load``) and the e-graphs taken from and given back to the pool (``pool``: egglog's push and pop),
 the input program priced (``input price``), saturation, extraction (``emit`` apart, and ``min_saving``: the
-program extracted again without the nodes of rulesets that ask for a ``min_saving``), the memory tie's predictions
-(``tie``), the whole-step search's JAX traces of joints (``joint trace``, ``rederive``) and its proofs, the disk
-cache's key and store. ``floor`` is trace + load + pool + emit: what a rewrite of this design pays with no rule
+program extracted again without the nodes of rulesets that ask for a ``min_saving``; ``plain extraction``: a loss's
+forward extracted again without the ``jointly`` rules' nodes, ``pipeline.plain_program``), the memory tie's predictions
+(``tie``), the whole-step search's JAX traces of joints (``joint trace``, ``rederive``) and its proofs, the peaks
+its decision predicts of the joints it compares (``decision peaks``, ``grad.decide.Joint.peak``), the disk cache's key
+and store. ``floor`` is trace + load + pool + emit: what a rewrite of this design pays with no rule
 work and no decision made.
 
 Run ``python -m benchmarks.fixed_parts [--programs a,b] [--jsonl FILE]`` (hold the bench lock): a markdown table,
@@ -47,14 +49,16 @@ PARTS = (
     ("saturation", "rewrite.rules.saturate", "run", "Engine"),
     ("extraction", "rewrite.pipeline", "_extracted", None),
     ("min_saving", "rewrite.extract.policy", "worth_their_saving", None),
+    ("plain extraction", "rewrite.pipeline", "plain_program", None),
     ("tie", "rewrite.extract.tie", "on_xla_count", None),
     ("emit", "rewrite.jaxpr.emit", "emit", None),
     ("rederive", "rewrite.grad.step", "rederive", None),
     ("joint trace", "rewrite.grad.vjp", "joint_program", None),
     ("prove", "rewrite.grad.step", "prove", None),
+    ("decision peaks", "rewrite.grad.decide", "peak", "Joint"),
 )
 FLOOR = ("trace", "load", "pool", "emit")
-WORK = ("saturation", "extraction", "min_saving", "rederive", "joint trace", "prove")
+WORK = ("saturation", "extraction", "min_saving", "plain extraction", "rederive", "joint trace", "prove")
 
 
 class Parts:
