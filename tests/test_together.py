@@ -476,3 +476,38 @@ def test_a_steps_three_joints_are_priced_in_one_load_at_the_prices_each_has_alon
     other = jax.make_jaxpr(lambda x: x * 2.0)(np.ones(3, np.float32))
     assert pipeline.programs_cost([programs[0], other], model) == [pipeline.program_cost(programs[0], model),
                                                                     pipeline.program_cost(other, model)]
+
+def test_a_steps_rewritten_joints_are_priced_as_their_pipeline_priced_them(monkeypatch):
+    """``decided_jointly`` holds a step's two joints, rewritten in one e-graph (``pipeline.run_together``), to JAX's
+    as written at the prices their pipeline gave the programs it extracted (``uses.joint_as_run`` puts each in ``seen``),
+    not loaded and priced again (``program_cost``: 0.11 s each of flax_long_context_step's two). Only JAX's joint as
+    written is priced afresh; the step's values are the step's as written."""
+    from rewrite.grad import decide, vjp
+
+    afterwards: list = []
+    run = pipeline.run_together
+
+    def spied_run(*args, **kwargs):
+        results = run(*args, **kwargs)
+        afterwards.extend(r.cost_after for r in results)
+        return results
+
+    priced: list = []
+    program_cost = decide.program_cost
+    monkeypatch.setattr(decide, "program_cost", lambda p, m: priced.append(len(p.jaxpr.eqns)) or program_cost(p, m))
+    joints: list = []
+
+    class Spy(decide.Joint):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            joints.append(self)
+
+    monkeypatch.setattr(vjp, "Joint", Spy)
+    monkeypatch.setattr(pipeline, "run_together", spied_run)
+    _, _, (got, want) = _step_program(monkeypatch, together.JOINT_ITERATIONS)
+    rewritten = [j for j in joints if j.name.startswith("the forward rewritten")]
+    assert len(afterwards) == 2 and len(rewritten) == 2, (afterwards, [j.name for j in joints])
+    assert sorted(j.cost for j in rewritten) == sorted(afterwards)
+    assert len(priced) == 1, priced  # JAX's joint as written alone
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=2e-4, atol=2e-5)

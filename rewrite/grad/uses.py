@@ -185,18 +185,31 @@ def same_choice(snap: Any, a: dict, b: dict, roots: Sequence[Any]) -> bool:
 
 def joint_as_run(snap: Any, eg: Any, joint: core.ClosedJaxpr, roots: Sequence[Any], before: core.ClosedJaxpr,
                  f_roots: Sequence[Any], choices: Sequence[dict], model: Any, value: bool | None = None,
-                 seen: list[tuple[core.ClosedJaxpr, float]] | None = None) -> core.ClosedJaxpr:
+                 seen: list[tuple[core.ClosedJaxpr, float]] | None = None,
+                 extracted: tuple[core.ClosedJaxpr, float] | None = None) -> core.ClosedJaxpr:
     """``grad.vjp.rewrite_joint``'s program from the e-graph of ``joint`` (``roots``: outputs, then gradients) and
     its two extractions ``choices`` (the joint one first): the cheapest of each emitted whole and, where the two
     compute the outputs apart, the outputs as the first and the gradients as the second (:func:`emit_parts`), in
     the uses that run (``value``: :func:`priced_uses`), held to ``before`` (``joint`` as written) as
     :func:`cheapest_use` holds a split. ``seen``, where given, receives each program priced with its price
-    (:func:`priced_uses`), for a caller that prices the program returned again."""
+    (:func:`priced_uses`), for a caller that prices the program returned again.
+
+    ``extracted``, where given, is the program the pipeline extracted from that e-graph and its price there
+    (``Result.after``, ``cost_after``): where the joint extraction alone is returned and it is that program (its
+    text), it goes into ``seen`` at that price, so that ``grad.vjp.decided_jointly`` does not load and price it
+    again (``program_cost``: 0.11 s each of flax_long_context_step's two rewritten joints, 8% of its rewrite). That
+    is the extraction's price in the saturated e-graph, not the program's loaded afresh: they agree within 1.7e-5
+    (flax_long_context_step's 1.6e-5 and 5e-6, the GPT steps' 0-1.6e-6, flax_lm_step's equal), and every decision
+    of the 24 ecosystem programs and of the decision corpus comes out the same (``benchmarks/results/log.md``,
+    h-long2). A joint left as loaded is priced as loaded either way, the same float."""
     first, grads = choices
     n_out = len(f_roots)
     debug = joint.jaxpr.debug_info
     made = emit(snap, first, eg, joint.in_avals, roots, None, debug)
     if same_choice(snap, first, grads, roots):  # one program: nothing to choose
+        if (seen is not None and extracted is not None and extracted[1] == extracted[1]
+                and all(p is not made for p, _ in seen) and same_program(made, extracted[0])):
+            seen.append((made, extracted[1]))
         return made
     programs = [made, emit(snap, grads, eg, joint.in_avals, roots, None, debug)]
     if not same_choice(snap, first, grads, f_roots):  # otherwise that program is the second

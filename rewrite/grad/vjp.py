@@ -540,7 +540,7 @@ def _as_run(res: Result, n_out: int, model: Any, entries: Sequence[Any], value: 
     joint = res.before
     f_roots, _, _, choices = _joint_choices(res, n_out, len(joint.in_avals), model, entries, value)
     return joint_as_run(res.snapshot, res.egraph, joint, res.roots, joint, f_roots, [c for _, c in choices], model,
-                        value, seen)
+                        value, seen, (res.after, res.cost_after))
 
 
 def split_joint(built: VJPResult) -> core.ClosedJaxpr:
