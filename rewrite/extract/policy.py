@@ -95,13 +95,15 @@ class FloorsFirst:
     floor of the input's price over it, that program is used and the e-graph with them is not refined
     (``extract.finish``: its ``ProgramSearch`` and lean band). Only where that start saves over the input: where
     it prices above it, the refinement (from the input too) is what any program kept comes from, and the input
-    itself may be (a decision case, transformer_step's step, kept its input so). Over the suite the first extraction's program was
-    thrown away in 32 of 37 checks (h-second). Elsewhere the extraction is finished and held to the floors as
-    before, :attr:`alt` reused. Not for ``as_loaded`` (:func:`floored`), nor a model that prices no whole program."""
+    itself may be (a decision case, transformer_step's step, kept its input so). Over the suite the first
+    extraction's program was thrown away in 32 of 37 checks (h-second). Elsewhere the extraction is finished and
+    held to the floors as before, :attr:`alt` reused. Not for ``as_loaded`` (:func:`floored`), nor a model that
+    prices no whole program."""
 
     def __init__(self, snap: Any, eg: EGraph, floors: dict[str, float], roots: list, model: CostModel,
                  original: set) -> None:
-        self.snap, self.eg, self.floors, self.roots, self.model, self.original = snap, eg, floors, roots, model, original
+        self.snap, self.eg, self.floors = snap, eg, floors
+        self.roots, self.model, self.original = roots, model, original
         self.alt: Any = None
 
     def __call__(self, began: Any) -> Any:
