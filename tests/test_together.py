@@ -442,3 +442,48 @@ def test_the_plain_joint_built_alone_is_rewritten_only_where_the_other_is_not_ke
     assert run(80.0, {0: 55.0, 1: 70.0}) == ("with", [0])  # the first kept: the plain one never rewritten
     assert run(50.0, {0: 55.0, 1: 45.0}) == ("without", [0, 1])  # the first not kept: the plain one rewritten
     assert run(40.0, {0: 55.0, 1: 45.0}) == ("JAX's", [0, 1])
+
+
+def test_a_forward_rewritten_for_its_vjp_reads_its_plain_forward_off_its_own_egraph(monkeypatch):
+    """A loss rewritten for its VJP (``grad_result``, or called under ``jax.grad``: ``grad.primitive.differentiating``)
+    whose forward uses the ``jointly`` rules' nodes reads the forward without them off its own saturated e-graph
+    (``run_pipeline(plain=True)``), so ``decided_jointly`` does not saturate the loss a second time without them
+    (flax_seq2seq_grad's plain forward pipeline, which finds nothing). The VJP and its decision are those of the
+    plain forward saturated apart (here both the loss as written). A loss rewritten only to run (``result``) does not
+    pay the plain forward's extraction."""
+    import rewrite.api as api
+    import rewrite.grad.primitive as primitive
+    from jax.extend.core import jaxpr_as_fun
+    from rewrite.cost.measure import resolve
+    from rewrite.grad import vjp
+    from rewrite.records import Limits
+    from rulesets.nn_lm_head import nn_lm_head
+    from tests.corpus import lm_head_case
+
+    saturated: list = []  # the plain forwards decided_jointly saturates apart
+    apart = vjp.run_pipeline
+    monkeypatch.setattr(vjp, "run_pipeline", lambda *a, **k: saturated.append(1) or apart(*a, **k))
+    written, (h, w, y) = lm_head_case(1024, 128, 8192)
+    inlined = pipeline.run_pipeline(jax.make_jaxpr(written)(h, w, y), [], resolve(None), Limits(),
+                                    price_input=False).after
+    loss = lambda h, w, y: jaxpr_as_fun(inlined)(h, w, y)[0]  # noqa: E731
+
+    def built(read_off: bool) -> tuple:
+        saturated.clear()
+        monkeypatch.setattr(api, "differentiating", primitive.differentiating if read_off else lambda: False)
+        made = rewrite(loss, rulesets=[nn_lm_head], cache=False).grad_result(h, w, y)
+        return str(made.fwd), str(made.bwd), made.decided, len(saturated)
+
+    got, want = built(True), built(False)
+    assert got[2] and got[:3] == want[:3], (got[2], want[2])
+    assert (got[3], want[3]) == (0, 1), (got[3], want[3])
+    # jax.grad(rewrite(loss)) asks for it the same way (a differentiating trace), and a plain call does not
+    saturated.clear()
+    monkeypatch.setattr(api, "differentiating", primitive.differentiating)
+    r = rewrite(loss, rulesets=[nn_lm_head], cache=False)
+    g = jax.grad(r, argnums=(0, 1))(h, w, y)
+    assert not saturated and all(np.isfinite(np.asarray(x)).all() for x in g)
+    forward = rewrite(loss, rulesets=[nn_lm_head], cache=False)
+    forward(h, w, y)
+    (entry,) = forward._cache.values()
+    assert entry[1].jointly_chosen and entry[1].plain is None
