@@ -487,3 +487,39 @@ def test_a_forward_rewritten_for_its_vjp_reads_its_plain_forward_off_its_own_egr
     forward(h, w, y)
     (entry,) = forward._cache.values()
     assert entry[1].jointly_chosen and entry[1].plain is None
+
+
+def test_a_plain_forward_saturated_apart_that_saves_less_than_its_floor_is_the_loss_as_written(monkeypatch, tmp_path):
+    """``decided_jointly``'s plain forward saturated apart (the forward read back from the disk cache has none:
+    flax_seq2seq_grad in the suite's order, after flax_seq2seq_loss) is extracted ``as_loaded``: where its cheapest
+    program takes ``linalg``'s reordered product for less than its floor, the program without the floored rules'
+    nodes is not extracted, and the program is the loss as written itself (the same object, so its joint is JAX's as
+    written: ``grad.primitive.written_as``), not the input's candidate emitted again. Without ``as_loaded`` the
+    second extraction is made (and comes out as written)."""
+    import jax.numpy as jnp
+    import rulesets as packs
+    from rewrite.extract import policy
+    from rewrite.grad import vjp
+    from rulesets.nn_lm_head import nn_lm_head
+    from tests.corpus import lm_head_case
+
+    args = (jnp.ones((64, 64)), jnp.ones((64, 64)), jnp.ones((64, 60)))
+    closed = jax.make_jaxpr(lambda a, b, c: (a @ b) @ c)(*args)
+    r = rewrite(lambda a, b, c: (a @ b) @ c, rulesets=[packs.linalg])
+    seconds: list = []
+    extract = policy.extract
+    monkeypatch.setattr(policy, "extract", lambda *a, **k: seconds.append(1) or extract(*a, **k))
+    apart = pipeline.run_pipeline(closed, r.entries, r.cost_model, r.limits, price_input=False)
+    assert not apart.rewritten and len(seconds) == 1  # the floor declined the reorder: extracted without it
+    seconds.clear()
+    loaded = pipeline.run_pipeline(closed, r.entries, r.cost_model, r.limits, price_input=False, as_loaded=True)
+    assert not loaded.rewritten and not seconds and loaded.after is closed
+    assert loaded.cost_after == apart.cost_after or abs(loaded.cost_after / apart.cost_after - 1) < 1e-6
+    # the VJP path's plain forward asks for it where the forward (read back from the disk cache) has no plain one
+    asked: list = []
+    run = vjp.run_pipeline
+    monkeypatch.setattr(vjp, "run_pipeline", lambda *a, **k: asked.append(k.get("as_loaded")) or run(*a, **k))
+    loss, (h, w, y) = lm_head_case(1024, 128, 8192)
+    rewrite(loss, rulesets=[nn_lm_head], cache=str(tmp_path)).result(h, w, y)  # stored, as flax_seq2seq_loss is
+    made = rewrite(loss, rulesets=[nn_lm_head], cache=str(tmp_path)).grad_result(h, w, y)
+    assert made is not None and made.decided and asked == [True], (asked, made.decided)
