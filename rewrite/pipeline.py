@@ -127,8 +127,8 @@ def _run(closed: core.ClosedJaxpr, entries: Sequence[tuple[Rule, Ruleset]], mode
     times["extract"] = time.perf_counter() - t
     ex, after, emit_choice = _extracted(snap, eg, entries, closed, roots, token_root, model, original, times,
                                         as_loaded)
-    if as_loaded and not ex.rewritten:  # left as loaded: the input as written, not its candidate emitted again
-        after = closed
+    if as_loaded and not ex.rewritten and not ex.lean and ex.candidates and ex.candidates[0].rewritten:
+        after = closed  # the cheapest, a rewrite, left as loaded by its floor: the input as written, not re-emitted
 
     # Choose: cost_model="measure" times the best candidates on the backend (rewrite/cost/measure.py);
     # a memory budget reports the candidates it excluded.
