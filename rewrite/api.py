@@ -32,7 +32,7 @@ from .cost import guard as _guard
 from .cost.measure import resolve
 from .errors import RewriteLimitWarning, RewriteWarning, _strict
 from .extract.lean import closed_keep_leaner
-from .grad.primitive import Signature, bind_if_differentiated
+from .grad.primitive import Signature, bind_if_differentiated, differentiating, vjp_asked
 from .grad.pinned import PIN_FROM, join_pinned, split_pinned, wholly_pinned
 from .grad.step import AsWritten, find_losses, proof_graph, searches_steps
 from .grad.together import rewrite_joints
@@ -308,8 +308,8 @@ class Rewritten:
         def as_written(price: float | None = None) -> Result:
             # ``price``: the step as written, priced already (program_cost), is not priced again
             with stage("the step as written" if self.whole_step and self.entries else "the program"):
-                return result if result is not None else run_pipeline(traced, self.entries, self.cost_model,
-                                                                       self.limits, input_price=price)
+                return result if result is not None else run_pipeline(
+                    traced, self.entries, self.cost_model, self.limits, input_price=price, plain=differentiating())
 
         def timed(kept: Result) -> Result:
             spent["step find"] = finding.seconds - sum(spent.get(k, 0.0) for k in STEP_STAGES[1:4])
@@ -491,7 +491,8 @@ class Rewritten:
         (``.bwd``: residuals + cotangents -> gradients), the residual split
         chosen and the splits considered. ``None`` if its rewrite failed.
         """
-        return self._signature(args, kwargs).vjp()
+        with vjp_asked():  # the forward rewritten here is for its VJP (grad.primitive.differentiating)
+            return self._signature(args, kwargs).vjp()
 
     def _signature(self, args: tuple, kwargs: dict) -> Signature:
         key, _, (traced, result), _ = self._prepare(args, kwargs)

@@ -66,7 +66,7 @@ def limits_met(result: Result, budget: Budget | None = None) -> list[str]:
 
 def run_pipeline(program: Traced | core.ClosedJaxpr, entries: Sequence[tuple[Rule, Ruleset]], model: CostModel,
                  limits: Limits, keep: bool = False, price_input: bool = True,
-                 input_price: float | None = None, plain: bool = False) -> Result:
+                 input_price: float | None = None, plain: bool = False, as_loaded: bool = False) -> Result:
     """Rewrite one program with the given rules: load, saturate, extract, emit, choose.
 
     ``program`` is a traced function or a bare ``ClosedJaxpr``. The program
@@ -80,16 +80,19 @@ def run_pipeline(program: Traced | core.ClosedJaxpr, entries: Sequence[tuple[Rul
     already (the whole-step search prices the step as written before it decides to rewrite it): it is
     ``cost_before``, and the input is not priced again. ``plain``: where the program that comes out uses nodes of
     ``jointly`` rulesets' rules, the program without them is read off the same e-graph too (``Result.plain``).
+    ``as_loaded``: a program that saves less than its floored rules' ``min_saving`` is left as loaded
+    (:func:`extract_by_policy`), as :func:`run_together`'s joints are (``grad/vjp.py``'s plain forward).
     """
     closed = program.closed if isinstance(program, Traced) else program
     with collect_young_only():
-        result = _run(closed, entries, model, limits, keep, price_input, input_price, plain)
+        result = _run(closed, entries, model, limits, keep, price_input, input_price, plain, as_loaded)
     check_signature(closed, result.after)
     return result
 
 
 def _run(closed: core.ClosedJaxpr, entries: Sequence[tuple[Rule, Ruleset]], model: CostModel, limits: Limits,
-         keep: bool, price_input: bool = True, input_price: float | None = None, plain: bool = False) -> Result:
+         keep: bool, price_input: bool = True, input_price: float | None = None, plain: bool = False,
+         as_loaded: bool = False) -> Result:
     times = {"trace": 0.0}
 
     t = time.perf_counter()
@@ -122,7 +125,10 @@ def _run(closed: core.ClosedJaxpr, entries: Sequence[tuple[Rule, Ruleset]], mode
     token_root = snap.cls_of_name[token] if token is not None else None
     all_roots = roots + ([token_root] if token_root is not None else [])
     times["extract"] = time.perf_counter() - t
-    ex, after, emit_choice = _extracted(snap, eg, entries, closed, roots, token_root, model, original, times)
+    ex, after, emit_choice = _extracted(snap, eg, entries, closed, roots, token_root, model, original, times,
+                                        as_loaded)
+    if as_loaded and not ex.rewritten and not ex.lean and ex.candidates and ex.candidates[0].rewritten:
+        after = closed  # the cheapest, a rewrite, left as loaded by its floor: the input as written, not re-emitted
 
     # Choose: cost_model="measure" times the best candidates on the backend (rewrite/cost/measure.py);
     # a memory budget reports the candidates it excluded.

@@ -542,3 +542,83 @@ def test_a_start_that_cannot_pay_its_floor_is_not_refined(monkeypatch):
     cheap = [(rule, owner) for rule, _ in r.entries]
     kept = pipeline.run_pipeline(first, cheap, r.cost_model, r.limits, price_input=True)
     assert kept.rewritten and len(finished) == 2, (kept.rewritten, len(finished))
+
+def test_a_forward_rewritten_for_its_vjp_reads_its_plain_forward_off_its_own_egraph(monkeypatch):
+    """A loss rewritten for its VJP (``grad_result``, or called under ``jax.grad``: ``grad.primitive.differentiating``)
+    whose forward uses the ``jointly`` rules' nodes reads the forward without them off its own saturated e-graph
+    (``run_pipeline(plain=True)``), so ``decided_jointly`` does not saturate the loss a second time without them
+    (flax_seq2seq_grad's plain forward pipeline, which finds nothing). The VJP and its decision are those of the
+    plain forward saturated apart (here both the loss as written). A loss rewritten only to run (``result``) does not
+    pay the plain forward's extraction."""
+    import rewrite.api as api
+    import rewrite.grad.primitive as primitive
+    from jax.extend.core import jaxpr_as_fun
+    from rewrite.cost.measure import resolve
+    from rewrite.grad import vjp
+    from rewrite.records import Limits
+    from rulesets.nn_lm_head import nn_lm_head
+    from tests.corpus import lm_head_case
+
+    saturated: list = []  # the plain forwards decided_jointly saturates apart
+    apart = vjp.run_pipeline
+    monkeypatch.setattr(vjp, "run_pipeline", lambda *a, **k: saturated.append(1) or apart(*a, **k))
+    written, (h, w, y) = lm_head_case(1024, 128, 8192)
+    inlined = pipeline.run_pipeline(jax.make_jaxpr(written)(h, w, y), [], resolve(None), Limits(),
+                                    price_input=False).after
+    loss = lambda h, w, y: jaxpr_as_fun(inlined)(h, w, y)[0]  # noqa: E731
+
+    def built(read_off: bool) -> tuple:
+        saturated.clear()
+        monkeypatch.setattr(api, "differentiating", primitive.differentiating if read_off else lambda: False)
+        made = rewrite(loss, rulesets=[nn_lm_head], cache=False).grad_result(h, w, y)
+        return str(made.fwd), str(made.bwd), made.decided, len(saturated)
+
+    got, want = built(True), built(False)
+    assert got[2] and got[:3] == want[:3], (got[2], want[2])
+    assert (got[3], want[3]) == (0, 1), (got[3], want[3])
+    # jax.grad(rewrite(loss)) asks for it the same way (a differentiating trace), and a plain call does not
+    saturated.clear()
+    monkeypatch.setattr(api, "differentiating", primitive.differentiating)
+    r = rewrite(loss, rulesets=[nn_lm_head], cache=False)
+    g = jax.grad(r, argnums=(0, 1))(h, w, y)
+    assert not saturated and all(np.isfinite(np.asarray(x)).all() for x in g)
+    forward = rewrite(loss, rulesets=[nn_lm_head], cache=False)
+    forward(h, w, y)
+    (entry,) = forward._cache.values()
+    assert entry[1].jointly_chosen and entry[1].plain is None
+
+
+def test_a_plain_forward_saturated_apart_that_saves_less_than_its_floor_is_the_loss_as_written(monkeypatch, tmp_path):
+    """``decided_jointly``'s plain forward saturated apart (the forward read back from the disk cache has none:
+    flax_seq2seq_grad in the suite's order, after flax_seq2seq_loss) is extracted ``as_loaded``: where its cheapest
+    program takes ``linalg``'s reordered product for less than its floor, the program without the floored rules'
+    nodes is not extracted, and the program is the loss as written itself (the same object, so its joint is JAX's as
+    written: ``grad.primitive.written_as``), not the input's candidate emitted again. Without ``as_loaded`` the
+    second extraction is made (and comes out as written)."""
+    import jax.numpy as jnp
+    import rulesets as packs
+    from rewrite.extract import policy
+    from rewrite.grad import vjp
+    from rulesets.nn_lm_head import nn_lm_head
+    from tests.corpus import lm_head_case
+
+    args = (jnp.ones((64, 64)), jnp.ones((64, 64)), jnp.ones((64, 60)))
+    closed = jax.make_jaxpr(lambda a, b, c: (a @ b) @ c)(*args)
+    r = rewrite(lambda a, b, c: (a @ b) @ c, rulesets=[packs.linalg])
+    seconds: list = []
+    extract = policy.extract
+    monkeypatch.setattr(policy, "extract", lambda *a, **k: seconds.append(1) or extract(*a, **k))
+    apart = pipeline.run_pipeline(closed, r.entries, r.cost_model, r.limits, price_input=False)
+    assert not apart.rewritten and len(seconds) == 1  # the floor declined the reorder: extracted without it
+    seconds.clear()
+    loaded = pipeline.run_pipeline(closed, r.entries, r.cost_model, r.limits, price_input=False, as_loaded=True)
+    assert not loaded.rewritten and not seconds and loaded.after is closed
+    assert loaded.cost_after == apart.cost_after or abs(loaded.cost_after / apart.cost_after - 1) < 1e-6
+    # the VJP path's plain forward asks for it where the forward (read back from the disk cache) has no plain one
+    asked: list = []
+    run = vjp.run_pipeline
+    monkeypatch.setattr(vjp, "run_pipeline", lambda *a, **k: asked.append(k.get("as_loaded")) or run(*a, **k))
+    loss, (h, w, y) = lm_head_case(1024, 128, 8192)
+    rewrite(loss, rulesets=[nn_lm_head], cache=str(tmp_path)).result(h, w, y)  # stored, as flax_seq2seq_loss is
+    made = rewrite(loss, rulesets=[nn_lm_head], cache=str(tmp_path)).grad_result(h, w, y)
+    assert made is not None and made.decided and asked == [True], (asked, made.decided)

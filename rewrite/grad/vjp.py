@@ -599,8 +599,9 @@ def decided_jointly(closed: core.ClosedJaxpr, forward: Result, entries: Sequence
             plain = forward.after
         elif forward.plain is not None and not getattr(forward.step, "replaced", None):
             plain = forward.plain  # read off the forward's own saturated e-graph (run_pipeline's ``plain``)
-        else:  # only the program that comes out is read: the input is not priced
-            plain = run_pipeline(closed, rest, model, limits, price_input=False).after
+        else:  # only the program that comes out is read: the input is not priced; one that saves less than its
+            # floored rules' min_saving is the loss as written (as_loaded), whose joint is JAX's as written
+            plain = run_pipeline(closed, rest, model, limits, price_input=False, as_loaded=True).after
         t = lap(spent, "step jointly", t)
         if same_program(plain, forward.after):
             made = [build(forward.after, entries)]
