@@ -359,7 +359,7 @@ def test_one_joint_is_built_alone_only_past_a_margin_wider_than_any_saturation_b
     import dataclasses
 
     from rewrite import AnalyticCost
-    from rewrite.grad import decide
+    from rewrite.grad import decide, vjp
 
     model = AnalyticCost()
     assert (1 - decide.ONE_JOINT_MARGIN) * (1 + model.lean_band_far) <= 1 - 0.159, decide.ONE_JOINT_MARGIN
@@ -380,7 +380,7 @@ def _lm_step_decided(monkeypatch, margin: float) -> tuple[str, list, list, list]
 
     import rewrite.api as api
     from rewrite.cost.model import priced_with
-    from rewrite.grad import decide
+    from rewrite.grad import decide, vjp
 
     monkeypatch.setattr(decide, "ONE_JOINT_MARGIN", margin)
     ran = _count_joints(monkeypatch)
@@ -449,7 +449,7 @@ def test_a_steps_three_joints_are_priced_in_one_load_at_the_prices_each_has_alon
     load (``decide.priced_joints``, ``pipeline.programs_cost``), not three: with no rule nothing merges, so each is
     priced the float ``program_cost`` gives it alone, and the step's program is the text it is so. Main loaded each
     afresh (wholestep_linen_gpt: 637, 529 and 494 equations, most of them shared)."""
-    from rewrite.grad import decide
+    from rewrite.grad import decide, vjp
 
     batches: list = []
     alone: list = []
@@ -460,6 +460,10 @@ def test_a_steps_three_joints_are_priced_in_one_load_at_the_prices_each_has_alon
         batches.append((list(programs), model, prices))
         return prices
 
+    # The rewritten joints' prices as their pipeline gave them (``uses.joint_as_run``'s ``extracted``) withheld, so
+    # that all three are unpriced, as where a rewritten joint is a split of two extractions, which no pipeline priced.
+    as_run = vjp.joint_as_run
+    monkeypatch.setattr(vjp, "joint_as_run", lambda *a, **k: as_run(*a[:10], **{**k, "extracted": None}))
     monkeypatch.setattr(decide, "programs_cost", spied)
     monkeypatch.setattr(decide, "program_cost", lambda p, m: alone.append(p) or alone_cost(p, m))
     text, ran, (got, want) = _step_program(monkeypatch, together.JOINT_ITERATIONS)
@@ -503,6 +507,7 @@ def test_a_steps_rewritten_joints_are_priced_as_their_pipeline_priced_them(monke
             joints.append(self)
 
     monkeypatch.setattr(vjp, "Joint", Spy)
+    monkeypatch.setattr(decide, "Joint", Spy)  # decide.priced_joints makes them too
     monkeypatch.setattr(pipeline, "run_together", spied_run)
     _, _, (got, want) = _step_program(monkeypatch, together.JOINT_ITERATIONS)
     rewritten = [j for j in joints if j.name.startswith("the forward rewritten")]
