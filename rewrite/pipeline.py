@@ -26,8 +26,8 @@ from .cost.model import CostModel
 from .extract.choice import reachable
 from .extract.extract import extract, input_cost
 from .extract.extractor import shared
-from .extract.policy import (bar_preferred, copy_without, floor_test, floors_first, made_by, no_fatter,
-                             recomputations, same_original_tree, withheld, worth_their_saving)
+from .extract.policy import (bar_preferred, copy_without, floor_test, made_by, no_fatter, recomputations,
+                             same_original_tree, withheld, worth_their_saving)
 from .extract.tie import on_xla_count
 from .ir.egraph import BodyRef, EGraph, ListRef
 from .ir.intern import LITERALS, TYPES, in_dtype
@@ -321,10 +321,8 @@ def extract_by_policy(snap: Any, eg: Any, entries: Sequence[tuple[Rule, Ruleset]
     plain, recomputing = withheld(snap, eg, entries, original)
     if plain is not snap:  # one key names one program in both: recomputations prices the copy's program again
         shared(plain, model).share_prices(shared(snap, model))
-    first = floors_first(plain, eg, entries, roots, model, original, as_loaded)
-    ex = extract(plain, roots, model, original, floor_test(plain, eg, entries, roots, original) if as_loaded else None,
-                 first)
-    ex = worth_their_saving(ex, plain, eg, entries, roots, model, original, as_loaded, first and first.alt)
+    ex = extract(plain, roots, model, original, floor_test(plain, eg, entries, roots, original) if as_loaded else None)
+    ex = worth_their_saving(ex, plain, eg, entries, roots, model, original, as_loaded)
     return recomputations(ex, snap, recomputing, roots, model)
 
 

@@ -93,40 +93,14 @@ INPUT_START = 1e-3
 
 
 def extract(snap: Snapshot, roots: Sequence[Any], model: CostModel, original: set[tuple] | None,
-            floored: Callable[[Candidate, float], bool] | None = None,
-            instead: Callable[[Started], Extraction | None] | None = None) -> Extraction:
+            floored: Callable[[Candidate, float], bool] | None = None) -> Extraction:
     """Choose the program to emit. ``original`` holds the input program's nodes, canonicalised.
 
     ``floored(candidate, input_cost)``, where given, says whether a rewritten candidate would be left as loaded
     after (``extract.policy.floored``): where the cheapest and every rewritten candidate the lean band could take
     instead would be, the input program is returned, unrewritten, and the band's peaks (``_leanest``) and the
     leaner fallback (``_no_fatter``) are not read: whichever of them they chose, the input is what comes out
-    (where the band would have taken the input itself, the same program, not marked ``lean``).
-
-    ``instead(started)``, where given, reads the candidates :func:`start` priced and may return the extraction to
-    use instead of refining them (``extract.policy.FloorsFirst``); ``None`` goes on."""
-    began = start(snap, roots, model, original)
-    got = None if instead is None else instead(began)
-    return finish(began, floored) if got is None else got
-
-
-@dataclasses.dataclass
-class Started:
-    """An extraction up to its starts (:func:`start`): the node model's search and the input program, priced
-    whole where the model prices programs; :func:`finish` refines and ranks them. Apart, so that a caller may read
-    the starts before it pays for the refinement (``extract.policy.worth_their_saving``'s floors)."""
-
-    ex: Any
-    tree_choice: dict
-    roots: Sequence[Any]
-    model: CostModel
-    candidates: list[Candidate]
-    orig_choice: dict | None
-    price: ProgramPricer | None
-
-
-def start(snap: Snapshot, roots: Sequence[Any], model: CostModel, original: set[tuple] | None) -> Started:
-    """:func:`extract`'s first half: the tree pass, the node model's local search, the input program, priced."""
+    (where the band would have taken the input itself, the same program, not marked ``lean``)."""
     ex = shared(snap, model)
     _, tree_choice = ex.tree()
     missing = [r for r in roots if r not in tree_choice]
@@ -149,14 +123,6 @@ def start(snap: Snapshot, roots: Sequence[Any], model: CostModel, original: set[
         for cand in candidates:
             cand.cost = price(cand.choice, roots)
             cand.signature = price.last_key[1]
-    return Started(ex, tree_choice, roots, model, candidates, orig_choice, price)
-
-
-def finish(st: Started, floored: Callable[[Candidate, float], bool] | None = None) -> Extraction:
-    """:func:`extract`'s second half: the refinement of :func:`start`'s candidates, their ranking, the lean band."""
-    ex, tree_choice, roots, model = st.ex, st.tree_choice, st.roots, st.model
-    candidates, orig_choice, price = st.candidates, st.orig_choice, st.price
-    if price is not None:
         # Refine the best rewritten candidate under the whole-program price, and the input where it is a
         # start as good (see INPUT_START).
         starts = sorted([cand for cand in candidates if cand.rewritten], key=lambda cand: cand.cost)[:1]
@@ -167,13 +133,13 @@ def finish(st: Started, floored: Callable[[Candidate, float], bool] | None = Non
                 starts.append(Candidate({**tree_choice, **orig_choice}, orig.cost, True, orig.signature))
         refined_from: set[frozenset] = set()
         visited: set = set()
-        for begin in starts:
-            if begin.signature in refined_from:
+        for start in starts:
+            if start.signature in refined_from:
                 continue
-            refined_from.add(begin.signature)
-            price.last_key = (tuple(roots), begin.signature)  # the search starts from the program the pricer was asked for
-            refine = ProgramSearch(ex, price, begin.choice, roots, visited=visited)
-            refined, cost = refine.run(known=begin.cost)
+            refined_from.add(start.signature)
+            price.last_key = (tuple(roots), start.signature)  # the search starts from the program the pricer was asked for
+            refine = ProgramSearch(ex, price, start.choice, roots, visited=visited)
+            refined, cost = refine.run(known=start.cost)
             candidates.append(Candidate(refined, cost, True, None if refine.key is None else refine.key[1]))
     else:
         for cand in candidates:

@@ -34,7 +34,7 @@ from .program import ProgramPricer, prices_programs
 
 
 def worth_their_saving(ex: Any, snap: Any, eg: EGraph, entries: Sequence[tuple[Any, Any]], roots: list,
-                        model: CostModel, original: set, as_loaded: bool = False, alt: Any = None) -> Any:
+                        model: CostModel, original: set, as_loaded: bool = False) -> Any:
     """A ruleset's ``min_saving``: if the chosen program uses nodes built by rules of rulesets that ask
     for one, the program is extracted again without any node those rules built, and that program is
     used unless theirs saves at least the largest such fraction of the input program's cost more. Where the
@@ -49,9 +49,7 @@ def worth_their_saving(ex: Any, snap: Any, eg: EGraph, entries: Sequence[tuple[A
     those rules is what is used whatever it is (it prices no less than the chosen one, and the input program is one
     of its candidates), and it saves less than the floor too; it is then not extracted, and the input program is
     kept as loaded (:func:`floored`). A decision for a whole step's joint programs only
-    (:func:`rewrite.pipeline.run_together` with ``as_loaded``, from ``grad/together.py``'s ``rewrite_joints``).
-
-    ``alt``: the program without those rules' nodes, where it was extracted already (:class:`FloorsFirst`)."""
+    (:func:`rewrite.pipeline.run_together` with ``as_loaded``, from ``grad/together.py``'s ``rewrite_joints``)."""
     floors = _floors(entries)
     if not floors or not ex.rewritten or not (0 < ex.original_cost < float("inf")):
         return ex
@@ -61,71 +59,14 @@ def worth_their_saving(ex: Any, snap: Any, eg: EGraph, entries: Sequence[tuple[A
     kept = floored(ex, floor) if as_loaded else None
     if kept is not None:
         return kept
-    if alt is None:
-        alt = _without_floors(snap, eg, floors, roots, model, original)
-    if alt.cost - ex.cost < floor * ex.original_cost:
-        return alt
-    return ex
-
-
-def _without_floors(snap: Any, eg: EGraph, floors: dict[str, float], roots: list, model: CostModel, original: set
-                    ) -> Any:
-    """The program extracted from the copy of ``snap`` without the nodes of the rules ``floors`` names
-    (:func:`copy_without`), sharing what ``snap``'s extractor priced and passed over (:func:`same_original_tree`)."""
     without, made = copy_without(snap, eg, frozenset(floors), original)
     full, copy = shared(snap, model), shared(without, model)
     copy.share_prices(full)  # the input program, priced by the first extraction, is a candidate of the second
     same_original_tree(full, copy, made, original)
-    return extract(without, roots, model, original)
-
-
-#: Where the node model's program (``extract.start``'s search, priced whole) uses floored rules' nodes and saves less
-#: than (1 - this) of their floor over the program without them, the whole-program refinement of the e-graph with
-#: them is not made: the program without them is used (:class:`FloorsFirst`). The refinement (``ProgramSearch``)
-#: lowered a start using them by up to 10.9% of the input's price over the suite (haiku_lstm_grad's gradients:
-#: 1.59% -> 12.53%), so it is not a bound; half the floor is a margin measured not to move a decision
-#: (benchmarks/results/log.md, h-second).
-REFINE_MARGIN = 0.5
-
-
-class FloorsFirst:
-    """``extract.extract``'s ``instead`` for :func:`worth_their_saving`: where the node model's program
-    (``extract.start``'s search, priced whole) uses nodes of rules with a ``min_saving``, the program without those
-    nodes is extracted first (:attr:`alt`); where that start saves less than (1 - :data:`REFINE_MARGIN`) of their
-    floor of the input's price over it, that program is used and the e-graph with them is not refined
-    (``extract.finish``: its ``ProgramSearch`` and lean band). Only where that start saves over the input: where
-    it prices above it, the refinement (from the input too) is what any program kept comes from, and the input
-    itself may be (a decision case, transformer_step's step, kept its input so). Over the suite the first
-    extraction's program was thrown away in 32 of 37 checks (h-second). Elsewhere the extraction is finished and
-    held to the floors as before, :attr:`alt` reused. Not for ``as_loaded`` (:func:`floored`), nor a model that
-    prices no whole program."""
-
-    def __init__(self, snap: Any, eg: EGraph, floors: dict[str, float], roots: list, model: CostModel,
-                 original: set) -> None:
-        self.snap, self.eg, self.floors = snap, eg, floors
-        self.roots, self.model, self.original = roots, model, original
-        self.alt: Any = None
-
-    def __call__(self, began: Any) -> Any:
-        written = next((cand for cand in began.candidates if not cand.rewritten), None)
-        if began.price is None or written is None or not (0 < written.cost < math.inf) or out_of_time():
-            return None
-        first = began.candidates[0]  # the node model's program, priced whole
-        if not first.cost < written.cost:  # (no saving to weigh: what the refinement finds, from the input too)
-            return None
-        floor = _floor_of(first.choice, self.snap, self.eg, self.floors, self.roots, self.original)
-        if floor is None:
-            return None
-        self.alt = _without_floors(self.snap, self.eg, self.floors, self.roots, self.model, self.original)
-        return self.alt if self.alt.cost - first.cost < (1 - REFINE_MARGIN) * floor * written.cost else None
-
-
-def floors_first(snap: Any, eg: EGraph, entries: Sequence[tuple[Any, Any]], roots: list, model: CostModel,
-                 original: set, as_loaded: bool = False) -> FloorsFirst | None:
-    """:class:`FloorsFirst` for an extraction held to ``entries``' floors, or ``None`` where none sets one or
-    ``as_loaded``."""
-    floors = _floors(entries)
-    return FloorsFirst(snap, eg, floors, roots, model, original) if floors and not as_loaded else None
+    alt = extract(without, roots, model, original)
+    if alt.cost - ex.cost < floor * ex.original_cost:
+        return alt
+    return ex
 
 
 def _floors(entries: Sequence[tuple[Any, Any]]) -> dict[str, float]:
