@@ -207,8 +207,8 @@ def joint_as_run(snap: Any, eg: Any, joint: core.ClosedJaxpr, roots: Sequence[An
     debug = joint.jaxpr.debug_info
     made = emit(snap, first, eg, joint.in_avals, roots, None, debug)
     if same_choice(snap, first, grads, roots):  # one program: nothing to choose
-        if (seen is not None and extracted is not None and extracted[1] == extracted[1]
-                and all(p is not made for p, _ in seen) and same_program(made, extracted[0])):
+        if seen is not None and extracted is not None and extracted[1] == extracted[1] and same_program(
+                made, extracted[0]):  # (``made`` is emitted just now: no entry of ``seen`` can be it)
             seen.append((made, extracted[1]))
         return made
     programs = [made, emit(snap, grads, eg, joint.in_avals, roots, None, debug)]
