@@ -128,7 +128,7 @@ def _run(closed: core.ClosedJaxpr, entries: Sequence[tuple[Rule, Ruleset]], mode
     ex, after, emit_choice = _extracted(snap, eg, entries, closed, roots, token_root, model, original, times,
                                         as_loaded)
     if as_loaded and not ex.rewritten and not ex.lean and ex.candidates and ex.candidates[0].rewritten:
-        after = closed  # the cheapest, a rewrite, left as loaded by its floor: the input as written itself, not its emitted copy
+        after = closed  # the cheapest, a rewrite, left as loaded by its floor: the input itself, not its emitted copy
 
     # Choose: cost_model="measure" times the best candidates on the backend (rewrite/cost/measure.py);
     # a memory budget reports the candidates it excluded.
