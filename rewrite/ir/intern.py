@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import enum
 import hashlib
 import math
 import threading
@@ -180,16 +181,50 @@ def _freeze(value: Any) -> Hashable:
     return value
 
 
+_SETTLED = frozenset({type(None), bool, int, float, complex, str})
+
+
+def _settled(value: Any) -> bool:
+    """Whether ``value`` cannot change once made, so neither can its :func:`_freeze` key: ``None``, a Python scalar,
+    a string, a NumPy scalar or dtype, an enum member (``lax.Precision``), or a tuple of them (a shape, dimension
+    numbers)."""
+    if type(value) in _SETTLED:
+        return True
+    if isinstance(value, tuple):
+        return all(_settled(v) for v in value)
+    return isinstance(value, (np.generic, np.dtype, enum.Enum))
+
+
 class ParamTable(_Table):
-    """Params ids: ``(primitive, params)`` pairs. Equal params give equal ids."""
+    """Params ids: ``(primitive, params)`` pairs. Equal params give equal ids.
+
+    The same params dict is interned again and again (an equation loaded into each e-graph of a rewrite, priced in
+    each program that holds it), so the key of a dict whose values are all :func:`_settled` is kept by the dict's
+    identity, with the dict and its items: while it holds the same objects, its key is the one :func:`_freeze` would
+    make again."""
+
+    #: how many params dicts' keys are kept (all dropped at once when full)
+    kept = 8192
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._frozen: dict[int, tuple[dict, Any, tuple, Hashable]] = {}  # id -> (params, prim, items, key)
 
     def intern_params(self, prim: Any, params: dict[str, Any]) -> int:
+        kept = self._frozen.get(id(params))
+        if kept is not None and kept[0] is params and kept[1] is prim and _same_items(params, kept[2]):
+            return self.intern(kept[3], (prim, dict(params), None))
         frozen = _freeze(dict(params))
         if frozen is _IDENTITY:
             key: Hashable = ("identity", prim.name, id(prim), tuple(sorted((k, id(v)) for k, v in params.items())))
             # Keep the objects alive so the ids stay unique.
             return self.intern(key, (prim, dict(params), tuple(params.values())))
-        return self.intern((prim.name, id(prim), frozen), (prim, dict(params), None))
+        key = (prim.name, id(prim), frozen)
+        if type(params) is dict and all(_settled(v) for v in params.values()):
+            if len(self._frozen) >= self.kept:
+                self._frozen.clear()
+            self._frozen[id(params)] = (params, prim, tuple(params.items()), key)
+        return self.intern(key, (prim, dict(params), None))
 
     def prim(self, pid: int) -> Any:
         return self[pid][0]
@@ -199,6 +234,14 @@ class ParamTable(_Table):
 
     def _dropped(self, i: int) -> None:
         EFFECTS.pop(i, None)
+
+
+_ABSENT = object()
+
+
+def _same_items(params: dict, items: tuple) -> bool:
+    """Whether ``params`` holds exactly ``items`` (its keys bound to the same objects)."""
+    return len(params) == len(items) and all(params.get(k, _ABSENT) is v for k, v in items)
 
 
 class TypeTable(_Table):

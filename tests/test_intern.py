@@ -1,0 +1,55 @@
+"""The interning tables' shortcuts give the ids interning afresh gives."""
+
+import jax
+import numpy as np
+from jax import lax
+
+from rewrite.ir import intern as _intern
+
+
+def test_a_params_dict_interned_again_is_frozen_once(monkeypatch):
+    """An equation's params are interned again and again (each load, each price); a dict of settled values is
+    keyed once, and gives the id a fresh key gives."""
+    table = _intern.ParamTable()
+    frozen = []
+    real = _intern._freeze
+    monkeypatch.setattr(_intern, "_freeze", lambda v: (isinstance(v, dict) and frozen.append(v)) or real(v))
+    params = {"dimension_numbers": (((1,), (0,)), ((), ())), "precision": None, "preferred_element_type": None}
+    first = table.intern_params(lax.dot_general_p, params)
+    assert table.intern_params(lax.dot_general_p, params) == first
+    assert len(frozen) == 1
+    assert table.intern_params(lax.dot_general_p, dict(params)) == first  # an equal dict: frozen, the same id
+    assert len(frozen) == 2
+
+
+def test_a_params_dict_changed_or_unsettled_is_frozen_again(monkeypatch):
+    """A kept key is read only while the dict holds the same objects, and only for values that cannot change."""
+    table = _intern.ParamTable()
+    params = {"axes": (0,), "out_sharding": None}
+    first = table.intern_params(lax.reduce_sum_p, params)
+    params["axes"] = (1,)  # rebound: a new key
+    second = table.intern_params(lax.reduce_sum_p, params)
+    assert second != first and table.params(second)["axes"] == (1,)
+    assert table.intern_params(lax.reduce_sum_p, {"axes": (1,), "out_sharding": None}) == second
+    del params["out_sharding"]  # a key gone: a new key
+    assert table.intern_params(lax.reduce_sum_p, params) not in (first, second)
+    listed = {"sizes": [2, 3]}  # a list can change in place: never kept
+    one = table.intern_params(lax.reshape_p, listed)
+    listed["sizes"].append(4)
+    assert table.intern_params(lax.reshape_p, listed) != one
+    assert id(listed) not in table._frozen
+
+
+def test_settled_values_are_those_that_cannot_change():
+    assert all(_intern._settled(v) for v in (None, 1, 2.0, True, "x", np.float32(1), np.dtype("float32"),
+                                              lax.Precision.HIGHEST, ((1,), (0,)), ()))
+    assert not any(_intern._settled(v) for v in ([1], {"a": 1}, np.zeros(2), ((1,), [0]), jax.numpy.float32))
+
+
+def test_the_kept_keys_are_bounded(monkeypatch):
+    table = _intern.ParamTable()
+    monkeypatch.setattr(table, "kept", 4)
+    dicts = [{"y": i} for i in range(10)]
+    ids = [table.intern_params(lax.integer_pow_p, d) for d in dicts]
+    assert len(table._frozen) <= 4
+    assert [table.intern_params(lax.integer_pow_p, d) for d in dicts] == ids
