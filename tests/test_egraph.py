@@ -422,3 +422,22 @@ def test_nodes_with_a_short_list_load_from_rows_as_actions_would_make_them(monke
         assert "SelectN/3" not in _loaded_kinds(eg, snap)
     else:
         assert not snap.rows(_loader_mod.LOAD)
+
+
+def test_a_literal_read_again_is_rounded_and_keyed_once(monkeypatch):
+    """A program reads the same few literals again and again: each value and type is rounded to its dtype once
+    an e-graph, and gives the node a fresh read gives; values that differ in sign, type or dtype stay apart."""
+    rounded = []
+    real = _egraph.in_dtype
+    monkeypatch.setattr(_egraph, "in_dtype", lambda v, d: rounded.append(v) or real(v, d))
+    f32 = core.ShapedArray((), jnp.float32)
+    eg = _egraph.EGraph()
+    one = eg.literal(1.0, f32)
+    assert [eg.literal(1.0, f32) for _ in range(3)] == [one] * 3 and len(rounded) == 1
+    assert eg.literal(np.float32(1.0), f32) == one and len(rounded) == 2  # another value, the same node
+    assert eg.literal(np.asarray(1.0, np.float32), f32) == one
+    zero, minus = eg.literal(0.0, f32), eg.literal(-0.0, f32)
+    assert zero != minus and eg.literal(-0.0, f32) == minus
+    assert eg.literal(1, core.ShapedArray((), jnp.int32)) != one
+    assert eg.literal(1.0, core.ShapedArray((), jnp.float32, weak_type=True)) != one
+    eg.release()

@@ -187,6 +187,19 @@ def _main_thread() -> bool:
 _POOL = _Pool()
 
 
+def _literal_memo_key(value: Any, aval: Any) -> tuple | None:
+    """A key that determines what :meth:`EGraph.literal` makes of ``value`` typed ``aval`` (its rounding to the
+    dtype, its literal id, its facts): a Python scalar by type and ``repr`` (which tells ``-0.0`` from ``0.0``), a
+    NumPy scalar or array by type, dtype, shape and bytes; ``None`` for any other value (not kept). A program reads
+    the same few literals again and again (``1.0``, ``0``, an epsilon), and each read would round and key it anew."""
+    t = type(value)
+    if t is float or t is int or t is bool or t is complex:
+        return (t, repr(value), aval)
+    if isinstance(value, (np.ndarray, np.generic)) and value.dtype != object:
+        return (t, value.dtype, value.shape, value.tobytes(), aval)
+    return None
+
+
 class EGraph:
     """One e-graph: the egglog instance plus the Python-side tables for its named classes.
 
@@ -210,6 +223,7 @@ class EGraph:
         self.vorigin: list[str | None] = []  # V id -> name of the rule that made it, None for the program
         self.consts: dict[int, np.ndarray] = {}
         self._memo: dict[tuple, int] = {}
+        self._literals: dict[tuple, int] = {}  # a literal's value and aval, exactly (_literal_memo_key) -> V id
         self._pending: list[Any] = []      # egglog actions, run as the heads of rules
         self._rows: list[tuple[int, ...]] = []  # rows of the loader relation, kind id first (see loader_program)
         self._changes = 0  # counts the runs and flushes that may have changed the e-graph
@@ -366,11 +380,17 @@ class EGraph:
         return ListRef(("B",) + tuple((b.scope, b.outs.key) for b in bodies))
 
     def literal(self, value: Any, aval: Any) -> int:
+        same = _literal_memo_key(value, aval)
+        found = self._literals.get(same) if same is not None else None
+        if found is not None:
+            return found
         value = in_dtype(value, aval.dtype)
         n = self.num_names
         vid = self.term("Lit", [LITERALS.intern_value(value), TYPES.intern_aval(aval)], TYPES.intern_aval(aval))
         if vid == n:
             self._seed_facts(vid, value)
+        if same is not None:
+            self._literals[same] = vid
         return vid
 
     def const(self, array: Any, aval: Any) -> int:
