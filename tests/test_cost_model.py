@@ -14,8 +14,7 @@ import numpy as np
 import pytest
 
 from rewrite import AnalyticCost, NodeInfo, rewrite
-from rewrite.cost.fusion import ops_in
-from rewrite.cost.program import Program
+from rewrite.cost.program import Program, ops_in
 from rewrite.ir.primitives import family_of
 from rewrite.cost.measure import Measured, choose, pin_duplicates
 from rewrite.ir.jaxapi import scan_counts

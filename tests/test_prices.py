@@ -204,13 +204,13 @@ def test_a_second_snapshots_program_takes_its_ops_fusion_facts_as_kept():
     fusion = model.program_fusion()
     ex = Extractor(first.snapshot, model)
     model.program(ProgramPricer(ex, model).program(ex.tree()[1], first.roots))
-    kept = dict(fusion._kept_facts())
+    kept = dict(prices.kept(fusion))
     ex = Extractor(second.snapshot, model)
     choice = ex.tree()[1]
     prog = ProgramPricer(ex, model).program(choice, second.roots)
     price = model.program(prog)
     keyed = [op for op in prog.ops if op.memo and prices.NODE_KEY in op.memo and fusion._facts_key in op.memo]
-    assert len(keyed) > 5 and fusion._kept_facts() == kept
+    assert len(keyed) > 5 and prices.kept(fusion) == kept
     assert all(op.memo[fusion._facts_key] is kept[op.memo[prices.NODE_KEY]] for op in keyed)
     fresh = Fresh()
     fresh_ex = Extractor(second.snapshot, fresh)

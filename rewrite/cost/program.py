@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -384,6 +384,17 @@ def _size(aval: Any) -> int:
 def _nbytes(aval: Any) -> int:
     dtype = getattr(aval, "dtype", None)
     return 0 if dtype is None else _size(aval) * int(getattr(dtype, "itemsize", 0))
+
+
+def ops_in(prog: Program, kernels: Iterable[Any]) -> dict[str, int]:
+    """How many times each primitive is evaluated across kernels (``cost/fusion.py``'s ``Fusion``s; duplicates
+    counted)."""
+    counts: dict[str, int] = {}
+    for k in kernels:
+        for i in k.computes:
+            p = prog.ops[i].prim
+            counts[p] = counts.get(p, 0) + 1
+    return counts
 
 
 def elementwise_call(op: Op) -> bool:
