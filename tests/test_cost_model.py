@@ -14,8 +14,7 @@ import numpy as np
 import pytest
 
 from rewrite import AnalyticCost, NodeInfo, rewrite
-from rewrite.cost.fusion import ops_in
-from rewrite.cost.program import Program
+from rewrite.cost.program import Program, ops_in
 from rewrite.ir.primitives import family_of
 from rewrite.cost.measure import Measured, choose, pin_duplicates
 from rewrite.ir.jaxapi import scan_counts
@@ -1120,3 +1119,26 @@ def test_the_blocked_attention_trip_prices_its_reductions_from_the_cache():
     saved = program_cost(rep.after, streamed) - program_cost(rep.after, cached)
     assert saved == pytest.approx(4 * 2 * (streamed.reduce + 4 * streamed.byte - 0.2) * (2 * 4 * 1024 * 256), rel=1e-3)
     assert program_cost(rep.before, streamed) == program_cost(rep.before, cached)  # the one kernel: no reductions
+
+
+def test_a_replay_prints_each_constant_once_per_process(monkeypatch):
+    # ``Program.from_jaxpr`` keys equal literals by their printed value; numpy prints slowly (~0.15 ms a scalar), so a
+    # constant is printed once a process (``literal_repr``), not once an equation and a replay. Equal literals are
+    # still one op, unequal ones two.
+    from rewrite.ir.jaxapi import literals
+
+    printed = []
+    real = literals.TypedNdArray.__repr__
+
+    def counting(self):
+        printed.append(self)
+        return real(self)
+
+    monkeypatch.setattr(literals.TypedNdArray, "__repr__", counting)
+    closed = jax.make_jaxpr(lambda x: ((x * 0.3771) + 0.3771) * 0.6113)(jnp.ones(3))
+    first = Program.from_jaxpr(closed, None)
+    once = len(printed)
+    again = Program.from_jaxpr(closed, None)
+    assert once <= 2 and len(printed) == once  # each value printed at most once, and not again
+    for prog in (first, again):
+        assert sum(op.prim == "literal" for op in prog.ops) == 2

@@ -192,3 +192,27 @@ def test_kept_prices_are_bounded_and_dropped_when_the_table_of_primitives_change
         assert prices.kept(model) is not table and not prices.kept(model)
     finally:
         unregister("test_prices_twice")
+
+
+def test_a_second_snapshots_program_takes_its_ops_fusion_facts_as_kept():
+    """The fusion model's per-op facts (``FusionModel._facts``: sizes, shares, tie-break) are kept by node key too: the
+    same program's second snapshot (another e-graph, other templates) computes none afresh, and its whole-program
+    price is a model's that keeps nothing, bit for bit. A subclass's fusion model keeps none."""
+    fn, args, packs = CASES[0][1:]
+    first, second = _snapshot(fn, args, packs), _snapshot(fn, args, packs)
+    model = AnalyticCost()
+    fusion = model.program_fusion()
+    ex = Extractor(first.snapshot, model)
+    model.program(ProgramPricer(ex, model).program(ex.tree()[1], first.roots))
+    kept = dict(prices.kept(fusion))
+    ex = Extractor(second.snapshot, model)
+    choice = ex.tree()[1]
+    prog = ProgramPricer(ex, model).program(choice, second.roots)
+    price = model.program(prog)
+    keyed = [op for op in prog.ops if op.memo and prices.NODE_KEY in op.memo and fusion._facts_key in op.memo]
+    assert len(keyed) > 5 and prices.kept(fusion) == kept
+    assert all(op.memo[fusion._facts_key] is kept[op.memo[prices.NODE_KEY]] for op in keyed)
+    fresh = Fresh()
+    fresh_ex = Extractor(second.snapshot, fresh)
+    assert _bits(price) == _bits(fresh.program(ProgramPricer(fresh_ex, fresh).program(choice, second.roots)))
+    assert not fresh.program_fusion().keeps_facts

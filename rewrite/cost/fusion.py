@@ -62,6 +62,7 @@ from ..ir import primitives as _primitives
 from ..ir.primitives import inner_jaxpr, spec_of
 from ..ir.scanread import SLICES
 from .dot import library_dot
+from .prices import keep_facts, kept_facts
 from .attention import SCORES_CACHED, attention_price, keep_readers, kept_chain, scratch_bytes
 from .program import (ATTENTION, LEAF, LIBRARY, LOOP, OTHER, REDUCE, TIEBREAK, VIEW, Op, Program, _kind, _size,
                       bitcast, fused_update, remembered_kernel, sliced_parts)
@@ -175,6 +176,9 @@ class FusionModel:
         self.ns = dict(ns)
         #: where an op's memo keeps its facts for this model (:meth:`_facts`): one memo may meet two models
         self._facts_key = ("facts", id(self))
+        #: whether :meth:`_facts` are kept by node key (``prices.kept``): set by ``AnalyticCost`` itself, whose
+        #: tie-break reads the node's ``NodeInfo`` alone (its kept node price); another model's may read anything
+        self.keeps_facts = False
         #: the price of a product inside one attention kernel (``attention.py``'s ``attention_price``), where it is
         #: not its own node price (``Op.own``): ``AnalyticCost``'s product at its one-core rate
         self.kernel_product = kernel_product
@@ -474,12 +478,15 @@ class FusionModel:
         whether it is a reduction, the bytes of all its outputs, and what moving them costs beyond ``byte``
         (:meth:`spilled`, ns) for the first output and for all. (Of the program they read only the sizes of the op's
         arguments, which its node fixes: an op's facts are the same in every program of one extraction,
-        though its arguments' positions are not.)"""
+        though its arguments' positions are not.) Where the model :attr:`keeps_facts`, they are kept by node key
+        too, for later extractions (``prices.kept_facts``)."""
         memo = op.memo
         if memo is None:
             memo = op.memo = {}
         key = self._facts_key
         found = memo.get(key)
+        if found is None and self.keeps_facts:
+            found = kept_facts(self, memo)
         if found is not None:
             return found
         ins, outs = op.in_avals, op.out_avals
@@ -494,6 +501,8 @@ class FusionModel:
                  _nbytes(outs[0]) if outs else 0, kind == REDUCE, _out_bytes(op),
                  self.spilled(_nbytes(outs[0])) if outs else 0.0,
                  sum(self.spilled(_nbytes(a)) for a in outs))
+        if self.keeps_facts:
+            keep_facts(self, memo, found)
         return found
 
     def spilled(self, b: float) -> float:
@@ -688,13 +697,3 @@ def _out_bytes(op: "Op") -> int:
     if found is None:
         found = memo["bytes"] = sum(_nbytes(a) for a in op.out_avals)
     return found
-
-
-def ops_in(prog: Program, kernels: Iterable[Fusion]) -> dict[str, int]:
-    """How many times each primitive is evaluated across kernels (duplicates counted)."""
-    counts: dict[str, int] = {}
-    for k in kernels:
-        for i in k.computes:
-            p = prog.ops[i].prim
-            counts[p] = counts.get(p, 0) + 1
-    return counts

@@ -551,6 +551,7 @@ class AnalyticCost(CostModel):
                                          and (self.attention_dot != self.dot or self.dot_parallel_at != math.inf)
                                          else None))
         fm.inner = InnerPeak(fm)
+        fm.keeps_facts = type(self) is AnalyticCost  # (its node prices are kept by node key: cost/prices.py)
         return fm
 
     def predict_temp_bytes(self, closed: Any) -> int:

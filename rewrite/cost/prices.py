@@ -41,7 +41,8 @@ NODE_KEY = "node_key"
 
 def kept(model: Any) -> dict:
     """The node prices kept for ``model`` (an :class:`AnalyticCost`, not a subclass: the caller checks), by key;
-    a new table once the table of primitives has changed."""
+    a new table once the table of primitives has changed. For a fusion model (``cost/fusion.py``'s
+    ``FusionModel._facts``, where ``keeps_facts``): its ops' facts, by the same keys."""
     found = model.__dict__.get("_kept_prices")
     if found is None or found[0] != _primitives.CHANGES[0]:
         found = model.__dict__["_kept_prices"] = (_primitives.CHANGES[0], {})
@@ -65,3 +66,22 @@ def price_of(model: Any, key: Any, price: Callable[[], float]) -> float:
         found = float(price())
         keep(table, key, found)
     return found
+
+
+def kept_facts(fusion: Any, memo: dict) -> Any:
+    """The fusion facts (``cost/fusion.py``'s ``FusionModel._facts``) kept in ``fusion``'s table (:func:`kept`) by
+    the node key in an op's ``memo``, put in the memo too; ``None``: no key, or none kept. Only a fusion model whose
+    facts read its ops' ``NodeInfo`` alone keeps them (``keeps_facts``: ``AnalyticCost``'s own, whose tie-break is its
+    kept node price): equal keys, equal infos, the operands' avals among them (all the facts read of the program)."""
+    node = memo.get(NODE_KEY)
+    found = None if node is None else kept(fusion).get(node)
+    if found is not None:
+        memo[fusion._facts_key] = found
+    return found
+
+
+def keep_facts(fusion: Any, memo: dict, found: tuple) -> None:
+    """Keep the fusion facts ``found`` of an op whose ``memo`` holds its node key (:func:`kept_facts`)."""
+    node = memo.get(NODE_KEY)
+    if node is not None:
+        keep(kept(fusion), node, found)

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+import numpy as np
 
 from ..ir import primitives as _primitives
 from ..ir import terms as _terms
 from ..ir.intern import PARAMS, TupleType
-from ..ir.jaxapi import core
+from ..ir.jaxapi import core, literals
 from ..ir.primitives import NodeInfo, inner_jaxpr, is_float as _is_float, spec_of
 from ..ir.scanread import SLICES
 from ..ir.walk import children, operands, postorder_list, walk
@@ -80,10 +82,13 @@ class Program:
         seen: dict[tuple, int] = {}
 
         lits: dict[tuple, int] = {}
+        options: list[str] = []  # numpy's print options, read at the first literal (they shape its ``repr``)
 
         def read(atom: Any) -> int:
             if isinstance(atom, core.Literal):
-                key = (repr(atom.val), str(atom.aval))
+                if not options:
+                    options.append(repr(np.get_printoptions()))
+                key = (literal_repr(atom.val, options[0]), aval_str(atom.aval))
                 if key not in lits:
                     ops.append(Op("literal", _primitives.SPECIAL, {}, (), (), (atom.aval,)))
                     lits[key] = len(ops) - 1
@@ -162,6 +167,44 @@ class Program:
                 # it writes (and the program holds) the outputs read only; its facts are its own, not the node's
                 op.memo = {"bytes": sum(_nbytes(a) for k, a in enumerate(op.out_avals) if k in read)}
         return prog
+
+
+#: :func:`literal_repr`'s and :func:`aval_str`'s strings, by what they print; emptied past ``_PRINTED_MOST`` entries
+_REPRS: dict[tuple, str] = {}
+_AVAL_STRS: dict[Any, str] = {}
+_PRINTED_MOST = 4096
+#: the array types whose ``repr`` is fixed by :func:`literal_repr`'s key: numpy's, and JAX's literal arrays (which
+#: print their weak type too)
+_ARRAYS = (np.ndarray, literals.TypedNdArray)
+
+
+def literal_repr(val: Any, options: str) -> str:
+    """``repr(val)``, a literal's value, as :meth:`Program.from_jaxpr` keys equal literals by it; kept, for a small
+    array of numbers, by its type, dtype, shape, weak type, bytes and numpy's print ``options`` (``repr`` of
+    ``np.get_printoptions()``), which fix the string: numpy prints even a scalar slowly (about 0.15 ms), and
+    programs replayed one after another read the same few constants in hundreds of equations."""
+    if type(val) not in _ARRAYS or val.dtype.hasobject or val.nbytes > 64:
+        return repr(val)
+    key = (type(val), val.dtype, val.shape, getattr(val, "weak_type", None), val.tobytes(), options)
+    found = _REPRS.get(key)
+    if found is None:
+        if len(_REPRS) >= _PRINTED_MOST:
+            _REPRS.clear()
+        found = _REPRS[key] = repr(val)
+    return found
+
+
+def aval_str(aval: Any) -> str:
+    """``str(aval)``, kept by the aval where it is a ``ShapedArray``: JAX interns those (one object for equal
+    ones, whose fields fix the string)."""
+    if type(aval) is not core.ShapedArray:
+        return str(aval)
+    found = _AVAL_STRS.get(aval)
+    if found is None:
+        if len(_AVAL_STRS) >= _PRINTED_MOST:
+            _AVAL_STRS.clear()
+        found = _AVAL_STRS[aval] = str(aval)
+    return found
 
 
 def remembered_kernel(model: Any) -> Callable[[Program, Any, str, list], tuple[float, set]]:
@@ -341,6 +384,17 @@ def _size(aval: Any) -> int:
 def _nbytes(aval: Any) -> int:
     dtype = getattr(aval, "dtype", None)
     return 0 if dtype is None else _size(aval) * int(getattr(dtype, "itemsize", 0))
+
+
+def ops_in(prog: Program, kernels: Iterable[Any]) -> dict[str, int]:
+    """How many times each primitive is evaluated across kernels (``cost/fusion.py``'s ``Fusion``s; duplicates
+    counted)."""
+    counts: dict[str, int] = {}
+    for k in kernels:
+        for i in k.computes:
+            p = prog.ops[i].prim
+            counts[p] = counts.get(p, 0) + 1
+    return counts
 
 
 def elementwise_call(op: Op) -> bool:
