@@ -517,6 +517,37 @@ def test_a_steps_rewritten_joints_are_priced_as_their_pipeline_priced_them(monke
     for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=2e-4, atol=2e-5)
 
+def test_a_steps_joints_are_the_programs_their_pipeline_emitted_not_emitted_again(monkeypatch):
+    """A step's two rewritten joints, each its joint extraction alone (the step reads its loss), are the programs
+    their pipeline emitted (``Result.after``, the same objects: ``uses.joint_as_run``'s ``emitted``), not emitted again
+    and their texts compared with the pipeline's (``same_program`` prints both); each is the text a fresh emission of
+    its pipeline's choice makes (``vjp.as_emitted``), and the step's values are the step's as written."""
+    from rewrite.grad import uses, vjp
+    from rewrite.jaxpr.emit import emit
+
+    made: list = []
+    as_run = together._as_run
+
+    def spied(res, *args, **kwargs):
+        fresh = emit(res.snapshot, res.choice, res.egraph, res.before.in_avals, res.roots, None,
+                     res.before.jaxpr.debug_info)
+        got = as_run(res, *args, **kwargs)
+        made.append((got, res.after, fresh, vjp.as_emitted(res)))
+        return got
+
+    compared: list = []
+    same = uses.same_program
+    monkeypatch.setattr(uses, "same_program", lambda a, b: compared.append(1) or same(a, b))
+    monkeypatch.setattr(together, "_as_run", spied)
+    _, _, (got, want) = _step_program(monkeypatch, together.JOINT_ITERATIONS)
+    assert len(made) == 2, len(made)
+    for program, after, fresh, emitted in made:
+        assert emitted and program is after
+        assert str(fresh.jaxpr) == str(after.jaxpr) and same(fresh, after)
+    assert not compared, len(compared)
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=2e-4, atol=2e-5)
+
 def test_a_forward_rewritten_for_its_vjp_reads_its_plain_forward_off_its_own_egraph(monkeypatch):
     """A loss rewritten for its VJP (``grad_result``, or called under ``jax.grad``: ``grad.primitive.differentiating``)
     whose forward uses the ``jointly`` rules' nodes reads the forward without them off its own saturated e-graph

@@ -186,7 +186,8 @@ def same_choice(snap: Any, a: dict, b: dict, roots: Sequence[Any]) -> bool:
 def joint_as_run(snap: Any, eg: Any, joint: core.ClosedJaxpr, roots: Sequence[Any], before: core.ClosedJaxpr,
                  f_roots: Sequence[Any], choices: Sequence[dict], model: Any, value: bool | None = None,
                  seen: list[tuple[core.ClosedJaxpr, float]] | None = None,
-                 extracted: tuple[core.ClosedJaxpr, float] | None = None) -> core.ClosedJaxpr:
+                 extracted: tuple[core.ClosedJaxpr, float] | None = None, emitted: bool = False
+                 ) -> core.ClosedJaxpr:
     """``grad.vjp.rewrite_joint``'s program from the e-graph of ``joint`` (``roots``: outputs, then gradients) and
     its two extractions ``choices`` (the joint one first): the cheapest of each emitted whole and, where the two
     compute the outputs apart, the outputs as the first and the gradients as the second (:func:`emit_parts`), in
@@ -201,12 +202,23 @@ def joint_as_run(snap: Any, eg: Any, joint: core.ClosedJaxpr, roots: Sequence[An
     is the extraction's price in the saturated e-graph, not the program's loaded afresh: they agree within 1.7e-5
     (flax_long_context_step's 1.6e-5 and 5e-6, the GPT steps' 0-1.6e-6, flax_lm_step's equal), and every decision
     of the 24 ecosystem programs and of the decision corpus comes out the same (``benchmarks/results/log.md``,
-    h-long2). A joint left as loaded is priced as loaded either way, the same float."""
+    h-long2). A joint left as loaded is priced as loaded either way, the same float.
+
+    ``emitted``: ``extracted``'s program is the one the pipeline emitted from ``choices[0]`` (its ``Result.choice``)
+    from these ``roots`` with this ``joint``'s types (:func:`as_emitted`). Emission is a function of those, so where
+    the joint extraction alone is returned that program is it, the same text: it is returned, not emitted again and
+    its text compared with the pipeline's (:func:`rewrite.jaxpr.trace.same_program` prints both: 0.06-0.17 s of a
+    whole step's rewrite, its joints', 2-5%)."""
     first, grads = choices
     n_out = len(f_roots)
     debug = joint.jaxpr.debug_info
+    alone = same_choice(snap, first, grads, roots)  # one program: nothing to choose
+    if alone and emitted and extracted is not None:
+        if seen is not None and extracted[1] == extracted[1]:
+            seen.append(extracted)
+        return extracted[0]
     made = emit(snap, first, eg, joint.in_avals, roots, None, debug)
-    if same_choice(snap, first, grads, roots):  # one program: nothing to choose
+    if alone:
         if seen is not None and extracted is not None and extracted[1] == extracted[1] and same_program(
                 made, extracted[0]):  # (``made`` is emitted just now: no entry of ``seen`` can be it)
             seen.append((made, extracted[1]))
@@ -220,3 +232,14 @@ def joint_as_run(snap: Any, eg: Any, joint: core.ClosedJaxpr, roots: Sequence[An
     if seen is not None:  # (priced_uses compares programs by their text: only this call's, as before)
         seen.extend(priced)
     return programs[cheapest_use(uses, run_uses(before, without_outputs(before, n_out), value), model)]
+
+
+def as_emitted(res: Any) -> bool:
+    """Whether ``res.after`` is the program the pipeline emitted from ``res.choice`` (``res.snapshot``, ``res.roots``,
+    ``res.before``'s types and debug info: ``pipeline._extracted``'s emitter), as a kept result of
+    :func:`rewrite.pipeline.run_pipeline` or :func:`rewrite.pipeline.run_together` holds it: every ``after`` they
+    make is the emission of the extraction they keep (``Result.choice``; ``extract.policy.no_fatter``'s fallback
+    replaces both), but for the input itself kept (``extract.tie.on_xla_count``'s tie, the pipeline's ``as_loaded``
+    floor), which is ``res.before``, and a program the backend timed (``res.timing``), which may be another
+    candidate. ``tests/test_together.py`` checks it against a fresh emission on a step's two joints."""
+    return res.after is not res.before and res.timing is None and res.choice is not None

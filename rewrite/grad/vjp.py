@@ -65,7 +65,7 @@ from ..jaxpr.trace import Traced, same_program, spec_of
 from ..pipeline import extract_by_policy, program_cost, run_pipeline
 from ..records import Result, lap, out_of_time
 from .decide import Joint, decide, held_to_written, in_order, priced_joints
-from .uses import cheapest_use, emit_parts, inlined, joint_as_run, same_choice, uses_price, without_outputs
+from .uses import as_emitted, cheapest_use, emit_parts, inlined, joint_as_run, same_choice, uses_price, without_outputs
 
 log = logging.getLogger("rewrite")
 
@@ -540,7 +540,7 @@ def _as_run(res: Result, n_out: int, model: Any, entries: Sequence[Any], value: 
     joint = res.before
     f_roots, _, _, choices = _joint_choices(res, n_out, len(joint.in_avals), model, entries, value)
     return joint_as_run(res.snapshot, res.egraph, joint, res.roots, joint, f_roots, [c for _, c in choices], model,
-                        value, seen, (res.after, res.cost_after))
+                        value, seen, (res.after, res.cost_after), emitted=as_emitted(res))
 
 
 def split_joint(built: VJPResult) -> core.ClosedJaxpr:
