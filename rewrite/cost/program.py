@@ -185,25 +185,23 @@ def literal_repr(val: Any, options: str) -> str:
     programs replayed one after another read the same few constants in hundreds of equations."""
     if type(val) not in _ARRAYS or val.dtype.hasobject or val.nbytes > 64:
         return repr(val)
-    key = (type(val), val.dtype, val.shape, getattr(val, "weak_type", None), val.tobytes(), options)
-    found = _REPRS.get(key)
-    if found is None:
-        if len(_REPRS) >= _PRINTED_MOST:
-            _REPRS.clear()
-        found = _REPRS[key] = repr(val)
-    return found
+    return _printed(_REPRS, (type(val), val.dtype, val.shape, getattr(val, "weak_type", None), val.tobytes(), options),
+                    repr, val)
 
 
 def aval_str(aval: Any) -> str:
     """``str(aval)``, kept by the aval where it is a ``ShapedArray``: JAX interns those (one object for equal
     ones, whose fields fix the string)."""
-    if type(aval) is not core.ShapedArray:
-        return str(aval)
-    found = _AVAL_STRS.get(aval)
+    return str(aval) if type(aval) is not core.ShapedArray else _printed(_AVAL_STRS, aval, str, aval)
+
+
+def _printed(table: dict, key: Any, show: Callable[[Any], str], x: Any) -> str:
+    """``show(x)``, kept in ``table`` by ``key`` (the table emptied once it holds ``_PRINTED_MOST`` strings)."""
+    found = table.get(key)
     if found is None:
-        if len(_AVAL_STRS) >= _PRINTED_MOST:
-            _AVAL_STRS.clear()
-        found = _AVAL_STRS[aval] = str(aval)
+        if len(table) >= _PRINTED_MOST:
+            table.clear()
+        found = table[key] = show(x)
     return found
 
 
