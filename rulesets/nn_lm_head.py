@@ -199,7 +199,7 @@ def _loop(m: Any, site: Site, block: int, reads: Reads, columns: int, idx: Value
           target: Value | None = None, shapes: dict | None = None) -> tuple[list, list]:
     """Trace the loop for ``site`` into the e-graph: the pairs to union (maximum, normaliser, the sum), and the
     loop's results (:class:`~rulesets.nn_lm_head_kernels.Stats`' fields in order, those read)."""
-    if site.whole:  # the logits and exponentials are computed whole anyway: the loop would add its product, spare nothing
+    if site.whole:  # the logits and their exponentials are computed whole anyway: the loop cannot be chosen
         raise Declined("logits read whole")
     head, shapes = site.head, Stats(site.rmax.shape, site.target.shape)._replace(**(shapes or {}))
     kernel = blocked_loss(layout=head.layout, block=block, reads=reads._replace(shift=site.kind), columns=columns,
