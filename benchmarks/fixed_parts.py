@@ -13,7 +13,9 @@ into egglog (``load``) and the e-graphs taken from and given back to the pool (`
 the input program priced (``input price``), saturation, extraction (``emit`` apart, and ``min_saving``: the
 program extracted again without the nodes of rulesets that ask for a ``min_saving``; ``plain extraction``: a loss's
 forward extracted again without the ``jointly`` rules' nodes, ``pipeline.plain_program``), the memory tie's predictions
-(``tie``), the whole-step search's JAX traces of joints (``joint trace``, ``rederive``) and its proofs, the peaks
+(``tie``), the whole-step search's JAX traces of joints (``joint trace``, ``rederive``; a gradient program's JAX
+derivative of its loss as written, ``grad.vjp.as_written_vjp``, is a joint trace too) and its proofs, a VJP's
+``residual search`` (``grad.vjp.choose_residuals``: its splits priced whole, the cost model's work), the peaks
 its decision predicts of the joints it compares (``decision peaks``, ``grad.decide.Joint.peak``), the disk cache's key
 and store. ``floor`` is trace + load + pool + emit: what a rewrite of this design pays with no rule
 work and no decision made.
@@ -54,6 +56,8 @@ PARTS = (
     ("emit", "rewrite.jaxpr.emit", "emit", None),
     ("rederive", "rewrite.grad.step", "rederive", None),
     ("joint trace", "rewrite.grad.vjp", "joint_program", None),
+    ("joint trace", "rewrite.grad.vjp", "as_written_vjp", None),
+    ("residual search", "rewrite.grad.vjp", "choose_residuals", None),
     ("prove", "rewrite.grad.step", "prove", None),
     ("decision peaks", "rewrite.grad.decide", "peak", "Joint"),
 )

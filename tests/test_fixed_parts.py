@@ -38,3 +38,25 @@ def test_the_wrappers_are_taken_off_and_the_parts_add_up_to_the_rewrite():
     named = sum(v for k, v in row.items() if k not in ("program", "xla", "cpu", "other"))
     assert abs(named + row["other"] - row["cpu"]) < 1e-9
     assert "lineax_cg_solve" in F.table([row])
+
+
+def test_a_vjp_s_residual_search_is_a_part_of_its_own():
+    """A gradient program's residual search (``grad.vjp.choose_residuals``, its splits priced whole) is named, not
+    left in ``other``; so is JAX's derivative of the loss as written (``grad.vjp.as_written_vjp``), as a joint trace."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    import rewrite.grad.vjp as V
+    from rewrite import rewrite
+    from rulesets.algebra import algebra
+
+    def loss(x, w):
+        return jnp.sum(jnp.tanh(x @ w) ** 2)
+
+    x, w = np.ones((4, 8), np.float32), np.ones((8, 3), np.float32)
+    search, written = V.choose_residuals, V.as_written_vjp
+    with F.Parts().wrapped() as parts:
+        assert V.choose_residuals is not search and V.as_written_vjp is not written
+        rewrite(loss, rulesets=[algebra], cache=False).grad_result(x, w)
+    assert V.choose_residuals is search and V.as_written_vjp is written
+    assert "residual search" in parts.seconds, parts.seconds
