@@ -31,7 +31,7 @@ import numpy as np
 
 from rewrite import Params, Pat, Ruleset, Tolerance, Value, procedural, rule
 from rewrite.cache.fingerprint import Memo
-from rewrite.rules.match import SHIFT_OPS, Declined
+from rewrite.rules.match import SHIFT_OPS
 from rulesets._examples import f32, i32
 from rulesets.nn_lm_head_kernels import COLUMNS, Layout, Reads, Stats, blocked_loss, known_shift_kind, label_logit, \
     label_plus_terms, row_sums, shift_kind, smoothed_sum
@@ -95,7 +95,8 @@ def head_of(d: Value) -> Head | None:
         if not found:
             return None
         prod, bias = found[0][0], _vector_bias(found[0][1], x.shape)
-    params, (h, w) = dict(prod.node("dot_general").params), prod.node("dot_general").operands
+    params = dict(prod.node("dot_general").params)
+    h, w = prod.node("dot_general").operands
     (lc, rc), (lb, rb) = params["dimension_numbers"]
     hfree = [a for a in range(h.ndim) if a not in lc]
     wfree = [a for a in range(w.ndim) if a not in rc]
@@ -153,15 +154,14 @@ def _log_of(m: Any, total: Value) -> Value | None:
 
 class Site(NamedTuple):
     """A normaliser ``sum(exp(d - shift))`` that a token loop computes: the logits, the shift's kind, the
-    program's ``max(d)``, its ``log`` of the sum (or ``None``), the sum, the value the loop's second result
-    stands for (the log, else the sum), and whether the exponentials are read whole (``Match.exps_read_whole``)."""
+    program's ``max(d)``, its ``log`` of the sum (or ``None``), the sum, and the value the loop's second
+    result stands for (the log, else the sum)."""
     head: Head
     kind: str
     rmax: Value
     log: Value | None
     total: Value
     target: Value
-    whole: bool
 
 
 def _site(m: Any, d: Value, shift: Value, total: Value, axes: tuple, blocks: tuple, loop: bool | None) -> Site | None:
@@ -179,7 +179,7 @@ def _site(m: Any, d: Value, shift: Value, total: Value, axes: tuple, blocks: tup
     if kind is None:
         return None
     log = _log_of(m, total)
-    return Site(head, kind, rmax, log, total, total if log is None else log, m.exps_read_whole(d, shift))
+    return Site(head, kind, rmax, log, total, total if log is None else log)
 
 
 def _sites(m: Any, d: Value, blocks: tuple, loop: bool | None) -> Iterator[tuple[Value, Site]]:
@@ -199,9 +199,8 @@ def _loop(m: Any, site: Site, block: int, reads: Reads, columns: int, idx: Value
           target: Value | None = None, shapes: dict | None = None) -> tuple[list, list]:
     """Trace the loop for ``site`` into the e-graph: the pairs to union (maximum, normaliser, the sum), and the
     loop's results (:class:`~rulesets.nn_lm_head_kernels.Stats`' fields in order, those read)."""
-    if site.whole:  # the logits and exponentials are computed whole anyway: the loop would add its product, spare nothing
-        raise Declined("logits read whole")
-    head, shapes = site.head, Stats(site.rmax.shape, site.target.shape)._replace(**(shapes or {}))
+    head = site.head
+    shapes = Stats(site.rmax.shape, site.target.shape)._replace(**(shapes or {}))
     kernel = blocked_loss(layout=head.layout, block=block, reads=reads._replace(shift=site.kind), columns=columns,
                           shapes=shapes)
 

@@ -20,7 +20,6 @@ from hypothesis import example, given, settings, strategies as st
 import rulesets
 from rewrite import Ruleset, explain, rewrite
 from rulesets import nn_lm_head_kernels as kernels
-from rulesets import nn_lm_head as nn_lm_head_module
 from rulesets.nn_lm_head import BLOCKS, lm_head_rules, offered
 
 
@@ -307,26 +306,6 @@ def test_gradient_of_the_maximum_without_stop_gradient_is_declined():
     report = explain(f, h, W, rulesets=[NN])
     assert not lse_fired(report)
     for a, b in zip(jax.grad(rewrite(f, rulesets=[NN]), argnums=(0, 1))(h, W), jax.grad(f, argnums=(0, 1))(h, W)):
-        close(a, b, *TOLERANCE["float32"])
-
-
-def test_a_backward_as_written_that_reads_the_exponentials_declines_the_loop(monkeypatch):
-    """A step differentiated as written (the whole-step search off) reads ``exp(logits - shift)`` in its backward:
-    the logits are computed whole whatever the normaliser does, so the token loop is declined before it is built,
-    with its reason in ``explain`` (no ``blocked_loss`` traced); the step keeps its values."""
-    f = make("optax_int", "mean", True, False, False)
-    args = inputs(np.random.default_rng(5), 256, 32, 512)
-    built = []
-    monkeypatch.setattr(nn_lm_head_module, "blocked_loss", lambda **kw: built.append(kw) or kernels.blocked_loss(**kw))
-    step = lambda h, W, b, y, w: jax.value_and_grad(f, argnums=(0, 1, 2))(h, W, b, y, w)  # noqa: E731
-    report = explain(step, *args, rulesets=[NN], whole_step=False)
-    whole = {k: v["logits read whole"] for k, v in report.rejected.items() if v.get("logits read whole")}
-    assert not built and not blocked(report), report.fired
-    assert {"nn_lm_head_lse_128", "nn_lm_head_lse_label_128"} <= set(whole), report.rejected
-    assert "logits read whole" in report.summary()
-    want = step(*args)
-    for a, b in zip(jax.tree_util.tree_leaves(rewrite(step, rulesets=[NN], whole_step=False)(*args)),
-                    jax.tree_util.tree_leaves(want)):
         close(a, b, *TOLERANCE["float32"])
 
 

@@ -463,11 +463,6 @@ class Body:
         return f"<body scope={self.scope} outs={len(self.outs)}>"
 
 
-class Declined(Exception):
-    """Raised by a procedure, at any depth of its calls, to decline its match for a reason: the rule's stats (and
-    so ``explain``'s ``rejected``) count the match under ``str(reason)``, where a ``None`` counts as "declined"."""
-
-
 class Match:
     """One match of a procedural rule: its bindings, and the means to build a replacement.
 
@@ -682,17 +677,3 @@ class Match:
     def users(self, v: Value) -> list[tuple[Value, Node]]:
         """Every e-node that uses ``v`` directly, with the class it computes."""
         return self._engine.users(v)
-
-    def exps_read_whole(self, x: Value, shift: Value) -> bool:
-        """Whether the program reads ``exp(x - shift)`` by other than its sums along ``x``'s last axis (or nodes
-        of their classes): a softmax's exponentials read whole, as a backward as written reads them for the
-        logits' cotangent. A loop that yields those sums without ``x``, computing ``x`` a block at a time, then
-        spares neither: taken, it adds its product to the program and removes at most the sums."""
-        for sub, node in self.users(x):
-            if node.prim == "sub" and [o.name for o in node.operands] == [x.name, shift.name]:
-                for ex in [u for u, n in self.users(sub) if n.prim == "exp"]:
-                    readers, last = self.users(ex), (x.ndim - 1,)
-                    sums = {u.name for u, n in readers if n.prim == "reduce_sum" and tuple(n.params["axes"]) == last}
-                    if any(u.name not in sums for u, _ in readers):
-                        return True
-        return False

@@ -34,7 +34,7 @@ from ..ir.jaxapi import core
 from ..ir.intern import TYPES, types_agree
 from ..jaxpr.load import Unsupported, load_closed
 from .builder import Builder, OutOfTime
-from .match import Declined, Match, _short
+from .match import Match, _short
 from .pattern import commuted, present
 from .prefer import lhs_ctors
 from .rule import Rule
@@ -454,9 +454,6 @@ class Engine:
             result = rule.rhs(m)
         except (Unsupported, OutOfTime):
             raise
-        except Declined as e:  # a procedure's reasoned decline (``Match``'s ``Declined``)
-            stats.rejected[str(e)] += 1
-            return True
         except core.ShardingTypeError as e:
             # JAX will not build the replacement under the program's explicit mesh axes (a gather whose result
             # sharding it cannot resolve): the rule cannot build it, so it declines
