@@ -627,3 +627,46 @@ def test_a_plain_forward_saturated_apart_that_saves_less_than_its_floor_is_the_l
     rewrite(loss, rulesets=[nn_lm_head], cache=str(tmp_path)).result(h, w, y)  # stored, as flax_seq2seq_loss is
     made = rewrite(loss, rulesets=[nn_lm_head], cache=str(tmp_path)).grad_result(h, w, y)
     assert made is not None and made.decided and asked == [True], (asked, made.decided)
+
+
+def test_a_plain_forward_read_off_its_own_egraph_that_saves_less_than_its_floor_is_the_loss_as_written(monkeypatch):
+    """``pipeline.plain_program`` (the forward without the ``jointly`` rules' nodes, read off the forward's own
+    saturated e-graph) is extracted ``as_loaded``, as the plain forward saturated apart is: where its cheapest program
+    takes ``linalg``'s reordered product for less than its floor, the program without the floored rules' nodes is
+    not extracted again (the four whole steps' plain forwards: 0.06-0.11 s each), and the plain forward is the loss
+    itself, at the price the second extraction gave it. The VJP and its decision are those it made."""
+    import jax.numpy as jnp
+    import rulesets as packs
+    from rewrite.extract import policy
+    from rulesets.nn_lm_head import nn_lm_head
+    from tests.corpus import lm_head_case
+
+    lm, (h, w, y) = lm_head_case(1024, 128, 8192)
+    a = b = jnp.ones((128, 128))
+    loss = lambda h, w, y, a, b: lm(h @ a @ b, w, y)  # noqa: E731
+    seconds: list = []
+    extract = policy.extract
+    monkeypatch.setattr(policy, "extract", lambda *a, **k: seconds.append(1) or extract(*a, **k))
+    plains: list = []
+    plain_program = pipeline.plain_program
+
+    def recorded(*args):
+        seconds.clear()
+        after, cost = plain_program(*args)
+        plains.append((after is args[6], cost, len(seconds)))
+        return after, cost
+
+    monkeypatch.setattr(pipeline, "plain_program", recorded)
+
+    def built() -> tuple:
+        made = rewrite(loss, rulesets=[nn_lm_head, packs.linalg], cache=False).grad_result(h, w, y, a, b)
+        return str(made.fwd), str(made.bwd), made.decided
+
+    got = built()
+    by_policy = pipeline.extract_by_policy  # without as_loaded: the program without linalg's nodes extracted again
+    monkeypatch.setattr(pipeline, "extract_by_policy", lambda *a, **k: by_policy(*a))
+    want = built()
+    assert got[2] and got == want, (got[2], want[2])
+    (closed, cost, n), (closed_before, cost_before, n_before) = plains
+    assert closed and n == 0 and n_before == 1 and not closed_before
+    assert cost == cost_before
