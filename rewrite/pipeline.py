@@ -288,14 +288,7 @@ def plain_program(snap: Any, eg: Any, entries: Sequence[tuple[Rule, Ruleset]], r
     pass over the input program's nodes (``extract.policy.same_original_tree``: the nodes they built are none of
     the input's), which the forward's extraction made where it read ``snap`` itself (no ``jointly`` rule barred a
     form, :func:`_run`'s ``unbarred``, and no recomputing rule's node was withheld, ``extract_by_policy``). With its
-    price as extracted (``Result.plain_cost``).
-
-    Extracted ``as_loaded``, as the plain forward saturated apart is (``grad/vjp.py``'s ``decided_jointly``): where
-    the cheapest program takes floored rules' nodes for less than their ``min_saving``, the program without them is
-    not extracted, and where the floor so decided it the program is ``closed`` itself, not the input's candidate
-    emitted again (:func:`_run`'s rule). Before, that second extraction (0.06-0.11 s of a whole step) came out priced
-    alike the input in the four whole steps and flax_seq2seq_grad, and the memory tie (``on_xla_count``) returned
-    ``closed``: the same object (benchmarks/results/log.md, h-plain, forty-third session)."""
+    price as extracted (``Result.plain_cost``)."""
     jointly = frozenset(r.name for r, owner in entries if getattr(owner, "jointly", False))
     rest = [(r, owner) for r, owner in entries if r.name not in jointly]
     without, made = copy_without(snap, eg, jointly, original)
@@ -303,10 +296,8 @@ def plain_program(snap: Any, eg: Any, entries: Sequence[tuple[Rule, Ruleset]], r
         full, copy = shared(snap, model), shared(without, model)
         copy.share_prices(full)
         same_original_tree(full, copy, made, original)
-    ex = extract_by_policy(without, eg, rest, roots, model, original, as_loaded=True)
+    ex = extract_by_policy(without, eg, rest, roots, model, original)
     ex, after = _held_to_input(ex, closed, emit_choice, model)
-    if not ex.rewritten and not ex.lean and ex.candidates and ex.candidates[0].rewritten:
-        after = closed  # the cheapest, a rewrite, left as loaded by its floor: the input itself
     return after, ex.cost
 
 
