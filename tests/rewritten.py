@@ -18,19 +18,21 @@ from rewrite.api import Rewritten
 
 @dataclasses.dataclass(frozen=True)
 class Ran:
-    """The part of :class:`rewrite.Report` a test reads: ``fired`` (rule -> times it fired, those that did)
-    and ``after`` (the program that runs), with the whole ``result``."""
+    """The part of :class:`rewrite.Report` a test reads: ``fired`` (rule -> times it fired, those that did),
+    ``before`` and ``after`` (the program traced, and the one that runs), ``stopped`` (why saturation
+    stopped), with the whole ``result``."""
 
     fired: dict[str, int]
     after: Any
     before: Any
+    stopped: str
     result: Any
 
 
 def ran(g: Rewritten, *args: Any, **kwargs: Any) -> Ran:
-    """``explain(f, *args, ...).fired`` and ``.after``, read off ``g = rewrite(f, ...)`` (rewritten once, here or
+    """``explain(f, *args, ...).fired``, ``.before``, ``.after`` and ``.stopped``, read off ``g = rewrite(f, ...)`` (rewritten once, here or
     by an earlier call at the same signature, and kept for ``g(*args)``)."""
     assert isinstance(g, Rewritten), g
     result = g.result(*args, **kwargs)
     return Ran(fired={k: s.fired for k, s in result.stats.items() if s.fired}, after=result.after,
-               before=result.before, result=result)
+               before=result.before, stopped=result.stopped, result=result)
