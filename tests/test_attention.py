@@ -16,6 +16,8 @@ from hypothesis import given, settings, strategies as st
 from rewrite import AnalyticCost, explain, rewrite
 from rulesets.attention import attention, attention_with
 
+from .rewritten import ran
+
 #: The masked logits' fill: finfo.min, -1e30 or -inf in the logits' dtype, or -1e30 as a Python float
 #: (jnp.where converts it: a converted literal in the program).
 FILLS = {"finfo": None, "-1e30": -1e30, "-inf": -np.inf, "-1e30py": -1e30}
@@ -133,8 +135,8 @@ def test_forward_and_gradient_keep_values(case, dtype):
                   dtype, case["mask"])
     qb = case["query_block"]
     pack = query_blocks(*(() if qb is None else (qb,)))
-    report = explain(f, *args, rulesets=[pack], cost_model=STORED)
     g = rewrite(f, rulesets=[pack], cost_model=STORED, cache=False)
+    report = ran(g, *args)
     assert any(name.startswith("attn_") for name in report.fired), report.fired
     # the forward: a loop over key blocks, inside a loop over query blocks where they are offered
     assert sorted(int(t) for t in re.findall(r"length=(\d+)", str(report.after))) == sorted(
@@ -182,7 +184,7 @@ def test_float64():
     with jax.enable_x64(True):
         q, k, v = (jnp.asarray(rng.standard_normal((2, 512, 8))) for _ in range(3))
         g = rewrite(plain, rulesets=[attention])
-        assert "attn_" in " ".join(explain(plain, q, k, v, rulesets=[attention]).fired)
+        assert "attn_" in " ".join(ran(g, q, k, v).fired)
         np.testing.assert_allclose(g(q, k, v), plain(q, k, v), rtol=1e-12, atol=1e-13)
 
 
@@ -196,8 +198,8 @@ def test_gradient_under_jit_and_vmap(dtype, query_block):
     # float32, 10% bfloat16 (float16's bar is twice the original's own error, large here: the low-precision
     # test below catches 1%)
     pack = query_blocks(*([query_block] if query_block else []))
-    report = explain(plain, q[0], k[0], v[0], rulesets=[pack], cost_model=STORED)
     g = rewrite(plain, rulesets=[pack], cost_model=STORED, cache=False)
+    report = ran(g, q[0], k[0], v[0])
     fired = report.fired
     assert any(n.startswith("attn_") and ("_wide" in n) == (dtype != "float32") for n in fired), fired
     assert len(re.findall(r"length=", str(report.after))) == (2 if query_block else 1)
@@ -259,9 +261,9 @@ def test_low_precision_gradients_as_accurate_as_the_original(dtype, mask, softma
     dtype = jnp.dtype(dtype)
     f = make("bhnd", mask, "finfo", "logits", False, softmax == "f32")
     args = inputs(np.random.default_rng(7), "bhnd", 1, 2, 512, 8, dtype, mask)
-    report = explain(f, *args, rulesets=[attention])
-    assert any(name.startswith("attn_") for name in report.fired), report.fired
     g = rewrite(f, rulesets=[attention])
+    report = ran(g, *args)
+    assert any(name.startswith("attn_") for name in report.fired), report.fired
     cot = jnp.asarray(np.random.default_rng(8).standard_normal(args[0].shape[:-1] + (args[2].shape[-1],)),
                       jnp.float32)
 
@@ -295,7 +297,7 @@ def test_forward_mode(mode, dtype):
     q, k, v = (jnp.asarray(rng.standard_normal((2, 512, 8)), dtype) for _ in range(3))
     t = jnp.asarray(rng.standard_normal(q.shape), dtype)
     g = _plain_rewritten()
-    assert "attn_" in " ".join(explain(plain, q, k, v, rulesets=[attention]).fired)
+    assert "attn_" in " ".join(ran(g, q, k, v).fired)
 
     def run(f, q, k, v, t):
         return _FORWARD_MODES[mode](f, q, k, v, t)
@@ -338,8 +340,9 @@ def test_special_values_as_the_original(special):
         return jax.nn.softmax(s, axis=-1) @ v
 
     args = (jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(keep))
-    assert any(n.startswith("attn_") for n in explain(f, *args, rulesets=[attention]).fired)
-    close(rewrite(f, rulesets=[attention])(*args), f(*args), jnp.float32)
+    g = rewrite(f, rulesets=[attention])
+    assert any(n.startswith("attn_") for n in ran(g, *args).fired)
+    close(g(*args), f(*args), jnp.float32)
 
 
 @pytest.mark.parametrize("block", [512, 1024])
@@ -353,9 +356,9 @@ def test_every_offered_block_keeps_values_and_gradients(block, mask, dtype):
     dt = jnp.dtype(dtype)
     f = make("bhnd", mask, "finfo", "logits", True, dt != jnp.float32)
     args = inputs(np.random.default_rng(block), "bhnd", 1, 2, 2 * block, 8, dt, mask)
-    report = explain(f, *args, rulesets=[pack])
-    assert "length=2" in str(report.after), report.fired
     g = rewrite(f, rulesets=[pack], cache=False)
+    report = ran(g, *args)
+    assert "length=2" in str(report.after), report.fired
     grad = lambda fn, a: jax.jit(jax.grad(lambda q, k, v, b: fn(q, k, v, a[3], b).astype(jnp.float32).sum(),
                                           argnums=(0, 1, 2, 3)))(*a[:3], a[4])
     if dt == jnp.float32:
@@ -494,8 +497,8 @@ def test_grouped_query_heads(form):
     q = jnp.asarray(rng.standard_normal((1, 512, 8, 16)), jnp.float32)
     k, v = (jnp.asarray(rng.standard_normal((1, 512, 2, 16)), jnp.float32) for _ in range(2))
     pack = query_blocks(256)  # two blocks of queries, each over two blocks of keys
-    assert_nested(explain(f, q, k, v, rulesets=[pack], cost_model=STORED))
     g = rewrite(f, rulesets=[pack], cost_model=STORED, cache=False)
+    assert_nested(ran(g, q, k, v))
     close(g(q, k, v), f(q, k, v), jnp.float32)
     loss = lambda fn: (lambda *a: jnp.sum(jnp.sin(fn(*a))))
     for a, b in zip(jax.grad(loss(g), argnums=(0, 1, 2))(q, k, v), jax.grad(loss(f), argnums=(0, 1, 2))(q, k, v)):
@@ -512,8 +515,8 @@ def test_library_attention_layers(library):
     f, x = bench.layers(512)[library]
     x = x[:1]
     pack = query_blocks(256)  # two blocks of queries, each over two blocks of keys
-    assert_nested(explain(f, x, rulesets=[pack], cost_model=STORED))
     g = rewrite(f, rulesets=[pack], cost_model=STORED, cache=False)
+    assert_nested(ran(g, x))
     close(jax.jit(g)(x), jax.jit(f)(x), jnp.float32)
     loss = lambda fn: (lambda x: jnp.sum(jnp.sin(fn(x))))
     close(jax.grad(loss(g))(x), jax.grad(loss(f))(x), jnp.float32)
@@ -525,16 +528,17 @@ def test_query_blocks_under_forward_mode():
     rng = np.random.default_rng(5)
     q, k, v, t = (jnp.asarray(rng.standard_normal((2, 512, 8)), jnp.float32) for _ in range(4))
     pack = query_blocks(256)
-    assert_nested(explain(plain, q, k, v, rulesets=[pack], cost_model=STORED))
     g = rewrite(plain, rulesets=[pack], cost_model=STORED, cache=False)
+    assert_nested(ran(g, q, k, v))
     for mode, run in _FORWARD_MODES.items():
         for a, b in zip(jax.tree_util.tree_leaves(run(g, q, k, v, t)), jax.tree_util.tree_leaves(run(plain, q, k, v, t))):
             close(a, b, jnp.float32)
 
 
-def _loop_body(f, *args):
-    """The scan body of the blocked form ``f`` is rewritten to (the custom_vjp's forward loop)."""
-    after = explain(f, *args, rulesets=[attention], cost_model=STORED).after
+def _loop_body(g, *args):
+    """The scan body of the blocked form ``g`` (``f`` rewritten with the pack) runs (the custom_vjp's forward
+    loop)."""
+    after = ran(g, *args).after
     for e in after.eqns:
         if e.primitive.name == "custom_vjp_call":
             for x in e.params["call_jaxpr"].jaxpr.eqns:
@@ -563,8 +567,8 @@ def test_a_literal_scale_of_the_scores_is_applied_to_q_once(d, dtype, moved):
         s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(d).astype(q.dtype)
         return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
 
-    assert _scales_the_scores(_loop_body(f, q, k, v), 256) != moved
     g = rewrite(f, rulesets=[attention], cost_model=STORED)
+    assert _scales_the_scores(_loop_body(g, q, k, v), 256) != moved
     close(jax.jit(g)(q, k, v), jax.jit(f)(q, k, v), dtype)
     loss = lambda fn: (lambda *a: jnp.sum(jnp.sin(fn(*a).astype(jnp.float32))))
     for a, b in zip(jax.grad(loss(g), argnums=(0, 1, 2))(q, k, v), jax.grad(loss(f), argnums=(0, 1, 2))(q, k, v)):
@@ -578,9 +582,11 @@ def test_a_scale_that_would_enlarge_q_or_is_not_a_literal_stays_in_the_loop():
     attend = lambda s, v: jax.nn.softmax(s, axis=-1) @ v
     small = lambda q, k, v: attend(q @ jnp.swapaxes(k, -1, -2) / 0.01, v)
     passed = lambda q, k, v, c: attend(q @ jnp.swapaxes(k, -1, -2) / c, v)
-    assert _scales_the_scores(_loop_body(small, q, k, v), 256)
-    assert _scales_the_scores(_loop_body(passed, q, k, v, jnp.float32(8.0)), 256)
-    close(rewrite(small, rulesets=[attention])(q, k, v), small(q, k, v), jnp.float32)
+    small_rewritten = rewrite(small, rulesets=[attention], cost_model=STORED)
+    assert _scales_the_scores(_loop_body(small_rewritten, q, k, v), 256)
+    assert _scales_the_scores(_loop_body(rewrite(passed, rulesets=[attention], cost_model=STORED),
+                                         q, k, v, jnp.float32(8.0)), 256)
+    close(small_rewritten(q, k, v), small(q, k, v), jnp.float32)
 
 
 
@@ -607,8 +613,8 @@ def test_whole_row_parameters_under_large_cotangents_in_bfloat16(seed):
             np.array(0.7), rng.standard_normal(n), rng.standard_normal((n, 1))]
     args = [jnp.asarray(x, jnp.bfloat16) for x in wide[:3]] + [jnp.asarray(x, jnp.float32) for x in wide[3:]]
     cot = rng.standard_normal((2, n, 8)) * 100
-    assert any(name.startswith("attn_") for name in explain(_tempered, *args, rulesets=[attention]).fired)
     g = rewrite(_tempered, rulesets=[attention], cache=False)
+    assert any(name.startswith("attn_") for name in ran(g, *args).fired)
 
     def grads(fn, a, c):
         return jax.jit(jax.grad(lambda *a: jnp.sum(fn(*a).astype(c.dtype) * c), argnums=(3, 4, 5)))(*a)
@@ -648,8 +654,8 @@ def test_soft_capped_logits_after_a_scale(d, dtype, form):
     rng = np.random.default_rng(d)
     wide = [rng.standard_normal((1, 512, 2, d)) * 3 for _ in range(3)]
     args = [jnp.asarray(x, dtype) for x in wide]
-    assert any(name.startswith("attn_") for name in explain(f, *args, rulesets=[attention]).fired)
     g = rewrite(f, rulesets=[attention], strict=True, cache=False)
+    assert any(name.startswith("attn_") for name in ran(g, *args).fired)
     loss = lambda fn: jax.jit(jax.grad(lambda *a: jnp.sum(jnp.sin(fn(*a).astype(jnp.float32))), argnums=(0, 1, 2)))
     got, want = [g(*args)] + list(loss(g)(*args)), [jax.jit(f)(*args)] + list(loss(f)(*args))
     if dtype == "float32":

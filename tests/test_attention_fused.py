@@ -18,6 +18,7 @@ from rewrite import Limits, Ruleset, explain, rewrite, rule
 from rulesets import _fused_attention as fused_mod
 from rulesets.attention import attention, attention_with
 
+from .rewritten import ran
 from .test_attention import close, inputs, make
 
 #: The pack's rules building the fused call's XLA implementation, preferred: where a rule built the fused call,
@@ -73,10 +74,10 @@ def test_fused_call_keeps_values_and_gradients(xla_call, case):
     f = make(case["layout"], case["mask"], case["fill"], case["scale_on"], case["bias"], cast)
     args = inputs(np.random.default_rng(case["seed"]), case["layout"], case["b"], case["h"], 512, 8, dtype,
                   case["mask"])
-    after = [e.primitive.name for e in explain(f, *args, rulesets=[PREFERRED], limits=ONE_ROUND).after.eqns]
+    g = rewrite(f, rulesets=[PREFERRED], limits=ONE_ROUND)
+    after = [e.primitive.name for e in ran(g, *args).after.eqns]
     assert any(xla_call), "no match was mapped onto the fused call"
     assert "custom_vjp_call" not in after, "the blocked form was built where the fused call applies"
-    g = rewrite(f, rulesets=[PREFERRED], limits=ONE_ROUND)
     close(g(*args), jax.jit(f)(*args), dtype)
     if dtype != jnp.bfloat16:
         for a, b in zip(_grads(g, args), _grads(f, args)):
@@ -115,10 +116,10 @@ def test_what_the_fused_call_cannot_compute_keeps_the_blocked_form(xla_call, for
     args = inputs(np.random.default_rng(5), "bhnd", 1, 2, n, 8, jnp.float32, mask)
     if form == "causal_fewer_queries":
         args[0] = args[0][:, :, :256]
-    fired = explain(f, *args, rulesets=[PREFERRED], limits=ONE_ROUND).fired
+    g = rewrite(f, rulesets=[PREFERRED], limits=ONE_ROUND)
+    fired = ran(g, *args).fired
     assert any(name.startswith("attn_") for name in fired), fired
     assert xla_call and not any(xla_call), xla_call
-    g = rewrite(f, rulesets=[PREFERRED], limits=ONE_ROUND)
     close(g(*args), jax.jit(f)(*args), jnp.float32)
 
 
@@ -172,9 +173,9 @@ def test_library_layers_map_onto_the_fused_call(xla_call, library):
     else:
         f, x = bench.layers(512)[library]
         args = [x]
-    explain(f, *args, rulesets=[PREFERRED], limits=ONE_ROUND)
-    assert xla_call and all(xla_call), xla_call
     g = rewrite(f, rulesets=[PREFERRED], limits=ONE_ROUND)
+    ran(g, *args)
+    assert xla_call and all(xla_call), xla_call
     close(jax.jit(g)(*args), jax.jit(f)(*args), jnp.float32)
     loss = lambda fn: (lambda *a: jnp.sum(jnp.sin(fn(*a))))  # noqa: E731
     for a, b in zip(jax.grad(loss(g), argnums=tuple(range(len(args))))(*args),
@@ -226,9 +227,9 @@ def test_jax_dot_product_attention_maps_onto_the_fused_call(xla_call, causal, kv
     def f(q, k, v):
         return jax.nn.dot_product_attention(q, k, v, is_causal=causal)
 
-    explain(f, q, k, v, rulesets=[PREFERRED], limits=ONE_ROUND)
-    assert xla_call and all(xla_call), xla_call
     g = rewrite(f, rulesets=[PREFERRED], limits=ONE_ROUND)
+    ran(g, q, k, v)
+    assert xla_call and all(xla_call), xla_call
     close(jax.jit(g)(q, k, v), jax.jit(f)(q, k, v), dtype)
     if dtype == "float32":
         loss = lambda fn: (lambda *a: jnp.sum(jnp.sin(fn(*a))))  # noqa: E731
@@ -243,9 +244,9 @@ def test_fused_call_under_jvp_vmap_and_jit(xla_call, dtype):
     rng = np.random.default_rng(12)
     q, k, v = (jnp.asarray(rng.standard_normal((3, 1, 512, 2, 8)), dtype) for _ in range(3))
     attend = lambda fn: (lambda q, k, v: fn(q, k, v, None, None))  # noqa: E731
-    explain(attend(f), q[0], k[0], v[0], rulesets=[PREFERRED], limits=ONE_ROUND)
-    assert xla_call and all(xla_call), xla_call
     g = rewrite(attend(f), rulesets=[PREFERRED], limits=ONE_ROUND)
+    ran(g, q[0], k[0], v[0])
+    assert xla_call and all(xla_call), xla_call
     t = tuple(jnp.ones_like(x[0]) for x in (q, k, v))
     for wrap in (lambda h: h, jax.jit):
         for a, b in zip(wrap(lambda *p: jax.jvp(g, p, t))(q[0], k[0], v[0]),

@@ -33,6 +33,8 @@ from rewrite.testing._magnitude import jvp_magnitudes
 from benchmarks.linalg import dot_flops
 from rulesets.linalg import MIN_SAVING, linalg
 
+from .rewritten import ran
+
 RULES = {r.name: r for r in linalg}
 
 
@@ -177,10 +179,11 @@ def test_chains_take_the_optimal_order(seed):
     dims = [int(x) for x in rng.integers(1, 65, size=n + 1)]
     shapes = [(dims[i], dims[i + 1]) for i in range(n)]
     args = [jnp.asarray(rng.standard_normal(s), jnp.float32) for s in shapes]
-    report = explain(_chain, *args, rulesets=[linalg])
+    g = rewrite(_chain, rulesets=[linalg])
+    report = ran(g, *args)
     assert report.stopped == "saturated"
     assert dot_flops(report.after) == _optimal_flops(shapes)
-    np.testing.assert_allclose(rewrite(_chain, rulesets=[linalg])(*args), _chain(*args), rtol=2e-4, atol=2e-4)
+    np.testing.assert_allclose(g(*args), _chain(*args), rtol=2e-4, atol=2e-4)
 
 
 # ---------------------------------------------------------------------- chains fuzzed against the optimum
@@ -312,11 +315,12 @@ def test_linear_attention_with_heads_multiplies_keys_and_values_first():
 
     rng = np.random.default_rng(0)
     q, k, v = (jnp.asarray(rng.standard_normal((2, 3, 256, 16)), jnp.float32) for _ in range(3))
-    report = explain(attention, q, k, v, rulesets=[linalg])
+    g = rewrite(attention, rulesets=[linalg])
+    report = ran(g, q, k, v)
     shapes = [tuple(e.outvars[0].aval.shape) for e in report.after.eqns if e.primitive.name == "dot_general"]
     assert (2, 3, 16, 16) in shapes and (2, 3, 256, 256) not in shapes
     assert dot_flops(report.after) < dot_flops(report.before) / 10
-    np.testing.assert_allclose(rewrite(attention, rulesets=[linalg])(q, k, v), attention(q, k, v), rtol=1e-3, atol=1e-3)
+    np.testing.assert_allclose(g(q, k, v), attention(q, k, v), rtol=1e-3, atol=1e-3)
 
 
 def _softmax_attention(probs_left: bool, scale_rows: bool = False, read_elsewhere: bool = False):
@@ -378,9 +382,10 @@ def test_programs_in_their_best_form_keep_their_flops(fn, shapes):
 def test_reductions_and_traces_of_products_skip_the_product():
     a, b = jnp.ones((256, 128)), jnp.ones((128, 256))
     for fn in (lambda a, b: jnp.sum(a @ b, axis=0), lambda a, b: jnp.trace(a @ b)):
-        report = explain(fn, a, b, rulesets=[linalg])
+        g = rewrite(fn, rulesets=[linalg])
+        report = ran(g, a, b)
         assert dot_flops(report.after) < dot_flops(report.before) / 100, report.after
-        np.testing.assert_allclose(rewrite(fn, rulesets=[linalg])(a, b), fn(a, b), rtol=1e-5)
+        np.testing.assert_allclose(g(a, b), fn(a, b), rtol=1e-5)
 
 
 def test_distributivity_factors_a_shared_operand():
@@ -416,7 +421,7 @@ def test_gradients_of_a_rewritten_product_match():
     rng = np.random.default_rng(3)
     q, k, v = (jnp.asarray(rng.standard_normal((64, 8)), jnp.float32) for _ in range(3))
     fast = rewrite(f, rulesets=[linalg])
-    assert explain(f, q, k, v, rulesets=[linalg]).fired
+    assert ran(fast, q, k, v).fired
     for got, want in zip(jax.grad(fast, argnums=(0, 1, 2))(q, k, v), jax.grad(f, argnums=(0, 1, 2))(q, k, v)):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
 

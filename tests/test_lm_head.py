@@ -22,6 +22,8 @@ from rewrite import Ruleset, explain, rewrite
 from rulesets import nn_lm_head_kernels as kernels
 from rulesets.nn_lm_head import BLOCKS, lm_head_rules, offered
 
+from .rewritten import ran
+
 
 def nn_with(head: Ruleset) -> Ruleset:
     """``rulesets.nn`` with its LM head configured otherwise."""
@@ -257,9 +259,9 @@ def test_special_values_as_the_original(special, form):
             return optax.softmax_cross_entropy(logits, optax.smooth_labels(jax.nn.one_hot(y, V), 0.1))
         return -jnp.take_along_axis(jax.nn.log_softmax(logits), y[:, None], axis=-1)[:, 0]
 
-    report = explain(f, *args, rulesets=[NN])
-    assert blocked(report), report.fired
     g = rewrite(f, rulesets=[NN])
+    report = ran(g, *args)
+    assert blocked(report), report.fired
     out, want = g(*args), jax.jit(f)(*args)
     # (every row of a smoothed loss reads the infinite weight's logit)
     assert np.isfinite(np.asarray(want)).sum() or special == "all_masked" or (form, special) == ("optax_smooth", "inf_w")
@@ -285,8 +287,8 @@ def test_labels_out_of_range_as_the_original():
                 return optax.softmax_cross_entropy_with_integer_labels(logits, y)
             return optax.softmax_cross_entropy(logits, jax.nn.one_hot(y, V))
 
-        assert blocked(explain(f, h, W, y, rulesets=[NN]))
         g = rewrite(f, rulesets=[NN])
+        assert blocked(ran(g, h, W, y))
         close(g(h, W, y), jax.jit(f)(h, W, y), *TOLERANCE["float32"])
         # and the gradient: an out-of-range label's row gets the normaliser's term alone, as the gather's
         # transpose drops the label's (the loop adds no label cotangent where the gather filled)
@@ -303,9 +305,9 @@ def test_gradient_of_the_maximum_without_stop_gradient_is_declined():
         return jnp.mean(jnp.log(jnp.sum(jnp.exp(z - m), axis=-1)) + m[:, 0])
 
     h, W = inputs(np.random.default_rng(3), N, C, V)[:2]
-    report = explain(f, h, W, rulesets=[NN])
-    assert not lse_fired(report)
-    for a, b in zip(jax.grad(rewrite(f, rulesets=[NN]), argnums=(0, 1))(h, W), jax.grad(f, argnums=(0, 1))(h, W)):
+    g = rewrite(f, rulesets=[NN])
+    assert not lse_fired(ran(g, h, W))
+    for a, b in zip(jax.grad(g, argnums=(0, 1))(h, W), jax.grad(f, argnums=(0, 1))(h, W)):
         close(a, b, *TOLERANCE["float32"])
 
 
@@ -445,9 +447,9 @@ def test_smoothed_labels_hold_no_logits(traced_alpha, dtype):
 
     h, W, b, y, _ = inputs(np.random.default_rng(8), N, C, V)
     args = (h, W, b, y, jnp.float32(0.2))
-    report = explain(f, *args, rulesets=[NN])
-    assert "nn_lm_head_smooth" in report.fired and blocked(report), report.fired
     g = rewrite(f, rulesets=[NN])
+    report = ran(g, *args)
+    assert "nn_lm_head_smooth" in report.fired and blocked(report), report.fired
     close(g(*args), jax.jit(f)(*args), *TOLERANCE[dtype])
     grad = lambda fn: jax.jit(jax.grad(fn, argnums=(0, 1, 2, 4)))
     for a, b in zip(grad(g)(*args), grad(f)(*args)):
@@ -485,7 +487,7 @@ def test_column_blocks_under_vjp_and_jvp(dtype):
         return optax.softmax_cross_entropy_with_integer_labels((h @ W).astype(jnp.float32), y).mean()
 
     g = rewrite(f, rulesets=packs)
-    assert blocked(explain(f, h, W, rulesets=packs))
+    assert blocked(ran(g, h, W))
     rtol, atol = TOLERANCE["float32" if dtype == "float32" else "bfloat16"]
     def pullback(fn):
         return lambda h, W: jax.vjp(fn, h, W)[1](jnp.float32(1.0))
@@ -515,8 +517,8 @@ def test_a_label_gather_with_indices_narrower_than_the_vocabulary(mode):
     rng = np.random.default_rng(5)
     h, W = inputs(rng, N, C, V)[:2]
     y = jnp.asarray(rng.integers(-128, 128, N), jnp.int8).at[:3].set(jnp.asarray([127, -1, 0], jnp.int8))
-    assert any(k.startswith("nn_lm_head_lse_label_") for k in explain(f, h, W, y, rulesets=[NN]).fired)
     g = rewrite(f, rulesets=[NN])
+    assert any(k.startswith("nn_lm_head_lse_label_") for k in ran(g, h, W, y).fired)
     close(g(h, W, y), jax.jit(f)(h, W, y), *TOLERANCE["float32"])
     grad = lambda fn: jax.jit(jax.grad(lambda h, W: jnp.nansum(fn(h, W, y)), argnums=(0, 1)))  # noqa: E731
     for a, b in zip(grad(g)(h, W), grad(f)(h, W)):

@@ -5,6 +5,8 @@ proven, one iteration at a time, to run the layer's VJP, and replaced by loops o
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -99,17 +101,40 @@ def _scan_step(remat: bool, dtype: str = "float32"):
     return step
 
 
+def _scan_args(dtype: str, scale: float, seed: int) -> list:
+    dt = jnp.dtype(dtype)
+    k = jax.random.split(jax.random.PRNGKey(seed), 4)
+    return [(jax.random.normal(k[0], (3, 2, 8, 8)) * scale).astype(dt), jax.random.normal(k[1], (8, 4)).astype(dt),
+            jax.random.normal(k[2], (16, 8)).astype(dt), jnp.arange(16) % 4]
+
+
+@functools.lru_cache(maxsize=None)
+def _scan_step_replaced(remat: bool, dtype: str) -> tuple:
+    """``_scan_step(remat)`` at ``dtype``, and its program with the backward layer loop replaced
+    (``rulesets.algebra``): once per ``remat`` and dtype, since the program traced, and so what ``find_losses``
+    finds in it, depends on the arguments' shapes and dtypes, not on their values (the examples' scale and seed)."""
+    step = _scan_step(remat)
+    changed, finding = _replaced(step, _scan_args(dtype, 1.0, 0), packs=[rulesets.algebra])
+    assert changed is not None and any("backward layer loop" in r for r in finding.replaced), str(finding)
+    return step, changed, finding
+
+
 def _small_scan_step_replaced(remat: bool, dtype: str, scale: float, seed: int) -> tuple:
     """``_scan_step(remat)`` at ``dtype`` with its layers' weights scaled by ``scale``: its backward layer loop
     is replaced (``rulesets.algebra``)."""
-    dt = jnp.dtype(dtype)
-    k = jax.random.split(jax.random.PRNGKey(seed), 4)
-    args = [(jax.random.normal(k[0], (3, 2, 8, 8)) * scale).astype(dt), jax.random.normal(k[1], (8, 4)).astype(dt),
-            jax.random.normal(k[2], (16, 8)).astype(dt), jnp.arange(16) % 4]
-    step = _scan_step(remat)
-    changed, finding = _replaced(step, args, packs=[rulesets.algebra])
-    assert changed is not None and any("backward layer loop" in r for r in finding.replaced), str(finding)
-    return step, args, changed, finding
+    step, changed, finding = _scan_step_replaced(remat, dtype)
+    return step, _scan_args(dtype, scale, seed), changed, finding
+
+
+def test_the_scan_step_is_rewritten_once_per_dtype_whatever_its_values():
+    """The memo the value tests share: a second example at the same dtype reads the first's rewrite, which is the
+    rewrite of its own arguments (the same program)."""
+    _scan_step_replaced.cache_clear()
+    step, args, changed, _ = _small_scan_step_replaced(True, "float32", 0.0, 1)
+    assert _small_scan_step_replaced(True, "float32", -2.0, 7)[2] is changed
+    assert _scan_step_replaced.cache_info().hits == 1
+    again, _ = _replaced(step, args, packs=[rulesets.algebra])
+    assert str(again) == str(changed)
 
 
 @settings(max_examples=6, deadline=None)
