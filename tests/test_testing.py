@@ -501,3 +501,33 @@ def test_random_program_listing_reads():
              settings=settings(max_examples=1000, database=None))
     text = repr(p)
     assert text.startswith("RandomProgram(v0: float32") and "scan(" in text and "return v" in text
+
+
+def test_check_rule_builds_each_draws_strategy_once_and_draws_the_same_examples(monkeypatch):
+    """check_ruleset draws each example's inputs and tangents from strategies built once, not per example
+    (their construction and hypothesis's validation were 8% of a pack's check), and draws exactly the
+    examples a fresh strategy per draw gave: ``x - -y``'s two exact inputs must not share one object (the
+    generator would copy one into the other)."""
+    from rewrite.testing import _check_rule
+
+    sub_neg = Ruleset("r", [rule(lambda x, y: x - (-y), lambda x, y: x + y, name="sub_neg")])
+
+    evaluate = _check_rule._evaluate
+
+    def drawn(strategies):
+        seen = []
+        monkeypatch.setattr(_check_rule, "_evaluate", lambda closed, args: seen.append(
+            [np.asarray(a).tobytes() for a in args]) or evaluate(closed, args))
+        monkeypatch.setattr(_check_rule, "arrays", strategies)
+        report = check_ruleset(sub_neg, max_examples=10)
+        return seen, report
+
+    built = []
+    fresh = _check_rule._fresh_arrays
+    monkeypatch.setattr(_check_rule, "_fresh_arrays", lambda *a: built.append(a) or fresh(*a))
+    _check_rule._built.cache_clear()
+    cached, report = drawn(_check_rule.arrays)
+    cases = len(report.rules["sub_neg"].cases)
+    assert report.examples == 10 and cases >= 2
+    assert len(built) <= 4 * cases, len(built)  # x, y and their two tangents, per case: not per example
+    assert drawn(arrays)[0] == cached  # a fresh strategy per draw, as before: the same examples

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from hypothesis import given
+from hypothesis.control import _current_build_context
 from hypothesis import strategies as st
 from jax import lax
 
@@ -41,11 +42,44 @@ from ..rules.ruleset import Ruleset, Tolerance, entries_of
 from ._compare import Float64Results, _Evidence, _show, _spreads, derivative_mismatch
 from ._magnitude import jvp_magnitudes, magnitudes, vjp_magnitudes
 from ._run import _cotangents, _differentiable, _evaluate, _tangents, as_written
-from ._strategies import _into_domain, _is_float, _settings, _wide, arrays
+from ._strategies import _into_domain, _is_float, _settings, _wide
+from ._strategies import arrays as _fresh_arrays
 
 
 #: The least relative tolerance on derivatives outside the exact class (for float32; scaled by epsilon).
 _DERIVATIVE_RTOL = 1e-3
+
+def arrays(shape: tuple[int, ...], dtype: Any, soundness: str = "exact", domain: str = "any") -> Any:
+    """:func:`rewrite.testing.arrays`, built once and reused by every example, as the example's n-th draw of
+    its signature.
+
+    A strategy is a pure function of its four arguments, so the same object draws the same values from the
+    same choices; a fresh one per example cost its construction and hypothesis's validation at its first
+    draw. One object per draw of an example, not per signature: hypothesis's generator copies values between
+    draws whose strategies have the same label, and an ``exact`` strategy's label hashes its NaN special,
+    which hashes by identity, so two fresh strategies never share one; a shared object would, and would
+    draw other examples (``x - -y``'s ``x`` copied into ``y``). The name stays ``arrays`` so that
+    ``_check_rule``'s ``run`` reads as before: a derandomized profile seeds each test from its source.
+    """
+    key = (tuple(shape), np.dtype(dtype), soundness, domain)
+    context = _current_build_context.value
+    if context is None:
+        return _fresh_arrays(*key)
+    if _DRAWS[0] is not context.data:
+        _DRAWS[:] = [context.data, {}]
+    nth = _DRAWS[1][key] = _DRAWS[1].get(key, -1) + 1
+    return _built(*key, nth)
+
+
+@functools.lru_cache(maxsize=1024)
+def _built(shape: tuple[int, ...], dtype: Any, soundness: str, domain: str, nth: int) -> Any:
+    """The strategy for an example's ``nth`` draw with this signature (bounded: least recently used go)."""
+    return _fresh_arrays(shape, dtype, soundness, domain)
+
+
+#: The example whose draws ``arrays`` counts (its ``ConjectureData``), and the draws so far by signature.
+_DRAWS: list[Any] = [None, {}]
+
 
 def _trace_at(fn: Callable[..., Any], avals: Sequence[Any]):
     in_tree = jax.tree_util.tree_structure((tuple(range(len(avals))), {}))
