@@ -30,8 +30,8 @@ class Ran:
 
 
 def ran(g: Rewritten, *args: Any, **kwargs: Any) -> Ran:
-    """``explain(f, *args, ...).fired``, ``.before``, ``.after`` and ``.stopped``, read off ``g = rewrite(f, ...)`` (rewritten once, here or
-    by an earlier call at the same signature, and kept for ``g(*args)``)."""
+    """``explain(f, *args, ...).fired``, ``.before``, ``.after`` and ``.stopped``, read off ``g = rewrite(f, ...)``
+    (rewritten once, here or by an earlier call at the same signature, and kept for ``g(*args)``)."""
     assert isinstance(g, Rewritten), g
     result = g.result(*args, **kwargs)
     return Ran(fired={k: s.fired for k, s in result.stats.items() if s.fired}, after=result.after,

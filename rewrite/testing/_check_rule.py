@@ -44,7 +44,6 @@ from ._run import _cotangents, _differentiable, _evaluate, _tangents, as_written
 from ._strategies import _into_domain, _is_float, _settings, _wide
 from ._strategies import arrays as _fresh_arrays
 
-
 try:  # hypothesis's private handle on the example being built (hypothesis.control since 2016); where a version
     # lacks it, every draw builds its strategy afresh, as before the reuse (the same examples, more slowly)
     from hypothesis.control import _current_build_context
@@ -53,6 +52,7 @@ except ImportError:  # pragma: no cover - depends on the installed hypothesis
 
 #: The least relative tolerance on derivatives outside the exact class (for float32; scaled by epsilon).
 _DERIVATIVE_RTOL = 1e-3
+
 
 def arrays(shape: tuple[int, ...], dtype: Any, soundness: str = "exact", domain: str = "any") -> Any:
     """:func:`rewrite.testing.arrays`, built once and reused by every example, as the example's n-th draw of
