@@ -188,11 +188,37 @@ def test_float64():
         np.testing.assert_allclose(g(q, k, v), plain(q, k, v), rtol=1e-12, atol=1e-13)
 
 
+def _sin_sum_grad(fn):
+    """The gradient of ``sum(sin(fn(q, k, v)))`` with respect to ``q``, ``k`` and ``v``."""
+    return jax.grad(lambda q, k, v: jnp.sum(jnp.sin(fn(q, k, v))), argnums=(0, 1, 2))
+
+
+@functools.lru_cache(maxsize=None)
+def _plain_gradients(dtype):
+    """``test_gradient_under_jit_and_vmap``'s inputs at ``dtype`` (``q``, ``k``, ``v`` of three batch rows, the
+    cotangent ``ct``) and what ``plain``'s derivatives give there, run op by op: its gradient at the first row, under
+    ``vmap`` over the three, and its VJP at ``ct``; in float16 each in float64 too (``None`` otherwise). The same for
+    every query block, so computed once per dtype, not once per test (float16's float64 references were computed
+    five times a test). The float64 references are compiled."""
+    rng = np.random.default_rng(1)
+    q, k, v = (jnp.asarray(rng.standard_normal((3, 2, 512, 8)) + shift, dtype) for shift in (0.0, 0.0, 1.0))
+    ct = jnp.asarray(rng.standard_normal(q[0].shape), dtype)  # jax.vjp's: not the ones of a sum
+
+    def derivatives(q, k, v, ct):
+        return {"grad": _sin_sum_grad(plain)(q[0], k[0], v[0]), "vmap": jax.vmap(_sin_sum_grad(plain))(q, k, v),
+                "vjp": jax.vjp(plain, q[0], k[0], v[0])[1](ct)}
+
+    want, ref = derivatives(q, k, v, ct), None
+    if dtype == "float16":  # float64 compiled: op by op it was 3.6 s of CPU (each operation compiled), compiled 0.6
+        with jax.enable_x64(True):
+            ref = jax.jit(derivatives)(*(x.astype(jnp.float64) for x in (q, k, v, ct)))
+    return (q, k, v, ct), want, ref
+
+
 @pytest.mark.parametrize("query_block", [None, 256])  # the pack as it is (every query at once here), or blocks
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])  # half: jax.nn.softmax's float32 sum (_wide)
 def test_gradient_under_jit_and_vmap(dtype, query_block):
-    rng = np.random.default_rng(1)
-    q, k, v = (jnp.asarray(rng.standard_normal((3, 2, 512, 8)) + shift, dtype) for shift in (0.0, 0.0, 1.0))
+    (q, k, v, ct), want, ref = _plain_gradients(dtype)
     # v's mean is 1, so that the output is not ~0 (nearly uniform weights average zero-mean rows to ~0) and the
     # backward's row term (the cotangent times the output) weighs in the gradient: a 1% error there fails
     # float32, 10% bfloat16 (float16's bar is twice the original's own error, large here: the low-precision
@@ -203,31 +229,23 @@ def test_gradient_under_jit_and_vmap(dtype, query_block):
     fired = report.fired
     assert any(n.startswith("attn_") and ("_wide" in n) == (dtype != "float32") for n in fired), fired
     assert len(re.findall(r"length=", str(report.after))) == (2 if query_block else 1)
-    loss = lambda fn: (lambda q, k, v: jnp.sum(jnp.sin(fn(q, k, v))))
-    ct = jnp.asarray(rng.standard_normal(q[0].shape), dtype)  # jax.vjp's: not the ones of a sum
     vjp_of = lambda fn: (lambda q, k, v: jax.vjp(fn, q, k, v)[1](ct))
 
-    def check(got, want, ref_of):
+    def check(got, kind):
         # float16: the original's own gradient errs up to 100x more than the rewritten one here (dq 4.6e-3 vs
         # 4.0e-5 against float64), so both are held to float64; the other dtypes to the original directly.
         if dtype != "float16":
-            for a, b in zip(got, want):
+            for a, b in zip(got, want[kind]):
                 close(a, b, dtype)
             return
-        with jax.enable_x64(True):
-            ref = ref_of(*(x.astype(jnp.float64) for x in (q, k, v, ct)))
-        for a, b, r in zip(got, want, ref):
+        for a, b, r in zip(got, want[kind], ref[kind]):
             as_accurate(a, b, r, dtype)
 
-    grad_of = lambda fn: jax.grad(loss(fn), argnums=(0, 1, 2))
-    want = grad_of(plain)(q[0], k[0], v[0])
-    for got in (grad_of(g)(q[0], k[0], v[0]), jax.jit(grad_of(g))(q[0], k[0], v[0])):
-        check(got, want, lambda q, k, v, ct: grad_of(plain)(q[0], k[0], v[0]))
-    check(jax.vmap(grad_of(g))(q, k, v), jax.vmap(grad_of(plain))(q, k, v),
-          lambda q, k, v, ct: jax.vmap(grad_of(plain))(q, k, v))
-    want = vjp_of(plain)(q[0], k[0], v[0])
+    for got in (_sin_sum_grad(g)(q[0], k[0], v[0]), jax.jit(_sin_sum_grad(g))(q[0], k[0], v[0])):
+        check(got, "grad")
+    check(jax.vmap(_sin_sum_grad(g))(q, k, v), "vmap")
     for got in (vjp_of(g)(q[0], k[0], v[0]), jax.jit(vjp_of(g))(q[0], k[0], v[0])):
-        check(got, want, lambda q, k, v, ct: jax.vjp(plain, q[0], k[0], v[0])[1](ct))
+        check(got, "vjp")
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -305,8 +323,8 @@ def test_forward_mode(mode, dtype):
     if dtype == "float32":
         close(run(g, q, k, v, t), run(plain, q, k, v, t), jnp.float32)
         return
-    with jax.enable_x64(True):
-        ref = np.asarray(run(plain, *(x.astype(jnp.float64) for x in (q, k, v, t))))
+    with jax.enable_x64(True):  # the float64 reference compiled (op by op, each operation is compiled apart)
+        ref = np.asarray(jax.jit(functools.partial(run, plain))(*(x.astype(jnp.float64) for x in (q, k, v, t))))
     as_accurate(run(g, q, k, v, t), run(plain, q, k, v, t), ref, dtype)
 
 
