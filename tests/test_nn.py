@@ -20,6 +20,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -192,12 +194,20 @@ def test_binary_cross_entropy_stays_stable_at_large_logits():
     assert _close_to(np.asarray(grad), 0.5 * (1.0 + np.tanh(0.5 * z64)) - t64)
 
 
+@functools.cache
+def _rewritten(fn):
+    """``rewrite(fn, rulesets=[nn])``, one for every example of a property: what it rewrites at a call (``fn`` traced
+    at the examples' one shape, or its derivative under ``jax.grad``) depends on the arguments' shapes and dtypes,
+    not on their values, so the examples share one rewrite a signature where each built its own."""
+    return rewrite(fn, rulesets=[nn])
+
+
 @settings(max_examples=EXAMPLES)
 @given(arrays((4,), np.float32, "identity"), arrays((4,), np.float32, "identity"))
 def test_binary_cross_entropy_on_finite_inputs(z, y):
     """Against the true loss and gradient (a stable float64 formula: the written one cancels in float64
     too, to log(0) for z > 37), the rewrite is within the tolerance or no further than the original."""
-    new = rewrite(_bce, rulesets=[nn])
+    new = _rewritten(_bce)
     z64, y64 = z.astype(np.float64), y.astype(np.float64)
     why = mismatch(np.asarray(_bce(z, y)), np.asarray(new(z, y)), soundness="identity", tolerance=TOL,
                    reference=_softplus64(z64) - y64 * z64)
@@ -233,7 +243,7 @@ def _log_softmax0(x):
 def test_log_softmax_values_and_gradients(x):
     """The softmax over axis 0, in a program, with its gradient; where the written form's gradient is
     NaN (an underflowed probability), the rewrite's is the float64 one."""
-    new = rewrite(_log_softmax0, rulesets=[nn])
+    new = _rewritten(_log_softmax0)
     why = mismatch(np.asarray(_log_softmax0(x)), np.asarray(new(x)), soundness="identity", tolerance=TOL,
                    reference=_f64(_log_softmax0, x))
     assert why is None, why
@@ -250,6 +260,21 @@ def test_log_softmax_gradient_where_the_written_one_is_nan():
     assert not np.isfinite(np.asarray(grad(x, _log_softmax0))).all()
     got = np.asarray(grad(x, rewrite(_log_softmax0, rulesets=[nn])))
     assert _close_to(got, _f64(lambda x: grad(x, _log_softmax0), x))
+
+
+def test_a_property_s_examples_share_one_rewrite_a_signature():
+    """Another example's values read the first's rewrite, which is the rewrite of their own arguments."""
+    new = _rewritten(_log_softmax0)
+    x = np.linspace(-3.0, 3.0, 15, dtype=F32).reshape(5, 3)
+    first = new.result(x).after
+    rewrites = new.rewrites
+    jax.grad(lambda x: jnp.sum(new(x)))(x)
+    derivatives = sum(new.derivative_rewrites.values())
+    new(-2.0 * x)
+    jax.grad(lambda x: jnp.sum(new(x)))(-2.0 * x)
+    assert (new.rewrites, sum(new.derivative_rewrites.values())) == (rewrites, derivatives)
+    assert _rewritten(_log_softmax0) is new
+    assert str(rewrite(_log_softmax0, rulesets=[nn]).result(-2.0 * x).after) == str(first)
 
 
 # ---------------------------------------------------------------------- one-hot labels
