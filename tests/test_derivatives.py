@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from jax._src import core
 
@@ -408,6 +408,7 @@ def _same_or_as_close(got, want, ref, dt):
 
 
 @settings(max_examples=25, deadline=None)
+@example(dtype="float32", scale=1e-3, where=[])  # grad a's second derivative cancels here (2.5% off in float32)
 @given(dtype=st.sampled_from(["float32", "bfloat16", "float16", "float64"]),
        scale=st.sampled_from([1.0, 1e-3, 1e3]),
        where=st.lists(st.tuples(st.integers(0, 3), st.integers(0, 32 * 8 * 64 - 1), _SEED_SPECIALS), max_size=6))
@@ -415,7 +416,10 @@ def test_seed_vjp_under_the_default_packs_gives_jax_vjp_values(dtype, scale, whe
     """With the sums kept as written, the default packs' rewrite of the seed's VJP computes JAX's VJP
     (:func:`_same_or_as_close`), at every float dtype, with zeros, infinities, NaN and 3e38 among the inputs
     (sin(2ax) overflows there: the double angle is fastmath's), eagerly, under jit and under vmap; and its
-    own derivative is JAX's."""
+    own derivative is as close to the float64 evaluation as JAX's float32 one: its largest error at most twice
+    JAX's largest, plus eight ulps of the value's scale. (Not JAX's value at a relative tolerance: at scale 1e-3
+    ``grad a``'s second derivative cancels, and JAX's float32 value and the rewrite's are both 2.5% from float64's,
+    3.69e-11 and 3.79e-11 apart from it, where the values' scale is 1.5e-9.)"""
     with jax.enable_x64(True):
         dt = jnp.dtype(dtype)
         x, a, g = (np.array(v, np.float64) for v in _seed_args(jnp.float64))
@@ -436,9 +440,12 @@ def test_seed_vjp_under_the_default_packs_gives_jax_vjp_values(dtype, scale, whe
         for p, q, f in zip(jax.vmap(r, (0, None, 0))(xs, a, gs), jax.vmap(seed_vjp, (0, None, 0))(xs, a, gs), refs):
             _same_or_as_close(p, q, f, dt)
         if dt == jnp.float32 and not where:  # second order, on ordinary values
-            d = lambda f: jax.grad(lambda x, a: f(x, a, g)[1].sum(), (0, 1))(x, a)  # noqa: E731
-            for p, q in zip(d(r), d(seed_vjp)):
-                np.testing.assert_allclose(p, q, rtol=1e-5, atol=1e-5 * float(jnp.abs(q).max()))
+            d = lambda f, x, a, g: jax.grad(lambda x, a: f(x, a, g)[1].sum(), (0, 1))(x, a)  # noqa: E731
+            refs = d(seed_vjp, *(jnp.asarray(v, jnp.float64) for v in (x, a, g)))
+            for p, q, f in zip(d(r, x, a, g), d(seed_vjp, x, a, g), refs):
+                p, q, f = (np.asarray(v, np.float64) for v in (p, q, f))
+                ulps = 8 * float(jnp.finfo(dt).eps) * np.abs(f).max()
+                assert np.abs(p - f).max() <= 2 * np.abs(q - f).max() + ulps, (np.abs(p - f).max(), np.abs(q - f).max())
 
 
 
