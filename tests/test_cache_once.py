@@ -15,6 +15,7 @@ from rewrite.cache import fingerprint as _fp
 from rewrite.cache import key as _key
 from rewrite.cache import serialise
 from rewrite.cache.fingerprint import fingerprint
+from rewrite.ir.jaxapi import core
 
 TOL = Tolerance(1e-3, 1e-4)
 RULES = [rule(lambda x: x * 1.0, lambda x: x, name="mul_one_a"),
@@ -107,7 +108,10 @@ class _Written(_fp._Canon):
         self.put((tag.decode()[1:-3], key))  # b"'in', " -> "in"
 
     def put_bytes(self, key):
-        self.put(key)
+        if isinstance(key, tuple):  # an aval's key (the others are written as bytes alike)
+            self.put(key)
+        else:
+            super().put_bytes(key)
 
 
 def test_a_programs_fingerprint_writes_each_avals_key_once_and_the_same_bytes(monkeypatch):
@@ -134,3 +138,53 @@ def test_a_programs_fingerprint_writes_each_avals_key_once_and_the_same_bytes(mo
 
 def _variables(jaxpr):
     return [*jaxpr.constvars, *jaxpr.invars, *(v for e in jaxpr.eqns for v in [*e.invars, *e.outvars])]
+
+
+class _Afresh(_fp._Canon):
+    """The canonical walk as it wrote a param's value before: each occurrence fingerprinted afresh, by a walker of
+    its own, and each variable by ``put``."""
+
+    def value(self, x):
+        if isinstance(x, (core.ClosedJaxpr, core.Jaxpr)) or type(x) in (tuple, list):
+            return super().value(x)
+        try:
+            self.put(("fp", fingerprint(x)))
+        except _fp.Unstable:
+            self.opaque_value(x)
+
+    def atom(self, v, env):
+        if isinstance(v, core.Literal):
+            return super().atom(v, env)
+        self.put(("var", env[v]))
+
+
+def test_a_programs_fingerprint_walks_each_param_object_once_and_writes_the_same_bytes(monkeypatch):
+    """``program_fingerprint`` walks a param's value once per object (jaxmd_lj_forces' 28 ``jit`` equations hold one
+    mesh and the same shardings, each walked by a walker of its own before: a program's key 0.6x) and a plain value
+    by its bytes alone, and writes the bytes a walk of each occurrence wrote: the same digest."""
+
+    @jax.jit
+    def inner(x):
+        return jnp.sin(x) * 2.0
+
+    def f(x):
+        return inner(inner(x) + 1.0) + inner(jnp.cos(x))
+
+    closed = jax.make_jaxpr(f)(jnp.ones(8))
+    calls = [e for e in closed.jaxpr.eqns if e.primitive.name in ("pjit", "jit")]
+    assert len(calls) == 3
+    shared = [k for k, v in calls[0].params.items()
+              if not isinstance(v, (tuple, list, core.ClosedJaxpr)) and _fp._plain(v) is None
+              and all(e.params[k] is v for e in calls)]
+    assert shared  # the calls hold the same objects (their mesh, say)
+    afresh = _Afresh()
+    afresh.closed(closed)
+    walked = []
+    real = _fp.fingerprint
+    monkeypatch.setattr(_fp, "fingerprint", lambda x, *a: walked.append(x) or real(x, *a))
+    canon = _fp._Canon()
+    canon.closed(closed)
+    assert bytes(canon.out) == bytes(afresh.out)
+    for k in shared:  # one walk of each shared object, not one per equation
+        assert sum(x is calls[0].params[k] for x in walked) == 1, k
+    assert not any(_fp._plain(x) is not None for x in walked)  # a plain value is not walked

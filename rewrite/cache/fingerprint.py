@@ -113,7 +113,7 @@ def _key_order(key: Any) -> str:
     """:func:`fingerprint` of a dict's key, which orders its items: a plain value's made here, without a walker
     (most keys are an object's attribute names: 12,600 of them in a process's first cache key)."""
     b = _plain(key)
-    return hashlib.sha256(b).hexdigest() if b is not None else fingerprint(key)
+    return _plain_digest(b) if b is not None else fingerprint(key)
 
 
 def _versioned(module: str | None) -> bool:
@@ -156,6 +156,22 @@ def _plain(x: Any) -> bytes | None:
         return None
     b = repr(x).encode()
     return tag + len(b).to_bytes(8, "little") + b
+
+
+#: A plain value's digest by its bytes (:func:`_plain`): a program's params repeat a few (a ``False``, an axis, a
+#: ``None``) and the walks' dicts their keys (attribute names), each hashed again before; at most 4,096 kept
+#: (emptied when full)
+_PLAIN_DIGESTS: dict[bytes, str] = {}
+
+
+def _plain_digest(b: bytes) -> str:
+    """:func:`fingerprint` of a plain value, from its bytes :func:`_plain` (all that its walk writes)."""
+    found = _PLAIN_DIGESTS.get(b)
+    if found is None:
+        if len(_PLAIN_DIGESTS) >= 4096:
+            _PLAIN_DIGESTS.clear()
+        found = _PLAIN_DIGESTS[b] = hashlib.sha256(b).hexdigest()
+    return found
 
 
 class _Walker:
@@ -368,6 +384,18 @@ def aval_key(aval: Any) -> tuple:
             str(getattr(aval, "memory_space", None)))
 
 
+_PARAMS: dict[str, bytes] = {}
+_NO_EFFECTS = (2).to_bytes(8, "little") + b"[]"  # what ``put(sorted(map(str, effects)))`` writes of none
+
+
+def _param_bytes(name: str) -> bytes:
+    """``repr(("param", name)).encode()``, made once per param name."""
+    found = _PARAMS.get(name)
+    if found is None:
+        found = _PARAMS[name] = repr(("param", name)).encode()
+    return found
+
+
 def program_fingerprint(closed: Any) -> str:
     """A digest of a program's canonical form: equations, params, avals, shardings, constants."""
     canon = _Canon()
@@ -388,6 +416,8 @@ class _Canon:
         self.opaque: dict[int, int] = {}
         self.bodies: dict[int, tuple[Any, bytes]] = {}  # id -> (the body, kept alive; what its walk wrote)
         self.avals: dict[int, tuple[Any, bytes]] = {}
+        self.digests: dict[int, tuple[Any, bytes | None]] = {}  # id -> (a param's value, kept alive; its digest)
+        self.memo: dict = {}  # :func:`fingerprint`'s, shared by the params' walks
 
     def put(self, x: Any) -> None:
         b = repr(x).encode()
@@ -438,7 +468,7 @@ class _Canon:
                 self.atom(v, env)
             params = neutral_params(e.primitive, e.params)  # a scan's input groups as counts on every JAX
             for k in sorted(params):
-                self.put(("param", k))
+                self.put_bytes(_param_bytes(k))
                 if k == "callback" and e.primitive.name in CALLBACKS:
                     self.opaque_value(params[k])
                 else:
@@ -446,7 +476,10 @@ class _Canon:
             for v in e.outvars:
                 env[v] = len(env)
                 self.put_bytes(self.aval(v.aval))
-            self.put(sorted(map(str, e.effects)))
+            if e.effects:
+                self.put(sorted(map(str, e.effects)))
+            else:
+                self.out += _NO_EFFECTS
         self.put(("out", len(jaxpr.outvars)))
         for v in jaxpr.outvars:
             self.atom(v, env)
@@ -457,7 +490,7 @@ class _Canon:
             self.put_tagged(b"'lit', ", self.aval(v.aval))
             self.value(v.val)
         else:
-            self.put(("var", env[v]))
+            self.put_bytes(b"('var', %d)" % env[v])  # what ``put(("var", n))`` writes
 
     def value(self, x: Any) -> None:
         if isinstance(x, core.ClosedJaxpr):
@@ -471,12 +504,31 @@ class _Canon:
             for v in x:
                 self.value(v)
         else:
-            try:
-                self.put(("fp", fingerprint(x)))
-            except Unstable:
+            digest = self.digest(x)
+            if digest is not None:
+                self.put_bytes(b"('fp', '" + digest + b"')")  # what ``put(("fp", fingerprint(x)))`` writes
+            else:
                 # Never looked into by the rewriter, and taken from the fresh trace on load: its place is
                 # its identity here.
                 self.opaque_value(x)
+
+    def digest(self, x: Any) -> bytes | None:
+        """:func:`fingerprint` of a param's value, ``None`` where it is :class:`Unstable`: a plain value's from its
+        bytes (the walk writes them alone), any other made once per object while this walk lives (the same
+        object writes the same digest; its walk shares :attr:`memo` with the others, which leaves a digest as it
+        is). A program's params repeat their objects: jaxmd_lj_forces' 28 ``jit`` equations hold one mesh, one
+        tuple of shardings' singletons, each walked afresh before."""
+        b = _plain(x)
+        if b is not None:
+            return _plain_digest(b).encode()
+        found = self.digests.get(id(x))
+        if found is None or found[0] is not x:
+            try:
+                d: bytes | None = fingerprint(x, self.memo).encode()
+            except Unstable:
+                d = None
+            found = self.digests[id(x)] = (x, d)
+        return found[1]
 
     def opaque_value(self, x: Any) -> None:
         """``x`` by its type and its place: the number of distinct opaque objects written before it."""
