@@ -188,3 +188,20 @@ def test_a_programs_fingerprint_walks_each_param_object_once_and_writes_the_same
     for k in shared:  # one walk of each shared object, not one per equation
         assert sum(x is calls[0].params[k] for x in walked) == 1, k
     assert not any(_fp._plain(x) is not None for x in walked)  # a plain value is not walked
+
+
+def test_a_rule_reached_as_a_value_keys_alike_whatever_the_process_traced_or_interned_before():
+    """A rule's procedure that names a pack, a rule or a process's trace cache (``rulesets/scan.py``'s ``_LIFTED``)
+    walks them by value for the key: what the cache holds, and the rule's queries (whose atoms name params by the
+    ids the process's interning gave them when the rule was made), depend on what the process did before, so a
+    process whose packs' example checks ran at import keyed 13 of the identity packs' 112 rules apart. Neither is
+    in a key: the digest is the same with the cache filled and the queries renumbered."""
+    from rewrite.rules.builder import _Traces
+
+    traces = _Traces(size=4)
+    r = rule(lambda x: jnp.log(1.0 + x), lambda x: jnp.log1p(x), name="keyed_alike")
+    before = fingerprint(("procedure's globals", traces, r))
+    traces.put(("key",), jax.make_jaxpr(jnp.cos)(jnp.ones(3)))
+    r.queries = list(reversed(r.queries)) + r.queries  # as another numbering would write them
+    r.anchor_literals = frozenset({7})
+    assert fingerprint(("procedure's globals", traces, r)) == before

@@ -53,7 +53,11 @@ _SYNC = tuple({type(threading.Lock()), type(threading.RLock()), threading.Condit
 #: A class's attributes that cache what its others decide, named in a class attribute of this name, are left out
 #: of a walk (as is any ``functools.cached_property``'s value): a rule a function reaches is the same rule before
 #: and after it traced its sides at new shapes (``Rule.FINGERPRINT_SKIPS``), so a key does not depend on what the
-#: process rewrote before.
+#: process rewrote before. A rule's skips are its caches, its file, and its queries (its left side compiled, whose
+#: atoms name params and literals by the ids the process's interning gave them when the rule was made: a rule made
+#: after others had interned more, the packs' example checks at import, wrote other numbers, and nn's rules, which
+#: the procedures of its pack reach, keyed 9 of the identity packs' rules apart in such a process); its sides,
+#: walked, say what it matches.
 SKIPS = "FINGERPRINT_SKIPS"
 
 class Memo(dict):

@@ -212,7 +212,7 @@ class Rule:
     >>> [e.primitive.name for e in lhs.eqns], [e.primitive.name for e in rhs.eqns]
     (['add', 'log'], ['log1p'])
     """
-    FINGERPRINT_SKIPS = frozenset({"_traced", "_elementwise", "defined_at"})  # caches, its file: not in a key
+    FINGERPRINT_SKIPS = frozenset("_traced _elementwise defined_at queries manual_queries anchor_literals".split())
 
     def __init__(self, name: str, lhs: Any, rhs: Any, when: Callable[..., bool] | None,
                  example: tuple[Any, ...] | None, var_names: list[str], queries: list[Query],
