@@ -372,19 +372,9 @@ class Rewritten:
         (each jointly with its forward, ``_loss_first``), so only the remainder (the optimizer's update, what
         computes the losses' inputs) is saturated, and the step so joined is priced as it is (loaded, with no rule:
         what the two parts both compute is priced once, and XLA computes it once). Where the step cannot be cut
-        so, all of it is rewritten.
-
-        What the remainder's rules buy (the six ecosystem steps that are cut, identity rules, 2026-12-03): 3.69%
-        of the remainder's price in flax_bf16_step, 2.11% in flax_long_context_step, 2.05% in flax_lm_step, each
-        all ``mul_one``'s (the update's 17-30 ``x * 1.0`` merged into ``x``'s class: the program extracted takes
-        only the input's own nodes, so the remainder's pipeline says ``rewritten`` False, while the program it
-        emits, which the step keeps, has those products no more); 0.015-0.073% in the GPT and transformer steps
-        (``pow_one``, ``pow_two``). XLA simplifies both itself: the step kept and the same step with its
-        remainder as written hold the same temporaries and run alike (benchmarks/results/log.md, h-rest of the
-        forty-fourth session). The saturation (0.02-0.09 s a step) is Python's work on matches, nearly all of
-        it ``derivatives_products``' procedures declining the update's products; egglog's queries of every rule
-        take 2-3 ms of it, so the rules whose primitives the remainder lacks are not left out (a list of rules
-        of its own would also declare a pooled e-graph anew, ``rules.saturate.match_program``)."""
+        so, all of it is rewritten. What its rules buy on the ecosystem's steps is ``mul_one``'s and ``pow_one``'s
+        (0.015-3.69% of the remainder's price), which XLA makes itself; leaving out the rules whose primitives it
+        lacks cannot pay (egglog's queries of every rule are 2-3 ms of its 0.02-0.09 s saturation; log.md, h-rest)."""
         if wholly_pinned(changed, pinned):  # its loss-first programs only, each rewritten jointly: priced as is
             t = time.perf_counter()
             cost = program_cost(changed, self.cost_model)
