@@ -162,20 +162,12 @@ def _plain(x: Any) -> bytes | None:
     return tag + len(b).to_bytes(8, "little") + b
 
 
-#: A plain value's digest by its bytes (:func:`_plain`): a program's params repeat a few (a ``False``, an axis, a
-#: ``None``) and the walks' dicts their keys (attribute names), each hashed again before; at most 4,096 kept
-#: (emptied when full)
-_PLAIN_DIGESTS: dict[bytes, str] = {}
-
-
+@functools.lru_cache(maxsize=4096)
 def _plain_digest(b: bytes) -> str:
-    """:func:`fingerprint` of a plain value, from its bytes :func:`_plain` (all that its walk writes)."""
-    found = _PLAIN_DIGESTS.get(b)
-    if found is None:
-        if len(_PLAIN_DIGESTS) >= 4096:
-            _PLAIN_DIGESTS.clear()
-        found = _PLAIN_DIGESTS[b] = hashlib.sha256(b).hexdigest()
-    return found
+    """:func:`fingerprint` of a plain value, from its bytes :func:`_plain` (all that its walk writes): a program's
+    params repeat a few (a ``False``, an axis, a ``None``) and the walks' dicts their keys (attribute names), each
+    hashed again before."""
+    return hashlib.sha256(b).hexdigest()
 
 
 class _Walker:
@@ -388,16 +380,13 @@ def aval_key(aval: Any) -> tuple:
             str(getattr(aval, "memory_space", None)))
 
 
-_PARAMS: dict[str, bytes] = {}
 _NO_EFFECTS = (2).to_bytes(8, "little") + b"[]"  # what ``put(sorted(map(str, effects)))`` writes of none
 
 
+@functools.lru_cache(maxsize=None)
 def _param_bytes(name: str) -> bytes:
     """``repr(("param", name)).encode()``, made once per param name."""
-    found = _PARAMS.get(name)
-    if found is None:
-        found = _PARAMS[name] = repr(("param", name)).encode()
-    return found
+    return repr(("param", name)).encode()
 
 
 def program_fingerprint(closed: Any) -> str:
