@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import heapq
+import operator
 import weakref
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
@@ -85,6 +86,18 @@ class Extractor:
         self._original_trees: dict[int, tuple[set, dict]] = {}
         #: how many tree passes this extractor made, unrestricted and restricted (a test reads it)
         self.passes = 0
+        #: the unrestricted pass's entries ``(cls, node, kids)`` and, per class, the entries that read it: what
+        #: :meth:`_kin_pass` walks up from the classes a kin's nodes differ in
+        self._graph: tuple[list, dict] | None = None
+        #: extractors of snapshots of the same classes in the same order whose nodes differ in a few classes
+        #: (:meth:`share_prices`: ``Snapshot.without``'s copies, both ways), weakly: their tree passes seed this one's
+        self._kin: list[weakref.ref] = []
+        #: how many unrestricted passes were read off a kin's (:meth:`_kin_pass`), and the classes they passed again
+        #: (a test reads them)
+        self.kin_passes = 0
+        self.kin_dirty = 0
+        #: whether :attr:`rank` was a kin's (a test reads it)
+        self.kin_ranks = 0
 
     # ------------------------------------------------------------------ node facts
     def term_kids(self, node: tuple) -> list[Any]:
@@ -122,8 +135,16 @@ class Extractor:
         is at least the other's (equal ranks: one strongly connected component of the e-graph).
 
         Tarjan's algorithm numbers the components sinks first; searches use it to stop a walk
-        early when it checks that a move keeps the program acyclic.
+        early when it checks that a move keeps the program acyclic (:meth:`reaches`, its one reader).
+
+        A kin (:attr:`_kin`) whose snapshot holds every node of this one's (``Snapshot.without``'s copy is this
+        one's kin so) lends its ranks where it has them: a class reaches through fewer nodes only what it reached
+        through more, so its ranks bound this snapshot's reach as well (two classes of a rank need not be one
+        component here), and :meth:`reaches`, which only stops a walk where no target can lie below, answers alike.
         """
+        lent = self._kin_rank()
+        if lent is not None:
+            return lent
         nodes = self.snap.nodes
         edges = {c: list({k for n in ns for k in self.term_kids(n)}) for c, ns in nodes.items()}
         index: dict[Any, int] = {}
@@ -170,6 +191,22 @@ class Extractor:
                         if w == v:
                             break
         return rank
+
+    def _kin_rank(self) -> dict[Any, int] | None:
+        """A kin's :attr:`rank`, made already, of a snapshot of the same classes that holds every node of this one's;
+        ``None`` where no kin's is."""
+        nodes = self.snap.nodes
+        for ref in self._kin:
+            kin = ref()
+            if kin is None or "rank" not in kin.__dict__:
+                continue
+            theirs = kin.snap.nodes
+            if len(theirs) != len(nodes) or not all(map(operator.is_, theirs, nodes)):
+                continue
+            if all(ns is theirs[c] or ns == theirs[c] or set(ns) <= set(theirs[c]) for c, ns in nodes.items()):
+                self.kin_ranks += 1
+                return kin.rank
+        return None
 
     def reaches(self, choice: dict[Any, tuple], start: Iterable[Any], targets: set[Any]) -> bool:
         """Whether the program ``choice`` makes reaches a class of ``targets`` from ``start`` (a cycle check)."""
@@ -257,7 +294,7 @@ class Extractor:
         every node made once per extractor where ``allowed`` is ``None``."""
         if allowed is None:
             if self._tree is None:
-                self._tree = self._tree_pass(None)
+                self._tree = self._kin_pass() or self._tree_pass(None)
             return dict(self._tree[0]), dict(self._tree[1])
         return self._tree_pass(allowed)
 
@@ -285,6 +322,13 @@ class Extractor:
         if not self._pair_ids and not self.whole_prices and not self.peaks and not self.templates:
             self._pair_ids, self.whole_prices, self.peaks = of._pair_ids, of.whole_prices, of.peaks
             self.templates = of.templates
+        if not any(ref() is of for ref in self._kin):  # each seeds the other's tree pass (:meth:`_kin_pass`)
+            self._kin.append(weakref.ref(of))
+            of._kin.append(weakref.ref(self))
+        # a node's children are its own (``ir/walk.py``: read off its constructor and arguments alone), whichever
+        # snapshot of the e-graph holds it: asked once for both (not ``_operands``, which reads the snapshot's lists)
+        if not self._kids and not self._all_kids and not self._unique_kids:
+            self._kids, self._all_kids, self._unique_kids = of._kids, of._all_kids, of._unique_kids
 
     def tree_of(self, classes: set[Any]) -> tuple[dict, dict]:
         """:meth:`tree` restricted to ``classes`` (a set closed under children), every node of theirs allowed: the
@@ -328,6 +372,8 @@ class Extractor:
                             found.append(i)
                 else:
                     heap.append((own(cls, node, choice), i))
+        if allowed is None and items is None:
+            self._graph = (entries, parents)
         heapq.heapify(heap)
         total = self._total
         nested: dict[str, bool] = {}  # by constructor, for this pass (a primitive may be registered between two)
@@ -340,6 +386,129 @@ class Extractor:
             cost[cls] = c
             choice[cls] = node
             for p in parents.get(cls, ()):
+                n = pending[p] - 1
+                pending[p] = n
+                if n == 0:
+                    pcls, pnode, pkids = entries[p]
+                    if pcls in cost:
+                        continue
+                    pctor = pnode[0]
+                    bodied = nested.get(pctor)
+                    if bodied is None:
+                        bodied = nested[pctor] = _nested(pctor)
+                    if bodied:
+                        heappush(heap, (total(pcls, pctor, pnode[1], pkids, cost, choice), p))
+                    else:
+                        heappush(heap, (own(pcls, pnode, choice) + sum(map(get, pkids)), p))
+        return cost, choice
+
+    def _kin_pass(self) -> tuple[dict, dict] | None:
+        """:meth:`_tree_pass` unrestricted, read off a kin's (:attr:`_kin`) where one has made its own: the same costs
+        and choices, in the same order; ``None`` where no kin has.
+
+        The kin's snapshot holds the same classes in the same order, and the same nodes but in the classes whose
+        node lists differ (``Snapshot.without`` leaves some out; a kin without them may be either). A class none
+        of whose nodes reaches such a class, through any child (``clean``), has the same entries in both passes,
+        in the same order, readied by the same clean classes: so the pass pops the clean entries in the same order
+        in both, at the same prices, whatever the other entries do between (a pop takes the least entry of the heap,
+        and the clean entries in it at any time are the same), and each clean class settles as in the kin's pass.
+        The rest (the classes above a changed one) are passed here as the pass passes them: their entries, numbered
+        as the whole pass numbers them, in a heap, whose least entry is taken where it is less than the next clean
+        class to settle (the kin's order, keyed by its price and its first entry's number: two classes' entries are
+        never numbered alike, so a tie of prices between a clean and another class goes as in the whole pass). The
+        settlements are made in that merged order, so the dicts come out in the whole pass's order too.
+        (benchmarks/results/log.md, h-ext: a ``min_saving`` copy, and the snapshot whose recomputing nodes the
+        extraction withheld, ``extract.policy.recomputations``, pass a third to half of their classes again.)"""
+        nodes = self.snap.nodes
+        for ref in self._kin:
+            kin = ref()
+            if kin is not None and kin._tree is not None and kin._graph is not None and kin.model is self.model:
+                break
+        else:
+            return None
+        theirs = kin.snap.nodes
+        if len(theirs) != len(nodes) or not all(map(operator.is_, theirs, nodes)):
+            return None  # (not the same classes in the same order)
+        changed = [c for c, ns in nodes.items() if ns is not theirs[c] and ns != theirs[c]]
+        entries1, parents1 = kin._graph
+        dirty = set(changed)
+        stack = list(changed)
+        while stack:  # up from the changed classes, through the kin's entries (a node only one side holds is of a
+            for i in parents1.get(stack.pop(), ()):  # changed class: its edges add nothing)
+                c = entries1[i][0]
+                if c not in dirty:
+                    dirty.add(c)
+                    stack.append(c)
+        self.passes += 1
+        self.kin_passes += 1
+        self.kin_dirty += len(dirty)
+        kin_cost, kin_choice = kin._tree
+        # the other classes' entries, numbered as :meth:`_tree_pass` numbers every entry (``first``: each class's
+        # first); ``at[j]``: entry j's number, j counting only these (so in the same order)
+        first: dict[Any, int] = {}
+        n = 0
+        for c, ns in nodes.items():
+            first[c] = n
+            n += len(ns)
+        entries: list[tuple[Any, tuple, list[Any]]] = []
+        at: list[int] = []
+        parents: dict[Any, list[int]] = {}
+        pending: list[int] = []
+        heap: list[tuple[float, int]] = []
+        cost: dict[Any, float] = {}
+        choice: dict[Any, tuple] = {}
+        unique, all_kids, own = self._unique_kids, self.all_kids, self.own
+        for cls, ns in nodes.items():
+            if cls not in dirty:
+                continue
+            base = first[cls]
+            for pos, node in enumerate(ns):
+                kids = unique.get(node)
+                if kids is None:
+                    kids = unique[node] = list(dict.fromkeys(all_kids(node)))
+                j = len(entries)
+                entries.append((cls, node, kids))
+                at.append(base + pos)
+                pending.append(len(kids))
+                if kids:
+                    for k in kids:
+                        found = parents.get(k)
+                        if found is None:
+                            parents[k] = [j]
+                        else:
+                            found.append(j)
+                else:
+                    heap.append((own(cls, node, choice), j))
+        heapq.heapify(heap)
+        clean = [c for c in kin_cost if c not in dirty]  # in the order they settle, the kin's
+        total = self._total
+        nested: dict[str, bool] = {}
+        get, heappop, heappush = cost.__getitem__, heapq.heappop, heapq.heappush
+        s, last = 0, len(clean)
+        while True:
+            if s < last:
+                c = clean[s]
+                price = kin_cost[c]
+                if heap:
+                    top, j = heap[0]
+                    if price > top or (price == top and first[c] > at[j]):
+                        c = None
+            elif heap:
+                c = None
+            else:
+                break
+            if c is not None:  # the next clean class settles
+                s += 1
+                cost[c] = price
+                choice[c] = kin_choice[c]
+            else:
+                price, j = heappop(heap)
+                c, node, _ = entries[j]
+                if c in cost:
+                    continue
+                cost[c] = price
+                choice[c] = node
+            for p in parents.get(c, ()):
                 n = pending[p] - 1
                 pending[p] = n
                 if n == 0:
