@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import heapq
-import operator
 import weakref
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
@@ -21,18 +20,13 @@ from ..ir import terms as _terms
 from ..ir.egraph import Snapshot
 from ..ir.intern import PARAMS, TupleType
 from ..ir.walk import children, operands, term_children, walk
+from .kin import enter, kin_pass, kin_rank, nested as _nested, settle
 
 
 _CONTAINERS = {"TNil", "TCons", "Body", "BNil", "BCons"}
 
 
 _LEAVES = _terms.LEAVES
-
-
-def _nested(ctor: str) -> bool:
-    """Whether a node of ``ctor`` may have bodies (:meth:`Extractor.body_classes` is empty for any other)."""
-    spec = _primitives.BY_CTOR.get(ctor)
-    return spec is not None and spec.family == _primitives.NESTED
 
 
 def shared(snap: Snapshot, model: CostModel) -> "Extractor":
@@ -193,20 +187,9 @@ class Extractor:
         return rank
 
     def _kin_rank(self) -> dict[Any, int] | None:
-        """A kin's :attr:`rank`, made already, of a snapshot of the same classes that holds every node of this one's;
-        ``None`` where no kin's is."""
-        nodes = self.snap.nodes
-        for ref in self._kin:
-            kin = ref()
-            if kin is None or "rank" not in kin.__dict__:
-                continue
-            theirs = kin.snap.nodes
-            if len(theirs) != len(nodes) or not all(map(operator.is_, theirs, nodes)):
-                continue
-            if all(ns is theirs[c] or ns == theirs[c] or set(ns) <= set(theirs[c]) for c, ns in nodes.items()):
-                self.kin_ranks += 1
-                return kin.rank
-        return None
+        """A kin's :attr:`rank`, made already, of a snapshot of the same classes that holds every node of this one's
+        (``extract/kin.py``'s ``kin_rank``); ``None`` where no kin's is."""
+        return kin_rank(self)
 
     def reaches(self, choice: dict[Any, tuple], start: Iterable[Any], targets: set[Any]) -> bool:
         """Whether the program ``choice`` makes reaches a class of ``targets`` from ``start`` (a cycle check)."""
@@ -346,184 +329,20 @@ class Extractor:
         # (its lookups bound once and a nested node told by its constructor: the same entries, prices, sums and heap
         # as :meth:`_total` per entry)
         self.passes += 1
-        entries: list[tuple[Any, tuple, list[Any]]] = []
-        parents: dict[Any, list[int]] = {}
-        pending: list[int] = []
-        heap: list[tuple[float, int]] = []
         cost: dict[Any, float] = {}
         choice: dict[Any, tuple] = {}
-        unique, all_kids, own = self._unique_kids, self.all_kids, self.own
-        for cls, ns in (self.snap.nodes.items() if items is None else items):
-            for node in ns:
-                if allowed is not None and not allowed(cls, node[0], node[1]):
-                    continue
-                kids = unique.get(node)
-                if kids is None:
-                    kids = unique[node] = list(dict.fromkeys(all_kids(node)))
-                i = len(entries)
-                entries.append((cls, node, kids))
-                pending.append(len(kids))
-                if kids:
-                    for k in kids:
-                        found = parents.get(k)
-                        if found is None:
-                            parents[k] = [i]
-                        else:
-                            found.append(i)
-                else:
-                    heap.append((own(cls, node, choice), i))
+        entries, _, parents, pending, heap = enter(self, self.snap.nodes.items() if items is None else items, choice,
+                                                   allowed)
         if allowed is None and items is None:
             self._graph = (entries, parents)
         heapq.heapify(heap)
-        total = self._total
-        nested: dict[str, bool] = {}  # by constructor, for this pass (a primitive may be registered between two)
-        get, heappop, heappush = cost.__getitem__, heapq.heappop, heapq.heappush
-        while heap:
-            c, i = heappop(heap)
-            cls, node, _ = entries[i]
-            if cls in cost:
-                continue
-            cost[cls] = c
-            choice[cls] = node
-            for p in parents.get(cls, ()):
-                n = pending[p] - 1
-                pending[p] = n
-                if n == 0:
-                    pcls, pnode, pkids = entries[p]
-                    if pcls in cost:
-                        continue
-                    pctor = pnode[0]
-                    bodied = nested.get(pctor)
-                    if bodied is None:
-                        bodied = nested[pctor] = _nested(pctor)
-                    if bodied:
-                        heappush(heap, (total(pcls, pctor, pnode[1], pkids, cost, choice), p))
-                    else:
-                        heappush(heap, (own(pcls, pnode, choice) + sum(map(get, pkids)), p))
+        settle(self, entries, parents, pending, heap, cost, choice)
         return cost, choice
 
     def _kin_pass(self) -> tuple[dict, dict] | None:
-        """:meth:`_tree_pass` unrestricted, read off a kin's (:attr:`_kin`) where one has made its own: the same costs
-        and choices, in the same order; ``None`` where no kin has.
-
-        The kin's snapshot holds the same classes in the same order, and the same nodes but in the classes whose
-        node lists differ (``Snapshot.without`` leaves some out; a kin without them may be either). A class none
-        of whose nodes reaches such a class, through any child (``clean``), has the same entries in both passes,
-        in the same order, readied by the same clean classes: so the pass pops the clean entries in the same order
-        in both, at the same prices, whatever the other entries do between (a pop takes the least entry of the heap,
-        and the clean entries in it at any time are the same), and each clean class settles as in the kin's pass.
-        The rest (the classes above a changed one) are passed here as the pass passes them: their entries, numbered
-        as the whole pass numbers them, in a heap, whose least entry is taken where it is less than the next clean
-        class to settle (the kin's order, keyed by its price and its first entry's number: two classes' entries are
-        never numbered alike, so a tie of prices between a clean and another class goes as in the whole pass). The
-        settlements are made in that merged order, so the dicts come out in the whole pass's order too.
-        (benchmarks/results/log.md, h-ext: a ``min_saving`` copy, and the snapshot whose recomputing nodes the
-        extraction withheld, ``extract.policy.recomputations``, pass a third to half of their classes again.)"""
-        nodes = self.snap.nodes
-        for ref in self._kin:
-            kin = ref()
-            if kin is not None and kin._tree is not None and kin._graph is not None and kin.model is self.model:
-                break
-        else:
-            return None
-        theirs = kin.snap.nodes
-        if len(theirs) != len(nodes) or not all(map(operator.is_, theirs, nodes)):
-            return None  # (not the same classes in the same order)
-        changed = [c for c, ns in nodes.items() if ns is not theirs[c] and ns != theirs[c]]
-        entries1, parents1 = kin._graph
-        dirty = set(changed)
-        stack = list(changed)
-        while stack:  # up from the changed classes, through the kin's entries (a node only one side holds is of a
-            for i in parents1.get(stack.pop(), ()):  # changed class: its edges add nothing)
-                c = entries1[i][0]
-                if c not in dirty:
-                    dirty.add(c)
-                    stack.append(c)
-        self.passes += 1
-        self.kin_passes += 1
-        self.kin_dirty += len(dirty)
-        kin_cost, kin_choice = kin._tree
-        # the other classes' entries, numbered as :meth:`_tree_pass` numbers every entry (``first``: each class's
-        # first); ``at[j]``: entry j's number, j counting only these (so in the same order)
-        first: dict[Any, int] = {}
-        n = 0
-        for c, ns in nodes.items():
-            first[c] = n
-            n += len(ns)
-        entries: list[tuple[Any, tuple, list[Any]]] = []
-        at: list[int] = []
-        parents: dict[Any, list[int]] = {}
-        pending: list[int] = []
-        heap: list[tuple[float, int]] = []
-        cost: dict[Any, float] = {}
-        choice: dict[Any, tuple] = {}
-        unique, all_kids, own = self._unique_kids, self.all_kids, self.own
-        for cls, ns in nodes.items():
-            if cls not in dirty:
-                continue
-            base = first[cls]
-            for pos, node in enumerate(ns):
-                kids = unique.get(node)
-                if kids is None:
-                    kids = unique[node] = list(dict.fromkeys(all_kids(node)))
-                j = len(entries)
-                entries.append((cls, node, kids))
-                at.append(base + pos)
-                pending.append(len(kids))
-                if kids:
-                    for k in kids:
-                        found = parents.get(k)
-                        if found is None:
-                            parents[k] = [j]
-                        else:
-                            found.append(j)
-                else:
-                    heap.append((own(cls, node, choice), j))
-        heapq.heapify(heap)
-        clean = [c for c in kin_cost if c not in dirty]  # in the order they settle, the kin's
-        total = self._total
-        nested: dict[str, bool] = {}
-        get, heappop, heappush = cost.__getitem__, heapq.heappop, heapq.heappush
-        s, last = 0, len(clean)
-        while True:
-            if s < last:
-                c = clean[s]
-                price = kin_cost[c]
-                if heap:
-                    top, j = heap[0]
-                    if price > top or (price == top and first[c] > at[j]):
-                        c = None
-            elif heap:
-                c = None
-            else:
-                break
-            if c is not None:  # the next clean class settles
-                s += 1
-                cost[c] = price
-                choice[c] = kin_choice[c]
-            else:
-                price, j = heappop(heap)
-                c, node, _ = entries[j]
-                if c in cost:
-                    continue
-                cost[c] = price
-                choice[c] = node
-            for p in parents.get(c, ()):
-                n = pending[p] - 1
-                pending[p] = n
-                if n == 0:
-                    pcls, pnode, pkids = entries[p]
-                    if pcls in cost:
-                        continue
-                    pctor = pnode[0]
-                    bodied = nested.get(pctor)
-                    if bodied is None:
-                        bodied = nested[pctor] = _nested(pctor)
-                    if bodied:
-                        heappush(heap, (total(pcls, pctor, pnode[1], pkids, cost, choice), p))
-                    else:
-                        heappush(heap, (own(pcls, pnode, choice) + sum(map(get, pkids)), p))
-        return cost, choice
+        """:meth:`_tree_pass` unrestricted, read off a kin's (:attr:`_kin`) where one has made its own, for the classes
+        no changed node lies below (``extract/kin.py``'s ``kin_pass``); ``None`` where no kin has."""
+        return kin_pass(self)
 
     def _total(self, cls: Any, ctor: str, args: tuple, kids: list[Any], cost: dict, choice: dict) -> float:
         bodies = self.body_classes(ctor, args)
