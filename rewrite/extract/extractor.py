@@ -20,7 +20,7 @@ from ..ir import terms as _terms
 from ..ir.egraph import Snapshot
 from ..ir.intern import PARAMS, TupleType
 from ..ir.walk import children, operands, term_children, walk
-from .kin import enter, kin_pass, kin_rank, nested as _nested, settle
+from .kin import enter, kin_pass, kin_rank, settle
 
 
 _CONTAINERS = {"TNil", "TCons", "Body", "BNil", "BCons"}
