@@ -1,4 +1,4 @@
-"""``Extractor._kin_pass`` and ``Extractor._kin_rank``: an extraction from a copy of a snapshot with fewer nodes
+"""``Extractor._kin_pass`` and ``extract.kin.kin_rank``: an extraction from a copy of a snapshot with fewer nodes
 (``Snapshot.without``: a ``min_saving`` copy, the snapshot without its recomputing nodes) reads the tree pass and the
 ranks its kin made already, where they are the same, and passes again only the classes above a node the two differ in.
 Each such pass is the pass the extractor would have made alone, in the same order, and the programs come out the

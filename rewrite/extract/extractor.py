@@ -86,9 +86,7 @@ class Extractor:
         #: extractors of snapshots of the same classes in the same order whose nodes differ in a few classes
         #: (:meth:`share_prices`: ``Snapshot.without``'s copies, both ways), weakly: their tree passes seed this one's
         self._kin: list[weakref.ref] = []
-        #: how many unrestricted passes were read off a kin's (:meth:`_kin_pass`), and the classes they passed again
-        #: (a test reads them)
-        self.kin_passes = 0
+        #: how many classes the unrestricted passes read off a kin's (:meth:`_kin_pass`) passed again (a test reads it)
         self.kin_dirty = 0
         #: whether :attr:`rank` was a kin's (a test reads it)
         self.kin_ranks = 0
@@ -136,7 +134,7 @@ class Extractor:
         through more, so its ranks bound this snapshot's reach as well (two classes of a rank need not be one
         component here), and :meth:`reaches`, which only stops a walk where no target can lie below, answers alike.
         """
-        lent = self._kin_rank()
+        lent = kin_rank(self)
         if lent is not None:
             return lent
         nodes = self.snap.nodes
@@ -185,11 +183,6 @@ class Extractor:
                         if w == v:
                             break
         return rank
-
-    def _kin_rank(self) -> dict[Any, int] | None:
-        """A kin's :attr:`rank`, made already, of a snapshot of the same classes that holds every node of this one's
-        (``extract/kin.py``'s ``kin_rank``); ``None`` where no kin's is."""
-        return kin_rank(self)
 
     def reaches(self, choice: dict[Any, tuple], start: Iterable[Any], targets: set[Any]) -> bool:
         """Whether the program ``choice`` makes reaches a class of ``targets`` from ``start`` (a cycle check)."""

@@ -152,7 +152,6 @@ def kin_pass(ex: Any) -> tuple[dict, dict] | None:
                 dirty.add(c)
                 stack.append(c)
     ex.passes += 1
-    ex.kin_passes += 1
     ex.kin_dirty += len(dirty)
     kin_cost, kin_choice = kin._tree
     # the other classes' entries, numbered as ``Extractor._tree_pass`` numbers every entry (``first``: each class's
