@@ -1,13 +1,17 @@
 """``Builder.computes_each``'s shortcut (``rewrite.extract.choice.preferred_computes``): the outputs of a loop body
 whose preferred trees compute them from the body's inputs are answered with one walk over all of them, and its yes
-is ``choose_slice``'s for each output alone."""
+is ``choose_slice``'s for each output alone; and the bottom-up pass those searches prefer is made only where they have a
+choice to make (``Builder._preferred``)."""
 
 from __future__ import annotations
 
 import random
 import sys
 
+import jax.numpy as jnp
+import numpy as np
 
+from rewrite import explain
 from rewrite.extract import choice as _choice
 from rewrite.rules import builder as _builder
 from rewrite.rules.match import Match
@@ -149,3 +153,59 @@ def test_a_loop_s_outputs_that_share_a_body_are_walked_once(monkeypatch):
     assert big, asked
     for got, w in big:
         assert sum(got) >= 3 and len(w) == got.count(False), (got, w)  # only the carry's output walked alone
+
+
+def test_an_lm_head_s_search_is_preferred_only_where_it_has_a_choice(monkeypatch):
+    """``nn_lm_head``'s site reads the shift back as a function of the rows' maximum (``Match.function``), whose
+    search (``choose_slice``) tries the bottom-up pass's node first in each class it meets above its inputs. A class
+    of one node has no choice to make, so the pass is made only below the classes of more than one node it may meet:
+    it covered every class below the shift, the whole model under the logits (0.04 s a site on
+    flax_long_context_step). Each slice is still the one the whole e-graph's pass gives."""
+    from rewrite.cost.model import default_model
+    from rewrite.extract.extractor import Extractor
+    from rewrite.ir.walk import children, walk
+
+    from .test_lm_head import NN, inputs, make
+
+    def in_site() -> bool:
+        f = sys._getframe(2)
+        while f is not None and f.f_code.co_name != "_site":
+            f = f.f_back
+        return f is not None
+
+    pending: list = []
+    calls: list = []
+
+    class Counted(Extractor):
+        def tree_of(self, classes):
+            if in_site():
+                pending.extend(classes)
+            return super().tree_of(classes)
+
+    slice_ = _builder.choose_slice
+
+    def recorded(snap, roots, inputs, prefer, visited=None):
+        got = slice_(snap, roots, inputs, prefer, visited=visited)
+        if in_site():
+            whole = Extractor(snap, default_model()).tree()[1]
+            kids = lambda c: [k for n in snap.nodes.get(c, ()) for k in children(n)]  # noqa: E731
+            met = [c for c in walk(roots, lambda c: () if c in inputs else kids(c))
+                   if c not in inputs and len(snap.nodes.get(c, ())) > 1]
+            calls.append((got, slice_(snap, roots, inputs, whole), set(pending), set(walk(met, kids)),
+                          set(walk(roots, kids))))
+        del pending[:]
+        return got
+
+    monkeypatch.setattr(_builder, "Extractor", Counted)
+    monkeypatch.setattr(_builder, "choose_slice", recorded)
+
+    def loss(x, W1, W, b, y, w):
+        return make("optax_int", "mean", False, 0, False)(jnp.tanh(x @ W1), W, b, y, w)
+
+    h, W, b, y, w = inputs(np.random.default_rng(0), 1024, 64, 8192)
+    report = explain(loss, h, jnp.eye(64) * 0.5, W, b, y, w, rulesets=[NN])
+    assert any(k.startswith("nn_lm_head_lse_label_") for k in report.used), report.used
+    assert calls
+    for got, want, passed, may_meet, below in calls:
+        assert got is not None and got == want  # the whole pass's slice
+        assert passed <= may_meet < below, (len(passed), len(may_meet), len(below))

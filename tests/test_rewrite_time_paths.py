@@ -184,8 +184,9 @@ def test_a_replaced_step_saturates_only_its_remainder(monkeypatch):
 
 def test_match_function_prefers_a_pass_over_the_slice_s_classes_only(monkeypatch):
     """``Match.function`` (``rulesets.scan``'s ``sink_inputs`` reads a loop's body back with it) prefers the
-    bottom-up pass's choice in each class. That pass is made over the classes below the slice's outputs, not
-    over the whole e-graph once per snapshot, and gives each of them the whole pass's choice."""
+    bottom-up pass's choice in each class. That pass is made over the classes below the slice's outputs (below
+    those of more than one node alone: ``Builder._preferred``), not over the whole e-graph once per snapshot, and
+    gives each of them the whole pass's choice."""
     from benchmarks import scan as bs
     import rewrite.rules.builder as builder
     from rulesets.scan import scan
@@ -208,7 +209,7 @@ def test_match_function_prefers_a_pass_over_the_slice_s_classes_only(monkeypatch
     args = bs.rnn_params(2)
     report = explain(bs.rnn_mse, *args, rulesets=[scan], grad=True)
     assert report.fired.get("sink_inputs"), report.fired
-    assert passes and None not in passes, passes
+    assert None not in passes, passes  # (and none at all where its classes have one node each: Builder._preferred)
     got = jax.grad(rewrite(bs.rnn_mse, rulesets=[scan], cache=False))(*args)
     want = jax.grad(bs.rnn_mse)(*args)
     assert all(jnp.allclose(p, q, rtol=1e-5, atol=1e-6) for p, q in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
@@ -1039,7 +1040,7 @@ def test_a_loop_s_carry_independent_outputs_are_found_with_one_pass_over_its_bod
     (``Match.computes_each``). Each question prefers the bottom-up pass's choice below its output
     (``Builder._preferred``); asked one output at a time, a pass went over the body's shared classes once per
     output (flax_lm_step's joint: 5.0K classes walked for 1.2K covered). The pass is made once over the classes
-    below all of them (one pass per snapshot for the loop), and the answers are those asked one by one."""
+    below all of them (at most one pass per snapshot for the loop), and the answers are those asked one by one."""
     import sys
 
     import rewrite.rules.builder as builder
@@ -1069,7 +1070,7 @@ def test_a_loop_s_carry_independent_outputs_are_found_with_one_pass_over_its_bod
 
     report, loss, args = explain_a_loop_of_four_outputs()
     assert report.fired.get("lift_independent"), report.fired
-    assert passes and max(passes.values()) == 1, passes
+    assert max(passes.values(), default=0) <= 1, passes  # (none where the body's classes have one node each)
     assert asked and all(got == one_by_one for got, one_by_one in asked), asked
     assert any(len(got) >= 3 and not all(got) for got, _ in asked), asked  # (the carry's output is not computed)
     assert jnp.allclose(rewrite(loss, rulesets=[rulesets.scan.lift], cache=False)(*args), loss(*args), rtol=1e-5)

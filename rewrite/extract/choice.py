@@ -104,9 +104,12 @@ def preferred_computes(snap: Snapshot, roots: Sequence[Any], inputs: set[Any], p
             return found
         if c in on_path:
             return False  # a cycle of prefer nodes: choose_slice must decide
+        ns = nodes.get(c, ())
         first = prefer.get(c)
+        if first is None and len(ns) == 1:
+            first = ns[0]  # (choose_slice tries a class of one node in that node, with an entry or without)
         ok = False
-        if first is not None and first in nodes.get(c, ()):
+        if first is not None and first in ns:
             ctor, args = first
             if ctor == "Body":
                 kids = [(args[1], scopes | {args[0]})]

@@ -63,7 +63,7 @@ class Builder:
         # What is derived from a snapshot is kept with it, and dropped with it.
         self._snapshot = snap
         self._prefer: dict | None = None  # the bottom-up choice, for Match.function: see _preferred
-        self._covered: set = set()  # the classes _prefer holds the choice of (a set closed under children)
+        self._passed: set = set()  # the classes _prefer's passes were made over (a set closed under children)
         self._prefer_ex: Extractor | None = None
         self._nodes: dict[Any, list] = {}  # nodes_of's views
         self._functions: dict[tuple, Callable[..., list]] = {}  # function's results, by output and input classes
@@ -174,7 +174,7 @@ class Builder:
         if any(c is None for c in out_cls + in_cls):
             raise ValueError("Match.function takes values that exist in the e-graph (not ones built by this match)")
         seen: set | None = set() if self.reads is not None else None
-        choice = choose_slice(snap, out_cls, set(in_cls), self._preferred(out_cls), visited=seen)
+        choice = choose_slice(snap, out_cls, set(in_cls), self._preferred(out_cls, in_cls), visited=seen)
         if choice is None:
             if seen is not None:
                 # No slice yet: one may come when a class it looked at gains a node (a body's output
@@ -185,24 +185,29 @@ class Builder:
             return None
         return choice, in_cls, out_cls
 
-    def _preferred(self, out_cls: Sequence[Any]) -> dict:
-        """The bottom-up pass's choice (the cheapest tree under the default model) for every class below
-        ``out_cls``, which :func:`choose_slice` tries first. The pass is made over those classes alone: a
-        class's cheapest tree reads only classes below it, so each gets the choice a pass over the whole
-        e-graph gives it (ties too: the nodes are taken in the same order), for the work of the slice's part
-        of the e-graph, not the whole's (a loop body's, say, for ``rulesets.scan``'s ``sink_inputs``, once
-        per snapshot it ran on). Kept per snapshot; a later call's classes not yet covered add a pass."""
+    def _preferred(self, out_cls: Sequence[Any], in_cls: Sequence[Any]) -> dict:
+        """The bottom-up pass's choice (the cheapest tree under the default model) where the slice search from
+        ``out_cls`` to ``in_cls`` reads it: in each class of more than one node below ``out_cls`` and not below
+        ``in_cls`` alone. :func:`choose_slice` tries a class's ``prefer`` node first and never looks below an input;
+        a class of one node is tried in that node alone, with an entry or without (as :func:`preferred_computes`
+        takes it too), so its entry is never read, and the pass is made over the classes below those of more nodes
+        alone (an LM head's shift read back from its maximum: none, where the whole model lay below the shift).
+        A class's cheapest tree reads only classes below it, so each gets the choice a pass over the whole e-graph
+        gives it (ties too: the nodes are taken in the same order). Kept per snapshot; a later call's classes of
+        more nodes not yet passed add a pass."""
         snap = self.snapshot
         if self._prefer is None:
-            self._prefer, self._covered = {}, set()
+            self._prefer, self._passed = {}, set()
             self._prefer_ex = Extractor(snap, default_model())
-        if all(c in self._covered for c in out_cls):
-            return self._prefer
-        ex = self._prefer_ex
-        below = set(walk([c for c in out_cls if c not in self._covered],
-                         lambda c: [k for n in snap.nodes.get(c, ()) for k in ex.children(*n)]))
-        self._prefer.update(ex.tree_of(below)[1])
-        self._covered |= below
+        ex, nodes, passed, inputs = self._prefer_ex, snap.nodes, self._passed, set(in_cls)
+        kids = lambda c: [k for n in nodes.get(c, ()) for k in ex.children(*n)]  # noqa: E731
+        # (below a class passed, every class is)
+        read = [c for c in walk(out_cls, lambda c: () if c in inputs or c in passed else kids(c))
+                if len(nodes.get(c, ())) > 1 and c not in inputs and c not in passed]
+        if read:
+            below = set(walk(read, kids))
+            self._prefer.update(ex.tree_of(below)[1])
+            passed |= below
         return self._prefer
 
     def computes(self, outs: Sequence[Value], inputs: Sequence[Value]) -> bool:
@@ -220,7 +225,7 @@ class Builder:
         a failed one read."""
         if not (all(v.cls is not None for v in outs) and all(v.cls is not None for v in inputs)):
             return [self._slice([v], inputs) is not None for v in outs]  # (which raises, as computes does)
-        prefer = self._preferred([v.cls for v in outs])
+        prefer = self._preferred([v.cls for v in outs], [v.cls for v in inputs])
         known = preferred_computes(self.snapshot, [v.cls for v in outs], {v.cls for v in inputs}, prefer)
         return [ok or self._slice([v], inputs) is not None for v, ok in zip(outs, known)]
 
