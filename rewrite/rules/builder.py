@@ -216,8 +216,8 @@ class Builder:
         return self._slice(outs, inputs) is not None
 
     def computes_each(self, outs: Sequence[Value], inputs: Sequence[Value]) -> list[bool]:
-        """:meth:`computes` of each of ``outs`` alone, with one bottom-up pass (:meth:`_preferred`) over the classes
-        below them all, not one per output over the classes below it: a pass's choice of a class does not depend
+        """:meth:`computes` of each of ``outs`` alone, with one bottom-up pass (:meth:`_preferred`) where the searches
+        below them all read it, not one per output over the classes below it: a pass's choice of a class does not depend
         on which other classes it is made with (see there), so each answer is :meth:`computes`'. A loop's outputs
         share most of its body (``rulesets.scan``'s ``lift_independent`` walked 4x the classes it covered). An output
         whose preferred tree alone computes it from ``inputs`` is answered by one walk over all of theirs
