@@ -17,6 +17,7 @@ from ..ir.scanread import SLICES
 from ..ir.walk import postorder, postorder_list
 from .attention import SOFTMAX_OPS, scores_bytes
 from .fusion import TIEBREAK, Fusion, FusionModel, _temp, buffer_of, output_buffers, slices
+from .memory import fresh_peak
 from .program import ATTENTION, LEAF, LIBRARY, LOOP, OTHER, REDUCE, VIEW, Op, _kind, bitcast, sliced_parts
 from .simplify import folded_reduction
 from .spill import cached_reduction, with_bytes
@@ -72,6 +73,8 @@ class LiveFusion:
         self._temp: dict[Any, int] = {}
         self._temp_sum = 0  # of ``_temp``'s values: bounds the buffers live at once (``FusionModel.held_bytes``)
         self._reads: dict[Any, Iterable] = {}  # per kernel, the ops it reads (for the liveness of ``held``)
+        #: the last :meth:`price`'s ``scheduled_peak`` of the kernels, where it scheduled them (see :meth:`price`)
+        self.scheduled: int | None = None
         #: per kernel, its :class:`Fusion` as :meth:`kernels` lists it, till an edit prices the kernel again
         self._fusions: dict[Any, Fusion] = {}
         #: per kernel, the sums its price is made of (see _kernel)
@@ -436,12 +439,20 @@ class LiveFusion:
                 - cached_reduction(model, self, r, kind, members)), reads
 
     def price(self) -> float:
-        """The program's cost, as :meth:`FusionModel.__call__` prices it."""
+        """The program's cost, as :meth:`FusionModel.__call__` prices it. Where its fresh charge scheduled the kernels
+        (``FusionModel.held_bytes``: not where a bound on them is under ``fresh_at``, then 0), :attr:`scheduled`
+        keeps their ``memory.scheduled_peak`` (scratch held), which ``extract.program.LiveProgram.held`` reads instead
+        of scheduling them again: the model's ``held`` is ``memory.fresh_peak`` (no scratch) and no kernel is an
+        attention kernel (none has scratch), so the two are one schedule of the same kernels, ``inner`` and order."""
         cost = math.fsum([*self._cost.values(), *self._views.values()])  # as FusionModel.__call__ sums
         if self._across_count:
             cost -= shared_across(self.model, self.ops, self._across_count)
+        self.scheduled = None
         if self.model.prices_peak:
-            cost += self.model.memory_price(self.peak(), self.model.held_bytes(self, self.kernels, self._temp_sum))
+            held = self.model.held_bytes(self, self.kernels, self._temp_sum)
+            cost += self.model.memory_price(self.peak(), held)
+            if held and self.model.held is fresh_peak and ATTENTION not in self.roots.values():
+                self.scheduled = int(held)
         return float(cost)
 
     def _count_across(self, r: Any, keys: set) -> None:

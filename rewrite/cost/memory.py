@@ -95,6 +95,15 @@ def scheduled_peak(prog: Any, kernels: Sequence[Fusion], inner: Callable[[Any], 
     return _peak_in(prog, xla_order(prog, order, *buffers, users=users), held, *buffers, in_outputs=True)
 
 
+def fresh_peak(prog: Any, kernels: Sequence[Fusion], inner: Callable[[Any], int] | None = None,
+               below: float = 0.0) -> int:
+    """:func:`scheduled_peak` without a library kernel's scratch: the temporaries' allocation the fresh charge reads
+    (``AnalyticCost``'s ``held``; 0 where it is under ``below``). Where no kernel is an attention kernel (none has
+    scratch) and it is not 0, it is ``scheduled_peak(prog, kernels, inner)``, which a live program's price
+    hands on (``cost.live.LiveFusion.scheduled``)."""
+    return scheduled_peak(prog, kernels, inner, below, scratch=False)
+
+
 def _all_at_once(prog: Any, kernels: Sequence[Fusion], held: dict, projs: dict, outputs: set, written: set) -> int:
     """A bound on :func:`_peak_in` in any order: every buffer a kernel writes, each once (a group that shares
     one holds the largest of its members, no more than their sum), with the most any kernel holds inside."""

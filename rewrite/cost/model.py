@@ -60,7 +60,7 @@ from .dispatch import contraction_flops, dispatched
 from .dot import FALLBACK as _DOT_FALLBACK, REPACK as _DOT_REPACK, copied as dot_copied, library_dot
 from .dot import ALIASED, STRIDED, turns as dot_turns
 from .fusion import FusionModel, ns_key, peak_temp_bytes
-from .memory import InnerPeak, as_xla_simplifies, scheduled_peak
+from .memory import InnerPeak, as_xla_simplifies, fresh_peak, scheduled_peak
 from .prices import NODE_KEY, price_of
 from .program import Program, library_reduction
 from .spill import spilled as _spilled
@@ -542,7 +542,7 @@ class AnalyticCost(CostModel):
                          default=self.transcendental, cheap=self.flop, node=self.node,
                          library_op=self.library_op, tiebreak=self._op_price, memory=self.memory,
                          budget=self.memory_budget, fresh=self.fresh, fresh_at=self.fresh_at,
-                         held=functools.partial(scheduled_peak, scratch=False),
+                         held=fresh_peak,
                          parallel=self.loop_parallel, parallel_at=self.loop_parallel_at, chain=self.chain,
                          serial=self.loop_serial, loop_launch=self.loop_launch, loop_library=self.loop_launch_library,
                          loop_split=self.loop_split, overlap=self.overlap, loop_bytes=self.loop_bytes,

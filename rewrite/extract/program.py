@@ -81,12 +81,10 @@ class ProgramPricer:
         # A live program (the search's moves) prices such calls whole: the search does not move a projection
         # to a second call (ProgramSearch._adds_loop), so only the programs priced whole read one in part.
         return Program.from_choice(self.ex, choice, roots, lambda c, n: self.own(c, n, choice),
-                                   self.templates(choice, roots),
-                                   partial=lambda c, n, read: self.own(c, n, choice, read))
+                                   self.templates(choice, roots), partial=lambda c, n, read: self.own(c, n, choice, read))
 
     def templates(self, choice: dict[Any, tuple], roots: Sequence[Any]) -> dict:
-        """Per-node facts of the programs ``choice`` makes (a projection's shared by all choices when no node has a
-        body)."""
+        """Per-node facts of the programs ``choice`` makes (a projection's shared by all choices if no node has a body)."""
         if not self._has_bodies(choice, roots):
             return self._plain
         found = self._templates.get(id(choice))
@@ -238,10 +236,9 @@ class LiveProgram:
     def jump(self, choice: dict[Any, tuple]) -> None:
         """Become the program ``choice`` makes (updated in place from now on): any choice, not one move away.
 
-        The reference counts are counted afresh; the kernels are edited
-        where a class's node differs, and where an op reads the choice
-        beyond its own node (a nested node's bodies, a projection's loop,
-        an inlined call's body), which is built again.
+        The reference counts are counted afresh; the kernels are edited where a class's node differs, and where an op
+        reads the choice beyond its own node (a nested node's bodies, a projection's loop, an inlined call's body),
+        which is built again.
         """
         if choice is self.choice:
             return
@@ -311,7 +308,10 @@ class LiveProgram:
 
     def _price(self) -> float:
         self.flush()
-        return self.pricer.price_fused(self.fusion)
+        price = self.pricer.price_fused(self.fusion)
+        if self.fusion.scheduled is not None:  # the kernels' schedule :meth:`held` reads (``LiveFusion.price``)
+            self.pricer.peaks[("held", *self.key())] = self.fusion.scheduled
+        return price
 
     def peak(self) -> int:
         """The current program's predicted peak of temporaries (the fusion model's, as its price reads it)."""
@@ -323,7 +323,7 @@ class LiveProgram:
         """The temporaries held at once in the order XLA:CPU runs the kernels (``cost.memory.scheduled_peak``), which
         the lean band compares: :meth:`peak` cannot see a kernel write over an operand that dies there. Where
         ``cost.floor.peak_floor`` is over ``most``, that floor, nothing scheduled (what the lean pass asks)."""
-        key = ("held", *self.key())  # a program read before (extract._held reads the same memory)
+        key = ("held", *self.key())  # a program read or priced before (:meth:`_price`; extract._held reads it too)
         if (found := self.pricer.peaks.get(key)) is None:
             self.flush()
             fusion, kernels = self.fusion, self.fusion.kernels()
