@@ -299,8 +299,6 @@ def _small_step():
 def test_the_whole_step_search_proves_without_extracting(monkeypatch):
     """A proof that the step holds a loss's gradients reads e-classes only: no program is extracted or
     emitted from the e-graph it saturates (on a transformer step that was half the search's time)."""
-    import jax
-
     from rewrite import pipeline
     from rewrite.grad import step as step_mod
 

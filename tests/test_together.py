@@ -372,7 +372,7 @@ def test_one_joint_is_built_alone_only_past_a_margin_wider_than_any_saturation_b
     import dataclasses
 
     from rewrite import AnalyticCost
-    from rewrite.grad import decide, vjp
+    from rewrite.grad import decide
 
     model = AnalyticCost()
     assert (1 - decide.ONE_JOINT_MARGIN) * (1 + model.lean_band_far) <= 1 - 0.159, decide.ONE_JOINT_MARGIN
@@ -393,7 +393,7 @@ def _lm_step_decided(monkeypatch, margin: float) -> tuple[str, list, list, list]
 
     import rewrite.api as api
     from rewrite.cost.model import priced_with
-    from rewrite.grad import decide, vjp
+    from rewrite.grad import decide
 
     monkeypatch.setattr(decide, "ONE_JOINT_MARGIN", margin)
     ran = _count_joints(monkeypatch)
