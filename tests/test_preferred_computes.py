@@ -209,3 +209,50 @@ def test_an_lm_head_s_search_is_preferred_only_where_it_has_a_choice(monkeypatch
     for got, want, passed, may_meet, below in calls:
         assert got is not None and got == want  # the whole pass's slice
         assert passed <= may_meet < below, (len(passed), len(may_meet), len(below))
+
+
+def test_a_restricted_pass_gives_the_whole_pass_s_choice_where_it_decides_the_slice(monkeypatch):
+    """Where a class the slice search meets holds two nodes, the bottom-up pass over the classes below it alone
+    (``Builder._preferred``) picks the node the whole e-graph's pass picks, and that choice decides the function read
+    back. Here ``x * 2`` (one product) is also ``exp(log(x) + log 2)`` (two transcendentals), which a search without
+    the pass takes first; the function read back is the product."""
+    from rewrite import Pat, Ruleset, procedural, rule
+    from rewrite.extract import extractor as _extractor
+
+    passes: list = []
+    reads: list = []
+
+    class Counted(_extractor.Extractor):
+        def _tree_pass(self, allowed, items=None):
+            cost, choice = super()._tree_pass(allowed, items)
+            if allowed is None and items is None:
+                passes.append(None)
+            else:
+                whole = super()._tree_pass(None)[1]
+                passes.append((self.snap, {c: (n, whole[c]) for c, n in choice.items()
+                                           if len(self.snap.nodes.get(c, ())) > 1}))
+            return cost, choice
+
+    @procedural
+    def read_back(m):
+        f = m.function([m["y"]], [m["x"]])
+        reads.append((m["y"].cls, m["x"].cls, None if f is None else [e.primitive.name for e in f.jaxpr.eqns]))
+        return None
+
+    rs = Ruleset("mine", [
+        rule(lambda x: x * 2.0, lambda x: jnp.exp(jnp.log(x) + 0.6931471805599453), name="double_as_exp"),
+        rule(Pat("tanh", Pat("exp", Pat("add", Pat("log", Pat.var("x")), Pat.lit(name="c")), name="y")), read_back,
+             name="read_back"),
+    ])
+    monkeypatch.setattr(_builder, "Extractor", Counted)
+    report = explain(lambda x: jnp.tanh(x * 2.0), jnp.ones(8), rulesets=[rs])
+    assert report.fired.get("double_as_exp") and reads, (report.fired, reads)
+    assert passes and None not in passes, passes  # a restricted pass, not the whole e-graph's
+    (y, x, prims), = reads
+    snap, met = passes[-1]
+    assert y in met and all(n == whole for n, whole in met.values()), met  # the whole pass's choice, class by class
+    assert sorted(ctor for ctor, _ in snap.nodes[y]) == ["Exp", "Mul"] and met[y][0][0] == "Mul"
+    assert prims == ["mul"], prims  # the function read back takes the pass's node
+    # and the pass decides it: a search without it takes the other node
+    first = _choice.choose_slice(snap, [y], {x}, {})
+    assert first is not None and first[y][0] == "Exp", first
