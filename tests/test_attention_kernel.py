@@ -89,19 +89,25 @@ def test_values_and_gradients_are_plain_attention_s(case, dtype):
         blocked = lambda q, k, v: attention(q, k, v, scores=scores, block=case["block"], query_block=qb)
         with jax.enable_x64(True):
             ref_scores = Scores(case["scale"], wide(scores.bias), scores.mask, scores.causal, scores.fill)
-            ref = jax.jit(lambda q, k, v: plain(q, k, v, ref_scores))(*map(wide, (q, k, v)))
-            ct = jnp.asarray(np.random.default_rng(1).standard_normal(ref.shape))
-            # compiled, as ``ref``: run op by op, the float64 reference's VJP was 1.3-1.7 s of CPU an example
-            # (each new shape's operations compiled one at a time), compiled 0.2-0.4 s
-            ref_grads = jax.jit(lambda q, k, v, ct: jax.vjp(lambda q, k, v: plain(q, k, v, ref_scores), q, k, v)[1](
-                ct))(*map(wide, (q, k, v)), ct)
-        old = jax.jit(lambda q, k, v: plain(q, k, v, scores))(q, k, v)
-        check(jax.jit(blocked)(q, k, v), old, ref, dtype)
+            operands = [wide(x) for x in (q, k, v)]
+            shape = jax.eval_shape(lambda q, k, v: plain(q, k, v, ref_scores), *operands).shape
+            ct = jnp.asarray(np.random.default_rng(1).standard_normal(shape))
+            # compiled (op by op, the float64 reference's VJP was 1.3-1.7 s of CPU an example, each new shape's
+            # operations compiled one at a time; compiled 0.2-0.4 s), its value and VJP in one program
+            ref, ref_grads = value_and_vjp(lambda q, k, v: plain(q, k, v, ref_scores), *operands, ct=ct)
         cot = ct.astype(dtype)
-        new_grads = jax.jit(lambda *a: jax.vjp(blocked, *a)[1](cot))(q, k, v)
-        old_grads = jax.jit(lambda *a: jax.vjp(lambda q, k, v: plain(q, k, v, scores), *a)[1](cot))(q, k, v)
+        new, new_grads = value_and_vjp(blocked, q, k, v, ct=cot)
+        old, old_grads = value_and_vjp(lambda q, k, v: plain(q, k, v, scores), q, k, v, ct=cot)
+        check(new, old, ref, dtype)
         for a, b, r in zip(new_grads, old_grads, ref_grads):
             check(a, b, r, dtype)
+
+
+def value_and_vjp(f, *args, ct):
+    """``jax.jit(f)(*args)`` and ``f``'s VJP at ``ct`` (the pullback of ``jax.vjp``) as one compiled program: the
+    call itself (for the kernel, its ``custom_vjp``'s primal, not the VJP's forward) beside the pullback, so one
+    compile an example, not two."""
+    return jax.jit(lambda *a: (f(*a), jax.vjp(f, *a)[1](ct)))(*args)
 
 
 def test_eagerly_under_grad_and_vmap():
@@ -196,12 +202,13 @@ def test_fused_attention_in_any_layout_is_plain_attention(q_perm, k_perm, v_perm
 
     q = q5.transpose(q_perm)
     tol = {"float32": 1e-5, "bfloat16": 2e-2}[dtype]
-    # the reference compiled (op by op, its value and gradient were 2-2.5 s of CPU an example, compiled 0.7-0.9);
-    # the call's gradient eagerly, as before
-    np.testing.assert_allclose(np.asarray(jax.jit(call)(q), np.float32), np.asarray(jax.jit(plain_)(q), np.float32),
-                               rtol=tol, atol=tol)
+    # each compiled, its value and the query's gradient in one program (the reference op by op was 2-2.5 s of CPU an
+    # example, compiled 0.7-0.9; the call's gradient op by op compiled each of its operations for each new layout)
     grad = lambda f: jax.grad(lambda q: f(q).astype(jnp.float32).sum())  # noqa: E731
-    np.testing.assert_allclose(np.asarray(grad(call)(q), np.float32), np.asarray(jax.jit(grad(plain_))(q), np.float32),
+    both = lambda f: jax.jit(lambda q: (f(q), grad(f)(q)))(q)  # noqa: E731
+    (got, got_grad), (want, want_grad) = both(call), both(plain_)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=tol, atol=tol)
+    np.testing.assert_allclose(np.asarray(got_grad, np.float32), np.asarray(want_grad, np.float32),
                                rtol=10 * tol, atol=10 * tol)
 
 
