@@ -18,6 +18,7 @@ from rewrite import Limits, Ruleset, explain, rewrite, rule
 from rulesets import _fused_attention as fused_mod
 from rulesets.attention import attention, attention_with
 
+from . import covering
 from .rewritten import ran
 from .test_attention import close, inputs, make
 
@@ -50,23 +51,37 @@ def _grads(fn, args):
                             argnums=(0, 1, 2, 3)))(*args[:3], args[4])
 
 
-CASES = st.fixed_dictionaries({
-    "layout": st.sampled_from(["bhnd", "bnhd"]),
-    "mask": st.sampled_from(["none", "causal"]),
-    "fill": st.sampled_from(["finfo", "-1e30", "-inf", "-1e30py"]),
-    "scale_on": st.sampled_from(["q", "logits"]),
-    "bias": st.booleans(),
-    "b": st.integers(1, 2), "h": st.integers(1, 2),
+#: The values test's dimensions (tests/covering.py): each a list of the values drawn.
+DIMS = {
+    "layout": ["bhnd", "bnhd"],
+    "mask": ["none", "causal"],
+    "fill": ["finfo", "-1e30", "-inf", "-1e30py"],
+    "scale_on": ["q", "logits"],
+    "bias": [False, True],
+    "b": [1, 2], "h": [1, 2],
     # float16: XLA:CPU has no float16 product accumulating in float32, which the XLA implementation asks for
-    "dtype": st.sampled_from(["float32", "bfloat16"]),
-    "seed": st.integers(0, 2 ** 16),
-})
+    "dtype": ["float32", "bfloat16"],
+}
+CASES = covering.strategy(DIMS, seed=st.integers(0, 2 ** 16))
+
+#: Four cases that take every value of every dimension, two float32 (whose gradients are checked: both layouts,
+#: masks, scales and biases among them) and two bfloat16.
+EXAMPLES = [
+    dict(layout="bhnd", mask="none", fill="finfo", scale_on="q", bias=False, b=1, h=1, dtype="float32", seed=0),
+    dict(layout="bnhd", mask="causal", fill="-inf", scale_on="logits", bias=True, b=1, h=2, dtype="float32",
+         seed=1),
+    dict(layout="bhnd", mask="causal", fill="-1e30", scale_on="logits", bias=True, b=2, h=2, dtype="bfloat16",
+         seed=2),
+    dict(layout="bnhd", mask="none", fill="-1e30py", scale_on="q", bias=False, b=2, h=1, dtype="bfloat16",
+         seed=3),
+]
 
 
-# the fixture's list is cleared by each example
-@settings(max_examples=max(10, settings.default.max_examples // 2),
+# the fixture's list is cleared by each example; ci: the four explicit cases alone (12 draws were 13-20 s of CPU)
+@settings(max_examples=max(10, settings.default.max_examples // 2), phases=covering.PHASES,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(CASES)
+@given(case=CASES)
+@covering.covers(DIMS, EXAMPLES, lambda c: ((), {"case": c}))
 def test_fused_call_keeps_values_and_gradients(xla_call, case):
     xla_call.clear()
     dtype = jnp.dtype(case["dtype"])
@@ -78,7 +93,9 @@ def test_fused_call_keeps_values_and_gradients(xla_call, case):
     after = [e.primitive.name for e in ran(g, *args).after.eqns]
     assert any(xla_call), "no match was mapped onto the fused call"
     assert "custom_vjp_call" not in after, "the blocked form was built where the fused call applies"
-    close(g(*args), jax.jit(f)(*args), dtype)
+    # compiled (op by op, each of the rewritten program's operations was compiled apart, some 30 an example; a
+    # rewritten function run eagerly is tests/test_attention.py's values test's)
+    close(jax.jit(g)(*args), jax.jit(f)(*args), dtype)
     if dtype != jnp.bfloat16:
         for a, b in zip(_grads(g, args), _grads(f, args)):
             close(a, b, dtype)
@@ -178,8 +195,10 @@ def test_library_layers_map_onto_the_fused_call(xla_call, library):
     assert xla_call and all(xla_call), xla_call
     close(jax.jit(g)(*args), jax.jit(f)(*args), jnp.float32)
     loss = lambda fn: (lambda *a: jnp.sum(jnp.sin(fn(*a))))  # noqa: E731
-    for a, b in zip(jax.grad(loss(g), argnums=tuple(range(len(args))))(*args),
-                    jax.grad(loss(f), argnums=tuple(range(len(args))))(*args)):
+    # both gradients compiled (op by op, each operation was compiled apart: 100 compiles for flax's layer; a
+    # rewritten function's gradient eagerly is tests/test_attention.py's test_gradient_under_jit_and_vmap's)
+    for a, b in zip(jax.jit(jax.grad(loss(g), argnums=tuple(range(len(args)))))(*args),
+                    jax.jit(jax.grad(loss(f), argnums=tuple(range(len(args)))))(*args)):
         close(a, b, jnp.float32)
 
 
@@ -233,13 +252,16 @@ def test_jax_dot_product_attention_maps_onto_the_fused_call(xla_call, causal, kv
     close(jax.jit(g)(q, k, v), jax.jit(f)(q, k, v), dtype)
     if dtype == "float32":
         loss = lambda fn: (lambda *a: jnp.sum(jnp.sin(fn(*a))))  # noqa: E731
-        for a, b in zip(jax.grad(loss(g), argnums=(0, 1, 2))(q, k, v), jax.grad(loss(f), argnums=(0, 1, 2))(q, k, v)):
+        # both compiled (a rewritten function's gradient eagerly is test_attention's test_gradient_under_jit_and_vmap's)
+        for a, b in zip(jax.jit(jax.grad(loss(g), argnums=(0, 1, 2)))(q, k, v),
+                        jax.jit(jax.grad(loss(f), argnums=(0, 1, 2)))(q, k, v)):
             close(a, b, dtype)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_fused_call_under_jvp_vmap_and_jit(xla_call, dtype):
-    """The fused form under forward mode, vmap and jit, eagerly and compiled, as the original computes."""
+    """The fused form under forward mode, vmap and jit, eagerly and compiled, as the original computes (compiled,
+    once: op by op, each of its operations was compiled apart for the eager comparison)."""
     f = make("bnhd", "causal", "finfo", "logits", False, dtype != "float32")
     rng = np.random.default_rng(12)
     q, k, v = (jnp.asarray(rng.standard_normal((3, 1, 512, 2, 8)), dtype) for _ in range(3))
@@ -248,11 +270,12 @@ def test_fused_call_under_jvp_vmap_and_jit(xla_call, dtype):
     ran(g, q[0], k[0], v[0])
     assert xla_call and all(xla_call), xla_call
     t = tuple(jnp.ones_like(x[0]) for x in (q, k, v))
+    want_jvp = jax.jit(lambda *p: jax.jvp(attend(f), p, t))(q[0], k[0], v[0])
+    want_vmap = jax.jit(jax.vmap(attend(f)))(q, k, v)
     for wrap in (lambda h: h, jax.jit):
-        for a, b in zip(wrap(lambda *p: jax.jvp(g, p, t))(q[0], k[0], v[0]),
-                        wrap(lambda *p: jax.jvp(attend(f), p, t))(q[0], k[0], v[0])):
+        for a, b in zip(wrap(lambda *p: jax.jvp(g, p, t))(q[0], k[0], v[0]), want_jvp):
             close(a, b, dtype)
-        close(wrap(jax.vmap(g))(q, k, v), wrap(jax.vmap(attend(f)))(q, k, v), dtype)
+        close(wrap(jax.vmap(g))(q, k, v), want_vmap, dtype)
 
 
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN's fused attention needs a GPU")
