@@ -244,7 +244,7 @@ class Rewritten:
             result.after = result.before
             result.guard = _guard.GuardDecision("original", None, None, f"timing failed: {type(e).__name__}: {e}")
         if result.after is not chosen:  # not the extraction's program: what it used is not known (decided_jointly)
-            result.jointly_chosen = None
+            result.jointly_chosen = result.used = None
         if result.guard.seconds_original is None and result.rewritten:
             warnings.warn(RewriteWarning(f"the guard could not time {name!r} ({result.guard.reason}); "
                                          "keeping the original program"), stacklevel=5)
@@ -392,7 +392,7 @@ class Rewritten:
         cost = program_cost(joined, self.cost_model)
         times = {**rest.times, "price": time.perf_counter() - t}
         return dataclasses.replace(rest, before=changed, after=joined, cost_before=float("nan"), cost_after=cost,
-                                   rewritten=True, times=times)
+                                   rewritten=True, times=times, used=None)
 
     @staticmethod
     def _replaced(traced: Traced, alt: Result, finding: Any, cost_before: float, how: str) -> Result:

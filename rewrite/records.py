@@ -297,6 +297,10 @@ class Result:
     #: ``plain``'s price as its extraction priced it (NaN where there is no ``plain``): ``grad/together.py``'s
     #: ``rewrite_joints`` reads it beside ``cost_after`` (``one_joint_can_win``)
     plain_cost: float = math.nan
+    #: how many of the chosen program's nodes each rule built (``extract.policy.provenance``, as ``explain``'s
+    #: ``Report.used``), recorded before the e-graph is released; None where not known (a program timed by
+    #: ``cost_model="measure"`` or replaced by the guard, a training step's losses replaced, a disk cache entry)
+    used: dict[str, int] | None = None
     #: the time budget this signature's rewrite shared among its saturations (:class:`Budget`); None for a bare
     #: pipeline's result or one read from the disk cache
     budget: Budget | None = None

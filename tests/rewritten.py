@@ -4,8 +4,8 @@ Many tests ask :func:`rewrite.explain` which rules fired and what program came o
 ``rewrite(f)`` at the same arguments to compare values: two rewrites of one program. ``ran(g, *args)``
 reads the fired rules and the program off ``g``'s own cached result for those arguments (the one that
 ``g(*args)`` then runs without rewriting again), so the program is rewritten once, and what the test
-asserts of it is the program whose values it compares. Rules' provenance (``Report.used``) needs the
-e-graph that only ``explain`` keeps: tests that read it still call ``explain``.
+asserts of it is the program whose values it compares. Rules' provenance (``Report.used``, which needs the
+e-graph) is recorded by the pipeline before it releases its e-graph (``Result.used``), so ``ran`` reads it too.
 """
 
 from __future__ import annotations
@@ -19,10 +19,11 @@ from rewrite.api import Rewritten
 @dataclasses.dataclass(frozen=True)
 class Ran:
     """The part of :class:`rewrite.Report` a test reads: ``fired`` (rule -> times it fired, those that did),
-    ``before`` and ``after`` (the program traced, and the one that runs), ``stopped`` (why saturation
-    stopped), with the whole ``result``."""
+    ``used`` (rule -> how many of the chosen program's nodes it built, or None), ``before`` and ``after`` (the program
+    traced, and the one that runs), ``stopped`` (why saturation stopped), with the whole ``result``."""
 
     fired: dict[str, int]
+    used: dict[str, int] | None
     after: Any
     before: Any
     stopped: str
@@ -30,9 +31,10 @@ class Ran:
 
 
 def ran(g: Rewritten, *args: Any, **kwargs: Any) -> Ran:
-    """``explain(f, *args, ...).fired``, ``.before``, ``.after`` and ``.stopped``, read off ``g = rewrite(f, ...)``
-    (rewritten once, here or by an earlier call at the same signature, and kept for ``g(*args)``)."""
+    """``explain(f, *args, ...).fired``, ``.used``, ``.before``, ``.after`` and ``.stopped``, read off
+    ``g = rewrite(f, ...)`` (rewritten once, here or by an earlier call at the same signature, and kept for
+    ``g(*args)``). ``used`` is None where the result does not know it (``Result.used``: a disk cache entry...)."""
     assert isinstance(g, Rewritten), g
     result = g.result(*args, **kwargs)
-    return Ran(fired={k: s.fired for k, s in result.stats.items() if s.fired}, after=result.after,
+    return Ran(fired={k: s.fired for k, s in result.stats.items() if s.fired}, used=result.used, after=result.after,
                before=result.before, stopped=result.stopped, result=result)

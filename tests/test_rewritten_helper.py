@@ -31,3 +31,24 @@ def test_ran_reads_explain_s_fired_and_program_off_the_one_rewrite_the_test_runs
     assert len(runs) == 1 and g.rewrites == 1  # rewritten once: ran's, which g(x) and the second ran read
     assert report.fired == want.fired == {"mul_one": 1}
     assert str(report.after) == str(want.after)
+
+
+#: ``pythag`` is chosen (its ``ones_like`` is cheaper), ``tan_quotient`` fires and is not (two transcendentals and a
+#: division for one), ``log_exp``'s ``x + y`` is a node the program already had: none of them counts as used
+TRIG = Ruleset("trig", [rule(lambda x: jnp.sin(x) ** 2 + jnp.cos(x) ** 2, lambda x: jnp.ones_like(x), name="pythag"),
+                        rule(lambda x: jnp.log(jnp.exp(x)), lambda x: x, name="log_exp"),
+                        rule(lambda x: jnp.tan(x), lambda x: jnp.sin(x) / jnp.cos(x), name="tan_quotient")],
+               soundness="identity")
+
+
+def test_ran_reads_the_rules_used_as_explain_reports_them():
+    """``Result.used``, recorded before the pipeline releases its e-graph, is ``explain``'s ``Report.used`` (read off
+    the e-graph ``explain`` keeps): the rules whose nodes the chosen program holds, not every rule that fired."""
+    def h(x, y):
+        return (jnp.sin(x) ** 2 + jnp.cos(x) ** 2) * jnp.tan(y) + jnp.log(jnp.exp(x + y))
+
+    x, y = jnp.ones(3), jnp.full(3, 2.0)
+    want = explain(h, x, y, rulesets=[TRIG])
+    assert want.fired == {"pythag": 1, "log_exp": 1, "tan_quotient": 1} and want.used == {"pythag": 2}, want.used
+    report = ran(rewrite(h, rulesets=[TRIG], cache=False), x, y)
+    assert report.used == want.used and report.fired == want.fired

@@ -152,6 +152,23 @@ def made_by(snap: Any, eg: EGraph, rules: set[str], original: set) -> dict[tuple
     return made
 
 
+def provenance(snap: Any, eg: EGraph, choice: dict, roots: Sequence[Any], original: set) -> dict[str, int]:
+    """How many of the nodes ``choice`` makes from ``roots`` each rule built (the first rule that made each, by
+    ``EGraph.vorigin``; nodes the input program already had are not counted): ``Result.used``, ``Report.used``."""
+    first: dict[tuple, str] = {}
+    for vid, origin in enumerate(eg.vorigin):
+        if origin is not None:
+            key = eg.canonical(snap, vid)
+            if key is not None and key not in first:
+                first[key] = origin
+    used: dict[str, int] = {}
+    for cls in reachable(snap, choice, roots):
+        node = choice[cls]
+        if node not in original and (origin := first.get(node)) is not None:
+            used[origin] = used.get(origin, 0) + 1
+    return used
+
+
 def withheld(snap: Any, eg: EGraph, entries: Sequence[tuple[Any, Any]], original: set) -> tuple[Any, dict]:
     """``(snap, made)``: the snapshot to extract from without the recomputing rules' nodes (``snap`` itself where
     none were built), and those nodes (:func:`copy_without`)."""

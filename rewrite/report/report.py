@@ -17,7 +17,7 @@ from typing import Any, Iterator, Sequence
 
 import jax
 
-from ..extract.choice import reachable
+from ..extract.policy import provenance as _provenance
 from ..ir.jaxapi import core, user_frame
 from ..ir.primitives import nbytes
 from ..jaxpr.emit import emit
@@ -375,25 +375,12 @@ def _indent(closed: core.ClosedJaxpr) -> str:
 
 
 def provenance(result: Result) -> dict[str, int]:
-    """How many chosen nodes each rule built (nodes the input program already had are not counted)."""
+    """How many chosen nodes each rule built (nodes the input program already had are not counted), off the
+    e-graph ``result`` kept (``keep=True``), as its pipeline recorded them in ``Result.used``; none without it."""
     eg, snap, choice = result.egraph, result.snapshot, result.choice
     if eg is None or choice is None:
         return {}
-    made_by: dict[tuple, str] = {}
-    for vid, origin in enumerate(eg.vorigin):
-        if origin is not None:
-            key = eg.canonical(snap, vid)
-            if key is not None and key not in made_by:
-                made_by[key] = origin
-    used: collections.Counter = collections.Counter()
-    for cls in reachable(snap, choice, result.roots or []):
-        node = choice[cls]
-        if node in result.original:  # type: ignore[operator]
-            continue
-        origin = made_by.get(node)
-        if origin is not None:
-            used[origin] += 1
-    return dict(used)
+    return _provenance(snap, eg, choice, result.roots or [], result.original or set())
 
 
 #: what ``Result.why`` means, for a program used though not predicted cheaper (rewrite/pipeline.py)
