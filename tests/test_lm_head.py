@@ -156,7 +156,6 @@ def cases(keys: str, *rows: tuple):
     return decorate
 
 
-
 @drawn(12)
 @given(CASES, st.sampled_from(["float32", "bfloat16"]))
 @cases("form reduce bias batch seed",  # every form, reduction, bias, batch and dtype; float64's check on 3 forms
