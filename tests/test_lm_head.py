@@ -104,6 +104,15 @@ def close(a, b, rtol, atol):
     ok = np.isfinite(b)
     np.testing.assert_allclose(a[ok], b[ok], rtol=rtol, atol=atol * max(1.0, float(np.abs(b[ok]).max(initial=0))))
 
+def close_scaled(a, b, rtol, atol):
+    """:func:`close` of both over the largest magnitude of ``b``: its tolerance is ``atol`` of the largest value even
+    where every value is far under 1 (``dW``'s are ~1e-3; held to ``atol`` itself, a half-precision ``dW`` whose
+    last column block was left zero passed)."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    scale = float(np.abs(b[np.isfinite(b)]).max(initial=0)) or 1.0
+    close(a / scale, b / scale, rtol, atol)
+
+
 
 def temp_bytes(fn, *args) -> int:
     """The temporaries XLA allocates for ``fn`` at ``args`` (arrays or ``ShapeDtypeStruct``s), compiled under jit."""
@@ -178,7 +187,7 @@ def test_loss_and_gradient_keep_values(case, dtype):
     rtol, atol = TOLERANCE[dtype]
     close(value, want, rtol, atol)
     for a, b in zip(jax.jit(jax.grad(g, argnums=(0, 1, 2)))(*args), want_grad):
-        close(a, b, rtol, atol)
+        close_scaled(a, b, rtol, atol)
     if not bf16:  # against float64: as accurate as the original
         ref = loss64(case["form"], case["reduce"], case["bias"], *args)
         err_new, err_old = abs(float(value) - ref), abs(float(want) - ref)
@@ -550,14 +559,6 @@ def test_column_blocks_under_vjp_and_jvp(dtype):
             close_scaled(x, z, rtol, atol)
 
 
-def close_scaled(a, b, rtol, atol):
-    """:func:`close` of both over the largest magnitude of ``b``: its tolerance is ``atol`` of the largest value even
-    where every value is far under 1 (``dW``'s are ~1e-3; held to ``atol`` itself, a half-precision ``dW`` whose
-    last column block was left zero passed)."""
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    scale = float(np.abs(b[np.isfinite(b)]).max(initial=0)) or 1.0
-    close(a / scale, b / scale, rtol, atol)
-
 
 @pytest.mark.parametrize("mode", ["fill", "clip"])
 def test_a_label_gather_with_indices_narrower_than_the_vocabulary(mode):
@@ -851,7 +852,7 @@ def test_a_dense_target_keeps_values_and_gradients(case, dtype):
     want, want_grad = jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2, 3)))(*args)
     close(value, want, rtol, atol)
     for a, b in zip(jax.jit(jax.grad(g, argnums=(0, 1, 2, 3)))(*args), want_grad):
-        close(a, b, rtol, atol)
+        close_scaled(a, b, rtol, atol)
     if not bf16:  # against float64 (NumPy): as accurate as the original
         h, W, b, t, w = (np.asarray(a, np.float64) for a in args)
         z = h @ W + (b if case["bias"] else 0.0)
