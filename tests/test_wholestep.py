@@ -7,6 +7,7 @@ first step moves each parameter by the sign of its gradient, which rounding flip
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -33,11 +34,17 @@ def _cast(args, dtype):
                         else x, args)
 
 
+def _searched(flat, packs=PACKS) -> tuple:
+    """What :func:`find_losses` proves and builds the step ``flat``'s losses with, under ``packs``."""
+    r = rewrite(flat, rulesets=packs, cache=False)
+    return r._proof, r._loss_first
+
+
 def _replaced(flat, leaves, packs=PACKS):
     """The step's program with its losses replaced (``None`` if none was), and what was found."""
-    r = rewrite(flat, rulesets=packs, cache=False)
+    proof, loss_first = _searched(flat, packs)
     closed = jax.make_jaxpr(flat)(*leaves)
-    return find_losses(closed, r._proof, r._loss_first)
+    return find_losses(closed, proof, loss_first)
 
 
 def _close(want, got, tol, wider=None, moved=None):
@@ -70,31 +77,60 @@ def _moved(outs, leaves) -> float:
                if o.shape == x.shape and o.dtype == x.dtype and jnp.issubdtype(o.dtype, jnp.floating) and o.size)
 
 
+@functools.lru_cache(maxsize=None)
+def _tiny_step(name: str) -> tuple:
+    """``ws.CASES[name]`` at ``TINY`` with SGD: the step and its arguments. Built once for the tests that read it
+    (here and in ``tests/test_wholestep_loops.py``), at either dtype: a step is a pure function and its arguments
+    arrays, which no test changes."""
+    return ws.CASES[name](TINY, ws.plain, opt=optax.sgd(0.1))
+
+
+@functools.lru_cache(maxsize=None)
+def _tiny_flat(name: str, dtype: str) -> tuple:
+    """The step ``name`` with its float arguments cast to ``dtype``, as a function of its leaves, and the leaves:
+    one function per name and dtype, so that ``jax.jit`` traces and compiles the original once for every test
+    that runs it (the float32 one also as the bfloat16 tests' ``wider`` reference)."""
+    step, args = _tiny_step(name)
+    return ws._flat(step, _cast(args, jnp.dtype(dtype)))
+
+
+@functools.lru_cache(maxsize=None)
+def _tiny_replaced(name: str, dtype: str) -> tuple:
+    """The step ``name`` at ``dtype`` with its losses replaced under ``PACKS`` (:func:`_replaced`), and its outputs
+    under jit: ``(closed, changed, finding, want, got, wider)``, ``closed`` the step's program, ``want`` the
+    original's outputs, ``got`` the changed step's, ``wider`` (bfloat16 only) the step built in float32 run from the
+    same values. Once per name and dtype for the tests that assert on it (``test_library_step_found_and_replaced``
+    and ``tests/test_wholestep_loops.py``'s ``test_scan_remat_backward_loop_replaced`` rewrite linen's scanned step
+    alike); none changes what it reads."""
+    flat, leaves = _tiny_flat(name, dtype)
+    closed = jax.make_jaxpr(flat)(*leaves)  # as _replaced: kept for the tests that count its equations
+    changed, finding = find_losses(closed, *_searched(flat))
+    if changed is None:
+        return closed, changed, finding, None, None, None
+    want = jax.jit(flat)(*leaves)
+    got = jax.jit(core.jaxpr_as_fun(changed))(*leaves)
+    wider = None
+    if dtype != "float32":  # the step built in float32, run from the same values
+        wider = jax.jit(_tiny_flat(name, "float32")[0])(*_cast(leaves, jnp.float32))
+    return closed, changed, finding, want, got, wider
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("name", ["linen_gpt", "nnx_gpt", "haiku_gpt", "equinox_gpt", "linen_scan_remat",
                                   "linen_accumulate", "linen_master16"])
 def test_library_step_found_and_replaced(name, dtype):
     """Each library's step: the loss and every parameter's gradient are proven, and the step so changed
     gives the loss and new parameters of the original under jit, at f32 and with bf16 parameters."""
-    step, args = ws.CASES[name](TINY, ws.plain, opt=optax.sgd(0.1))
-    args = _cast(args, jnp.dtype(dtype))
-    flat, leaves = ws._flat(step, args)
-    changed, finding = _replaced(flat, leaves)
+    _, leaves = _tiny_flat(name, dtype)
+    closed, changed, finding, want, got, wider = _tiny_replaced(name, dtype)
     assert changed is not None, str(finding)
     assert finding.replaced and "gradients with respect to" in finding.replaced[0]
-    want = jax.jit(flat)(*leaves)
-    got = jax.jit(core.jaxpr_as_fun(changed))(*leaves)
-    wider = None
-    if dtype != "float32":  # the step built in float32, run from the same values
-        flat32, _ = ws._flat(step, _cast(args, jnp.float32))
-        wider = jax.jit(flat32)(*_cast(leaves, jnp.float32))
     # master16 computes in bf16 whatever its parameters' dtype. 2e-2 is 2.56 of bf16's eps (2^-7): a few roundings
     _close(want, got, 2e-4 if dtype == "float32" and name != "linen_master16" else 2e-2, wider, _moved(want, leaves))
     # the old backward is gone: the step's own N x V logits' gradient (B x N x V) is computed once, by the
     # replacement, not also by the original backward
     names = [e.primitive.name for e in changed.jaxpr.eqns]
-    assert names.count("dot_general") <= [e.primitive.name for e in
-                                          jax.make_jaxpr(flat)(*leaves).jaxpr.eqns].count("dot_general") + 8
+    assert names.count("dot_general") <= [e.primitive.name for e in closed.jaxpr.eqns].count("dot_general") + 8
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -103,14 +139,11 @@ def test_a_wrong_step_is_not_close(dtype):
     gradient 10% off (a term lost, a mean over the wrong count), or the key projection's bias (gradient 0)
     moved by its sibling bias's gradient (a gradient read for the wrong parameter). In bf16 the first is
     3.3 to 3.7 times the bound on jax 0.11.2 (the rewrites' worst is 0.52 of it), the second 13 to 17 times."""
-    step, args = ws.CASES["linen_gpt"](TINY, ws.plain, opt=optax.sgd(0.1))
-    args = _cast(args, jnp.dtype(dtype))
-    flat, leaves = ws._flat(step, args)
+    flat, leaves = _tiny_flat("linen_gpt", dtype)  # the library test's step, compiled once for both
     want = jax.jit(flat)(*leaves)
     wider = None
     if dtype != "float32":
-        flat32, _ = ws._flat(step, _cast(args, jnp.float32))
-        wider = jax.jit(flat32)(*_cast(leaves, jnp.float32))
+        wider = jax.jit(_tiny_flat("linen_gpt", "float32")[0])(*_cast(leaves, jnp.float32))
     f32 = lambda a: np.asarray(a, np.float32)  # noqa: E731
     params = [i for i, (o, x) in enumerate(zip(want, leaves))
               if o.shape == x.shape and o.dtype == x.dtype and jnp.issubdtype(o.dtype, jnp.floating)]
@@ -205,8 +238,7 @@ def test_bf16_copies_of_f32_master_weights():
 
 def test_rewrite_step_reports_and_runs():
     """``jax.jit(rewrite(step))``: the finding is reported in the result, and the values are the original's."""
-    step, args = ws.CASES["linen_gpt"](TINY, ws.plain, opt=optax.sgd(0.1))
-    flat, leaves = ws._flat(step, args)
+    flat, leaves = _tiny_flat("linen_gpt", "float32")
     r = rewrite(flat, rulesets=PACKS, cache=False)
     got = jax.jit(r)(*leaves)
     res = r.result(*leaves)
@@ -214,14 +246,24 @@ def test_rewrite_step_reports_and_runs():
     _close(jax.jit(flat)(*leaves), got, 2e-4)
 
 
+LINEN_128 = ws.Size(batch=2, length=128, width=32, heads=2, vocab=8192)
+
+
+@functools.lru_cache(maxsize=None)
+def _linen_128() -> tuple:
+    """linen's GPT step at N=128, V=8192 with SGD: the step, its arguments, the step as a function of its leaves
+    and the leaves. Built once for the tests that read it (one function, so that ``jax.jit`` compiles the step as
+    written once for them all); none changes it."""
+    step, args = ws.CASES["linen_gpt"](LINEN_128, ws.plain, opt=optax.sgd(0.1))
+    return (step, args, *ws._flat(step, args))
+
+
 def test_memory_shaped_rewrite_fires_in_a_step():
     """A step with an 8192-word head: with its loss read from the loss-first program it holds at most 60% of the
     temp memory of the step as written (the LM head's N x V logits are not kept for the backward), and no more
     than 1.1x what the loss-first form written by hand holds."""
-    size = ws.Size(batch=2, length=128, width=32, heads=2, vocab=8192)
-    step, args = ws.CASES["linen_gpt"](size, ws.plain, opt=optax.sgd(0.1))
-    first, _ = ws.CASES["linen_gpt"](size, lambda f: rewrite(f, rulesets=PACKS, cache=False), opt=optax.sgd(0.1))
-    flat, leaves = ws._flat(step, args)
+    step, args, flat, leaves = _linen_128()
+    first, _ = ws.CASES["linen_gpt"](LINEN_128, lambda f: rewrite(f, rulesets=PACKS, cache=False), opt=optax.sgd(0.1))
     flat_first, _ = ws._flat(first, args)
     changed, finding = _replaced(flat, leaves)
     assert changed is not None, str(finding)
@@ -251,6 +293,19 @@ def _product_flops(jaxpr: core.Jaxpr) -> int:
     return total
 
 
+SMALL_HEAD = ws.Size(batch=2, length=128, width=64, heads=2, vocab=1024)
+
+
+@functools.lru_cache(maxsize=None)
+def _small_head() -> tuple:
+    """linen's GPT step at N=128, V=1024, width 64 with SGD, for the two small-head tests: the step as a function of
+    its leaves, the leaves and its program. Built and traced once (one function, so that ``jax.jit`` compiles the
+    step as written once for both); neither changes it."""
+    step, args = ws.CASES["linen_gpt"](SMALL_HEAD, ws.plain, opt=optax.sgd(0.1))
+    flat, leaves = ws._flat(step, args)
+    return flat, leaves, jax.make_jaxpr(flat)(*leaves)
+
+
 def test_a_small_head_keeps_its_logits_in_a_step():
     """The LM head's token loop drops the logits from the forward and recomputes them in its backward, a product
     as large as the head's: that pays where the logits are large (``test_memory_shaped_rewrite_fires_in_a_step``)
@@ -258,14 +313,12 @@ def test_a_small_head_keeps_its_logits_in_a_step():
     the loss-first program built for the forward alone took it (the step 0.93-0.96x of the original's speed, and
     111% of its product flops, 100.02% now); decided on the joint program (``Ruleset(jointly=True)``) it is not
     taken, and the step runs the products the original runs, with the loss still read from the loss-first program."""
-    size = ws.Size(batch=2, length=128, width=64, heads=2, vocab=1024)
-    step, args = ws.CASES["linen_gpt"](size, ws.plain, opt=optax.sgd(0.1))
-    flat, leaves = ws._flat(step, args)
+    flat, leaves, closed = _small_head()
     r = rewrite(flat, rulesets=ws.packs(), cache=False)
     res = r.result(*leaves)
     assert res.step.replaced and "loss-first" in res.why, (str(res.step), res.why)
     # the label's logit read as a product of its own (``nn_lm_head_label``) adds 0.02%; the head's, 11%
-    before = _product_flops(jax.make_jaxpr(flat)(*leaves).jaxpr)
+    before = _product_flops(closed.jaxpr)
     assert _product_flops(res.after.jaxpr) <= 1.01 * before, (_product_flops(res.after.jaxpr), before)
     _close(jax.jit(flat)(*leaves), jax.jit(r)(*leaves), 2e-4)
 
@@ -276,12 +329,10 @@ def test_a_small_head_keeps_its_logits_in_the_loss_first_form():
     of the loss as written the third (``rewrite.grad.vjp.decided_jointly``). At N=128, V=1024 the head's token loop
     is not taken (decided for the forward alone it was: 0.87-0.94x of the original in ``benchmarks.wholestep
     --small``), and the step runs the products the original runs; its values are the original's."""
-    size = ws.Size(batch=2, length=128, width=64, heads=2, vocab=1024)
-    step, args = ws.CASES["linen_gpt"](size, ws.plain, opt=optax.sgd(0.1))
-    first, first_args = ws.CASES["linen_gpt"](size, ws.loss_first, opt=optax.sgd(0.1))
-    flat, leaves = ws._flat(step, args)
+    flat, leaves, closed = _small_head()
+    first, first_args = ws.CASES["linen_gpt"](SMALL_HEAD, ws.loss_first, opt=optax.sgd(0.1))
     flat_first, _ = ws._flat(first, first_args)
-    before = _product_flops(jax.make_jaxpr(flat)(*leaves).jaxpr)
+    before = _product_flops(closed.jaxpr)
     after = _product_flops(jax.make_jaxpr(flat_first)(*leaves).jaxpr)
     assert after <= 1.01 * before, (after, before)
     _close(jax.jit(flat)(*leaves), jax.jit(flat_first)(*leaves), 2e-4)
@@ -488,17 +539,23 @@ def test_gradient_of_a_stopped_use_is_left_alone():
 
 
 def _small_linen_step(**kw: Any) -> tuple:
-    """linen's GPT step at N=128 with SGD, rewritten with ``kw``: the rewritten step, its result, the step
-    as written, its arguments, and a function's compiled temp memory at those arguments."""
-    size = ws.Size(batch=2, length=128, width=32, heads=2, vocab=8192)
-    step, args = ws.CASES["linen_gpt"](size, ws.plain, opt=optax.sgd(0.1))
-    flat, leaves = ws._flat(step, args)
+    """linen's GPT step at N=128 with SGD (:func:`_linen_128`), rewritten with ``kw``: the rewritten step, its
+    result, the step as written, its arguments, and a function's compiled temp memory at those arguments."""
+    _, _, flat, leaves = _linen_128()
     r = rewrite(flat, rulesets=PACKS, cache=False, **kw)
 
     def temp(f: Any) -> int:
         return jax.jit(f).lower(*leaves).compile().memory_analysis().temp_size_in_bytes
 
     return r, r.result(*leaves), flat, leaves, temp
+
+
+@functools.lru_cache(maxsize=None)
+def _small_linen_default() -> tuple:
+    """:func:`_small_linen_step` with the default cost model, rewritten once for the two tests that read it
+    (``test_rewrite_step_keeps_the_leaner_step_by_default``, ``test_explain_of_a_step_gives_the_program_rewrite_runs``):
+    neither changes what it reads, and calling the rewritten step reads the rewrite its result describes."""
+    return _small_linen_step()
 
 
 def test_rewrite_step_chooses_the_replacement_when_memory_is_priced():
@@ -517,7 +574,7 @@ def test_rewrite_step_keeps_the_leaner_step_by_default():
     """``jax.jit(rewrite(step))`` with the default cost model: the step with its loss read from the loss-first
     program is priced no dearer than the step as written (its blocked loops' in-place updates priced as XLA
     makes them; before that, within ``AnalyticCost.lean_band``) and holds much less memory, so it is kept."""
-    r, res, flat, leaves, temp = _small_linen_step()
+    r, res, flat, leaves, temp = _small_linen_default()
     assert res.step.replaced and "loss-first" in res.why, (str(res.step), res.why)
     assert temp(r) < 0.75 * temp(flat)
     _close(jax.jit(flat)(*leaves), jax.jit(r)(*leaves), 2e-4)
@@ -927,7 +984,7 @@ def test_explain_of_a_step_gives_the_program_rewrite_runs():
     summary; ``after`` stays the step rewritten as written."""
     from rewrite import explain
 
-    r, res, flat, leaves, _ = _small_linen_step()
+    r, res, flat, leaves, _ = _small_linen_default()
     report = explain(flat, *leaves, rulesets=PACKS)
     assert report.step_used and report.runs is not None
     assert str(report.runs) == str(res.after) and report.runs_cost == res.cost_after
