@@ -15,8 +15,9 @@ from hypothesis import given, settings, strategies as st
 
 import rulesets
 from benchmarks import wholestep as ws
+from rewrite.grad.step import find_losses
 from rewrite.ir.jaxapi import core, scan_counts
-from tests.test_wholestep import PACKS, TINY, _cast, _close, _moved, _replaced
+from tests.test_wholestep import PACKS, _close, _moved, _replaced, _searched, _tiny_flat, _tiny_replaced
 
 
 def _dots_in_loops(jaxpr: core.Jaxpr, inside: bool = False) -> list[tuple]:
@@ -35,18 +36,10 @@ def _dots_in_loops(jaxpr: core.Jaxpr, inside: bool = False) -> list[tuple]:
 def _step_replaced_keeps_values(name: str, dtype: str, split: bool) -> None:
     """The SGD step ``name`` under jit: its backward layer loop is replaced (recomputing the layer, or ``split``
     at the rewritten layer's residuals), and the loss and new parameters are the original's."""
-    step, args = ws.CASES[name](TINY, ws.plain, opt=optax.sgd(0.1))
-    args = _cast(args, jnp.dtype(dtype))
-    flat, leaves = ws._flat(step, args)
-    changed, finding = _replaced(flat, leaves)
+    _, leaves = _tiny_flat(name, dtype)
+    _, changed, finding, want, got, wider = _tiny_replaced(name, dtype)  # linen_scan_remat's: the library test's too
     assert changed is not None and any("backward layer loop" in r for r in finding.replaced), str(finding)
     assert any("split at its residuals" in r for r in finding.replaced) == split, str(finding)
-    want = jax.jit(flat)(*leaves)
-    got = jax.jit(core.jaxpr_as_fun(changed))(*leaves)
-    wider = None
-    if dtype != "float32":
-        flat32, _ = ws._flat(step, _cast(args, jnp.float32))
-        wider = jax.jit(flat32)(*_cast(leaves, jnp.float32))
     _close(want, got, 2e-4 if dtype == "float32" else 2e-2, wider, _moved(want, leaves))
 
 
@@ -61,13 +54,14 @@ def test_scan_remat_backward_loop_replaced(name, dtype):
 
 def _step_at_512_replaced(name: str) -> tuple:
     """The SGD step ``name`` at N=512 with the memory packs: its backward layer loop is replaced. Returns the
-    step, its arguments, the changed program and N."""
+    step, its arguments, its program, the changed program and N."""
     size = ws.Size(batch=2, length=512, width=16, heads=2, vocab=256)
     step, args = ws.CASES[name](size, ws.plain, opt=optax.sgd(0.1))
     flat, leaves = ws._flat(step, args)
-    changed, finding = _replaced(flat, leaves, packs=PACKS)
+    closed = jax.make_jaxpr(flat)(*leaves)  # as ``_replaced``: kept for the tests' premises
+    changed, finding = find_losses(closed, *_searched(flat, PACKS))
     assert changed is not None and any("backward layer loop" in r for r in finding.replaced), str(finding)
-    return flat, leaves, changed, size.length
+    return flat, leaves, closed, changed, size.length
 
 
 @pytest.mark.parametrize("name", ["linen_scan_remat", "equinox_scan_remat"])
@@ -76,9 +70,9 @@ def test_scan_remat_backward_loop_holds_no_scores(name):
     N x N scores (the step's own backward loop recomputed them in each layer), and the step holds under 60% of
     the original's temp memory (the loss cut at the loop alone held about as much as the original: linen 15.5
     against 15.4 MiB, equinox 13.5 against 13.5; with the loops replaced 7.6 and 7.3)."""
-    flat, leaves, changed, n = _step_at_512_replaced(name)
+    flat, leaves, closed, changed, n = _step_at_512_replaced(name)
     assert not [s for s in _dots_in_loops(changed.jaxpr) if s[-2:] == (n, n)]
-    assert [s for s in _dots_in_loops(jax.make_jaxpr(flat)(*leaves).jaxpr) if s[-2:] == (n, n)]  # the test's premise
+    assert [s for s in _dots_in_loops(closed.jaxpr) if s[-2:] == (n, n)]  # the test's premise
 
     def temp(f):
         return jax.jit(f).lower(*leaves).compile().memory_analysis().temp_size_in_bytes
@@ -116,21 +110,22 @@ def _scan_step_replaced(remat: bool, dtype: str) -> tuple:
     step = _scan_step(remat)
     changed, finding = _replaced(step, _scan_args(dtype, 1.0, 0), packs=[rulesets.algebra])
     assert changed is not None and any("backward layer loop" in r for r in finding.replaced), str(finding)
-    return step, changed, finding
+    return step, changed, finding, jax.jit(core.jaxpr_as_fun(changed))
 
 
 def _small_scan_step_replaced(remat: bool, dtype: str, scale: float, seed: int) -> tuple:
     """``_scan_step(remat)`` at ``dtype`` with its layers' weights scaled by ``scale``: its backward layer loop
-    is replaced (``rulesets.algebra``)."""
-    step, changed, finding = _scan_step_replaced(remat, dtype)
-    return step, _scan_args(dtype, scale, seed), changed, finding
+    is replaced (``rulesets.algebra``). Also returns the changed program under ``jax.jit``, one function per
+    ``remat`` and dtype, so that the examples compile it once (a new ``jaxpr_as_fun`` is traced and compiled anew)."""
+    step, changed, finding, jitted = _scan_step_replaced(remat, dtype)
+    return step, _scan_args(dtype, scale, seed), changed, finding, jitted
 
 
 def test_the_scan_step_is_rewritten_once_per_dtype_whatever_its_values():
     """The memo the value tests share: a second example at the same dtype reads the first's rewrite, which is the
     rewrite of its own arguments (the same program)."""
     _scan_step_replaced.cache_clear()
-    step, args, changed, _ = _small_scan_step_replaced(True, "float32", 0.0, 1)
+    step, args, changed, _, _ = _small_scan_step_replaced(True, "float32", 0.0, 1)
     assert _small_scan_step_replaced(True, "float32", -2.0, 7)[2] is changed
     assert _scan_step_replaced.cache_info().hits == 1
     again, _ = _replaced(step, args, packs=[rulesets.algebra])
@@ -145,8 +140,8 @@ def test_scan_checkpoint_backward_loop_values(dtype, scale, seed):
     -2: the backward loop is replaced and the new parameters and loss are the original's."""
     if dtype == "float64" and not jax.config.jax_enable_x64:
         dtype = "float32"
-    step, args, changed, finding = _small_scan_step_replaced(True, dtype, scale, seed)
-    want, got = jax.jit(step)(*args), jax.jit(core.jaxpr_as_fun(changed))(*args)
+    step, args, changed, finding, jitted = _small_scan_step_replaced(True, dtype, scale, seed)
+    want, got = jax.jit(step)(*args), jitted(*args)
     tol = {"float32": 1e-5, "float64": 1e-12}.get(dtype, 2e-2)
     _close(want, got, tol)
 
@@ -176,8 +171,8 @@ def test_plain_scan_stacks_no_scores(name):
     probabilities for its backward; with the pair replaced by the rewritten layer's split, no array the loops
     stack has an N x N trailing pair, no product inside them computes one, and the step holds under half the
     original's temp memory (linen 33.8 -> 11.9 MiB, equinox 34.2 -> 11.8; their loss-first forms 19.7 and 19.3)."""
-    flat, leaves, changed, n = _step_at_512_replaced(name)
-    assert [s for s in _stacked(jax.make_jaxpr(flat)(*leaves).jaxpr) if s[-2:] == (n, n)]  # the test's premise
+    flat, leaves, closed, changed, n = _step_at_512_replaced(name)
+    assert [s for s in _stacked(closed.jaxpr) if s[-2:] == (n, n)]  # the test's premise
     assert not [s for s in _stacked(changed.jaxpr) if s[-2:] == (n, n)]
     assert not [s for s in _dots_in_loops(changed.jaxpr) if s[-2:] == (n, n)]
 
@@ -194,11 +189,11 @@ def test_plain_scan_backward_loop_values(dtype, scale, seed):
     """``lax.scan`` over a residual layer, no ``remat``, any of three float dtypes, weights scaled by 0, a half or
     -2: the backward loop is replaced by the layer's split (a loop reading the residuals its forward loop
     stacked), and the new parameters and loss are the original's, under jit and run eagerly."""
-    step, args, changed, finding = _small_scan_step_replaced(False, dtype, scale, seed)
+    step, args, changed, finding, jitted = _small_scan_step_replaced(False, dtype, scale, seed)
     assert not any("backward layer loop" in d for d in finding.declined), str(finding)
     want = jax.jit(step)(*args)
     tol = 1e-5 if dtype == "float32" else 2e-2
-    _close(want, jax.jit(core.jaxpr_as_fun(changed))(*args), tol)
+    _close(want, jitted(*args), tol)
     _close(want, core.jaxpr_as_fun(changed)(*args), tol)
 
 
