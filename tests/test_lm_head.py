@@ -104,6 +104,7 @@ def close(a, b, rtol, atol):
     ok = np.isfinite(b)
     np.testing.assert_allclose(a[ok], b[ok], rtol=rtol, atol=atol * max(1.0, float(np.abs(b[ok]).max(initial=0))))
 
+
 def close_scaled(a, b, rtol, atol):
     """:func:`close` of both over the largest magnitude of ``b``: its tolerance is ``atol`` of the largest value even
     where every value is far under 1 (``dW``'s are ~1e-3; held to ``atol`` itself, a half-precision ``dW`` whose
@@ -111,7 +112,6 @@ def close_scaled(a, b, rtol, atol):
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     scale = float(np.abs(b[np.isfinite(b)]).max(initial=0)) or 1.0
     close(a / scale, b / scale, rtol, atol)
-
 
 
 def temp_bytes(fn, *args) -> int:
