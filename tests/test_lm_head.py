@@ -24,6 +24,7 @@ from rewrite import Ruleset, explain, rewrite
 from rulesets import nn_lm_head_kernels as kernels
 from rulesets.nn_lm_head import BLOCKS, lm_head_rules, offered
 
+from . import covering
 from .rewritten import ran
 
 
@@ -136,13 +137,10 @@ def block_of(report) -> int | None:
     return int(used[0].rsplit("_", 1)[1]) if used else None
 
 
-CASES = st.fixed_dictionaries({
-    "form": st.sampled_from(["optax_int", "optax_one_hot", "optax_smooth", "log_softmax", "z_loss"]),
-    "reduce": st.sampled_from(["mean", "sum", "masked"]),
-    "bias": st.booleans(),
-    "batch": st.sampled_from([0, 1, 2]),
-    "seed": st.integers(0, 2 ** 16),
-})
+#: the values test's dimensions (tests/covering.py), the dtype last
+DIMS = {"form": ["optax_int", "optax_one_hot", "optax_smooth", "log_softmax", "z_loss"],
+        "reduce": ["mean", "sum", "masked"], "bias": [False, True], "batch": [0, 1, 2], "dtype": ["float32", "bfloat16"]}
+CASES = covering.strategy({k: v for k, v in DIMS.items() if k != "dtype"}, seed=st.integers(0, 2 ** 16))
 
 N, C, V = 1024, 64, 8192
 
@@ -156,8 +154,13 @@ def drawn(n: int):
     return settings(deadline=None, phases=[Phase.explicit])
 
 
-def cases(keys: str, *rows: tuple):
-    """``@example``s of ``(case, dtype)`` from rows of values in the order ``keys`` names them, the dtype last."""
+def cases(dims: dict, keys: str, *rows: tuple):
+    """``@example``s of ``(case, dtype)`` from rows of values in the order ``keys`` names them, the dtype last;
+    ``ValueError`` at collection where a value of ``dims`` (the strategy's, ``dtype`` among them) is in no row."""
+    missing = covering.uncovered(dims, [dict(zip(keys.split() + ["dtype"], row)) for row in rows])
+    if missing:
+        raise ValueError(f"values no explicit case draws: {missing}")
+
     def decorate(test):
         for row in reversed(rows):
             test = example(dict(zip(keys.split(), row[:-1])), row[-1])(test)
@@ -166,8 +169,8 @@ def cases(keys: str, *rows: tuple):
 
 
 @drawn(12)
-@given(CASES, st.sampled_from(["float32", "bfloat16"]))
-@cases("form reduce bias batch seed",  # every form, reduction, bias, batch and dtype; float64's check on 3 forms
+@given(CASES, st.sampled_from(DIMS["dtype"]))
+@cases(DIMS, "form reduce bias batch seed",  # every form, reduction, bias, batch and dtype; float64's check on 3 forms
        ("optax_int", "mean", False, 0, 11, "float32"), ("optax_one_hot", "sum", True, 1, 12, "bfloat16"),
        ("optax_smooth", "masked", True, 2, 13, "float32"), ("log_softmax", "masked", False, 1, 14, "bfloat16"),
        ("z_loss", "sum", False, 2, 15, "float32"), ("optax_smooth", "mean", True, 0, 16, "bfloat16"))
@@ -605,17 +608,16 @@ def reference(h, W, b, y, t, reads, fills=False):
     return out
 
 
-KERNEL_CASES = st.fixed_dictionaries({
-    "tokens": st.sampled_from([256, 384]), "vocab": st.sampled_from([40, 300]), "bias": st.booleans(),
-    "shift": st.sampled_from(["max", "finite"]), "log": st.booleans(), "label": st.booleans(),
-    "row_sums": st.booleans(), "target": st.booleans(), "fills": st.booleans(), "jit": st.booleans(),
-    "special": st.sampled_from(["none", "masked", "zeros", "negative"]), "seed": st.integers(0, 2 ** 16),
-})
+B = [False, True]
+KERNEL_DIMS = {"tokens": [256, 384], "vocab": [40, 300], "bias": B, "shift": ["max", "finite"], "log": B, "label": B,
+               "row_sums": B, "target": B, "fills": B, "jit": B, "special": ["none", "masked", "zeros", "negative"],
+               "dtype": ["float32", "bfloat16", "float64"]}
+KERNEL_CASES = covering.strategy({k: v for k, v in KERNEL_DIMS.items() if k != "dtype"}, seed=st.integers(0, 2 ** 16))
 
 
 @drawn(10)
-@given(KERNEL_CASES, st.sampled_from(["float32", "bfloat16", "float64"]))
-@cases("tokens vocab bias shift log label row_sums target fills jit special seed",  # every value of each dimension
+@given(KERNEL_CASES, st.sampled_from(KERNEL_DIMS["dtype"]))
+@cases(KERNEL_DIMS, "tokens vocab bias shift log label row_sums target fills jit special seed",  # every value of each dimension
        (256, 40, True, "max", True, True, False, False, True, False, "none", 1, "float32"),
        (384, 300, False, "finite", False, False, True, True, False, True, "negative", 2, "bfloat16"),
        (256, 300, True, "finite", True, True, True, False, False, True, "masked", 3, "float64"),
@@ -668,18 +670,16 @@ def test_the_kernels_as_the_whole_logits(case, dtype):
                 close(a, w, rtol, atol)
 
 
-TILE_CASES = st.fixed_dictionaries({
-    "vocab": st.sampled_from([40, 300, 700]), "tile": st.sampled_from([16, 32, 64, 512]), "bias": st.booleans(),
-    "shift": st.sampled_from(["max", "finite"]), "log": st.booleans(), "jit": st.booleans(), "label": st.booleans(),
-    "fills": st.booleans(), "tokens": st.sampled_from([256, 512]),
-    "special": st.sampled_from(["none", "masked", "all_masked", "inf_h", "nan_h", "inf_w", "zeros", "far"]),
-    "seed": st.integers(0, 2 ** 16),
-})
+TILE_DIMS = {"vocab": [40, 300, 700], "tile": [16, 32, 64, 512], "bias": B, "shift": ["max", "finite"], "log": B,
+             "jit": B, "label": B, "fills": B, "tokens": [256, 512],
+             "special": ["none", "masked", "all_masked", "inf_h", "nan_h", "inf_w", "zeros", "far"],
+             "dtype": ["float16", "bfloat16", "float32", "float64"]}
+TILE_CASES = covering.strategy({k: v for k, v in TILE_DIMS.items() if k != "dtype"}, seed=st.integers(0, 2 ** 16))
 
 
 @drawn(25)
-@given(TILE_CASES, st.sampled_from(["float16", "bfloat16", "float32", "float64"]))
-@cases("vocab tile bias shift log jit label fills tokens special seed",  # every value of each dimension
+@given(TILE_CASES, st.sampled_from(TILE_DIMS["dtype"]))
+@cases(TILE_DIMS, "vocab tile bias shift log jit label fills tokens special seed",  # every value of each dimension
        (40, 16, False, "max", False, False, True, False, 256, "nan_h", 0, "float32"),  # a NaN label, once read as -inf
        (300, 32, True, "finite", True, True, True, True, 512, "none", 1, "float16"),
        (700, 64, False, "max", True, False, False, False, 256, "masked", 2, "bfloat16"),
@@ -823,16 +823,18 @@ def dense_args(seed, n, c, v, kind):
     return [h, W, b, targets(rng, n, v, kind), w]
 
 
+DENSE_DIMS = {"reduce": ["mean", "masked"], "bias": B, "batch": B, "kind": ["smoothed", "teacher", "special"],
+              "dtype": ["float32", "bfloat16"]}
+
+
 def target_fired(report) -> bool:
     return any(k.startswith("nn_lm_head_lse_target_") for k in report.used)
 
 
 @drawn(8)
-@given(st.fixed_dictionaries({"reduce": st.sampled_from(["mean", "masked"]), "bias": st.booleans(),
-                              "batch": st.booleans(), "kind": st.sampled_from(["smoothed", "teacher", "special"]),
-                              "seed": st.integers(0, 2 ** 16)}),
-       st.sampled_from(["float32", "bfloat16"]))
-@cases("reduce bias batch kind seed",  # every value of each dimension; float64's check on every kind
+@given(covering.strategy({k: v for k, v in DENSE_DIMS.items() if k != "dtype"}, seed=st.integers(0, 2 ** 16)),
+       st.sampled_from(DENSE_DIMS["dtype"]))
+@cases(DENSE_DIMS, "reduce bias batch kind seed",  # every value of each dimension; float64's check on every kind
        ("mean", False, False, "smoothed", 1, "float32"), ("masked", True, True, "teacher", 2, "float32"),
        ("mean", True, True, "special", 3, "float32"), ("masked", False, False, "teacher", 4, "bfloat16"),
        ("mean", True, False, "smoothed", 5, "bfloat16"))
