@@ -223,6 +223,9 @@ def test_explain_shows_the_gradient_program():
     _ = jax.grad(loss_r)(X, A)
     again = explain(r, X, A, grad=True)  # a rewritten function: its own rules and cached program
     assert again.gradient is r.grad_result(X, A) and r.derivative_rewrites == {"vjp": 1}
+    # jax.grad built that program without keeping its e-graph: the rules it used are what its pipeline recorded,
+    # as a report that kept the e-graph reads them
+    assert again.used and again.used == explain(seed, X, A, rulesets=SEED_PACKS, grad=True).used, again.used
 
 
 def test_vjp_flag_is_deprecated_and_still_works():

@@ -375,8 +375,10 @@ def _indent(closed: core.ClosedJaxpr) -> str:
 
 
 def provenance(result: Result) -> dict[str, int]:
-    """How many chosen nodes each rule built (nodes the input program already had are not counted), off the
-    e-graph ``result`` kept (``keep=True``), as its pipeline recorded them in ``Result.used``; none without it."""
+    """How many chosen nodes each rule built (nodes the input program already had are not counted): as its pipeline
+    recorded them (``Result.used``), else off the e-graph ``result`` kept (``keep=True``); none without either."""
+    if result.used is not None:
+        return dict(result.used)
     eg, snap, choice = result.egraph, result.snapshot, result.choice
     if eg is None or choice is None:
         return {}
