@@ -9,15 +9,13 @@ loss); labels include both ends of the vocabulary. Each program is rewritten wit
 compared with the original at the part's tolerance (scaled to the dtype) and with a float64 reference.
 Infinite and NaN logits come out as the original computes them."""
 
-import os
-
 import jax
 import jax.numpy as jnp
 from jax import lax
 import numpy as np
 import optax
 import pytest
-from hypothesis import Phase, example, given, settings, strategies as st
+from hypothesis import given, settings, strategies as st
 
 import rulesets
 from rewrite import Ruleset, explain, rewrite
@@ -148,24 +146,17 @@ N, C, V = 1024, 64, 8192
 def drawn(n: int):
     """The property tests' settings: in the default run, their explicit cases alone (``@example``: each value of
     every dimension the strategy draws at least once, chosen so, where the ``n`` cases drawn at random left some out
-    by chance); with ``HYPOTHESIS_PROFILE=thorough``, those and ``n`` random cases besides, as before."""
-    if os.environ.get("HYPOTHESIS_PROFILE") == "thorough":
-        return settings(max_examples=n, deadline=None)
-    return settings(deadline=None, phases=[Phase.explicit])
+    by chance); with ``HYPOTHESIS_PROFILE=thorough``, those and ``n`` random cases besides (``covering.PHASES``)."""
+    return settings(max_examples=n, deadline=None, phases=covering.PHASES)
 
 
 def cases(dims: dict, keys: str, *rows: tuple):
     """``@example``s of ``(case, dtype)`` from rows of values in the order ``keys`` names them, the dtype last;
-    ``ValueError`` at collection where a value of ``dims`` (the strategy's, ``dtype`` among them) is in no row."""
-    missing = covering.uncovered(dims, [dict(zip(keys.split() + ["dtype"], row)) for row in rows])
-    if missing:
-        raise ValueError(f"values no explicit case draws: {missing}")
-
-    def decorate(test):
-        for row in reversed(rows):
-            test = example(dict(zip(keys.split(), row[:-1])), row[-1])(test)
-        return test
-    return decorate
+    ``ValueError`` at collection where a value of ``dims`` (the strategy's, ``dtype`` among them) is in no row
+    (:func:`covering.covers`)."""
+    names = keys.split() + ["dtype"]
+    return covering.covers(dims, [dict(zip(names, row)) for row in rows],
+                           lambda c: (({k: v for k, v in c.items() if k != "dtype"}, c["dtype"]), {}))
 
 
 @drawn(12)
