@@ -34,17 +34,17 @@ def _cast(args, dtype):
                         else x, args)
 
 
-def _searched(flat, packs=PACKS) -> tuple:
-    """What :func:`find_losses` proves and builds the step ``flat``'s losses with, under ``packs``."""
+def _replaced_program(flat, leaves, packs=PACKS) -> tuple:
+    """The step's program, the program with its losses replaced under ``packs`` (``None`` if none was), and what
+    was found."""
     r = rewrite(flat, rulesets=packs, cache=False)
-    return r._proof, r._loss_first
+    closed = jax.make_jaxpr(flat)(*leaves)
+    return (closed, *find_losses(closed, r._proof, r._loss_first))
 
 
 def _replaced(flat, leaves, packs=PACKS):
     """The step's program with its losses replaced (``None`` if none was), and what was found."""
-    proof, loss_first = _searched(flat, packs)
-    closed = jax.make_jaxpr(flat)(*leaves)
-    return find_losses(closed, proof, loss_first)
+    return _replaced_program(flat, leaves, packs)[1:]
 
 
 def _close(want, got, tol, wider=None, moved=None):
@@ -103,8 +103,7 @@ def _tiny_replaced(name: str, dtype: str) -> tuple:
     and ``tests/test_wholestep_loops.py``'s ``test_scan_remat_backward_loop_replaced`` rewrite linen's scanned step
     alike); none changes what it reads."""
     flat, leaves = _tiny_flat(name, dtype)
-    closed = jax.make_jaxpr(flat)(*leaves)  # as _replaced: kept for the tests that count its equations
-    changed, finding = find_losses(closed, *_searched(flat))
+    closed, changed, finding = _replaced_program(flat, leaves)  # the program kept for the tests counting its eqns
     if changed is None:
         return closed, changed, finding, None, None, None
     want = jax.jit(flat)(*leaves)

@@ -15,9 +15,8 @@ from hypothesis import given, settings, strategies as st
 
 import rulesets
 from benchmarks import wholestep as ws
-from rewrite.grad.step import find_losses
 from rewrite.ir.jaxapi import core, scan_counts
-from tests.test_wholestep import PACKS, _close, _moved, _replaced, _searched, _tiny_flat, _tiny_replaced
+from tests.test_wholestep import PACKS, _close, _moved, _replaced, _replaced_program, _tiny_flat, _tiny_replaced
 
 
 def _dots_in_loops(jaxpr: core.Jaxpr, inside: bool = False) -> list[tuple]:
@@ -58,8 +57,7 @@ def _step_at_512_replaced(name: str) -> tuple:
     size = ws.Size(batch=2, length=512, width=16, heads=2, vocab=256)
     step, args = ws.CASES[name](size, ws.plain, opt=optax.sgd(0.1))
     flat, leaves = ws._flat(step, args)
-    closed = jax.make_jaxpr(flat)(*leaves)  # as ``_replaced``: kept for the tests' premises
-    changed, finding = find_losses(closed, *_searched(flat, PACKS))
+    closed, changed, finding = _replaced_program(flat, leaves, PACKS)  # the program kept for the tests' premises
     assert changed is not None and any("backward layer loop" in r for r in finding.replaced), str(finding)
     return flat, leaves, closed, changed, size.length
 
