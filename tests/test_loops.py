@@ -60,14 +60,20 @@ def check(fn, *args, cost_model=BYTE_HEAVY, grad=False):
     return report
 
 
+def normals(seed, *shapes):
+    """Standard normal float32 arrays of these shapes, drawn one after another from numpy's generator at ``seed``:
+    not ``jax.random``, each of whose shapes is an XLA compile (0.2-1 s of CPU; the random programs draw many)."""
+    rng = np.random.default_rng(seed)
+    return [jnp.asarray(rng.standard_normal(shape, np.float32)) for shape in shapes]
+
+
 # ---------------------------------------------------------------------- readouts
 T, B, H, I = 8, 4, 5, 3
 
 
-def lstm_params(key):
-    k = jax.random.split(key, 4)
-    return dict(W=jax.random.normal(k[0], (H + I, 4 * H)) * 0.3, b=jax.random.normal(k[1], (4 * H,)) * 0.1,
-                V=jax.random.normal(k[2], (H, 2)) * 0.3, c=jax.random.normal(k[3], (2,)))
+def lstm_params(seed):
+    W, b, V, c = normals(seed, (H + I, 4 * H), (4 * H,), (H, 2), (2,))
+    return dict(W=W * 0.3, b=b * 0.1, V=V * 0.3, c=c)
 
 
 def lstm(p, xs, reverse=False, unroll=1):
@@ -131,8 +137,7 @@ def readout_programs(draw):
         fn = one
     fn.__qualname__ = (f"readout(length={length}, reverse={reverse}, unroll={unroll}, batch_major={batch_major}, "
                        f"readout={readout!r}, loss={loss_kinds}, also_return={also_return}, nested={nested})")
-    k = jax.random.split(jax.random.PRNGKey(seed), 3)
-    args = (lstm_params(k[0]), jax.random.normal(k[1], (length, B, I)), jax.random.normal(k[2], (length, B, 2)))
+    args = (lstm_params(seed), *normals(seed + 1, (length, B, I), (length, B, 2)))
     simple = not also_return and not nested and "per_step" not in loss_kinds
     return fn, args, simple
 
@@ -149,8 +154,8 @@ def test_random_readouts_move_into_the_loop(program):
 
 
 def test_readout_with_weights_contracts_inside_the_body():
-    p = lstm_params(jax.random.PRNGKey(0))
-    xs, ys = jax.random.normal(jax.random.PRNGKey(1), (T, B, I)), jnp.zeros((T, B, 2))
+    p = lstm_params(0)
+    xs, ys = normals(1, (T, B, I))[0], jnp.zeros((T, B, 2))
 
     def loss(p, xs, ys):
         return jnp.mean((lstm(p, xs) @ p["V"] + p["c"] - ys) ** 2)
@@ -167,8 +172,8 @@ def test_readout_with_weights_contracts_inside_the_body():
 
 
 def test_readout_of_an_output_used_elsewhere_is_only_hoisted_when_it_pays():
-    p = lstm_params(jax.random.PRNGKey(0))
-    xs, ys = jax.random.normal(jax.random.PRNGKey(1), (T, B, I)), jnp.zeros((T, B, 2))
+    p = lstm_params(0)
+    xs, ys = normals(1, (T, B, I))[0], jnp.zeros((T, B, 2))
 
     def loss(p, xs, ys):
         hs = lstm(p, xs)
@@ -188,7 +193,7 @@ def test_haiku_lstm_readout_loss():
         return jnp.mean((hk.Linear(1)(out) - ys) ** 2)
 
     net = hk.without_apply_rng(hk.transform(f))
-    xs, ys = jax.random.normal(jax.random.PRNGKey(1), (T, B, I)), jnp.ones((T, B, 1))
+    xs, ys = normals(1, (T, B, I))[0], jnp.ones((T, B, 1))
     params = net.init(jax.random.PRNGKey(0), xs, ys)
     report = check(net.apply, params, xs, ys, grad=True)
     assert report.used.get("hoist_reductions") and stacked_shapes(report.after, T) == []
@@ -207,7 +212,7 @@ def test_flax_rnn_dense_loss(cell):
             return nn.Dense(1)(nn.RNN(getattr(nn, cell)(H))(xs))
 
     model = Model()
-    xs, ys = jax.random.normal(jax.random.PRNGKey(1), (B, T, I)), jnp.ones((B, T, 1))
+    xs, ys = normals(1, (B, T, I))[0], jnp.ones((B, T, 1))
     params = model.init(jax.random.PRNGKey(0), xs)
 
     def loss(params, xs, ys):
@@ -294,8 +299,8 @@ def buffer_programs(draw):
 
     fn.__qualname__ = (f"buffer(length={length}, extra={extra}, start={start}, write={write}, form={form}, "
                        f"reads_buffer={reads_buffer}, loss={loss})")
-    k = jax.random.split(jax.random.PRNGKey(seed), 2)
-    args = (jax.random.normal(k[0], (2, 3)), jax.random.normal(k[1], ()) * 0.5 + 1.0)
+    x, w = normals(seed, (2, 3), ())
+    args = (x, w * 0.5 + 1.0)
     return fn, args, dict(reads_buffer=reads_buffer, loss=loss, form=form, whole=extra == 0)
 
 
@@ -336,8 +341,8 @@ def test_fori_buffer_loss_holds_no_buffer():
 
 # ---------------------------------------------------------------------- saying why
 def test_explain_prices_a_loop_rewrite_it_did_not_choose():
-    p = lstm_params(jax.random.PRNGKey(0))
-    xs, ys = jax.random.normal(jax.random.PRNGKey(1), (T, B, I)), jnp.zeros((T, B, 2))
+    p = lstm_params(0)
+    xs, ys = normals(1, (T, B, I))[0], jnp.zeros((T, B, 2))
 
     def loss(p, xs, ys):
         hs = lstm(p, xs)
@@ -394,7 +399,7 @@ def custom_programs(draw):
         return sum(jnp.sum(f(x) ** 2) for f in fs)
 
     fn.__qualname__ = f"custom(kinds={kinds}, bodies={bodies}, nested={nested})"
-    return fn, (jax.random.normal(jax.random.PRNGKey(seed), (3, 4)),)
+    return fn, tuple(normals(seed, (3, 4)))
 
 
 def _muls_by_one(closed):
@@ -424,7 +429,7 @@ def test_scan_pack_acts_inside_a_custom_vjp_body():
 
     f = jax.custom_vjp(inner)
     f.defvjp(lambda xs: (f(xs), xs), lambda xs, g: (g * jnp.ones_like(xs),))
-    xs = jax.random.normal(jax.random.PRNGKey(0), (16, 64))
+    (xs,) = normals(0, (16, 64))
     report = check(f, xs)
     assert report.used.get("hoist_reductions")
     (call,) = [e for e in report.after.jaxpr.eqns if e.primitive.name == "custom_vjp_call"]
@@ -452,10 +457,8 @@ def test_a_fori_loop_that_writes_a_buffer_read_by_a_loss_is_rewritten():
     the inputs through the same slices as the loop, but was priced as reading them whole every step
     ("scan (its own work) 1.82M -> 19.4M"), and declined: the forward held the whole buffer."""
     T, B, H, I = 1024, 128, 32, 8  # the buffer (512 KiB) far larger than the loop's own temporaries
-    k = jax.random.split(jax.random.PRNGKey(0), 5)
-    p = dict(W=jax.random.normal(k[0], (H, H)) / H ** 0.5, U=jax.random.normal(k[1], (I, H)) / I ** 0.5,
-             V=jax.random.normal(k[2], (H, 1)) / H ** 0.5)
-    xs, ys = jax.random.normal(k[3], (T, B, I)), jax.random.normal(k[4], (T, B, 1))
+    W, U, V, xs, ys = normals(0, (H, H), (I, H), (H, 1), (T, B, I), (T, B, 1))
+    p = dict(W=W / H ** 0.5, U=U / I ** 0.5, V=V / H ** 0.5)
 
     def loss(p, xs, ys):
         def body(i, c):

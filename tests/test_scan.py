@@ -50,13 +50,17 @@ def check(fn, *args, rulesets=(SCAN,), tol=TOL, cost_model=None):
     return report
 
 
+def normals(seed, *shapes):
+    """Standard normal float32 arrays of these shapes, drawn one after another from numpy's generator at ``seed``:
+    not ``jax.random``, each of whose shapes is an XLA compile (0.2-1 s of CPU; the random programs draw many)."""
+    rng = np.random.default_rng(seed)
+    return [jnp.asarray(rng.standard_normal(shape, np.float32)) for shape in shapes]
+
+
 # ---------------------------------------------------------------------- an RNN with an MSE loss
 T, B, H, I, O = 12, 64, 6, 2, 16
-_k = jax.random.split(jax.random.PRNGKey(0), 5)
-P = dict(W=jax.random.normal(_k[0], (H, H)) * 0.4, U=jax.random.normal(_k[1], (I, H)) * 0.4,
-         V=jax.random.normal(_k[2], (H, O)) * 0.4)
-XS = jax.random.normal(_k[3], (T, B, I))
-YS = jax.random.normal(_k[4], (T, B, O))
+_W, _U, _V, XS, YS = normals(0, (H, H), (I, H), (H, O), (T, B, I), (T, B, O))
+P = dict(W=_W * 0.4, U=_U * 0.4, V=_V * 0.4)
 
 
 def rnn(p, xs, reverse=False, unroll=1):
@@ -185,8 +189,7 @@ def seed(x1, x2, y):
     return jnp.square(y - lax.scan(lambda c, xs: (jnp.sin(c), jnp.cos(xs)), x1, x2)[1]).mean()
 
 
-SEED_ARGS = (jnp.ones((15, 12)), jax.random.normal(jax.random.PRNGKey(3), (30, 15, 12)),
-             jax.random.normal(jax.random.PRNGKey(4), (30, 15, 12)))
+SEED_ARGS = (jnp.ones((15, 12)), *normals(3, (30, 15, 12), (30, 15, 12)))
 
 
 def test_seed_reduction_inside_the_body():
@@ -229,8 +232,7 @@ def test_the_seed_at_the_demos_size_keeps_its_reduction_in_the_loop():
     own table: the loss is summed inside the loop, so the rewritten program holds none of the 64 MiB stack (the
     demo: 2.02x, 64 MiB -> 512 KiB). With loop kernels priced as split across two cores the model took the
     vectorised form instead: 64 MiB held, 0.99x against the accumulator's 1.56x (load 6)."""
-    args = (jnp.ones((10, 5, 8)), jax.random.normal(jax.random.PRNGKey(3), (256, 512, 128)),
-            jax.random.normal(jax.random.PRNGKey(4), (256, 512, 128)))
+    args = (jnp.ones((10, 5, 8)), *normals(3, (256, 512, 128), (256, 512, 128)))
     packs = [rulesets.algebra, rulesets.derivatives, rulesets.scan, rulesets.linalg, rulesets.nn, rulesets.attention]
     r = rewrite(seed, rulesets=packs)
     temp = [jax.jit(f).lower(*args).compile().memory_analysis().temp_size_in_bytes for f in (seed, r)]
@@ -245,7 +247,7 @@ def test_lift_keeps_the_carry_and_stacks_only_what_needs_it():
     # Under the fused price, moving elementwise work out of a loop whose body is one fused
     # kernel anyway is a wash (the same arithmetic, one more kernel), and the input is kept; the
     # node-by-node price counts each body node per step, and lifting pays there.
-    report = check(f, jnp.ones(4), jax.random.normal(jax.random.PRNGKey(1), (7, 4)), jnp.float32(2.0),
+    report = check(f, jnp.ones(4), normals(1, (7, 4))[0], jnp.float32(2.0),
                    rulesets=[SCAN.lift], cost_model=AnalyticCost(fusion=False))
     (loop,) = scans(report.after)
     assert [v.aval.shape for v in loop.outvars] == [(4,), (7, 4)]  # c * x still needs the carry
@@ -340,7 +342,7 @@ def test_a_carry_passed_on_unchanged_is_read_as_a_constant(ks, checkpointed, rev
         k_out, (a, b) = lax.scan(body, k, xs, reverse=reverse)
         return k_out, jnp.sum(a * b, axis=1)
 
-    xs = jax.random.normal(jax.random.PRNGKey(seed_), (6, 3)).at[0].set(jnp.array(ks))
+    xs = normals(seed_, (6, 3))[0].at[0].set(jnp.array(ks))
     # at this size lifting is a wash under the fused price (see the test above); node by node it pays
     report = check(f, jnp.array(ks, jnp.float32), xs, rulesets=[SCAN.lift], cost_model=AnalyticCost(fusion=False))
     assert report.used.get("lift_independent")
@@ -441,9 +443,7 @@ def producer_consumer_programs(draw):
         z = {"diff": (a - y) * 2.0, "scaled": a * w + b, "sin": jnp.sin(b) * (y - a)}[chain]
         return lax.scan(lambda c, zt: (c * 0.5 + zt * c, jnp.sum(zt * c)), c0, z, reverse=rev[1])
 
-    k = jax.random.split(jax.random.PRNGKey(seed_), 3)
-    args = (jax.random.normal(k[0], (2, 3)), jax.random.normal(k[1], (length, 2, 3)),
-            jax.random.normal(k[2], (length, 2, 3)), jnp.float32(0.7))
+    args = (*normals(seed_, (2, 3), (length, 2, 3), (length, 2, 3)), jnp.float32(0.7))
     # b never reads the carry, so the second loop can recompute it and the first need not stack it:
     # that pays. A chain over a alone only saves the chain's own array, which the analytic cost
     # model does not price (it counts elementwise work as fused), so it may stay outside.
@@ -515,9 +515,7 @@ def scan_programs(draw):
             return lax.scan(outer, 0.0, jnp.array([1.0, -0.5]))[0]
     else:
         fn = one_loop
-    k = jax.random.split(jax.random.PRNGKey(seed_), 3)
-    args = (jax.random.normal(k[0], (2, width)), jax.random.normal(k[1], (length, 2, width)),
-            jax.random.normal(k[2], (length, 2, width)), jnp.float32(0.7))
+    args = (*normals(seed_, (2, width), (length, 2, width), (length, 2, width)), jnp.float32(0.7))
     # With a step of one or two elements a stacked write costs no more than the loop's own
     # bookkeeping, and keeping the original is right.
     return fn, args, not also_return and length >= 2 and width >= 2
@@ -631,8 +629,7 @@ def test_sink_inputs_leaves_a_loop_a_kernel_laid_out(laid):
         with laid_out() if laid else nullcontext():
             return lax.scan(lambda c, z: (c * 0.5 + z * c, jnp.sum(z * c)), c0, a * w + b)
 
-    k = jax.random.split(jax.random.PRNGKey(0), 2)
-    args = (jax.random.normal(k[0], (2, 3)), jax.random.normal(k[1], (6, 2, 3)), jnp.float32(0.7))
+    args = (*normals(0, (2, 3), (6, 2, 3)), jnp.float32(0.7))
     report = check(fn, *args, rulesets=[SCAN.sink], cost_model=BYTE_HEAVY)
     assert bool(report.fired.get("sink_inputs")) is not laid
 
