@@ -631,9 +631,9 @@ def test_remat_gelu_under_vmap_and_jvp_eagerly_and_under_jit(dtype):
     dt = jnp.dtype(dtype)
     name = f"nn_remat_gelu_tanh_{ {'float32': 'f32', 'bfloat16': 'bf16', 'float16': 'f16'}[dtype] }"
     new = _forced(name, _gelu_step, _aval(3, 5, dtype=dt), _aval(3, 5, dtype=dt))
-    k = jax.random.split(jax.random.PRNGKey(0), 4)
-    x, g = (3 * jax.random.normal(k[i], (2, 3, 5), jnp.float32).astype(dt) for i in range(2))
-    tx, tg = (jax.random.normal(k[i], (3, 5), jnp.float32).astype(dt) for i in (2, 3))
+    rng = np.random.default_rng(0)  # not jax.random: each of its shapes is an XLA compile (0.2-1 s of CPU)
+    x, g = (jnp.asarray(3 * rng.standard_normal((2, 3, 5), np.float32)).astype(dt) for _ in range(2))
+    tx, tg = (jnp.asarray(rng.standard_normal((3, 5), np.float32)).astype(dt) for _ in range(2))
     eps, tiny = float(jnp.finfo(dt).eps), float(jnp.finfo(dt).smallest_normal)
     f64 = (lambda a: np.asarray(a, np.float64))
     for wrap in (lambda f: f, jax.jit):

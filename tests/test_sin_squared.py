@@ -33,13 +33,14 @@ def _bits(v):
 
 
 def _args(dtype, shape=(32, 16, 64)):
-    x = np.array(jax.random.normal(jax.random.key(0), shape, jnp.float64 if dtype == "float64" else jnp.float32),
-                 np.float64) * 3
+    # numpy's generator, not jax.random: each of jax.random's shapes is an XLA compile (0.2-1 s of CPU)
+    x = np.random.default_rng(0).standard_normal(shape, np.float64 if dtype == "float64" else np.float32)
+    x = x.astype(np.float64) * 3
     tiny = float(jnp.finfo(dtype).tiny)
     x.flat[:12] = [0.0, -0.0, math.inf, -math.inf, math.nan, 3e38, -3e38, tiny, -tiny / 3, tiny / 2 ** 20,
                    1e-45, -1.5e-323]
     a = np.linspace(0.5, 2.0, shape[-1])
-    g = np.array(jax.random.normal(jax.random.key(1), shape, jnp.float32), np.float64)
+    g = np.random.default_rng(1).standard_normal(shape, np.float32).astype(np.float64)
     return x, a, g
 
 
