@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from jax import lax
 from jax._src import core
@@ -21,6 +21,8 @@ from rewrite import AnalyticCost, Pat, Ruleset, explain, procedural, rewrite, ru
 from rewrite.report.report import equations, primitive_counts
 from rewrite.ir.jaxapi import scan_counts
 from rulesets.scan import make
+
+from . import covering
 
 SCAN = rulesets.scan
 TOL = dict(rtol=SCAN.tolerance.rtol, atol=SCAN.tolerance.atol)  # the pack's documented tolerance
@@ -48,6 +50,24 @@ def check(fn, *args, rulesets=(SCAN,), tol=TOL, cost_model=None):
     for g, w in zip(got, want):
         np.testing.assert_allclose(np.asarray(g, np.float64), np.asarray(w, np.float64), **tol)
     return report
+
+
+def covered(dims, cases, lists=()):
+    """``@example(case)`` for each case, run under the ``ci`` profile instead of draws (``tests/covering.py``);
+    raises at collection if some value of ``dims`` is in no case. A dimension in ``lists`` is drawn as a list of its
+    values (a case takes each value of its list). Values are compared by ``repr``: NaN is NaN and -0.0 not 0.0."""
+    views = [dict(c, **{k: v}) for c in cases for k in lists for v in c[k]] + list(cases)
+    missing = covering.uncovered({k: [repr(v) for v in vs] for k, vs in dims.items()},
+                                 [{k: repr(v) for k, v in view.items()} for view in views])
+    if missing:
+        raise ValueError(f"values no explicit case draws: {missing}")
+
+    def decorate(fn):
+        for case in reversed(cases):
+            fn = example(case)(fn)
+        return fn
+
+    return decorate
 
 
 def normals(seed, *shapes):
@@ -325,14 +345,24 @@ def test_a_loop_too_large_to_lift_is_declined_before_its_lifted_trace(monkeypatc
     assert bool(early_traced) is (checkpointed or not declined), early_traced
 
 
-_SPECIAL = st.sampled_from([0.0, -0.0, -1.5, 2.0, np.inf, -np.inf, np.nan])
+_SPECIALS = [0.0, -0.0, -1.5, 2.0, np.inf, -np.inf, np.nan]
+#: under ``ci``: each special carry value, checkpointed or not, forwards and backwards
+CARRY_DIMS = {"ks": _SPECIALS, "checkpointed": [False, True], "reverse": [False, True]}
+CARRY_CASES = [dict(ks=[0.0, -0.0, -1.5], checkpointed=False, reverse=False, seed_=0),
+               dict(ks=[2.0, np.inf, -np.inf], checkpointed=True, reverse=False, seed_=1),
+               dict(ks=[np.nan, 0.0, 2.0], checkpointed=False, reverse=True, seed_=2),
+               dict(ks=[-1.5, np.nan, np.inf], checkpointed=True, reverse=True, seed_=3)]
 
 
-@settings(max_examples=max(12, settings.default.max_examples // 2))  # 35 s at 25 examples; thorough: 200
-@given(st.lists(_SPECIAL, min_size=3, max_size=3), st.booleans(), st.booleans(), st.integers(0, 2 ** 16))
-def test_a_carry_passed_on_unchanged_is_read_as_a_constant(ks, checkpointed, reverse, seed_):
+@settings(max_examples=max(12, settings.default.max_examples // 2), phases=covering.PHASES)  # thorough: 200
+@given(st.fixed_dictionaries(dict(ks=st.lists(st.sampled_from(_SPECIALS), min_size=3, max_size=3),
+                                  checkpointed=st.booleans(), reverse=st.booleans(), seed_=st.integers(0, 2 ** 16))))
+@covered(CARRY_DIMS, CARRY_CASES, lists=("ks",))
+def test_a_carry_passed_on_unchanged_is_read_as_a_constant(case):
     """A backward loop hands a loop-invariant cotangent on as a carry, often from inside a
     ``jax.checkpoint``: its outputs still never change with the step, so they are lifted out."""
+    ks, checkpointed, reverse, seed_ = case["ks"], case["checkpointed"], case["reverse"], case["seed_"]
+
     def step(k, x):
         return k, (jnp.sin(x) * k, jnp.cos(x) - k)
 
@@ -430,13 +460,18 @@ def test_backward_program_computes_its_inputs_inside_the_backward_loop():
     assert body_prims(backward)["tanh"] == 1
 
 
-@st.composite
-def producer_consumer_programs(draw):
+#: the producer-consumer programs' dimensions; under ``ci`` each value is taken by one of the cases
+CHAIN_DIMS = {"length": [1, 2, 3, 4, 5], "rev0": [False, True], "rev1": [False, True], "chain": ["diff", "scaled", "sin"]}
+CHAIN_CASES = [dict(length=1, rev0=False, rev1=False, chain="scaled", seed_=0),
+               dict(length=2, rev0=True, rev1=False, chain="sin", seed_=1),
+               dict(length=3, rev0=False, rev1=True, chain="diff", seed_=2),
+               dict(length=4, rev0=True, rev1=True, chain="scaled", seed_=3),
+               dict(length=5, rev0=False, rev1=True, chain="sin", seed_=4)]
+
+
+def producer_consumer_program(case):
     """One loop's stacked outputs, combined elementwise, feed a second loop (either may run backwards)."""
-    length = draw(st.integers(1, 5))
-    rev = (draw(st.booleans()), draw(st.booleans()))
-    chain = draw(st.sampled_from(["diff", "scaled", "sin"]))
-    seed_ = draw(st.integers(0, 2 ** 16))
+    length, rev, chain, seed_ = case["length"], (case["rev0"], case["rev1"]), case["chain"], case["seed_"]
 
     def fn(c0, xs, y, w):
         _, (a, b) = lax.scan(lambda c, x: (jnp.tanh(c * w + x), (c * 2.0 + x, 1.0 - x * w)), c0, xs, reverse=rev[0])
@@ -450,9 +485,11 @@ def producer_consumer_programs(draw):
     return fn, args, chain != "diff"
 
 
-@given(producer_consumer_programs())
-def test_random_producer_consumer_loops_keep_their_values(program):
-    fn, args, pays = program
+@settings(phases=covering.PHASES)
+@given(covering.strategy(CHAIN_DIMS, seed_=st.integers(0, 2 ** 16)))
+@covered(CHAIN_DIMS, CHAIN_CASES)
+def test_random_producer_consumer_loops_keep_their_values(case):
+    fn, args, pays = producer_consumer_program(case)
     report = check(fn, *args, rulesets=[SCAN.sink], cost_model=BYTE_HEAVY)
     assert report.fired.get("sink_inputs")
     if pays:
@@ -463,21 +500,43 @@ def test_random_producer_consumer_loops_keep_their_values(program):
 
 
 # ---------------------------------------------------------------------- random scan programs
+#: the random scan programs' dimensions (``kinds`` and ``outs`` are lists of their values, ``outs`` one a stacked
+#: output); under ``ci`` each value is taken by one of the cases
+SCAN_DIMS = {"length": [1, 2, 3, 4, 5], "width": [1, 2, 3], "reverse": [False, True], "unroll": [1, 2],
+             "nested": [False, True], "kinds": ["sum", "mean", "max", "min", "sum_other", "mse", "l1"],
+             "outs": ["carry", "free", "mixed"], "axis0": [False, True], "also_return": [False, True]}
+SCAN_CASES = [
+    dict(length=1, width=1, reverse=False, unroll=1, nested=False, kinds=["sum"], outs=["carry"], axis0=False,
+         also_return=False, seed_=0),
+    dict(length=2, width=2, reverse=True, unroll=2, nested=False, kinds=["mean", "max"], outs=["free", "mixed"],
+         axis0=True, also_return=False, seed_=1),
+    dict(length=3, width=3, reverse=False, unroll=1, nested=True, kinds=["min", "sum_other", "mse"], outs=["mixed"],
+         axis0=False, also_return=True, seed_=2),
+    dict(length=4, width=2, reverse=False, unroll=2, nested=False, kinds=["l1", "sum"], outs=["carry", "free"],
+         axis0=True, also_return=False, seed_=3),
+    dict(length=5, width=3, reverse=True, unroll=1, nested=True, kinds=["mse", "max", "l1"], outs=["free", "carry"],
+         axis0=False, also_return=False, seed_=4),
+    dict(length=5, width=1, reverse=True, unroll=2, nested=False, kinds=["sum_other"], outs=["free"], axis0=True,
+         also_return=True, seed_=5),
+]
+
+
 @st.composite
-def scan_programs(draw):
-    """A random loss over a random scan: (function, arguments, whether the stacked outputs are only reduced)."""
-    length = draw(st.integers(1, 5))
-    width = draw(st.integers(1, 3))
-    reverse = draw(st.booleans())
-    unroll = draw(st.sampled_from([1, 2]))
-    nested = draw(st.booleans())
+def scan_cases(draw):
+    """A case of :func:`scan_program`, drawn."""
     n_out = draw(st.integers(1, 2))
-    kinds = draw(st.lists(st.sampled_from(["sum", "mean", "max", "min", "sum_other", "mse", "l1"]),
-                          min_size=1, max_size=3))
-    outs = [draw(st.sampled_from(["carry", "free", "mixed"])) for _ in range(n_out)]
-    axis0 = draw(st.booleans())
-    also_return = draw(st.booleans())
-    seed_ = draw(st.integers(0, 2 ** 16))
+    return dict(length=draw(st.integers(1, 5)), width=draw(st.integers(1, 3)), reverse=draw(st.booleans()),
+                unroll=draw(st.sampled_from([1, 2])), nested=draw(st.booleans()),
+                kinds=draw(st.lists(st.sampled_from(SCAN_DIMS["kinds"]), min_size=1, max_size=3)),
+                outs=[draw(st.sampled_from(SCAN_DIMS["outs"])) for _ in range(n_out)], axis0=draw(st.booleans()),
+                also_return=draw(st.booleans()), seed_=draw(st.integers(0, 2 ** 16)))
+
+
+def scan_program(case):
+    """A random loss over a random scan: (function, arguments, whether the stacked outputs are only reduced)."""
+    length, width, reverse, unroll, nested = (case[k] for k in ("length", "width", "reverse", "unroll", "nested"))
+    kinds, outs, axis0, also_return, seed_ = (case[k] for k in ("kinds", "outs", "axis0", "also_return", "seed_"))
+    n_out = len(outs)
 
     def body(c, x, w):
         new = jnp.tanh(c * w + x)
@@ -527,9 +586,11 @@ def scan_programs(draw):
 BYTE_HEAVY = AnalyticCost(stacked=1000.0)
 
 
-@given(scan_programs())
-def test_random_scan_programs_keep_their_values(program):
-    fn, args, stacked_only_reduced = program
+@settings(phases=covering.PHASES)
+@given(scan_cases())
+@covered(SCAN_DIMS, SCAN_CASES, lists=("kinds", "outs"))
+def test_random_scan_programs_keep_their_values(case):
+    fn, args, stacked_only_reduced = scan_program(case)
     report = check(fn, *args, cost_model=BYTE_HEAVY)
     assert report.fired.get("hoist_reductions")  # every program reduces a stacked output
     if stacked_only_reduced:  # then some loop was replaced: reductions moved in, or outputs lifted out
