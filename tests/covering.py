@@ -52,3 +52,21 @@ def covers(dims: Mapping[str, Sequence[Any]], cases: Sequence[Mapping[str, Any]]
         return fn
 
     return decorate
+
+
+def examples(dims: Mapping[str, Sequence[Any]], cases: Sequence[Mapping[str, Any]], lists: Sequence[str] = ()) -> Callable:
+    """A decorator adding ``@example(case)`` for each case, a test taking one case (a dictionary); raises
+    ``ValueError`` if some value of ``dims`` is in no case. A dimension named in ``lists`` is a list in each case,
+    which takes each of its values. Values are compared by ``repr``, so NaN takes NaN and -0.0 is not 0.0."""
+    views = [{**c, k: v} for c in cases for k in lists for v in c[k]] + list(cases)
+    missing = uncovered({k: [repr(v) for v in vs] for k, vs in dims.items()},
+                        [{k: repr(v) for k, v in view.items()} for view in views])
+    if missing:
+        raise ValueError(f"values no explicit case draws: {missing}")
+
+    def decorate(fn: Callable) -> Callable:
+        for case in reversed(cases):
+            fn = example(case)(fn)
+        return fn
+
+    return decorate

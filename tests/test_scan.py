@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import example, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax import lax
 from jax._src import core
@@ -50,24 +50,6 @@ def check(fn, *args, rulesets=(SCAN,), tol=TOL, cost_model=None):
     for g, w in zip(got, want):
         np.testing.assert_allclose(np.asarray(g, np.float64), np.asarray(w, np.float64), **tol)
     return report
-
-
-def covered(dims, cases, lists=()):
-    """``@example(case)`` for each case, run under the ``ci`` profile instead of draws (``tests/covering.py``);
-    raises at collection if some value of ``dims`` is in no case. A dimension in ``lists`` is drawn as a list of its
-    values (a case takes each value of its list). Values are compared by ``repr``: NaN is NaN and -0.0 not 0.0."""
-    views = [dict(c, **{k: v}) for c in cases for k in lists for v in c[k]] + list(cases)
-    missing = covering.uncovered({k: [repr(v) for v in vs] for k, vs in dims.items()},
-                                 [{k: repr(v) for k, v in view.items()} for view in views])
-    if missing:
-        raise ValueError(f"values no explicit case draws: {missing}")
-
-    def decorate(fn):
-        for case in reversed(cases):
-            fn = example(case)(fn)
-        return fn
-
-    return decorate
 
 
 def normals(seed, *shapes):
@@ -357,7 +339,7 @@ CARRY_CASES = [dict(ks=[0.0, -0.0, -1.5], checkpointed=False, reverse=False, see
 @settings(max_examples=max(12, settings.default.max_examples // 2), phases=covering.PHASES)  # thorough: 200
 @given(st.fixed_dictionaries(dict(ks=st.lists(st.sampled_from(_SPECIALS), min_size=3, max_size=3),
                                   checkpointed=st.booleans(), reverse=st.booleans(), seed_=st.integers(0, 2 ** 16))))
-@covered(CARRY_DIMS, CARRY_CASES, lists=("ks",))
+@covering.examples(CARRY_DIMS, CARRY_CASES, lists=("ks",))
 def test_a_carry_passed_on_unchanged_is_read_as_a_constant(case):
     """A backward loop hands a loop-invariant cotangent on as a carry, often from inside a
     ``jax.checkpoint``: its outputs still never change with the step, so they are lifted out."""
@@ -487,7 +469,7 @@ def producer_consumer_program(case):
 
 @settings(phases=covering.PHASES)
 @given(covering.strategy(CHAIN_DIMS, seed_=st.integers(0, 2 ** 16)))
-@covered(CHAIN_DIMS, CHAIN_CASES)
+@covering.examples(CHAIN_DIMS, CHAIN_CASES)
 def test_random_producer_consumer_loops_keep_their_values(case):
     fn, args, pays = producer_consumer_program(case)
     report = check(fn, *args, rulesets=[SCAN.sink], cost_model=BYTE_HEAVY)
@@ -588,7 +570,7 @@ BYTE_HEAVY = AnalyticCost(stacked=1000.0)
 
 @settings(phases=covering.PHASES)
 @given(scan_cases())
-@covered(SCAN_DIMS, SCAN_CASES, lists=("kinds", "outs"))
+@covering.examples(SCAN_DIMS, SCAN_CASES, lists=("kinds", "outs"))
 def test_random_scan_programs_keep_their_values(case):
     fn, args, stacked_only_reduced = scan_program(case)
     report = check(fn, *args, cost_model=BYTE_HEAVY)
