@@ -24,6 +24,8 @@ from rewrite.loops import SCAN, Decline, Loop
 from rewrite.report.report import equations
 from rewrite.ir.jaxapi import scan_counts
 
+from . import covering
+
 #: A rule that raises is a bug (it must decline instead); the engine only warns, so make the warning fail here.
 pytestmark = pytest.mark.filterwarnings("error::rewrite.RewriteWarning")
 
@@ -254,17 +256,36 @@ def test_loop_api_adds_an_output_and_a_carry_and_declines_cleanly():
 
 
 # ---------------------------------------------------------------------- fori_loop buffers
+#: the buffer programs' dimensions; under ``ci`` each value is taken by one of the cases (``reads_buffer`` only
+#: where ``length > 1``, ``start`` at most ``extra``; sum_sq of a whole buffer not read by the body twice)
+BUFFER_DIMS = {"length": [1, 2, 3, 4, 5, 6], "extra": [0, 2], "start": [0, 1, 2], "write": ["at_set", "dus"],
+               "form": ["fori", "scan_reverse", "while"], "reads_buffer": [False, True],
+               "loss": ["sum_sq", "max", "returned"]}
+BUFFER_CASES = [
+    dict(length=1, extra=0, start=0, write="at_set", form="fori", reads_buffer=False, loss="sum_sq", seed=0),
+    dict(length=2, extra=2, start=1, write="dus", form="scan_reverse", reads_buffer=True, loss="max", seed=1),
+    dict(length=3, extra=2, start=2, write="at_set", form="while", reads_buffer=False, loss="returned", seed=2),
+    dict(length=4, extra=0, start=0, write="dus", form="fori", reads_buffer=True, loss="max", seed=3),
+    dict(length=5, extra=2, start=0, write="at_set", form="scan_reverse", reads_buffer=False, loss="sum_sq", seed=4),
+    dict(length=6, extra=0, start=0, write="dus", form="while", reads_buffer=False, loss="sum_sq", seed=5),
+]
+
+
 @st.composite
-def buffer_programs(draw):
-    """A counted loop writing one row of a carried buffer per step: (fn, args, what is expected)."""
+def buffer_cases(draw):
+    """A case of :func:`buffer_program`, drawn."""
     length = draw(st.integers(1, 6))
     extra = draw(st.sampled_from([0, 0, 2]))          # buffer rows the loop does not write
-    start = draw(st.integers(0, extra))
-    write = draw(st.sampled_from(["at_set", "dus"]))
-    form = draw(st.sampled_from(["fori", "scan_reverse", "while"]))
-    reads_buffer = draw(st.booleans() if length > 1 else st.just(False))  # the body also reads the buffer
-    loss = draw(st.sampled_from(["sum_sq", "max", "returned"]))
-    seed = draw(st.integers(0, 2 ** 16))
+    return dict(length=length, extra=extra, start=draw(st.integers(0, extra)),
+                write=draw(st.sampled_from(["at_set", "dus"])), form=draw(st.sampled_from(["fori", "scan_reverse", "while"])),
+                reads_buffer=draw(st.booleans() if length > 1 else st.just(False)),  # the body also reads the buffer
+                loss=draw(st.sampled_from(["sum_sq", "max", "returned"])), seed=draw(st.integers(0, 2 ** 16)))
+
+
+def buffer_program(case):
+    """A counted loop writing one row of a carried buffer per step: (fn, args, what is expected)."""
+    length, extra, start, write = case["length"], case["extra"], case["start"], case["write"]
+    form, reads_buffer, loss, seed = case["form"], case["reads_buffer"], case["loss"], case["seed"]
     n_rows = length + extra
 
     def put(buf, i, v):
@@ -308,10 +329,11 @@ def buffer_programs(draw):
 FAIR_WHILE = AnalyticCost(stacked=1000.0, while_trips=10.0)
 
 
-@settings(max_examples=10)
-@given(buffer_programs())
-def test_random_buffers_become_stacked_outputs(program):
-    fn, args, what = program
+@settings(max_examples=10, phases=covering.PHASES)
+@given(buffer_cases())
+@covering.examples(BUFFER_DIMS, BUFFER_CASES)
+def test_random_buffers_become_stacked_outputs(case):
+    fn, args, what = buffer_program(case)
     # jax.grad cannot differentiate the original while loop (its trip count is dynamic to JAX)
     report = check(fn, *args, cost_model=FAIR_WHILE, grad=what["loss"] != "returned" and what["form"] != "while")
     if what["form"] == "while":
@@ -376,12 +398,25 @@ def _custom(kind, inner):
     return jax.checkpoint(inner)
 
 
+#: the custom-call programs' dimensions (``kinds`` and ``bodies`` are lists of their values, a body for each call);
+#: under ``ci`` each value is taken by one of the cases
+CUSTOM_DIMS = {"kinds": ["jvp", "vjp", "checkpoint"], "bodies": ["sin", "tanh_sq", "scan_sum"],
+               "nested": [False, True]}
+CUSTOM_CASES = [dict(kinds=["jvp", "vjp", "checkpoint"], bodies=["sin", "tanh_sq", "scan_sum"], nested=False, seed=0),
+                dict(kinds=["checkpoint"], bodies=["sin"], nested=True, seed=1),
+                dict(kinds=["vjp", "jvp"], bodies=["scan_sum", "tanh_sq"], nested=True, seed=2)]
+
+
 @st.composite
-def custom_programs(draw):
+def custom_cases(draw):
+    """A case of :func:`custom_program`, drawn."""
     kinds = draw(st.lists(st.sampled_from(["jvp", "vjp", "checkpoint"]), min_size=1, max_size=3))
-    bodies = [draw(st.sampled_from(["sin", "tanh_sq", "scan_sum"])) for _ in kinds]
-    nested = draw(st.booleans())  # a custom call inside another's body
-    seed = draw(st.integers(0, 2 ** 16))
+    return dict(kinds=kinds, bodies=[draw(st.sampled_from(["sin", "tanh_sq", "scan_sum"])) for _ in kinds],
+                nested=draw(st.booleans()), seed=draw(st.integers(0, 2 ** 16)))  # nested: a call in another's body
+
+
+def custom_program(case):
+    kinds, bodies, nested, seed = case["kinds"], case["bodies"], case["nested"], case["seed"]
 
     def inner_of(body):
         if body == "sin":
@@ -407,10 +442,11 @@ def _muls_by_one(closed):
                for e in equations(closed))
 
 
-@settings(max_examples=10)
-@given(custom_programs())
-def test_rules_act_inside_custom_derivative_and_checkpoint_bodies(program):
-    fn, args = program
+@settings(max_examples=10, phases=covering.PHASES)
+@given(custom_cases())
+@covering.examples(CUSTOM_DIMS, CUSTOM_CASES, lists=("kinds", "bodies"))
+def test_rules_act_inside_custom_derivative_and_checkpoint_bodies(case):
+    fn, args = custom_program(case)
     report = explain(fn, *args, rulesets=[MUL_ONE])
     assert report.fired.get("mul_one") and _muls_by_one(report.before) > 0
     assert _muls_by_one(report.after) == 0  # every x * 1.0, in every body, is gone
