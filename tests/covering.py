@@ -54,7 +54,8 @@ def covers(dims: Mapping[str, Sequence[Any]], cases: Sequence[Mapping[str, Any]]
     return decorate
 
 
-def examples(dims: Mapping[str, Sequence[Any]], cases: Sequence[Mapping[str, Any]], lists: Sequence[str] = ()) -> Callable:
+def examples(dims: Mapping[str, Sequence[Any]], cases: Sequence[Mapping[str, Any]],
+             lists: Sequence[str] = ()) -> Callable:
     """A decorator adding ``@example(case)`` for each case, a test taking one case (a dictionary); raises
     ``ValueError`` if some value of ``dims`` is in no case. A dimension named in ``lists`` is a list in each case,
     which takes each of its values. Values are compared by ``repr``, so NaN takes NaN and -0.0 is not 0.0."""

@@ -277,7 +277,8 @@ def buffer_cases(draw):
     length = draw(st.integers(1, 6))
     extra = draw(st.sampled_from([0, 0, 2]))          # buffer rows the loop does not write
     return dict(length=length, extra=extra, start=draw(st.integers(0, extra)),
-                write=draw(st.sampled_from(["at_set", "dus"])), form=draw(st.sampled_from(["fori", "scan_reverse", "while"])),
+                write=draw(st.sampled_from(["at_set", "dus"])),
+                form=draw(st.sampled_from(["fori", "scan_reverse", "while"])),
                 reads_buffer=draw(st.booleans() if length > 1 else st.just(False)),  # the body also reads the buffer
                 loss=draw(st.sampled_from(["sum_sq", "max", "returned"])), seed=draw(st.integers(0, 2 ** 16)))
 

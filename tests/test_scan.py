@@ -443,7 +443,8 @@ def test_backward_program_computes_its_inputs_inside_the_backward_loop():
 
 
 #: the producer-consumer programs' dimensions; under ``ci`` each value is taken by one of the cases
-CHAIN_DIMS = {"length": [1, 2, 3, 4, 5], "rev0": [False, True], "rev1": [False, True], "chain": ["diff", "scaled", "sin"]}
+CHAIN_DIMS = {"length": [1, 2, 3, 4, 5], "rev0": [False, True], "rev1": [False, True],
+              "chain": ["diff", "scaled", "sin"]}
 CHAIN_CASES = [dict(length=1, rev0=False, rev1=False, chain="scaled", seed_=0),
                dict(length=2, rev0=True, rev1=False, chain="sin", seed_=1),
                dict(length=3, rev0=False, rev1=True, chain="diff", seed_=2),
