@@ -640,3 +640,100 @@ def test_a_plain_forward_saturated_apart_that_saves_less_than_its_floor_is_the_l
     rewrite(loss, rulesets=[nn_lm_head], cache=str(tmp_path)).result(h, w, y)  # stored, as flax_seq2seq_loss is
     made = rewrite(loss, rulesets=[nn_lm_head], cache=str(tmp_path)).grad_result(h, w, y)
     assert made is not None and made.decided and asked == [True], (asked, made.decided)
+
+
+def test_the_jointly_joint_cannot_win_only_where_no_saturation_within_its_margins_lets_it():
+    """``decide.jointly_cannot_win`` on the figures measured (2026-12-04, CPU table: a joint's input as run and the
+    plain joint extracted, prices and MiB predicted): wholestep_linen_gpt's and wholestep_equinox_gpt's other joint
+    cannot be kept at any saturation within the margins (priced 20% and 17% over the plain one as traced, 30% and 26%
+    leaner, less than the cache apart); flax_long_context_step's can (0.8% over, its 30% peak margin leaner than the
+    plain one's 3/4: the near band), as can flax_lm_step's under the golden table (under the plain one as traced),
+    and either where its peak could fall past the cache's width below the plain one's."""
+    import dataclasses
+
+    from rewrite import AnalyticCost
+    from rewrite.grad import decide
+
+    mib = 2 ** 20
+    model = dataclasses.replace(AnalyticCost(), cache=16 * mib)
+    linen = (2.96051e7, 20.443 * mib, 2.46104e7, 29.293 * mib)
+    equinox = (2.93911e7, 22.687 * mib, 2.51277e7, 30.555 * mib)
+    assert decide.jointly_cannot_win(*linen, model) and decide.jointly_cannot_win(*equinox, model)
+    assert not decide.jointly_cannot_win(2.95423e8, 47.260 * mib, 2.93083e8, 47.242 * mib, model)  # long context
+    assert not decide.jointly_cannot_win(9.77313e7, 40.884 * mib, 1.09637e8, 106.586 * mib, model)  # lm, golden
+    # linen's other joint, could its saturation cut its peak by 36% (past the cache's 16 MiB below the plain one's)
+    assert not decide.jointly_cannot_win(linen[0], linen[1] * 0.64 / 0.7, linen[2], linen[3], model)
+    # ... or its price by 17% (under the plain one's price)
+    assert not decide.jointly_cannot_win(linen[2] * 0.98 / 0.95, *linen[1:], model)
+    assert not decide.jointly_cannot_win(*linen, dataclasses.replace(model, lean_band_far=0.3))
+    measured = type("Measured", (), {"measures": True, "lean_band": 0.03, "lean_band_far": 0.2})()
+    assert not decide.jointly_cannot_win(*linen, measured)
+    assert not decide.jointly_cannot_win(linen[0], None, *linen[2:], model)
+
+
+def _joints_of(monkeypatch, build, table: bool = False) -> dict:
+    """The step ``build()`` returns rewritten whole (``table``: under the golden table): its program as text, the
+    decision in words, the ``run_together`` runs, the pipelines run alone on a joint program (``run_pipeline`` from
+    ``grad/together.py``) and the ``Alone`` joints built."""
+    import json
+    import pathlib
+
+    import rewrite.api as api
+    from rewrite.cost.model import priced_with
+
+    ran = _count_joints(monkeypatch)
+    alone: list = []
+    run_pipeline = pipeline.run_pipeline
+    monkeypatch.setattr(pipeline, "run_pipeline", lambda *a, **k: alone.append(1) or run_pipeline(*a, **k))
+    built: list = []
+    build_alone = together.Alone.build
+    monkeypatch.setattr(together.Alone, "build", lambda self: built.append(self.note) or build_alone(self))
+    why: list = []
+    decided_jointly = api.decided_jointly
+    monkeypatch.setattr(api, "decided_jointly", lambda *a, **k: (lambda out: why.append(out[1]) or out)(
+        decided_jointly(*a, **k)))
+    fn, args = build()
+    flat, leaves = eco._flat(fn, args)
+    table_ = json.loads((pathlib.Path(__file__).parent / "golden" / "cost_table.json").read_text()) if table else None
+    import contextlib
+
+    with priced_with(table_) if table else contextlib.nullcontext():
+        program = str(rewrite(flat, rulesets=load_rulesets(eco.CONFIGS["identity"]), cache=False).jaxpr(*leaves))
+    monkeypatch.undo()
+    return {"program": program, "why": why, "together": ran, "alone": alone, "built": built}
+
+
+def test_a_steps_joint_that_cannot_win_is_neither_traced_into_the_pair_nor_saturated(monkeypatch):
+    """wholestep_linen_gpt (CPU table): the LM head's loop takes 9.1% off its forward (``together.plain_first``), so
+    its plain joint is rewritten first, alone, and the other, priced 17% over it as traced and less than the cache
+    leaner, cannot be kept (``decide.jointly_cannot_win``): no ``run_together``, one joint pipeline, the other joint
+    never built (``Alone``), and the plain one kept, as when the two are rewritten together (priced within 1e-5: the
+    plain joint alone is not barred from the forms only the other's input held, ``together._plain_first``)."""
+    import re
+
+    build = eco.PROGRAMS["wholestep_linen_gpt"].build
+    cut = _joints_of(monkeypatch, build)
+    assert not cut["together"] and len(cut["alone"]) == 1 and cut["built"] == [""], cut  # the plain one read alone
+    monkeypatch.setattr(together, "PLAIN_FIRST_GAP", 1.0)  # never first: the two together, as main builds them
+    both = _joints_of(monkeypatch, build)
+    assert len(both["together"]) == 1 and not both["alone"], both
+    kept = [re.match(r"kept (the forward rewritten without them) \(priced ([^,]*),", w["why"][0]) for w in (cut, both)]
+    assert all(kept), (cut["why"], both["why"])
+    assert abs(float(kept[0].group(2)) / float(kept[1].group(2)) - 1) < 1e-5, (cut["why"], both["why"])
+
+
+def test_a_steps_joint_that_can_win_is_still_built_and_kept(monkeypatch):
+    """transformer_step (golden table), its plain joint made to be rewritten first (``PLAIN_FIRST_GAP`` below its
+    forwards' 1.4%): the joint with the LM head's rules comes out 0.9% under the plain one as traced and is kept, so
+    ``jointly_cannot_win`` does not hold and the two are rewritten together as before: the same program, the same
+    decision, the plain one's pipeline alone spent for nothing."""
+    from benchmarks import decisions as D
+
+    case = D.select(["transformer_step"])[0]
+    plain = _joints_of(monkeypatch, case.build, table=True)
+    assert len(plain["together"]) == 1 and not plain["alone"], plain
+    monkeypatch.setattr(together, "PLAIN_FIRST_GAP", -1.0)
+    first = _joints_of(monkeypatch, case.build, table=True)
+    assert len(first["together"]) == 1 and len(first["alone"]) == 1 and not first["built"], first
+    assert first["why"] == plain["why"] and first["why"][0].startswith("kept the forward rewritten with"), first["why"]
+    assert first["program"] == plain["program"]

@@ -8,11 +8,12 @@ own candidates."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Callable, Sequence
 
 from ..cost.measure import fastest
 from ..extract.extract import bounds_memory, fatter
-from ..extract.lean import closed_peaks, peaks_keep_leaner, time_price
+from ..extract.lean import closed_peaks, keeps_leaner, peaks_keep_leaner, time_price
 from ..ir.jaxapi import core
 from ..pipeline import program_cost, programs_cost
 from ..records import Result
@@ -202,3 +203,39 @@ def one_joint_can_win(jointly_in: float, plain_in: float, model: Any) -> bool:
     if getattr(model, "measures", False) or far > _MARGIN_FAR_BAND:
         return False
     return jointly_in < plain_in * (1 - ONE_JOINT_MARGIN)
+
+
+#: :func:`jointly_cannot_win`: the most a whole step's joint program with the ``jointly`` rules is taken to lose in its
+#: saturation (``grad/together.py``'s ``rewrite_joints``), as run, against its input as traced: of its price
+#: (:data:`JOINTLY_PRICE_MARGIN`) and of its predicted peak of temporaries (:data:`JOINTLY_PEAK_MARGIN`). That joint's
+#: own sites (the LM head's loop) are the forward's, which its rules decided; a joint program of it holds none they
+#: match (the module docstring of ``grad/together.py``), and what the other rules find in it they find in the plain
+#: joint's shared terms alike. Measured (2026-12-04, as run: the extracted joint against its input, each priced whole
+#: and its peak predicted), price / peak taken off: wholestep_linen_gpt 0.32% / 4.9%, wholestep_equinox_gpt
+#: 0.36% / 4.4%, flax_long_context_step 0.27% / 16.4% (its two joints both lose the same 7.7-8.0 MiB), flax_lm_step
+#: 0.18% / 4.9%; under the golden table ecosystem_flax_lm_step 0.18% / 4.9%, ecosystem_flax_long_context_step 0.26% /
+#: 16.4%, transformer_step 0.04% / 0%. The margins are about fourteen and two times the most of those.
+JOINTLY_PRICE_MARGIN = 0.05
+JOINTLY_PEAK_MARGIN = 0.3
+
+
+def jointly_cannot_win(jointly_in: float, jointly_peak: float | None, plain: float, plain_peak: float | None,
+                       model: Any) -> bool:
+    """Whether the joint with the ``jointly`` rules, its input as run priced ``jointly_in`` and predicted to hold
+    ``jointly_peak``, cannot be kept over the plain joint rewritten already, priced ``plain`` and holding
+    ``plain_peak`` (:func:`in_order`), however its saturation goes within :data:`JOINTLY_PRICE_MARGIN` and
+    :data:`JOINTLY_PEAK_MARGIN`: the plain one priced under the least it can come to, not kept as the leaner in
+    either lean band at the least it can hold (its time not read: as though within the near band), and the plain
+    one not held under it for holding more by over the model's ``cache``. The plain one is then held to JAX's as
+    written first (:func:`held_to_written`), the other only where it is not kept. Never where the model times
+    programs (``measures``), nor where its far lean band is wider than :data:`ONE_JOINT_MARGIN`'s, nor where a peak
+    is not predicted."""
+    band = float(getattr(model, "lean_band", 0.0) or 0.0)
+    far = max(band, float(getattr(model, "lean_band_far", 0.0) or 0.0)) if band else 0.0
+    if getattr(model, "measures", False) or far > _MARGIN_FAR_BAND or jointly_peak is None or plain_peak is None:
+        return False
+    cost, peak = jointly_in * (1 - JOINTLY_PRICE_MARGIN), jointly_peak * (1 - JOINTLY_PEAK_MARGIN)
+    if not plain < cost or keeps_leaner(cost, peak, plain, plain_peak, model, 0.0, math.inf):
+        return False
+    slack = float(getattr(model, "cache", 0.0) or 0.0)
+    return not (_bounded(model) and fatter(plain_peak, peak) and plain_peak - peak > slack)

@@ -18,8 +18,9 @@ from ..ir.jaxapi import core
 from ..jaxpr.trace import Traced
 from .. import pipeline  # run_together looked up at each call: benchmarks.rewrite_time counts its rows
 from . import vjp  # its joint_program looked up at each call, as vjp's own callers do (a test counts the traces)
-from ..pipeline import programs_cost
-from .decide import one_joint_can_win
+from ..extract.lean import closed_peaks
+from ..pipeline import program_cost, programs_cost
+from .decide import ONE_JOINT_MARGIN, jointly_cannot_win, one_joint_can_win
 from .uses import as_run
 from .vjp import VJPResult, _as_run, _vjp_of
 
@@ -184,9 +185,79 @@ def rewrite_joints(closed: core.ClosedJaxpr, plain: core.ClosedJaxpr, entries: S
     if inputs is None:
         plain_joint = trace(plain)  # traced first, as before: run_together loads it first
         inputs = [trace(closed), plain_joint]
+        if forwards is not None and plain_first(forwards[0], forwards[1], model):
+            found = _plain_first(inputs, rules, entries, model, bounded, n_out, value, seen)
+            if found is not None:
+                return found
     res_plain, res = pipeline.run_together(inputs[1], inputs[0], rules, model, bounded, as_loaded=True)
     try:
         return (_as_run(res, n_out, model, entries, value, seen), _as_run(res_plain, n_out, model, entries, value,
                                                                           seen))
     finally:
         res.egraph.release()
+
+
+#: :func:`plain_first`: a whole step's plain joint is rewritten first, alone, where the forward with the ``jointly``
+#: rules is priced under the plain forward by more than this fraction (and by less than
+#: :data:`rewrite.grad.decide.ONE_JOINT_MARGIN`, past which the other is tried alone first). A bet on time only: where
+#: :func:`rewrite.grad.decide.jointly_cannot_win` then fails, the two are rewritten together as before (the plain
+#: one's pipeline spent for nothing: 0.3 s of flax_long_context_step's 2.2). Measured (2026-12-04): the LM head's
+#: loop took 9.1% and 9.6% off the forward of wholestep_linen_gpt and wholestep_equinox_gpt, whose plain joints'
+#: saturation then took 15-16% off and left the other 17-20% dearer (the test holds: the other is not built); 0.6% and
+#: 1.4% off flax_long_context_step's and transformer_step's (golden table), whose two joints came out 0.5% and 0.9%
+#: apart with the one with the rules 16% and 4% leaner: the test cannot hold there at its margins.
+PLAIN_FIRST_GAP = 0.05
+
+
+def plain_first(jointly_forward: float, plain_forward: float, model: Any) -> bool:
+    """Whether :func:`rewrite_joints` rewrites the plain joint first (:data:`PLAIN_FIRST_GAP`), from the two forwards'
+    prices."""
+    return (not getattr(model, "measures", False)
+            and plain_forward * (1 - ONE_JOINT_MARGIN) <= jointly_forward < plain_forward * (1 - PLAIN_FIRST_GAP))
+
+
+class Built(Alone):
+    """A joint rewritten already, standing beside an :class:`Alone` not built yet (:func:`_plain_first`)."""
+
+    def __init__(self, program: core.ClosedJaxpr, cost: float) -> None:
+        super().__init__(program, cost, lambda: program, "")
+
+
+def _plain_first(inputs: list[core.ClosedJaxpr], rules: list, entries: Sequence[Any], model: Any, bounded: Any,
+                 n_out: int, value: bool | None, seen: list[tuple[core.ClosedJaxpr, float]] | None
+                 ) -> tuple[Any, Any] | None:
+    """:func:`rewrite_joints`' two where the plain joint (``inputs[1]``), rewritten alone first, leaves the other
+    (``inputs[0]``, its input priced as run and its peak predicted) no way to be kept
+    (:func:`rewrite.grad.decide.jointly_cannot_win`): the plain one :class:`Built`, the other :class:`Alone`,
+    rewritten alone only where :func:`rewrite.grad.vjp.held_pending` reaches it (the plain one not kept against JAX's
+    as written). ``None`` where it may be kept: the two are then rewritten together, as before. The plain one alone
+    is its pipeline's program without what only the other held as loaded barred (``pipeline.run_together``'s
+    ``first``): wholestep_linen_gpt's and wholestep_equinox_gpt's differ so (a mask's broadcast and a constant's
+    conversion folded), priced 1e-6 lower and holding alike."""
+    res = pipeline.run_pipeline(inputs[1], rules, model, bounded, keep=True, price_input=False, as_loaded=True)
+    try:
+        kept: list = []
+        program = _as_run(res, n_out, model, entries, value, kept)
+    finally:
+        res.egraph.release()
+    cost = next((c for p, c in kept if p is program), None)
+    cost = program_cost(program, model) if cost is None else cost
+    run = as_run(n_out, value)(inputs[0])
+    price = program_cost(run, model)
+    peak, plain_peak = ((None if f is None else f[0]) for f in (closed_peaks(model, run), closed_peaks(model, program)))
+    if not jointly_cannot_win(price, peak, cost, plain_peak, model):
+        return None
+    if seen is not None:
+        seen.extend(kept)
+        if run is inputs[0]:
+            seen.append((run, price))
+
+    def alone() -> core.ClosedJaxpr:  # only where the plain one is not kept: as run_together's second
+        again = pipeline.run_pipeline(inputs[0], rules, model, bounded, keep=True, price_input=False, as_loaded=True)
+        try:
+            return _as_run(again, n_out, model, entries, value, seen)
+        finally:
+            again.egraph.release()
+
+    return (Alone(run, price, alone, " (its joint as traced, rewritten only where the other is not kept)"),
+            Built(program, cost))
