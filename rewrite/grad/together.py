@@ -165,7 +165,10 @@ def rewrite_joints(closed: core.ClosedJaxpr, plain: core.ClosedJaxpr, entries: S
     held to JAX's as written). ``forwards``, the two forwards' prices where known, asks for that only where
     ``closed`` is priced under ``plain`` by the same margin: a joint is its forward and JAX's backward of it, and where
     the forwards are close so were their joints (the four whole steps: forwards apart 0.6-9.6%, joints 0.5-2.2%;
-    flax_lm_step 55% and 35%), which are then not priced for nothing (0.03-0.06 s each)."""
+    flax_lm_step 55% and 35%), which are then not priced for nothing (0.03-0.06 s each). Where the forwards are
+    apart the other way round (:func:`plain_first`), the plain joint is rewritten first, alone, and the other is built
+    only where it can still be kept (:func:`_plain_first`, :func:`rewrite.grad.decide.jointly_cannot_win`): else
+    it is :class:`Alone`, rewritten only where the plain one is not kept against JAX's as written."""
     bounded = dataclasses.replace(limits, iterations=min(limits.iterations, JOINT_ITERATIONS))
     trace = trace or (lambda f: vjp.joint_program(f, wrt)[0])
     rules, n_out = joint_rules(entries), len(closed.out_avals)
