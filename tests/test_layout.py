@@ -45,8 +45,8 @@ LAYERS = (
 )
 
 #: the modules that run a rewrite, each through ``pipeline.run_pipeline`` and nothing else
-PIPELINE_CALLERS = {"rewrite.api", "rewrite.define", "rewrite.grad.primitive", "rewrite.grad.vjp",
-                    "rewrite.testing._check_rule"}
+PIPELINE_CALLERS = {"rewrite.api", "rewrite.define", "rewrite.grad.primitive", "rewrite.grad.together",
+                    "rewrite.grad.vjp", "rewrite.testing._check_rule"}
 
 
 def _module_name(path: pathlib.Path) -> str:
