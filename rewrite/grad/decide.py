@@ -36,8 +36,10 @@ class Joint:
         self._charged = 0.0
 
     def peak(self) -> float | None:
-        if self._peak is None and (found := closed_peaks(self.model, self.program)) is not None:
-            self._peak, self._charged = found
+        if self._peak is None:  # predicted already where built holds them (grad/together.py's Alone)
+            known = getattr(self.built, "peaks", None) if self.program is getattr(self.built, "program", None) else None
+            if (found := known or closed_peaks(self.model, self.program)) is not None:
+                self._peak, self._charged = found
         return self._peak
 
     def time(self) -> float:

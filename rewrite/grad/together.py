@@ -138,6 +138,8 @@ class Alone:
                  ) -> None:
         self.program, self.cost, self._make, self.note = program, cost, make, note
         self._built: core.ClosedJaxpr | None = None
+        #: ``program``'s ``(held, charged)`` peaks (``extract.lean.closed_peaks``) where predicted already
+        self.peaks: tuple[float, float] | None = None
 
     def build(self) -> core.ClosedJaxpr:
         if self._built is None:
@@ -247,7 +249,8 @@ def _plain_first(inputs: list[core.ClosedJaxpr], rules: list, entries: Sequence[
     cost = program_cost(program, model) if cost is None else cost
     run = as_run(n_out, value)(inputs[0])
     price = program_cost(run, model)
-    peak, plain_peak = ((None if f is None else f[0]) for f in (closed_peaks(model, run), closed_peaks(model, program)))
+    peaks = [closed_peaks(model, p) for p in (run, program)]  # each read again by decide.Joint.peak, not predicted
+    peak, plain_peak = ((None if f is None else f[0]) for f in peaks)
     if not jointly_cannot_win(price, peak, cost, plain_peak, model):
         return None
     if seen is not None:
@@ -262,5 +265,8 @@ def _plain_first(inputs: list[core.ClosedJaxpr], rules: list, entries: Sequence[
         finally:
             again.egraph.release()
 
-    return (Alone(run, price, alone, " (its joint as traced, rewritten only where the other is not kept)"),
+    pair = (Alone(run, price, alone, " (its joint as traced, rewritten only where the other is not kept)"),
             Built(program, cost))
+    for one, found in zip(pair, peaks):
+        one.peaks = found
+    return pair
