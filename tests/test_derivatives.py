@@ -22,6 +22,7 @@ even where the cost model would not pick it.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import hypothesis.extra.numpy as hnp
@@ -407,6 +408,14 @@ def _same_or_as_close(got, want, ref, dt):
     assert np.all(np.abs(got - ref)[ok] <= np.abs(want - ref)[ok] + 8 * float(jnp.finfo(dt).eps) * scale)
 
 
+@functools.lru_cache(maxsize=None)
+def _seed_rewritten():
+    """``rewrite(seed_vjp)`` under the default packs, one for every example of the test below: its program at a dtype
+    depends on nothing an example draws (the inputs' values), so it is rewritten, and compiled under ``jit``, once a
+    dtype, not once an example (26 rewrites and their compilations, most of the test's CPU s)."""
+    return rewrite(seed_vjp, rulesets=[derivatives])
+
+
 @settings(max_examples=25, deadline=None)
 @example(dtype="float32", scale=1e-3, where=[])  # grad a's second derivative cancels here (2.5% off in float32)
 @given(dtype=st.sampled_from(["float32", "bfloat16", "float16", "float64"]),
@@ -429,7 +438,7 @@ def test_seed_vjp_under_the_default_packs_gives_jax_vjp_values(dtype, scale, whe
             target.flat[i % target.size] = v
         ref = jax.jit(seed_vjp)(x, a, g)
         x, a, g = (jnp.asarray(v, dt) for v in (x, a, g))
-        r = rewrite(seed_vjp, rulesets=[derivatives])
+        r = _seed_rewritten()
         want = jax.jit(seed_vjp)(x, a, g)
         for got in (r(x, a, g), jax.jit(r)(x, a, g)):
             for p, q, f in zip(got, want, ref):
