@@ -30,16 +30,17 @@ def _count_joints(monkeypatch) -> list:
     return ran
 
 
-def _step_program(monkeypatch, bound: int) -> tuple[str, list, object]:
+def _step_program(monkeypatch, bound: int, run: bool = True) -> tuple[str, list, object]:
     """A small linen GPT's training step rewritten whole (the LM head's ``jointly`` rules fire in its loss's forward,
     so its two joint programs are saturated together) with the ecosystem suite's rules (``benchmarks.rewrite_time``),
     the joints bounded at ``bound`` iterations: the step's
-    program as text, the joints' (iterations, stop reason), and the rewritten step with its arguments' run."""
+    program as text, the joints' (iterations, stop reason), and (``run``; else None) the rewritten step's outputs at
+    its arguments, run op by op, with the step's as written."""
     monkeypatch.setattr(together, "JOINT_ITERATIONS", bound)
     ran = _count_joints(monkeypatch)
     flat, leaves = ws._flat(*ws.CASES["linen_gpt"](_SIZE, ws.plain, opt=optax.sgd(0.1)))
     r = rewrite(flat, rulesets=load_rulesets(eco.CONFIGS["identity"]), whole_step=True, cache=False)
-    return str(r.jaxpr(*leaves)), ran, (r(*leaves), _step_as_written())
+    return str(r.jaxpr(*leaves)), ran, (r(*leaves), _step_as_written()) if run else None
 
 
 #: the small linen GPT's size (:func:`_step_program`)
@@ -48,11 +49,12 @@ _SIZE = ws.Size(batch=2, length=128, width=64, heads=2, vocab=1024)
 
 @functools.lru_cache(maxsize=None)
 def _step_as_written() -> list:
-    """The outputs of :func:`_step_program`'s step as written at its arguments, run op by op: the same in each of the
-    seven calls (its parameters are drawn from fixed keys), so run once a run. (The step is built afresh for each
-    rewrite, as before: the tests count what its rewrite traces, loads and saturates.)"""
+    """The outputs of :func:`_step_program`'s step as written at its arguments, under ``jax.jit`` (one compilation,
+    where op by op compiled each of its primitives: 2.2 against 5.1 CPU s): the same in each of the calls that run
+    it (its parameters are drawn from fixed keys), so run once a run. (The step is built afresh for each rewrite, as
+    before: the tests count what its rewrite traces, loads and saturates.)"""
     flat, leaves = ws._flat(*ws.CASES["linen_gpt"](_SIZE, ws.plain, opt=optax.sgd(0.1)))
-    return flat(*leaves)
+    return jax.jit(flat)(*leaves)
 
 
 def test_the_joints_are_bounded_and_the_step_is_what_saturation_gives(monkeypatch):
@@ -61,7 +63,7 @@ def test_the_joints_are_bounded_and_the_step_is_what_saturation_gives(monkeypatc
     bound = together.JOINT_ITERATIONS
     bounded, ran, (got, want) = _step_program(monkeypatch, bound)
     assert ran and all(it <= bound for it, _ in ran), ran
-    saturated, ran_all, _ = _step_program(monkeypatch, 1000)
+    saturated, ran_all, _ = _step_program(monkeypatch, 1000, run=False)  # the same text: its values are those above
     assert ran_all and max(it for it, _ in ran_all) > bound, ran_all
     assert all(stopped == "saturated" for _, stopped in ran_all), ran_all
     assert bounded == saturated
@@ -69,17 +71,19 @@ def test_the_joints_are_bounded_and_the_step_is_what_saturation_gives(monkeypatc
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=2e-4, atol=2e-5)
 
 
-def _gradient_program(monkeypatch, bound: int) -> tuple[str, list, list, list]:
+def _gradient_program(monkeypatch, bound: int, run: bool = True) -> tuple[str, list, list, list]:
     """A small flax encoder-decoder's ``jax.grad(rewrite(loss))`` (the LM head's ``jointly`` rules fire in its forward,
     so :func:`rewrite.grad.together.build_vjps` saturates its two joint programs together) with the ecosystem suite's
     rules, the joints bounded at ``bound`` iterations: the VJP's forward and backward as text, the joints' (iterations,
-    stop reason), the gradients and JAX's."""
+    stop reason), and (``run``; else None, None: two gradient programs fewer to compile) the gradients and JAX's."""
     monkeypatch.setattr(together, "VJPS_ITERATIONS", bound)
     ran = _count_joints(monkeypatch)
     loss, args = eco.flax_seq2seq_loss(nq=64, nk=256, width=32, heads=2, vocab=512, batch=1)
     flat, leaves = eco._flat(loss, args)
     r = rewrite(flat, rulesets=load_rulesets(eco.CONFIGS["identity"]), cache=False)
     built = r.grad_result(*leaves)
+    if not run:
+        return f"{built.fwd}\n{built.bwd}", ran, None, None
     got = jax.jit(eco.gradient(r, leaves))(*leaves)
     return f"{built.fwd}\n{built.bwd}", ran, list(got), list(jax.jit(eco.gradient(flat, leaves))(*leaves))
 
@@ -91,7 +95,7 @@ def test_a_gradients_joints_are_bounded_and_its_vjp_is_what_saturation_gives(mon
     bound = together.VJPS_ITERATIONS
     bounded, ran, got, want = _gradient_program(monkeypatch, bound)
     assert ran and all(it <= bound for it, _ in ran), ran
-    saturated, ran_all, _, _ = _gradient_program(monkeypatch, 1000)
+    saturated, ran_all, _, _ = _gradient_program(monkeypatch, 1000, run=False)  # the same VJP: its values above
     assert ran_all and max(it for it, _ in ran_all) > bound, ran_all
     assert all(stopped == "saturated" for _, stopped in ran_all), ran_all
     assert bounded == saturated
@@ -488,7 +492,7 @@ def test_a_steps_three_joints_are_priced_in_one_load_at_the_prices_each_has_alon
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=2e-4, atol=2e-5)
     # each priced alone, as main did: the same step
     monkeypatch.setattr(decide, "programs_cost", lambda ps, m: [alone_cost(p, m) for p in ps])
-    assert _step_program(monkeypatch, together.JOINT_ITERATIONS)[0] == text
+    assert _step_program(monkeypatch, together.JOINT_ITERATIONS, run=False)[0] == text
     # programs of other inputs are priced alone
     other = jax.make_jaxpr(lambda x: x * 2.0)(np.ones(3, np.float32))
     assert pipeline.programs_cost([programs[0], other], model) == [pipeline.program_cost(programs[0], model),
