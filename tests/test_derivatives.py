@@ -408,6 +408,17 @@ def _same_or_as_close(got, want, ref, dt):
     assert np.all(np.abs(got - ref)[ok] <= np.abs(want - ref)[ok] + 8 * float(jnp.finfo(dt).eps) * scale)
 
 
+def _second_order(f, x, a, g):
+    """The derivative of the sum of ``f``'s second output (the seed's ``grad a``) with respect to ``x`` and ``a``."""
+    return jax.grad(lambda x, a: f(x, a, g)[1].sum(), (0, 1))(x, a)
+
+
+#: The float64 evaluations the test below holds values to, under ``jit`` (compiled once for all its examples, where
+#: op by op compiled each primitive): JAX's own programs, read only for the distance of a value from float64's.
+_SEED_BATCHED_JIT = jax.jit(jax.vmap(seed_vjp, (0, None, 0)))
+_SEED_SECOND_ORDER_JIT = jax.jit(functools.partial(_second_order, seed_vjp))
+
+
 @functools.lru_cache(maxsize=None)
 def _seed_rewritten():
     """``rewrite(seed_vjp)`` under the default packs, one for every example of the test below: its program at a dtype
@@ -445,12 +456,12 @@ def test_seed_vjp_under_the_default_packs_gives_jax_vjp_values(dtype, scale, whe
                 assert p.dtype == q.dtype == dt
                 _same_or_as_close(p, q, f, dt)
         xs, gs = jnp.stack([x, -x]), jnp.stack([g, g])
-        refs = jax.vmap(seed_vjp, (0, None, 0))(*(jnp.asarray(v, jnp.float64) for v in (xs, a, gs)))
+        refs = _SEED_BATCHED_JIT(*(jnp.asarray(v, jnp.float64) for v in (xs, a, gs)))
         for p, q, f in zip(jax.vmap(r, (0, None, 0))(xs, a, gs), jax.vmap(seed_vjp, (0, None, 0))(xs, a, gs), refs):
             _same_or_as_close(p, q, f, dt)
         if dt == jnp.float32 and not where:  # second order, on ordinary values
-            d = lambda f, x, a, g: jax.grad(lambda x, a: f(x, a, g)[1].sum(), (0, 1))(x, a)  # noqa: E731
-            refs = d(seed_vjp, *(jnp.asarray(v, jnp.float64) for v in (x, a, g)))
+            d = _second_order
+            refs = _SEED_SECOND_ORDER_JIT(*(jnp.asarray(v, jnp.float64) for v in (x, a, g)))
             for p, q, f in zip(d(r, x, a, g), d(seed_vjp, x, a, g), refs):
                 p, q, f = (np.asarray(v, np.float64) for v in (p, q, f))
                 ulps = 8 * float(jnp.finfo(dt).eps) * np.abs(f).max()
