@@ -487,7 +487,7 @@ def _failure(rule: Rule, owner: Ruleset, case: _Case, vals: Sequence[Any], want:
 
 
 def _check_derivatives(rule: Rule, owner: Ruleset, case: _Case, vals: Sequence[Any], tangents: Sequence[Any],
-                       cotangents: Sequence[Any], want: Sequence[Any]) -> None:
+                       cotangents: Sequence[Any], want: Sequence[Any], group: Sequence[Any] = ()) -> None:
     """JAX's derivatives of the original and of the rewrite must agree: forward mode (the output tangents along
     ``tangents``), or, where the replacement brings its own backward (``jax.custom_vjp``), reverse mode (the input
     cotangents for the output ``cotangents``): forward mode of a rewritten program differentiates the program
@@ -515,17 +515,18 @@ def _check_derivatives(rule: Rule, owner: Ruleset, case: _Case, vals: Sequence[A
             return case.reference.tangents(vals, tangents)
         values = list(want)
         shown = {"tangents": tangents}
-    # Under jit both sides come from one executable (``_both``: compiled once per case, in about 0.6 of the time
-    # of two); where that raises, each side on its own says which cannot be differentiated.
+    # Under jit both sides come from one executable for the rule's cases (``_both``: compiled once, in about 0.3
+    # of the time of one per side and case); where that raises, each side on its own says which cannot be
+    # differentiated.
     directions, pair = (cotangents if reverse else tangents), None
     if how == "jit":
         try:
-            pair = _both(case.before, case.after, "vjp" if reverse else "jvp", vals, directions)
+            pair = _both(case.before, case.after, "vjp" if reverse else "jvp", vals, directions, group)
         except Exception:
             pass
 
     def original(args: Sequence[Any]) -> list[Any]:  # from the executable that gave want_t
-        return _both(case.before, case.after, "vjp" if reverse else "jvp", args, directions)[0] if pair \
+        return _both(case.before, case.after, "vjp" if reverse else "jvp", args, directions, group)[0] if pair \
             else derive(case.before, args)
     try:
         want_t = pair[0] if pair else derive(case.before, vals)
@@ -594,6 +595,8 @@ def _check_rule(rule: Rule, owner: Ruleset, max_examples: int | None, derivative
             "example_program=(fn, args)).")
     soundness, tolerance = owner.soundness, owner.tolerance
     fired = [0]
+    together = [(c.before, c.after, "vjp" if c.own_backward else "jvp") for c in cases if derivatives and not
+                c.constant and not c.half_precision and any(_differentiable(a.dtype) for a in c.avals)]
 
     def run(data: Any) -> None:
         case = data.draw(st.sampled_from(cases), label="case") if len(cases) > 1 else cases[0]
@@ -628,7 +631,7 @@ def _check_rule(rule: Rule, owner: Ruleset, max_examples: int | None, derivative
             if why is not None:
                 raise _failure(rule, owner, shown, vals, want, got, why)
         if differentiate:
-            _check_derivatives(rule, owner, case, vals, tangents, cotangents, want)
+            _check_derivatives(rule, owner, case, vals, tangents, cotangents, want, together)
 
     _settings(max_examples)(given(st.data())(run))()
     if constant and not fired[0]:

@@ -123,22 +123,48 @@ def _cotangents(closed: core.ClosedJaxpr, args: Sequence[Any], cotangents: Seque
 
 
 def _both(before: core.ClosedJaxpr, after: core.ClosedJaxpr, mode: str, args: Sequence[Any],
-          directions: Sequence[Any]) -> tuple[list[np.ndarray], list[np.ndarray]]:
+          directions: Sequence[Any], group: Sequence[tuple[Any, Any, str]] = ()
+          ) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """:func:`_tangents` (``mode`` ``"jvp"``) or :func:`_cotangents` (``"vjp"``) of a program and its rewrite
-    (the same inputs and outputs) under ``jit``, from one executable for the two, compiled once per pair.
+    (the same inputs and outputs) under ``jit``, from one executable for the two, or for every
+    ``(before, after, mode)`` of ``group`` (the rule's other cases, run at zeros), compiled once.
 
-    A small program's compile is mostly XLA's fixed cost, so one executable for both sides compiles in about
-    0.6 of the time of two (the algebra pack's 108 cases: 4.7 CPU s against 8.0). Each side computes what it
-    computes on its own: each takes the inputs as parameters of its own, so XLA neither merges work common to
-    both nor fuses across them (with shared parameters 6 of the packs' 3,497 pairs differed by an ulp; apart,
-    every one is bitwise what the two executables give).
+    A small program's compile is mostly XLA's fixed cost: one executable for both sides compiles in about
+    0.6 of the time of two (the algebra pack's 108 cases: 4.7 CPU s against 8.0), one for a rule's cases in
+    about 0.5 of that. Each side computes what it computes on its own: each takes its inputs as parameters
+    of its own, so XLA neither merges work common to two nor fuses across them (with shared parameters 6 of
+    the packs' 3,497 pairs differed by an ulp; apart, every one is bitwise what its own executable gives).
+    Where the group cannot be compiled together (a case that cannot be differentiated), the pair alone is.
     """
-    make = _jvp if mode == "jvp" else _vjp
-    (fb, xs), (fa, _) = make(before, args, directions), make(after, args, directions)
-    run = _compiled((id(before), id(after), jax.config.jax_enable_x64, mode, "both"), (before, after),
-                    lambda: jax.jit(lambda b, a: (fb(*b), fa(*a))))
-    want, got = run(xs, xs)
+    group = list(group) or [(before, after, mode)]
+    k = next(i for i, (b, a, _) in enumerate(group) if b is before and a is after)
+    key = (tuple((id(b), id(a), m) for b, a, m in group), jax.config.jax_enable_x64, "both")
+
+    def build() -> tuple[Any, list[Any]]:
+        fns, zeros = [], []
+        for b, a, m in group:
+            make = _jvp if m == "jvp" else _vjp
+            at = [np.zeros(v.shape, v.dtype) for v in b.in_avals]
+            along = [np.zeros(v.shape, v.dtype) for v in (b.in_avals if m == "jvp" else b.out_avals)]
+            fb, xs = make(b, at, along)
+            fns.append((fb, make(a, at, along)[0]))
+            zeros.append(xs)
+        return jax.jit(lambda xs: [(fb(*xb), fa(*xa)) for (fb, fa), (xb, xa) in zip(fns, xs)]), zeros
+
+    run, zeros = _compiled(key, group, build)
+    xs = (_jvp if mode == "jvp" else _vjp)(before, args, directions)[1]
+    try:
+        want, got = run([(xs, xs) if i == k else (z, z) for i, z in enumerate(zeros)])[k]
+    except Exception:
+        if len(group) == 1:
+            raise
+        _JVPS[key] = (group, (_alone, None))  # not together: each pair on its own from now on
+        return _both(before, after, mode, args, directions)
     return [np.asarray(t) for t in want], [np.asarray(t) for t in got]
+
+
+def _alone(*_: Any) -> Any:
+    raise RuntimeError("compiled apart")
 
 
 #: Compiled derivatives by program, least recently used first (the program is kept alive beside its entry, so
