@@ -515,8 +515,8 @@ def _check_derivatives(rule: Rule, owner: Ruleset, case: _Case, vals: Sequence[A
             return case.reference.tangents(vals, tangents)
         values = list(want)
         shown = {"tangents": tangents}
-    # Under jit both sides come from one executable for the rule's cases (``_both``: compiled once, in about 0.3
-    # of the time of one per side and case); where that raises, each side on its own says which cannot be
+    # Under jit both sides come from one executable for the rule's cases (``_both``: compiled once, in about half
+    # the time of one per side and case); where that raises, each side on its own says which cannot be
     # differentiated.
     directions, pair = (cotangents if reverse else tangents), None
     if how == "jit":
