@@ -211,6 +211,7 @@ class _Case:
     constant: bool = False
     reference: Any = None
     rhs: Callable[..., Any] | None = None  # the right side as a program, for rules whose rhs contains the lhs
+    group: Sequence[Any] = ()  # the rule's cases whose derivatives compile together (``_run._both``)
     _as_params: Any = None
 
     def __repr__(self) -> str:  # hypothesis shows the drawn case
@@ -487,7 +488,7 @@ def _failure(rule: Rule, owner: Ruleset, case: _Case, vals: Sequence[Any], want:
 
 
 def _check_derivatives(rule: Rule, owner: Ruleset, case: _Case, vals: Sequence[Any], tangents: Sequence[Any],
-                       cotangents: Sequence[Any], want: Sequence[Any], group: Sequence[Any] = ()) -> None:
+                       cotangents: Sequence[Any], want: Sequence[Any]) -> None:
     """JAX's derivatives of the original and of the rewrite must agree: forward mode (the output tangents along
     ``tangents``), or, where the replacement brings its own backward (``jax.custom_vjp``), reverse mode (the input
     cotangents for the output ``cotangents``): forward mode of a rewritten program differentiates the program
@@ -516,17 +517,16 @@ def _check_derivatives(rule: Rule, owner: Ruleset, case: _Case, vals: Sequence[A
         values = list(want)
         shown = {"tangents": tangents}
     # Under jit both sides come from one executable for the rule's cases (``_both``: compiled once, in about half
-    # the time of one per side and case); where that raises, each side on its own says which cannot be
-    # differentiated.
+    # the time of one per side and case); where that raises, each side alone says which cannot be differentiated.
     directions, pair = (cotangents if reverse else tangents), None
     if how == "jit":
         try:
-            pair = _both(case.before, case.after, "vjp" if reverse else "jvp", vals, directions, group)
+            pair = _both(case.before, case.after, "vjp" if reverse else "jvp", vals, directions, case.group)
         except Exception:
             pass
 
     def original(args: Sequence[Any]) -> list[Any]:  # from the executable that gave want_t
-        return _both(case.before, case.after, "vjp" if reverse else "jvp", args, directions, group)[0] if pair \
+        return _both(case.before, case.after, "vjp" if reverse else "jvp", args, directions, case.group)[0] if pair \
             else derive(case.before, args)
     try:
         want_t = pair[0] if pair else derive(case.before, vals)
@@ -597,6 +597,8 @@ def _check_rule(rule: Rule, owner: Ruleset, max_examples: int | None, derivative
     fired = [0]
     together = [(c.before, c.after, "vjp" if c.own_backward else "jvp") for c in cases if derivatives and not
                 c.constant and not c.half_precision and any(_differentiable(a.dtype) for a in c.avals)]
+    for c in cases:  # not an argument in ``run``: hypothesis seeds a derandomized run from its source
+        c.group = together
 
     def run(data: Any) -> None:
         case = data.draw(st.sampled_from(cases), label="case") if len(cases) > 1 else cases[0]
@@ -631,7 +633,7 @@ def _check_rule(rule: Rule, owner: Ruleset, max_examples: int | None, derivative
             if why is not None:
                 raise _failure(rule, owner, shown, vals, want, got, why)
         if differentiate:
-            _check_derivatives(rule, owner, case, vals, tangents, cotangents, want, together)
+            _check_derivatives(rule, owner, case, vals, tangents, cotangents, want)
 
     _settings(max_examples)(given(st.data())(run))()
     if constant and not fired[0]:
