@@ -16,6 +16,21 @@ from rewrite import pipeline, rewrite
 from rewrite.grad import together
 
 
+def _spy_decisions(monkeypatch) -> tuple[list, list]:
+    """``(built, why)``, filled as a step is rewritten: the notes of the ``Alone`` joints built, and the decisions'
+    reasons in words (``api.decided_jointly``)."""
+    import rewrite.api as api
+
+    built: list = []
+    build = together.Alone.build
+    monkeypatch.setattr(together.Alone, "build", lambda self: built.append(self.note) or build(self))
+    why: list = []
+    decided_jointly = api.decided_jointly
+    monkeypatch.setattr(api, "decided_jointly", lambda *a, **k: (lambda out: why.append(out[1]) or out)(
+        decided_jointly(*a, **k)))
+    return built, why
+
+
 def _count_joints(monkeypatch) -> list:
     """``pipeline.run_together`` spied on: the list it fills with each run's (iterations, stop reason)."""
     ran: list = []
@@ -395,19 +410,12 @@ def _lm_step_decided(monkeypatch, margin: float) -> tuple[str, list, list, list]
     import json
     import pathlib
 
-    import rewrite.api as api
     from rewrite.cost.model import priced_with
     from rewrite.grad import decide
 
     monkeypatch.setattr(decide, "ONE_JOINT_MARGIN", margin)
     ran = _count_joints(monkeypatch)
-    alone: list = []
-    build = together.Alone.build
-    monkeypatch.setattr(together.Alone, "build", lambda self: alone.append(self.note) or build(self))
-    why: list = []
-    decided_jointly = api.decided_jointly
-    monkeypatch.setattr(api, "decided_jointly", lambda *a, **k: (lambda out: why.append(out[1]) or out)(
-        decided_jointly(*a, **k)))
+    alone, why = _spy_decisions(monkeypatch)
     table = json.loads((pathlib.Path(__file__).parent / "golden" / "cost_table.json").read_text())
     flat, leaves = eco._flat(*eco.PROGRAMS["flax_lm_step"].build())
     with priced_with(table):
@@ -682,20 +690,13 @@ def _joints_of(monkeypatch, build, table: bool = False) -> dict:
     import json
     import pathlib
 
-    import rewrite.api as api
     from rewrite.cost.model import priced_with
 
     ran = _count_joints(monkeypatch)
     alone: list = []
     run_pipeline = pipeline.run_pipeline
     monkeypatch.setattr(pipeline, "run_pipeline", lambda *a, **k: alone.append(1) or run_pipeline(*a, **k))
-    built: list = []
-    build_alone = together.Alone.build
-    monkeypatch.setattr(together.Alone, "build", lambda self: built.append(self.note) or build_alone(self))
-    why: list = []
-    decided_jointly = api.decided_jointly
-    monkeypatch.setattr(api, "decided_jointly", lambda *a, **k: (lambda out: why.append(out[1]) or out)(
-        decided_jointly(*a, **k)))
+    built, why = _spy_decisions(monkeypatch)
     fn, args = build()
     flat, leaves = eco._flat(fn, args)
     table_ = json.loads((pathlib.Path(__file__).parent / "golden" / "cost_table.json").read_text()) if table else None
