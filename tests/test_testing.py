@@ -64,6 +64,22 @@ def test_rules_false_in_real_arithmetic_fail_every_class(name, lhs, rhs, soundne
         check_ruleset(_one(name, lhs, rhs, soundness))
 
 
+@pytest.mark.parametrize("factor", [1.01, 1.0])
+def test_a_rule_is_compared_in_its_one_step_not_in_forms_its_repeats_built(factor):
+    """Associativity 1% off, as fastmath's ``mul_assoc_right`` written wrong: saturated, the rule's own repeated
+    applications (matched in both operand orders) built ``c * (a * b)`` in the matched class, which the check then
+    compared with ``(a * b) * c`` and passed. Checked in its one step, only its own right side can stand in for
+    the match. The sound rule (factor 1) still passes."""
+    ruleset = Ruleset("user_assoc", [rule(lambda a, b, c: lax.mul(lax.mul(a, b), c),
+                                          lambda a, b, c: lax.mul(a, lax.mul(b, c)) * factor,
+                                          name="mul_assoc_right")], soundness="fastmath")
+    if factor == 1.0:
+        check_ruleset(ruleset)
+    else:
+        with pytest.raises(AssertionError, match="rule 'mul_assoc_right' .* does not hold"):
+            check_ruleset(ruleset)
+
+
 # ---------------------------------------------------------------- derivatives (issue 29)
 KINKED = [  # each keeps every value and changes JAX's derivative somewhere
     ("abs_neg", lambda x: jnp.abs(-x), lambda x: jnp.abs(x), "exact"),                       # at ±0: -1 vs +1

@@ -341,15 +341,14 @@ def _forced(result: Result, closed: core.ClosedJaxpr, vids: Sequence[int], ctor:
             ) -> core.ClosedJaxpr | None:
     """The program with the rule's work taken wherever it acted, even where it costs more.
 
-    Normal extraction keeps the input program on ties and when a rewrite
-    costs more, so a rule such as ``x*y -> y*x`` would be compared with
-    itself. Here the matched node is barred from each matched class, so the
-    class must be computed another way, which only the rule can have added.
-    The matched node is the node each name in ``vids`` was made for; for a
-    :class:`Pat` rule, whose recorded names are whatever names the matched
-    classes had, it is every node of the input program in those classes
-    with the pattern's constructor ``ctor``. ``None`` when no matched class
-    has another way.
+    Normal extraction keeps the input program on ties and when a rewrite costs more, so a rule such as
+    ``x*y -> y*x`` would be compared with itself. Here the matched node is barred from each matched class, so the
+    class must be computed another way, which only the rule can have added: in its one step (``_rewrite_case``
+    saturates one iteration). Repeated, a wrong rule's own applications fill the class with forms its error
+    cancels from (``(a*b)*c -> a*(b*c)*1.01`` also built ``c*(a*b)``, which was then compared). The matched node
+    is the node each name in ``vids`` was made for; for a :class:`Pat` rule, whose recorded names are whatever
+    names the matched classes had, it is every node of the input program in those classes with the pattern's
+    constructor ``ctor``. ``None`` when no matched class has another way.
     """
     eg, snap = result.egraph, result.snapshot
     barred: dict[Any, set] = {}
@@ -392,7 +391,8 @@ def _rewrite_case(rule: Rule, owner: Ruleset, fn: Callable[..., Any], avals: tup
     if traced.closed.jaxpr.effects:
         raise _NotExercised("the program has effects")
     checked, roots = _recording(rule) if rule.is_pat else (rule, [])
-    result = run_pipeline(traced, [(checked, owner)], AnalyticCost(), owner.limits or Limits(), keep=True)
+    one = dataclasses.replace(owner.limits or Limits(), iterations=1)  # the rule's one step (_forced)
+    result = run_pipeline(traced, [(checked, owner)], AnalyticCost(), one, keep=True)
     problems = [w for w in result.warnings if f"rule {rule.name!r}" in w]
     if problems:
         raise AssertionError(f"rule {rule.name!r} [{owner.name}, {owner.soundness}] failed while rewriting "
