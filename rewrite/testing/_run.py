@@ -131,9 +131,10 @@ def _both(before: core.ClosedJaxpr, after: core.ClosedJaxpr, mode: str, args: Se
 
     A small program's compile is mostly XLA's fixed cost: one executable for both sides compiles in about
     0.6 of the time of two, one for a rule's cases in about half (the algebra pack's 108 cases: 8.0 CPU s one
-    per side, 4.7 one per case, 3.9 one per rule). Each side computes what it computes on its own: each takes its inputs as parameters
-    of its own, so XLA neither merges work common to two nor fuses across them (with shared parameters 6 of
-    the packs' 3,497 pairs differed by an ulp; apart, every one is bitwise what its own executable gives).
+    per side, 4.7 one per case, 3.9 one per rule). Each side computes what it computes on its own: each takes
+    its inputs as parameters of its own, so XLA neither merges work common to two nor fuses across them (with
+    shared parameters 6 of the packs' 3,497 pairs differed by an ulp; apart, every one is bitwise what its own
+    executable gives).
     Where the group cannot be compiled together (a case that cannot be differentiated), the pair alone is.
     """
     group = list(group) or [(before, after, mode)]
