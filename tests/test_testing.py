@@ -150,6 +150,34 @@ def test_compiled_derivatives_are_kept_least_recently_used_first(monkeypatch):
     np.testing.assert_allclose(_run._tangents(used, x, x)[0], np.cos(1.0) + np.sin(1.0), rtol=1e-6)
 
 
+def test_a_rules_cases_that_cannot_compile_together_are_each_run_alone(monkeypatch):
+    """A rule's derivative cases are compiled as one executable; where one case cannot be differentiated in
+    reverse mode (a while loop), the others are still run, each alone, and the group is not tried again."""
+    from rewrite.testing import _run
+
+    monkeypatch.setattr(_run, "_JVPS", {})
+    x = [np.full(3, 0.5, np.float32)]
+    good = jax.make_jaxpr(lambda x: jnp.sin(x) * x)(*x)
+    bad = jax.make_jaxpr(lambda x: lax.while_loop(lambda c: c[0] < 3, lambda c: (c[0] + 1, c[1] * 2.0),
+                                                  (0, x))[1])(*x)
+    group = [(good, good, "vjp"), (bad, bad, "vjp")]
+    traces = []
+    jit = jax.jit
+
+    def counted(f, *a, **k):  # each trace of what _both compiles
+        return jit(lambda *xs: traces.append(f) or f(*xs), *a, **k)
+
+    monkeypatch.setattr(_run.jax, "jit", counted)
+    want = (np.cos(0.5) * 0.5 + np.sin(0.5)) * 0.5  # the cotangent is x
+    for _ in range(2):
+        before, after = _run._both(good, good, "vjp", x, x, group)
+        np.testing.assert_allclose(before[0], want, rtol=1e-6)
+        np.testing.assert_array_equal(before[0], after[0])
+    assert len(traces) == 2, traces  # the group once, then the pair alone once: the group is not traced again
+    with pytest.raises(Exception):  # the case that cannot be differentiated still raises alone
+        _run._both(bad, bad, "vjp", x, x, group)
+
+
 def test_a_replacement_with_a_wrong_backward_of_its_own_is_rejected_in_reverse_mode():
     # Forward values are exact and forward mode differentiates the program as written, so only jax.vjp
     # of the rewritten program can show a hand-written backward's mistake (here: d(x*x) = x, not 2x).

@@ -152,20 +152,23 @@ def _both(before: core.ClosedJaxpr, after: core.ClosedJaxpr, mode: str, args: Se
             zeros.append(xs)
         return jax.jit(lambda xs: [(fb(*xb), fa(*xa)) for (fb, fa), (xb, xa) in zip(fns, xs)]), zeros
 
-    run, zeros = _compiled(key, group, build)
+    entry = _compiled(key, group, build)
+    if entry is _APART:  # this group failed to compile together before: the pair alone
+        return _both(before, after, mode, args, directions)
+    run, zeros = entry
     xs = (_jvp if mode == "jvp" else _vjp)(before, args, directions)[1]
     try:
         want, got = run([(xs, xs) if i == k else (z, z) for i, z in enumerate(zeros)])[k]
     except Exception:
         if len(group) == 1:
             raise
-        _JVPS[key] = (group, (_alone, None))  # not together: each pair on its own from now on
+        _JVPS[key] = (group, _APART)  # not together: each pair on its own from now on
         return _both(before, after, mode, args, directions)
     return [np.asarray(t) for t in want], [np.asarray(t) for t in got]
 
 
-def _alone(*_: Any) -> Any:
-    raise RuntimeError("compiled apart")
+#: What ``_JVPS`` holds for a group of cases that cannot be compiled together (:func:`_both`).
+_APART = object()
 
 
 #: Compiled derivatives by program, least recently used first (the program is kept alive beside its entry, so
