@@ -38,10 +38,11 @@ from ..records import Limits, Result
 from ..rules.match import Value, _short
 from ..rules.rule import Procedure, Rule
 from ..rules.ruleset import Ruleset, Tolerance, entries_of
-from ._compare import Float64Results, _Evidence, _show, _spreads, derivative_mismatch
-from ._magnitude import jvp_magnitudes, magnitudes, vjp_magnitudes
+from ._compare import _Evidence, _show, _spreads, derivative_mismatch
+from ._magnitude import jvp_magnitudes, vjp_magnitudes
+from ._reference import _Reference
 from ._run import _both, _cotangents, _differentiable, _evaluate, _tangents, as_written
-from ._strategies import _into_domain, _is_float, _settings, _wide
+from ._strategies import _into_domain, _is_float, _settings
 from ._strategies import arrays as _fresh_arrays
 
 try:  # hypothesis's private handle on the example being built (hypothesis.control since 2016); where a version
@@ -89,58 +90,6 @@ _DRAWS: list[Any] = [None, {}]
 def _trace_at(fn: Callable[..., Any], avals: Sequence[Any]):
     in_tree = jax.tree_util.tree_structure((tuple(range(len(avals))), {}))
     return trace(fn, list(avals), in_tree, (), (), len(avals))
-
-
-class _Reference:
-    """A program traced again at float64, for the true result; ``None`` results where that is impossible."""
-
-    def __init__(self, fn: Callable[..., Any], avals: Sequence[Any]) -> None:
-        self.fn = fn
-        self.avals = tuple(avals)
-        self._closed: Any = None
-        self._failed = not any(_wide(a.dtype) != np.dtype(a.dtype) for a in avals)  # nothing to widen
-
-    def _trace_wide(self) -> None:
-        """The program traced in float64 (once; call with x64 enabled)."""
-        if self._closed is None:
-            wide = [jax.ShapeDtypeStruct(a.shape, _wide(a.dtype)) for a in self.avals]
-            self._closed = jax.make_jaxpr(self.fn)(*wide)
-
-    def __call__(self, args: Sequence[Any]) -> Float64Results:
-        """The float64 results at ``args`` (empty where impossible), with the terms' magnitudes on demand."""
-        terms = functools.partial(magnitudes, self.fn, args)
-        if self._failed:
-            return Float64Results([], terms)
-        try:
-            with jax.enable_x64(True):
-                self._trace_wide()
-                outs = _evaluate(self._closed, [np.asarray(a).astype(_wide(np.asarray(a).dtype)) for a in args])
-        except Exception:
-            self._failed = True
-            return Float64Results([], terms)
-        return Float64Results(outs, terms)
-
-    def cotangents(self, args: Sequence[Any], cotangents: Sequence[Any]) -> list[Any] | None:
-        """The true input cotangents (float64) at ``args`` for output ``cotangents``, or ``None``."""
-        return self._derivative(_cotangents, args, cotangents)
-
-    def tangents(self, args: Sequence[Any], tangents: Sequence[Any]) -> list[Any] | None:
-        """The true output tangents (float64) at ``args`` along ``tangents``, or ``None``."""
-        return self._derivative(_tangents, args, tangents)
-
-    def _derivative(self, derive: Callable[..., Any], args: Sequence[Any], directions: Sequence[Any]
-                    ) -> list[Any] | None:
-        if self._failed:
-            return None
-
-        def widen(xs: Sequence[Any]) -> list[Any]:
-            return [None if a is None else np.asarray(a).astype(_wide(np.asarray(a).dtype)) for a in xs]
-        try:
-            with jax.enable_x64(True):
-                self._trace_wide()
-                return derive(self._closed, widen(args), widen(directions))
-        except Exception:
-            return None
 
 
 @dataclasses.dataclass
