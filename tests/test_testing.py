@@ -80,6 +80,22 @@ def test_a_rule_is_compared_in_its_one_step_not_in_forms_its_repeats_built(facto
             check_ruleset(ruleset)
 
 
+@pytest.mark.parametrize("sound", [False, True])
+def test_a_16_bit_case_is_compared_within_a_tenth_at_most(sound):
+    """A tolerance scales with the dtype's epsilon, 65536 times float32's for bfloat16: attention's
+    Tolerance(2e-4, 2e-5) became 13 relative, and a bfloat16 rule with its sign flipped kept its values (the mutation
+    audit). A check compares values within rewrite.testing._compare.MOST (0.1) at most, as it does derivatives."""
+    at = (jax.ShapeDtypeStruct((3,), jnp.bfloat16),)
+    rhs = (lambda x: x + x) if sound else (lambda x: x * -2.0)
+    ruleset = Ruleset("user_bf16", [rule(lambda x: x * 2.0, rhs, name="double", example_inputs=at)],
+                      soundness="identity", tolerance=Tolerance(rtol=2e-4, atol=2e-5))
+    if sound:
+        check_ruleset(ruleset, derivatives=False)
+    else:
+        with pytest.raises(AssertionError, match="rule 'double' .* does not hold: at"):
+            check_ruleset(ruleset, derivatives=False)
+
+
 # ---------------------------------------------------------------- derivatives (issue 29)
 KINKED = [  # each keeps every value and changes JAX's derivative somewhere
     ("abs_neg", lambda x: jnp.abs(-x), lambda x: jnp.abs(x), "exact"),                       # at ±0: -1 vs +1

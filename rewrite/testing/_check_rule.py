@@ -38,7 +38,7 @@ from ..records import Limits, Result
 from ..rules.match import Value, _short
 from ..rules.rule import Procedure, Rule
 from ..rules.ruleset import Ruleset, Tolerance, entries_of
-from ._compare import _Evidence, _show, _spreads, derivative_mismatch
+from ._compare import MOST, _Evidence, _show, _spreads, derivative_mismatch
 from ._magnitude import jvp_magnitudes, vjp_magnitudes
 from ._reference import _Reference
 from ._run import _both, _cotangents, _differentiable, _evaluate, _tangents, as_written
@@ -576,7 +576,7 @@ def _check_rule(rule: Rule, owner: Ruleset, max_examples: int | None, derivative
         want = _evaluate(before, args)
         got = _evaluate(after, args)
         evidence = _Evidence(lambda: case.reference(vals), lambda: _spreads(case.original, vals, want),
-                             written=lambda: as_written(before, args))
+                             written=lambda: as_written(before, args), most=MOST)
         for i, (w, g) in enumerate(zip(want, got)):
             why = evidence.mismatch(i, w, g, soundness, tolerance)
             if why is not None:

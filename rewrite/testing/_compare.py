@@ -72,6 +72,10 @@ def _no_worse(want: np.ndarray, got: np.ndarray, ref: np.ndarray, rtol: float, a
 #: Inputs are nudged by this many ulps (relative, each way) to measure a program's own conditioning.
 _NUDGE_ULPS = 8
 
+#: The most a rule's check lets a tolerance (or the terms' bound) allow, relative or absolute, once scaled to the
+#: dtype: for bfloat16 ``Tolerance()`` scales to 0.66 and attention's to 13, which passed a sign flip.
+MOST = 0.1
+
 
 def _nudged(args: Any, sign: int) -> Any:
     """Every inexact array leaf scaled by ``1 + sign * _NUDGE_ULPS * eps``, keeping its kind of array."""
@@ -145,7 +149,8 @@ _WRITTEN_NOTE = ", or as the original gives it rounded as written (no fused mult
 
 
 def mismatch(want: Any, got: Any, *, soundness: str = "exact", tolerance: Tolerance | None = None,
-             reference: Any = None, spread: Any = None, magnitude: Any = None, written: Any = None) -> str | None:
+             reference: Any = None, spread: Any = None, magnitude: Any = None, written: Any = None,
+             most: float | None = None) -> str | None:
     """Why ``got`` does not stand in for ``want`` under a soundness class, or ``None`` if it does.
 
     ``exact`` (and any comparison without ``tolerance``) asks for equal bits,
@@ -203,6 +208,8 @@ def mismatch(want: Any, got: Any, *, soundness: str = "exact", tolerance: Tolera
             note += _WRITTEN_NOTE
     else:
         rtol, atol = tolerance.for_dtype(want.dtype)
+        if most is not None:  # scaled to a 16-bit float, a tolerance may otherwise pass a sign flip
+            rtol, atol = min(rtol, most), min(atol, most)
         w, g = _as_real(want), _as_real(got)
         ok = _close(w, g, rtol, atol)
         note = f"{soundness}: rtol {rtol:.3g}, atol {atol:.3g}"
@@ -218,6 +225,7 @@ def mismatch(want: Any, got: Any, *, soundness: str = "exact", tolerance: Tolera
             ok = ok | _within_spread(w, g, d, rtol, atol)
             note += f", or within the original's own spread under {_NUDGE_ULPS}-ulp input changes"
         bound = tolerance.terms_for(want.dtype)
+        bound = bound if most is None else (min(bound[0], most), min(bound[1], most))
         terms = _terms(magnitude, want) if bound[0] > 0 and magnitude is not None else None
         if not ok.all() and terms is not None:
             ok = ok | _within_terms(w, g, terms, rtol, atol, bound)
@@ -287,7 +295,7 @@ def derivative_mismatch(value: Any, want: Any, got: Any, *, tolerance: Tolerance
     if want.shape != got.shape or want.dtype != got.dtype:
         return f"rewritten gives a tangent {got.dtype}{list(got.shape)}, original {want.dtype}{list(want.shape)}"
     rtol, atol = (tolerance or Tolerance()).for_dtype(want.dtype)
-    rtol, atol = min(rtol, 0.1), min(atol, 0.1)  # scaled to a 16-bit float, still far below a sign flip
+    rtol, atol = min(rtol, MOST), min(atol, MOST)  # scaled to a 16-bit float, still far below a sign flip
     w, g = _as_real(want), _as_real(got)
     ok = _close(w, g, rtol, atol)
     note = f"derivative: rtol {rtol:.3g}, atol {atol:.3g}"
@@ -306,6 +314,7 @@ def derivative_mismatch(value: Any, want: Any, got: Any, *, tolerance: Tolerance
         ok = ok | (_within_spread(w, g, d, rtol, atol) & noise)
         note += f", or within the original's own spread under {_NUDGE_ULPS}-ulp input changes (under 1%)"
     bound = tolerance.terms_for(want.dtype) if tolerance is not None else (0.0, 0.0)
+    bound = (min(bound[0], MOST), min(bound[1], MOST))
     terms = _terms(magnitude, want) if bound[0] > 0 and magnitude is not None else None
     if not ok.all() and terms is not None:
         ok = ok | _within_terms(w, g, terms, rtol, atol, bound)
@@ -387,8 +396,9 @@ class _Evidence:
     def __init__(self, reference: Callable[[], list[Any] | None] | None,
                  spreads: Callable[[], list[Any]] | None,
                  magnitudes: Callable[[], list[Any] | None] | None = None,
-                 written: Callable[[], list[Any]] | None = None) -> None:
+                 written: Callable[[], list[Any]] | None = None, most: float | None = None) -> None:
         self._reference = reference
+        self._most = most
         self._spreads = spreads
         self._magnitudes = magnitudes
         self._written = written
@@ -396,12 +406,13 @@ class _Evidence:
         self._as_written: list[Any] | None = None
 
     def mismatch(self, i: int, want: Any, got: Any, soundness: str, tolerance: Tolerance | None) -> str | None:
-        why, written = mismatch(want, got, soundness=soundness, tolerance=tolerance), None
+        most = self._most
+        why, written = mismatch(want, got, soundness=soundness, tolerance=tolerance, most=most), None
         if why is not None and self._written is not None:
             if self._as_written is None:
                 self._as_written = self._written()
             written = self._as_written[i] if i < len(self._as_written) else None
-            why = mismatch(want, got, soundness=soundness, tolerance=tolerance, written=written)
+            why = mismatch(want, got, soundness=soundness, tolerance=tolerance, written=written, most=most)
         if why is None or tolerance is None or soundness == "exact":
             return why
         if self._got is None:
@@ -416,5 +427,5 @@ class _Evidence:
         spread = spreads[i] if i < len(spreads) else None
         mag = mags[i] if i < len(mags) else None
         return mismatch(want, got, soundness=soundness, tolerance=tolerance, reference=ref, spread=spread,
-                        magnitude=mag, written=written)
+                        magnitude=mag, written=written, most=most)
 
