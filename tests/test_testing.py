@@ -80,6 +80,21 @@ def test_a_rule_is_compared_in_its_one_step_not_in_forms_its_repeats_built(facto
             check_ruleset(ruleset)
 
 
+@pytest.mark.parametrize("factor", [1.01, 1.0])
+def test_a_rule_over_a_gather_is_compared_at_indices_in_range(factor):
+    """The LM head's label rules written 1% off passed (the mutation audit): integer inputs drawn over their whole
+    range put nearly every index out of bounds, the gather filled NaN, and a sum over the 8 tokens was NaN on both
+    sides in every example. Half the draws now move each integer input into the range of the case's axes."""
+    at = (jax.ShapeDtypeStruct((16,), jnp.float32), jax.ShapeDtypeStruct((8,), jnp.int32))
+    ruleset = _one("sum_take", lambda x, i: jnp.sum(jnp.take(x, i, axis=0, mode="fill")),
+                   lambda x, i: jnp.sum(jnp.take(x, i, axis=0, mode="fill")) * factor, "identity", example_inputs=at)
+    if factor == 1.0:
+        check_ruleset(ruleset)
+    else:
+        with pytest.raises(AssertionError, match="rule 'sum_take' .* does not hold"):
+            check_ruleset(ruleset)
+
+
 @pytest.mark.parametrize("sound", [False, True])
 def test_a_16_bit_case_is_compared_within_a_tenth_at_most(sound):
     """A tolerance scales with the dtype's epsilon, 65536 times float32's for bfloat16: attention's

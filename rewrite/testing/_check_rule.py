@@ -261,6 +261,21 @@ def _into_rule_domain(rule: Rule, name: str, x: Any) -> Any:
     return y
 
 
+def _as_indices(data: Any, name: str, case: "_Case", x: Any) -> Any:
+    """An integer input, drawn over its whole range, as often moved into the range of the case's axes.
+
+    Drawn over the whole range, nearly every element of an index array is out of bounds: a gather fills
+    (NaN) or clamps, so a rule over gathers (the LM head's label logit) compared NaN with NaN and passed
+    1% off. ``((x + k) mod 2k) - k`` with ``k`` the case's longest axis keeps ``0, 1, 2, 3, 7, -1`` as drawn.
+    """
+    if not np.issubdtype(np.asarray(x).dtype, np.integer) or not data.draw(st.booleans(), label=f"{name} as indices"):
+        return x
+    k = max([int(d) for a in case.avals for d in a.shape] + [1])
+    wide = np.asarray(x).astype(np.int64)
+    low = -k if np.issubdtype(np.asarray(x).dtype, np.signedinteger) else 0
+    return ((wide - low) % (k - low) + low).astype(np.asarray(x).dtype)
+
+
 def _wrap(domain: str, x: Any) -> Any:
     """Establish the fact a domain stands for, by operations the fact rules know; the identity on its values."""
     return _into_domain(x, domain, lax.abs, jnp.maximum, lax.neg)
@@ -551,7 +566,8 @@ def _check_rule(rule: Rule, owner: Ruleset, max_examples: int | None, derivative
 
     def run(data: Any) -> None:
         case = data.draw(st.sampled_from(cases), label="case") if len(cases) > 1 else cases[0]
-        vals = [_into_rule_domain(rule, n, data.draw(arrays(a.shape, a.dtype, soundness, d), label=n))
+        vals = [_into_rule_domain(rule, n, _as_indices(data, n, case, data.draw(arrays(a.shape, a.dtype, soundness, d),
+                                                                                 label=n)))
                 for n, a, d in zip(case.names, case.avals, case.domains)]
         differentiate = derivatives and not case.constant and any(_differentiable(a.dtype) for a in case.avals)
         # Kinks are among the values drawn (0, -0.0, 1, -1); the tangents are ordinary numbers. Drawn
