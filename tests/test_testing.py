@@ -111,6 +111,36 @@ def test_a_16_bit_case_is_compared_within_a_tenth_at_most(sound):
             check_ruleset(ruleset, derivatives=False)
 
 
+@jax.custom_jvp
+def _steep(v):
+    return v
+
+
+_steep.defjvp(lambda p, t: (p[0], t[0] * 1.01))  # the value kept, its derivative 1% off
+
+
+@pytest.mark.parametrize("wrong", [True, False])
+def test_a_rule_checked_with_constants_keeps_its_derivatives_along_its_parameters(wrong):
+    """``x / c -> x * (1 / c)`` for a constant ``c`` is checked with its inputs as constants (the procedure reads
+    ``c.constant``), where the program has no derivative: a replacement whose derivative along ``x`` was 1% off
+    passed (the mutation audit). Each input the rule still fires with as a parameter is now differentiated."""
+    @procedural
+    def times_reciprocal(m):
+        c = m["c"].constant
+        if c is None or c == 0:
+            return None
+        return m.trace(lambda x: (_steep if wrong else (lambda v: v))(x * (np.float32(1) / c).astype(x.dtype)), m["x"])
+
+    at = (jax.ShapeDtypeStruct((3,), jnp.float32), jax.ShapeDtypeStruct((), jnp.float32))
+    ruleset = _one("div_const", lambda x, c: x / c, times_reciprocal, "fastmath", example_inputs=at)
+    if wrong:
+        with pytest.raises(AssertionError, match="rule 'div_const' .* does not hold: JAX's derivative changed"):
+            check_ruleset(ruleset, max_examples=10)
+        check_ruleset(ruleset, max_examples=10, derivatives=False)  # the values are kept
+    else:
+        assert all("as constants" in c for c in check_ruleset(ruleset, max_examples=10).rules["div_const"].cases)
+
+
 # ---------------------------------------------------------------- derivatives (issue 29)
 KINKED = [  # each keeps every value and changes JAX's derivative somewhere
     ("abs_neg", lambda x: jnp.abs(-x), lambda x: jnp.abs(x), "exact"),                       # at ±0: -1 vs +1

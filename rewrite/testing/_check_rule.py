@@ -541,6 +541,29 @@ def _check_derivatives(rule: Rule, owner: Ruleset, case: _Case, vals: Sequence[A
             raise _failure(rule, owner, case, vals, want_t, got_t, f"JAX's {kind} changed: {why}", **shown)
 
 
+def _derivatives_with_constants(rule: Rule, owner: Ruleset, case: _Case, vals: Sequence[Any], data: Any) -> None:
+    """For a rule checked with its inputs as constants, JAX's derivatives along each float input with which, a
+    parameter and the others constants, the rule still fires (``x / c`` for a constant ``c``, say): the program
+    with every input a constant has no derivative to compare, and a wrong one passed (the mutation audit)."""
+    for j, a in enumerate(case.avals):
+        if not _differentiable(a.dtype):
+            continue
+
+        def fn(x: Any, _j: int = j) -> Any:  # input j a parameter, the others the drawn constants
+            return case.fn(*[x if i == _j else jnp.asarray(v) for i, v in enumerate(vals)])
+        try:
+            before, after = _rewrite_case(rule, owner, fn, (a,))
+        except _NotExercised:
+            continue
+        part = _Case(fn, (a,), (f"{case.names[j]} (the others constants)",), ("any",), before, after,
+                     reference=_Reference(fn, (a,)))
+        reverse = part.own_backward
+        tangents = [] if reverse else [data.draw(arrays(a.shape, a.dtype, "fastmath"), label=f"tangent of {j}")]
+        cotangents = [data.draw(arrays(o.shape, o.dtype, "fastmath"), label=f"cotangent of output {i}")
+                      if _differentiable(o.dtype) else None for i, o in enumerate(before.out_avals)] if reverse else []
+        _check_derivatives(rule, owner, part, [vals[j]], tangents, cotangents, _evaluate(before, [vals[j]]))
+
+
 def _check_rule(rule: Rule, owner: Ruleset, max_examples: int | None, derivatives: bool = True) -> RuleCheck:
     report = RuleCheck(rule.name, owner.name, owner.soundness)
     cases, skipped, wants_nodes = _cases(rule, owner)
@@ -586,6 +609,8 @@ def _check_rule(rule: Rule, owner: Ruleset, max_examples: int | None, derivative
             except _NotExercised:
                 return
             shown, args = dataclasses.replace(case, before=before, after=after), []
+            if derivatives:
+                _derivatives_with_constants(rule, owner, case, vals, data)
         else:
             shown, before, after, args = case, case.before, case.after, vals
         fired[0] += 1
