@@ -289,10 +289,10 @@ def _negations_between_reshapes(closed) -> int:
 
 
 def test_a_gradients_joints_stop_before_an_iteration_that_buys_only_reshapes(monkeypatch):
-    """``VJPS_ITERATIONS`` (4): flax_seq2seq_grad's joints' fifth iteration (1,181 of 16,912 rows, about a tenth of
-    their saturation's CPU s) bought only a negation put between two reshapes in the VJP's backward, six reshapes
-    that XLA removes (the compiled gradient's instructions and temp memory the same, its run time 1.004x against an
-    A/A of 1.0125x); bounded at 4 the backward negates without them."""
+    """``VJPS_ITERATIONS`` (3; 4 before): flax_seq2seq_grad's joints' fifth iteration (1,181 of 16,912 rows, about a
+    tenth of their saturation's CPU s) bought only a negation put between two reshapes in the VJP's backward, six
+    reshapes that XLA removes (the compiled gradient's instructions and temp memory the same, its run time 1.004x
+    against an A/A of 1.0125x); bounded at 3 or 4 the backward negates without them."""
     ran = _count_joints(monkeypatch)
     fn, args = eco.PROGRAMS["flax_seq2seq_grad"].build()
     flat, leaves = eco._flat(fn, args)
