@@ -33,7 +33,7 @@ from .cost.measure import resolve
 from .errors import RewriteLimitWarning, RewriteWarning, _strict
 from .extract.lean import closed_keep_leaner
 from .grad.primitive import Signature, bind_if_differentiated, differentiating, vjp_asked
-from .grad.pinned import PIN_FROM, join_pinned, split_pinned, wholly_pinned
+from .grad.pinned import PIN_FROM, fused_only, join_pinned, split_pinned, wholly_pinned
 from .grad.step import AsWritten, find_losses, proof_graph, searches_steps
 from .grad.together import rewrite_joints
 from .grad.uses import as_run
@@ -335,12 +335,14 @@ class Rewritten:
             alt = None
             if changed is not None:
                 t = time.perf_counter()
-                with stage("the step's rest"):
-                    alt = self._rewrite_rest(changed, pinned)
-                t = lap(spent, "step rest", t)
                 before = result.cost_before if result is not None else finding.price  # off the proofs' load
                 before = program_cost(traced.closed, self.cost_model) if before is None else before
-                lap(spent, "step price", t)
+                t = lap(spent, "step price", t)
+                with stage("the step's rest"):  # a remainder left as XLA fuses it is saturated where that loses
+                    alt = self._rewrite_rest(changed, pinned)
+                    if alt.stopped == "fused" and not alt.cost_after < before:
+                        alt = self._rewrite_rest(changed, pinned, fused=False)
+                lap(spent, "step rest", t)
         except Exception as e:  # the step as written, rewritten, still runs
             self._fall_back(e, f"the whole-step search of {getattr(self.fn, '__name__', 'function')!r}",
                             "running the step rewritten as written")
@@ -367,7 +369,7 @@ class Rewritten:
                                 f"as written {written.cost_after:.4g}: kept the latter")
         return timed(written)
 
-    def _rewrite_rest(self, changed: core.ClosedJaxpr, pinned: set) -> Result:
+    def _rewrite_rest(self, changed: core.ClosedJaxpr, pinned: set, fused: bool = True) -> Result:
         """The step with its losses replaced, rewritten: the loss-first programs in it are already rewritten
         (each jointly with its forward, ``_loss_first``), so only the remainder (the optimizer's update, what
         computes the losses' inputs) is saturated, and the step so joined is priced as it is (loaded, with no rule:
@@ -375,13 +377,14 @@ class Rewritten:
         so, all of it is rewritten. What its rules buy on the ecosystem's steps is ``mul_one``'s and ``pow_one``'s
         (0.015-3.69% of the remainder's price), which XLA makes itself; leaving out the rules whose primitives it
         lacks cannot pay (egglog's queries of every rule are 2-3 ms of its 0.02-0.09 s saturation; log.md, h-rest)."""
-        if wholly_pinned(changed, pinned):  # its loss-first programs only, each rewritten jointly: priced as is
+        whole = wholly_pinned(changed, pinned)  # its loss-first programs only, each rewritten jointly
+        cut = None if whole else split_pinned(changed, pinned)
+        if whole or (fused and cut is not None and fused_only(cut.rest)):  # (grad.pinned.fused_only): priced as is
             t = time.perf_counter()
             cost = program_cost(changed, self.cost_model)
-            return Result(before=changed, after=changed, cost_before=float("nan"), cost_after=cost, stopped="pinned",
-                          iterations=0, rows=0, times={"price": time.perf_counter() - t}, stats={}, rewritten=True,
-                          warnings=[])
-        cut = split_pinned(changed, pinned)
+            return Result(before=changed, after=changed, cost_before=float("nan"), cost_after=cost, stopped="pinned"
+                          if whole else "fused", iterations=0, rows=0, times={"price": time.perf_counter() - t},
+                          stats={}, rewritten=True, warnings=[])
         if cut is None:
             return run_pipeline(changed, self.entries, self.cost_model, self.limits)
         rest = run_pipeline(cut.rest, self.entries, self.cost_model, self.limits, price_input=False)

@@ -182,6 +182,47 @@ def test_a_replaced_step_saturates_only_its_remainder(monkeypatch):
         assert p.shape == q.shape and float(jnp.max(jnp.abs(p - q))) <= 1e-4 * max(moved, float(jnp.max(jnp.abs(p))))
 
 
+def test_a_replaced_step_s_remainder_that_xla_fuses_as_it_is_is_priced_not_saturated(monkeypatch):
+    """A step's remainder (its loss-first program pinned) that holds only pointwise, layout and reduction operations
+    (an optimizer's update: here SGD's ``w - 0.1 * g``) is not saturated: the step so changed is priced as it is
+    (``grad.pinned.fused_only``), as a step that is its loss-first program alone is. Its values are the step's."""
+    import rewrite.api as api
+    from rewrite.pipeline import program_cost
+
+    rests: list = []  # the remainder split_pinned cut, and each program the step search saturated
+    split = api.split_pinned
+    monkeypatch.setattr(api, "split_pinned", lambda *a: rests.append(split(*a)) or rests[-1])
+    saturated: list = []
+    run = api.run_pipeline
+    monkeypatch.setattr(api, "run_pipeline", lambda program, *a, **k: saturated.append(program) or run(program, *a,
+                                                                                                        **k))
+    flat, leaves, r, res = _small_haiku_step_replaced()
+    assert len(rests) == 1 and rests[0] is not None, rests
+    assert api.fused_only(rests[0].rest), str(rests[0].rest)
+    assert all(p is not rests[0].rest for p in saturated), len(saturated)  # the remainder was never saturated
+    assert res.stopped == "fused" and res.rows == 0, (res.stopped, res.rows)
+    assert res.cost_after == program_cost(res.after, r.cost_model)
+    want, got = jax.jit(flat)(*leaves), jax.jit(r)(*leaves)
+    for p, q in zip(want, got):
+        assert p.shape == q.shape and float(jnp.max(jnp.abs(p - q))) <= 1e-4 * max(1.0, float(jnp.max(jnp.abs(p))))
+
+
+def test_only_a_remainder_of_pointwise_layout_and_reduction_operations_counts_as_fused():
+    """``fused_only``: an update's operations, inside a ``jit`` call too, and not a product, a loop or an index."""
+    from rewrite.grad.pinned import fused_only
+
+    def update(w, g, m):
+        m = 0.9 * m + jnp.square(g)
+        return w - 0.1 * g / jnp.sqrt(jnp.sum(m) + 1e-8), m
+
+    x = jnp.ones((4, 4))
+    assert fused_only(jax.make_jaxpr(update)(x, x, x))
+    assert fused_only(jax.make_jaxpr(jax.jit(update))(x, x, x))
+    assert not fused_only(jax.make_jaxpr(lambda w, g, m: (update(w, g, m)[0] @ w, m))(x, x, x))
+    assert not fused_only(jax.make_jaxpr(jax.jit(lambda w, g, m: (update(w, g, m)[0] @ w, m)))(x, x, x))
+    assert not fused_only(jax.make_jaxpr(lambda w, g, m: (w[1:], jax.lax.cumsum(g), m))(x, x, x))
+
+
 def test_match_function_prefers_a_pass_over_the_slice_s_classes_only(monkeypatch):
     """``Match.function`` (``rulesets.scan``'s ``sink_inputs`` reads a loop's body back with it) prefers the
     bottom-up pass's choice in each class. That pass is made over the classes below the slice's outputs (below
