@@ -33,7 +33,7 @@ from .cost.measure import resolve
 from .errors import RewriteLimitWarning, RewriteWarning, _strict
 from .extract.lean import closed_keep_leaner
 from .grad.primitive import Signature, bind_if_differentiated, differentiating, vjp_asked
-from .grad.pinned import PIN_FROM, fused_only, join_pinned, split_pinned, wholly_pinned
+from .grad.pinned import PIN_FROM, as_is, fused_only, join_pinned, split_pinned, wholly_pinned
 from .grad.step import AsWritten, find_losses, proof_graph, searches_steps
 from .grad.together import rewrite_joints
 from .grad.uses import as_run
@@ -325,7 +325,9 @@ class Rewritten:
             pinned: set = set()
             # the proofs saturate with no rule: a step is loaded once for all of them (proof_graph)
             decided: list[str] = []
-            loss_first = functools.partial(self._loss_first, spent=spent, decided=decided, small=small, forwards={})
+            kept: list[bool] = []  # for each loss-first program, whether it is JAX's derivative as written
+            loss_first = functools.partial(self._loss_first, spent=spent, decided=decided, small=small, forwards={},
+                                           kept=kept)
             # a small step's loss whose forward comes out as written is left so before its proof (grad.step._attempt)
             changed, finding = find_losses(traced.closed, self._proof, loss_first, pinned,
                                            functools.partial(proof_graph, model=self.cost_model), price=result is None,
@@ -338,8 +340,8 @@ class Rewritten:
                 before = result.cost_before if result is not None else finding.price  # off the proofs' load
                 before = program_cost(traced.closed, self.cost_model) if before is None else before
                 t = lap(spent, "step price", t)
-                with stage("the step's rest"):  # a remainder left as XLA fuses it is saturated where that loses
-                    alt = self._rewrite_rest(changed, pinned)
+                with stage("the step's rest"):  # a remainder XLA fuses, as it is, where that may come under before
+                    alt = self._rewrite_rest(changed, pinned, fused=not all(kept))
                     if alt.stopped == "fused" and not alt.cost_after < before:
                         alt = self._rewrite_rest(changed, pinned, fused=False)
                 lap(spent, "step rest", t)
@@ -370,21 +372,17 @@ class Rewritten:
         return timed(written)
 
     def _rewrite_rest(self, changed: core.ClosedJaxpr, pinned: set, fused: bool = True) -> Result:
-        """The step with its losses replaced, rewritten: the loss-first programs in it are already rewritten
-        (each jointly with its forward, ``_loss_first``), so only the remainder (the optimizer's update, what
-        computes the losses' inputs) is saturated, and the step so joined is priced as it is (loaded, with no rule:
-        what the two parts both compute is priced once, and XLA computes it once). Where the step cannot be cut
-        so, all of it is rewritten. What its rules buy on the ecosystem's steps is ``mul_one``'s and ``pow_one``'s
-        (0.015-3.69% of the remainder's price), which XLA makes itself; leaving out the rules whose primitives it
-        lacks cannot pay (egglog's queries of every rule are 2-3 ms of its 0.02-0.09 s saturation; log.md, h-rest)."""
+        """The step with its losses replaced, rewritten: its loss-first programs are rewritten already (each jointly
+        with its forward, ``_loss_first``), so only the remainder (the optimizer's update, what computes the losses'
+        inputs) is saturated, and the step so joined priced as it is (loaded with no rule: what both parts compute
+        is priced once, as XLA computes it once); where it cannot be cut so, all of it is rewritten. ``fused``: a
+        remainder XLA fuses as it is (``grad.pinned.fused_only``) is not saturated (the caller saturates it where
+        the step so priced is not under the step as written; not asked where every loss-first program is JAX's
+        derivative as written, ``_loss_first``'s ``kept``, where it never is: flax_transformer_step)."""
         whole = wholly_pinned(changed, pinned)  # its loss-first programs only, each rewritten jointly
         cut = None if whole else split_pinned(changed, pinned)
         if whole or (fused and cut is not None and fused_only(cut.rest)):  # (grad.pinned.fused_only): priced as is
-            t = time.perf_counter()
-            cost = program_cost(changed, self.cost_model)
-            return Result(before=changed, after=changed, cost_before=float("nan"), cost_after=cost, stopped="pinned"
-                          if whole else "fused", iterations=0, rows=0, times={"price": time.perf_counter() - t},
-                          stats={}, rewritten=True, warnings=[])
+            return as_is(changed, self.cost_model, "pinned" if whole else "fused")
         if cut is None:
             return run_pipeline(changed, self.entries, self.cost_model, self.limits)
         rest = run_pipeline(cut.rest, self.entries, self.cost_model, self.limits, price_input=False)
@@ -416,7 +414,7 @@ class Rewritten:
         return closed_keep_leaner(self.cost_model, alt.cost_after, alt.after, result.cost_after, result.after)
 
     def _loss_first(self, cone: core.ClosedJaxpr, spent: dict[str, float] | None = None,
-                    decided: list[str] | None = None, wrt: Sequence[int] | None = None,
+                    decided: list[str] | None = None, wrt: Sequence[int] | None = None, kept: list | None = None,
                     value: bool | None = None, written: core.ClosedJaxpr | None = None, small: bool = False,
                     forwards: dict | None = None, written_only: bool = False) -> core.ClosedJaxpr | None:
         """A loss's VJP as ``jax.value_and_grad(rewrite(loss))`` runs it, with these rules, as one program
@@ -459,6 +457,8 @@ class Rewritten:
                     (forward.cost_after, forward.plain_cost) if p is forward.plain else None))
         if why and decided is not None:
             decided.append(why)
+        if kept is not None:  # (Rewritten._rewrite_rest's ``fused``)
+            kept.append(written is not None and program is written)
         return program
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

@@ -9,12 +9,15 @@ puts the rewritten remainder back.
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any
 
 from ..ir.jaxapi import BUILT_DEBUG, core
 from ..ir.primitives import ELEMENTWISE, LAYOUT, REDUCE, TRANSCENDENTAL, family_of
 from ..jaxpr.edit import in_order, read, substitute
 from ..jaxpr.emit import dce
+from ..pipeline import program_cost
+from ..records import Result
 
 #: From how many top-level equations a step with its losses replaced has only its remainder saturated, its
 #: loss-first programs (each already rewritten jointly with its forward) pinned (:func:`split_pinned`). A smaller
@@ -109,6 +112,15 @@ def fused_only(rest: core.ClosedJaxpr) -> bool:
     return only(rest.jaxpr)
 
 
+def as_is(step: core.ClosedJaxpr, model: Any, stopped: str) -> Result:
+    """``Rewritten._rewrite_rest``'s result for ``step`` not saturated (:func:`wholly_pinned`, ``stopped="pinned"``;
+    its remainder :func:`fused_only`, ``"fused"``): the step itself, priced as it is."""
+    t = time.perf_counter()
+    cost = program_cost(step, model)
+    return Result(before=step, after=step, cost_before=float("nan"), cost_after=cost, stopped=stopped, iterations=0,
+                  rows=0, times={"price": time.perf_counter() - t}, stats={}, rewritten=True, warnings=[])
+
+
 def join_pinned(cut: Pinned, rest: core.ClosedJaxpr) -> core.ClosedJaxpr | None:
     """The step again, its remainder now ``rest`` (``cut.rest`` rewritten), or ``None`` where ``rest`` computes
     what the loss-first programs read from what they compute (it cannot run before them)."""
@@ -135,4 +147,4 @@ def join_pinned(cut: Pinned, rest: core.ClosedJaxpr) -> core.ClosedJaxpr | None:
     return dce(core.ClosedJaxpr(new, consts))
 
 
-__all__ = ["FUSED", "PIN_FROM", "Pinned", "fused_only", "join_pinned", "split_pinned", "wholly_pinned"]
+__all__ = ["FUSED", "PIN_FROM", "Pinned", "as_is", "fused_only", "join_pinned", "split_pinned", "wholly_pinned"]
