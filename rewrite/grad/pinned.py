@@ -95,11 +95,13 @@ def fused_only(rest: core.ClosedJaxpr) -> bool:
     """Whether ``rest`` (a step's remainder, :func:`split_pinned`'s) holds only pointwise, layout and reduction
     operations (:data:`FUSED`, inside ``jit`` calls too): an optimizer's update, which XLA computes in loop and
     reduction fusions whatever its form. ``Rewritten._rewrite_rest`` then prices the step as it is, without
-    saturating the remainder. A measured decision (2026-12-04, the six whole steps of 400 equations and more): what
-    the rules did there is ``pow_one``'s and ``pow_two``'s ``x ** 1`` and ``x ** 2`` (wholestep_linen_gpt,
-    wholestep_equinox_gpt, flax_transformer_step; 0.015-0.07% of the remainder's price), which XLA makes itself,
-    and nothing on flax_long_context_step and flax_lm_step (their remainders extracted as loaded); their compiled
-    steps' temp memory and flops are the same either way, for 0.1-0.2 s of each first call."""
+    saturating the remainder, where that can win (see there). A measured decision (2026-12-04): on the four whole
+    steps where it is taken, what the rules did to the remainder was ``pow_one``'s and ``pow_two``'s ``x ** 1`` and
+    ``x ** 2`` (wholestep_linen_gpt, wholestep_equinox_gpt; 0.015-0.018% of its price), which XLA makes itself, and
+    nothing on flax_long_context_step and flax_lm_step (extracted as loaded); the compiled steps' temp bytes, flops
+    and bytes accessed are the same either way, for 0.10-0.23 s of each first call. flax_transformer_step and
+    flax_bf16_step, whose loss-first programs are JAX's as written, still have theirs saturated: only that brings
+    them under the step as written."""
     def only(jaxpr: core.Jaxpr) -> bool:
         for e in jaxpr.eqns:
             if e.primitive.name in ("jit", "pjit"):
