@@ -33,7 +33,7 @@ from .cost.measure import resolve
 from .errors import RewriteLimitWarning, RewriteWarning, _strict
 from .extract.lean import closed_keep_leaner
 from .grad.primitive import Signature, bind_if_differentiated, differentiating, vjp_asked
-from .grad.pinned import PIN_FROM, as_is, fused_only, join_pinned, split_pinned, wholly_pinned
+from .grad.pinned import PIN_FROM, as_is, fused_only, join_pinned, packs_only, split_pinned, wholly_pinned
 from .grad.step import AsWritten, find_losses, proof_graph, searches_steps
 from .grad.together import rewrite_joints
 from .grad.uses import as_run
@@ -376,12 +376,12 @@ class Rewritten:
         with its forward, ``_loss_first``), so only the remainder (the optimizer's update, what computes the losses'
         inputs) is saturated, and the step so joined priced as it is (loaded with no rule: what both parts compute
         is priced once, as XLA computes it once); where it cannot be cut so, all of it is rewritten. ``fused``: a
-        remainder XLA fuses as it is (``grad.pinned.fused_only``) is not saturated (the caller saturates it where
-        the step so priced is not under the step as written; not asked where every loss-first program is JAX's
-        derivative as written, ``_loss_first``'s ``kept``, where it never is: flax_transformer_step)."""
+        remainder XLA fuses as it is (``grad.pinned.fused_only``) is not saturated where the rules are the packs'
+        (``packs_only``) and the step so priced comes under the step as written (the caller's test, and ``kept``)."""
         whole = wholly_pinned(changed, pinned)  # its loss-first programs only, each rewritten jointly
         cut = None if whole else split_pinned(changed, pinned)
-        if whole or (fused and cut is not None and fused_only(cut.rest)):  # (grad.pinned.fused_only): priced as is
+        fused = fused and cut is not None and fused_only(cut.rest) and packs_only(self.entries, builtin_packs())
+        if whole or fused:  # priced as is
             return as_is(changed, self.cost_model, "pinned" if whole else "fused")
         if cut is None:
             return run_pipeline(changed, self.entries, self.cost_model, self.limits)

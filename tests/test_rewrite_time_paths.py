@@ -10,11 +10,13 @@ import collections
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
+from jax import lax
 from jax.extend.core import Primitive
 
 import rulesets
-from rewrite import explain, pipeline, rewrite
+from rewrite import Ruleset, explain, pipeline, rewrite, rule
 from rewrite.cache import serialise
 from rewrite.cache.store import DiskCache
 from rewrite.cost.model import default_model
@@ -207,6 +209,53 @@ def test_a_replaced_step_s_remainder_that_xla_fuses_as_it_is_is_priced_not_satur
         assert p.shape == q.shape and float(jnp.max(jnp.abs(p - q))) <= 1e-4 * max(1.0, float(jnp.max(jnp.abs(p))))
 
 
+def test_a_replaced_step_s_remainder_holding_what_a_pack_makes_stable_is_still_saturated():
+    """A step's remainder that computes ``-log(sigmoid(z))`` outside the loss (a metric) is saturated, so the nn
+    pack's stable form still fires there: left as it is, it is infinite at ``z = -200``, whose value is 200."""
+    from benchmarks import wholestep as ws
+
+    tiny = ws.Size(batch=2, length=16, width=16, heads=2, vocab=64)
+    step, args = ws.CASES["haiku_gpt"](tiny, ws.plain, opt=optax.sgd(0.1))
+    flat, leaves = ws._flat(step, args)
+
+    def with_metric(*xs):
+        return (*flat(*xs[:-1]), -jnp.log(jax.nn.sigmoid(xs[-1])))
+
+    z = jnp.asarray([-200.0, -30.0, 0.0, 3.0])
+    r = rewrite(with_metric, rulesets=[rulesets.nn, rulesets.attention], cache=False)
+    res = r.result(*leaves, z)
+    assert res.step is not None and res.step.replaced, str(res.step)
+    assert not np.isfinite(jax.jit(with_metric)(*leaves, z)[-1][0])  # as written
+    np.testing.assert_allclose(jax.jit(r)(*leaves, z)[-1], np.logaddexp(0.0, -np.asarray(z)), rtol=1e-6)
+
+
+def test_a_replaced_step_s_remainder_is_saturated_where_a_users_rules_may_be_written_for_it(monkeypatch):
+    """``fused_only`` was measured on the built-in packs' rules: a user's own rules (written for an optimizer's
+    update, say) and a fastmath pack the user named still see the remainder."""
+    import rewrite.api as api
+
+    saturated: list = []
+    run = api.run_pipeline
+    monkeypatch.setattr(api, "run_pipeline", lambda program, *a, **k: saturated.append(program) or run(program, *a,
+                                                                                                        **k))
+    rests: list = []
+    split = api.split_pinned
+    monkeypatch.setattr(api, "split_pinned", lambda *a: rests.append(split(*a)) or rests[-1])
+    from benchmarks import wholestep as ws
+
+    tiny = ws.Size(batch=2, length=16, width=16, heads=2, vocab=64)
+    step, args = ws.CASES["haiku_gpt"](tiny, ws.plain, opt=optax.sgd(0.1))
+    flat, leaves = ws._flat(step, args)
+    own = Ruleset("own_update", [rule(lambda g: g * 0.1, lambda g: g / 10.0, name="own_scale")])
+    for extra in (own, rulesets.fastmath):
+        rests.clear()
+        saturated.clear()
+        res = rewrite(flat, rulesets=[rulesets.nn, rulesets.attention, extra], cache=False).result(*leaves)
+        assert res.step is not None and res.step.replaced, str(res.step)
+        assert len(rests) == 1 and rests[0] is not None and api.fused_only(rests[0].rest)
+        assert any(p is rests[0].rest for p in saturated), extra.name  # the remainder was saturated
+
+
 def test_only_a_remainder_of_pointwise_layout_and_reduction_operations_counts_as_fused():
     """``fused_only``: an update's operations, inside a ``jit`` call too, and not a product, a loop or an index."""
     from rewrite.grad.pinned import fused_only
@@ -218,6 +267,10 @@ def test_only_a_remainder_of_pointwise_layout_and_reduction_operations_counts_as
     x = jnp.ones((4, 4))
     assert fused_only(jax.make_jaxpr(update)(x, x, x))
     assert fused_only(jax.make_jaxpr(jax.jit(update))(x, x, x))
+    assert fused_only(jax.make_jaxpr(lambda w, g, m: update(w ** 0.5, lax.rsqrt(g), m))(x, x, x))
+    # what the packs' stable forms match (nn_log_sigmoid, nn_softplus, nn_log1p ...) is not left as it is
+    assert not fused_only(jax.make_jaxpr(lambda w, g, m: (update(w, g, m)[0] - jnp.log(jax.nn.sigmoid(g)), m))(x, x, x))
+    assert not fused_only(jax.make_jaxpr(lambda w, g, m: (update(w, jnp.exp(g), m)[0], m))(x, x, x))
     assert not fused_only(jax.make_jaxpr(lambda w, g, m: (update(w, g, m)[0] @ w, m))(x, x, x))
     assert not fused_only(jax.make_jaxpr(jax.jit(lambda w, g, m: (update(w, g, m)[0] @ w, m)))(x, x, x))
     assert not fused_only(jax.make_jaxpr(lambda w, g, m: (w[1:], jax.lax.cumsum(g), m))(x, x, x))

@@ -13,7 +13,7 @@ import time
 from typing import Any
 
 from ..ir.jaxapi import BUILT_DEBUG, core
-from ..ir.primitives import ELEMENTWISE, LAYOUT, REDUCE, TRANSCENDENTAL, family_of
+from ..ir.primitives import ELEMENTWISE, LAYOUT, REDUCE, family_of
 from ..jaxpr.edit import in_order, read, substitute
 from ..jaxpr.emit import dce
 from ..pipeline import program_cost
@@ -88,18 +88,31 @@ def wholly_pinned(step: core.ClosedJaxpr, pinned: set) -> bool:
 
 
 #: The families of the operations a step's remainder may hold and still be left as it is (:func:`fused_only`).
-FUSED = frozenset({ELEMENTWISE, TRANSCENDENTAL, LAYOUT, REDUCE})
+FUSED = frozenset({ELEMENTWISE, LAYOUT, REDUCE})
+#: The transcendental operations it may hold besides: an optimizer's roots and powers. The others (``exp``,
+#: ``log``, ``logistic``, ``tanh`` ...) are what the packs' stable forms are made of (``nn_log_sigmoid``,
+#: ``nn_softplus``, ``nn_log1p``), which must fire in a remainder as anywhere (a metric's ``-log(sigmoid(z))``).
+FUSED_TRANSCENDENTAL = frozenset({"sqrt", "rsqrt", "pow"})
+
+
+def packs_only(entries: Any, packs: Any) -> bool:
+    """Whether every rule of ``entries`` (``(rule, owner)`` pairs) is one of the built-in ``packs``' (a mapping of
+    name to ruleset) that are not fastmath: what :func:`fused_only`'s decision was measured on. A user's own rules
+    may be written for the update itself, and a fastmath pack a user named buys what XLA does not make."""
+    ours = {id(r) for p in packs.values() if p.soundness != "fastmath" for r in p}
+    return all(id(r) in ours for r, _ in entries)
 
 
 def fused_only(rest: core.ClosedJaxpr) -> bool:
     """Whether ``rest`` (a step's remainder, :func:`split_pinned`'s) holds only pointwise, layout and reduction
-    operations (:data:`FUSED`, inside ``jit`` calls too): an optimizer's update, which XLA computes in loop and
-    reduction fusions whatever its form. ``Rewritten._rewrite_rest`` then prices the step as it is, without
-    saturating the remainder, where that can win (see there). A measured decision (2026-12-04): on the four whole
-    steps where it is taken, what the rules did to the remainder was ``pow_one``'s and ``pow_two``'s ``x ** 1`` and
-    ``x ** 2`` (wholestep_linen_gpt, wholestep_equinox_gpt; 0.015-0.018% of its price), which XLA makes itself, and
-    nothing on flax_long_context_step and flax_lm_step (extracted as loaded); the compiled steps' temp bytes, flops
-    and bytes accessed are the same either way, for 0.10-0.23 s of each first call. flax_transformer_step and
+    operations (:data:`FUSED`, :data:`FUSED_TRANSCENDENTAL`, inside ``jit`` calls too): an optimizer's update, which
+    XLA computes in loop and reduction fusions whatever its form. ``Rewritten._rewrite_rest`` then prices the step
+    as it is, without saturating the remainder, where that can win (see there) and the rules are the built-in
+    packs' (:func:`packs_only`). A measured decision (2026-12-04): on the four whole steps where it is taken, what
+    the rules did to the remainder was ``pow_one``'s and ``pow_two``'s ``x ** 1`` and ``x ** 2``
+    (wholestep_linen_gpt, wholestep_equinox_gpt; 0.015-0.018% of its price), which XLA makes itself, and nothing
+    on flax_long_context_step and flax_lm_step (extracted as loaded); the compiled steps' temp bytes, flops and
+    bytes accessed are the same either way, for 0.10-0.23 s of each first call. flax_transformer_step and
     flax_bf16_step, whose loss-first programs are JAX's as written, still have theirs saturated: only that brings
     them under the step as written."""
     def only(jaxpr: core.Jaxpr) -> bool:
@@ -107,7 +120,7 @@ def fused_only(rest: core.ClosedJaxpr) -> bool:
             if e.primitive.name in ("jit", "pjit"):
                 if not only(e.params["jaxpr"].jaxpr):
                     return False
-            elif family_of(e.primitive.name) not in FUSED:
+            elif family_of(e.primitive.name) not in FUSED and e.primitive.name not in FUSED_TRANSCENDENTAL:
                 return False
         return True
 
@@ -149,4 +162,5 @@ def join_pinned(cut: Pinned, rest: core.ClosedJaxpr) -> core.ClosedJaxpr | None:
     return dce(core.ClosedJaxpr(new, consts))
 
 
-__all__ = ["FUSED", "PIN_FROM", "Pinned", "as_is", "fused_only", "join_pinned", "split_pinned", "wholly_pinned"]
+__all__ = ["FUSED", "FUSED_TRANSCENDENTAL", "PIN_FROM", "Pinned", "as_is", "fused_only", "join_pinned", "packs_only",
+           "split_pinned", "wholly_pinned"]
