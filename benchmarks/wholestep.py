@@ -450,13 +450,17 @@ def _flat(step: Callable, args: tuple) -> tuple[Callable, list]:
 
 def values_error(a: Callable, b: Callable, args: list) -> tuple[float, float]:
     """(loss difference, largest parameter difference) of ``b`` against ``a``, each relative."""
-    outs_a, outs_b = jax.jit(a)(*args), jax.jit(b)(*args)
+    import numpy as np  # (the module deletes its own ``np`` at its end)
+
+    # compared in numpy, in each array's dtype as XLA would (an eager jnp operation compiles at each new shape)
+    outs_a, outs_b = ([np.asarray(o) for o in jax.jit(f)(*args)] for f in (a, b))
+    args = [np.asarray(x) for x in args]
     worst = 0.0
-    moved = max(float(jnp.max(jnp.abs(o - x))) for o, x in zip(outs_a, args)
+    moved = max(float(np.max(np.abs(o - x))) for o, x in zip(outs_a, args)
                 if o.shape == x.shape and o.dtype == x.dtype and jnp.issubdtype(o.dtype, jnp.floating)) or 1.0
     for x, y in zip(outs_a, outs_b):
         if jnp.issubdtype(x.dtype, jnp.floating) and x.size > 1:
-            worst = max(worst, float(jnp.max(jnp.abs(x.astype(jnp.float32) - y.astype(jnp.float32)))) / moved)
+            worst = max(worst, float(np.max(np.abs(x.astype(np.float32) - y.astype(np.float32)))) / moved)
     losses = [(x, y) for x, y in zip(outs_a, outs_b) if x.shape == () and jnp.issubdtype(x.dtype, jnp.floating)]
     loss_err = max((abs(float(x) - float(y)) / max(abs(float(x)), 1e-9) for x, y in losses), default=0.0)
     return loss_err, worst
