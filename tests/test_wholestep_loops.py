@@ -9,6 +9,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -16,7 +17,8 @@ from hypothesis import given, settings, strategies as st
 import rulesets
 from benchmarks import wholestep as ws
 from rewrite.ir.jaxapi import core, scan_counts
-from tests.test_wholestep import PACKS, _close, _moved, _replaced, _replaced_program, _tiny_flat, _tiny_replaced
+from tests.test_wholestep import (PACKS, _close, _labels, _moved, _normal, _replaced, _replaced_program, _tiny_flat,
+                                  _tiny_replaced)
 
 
 def _dots_in_loops(jaxpr: core.Jaxpr, inside: bool = False) -> list[tuple]:
@@ -94,10 +96,9 @@ def _scan_step(remat: bool, dtype: str = "float32"):
 
 
 def _scan_args(dtype: str, scale: float, seed: int) -> list:
-    dt = jnp.dtype(dtype)
-    k = jax.random.split(jax.random.PRNGKey(seed), 4)
-    return [(jax.random.normal(k[0], (3, 2, 8, 8)) * scale).astype(dt), jax.random.normal(k[1], (8, 4)).astype(dt),
-            jax.random.normal(k[2], (16, 8)).astype(dt), jnp.arange(16) % 4]
+    rng = np.random.default_rng(seed)  # numpy's: jax.random compiles its generator for each shape it draws
+    w, v, x = (rng.standard_normal(s).astype(np.float32) for s in ((3, 2, 8, 8), (8, 4), (16, 8)))
+    return [jnp.asarray(a.astype(jnp.dtype(dtype))) for a in (w * np.float32(scale), v, x)] + [_labels(16, 4)]
 
 
 @functools.lru_cache(maxsize=None)
@@ -108,13 +109,16 @@ def _scan_step_replaced(remat: bool, dtype: str) -> tuple:
     step = _scan_step(remat)
     changed, finding = _replaced(step, _scan_args(dtype, 1.0, 0), packs=[rulesets.algebra])
     assert changed is not None and any("backward layer loop" in r for r in finding.replaced), str(finding)
-    return step, changed, finding, jax.jit(core.jaxpr_as_fun(changed))
+    run = core.jaxpr_as_fun(changed)
+    return step, changed, finding, jax.jit(lambda *a: (step(*a), run(*a)))
 
 
 def _small_scan_step_replaced(remat: bool, dtype: str, scale: float, seed: int) -> tuple:
     """``_scan_step(remat)`` at ``dtype`` with its layers' weights scaled by ``scale``: its backward layer loop
-    is replaced (``rulesets.algebra``). Also returns the changed program under ``jax.jit``, one function per
-    ``remat`` and dtype, so that the examples compile it once (a new ``jaxpr_as_fun`` is traced and compiled anew)."""
+    is replaced (``rulesets.algebra``). Also returns the step and the changed program under one ``jax.jit``
+    (arguments -> (the step's outputs, the changed program's)), one function per ``remat`` and dtype, so that the
+    examples compile it once (a new ``jaxpr_as_fun`` is traced and compiled anew), the two together (compiled
+    together they cost less than apart)."""
     step, changed, finding, jitted = _scan_step_replaced(remat, dtype)
     return step, _scan_args(dtype, scale, seed), changed, finding, jitted
 
@@ -138,8 +142,8 @@ def test_scan_checkpoint_backward_loop_values(dtype, scale, seed):
     -2: the backward loop is replaced and the new parameters and loss are the original's."""
     if dtype == "float64" and not jax.config.jax_enable_x64:
         dtype = "float32"
-    step, args, changed, finding, jitted = _small_scan_step_replaced(True, dtype, scale, seed)
-    want, got = jax.jit(step)(*args), jitted(*args)
+    step, args, changed, finding, both = _small_scan_step_replaced(True, dtype, scale, seed)
+    want, got = both(*args)
     tol = {"float32": 1e-5, "float64": 1e-12}.get(dtype, 2e-2)
     _close(want, got, tol)
 
@@ -187,11 +191,11 @@ def test_plain_scan_backward_loop_values(dtype, scale, seed):
     """``lax.scan`` over a residual layer, no ``remat``, any of three float dtypes, weights scaled by 0, a half or
     -2: the backward loop is replaced by the layer's split (a loop reading the residuals its forward loop
     stacked), and the new parameters and loss are the original's, under jit and run eagerly."""
-    step, args, changed, finding, jitted = _small_scan_step_replaced(False, dtype, scale, seed)
+    step, args, changed, finding, both = _small_scan_step_replaced(False, dtype, scale, seed)
     assert not any("backward layer loop" in d for d in finding.declined), str(finding)
-    want = jax.jit(step)(*args)
+    want, got = both(*args)
     tol = 1e-5 if dtype == "float32" else 2e-2
-    _close(want, jitted(*args), tol)
+    _close(want, got, tol)
     _close(want, core.jaxpr_as_fun(changed)(*args), tol)
 
 
@@ -210,8 +214,7 @@ def test_scan_with_stacked_outputs_read_is_kept():
         value, (gw, gv) = jax.value_and_grad(loss, argnums=(0, 1))(ws_, v, x, y)
         return ws_ - 0.1 * gw, v - 0.1 * gv, value
 
-    args = [jax.random.normal(jax.random.PRNGKey(0), (3, 2, 8, 8)) * 0.5, jax.random.normal(jax.random.PRNGKey(1), (8, 4)),
-            jax.random.normal(jax.random.PRNGKey(2), (16, 8)), jnp.arange(16) % 4]
+    args = [_normal(0, (3, 2, 8, 8), scale=0.5), _normal(1, (8, 4)), _normal(2, (16, 8)), _labels(16, 4)]
     changed, finding = _replaced(step, args, packs=[rulesets.algebra])
     assert not any("backward layer loop" in r for r in finding.replaced), str(finding)
     assert any("stacked outputs are read by something other than its backward" in d for d in finding.declined), \
