@@ -50,11 +50,11 @@ from .rules.ruleset import Ruleset, entries_of
 log = logging.getLogger("rewrite")
 
 
-def builtin_packs() -> Mapping[str, Ruleset]:
-    """The built-in packs by name (``rulesets=["algebra", ...]``): the ``rulesets`` package, which is built on
-    this one, resolved here at the top so that nothing in the core imports it."""
+def builtin_packs(loaded: bool = False) -> Mapping[str, Ruleset]:
+    """The built-in packs by name (``rulesets=["algebra", ...]``; ``loaded``: only those loaded already): the
+    ``rulesets`` package, built on this one, resolved here at the top so that nothing in the core imports it."""
     import rulesets  # built on rewrite: imported when a name is first resolved, never at import time
-    return rulesets.BUILTIN
+    return {n: vars(rulesets)[n] for n in rulesets.PACKS if n in vars(rulesets)} if loaded else rulesets.BUILTIN
 
 
 def _outputs(traced: Traced, values: Sequence[Any], nodes: tuple) -> Any:
@@ -380,7 +380,7 @@ class Rewritten:
         (``packs_only``) and the step so priced comes under the step as written (the caller's test, and ``kept``)."""
         whole = wholly_pinned(changed, pinned)  # its loss-first programs only, each rewritten jointly
         cut = None if whole else split_pinned(changed, pinned)
-        fused = fused and cut is not None and fused_only(cut.rest) and packs_only(self.entries, builtin_packs())
+        fused = fused and cut is not None and fused_only(cut.rest) and packs_only(self.entries, builtin_packs(True))
         if whole or fused:  # priced as is
             return as_is(changed, self.cost_model, "pinned" if whole else "fused")
         if cut is None:

@@ -256,6 +256,21 @@ def test_a_replaced_step_s_remainder_is_saturated_where_a_users_rules_may_be_wri
         assert any(p is rests[0].rest for p in saturated), extra.name  # the remainder was saturated
 
 
+def test_which_rules_are_the_packs_is_told_without_loading_a_pack(monkeypatch):
+    """``packs_only`` reads the packs loaded already (``builtin_packs(True)``): a pack not loaded has no rule in a
+    rewrite, and loading one defines and checks its rules (the fastmath pack: five pipelines in a first call)."""
+    import rewrite.api as api
+    from rewrite.grad.pinned import packs_only
+
+    nn = rulesets.nn
+    monkeypatch.delitem(vars(rulesets), "fastmath", raising=False)
+    loaded = api.builtin_packs(True)
+    assert "fastmath" not in loaded and "fastmath" not in vars(rulesets) and loaded["nn"] is nn
+    assert packs_only([(r, nn) for r in nn], loaded)
+    own = rule(lambda g: g * 0.1, lambda g: g / 10.0, name="own_scale_2")
+    assert not packs_only([(r, nn) for r in nn] + [(own, Ruleset("own", [own]))], loaded)
+
+
 def test_only_a_remainder_of_pointwise_layout_and_reduction_operations_counts_as_fused():
     """``fused_only``: an update's operations, inside a ``jit`` call too, and not a product, a loop or an index."""
     from rewrite.grad.pinned import fused_only

@@ -97,8 +97,9 @@ FUSED_TRANSCENDENTAL = frozenset({"sqrt", "rsqrt", "pow"})
 
 def packs_only(entries: Any, packs: Any) -> bool:
     """Whether every rule of ``entries`` (``(rule, owner)`` pairs) is one of the built-in ``packs``' (a mapping of
-    name to ruleset) that are not fastmath: what :func:`fused_only`'s decision was measured on. A user's own rules
-    may be written for the update itself, and a fastmath pack a user named buys what XLA does not make."""
+    name to ruleset: those loaded, as a pack not loaded has no rule here) other than fastmath: what
+    :func:`fused_only`'s decision was measured on. A user's own rules may be written for the update itself, and a
+    fastmath pack a user named buys what XLA does not make."""
     ours = {id(r) for p in packs.values() if p.soundness != "fastmath" for r in p}
     return all(id(r) in ours for r, _ in entries)
 
