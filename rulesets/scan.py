@@ -584,9 +584,10 @@ def while_to_scan(m) -> Any:
 
 # ---------------------------------------------------------------------- the pack
 def _mse_of_loop(h0, xs, y):
-    """Where ``hoist_reductions`` applies: a mean squared error over a loop's stacked outputs."""
-    _, ys = lax.scan(lambda h, x: (jnp.tanh(h + x), h * x), h0, xs)
-    return jnp.mean((ys - y) ** 2)
+    """Where ``hoist_reductions`` applies: a mean squared error over a loop's stacked outputs, and the loop's final
+    carry, which the rewritten loop computes too (so that a wrong carry is compared)."""
+    h, ys = lax.scan(lambda h, x: (jnp.tanh(h + x), h * x), h0, xs)
+    return jnp.mean((ys - y) ** 2), h
 
 
 def _loop_into_loop(c0, xs, w):
