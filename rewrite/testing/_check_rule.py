@@ -268,12 +268,12 @@ def _as_indices(data: Any, name: str, case: "_Case", x: Any) -> Any:
     (NaN) or clamps, so a rule over gathers (the LM head's label logit) compared NaN with NaN and passed
     1% off. ``((x + k) mod 2k) - k`` with ``k`` the case's longest axis keeps ``0, 1, 2, 3, 7, -1`` as drawn.
     """
-    if not np.issubdtype(np.asarray(x).dtype, np.integer) or not data.draw(st.booleans(), label=f"{name} as indices"):
+    dtype = np.asarray(x).dtype
+    if not np.issubdtype(dtype, np.integer) or not data.draw(st.booleans(), label=f"{name} as indices"):
         return x
     k = max([int(d) for a in case.avals for d in a.shape] + [1])
-    wide = np.asarray(x).astype(np.int64)
-    low = -k if np.issubdtype(np.asarray(x).dtype, np.signedinteger) else 0
-    return ((wide - low) % (k - low) + low).astype(np.asarray(x).dtype)
+    low = -k if np.issubdtype(dtype, np.signedinteger) else 0
+    return ((np.asarray(x).astype(np.int64) - low) % (k - low) + low).astype(dtype)
 
 
 def _wrap(domain: str, x: Any) -> Any:
