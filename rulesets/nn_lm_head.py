@@ -33,8 +33,8 @@ from rewrite import Params, Pat, Ruleset, Tolerance, Value, procedural, rule
 from rewrite.cache.fingerprint import Memo
 from rewrite.rules.match import SHIFT_OPS
 from rulesets._examples import f32, i32
-from rulesets.nn_lm_head_kernels import COLUMNS, Layout, Reads, Stats, blocked_loss, known_shift_kind, label_logit, \
-    label_plus_terms, row_sums, shift_kind, smoothed_sum
+from rulesets.nn_lm_head_kernels import COLUMNS, WHOLE_BYTES, Layout, Reads, Stats, blocked_loss, known_shift_kind, \
+    label_logit, label_plus_terms, row_sums, shift_kind, smoothed_sum
 
 __all__ = ["nn_lm_head", "lm_head_rules", "BLOCKS", "offered"]
 
@@ -153,25 +153,25 @@ def _log_of(m: Any, total: Value) -> Value | None:
 
 
 class Site(NamedTuple):
-    """A normaliser ``sum(exp(d - shift))`` that a token loop computes: the logits, the shift's kind, the
-    program's ``max(d)``, its ``log`` of the sum (or ``None``), the sum, and the value the loop's second
-    result stands for (the log, else the sum)."""
+    """A normaliser ``sum(exp(d - shift))`` that a token loop computes: the logits, the shift's kind, the program's
+    ``max(d)``, its ``log`` of the sum (or ``None``), the sum, the value the loop's second result stands for (the log,
+    else the sum), and whether a backward as written reads the exponentials whole (``Match.read_whole``) of logits of
+    at most :data:`~rulesets.nn_lm_head_kernels.WHOLE_BYTES`: no loop is built there."""
     head: Head
     kind: str
     rmax: Value
     log: Value | None
     total: Value
     target: Value
+    whole: bool
 
 
 def _site(m: Any, d: Value, shift: Value, total: Value, axes: tuple, blocks: tuple, loop: bool | None) -> Site | None:
     if not offered(loop) or tuple(axes) != (d.ndim - 1,):
         return None
-    head = head_of(d)
-    r = None if head is None else head.layout.tokens
-    if r is None or not any(r % block == 0 and r // block >= 2 for block in blocks):
-        return None
-    if shift.shape != d.shape[:-1] + (1,) or shift.dtype != d.dtype:
+    r = None if (head := head_of(d)) is None else head.layout.tokens
+    if r is None or not any(r % block == 0 and r // block >= 2 for block in blocks) or \
+            shift.shape != d.shape[:-1] + (1,) or shift.dtype != d.dtype:
         return None
     rmax = shift.max_under(d, d.ndim - 1)
     shift_of = None if rmax is None else m.function([shift], [rmax])
@@ -179,7 +179,9 @@ def _site(m: Any, d: Value, shift: Value, total: Value, axes: tuple, blocks: tup
     if kind is None:
         return None
     log = _log_of(m, total)
-    return Site(head, kind, rmax, log, total, total if log is None else log)
+    whole = d.size * d.dtype.itemsize <= WHOLE_BYTES and any(
+        m.read_whole(n.operands[0]) for n in total.nodes if n.prim == "reduce_sum" and n.operands[0].node("exp"))
+    return Site(head, kind, rmax, log, total, total if log is None else log, whole)
 
 
 def _sites(m: Any, d: Value, blocks: tuple, loop: bool | None) -> Iterator[tuple[Value, Site]]:
@@ -293,9 +295,8 @@ def _lse(block: int, columns: int, loop: bool | None):
     """``sum(exp(h @ W - shift))``: the loop's maximum and normaliser."""
     @procedural
     def build(m: Any) -> Any:
-        r = m.params("r")
-        site = None if r.sharded else _site(m, m["d"], m["s"], m.root, r.axes, (block,), loop)
-        return None if site is None else _loop(m, site, block, Reads(log=site.log is not None), columns)[0]
+        site = None if (r := m.params("r")).sharded else _site(m, m["d"], m["s"], m.root, r.axes, (block,), loop)
+        return None if not site or site.whole else _loop(m, site, block, Reads(log=site.log is not None), columns)[0]
 
     return build
 
@@ -306,7 +307,7 @@ def _lse_label(block: int, columns: int, loop: bool | None):
     @procedural
     def build(m: Any) -> Any:
         gather = _label_gather(m)
-        found = None if gather is None else next(_sites(m, gather[0], (block,), loop), None)
+        found = next((f for f in _sites(m, gather[0], (block,), loop) if not f[1].whole), None) if gather else None
         if found is None:
             return None
         (d, idx, fills, fill), site = gather, found[1]
@@ -336,7 +337,7 @@ def _lse_target(block: int, columns: int, loop: bool | None):
                 continue
             # the loop computes (z - shift) - log(sum) as log_softmax does: the terms must be those two
             for shift, site in _sites(m, base, (block,), loop):
-                if terms[1][1].name == shift.name and _same_rows(terms[0][1], site.log):
+                if terms[1][1].name == shift.name and _same_rows(terms[0][1], site.log) and not site.whole:
                     reads = Reads(log=True, target=True)
                     pairs, outs = _loop(m, site, block, reads, columns, target=t, shapes={"target": m.root.shape})
                     return pairs + [(m.root, outs[2])]

@@ -30,9 +30,10 @@ from jax import lax
 
 from rewrite.loops import laid_out
 
-__all__ = ["Layout", "Reads", "Stats", "COLUMNS", "TILE", "ROWS_BYTES", "forward_rows", "blocked_forward",
-           "blocked_backward", "blocked_loss", "combine_tiles", "label_logit", "row_sums", "label_column", "row_shift",
-           "shift_kind", "known_shift_kind", "add_by_columns", "plus_terms", "label_plus_terms", "smoothed_sum"]
+__all__ = ["Layout", "Reads", "Stats", "COLUMNS", "TILE", "ROWS_BYTES", "WHOLE_BYTES", "forward_rows",
+           "blocked_forward", "blocked_backward", "blocked_loss", "combine_tiles", "label_logit", "row_sums",
+           "label_column", "row_shift", "shift_kind", "known_shift_kind", "add_by_columns", "plus_terms",
+           "label_plus_terms", "smoothed_sum"]
 
 #: The widest column block of ``dW`` that the backward adds in one product (:func:`add_by_columns`).
 COLUMNS = 2048
@@ -43,6 +44,16 @@ TILE = 512
 
 #: The bytes of ``h``'s rows, and of their logits' tile, that the forward computes at once (:func:`forward_rows`).
 ROWS_BYTES = 4 * 2 ** 20
+
+#: ``rulesets.nn_lm_head`` offers no loop where the program reads the exponentials ``exp(d - shift)`` whole besides
+#: their sum (a backward as written: ``jax.value_and_grad``'s ``softmax - one_hot``, for which the logits are computed
+#: whole, so the loop cannot hold less) and the logits take at most this many bytes. There the loops of the decision
+#: corpus were never chosen, and measured slower or within 10% (flax_classifier_onehot, 256 x 1,000 f32: 0.78x and
+#: 0.79x; nn_flax_mlp_step, 256 x 10: 1.06x and 1.10x); they were 465 of the classifier's 944 e-graph rows and a
+#: quarter of its first call. Larger logits keep the loop offered beside a backward as written: it measured even at
+#: flax_long_context_step's 2,048 x 512 (4 MiB, 0.99x-1.02x), and there its rows move the extraction of the step as
+#: written (``benchmarks/results/log.md``, the fifty-first session, h-gate).
+WHOLE_BYTES = 2 ** 20
 
 
 class Layout(NamedTuple):

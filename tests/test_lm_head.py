@@ -366,6 +366,27 @@ def test_small_vocabulary_is_kept():
     assert "custom_vjp_call" not in str(report.after)
 
 
+def test_a_program_holding_its_own_backward_of_small_logits_is_not_offered_the_loop():
+    """``jax.value_and_grad`` of the loss, as JAX writes it (benchmarks' flax_classifier_onehot): its backward reads
+    the exponentials ``exp(logits - shift)`` whole (``softmax - one_hot``), so the logits are computed whole for
+    it and a loop would only compute the product again (``Match.read_whole``): where the logits take at most
+    ``WHOLE_BYTES`` no ``nn_lm_head_lse_*`` rule builds one (flax_classifier_onehot's e-graph 944 -> 479 rows, its
+    program the same); the values are JAX's. The loss alone is still offered the loop, and so is the same program
+    over logits one column past that size (flax_long_context_step's as written keeps its loops' rows)."""
+    f = make("optax_one_hot", "mean", True, False, False)
+    args = inputs(np.random.default_rng(8), 256, 16, 40)
+    vg = jax.value_and_grad(f, argnums=(0, 1, 2))
+    report = explain(vg, *args, rulesets=[NN], whole_step=False)
+    assert not lse_fired(report), report.fired
+    assert not blocked(report)
+    got, want = jax.jit(rewrite(vg, rulesets=[NN]))(*args), jax.jit(vg)(*args)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        close(a, b, *TOLERANCE["float32"])
+    assert lse_fired(explain(f, *args, rulesets=[NN], whole_step=False))  # the forward alone: offered
+    vocab = kernels.WHOLE_BYTES // (256 * 4) + 1  # 256 x 1,025 f32: just over the bound, offered beside its backward
+    assert lse_fired(explain(vg, *inputs(np.random.default_rng(8), 256, 16, vocab), rulesets=[NN], whole_step=False))
+
+
 def test_under_vmap_and_jit():
     f = make("optax_int", "mean", True, False, False)
     rng = np.random.default_rng(5)

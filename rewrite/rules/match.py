@@ -677,3 +677,9 @@ class Match:
     def users(self, v: Value) -> list[tuple[Value, Node]]:
         """Every e-node that uses ``v`` directly, with the class it computes."""
         return self._engine.users(v)
+
+    def read_whole(self, v: Value, but: str = "reduce_sum") -> bool:
+        """Whether a node of ``v``'s shape reads ``v`` other than by ``but``: ``v`` is then computed whole for it,
+        whatever a rule builds in place of ``but`` (``rulesets.nn_lm_head`` offers no token loop where a backward
+        as written, ``softmax - one_hot``, reads the exponentials whole that the loop would sum by blocks)."""
+        return any(u.shape == v.shape and n.prim != but for u, n in self.users(v))
