@@ -1036,3 +1036,24 @@ def test_shift_kind_names_the_program_s_shift(dtype):
     for fn, want in [(lambda m: sg(m), "max"), (lambda m: sg(finite(m)), "finite"), (lambda m: m, None),
                      (lambda m: sg(2 * m), None), (lambda m: sg(m.reshape(3, 5)), None)]:
         assert kernels.shift_kind(lambda m: (fn(m),), (12, 1), dtype) == want
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_log_softmax_s_shift_is_read_without_a_compile(monkeypatch, dtype):
+    """``jax.nn.log_softmax``'s shift (optax's ``softmax_cross_entropy``, as flax_classifier_onehot holds it: the
+    rows' maximum guarded by ``max(-inf, .)``, under ``stop_gradient``) is known by its text
+    (``kernels._MAX_SHIFTS``): the rules read its kind without compiling the probe (46 ms of the classifier's first
+    call), and it is the probe's answer, ``"max"``, at each shape."""
+    from rewrite.cache.fingerprint import Memo
+    from rulesets import nn_lm_head as pack
+
+    from .test_time_limits import _compiles
+
+    for shape in [(12,), (3, 4), (256,)]:
+        assert kernels.shift_kind(lambda m: (kernels._MAX_SHIFTS[0](m),), shape, dtype) == "max"
+    monkeypatch.setattr(pack, "_KINDS", Memo("a fresh _KINDS"))
+    f = make("optax_one_hot", "mean", True, False, False)
+    args = [a.astype(dtype) if a.dtype == jnp.float32 else a for a in inputs(np.random.default_rng(9), 256, 16, 40)]
+    compiles, report = _compiles(lambda: explain(f, *args, rulesets=[NN], whole_step=False))
+    assert lse_fired(report) and list(pack._KINDS.values()) == ["max"], (report.fired, dict(pack._KINDS))
+    assert compiles == 0, compiles
