@@ -304,9 +304,11 @@ def test_a_gradients_joints_stop_before_an_iteration_that_buys_only_reshapes(mon
 def test_the_joints_run_without_the_rules_that_cannot_cheapen_them(monkeypatch):
     """``together.joint_rules``: the joints are saturated without ``hoist_reductions`` (which in a joint copies JAX's
     backward loops around the backward's sums: never extracted on the corpus, a third of the whole steps' joint
-    rows) and without the attention pack (a blocked form recomputes weights the forward holds). A small linen GPT's
-    step, whose joints the identity packs (both included) saturate: neither is among the rules its joints ran, and
-    the step's values are the step's as written."""
+    rows), without ``red_split`` (the backward's sums split one addition deeper a round: 9-17% of the whole steps'
+    joint rows, which no joint's program took but wholestep_equinox_gpt's, then dearer) and without the attention
+    pack (a blocked form recomputes weights the forward holds). A small linen GPT's step, whose joints the identity
+    packs (all included) saturate: none is among the rules its joints ran, the other sums rules are, and the step's
+    values are the step's as written."""
     ran_rules: list = []
     run = pipeline.run_together
 
@@ -317,15 +319,30 @@ def test_the_joints_run_without_the_rules_that_cannot_cheapen_them(monkeypatch):
     monkeypatch.setattr(pipeline, "run_together", spied)
     packs = load_rulesets(eco.CONFIGS["identity"])
     names = {r.name for p in packs for r, _ in p.entries()}
-    assert {"hoist_reductions", "attn_blocked", "attn_blocked_vp", "red_pull", "sink_inputs"} <= names
+    assert {"hoist_reductions", "attn_blocked", "attn_blocked_vp", "red_split", "red_pull", "sink_inputs"} <= names
     _, ran, (got, want) = _step_program(monkeypatch, together.JOINT_ITERATIONS)
     assert ran_rules and ran, (ran_rules, ran)
     for names in ran_rules:
-        assert not names & {"hoist_reductions", "attn_blocked", "attn_blocked_vp", "attn_blocked_wide",
+        assert not names & {"hoist_reductions", "red_split", "attn_blocked", "attn_blocked_vp", "attn_blocked_wide",
                             "attn_blocked_wide_vp"}, names
-        assert {"red_pull", "sink_inputs", "lift_independent"} <= names  # the rest run
+        assert {"red_pull", "red_merge", "sink_inputs", "lift_independent"} <= names  # the rest run
     for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=2e-4, atol=2e-5)
+
+
+def test_the_joints_rules_leave_out_red_split_alone_of_the_sums_rules():
+    """``together.joint_rules`` of the identity packs (what a whole step's joints and a gradient's, ``build_vjps``,
+    are saturated with): ``red_split`` is left out, since in a joint it only grows the backward's split sums (rows no
+    joint's program took but wholestep_equinox_gpt's, priced 0.38% dearer with them: ``JOINT_WITHOUT``), and the
+    other rules of its ruleset (``red_merge``, ``red_pull``, which the GPT steps' joints take) and every rule not in
+    ``JOINT_WITHOUT`` are kept, in their order."""
+    entries = [e for p in load_rulesets(eco.CONFIGS["identity"]) for e in p.entries()]
+    names = [r.name for r, _ in entries]
+    assert "red_split" in names
+    kept = [r.name for r, _ in together.joint_rules(entries)]
+    assert "red_split" not in kept
+    assert {"red_merge", "red_pull", "red_sum_neg", "red_neg_sum"} <= set(kept)
+    assert kept == [n for n in names if n not in together.JOINT_WITHOUT]
 
 
 def test_a_joint_that_saves_less_than_its_floor_is_left_as_loaded(monkeypatch):
