@@ -663,3 +663,38 @@ def test_the_peak_s_floor_holds_a_buffer_live_across_kernels_that_do_not_read_it
     peak = memory.scheduled_peak(prog, kernels, fm.inner)
     assert F.peak_floor(prog, kernels, fm.inner) == peak == 2 * 256 * 2048 * 4 + 256 * 64 * 4
     assert F.peak_floor(prog, kernels, fm.inner, 0.75 * peak) > 0.75 * peak
+
+
+def test_the_peaks_kernel_layout_is_the_fusion_models_kernels_without_prices():
+    """``memory.kernel_layout``, which the peaks' replays read (``AnalyticCost.predict_peaks``, ``InnerPeak``) in place
+    of ``FusionModel.kernels``, lists the same kernels: roots, kinds, members and reads, in the same order (only the
+    prices are left out). On the attention benchmark's programs (library and attention kernels, products, loops of
+    the blocked ones) and on random programs (reductions, in-place updates, loops); and the peaks read off it are
+    the peaks read off the priced kernels."""
+    from hypothesis import given, settings, strategies as st
+
+    from rewrite.cost import memory
+
+    fm = AnalyticCost().fusion_model()
+    fm.tiebreak = None
+    seen: set = set()
+
+    def same(closed):
+        prog = Program.from_jaxpr(closed, None)
+        got, want = memory.kernel_layout(fm, prog), fm.kernels(prog)
+        assert [(k.root, k.kind, k.computes, k.reads) for k in got] == [
+            (k.root, k.kind, k.computes, k.reads) for k in want]
+        assert memory.scheduled_peak(prog, got, fm.inner) == memory.scheduled_peak(prog, want, fm.inner)
+        seen.update(k.kind for k in want)
+
+    for _, fn, args, _ in CASES:
+        same(jax.make_jaxpr(fn)(*args))
+
+    @settings(max_examples=100, deadline=None)
+    @given(st.data())
+    def check(data):
+        fn, args = _random_program(data.draw)
+        same(jax.make_jaxpr(fn)(*args))
+
+    check()
+    assert {"loop", "reduce", "other", "attention"} <= seen, seen

@@ -40,8 +40,33 @@ from ..ir.jaxapi import scan_counts
 from ..ir.primitives import inner_jaxpr
 from .attention import scratch_bytes
 from .fusion import OVER_BUDGET, Fusion, FusionModel, _out_bytes, _scaled_by_small, _temp, buffer_of, output_buffers
-from .program import LIBRARY, Program, bitcast
+from .program import LIBRARY, OTHER, Program, bitcast
 from .simplify import REDUCE_BEFORE_BROADCAST
+
+
+def kernel_layout(fusion: FusionModel, prog: Any) -> list[Fusion]:
+    """``fusion.kernels(prog)`` without their prices (each ``cost`` NaN): the same roots, kinds, members and reads,
+    in the same order, which are all a peak reads (:func:`liveness_peak`, :func:`scheduled_peak`,
+    ``fusion.py``'s ``kernel_temps``). A kernel's price is most of what ``kernels`` spends (its members' facts, its
+    bytes, the reductions it folds), and the peaks' replays (``AnalyticCost.predict_peaks``, :class:`InnerPeak`)
+    never read it. A kernel reads what its members read outside it, literals aside (``FusionModel.kernel``,
+    ``attention.attention_price``); one of an op the model does not fuse (``OTHER``), all its op's operands."""
+    homes, roots = fusion.fuse(prog)
+    members: dict[int, list[int]] = {r: [] for r in roots}
+    for i, hs in homes.items():
+        for r in hs:
+            if r in members:
+                members[r].append(i)
+    ops, out = prog.ops, []
+    for r, kind in roots.items():
+        comp = members[r]
+        if kind == OTHER:
+            reads = set(ops[r].args)
+        else:
+            inside = set(comp)
+            reads = {a for i in inside for a in ops[i].args if a not in inside and ops[a].prim != "literal"}
+        out.append(Fusion(r, kind, sorted(comp), sorted(reads), math.nan))
+    return out
 
 
 def liveness_peak(prog: Any, kernels: Sequence[Fusion], inner: Callable[[Any], int] | None = None) -> int:
@@ -583,7 +608,7 @@ class InnerPeak:
             key = ("inner peak", id(self))  # kept with the bodies, which the memo holds for this op alone
             found = memo.get(key)
             if found is None:
-                found = memo[key] = max(liveness_peak(b, self.fusion.kernels(b), self) for b in bodies)
+                found = memo[key] = max(liveness_peak(b, kernel_layout(self.fusion, b), self) for b in bodies)
             return found
         if memo is not None:  # an op of one node, whose params are the node's: its peak kept with it
             found = memo.get(self)  # (keyed by this object, which the key keeps alive: no other gets its id)
@@ -607,7 +632,7 @@ class InnerPeak:
         output buffer (or its initial value's), which the program around the loop counts."""
         closed = jaxpr if hasattr(jaxpr, "consts") else ClosedJaxpr(jaxpr, ())
         prog = Program.from_jaxpr(closed, self.node_cost)
-        return liveness_peak(prog, self.fusion.kernels(prog), self)
+        return liveness_peak(prog, kernel_layout(self.fusion, prog), self)
 
 
 def over_budget(candidates: Sequence[Any], model: Any, emit: Callable[[Any], Any]) -> list[dict]:

@@ -60,7 +60,7 @@ from .dispatch import contraction_flops, dispatched
 from .dot import FALLBACK as _DOT_FALLBACK, REPACK as _DOT_REPACK, copied as dot_copied, library_dot
 from .dot import ALIASED, STRIDED, turns as dot_turns
 from .fusion import FusionModel, ns_key, peak_temp_bytes
-from .memory import InnerPeak, as_xla_simplifies, fresh_peak, scheduled_peak
+from .memory import InnerPeak, as_xla_simplifies, fresh_peak, kernel_layout, scheduled_peak
 from .prices import NODE_KEY, price_of
 from .program import Program, library_reduction
 from .spill import spilled as _spilled
@@ -570,12 +570,13 @@ class AnalyticCost(CostModel):
 
     def _replayed(self, closed: Any) -> tuple[int, Any, Any, Any, Any]:
         """:meth:`predict_temp_bytes`'s replay of ``closed``'s kernels as XLA simplifies it: ``(the peak, the fusion
-        model, the simplified jaxpr, its program, its kernels)``."""
+        model, the simplified jaxpr, its program, its kernels)``, the kernels unpriced (``memory.kernel_layout``: a
+        peak reads no price)."""
         fusion = self.fusion_model()
         fusion.tiebreak = None  # sizes only: no node prices (a loop's would need its body's)
         simple = as_xla_simplifies(closed)
         prog = Program.from_jaxpr(simple, None)
-        kernels = fusion.kernels(prog)
+        kernels = kernel_layout(fusion, prog)
         return scheduled_peak(prog, kernels, fusion.inner), fusion, simple, prog, kernels
 
     def predict_peaks(self, closed: Any) -> tuple[int, int]:
@@ -594,7 +595,7 @@ class AnalyticCost(CostModel):
         held, fusion, simple, prog, kernels = self._replayed(closed)
         if simple is not closed:  # the price reads the program as written
             prog = Program.from_jaxpr(closed, None)
-            kernels = fusion.kernels(prog)
+            kernels = kernel_layout(fusion, prog)
         return held, peak_temp_bytes(prog, kernels, fusion.inner)
 
     def _kernel_product(self, op: Any) -> float:
