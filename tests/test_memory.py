@@ -381,7 +381,8 @@ def test_a_live_program_s_peak_walks_it_once_per_version(fn, args, monkeypatch):
     """``scheduled_peak`` of extraction's live program (``cost.live.LiveFusion``) reads the order XLA's fusion pass
     makes kernels in (``memory._made_at``) from the postorder its positions walked: one walk per version of the
     program (it walked twice: for the positions, then ``_made_at``'s own), giving the order and the peak the
-    separate walk gives."""
+    separate walk gives; and none where the schedule is asked under a threshold (``below``) that every temporary held
+    at once stays under (``memory._all_at_once``: the fresh charge's 0, read before the kernels are put in order)."""
     from types import SimpleNamespace
 
     from rewrite.cost import memory
@@ -398,6 +399,8 @@ def test_a_live_program_s_peak_walks_it_once_per_version(fn, args, monkeypatch):
     monkeypatch.setattr(LiveFusion, "made_at", None)  # the walk of its own, as before
     assert memory.scheduled_peak(live, live.kernels(), fm.inner) == peak
     live.edit({prog.outputs[0]: prog.ops[prog.outputs[0]]})  # a new version: walked again
+    # but not for a schedule under a threshold no peak of its temporaries can reach (the fresh charge's, below)
+    assert memory.scheduled_peak(live, live.kernels(), fm.inner, 2 ** 62) == 0 and live.walks == 1
     live.positions()
     assert live.walks == 2
 

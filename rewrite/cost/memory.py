@@ -111,12 +111,12 @@ def scheduled_peak(prog: Any, kernels: Sequence[Fusion], inner: Callable[[Any], 
     count; the fresh charge leaves it out, since it is not in the temporaries' allocation (the kernel pays for its
     own pages: ``cost/attention.py``'s ``attention_price``).
     """
+    buffers = _buffers(prog, kernels)
+    held = _held_inside(prog, kernels, inner, scratch)  # (by root, and the bound's sums: in any order)
+    if below and _all_at_once(prog, kernels, held, *buffers) < below:
+        return 0  # (before the kernels are put in order: a live program's postorder is not walked for it)
     at = _position_of(prog)
     order = sorted(kernels, key=lambda k: at(k.root))
-    buffers = _buffers(prog, kernels)
-    held = _held_inside(prog, order, inner, scratch)
-    if below and _all_at_once(prog, order, held, *buffers) < below:
-        return 0
     return _peak_in(prog, xla_order(prog, order, *buffers, users=users), held, *buffers, in_outputs=True)
 
 
