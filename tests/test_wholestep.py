@@ -658,6 +658,21 @@ def test_a_program_without_a_backward_has_no_candidate():
     assert candidates(_Graph(jax.make_jaxpr(step)(*args).jaxpr))
 
 
+def test_a_cone_s_bit_set_lists_the_positions_of_its_set_bits():
+    """``grad.step._positions`` (a cone's equations and leaves, read off its bit sets: ``_Graph.cone``) lists the set
+    bits of an integer in ascending order, as Python ints: none of 0, dense and sparse sets of thousands of bits."""
+    import random
+
+    from rewrite.grad.step import _positions
+
+    rng = random.Random(0)
+    cases = [0, 1, 2 ** 4000, 2 ** 4001 - 1] + [rng.getrandbits(n) & rng.getrandbits(n) ** k
+                                                for n in (7, 64, 3000) for k in (1, 2) for _ in range(5)]
+    for bits in cases:
+        got = _positions(bits)
+        assert got == [i for i in range(bits.bit_length()) if bits >> i & 1] and all(type(i) is int for i in got)
+
+
 def test_the_loss_is_tried_before_the_gradient_norm_s_partial_sums():
     """Under ``optax.clip_by_global_norm`` each parameter's squared-gradient sum is a scalar whose cone holds the
     whole backward, larger than the loss's; it scales the update only through scalar arithmetic (the norm, the

@@ -65,6 +65,7 @@ import time
 from typing import Any, Callable, Sequence
 
 import jax
+import numpy as np
 
 from ..ir.jaxapi import BUILT_DEBUG, core
 from ..ir.primitives import is_float
@@ -243,8 +244,8 @@ class _Graph:
 
 
 def _positions(bits: int) -> list[int]:
-    """The positions of the set bits of ``bits``, ascending."""
-    return [i for i, c in enumerate(reversed(bin(bits))) if c == "1"]
+    """The positions of the set bits of ``bits``, ascending (``bin``'s digits, lowest first, read at once)."""
+    return np.flatnonzero(np.frombuffer(bin(bits)[:1:-1].encode(), np.uint8) == ord("1")).tolist()
 
 
 def _backward_shaped(graph: _Graph, root: Any, cone: set, shapes: set) -> bool:
