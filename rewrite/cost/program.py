@@ -110,7 +110,7 @@ class Program:
             family = _primitives.family_of(eqn.primitive.name)
             outs = tuple(v.aval for v in eqn.outvars)
             op = Op(eqn.primitive.name, family, eqn.params, args, tuple(a.aval for a in eqn.invars), outs, key=eqn)
-            if _kind_of(op) == OTHER and node_cost is not None:
+            if node_cost is not None and _kind_of(op) == OTHER:  # (no kind asked for without a node price)
                 op.own = float(node_cost(NodeInfo(op.prim, family, eqn.params, op.in_avals, outs)))
             ops.append(op)
             tup = len(ops) - 1
