@@ -7,6 +7,7 @@ that is the peak ``held`` asks for (``scheduled_peak`` of the same kernels, ``in
 (``LiveFusion.scheduled``) and ``held`` answers from it. Where a kernel is one, ``held`` schedules with its scratch.
 """
 
+import math
 import random
 
 import jax
@@ -132,3 +133,29 @@ def test_held_answers_as_a_fresh_schedule_after_any_moves(fields):
         live.set(c, alt)
         live.price()
         assert live.held() == _fresh(live)
+
+
+@pytest.mark.parametrize("fn, shape, fields, kept", [
+    (seed_vjp, (256, 128), FRESH, True),
+    (seed_vjp, (64, 32), {}, False),  # under the table's fresh_at: the price scheduled nothing
+    (attention, (2, 256, 64), FRESH, False),  # an attention kernel: the price's schedule leaves its scratch out
+], ids=["charged", "under the threshold", "attention"])
+def test_a_program_priced_whole_keeps_its_price_s_schedule_for_held(fn, shape, fields, kept, monkeypatch):
+    """A program priced whole (``ProgramPricer.__call__``: a candidate, before any search moves to it) keeps the
+    schedule its fresh charge made, as a live program's price does (``LiveFusion.scheduled``): ``extract._held``
+    answers it without moving the live program there or scheduling, and it is the peak a fresh ``scheduled_peak``
+    of the live program gives. Not where the price scheduled nothing, nor where a kernel has scratch."""
+    x = jnp.linspace(-1.0, 1.0, math.prod(shape)).reshape(shape)
+    res = explain(fn, *((x, 0.7, x) if fn is seed_vjp else (x, x, x)), rulesets=[rulesets.algebra]).result
+    model = AnalyticCost(**fields)
+    ex = Extractor(res.snapshot, model)
+    _, choice = ex.tree()
+    pricer = ProgramPricer(ex, model)
+    pricer(choice, res.roots)  # priced whole: no live program made
+    key = pricer.last_key
+    assert (("held", *key) in pricer.peaks) == kept
+    if kept:
+        want = _fresh(pricer.live(choice, res.roots))
+        calls = _counted(monkeypatch)
+        monkeypatch.setattr(pricer, "live", lambda *a: pytest.fail("extract._held moved the live program"))
+        assert _held(pricer, Candidate(choice, 0.0, True, key[1]), res.roots) == want > 0 and not calls

@@ -527,9 +527,9 @@ class FusionModel:
             cost -= shared_across(self, prog.ops, self.across(prog, kernels))
         if self.prices_peak:
             peak = max(temps := kernel_temps(prog, kernels, self.inner), default=0)
-            cost += self.memory_price(peak, self.held_bytes(prog, kernels, sum(temps)))
-            if peaks is not None:  # the peak charged, for a caller that reads it too (``ProgramPricer.price``)
-                peaks.append(peak)
+            cost += self.memory_price(peak, held := self.held_bytes(prog, kernels, sum(temps)))
+            if peaks is not None:  # the peak charged, and the held bytes where no kernel has scratch (ProgramPricer.price)
+                peaks.extend((peak, held if held and all(k.kind != ATTENTION for k in kernels) else None))
         return float(cost)
 
     def across(self, prog: Any, kernels: Iterable[Fusion]) -> dict[tuple, int]:

@@ -13,7 +13,7 @@ from typing import Any, Callable, Sequence
 
 from ..cost.live import LiveFusion
 from ..cost.floor import peak_floor
-from ..cost.memory import scheduled_peak
+from ..cost.memory import fresh_peak, scheduled_peak
 from ..cost.model import CostModel
 from ..cost.program import Program, chosen_op, of_one_result, one_result, projected_op
 from ..ir import primitives as _primitives
@@ -147,16 +147,19 @@ class ProgramPricer:
     def price(self, prog: Any, key: tuple | None = None) -> float:
         """The model's whole-program price of ``prog``; where ``key`` names it and the price is its fusion model's
         (``program_fusion``), the peak that price charges is remembered as its live program's (:attr:`peaks`,
-        ``LiveProgram.peak``: the same kernels' largest temporaries), so that a caller reading it does not move the
-        live program there (``extract._peak``)."""
+        ``LiveProgram.peak``: the same kernels' largest temporaries), and where its fresh charge scheduled the kernels
+        (none an attention kernel, with scratch) that schedule as the live program's (``LiveProgram.held``), so that a
+        caller reading them does not move the live program there (``extract._peak``, ``extract._held``)."""
         fusion = None if key is None else getattr(self.model, "program_fusion", None)
         fusion = fusion() if fusion is not None else None
         if fusion is None:
             return float(self.model.program(prog))
-        charged: list[int] = []
+        charged: list = []
         price = fusion(prog, charged)
         if charged:
             self.peaks.setdefault(key, charged[0])
+            if charged[1] is not None and fusion.held is fresh_peak:
+                self.peaks.setdefault(("held", *key), int(charged[1]))
         return float(price)
 
     def price_fused(self, fusion: Any) -> float:
@@ -198,8 +201,7 @@ class LiveProgram:
     it leaves behind: over its own scope for the kernels (a :class:`rewrite.cost.live.LiveFusion`, which re-places
     and re-prices only what the move touches), and over bodies too for the program's signature (``_signature``), so
     that a move to a program priced before is answered from the pricer's memory. ``choice`` is updated in place.
-    Prices equal the pricer's whole-program ones up to the order of the sums.
-    """
+    Prices equal the pricer's whole-program ones up to the order of the sums."""
 
     def __init__(self, pricer: ProgramPricer, fusion: Any, choice: dict[Any, tuple], roots: Sequence[Any]) -> None:
         # A proxy: the pricer keeps this program (ProgramPricer.live), and a cycle would keep the e-graph
@@ -384,8 +386,7 @@ class ProgramSearch:
 
     Searches from several starts may share ``visited``, the programs every search has passed through: a search
     that reaches a program another one passed through stops there, since the other went on from it (and the
-    extractor keeps the best of all searches).
-    """
+    extractor keeps the best of all searches)."""
 
     def __init__(self, ex: "Extractor", pricer: ProgramPricer, choice: dict[Any, tuple], roots: Sequence[Any], *,
                  max_classes: int = 400, max_evaluations: int = 3000, per_class: float = 1.0,
@@ -456,8 +457,7 @@ class ProgramSearch:
         bodies is the same, so the model's price of bodies is not what tells them apart, and a larger
         block that raises the peak may be taken where it is cheaper. A swap whose loop has other results
         (a reduction hoisted into the body, an output fewer) moves work into a body, and stays under the
-        peak guard of :meth:`_group_move`.
-        """
+        peak guard of :meth:`_group_move`."""
         a, b = _loop_of(self.ex, self.choice, cur), _loop_of(self.ex, self.choice, alt)
         if a is None or b is None or a[1][0] != b[1][0]:
             return False
