@@ -262,9 +262,10 @@ def _compiles(fn):
 
 def test_the_lm_head_probes_its_shift_with_one_compile_for_every_block_size(monkeypatch):
     """The LM-head rules (one per block size) read which shift the program's normaliser uses by running it:
-    one compiled program for each distinct shift, not one compile per operation and per rule. (The shift of
-    ``jax.nn.logsumexp``, which optax's integer-label loss uses, is read from its text without a compile:
-    ``tests/test_lm_head_once.py``; ``jax.nn.log_softmax``'s is probed.)"""
+    one compiled program for each distinct shift, not one compile per operation and per rule. (The shifts of
+    ``jax.nn.logsumexp``, which optax's integer-label loss uses, and of ``jax.nn.log_softmax`` are read from their
+    text without a compile: ``tests/test_lm_head_once.py``, ``tests/test_lm_head.py``; a shift written by hand, as
+    here, is probed.)"""
     import jax
 
     from rulesets import nn_lm_head as pack
@@ -273,7 +274,10 @@ def test_the_lm_head_probes_its_shift_with_one_compile_for_every_block_size(monk
     n, c, v = 640, 8, 24  # rows no other test uses: JAX's per-operation compile cache holds none of them
 
     def loss(h, w, y):
-        return -jnp.take_along_axis(jax.nn.log_softmax(h @ w, axis=-1), y[:, None], axis=-1).mean()
+        d = h @ w
+        shifted = d - jax.lax.stop_gradient(jnp.max(d, axis=-1, keepdims=True))
+        logp = shifted - jnp.log(jnp.sum(jnp.exp(shifted), axis=-1, keepdims=True))
+        return -jnp.take_along_axis(logp, y[:, None], axis=-1).mean()
 
     args = (jnp.ones((n, c)), jnp.ones((c, v)), jnp.zeros((n,), jnp.int32))
     count, report = _compiles(lambda: explain(loss, *args, rulesets=[rulesets.nn], whole_step=False))
