@@ -528,7 +528,7 @@ class FusionModel:
         if self.prices_peak:
             peak = max(temps := kernel_temps(prog, kernels, self.inner), default=0)
             cost += self.memory_price(peak, held := self.held_bytes(prog, kernels, sum(temps)))
-            if peaks is not None:  # the peak charged, and the held bytes where no kernel has scratch (ProgramPricer.price)
+            if peaks is not None:  # the peak charged, and the held where no kernel has scratch (ProgramPricer.price)
                 peaks.extend((peak, held if held and all(k.kind != ATTENTION for k in kernels) else None))
         return float(cost)
 
