@@ -65,7 +65,7 @@ from .dot import library_dot
 from .prices import keep_facts, kept_facts
 from .attention import SCORES_CACHED, attention_price, keep_readers, kept_chain, scratch_bytes
 from .program import (ATTENTION, LEAF, LIBRARY, LOOP, OTHER, REDUCE, TIEBREAK, VIEW, Op, Program, _kind, _size,
-                      bitcast, fused_update, remembered_kernel, sliced_parts)
+                      bitcast, fused_update, kernel_members, remembered_kernel, sliced_parts)
 from .simplify import folded_reduction
 from .spill import cached_reduction, spilled as _spilled, with_bytes
 from .transcendental import SHARED, SHARED_ACROSS, add_shared, chained, shared_across, shared_group
@@ -331,11 +331,7 @@ class FusionModel:
     def kernels(self, prog: Program) -> list[Fusion]:
         """The kernels the program compiles to, each with its predicted cost."""
         homes, roots = self.fuse(prog)
-        members: dict[int, list[int]] = {r: [] for r in roots}
-        for i, hs in homes.items():
-            for r in hs:
-                if r in members:
-                    members[r].append(i)
+        members = kernel_members(homes, roots)
         out, kernel = [], self.kernel if getattr(prog, "kernel_prices", None) is None else remembered_kernel(self)
         for r, kind in roots.items():
             comp = members[r]

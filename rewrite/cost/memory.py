@@ -40,7 +40,7 @@ from ..ir.jaxapi import scan_counts
 from ..ir.primitives import inner_jaxpr
 from .attention import scratch_bytes
 from .fusion import OVER_BUDGET, Fusion, FusionModel, _out_bytes, _scaled_by_small, _temp, buffer_of, output_buffers
-from .program import LIBRARY, OTHER, Program, bitcast
+from .program import LIBRARY, OTHER, Program, bitcast, kernel_members
 from .simplify import REDUCE_BEFORE_BROADCAST
 
 
@@ -52,11 +52,7 @@ def kernel_layout(fusion: FusionModel, prog: Any) -> list[Fusion]:
     never read it. A kernel reads what its members read outside it, literals aside (``FusionModel.kernel``,
     ``attention.attention_price``); one of an op the model does not fuse (``OTHER``), all its op's operands."""
     homes, roots = fusion.fuse(prog)
-    members: dict[int, list[int]] = {r: [] for r in roots}
-    for i, hs in homes.items():
-        for r in hs:
-            if r in members:
-                members[r].append(i)
+    members = kernel_members(homes, roots)
     ops, out = prog.ops, []
     for r, kind in roots.items():
         comp = members[r]

@@ -384,6 +384,17 @@ def _nbytes(aval: Any) -> int:
     return 0 if dtype is None else _size(aval) * int(getattr(dtype, "itemsize", 0))
 
 
+def kernel_members(homes: Mapping[int, Any], roots: Mapping[int, str]) -> dict[int, list[int]]:
+    """Each kernel root's members in program order, from a fusion's ``homes`` (op -> the roots it is fused into) and
+    ``roots`` (``FusionModel.fuse``'s pair): what a kernel is made of, priced or not."""
+    members: dict[int, list[int]] = {r: [] for r in roots}
+    for i, hs in homes.items():
+        for r in hs:
+            if r in members:
+                members[r].append(i)
+    return members
+
+
 def ops_in(prog: Program, kernels: Iterable[Any]) -> dict[str, int]:
     """How many times each primitive is evaluated across kernels (``cost/fusion.py``'s ``Fusion``s; duplicates
     counted)."""
