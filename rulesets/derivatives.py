@@ -312,6 +312,11 @@ def simplify(tree: Factor, *, fastmath: bool = False) -> Simplified:
         else:
             out.changes.append("power")
         out.drop.update(id(f) for f in fs)
+    # The steps below combine bases of these primitives alone: one read of each base's class (in the order the
+    # steps read them) says whether any is there; a product of other bases (most of a gradient's) stops here.
+    if not any(n.prim in _COMBINED for v, _, _ in power.values() for n in v.nodes):
+        _remaining(out, bases, power)
+        return out
     # sin(x)^p * cos(x)^q: a pair is sin(2x)/2 (a pair of reciprocals, 2/sin(2x)). Only where 2x cannot
     # overflow (doubles_safely): at x = 3e38 (float32) sin(2x) is NaN and sin(x)*cos(x) a number.
     for name, sname, arg in _pairs(power, "cos", "sin"):
@@ -375,11 +380,21 @@ def simplify(tree: Factor, *, fastmath: bool = False) -> Simplified:
             out.drop.update(id(f) for f in bases[name])
         out.new.append(("exp", [(k, a) for _, a, k in exps], 1))
         out.changes.append("exp")
+    _remaining(out, bases, power)
+    return out
+
+
+#: The primitives of the bases :func:`simplify` combines past powers of one base: ``sin``/``cos``, ``sinh``/``cosh``,
+#: ``1 + exp``, ``exp``.
+_COMBINED = frozenset(("sin", "cos", "sinh", "cosh", "add", "exp"))
+
+
+def _remaining(out: Simplified, bases: dict[int, list[Factor]], power: dict[int, tuple[Value, int, int]]) -> None:
+    """What is left of each base whose factors :func:`simplify` dropped, as new factors of its remaining powers."""
     for name, fs in bases.items():
         if id(fs[0]) in out.drop:
             v, pos, neg = power[name]
             out.new.extend(("v", v, e) for e in (pos, -neg) if e)
-    return out
 
 
 # The replacements below are written with ``lax``, not ``jnp``: each ``jnp`` function is a ``jit`` of its
