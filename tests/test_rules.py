@@ -773,3 +773,31 @@ def test_an_anchored_match_waits_for_the_rest_of_its_left_side():
     rep = explain(f, x, y, rulesets=[pack])
     assert rep.fired == {"sub_neg_l": 1, "tanh_factor": 1}, rep.fired
     np.testing.assert_allclose(jaxpr_as_fun(rep.after)(x, y)[0], f(x, y), rtol=1e-6)
+
+
+def test_the_rules_that_match_one_product_in_a_snapshot_read_it_once():
+    """``Match.product`` answers from the saturation's memo of the snapshot (the linalg rules each read the same
+    ``dot_general``s): every answer is the one :meth:`Match._product` computes afresh for that match, and two rules
+    matching one product share it. ``a @ b`` and ``a @ c`` have the same params and left operand, so a memo keyed
+    without the right one answers the second with the first's; one keyed without the left, ``a @ b`` and ``d @ b``."""
+    got = []
+
+    def probe(tag):
+        @procedural
+        def read(m):
+            p, fresh = m.product("p"), m._product("p", "a", "b", (), ())
+            got.append((tag, m.root.name, p, (p.lhs.name, p.rhs.name, p.labels, p.dimension_numbers),
+                        (fresh.lhs.name, fresh.rhs.name, fresh.labels, fresh.dimension_numbers), (m["a"].name, m["b"].name)))
+        return read
+
+    pat = Pat("dot_general", Pat.var("a"), Pat.var("b"), params="p")
+    rs = Ruleset("probes", [rule(pat, probe(t), name=f"probe_{t}") for t in ("one", "two")], soundness="exact")
+    a, b = jnp.ones((3, 4)), jnp.ones((4, 5))
+    explain(lambda a, b, c, d: (a @ b, a @ c, d @ b), a, b, b + 1, a + 1, rulesets=[rs])
+    roots = {root for _, root, *_ in got}
+    assert len(roots) == 3 and len(got) == 6, got
+    for tag, root, p, read, fresh, bound in got:
+        assert read == fresh and read[:2] == bound, (tag, read, fresh, bound)
+    for root in roots:
+        one, two = [p for _, r, p, *_ in got if r == root]
+        assert one is two  # the second rule's answer is the first's, read once

@@ -489,12 +489,14 @@ class Match:
     ({'sum_of_broadcast': 1}, ['mul'])
     """
 
-    def __init__(self, engine: Any, rule: Any, bindings: dict[str, Any], sorts: dict[str, str], root: Any) -> None:
+    def __init__(self, engine: Any, rule: Any, bindings: dict[str, Any], sorts: dict[str, str], root: Any,
+                 products: dict | None = None) -> None:
         self._engine = engine
         self.rule = rule
         self._bindings = bindings
         self._sorts = sorts
         self.root = engine.value(root)
+        self._products = products  # product's answers in this snapshot, by what they read (the saturation's)
         #: Whether the rule read a binding (not only the root): a rule that did not would act the
         #: same on every match at this root, so the engine acts on the first one only.
         self.read_bindings = False
@@ -546,6 +548,17 @@ class Match:
         >>> explain(f, jnp.ones((8, 3)), jnp.ones((3, 2)), rulesets=[Ruleset("s", [r], soundness="identity")]).fired
         {'sum_rows_first': 1}
         """
+        memo, got = self._products, self._bindings.get  # (the linalg rules read each product of a snapshot alike)
+        key = (tuple(got(n) for n in (params, *same)), got(lhs), got(rhs), tuple(got(o) for o in operands))
+        if memo is not None and key in memo:
+            self.read_bindings = True  # (as the params' reads below do)
+            return memo[key]
+        found = self._product(params, lhs, rhs, same, operands)
+        if memo is not None:
+            memo[key] = found
+        return found
+
+    def _product(self, params: str, lhs: str, rhs: str, same: Sequence[str], operands: Sequence[str]) -> Any:
         ps = [self.params(n) for n in (params, *same)]
         first = ps[0]
         if first.prim != "dot_general" or any(

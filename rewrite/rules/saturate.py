@@ -216,6 +216,7 @@ class Engine:
         self.builder.snapshot = snap
         self._root_only: set[tuple[int, Any]] = set()  # (rule, root) pairs done reading the root alone
         self._unioned: set[tuple[Any, int]] = set()  # (class, name) unions made since: one is made once
+        self._products: dict = {}  # Match.product's answers, by the params and classes they read
 
     def run(self) -> str:
         """Saturate; returns why it stopped."""
@@ -427,7 +428,7 @@ class Engine:
             # alone: it would do the same again (the union is made, or the rule declined).
             stats.rejected["same root"] += 1
             return True
-        m = Match(self.builder, rule, bindings, sorts, root)
+        m = Match(self.builder, rule, bindings, sorts, root, self._products)
         self.builder.reads = set()
         declined = sum(stats.rejected.values())
         try:
