@@ -231,6 +231,7 @@ class Engine:
             return stopped
         finally:
             self.builder.release()  # the e-graph goes back to its pool (ir.egraph._POOL) with the engine
+            self._products = {}  # (its products' values refer to the builder, as the views release drops do)
 
     def _run(self, seconds: float) -> str:
         start = time.perf_counter()
