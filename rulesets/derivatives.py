@@ -295,9 +295,8 @@ def simplify(tree: Factor, *, fastmath: bool = False) -> Simplified:
         out.coeff = math.prod(f.lit ** f.e for f in lits)
         out.changes.append("literals")
     bases: dict[int, list[Factor]] = {}
-    for f in leaves:
-        if f.op == "leaf":
-            bases.setdefault(f.value.name, []).append(f)
+    for f in (f for f in leaves if f.op == "leaf"):
+        bases.setdefault(f.value.name, []).append(f)
     # Powers of one base.
     power = {name: (fs[0].value, sum(f.e for f in fs if f.e > 0), -sum(f.e for f in fs if f.e < 0))
              for name, fs in bases.items()}  # name -> (value, positive power, negative power)
@@ -313,88 +312,76 @@ def simplify(tree: Factor, *, fastmath: bool = False) -> Simplified:
             out.changes.append("power")
         out.drop.update(id(f) for f in fs)
     # The steps below combine bases of these primitives alone: one read of each base's class (in the order the
-    # steps read them) says whether any is there; a product of other bases (most of a gradient's) stops here.
-    if not any(n.prim in _COMBINED for v, _, _ in power.values() for n in v.nodes):
-        _remaining(out, bases, power)
-        return out
-    # sin(x)^p * cos(x)^q: a pair is sin(2x)/2 (a pair of reciprocals, 2/sin(2x)). Only where 2x cannot
-    # overflow (doubles_safely): at x = 3e38 (float32) sin(2x) is NaN and sin(x)*cos(x) a number.
-    for name, sname, arg in _pairs(power, "cos", "sin"):
-        (v, pos, neg), (sv, spos, sneg) = power[name], power[sname]
-        kp, kn = min(spos, pos), min(sneg, neg)
-        if not (kp or kn) or not (fastmath or doubles_safely(arg)):
-            continue
-        power[sname] = (sv, spos - kp, sneg - kn)
-        power[name] = (v, pos - kp, neg - kn)
-        out.drop.update(id(f) for f in bases[sname] + bases[name])
-        if kp:
-            out.new.append(("sin2", arg, kp))
-            out.coeff *= 0.5 ** kp
-        if kn:
-            out.new.append(("sin2", arg, -kn))
-            out.coeff *= 2.0 ** kn
-        out.changes.append("double_angle" if doubles_safely(arg) else "double_angle_unbounded")
-    # sinh(x) / cosh(x) = tanh(x), one cheap function for two costly ones.
-    for name, cname, arg in _pairs(power, "sinh", "cosh"):
-        (v, pos, neg), (cv, cpos, cneg) = power[name], power[cname]
-        k, k2 = min(pos, cneg), min(neg, cpos)
-        if not (k or k2):
-            continue
-        power[name] = (v, pos - k, neg - k2)
-        power[cname] = (cv, cpos - k2, cneg - k)
-        out.drop.update(id(f) for f in bases[name] + bases[cname])
-        if k - k2:
-            out.new.append(("tanh", arg, k - k2))
-        out.changes.append("tanh")
-    # exp(x) / (1 + exp(x)) = logistic(x), and 1 / (1 + exp(x)) = logistic(-x).
-    for name, (v, pos, neg) in list(power.items()):
-        add = v.node("add") if neg else None
-        if add is None or len(add.operands) != 2:
-            continue
-        a, b = add.operands
-        other = b if a.literal == 1.0 else a if b.literal == 1.0 else None
-        ex = other.node("exp") if other is not None and other.aval == v.aval else None
-        if ex is None:
-            continue
-        arg = ex.operands[0]
-        k = min(neg, power[other.name][1]) if other.name in power else 0
-        out.drop.update(id(f) for f in bases[name])
-        if k:
-            ov, opos, oneg = power[other.name]
-            power[other.name] = (ov, opos - k, oneg)
-            out.drop.update(id(f) for f in bases[other.name])
-            out.new.append(("logistic", arg, k))
-        if neg - k:
-            inner = arg.node("neg")
-            # 1 / (1 + exp(-y)) is logistic(y) itself
-            out.new.append(("logistic", inner.operands[0], neg - k) if inner is not None
-                           else ("logistic_neg", arg, neg - k))
-        power[name] = (v, pos, 0)
-        out.changes.append("logistic")
-    # Every exp in one: exp(a)^i * exp(b)^j = exp(i*a + j*b).
-    exps = [(name, ex.operands[0], pos - neg) for name, (v, pos, neg) in power.items()
-            if (ex := v.node("exp")) is not None and (pos or neg)]
-    if len(exps) >= 2:
-        for name, _, _ in exps:
-            power[name] = (power[name][0], 0, 0)
+    # steps read them) says whether any is there; a product of other bases (most of a gradient's) skips them.
+    if any(n.prim in ("sin", "cos", "sinh", "cosh", "add", "exp") for v, _, _ in power.values() for n in v.nodes):
+        # sin(x)^p * cos(x)^q: a pair is sin(2x)/2 (a pair of reciprocals, 2/sin(2x)). Only where 2x cannot
+        # overflow (doubles_safely): at x = 3e38 (float32) sin(2x) is NaN and sin(x)*cos(x) a number.
+        for name, sname, arg in _pairs(power, "cos", "sin"):
+            (v, pos, neg), (sv, spos, sneg) = power[name], power[sname]
+            kp, kn = min(spos, pos), min(sneg, neg)
+            if not (kp or kn) or not (fastmath or doubles_safely(arg)):
+                continue
+            power[sname] = (sv, spos - kp, sneg - kn)
+            power[name] = (v, pos - kp, neg - kn)
+            out.drop.update(id(f) for f in bases[sname] + bases[name])
+            if kp:
+                out.new.append(("sin2", arg, kp))
+                out.coeff *= 0.5 ** kp
+            if kn:
+                out.new.append(("sin2", arg, -kn))
+                out.coeff *= 2.0 ** kn
+            out.changes.append("double_angle" if doubles_safely(arg) else "double_angle_unbounded")
+        # sinh(x) / cosh(x) = tanh(x), one cheap function for two costly ones.
+        for name, cname, arg in _pairs(power, "sinh", "cosh"):
+            (v, pos, neg), (cv, cpos, cneg) = power[name], power[cname]
+            k, k2 = min(pos, cneg), min(neg, cpos)
+            if not (k or k2):
+                continue
+            power[name] = (v, pos - k, neg - k2)
+            power[cname] = (cv, cpos - k2, cneg - k)
+            out.drop.update(id(f) for f in bases[name] + bases[cname])
+            if k - k2:
+                out.new.append(("tanh", arg, k - k2))
+            out.changes.append("tanh")
+        # exp(x) / (1 + exp(x)) = logistic(x), and 1 / (1 + exp(x)) = logistic(-x).
+        for name, (v, pos, neg) in list(power.items()):
+            add = v.node("add") if neg else None
+            if add is None or len(add.operands) != 2:
+                continue
+            a, b = add.operands
+            other = b if a.literal == 1.0 else a if b.literal == 1.0 else None
+            ex = other.node("exp") if other is not None and other.aval == v.aval else None
+            if ex is None:
+                continue
+            arg = ex.operands[0]
+            k = min(neg, power[other.name][1]) if other.name in power else 0
             out.drop.update(id(f) for f in bases[name])
-        out.new.append(("exp", [(k, a) for _, a, k in exps], 1))
-        out.changes.append("exp")
-    _remaining(out, bases, power)
-    return out
-
-
-#: The primitives of the bases :func:`simplify` combines past powers of one base: ``sin``/``cos``, ``sinh``/``cosh``,
-#: ``1 + exp``, ``exp``.
-_COMBINED = frozenset(("sin", "cos", "sinh", "cosh", "add", "exp"))
-
-
-def _remaining(out: Simplified, bases: dict[int, list[Factor]], power: dict[int, tuple[Value, int, int]]) -> None:
-    """What is left of each base whose factors :func:`simplify` dropped, as new factors of its remaining powers."""
+            if k:
+                ov, opos, oneg = power[other.name]
+                power[other.name] = (ov, opos - k, oneg)
+                out.drop.update(id(f) for f in bases[other.name])
+                out.new.append(("logistic", arg, k))
+            if neg - k:
+                inner = arg.node("neg")
+                # 1 / (1 + exp(-y)) is logistic(y) itself
+                out.new.append(("logistic", inner.operands[0], neg - k) if inner is not None
+                               else ("logistic_neg", arg, neg - k))
+            power[name] = (v, pos, 0)
+            out.changes.append("logistic")
+        # Every exp in one: exp(a)^i * exp(b)^j = exp(i*a + j*b).
+        exps = [(name, ex.operands[0], pos - neg) for name, (v, pos, neg) in power.items()
+                if (ex := v.node("exp")) is not None and (pos or neg)]
+        if len(exps) >= 2:
+            for name, _, _ in exps:
+                power[name] = (power[name][0], 0, 0)
+                out.drop.update(id(f) for f in bases[name])
+            out.new.append(("exp", [(k, a) for _, a, k in exps], 1))
+            out.changes.append("exp")
     for name, fs in bases.items():
         if id(fs[0]) in out.drop:
             v, pos, neg = power[name]
             out.new.extend(("v", v, e) for e in (pos, -neg) if e)
+    return out
 
 
 # The replacements below are written with ``lax``, not ``jnp``: each ``jnp`` function is a ``jit`` of its

@@ -558,10 +558,10 @@ def test_a_square_multiplied_by_its_base_is_the_cube_the_forward_computed():
     (lambda t: t * jnp.tanh(t), None, ["tanh", "mul"]),
 ], ids=["sin cos", "sinh / cosh", "exp / (1 + exp)", "1 / (1 + exp)", "exp exp", "x tanh x"])
 def test_the_product_rules_combine_each_kind_of_base_past_powers(fn, fired, after):
-    """``simplify`` stops after the powers of one base where no base's class holds a primitive its later steps
-    combine (``_COMBINED``): each case needs one of them, and the last none. Fails where ``add`` or ``exp`` is left
-    out of ``_COMBINED``, or both of ``sin`` and ``cos``, or both of ``sinh`` and ``cosh`` (a pair needs both bases,
-    so either one of a pair is enough)."""
+    """``simplify`` skips its steps past the powers of one base where no base's class holds a primitive they
+    combine (``sin``, ``cos``, ``sinh``, ``cosh``, ``add``, ``exp``): each case needs one of them, and the last none.
+    Fails where ``add`` or ``exp`` is left out of the primitives checked, or both of ``sin`` and ``cos``, or both of
+    ``sinh`` and ``cosh`` (a pair needs both bases, so either one of a pair is enough)."""
     r = explain(fn, jnp.linspace(0.1, 0.9, 6), rulesets=[derivatives])
     assert r.fired == ({fired: 1} if fired else {}) | ({"trig_sin_stored": 1} if "sin" in after else {})
     assert [e.primitive.name for e in r.after.eqns] == after
