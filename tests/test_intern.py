@@ -53,3 +53,19 @@ def test_the_kept_keys_are_bounded(monkeypatch):
     ids = [table.intern_params(lax.integer_pow_p, d) for d in dicts]
     assert len(table._frozen) <= 4
     assert [table.intern_params(lax.integer_pow_p, d) for d in dicts] == ids
+
+
+def test_the_fast_keys_are_the_general_ones():
+    """``_freeze`` keys the common params values (``None``, strings, shapes, Python scalars, dicts with string keys)
+    by their exact type; the key is the one the general path (``_freeze_any``) gives, so equal params get equal ids
+    and unequal ones do not, as before the shortcut."""
+    values = [None, "x", (), [], (1, 2), [1, 2], (1, True), (1.0, -0.0), ((1,), (0,)), ((1,), [0]), 0.0, -0.0,
+              float("nan"), 1, True, False, 2**70, {"b": (1,), "a": None}, {"a": {"c": 1.0}}, {1: 2, "1": 3},
+              (np.float32(1), 2), {"p": lax.Precision.HIGHEST, "t": np.dtype("float32")}, (np.zeros(2),),
+              {"a": [1]}, {"a": [{1}]}, ([None, "y"], {"k": (0,)}), lax.GatherDimensionNumbers((1,), (0,), (0,))]
+    for v in values:
+        fast, general = _intern._freeze(v), _intern._freeze_any(v)
+        assert (fast is general is _intern._IDENTITY) or (fast == general and type(fast) is type(general)), v
+    assert _intern._freeze({"a": [{1, 2}]}) is _intern._IDENTITY  # a set: no key, identity
+    assert _intern._freeze((1, 2)) != _intern._freeze([1, 2]) != _intern._freeze((1, True))
+    assert _intern._freeze(0.0) != _intern._freeze(-0.0) and _intern._freeze(1) != _intern._freeze(True)

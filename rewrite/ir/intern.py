@@ -161,11 +161,46 @@ def _freeze(value: Any) -> Hashable:
 
     Scalars are keyed by type and repr, so that ``0.0`` and ``-0.0``, ``1`` and
     ``True``, and NaN and NaN are told apart or matched exactly as they behave.
+    The values of most params (``None``, a string, a shape, a Python scalar, a
+    dict with string keys) are keyed by the first tests, by their exact type;
+    every other value by :func:`_freeze_any`, the same key either way.
     """
+    t = type(value)
+    if value is None or t is str:
+        return value  # hashable: keyed by itself, as _freeze_any keys it
+    if t is tuple or t is list:
+        for v in value:
+            if type(v) is not int:
+                break
+        else:  # a shape or axes (most params)
+            return (t.__name__, tuple([("int", repr(v)) for v in value]))
+        parts = tuple([_freeze(v) for v in value])
+        for p in parts:
+            if p is _IDENTITY:
+                return _IDENTITY
+        return (t.__name__, parts)
+    if t is bool or t is int or t is float:
+        return (t.__name__, repr(value))
+    if t is dict:
+        for k in value:
+            if type(k) is not str:
+                return _freeze_any(value)
+        # string keys: sorted by themselves (each its own ``str``), never two alike, so no value is compared
+        items = tuple([(k, _freeze(v)) for k, v in sorted(value.items())])
+        for _, p in items:
+            if p is _IDENTITY:
+                return _IDENTITY
+        return ("dict", items)
+    return _freeze_any(value)
+
+
+def _freeze_any(value: Any) -> Hashable:
+    """:func:`_freeze` of any value, by its kind (a subclass too: a ``NamedTuple`` of dimension numbers, an enum
+    that is an ``int``)."""
     if isinstance(value, (bool, int, float, complex, np.generic)):
         return (type(value).__name__, repr(value))
     if isinstance(value, (list, tuple)):
-        if all(type(v) is int for v in value):  # a shape or axes (most params): the keys the loop below makes
+        if all(type(v) is int for v in value):  # a shape or axes: the keys the loop below makes
             return (type(value).__name__, tuple(("int", repr(v)) for v in value))
         parts = tuple(_freeze(v) for v in value)
         return _IDENTITY if any(p is _IDENTITY for p in parts) else (type(value).__name__, parts)
@@ -214,7 +249,7 @@ class ParamTable(_Table):
         kept = self._frozen.get(id(params))
         if kept is not None and kept[0] is params and kept[1] is prim and _same_items(params, kept[2]):
             return self.intern(kept[3], (prim, dict(params), None))
-        frozen = _freeze(dict(params))
+        frozen = _freeze(params if type(params) is dict else dict(params))  # (_freeze changes nothing)
         if frozen is _IDENTITY:
             key: Hashable = ("identity", prim.name, id(prim), tuple(sorted((k, id(v)) for k, v in params.items())))
             # Keep the objects alive so the ids stay unique.
