@@ -66,7 +66,7 @@ class _Loader:
     text: str
     ids: dict[str, int]     # kind (a flat constructor, "union", a fact, a relation on params) -> id
     kinds: tuple[str, ...]  # id -> kind
-    pads: tuple[str, ...]   # a row's length -> what completes its line (zero columns, newline)
+    lines: tuple[str, ...]  # a row's length -> its line's format: its columns, zeros for the rest, a newline
     params: frozenset[str]  # the kinds that are relations on params ids
     #: (constructor, length) -> kind id, for nodes whose one list argument has that many items (see LIST_ROWS)
     lists: dict[tuple[str, int], int] = dataclasses.field(default_factory=dict)
@@ -112,9 +112,9 @@ def _loader(schema: str) -> _Loader:
     lines = [f"(ruleset {LOADER})", f"(relation {LOAD} ({' '.join(['i64'] * (1 + cols))}))"]
     lines += [f'(rule (({LOAD} {k} {args})) ({action}) :ruleset {LOADER} :name "L_{kind}")'
               for k, (kind, _, action) in enumerate(kinds)]
-    pads = tuple("\t0" * (1 + cols - n) + "\n" for n in range(2 + cols))
+    formats = tuple("\t".join(["%d"] * n) + "\t0" * (1 + cols - n) + "\n" for n in range(2 + cols))
     return _Loader("\n".join(lines), {kind: k for k, (kind, _, _) in enumerate(kinds)},
-                   tuple(kind for kind, _, _ in kinds), pads, frozenset(_terms.param_relations()), lists)
+                   tuple(kind for kind, _, _ in kinds), formats, frozenset(_terms.param_relations()), lists)
 
 
 def loader_program(schema: str) -> str:
@@ -165,8 +165,8 @@ class _Rows:
     def commands(cls, rows: list[tuple[int, ...]], loader: _Loader) -> tuple[list[Any], list[str]]:
         """The ``input`` command for ``rows``, and the file it reads (to remove afterwards)."""
         path = f"{cls.folder()}/{os.getpid()}-{next(cls._count)}.tsv"
-        pads = loader.pads
-        data = "".join("\t".join(map(str, r)) + pads[len(r)] for r in rows).encode()
+        lines = loader.lines  # (a row's columns are ints: ``%d`` writes each as ``str`` does, in a third of the time)
+        data = "".join([lines[len(r)] % r for r in rows]).encode()
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # (no text layer: a third of the time)
         try:
             while data:
