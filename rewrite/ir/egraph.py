@@ -271,7 +271,7 @@ class EGraph:
         ``args`` follow the constructor's sorts: V ids for ``Term``, ints for
         ``i64``, :class:`ListRef`/:class:`BodyRef` for the container sorts.
         """
-        key = (ctor, tuple(a.key if isinstance(a, ListRef) else a for a in _keys(args)))
+        key = (ctor, tuple([a if type(a) is int else _key(a) for a in args]))  # (most arguments are ids)
         found = self._memo.get(key)
         if found is not None:
             return found
@@ -514,12 +514,13 @@ _UNBOXED_MAX = 2**31 - 1
 _UNBOXED_KEEP = 1 << 16
 
 
-def _keys(args: Sequence[Any]) -> Iterable[Any]:
-    for a in args:
-        if isinstance(a, BodyRef):
-            yield ("body", a.scope, a.outs.key)
-        else:
-            yield a
+def _key(a: Any) -> Any:
+    """What stands for argument ``a`` in the key of a node (:meth:`EGraph.term`): a list or body by its names."""
+    if isinstance(a, BodyRef):
+        return ("body", a.scope, a.outs.key)
+    if isinstance(a, ListRef):
+        return a.key
+    return a
 
 
 class Snapshot:

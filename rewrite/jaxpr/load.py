@@ -127,7 +127,7 @@ def load_eqn(eqn: core.JaxprEqn, args: list[Any], b: Builder, token: Any, *,
     source = Origin(eqn.source_info, eqn.ctx)
     out_avals = [v.aval for v in eqn.outvars]
 
-    if side_effects(eqn.effects):
+    if eqn.effects and side_effects(eqn.effects):  # (most equations have no effects at all)
         if token is None:
             raise Unsupported(f"effectful '{name}' where no effect token is threaded")
         pid = PARAMS.intern_params(prim, eqn.params)
@@ -137,7 +137,7 @@ def load_eqn(eqn: core.JaxprEqn, args: list[Any], b: Builder, token: Any, *,
         new_token = b.term("Proj", [tup, len(out_avals)], TYPES.intern_aval(TOKEN_AVAL), source)
         return outs, new_token
 
-    spec = _primitives.spec_of(name)
+    spec = own = _primitives.spec_of(name)
     if spec.load is not None:
         try:
             outs = spec.load(_Loading(eqn, args, b, source))
@@ -155,7 +155,7 @@ def load_eqn(eqn: core.JaxprEqn, args: list[Any], b: Builder, token: Any, *,
     plain = (spec.ctor, spec.layout.count("T"), "L" in spec.layout, pid,
              TYPES.intern_tuple(tuple(out_avals)) if multiple else TYPES.intern_aval(out_avals[0]),
              tuple(TYPES.intern_aval(a) for a in out_avals) if multiple else None, source)
-    if remember and _primitives.spec_of(name).load is None:  # what it loads as depends on the equation alone
+    if remember and own.load is None:  # what it loads as depends on the equation alone
         if len(_PLAIN) >= _PLAIN_SIZE:
             _PLAIN.clear()
         _PLAIN[id(eqn)] = (eqn, plain)
