@@ -441,3 +441,20 @@ def test_a_literal_read_again_is_rounded_and_keyed_once(monkeypatch):
     assert eg.literal(1, core.ShapedArray((), jnp.int32)) != one
     assert eg.literal(1.0, core.ShapedArray((), jnp.float32, weak_type=True)) != one
     eg.release()
+
+
+def test_the_node_memo_keys_a_body_by_its_scope_and_outputs_and_a_list_by_its_items():
+    """``EGraph.term`` gives the name it gave before for the same node: the same constructor, ids, lists and bodies.
+    Two bodies of other scopes that return the same names are two nodes, as are two lists of other items."""
+    eg = _egraph.EGraph()
+    x, y = (eg.term("Param", [0, i], TYPES.intern_aval(F32)) for i in range(2))
+    jit, pid, tup = _primitives.BY_PRIM["jit"].ctor, PARAMS.intern_params(jax.lax.sin_p, {}), TYPES.intern_tuple((F32,))
+    s1, s2 = eg.new_scope(), eg.new_scope()
+    one = eg.term(jit, [eg.body(s1, [x]), eg.tlist([x]), pid], tup)
+    assert eg.term(jit, [eg.body(s1, [x]), eg.tlist([x]), pid], tup) == one  # equal refs, made anew: the same node
+    assert eg.term(jit, [eg.body(s2, [x]), eg.tlist([x]), pid], tup) != one  # another scope
+    assert eg.term(jit, [eg.body(s1, [y]), eg.tlist([x]), pid], tup) != one  # another output
+    assert eg.term(jit, [eg.body(s1, [x]), eg.tlist([y]), pid], tup) != one  # another operand
+    assert len({eg.term(jit, [eg.body(s1, [x]), eg.tlist(ops), pid], tup) for ops in ([], [x], [x, x])}) == 3
+    eg.snapshot()  # they load
+    eg.release()
