@@ -226,7 +226,10 @@ def _settled(value: Any) -> bool:
     if type(value) in _SETTLED:
         return True
     if isinstance(value, tuple):
-        return all(_settled(v) for v in value)
+        for v in value:  # (most are shapes: their items settled by type, without a call each)
+            if type(v) not in _SETTLED and not _settled(v):
+                return False
+        return True
     return isinstance(value, (np.generic, np.dtype, enum.Enum))
 
 
