@@ -458,3 +458,27 @@ def test_the_node_memo_keys_a_body_by_its_scope_and_outputs_and_a_list_by_its_it
     assert len({eg.term(jit, [eg.body(s1, [x]), eg.tlist(ops), pid], tup) for ops in ([], [x], [x, x])}) == 3
     eg.snapshot()  # they load
     eg.release()
+
+
+def test_a_literal_loads_alike_in_every_egraph():
+    """``EGraph.literal`` keeps what it made of a literal (its literal id and its value's facts) for the process: a
+    later e-graph given the same value and aval makes the node and facts a first load makes."""
+    scalar = core.ShapedArray((), jnp.float32)
+    values = [1.0, 0.0, -0.0, -2.0, np.float32(1e-45), np.array(3.0, np.float32), 7]
+    avals = [scalar] * 6 + [core.ShapedArray((), jnp.int32)]
+
+    def load():
+        eg = _egraph.EGraph()
+        vids = [eg.literal(v, a) for v, a in zip(values, avals)]
+        snap = eg.snapshot()
+        facts = [{f for f in _terms.FACTS if snap.cls_of_name[v] in snap.with_fact(f)} for v in vids]
+        out = [eg.defs[v] for v in vids], [eg.vtype[v] for v in vids], facts
+        eg.release()
+        return out
+
+    _egraph._LITERALS_MADE.clear()
+    first = load()  # made afresh
+    assert len(_egraph._LITERALS_MADE) == len(values)
+    assert load() == first  # read back
+    assert first[2][:4] == [{"Pos", "NonNeg", "NonZero"}, {"NonNeg"}, set(), {"NonZero"}]
+    assert first[2][4] == {"NonNeg"}  # a subnormal counts as zero
