@@ -89,3 +89,33 @@ def test_a_copy_with_fewer_nodes_takes_its_kins_ranks_and_reaches_alike():
                 assert lent.reaches(choice, kids, {cls}) == own.reaches(choice, kids, {cls}), (cls, node)
     assert asked > 10, asked
     report.release()
+
+
+def test_rules_that_built_nothing_take_the_same_copy():
+    """``extract.policy.copy_without``: two sets of rules that differ only in rules that built no name of the e-graph
+    withhold the same nodes (``made_by``'s dict, its order too) and take one copy, as a VJP's gradients alone, extracted
+    under the pipeline's rules, take their joint's copy from an e-graph saturated without some of them
+    (``grad/vjp.py``'s ``_joint_choices``, ``grad/together.py``'s ``joint_rules``); a rule that built a node takes
+    another copy, without that node too."""
+    from rewrite import explain
+    from rewrite.extract.policy import copy_without, made_by
+
+    report = explain(lambda a, b, c, d: ((a @ b) @ c, a @ (b @ d)), jnp.ones((64, 64)), jnp.ones((64, 64)),
+                     jnp.ones((64, 60)), jnp.ones((64, 60)), rulesets=[rulesets.linalg])
+    r = report.result
+    snap, eg, original = r.snapshot, r.egraph, r.original
+    built = {o for o in eg.vorigin if o is not None}
+    assert {"la_assoc_left", "la_assoc_right"} <= built, built
+    idle = sorted(n for n in r.stats if n not in built)[:3]  # rules of the run that made no name
+    assert idle
+    left = frozenset({"la_assoc_left"})
+    copy, made = copy_without(snap, eg, left, original)
+    assert made and copy is not snap
+    again, made_again = copy_without(snap, eg, left | set(idle), original)
+    assert again is copy and made_again is made
+    assert list(made.items()) == list(made_by(snap, eg, set(left | set(idle)), original).items())
+    both, made_both = copy_without(snap, eg, left | {"la_assoc_right"}, original)
+    assert both is not copy and set(made) < set(made_both)
+    assert all(node not in ns for ns in both.nodes.values() for node in made_both)
+    assert any(node in ns for ns in copy.nodes.values() for node in made_both if node not in made)
+    report.release()

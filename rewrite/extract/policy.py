@@ -180,7 +180,10 @@ def copy_without(snap: Any, eg: EGraph, rules: frozenset, original: set) -> tupl
     """``(copy, made)``: the nodes (canonicalised) that the rules named ``rules`` built and the input program does
     not hold (:func:`made_by`), and a copy of ``snap`` without them (``snap`` itself where there are none). Asked
     again for the same rules and input program (a VJP's pipeline, then its gradients alone, ``grad/vjp.py``), the
-    same copy: its extractor (``extractor.shared``) has priced its nodes and made its bottom-up passes already."""
+    same copy: its extractor (``extractor.shared``) has priced its nodes and made its bottom-up passes already. The
+    same rules are those that built a name of the e-graph (:func:`_withholding`): a joint's e-graph saturated without
+    a rule (``grad/together.py``'s ``joint_rules``) whose gradients are then extracted under the pipeline's rules
+    (``grad/vjp.py``'s ``_joint_choices``) takes the copy its joint extraction took."""
     key, (copy, made, _) = _withholding(snap, eg, rules, original)
     if copy is _UNMADE:
         copy = snap.without(lambda cls, node: node in made) if made else None  # (None: snap itself, without a cycle)
@@ -194,8 +197,10 @@ _UNMADE = object()
 
 def _withholding(snap: Any, eg: EGraph, rules: frozenset, original: set) -> tuple[tuple, tuple[Any, dict, Any]]:
     """``snap``'s entry for the copy without ``rules``' nodes (``Snapshot.withholding``), and its key: the nodes are
-    found once per input program, the copy made only where an extraction needs it (:func:`copy_without`)."""
-    key = (rules, id(original), len(eg.vorigin))
+    found once per input program, the copy made only where an extraction needs it (:func:`copy_without`). Keyed by
+    those of ``rules`` that built a name (``EGraph.vorigin``): :func:`made_by` reads only the names ``rules`` made, so
+    a rule that made none adds nothing to the nodes, nor to their order or their first rules (the same dict)."""
+    key = (rules & frozenset(eg.vorigin), id(original), len(eg.vorigin))
     found = snap.withholding.get(key)
     if found is None or found[2] is not original:
         found = snap.withholding[key] = (_UNMADE, made_by(snap, eg, set(rules), original), original)
