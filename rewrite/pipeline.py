@@ -189,8 +189,11 @@ def run_together(first: core.ClosedJaxpr, second: core.ClosedJaxpr, entries: Seq
         eg, loaded, held, names = _load_all((first, second), entries)
         (outs_first, _), (outs_second, _) = loaded
         n_first, n_both = names
-        before = [known if known is not None else input_cost(eg.snapshot(), outs, None, model) if price_input
+        # one snapshot for both (one no one holds is made again, its node table too, and its nodes' facts)
+        at_load = eg.snapshot() if price_input and None in input_prices else None
+        before = [known if known is not None else input_cost(at_load, outs, None, model) if price_input
                   else float("nan") for outs, known in zip((outs_first, outs_second), input_prices)]
+        del at_load
         load_s = time.perf_counter() - t
         t = time.perf_counter()
         engine = Engine(eg, entries, limits, manual=held.manual, held=held)

@@ -3,6 +3,7 @@ limits stop cleanly, the cost model is replaceable, results are cached per signa
 internal failure never reaches the user's program."""
 
 import warnings
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -384,3 +385,55 @@ def test_why_for_a_cheaper_rewrite_and_for_the_input_kept():
     assert cheaper.rewritten and cheaper.cost_after < cheaper.cost_before and cheaper.why == "cheaper"
     kept = rewrite(lambda x: jnp.sin(x), rulesets=[trig]).result(jnp.ones(8))
     assert not kept.rewritten and kept.why == ""
+
+
+def test_programs_priced_from_one_load_make_their_shared_nodes_facts_once(monkeypatch):
+    """``extract.input_cost`` of programs loaded together and priced as loaded (``run_together``'s two joints with
+    ``price_input``, ``pipeline.programs_cost``): one snapshot's extractor prices them all, so the ops' facts of the
+    nodes they share (``ProgramPricer.templates``; a scan's body too, whose facts read the choice inside it) are made
+    once, and each price is the float the program priced alone gets (``program_cost``, a load of its own)."""
+    from rewrite import pipeline
+    from rewrite.extract.extract import input_cost
+    from rewrite.extract.extractor import shared
+
+    def body(c, x):
+        return c * jnp.tanh(x) + 1.0, jnp.sin(c)
+
+    def one(x, w):
+        c, ys = lax.scan(body, x[0], x)
+        return jnp.sum(jnp.exp(x @ w) * 2.0) + jnp.sum(ys) + jnp.sum(c)
+
+    def two(x, w):
+        c, ys = lax.scan(body, x[0], x)
+        return jnp.sum(jnp.exp(x @ w) * 2.0) * jnp.sum(ys) - jnp.max(c)
+
+    args = (jnp.ones((16, 32)), jnp.ones((32, 8)))
+    programs = [jax.make_jaxpr(f)(*args) for f in (one, two)]
+    model = AnalyticCost()
+    eg, loaded, _, _ = pipeline._load_all(programs, ())
+    try:
+        snap = eg.snapshot()
+        prices, made = [], []
+        for outs, _ in loaded:
+            prices.append(input_cost(snap, outs, None, model))
+            made.append(len(shared(snap, model).templates))
+        assert made[0] > 10 and made[0] < made[1] < 2 * made[0], made  # the second made only the nodes it adds
+    finally:
+        eg.release()
+    assert prices == [pipeline.program_cost(p, model) for p in programs]
+    # run_together prices its two as loaded off one snapshot (one made afresh would build its node table again)
+    at_first: list = []  # the first call's snapshot, held weakly (a spy holding it would keep it for the second)
+    same: list = []
+
+    def spied(snap, *rest):
+        if at_first:
+            same.append(at_first[0]() is snap)
+        else:
+            at_first.append(weakref.ref(snap))
+        return input_cost(snap, *rest)
+
+    monkeypatch.setattr(pipeline, "input_cost", spied)
+    first, second = pipeline.run_together(programs[0], programs[1], (), model, Limits(), price_input=True)
+    first.egraph.release()
+    assert same == [True]
+    assert [first.cost_before, second.cost_before] == prices

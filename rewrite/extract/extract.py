@@ -71,12 +71,18 @@ class Extraction:
 
 
 def input_cost(snap: Snapshot, outs: Sequence[int], token: int | None, model: CostModel) -> float:
-    """The cost of the program as loaded (before any rule ran), under ``model``."""
+    """The cost of the program as loaded (before any rule ran), under ``model``.
+
+    Where every class holds one node (nothing to choose), the snapshot's shared extractor prices it: programs priced
+    from one load (``run_together``'s two joints, ``pipeline.programs_cost``, ``ProofGraph.price``'s losses) share
+    most of their nodes, whose ops' facts (``ProgramPricer.templates``: a node's, read off its class and itself, and
+    a nested node's with the choice inside its bodies, which it checks) are then made once. No pass is made on it."""
     roots = [snap.cls_of_name[o] for o in outs] + ([snap.cls_of_name[token]] if token is not None else [])
-    ex = Extractor(snap, model)
     if all(len(ns) == 1 for ns in snap.nodes.values()):
+        ex = shared(snap, model)
         choice = {c: ns[0] for c, ns in snap.nodes.items()}  # as loaded, nothing to choose (no class reaches itself)
     else:
+        ex = Extractor(snap, model)
         _, choice = ex.tree()
     if prices_programs(model):
         pricer = ProgramPricer(ex, model)
