@@ -32,9 +32,10 @@ from typing import Any, NamedTuple, Sequence
 import jax
 import jax.numpy as jnp
 
-from rewrite import Pat, Ruleset, Sliced, Tolerance, procedural, rule
+from rewrite import Pat, Ruleset, Tolerance, procedural, rule
 from rulesets import _fused_attention as _fused
-from rulesets.kernels.attention import BLOCKS, SCORES_BAND, Blocking, Logits, ValueProduct, blocked_attention
+from rulesets._attention_plan import Plan
+from rulesets.kernels.attention import BLOCKS, SCORES_BAND, Blocking, ValueProduct
 
 __all__ = ["attention", "attention_with", "BLOCKS", "SCORES_BAND"]
 
@@ -56,17 +57,6 @@ _SOFTMAX = Pat("div", Pat("exp", X), Pat("broadcast_in_dim", Pat("reduce_sum", P
 #: ``jax.nn.softmax`` of half-precision logits: the exponentials summed in float32, the sum rounded back.
 _SOFTMAX_WIDE = Pat("div", Pat("exp", X), Pat("convert_element_type", Pat("broadcast_in_dim", Pat(
     "reduce_sum", Pat("convert_element_type", Pat("exp", X), params="w"), params="r"), params="b"), params="n"))
-
-
-def _logits(sliced: Sliced, query_axis: int | None) -> Logits:
-    """The matched logits (``sliced`` along the keys) as :class:`Logits`, blocks of ``query_axis`` too (``None``:
-    not cut): the backward's over their own leaves, the forward's with a literal scale applied to ``q`` before
-    the loops (:meth:`rewrite.Sliced.blocks`)."""
-    back, ahead = sliced.blocks(query_axis), sliced.blocks(query_axis, hoist=True)
-    s = sliced.aval(sliced.out)
-    return Logits(tuple(s.shape), s.dtype, sliced.axis, back.block, back.leaf_axes, query_axis=query_axis,
-                  query_axes=back.across_axes, prepare=ahead.prepare, forward_block=ahead.block,
-                  forward_key_axes=ahead.leaf_axes, forward_query_axes=ahead.across_axes)
 
 
 def _blocked(config: _Config, p_first: bool, widened: bool = False):
@@ -117,9 +107,9 @@ def _blocked(config: _Config, p_first: bool, widened: bool = False):
         s_q = product.query_axis(x.shape)
         nq = 0 if s_q is None or logits.place(s_q) is None else x.shape[s_q]
         offers = config.blocking.offers(n, nq, x.aval.size // n)
-        read = _logits(logits, s_q if any(o.query_block or o.backward_query_block for o in offers) else None)
-        return [(m.root, m.trace(blocked_attention(read, product, **o._asdict()), *logits.leaves, v))
-                for o in offers] or None
+        # one trace per plan, loop and types, for every layer alike (rulesets/_attention_plan.py)
+        plan = Plan(logits, s_q if any(o.query_block or o.backward_query_block for o in offers) else None, product)
+        return [(m.root, m.trace(plan.kernel(o), *logits.leaves, v)) for o in offers] or None
 
     return build
 
