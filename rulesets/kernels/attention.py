@@ -49,6 +49,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from rulesets.kernels.replay import replayed
+
 __all__ = ["Window", "Logits", "ValueProduct", "blocked_attention", "Offer", "Blocking", "Scores", "attention",
            "FusedAxes", "fused_attention", "fused_axes"]
 
@@ -428,7 +430,7 @@ def blocked_attention(logits: Logits, product: ValueProduct, *, block: int, quer
         (grads, dv), _ = lax.scan(body, (grads0, dv0), jnp.arange(pairs))
         return tuple(None if gr is None else gr.astype(x.dtype) for gr, x in zip(grads, operands)), dv
 
-    attend.defvjp(fwd, bwd)
+    attend.defvjp(fwd, replayed(bwd))  # traced once per types, however many joint programs JAX traces (replay.py)
 
     def fn(*args: Any) -> Any:
         *operands, v = args

@@ -1,0 +1,57 @@
+"""A kernel's backward traced once per input types and replayed: :func:`replayed`.
+
+JAX calls a ``custom_vjp``'s Python backward afresh at every ``jax.vjp`` of a program that holds the call: the
+rewrite traces the joint program of a forward several times (each joint it prices and emits), and each time the
+blocked attention's backward traced its loops again (``lax.scan`` retracing their bodies: 13% of
+flax_long_context_step's joint traces). :func:`replayed` traces the function once per pytree structure and input
+types (the whole aval: shape, dtype, weak type, and what a ``shard_map`` body's aval carries), under the settings a
+trace reads, and replays the jaxpr (``jax.core.eval_jaxpr``) into the caller's trace: the same primitives bound with
+the same params, a loop's body bound as it was traced, so the caller's program is the same.
+
+The traces are kept with the function (a few per kernel: one per type of cotangent it is called with), and hold the
+jaxprs only: a jaxpr's constants are what the function's trace closed over (scalars here).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+
+from rewrite.ir.jaxapi import core
+from rewrite.jaxpr.trace import trace_at
+
+#: Traces kept per function; past it the oldest goes.
+SIZE = 8
+
+
+def _config() -> tuple:
+    c = jax.config
+    return (c.jax_enable_x64, c.jax_numpy_dtype_promotion, c.jax_default_matmul_precision)
+
+
+def replayed(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` (a function of arrays, in and out as pytrees, that reads nothing but its arguments and what it closed
+    over), traced once per argument structure and types and replayed; its results as ``fn``'s."""
+    traces: dict[Any, tuple[Any, Any]] = {}
+
+    def call(*args: Any) -> Any:
+        flat, tree = jax.tree_util.tree_flatten(args)
+        avals = tuple(core.typeof(x) for x in flat)
+        key = (tree, avals, _config())
+        found = traces.get(key)
+        if found is None:
+            shape: list = []
+
+            def flat_fn(*xs: Any) -> list:
+                leaves, out_tree = jax.tree_util.tree_flatten(fn(*jax.tree_util.tree_unflatten(tree, xs)))
+                shape.append(out_tree)
+                return leaves
+
+            found = traces[key] = (trace_at(flat_fn, avals), shape[0])
+            while len(traces) > SIZE:
+                del traces[next(iter(traces))]
+        closed, out_tree = found
+        return jax.tree_util.tree_unflatten(out_tree, core.jaxpr_as_fun(closed)(*flat))
+
+    return call
