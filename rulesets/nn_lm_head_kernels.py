@@ -29,6 +29,7 @@ import numpy as np
 from jax import lax
 
 from rewrite.loops import laid_out
+from rulesets.kernels.replay import replayed
 
 __all__ = ["Layout", "Reads", "Stats", "COLUMNS", "TILE", "ROWS_BYTES", "WHOLE_BYTES", "forward_rows",
            "blocked_forward", "blocked_backward", "blocked_loss", "combine_tiles", "label_logit", "row_sums",
@@ -496,10 +497,15 @@ def blocked_loss(*, layout: Layout, block: int, reads: Reads, columns: int = COL
     ``jax.grad``, where the forward's values are not read, XLA drops the forward loop. A target that is not
     differentiated has its cotangent dropped with the unread loop output (no tokens x vocabulary array)."""
 
-    def forward(h: Any, w: Any, b: Any, labels: Any, target: Any) -> tuple:
+    def stats_of(h: Any, w: Any, b: Any, labels: Any, target: Any) -> tuple:
         stats = blocked_forward(h, w, b, labels, target, layout=layout, block=block, reads=reads)
         # a plain tuple across the custom_vjp (what the rewrite cache writes), the Stats outside it
         return tuple(None if x is None else x.reshape(shape) for x, shape in zip(stats, shapes or stats_shapes))
+
+    once = replayed(stats_of)  # traced once for the call and replayed for the fwd of each joint program
+
+    def forward(h: Any, w: Any, b: Any, labels: Any, target: Any) -> tuple:
+        return once(h, w, b, labels, target)
 
     def fwd(h: Any, w: Any, b: Any, labels: Any, target: Any) -> tuple:
         return forward(h, w, b, labels, target), (h, w, b, labels, target)

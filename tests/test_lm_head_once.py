@@ -105,3 +105,43 @@ def test_a_match_found_again_reuses_its_loop(monkeypatch):
     once = _loops_built(monkeypatch, twice=False)
     assert once[0] == {256: 2, 128: 2, 512: 2}, once  # the normaliser's loop and the label's, per block
     assert _loops_built(monkeypatch, twice=True) == once
+
+
+def _stacks(jaxpr, out):
+    """Each equation's primitive and name stack, bodies too (the loader marks a loop laid out by its stack)."""
+    for e in jaxpr.eqns:
+        out.append((e.primitive.name, str(e.source_info.name_stack)))
+        for sub in core.jaxprs_in_params(e.params):
+            _stacks(sub, out)
+    return out
+
+
+@pytest.mark.parametrize("label", [False, True])
+def test_the_token_loop_s_forward_is_traced_once_and_its_joint_programs_are_as_traced(monkeypatch, label):
+    """The kernel's forward is traced once, for its call, and replayed for the ``fwd`` JAX traces at each joint
+    program (``rulesets/kernels/replay.py``); a joint program, equations and name stacks, is the one tracing the
+    forward there gives (the rewrite's emitted programs must stay byte for byte)."""
+    from rulesets.kernels import replay
+
+    n, c, v = 256, 8, 64
+    reads = kernels.Reads(shift="finite", log=True, label=label)
+    layout = kernels.Layout((0, 1), (0, 1), (n,), c, v, True)
+    y = jnp.arange(n, dtype=jnp.int32) % v
+    ops = (jax.random.normal(jax.random.key(0), (n, c)), jax.random.normal(jax.random.key(1), (c, v)), jnp.ones(v))
+
+    def joint(loss):
+        def run(h, w, b):
+            out, pull = jax.vjp(lambda *a: loss(*a, y if label else None).normaliser, h, w, b)
+            return out, pull(jnp.ones_like(out))
+        made = jax.make_jaxpr(run)(*ops)
+        return str(made), _stacks(made.jaxpr, [])
+
+    traced = []
+    trace_at = replay.trace_at
+    monkeypatch.setattr(replay, "trace_at", lambda fn, avals: traced.append(fn) or trace_at(fn, avals))
+    loss = kernels.blocked_loss(layout=layout, block=128, reads=reads)
+    first, second = joint(loss), joint(loss)
+    assert first == second
+    assert len(traced) == 1  # the forward, once (JAX traces the backward once a joint, as before)
+    monkeypatch.setattr(kernels, "replayed", lambda fn: fn)  # each traced where JAX calls it
+    assert joint(kernels.blocked_loss(layout=layout, block=128, reads=reads)) == first

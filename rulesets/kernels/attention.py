@@ -328,12 +328,15 @@ def blocked_attention(logits: Logits, product: ValueProduct, *, block: int, quer
         (out, shift, l), _ = lax.scan(body, init, jnp.arange(s_shape[s_q] // query_block))
         return back(out), (shift, l)
 
+    # traced once for the call and replayed for the fwd JAX traces at each joint program (replay.py)
+    once = replayed(forward)
+
     @jax.custom_vjp
     def attend(operands: tuple, v: Any) -> Any:
-        return forward(operands, v)[0]
+        return once(operands, v)[0]
 
     def fwd(operands: tuple, v: Any) -> tuple:
-        out, (shift, l) = forward(operands, v)
+        out, (shift, l) = once(operands, v)
         return out, (operands, v, out, shift, l)
 
     def bwd(res: tuple, g: Any) -> tuple:
