@@ -17,8 +17,8 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import jax
+import jax.extend.core
 
-from rewrite.ir.jaxapi import core
 from rewrite.jaxpr.trace import trace_at
 
 #: Traces kept per function; past it the oldest goes.
@@ -37,7 +37,7 @@ def replayed(fn: Callable[..., Any]) -> Callable[..., Any]:
 
     def call(*args: Any) -> Any:
         flat, tree = jax.tree_util.tree_flatten(args)
-        avals = tuple(core.typeof(x) for x in flat)
+        avals = tuple(jax.typeof(x) for x in flat)
         key = (tree, avals, _config())
         found = traces.get(key)
         if found is None:
@@ -52,6 +52,6 @@ def replayed(fn: Callable[..., Any]) -> Callable[..., Any]:
             while len(traces) > SIZE:
                 del traces[next(iter(traces))]
         closed, out_tree = found
-        return jax.tree_util.tree_unflatten(out_tree, core.jaxpr_as_fun(closed)(*flat))
+        return jax.tree_util.tree_unflatten(out_tree, jax.extend.core.jaxpr_as_fun(closed)(*flat))
 
     return call
