@@ -426,7 +426,10 @@ def test_nodes_with_a_short_list_load_from_rows_as_actions_would_make_them(monke
 
 def test_a_literal_read_again_is_rounded_and_keyed_once(monkeypatch):
     """A program reads the same few literals again and again: each value and type is rounded to its dtype once
-    an e-graph, and gives the node a fresh read gives; values that differ in sign, type or dtype stay apart."""
+    (in a process: ``_LITERALS_MADE`` keeps what a literal makes, emptied here so that what other tests loaded
+    before does not count), and gives the node a fresh read gives; values that differ in sign, type or dtype stay
+    apart."""
+    monkeypatch.setattr(_egraph, "_LITERALS_MADE", {})
     rounded = []
     real = _egraph.in_dtype
     monkeypatch.setattr(_egraph, "in_dtype", lambda v, d: rounded.append(v) or real(v, d))
