@@ -1,11 +1,12 @@
-"""A kernel's backward traced once per input types and replayed: :func:`replayed`.
+"""A kernel's forward or backward traced once per input types and replayed: :func:`replayed`.
 
 JAX calls a ``custom_vjp``'s Python backward afresh at every ``jax.vjp`` of a program that holds the call: the
 rewrite traces the joint program of a forward several times (each joint it prices and emits), and each time the
 blocked attention's backward traced its loops again (``lax.scan`` retracing their bodies: 13% of
 flax_long_context_step's joint traces). :func:`replayed` traces the function once per pytree structure and input
 types (the whole aval: shape, dtype, weak type, and what a ``shard_map`` body's aval carries), under the settings a
-trace reads, and replays the jaxpr (``jax.core.eval_jaxpr``) into the caller's trace: the same primitives bound with
+trace reads (``rewrite.rules.builder``'s, as a rule's traces are keyed), and replays the jaxpr
+(``jax.extend.core.jaxpr_as_fun``) into the caller's trace: the same primitives bound with
 the same params, a loop's body bound as it was traced, so the caller's program is the same.
 
 The traces are kept with the function (a few per kernel: one per type of cotangent it is called with), and hold the
@@ -20,14 +21,10 @@ import jax
 import jax.extend.core
 
 from rewrite.jaxpr.trace import trace_at
+from rewrite.rules.builder import _config
 
 #: Traces kept per function; past it the oldest goes.
 SIZE = 8
-
-
-def _config() -> tuple:
-    c = jax.config
-    return (c.jax_enable_x64, c.jax_numpy_dtype_promotion, c.jax_default_matmul_precision)
 
 
 def replayed(fn: Callable[..., Any]) -> Callable[..., Any]:
