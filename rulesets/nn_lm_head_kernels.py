@@ -24,10 +24,12 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from rewrite.jaxpr.trace import trace_at
 from rewrite.loops import laid_out
 from rulesets.kernels.replay import replayed
 
@@ -403,16 +405,42 @@ def _block_loop(hc: Any, wc: Any, bv: Any, labels: Any, tc: Any, *, layout: Layo
         weighted = None if tb is None else jnp.sum(tb * (shifted - jnp.log(total)[:, None]), axis=1)
         return m, total, label, weighted
 
+    yl = None if not reads.label else jnp.where(late, jnp.zeros((), labels.dtype), labels).reshape(n, block)
+    xs = (_blocks(hc, n, block), _blocks(tc, n, block), yl)
+    types, again = _traced_once(stats, *(None if x is None else x[0] for x in xs))
+
     def body(carry: tuple, x: tuple) -> tuple:
         i, out = carry
         put = lambda a, v: None if a is None else lax.dynamic_update_index_in_dim(a, v, i, 0)  # noqa: E731
-        return (i + 1, tuple(put(a, v) for a, v in zip(out, stats(*x)))), None
+        return (i + 1, tuple(put(a, v) for a, v in zip(out, again(*x)))), None
 
-    yl = None if not reads.label else jnp.where(late, jnp.zeros((), labels.dtype), labels).reshape(n, block)
-    xs = (_blocks(hc, n, block), _blocks(tc, n, block), yl)
-    shapes = jax.eval_shape(stats, *(None if x is None else x[0] for x in xs))
-    init = tuple(None if s is None else jnp.broadcast_to(late.astype(s.dtype), (n, block)) for s in shapes)
+    init = tuple(None if t is None else jnp.broadcast_to(late.astype(t.dtype), (n, block)) for t in types)
     return lax.scan(body, (late.astype(jnp.int32), init), xs)[0][1]
+
+
+def _traced_once(fn: Any, *args: Any) -> tuple[tuple, Any]:
+    """``(types, again)``: the types of ``fn(*args)``'s results (a tuple; ``None`` where a result is) and ``again``,
+    which binds into the caller's trace what tracing ``fn`` there binds, at arguments of ``args``' types (``None``
+    where ``args`` has it). ``fn`` is traced once, at ``args``, and ``again`` replays that trace
+    (``jaxpr_as_fun``: the same primitives bound with the same params): a loop's body that needs its results'
+    types for the carry first, without a second trace (``jax.eval_shape`` and the loop's own: 0.06 s of
+    flax_long_context_step's first call, in its six token loops)."""
+    read: list = []
+
+    def flat(*xs: Any) -> list:
+        out = fn(*_among(xs, args))
+        read.append(tuple(o is not None for o in out))
+        return [o for o in out if o is not None]
+
+    closed = trace_at(flat, [jax.typeof(a) for a in args if a is not None])
+    run = jax.extend.core.jaxpr_as_fun(closed)
+    return _among(closed.out_avals, read[0]), lambda *xs: _among(run(*[x for x in xs if x is not None]), read[0])
+
+
+def _among(values: Any, where: Any) -> tuple:
+    """``values`` in order at the places of ``where`` that are neither ``None`` nor ``False``, ``None`` elsewhere."""
+    it = iter(values)
+    return tuple(None if w is None or w is False else next(it) for w in where)
 
 
 def _late(hc: Any) -> Any:

@@ -145,3 +145,40 @@ def test_the_token_loop_s_forward_is_traced_once_and_its_joint_programs_are_as_t
     assert len(traced) == 1  # the forward, once (JAX traces the backward once a joint, as before)
     monkeypatch.setattr(kernels, "replayed", lambda fn: fn)  # each traced where JAX calls it
     assert joint(kernels.blocked_loss(layout=layout, block=128, reads=reads)) == first
+
+
+_LOOP_READS = {"plain": kernels.Reads(shift="max", log=False),
+               "label": kernels.Reads(shift="finite", label=True, fills=True, fill=-1.0),
+               "target": kernels.Reads(shift="finite", target=True)}
+
+
+@pytest.mark.parametrize("reads", sorted(_LOOP_READS))
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("dtype,cast", [("bfloat16", None), ("bfloat16", "float32"), ("float16", None),
+                                        ("float32", None), ("float64", None)])
+def test_the_token_loop_s_body_is_its_block_traced_there(monkeypatch, reads, bias, dtype, cast):
+    """The token loop (``_block_loop``) traces a block's stats once, for its carry's types, and replays that trace
+    as the loop's body (``_traced_once``): its program, equations, types and name stacks, is the one that
+    ``jax.eval_shape`` for the types and a trace of the stats in the body give (the rewrite's emitted programs must
+    stay byte for byte), over dtypes, casts, a bias or none, and the label's and a dense target's reads."""
+    n, c, v = 64, 8, 16
+    layout = kernels.Layout((1, 0), (0, 1), (n,), c, v, bias, cast)
+    keys = jax.random.split(jax.random.key(0), 4)
+
+    def program():
+        with jax.enable_x64(dtype == "float64"):
+            h = jax.random.normal(keys[0], (c, n), dtype)
+            w = jax.random.normal(keys[1], (c, v), dtype)
+            b = jax.random.normal(keys[2], (v,), dtype) if bias else None
+            y = jnp.arange(n, dtype=jnp.int8) % (v + 2) - 1
+            t = jax.random.normal(keys[3], (n, v), jnp.float32)
+            run = lambda *a: kernels.blocked_forward(*a, layout=layout, block=16, reads=_LOOP_READS[reads],  # noqa: E731
+                                                     tile=v)
+            with jax.named_scope("head"):
+                made = jax.make_jaxpr(run)(h, w, b, y, t)
+            return str(made), _stacks(made.jaxpr, [])
+
+    replayed = program()
+    assert "scan[" in replayed[0]
+    monkeypatch.setattr(kernels, "_traced_once", lambda fn, *args: (jax.eval_shape(fn, *args), fn))
+    assert replayed == program()
