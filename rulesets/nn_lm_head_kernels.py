@@ -350,7 +350,7 @@ def blocked_forward(h: Any, w: Any, b: Any = None, labels: Any = None, target: A
     the row's shift before the first tile: its blocks of ``block`` tokens hold their logits whole."""
     hc, wc, bv = canonical(layout, h, w, b)
     tc = target.reshape(layout.tokens, layout.vocab) if reads.target else None
-    if tc is None and tile < layout.vocab:
+    if _tiled(layout, reads, tile):
         rows = forward_rows(layout, block, jnp.dtype(hc.dtype).itemsize, tile) if rows is None else rows
         cols, inside = label_column(labels.reshape(-1), layout.vocab) if reads.label else (None, None)
         run = lambda hb, cb: _tiled_rows(hb, wc, bv, cb, layout=layout, tile=tile, kind=reads.shift)  # noqa: E731
@@ -371,6 +371,12 @@ def blocked_forward(h: Any, w: Any, b: Any = None, labels: Any = None, target: A
     if reads.row_sums:
         stats = stats._replace(row_sums=row_sums(h, w, b, layout=layout))
     return stats if weighted is None else stats._replace(target=weighted.reshape(-1))
+
+
+def _tiled(layout: Layout, reads: Reads, tile: int) -> bool:
+    """Does :func:`blocked_forward` compute the logits by vocabulary tiles (for rows of tokens, where it reads
+    ``block`` only through :func:`forward_rows`)?"""
+    return not reads.target and tile < layout.vocab
 
 
 def _filled(label: Any, inside: Any, reads: Reads) -> Any:
@@ -525,15 +531,23 @@ def blocked_loss(*, layout: Layout, block: int, reads: Reads, columns: int = COL
     ``jax.grad``, where the forward's values are not read, XLA drops the forward loop. A target that is not
     differentiated has its cotangent dropped with the unread loop output (no tokens x vocabulary array)."""
 
-    def stats_of(h: Any, w: Any, b: Any, labels: Any, target: Any) -> tuple:
-        stats = blocked_forward(h, w, b, labels, target, layout=layout, block=block, reads=reads)
-        # a plain tuple across the custom_vjp (what the rewrite cache writes), the Stats outside it
-        return tuple(None if x is None else x.reshape(shape) for x, shape in zip(stats, shapes or stats_shapes))
+    def once(itemsize: int) -> Any:
+        """The forward, traced once for the call and replayed for the fwd of each joint program. Where it computes
+        the logits by tiles it reads ``block`` only through its rows: it is called with those as its block, and
+        its traces are shared by every block (and loss) of that forward (flax_lm_step's three blocks, one trace)."""
+        tiled = _tiled(layout, reads, TILE)
+        rows = forward_rows(layout, block, itemsize) if tiled else None
+        kw = dict(layout=layout, block=block if rows is None else rows, reads=reads, tile=TILE, rows=rows)
 
-    once = replayed(stats_of)  # traced once for the call and replayed for the fwd of each joint program
+        def stats_of(h: Any, w: Any, b: Any, labels: Any, target: Any) -> tuple:
+            stats = blocked_forward(h, w, b, labels, target, **kw)
+            # a plain tuple across the custom_vjp (what the rewrite cache writes), the Stats outside it
+            return tuple(None if x is None else x.reshape(shape) for x, shape in zip(stats, shapes or stats_shapes))
+
+        return replayed(stats_of, key=("nn_lm_head forward", tuple(sorted(kw.items())), shapes or stats_shapes))
 
     def forward(h: Any, w: Any, b: Any, labels: Any, target: Any) -> tuple:
-        return once(h, w, b, labels, target)
+        return once(jnp.dtype(h.dtype).itemsize)(h, w, b, labels, target)
 
     def fwd(h: Any, w: Any, b: Any, labels: Any, target: Any) -> tuple:
         return forward(h, w, b, labels, target), (h, w, b, labels, target)

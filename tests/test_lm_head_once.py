@@ -139,11 +139,12 @@ def test_the_token_loop_s_forward_is_traced_once_and_its_joint_programs_are_as_t
     traced = []
     trace_at = replay.trace_at
     monkeypatch.setattr(replay, "trace_at", lambda fn, avals: traced.append(fn) or trace_at(fn, avals))
+    monkeypatch.setattr(replay, "_shared", {})  # (not traced by an earlier test)
     loss = kernels.blocked_loss(layout=layout, block=128, reads=reads)
     first, second = joint(loss), joint(loss)
     assert first == second
     assert len(traced) == 1  # the forward, once (JAX traces the backward once a joint, as before)
-    monkeypatch.setattr(kernels, "replayed", lambda fn: fn)  # each traced where JAX calls it
+    monkeypatch.setattr(kernels, "replayed", lambda fn, key=None: fn)  # each traced where JAX calls it
     assert joint(kernels.blocked_loss(layout=layout, block=128, reads=reads)) == first
 
 
@@ -182,3 +183,42 @@ def test_the_token_loop_s_body_is_its_block_traced_there(monkeypatch, reads, bia
     assert "scan[" in replayed[0]
     monkeypatch.setattr(kernels, "_traced_once", lambda fn, *args: (jax.eval_shape(fn, *args), fn))
     assert replayed == program()
+
+
+def _forward_programs(loss, ops):
+    """The forward program of ``loss``'s custom_vjp (its ``call_jaxpr``: text and name stacks) at ``ops``."""
+    made = jax.make_jaxpr(loss)(*ops)
+    (eqn,) = [e for e in made.jaxpr.eqns if e.primitive.name == "custom_vjp_call"]
+    return str(eqn.params["call_jaxpr"]), _stacks(eqn.params["call_jaxpr"].jaxpr, [])
+
+
+@pytest.mark.parametrize("label", [False, True])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("vocab", [kernels.TILE // 2, 2 * kernels.TILE])
+def test_a_forward_that_reads_no_block_is_traced_once_for_every_block(monkeypatch, label, dtype, vocab):
+    """Where the forward computes the logits by vocabulary tiles it reads the block only through its rows
+    (``forward_rows``): the losses of every block share one trace of it (``replayed``'s key), and each block's
+    forward program, equations and name stacks, is what tracing ``blocked_forward`` at that block gives (the
+    rewrite's emitted programs must stay byte for byte). Where it loops over token blocks (``vocab`` within a tile),
+    each block is its own program and trace."""
+    from rulesets.kernels import replay
+
+    n, c = 256, 8
+    reads = kernels.Reads(shift="finite", log=True, label=label, fills=label)
+    layout = kernels.Layout((0, 1), (0, 1), (n,), c, vocab, True)
+    y = jnp.arange(n, dtype=jnp.int32) % vocab if label else None
+    keys = jax.random.split(jax.random.key(0), 3)
+    ops = (jax.random.normal(keys[0], (n, c), dtype), jax.random.normal(keys[1], (c, vocab), dtype),
+           jax.random.normal(keys[2], (vocab,), dtype), y)
+    traced = []
+    trace_at = replay.trace_at
+    monkeypatch.setattr(replay, "trace_at", lambda fn, avals: traced.append(fn) or trace_at(fn, avals))
+    monkeypatch.setattr(replay, "_shared", {})
+    blocks = (32, 64, 128)
+    for block in blocks:
+        got = _forward_programs(kernels.blocked_loss(layout=layout, block=block, reads=reads), ops)
+        plain = lambda *a, block=block: tuple(kernels.blocked_forward(*a, layout=layout, block=block,  # noqa: E731
+                                                                      reads=reads))
+        made = jax.make_jaxpr(plain)(*ops)
+        assert got == (str(made), _stacks(made.jaxpr, []))
+    assert len(traced) == (1 if vocab > kernels.TILE else len(blocks))

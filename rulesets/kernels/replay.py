@@ -10,12 +10,16 @@ trace reads (``rewrite.rules.builder``'s, as a rule's traces are keyed), and rep
 the same params, a loop's body bound as it was traced, so the caller's program is the same.
 
 The traces are kept with the function (a few per kernel: one per type of cotangent it is called with), and hold the
-jaxprs only: a jaxpr's constants are what the function's trace closed over (scalars here).
+jaxprs only: a jaxpr's constants are what the function's trace closed over (scalars here). A function replayed with a
+``key`` (all its trace reads of what it closed over) shares its traces with every other of that key, process-wide
+(:data:`SHARED` at most): the LM head's forward is the same program for each token block where it computes its rows
+by vocabulary tiles (``rulesets.nn_lm_head_kernels.blocked_loss``).
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import threading
+from typing import Any, Callable, Hashable
 
 import jax
 import jax.extend.core
@@ -25,18 +29,25 @@ from rewrite.rules.builder import _config
 
 #: Traces kept per function; past it the oldest goes.
 SIZE = 8
+#: Traces kept for the functions replayed with a key, all together; past it the oldest goes.
+SHARED = 64
+_shared: dict[Any, tuple[Any, Any]] = {}
+_lock = threading.Lock()
 
 
-def replayed(fn: Callable[..., Any]) -> Callable[..., Any]:
+def replayed(fn: Callable[..., Any], key: Hashable = None) -> Callable[..., Any]:
     """``fn`` (a function of arrays, in and out as pytrees, that reads nothing but its arguments and what it closed
-    over), traced once per argument structure and types and replayed; its results as ``fn``'s."""
-    traces: dict[Any, tuple[Any, Any]] = {}
+    over), traced once per argument structure and types and replayed; its results as ``fn``'s. With a ``key`` (not
+    ``None``) that says all that ``fn``'s trace reads of what it closed over, the traces are shared with every
+    function replayed with an equal key."""
+    traces: dict[Any, tuple[Any, Any]] = {} if key is None else _shared
+    size = SIZE if key is None else SHARED
 
     def call(*args: Any) -> Any:
         flat, tree = jax.tree_util.tree_flatten(args)
         avals = tuple(jax.typeof(x) for x in flat)
-        key = (tree, avals, _config())
-        found = traces.get(key)
+        at = (tree, avals, _config()) if key is None else (key, tree, avals, _config())
+        found = traces.get(at)
         if found is None:
             shape: list = []
 
@@ -45,9 +56,11 @@ def replayed(fn: Callable[..., Any]) -> Callable[..., Any]:
                 shape.append(out_tree)
                 return leaves
 
-            found = traces[key] = (trace_at(flat_fn, avals), shape[0])
-            while len(traces) > SIZE:
-                del traces[next(iter(traces))]
+            found = (trace_at(flat_fn, avals), shape[0])
+            with _lock:
+                traces[at] = found
+                while len(traces) > size:
+                    del traces[next(iter(traces))]
         closed, out_tree = found
         return jax.tree_util.tree_unflatten(out_tree, jax.extend.core.jaxpr_as_fun(closed)(*flat))
 
