@@ -222,3 +222,17 @@ def test_a_forward_that_reads_no_block_is_traced_once_for_every_block(monkeypatc
         made = jax.make_jaxpr(plain)(*ops)
         assert got == (str(made), _stacks(made.jaxpr, []))
     assert len(traced) == (1 if vocab > kernels.TILE else len(blocks))
+
+
+def test_the_shared_forward_traces_leave_the_pack_s_disk_cache_key_alone():
+    """The forward traces that blocks share (``rulesets.kernels.replay._shared``, reached by the pack's rules through
+    ``blocked_loss``) are a memo that the disk cache's key names, never walks: a rule's key is the same before and
+    after the process traced a forward."""
+    from rewrite.cache.fingerprint import fingerprint
+
+    before = fingerprint((kernels.blocked_loss, pack.lm_head_rules))
+    n, c, v = 64, 5, 3 * kernels.TILE  # a layout no other test traces: a new trace kept
+    layout = kernels.Layout((0, 1), (0, 1), (n,), c, v)
+    loss = kernels.blocked_loss(layout=layout, block=32, reads=kernels.Reads())
+    jax.make_jaxpr(loss)(jnp.ones((n, c)), jnp.ones((c, v)))
+    assert fingerprint((kernels.blocked_loss, pack.lm_head_rules)) == before

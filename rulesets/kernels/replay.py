@@ -24,6 +24,7 @@ from typing import Any, Callable, Hashable
 import jax
 import jax.extend.core
 
+from rewrite.cache.fingerprint import Memo
 from rewrite.jaxpr.trace import trace_at
 from rewrite.rules.builder import _config
 
@@ -31,7 +32,9 @@ from rewrite.rules.builder import _config
 SIZE = 8
 #: Traces kept for the functions replayed with a key, all together; past it the oldest goes.
 SHARED = 64
-_shared: dict[Any, tuple[Any, Any]] = {}
+#: Those traces: a memo, which the disk cache's key of a rule that reaches :func:`replayed` names and never walks
+#: (what it holds depends on what the process traced before)
+_shared = Memo("rulesets.kernels.replay._shared", most=SHARED)
 _lock = threading.Lock()
 
 
@@ -41,7 +44,6 @@ def replayed(fn: Callable[..., Any], key: Hashable = None) -> Callable[..., Any]
     ``None``) that says all that ``fn``'s trace reads of what it closed over, the traces are shared with every
     function replayed with an equal key."""
     traces: dict[Any, tuple[Any, Any]] = {} if key is None else _shared
-    size = SIZE if key is None else SHARED
 
     def call(*args: Any) -> Any:
         flat, tree = jax.tree_util.tree_flatten(args)
@@ -59,7 +61,7 @@ def replayed(fn: Callable[..., Any], key: Hashable = None) -> Callable[..., Any]
             found = (trace_at(flat_fn, avals), shape[0])
             with _lock:
                 traces[at] = found
-                while len(traces) > size:
+                while len(traces) > (SIZE if key is None else SHARED):
                     del traces[next(iter(traces))]
         closed, out_tree = found
         return jax.tree_util.tree_unflatten(out_tree, jax.extend.core.jaxpr_as_fun(closed)(*flat))
