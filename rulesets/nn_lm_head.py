@@ -218,8 +218,8 @@ def _loop(m: Any, site: Site, block: int, reads: Reads, columns: int, idx: Value
     outs = m.engine.once(("nn_lm_head loop", head.layout, block, reads, site.kind, columns, shapes,
                           tuple(v.name for v in inputs)), lambda: m.trace(fn, *inputs))
     pairs = [(site.target, outs[1]), (site.rmax, outs[0])]
-    if site.log is not None:  # the sum itself, for any other reader
-        pairs.append((site.total, m.trace(lambda t: jnp.exp(t).reshape(site.total.shape), outs[1])))
+    if site.log is not None:  # the sum itself, for any other reader (a function of its shape alone: traced once)
+        pairs.append((site.total, m.trace(lambda t, shape=site.total.shape: jnp.exp(t).reshape(shape), outs[1])))
     return pairs, outs
 
 
