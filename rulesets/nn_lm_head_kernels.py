@@ -429,8 +429,8 @@ def _traced_once(fn: Any, *args: Any) -> tuple[tuple, Any]:
     which binds into the caller's trace what tracing ``fn`` there binds, at arguments of ``args``' types (``None``
     where ``args`` has it). ``fn`` is traced once, at ``args``, and ``again`` replays that trace
     (``jaxpr_as_fun``: the same primitives bound with the same params): a loop's body that needs its results'
-    types for the carry first, without a second trace (``jax.eval_shape`` and the loop's own: 0.06 s of
-    flax_long_context_step's first call, in its six token loops)."""
+    types for the carry first, without a second trace (``jax.eval_shape`` then the loop's own: a quarter of
+    flax_long_context_step's six token-loop traces, ``benchmarks/results/log.md``, the fifty-third session, h-lm)."""
     read: list = []
 
     def flat(*xs: Any) -> list:
