@@ -143,7 +143,8 @@ def test_rows_make_the_nodes_actions_make():
     x = eg.term("Param", [0, 0], TYPES.intern_aval(F32))
     y = eg.term("Param", [0, 1], TYPES.intern_aval(F32))
     m = _mul(eg, x, y)
-    opaque = eg.term("Opaque", [eg.tlist([m, x]), PARAMS.intern_params(jax.lax.sin_p, {})], TYPES.intern_aval(F32))
+    opaque = eg.term("Opaque", [eg.tlist([m, x, m, x]), PARAMS.intern_params(jax.lax.sin_p, {})],
+                     TYPES.intern_aval(F32))  # (four operands: not a length LIST_ROWS loads from rows)
     eg.union(opaque, y)
     snap = eg.snapshot()
     assert snap.cls_of_name[opaque] == snap.cls_of_name[y]  # a union from a row
@@ -233,7 +234,11 @@ def test_every_kind_of_row_loads_from_the_one_relation_or_as_actions(monkeypatch
     assert lit_node and lit_node[0][1] == tuple(eg.defs[lit][1])  # i64 columns taken as they are
     rows = snap.rows(_loader_mod.LOAD)
     widths = {len(r.inputs) for r in rows}
-    assert (widths == {1 + max(1 + len(_terms.ctor_arg_sorts(c)) for c in _terms.flat_ctors())}) if writable else not rows
+    # as wide as the widest kind: a flat constructor's name and arguments, or a LIST_ROWS node's name, other
+    # arguments and items (the kind's id first)
+    widest = max([1 + len(_terms.ctor_arg_sorts(c)) for c in _terms.flat_ctors()]
+                 + [len(_terms.ctor_arg_sorts(c)) + n for c, n in _loader_mod.LIST_ROWS])
+    assert (widths == {1 + widest}) if writable else not rows
     if writable:
         assert _loaded_kinds(eg, snap) == {"Param", "Lit", "union", "Pos", "NonNeg", "NonZero", "EvenPow",
                                            _primitives.BY_PRIM["mul"].ctor, _primitives.BY_PRIM["integer_pow"].ctor}
@@ -411,15 +416,25 @@ def test_nodes_with_a_short_list_load_from_rows_as_actions_would_make_them(monke
     two = eg.term(select, [p, eg.tlist([x, y]), PARAMS.intern_params(jax.lax.select_n_p, {})], f32)  # a row
     three = eg.term(select, [p, eg.tlist([x, y, x]), PARAMS.intern_params(jax.lax.select_n_p, {})], f32)  # an action
     opaque = eg.term("Opaque", [eg.tlist([y]), PARAMS.intern_params(jax.lax.cos_p, {})], f32)  # a row
+    opaque3 = eg.term("Opaque", [eg.tlist([y, x, y]), PARAMS.intern_params(jax.lax.cos_p, {})], f32)  # a row
+    i = eg.term("Param", [0, 3], TYPES.intern_aval(core.ShapedArray((), jnp.int32)))
+    dyn, upd = _primitives.BY_PRIM["dynamic_slice"].ctor, _primitives.BY_PRIM["dynamic_update_slice"].ctor
+    sliced = {n: eg.term(dyn, [x, eg.tlist([i, p, i, x][:n]), PARAMS.intern_params(jax.lax.dynamic_slice_p, {})], f32)
+              for n in (2, 3, 4)}  # rows at 3 and 4 indices, an action at 2
+    updated = {n: eg.term(upd, [x, y, eg.tlist([i, x, p, i][:n]), PARAMS.intern_params(jax.lax.dynamic_update_slice_p, {})],
+                          f32) for n in (2, 3, 4)}  # rows at 2 and 4 indices, an action at 3
+    made = [two, three, opaque, opaque3, *sliced.values(), *updated.values()]
     snap = eg.snapshot()
-    for vid in (two, three, opaque):  # each name's class holds the node made for it, lists included
+    for vid in made:  # each name's class holds the node made for it, lists included
         ctor, args = eg.canonical(snap, vid)
         assert (ctor, args) in snap.nodes[snap.cls_of_name[vid]]
-    assert len({snap.cls_of_name[v] for v in (two, three, opaque, x, y)}) == 5
+    assert len({snap.cls_of_name[v] for v in made + [x, y, i]}) == len(made) + 3
     assert snap.list_items(eg.canonical(snap, two)[1][1]) == [snap.cls_of_name[x], snap.cls_of_name[y]]
+    assert snap.list_items(eg.canonical(snap, updated[4])[1][2]) == [snap.cls_of_name[v] for v in (i, x, p, i)]
     if writable:
-        assert _loaded_kinds(eg, snap) >= {"SelectN/2", "Opaque/1"}
-        assert "SelectN/3" not in _loaded_kinds(eg, snap)
+        assert _loaded_kinds(eg, snap) >= {"SelectN/2", "Opaque/1", "Opaque/3", f"{dyn}/3", f"{dyn}/4", f"{upd}/2",
+                                           f"{upd}/4"}
+        assert not {"SelectN/3", f"{dyn}/2", f"{upd}/3"} & _loaded_kinds(eg, snap)
     else:
         assert not snap.rows(_loader_mod.LOAD)
 

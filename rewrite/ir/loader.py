@@ -73,10 +73,13 @@ class _Loader:
 
 
 #: Nodes with one list argument that programs make often, loaded from rows at the list lengths named
-#: here: ``select_n`` of two cases and an opaque call of one operand. As actions, each flush that held
-#: one would compile a rule for them; each kind of row costs a loader rule, copied at every ``push``
-#: and ``pop`` (see ``ir/egraph.py``'s ``_POOL``), so only the common ones are rows.
-LIST_ROWS = (("SelectN", 2), ("Opaque", 1))
+#: here: ``select_n`` of two cases, an opaque call of one to three operands, a ``dynamic_slice`` of three
+#: or four indices and a ``dynamic_update_slice`` of two or four (a loop body's reads and writes). As
+#: actions, each costs egglog some 60-80 us to compile in its flush's rule; each kind of row costs a loader
+#: rule, copied at every ``push`` and ``pop`` (see ``ir/egraph.py``'s ``_POOL``), and the relation is as
+#: wide as its widest kind (zeros fill a shorter row), so only the common ones are rows.
+LIST_ROWS = (("SelectN", 2), ("Opaque", 1), ("Opaque", 2), ("Opaque", 3), ("DynamicSlice", 3), ("DynamicSlice", 4),
+             ("DynamicUpdateSlice", 2), ("DynamicUpdateSlice", 4))
 
 
 @functools.lru_cache(maxsize=8)
