@@ -216,3 +216,49 @@ def test_a_second_snapshots_program_takes_its_ops_fusion_facts_as_kept():
     fresh_ex = Extractor(second.snapshot, fresh)
     assert _bits(price) == _bits(fresh.program(ProgramPricer(fresh_ex, fresh).program(choice, second.roots)))
     assert not fresh.program_fusion().keeps_facts
+
+
+def test_an_ops_facts_read_with_its_key_are_those_read_apart(monkeypatch):
+    """``Extractor.keyed_info`` (the node key and the info of a node without bodies, its avals read once, which the
+    whole-program price's ops' facts take: ``cost/program.py``'s ``_template``) gives the key ``node_key`` gives and
+    the info ``info`` gives, the same avals and params objects, for every such node of every case under random
+    choices; and the tree pass's program's ops built with it are those built without it (``keyed_info`` hidden), field
+    by field, and priced the same, bit for bit."""
+    model, rng = AnalyticCost(), random.Random(1)
+    checked = 0
+    for name, fn, args, packs in CASES:
+        res = _snapshot(fn, args, packs)
+        snap = res.snapshot
+        ex = Extractor(snap, model)
+        choice = _random_choice(snap, rng)
+        for c, ns in snap.nodes.items():
+            for ctor, a in ns:
+                if ctor in _CONTAINERS or ctor in ("Lit", "Const", "Param", "Tok", "Proj") or ex.body_classes(ctor, a):
+                    continue
+                key, info = ex.keyed_info(c, ctor, a)
+                want = ex.info(c, ctor, a, choice)
+                assert key == ex.node_key(c, ctor, a, choice), (name, ctor)
+                assert all(x is y for x, y in zip(key, ex.node_key(c, ctor, a, choice)))
+                assert (info.op, info.family, info.body_costs) == (want.op, want.family, want.body_costs), (name, ctor)
+                assert info.params is want.params and len(info.in_avals) == len(want.in_avals)
+                assert all(x is y for x, y in zip(info.in_avals + info.out_avals, want.in_avals + want.out_avals))
+                assert len(info.out_avals) == len(want.out_avals), (name, ctor)
+                checked += 1
+
+        def ops(hidden):
+            if hidden:
+                monkeypatch.delattr(Extractor, "keyed_info")
+            try:
+                fresh = Extractor(snap, model)
+                prog = ProgramPricer(fresh, model).program(tree, res.roots)
+                return prog, model.program(prog)
+            finally:
+                monkeypatch.undo()
+
+        tree = ex.tree()[1]  # (a random choice may make a cycle)
+        (with_key, price), (apart, price_apart) = ops(False), ops(True)
+        assert _bits(price) == _bits(price_apart), name
+        fields = lambda op: (op.prim, op.family, op.params, op.args, op.in_avals, op.out_avals, op.own,  # noqa: E731
+                             (op.memo or {}).get(prices.NODE_KEY))
+        assert [fields(op) for op in with_key.ops] == [fields(op) for op in apart.ops], name
+    assert checked > 100, checked

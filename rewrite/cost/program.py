@@ -324,6 +324,14 @@ def _template(ex: Any, c: Any, node: tuple, choice: Mapping[Any, tuple], own: Ca
         # What the node model charges a projection: a loop's stacked output is written (and,
         # with ``stacked``, held); fusion has no say in that, so it is added as it is.
         return "proj", _primitives.SPECIAL, {"index": args[1]}, (), (ex.snap.aval(c),), float(own(c, node)), {}
+    keyed = getattr(ex, "keyed_info", None)  # (an extractor's)
+    if keyed is not None and not ex.body_classes(ctor, args):
+        # no body: nothing inlined or chosen inside, and its key, by which its node price is kept across extractions
+        # (``cost/prices.py``), read with its facts
+        key, info = keyed(c, ctor, args)
+        op = Op(info.op, info.family, info.params, (), info.in_avals, info.out_avals)
+        cost = float(own(c, node)) if _kind_of(op) == OTHER else 0.0
+        return info.op, info.family, info.params, info.in_avals, info.out_avals, cost, {NODE_KEY: key}
     info = ex.info(c, ctor, args, choice)
     op = Op(info.op, info.family, info.params, (), info.in_avals, info.out_avals)
     inner = _inlined_body(ex, ctor, args, choice, own, cache) if len(info.out_avals) == 1 else None

@@ -235,6 +235,20 @@ class Extractor:
             raise ValueError(f"cost model returned {found!r} for {ctor}; costs must be non-negative numbers")
         return found
 
+    def keyed_info(self, cls: Any, ctor: str, args: tuple) -> tuple[tuple, NodeInfo]:
+        """``(node_key, info)`` of a node without bodies that is neither a leaf nor a projection (neither reads the
+        choice then): the avals of its class and operands read once for both, the same objects :meth:`info` and
+        :meth:`node_key` read (``cost/program.py``'s op facts take both; 4,876 of flax_long_context_step's first
+        call)."""
+        snap = self.snap
+        out_t = snap.aval(cls)
+        pid = args[-1]
+        reads = self.operands((ctor, args))
+        ins = tuple([snap.aval(a) for a in (reads[1:] if ctor == "Effect" else reads)])
+        outs = tuple(out_t) if isinstance(out_t, TupleType) else (out_t,)
+        family = _primitives.BY_CTOR.get(ctor, _primitives.DEFAULT).family
+        return (ctor, pid, out_t, *ins), NodeInfo(PARAMS.prim(pid).name, family, PARAMS.params(pid), ins, outs, ())
+
     def node_key(self, cls: Any, ctor: str, args: tuple, choice: dict[Any, tuple]) -> tuple:
         """What :meth:`info` reads of node ``(ctor, args)`` in ``cls`` without bodies, as a key: equal keys, equal
         infos (``cost/prices.py`` says why). Its constructor; its params id (one primitive and params for the
