@@ -18,6 +18,7 @@ from jax import lax
 import rulesets
 from rewrite import AnalyticCost, OpSpec, explain, register_primitive
 from rewrite.cost import prices
+from rewrite.cost import program as cost_program
 from rewrite.extract.extractor import _CONTAINERS, Extractor
 from rewrite.extract.program import ProgramPricer
 from rewrite.ir.primitives import unregister
@@ -223,7 +224,7 @@ def test_an_ops_facts_read_with_its_key_are_those_read_apart(monkeypatch):
     whole-program price's ops' facts take: ``cost/program.py``'s ``_template``) gives the key ``node_key`` gives and
     the info ``info`` gives, the same avals and params objects, for every such node of every case under random
     choices; and the tree pass's program's ops built with it are those built without it (``keyed_info`` hidden), field
-    by field, and priced the same, bit for bit."""
+    by field, each op's kind as its memo holds it the kind read off it, and priced the same, bit for bit."""
     model, rng = AnalyticCost(), random.Random(1)
     checked = 0
     for name, fn, args, packs in CASES:
@@ -261,4 +262,5 @@ def test_an_ops_facts_read_with_its_key_are_those_read_apart(monkeypatch):
         fields = lambda op: (op.prim, op.family, op.params, op.args, op.in_avals, op.out_avals, op.own,  # noqa: E731
                              (op.memo or {}).get(prices.NODE_KEY))
         assert [fields(op) for op in with_key.ops] == [fields(op) for op in apart.ops], name
+        assert all(cost_program._kind(op) == cost_program._kind_of(op) for op in with_key.ops), name  # (as kept)
     assert checked > 100, checked

@@ -328,10 +328,11 @@ def _template(ex: Any, c: Any, node: tuple, choice: Mapping[Any, tuple], own: Ca
     if keyed is not None and not ex.body_classes(ctor, args):
         # no body: nothing inlined or chosen inside, and its key, by which its node price is kept across extractions
         # (``cost/prices.py``), read with its facts
+        # (and its kind, which :func:`_kind` reads off these alone: not found again for each program's first ask)
         key, info = keyed(c, ctor, args)
-        op = Op(info.op, info.family, info.params, (), info.in_avals, info.out_avals)
-        cost = float(own(c, node)) if _kind_of(op) == OTHER else 0.0
-        return info.op, info.family, info.params, info.in_avals, info.out_avals, cost, {NODE_KEY: key}
+        kind = _kind_of(Op(info.op, info.family, info.params, (), info.in_avals, info.out_avals))
+        cost = float(own(c, node)) if kind == OTHER else 0.0
+        return info.op, info.family, info.params, info.in_avals, info.out_avals, cost, {NODE_KEY: key, "kind": kind}
     info = ex.info(c, ctor, args, choice)
     op = Op(info.op, info.family, info.params, (), info.in_avals, info.out_avals)
     inner = _inlined_body(ex, ctor, args, choice, own, cache) if len(info.out_avals) == 1 else None
