@@ -330,24 +330,28 @@ def extract_by_policy(snap: Any, eg: Any, entries: Sequence[tuple[Rule, Ruleset]
     return recomputations(ex, snap, recomputing, roots, model)
 
 
-def _load(closed: core.ClosedJaxpr, entries: Sequence[tuple[Rule, Ruleset]]
+def _load(closed: core.ClosedJaxpr, entries: Sequence[tuple[Rule, Ruleset]], priced: bool = False
           ) -> tuple[EGraph, list, Any, Held]:
     """A new e-graph holding ``closed``: it, the outputs' names, the final token's, and what the program holds
     (with ``pvary`` it is inside a ``shard_map`` body), for the engine to declare the anchored rules it admits
     (``Rule.anchor``). The program's inputs are the Params of scope 0; its effects, if any, are threaded on a
-    token that starts at (Tok 0)."""
-    eg, ((outs, token),), held, _ = _load_all((closed,), entries)
+    token that starts at (Tok 0). ``priced``: :func:`_load_all`'s."""
+    eg, ((outs, token),), held, _ = _load_all((closed,), entries, priced)
     return eg, outs, token, held
 
 
-def _load_all(programs: Sequence[core.ClosedJaxpr], entries: Sequence[tuple[Rule, Ruleset]]
+def _load_all(programs: Sequence[core.ClosedJaxpr], entries: Sequence[tuple[Rule, Ruleset]], priced: bool = False
               ) -> tuple[EGraph, list[tuple[list, Any]], Held, list[int]]:
     """A new e-graph holding ``programs`` (of the same inputs, the Params of scope 0), loaded in order, so that the
     terms they share are one: the e-graph, each program's outputs' names and final token's (:func:`_load`), what
     they hold together (:func:`_held`), and the e-graph's count of names after each was loaded (the names below
-    the first count are the first program's, and so on)."""
-    held = _held(programs[0], entries)
-    for other in programs[1:]:
+    the first count are the first program's, and so on). ``priced`` (a load only to price or prove, with no rule):
+    what they hold is not read (an empty :class:`Held`): with no rule the match program is one text whatever they
+    hold (``rules.saturate.match_program``), and nothing is saturated."""
+    if priced and entries:
+        raise ValueError("_load_all: a load to price only has no rules")
+    held = Held(frozenset()) if priced else _held(programs[0], entries)
+    for other in programs[1:] if not priced else ():
         more = _held(other, entries)
         held = Held(held.primitives | more.primitives, held.literals | more.literals)
     eg = EGraph(match_program(entries, held.manual)[0])  # with the rules' queries: ir/egraph.py's _POOL
@@ -365,7 +369,7 @@ def program_cost(closed: core.ClosedJaxpr, model: CostModel) -> float:
     """What ``run_pipeline`` reports as ``cost_before``: ``closed`` as loaded, priced, with no rule run (the
     whole-step search prices the step as written so, where it does not rewrite it)."""
     with collect_young_only():
-        eg, outs, token, _ = _load(closed, ())
+        eg, outs, token, _ = _load(closed, (), priced=True)
         try:
             return input_cost(eg.snapshot(), outs, token, model)
         finally:
@@ -382,7 +386,7 @@ def programs_cost(programs: Sequence[core.ClosedJaxpr], model: CostModel) -> lis
     same = all(p.in_avals == programs[0].in_avals and not p.jaxpr.effects for p in programs)
     if len(programs) > 1 and same:
         with collect_young_only():
-            eg, loaded, _, _ = _load_all(programs, ())
+            eg, loaded, _, _ = _load_all(programs, (), priced=True)
             try:
                 snap = eg.snapshot()
                 if all(len(ns) == 1 for ns in snap.nodes.values()):
@@ -422,7 +426,7 @@ class ProofGraph:
                                             BUILT_DEBUG),
                                  closed.consts)
         with collect_young_only():
-            self.egraph, outs, _, _ = _load(every, ())
+            self.egraph, outs, _, _ = _load(every, (), priced=True)
         self.ref = dict(zip(values, outs))
         self.model = model
         #: ``closed`` alone as loaded, before any proof's program: the snapshot the first proof's

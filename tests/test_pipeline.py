@@ -437,3 +437,37 @@ def test_programs_priced_from_one_load_make_their_shared_nodes_facts_once(monkey
     first.egraph.release()
     assert same == [True]
     assert [first.cost_before, second.cost_before] == prices
+
+
+def test_a_load_only_to_price_does_not_walk_what_the_programs_hold(monkeypatch):
+    """``program_cost``, ``programs_cost`` and ``ProofGraph`` load with no rule: what a program holds (``_held``: its
+    primitives, bodies and literals, which only rules' queries and anchors read) is not walked for them, and each
+    price is the float the same load gives with it walked (a ``_load_all`` with no rules, not ``priced``)."""
+    from rewrite import pipeline
+    from rewrite.extract.extract import input_cost
+
+    def one(x, w):
+        return jnp.sum(jnp.exp(x @ w) * 2.0) + jnp.sum(jnp.sin(x))
+
+    def two(x, w):
+        return jnp.sum(jnp.exp(x @ w) * 2.0) * jnp.max(x)
+
+    args = (jnp.ones((16, 32)), jnp.ones((32, 8)))
+    programs = [jax.make_jaxpr(f)(*args) for f in (one, two)]
+    model = AnalyticCost()
+    walked = []
+    eg, loaded, _, _ = pipeline._load_all(programs, ())  # walked: the load as a pipeline makes it
+    try:
+        snap = eg.snapshot()
+        want = [input_cost(snap, outs, None, model) for outs, _ in loaded]
+    finally:
+        eg.release()
+    real = pipeline._held
+    monkeypatch.setattr(pipeline, "_held", lambda closed, entries: walked.append(closed) or real(closed, entries))
+    assert pipeline.programs_cost(programs, model) == want
+    assert [pipeline.program_cost(p, model) for p in programs] == want
+    graph = pipeline.ProofGraph(programs[0], model)
+    graph.egraph.release()
+    assert walked == []
+    with pytest.raises(ValueError):
+        pipeline._load_all(programs, [object()], priced=True)
