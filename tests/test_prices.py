@@ -246,18 +246,18 @@ def test_an_ops_facts_read_with_its_key_are_those_read_apart(monkeypatch):
                 assert len(info.out_avals) == len(want.out_avals), (name, ctor)
                 checked += 1
 
-        def ops(hidden):
+        def ops(hidden, snap, choice, roots):
             if hidden:
                 monkeypatch.delattr(Extractor, "keyed_info")
             try:
                 fresh = Extractor(snap, model)
-                prog = ProgramPricer(fresh, model).program(tree, res.roots)
+                prog = ProgramPricer(fresh, model).program(choice, roots)
                 return prog, model.program(prog)
             finally:
                 monkeypatch.undo()
 
-        tree = ex.tree()[1]  # (a random choice may make a cycle)
-        (with_key, price), (apart, price_apart) = ops(False), ops(True)
+        tree_choice = ex.tree()[1]  # (a random choice may make a cycle)
+        (with_key, price), (apart, price_apart) = (ops(h, snap, tree_choice, res.roots) for h in (False, True))
         assert _bits(price) == _bits(price_apart), name
         fields = lambda op: (op.prim, op.family, op.params, op.args, op.in_avals, op.out_avals, op.own,  # noqa: E731
                              (op.memo or {}).get(prices.NODE_KEY))
