@@ -61,7 +61,7 @@ from ..ir.jaxapi import core
 from ..ir.primitives import is_float
 from ..ir.walk import operands, walk
 from ..jaxpr.emit import Emitter, _Scope, check_signature, dce, emitter
-from ..jaxpr.trace import Traced, same_program, spec_of
+from ..jaxpr.trace import Traced, jvp_rules_unnamed, same_program, spec_of
 from ..pipeline import extract_by_policy, program_cost, run_pipeline
 from ..records import Result, lap, out_of_time
 from .decide import Joint, decide, held_to_written, in_order, priced_joints
@@ -91,8 +91,7 @@ def joint_program(closed: core.ClosedJaxpr, wrt: Sequence[int] | None = None
     """``(primals, cotangents of the float outputs) -> (outputs, gradients of the float inputs)``, traced;
     ``wrt``, where given, the positions of the float inputs whose gradients are wanted (the others get none).
 
-    Returns the program and the positions of the float inputs (differentiated) and outputs.
-    """
+    Returns the program and the positions of the float inputs (differentiated) and outputs."""
     in_avals, out_avals = closed.in_avals, closed.out_avals
     dif_in, dif_out = float_positions(closed)
     if wrt is not None:
@@ -113,7 +112,8 @@ def joint_program(closed: core.ClosedJaxpr, wrt: Sequence[int] | None = None
     # a cotangent has its output's type but for weak type: inside a shard_map body that includes the manual
     # axes the output varies over, which the pullback checks (a plain ShapeDtypeStruct dropped them)
     specs += [spec_of(out_avals[i].update(weak_type=False)) for i in dif_out]
-    return jax.make_jaxpr(joint)(*specs), dif_in, dif_out
+    with jvp_rules_unnamed():  # (the same program, traced without naming each JVP rule's arguments)
+        return jax.make_jaxpr(joint)(*specs), dif_in, dif_out
 
 
 def joint_at(closed: core.ClosedJaxpr, wrt: Sequence[int] | None = None,
