@@ -1,10 +1,11 @@
-"""``rewrite.jaxpr.trace.jvp_rules_unnamed``: JAX traces the joint programs (``grad/vjp.py``'s ``joint_program``) and
-the user's function (``trace``) without naming each JVP rule's arguments, which JAX drops unread. The programs are
-the same, equation for equation: text, constants, source locations and name stacks; JAX's ``debug_info`` is put back
-when the last window closes."""
+"""``rewrite.jaxpr.trace.jvp_rules_unnamed``: JAX traces the joint programs (``grad/vjp.py``'s ``joint_program``),
+JAX's own split (``as_written_vjp``) and the user's function (``trace``) without naming each JVP rule's arguments,
+which JAX drops unread. The programs are the same, equation for equation: text, constants, source locations and name
+stacks; JAX's ``debug_info`` is put back when the last window closes."""
 
 import contextlib
 import threading
+import types
 
 import jax
 import jax.numpy as jnp
@@ -72,6 +73,11 @@ def _joint(closed):  # one call site for both ways, so that their tracebacks may
     return vjp.joint_program(closed)[0]
 
 
+def _as_written(closed):  # JAX's own split: its forward linearizes
+    built = vjp.as_written_vjp(types.SimpleNamespace(closed=closed), None, priced=False)
+    return built.fwd, built.bwd
+
+
 def _traced(fn, args):
     return trace_mod.trace_call(fn, args, {}, (), ())[0].closed
 
@@ -99,11 +105,11 @@ def test_a_joint_program_and_a_trace_are_the_same_programs_without_the_jvp_rules
     programs = {}
     for on in (True, False):
         named(on)
-        programs[on] = (_joint(closed), _traced(step, ARGS))
+        programs[on] = (_joint(closed), _traced(step, ARGS), *_as_written(closed))
     assert calls.count("linearize_prim_jvp") > 20  # the windows were open, and JAX asked for the names there
     assert ad.debug_info is before  # JAX's own again
     for a, b in zip(programs[True], programs[False]):
-        assert len(a.jaxpr.eqns) > 50
+        assert len(list(_all_eqns(a.jaxpr))) > 50
         _same(a, b)
 
 

@@ -172,12 +172,10 @@ def choose_residuals(snap: Any, choice: dict, f_roots: Sequence[Any], b_roots: S
                      tried: list[Split] | None = None, steps: int | None = None) -> Split:
     """Pick what the backward pass reads from the forward pass; ``price(residuals)`` prices a split.
 
-    Candidates: only inputs (recompute everything), the whole frontier
-    (reuse everything), then a greedy descent from the cheaper of the two
-    that recomputes one residual at a time while the price falls, largest
-    residuals first, each tried once, at most ``steps`` trials
-    (:data:`GREEDY_STEPS`), while the rewrite has time left (``records.out_of_time``).
-    Every split priced is appended to ``tried``.
+    Candidates: only inputs (recompute everything), the whole frontier (reuse everything), then a greedy descent
+    from the cheaper of the two that recomputes one residual at a time while the price falls, largest residuals
+    first, each tried once, at most ``steps`` trials (:data:`GREEDY_STEPS`), while the rewrite has time left
+    (``records.out_of_time``). Every split priced is appended to ``tried``.
     """
     steps = GREEDY_STEPS if steps is None else steps
     tried = [] if tried is None else tried
@@ -474,7 +472,8 @@ def as_written_vjp(traced: Traced, model: Any, priced: bool = True) -> VJPResult
         trees.append(tree)
         return list(outs) + residuals
 
-    fwd = jax.make_jaxpr(forward)(*[spec_of(a) for a in in_avals])
+    with jvp_rules_unnamed():  # (the same program, traced without naming each JVP rule's arguments)
+        fwd = jax.make_jaxpr(forward)(*[spec_of(a) for a in in_avals])
     n_res = len(fwd.out_avals) - len(out_avals)
 
     def backward(*args: Any) -> list[Any]:
