@@ -505,8 +505,8 @@ def test_the_step_search_loads_the_step_once_for_all_its_proofs(monkeypatch):
     into it. The search finds what it found before."""
     loads = []
     load = pipeline._load
-    monkeypatch.setattr(pipeline, "_load", lambda closed, entries: loads.append(len(closed.jaxpr.eqns))
-                        or load(closed, entries))
+    monkeypatch.setattr(pipeline, "_load", lambda closed, entries, **kw: loads.append(len(closed.jaxpr.eqns))
+                        or load(closed, entries, **kw))
     w = jax.random.normal(jax.random.PRNGKey(0), (8, 4))
     x = jax.random.normal(jax.random.PRNGKey(1), (16, 8))
     r = rewrite(_hand_written_step, rulesets=[rulesets.algebra], whole_step=True, cache=False)
@@ -548,8 +548,8 @@ def test_the_step_as_written_is_priced_off_its_proofs_load(monkeypatch):
     written = str(jax.make_jaxpr(step)(*args))
     loads: list = []
     load = pipeline._load
-    monkeypatch.setattr(pipeline, "_load", lambda closed, entries: loads.append(str(closed) == written)
-                        or load(closed, entries))
+    monkeypatch.setattr(pipeline, "_load", lambda closed, entries, **kw: loads.append(str(closed) == written)
+                        or load(closed, entries, **kw))
     r = rewrite(step, rulesets=[rulesets.algebra], cache=False, whole_step=True)
     res = r.result(*args)
     assert res.step.replaced and not any(loads), (str(res.step), loads)  # the step as written not loaded alone
@@ -1215,8 +1215,8 @@ def test_a_step_whose_converts_are_made_plain_is_priced_off_its_proofs_load(monk
     written = str(closed)
     loads: list = []
     load = pipeline._load
-    monkeypatch.setattr(pipeline, "_load", lambda closed, entries: loads.append(str(closed) == written)
-                        or load(closed, entries))
+    monkeypatch.setattr(pipeline, "_load", lambda closed, entries, **kw: loads.append(str(closed) == written)
+                        or load(closed, entries, **kw))
     r = rewrite(step, rulesets=[rulesets.algebra], cache=False, whole_step=True)
     res = r.result(*args)
     assert res.step.replaced and not any(loads), (str(res.step), loads)  # the step as written not loaded alone
