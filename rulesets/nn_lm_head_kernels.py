@@ -24,14 +24,12 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import jax
-import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from rewrite.jaxpr.trace import trace_at
 from rewrite.loops import laid_out
-from rulesets.kernels.replay import replayed
+from rulesets.kernels.replay import replayed, traced_once
 
 __all__ = ["Layout", "Reads", "Stats", "COLUMNS", "TILE", "ROWS_BYTES", "WHOLE_BYTES", "forward_rows",
            "blocked_forward", "blocked_backward", "blocked_loss", "combine_tiles", "label_logit", "row_sums",
@@ -413,7 +411,7 @@ def _block_loop(hc: Any, wc: Any, bv: Any, labels: Any, tc: Any, *, layout: Layo
 
     yl = None if not reads.label else jnp.where(late, jnp.zeros((), labels.dtype), labels).reshape(n, block)
     xs = (_blocks(hc, n, block), _blocks(tc, n, block), yl)
-    types, again = _traced_once(stats, *(None if x is None else x[0] for x in xs))
+    types, again = traced_once(stats, *(None if x is None else x[0] for x in xs))
 
     def body(carry: tuple, x: tuple) -> tuple:
         i, out = carry
@@ -422,31 +420,6 @@ def _block_loop(hc: Any, wc: Any, bv: Any, labels: Any, tc: Any, *, layout: Layo
 
     init = tuple(None if t is None else jnp.broadcast_to(late.astype(t.dtype), (n, block)) for t in types)
     return lax.scan(body, (late.astype(jnp.int32), init), xs)[0][1]
-
-
-def _traced_once(fn: Any, *args: Any) -> tuple[tuple, Any]:
-    """``(types, again)``: the types of ``fn(*args)``'s results (a tuple; ``None`` where a result is) and ``again``,
-    which binds into the caller's trace what tracing ``fn`` there binds, at arguments of ``args``' types (``None``
-    where ``args`` has it). ``fn`` is traced once, at ``args``, and ``again`` replays that trace
-    (``jaxpr_as_fun``: the same primitives bound with the same params): a loop's body that needs its results'
-    types for the carry first, without a second trace (``jax.eval_shape`` then the loop's own: a quarter of
-    flax_long_context_step's six token-loop traces, ``benchmarks/results/log.md``, the fifty-third session, h-lm)."""
-    read: list = []
-
-    def flat(*xs: Any) -> list:
-        out = fn(*_among(xs, args))
-        read.append(tuple(o is not None for o in out))
-        return [o for o in out if o is not None]
-
-    closed = trace_at(flat, [jax.typeof(a) for a in args if a is not None])
-    run = jax.extend.core.jaxpr_as_fun(closed)
-    return _among(closed.out_avals, read[0]), lambda *xs: _among(run(*[x for x in xs if x is not None]), read[0])
-
-
-def _among(values: Any, where: Any) -> tuple:
-    """``values`` in order at the places of ``where`` that are neither ``None`` nor ``False``, ``None`` elsewhere."""
-    it = iter(values)
-    return tuple(None if w is None or w is False else next(it) for w in where)
 
 
 def _late(hc: Any) -> Any:

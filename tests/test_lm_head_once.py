@@ -136,9 +136,10 @@ def test_the_token_loop_s_forward_is_traced_once_and_its_joint_programs_are_as_t
         made = jax.make_jaxpr(run)(*ops)
         return str(made), _stacks(made.jaxpr, [])
 
-    traced = []
-    trace_at = replay.trace_at
-    monkeypatch.setattr(replay, "trace_at", lambda fn, avals: traced.append(fn) or trace_at(fn, avals))
+    traced = []  # the forward's traces (``stats_of``), not the token loop's block traces inside them
+    made_trace = replay._traced
+    monkeypatch.setattr(replay, "_traced", lambda fn, tree, avals: (fn.__name__ == "stats_of" and traced.append(fn))
+                        or made_trace(fn, tree, avals))
     monkeypatch.setattr(replay, "_shared", {})  # (not traced by an earlier test)
     loss = kernels.blocked_loss(layout=layout, block=128, reads=reads)
     first, second = joint(loss), joint(loss)
@@ -159,7 +160,7 @@ _LOOP_READS = {"plain": kernels.Reads(shift="max", log=False),
                                         ("float32", None), ("float64", None)])
 def test_the_token_loop_s_body_is_its_block_traced_there(monkeypatch, reads, bias, dtype, cast):
     """The token loop (``_block_loop``) traces a block's stats once, for its carry's types, and replays that trace
-    as the loop's body (``_traced_once``): its program, equations, types and name stacks, is the one that
+    as the loop's body (``rulesets.kernels.replay.traced_once``): its program, equations, types and name stacks, is the one that
     ``jax.eval_shape`` for the types and a trace of the stats in the body give (the rewrite's emitted programs must
     stay byte for byte), over dtypes, casts, a bias or none, and the label's and a dense target's reads."""
     n, c, v = 64, 8, 16
@@ -181,7 +182,7 @@ def test_the_token_loop_s_body_is_its_block_traced_there(monkeypatch, reads, bia
 
     replayed = program()
     assert "scan[" in replayed[0]
-    monkeypatch.setattr(kernels, "_traced_once", lambda fn, *args: (jax.eval_shape(fn, *args), fn))
+    monkeypatch.setattr(kernels, "traced_once", lambda fn, *args: (jax.eval_shape(fn, *args), fn))
     assert replayed == program()
 
 
@@ -210,9 +211,10 @@ def test_a_forward_that_reads_no_block_is_traced_once_for_every_block(monkeypatc
     keys = jax.random.split(jax.random.key(0), 3)
     ops = (jax.random.normal(keys[0], (n, c), dtype), jax.random.normal(keys[1], (c, vocab), dtype),
            jax.random.normal(keys[2], (vocab,), dtype), y)
-    traced = []
-    trace_at = replay.trace_at
-    monkeypatch.setattr(replay, "trace_at", lambda fn, avals: traced.append(fn) or trace_at(fn, avals))
+    traced = []  # the forward's traces (``stats_of``), not the token loop's block traces inside them
+    made_trace = replay._traced
+    monkeypatch.setattr(replay, "_traced", lambda fn, tree, avals: (fn.__name__ == "stats_of" and traced.append(fn))
+                        or made_trace(fn, tree, avals))
     monkeypatch.setattr(replay, "_shared", {})
     blocks = (32, 64, 128)
     for block in blocks:

@@ -51,14 +51,7 @@ def replayed(fn: Callable[..., Any], key: Hashable = None) -> Callable[..., Any]
         at = (tree, avals, _config()) if key is None else (key, tree, avals, _config())
         found = traces.get(at)
         if found is None:
-            shape: list = []
-
-            def flat_fn(*xs: Any) -> list:
-                leaves, out_tree = jax.tree_util.tree_flatten(fn(*jax.tree_util.tree_unflatten(tree, xs)))
-                shape.append(out_tree)
-                return leaves
-
-            found = (trace_at(flat_fn, avals), shape[0])
+            found = _traced(fn, tree, avals)
             with _lock:
                 traces[at] = found
                 while len(traces) > (SIZE if key is None else SHARED):
@@ -69,3 +62,28 @@ def replayed(fn: Callable[..., Any], key: Hashable = None) -> Callable[..., Any]
     # named as ``fn``: a custom_vjp_call's printed params name its bwd (the golden programs' text)
     call.__name__, call.__qualname__ = fn.__name__, fn.__qualname__
     return call
+
+
+def traced_once(fn: Callable[..., Any], *args: Any) -> tuple[Any, Callable[..., Any]]:
+    """``(types, again)``: ``fn(*args)``'s result types (``fn``'s pytree of results, their avals at the leaves) and
+    ``again``, which binds into the caller's trace what tracing ``fn`` there binds, at arguments of ``args``' types;
+    ``fn`` traced once, at ``args``, and replayed as :func:`replayed` replays it. A loop's body that needs its
+    results' types for the carry first, without a second trace (``jax.eval_shape`` then the loop's own:
+    ``rulesets.nn_lm_head_kernels._block_loop``)."""
+    flat, tree = jax.tree_util.tree_flatten(args)
+    closed, out_tree = _traced(fn, tree, tuple(jax.typeof(x) for x in flat))
+    run = jax.extend.core.jaxpr_as_fun(closed)
+    return (jax.tree_util.tree_unflatten(out_tree, closed.out_avals),
+            lambda *xs: jax.tree_util.tree_unflatten(out_tree, run(*jax.tree_util.tree_leaves(xs))))
+
+
+def _traced(fn: Callable[..., Any], tree: Any, avals: tuple) -> tuple[Any, Any]:
+    """``(closed, out_tree)``: ``fn`` traced at arguments of pytree ``tree`` with leaves of ``avals``, flat."""
+    shape: list = []
+
+    def flat_fn(*xs: Any) -> list:
+        leaves, out_tree = jax.tree_util.tree_flatten(fn(*jax.tree_util.tree_unflatten(tree, xs)))
+        shape.append(out_tree)
+        return leaves
+
+    return trace_at(flat_fn, avals), shape[0]
