@@ -208,11 +208,7 @@ class Extractor:
             of_params = PARAMS.params(of_args[-1]) if of_ctor not in _LEAVES and of_ctor != "Proj" else {}
             of_op = PARAMS.prim(of_args[-1]).name if of_ctor not in _LEAVES and of_ctor != "Proj" else of_ctor
             return NodeInfo("proj", _primitives.SPECIAL, of_params, (snap.aval(tup),), outs, index=index, of=of_op)
-        pid = args[-1]
-        reads = self.operands((ctor, args))  # (memoised: a loop's operand list is long, and its price asked often)
-        ins = [snap.aval(a) for a in (reads[1:] if ctor == "Effect" else reads)]  # not an effect's token
-        family = _primitives.BY_CTOR.get(ctor, _primitives.DEFAULT).family
-        return NodeInfo(PARAMS.prim(pid).name, family, PARAMS.params(pid), tuple(ins), outs, body_costs)
+        return self._op_info(args[-1], ctor, self._in_avals(ctor, args), outs, body_costs)
 
     def own(self, cls: Any, node: tuple, choice: dict[Any, tuple]) -> float:
         """The own price of ``node`` (``(ctor, args)``) in class ``cls``, for nodes without bodies, under ``choice``
@@ -240,14 +236,20 @@ class Extractor:
         choice then): the avals of its class and operands read once for both, the same objects :meth:`info` and
         :meth:`node_key` read (``cost/program.py``'s op facts take both; 4,876 of flax_long_context_step's first
         call)."""
-        snap = self.snap
-        out_t = snap.aval(cls)
-        pid = args[-1]
-        reads = self.operands((ctor, args))
-        ins = tuple([snap.aval(a) for a in (reads[1:] if ctor == "Effect" else reads)])
+        out_t, ins = self.snap.aval(cls), self._in_avals(ctor, args)
         outs = tuple(out_t) if isinstance(out_t, TupleType) else (out_t,)
+        return (ctor, args[-1], out_t, *ins), self._op_info(args[-1], ctor, ins, outs, ())
+
+    def _in_avals(self, ctor: str, args: tuple) -> tuple:
+        """The avals of the operands of node ``(ctor, args)`` (not a leaf nor a projection), as :meth:`info` and
+        :meth:`node_key` read them: not an effect's token."""
+        reads = self.operands((ctor, args))  # (memoised: a loop's operand list is long, and its price asked often)
+        return tuple([self.snap.aval(a) for a in (reads[1:] if ctor == "Effect" else reads)])
+
+    @staticmethod
+    def _op_info(pid: Any, ctor: str, ins: tuple, outs: tuple, body_costs: tuple) -> NodeInfo:
         family = _primitives.BY_CTOR.get(ctor, _primitives.DEFAULT).family
-        return (ctor, pid, out_t, *ins), NodeInfo(PARAMS.prim(pid).name, family, PARAMS.params(pid), ins, outs, ())
+        return NodeInfo(PARAMS.prim(pid).name, family, PARAMS.params(pid), ins, outs, body_costs)
 
     def node_key(self, cls: Any, ctor: str, args: tuple, choice: dict[Any, tuple]) -> tuple:
         """What :meth:`info` reads of node ``(ctor, args)`` in ``cls`` without bodies, as a key: equal keys, equal
@@ -262,8 +264,7 @@ class Extractor:
             of_ctor, of_args = choice[tup]
             of = of_args[-1] if of_ctor not in _LEAVES and of_ctor != "Proj" else None
             return (ctor, index, of_ctor, of, snap.aval(tup), snap.aval(cls))
-        reads = self.operands((ctor, args))
-        return (ctor, args[-1], snap.aval(cls), *[snap.aval(a) for a in (reads[1:] if ctor == "Effect" else reads)])
+        return (ctor, args[-1], snap.aval(cls), *self._in_avals(ctor, args))
 
     def body_classes(self, ctor: str, args: tuple) -> list[Any]:
         """The Body classes of a nested node, in order."""
