@@ -35,9 +35,9 @@ from .extract.lean import closed_keep_leaner
 from .grad.primitive import Signature, bind_if_differentiated, differentiating, vjp_asked
 from .grad.pinned import PIN_FROM, as_is, fused_only, join_pinned, packs_only, split_pinned, wholly_pinned
 from .grad.step import AsWritten, find_losses, proof_graph, searches_steps
-from .grad.together import rewrite_joints
+from .grad.together import rewrite_alone, rewrite_joints
 from .grad.uses import as_run
-from .grad.vjp import VJPResult, build_vjp, decided_jointly, joint_at, rewrite_joint
+from .grad.vjp import VJPResult, build_vjp, decided_jointly, joint_at
 from .ir.jaxapi import core
 from .jaxpr import state as _state
 from .jaxpr.trace import (CONCRETIZATION_ERRORS, Traced, collect_young_only, flatten_args, resolve_static, same_program,
@@ -423,7 +423,7 @@ class Rewritten:
         loss as written (:func:`rewrite.grad.vjp.decided_jointly`), as the derivative rules decide it
         (``grad/primitive.py``). ``decided``, where given, receives that decision in words; ``wrt``, where given,
         the positions of the float inputs whose gradients the step reads (the program has only those), and ``value``
-        whether it reads the loss (:func:`rewrite.grad.vjp.rewrite_joint`); ``written``, where given, JAX's joint
+        whether it reads the loss (:func:`rewrite.grad.together.rewrite_alone`); ``written``, where given, JAX's joint
         program of ``cone`` as written at ``wrt``, traced already (:func:`rewrite.grad.step.rederive`): not traced
         again, for ``cone`` nor a forward that is the same program (:func:`rewrite.grad.vjp.joint_at`). ``forwards``,
         where given, keeps each cone's forward by the cone's ``id`` (with the cone), so that ``written_only`` (raise
@@ -450,7 +450,7 @@ class Rewritten:
         trace = functools.partial(joint_at, wrt=wrt, written=None if written is None else (cone, written))
         with stage("a loss's joint"):
             program, why = decided_jointly(
-                cone, forward, self.entries, self.cost_model, self.limits, lambda f, entries: rewrite_joint(
+                cone, forward, self.entries, self.cost_model, self.limits, lambda f, entries: rewrite_alone(
                     f, entries, self.cost_model, self.limits, wrt, value, seen=priced, trace=trace), trace,
                 joint_of=run, spent=spent, priced=priced, build_both=lambda f, p, rest: rewrite_joints(
                     f, p, rest, self.cost_model, self.limits, wrt, value, priced, trace,

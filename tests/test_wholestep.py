@@ -976,20 +976,44 @@ def test_the_loss_first_program_is_chosen_for_what_the_step_reads(monkeypatch, k
     the use the step makes of it: with the loss (``value_and_grad``) or without (``grad``)."""
     from benchmarks import derivatives as bd
     from rewrite import api as rewrite_api
-    from rewrite.grad import vjp
 
     asked = []
-    joint = vjp.rewrite_joint
+    joint = rewrite_api.rewrite_alone
 
     def spy(closed, *args, **kwargs):
         made = joint(closed, *args, **kwargs)
         asked.append((args[3:], len(made.out_avals)))
         return made
 
-    monkeypatch.setattr(rewrite_api, "rewrite_joint", spy)
+    monkeypatch.setattr(rewrite_api, "rewrite_alone", spy)
     changed, _ = _replaced(_seed_step(kind), bd.inputs(8), [without_kernels(rulesets.derivatives)])
     assert changed is not None
     assert asked == [(([0, 1], value), 3)]  # the loss, the gradients of x and a; not ct's
+
+
+def test_a_steps_one_joint_is_saturated_as_its_two_are(monkeypatch):
+    """Where no ``jointly`` rule's node is in a whole step's loss-first forward (seed 000's step here, under the
+    derivative rules), its one joint program is saturated as the two are where one is
+    (``grad.together.rewrite_alone``): without the rules that cannot cheapen a joint (``JOINT_WITHOUT``: here the
+    sums' ``red_split``) and for at most ``JOINT_ITERATIONS`` iterations, not to the run's own limit with every rule.
+    The step is replaced as before."""
+    from benchmarks import derivatives as bd
+    from rewrite.grad import together, vjp
+
+    pack = without_kernels(rulesets.derivatives)
+    assert "red_split" in {r.name for r, _ in pack.entries()} and "red_split" in together.JOINT_WITHOUT
+    saturated = []
+    joint = vjp.rewrite_joint
+
+    def spy(closed, entries, model, limits, *args, **kwargs):
+        saturated.append(({r.name for r, _ in entries}, limits.iterations))
+        return joint(closed, entries, model, limits, *args, **kwargs)
+
+    monkeypatch.setattr(vjp, "rewrite_joint", spy)
+    changed, _ = _replaced(_seed_step("value_and_grad"), bd.inputs(8), [pack])
+    assert changed is not None and len(saturated) == 1, saturated
+    names, iterations = saturated[0]
+    assert names and not names & together.JOINT_WITHOUT and iterations <= together.JOINT_ITERATIONS, saturated
 
 
 def test_a_grad_step_takes_seed_000_s_kernel_priced_without_the_loss():

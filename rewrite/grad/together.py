@@ -140,8 +140,27 @@ JOINT_WITHOUT = frozenset({"hoist_reductions", "red_split", "attn_blocked", "att
 
 def joint_rules(entries: Sequence[Any]) -> list:
     """``entries`` without the rules the joints are not saturated with (:data:`JOINT_WITHOUT`): the rules
-    :func:`rewrite_joints` and :func:`build_vjps` saturate with (read at each call)."""
+    :func:`rewrite_joints`, :func:`rewrite_alone` and :func:`build_vjps` saturate with (read at each call)."""
     return [(r, owner) for r, owner in entries if r.name not in JOINT_WITHOUT]
+
+
+def joint_limits(limits: Any) -> Any:
+    """``limits`` with at most :data:`JOINT_ITERATIONS` iterations: a whole step's joint programs' saturation."""
+    return dataclasses.replace(limits, iterations=min(limits.iterations, JOINT_ITERATIONS))
+
+
+def rewrite_alone(closed: core.ClosedJaxpr, entries: Sequence[Any], model: Any, limits: Any,
+                  wrt: Sequence[int] | None = None, value: bool | None = None,
+                  seen: list[tuple[core.ClosedJaxpr, float]] | None = None,
+                  trace: Callable[[core.ClosedJaxpr], core.ClosedJaxpr] | None = None) -> core.ClosedJaxpr:
+    """:func:`rewrite.grad.vjp.rewrite_joint` of one forward of a whole step's loss (``Rewritten._loss_first``'s
+    ``build``: where no ``jointly`` rule's node is in the forward, its only joint), saturated as :func:`rewrite_joints`
+    saturates two: with :func:`joint_rules` for at most :data:`JOINT_ITERATIONS` iterations. The forward half of the
+    joint is the forward already rewritten, whatever the joints beside it. Measured (2026-12-05): the programs emitted
+    for the 24 ecosystem programs are byte-identical to those of the joint saturated with every rule to the run's own
+    limit, and the decision corpus's cases hold; flax_transformer_step's joint holds 3,926 e-graph rows, not 5,414,
+    flax_bf16_step's 2,125, not 2,338."""
+    return vjp.rewrite_joint(closed, joint_rules(entries), model, joint_limits(limits), wrt, value, seen, trace)
 
 
 class Alone:
@@ -187,7 +206,7 @@ def rewrite_joints(closed: core.ClosedJaxpr, plain: core.ClosedJaxpr, entries: S
     apart the other way round (:func:`plain_first`), the plain joint is rewritten first, alone, and the other is built
     only where it can still be kept (:func:`_plain_first`, :func:`rewrite.grad.decide.jointly_cannot_win`): else
     it is :class:`Alone`, rewritten only where the plain one is not kept against JAX's as written."""
-    bounded = dataclasses.replace(limits, iterations=min(limits.iterations, JOINT_ITERATIONS))
+    bounded = joint_limits(limits)
     trace = trace or (lambda f: vjp.joint_program(f, wrt)[0])
     rules, n_out = joint_rules(entries), len(closed.out_avals)
     inputs = None  # the two joints as traced, where traced to be priced first: not traced again for run_together
