@@ -42,6 +42,7 @@ from .attention import scratch_bytes
 from .fusion import OVER_BUDGET, Fusion, FusionModel, _out_bytes, _scaled_by_small, _temp, buffer_of, output_buffers
 from .program import LIBRARY, OTHER, Program, bitcast, kernel_members
 from .simplify import REDUCE_BEFORE_BROADCAST
+from .transcendental import as_exponentials
 
 
 def kernel_layout(fusion: FusionModel, prog: Any) -> list[Fusion]:
@@ -583,6 +584,8 @@ def as_xla_simplifies(closed: ClosedJaxpr) -> ClosedJaxpr:
         eqns.append(e)
         for v in e.outvars:
             made[v] = e
+    if (expanded := as_exponentials(eqns)) is not None:
+        eqns, changed = expanded, True
     return ClosedJaxpr(jaxpr.replace(eqns=eqns), closed.consts) if changed else closed
 
 

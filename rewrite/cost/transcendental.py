@@ -14,6 +14,7 @@ import math
 from typing import Any, Container, Iterable, Mapping, Sequence
 
 import numpy as np
+from jax.extend.core import Var
 
 from ..ir import primitives as _primitives
 from .program import REDUCE, Op, _kind, _size
@@ -124,3 +125,76 @@ def chained(model: Any, prog: Any, inside: Container[Any] | Iterable[Any]) -> fl
         return best[i]
 
     return max((p for p, n in map(chain_to, trans) if n >= 2), default=0.0)
+
+
+#: ``log(1/2)``: XLA:CPU computes ``cosh(x)`` as ``exp(x + log(1/2)) + exp(log(1/2) - x)`` (``chlo.cosh``'s
+#: decomposition) and ``sinh(x)`` of ``|x| >= 1`` as their difference.
+LOG_HALF = math.log(0.5)
+
+
+def _exponentials(x: Any) -> tuple[Any, Any]:
+    import jax.numpy as jnp
+
+    w = x.astype(jnp.float32) if jnp.finfo(x.dtype).bits < 32 else x  # 16-bit floats: computed in float32
+    return jnp.exp(w + LOG_HALF), jnp.exp(LOG_HALF - w)
+
+
+def _cosh_of(x: Any, up: Any, down: Any) -> Any:
+    return (up + down).astype(x.dtype)
+
+
+def _sinh_of(x: Any, up: Any, down: Any) -> Any:
+    from jax import lax
+
+    w = x.astype(up.dtype)
+    m = lax.expm1(w)
+    return lax.select(lax.abs(w) < 1.0, (m + m / (m + 1.0)) * 0.5, up - down).astype(x.dtype)
+
+
+def as_exponentials(eqns: Sequence[Any]) -> list[Any] | None:
+    """``eqns`` with each ``sinh`` and ``cosh`` of a real argument written as XLA:CPU computes it, or ``None`` where
+    there is none: the two exponentials of :data:`LOG_HALF` (in float32 for a 16-bit argument), made once for every
+    member of one argument (XLA's common-subexpression elimination), and each member from them (``cosh`` their sum,
+    ``sinh`` their difference, or ``expm1``'s form where ``|x| < 1``). Each exponential is an expensive operation of
+    its own, so XLA stores both for every kernel that reads a member where members are read by two kernels or
+    more, where the model stored one ``cosh``: JAX's VJP of ``log(2 cosh(b h)) / b`` at ``[32, 256, 64]`` holds
+    4 MiB by ``memory_analysis``, which the model had predicted as 2 (``tests/test_memory.py``). For the memory
+    model only (``memory.as_xla_simplifies``): the equations are sized, never run."""
+    import jax
+    import jax.numpy as jnp
+
+    made: dict[Any, tuple[Any, Any]] = {}  # argument -> its two exponentials
+    out: list[Any] = []
+    changed = False
+    for e in eqns:
+        name = e.primitive.name
+        x = e.invars[0] if e.invars else None
+        aval = getattr(x, "aval", None)
+        if (name not in ("sinh", "cosh") or not isinstance(x, Var) or aval is None
+                or not jnp.issubdtype(aval.dtype, jnp.floating)):
+            out.append(e)
+            continue
+        spec = jax.ShapeDtypeStruct(aval.shape, aval.dtype)
+        if x not in made:
+            traced = jax.make_jaxpr(_exponentials)(spec)
+            if traced.consts:
+                out.append(e)
+                continue
+            out += _inlined(traced.jaxpr, [x], {})
+            made[x] = tuple(traced.jaxpr.outvars)  # type: ignore[assignment]
+        up, down = made[x]
+        traced = jax.make_jaxpr(_cosh_of if name == "cosh" else _sinh_of)(
+            spec, *(jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in (up, down)))
+        if traced.consts or not isinstance(traced.jaxpr.outvars[0], Var):
+            out.append(e)
+            continue
+        out += _inlined(traced.jaxpr, [x, up, down], {traced.jaxpr.outvars[0]: e.outvars[0]})
+        changed = True
+    return out if changed else None
+
+
+def _inlined(jaxpr: Any, args: Sequence[Any], outs: Mapping[Any, Any]) -> list[Any]:
+    """``jaxpr``'s equations reading ``args`` for its inputs and writing ``outs``' values for its keys."""
+    to = dict(zip(jaxpr.invars, args))
+    return [e.replace(invars=[to.get(v, v) if isinstance(v, Var) else v for v in e.invars],
+                      outvars=[outs.get(v, v) for v in e.outvars]) for e in jaxpr.eqns]
