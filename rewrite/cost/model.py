@@ -554,9 +554,9 @@ class AnalyticCost(CostModel):
         fm.keeps_facts = type(self) is AnalyticCost  # (its node prices are kept by node key: cost/prices.py)
         return fm
 
-    def predict_temp_bytes(self, closed: Any) -> int:
+    def predict_temp_bytes(self, closed: Any, users: bool = False) -> int:
         """The predicted ``memory_analysis().temp_size_in_bytes`` of a ``ClosedJaxpr`` compiled for this
-        backend (``rewrite/cost/memory.py``).
+        backend (``rewrite/cost/memory.py``; ``users``: in the order of XLA's lists of users, ``scheduled_peak``).
 
         >>> import jax, jax.numpy as jnp
         >>> from rewrite import AnalyticCost
@@ -566,7 +566,8 @@ class AnalyticCost(CostModel):
         >>> AnalyticCost().predict_temp_bytes(jax.make_jaxpr(f)(x)) == compiled
         True
         """
-        return self._replayed(closed)[0]
+        held, fusion, _, prog, kernels = self._replayed(closed)
+        return scheduled_peak(prog, kernels, fusion.inner, users=True) if users else held
 
     def _replayed(self, closed: Any) -> tuple[int, Any, Any, Any, Any]:
         """:meth:`predict_temp_bytes`'s replay of ``closed``'s kernels as XLA simplifies it: ``(the peak, the fusion

@@ -167,7 +167,7 @@ class Signature:
                 raise RuntimeError(f"rewrite of the {kind.upper()} of {name!r} (strict): {'; '.join(warned)}")
             result = built.joint if kind == "vjp" else built.result
             result.budget = budget  # explain(grad=True)'s report says which saturation used the time up
-            for said in limits_met(result, budget):
+            for said in limits_met(getattr(built, "tried", None) or result, budget):  # (decide.held_alone)
                 # the derivative program is rewritten under the same limits, and a user waits on it the same
                 warnings.warn(RewriteLimitWarning(f"rewrite of the {kind.upper()} of {name!r} {said}"), stacklevel=2)
         except Exception as e:
@@ -214,7 +214,8 @@ class Signature:
                 closed, self.result, owner.entries, owner.cost_model, owner.limits,
                 lambda f, entries: build_vjp(self._of(f), entries, owner.cost_model, owner.limits, primal=False,
                                              keep=keep),
-                as_written, split_joint, spent, build_both=None if keep else build_both)
+                as_written, split_joint, spent, build_both=None if keep else build_both,
+                held_to=lambda f: as_written(f, priced=False))
             built.decided = decided
             if "step jointly" in spent:  # decided jointly: every candidate built and priced, the kept one's stages too
                 built.times = {**built.times, "decided jointly": spent.get("step joint", 0.0) + spent["step jointly"]}

@@ -64,7 +64,7 @@ from ..jaxpr.emit import Emitter, _Scope, check_signature, dce, emitter
 from ..jaxpr.trace import Traced, jvp_rules_unnamed, same_program, spec_of
 from ..pipeline import extract_by_policy, program_cost, run_pipeline
 from ..records import Result, lap, out_of_time
-from .decide import Joint, decide, held_to_written, in_order, priced_joints
+from .decide import Joint, decide, held_alone, held_to_written, in_order, priced_joints
 from .uses import as_emitted, cheapest_use, emit_parts, inlined, joint_as_run, same_choice, uses_price, without_outputs
 
 log = logging.getLogger("rewrite")
@@ -557,11 +557,12 @@ def decided_jointly(closed: core.ClosedJaxpr, forward: Result, entries: Sequence
                     joint_of: Callable[[Any], core.ClosedJaxpr] = lambda built: built,
                     spent: dict[str, float] | None = None,
                     priced: Sequence[tuple[core.ClosedJaxpr, float]] = (),
-                    build_both: Callable[[core.ClosedJaxpr, core.ClosedJaxpr, Sequence[Any]], tuple] | None = None
-                    ) -> tuple[Any, str]:
+                    build_both: Callable[[core.ClosedJaxpr, core.ClosedJaxpr, Sequence[Any]], tuple] | None = None,
+                    held_to: Callable[[core.ClosedJaxpr], Any] | None = None) -> tuple[Any, str]:
     """``build(forward.after, entries)``, a derivative of ``closed`` rewritten (``forward``) for the forward alone,
-    decided on its joint program where rules of a ruleset made with ``jointly=True`` fired in that forward; and why,
-    in words ("" where none fired).
+    decided on its joint program, and why, in words: where no rule of a ruleset made with ``jointly=True`` fired in
+    that forward, held by memory to JAX's derivative of the loss as written (``held_to(closed)``, unpriced; else
+    ``as_written``'s) alone (:func:`rewrite.grad.decide.held_alone`).
 
     Such rules replace a forward computation together with its backward (``rulesets.nn``'s LM head over token
     blocks, whose backward recomputes each block's logits: that pays where the logits are large and costs a
@@ -584,10 +585,10 @@ def decided_jointly(closed: core.ClosedJaxpr, forward: Result, entries: Sequence
     t = time.perf_counter()
     jointly = {r.name for r, owner in entries if getattr(owner, "jointly", False)}
     fired = sorted(n for n, s in forward.stats.items() if n in jointly and s.fired)
-    if not fired:
-        built = build(forward.after, entries)
+    if not fired:  # held to JAX's as written all the same
+        found = held_alone(build(forward.after, entries), (held_to or as_written)(closed), model, joint_of)
         lap(spent, "step joint", t)
-        return built, ""
+        return found
     made: list = []
     pending: list = []
     try:
