@@ -382,10 +382,16 @@ def test_the_loss_first_vjp_is_held_to_the_loss_as_written():
     2.3 MiB, and x1.03 with the VJP decided for the forward alone). So JAX's own VJP is what runs, and the step
     holds no more than the original; its values are the original's. With the benchmark's ``optax.adamw``, where
     the VJP decided for the forward alone held more than the original (SGD's update holds less beside it)."""
+    _runs_jax_s_vjp_and_holds_no_more(ws.packs())
+
+
+def _runs_jax_s_vjp_and_holds_no_more(packs: list[Any]) -> None:
+    """equinox's scanned, checkpointed GPT at N=128, V=1024, its loss rewritten by ``packs``: every VJP kept is JAX's
+    derivative of the loss as written, and the step holds no more than the original, with its values."""
     made: list[Any] = []
 
     def wrap(fn):
-        made.append(ws.loss_first(fn))
+        made.append(rewrite(fn, rulesets=packs, cache=False))
         return made[-1]
 
     step, args = ws.CASES["equinox_scan_remat"](ws.SMALL, ws.plain)
@@ -401,25 +407,13 @@ def test_the_loss_first_vjp_is_held_to_the_loss_as_written():
 def test_a_loss_first_vjp_is_held_to_the_loss_as_written_where_no_jointly_rule_fires():
     """The same step's loss rewritten by every pack but the LM head's, so that no ``jointly`` rule fires: its VJP
     (the rewritten forward's, 4.0 MiB of temporaries in the step against 2.3 as written by ``memory_analysis``) is
-    held to JAX's derivative of the loss as written all the same (``grad.decide.held_alone``), and JAX's runs; the
-    step holds no more than the original, with its values."""
+    held by memory to JAX's derivative of the loss as written all the same (predicted 5.4 against 3.7 MiB, and 4.4
+    against 3.7 in the order of the kernels' users: ``grad.decide.held_alone``), and JAX's runs; the step holds no
+    more than the original, with its values."""
     nn = rulesets.nn
     packs = [nn.__class__("nn", [p for p in nn.parts if p is not nn.nn_lm_head], soundness=nn.soundness)
              if p is nn else p for p in ws.packs()]
-    made: list[Any] = []
-
-    def wrap(fn):
-        made.append(rewrite(fn, rulesets=packs, cache=False))
-        return made[-1]
-
-    step, args = ws.CASES["equinox_scan_remat"](ws.SMALL, ws.plain)
-    first, first_args = ws.CASES["equinox_scan_remat"](ws.SMALL, wrap)
-    flat, leaves = ws._flat(step, args)
-    flat_first, _ = ws._flat(first, first_args)
-    assert _temp(flat_first, leaves) <= _temp(flat, leaves), (_temp(flat_first, leaves), _temp(flat, leaves))
-    decided = [sig.vjp().decided for r in made for sig in r._programs.values()]
-    assert decided and all(d.startswith("kept JAX's derivative of the loss as written") for d in decided), decided
-    _close(jax.jit(flat)(*leaves), jax.jit(flat_first)(*leaves), 2e-4)
+    _runs_jax_s_vjp_and_holds_no_more(packs)
 
 
 def test_a_head_whose_rewrites_price_no_lower_runs_jax_s_own_vjp():
