@@ -399,8 +399,10 @@ def _runs_jax_s_vjp_and_holds_no_more(packs: list[Any]) -> None:
     flat, leaves = ws._flat(step, args)
     flat_first, _ = ws._flat(first, first_args)
     assert _temp(flat_first, leaves) <= _temp(flat, leaves), (_temp(flat_first, leaves), _temp(flat, leaves))
-    decided = [sig.vjp().decided for r in made for sig in r._programs.values()]
+    vjps = [sig.vjp() for r in made for sig in r._programs.values()]
+    decided = [v.decided for v in vjps]
     assert decided and all(d.startswith("kept JAX's derivative of the loss as written") for d in decided), decided
+    assert all(np.isfinite(v.joint.cost_before) for v in vjps)  # priced as it runs (explain's report reads it)
     _close(jax.jit(flat)(*leaves), jax.jit(flat_first)(*leaves), 2e-4)
 
 

@@ -144,7 +144,8 @@ def held_to_written(rewritten: Sequence[Joint], written: Joint, model: Any,
     return written, f"kept {written}: {'; '.join(said)}"
 
 
-def held_alone(built: Any, written: Any, model: Any, joint_of: Callable[[Any], core.ClosedJaxpr]) -> tuple[Any, str]:
+def held_alone(built: Any, written: Any, model: Any, joint_of: Callable[[Any], core.ClosedJaxpr],
+               as_run: Callable[[], Any] | None = None) -> tuple[Any, str]:
     """:func:`rewrite.grad.vjp.decided_jointly` where no ``jointly`` rule fired in the forward: the derivative of the
     forward rewritten, ``built``, held to JAX's derivative of the loss as written, ``written`` (unpriced), by memory:
     where the model bounds memory and predicts ``built``'s joint program to hold more (``extract.fatter``), JAX's
@@ -153,7 +154,7 @@ def held_alone(built: Any, written: Any, model: Any, joint_of: Callable[[Any], c
     loss as written's: a forward rewritten to hold less can make a backward that holds more. The loss-first step of
     equinox's scanned, checkpointed GPT at N=128, V=1024 held 4.0 MiB against its 2.3 as written by
     ``memory_analysis``, rewritten by every pack but the LM head's (whose rules, firing there, had made it decided
-    jointly and held so).
+    jointly and held so). ``as_run``, where given, makes ``written`` as it runs where it is kept (priced).
 
     It must be predicted to hold more in both of the schedules the model reads (the order XLA's fusion pass made
     the kernels, and that of XLA's lists of their users: ``predict_temp_bytes(users=True)``), as neither reads
@@ -175,7 +176,7 @@ def held_alone(built: Any, written: Any, model: Any, joint_of: Callable[[Any], c
     joint = getattr(built, "joint", None)
     if getattr(joint, "release", None) is not None:  # a VJP built to keep its e-graph (a report's): not kept
         joint.release()
-    kept = written
+    kept = written if as_run is None else as_run()
     if isinstance(joint, Result) and dataclasses.is_dataclass(kept):  # what a limit cut short in the one not kept is
         kept = copy.copy(kept)                                        # still said (grad.primitive: RewriteLimitWarning)
         kept.tried = joint

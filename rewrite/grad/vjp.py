@@ -560,9 +560,8 @@ def decided_jointly(closed: core.ClosedJaxpr, forward: Result, entries: Sequence
                     build_both: Callable[[core.ClosedJaxpr, core.ClosedJaxpr, Sequence[Any]], tuple] | None = None,
                     held_to: Callable[[core.ClosedJaxpr], Any] | None = None) -> tuple[Any, str]:
     """``build(forward.after, entries)``, a derivative of ``closed`` rewritten (``forward``) for the forward alone,
-    decided on its joint program, and why, in words: where no rule of a ruleset made with ``jointly=True`` fired in
-    that forward, held by memory to JAX's derivative of the loss as written (``held_to(closed)``, unpriced; else
-    ``as_written``'s) alone (:func:`rewrite.grad.decide.held_alone`).
+    decided on its joint program, and why, in words: where no ``jointly=True`` ruleset's rule fired in that forward,
+    held by memory to JAX's as written alone (``held_to(closed)``, unpriced, else ``as_written``'s: ``held_alone``).
 
     Such rules replace a forward computation together with its backward (``rulesets.nn``'s LM head over token
     blocks, whose backward recomputes each block's logits: that pays where the logits are large and costs a
@@ -586,7 +585,8 @@ def decided_jointly(closed: core.ClosedJaxpr, forward: Result, entries: Sequence
     jointly = {r.name for r, owner in entries if getattr(owner, "jointly", False)}
     fired = sorted(n for n, s in forward.stats.items() if n in jointly and s.fired)
     if not fired:  # held to JAX's as written all the same
-        found = held_alone(build(forward.after, entries), (held_to or as_written)(closed), model, joint_of)
+        found = held_alone(build(forward.after, entries), (held_to or as_written)(closed), model, joint_of,
+                           None if held_to is None else lambda: as_written(closed))  # (priced where it is kept)
         lap(spent, "step joint", t)
         return found
     made: list = []
