@@ -558,7 +558,8 @@ def as_xla_simplifies(closed: ClosedJaxpr) -> ClosedJaxpr:
     over axes a broadcast did not add is the broadcast of the reduction of the broadcast's operand (``reduce(
     broadcast(y)) -> broadcast(reduce(y))``), so the broadcast array is never made. (distrax's mixture gradient
     reduces a ``[N, K]`` value broadcast to ``[N, K, D]`` over ``N``: XLA reduces the ``[N, K]`` value, where the
-    model stored the ``[N, K, D]`` one; ``tests/test_memory.py``.) What the peak is predicted of
+    model stored the ``[N, K, D]`` one; ``tests/test_memory.py``.) And each real ``sinh`` and ``cosh`` as XLA:CPU
+    computes it, from two exponentials it stores (``transcendental.as_exponentials``). What the peak is predicted of
     (``AnalyticCost.predict_temp_bytes``); the equations are not evaluated, only sized."""
     jaxpr = closed.jaxpr
     made: dict[Any, Any] = {}

@@ -144,10 +144,11 @@ def held_to_written(rewritten: Sequence[Joint], written: Joint, model: Any,
     return written, f"kept {written}: {'; '.join(said)}"
 
 
-def held_alone(built: Any, written: Any, model: Any, joint_of: Callable[[Any], core.ClosedJaxpr],
+def held_alone(built: Any, written: Callable[[], Any], model: Any, joint_of: Callable[[Any], core.ClosedJaxpr],
                as_run: Callable[[], Any] | None = None) -> tuple[Any, str]:
     """:func:`rewrite.grad.vjp.decided_jointly` where no ``jointly`` rule fired in the forward: the derivative of the
-    forward rewritten, ``built``, held to JAX's derivative of the loss as written, ``written`` (unpriced), by memory:
+    forward rewritten, ``built``, held to JAX's derivative of the loss as written, ``written()`` (unpriced; made only
+    where the model bounds memory), by memory:
     where the model bounds memory and predicts ``built``'s joint program to hold more (``extract.fatter``), JAX's
     runs (``built``'s e-graph released), and why, in words; else ``built``, and "". Its price was held to its own
     input's already (the VJP of the forward rewritten, as extraction holds every rewrite), but not its memory to the
@@ -163,7 +164,8 @@ def held_alone(built: Any, written: Any, model: Any, joint_of: Callable[[Any], c
     the equinox step's at 5.4 against 3.7 and 4.4 against 3.7 (JAX's runs)."""
     if not _bounded(model) or "users" not in inspect.signature(model.predict_temp_bytes).parameters:
         return built, ""
-    mine, theirs = joint_of(built), joint_of(written)
+    jax_s = written()
+    mine, theirs = joint_of(built), joint_of(jax_s)
     known = getattr(built, "peaks", None) if mine is getattr(built, "program", None) else None
     held = [(known or closed_peaks(model, mine))[0], closed_peaks(model, theirs)[0]]  # type: ignore[index]
     if not fatter(*held):
@@ -176,7 +178,7 @@ def held_alone(built: Any, written: Any, model: Any, joint_of: Callable[[Any], c
     joint = getattr(built, "joint", None)
     if getattr(joint, "release", None) is not None:  # a VJP built to keep its e-graph (a report's): not kept
         joint.release()
-    kept = written if as_run is None else as_run()
+    kept = jax_s if as_run is None else as_run()
     if isinstance(joint, Result) and dataclasses.is_dataclass(kept):  # what a limit cut short in the one not kept is
         kept = copy.copy(kept)                                        # still said (grad.primitive: RewriteLimitWarning)
         kept.tried = joint

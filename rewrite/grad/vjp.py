@@ -585,7 +585,7 @@ def decided_jointly(closed: core.ClosedJaxpr, forward: Result, entries: Sequence
     jointly = {r.name for r, owner in entries if getattr(owner, "jointly", False)}
     fired = sorted(n for n, s in forward.stats.items() if n in jointly and s.fired)
     if not fired:  # held to JAX's as written all the same
-        found = held_alone(build(forward.after, entries), (held_to or as_written)(closed), model, joint_of,
+        found = held_alone(build(forward.after, entries), lambda: (held_to or as_written)(closed), model, joint_of,
                            None if held_to is None else lambda: as_written(closed))  # (priced where it is kept)
         lap(spent, "step joint", t)
         return found
