@@ -108,10 +108,8 @@ class Rewritten:
                  static_argnums: Sequence[int], static_argnames: Sequence[str], strict: bool | None,
                  cache: Any = None, guard: Any = False, whole_step: bool | None = None) -> None:
         functools.update_wrapper(self, fn)
-        self.fn = fn
-        self.entries = entries_of(rulesets, builtin_packs)
-        self.cost_model = resolve(cost_model)
-        self.limits = Limits.of(limits)
+        self.fn, self.entries = fn, entries_of(rulesets, builtin_packs)
+        self.cost_model, self.limits = resolve(cost_model), Limits.of(limits)
         self.static_argnums, self.static_argnames = resolve_static(fn, static_argnums, static_argnames)
         self._trace_floats = True  # Python float arguments are traced until one steers control flow
         self.strict = strict
@@ -416,7 +414,7 @@ class Rewritten:
     def _loss_first(self, cone: core.ClosedJaxpr, spent: dict[str, float] | None = None,
                     decided: list[str] | None = None, wrt: Sequence[int] | None = None, kept: list | None = None,
                     value: bool | None = None, written: core.ClosedJaxpr | None = None, small: bool = False,
-                    forwards: dict | None = None, written_only: bool = False) -> core.ClosedJaxpr | None:
+                    forwards: dict | None = None, written_only: bool = False, held: Any = None) -> Any:
         """A loss's VJP as ``jax.value_and_grad(rewrite(loss))`` runs it, with these rules, as one program
         ``(primals, cotangent) -> (loss, gradients)``: JAX's VJP of the rewritten forward, rewritten, decided on
         that joint program where a ``jointly`` ruleset's rules fired in the forward, and held to JAX's joint of the
@@ -427,7 +425,8 @@ class Rewritten:
         program of ``cone`` as written at ``wrt``, traced already (:func:`rewrite.grad.step.rederive`): not traced
         again, for ``cone`` nor a forward that is the same program (:func:`rewrite.grad.vjp.joint_at`). ``forwards``,
         where given, keeps each cone's forward by the cone's ``id`` (with the cone), so that ``written_only`` (raise
-        ``AsWritten`` or return ``None``: the search's test before a proof) and the build after it run one pipeline."""
+        ``AsWritten`` or return ``None``: the search's test before a proof) and the build after it run one pipeline.
+        ``held``: the memory hold's stand-in for JAX's joint of ``cone`` at ``wrt`` (``grad.uses.sliced``)."""
         # only the programs that come out are read: the inputs are not priced
         spent = {} if spent is None else spent
         t = time.perf_counter()
@@ -444,8 +443,8 @@ class Rewritten:
         if written_only:
             return None
         priced: list = []  # the joint programs priced whole as they were chosen: decided_jointly does not price again
-        # a step that reads only the gradients runs each candidate without the loss (XLA drops what only it reads):
-        # each is priced and held to memory so (the stored sin of seed 000's pullback costs more with the loss kept)
+        # a step reading only the gradients runs each candidate without the loss (XLA drops what only it reads): each
+        # is priced and held to memory so (the stored sin of seed 000's pullback costs more with the loss kept)
         run = as_run(len(cone.out_avals), value)
         trace = functools.partial(joint_at, wrt=wrt, written=None if written is None else (cone, written))
         with stage("a loss's joint"):
@@ -454,7 +453,8 @@ class Rewritten:
                     f, entries, self.cost_model, self.limits, wrt, value, seen=priced, trace=trace), trace,
                 joint_of=run, spent=spent, priced=priced, build_both=lambda f, p, rest: rewrite_joints(
                     f, p, rest, self.cost_model, self.limits, wrt, value, priced, trace,
-                    (forward.cost_after, forward.plain_cost) if p is forward.plain else None))
+                    (forward.cost_after, forward.plain_cost) if p is forward.plain else None),
+                held_to=None if held is None else lambda c: held if c is cone else trace(c))
         if why and decided is not None:
             decided.append(why)
         if kept is not None:  # (Rewritten._rewrite_rest's ``fused``)

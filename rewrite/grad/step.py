@@ -75,6 +75,7 @@ from ..jaxpr.trace import spec_of
 from ..pipeline import ProofGraph
 from .loops import find_loop_vjps
 from .seed import seeded_edit
+from .uses import sliced
 from .vjp import float_positions, joint_program
 
 log = logging.getLogger("rewrite")
@@ -494,6 +495,8 @@ def replace(step: core.ClosedJaxpr, root: Any, leaves: Sequence[Any], consts: di
     reads = sorted(set(found.values()))  # positions among ``dif``
     wrt = [dif[j] for j in reads]
     written = {"written": joint} if joint is not None and wrt == list(dif) else {}
+    if joint is not None and not written:  # (uses.sliced: numpyro_eight_schools reads four of five gradients)
+        written = {"held": sliced(joint, len(cone.out_avals), dif, wrt)}
     vjp = loss_first(cone, wrt=wrt, value=root in _read(step.jaxpr, {root, *found}), **written)
     # the cone program takes its constants first as inputs here, so that all leaves are arguments
     lifted = [v for v in leaves if v in consts] + [v for v in leaves if v not in consts]
