@@ -212,3 +212,20 @@ def corpus():
         ("float64_free_literals", lambda x: x * 0.1 + x / 3.0 - (-0.0) + jnp.float32(np.inf) * 0, (_rand(3),)),
     ]
     return entries
+
+
+def spy_joint_programs(monkeypatch, key=str):
+    """Each JAX joint program traced (``rewrite.grad.vjp.joint_program``, which ``grad.step`` calls too), recorded as
+    ``(key(closed), wrt)``: that list, and the spy."""
+    from rewrite.grad import step, vjp
+
+    traced: list = []
+    real = vjp.joint_program
+
+    def spied(closed, wrt=None):
+        traced.append((key(closed), None if wrt is None else tuple(wrt)))
+        return real(closed, wrt)
+
+    monkeypatch.setattr(vjp, "joint_program", spied)
+    monkeypatch.setattr(step, "joint_program", spied)
+    return traced, spied

@@ -14,6 +14,7 @@ from benchmarks import wholestep as ws
 from benchmarks.overhead import load_rulesets
 from rewrite import pipeline, rewrite
 from rewrite.grad import together
+from .corpus import spy_joint_programs
 
 
 def _spy_decisions(monkeypatch) -> tuple[list, list]:
@@ -149,18 +150,7 @@ def test_a_forward_that_is_the_loss_as_written_is_not_traced_again(monkeypatch):
     (``grad.step.rederive``), not traced again for the two joints' e-graph (``vjp.joint_at``); main traced it twice,
     0.16-0.19 s of those steps' first call (the forward is the loss's program itself, ``plain_program``'s input kept).
     Each program's joint is traced once, and the step's program is the text it is where each is traced anew."""
-    from rewrite.grad import step as grad_step
-    from rewrite.grad import vjp
-
-    traced: list = []
-    joint_program = vjp.joint_program
-
-    def spied(closed, wrt=None):
-        traced.append((str(closed), None if wrt is None else tuple(wrt)))
-        return joint_program(closed, wrt)
-
-    monkeypatch.setattr(vjp, "joint_program", spied)
-    monkeypatch.setattr(grad_step, "joint_program", spied)
+    traced, spied = spy_joint_programs(monkeypatch)
     flat, leaves = eco._flat(*eco.PROGRAMS["wholestep_linen_gpt"].build())
 
     def program() -> str:

@@ -22,7 +22,7 @@ from rewrite import explain, rewrite
 from rewrite.grad.step import find_losses
 from rewrite.ir.jaxapi import core
 
-from .corpus import lm_head_case
+from .corpus import lm_head_case, spy_joint_programs
 from .local_rulesets import without_kernels
 
 TINY = ws.Size(batch=2, length=16, width=16, heads=2, vocab=64)
@@ -1082,18 +1082,7 @@ def test_the_memory_hold_reads_jax_s_joint_of_the_step_without_tracing_it_again(
     by ``grad.step.rederive``, is what the loss-first program's memory hold (``grad.decide.held_alone``) reads for
     the joint at those leaves, its unread gradients dropped (``grad.uses.sliced``); it is not traced again there
     (14 ms of numpyro_eight_schools' 0.2 s first call). The step's values are the original's."""
-    import rewrite.grad.step as step_module
-    import rewrite.grad.vjp as vjp_module
-
-    traced: list = []
-    real = vjp_module.joint_program
-
-    def counting(closed, wrt=None):
-        traced.append((id(closed), None if wrt is None else tuple(wrt)))
-        return real(closed, wrt)
-
-    monkeypatch.setattr(vjp_module, "joint_program", counting)
-    monkeypatch.setattr(step_module, "joint_program", counting)
+    traced, _ = spy_joint_programs(monkeypatch, id)
     step, args = _mlp_step(_plain_loss)
     r = rewrite(step, rulesets=_without_lm_head(), cache=False, whole_step=True)  # (a step this small: by default left)
     got = jax.jit(r)(*args)
