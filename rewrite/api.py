@@ -454,7 +454,7 @@ class Rewritten:
                 joint_of=run, spent=spent, priced=priced, build_both=lambda f, p, rest: rewrite_joints(
                     f, p, rest, self.cost_model, self.limits, wrt, value, priced, trace,
                     (forward.cost_after, forward.plain_cost) if p is forward.plain else None),
-                held_to=None if held is None else lambda c: held if c is cone else trace(c))
+                held_to=None if held is None else lambda _: held)  # (decided_jointly asks it of cone alone)
         if why and decided is not None:
             decided.append(why)
         if kept is not None:  # (Rewritten._rewrite_rest's ``fused``)

@@ -566,19 +566,18 @@ class AnalyticCost(CostModel):
         >>> AnalyticCost().predict_temp_bytes(jax.make_jaxpr(f)(x)) == compiled
         True
         """
-        held, fusion, _, prog, kernels = self._replayed(closed)
-        return scheduled_peak(prog, kernels, fusion.inner, users=True) if users else held
+        return self._replayed(closed, users)[0]
 
-    def _replayed(self, closed: Any) -> tuple[int, Any, Any, Any, Any]:
+    def _replayed(self, closed: Any, users: bool = False) -> tuple[int, Any, Any, Any, Any]:
         """:meth:`predict_temp_bytes`'s replay of ``closed``'s kernels as XLA simplifies it: ``(the peak, the fusion
         model, the simplified jaxpr, its program, its kernels)``, the kernels unpriced (``memory.kernel_layout``: a
-        peak reads no price)."""
+        peak reads no price); the peak in XLA's users' order where ``users``."""
         fusion = self.fusion_model()
         fusion.tiebreak = None  # sizes only: no node prices (a loop's would need its body's)
         simple = as_xla_simplifies(closed)
         prog = Program.from_jaxpr(simple, None)
         kernels = kernel_layout(fusion, prog)
-        return scheduled_peak(prog, kernels, fusion.inner), fusion, simple, prog, kernels
+        return scheduled_peak(prog, kernels, fusion.inner, users=users), fusion, simple, prog, kernels
 
     def predict_peaks(self, closed: Any) -> tuple[int, int]:
         """``(predict_temp_bytes(closed), charged)``: the temporaries the backend allocates, and the kernels' peak of

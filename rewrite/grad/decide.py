@@ -147,8 +147,7 @@ def held_to_written(rewritten: Sequence[Joint], written: Joint, model: Any,
 def held_alone(built: Any, written: Callable[[], Any], model: Any, joint_of: Callable[[Any], core.ClosedJaxpr],
                as_run: Callable[[], Any] | None = None) -> tuple[Any, str]:
     """:func:`rewrite.grad.vjp.decided_jointly` where no ``jointly`` rule fired in the forward: the derivative of the
-    forward rewritten, ``built``, held to JAX's derivative of the loss as written, ``written()`` (unpriced; made only
-    where the model bounds memory), by memory:
+    forward rewritten, ``built``, held by memory to JAX's derivative of the loss as written, ``written()`` (unpriced):
     where the model bounds memory and predicts ``built``'s joint program to hold more (``extract.fatter``), JAX's
     runs (``built``'s e-graph released), and why, in words; else ``built``, and "". Its price was held to its own
     input's already (the VJP of the forward rewritten, as extraction holds every rewrite), but not its memory to the
@@ -167,7 +166,7 @@ def held_alone(built: Any, written: Callable[[], Any], model: Any, joint_of: Cal
     jax_s = written()
     mine, theirs = joint_of(built), joint_of(jax_s)
     known = getattr(built, "peaks", None) if mine is getattr(built, "program", None) else None
-    held = [(known or closed_peaks(model, mine))[0], closed_peaks(model, theirs)[0]]  # type: ignore[index]
+    held = [known[0] if known else model.predict_temp_bytes(mine), model.predict_temp_bytes(theirs)]
     if not fatter(*held):
         return built, ""
     users = [model.predict_temp_bytes(p, users=True) for p in (mine, theirs)]
