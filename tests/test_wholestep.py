@@ -415,11 +415,15 @@ def test_a_loss_first_vjp_is_held_to_the_loss_as_written_where_no_jointly_rule_f
     _runs_jax_s_vjp_and_holds_no_more(_without_lm_head())
 
 
+def _nn_without(part: Any) -> Any:
+    """``rulesets.nn`` without one of its parts."""
+    nn = rulesets.nn
+    return nn.__class__("nn", [p for p in nn.parts if p is not part], soundness=nn.soundness)
+
+
 def _without_lm_head() -> list[Any]:
     """Every pack but fastmath, ``rulesets.nn`` without its LM head: no ``jointly`` rule can fire."""
-    nn = rulesets.nn
-    return [nn.__class__("nn", [p for p in nn.parts if p is not nn.nn_lm_head], soundness=nn.soundness)
-            if p is nn else p for p in ws.packs()]
+    return [_nn_without(rulesets.nn.nn_lm_head) if p is rulesets.nn else p for p in ws.packs()]
 
 
 def test_a_head_whose_rewrites_price_no_lower_runs_jax_s_own_vjp():
@@ -473,8 +477,7 @@ def test_the_encoder_step_recomputes_its_gelu_to_hold_less():
     size = ws.Size(batch=2, length=512, width=64, heads=2, vocab=512)
     step, args = ws.CASES["haiku_encoder"](size, ws.plain, opt=optax.sgd(0.1))
     flat, leaves = ws._flat(step, args)
-    nn = rulesets.nn
-    without = rulesets.nn.__class__("nn", [p for p in nn.parts if p is not nn.nn_remat], soundness=nn.soundness)
+    without = _nn_without(rulesets.nn.nn_remat)
     got, held = {}, {}  # the rewritten steps' outputs and temp bytes
     for name, packs in (("with", PACKS), ("without", [without, rulesets.attention])):
         r = rewrite(flat, rulesets=packs, cache=False)
