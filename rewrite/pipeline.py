@@ -35,7 +35,7 @@ from .ir.terms import ctor_arg_sorts
 from .ir.walk import operands, walk
 from .ir.jaxapi import BUILT_DEBUG, core
 from .jaxpr.emit import check_signature, emitter
-from .jaxpr.load import TOKEN_AVAL, load_closed
+from .jaxpr.load import TOKEN_AVAL, SharedBodies, load_closed
 from .jaxpr.trace import Traced, collect_young_only
 from .records import Budget, Limits, Result
 from .rules.rule import Rule
@@ -167,7 +167,7 @@ def run_together(first: core.ClosedJaxpr, second: core.ClosedJaxpr, entries: Seq
                  input_prices: Sequence[float | None] = (None, None), as_loaded: bool = False
                  ) -> tuple[Result, Result]:
     """Two programs of the same inputs rewritten in one e-graph: ``first`` loaded, then ``second`` (the terms they
-    share are one), saturated once with ``entries``, and each extracted from its own roots under the extraction
+    share are one, the loops whose bodies are the same too: ``jaxpr.load.SharedBodies``), saturated once with ``entries``, and each extracted from its own roots under the extraction
     policy and held to itself (``no_fatter``), as :func:`run_pipeline` with ``keep`` would.
     ``first`` is extracted without the nodes only ``second`` holds as loaded, so a form only ``second``'s input
     has is not taken into ``first``'s program; what the rules built is, where it is equal (a merge): as
@@ -186,7 +186,7 @@ def run_together(first: core.ClosedJaxpr, second: core.ClosedJaxpr, entries: Seq
         raise ValueError("run_together: two programs of the same inputs, with no effects")
     with collect_young_only():
         t = time.perf_counter()
-        eg, loaded, held, names = _load_all((first, second), entries)
+        eg, loaded, held, names = _load_all((first, second), entries, share=True)
         (outs_first, _), (outs_second, _) = loaded
         n_first, n_both = names
         # one snapshot for both (one no one holds is made again, its node table too, and its nodes' facts)
@@ -340,14 +340,16 @@ def _load(closed: core.ClosedJaxpr, entries: Sequence[tuple[Rule, Ruleset]], pri
     return eg, outs, token, held
 
 
-def _load_all(programs: Sequence[core.ClosedJaxpr], entries: Sequence[tuple[Rule, Ruleset]], priced: bool = False
-              ) -> tuple[EGraph, list[tuple[list, Any]], Held, list[int]]:
+def _load_all(programs: Sequence[core.ClosedJaxpr], entries: Sequence[tuple[Rule, Ruleset]], priced: bool = False,
+              share: bool = False) -> tuple[EGraph, list[tuple[list, Any]], Held, list[int]]:
     """A new e-graph holding ``programs`` (of the same inputs, the Params of scope 0), loaded in order, so that the
     terms they share are one: the e-graph, each program's outputs' names and final token's (:func:`_load`), what
     they hold together (:func:`_held`), and the e-graph's count of names after each was loaded (the names below
     the first count are the first program's, and so on). ``priced`` (a load only to price or prove, with no rule):
     what they hold is not read (an empty :class:`Held`): with no rule the match program is one text whatever they
-    hold (``rules.saturate.match_program``), and nothing is saturated."""
+    hold (``rules.saturate.match_program``), and nothing is saturated. ``share``: a later program's loops take the
+    first's bodies where they are the same (``jaxpr.load.SharedBodies``), so that what reads them is one too; else
+    each body is loaded in a scope of its own, and two programs' terms are one only up to their first loop."""
     if priced and entries:
         raise ValueError("_load_all: a load to price only has no rules")
     held = Held(frozenset()) if priced else _held(programs[0], entries)
@@ -357,11 +359,15 @@ def _load_all(programs: Sequence[core.ClosedJaxpr], entries: Sequence[tuple[Rule
     eg = EGraph(match_program(entries, held.manual)[0])  # with the rules' queries: ir/egraph.py's _POOL
     inputs = [eg.term("Param", [0, i], TYPES.intern_aval(a)) for i, a in enumerate(programs[0].in_avals)]
     loaded, names = [], []
-    for closed in programs:
+    eg.shared_bodies = SharedBodies() if share and len(programs) > 1 else None
+    for i, closed in enumerate(programs):
+        if i and eg.shared_bodies is not None:
+            eg.shared_bodies.next_program()
         token = eg.term("Tok", [0], TYPES.intern_aval(TOKEN_AVAL)) if closed.jaxpr.effects else None
         loaded.append(load_closed(closed, inputs, eg, token))
         names.append(eg.num_names)
     eg.flush()
+    eg.shared_bodies = None  # (the rules build bodies as they always do)
     return eg, loaded, held, names
 
 

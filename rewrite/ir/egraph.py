@@ -237,6 +237,7 @@ class EGraph:
         self.origin: str | None = None     # rule name stamped on nodes made now
         self.source: Any = None            # Origin stamped on nodes made now (a rule's match root)
         self.defs: list[tuple[str, tuple]] = []  # V id -> the node it was made for (args as given)
+        self.shared_bodies: Any = None  # loading programs in turn, bodies shared between them (jaxpr/load.py)
 
     def release(self) -> None:
         """Give the egglog instance back to the pool now: this e-graph is not used again.

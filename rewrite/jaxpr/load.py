@@ -22,7 +22,8 @@ from typing import Any, NamedTuple, Protocol, Sequence
 import numpy as np
 
 from ..ir import primitives as _primitives
-from ..ir.intern import EFFECTS, PARAMS, TYPES
+from ..ir.egraph import _literal_memo_key
+from ..ir.intern import EFFECTS, PARAMS, TYPES, content_hash
 from ..ir.jaxapi import core, missing_param
 from ..ir.primitives import Unsupported  # noqa: F401  (raised by builders and load hooks)
 
@@ -186,10 +187,141 @@ def _project(b: Builder, tup: Any, avals: Sequence[Any], source: Any) -> list[An
 
 # ---------------------------------------------------------------------- bodies
 def _load_body(b: Builder, jaxpr: core.Jaxpr, consts: Sequence[Any], avals: Sequence[Any]) -> Any:
+    share = getattr(b, "shared_bodies", None)
+    if share is None:
+        return _body_into(b, jaxpr, consts, avals)
+    rec = _Recorder()
+    return share.body(b, rec, _body_into(rec, jaxpr, consts, avals))
+
+
+def _body_into(b: Builder, jaxpr: core.Jaxpr, consts: Sequence[Any], avals: Sequence[Any]) -> Any:
     scope = b.new_scope()
     params = [b.term("Param", [scope, i], TYPES.intern_aval(a)) for i, a in enumerate(avals)]
     outs, _ = load_jaxpr(jaxpr, consts, params, b)
     return b.body(scope, outs)
+
+
+class SharedBodies:
+    """Bodies shared between the programs one e-graph loads in turn (``pipeline.run_together``'s two joint
+    programs): the ``k``-th body of a later program that is, term for term, the ``k``-th such body of the first is
+    that body, not loaded again in a scope of its own, so that the two programs' loops (and all that reads them)
+    are one. Two bodies are one only where the loader built them alike (:meth:`_Recorder.key`): the same
+    constructors over the same operands, params (interned: a param compared only by identity, a ``custom_vjp``'s
+    ``bwd``, say, is the same object), types, literals and constants. Within one program nothing is shared, and
+    the first program is loaded exactly as alone (each body replayed as the loader made it); a later one is too,
+    but for the bodies it takes from the first."""
+
+    def __init__(self) -> None:
+        self.first = True  # loading the first program: its bodies are kept, by key, in order
+        self._bodies: dict[Any, list[Any]] = {}
+        self._taken: dict[Any, int] = {}
+
+    def next_program(self) -> None:
+        self.first, self._taken = False, {}
+
+    def body(self, b: Builder, rec: "_Recorder", ref: "_Ref") -> Any:
+        key = rec.key(ref)
+        if key is not None and not self.first:
+            kept, k = self._bodies.get(key, ()), self._taken.get(key, 0)
+            if k < len(kept):
+                self._taken[key] = k + 1
+                return kept[k]
+        made = rec.replay(b, ref)
+        if key is not None and self.first:
+            self._bodies.setdefault(key, []).append(made)
+        return made
+
+
+class _Ref(NamedTuple):
+    """What a :class:`_Recorder` returns for a call: the index of the call."""
+    k: int
+
+
+class _Scope(NamedTuple):
+    """A scope a :class:`_Recorder` made: the index of the ``new_scope`` call."""
+    k: int
+
+
+class _Recorder:
+    """A builder that builds nothing: it records a body's loading, call by call, for :class:`SharedBodies` to key
+    it and to replay it into the e-graph in the same order (so that a body replayed is the body loaded)."""
+
+    def __init__(self) -> None:
+        self.ops: list[tuple] = []
+
+    def _op(self, *op: Any) -> _Ref:
+        self.ops.append(op)
+        return _Ref(len(self.ops) - 1)
+
+    def term(self, ctor: str, args: Sequence[Any], type_id: int, source: Any = None) -> _Ref:
+        return self._op("term", ctor, tuple(args), type_id, source)
+
+    def tlist(self, refs: Sequence[Any]) -> _Ref:
+        return self._op("tlist", tuple(refs))
+
+    def body(self, scope: Any, outs: Sequence[Any]) -> _Ref:
+        return self._op("body", scope, tuple(outs))
+
+    def blist(self, bodies: Sequence[Any]) -> _Ref:
+        return self._op("blist", tuple(bodies))
+
+    def literal(self, value: Any, aval: Any) -> _Ref:
+        return self._op("literal", value, aval)
+
+    def const(self, array: Any, aval: Any) -> _Ref:
+        return self._op("const", array, aval)
+
+    def new_scope(self) -> _Scope:
+        self.ops.append(("scope",))
+        return _Scope(len(self.ops) - 1)
+
+    def key(self, ref: _Ref) -> Any:
+        """What the body ``ref`` is, as a hashable value (``None`` where a literal cannot be keyed): every call
+        with its arguments, the recorded ones by index."""
+        parts: list[Any] = [ref.k]
+        for op in self.ops:
+            kind = op[0]
+            if kind == "term":
+                parts.append((op[1], op[2], op[3]))  # (_Ref and _Scope are tuples of their own types: hashable)
+            elif kind == "literal":
+                same = _literal_memo_key(op[1], op[2])
+                if same is None and isinstance(op[1], (int, float, complex)):  # JAX's TypedInt: by type and repr
+                    same = (type(op[1]), repr(op[1]), op[2])
+                elif same is None and hasattr(op[1], "__array__"):  # a jax Array: by its value, as NumPy holds it
+                    same = _literal_memo_key(np.asarray(op[1]), op[2])
+                if same is None:
+                    return None
+                parts.append(("literal", same))
+            elif kind == "const":
+                parts.append(("const", content_hash(op[1]), op[2]))
+            else:
+                parts.append(op)
+        return tuple(parts)
+
+    def replay(self, b: Builder, ref: _Ref) -> Any:
+        """The recorded calls made on ``b``, in order: what loading the body into ``b`` returns."""
+        got: list[Any] = []
+
+        def v(a: Any) -> Any:
+            return got[a.k] if type(a) is _Ref or type(a) is _Scope else a
+
+        for op in self.ops:
+            kind = op[0]
+            if kind == "term":
+                got.append(b.term(op[1], [v(a) for a in op[2]], op[3], op[4]))
+            elif kind == "tlist":
+                got.append(b.tlist([v(a) for a in op[1]]))
+            elif kind == "body":
+                got.append(b.body(v(op[1]), [v(a) for a in op[2]]))
+            elif kind == "blist":
+                got.append(b.blist([v(a) for a in op[1]]))
+            elif kind == "literal":
+                got.append(b.literal(op[1], op[2]))
+            elif kind == "const":
+                got.append(b.const(op[1], op[2]))
+            else:
+                got.append(b.new_scope())
+        return got[ref.k]
 
 
 def _closed_body(b: Builder, closed: core.ClosedJaxpr) -> Any:
