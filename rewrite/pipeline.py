@@ -164,8 +164,8 @@ def _run(closed: core.ClosedJaxpr, entries: Sequence[tuple[Rule, Ruleset]], mode
 
 def run_together(first: core.ClosedJaxpr, second: core.ClosedJaxpr, entries: Sequence[tuple[Rule, Ruleset]],
                  model: CostModel, limits: Limits, price_input: bool = False,
-                 input_prices: Sequence[float | None] = (None, None), as_loaded: bool = False
-                 ) -> tuple[Result, Result]:
+                 input_prices: Sequence[float | None] = (None, None), as_loaded: bool = False,
+                 unite: Sequence[tuple[Any, Any]] = ()) -> tuple[Result, Result]:
     """Two programs of the same inputs rewritten in one e-graph: ``first`` loaded, then ``second`` (the terms they
     share are one, the loops whose bodies are the same too: ``jaxpr.load.SharedBodies``), saturated once with ``entries``, and each extracted from its own roots under the extraction
     policy and held to itself (``no_fatter``), as :func:`run_pipeline` with ``keep`` would.
@@ -181,12 +181,21 @@ def run_together(first: core.ClosedJaxpr, second: core.ClosedJaxpr, entries: Seq
     saves less than its floored rules' ``min_saving`` is left as loaded, the one without them not extracted
     (:func:`extract_by_policy`'s ``as_loaded``: a decision for those joint programs alone). Not for a VJP's joint
     and gradients alone (``build_vjps``): their split searches its residuals over the program extracted, and over
-    the joint as loaded flax_seq2seq_grad's search took 0.5-0.6 s more for the same program (2026-12-03)."""
+    the joint as loaded flax_seq2seq_grad's search took 0.5-0.6 s more for the same program (2026-12-03).
+    ``unite``: pairs of variables, of ``first`` and of ``second``, that hold the same value (``grad/marks.py``: the
+    cotangents of the values where two forwards part), whose classes are united before saturation, so that what
+    each program computes from them is one; ``second`` is then extracted without the nodes only ``first`` holds
+    as loaded too."""
     if first.in_avals != second.in_avals or first.jaxpr.effects or second.jaxpr.effects:
         raise ValueError("run_together: two programs of the same inputs, with no effects")
     with collect_young_only():
         t = time.perf_counter()
-        eg, loaded, held, names = _load_all((first, second), entries, share=True)
+        named: list[dict] = [{}, {}] if unite else []
+        eg, loaded, held, names = _load_all((first, second), entries, share=True, named=named)
+        for a, b in unite:
+            eg.union(named[0][a], named[1][b])
+        if unite:
+            eg.flush()
         (outs_first, _), (outs_second, _) = loaded
         n_first, n_both = names
         # one snapshot for both (one no one holds is made again, its node table too, and its nodes' facts)
@@ -206,11 +215,13 @@ def run_together(first: core.ClosedJaxpr, second: core.ClosedJaxpr, entries: Seq
         own_second = {keys[v] for v in _names_of(eg, outs_second, range(n_first, n_both)) if keys[v] is not None}
         only_second = {k for k in keys[n_first:] if k is not None} - own_first
         apart = snap.without(lambda cls, node: node in only_second) if only_second else snap
-        if apart is not snap:
-            shared(apart, model).share_prices(shared(snap, model))
+        only_first = own_first - own_second if unite else set()
+        alone = snap.without(lambda cls, node: node in only_first) if only_first else snap
+        for view in {id(v): v for v in (apart, alone) if v is not snap}.values():
+            shared(view, model).share_prices(shared(snap, model))
         results = []
         for closed, view, outs, original, cost_before in ((first, apart, outs_first, own_first, before[0]),
-                                                          (second, snap, outs_second, own_second, before[1])):
+                                                          (second, alone, outs_second, own_second, before[1])):
             times = {"trace": 0.0, "load": load_s, "saturate": saturate_s}
             load_s = saturate_s = 0.0  # counted once, on the first
             roots = [view.cls_of_name[o] for o in outs]
@@ -341,7 +352,7 @@ def _load(closed: core.ClosedJaxpr, entries: Sequence[tuple[Rule, Ruleset]], pri
 
 
 def _load_all(programs: Sequence[core.ClosedJaxpr], entries: Sequence[tuple[Rule, Ruleset]], priced: bool = False,
-              share: bool = False) -> tuple[EGraph, list[tuple[list, Any]], Held, list[int]]:
+              share: bool = False, named: Sequence[dict] = ()) -> tuple[EGraph, list[tuple[list, Any]], Held, list[int]]:
     """A new e-graph holding ``programs`` (of the same inputs, the Params of scope 0), loaded in order, so that the
     terms they share are one: the e-graph, each program's outputs' names and final token's (:func:`_load`), what
     they hold together (:func:`_held`), and the e-graph's count of names after each was loaded (the names below
@@ -349,7 +360,8 @@ def _load_all(programs: Sequence[core.ClosedJaxpr], entries: Sequence[tuple[Rule
     what they hold is not read (an empty :class:`Held`): with no rule the match program is one text whatever they
     hold (``rules.saturate.match_program``), and nothing is saturated. ``share``: a later program's loops take the
     first's bodies where they are the same (``jaxpr.load.SharedBodies``), so that what reads them is one too; else
-    each body is loaded in a scope of its own, and two programs' terms are one only up to their first loop."""
+    each body is loaded in a scope of its own, and two programs' terms are one only up to their first loop.
+    ``named``: a dict for each program, which receives what each of its variables was loaded as."""
     if priced and entries:
         raise ValueError("_load_all: a load to price only has no rules")
     held = Held(frozenset()) if priced else _held(programs[0], entries)
@@ -364,7 +376,7 @@ def _load_all(programs: Sequence[core.ClosedJaxpr], entries: Sequence[tuple[Rule
         if i and eg.shared_bodies is not None:
             eg.shared_bodies.next_program()
         token = eg.term("Tok", [0], TYPES.intern_aval(TOKEN_AVAL)) if closed.jaxpr.effects else None
-        loaded.append(load_closed(closed, inputs, eg, token))
+        loaded.append(load_closed(closed, inputs, eg, token, names=named[i] if named else None))
         names.append(eg.num_names)
     eg.flush()
     eg.shared_bodies = None  # (the rules build bodies as they always do)

@@ -17,7 +17,7 @@ from typing import Any, Callable, Sequence
 from ..ir.jaxapi import core
 from ..jaxpr.trace import Traced
 from .. import pipeline  # run_together looked up at each call: benchmarks.rewrite_time counts its rows
-from . import vjp  # its joint_program looked up at each call, as vjp's own callers do (a test counts the traces)
+from . import marks, vjp  # its joint_program looked up at each call, as vjp's own callers do (a test counts the traces)
 from ..extract.lean import closed_peaks
 from ..pipeline import program_cost, programs_cost
 from .decide import ONE_JOINT_MARGIN, jointly_cannot_win, one_joint_can_win
@@ -223,14 +223,21 @@ def rewrite_joints(closed: core.ClosedJaxpr, plain: core.ClosedJaxpr, entries: S
             notes = (" (its joint as traced)", " (its joint as traced, rewritten only where the other is not kept)")
             return tuple(Alone(j, p, functools.partial(alone, j), n)  # type: ignore[return-value]
                          for j, p, n in zip(inputs, prices, notes))
-    if inputs is None:
+    pairs: list = []  # the cotangents where the two forwards part, of each joint (grad/marks.py), united
+    if inputs is None and forwards is not None and plain_first(forwards[0], forwards[1], model):
         plain_joint = trace(plain)  # traced first, as before: run_together loads it first
         inputs = [trace(closed), plain_joint]
-        if forwards is not None and plain_first(forwards[0], forwards[1], model):
-            found = _plain_first(inputs, rules, entries, model, bounded, n_out, value, seen)
-            if found is not None:
-                return found
-    res_plain, res = pipeline.run_together(inputs[1], inputs[0], rules, model, bounded, as_loaded=True)
+        found = _plain_first(inputs, rules, entries, model, bounded, n_out, value, seen)
+        if found is not None:
+            return found
+    elif inputs is None:
+        if marks.traces_anew(trace, plain):
+            inputs, pairs = marks.marked_joints(closed, plain, trace)
+        else:  # the loss as written's joint, traced already (vjp.joint_at): not traced again to be marked
+            plain_joint = trace(plain)
+            inputs = [trace(closed), plain_joint]
+    res_plain, res = pipeline.run_together(inputs[1], inputs[0], rules, model, bounded, as_loaded=True,
+                                           unite=[(p, c) for c, p in pairs])
     try:
         return (_as_run(res, n_out, model, entries, value, seen), _as_run(res_plain, n_out, model, entries, value,
                                                                           seen))

@@ -50,16 +50,17 @@ class Builder(Protocol):
 
 
 def load_closed(closed: core.ClosedJaxpr, inputs: Sequence[Any], b: Builder, token: Any = None, *,
-                remember: bool = False) -> tuple[list[Any], Any]:
-    return load_jaxpr(closed.jaxpr, closed.consts, inputs, b, token, remember=remember)
+                remember: bool = False, names: dict | None = None) -> tuple[list[Any], Any]:
+    return load_jaxpr(closed.jaxpr, closed.consts, inputs, b, token, remember=remember, names=names)
 
 
 def load_jaxpr(jaxpr: core.Jaxpr, consts: Sequence[Any], inputs: Sequence[Any], b: Builder,
-               token: Any = None, *, remember: bool = False) -> tuple[list[Any], Any]:
+               token: Any = None, *, remember: bool = False, names: dict | None = None) -> tuple[list[Any], Any]:
     """Load ``jaxpr`` with its inputs bound to ``inputs``. Returns output refs and the final token.
 
     ``remember``: the jaxpr is loaded again and again (a rule's traced side),
-    so what each plain equation becomes is kept (:data:`_PLAIN`).
+    so what each plain equation becomes is kept (:data:`_PLAIN`). ``names``, where given, receives what each of
+    ``jaxpr``'s variables was loaded as.
     """
     env: dict[core.Var, Any] = {}
 
@@ -84,6 +85,8 @@ def load_jaxpr(jaxpr: core.Jaxpr, consts: Sequence[Any], inputs: Sequence[Any], 
         for v, r in zip(eqn.outvars, outs):
             if not isinstance(v, core.DropVar):
                 env[v] = r
+    if names is not None:
+        names.update(env)
     return [read(a) for a in jaxpr.outvars], token
 
 
@@ -232,6 +235,17 @@ class SharedBodies:
         return made
 
 
+def literal_key(value: Any, aval: Any) -> Any:
+    """A key that determines what a literal ``value`` typed ``aval`` loads as (``EGraph.literal``'s), for JAX's
+    literal types too (``TypedInt``, ``TypedNdArray``); ``None`` where there is none."""
+    same = _literal_memo_key(value, aval)
+    if same is None and isinstance(value, (int, float, complex)):  # JAX's TypedInt: by type and repr
+        same = (type(value), repr(value), aval)
+    elif same is None and hasattr(value, "__array__"):  # a jax Array: by its value, as NumPy holds it
+        same = _literal_memo_key(np.asarray(value), aval)
+    return same
+
+
 class _Ref(NamedTuple):
     """What a :class:`_Recorder` returns for a call: the index of the call."""
     k: int
@@ -284,11 +298,7 @@ class _Recorder:
             if kind == "term":
                 parts.append((op[1], op[2], op[3]))  # (_Ref and _Scope are tuples of their own types: hashable)
             elif kind == "literal":
-                same = _literal_memo_key(op[1], op[2])
-                if same is None and isinstance(op[1], (int, float, complex)):  # JAX's TypedInt: by type and repr
-                    same = (type(op[1]), repr(op[1]), op[2])
-                elif same is None and hasattr(op[1], "__array__"):  # a jax Array: by its value, as NumPy holds it
-                    same = _literal_memo_key(np.asarray(op[1]), op[2])
+                same = literal_key(op[1], op[2])
                 if same is None:
                     return None
                 parts.append(("literal", same))

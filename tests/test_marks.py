@@ -1,0 +1,126 @@
+"""Where two forwards of one loss part (``rewrite/grad/marks.py``): the values both compute that the parts where
+they differ read, marked so that each joint program names their cotangent, which ``pipeline.run_together`` unites;
+a value is met only where uniting its cotangents is sound."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from benchmarks import ecosystem as eco
+from benchmarks import wholestep as ws
+from benchmarks.overhead import load_rulesets
+from rewrite import pipeline, rewrite
+from rewrite.grad import marks, together
+from rewrite.grad.vjp import joint_program
+from rewrite.ir.jaxapi import BUILT_DEBUG
+
+rng = np.random.default_rng(0)
+X = rng.normal(size=(8, 4)).astype(np.float32)
+W = rng.normal(size=(4, 6)).astype(np.float32)
+
+
+def _hidden(x, w):
+    return jnp.tanh(x) * 2.0
+
+
+def _plain(x, w):  # the head as written
+    return jnp.sum(jax.nn.logsumexp(_hidden(x, w) @ w, axis=-1))
+
+
+def _other(x, w):  # the same loss, its head computed another way from the same hidden states
+    z = (w.T @ _hidden(x, w).T).T
+    m = jnp.max(z, axis=-1, keepdims=True)
+    return jnp.sum(jnp.log(jnp.sum(jnp.exp(z - m), axis=-1)) + m[:, 0])
+
+
+def _closed(f):
+    return jax.make_jaxpr(f)(X, W)
+
+
+def test_the_value_where_two_forwards_part_is_met_as_a_variable_of_each():
+    first, second = _closed(_plain), _closed(_other)
+    of_first, of_second = marks.meeting(first, second)
+    assert len(of_first) == len(of_second) == 1
+    assert of_first[0].aval.shape == of_second[0].aval.shape == (8, 4)
+    producer = {o: e for e in second.jaxpr.eqns for o in e.outvars}[of_second[0]]
+    assert producer.primitive.name == "mul"  # tanh(x) * 2: the hidden states
+
+
+def test_no_value_is_met_where_one_program_computes_it_twice_or_reads_other_values():
+    def twice(x, w):  # the hidden states computed twice: each variable has its share of the cotangent
+        return jnp.sum(jax.nn.logsumexp(_hidden(x, w) @ w, axis=-1)) + jnp.sum(jnp.tanh(x) * 2.0)
+
+    def once(x, w):
+        h = _hidden(x, w)
+        return jnp.sum(jax.nn.logsumexp(h @ w, axis=-1)) + jnp.sum(h)
+
+    assert marks.meeting(_closed(once), _closed(twice)) == ([], [])
+
+    def reads_more(x, w):  # its own part reads a value the other's does not
+        return _other(x, w) + jnp.sum(jnp.sin(x))
+
+    assert marks.meeting(_closed(_plain), _closed(reads_more)) == ([], [])
+    assert marks.meeting(_closed(_plain), _closed(_plain)) == ([], [])  # nothing parts
+
+
+def test_a_marked_joint_is_the_joint_as_traced_and_names_the_values_cotangent():
+    first, second = _closed(_plain), _closed(_other)
+    (joint_second, joint_first), pairs = marks.marked_joints(second, first, lambda f: joint_program(f)[0])
+    assert str(joint_first) == str(joint_program(first)[0])
+    assert str(joint_second) == str(joint_program(second)[0])
+    assert len(pairs) == 1
+    h = _hidden(X, W)
+    want = jax.grad(lambda h: jnp.sum(jax.nn.logsumexp(h @ W, axis=-1)))(h)
+    for joint, ct in zip((joint_second, joint_first), pairs[0]):
+        named = joint.jaxpr.replace(outvars=[*joint.jaxpr.outvars, ct], debug_info=BUILT_DEBUG)
+        got = jax.core.eval_jaxpr(named, joint.consts, X, W, np.float32(1.0))[-1]
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_two_joints_united_at_their_cotangent_keep_their_values_and_are_smaller(monkeypatch):
+    first, second = _closed(_plain), _closed(_other)
+    (joint_second, joint_first), pairs = marks.marked_joints(second, first, lambda f: joint_program(f)[0])
+    r = rewrite(lambda x: x, rulesets=load_rulesets(eco.CONFIGS["identity"]))
+
+    def run(unite):
+        one, two = pipeline.run_together(joint_first, joint_second, r.entries, r.cost_model, r.limits,
+                                         as_loaded=True, unite=unite)
+        one.release()
+        return one, two
+
+    one, two = run([(b, a) for a, b in pairs])
+    for res, joint in ((one, joint_first), (two, joint_second)):
+        got = jax.core.eval_jaxpr(res.after.jaxpr, res.after.consts, X, W, np.float32(1.0))
+        want = jax.core.eval_jaxpr(joint.jaxpr, joint.consts, X, W, np.float32(1.0))
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+    assert one.rows < run([])[0].rows
+
+
+def test_a_steps_two_joints_united_give_the_step_they_gave_apart(monkeypatch):
+    """A small linen GPT's step, whose LM head's loop fires in its loss's forward, its two joints saturated together
+    (``rewrite_joints``' run_together, asked for): united at the hidden states' cotangent, they give the step's
+    program as they did apart, and the rewritten step computes what the step does."""
+    monkeypatch.setattr(together, "plain_first", lambda *a: False)
+    monkeypatch.setattr(together, "one_joint_can_win", lambda *a: False)
+    united: list = []
+    run = pipeline.run_together
+    monkeypatch.setattr(pipeline, "run_together", lambda *a, **k: united.append(len(k.get("unite", ()))) or run(*a, **k))
+    size = ws.Size(batch=2, length=128, width=64, heads=2, vocab=1024)
+
+    def step_program() -> tuple[str, list, object]:
+        flat, leaves = ws._flat(*ws.CASES["linen_gpt"](size, ws.plain, opt=optax.sgd(0.1)))
+        r = rewrite(flat, rulesets=load_rulesets(eco.CONFIGS["identity"]), whole_step=True, cache=False)
+        return str(r.jaxpr(*leaves)), r(*leaves), jax.jit(flat)(*leaves)
+
+    program, got, want = step_program()
+    assert united and all(united)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(g, w, rtol=2e-4, atol=2e-5)
+    monkeypatch.setattr(marks, "meeting", lambda first, second: ([], []))
+    united.clear()
+    assert step_program()[0] == program
+    assert united and not any(united)
