@@ -124,3 +124,33 @@ def test_a_steps_two_joints_united_give_the_step_they_gave_apart(monkeypatch):
     united.clear()
     assert step_program()[0] == program
     assert united and not any(united)
+
+
+def test_a_gradients_two_joints_are_united_where_the_plain_forward_is_rewritten_too(monkeypatch):
+    """``jax.grad(rewrite(loss))`` of an LM head whose hidden states another rule rewrites (``tanh(h) * 1``), so the forward
+    without the ``jointly`` rules is not the loss as written: ``build_vjps`` marks the two forwards and unites their
+    joints at the hidden states' cotangent, and the VJP is the one they gave apart, with JAX's gradients."""
+    import rulesets
+    from tests.corpus import lm_head_case
+
+    loss, (h, w, y) = lm_head_case(1024, 128, 8192)
+    scaled = lambda h, w, y: loss(jnp.tanh(h) * 1.0, w, y)  # noqa: E731
+    united: list = []
+    run = pipeline.run_together
+    monkeypatch.setattr(pipeline, "run_together", lambda *a, **k: united.append(len(k.get("unite", ()))) or run(*a, **k))
+
+    def built() -> tuple:
+        r = rewrite(scaled, rulesets=[rulesets.nn, rulesets.algebra], cache=False)
+        made = r.grad_result(h, w, y)
+        return str(made.fwd), str(made.bwd), made.decided, jax.grad(r, argnums=(0, 1))(h, w, y)
+
+    got = built()
+    assert united and all(united), united
+    want = jax.grad(scaled, argnums=(0, 1))(h, w, y)
+    for g, x in zip(got[3], want):
+        np.testing.assert_allclose(g, x, rtol=2e-4, atol=2e-5)
+    monkeypatch.setattr(marks, "meeting", lambda first, second: ([], []))
+    united.clear()
+    apart = built()
+    assert united and not any(united)
+    assert got[:3] == apart[:3]

@@ -64,12 +64,18 @@ def build_vjps(traced: Traced, plain: Traced, entries: Sequence[Any], model: Any
     :func:`rewrite.grad.vjp.joint_program`'s program of it, the same text): not traced again, nor priced again
     where its price is given."""
     t0 = time.perf_counter()
-    joint, dif_in, dif_out = vjp.joint_program(traced.closed)
-    other = vjp.joint_program(plain.closed)[0] if plain_joint is None else plain_joint[0]
+    pairs: list = []  # the cotangents where the two forwards part (grad/marks.py), united
+    if plain_joint is None:
+        (joint, other), pairs = marks.marked_joints(traced.closed, plain.closed, lambda f: vjp.joint_program(f)[0])
+        dif_in, dif_out = vjp.float_positions(traced.closed)
+    else:
+        joint, dif_in, dif_out = vjp.joint_program(traced.closed)
+        other = plain_joint[0]
     traced_s = time.perf_counter() - t0
     bounded = dataclasses.replace(limits, iterations=min(limits.iterations, VJPS_ITERATIONS))
     res_plain, res = pipeline.run_together(other, joint, joint_rules(entries), model, bounded, price_input=True,
-                                           input_prices=(None if plain_joint is None else plain_joint[1], None))
+                                           input_prices=(None if plain_joint is None else plain_joint[1], None),
+                                           unite=[(p, c) for c, p in pairs])
     pending = tuple(Pending(r, c, dif_in, dif_out, model, entries, {"trace_vjp": traced_s / 2})
                     for r, c in ((res, traced.closed), (res_plain, plain.closed)))
     if lazy:
