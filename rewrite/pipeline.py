@@ -184,8 +184,8 @@ def run_together(first: core.ClosedJaxpr, second: core.ClosedJaxpr, entries: Seq
     the joint as loaded flax_seq2seq_grad's search took 0.5-0.6 s more for the same program (2026-12-03).
     ``unite``: pairs of variables, of ``first`` and of ``second``, that hold the same value (``grad/marks.py``: the
     cotangents of the values where two forwards part), whose classes are united before saturation, so that what
-    each program computes from them is one; ``second`` is then extracted without the nodes only ``first`` holds
-    as loaded too."""
+    each program computes from them is one; each is then extracted without what only the other reached
+    (:func:`_views_apart`)."""
     if first.in_avals != second.in_avals or first.jaxpr.effects or second.jaxpr.effects:
         raise ValueError("run_together: two programs of the same inputs, with no effects")
     with collect_young_only():
@@ -214,9 +214,11 @@ def run_together(first: core.ClosedJaxpr, second: core.ClosedJaxpr, entries: Seq
         own_first = {k for k in keys[:n_first] if k is not None}
         own_second = {keys[v] for v in _names_of(eg, outs_second, range(n_first, n_both)) if keys[v] is not None}
         only_second = {k for k in keys[n_first:] if k is not None} - own_first
-        apart = snap.without(lambda cls, node: node in only_second) if only_second else snap
-        only_first = own_first - own_second if unite else set()
-        alone = snap.without(lambda cls, node: node in only_first) if only_first else snap
+        if unite:
+            apart, alone = _views_apart(snap, own_first, own_second)
+        else:
+            apart = snap.without(lambda cls, node: node in only_second) if only_second else snap
+            alone = snap
         for view in {id(v): v for v in (apart, alone) if v is not snap}.values():
             shared(view, model).share_prices(shared(snap, model))
         results = []
@@ -238,6 +240,18 @@ def run_together(first: core.ClosedJaxpr, second: core.ClosedJaxpr, entries: Seq
             check_signature(closed, result.after)
             results.append(result)
     return results[0], results[1]
+
+
+def _views_apart(snap: Any, own_first: set, own_second: set) -> tuple[Any, Any]:
+    """The views :func:`run_together` extracts two united programs from: each without the nodes only the other
+    loaded, nor any node of a class only the other reached (a class holding a node one loaded and none the other
+    did), so that neither program's extraction reads what only the other computes, through a form the rules built
+    from it either (a node's children must all be extractable); a class only rules made is in both."""
+    reached = [{c for c, ns in snap.nodes.items() if any(n in own for n in ns)} for own in (own_first, own_second)]
+    first_only, second_only = reached[0] - reached[1], reached[1] - reached[0]
+    only_first, only_second = own_first - own_second, own_second - own_first
+    return (snap.without(lambda cls, node: cls in second_only or node in only_second),
+            snap.without(lambda cls, node: cls in first_only or node in only_first))
 
 
 def _extracted(snap: Any, eg: EGraph, entries: Sequence[tuple[Rule, Ruleset]], closed: core.ClosedJaxpr,

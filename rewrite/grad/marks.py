@@ -109,9 +109,20 @@ def meeting(first: core.ClosedJaxpr, second: core.ClosedJaxpr) -> tuple[list[Any
     computes its outputs from those values by its own equations alone, one function of the same arguments (the
     rules' replacements hold for any values of their operands), whose derivative with respect to each value, the
     cotangent a marker names, is the same in both. (A value computed twice, as two variables, would have each
-    its own share of the cotangent.)"""
+    its own share of the cotangent.) Where a replacement holds only for the values the common equations can give
+    (a fact about a value: ``abs(x) -> x`` for ``x = relu(z)``), the two cotangents can differ, but only by what
+    the common backward maps to zero (a vector normal to those values), so every gradient computed from either is
+    the same."""
     if first.in_avals != second.in_avals or first.jaxpr.effects or second.jaxpr.effects:
         return [], []
+    try:
+        return _met(first, second)
+    except Exception as e:  # (a program the hash-consing load cannot read: nothing united, nothing lost)
+        log.debug("meeting: %s: %s; the joints are not united", type(e).__name__, e)
+        return [], []
+
+
+def _met(first: core.ClosedJaxpr, second: core.ClosedJaxpr) -> tuple[list[Any], list[Any]]:
     hc = _HashCons()
     inputs = [hc.term("Param", [0, i], TYPES.intern_aval(a)) for i, a in enumerate(first.in_avals)]
     names: list[dict[Any, int]] = [{}, {}]
