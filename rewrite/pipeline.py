@@ -167,8 +167,9 @@ def run_together(first: core.ClosedJaxpr, second: core.ClosedJaxpr, entries: Seq
                  input_prices: Sequence[float | None] = (None, None), as_loaded: bool = False,
                  unite: Sequence[tuple[Any, Any]] = ()) -> tuple[Result, Result]:
     """Two programs of the same inputs rewritten in one e-graph: ``first`` loaded, then ``second`` (the terms they
-    share are one, the loops whose bodies are the same too: ``jaxpr.load.SharedBodies``), saturated once with ``entries``, and each extracted from its own roots under the extraction
-    policy and held to itself (``no_fatter``), as :func:`run_pipeline` with ``keep`` would.
+    share are one, the loops whose bodies are the same too: ``jaxpr.load.SharedBodies``), saturated once with
+    ``entries``, and each extracted from its own roots under the extraction policy and held to itself
+    (``no_fatter``), as :func:`run_pipeline` with ``keep`` would.
     ``first`` is extracted without the nodes only ``second`` holds as loaded, so a form only ``second``'s input
     has is not taken into ``first``'s program; what the rules built is, where it is equal (a merge): as
     ``extract.policy.copy_without`` leaves what other rules built from a ruleset's nodes. The two joint programs of
@@ -366,7 +367,8 @@ def _load(closed: core.ClosedJaxpr, entries: Sequence[tuple[Rule, Ruleset]], pri
 
 
 def _load_all(programs: Sequence[core.ClosedJaxpr], entries: Sequence[tuple[Rule, Ruleset]], priced: bool = False,
-              share: bool = False, named: Sequence[dict] = ()) -> tuple[EGraph, list[tuple[list, Any]], Held, list[int]]:
+              share: bool = False, named: Sequence[dict] = ()
+              ) -> tuple[EGraph, list[tuple[list, Any]], Held, list[int]]:
     """A new e-graph holding ``programs`` (of the same inputs, the Params of scope 0), loaded in order, so that the
     terms they share are one: the e-graph, each program's outputs' names and final token's (:func:`_load`), what
     they hold together (:func:`_held`), and the e-graph's count of names after each was loaded (the names below

@@ -108,7 +108,8 @@ def test_a_steps_two_joints_united_give_the_step_they_gave_apart(monkeypatch):
     monkeypatch.setattr(together, "one_joint_can_win", lambda *a: False)
     united: list = []
     run = pipeline.run_together
-    monkeypatch.setattr(pipeline, "run_together", lambda *a, **k: united.append(len(k.get("unite", ()))) or run(*a, **k))
+    monkeypatch.setattr(pipeline, "run_together",
+                        lambda *a, **k: united.append(len(k.get("unite", ()))) or run(*a, **k))
     size = ws.Size(batch=2, length=128, width=64, heads=2, vocab=1024)
 
     def step_program() -> tuple[str, list, object]:
@@ -127,9 +128,10 @@ def test_a_steps_two_joints_united_give_the_step_they_gave_apart(monkeypatch):
 
 
 def test_a_gradients_two_joints_are_united_where_the_plain_forward_is_rewritten_too(monkeypatch):
-    """``jax.grad(rewrite(loss))`` of an LM head whose hidden states another rule rewrites (``tanh(h) * 1``), so the forward
-    without the ``jointly`` rules is not the loss as written: ``build_vjps`` marks the two forwards and unites their
-    joints at the hidden states' cotangent, and the VJP is the one they gave apart, with JAX's gradients."""
+    """``jax.grad(rewrite(loss))`` of an LM head whose hidden states another rule rewrites (``tanh(h) * 1``), so
+    the forward without the ``jointly`` rules is not the loss as written: ``build_vjps`` marks the two forwards and
+    unites their joints at the hidden states' cotangent, and the VJP is the one they gave apart, with JAX's
+    gradients."""
     import rulesets
     from tests.corpus import lm_head_case
 
@@ -137,7 +139,8 @@ def test_a_gradients_two_joints_are_united_where_the_plain_forward_is_rewritten_
     scaled = lambda h, w, y: loss(jnp.tanh(h) * 1.0, w, y)  # noqa: E731
     united: list = []
     run = pipeline.run_together
-    monkeypatch.setattr(pipeline, "run_together", lambda *a, **k: united.append(len(k.get("unite", ()))) or run(*a, **k))
+    monkeypatch.setattr(pipeline, "run_together",
+                        lambda *a, **k: united.append(len(k.get("unite", ()))) or run(*a, **k))
 
     def built() -> tuple:
         r = rewrite(scaled, rulesets=[rulesets.nn, rulesets.algebra], cache=False)
