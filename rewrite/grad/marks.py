@@ -110,9 +110,10 @@ def meeting(first: core.ClosedJaxpr, second: core.ClosedJaxpr) -> tuple[list[Any
     rules' replacements hold for any values of their operands), whose derivative with respect to each value, the
     cotangent a marker names, is the same in both. (A value computed twice, as two variables, would have each
     its own share of the cotangent.) Where a replacement holds only for the values the common equations can give
-    (a fact about a value: ``abs(x) -> x`` for ``x = relu(z)``), the two cotangents can differ, but only by what
-    the common backward maps to zero (a vector normal to those values), so every gradient computed from either is
-    the same."""
+    (a fact about a value: ``abs(x) -> x`` for ``x = relu(z)``), the two cotangents can differ, by a vector normal
+    to those values: the common backward maps it to zero only together with the same program's own derivatives with
+    respect to the inputs its own equations read, so ``run_together`` extracts each program from its own part
+    alone (``pipeline._views_apart``)."""
     if first.in_avals != second.in_avals or first.jaxpr.effects or second.jaxpr.effects:
         return [], []
     try:
