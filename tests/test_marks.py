@@ -157,3 +157,16 @@ def test_a_gradients_two_joints_are_united_where_the_plain_forward_is_rewritten_
     apart = built()
     assert united and not any(united)
     assert got[:3] == apart[:3]
+
+
+def test_a_joint_that_cannot_be_traced_marked_is_traced_unmarked_and_not_united(monkeypatch):
+    """Where JAX's autodiff does not take the markers (here: their JVP rule raises), the two joints are traced as
+    they are, and nothing is united."""
+    def refuses(*args, **kwargs):
+        raise NotImplementedError("no markers here")
+
+    monkeypatch.setitem(marks.ad.primitive_jvps, marks.fmark_p, refuses)
+    first, second = _closed(_plain), _closed(_other)
+    (joint_second, joint_first), pairs = marks.marked_joints(second, first, lambda f: joint_program(f)[0])
+    assert pairs == []
+    assert str(joint_first) == str(joint_program(first)[0]) and str(joint_second) == str(joint_program(second)[0])

@@ -225,10 +225,14 @@ def marked_joints(closed: core.ClosedJaxpr, plain: core.ClosedJaxpr, trace: Call
     if not of_closed:
         plain_joint = trace(plain)
         return [trace(closed), plain_joint], []
-    found_plain = unmarked(trace(marked(plain, of_plain)), len(of_plain))
-    found_closed = unmarked(trace(marked(closed, of_closed)), len(of_closed))
+    try:
+        found_plain = unmarked(trace(marked(plain, of_plain)), len(of_plain))
+        found_closed = unmarked(trace(marked(closed, of_closed)), len(of_closed))
+    except Exception as e:  # (a JAX whose autodiff the markers do not go through: what is wrong unmarked raises below)
+        log.debug("marked_joints: %s: %s; the joints traced again unmarked", type(e).__name__, e)
+        found_plain = found_closed = None
     if found_plain is None or found_closed is None:  # (traced again, unmarked)
-        log.debug("marked_joints: a marker inside a body; the joints traced again unmarked")
+        log.debug("marked_joints: a marker the joints do not hold as one top-level equation; traced again unmarked")
         plain_joint = trace(plain)
         return [trace(closed), plain_joint], []
     pairs = [(a, b) for a, b in zip(found_closed[1], found_plain[1]) if a is not None and b is not None]
