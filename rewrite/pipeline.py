@@ -214,10 +214,10 @@ def run_together(first: core.ClosedJaxpr, second: core.ClosedJaxpr, entries: Seq
         keys = [eg.canonical(snap, vid) for vid in range(n_both)]
         own_first = {k for k in keys[:n_first] if k is not None}
         own_second = {keys[v] for v in _names_of(eg, outs_second, range(n_first, n_both)) if keys[v] is not None}
-        only_second = {k for k in keys[n_first:] if k is not None} - own_first
         if unite:
             apart, alone = _views_apart(snap, own_first, own_second)
         else:
+            only_second = {k for k in keys[n_first:] if k is not None} - own_first
             apart = snap.without(lambda cls, node: node in only_second) if only_second else snap
             alone = snap
         for view in {id(v): v for v in (apart, alone) if v is not snap}.values():

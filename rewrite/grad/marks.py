@@ -86,8 +86,7 @@ class _HashCons:
         return self._id(("blist", tuple(bodies)))
 
     def literal(self, value: Any, aval: Any) -> int:
-        same = literal_key(value, aval)
-        return self._id(("literal", same) if same is not None else ("unkeyed", len(self.memo)))
+        return self._id(("literal", literal_key(value, aval)))
 
     def const(self, array: Any, aval: Any) -> int:
         return self._id(("const", content_hash(array), aval))
@@ -222,17 +221,17 @@ def marked_joints(closed: core.ClosedJaxpr, plain: core.ClosedJaxpr, trace: Call
     first), each traced once with :func:`meeting`'s values marked and the markers taken out, and ``pairs``, the
     variables of the cotangents of each value met, ``(of closed's joint, of plain's)``, that both joints hold."""
     of_plain, of_closed = meeting(plain, closed)
-    if not of_closed:
-        plain_joint = trace(plain)
-        return [trace(closed), plain_joint], []
-    try:
-        found_plain = unmarked(trace(marked(plain, of_plain)), len(of_plain))
-        found_closed = unmarked(trace(marked(closed, of_closed)), len(of_closed))
-    except Exception as e:  # (a JAX whose autodiff the markers do not go through: what is wrong unmarked raises below)
-        log.debug("marked_joints: %s: %s; the joints traced again unmarked", type(e).__name__, e)
-        found_plain = found_closed = None
-    if found_plain is None or found_closed is None:  # (traced again, unmarked)
-        log.debug("marked_joints: a marker the joints do not hold as one top-level equation; traced again unmarked")
+    found_plain = found_closed = None
+    if of_closed:
+        try:
+            found_plain = unmarked(trace(marked(plain, of_plain)), len(of_plain))
+            found_closed = unmarked(trace(marked(closed, of_closed)), len(of_closed))
+        except Exception as e:  # (a JAX whose autodiff the markers do not go through: an error unmarked raises below)
+            log.debug("marked_joints: %s: %s; the joints traced again unmarked", type(e).__name__, e)
+            found_plain = None
+        if found_plain is None or found_closed is None:
+            log.debug("marked_joints: the markers are not one top-level equation each; the joints traced unmarked")
+    if found_plain is None or found_closed is None:  # nothing met, or the markers not taken: traced as they are
         plain_joint = trace(plain)
         return [trace(closed), plain_joint], []
     pairs = [(a, b) for a, b in zip(found_closed[1], found_plain[1]) if a is not None and b is not None]

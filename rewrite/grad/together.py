@@ -230,18 +230,18 @@ def rewrite_joints(closed: core.ClosedJaxpr, plain: core.ClosedJaxpr, entries: S
             return tuple(Alone(j, p, functools.partial(alone, j), n)  # type: ignore[return-value]
                          for j, p, n in zip(inputs, prices, notes))
     pairs: list = []  # the cotangents where the two forwards part, of each joint (grad/marks.py), united
-    if inputs is None and forwards is not None and plain_first(forwards[0], forwards[1], model):
-        plain_joint = trace(plain)  # traced first, as before: run_together loads it first
-        inputs = [trace(closed), plain_joint]
-        found = _plain_first(inputs, rules, entries, model, bounded, n_out, value, seen)
-        if found is not None:
-            return found
-    elif inputs is None:
-        if marks.traces_anew(trace, plain):
+    if inputs is None:
+        first = forwards is not None and plain_first(forwards[0], forwards[1], model)
+        # (not where the plain forward is the loss as written, whose joint vjp.joint_at holds traced already)
+        if not first and marks.traces_anew(trace, plain):
             inputs, pairs = marks.marked_joints(closed, plain, trace)
-        else:  # the loss as written's joint, traced already (vjp.joint_at): not traced again to be marked
-            plain_joint = trace(plain)
+        else:
+            plain_joint = trace(plain)  # traced first, as before: run_together loads it first
             inputs = [trace(closed), plain_joint]
+        if first:
+            found = _plain_first(inputs, rules, entries, model, bounded, n_out, value, seen)
+            if found is not None:
+                return found
     res_plain, res = pipeline.run_together(inputs[1], inputs[0], rules, model, bounded, as_loaded=True,
                                            unite=[(p, c) for c, p in pairs])
     try:

@@ -22,8 +22,7 @@ from typing import Any, NamedTuple, Protocol, Sequence
 import numpy as np
 
 from ..ir import primitives as _primitives
-from ..ir.egraph import _literal_memo_key
-from ..ir.intern import EFFECTS, PARAMS, TYPES, content_hash
+from ..ir.intern import EFFECTS, LITERALS, PARAMS, TYPES, content_hash, in_dtype
 from ..ir.jaxapi import core, missing_param
 from ..ir.primitives import Unsupported  # noqa: F401  (raised by builders and load hooks)
 
@@ -224,26 +223,21 @@ class SharedBodies:
 
     def body(self, b: Builder, rec: "_Recorder", ref: "_Ref") -> Any:
         key = rec.key(ref)
-        if key is not None and not self.first:
+        if not self.first:
             kept, k = self._bodies.get(key, ()), self._taken.get(key, 0)
             if k < len(kept):
                 self._taken[key] = k + 1
                 return kept[k]
         made = rec.replay(b, ref)
-        if key is not None and self.first:
+        if self.first:
             self._bodies.setdefault(key, []).append(made)
         return made
 
 
-def literal_key(value: Any, aval: Any) -> Any:
-    """A key that determines what a literal ``value`` typed ``aval`` loads as (``EGraph.literal``'s), for JAX's
-    literal types too (``TypedInt``, ``TypedNdArray``); ``None`` where there is none."""
-    same = _literal_memo_key(value, aval)
-    if same is None and isinstance(value, (int, float, complex)):  # JAX's TypedInt: by type and repr
-        same = (type(value), repr(value), aval)
-    elif same is None and hasattr(value, "__array__"):  # a jax Array: by its value, as NumPy holds it
-        same = _literal_memo_key(np.asarray(value), aval)
-    return same
+def literal_key(value: Any, aval: Any) -> tuple:
+    """What a literal ``value`` typed ``aval`` loads as: its literal id and type, of which ``EGraph.literal`` makes
+    its ``Lit`` node, for any value JAX gives (a ``TypedInt`` too)."""
+    return LITERALS.intern_value(in_dtype(value, aval.dtype)), aval
 
 
 class _Ref(NamedTuple):
@@ -289,19 +283,16 @@ class _Recorder:
         self.ops.append(("scope",))
         return _Scope(len(self.ops) - 1)
 
-    def key(self, ref: _Ref) -> Any:
-        """What the body ``ref`` is, as a hashable value (``None`` where a literal cannot be keyed): every call
-        with its arguments, the recorded ones by index."""
+    def key(self, ref: _Ref) -> tuple:
+        """What the body ``ref`` is, as a hashable value: every call with its arguments, the recorded ones by
+        index, a literal as what it loads as, a constant by its content."""
         parts: list[Any] = [ref.k]
         for op in self.ops:
             kind = op[0]
             if kind == "term":
                 parts.append((op[1], op[2], op[3]))  # (_Ref and _Scope are tuples of their own types: hashable)
             elif kind == "literal":
-                same = literal_key(op[1], op[2])
-                if same is None:
-                    return None
-                parts.append(("literal", same))
+                parts.append(("literal", literal_key(op[1], op[2])))
             elif kind == "const":
                 parts.append(("const", content_hash(op[1]), op[2]))
             else:
