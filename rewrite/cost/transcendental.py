@@ -10,6 +10,7 @@ for its latency (a chain). The functions here are read by ``FusionModel.kernel``
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Container, Iterable, Mapping, Sequence
 
@@ -159,10 +160,11 @@ def as_exponentials(eqns: Sequence[Any]) -> list[Any] | None:
     its own, so XLA stores both for every kernel that reads a member where members are read by two kernels or
     more, where the model stored one ``cosh``: JAX's VJP of ``log(2 cosh(b h)) / b`` at ``[32, 256, 64]`` holds
     4 MiB by ``memory_analysis``, which the model had predicted as 2 (``tests/test_memory.py``). For the memory
-    model only (``memory.as_xla_simplifies``): the equations are sized, never run."""
-    import jax
-    import jax.numpy as jnp
+    model only (``memory.as_xla_simplifies``): the equations are sized, never run.
 
+    The three forms are traced once per argument type (:func:`_forms`) and inlined with variables of their own. An
+    argument whose forms cannot be inlined (a trace that holds constants, or a member that is not an equation's
+    result) is left as written, its exponentials not made."""
     made: dict[Any, tuple[Any, Any]] = {}  # argument -> its two exponentials
     out: list[Any] = []
     changed = False
@@ -170,31 +172,59 @@ def as_exponentials(eqns: Sequence[Any]) -> list[Any] | None:
         name = e.primitive.name
         x = e.invars[0] if e.invars else None
         aval = getattr(x, "aval", None)
-        if (name not in ("sinh", "cosh") or not isinstance(x, Var) or aval is None
-                or not jnp.issubdtype(aval.dtype, jnp.floating)):
+        forms = (_forms(tuple(aval.shape), aval.dtype, _x64())
+                 if name in ("sinh", "cosh") and isinstance(x, Var) and aval is not None and _real(aval.dtype)
+                 else None)
+        if forms is None:
             out.append(e)
             continue
-        spec = jax.ShapeDtypeStruct(aval.shape, aval.dtype)
+        exponentials, members = forms
         if x not in made:
-            traced = jax.make_jaxpr(_exponentials)(spec)
-            if traced.consts:
-                out.append(e)
-                continue
-            out += _inlined(traced.jaxpr, [x], {})
-            made[x] = tuple(traced.jaxpr.outvars)  # type: ignore[assignment]
-        up, down = made[x]
-        traced = jax.make_jaxpr(_cosh_of if name == "cosh" else _sinh_of)(
-            spec, *(jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in (up, down)))
-        if traced.consts or not isinstance(traced.jaxpr.outvars[0], Var):
-            out.append(e)
-            continue
-        out += _inlined(traced.jaxpr, [x, up, down], {traced.jaxpr.outvars[0]: e.outvars[0]})
+            made[x] = (Var(exponentials.outvars[0].aval), Var(exponentials.outvars[1].aval))
+            out += _inlined(exponentials, [x], dict(zip(exponentials.outvars, made[x])))
+        member = members[name]
+        out += _inlined(member, [x, *made[x]], {member.outvars[0]: e.outvars[0]})
         changed = True
     return out if changed else None
 
 
+def _real(dtype: Any) -> bool:
+    import jax.numpy as jnp
+
+    return bool(jnp.issubdtype(dtype, jnp.floating))
+
+
+def _x64() -> bool:
+    import jax
+
+    return bool(jax.config.jax_enable_x64)
+
+
+@functools.lru_cache(maxsize=64)
+def _forms(shape: tuple, dtype: Any, x64: bool) -> tuple[Any, dict[str, Any]] | None:
+    """``(exponentials, {"cosh": ..., "sinh": ...})``: the jaxprs of :func:`_exponentials` at an argument of
+    ``shape`` and ``dtype`` and of each member from those two (``x64``, the process's ``jax_enable_x64``, types
+    their literals), or ``None`` where one holds constants or a result is not an equation's."""
+    import jax
+
+    spec = jax.ShapeDtypeStruct(shape, dtype)
+    exponentials = jax.make_jaxpr(_exponentials)(spec)
+    if exponentials.consts or not all(isinstance(v, Var) for v in exponentials.jaxpr.outvars):
+        return None
+    both = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in exponentials.jaxpr.outvars]
+    members = {name: jax.make_jaxpr(f)(spec, *both) for name, f in (("cosh", _cosh_of), ("sinh", _sinh_of))}
+    if any(m.consts or not isinstance(m.jaxpr.outvars[0], Var) for m in members.values()):
+        return None
+    return exponentials.jaxpr, {name: m.jaxpr for name, m in members.items()}
+
+
 def _inlined(jaxpr: Any, args: Sequence[Any], outs: Mapping[Any, Any]) -> list[Any]:
-    """``jaxpr``'s equations reading ``args`` for its inputs and writing ``outs``' values for its keys."""
-    to = dict(zip(jaxpr.invars, args))
-    return [e.replace(invars=[to.get(v, v) if isinstance(v, Var) else v for v in e.invars],
-                      outvars=[outs.get(v, v) for v in e.outvars]) for e in jaxpr.eqns]
+    """``jaxpr``'s equations reading ``args`` for its inputs and writing ``outs``' values for its keys, each of its
+    other results a new variable (a form is inlined once for each argument it is made of)."""
+    to: dict[Any, Any] = dict(zip(jaxpr.invars, args))
+    eqns = []
+    for e in jaxpr.eqns:
+        results = [outs[v] if v in outs else Var(v.aval) if isinstance(v, Var) else v for v in e.outvars]
+        eqns.append(e.replace(invars=[to.get(v, v) if isinstance(v, Var) else v for v in e.invars], outvars=results))
+        to.update(zip(e.outvars, results))
+    return eqns
