@@ -67,11 +67,29 @@ def test_no_value_is_met_where_one_program_computes_it_twice_or_reads_other_valu
     assert marks.meeting(_closed(_plain), _closed(_plain)) == ([], [])  # nothing parts
 
 
-def test_a_marked_joint_is_the_joint_as_traced_and_names_the_values_cotangent():
+def _spied(monkeypatch) -> list:
+    """Whether each :func:`marks.spliced` made the second joint (``True``) or declined (``False``)."""
+    made: list = []
+    splice = marks.spliced
+    monkeypatch.setattr(marks, "spliced", lambda *a, **k: (lambda r: made.append(r is not None) or r)(splice(*a, **k)))
+    return made
+
+
+def _same_values(joint, want, *args):
+    for g, w in zip(jax.core.eval_jaxpr(joint.jaxpr, joint.consts, *args),
+                    jax.core.eval_jaxpr(want.jaxpr, want.consts, *args)):
+        np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-6)
+
+
+def test_a_marked_joint_is_the_joint_as_traced_and_names_the_values_cotangent(monkeypatch):
+    """The plain forward's joint is JAX's, equation for equation; the other's is spliced from it (its own part's
+    joint traced alone in the plain one's part's place) and computes what JAX's joint of it computes."""
     first, second = _closed(_plain), _closed(_other)
+    made = _spied(monkeypatch)
     (joint_second, joint_first), pairs = marks.marked_joints(second, first, lambda f: joint_program(f)[0])
+    assert made == [True]
     assert str(joint_first) == str(joint_program(first)[0])
-    assert str(joint_second) == str(joint_program(second)[0])
+    _same_values(joint_second, joint_program(second)[0], X, W, np.float32(1.0))
     assert len(pairs) == 1
     h = _hidden(X, W)
     want = jax.grad(lambda h: jnp.sum(jax.nn.logsumexp(h @ W, axis=-1)))(h)
@@ -118,11 +136,13 @@ def test_a_steps_two_joints_united_give_the_step_they_gave_apart(monkeypatch):
         r = rewrite(flat, rulesets=load_rulesets(eco.CONFIGS["identity"]), whole_step=True, cache=False)
         return str(r.jaxpr(*leaves)), r(*leaves), jax.jit(flat)(*leaves)
 
+    made = _spied(monkeypatch)
     program, got, want = step_program()
     assert united and all(united)
+    assert made and all(made)  # the second joint spliced from the first
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_allclose(g, w, rtol=2e-4, atol=2e-5)
-    monkeypatch.setattr(marks, "meeting", lambda first, second: ([], []))
+    monkeypatch.setattr(marks, "parting", lambda first, second: None)
     united.clear()
     assert step_program()[0] == program
     assert united and not any(united)
@@ -159,11 +179,62 @@ def test_a_gradients_two_joints_are_united_where_the_plain_forward_is_rewritten_
     for g, x in zip(got[3] + got[4], want + want):  # eagerly and under jit
         assert g.dtype == x.dtype
         np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(x, np.float32), rtol=tol, atol=tol / 10)
-    monkeypatch.setattr(marks, "meeting", lambda first, second: ([], []))
+    monkeypatch.setattr(marks, "parting", lambda first, second: None)
     united.clear()
     apart = built()
     assert united and not any(united)
     assert got[:3] == apart[:3]
+
+
+def test_a_spliced_lm_head_joint_computes_jax_s_joint_of_its_forward(monkeypatch):
+    """``jax.grad(rewrite(loss))`` of an LM head whose forward with the ``jointly`` rules runs the token loop (a
+    ``custom_vjp`` reading the hidden states, the head's weights as an input, and the labels): the joint of that
+    forward, spliced from the plain forward's, computes JAX's joint of it at random inputs and cotangents."""
+    import rulesets
+    from tests.corpus import lm_head_case
+
+    loss, (h, w, y) = lm_head_case(1024, 128, 8192)
+    seen: list = []
+    marked_joints = marks.marked_joints
+    monkeypatch.setattr(marks, "marked_joints", lambda closed, plain, trace: seen.append((closed, plain))
+                        or marked_joints(closed, plain, trace))
+    r = rewrite(lambda h, w, y: loss(jnp.tanh(h) * jnp.asarray(1.0, h.dtype), w, y),
+                rulesets=[rulesets.nn, rulesets.algebra], cache=False)
+    r.grad_result(h, w, y)
+    assert seen
+    closed, plain = seen[0]
+    assert any(e.primitive.name == "custom_vjp_call" for e in closed.jaxpr.eqns)
+    made = _spied(monkeypatch)
+    (joint, joint_plain), pairs = marked_joints(closed, plain, lambda f: joint_program(f)[0])
+    assert made == [True] and pairs
+    assert str(joint_plain) == str(joint_program(plain)[0])
+    args = [jnp.asarray(rng.normal(size=a.shape), a.dtype) if jnp.issubdtype(a.dtype, jnp.floating)
+            else jnp.asarray(rng.integers(0, w.shape[1], size=a.shape), a.dtype) for a in joint.in_avals]
+    want = joint_program(closed)[0]
+    assert len(joint.jaxpr.eqns) != len(want.jaxpr.eqns) or str(joint) != str(want)  # (made, not traced)
+    for g, x in zip(jax.core.eval_jaxpr(joint.jaxpr, joint.consts, *args),
+                    jax.core.eval_jaxpr(want.jaxpr, want.consts, *args)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(x), rtol=2e-5, atol=2e-5)
+
+
+def test_a_value_read_beside_the_part_that_differs_is_not_spliced(monkeypatch):
+    """Where the hidden states are read by the common part too (an auxiliary term), the plain joint's cotangent of
+    them is not the differing part's alone: no splice, the other joint traced whole (JAX's), and united."""
+    def aux_first(x, w):
+        h = _hidden(x, w)
+        return jnp.sum(jax.nn.logsumexp(h @ w, axis=-1)) + jnp.sum(h * h)
+
+    def aux_second(x, w):
+        h = _hidden(x, w)
+        z = (w.T @ h.T).T
+        m = jnp.max(z, axis=-1, keepdims=True)
+        return jnp.sum(jnp.log(jnp.sum(jnp.exp(z - m), axis=-1)) + m[:, 0]) + jnp.sum(h * h)
+
+    first, second = _closed(aux_first), _closed(aux_second)
+    made = _spied(monkeypatch)
+    (joint_second, joint_first), pairs = marks.marked_joints(second, first, lambda f: joint_program(f)[0])
+    assert made == [False] and pairs
+    assert str(joint_second) == str(joint_program(second)[0])
 
 
 def test_a_joint_that_cannot_be_traced_marked_is_traced_unmarked_and_not_united(monkeypatch):
