@@ -34,7 +34,7 @@ from ..ir.primitives import is_float
 from ..jaxpr.edit import in_order, read, substitute
 from ..jaxpr.load import SharedBodies, literal_key, load_closed
 from ..jaxpr.trace import same_program
-from .vjp import joint_at
+from .vjp import joint_at, joint_program
 
 log = logging.getLogger("rewrite")
 
@@ -307,8 +307,6 @@ def spliced(plain: core.ClosedJaxpr, closed: core.ClosedJaxpr, found: Parting, v
     ``R``'s outputs where ``plain``'s read them, its cotangents of the values read where ``plain``'s were, its
     outputs and its inputs' gradients written where ``plain``'s were. Each is a function of the same values, so
     the program computes what ``closed``'s joint computes."""
-    from .vjp import joint_program
-
     joint, cts = plain_joint
     n, n_out = len(plain.in_avals), len(plain.out_avals)
     dif_out = [k for k, a in enumerate(plain.out_avals) if is_float(a)]
