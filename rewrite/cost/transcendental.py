@@ -209,13 +209,18 @@ def _forms(shape: tuple, dtype: Any, x64: bool) -> tuple[Any, dict[str, Any]] | 
 
     spec = jax.ShapeDtypeStruct(shape, dtype)
     exponentials = jax.make_jaxpr(_exponentials)(spec)
-    if exponentials.consts or not all(isinstance(v, Var) for v in exponentials.jaxpr.outvars):
-        return None
     both = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in exponentials.jaxpr.outvars]
     members = {name: jax.make_jaxpr(f)(spec, *both) for name, f in (("cosh", _cosh_of), ("sinh", _sinh_of))}
-    if any(m.consts or not isinstance(m.jaxpr.outvars[0], Var) for m in members.values()):
+    if not all(_made(t) for t in (exponentials, *members.values())):
         return None
     return exponentials.jaxpr, {name: m.jaxpr for name, m in members.items()}
+
+
+def _made(traced: Any) -> bool:
+    """Whether ``traced`` holds no constants and each of its results is one of its equations' (so that inlining it
+    writes them)."""
+    made = {o for e in traced.jaxpr.eqns for o in e.outvars}
+    return not traced.consts and all(isinstance(v, Var) and v in made for v in traced.jaxpr.outvars)
 
 
 def _inlined(jaxpr: Any, args: Sequence[Any], outs: Mapping[Any, Any]) -> list[Any]:
