@@ -324,9 +324,12 @@ def spliced(plain: core.ClosedJaxpr, closed: core.ClosedJaxpr, found: Parting, v
     (_, p_outs, p_inputs), (r_closed, c_outs, c_inputs) = parts
     if p_outs != c_outs or p_inputs != c_inputs or any(p is None for p, _ in zip(primals, values[0])):
         return _declined("the two own parts read other inputs or write other outputs, or a value is not named")
-    r_joint, r_dif_in, r_dif_out = joint_program(r_closed)
-    # what R's joint reads, as the plain joint's variables: the values read (tags, then inputs), the cotangents
+    # R's joint at what the plain joint differentiates: the values whose cotangents it holds, the inputs at dif_in
     tagged = len(values[1])
+    r_wrt = [k for k in range(tagged) if cts[k] is not None] + [tagged + i for i, j in enumerate(c_inputs)
+                                                                  if j in dif_in]
+    r_joint, r_dif_in, r_dif_out = joint_program(r_closed, r_wrt)
+    # what R's joint reads, as the plain joint's variables: the values read (tags, then inputs), the cotangents
     reads = [primals[k] for k in range(tagged)] + [joint.jaxpr.invars[j] for j in c_inputs]
     reads += [joint.jaxpr.invars[n + dif_out.index(c_outs[k])] for k in r_dif_out]
     # R's own equations in the plain joint: those that read (through others) the float values R reads or the
@@ -367,10 +370,9 @@ def spliced(plain: core.ClosedJaxpr, closed: core.ClosedJaxpr, found: Parting, v
     for i, pos in enumerate(r_dif_in):
         g = r_out[len(c_outs) + i]
         if pos < tagged:
-            if cts[pos] is not None:  # (none: the loss does not depend on that value in the plain joint, nor here)
-                env[cts[pos]] = g
-                new_cts[pos] = g
-        elif c_inputs[pos - tagged] in dif_in:
+            env[cts[pos]] = g
+            new_cts[pos] = g
+        else:
             written[n_out + dif_in.index(c_inputs[pos - tagged])] = g
     outvars = list(joint.jaxpr.outvars)
     for k, o in enumerate(outvars):
