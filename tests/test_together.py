@@ -261,7 +261,8 @@ def test_a_gradients_plain_forward_that_is_the_loss_as_written_is_traced_and_loa
     loss = lambda h, w, y: jaxpr_as_fun(inlined)(h, w, y)[0]  # noqa: E731
     got, want = built(True), built(False)
     assert got[2] and got[:3] == want[:3], (got[2], want[2])
-    # the forward's joint traced alone (JAX's as written is traced by as_written_vjp, not joint_program)
+    # the forward's joint traced alone (JAX's as written is traced by as_written_vjp, not joint_program); traced
+    # anew, the plain forward's joint and the loop's own, the other joint spliced from them (grad.marks.spliced)
     assert (got[3]["traced"], want[3]["traced"]) == (1, 2), (got[3], want[3])
     assert got[3]["loaded"] == want[3]["loaded"] - 1, (got[3], want[3])  # as_written_vjp's program_cost
     assert got[4] == want[4] and got[4][0] == got[4][0], (got[4], want[4])

@@ -348,7 +348,9 @@ def test_decided_jointly_traces_and_prices_jax_s_split_once(monkeypatch):
     and prices each one's joint program once: JAX's split of the loss as written (``as_written_vjp``) is traced as
     the split runs it (``split_joint``) and priced as it is made, and that is the program and price the decision
     reads; it is not traced again as ``joint_program`` and priced beside it (3 prices and 2 VJP traces for the 3
-    candidates, where there were 4 and 3). Its joint gives ``jax.vjp``'s outputs and gradients bit for bit."""
+    candidates, where there were 4 and 3: the plain forward's joint, and the loop's own, from which with it the
+    other joint is spliced, ``grad.marks.spliced``). Its joint gives ``jax.vjp``'s outputs and gradients bit for
+    bit."""
     import collections
 
     import rulesets
