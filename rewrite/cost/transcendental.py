@@ -14,7 +14,10 @@ import functools
 import math
 from typing import Any, Container, Iterable, Mapping, Sequence
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jax.extend.core import Var
 
 from ..ir import primitives as _primitives
@@ -134,8 +137,6 @@ LOG_HALF = math.log(0.5)
 
 
 def _exponentials(x: Any) -> tuple[Any, Any]:
-    import jax.numpy as jnp
-
     w = x.astype(jnp.float32) if jnp.finfo(x.dtype).bits < 32 else x  # 16-bit floats: computed in float32
     return jnp.exp(w + LOG_HALF), jnp.exp(LOG_HALF - w)
 
@@ -145,8 +146,6 @@ def _cosh_of(x: Any, up: Any, down: Any) -> Any:
 
 
 def _sinh_of(x: Any, up: Any, down: Any) -> Any:
-    from jax import lax
-
     w = x.astype(up.dtype)
     m = lax.expm1(w)
     return lax.select(lax.abs(w) < 1.0, (m + m / (m + 1.0)) * 0.5, up - down).astype(x.dtype)
@@ -172,9 +171,9 @@ def as_exponentials(eqns: Sequence[Any]) -> list[Any] | None:
         name = e.primitive.name
         x = e.invars[0] if e.invars else None
         aval = getattr(x, "aval", None)
-        forms = (_forms(tuple(aval.shape), aval.dtype, _x64())
-                 if name in ("sinh", "cosh") and isinstance(x, Var) and aval is not None and _real(aval.dtype)
-                 else None)
+        forms = (_forms(tuple(aval.shape), aval.dtype, bool(jax.config.jax_enable_x64))
+                 if name in ("sinh", "cosh") and isinstance(x, Var) and aval is not None
+                 and jnp.issubdtype(aval.dtype, jnp.floating) else None)
         if forms is None:
             out.append(e)
             continue
@@ -188,25 +187,11 @@ def as_exponentials(eqns: Sequence[Any]) -> list[Any] | None:
     return out if changed else None
 
 
-def _real(dtype: Any) -> bool:
-    import jax.numpy as jnp
-
-    return bool(jnp.issubdtype(dtype, jnp.floating))
-
-
-def _x64() -> bool:
-    import jax
-
-    return bool(jax.config.jax_enable_x64)
-
-
 @functools.lru_cache(maxsize=64)
 def _forms(shape: tuple, dtype: Any, x64: bool) -> tuple[Any, dict[str, Any]] | None:
     """``(exponentials, {"cosh": ..., "sinh": ...})``: the jaxprs of :func:`_exponentials` at an argument of
     ``shape`` and ``dtype`` and of each member from those two (``x64``, the process's ``jax_enable_x64``, types
     their literals), or ``None`` where one holds constants or a result is not an equation's."""
-    import jax
-
     spec = jax.ShapeDtypeStruct(shape, dtype)
     exponentials = jax.make_jaxpr(_exponentials)(spec)
     both = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in exponentials.jaxpr.outvars]

@@ -317,10 +317,10 @@ def spliced(plain: core.ClosedJaxpr, closed: core.ClosedJaxpr, found: Parting, v
     if len(joint.jaxpr.invars) != n + len(dif_out) or len(joint.jaxpr.outvars) != n_out + len(dif_in):
         return _declined("the plain joint is not of the forward's inputs and outputs")
     parts = []
-    for program, own, vals in ((plain, found.own[0], values[0]), (closed, found.own[1], values[1])):
-        part = _own_part(program, own, vals)
+    for i, program in enumerate((plain, closed)):
+        part = _own_part(program, found.own[i], values[i], found.reads[i])
         if part is None:
-            return _declined("a program's own part is not a function of the values met alone")
+            return _declined("a value a program's own part reads or makes is read beside it, or is an output")
         parts.append(part)
     (_, p_outs, p_inputs), (r_closed, c_outs, c_inputs) = parts
     if p_outs != c_outs or p_inputs != c_inputs or any(p is None for p, _ in zip(primals, values[0])):
@@ -392,33 +392,19 @@ def spliced(plain: core.ClosedJaxpr, closed: core.ClosedJaxpr, found: Parting, v
     return core.ClosedJaxpr(jaxpr, consts), new_cts
 
 
-def _own_part(program: core.ClosedJaxpr, own: list[int], values: list[Any]
+def _own_part(program: core.ClosedJaxpr, own: list[int], values: list[Any], reads: list[Any]
               ) -> tuple[core.ClosedJaxpr, list[int], list[int]] | None:
     """``(R, outputs, inputs)``: ``program``'s own equations ``own`` as a program of ``values`` and then of the
-    program inputs at ``inputs`` (the positions they read), computing ``program``'s outputs at ``outputs``; ``None``
-    where they read another value, a float they read is read by another equation or is an output, or an output
-    of the program is not theirs alone to compute."""
+    program inputs at ``inputs`` (those of ``reads``, all it reads that both programs compute: :func:`parting`),
+    computing ``program``'s outputs at ``outputs``; ``None`` where a float it reads is read by another equation or
+    is an output, or a value it makes is read by another equation."""
     jaxpr = program.jaxpr
     eqns = [jaxpr.eqns[k] for k in own]
     made = {o for e in eqns for o in e.outvars}
     invars = list(jaxpr.invars)
     consts = dict(zip(jaxpr.constvars, program.consts))
-    given = set(values)
-    inputs: list[int] = []
-    constvars: list[Any] = []
-    for e in eqns:
-        for a in e.invars:
-            if not isinstance(a, core.Var) or a in made or a in given:
-                continue
-            if a in consts:
-                if a not in constvars:
-                    constvars.append(a)
-            elif a in invars:
-                if invars.index(a) not in inputs:
-                    inputs.append(invars.index(a))
-            else:
-                return None
-    inputs.sort()
+    inputs = sorted(invars.index(v) for v in reads if v in invars)
+    constvars = [v for v in reads if v in consts]
     read_floats = {v for v in values if is_float(v.aval)} | {invars[j] for j in inputs if is_float(invars[j].aval)}
     mine = set(own)
     others = {a for k, e in enumerate(jaxpr.eqns) if k not in mine for a in e.invars if isinstance(a, core.Var)}
