@@ -115,3 +115,31 @@ def test_a_released_report_keeps_no_e_graph_and_still_reads():
         x = jnp.arange(n * 4.0).reshape(n, 4) / 10
         got = jax.extend.core.jaxpr_as_fun(r.after)(x)[0]
         assert float(got) == pytest.approx(float(jnp.sum(jnp.tanh(x @ x.T))), rel=1e-6)
+
+
+def test_a_first_call_leaves_no_recursive_closure_of_its_own_for_the_collector(tmp_path):
+    """A recursive closure is a reference cycle (the function holds itself through its cell), so whatever it
+    reads (a program priced, its kernels' order, a stored program's objects) outlives the call until a collection
+    finds it: 84,700 objects of flax_long_context_step's first call were such garbage, freed only by a collection
+    (``jaxpr.trace.RARE_THRESHOLDS``). Each is cleared when its function returns. Read on
+    a small ecosystem program (numpyro's mixture, priced with the memory model's XLA order and stored in the cache)."""
+    import gc
+
+    ecosystem = pytest.importorskip("benchmarks.ecosystem")
+    pytest.importorskip("numpyro")
+    prog = ecosystem.PROGRAMS["numpyro_mixture_logp"]
+    fn, args = prog.build()
+    flat, leaves = ecosystem._flat(fn, args)
+    packs = ecosystem.load_rulesets(ecosystem.CONFIGS["identity"])
+    gc.collect()
+    gc.set_debug(gc.DEBUG_SAVEALL)  # whatever any collection finds from here on is kept in gc.garbage, to be read
+    try:
+        f = rewrite(flat, rulesets=packs, cache=str(tmp_path))
+        (f.grad_result if prog.grad else f.result)(*leaves)
+        gc.collect()
+        ours = sorted({f"{o.__module__}.{o.__qualname__}" for o in gc.garbage if type(o).__name__ == "function"
+                       and (o.__module__ or "").startswith(("rewrite.", "rulesets."))})
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+    assert not ours, ours

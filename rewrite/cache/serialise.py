@@ -113,8 +113,11 @@ def _original_objects(closed: core.ClosedJaxpr) -> list[Any]:
                 if isinstance(v, core.Literal):
                     add(v.val)
 
-    add(closed)
-    return out
+    try:
+        add(closed)
+        return out
+    finally:
+        del add, extended_dtypes, jaxpr  # recursive closures are reference cycles: they would hold the program
 
 
 @functools.lru_cache(maxsize=1)
@@ -417,7 +420,10 @@ def _tree_skeleton(tree: Any) -> Any:
             return ("dict", [(k, plain(v)) for k, v in x.items()])
         raise Unserialisable(f"a custom_vjp's pytree holds a {type(x).__qualname__}")
 
-    return ("tree", plain(skeleton))
+    try:
+        return ("tree", plain(skeleton))
+    finally:
+        del plain  # a recursive closure is a reference cycle
 
 
 def _dtype_by_name(dtype: Any) -> bool:

@@ -303,6 +303,7 @@ def xla_order(prog: Any, order: Sequence[Fusion], projs: dict, outputs: set, wri
         me = kernel_nodes[n]
         waits.discard(me)
         nodes[me] = ((int(k.kind == LIBRARY), made.get(k.root, inf)), waits)
+    del sources  # a recursive closure is a reference cycle: it would hold the program until a collection
     users: dict[tuple, list] = {node: [] for node in nodes}
     waiting: dict[tuple, int] = {}
     when: dict[tuple, tuple] = {}  # each node's sort key: when XLA made it

@@ -533,4 +533,7 @@ def sliced_parts(prog: Any, inside: Any, root: Any, slicing: Any) -> dict[Any, f
                 part[i] = min(got, 1.0)
         return part[i]
 
-    return {i: f for i in inside if (f := of(i)) < 1.0}
+    try:
+        return {i: f for i in inside if (f := of(i)) < 1.0}
+    finally:
+        del of  # a recursive closure is a reference cycle: it would hold the program until a collection

@@ -268,14 +268,17 @@ def held_for(snap: Any, base: dict, cand: dict, swaps: dict, dropped: set) -> in
         return found[c]
 
     total = 0
-    for c in dropped:
-        if c not in snap.name_of_cls:  # a container (an operand list, a body): no array of its own
-            continue
-        aval = snap.aval(c)
-        shape, dtype = getattr(aval, "shape", None), getattr(aval, "dtype", None)
-        if shape is not None and dtype is not None and not any(o <= reads(c) for o in ops):
-            total += math.prod(shape) * np.dtype(dtype).itemsize
-    return total
+    try:
+        for c in dropped:
+            if c not in snap.name_of_cls:  # a container (an operand list, a body): no array of its own
+                continue
+            aval = snap.aval(c)
+            shape, dtype = getattr(aval, "shape", None), getattr(aval, "dtype", None)
+            if shape is not None and dtype is not None and not any(o <= reads(c) for o in ops):
+                total += math.prod(shape) * np.dtype(dtype).itemsize
+        return total
+    finally:
+        del recomputing, reads  # recursive closures are reference cycles (see Extractor.dag_cost)
 
 
 def no_fatter(ex: Any, before: Any, after: Any, emit_choice: Callable[[dict], Any], model: CostModel

@@ -125,7 +125,10 @@ def fused_only(rest: core.ClosedJaxpr) -> bool:
                 return False
         return True
 
-    return only(rest.jaxpr)
+    try:
+        return only(rest.jaxpr)
+    finally:
+        del only  # a recursive closure is a reference cycle
 
 
 def as_is(step: core.ClosedJaxpr, model: Any, stopped: str) -> Result:

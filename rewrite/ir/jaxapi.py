@@ -379,9 +379,12 @@ def neutral_jaxpr(jaxpr: Any) -> Any:
             return type(v)(inner(x) for x in v)
         return neutral_jaxpr(v) if isinstance(v, (core.Jaxpr, core.ClosedJaxpr)) else v
 
-    if not isinstance(jaxpr, core.Jaxpr):  # a ClosedJaxpr on JAX 0.10 (an alias of Jaxpr from 0.11)
-        return core.ClosedJaxpr(neutral_jaxpr(jaxpr.jaxpr), jaxpr.consts)
-    return jaxpr.replace(eqns=[e.replace(params=params_of(e)) for e in jaxpr.eqns])
+    try:
+        if not isinstance(jaxpr, core.Jaxpr):  # a ClosedJaxpr on JAX 0.10 (an alias of Jaxpr from 0.11)
+            return core.ClosedJaxpr(neutral_jaxpr(jaxpr.jaxpr), jaxpr.consts)
+        return jaxpr.replace(eqns=[e.replace(params=params_of(e)) for e in jaxpr.eqns])
+    finally:
+        del inner  # a recursive closure is a reference cycle
 
 
 #: The name scope in which a pack's kernel traces a loop it lays out by hand (:func:`rewrite.loops.laid_out`).

@@ -180,7 +180,10 @@ def _without_jvp(jaxpr: Any) -> set[str]:
             elif inner is not None and e.primitive.name != "custom_jvp_call":
                 walk(inner)
 
-    walk(jaxpr)
+    try:
+        walk(jaxpr)
+    finally:
+        del walk  # a recursive closure is a reference cycle
     return found
 
 

@@ -163,5 +163,8 @@ def _breakdown(ex: Extractor, choice: dict, roots: list) -> dict[str, float]:
         for _ in walk(start, lambda c: visit(c, times)):
             pass
 
-    scope(roots, 1.0)
+    try:
+        scope(roots, 1.0)
+    finally:
+        del visit, scope  # recursive closures are reference cycles: they would hold the extractor and its e-graph
     return dict(out)

@@ -184,7 +184,10 @@ class Sliced:
             res = step.primitive.bind(*ops, **params)
             return res[0] if isinstance(res, (list, tuple)) else res
 
-        return read(self.out)
+        try:
+            return read(self.out)
+        finally:
+            del read, run  # recursive closures are a reference cycle: they would hold the traced values
 
     def value(self, leaves: Sequence[Any], ref: Ref | None = None, memo: dict | None = None) -> Any:
         """The whole value of ``ref`` (``out`` by default), no block: the steps it needs, each once."""
