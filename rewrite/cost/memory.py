@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import collections
 import math
+import weakref
 from typing import Any, Callable, Mapping, Sequence
 
 from jax.extend.core import ClosedJaxpr, Var
@@ -598,9 +599,18 @@ class InnerPeak:
     """
 
     def __init__(self, fusion: FusionModel, node_cost: Callable[[Any], float] | None = None) -> None:
-        self.fusion = fusion
+        # the model holds this one (``FusionModel.inner``): a strong reference back would be a reference cycle,
+        # which would keep the model and the programs its memos hold until a full collection
+        self._fusion = weakref.ref(fusion)
         self.node_cost = node_cost
         self._found: dict[int, tuple[Any, int]] = {}  # id(body) -> (the body, kept alive so its id is not reused; peak)
+
+    @property
+    def fusion(self) -> FusionModel:
+        fusion = self._fusion()
+        if fusion is None:
+            raise ReferenceError("InnerPeak: its FusionModel is gone (read it as that model's .inner)")
+        return fusion
 
     def __call__(self, op: Any) -> int:
         memo = getattr(op, "memo", None)
