@@ -333,3 +333,46 @@ def test_the_packs_read_a_sliced_program_by_field_names():
             if isinstance(node, ast.Subscript) and steps(node.value):
                 found.append(f"{path.relative_to(ROOT)}:{node.lineno} indexes a step")
     assert not found, found
+
+
+def _nested_defs(fn: ast.AST) -> list[ast.FunctionDef]:
+    """The functions defined directly in ``fn``'s body (in its blocks too, not inside another def or class)."""
+    out: list = []
+
+    def visit(node: ast.AST) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                out.append(child)
+            elif not isinstance(child, (ast.Lambda, ast.ClassDef)):
+                visit(child)
+
+    visit(fn)
+    return out
+
+
+def test_every_recursive_closure_is_deleted_by_the_function_that_made_it():
+    """A nested function that calls itself (or calls one that calls it back) holds itself through its closure's
+    cell: a reference cycle, which keeps everything it reads (a program, an extractor and its e-graph) alive until a
+    collection finds it. The function that made it deletes it (``del name``: the cell is emptied), as
+    ``Extractor.dag_cost`` does; a first call then leaves no cycle of its own (``tests/test_held_memory.py``)."""
+    kept = []
+    for package in PACKAGES:
+        for name, path in _sources(package).items():
+            for outer in ast.walk(ast.parse(path.read_text())):
+                if not isinstance(outer, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    continue
+                defs = _nested_defs(outer)
+                names = {d.name for d in defs}
+                calls = {d.name: {n.id for n in ast.walk(d) if isinstance(n, ast.Name) and n.id in names} for d in defs}
+                deleted = {n.id for d in ast.walk(outer) if isinstance(d, ast.Delete)
+                           for t in d.targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+                for d in defs:
+                    reached, todo = set(), list(calls[d.name])
+                    while todo:
+                        x = todo.pop()
+                        if x not in reached:
+                            reached.add(x)
+                            todo += calls.get(x, ())
+                    if d.name in reached and not (reached & deleted):
+                        kept.append(f"{name}: {outer.name}.{d.name}")
+    assert not kept, kept

@@ -302,6 +302,7 @@ def anchored(query: Query, ctor: str) -> Query | None:
         binds_all = all(re.search(rf"(?<![\w]){re.escape(b)}\b", text) for b in binds)
         if binds_all and (best is None or len(part) < len(best[1])):
             best = (var, part)
+    del below  # a recursive closure is a reference cycle
     if best is None:
         return None
     var, part = best
@@ -667,5 +668,8 @@ def compile_pat(pat: Pat, choice: dict[int, str] | None = None) -> tuple[Query, 
         binds[name] = (v, sort)
         return v
 
-    root = walk(pat)
+    try:
+        root = walk(pat)
+    finally:
+        del walk  # a recursive closure is a reference cycle
     return Query(qb.atoms, root, [(v, s) for _, (v, s) in binds.items()]), list(binds)
