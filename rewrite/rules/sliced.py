@@ -187,7 +187,7 @@ class Sliced:
         try:
             return read(self.out)
         finally:
-            del read, run  # recursive closures are a reference cycle: they would hold the traced values
+            del read, run  # the two closures call each other, a reference cycle: it would hold the traced values
 
     def value(self, leaves: Sequence[Any], ref: Ref | None = None, memo: dict | None = None) -> Any:
         """The whole value of ``ref`` (``out`` by default), no block: the steps it needs, each once."""
