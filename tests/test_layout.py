@@ -363,16 +363,12 @@ def test_every_recursive_closure_is_deleted_by_the_function_that_made_it():
                     continue
                 defs = _nested_defs(outer)
                 names = {d.name for d in defs}
-                calls = {d.name: {n.id for n in ast.walk(d) if isinstance(n, ast.Name) and n.id in names} for d in defs}
                 deleted = {n.id for d in ast.walk(outer) if isinstance(d, ast.Delete)
                            for t in d.targets for n in ast.walk(t) if isinstance(n, ast.Name)}
-                for d in defs:
-                    reached, todo = set(), list(calls[d.name])
-                    while todo:
-                        x = todo.pop()
-                        if x not in reached:
-                            reached.add(x)
-                            todo += calls.get(x, ())
-                    if d.name in reached and not (reached & deleted):
-                        kept.append(f"{name}: {outer.name}.{d.name}")
+                # a closure that calls a nested function holds that one's cell, which ``del`` empties
+                held = {d.name: {n.id for n in ast.walk(d) if isinstance(n, ast.Name) and n.id in names - deleted}
+                        for d in defs}
+                cycle = _cycle(held)
+                if cycle:
+                    kept.append(f"{name}: {outer.name}: {' -> '.join(cycle)}")
     assert not kept, kept
