@@ -34,7 +34,7 @@ from typing import Any
 
 import jax
 
-from ..ir.jaxapi import BUILT_DEBUG, const_fold_rules, core, custom_staging_rules
+from ..ir.jaxapi import BUILT_DEBUG, const_fold_rules, core, custom_staging_rules, jit_inlined_when_staged
 
 #: Primitives whose staging rule binds them as a plain primitive is bound (the same params' values).
 _PASS_THROUGH = frozenset({"broadcast_in_dim", "reshape", "iota", "dynamic_slice"})
@@ -57,7 +57,7 @@ def _plain_bind(eqn: Any) -> bool:
         return False
     if p in custom_staging_rules:
         if p.name == "jit":
-            return not eqn.params.get("inline", False) and not any(
+            return not jit_inlined_when_staged(eqn.params.get("inline", False)) and not any(
                 isinstance(c, core.Ref) for c in eqn.params["jaxpr"].consts)
         return p.name in _PASS_THROUGH
     return True

@@ -490,3 +490,17 @@ def save_only_these_names(*names: str) -> Any:
     """A checkpoint policy saving only the values named ``names`` (JAX's own where it is a value, 0.10)."""
     policy = jax.checkpoint_policies.save_only_these_names(*names)
     return policy if dataclasses.is_dataclass(policy) else SaveOnlyTheseNames(frozenset(names))
+
+
+def jit_inlined_when_staged(inline: Any) -> bool:
+    """Whether a ``jit`` equation whose ``inline`` param is ``inline`` asks JAX's staging rule to inline its body into
+    the trace it is bound in (where it gives no shardings or layouts): ``inline=True`` on jax 0.10, whose param is a
+    bool; ``Inline.JAX_EARLY`` on jax 0.11+, whose param is an ``enum`` (every member of it truthy: ``AUTO``, the
+    default, stays a call in the trace as ``False`` did).
+
+    >>> jit_inlined_when_staged(False), jit_inlined_when_staged(True)
+    (False, True)
+    """
+    if isinstance(inline, (bool, np.bool_)):
+        return bool(inline)
+    return getattr(inline, "value", inline) == "jax_early"
