@@ -17,12 +17,14 @@ from rewrite.ir.jaxapi import core
 X = jax.ShapeDtypeStruct((512, 512), jnp.float32)
 
 
+# The product is the output: for the same product summed at once, the memory_analysis of jax 0.11+'s XLA (CPU)
+# reports no temporaries at all (0 B for both programs), jax 0.10's the same 2 and 1 MiB as here.
 def _fat(x):  # XLA holds sin(x) and cos(x) for the product: 2 MiB
-    return (jnp.sin(x) @ jnp.cos(x)).sum()
+    return jnp.sin(x) @ jnp.cos(x)
 
 
 def _lean(x):  # sin(x) alone: 1 MiB
-    return (jnp.sin(x) @ x).sum()
+    return jnp.sin(x) @ x
 
 
 FAT, LEAN = jax.make_jaxpr(_fat)(X), jax.make_jaxpr(_lean)(X)
