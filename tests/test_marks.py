@@ -24,7 +24,7 @@ W = rng.normal(size=(4, 6)).astype(np.float32)
 
 
 def _hidden(x, w):
-    return jnp.tanh(x) * 2.0
+    return jnp.sin(x) * x  # (its backward reads the cotangent twice, on every JAX: what uniting makes one)
 
 
 def _plain(x, w):  # the head as written
@@ -47,12 +47,12 @@ def test_the_value_where_two_forwards_part_is_met_as_a_variable_of_each():
     assert len(of_first) == len(of_second) == 1
     assert of_first[0].aval.shape == of_second[0].aval.shape == (8, 4)
     producer = {o: e for e in second.jaxpr.eqns for o in e.outvars}[of_second[0]]
-    assert producer.primitive.name == "mul"  # tanh(x) * 2: the hidden states
+    assert producer.primitive.name == "mul"  # sin(x) * x: the hidden states
 
 
 def test_no_value_is_met_where_one_program_computes_it_twice_or_reads_other_values():
     def twice(x, w):  # the hidden states computed twice: each variable has its share of the cotangent
-        return jnp.sum(jax.nn.logsumexp(_hidden(x, w) @ w, axis=-1)) + jnp.sum(jnp.tanh(x) * 2.0)
+        return jnp.sum(jax.nn.logsumexp(_hidden(x, w) @ w, axis=-1)) + jnp.sum(jnp.sin(x) * x)
 
     def once(x, w):
         h = _hidden(x, w)
