@@ -500,6 +500,10 @@ def jit_inlined_when_staged(inline: Any) -> bool:
 
     >>> jit_inlined_when_staged(False), jit_inlined_when_staged(True)
     (False, True)
+    >>> import enum  # jax 0.11+'s Inline, as its members read
+    >>> class Inline(enum.Enum): AUTO = "auto"; JAX_LATE = "jax_late"; JAX_EARLY = "jax_early"
+    >>> [jit_inlined_when_staged(m) for m in Inline]
+    [False, False, True]
     """
     if isinstance(inline, (bool, np.bool_)):
         return bool(inline)
