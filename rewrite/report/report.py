@@ -21,7 +21,7 @@ from ..extract.policy import provenance as _provenance
 from ..ir.jaxapi import core, user_frame
 from ..ir.primitives import nbytes
 from ..jaxpr.emit import emit
-from ..jaxpr.trace import spec_of
+from ..jaxpr.trace import same_program, spec_of
 from ..pipeline import program_cost
 from ..records import STAGES, STEP_STAGES, Result
 from ..rules.match import _short
@@ -424,7 +424,7 @@ def _kept_cost(result: Result, model: Any) -> float:
     its own terms (a term it computes twice computed once, ``x * 1.0`` read as ``x``): only the second saves."""
     if result.rewritten or model is None or math.isnan(result.cost_before) or math.isnan(result.cost_after):
         return result.cost_after
-    if result.after is result.before:
+    if same_program(result.after, result.before):  # the input itself, or its text again: priced already
         return result.cost_before
     try:
         return program_cost(result.after, model)
