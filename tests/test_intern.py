@@ -69,3 +69,29 @@ def test_the_fast_keys_are_the_general_ones():
     assert _intern._freeze({"a": [{1, 2}]}) is _intern._IDENTITY  # a set: no key, identity
     assert _intern._freeze((1, 2)) != _intern._freeze([1, 2]) != _intern._freeze((1, True))
     assert _intern._freeze(0.0) != _intern._freeze(-0.0) and _intern._freeze(1) != _intern._freeze(True)
+
+
+def test_hijax_primitive_objects_are_keyed_by_the_types_they_were_made_for():
+    """A ``call_hi_primitive`` equation's ``_prim`` is interned by its class, params and types (JAX's equality leaves
+    the types out): searches for queries of two shapes get two ids, each giving back its own object; one made
+    again for the same types (another trace) gets the same id; one that holds more than those is kept apart."""
+    import pytest
+    hijax = pytest.importorskip("jax._src.numpy.hijax")
+    if not hasattr(hijax, "searchsorted"):
+        pytest.skip("this JAX has no hijax searchsorted")
+    x = jax.numpy.arange(10.0)
+
+    def eqn(q):
+        (e,) = [e for e in jax.make_jaxpr(hijax.searchsorted)(x, q).jaxpr.eqns if "_prim" in e.params]
+        return e
+
+    scalar, vector, again = eqn(np.float32(1.5)), eqn(np.ones(2, np.float32)), eqn(np.float32(2.5))
+    assert scalar.params["_prim"] == vector.params["_prim"]  # JAX's own equality: why keying by it was wrong
+    table = _intern.ParamTable()
+    ids = [table.intern_params(e.primitive, e.params) for e in (scalar, vector, again)]
+    assert ids[0] != ids[1] and ids[0] == ids[2]
+    assert table.params(ids[1])["_prim"].out_aval.shape == (2,)
+    assert table.params(ids[0])["_prim"].out_aval.shape == ()
+    more = eqn(np.float32(3.5))
+    more.params["_prim"].extra = object()  # state beyond params and types: by identity only
+    assert table.intern_params(more.primitive, more.params) not in ids

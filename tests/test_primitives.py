@@ -9,6 +9,8 @@ from jax._src import core
 from jax._src.interpreters import mlir
 from jax.extend.core import Primitive
 
+import rulesets
+
 from rewrite import GROUPS, AnalyticCost, NodeInfo, OpSpec, Ruleset, explain, register_primitive, rewrite, rule
 from rewrite.ir import primitives as _primitives, terms as _terms
 from rewrite.ir.primitives import BY_PRIM, DEFAULT, Fact, spec_of, unregister
@@ -222,3 +224,40 @@ def test_a_records_loop_step_says_how_its_work_moves_into_a_loop():
                 np.testing.assert_allclose(rewrite(f, rulesets=[rs])(h, xs), f(h, xs), rtol=1e-6)
         finally:
             unregister("test_layout_halve")
+
+
+# ---------------------------------------------------------------- JAX's "hijax" primitive objects
+def _hijax_searchsorted():
+    """``jax._src.numpy.hijax.searchsorted``: a ``call_hi_primitive`` equation holding a ``SearchSorted`` object
+    (what ``jnp.searchsorted``, ``jnp.interp`` and ``jnp.histogram`` stage on jax 0.12; older JAX expands it)."""
+    hijax = pytest.importorskip("jax._src.numpy.hijax")
+    if not hasattr(hijax, "searchsorted"):
+        pytest.skip("this JAX has no hijax searchsorted")
+    return hijax.searchsorted
+
+
+def _two_searches(ss):
+    def h(x, q1, q2):  # (``x * 1.0 + 0.0``: a program emitted from the e-graph, not handed back as traced)
+        return ss(x * 1.0 + 0.0, q1).sum() * 100 + ss(x * 1.0 + 0.0, q2)
+    return h
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_hijax_primitives_made_for_other_types_stay_apart(jit):
+    """JAX compares hijax primitive objects by their params alone (``HiPrim.__eq__``), not the types they were made
+    for, which their abstract evaluation reads. Two searches of one array, for a scalar and a ``[2]`` query, are
+    equal objects: interned as one, the ``[2]`` search was emitted with the scalar's, and ``jax.jit(rewrite(h))``
+    failed (``AssertionError: ((2,), ())``), as did JAX's own ``testInterp``, ``testHistogram`` and
+    ``testInsertSlice`` routed through the rewriter on jax 0.12."""
+    h = _two_searches(_hijax_searchsorted())
+    x, q1, q2 = jnp.arange(10.0), jnp.float32(3.5), jnp.array([1.5, 7.5, 9.5], jnp.float32)
+    f = rewrite(h, rulesets=[rulesets.algebra])
+    run = jax.jit(f) if jit else f
+    np.testing.assert_array_equal(run(x, q1, q2), jax.jit(h)(x, q1, q2))
+    # and a second function, after the first, searching for queries of yet another shape
+    def both(x, q):
+        return h(x, q, q[:1])
+
+    g = rewrite(both, rulesets=[rulesets.algebra])
+    q = jnp.array([[0.5, 4.5], [8.5, 2.5]], jnp.float32)
+    np.testing.assert_array_equal((jax.jit(g) if jit else g)(x, q), jax.jit(both)(x, q))

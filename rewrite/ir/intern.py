@@ -21,6 +21,8 @@ from typing import Any, Hashable, Iterator
 import numpy as np
 from jax.dtypes import float0
 
+from .jaxapi import HI_PRIMITIVE_TYPES, hi_primitive_state
+
 
 #: Each e-graph opens a generation (:func:`open_generation`) and keeps it open while it lives; an entry is stamped
 #: with the generation current when it was last interned. Ids go into an e-graph only through interning (a hit
@@ -209,11 +211,32 @@ def _freeze_any(value: Any) -> Hashable:
         return _IDENTITY if any(p is _IDENTITY for _, p in items) else ("dict", items)
     if isinstance(value, np.ndarray):
         return ("ndarray", value.dtype.str, value.shape, value.tobytes())
+    if HI_PRIMITIVE_TYPES and isinstance(value, HI_PRIMITIVE_TYPES):
+        return _hi_key(value)
     try:
         hash(value)
     except TypeError:
         return _IDENTITY
     return value
+
+
+def _hi_key(value: Any) -> Hashable:
+    """:func:`_freeze` of a hijax primitive object (``call_hi_primitive``'s ``_prim`` param): by its class, params,
+    effects and the types it was made for (:func:`~rewrite.ir.jaxapi.hi_primitive_state`), not by JAX's equality,
+    which leaves the types out; by identity where it holds more than those."""
+    state = hi_primitive_state(value)
+    if state is None:
+        return _IDENTITY
+    cls, params, *rest = state
+    frozen = _freeze(params)
+    if frozen is _IDENTITY:
+        return _IDENTITY
+    key = ("hijax", cls, frozen, *rest)
+    try:
+        hash(key)
+    except TypeError:
+        return _IDENTITY
+    return key
 
 
 _SETTLED = frozenset({type(None), bool, int, float, complex, str})

@@ -184,6 +184,46 @@ PRIMITIVE_MODULES = (_lax, _slicing, _control_flow, primitives)
 #: (``jax.extend.core.primitives`` does not list it).
 optimization_barrier_p = _lax.optimization_barrier_p
 
+
+def _hi_primitive_types() -> tuple[type, ...]:
+    """JAX's classes of "hijax" primitive objects (``HiPrim``, ``VJPHiPrimitive``: no public name), whichever this
+    JAX has. An equation of one holds the object as a param (``call_hi_primitive``'s ``_prim``)."""
+    try:
+        from jax._src import hijax
+    except ImportError:  # pragma: no cover  (a JAX without them)
+        return ()
+    return tuple(c for c in (getattr(hijax, "HiPrim", None), getattr(hijax, "VJPHiPrimitive", None))
+                 if isinstance(c, type))
+
+
+HI_PRIMITIVE_TYPES = _hi_primitive_types()
+#: The attributes a hijax primitive object holds besides its params' own (``HiPrim.__init__`` copies its params
+#: into its attributes): the types it was made for and their trees.
+_HI_STATE = frozenset({"in_avals", "out_aval", "params", "effects", "in_avals_flat", "in_tree", "out_avals_flat",
+                       "out_tree"})
+
+
+def hi_primitive_state(value: Any) -> tuple | None:
+    """What a hijax primitive object (:data:`HI_PRIMITIVE_TYPES`) computes from, where that is all it holds: its class,
+    params, effects, and the types it was made for (``(class, params, effects, in types, out types, their trees)``);
+    ``None`` where it holds more (a ``custom_vjp``'s traced functions, say) or is no such object.
+
+    JAX compares these objects by class, params and effects alone (``HiPrim.__eq__``), not the types they were made
+    for, which their abstract evaluation reads: ``jnp.searchsorted`` of a scalar and of a ``[2]`` query (jax 0.12)
+    are equal objects, whose results are ``int32[]`` and ``int32[2]``."""
+    if not HI_PRIMITIVE_TYPES or not isinstance(value, HI_PRIMITIVE_TYPES):
+        return None
+    state = vars(value)
+    params = state.get("params")
+    if not isinstance(params, dict) or not set(state) <= _HI_STATE | set(params):
+        return None
+    if any(state[k] is not v for k, v in params.items() if k in state):
+        return None  # an attribute that its param no longer is
+    return (type(value), params, getattr(value, "effects", None), tuple(getattr(value, "in_avals_flat", ())),
+            tuple(getattr(value, "out_avals_flat", ())), getattr(value, "in_tree", None),
+            getattr(value, "out_tree", None))
+
+
 def held_weakly_by_jax_caches(cls: type) -> type:
     """Make JAX's caches that are keyed by a primitive's params hold ``cls``'s values weakly; returns ``cls``.
 
