@@ -294,3 +294,26 @@ def test_a_first_call_collects_rarely_and_puts_the_collector_back(monkeypatch):
         assert gc.get_threshold()[0] == 0
     finally:
         gc.set_threshold(*before)
+
+
+def test_a_branch_whose_call_holds_a_constant_is_differentiated_rewritten():
+    """A ``jit`` inside a ``cond`` branch that holds a constant (``jnp.array([1., 2.])``): the body the memory model
+    sized was the closed call's jaxpr read without its constants, and ``ClosedJaxpr(jaxpr, ())`` asserted, so the
+    VJP's rewrite fell back (a ``RewriteWarning``; raised under ``strict=True``): JAX's ``testCondGrad2`` and
+    ``testScanGrad`` with ``check_grads`` routed through the rewriter, eighteen cases."""
+    import rulesets
+    from jax import lax
+
+    def inner(x):
+        return lax.cond(x[0] < 2, lambda x: jnp.array([1.0, 2.0], x.dtype) * x, jnp.sin, x)
+
+    def f(x):
+        return jax.jit(inner)(x).sum()
+
+    r = rewrite(f, rulesets=[rulesets.algebra, rulesets.derivatives, rulesets.nn], strict=True)
+    for v in (2.14, 1.72):
+        x = v * jnp.ones(2)
+        for differentiate in (jax.grad, lambda g: jax.jit(jax.grad(g))):
+            np.testing.assert_allclose(differentiate(r)(x), jax.grad(f)(x), rtol=1e-6)
+        np.testing.assert_allclose(jax.jvp(r, (x,), (jnp.ones(2),))[1], jax.jvp(f, (x,), (jnp.ones(2),))[1],
+                                   rtol=1e-6)

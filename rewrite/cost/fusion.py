@@ -56,9 +56,9 @@ import math
 from typing import Any, Callable, Container, Iterable, Mapping, Sequence
 
 import numpy as np
-from jax.extend.core import ClosedJaxpr
 
 from ..ir import primitives as _primitives
+from ..ir.jaxapi import body_closed
 from ..ir.primitives import inner_jaxpr, spec_of
 from ..ir.scanread import SLICES
 from .dot import library_dot
@@ -111,8 +111,8 @@ def _expensive(op: Op, prog: "Program | None" = None) -> bool:
 
 
 def _closed(jaxpr: Any) -> Any:
-    """A call's ``Jaxpr`` (no constants) as the ``ClosedJaxpr`` that :meth:`Program.from_jaxpr` reads."""
-    return ClosedJaxpr(jaxpr, ())
+    """A call's ``Jaxpr`` as the ``ClosedJaxpr`` that :meth:`Program.from_jaxpr` reads (:func:`body_closed`)."""
+    return body_closed(jaxpr)
 
 
 def _library_ok(prog: "Program", i: int) -> bool:

@@ -37,7 +37,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from jax.extend.core import ClosedJaxpr, Var
 
-from ..ir.jaxapi import scan_counts
+from ..ir.jaxapi import body_closed, scan_counts
 from ..ir.primitives import inner_jaxpr
 from .attention import scratch_bytes
 from .fusion import OVER_BUDGET, Fusion, FusionModel, _out_bytes, _scaled_by_small, _temp, buffer_of, output_buffers
@@ -641,7 +641,7 @@ class InnerPeak:
     def body(self, jaxpr: Any) -> int:
         """The peak of a body's own temporaries. A loop's carry is not among them: it is the loop's
         output buffer (or its initial value's), which the program around the loop counts."""
-        closed = jaxpr if hasattr(jaxpr, "consts") else ClosedJaxpr(jaxpr, ())
+        closed = body_closed(jaxpr)
         prog = Program.from_jaxpr(closed, self.node_cost)
         return liveness_peak(prog, kernel_layout(self.fusion, prog), self)
 

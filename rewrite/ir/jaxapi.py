@@ -224,6 +224,19 @@ def hi_primitive_state(value: Any) -> tuple | None:
             getattr(value, "out_tree", None))
 
 
+def body_closed(jaxpr: Any) -> Any:
+    """A call's body as the ``ClosedJaxpr`` the cost models read (``Program.from_jaxpr``): itself where closed; an
+    open one (:func:`rewrite.ir.primitives.inner_jaxpr` reads a closed call's ``jaxpr``) with its constants'
+    variables read as inputs (JAX's ``convert_constvars_jaxpr``), since its constants are not at hand there. A
+    ``jit`` inside a ``cond`` branch holding ``jnp.array([1., 2.])`` has one: ``ClosedJaxpr(jaxpr, ())`` asserted, and
+    the VJP of ``lax_control_flow_test``'s ``testCondGrad2`` fell back."""
+    if hasattr(jaxpr, "consts"):
+        return jaxpr
+    if jaxpr.constvars:
+        jaxpr = _pe.convert_constvars_jaxpr(jaxpr)
+    return _core.ClosedJaxpr(jaxpr, ())
+
+
 def held_weakly_by_jax_caches(cls: type) -> type:
     """Make JAX's caches that are keyed by a primitive's params hold ``cls``'s values weakly; returns ``cls``.
 
