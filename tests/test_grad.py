@@ -317,3 +317,23 @@ def test_a_branch_whose_call_holds_a_constant_is_differentiated_rewritten():
             np.testing.assert_allclose(differentiate(r)(x), jax.grad(f)(x), rtol=1e-6)
         np.testing.assert_allclose(jax.jvp(r, (x,), (jnp.ones(2),))[1], jax.jvp(f, (x,), (jnp.ones(2),))[1],
                                    rtol=1e-6)
+
+
+@pytest.mark.parametrize("order", [1, 2])
+def test_a_python_float_primal_differentiated_in_forward_mode(order):
+    """``jax.jvp`` keeps a Python float primal as it is; ``jnp.arcsinh`` converts it before its operation, but the
+    rewritten program, traced at an array, holds no such conversion, and jax 0.12's JVP rule of ``asinh`` reads its
+    primal's ``dtype`` (``AttributeError``: JAX's ``testOpGradSpecialValue`` with ``check_grads`` routed through
+    the rewriter). The rewritten function's weakly typed inputs are made arrays before its derivative rules run."""
+    from jax.test_util import check_grads
+
+    def f(x):
+        return jnp.arcsinh(x) * 1.0
+
+    r = rewrite(f, rulesets=[derivatives], strict=True)
+    for x in (1000.0, -0.5, 0.0):
+        t = jax.jvp(r, (x,), (1.0,))
+        np.testing.assert_allclose(t, jax.jvp(f, (x,), (1.0,)), rtol=1e-6)
+        h = jax.jvp(lambda y: jax.jvp(r, (y,), (1.0,))[1], (x,), (1.0,))
+        np.testing.assert_allclose(h, jax.jvp(lambda y: jax.jvp(f, (y,), (1.0,))[1], (x,), (1.0,)), rtol=1e-5)
+        check_grads(r, (x,), order=order, modes=["fwd", "rev"])

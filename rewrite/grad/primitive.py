@@ -278,7 +278,20 @@ def bind_if_differentiated(program_of: Any, traced: Traced, flat: Sequence[Any])
         log.debug("rewritten %s called with %s, traced at %s: differentiated in line", traced,
                   [core.typeof(x) for x in flat], closed.in_avals)
         return None
-    return rewritten_p.bind(*flat, program=program_of())
+    return rewritten_p.bind(*[_strong(x) for x in flat], program=program_of())
+
+
+def _strong(x: Any) -> Any:
+    """``x`` converted to its own dtype where it is a weakly typed float (a Python number): a tracer's primal may be
+    a Python float, which ``jax.jvp(f, (1000.,), (1.,))`` keeps so, and the rewritten program, traced at an
+    array, holds none of the conversions ``jnp``'s functions make before an operation; the conversion makes the
+    primal of every level an array. jax 0.12's JVP rule of ``asinh`` reads its primal's ``dtype``: ``jnp.arcsinh``
+    under ``check_grads`` (JAX's ``testOpGradSpecialValue`` routed through the rewriter) raised
+    ``AttributeError``. The programs' types are compared weak type aside, so the derivative programs run as before."""
+    aval = core.typeof(x)
+    if getattr(aval, "weak_type", False) and jax.numpy.issubdtype(aval.dtype, jax.numpy.inexact):
+        return jax.lax.convert_element_type(x, aval.dtype)
+    return x
 
 
 _ASKED = threading.local()  # ``vjp_asked``: a caller asked for the VJP itself (``Rewritten.grad_result``)
