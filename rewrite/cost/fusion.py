@@ -110,11 +110,6 @@ def _expensive(op: Op, prog: "Program | None" = None) -> bool:
     return spec_of(op.prim).is_expensive(op.params, op.out_avals)
 
 
-def _closed(jaxpr: Any) -> Any:
-    """A call's ``Jaxpr`` as the ``ClosedJaxpr`` that :meth:`Program.from_jaxpr` reads (:func:`body_closed`)."""
-    return body_closed(jaxpr)
-
-
 def _library_ok(prog: "Program", i: int) -> bool:
     op = prog.ops[i]
     return spec_of(op.prim).library_absorbs(op.params, op.out_avals) or _scaled_by_small(prog, op)
@@ -362,8 +357,7 @@ class FusionModel:
         if not bodies:
             names = ("jaxpr",) if op.prim == "scan" else ("cond_jaxpr", "body_jaxpr") if loop else ()
             found_bodies = [op.params.get(n) for n in names] if loop else [inner_jaxpr(op.params)]
-            bodies = tuple(Program.from_jaxpr(b if hasattr(b, "consts") else _closed(b), None)
-                           for b in found_bodies if b is not None)
+            bodies = tuple(Program.from_jaxpr(body_closed(b), None) for b in found_bodies if b is not None)
         per_trip = 0.0
         for body in bodies:
             homes, roots = self.fuse(body)
