@@ -455,6 +455,23 @@ def test_fingerprints_follow_closures_and_globals():
         fingerprint(iter([1, 2]))
 
 
+def test_an_open_jaxpr_holding_constants_is_fingerprinted_by_its_equations():
+    """A rule's procedure may close over an open ``Jaxpr`` (a library's ``closed.jaxpr``), whose constants live
+    elsewhere: its constvars are read as inputs (before, ``ClosedJaxpr(jaxpr, ())`` raised ``AssertionError``)."""
+    c = np.arange(3.0)
+
+    def opened(op):
+        return jax.make_jaxpr(lambda x: op(x, jnp.asarray(c)))(jnp.ones(3)).jaxpr
+
+    added, multiplied = opened(jnp.add), opened(jnp.multiply)
+    assert added.constvars, "the constant is a constvar of the open jaxpr"
+
+    def make(body):
+        return lambda x: (body, x)[1]
+
+    assert fingerprint(make(added)) == fingerprint(make(opened(jnp.add))) != fingerprint(make(multiplied))
+
+
 def test_fingerprints_follow_the_items_of_a_containers_subclass():
     """An ``OrderedDict``, a ``Counter`` or a user's list subclass keeps its items outside its ``__dict__``: two rules
     closing over two such configurations are two keys (before, one: a disk cache hit could serve the other's

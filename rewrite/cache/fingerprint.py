@@ -34,7 +34,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..ir.jaxapi import core, neutral_params
+from ..ir.jaxapi import body_closed, core, neutral_params
 
 #: Top-level packages whose objects are named, not hashed: their versions are in the key.
 VERSIONED = frozenset({"jax", "jaxlib", "numpy", "egglog", "ml_dtypes", "opt_einsum", "scipy", "rewrite",
@@ -392,7 +392,7 @@ def _param_bytes(name: str) -> bytes:
 def program_fingerprint(closed: Any) -> str:
     """A digest of a program's canonical form: equations, params, avals, shardings, constants."""
     canon = _Canon()
-    canon.closed(closed if isinstance(closed, core.ClosedJaxpr) else core.ClosedJaxpr(closed, ()))
+    canon.closed(body_closed(closed))  # an open one's constants' variables read as inputs
     return hashlib.sha256(canon.out).hexdigest()
 
 
