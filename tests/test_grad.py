@@ -311,12 +311,18 @@ def test_a_branch_whose_call_holds_a_constant_is_differentiated_rewritten():
         return jax.jit(inner)(x).sum()
 
     r = rewrite(f, rulesets=[rulesets.algebra, rulesets.derivatives, rulesets.nn], strict=True)
-    for v in (2.14, 1.72):
-        x = v * jnp.ones(2)
-        for differentiate in (jax.grad, lambda g: jax.jit(jax.grad(g))):
-            np.testing.assert_allclose(differentiate(r)(x), jax.grad(f)(x), rtol=1e-6)
-        np.testing.assert_allclose(jax.jvp(r, (x,), (jnp.ones(2),))[1], jax.jvp(f, (x,), (jnp.ones(2),))[1],
-                                   rtol=1e-6)
+    for dtype, tol in ((jnp.float32, 1e-6), (jnp.bfloat16, 1e-2), (jnp.float16, 1e-3)):
+        for v in (2.14, 1.72):
+            x = (v * jnp.ones(2)).astype(dtype)
+            for differentiate in (jax.grad, lambda g: jax.jit(jax.grad(g))):
+                got = differentiate(r)(x)
+                assert got.dtype == dtype
+                np.testing.assert_allclose(np.float32(got), np.float32(jax.grad(f)(x)), rtol=tol)
+            np.testing.assert_allclose(np.float32(jax.jvp(r, (x,), (jnp.ones(2, dtype),))[1]),
+                                       np.float32(jax.jvp(f, (x,), (jnp.ones(2, dtype),))[1]), rtol=tol)
+        rows = jnp.array([[2.14, 2.14], [1.72, 1.72]], dtype)  # one row per branch, mapped
+        np.testing.assert_allclose(np.float32(jax.vmap(jax.grad(r))(rows)), np.float32(jax.vmap(jax.grad(f))(rows)),
+                                   rtol=tol)
 
 
 @pytest.mark.parametrize("order", [1, 2])
