@@ -17,54 +17,14 @@ import functools
 from typing import Any
 
 from jax.extend import linear_util as lu
-from jax.interpreters import partial_eval as pe
 
 from ..ir.jaxapi import ad, core, custom_vjp_bwd
+from ..jaxpr.dce import dce_chain, dce_jvp  # noqa: F401  (read here by serialise)
 from ..jaxpr.trace import trace_at
 
 
 class Unserialisable(Exception):
     """The chosen program holds something this module cannot write down."""
-
-
-def dce_chain(x: Any) -> tuple[Any, list] | None:
-    """``(rule, [used_outs, ...])`` if ``x`` is JAX's dead-code elimination's wrapper of a ``custom_jvp_call``'s
-    ``rule`` (once or more, outermost first), else ``None``.
-
-    ``pe.dce_jaxpr`` (which the emitter runs) re-wraps the rule in a fresh
-    closure that drops the rule's unused outputs (``_custom_jvp_call_dce``):
-    its cells hold the wrapped rule and ``used_outs``.
-    """
-    chain: list = []
-    while True:
-        f, seen, inner = getattr(x, "f", None), 0, None
-        while callable(f) and seen < 4 and getattr(f, "__closure__", None) and inner is None:
-            cells = dict(zip(f.__code__.co_freevars, (c.cell_contents for c in f.__closure__)))
-            if "used_outs" in cells:
-                found = [v for v in cells.values() if type(v) is type(x)]
-                if len(found) != 1 or not all(type(u) is bool for u in cells["used_outs"]):
-                    return None
-                inner = found[0]
-                chain.append([bool(u) for u in cells["used_outs"]])
-            f = next((v for v in cells.values() if callable(v) and hasattr(v, "__code__")), None)
-            seen += 1
-        if inner is None:
-            return (x, chain) if chain else None
-        x = inner
-
-
-def dce_jvp(fun: Any, used_outs: list, symbolic_zeros: bool) -> Any:
-    """``fun`` (a ``jvp_jaxpr_fun``) under dead-code elimination to ``used_outs``, as JAX's own
-    ``_custom_jvp_call_dce`` wraps it."""
-
-    @functools.lru_cache(maxsize=None)
-    def at(in_zeros: tuple) -> tuple:
-        jaxpr, consts, out_zeros = fun.call_wrapped(*in_zeros)
-        nz_used = [u for u, z in zip(used_outs, out_zeros) if not z] if symbolic_zeros else used_outs
-        dce, _ = pe.dce_jaxpr(jaxpr, [*used_outs, *nz_used], True)
-        return dce, consts, [z for u, z in zip(used_outs, out_zeros) if u]
-
-    return lu.wrap_init(lambda *in_zeros: at(tuple(in_zeros)), debug_info=fun.debug_info)
 
 
 def _same_type(a: Any, b: Any) -> bool:

@@ -530,7 +530,7 @@ class _Reader:
                 and all(isinstance(u, list) and all(type(b) is bool for b in u) for u in written[2]):
             fun = written[1]
             for used in reversed(written[2]):
-                fun = dce_jvp(fun, used, bool(written[3]))
+                fun = dce_jvp(fun, used)
             return fun
         if kind == "jvp_ref" and written[1] in self.forwards:
             return self.forwards[written[1]].fun(params["call_jaxpr"].jaxpr.debug_info)

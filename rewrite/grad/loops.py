@@ -59,8 +59,8 @@ import jax
 
 from ..ir.jaxapi import BUILT_DEBUG, core, scan_counts
 from ..ir.primitives import is_float
+from ..jaxpr.dce import dce
 from ..jaxpr.edit import CALLS, body_of, in_order, inline, read, substitute
-from ..jaxpr.emit import dce
 from ..jaxpr.trace import spec_of
 from .vjp import joint_program
 

@@ -14,8 +14,8 @@ from typing import Any
 
 from ..ir.jaxapi import BUILT_DEBUG, core
 from ..ir.primitives import ELEMENTWISE, LAYOUT, REDUCE, family_of
+from ..jaxpr.dce import dce
 from ..jaxpr.edit import in_order, read, substitute
-from ..jaxpr.emit import dce
 from ..pipeline import program_cost
 from ..records import Result
 

@@ -69,8 +69,8 @@ import numpy as np
 
 from ..ir.jaxapi import BUILT_DEBUG, core
 from ..ir.primitives import is_float
+from ..jaxpr.dce import dce
 from ..jaxpr.edit import in_order, inline, loads_alike, read, substitute, without_empty_mesh
-from ..jaxpr.emit import dce
 from ..jaxpr.trace import spec_of
 from ..pipeline import ProofGraph
 from .loops import find_loop_vjps

@@ -33,7 +33,8 @@ from ..extract.choice import reachable
 from ..extract.extract import bounds_memory, fatter
 from ..ir.jaxapi import core
 from ..ir.walk import children, postorder
-from ..jaxpr.emit import Emitter, _Scope, dce, emit
+from ..jaxpr.dce import dce
+from ..jaxpr.emit import Emitter, _Scope, emit
 from ..jaxpr.trace import same_program, spec_of
 from ..pipeline import program_cost
 

@@ -23,13 +23,13 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 from jax.extend import source_info_util
-from jax.interpreters import partial_eval as pe
 
 from ..ir import primitives as _primitives
 from ..ir.egraph import Snapshot
 from ..ir.intern import EFFECTS, PARAMS, TYPES, TupleType, literal_value
 from ..ir.jaxapi import BUILT_DEBUG, core, literals, primitives, save_only_these_names
 from ..ir.walk import CycleError, operands, postorder
+from .dce import dce
 from .load import side_effects
 
 
@@ -270,13 +270,6 @@ def emit_slice(snap: Snapshot, choice: dict[Any, tuple], egraph: Any, inputs: Se
         raise EmitError("a slice of the program cannot carry effects")
     jaxpr = core.Jaxpr(sc.constvars, invars, outvars, sc.eqns, core.no_effects, BUILT_DEBUG)
     return core.ClosedJaxpr(jaxpr, sc.consts)
-
-
-def dce(closed: core.ClosedJaxpr) -> core.ClosedJaxpr:
-    """Drop equations and loop outputs nothing reads, keeping every input, output and effect."""
-    jaxpr = closed.jaxpr
-    new, _ = pe.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars), instantiate=True)
-    return core.ClosedJaxpr(new, closed.consts)
 
 
 def emit(snap: Snapshot, choice: dict[Any, tuple], egraph: Any, in_avals: Sequence[Any], outs: Sequence[Any],
