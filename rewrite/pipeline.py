@@ -456,7 +456,7 @@ class ProofGraph:
         jaxpr = closed.jaxpr
         values = list(jaxpr.constvars) + list(jaxpr.invars)
         values += [w for e in jaxpr.eqns for w in e.outvars if not isinstance(w, core.DropVar)]
-        every = core.ClosedJaxpr(core.Jaxpr(jaxpr.constvars, jaxpr.invars, values, jaxpr.eqns, jaxpr.effects,
+        every = core.ClosedJaxpr(core.new_jaxpr(jaxpr.constvars, jaxpr.invars, values, jaxpr.eqns, jaxpr.effects,
                                             BUILT_DEBUG),
                                  closed.consts)
         with collect_young_only():

@@ -261,3 +261,51 @@ def test_hijax_primitives_made_for_other_types_stay_apart(jit):
     g = rewrite(both, rulesets=[rulesets.algebra])
     q = jnp.array([[0.5, 4.5], [8.5, 2.5]], jnp.float32)
     np.testing.assert_array_equal((jax.jit(g) if jit else g)(x, q), jax.jit(both)(x, q))
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_a_loop_body_holding_a_hijax_primitive_stays_high(jit):
+    """A body the emitter assembles is marked high where an equation in it is (``Jaxpr.is_high``), as JAX's own
+    tracer marks it, so that JAX lowers it to plain primitives before compiling: a ``scan`` whose body searched
+    with ``call_hi_primitive`` failed ("MLIR translation rule for primitive 'call_hi_primitive' not found")."""
+    ss = _hijax_searchsorted()
+
+    def h(x, qs):
+        def body(c, q):
+            return c + ss(x * 1.0 + 0.0, q), None
+
+        return jax.lax.scan(body, jnp.int32(0), qs)[0]
+
+    x, qs = jnp.arange(10.0), jnp.array([0.5, 3.5, 9.5], jnp.float32)
+    assert jax.make_jaxpr(h)(x, qs).jaxpr.eqns[-1].params["jaxpr"].jaxpr.is_high, "the body JAX traces is high"
+    f = rewrite(h, rulesets=[rulesets.algebra], strict=True)
+    assert f.result(x, qs).after.jaxpr.eqns[-1].params["jaxpr"].jaxpr.is_high
+    np.testing.assert_array_equal((jax.jit(f) if jit else f)(x, qs), jax.jit(h)(x, qs))
+
+
+def test_a_scanned_custom_vjp_of_the_hijax_kind_runs_and_differentiates():
+    """JAX's ``test_custom_vjp_scan_batching_edge_case`` under ``jax_custom_vjp3`` (a ``custom_vjp`` staged as a
+    ``call_hi_primitive``), routed through the rewriter: the emitted scan body was not marked high and did not
+    compile; its VJP then met ``add_any`` of a weak and a strong value (``sign_add_any``'s guard)."""
+    from jax._src import config
+
+    if not hasattr(config, "custom_vjp3"):
+        pytest.skip("this JAX has no jax_custom_vjp3")
+    with config.custom_vjp3(True):
+        @jax.custom_vjp
+        def mul(x, coeff):
+            return x * coeff
+
+        mul.defvjp(lambda x, coeff: (mul(x, coeff), (x, coeff)),
+                   lambda res, g: (g * res[1], (res[0] * g).sum()))
+
+        def scanned(x, coeff):
+            return jax.lax.scan(lambda c, _: (mul(c, coeff), None), x, jnp.arange(3))[0]
+
+        batched = jax.vmap(scanned, in_axes=(0, None))
+        x, ct, coeff = jnp.linspace(-1.0, 1.0, 6).reshape(3, 2), jnp.linspace(0.5, 2.0, 6).reshape(3, 2), jnp.array(0.9)
+        r = rewrite(batched, rulesets=[rulesets.algebra, rulesets.derivatives, rulesets.nn], strict=True)
+        np.testing.assert_allclose(jax.jit(r)(x, coeff), batched(x, coeff), rtol=1e-6)
+        got, want = jax.vjp(r, x, coeff)[1](ct), jax.vjp(batched, x, coeff)[1](ct)
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(g, w, rtol=1e-6)

@@ -593,7 +593,7 @@ class _Reader:
             new_params = params_for_jax(p, new_params)
             new_eqns.append(core.new_jaxpr_eqn(args, outvars, p, new_params,
                                                set(self.value(e) for e in effs), self.value(src), self.value(ctx)))
-        return core.Jaxpr(constvars, invars, [atom(a) for a in outs], new_eqns,
+        return core.new_jaxpr(constvars, invars, [atom(a) for a in outs], new_eqns,
                           set(self.value(e) for e in effects), self.value(debug))
 
 

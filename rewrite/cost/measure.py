@@ -188,7 +188,7 @@ def pin_duplicates(closed: core.ClosedJaxpr, model: AnalyticCost) -> core.Closed
                                                e.source_info))
                 subst[v] = nv
     outs = [subst.get(v, v) if not isinstance(v, core.Literal) else v for v in jaxpr.outvars]
-    new = core.Jaxpr(jaxpr.constvars, jaxpr.invars, outs, eqns, jaxpr.effects, jaxpr.debug_info)
+    new = core.new_jaxpr(jaxpr.constvars, jaxpr.invars, outs, eqns, jaxpr.effects, jaxpr.debug_info)
     return core.ClosedJaxpr(new, closed.consts)
 
 

@@ -171,7 +171,7 @@ def _layer(step: core.ClosedJaxpr, pair: _Pair) -> tuple[core.ClosedJaxpr, list[
         env.update(zip(e.outvars, outs))
     d = [core.Var(v.aval) for v in body.jaxpr.invars[nf:]]
     outs = inline(eqns, body.jaxpr, body.consts, [read(env, a) for a in fconsts] + d, constvars, cvals, CALLS)
-    jaxpr = core.Jaxpr(constvars, ins + d, outs[:nk], eqns, core.no_effects, BUILT_DEBUG)
+    jaxpr = core.new_jaxpr(constvars, ins + d, outs[:nk], eqns, core.no_effects, BUILT_DEBUG)
     return dce(core.ClosedJaxpr(jaxpr, cvals)), leaves
 
 
@@ -377,7 +377,7 @@ def prove_pair(step: core.ClosedJaxpr, pair: _Pair, proof: Callable[[core.Closed
     outs = list(bouts) + [derived[j] for j in kept]
     eqns, alias = _commuted(eqns, constvars + invars)
     outs = [alias.get(o, o) for o in outs]
-    program = core.ClosedJaxpr(core.Jaxpr(constvars, invars, outs, eqns, core.no_effects, BUILT_DEBUG), cvals)
+    program = core.ClosedJaxpr(core.new_jaxpr(constvars, invars, outs, eqns, core.no_effects, BUILT_DEBUG), cvals)
     classes = proof(program)
     bcls, dcls = classes[:len(bouts)], classes[len(bouts):]
     # the derived values are the layer's outputs, then the gradients: B's outputs are cotangents, so gradients
@@ -447,9 +447,9 @@ def _split_vjp(vjp: core.ClosedJaxpr, n_consts: int, n_layer_in: int, nk: int, w
     bwd_eqns = [e for k, e in enumerate(jaxpr.eqns) if part[k] != 1 or k in moved]
     outer = [r for r in residuals if r in state]
     inner = [r for r in residuals if r not in state]
-    fwd = core.Jaxpr(list(jaxpr.constvars), consts + state, list(jaxpr.outvars[:nk]) + inner, fwd_eqns,
+    fwd = core.new_jaxpr(list(jaxpr.constvars), consts + state, list(jaxpr.outvars[:nk]) + inner, fwd_eqns,
                      core.no_effects, BUILT_DEBUG)
-    bwd = core.Jaxpr(list(jaxpr.constvars), consts + outer + inner + cts, picked, bwd_eqns, core.no_effects,
+    bwd = core.new_jaxpr(list(jaxpr.constvars), consts + outer + inner + cts, picked, bwd_eqns, core.no_effects,
                      BUILT_DEBUG)
     return dce(core.ClosedJaxpr(fwd, vjp.consts)), dce(core.ClosedJaxpr(bwd, vjp.consts)), [state.index(r) for r in outer]
 
@@ -534,7 +534,7 @@ def replace_pair(step: core.ClosedJaxpr, pair: _Pair, where: list[int], layer: t
     env.update(zip(B.outvars, outs[nk:]))
     # B read of F only its stacked outputs (checked), so F's carries are all it gives the rest of the step
     rest = [substitute(e, env) for k, e in enumerate(jaxpr.eqns) if k not in (pair.kf, pair.kb)]
-    new = core.Jaxpr(constvars, list(jaxpr.invars), [read(env, a) for a in jaxpr.outvars],
+    new = core.new_jaxpr(constvars, list(jaxpr.invars), [read(env, a) for a in jaxpr.outvars],
                      in_order(eqns + rest), jaxpr.effects, jaxpr.debug_info)
     return dce(core.ClosedJaxpr(new, cvals)), [o for o in outs[nk:] if isinstance(o, core.Var)]
 

@@ -413,7 +413,7 @@ def _own_part(program: core.ClosedJaxpr, own: list[int], values: list[Any], read
     if any(isinstance(o, core.Var) and o in read_floats for o in jaxpr.outvars):
         return None
     outputs = [k for k, o in enumerate(jaxpr.outvars) if isinstance(o, core.Var) and o in made]
-    r = core.Jaxpr(constvars, list(values) + [invars[j] for j in inputs], [jaxpr.outvars[k] for k in outputs], eqns,
+    r = core.new_jaxpr(constvars, list(values) + [invars[j] for j in inputs], [jaxpr.outvars[k] for k in outputs], eqns,
                    core.no_effects, BUILT_DEBUG)
     return core.ClosedJaxpr(r, [consts[v] for v in constvars]), outputs, inputs
 

@@ -101,5 +101,5 @@ def seeded_edit(joint: core.ClosedJaxpr, cone: core.ClosedJaxpr) -> core.ClosedJ
     outvars = [_literal(v) if isinstance(v, core.Literal) else env[v] for v in jaxpr.outvars]
     if any(v is None for v in outvars):
         return None
-    return core.ClosedJaxpr(core.Jaxpr([], [env[v] for v in jaxpr.invars[:-1]], outvars, eqns, core.no_effects,
+    return core.ClosedJaxpr(core.new_jaxpr([], [env[v] for v in jaxpr.invars[:-1]], outvars, eqns, core.no_effects,
                                        BUILT_DEBUG), [])

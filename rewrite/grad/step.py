@@ -147,7 +147,7 @@ def unwrap(closed: core.ClosedJaxpr) -> core.ClosedJaxpr:
         new_eqns = [substitute(e, env) for e in inner.jaxpr.eqns]
         outer = dict(zip(eqn.outvars, [read(env, a) for a in inner.jaxpr.outvars]))
         outvars = [read(outer, a) for a in closed.jaxpr.outvars]
-        jaxpr = core.Jaxpr(constvars, list(closed.jaxpr.invars), outvars, new_eqns, closed.jaxpr.effects,
+        jaxpr = core.new_jaxpr(constvars, list(closed.jaxpr.invars), outvars, new_eqns, closed.jaxpr.effects,
                            closed.jaxpr.debug_info)
         closed = core.ClosedJaxpr(jaxpr, consts)
 
@@ -376,7 +376,7 @@ def cone_program(graph: _Graph, root: Any, eqns: Sequence[int], leaves: Sequence
     """The cone as a program of its leaves (the step's constants among them stay constants)."""
     cvars = [v for v in leaves if v in consts]
     ivars = [v for v in leaves if v not in consts]
-    jaxpr = core.Jaxpr(cvars, ivars, [root], [graph.jaxpr.eqns[k] for k in eqns], core.no_effects, BUILT_DEBUG)
+    jaxpr = core.new_jaxpr(cvars, ivars, [root], [graph.jaxpr.eqns[k] for k in eqns], core.no_effects, BUILT_DEBUG)
     return core.ClosedJaxpr(jaxpr, [consts[v] for v in cvars])
 
 
@@ -459,7 +459,7 @@ def prove(step: core.ClosedJaxpr, graph: _Graph, root: Any, cone: core.ClosedJax
     constvars, consts = list(jaxpr.constvars), list(step.consts)
     outs = inline(eqns, derived.jaxpr, derived.consts, list(leaves), constvars, consts)
     eqns = [without_empty_mesh(e) for e in eqns]
-    program = core.ClosedJaxpr(core.Jaxpr(constvars, list(jaxpr.invars), [root] + candidates + outs, eqns,
+    program = core.ClosedJaxpr(core.new_jaxpr(constvars, list(jaxpr.invars), [root] + candidates + outs, eqns,
                                           jaxpr.effects, BUILT_DEBUG), consts)
     classes = proof(program)
     loss_cls, cand_cls, derived_cls = classes[0], classes[1:1 + len(candidates)], classes[1 + len(candidates):]
@@ -510,7 +510,7 @@ def replace(step: core.ClosedJaxpr, root: Any, leaves: Sequence[Any], consts: di
     for w, j in found.items():
         env[w] = outs[1 + reads.index(j)]
     eqns = in_order(eqns + [substitute(e, env) for e in jaxpr.eqns])
-    new = core.Jaxpr(constvars, list(jaxpr.invars), [read(env, a) for a in jaxpr.outvars], eqns, jaxpr.effects,
+    new = core.new_jaxpr(constvars, list(jaxpr.invars), [read(env, a) for a in jaxpr.outvars], eqns, jaxpr.effects,
                      jaxpr.debug_info)
     return dce(core.ClosedJaxpr(new, cvals))
 
@@ -539,7 +539,7 @@ def _attempt(step: core.ClosedJaxpr, graph: _Graph, root: Any, eqns: list[int], 
     more often than not, and a forward rewritten before it is spent (blackjax_hmc_step: five pipelines)."""
     cone = cone_program(graph, root, eqns, leaves, consts)
     lifted = [v for v in leaves if v in consts] + [v for v in leaves if v not in consts]
-    flat_cone = core.ClosedJaxpr(core.Jaxpr([], lifted, cone.jaxpr.outvars, cone.jaxpr.eqns, core.no_effects,
+    flat_cone = core.ClosedJaxpr(core.new_jaxpr([], lifted, cone.jaxpr.outvars, cone.jaxpr.eqns, core.no_effects,
                                             BUILT_DEBUG), [])
     dif = [i for i, v in enumerate(lifted) if is_float(v.aval)]
     body = None if shared is None else shared().body_between(root, lifted)
@@ -693,7 +693,7 @@ def _in_loops(step: core.ClosedJaxpr, proof: Callable[[core.ClosedJaxpr], list[A
     if not changed:
         return None
     jaxpr = step.jaxpr
-    return core.ClosedJaxpr(core.Jaxpr(jaxpr.constvars, jaxpr.invars, jaxpr.outvars, eqns, jaxpr.effects,
+    return core.ClosedJaxpr(core.new_jaxpr(jaxpr.constvars, jaxpr.invars, jaxpr.outvars, eqns, jaxpr.effects,
                                        jaxpr.debug_info), step.consts)
 
 

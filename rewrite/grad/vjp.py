@@ -259,7 +259,7 @@ def emit_split(snap: Any, choice: dict, egraph: Any, in_avals: Sequence[Any], ct
     outs = sc.atoms(list(b_roots))
     invars = res_vars + [params[n + j] for j in range(len(ct_avals))]
     eff = core.join_effects(*(e.effects for e in sc.eqns)) if sc.eqns else core.no_effects
-    jaxpr = core.Jaxpr(sc.constvars, invars, outs, sc.eqns, eff, debug_info)
+    jaxpr = core.new_jaxpr(sc.constvars, invars, outs, sc.eqns, eff, debug_info)
     return fwd, dce(core.ClosedJaxpr(jaxpr, sc.consts))
 
 

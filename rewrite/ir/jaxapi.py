@@ -94,6 +94,50 @@ core = types.SimpleNamespace(
 #: The debug info of a program the rewriter assembles from another's equations (JAX warns where a jaxpr has none).
 BUILT_DEBUG = _core.DebugInfo("rewrite", "a program assembled by rewrite", None, None)
 
+
+def _new_jaxpr(constvars: Any, invars: Any, outvars: Any, eqns: Any, effects: Any, debug_info: Any) -> Any:
+    """``Jaxpr(constvars, invars, outvars, eqns, effects, debug_info)``, high where JAX's own tracer would make it
+    so: an equation of a primitive that says it is high (JAX 0.12's ``call_hi_primitive`` of ``jnp.searchsorted``,
+    a ``custom_vjp`` under ``jax_custom_vjp3``, a body holding one), or a value of a high type. A body built
+    without the mark is lowered as it is: a ``scan`` whose body binds ``call_hi_primitive`` failed to compile
+    ("MLIR translation rule for primitive 'call_hi_primitive' not found"; JAX's
+    ``test_custom_vjp_scan_batching_edge_case`` routed through the rewriter). Every program this library
+    assembles is made with this (``core.new_jaxpr``)."""
+    if _any_eqn_is_high(eqns) or any(getattr(v.aval, "is_high", False)
+                                      for v in itertools.chain(constvars, invars, outvars)):
+        return _core.Jaxpr(constvars, invars, outvars, eqns, effects, debug_info, is_high=True)
+    return _core.Jaxpr(constvars, invars, outvars, eqns, effects, debug_info)
+
+
+core.new_jaxpr = _new_jaxpr
+_PLAIN_IS_HIGH = _core.Primitive.is_high
+_BODY_TYPES = frozenset({_ext_core.Jaxpr, _ext_core.ClosedJaxpr})
+_plain_is_high: dict[Any, bool] = {}  # a primitive -> whether it keeps JAX's default ``is_high``
+
+
+def _eqn_is_high(e: Any) -> bool:
+    """``e.primitive.is_high(*in_avals, **params)``, as JAX's tracer asks it; where the primitive keeps JAX's
+    default (high where a jaxpr among its params is), read off the params without calling it."""
+    prim = e.primitive
+    plain = _plain_is_high.get(prim)
+    if plain is None:
+        plain = _plain_is_high[prim] = (type(prim).is_high is _PLAIN_IS_HIGH
+                                        and "is_high" not in getattr(prim, "__dict__", ()))
+    if plain:
+        for v in e.params.values():
+            if type(v) in _BODY_TYPES and v.is_high:
+                return True
+        return False
+    return prim.is_high(*[v.aval for v in e.invars], **e.params)
+
+
+def _any_eqn_is_high(eqns: Any) -> bool:
+    for e in eqns:  # (a loop, not ``any`` of a generator: a fifth of the time, on every program assembled)
+        if _eqn_is_high(e):
+            return True
+    return False
+
+
 #: Automatic differentiation's rule tables. ``jax.interpreters.ad`` exports ``primitive_jvps``,
 #: ``primitive_transposes``, ``Zero``, ``instantiate_zeros``, ``is_undefined_primal`` and ``JVPTrace``;
 #: the linearization protocol (``primitive_linearizations``, ``fallback_linearize_rule``,

@@ -161,8 +161,8 @@ class Emitter:
         if not closed:
             if sc.constvars:
                 raise EmitError("a shard_map body cannot hold constants")
-            return core.Jaxpr([], invars, outvars, sc.eqns, effects, BUILT_DEBUG)
-        jaxpr = core.Jaxpr(sc.constvars, invars, outvars, sc.eqns, effects, BUILT_DEBUG)
+            return core.new_jaxpr([], invars, outvars, sc.eqns, effects, BUILT_DEBUG)
+        jaxpr = core.new_jaxpr(sc.constvars, invars, outvars, sc.eqns, effects, BUILT_DEBUG)
         return core.ClosedJaxpr(jaxpr, sc.consts)
 
     def program(self, in_avals: Sequence[Any], outs: Sequence[Any], token: Any, debug_info: Any) -> core.ClosedJaxpr:
@@ -171,7 +171,7 @@ class Emitter:
         roots = list(outs) + ([token] if token is not None else [])
         atoms = sc.atoms(roots)
         outvars = atoms[: len(outs)]
-        jaxpr = core.Jaxpr(sc.constvars, [invars[i] for i in range(len(in_avals))], outvars, sc.eqns,
+        jaxpr = core.new_jaxpr(sc.constvars, [invars[i] for i in range(len(in_avals))], outvars, sc.eqns,
                            core.join_effects(*(e.effects for e in sc.eqns)) if sc.eqns else core.no_effects,
                            debug_info or BUILT_DEBUG)
         return core.ClosedJaxpr(jaxpr, sc.consts)
@@ -268,7 +268,7 @@ def emit_slice(snap: Snapshot, choice: dict[Any, tuple], egraph: Any, inputs: Se
     outvars = sc.atoms(list(roots))
     if sc.effects or any(o is _TOKEN for o in outvars):
         raise EmitError("a slice of the program cannot carry effects")
-    jaxpr = core.Jaxpr(sc.constvars, invars, outvars, sc.eqns, core.no_effects, BUILT_DEBUG)
+    jaxpr = core.new_jaxpr(sc.constvars, invars, outvars, sc.eqns, core.no_effects, BUILT_DEBUG)
     return core.ClosedJaxpr(jaxpr, sc.consts)
 
 
