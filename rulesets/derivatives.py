@@ -549,12 +549,12 @@ derivatives_exact = Ruleset("derivatives_exact", [
     *[_algebra.rule(n) for n in ("add_neg", "sub_neg", "reduce_unit_axes", "reshape_reshape")],  # x + -y -> x - y; ...
     rule(lambda x, y: lax.add(-x, y), lambda x, y: y - x, name="sign_neg_add", when=_floating),  # -x + y -> y - x
     rule(Pat("add_any", X, Y), lambda x, y: lax.add(x, y), name="sign_add_any",                   # add_any(x, y) -> x + y
+         when=lambda x, y: not x.weak_type or y.weak_type,  # add_any is typed as x, x + y weak only if both are
          example_program=(_vjp_of(lambda v: v * jnp.sin(v)), (_S, _S))),
     rule(Pat("reshape", Pat("neg", X), params="p"), lambda x, p: lax.neg(p.bind(x)), name="red_reshape_neg",  # reshape(-x) -> -reshape(x)
          when=lambda p: p.dimensions is None, example_program=(lambda x: (-(x.reshape(12))).reshape(3, 4), (_S,))),
     rule(Pat("sin", X), sin_stored, name="trig_sin_stored", example_program=(_SINCOS, (_S, _S))),  # sin x -> select(|x| < tiny, x, sin x)
-], soundness="exact",
-    description="sign and product identities that keep every bit")
+], soundness="exact", description="sign and product identities that keep every bit")
 trig = Ruleset("derivatives_trig", [
     rule(lambda x: jnp.cos(-x), lambda x: jnp.cos(x), name="trig_cos_neg"),                                 # cos(-x) -> cos(x)
     rule(lambda x: jnp.sin(-x), lambda x: -jnp.sin(x), name="trig_sin_neg"),                                # sin(-x) -> -sin(x)

@@ -601,3 +601,18 @@ def test_pack_on_gradients_keeps_values():
         assert res.cost_after <= res.cost_before
         for p, q in zip(got, want):
             np.testing.assert_allclose(p, q, rtol=1e-4, atol=1e-5)
+
+
+def test_add_any_of_a_weak_and_a_strong_value_is_left_as_it_is():
+    """``add_any(x, y)`` has ``x``'s type, weak or not, and ``x + y`` is weak only where both are: ``sign_add_any``
+    built a strong sum for a weak match, the engine skipped it with a warning, and ``strict=True`` raised."""
+    from jax._src.ad_util import add_jaxvals
+
+    def f(x, y):
+        return add_jaxvals(jnp.sin(x), jnp.sin(y)) * 3
+
+    r = rewrite(f, rulesets=[derivatives], strict=True)
+    for x, y in ((1.0, jnp.float32(2.0)), (jnp.float32(1.0), 2.0), (1.0, 2.0), (jnp.float32(1.0), jnp.float32(2.0))):
+        got, want = r(x, y), f(x, y)
+        assert got.dtype == want.dtype and got.weak_type == want.weak_type
+        np.testing.assert_array_equal(got, want)
