@@ -38,7 +38,7 @@ from .grad.step import AsWritten, find_losses, proof_graph, searches_steps
 from .grad.together import rewrite_alone, rewrite_joints
 from .grad.uses import as_run
 from .grad.vjp import VJPResult, build_vjp, decided_jointly, joint_at
-from .ir.jaxapi import core
+from .ir.jaxapi import core, primal_arrays
 from .jaxpr import state as _state
 from .jaxpr.trace import (CONCRETIZATION_ERRORS, Traced, collect_young_only, flatten_args, resolve_static, same_program,
                           trace, trace_call)
@@ -80,8 +80,8 @@ def fallback_result(traced: Traced, stopped: str) -> Result:
 
 def _as_operand(x: Any) -> Any:
     """A Python float or complex argument (traced, as ``jax.jit`` traces it) as the weakly typed array it
-    was traced as; arrays and tracers as they are."""
-    return jax.numpy.asarray(x) if type(x) in (float, complex) else x
+    was traced as; a NumPy array, or one under a tracer, as a JAX array (:func:`primal_arrays`)."""
+    return jax.numpy.asarray(x) if type(x) in (float, complex) else primal_arrays(x)
 
 
 class Rewritten:

@@ -343,3 +343,69 @@ def test_a_python_float_primal_differentiated_in_forward_mode(order):
         h = jax.jvp(lambda y: jax.jvp(r, (y,), (1.0,))[1], (x,), (1.0,))
         np.testing.assert_allclose(h, jax.jvp(lambda y: jax.jvp(f, (y,), (1.0,))[1], (x,), (1.0,)), rtol=1e-5)
         check_grads(r, (x,), order=order, modes=["fwd", "rev"])
+
+
+def _scaled_custom_vjp():
+    """A ``custom_vjp`` whose backward indexes a residual it forwards (its input ``ts``) with a traced index, as
+    ``jax.experimental.ode``'s does, inside a ``jit``, which makes ``ts`` a JAX array, and which the rewrite
+    inlines."""
+    from jax import lax
+
+    @jax.custom_vjp
+    def scaled(ts, y):
+        return y * jnp.sum(ts)
+
+    def scaled_bwd(res, g):
+        ts, y = res
+        total = lax.scan(lambda c, i: (c + ts[i], None), jnp.zeros((), ts.dtype), jnp.arange(ts.shape[0]))[0]
+        return jnp.full_like(ts, 1.0) * jnp.sum(g * y), g * total
+
+    scaled.defvjp(lambda ts, y: (scaled(ts, y), (ts, y)), scaled_bwd)
+    return jax.jit(lambda ts, y: jnp.sin(scaled(ts, y)))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_a_custom_vjp_whose_backward_indexes_a_forwarded_numpy_input(dtype):
+    """``jax.vjp`` keeps a NumPy primal as it is, and differentiated twice the ``custom_vjp`` ran under the outer
+    trace and handed its backward the NumPy input, which a traced index cannot index
+    (``TracerArrayConversionError``): JAX's ``ode_test`` under ``check_grads(order=2)``, routed."""
+    import rulesets
+    from jax.test_util import check_grads
+
+    inner = _scaled_custom_vjp()
+
+    def f(ts, y):
+        return inner(ts, y) * 2.0
+
+    r = rewrite(f, rulesets=[rulesets.algebra, rulesets.derivatives, rulesets.nn], strict=True)
+    ts, y = np.linspace(0.1, 0.4, 4).astype(dtype), np.linspace(0.5, 1.0, 3).astype(dtype)
+    check_grads(r, (ts, y), order=2, modes=["rev"], atol=1e-2, rtol=1e-2)
+
+    def second(g):
+        return jax.grad(lambda ts, y: jnp.sum(jax.grad(lambda t: jnp.sum(g(t, y)))(ts) ** 2), argnums=(0, 1))
+
+    for got, want in zip(second(r)(ts, y), second(f)(ts, y)):
+        np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
+def test_a_custom_vjp_whose_backward_indexes_a_forwarded_numpy_constant(tmp_path):
+    """The same backward, its ``ts`` a NumPy constant the function closes over (JAX's ``ode_test``'s
+    ``test_grad_closure``: ``odeint(model, 1., np.arange(0, 10, 0.1))``): the e-graph kept constants as NumPy
+    arrays, and the rewritten program, its ``jit`` inlined, handed one to the backward. Read back from the disk
+    cache, too."""
+    import rulesets
+    from jax.test_util import check_grads
+
+    inner, ts = _scaled_custom_vjp(), np.linspace(0.1, 0.4, 4).astype(np.float32)
+
+    def f(y):
+        return inner(ts, y) * 2.0
+
+    y = np.linspace(0.5, 1.0, 3).astype(np.float32)
+    want = jax.grad(lambda y: jnp.sum(f(y)))(y)
+    for _ in range(2):  # written, then read back
+        r = rewrite(f, rulesets=[rulesets.algebra, rulesets.derivatives, rulesets.nn], strict=True, cache=tmp_path)
+        check_grads(r, (y,), order=1, modes=["rev"], atol=1e-2, rtol=1e-2)
+        np.testing.assert_allclose(jax.grad(lambda y: jnp.sum(r(y)))(y), want, rtol=1e-6)
+        np.testing.assert_allclose(jax.jit(jax.grad(lambda y: jnp.sum(r(y))))(y), want, rtol=1e-6)
+    assert r.loaded == 1

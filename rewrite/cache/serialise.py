@@ -477,9 +477,10 @@ class _Reader:
             import jax.numpy as jnp
 
             a = np.frombuffer(data, dtype=jnp.dtype(dtype)).reshape(shape).copy()
-            # numpy, even for what was a jax.Array: a load may happen while an outer jit traces, where
-            # making a jax.Array would bind into that trace
-            return a if shape or on_device else a[()]
+            if on_device:  # a jax.Array again (an emitted program's constants are: emit.const_array), made as a
+                with jax.ensure_compile_time_eval():  # constant even while an outer jit traces
+                    return jnp.asarray(a)
+            return a if shape else a[()]
         if tag == "typed":
             if x[1] not in ("TypedInt", "TypedFloat", "TypedComplex"):
                 raise Unserialisable(f"unknown typed literal {x[1]!r}")

@@ -268,6 +268,22 @@ def hi_primitive_state(value: Any) -> tuple | None:
             getattr(value, "out_tree", None))
 
 
+def primal_arrays(x: Any) -> Any:
+    """``x`` with a NumPy array made a JAX array, as ``jax.jit`` makes its arguments, and so the NumPy primal at
+    the bottom of a differentiating tracer (``jax.vjp`` keeps a NumPy primal as it is, as a ``TypedNdArray``): the
+    tracer is made again around the JAX array, with its trace and tangent. A rewritten program whose ``jit`` was
+    inlined runs its ``custom_vjp`` eagerly, and one that forwards an input as a residual handed its backward the
+    NumPy array: ``jax.experimental.ode``'s backward indexes its times with a traced index (``ts[i]``), which NumPy
+    refuses (JAX's ``ode_test`` under ``check_grads`` of the second order, routed through the rewriter, raised
+    ``TracerArrayConversionError``)."""
+    if isinstance(x, (np.ndarray, np.generic)):
+        return jax.numpy.asarray(x)
+    if isinstance(x, (_ad.JVPTracer, _ad.LinearizeTracer)):
+        primal = primal_arrays(x.primal)
+        return x if primal is x.primal else type(x)(x._trace, primal, x.tangent)
+    return x
+
+
 def body_closed(jaxpr: Any) -> Any:
     """A call's body as the ``ClosedJaxpr`` the cost models read (``Program.from_jaxpr``): itself where closed; an
     open one (:func:`rewrite.ir.primitives.inner_jaxpr` reads a closed call's ``jaxpr``) with its constants'

@@ -19,8 +19,10 @@ the emitted program stores per step. Other ``_rw_*`` params are dropped.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable, Sequence
 
+import jax
 import numpy as np
 from jax.extend import source_info_util
 
@@ -84,7 +86,7 @@ class _Scope:
             if var is None:
                 var = self._const_index[h] = core.Var(snap.aval(cls))
                 self.constvars.append(var)
-                self.consts.append(em.consts[h])
+                self.consts.append(const_array(em.egraph, h))
             return var
         if ctor == "Tok":
             return _TOKEN
@@ -122,6 +124,28 @@ class _Scope:
         """The body arguments of a nested node, one per ``B`` (a class) or ``N`` (a list of classes)."""
         list_items = self.em.snap.list_items
         return [a if letter == "B" else list_items(a) for letter, a in zip(spec.layout, args) if letter in "BN"]
+
+
+_ARRAYS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # an e-graph -> {a constant's hash: JAX array}
+
+
+def const_array(egraph: Any, h: int) -> Any:
+    """The e-graph's constant ``h`` (kept as a NumPy array) as the JAX array an emitted program holds, made once
+    per e-graph. ``jax.jit`` makes each of its arguments one; a program whose ``jit`` the rewrite inlined runs its
+    ``custom_vjp`` eagerly under ``jax.grad``, handing the backward any constant it forwards as a residual, and a
+    NumPy one there cannot be indexed by a traced index (``jax.experimental.ode``'s backward:
+    ``TracerArrayConversionError``, JAX's ``ode_test``'s ``test_grad_closure`` routed through the rewriter). A value
+    JAX cannot hold as an array stays as it is."""
+    arrays = _ARRAYS.setdefault(egraph, {})
+    found = arrays.get(h)
+    if found is None:
+        try:
+            with jax.ensure_compile_time_eval():  # a constant, even where a JAX trace is open
+                found = jax.numpy.asarray(egraph.consts[h])
+        except (TypeError, ValueError):
+            found = egraph.consts[h]
+        arrays[h] = found
+    return found
 
 
 class Emitter:
