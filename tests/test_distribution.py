@@ -191,3 +191,25 @@ def test_derivatives_of_a_rewritten_function_inside_shard_map(mesh, mode):
     for a, b in zip(run(r)(x, w), run(fn)(x, w)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
     assert r.result(x[:4], w).stats["double_angle"].fired == 1
+
+
+def test_an_equation_typed_by_its_mesh_stays_apart_from_its_twin_under_another():
+    """``iota`` (and a literal broadcast) have no operand to carry a mesh: under an explicit mesh and inside a
+    ``jit`` traced under ``Auto`` axes, the same params make two types, which the e-graph held as one node; the
+    emitted program fed the explicit one to an equation under the other mesh and JAX refused it ("context mesh
+    ... should match the aval mesh"): ``jax.random.multivariate_normal(..., out_sharding=s)`` under
+    ``jax.set_mesh`` (JAX's ``RandomOutShardingTest``, routed through the rewriter)."""
+    mesh = jax.make_mesh((8,), ("x",), axis_types=(AxisType.Explicit,))
+    s = NamedSharding(mesh, P("x"))
+
+    def fn(key, n, s):
+        return jax.random.multivariate_normal(key, mean=jnp.zeros((n,)), cov=jnp.eye(n), shape=(n,), out_sharding=s)
+
+    key = jax.random.key(0)
+    with jax.set_mesh(mesh):
+        r = rewrite(fn, rulesets=[rulesets.algebra, rulesets.linalg, rulesets.nn], static_argnums=(1, 2), strict=True)
+        want = jax.jit(fn, static_argnums=(1, 2))(key, 8, s)
+        for run in (r, jax.jit(r, static_argnums=(1, 2))):
+            got = run(key, 8, s)
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+            assert got.sharding.is_equivalent_to(want.sharding, got.ndim)

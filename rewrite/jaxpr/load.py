@@ -22,7 +22,7 @@ from typing import Any, NamedTuple, Protocol, Sequence
 import numpy as np
 
 from ..ir import primitives as _primitives
-from ..ir.intern import EFFECTS, LITERALS, PARAMS, TYPES, content_hash, in_dtype
+from ..ir.intern import EFFECTS, LITERALS, PARAMS, TYPES, content_hash, in_dtype, types_agree
 from ..ir.jaxapi import core, missing_param
 from ..ir.primitives import Unsupported  # noqa: F401  (raised by builders and load hooks)
 
@@ -117,10 +117,28 @@ def _load_plain(plain: tuple, args: list[Any], b: Builder) -> list[Any]:
     if listed:
         cargs.append(b.tlist(args[fixed:]))
     cargs.append(pid)
+    node = b.term(ctor, cargs, type_id, source)
+    if _twin_of_another_type(b, node, type_id):
+        cargs[-1] = PARAMS.intern_params(PARAMS.prim(pid), {**PARAMS.params(pid), "_rw_type": TYPES[type_id]})
+        node = b.term(ctor, cargs, type_id, source)
     if proj is not None:
-        tup = b.term(ctor, cargs, type_id, source)
-        return [b.term("Proj", [tup, i], t, source) for i, t in enumerate(proj)]
-    return [b.term(ctor, cargs, type_id, source)]
+        return [b.term("Proj", [node, i], t, source) for i, t in enumerate(proj)]
+    return [node]
+
+
+def _twin_of_another_type(b: Builder, node: Any, type_id: int) -> bool:
+    """Is ``node`` one the e-graph already held, for the same operands and params, at a type JAX tells apart from
+    ``type_id``? An equation whose result takes its type from the mesh it was traced under, not from its operands
+    (``iota``; a literal broadcast), makes two types from the same params and operands under an explicit mesh and
+    inside a ``jit`` traced under ``Auto`` axes. Held as one node of the first one's type, the emitted program fed
+    the explicit one to an equation under the other mesh ("context mesh ... should match the aval mesh":
+    ``jax.random.multivariate_normal(..., out_sharding=s)`` under ``jax.set_mesh``, JAX's
+    ``RandomOutShardingTest`` routed through the rewriter). The second is then loaded with its type among its
+    params (``_rw_type``, which the emitter drops), a node of its own."""
+    vtype = getattr(b, "vtype", None)  # (an e-graph; a recorder of bodies holds no types)
+    if vtype is None or not isinstance(node, int) or node >= len(vtype) or vtype[node] == type_id:
+        return False
+    return not types_agree(TYPES[vtype[node]], TYPES[type_id])
 
 
 def load_eqn(eqn: core.JaxprEqn, args: list[Any], b: Builder, token: Any, *,

@@ -54,7 +54,7 @@ class Params(dict):
 
     def bind(self, *operands: Any) -> Any:
         """This primitive with these params, applied to ``operands`` (inside a right side's trace)."""
-        return self.primitive.bind(*operands, **self)
+        return self.primitive.bind(*operands, **{k: v for k, v in self.items() if not k.startswith("_rw_")})
 
     def takes_along_last(self, shape: tuple, index_shape: tuple) -> bool:
         """Is this a ``gather`` that takes one element per row along the last axis of an array of ``shape``, as
