@@ -33,7 +33,8 @@ from .ir.egraph import BodyRef, EGraph, ListRef
 from .ir.intern import LITERALS, TYPES, in_dtype
 from .ir.terms import ctor_arg_sorts
 from .ir.walk import operands, walk
-from .ir.jaxapi import BUILT_DEBUG, core
+from .ir.jaxapi import BUILT_DEBUG, AbstractRef, core
+from .ir.primitives import Unsupported
 from .jaxpr.emit import check_signature, emitter
 from .jaxpr.load import TOKEN_AVAL, SharedBodies, load_closed
 from .jaxpr.trace import Traced, collect_young_only
@@ -84,6 +85,9 @@ def run_pipeline(program: Traced | core.ClosedJaxpr, entries: Sequence[tuple[Rul
     (:func:`extract_by_policy`), as :func:`run_together`'s joints are (``grad/vjp.py``'s plain forward).
     """
     closed = program.closed if isinstance(program, Traced) else program
+    if any(isinstance(a, AbstractRef) for a in closed.in_avals):  # its equations' effects name the inputs
+        raise Unsupported("the program reads and writes mutable arrays (jax.new_ref) passed in, which the "
+                          "rewriter leaves as they are")
     with collect_young_only():
         result = _run(closed, entries, model, limits, keep, price_input, input_price, plain, as_loaded)
     check_signature(closed, result.after)

@@ -211,3 +211,27 @@ def test_a_float_inside_a_pytree_stays_static():
     np.testing.assert_array_equal(rf(X, {"p": -0.0}), X)
     np.testing.assert_array_equal(rf(X, {"p": 3.0}), X * 3.0)
     assert rf.rewrites == 3
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_a_mutable_array_argument_is_written_in_place_and_left_as_written(jit):
+    """A ``Ref`` (``jax.new_ref``) was taken for a static value: the function was traced with it as a constant and
+    raised ("JAX arrays are immutable"), where ``jax.jit`` writes it in place. It is traced as a ``Ref`` now, and
+    the program, whose equations' effects name that input, is run as written, with a warning that says so."""
+    from jax._src import core
+
+    new_ref = getattr(jax, "new_ref", None) or core.new_ref
+
+    def f(x_mut, y):
+        x_mut[...] += y
+        x_mut[0] += 1.0
+        return jnp.sum(y * 2.0)
+
+    r = rewrite(f, strict=False)  # (strict: the warning is an error)
+    x, y = new_ref(jnp.zeros(3)), jnp.arange(3.0)
+    with pytest.warns(RewriteWarning, match="mutable arrays"):
+        out = (jax.jit(r) if jit else r)(x, y)
+    np.testing.assert_allclose(x[...], [1.0, 1.0, 2.0])
+    np.testing.assert_allclose(out, 6.0)
+    (jax.jit(r) if jit else r)(x, y)  # again: written in place once more, without a second warning
+    np.testing.assert_allclose(x[...], [2.0, 2.0, 4.0])

@@ -41,6 +41,7 @@ from jax._src.lax import lax as _lax
 from jax._src.lax import slicing as _slicing
 from jax._src.mesh import empty_concrete_mesh  # noqa: F401  (no public name: the mesh a jit traced outside any mesh
 #                                                holds in its params, which the cache writes by name)
+from jax._src.state.types import AbstractRef  # noqa: F401  (no public name: a mutable array's type, jax.new_ref)
 from jax._src.sharding_impls import UNSPECIFIED, UnspecifiedValue  # noqa: F401  (no public name: the "no sharding given" marker
 #                                                       a jaxpr's params hold, which the cost model reads as no sharding)
 

@@ -37,7 +37,7 @@ from jax.extend import linear_util as lu
 from jax.interpreters import partial_eval as pe
 from jax.sharding import AxisType, use_abstract_mesh
 
-from ..ir.jaxapi import ad, check_vma, core, fun_sourceinfo
+from ..ir.jaxapi import AbstractRef, ad, check_vma, core, fun_sourceinfo
 from . import state as _state
 
 
@@ -125,7 +125,7 @@ def is_traced_leaf(x: Any) -> bool:
     transformation too: whatever the outer trace made concrete arrives here
     concrete and may steer Python control flow.
     """
-    return isinstance(x, (jax.Array, np.ndarray, np.generic, core.Tracer))
+    return isinstance(x, (jax.Array, np.ndarray, np.generic, core.Tracer, core.Ref))
 
 
 #: what JAX raises where traced values steer Python control flow
@@ -371,6 +371,8 @@ def program_key(closed: core.ClosedJaxpr) -> tuple | None:
 def spec_of(aval: Any) -> Any:
     """A ``ShapeDtypeStruct`` that traces exactly like ``aval``: weak type, and inside a
     ``shard_map`` body its manual mesh and varying axes too."""
+    if isinstance(aval, AbstractRef):  # a mutable array (jax.new_ref), traced as one
+        return aval
     kwargs: dict[str, Any] = {"weak_type": bool(getattr(aval, "weak_type", False))}
     mesh = _mesh_of(aval)
     if mesh is not None:
