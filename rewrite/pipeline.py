@@ -85,9 +85,10 @@ def run_pipeline(program: Traced | core.ClosedJaxpr, entries: Sequence[tuple[Rul
     (:func:`extract_by_policy`), as :func:`run_together`'s joints are (``grad/vjp.py``'s plain forward).
     """
     closed = program.closed if isinstance(program, Traced) else program
-    if any(isinstance(a, AbstractRef) for a in closed.in_avals):  # its equations' effects name the inputs
-        raise Unsupported("the program reads and writes mutable arrays (jax.new_ref) passed in, which the "
-                          "rewriter leaves as they are")
+    if any(isinstance(v.aval, AbstractRef) for v in (*closed.jaxpr.invars, *closed.jaxpr.constvars)):
+        # (its equations' effects name those inputs; a constant one would be read as an array, element by element)
+        raise Unsupported("the program reads and writes mutable arrays (jax.new_ref) passed in or closed over, "
+                          "which the rewriter leaves as they are")
     with collect_young_only():
         result = _run(closed, entries, model, limits, keep, price_input, input_price, plain, as_loaded)
     check_signature(closed, result.after)

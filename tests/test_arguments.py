@@ -235,3 +235,24 @@ def test_a_mutable_array_argument_is_written_in_place_and_left_as_written(jit):
     np.testing.assert_allclose(out, 6.0)
     (jax.jit(r) if jit else r)(x, y)  # again: written in place once more, without a second warning
     np.testing.assert_allclose(x[...], [2.0, 2.0, 4.0])
+
+
+def test_a_program_making_a_mutable_array_is_left_as_written():
+    """A ``Ref`` made inside the function (``jax.new_ref``): its program is run as written, with a warning, not
+    loaded into the e-graph."""
+    from jax._src import core
+
+    new_ref = getattr(jax, "new_ref", None) or core.new_ref
+
+    def f(x):
+        acc = new_ref(jnp.zeros_like(x))
+        acc[...] += jnp.sin(x)
+        acc[...] += jnp.cos(x)
+        return acc[...] * 2.0
+
+    x = jnp.linspace(-1.0, 1.0, 5)
+    r = rewrite(f, strict=False)
+    with pytest.warns(RewriteWarning, match="mutable arrays"):
+        got = r(x)
+    np.testing.assert_allclose(got, f(x), rtol=1e-6)
+    np.testing.assert_allclose(jax.jit(r)(x), f(x), rtol=1e-6)

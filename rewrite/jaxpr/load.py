@@ -23,7 +23,7 @@ import numpy as np
 
 from ..ir import primitives as _primitives
 from ..ir.intern import EFFECTS, LITERALS, PARAMS, TYPES, content_hash, in_dtype, types_agree
-from ..ir.jaxapi import core, missing_param
+from ..ir.jaxapi import AbstractRef, core, missing_param
 from ..ir.primitives import Unsupported  # noqa: F401  (raised by builders and load hooks)
 
 TOKEN_AVAL = core.abstract_token
@@ -147,6 +147,8 @@ def load_eqn(eqn: core.JaxprEqn, args: list[Any], b: Builder, token: Any, *,
     name = prim.name
     source = Origin(eqn.source_info, eqn.ctx)
     out_avals = [v.aval for v in eqn.outvars]
+    if any(type(a) is AbstractRef for a in out_avals):  # (new_ref; the pipeline declines one passed in, too)
+        raise Unsupported("the program makes mutable arrays (jax.new_ref), which the rewriter leaves as they are")
 
     if eqn.effects and side_effects(eqn.effects):  # (most equations have no effects at all)
         if token is None:
