@@ -462,7 +462,7 @@ class ProofGraph:
         values = list(jaxpr.constvars) + list(jaxpr.invars)
         values += [w for e in jaxpr.eqns for w in e.outvars if not isinstance(w, core.DropVar)]
         every = core.ClosedJaxpr(core.new_jaxpr(jaxpr.constvars, jaxpr.invars, values, jaxpr.eqns, jaxpr.effects,
-                                            BUILT_DEBUG),
+                                                BUILT_DEBUG),
                                  closed.consts)
         with collect_young_only():
             self.egraph, outs, _, _ = _load(every, (), priced=True)

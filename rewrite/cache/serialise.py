@@ -595,7 +595,7 @@ class _Reader:
             new_eqns.append(core.new_jaxpr_eqn(args, outvars, p, new_params,
                                                set(self.value(e) for e in effs), self.value(src), self.value(ctx)))
         return core.new_jaxpr(constvars, invars, [atom(a) for a in outs], new_eqns,
-                          set(self.value(e) for e in effects), self.value(debug))
+                              set(self.value(e) for e in effects), self.value(debug))
 
 
 #: the libraries whose plain-data classes (enums, named tuples, dataclasses) an entry may name

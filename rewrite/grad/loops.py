@@ -448,9 +448,9 @@ def _split_vjp(vjp: core.ClosedJaxpr, n_consts: int, n_layer_in: int, nk: int, w
     outer = [r for r in residuals if r in state]
     inner = [r for r in residuals if r not in state]
     fwd = core.new_jaxpr(list(jaxpr.constvars), consts + state, list(jaxpr.outvars[:nk]) + inner, fwd_eqns,
-                     core.no_effects, BUILT_DEBUG)
+                         core.no_effects, BUILT_DEBUG)
     bwd = core.new_jaxpr(list(jaxpr.constvars), consts + outer + inner + cts, picked, bwd_eqns, core.no_effects,
-                     BUILT_DEBUG)
+                         BUILT_DEBUG)
     return dce(core.ClosedJaxpr(fwd, vjp.consts)), dce(core.ClosedJaxpr(bwd, vjp.consts)), [state.index(r) for r in outer]
 
 
@@ -535,7 +535,7 @@ def replace_pair(step: core.ClosedJaxpr, pair: _Pair, where: list[int], layer: t
     # B read of F only its stacked outputs (checked), so F's carries are all it gives the rest of the step
     rest = [substitute(e, env) for k, e in enumerate(jaxpr.eqns) if k not in (pair.kf, pair.kb)]
     new = core.new_jaxpr(constvars, list(jaxpr.invars), [read(env, a) for a in jaxpr.outvars],
-                     in_order(eqns + rest), jaxpr.effects, jaxpr.debug_info)
+                         in_order(eqns + rest), jaxpr.effects, jaxpr.debug_info)
     return dce(core.ClosedJaxpr(new, cvals)), [o for o in outs[nk:] if isinstance(o, core.Var)]
 
 

@@ -414,7 +414,7 @@ def _own_part(program: core.ClosedJaxpr, own: list[int], values: list[Any], read
         return None
     outputs = [k for k, o in enumerate(jaxpr.outvars) if isinstance(o, core.Var) and o in made]
     r = core.new_jaxpr(constvars, list(values) + [invars[j] for j in inputs], [jaxpr.outvars[k] for k in outputs], eqns,
-                   core.no_effects, BUILT_DEBUG)
+                       core.no_effects, BUILT_DEBUG)
     return core.ClosedJaxpr(r, [consts[v] for v in constvars]), outputs, inputs
 
 

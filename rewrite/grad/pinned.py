@@ -72,7 +72,7 @@ def split_pinned(step: core.ClosedJaxpr, pinned: set) -> Pinned | None:
                for e in kept for a in e.invars if isinstance(a, core.Var)):
         return None
     program = core.new_jaxpr(list(jaxpr.constvars), list(jaxpr.invars) + taken, list(jaxpr.outvars) + given, rest,
-                         jaxpr.effects, BUILT_DEBUG)
+                             jaxpr.effects, BUILT_DEBUG)
     return Pinned(step, core.ClosedJaxpr(program, list(step.consts)), kept, taken, given)
 
 
@@ -162,7 +162,7 @@ def join_pinned(cut: Pinned, rest: core.ClosedJaxpr) -> core.ClosedJaxpr | None:
     back = {g: read(env, o) for g, o in zip(cut.given, rj.outvars[n_out:])}
     eqns = in_order(eqns + [substitute(e, back) for e in cut.kept])
     new = core.new_jaxpr(constvars, list(jaxpr.invars), [read(env, o) for o in rj.outvars[:n_out]], eqns,
-                     jaxpr.effects, jaxpr.debug_info)
+                         jaxpr.effects, jaxpr.debug_info)
     return dce(core.ClosedJaxpr(new, consts))
 
 

@@ -102,4 +102,4 @@ def seeded_edit(joint: core.ClosedJaxpr, cone: core.ClosedJaxpr) -> core.ClosedJ
     if any(v is None for v in outvars):
         return None
     return core.ClosedJaxpr(core.new_jaxpr([], [env[v] for v in jaxpr.invars[:-1]], outvars, eqns, core.no_effects,
-                                       BUILT_DEBUG), [])
+                                           BUILT_DEBUG), [])

@@ -148,7 +148,7 @@ def unwrap(closed: core.ClosedJaxpr) -> core.ClosedJaxpr:
         outer = dict(zip(eqn.outvars, [read(env, a) for a in inner.jaxpr.outvars]))
         outvars = [read(outer, a) for a in closed.jaxpr.outvars]
         jaxpr = core.new_jaxpr(constvars, list(closed.jaxpr.invars), outvars, new_eqns, closed.jaxpr.effects,
-                           closed.jaxpr.debug_info)
+                               closed.jaxpr.debug_info)
         closed = core.ClosedJaxpr(jaxpr, consts)
 
 
@@ -460,7 +460,7 @@ def prove(step: core.ClosedJaxpr, graph: _Graph, root: Any, cone: core.ClosedJax
     outs = inline(eqns, derived.jaxpr, derived.consts, list(leaves), constvars, consts)
     eqns = [without_empty_mesh(e) for e in eqns]
     program = core.ClosedJaxpr(core.new_jaxpr(constvars, list(jaxpr.invars), [root] + candidates + outs, eqns,
-                                          jaxpr.effects, BUILT_DEBUG), consts)
+                                              jaxpr.effects, BUILT_DEBUG), consts)
     classes = proof(program)
     loss_cls, cand_cls, derived_cls = classes[0], classes[1:1 + len(candidates)], classes[1 + len(candidates):]
     grads = {c: j for j, c in enumerate(derived_cls[1:])}
@@ -511,7 +511,7 @@ def replace(step: core.ClosedJaxpr, root: Any, leaves: Sequence[Any], consts: di
         env[w] = outs[1 + reads.index(j)]
     eqns = in_order(eqns + [substitute(e, env) for e in jaxpr.eqns])
     new = core.new_jaxpr(constvars, list(jaxpr.invars), [read(env, a) for a in jaxpr.outvars], eqns, jaxpr.effects,
-                     jaxpr.debug_info)
+                         jaxpr.debug_info)
     return dce(core.ClosedJaxpr(new, cvals))
 
 
@@ -540,7 +540,7 @@ def _attempt(step: core.ClosedJaxpr, graph: _Graph, root: Any, eqns: list[int], 
     cone = cone_program(graph, root, eqns, leaves, consts)
     lifted = [v for v in leaves if v in consts] + [v for v in leaves if v not in consts]
     flat_cone = core.ClosedJaxpr(core.new_jaxpr([], lifted, cone.jaxpr.outvars, cone.jaxpr.eqns, core.no_effects,
-                                            BUILT_DEBUG), [])
+                                                BUILT_DEBUG), [])
     dif = [i for i, v in enumerate(lifted) if is_float(v.aval)]
     body = None if shared is None else shared().body_between(root, lifted)
     if body is not None:  # its re-derivation's loss could never be proven the step's: not made
@@ -694,7 +694,7 @@ def _in_loops(step: core.ClosedJaxpr, proof: Callable[[core.ClosedJaxpr], list[A
         return None
     jaxpr = step.jaxpr
     return core.ClosedJaxpr(core.new_jaxpr(jaxpr.constvars, jaxpr.invars, jaxpr.outvars, eqns, jaxpr.effects,
-                                       jaxpr.debug_info), step.consts)
+                                           jaxpr.debug_info), step.consts)
 
 
 __all__ = ["StepFinding", "find_losses", "unwrap"]

@@ -67,8 +67,8 @@ def emit_parts(snap: Any, egraph: Any, in_avals: Sequence[Any], parts: Sequence[
         done.append((choice, roots, sc))
     eqns = [e for *_, sc in done for e in sc.eqns]
     jaxpr = core.new_jaxpr([v for *_, sc in done for v in sc.constvars], [invars[i] for i in range(len(in_avals))],
-                       outs, eqns, core.join_effects(*(e.effects for e in eqns)) if eqns else core.no_effects,
-                       debug_info)
+                           outs, eqns, core.join_effects(*(e.effects for e in eqns)) if eqns else core.no_effects,
+                           debug_info)
     return core.ClosedJaxpr(jaxpr, [x for *_, sc in done for x in sc.consts])
 
 

@@ -196,8 +196,8 @@ class Emitter:
         atoms = sc.atoms(roots)
         outvars = atoms[: len(outs)]
         jaxpr = core.new_jaxpr(sc.constvars, [invars[i] for i in range(len(in_avals))], outvars, sc.eqns,
-                           core.join_effects(*(e.effects for e in sc.eqns)) if sc.eqns else core.no_effects,
-                           debug_info or BUILT_DEBUG)
+                               core.join_effects(*(e.effects for e in sc.eqns)) if sc.eqns else core.no_effects,
+                               debug_info or BUILT_DEBUG)
         return core.ClosedJaxpr(jaxpr, sc.consts)
 
 
