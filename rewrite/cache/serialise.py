@@ -33,8 +33,8 @@ from jax.extend import source_info_util
 
 from jax.extend import linear_util as lu
 
-from ..ir.jaxapi import (UNSPECIFIED, SaveOnlyTheseNames, UnspecifiedValue, ad, call_custom_vjp_bwd, core,
-                         empty_concrete_mesh, literals, neutral_params, params_for_jax, save_only_these_names)
+from ..ir.jaxapi import (UNSPECIFIED, SaveOnlyTheseNames, UnspecifiedValue, ad, call_custom_vjp_bwd, constant_array,
+                         core, empty_concrete_mesh, literals, neutral_params, params_for_jax, save_only_these_names)
 from ..jaxpr.trace import trace_at
 from .fingerprint import CALLBACKS, by_identity
 from .rules import Forward, Unserialisable, dce_chain, dce_jvp, jvp_rule_fun, residual_avals, vjp_rule_params
@@ -477,9 +477,8 @@ class _Reader:
             import jax.numpy as jnp
 
             a = np.frombuffer(data, dtype=jnp.dtype(dtype)).reshape(shape).copy()
-            if on_device:  # a jax.Array again (an emitted program's constants are: emit.const_array), made as a
-                with jax.ensure_compile_time_eval():  # constant even while an outer jit traces
-                    return jnp.asarray(a)
+            if on_device:  # a jax.Array again (an emitted program's constants are: emit.const_array)
+                return constant_array(a)
             return a if shape else a[()]
         if tag == "typed":
             if x[1] not in ("TypedInt", "TypedFloat", "TypedComplex"):

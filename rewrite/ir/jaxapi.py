@@ -269,6 +269,13 @@ def hi_primitive_state(value: Any) -> tuple | None:
             getattr(value, "out_tree", None))
 
 
+def constant_array(a: Any) -> Any:
+    """``a`` (a NumPy array) as a JAX array made as a constant, even while a JAX trace is open, where
+    ``jnp.asarray`` would bind into that trace."""
+    with jax.ensure_compile_time_eval():
+        return jax.numpy.asarray(a)
+
+
 def primal_arrays(x: Any) -> Any:
     """``x`` with a NumPy array made a JAX array, as ``jax.jit`` makes its arguments, and so the NumPy primal at
     the bottom of a differentiating tracer (``jax.vjp`` keeps a NumPy primal as it is, as a ``TypedNdArray``): the

@@ -22,14 +22,13 @@ from __future__ import annotations
 import weakref
 from typing import Any, Callable, Sequence
 
-import jax
 import numpy as np
 from jax.extend import source_info_util
 
 from ..ir import primitives as _primitives
 from ..ir.egraph import Snapshot
 from ..ir.intern import EFFECTS, PARAMS, TYPES, TupleType, literal_value
-from ..ir.jaxapi import BUILT_DEBUG, core, literals, primitives, save_only_these_names
+from ..ir.jaxapi import BUILT_DEBUG, constant_array, core, literals, primitives, save_only_these_names
 from ..ir.walk import CycleError, operands, postorder
 from .dce import dce
 from .load import side_effects
@@ -140,8 +139,7 @@ def const_array(egraph: Any, h: int) -> Any:
     found = arrays.get(h)
     if found is None:
         try:
-            with jax.ensure_compile_time_eval():  # a constant, even where a JAX trace is open
-                found = jax.numpy.asarray(egraph.consts[h])
+            found = constant_array(egraph.consts[h])
         except (TypeError, ValueError):
             found = egraph.consts[h]
         arrays[h] = found
