@@ -313,3 +313,60 @@ def test_a_failed_rewrite_raises_under_strict_and_otherwise_falls_back_with_a_wa
         h = rewrite(f, cost_model=NodeCost(boom), strict=True, cache=False, vjp=True)
         with pytest.raises(ZeroDivisionError):
             jax.grad(lambda x: h(x).sum())(x)
+
+
+# ---------------------------------------------------------------------- JAX's tracing errors name the user's code
+def _branches_on(params, x, n=2, *, scale=None):
+    return x * n if params["w"] > 0 else -x
+
+
+def _tracing_line(error: Exception) -> str:
+    return next(line for line in str(error).splitlines() if "while tracing the function" in line)
+
+
+@pytest.mark.parametrize("wrap, call", [
+    (lambda f: rewrite(f), lambda g: g({"w": jnp.ones(()), "b": 1.0}, X)),
+    (lambda f: rewrite(f, static_argnums=2), lambda g: g({"b": "a string leaf", "w": jnp.ones(())}, X, 3)),
+    (lambda f: rewrite(f), lambda g: g({"w": jnp.ones(())}, x=X, scale=jnp.ones(2))),
+    (lambda f: jax.jit(rewrite(f)), lambda g: g({"w": jnp.ones(())}, X)),
+    (lambda f: jax.grad(rewrite(lambda params, x: jnp.sum(f(params, x)))), lambda g: g({"w": jnp.ones(())}, X)),
+])
+def test_a_tracing_error_names_the_users_function_and_argument_as_jit_does(wrap, call):
+    """JAX's tracing errors (a Python branch on a traced value, here) say which function was traced and
+    which argument the value came from; through the rewriter they name what the user wrote, as `jax.jit`'s
+    do, not the rewriter's own flattened function and `dyn[0]`."""
+    with pytest.raises(jax.errors.TracerBoolConversionError) as rewritten:
+        call(wrap(_branches_on))
+    line = _tracing_line(rewritten.value)
+    assert "the argument params['w']" in line, line
+    assert "flat_fn" not in line and "dyn[" not in line, line
+    if "lambda" not in line:  # (under jax.grad the function traced is the test's lambda around it)
+        assert "_branches_on at " in line and __file__.rsplit("/", 1)[-1] in line, line
+
+
+def test_the_tracing_error_is_the_one_jax_jit_gives():
+    args = ({"w": jnp.ones(()), "b": 1.0}, X)
+    with pytest.raises(jax.errors.TracerBoolConversionError) as rewritten:
+        rewrite(_branches_on)(*args)
+    with pytest.raises(jax.errors.TracerBoolConversionError) as jitted:
+        jax.jit(_branches_on)(*args)
+    assert _tracing_line(rewritten.value) == _tracing_line(jitted.value)
+
+
+class _Rebuilt:
+    """A pytree that checks its children when rebuilt: it cannot hold the specs the names are read from."""
+
+    def __init__(self, w):
+        if not isinstance(w, jax.Array):
+            raise TypeError("w must be an array")
+        self.w = w
+
+
+jax.tree_util.register_pytree_node(_Rebuilt, lambda p: ((p.w,), None), lambda _, c: _Rebuilt(*c))
+
+
+def test_a_pytree_that_cannot_hold_specs_is_traced_all_the_same():
+    f = rewrite(lambda p, x: jnp.sin(x) * p.w)
+    assert jnp.allclose(f(_Rebuilt(jnp.float32(2.0)), X), jnp.sin(X) * 2.0)
+    with pytest.raises(jax.errors.TracerBoolConversionError):  # still JAX's error, its arguments unnamed
+        rewrite(lambda p, x: x if p.w > 0 else -x)(_Rebuilt(jnp.float32(2.0)), X)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import gc
 import inspect
 import operator
@@ -287,12 +288,55 @@ def trace(fn: Callable[..., Any], specs: Sequence[Any], in_tree: Any, stat_args:
         return [v for v in out_leaves if is_traced_leaf(v)]
 
     avals = [s for s, d in zip(specs, dynamic) if d]
+    leaf_specs_ = [spec_of(a) for a in avals]
+    named = _as_called(fn, flat_fn, leaf_specs_, specs, dynamic, in_tree, statics, stat_kwargs, n_args)
     # (a large model's trace triggers full collections; jvp_rules_unnamed: the same program, traced sooner)
     with _context(avals), collect_young_only(), jvp_rules_unnamed():
-        closed = jax.make_jaxpr(flat_fn)(*[spec_of(a) for a in avals])
+        if named is None:
+            closed = jax.make_jaxpr(flat_fn)(*leaf_specs_)
+        else:
+            closed = jax.make_jaxpr(named[0])(*named[1], **named[2])
     out_tree, out_static = out_tree_box[-1]
     closed, captured = _capture(closed)
     return Traced(closed, in_tree, out_tree, dynamic, out_static, captured, len(captured), carries[-1])
+
+
+def _as_called(fn: Callable[..., Any], flat_fn: Callable[..., Any], leaves: Sequence[Any], specs: Sequence[Any],
+               dynamic: Sequence[bool], in_tree: Any, statics: dict, stat_kwargs: tuple, n_args: int) -> Any:
+    """``flat_fn`` as ``jax.make_jaxpr`` should trace it so that JAX's errors name what the user wrote.
+
+    A tracing error (``TracerBoolConversionError``, a ``Ref`` returned, ...) names the function traced and
+    the argument a value came from. Traced as ``flat_fn(*leaves)``, that is this module's ``flat_fn`` and
+    ``dyn[0]``. Traced here, it is ``fn`` and, as ``jax.jit(fn)`` names them, ``params['w']``: ``fn``'s own
+    arguments, each a pytree of the leaves' specs with ``None`` where a leaf or argument is static, handed
+    to a function with ``fn``'s signature and source that calls ``flat_fn`` on their leaves. ``None`` where
+    that cannot be built as asked (a signature that cannot be read, a pytree that does not rebuild with
+    specs in it or flattens them otherwise): then ``flat_fn`` is traced as it is, with the same program.
+    """
+    try:
+        signature = inspect.signature(fn)
+        it = iter(leaves)
+        dyn_args, dyn_kwargs = jax.tree_util.tree_unflatten(
+            in_tree, [next(it) if d else None for d in dynamic])
+        it_args = iter(dyn_args)
+        args = tuple(None if i in statics else next(it_args) for i in range(n_args))
+        kwargs = {**dyn_kwargs, **{k: None for k, _ in stat_kwargs}}
+        again = jax.tree_util.tree_leaves((args, kwargs))
+        if len(again) != len(leaves) or any(a is not b for a, b in zip(again, leaves)):
+            return None
+        source = fn
+        while isinstance(source, functools.partial):
+            source = source.func
+    except Exception:  # a user's pytree or signature this cannot read: traced unnamed
+        return None
+
+    def called(*args: Any, **kwargs: Any) -> list[Any]:
+        return flat_fn(*jax.tree_util.tree_leaves((args, kwargs)))
+
+    called.__signature__ = signature  # type: ignore[attr-defined]
+    called.__wrapped__ = source  # type: ignore[attr-defined]  # JAX's source info unwraps to it
+    called.__name__ = called.__qualname__ = getattr(fn, "__name__", "function")
+    return called, args, kwargs
 
 
 def _capture(closed: core.ClosedJaxpr) -> tuple[core.ClosedJaxpr, tuple[Any, ...]]:
