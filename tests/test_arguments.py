@@ -256,3 +256,36 @@ def test_a_program_making_a_mutable_array_is_left_as_written():
         got = r(x)
     np.testing.assert_allclose(got, f(x), rtol=1e-6)
     np.testing.assert_allclose(jax.jit(r)(x), f(x), rtol=1e-6)
+
+
+# ---------------------------------------------------------------------- JAX's configuration a trace reads
+def _precisions(closed):
+    return {str(e.params.get("precision")) for e in closed.jaxpr.eqns if e.primitive.name == "dot_general"}
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_a_program_traced_under_one_matmul_precision_is_not_run_under_another(jit):
+    """`jax.default_matmul_precision` is read as a function is traced (it becomes the `dot_general`'s
+    precision). A rewritten function called first outside it and then inside ran the program traced first:
+    on a GPU, float32 products at TF32 where the user asked for the highest precision."""
+    f = rewrite(lambda a, b: jnp.tanh(a @ b))
+    call = jax.jit(f) if jit else f
+    a = jnp.linspace(-1.0, 1.0, 12).reshape(3, 4)
+    b = jnp.linspace(0.5, -0.5, 8).reshape(4, 2)
+    call(a, b)
+    assert _precisions(f.jaxpr(a, b)) == {"None"}
+    with jax.default_matmul_precision("highest"):
+        np.testing.assert_allclose(call(a, b), jnp.tanh(a @ b), rtol=1e-6)
+        assert _precisions(f.jaxpr(a, b)) == {"(Precision.HIGHEST, Precision.HIGHEST)"}
+    assert _precisions(f.jaxpr(a, b)) == {"None"}
+    assert f.rewrites == 2
+    with jax.default_matmul_precision("highest"):  # and each is rewritten once
+        call(a, b)
+    assert f.rewrites == 2
+
+
+def test_rank_promotion_raise_is_honoured_after_a_call_outside_it():
+    f = rewrite(lambda x, y: x + y)
+    f(jnp.ones((2, 3)), jnp.ones(3))
+    with jax.numpy_rank_promotion("raise"), pytest.raises(ValueError, match="rank_promotion"):
+        f(jnp.ones((2, 3)), jnp.ones(3))

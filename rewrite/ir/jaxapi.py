@@ -217,6 +217,11 @@ fun_sourceinfo = _api_util.fun_sourceinfo
 #: traced in. No public API sets it outside ``shard_map``.
 check_vma = _config._check_vma
 
+#: What ``jax.jit`` keys its traces on besides the arguments: the configuration a trace reads (the default
+#: matmul precision, rank and dtype promotion, x64, the axis and mesh contexts ...), so that a program traced
+#: under one is never run under another. No public API gives it.
+trace_context = _config.trace_context
+
 #: ``convert_element_type`` as JAX's own functions apply it (with ``weak_type``), for test inputs of a
 #: weak type; ``jax.lax.convert_element_type`` always gives a strong type.
 convert_element_type = _lax._convert_element_type

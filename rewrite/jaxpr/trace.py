@@ -38,7 +38,7 @@ from jax.extend import linear_util as lu
 from jax.interpreters import partial_eval as pe
 from jax.sharding import AxisType, use_abstract_mesh
 
-from ..ir.jaxapi import AbstractRef, ad, check_vma, core, fun_sourceinfo
+from ..ir.jaxapi import AbstractRef, ad, check_vma, core, fun_sourceinfo, trace_context
 from . import state as _state
 
 
@@ -162,8 +162,10 @@ def flatten_args(args: tuple, kwargs: dict, static_argnums: Sequence[int], stati
     traced = [isinstance(x, PyScalar) for x in leaves]
     leaves = [x.value if isinstance(x, PyScalar) else x for x in leaves]
     specs, key = leaf_specs(leaves, traced)
+    # (trace_context: a program traced under `jax.default_matmul_precision("highest")` is not the one to run
+    # outside it, nor the reverse; jax.jit keys on it too)
     key = (in_tree, key, tuple((i, static_key(v)) for i, v in stat_args),
-           tuple((k, static_key(v)) for k, v in stat_kwargs))
+           tuple((k, static_key(v)) for k, v in stat_kwargs), trace_context())
     return leaves, in_tree, specs, key, stat_args, stat_kwargs, nodes
 
 
