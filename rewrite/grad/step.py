@@ -284,7 +284,7 @@ def _backward_shaped(graph: _Graph, root: Any, cone: set, shapes: set) -> bool:
 
 
 def _scalar_float(v: Any) -> bool:
-    return isinstance(v, core.Var) and v.aval.shape == () and is_float(v.aval)
+    return isinstance(v, core.Var) and getattr(v.aval, "shape", None) == () and is_float(v.aval)
 
 
 def _scales_an_array(graph: _Graph, v: Any) -> bool:

@@ -86,6 +86,13 @@ def of_floats(fn: Any, primals: Sequence[Any], dif_in: Sequence[int]) -> Any:
     return call
 
 
+def no_cotangents(out_avals: Sequence[Any]) -> list[Any]:
+    """A pullback's cotangents where none flows: ``float0`` zeros (a token's is a token, as JAX's pullbacks
+    take it)."""
+    return [np.zeros(a.shape, jax.dtypes.float0) if hasattr(a, "shape") else jax.lax.create_token()
+            for a in out_avals]
+
+
 def joint_program(closed: core.ClosedJaxpr, wrt: Sequence[int] | None = None
                   ) -> tuple[core.ClosedJaxpr, list[int], list[int]]:
     """``(primals, cotangents of the float outputs) -> (outputs, gradients of the float inputs)``, traced;
@@ -103,7 +110,7 @@ def joint_program(closed: core.ClosedJaxpr, wrt: Sequence[int] | None = None
     def joint(*args: Any) -> list[Any]:
         primals, cts = list(args[:n]), args[n:]
         outs, pullback = jax.vjp(of_floats(fn, primals, dif_in), *[primals[i] for i in dif_in])
-        full = [np.zeros(a.shape, jax.dtypes.float0) for a in out_avals]
+        full = no_cotangents(out_avals)
         for i, c in zip(dif_out, cts):
             full[i] = c
         return list(outs) + list(pullback(full))
@@ -478,7 +485,7 @@ def as_written_vjp(traced: Traced, model: Any, priced: bool = True) -> VJPResult
 
     def backward(*args: Any) -> list[Any]:
         pullback = jax.tree.unflatten(trees[0], args[:n_res])
-        full = [np.zeros(a.shape, jax.dtypes.float0) for a in out_avals]
+        full = no_cotangents(out_avals)
         for i, c in zip(dif_out, args[n_res:]):
             full[i] = c
         return list(pullback(full))

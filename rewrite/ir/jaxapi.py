@@ -53,6 +53,7 @@ class UnsupportedJax(RuntimeError):
 core = types.SimpleNamespace(
     # public, jax.extend.core
     AbstractToken=_ext_core.AbstractToken,
+    Token=_ext_core.Token,  # an effect token (jax.lax.create_token), an argument traced as arrays are
     ClosedJaxpr=_ext_core.ClosedJaxpr,
     DebugInfo=_ext_core.DebugInfo,
     DropVar=_ext_core.DropVar,

@@ -312,10 +312,12 @@ def emitter(snap: Snapshot, egraph: Any, in_avals: Sequence[Any], outs: Sequence
     return emit_choice
 
 
+def _out_type(aval: Any) -> Any:
+    return (aval.shape, aval.dtype, aval.weak_type) if hasattr(aval, "shape") else aval  # (a token: itself)
+
+
 def check_signature(before: core.ClosedJaxpr, after: core.ClosedJaxpr) -> None:
     if list(before.in_avals) != list(after.in_avals):
         raise RuntimeError(f"rewritten program takes {after.in_avals}, not {before.in_avals}")
-    b = [(a.shape, a.dtype, a.weak_type) for a in before.out_avals]
-    a = [(x.shape, x.dtype, x.weak_type) for x in after.out_avals]
-    if a != b:
+    if [_out_type(x) for x in after.out_avals] != [_out_type(x) for x in before.out_avals]:
         raise RuntimeError(f"rewritten program returns {after.out_avals}, not {before.out_avals}")

@@ -126,7 +126,7 @@ def is_traced_leaf(x: Any) -> bool:
     transformation too: whatever the outer trace made concrete arrives here
     concrete and may steer Python control flow.
     """
-    return isinstance(x, (jax.Array, np.ndarray, np.generic, core.Tracer, core.Ref))
+    return isinstance(x, (jax.Array, np.ndarray, np.generic, core.Tracer, core.Ref, core.Token))
 
 
 #: what JAX raises where traced values steer Python control flow
@@ -234,6 +234,8 @@ def split_static(args: tuple, kwargs: dict, static_argnums: Sequence[int], stati
 
 def aval_key(aval: Any) -> Any:
     # the dtype itself, not its name: str(dtype) is a third of a cached call's cost on a model's parameters
+    if not hasattr(aval, "shape"):  # a type with no shape (a token under jit): it is its own key
+        return (aval,)
     return (tuple(aval.shape), aval.dtype, bool(getattr(aval, "weak_type", False)),
             getattr(aval, "sharding", None), getattr(aval, "vma", None))
 
@@ -417,7 +419,7 @@ def program_key(closed: core.ClosedJaxpr) -> tuple | None:
 def spec_of(aval: Any) -> Any:
     """A ``ShapeDtypeStruct`` that traces exactly like ``aval``: weak type, and inside a
     ``shard_map`` body its manual mesh and varying axes too."""
-    if isinstance(aval, AbstractRef):  # a mutable array (jax.new_ref), traced as one
+    if isinstance(aval, AbstractRef) or not hasattr(aval, "shape"):  # a mutable array (jax.new_ref), a token
         return aval
     kwargs: dict[str, Any] = {"weak_type": bool(getattr(aval, "weak_type", False))}
     mesh = _mesh_of(aval)
