@@ -40,8 +40,8 @@ from .grad.uses import as_run
 from .grad.vjp import VJPResult, build_vjp, decided_jointly, joint_at
 from .ir.jaxapi import core, primal_arrays
 from .jaxpr import state as _state
-from .jaxpr.trace import (CONCRETIZATION_ERRORS, Traced, collect_young_only, flatten_args, resolve_static, same_program,
-                          trace, trace_call)
+from .jaxpr.trace import (CONCRETIZATION_ERRORS, Traced, check_function, collect_young_only, eager_when_jit_disabled,
+                          flatten_args, resolve_static, same_program, trace, trace_call)
 from .pipeline import limits_met, program_cost, run_pipeline, saturated_classes
 from .records import STEP_STAGES, Budget, Limits, Result, lap, stage
 from .report.report import Report, _fixed_cost, gradient_report, report_of
@@ -461,6 +461,7 @@ class Rewritten:
             kept.append(written is not None and program is written)
         return program
 
+    @eager_when_jit_disabled
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         key, flat, (traced, result), nodes = self._prepare(args, kwargs)
         closed = result.after
@@ -585,13 +586,11 @@ def rewrite(fn: Callable[..., Any] | None = None, *, rulesets: Any = (), cost_mo
         return functools.partial(rewrite, rulesets=rulesets, cost_model=cost_model, limits=limits,
                                  static_argnums=static_argnums, static_argnames=static_argnames, strict=strict,
                                  vjp=vjp, cache=cache, guard=guard, whole_step=whole_step)
-    if not callable(fn):
-        raise TypeError(f"rewrite() takes a function, got {type(fn).__name__}")
+    check_function(fn)
     if vjp:
         warnings.warn("rewrite(..., vjp=True) is deprecated: the plain decorator already runs the rewritten VJP "
                       "under jax.grad/jax.vjp (and the rewritten JVP under jax.jvp, which vjp=True cannot)",
                       DeprecationWarning, stacklevel=2)
-
         return RewrittenVJP(fn, rulesets, cost_model, limits, static_argnums, static_argnames, strict)
     return Rewritten(fn, rulesets, cost_model, limits, static_argnums, static_argnames, strict, cache=cache,
                      guard=guard, whole_step=whole_step)
@@ -621,6 +620,7 @@ class RewrittenVJP(Rewritten):
             raise ValueError("vjp=True needs a program without effects (its backward pass may not repeat them)")
         return build_vjp(traced, self.entries, self.cost_model, self.limits)
 
+    @eager_when_jit_disabled
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         _, flat, (traced, result), nodes = self._prepare(args, kwargs)
         if isinstance(result, _Unchanged):

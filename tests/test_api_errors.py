@@ -370,3 +370,62 @@ def test_a_pytree_that_cannot_hold_specs_is_traced_all_the_same():
     assert jnp.allclose(f(_Rebuilt(jnp.float32(2.0)), X), jnp.sin(X) * 2.0)
     with pytest.raises(jax.errors.TracerBoolConversionError):  # still JAX's error, its arguments unnamed
         rewrite(lambda p, x: x if p.w > 0 else -x)(_Rebuilt(jnp.float32(2.0)), X)
+
+
+# ---------------------------------------------------------------------- what the decorator refuses, as jax.jit does
+def _generator(x):
+    yield x
+
+
+async def _coroutine(x):
+    return x
+
+
+@pytest.mark.parametrize("fn, match", [
+    (_generator, "generator or coroutine function '_generator'"),
+    (_coroutine, "generator or coroutine function '_coroutine'"),
+    (staticmethod(jnp.sin), "put @staticmethod above @rewrite"),
+    (classmethod(jnp.sin), "put @classmethod above @rewrite"),
+    (3, "takes a function, got int"),
+])
+def test_the_decorator_refuses_what_cannot_be_rewritten_where_it_is_applied(fn, match):
+    with pytest.raises(TypeError, match=match):
+        rewrite(fn)
+    with pytest.raises(TypeError, match=match):
+        rewrite(rulesets=["algebra"])(fn)
+
+
+def test_a_static_method_rewritten_below_staticmethod_works():
+    class A:
+        @staticmethod
+        @rewrite(rulesets=["algebra"])
+        def shifted(x):
+            return x * 1.0 + 2.0
+
+    np.testing.assert_allclose(A.shifted(X), X + 2.0)
+    np.testing.assert_allclose(A().shifted(X), X + 2.0)
+
+
+@pytest.mark.parametrize("vjp", [False, True])
+def test_inside_disable_jit_the_function_runs_as_written_each_call(vjp):
+    """`jax.disable_jit()` is how a JAX user debugs: prints and breakpoints see values. Inside it a rewritten
+    function, like a jitted one, runs its Python each call; outside it, the rewritten program runs again."""
+    calls = []
+
+    def f(x):
+        calls.append(type(x))
+        return jnp.sin(x) * 1.0
+
+    g = rewrite(f, rulesets=["algebra"])
+    if vjp:
+        with pytest.warns(DeprecationWarning):
+            g = rewrite(f, rulesets=["algebra"], vjp=True)
+    with jax.disable_jit():
+        np.testing.assert_allclose(g(X), jnp.sin(X))
+        np.testing.assert_allclose(jax.grad(lambda x: jnp.sum(g(x)))(X), jnp.cos(X), rtol=1e-6)
+        g(X)
+    assert len(calls) == 3 and calls[0] is type(X)  # run each time, on the values themselves
+    assert g.rewrites == 0
+    g(X)
+    g(X)
+    assert len(calls) == 4 and g.rewrites == 1  # traced once, then the rewritten program runs

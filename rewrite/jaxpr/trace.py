@@ -169,6 +169,31 @@ def flatten_args(args: tuple, kwargs: dict, static_argnums: Sequence[int], stati
     return leaves, in_tree, specs, key, stat_args, stat_kwargs, nodes
 
 
+def check_function(fn: Any) -> None:
+    """Refuse, where :func:`rewrite.rewrite` is applied, what ``jax.jit`` refuses there: no callable, a generator
+    function (its call makes a generator, not arrays) and a ``staticmethod`` or ``classmethod`` object (under a
+    class, the decorator would bind it as a method: ``@staticmethod`` goes above ``@rewrite``)."""
+    if isinstance(fn, (staticmethod, classmethod)):
+        raise TypeError(f"rewrite() of a {type(fn).__name__} object is not supported: put @{type(fn).__name__} above "
+                        "@rewrite, so that the function is rewritten first")
+    if not callable(fn):
+        raise TypeError(f"rewrite() takes a function, got {type(fn).__name__}")
+    if inspect.isgeneratorfunction(fn) or inspect.isasyncgenfunction(fn) or inspect.iscoroutinefunction(fn):
+        raise TypeError(f"rewrite() takes a function that returns arrays, got a generator or coroutine function "
+                        f"{getattr(fn, '__qualname__', fn)!r}")
+
+
+def eager_when_jit_disabled(call: Callable[..., Any]) -> Callable[..., Any]:
+    """A rewritten function's ``__call__`` that, inside ``jax.disable_jit()``, calls the function as written, one
+    operation at a time, as ``jax.jit`` does there (so that its prints and breakpoints see values)."""
+    @functools.wraps(call)
+    def checked(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if jax.config.jax_disable_jit:
+            return self.fn(*args, **kwargs)
+        return call(self, *args, **kwargs)
+    return checked
+
+
 def resolve_static(fn: Callable[..., Any], static_argnums: Any, static_argnames: Any
                    ) -> tuple[tuple[int, ...], tuple[str, ...]]:
     """``static_argnums`` and ``static_argnames`` completed and checked against ``fn``'s signature, as
