@@ -61,7 +61,7 @@ from ..ir.jaxapi import core
 from ..ir.primitives import is_float
 from ..ir.walk import operands, walk
 from ..jaxpr.emit import Emitter, _Scope, check_signature, dce, emitter
-from ..jaxpr.trace import Traced, jvp_rules_unnamed, same_program, spec_of
+from ..jaxpr.trace import Traced, jvp_rules_unnamed, no_cotangents, same_program, spec_of
 from ..pipeline import extract_by_policy, program_cost, run_pipeline
 from ..records import Result, lap, out_of_time
 from .decide import Joint, decide, held_alone, held_to_written, in_order, priced_joints
@@ -84,13 +84,6 @@ def of_floats(fn: Any, primals: Sequence[Any], dif_in: Sequence[int]) -> Any:
             xs[i] = v
         return list(fn(*xs))
     return call
-
-
-def no_cotangents(out_avals: Sequence[Any]) -> list[Any]:
-    """A pullback's cotangents where none flows: ``float0`` zeros (a token's is a token, as JAX's pullbacks
-    take it)."""
-    return [np.zeros(a.shape, jax.dtypes.float0) if hasattr(a, "shape") else jax.lax.create_token()
-            for a in out_avals]
 
 
 def joint_program(closed: core.ClosedJaxpr, wrt: Sequence[int] | None = None

@@ -454,6 +454,13 @@ def spec_of(aval: Any) -> Any:
     return jax.ShapeDtypeStruct(aval.shape, aval.dtype, **kwargs)
 
 
+def no_cotangents(out_avals: Sequence[Any]) -> list[Any]:
+    """A pullback's cotangents where none flows: ``float0`` zeros (a token's is a token, as JAX's pullbacks
+    take it)."""
+    return [np.zeros(a.shape, jax.dtypes.float0) if hasattr(a, "shape") else jax.lax.create_token()
+            for a in out_avals]
+
+
 def _mesh_of(aval: Any) -> Any:
     sharding = getattr(aval, "sharding", None)
     mesh = getattr(sharding, "mesh", None)
