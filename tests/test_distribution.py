@@ -213,3 +213,25 @@ def test_an_equation_typed_by_its_mesh_stays_apart_from_its_twin_under_another()
             got = run(key, 8, s)
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
             assert got.sharding.is_equivalent_to(want.sharding, got.ndim)
+
+
+@pytest.mark.parametrize("dtype", [jnp.int32, jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_checkify_of_a_rewritten_shard_map_over_a_sharded_input(mesh, check_vma, dtype):
+    """checkify traces a shard_map body with its own rule. The rewriter traced the function inside the mesh
+    of its inputs' types, though all its axes are Auto, which jax.jit does not enter: the body's error values
+    (varying over the manual axis) met an Auto context, and the rewrite raised (JAX's checkify_test)."""
+    from jax.experimental import checkify
+
+    def f(x):
+        return jax.lax.axis_index("data") * x / x
+
+    sm = jax.shard_map(f, mesh=mesh, in_specs=P("data"), out_specs=P("data"), check_vma=check_vma)
+    sharding = NamedSharding(mesh, P("data"))
+    x = jax.device_put(jnp.tile(jnp.arange(4), 2).astype(dtype), sharding)
+    want_err, want = checkify.checkify(jax.jit(sm, in_shardings=sharding), errors=checkify.float_checks)(x)
+    for wrapped in (rewrite(sm, rulesets=[rulesets.algebra], strict=True),
+                    jax.jit(rewrite(sm, rulesets=[rulesets.algebra], strict=True), in_shardings=sharding)):
+        err, got = checkify.checkify(wrapped, errors=checkify.float_checks)(x)
+        assert err.get() == want_err.get() and "division by zero" in err.get()
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))

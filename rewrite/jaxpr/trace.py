@@ -479,7 +479,9 @@ def _context(avals: Sequence[Any]):
     """
 
     mesh = next((m for m in map(_mesh_of, avals) if m is not None), None)
-    if mesh is None:
+    if mesh is None or all(t == AxisType.Auto for t in mesh.axis_types):
+        # (a mesh of Auto axes only is not entered: jax.jit does not, so the program was traced outside it; a
+        # shard_map body traced by a transformation there, checkify's, would meet a context of the wrong kind)
         yield
         return
     manual = tuple(n for n, t in zip(mesh.axis_names, mesh.axis_types) if t == AxisType.Manual)
