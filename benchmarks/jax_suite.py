@@ -245,7 +245,9 @@ def run_file(name: str, routed: bool, cases: int, select: str | None, timeout: f
     env = dict(os.environ, JAX_NUM_GENERATED_CASES=str(cases), JAX_SUITE_OUT=str(out),
                JAX_SUITE_ROUTE="1" if routed else "0", REWRITE_STRICT="0",
                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "benchmarks.jax_suite",
+    # -s, both ways: the tests that read what they print (jtu.capture_stdout) lost it to pytest's own capture in the
+    # routed process, whose plugin compiles programs as it configures (debugging_primitives_test: 42 of 65)
+    cmd = [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", "-p", "benchmarks.jax_suite",
            "-o", "addopts=", "--rootdir", str(SOURCES), f"tests/{name}.py"]
     if select:
         cmd += ["-k", select]

@@ -325,7 +325,7 @@ def lift_independent(m) -> Any:
         traced = _lifted_trace(f, lifted_fn, in_axes, loop.length, [v.aval for v in at])
     except Exception:  # noqa: BLE001  (a trace that fails here fails in m.trace too, which decides)
         traced = None
-    if traced is not None and _holds_more(traced, outs, stacked):
+    if traced is not None and (_holds_more(traced, outs, stacked) or _loops_again(traced, loop.length)):
         return same or None
     ys = m.trace(lifted_fn, *at) if traced is None else m.insert(traced, *at)
     ys = ys if isinstance(ys, (tuple, list)) else (ys,)
@@ -365,6 +365,13 @@ def _lifted_trace(f: Any, lifted_fn: Callable[..., Any], in_axes: tuple, length:
 #: :func:`_lifted_trace`'s traces, by the body's program, ``in_axes``, length, avals and JAX's config; the oldest of
 #: more than 64 dropped
 _LIFTED = _Traces(size=64)
+
+
+def _loops_again(traced: Any, length: int) -> bool:
+    """Whether ``vmap(f)`` is itself a loop over the same steps: a ``pure_callback`` with
+    ``vmap_method="sequential"`` is batched as ``lax.map``. Lifted, it is the loop it was lifted from, with a
+    callback object of its own, which the rule would lift again at each iteration until the limit."""
+    return any(e.primitive.name == "scan" and e.params.get("length") == length for e in traced.jaxpr.eqns)
 
 
 def _holds_more(traced: Any, outs: list[Any], stacked: list[bool]) -> bool:

@@ -725,3 +725,24 @@ def test_a_while_loops_trip_count_is_computed_in_one_compiled_call_and_kept():
         assert len(n) == 1
     finally:
         scan._compute_now = compute
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_a_sequentially_batched_callback_is_not_lifted_again_at_every_iteration(dtype):
+    """`jax.vmap` of a `pure_callback` with `vmap_method="sequential"` is a scan whose body is the callback.
+    `lift_independent` lifted that body as `vmap` of it, which is the same scan again (with a callback
+    object of its own, so another term), and lifted that one in turn: 30 iterations, to the limit, on a
+    program of two equations (JAX's python_callback_test, routed)."""
+    np_dtype = np.dtype(dtype)
+
+    @jax.vmap
+    def f(x):
+        return jax.pure_callback(lambda v: np.sin(v).astype(np_dtype), x, x, vmap_method="sequential")
+
+    x = jnp.linspace(-2.0, 2.0, 6, dtype=dtype)
+    g = rewrite(f, rulesets=[rulesets.scan, rulesets.algebra], strict=True)
+    r = g.result(x)
+    assert r.stopped.startswith("saturated"), r.stopped
+    assert r.stats["lift_independent"].fired == 0
+    np.testing.assert_array_equal(np.asarray(g(x), np.float32), np.asarray(f(x), np.float32))
+    np.testing.assert_array_equal(np.asarray(jax.jit(g)(x), np.float32), np.asarray(f(x), np.float32))
