@@ -11,7 +11,14 @@ surface is this module's names, :mod:`rewrite.testing` and
 :mod:`rewrite.loops`; everything else is internal.
 """
 
-from . import loops  # the loop API: rewrite.loops.Loop, rewrite.loops.SCAN
+import os as _os
+
+from .ir.jaxapi import hide_from_tracebacks as _hide
+
+# JAX's errors and filtered tracebacks name the user's code, not this package's frames around it (as JAX's own)
+_hide(_os.path.dirname(_os.path.abspath(__file__)) + _os.sep)
+
+from . import loops  # noqa: E402  (the loop API: rewrite.loops.Loop, rewrite.loops.SCAN)
 from .api import Rewritten, explain, rewrite
 from .cost.guard import Guard
 from .cost.model import AnalyticCost, CostModel, NodeCost, NodeInfo

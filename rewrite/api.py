@@ -38,10 +38,10 @@ from .grad.step import AsWritten, find_losses, proof_graph, searches_steps
 from .grad.together import rewrite_alone, rewrite_joints
 from .grad.uses import as_run
 from .grad.vjp import VJPResult, build_vjp, decided_jointly, joint_at
-from .ir.jaxapi import core, primal_arrays
+from .ir.jaxapi import core
 from .jaxpr import state as _state
-from .jaxpr.trace import (CONCRETIZATION_ERRORS, Traced, check_function, collect_young_only, eager_when_jit_disabled,
-                          flatten_args, resolve_static, same_program, trace, trace_call)
+from .jaxpr.trace import (CONCRETIZATION_ERRORS, Traced, as_operand, check_function, collect_young_only,
+                          concrete_operands, flatten_args, resolve_static, same_program, trace, trace_call)
 from .pipeline import limits_met, program_cost, run_pipeline, saturated_classes
 from .records import STEP_STAGES, Budget, Limits, Result, lap, stage
 from .report.report import Report, _fixed_cost, gradient_report, report_of
@@ -67,21 +67,9 @@ def _outputs(traced: Traced, values: Sequence[Any], nodes: tuple) -> Any:
     return out
 
 
-def _concrete(leaves: Sequence[Any], traced: Traced) -> list[Any] | None:
-    """The program's operands for this call, if all are concrete arrays (the guard times on them); else None."""
-    flat = [_as_operand(x) for x, d in zip(leaves, traced.dynamic) if d] + list(traced.captured)
-    return None if any(isinstance(x, core.Tracer) or not hasattr(x, "shape") for x in flat) else flat
-
-
 def fallback_result(traced: Traced, stopped: str) -> Result:
     return Result(before=traced.closed, after=traced.closed, cost_before=float("nan"), cost_after=float("nan"),
                   stopped=stopped, iterations=0, rows=0, times={}, stats={}, rewritten=False, warnings=[stopped])
-
-
-def _as_operand(x: Any) -> Any:
-    """A Python float or complex argument (traced, as ``jax.jit`` traces it) as the weakly typed array it
-    was traced as; a NumPy array, or one under a tracer, as a JAX array (:func:`primal_arrays`)."""
-    return jax.numpy.asarray(x) if type(x) in (float, complex) else primal_arrays(x)
 
 
 class Rewritten:
@@ -166,14 +154,14 @@ class Rewritten:
                     trace_time = time.perf_counter() - t
                     # the cache keeps no tracer: they belong to this call's trace
                     kept = dataclasses.replace(traced, captured=())
-                    entry = (kept, self._rewrite(kept, _concrete(leaves, traced)))
+                    entry = (kept, self._rewrite(kept, concrete_operands(leaves, traced)))
                     entry[1].times["trace"] = trace_time
                     self._cache[key] = entry
                     self.rewrites += 1
         if entry[0].captured_count and traced is None:  # another thread rewrote it first
             traced = trace(self.fn, specs, in_tree, stat_args, stat_kwargs, len(args))
         captured = traced.captured if traced is not None else ()
-        flat = [_as_operand(x) for x, d in zip(leaves, entry[0].dynamic) if d] + list(captured)
+        flat = [as_operand(x) for x, d in zip(leaves, entry[0].dynamic) if d] + list(captured)
         return key, flat, entry, nodes
 
     @collect_young_only()  # a first call, whole: the cache's key, load and store, the pipelines, pricings, searches
@@ -461,8 +449,9 @@ class Rewritten:
             kept.append(written is not None and program is written)
         return program
 
-    @eager_when_jit_disabled
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if jax.config.jax_disable_jit:  # as jax.jit there: the function as written, one operation at a time
+            return self.fn(*args, **kwargs)
         key, flat, (traced, result), nodes = self._prepare(args, kwargs)
         closed = result.after
         # Under grad/jvp the derivative rules run derivative programs rewritten for them (rewrite/grad/primitive.py).
@@ -620,8 +609,9 @@ class RewrittenVJP(Rewritten):
             raise ValueError("vjp=True needs a program without effects (its backward pass may not repeat them)")
         return build_vjp(traced, self.entries, self.cost_model, self.limits)
 
-    @eager_when_jit_disabled
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if jax.config.jax_disable_jit:
+            return self.fn(*args, **kwargs)
         _, flat, (traced, result), nodes = self._prepare(args, kwargs)
         if isinstance(result, _Unchanged):
             outs = core.eval_jaxpr(traced.closed.jaxpr, traced.closed.consts, *flat)

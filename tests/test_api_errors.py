@@ -429,3 +429,26 @@ def test_inside_disable_jit_the_function_runs_as_written_each_call(vjp):
     g(X)
     g(X)
     assert len(calls) == 4 and g.rewrites == 1  # traced once, then the rewritten program runs
+
+
+def test_jax_names_the_users_frames_not_the_rewriters():
+    """The rewriter's package is left out of JAX's filtered tracebacks and of the frames JAX calls the user's,
+    as JAX's own files are: the traceback of an error in the user's function under `jax.jit(rewrite(f))`
+    goes from the call to the line, and a leaked tracer's message lists the user's frames."""
+    import os
+    import traceback
+
+    import rewrite as package
+
+    ours = os.path.dirname(os.path.abspath(package.__file__)) + os.sep
+    with pytest.raises(jax.errors.TracerBoolConversionError) as raised:
+        jax.jit(rewrite(_branches_on))({"w": jnp.ones(())}, X)
+    files = [f.filename for f in traceback.extract_tb(raised.value.__traceback__)]
+    assert __file__ in files and not any(f.startswith(ours) for f in files), files
+
+    leaked = []
+    rewrite(lambda x: leaked.append(x * 2) or x)(X)
+    with pytest.raises(jax.errors.UnexpectedTracerError) as raised:
+        rewrite(lambda x: x + leaked[0])(X)
+    message = str(raised.value)
+    assert "test_api_errors.py" in message and ours not in message, message

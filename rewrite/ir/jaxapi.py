@@ -32,6 +32,7 @@ from jax._src import config as _config
 from jax._src import core as _core
 from jax._src import literals as _literals
 from jax._src import source_info_util as _source_info_util
+from jax._src import traceback_util as _traceback_util
 from jax._src import tree_util as _tree_util  # (the registry flat trees' pytree structures are made in: no public name)
 from jax._src import util as _util
 from jax._src.interpreters import ad as _ad
@@ -321,6 +322,14 @@ def held_weakly_by_jax_caches(cls: type) -> type:
     """
     _util.weakref_cache_key_types.add(cls)
     return cls
+
+
+def hide_from_tracebacks(path: str) -> None:
+    """Count the files under ``path`` as JAX counts its own: left out of the tracebacks JAX filters and of the
+    frames it names as the user's (``This error occurs at source: ...``, a leaked tracer's stack, an equation's
+    source line), as flax and JAX itself register theirs. No public API registers one."""
+    _traceback_util.register_exclusion(path)
+    _source_info_util.register_exclusion(path)
 
 
 #: The user's frame of an equation's source location, for the report (``jax.extend.source_info_util``

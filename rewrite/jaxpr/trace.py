@@ -38,7 +38,7 @@ from jax.extend import linear_util as lu
 from jax.interpreters import partial_eval as pe
 from jax.sharding import AxisType, use_abstract_mesh
 
-from ..ir.jaxapi import AbstractRef, ad, check_vma, core, fun_sourceinfo, trace_context
+from ..ir.jaxapi import AbstractRef, ad, check_vma, core, fun_sourceinfo, primal_arrays, trace_context
 from . import state as _state
 
 
@@ -183,15 +183,16 @@ def check_function(fn: Any) -> None:
                         f"{getattr(fn, '__qualname__', fn)!r}")
 
 
-def eager_when_jit_disabled(call: Callable[..., Any]) -> Callable[..., Any]:
-    """A rewritten function's ``__call__`` that, inside ``jax.disable_jit()``, calls the function as written, one
-    operation at a time, as ``jax.jit`` does there (so that its prints and breakpoints see values)."""
-    @functools.wraps(call)
-    def checked(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if jax.config.jax_disable_jit:
-            return self.fn(*args, **kwargs)
-        return call(self, *args, **kwargs)
-    return checked
+def as_operand(x: Any) -> Any:
+    """A Python float or complex argument (traced, as ``jax.jit`` traces it) as the weakly typed array it
+    was traced as; a NumPy array, or one under a tracer, as a JAX array (:func:`primal_arrays`)."""
+    return jax.numpy.asarray(x) if type(x) in (float, complex) else primal_arrays(x)
+
+
+def concrete_operands(leaves: Sequence[Any], traced: Traced) -> list[Any] | None:
+    """The program's operands for this call, if all are concrete arrays (the guard times on them); else None."""
+    flat = [as_operand(x) for x, d in zip(leaves, traced.dynamic) if d] + list(traced.captured)
+    return None if any(isinstance(x, core.Tracer) or not hasattr(x, "shape") for x in flat) else flat
 
 
 def resolve_static(fn: Callable[..., Any], static_argnums: Any, static_argnames: Any
