@@ -391,7 +391,7 @@ def _forks(m: Any, rest: Value, x: Value, f: Value) -> bool:
         for user, node in m.users(stack.pop()):
             if node.prim == "dot_general" or user.name in (x.name, f.name) or user.name in seen:
                 continue
-            if not _computed_from(f, user):
+            if not _computed_from(f, user) or not user.is_array:  # (a loop or a call reading rest: elsewhere)
                 return False
             if user.size >= rest.size:  # rest in another dtype or layout, on the way to f: who else reads it?
                 seen.add(user.name)

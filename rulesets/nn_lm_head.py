@@ -259,7 +259,7 @@ def _smoothed_over(m: Any, d: Value) -> bool:
         nxt = []
         for x in frontier:
             for user, node in m.users(x):
-                if user.name in seen or user.shape != d.shape:
+                if user.name in seen or not user.is_array or user.shape != d.shape:
                     continue
                 seen.add(user.name)
                 if node.prim in ("sub", "add") and node.operands[0].name == x.name:

@@ -577,3 +577,25 @@ def test_the_diagonal_check_compiles_once_keeps_its_verdict_and_still_declines_a
     a, b = jnp.ones((19, 7)), jnp.ones((7, 19))
     traced = jax.make_jaxpr(rewrite(lambda a, b: jnp.diagonal(a @ b), rulesets=[linalg]))(a, b)
     assert "dot_general" not in str(traced)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_a_factor_computed_through_a_loop_reading_the_operand_is_not_a_raise(dtype):
+    """`la_factor_out_*` asks who else reads the operand a factor scales. A loop reading it is a node of many
+    results, whose class is no array: the rule raised `AttributeError` on its shape (a routed
+    `jax.scipy.optimize.minimize(method="BFGS")`, whose line search is a `while` loop), which skipped the rule
+    with a warning and failed a strict rewrite."""
+    def prog(r, b):
+        n = jax.lax.fori_loop(0, 3, lambda i, c: c * 0.5 + jnp.sum(r, axis=1), jnp.zeros(4, r.dtype))
+        return (n[:, None] * r) @ b
+
+    r = jnp.linspace(-1, 1, 32, dtype=dtype).reshape(4, 8)
+    b = jnp.linspace(0, 1, 16, dtype=dtype).reshape(8, 2)
+    g = rewrite(prog, rulesets=[linalg], strict=True)
+    tol = 1e-6 if dtype == jnp.float32 else 5e-2
+    np.testing.assert_allclose(np.asarray(g(r, b), np.float32), np.asarray(prog(r, b), np.float32), rtol=tol, atol=tol)
+    grads = jax.grad(lambda r, b: jnp.sum(g(r, b)).astype(jnp.float32), argnums=(0, 1))(r, b)
+    want = jax.grad(lambda r, b: jnp.sum(prog(r, b)).astype(jnp.float32), argnums=(0, 1))(r, b)
+    for a, w in zip(grads, want):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(w, np.float32), rtol=tol, atol=tol)
+    assert g.result(r, b).stats["la_factor_out_lhs"].matched > 0

@@ -214,7 +214,7 @@ class Loop:
         while frontier and len(seen) < limit:
             v = frontier.pop()
             for parent, node in self.m.users(v):
-                if node.ctor in ("Proj", "Scan") or node.spec is None:
+                if node.ctor in ("Proj", "Scan") or node.spec is None or not parent.is_array:
                     continue
                 found.setdefault((parent.cls, node.ctor, node.pid), (parent, node))
                 if T in parent.shape and parent.cls not in seen and _moves(node) is not None:

@@ -199,6 +199,8 @@ class Value:
         v._assume_facts = True  # type: ignore[attr-defined]
         return v
 
+    #: whether this is an array: a multi-result node's class (a loop, a call reading a value: ``Match.users``) is not
+    is_array = property(lambda self: hasattr(self.aval, "shape"))
     shape = property(lambda self: tuple(self.aval.shape))
     dtype = property(lambda self: self.aval.dtype)
     ndim = property(lambda self: len(self.aval.shape))
@@ -688,11 +690,11 @@ class Match:
         return self._engine.build_node(prim, operands, params, out_avals, bodies)
 
     def users(self, v: Value) -> list[tuple[Value, Node]]:
-        """Every e-node that uses ``v`` directly, with the class it computes."""
+        """Every e-node that uses ``v`` directly, with the class it computes (a loop's: no array, ``is_array``)."""
         return self._engine.users(v)
 
     def read_whole(self, v: Value, but: str = "reduce_sum") -> bool:
         """Whether a node of ``v``'s shape reads ``v`` other than by ``but``: ``v`` is then computed whole for it,
         whatever a rule builds in place of ``but`` (``rulesets.nn_lm_head`` offers no token loop where a backward
         as written, ``softmax - one_hot``, reads the exponentials whole that the loop would sum by blocks)."""
-        return any(u.shape == v.shape and n.prim != but for u, n in self.users(v))
+        return any(u.is_array and u.shape == v.shape and n.prim != but for u, n in self.users(v))
