@@ -289,3 +289,29 @@ def test_rank_promotion_raise_is_honoured_after_a_call_outside_it():
     f(jnp.ones((2, 3)), jnp.ones(3))
     with jax.numpy_rank_promotion("raise"), pytest.raises(ValueError, match="rank_promotion"):
         f(jnp.ones((2, 3)), jnp.ones(3))
+
+
+@pytest.mark.parametrize("dtype, f", [
+    (jnp.float64, lambda a: jnp.sin(a) * 2.0),
+    (jnp.int64, lambda a: a.astype(jnp.int32) + 1),
+    (jnp.complex128, lambda a: a * 1j),
+])
+@pytest.mark.parametrize("jit", [False, True])
+def test_a_64_bit_array_made_under_enable_x64_is_taken_as_jit_takes_it(dtype, f, jit):
+    """An array made inside `jax.enable_x64()` keeps its 64-bit type outside it. The rewriter traced it as the
+    32-bit type (its spec canonicalized) but ran the program on the 64-bit array: `mul` of float64 and float32
+    raised, and under JAX's checks the types disagreed (JAX's x64_context_test). It is converted as jit does."""
+    if jax.config.jax_enable_x64:
+        pytest.skip("x64 is on: nothing to canonicalize")
+    with jax.enable_x64():
+        x = jnp.linspace(-1.0, 1.0, 6).astype(dtype)
+    g = rewrite(f, rulesets=["algebra"], strict=True)
+    call = jax.jit(g) if jit else g
+    got, want = call(x), jax.jit(f)(x)
+    assert got.dtype == want.dtype
+    np.testing.assert_array_equal(got, want)
+    if dtype == jnp.float64:
+        grad = jax.grad(lambda a: jnp.sum(g(a)))(x)
+        want_grad = jax.grad(lambda a: jnp.sum(jax.jit(f)(a)))(x)
+        assert grad.dtype == want_grad.dtype
+        np.testing.assert_allclose(grad, want_grad, rtol=1e-6)

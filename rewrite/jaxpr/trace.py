@@ -185,8 +185,16 @@ def check_function(fn: Any) -> None:
 
 def as_operand(x: Any) -> Any:
     """A Python float or complex argument (traced, as ``jax.jit`` traces it) as the weakly typed array it
-    was traced as; a NumPy array, or one under a tracer, as a JAX array (:func:`primal_arrays`)."""
-    return jax.numpy.asarray(x) if type(x) in (float, complex) else primal_arrays(x)
+    was traced as; a NumPy array, or one under a tracer, as a JAX array (:func:`primal_arrays`). A 64-bit array
+    made inside ``jax.enable_x64()`` and passed outside it is converted to the 32-bit type it was traced as
+    (``spec_of`` canonicalizes its type; ``jax.jit`` converts it in its program)."""
+    if type(x) in (float, complex):
+        return jax.numpy.asarray(x)
+    x = primal_arrays(x)
+    dtype = getattr(x, "dtype", None)
+    if getattr(dtype, "itemsize", 0) >= 8 and (canonical := jax.dtypes.canonicalize_dtype(dtype)) != dtype:
+        return jax.lax.convert_element_type(x, canonical)
+    return x
 
 
 def concrete_operands(leaves: Sequence[Any], traced: Traced) -> list[Any] | None:
