@@ -39,6 +39,7 @@ import functools
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import time
@@ -245,6 +246,12 @@ def run_file(name: str, routed: bool, cases: int, select: str | None, timeout: f
     env = dict(os.environ, JAX_NUM_GENERATED_CASES=str(cases), JAX_SUITE_OUT=str(out),
                JAX_SUITE_ROUTE="1" if routed else "0", REWRITE_STRICT="0",
                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    # The CPU devices a file asks for (jtu.request_cpu_devices at its top), given before any backend starts, both
+    # ways: the routed process starts one as its plugin configures, before the file can ask (pjit_test: 664 of 798
+    # tests skipped for want of 8 devices)
+    asked = [int(n) for n in re.findall(r"request_cpu_devices\((\d+)\)", (SOURCES / "tests" / f"{name}.py").read_text())]
+    if asked:
+        env["JAX_NUM_CPU_DEVICES"] = str(max(asked))
     # -s, both ways: the tests that read what they print (jtu.capture_stdout) lost it to pytest's own capture in the
     # routed process, whose plugin compiles programs as it configures (debugging_primitives_test: 42 of 65)
     cmd = [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", "-p", "benchmarks.jax_suite",
