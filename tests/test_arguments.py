@@ -315,3 +315,17 @@ def test_a_64_bit_array_made_under_enable_x64_is_taken_as_jit_takes_it(dtype, f,
         want_grad = jax.grad(lambda a: jnp.sum(jax.jit(f)(a)))(x)
         assert grad.dtype == want_grad.dtype
         np.testing.assert_allclose(grad, want_grad, rtol=1e-6)
+
+
+@pytest.mark.parametrize("impl", ["threefry2x32", "rbg"])
+def test_a_typed_prng_key_is_an_argument_and_a_result(impl):
+    """`jax.random.key` arrays have an extended dtype, 8 bytes for threefry: the 64-bit conversion above must
+    leave them alone (it raised `canonicalize_dtype called on extended dtype`)."""
+    f = lambda k, x: (jax.random.normal(k, x.shape) * x, jax.random.split(k)[0])  # noqa: E731
+    key = jax.random.key(0, impl=impl)
+    for g in (rewrite(f, rulesets=["algebra"], strict=True), jax.jit(rewrite(f, rulesets=["algebra"], strict=True))):
+        (y, k2), (want_y, want_k2) = g(key, X), f(key, X)
+        np.testing.assert_array_equal(y, want_y)
+        np.testing.assert_array_equal(jax.random.key_data(k2), jax.random.key_data(want_k2))
+    grad = jax.grad(lambda x: jnp.sum(rewrite(f, strict=True)(key, x)[0]))(X)
+    np.testing.assert_array_equal(grad, jax.grad(lambda x: jnp.sum(f(key, x)[0]))(X))

@@ -192,8 +192,10 @@ def as_operand(x: Any) -> Any:
         return jax.numpy.asarray(x)
     x = primal_arrays(x)
     dtype = getattr(x, "dtype", None)
-    if getattr(dtype, "itemsize", 0) >= 8 and (canonical := jax.dtypes.canonicalize_dtype(dtype)) != dtype:
-        return jax.lax.convert_element_type(x, canonical)
+    if getattr(dtype, "itemsize", 0) >= 8:  # (a PRNG key's dtype, extended, is its own)
+        canonical = jax.dtypes.canonicalize_dtype(dtype, allow_extended_dtype=True)
+        if canonical != dtype:
+            return jax.lax.convert_element_type(x, canonical)
     return x
 
 
