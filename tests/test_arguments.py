@@ -329,3 +329,23 @@ def test_a_typed_prng_key_is_an_argument_and_a_result(impl):
         np.testing.assert_array_equal(jax.random.key_data(k2), jax.random.key_data(want_k2))
     grad = jax.grad(lambda x: jnp.sum(rewrite(f, strict=True)(key, x)[0]))(X)
     np.testing.assert_array_equal(grad, jax.grad(lambda x: jnp.sum(f(key, x)[0]))(X))
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_an_array_in_host_memory_is_traced_in_host_memory(jit):
+    """An array offloaded to host memory (`memory_kind="pinned_host"`, a memory saving on an accelerator) has a
+    type of its own (`float32<host>`). The rewriter traced it as a device array (no spec names host memory), and
+    its key did not tell the two apart: JAX's checks refused the program (export_test), and a function called
+    first with a device array ran that program on the host one."""
+    from jax.sharding import SingleDeviceSharding
+
+    host = jax.device_put(np.linspace(-1.0, 1.0, 6, dtype=np.float32),
+                          SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host"))
+    f = lambda x: jnp.sin(x) * 1.0 + x  # noqa: E731
+    g = rewrite(f, rulesets=["algebra"], strict=True)
+    call = jax.jit(g) if jit else g
+    for x in (X, host, X):
+        got, want = call(x), jax.jit(f)(x)
+        assert jax.typeof(got) == jax.typeof(want)
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+    assert g.rewrites == 2

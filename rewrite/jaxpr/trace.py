@@ -273,7 +273,7 @@ def aval_key(aval: Any) -> Any:
     if not hasattr(aval, "shape"):  # a type with no shape (a token under jit): it is its own key
         return (aval,)
     return (tuple(aval.shape), aval.dtype, bool(getattr(aval, "weak_type", False)),
-            getattr(aval, "sharding", None), getattr(aval, "vma", None))
+            getattr(aval, "sharding", None), getattr(aval, "vma", None), getattr(aval, "memory_space", None))
 
 
 def leaf_specs(flat: Sequence[Any], traced: Sequence[bool] = ()) -> tuple[list[Any], tuple]:
@@ -452,10 +452,16 @@ def program_key(closed: core.ClosedJaxpr) -> tuple | None:
     return _text(closed.jaxpr), tuple(consts)
 
 
+#: the memory space of an array in device memory, JAX's default (``ShapedArray.memory_space``)
+_DEVICE_MEMORY = getattr(core.ShapedArray((), np.float32), "memory_space", None)
+
+
 def spec_of(aval: Any) -> Any:
     """A ``ShapeDtypeStruct`` that traces exactly like ``aval``: weak type, and inside a
     ``shard_map`` body its manual mesh and varying axes too."""
     if isinstance(aval, AbstractRef) or not hasattr(aval, "shape"):  # a mutable array (jax.new_ref), a token
+        return aval
+    if getattr(aval, "memory_space", None) not in (None, _DEVICE_MEMORY):  # (host memory: no spec names it)
         return aval
     kwargs: dict[str, Any] = {"weak_type": bool(getattr(aval, "weak_type", False))}
     mesh = _mesh_of(aval)
