@@ -349,3 +349,21 @@ def test_an_array_in_host_memory_is_traced_in_host_memory(jit):
         assert jax.typeof(got) == jax.typeof(want)
         np.testing.assert_allclose(got, want, rtol=1e-6)
     assert g.rewrites == 2
+
+
+_KEY = jax.random.key(3)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_a_closed_over_prng_key_is_a_constant_of_the_rewritten_program(dtype):
+    """A key made at the top of a module and read inside the function is a constant of its program, of an
+    extended dtype that no NumPy array holds: the load raised `TypeError`, so the function ran as written
+    with a warning (key_reuse_test, pjit_test). It loads as `random_wrap` of its data."""
+    f = lambda x: x + jax.random.normal(_KEY, x.shape, dtype) * 1.0  # noqa: E731
+    x = X.astype(dtype)
+    g = rewrite(f, rulesets=["algebra"], strict=True, cache=False)
+    np.testing.assert_array_equal(np.asarray(g(x), np.float32), np.asarray(f(x), np.float32))
+    np.testing.assert_array_equal(np.asarray(jax.jit(g)(x), np.float32), np.asarray(jax.jit(f)(x), np.float32))
+    grad = jax.grad(lambda x: jnp.sum(g(x).astype(jnp.float32)))(x)
+    np.testing.assert_array_equal(np.asarray(grad, np.float32), 1.0)
+    assert g.result(x).stats["mul_one"].fired == 1

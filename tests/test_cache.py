@@ -84,6 +84,9 @@ def _clipped(x):
 
 _clipped.defvjp(lambda x: (x, None), lambda _, g: (jnp.clip(g, -1.0, 1.0),))
 
+_KEY = jax.random.key(0)  # closed over: a constant of the program (a key's dtype has no NumPy array)
+_RBG_KEYS = jax.random.split(jax.random.key(1, impl="rbg"), 3)
+
 KINDS = {
     "while": (lambda x: jax.lax.while_loop(lambda c: c[0] < 5, lambda c: (c[0] + 1, c[1] * 1.5), (0, x))[1],
               (jnp.ones(3),)),
@@ -94,6 +97,8 @@ KINDS = {
     "remat_grad": (jax.grad(lambda x: jax.checkpoint(lambda y: jnp.sin(jnp.sin(y)))(x).sum()), (jnp.ones(3),)),
     "bfloat16": (lambda x: (x * jnp.bfloat16(3)).astype(jnp.float32), (jnp.ones(3, jnp.bfloat16),)),
     "typed_key": (lambda k, x: x + jax.random.normal(k, x.shape), (jax.random.key(0), jnp.ones(3))),
+    "closed_over_key": (lambda x: x + jax.random.normal(_KEY, x.shape) * 1.0, (jnp.ones(3),)),
+    "closed_over_rbg_keys": (lambda x: x * jax.random.uniform(_RBG_KEYS[1], x.shape), (jnp.ones(3),)),
     "callback": (lambda x: (jax.debug.callback(lambda v: None, x), x * 2)[1], (jnp.ones(3),)),
     "gather_and_ints": (lambda x, i: x[i, ::2].sum() + jnp.arange(3)[i[0]], (jnp.ones((4, 5)), jnp.arange(4))),
 }

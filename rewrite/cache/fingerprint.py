@@ -228,6 +228,11 @@ class _Walker:
             self.put("set", *sorted(fingerprint(v) for v in x))
         elif isinstance(x, core.Tracer):
             raise Unstable("a tracer")
+        elif _is_array(x) and _is_key(x):  # a PRNG key: its implementation and data (no NumPy array holds it)
+            import jax
+
+            self.put("key", str(jax.random.key_impl(x)))
+            self.walk(jax.random.key_data(x))
         elif isinstance(x, (np.ndarray, np.generic)) or _is_array(x):
             a = np.asarray(x)
             if a.dtype == object:
@@ -354,6 +359,12 @@ class _Walker:
                 self._code(c)
             else:
                 self.walk(c)
+
+
+def _is_key(x: Any) -> bool:
+    import jax
+
+    return jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
 
 
 def _is_array(x: Any) -> bool:

@@ -90,6 +90,8 @@ def _original_objects(closed: core.ClosedJaxpr) -> list[Any]:
             dtype = getattr(aval, "dtype", None)
             if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
                 add(dtype)
+                if getattr(dtype, "_impl", None) is not None:  # a key constant is emitted as random_wrap[impl=...]
+                    add(dtype._impl)
             sharding = getattr(aval, "sharding", None)
             if sharding is not None and getattr(getattr(sharding, "mesh", None), "axis_names", ()):
                 add(sharding)

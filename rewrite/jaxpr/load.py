@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple, Protocol, Sequence
 
+import jax
 import numpy as np
 
 from ..ir import primitives as _primitives
@@ -90,10 +91,22 @@ def load_jaxpr(jaxpr: core.Jaxpr, consts: Sequence[Any], inputs: Sequence[Any], 
 
 
 def _constant(b: Builder, value: Any, aval: Any) -> Any:
+    if jax.dtypes.issubdtype(getattr(value, "dtype", None), jax.dtypes.prng_key):
+        return _key_constant(b, value)
     arr = np.asarray(value)
     if arr.shape == () and not getattr(aval, "weak_type", False) and arr.dtype != object:
         return b.literal(arr, aval)
     return b.const(arr, aval)
+
+
+def _key_constant(b: Builder, key: Any) -> Any:
+    """A PRNG key the program closed over (``jax.random.key`` at the top of a module): no NumPy array holds it,
+    so it is loaded as JAX would compute it, ``random_wrap`` of its data, a ``uint32`` constant."""
+    data = jax.random.key_data(key)
+    impl = jax.random.key_impl(key)
+    wrap = jax.make_jaxpr(lambda d: jax.random.wrap_key_data(d, impl=impl))(data)
+    outs, _ = load_jaxpr(wrap.jaxpr, wrap.consts, [_constant(b, data, jax.typeof(data))], b, None)
+    return outs[0]
 
 
 #: id of an equation of a rule's traced side -> (the equation, what it loads as: see _load_plain). The
