@@ -235,3 +235,21 @@ def test_checkify_of_a_rewritten_shard_map_over_a_sharded_input(mesh, check_vma,
         err, got = checkify.checkify(wrapped, errors=checkify.float_checks)(x)
         assert err.get() == want_err.get() and "division by zero" in err.get()
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+@pytest.mark.parametrize("sample", ["poisson", "wald"])
+def test_rules_inside_an_auto_region_under_an_explicit_mesh(sample):
+    """`jax.random.poisson(..., out_sharding=)` under an explicit mesh computes in an Auto region, whose values
+    are typed by the Auto mesh. `prod_mul` and `pow_pow` matched there, and their sides, traced in the explicit
+    context around them, raised (random_lax_test's RandomOutShardingTest, routed on 8 devices)."""
+    mesh = jax.make_mesh((4,), ("x",), axis_types=(AxisType.Explicit,))
+    sharding = NamedSharding(mesh, P("x"))
+    key = jax.random.key(0)
+    fns = {"poisson": lambda k: jax.random.poisson(k, lam=3.0, shape=(8,), out_sharding=sharding),
+           "wald": lambda k: jax.random.wald(k, 1.0, shape=(8,), out_sharding=sharding)}
+    fn = fns[sample]
+    with jax.set_mesh(mesh):
+        want = jax.jit(fn)(key)
+        got = jax.jit(rewrite(fn, rulesets=[rulesets.algebra], strict=True))(key)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert got.sharding.is_equivalent_to(sharding, got.ndim)
