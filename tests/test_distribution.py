@@ -253,3 +253,18 @@ def test_rules_inside_an_auto_region_under_an_explicit_mesh(sample):
         got = jax.jit(rewrite(fn, rulesets=[rulesets.algebra], strict=True))(key)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     assert got.sharding.is_equivalent_to(sharding, got.ndim)
+
+
+def test_an_out_sharding_with_no_mesh_set_is_refused_as_jit_refuses_it():
+    """`jax.jit` traces a function in the caller's mesh context. The rewriter traced it inside the mesh of its
+    inputs' types, so an `out_sharding=P(...)` with no mesh set, which JAX refuses, went through (pjit_test's
+    `test_pspec_einsum_no_context_mesh`)."""
+    mesh = jax.make_mesh((1, 1), ("x", "y"), axis_types=(AxisType.Explicit,) * 2, devices=jax.devices()[:1])
+    a = jax.device_put(np.arange(16.0).reshape(8, 2), NamedSharding(mesh, P("x", "y")))
+    b = jax.device_put(np.arange(16.0).reshape(2, 8), NamedSharding(mesh, P("y", None)))
+    f = lambda x, y: jnp.einsum("xy,yz->xz", x, y, out_sharding=P("x", "y"))  # noqa: E731
+    for g in (jax.jit(f), rewrite(f, rulesets=[rulesets.linalg]), jax.jit(rewrite(f, rulesets=[rulesets.linalg]))):
+        with pytest.raises(ValueError, match="not under a mesh context"):
+            g(a, b)
+    with jax.set_mesh(mesh):
+        np.testing.assert_array_equal(rewrite(f, rulesets=[rulesets.linalg], strict=True)(a, b), jax.jit(f)(a, b))

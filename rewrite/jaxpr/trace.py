@@ -330,8 +330,10 @@ def trace(fn: Callable[..., Any], specs: Sequence[Any], in_tree: Any, stat_args:
     avals = [s for s, d in zip(specs, dynamic) if d]
     leaf_specs_ = [spec_of(a) for a in avals]
     named = _as_called(fn, flat_fn, leaf_specs_, specs, dynamic, in_tree, statics, stat_kwargs, n_args)
-    # (a large model's trace triggers full collections; jvp_rules_unnamed: the same program, traced sooner)
-    with _context(avals, auto=False), collect_young_only(), jvp_rules_unnamed():
+    # (a large model's trace triggers full collections; jvp_rules_unnamed: the same program, traced sooner). In the
+    # caller's mesh context, as jax.jit traces: entering the inputs' mesh (_context) made a trace JAX refuses succeed
+    # (an einsum's out_sharding= with no mesh set), and a shard_map body that checkify traces met an Auto context.
+    with collect_young_only(), jvp_rules_unnamed():
         if named is None:
             closed = jax.make_jaxpr(flat_fn)(*leaf_specs_)
         else:
@@ -485,8 +487,9 @@ def _mesh_of(aval: Any) -> Any:
 
 
 @contextlib.contextmanager
-def _context(avals: Sequence[Any], auto: bool = True):
-    """Enter the mesh context these avals were made in, if they carry a mesh.
+def _context(avals: Sequence[Any]):
+    """Enter the mesh context these avals were made in, if they carry a mesh, to trace a rule's side over them.
+    (Not the user's function: :func:`trace` traces it in the caller's context, as ``jax.jit`` does.)
 
     With explicit sharding, every value's type names the mesh, and values made
     inside the trace (a broadcast literal, say) take the context's mesh; inside
@@ -496,12 +499,9 @@ def _context(avals: Sequence[Any], auto: bool = True):
     """
 
     mesh = next((m for m in map(_mesh_of, avals) if m is not None), None)
-    if mesh is None or (all(t == AxisType.Auto for t in mesh.axis_types)
-                        and not (auto and not jax.sharding.get_abstract_mesh().empty)):
-        # A mesh of Auto axes only is not entered where no mesh is: jax.jit does not enter it, and a shard_map body
-        # traced by a transformation there (checkify's) met a context of the wrong kind; a rule's side is traced as
-        # its match was. Inside a mesh (jax.set_mesh with Explicit axes), Auto values come from an Auto region
-        # (jax.sharding.auto_axes, out_sharding=): a rule's side there is traced in the match's mesh.
+    if mesh is None or (all(t == AxisType.Auto for t in mesh.axis_types) and jax.sharding.get_abstract_mesh().empty):
+        # (a rule's side over values of a mesh of Auto axes alone is traced as the program was: outside it where no
+        # mesh is set, and in it inside an explicit one, whose Auto regions made them: auto_axes, out_sharding=)
         yield
         return
     manual = tuple(n for n, t in zip(mesh.axis_names, mesh.axis_types) if t == AxisType.Manual)
