@@ -34,7 +34,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..ir.jaxapi import body_closed, core, neutral_params
+from ..ir.jaxapi import body_closed, core, key_parts, neutral_params
 
 #: Top-level packages whose objects are named, not hashed: their versions are in the key.
 VERSIONED = frozenset({"jax", "jaxlib", "numpy", "egglog", "ml_dtypes", "opt_einsum", "scipy", "rewrite",
@@ -229,10 +229,9 @@ class _Walker:
         elif isinstance(x, core.Tracer):
             raise Unstable("a tracer")
         elif _is_array(x) and _is_key(x):  # a PRNG key: its implementation and data (no NumPy array holds it)
-            import jax
-
-            self.put("key", str(jax.random.key_impl(x)))
-            self.walk(jax.random.key_data(x))
+            impl, data = key_parts(x)
+            self.put("key", str(impl))
+            self.walk(data)
         elif isinstance(x, (np.ndarray, np.generic)) or _is_array(x):
             a = np.asarray(x)
             if a.dtype == object:

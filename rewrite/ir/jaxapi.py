@@ -283,6 +283,13 @@ def constant_array(a: Any) -> Any:
         return jax.numpy.asarray(a)
 
 
+def key_parts(key: Any) -> tuple[Any, np.ndarray]:
+    """A PRNG key array's implementation and data (a ``uint32`` NumPy array), read as constants even while a JAX
+    trace is open (the rewrite of a jitted function runs inside its trace), where ``key_data`` would bind into it."""
+    with jax.ensure_compile_time_eval():
+        return jax.random.key_impl(key), np.asarray(jax.random.key_data(key))
+
+
 def primal_arrays(x: Any) -> Any:
     """``x`` with a NumPy array made a JAX array, as ``jax.jit`` makes its arguments, and so the NumPy primal at
     the bottom of a differentiating tracer (``jax.vjp`` keeps a NumPy primal as it is, as a ``TypedNdArray``): the

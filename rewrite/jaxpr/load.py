@@ -24,7 +24,7 @@ import numpy as np
 
 from ..ir import primitives as _primitives
 from ..ir.intern import EFFECTS, LITERALS, PARAMS, TYPES, content_hash, in_dtype, types_agree
-from ..ir.jaxapi import AbstractRef, core, missing_param
+from ..ir.jaxapi import AbstractRef, core, key_parts, missing_param
 from ..ir.primitives import Unsupported  # noqa: F401  (raised by builders and load hooks)
 
 TOKEN_AVAL = core.abstract_token
@@ -102,10 +102,10 @@ def _constant(b: Builder, value: Any, aval: Any) -> Any:
 def _key_constant(b: Builder, key: Any) -> Any:
     """A PRNG key the program closed over (``jax.random.key`` at the top of a module): no NumPy array holds it,
     so it is loaded as JAX would compute it, ``random_wrap`` of its data, a ``uint32`` constant."""
-    data = jax.random.key_data(key)
-    impl = jax.random.key_impl(key)
-    wrap = jax.make_jaxpr(lambda d: jax.random.wrap_key_data(d, impl=impl))(data)
-    outs, _ = load_jaxpr(wrap.jaxpr, wrap.consts, [_constant(b, data, jax.typeof(data))], b, None)
+    impl, data = key_parts(key)
+    spec = jax.ShapeDtypeStruct(data.shape, data.dtype)
+    wrap = jax.make_jaxpr(lambda d: jax.random.wrap_key_data(d, impl=impl))(spec)
+    outs, _ = load_jaxpr(wrap.jaxpr, wrap.consts, [_constant(b, data, wrap.in_avals[0])], b, None)
     return outs[0]
 
 
