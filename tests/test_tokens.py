@@ -64,3 +64,15 @@ def test_jax_grad_of_a_rewritten_loss_that_threads_a_token(packs):
     token = jax.lax.create_token()
     np.testing.assert_allclose(jax.grad(rewrite(loss, strict=True, **kw))(x, token),
                                jax.grad(loss)(x, token), rtol=1e-6)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_a_token_closed_over_and_returned_comes_back_a_token(jit):
+    """A token the function closes over is no input of its program. Once tokens were traced, one returned became
+    an output of the program, a constant the e-graph held as a NumPy object array: the call returned that array,
+    and under `jax.jit` JAX refused it (api_test's `test_jit_capturing_token`)."""
+    token = jax.lax.create_token()
+    g = rewrite(lambda x: (jnp.sin(x) * 1.0, token), rulesets=["algebra"], strict=True)
+    y, out = (jax.jit(g) if jit else g)(jnp.linspace(0.0, 1.0, 4))
+    assert isinstance(out, type(token))
+    np.testing.assert_allclose(y, jnp.sin(jnp.linspace(0.0, 1.0, 4)), rtol=1e-6)

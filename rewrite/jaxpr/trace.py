@@ -323,9 +323,11 @@ def trace(fn: Callable[..., Any], specs: Sequence[Any], in_tree: Any, stat_args:
             out = (out, _state.leave(live, name))
         carries.append(live is not None)
         out_leaves, out_tree = jax.tree_util.tree_flatten(out)
-        out_static = tuple((i, v) for i, v in enumerate(out_leaves) if not is_traced_leaf(v))
+        # (a token closed over and returned is returned as it is, as before tokens were traced: no program holds one)
+        out_static = tuple((i, v) for i, v in enumerate(out_leaves)
+                           if not is_traced_leaf(v) or isinstance(v, core.Token))
         out_tree_box.append((out_tree, out_static))
-        return [v for v in out_leaves if is_traced_leaf(v)]
+        return [v for v in out_leaves if is_traced_leaf(v) and not isinstance(v, core.Token)]
 
     avals = [s for s, d in zip(specs, dynamic) if d]
     leaf_specs_ = [spec_of(a) for a in avals]
