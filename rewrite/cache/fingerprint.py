@@ -34,7 +34,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..ir.jaxapi import body_closed, core, key_parts, neutral_params
+from ..ir.jaxapi import body_closed, core, is_prng_key, key_parts, neutral_params
 
 #: Top-level packages whose objects are named, not hashed: their versions are in the key.
 VERSIONED = frozenset({"jax", "jaxlib", "numpy", "egglog", "ml_dtypes", "opt_einsum", "scipy", "rewrite",
@@ -228,7 +228,7 @@ class _Walker:
             self.put("set", *sorted(fingerprint(v) for v in x))
         elif isinstance(x, core.Tracer):
             raise Unstable("a tracer")
-        elif _is_array(x) and _is_key(x):  # a PRNG key: its implementation and data (no NumPy array holds it)
+        elif _is_array(x) and is_prng_key(x):  # a PRNG key: its implementation and data (no NumPy array holds it)
             impl, data = key_parts(x)
             self.put("key", str(impl))
             self.walk(data)
@@ -358,12 +358,6 @@ class _Walker:
                 self._code(c)
             else:
                 self.walk(c)
-
-
-def _is_key(x: Any) -> bool:
-    import jax
-
-    return jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
 
 
 def _is_array(x: Any) -> bool:

@@ -34,7 +34,8 @@ from jax.extend import source_info_util
 from jax.extend import linear_util as lu
 
 from ..ir.jaxapi import (UNSPECIFIED, SaveOnlyTheseNames, UnspecifiedValue, ad, call_custom_vjp_bwd, constant_array,
-                         core, empty_concrete_mesh, literals, neutral_params, params_for_jax, save_only_these_names)
+                         core, empty_concrete_mesh, literals, neutral_params, params_for_jax, prng_impl_of,
+                         save_only_these_names)
 from ..jaxpr.trace import trace_at
 from .fingerprint import CALLBACKS, by_identity
 from .rules import Forward, Unserialisable, dce_chain, dce_jvp, jvp_rule_fun, residual_avals, vjp_rule_params
@@ -90,8 +91,8 @@ def _original_objects(closed: core.ClosedJaxpr) -> list[Any]:
             dtype = getattr(aval, "dtype", None)
             if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
                 add(dtype)
-                if getattr(dtype, "_impl", None) is not None:  # a key constant is emitted as random_wrap[impl=...]
-                    add(dtype._impl)
+                if prng_impl_of(dtype) is not None:  # a key constant is emitted as random_wrap[impl=...]
+                    add(prng_impl_of(dtype))
             sharding = getattr(aval, "sharding", None)
             if sharding is not None and getattr(getattr(sharding, "mesh", None), "axis_names", ()):
                 add(sharding)

@@ -283,6 +283,16 @@ def constant_array(a: Any) -> Any:
         return jax.numpy.asarray(a)
 
 
+def is_prng_key(x: Any) -> bool:
+    """Is ``x`` (an array or a constant of a program) a ``jax.random.key`` array, of an extended dtype?"""
+    return jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key)
+
+
+def prng_impl_of(dtype: Any) -> Any:
+    """The PRNG implementation a key dtype holds (what a ``random_wrap``'s ``impl`` param is), else ``None``."""
+    return getattr(dtype, "_impl", None)
+
+
 def key_parts(key: Any) -> tuple[Any, np.ndarray]:
     """A PRNG key array's implementation and data (a ``uint32`` NumPy array), read as constants even while a JAX
     trace is open (the rewrite of a jitted function runs inside its trace), where ``key_data`` would bind into it."""

@@ -129,6 +129,12 @@ def is_traced_leaf(x: Any) -> bool:
     return isinstance(x, (jax.Array, np.ndarray, np.generic, core.Tracer, core.Ref, core.Token))
 
 
+def _traced_output(x: Any) -> bool:
+    """Is this output leaf one of the program's outputs? A token closed over and returned is not: it is returned as
+    it is, as before tokens were traced (no program holds a token constant)."""
+    return is_traced_leaf(x) and not isinstance(x, core.Token)
+
+
 #: what JAX raises where traced values steer Python control flow
 CONCRETIZATION_ERRORS = (jax.errors.ConcretizationTypeError, jax.errors.TracerBoolConversionError,
                          jax.errors.TracerIntegerConversionError)
@@ -323,15 +329,13 @@ def trace(fn: Callable[..., Any], specs: Sequence[Any], in_tree: Any, stat_args:
             out = (out, _state.leave(live, name))
         carries.append(live is not None)
         out_leaves, out_tree = jax.tree_util.tree_flatten(out)
-        # (a token closed over and returned is returned as it is, as before tokens were traced: no program holds one)
-        out_static = tuple((i, v) for i, v in enumerate(out_leaves)
-                           if not is_traced_leaf(v) or isinstance(v, core.Token))
+        out_static = tuple((i, v) for i, v in enumerate(out_leaves) if not _traced_output(v))
         out_tree_box.append((out_tree, out_static))
-        return [v for v in out_leaves if is_traced_leaf(v) and not isinstance(v, core.Token)]
+        return [v for v in out_leaves if _traced_output(v)]
 
     avals = [s for s, d in zip(specs, dynamic) if d]
     leaf_specs_ = [spec_of(a) for a in avals]
-    named = _as_called(fn, flat_fn, leaf_specs_, specs, dynamic, in_tree, statics, stat_kwargs, n_args)
+    named = _as_called(fn, flat_fn, leaf_specs_, dynamic, in_tree, statics, stat_kwargs, n_args)
     # (a large model's trace triggers full collections; jvp_rules_unnamed: the same program, traced sooner). In the
     # caller's mesh context, as jax.jit traces: entering the inputs' mesh (_context) made a trace JAX refuses succeed
     # (an einsum's out_sharding= with no mesh set), and a shard_map body that checkify traces met an Auto context.
@@ -345,8 +349,8 @@ def trace(fn: Callable[..., Any], specs: Sequence[Any], in_tree: Any, stat_args:
     return Traced(closed, in_tree, out_tree, dynamic, out_static, captured, len(captured), carries[-1])
 
 
-def _as_called(fn: Callable[..., Any], flat_fn: Callable[..., Any], leaves: Sequence[Any], specs: Sequence[Any],
-               dynamic: Sequence[bool], in_tree: Any, statics: dict, stat_kwargs: tuple, n_args: int) -> Any:
+def _as_called(fn: Callable[..., Any], flat_fn: Callable[..., Any], leaves: Sequence[Any], dynamic: Sequence[bool],
+               in_tree: Any, statics: dict, stat_kwargs: tuple, n_args: int) -> Any:
     """``flat_fn`` as ``jax.make_jaxpr`` should trace it so that JAX's errors name what the user wrote.
 
     A tracing error (``TracerBoolConversionError``, a ``Ref`` returned, ...) names the function traced and
