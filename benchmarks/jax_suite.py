@@ -235,13 +235,27 @@ def extract(git_dir: str, ref: str | None = None) -> str:
     return ref
 
 
+def test_path(name: str) -> str:
+    """The file a name stands for, relative to the tests' root: JAX's ``tests/<name>.py``, or a path that ends in
+    ``.py`` as it is (another library's tests: ``optax/_src/alias_test.py`` under its ``site-packages``)."""
+    return name if name.endswith(".py") else f"tests/{name}.py"
+
+
+def out_name(name: str) -> str:
+    """The name a file's outcomes are written under: ``optax/_src/alias_test.py`` -> ``optax._src.alias_test``."""
+    return name[:-3].replace("/", ".") if name.endswith(".py") else name
+
+
 def run_file(name: str, routed: bool, cases: int, select: str | None, timeout: float,
-             out_dir: pathlib.Path = OUT) -> dict[str, Any]:
-    """One pytest process over JAX's ``tests/<name>.py``; each test's outcome (and, routed, what the
+             out_dir: pathlib.Path = OUT, root: pathlib.Path = SOURCES) -> dict[str, Any]:
+    """One pytest process over the test file ``name`` (:func:`test_path`) under ``root`` (JAX's extracted
+    ``tests/`` by default; any library's tests can be routed so); each test's outcome (and, routed, what the
     rewriter did), also written to ``out_dir``."""
     out_dir = pathlib.Path(out_dir).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
-    out = out_dir / f"{name}.{'routed' if routed else 'plain'}.json"
+    root = pathlib.Path(root).resolve()
+    path = test_path(name)
+    out = out_dir / f"{out_name(name)}.{'routed' if routed else 'plain'}.json"
     out.unlink(missing_ok=True)
     env = dict(os.environ, JAX_NUM_GENERATED_CASES=str(cases), JAX_SUITE_OUT=str(out),
                JAX_SUITE_ROUTE="1" if routed else "0", REWRITE_STRICT="0",
@@ -249,18 +263,19 @@ def run_file(name: str, routed: bool, cases: int, select: str | None, timeout: f
     # The CPU devices a file asks for (jtu.request_cpu_devices at its top), given before any backend starts, both
     # ways: the routed process starts one as its plugin configures, before the file can ask (pjit_test: 664 of 798
     # tests skipped for want of 8 devices)
-    asked = [int(n) for n in re.findall(r"request_cpu_devices\((\d+)\)", (SOURCES / "tests" / f"{name}.py").read_text())]
+    source = root / path
+    asked = [int(n) for n in re.findall(r"request_cpu_devices\((\d+)\)", source.read_text())] if source.exists() else []
     if asked:
         env["JAX_NUM_CPU_DEVICES"] = str(max(asked))
     # -s, both ways: the tests that read what they print (jtu.capture_stdout) lost it to pytest's own capture in the
     # routed process, whose plugin compiles programs as it configures (debugging_primitives_test: 42 of 65)
     cmd = [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", "-p", "benchmarks.jax_suite",
-           "-o", "addopts=", "--rootdir", str(SOURCES), f"tests/{name}.py"]
+           "-o", "addopts=", "--rootdir", str(root), path]
     if select:
         cmd += ["-k", select]
     t = time.perf_counter()
     try:
-        subprocess.run(cmd, cwd=SOURCES, env=env, timeout=timeout, capture_output=True)
+        subprocess.run(cmd, cwd=root, env=env, timeout=timeout, capture_output=True)
     except subprocess.TimeoutExpired:
         print(f"{name} ({'routed' if routed else 'plain'}): timed out after {timeout:.0f} s", file=sys.stderr)
     results = json.loads(out.read_text()) if out.exists() else {}
@@ -316,7 +331,11 @@ def main(argv: list[str] | None = None) -> None:
     ex.add_argument("--git-dir", required=True)
     ex.add_argument("--ref", default=None, help="a tag or commit (default: jax-v<installed version>)")
     rn = sub.add_parser("run", help="run JAX test files plain and routed, and compare")
-    rn.add_argument("files", nargs="*", default=list(FILES))
+    rn.add_argument("files", nargs="*", default=list(FILES),
+                    help="JAX's test files by name, or paths ending in .py relative to --root")
+    rn.add_argument("--root", type=pathlib.Path, default=SOURCES,
+                    help="where the files are (default: JAX's extracted tests); e.g. a site-packages folder, whose "
+                         "libraries ship their tests (optax, distrax, haiku)")
     rn.add_argument("--cases", type=int, default=2, help="JAX_NUM_GENERATED_CASES")
     rn.add_argument("-k", dest="select", default=None)
     rn.add_argument("--timeout", type=float, default=1800.0, help="seconds per pytest process")
@@ -328,21 +347,21 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "extract":
         print(f"extracted tests/ at {extract(args.git_dir, args.ref)} into {SOURCES.relative_to(ROOT)}")
         return
-    if not available():
+    if args.root == SOURCES and not available():
         sys.exit(f"no JAX test sources in {SOURCES.relative_to(ROOT)} (or absl-py missing): run `extract` first")
     rows = {}
     if getattr(args, "grads", False):
         os.environ["JAX_SUITE_ROUTE_GRADS"] = "1"
     for name in args.files:
-        plain_path = args.out / f"{name}.plain.json"
+        plain_path = args.out / f"{out_name(name)}.plain.json"
         if args.routed_only and plain_path.exists():
             plain = {"results": json.loads(plain_path.read_text()), "seconds": 0.0}
         else:
-            plain = run_file(name, False, args.cases, args.select, args.timeout, args.out)
-        routed = run_file(name, True, args.cases, args.select, args.timeout, args.out)
+            plain = run_file(name, False, args.cases, args.select, args.timeout, args.out, args.root)
+        routed = run_file(name, True, args.cases, args.select, args.timeout, args.out, args.root)
         rows[name] = compare(plain["results"], routed["results"])
         print(f"{name}: plain {plain['seconds']:.0f} s, routed {routed['seconds']:.0f} s", file=sys.stderr)
-        (args.out / f"{name}.summary.json").write_text(json.dumps(rows[name], indent=1))
+        (args.out / f"{out_name(name)}.summary.json").write_text(json.dumps(rows[name], indent=1))
     print(table(rows))
     print(details(rows))
 
