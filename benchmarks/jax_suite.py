@@ -342,7 +342,8 @@ def main(argv: list[str] | None = None) -> None:
     rn.add_argument("--routed-only", action="store_true", help="reuse the last plain run's outcomes")
     rn.add_argument("--grads", action="store_true",
                     help="route jtu.check_grads too: its function is rewritten (JAX_SUITE_ROUTE_GRADS=1)")
-    rn.add_argument("--out", type=pathlib.Path, default=OUT, help=f"where outcomes go (default {OUT.relative_to(ROOT)})")
+    rn.add_argument("--out", type=pathlib.Path, default=OUT,
+                    help=f"where outcomes go (default {OUT.relative_to(ROOT)})")
     args = parser.parse_args(argv)
     if args.command == "extract":
         print(f"extracted tests/ at {extract(args.git_dir, args.ref)} into {SOURCES.relative_to(ROOT)}")

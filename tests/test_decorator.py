@@ -31,6 +31,7 @@ def test_the_inner_jit_stays_around_the_rewritten_program(jit):
     # what a call runs: one jit call of the rewritten program, not its operations one by one
     eqns = jax.make_jaxpr(g)(X, W).eqns
     assert [e.primitive.name for e in eqns] == ["jit"]
+    assert eqns[0].params["name"] == "f"  # named as the user's function (HLO module, profiles), as jit(f) names it
     assert len(eqns[0].params["jaxpr"].eqns) > 1  # the rewritten program itself, inside it
     np.testing.assert_allclose(jax.jit(g)(X, W), f(X, W), rtol=1e-6)
     np.testing.assert_allclose(jax.grad(g)(X, W), jax.grad(f)(X, W), rtol=1e-5)

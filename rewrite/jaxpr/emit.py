@@ -321,3 +321,17 @@ def check_signature(before: core.ClosedJaxpr, after: core.ClosedJaxpr) -> None:
         raise RuntimeError(f"rewritten program takes {after.in_avals}, not {before.in_avals}")
     if [_out_type(x) for x in after.out_avals] != [_out_type(x) for x in before.out_avals]:
         raise RuntimeError(f"rewritten program returns {after.out_avals}, not {before.out_avals}")
+
+
+def named_fun(closed: core.ClosedJaxpr, like: Any) -> Callable[..., Any]:
+    """``closed`` as a function with the name of ``like`` (the user's function): ``jax.jit`` names the program it
+    compiles after its function (the HLO module, XLA's dumps, the profiler's traces), so that the rewritten program
+    of ``rewrite(jax.jit(train_step))`` shows as ``jit_train_step`` there, as the program it replaces does, and not
+    as ``jit_jaxpr_as_fun``."""
+    run = core.jaxpr_as_fun(closed)
+
+    def program(*args: Any) -> Any:
+        return run(*args)
+
+    program.__name__ = program.__qualname__ = getattr(like, "__name__", "program")
+    return program
