@@ -268,3 +268,33 @@ def test_an_out_sharding_with_no_mesh_set_is_refused_as_jit_refuses_it():
             g(a, b)
     with jax.set_mesh(mesh):
         np.testing.assert_array_equal(rewrite(f, rulesets=[rulesets.linalg], strict=True)(a, b), jax.jit(f)(a, b))
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_a_sharded_constant_is_emitted_on_its_mesh(axis_type, dtype):
+    """A function closing over an array laid out on a mesh: the rewritten program was emitted holding it made
+    again from its values, on one device. Under explicit sharding every value computed from it then changed type
+    (``f32[32@x,9]`` to ``f32[32,9]``), which JAX's checks refuse (pjit_test's ``test_gather``, routed); under
+    Auto sharding the constant sat whole on one device. It is now held as it is."""
+    mesh = jax.make_mesh((2,), ("x",), axis_types=(axis_type,))
+    with jax.set_mesh(mesh), jax.enable_checks(True):
+        table = jax.device_put(jnp.linspace(-2, 2, 32 * 9, dtype=dtype).reshape(32, 9), NamedSharding(mesh, P("x")))
+
+        def f(y):
+            return jnp.sum(2 * jnp.sin(table[:, :-1] * y) * jnp.cos(table[:, :-1] * y), axis=1)
+
+        y = jax.device_put(jnp.ones((32, 8), dtype), NamedSharding(mesh, P("x")))
+        r = rewrite(f, rulesets=[TRIG], strict=True)
+        after = r.result(y).after
+        assert r.result(y).stats["double_angle"].fired == 1
+        assert any(c is table for c in after.consts)  # the very array, on its devices
+        want = jax.jit(f)(y)
+        for got in (r(y), jax.jit(r)(y)):
+            assert jax.typeof(got) == jax.typeof(want)
+            assert got.sharding.is_equivalent_to(want.sharding, got.ndim)
+            np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=2e-2, atol=2e-2)
+        g, gw = jax.jit(jax.grad(lambda y: r(y).sum().astype(jnp.float32)))(y), jax.grad(lambda y: f(y).sum().astype(
+            jnp.float32))(y)
+        assert jax.typeof(g) == jax.typeof(gw)
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(gw, np.float32), rtol=5e-2, atol=5e-2)

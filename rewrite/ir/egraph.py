@@ -50,6 +50,7 @@ from . import primitives as _primitives
 from . import terms as _terms
 from . import intern as _intern
 from .intern import LITERALS, PARAMS, TYPES, content_hash, in_dtype
+from .jaxapi import is_placed
 from .loader import (LOAD, LOADER, _SPAN, _flat_ctors, _loader, _Rows, call, commands, int_lit, loader_program,
                      tlist_expr, v_expr)
 
@@ -343,8 +344,7 @@ class EGraph:
         return vid
 
     def _list_row(self, ctor: str, sorts: Sequence[str], args: Sequence[Any]) -> tuple[int, ...] | None:
-        """The loader row (kind id, then columns) of a node whose list argument has a length loaded
-        from rows (:data:`LIST_ROWS`), or ``None``."""
+        """The loader row (kind id, then columns) of a node whose list's length is in rows (LIST_ROWS), or None."""
         lists = self._loader.lists
         if not lists:
             return None
@@ -405,7 +405,7 @@ class EGraph:
 
     def const(self, array: Any, aval: Any) -> int:
         h = content_hash(array)
-        self.consts.setdefault(h, np.asarray(array))
+        self.consts.setdefault(h, array if is_placed(array) else np.asarray(array))  # (emit.const_array)
         n = self.num_names
         vid = self.term("Const", [h], TYPES.intern_aval(aval))
         if vid == n:

@@ -288,6 +288,14 @@ def is_prng_key(x: Any) -> bool:
     return jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key)
 
 
+def is_placed(x: Any) -> bool:
+    """Is ``x`` a JAX array laid out on a mesh or over several devices (any sharding but one device's)? A program's
+    constant so placed is emitted as it is: made again from its values it would sit on one device, unsharded, and
+    under explicit sharding every value computed from it would change type (``f32[32@x]`` to ``f32[32]``)."""
+    return (isinstance(x, jax.Array) and not isinstance(x, _core.Tracer)
+            and not isinstance(x.sharding, jax.sharding.SingleDeviceSharding))
+
+
 def prng_impl_of(dtype: Any) -> Any:
     """The PRNG implementation a key dtype holds (what a ``random_wrap``'s ``impl`` param is), else ``None``."""
     return getattr(dtype, "_impl", None)

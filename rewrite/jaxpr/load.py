@@ -25,7 +25,7 @@ import numpy as np
 
 from ..ir import primitives as _primitives
 from ..ir.intern import EFFECTS, LITERALS, PARAMS, TYPES, content_hash, in_dtype, types_agree
-from ..ir.jaxapi import AbstractRef, core, is_prng_key, key_parts, missing_param
+from ..ir.jaxapi import AbstractRef, core, is_placed, is_prng_key, key_parts, missing_param
 from ..ir.primitives import Unsupported  # noqa: F401  (raised by builders and load hooks)
 
 TOKEN_AVAL = core.abstract_token
@@ -97,7 +97,7 @@ def _constant(b: Builder, value: Any, aval: Any) -> Any:
     arr = np.asarray(value)
     if arr.shape == () and not getattr(aval, "weak_type", False) and arr.dtype != object:
         return b.literal(arr, aval)
-    return b.const(arr, aval)
+    return b.const(value if is_placed(value) else arr, aval)  # a sharded array kept as it is (jaxapi.is_placed)
 
 
 def _key_constant(b: Builder, key: Any) -> Any:

@@ -253,7 +253,7 @@ class Value:
             if n.ctor == "Lit":
                 return np.asarray(literal_value(n.args[0], self.dtype), dtype=self.dtype)
             if n.ctor == "Const":
-                return self._engine.egraph.consts.get(n.args[0])
+                return None if (c := self._engine.egraph.consts.get(n.args[0])) is None else np.asarray(c)
         return None
 
     def terms_along(self, axis: int, most: int = 8) -> tuple["Value", list[tuple[int, "Value"]]]:
