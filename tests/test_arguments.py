@@ -358,7 +358,7 @@ _KEY = jax.random.key(3)
 def test_a_closed_over_prng_key_is_a_constant_of_the_rewritten_program(dtype):
     """A key made at the top of a module and read inside the function is a constant of its program, of an
     extended dtype that no NumPy array holds: the load raised `TypeError`, so the function ran as written
-    with a warning (key_reuse_test, pjit_test). It loads as `random_wrap` of its data."""
+    with a warning (key_reuse_test, pjit_test). The program holds the very key object (``jaxapi.held_as_is``)."""
     f = lambda x: x + jax.random.normal(_KEY, x.shape, dtype) * 1.0  # noqa: E731
     x = X.astype(dtype)
     g = rewrite(f, rulesets=["algebra"], strict=True, cache=False)
@@ -367,3 +367,22 @@ def test_a_closed_over_prng_key_is_a_constant_of_the_rewritten_program(dtype):
     grad = jax.grad(lambda x: jnp.sum(g(x).astype(jnp.float32)))(x)
     np.testing.assert_array_equal(np.asarray(grad, np.float32), 1.0)
     assert g.result(x).stats["mul_one"].fired == 1
+    assert any(c is _KEY for c in g.result(x).after.consts)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_a_closed_over_key_used_twice_is_caught_by_jax_key_reuse_checker(dtype):
+    """Under ``jax_debug_key_reuse`` a key the function closes over, consumed by one call of its jit and passed
+    again by the next, raises ``KeyReuseError``: JAX follows each key object into the programs it is passed to.
+    The rewritten program held a key made again from the key's data, which JAX does not follow, so the reuse went
+    unseen (key_reuse_test's ``test_closed_over_key_reuse_jit``, routed). It holds the very key now."""
+    key = jax.random.key(5)
+    f = lambda: jax.random.uniform(key, (3,), dtype) * 1.0  # noqa: E731
+    with jax.debug_key_reuse(True):
+        for g in (jax.jit(f), jax.jit(rewrite(f, rulesets=["algebra"], strict=True, cache=False))):
+            key = jax.random.key(5)
+            first = g()
+            with pytest.raises(jax.errors.KeyReuseError, match="Previously-consumed key"):
+                g()
+            np.testing.assert_array_equal(np.asarray(first, np.float32),
+                                          np.asarray(jax.random.uniform(jax.random.key(5), (3,), dtype), np.float32))

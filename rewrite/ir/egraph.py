@@ -50,7 +50,7 @@ from . import primitives as _primitives
 from . import terms as _terms
 from . import intern as _intern
 from .intern import LITERALS, PARAMS, TYPES, content_hash, in_dtype
-from .jaxapi import is_placed
+from .jaxapi import held_as_is
 from .loader import (LOAD, LOADER, _SPAN, _flat_ctors, _loader, _Rows, call, commands, int_lit, loader_program,
                      tlist_expr, v_expr)
 
@@ -405,7 +405,7 @@ class EGraph:
 
     def const(self, array: Any, aval: Any) -> int:
         h = content_hash(array)
-        self.consts.setdefault(h, array if is_placed(array) else np.asarray(array))  # (emit.const_array)
+        self.consts.setdefault(h, array if held_as_is(array) else np.asarray(array))  # (emit.const_array)
         n = self.num_names
         vid = self.term("Const", [h], TYPES.intern_aval(aval))
         if vid == n:
@@ -505,9 +505,9 @@ class EGraph:
 def _facts_of(value: Any) -> tuple[str, ...]:
     """The facts known from a constant's value (floating constants only; see ``ir/terms.py``'s ``FACTS``), in the
     order they are asserted."""
-    a = np.asarray(value)
-    if not jnp.issubdtype(a.dtype, jnp.floating):  # jnp knows bfloat16 and the other ml_dtypes
+    if not jnp.issubdtype(value.dtype, jnp.floating):  # jnp knows bfloat16 and the other ml_dtypes (a key: none)
         return ()
+    a = np.asarray(value)
     tiny = float(jnp.finfo(a.dtype).tiny)  # subnormals count as zero: XLA:CPU flushes them
     a = a.astype(np.float64)
     nan = np.isnan(a)

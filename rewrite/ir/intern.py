@@ -21,7 +21,7 @@ from typing import Any, Hashable, Iterator
 import numpy as np
 from jax.dtypes import float0
 
-from .jaxapi import HI_PRIMITIVE_TYPES, hi_primitive_state
+from .jaxapi import HI_PRIMITIVE_TYPES, hi_primitive_state, is_prng_key, key_parts
 
 
 #: Each e-graph opens a generation (:func:`open_generation`) and keeps it open while it lives; an entry is stamped
@@ -394,10 +394,19 @@ class LiteralTable(_Table):
         return self.intern(literal_key(value))
 
 
+def as_numpy(value: Any) -> Any:
+    """A constant's value as a NumPy array, or ``None`` where none holds it (a PRNG key)."""
+    return None if is_prng_key(value) else np.asarray(value)
+
+
 def content_hash(array: Any) -> int:
-    """A 62-bit content hash of an array (dtype, shape and bytes), for ``Const`` nodes."""
-    arr = np.asarray(array)
+    """A 62-bit content hash of an array (dtype, shape and bytes), for ``Const`` nodes; of a PRNG key array, its
+    implementation and data."""
     h = hashlib.blake2b(digest_size=8)
+    if is_prng_key(array):
+        impl, array = key_parts(array)
+        h.update(str(impl).encode())
+    arr = np.asarray(array)
     h.update(str(arr.dtype).encode())
     h.update(repr(arr.shape).encode())
     h.update(np.ascontiguousarray(arr).tobytes())

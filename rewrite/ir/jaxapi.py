@@ -288,12 +288,15 @@ def is_prng_key(x: Any) -> bool:
     return jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key)
 
 
-def is_placed(x: Any) -> bool:
-    """Is ``x`` a JAX array laid out on a mesh or over several devices (any sharding but one device's)? A program's
-    constant so placed is emitted as it is: made again from its values it would sit on one device, unsharded, and
-    under explicit sharding every value computed from it would change type (``f32[32@x]`` to ``f32[32]``)."""
-    return (isinstance(x, jax.Array) and not isinstance(x, _core.Tracer)
-            and not isinstance(x.sharding, jax.sharding.SingleDeviceSharding))
+def held_as_is(x: Any) -> bool:
+    """Is ``x`` a constant that a program the rewrite emits holds as it is, the very object, not made again from its
+    values? A JAX array laid out on a mesh or over several devices (made again, it would sit on one device,
+    unsharded, and under explicit sharding every value computed from it would change type, ``f32[32@x]`` to
+    ``f32[32]``), and a PRNG key array (no NumPy array holds one, and JAX's key-reuse checker,
+    ``jax_debug_key_reuse``, follows each key object through the programs it is passed to)."""
+    if isinstance(x, _core.Tracer) or not isinstance(x, jax.Array):
+        return False
+    return is_prng_key(x) or not isinstance(x.sharding, jax.sharding.SingleDeviceSharding)
 
 
 def prng_impl_of(dtype: Any) -> Any:

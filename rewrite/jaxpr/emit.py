@@ -28,7 +28,7 @@ from jax.extend import source_info_util
 from ..ir import primitives as _primitives
 from ..ir.egraph import Snapshot
 from ..ir.intern import EFFECTS, PARAMS, TYPES, TupleType, literal_value
-from ..ir.jaxapi import BUILT_DEBUG, constant_array, core, is_placed, literals, primitives, save_only_these_names
+from ..ir.jaxapi import BUILT_DEBUG, constant_array, core, held_as_is, literals, primitives, save_only_these_names
 from ..ir.walk import CycleError, operands, postorder
 from .dce import dce
 from .load import side_effects
@@ -134,14 +134,14 @@ def const_array(egraph: Any, h: int) -> Any:
     ``custom_vjp`` eagerly under ``jax.grad``, handing the backward any constant it forwards as a residual, and a
     NumPy one there cannot be indexed by a traced index (``jax.experimental.ode``'s backward:
     ``TracerArrayConversionError``, JAX's ``ode_test``'s ``test_grad_closure`` routed through the rewriter). A value
-    JAX cannot hold as an array stays as it is, and so does an array laid out on a mesh (``jaxapi.is_placed``): the
-    program holds the very array it closed over, as ``jax.jit``'s program does, on its devices, and the disk cache
-    stores it as the original's constant (``cache/serialise.py``: arrays by identity)."""
+    JAX cannot hold as an array stays as it is, and so do an array laid out on a mesh and a PRNG key
+    (``jaxapi.held_as_is``): the program holds the very object it closed over, as ``jax.jit``'s program does, on its
+    devices, and the disk cache stores it as the original's constant (``cache/serialise.py``: arrays by identity)."""
     arrays = _ARRAYS.setdefault(egraph, {})
     found = arrays.get(h)
     if found is None:
         try:
-            found = egraph.consts[h] if is_placed(egraph.consts[h]) else constant_array(egraph.consts[h])
+            found = egraph.consts[h] if held_as_is(egraph.consts[h]) else constant_array(egraph.consts[h])
         except (TypeError, ValueError):
             found = egraph.consts[h]
         arrays[h] = found

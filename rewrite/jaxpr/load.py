@@ -17,15 +17,13 @@ present in the e-graph (:class:`rewrite.rules.pattern.Verifier`).
 
 from __future__ import annotations
 
-import functools
 from typing import Any, NamedTuple, Protocol, Sequence
 
-import jax
 import numpy as np
 
 from ..ir import primitives as _primitives
 from ..ir.intern import EFFECTS, LITERALS, PARAMS, TYPES, content_hash, in_dtype, types_agree
-from ..ir.jaxapi import AbstractRef, core, is_placed, is_prng_key, key_parts, missing_param
+from ..ir.jaxapi import AbstractRef, core, held_as_is, missing_param
 from ..ir.primitives import Unsupported  # noqa: F401  (raised by builders and load hooks)
 
 TOKEN_AVAL = core.abstract_token
@@ -92,28 +90,12 @@ def load_jaxpr(jaxpr: core.Jaxpr, consts: Sequence[Any], inputs: Sequence[Any], 
 
 
 def _constant(b: Builder, value: Any, aval: Any) -> Any:
-    if is_prng_key(value):
-        return _key_constant(b, value)
+    if held_as_is(value):  # a sharded array, a PRNG key (``jax.random.key`` at a module's top): the very object
+        return b.const(value, aval)
     arr = np.asarray(value)
     if arr.shape == () and not getattr(aval, "weak_type", False) and arr.dtype != object:
         return b.literal(arr, aval)
-    return b.const(value if is_placed(value) else arr, aval)  # a sharded array kept as it is (jaxapi.is_placed)
-
-
-def _key_constant(b: Builder, key: Any) -> Any:
-    """A PRNG key the program closed over (``jax.random.key`` at the top of a module): no NumPy array holds it,
-    so it is loaded as JAX would compute it, ``random_wrap`` of its data, a ``uint32`` constant."""
-    impl, data = key_parts(key)
-    wrap = _wrap_program(impl, data.shape, data.dtype)
-    outs, _ = load_jaxpr(wrap.jaxpr, wrap.consts, [_constant(b, data, wrap.in_avals[0])], b, None)
-    return outs[0]
-
-
-@functools.lru_cache(maxsize=64)
-def _wrap_program(impl: Any, shape: tuple, dtype: Any) -> core.ClosedJaxpr:
-    """``random_wrap`` of a key's data, traced once per implementation and shape (each load of a program that
-    closes over a key loads it: its pipelines, proofs and pricings)."""
-    return jax.make_jaxpr(lambda d: jax.random.wrap_key_data(d, impl=impl))(jax.ShapeDtypeStruct(shape, dtype))
+    return b.const(arr, aval)
 
 
 #: id of an equation of a rule's traced side -> (the equation, what it loads as: see _load_plain). The

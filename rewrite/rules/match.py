@@ -18,7 +18,7 @@ from jax import lax
 
 from ..ir import primitives as _primitives
 from ..ir import terms as _terms
-from ..ir.intern import PARAMS, literal_value
+from ..ir.intern import PARAMS, as_numpy, literal_value
 from .sliced import Sliced, slice_along
 
 
@@ -253,7 +253,7 @@ class Value:
             if n.ctor == "Lit":
                 return np.asarray(literal_value(n.args[0], self.dtype), dtype=self.dtype)
             if n.ctor == "Const":
-                return None if (c := self._engine.egraph.consts.get(n.args[0])) is None else np.asarray(c)
+                return None if (c := self._engine.egraph.consts.get(n.args[0])) is None else as_numpy(c)
         return None
 
     def terms_along(self, axis: int, most: int = 8) -> tuple["Value", list[tuple[int, "Value"]]]:
