@@ -68,7 +68,7 @@ from jax import lax
 from jax.extend.core import Var, jaxprs_in_params
 
 from rewrite import Ruleset, Tolerance, procedural, rule
-from rewrite.ir.jaxapi import scan_counted
+from rewrite.ir.jaxapi import has_reduced_axes, scan_counted
 from rewrite.ir.primitives import nbytes
 from rewrite.cache.fingerprint import Memo
 from rewrite.jaxpr.trace import program_key, trace_at
@@ -319,6 +319,8 @@ def lift_independent(m) -> Any:
     # the decline below, made before the lifted trace where the step's own program already shows an array that
     # vmap(f) holds (every decline of the heavy steps' loops; the trace and its key were 0.06 s of a step's rewrite)
     if _too_large(_batched_bytes(f, in_axes, loop.length), [v.aval for v, s in zip(at, stacked) if s], outs):
+        return same or None
+    if any(has_reduced_axes(a) for a in [v.aval for v in at] + outs):  # JAX's vmap cannot batch them
         return same or None
     lifted_fn = jax.vmap(lambda *a: tuple(f(*a)), in_axes=in_axes, axis_size=loop.length)
     try:  # traced once: read for what it holds, then inserted as it is

@@ -298,3 +298,25 @@ def test_a_sharded_constant_is_emitted_on_its_mesh(axis_type, dtype):
             jnp.float32))(y)
         assert jax.typeof(g) == jax.typeof(gw)
         np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(gw, np.float32), rtol=5e-2, atol=5e-2)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_a_loop_over_values_typed_with_reduced_axes_is_not_lifted(dtype):
+    """`lift_independent` lifts a loop's carry-independent outputs out as a `vmap`; JAX refuses to batch a value
+    typed with reduced or unreduced mesh axes (`P(reduced={'x'})`), so the rule raised where a training step
+    accumulates its gradients over microbatches so (pjit_test's `test_scan_over_layers_minibatch_unreduced`,
+    routed). It declines such a loop."""
+    mesh = jax.make_mesh((2,), ("x",), axis_types=(AxisType.Explicit,))
+
+    def f(ws):
+        def body(c, w):
+            return c + jnp.sum(w), jnp.sin(w) * 2
+        return jax.lax.scan(body, jnp.zeros((), dtype), ws)
+
+    with jax.set_mesh(mesh):
+        ws = jax.device_put(jnp.linspace(-1, 1, 48, dtype=dtype).reshape(3, 4, 4), P(reduced={"x"}))
+        r = rewrite(f, rulesets=[rulesets.scan], strict=True)
+        for got, want in ((r(ws), jax.jit(f)(ws)), (jax.jit(r)(ws), jax.jit(f)(ws))):
+            for g, w in zip(got, want):
+                assert jax.typeof(g) == jax.typeof(w)
+                np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))

@@ -299,6 +299,13 @@ def held_as_is(x: Any) -> bool:
     return is_prng_key(x) or not isinstance(x.sharding, jax.sharding.SingleDeviceSharding)
 
 
+def has_reduced_axes(aval: Any) -> bool:
+    """Is ``aval`` typed with reduced or unreduced mesh axes (``P(reduced={'x'})``: each device holds a whole copy,
+    or a partial sum)? JAX's ``vmap`` refuses to batch such a value (``Using pspec[...] is dangerous``)."""
+    spec = getattr(getattr(aval, "sharding", None), "spec", None)
+    return bool(getattr(spec, "reduced", None) or getattr(spec, "unreduced", None))
+
+
 def prng_impl_of(dtype: Any) -> Any:
     """The PRNG implementation a key dtype holds (what a ``random_wrap``'s ``impl`` param is), else ``None``."""
     return getattr(dtype, "_impl", None)
