@@ -320,3 +320,37 @@ def test_a_loop_over_values_typed_with_reduced_axes_is_not_lifted(dtype):
             for g, w in zip(got, want):
                 assert jax.typeof(g) == jax.typeof(w)
                 np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_a_replacement_jax_types_on_another_sharding_is_declined_quietly(dtype):
+    """Under explicit sharding JAX types a replacement's result by the sharding rules of what it is built of:
+    `la_sum_product`'s `dot_general` came out `f32[4]` where the program's summed product is `f32[4@x]`, and the
+    products reassociated `f32[4@x,4]` for `f32[4,4]` (gradients accumulated over microbatches, unreduced; pjit_test's
+    `test_minibatch_scan_unreduced`, routed). Each was a warning, an error under `strict`; the rule declines there,
+    as where JAX refuses to build it (`rejected["sharding"]`)."""
+    mesh = jax.make_mesh((2,), ("x",), axis_types=(AxisType.Explicit,))
+
+    def model(ws, xs):
+        for w in ws:
+            xs = jnp.dot(xs, w)
+        return jnp.sum(xs)
+
+    def step(ws, xs):
+        def body(acc, xm):
+            return jax.tree.map(jnp.add, acc, jax.grad(model)(ws, xm)), None
+        acc, _ = jax.lax.scan(body, jax.sharding.reshard(jax.tree.map(jnp.zeros_like, ws), P(unreduced={"x"})), xs)
+        acc, ws = jax.sharding.reshard(acc, P()), jax.sharding.reshard(ws, P())
+        return jax.tree.map(lambda w, g: w - g * 0.01, ws, acc)
+
+    with jax.set_mesh(mesh):
+        ws = tuple(jax.device_put(jnp.full((4, 4), 0.5 + i, dtype), P(reduced={"x"})) for i in range(3))
+        xs = jax.device_put(jnp.linspace(-1, 1, 16, dtype=dtype).reshape(2, 2, 4), P(None, "x", None))
+        r = rewrite(step, rulesets=[rulesets.linalg], strict=True)
+        result = r.result(ws, xs)
+        assert not result.warnings
+        if dtype == jnp.float32:  # (in 16 bits the products are read through converts, which these rules do not match)
+            assert sum(s.rejected["sharding"] for s in result.stats.values()) > 0
+        for got, want in zip(jax.jit(r)(ws, xs), jax.jit(step)(ws, xs)):
+            assert jax.typeof(got) == jax.typeof(want)
+            np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=2e-2)

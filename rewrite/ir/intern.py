@@ -344,6 +344,22 @@ def types_agree(want: Any, got: Any) -> bool:
         return False
 
 
+def sharded_apart(want: Any, got: Any) -> bool:
+    """Whether two types that do not agree (:func:`types_agree`) differ in their sharding alone, under an explicit
+    mesh axis. JAX types a replacement's result by the sharding rules of what it is built of, which are not the
+    original's (a ``dot_general`` where the program summed a product: ``f32[4]`` for ``f32[4@x]``; a product of
+    three matrices taken in the other order), so under explicit sharding a right replacement can come out typed on
+    another sharding. It cannot stand for the match, whose type the program's readers are typed by: the rule
+    declines there, and that is no fault of the rule."""
+    sg = getattr(got, "sharding", None)
+    if sg is None or type(want) is not type(got) or getattr(want, "sharding", None) is None:
+        return False
+    try:
+        return want.update(sharding=sg) == got
+    except (AttributeError, TypeError, ValueError):
+        return False
+
+
 def in_dtype(value: Any, dtype: Any) -> Any:
     """A literal's value as its dtype holds it.
 

@@ -31,7 +31,7 @@ from typing import Any, Sequence
 from ..ir import primitives as _primitives
 from ..ir.egraph import EGraph, Snapshot
 from ..ir.jaxapi import core
-from ..ir.intern import TYPES, types_agree
+from ..ir.intern import TYPES, sharded_apart, types_agree
 from ..jaxpr.load import Unsupported, load_closed
 from .builder import Builder, OutOfTime
 from .match import Match, _short
@@ -510,6 +510,10 @@ class Engine:
         self._unioned.add((known[root_name], out))
         want = TYPES[self.egraph.vtype[root_name]]
         got = TYPES[self.egraph.vtype[out]]
+        if not types_agree(want, got) and sharded_apart(want, got):  # (intern.sharded_apart): it declines
+            stats.rejected["sharding"] += 1
+            log.debug("rule %r declined: it built %s for a match of type %s", rule.name, got, want)
+            return
         if not types_agree(want, got):
             stats.rejected["type"] += 1
             g, w = (_short(got), _short(want)) if _short(got) != _short(want) else (repr(got), repr(want))
