@@ -354,3 +354,28 @@ def test_a_replacement_jax_types_on_another_sharding_is_declined_quietly(dtype):
         for got, want in zip(jax.jit(r)(ws, xs), jax.jit(step)(ws, xs)):
             assert jax.typeof(got) == jax.typeof(want)
             np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_a_node_a_rule_builds_by_hand_is_typed_as_jax_types_it_under_an_explicit_mesh(dtype):
+    """`la_assoc_left` builds `a @ (b @ c)` node by node, and named the inner product's type by its root's,
+    reshaped: `f32[128@x,128]` for two matrices replicated on `x`, which JAX types `f32[128,128]`. The emitted
+    program failed JAX's checks (`JaxprTypeError`: a fallback, an error under `strict`; pjit_test's
+    `test_fsdp_pipeline_grad`, routed). Under an explicit mesh such a node is typed by JAX's sharding rule."""
+    mesh = jax.make_mesh((8,), ("x",), axis_types=(AxisType.Explicit,))
+
+    def f(x, w1s, w2s):
+        w1 = jax.sharding.reshard(w1s[0], P(reduced={"x"}))
+        w2 = jax.sharding.reshard(w2s[0], P(reduced={"x"}))
+        return (x @ w1) @ w2
+
+    with jax.set_mesh(mesh), jax.enable_checks(True):
+        x = jax.device_put(jnp.linspace(-1, 1, 512 * 32, dtype=dtype).reshape(512, 32), P("x", None))
+        w1s = jax.device_put(jnp.linspace(-1, 1, 2 * 32 * 64, dtype=dtype).reshape(2, 32, 64), P(None, "x", None))
+        w2s = jax.device_put(jnp.linspace(1, -1, 2 * 64 * 16, dtype=dtype).reshape(2, 64, 16), P(None, None, "x"))
+        r = rewrite(f, rulesets=[rulesets.linalg], strict=True)
+        assert r.result(x, w1s, w2s).stats["la_assoc_left"].fired >= 1
+        want = jax.jit(f)(x, w1s, w2s)
+        for got in (r(x, w1s, w2s), jax.jit(r)(x, w1s, w2s)):
+            assert jax.typeof(got) == jax.typeof(want)
+            np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=5e-2, atol=0.5)

@@ -486,6 +486,12 @@ def no_cotangents(out_avals: Sequence[Any]) -> list[Any]:
             for a in out_avals]
 
 
+def explicitly_sharded(aval: Any) -> bool:
+    """Is ``aval`` typed on a mesh with an explicit axis (its sharding is part of its type)?"""
+    mesh = _mesh_of(aval)
+    return mesh is not None and any(t == AxisType.Explicit for t in mesh.axis_types)
+
+
 def _mesh_of(aval: Any) -> Any:
     sharding = getattr(aval, "sharding", None)
     mesh = getattr(sharding, "mesh", None)

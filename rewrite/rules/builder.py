@@ -28,9 +28,23 @@ from ..ir.walk import walk
 from ..ir.jaxapi import PRIMITIVE_MODULES, core
 from ..jaxpr.emit import EmitError, emit_slice
 from ..jaxpr.load import load_closed
-from ..jaxpr.trace import trace_at
+from ..jaxpr.trace import explicitly_sharded, trace_at
 from .match import Body, Node, Value
 
+
+
+def _as_jax_types_it(prim: Any, operands: Sequence[Value], params: dict[str, Any], claimed: Any) -> Any:
+    """The type of a node a rule builds by hand (``Match.node``), under an explicit mesh axis, where a value's
+    sharding is part of its type: JAX's own, from its sharding rule for ``prim``. A rule names its node's type by
+    its root's, reshaped (``la_assoc_*``'s inner product of two matrices replicated on ``x`` was typed
+    ``f32[128@x,128]``, which JAX types ``f32[128,128]``), and an emitted program so typed fails JAX's checks
+    (pjit_test's ``test_fsdp_pipeline_grad``, routed). The shape and dtype must be the claimed ones; JAX raises
+    ``ShardingTypeError`` where it will not build the node (the rule then declines)."""
+    bound = {k: v for k, v in params.items() if not k.startswith("_rw_")}
+    out = trace_at(lambda *a: prim.bind(*a, **bound), [v.aval for v in operands]).out_avals[0]
+    if (out.shape, out.dtype) != (claimed.shape, claimed.dtype):
+        raise ValueError(f"{prim.name} built by hand as {claimed.str_short()}, which JAX types {out.str_short()}")
+    return out.update(weak_type=claimed.weak_type)
 
 class OutOfTime(Exception):
     """A rule ran past its deadline (its time share, or the run's time limit); the engine stops it there."""
@@ -157,6 +171,8 @@ class Builder:
                 raise ValueError(f"{prim.name}: too many operands for layout {spec.layout!r}")
         args.append(pid)
         multi = prim.multiple_results or (spec is not None and spec.family == _primitives.NESTED)
+        if not multi and not bodies and any(map(explicitly_sharded, [v.aval for v in operands] + list(out_avals))):
+            out_avals = [_as_jax_types_it(prim, operands, params, out_avals[0])]
         if not multi:
             (aval,) = out_avals
             return self._fresh(eg.term(ctor, args, TYPES.intern_aval(aval)))
