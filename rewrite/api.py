@@ -40,7 +40,7 @@ from .grad.uses import as_run
 from .grad.vjp import VJPResult, build_vjp, decided_jointly, joint_at
 from .ir.jaxapi import core
 from .jaxpr import state as _state
-from .jaxpr.emit import named_fun
+from .jaxpr.emit import jitted_program
 from .jaxpr.trace import (CONCRETIZATION_ERRORS, Traced, as_operand, check_function, collect_young_only,
                           concrete_operands, flatten_args, resolve_static, same_program, trace, trace_call)
 from .pipeline import limits_met, program_cost, run_pipeline, saturated_classes
@@ -468,7 +468,7 @@ class Rewritten:
     def _compiled(self, key: Any, closed: core.ClosedJaxpr) -> Callable[..., Any]:
         found = self._jitted.get(key)
         if found is None or found[0] is not closed:
-            found = (closed, jax.jit(named_fun(closed, self.fn)))
+            found = (closed, jitted_program(closed, self.fn))
             self._jitted[key] = found
         return found[1]
 

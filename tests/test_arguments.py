@@ -377,9 +377,14 @@ def test_a_closed_over_key_used_twice_is_caught_by_jax_key_reuse_checker(dtype):
     The rewritten program held a key made again from the key's data, which JAX does not follow, so the reuse went
     unseen (key_reuse_test's ``test_closed_over_key_reuse_jit``, routed). It holds the very key now."""
     key = jax.random.key(5)
-    f = lambda: jax.random.uniform(key, (3,), dtype) * 1.0  # noqa: E731
+    scaled = lambda: jax.random.uniform(key, (3,), dtype) * 1.0  # noqa: E731
+    # one jitted call (uniform's): run compiled eagerly, its jit nested in a caller's (JAX's own nested jits raised
+    # "sink 0 out of range" where the inner one closes over the key; the rewritten program passes it as an argument)
+    alone = lambda: jax.random.uniform(key, (3,), dtype)  # noqa: E731
     with jax.debug_key_reuse(True):
-        for g in (jax.jit(f), jax.jit(rewrite(f, rulesets=["algebra"], strict=True, cache=False))):
+        for g in (jax.jit(scaled), jax.jit(rewrite(scaled, rulesets=["algebra"], strict=True, cache=False)),
+                  jax.jit(rewrite(alone, rulesets=["algebra"], strict=True, cache=False)),
+                  rewrite(alone, rulesets=["algebra"], strict=True, cache=False)):
             key = jax.random.key(5)
             first = g()
             with pytest.raises(jax.errors.KeyReuseError, match="Previously-consumed key"):

@@ -325,15 +325,29 @@ def check_signature(before: core.ClosedJaxpr, after: core.ClosedJaxpr) -> None:
         raise RuntimeError(f"rewritten program returns {after.out_avals}, not {before.out_avals}")
 
 
-def named_fun(closed: core.ClosedJaxpr, like: Any) -> Callable[..., Any]:
-    """``closed`` as a function with the name of ``like`` (the user's function): ``jax.jit`` names the program it
-    compiles after its function (the HLO module, XLA's dumps, the profiler's traces), so that the rewritten program
-    of ``rewrite(jax.jit(train_step))`` shows as ``jit_train_step`` there, as the program it replaces does, and not
-    as ``jit_jaxpr_as_fun``."""
-    run = core.jaxpr_as_fun(closed)
+def jitted_program(closed: core.ClosedJaxpr, like: Any) -> Callable[..., Any]:
+    """``closed`` compiled by ``jax.jit``, as a function of its inputs named as ``like`` (the user's function):
+    ``jax.jit`` names the program it compiles after its function (the HLO module, XLA's dumps, the profiler's
+    traces), so the rewritten program of ``rewrite(jax.jit(train_step))`` shows as ``jit_train_step`` there, as the
+    program it replaces does, not as ``jit_jaxpr_as_fun``. The constants it holds as they are (a PRNG key, a
+    sharded array: ``jaxapi.held_as_is``) are passed to the jit as arguments, as ``jax.jit`` passes the arrays a
+    function closes over: JAX's key-reuse checker (``jax_debug_key_reuse``) follows a key through a jit's arguments
+    only, and a key a nested jit's program closes over raised ``KeyReuseError`` (``sink 0 out of range``; JAX's own
+    nested jits do so too)."""
+    import jax
+
+    jaxpr, consts = closed.jaxpr, list(closed.consts)
+    held = [i for i, c in enumerate(consts) if held_as_is(c)]
+    lead = [consts[i] for i in held]
+    if held:
+        jaxpr = jaxpr.replace(constvars=[v for i, v in enumerate(jaxpr.constvars) if i not in held],
+                              invars=[jaxpr.constvars[i] for i in held] + list(jaxpr.invars))
+        consts = [c for i, c in enumerate(consts) if i not in held]
+    run = core.jaxpr_as_fun(core.ClosedJaxpr(jaxpr, consts))
 
     def program(*args: Any) -> Any:
         return run(*args)
 
     program.__name__ = program.__qualname__ = getattr(like, "__name__", "program")
-    return program
+    jitted = jax.jit(program)
+    return (lambda *args: jitted(*lead, *args)) if lead else jitted
