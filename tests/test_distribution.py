@@ -395,3 +395,26 @@ def test_a_node_a_rule_builds_by_hand_is_typed_as_jax_types_it_under_an_explicit
         for got in (r(x, w1s, w2s), jax.jit(r)(x, w1s, w2s)):
             assert jax.typeof(got) == jax.typeof(want)
             np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=5e-2, atol=0.5)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_rules_over_reduced_values_in_a_shard_map_body_decline_quietly(dtype):
+    """`x * x` in a `shard_map` body over a value reduced on `x`: `prod_mul`, `pow_two` and `square_pow` built
+    replacements JAX types without (or with) the reduced axis, `f32[8]` for `f32[8]{R:x}`. Each was a warning, an
+    error under `strict` (shard_map_test's `test_shmap_bwd_rep_to_unreduced_check_vma_true`, routed); they decline
+    there (`rejected["sharding"]`), and the gradient comes out unreduced as JAX's does."""
+    mesh = jax.make_mesh((2,), ("x",), axis_types=(AxisType.Explicit,))
+    with jax.set_mesh(mesh):
+        arr = jax.device_put(np.arange(8.0, dtype=dtype), P(reduced={"x"}))
+        plain = jax.shard_map(lambda x: x * x, out_specs=P(reduced={"x"}))
+        r = rewrite(plain, rulesets=[rulesets.algebra], strict=True)
+        f = jax.jit(r)
+        want, got = jax.jit(plain)(arr), f(arr)
+        assert got.sharding == want.sharding
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+        assert sum(s.rejected["sharding"] for s in r.result(arr).stats.values()) > 0
+        g = jax.jit(jax.grad(lambda x: f(x).sum()))(arr)
+        gw = jax.jit(jax.grad(lambda x: jax.jit(plain)(x).sum()))(arr)
+        assert g.sharding == gw.sharding
+        np.testing.assert_array_equal(np.asarray(jax.sharding.reshard(g, P()), np.float32),
+                                      np.asarray(jax.sharding.reshard(gw, P()), np.float32))

@@ -350,12 +350,17 @@ def sharded_apart(want: Any, got: Any) -> bool:
     original's (a ``dot_general`` where the program summed a product: ``f32[4]`` for ``f32[4@x]``; a product of
     three matrices taken in the other order), so under explicit sharding a right replacement can come out typed on
     another sharding. It cannot stand for the match, whose type the program's readers are typed by: the rule
-    declines there, and that is no fault of the rule."""
+    declines there, and that is no fault of the rule. Inside a ``shard_map`` body the same holds of the manual
+    axes a value varies over or is reduced over (``f32[8]`` for ``f32[8]{R:x}``: shard_map_test's
+    ``test_shmap_bwd_rep_to_unreduced_check_vma_true``, routed)."""
     sg = getattr(got, "sharding", None)
     if sg is None or type(want) is not type(got) or getattr(want, "sharding", None) is None:
         return False
+    apart = {"sharding": sg}
+    if getattr(got, "manual_axis_type", None) is not None:
+        apart["manual_axis_type"] = got.manual_axis_type
     try:
-        return want.update(sharding=sg) == got
+        return want.update(**apart) == got
     except (AttributeError, TypeError, ValueError):
         return False
 
