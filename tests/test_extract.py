@@ -764,3 +764,34 @@ def test_the_tree_pass_equals_the_pass_as_first_written(name):
         got = ex._tree_pass(allowed, items)
         assert list(got[0].items()) == list(want[0].items()) and list(got[1].items()) == list(want[1].items())
         assert all(type(v) is float for v in got[0].values())
+
+
+def _stacks_the_zeros_its_body_adds(x):
+    """A loop whose body adds zeros of the shape of the zeros it stacks: the two are one class, and the stacked output
+    (``scan``'s hoist of an invariant output) is proven equal to it. haiku's ``layer_stack(n, unroll=2)`` init."""
+    def body(c, _):
+        b = jnp.zeros((x.shape[1],), x.dtype)
+        return jnp.sin(c + jnp.broadcast_to(b, x.shape)), b
+
+    return lax.scan(body, x, None, length=x.shape[0])
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_a_class_a_body_shares_is_not_moved_to_that_bodys_own_loop(dtype):
+    # The zeros' class was read inside the body and outside; the search moved it outside to the loop's stacked output,
+    # its cycle check (through terms, not bodies) saw no cycle, and the loop's body held the loop: pricing it raised
+    # RecursionError (a fallback to the program as written, or an error under strict).
+    from rewrite import rewrite
+
+    x = (jnp.arange(32.0).reshape(4, 8) / 10).astype(dtype)
+    fast = rewrite(_stacks_the_zeros_its_body_adds, rulesets=[rulesets.algebra, rulesets.scan], strict=True)
+    tol = 1e-6 if dtype == jnp.float32 else 1e-2
+    for got, want in zip(jax.jit(fast)(x), _stacks_the_zeros_its_body_adds(x)):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert jnp.allclose(got.astype(jnp.float32), want.astype(jnp.float32), atol=tol)
+    if dtype == jnp.float32:
+        loss = lambda f: lambda x: jnp.sum(f(x)[0])
+        assert jnp.allclose(jax.grad(loss(fast))(x), jax.grad(loss(_stacks_the_zeros_its_body_adds))(x), atol=1e-6)
+        xs = jnp.stack([x, -x])
+        for got, want in zip(jax.vmap(fast)(xs), jax.vmap(_stacks_the_zeros_its_body_adds)(xs)):
+            assert jnp.allclose(got, want, atol=1e-6)

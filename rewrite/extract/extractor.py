@@ -123,7 +123,7 @@ class Extractor:
 
     @functools.cached_property
     def rank(self) -> dict[Any, int]:
-        """A rank per class such that a class can reach another, under any choice, only if its rank
+        """A rank per class such that a class can reach another (bodies included), under any choice, only if its rank
         is at least the other's (equal ranks: one strongly connected component of the e-graph).
 
         Tarjan's algorithm numbers the components sinks first; searches use it to stop a walk
@@ -138,7 +138,7 @@ class Extractor:
         if lent is not None:
             return lent
         nodes = self.snap.nodes
-        edges = {c: list({k for n in ns for k in self.term_kids(n)}) for c, ns in nodes.items()}
+        edges = {c: list({k for n in ns for k in self.all_kids(n)}) for c, ns in nodes.items()}
         index: dict[Any, int] = {}
         low: dict[Any, int] = {}
         on_stack: set[Any] = set()
@@ -185,10 +185,14 @@ class Extractor:
         return rank
 
     def reaches(self, choice: dict[Any, tuple], start: Iterable[Any], targets: set[Any]) -> bool:
-        """Whether the program ``choice`` makes reaches a class of ``targets`` from ``start`` (a cycle check)."""
+        """Whether the program ``choice`` makes reaches a class of ``targets`` from ``start`` (a cycle check).
+
+        The walk goes into bodies: one choice serves every scope, and a class that a body reads and its own scope
+        reads too (a constant's: zeros in a loop's body, and the zeros that loop stacks, proven equal to it) is a
+        cycle when it is moved to that loop's output (the loop's program then held itself: a RecursionError)."""
         rank = self.rank
         lo = min(rank.get(t, -1) for t in targets)  # nothing ranked below every target reaches one
-        kids = self.term_kids
+        kids = self.all_kids
         # nothing below the targets' rank is walked through
         return any(x in targets for x in walk(start, lambda x: () if rank.get(x, lo) < lo else kids(choice[x])))
 
