@@ -136,8 +136,38 @@ def test_list_argument_grown_in_place_refused():
         seen.append(x)
         return x
 
-    with pytest.raises(StateError, match="structure of an argument"):
+    with pytest.raises(StateError, match=r"structure of args\[0\] in place"):
         rewrite(remember)([], jnp.ones(3))
+
+
+def test_static_field_of_a_pytree_argument_changed_refused_by_name():
+    """A field a registered pytree keeps as static data (distrax's Jittable keeps every non-array field so),
+    changed in place, was reported as an entry added to a dict or list (distrax's jittable_test)."""
+    @jax.tree_util.register_pytree_node_class
+    class Named:
+        def __init__(self, name, data):
+            self.name, self.data = name, data
+
+        def tree_flatten(self):
+            return (self.data,), self.name
+
+        @classmethod
+        def tree_unflatten(cls, name, children):
+            return cls(name, children[0])
+
+    def rename(obj, x):
+        obj.name += "_x"
+        return obj.data * x
+
+    with pytest.raises(StateError, match=r"changed a field of args\[0\] that is not an array"):
+        rewrite(rename)(Named("a", jnp.ones(3)), jnp.ones(3))
+
+    def grow(seen, x):
+        seen["b"].append(1)
+        return x
+
+    with pytest.raises(StateError, match=r"structure of args\[0\]\['b'\] in place"):
+        rewrite(grow)({"a": 1.0, "b": []}, jnp.ones(3))
 
 
 def test_traced_value_stored_into_a_static_object_refused():

@@ -38,7 +38,7 @@ import numpy as np
 from ..ir.jaxapi import core
 
 #: how the errors say a function should be written instead
-_HOW = "return the new value from the function instead"
+_HOW = "return the new value from the function instead (in a new object, not the one it was passed)"
 _HOW_NNX = ("write the step in the split/merge form (`nnx.split(model)` outside, `nnx.merge` inside, return "
             "`nnx.state(model)`), or put `nnx.jit` outside and rewrite the functional step inside it")
 
@@ -223,8 +223,12 @@ def check_unchanged(name: str, seen: tuple, before: list, tree: Any, statics: Se
     stored a traced value into an object reachable from its static arguments (``statics``)."""
     paths_leaves, after_tree = jax.tree_util.tree_flatten_with_path(seen, is_leaf=_is_node)
     if after_tree != tree:
-        raise StateError(f"{name!r} changed the structure of an argument in place (an entry added to or "
-                         f"removed from a dict or list it was passed); the change would be lost: {_HOW}")
+        where, static = _first_change(tree, after_tree, ())
+        if static:
+            raise StateError(f"{name!r} changed a field of {where} that is not an array (a name, a flag, a size: "
+                             f"data the trace does not carry) in place; the change would be lost: {_HOW}")
+        raise StateError(f"{name!r} changed the structure of {where} in place (an entry added to or removed from a "
+                         f"dict or list it was passed); the change would be lost: {_HOW}")
     for (path, new), old in zip(paths_leaves, before):
         if new is not old and (isinstance(new, core.Tracer) or isinstance(old, core.Tracer)):
             where = _argpath(path)
@@ -244,3 +248,35 @@ def _argpath(path: tuple) -> str:
     head, rest = path[0], path[1:]
     first = "args" if getattr(head, "idx", None) == 0 else "kwargs"
     return first + jax.tree_util.keystr(rest)
+
+
+def _first_change(before: Any, after: Any, path: tuple) -> tuple[str, bool]:
+    """Where the argument treedef ``after`` first differs from ``before`` (``((args, kwargs))``), as the user wrote
+    the call, and whether only a node's static data differs there (not its kind or its entries)."""
+    nb, na = before.node_data(), after.node_data()
+    if nb is None or na is None or nb[0] is not na[0]:
+        return _where(path), False
+    cb, ca = before.children(), after.children()
+    if len(cb) != len(ca) or (nb[0] is dict and list(nb[1]) != list(na[1])):
+        return _where(path), False
+    try:
+        same = bool(nb[1] == na[1])
+    except Exception:  # noqa: BLE001 - static data that does not compare (an array): taken as changed
+        same = False
+    if not same and nb[0] not in (tuple, list, dict):
+        return _where(path), True
+    for i, (b, a) in enumerate(zip(cb, ca)):
+        if b != a:
+            key = nb[1][i] if nb[0] is dict else i
+            return _first_change(b, a, (*path, (nb[0], key)))
+    return _where(path), not same
+
+
+def _where(path: tuple) -> str:
+    """A path of :func:`_first_change` as the user wrote the call: ``args[0]['stats']``, ``an argument``."""
+    if not path:
+        return "an argument"
+    out = "args" if path[0][1] == 0 else "kwargs"
+    for kind, key in path[1:]:
+        out += f"[{key!r}]" if kind in (dict, list, tuple) else f"[<flat index {key}>]"
+    return out
