@@ -91,7 +91,7 @@ def _original_objects(closed: core.ClosedJaxpr) -> list[Any]:
             dtype = getattr(aval, "dtype", None)
             if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
                 add(dtype)
-                if prng_impl_of(dtype) is not None:  # a key constant is emitted as random_wrap[impl=...]
+                if prng_impl_of(dtype) is not None:  # (a random_wrap[impl=...] the rewrite may emit reads it)
                     add(prng_impl_of(dtype))
             sharding = getattr(aval, "sharding", None)
             if sharding is not None and getattr(getattr(sharding, "mesh", None), "axis_names", ()):
