@@ -15,6 +15,7 @@ The stages live in the folders named for their roles: ``jaxpr/load.py``,
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Any, Sequence
@@ -38,6 +39,7 @@ from .ir.primitives import Unsupported
 from .jaxpr.emit import check_signature, emitter
 from .jaxpr.load import TOKEN_AVAL, SharedBodies, load_closed
 from .jaxpr.trace import Traced, collect_young_only
+from .jaxpr.transposes import transposes_as_input
 from .records import Budget, Limits, Result
 from .rules.rule import Rule
 from .rules.ruleset import Ruleset
@@ -339,10 +341,17 @@ def plain_program(snap: Any, eg: Any, entries: Sequence[tuple[Rule, Ruleset]], r
 def _held_to_input(ex: Any, closed: core.ClosedJaxpr, emit_choice: Any, model: CostModel
                    ) -> tuple[Any, core.ClosedJaxpr]:
     """``(ex, after)``: the extraction ``ex``'s program emitted and held to the input ``closed``: no fatter than it
-    (``no_fatter``), and where the two are priced alike, the one XLA holds fewer temporaries for
-    (``on_xla_count``)."""
+    (``no_fatter``), where the two are priced alike the one XLA holds fewer temporaries for (``on_xla_count``), and
+    differentiable by JAX where the input is (``transposes_as_input``: checked where values have reduced mesh axes;
+    else the input, as written)."""
     ex, after = no_fatter(ex, closed, emit_choice(ex.choice), emit_choice, model)
-    return on_xla_count(ex, closed, after, emit_choice, model)
+    ex, after = on_xla_count(ex, closed, after, emit_choice, model)
+    if ex.rewritten and not transposes_as_input(closed, after):  # (values with reduced mesh axes only)
+        written = next((cand for cand in ex.candidates if not cand.rewritten), None)
+        if written is not None:
+            ex, after = dataclasses.replace(ex, choice=written.choice, cost=written.cost, rewritten=False, lean=False,
+                                            leaner_fallback=None), closed
+    return ex, after
 
 
 def extract_by_policy(snap: Any, eg: Any, entries: Sequence[tuple[Rule, Ruleset]], roots: list, model: CostModel,

@@ -21,7 +21,7 @@ from typing import Any, Hashable, Iterator
 import numpy as np
 from jax.dtypes import float0
 
-from .jaxapi import HI_PRIMITIVE_TYPES, hi_primitive_state, is_prng_key, key_parts
+from .jaxapi import HI_PRIMITIVE_TYPES, has_reduced_axes, hi_primitive_state, is_prng_key, key_parts
 
 
 #: Each e-graph opens a generation (:func:`open_generation`) and keeps it open while it lives; an entry is stamped
@@ -306,13 +306,29 @@ def _same_items(params: dict, items: tuple) -> bool:
 
 
 class TypeTable(_Table):
-    """Type ids: abstract values (``ShapedArray`` with dtype, weak type, sharding), tokens and tuples of them."""
+    """Type ids: abstract values (``ShapedArray`` with dtype, weak type, sharding), tokens and tuples of them.
+
+    ``any_reduced`` turns true for good once a type with reduced or unreduced mesh axes is interned: until then no
+    program this process loaded holds such a value, and what only they need is not checked
+    (``rewrite.jaxpr.transposes``)."""
+
+    any_reduced = False
 
     def intern_aval(self, aval: Any) -> int:
-        return self.intern(("aval", aval), aval)
+        with self._lock:
+            fresh = self._next
+            found = self.intern(("aval", aval), aval)
+            if found >= fresh and not self.any_reduced and has_reduced_axes(aval):
+                self.any_reduced = True
+        return found
 
     def intern_tuple(self, avals: tuple[Any, ...]) -> int:
-        return self.intern(("tuple", avals), TupleType(avals))
+        with self._lock:
+            fresh = self._next
+            found = self.intern(("tuple", avals), TupleType(avals))
+            if found >= fresh and not self.any_reduced and any(map(has_reduced_axes, avals)):
+                self.any_reduced = True
+        return found
 
 
 class TupleType(tuple):
