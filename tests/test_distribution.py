@@ -449,3 +449,28 @@ def test_a_rewrite_jax_cannot_differentiate_over_reduced_values_is_not_kept(dtyp
             assert not r.result(x, y).rewritten
             kept = r.result(plain_x, y)
             assert kept.rewritten and kept.used.get("la_sum_product")
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_a_constant_read_in_an_auto_region_of_an_explicit_mesh(dtype):
+    """`x.at[:].set(v, out_sharding=P('x'))` under an explicit mesh scatters inside an Auto region (`auto_axes`),
+    and checkify's trace of it closes over the scatter's indices, a NumPy constant typed on no mesh. The rewritten
+    program held it as a JAX array made under the user's mesh, typed on it, and JAX refused it inside the Auto
+    region (`ValueError: ... context mesh ... should match the aval mesh`: checkify_test's
+    `test_auto_axes_explicit_top_level`, routed, an error at every call). It is made on no mesh."""
+    from jax.experimental import checkify
+
+    mesh = jax.make_mesh((2,), ("x",), axis_types=(AxisType.Explicit,))
+
+    def f(x):
+        return x.at[:].set(2.0, out_sharding=P("x")) * 3
+
+    with jax.set_mesh(mesh):
+        x = jax.device_put(jnp.linspace(-1, 1, 4, dtype=dtype), P("x"))
+        checked = checkify.checkify(f)
+        r = rewrite(checked, rulesets=[rulesets.algebra], strict=True)
+        want = jax.jit(checked)(x)[1]
+        for err, got in (r(x), jax.jit(r)(x)):
+            err.throw()
+            assert jax.typeof(got) == jax.typeof(want)
+            np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))

@@ -278,9 +278,17 @@ def hi_primitive_state(value: Any) -> tuple | None:
 
 def constant_array(a: Any) -> Any:
     """``a`` (a NumPy array) as a JAX array made as a constant, even while a JAX trace is open, where
-    ``jnp.asarray`` would bind into that trace."""
+    ``jnp.asarray`` would bind into that trace. Typed on no mesh, as the NumPy constant is: made under a mesh with
+    explicit axes (``jax.set_mesh``) it would be typed on that mesh, and a program that reads it inside an Auto
+    region of the mesh (``x.at[:].set(v, out_sharding=P('x'))``: a ``scatter`` under ``auto_axes``, whose indices
+    are such a constant) failed JAX's check that a value's mesh is the context's (checkify_test's
+    ``test_auto_axes_explicit_top_level``, routed)."""
     with jax.ensure_compile_time_eval():
-        return jax.numpy.asarray(a)
+        array = jax.numpy.asarray(a)
+        mesh = getattr(getattr(jax.typeof(array), "sharding", None), "mesh", None)
+        if mesh is not None and not mesh.empty:
+            array = jax.device_put(a)  # (uncommitted, on the default device, as jnp.asarray makes it on no mesh)
+        return array
 
 
 def is_prng_key(x: Any) -> bool:
