@@ -56,6 +56,10 @@ class Traced:
     #: the outputs are ``(result, state.Updates)``: the new values of the nnx Variables the call replaced
     carries_state: bool = False
 
+    #: traced again at each call, its rewrite reused for the same program only: where it closed over values of outer
+    #: traces, or holds hijax values (a Box's type is that of what it holds now: a program for Box([]) reads no list)
+    retraced = property(lambda self: bool(self.captured_count) or self.closed.jaxpr.is_high)
+
     @property
     def jitted(self) -> bool:
         """Is the whole program one ``jit`` call (``jax.jit``, ``eqx.filter_jit``, ``nnx.jit`` of the
@@ -289,9 +293,11 @@ def leaf_specs(flat: Sequence[Any], traced: Sequence[bool] = ()) -> tuple[list[A
     key = []
     for i, x in enumerate(flat):
         if is_traced_leaf(x) or (i < len(traced) and traced[i]):
-            aval = jax.typeof(x)
-            specs.append(aval)
-            key.append(aval_key(aval))
+            # (a hijax value under an outer trace, a Box, is no array: closed over, as a Box passed eagerly is, its
+            # program is left as it is, by the pipeline; keyed by its type, the cache keeps no tracer)
+            high = (aval := jax.typeof(x)).is_high
+            specs.append(Static(x) if high else aval)
+            key.append(("hijax", aval) if high else aval_key(aval))
         else:
             s = Static(x)
             specs.append(s)
