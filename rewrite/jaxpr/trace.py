@@ -39,6 +39,7 @@ from jax.interpreters import partial_eval as pe
 from jax.sharding import AxisType, use_abstract_mesh
 
 from ..ir.jaxapi import AbstractRef, ad, check_vma, core, fun_sourceinfo, primal_arrays, trace_context
+from ..ir.walk import holds_high_values
 from . import state as _state
 
 
@@ -58,7 +59,7 @@ class Traced:
 
     #: traced again at each call, its rewrite reused for the same program only: where it closed over values of outer
     #: traces, or holds hijax values (a Box's type is that of what it holds now: a program for Box([]) reads no list)
-    retraced = property(lambda self: bool(self.captured_count) or self.closed.jaxpr.is_high)
+    retraced = functools.cached_property(lambda self: bool(self.captured_count) or holds_high_values(self.closed.jaxpr))
 
     @property
     def jitted(self) -> bool:
