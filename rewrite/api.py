@@ -139,9 +139,9 @@ class Rewritten:
             args, kwargs, self.static_argnums, self.static_argnames, trace_floats=self._trace_floats)
         entry = self._cache.get(key)
         traced = None
-        if entry is not None and entry[0].captured_count:
-            # The function closed over values of an outer trace: this call's values are found by tracing it
-            # again, and the rewrite is reused only if that trace is the same program.
+        if entry is not None and entry[0].retraced:
+            # The function closed over values of an outer trace, or holds hijax values (Traced.retraced): it is
+            # traced again, and the rewrite is reused only if that trace is the same program.
             traced = trace(self.fn, specs, in_tree, stat_args, stat_kwargs, len(args))
             if not same_program(traced.closed, entry[0].closed):
                 entry = None
@@ -159,7 +159,7 @@ class Rewritten:
                     entry[1].times["trace"] = trace_time
                     self._cache[key] = entry
                     self.rewrites += 1
-        if entry[0].captured_count and traced is None:  # another thread rewrote it first
+        if entry[0].retraced and traced is None:  # another thread rewrote it first
             traced = trace(self.fn, specs, in_tree, stat_args, stat_kwargs, len(args))
         captured = traced.captured if traced is not None else ()
         flat = [as_operand(x) for x, d in zip(leaves, entry[0].dynamic) if d] + list(captured)

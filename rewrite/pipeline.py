@@ -33,7 +33,7 @@ from .extract.tie import on_xla_count
 from .ir.egraph import BodyRef, EGraph, ListRef
 from .ir.intern import LITERALS, TYPES, in_dtype
 from .ir.terms import ctor_arg_sorts
-from .ir.walk import operands, walk
+from .ir.walk import holds_high_values, operands, walk
 from .ir.jaxapi import BUILT_DEBUG, AbstractRef, core
 from .ir.primitives import Unsupported
 from .jaxpr.emit import check_signature, emitter
@@ -91,6 +91,9 @@ def run_pipeline(program: Traced | core.ClosedJaxpr, entries: Sequence[tuple[Rul
         # (its equations' effects name those inputs; a constant one would be read as an array, element by element)
         raise Unsupported("the program reads and writes mutable arrays (jax.new_ref) passed in or closed over, "
                           "which the rewriter leaves as they are")
+    if holds_high_values(closed.jaxpr):  # (a Box closed over was loaded as a NumPy object array)
+        raise Unsupported("the program holds hijax values (a Box, a value of a HiType), which the rewriter leaves as "
+                          "they are")
     with collect_young_only():
         result = _run(closed, entries, model, limits, keep, price_input, input_price, plain, as_loaded)
     check_signature(closed, result.after)

@@ -258,6 +258,62 @@ def test_a_program_making_a_mutable_array_is_left_as_written():
     np.testing.assert_allclose(jax.jit(r)(x), f(x), rtol=1e-6)
 
 
+# ---------------------------------------------------------------------- hijax values: a Box
+def _box(value):  # (hijax: JAX's experimental home of types above arrays)
+    from jax._src.hijax import Box
+
+    return Box(value)
+
+
+def test_a_box_passed_to_a_jitted_function_is_left_as_written():
+    """A ``Box`` passed under ``jax.jit`` was traced as an array: ``TypeError: Argument 'BoxTy()' ... is not a
+    valid JAX type`` (hijax_test's BoxTest.test_jit_arg, routed). It is closed over, and the program, which holds
+    it, is run as written, with a warning."""
+    def f(box, x):
+        box.set(box.get() + x)
+        return x * 2.0
+
+    r, box, other = rewrite(f, strict=False), _box(1.0), _box(10.0)
+    with pytest.warns(RewriteWarning, match="hijax"):
+        out = jax.jit(r)(box, 2.0)
+    again = jax.jit(r)(other, 5.0)  # another trace, another Box of the same type: its program, not box's
+    np.testing.assert_allclose(out, 4.0)
+    np.testing.assert_allclose(again, 10.0)
+    np.testing.assert_allclose(box.get(), 3.0)
+    np.testing.assert_allclose(other.get(), 15.0)
+
+
+def test_a_box_closed_over_is_read_and_written_as_a_box():
+    """A ``Box`` closed over was loaded as a NumPy object array: the rewritten program's scan raised ``Error
+    interpreting argument to scan`` (hijax_test's BoxTest.test_scan_basic, routed)."""
+    box = _box(1.0)
+
+    def double_it_3():
+        def body(_, __):
+            box.set(box.get() * 2)
+            return None, None
+        jax.lax.scan(body, None, None, length=3)
+
+    with pytest.warns(RewriteWarning, match="hijax"):
+        jax.jit(rewrite(double_it_3, strict=False))()
+    np.testing.assert_allclose(box.get(), 8.0)
+
+
+def test_a_box_whose_contents_change_type_is_traced_again():
+    """A Box's type is that of what it holds: the program traced for ``Box([])`` was run again for ``Box([1.0])``
+    and JAX raised ``ValueError: foreach() argument 2 is longer than argument 1`` (hijax_test's
+    BoxTest.test_nested_jit, routed)."""
+    box = _box([])
+
+    def g():
+        box.set(box.get() + [1.0])
+
+    r = rewrite(g, strict=False)
+    with pytest.warns(RewriteWarning, match="hijax"):
+        jax.jit(lambda: (r(), r()))()
+    np.testing.assert_allclose(box.get(), [1.0, 1.0])
+
+
 # ---------------------------------------------------------------------- JAX's configuration a trace reads
 def _precisions(closed):
     return {str(e.params.get("precision")) for e in closed.jaxpr.eqns if e.primitive.name == "dot_general"}

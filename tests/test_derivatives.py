@@ -616,3 +616,38 @@ def test_add_any_of_a_weak_and_a_strong_value_is_left_as_it_is():
         got, want = r(x, y), f(x, y)
         assert got.dtype == want.dtype and got.weak_type == want.weak_type
         np.testing.assert_array_equal(got, want)
+
+
+def test_add_any_of_a_users_element_type_is_left_as_it_is():
+    """``add_any`` of an extended dtype adds by the dtype's own rule, and ``lax.add`` refuses such values:
+    ``sign_add_any`` raised ``TypeError`` building ``x + y`` and the engine skipped it with a warning (dtypes_test's
+    test_custom_tangent_dtype_with_scan, routed: the cotangent of a custom_vjp's scale of element type scale32)."""
+    import dataclasses
+
+    from jax._src import dtypes
+    from jax._src.ad_util import add_jaxvals
+
+    class Rules:  # a float32 in disguise whose sum is the larger of the two
+        allow_conversion = True
+        physical_element_aval = staticmethod(lambda dtype: core.ShapedArray((), jnp.float32))
+        add = staticmethod(lambda dt, x, y: jax.lax.convert_element_type(
+            jax.lax.max(jax.lax.convert_element_type(x, jnp.float32), jax.lax.convert_element_type(y, jnp.float32)), dt))
+
+    class scale(dtypes.extended):
+        pass
+
+    @dataclasses.dataclass(frozen=True)
+    class ScaleDType(dtypes.ExtendedDType):
+        _rules: type = Rules
+        type: type = scale
+        name = "scale32"
+
+    def f(x, y):
+        s = add_jaxvals(jax.lax.convert_element_type(jnp.sin(x), ScaleDType()),
+                        jax.lax.convert_element_type(jnp.sin(y), ScaleDType()))
+        return jax.lax.convert_element_type(s, jnp.float32)
+
+    x, y = jnp.float32(1.0), jnp.float32(2.0)
+    got = jax.jit(rewrite(f, rulesets=[derivatives], strict=True))(x, y)
+    np.testing.assert_array_equal(got, jax.jit(f)(x, y))
+    np.testing.assert_array_equal(got, jnp.sin(2.0))  # the dtype's own add: the larger, not the sum

@@ -28,7 +28,7 @@ from typing import Any, Callable, Container, Iterable, Iterator, Sequence
 import jax.numpy as jnp
 
 from . import terms as _terms
-from .jaxapi import ad
+from .jaxapi import ad, core
 from .primitives import inner_jaxpr
 
 Node = tuple  # (ctor, args)
@@ -198,3 +198,16 @@ def computes_half_precision(jaxpr: Any) -> bool:
     """Whether ``jaxpr``, or a body in it, computes a 16-bit float (bfloat16 or float16)."""
     return _any_eqn(jaxpr, lambda e: any(getattr(v.aval, "dtype", None) in (jnp.bfloat16, jnp.float16)
                                          for v in e.outvars))
+
+
+def holds_high_values(jaxpr: Any) -> bool:
+    """Does ``jaxpr``, or a body in it, hold a value of a hijax type (a ``Box``, a user's ``HiType``), whose terms
+    would not be arrays? A hijax primitive of arrays (``call_hi_primitive`` of ``jnp.searchsorted``) holds none: it
+    is loaded as any primitive is. JAX marks both high (``Jaxpr.is_high``), and a plain program neither."""
+    if not jaxpr.is_high:
+        return False
+    high = lambda vs: any(getattr(v.aval, "is_high", False) for v in vs)
+    if high(jaxpr.constvars) or high(jaxpr.invars) or high(jaxpr.outvars):
+        return True
+    return any(high(e.invars) or high(e.outvars) or any(map(holds_high_values, core.jaxprs_in_params(e.params)))
+               for e in jaxpr.eqns)

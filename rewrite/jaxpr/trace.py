@@ -39,6 +39,7 @@ from jax.interpreters import partial_eval as pe
 from jax.sharding import AxisType, use_abstract_mesh
 
 from ..ir.jaxapi import AbstractRef, ad, check_vma, core, fun_sourceinfo, primal_arrays, trace_context
+from ..ir.walk import holds_high_values
 from . import state as _state
 from .relink import relinked
 
@@ -56,6 +57,10 @@ class Traced:
     captured_count: int = 0
     #: the outputs are ``(result, state.Updates)``: the new values of the nnx Variables the call replaced
     carries_state: bool = False
+
+    #: traced again at each call, its rewrite reused for the same program only: where it closed over values of outer
+    #: traces, or holds hijax values (a Box's type is that of what it holds now: a program for Box([]) reads no list)
+    retraced = functools.cached_property(lambda self: bool(self.captured_count) or holds_high_values(self.closed.jaxpr))
 
     @property
     def jitted(self) -> bool:
@@ -290,9 +295,11 @@ def leaf_specs(flat: Sequence[Any], traced: Sequence[bool] = ()) -> tuple[list[A
     key = []
     for i, x in enumerate(flat):
         if is_traced_leaf(x) or (i < len(traced) and traced[i]):
-            aval = jax.typeof(x)
-            specs.append(aval)
-            key.append(aval_key(aval))
+            # (a hijax value under an outer trace, a Box, is no array: closed over, as a Box passed eagerly is, its
+            # program is left as it is, by the pipeline; keyed by its type, the cache keeps no tracer)
+            high = (aval := jax.typeof(x)).is_high
+            specs.append(Static(x) if high else aval)
+            key.append(("hijax", aval) if high else aval_key(aval))
         else:
             s = Static(x)
             specs.append(s)
