@@ -57,9 +57,8 @@ class Traced:
     captured_count: int = 0
     #: the outputs are ``(result, state.Updates)``: the new values of the nnx Variables the call replaced
     carries_state: bool = False
-
-    #: traced again at each call, its rewrite reused for the same program only: where it closed over values of outer
-    #: traces, or holds hijax values (a Box's type is that of what it holds now: a program for Box([]) reads no list)
+    #: traced again at each call, its rewrite reused for the same program only: it closed over outer traces' values,
+    #: or holds hijax values (a Box's type is that of what it holds now: a program for Box([]) reads no list)
     retraced = functools.cached_property(lambda self: bool(self.captured_count) or holds_high_values(self.closed.jaxpr))
 
     @property
