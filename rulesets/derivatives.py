@@ -529,13 +529,6 @@ def _nonneg(x: Value) -> bool:
     return x.is_floating and x.nonneg
 
 
-def _adds_as_add(x: Value, y: Value) -> bool:
-    """May ``add_any(x, y)`` be written ``x + y``? Not where ``add`` would weaken the type (it is weak only
-    if both are), nor for an extended dtype (a user's element type, whose ``add_any`` is its own ``add`` rule
-    and which ``lax.add`` refuses)."""
-    return (not x.weak_type or y.weak_type) and bool(jnp.issubdtype(x.dtype, jnp.number))
-
-
 # ---------------------------------------------------------------------- the rules
 # A Pat rule has no function to trace, so each names an example program it fires in (for
 # rewrite.testing.check_ruleset): two float32 arrays of _S's shape unless said otherwise.
@@ -556,7 +549,9 @@ derivatives_exact = Ruleset("derivatives_exact", [
     *[_algebra.rule(n) for n in ("add_neg", "sub_neg", "reduce_unit_axes", "reshape_reshape")],  # x + -y -> x - y; ...
     rule(lambda x, y: lax.add(-x, y), lambda x, y: y - x, name="sign_neg_add", when=_floating),  # -x + y -> y - x
     rule(Pat("add_any", X, Y), lambda x, y: lax.add(x, y), name="sign_add_any",                   # add_any(x, y) -> x + y
-         when=_adds_as_add,  # add_any is typed as x, x + y weak only if both are; a user's element type adds by its rules
+         # add_any is typed as x, x + y weak only if both are; an extended dtype (a user's element type) adds by
+         # its own rule, and lax.add refuses it
+         when=lambda x, y: (not x.weak_type or y.weak_type) and jnp.issubdtype(x.dtype, jnp.number),
          example_program=(_vjp_of(lambda v: v * jnp.sin(v)), (_S, _S))),
     rule(Pat("reshape", Pat("neg", X), params="p"), lambda x, p: lax.neg(p.bind(x)), name="red_reshape_neg",  # reshape(-x) -> -reshape(x)
          when=lambda p: p.dimensions is None, example_program=(lambda x: (-(x.reshape(12))).reshape(3, 4), (_S,))),
