@@ -260,9 +260,11 @@ def test_a_program_making_a_mutable_array_is_left_as_written():
 
 # ---------------------------------------------------------------------- hijax values: a Box
 def _box(value):  # (hijax: JAX's experimental home of types above arrays)
-    from jax._src.hijax import Box
+    from jax._src import hijax
 
-    return Box(value)
+    if not hasattr(hijax, "Box"):
+        pytest.skip("this JAX's hijax has no Box (jax 0.12 has none)")
+    return hijax.Box(value)
 
 
 def test_a_box_passed_to_a_jitted_function_is_left_as_written():
