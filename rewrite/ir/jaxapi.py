@@ -296,6 +296,13 @@ def is_prng_key(x: Any) -> bool:
     return jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key)
 
 
+def staged_var(x: Any) -> Any:
+    """The variable of its jaxpr that ``x``, a tracer of a staging trace (``jit``, ``make_jaxpr``), stands for, even
+    once that trace has ended; ``None`` for any other value. (No public reader: a ``DynamicJaxprTracer``'s ``val``.)"""
+    v = getattr(x, "val", None) if isinstance(x, _pe.DynamicJaxprTracer) else None
+    return v if isinstance(v, _ext_core.Var) else None
+
+
 def held_as_is(x: Any) -> bool:
     """Is ``x`` a constant that a program the rewrite emits holds as it is, the very object, not made again from its
     values? A JAX array laid out on a mesh or over several devices (made again, it would sit on one device,

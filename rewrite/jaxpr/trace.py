@@ -41,6 +41,7 @@ from jax.sharding import AxisType, use_abstract_mesh
 from ..ir.jaxapi import AbstractRef, ad, check_vma, core, fun_sourceinfo, primal_arrays, trace_context
 from ..ir.walk import holds_high_values
 from . import state as _state
+from .relink import relinked
 
 
 @dataclasses.dataclass(frozen=True)
@@ -351,7 +352,7 @@ def trace(fn: Callable[..., Any], specs: Sequence[Any], in_tree: Any, stat_args:
         else:
             closed = jax.make_jaxpr(named[0])(*named[1], **named[2])
     out_tree, out_static = out_tree_box[-1]
-    closed, captured = _capture(closed)
+    closed, captured = _capture(relinked(closed))  # (a custom_jvp rule's tracers of this trace: see relink.py)
     return Traced(closed, in_tree, out_tree, dynamic, out_static, captured, len(captured), carries[-1])
 
 
