@@ -45,20 +45,24 @@ def relinked_rule(fun: Any, operands: list, avals: list) -> Any:
         key = tuple(bool(z) for z in in_zeros)
         if key not in memo:
             jaxpr, consts, out_zeros = fun.call_wrapped(*key[k:])
+            # the variables ``consts`` bind lead the jaxpr's inputs: its constvars on jax 0.10, on jax 0.11+ (a jaxpr
+            # with no consts attached has none) its first invars
+            leading = [*jaxpr.constvars, *jaxpr.invars]
+            constvars, rest = leading[:len(consts)], leading[len(consts):]
             at = {id(v): j for j, v in enumerate(operands)}
             read: dict[int, Any] = {}  # operand position -> the constant variable that stood for it
             kept_vars, kept = [], []
-            for v, c in zip(jaxpr.constvars, consts):
+            for v, c in zip(constvars, consts):
                 j = at.get(id(staged_var(c)), -1) if isinstance(c, core.Tracer) else -1
                 if j >= 0 and j not in read:
                     read[j] = v
                 else:
                     kept_vars.append(v)
                     kept.append(c)
-            n = len(jaxpr.invars) - (len(key) - k - sum(key[k:]))  # the rule's primals, then its tangents
+            n = len(rest) - (len(key) - k - sum(key[k:]))  # the rule's primals, then its tangents
             primals = [read[j] if j in read else core.Var(a) for j, a in enumerate(avals)]
             tangents = [core.Var(a.to_tangent_aval()) for a, z in zip(avals, key[:k]) if not z]
-            invars = [*primals, *jaxpr.invars[:n], *tangents, *jaxpr.invars[n:]]
+            invars = [*primals, *rest[:n], *tangents, *rest[n:]]
             debug = jaxpr.debug_info.with_unknown_names() if jaxpr.debug_info is not None else None
             new = jaxpr.replace(constvars=kept_vars, invars=invars, debug_info=debug)
             memo[key] = (_Relink().jaxpr(new), kept, out_zeros)  # the rule's own calls, for a second derivative
