@@ -18,6 +18,7 @@ from jax.extend import linear_util as lu
 from jax.interpreters import partial_eval as pe
 
 from ..ir.jaxapi import core
+from .edit import EqnEdit
 
 
 def dce_chain(x: Any) -> tuple[Any, list] | None:
@@ -86,49 +87,11 @@ def dce(closed: core.ClosedJaxpr) -> core.ClosedJaxpr:
     return core.ClosedJaxpr(_Unwrap().jaxpr(new), closed.consts)
 
 
-_BODIES = (core.Jaxpr, core.ClosedJaxpr)
+class _Unwrap(EqnEdit):
+    """:func:`unwrapped_rule` of every ``custom_jvp_call`` in a jaxpr and its bodies."""
 
-
-class _Unwrap:
-    """:func:`unwrapped_rule` of every ``custom_jvp_call`` in a jaxpr and its bodies; a body that changes is a new
-    object, one that does not is the same (each body read once)."""
-
-    def __init__(self) -> None:
-        self.done: dict[int, tuple[Any, Any]] = {}  # id -> (the body, kept alive; what it became)
-
-    def jaxpr(self, jaxpr: Any) -> Any:
-        eqns = [self.eqn(e) for e in jaxpr.eqns]
-        if all(a is b for a, b in zip(eqns, jaxpr.eqns)):
-            return jaxpr
-        return jaxpr.replace(eqns=eqns)
-
-    def eqn(self, e: Any) -> Any:
-        params = None  # a copy, made once something in it changes
-        for k, v in e.params.items():
-            if isinstance(v, _BODIES) or (type(v) in (tuple, list) and any(isinstance(x, _BODIES) for x in v)):
-                new = self.value(v)
-                if new is not v:
-                    params = params or dict(e.params)
-                    params[k] = new
-        if e.primitive.name == "custom_jvp_call" and "jvp_jaxpr_fun" in e.params:
-            rule = unwrapped_rule(e.params["jvp_jaxpr_fun"])
-            if rule is not e.params["jvp_jaxpr_fun"]:
-                params = params or dict(e.params)
-                params["jvp_jaxpr_fun"] = rule
-        return e if params is None else e.replace(params=params)
-
-    def value(self, v: Any) -> Any:
-        if isinstance(v, (tuple, list)):
-            out = [self.value(x) for x in v]
-            return v if all(a is b for a, b in zip(out, v)) else type(v)(out)
-        if not isinstance(v, _BODIES):
-            return v
-        if id(v) not in self.done:
-            if isinstance(v, core.Jaxpr) and not hasattr(v, "consts"):
-                new = self.jaxpr(v)
-            else:  # a ClosedJaxpr (on JAX 0.11+ a Jaxpr with its consts)
-                inner = self.jaxpr(v.jaxpr)
-                new = v if inner is v.jaxpr else core.ClosedJaxpr(inner, v.consts)
-            self.done[id(v)] = (v, new)
-        return self.done[id(v)][1]
-
+    def edited(self, e: Any, params: dict) -> dict | None:
+        if e.primitive.name != "custom_jvp_call" or "jvp_jaxpr_fun" not in params:
+            return None
+        rule = unwrapped_rule(params["jvp_jaxpr_fun"])
+        return None if rule is params["jvp_jaxpr_fun"] else {**params, "jvp_jaxpr_fun": rule}

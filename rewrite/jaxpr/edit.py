@@ -123,3 +123,51 @@ def loads_alike(eqns: Sequence[Any], before: Sequence[Any]) -> bool:
             return False  # two shardings of one conversion, made one: their terms merge
     return not any(e is f and e.primitive.name == "convert_element_type" and key(f) in changed
                    for e, f in zip(eqns, before))
+
+
+_BODIES = (core.Jaxpr, core.ClosedJaxpr)
+
+
+class EqnEdit:
+    """An edit of some equations' params throughout a jaxpr and its bodies: :meth:`edited` gives the params an
+    equation takes instead (``None``: as it is). A body that changes is a new object, one that does not is the same,
+    and each body is read once (``dce._Unwrap``, ``relink._Relink``)."""
+
+    def __init__(self) -> None:
+        self.done: dict[int, tuple[Any, Any]] = {}  # id -> (the body, kept alive; what it became)
+
+    def edited(self, e: Any, params: dict) -> dict | None:
+        """The params ``e`` takes instead of ``params`` (its own, with its bodies edited), or ``None``."""
+        raise NotImplementedError
+
+    def jaxpr(self, jaxpr: Any) -> Any:
+        eqns = [self.eqn(e) for e in jaxpr.eqns]
+        if all(a is b for a, b in zip(eqns, jaxpr.eqns)):
+            return jaxpr
+        return jaxpr.replace(eqns=eqns)
+
+    def eqn(self, e: Any) -> Any:
+        params = e.params  # a copy, made once something in it changes
+        for k, v in e.params.items():
+            if isinstance(v, _BODIES) or (type(v) in (tuple, list) and any(isinstance(x, _BODIES) for x in v)):
+                new = self.value(v)
+                if new is not v:
+                    params = dict(params) if params is e.params else params
+                    params[k] = new
+        params = self.edited(e, params) or params
+        return e if params is e.params else e.replace(params=params)
+
+    def value(self, v: Any) -> Any:
+        if isinstance(v, (tuple, list)):
+            out = [self.value(x) for x in v]
+            return v if all(a is b for a, b in zip(out, v)) else type(v)(out)
+        if not isinstance(v, _BODIES):
+            return v
+        if id(v) not in self.done:
+            if isinstance(v, core.Jaxpr) and not hasattr(v, "consts"):
+                new = self.jaxpr(v)
+            else:  # a ClosedJaxpr (on JAX 0.11+ a Jaxpr with its consts)
+                inner = self.jaxpr(v.jaxpr)
+                new = v if inner is v.jaxpr else core.ClosedJaxpr(inner, v.consts)
+            self.done[id(v)] = (v, new)
+        return self.done[id(v)][1]

@@ -23,8 +23,7 @@ from typing import Any
 from jax.extend import linear_util as lu
 
 from ..ir.jaxapi import core, staged_var
-
-_BODIES = (core.Jaxpr, core.ClosedJaxpr)
+from .edit import EqnEdit
 
 
 def relinked(closed: core.ClosedJaxpr) -> core.ClosedJaxpr:
@@ -71,46 +70,12 @@ def relinked_rule(fun: Any, operands: list, avals: list) -> Any:
     return lu.wrap_init(rule, debug_info=fun.debug_info)
 
 
-class _Relink:
-    """:func:`relinked_rule` for every ``custom_jvp_call`` with constant operands in a jaxpr and its bodies; a body
-    that changes is a new object, one that does not is the same (each body read once)."""
+class _Relink(EqnEdit):
+    """:func:`relinked_rule` for every ``custom_jvp_call`` with constant operands in a jaxpr and its bodies."""
 
-    def __init__(self) -> None:
-        self.done: dict[int, tuple[Any, Any]] = {}  # id -> (the body, kept alive; what it became)
-
-    def jaxpr(self, jaxpr: Any) -> Any:
-        eqns = [self.eqn(e) for e in jaxpr.eqns]
-        if all(a is b for a, b in zip(eqns, jaxpr.eqns)):
-            return jaxpr
-        return jaxpr.replace(eqns=eqns)
-
-    def eqn(self, e: Any) -> Any:
-        params = None  # a copy, made once something in it changes
-        for k, v in e.params.items():
-            if isinstance(v, _BODIES) or (type(v) in (tuple, list) and any(isinstance(x, _BODIES) for x in v)):
-                new = self.value(v)
-                if new is not v:
-                    params = params or dict(e.params)
-                    params[k] = new
-        n = e.params.get("num_consts") if e.primitive.name == "custom_jvp_call" else 0
-        if type(n) is int and n > 0 and "jvp_jaxpr_fun" in e.params:
-            params = params or dict(e.params)
-            params["num_consts"] = 0
-            params["jvp_jaxpr_fun"] = relinked_rule(e.params["jvp_jaxpr_fun"], list(e.invars[:n]),
-                                                    [v.aval for v in e.invars[:n]])
-        return e if params is None else e.replace(params=params)
-
-    def value(self, v: Any) -> Any:
-        if isinstance(v, (tuple, list)):
-            out = [self.value(x) for x in v]
-            return v if all(a is b for a, b in zip(out, v)) else type(v)(out)
-        if not isinstance(v, _BODIES):
-            return v
-        if id(v) not in self.done:
-            if isinstance(v, core.Jaxpr) and not hasattr(v, "consts"):
-                new = self.jaxpr(v)
-            else:  # a ClosedJaxpr (on JAX 0.11+ a Jaxpr with its consts)
-                inner = self.jaxpr(v.jaxpr)
-                new = v if inner is v.jaxpr else core.ClosedJaxpr(inner, v.consts)
-            self.done[id(v)] = (v, new)
-        return self.done[id(v)][1]
+    def edited(self, e: Any, params: dict) -> dict | None:
+        n = params.get("num_consts") if e.primitive.name == "custom_jvp_call" else 0
+        if not (type(n) is int and n > 0 and "jvp_jaxpr_fun" in params):
+            return None
+        rule = relinked_rule(params["jvp_jaxpr_fun"], list(e.invars[:n]), [v.aval for v in e.invars[:n]])
+        return {**params, "num_consts": 0, "jvp_jaxpr_fun": rule}
