@@ -200,14 +200,18 @@ def computes_half_precision(jaxpr: Any) -> bool:
                                          for v in e.outvars))
 
 
+def any_value(jaxpr: Any, pred: Callable[[Any], bool]) -> bool:
+    """Whether ``pred`` holds of the type of a constant, an input or an equation's output of ``jaxpr`` (closed or
+    not) or of any body in it (every value a jaxpr holds is one of those)."""
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    if any(pred(v.aval) for v in (*jaxpr.constvars, *jaxpr.invars)):
+        return True
+    return any(any(pred(v.aval) for v in e.outvars) or any(any_value(b, pred) for b in core.jaxprs_in_params(e.params))
+               for e in jaxpr.eqns)
+
+
 def holds_high_values(jaxpr: Any) -> bool:
     """Does ``jaxpr``, or a body in it, hold a value of a hijax type (a ``Box``, a user's ``HiType``), whose terms
     would not be arrays? A hijax primitive of arrays (``call_hi_primitive`` of ``jnp.searchsorted``) holds none: it
     is loaded as any primitive is. JAX marks both high (``Jaxpr.is_high``), and a plain program neither."""
-    if not jaxpr.is_high:
-        return False
-    high = lambda vs: any(getattr(v.aval, "is_high", False) for v in vs)
-    if high(jaxpr.constvars) or high(jaxpr.invars) or high(jaxpr.outvars):
-        return True
-    return any(high(e.invars) or high(e.outvars) or any(map(holds_high_values, core.jaxprs_in_params(e.params)))
-               for e in jaxpr.eqns)
+    return jaxpr.is_high and any_value(jaxpr, lambda a: getattr(a, "is_high", False))

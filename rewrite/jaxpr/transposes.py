@@ -16,33 +16,23 @@ one kind of type known to part a program's values from its transposability.
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterator
+from typing import Any
 
 import jax
 
 from ..ir.intern import TYPES
 from ..ir.jaxapi import core, has_reduced_axes
 from ..ir.primitives import is_float
+from ..ir.walk import any_value
 from .trace import no_cotangents, spec_of
 
 log = logging.getLogger(__name__)
 
 
-def _avals(closed: Any) -> Iterator[Any]:
-    jaxpr = getattr(closed, "jaxpr", closed)
-    for v in jaxpr.invars:
-        yield v.aval
-    for e in jaxpr.eqns:
-        for v in e.outvars:
-            yield v.aval
-        for sub in core.jaxprs_in_params(e.params):
-            yield from _avals(sub)
-
-
 def reads_reduced(closed: core.ClosedJaxpr) -> bool:
     """Does ``closed`` hold a value typed with reduced or unreduced mesh axes, an input or any equation's output,
     bodies included?"""
-    return any(has_reduced_axes(a) for a in _avals(closed))
+    return any_value(closed, has_reduced_axes)
 
 
 def vjp_error(closed: core.ClosedJaxpr) -> Exception | None:
