@@ -15,7 +15,6 @@ The stages live in the folders named for their roles: ``jaxpr/load.py``,
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from typing import Any, Sequence
@@ -27,8 +26,8 @@ from .cost.model import CostModel
 from .extract.choice import reachable
 from .extract.extract import extract, input_cost
 from .extract.extractor import shared
-from .extract.policy import (bar_preferred, copy_without, floor_test, made_by, no_fatter, provenance, recomputations,
-                             same_original_tree, withheld, worth_their_saving)
+from .extract.policy import (as_written, bar_preferred, copy_without, floor_test, made_by, no_fatter, provenance,
+                             recomputations, same_original_tree, withheld, worth_their_saving)
 from .extract.tie import on_xla_count
 from .ir.egraph import BodyRef, EGraph, ListRef
 from .ir.intern import LITERALS, TYPES, in_dtype
@@ -350,10 +349,9 @@ def _held_to_input(ex: Any, closed: core.ClosedJaxpr, emit_choice: Any, model: C
     ex, after = no_fatter(ex, closed, emit_choice(ex.choice), emit_choice, model)
     ex, after = on_xla_count(ex, closed, after, emit_choice, model)
     if ex.rewritten and not transposes_as_input(closed, after):  # (values with reduced mesh axes only)
-        written = next((cand for cand in ex.candidates if not cand.rewritten), None)
+        written = as_written(ex)
         if written is not None:
-            ex, after = dataclasses.replace(ex, choice=written.choice, cost=written.cost, rewritten=False, lean=False,
-                                            leaner_fallback=None), closed
+            ex, after = written, closed
     return ex, after
 
 

@@ -116,6 +116,12 @@ def floored(ex: Any, floor: float) -> Any:
     same temp memory (32,825,608 bytes) and run time (0.98x, A/A 0.93-1.04); no golden decision moves."""
     if ex.original_cost - ex.cost >= floor * ex.original_cost:
         return None
+    return as_written(ex)
+
+
+def as_written(ex: Any) -> Any:
+    """``ex``'s input program as an extraction of its own (not rewritten), or ``None`` where it has no such
+    candidate (preferred rules barred the input's forms)."""
     written = next((cand for cand in ex.candidates if not cand.rewritten), None)
     if written is None:
         return None
