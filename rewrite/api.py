@@ -18,6 +18,7 @@ import collections
 import dataclasses
 import functools
 import logging
+import sys
 import threading
 import time
 import warnings
@@ -46,7 +47,7 @@ from .jaxpr.trace import (CONCRETIZATION_ERRORS, Traced, as_operand, check_funct
 from .pipeline import limits_met, program_cost, run_pipeline, saturated_classes
 from .records import STEP_STAGES, Budget, Limits, Result, lap, stage
 from .report.report import Report, _fixed_cost, gradient_report, report_of
-from .rules.ruleset import Ruleset, entries_of
+from .rules.ruleset import Ruleset, entries_of, named_packs
 
 log = logging.getLogger("rewrite")
 
@@ -97,14 +98,15 @@ class Rewritten:
                  static_argnums: Sequence[int], static_argnames: Sequence[str], strict: bool | None,
                  cache: Any = None, guard: Any = False, whole_step: bool | None = None) -> None:
         functools.update_wrapper(self, fn)
+        # what it was made of: a pickle holds these (no program of this process) and makes the function again
+        self._made = (fn, rulesets, cost_model, limits, static_argnums, static_argnames, strict, cache, guard,
+                      whole_step)
         self.fn, self.entries = fn, entries_of(rulesets, builtin_packs)
         self.cost_model, self.limits = resolve(cost_model), Limits.of(limits)
         self.static_argnums, self.static_argnames = resolve_static(fn, static_argnums, static_argnames)
-        self._trace_floats = True  # Python float arguments are traced until one steers control flow
-        self.strict = strict
+        self._trace_floats, self.strict = True, strict  # Python floats are traced until one steers control flow
         self._cache: dict[Any, tuple[Traced, Result]] = {}
-        self._lock = threading.Lock()
-        self._warned: set[str] = set()
+        self._lock, self._warned = threading.Lock(), set()  # _warned: the names of the warnings given once
         self.rewrites = 0  # how many times a program was rewritten (cache misses)
         self.disk = _cache.resolve(cache)  # the disk cache (rewrite/cache/store.py), or None
         self.loaded = 0  # of those, how many were read from the disk cache instead
@@ -113,9 +115,16 @@ class Rewritten:
         self.derivative_rewrites: collections.Counter = collections.Counter()
         self._programs: dict[Any, Any] = {}
         self._jitted: dict[Any, tuple[core.ClosedJaxpr, Any]] = {}  # key -> (program, jax.jit of it)
-        #: look in the program for a loss whose gradients it holds (a training step): rewrite/grad/step.py. By
-        #: default only with the memory-shaped packs, whose forwards and backwards it exists to replace together
+        #: look for a loss whose gradients the program holds (a training step: rewrite/grad/step.py, searches_steps)
         self.whole_step, self.step_by_default = searches_steps(self.entries, whole_step), whole_step is None
+
+    def __reduce__(self) -> Any:
+        """By name where its module holds it (``@rewrite`` on a module's function), else made again from its making"""
+        held = sys.modules.get(self.__module__) if self.__module__ != "__main__" else None
+        for part in self.__qualname__.split("."):
+            held = getattr(held, part, None)
+        fn, packs, *rest = self._made  # the built-in packs by name: found again, not copied rule by rule
+        return self.__qualname__ if held is self else (type(self), (fn, named_packs(packs, builtin_packs(True)), *rest))
 
     def _prepare(self, args: tuple, kwargs: dict) -> tuple[Any, list[Any], tuple[Traced, Result], tuple]:
         """The call's cache key, program operands, (traced, result) entry, and nnx nodes (``state.lift``)."""
@@ -202,7 +211,7 @@ class Rewritten:
         try:
             program = program_fingerprint(traced.closed)
             return make_key(traced.closed, self.entries, self.cost_model, self.limits, program,
-                                   guard=self.guard), program
+                            guard=self.guard), program
         except Exception as e:  # Unstable: a rule or a param with no stable identity
             msg = (f"the rewrite cache is off for {getattr(self.fn, '__name__', 'function')!r}: its key cannot be "
                    f"made ({type(e).__name__}: {e}); each process rewrites it afresh")

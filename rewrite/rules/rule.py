@@ -4,16 +4,13 @@ A rule is two JAX functions of the same pattern variables::
 
     rule(lambda x: 2 * jnp.sin(x) * jnp.cos(x), lambda x: jnp.sin(2 * x), name="double_angle")
 
-The left-hand side is traced once per probe shape when the rule is defined
-(that is when a malformed rule fails, with an error naming it) and compiled
-into egglog queries. At rewrite time both sides are traced again at the
-matched classes' real shapes and dtypes: the left side to verify the match,
-the right side to build the replacement, so axes and shapes in the right side
-adapt to whatever was matched.
+The left-hand side is traced once per probe shape when the rule is defined (that is when a malformed rule
+fails, with an error naming it) and compiled into egglog queries. At rewrite time both sides are traced again at
+the matched classes' real shapes and dtypes: the left side to verify the match, the right side to build the
+replacement, so axes and shapes in the right side adapt to whatever was matched.
 
-A rule whose left side a JAX function cannot spell (any axes, a group of
-primitives, a scan's body) writes it as a :class:`Pat`. Its right side is then
-a function of the pattern's named bindings, traced at the matched shapes::
+A rule whose left side a JAX function cannot spell (any axes, a group of primitives, a scan's body) writes it as
+a :class:`Pat`. Its right side is then a function of the pattern's named bindings, traced at the matched shapes::
 
     rule(Pat("reduce_sum", Pat("neg", X), params="p"), lambda x, p: -p.bind(x), name="sum_neg")
 
@@ -240,10 +237,13 @@ class Rule:
         #: ``anchor=``'s primitive, which the queries match around (``pattern.anchored``), and the literal ids they hold
         self.anchor: str | None = None
         self.anchor_literals: frozenset[int] = frozenset()
-        #: both sides traced per avals, the :data:`TRACED_KEEP` used last (a new input shape adds some)
+        #: both sides traced per avals, the :data:`TRACED_KEEP` used last (a new input shape adds some), and
+        #: elementwise sides traced at one shape, by the inputs' dtypes (see :meth:`traced`); neither is pickled
         self._traced: collections.OrderedDict[tuple, Any] = collections.OrderedDict()
-        #: elementwise sides traced at one shape, by the inputs' dtypes (see :meth:`traced`)
         self._elementwise: dict[tuple, tuple] = {}
+
+    def __getstate__(self) -> dict:  # this process's traces (JAX's programs, with their tracebacks) stay here
+        return {**self.__dict__, "_traced": collections.OrderedDict(), "_elementwise": {}}
 
     @property
     def is_pat(self) -> bool:

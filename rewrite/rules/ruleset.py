@@ -238,6 +238,21 @@ def as_ruleset(x: Any, packs: Callable[[], Mapping[str, Ruleset]] | None = None)
                     f"got {type(x).__name__}{hint}")
 
 
+def named_packs(x: Any, packs: Mapping[str, Ruleset]) -> Any:
+    """``rulesets=`` with each built-in pack it holds, alone or in a list, given by its name (``packs``: the packs
+    by name): what a pickled rewritten function keeps, so that its packs are found again by name, not
+    copied rule by rule (their rules' functions need not pickle).
+
+    >>> import rulesets
+    >>> from rewrite.api import builtin_packs
+    >>> named_packs([rulesets.algebra, "nn"], builtin_packs())
+    ['algebra', 'nn']
+    """
+    if isinstance(x, Iterable) and not isinstance(x, (Ruleset, Rule, str, bytes, Mapping)):
+        return [named_packs(i, packs) for i in x]
+    return next((n for n, p in packs.items() if p is x), x)
+
+
 def entries_of(rulesets: Any, packs: Callable[[], Mapping[str, Ruleset]] | None = None
                ) -> list[tuple[Rule, Ruleset]]:
     """Every (rule, the ruleset that owns it) of ``rulesets=``, each rule once; ``packs`` resolves pack names
