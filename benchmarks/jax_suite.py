@@ -2,7 +2,8 @@
 
 Each JAX test file runs twice in its own pytest process, once as JAX ships it and once with
 ``jax.jit`` (and the ``jit`` that ``jtu.JaxTestCase._CompileAndCheck`` uses) replaced by a ``jit`` of
-``rewrite(fun, rulesets=PACKS)``; the two runs' outcomes are compared test by test. The report
+``rewrite(fun, rulesets=PACKS)``, and ``jax.pmap`` by a ``pmap`` of it (``JAX_SUITE_ROUTE_PMAP=0``: not); the two
+runs' outcomes are compared test by test. The report
 gives the tests run, those passed each way, those that newly fail with routing, the tests that went
 through the rewriter, the rewrites that fell back to the original program (``RewriteWarning``) and
 those that stopped at a limit (``RewriteLimitWarning``).
@@ -126,6 +127,29 @@ def _routed_jit(real_jit: Any, packs: Any) -> Any:
     return jit
 
 
+def _routed_pmap(real_pmap: Any, packs: Any) -> Any:
+    """``jax.pmap(fun, ...)`` of ``rewrite(fun)``: the rewriter traced inside each map (collectives over the
+    named axis in its program), the arguments ``pmap`` broadcasts static to it too."""
+    from rewrite import rewrite
+
+    def pmap(fun: Any = None, *args: Any, **kw: Any) -> Any:
+        if fun is None:
+            return functools.partial(pmap, *args, **kw)
+        if not callable(fun) or _called_from_the_rewriter():
+            return real_pmap(fun, *args, **kw)
+        static = kw.get("static_broadcasted_argnums") or ()
+        try:
+            rewritten = rewrite(fun, rulesets=packs, static_argnums=(static,) if isinstance(static, int) else static,
+                                strict=False, cache=False)
+        except Exception as e:  # what pmap itself rejects: pmap says so
+            STATE.build_errors.append(f"{type(e).__name__}: {e}")
+            return real_pmap(fun, *args, **kw)
+
+        return real_pmap(_counted(fun, rewritten), *args, **kw)
+
+    return pmap
+
+
 def _called_from_the_rewriter() -> bool:
     """Is ``jax.jit`` being called by the rewriter or a pack (``rewrite.api`` runs a jitted function's program
     compiled; a rule's procedure may compile a probe), not by JAX's tests? Routed, a program the rewriter leaves as
@@ -183,6 +207,8 @@ def _install() -> None:
     proxy.__getattr__ = lambda name: getattr(real_api, name)  # type: ignore[method-assign]
     proxy.jit = jit
     jtu.api = proxy
+    if os.environ.get("JAX_SUITE_ROUTE_PMAP", "1") == "1":
+        jax.pmap = _routed_pmap(jax.pmap, packs)
     if os.environ.get("JAX_SUITE_ROUTE_GRADS") == "1":
         import jax.test_util
 
