@@ -38,6 +38,8 @@ from __future__ import annotations
 import importlib as _importlib
 import sys as _sys
 import types as _types
+from collections.abc import Iterator as _Iterator
+from collections.abc import Mapping as _Mapping
 from typing import Any as _Any
 
 PACKS = ("algebra", "fastmath", "scan", "derivatives", "nn", "linalg", "attention")
@@ -78,17 +80,31 @@ def _load(name: str) -> _Any:
     return value
 
 
+class _Builtin(_Mapping):
+    """The packs by name, each loaded when it is first read: ``rewrite(f, rulesets=["nn"])`` loads ``nn`` alone
+    (defining a pack's rules runs their example programs: attention's took a second, and raised where it could not
+    run under a user's settings, for a program that named no attention at all)."""
+
+    def __getitem__(self, name: str) -> _Any:
+        if name not in PACKS:
+            raise KeyError(name)
+        try:
+            return getattr(_importlib.import_module(__name__), name)
+        except AttributeError:  # a pack not built yet
+            raise KeyError(name) from None
+
+    def __iter__(self) -> _Iterator[str]:
+        return (n for n in PACKS if n in self)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
 def __getattr__(name: str) -> _Any:
     if name in PACKS:
         return _load(name)
     if name == "BUILTIN":
-        out = {}
-        for pack in PACKS:
-            try:
-                out[pack] = getattr(_importlib.import_module(__name__), pack)
-            except AttributeError:
-                continue
-        return out
+        return _Builtin()
     raise AttributeError(f"module 'rulesets' has no attribute {name!r}")
 
 

@@ -27,6 +27,7 @@ import threading
 import time
 from typing import Any, Sequence
 
+import jax
 
 from ..ir import primitives as _primitives
 from ..ir.egraph import EGraph, Snapshot
@@ -225,7 +226,10 @@ class Engine:
         seconds = self.limits.seconds if budget is None or not self.active else budget.allow(self.limits.seconds)
         start = time.perf_counter()
         try:
-            stopped = self._run(seconds)
+            # the rules' code (the packs' kernels too) writes dtypes as JAX's standard promotion reads them; a
+            # replacement of another type than the class it joins is declined, whatever the user's promotion
+            with jax.numpy_dtype_promotion("standard"):
+                stopped = self._run(seconds)
             if budget is not None and self.active:
                 budget.record(seconds, time.perf_counter() - start, stopped)
             return stopped

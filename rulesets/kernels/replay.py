@@ -18,6 +18,7 @@ by vocabulary tiles (``rulesets.nn_lm_head_kernels.blocked_loss``).
 
 from __future__ import annotations
 
+import functools
 import threading
 from typing import Any, Callable, Hashable
 
@@ -77,10 +78,27 @@ def traced_once(fn: Callable[..., Any], *args: Any) -> tuple[Any, Callable[..., 
             lambda *xs: jax.tree_util.tree_unflatten(out_tree, run(*jax.tree_util.tree_leaves(xs))))
 
 
+def standard_promotion(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` run under JAX's standard dtype promotion, whatever its caller's. The kernels mix float32 accumulators
+    with narrower operands as that promotion reads them, and JAX runs a ``custom_vjp``'s rules, and a rule's
+    replacement is traced, under the settings of the user's trace: under ``jax_numpy_dtype_promotion="strict"``
+    each bfloat16 and float16 kernel raised ``TypePromotionError`` at ``jax.grad``. The types a kernel's program
+    computes are written in it, each a conversion JAX's promotion made explicit."""
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with jax.numpy_dtype_promotion("standard"):
+            return fn(*args, **kwargs)
+
+    return run
+
+
 def _traced(fn: Callable[..., Any], tree: Any, avals: tuple) -> tuple[Any, Any]:
-    """``(closed, out_tree)``: ``fn`` traced at arguments of pytree ``tree`` with leaves of ``avals``, flat."""
+    """``(closed, out_tree)``: ``fn`` traced at arguments of pytree ``tree`` with leaves of ``avals``, flat, under
+    standard promotion (:func:`standard_promotion`)."""
     shape: list = []
 
+    @standard_promotion
     def flat_fn(*xs: Any) -> list:
         leaves, out_tree = jax.tree_util.tree_flatten(fn(*jax.tree_util.tree_unflatten(tree, xs)))
         shape.append(out_tree)

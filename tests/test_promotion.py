@@ -1,0 +1,95 @@
+"""Rewrites under ``jax_numpy_dtype_promotion="strict"``, the setting careful users train with.
+
+The packs' rules and kernels write their dtypes as JAX's standard promotion reads them (float32 accumulators beside
+bfloat16 operands). Under a user's strict promotion, defining ``rulesets.attention`` raised (its bfloat16 example
+program), so every ``rewrite(f, rulesets=[<any pack's name>])`` on a machine with no cached checks raised, since a
+name loaded every pack; and ``jax.grad`` of a rewritten bfloat16 or float16 attention or LM head raised from the
+kernels' backward, which JAX traces under the user's settings. Both now run under standard promotion (the types are
+explicit in the programs they make), and a pack's name loads that pack alone.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import rulesets
+from rewrite import rewrite
+from rewrite.define import check_example
+
+TOLERANCE = {"float32": 2e-4, "bfloat16": 3e-2, "float16": 4e-3}
+
+
+def attention(q, k, v):
+    return jax.nn.softmax(q @ jnp.swapaxes(k, -1, -2) * 0.125, axis=-1) @ v
+
+
+def lm_head(h, w, b, y):
+    return optax.softmax_cross_entropy_with_integer_labels((h @ w + b).astype(jnp.float32), y).mean()
+
+
+def _inputs(name, dtype):
+    rng = np.random.default_rng(3)
+    if name == "attention":
+        return [jnp.asarray(rng.standard_normal((2, 512, 8)) + s, dtype) for s in (0.0, 0.0, 1.0)]
+    return [jnp.asarray(rng.standard_normal((512, 64)), dtype), jnp.asarray(rng.standard_normal((64, 2048)) / 8, dtype),
+            jnp.asarray(rng.standard_normal(2048), dtype), jnp.asarray(rng.integers(0, 2048, 512), jnp.int32)]
+
+
+def _close(a, b, dtype):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    tol = TOLERANCE[dtype] * max(1.0, float(np.max(np.abs(b))))
+    np.testing.assert_allclose(a, b, rtol=0, atol=tol)
+
+
+def test_attentions_example_programs_run_under_strict_promotion():
+    rules = [r for r, _ in rulesets.attention.entries() if r.program is not None]
+    assert {r.name for r in rules} >= {"attn_blocked_wide", "attn_blocked_wide_vp"}
+    with jax.numpy_dtype_promotion("strict"):
+        for r in rules:
+            check_example(r)  # raised ValueError (TypePromotionError in the rule) for the bfloat16 ones
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("name,packs,fires", [("attention", ["attention"], "attn_"),
+                                               ("lm_head", ["nn"], "nn_lm_head_lse")])
+def test_values_and_gradients_under_strict_promotion(name, packs, fires, dtype):
+    fn = {"attention": attention, "lm_head": lm_head}[name]
+    args = _inputs(name, dtype)
+    loss = lambda f: (lambda a, b, *rest: jnp.sum(jnp.sin(f(a, b, *rest).astype(jnp.float32))))
+    want = fn(*args), jax.grad(loss(fn), (0, 1))(*args)
+    with jax.numpy_dtype_promotion("strict"):
+        g = rewrite(fn, rulesets=packs, strict=True, cache=False)
+        assert any(k.startswith(fires) for k, s in g.result(*args).stats.items() if s.fired)
+        eager = g(*args), jax.grad(loss(g), (0, 1))(*args)
+        jitted = jax.jit(lambda *a: (g(*a), jax.grad(loss(g), (0, 1))(*a)))(*args)
+        vjp = jax.vjp(lambda a: g(a, *args[1:]), args[0])[1](jnp.ones_like(want[0]))[0]
+    want_vjp = jax.vjp(lambda a: fn(a, *args[1:]), args[0])[1](jnp.ones_like(want[0]))[0]
+    if dtype == "float16":  # the original's own float16 gradient errs most here: both held to float64's
+        with jax.enable_x64(True):
+            wide = [a.astype(jnp.float64) if jnp.issubdtype(a.dtype, jnp.floating) else a for a in args]
+            ref = fn(*wide), jax.grad(loss(fn), (0, 1))(*wide)
+        for got in (eager, jitted):
+            for a, b, r in zip(jax.tree.leaves(got), jax.tree.leaves(want), jax.tree.leaves(ref)):
+                r = np.asarray(r, np.float64)
+                ea, eb = (float(np.max(np.abs(np.asarray(x, np.float64) - r))) for x in (a, b))
+                assert ea <= 2 * eb + 1e-3 * float(np.max(np.abs(r))), (ea, eb)
+        return
+    for got in (eager, jitted):
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            _close(a, b, dtype)
+    _close(vjp, want_vjp, dtype)
+
+
+def test_a_packs_name_loads_that_pack_alone():
+    code = ("import sys, jax.numpy as jnp; from rewrite import rewrite; "
+            "f = rewrite(lambda x: jnp.sum(x * 2.0), rulesets=['algebra']); f(jnp.ones(3)); "
+            "print(sorted(m for m in sys.modules if m.startswith('rulesets.')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert "rulesets.algebra" in out and "rulesets.attention" not in out and "rulesets.nn" not in out, out
