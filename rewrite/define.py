@@ -19,6 +19,7 @@ from .cache.store import CHECKS
 from .cost.model import AnalyticCost
 from .jaxpr.trace import trace_at
 from .pipeline import run_pipeline
+from .rules.builder import standard_numpy
 from .rules.match import _short
 from .rules.pattern import Pat
 from .rules.rule import Rule, _one_example, build_rule
@@ -33,8 +34,9 @@ def rule(lhs: Any, rhs: Any, *, name: str, when: Callable[..., bool] | None = No
     # the deprecated spelling is resolved here, so that its warning points at the caller's line
     example = _one_example(name, isinstance(lhs, Pat), example_inputs, example_program, example)
     is_pat = isinstance(lhs, Pat)
-    r = build_rule(lhs, rhs, name=name, when=when, example_inputs=None if is_pat else example,
-              example_program=example if is_pat else None, prefer=prefer, anchor=anchor)
+    with standard_numpy():  # its sides traced at the probes, as the packs' code is written, whatever the user's
+        r = build_rule(lhs, rhs, name=name, when=when, example_inputs=None if is_pat else example,
+                       example_program=example if is_pat else None, prefer=prefer, anchor=anchor)
     r.defined_at = _call_site()
     if check_inputs:
         unknown = [k for k in check_inputs if k not in r.var_names]
@@ -104,12 +106,12 @@ def check_example(r: Rule) -> None:
     if key is not None and CHECKS.passed(key):
         return
     fn, avals = r.program
-    closed = trace_at(fn, avals)
     log = logging.getLogger("rewrite")
     disabled, log.disabled = log.disabled, True  # what the check finds is raised, not also logged
     try:
-        result = run_pipeline(closed, [(r, Ruleset(r.name, [r]))], AnalyticCost(),
-                              Limits(iterations=2))
+        with standard_numpy():  # the example is the rule's code, as its sides are
+            result = run_pipeline(trace_at(fn, avals), [(r, Ruleset(r.name, [r]))], AnalyticCost(),
+                                  Limits(iterations=2))
     finally:
         log.disabled = disabled
     at = f"on its example program ({', '.join(_short(a) for a in avals)})"

@@ -1,15 +1,20 @@
-"""Rewrites under ``jax_numpy_dtype_promotion="strict"``, the setting careful users train with.
+"""Rewrites under ``jax_numpy_dtype_promotion="strict"`` and ``jax_numpy_rank_promotion="raise"``, the settings
+careful users train with.
 
 The packs' rules and kernels write their dtypes as JAX's standard promotion reads them (float32 accumulators beside
 bfloat16 operands). Under a user's strict promotion, defining ``rulesets.attention`` raised (its bfloat16 example
 program), so every ``rewrite(f, rulesets=[<any pack's name>])`` on a machine with no cached checks raised, since a
 name loaded every pack; and ``jax.grad`` of a rewritten bfloat16 or float16 attention or LM head raised from the
-kernels' backward, which JAX traces under the user's settings. Both now run under standard promotion (the types are
-explicit in the programs they make), and a pack's name loads that pack alone.
+kernels' backward, which JAX traces under the user's settings; under ``rank_promotion="raise"`` defining
+``rulesets.derivatives`` raised, and the LM head's rules. The packs' code now runs under standard promotion with rank
+promotion allowed (``rewrite.rules.builder.standard_numpy``: the programs it makes hold each conversion and broadcast
+explicitly), and a pack's name loads that pack alone.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import subprocess
 import sys
 
@@ -21,7 +26,6 @@ import pytest
 
 import rulesets
 from rewrite import rewrite
-from rewrite.define import check_example
 
 TOLERANCE = {"float32": 2e-4, "bfloat16": 3e-2, "float16": 4e-3}
 
@@ -31,7 +35,14 @@ def attention(q, k, v):
 
 
 def lm_head(h, w, b, y):
-    return optax.softmax_cross_entropy_with_integer_labels((h @ w + b).astype(jnp.float32), y).mean()
+    return optax.softmax_cross_entropy_with_integer_labels((h @ w + b[None, :]).astype(jnp.float32), y).mean()
+
+
+@contextlib.contextmanager
+def strict():
+    """Both of JAX's strict settings (each alone is looser)."""
+    with jax.numpy_dtype_promotion("strict"), jax.numpy_rank_promotion("raise"):
+        yield
 
 
 def _inputs(name, dtype):
@@ -48,23 +59,26 @@ def _close(a, b, dtype):
     np.testing.assert_allclose(a, b, rtol=0, atol=tol)
 
 
-def test_attentions_example_programs_run_under_strict_promotion():
-    rules = [r for r, _ in rulesets.attention.entries() if r.program is not None]
-    assert {r.name for r in rules} >= {"attn_blocked_wide", "attn_blocked_wide_vp"}
-    with jax.numpy_dtype_promotion("strict"):
-        for r in rules:
-            check_example(r)  # raised ValueError (TypePromotionError in the rule) for the bfloat16 ones
+def test_every_pack_is_defined_under_strict_settings():
+    """Each pack's rules are traced at their probes and run on their example programs when defined: under strict
+    dtype promotion ``rulesets.attention`` raised (its bfloat16 examples), under ``rank_promotion="raise"``
+    ``rulesets.derivatives`` (``trig_sin2_over``'s example), in a process with no cached checks."""
+    code = "import rulesets; print(sorted(rulesets.BUILTIN.items()) and len(rulesets.BUILTIN))"
+    for setting in ({"JAX_NUMPY_DTYPE_PROMOTION": "strict"}, {"JAX_NUMPY_RANK_PROMOTION": "raise"}):
+        env = {**os.environ, "JAX_REWRITE_CACHE_DIR": "off", **setting}
+        run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=False)
+        assert run.returncode == 0 and run.stdout.strip() == str(len(rulesets.PACKS)), (setting, run.stderr[-2000:])
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 @pytest.mark.parametrize("name,packs,fires", [("attention", ["attention"], "attn_"),
                                                ("lm_head", ["nn"], "nn_lm_head_lse")])
-def test_values_and_gradients_under_strict_promotion(name, packs, fires, dtype):
+def test_values_and_gradients_under_strict_settings(name, packs, fires, dtype):
     fn = {"attention": attention, "lm_head": lm_head}[name]
     args = _inputs(name, dtype)
     loss = lambda f: (lambda a, b, *rest: jnp.sum(jnp.sin(f(a, b, *rest).astype(jnp.float32))))
     want = fn(*args), jax.grad(loss(fn), (0, 1))(*args)
-    with jax.numpy_dtype_promotion("strict"):
+    with strict():
         g = rewrite(fn, rulesets=packs, strict=True, cache=False)
         assert any(k.startswith(fires) for k, s in g.result(*args).stats.items() if s.fired)
         eager = g(*args), jax.grad(loss(g), (0, 1))(*args)

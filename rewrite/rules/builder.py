@@ -10,11 +10,12 @@ build are kept for the process (:func:`_trace_key`).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import threading
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -387,6 +388,18 @@ def _trace_key(fn: Callable[..., Any], avals: Sequence[Any]) -> Any:
         return (code, cells, defaults, kwdefaults, tuple(avals), _config())
     except (AttributeError, TypeError, ValueError):  # not a plain function, or a closure over an object
         return None
+
+
+@contextlib.contextmanager
+def standard_numpy() -> Iterator[None]:
+    """JAX's standard dtype promotion, and rank promotion allowed: the settings the packs' code (rules' sides and
+    procedures, example programs, kernels) is written for, entered wherever that code runs under a user's settings
+    (``jax_numpy_dtype_promotion="strict"``, ``jax_numpy_rank_promotion="raise"``). The programs it makes hold each
+    conversion and broadcast explicitly, and a replacement of another type than its class is declined as ever."""
+    import jax
+
+    with jax.numpy_dtype_promotion("standard"), jax.numpy_rank_promotion("allow"):
+        yield
 
 
 def _config() -> tuple:

@@ -27,14 +27,12 @@ import threading
 import time
 from typing import Any, Sequence
 
-import jax
-
 from ..ir import primitives as _primitives
 from ..ir.egraph import EGraph, Snapshot
 from ..ir.jaxapi import core
 from ..ir.intern import TYPES, sharded_apart, types_agree
 from ..jaxpr.load import Unsupported, load_closed
-from .builder import Builder, OutOfTime
+from .builder import Builder, OutOfTime, standard_numpy
 from .match import Match, _short
 from .pattern import commuted, present
 from .prefer import lhs_ctors
@@ -226,9 +224,7 @@ class Engine:
         seconds = self.limits.seconds if budget is None or not self.active else budget.allow(self.limits.seconds)
         start = time.perf_counter()
         try:
-            # the rules' code (the packs' kernels too) writes dtypes as JAX's standard promotion reads them; a
-            # replacement of another type than the class it joins is declined, whatever the user's promotion
-            with jax.numpy_dtype_promotion("standard"):
+            with standard_numpy():  # the rules' code, whatever the user's promotion settings
                 stopped = self._run(seconds)
             if budget is not None and self.active:
                 budget.record(seconds, time.perf_counter() - start, stopped)

@@ -27,7 +27,7 @@ import jax.extend.core
 
 from rewrite.cache.fingerprint import Memo
 from rewrite.jaxpr.trace import trace_at
-from rewrite.rules.builder import _config
+from rewrite.rules.builder import _config, standard_numpy
 
 #: Traces kept per function; past it the oldest goes.
 SIZE = 8
@@ -79,15 +79,14 @@ def traced_once(fn: Callable[..., Any], *args: Any) -> tuple[Any, Callable[..., 
 
 
 def standard_promotion(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` run under JAX's standard dtype promotion, whatever its caller's. The kernels mix float32 accumulators
-    with narrower operands as that promotion reads them, and JAX runs a ``custom_vjp``'s rules, and a rule's
-    replacement is traced, under the settings of the user's trace: under ``jax_numpy_dtype_promotion="strict"``
-    each bfloat16 and float16 kernel raised ``TypePromotionError`` at ``jax.grad``. The types a kernel's program
-    computes are written in it, each a conversion JAX's promotion made explicit."""
+    """``fn`` run under :func:`rewrite.rules.builder.standard_numpy`, whatever its caller's settings. The kernels
+    mix float32 accumulators with narrower operands as standard promotion reads them, and JAX runs a
+    ``custom_vjp``'s rules under the settings of the user's trace: under ``jax_numpy_dtype_promotion="strict"``
+    each bfloat16 and float16 kernel raised ``TypePromotionError`` at ``jax.grad``."""
 
     @functools.wraps(fn)
     def run(*args: Any, **kwargs: Any) -> Any:
-        with jax.numpy_dtype_promotion("standard"):
+        with standard_numpy():
             return fn(*args, **kwargs)
 
     return run
