@@ -25,7 +25,7 @@ import optax
 import pytest
 
 import rulesets
-from rewrite import rewrite
+from rewrite import Ruleset, rewrite, rule
 
 TOLERANCE = {"float32": 2e-4, "bfloat16": 3e-2, "float16": 4e-3}
 
@@ -107,3 +107,19 @@ def test_a_packs_name_loads_that_pack_alone():
             "print(sorted(m for m in sys.modules if m.startswith('rulesets.')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert "rulesets.algebra" in out and "rulesets.attention" not in out and "rulesets.nn" not in out, out
+
+
+def test_a_rules_left_side_is_matched_as_the_users_program_was_traced():
+    """The left side is checked against the matched program by tracing it at the match's types, under the user's
+    settings as the program was: JAX keys its traces of an inner ``jit`` (``jnp.linalg.inv``) by them, so a left
+    side traced under other settings held another inner program and never verified (the replacement, the rule's
+    own code, is built under standard promotion)."""
+    inv_solve = rule(lambda a, b: jnp.linalg.inv(a) @ b, lambda a, b: jnp.linalg.solve(a, b), name="inv_solve_p",
+                     example_inputs=(jax.ShapeDtypeStruct((4, 4), jnp.float32), jax.ShapeDtypeStruct((4,), jnp.float32)))
+    a = jnp.eye(5) * 2.0 + 0.1 * jax.random.normal(jax.random.key(0), (5, 5))
+    b = jnp.arange(5.0)
+    with strict():
+        f = rewrite(lambda a, b: jnp.linalg.inv(a) @ b, rulesets=[Ruleset("s", [inv_solve], soundness="identity")],
+                    strict=True)
+        assert f.result(a, b).stats["inv_solve_p"].fired == 1
+        np.testing.assert_allclose(f(a, b), jnp.linalg.solve(a, b), rtol=1e-5, atol=1e-5)

@@ -34,6 +34,7 @@ from ..ir.intern import PARAMS
 from ..ir.jaxapi import core
 from ..ir.primitives import GROUPS
 from ..jaxpr.trace import _mesh_of, trace_at
+from .builder import standard_numpy
 from .match import Params, Value, _short
 from .pattern import (CONVERTED, Pat, PatternError, Query, anchored_queries, commuted, compile_pats,
                       compile_traced, generalize)
@@ -256,12 +257,10 @@ class Rule:
     def traced(self, avals: tuple[Any, ...]) -> tuple[core.ClosedJaxpr, core.ClosedJaxpr | None]:
         """Both sides traced at these avals (cached). Raises if either side cannot be traced there.
 
-        Where every input has one shape, and both sides traced at another
-        shape with the same dtypes were elementwise there (every value of
-        that shape or a scalar literal, every equation elementwise), the
-        sides are those programs at this shape (:func:`_retyped`) instead of
-        new traces: an elementwise program computes the same scalar function
-        at every position, so two that agree at one shape agree at all.
+        Where every input has one shape, and both sides traced at another shape with the same dtypes were
+        elementwise there (every value of that shape or a scalar literal, every equation elementwise), the sides
+        are those programs at this shape (:func:`_retyped`) instead of new traces: an elementwise program computes
+        the same scalar function at every position, so two that agree at one shape agree at all.
         """
         found = self._traced.get(avals)
         if found is not None:
@@ -277,9 +276,9 @@ class Rule:
                 found = tuple(None if side is None else _retyped(side, avals, shape) for side in seen)
             else:
                 try:
-                    lhs = trace_at(self.lhs, avals)
-                    rhs = None if self.is_procedural else trace_at(self.rhs, avals)
-                    found = (lhs, rhs)
+                    lhs = trace_at(self.lhs, avals)  # as the user's program was, under the user's settings
+                    with standard_numpy():  # the replacement is the rule's code (rewrite.rules.builder)
+                        found = (lhs, None if self.is_procedural else trace_at(self.rhs, avals))
                 except Exception as e:  # a rule need not apply at every shape
                     found = e.with_traceback(None)  # its frames would keep the failed trace's values alive
                 else:

@@ -224,8 +224,7 @@ class Engine:
         seconds = self.limits.seconds if budget is None or not self.active else budget.allow(self.limits.seconds)
         start = time.perf_counter()
         try:
-            with standard_numpy():  # the rules' code, whatever the user's promotion settings
-                stopped = self._run(seconds)
+            stopped = self._run(seconds)
             if budget is not None and self.active:
                 budget.record(seconds, time.perf_counter() - start, stopped)
             return stopped
@@ -453,7 +452,8 @@ class Engine:
             self._raised(rule, stats, e, "its guard")
             return True
         try:
-            result = rule.rhs(m)
+            with standard_numpy():  # the replacement is the rule's code, whatever the user's promotion settings
+                result = rule.rhs(m)
         except (Unsupported, OutOfTime):
             raise
         except core.ShardingTypeError as e:
