@@ -106,7 +106,7 @@ class Rewritten:
         self.static_argnums, self.static_argnames = resolve_static(fn, static_argnums, static_argnames)
         self._trace_floats, self.strict = True, strict  # Python floats are traced until one steers control flow
         self._cache: dict[Any, tuple[Traced, Result]] = {}
-        self._lock, self._warned = threading.Lock(), set()  # _warned: the names of the warnings given once
+        self._lock, self._warned = threading.RLock(), set()  # reentrant: it may call itself as it is traced
         self.rewrites = 0  # how many times a program was rewritten (cache misses)
         self.disk = _cache.resolve(cache)  # the disk cache (rewrite/cache/store.py), or None
         self.loaded = 0  # of those, how many were read from the disk cache instead

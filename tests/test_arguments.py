@@ -1,6 +1,7 @@
 """What a rewritten function takes as it is called: traced and static arguments, their cache keys, values
 closed over from an outer trace, and ``float0`` values (issue 29, items 2, 5 and 6; issue 31, item 7)."""
 
+import functools
 import math
 import warnings
 
@@ -108,6 +109,25 @@ def test_a_negative_static_argnum_counts_from_the_end_of_the_call():
     rf = rewrite(lambda x, *rest: x * rest[-1], static_argnums=(-1,))
     np.testing.assert_array_equal(rf(X, 1.0, 3), X * 3)
     assert rf.rewrites == 1
+
+
+def test_a_function_that_calls_itself_while_traced_is_rewritten():
+    # flax's test_jit_recursive: a jitted method calls itself once with another static argument. The inner call
+    # is a cache miss of the same rewritten function, made while the outer call holds its lock: it waited on it
+    # forever (a plain Lock). Run in a thread so that a deadlock fails the test instead of hanging it.
+    import threading
+
+    @functools.partial(rewrite, static_argnames="again")
+    def f(x, again=True):
+        return (f(x, again=False) if again else x) + 1
+
+    out = []
+    worker = threading.Thread(target=lambda: out.append(f(X)), daemon=True)
+    worker.start()
+    worker.join(timeout=60)
+    assert out, "the recursive call deadlocked"
+    np.testing.assert_array_equal(out[0], X + 2)
+    assert f.rewrites == 2
 
 
 # ---------------------------------------------------------------------- values closed over from an outer trace
