@@ -508,7 +508,8 @@ def _mesh_of(aval: Any) -> Any:
 @contextlib.contextmanager
 def _context(avals: Sequence[Any]):
     """Enter the mesh context these avals were made in, if they carry a mesh, to trace a rule's side over them.
-    (Not the user's function: :func:`trace` traces it in the caller's context, as ``jax.jit`` does.)
+    (Not the user's function: :func:`trace` traces it in the caller's context, as ``jax.jit`` does.) JAX's default
+    numpy promotion, which rules' jnp code is written for (a user's rank_promotion="raise" broke loading packs).
 
     With explicit sharding, every value's type names the mesh, and values made
     inside the trace (a broadcast literal, say) take the context's mesh; inside
@@ -516,15 +517,14 @@ def _context(avals: Sequence[Any]):
     over and inserts ``pvary``. Tracing without the right context gives values
     of another type than the program's.
     """
-
     mesh = next((m for m in map(_mesh_of, avals) if m is not None), None)
-    if mesh is None or (all(t == AxisType.Auto for t in mesh.axis_types) and jax.sharding.get_abstract_mesh().empty):
-        # (a rule's side over values of a mesh of Auto axes alone is traced as the program was: outside it where no
-        # mesh is set, and in it inside an explicit one, whose Auto regions made them: auto_axes, out_sharding=)
-        yield
-        return
-    manual = tuple(n for n, t in zip(mesh.axis_names, mesh.axis_types) if t == AxisType.Manual)
-    with contextlib.ExitStack() as stack:
+    with jax.numpy_rank_promotion("allow"), jax.numpy_dtype_promotion("standard"), contextlib.ExitStack() as stack:
+        if mesh is None or (set(mesh.axis_types) <= {AxisType.Auto} and jax.sharding.get_abstract_mesh().empty):
+            # (a rule's side over values of a mesh of Auto axes alone is traced as the program was: outside it where
+            # no mesh is set, and in it inside an explicit one, whose Auto regions made them: auto_axes, out_sharding=)
+            yield
+            return
+        manual = tuple(n for n, t in zip(mesh.axis_names, mesh.axis_types) if t == AxisType.Manual)
         stack.enter_context(use_abstract_mesh(mesh))
         if manual:
             varying = any(getattr(getattr(a, "manual_axis_type", None), "varying", None) for a in avals)
@@ -541,20 +541,20 @@ def trace_at(fn: Callable[..., Any], avals: Sequence[Any]) -> core.ClosedJaxpr:
     directly, without ``make_jaxpr``'s ``jit`` around it (which is half the
     cost of a small trace); the jaxpr is the same.
     """
-    if not any(_mesh_of(a) is not None for a in avals):
-        try:
-            in_avals = [core.ShapedArray(a.shape, a.dtype, weak_type=bool(getattr(a, "weak_type", False)))
-                        for a in avals]
-            # The debug info made by hand: api_util.debug_info reads the function's signature (inspect), a
-            # quarter of a small trace's cost; argument names only label error messages.
-            debug = core.DebugInfo("rewrite.trace_at", fun_sourceinfo(fn), None, core.initial_result_paths)
-        except Exception:  # not a function these internals take: make_jaxpr's way (fn is not called twice)
-            pass
-        else:
-            flat = lu.wrap_init(lambda *xs: jax.tree_util.tree_leaves(fn(*xs)), debug_info=debug)
-            jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(flat, in_avals)
-            return core.ClosedJaxpr(jaxpr, consts)
     with _context(avals):
+        if not any(_mesh_of(a) is not None for a in avals):
+            try:
+                in_avals = [core.ShapedArray(a.shape, a.dtype, weak_type=bool(getattr(a, "weak_type", False)))
+                            for a in avals]
+                # The debug info made by hand: api_util.debug_info reads the function's signature (inspect), a
+                # quarter of a small trace's cost; argument names only label error messages.
+                debug = core.DebugInfo("rewrite.trace_at", fun_sourceinfo(fn), None, core.initial_result_paths)
+            except Exception:  # not a function these internals take: make_jaxpr's way (fn is not called twice)
+                pass
+            else:
+                flat = lu.wrap_init(lambda *xs: jax.tree_util.tree_leaves(fn(*xs)), debug_info=debug)
+                jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(flat, in_avals)
+                return core.ClosedJaxpr(jaxpr, consts)
         return jax.make_jaxpr(fn)(*[spec_of(a) for a in avals])
 
 
