@@ -798,3 +798,28 @@ def test_a_while_loops_condition_that_calls_back_is_not_run_at_rewrite_time():
     assert not g.result(x).stats["while_to_scan"].fired
     assert calls == []
     np.testing.assert_allclose(g(x), loop(x), rtol=1e-6)
+
+
+def test_a_loop_whose_input_comes_from_an_effectful_loop_is_rewritten():
+    """A scan with an effect in its body (``jax.debug.print``: equinox's while-loop tests print each step) is an
+    ``Effect`` node of the e-graph, whose first argument is a token, not a body. ``sink_inputs`` read it as a scan's
+    body when the loop after it takes its stacked outputs, and raised (82 of equinox's test_while_loop fell back)."""
+    steps = []
+
+    def fn(c0, xs, w):
+        def body(c, x):
+            jax.debug.callback(lambda v: steps.append(v), x[0, 0])
+            return jnp.tanh(c * w + x), (c * 2.0 + x, x * w)
+
+        _, (a, b) = lax.scan(body, c0, xs)
+        return lax.scan(lambda c, z: (c * 0.5 + z * c, jnp.sum(z * c)), c0, a * w + b)
+
+    c0, xs, w = jnp.linspace(-1.0, 1.0, 6).reshape(2, 3), jnp.linspace(-1.0, 1.0, 36).reshape(6, 2, 3), 0.7
+    g = rewrite(fn, rulesets=[rulesets.scan], strict=True)
+    want = fn(c0, xs, w)
+    assert len(steps) == 6
+    got = g(c0, xs, w)
+    jax.effects_barrier()
+    assert len(steps) == 12
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
