@@ -103,7 +103,7 @@ class Rewritten:
         self._trace_floats = True  # Python float arguments are traced until one steers control flow
         self.strict = strict
         self._cache: dict[Any, tuple[Traced, Result]] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # a trace may call this function again (lineax: linear_solve in linear_solve)
         self._warned: set[str] = set()
         self.rewrites = 0  # how many times a program was rewritten (cache misses)
         self.disk = _cache.resolve(cache)  # the disk cache (rewrite/cache/store.py), or None
