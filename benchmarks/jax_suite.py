@@ -96,13 +96,14 @@ def _counted(fun: Any, rewritten: Any) -> Any:
     @functools.wraps(fun)
     def routed(*args: Any, **kwargs: Any) -> Any:
         STATE.calls += 1
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always", RewriteWarning)
-            out = rewritten(*args, **kwargs)
-        for w in caught:
-            if not issubclass(w.category, RewriteWarning):
-                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
-        return out
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always", RewriteWarning)
+                return rewritten(*args, **kwargs)
+        finally:  # passed on when the call raises too (diffrax's test_event_backsolve: a warning, then an error)
+            for w in caught:
+                if not issubclass(w.category, RewriteWarning):
+                    warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
 
     return routed
 

@@ -70,7 +70,7 @@ from jax.extend.core import Var, jaxprs_in_params
 from rewrite import Ruleset, Tolerance, procedural, rule
 from rewrite.ir.jaxapi import has_reduced_axes, scan_counted
 from rewrite.ir.primitives import nbytes
-from rewrite.cache.fingerprint import Memo
+from rewrite.cache.fingerprint import CALLBACKS, Memo
 from rewrite.jaxpr.trace import program_key, trace_at
 from rewrite.rules.builder import _config, _Traces
 from rewrite.loops import SCAN, WHILE, Body, Decline, Loop, adds_one
@@ -466,13 +466,13 @@ def _buffer_rows(loop: Loop, k: int, counters: dict[int, int]) -> tuple[Any, np.
             raise Decline("the loop reads the buffer otherwise")
         for c, start in counters.items():
             at = m.function([index, *rest], [loop.input(loop.num_consts + c)])
-            if at is None:
+            if at is None or _calls_back(at):
                 continue
             steps = np.arange(start, start + T, dtype=loop.args[loop.num_consts + c].dtype)
             text = _text_of(at)
             key = None if text is None else ("rows", text, _value_key(steps))
             values = [np.asarray(v).reshape(T, -1)
-                      for v in _compute_now(jax.vmap(lambda i, at=at: at(i)), steps, key=key)]
+                      for v in _compute_now(lambda s, at=at: lax.map(at, s), steps, key=key)]
             if any(np.any(v != 0) for v in values[1:]):
                 raise Decline("the write is not at a whole row")
             rows = values[0][:, 0].astype(np.int64)
@@ -502,6 +502,12 @@ def _compute_now(fn: Callable, *args: Any, key: Any = None) -> Any:
 
 #: :func:`_compute_now`'s values, by their keys
 _NOW = Memo("rulesets.scan._NOW")
+
+
+def _calls_back(fn: Any) -> bool:
+    """Would computing a function read back from the e-graph now call into Python or have an effect? It is not
+    computed then: the rewriter never runs a program's callback (``rewrite.cache.fingerprint.CALLBACKS``)."""
+    return bool(fn.jaxpr.effects) or any(e.primitive.name in CALLBACKS for e in equations(fn.jaxpr))
 
 
 def _text_of(fn: Any) -> str | None:
@@ -542,7 +548,8 @@ def while_to_scan(m) -> Any:
     """``while`` whose condition reads only a counter carry and constants -> a ``scan`` of the trip count.
 
     The trip count is found by evaluating the condition at the counter's
-    values (up to 2^20 steps); the scan runs the same body as many times, so
+    values, step by step (up to 2^20 steps), unless it calls back into Python
+    or has an effect; the scan runs the same body as many times, so
     the loop's results are exactly the same. ``lax.fori_loop`` with bounds
     that are not Python ints writes such loops.
     """
@@ -552,7 +559,7 @@ def while_to_scan(m) -> Any:
     carries = args[cnc + bnc:]
     cond_in = [m.param(cond.scope, i, a.aval) for i, a in enumerate(args[:cnc] + carries)]
     test = m.function([cond.outs[0]], cond_in)
-    if test is None:
+    if test is None or _calls_back(test):
         return None
     used = [i for i, u in enumerate(test.uses) if u]
     fixed = {i: args[i].constant for i in used if i < cnc}
@@ -565,23 +572,23 @@ def while_to_scan(m) -> Any:
     if start is None or carries[k].ndim or not np.issubdtype(carries[k].dtype, np.integer) \
             or not adds_one(body.outs[k], me):
         return None
-    cap = 1 << 20
-    steps = np.arange(int(start), int(start) + cap, dtype=carries[k].dtype)
+    cap, i0 = 1 << 20, np.asarray(start, carries[k].dtype)
     vals = [fixed[i] if i < cnc else None for i in range(len(cond_in))]
 
     def at(i):
         return test(*[i if j == cnc + k else (v if v is not None else jnp.zeros(cond_in[j].shape, cond_in[j].dtype))
                       for j, v in enumerate(vals)])[0]
 
+    def steps(i0):  # the loop's own steps, one at a time: a condition's primitive may refuse a batch (equinox's)
+        one = np.ones((), i0.dtype)
+        return lax.while_loop(lambda c: (c[0] < cap) & at(c[1]), lambda c: (c[0] + 1, c[1] + one), (0, i0))[0]
+
     text = _text_of(test)
-    key = None if text is None else ("trip", text, cnc + k, int(start), steps.dtype.str, cap, tuple(
+    key = None if text is None else ("steps", text, cnc + k, int(start), i0.dtype.str, cap, tuple(
         None if j == cnc + k else ("zeros", cond_in[j].shape, np.dtype(cond_in[j].dtype).str) if v is None
         else _value_key(v) for j, v in enumerate(vals)))
-    go = np.asarray(_compute_now(jax.vmap(at), steps, key=key))
-    if go.all():
-        return None
-    trip = int(np.argmin(go))
-    if trip < 1:
+    trip = int(_compute_now(steps, i0, key=key))
+    if trip < 1 or trip >= cap:
         return None
     params = dict(_SCAN_PARAMS, length=trip, num_consts=bnc, num_carry=len(carries), _rw_order=tuple(range(bnc + len(carries))))
     if "linear" in params:

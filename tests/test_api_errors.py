@@ -132,6 +132,21 @@ def test_a_correct_pat_rule_is_accepted_and_check_false_skips_the_check():
     assert rule(Pat("sin", Pat.var("x")), lambda x: jnp.sine(x), name="unchecked", example_program=EXAMPLE, check=False)
 
 
+def test_a_rule_is_traced_under_jaxs_default_numpy_promotion():
+    """A rule's jnp code is written for JAX's default promotion. Under a user's rank_promotion="raise" (equinox's
+    and diffrax's test suites set it, with dtype_promotion="strict") its example program could not be traced:
+    loading the derivatives pack raised at trig_sin2_over, and every routed jit of those suites crashed."""
+    x, b = jnp.linspace(-1.0, 1.0, 16).reshape(4, 4), jnp.linspace(0.5, 2.0, 4)
+    with jax.numpy_rank_promotion("raise"), jax.numpy_dtype_promotion("strict"):
+        r = rule(Pat("sin", Pat.var("x")), lambda x: jnp.sin(x) * jnp.ones(x.shape[-1:], x.dtype), name="sin_ones",
+                 example_program=(lambda x, b: jnp.sin(b * x), (S((4, 4), F32), S((4,), F32))))
+        f = rewrite(lambda x, b: jnp.sin(x * b[None, :]), rulesets=[Ruleset("r", [r])], strict=True)
+        np.testing.assert_allclose(f(x, b), jnp.sin(x * b[None, :]), rtol=1e-6)
+        assert f.result(x, b).stats["sin_ones"].fired == 1
+        with pytest.raises(ValueError, match="rank_promotion"):  # the user's own program is traced as they set
+            f(x, b[:, None, None])
+
+
 def test_no_warning_is_logged_while_a_rule_is_checked(caplog):
     with caplog.at_level("WARNING", logger="rewrite"), warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -469,3 +469,23 @@ def test_a_closed_over_key_used_twice_is_caught_by_jax_key_reuse_checker(dtype):
                 g()
             np.testing.assert_array_equal(np.asarray(first, np.float32),
                                           np.asarray(jax.random.uniform(jax.random.key(5), (3,), dtype), np.float32))
+
+
+def test_a_function_whose_trace_calls_its_own_rewrite_again_is_rewritten():
+    """equinox's ``filter_jit`` jits one wrapper per function name, and lineax's ``linear_solve`` (GMRES) calls
+    ``linear_solve`` (QR) while it is traced: routed, the one rewrite held its lock through the outer trace and the
+    inner call waited on it for ever (lineax's test_gmres_large_dense hung). As ``jax.jit`` does, it is rewritten."""
+    import threading
+
+    def f(x, depth):
+        return jnp.sin(x) if depth == 0 else g(x * 2.0, depth - 1) + 1.0
+
+    g = rewrite(f, static_argnums=(1,), strict=True)
+    x = jnp.linspace(-1.0, 1.0, 4)
+    out = []
+    worker = threading.Thread(target=lambda: out.append(g(x, 2)), daemon=True)  # a hang fails, not blocks, the run
+    worker.start()
+    worker.join(60)
+    assert out, "the nested call never returned"
+    np.testing.assert_allclose(out[0], jnp.sin(x * 4.0) + 2.0, rtol=1e-6)
+    assert g.rewrites == 3

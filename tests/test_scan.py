@@ -746,3 +746,80 @@ def test_a_sequentially_batched_callback_is_not_lifted_again_at_every_iteration(
     assert r.stats["lift_independent"].fired == 0
     np.testing.assert_array_equal(np.asarray(g(x), np.float32), np.asarray(f(x), np.float32))
     np.testing.assert_array_equal(np.asarray(jax.jit(g)(x), np.float32), np.asarray(f(x), np.float32))
+
+
+def _unbatched():
+    """An identity primitive without a batching rule, as equinox's ``nonbatchable`` refuses a batch."""
+    from jax.extend.core import Primitive
+    from jax.interpreters import mlir
+
+    p = Primitive("unbatched_identity")
+    p.def_impl(lambda x: x)
+    p.def_abstract_eval(lambda x: x)
+    mlir.register_lowering(p, mlir.lower_fun(lambda x: x, multiple_results=False))
+    return p
+
+
+UNBATCHED = _unbatched()
+
+
+def test_a_while_loops_trip_count_is_computed_without_batching_its_condition():
+    """equinox's checkpointed loops (``eqxi.while_loop``: ``eqxi.scan(kind="checkpointed")``, diffrax's solves) hold
+    a ``nonbatchable`` primitive in their condition, whose batching rule raises. ``while_to_scan`` computed the trip
+    count as ``vmap`` of the condition over 2^20 counter values, raised, and the whole rewrite fell back (equinox's
+    test_scan, routed). The loop's steps are taken one at a time."""
+    def loop(x):
+        return lax.while_loop(lambda c: UNBATCHED.bind(c[0] < 5), lambda c: (c[0] + 1, jnp.sin(c[1]) + 1.0),
+                              (0, x))[1]
+
+    x = jnp.linspace(-1.0, 1.0, 4)
+    g = rewrite(loop, rulesets=[rulesets.scan], strict=True)
+    assert g.result(x).stats["while_to_scan"].fired
+    np.testing.assert_allclose(g(x), loop(x), rtol=1e-6)
+    np.testing.assert_allclose(jax.jit(g)(x), loop(x), rtol=1e-6)
+
+
+def test_a_while_loops_condition_that_calls_back_is_not_run_at_rewrite_time():
+    """``while_to_scan`` ran the condition now, a callback in it included (with 2^20 counter values): the rewriter
+    runs no callback of a program. It leaves such a loop as written."""
+    calls = []
+
+    def below(i):
+        calls.append(np.shape(i))
+        return np.asarray(i < 5)
+
+    def loop(x):
+        cond = lambda c: jax.pure_callback(below, jax.ShapeDtypeStruct((), jnp.bool_), c[0],  # noqa: E731
+                                           vmap_method="broadcast_all")
+        return lax.while_loop(cond, lambda c: (c[0] + 1, jnp.sin(c[1]) + 1.0), (0, x))[1]
+
+    x = jnp.linspace(-1.0, 1.0, 4)
+    g = rewrite(loop, rulesets=[rulesets.scan], strict=True)
+    assert not g.result(x).stats["while_to_scan"].fired
+    assert calls == []
+    np.testing.assert_allclose(g(x), loop(x), rtol=1e-6)
+
+
+def test_a_loop_whose_input_comes_from_an_effectful_loop_is_rewritten():
+    """A scan with an effect in its body (``jax.debug.print``: equinox's while-loop tests print each step) is an
+    ``Effect`` node of the e-graph, whose first argument is a token, not a body. ``sink_inputs`` read it as a scan's
+    body when the loop after it takes its stacked outputs, and raised (82 of equinox's test_while_loop fell back)."""
+    steps = []
+
+    def fn(c0, xs, w):
+        def body(c, x):
+            jax.debug.callback(lambda v: steps.append(v), x[0, 0])
+            return jnp.tanh(c * w + x), (c * 2.0 + x, x * w)
+
+        _, (a, b) = lax.scan(body, c0, xs)
+        return lax.scan(lambda c, z: (c * 0.5 + z * c, jnp.sum(z * c)), c0, a * w + b)
+
+    c0, xs, w = jnp.linspace(-1.0, 1.0, 6).reshape(2, 3), jnp.linspace(-1.0, 1.0, 36).reshape(6, 2, 3), 0.7
+    g = rewrite(fn, rulesets=[rulesets.scan], strict=True)
+    want = fn(c0, xs, w)
+    assert len(steps) == 6
+    got = g(c0, xs, w)
+    jax.effects_barrier()
+    assert len(steps) == 12
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)

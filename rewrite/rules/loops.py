@@ -452,7 +452,7 @@ class Loop:
         m = self.m
         (tup,) = proj.operands
         k = proj.args[1]
-        f = tup.node("scan")
+        f = next((n for n in tup.nodes if n.ctor == "Scan"), None)  # not an effectful one (an Effect: no body class)
         if f is None or self.depends_on_loop(tup):
             return None
         fp = f.params
