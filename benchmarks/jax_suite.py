@@ -108,47 +108,34 @@ def _counted(fun: Any, rewritten: Any) -> Any:
     return routed
 
 
-def _routed_jit(real_jit: Any, packs: Any) -> Any:
+def _routed(real: Any, packs: Any, statics: Any) -> Any:
+    """``real`` (``jax.jit``, ``jax.pmap``) of ``rewrite(fun)``, static in what ``real`` makes static (``statics``:
+    ``rewrite``'s keywords from ``real``'s); under ``pmap`` the rewriter traces inside each map (collectives over the
+    named axis in its program)."""
     from rewrite import rewrite
 
-    def jit(fun: Any = None, /, **kw: Any) -> Any:
+    def route(fun: Any = None, /, *args: Any, **kw: Any) -> Any:
         if fun is None:
-            return functools.partial(jit, **kw)
+            return functools.partial(route, *args, **kw)
         if not callable(fun) or _called_from_the_rewriter():
-            return real_jit(fun, **kw)
+            return real(fun, *args, **kw)
         try:
-            rewritten = rewrite(fun, rulesets=packs, static_argnums=kw.get("static_argnums") or (),
-                                static_argnames=kw.get("static_argnames") or (), strict=False, cache=False)
-        except Exception as e:  # what jax.jit itself rejects (a bad static_argnums): jax.jit says so
+            rewritten = rewrite(fun, rulesets=packs, strict=False, cache=False, **statics(kw))
+        except Exception as e:  # what jax.jit or pmap itself rejects (a bad static_argnums): it says so
             STATE.build_errors.append(f"{type(e).__name__}: {e}")
-            return real_jit(fun, **kw)
+            return real(fun, *args, **kw)
 
-        return real_jit(_counted(fun, rewritten), **kw)
+        return real(_counted(fun, rewritten), *args, **kw)
 
-    return jit
+    return route
 
 
-def _routed_pmap(real_pmap: Any, packs: Any) -> Any:
-    """``jax.pmap(fun, ...)`` of ``rewrite(fun)``: the rewriter traced inside each map (collectives over the
-    named axis in its program), the arguments ``pmap`` broadcasts static to it too."""
-    from rewrite import rewrite
+def _jit_statics(kw: dict) -> dict:
+    return {"static_argnums": kw.get("static_argnums") or (), "static_argnames": kw.get("static_argnames") or ()}
 
-    def pmap(fun: Any = None, *args: Any, **kw: Any) -> Any:
-        if fun is None:
-            return functools.partial(pmap, *args, **kw)
-        if not callable(fun) or _called_from_the_rewriter():
-            return real_pmap(fun, *args, **kw)
-        static = kw.get("static_broadcasted_argnums") or ()
-        try:
-            rewritten = rewrite(fun, rulesets=packs, static_argnums=(static,) if isinstance(static, int) else static,
-                                strict=False, cache=False)
-        except Exception as e:  # what pmap itself rejects: pmap says so
-            STATE.build_errors.append(f"{type(e).__name__}: {e}")
-            return real_pmap(fun, *args, **kw)
 
-        return real_pmap(_counted(fun, rewritten), *args, **kw)
-
-    return pmap
+def _pmap_statics(kw: dict) -> dict:
+    return {"static_argnums": kw.get("static_broadcasted_argnums") or ()}
 
 
 def _called_from_the_rewriter() -> bool:
@@ -201,7 +188,7 @@ def _install() -> None:
 
     warnings.warn = _recording_warn(warnings.warn)
     packs = [getattr(rulesets, p) for p in PACKS]
-    jit = _routed_jit(jax.jit, packs)
+    jit = _routed(jax.jit, packs, _jit_statics)
     jax.jit = jit
     real_api = jtu.api
     proxy = types.ModuleType("api")  # test_util calls api.jit; only that name changes
@@ -209,7 +196,7 @@ def _install() -> None:
     proxy.jit = jit
     jtu.api = proxy
     if os.environ.get("JAX_SUITE_ROUTE_PMAP", "1") == "1":
-        jax.pmap = _routed_pmap(jax.pmap, packs)
+        jax.pmap = _routed(jax.pmap, packs, _pmap_statics)
     if os.environ.get("JAX_SUITE_ROUTE_GRADS") == "1":
         import jax.test_util
 

@@ -29,7 +29,8 @@ import numpy as np
 from jax import lax
 
 from rewrite.loops import laid_out
-from rulesets.kernels.replay import replayed, standard_promotion, traced_once
+from rewrite.rules.builder import standard_numpy
+from rulesets.kernels.replay import replayed, traced_once
 
 __all__ = ["Layout", "Reads", "Stats", "COLUMNS", "TILE", "ROWS_BYTES", "WHOLE_BYTES", "forward_rows",
            "blocked_forward", "blocked_backward", "blocked_loss", "combine_tiles", "label_logit", "row_sums",
@@ -525,7 +526,7 @@ def blocked_loss(*, layout: Layout, block: int, reads: Reads, columns: int = COL
     def fwd(h: Any, w: Any, b: Any, labels: Any, target: Any) -> tuple:
         return forward(h, w, b, labels, target), (h, w, b, labels, target)
 
-    @standard_promotion
+    @standard_numpy()  # JAX runs it under the user's settings: strict promotion raised in bfloat16
     def bwd(res: tuple, g: tuple) -> tuple:
         dh, dw, db, dt = blocked_backward(*res, Stats(*g), layout=layout, block=block, reads=reads, columns=columns)
         return dh, dw, db, None, dt

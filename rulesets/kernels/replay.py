@@ -18,7 +18,6 @@ by vocabulary tiles (``rulesets.nn_lm_head_kernels.blocked_loss``).
 
 from __future__ import annotations
 
-import functools
 import threading
 from typing import Any, Callable, Hashable
 
@@ -78,26 +77,13 @@ def traced_once(fn: Callable[..., Any], *args: Any) -> tuple[Any, Callable[..., 
             lambda *xs: jax.tree_util.tree_unflatten(out_tree, run(*jax.tree_util.tree_leaves(xs))))
 
 
-def standard_promotion(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` run under :func:`rewrite.rules.builder.standard_numpy`, whatever its caller's settings. The kernels
-    mix float32 accumulators with narrower operands as standard promotion reads them, and JAX runs a
-    ``custom_vjp``'s rules under the settings of the user's trace: under ``jax_numpy_dtype_promotion="strict"``
-    each bfloat16 and float16 kernel raised ``TypePromotionError`` at ``jax.grad``."""
-
-    @functools.wraps(fn)
-    def run(*args: Any, **kwargs: Any) -> Any:
-        with standard_numpy():
-            return fn(*args, **kwargs)
-
-    return run
-
-
 def _traced(fn: Callable[..., Any], tree: Any, avals: tuple) -> tuple[Any, Any]:
     """``(closed, out_tree)``: ``fn`` traced at arguments of pytree ``tree`` with leaves of ``avals``, flat, under
-    standard promotion (:func:`standard_promotion`)."""
+    the settings the kernels are written for, whatever the caller's (JAX runs a ``custom_vjp``'s rules under those
+    of the user's trace: :func:`rewrite.rules.builder.standard_numpy`)."""
     shape: list = []
 
-    @standard_promotion
+    @standard_numpy()
     def flat_fn(*xs: Any) -> list:
         leaves, out_tree = jax.tree_util.tree_flatten(fn(*jax.tree_util.tree_unflatten(tree, xs)))
         shape.append(out_tree)
