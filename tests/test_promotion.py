@@ -101,6 +101,23 @@ def test_values_and_gradients_under_strict_settings(name, packs, fires, dtype):
     _close(vjp, want_vjp, dtype)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("name,packs", [("attention", ["attention"]), ("lm_head", ["nn"])])
+def test_jvp_and_vmap_under_strict_settings(name, packs, dtype):
+    fn = {"attention": attention, "lm_head": lm_head}[name]
+    args = _inputs(name, dtype)
+    t, stacked = jnp.ones_like(args[0]), jnp.stack([args[0]] * 2)
+    of = lambda f: (lambda a: f(a, *args[1:]))
+    want = jax.jvp(of(fn), (args[0],), (t,)), jax.vmap(of(fn))(stacked)
+    with strict():
+        g = rewrite(fn, rulesets=packs, strict=True, cache=False)
+        got = [(jax.jvp(of(g), (args[0],), (t,)), jax.vmap(of(g))(stacked)),
+               jax.jit(lambda a, s: (jax.jvp(of(g), (a,), (t,)), jax.vmap(of(g))(s)))(args[0], stacked)]
+    for each in got:
+        for a, b in zip(jax.tree.leaves(each), jax.tree.leaves(want)):
+            _close(a, b, dtype)
+
+
 def test_a_packs_name_loads_that_pack_alone():
     code = ("import sys, jax.numpy as jnp; from rewrite import rewrite; "
             "f = rewrite(lambda x: jnp.sum(x * 2.0), rulesets=['algebra']); f(jnp.ones(3)); "
