@@ -545,7 +545,7 @@ def _attempt(step: core.ClosedJaxpr, graph: _Graph, root: Any, eqns: list[int], 
     body = None if shared is None else shared().body_between(root, lifted)
     if body is not None:  # its re-derivation's loss could never be proven the step's: not made
         return (f"not proven equal to its re-derivation, which was not made: its cone runs through a {body} body, "
-                "which a body loaded again (a scope of its own) never is"), None
+                "which the proof cannot match yet (jax.grad(rewrite(loss)) rewrites such a loss's derivative)"), None
     if left_as_written is not None:
         left_as_written(flat_cone)
     try:
