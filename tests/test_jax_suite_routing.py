@@ -18,3 +18,36 @@ def test_a_warning_of_a_routed_call_that_raises_is_passed_on():
     routed = jax_suite._counted(f, f)
     with pytest.warns(DeprecationWarning, match="deprecated spelling"), pytest.raises(NotImplementedError):
         routed(1.0)
+
+
+def test_jit_of_the_same_function_again_reuses_its_rewrite(monkeypatch):
+    """``jax.jit(f)`` called again for the same ``f`` reuses ``f``'s traces and executables; routed, each call made a
+    new ``rewrite(f)``, rewritten afresh (blackjax's meanfield test calls ``jax.jit(step)`` 15,000 times: 600 s
+    against 16 s). The routing keeps the last few functions' rewrites, so the same ``f`` is rewritten once, and a
+    new function, or the same one with other static arguments, is not mistaken for it."""
+    import jax
+    import jax.numpy as jnp
+
+    import rewrite
+
+    made = []
+    real_rewrite = rewrite.rewrite
+    monkeypatch.setattr(rewrite, "rewrite", lambda fun, **kw: made.append(fun) or real_rewrite(fun, **kw))
+    monkeypatch.setattr(jax_suite, "_ROUTED", type(jax_suite._ROUTED)())
+    route = jax_suite._routed(jax.jit, [], jax_suite._jit_statics)
+
+    def f(x, n):
+        return jnp.sin(x) * n
+
+    x = jnp.arange(4.0)
+    for _ in range(3):
+        assert jnp.allclose(route(f, static_argnums=1)(x, 2), jnp.sin(x) * 2)
+    assert made == [f]
+    assert jnp.allclose(route(f, static_argnums=(1,))(x, 3), jnp.sin(x) * 3)  # the same statics, spelled so
+    assert made == [f]
+    route(f)(x, 2.0)  # other static arguments: another rewrite
+    def g(x, n):
+        return jnp.cos(x) * n
+
+    assert jnp.allclose(route(g, static_argnums=1)(x, 2), jnp.cos(x) * 2)
+    assert made == [f, f, g]
