@@ -1,10 +1,13 @@
-"""State a rewritten function changes in place: carried out (nnx Variables) or refused (everything else).
+"""State a rewritten function changes in place: carried out (nnx Variables), the result (an entry of a container
+the function returns) or refused (everything else).
 
 Each stateful library is run three ways and compared: the original program,
 the rewritten one, and (for nnx) ``nnx.jit`` of the original. Updated state
 must match, not only the returned loss: a step that returns the right loss
 and leaves its parameters where they were trains nothing.
 """
+
+from typing import NamedTuple
 
 import equinox as eqx
 import flax.linen as linen
@@ -129,6 +132,63 @@ def test_dict_argument_updated_in_place_refused():
 
     with pytest.raises(StateError, match=r"args\[0\]\['seen'\]"):
         rewrite(count, strict=False)({"seen": jnp.zeros(())}, jnp.ones(3))
+
+
+def test_an_entry_set_in_a_returned_dict_is_the_result_as_under_jit():
+    """A step that sets an entry of a dict it was passed and returns that dict loses nothing: the result holds the
+    new value, and ``jax.jit`` leaves the caller's own dict as it was, as the rewritten program does. It was refused
+    (blackjax 1.7's SVGD step sets its kernel's ``length_scale`` in the state's dict, and returns the state), while
+    an entry set in a dict that is not returned still is (the first test above)."""
+    class State(NamedTuple):
+        x: jax.Array
+        params: dict
+
+    def step(state):
+        state.params["scale"] = jnp.median(jnp.abs(state.x)) + state.params["scale"]
+        state.params["seen"] = state.params["seen"] + 1
+        return State(state.x * state.params["scale"], state.params), jnp.sum(state.x)
+
+    def fresh():
+        return State(X, {"scale": jnp.float32(0.5), "seen": jnp.int32(0)})
+
+    want = jax.jit(step)(fresh())
+    for run in (rewrite(step, rulesets=PACKS), jax.jit(rewrite(step, rulesets=PACKS))):
+        given = fresh()
+        got = run(given)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            assert jnp.allclose(a, b, rtol=1e-6), (a, b)
+        assert float(given.params["scale"]) == 0.5 and int(given.params["seen"]) == 0  # as jax.jit leaves it
+    batched = jax.vmap(rewrite(step, rulesets=PACKS))(jax.tree.map(lambda a: jnp.stack([a, a]), fresh()))
+    assert jnp.allclose(batched[0].params["scale"][1], want[0].params["scale"], rtol=1e-6)
+
+    def value_only(state):  # the value returned, its dict not: the change to the dict would be lost
+        state.params["scale"] = state.params["scale"] * 2
+        return state.params["scale"]
+
+    with pytest.raises(StateError, match=r"args\[0\]\.params\['scale'\]|args\[0\]\[1\]\['scale'\]"):
+        rewrite(value_only)(fresh())
+
+
+def test_blackjax_svgd_step_rewritten_as_jit_runs_it():
+    """blackjax's SVGD with its median heuristic, whose step sets the kernel's bandwidth in place in the state's
+    dict and returns the state (its own test, routed through the rewriter, raised StateError)."""
+    blackjax = pytest.importorskip("blackjax")
+    from blackjax.vi import svgd as svgd_mod
+    from jax.scipy import stats
+
+    heuristic = getattr(svgd_mod, "update_median_heuristic", None)
+    if heuristic is None:
+        pytest.skip("this blackjax has no median heuristic")
+    def logp(x):
+        return stats.multivariate_normal.logpdf(x, jnp.zeros(2), jnp.eye(2))
+
+    svgd = blackjax.svgd(jax.grad(logp), optax.adam(0.2), svgd_mod.rbf_kernel, heuristic)
+    state = svgd.init(jax.random.normal(jax.random.key(0), (50, 2)), {"length_scale": 1.0})
+    want, got = jax.jit(svgd.step)(state), jax.jit(rewrite(svgd.step, rulesets=PACKS))(state)
+    for _ in range(3):
+        want, got = jax.jit(svgd.step)(want), jax.jit(rewrite(svgd.step, rulesets=PACKS))(got)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert jnp.allclose(a, b, rtol=1e-5, atol=1e-6), (a, b)
 
 
 def test_list_argument_grown_in_place_refused():

@@ -19,7 +19,9 @@ a copy rebuilt inside the trace, and lost. Two kinds of argument are handled:
   list argument updated, a mutable pytree's field set), or a traced value
   stored into an object that reached the function unflattened (a static
   argument, an object that is not a pytree). Under ``jax.jit`` such a change
-  would vanish silently; eagerly it would leak a tracer.
+  would vanish silently; eagerly it would leak a tracer. A leaf replaced in a
+  container the function returns is not lost: the result holds it, and the
+  caller's object is left as ``jax.jit`` leaves it.
 
 Functional state needs nothing: equinox's ``eqx.nn.State`` and flax linen's
 ``apply(..., mutable=[...])`` return the new state, which is an output.
@@ -217,10 +219,13 @@ def tracers_in(roots: Sequence[Any], limit: int = 20_000) -> dict[int, str]:
 
 
 def check_unchanged(name: str, seen: tuple, before: list, tree: Any, statics: Sequence[tuple[Any, str]],
-                    tracers_before: dict[int, str]) -> None:
+                    tracers_before: dict[int, str], out: Any = None) -> None:
     """Inside the trace, after the function: raise :class:`StateError` if it replaced a traced leaf of the
     argument tree it was given (``seen``, flattened before the call into ``before`` with ``tree``), or
-    stored a traced value into an object reachable from its static arguments (``statics``)."""
+    stored a traced value into an object reachable from its static arguments (``statics``). A leaf replaced in a
+    dict, list or object that the function returns (``out`` reaches it: blackjax's SVGD step sets its kernel's
+    ``length_scale`` in the state's dict and returns the state) is not lost: the result holds it, as under
+    ``jax.jit``, which leaves the caller's own object as it was, as the rewritten program does."""
     paths_leaves, after_tree = jax.tree_util.tree_flatten_with_path(seen, is_leaf=_is_node)
     if after_tree != tree:
         where, static = _first_change(tree, after_tree, ())
@@ -229,8 +234,13 @@ def check_unchanged(name: str, seen: tuple, before: list, tree: Any, statics: Se
                              f"data the trace does not carry) in place; the change would be lost: {_HOW}")
         raise StateError(f"{name!r} changed the structure of {where} in place (an entry added to or removed from a "
                          f"dict or list it was passed); the change would be lost: {_HOW}")
+    returned: set[int] | None = None
     for (path, new), old in zip(paths_leaves, before):
         if new is not old and (isinstance(new, core.Tracer) or isinstance(old, core.Tracer)):
+            returned = _reached(out) if returned is None else returned
+            holder = _holder(seen, path)
+            if holder is not None and id(holder) in returned:
+                continue
             where = _argpath(path)
             raise StateError(f"{name!r} replaced the traced value at {where} in place; the rewritten program "
                              f"returns only the function's results, so the change would be lost: {_HOW}")
@@ -239,6 +249,43 @@ def check_unchanged(name: str, seen: tuple, before: list, tree: Any, statics: Se
             raise StateError(f"{name!r} stored a traced value into {path}, an object it was passed that is not "
                              f"traced (not a pytree of arrays); the value would leak out of the rewritten "
                              f"program and the change would be lost: {_HOW}")
+
+
+def _holder(root: Any, path: tuple) -> Any:
+    """The container ``path`` (a key path of :func:`jax.tree_util.tree_flatten_with_path`) ends in: the dict,
+    list or object whose entry is the leaf; ``None`` where a key cannot be followed (a custom pytree's flat index)."""
+    x = root
+    for key in path[:-1]:
+        try:
+            if isinstance(key, jax.tree_util.SequenceKey):
+                x = x[key.idx]
+            elif isinstance(key, jax.tree_util.DictKey):
+                x = x[key.key]
+            elif isinstance(key, jax.tree_util.GetAttrKey):
+                x = getattr(x, key.name)
+            else:
+                return None
+        except Exception:  # noqa: BLE001 - a container that does not read back as it flattened
+            return None
+    return x
+
+
+def _reached(out: Any, limit: int = 20_000) -> set[int]:
+    """The ids of the containers (lists, tuples, dicts, objects' attributes) reachable from ``out``."""
+    seen: set[int] = set()
+    stack = [out]
+    while stack and len(seen) < limit:
+        x = stack.pop()
+        if id(x) in seen or isinstance(x, (core.Tracer, _OPAQUE)):
+            continue
+        seen.add(id(x))
+        if isinstance(x, (list, tuple)):
+            stack.extend(x)
+        elif isinstance(x, dict):
+            stack.extend(x.values())
+        else:
+            stack.extend(getattr(x, "__dict__", {}).values())
+    return seen
 
 
 def _argpath(path: tuple) -> str:

@@ -331,7 +331,7 @@ def trace(fn: Callable[..., Any], specs: Sequence[Any], in_tree: Any, stat_args:
             for s, d in zip(specs, dynamic) if not d]
         tracers_before = _state.tracers_in(untraced)
         out = fn(*args, **kwargs)
-        _state.check_unchanged(name, (args, kwargs), seen_leaves, seen_tree, untraced, tracers_before)
+        _state.check_unchanged(name, (args, kwargs), seen_leaves, seen_tree, untraced, tracers_before, out)
         if live is not None:
             out = (out, _state.leave(live, name))
         carries.append(live is not None)
