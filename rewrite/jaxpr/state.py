@@ -32,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 import types
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import jax
 import numpy as np
@@ -186,21 +186,29 @@ _OPAQUE = (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType
            jax.Array, np.ndarray, np.generic, str, bytes, int, float, complex, bool, type(None))
 
 
-def tracers_in(roots: Sequence[Any], limit: int = 20_000) -> dict[int, str]:
+#: the most objects a walk of what a function could reach visits (:func:`_reachable`)
+_VISITS = 20_000
+
+
+def tracers_in(roots: Sequence[Any], limit: int = _VISITS) -> dict[int, str]:
     """The tracers reachable from ``roots`` through containers and object attributes, by id, with a
     path to each; at most ``limit`` objects are visited (a bound on the cost, not a guarantee)."""
-    found: dict[int, str] = {}
+    return {id(x): path for x, path in _reachable(roots, limit) if isinstance(x, core.Tracer)}
+
+
+def _reachable(roots: Sequence[tuple[Any, str]], limit: int) -> Iterator[tuple[Any, str]]:
+    """Each object reachable from ``roots`` (``(object, path)`` pairs) through lists, tuples, dicts, sets and
+    object attributes, once, with a path to it; a tracer or an :data:`_OPAQUE` object is not walked into. At most
+    ``limit`` objects are visited."""
     seen: set[int] = set()
-    stack = [(r, p) for r, p in roots]
+    stack = list(roots)
     while stack and len(seen) < limit:
         x, path = stack.pop()
         if id(x) in seen:
             continue
         seen.add(id(x))
-        if isinstance(x, core.Tracer):
-            found[id(x)] = path
-            continue
-        if isinstance(x, _OPAQUE):
+        yield x, path
+        if isinstance(x, (core.Tracer, _OPAQUE)):
             continue
         if isinstance(x, (list, tuple)):
             stack.extend((v, f"{path}[{i}]") for i, v in enumerate(x))
@@ -215,7 +223,6 @@ def tracers_in(roots: Sequence[Any], limit: int = 20_000) -> dict[int, str]:
             for slot in getattr(type(x), "__slots__", ()):
                 if isinstance(slot, str) and hasattr(x, slot):
                     stack.append((getattr(x, slot), f"{path}.{slot}"))
-    return found
 
 
 def check_unchanged(name: str, seen: tuple, before: list, tree: Any, statics: Sequence[tuple[Any, str]],
@@ -237,7 +244,7 @@ def check_unchanged(name: str, seen: tuple, before: list, tree: Any, statics: Se
     returned: set[int] | None = None
     for (path, new), old in zip(paths_leaves, before):
         if new is not old and (isinstance(new, core.Tracer) or isinstance(old, core.Tracer)):
-            returned = _reached(out) if returned is None else returned
+            returned = {id(x) for x, _ in _reachable([(out, "")], _VISITS)} if returned is None else returned
             holder = _holder(seen, path)
             if holder is not None and id(holder) in returned:
                 continue
@@ -268,24 +275,6 @@ def _holder(root: Any, path: tuple) -> Any:
         except Exception:  # noqa: BLE001 - a container that does not read back as it flattened
             return None
     return x
-
-
-def _reached(out: Any, limit: int = 20_000) -> set[int]:
-    """The ids of the containers (lists, tuples, dicts, objects' attributes) reachable from ``out``."""
-    seen: set[int] = set()
-    stack = [out]
-    while stack and len(seen) < limit:
-        x = stack.pop()
-        if id(x) in seen or isinstance(x, (core.Tracer, _OPAQUE)):
-            continue
-        seen.add(id(x))
-        if isinstance(x, (list, tuple)):
-            stack.extend(x)
-        elif isinstance(x, dict):
-            stack.extend(x.values())
-        else:
-            stack.extend(getattr(x, "__dict__", {}).values())
-    return seen
 
 
 def _argpath(path: tuple) -> str:
