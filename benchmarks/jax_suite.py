@@ -29,7 +29,9 @@ committed in ``benchmarks/results/jax_suite.md`` are copied from its printed tab
 command.
 
 Loaded as a pytest plugin (``-p benchmarks.jax_suite``) with ``JAX_SUITE_ROUTE=1``, this module
-does the routing; with ``JAX_SUITE_OUT=<path>`` it writes each test's outcome there.
+does the routing; with ``JAX_SUITE_OUT=<path>`` it writes each test's outcome there (and to ``<path>.partial`` as
+each test ends, so that a file stopped at ``--timeout`` keeps the outcomes of the tests it finished, and the test it
+was in counts as failed).
 """
 
 from __future__ import annotations
@@ -230,6 +232,20 @@ def pytest_runtest_setup(item: Any) -> None:
     STATE.take()
 
 
+def _partial(record: list) -> None:
+    """One line of ``JAX_SUITE_OUT``'s ``.partial`` file: a test started (``[nodeid]``) or its outcome
+    (``[nodeid, entry]``), written as the file runs, so that a pytest stopped at ``--timeout`` keeps what it did
+    (:func:`_kept`)."""
+    path = os.environ.get("JAX_SUITE_OUT")
+    if path:
+        with open(path + ".partial", "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+def pytest_runtest_logstart(nodeid: str, location: Any) -> None:
+    _partial([nodeid])
+
+
 def pytest_runtest_logreport(report: Any) -> None:
     results = getattr(pytest_runtest_logreport, "results", None)
     if results is None:
@@ -247,6 +263,8 @@ def pytest_runtest_logreport(report: Any) -> None:
         entry["calls"] = entry.get("calls", 0) + taken["calls"]
         for k in ("fallbacks", "limits", "build_errors"):
             entry[k] = entry.get(k, []) + taken[k]
+    if report.when == "teardown":
+        _partial([report.nodeid, entry])
 
 
 def pytest_sessionfinish(session: Any) -> None:
@@ -293,6 +311,7 @@ def run_file(name: str, routed: bool, cases: int, select: str | None, timeout: f
     path = test_path(name)
     out = out_dir / f"{out_name(name)}.{'routed' if routed else 'plain'}.json"
     out.unlink(missing_ok=True)
+    pathlib.Path(f"{out}.partial").unlink(missing_ok=True)
     env = dict(os.environ, JAX_NUM_GENERATED_CASES=str(cases), JAX_SUITE_OUT=str(out),
                JAX_SUITE_ROUTE="1" if routed else "0", REWRITE_STRICT="0",
                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
@@ -313,9 +332,35 @@ def run_file(name: str, routed: bool, cases: int, select: str | None, timeout: f
     try:
         subprocess.run(cmd, cwd=root, env=env, timeout=timeout, capture_output=True)
     except subprocess.TimeoutExpired:
-        print(f"{name} ({'routed' if routed else 'plain'}): timed out after {timeout:.0f} s", file=sys.stderr)
+        if not out.exists():
+            out.write_text(json.dumps(_kept(pathlib.Path(f"{out}.partial"), timeout), indent=1))
+        print(f"{name} ({'routed' if routed else 'plain'}): timed out after {timeout:.0f} s; the outcomes of "
+              f"{len(json.loads(out.read_text()))} test(s) kept", file=sys.stderr)
+    pathlib.Path(f"{out}.partial").unlink(missing_ok=True)
     results = json.loads(out.read_text()) if out.exists() else {}
     return {"results": results, "seconds": time.perf_counter() - t}
+
+
+def _kept(partial: pathlib.Path, timeout: float) -> dict[str, Any]:
+    """The outcomes a pytest stopped at ``timeout`` wrote as it ran (:func:`_partial`): each finished test's, and the
+    test it was running, failed as timed out (a test with no outcome would drop out of :func:`compare`)."""
+    results: dict[str, Any] = {}
+    running = None
+    lines = partial.read_text().splitlines() if partial.exists() else []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:  # the last line, cut off where the process was stopped
+            continue
+        if len(record) == 2:
+            results[record[0]] = record[1]
+            running = None if running == record[0] else running
+        else:
+            running = record[0]
+    if running is not None and running not in results:
+        results[running] = {"outcome": "failed", "calls": 0, "fallbacks": [], "limits": [], "build_errors": [],
+                            "error": f"timed out: the file's pytest was stopped after {timeout:.0f} s in this test"}
+    return results
 
 
 def compare(plain: dict[str, Any], routed: dict[str, Any]) -> dict[str, Any]:

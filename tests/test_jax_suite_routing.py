@@ -72,3 +72,22 @@ def test_installing_the_routing_leaves_the_devices_unset():
     done = subprocess.run([sys.executable, "-c", code], env=env, cwd=jax_suite.ROOT, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_a_file_stopped_at_its_timeout_keeps_the_outcomes_it_had(tmp_path):
+    # The outcomes were written when the file's pytest ended, so one stopped at --timeout lost every one of them
+    # (numpyro's test_distributions, diffrax's test_basic).
+    (tmp_path / "slow_test.py").write_text(
+        "import time\n\n"
+        "def test_quick():\n    assert True\n\n"
+        "def test_wrong():\n    assert 1 == 2\n\n"
+        "def test_forever():\n    time.sleep(600)\n\n"
+        "def test_never_reached():\n    assert True\n")
+    run = jax_suite.run_file("slow_test.py", False, cases=1, select=None, timeout=8, out_dir=tmp_path / "out",
+                             root=tmp_path)
+    results = run["results"]
+    assert run["seconds"] < 40
+    assert {t.split("::")[-1]: r["outcome"] for t, r in results.items()} == {
+        "test_quick": "passed", "test_wrong": "failed", "test_forever": "failed"}
+    assert "timed out" in results["slow_test.py::test_forever"]["error"]
+    assert not (tmp_path / "out" / "slow_test.plain.json.partial").exists()
