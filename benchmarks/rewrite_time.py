@@ -23,6 +23,7 @@ import statistics
 import tempfile
 import time
 import warnings
+from typing import Self
 
 import jax
 
@@ -75,7 +76,7 @@ def prepared(name: str) -> tuple:
 class _Seconds(float):
     """Wall seconds, with the CPU seconds of the same work beside them (``cpu``)."""
 
-    def __new__(cls, wall: float, cpu: float) -> "_Seconds":
+    def __new__(cls, wall: float, cpu: float) -> Self:
         out = super().__new__(cls, wall)
         out.cpu = cpu
         return out
