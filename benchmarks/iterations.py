@@ -83,8 +83,8 @@ def watched() -> Iterator[list[Pipeline]]:
         raw = self.egraph.run
 
         def run_marked(ruleset: str, *, saturate: bool = False) -> Any:
-            if ruleset == "facts":  # each iteration starts with the facts' run
-                mark()
+            if ruleset == "match":  # each iteration runs every query once (after the facts', which the literal-led
+                mark()  # rules' rounds between two iterations run too: saturate.Engine._eager_rounds)
             return raw(ruleset, saturate=saturate)
 
         self.egraph.run = run_marked

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from jax import lax
 
 import rulesets
-from rewrite import Ruleset, explain, rewrite, rule
+from rewrite import RewriteLimitWarning, Ruleset, explain, rewrite, rule
 from rewrite.report.report import primitive_counts
 from rewrite.testing import arrays
 
@@ -442,3 +442,28 @@ def test_corpus_keeps_every_bit_and_never_raises_cost():
         reports.append(report)
     args = [array_leaves(a) for _, _, a in programs]
     Side(reports, args, [n for n, _, _ in programs], reference="corpus").check_exact(args)
+
+
+def _constant_chain(x, links=40):
+    """numpyro's ``betaln`` of two constants: a chain of operations on literals, folded a link at a time."""
+    c = lax.min(jnp.float32(0.2), jnp.float32(1.1))
+    for _ in range(links):
+        c = lax.add(lax.mul(c, jnp.float32(0.5)), jnp.float32(1.0))
+    return x * c
+
+
+@pytest.mark.parametrize("packs", [[rulesets.algebra], "every"])
+def test_a_chain_of_constants_folds_whole_without_reaching_the_iteration_limit(packs):
+    # Each link of the chain was folded in an iteration of its own: numpyro's Beta(0.2, 1.1).log_prob stopped at
+    # the iteration limit (30) with a RewriteLimitWarning at every new shape, the chain half folded.
+    packs = [rulesets.algebra, rulesets.nn, rulesets.linalg, rulesets.scan, rulesets.derivatives] \
+        if packs == "every" else packs
+    x = jnp.linspace(-3.0, 3.0, 7, dtype=jnp.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RewriteLimitWarning)
+        report = explain(_constant_chain, x, rulesets=packs)
+        got = rewrite(_constant_chain, rulesets=packs, strict=True)(x)
+    assert report.stopped.startswith("saturated"), report.stopped
+    assert report.iterations <= 4
+    assert primitive_counts(report.after) == {"mul": 1}  # the 81 operations on literals are one literal
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(jax.jit(_constant_chain)(x)))

@@ -34,7 +34,7 @@ from ..ir.intern import TYPES, sharded_apart, types_agree
 from ..jaxpr.load import Unsupported, load_closed
 from .builder import Builder, OutOfTime, standard_numpy
 from .match import Match, _short
-from .pattern import commuted, present
+from .pattern import Pat, commuted, present
 from .prefer import lhs_ctors
 from .rule import Rule
 from .ruleset import Ruleset
@@ -131,7 +131,7 @@ def _declarations(entries: Sequence[tuple[Rule, Ruleset]], manual: bool) -> _Dec
     if found is not None and len(found[0]) == len(entries) and all(
             a[0] is b[0] and a[1] is b[1] for a, b in zip(found[0], entries)):
         return found[1]
-    head = ["(ruleset match)"]
+    head = ["(ruleset match)", f"(ruleset {EAGER})"]
     signatures: dict[tuple[str, ...], str] = {}
     lines, relations = [], []
     query = 0
@@ -146,6 +146,8 @@ def _declarations(entries: Sequence[tuple[Rule, Ruleset]], manual: bool) -> _Dec
             args = " ".join([str(query), q.root] + [v for v, _ in q.binds])
             for k, variant in enumerate(commuted(q)):  # either order of add and mul
                 mine.append(f'(rule ({variant.text}) (({rel} {args})) :ruleset match :name "M{query}_{k}")')
+                if literal_led(rule):  # its query again, alone in a ruleset of its own: Engine._eager_rounds
+                    mine.append(f'(rule ({variant.text}) (({rel} {args})) :ruleset {EAGER} :name "E{query}_{k}")')
             rels.append(((rel, query), q.binds))
             query += 1
         lines.append(mine)
@@ -156,6 +158,27 @@ def _declarations(entries: Sequence[tuple[Rule, Ruleset]], manual: bool) -> _Dec
         while len(_MATCH_TEXTS) > 8:
             del _MATCH_TEXTS[next(iter(_MATCH_TEXTS))]
     return made
+
+
+#: The egglog ruleset of the literal-led rules' queries (:func:`literal_led`), run alone between iterations.
+EAGER = "match_eager"
+#: At most this many rounds of the literal-led rules after an iteration (a chain of folds is one round a link).
+EAGER_ROUNDS = 64
+
+
+def literal_led(rule: Rule) -> bool:
+    """Whether ``rule``'s left side is one operation whose operands are all literals (``Pat.lit``; a list of
+    cases may follow, as ``select_n``'s): constant folding. Such a rule builds a literal or picks an operand, so
+    a program's chain of constant operations (numpyro's ``betaln``: some 35 links of ``add``, ``mul`` and ``div``
+    of its two concentrations) folds a link a round, and those rounds are run at once between two iterations,
+    with these rules' queries alone (:meth:`Engine._eager_rounds`), not one iteration a link."""
+    p = rule.lhs
+    if not isinstance(p, Pat) or rule.anchor is not None or p.prim in ("var", "lit", "proj", "opaque"):
+        return False
+    if p.body or p.bodies or p.is_optional:
+        return False
+    operands = [x for o in p.operands for x in (o if isinstance(o, (list, tuple)) else [o])]
+    return bool(operands) and all(isinstance(x, Pat) and x.prim == "lit" for x in operands)
 
 
 _MATCH_TEXTS: dict[tuple, tuple[list, _Declarations]] = {}
@@ -195,6 +218,7 @@ class Engine:
             self.active.append(_Active(rule, owner, rels, allowance=backoff.matches, ban_length=backoff.ban,
                                        last=last, symmetries=rule.symmetries))
             self.stats[rule.name] = RuleStats()
+        self._eager = [a for a in self.active if literal_led(a.rule)]  # run again between iterations
         if egraph.prelude != text:  # an e-graph made without them (EGraph(match_program(...)[0]) has them)
             egraph.declare(text)
         for rule, ctor, queries in anchored_rules(entries, manual):
@@ -288,49 +312,85 @@ class Engine:
                     log.debug("rule %r banned until iteration %d (%d new matches)", act.rule.name, act.banned_until, len(new))
                     waiting = True
                     continue
-                stats = self.stats[act.rule.name]
-                t = time.perf_counter()
-                for rel, binds, inputs in new + retry:
-                    if rel is not None and act.symmetries and self._mirrored(act, inputs):
-                        # its mirror image was acted on: the same program
-                        seen.setdefault(rel, set()).add(tuple(inputs))
-                        continue
-                    now = time.perf_counter()
-                    self.builder.deadline = min(end, now + share - stats.seconds - (now - t))
-                    try:
-                        settled = self._apply(act, binds, inputs)
-                        if rel is not None:  # (a retried match is seen already)
-                            key = (rel, tuple(inputs))
-                            if settled:
-                                seen.setdefault(rel, set()).add(key[1])
-                                pending.discard(key)
-                            elif act.rule.anchor is not None:
-                                pending.add(key)
-                    except OutOfTime:
-                        stats.rejected["out of time"] += 1
-                    finally:
-                        self.builder.deadline = float("inf")
-                    now = time.perf_counter()
-                    if now > end:  # the run's limit (a rule cut off by it did not outrun its own share)
-                        stats.seconds += now - t
-                        self.egraph.flush()
-                        return "time limit"
-                    if stats.seconds + (now - t) > share:
-                        # Past its share (a procedure cut off mid-way, or many matches): what it built stays.
-                        act.last = it
-                        stats.timed_out = True
-                        log.debug("rule %r stopped at iteration %d: past its time share (%.3f s)",
-                                  act.rule.name, it, share)
-                        break
-                stats.seconds += time.perf_counter() - t
-                if time.perf_counter() > end:
+                if self._act_on(act, new + retry, end, share) is not None:
                     self.egraph.flush()
                     return "time limit"
             changed = self.egraph.flush()
+            if changed and self._eager and self._eager_rounds(it, end, share) is not None:
+                return "time limit"
             if not changed and not waiting and not declared:
                 self.snapshot = self.egraph.snapshot()
                 return "saturated"  # rules retired in a grown e-graph say so in their stats (``RuleStats.retired``)
         return "iteration limit"
+
+    def _eager_rounds(self, it: int, end: float, share: float) -> str | None:
+        """After iteration ``it`` changed the e-graph: the literal-led rules (:func:`literal_led`) alone, round
+        after round, until a round finds no new match (at most :data:`EAGER_ROUNDS`; "time limit" where the
+        run's time is out). What they act on is what the next iteration would have, a chain of constants in one
+        go; a rule whose new matches pass its allowance is left to the iterations and their back-off."""
+        for _ in range(EAGER_ROUNDS):
+            self.egraph.run("facts", saturate=True)
+            self.egraph.run(EAGER)
+            self.snapshot = self.egraph.snapshot()
+            if self.snapshot.num_rows > self.limits.nodes:
+                return None  # the next iteration stops at the node limit
+            acted = False
+            matches = self.snapshot.matches
+            for act in self._eager:
+                if (act.last is not None and it >= act.last) or it < act.banned_until:
+                    continue
+                done = act.seen
+                new = [(rel, binds, r) for rel, binds in act.relations for r in matches(*rel)
+                       if r not in done.get(rel, ())]
+                if not new or len(new) > act.allowance:
+                    continue
+                acted = True
+                if self._act_on(act, new, end, share) is not None:
+                    self.egraph.flush()
+                    return "time limit"
+            if not acted or not self.egraph.flush():
+                return None
+        return None
+
+    def _act_on(self, act: _Active, todo: list, end: float, share: float) -> str | None:
+        """Act on a rule's matches ``todo`` (``(relation, binds, row)``); "time limit" where the run's time ran
+        out (the caller flushes and stops), else ``None``."""
+        seen, pending = act.seen, act.pending
+        stats = self.stats[act.rule.name]
+        t = time.perf_counter()
+        for rel, binds, inputs in todo:
+            if rel is not None and act.symmetries and self._mirrored(act, inputs):
+                # its mirror image was acted on: the same program
+                seen.setdefault(rel, set()).add(tuple(inputs))
+                continue
+            now = time.perf_counter()
+            self.builder.deadline = min(end, now + share - stats.seconds - (now - t))
+            try:
+                settled = self._apply(act, binds, inputs)
+                if rel is not None:  # (a retried match is seen already)
+                    key = (rel, tuple(inputs))
+                    if settled:
+                        seen.setdefault(rel, set()).add(key[1])
+                        pending.discard(key)
+                    elif act.rule.anchor is not None:
+                        pending.add(key)
+            except OutOfTime:
+                stats.rejected["out of time"] += 1
+            finally:
+                self.builder.deadline = float("inf")
+            now = time.perf_counter()
+            if now > end:  # the run's limit (a rule cut off by it did not outrun its own share)
+                stats.seconds += now - t
+                return "time limit"
+            if stats.seconds + (now - t) > share:
+                # Past its share (a procedure cut off mid-way, or many matches): what it built stays.
+                act.last = self.iterations - 1
+                stats.timed_out = True
+                log.debug("rule %r stopped at iteration %d: past its time share (%.3f s)",
+                          act.rule.name, act.last, share)
+                break
+        stats.seconds += time.perf_counter() - t
+        return "time limit" if time.perf_counter() > end else None
 
     def _declare_deferred(self) -> bool:
         """Declare the queries of the anchored rules whose primitive and literals the e-graph now holds (a rule's
