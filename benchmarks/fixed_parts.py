@@ -120,7 +120,7 @@ def measure(name: str, packs: list, parts: Parts) -> dict:
     from benchmarks.rewrite_time import prepared
     from rewrite import rewrite
 
-    prog, flat, leaves, compile_s = prepared(name)
+    prog, flat, leaves, compile_s, _ = prepared(name)
     parts.seconds.clear()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
