@@ -66,6 +66,17 @@ class _Active:
     pending: set = dataclasses.field(default_factory=set)
 
 
+def _new_matches(act: _Active, matches: Any) -> list[tuple[Any, Any, tuple]]:
+    """``act``'s rule's matches in a snapshot (``matches``: ``Snapshot.matches``) that it has not acted on for good:
+    ``(relation, binds, row)`` each."""
+    new = []
+    for rel, binds in act.relations:
+        done = act.seen.get(rel)
+        new += ([(rel, binds, r) for r in matches(*rel) if r not in done] if done
+                else [(rel, binds, r) for r in matches(*rel)])
+    return new
+
+
 @dataclasses.dataclass(frozen=True)
 class Held:
     """What a program holds that an anchored rule (``Rule.anchor``) needs before its queries can match: the
@@ -287,12 +298,8 @@ class Engine:
                 if it < act.banned_until:
                     waiting = True
                     continue
-                seen, pending = act.seen, act.pending
-                new = []
-                for rel, binds in act.relations:
-                    done = seen.get(rel)
-                    new += ([(rel, binds, r) for r in matches(*rel) if r not in done] if done
-                            else [(rel, binds, r) for r in matches(*rel)])
+                pending = act.pending
+                new = _new_matches(act, matches)
                 if not new and not act.retry:
                     continue
                 retry, act.retry = act.retry, []
@@ -339,9 +346,7 @@ class Engine:
             for act in self._eager:
                 if (act.last is not None and it >= act.last) or it < act.banned_until:
                     continue
-                done = act.seen
-                new = [(rel, binds, r) for rel, binds in act.relations for r in matches(*rel)
-                       if r not in done.get(rel, ())]
+                new = _new_matches(act, matches)
                 if not new or len(new) > act.allowance:
                     continue
                 acted = True
