@@ -1081,9 +1081,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--as-timed", action="store_true",
                     help="with --fresh-only or --dispatch-only: the median of the rounds, as the decision corpus "
                          "reads its pairs, in place of the fastest round (AS_TIMED)")
+    ap.add_argument("--attention-scratch-only", action="store_true",
+                    help="measure only the share of its scores XLA:CPU's attention kernel holds at once, and store it "
+                         "in the overlay for the installed jaxlib (CPU)")
     ap.add_argument("--fresh-only", action="store_true",
                     help="measure only what a byte of a buffer allocated per call costs, and from what size (CPU)")
     args = ap.parse_args(argv)
+    if args.attention_scratch_only:
+        _attention_scratch_only(args)
+        return
     if args.call_only:
         _call_only(args)
         return
@@ -1258,7 +1264,7 @@ def main(argv: list[str] | None = None) -> None:
     from rewrite.cost import calibration as _calibration
 
     key = table["platform"].upper()
-    tables = {name: getattr(_calibration, name) for name in _calibration.BACKENDS.values()}
+    tables = {name: _calibration.base(name) for name in _calibration.BACKENDS.values()}
     if args.merge:
         old = tables.get(key, {"elementwise_ns": {}})
         for k, v in old["elementwise_ns"].items():
@@ -1304,6 +1310,59 @@ def _as_timed_note(args: argparse.Namespace, what: str) -> str | None:
     return f"python -m benchmarks.calibrate --{what}-only --rounds {args.rounds}: {how}"
 
 
+#: a process that measures one call of plain attention ``[2, 4, N, 64]`` (float32) and prints the growth of its peak
+#: resident memory in that call, in bytes (the compile, the inputs and a warm-up of the allocator before it)
+_ATTENTION_RSS = """
+import resource, sys
+import jax, jax.numpy as jnp
+n = int(sys.argv[1])
+q, k, v = (jax.random.normal(jax.random.key(i), (2, 4, n, 64), jnp.float32) for i in range(3))
+f = jax.jit(lambda q, k, v: jax.nn.softmax(q @ jnp.swapaxes(k, -1, -2) / 8.0, axis=-1) @ v).lower(q, k, v).compile()
+jnp.ones(8).block_until_ready()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+f(q, k, v).block_until_ready()
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024)
+"""
+
+
+def measure_attention_scratch(sizes: tuple[int, ...] = (2048, 4096), runs: int = 3) -> dict[str, float]:
+    """``attention_scratch``: the share of its scores that XLA:CPU's library holds at once while plain attention's
+    one kernel runs (``rewrite/cost/attention.py``'s ``held_scores``): a call's growth of the peak resident memory,
+    less its output, over the scores' bytes, each call in a fresh process; the median over ``sizes`` and ``runs``.
+    jaxlib 0.10 holds them all; 0.12 runs a few of the 8 heads at a time."""
+    import subprocess
+
+    shares = []
+    for n in sizes:
+        scores, out = 2 * 4 * n * n * 4, 2 * 4 * n * 64 * 4
+        for _ in range(runs):
+            grown = subprocess.run([sys.executable, "-c", _ATTENTION_RSS, str(n)], check=True, capture_output=True,
+                                   text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"}).stdout.split()[-1]
+            shares.append(max(int(grown) - out, 0) / scores)
+    return {"attention_scratch": round(statistics.median(shares), 3), "readings": [round(x, 3) for x in shares]}
+
+
+def _attention_scratch_only(args: argparse.Namespace) -> None:
+    """Print :func:`measure_attention_scratch`'s share and, with ``--write``, store it in the CPU table's overlay for
+    the installed jaxlib (``calibration.json``'s ``OVERLAYS``: what differs there from the table's own JAX)."""
+    from rewrite.cost import calibration as _calibration
+
+    if jax.default_backend() != "cpu":
+        raise SystemExit("--attention-scratch-only measures XLA:CPU's library")
+    found = measure_attention_scratch(runs=max(args.runs, 1))
+    print(json.dumps(found, indent=1))
+    if not args.write:
+        return
+    overlay = _calibration.OVERLAYS.setdefault("CPU", {}).setdefault(_calibration.JAXLIB, {})
+    overlay["attention_scratch"] = found["attention_scratch"]
+    overlay["attention_scratch_measured"] = {
+        "date": datetime.date.today().isoformat(), "jax": jax.__version__,
+        "load_average": [round(x, 2) for x in os.getloadavg()], "readings": found["readings"],
+        "note": "python -m benchmarks.calibrate --attention-scratch-only: plain attention [2, 4, N, 64] at N=2048 and "
+                "4096, one call per process, its peak resident memory's growth less its output over its scores"}
+    _write({name: _calibration.base(name) for name in _calibration.BACKENDS.values()})
+
+
 def _store_only(args: argparse.Namespace, figures: dict[str, float], stamp: str, drop: str | None = None,
                 note: str | None = None) -> None:
     """Print figures measured alone and, with ``--write``, store them in this backend's table, with the date,
@@ -1314,7 +1373,7 @@ def _store_only(args: argparse.Namespace, figures: dict[str, float], stamp: str,
     print(json.dumps(figures, indent=1))
     if not args.write or not figures:
         return
-    tables = {name: dict(getattr(_calibration, name)) for name in _calibration.BACKENDS.values()}
+    tables = {name: _calibration.base(name) for name in _calibration.BACKENDS.values()}
     table = tables[jax.default_backend().upper()]
     table.update(_rounded(figures))
     table[f"{stamp}_measured"] = {"date": datetime.date.today().isoformat(),
@@ -1337,7 +1396,7 @@ def _shared_only(args: argparse.Namespace) -> None:
             if name not in found or f["ratio"] < found[name]["ratio"]:
                 found[name] = f
     print(json.dumps(found, indent=1))
-    tables = {name: dict(getattr(_calibration, name)) for name in _calibration.BACKENDS.values()}
+    tables = {name: _calibration.base(name) for name in _calibration.BACKENDS.values()}
     table = tables[jax.default_backend().upper()]
     prices = shared_prices(found, table["elementwise_ns"], [g for g in args.groups.split(",") if g])
     print(json.dumps(prices, indent=1))
@@ -1376,7 +1435,8 @@ def _write(tables: dict) -> None:
     from rewrite.cost import calibration as _calibration
 
     backends = {t["platform"]: name for name, t in tables.items()}
-    _calibration.PATH.write_text(json.dumps({**tables, "BACKENDS": backends}, indent=1) + "\n")
+    overlays = {"OVERLAYS": _calibration.OVERLAYS} if _calibration.OVERLAYS else {}  # (kept as they are)
+    _calibration.PATH.write_text(json.dumps({**tables, **overlays, "BACKENDS": backends}, indent=1) + "\n")
     print(f"wrote {_calibration.PATH}", file=sys.stderr)
 
 

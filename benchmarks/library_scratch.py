@@ -85,7 +85,16 @@ def fusion_scratch(hlo: str) -> dict[str, int]:
     at N=2048 holds the scores and the exponentials, 128 MiB each, and its call grows the resident memory by
     about 140 MiB, not 260 (``benchmarks/results/library_scratch.md``). Where the fusion's result is as large as
     they are, they are computed in the result's buffer: ``dot_product_attention(implementation="xla")``'s fusion,
-    whose result is the probabilities, holds nothing more (its call grows the resident memory by its temp)."""
+    whose result is the probabilities, holds nothing more (its call grows the resident memory by its temp).
+
+    jaxlib 0.12's library runs an attention fusion (two products) a few heads at a time, and holds that share of its
+    scores at once: its call at N=2048 grows the resident memory by 54 MiB where 0.10's grew by 145. The HLO is the
+    same, so an attention fusion's scratch is scaled by the share measured by resident memory for the installed
+    jaxlib (the CPU table's ``attention_scratch``, ``benchmarks/calibrate.py --attention-scratch-only``; 1 where it
+    has none)."""
+    from rewrite.cost import calibration
+
+    share = calibration.CPU.get("attention_scratch", 1.0)
     comps = computations(hlo)
     out = {}
     for name in library_fusions(hlo):
@@ -96,7 +105,8 @@ def fusion_scratch(hlo: str) -> dict[str, int]:
                 readers[o] = readers.get(o, 0) + 1
         held = [b for (n, op, b, root, _) in instrs if not root and op not in NO_BUFFER and readers.get(n, 0) >= 2]
         result = sum(b for (*_, b, root, _) in instrs if root)
-        out[name] = max(held, default=0) if max(held, default=0) > result else 0
+        scratch = max(held, default=0) if max(held, default=0) > result else 0
+        out[name] = int(scratch * share) if sum(op == "dot" for (_, op, *_) in instrs) >= 2 else scratch
     return out
 
 

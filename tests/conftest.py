@@ -27,6 +27,7 @@ os.environ["JAX_REWRITE_CACHE_DIR"] = "off"
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
 import jax  # noqa: E402
+import pytest
 from hypothesis import HealthCheck, settings  # noqa: E402
 
 _XLA_CACHE = os.environ.get("JAX_REWRITE_TEST_XLA_CACHE") or os.path.join(
@@ -51,3 +52,15 @@ settings.register_profile("ci", max_examples=25, deadline=None, derandomize=True
 settings.register_profile("thorough", max_examples=400, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+@pytest.fixture
+def jaxlib_10_table():
+    """Price with the CPU table as measured on jaxlib 0.10, whose library holds all of an attention kernel's scores
+    at once: for tests whose figures were measured there (jaxlib 0.12's overlay prices a share of them,
+    ``rewrite/cost/calibration.json``'s ``OVERLAYS``)."""
+    from rewrite.cost import calibration
+    from rewrite.cost.model import priced_with
+
+    with priced_with(calibration.table_for("CPU", "0.10")):
+        yield

@@ -439,7 +439,7 @@ def test_every_offered_block_keeps_values_and_gradients(block, mask, dtype):
         assert err_new <= 2 * err_old + atol * max(1.0, float(np.abs(r[ok]).max(initial=0))), (err_new, err_old)
 
 
-def test_the_block_is_the_cost_model_s_and_it_sees_the_cache():
+def test_the_block_is_the_cost_model_s_and_it_sees_the_cache(jaxlib_10_table):
     """Offered 256, 512 and 1024 keys at N=2048 (B=2, H=4, f32), where 512 and 1024 measured 4-30% slower than
     256 on this CPU (their [2, 4, 2048, 1024] scores, 64 MiB, outgrow the 32 MiB L3): by price alone
     (``lean_band=0``) the model takes 256 keys once it prices an array beyond the cache at memory's rate
@@ -796,7 +796,7 @@ def _blocked_form(closed, n):
 
 
 @pytest.mark.parametrize("n", [1024, 2048])
-def test_offered_every_key_block_the_model_takes_one_measured_within_5_percent_of_the_best(n):
+def test_offered_every_key_block_the_model_takes_one_measured_within_5_percent_of_the_best(n, jaxlib_10_table):
     """Keys 128-1024 and blocks of 512 queries offered (B=2, H=4, D=64, f32): under this CPU's table the model
     takes a form measured within 5% of the fastest (``benchmarks/fit_corpus.py``'s ``ATTENTION_FORMS``, measured
     quiet): every query by 256 keys at N=1024 (1.00x) and 512 queries by 256 keys at N=2048 (1.00x); by price

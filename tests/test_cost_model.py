@@ -1118,7 +1118,7 @@ def test_a_library_reduction_of_an_array_the_cache_holds_is_priced_as_it_runs():
     assert live.price() == pytest.approx(fm(prog), rel=1e-12)
 
 
-def test_the_blocked_attention_trip_prices_its_reductions_from_the_cache():
+def test_the_blocked_attention_trip_prices_its_reductions_from_the_cache(jaxlib_10_table):
     """Plain attention at N=1024 blocked over 256 keys: each trip reduces an 8 MiB block of scores twice (max and
     sum, XLA:CPU's library reductions between the products, which write and read it in the cache). With
     ``reduce_cached`` the two reductions of each of its 4 trips are priced at it, the rest as before."""
@@ -1159,3 +1159,25 @@ def test_a_replay_prints_each_constant_once_per_process(monkeypatch):
     assert once <= 2 and len(printed) == once  # each value printed at most once, and not again
     for prog in (first, again):
         assert sum(op.prim == "literal" for op in prog.ops) == 2
+
+
+def test_a_jaxlib_s_overlay_applies_to_it_alone_and_calibrate_writes_it_back(tmp_path, monkeypatch):
+    """``calibration.json`` holds a table per backend, measured on one JAX, and per jaxlib ``major.minor`` the entries
+    measured again there (``OVERLAYS``): the installed jaxlib's apply, no other's; ``calibrate --write`` writes the
+    tables back as they were measured and keeps the overlays."""
+    import json as _json
+
+    from benchmarks import calibrate
+    from rewrite.cost import calibration
+
+    assert calibration.CPU == calibration.table_for("CPU", calibration.JAXLIB)
+    for xla, overlay in calibration.OVERLAYS.get("CPU", {}).items():
+        table = calibration.table_for("CPU", xla)
+        assert all(table[k] == v for k, v in overlay.items())
+    assert calibration.table_for("CPU", "0.0") == calibration.base("CPU")  # a jaxlib with none: the table itself
+    assert "attention_scratch" in calibration.OVERLAYS["CPU"]["0.12"] and "attention_scratch" not in calibration.base("CPU")
+    monkeypatch.setattr(calibration, "PATH", tmp_path / "calibration.json")
+    calibrate._write({name: calibration.base(name) for name in calibration.BACKENDS.values()})
+    written = _json.loads((tmp_path / "calibration.json").read_text())
+    assert written["OVERLAYS"] == calibration.OVERLAYS and written["CPU"] == calibration.base("CPU")
+    assert written["BACKENDS"] == calibration.BACKENDS

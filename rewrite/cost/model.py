@@ -131,16 +131,10 @@ class NodeCost(CostModel):
 
 
 #: A table that prices in place of the backend's while :func:`priced_with` holds it.
-_PINNED: list[Mapping[str, Any]] = []
-
-
-def _table() -> Mapping[str, Any]:
-    """The table prices come from: the one :func:`priced_with` pins, else the calibration table of the
-    default backend (``rewrite/cost/calibration.json``), else the CPU's."""
-    if _PINNED:
-        return _PINNED[-1]
-    name = _calibration.BACKENDS.get(jax.default_backend(), _calibration.BACKENDS["cpu"])
-    return getattr(_calibration, name)
+_PINNED = _calibration.PINNED
+#: The table prices come from: the one :func:`priced_with` pins, else the calibration table of the default backend
+#: (``rewrite/cost/calibration.json``, with the installed jaxlib's overlay), else the CPU's.
+_table = _calibration.active
 
 
 @contextlib.contextmanager
