@@ -11,6 +11,7 @@ import pytest
 from benchmarks import decisions as D
 from benchmarks import harness
 from benchmarks import library_scratch as L
+from rewrite.cost import calibration
 
 
 def _plain(q, k, v):
@@ -35,9 +36,11 @@ def test_plain_attention_holds_its_scores_in_the_library_scratch_that_memory_ana
         pytest.skip("this XLA makes no library fusion of plain attention")
     scores = b * h * n * n * 4
     assert c.memory_analysis().temp_size_in_bytes < scores  # what the gate counted before: not the scores
-    assert L.scratch_bytes(c) == scores
+    # all of them on jaxlib 0.10; jaxlib 0.12's library holds a share at once, measured by resident memory
+    held = int(scores * calibration.CPU.get("attention_scratch", 1.0))
+    assert L.scratch_bytes(c) == held
     _, stats = harness.compile_stats(_plain, *qkv)
-    assert stats.scratch_bytes == scores
+    assert stats.scratch_bytes == held
 
 
 def test_a_program_without_library_fusions_or_whose_chains_stream_holds_no_scratch():
