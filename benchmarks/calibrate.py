@@ -1321,25 +1321,39 @@ f = jax.jit(lambda q, k, v: jax.nn.softmax(q @ jnp.swapaxes(k, -1, -2) / 8.0, ax
 jnp.ones(8).block_until_ready()
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 f(q, k, v).block_until_ready()
-print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024)
+grown = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024
+for _ in range(5):  # the allocator settles: glibc raises its mmap threshold to a freed chunk's size (to 32 MiB)
+    f(q, k, v).block_until_ready()
+faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(5):
+    f(q, k, v).block_until_ready()
+print(grown, (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) * resource.getpagesize() // 5)
 """
 
 
-def measure_attention_scratch(sizes: tuple[int, ...] = (2048, 4096), runs: int = 3) -> dict[str, float]:
+def measure_attention_scratch(sizes: tuple[int, ...] = (2048, 4096), runs: int = 3) -> dict[str, Any]:
     """``attention_scratch``: the share of its scores that XLA:CPU's library holds at once while plain attention's
     one kernel runs (``rewrite/cost/attention.py``'s ``held_scores``): a call's growth of the peak resident memory,
     less its output, over the scores' bytes, each call in a fresh process; the median over ``sizes`` and ``runs``.
-    jaxlib 0.10 holds them all; 0.12 runs a few of the 8 heads at a time."""
+    jaxlib 0.10 holds them all; 0.12 runs a few of the 8 heads at a time. And ``attention_fresh_unit``
+    (``mapped_fresh``): ``"head"`` where the library maps its scratch a head at a time, read from the pages that fault
+    at each call once five have run (``ru_minflt``) at N=2048, whose scores (128 MiB) are past glibc's 32 MiB mmap threshold and
+    a head's (16 MiB) under it: under half the scores fault there (jaxlib 0.12: 0-15%; 0.10: all)."""
     import subprocess
 
-    shares = []
+    shares, faulted = [], {}
     for n in sizes:
         scores, out = 2 * 4 * n * n * 4, 2 * 4 * n * 64 * 4
         for _ in range(runs):
-            grown = subprocess.run([sys.executable, "-c", _ATTENTION_RSS, str(n)], check=True, capture_output=True,
-                                   text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"}).stdout.split()[-1]
+            grown, fresh = subprocess.run([sys.executable, "-c", _ATTENTION_RSS, str(n)], check=True,
+                                          capture_output=True, text=True,
+                                          env={**os.environ, "JAX_PLATFORMS": "cpu"}).stdout.split()[-2:]
             shares.append(max(int(grown) - out, 0) / scores)
-    return {"attention_scratch": round(statistics.median(shares), 3), "readings": [round(x, 3) for x in shares]}
+            faulted.setdefault(n, []).append(int(fresh) / scores)
+    whole = statistics.median(faulted.get(2048, [1.0])) >= 0.5
+    return {"attention_scratch": round(statistics.median(shares), 3), "attention_fresh_unit": "scores" if whole else
+            "head", "readings": [round(x, 3) for x in shares],
+            "faulted": {str(n): [round(x, 3) for x in f] for n, f in faulted.items()}}
 
 
 def _attention_scratch_only(args: argparse.Namespace) -> None:
@@ -1355,11 +1369,14 @@ def _attention_scratch_only(args: argparse.Namespace) -> None:
         return
     overlay = _calibration.OVERLAYS.setdefault("CPU", {}).setdefault(_calibration.JAXLIB, {})
     overlay["attention_scratch"] = found["attention_scratch"]
+    overlay["attention_fresh_unit"] = found["attention_fresh_unit"]
     overlay["attention_scratch_measured"] = {
         "date": datetime.date.today().isoformat(), "jax": jax.__version__,
         "load_average": [round(x, 2) for x in os.getloadavg()], "readings": found["readings"],
+        "faulted": found["faulted"],
         "note": "python -m benchmarks.calibrate --attention-scratch-only: plain attention [2, 4, N, 64] at N=2048 and "
-                "4096, one call per process, its peak resident memory's growth less its output over its scores"}
+                "4096, one process each: its peak resident memory's growth in its first call less its output over "
+                "its scores (readings), and the bytes faulting at each later call over its scores (faulted, by N)"}
     _write({name: _calibration.base(name) for name in _calibration.BACKENDS.values()})
 
 

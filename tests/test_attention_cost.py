@@ -118,19 +118,30 @@ def test_blocking_is_kept_where_the_scratch_is_mapped_fresh():
 
 
 def test_on_jaxlib_0_12_the_kernel_holds_a_share_of_its_scores_and_blocking_follows_it():
-    # jaxlib 0.12's library runs the one kernel a few heads at a time: it holds 0.39 of the scores at once (a call's
-    # resident memory grows by 54 MiB at N=2048, 145 on 0.10) and maps no fresh scratch at N=1024, where plain
-    # attention ran in 16.4-19.7 ms and its blocked form in 20.4-27.2 ms (0.78-0.82x; benchmarks/results/log.md,
-    # the seventieth session). Priced so, N=1024 keeps the one kernel; at N=2048 the two price within 1% and the
-    # blocked form holds less (chosen by the lean band; measured 0.92-1.01x); N=4096 measured 1.47x blocked.
-    assert 0.3 < JAXLIB_12["attention_scratch"] < 0.5 and "attention_scratch" not in JAXLIB_10
+    # jaxlib 0.12's library runs the one kernel a head at a time on each core: it holds 0.38-0.40 of the scores at
+    # once (a call's resident memory grows by 54 MiB at N=2048, 145 on 0.10) and maps a head's scores at a time, so
+    # nothing is mapped fresh until a head's scores reach 32 MiB (pages faulted a call at N=2048: 0-20% of the
+    # scores, 100% on 0.10; at N=4096, 64 MiB a head: 48-55%). Measured there (benchmarks/results/versions.md): plain
+    # attention 16.4-19.7 ms at N=1024 against 20.4-27.2 blocked (0.78-0.88x), at N=2048 blocked 0.85-1.01x, at
+    # N=4096 blocked 1.47-1.55x. Priced so: the one kernel kept at N=1024 and 2048, blocked at N=4096.
+    from rewrite.cost.attention import mapped_fresh
+
+    assert 0.3 < JAXLIB_12["attention_scratch"] < 0.5 and JAXLIB_12["attention_fresh_unit"] == "head"
+    assert "attention_scratch" not in JAXLIB_10 and "attention_fresh_unit" not in JAXLIB_10
     with priced_with(JAXLIB_12):
         assert not _decide(plain, (2, 4, 1024, 64))
-        assert _decide(plain, (2, 4, 2048, 64))
+        assert not _decide(plain, (2, 4, 2048, 64))
+        assert _decide(plain, (2, 4, 4096, 64))
         args = _args([(2, 4, 1024, 64)] * 3)
         scores, keys = 2 * 4 * 1024 * 1024 * 4, 2 * 4 * 1024 * 64 * 4
         held = AnalyticCost().predict_temp_bytes(jax.make_jaxpr(plain)(*args))
         assert held == int(scores * JAXLIB_12["attention_scratch"]) + keys
+    for n, on_10, on_12 in ((1024, True, False), (2048, True, False), (4096, True, True)):
+        prog = Program.from_jaxpr(jax.make_jaxpr(plain)(*_args([(2, 4, n, 64)] * 3)))
+        root = max(i for i, op in enumerate(prog.ops) if op.prim == "dot_general")
+        for table, fresh in ((JAXLIB_10, on_10), (JAXLIB_12, on_12)):
+            with priced_with(table):
+                assert mapped_fresh(prog, root) == fresh, (n, table is JAXLIB_12)
 
 
 def test_blocking_is_declined_where_the_stored_scores_stay_in_the_cache():

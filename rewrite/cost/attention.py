@@ -203,14 +203,26 @@ def held_scores(prog: Any, r: Any) -> int:
     return int(scores_bytes(prog, r) * _calibration.active().get("attention_scratch", 1.0))
 
 
-def scores_bytes(prog: Any, r: Any) -> int:
-    """The bytes of the scores of the attention kernel rooted at product ``r``: its probabilities'."""
+def scores_bytes(prog: Any, r: Any, per_head: bool = False) -> int:
+    """The bytes of the scores of the attention kernel rooted at product ``r``: its probabilities'; ``per_head``: of
+    one of their ``queries x keys`` slices (one batch element's one head)."""
     for a in prog.ops[r].args:
         op = prog.ops[a]
         if op.prim == "div" and op.out_avals:
             aval = op.out_avals[0]
-            return _size(aval) * np.dtype(aval.dtype).itemsize
+            n = aval.shape[-2] * aval.shape[-1] if per_head and len(aval.shape) >= 2 else _size(aval)
+            return n * np.dtype(aval.dtype).itemsize
     return 0
+
+
+def mapped_fresh(prog: Any, r: Any) -> bool:
+    """Whether the library maps the scratch of the attention kernel rooted at ``r`` fresh at every call: where one
+    allocation of it is ``SCRATCH_FRESH_AT`` bytes or more. jaxlib 0.10's library allocates the scores whole
+    (minor faults a call at N=1024, 2048, 4096, 8 heads: 37.5, 130, 512 MiB, the scores'); jaxlib 0.12's a head's
+    at a time, the table's ``attention_fresh_unit`` ``"head"`` (0, 0 and 282 MiB: a head's scores are 4, 16 and 64
+    MiB; ``benchmarks/calibrate.py --attention-scratch-only`` reports the faults)."""
+    per_head = _calibration.active().get("attention_fresh_unit") == "head"
+    return scores_bytes(prog, r, per_head) >= SCRATCH_FRESH_AT
 
 
 def attention_price(self: Any, prog: Any, r: Any, comp: Iterable[Any]) -> tuple[float, set]:
@@ -218,9 +230,9 @@ def attention_price(self: Any, prog: Any, r: Any, comp: Iterable[Any]) -> tuple[
     ``comp``), and what it reads: its two products at their own prices (``kernel_product``'s, where the model
     gives one: a product at the one-core rate) but for the scores they write
     and read, which stay in the library's tiles; each softmax operation a pass over its tiles (``library_op``
-    per element) and each reduction its elements (``reduce``); and, where the scores' scratch (what of them the
-    library holds at once, :func:`held_scores`) is ``SCRATCH_FRESH_AT`` bytes or more, ``fresh`` per byte of it (its
-    pages fault at every call)."""
+    per element) and each reduction its elements (``reduce``); and, where the library maps the scores' scratch
+    fresh at every call (:func:`mapped_fresh`), ``fresh`` per byte of what of them it holds at once
+    (:func:`held_scores`: its pages fault at every call)."""
     ops = prog.ops
     inside = set(comp)
     facts = self._facts  # (the fusion model's, per op: see FusionModel._facts)
@@ -240,7 +252,6 @@ def attention_price(self: Any, prog: Any, r: Any, comp: Iterable[Any]) -> tuple[
         elif not bitcast(op):
             cost += _size(op.out_avals[0]) * (self.library_op if self.library_op is not None else self.cheap)
         reads.update(a for a in op.args if a not in inside and ops[a].prim != "literal")
-    held = held_scores(prog, r) if self.fresh else 0
-    if held >= SCRATCH_FRESH_AT:
-        cost += self.fresh * held
+    if self.fresh and mapped_fresh(prog, r):
+        cost += self.fresh * held_scores(prog, r)
     return cost, reads
