@@ -1337,8 +1337,8 @@ def measure_attention_scratch(sizes: tuple[int, ...] = (2048, 4096), runs: int =
     less its output, over the scores' bytes, each call in a fresh process; the median over ``sizes`` and ``runs``.
     jaxlib 0.10 holds them all; 0.12 runs a few of the 8 heads at a time. And ``attention_fresh_unit``
     (``mapped_fresh``): ``"head"`` where the library maps its scratch a head at a time, read from the pages that fault
-    at each call once five have run (``ru_minflt``) at N=2048, whose scores (128 MiB) are past glibc's 32 MiB mmap threshold and
-    a head's (16 MiB) under it: under half the scores fault there (jaxlib 0.12: 0-15%; 0.10: all)."""
+    at each call once five have run (``ru_minflt``) at N=2048, whose scores (128 MiB) are past glibc's 32 MiB mmap
+    threshold and a head's (16 MiB) under it: under half the scores fault there (jaxlib 0.12: 0-20%; 0.10: all)."""
     import subprocess
 
     shares, faulted = [], {}
