@@ -198,7 +198,7 @@ def held_scores(prog: Any, r: Any) -> int:
     """The bytes of its scores the library holds at once while the attention kernel rooted at product ``r`` runs:
     :func:`scores_bytes` times the table's ``attention_scratch``, the share measured (``benchmarks/calibrate.py
     --attention-scratch-only``: a call's growth of the resident memory over its scores' bytes); all of them where the
-    table has none. jaxlib 0.10's library holds them all (1.0-1.05 measured); 0.12's runs a few heads at a time
+    table has none. jaxlib 0.10's library holds them all (1.03-1.10 measured); 0.12's runs a few heads at a time
     (0.4 at N=2048 and 4096 on 2 cores, 8 heads: its plain attention held 54 MiB where 0.10's held 145 MiB)."""
     return int(scores_bytes(prog, r) * _calibration.active().get("attention_scratch", 1.0))
 
@@ -219,7 +219,7 @@ def mapped_fresh(prog: Any, r: Any) -> bool:
     """Whether the library maps the scratch of the attention kernel rooted at ``r`` fresh at every call: where one
     allocation of it is ``SCRATCH_FRESH_AT`` bytes or more. jaxlib 0.10's library allocates the scores whole
     (minor faults a call at N=1024, 2048, 4096, 8 heads: 37.5, 130, 512 MiB, the scores'); jaxlib 0.12's a head's
-    at a time, the table's ``attention_fresh_unit`` ``"head"`` (0, 0 and 282 MiB: a head's scores are 4, 16 and 64
+    at a time, the table's ``attention_fresh_unit`` ``"head"`` (2, 0 and 282 MiB: a head's scores are 4, 16 and 64
     MiB; ``benchmarks/calibrate.py --attention-scratch-only`` reports the faults)."""
     per_head = _calibration.active().get("attention_fresh_unit") == "head"
     return scores_bytes(prog, r, per_head) >= SCRATCH_FRESH_AT
