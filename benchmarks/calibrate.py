@@ -1261,10 +1261,9 @@ def main(argv: list[str] | None = None) -> None:
         **_rounded(loop),
     }
     history = [{k: round(v, 6) for k, v in mem.items()}]
-    from rewrite.cost import calibration as _calibration
 
     key = table["platform"].upper()
-    tables = {name: _calibration.base(name) for name in _calibration.BACKENDS.values()}
+    tables = _base_tables()
     if args.merge:
         old = tables.get(key, {"elementwise_ns": {}})
         for k, v in old["elementwise_ns"].items():
@@ -1377,7 +1376,7 @@ def _attention_scratch_only(args: argparse.Namespace) -> None:
         "note": "python -m benchmarks.calibrate --attention-scratch-only: plain attention [2, 4, N, 64] at N=2048 and "
                 "4096, one process each: its peak resident memory's growth in its first call less its output over "
                 "its scores (readings), and the bytes faulting at each later call over its scores (faulted, by N)"}
-    _write({name: _calibration.base(name) for name in _calibration.BACKENDS.values()})
+    _write(_base_tables())
 
 
 def _store_only(args: argparse.Namespace, figures: dict[str, float], stamp: str, drop: str | None = None,
@@ -1385,12 +1384,11 @@ def _store_only(args: argparse.Namespace, figures: dict[str, float], stamp: str,
     """Print figures measured alone and, with ``--write``, store them in this backend's table, with the date,
     device and load they were measured under as ``<stamp>_measured`` (``drop``: a key they supersede; ``note``: what
     they were measured from)."""
-    from rewrite.cost import calibration as _calibration
 
     print(json.dumps(figures, indent=1))
     if not args.write or not figures:
         return
-    tables = {name: _calibration.base(name) for name in _calibration.BACKENDS.values()}
+    tables = _base_tables()
     table = tables[jax.default_backend().upper()]
     table.update(_rounded(figures))
     table[f"{stamp}_measured"] = {"date": datetime.date.today().isoformat(),
@@ -1405,7 +1403,6 @@ def _store_only(args: argparse.Namespace, figures: dict[str, float], stamp: str,
 def _shared_only(args: argparse.Namespace) -> None:
     """Print :func:`measure_shared`'s findings and, with ``--write``, store the prices of ``--groups`` that share in
     this backend's ``elementwise_ns``, with what they were measured from as ``shared_measured``."""
-    from rewrite.cost import calibration as _calibration
 
     found = {}
     for _ in range(args.runs):  # each pair's ratio: the lowest of the runs
@@ -1413,7 +1410,7 @@ def _shared_only(args: argparse.Namespace) -> None:
             if name not in found or f["ratio"] < found[name]["ratio"]:
                 found[name] = f
     print(json.dumps(found, indent=1))
-    tables = {name: _calibration.base(name) for name in _calibration.BACKENDS.values()}
+    tables = _base_tables()
     table = tables[jax.default_backend().upper()]
     prices = shared_prices(found, table["elementwise_ns"], [g for g in args.groups.split(",") if g])
     print(json.dumps(prices, indent=1))
@@ -1446,6 +1443,14 @@ def _cache_only(args: argparse.Namespace) -> None:
     if jax.default_backend() != "cpu":
         raise SystemExit("--cache-only measures a CPU's last-level cache")
     _store_only(args, measure_cache(args.rounds, args.progress), "cache")
+
+
+def _base_tables() -> dict[str, dict]:
+    """Every backend's table as ``calibration.json`` holds it, without the installed jaxlib's overlay: what a
+    ``--write`` updates and writes back (:func:`_write` keeps the overlays as they are)."""
+    from rewrite.cost import calibration as _calibration
+
+    return {name: _calibration.base(name) for name in _calibration.BACKENDS.values()}
 
 
 def _write(tables: dict) -> None:
