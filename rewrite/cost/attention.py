@@ -9,7 +9,8 @@ plain attention). The library holds the scores in a scratch of its own instead, 
 the process maps fresh at every call from 32 MiB (its resident memory grows by the scores: ``benchmarks/results/
 attention_rss.md``); jaxlib 0.12's holds a share of them at once and maps them a head at a time (the table's
 ``attention_scratch`` and ``attention_fresh_unit``: :func:`held_scores`, :func:`mapped_fresh`). Read from XLA's
-compiled programs (``jax.jit(f).lower(...).compile().as_text()``) over three forms and 28 shapes (``benchmarks/results/decisions.md``, h-fuse's note): one kernel where the row
+compiled programs (``jax.jit(f).lower(...).compile().as_text()``) over three forms and 28 shapes
+(``benchmarks/results/decisions.md``, h-fuse's note): one kernel where the row
 statistics (batch x heads x queries) are 4096 or more and no batch axis of the scores has size 1 (layout
 assignment then copies the probabilities into another layout); three kernels with the scores stored
 otherwise. :func:`attention_chain` says which ops one such kernel computes, ``FusionModel`` (``cost/fusion.py``)
