@@ -46,6 +46,7 @@ import jax.numpy as jnp
 from . import loopstep as _loopstep
 from .scanread import in_place_carries as _in_place_carries, moved_per_trip as _moved_per_trip
 from .scanread import sliced_consts as _sliced_consts
+from .softmax import plain_softmax as _plain_softmax
 from .jaxapi import UnspecifiedValue, core, laid_out_mark, params_for_jax, scan_counts, scan_kept
 
 #: Families: how the cost model prices a primitive, and whether its params are wildcards in patterns.
@@ -482,11 +483,12 @@ def _shard_map_emit(em: Any, params: dict, bodies: list, n_out: int, n_in: int) 
 
 
 def _custom_load(ld: Any) -> list[Any]:
-    # The derivative rule (``jvp_jaxpr_fun``, ``fwd_jaxpr_thunk``, ``bwd``) stays in the params as it
-    # is, so ``jax.grad`` of the rewritten program still uses it. The body's debug info names the call in
-    # printed jaxprs: kept for the emitter.
-    closed = ld.eqn.params["call_jaxpr"]
-    return ld.nested([ld.closed_body(closed)], {"_rw_debug": closed.jaxpr.debug_info})
+    # The derivative rule (``jvp_jaxpr_fun``, ``fwd_jaxpr_thunk``, ``bwd``) stays in the params, so ``jax.grad`` of
+    # the rewritten program uses it; the body's debug info names the call in printed jaxprs, kept for the emitter.
+    # JAX's own softmax, a custom_jvp_call from jax 0.12.1 on, is read as its plain body (``rewrite/ir/softmax.py``).
+    closed, plain = ld.eqn.params["call_jaxpr"], _plain_softmax(ld.eqn)
+    return ld.inline(plain) if plain is not None else ld.nested([ld.closed_body(closed)],
+                                                                {"_rw_debug": closed.jaxpr.debug_info})
 
 
 def _custom_emit(em: Any, params: dict, bodies: list, n_out: int, n_in: int) -> dict:
@@ -501,9 +503,8 @@ def _checkpoint_load(ld: Any) -> list[Any]:
     if jaxpr.constvars or jaxpr.effects:
         raise Unsupported("checkpoint body with constants or effects")
     outs = ld.nested([ld.body(jaxpr, (), [v.aval for v in jaxpr.invars])], {"_rw_debug": jaxpr.debug_info})
-    # A result that is an input of the body is that operand: checkpointing changes what is saved, not what
-    # is computed. (A backward loop's body often hands a cotangent on this way; read as the operand, the
-    # loop's rules see that the carry never changes.)
+    # A result that is an input of the body is that operand: checkpointing changes what is saved, not what is computed.
+    # (A backward loop's body often hands a cotangent on this way; read as the operand, its rules see the carry kept.)
     position = {v: i for i, v in enumerate(jaxpr.invars)}
     return [ld.args[position[v]] if isinstance(v, core.Var) and v in position else out
             for v, out in zip(jaxpr.outvars, outs)]
@@ -681,8 +682,7 @@ def register_primitive(spec: OpSpec, *, replace: bool = False) -> OpSpec:
     other = BY_CTOR.get(spec.ctor)
     if (other is not None and other.prim != spec.prim) or spec.ctor in _RESERVED_CTORS:
         raise ValueError(f"constructor {spec.ctor!r} is taken; pass ctor= to name another")
-    BY_PRIM[spec.prim] = spec
-    BY_CTOR[spec.ctor] = spec
+    BY_PRIM[spec.prim], BY_CTOR[spec.ctor] = spec, spec
     _rebuild_groups()
     return spec
 
