@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import inspect
 import itertools
 import types
 from typing import Any
@@ -80,7 +81,9 @@ core = types.SimpleNamespace(
     # internal: no public API
     current_jaxpr_eqn_context=_core.current_jaxpr_eqn_context,  # a traced equation's context (grad/seed.py)
     Ref=_core.Ref,  # a mutable array constant, which jit's staging rule moves out of its body (grad/seed.py)
-    is_literalable=_core.is_literalable,  # whether the tracer stages a constant as a literal (grad/seed.py)
+    # whether the tracer stages a constant as a literal (grad/seed.py); jax 0.12.1 dropped ``for_ad``
+    is_literalable=_core.is_literalable if "for_ad" in inspect.signature(_core.is_literalable).parameters
+    else lambda x, for_ad=False: _core.is_literalable(x),
     JaxprEqnContext=_core.JaxprEqnContext,  # an equation's context (mesh, compute type), which an emitted equation keeps
     ManualAxisType=_core.ManualAxisType,  # the manual axes a value of a shard_map body varies over, which the cache writes
     NamedAxisEffect=_core.NamedAxisEffect,  # the effect of a collective over a named axis, which a loaded program keeps
