@@ -21,6 +21,7 @@ from jax._src.core import jaxpr_as_fun
 import rulesets
 from rewrite import rewrite
 from rewrite.define import check_example
+from rewrite.grad.step import find_losses
 from rewrite.ir.softmax import plain_softmax
 from rewrite.testing import arrays
 
@@ -179,3 +180,41 @@ def test_a_custom_jvp_of_another_softmax_is_loaded_as_the_call_it_is():
     closed = jax.make_jaxpr(_softmax)(jnp.ones((2, 3)))
     assert closed.jaxpr.eqns[0].primitive.name == "custom_jvp_call"
     assert plain_softmax(closed.jaxpr.eqns[0]) is None
+
+
+def _logsumexp_call():
+    closed = jax.make_jaxpr(functools.partial(jax.nn.logsumexp, axis=-1))(jnp.ones((3, 5)))
+    return next((e for e in closed.jaxpr.eqns if e.primitive.name == "custom_jvp_call"), None)
+
+
+@pytest.mark.skipif(_logsumexp_call() is None, reason="this JAX traces logsumexp inline (a custom_jvp from 0.12.1)")
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_jax_s_own_logsumexp_call_is_read_as_its_body(dtype):
+    """jax 0.12.1's ``logsumexp`` is a ``custom_jvp_call`` of ``_logsumexp_impl`` whose rule reads ``softmax``: read
+    as its body, a step over an integer-label cross-entropy is proven to hold its loss's gradients and replaced
+    (before, every whole-step proof over it failed), with the values of the step as written."""
+    from rewrite.ir.softmax import plain_call
+
+    eqn = _logsumexp_call()
+    assert plain_call(eqn) is eqn.params["call_jaxpr"]
+    rng = np.random.default_rng(2)
+    w, x = jnp.asarray(rng.normal(size=(16, 40)), dtype), jnp.asarray(rng.normal(size=(8, 16)), dtype)
+    y = jnp.asarray(rng.integers(0, 40, size=8))
+
+    def loss(w, x, y):
+        logits = (x @ w).astype(jnp.float32)
+        return jnp.mean(jax.nn.logsumexp(logits, axis=-1) - jnp.take_along_axis(logits, y[:, None], axis=-1)[:, 0])
+
+    def step(w, x, y):
+        value, g = jax.value_and_grad(loss)(w, x, y)
+        return w - 0.1 * g, value
+
+    changed, finding = find_losses(jax.make_jaxpr(step)(w, x, y), *_proof_and_loss_first([rulesets.algebra]))
+    assert changed is not None, str(finding)
+    for want, got in zip(jax.jit(step)(w, x, y), jax.jit(jaxpr_as_fun(changed))(w, x, y)):
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=2e-2, atol=2e-3)
+
+
+def _proof_and_loss_first(packs):
+    r = rewrite(lambda *a: None, rulesets=packs, cache=False)
+    return r._proof, r._loss_first

@@ -46,7 +46,7 @@ import jax.numpy as jnp
 from . import loopstep as _loopstep
 from .scanread import in_place_carries as _in_place_carries, moved_per_trip as _moved_per_trip
 from .scanread import sliced_consts as _sliced_consts
-from .softmax import plain_softmax as _plain_softmax
+from .softmax import plain_call as _plain_call
 from .jaxapi import UnspecifiedValue, core, laid_out_mark, params_for_jax, scan_counts, scan_kept
 
 #: Families: how the cost model prices a primitive, and whether its params are wildcards in patterns.
@@ -485,8 +485,8 @@ def _shard_map_emit(em: Any, params: dict, bodies: list, n_out: int, n_in: int) 
 def _custom_load(ld: Any) -> list[Any]:
     # The derivative rule (``jvp_jaxpr_fun``, ``fwd_jaxpr_thunk``, ``bwd``) stays in the params, so ``jax.grad`` of
     # the rewritten program uses it; the body's debug info names the call in printed jaxprs, kept for the emitter.
-    # JAX's own softmax, a custom_jvp_call from jax 0.12.1 on, is read as its plain body (``rewrite/ir/softmax.py``).
-    closed, plain = ld.eqn.params["call_jaxpr"], _plain_softmax(ld.eqn)
+    # JAX's own softmax and log-sum-exp, custom_jvp_calls from jax 0.12.1 on, are read plain (``ir/softmax.py``).
+    closed, plain = ld.eqn.params["call_jaxpr"], _plain_call(ld.eqn)
     return ld.inline(plain) if plain is not None else ld.nested([ld.closed_body(closed)],
                                                                 {"_rw_debug": closed.jaxpr.debug_info})
 
