@@ -42,7 +42,7 @@ def _cross_entropy(z, y):
     return -jnp.sum(y * jnp.log(jax.nn.softmax(z, axis=-1)))
 
 
-#: name -> (function, its packs, its argument shapes and dtypes (None: the float dtype under test), a mask among them)
+#: name -> (function, its packs, its arguments: a shape (drawn in the float dtype under test) or "mask" (a boolean one))
 PROGRAMS = {
     "log_softmax": (_log_softmax, ("nn",), [(8, 33)]),
     "masked": (_masked, ("nn",), [(4, 16), "mask"]),
