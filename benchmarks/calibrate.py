@@ -1384,7 +1384,6 @@ def _store_only(args: argparse.Namespace, figures: dict[str, float], stamp: str,
     """Print figures measured alone and, with ``--write``, store them in this backend's table, with the date,
     device and load they were measured under as ``<stamp>_measured`` (``drop``: a key they supersede; ``note``: what
     they were measured from)."""
-
     print(json.dumps(figures, indent=1))
     if not args.write or not figures:
         return
@@ -1403,7 +1402,6 @@ def _store_only(args: argparse.Namespace, figures: dict[str, float], stamp: str,
 def _shared_only(args: argparse.Namespace) -> None:
     """Print :func:`measure_shared`'s findings and, with ``--write``, store the prices of ``--groups`` that share in
     this backend's ``elementwise_ns``, with what they were measured from as ``shared_measured``."""
-
     found = {}
     for _ in range(args.runs):  # each pair's ratio: the lowest of the runs
         for name, f in measure_shared(args.rounds, args.progress).items():
