@@ -143,12 +143,22 @@ def _lit_power(lit: float, e: int) -> float | None:
     return v if math.isfinite(v) else None
 
 
+def _is_mask(v: Value) -> bool:
+    """Is ``v`` a 0/1 mask: a float converted from a bool (``(k2 != 0).astype(jnp.float32)``)?"""
+    n = v.node("convert_element_type")
+    return n is not None and n.operands[0].dtype == np.bool_
+
+
 def product_tree(v: Value) -> Factor | None:
     """The tree of ``mul``, ``div``, ``neg`` and ``integer_pow`` at ``v`` (at most ``_MAX_NODES`` of them).
 
     ``None`` when ``v`` is not a floating product. Of several product nodes
     in one class the oldest is followed, so that a class rewritten before is
-    read the way the program wrote it.
+    read the way the program wrote it. A product with a 0/1 mask (:func:`_is_mask`) is a leaf, taken whole:
+    XLA computes ``mask * x`` as ``select(mask, x, 0)``, so a program may mask out a term that is infinite or NaN
+    there (jax-md's PME energy: ``(k2 != 0) * (c * exp(-k2 / 4a^2) / k2)``, whose ``k2`` is 0 at ``k = 0``), and a
+    product rebuilt with that division outside the mask (``mask * exp * s / k2``) is NaN under ``jit`` where the
+    program is not.
     """
     if not v.is_floating or v.weak_type or _product_node(v) is None:
         return None
@@ -159,7 +169,7 @@ def product_tree(v: Value) -> Factor | None:
         if isinstance(lit, float) and _lit_power(lit, e) is not None:
             return Factor(w, e, "lit", lit=lit)
         node = _product_node(w) if budget[0] > 0 else None
-        if node is None:
+        if node is None or (node.prim == "mul" and any(_is_mask(o) for o in node.operands)):
             return Factor(w, e, "leaf")
         budget[0] -= 1
         powers = {"mul": (e, e), "div": (e, -e), "neg": (e,)}.get(node.prim) or (e * int(node.params["y"]),)
@@ -398,12 +408,8 @@ def _k(c: float, like: Any) -> Any:
 
 #: How a replacement factor is computed from its argument.
 _DERIVED: dict[str, Callable[[Any], Any]] = {
-    "v": lambda x: x,
-    "sin2": lambda x: lax.sin(lax.mul(_k(2, x), x)),
-    "tanh": lax.tanh,
-    "logistic": lax.logistic,
-    "logistic_neg": lambda x: lax.logistic(lax.neg(x)),
-}
+    "v": lambda x: x, "sin2": lambda x: lax.sin(lax.mul(_k(2, x), x)), "tanh": lax.tanh, "logistic": lax.logistic,
+    "logistic_neg": lambda x: lax.logistic(lax.neg(x))}
 
 
 def _power(b: Any, k: int) -> Any:

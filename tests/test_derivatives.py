@@ -651,3 +651,40 @@ def test_add_any_of_a_users_element_type_is_left_as_it_is():
     got = jax.jit(rewrite(f, rulesets=[derivatives], strict=True))(x, y)
     np.testing.assert_array_equal(got, jax.jit(f)(x, y))
     np.testing.assert_array_equal(got, jnp.sin(2.0))  # the dtype's own add: the larger, not the sum
+
+
+def _pme_energy(k, s, v):
+    """jax-md's PME reciprocal energy in small (``energy.coulomb_recip_pme``): the k = 0 term, where ``k2`` is 0 and
+    ``c * exp(-k2) / k2`` infinite, masked out by a 0/1 mask, which XLA computes as a select."""
+    k2 = jnp.sum(k ** 2, axis=-1)
+    mask = (k2 != 0).astype(k2.dtype)
+    c = 1.0 / (6.28 * v)
+    return jnp.sum(mask * (c * jnp.exp(-k2) / k2) * s ** 2)
+
+
+@pytest.mark.parametrize("dtype, tol", [(jnp.float32, 1e-6), (jnp.bfloat16, 2e-2), (jnp.float16, 2e-3),
+                                        (jnp.float64, 1e-12)])
+@pytest.mark.parametrize("which", ["red_pull", "derivatives"])
+def test_a_product_under_a_mask_is_taken_whole(which, dtype, tol):
+    """A product with a 0/1 mask is one factor (``product_tree``): ``red_pull`` had pulled the scalar out of
+    jax-md's PME energy and rebuilt the rest as ``mask * exp * s**2 / k2``, the division past the mask, and
+    ``jax.jit`` of it gave NaN where the program's gave the energy (jax-md's ``test_coulomb_recip_octions``, routed
+    through the rewriter: energy and forces NaN). Under ``jit``: the value, the gradient, a JVP and ``vmap``."""
+    rs = Ruleset("red_pull_alone", [derivatives.rule("red_pull")], soundness="identity") if which == "red_pull" \
+        else derivatives
+    with jax.enable_x64(dtype == jnp.float64):
+        k = jnp.stack(jnp.meshgrid(jnp.arange(4.0), jnp.arange(4.0), indexing="ij"), -1).astype(dtype)
+        s = jnp.linspace(0.5, 2.0, 16, dtype=dtype).reshape(4, 4)
+        v = jnp.asarray(3.0, dtype)
+        r = rewrite(_pme_energy, rulesets=[rs], strict=True, cache=False)
+        want, got = jax.jit(_pme_energy)(k, s, v), jax.jit(r)(k, s, v)
+        # (in bfloat16 XLA multiplies the mask as a float, so the program itself is NaN: so must the rewrite be)
+        assert np.isfinite(np.float64(want)) == (dtype != jnp.bfloat16)
+        np.testing.assert_allclose(np.float64(got), np.float64(want), rtol=tol)  # NaN where it is NaN
+        for g, w in zip(jax.jit(jax.grad(r, argnums=(1, 2)))(k, s, v),
+                        jax.jit(jax.grad(_pme_energy, argnums=(1, 2)))(k, s, v)):
+            np.testing.assert_allclose(np.float64(g), np.float64(w), rtol=tol, atol=tol)
+        jvp = [jax.jit(lambda *a, f=f: jax.jvp(f, a, (k, s, v))[1])(k, s, v) for f in (r, _pme_energy)]
+        np.testing.assert_allclose(np.float64(jvp[0]), np.float64(jvp[1]), rtol=tol * 10, atol=tol)
+        batched = [jax.jit(jax.vmap(f, in_axes=(None, 0, None)))(k, jnp.stack([s, 2 * s]), v) for f in (r, _pme_energy)]
+        np.testing.assert_allclose(np.float64(batched[0]), np.float64(batched[1]), rtol=tol)
