@@ -44,6 +44,7 @@ from .jaxpr import state as _state
 from .jaxpr.emit import jitted_program
 from .jaxpr.trace import (CONCRETIZATION_ERRORS, Traced, as_operand, check_function, collect_young_only,
                           concrete_operands, flatten_args, resolve_static, same_program, trace, trace_call)
+from .jaxpr.metadata import EagerKeys
 from .pipeline import limits_met, program_cost, run_pipeline, saturated_classes
 from .records import STEP_STAGES, Budget, Limits, Result, lap, stage
 from .report.report import Report, _fixed_cost, gradient_report, report_of
@@ -105,7 +106,7 @@ class Rewritten:
         self.cost_model, self.limits = resolve(cost_model), Limits.of(limits)
         self.static_argnums, self.static_argnames = resolve_static(fn, static_argnums, static_argnames)
         self._trace_floats, self.strict = True, strict  # Python floats are traced until one steers control flow
-        self._cache: dict[Any, tuple[Traced, Result]] = {}
+        self._cache: dict[Any, tuple[Traced, Result]] = EagerKeys()  # (a key's metadata compared eagerly)
         self._lock, self._warned = threading.RLock(), set()  # reentrant: it may call itself as it is traced
         self.rewrites = 0  # how many times a program was rewritten (cache misses)
         self.disk = _cache.resolve(cache)  # the disk cache (rewrite/cache/store.py), or None
@@ -113,8 +114,8 @@ class Rewritten:
         self.guard = _guard.Guard() if guard is True else (guard or None)
         #: derivative programs rewritten so far, by transformation ("vjp", "jvp"); see rewrite/grad/primitive.py
         self.derivative_rewrites: collections.Counter = collections.Counter()
-        self._programs: dict[Any, Any] = {}
-        self._jitted: dict[Any, tuple[core.ClosedJaxpr, Any]] = {}  # key -> (program, jax.jit of it)
+        self._programs: dict[Any, Any] = EagerKeys()
+        self._jitted: dict[Any, tuple[core.ClosedJaxpr, Any]] = EagerKeys()  # key -> (program, jax.jit of it)
         #: look for a loss whose gradients the program holds (a training step: rewrite/grad/step.py, searches_steps)
         self.whole_step, self.step_by_default = searches_steps(self.entries, whole_step), whole_step is None
 
@@ -399,8 +400,7 @@ class Rewritten:
         return alt
 
     def _proof(self, program: core.ClosedJaxpr) -> list[Any]:
-        """The classes of ``program``'s outputs, saturated with no rules: equal values share one
-        (:func:`rewrite.grad.step.find_losses` reads a proof from them)."""
+        """``program``'s outputs' classes, saturated with no rules: equal values share one (``find_losses``'s proof)."""
         return saturated_classes(program, (), self.limits)
 
     def _leaner(self, alt: Result, result: Result) -> bool:

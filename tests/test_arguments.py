@@ -1,15 +1,18 @@
 """What a rewritten function takes as it is called: traced and static arguments, their cache keys, values
 closed over from an outer trace, and ``float0`` values (issue 29, items 2, 5 and 6; issue 31, item 7)."""
 
+import dataclasses
 import functools
 import math
 import warnings
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import rulesets
 from rewrite import RewriteWarning, rewrite
 from rewrite.jaxpr.trace import static_key
 
@@ -489,3 +492,32 @@ def test_a_function_whose_trace_calls_its_own_rewrite_again_is_rewritten():
     assert out, "the nested call never returned"
     np.testing.assert_allclose(out[0], jnp.sin(x * 4.0) + 2.0, rtol=1e-6)
     assert g.rewrites == 3
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class _Cells:
+    """jax-md's ``NeighborList`` in small: a static field that holds an array (its cell size, the cutoff given)."""
+    x: jax.Array
+    size: Any = dataclasses.field(metadata={"static": True})
+
+
+def _cell_energy(cells, s):
+    return jnp.sum(jnp.sin(cells.x * s) ** 2)
+
+
+def test_a_pytree_with_an_array_in_its_metadata_runs_under_an_outer_jit():
+    """Inside ``jax.jit``'s trace, the rewrite's lookup of a signature and JAX's ``make_jaxpr`` of the named arguments
+    compared such metadata as a staged ``eq``: ``ValueError: Exception raised while checking equality of metadata
+    fields of pytree`` where ``jax.jit(f)`` runs (19 of jax-md's ``smap_test`` routed through the rewriter). Under
+    ``jit``, ``grad`` and eagerly, with the metadata the same and changed between calls."""
+    r = rewrite(_cell_energy, rulesets=[rulesets.algebra], strict=True, cache=False)
+    x = jnp.linspace(0.0, 1.0, 8)
+    for size in (0.5, 0.5, 0.7):
+        cells = _Cells(x, jnp.float32(size))
+        want = _cell_energy(cells, 2.0)
+        np.testing.assert_allclose(jax.jit(r)(cells, 2.0), want, rtol=1e-6)
+        np.testing.assert_allclose(r(cells, 2.0), want, rtol=1e-6)
+        got, ref = jax.jit(jax.grad(r))(cells, 2.0), jax.grad(_cell_energy)(cells, 2.0)
+        np.testing.assert_allclose(got.x, ref.x, rtol=1e-6)
+    assert r.rewrites >= 1

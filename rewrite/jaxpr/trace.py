@@ -41,6 +41,7 @@ from jax.sharding import AxisType, use_abstract_mesh
 from ..ir.jaxapi import AbstractRef, ad, check_vma, core, fun_sourceinfo, primal_arrays, trace_context
 from ..ir.walk import holds_high_values
 from . import state as _state
+from .metadata import array_metadata
 from .relink import relinked
 
 
@@ -360,14 +361,13 @@ def _as_called(fn: Callable[..., Any], flat_fn: Callable[..., Any], leaves: Sequ
                in_tree: Any, statics: dict, stat_kwargs: tuple, n_args: int) -> Any:
     """``flat_fn`` as ``jax.make_jaxpr`` should trace it so that JAX's errors name what the user wrote.
 
-    A tracing error (``TracerBoolConversionError``, a ``Ref`` returned, ...) names the function traced and
-    the argument a value came from. Traced as ``flat_fn(*leaves)``, that is this module's ``flat_fn`` and
-    ``dyn[0]``. Traced here, it is ``fn`` and, as ``jax.jit(fn)`` names them, ``params['w']``: ``fn``'s own
-    arguments, each a pytree of the leaves' specs with ``None`` where a leaf or argument is static, handed
-    to a function with ``fn``'s signature and source that calls ``flat_fn`` on their leaves. ``None`` where
-    that cannot be built as asked (a signature that cannot be read, a pytree that does not rebuild with
-    specs in it or flattens them otherwise): then ``flat_fn`` is traced as it is, with the same program.
-    """
+    A tracing error (``TracerBoolConversionError``, a ``Ref`` returned, ...) names the function traced and the
+    argument a value came from. Traced as ``flat_fn(*leaves)``, that is this module's ``flat_fn`` and ``dyn[0]``.
+    Traced here, it is ``fn`` and, as ``jax.jit(fn)`` names them, ``params['w']``: ``fn``'s own arguments, each a
+    pytree of the leaves' specs with ``None`` where a leaf or argument is static, handed to a function with
+    ``fn``'s signature and source that calls ``flat_fn`` on their leaves. ``None`` where that cannot be built (a
+    signature unread, a pytree that does not rebuild with specs or flattens them otherwise, or holds an array in its
+    metadata: ``metadata.array_metadata``): then ``flat_fn`` is traced as it is, with the same program."""
     try:
         signature = inspect.signature(fn)
         it = iter(leaves)
@@ -376,8 +376,8 @@ def _as_called(fn: Callable[..., Any], flat_fn: Callable[..., Any], leaves: Sequ
         it_args = iter(dyn_args)
         args = tuple(None if i in statics else next(it_args) for i in range(n_args))
         kwargs = {**dyn_kwargs, **{k: None for k, _ in stat_kwargs}}
-        again = jax.tree_util.tree_leaves((args, kwargs))
-        if len(again) != len(leaves) or any(a is not b for a, b in zip(again, leaves)):
+        again, tree = jax.tree_util.tree_flatten((args, kwargs))
+        if len(again) != len(leaves) or any(a is not b for a, b in zip(again, leaves)) or array_metadata(tree):
             return None
         source = fn
         while isinstance(source, functools.partial):
