@@ -114,19 +114,19 @@ def markdown(rows: list[dict], runs: int, config: str, load: tuple) -> str:
     lines = [
         f"# A script's first call, plain and rewritten ({config}), {runs} runs",
         "",
-        f"`python -m benchmarks.first_call --runs {runs}` on {jax.default_backend()}, jax {jax.__version__}, "
+        (f"`python -m benchmarks.first_call --runs {runs}` on {jax.default_backend()}, jax {jax.__version__}, "
         f"{datetime.date.today().isoformat()}; load average {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} at the "
         f"start, on {os.cpu_count()} cores. Each first call in a fresh process, plain and rewritten alternated; "
         "extra: the rewritten first call less the plain one (each run's pair), and its ratio to the plain one. Import: "
         "the rewriter's packs imported at the script's top (their example checks' marks kept from an earlier run), "
-        "not in either first call.",
+        "not in either first call."),
         "",
-        f"Extra over the plain first call, on the medians: median {statistics.median(ratios):.2f}x, worst "
+        (f"Extra over the plain first call, on the medians: median {statistics.median(ratios):.2f}x, worst "
         f"{max(ratios):.2f}x ({max(rows, key=lambda r: r['ratio'])['program']}); **{sum(x <= 1 for x in ratios)} "
-        f"of {len(rows)}** at or under 1.0x.",
+        f"of {len(rows)}** at or under 1.0x."),
         "",
-        "| program | plain first call s | rewritten first call s | extra s | extra / plain (median) | range | "
-        "runs over 1.0x | import s |",
+        ("| program | plain first call s | rewritten first call s | extra s | extra / plain (median) | range | "
+        "runs over 1.0x | import s |"),
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
