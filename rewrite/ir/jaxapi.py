@@ -80,6 +80,7 @@ core = types.SimpleNamespace(
     typeof=jax.typeof,
     # internal: no public API
     current_jaxpr_eqn_context=_core.current_jaxpr_eqn_context,  # a traced equation's context (grad/seed.py)
+    trace_state_clean=_core.trace_state_clean,  # whether no trace is active (jaxpr/metadata.py's EagerKeys)
     Ref=_core.Ref,  # a mutable array constant, which jit's staging rule moves out of its body (grad/seed.py)
     # whether the tracer stages a constant as a literal (grad/seed.py); jax 0.12.1 dropped ``for_ad``
     is_literalable=_core.is_literalable if "for_ad" in inspect.signature(_core.is_literalable).parameters
