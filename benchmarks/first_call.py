@@ -36,20 +36,18 @@ import jax
 
 from benchmarks import ecosystem as eco
 from benchmarks.overhead import load_rulesets
+from rewrite import rewrite
 
-RESULTS = pathlib.Path(__file__).parent / "results"
 VARIANTS = ("plain", "rewritten")
 
 
 def first_call(name: str, variant: str, config: str = "identity") -> dict:
     """In this process, which must have compiled and rewritten nothing before: program ``name`` built, then its
     first ``jax.jit(...).lower(...).compile()`` timed, as written (``variant="plain"``) or rewritten; and, apart,
-    the import of the rewriter and its packs, which a script makes at its top (``import_s``; 0 for plain)."""
+    the import of the packs (``rulesets`` loads each when first named), which a script makes at its top
+    (``import_s``; 0 for plain)."""
     t = time.perf_counter()
-    if variant == "rewritten":  # as a script imports them, at its top: timed apart
-        from rewrite import rewrite
-
-        packs = load_rulesets(eco.CONFIGS[config])
+    packs = load_rulesets(eco.CONFIGS[config]) if variant == "rewritten" else []  # as a script imports them
     imported = time.perf_counter() - t
     prog = eco.PROGRAMS[name]
     fn, args = prog.build()
@@ -94,16 +92,16 @@ def aggregate(rows: list[dict]) -> list[dict]:
     (``ratio``, the median of the runs' ratios), its range, and ``over``, the runs where it passed 1.0x."""
     out = []
     for name in dict.fromkeys(r["program"] for r in rows):
+        mine = [r for r in rows if r["program"] == name and r["variant"] == "rewritten"]
         plain = [r["seconds"] for r in rows if r["program"] == name and r["variant"] == "plain"]
-        written = [r["seconds"] for r in rows if r["program"] == name and r["variant"] == "rewritten"]
+        written = [r["seconds"] for r in mine]
         pairs = list(zip(plain, written))
         if not pairs:
             continue
         ratios = [(w - p) / p for p, w in pairs]
         out.append({"program": name, "n": len(pairs), "plain_s": statistics.median(plain),
                     "rewritten_s": statistics.median(written),
-                    "import_s": statistics.median(r.get("import_s", 0.0) for r in rows
-                                                  if r["program"] == name and r["variant"] == "rewritten"),
+                    "import_s": statistics.median(r.get("import_s", 0.0) for r in mine),
                     "extra_s": statistics.median(w - p for p, w in pairs), "ratio": statistics.median(ratios),
                     "ratio_min": min(ratios), "ratio_max": max(ratios), "over": sum(x > 1 for x in ratios)})
     return out
@@ -118,7 +116,7 @@ def markdown(rows: list[dict], runs: int, config: str, load: tuple) -> str:
         f"{datetime.date.today().isoformat()}; load average {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} at the "
         f"start, on {os.cpu_count()} cores. Each first call in a fresh process, plain and rewritten alternated; "
         "extra: the rewritten first call less the plain one (each run's pair), and its ratio to the plain one. Import: "
-        "the rewriter's packs imported at the script's top (their example checks' marks kept from an earlier run), "
+        "the packs imported at the script's top (their example checks' marks kept from an earlier run), "
         "not in either first call."),
         "",
         (f"Extra over the plain first call, on the medians: median {statistics.median(ratios):.2f}x, worst "
