@@ -449,6 +449,25 @@ def test_a_key_follows_an_object_two_rules_share():
     assert walked(ents) == before[2]
 
 
+def test_an_object_many_functions_reach_is_written_as_its_digest():
+    """A function or object walked by its attributes is written into what reaches it as the digest of its walk, so
+    a large object reached from many places (a pack's ruleset, from each of its rules' examples) is hashed once,
+    not copied into every walk that reaches it (the nn pack's rules wrote 0.9-1.8 MB each before, and a process's
+    first cache key spent a third of its time there). The digest still follows the object's contents."""
+    from rewrite.cache.fingerprint import _Walker
+
+    holder = type("Holder", (), {})()
+    holder.table = [float(i) for i in range(20_000)]
+    fns = [lambda x, i=i: x * holder.table[i] for i in range(3)]
+    w = _Walker({})
+    w.walk(fns)
+    assert len(w.out) < 2_000, len(w.out)  # three functions and one holder's digest, not three copies of 20k floats
+    before = fingerprint(fns)
+    assert fingerprint(fns, {}) == before and fingerprint(list(fns), {}) == before
+    holder.table[-1] = -1.0
+    assert fingerprint(fns) != before
+
+
 def test_fingerprints_follow_closures_and_globals():
     def make(k):
         return lambda x: x * k
