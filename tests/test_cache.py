@@ -468,6 +468,42 @@ def test_an_object_many_functions_reach_is_written_as_its_digest():
     assert fingerprint(fns) != before
 
 
+def test_the_packs_helpers_are_named_and_their_sources_are_in_the_key(tmp_path, monkeypatch):
+    """The built-in packs are this library's: a key names their module-level helpers, as it names ``rewrite``'s,
+    and hashes their sources into its environment instead (a process's first key walked the helpers for every rule
+    that reached them: half its time). A rule's own function is still walked, with its closure; a module of the
+    user's named ``rulesets`` elsewhere would not be named."""
+    import rulesets.nn_lm_head_kernels as kernels
+    from rewrite.cache import fingerprint as fp
+    from rewrite.cache import key
+
+    assert fp.own_packs() and fp.PACKS == pathlib.Path(rulesets_folder := kernels.__file__).resolve().parent
+    w = fp._Walker({})
+    w.walk(kernels.blocked_loss)
+    assert b"named" in w.out and b"blocked_loss" in w.out  # by its module and name, not its code
+    made = lambda k: lambda x: kernels.blocked_loss(x) * k  # noqa: E731
+    assert fingerprint(made(2.0)) != fingerprint(made(3.0))
+
+    copy = tmp_path / "rulesets"
+    copy.mkdir()
+    for p in pathlib.Path(rulesets_folder).parent.glob("*.py"):
+        (copy / p.name).write_bytes(p.read_bytes())
+    monkeypatch.setattr(key, "PACKS", copy)
+    before = key.environment.__wrapped__()["jax-rewrite"]
+    (copy / "nn_lm_head_kernels.py").write_text((copy / "nn_lm_head_kernels.py").read_text() + "\n# edited\n")
+    assert key.environment.__wrapped__()["jax-rewrite"] != before
+
+    monkeypatch.setattr(fp, "PACKS", copy)  # packs loaded from elsewhere than the folder hashed: walked, not named
+    fp._OWN.clear()
+    try:
+        assert not fp.own_packs()
+        w = fp._Walker({})
+        w.walk(kernels.blocked_loss)
+        assert w.out.startswith(b"digest") and b"named" not in w.out  # its walk, as a digest
+    finally:
+        fp._OWN.clear()
+
+
 def test_fingerprints_follow_closures_and_globals():
     def make(k):
         return lambda x: x * k

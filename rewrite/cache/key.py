@@ -3,7 +3,7 @@
 The program in a canonical form (:func:`rewrite.cache.fingerprint.program_fingerprint`),
 each rule's code and its ruleset's soundness class, tolerance and back-off,
 the cost model, the limits, and the versions of Python, jax, jaxlib, egglog
-and this library (its version and a hash of its source).
+and this library (its version and a hash of its source, the built-in packs' included).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any, Sequence
 
 
 from ..ir.jaxapi import core
-from .fingerprint import Unstable, fingerprint, program_fingerprint
+from .fingerprint import PACKS, Unstable, fingerprint, program_fingerprint
 from .serialise import FORMAT
 
 
@@ -32,6 +32,11 @@ def environment() -> dict[str, str]:
     root = pathlib.Path(__file__).parent.parent  # the rewrite package, not this folder
     for p in sorted(root.rglob("*.py")):
         h.update(str(p.relative_to(root)).encode())
+        h.update(p.read_bytes())
+    # the built-in packs, beside it in this distribution, whose module-level helpers a key names
+    # (``fingerprint.own_packs``)
+    for p in sorted(PACKS.rglob("*.py")):
+        h.update(("rulesets/" + str(p.relative_to(PACKS))).encode())
         h.update(p.read_bytes())
     devices = jax.devices()
     return {"format": str(FORMAT), "python": sys.version.split()[0], "jax": jax.__version__,
