@@ -30,14 +30,12 @@ def environment() -> dict[str, str]:
 
     h = hashlib.sha256()
     root = pathlib.Path(__file__).parent.parent  # the rewrite package, not this folder
-    for p in sorted(root.rglob("*.py")):
-        h.update(str(p.relative_to(root)).encode())
-        h.update(p.read_bytes())
-    # the built-in packs, beside it in this distribution, whose module-level helpers a key names
+    # and the built-in packs, beside it in this distribution, whose module-level helpers a key names
     # (``fingerprint.own_packs``)
-    for p in sorted(PACKS.rglob("*.py")):
-        h.update(("rulesets/" + str(p.relative_to(PACKS))).encode())
-        h.update(p.read_bytes())
+    for prefix, folder in (("", root), ("rulesets/", PACKS)):
+        for p in sorted(folder.rglob("*.py")):
+            h.update((prefix + str(p.relative_to(folder))).encode())
+            h.update(p.read_bytes())
     devices = jax.devices()
     return {"format": str(FORMAT), "python": sys.version.split()[0], "jax": jax.__version__,
             "jaxlib": jaxlib.__version__, "egglog": _version("egglog"),
