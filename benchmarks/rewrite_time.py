@@ -8,8 +8,15 @@ trace to emit, with its disk cache in a fresh folder, so nothing is read
 back), its stages and its slowest rule. The ratio of the two is the suite's
 overhead column.
 
-Run ``python -m benchmarks.rewrite_time [--configs identity] [--programs a,b]
+Run ``python -m benchmarks.rewrite_time [--configs identity] [--set ecosystem] [--programs a,b]
 [--out benchmarks/results/rewrite_time.md] [--emitted DIR] [--runs N]``.
+
+Issue 48's item 3 holds every program "in the ecosystem suite or ``benchmarks/``" to XLA's compile. ``--set``
+chooses which (:data:`SETS`): ``ecosystem`` (the default), ``corpus`` (the decision corpus's own programs,
+``benchmarks/decisions.py``'s forward and gradient cases: the seeds, every pack's cases, the transformer; its
+ecosystem cases are the suite's) or ``wholestep`` (``benchmarks/wholestep.py``'s training steps at their full
+size). A gradient case whose output is not a scalar loss is held to XLA's compile of what a caller of
+``jax.vjp`` runs: the outputs and the pullback at cotangents given as arguments (:func:`xla_program`).
 
 A first call can be timed once per process, and on a shared 2-core host one program's ratio moves 20-50% from
 process to process (jaxmd_lj_forces read 0.65x and 1.69x on jax 0.12 in two runs of one hour). ``--runs N`` runs the
@@ -22,6 +29,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import functools
 import json
 import os
 import pathlib
@@ -31,13 +39,64 @@ import sys
 import tempfile
 import time
 import warnings
+from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 
 from benchmarks import ecosystem as eco
 from benchmarks.overhead import load_rulesets, xla_compile_times
 
 RESULTS = pathlib.Path(__file__).parent / "results"
+#: The program sets ``--set`` chooses (:func:`programs_of`).
+SETS = ("ecosystem", "corpus", "wholestep")
+
+
+def programs_of(which: str) -> dict[str, eco.Program]:
+    """The programs of one of :data:`SETS`, by name, as :class:`benchmarks.ecosystem.Program`\\ s: the ecosystem
+    suite's; the decision corpus's forward and gradient cases but its ecosystem ones (``benchmarks/decisions.py``,
+    by their case names); ``benchmarks/wholestep.py``'s steps at full size (``wholestep_full_NAME``)."""
+    if which == "ecosystem":
+        return dict(eco.PROGRAMS)
+    if which == "corpus":
+        from benchmarks import decisions
+
+        return {c.name: eco.Program(c.name, "benchmarks", c.mode, c.build, c.mode == "grad")
+                for c in decisions.cases() if c.mode != "hand" and not c.name.startswith("ecosystem_")}
+    if which == "wholestep":
+        from benchmarks import wholestep
+
+        return {f"wholestep_full_{n}": eco.Program(f"wholestep_full_{n}", "benchmarks", "training step",
+                                                   functools.partial(build, wholestep.FULL, wholestep.plain))
+                for n, build in wholestep.CASES.items()}
+    raise ValueError(f"no program set {which!r}: one of {', '.join(SETS)}")
+
+
+def xla_program(prog: eco.Program, flat: Callable[..., Any], leaves: list) -> tuple[Callable[..., Any], list]:
+    """What XLA's compile is timed on, and its arguments: the program itself; for a gradient program, JAX's
+    gradient of its scalar loss (:func:`benchmarks.ecosystem.gradient`), or, where its output is not one float
+    scalar, what a caller of ``jax.vjp`` runs (the VJP's first call builds that: ``grad_result``): the outputs,
+    and the pullback at the float inputs, at cotangents given as arguments."""
+    if not prog.grad:
+        return flat, leaves
+    out = jax.eval_shape(flat, *leaves)
+    if isinstance(out, jax.ShapeDtypeStruct) and out.shape == () and jnp.issubdtype(out.dtype, jnp.floating):
+        return eco.gradient(flat, leaves), leaves
+    outs, tree = jax.tree_util.tree_flatten(out)
+    at = [i for i, x in enumerate(leaves) if jnp.issubdtype(jnp.asarray(x).dtype, jnp.inexact)]
+    n = len(leaves)
+
+    def vjp(*xs_cts: Any) -> Any:
+        xs, cts = list(xs_cts[:n]), xs_cts[n:]
+
+        def of_floats(*fl: Any) -> Any:
+            full = list(xs)
+            for i, v in zip(at, fl):
+                full[i] = v
+            return flat(*full)
+        value, pull = jax.vjp(of_floats, *[xs[i] for i in at])
+        return value, pull(jax.tree_util.tree_unflatten(tree, list(cts)))
+    return vjp, list(leaves) + [jnp.ones(o.shape, o.dtype) for o in outs]
 
 
 @contextlib.contextmanager
@@ -68,19 +127,21 @@ def counted_pipelines():
         pipeline._run, pipeline.run_together = run, together
 
 
-def prepared(name: str) -> tuple:
-    """``(prog, flat, leaves, compile_s, compile_cpu_s)``: the suite's program ``name`` built and flattened, and XLA's
-    compile of it (of its gradient where it is a gradient program; the median of two), which a first call's rewrite
-    is held to, in wall seconds and in the process's CPU seconds (:func:`xla_compile_times`)."""
-    prog = eco.PROGRAMS[name]
+def prepared(name: str, programs: dict[str, eco.Program] | None = None) -> tuple:
+    """``(prog, flat, leaves, compile_s, compile_cpu_s)``: the program ``name`` (of ``programs``, by default the
+    suite's) built and flattened, and XLA's compile of it (of its gradient where it is a gradient program:
+    :func:`xla_program`; the median of two), which a first call's rewrite is held to, in wall seconds and in the
+    process's CPU seconds (:func:`xla_compile_times`)."""
+    prog = (eco.PROGRAMS if programs is None else programs)[name]
     fn, args = prog.build()
     flat, leaves = eco._flat(fn, args)
-    program = eco.gradient(flat, leaves) if prog.grad else flat
-    times = [xla_compile_times(program, leaves) for _ in range(2)]
+    program, at = xla_program(prog, flat, leaves)
+    times = [xla_compile_times(program, at) for _ in range(2)]
     return prog, flat, leaves, statistics.median(w for w, _ in times), statistics.median(c for _, c in times)
 
 
-def measure(name: str, packs: list, via: str = "rewrite", emitted: str = "") -> dict:
+def measure(name: str, packs: list, via: str = "rewrite", emitted: str = "",
+            programs: dict[str, eco.Program] | None = None) -> dict:
     """One program: XLA's compile seconds, the rewrite's, its stages and its slowest rule.
 
     ``via="rewrite"``: the first call's rewrite of ``rewrite(fn)`` (``Rewritten.result``: trace to emit, the
@@ -89,10 +150,11 @@ def measure(name: str, packs: list, via: str = "rewrite", emitted: str = "") -> 
     rewrites a training step as written for its report where ``rewrite`` need not. ``emitted``: a folder where
     the programs that come out are written as text (``NAME.txt``), so that two versions of the code can be
     compared program by program (``diff -r``): a change meant only to save time must leave them byte-identical.
+    ``programs``: where ``name`` is found (:func:`programs_of`), by default the ecosystem suite.
     """
     from rewrite import explain, rewrite
 
-    prog, flat, leaves, compile_s, compile_cpu_s = prepared(name)
+    prog, flat, leaves, compile_s, compile_cpu_s = prepared(name, programs)
     with warnings.catch_warnings(), counted_pipelines() as pipelines:
         warnings.simplefilter("ignore")
         cpu0, t = time.process_time(), time.perf_counter()
@@ -139,15 +201,19 @@ def _write_emitted(path: pathlib.Path, r, leaves: tuple, grad: bool) -> None:
     path.write_text("".join(f"# {label}\n{jaxpr}\n" for label, jaxpr in parts))
 
 
-def markdown(rows: list[dict], config: str, load: tuple, via: str = "rewrite") -> str:
+def _set_flag(which: str) -> str:
+    return "" if which == "ecosystem" else f" --set {which}"
+
+
+def markdown(rows: list[dict], config: str, load: tuple, via: str = "rewrite", which: str = "ecosystem") -> str:
     ratios = [r["ratio"] for r in rows]
     cpu_ratios = [r["cpu_s"] / r["compile_cpu_s"] for r in rows]
     lines = [
-        f"# Rewrite time against XLA's compile ({config})",
+        f"# Rewrite time against XLA's compile ({config}, {which})",
         "",
-        f"`python -m benchmarks.rewrite_time` on {jax.default_backend()}, jax {jax.__version__}, "
+        f"`python -m benchmarks.rewrite_time{_set_flag(which)}` on {jax.default_backend()}, jax {jax.__version__}, "
         f"{datetime.date.today().isoformat()}; load average {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} "
-        f"(1 / 5 / 15 min) at the start, on {os.cpu_count()} cores. One process, the suite's order; each "
+        f"(1 / 5 / 15 min) at the start, on {os.cpu_count()} cores. One process, the set's order; each "
         "rewrite is its first call (a fresh disk cache). Ratio: rewrite seconds over XLA's. CPU s: the rewrite's "
         "`time.process_time` (XLA CPU s: the process's during XLA's compile, median of two; CPU ratio: the one over "
         "the other); pipelines: the saturations it ran (`run_pipeline`), with their e-graph rows summed (two "
@@ -201,16 +267,17 @@ def aggregate(runs: list[list[dict]]) -> list[dict]:
     return out
 
 
-def markdown_runs(rows: list[dict], runs: int, config: str, load: tuple, via: str = "rewrite") -> str:
+def markdown_runs(rows: list[dict], runs: int, config: str, load: tuple, via: str = "rewrite",
+                  which: str = "ecosystem") -> str:
     """The report of :func:`aggregate`'s rows: the verdict on the medians, and per program its range."""
     ratios = [r["ratio"] for r in rows]
     every = sum(r["over"] == 0 for r in rows)
     lines = [
-        f"# Rewrite time against XLA's compile ({config}), {runs} runs",
+        f"# Rewrite time against XLA's compile ({config}, {which}), {runs} runs",
         "",
-        f"`python -m benchmarks.rewrite_time --runs {runs}` on {jax.default_backend()}, jax {jax.__version__}, "
+        f"`python -m benchmarks.rewrite_time{_set_flag(which)} --runs {runs}` on {jax.default_backend()}, jax {jax.__version__}, "
         f"{datetime.date.today().isoformat()}; load average {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} at the "
-        f"start, on {os.cpu_count()} cores. {runs} fresh processes one after another, each the suite's order as one "
+        f"start, on {os.cpu_count()} cores. {runs} fresh processes one after another, each the set's order as one "
         "run times it (each rewrite its first call, a fresh disk cache; XLA's compile the median of two); per "
         "program the median over the runs, the ratio's range, and the runs over 1.0x. The rewrite timed: "
         + ("`explain`'s." if via == "explain" else "`rewrite(fn)`'s first call."),
@@ -237,8 +304,8 @@ def _in_processes(args: argparse.Namespace) -> list[list[dict]]:
     with tempfile.TemporaryDirectory() as folder:
         for i in range(args.runs):
             out = pathlib.Path(folder) / f"run{i}.json"
-            cmd = [sys.executable, "-m", "benchmarks.rewrite_time", "--programs", args.programs, "--configs",
-                   args.configs, "--via", args.via, "--out", "", "--json", str(out)]
+            cmd = [sys.executable, "-m", "benchmarks.rewrite_time", "--set", args.set, "--programs", args.programs,
+                   "--configs", args.configs, "--via", args.via, "--out", "", "--json", str(out)]
             print(f"run {i + 1} of {args.runs}", flush=True)
             subprocess.run(cmd, check=True)
             runs.append(json.loads(out.read_text()))
@@ -247,7 +314,9 @@ def _in_processes(args: argparse.Namespace) -> list[list[dict]]:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.rewrite_time", description=__doc__.splitlines()[0])
-    ap.add_argument("--programs", default=",".join(eco.PROGRAMS))
+    ap.add_argument("--set", default="ecosystem", choices=SETS, help="which programs: the ecosystem suite's, the "
+                    "decision corpus's own, or benchmarks.wholestep's steps at full size (see the module's text)")
+    ap.add_argument("--programs", default="", help="names of the set's programs (comma-separated); all by default")
     ap.add_argument("--configs", default="identity", help=f"one of {','.join(eco.CONFIGS)}")
     ap.add_argument("--out", default=str(RESULTS / "rewrite_time.md"), help="the report ('' for none)")
     ap.add_argument("--via", default="rewrite", choices=("rewrite", "explain"), help="what is timed (see measure)")
@@ -268,23 +337,28 @@ def main(argv: list[str] | None = None) -> list[dict]:
         if args.json:
             pathlib.Path(args.json).write_text(json.dumps(runs))
         if args.out:
-            pathlib.Path(args.out).write_text(markdown_runs(rows, args.runs, args.configs, load, args.via))
+            pathlib.Path(args.out).write_text(markdown_runs(rows, args.runs, args.configs, load, args.via, args.set))
         return rows
     packs = load_rulesets(eco.CONFIGS[args.configs])
+    programs = programs_of(args.set)
+    names = [n for n in args.programs.split(",") if n] or list(programs)
+    unknown = [n for n in names if n not in programs]
+    if unknown:
+        ap.error(f"not programs of the set {args.set!r}: {', '.join(unknown)}")
     rows = []
     with tempfile.TemporaryDirectory() as folder:
         os.environ["JAX_REWRITE_CACHE_DIR"] = folder  # a first call: nothing stored before
-        for name in [n for n in args.programs.split(",") if n]:
-            rows.append(measure(name, packs, args.via, args.emitted))
+        for name in names:
+            rows.append(measure(name, packs, args.via, args.emitted, programs))
             r = rows[-1]
-            print(f"{name:26s} compile {r['compile_s']:6.2f} s  rewrite {r['rewrite_s']:6.2f} s  "
+            print(f"{name:36s} compile {r['compile_s']:6.2f} s  rewrite {r['rewrite_s']:6.2f} s  "
                   f"ratio {r['ratio']:5.2f}x  cpu {r['cpu_s']:5.2f} s (XLA's {r['compile_cpu_s']:5.2f} s)  "
                   f"pipelines {r['pipelines']} ({_rows(r)} rows)  slowest rule {r['slowest_rule']}", flush=True)
     print(f"median {statistics.median(r['ratio'] for r in rows):.2f}x, worst {max(r['ratio'] for r in rows):.2f}x")
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(rows))
     if args.out:
-        pathlib.Path(args.out).write_text(markdown(rows, args.configs, load, args.via))
+        pathlib.Path(args.out).write_text(markdown(rows, args.configs, load, args.via, args.set))
     return rows
 
 

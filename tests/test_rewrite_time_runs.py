@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import pathlib
 
+import pytest
+
 from benchmarks import rewrite_time
 
 
@@ -53,3 +55,45 @@ def test_runs_are_fresh_processes_whose_rows_are_read_back(monkeypatch, tmp_path
     assert rows[0]["ratio"] == 1.0 and rows[0]["over"] == 1 and (rows[0]["ratio_min"], rows[0]["ratio_max"]) == (
         0.75, 1.25)
     assert "3 runs" in report.read_text()
+
+
+def test_a_gradient_case_whose_output_is_not_a_loss_is_held_to_what_a_vjp_caller_compiles():
+    """``--set corpus`` holds ``jax.vjp(rewrite(seed))`` (outputs of the inputs' shape) to XLA's compile of what a
+    caller of ``jax.vjp`` runs: the outputs, and the pullback at cotangents given as arguments; a scalar loss to
+    ``jax.grad``'s, as the ecosystem suite's."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from benchmarks import ecosystem
+
+    f = lambda x, a, n: jnp.sin(a * x) ** 2 * n  # noqa: E731  (an integer input: no gradient)
+    leaves = [jnp.linspace(-1.0, 1.0, 6).reshape(3, 2), jnp.array([0.5, 2.0]), jnp.array(3)]
+    fn, args = rewrite_time.xla_program(ecosystem.Program("p", "l", "k", lambda: None, grad=True), f, leaves)
+    assert len(args) == 4 and args[3].shape == (3, 2)  # the cotangent, an argument
+    ct = jnp.arange(6.0).reshape(3, 2)
+    out, grads = jax.jit(fn)(*leaves, ct)
+    want, pull = jax.vjp(lambda x, a: f(x, a, leaves[2]), *leaves[:2])
+    np.testing.assert_allclose(out, want)
+    for g, w in zip(grads, pull(ct)):
+        np.testing.assert_allclose(g, w, rtol=1e-6)
+    loss = lambda x, a: jnp.sum(jnp.sin(a * x))  # noqa: E731
+    fn, args = rewrite_time.xla_program(ecosystem.Program("p", "l", "k", lambda: None, grad=True), loss, leaves[:2])
+    assert args == leaves[:2] and len(fn(*args)) == 2
+    plain = ecosystem.Program("p", "l", "k", lambda: None)
+    assert rewrite_time.xla_program(plain, loss, leaves[:2]) == (loss, leaves[:2])
+
+
+def test_the_sets_are_the_corpus_own_programs_and_the_full_size_steps():
+    """``--set corpus``: the decision corpus's forward and gradient cases, not its hand-written pairs nor its
+    ecosystem cases (the suite's own); ``--set wholestep``: every step of ``benchmarks.wholestep``."""
+    from benchmarks import decisions, wholestep
+
+    corpus = rewrite_time.programs_of("corpus")
+    modes = {c.name: c.mode for c in decisions.cases()}
+    assert corpus and all(modes[n] in ("forward", "grad") and not n.startswith("ecosystem_") for n in corpus)
+    assert corpus["seed000_vjp_T64"].grad and not corpus["seed000_forward_T512"].grad
+    steps = rewrite_time.programs_of("wholestep")
+    assert sorted(steps) == sorted(f"wholestep_full_{n}" for n in wholestep.CASES)
+    with pytest.raises(ValueError, match="no program set"):
+        rewrite_time.programs_of("nope")
