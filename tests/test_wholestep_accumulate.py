@@ -124,3 +124,71 @@ def test_a_search_that_proves_nothing_stays_bounded():
     changed, finding = _found(step, _args(4, n=32, d=8, vocab=16), packs=[rulesets.algebra])
     assert changed is None and not finding.replaced, str(finding)
     assert 2 <= len(finding.declined) <= search.MAX_TRIES, str(finding)
+
+
+def _counted(step, args, packs=(rulesets.algebra,)) -> tuple:
+    """:func:`_found`, and how many loss-first programs were built (``Rewritten._loss_first`` called)."""
+    r = rewrite(step, rulesets=list(packs), cache=False)
+    calls = []
+
+    def loss_first(cone, **kw):
+        calls.append(cone)
+        return r._loss_first(cone, **kw)
+    changed, finding = search.find_losses(jax.make_jaxpr(step)(*args), r._proof, loss_first)
+    return changed, finding, len(calls)
+
+
+@pytest.mark.parametrize("micro,dtype", [(2, "float32"), (4, "float32"), (4, "bfloat16")])
+def test_later_micro_batches_read_the_first_ones_loss_first_program(micro, dtype):
+    """The micro-batches' losses are one program but where each reads its part of the batch: the first is cut there
+    (``grad/alike.py``) and its loss-first program built once; each later one, found to compute that same core, is
+    proven on the first's re-derivation and reads its program with its own leaves. The step's values under jit are
+    the step's. Before, each micro-batch's loss was saturated, extracted and decided afresh (``micro`` builds)."""
+    args = _args(micro, jnp.dtype(dtype), n=32, d=8, vocab=16)
+    step = _unrolled(micro)
+    changed, finding, built = _counted(step, args)
+    assert built == 1 and len(finding.replaced) == micro, (built, str(finding))
+    assert sum("an earlier micro-batch's program" in r for r in finding.replaced) == micro - 1, str(finding)
+    tol = 1e-5 if dtype == "float32" else 2e-2
+    for want, got in zip(jax.jit(step)(*args), jax.jit(core.jaxpr_as_fun(changed))(*args)):
+        want, got = np.asarray(want, np.float32), np.asarray(got, np.float32)
+        assert float(np.max(np.abs(want - got))) <= tol * max(float(np.max(np.abs(want))), 1e-2)
+
+
+def test_a_micro_batch_of_another_program_is_built_on_its_own():
+    """A part of the sum whose loss differs (its logits scaled, its hidden layer a sine) is no twin of the first:
+    it is built afresh, and every value is the step's."""
+    def other(w, v, x, y):
+        logits = jnp.sin(x @ w) @ v * 2.0
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+    def step(w, v, x, y):
+        total, gw, gv = 0.0, jnp.zeros_like(w), jnp.zeros_like(v)
+        for mb, loss in enumerate((_head_loss, other, _head_loss)):
+            value, (a, b) = jax.value_and_grad(loss, argnums=(0, 1))(w, v, x[mb], y[mb])
+            total, gw, gv = total + value, gw + a, gv + b
+        return w - 0.1 * gw / 3, v - 0.1 * gv / 3, total / 3
+
+    args = _args(3, n=32, d=8, vocab=16)
+    changed, finding, built = _counted(step, args)
+    assert len(finding.replaced) == 3 and built == 2, (built, str(finding))
+    assert sum("an earlier micro-batch's program" in r for r in finding.replaced) == 1, str(finding)
+    for want, got in zip(jax.jit(step)(*args), jax.jit(core.jaxpr_as_fun(changed))(*args)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+
+
+def test_two_bodies_written_alike_are_one_operation():
+    """``grad/alike.py``'s comparison: two ``jit`` equations whose bodies are distinct objects written alike are the
+    same operation; another literal, another body or an array param that ``==`` cannot answer are not."""
+    from rewrite.grad import alike
+
+    def eqn(f, *args):
+        return jax.make_jaxpr(f)(*args).jaxpr.eqns[0]
+    x = jnp.ones((3,))
+    inner = lambda x: jnp.sin(x) * 2.0  # noqa: E731
+    a, b = eqn(jax.jit(inner), x), eqn(jax.jit(lambda x: jnp.sin(x) * 2.0), x)
+    assert a.params["jaxpr"] is not b.params["jaxpr"] and alike.same_eqn(a, b)
+    assert not alike.same_eqn(a, eqn(jax.jit(lambda x: jnp.sin(x) * 3.0), x))
+    assert not alike.same_eqn(a, eqn(jax.jit(lambda x: jnp.cos(x) * 2.0), x))
+    arr = a.replace(params={**a.params, "extra": np.arange(3)})
+    assert not alike.same_eqn(arr, a.replace(params={**a.params, "extra": np.arange(3) + 1}))

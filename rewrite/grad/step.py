@@ -73,6 +73,7 @@ from ..jaxpr.dce import dce
 from ..jaxpr.edit import in_order, inline, loads_alike, read, substitute, without_empty_mesh
 from ..jaxpr.trace import spec_of
 from ..pipeline import ProofGraph
+from .alike import Built, _scalar_float, core_of, parts, reused, twins
 from .loops import find_loop_vjps
 from .seed import seeded_edit
 from .uses import sliced
@@ -283,10 +284,6 @@ def _backward_shaped(graph: _Graph, root: Any, cone: set, shapes: set) -> bool:
     return False
 
 
-def _scalar_float(v: Any) -> bool:
-    return isinstance(v, core.Var) and getattr(v.aval, "shape", None) == () and is_float(v.aval)
-
-
 def _scales_an_array(graph: _Graph, v: Any) -> bool:
     """Does ``v``, through scalar arithmetic, reach an operation that computes an array?"""
     jaxpr, frontier, seen = graph.jaxpr, [v], set()
@@ -327,47 +324,6 @@ def candidates(graph: _Graph) -> list[tuple[Any, list[int], list[Any]]]:
             found.append((_scales_an_array(graph, v), -len(eqns), v, eqns, [x for x in order if x in leaves]))
     found.sort(key=lambda t: (t[0], t[1]))
     return [(v, eqns, leaves) for _, _, v, eqns, leaves in found]
-
-
-#: Scalar arithmetic that sums losses (gradient accumulation unrolled by a Python loop: ``total = total + loss``),
-#: and that scales a sum (``total / micro``) without being a loss's own (a mean's ``reduce_sum / n`` is not walked).
-SUMS = frozenset({"add", "sub", "add_any"})
-SCALES = frozenset({"div", "mul", "neg", "convert_element_type"})
-
-
-def parts(graph: _Graph, v: Any) -> list[Any]:
-    """The scalars ``v`` sums, where it is a sum of scalars (possibly scaled by constants), in program order:
-    ``[l0, l1, l2]`` for ``((0 + l0) + l1 + l2) / 3``; ``[]`` where it is not. A step that sums its micro-batches'
-    losses in its own order holds no gradient of the sum (it sums the micro-batches' gradients, in that order), so
-    the sum is never proven; each micro-batch's loss is."""
-    def scalars(w: Any) -> tuple[str, list[Any]] | None:  # its equation's primitive and scalar operands
-        k = graph.producer.get(w) if isinstance(w, core.Var) else None
-        if k is None or not _scalar_float(w):
-            return None
-        e = graph.jaxpr.eqns[k]
-        ins = [a for a in e.invars if isinstance(a, core.Var)]
-        return (e.primitive.name, ins) if all(_scalar_float(a) for a in ins) else None
-
-    def a_sum(w: Any) -> bool:  # a sum, possibly scaled
-        while (made := scalars(w)) is not None and made[0] in SCALES and len(made[1]) == 1:
-            w = made[1][0]
-        return made is not None and made[0] in SUMS
-
-    if not a_sum(v):
-        return []
-    found: dict = {}  # in the order met (a dict: a set's order would vary between runs)
-    stack = [v]  # walked without recursion: a sum may have thousands of terms
-    while stack:
-        w = stack.pop()
-        made = scalars(w)
-        if made is not None and made[0] in SUMS:
-            stack.extend(made[1])
-        elif made is not None and made[0] in SCALES and len(made[1]) == 1 and a_sum(made[1][0]):
-            stack.append(made[1][0])
-        elif w is not v and _scalar_float(w):
-            found[w] = None
-    order = {w: k for k, e in enumerate(graph.jaxpr.eqns) for w in e.outvars if w in found}
-    return sorted(found, key=lambda w: order.get(w, -1)) if len(found) >= 2 else []  # a stable sort
 
 
 # ---------------------------------------------------------------------- re-derivation and proof
@@ -476,6 +432,10 @@ def proof_graph(step: core.ClosedJaxpr, model: Any = None) -> ProofGraph:
     eqns = [without_empty_mesh(e) for e in jaxpr.eqns]
     same = all(a is b for a, b in zip(eqns, jaxpr.eqns)) or loads_alike(eqns, jaxpr.eqns)
     return ProofGraph(core.ClosedJaxpr(jaxpr.replace(eqns=eqns), step.consts), model if same else None)
+
+
+#: How a micro-batch's loss built on its core is named (:func:`rewrite.grad.alike.core_of`).
+PARTED = ", its cone cut where the micro-batches part"
 
 
 # ---------------------------------------------------------------------- replacement
@@ -599,6 +559,16 @@ def find_losses(closed: core.ClosedJaxpr, proof: Callable[[core.ClosedJaxpr], li
         while shared:
             shared.pop().release()
 
+    waiting: dict = {}  # a later part of a sum -> (the first part's core as replaced, the part as its twin)
+    alike: dict[Any, tuple[Any, Any]] = {}  # a later part's cone (by id) -> (the core it computes, its program)
+
+    def loss_first_once(cone: core.ClosedJaxpr, **kw: Any) -> core.ClosedJaxpr:  # (grad/alike.py)
+        base = alike.get(id(cone), (cone, None))[0]
+        key = (id(base), tuple(kw.get("wrt") or ()), kw.get("value"))
+        if key not in alike:
+            alike[key] = (base, loss_first(cone, **kw))  # type: ignore[index]
+        return alike[key][1]  # type: ignore[index]
+
     try:
         graph: _Graph | None = None
         while len(finding.replaced) < MAX_LOSSES and failed < MAX_TRIES:
@@ -615,10 +585,32 @@ def find_losses(closed: core.ClosedJaxpr, proof: Callable[[core.ClosedJaxpr], li
                 break
             _, eqns, leaves = found[root]
             tried.add(root)
+            twin = waiting.pop(root, None)
+            again = None if twin is None else reused(step, graph, root, *twin, consts, proof,
+                                                     None if over is None else loaded, prove)
+            if again is not None:  # an earlier micro-batch's core: its re-derivation and program read again
+                b = twin[0]
+                b_eqns, b_lifted, flat, found_grads = again
+                alike[id(flat)] = (b.cone, flat)
+                unload()
+                step = replace(step, root, b_lifted, consts, flat, b.dif, found_grads, loss_first_once, made, b.joint,
+                               b.derived)
+                finding.replaced.append(f"a loss of {len(b_eqns)} equations, an earlier micro-batch's program, and "
+                                        f"its gradients with respect to {len(set(found_grads.values()))} of "
+                                        f"{len(b.dif)} float inputs")
+                changed, graph = True, None
+                continue
             cut = graph.cone(root, LOOPS)
             tries_here = [(eqns, leaves, "")]
             if cut[0] != eqns and len(cut[0]) >= 2:  # a loop in the cone: its outputs as leaves, if the whole fails
                 tries_here.append((cut[0], graph.ordered(cut[1]), ", its cone cut at loop outputs"))
+            partner = next((v for v in queued if v is not root and v in found and v not in tried), None)
+            part = None if partner is None else core_of(graph.jaxpr.eqns, graph.producer, root, partner, eqns,
+                                                        graph.ordered)
+            later = {} if part is None else twins(graph.jaxpr.eqns, graph.producer, root, part,
+                                                  [v for v in queued if v is not root and v in found and v not in tried])
+            if part is not None:  # a micro-batch's loss: built on what it computes alike with the next (grad/alike.py)
+                tries_here[0] = (part.eqns, part.leaves, PARTED)
             for cone_eqns, cone_leaves, how in tries_here:
                 found_grads: dict = {}  # (none known where the loss is left as written before its proof)
                 try:
@@ -632,8 +624,11 @@ def find_losses(closed: core.ClosedJaxpr, proof: Callable[[core.ClosedJaxpr], li
                     if price and step is closed and shared:  # the step as given, loaded for its proofs: priced so
                         finding.price = shared[0].price(closed.jaxpr.outvars)
                     unload()
-                    step = replace(step, root, lifted, consts, flat_cone, dif, found_grads, loss_first, made, joint,
-                                   derived)
+                    if how == PARTED:  # the later parts that compute this core read its program
+                        b = Built(flat_cone, lifted, frozenset(v for v in lifted if v in consts), dif, joint, derived)
+                        waiting.update((o, (b, tw)) for o, tw in later.items())
+                    step = replace(step, root, lifted, consts, flat_cone, dif, found_grads, loss_first_once, made,
+                                   joint, derived)
                 except AsWritten as e:  # this loss is left as written, and the scalars its forward and its
                     # gradients compute (whose own gradients the step does not hold): the search goes on to the rest
                     finding.declined.append(f"a scalar of {len(cone_eqns)} equations{how}: {e}")
