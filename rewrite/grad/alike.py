@@ -220,6 +220,15 @@ def reused(step: core.ClosedJaxpr, graph: Any, root: Any, built: Built, twin: Tw
     return (eqns, lifted, flat, found) if same and found else None
 
 
+def new_loops(before: core.ClosedJaxpr, after: core.ClosedJaxpr, loops: Any) -> list[Any]:
+    """The values of ``after``'s loops (primitives of ``loops``) that ``before`` does not hold: the loops a search
+    made or whose bodies it edited (``grad/loops.py``'s pair over the rewritten layer, a body's loss replaced). Their
+    bodies hold loss-first programs, each rewritten jointly with its forward already: the step's rest pins them as
+    it pins a top-level one (``grad/pinned.py``), not saturated again."""
+    old = {id(e) for e in before.jaxpr.eqns}
+    return [w for e in after.jaxpr.eqns if e.primitive.name in loops and id(e) not in old for w in e.outvars]
+
+
 def _scalar_float(v: Any) -> bool:
     return isinstance(v, core.Var) and getattr(v.aval, "shape", None) == () and is_float(v.aval)
 
@@ -265,4 +274,4 @@ def parts(graph: Any, v: Any) -> list[Any]:
     return sorted(found, key=lambda w: order.get(w, -1)) if len(found) >= 2 else []  # a stable sort
 
 
-__all__ = ["Built", "Core", "Twin", "core_of", "lockstep", "parts", "reused", "same_eqn", "twins"]
+__all__ = ["Built", "Core", "Twin", "core_of", "lockstep", "new_loops", "parts", "reused", "same_eqn", "twins"]

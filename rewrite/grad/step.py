@@ -73,7 +73,7 @@ from ..jaxpr.dce import dce
 from ..jaxpr.edit import in_order, inline, loads_alike, read, substitute, without_empty_mesh
 from ..jaxpr.trace import spec_of
 from ..pipeline import ProofGraph
-from .alike import Built, _scalar_float, core_of, parts, reused, twins
+from .alike import Built, _scalar_float, core_of, new_loops, parts, reused, twins
 from .loops import find_loop_vjps
 from .seed import seeded_edit
 from .uses import sliced
@@ -647,12 +647,12 @@ def find_losses(closed: core.ClosedJaxpr, proof: Callable[[core.ClosedJaxpr], li
                 queued[:0] = parts(graph, root)
     finally:
         unload()
-    loops = find_loop_vjps(step, proof, loss_first, finding.replaced, finding.declined)
-    if loops is not None:
-        step, changed = loops, True
-    inner = _in_loops(step, proof, loss_first, finding, over)
-    if inner is not None:
-        step, changed = inner, True
+    for search in (lambda s: find_loop_vjps(s, proof, loss_first, finding.replaced, finding.declined),
+                   lambda s: _in_loops(s, proof, loss_first, finding, over)):
+        found_in = search(step)
+        if found_in is not None:  # the loops made or edited hold loss-first programs: pinned as they are
+            made.update(new_loops(step, found_in, BODIES))
+            step, changed = found_in, True
     if pinned is not None and changed:
         pinned.update(made)
     finding.seconds = time.perf_counter() - t0
