@@ -216,3 +216,26 @@ def test_a_loop_whose_body_loss_is_replaced_is_pinned():
     assert scans and all(w in pinned for e in scans for w in e.outvars)
     for want, got in zip(jax.jit(step)(*args), jax.jit(core.jaxpr_as_fun(changed))(*args)):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+
+
+def test_a_micro_batch_left_as_written_leaves_its_twins():
+    """A small step's loss whose forward comes out as written is left so before its proof (``grad.step.AsWritten``):
+    the first micro-batch's core is asked as its whole cone was, and its twins, the same program, are left with it,
+    not tried again. (The test stands in for the pipeline: the sum passes, each part's forward is "as written".)"""
+    micro = 3
+    args = _args(micro, n=32, d=8, vocab=16)
+    step = _unrolled(micro)
+    closed = jax.make_jaxpr(step)(*args)
+    r = rewrite(step, rulesets=[rulesets.algebra], cache=False)
+    asked = []
+
+    def left_as_written(cone):
+        asked.append(len(cone.jaxpr.eqns))
+        if len(cone.jaxpr.eqns) > 40:  # the sum of the three: tried, and not proven
+            return None
+        raise search.AsWritten("its forward comes out as written")
+    changed, finding = search.find_losses(closed, r._proof, r._loss_first, left_as_written=left_as_written)
+    assert changed is None and not finding.replaced, str(finding)
+    parts = [n for n in asked if n <= 40]
+    assert len(parts) == 1, asked
+    assert sum(search.PARTED in d for d in finding.declined) == 1, str(finding)

@@ -616,7 +616,7 @@ def find_losses(closed: core.ClosedJaxpr, proof: Callable[[core.ClosedJaxpr], li
                 try:
                     said, done = _attempt(step, graph, root, cone_eqns, cone_leaves, consts, proof,
                                           None if over is None else loaded,
-                                          None if how else left_as_written)
+                                          None if how and how != PARTED else left_as_written)
                     if done is None:
                         finding.declined.append(f"a scalar of {len(cone_eqns)} equations{how}: {said}")
                         continue
@@ -632,7 +632,8 @@ def find_losses(closed: core.ClosedJaxpr, proof: Callable[[core.ClosedJaxpr], li
                 except AsWritten as e:  # this loss is left as written, and the scalars its forward and its
                     # gradients compute (whose own gradients the step does not hold): the search goes on to the rest
                     finding.declined.append(f"a scalar of {len(cone_eqns)} equations{how}: {e}")
-                    for v in [root, *found_grads]:  # its forward and JAX's backward of it, as the step holds them
+                    # its forward and JAX's backward of it, as the step holds them, and its twins' (the same program)
+                    for v in [root, *found_grads, *(later if how == PARTED else ())]:
                         left.update(w for k in graph.cone(v)[0] for w in graph.jaxpr.eqns[k].outvars)
                     if not found_grads:  # left before its proof: the backward's unknown, what reads its forward left
                         left.update(w for e in graph.jaxpr.eqns if any(x in left for x in e.invars if
