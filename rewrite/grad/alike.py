@@ -12,9 +12,10 @@ params compared as values, literals, types) and read their operands alike, they 
 two values are leaves. The first micro-batch's cone is cut there (:func:`core_of`), and its loss-first program built
 on that core; each later part whose cone computes that same core, equation for equation, on values of its own
 (:func:`twins`, found then, in the same step) is proven on the same re-derivation and reads the same loss-first
-program with its own leaves
-(``grad/step.py``'s ``find_losses``). Each pair of equations is compared whole, so the two compute one function of
-their leaves: the program built for the first is the second's.
+program with its own leaves (:func:`reused`, from ``grad/step.py``'s ``find_losses``). Each pair of equations is
+compared whole, so the two compute one function of their leaves: the program built for the first is the second's.
+The loops that hold loss-first programs are pinned for the step's rest (:func:`new_loops`), and a sum's parts
+(:func:`parts`) are found here too.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from ..ir.primitives import is_float
 @dataclasses.dataclass(frozen=True)
 class Core:
     """A loss's cone cut where it parts from another's: the step's equations (their positions, in program order) and
-    the leaves, the step's values the equations read and do not compute (in the order of ``order``)."""
+    the leaves, the step's values the equations read and do not compute (in the step's order)."""
 
     eqns: list[int]
     leaves: list[Any]
