@@ -11,8 +11,8 @@ made apart, so each was saturated, extracted and decided afresh: ``k`` times one
 params compared as values, literals, types) and read their operands alike, they are one program; where they part, the
 two values are leaves. The first micro-batch's cone is cut there (:func:`core_of`), and its loss-first program built
 on that core; each later part whose cone computes that same core, equation for equation, on values of its own
-(:func:`twins`, found then, in the same step) is proven on the same re-derivation and reads the same loss-first
-program with its own leaves (:func:`reused`, from ``grad/step.py``'s ``find_losses``). Each pair of equations is
+(:func:`twins`, found then) is proven at once, in the same step and on the same re-derivation, and reads the same
+loss-first program with its own leaves (:func:`reused`, from ``grad/step.py``'s ``find_losses``). Each pair of equations is
 compared whole, so the two compute one function of their leaves: the program built for the first is the second's.
 The loops that hold loss-first programs are pinned for the step's rest (:func:`new_loops`), and a sum's parts
 (:func:`parts`) are found here too.
@@ -199,13 +199,14 @@ def twins(eqns: Sequence[core.JaxprEqn], made: dict, root: Any, part: Core, othe
     return found
 
 
-def reused(step: core.ClosedJaxpr, graph: Any, root: Any, built: Built, twin: Twin, consts: dict, proof: Callable,
-           shared: Callable[[], Any] | None, prove: Callable) -> tuple | None:
-    """``(its equations, its inputs, the cone so, the gradients found)`` for ``root``, a ``twin`` of the part
-    replaced on its core as ``built``: its core in the step as it is now, proven on ``built``'s re-derivation
-    (``prove``, ``grad/step.py``'s, over ``shared()``, the step loaded for its proofs); else ``None`` (it is
-    tried as any other loss)."""
-    if any(v not in graph.producer for v in twin.values):
+def reused(step: core.ClosedJaxpr, graph: Any, root: Any, built: Built, twin: Twin, consts: dict, made: set,
+           proof: Callable, shared: Callable[[], Any] | None, prove: Callable) -> tuple | None:
+    """``(its equations, its inputs, the cone so, the gradients found)`` for ``root``, a ``twin`` of the part whose
+    core is ``built``: its core in the step it was found in, proven on ``built``'s re-derivation (``prove``,
+    ``grad/step.py``'s, over ``shared()``, the step loaded for the first part's proof: one load for all the parts);
+    else ``None`` (it is tried later as any other loss). Not where it reads a value an earlier replacement made
+    (``made``): its loss would be that program's own."""
+    if any(v not in graph.producer or v in made for v in twin.values) or any(v in made for v in twin.leaves.values()):
         return None
     eqns = sorted({graph.producer[v] for v in twin.values})
     lifted = [twin.leaves[v] for v in built.lifted]

@@ -559,7 +559,6 @@ def find_losses(closed: core.ClosedJaxpr, proof: Callable[[core.ClosedJaxpr], li
         while shared:
             shared.pop().release()
 
-    waiting: dict = {}  # a later part of a sum -> (the first part's core as replaced, the part as its twin)
     alike: dict[Any, tuple[Any, Any]] = {}  # a later part's cone (by id) -> (the core it computes, its program)
 
     def loss_first_once(cone: core.ClosedJaxpr, **kw: Any) -> core.ClosedJaxpr:  # (grad/alike.py)
@@ -585,21 +584,6 @@ def find_losses(closed: core.ClosedJaxpr, proof: Callable[[core.ClosedJaxpr], li
                 break
             _, eqns, leaves = found[root]
             tried.add(root)
-            twin = waiting.pop(root, None)
-            again = None if twin is None else reused(step, graph, root, *twin, consts, proof,
-                                                     None if over is None else loaded, prove)
-            if again is not None:  # an earlier micro-batch's core: its re-derivation and program read again
-                b = twin[0]
-                b_eqns, b_lifted, flat, found_grads = again
-                alike[id(flat)] = (b.cone, flat)
-                unload()
-                step = replace(step, root, b_lifted, consts, flat, b.dif, found_grads, loss_first_once, made, b.joint,
-                               b.derived)
-                finding.replaced.append(f"a loss of {len(b_eqns)} equations, an earlier micro-batch's program, and "
-                                        f"its gradients with respect to {len(set(found_grads.values()))} of "
-                                        f"{len(b.dif)} float inputs")
-                changed, graph = True, None
-                continue
             cut = graph.cone(root, LOOPS)
             tries_here = [(eqns, leaves, "")]
             if cut[0] != eqns and len(cut[0]) >= 2:  # a loop in the cone: its outputs as leaves, if the whole fails
@@ -623,12 +607,19 @@ def find_losses(closed: core.ClosedJaxpr, proof: Callable[[core.ClosedJaxpr], li
                     lifted, flat_cone, dif, found_grads, joint, derived = done
                     if price and step is closed and shared:  # the step as given, loaded for its proofs: priced so
                         finding.price = shared[0].price(closed.jaxpr.outvars)
-                    unload()
-                    if how == PARTED:  # the later parts that compute this core read its program
+                    twins_done: list = []  # the later parts that compute this core, proven on this step's load
+                    if how == PARTED:
                         b = Built(flat_cone, lifted, frozenset(v for v in lifted if v in consts), dif, joint, derived)
-                        waiting.update((o, (b, tw)) for o, tw in later.items())
+                        twins_done = [(o, b, again) for o, tw in later.items() if (again := reused(
+                            step, graph, o, b, tw, consts, made, proof, None if over is None else loaded, prove))]
+                    unload()
                     step = replace(step, root, lifted, consts, flat_cone, dif, found_grads, loss_first_once, made,
                                    joint, derived)
+                    for o, b, (o_eqns, o_lifted, flat, o_grads) in twins_done:  # each reads the core's program
+                        alike[id(flat)] = (b.cone, flat)
+                        step = replace(step, o, o_lifted, consts, flat, b.dif, o_grads, loss_first_once, made, b.joint,
+                                       b.derived)
+                        tried.add(o)
                 except AsWritten as e:  # this loss is left as written, and the scalars its forward and its
                     # gradients compute (whose own gradients the step does not hold): the search goes on to the rest
                     finding.declined.append(f"a scalar of {len(cone_eqns)} equations{how}: {e}")
@@ -641,6 +632,9 @@ def find_losses(closed: core.ClosedJaxpr, proof: Callable[[core.ClosedJaxpr], li
                     break
                 finding.replaced.append(f"a loss of {len(cone_eqns)} equations{how} and its gradients with "
                                         f"respect to {len(set(found_grads.values()))} of {len(dif)} float inputs")
+                finding.replaced += [f"a loss of {len(e)} equations, an earlier micro-batch's program, and its gradients "
+                                     f"with respect to {len(set(g.values()))} of {len(b.dif)} float inputs"
+                                     for _, b, (e, _, _, g) in twins_done]
                 changed, graph = True, None
                 break
             else:  # not proven: a sum of losses is tried as its parts next
