@@ -289,6 +289,9 @@ def test_only_a_remainder_of_pointwise_layout_and_reduction_operations_counts_as
     assert not fused_only(jax.make_jaxpr(lambda w, g, m: (update(w, g, m)[0] @ w, m))(x, x, x))
     assert not fused_only(jax.make_jaxpr(jax.jit(lambda w, g, m: (update(w, g, m)[0] @ w, m)))(x, x, x))
     assert not fused_only(jax.make_jaxpr(lambda w, g, m: (w[1:], jax.lax.cumsum(g), m))(x, x, x))
+    # a batch split into micro-batches (no rule reads a split), whose gradients the update sums
+    halves = jax.make_jaxpr(lambda w, g, m: update(w, sum(jnp.split(g, 2)).repeat(2, 0), m))(x, x, x)
+    assert any(e.primitive.name == "split" for e in halves.jaxpr.eqns) and fused_only(halves)
 
 
 def test_match_function_prefers_a_pass_over_the_slice_s_classes_only(monkeypatch):

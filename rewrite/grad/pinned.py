@@ -93,6 +93,9 @@ FUSED = frozenset({ELEMENTWISE, LAYOUT, REDUCE})
 #: ``log``, ``logistic``, ``tanh`` ...) are what the packs' stable forms are made of (``nn_log_sigmoid``,
 #: ``nn_softplus``, ``nn_log1p``), which must fire in a remainder as anywhere (a metric's ``-log(sigmoid(z))``).
 FUSED_TRANSCENDENTAL = frozenset({"sqrt", "rsqrt", "pow"})
+#: And ``split``: the batch cut into its micro-batches where each one's loss is a loss-first program
+#: (``grad/alike.py``), an operation no rule reads (the loader keeps it whole) and XLA slices into its readers.
+FUSED_SPLIT = frozenset({"split"})
 
 
 def packs_only(entries: Any, packs: Any) -> bool:
@@ -106,8 +109,8 @@ def packs_only(entries: Any, packs: Any) -> bool:
 
 def fused_only(rest: core.ClosedJaxpr) -> bool:
     """Whether ``rest`` (a step's remainder, :func:`split_pinned`'s) holds only pointwise, layout and reduction
-    operations (:data:`FUSED`, :data:`FUSED_TRANSCENDENTAL`, inside ``jit`` calls too): an optimizer's update, which
-    XLA computes in loop and reduction fusions whatever its form. ``Rewritten._rewrite_rest`` then prices the step
+    operations (:data:`FUSED`, :data:`FUSED_TRANSCENDENTAL`, :data:`FUSED_SPLIT`, inside ``jit`` calls too): an
+    optimizer's update, which XLA computes in loop and reduction fusions whatever its form. ``Rewritten._rewrite_rest`` then prices the step
     as it is, without saturating the remainder, where that can win (see there) and the rules are the built-in
     packs' (:func:`packs_only`). A measured decision (2026-12-04): on the four whole steps where it is taken, what
     the rules did to the remainder was ``pow_one``'s and ``pow_two``'s ``x ** 1`` and ``x ** 2``
@@ -121,7 +124,8 @@ def fused_only(rest: core.ClosedJaxpr) -> bool:
             if e.primitive.name in ("jit", "pjit"):
                 if not only(e.params["jaxpr"].jaxpr):
                     return False
-            elif family_of(e.primitive.name) not in FUSED and e.primitive.name not in FUSED_TRANSCENDENTAL:
+            elif (family_of(e.primitive.name) not in FUSED and e.primitive.name not in FUSED_TRANSCENDENTAL
+                  and e.primitive.name not in FUSED_SPLIT):
                 return False
         return True
 
@@ -166,5 +170,5 @@ def join_pinned(cut: Pinned, rest: core.ClosedJaxpr) -> core.ClosedJaxpr | None:
     return dce(core.ClosedJaxpr(new, consts))
 
 
-__all__ = ["FUSED", "FUSED_TRANSCENDENTAL", "PIN_FROM", "Pinned", "as_is", "fused_only", "join_pinned", "packs_only",
+__all__ = ["FUSED", "FUSED_SPLIT", "FUSED_TRANSCENDENTAL", "PIN_FROM", "Pinned", "as_is", "fused_only", "join_pinned", "packs_only",
            "split_pinned", "wholly_pinned"]
