@@ -275,7 +275,8 @@ def markdown_runs(rows: list[dict], runs: int, config: str, load: tuple, via: st
     lines = [
         f"# Rewrite time against XLA's compile ({config}, {which}), {runs} runs",
         "",
-        f"`python -m benchmarks.rewrite_time{_set_flag(which)} --runs {runs}` on {jax.default_backend()}, jax {jax.__version__}, "
+        f"`python -m benchmarks.rewrite_time{_set_flag(which)} --runs {runs}` on {jax.default_backend()}, "
+        f"jax {jax.__version__}, "
         f"{datetime.date.today().isoformat()}; load average {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} at the "
         f"start, on {os.cpu_count()} cores. {runs} fresh processes one after another, each the set's order as one "
         "run times it (each rewrite its first call, a fresh disk cache; XLA's compile the median of two); per "

@@ -9,10 +9,10 @@ made apart, so each was saturated, extracted and decided afresh: ``k`` times one
 
 :func:`lockstep` walks two losses' cones from their roots together. Where their equations are the same (primitive,
 params compared as values, literals, types) and read their operands alike, they are one program; where they part, the
-two values are leaves. The first micro-batch's cone is cut there (:func:`core_of`), and its loss-first program built
-on that core; each later part whose cone computes that same core, equation for equation, on values of its own
-(:func:`twins`, found then) is proven at once, in the same step and on the same re-derivation, and reads the same
-loss-first program with its own leaves (:func:`reused`, from ``grad/step.py``'s ``find_losses``). Each pair of equations is
+two values are leaves. The first micro-batch's cone is cut there, and its loss-first program built on that core;
+each later part whose cone computes that same core, equation for equation, on values of its own (:func:`parted`,
+both found then) is proven at once, in the same step and on the same re-derivation, and reads the same loss-first
+program with its own leaves (:func:`reused`, from ``grad/step.py``'s ``find_losses``). Each pair of equations is
 compared whole, so the two compute one function of their leaves: the program built for the first is the second's.
 The loops that hold loss-first programs are pinned for the step's rest (:func:`new_loops`), and a sum's parts
 (:func:`parts`) are found here too.
@@ -162,22 +162,6 @@ def lockstep(a_eqns: Sequence[core.JaxprEqn], a_made: dict, a_root: Any, b_eqns:
     return pairs, leaves, list(taken.values())
 
 
-def core_of(eqns: Sequence[core.JaxprEqn], made: dict, root: Any, other: Any, cone: Sequence[int],
-            ordered: Callable[[set], list]) -> Core | None:
-    """``root``'s cone (the step's equations ``cone``) cut where it parts from ``other``'s (:func:`lockstep`), where
-    the two compute at least half of it apart (an equation paired with itself, read by both, stays in each); else
-    ``None``. ``ordered``: the step's values of a set in the step's order (``_Graph.ordered``)."""
-    found = lockstep(eqns, made, root, eqns, made, other)
-    if found is None:
-        return None
-    pairs, leaves, _ = found
-    own = set(pairs) - set(pairs.values())
-    if len(own) < max(2, len(cone) // 2) or not set(pairs) <= set(cone):
-        return None
-    order = ordered(set(leaves))
-    return Core(sorted(pairs), order) if len(order) == len(leaves) else None
-
-
 @dataclasses.dataclass(frozen=True)
 class Twin:
     """A later part of the sum found, in the step the first part's core was cut from, to compute that core:
@@ -188,15 +172,25 @@ class Twin:
     leaves: dict[Any, Any]
 
 
-def twins(eqns: Sequence[core.JaxprEqn], made: dict, root: Any, part: Core, others: Sequence[Any]) -> dict[Any, Twin]:
-    """Of ``others`` (the sum's other parts), those whose cone computes ``root``'s core ``part``: walked from the two
-    roots together (:func:`lockstep`), they pair exactly the core's equations and part exactly at its leaves."""
-    found = {}
-    for o in others:
-        walked = lockstep(eqns, made, root, eqns, made, o)
-        if walked is not None and set(walked[0]) == set(part.eqns) and set(walked[1]) == set(part.leaves):
-            found[o] = Twin(walked[2], walked[1])
-    return found
+def parted(eqns: Sequence[core.JaxprEqn], made: dict, root: Any, others: Sequence[Any], cone: Sequence[int],
+           ordered: Callable[[set], list]) -> tuple[Core | None, dict[Any, Twin]]:
+    """``root``'s cone (the step's equations ``cone``) cut where it parts from the first of ``others`` (the sum's
+    other parts, :func:`lockstep`), where the two compute at least half of it apart (an equation paired with itself,
+    read by both, stays in each), and those of ``others`` whose cones compute that core: walked from the two roots
+    together, they pair exactly its equations and part exactly at its leaves (the first among them). ``(None, {})``
+    where there is no such core. ``ordered``: the step's values of a set in the step's order (``_Graph.ordered``)."""
+    first = lockstep(eqns, made, root, eqns, made, others[0]) if others else None
+    if first is None:
+        return None, {}
+    pairs, leaves, _ = first
+    order = ordered(set(leaves))
+    own = set(pairs) - set(pairs.values())
+    if len(own) < max(2, len(cone) // 2) or not set(pairs) <= set(cone) or len(order) != len(leaves):
+        return None, {}
+    part = Core(sorted(pairs), order)
+    walks = [(others[0], first)] + [(o, lockstep(eqns, made, root, eqns, made, o)) for o in others[1:]]
+    return part, {o: Twin(w[2], w[1]) for o, w in walks
+                  if w is not None and set(w[0]) == set(part.eqns) and set(w[1]) == set(part.leaves)}
 
 
 def reused(step: core.ClosedJaxpr, graph: Any, root: Any, built: Built, twin: Twin, consts: dict, made: set,
@@ -276,4 +270,4 @@ def parts(graph: Any, v: Any) -> list[Any]:
     return sorted(found, key=lambda w: order.get(w, -1)) if len(found) >= 2 else []  # a stable sort
 
 
-__all__ = ["Built", "Core", "Twin", "core_of", "lockstep", "new_loops", "parts", "reused", "same_eqn", "twins"]
+__all__ = ["Built", "Core", "Twin", "lockstep", "new_loops", "parted", "parts", "reused", "same_eqn"]

@@ -110,15 +110,15 @@ def packs_only(entries: Any, packs: Any) -> bool:
 def fused_only(rest: core.ClosedJaxpr) -> bool:
     """Whether ``rest`` (a step's remainder, :func:`split_pinned`'s) holds only pointwise, layout and reduction
     operations (:data:`FUSED`, :data:`FUSED_TRANSCENDENTAL`, :data:`FUSED_SPLIT`, inside ``jit`` calls too): an
-    optimizer's update, which XLA computes in loop and reduction fusions whatever its form. ``Rewritten._rewrite_rest`` then prices the step
-    as it is, without saturating the remainder, where that can win (see there) and the rules are the built-in
-    packs' (:func:`packs_only`). A measured decision (2026-12-04): on the four whole steps where it is taken, what
-    the rules did to the remainder was ``pow_one``'s and ``pow_two``'s ``x ** 1`` and ``x ** 2``
-    (wholestep_linen_gpt, wholestep_equinox_gpt; 0.015-0.018% of its price), which XLA makes itself, and nothing
-    on flax_long_context_step and flax_lm_step (extracted as loaded); the compiled steps' temp bytes, flops and
-    bytes accessed are the same either way, for 0.10-0.23 s of each first call. flax_transformer_step and
-    flax_bf16_step, whose loss-first programs are JAX's as written, still have theirs saturated: only that brings
-    them under the step as written."""
+    optimizer's update, which XLA computes in loop and reduction fusions whatever its form.
+    ``Rewritten._rewrite_rest`` then prices the step as it is, without saturating the remainder, where that can win
+    (see there) and the rules are the built-in packs' (:func:`packs_only`). A measured decision (2026-12-04): on the
+    four whole steps where it is taken, what the rules did to the remainder was ``pow_one``'s and ``pow_two``'s
+    ``x ** 1`` and ``x ** 2`` (wholestep_linen_gpt, wholestep_equinox_gpt; 0.015-0.018% of its price), which XLA makes
+    itself, and nothing on flax_long_context_step and flax_lm_step (extracted as loaded); the compiled steps' temp
+    bytes, flops and bytes accessed are the same either way, for 0.10-0.23 s of each first call.
+    flax_transformer_step and flax_bf16_step, whose loss-first programs are JAX's as written, still have theirs
+    saturated: only that brings them under the step as written."""
     def only(jaxpr: core.Jaxpr) -> bool:
         for e in jaxpr.eqns:
             if e.primitive.name in ("jit", "pjit"):
@@ -170,5 +170,5 @@ def join_pinned(cut: Pinned, rest: core.ClosedJaxpr) -> core.ClosedJaxpr | None:
     return dce(core.ClosedJaxpr(new, consts))
 
 
-__all__ = ["FUSED", "FUSED_SPLIT", "FUSED_TRANSCENDENTAL", "PIN_FROM", "Pinned", "as_is", "fused_only", "join_pinned", "packs_only",
-           "split_pinned", "wholly_pinned"]
+__all__ = ["FUSED", "FUSED_SPLIT", "FUSED_TRANSCENDENTAL", "PIN_FROM", "Pinned", "as_is", "fused_only", "join_pinned",
+           "packs_only", "split_pinned", "wholly_pinned"]

@@ -60,6 +60,7 @@ prices lower (or the leaner within its lean band).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from typing import Any, Callable, Sequence
@@ -73,7 +74,7 @@ from ..jaxpr.dce import dce
 from ..jaxpr.edit import in_order, inline, loads_alike, read, substitute, without_empty_mesh
 from ..jaxpr.trace import spec_of
 from ..pipeline import ProofGraph
-from .alike import Built, _scalar_float, core_of, new_loops, parts, reused, twins
+from .alike import Built, _scalar_float, new_loops, parted, parts, reused
 from .loops import find_loop_vjps
 from .seed import seeded_edit
 from .uses import sliced
@@ -434,7 +435,7 @@ def proof_graph(step: core.ClosedJaxpr, model: Any = None) -> ProofGraph:
     return ProofGraph(core.ClosedJaxpr(jaxpr.replace(eqns=eqns), step.consts), model if same else None)
 
 
-#: How a micro-batch's loss built on its core is named (:func:`rewrite.grad.alike.core_of`).
+#: How a micro-batch's loss built on its core is named (:func:`rewrite.grad.alike.parted`).
 PARTED = ", its cone cut where the micro-batches part"
 
 
@@ -559,14 +560,15 @@ def find_losses(closed: core.ClosedJaxpr, proof: Callable[[core.ClosedJaxpr], li
         while shared:
             shared.pop().release()
 
-    alike: dict[Any, tuple[Any, Any]] = {}  # a later part's cone (by id) -> (the core it computes, its program)
+    built: dict[tuple, tuple[Any, Any]] = {}  # (core, wrt, value) -> (the core, kept alive; its loss-first program)
 
-    def loss_first_once(cone: core.ClosedJaxpr, **kw: Any) -> core.ClosedJaxpr:  # (grad/alike.py)
-        base = alike.get(id(cone), (cone, None))[0]
+    def loss_first_once(cone: core.ClosedJaxpr, base: Any = None, **kw: Any) -> core.ClosedJaxpr:
+        """``loss_first``, once per core: ``base``, where given, the core ``cone`` computes (grad/alike.py)."""
+        base = cone if base is None else base
         key = (id(base), tuple(kw.get("wrt") or ()), kw.get("value"))
-        if key not in alike:
-            alike[key] = (base, loss_first(cone, **kw))  # type: ignore[index]
-        return alike[key][1]  # type: ignore[index]
+        if key not in built:
+            built[key] = (base, loss_first(cone, **kw))
+        return built[key][1]
 
     try:
         graph: _Graph | None = None
@@ -588,11 +590,8 @@ def find_losses(closed: core.ClosedJaxpr, proof: Callable[[core.ClosedJaxpr], li
             tries_here = [(eqns, leaves, "")]
             if cut[0] != eqns and len(cut[0]) >= 2:  # a loop in the cone: its outputs as leaves, if the whole fails
                 tries_here.append((cut[0], graph.ordered(cut[1]), ", its cone cut at loop outputs"))
-            partner = next((v for v in queued if v is not root and v in found and v not in tried), None)
-            part = None if partner is None else core_of(graph.jaxpr.eqns, graph.producer, root, partner, eqns,
-                                                        graph.ordered)
-            later = {} if part is None else twins(graph.jaxpr.eqns, graph.producer, root, part,
-                                                  [v for v in queued if v is not root and v in found and v not in tried])
+            others = [v for v in queued if v is not root and v in found and v not in tried]  # the sum's other parts
+            part, later = parted(graph.jaxpr.eqns, graph.producer, root, others, eqns, graph.ordered)
             if part is not None:  # a micro-batch's loss: built on what it computes alike with the next (grad/alike.py)
                 tries_here[0] = (part.eqns, part.leaves, PARTED)
             for cone_eqns, cone_leaves, how in tries_here:
@@ -610,15 +609,14 @@ def find_losses(closed: core.ClosedJaxpr, proof: Callable[[core.ClosedJaxpr], li
                     twins_done: list = []  # the later parts that compute this core, proven on this step's load
                     if how == PARTED:
                         b = Built(flat_cone, lifted, frozenset(v for v in lifted if v in consts), dif, joint, derived)
-                        twins_done = [(o, b, again) for o, tw in later.items() if (again := reused(
+                        twins_done = [(o, again) for o, tw in later.items() if (again := reused(
                             step, graph, o, b, tw, consts, made, proof, None if over is None else loaded, prove))]
                     unload()
                     step = replace(step, root, lifted, consts, flat_cone, dif, found_grads, loss_first_once, made,
                                    joint, derived)
-                    for o, b, (o_eqns, o_lifted, flat, o_grads) in twins_done:  # each reads the core's program
-                        alike[id(flat)] = (b.cone, flat)
-                        step = replace(step, o, o_lifted, consts, flat, b.dif, o_grads, loss_first_once, made, b.joint,
-                                       b.derived)
+                    for o, (_, o_lifted, flat, o_grads) in twins_done:  # each reads the core's program
+                        step = replace(step, o, o_lifted, consts, flat, b.dif, o_grads,
+                                       functools.partial(loss_first_once, base=b.cone), made, b.joint, b.derived)
                         tried.add(o)
                 except AsWritten as e:  # this loss is left as written, and the scalars its forward and its
                     # gradients compute (whose own gradients the step does not hold): the search goes on to the rest
@@ -632,9 +630,9 @@ def find_losses(closed: core.ClosedJaxpr, proof: Callable[[core.ClosedJaxpr], li
                     break
                 finding.replaced.append(f"a loss of {len(cone_eqns)} equations{how} and its gradients with "
                                         f"respect to {len(set(found_grads.values()))} of {len(dif)} float inputs")
-                finding.replaced += [f"a loss of {len(e)} equations, an earlier micro-batch's program, and its gradients "
-                                     f"with respect to {len(set(g.values()))} of {len(b.dif)} float inputs"
-                                     for _, b, (e, _, _, g) in twins_done]
+                finding.replaced += [f"a loss of {len(e)} equations, an earlier micro-batch's program, and its "
+                                     f"gradients with respect to {len(set(g.values()))} of {len(dif)} float inputs"
+                                     for _, (e, _, _, g) in twins_done]
                 changed, graph = True, None
                 break
             else:  # not proven: a sum of losses is tried as its parts next
