@@ -115,19 +115,13 @@ def same_jaxpr(a: core.Jaxpr, b: core.Jaxpr) -> bool:
                for x, y in zip(a.outvars, b.outvars))
 
 
-def producers(eqns: Sequence[core.JaxprEqn]) -> dict[Any, int]:
-    return {v: k for k, e in enumerate(eqns) for v in e.outvars}
-
-
-def lockstep(a_eqns: Sequence[core.JaxprEqn], a_made: dict, a_root: Any, b_eqns: Sequence[core.JaxprEqn],
-             b_made: dict, b_root: Any, a_leaves: set | None = None) -> tuple[dict[int, int], dict[Any, Any]] | None:
-    """Two programs' equations walked from ``a_root`` and ``b_root`` together (``*_made``: each value's equation,
-    :func:`producers`): ``(pairs, leaves)``, the equations of ``a`` paired one to one with ``b``'s that are the same
-    operation on operands paired alike, and the values where they part, ``a``'s to ``b``'s one to one; ``None``
-    where the walk pairs one value or equation with two. ``a_leaves``, where given, are the only values of ``a``
-    that may be leaves (its inputs: ``b`` must compute all the rest of ``a`` alike). A third item: for each of ``b``'s
-    equations paired, a value of it the walk read (the step keeps such a value whatever edits drop of its other
-    outputs)."""
+def lockstep(eqns: Sequence[core.JaxprEqn], made: dict, a_root: Any, b_root: Any
+             ) -> tuple[dict[int, int], dict[Any, Any], list[Any]] | None:
+    """Two values' cones in one program (``eqns``; ``made``: each value's equation) walked from ``a_root`` and
+    ``b_root`` together: ``(pairs, leaves, values)``, the equations of ``a``'s cone paired one to one with ``b``'s that
+    are the same operation on operands paired alike, the values where they part (``a``'s to ``b``'s, one to one),
+    and for each of ``b``'s equations paired a value of it the walk read (the step keeps such a value whatever
+    edits drop of its other outputs); ``None`` where the walk pairs one value or equation with two."""
     pairs: dict[int, int] = {}
     taken: dict[int, Any] = {}  # b's equations paired, each with the value of it the walk met first
     leaves: dict[Any, Any] = {}
@@ -137,9 +131,9 @@ def lockstep(a_eqns: Sequence[core.JaxprEqn], a_made: dict, a_root: Any, b_eqns:
         va, vb = stack.pop()
         if isinstance(va, core.Literal) or isinstance(vb, core.Literal):
             continue  # (compared with their equation)
-        ka, kb = a_made.get(va), b_made.get(vb)
-        if ka is not None and kb is not None and (a_leaves is None or va not in a_leaves):
-            ea, eb = a_eqns[ka], b_eqns[kb]
+        ka, kb = made.get(va), made.get(vb)
+        if ka is not None and kb is not None:
+            ea, eb = eqns[ka], eqns[kb]
             at = ea.outvars.index(va)
             if ka in pairs:
                 if pairs[ka] != kb or eb.outvars.index(vb) != at:
@@ -150,8 +144,6 @@ def lockstep(a_eqns: Sequence[core.JaxprEqn], a_made: dict, a_root: Any, b_eqns:
                 taken[kb] = vb
                 stack.extend(zip(ea.invars, eb.invars))
                 continue
-        if a_leaves is not None and va not in a_leaves:
-            return None  # ``b`` computes a value of ``a`` otherwise
         if va in leaves or vb in leaf_of:
             if leaves.get(va) is not vb:
                 return None
@@ -179,7 +171,7 @@ def parted(eqns: Sequence[core.JaxprEqn], made: dict, root: Any, others: Sequenc
     read by both, stays in each), and those of ``others`` whose cones compute that core: walked from the two roots
     together, they pair exactly its equations and part exactly at its leaves (the first among them). ``(None, {})``
     where there is no such core. ``ordered``: the step's values of a set in the step's order (``_Graph.ordered``)."""
-    first = lockstep(eqns, made, root, eqns, made, others[0]) if others else None
+    first = lockstep(eqns, made, root, others[0]) if others else None
     if first is None:
         return None, {}
     pairs, leaves, _ = first
@@ -188,7 +180,7 @@ def parted(eqns: Sequence[core.JaxprEqn], made: dict, root: Any, others: Sequenc
     if len(own) < max(2, len(cone) // 2) or not set(pairs) <= set(cone) or len(order) != len(leaves):
         return None, {}
     part = Core(sorted(pairs), order)
-    walks = [(others[0], first)] + [(o, lockstep(eqns, made, root, eqns, made, o)) for o in others[1:]]
+    walks = [(others[0], first)] + [(o, lockstep(eqns, made, root, o)) for o in others[1:]]
     return part, {o: Twin(w[2], w[1]) for o, w in walks
                   if w is not None and set(w[0]) == set(part.eqns) and set(w[1]) == set(part.leaves)}
 
