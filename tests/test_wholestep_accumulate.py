@@ -138,7 +138,7 @@ def _counted(step, args, packs=(rulesets.algebra,)) -> tuple:
     return changed, finding, len(calls)
 
 
-@pytest.mark.parametrize("micro,dtype", [(2, "float32"), (4, "float32"), (4, "bfloat16")])
+@pytest.mark.parametrize("micro,dtype", [(2, "float32"), (4, "float32"), (4, "bfloat16"), (4, "float16")])
 def test_later_micro_batches_read_the_first_ones_loss_first_program(micro, dtype):
     """The micro-batches' losses are one program but where each reads its part of the batch: the first is cut there
     (``grad/alike.py``) and its loss-first program built once; each later one, found to compute that same core, is
