@@ -85,3 +85,23 @@ def test_dce_chain_reads_the_wrapper_dce_jvp_makes():
     wrapped = dce_jvp(dce_jvp(rule, [True, False]), [False, True])
     found, chain = dce_chain(wrapped)
     assert found is rule and chain == [[False, True], [True, False]]
+
+
+def test_dce_chain_reads_a_closure_with_an_empty_cell_as_no_wrapper():
+    """A rule's function may close over a name it has not assigned yet (attention's backward does): an empty cell
+    is no wrapper's, not an error (``dce_chain`` is asked of every rule's ``custom_vjp`` the cache writes)."""
+    def make():
+        def f(*_):
+            return later
+
+        return f
+        later = None  # (never reached: f's cell for it stays empty)
+
+    fn = make()
+    with pytest.raises(ValueError):
+        _ = fn.__closure__[0].cell_contents
+    rule = jax.extend.linear_util.wrap_init(fn, debug_info=None)
+    assert dce_chain(rule) is None
+    wrapped = dce_jvp(rule, [True])
+    found, chain = dce_chain(wrapped)
+    assert found is rule and chain == [[True]]

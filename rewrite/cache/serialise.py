@@ -8,10 +8,14 @@ backward, the LM head's) is in no original program: its forward and backward
 are written as the jaxprs they trace to, with the pytree structures of its
 outputs and residuals, and rebuilt on load as a rule that evaluates them; a
 load checks them (``check_jaxpr``) and their types against the call they
-belong to. What is left must be plain data of a known kind (numbers, strings,
-tuples, dtypes, arrays, jaxprs, and enums, named tuples and dataclasses of
-jax, numpy or ml_dtypes), written by a schema: an entry never names a
-function to call, and the container that holds it is read by an unpickler
+belong to. One that is a ``jax.custom_vjp`` defined at a module's top level
+(seed 000's kernel) is written by its module and name, and on load called
+again, from a module already imported, at the call's types: it is kept only
+where that trace is the written call (``rules.named_vjp_params``). What is
+left must be plain data of a known kind (numbers, strings, tuples, dtypes,
+arrays, jaxprs, and enums, named tuples and dataclasses of jax, numpy or
+ml_dtypes), written by a schema: an entry names no function to call but such
+a ``custom_vjp``, and the container that holds it is read by an unpickler
 that refuses every global. A param of any other kind means no entry.
 :data:`FORMAT` is this serialisation's version, part of every entry's
 header and key.
@@ -38,11 +42,13 @@ from ..ir.jaxapi import (UNSPECIFIED, SaveOnlyTheseNames, UnspecifiedValue, ad, 
                          save_only_these_names)
 from ..jaxpr.trace import trace_at
 from .fingerprint import CALLBACKS, by_identity
-from .rules import Forward, Unserialisable, dce_chain, dce_jvp, jvp_rule_fun, residual_avals, vjp_rule_params
+from .rules import (Forward, Unserialisable, dce_chain, dce_jvp, jvp_rule_fun, named_custom_vjp, named_vjp_params,
+                    residual_avals, vjp_rule_params)
 
 
-FORMAT = 5  # 2: the modules moved into subpackages; 3: params by schema, nothing pickled with globals;
-#            4: a rule's custom_vjp written as its forward and backward jaxprs; 5: a custom_jvp's rule as its jaxpr
+FORMAT = 6  # 2: the modules moved into subpackages; 3: params by schema, nothing pickled with globals;
+#            4: a rule's custom_vjp written as its forward and backward jaxprs; 5: a custom_jvp's rule as its jaxpr;
+#            6: a rule's custom_vjp defined at a module's top level written by its name
 
 
 #: A ``custom_vjp_call``'s params that hold its rule as Python functions.
@@ -260,6 +266,9 @@ class _Writer:
         call = params["call_jaxpr"]
         if params.get("symbolic_zeros") or params.get("num_consts"):
             raise Unserialisable("a custom_vjp with symbolic zeros or constants")
+        named = named_custom_vjp(params)  # a kernel at a module's top level: by its name, its backward not traced
+        if named is not None:
+            return ("vjp_name", named[0], named[1], _tree_skeleton(named[2]))
         # a rule met again inside its own forward (one that calls the custom_vjp itself) would be written again
         # and again, to Python's recursion limit: refused at once
         own = id(getattr(params["bwd"], "f", params["bwd"]))
@@ -502,6 +511,8 @@ class _Reader:
             return jax.tree_util.tree_structure(self.value(x[1]))
         if tag == "vjp_rule":
             return tuple(self.value(v) for v in x[1:])
+        if tag == "vjp_name":  # (tag, module, name, the arguments' pytree): rules.named_vjp_params
+            return (tag, self.value(x[1]), self.value(x[2]), self.value(x[3]))
         if tag == "jvp_rule":  # its number is known before its body, which may refer to it, is read
             self.forwards.setdefault(x[1], Forward())
             return (tag, x[1], *(self.value(v) for v in x[2:]))
@@ -590,7 +601,9 @@ class _Reader:
                 raise Unserialisable(f"a {p.name} whose callback is not one of this process's trace")
             new_params = {k: self.value(v) for k, v in params}
             if _VJP_WRITTEN in new_params:
-                new_params.update(vjp_rule_params(new_params.pop(_VJP_WRITTEN), new_params["call_jaxpr"]))
+                written = new_params.pop(_VJP_WRITTEN)
+                new_params.update(named_vjp_params(written[1:], new_params) if written[:1] == ("vjp_name",)
+                                  else vjp_rule_params(written, new_params["call_jaxpr"]))
             if _JVP_WRITTEN in new_params:
                 new_params["jvp_jaxpr_fun"] = self.jvp_fun(new_params.pop(_JVP_WRITTEN), new_params)
             new_params = params_for_jax(p, new_params)

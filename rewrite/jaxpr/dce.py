@@ -32,7 +32,7 @@ def dce_chain(x: Any) -> tuple[Any, list] | None:
     while True:
         f, seen, inner = getattr(x, "f", None), 0, None
         while callable(f) and seen < 4 and getattr(f, "__closure__", None) and inner is None:
-            cells = dict(zip(f.__code__.co_freevars, (c.cell_contents for c in f.__closure__)))
+            cells = {name: _content(c) for name, c in zip(f.__code__.co_freevars, f.__closure__)}
             if "used_outs" in cells:
                 found = [v for v in cells.values() if type(v) is type(x)]
                 if len(found) != 1 or not all(type(u) is bool for u in cells["used_outs"]):
@@ -44,6 +44,14 @@ def dce_chain(x: Any) -> tuple[Any, list] | None:
         if inner is None:
             return (x, chain) if chain else None
         x = inner
+
+
+def _content(cell: Any) -> Any:
+    """A closure cell's value; ``None`` for an empty cell (a name the function assigns later, or never)."""
+    try:
+        return cell.cell_contents
+    except ValueError:
+        return None
 
 
 def dce_jvp(fun: Any, used_outs: list) -> Any:
