@@ -580,6 +580,74 @@ def test_the_diagonal_check_compiles_once_keeps_its_verdict_and_still_declines_a
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_the_diagonal_check_of_jnp_diagonal_s_own_branches_runs_in_numpy_and_compiles_nothing(dtype, monkeypatch):
+    """``jnp.diagonal``'s mask and branches (iotas, comparisons, a select, a point gather; a product and a sum) are
+    evaluated by NumPy (``_by_numpy``): XLA's compile of the check was 54 of the 73 ms a rewrite meeting one took at
+    1024 x 1024. The rule fires with no compile in the check, and the values are the program's."""
+    import sys
+
+    from rulesets._diagonal import _all_diagonal
+
+    pack = sys.modules["rulesets.linalg"]  # the module (the package's name for it is the ruleset)
+    seen = []
+
+    def counted(branches, fmask, q):
+        verdict, compiles = _compiles_during(_all_diagonal, branches, fmask, q)
+        seen.append((verdict, compiles))
+        return verdict
+
+    monkeypatch.setattr(pack, "_all_diagonal", counted)
+    n = {jnp.float32: 27, jnp.bfloat16: 29, jnp.float16: 31}[dtype]  # shapes no other test checks
+    rng = np.random.default_rng(0)
+    a, b = (jnp.asarray(rng.standard_normal(s), dtype) for s in ((n, 6), (6, n)))
+    f = lambda a, b: jnp.diagonal(a @ b)
+    report = explain(f, a, b, rulesets=[linalg])
+    assert report.fired.get("la_diagonal_product") == 1 and seen == [(True, 0)]
+    got = np.asarray(rewrite(f, rulesets=[linalg])(a, b), np.float32)
+    want = np.asarray(jnp.sum(a.astype(jnp.float32) * b.T.astype(jnp.float32), 1))
+    tol = 1e-5 if dtype == jnp.float32 else 5e-2
+    np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
+
+
+def test_the_numpy_diagonal_check_declines_a_wrong_branch_and_leaves_an_unknown_one_to_xla():
+    """A branch NumPy evaluates that is linear but not the diagonal (its column sums) is declined; a branch with
+    an equation outside its forms (a ``slice``), or a point gather out of bounds, is not evaluated (``None``) and
+    goes to the compiled check, which declines the wrong one as before."""
+    import types
+
+    from jax.extend.core import jaxpr_as_fun
+    from rulesets._diagonal import _all_diagonal, _by_numpy
+
+    n = 9
+    q = types.SimpleNamespace(shape=(n, n), dtype=np.dtype(np.float32))
+    spec = jax.ShapeDtypeStruct((n, n), jnp.float32)
+
+    def fn(f, *args):
+        closed = jax.make_jaxpr(f)(*args)
+        g = jaxpr_as_fun(closed)
+        g.jaxpr = closed
+        return g
+
+    eye = lambda: [(lax.broadcasted_iota(jnp.int32, (n, n), 0) == lax.broadcasted_iota(jnp.int32, (n, n), 1))
+                   .astype(jnp.float32)]
+    mask = fn(eye)
+    good = fn(lambda w, x: [jnp.sum(w * x, 0)], spec, spec)
+    columns = fn(lambda w, x: [jnp.sum(x, 0)], spec, spec)          # linear in x, not its diagonal
+    sliced = fn(lambda w, x: [x[0] * 1.0], spec, spec)              # a slice: not one of NumPy's forms here
+    xs = [np.arange(n * n, dtype=np.float32).reshape(n, n)]
+    assert np.array_equal(_by_numpy([mask.jaxpr, good.jaxpr], xs)[0], np.diagonal(xs[0]))
+    assert not np.array_equal(_by_numpy([mask.jaxpr, columns.jaxpr], xs)[0], np.diagonal(xs[0]))
+    assert _by_numpy([mask.jaxpr, sliced.jaxpr], xs) is None
+    rows = np.arange(n)
+    on = fn(lambda w, x: [x[rows, rows] * 1.0], spec, spec)      # a point gather: NumPy's form
+    off = fn(lambda w, x: [x[rows, rows + 1] * 1.0], spec, spec)  # the same, its last index out of bounds
+    assert np.array_equal(_by_numpy([mask.jaxpr, on.jaxpr], xs)[0], np.diagonal(xs[0]))
+    assert str(off.jaxpr).count("gather") == 1 and _by_numpy([mask.jaxpr, off.jaxpr], xs) is None
+    assert _all_diagonal([good, good], mask, q)
+    assert not _all_diagonal([good, columns], mask, q) and not _all_diagonal([sliced, good], mask, q)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
 def test_a_factor_computed_through_a_loop_reading_the_operand_is_not_a_raise(dtype):
     """`la_factor_out_*` asks who else reads the operand a factor scales. A loop reading it is a node of many
     results, whose class is no array: the rule raised `AttributeError` on its shape (a routed
