@@ -283,3 +283,33 @@ EMITTED_OWN_WAY = {"custom_jvp_vjp", "nested_jits", "scan_checkpointed"}
 
 if __name__ == "__main__":
     record()
+
+
+@pytest.mark.parametrize("dtype", [np.int64, np.float64, np.float32, np.float16, jnp.bfloat16, np.bool_, np.uint8])
+def test_a_constant_array_is_the_array_jnp_asarray_makes_and_compiles_nothing(dtype):
+    """An emitted program's constants are made by ``constant_array``: the array ``jnp.asarray`` makes (its dtype
+    canonical, not weak, uncommitted, on no mesh), also while a trace is open, without the XLA compile of a
+    conversion that ``jnp.asarray`` asks for per shape and dtype (8-30 ms each in a first call)."""
+    from jax._src.dispatch import BACKEND_COMPILE_EVENT
+
+    a = (np.arange(6) % 3).reshape(2, 3).astype(dtype)
+    compiles = []
+
+    def listen(event, duration, **kwargs):
+        if event == BACKEND_COMPILE_EVENT:
+            compiles.append(duration)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        made = jaxapi.constant_array(a)
+        inside = []
+        jax.make_jaxpr(lambda x: inside.append(jaxapi.constant_array(a)) or x)(1.0)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert not compiles
+    want = jnp.asarray(a)
+    for got in (made, inside[0]):
+        assert isinstance(got, jax.Array)  # (concrete: np.asarray below reads it)
+        assert jax.typeof(got) == jax.typeof(want) and got.weak_type == want.weak_type is False
+        assert not got.committed
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

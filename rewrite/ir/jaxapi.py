@@ -286,13 +286,10 @@ def constant_array(a: Any) -> Any:
     explicit axes (``jax.set_mesh``) it would be typed on that mesh, and a program that reads it inside an Auto
     region of the mesh (``x.at[:].set(v, out_sharding=P('x'))``: a ``scatter`` under ``auto_axes``, whose indices
     are such a constant) failed JAX's check that a value's mesh is the context's (checkify_test's
-    ``test_auto_axes_explicit_top_level``, routed)."""
+    ``test_auto_axes_explicit_top_level``, routed). Put, not ``jnp.asarray``'d: that compiles a conversion per shape
+    and dtype (8-30 ms each, a first call's; the same array, uncommitted, on the default device)."""
     with jax.ensure_compile_time_eval():
-        array = jax.numpy.asarray(a)
-        mesh = getattr(getattr(jax.typeof(array), "sharding", None), "mesh", None)
-        if mesh is not None and not mesh.empty:
-            array = jax.device_put(a)  # (uncommitted, on the default device, as jnp.asarray makes it on no mesh)
-        return array
+        return jax.device_put(a)
 
 
 def is_prng_key(x: Any) -> bool:
