@@ -595,6 +595,39 @@ def test_seed_000_s_split_of_two_extractions_keeps_jax_s_gradients_on_drawn_inpu
     assert_equivalent(seed, x, a, rulesets=[DERIVATIVES], grads=True, max_examples=25)
 
 
+def test_a_split_s_two_uses_are_priced_in_one_load_at_the_floats_each_has_alone(monkeypatch):
+    """Each split's training step and gradients alone (``uses.priced_uses``) are priced in one load
+    (``pipeline.programs_cost``: one e-graph borrowed, the forward both compute loaded once; a pool's borrow and
+    return were a quarter of a small gradient's residual search), each at the float ``program_cost`` gives it
+    alone, so the split chosen and its programs are the same."""
+    from rewrite import pipeline
+    from rewrite.grad import uses
+    from rewrite.jaxpr.trace import same_program
+
+    together_cost, alone_cost = uses.programs_cost, uses.program_cost
+    batches, alone = [], []
+
+    def spied(programs, model):
+        prices = together_cost(programs, model)
+        batches.append((list(programs), model, prices))
+        return prices
+
+    monkeypatch.setattr(uses, "programs_cost", spied)
+    monkeypatch.setattr(uses, "program_cost", lambda p, m: alone.append(p) or alone_cost(p, m))
+    x, a = jnp.linspace(-3.0, 3.0, 8 * 64 * 64).reshape(8, 64, 64), jnp.linspace(0.5, 2.0, 64)
+    built = rewrite(seed, rulesets=_every_pack_but_fastmath(), cache=False).grad_result(x, a)
+    # each split's two uses in one load; a use another split priced already (their gradients alone) is not again
+    assert batches and all(len(ps) == 2 for ps, _, _ in batches)
+    priced = [p for ps, _, _ in batches for p in ps] + alone
+    assert not any(same_program(p, q) for i, p in enumerate(priced) for q in priced[:i])
+    for programs, model, prices in batches:
+        assert prices == [pipeline.program_cost(p, model) for p in programs]  # bit for bit
+    monkeypatch.setattr(uses, "programs_cost", lambda ps, m: [alone_cost(p, m) for p in ps])
+    again = rewrite(seed, rulesets=_every_pack_but_fastmath(), cache=False).grad_result(x, a)
+    assert again.split.policy == built.split.policy
+    assert str(again.fwd) == str(built.fwd) and str(again.bwd) == str(built.bwd)
+
+
 def test_a_split_s_training_step_is_the_forward_s_ops_priced_at_the_split_s_outputs(monkeypatch):
     """The residual search's price of a split (``grad.vjp.split_pricer``) builds the forward's program once: each
     split's training step is its ops at that split's outputs, their kernels priced once (``cost.program``'s

@@ -36,7 +36,7 @@ from ..ir.walk import children, postorder
 from ..jaxpr.dce import dce
 from ..jaxpr.emit import Emitter, _Scope, emit
 from ..jaxpr.trace import same_program, spec_of
-from ..pipeline import program_cost
+from ..pipeline import program_cost, programs_cost
 
 
 def agreeing(snap: Any, a: dict, b: dict, roots: Sequence[Any]) -> set:
@@ -138,18 +138,22 @@ def priced_uses(train: core.ClosedJaxpr, alone: core.ClosedJaxpr, model: Any,
                 seen: list[tuple[core.ClosedJaxpr, float]], value: bool | None = None) -> Uses:
     """:class:`Uses` of the programs ``train`` and ``alone``, each priced whole unless ``seen`` holds it priced;
     ``value``, where given, says which one runs (``train`` where the outputs are read): that one alone is priced,
-    and only it is held to memory (:func:`cheapest_use`)."""
-    def price(closed: core.ClosedJaxpr) -> float:
-        for other, got in seen:
-            if same_program(other, closed):
-                return got
-        got = program_cost(closed, model)
-        seen.append((closed, got))
-        return got
+    and only it is held to memory (:func:`cheapest_use`). Two priced here are priced in one load
+    (:func:`rewrite.pipeline.programs_cost`: the same floats as each alone; one e-graph borrowed, not two, and the
+    forward both compute loaded once)."""
+    def known(closed: core.ClosedJaxpr) -> float | None:
+        return next((got for other, got in seen if same_program(other, closed)), None)
 
     train, alone = run_uses(train, alone, value)
-    train_price = price(train)
-    return Uses(train, alone, train_price + (price(alone) if value is None else 0.0), train_price)
+    wanted = [train] if value is not None else [train, alone]
+    prices = [known(p) for p in wanted]
+    unpriced = [p for p, got in zip(wanted, prices) if got is None]
+    if len(unpriced) == 2 and same_program(*unpriced):
+        unpriced = unpriced[:1]
+    made = programs_cost(unpriced, model) if len(unpriced) > 1 else [program_cost(p, model) for p in unpriced]
+    seen.extend(zip(unpriced, made))
+    prices = [got if got is not None else known(p) for p, got in zip(wanted, prices)]
+    return Uses(train, alone, sum(prices), prices[0])  # type: ignore[arg-type]
 
 
 def run_uses(train: core.ClosedJaxpr, alone: core.ClosedJaxpr, value: bool | None) -> tuple[Any, Any]:
