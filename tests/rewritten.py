@@ -38,3 +38,23 @@ def ran(g: Rewritten, *args: Any, **kwargs: Any) -> Ran:
     result = g.result(*args, **kwargs)
     return Ran(fired={k: s.fired for k, s in result.stats.items() if s.fired}, used=result.used, after=result.after,
                before=result.before, stopped=result.stopped, result=result)
+
+
+def compiles_during(fn, *args):
+    """``fn(*args)`` and the number of XLA compiles it asked for (a rewrite's own compiles are a first call's
+    cost: a check compiled, a constant converted)."""
+    import jax
+    from jax._src.dispatch import BACKEND_COMPILE_EVENT
+
+    n = []
+
+    def listen(event, duration, **kwargs):
+        if event == BACKEND_COMPILE_EVENT:
+            n.append(duration)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        out = fn(*args)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    return out, len(n)

@@ -290,23 +290,17 @@ def test_a_constant_array_is_the_array_jnp_asarray_makes_and_compiles_nothing(dt
     """An emitted program's constants are made by ``constant_array``: the array ``jnp.asarray`` makes (its dtype
     canonical, not weak, uncommitted, on no mesh), also while a trace is open, without the XLA compile of a
     conversion that ``jnp.asarray`` asks for per shape and dtype (8-30 ms each in a first call)."""
-    from jax._src.dispatch import BACKEND_COMPILE_EVENT
+    from .rewritten import compiles_during
 
-    a = (np.arange(6) % 3).reshape(2, 3).astype(dtype)
-    compiles = []
+    a = (np.arange(42) % 3).reshape(7, 3, 2).astype(dtype)  # a shape no other test converts
+    inside = []
 
-    def listen(event, duration, **kwargs):
-        if event == BACKEND_COMPILE_EVENT:
-            compiles.append(duration)
-
-    jax.monitoring.register_event_duration_secs_listener(listen)
-    try:
-        made = jaxapi.constant_array(a)
-        inside = []
+    def both():
         jax.make_jaxpr(lambda x: inside.append(jaxapi.constant_array(a)) or x)(1.0)
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listen)
-    assert not compiles
+        return jaxapi.constant_array(a)
+
+    made, compiles = compiles_during(both)
+    assert compiles == 0
     want = jnp.asarray(a)
     for got in (made, inside[0]):
         assert isinstance(got, jax.Array)  # (concrete: np.asarray below reads it)

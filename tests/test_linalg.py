@@ -33,7 +33,7 @@ from rewrite.testing._magnitude import jvp_magnitudes
 from benchmarks.linalg import dot_flops
 from rulesets.linalg import MIN_SAVING, linalg
 
-from .rewritten import ran
+from .rewritten import compiles_during, ran
 
 RULES = {r.name: r for r in linalg}
 
@@ -526,22 +526,15 @@ def test_magnitudes_add_the_terms_of_differences_and_follow_calls_and_conds():
     assert float(d[0, 0]) == 7.0                                   # the derivative's terms: |1*3| + |-1*4|
 
 
-def _compiles_during(fn, *args):
-    """``fn(*args)`` and the number of XLA compiles it asked for."""
-    from jax._src.dispatch import BACKEND_COMPILE_EVENT
+def _read_back(f, *args):
+    """``f`` traced at ``args`` as a rule reads a function back from the e-graph (``Match.function``): callable on
+    arrays, its program at ``.jaxpr``."""
+    from jax.extend.core import jaxpr_as_fun
 
-    n = []
-
-    def listen(event, duration, **kwargs):
-        if event == BACKEND_COMPILE_EVENT:
-            n.append(duration)
-
-    jax.monitoring.register_event_duration_secs_listener(listen)
-    try:
-        out = fn(*args)
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listen)
-    return out, len(n)
+    closed = jax.make_jaxpr(f)(*args)
+    g = jaxpr_as_fun(closed)
+    g.jaxpr = closed
+    return g
 
 
 def test_the_diagonal_check_compiles_once_keeps_its_verdict_and_still_declines_a_wrong_branch():
@@ -551,26 +544,20 @@ def test_the_diagonal_check_compiles_once_keeps_its_verdict_and_still_declines_a
     not the diagonal is still declined."""
     import types
 
-    from jax.extend.core import jaxpr_as_fun
     from rulesets._diagonal import _all_diagonal
 
+    fn = _read_back
     n = 21  # a shape no other test checks
     q = types.SimpleNamespace(shape=(n, n), dtype=np.dtype(np.float32))
     spec = jax.ShapeDtypeStruct((n, n), jnp.float32)
-
-    def fn(f, *args):
-        closed = jax.make_jaxpr(f)(*args)
-        g = jaxpr_as_fun(closed)
-        g.jaxpr = closed
-        return g
 
     mask = fn(lambda: [jnp.arange(n) < n])
     good = fn(lambda w, x: [jnp.sum(jnp.where(w[:, None] & (jnp.arange(n)[:, None] == jnp.arange(n)), x, 0), 1)],
               np.ones(n, bool), spec)
     wrong = fn(lambda w, x: [x[0]], np.ones(n, bool), spec)  # linear in x, the first row
-    verdict, compiles = _compiles_during(_all_diagonal, [good, good], mask, q)
+    verdict, compiles = compiles_during(_all_diagonal, [good, good], mask, q)
     assert verdict and compiles <= 1
-    verdict, compiles = _compiles_during(_all_diagonal, [good, good], mask, q)
+    verdict, compiles = compiles_during(_all_diagonal, [good, good], mask, q)
     assert verdict and compiles == 0
     assert not _all_diagonal([good, wrong], mask, q) and not _all_diagonal([wrong, good], mask, q)
     # the rule under an outer trace, at a shape not checked before, evaluates its check and fires
@@ -592,7 +579,7 @@ def test_the_diagonal_check_of_jnp_diagonal_s_own_branches_runs_in_numpy_and_com
     seen = []
 
     def counted(branches, fmask, q):
-        verdict, compiles = _compiles_during(_all_diagonal, branches, fmask, q)
+        verdict, compiles = compiles_during(_all_diagonal, branches, fmask, q)
         seen.append((verdict, compiles))
         return verdict
 
@@ -615,18 +602,12 @@ def test_the_numpy_diagonal_check_declines_a_wrong_branch_and_leaves_an_unknown_
     goes to the compiled check, which declines the wrong one as before."""
     import types
 
-    from jax.extend.core import jaxpr_as_fun
     from rulesets._diagonal import _all_diagonal, _by_numpy
 
+    fn = _read_back
     n = 9
     q = types.SimpleNamespace(shape=(n, n), dtype=np.dtype(np.float32))
     spec = jax.ShapeDtypeStruct((n, n), jnp.float32)
-
-    def fn(f, *args):
-        closed = jax.make_jaxpr(f)(*args)
-        g = jaxpr_as_fun(closed)
-        g.jaxpr = closed
-        return g
 
     eye = lambda: [(lax.broadcasted_iota(jnp.int32, (n, n), 0) == lax.broadcasted_iota(jnp.int32, (n, n), 1))
                    .astype(jnp.float32)]
