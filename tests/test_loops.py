@@ -362,6 +362,49 @@ def test_fori_buffer_loss_holds_no_buffer():
     assert "scatter" not in {e.primitive.name for e in loop.params["jaxpr"].jaxpr.eqns}
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_the_rows_a_fori_loop_writes_are_computed_in_numpy_and_nothing_is_compiled(dtype):
+    """``buffer_to_output`` reads which row each step writes off the index's program at every counter value: in
+    NumPy (``rulesets._numpy_eval``), where XLA's compile of ``lax.map`` of it was 28-39 ms of a fori_loop's first
+    rewrite. The rewrite asks XLA for no compile, and the program's values are the original's."""
+    from .rewritten import compiles_during
+
+    def loss(x):
+        buf = jnp.zeros((37,) + x.shape, x.dtype)  # a length no other test writes
+        _, buf = lax.fori_loop(0, 37, lambda i, c: (jnp.tanh(c[0]), c[1].at[i].set(c[0] * 2)), (x, buf))
+        return jnp.sum(buf.astype(jnp.float32) ** 2)
+
+    x = jnp.linspace(-1.0, 1.0, 24, dtype=dtype)
+    r = rewrite(loss, rulesets=[rulesets.scan], cache=False)
+    result, compiles = compiles_during(r.result, x)
+    assert result.stats["buffer_to_output"].fired and compiles == 0
+    np.testing.assert_allclose(r(x), loss(x), rtol=1e-2 if dtype != jnp.float32 else 1e-5)
+
+
+@pytest.mark.parametrize("dtype", [jnp.int32, jnp.int16, jnp.uint8])
+def test_numpy_evaluates_an_index_program_over_every_step_as_lax_map_does(dtype):
+    """The batched evaluation (``batch=(T,)``: the program mapped over the steps) of an index's program, with a
+    wrap below 0, a sum that overflows its integer type, a conversion and a broadcast, is ``lax.map``'s, bit for bit;
+    a program with an equation outside its forms (a ``rem``) is not evaluated."""
+    from rulesets._numpy_eval import evaluated
+
+    n = int(jnp.iinfo(dtype).max) // 2 + 3
+
+    def index(i):
+        j = lax.select(i < 0, i + dtype(n), i) + dtype(n)  # overflows past the type's largest value
+        return [lax.broadcast_in_dim(j.astype(jnp.int32), (1,), ()), (i + dtype(1)).astype(jnp.float32)]
+
+    steps = np.arange(-5, 40, dtype=dtype) if jnp.issubdtype(dtype, jnp.signedinteger) else np.arange(40, dtype=dtype)
+    closed = jax.make_jaxpr(index)(dtype(0))
+    got = evaluated(closed, [steps], batch=(len(steps),))
+    want = jax.jit(lambda s: lax.map(lambda i: index(i), s))(jnp.asarray(steps))
+    assert got is not None
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == w.dtype and g.shape == w.shape
+        np.testing.assert_array_equal(g, np.asarray(w))
+    assert evaluated(jax.make_jaxpr(lambda i: [i % dtype(3)])(dtype(0)), [steps], batch=(len(steps),)) is None
+
+
 # ---------------------------------------------------------------------- saying why
 def test_explain_prices_a_loop_rewrite_it_did_not_choose():
     p = lstm_params(0)
