@@ -87,8 +87,8 @@ def _by_numpy(closed: Sequence[Any], xs: Sequence[np.ndarray]) -> list | None:
     """What :func:`_all_diagonal`'s compiled check computes (each branch of ``closed[1:]`` at the mask ``closed[0]``
     computes, and each draw of ``xs``), evaluated by NumPy: ``None`` unless every equation is one of
     :func:`rulesets._numpy_eval.evaluated`'s forms. ``jnp.diagonal``'s branches and mask are (iotas, comparisons,
-    a select, a point gather; a product and a sum), and XLA's compile of the check was most of a rewrite that meets one (54 of 73 ms
-    at 1024 x 1024, against XLA's 30 ms for the whole program)."""
+    a select, a point gather; a product and a sum), and XLA's compile of the check was most of a rewrite that
+    meets one (54 of 73 ms at 1024 x 1024, against XLA's 30 ms for the whole program)."""
     (mask,) = evaluated(closed[0], []) or [None]
     if mask is None:
         return None
