@@ -74,8 +74,8 @@ def _convert(a: list, p: dict, _: int) -> np.ndarray | None:
     """From bools or integers to an integer (wrapping, as XLA's conversion does) or a float (rounded to nearest,
     as XLA's)."""
     (x,), to = a, np.dtype(p["new_dtype"])
-    exact = jnp.issubdtype(to, jnp.floating) or (np.issubdtype(to, np.integer) and to != bool)
-    return x.astype(to) if (x.dtype == bool or np.issubdtype(x.dtype, np.integer)) and exact else None
+    to_number = jnp.issubdtype(to, jnp.floating) or (np.issubdtype(to, np.integer) and to != bool)
+    return x.astype(to) if (x.dtype == bool or np.issubdtype(x.dtype, np.integer)) and to_number else None
 
 
 def _select(a: list, *_: Any) -> np.ndarray | None:

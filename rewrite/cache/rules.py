@@ -133,8 +133,6 @@ def jvp_rule_fun(written: tuple, call: core.ClosedJaxpr, num_consts: Any) -> Any
     return lu.wrap_init(lambda *in_zeros: at(tuple(bool(z) for z in in_zeros)), debug_info=debug)
 
 
-
-
 def named_custom_vjp(params: dict) -> tuple[str, str, Any] | None:
     """``(module, name, in_tree)`` where a ``custom_vjp_call``'s rule (``params``) is that of the ``jax.custom_vjp``
     bound to ``name`` at the top level of the imported ``module``, called with positional arguments of pytree

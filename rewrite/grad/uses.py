@@ -36,7 +36,7 @@ from ..ir.walk import children, postorder
 from ..jaxpr.dce import dce
 from ..jaxpr.emit import Emitter, _Scope, emit
 from ..jaxpr.trace import same_program, spec_of
-from ..pipeline import program_cost, programs_cost
+from ..pipeline import programs_cost
 
 
 def agreeing(snap: Any, a: dict, b: dict, roots: Sequence[Any]) -> set:
@@ -150,7 +150,7 @@ def priced_uses(train: core.ClosedJaxpr, alone: core.ClosedJaxpr, model: Any,
     unpriced = [p for p, got in zip(wanted, prices) if got is None]
     if len(unpriced) == 2 and same_program(*unpriced):
         unpriced = unpriced[:1]
-    made = programs_cost(unpriced, model) if len(unpriced) > 1 else [program_cost(p, model) for p in unpriced]
+    made = programs_cost(unpriced, model)  # (one alone is program_cost's)
     seen.extend(zip(unpriced, made))
     prices = [got if got is not None else known(p) for p, got in zip(wanted, prices)]
     return Uses(train, alone, sum(prices), prices[0])  # type: ignore[arg-type]
