@@ -942,23 +942,24 @@ def test_a_rules_custom_vjp_whose_forward_calls_itself_is_not_written_and_one_th
         np.testing.assert_array_equal(p, q)
 
 
-def _kernel_program():
+def _kernel_program(dtype=jnp.float32):
     from rulesets.kernels.sin_squared import sin_squared_over
 
-    x = jnp.asarray(np.random.default_rng(0).standard_normal((64, 16), np.float32))
-    b = jnp.linspace(0.5, 2.0, 16)[None]
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((64, 16), np.float32), dtype)
+    b = jnp.linspace(0.5, 2.0, 16, dtype=dtype)[None]
     return jax.make_jaxpr(lambda x, b: jnp.cos(sin_squared_over(x, b)))(x, b), (x, b), sin_squared_over
 
 
-def test_a_top_level_custom_vjp_is_written_by_its_name_and_its_backward_is_not_traced(monkeypatch):
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_a_top_level_custom_vjp_is_written_by_its_name_and_its_backward_is_not_traced(monkeypatch, dtype):
     """Seed 000's kernel (``rulesets.kernels.sin_squared.sin_squared_over``, a ``jax.custom_vjp`` at its module's
     top level) is written by its module and name: neither writing nor reading calls its backward (1,284 equations
-    at seed 000's size, 45 ms to trace), and the program read back has the same text, values and gradients, bit
-    for bit."""
+    at seed 000's size, 45 ms to trace), and the program read back has the same text, values and gradients (and
+    gradients under vmap), bit for bit, eagerly and under jit, in each dtype users train with."""
     from rewrite.cache import serialise
     from rewrite.cache.serialise import dumps_program, loads_program
 
-    closed, (x, b), kernel = _kernel_program()
+    closed, (x, b), kernel = _kernel_program(dtype)
     other = jax.make_jaxpr(jnp.cos)(jnp.ones(3))
     traced_backwards = []
     real = serialise.call_custom_vjp_bwd
@@ -973,6 +974,12 @@ def test_a_top_level_custom_vjp_is_written_by_its_name_and_its_backward_is_not_t
     for j in (lambda f: f, jax.jit):
         got = j(jax.grad(lambda x, b: run(x, b)[0].sum(), (0, 1)))(x, b)
         want = j(jax.grad(lambda x, b: jnp.cos(kernel(x, b)).sum(), (0, 1)))(x, b)
+        for p, q in zip(got, want):
+            np.testing.assert_array_equal(p, q)
+        # and mapped over a leading batch, with its gradient
+        xs, bs = jnp.stack([x, -x]), jnp.stack([b, b * 2])
+        got = j(jax.vmap(jax.grad(lambda x, b: run(x, b)[0].sum(), (0, 1))))(xs, bs)
+        want = j(jax.vmap(jax.grad(lambda x, b: jnp.cos(kernel(x, b)).sum(), (0, 1))))(xs, bs)
         for p, q in zip(got, want):
             np.testing.assert_array_equal(p, q)
 
