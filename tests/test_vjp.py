@@ -637,6 +637,34 @@ def test_a_split_s_two_uses_are_priced_in_one_load_at_the_floats_each_has_alone(
     assert str(again.fwd) == str(built.fwd) and str(again.bwd) == str(built.bwd)
 
 
+
+def test_a_split_s_gradients_alone_are_its_training_step_without_the_outputs_not_traced_again(monkeypatch):
+    """``uses.uses_price`` traces a split's training step once and reads its gradients alone off it (the outputs
+    and what only they read dropped: ``uses.without_outputs``), the program JAX's trace of the gradients alone
+    is: the same text and constants, so the same prices and the same split."""
+    from rewrite.grad import uses
+    from rewrite.jaxpr.trace import same_program
+
+    traced, wanted, got = [], [], []
+    inlined, priced_uses = uses.inlined, uses.priced_uses
+
+    def counted(fwd, bwd, n_res, outputs=True):
+        traced.append(outputs)
+        if outputs:
+            wanted.append(inlined(fwd, bwd, n_res, outputs=False))  # as traced alone
+        return inlined(fwd, bwd, n_res, outputs)
+
+    def read(train, alone, model, seen, value=None):
+        got.append(alone)
+        return priced_uses(train, alone, model, seen, value)
+
+    monkeypatch.setattr(uses, "inlined", counted)
+    monkeypatch.setattr(uses, "priced_uses", read)
+    x, a = jnp.linspace(-3.0, 3.0, 8 * 64 * 64).reshape(8, 64, 64), jnp.linspace(0.5, 2.0, 64)
+    rewrite(seed, rulesets=_every_pack_but_fastmath(), cache=False).grad_result(x, a)
+    assert traced and all(traced) and len(got) == len(wanted) == len(traced)
+    assert all(same_program(g, w) for g, w in zip(got, wanted))
+
 def test_a_split_s_training_step_is_the_forward_s_ops_priced_at_the_split_s_outputs(monkeypatch):
     """The residual search's price of a split (``grad.vjp.split_pricer``) builds the forward's program once: each
     split's training step is its ops at that split's outputs, their kernels priced once (``cost.program``'s

@@ -131,7 +131,8 @@ def uses_price(fwd: core.ClosedJaxpr, bwd: core.ClosedJaxpr, n_res: int, model: 
     """:class:`Uses` of the split ``fwd``/``bwd``: each use priced whole (``program_cost``, as the pipeline prices an
     input program), the two weighted alike; a program priced already (``seen``: two splits share their
     gradients alone) is not priced again."""
-    return priced_uses(inlined(fwd, bwd, n_res), inlined(fwd, bwd, n_res, outputs=False), model, seen)
+    train = inlined(fwd, bwd, n_res)  # its gradients alone: the same program without the outputs (what only they read)
+    return priced_uses(train, without_outputs(train, len(fwd.out_avals) - n_res), model, seen)
 
 
 def priced_uses(train: core.ClosedJaxpr, alone: core.ClosedJaxpr, model: Any,
