@@ -595,11 +595,12 @@ def test_seed_000_s_split_of_two_extractions_keeps_jax_s_gradients_on_drawn_inpu
     assert_equivalent(seed, x, a, rulesets=[DERIVATIVES], grads=True, max_examples=25)
 
 
-def test_a_split_s_two_uses_are_priced_in_one_load_at_the_floats_each_has_alone(monkeypatch):
-    """Each split's training step and gradients alone (``uses.priced_uses``) are priced in one load
-    (``pipeline.programs_cost``: one e-graph borrowed, the forward both compute loaded once; a pool's borrow and
+def test_the_splits_uses_are_priced_in_one_load_at_the_floats_each_has_alone(monkeypatch):
+    """The splits' training steps and gradients alone (``uses.uses_prices``) are priced in one load
+    (``pipeline.programs_cost``: one e-graph borrowed, the forward they all compute loaded once; a pool's borrow and
     return were a quarter of a small gradient's residual search), each at the float ``program_cost`` gives it
-    alone, so the split chosen and its programs are the same."""
+    alone and each once (two splits share their gradients alone), so the split chosen and its programs are the
+    same."""
     from rewrite import pipeline
     from rewrite.grad import uses
     from rewrite.jaxpr.trace import same_program
@@ -620,16 +621,12 @@ def test_a_split_s_two_uses_are_priced_in_one_load_at_the_floats_each_has_alone(
     monkeypatch.setattr(uses, "run_uses", recorded)
     x, a = jnp.linspace(-3.0, 3.0, 8 * 64 * 64).reshape(8, 64, 64), jnp.linspace(0.5, 2.0, 64)
     built = rewrite(seed, rulesets=_every_pack_but_fastmath(), cache=False).grad_result(x, a)
-    # each split's uses not priced before, in one load: both where neither was (a use another split priced already,
-    # their gradients alone, is not priced again)
-    assert len(batches) == len(pairs) and any(len(ps) == 2 for ps, _, _ in batches)
-    priced: list = []
-    for (programs, _, _), wanted in zip(batches, pairs):
-        new = [p for p in wanted if not any(same_program(p, q) for q in priced)]
-        new = new[:1] if len(new) == 2 and same_program(*new) else new
-        assert len(programs) == len(new) and all(same_program(p, q) for p, q in zip(programs, new))
-        priced += programs
-    for programs, model, prices in batches:
+    loads = [b for b in batches if b[0]]
+    assert len(pairs) >= 2 and any(len(ps) > 2 for ps, _, _ in loads)  # more than one split's uses in a load
+    priced = [p for ps, _, _ in loads for p in ps]
+    assert not any(same_program(p, q) for i, p in enumerate(priced) for q in priced[:i])  # each priced once
+    assert all(any(same_program(p, q) for q in priced) for pair in pairs for p in pair)  # every use priced
+    for programs, model, prices in loads:
         assert prices == [pipeline.program_cost(p, model) for p in programs]  # bit for bit
     monkeypatch.setattr(uses, "programs_cost", lambda ps, m: [alone_cost(p, m) for p in ps])
     again = rewrite(seed, rulesets=_every_pack_but_fastmath(), cache=False).grad_result(x, a)
@@ -637,9 +634,8 @@ def test_a_split_s_two_uses_are_priced_in_one_load_at_the_floats_each_has_alone(
     assert str(again.fwd) == str(built.fwd) and str(again.bwd) == str(built.bwd)
 
 
-
 def test_a_split_s_gradients_alone_are_its_training_step_without_the_outputs_not_traced_again(monkeypatch):
-    """``uses.uses_price`` traces a split's training step once and reads its gradients alone off it (the outputs
+    """``uses.uses_prices`` traces each split's training step once and reads its gradients alone off it (the outputs
     and what only they read dropped: ``uses.without_outputs``), the program JAX's trace of the gradients alone
     is: the same text and constants, so the same prices and the same split."""
     from rewrite.grad import uses

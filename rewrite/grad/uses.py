@@ -5,7 +5,7 @@ forward's outputs and the gradients as one program, ``jax.grad`` (``jax.vjp``'s 
 alone, and XLA fuses, stores and recomputes across the residuals as it does anywhere else, so that a residual is
 stored only where XLA would store it. What ``build_vjp`` (``grad/vjp.py``) chooses between, the splits of the joint
 extraction and of the gradients' alone, is therefore priced here as those two programs, each whole
-(:func:`uses_price`), where ``choose_residuals`` prices the halves apart to choose each one's residuals.
+(:func:`uses_prices`), where ``choose_residuals`` prices the halves apart to choose each one's residuals.
 
 One more split is offered where the two extractions differ (:func:`emit_parts`): the outputs as the joint
 extraction computes them and the residuals and backward as the gradients' extraction does, each class the two
@@ -126,13 +126,22 @@ class Uses:
     peaks: tuple[float, float] | None = None
 
 
-def uses_price(fwd: core.ClosedJaxpr, bwd: core.ClosedJaxpr, n_res: int, model: Any,
-               seen: list[tuple[core.ClosedJaxpr, float]]) -> Uses:
-    """:class:`Uses` of the split ``fwd``/``bwd``: each use priced whole (``program_cost``, as the pipeline prices an
-    input program), the two weighted alike; a program priced already (``seen``: two splits share their
-    gradients alone) is not priced again."""
-    train = inlined(fwd, bwd, n_res)  # its gradients alone: the same program without the outputs (what only they read)
-    return priced_uses(train, without_outputs(train, len(fwd.out_avals) - n_res), model, seen)
+def uses_prices(halves: Sequence[tuple[core.ClosedJaxpr, core.ClosedJaxpr, int]], model: Any,
+                seen: list[tuple[core.ClosedJaxpr, float]]) -> list[Uses]:
+    """:class:`Uses` of each split ``(fwd, bwd, n_res)`` of ``halves``: each use priced whole (``program_cost``, as
+    the pipeline prices an input program), the two weighted alike. The uses not priced before (``seen``: two
+    splits share their gradients alone) are priced in one load (:func:`rewrite.pipeline.programs_cost`: each at
+    the float it has alone; one e-graph borrowed, and the forward they all compute loaded once)."""
+    pairs = []
+    for fwd, bwd, n_res in halves:
+        train = inlined(fwd, bwd, n_res)  # its gradients alone: the program without the outputs (what only they read)
+        pairs.append((train, without_outputs(train, len(fwd.out_avals) - n_res)))
+    unpriced: list[core.ClosedJaxpr] = []
+    for p in (p for pair in pairs for p in pair):
+        if not any(same_program(q, p) for q in (*unpriced, *(q for q, _ in seen))):
+            unpriced.append(p)
+    seen.extend(zip(unpriced, programs_cost(unpriced, model) if unpriced else []))
+    return [priced_uses(train, alone, model, seen) for train, alone in pairs]  # (each one priced now)
 
 
 def priced_uses(train: core.ClosedJaxpr, alone: core.ClosedJaxpr, model: Any,

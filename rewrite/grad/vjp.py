@@ -65,7 +65,7 @@ from ..jaxpr.trace import Traced, jvp_rules_unnamed, no_cotangents, same_program
 from ..pipeline import extract_by_policy, program_cost, run_pipeline
 from ..records import Result, lap, out_of_time
 from .decide import Joint, decide, held_alone, held_to_written, in_order, priced_joints
-from .uses import as_emitted, cheapest_use, emit_parts, inlined, joint_as_run, same_choice, uses_price, without_outputs
+from .uses import as_emitted, cheapest_use, emit_parts, inlined, joint_as_run, same_choice, uses_prices, without_outputs
 
 log = logging.getLogger("rewrite")
 
@@ -391,7 +391,7 @@ def _vjp_of(res: Result, closed: core.ClosedJaxpr, dif_in: list[int], dif_out: l
     best, composed = 0, math.nan
     if len(found) > 1:
         seen: list = []
-        uses = [uses_price(fwd, bwd, len(split.residuals), model, seen) for (fwd, bwd), (*_, split) in zip(halves, found)]
+        uses = uses_prices([(f, b, len(s.residuals)) for (f, b), (*_, s) in zip(halves, found)], model, seen)
         best = cheapest_use(uses, (res.before, without_outputs(res.before, len(closed.out_avals))), model)
         for (*_, split), u in zip(found, uses):
             split.uses = u.price
