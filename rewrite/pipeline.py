@@ -150,7 +150,7 @@ def _run(closed: core.ClosedJaxpr, entries: Sequence[tuple[Rule, Ruleset]], mode
 
     result = Result(
         before=closed, after=after, cost_before=cost_before, cost_after=ex.cost, stopped=stopped,
-        iterations=engine.iterations, rows=engine.rows(snap), times=times, stats=dict(engine.stats),
+        iterations=engine.iterations, rows=snap.num_rows, times=times, stats=dict(engine.stats),
         rewritten=ex.rewritten, warnings=list(engine.warnings),
         egraph=eg if keep else None, choice=ex.choice if keep else None, snapshot=snap if keep else None,
         roots=roots if keep else None, original=original if keep else None, out_names=list(outs) if keep else None,
@@ -241,7 +241,7 @@ def run_together(first: core.ClosedJaxpr, second: core.ClosedJaxpr, entries: Seq
                                                 as_loaded=as_loaded)
             result = Result(
                 before=closed, after=after, cost_before=cost_before, cost_after=ex.cost, stopped=stopped,
-                iterations=engine.iterations, rows=engine.rows(snap), times=times, stats=dict(engine.stats),
+                iterations=engine.iterations, rows=snap.num_rows, times=times, stats=dict(engine.stats),
                 rewritten=ex.rewritten, warnings=list(engine.warnings), egraph=eg, choice=ex.choice, snapshot=view,
                 roots=roots, original=original, out_names=list(outs), preferred=forced,
                 over_budget=over_budget(ex.candidates, model, emit_choice),

@@ -323,52 +323,6 @@ def test_queries_of_one_signature_share_a_relation_and_are_read_apart():
     assert report.fired.get("factor_s")  # (a*1)*b + (a*1): a two-variable query's matches, read apart
 
 
-
-def test_a_rule_list_another_holds_in_order_borrows_its_text_and_rewrites_as_under_its_own(monkeypatch):
-    """A gradient's joint rules are its forward's but for a few (``grad.together.joint_rules``): their queries are
-    read off the forward's declarations, so the e-graph the pool holds for the forward is lent to the joint too,
-    not one declared afresh for its text (17-25 ms). The rule left out still records its matches there: a
-    rewrite under the borrowed text counts rows without them, and acts, and comes out, as under its own."""
-    from rewrite import AnalyticCost, Limits, Ruleset, rule
-    from rewrite.pipeline import run_pipeline
-    from rewrite.rules import saturate
-    from rewrite.rules.ruleset import entries_of
-
-    pack = Ruleset("within", [rule(lambda x: x * 1.0, lambda x: x, name="mul_one_w"),
-                              rule(lambda x: jnp.negative(-x), lambda x: x, name="neg_neg_w"),
-                              rule(lambda x: x + 0.0, lambda x: x, name="add_zero_w"),
-                              rule(lambda x, y: x * y + x, lambda x, y: x * (y + 1.0), name="factor_w")],
-                   soundness="exact")
-    full = entries_of([pack])
-    sub = [e for e in full if e[0].name != "neg_neg_w"]  # (its pattern is in the program: its query matches)
-
-    def fn(a, b):
-        return (a * 1.0) * b + (a * 1.0) + (b + 0.0) - jnp.negative(-a)
-
-    x = jnp.arange(3.0, dtype=jnp.float32)
-    closed = jax.make_jaxpr(fn)(x, x + 1.0)
-
-    def fresh() -> None:
-        monkeypatch.setattr(saturate, "_WHOLE", [])
-        monkeypatch.setattr(saturate, "_MATCH_TEXTS", {})
-
-    fresh()
-    own = saturate.match_program(sub)[0]
-    alone = run_pipeline(closed, sub, AnalyticCost(), Limits())
-    fresh()
-    whole = saturate.match_program(full)[0]
-    assert saturate.match_program(sub)[0] is whole != own  # borrowed
-    within = run_pipeline(closed, sub, AnalyticCost(), Limits())
-    assert str(within.after) == str(alone.after) and within.cost_after == alone.cost_after
-    assert (within.rows, within.iterations, within.stopped) == (alone.rows, alone.iterations, alone.stopped)
-    fired = {n: s.fired for n, s in alone.stats.items()}
-    assert {n: s.fired for n, s in within.stats.items()} == fired and "neg_neg_w" not in fired
-    assert fired["mul_one_w"] and fired["add_zero_w"]
-    # not borrowed: a list of no rule (a load to price), one under half of it, another ``manual``
-    assert saturate.match_program([])[0] != whole
-    assert saturate.match_program(full[:1])[0] != whole
-    assert saturate.match_program(sub, manual=True)[0] != whole
-
 def test_a_released_egraph_is_lent_again_while_its_object_lives_on():
     gc.collect()
     prelude = "(relation TestOnlyReleased (i64))"

@@ -114,13 +114,9 @@ def match_program(entries: Sequence[tuple[Rule, Ruleset]], manual: bool = False
     """
     decl = _declarations(entries, manual)
     if decl.text is None:
-        decl.text = _text(entries, decl)
+        decl.text = "\n".join(decl.head + [line for (rule, _), lines in zip(entries, decl.lines)
+                                            if rule.anchor is None for line in lines])
     return decl.text, decl.relations
-
-
-def _text(entries: Sequence[tuple[Rule, Ruleset]], decl: _Declarations) -> str:
-    return "\n".join(decl.head + [line for (rule, _), lines in zip(entries, decl.lines)
-                                  if rule.anchor is None for line in lines])
 
 
 def anchored_rules(entries: Sequence[tuple[Rule, Ruleset]], manual: bool) -> list[tuple[Rule, str, str]]:
@@ -137,9 +133,6 @@ class _Declarations:
     lines: list[list[str]]  # per rule, its queries' egglog rules
     relations: list[list[tuple[tuple[str, int], list[tuple[str, str]]]]]
     text: str | None = None  # the rules' but for the anchored ones'
-    #: the queries the text declares for rules not these (:func:`_within`: a list's it holds in order), whose
-    #: matches an engine leaves out of its count of rows (:meth:`Engine.rows`)
-    foreign: tuple[tuple[str, int], ...] = ()
 
 
 def _declarations(entries: Sequence[tuple[Rule, Ruleset]], manual: bool) -> _Declarations:
@@ -149,16 +142,6 @@ def _declarations(entries: Sequence[tuple[Rule, Ruleset]], manual: bool) -> _Dec
     if found is not None and len(found[0]) == len(entries) and all(
             a[0] is b[0] and a[1] is b[1] for a, b in zip(found[0], entries)):
         return found[1]
-    made = _within(entries, manual) or _declared(entries, manual)
-    with _MATCH_LOCK:
-        _MATCH_TEXTS[key] = (list(entries), made)  # the entries kept: their ids stay theirs
-        while len(_MATCH_TEXTS) > 8:
-            del _MATCH_TEXTS[next(iter(_MATCH_TEXTS))]
-    return made
-
-
-def _declared(entries: Sequence[tuple[Rule, Ruleset]], manual: bool) -> _Declarations:
-    """The declarations of ``entries``' queries, numbered in their order; kept among :data:`_WHOLE`."""
     head = ["(ruleset match)", f"(ruleset {EAGER})"]
     signatures: dict[tuple[str, ...], str] = {}
     lines, relations = [], []
@@ -182,40 +165,10 @@ def _declared(entries: Sequence[tuple[Rule, Ruleset]], manual: bool) -> _Declara
         relations.append(rels)
     made = _Declarations(head, lines, relations)
     with _MATCH_LOCK:
-        _WHOLE.append((list(entries), manual, made))
-        del _WHOLE[:-_WHOLE_KEPT]
+        _MATCH_TEXTS[key] = (list(entries), made)  # the entries kept: their ids stay theirs
+        while len(_MATCH_TEXTS) > 8:
+            del _MATCH_TEXTS[next(iter(_MATCH_TEXTS))]
     return made
-
-
-def _within(entries: Sequence[tuple[Rule, Ruleset]], manual: bool) -> _Declarations | None:
-    """``entries``' declarations read off those of a list of at most twice as many rules, made lately
-    (:data:`_WHOLE`), that holds them in order: its text, so that the e-graph the pool keeps for it is lent to these
-    rules too (a text of their own is another e-graph, declared afresh: 17-25 ms, a gradient's joint rules), and
-    each rule's queries as numbered there. The other rules' queries record matches no rule here reads, left out
-    of the rows an engine counts (:meth:`Engine.rows`). ``None`` where none is kept, or for no rule (a load to price)."""
-    with _MATCH_LOCK:
-        kept = list(_WHOLE) if entries else []
-    for whole, whole_manual, decl in reversed(kept):
-        if whole_manual != manual or len(whole) > 2 * len(entries):
-            continue
-        at, j = [], 0
-        for rule, owner in entries:
-            while j < len(whole) and not (whole[j][0] is rule and whole[j][1] is owner):
-                j += 1
-            if j == len(whole):
-                break
-            at.append(j)
-            j += 1
-        if len(at) == len(entries):
-            foreign = tuple(rel for i, rels in enumerate(decl.relations) if i not in set(at) for rel, _ in rels)
-            return _Declarations(decl.head, [decl.lines[i] for i in at], [decl.relations[i] for i in at],
-                                 decl.text or _text(whole, decl), foreign)
-    return None
-
-
-#: The rule lists whose queries were declared whole lately, with ``manual`` and their declarations (:func:`_within`).
-_WHOLE: list[tuple[list, bool, _Declarations]] = []
-_WHOLE_KEPT = 4
 
 
 #: The egglog ruleset of the literal-led rules' queries (:func:`literal_led`), run alone between iterations.
@@ -266,7 +219,6 @@ class Engine:
         #: fact (a factor folded into a literal, say), not only when a new match appears.
         self._watched: dict[int, list] = {}
         text, relations = match_program(entries, manual)
-        self._foreign = _declarations(entries, manual).foreign  # other rules' queries the text declares
         #: anchored rules whose primitive or literals the program lacked (``held``): declared if they appear
         self._deferred: list[tuple[str, frozenset[int], str]] = []
         for (rule, owner), rels in zip(entries, relations):
@@ -285,11 +237,6 @@ class Engine:
                 egraph.declare(queries)  # above the pooled e-graph's push: gone when it goes back
             else:
                 self._deferred.append((ctor, rule.anchor_literals, queries))
-
-    def rows(self, snap: Snapshot) -> int:
-        """``snap``'s rows (:attr:`Snapshot.num_rows`) less the matches of queries declared for rules not this
-        engine's (:func:`_within`): the rows it holds under its rules' own text."""
-        return snap.num_rows - sum(len(snap.matches(*q)) for q in self._foreign)
 
     # ------------------------------------------------------------------ the loop
     @property
@@ -334,13 +281,12 @@ class Engine:
             self.egraph.run("facts", saturate=True)
             self.egraph.run("match")
             self.snapshot = self.egraph.snapshot()
-            rows = self.rows(self.snapshot)
             if start_rows is None:
-                start_rows = rows
-            grown = rows > limits.growth * start_rows
+                start_rows = self.snapshot.num_rows
+            grown = self.snapshot.num_rows > limits.growth * start_rows
             self._wake()
             declared = bool(self._deferred) and self._declare_deferred()
-            if rows > limits.nodes:
+            if self.snapshot.num_rows > limits.nodes:
                 return "node limit"
             if time.perf_counter() - start > seconds:
                 return "time limit"
@@ -393,7 +339,7 @@ class Engine:
             self.egraph.run("facts", saturate=True)
             self.egraph.run(EAGER)
             self.snapshot = self.egraph.snapshot()
-            if self.rows(self.snapshot) > self.limits.nodes:
+            if self.snapshot.num_rows > self.limits.nodes:
                 return None  # the next iteration stops at the node limit
             acted = False
             matches = self.snapshot.matches
