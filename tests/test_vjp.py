@@ -661,6 +661,7 @@ def test_a_split_s_gradients_alone_are_its_training_step_without_the_outputs_not
     assert traced and all(traced) and len(got) == len(wanted) == len(traced)
     assert all(same_program(g, w) for g, w in zip(got, wanted))
 
+
 def test_a_split_s_training_step_is_the_forward_s_ops_priced_at_the_split_s_outputs(monkeypatch):
     """The residual search's price of a split (``grad.vjp.split_pricer``) builds the forward's program once: each
     split's training step is its ops at that split's outputs, their kernels priced once (``cost.program``'s
