@@ -136,11 +136,7 @@ def uses_prices(halves: Sequence[tuple[core.ClosedJaxpr, core.ClosedJaxpr, int]]
     for fwd, bwd, n_res in halves:
         train = inlined(fwd, bwd, n_res)  # its gradients alone: the program without the outputs (what only they read)
         pairs.append((train, without_outputs(train, len(fwd.out_avals) - n_res)))
-    unpriced: list[core.ClosedJaxpr] = []
-    for p in (p for pair in pairs for p in pair):
-        if not any(same_program(q, p) for q in (*unpriced, *(q for q, _ in seen))):
-            unpriced.append(p)
-    seen.extend(zip(unpriced, programs_cost(unpriced, model) if unpriced else []))
+    _priced([p for pair in pairs for p in pair], model, seen)
     return [priced_uses(train, alone, model, seen) for train, alone in pairs]  # (each one priced now)
 
 
@@ -151,19 +147,25 @@ def priced_uses(train: core.ClosedJaxpr, alone: core.ClosedJaxpr, model: Any,
     and only it is held to memory (:func:`cheapest_use`). Two priced here are priced in one load
     (:func:`rewrite.pipeline.programs_cost`: the same floats as each alone; one e-graph borrowed, not two, and the
     forward both compute loaded once)."""
+    train, alone = run_uses(train, alone, value)
+    prices = _priced([train] if value is not None else [train, alone], model, seen)
+    return Uses(train, alone, sum(prices), prices[0])
+
+
+def _priced(programs: Sequence[core.ClosedJaxpr], model: Any, seen: list[tuple[core.ClosedJaxpr, float]]
+            ) -> list[float]:
+    """Each of ``programs``' price whole: ``seen``'s where it holds the same program (:func:`same_program`), the
+    others priced in one load (:func:`rewrite.pipeline.programs_cost`: the same floats as each alone), each once,
+    and added to ``seen``."""
     def known(closed: core.ClosedJaxpr) -> float | None:
         return next((got for other, got in seen if same_program(other, closed)), None)
 
-    train, alone = run_uses(train, alone, value)
-    wanted = [train] if value is not None else [train, alone]
-    prices = [known(p) for p in wanted]
-    unpriced = [p for p, got in zip(wanted, prices) if got is None]
-    if len(unpriced) == 2 and same_program(*unpriced):
-        unpriced = unpriced[:1]
-    made = programs_cost(unpriced, model)  # (one alone is program_cost's)
-    seen.extend(zip(unpriced, made))
-    prices = [got if got is not None else known(p) for p, got in zip(wanted, prices)]
-    return Uses(train, alone, sum(prices), prices[0])  # type: ignore[arg-type]
+    unpriced: list[core.ClosedJaxpr] = []
+    for p in programs:
+        if known(p) is None and not any(same_program(q, p) for q in unpriced):
+            unpriced.append(p)
+    seen.extend(zip(unpriced, programs_cost(unpriced, model)))  # (one alone is program_cost's; none, no load)
+    return [known(p) for p in programs]  # type: ignore[misc]
 
 
 def run_uses(train: core.ClosedJaxpr, alone: core.ClosedJaxpr, value: bool | None) -> tuple[Any, Any]:
