@@ -1181,3 +1181,51 @@ def test_a_jaxlib_s_overlay_applies_to_it_alone_and_calibrate_writes_it_back(tmp
     written = _json.loads((tmp_path / "calibration.json").read_text())
     assert written["OVERLAYS"] == calibration.OVERLAYS and written["CPU"] == calibration.base("CPU")
     assert written["BACKENDS"] == calibration.BACKENDS
+
+
+def _blocks(x, unroll):
+    """Eight blocks of ``x``'s rows, in order: each one's ``sin * cos`` written into its rows of an output carried
+    from zeros, its column sums added to a carried sum, and its row sums stacked; as ``lax.scan(unroll=unroll)``
+    (``unroll=None``: the same operations written out as a Python loop, the straight-line code JAX lowers a fully
+    unrolled scan to)."""
+    k, rows = 8, x.shape[0] // 8
+
+    def block(carry, part):
+        acc, out = carry
+        xb, at = part
+        y = jnp.sin(xb) * jnp.cos(xb)
+        return (acc + y.sum(0), lax.dynamic_update_slice_in_dim(out, y, at, 0)), y.sum(1)
+
+    carry = (jnp.zeros(x.shape[1:], x.dtype), jnp.zeros_like(x))
+    if unroll is None:
+        ys = []
+        for j in range(k):
+            carry, y = block(carry, (x[j * rows:(j + 1) * rows], j * rows))
+            ys.append(y)
+        return carry, jnp.stack(ys)
+    return lax.scan(block, carry, (x.reshape(k, rows, -1), jnp.arange(k) * rows), unroll=unroll)
+
+
+def test_a_scan_jax_unrolls_is_priced_and_sized_as_the_straight_line_code_it_lowers_to():
+    """``lax.scan(..., unroll=True)`` compiles to its trips written out, no loop (JAX's ``_scan_impl``): the model
+    prices it so, close to the same operations as a Python loop, and far from the loop it once took it for (each
+    trip's kernels at a loop's launch and bookkeeping, its body at its node prices). Its temporaries are predicted as
+    the straight-line code's, within a quarter of what XLA allocates."""
+    from rewrite.cost.dispatch import hlo_flops
+
+    m = AnalyticCost()
+    x = jax.random.normal(jax.random.key(0), (256, 512))
+    straight, unrolled, looped = (_priced(m, lambda x, u=u: _blocks(x, u), x) for u in (None, True, 1))
+    assert abs(unrolled - straight) <= 0.02 * straight, (unrolled, straight)
+    assert looped > 1.2 * unrolled, (looped, unrolled)
+    held = []
+    for u in (None, True, 1):  # and its flops as XLA counts them (cost/dispatch.py): every trip's, or a loop's body once
+        f = lambda x, u=u: _blocks(x, u)
+        compiled = jax.jit(f).lower(x).compile()
+        counted = compiled.cost_analysis()["flops"]
+        assert abs(hlo_flops(jax.make_jaxpr(f)(x)) - counted) <= 0.01 * counted, u
+        if u is None or u is True:  # (True == 1)
+            held.append(m.predict_temp_bytes(jax.make_jaxpr(f)(x)))
+            want = compiled.memory_analysis().temp_size_in_bytes
+            assert abs(held[-1] - want) <= 0.25 * want, (u, held[-1], want)
+    assert held[0] == held[1]

@@ -10,7 +10,7 @@ written's 6,402 (its ``[16, 128]`` stacked outputs reduced after the loop), and 
 kernels' work is priced alike. :func:`hlo_flops` estimates that count from a jaxpr, as ``HloCostAnalysis`` counts the
 program XLA compiles: a flop an element of each cheap elementwise operation (a transcendental counts none), a
 reduction's operand elements less its results', two a multiply-add of a product, a loop's bodies once (XLA does
-not know its trips), a conditional's dearest branch. ``AnalyticCost.fixed`` charges ``AnalyticCost.dispatch`` on a
+not know its trips; a scan JAX unrolls, each trip's), a conditional's dearest branch. ``AnalyticCost.fixed`` charges ``AnalyticCost.dispatch`` on a
 program counted at ``DISPATCH_FLOPS`` or more.
 """
 
@@ -21,6 +21,7 @@ from typing import Any
 
 from ..ir import primitives as _primitives
 from ..ir.primitives import inner_jaxpr, size
+from .program import unrolled
 
 #: the flop count from which XLA:CPU's client runs a program on a worker thread
 DISPATCH_FLOPS = 1000.0
@@ -46,8 +47,8 @@ def hlo_flops(closed: Any) -> float:
 
 def _eqn_flops(e: Any) -> float:
     prim, params = e.primitive.name, e.params
-    if prim == "scan":
-        return hlo_flops(params["jaxpr"])
+    if prim == "scan":  # a loop XLA does not know the trips of, or the trips JAX writes out for it
+        return (params.get("length", 1) if unrolled(prim, params) else 1) * hlo_flops(params["jaxpr"])
     if prim == "while":
         return hlo_flops(params["cond_jaxpr"]) + hlo_flops(params["body_jaxpr"])
     if prim == "cond":

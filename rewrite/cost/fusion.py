@@ -65,7 +65,8 @@ from .dot import library_dot
 from .prices import keep_facts, kept_facts
 from .attention import SCORES_CACHED, attention_price, keep_readers, kept_chain, scratch_bytes
 from .program import (ATTENTION, LEAF, LIBRARY, LOOP, OTHER, REDUCE, TIEBREAK, VIEW, Op, Program, _kind, _size,
-                      bitcast, fused_update, kernel_members, remembered_kernel, sliced_parts)
+                      bitcast, fused_update, kernel_members, remembered_kernel, sliced_parts, trips_price,
+                      unrolled_bodies)
 from .simplify import folded_reduction
 from .spill import cached_reduction, spilled as _spilled, with_bytes
 from .transcendental import SHARED, SHARED_ACROSS, add_shared, chained, shared_across, shared_group
@@ -339,11 +340,13 @@ class FusionModel:
         ``loop_launch`` per loop kernel (``loop_split`` more where XLA:CPU splits it across the cores: ``parallel_at``
         elements or more) and ``loop_library`` per library kernel (a product on the library path, a library
         reduction), the loops and calls nested in them included; for a call (``custom_vjp_call``, ``jit``), what the
-        loops in its body cost so; 0 for any other op, or with no such price. XLA:CPU runs a body's kernels one after another
-        at every trip (``calibrate.py --loop-kernels-only``, ``--loop-split-only``); the node prices a body is priced
-        by hold only their work: with ``loop_bytes`` its loop kernels pay their bytes at each trip, else under
-        ``overlap`` the term's share (:func:`~rewrite.cost.spill.with_bytes`: the kernel's price less its price
-        summed); ``trip``: a call in a loop's body (its kernels run at every trip). Kept in the op's memo."""
+        loops in its body cost so; 0 for any other op, for a scan JAX unrolls (:meth:`own`), or with no such price.
+        XLA:CPU runs a body's kernels one after another at every trip (``calibrate.py --loop-kernels-only``,
+        ``--loop-split-only``); a body's node prices hold only their work: with ``loop_bytes`` its loop kernels pay
+        their bytes at each trip, else under ``overlap`` the term's share (:func:`~rewrite.cost.spill.with_bytes`:
+        the kernel's price less its price summed); ``trip``: a call in a loop's body. Kept in the op's memo."""
+        if unrolled_bodies(op):
+            return 0.0
         loop, bytes_ = op.prim in ("scan", "while"), self.overlap or self.loop_bytes
         each = loop or trip  # (its bodies' kernels run at every trip of a loop)
         priced = self.loop_launch or self.loop_library or self.loop_split or (each and bytes_)
@@ -381,6 +384,14 @@ class FusionModel:
             memo[key] = found
         return found
 
+    def own(self, op: Op) -> float:
+        """An unfused op's own price: its node price; a scan JAX unrolls (``program.unrolled_bodies``), ``length``
+        times its body priced as a program's ops (kernels with their launches, stacked outputs): no loop. Memoised."""
+        bodies, key = unrolled_bodies(op), ("unrolled", id(self))
+        if bodies and key not in op.memo:
+            op.memo[key] = trips_price(op, bodies, lambda b: [k.cost for k in self.kernels(b)])
+        return op.memo[key] if bodies else op.own
+
     def kernel(self, prog: Any, r: Any, kind: str, comp: Iterable[Any], summed: bool | None = False) -> tuple:
         """The cost of the kernel rooted at ``r`` that computes ``comp``, and the ops it reads (``summed``: its work
         and bytes summed, whatever ``overlap``; ``None``: its bytes' price alone, spill included: :meth:`launches`)."""
@@ -390,7 +401,7 @@ class FusionModel:
             return attention_price(self, prog, r, comp)
         if kind == OTHER:
             # what else it holds is bitcasts it reads (``place``): no work, but an equation each, as in a loop
-            cost = root_op.own + self.launch + self.node + self.launches(root_op)
+            cost = self.own(root_op) + self.launch + self.node + self.launches(root_op)
             for i in comp:
                 if i != r:
                     cost += self.node + (TIEBREAK * self._facts(ops[i], prog)[1] if self.tiebreak is not None else 0.0)

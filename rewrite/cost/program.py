@@ -19,7 +19,7 @@ import numpy as np
 from ..ir import primitives as _primitives
 from ..ir import terms as _terms
 from ..ir.intern import PARAMS, TupleType
-from ..ir.jaxapi import core, literals
+from ..ir.jaxapi import core, literals, scan_counts
 from ..ir.primitives import NodeInfo, inner_jaxpr, is_float as _is_float, spec_of
 from ..ir.scanread import SLICES
 from ..ir.walk import children, operands, postorder_list, walk
@@ -71,20 +71,20 @@ class Program:
 
     @classmethod
     def from_jaxpr(cls, closed: Any, node_cost: Callable[[Any], float] | None = None) -> "Program":
-        """The top-level equations of a ``ClosedJaxpr`` (bodies are costed whole by ``node_cost``).
+        """The top-level equations of a ``ClosedJaxpr`` (bodies are costed whole by ``node_cost``; a ``scan`` JAX
+        unrolls is its straight-line code: :func:`unroll`).
 
         Equal equations are one operation, as after XLA's common-subexpression
         elimination: ``sin(a*x) * cos(a*x)`` traces ``a*x`` twice, and XLA
         computes it once, and the two functions of it as one ``sincos``.
         """
         ops: list[Op] = []
-        env: dict[Any, int] = {}
         seen: dict[tuple, int] = {}
 
         lits: dict[tuple, int] = {}
         options: list[str] = []  # numpy's print options, read at the first literal (they shape its ``repr``)
 
-        def read(atom: Any) -> int:
+        def read(atom: Any, env: dict) -> int:
             if isinstance(atom, core.Literal):
                 if not options:
                     options.append(repr(np.get_printoptions()))
@@ -95,34 +95,54 @@ class Program:
                 return lits[key]
             return env[atom]
 
+        def run(jaxpr: Any, env: dict) -> None:
+            for eqn in jaxpr.eqns:
+                args = tuple(read(a, env) for a in eqn.invars)
+                if unrolled(eqn.primitive.name, eqn.params):  # straight-line code, as JAX lowers it
+                    body = eqn.params["jaxpr"]
+
+                    def trip(inputs: list[int], body: Any = body) -> list[int]:
+                        inner = dict(zip(body.jaxpr.invars, inputs))
+                        for v in body.jaxpr.constvars:
+                            ops.append(Op("literal", _primitives.SPECIAL, {}, (), (), (v.aval,)))
+                            inner[v] = len(ops) - 1
+                        run(body.jaxpr, inner)
+                        return [read(a, inner) for a in body.jaxpr.outvars]
+
+                    outs = unroll(ops, eqn.params, args, [v.aval for v in body.jaxpr.invars],
+                                  [v.aval for v in eqn.outvars], trip)
+                    env.update(zip(eqn.outvars, outs))
+                    continue
+                if not eqn.effects and len(eqn.outvars) == 1:
+                    key = (PARAMS.intern_params(eqn.primitive, eqn.params), args)
+                    if key in seen:
+                        env[eqn.outvars[0]] = seen[key]
+                        continue
+                    seen[key] = len(ops)
+                family = _primitives.family_of(eqn.primitive.name)
+                outs = tuple(v.aval for v in eqn.outvars)
+                op = Op(eqn.primitive.name, family, eqn.params, args, tuple(a.aval for a in eqn.invars), outs,
+                        key=eqn)
+                if node_cost is not None and _kind_of(op) == OTHER:  # (no kind asked for without a node price)
+                    op.own = float(node_cost(NodeInfo(op.prim, family, eqn.params, op.in_avals, outs)))
+                ops.append(op)
+                tup = len(ops) - 1
+                if len(eqn.outvars) == 1:
+                    env[eqn.outvars[0]] = tup
+                else:
+                    for i, v in enumerate(eqn.outvars):
+                        ops.append(Op("proj", _primitives.SPECIAL, {"index": i}, (tup,), (), (v.aval,), key=i))
+                        env[v] = len(ops) - 1
+
         jaxpr = closed.jaxpr
+        env: dict[Any, int] = {}
         for v in list(jaxpr.constvars) + list(jaxpr.invars):
             ops.append(Op("param", _primitives.SPECIAL, {}, (), (), (v.aval,), key=v))
             env[v] = len(ops) - 1
-        for eqn in jaxpr.eqns:
-            args = tuple(read(a) for a in eqn.invars)
-            if not eqn.effects and len(eqn.outvars) == 1:
-                key = (PARAMS.intern_params(eqn.primitive, eqn.params), args)
-                if key in seen:
-                    env[eqn.outvars[0]] = seen[key]
-                    continue
-                seen[key] = len(ops)
-            family = _primitives.family_of(eqn.primitive.name)
-            outs = tuple(v.aval for v in eqn.outvars)
-            op = Op(eqn.primitive.name, family, eqn.params, args, tuple(a.aval for a in eqn.invars), outs, key=eqn)
-            if node_cost is not None and _kind_of(op) == OTHER:  # (no kind asked for without a node price)
-                op.own = float(node_cost(NodeInfo(op.prim, family, eqn.params, op.in_avals, outs)))
-            ops.append(op)
-            tup = len(ops) - 1
-            if len(eqn.outvars) == 1:
-                env[eqn.outvars[0]] = tup
-            else:
-                for i, v in enumerate(eqn.outvars):
-                    ops.append(Op("proj", _primitives.SPECIAL, {"index": i}, (tup,), (), (v.aval,), key=i))
-                    env[v] = len(ops) - 1
-        outputs = [read(a) for a in jaxpr.outvars]
+        run(jaxpr, env)
+        del run  # a recursive closure is a reference cycle: it would hold the program until a collection
+        outputs = [read(a, env) for a in jaxpr.outvars]
         return cls(ops, outputs)
-
 
     @classmethod
     def from_choice(cls, ex: Any, choice: Mapping[Any, tuple], roots: Sequence[Any],
@@ -167,6 +187,80 @@ class Program:
                 # it writes (and the program holds) the outputs read only; its facts are its own, not the node's
                 op.memo = {"bytes": sum(_nbytes(a) for k, a in enumerate(op.out_avals) if k in read)}
         return prog
+
+
+def unrolled(prim: str, params: Mapping[str, Any]) -> bool:
+    """Whether an op is a ``scan`` that JAX lowers to straight-line code, its body once a trip with no loop around
+    it: an ``unroll`` other than 1 and at least its ``length``, or 0 (``lax.scan(..., unroll=True)``)."""
+    if prim != "scan":
+        return False
+    n, u = params.get("length", 1), int(params.get("unroll", 1))
+    return u != 1 and (u == 0 or u >= n)
+
+
+def unrolled_bodies(op: Op) -> Any:
+    """The chosen bodies of an :func:`unrolled` scan, where its memo holds them (an extractor's op:
+    :func:`_chosen_bodies`); else ``None``. (A jaxpr's program holds such a scan as its trips' ops.)"""
+    return op.memo.get("bodies") if op.memo and unrolled(op.prim, op.params) else None
+
+
+def trips_price(op: Op, bodies: Sequence[Program], kernels: Callable[[Program], list[float]]) -> float:
+    """An :func:`unrolled` scan's price: ``length`` times its ``bodies`` priced as a program's ops are (their
+    ``kernels``' prices, and their loops' stacked outputs, as ``FusionModel.__call__`` sums them)."""
+    parts = [c for b in bodies for c in kernels(b)] + [o.own for b in bodies for o in b.ops if o.prim == "proj"]
+    return op.params.get("length", 1) * math.fsum(parts)
+
+
+def unroll(ops: list[Op], params: Mapping[str, Any], args: Sequence[int], body_avals: Sequence[Any],
+           out_avals: Sequence[Any], trip: Callable[[list[int]], list[int]]) -> list[int]:
+    """The ops of an :func:`unrolled` scan of operands ``args`` (ops of ``ops``), appended as JAX's ``_scan_impl``
+    writes it: at each trip, each scanned operand's row (a ``slice`` and a ``squeeze``) and the body's ops
+    (``trip(inputs)``: it appends them, reading the consts, carries and rows at ``inputs``, and returns its
+    outputs' ops); each stacked output a ``broadcast_in_dim`` of every trip's value and their ``concatenate``.
+    Returns the ops of the scan's outputs (``out_avals``), its carries' those of the last trip. XLA then fuses and
+    schedules it as any program's ops, which is how the model prices it."""
+    nc, ncarry = scan_counts(params)
+    length, reverse = int(params.get("length", 1)), bool(params.get("reverse", False))
+    consts, carry, xs = list(args[:nc]), list(args[nc:nc + ncarry]), list(args[nc + ncarry:])
+    rows = body_avals[nc + ncarry:]
+    ys: list[list[int]] = []
+    for t in range(length):
+        i = length - 1 - t if reverse else t
+        inputs = [_row(ops, x, i, row) for x, row in zip(xs, rows)]
+        outs = trip(consts + carry + inputs)
+        carry, y = outs[:ncarry], outs[ncarry:]
+        ys.append(y)
+    if reverse:
+        ys.reverse()
+    return carry + [_stacked(ops, [y[m] for y in ys], aval) for m, aval in enumerate(out_avals[ncarry:])]
+
+
+def _row(ops: list[Op], x: int, i: int, row: Any) -> int:
+    """Row ``i`` of op ``x``'s value (of type ``row``), as ``lax.index_in_dim`` reads it: a slice, squeezed."""
+    whole = ops[x].out_avals[0]
+    one = core.ShapedArray((1, *row.shape), row.dtype)
+    ops.append(Op("slice", _primitives.family_of("slice"),
+                  {"start_indices": (i,) + (0,) * len(row.shape), "limit_indices": (i + 1, *whole.shape[1:]),
+                   "strides": None}, (x,), (whole,), (one,)))
+    ops.append(Op("squeeze", _primitives.family_of("squeeze"), {"dimensions": (0,)}, (len(ops) - 1,), (one,), (row,)))
+    return len(ops) - 1
+
+
+def _stacked(ops: list[Op], values: list[int], aval: Any) -> int:
+    """``values`` (each trip's) stacked along a new leading axis into an array of type ``aval``."""
+    parts = []
+    for v in values:
+        each = ops[v].out_avals[0]
+        one = core.ShapedArray((1, *each.shape), each.dtype)
+        ops.append(Op("broadcast_in_dim", _primitives.family_of("broadcast_in_dim"),
+                      {"shape": one.shape, "broadcast_dimensions": tuple(range(1, 1 + len(each.shape))),
+                       "sharding": None}, (v,), (each,), (one,)))
+        parts.append(len(ops) - 1)
+    if len(parts) == 1:
+        return parts[0]
+    ops.append(Op("concatenate", _primitives.family_of("concatenate"), {"dimension": 0}, tuple(parts),
+                  tuple(ops[p].out_avals[0] for p in parts), (aval,)))
+    return len(ops) - 1
 
 
 #: :func:`literal_repr`'s and :func:`aval_str`'s strings, by what they print; emptied past ``_PRINTED_MOST`` entries
