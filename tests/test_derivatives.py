@@ -383,9 +383,11 @@ def test_the_gradients_alone_keep_the_floor_too():
     multiplied by the pulled factor (before, the gradients' extraction pulled ``a**-2`` out of a's sum)."""
     x, a, _ = _seed_args()
     built = rewrite(seed, rulesets=[derivatives]).grad_result(x, a)
-    summed = {v for e in built.bwd.jaxpr.eqns if e.primitive.name == "reduce_sum" for v in e.outvars}
+    # the backward and the bodies in it (the kernel's blocks run as a scan JAX unrolls), each a scope of its own
+    scopes = [built.bwd.jaxpr] + [e.params["jaxpr"].jaxpr for e in built.bwd.jaxpr.eqns if e.primitive.name == "scan"]
+    summed = {v for j in scopes for e in j.eqns if e.primitive.name == "reduce_sum" for v in e.outvars}
     assert summed
-    pulled = [e for e in built.bwd.jaxpr.eqns
+    pulled = [e for j in scopes for e in j.eqns
               if e.primitive.name == "mul" and any(v in summed for v in e.invars if isinstance(v, core.Var))]
     assert not pulled, (built.split.policy, built.bwd)
 

@@ -9,7 +9,10 @@ with one vector ``sin`` and one vector ``cos`` an element for all three slots; o
 over the axes ``b`` is broadcast along (:func:`interleaved`). That array is three times ``x``'s size, so the
 backward runs over blocks of the leading axis (:func:`blocks`): each block's ``x`` is ``select(p, x_block,
 g_block)`` with ``p`` true for every value but computed from the sums so far (:func:`always_true`), so XLA runs
-the blocks one after another and holds one block's array at a time.
+the blocks one after another and holds one block's array at a time. The blocks are one ``lax.scan`` that JAX
+unrolls (``unroll=True``): XLA compiles the straight-line code of 32 blocks written out (the same temporaries,
+flops and bits), and a rewrite's e-graph holds one body, not 32 copies of it (seed 000's VJP rewritten in about
+a third of the time; the cost model prices such a scan as its trips: ``rewrite/cost/program.py``'s ``unroll``).
 
 ``grad x`` is JAX's bit for bit (each element's operations in JAX's order); ``grad b`` sums the same terms in
 another order (by block, then the two sums' difference once), within ``Tolerance(terms=64)``. The forward is
@@ -32,6 +35,7 @@ True
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -45,7 +49,7 @@ __all__ = ["sin_squared_over", "covers", "blocks", "MIN_BLOCK", "MAX_BLOCKS"]
 #: measured 0.38x and 0.63x of JAX's VJP (a block's three slots under 4096 elements are summed by an XLA loop, not
 #: its library reduction), blocks of 2048 or more 1.27-2.1x (benchmarks/results/log.md, h-seed2).
 MIN_BLOCK = 2048
-#: At most this many blocks (the backward is unrolled, one loop and one reduction a block).
+#: At most this many blocks (the backward's scan is unrolled: one loop kernel and one reduction a block).
 MAX_BLOCKS = 32
 
 
@@ -110,22 +114,31 @@ def _slots(x: Any, b: Any, g: Any) -> Any:
     return interleaved([lax.mul(b, t), lax.mul(t, x), u])
 
 
+def _block(b: Any, red: tuple, carry: tuple, block: tuple) -> tuple:
+    """One block of the backward: its slots added to the sums so far and its ``grad x`` written into its rows."""
+    acc, gx = carry
+    xb, gb, at = block
+    # true, but read from the sums so far: XLA runs the blocks in order, one block's slots held
+    xb = lax.select(lax.broadcast(always_true(acc.reshape(-1)[0]), xb.shape), xb, gb)
+    y = _slots(xb, b, gb)
+    # not a sum of sums (red_merge leaves it); gx's rows written in place
+    return (lax.add(same(acc), lax.reduce_sum(y, red)), lax.dynamic_update_slice_in_dim(gx, y[..., 0], at, 0)), None
+
+
 def _backward(x: Any, b: Any, g: Any) -> tuple:
     k = blocks(x.shape)
-    rows = x.shape[0] // k
     red = tuple(i for i, d in enumerate(b.shape) if d == 1)
-    gx = acc = None
-    for j in range(k):
-        xb, gb = (lax.slice_in_dim(v, j * rows, (j + 1) * rows, axis=0) for v in (x, g))
-        if j:  # true, but read from the sums so far: XLA runs the blocks in order, one block's slots held
-            xb = lax.select(lax.broadcast(always_true(acc.reshape(-1)[0]), xb.shape), xb, gb)
-        y = _slots(xb, b, gb)
-        part = lax.reduce_sum(y, red)
-        acc = part if acc is None else lax.add(same(acc), part)  # not a sum of sums: red_merge leaves it
-        if k == 1:
-            gx = y[..., 0]
-        else:
-            gx = lax.dynamic_update_slice_in_dim(lax.full_like(x, 0) if gx is None else gx, y[..., 0], j * rows, 0)
+    if k == 1:
+        y = _slots(x, b, g)
+        acc = lax.reduce_sum(y, red)
+        return y[..., 0], lax.sub(acc[..., 1], acc[..., 2]).reshape(b.shape)
+    rows = x.shape[0] // k
+    # a scan JAX unrolls (one body, not k copies of it: a rewrite's e-graph holds it once), the blocks' x and g read
+    # as views of the leading axis, the sums and grad x carried from zeros
+    xs, gs = (v.reshape((k, rows) + v.shape[1:]) for v in (x, g))
+    sums = lax.full(tuple(d for i, d in enumerate(x.shape + (3,)) if i not in red), 0, x.dtype)
+    (acc, gx), _ = lax.scan(functools.partial(_block, b, red), (sums, lax.full_like(x, 0)),
+                            (xs, gs, np.arange(k, dtype=np.int32) * rows), unroll=True)
     return gx, lax.sub(acc[..., 1], acc[..., 2]).reshape(b.shape)
 
 
