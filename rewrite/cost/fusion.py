@@ -65,8 +65,7 @@ from .dot import library_dot
 from .prices import keep_facts, kept_facts
 from .attention import SCORES_CACHED, attention_price, keep_readers, kept_chain, scratch_bytes
 from .program import (ATTENTION, LEAF, LIBRARY, LOOP, OTHER, REDUCE, TIEBREAK, VIEW, Op, Program, _kind, _size,
-                      bitcast, fused_update, kernel_members, remembered_kernel, sliced_parts, trips_price,
-                      unrolled_bodies)
+                      bitcast, fused_update, kernel_members, remembered_kernel, sliced_parts, unrolled_bodies)
 from .simplify import folded_reduction
 from .spill import cached_reduction, spilled as _spilled, with_bytes
 from .transcendental import SHARED, SHARED_ACROSS, add_shared, chained, shared_across, shared_group
@@ -386,10 +385,10 @@ class FusionModel:
 
     def own(self, op: Op) -> float:
         """An unfused op's own price: its node price; a scan JAX unrolls (``program.unrolled_bodies``), ``length``
-        times its body priced as a program's ops (kernels with their launches, stacked outputs): no loop. Memoised."""
+        times its body's :meth:`work` (its kernels with their launches): no loop. Kept in its memo."""
         bodies, key = unrolled_bodies(op), ("unrolled", id(self))
         if bodies and key not in op.memo:
-            op.memo[key] = trips_price(op, bodies, lambda b: [k.cost for k in self.kernels(b)])
+            op.memo[key] = op.params.get("length", 1) * math.fsum([self.work(b) for b in bodies])
         return op.memo[key] if bodies else op.own
 
     def kernel(self, prog: Any, r: Any, kind: str, comp: Iterable[Any], summed: bool | None = False) -> tuple:
@@ -520,12 +519,16 @@ class FusionModel:
             found = memo[key] = self.tiebreak(op)  # type: ignore[misc]
         return found
 
-    def __call__(self, prog: Program, peaks: list | None = None) -> float:
-        kernels = self.kernels(prog)
+    def work(self, prog: Program, kernels: Sequence[Fusion] | None = None) -> float:
+        """A program's price but for its memory's: its kernels' (:meth:`kernels`, or those given)."""
+        kernels = self.kernels(prog) if kernels is None else kernels
         # loops' stacked outputs are priced as views; the sum is exact (``math.fsum``): the kernels' order is moot
         cost = math.fsum([*(k.cost for k in kernels), *(op.own for op in prog.ops if op.prim == "proj")])
-        if self.prices_across:
-            cost -= shared_across(self, prog.ops, self.across(prog, kernels))
+        return cost - shared_across(self, prog.ops, self.across(prog, kernels)) if self.prices_across else cost
+
+    def __call__(self, prog: Program, peaks: list | None = None) -> float:
+        kernels = self.kernels(prog)
+        cost = self.work(prog, kernels)
         if self.prices_peak:
             peak = max(temps := kernel_temps(prog, kernels, self.inner), default=0)
             cost += self.memory_price(peak, held := self.held_bytes(prog, kernels, sum(temps)))
@@ -546,13 +549,8 @@ class FusionModel:
         """The (group, argument) of the ``SHARED_ACROSS`` groups whose members the kernel computing ``comp``
         computes."""
         ops = prog.ops
-        out = set()
-        for i in comp:
-            if ops[i].prim in SHARED:
-                group = shared_group(ops[i])
-                if group in SHARED_ACROSS:
-                    out.add((group, ops[i].args[0]))
-        return out
+        groups = ((shared_group(ops[i]), ops[i].args[0]) for i in comp if ops[i].prim in SHARED)
+        return {(group, arg) for group, arg in groups if group in SHARED_ACROSS}
 
     @property
     def prices_across(self) -> bool:

@@ -204,13 +204,6 @@ def unrolled_bodies(op: Op) -> Any:
     return op.memo.get("bodies") if op.memo and unrolled(op.prim, op.params) else None
 
 
-def trips_price(op: Op, bodies: Sequence[Program], kernels: Callable[[Program], list[float]]) -> float:
-    """An :func:`unrolled` scan's price: ``length`` times its ``bodies`` priced as a program's ops are (their
-    ``kernels``' prices, and their loops' stacked outputs, as ``FusionModel.__call__`` sums them)."""
-    parts = [c for b in bodies for c in kernels(b)] + [o.own for b in bodies for o in b.ops if o.prim == "proj"]
-    return op.params.get("length", 1) * math.fsum(parts)
-
-
 def unroll(ops: list[Op], params: Mapping[str, Any], args: Sequence[int], body_avals: Sequence[Any],
            out_avals: Sequence[Any], trip: Callable[[list[int]], list[int]]) -> list[int]:
     """The ops of an :func:`unrolled` scan of operands ``args`` (ops of ``ops``), appended as JAX's ``_scan_impl``
