@@ -546,15 +546,14 @@ def test_the_diagonal_check_compiles_once_keeps_its_verdict_and_still_declines_a
 
     from rulesets._diagonal import _all_diagonal
 
-    fn = _read_back
     n = 21  # a shape no other test checks
     q = types.SimpleNamespace(shape=(n, n), dtype=np.dtype(np.float32))
     spec = jax.ShapeDtypeStruct((n, n), jnp.float32)
 
-    mask = fn(lambda: [jnp.arange(n) < n])
-    good = fn(lambda w, x: [jnp.sum(jnp.where(w[:, None] & (jnp.arange(n)[:, None] == jnp.arange(n)), x, 0), 1)],
-              np.ones(n, bool), spec)
-    wrong = fn(lambda w, x: [x[0]], np.ones(n, bool), spec)  # linear in x, the first row
+    mask = _read_back(lambda: [jnp.arange(n) < n])
+    good = _read_back(lambda w, x: [jnp.sum(jnp.where(w[:, None] & (jnp.arange(n)[:, None] == jnp.arange(n)), x, 0),
+                                            1)], np.ones(n, bool), spec)
+    wrong = _read_back(lambda w, x: [x[0]], np.ones(n, bool), spec)  # linear in x, the first row
     verdict, compiles = compiles_during(_all_diagonal, [good, good], mask, q)
     assert verdict and compiles <= 1
     verdict, compiles = compiles_during(_all_diagonal, [good, good], mask, q)
@@ -604,24 +603,23 @@ def test_the_numpy_diagonal_check_declines_a_wrong_branch_and_leaves_an_unknown_
 
     from rulesets._diagonal import _all_diagonal, _by_numpy
 
-    fn = _read_back
     n = 9
     q = types.SimpleNamespace(shape=(n, n), dtype=np.dtype(np.float32))
     spec = jax.ShapeDtypeStruct((n, n), jnp.float32)
 
     eye = lambda: [(lax.broadcasted_iota(jnp.int32, (n, n), 0) == lax.broadcasted_iota(jnp.int32, (n, n), 1))
                    .astype(jnp.float32)]
-    mask = fn(eye)
-    good = fn(lambda w, x: [jnp.sum(w * x, 0)], spec, spec)
-    columns = fn(lambda w, x: [jnp.sum(x, 0)], spec, spec)          # linear in x, not its diagonal
-    sliced = fn(lambda w, x: [x[0] * 1.0], spec, spec)              # a slice: not one of NumPy's forms here
+    mask = _read_back(eye)
+    good = _read_back(lambda w, x: [jnp.sum(w * x, 0)], spec, spec)
+    columns = _read_back(lambda w, x: [jnp.sum(x, 0)], spec, spec)  # linear in x, not its diagonal
+    sliced = _read_back(lambda w, x: [x[0] * 1.0], spec, spec)  # a slice: not one of NumPy's forms here
     xs = [np.arange(n * n, dtype=np.float32).reshape(n, n)]
     assert np.array_equal(_by_numpy([mask.jaxpr, good.jaxpr], xs)[0], np.diagonal(xs[0]))
     assert not np.array_equal(_by_numpy([mask.jaxpr, columns.jaxpr], xs)[0], np.diagonal(xs[0]))
     assert _by_numpy([mask.jaxpr, sliced.jaxpr], xs) is None
     rows = np.arange(n)
-    on = fn(lambda w, x: [x[rows, rows] * 1.0], spec, spec)      # a point gather: NumPy's form
-    off = fn(lambda w, x: [x[rows, rows + 1] * 1.0], spec, spec)  # the same, its last index out of bounds
+    on = _read_back(lambda w, x: [x[rows, rows] * 1.0], spec, spec)  # a point gather: NumPy's form
+    off = _read_back(lambda w, x: [x[rows, rows + 1] * 1.0], spec, spec)  # the same, its last index out of bounds
     assert np.array_equal(_by_numpy([mask.jaxpr, on.jaxpr], xs)[0], np.diagonal(xs[0]))
     assert str(off.jaxpr).count("gather") == 1 and _by_numpy([mask.jaxpr, off.jaxpr], xs) is None
     assert _all_diagonal([good, good], mask, q)
