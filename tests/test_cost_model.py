@@ -1183,11 +1183,11 @@ def test_a_jaxlib_s_overlay_applies_to_it_alone_and_calibrate_writes_it_back(tmp
     assert written["BACKENDS"] == calibration.BACKENDS
 
 
-def _blocks(x, unroll):
-    """Eight blocks of ``x``'s rows, in order: each one's ``sin * cos`` written into its rows of an output carried
-    from zeros, its column sums added to a carried sum, and its row sums stacked; as ``lax.scan(unroll=unroll)``
-    (``unroll=None``: the same operations written out as a Python loop, the straight-line code JAX lowers a fully
-    unrolled scan to)."""
+def _blocks(x, unroll, reverse=False):
+    """Eight blocks of ``x``'s rows, in order (``reverse``: last first): each one's ``sin * cos`` written into its
+    rows of an output carried from zeros, its column sums added to a carried sum, and its row sums stacked; as
+    ``lax.scan(unroll=unroll)`` (``unroll=None``: the same operations written out as a Python loop, the straight-line
+    code JAX lowers a fully unrolled scan to)."""
     k, rows = 8, x.shape[0] // 8
 
     def block(carry, part):
@@ -1199,11 +1199,11 @@ def _blocks(x, unroll):
     carry = (jnp.zeros(x.shape[1:], x.dtype), jnp.zeros_like(x))
     if unroll is None:
         ys = []
-        for j in range(k):
+        for j in reversed(range(k)) if reverse else range(k):
             carry, y = block(carry, (x[j * rows:(j + 1) * rows], j * rows))
             ys.append(y)
-        return carry, jnp.stack(ys)
-    return lax.scan(block, carry, (x.reshape(k, rows, -1), jnp.arange(k) * rows), unroll=unroll)
+        return carry, jnp.stack(ys[::-1] if reverse else ys)
+    return lax.scan(block, carry, (x.reshape(k, rows, -1), jnp.arange(k) * rows), unroll=unroll, reverse=reverse)
 
 
 def test_a_scan_jax_unrolls_is_priced_and_sized_as_the_straight_line_code_it_lowers_to():
@@ -1219,7 +1219,7 @@ def test_a_scan_jax_unrolls_is_priced_and_sized_as_the_straight_line_code_it_low
     assert abs(unrolled - straight) <= 0.02 * straight, (unrolled, straight)
     assert looped > 1.2 * unrolled, (looped, unrolled)
     held = []
-    for u in (None, True, 1):  # and its flops as XLA counts them (cost/dispatch.py): every trip's, or a loop's body once
+    for u in (None, True, 1):  # its flops as XLA counts them (cost/dispatch.py): every trip's, or a loop's body once
         f = lambda x, u=u: _blocks(x, u)
         compiled = jax.jit(f).lower(x).compile()
         counted = compiled.cost_analysis()["flops"]
@@ -1229,3 +1229,9 @@ def test_a_scan_jax_unrolls_is_priced_and_sized_as_the_straight_line_code_it_low
             want = compiled.memory_analysis().temp_size_in_bytes
             assert abs(held[-1] - want) <= 0.25 * want, (u, held[-1], want)
     assert held[0] == held[1]
+    backwards = [lambda x, u=u: _blocks(x, u, reverse=True) for u in (None, True)]  # the trips last first
+    written_out, scanned = (m.predict_temp_bytes(jax.make_jaxpr(f)(x)) for f in backwards)
+    assert written_out == scanned
+    written_out, scanned = (_priced(m, f, x) for f in backwards)
+    assert abs(scanned - written_out) <= 0.02 * written_out, (scanned, written_out)
+    np.testing.assert_allclose(backwards[0](x)[1], backwards[1](x)[1], rtol=1e-6)  # (the same function)

@@ -195,7 +195,7 @@ def unrolled(prim: str, params: Mapping[str, Any]) -> bool:
     if prim != "scan":
         return False
     n, u = params.get("length", 1), int(params.get("unroll", 1))
-    return u != 1 and (u == 0 or u >= n)
+    return n >= 1 and u != 1 and (u == 0 or u >= n)
 
 
 def unrolled_bodies(op: Op) -> Any:
