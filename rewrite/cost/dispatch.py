@@ -10,8 +10,8 @@ written's 6,402 (its ``[16, 128]`` stacked outputs reduced after the loop), and 
 kernels' work is priced alike. :func:`hlo_flops` estimates that count from a jaxpr, as ``HloCostAnalysis`` counts the
 program XLA compiles: a flop an element of each cheap elementwise operation (a transcendental counts none), a
 reduction's operand elements less its results', two a multiply-add of a product, a loop's bodies once (XLA does
-not know its trips; a scan JAX unrolls, each trip's), a conditional's dearest branch. ``AnalyticCost.fixed`` charges ``AnalyticCost.dispatch`` on a
-program counted at ``DISPATCH_FLOPS`` or more.
+not know its trips; a scan JAX unrolls, each trip's), a conditional's dearest branch. ``AnalyticCost.fixed``
+charges ``AnalyticCost.dispatch`` on a program counted at ``DISPATCH_FLOPS`` or more.
 """
 
 from __future__ import annotations

@@ -191,7 +191,7 @@ class Program:
 
 def unrolled(prim: str, params: Mapping[str, Any]) -> bool:
     """Whether an op is a ``scan`` that JAX lowers to straight-line code, its body once a trip with no loop around
-    it: an ``unroll`` other than 1 and at least its ``length``, or 0 (``lax.scan(..., unroll=True)``)."""
+    it: of one trip or more, its ``unroll`` other than 1 and at least its ``length``, or 0 (``unroll=True``)."""
     if prim != "scan":
         return False
     n, u = params.get("length", 1), int(params.get("unroll", 1))
