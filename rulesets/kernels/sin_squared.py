@@ -130,15 +130,15 @@ def _backward(x: Any, b: Any, g: Any) -> tuple:
     red = tuple(i for i, d in enumerate(b.shape) if d == 1)
     if k == 1:
         y = _slots(x, b, g)
-        acc = lax.reduce_sum(y, red)
-        return y[..., 0], lax.sub(acc[..., 1], acc[..., 2]).reshape(b.shape)
-    rows = x.shape[0] // k
-    # a scan JAX unrolls (one body, not k copies of it: a rewrite's e-graph holds it once), the blocks' x and g read
-    # as views of the leading axis, the sums and grad x carried from zeros
-    xs, gs = (v.reshape((k, rows) + v.shape[1:]) for v in (x, g))
-    sums = lax.full(tuple(d for i, d in enumerate(x.shape + (3,)) if i not in red), 0, x.dtype)
-    (acc, gx), _ = lax.scan(functools.partial(_block, b, red), (sums, lax.full_like(x, 0)),
-                            (xs, gs, np.arange(k, dtype=np.int32) * rows), unroll=True)
+        gx, acc = y[..., 0], lax.reduce_sum(y, red)
+    else:
+        rows = x.shape[0] // k
+        # a scan JAX unrolls (one body, not k copies of it: a rewrite's e-graph holds it once), the blocks' x and g
+        # read as views of the leading axis, the sums and grad x carried from zeros
+        xs, gs = (v.reshape((k, rows) + v.shape[1:]) for v in (x, g))
+        sums = lax.full(tuple(d for i, d in enumerate(x.shape + (3,)) if i not in red), 0, x.dtype)
+        (acc, gx), _ = lax.scan(functools.partial(_block, b, red), (sums, lax.full_like(x, 0)),
+                                (xs, gs, np.arange(k, dtype=np.int32) * rows), unroll=True)
     return gx, lax.sub(acc[..., 1], acc[..., 2]).reshape(b.shape)
 
 
