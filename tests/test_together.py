@@ -750,3 +750,52 @@ def test_a_steps_joint_that_can_win_is_still_built_and_kept(monkeypatch):
     assert len(first["together"]) == 1 and len(first["alone"]) == 1 and not first["built"], first
     assert first["why"] == plain["why"] and first["why"][0].startswith("kept the forward rewritten with"), first["why"]
     assert first["program"] == plain["program"]
+
+
+def test_a_plain_joint_cannot_lead_only_where_no_saturation_within_its_margin_lets_it():
+    """``decide.plain_cannot_lead`` on the figures measured (2026-12-07, CPU table: the plain joint's input as run
+    and the other joint extracted, MiB predicted): the full-size linen GPT step's plain joint (472.3 MiB as traced,
+    456.3 rewritten) cannot be ordered before the one with the LM head's loop (122.3 MiB) at any saturation within
+    the margin; the ecosystem's small one's (34.8 MiB against 19.4) can, as can any where the two may come within
+    the cache's width, or where the model times programs, bounds no memory or predicts no peak."""
+    import dataclasses
+
+    from rewrite import AnalyticCost
+    from rewrite.grad import decide
+
+    mib = 2 ** 20
+    model = dataclasses.replace(AnalyticCost(), cache=16 * mib)
+    assert decide.plain_cannot_lead(472.305 * mib, 122.337 * mib, model)
+    assert decide.plain_cannot_lead(232.145 * mib, 80.161 * mib, model)  # linen_accumulate, full size
+    assert not decide.plain_cannot_lead(34.805 * mib, 19.442 * mib, model)  # wholestep_linen_gpt
+    least = 122.337 * mib + 16 * mib  # the plain one's least peak just the cache's width over the other's
+    edge = least / (1 - decide.PLAIN_PEAK_MARGIN)
+    assert not decide.plain_cannot_lead(edge, 122.337 * mib, model)
+    assert decide.plain_cannot_lead(edge * 1.01, 122.337 * mib, model)
+    assert not decide.plain_cannot_lead(472.305 * mib, 122.337 * mib, dataclasses.replace(model, cache=400 * mib))
+    measured = type("Measured", (), {"measures": True, "lean_band": 0.03, "lean_band_far": 0.2})()
+    assert not decide.plain_cannot_lead(472.305 * mib, 122.337 * mib, measured)
+    assert not decide.plain_cannot_lead(472.305 * mib, 122.337 * mib, dataclasses.replace(model, memory=0.0))
+    assert not decide.plain_cannot_lead(None, 122.337 * mib, model)
+    assert not decide.plain_cannot_lead(472.305 * mib, None, model)
+
+
+def test_a_steps_plain_joint_that_cannot_lead_is_never_built(monkeypatch):
+    """A linen GPT step at 512 tokens and a 4,096-word vocabulary (CPU table): the LM head's loop takes more than
+    ``together.PLAIN_FIRST_GAP`` off its forward, and the plain joint's input is predicted to hold so much more than
+    the other's that no saturation within ``decide.PLAIN_PEAK_MARGIN`` brings it within the cache's width
+    (``decide.plain_cannot_lead``). So the joint with the loop is rewritten first, alone, and kept; the plain one is
+    never built: no ``run_together``, one joint pipeline, only the ``Built`` one read. The program and the decision
+    are the ones the two give rewritten together (the full-size whole steps' emitted text is byte-identical either way)."""
+    import re
+
+    build = functools.partial(ws.CASES["linen_gpt"], ws.Size(length=512, width=64, vocab=4096), ws.plain)
+    cut = _joints_of(monkeypatch, build)
+    assert not cut["together"] and len(cut["alone"]) == 1 and cut["built"] == [""], cut  # the other one read alone
+    monkeypatch.setattr(together, "PLAIN_FIRST_GAP", 1.0)  # never first: the two together
+    both = _joints_of(monkeypatch, build)
+    assert len(both["together"]) == 1 and not both["alone"], both
+    assert cut["program"] == both["program"]
+    kept = [re.match(r"kept (the forward rewritten with [^(]*) \(priced ([^,]*),", w["why"][0]) for w in (cut, both)]
+    assert all(kept), (cut["why"], both["why"])
+    assert abs(float(kept[0].group(2)) / float(kept[1].group(2)) - 1) < 1e-5, (cut["why"], both["why"])

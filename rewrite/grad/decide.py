@@ -285,3 +285,28 @@ def jointly_cannot_win(jointly_in: float, jointly_peak: float | None, plain: flo
         return False
     slack = float(getattr(model, "cache", 0.0) or 0.0)
     return not (_bounded(model) and fatter(plain_peak, peak) and plain_peak - peak > slack)
+
+
+#: :func:`plain_cannot_lead`: the most a whole step's plain joint program (the forward rewritten without the
+#: ``jointly`` rules) is taken to lose of its predicted peak of temporaries in its saturation, against its input as
+#: traced. Its own rules can find more in it than in the other joint (the other rules match the plain forward's
+#: head, which the other joint's loop replaced), so it is wider than :data:`JOINTLY_PEAK_MARGIN`. Measured
+#: (2026-12-07, CPU table, as run: the extracted plain joint against its input, each priced whole and its peak
+#: predicted), price / peak taken off: the full-size whole steps of ``benchmarks/wholestep.py`` 0.26-0.61% /
+#: 2.2-3.4%, the ecosystem's wholestep_linen_gpt and wholestep_equinox_gpt 15.1% / 15.8% and 16.3% / 15.3%. The
+#: margin is about three times the most of those; the full-size steps' test holds up to margins of 0.58-0.71.
+PLAIN_PEAK_MARGIN = 0.5
+
+
+def plain_cannot_lead(plain_in_peak: float | None, jointly_peak: float | None, model: Any) -> bool:
+    """Whether the plain joint, its input as run predicted to hold ``plain_in_peak``, cannot be ordered before the
+    joint with the ``jointly`` rules, rewritten already and holding ``jointly_peak`` (:func:`in_order`: the plain one
+    goes first only where it holds no more than the other by over the model's ``cache``), however its saturation
+    goes within :data:`PLAIN_PEAK_MARGIN`. The other one is then held to JAX's as written first
+    (:func:`held_to_written`), the plain one only where it is not kept: the mirror of :func:`jointly_cannot_win`,
+    which reads memory alone. Never where the model times programs (``measures``), does not bound memory, or
+    predicts no peak."""
+    if getattr(model, "measures", False) or plain_in_peak is None or jointly_peak is None or not _bounded(model):
+        return False
+    least, slack = plain_in_peak * (1 - PLAIN_PEAK_MARGIN), float(getattr(model, "cache", 0.0) or 0.0)
+    return fatter(least, jointly_peak) and least - jointly_peak > slack

@@ -20,7 +20,7 @@ from .. import pipeline  # run_together looked up at each call: benchmarks.rewri
 from . import marks, vjp  # its joint_program looked up at each call, as vjp's own callers do (a test counts the traces)
 from ..extract.lean import closed_peaks
 from ..pipeline import program_cost, programs_cost
-from .decide import ONE_JOINT_MARGIN, jointly_cannot_win, one_joint_can_win
+from .decide import ONE_JOINT_MARGIN, jointly_cannot_win, one_joint_can_win, plain_cannot_lead
 from .uses import as_run
 from .vjp import VJPResult, _as_run, _vjp_of
 
@@ -210,9 +210,11 @@ def rewrite_joints(closed: core.ClosedJaxpr, plain: core.ClosedJaxpr, entries: S
     ``closed`` is priced under ``plain`` by the same margin: a joint is its forward and JAX's backward of it, and where
     the forwards are close so were their joints (the four whole steps: forwards apart 0.6-9.6%, joints 0.5-2.2%;
     flax_lm_step 55% and 35%), which are then not priced for nothing (0.03-0.06 s each). Where the forwards are
-    apart the other way round (:func:`plain_first`), the plain joint is rewritten first, alone, and the other is built
-    only where it can still be kept (:func:`_plain_first`, :func:`rewrite.grad.decide.jointly_cannot_win`): else
-    it is :class:`Alone`, rewritten only where the plain one is not kept against JAX's as written."""
+    apart by less (:func:`plain_first`), one joint is rewritten first, alone (:func:`_one_first`), and the other is
+    built only where it can still be kept or ordered first: the one with the rules first where the plain one's input
+    is predicted to hold far more (:func:`_jointly_first`, :func:`rewrite.grad.decide.plain_cannot_lead`), else the
+    plain one (:func:`_plain_first`, :func:`rewrite.grad.decide.jointly_cannot_win`); the other is then
+    :class:`Alone`, rewritten only where the first is not kept against JAX's as written."""
     bounded = joint_limits(limits)
     trace = trace or (lambda f: vjp.joint_program(f, wrt)[0])
     rules, n_out = joint_rules(entries), len(closed.out_avals)
@@ -239,7 +241,7 @@ def rewrite_joints(closed: core.ClosedJaxpr, plain: core.ClosedJaxpr, entries: S
             plain_joint = trace(plain)  # traced first, as before: run_together loads it first
             inputs = [trace(closed), plain_joint]
         if first:
-            found = _plain_first(inputs, rules, entries, model, bounded, n_out, value, seen)
+            found = _one_first(inputs, rules, entries, model, bounded, n_out, value, seen)
             if found is not None:
                 return found
     res_plain, res = pipeline.run_together(inputs[1], inputs[0], rules, model, bounded, as_loaded=True,
@@ -251,54 +253,112 @@ def rewrite_joints(closed: core.ClosedJaxpr, plain: core.ClosedJaxpr, entries: S
         res.egraph.release()
 
 
-#: :func:`plain_first`: a whole step's plain joint is rewritten first, alone, where the forward with the ``jointly``
-#: rules is priced under the plain forward by more than this fraction (and by less than
+#: :func:`plain_first`: one of a whole step's two joints is rewritten first, alone (:func:`_one_first`), where the
+#: forward with the ``jointly`` rules is priced under the plain forward by more than this fraction (and by less than
 #: :data:`rewrite.grad.decide.ONE_JOINT_MARGIN`, past which the other is tried alone first). A bet on time only: where
-#: :func:`rewrite.grad.decide.jointly_cannot_win` then fails, the two are rewritten together as before (the plain
-#: one's pipeline spent for nothing: 0.3 s of flax_long_context_step's 2.2). Measured (2026-12-04): the LM head's
-#: loop took 9.1% and 9.6% off the forward of wholestep_linen_gpt and wholestep_equinox_gpt, whose plain joints'
-#: saturation then took 15-16% off and left the other 17-20% dearer (the test holds: the other is not built); 0.6% and
-#: 1.4% off flax_long_context_step's and transformer_step's (golden table), whose two joints came out 0.5% and 0.9%
-#: apart with the one with the rules 16% and 4% leaner: the test cannot hold there at its margins.
+#: the test that the other cannot be kept then fails, the two are rewritten together as before (the first one's
+#: pipeline spent for nothing: 0.3 s of flax_long_context_step's 2.2). Measured (2026-12-04): the LM head's loop took
+#: 9.1% and 9.6% off the forward of wholestep_linen_gpt and wholestep_equinox_gpt, whose plain joints' saturation then
+#: took 15-16% off and left the other 17-20% dearer (the test holds: the other is not built); 0.6% and 1.4% off
+#: flax_long_context_step's and transformer_step's (golden table), whose two joints came out 0.5% and 0.9% apart with
+#: the one with the rules 16% and 4% leaner: the test cannot hold there at its margins. At the full size of
+#: ``benchmarks/wholestep.py`` (1,024 tokens, 16,384 words) the nine steps with an LM head are past this fraction too,
+#: but there the joint with the loop is the cheaper and far the leaner (the plain joints as traced hold 2.6-3.8 times
+#: its peak): the plain-first test failed on all nine, 0.3-0.67 s each spent for nothing (2026-12-07), and the other
+#: one now goes first there (:func:`_jointly_first`).
 PLAIN_FIRST_GAP = 0.05
 
 
 def plain_first(jointly_forward: float, plain_forward: float, model: Any) -> bool:
-    """Whether :func:`rewrite_joints` rewrites the plain joint first (:data:`PLAIN_FIRST_GAP`), from the two forwards'
-    prices."""
+    """Whether :func:`rewrite_joints` rewrites one of its two joints first, alone (:data:`PLAIN_FIRST_GAP`,
+    :func:`_one_first`), from the two forwards' prices."""
     return (not getattr(model, "measures", False)
             and plain_forward * (1 - ONE_JOINT_MARGIN) <= jointly_forward < plain_forward * (1 - PLAIN_FIRST_GAP))
 
 
 class Built(Alone):
-    """A joint rewritten already, standing beside an :class:`Alone` not built yet (:func:`_plain_first`)."""
+    """A joint rewritten already, standing beside an :class:`Alone` not built yet (:func:`_one_first`)."""
 
     def __init__(self, program: core.ClosedJaxpr, cost: float) -> None:
         super().__init__(program, cost, lambda: program, "")
 
 
-def _plain_first(inputs: list[core.ClosedJaxpr], rules: list, entries: Sequence[Any], model: Any, bounded: Any,
-                 n_out: int, value: bool | None, seen: list[tuple[core.ClosedJaxpr, float]] | None
-                 ) -> tuple[Any, Any] | None:
-    """:func:`rewrite_joints`' two where the plain joint (``inputs[1]``), rewritten alone first, leaves the other
-    (``inputs[0]``, its input priced as run and its peak predicted) no way to be kept
-    (:func:`rewrite.grad.decide.jointly_cannot_win`): the plain one :class:`Built`, the other :class:`Alone`,
-    rewritten alone only where :func:`rewrite.grad.vjp.held_pending` reaches it (the plain one not kept against JAX's
-    as written). ``None`` where it may be kept: the two are then rewritten together, as before. The plain one alone
-    is its pipeline's program without what only the other held as loaded barred (``pipeline.run_together``'s
-    ``first``): wholestep_linen_gpt's and wholestep_equinox_gpt's differ so (a mask's broadcast and a constant's
-    conversion folded), priced 1e-6 lower and holding alike."""
-    res = pipeline.run_pipeline(inputs[1], rules, model, bounded, keep=True, price_input=False, as_loaded=True)
+def _rewritten_alone(joint: core.ClosedJaxpr, rules: list, entries: Sequence[Any], model: Any, bounded: Any,
+                     n_out: int, value: bool | None) -> tuple[core.ClosedJaxpr, float, list]:
+    """``joint`` rewritten in an e-graph of its own, as run: the program, its price, and the programs priced whole on
+    the way (with their prices)."""
+    res = pipeline.run_pipeline(joint, rules, model, bounded, keep=True, price_input=False, as_loaded=True)
     try:
         kept: list = []
         program = _as_run(res, n_out, model, entries, value, kept)
     finally:
         res.egraph.release()
     cost = next((c for p, c in kept if p is program), None)
-    cost = program_cost(program, model) if cost is None else cost
-    run = as_run(n_out, value)(inputs[0])
+    return program, (program_cost(program, model) if cost is None else cost), kept
+
+
+def _one_first(inputs: list[core.ClosedJaxpr], rules: list, entries: Sequence[Any], model: Any, bounded: Any,
+               n_out: int, value: bool | None, seen: list[tuple[core.ClosedJaxpr, float]] | None
+               ) -> tuple[Any, Any] | None:
+    """:func:`rewrite_joints`' two where one of them, rewritten alone first, leaves the other no way to be kept: the
+    one with the ``jointly`` rules (``inputs[0]``) first where the plain one's input is predicted to hold so much
+    more that its saturation could not bring it within the model's ``cache`` of the other's
+    (:func:`_jointly_first`), else the plain one (:func:`_plain_first`). ``None`` where neither holds: the two are
+    then rewritten together."""
+    runs = [as_run(n_out, value)(j) for j in inputs]
+    peaks = [closed_peaks(model, r) for r in runs]
+    held = [None if f is None else f[0] for f in peaks]
+    if plain_cannot_lead(held[1], held[0], model):
+        found = _jointly_first(inputs, runs, peaks, rules, entries, model, bounded, n_out, value, seen)
+        if found is not None:
+            return found
+    return _plain_first(inputs, runs[0], peaks[0], rules, entries, model, bounded, n_out, value, seen)
+
+
+def _jointly_first(inputs: list[core.ClosedJaxpr], runs: list[core.ClosedJaxpr], peaks: list, rules: list,
+                   entries: Sequence[Any], model: Any, bounded: Any, n_out: int, value: bool | None,
+                   seen: list[tuple[core.ClosedJaxpr, float]] | None) -> tuple[Any, Any] | None:
+    """:func:`rewrite_joints`' two where the joint with the ``jointly`` rules (``inputs[0]``), rewritten alone first,
+    leaves the plain one (``inputs[1]``, as run ``runs[1]``, its peaks ``peaks[1]``) no way to be ordered before it
+    (:func:`rewrite.grad.decide.plain_cannot_lead`): the other one :class:`Built`, the plain one :class:`Alone`,
+    rewritten alone only where :func:`rewrite.grad.vjp.held_pending` reaches it (the other not kept against JAX's
+    as written). ``None`` where it may be: the plain one is then tried first (:func:`_plain_first`). The full-size
+    whole steps of ``benchmarks/wholestep.py`` whose LM head's loop is kept: their plain joints' inputs are predicted
+    to hold 2.9-4.1 times the other's peak rewritten (``benchmarks/results/log.md``, the seventy-eighth session)."""
+    program, cost, kept = _rewritten_alone(inputs[0], rules, entries, model, bounded, n_out, value)
+    found = closed_peaks(model, program)
+    if not plain_cannot_lead(None if peaks[1] is None else peaks[1][0], None if found is None else found[0], model):
+        return None
+    price = program_cost(runs[1], model)
+    if seen is not None:
+        seen.extend(kept)
+        if runs[1] is inputs[1]:
+            seen.append((runs[1], price))
+
+    def alone() -> core.ClosedJaxpr:  # only where the other is not kept
+        return _rewritten_alone(inputs[1], rules, entries, model, bounded, n_out, value)[0]
+
+    pair = (Built(program, cost), Alone(runs[1], price, alone,
+                                        " (its joint as traced, rewritten only where the other is not kept)"))
+    for one, f in zip(pair, (found, peaks[1])):
+        one.peaks = f
+    return pair
+
+
+def _plain_first(inputs: list[core.ClosedJaxpr], run: core.ClosedJaxpr, run_peaks: Any, rules: list,
+                 entries: Sequence[Any], model: Any, bounded: Any, n_out: int, value: bool | None,
+                 seen: list[tuple[core.ClosedJaxpr, float]] | None) -> tuple[Any, Any] | None:
+    """:func:`rewrite_joints`' two where the plain joint (``inputs[1]``), rewritten alone first, leaves the other
+    (``inputs[0]``, as run ``run``, its peaks ``run_peaks``) no way to be kept
+    (:func:`rewrite.grad.decide.jointly_cannot_win`): the plain one :class:`Built`, the other :class:`Alone`,
+    rewritten alone only where :func:`rewrite.grad.vjp.held_pending` reaches it (the plain one not kept against JAX's
+    as written). ``None`` where it may be kept: the two are then rewritten together, as before. The plain one alone
+    is its pipeline's program without what only the other held as loaded barred (``pipeline.run_together``'s
+    ``first``): wholestep_linen_gpt's and wholestep_equinox_gpt's differ so (a mask's broadcast and a constant's
+    conversion folded), priced 1e-6 lower and holding alike."""
+    program, cost, kept = _rewritten_alone(inputs[1], rules, entries, model, bounded, n_out, value)
     price = program_cost(run, model)
-    peaks = [closed_peaks(model, p) for p in (run, program)]  # each read again by decide.Joint.peak, not predicted
+    peaks = [run_peaks, closed_peaks(model, program)]  # each read again by decide.Joint.peak, not predicted
     peak, plain_peak = ((None if f is None else f[0]) for f in peaks)
     if not jointly_cannot_win(price, peak, cost, plain_peak, model):
         return None
@@ -308,11 +368,7 @@ def _plain_first(inputs: list[core.ClosedJaxpr], rules: list, entries: Sequence[
             seen.append((run, price))
 
     def alone() -> core.ClosedJaxpr:  # only where the plain one is not kept: as run_together's second
-        again = pipeline.run_pipeline(inputs[0], rules, model, bounded, keep=True, price_input=False, as_loaded=True)
-        try:
-            return _as_run(again, n_out, model, entries, value, seen)
-        finally:
-            again.egraph.release()
+        return _rewritten_alone(inputs[0], rules, entries, model, bounded, n_out, value)[0]
 
     pair = (Alone(run, price, alone, " (its joint as traced, rewritten only where the other is not kept)"),
             Built(program, cost))
