@@ -799,3 +799,35 @@ def test_a_steps_plain_joint_that_cannot_lead_is_never_built(monkeypatch):
     kept = [re.match(r"kept (the forward rewritten with [^(]*) \(priced ([^,]*),", w["why"][0]) for w in (cut, both)]
     assert all(kept), (cut["why"], both["why"])
     assert abs(float(kept[0].group(2)) / float(kept[1].group(2)) - 1) < 1e-5, (cut["why"], both["why"])
+
+
+def test_a_steps_plain_joint_left_alone_is_built_where_the_other_is_not_kept(monkeypatch):
+    """The step above, its joint with the LM head's loop made not to be kept against JAX's as written (``decide._held``
+    refusing it, the test's stand-in for a joint that holds more): the plain one, left ``Alone`` when the other was
+    rewritten first, is then rewritten alone and kept, as when the two are rewritten together (priced within 1e-5:
+    alone, it is not barred from the forms only the other's input held)."""
+    import re
+
+    from rewrite.grad import decide
+
+    held = decide._held
+
+    def refusing(r, than, model, slack=0.0):
+        if str(r).startswith("the forward rewritten with ") and str(than).startswith("JAX's"):
+            return f"{r} is refused by the test"
+        return held(r, than, model, slack)
+
+    build = functools.partial(ws.CASES["linen_gpt"], ws.Size(length=512, width=64, vocab=4096), ws.plain)
+    monkeypatch.setattr(decide, "_held", refusing)
+    cut = _joints_of(monkeypatch, build)  # (which undoes every patch when it returns)
+    note = " (its joint as traced, rewritten only where the other is not kept)"
+    assert not cut["together"] and len(cut["alone"]) == 2 and cut["built"] == ["", note], cut
+    monkeypatch.setattr(decide, "_held", refusing)
+    monkeypatch.setattr(together, "PLAIN_FIRST_GAP", 1.0)  # never first: the two together
+    both = _joints_of(monkeypatch, build)
+    assert len(both["together"]) == 1 and not both["alone"], both
+    kept = [re.match(r"kept (the forward rewritten without them)[^(]*\(priced ([^,]*),", w["why"][0])
+            for w in (cut, both)]
+    assert all(kept), (cut["why"], both["why"])
+    assert "refused by the test" in cut["why"][0] and "refused by the test" in both["why"][0]
+    assert abs(float(kept[0].group(2)) / float(kept[1].group(2)) - 1) < 1e-5, (cut["why"], both["why"])
