@@ -562,11 +562,13 @@ def as_xla_simplifies(closed: ClosedJaxpr) -> ClosedJaxpr:
     reduces a ``[N, K]`` value broadcast to ``[N, K, D]`` over ``N``: XLA reduces the ``[N, K]`` value, where the
     model stored the ``[N, K, D]`` one; ``tests/test_memory.py``.) And each real ``sinh`` and ``cosh`` as XLA:CPU
     computes it, from two exponentials it stores (``transcendental.as_exponentials``). What the peak is predicted of
-    (``AnalyticCost.predict_temp_bytes``); the equations are not evaluated, only sized."""
-    jaxpr = closed.jaxpr
+    (``AnalyticCost.predict_temp_bytes``); the equations are not evaluated, only sized. Equations nothing reads (and
+    with no effect) are dropped first, as XLA's dead-code elimination drops them (:func:`without_dead`)."""
+    live = without_dead(closed)
+    jaxpr = live.jaxpr
     made: dict[Any, Any] = {}
     eqns: list[Any] = []
-    changed = False
+    changed = live is not closed
     for e in jaxpr.eqns:
         src = made.get(e.invars[0]) if e.invars and isinstance(e.invars[0], Var) else None
         if (e.primitive.name in REDUCE_BEFORE_BROADCAST and src is not None
@@ -590,6 +592,23 @@ def as_xla_simplifies(closed: ClosedJaxpr) -> ClosedJaxpr:
     if (expanded := as_exponentials(eqns)) is not None:
         eqns, changed = expanded, True
     return ClosedJaxpr(jaxpr.replace(eqns=eqns), closed.consts) if changed else closed
+
+
+def without_dead(closed: ClosedJaxpr) -> ClosedJaxpr:
+    """``closed`` without its top-level equations that no output reads and that have no effect (``closed`` itself
+    where there are none), as XLA compiles it: JAX's trace of a joint program holds some (flax's encoder-decoder
+    step's joint at the gradients it reads: 66 of 940), which a peak must not size (a dead ``[1024, 1024]`` product
+    was predicted to hold 4 MiB where XLA holds none). Bodies are left as they are."""
+    jaxpr = closed.jaxpr
+    needed = {v for v in jaxpr.outvars if isinstance(v, Var)}
+    kept: list[Any] = []
+    for e in reversed(jaxpr.eqns):
+        if e.effects or any(v in needed for v in e.outvars):
+            kept.append(e)
+            needed.update(v for v in e.invars if isinstance(v, Var))
+    if len(kept) == len(jaxpr.eqns):
+        return closed
+    return ClosedJaxpr(jaxpr.replace(eqns=kept[::-1]), closed.consts)
 
 
 class InnerPeak:

@@ -60,7 +60,7 @@ from .dispatch import contraction_flops, dispatched
 from .dot import FALLBACK as _DOT_FALLBACK, REPACK as _DOT_REPACK, copied as dot_copied, library_dot
 from .dot import ALIASED, STRIDED, turns as dot_turns
 from .fusion import FusionModel, ns_key, peak_temp_bytes
-from .memory import InnerPeak, as_xla_simplifies, fresh_peak, kernel_layout, scheduled_peak
+from .memory import InnerPeak, as_xla_simplifies, fresh_peak, kernel_layout, scheduled_peak, without_dead
 from .prices import NODE_KEY, price_of
 from .program import Program, library_reduction
 from .spill import spilled as _spilled
@@ -587,8 +587,8 @@ class AnalyticCost(CostModel):
         True
         """
         held, fusion, simple, prog, kernels = self._replayed(closed)
-        if simple is not closed:  # the price reads the program as written
-            prog = Program.from_jaxpr(closed, None)
+        if simple is not closed:  # the price reads the program as written (what its outputs read)
+            prog = Program.from_jaxpr(without_dead(closed), None)
             kernels = kernel_layout(fusion, prog)
         return held, peak_temp_bytes(prog, kernels, fusion.inner)
 
