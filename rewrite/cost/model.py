@@ -587,8 +587,9 @@ class AnalyticCost(CostModel):
         True
         """
         held, fusion, simple, prog, kernels = self._replayed(closed)
-        if simple is not closed:  # the price reads the program as written (what its outputs read)
-            prog = Program.from_jaxpr(without_dead(closed), None)
+        live = without_dead(closed)  # (the one as_xla_simplifies read)
+        if simple is not live:  # the price reads the program as written (what its outputs read)
+            prog = Program.from_jaxpr(live, None)
             kernels = kernel_layout(fusion, prog)
         return held, peak_temp_bytes(prog, kernels, fusion.inner)
 
