@@ -78,12 +78,10 @@ def fallback_result(traced: Traced, stopped: str) -> Result:
 class Rewritten:
     """A function whose program is rewritten once per input signature. Made by :func:`rewrite`.
 
-    Calling it runs the rewritten program; :meth:`jaxpr` gives that program and
-    :meth:`result` the whole pipeline result (costs, stop reason, per-rule
-    stats) for a signature, rewriting it first if needed. ``rewrites`` counts
-    the signatures rewritten so far, ``loaded`` those of them read from the
-    disk cache instead (their ``result(...).cached`` names the entry), and
-    ``__wrapped__`` is the original function.
+    Calling it runs the rewritten program; :meth:`jaxpr` gives that program and :meth:`result` the whole pipeline
+    result (costs, stop reason, per-rule stats) for a signature, rewriting it first if needed. ``rewrites`` counts
+    the signatures rewritten so far, ``loaded`` those of them read from the disk cache instead (their
+    ``result(...).cached`` names the entry), and ``__wrapped__`` is the original function.
 
     >>> import jax, jax.numpy as jnp
     >>> from rewrite import rewrite
@@ -424,7 +422,7 @@ class Rewritten:
         again, for ``cone`` nor a forward that is the same program (:func:`rewrite.grad.vjp.joint_at`). ``forwards``,
         where given, keeps each cone's forward by the cone's ``id`` (with the cone), so that ``written_only`` (raise
         ``AsWritten`` or return ``None``: the search's test before a proof) and the build after it run one pipeline.
-        ``held``: the memory hold's stand-in for JAX's joint of ``cone`` at ``wrt`` (``grad.uses.sliced``)."""
+        ``held``: JAX's joint of ``cone`` at ``wrt`` read off one traced at every float leaf (``grad.uses.sliced``)."""
         # only the programs that come out are read: the inputs are not priced
         spent = {} if spent is None else spent
         t = time.perf_counter()
@@ -444,7 +442,8 @@ class Rewritten:
         # a step reading only the gradients runs each candidate without the loss (XLA drops what only it reads): each
         # is priced and held to memory so (the stored sin of seed 000's pullback costs more with the loss kept)
         run = as_run(len(cone.out_avals), value)
-        trace = functools.partial(joint_at, wrt=wrt, written=None if written is None else (cone, written))
+        known = written if written is not None else held  # JAX's joint of the cone at wrt, traced already
+        trace = functools.partial(joint_at, wrt=wrt, written=None if known is None else (cone, known))
         with stage("a loss's joint"):
             program, why = decided_jointly(
                 cone, forward, self.entries, self.cost_model, self.limits, lambda f, entries: rewrite_alone(

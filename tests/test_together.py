@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 
@@ -831,3 +832,34 @@ def test_a_steps_plain_joint_left_alone_is_built_where_the_other_is_not_kept(mon
     assert all(kept), (cut["why"], both["why"])
     assert "refused by the test" in cut["why"][0] and "refused by the test" in both["why"][0]
     assert abs(float(kept[0].group(2)) / float(kept[1].group(2)) - 1) < 1e-5, (cut["why"], both["why"])
+
+
+def test_jaxs_joint_at_the_gradients_a_step_reads_is_not_traced_again(monkeypatch):
+    """A step that reads the gradient of one of its loss's three float inputs, whose LM head's ``jointly`` rules
+    fire: JAX's joint of the loss as written at that one gradient (the candidate every rewritten joint is held to)
+    is read off the one ``grad.step.rederive`` traced at all three, its unread gradients dropped (``uses.sliced``:
+    the text of JAX's traced at the one less its dead code), not traced again. The loss as written is traced once;
+    the step still computes what it computes as written."""
+    from .corpus import spy_joint_programs
+
+    def loss(w, h, scale, y):
+        logits = (h * scale) @ w
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+    def step(w, h, scale, y):
+        value, g = jax.value_and_grad(loss)(w, h, scale, y)  # the gradient of w alone
+        return value, w - 0.1 * g
+
+    k = jax.random.split(jax.random.PRNGKey(0), 3)
+    args = (0.05 * jax.random.normal(k[0], (64, 4096)), jax.random.normal(k[1], (512, 64)), jnp.float32(1.5),
+            jax.random.randint(k[2], (512,), 0, 4096))
+    traced, _ = spy_joint_programs(monkeypatch)
+    rewritten = rewrite(step, rulesets=load_rulesets(eco.CONFIGS["identity"]), cache=False)
+    got = jax.jit(rewritten)(*args)
+    written = [t for t in traced if t[1] is None or len(t[1]) == 3]
+    assert len(written) == 1, traced  # rederive's, at every float input
+    assert [t for t in traced if t[0] == written[0][0]] == written, traced
+    assert any(w != (0,) for _, w in traced) and any(w == (0,) for _, w in traced), traced  # the rewritten forwards'
+    want = jax.jit(step)(*args)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+    np.testing.assert_allclose(got[1], want[1], rtol=1e-5, atol=1e-6)

@@ -91,8 +91,11 @@ def sliced(joint: core.ClosedJaxpr, n_out: int, dif: Sequence[int], wrt: Sequenc
     """``grad.step.rederive``'s ``joint`` (``(leaves, cotangent) -> (outputs, gradients at dif)``) with the gradients of
     the leaves at ``wrt`` alone and nothing else they do not read: the program JAX's joint at ``wrt`` computes, as
     XLA compiles either (its dead code dropped), which the memory hold of the loss-first program reads for it
-    without a second trace (``grad.decide.held_alone``; 14 ms of numpyro_eight_schools' 0.2 s first call). Not
-    the one run where JAX's is kept: that one is traced at ``wrt``, as before."""
+    without a second trace (``grad.decide.held_alone``; 14 ms of numpyro_eight_schools' 0.2 s first call), and
+    which a whole step's joint decision holds its candidates to and runs where JAX's is kept (``Rewritten.
+    _loss_first``): flax's encoder-decoder step's joint at 60 of its 61 float leaves is, equation for equation, JAX's
+    traced at the 60 less its dead code (874 of 940 equations; the same price and peak), and is not traced again
+    (about 80 ms)."""
     keep = set(wrt)
     outs = joint.jaxpr.outvars
     chosen = list(outs[:n_out]) + [v for i, v in zip(dif, outs[n_out:]) if i in keep]
