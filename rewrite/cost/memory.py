@@ -603,18 +603,22 @@ def without_dead(closed: ClosedJaxpr) -> ClosedJaxpr:
     778 MB where the program without them holds 711. A peak a rewrite is held to must not size them."""
     global _last_dead
     last = _last_dead  # (one tuple, read once: another thread may replace it)
-    if last[0] is closed:  # asked again of one program (AnalyticCost.predict_peaks)
-        return last[1]
+    if last[0]() is closed and (live := last[1]()) is not None:  # asked again of one program (predict_peaks)
+        return live
     jaxpr = closed.jaxpr
     new, _ = pe.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars), instantiate=True)
     same = len(new.eqns) == len(jaxpr.eqns) and all(a is b for a, b in zip(new.eqns, jaxpr.eqns))
     live = closed if same else ClosedJaxpr(new, closed.consts)
-    _last_dead = (closed, live)
+    _last_dead = (weakref.ref(closed), weakref.ref(live))
     return live
 
 
-#: :func:`without_dead`'s last program and its answer
-_last_dead: tuple[Any, Any] = (None, None)
+def _nothing() -> None:
+    return None
+
+
+#: :func:`without_dead`'s last program and its answer, held weakly (a program's constants may be a model's weights)
+_last_dead: tuple[Callable[[], Any], Callable[[], Any]] = (_nothing, _nothing)
 
 
 class InnerPeak:
