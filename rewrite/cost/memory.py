@@ -565,7 +565,12 @@ def as_xla_simplifies(closed: ClosedJaxpr) -> ClosedJaxpr:
     computes it, from two exponentials it stores (``transcendental.as_exponentials``). What the peak is predicted of
     (``AnalyticCost.predict_temp_bytes``); the equations are not evaluated, only sized. Equations nothing reads (and
     with no effect) are dropped first, as XLA's dead-code elimination drops them (:func:`without_dead`)."""
-    live = without_dead(closed)
+    return xla_simplified(without_dead(closed))
+
+
+def xla_simplified(live: ClosedJaxpr) -> ClosedJaxpr:
+    """:func:`as_xla_simplifies` of a program without dead code (:func:`without_dead`): ``live`` itself where the
+    simplifier changes nothing that is stored."""
     jaxpr = live.jaxpr
     made: dict[Any, Any] = {}
     eqns: list[Any] = []
@@ -592,7 +597,7 @@ def as_xla_simplifies(closed: ClosedJaxpr) -> ClosedJaxpr:
             made[v] = e
     if (expanded := as_exponentials(eqns)) is not None:
         eqns, changed = expanded, True
-    return ClosedJaxpr(jaxpr.replace(eqns=eqns), closed.consts) if changed else live
+    return ClosedJaxpr(jaxpr.replace(eqns=eqns), live.consts) if changed else live
 
 
 def without_dead(closed: ClosedJaxpr) -> ClosedJaxpr:
@@ -601,24 +606,10 @@ def without_dead(closed: ClosedJaxpr) -> ClosedJaxpr:
     loop nothing reads. JAX's trace of a joint program holds some: flax's encoder-decoder step's joint at the
     gradients it reads, 66 of 940 equations and ``jit`` calls of 4 outputs of which 2 are read, was predicted to hold
     778 MB where the program without them holds 711. A peak a rewrite is held to must not size them."""
-    global _last_dead
-    last = _last_dead  # (one tuple, read once: another thread may replace it)
-    if last[0]() is closed and (live := last[1]()) is not None:  # asked again of one program (predict_peaks)
-        return live
     jaxpr = closed.jaxpr
     new, _ = pe.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars), instantiate=True)
     same = len(new.eqns) == len(jaxpr.eqns) and all(a is b for a, b in zip(new.eqns, jaxpr.eqns))
-    live = closed if same else ClosedJaxpr(new, closed.consts)
-    _last_dead = (weakref.ref(closed), weakref.ref(live))
-    return live
-
-
-def _nothing() -> None:
-    return None
-
-
-#: :func:`without_dead`'s last program and its answer, held weakly (a program's constants may be a model's weights)
-_last_dead: tuple[Callable[[], Any], Callable[[], Any]] = (_nothing, _nothing)
+    return closed if same else ClosedJaxpr(new, closed.consts)
 
 
 class InnerPeak:

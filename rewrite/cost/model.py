@@ -60,7 +60,7 @@ from .dispatch import contraction_flops, dispatched
 from .dot import FALLBACK as _DOT_FALLBACK, REPACK as _DOT_REPACK, copied as dot_copied, library_dot
 from .dot import ALIASED, STRIDED, turns as dot_turns
 from .fusion import FusionModel, ns_key, peak_temp_bytes
-from .memory import InnerPeak, as_xla_simplifies, fresh_peak, kernel_layout, scheduled_peak, without_dead
+from .memory import InnerPeak, fresh_peak, kernel_layout, scheduled_peak, without_dead, xla_simplified
 from .prices import NODE_KEY, price_of
 from .program import Program, library_reduction
 from .spill import spilled as _spilled
@@ -560,15 +560,16 @@ class AnalyticCost(CostModel):
         >>> AnalyticCost().predict_temp_bytes(jax.make_jaxpr(f)(x)) == compiled
         True
         """
-        return self._replayed(closed, users)[0]
+        return self._replayed(without_dead(closed), users)[0]
 
-    def _replayed(self, closed: Any, users: bool = False) -> tuple[int, Any, Any, Any, Any]:
-        """:meth:`predict_temp_bytes`'s replay of ``closed``'s kernels as XLA simplifies it: ``(the peak, the fusion
-        model, the simplified jaxpr, its program, its kernels)``, the kernels unpriced (``memory.kernel_layout``: a
-        peak reads no price); the peak in XLA's users' order where ``users``."""
+    def _replayed(self, live: Any, users: bool = False) -> tuple[int, Any, Any, Any, Any]:
+        """:meth:`predict_temp_bytes`'s replay of a program's kernels as XLA simplifies it (``live``: the program
+        without its dead code, ``memory.without_dead``): ``(the peak, the fusion model, the simplified jaxpr, its
+        program, its kernels)``, the kernels unpriced (``memory.kernel_layout``: a peak reads no price); the peak in
+        XLA's users' order where ``users``."""
         fusion = self.fusion_model()
         fusion.tiebreak = None  # sizes only: no node prices (a loop's would need its body's)
-        simple = as_xla_simplifies(closed)
+        simple = xla_simplified(live)
         prog = Program.from_jaxpr(simple, None)
         kernels = kernel_layout(fusion, prog)
         return scheduled_peak(prog, kernels, fusion.inner, users=users), fusion, simple, prog, kernels
@@ -586,8 +587,8 @@ class AnalyticCost(CostModel):
         >>> AnalyticCost().predict_peaks(closed) == (AnalyticCost().predict_temp_bytes(closed), 4 * 2 ** 20)
         True
         """
-        held, fusion, simple, prog, kernels = self._replayed(closed)
-        live = without_dead(closed)  # (the one as_xla_simplifies read)
+        live = without_dead(closed)
+        held, fusion, simple, prog, kernels = self._replayed(live)
         if simple is not live:  # the price reads the program as written (what its outputs read)
             prog = Program.from_jaxpr(live, None)
             kernels = kernel_layout(fusion, prog)
