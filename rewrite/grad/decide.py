@@ -97,9 +97,15 @@ def _held(r: Joint, than: Joint, model: Any, slack: float = 0.0) -> str:
     """Why ``r`` does not replace ``than``, or "" where it does (:func:`held_to_written`)."""
     if not _taken(r, than):
         return f"{r} is not priced below {than}, nor kept as the leaner"
-    if _bounded(model) and fatter(r.peak(), than.peak()) and r.peak() - than.peak() > slack:  # type: ignore[operator]
+    if _bounded(model) and _holds_more(r.peak(), than.peak(), slack):  # type: ignore[arg-type]
         return f"{r} is predicted to hold more temporaries than {than}"
     return ""
+
+
+def _holds_more(peak: float, than: float, slack: float) -> bool:
+    """Whether a predicted peak of ``peak`` bytes holds more than one of ``than`` (``extract.fatter``) by over
+    ``slack`` bytes: the memory test a joint is held to another by (:func:`_held`)."""
+    return fatter(peak, than) and peak - than > slack
 
 
 def in_order(rewritten: Sequence[Joint], model: Any) -> tuple[list[int], list[str]]:
@@ -284,7 +290,7 @@ def jointly_cannot_win(jointly_in: float, jointly_peak: float | None, plain: flo
     if not plain < cost or keeps_leaner(cost, peak, plain, plain_peak, model, 0.0, math.inf):
         return False
     slack = float(getattr(model, "cache", 0.0) or 0.0)
-    return not (_bounded(model) and fatter(plain_peak, peak) and plain_peak - peak > slack)
+    return not (_bounded(model) and _holds_more(plain_peak, peak, slack))
 
 
 #: :func:`plain_cannot_lead`: the most a whole step's plain joint program (the forward rewritten without the
@@ -308,5 +314,5 @@ def plain_cannot_lead(plain_in_peak: float | None, jointly_peak: float | None, m
     predicts no peak."""
     if getattr(model, "measures", False) or plain_in_peak is None or jointly_peak is None or not _bounded(model):
         return False
-    least, slack = plain_in_peak * (1 - PLAIN_PEAK_MARGIN), float(getattr(model, "cache", 0.0) or 0.0)
-    return fatter(least, jointly_peak) and least - jointly_peak > slack
+    slack = float(getattr(model, "cache", 0.0) or 0.0)
+    return _holds_more(plain_in_peak * (1 - PLAIN_PEAK_MARGIN), jointly_peak, slack)
