@@ -722,7 +722,7 @@ def test_a_steps_joint_that_cannot_win_is_neither_traced_into_the_pair_nor_satur
     its plain joint is rewritten first, alone, and the other, priced 17% over it as traced and less than the cache
     leaner, cannot be kept (``decide.jointly_cannot_win``): no ``run_together``, one joint pipeline, the other joint
     never built (``Alone``), and the plain one kept, as when the two are rewritten together (priced within 1e-5: the
-    plain joint alone is not barred from the forms only the other's input held, ``together._plain_first``)."""
+    plain joint alone is not barred from the forms only the other's input held, ``together._first``)."""
     import re
 
     build = eco.PROGRAMS["wholestep_linen_gpt"].build
@@ -787,7 +787,8 @@ def test_a_steps_plain_joint_that_cannot_lead_is_never_built(monkeypatch):
     the other's that no saturation within ``decide.PLAIN_PEAK_MARGIN`` brings it within the cache's width
     (``decide.plain_cannot_lead``). So the joint with the loop is rewritten first, alone, and kept; the plain one is
     never built: no ``run_together``, one joint pipeline, only the ``Built`` one read. The program and the decision
-    are the ones the two give rewritten together (the full-size whole steps' emitted text is byte-identical either way)."""
+    are the ones the two give rewritten together (the full-size whole steps' emitted text is byte-identical either
+    way)."""
     import re
 
     build = functools.partial(ws.CASES["linen_gpt"], ws.Size(length=512, width=64, vocab=4096), ws.plain)

@@ -212,8 +212,8 @@ def rewrite_joints(closed: core.ClosedJaxpr, plain: core.ClosedJaxpr, entries: S
     flax_lm_step 55% and 35%), which are then not priced for nothing (0.03-0.06 s each). Where the forwards are
     apart by less (:func:`plain_first`), one joint is rewritten first, alone (:func:`_one_first`), and the other is
     built only where it can still be kept or ordered first: the one with the rules first where the plain one's input
-    is predicted to hold far more (:func:`_jointly_first`, :func:`rewrite.grad.decide.plain_cannot_lead`), else the
-    plain one (:func:`_plain_first`, :func:`rewrite.grad.decide.jointly_cannot_win`); the other is then
+    is predicted to hold far more (:func:`rewrite.grad.decide.plain_cannot_lead`), else the plain one
+    (:func:`rewrite.grad.decide.jointly_cannot_win`), :func:`_first`; the other is then
     :class:`Alone`, rewritten only where the first is not kept against JAX's as written."""
     bounded = joint_limits(limits)
     trace = trace or (lambda f: vjp.joint_program(f, wrt)[0])
@@ -265,7 +265,7 @@ def rewrite_joints(closed: core.ClosedJaxpr, plain: core.ClosedJaxpr, entries: S
 #: ``benchmarks/wholestep.py`` (1,024 tokens, 16,384 words) the nine steps with an LM head are past this fraction too,
 #: but there the joint with the loop is the cheaper and far the leaner (the plain joints as traced hold 2.6-3.8 times
 #: its peak): the plain-first test failed on all nine, 0.3-0.67 s each spent for nothing (2026-12-07), and the other
-#: one now goes first there (:func:`_jointly_first`).
+#: one now goes first there (:func:`_one_first`).
 PLAIN_FIRST_GAP = 0.05
 
 
@@ -284,17 +284,15 @@ class Built(Alone):
 
 
 def _rewritten_alone(joint: core.ClosedJaxpr, rules: list, entries: Sequence[Any], model: Any, bounded: Any,
-                     n_out: int, value: bool | None) -> tuple[core.ClosedJaxpr, float, list]:
-    """``joint`` rewritten in an e-graph of its own, as run: the program, its price, and the programs priced whole on
-    the way (with their prices)."""
+                     n_out: int, value: bool | None, seen: list[tuple[core.ClosedJaxpr, float]] | None
+                     ) -> core.ClosedJaxpr:
+    """``joint`` rewritten in an e-graph of its own, as run; the programs priced whole on the way go to ``seen``
+    (with their prices)."""
     res = pipeline.run_pipeline(joint, rules, model, bounded, keep=True, price_input=False, as_loaded=True)
     try:
-        kept: list = []
-        program = _as_run(res, n_out, model, entries, value, kept)
+        return _as_run(res, n_out, model, entries, value, seen)
     finally:
         res.egraph.release()
-    cost = next((c for p, c in kept if p is program), None)
-    return program, (program_cost(program, model) if cost is None else cost), kept
 
 
 def _one_first(inputs: list[core.ClosedJaxpr], rules: list, entries: Sequence[Any], model: Any, bounded: Any,
@@ -303,75 +301,52 @@ def _one_first(inputs: list[core.ClosedJaxpr], rules: list, entries: Sequence[An
     """:func:`rewrite_joints`' two where one of them, rewritten alone first, leaves the other no way to be kept: the
     one with the ``jointly`` rules (``inputs[0]``) first where the plain one's input is predicted to hold so much
     more that its saturation could not bring it within the model's ``cache`` of the other's
-    (:func:`_jointly_first`), else the plain one (:func:`_plain_first`). ``None`` where neither holds: the two are
-    then rewritten together."""
+    (:func:`rewrite.grad.decide.plain_cannot_lead`; the full-size whole steps of ``benchmarks/wholestep.py`` whose
+    LM head's loop is kept: their plain joints' inputs are predicted to hold 2.9-4.1 times the other's peak
+    rewritten, ``benchmarks/results/log.md``, the seventy-eighth session), else the plain one
+    (:func:`rewrite.grad.decide.jointly_cannot_win`); :func:`_first`. ``None`` where neither holds: the two are then
+    rewritten together."""
     runs = [as_run(n_out, value)(j) for j in inputs]
-    peaks = [closed_peaks(model, r) for r in runs]
-    held = [None if f is None else f[0] for f in peaks]
-    if plain_cannot_lead(held[1], held[0], model):
-        found = _jointly_first(inputs, runs, peaks, rules, entries, model, bounded, n_out, value, seen)
+    peaks = [closed_peaks(model, r) for r in runs]  # each read again by decide.Joint.peak, not predicted
+    if plain_cannot_lead(*(None if f is None else f[0] for f in (peaks[1], peaks[0])), model):
+        found = _first(0, inputs, runs, peaks, rules, entries, model, bounded, n_out, value, seen)
         if found is not None:
             return found
-    return _plain_first(inputs, runs[0], peaks[0], rules, entries, model, bounded, n_out, value, seen)
+    return _first(1, inputs, runs, peaks, rules, entries, model, bounded, n_out, value, seen)
 
 
-def _jointly_first(inputs: list[core.ClosedJaxpr], runs: list[core.ClosedJaxpr], peaks: list, rules: list,
-                   entries: Sequence[Any], model: Any, bounded: Any, n_out: int, value: bool | None,
-                   seen: list[tuple[core.ClosedJaxpr, float]] | None) -> tuple[Any, Any] | None:
-    """:func:`rewrite_joints`' two where the joint with the ``jointly`` rules (``inputs[0]``), rewritten alone first,
-    leaves the plain one (``inputs[1]``, as run ``runs[1]``, its peaks ``peaks[1]``) no way to be ordered before it
-    (:func:`rewrite.grad.decide.plain_cannot_lead`): the other one :class:`Built`, the plain one :class:`Alone`,
-    rewritten alone only where :func:`rewrite.grad.vjp.held_pending` reaches it (the other not kept against JAX's
-    as written). ``None`` where it may be: the plain one is then tried first (:func:`_plain_first`). The full-size
-    whole steps of ``benchmarks/wholestep.py`` whose LM head's loop is kept: their plain joints' inputs are predicted
-    to hold 2.9-4.1 times the other's peak rewritten (``benchmarks/results/log.md``, the seventy-eighth session)."""
-    program, cost, kept = _rewritten_alone(inputs[0], rules, entries, model, bounded, n_out, value)
+def _first(first: int, inputs: list[core.ClosedJaxpr], runs: list[core.ClosedJaxpr], peaks: list, rules: list,
+           entries: Sequence[Any], model: Any, bounded: Any, n_out: int, value: bool | None,
+           seen: list[tuple[core.ClosedJaxpr, float]] | None) -> tuple[Any, Any] | None:
+    """:func:`rewrite_joints`' two where the joint ``inputs[first]``, rewritten alone first, leaves the other (as run
+    ``runs[other]``, its peaks ``peaks[other]``) no way to be taken before it: the first one :class:`Built`, the other
+    :class:`Alone`, rewritten alone only where :func:`rewrite.grad.vjp.held_pending` reaches it (the first not kept
+    against JAX's as written). The one with the ``jointly`` rules first (0): the plain one cannot be ordered before
+    it (:func:`rewrite.grad.decide.plain_cannot_lead`); the plain one first (1): the other cannot be kept
+    (:func:`rewrite.grad.decide.jointly_cannot_win`). ``None`` where it may: the other one first, or the two
+    rewritten together. The plain one alone is its pipeline's program without what only the other held as loaded
+    barred (``pipeline.run_together``'s ``first``): wholestep_linen_gpt's and wholestep_equinox_gpt's differ so (a
+    mask's broadcast and a constant's conversion folded), priced 1e-6 lower and holding alike."""
+    other, kept = 1 - first, []
+    program = _rewritten_alone(inputs[first], rules, entries, model, bounded, n_out, value, kept)
+    cost = next((c for p, c in kept if p is program), None)
+    cost = program_cost(program, model) if cost is None else cost
     found = closed_peaks(model, program)
-    if not plain_cannot_lead(None if peaks[1] is None else peaks[1][0], None if found is None else found[0], model):
-        return None
-    price = program_cost(runs[1], model)
-    if seen is not None:
-        seen.extend(kept)
-        if runs[1] is inputs[1]:
-            seen.append((runs[1], price))
-
-    def alone() -> core.ClosedJaxpr:  # only where the other is not kept
-        return _rewritten_alone(inputs[1], rules, entries, model, bounded, n_out, value)[0]
-
-    pair = (Built(program, cost), Alone(runs[1], price, alone,
-                                        " (its joint as traced, rewritten only where the other is not kept)"))
-    for one, f in zip(pair, (found, peaks[1])):
-        one.peaks = f
-    return pair
-
-
-def _plain_first(inputs: list[core.ClosedJaxpr], run: core.ClosedJaxpr, run_peaks: Any, rules: list,
-                 entries: Sequence[Any], model: Any, bounded: Any, n_out: int, value: bool | None,
-                 seen: list[tuple[core.ClosedJaxpr, float]] | None) -> tuple[Any, Any] | None:
-    """:func:`rewrite_joints`' two where the plain joint (``inputs[1]``), rewritten alone first, leaves the other
-    (``inputs[0]``, as run ``run``, its peaks ``run_peaks``) no way to be kept
-    (:func:`rewrite.grad.decide.jointly_cannot_win`): the plain one :class:`Built`, the other :class:`Alone`,
-    rewritten alone only where :func:`rewrite.grad.vjp.held_pending` reaches it (the plain one not kept against JAX's
-    as written). ``None`` where it may be kept: the two are then rewritten together, as before. The plain one alone
-    is its pipeline's program without what only the other held as loaded barred (``pipeline.run_together``'s
-    ``first``): wholestep_linen_gpt's and wholestep_equinox_gpt's differ so (a mask's broadcast and a constant's
-    conversion folded), priced 1e-6 lower and holding alike."""
-    program, cost, kept = _rewritten_alone(inputs[1], rules, entries, model, bounded, n_out, value)
-    price = program_cost(run, model)
-    peaks = [run_peaks, closed_peaks(model, program)]  # each read again by decide.Joint.peak, not predicted
-    peak, plain_peak = ((None if f is None else f[0]) for f in peaks)
-    if not jointly_cannot_win(price, peak, cost, plain_peak, model):
+    peak, other_peak = (None if f is None else f[0] for f in (found, peaks[other]))
+    price = program_cost(runs[other], model)
+    if not (plain_cannot_lead(other_peak, peak, model) if first == 0
+            else jointly_cannot_win(price, other_peak, cost, peak, model)):
         return None
     if seen is not None:
         seen.extend(kept)
-        if run is inputs[0]:
-            seen.append((run, price))
+        if runs[other] is inputs[other]:
+            seen.append((runs[other], price))
 
-    def alone() -> core.ClosedJaxpr:  # only where the plain one is not kept: as run_together's second
-        return _rewritten_alone(inputs[0], rules, entries, model, bounded, n_out, value)[0]
+    def alone() -> core.ClosedJaxpr:  # only where the first one is not kept: as run_together's
+        return _rewritten_alone(inputs[other], rules, entries, model, bounded, n_out, value, seen)
 
-    pair = (Alone(run, price, alone, " (its joint as traced, rewritten only where the other is not kept)"),
-            Built(program, cost))
-    for one, found in zip(pair, peaks):
-        one.peaks = found
-    return pair
+    pair: list[Any] = [None, None]
+    pair[first], pair[other] = Built(program, cost), Alone(
+        runs[other], price, alone, " (its joint as traced, rewritten only where the other is not kept)")
+    pair[first].peaks, pair[other].peaks = found, peaks[other]
+    return tuple(pair)  # type: ignore[return-value]
