@@ -31,6 +31,7 @@ def test_a_rulesets_part_of_the_key_is_fingerprinted_once_for_all_its_rules(monk
     entries = [(r, PACK) for r in PACK]
     for r, _ in entries:  # the rules' own fingerprints are kept per rule already
         _key.rule_fingerprint(r)
+    _key._LAST.clear()  # (a digest of these entries kept by an earlier key: none is made)
     seen = []
     real = _key.fingerprint
     monkeypatch.setattr(_key, "fingerprint", lambda x, *a: seen.append(x) or real(x, *a))
@@ -49,6 +50,46 @@ def test_a_ruleset_changed_between_keys_is_read_afresh():
                     min_saving=0.1)
     assert _key.rules_fingerprint([(r, other) for r in other]) != before
     assert _key.rules_fingerprint(entries) == before
+
+
+def test_a_keys_rules_digest_is_kept_for_the_same_rules_and_read_afresh_where_a_ruleset_changed(monkeypatch):
+    """The rules' part of the key is kept for the last few sets of entries (a rewrite's pipelines key the same 112
+    rules again and again: 0.4-0.5 ms each), and is always the digest made afresh: a ruleset whose tolerance or
+    back-off is replaced on the same object, whose soundness class or floor changed, a rule put in another's place,
+    or limits given as a mapping (not the library's frozen ``Limits``, so not kept) are each read again."""
+    pack = Ruleset("kept", RULES, soundness="identity", tolerance=TOL, limits=Limits(iterations=4))
+    entries = [(r, pack) for r in pack]
+    _key._LAST.clear()
+    made = []
+    real = _key._rules_fingerprint
+    monkeypatch.setattr(_key, "_rules_fingerprint", lambda e: made.append(1) or real(e))
+
+    def digest() -> str:
+        got = _key.rules_fingerprint(entries)
+        assert got == real(entries)  # whether kept or made: the digest made afresh
+        return got
+
+    first = digest()
+    assert digest() == first and len(made) == 1  # kept
+    pack.tolerance = Tolerance(1e-2, 1e-4)
+    assert digest() != first and len(made) == 2
+    pack.tolerance = TOL  # the first object again: the first digest
+    assert digest() == first
+    pack.limits = Limits(iterations=5)
+    assert digest() != first
+    pack.limits = {"iterations": 4}  # not the library's frozen type: never kept
+    n = len(made)
+    digest(), digest()
+    assert len(made) == n + 2
+    pack.limits, pack.min_saving = Limits(iterations=4), 0.25
+    assert digest() != first
+    pack.min_saving, pack.soundness = 0.0, "fastmath"
+    assert digest() != first
+    pack.soundness = "identity"
+    assert digest() == first
+    other = rule(lambda x: x * 1.0, lambda x: x, name="mul_one_b")
+    entries[0] = (other, pack)
+    assert digest() != first
 
 
 def _program():
