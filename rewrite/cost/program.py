@@ -84,21 +84,42 @@ class Program:
         lits: dict[tuple, int] = {}
         options: list[str] = []  # numpy's print options, read at the first literal (they shape its ``repr``)
 
+        lit_keys: dict[int, tuple] = {}  # a literal's key, by the literal object (read once a trip where unrolled)
+
         def read(atom: Any, env: dict) -> int:
             if isinstance(atom, core.Literal):
-                if not options:
-                    options.append(repr(np.get_printoptions()))
-                key = (literal_repr(atom.val, options[0]), aval_str(atom.aval))
+                key = lit_keys.get(id(atom))
+                if key is None:
+                    if not options:
+                        options.append(repr(np.get_printoptions()))
+                    key = lit_keys[id(atom)] = (literal_repr(atom.val, options[0]), aval_str(atom.aval))
                 if key not in lits:
                     ops.append(Op("literal", _primitives.SPECIAL, {}, (), (), (atom.aval,)))
                     lits[key] = len(ops) - 1
                 return lits[key]
             return env[atom]
 
+        # what an equation makes that does not depend on its operands, by the equation object: read once where an
+        # unrolled scan's body runs a trip at a time (seed 000's backward: 32 trips of 48 equations, priced several
+        # times a rewrite)
+        facts: dict[int, tuple] = {}
+
+        def facts_of(eqn: Any) -> tuple:
+            got = facts.get(id(eqn))
+            if got is None:
+                name = eqn.primitive.name
+                one = not eqn.effects and len(eqn.outvars) == 1
+                got = facts[id(eqn)] = (unrolled(name, eqn.params),
+                                        PARAMS.intern_params(eqn.primitive, eqn.params) if one else None,
+                                        name, _primitives.family_of(name), tuple(v.aval for v in eqn.outvars),
+                                        tuple(a.aval for a in eqn.invars))
+            return got
+
         def run(jaxpr: Any, env: dict) -> None:
             for eqn in jaxpr.eqns:
                 args = tuple(read(a, env) for a in eqn.invars)
-                if unrolled(eqn.primitive.name, eqn.params):  # straight-line code, as JAX lowers it
+                looped, pid, name, family, outs, ins = facts_of(eqn)
+                if looped:  # straight-line code, as JAX lowers it
                     body = eqn.params["jaxpr"]
 
                     def trip(inputs: list[int], body: Any = body) -> list[int]:
@@ -113,16 +134,13 @@ class Program:
                                   [v.aval for v in eqn.outvars], trip)
                     env.update(zip(eqn.outvars, outs))
                     continue
-                if not eqn.effects and len(eqn.outvars) == 1:
-                    key = (PARAMS.intern_params(eqn.primitive, eqn.params), args)
+                if pid is not None:
+                    key = (pid, args)
                     if key in seen:
                         env[eqn.outvars[0]] = seen[key]
                         continue
                     seen[key] = len(ops)
-                family = _primitives.family_of(eqn.primitive.name)
-                outs = tuple(v.aval for v in eqn.outvars)
-                op = Op(eqn.primitive.name, family, eqn.params, args, tuple(a.aval for a in eqn.invars), outs,
-                        key=eqn)
+                op = Op(name, family, eqn.params, args, ins, outs, key=eqn)
                 if node_cost is not None and _kind_of(op) == OTHER:  # (no kind asked for without a node price)
                     op.own = float(node_cost(NodeInfo(op.prim, family, eqn.params, op.in_avals, outs)))
                 ops.append(op)
