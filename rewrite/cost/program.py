@@ -84,41 +84,46 @@ class Program:
         lits: dict[tuple, int] = {}
         options: list[str] = []  # numpy's print options, read at the first literal (they shape its ``repr``)
 
-        lit_keys: dict[int, tuple] = {}  # a literal's key, by the literal object (read once a trip where unrolled)
-
         def read(atom: Any, env: dict) -> int:
             if isinstance(atom, core.Literal):
-                key = lit_keys.get(id(atom))
-                if key is None:
-                    if not options:
-                        options.append(repr(np.get_printoptions()))
-                    key = lit_keys[id(atom)] = (literal_repr(atom.val, options[0]), aval_str(atom.aval))
+                if not options:
+                    options.append(repr(np.get_printoptions()))
+                key = (literal_repr(atom.val, options[0]), aval_str(atom.aval))
                 if key not in lits:
                     ops.append(Op("literal", _primitives.SPECIAL, {}, (), (), (atom.aval,)))
                     lits[key] = len(ops) - 1
                 return lits[key]
             return env[atom]
 
-        # what an equation makes that does not depend on its operands, by the equation object: read once where an
-        # unrolled scan's body runs a trip at a time (seed 000's backward: 32 trips of 48 equations, priced several
-        # times a rewrite)
+        # what an equation makes that does not depend on its operands, by the equation object, where a body runs a
+        # trip at a time (a scan JAX unrolls: seed 000's backward, 32 trips of 48 equations, priced several times a
+        # rewrite): read at its first trip; and each literal's op, by the literal object
         facts: dict[int, tuple] = {}
+        lit_ops: dict[int, int] = {}
 
-        def facts_of(eqn: Any) -> tuple:
-            got = facts.get(id(eqn))
-            if got is None:
-                name = eqn.primitive.name
-                one = not eqn.effects and len(eqn.outvars) == 1
-                got = facts[id(eqn)] = (unrolled(name, eqn.params),
-                                        PARAMS.intern_params(eqn.primitive, eqn.params) if one else None,
-                                        name, _primitives.family_of(name), tuple(v.aval for v in eqn.outvars),
-                                        tuple(a.aval for a in eqn.invars))
-            return got
+        def read_again(atom: Any, env: dict) -> int:
+            if isinstance(atom, core.Literal):
+                found = lit_ops.get(id(atom))
+                if found is None:
+                    found = lit_ops[id(atom)] = read(atom, env)
+                return found
+            return env[atom]
 
-        def run(jaxpr: Any, env: dict) -> None:
+        def run(jaxpr: Any, env: dict, trips: bool = False) -> None:
             for eqn in jaxpr.eqns:
-                args = tuple(read(a, env) for a in eqn.invars)
-                looped, pid, name, family, outs, ins = facts_of(eqn)
+                got = facts.get(id(eqn)) if trips else None
+                if got is None:
+                    name = eqn.primitive.name
+                    got = (unrolled(name, eqn.params),
+                           PARAMS.intern_params(eqn.primitive, eqn.params)
+                           if not eqn.effects and len(eqn.outvars) == 1 else None,
+                           name, _primitives.family_of(name), tuple(v.aval for v in eqn.outvars),
+                           tuple(a.aval for a in eqn.invars))
+                    if trips:
+                        facts[id(eqn)] = got
+                looped, pid, name, family, outs, ins = got
+                at = read_again if trips else read
+                args = tuple(at(a, env) for a in eqn.invars)
                 if looped:  # straight-line code, as JAX lowers it
                     body = eqn.params["jaxpr"]
 
@@ -127,8 +132,8 @@ class Program:
                         for v in body.jaxpr.constvars:
                             ops.append(Op("literal", _primitives.SPECIAL, {}, (), (), (v.aval,)))
                             inner[v] = len(ops) - 1
-                        run(body.jaxpr, inner)
-                        return [read(a, inner) for a in body.jaxpr.outvars]
+                        run(body.jaxpr, inner, True)
+                        return [read_again(a, inner) for a in body.jaxpr.outvars]
 
                     outs = unroll(ops, eqn.params, args, [v.aval for v in body.jaxpr.invars],
                                   [v.aval for v in eqn.outvars], trip)
