@@ -4,8 +4,9 @@ For each program of ``benchmarks/ecosystem.py`` (a gradient program as
 ``jax.grad(rewrite(loss))`` makes it the first time), in the suite's order
 and in one process as the suite runs them: XLA's ``lower().compile()`` of
 the program (median of two), then the rewrite's first-call time (``explain``,
-trace to emit, with its disk cache in a fresh folder, so nothing is read
-back), its stages and its slowest rule. The ratio of the two is the suite's
+trace to emit, with its disk cache in a fresh folder for each program, so
+nothing is read back, its own or another program's), its stages and its
+slowest rule. The ratio of the two is the suite's
 overhead column.
 
 Run ``python -m benchmarks.rewrite_time [--configs identity] [--set ecosystem] [--programs a,b]
@@ -214,7 +215,8 @@ def markdown(rows: list[dict], config: str, load: tuple, via: str = "rewrite", w
         f"`python -m benchmarks.rewrite_time{_set_flag(which)}` on {jax.default_backend()}, jax {jax.__version__}, "
         f"{datetime.date.today().isoformat()}; load average {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} "
         f"(1 / 5 / 15 min) at the start, on {os.cpu_count()} cores. One process, the set's order; each "
-        "rewrite is its first call (a fresh disk cache). Ratio: rewrite seconds over XLA's. CPU s: the rewrite's "
+        "rewrite is its first call (a fresh disk cache for each program). Ratio: rewrite seconds over XLA's. "
+        "CPU s: the rewrite's "
         "`time.process_time` (XLA CPU s: the process's during XLA's compile, median of two; CPU ratio: the one over "
         "the other); pipelines: the saturations it ran (`run_pipeline`), with their e-graph rows summed (two "
         "counts the load does not move; where there are several, each one's rows in the order they ran). The "
@@ -279,7 +281,8 @@ def markdown_runs(rows: list[dict], runs: int, config: str, load: tuple, via: st
         f"jax {jax.__version__}, "
         f"{datetime.date.today().isoformat()}; load average {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} at the "
         f"start, on {os.cpu_count()} cores. {runs} fresh processes one after another, each the set's order as one "
-        "run times it (each rewrite its first call, a fresh disk cache; XLA's compile the median of two); per "
+        "run times it (each rewrite its first call, a fresh disk cache for each program; XLA's compile the median "
+        "of two); per "
         "program the median over the runs, the ratio's range, and the runs over 1.0x. The rewrite timed: "
         + ("`explain`'s." if via == "explain" else "`rewrite(fn)`'s first call."),
         "",
@@ -347,9 +350,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if unknown:
         ap.error(f"not programs of the set {args.set!r}: {', '.join(unknown)}")
     rows = []
-    with tempfile.TemporaryDirectory() as folder:
-        os.environ["JAX_REWRITE_CACHE_DIR"] = folder  # a first call: nothing stored before
-        for name in names:
+    for name in names:
+        # a first call: nothing stored before, by this program or by another of the set (the corpus's gradient of
+        # a loss whose forward an earlier case rewrote would read that forward back: nn_lm_one_hot_grad)
+        with tempfile.TemporaryDirectory() as folder:
+            os.environ["JAX_REWRITE_CACHE_DIR"] = folder
             rows.append(measure(name, packs, args.via, args.emitted, programs))
             r = rows[-1]
             print(f"{name:36s} compile {r['compile_s']:6.2f} s  rewrite {r['rewrite_s']:6.2f} s  "
