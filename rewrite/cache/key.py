@@ -78,7 +78,7 @@ def rule_parts(rule: Any) -> tuple:
 #: The last few :func:`rules_fingerprint` digests, by what decides them (:func:`_entries_key`), each with the objects
 #: its key names by identity, held so that those identities stay theirs (a rewrite's pipelines key the same rules again
 #: and again: the identity packs' 112 rules, 0.4-0.5 ms a key, about 4% of a small program's first call).
-_LAST: "collections.OrderedDict[tuple, tuple[tuple, str]]" = collections.OrderedDict()
+_LAST: collections.OrderedDict[tuple, tuple[tuple, str]] = collections.OrderedDict()
 _LAST_SIZE = 8
 
 
