@@ -78,7 +78,7 @@ def rule_parts(rule: Any) -> tuple:
 #: The last few :func:`rules_fingerprint` digests, by what decides them (:func:`_entries_key`), each with the objects
 #: its key names by identity, held so that those identities stay theirs (a rewrite's pipelines key the same rules again
 #: and again: the identity packs' 112 rules, 0.4-0.5 ms a key, about 4% of a small program's first call).
-_LAST: collections.OrderedDict[tuple, tuple[tuple, str]] = collections.OrderedDict()
+_LAST: collections.OrderedDict[tuple, tuple[tuple, str, tuple]] = collections.OrderedDict()
 _LAST_SIZE = 8
 
 
@@ -111,17 +111,21 @@ def rules_fingerprint(entries: Sequence[tuple[Any, Any]]) -> str:
     """Every rule in order, with its ruleset's soundness class, tolerance and back-off. Raises :class:`Unstable`.
 
     The last few digests are kept (:data:`_LAST`), by the rules' and rulesets' identities and what each ruleset
-    adds as read at this call (:func:`_entries_key`), with the objects that key names by identity."""
+    adds as read at this call (:func:`_entries_key`), with the objects that key names by identity, and each rule's
+    own digest (:func:`rule_fingerprint`'s table): a rule whose digest is made again (dropped from that table: what
+    it reaches changed) is read afresh."""
     made = _entries_key(entries)
     if made is None:
         return _rules_fingerprint(entries)
     key, held = made
     found = _LAST.get(key)
-    if found is not None and len(found[0]) == len(held) and all(a is b for a, b in zip(found[0], held)):
+    if (found is not None and len(found[0]) == len(held) and all(a is b for a, b in zip(found[0], held))
+            and all(_RULES.get(r) == d for (r, _), d in zip(entries, found[2]))):
         _LAST.move_to_end(key)
         return found[1]
     digest = _rules_fingerprint(entries)
-    _LAST[key] = (held, digest)
+    # with each rule's own digest as made: one dropped from (or made again in) the rules' table is read afresh
+    _LAST[key] = (held, digest, tuple(_RULES.get(r) for r, _ in entries))
     while len(_LAST) > _LAST_SIZE:
         _LAST.popitem(last=False)
     return digest
