@@ -14,6 +14,7 @@ import hashlib
 import json
 import pathlib
 import sys
+import threading
 import weakref
 from typing import Any, Sequence
 
@@ -80,6 +81,7 @@ def rule_parts(rule: Any) -> tuple:
 #: and again: the identity packs' 112 rules, 0.4-0.5 ms a key, about 4% of a small program's first call).
 _LAST: collections.OrderedDict[tuple, tuple[tuple, str, tuple]] = collections.OrderedDict()
 _LAST_SIZE = 8
+_LAST_LOCK = threading.Lock()  # (rewrites on several threads key their rules alike)
 
 
 def _entries_key(entries: Sequence[tuple[Any, Any]]) -> tuple[tuple, tuple] | None:
@@ -118,16 +120,20 @@ def rules_fingerprint(entries: Sequence[tuple[Any, Any]]) -> str:
     if made is None:
         return _rules_fingerprint(entries)
     key, held = made
-    found = _LAST.get(key)
+    with _LAST_LOCK:
+        found = _LAST.get(key)
+        if found is not None:
+            _LAST.move_to_end(key)
     if (found is not None and len(found[0]) == len(held) and all(a is b for a, b in zip(found[0], held))
             and all(_RULES.get(r) == d for (r, _), d in zip(entries, found[2]))):
-        _LAST.move_to_end(key)
         return found[1]
     digest = _rules_fingerprint(entries)
     # with each rule's own digest as made: one dropped from (or made again in) the rules' table is read afresh
-    _LAST[key] = (held, digest, tuple(_RULES.get(r) for r, _ in entries))
-    while len(_LAST) > _LAST_SIZE:
-        _LAST.popitem(last=False)
+    mine = tuple(_RULES.get(r) for r, _ in entries)
+    with _LAST_LOCK:
+        _LAST[key] = (held, digest, mine)
+        while len(_LAST) > _LAST_SIZE:
+            _LAST.popitem(last=False)
     return digest
 
 
