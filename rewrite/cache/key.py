@@ -124,8 +124,8 @@ def rules_fingerprint(entries: Sequence[tuple[Any, Any]]) -> str:
         found = _LAST.get(key)
         if found is not None:
             _LAST.move_to_end(key)
-    if (found is not None and len(found[0]) == len(held) and all(a is b for a, b in zip(found[0], held))
-            and all(_RULES.get(r) == d for (r, _), d in zip(entries, found[2]))):
+    # (a key found names the objects its entry holds alive by their ids, so they are these: no other lives there)
+    if found is not None and all(_RULES.get(r) == d for (r, _), d in zip(entries, found[2])):
         return found[1]
     digest = _rules_fingerprint(entries)
     # with each rule's own digest as made: one dropped from (or made again in) the rules' table is read afresh
