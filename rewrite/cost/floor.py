@@ -16,14 +16,15 @@ from .memory import _buffers, _position_of, _writes_in_place, loop_carries
 
 
 def peak_floor(prog: Any, kernels: Sequence[Fusion], inner: Callable[[Any], int] | None = None,
-               above: float = math.inf) -> int:
+               above: float = math.inf, across: bool = True) -> int:
     """A lower bound on ``cost.memory.scheduled_peak`` (``scratch`` held) of the same kernels, read without ordering
     them: the most, over kernels, of what a kernel holds inside (its ``inner`` and scratch) and the buffers of sizes
     no program output has (``_out_bytes``) that it reads, writes or that are live across it in every order
     (:func:`_across`: written by an ancestor of it, read by a descendant), each read once and each written one that
     may write over a read of its size not at all. The first bound over ``above`` is returned at once (whether it
     exceeds ``above`` is all a caller that passes it reads), before the buffers live across are sought (a
-    reachability pass). It costs a fraction of the peak (no order, no sharing).
+    reachability pass). It costs a fraction of the peak (no order, no sharing). ``across=False``: those buffers are
+    not sought at all (a lower floor still, for a quarter of the cost or less: what a kernel holds itself).
 
     Why it bounds the peak in every order the kernels can run in (``xla_order`` gives one where each kernel comes
     after the kernels it reads, or program order, which does too): ``_peak_in`` holds a group of buffers that share
@@ -77,7 +78,7 @@ def peak_floor(prog: Any, kernels: Sequence[Fusion], inner: Callable[[Any], int]
             found = here
             if found > above:
                 return found
-    for n, more in _across(prog, kernels, mine, written, outputs, taken):
+    for n, more in _across(prog, kernels, mine, written, outputs, taken) if across else ():
         here = heres[n] + (sum(s for s in {s for s, _ in more} - sizes[n]) if once else sum(s for s, _ in more))
         if here > found:
             found = here

@@ -455,6 +455,20 @@ class LiveFusion:
                 self.scheduled = int(held)
         return float(cost)
 
+    def price_floor(self) -> float | None:
+        """A floor of :meth:`price` read without scheduling the kernels, where :meth:`price` would schedule them
+        (``FusionModel.held_bytes``): the same sums, and the memory charge at nothing held (``memory_price`` never
+        falls as what is held rises, and every float step of the two is monotone, so the floor is at most the
+        price, bit for bit). ``None`` where the price schedules nothing, and so costs no more than the floor."""
+        model = self.model
+        if not model.prices_peak or model.held is None or not model.fresh or self._temp_sum < model.fresh_at:
+            return None
+        cost = math.fsum([*self._cost.values(), *self._views.values()])  # as price sums
+        if self._across_count:
+            cost -= shared_across(model, self.ops, self._across_count)
+        cost += model.memory_price(self.peak(), 0.0)
+        return float(cost)
+
     def _count_across(self, r: Any, keys: set) -> None:
         """Kernel ``r`` now computes members of the ``SHARED_ACROSS`` groups ``keys``: the counts follow."""
         old = self._across.get(r, set())
