@@ -291,8 +291,9 @@ class Rewritten:
         from the loss-first program instead; the step so changed is rewritten, and kept where it is priced below
         the step as written. ``result`` is the step as written, rewritten, where a caller has it (``explain``);
         otherwise it is made here only where it is needed: where no loss is replaced, or where the step with
-        its losses replaced does not price below the step as written unrewritten. Then, as before, the cheaper of the
-        two rewritten steps is kept (or the leaner within the model's lean band).
+        its losses replaced neither prices below the step as written unrewritten nor, each loss's derivative kept
+        over JAX's as written (as ``jax.grad(rewrite(loss))`` decides it), keeps leaner than it as loaded on the
+        model's lean bands. Then the cheaper of the two rewritten steps is kept (or the leaner within those bands).
 
         The result's ``times`` hold the search's seconds as ``whole_step`` and its parts, which sum to it
         (:data:`rewrite.records.STEP_STAGES`): ``step find`` (the candidates, their re-derivations and proofs, the
@@ -300,8 +301,7 @@ class Rewritten:
         ``_loss_first``; where a ``jointly`` ruleset fired, both joints), ``step jointly`` (the forward without
         it, and the choice), ``step rest`` (the step so changed, rewritten and priced) and ``step price`` (the step
         as written, priced; read off the proofs' load, ``StepFinding.price``, where it can be, in ``step find``)."""
-        def as_written(price: float | None = None) -> Result:
-            # ``price``: the step as written, priced already (program_cost), is not priced again
+        def as_written(price: float | None = None) -> Result:  # (``price``: the step's, priced already, not again)
             with stage("the step as written" if self.whole_step and self.entries else "the program"):
                 return result if result is not None else run_pipeline(
                     traced, self.entries, self.cost_model, self.limits, input_price=price, plain=differentiating())
@@ -317,8 +317,7 @@ class Rewritten:
         spent: dict[str, float] = {}
         small = self.step_by_default and len(traced.closed.jaxpr.eqns) < PIN_FROM  # (grad.step.AsWritten)
         try:
-            pinned: set = set()
-            # the proofs saturate with no rule: a step is loaded once for all of them (proof_graph)
+            pinned: set = set()  # (the proofs saturate with no rule: a step is loaded once for all, proof_graph)
             decided: list[str] = []
             kept: list[bool] = []  # for each loss-first program, whether it is JAX's derivative as written
             loss_first = functools.partial(self._loss_first, spent=spent, decided=decided, small=small, forwards={},
@@ -351,14 +350,22 @@ class Rewritten:
             written.step = finding
             return timed(written)  # the search ran, though its step was not kept
         if alt.cost_after < before:
-            # priced below the step as written: kept without rewriting the step as written (that saturation is
-            # most of a training step's rewrite time), whatever the latter's rewrite would price
+            # priced below the step as written: kept, the step as written not saturated (most of a step's rewrite)
             return timed(self._replaced(traced, alt, finding, before, f"priced {alt.cost_after:.4g}, below the "
                                         f"step as written ({before:.4g})"))
+        leaner = functools.partial(closed_keep_leaner, self.cost_model, alt.cost_after, alt.after)  # (extract/lean.py)
+        if result is None and kept and not any(kept):  # each loss's derivative kept over JAX's as written
+            t = time.perf_counter()  # (vjp.py's decided_jointly): held to the step as written as loaded, on those bands
+            loaded = run_pipeline(traced, (), self.cost_model, self.limits, input_price=before)
+            lap(spent, "step price", t)
+            if leaner(loaded.cost_after, loaded.after):
+                return timed(self._replaced(traced, alt, finding, before, f"priced {alt.cost_after:.4g} against the "
+                                            f"step as written ({loaded.cost_after:.4g}), leaner on the model's lean "
+                                            "bands as each loss's derivative was: the step as written not rewritten"))
         written = as_written(before)
         written.step = finding
         cheaper = alt.cost_after < written.cost_after
-        if cheaper or self._leaner(alt, written):
+        if cheaper or leaner(written.cost_after, written.after):
             return timed(self._replaced(traced, alt, finding, written.cost_before, "" if cheaper else (
                 f"priced {alt.cost_after:.4g} against {written.cost_after:.4g}, within the model's lean band, and "
                 "predicted to hold less memory")))
@@ -400,12 +407,6 @@ class Rewritten:
     def _proof(self, program: core.ClosedJaxpr) -> list[Any]:
         """``program``'s outputs' classes, saturated with no rules: equal values share one (``find_losses``'s proof)."""
         return saturated_classes(program, (), self.limits)
-
-    def _leaner(self, alt: Result, result: Result) -> bool:
-        """The cost model's own rule between two programs it prices close (:func:`rewrite.extract.lean.keeps_leaner`):
-        within its ``lean_band`` the one predicted to hold less memory at its peak wins; within ``lean_band_far``,
-        the one that holds at most half and drops arrays larger than the cache."""
-        return closed_keep_leaner(self.cost_model, alt.cost_after, alt.after, result.cost_after, result.after)
 
     def _loss_first(self, cone: core.ClosedJaxpr, spent: dict[str, float] | None = None,
                     decided: list[str] | None = None, wrt: Sequence[int] | None = None, kept: list | None = None,

@@ -674,6 +674,34 @@ def test_a_step_far_leaner_replaced_is_kept_within_the_far_band(monkeypatch):
     assert r.rewrites == 1, r.rewrites  # what was compiled and run is the program ``res`` describes
 
 
+def test_a_step_kept_leaner_than_the_step_as_written_does_not_rewrite_it(monkeypatch):
+    """A step whose loss-first replacement prices above the step as written and is kept as the leaner: each loss's
+    derivative was kept over JAX's of the loss as written already (on the same lean bands, against JAX's
+    unrewritten, as ``jax.grad(rewrite(loss))`` decides it), so the step so changed is held to the step as written
+    as loaded (no rule), and the step as written is not saturated to confirm it (0.86 s of linen_master16's 2.0 s
+    first call, the largest saturation of its rewrite). ``explain``, which rewrites the step as written for its
+    report and decides against that, keeps the same program: linen's step accumulating micro-batches, at N=512,
+    priced without the fresh-buffer term (as in the far band's test above, whose step this is)."""
+    from rewrite import api
+    from rewrite.cost.model import AnalyticCost
+
+    monkeypatch.setattr(rulesets.nn.nn_lm_head, "jointly", False)
+    size = ws.Size(batch=2, length=512, width=64, heads=4, vocab=8192)
+    step, args = ws.CASES["linen_accumulate"](size, ws.plain)
+    args = jax.tree.map(jnp.asarray, args)
+    whole = len(jax.make_jaxpr(step)(*args).jaxpr.eqns)
+    runs, run = [], api.run_pipeline
+    monkeypatch.setattr(api, "run_pipeline", lambda program, entries, *a, **kw: runs.append(
+        (len(getattr(program, "closed", program).jaxpr.eqns), bool(entries))) or run(program, entries, *a, **kw))
+    model = AnalyticCost(fresh=0.0)
+    res = rewrite(step, rulesets=ws.packs(), cache=False, cost_model=model).result(*args)
+    assert "loss-first" in res.why and "the step as written not rewritten" in res.why, res.why
+    assert (whole, False) in runs and (whole, True) not in runs, (whole, runs)
+    report = explain(step, *args, rulesets=ws.packs(), cost_model=model)  # the program rewrite runs: ``runs``
+    assert (whole, True) in runs and report.step_used, str(report.step)
+    assert str(report.runs) == str(res.after)
+
+
 def test_a_program_without_a_backward_has_no_candidate():
     """A scalar read by arithmetic on the inputs (no backward read what its cone computed) is not a candidate:
     nothing is re-derived for programs that hold no gradient."""
