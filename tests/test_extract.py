@@ -694,7 +694,7 @@ def test_a_search_declines_by_floors_what_it_declined_by_prices_and_makes_the_sa
 
     def checked_unless(self, above):
         found = unless(self, above)
-        if self.key() not in self.pricer._known:  # answered by its floor: at most the price, and no cheaper
+        if not self.pricer.priced(self.key()):  # answered by its floor: at most the price, and no cheaper
             told.append(found)
             assert above <= found <= self.fusion.price()
         return found

@@ -106,6 +106,10 @@ class ProgramPricer:
             found = self._known[key] = price()
         return found
 
+    def priced(self, key: tuple) -> bool:
+        """Whether the program ``key`` names was priced (its price is remembered)."""
+        return key in self._known
+
     def count(self, key: tuple) -> None:
         """Count the program ``key`` names as priced, as :meth:`remember` counts it (once), where what the caller asks
         was answered without its price (``LiveProgram.price_unless``, ``ProgramSearch._lean``): a search's budget
@@ -327,7 +331,7 @@ class LiveProgram:
         only a program priced below ``above`` learns the same from it (a search that only confirms its start
         scheduled every program it tried: most of its time)."""
         key = self.key()
-        if key not in self.pricer._known:
+        if not self.pricer.priced(key):
             self.flush()
             floor = self.fusion.price_floor()
             if floor is not None and floor >= above:
@@ -369,7 +373,7 @@ class LiveProgram:
         """Whether :meth:`held` is over ``most``, as told by what each kernel holds itself (``cost.floor.peak_floor``
         without the buffers live across kernels): ``False`` where that does not tell; ``None``, not asked, where the
         program was priced before (its price is remembered, and its peak most often: nothing to save)."""
-        if self.key() in self.pricer._known:
+        if self.pricer.priced(self.key()):
             return None
         self.flush()
         fusion = self.fusion
