@@ -2,7 +2,7 @@
 
 For each program of the ecosystem suite, rewritten with the identity packs, this takes the program that
 extraction chose and searches further from it under the same whole-program price
-(``rewrite.extract.program.ProgramSearch``), with limits extraction does not have:
+(``rewrite.extract.search.ProgramSearch``), with limits extraction does not have:
 
 * **longer**: the same single-class and loop-group moves, with no limit on the program's classes (extraction
   searches only programs of at most ``max_classes`` = 400 classes) and a budget 50 times larger;
@@ -41,7 +41,7 @@ LIMITS = dict(max_classes=10**9, max_evaluations=200_000, per_class=50.0)
 
 
 def _search(ex: Any, price: Any, choice: dict, roots: list, known: float | None = None) -> tuple[dict, float]:
-    from rewrite.extract.program import ProgramSearch
+    from rewrite.extract.search import ProgramSearch
 
     search = ProgramSearch(ex, price, choice, roots, **LIMITS)
     return search.run(passes=20, known=known)

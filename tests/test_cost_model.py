@@ -231,7 +231,8 @@ def test_extraction_prices_each_distinct_program_once():
     """The whole-program search asks for many prices; each distinct program is priced once (the pricer's memo)."""
     from rewrite.extract.extract import extract
     from rewrite.extract.extractor import Extractor
-    from rewrite.extract.program import ProgramPricer, ProgramSearch
+    from rewrite.extract.program import ProgramPricer
+    from rewrite.extract.search import ProgramSearch
     from rewrite import explain
 
     def f(x):

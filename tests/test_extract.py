@@ -571,11 +571,12 @@ def test_the_lean_search_reads_no_peak_where_no_program_can_be_leaner(monkeypatc
     band read one: 53 for the 19 searches of this log density's rewrite, now 18. The program is the same."""
     from rewrite import rewrite
     from rewrite.extract import program as P
+    from rewrite.extract import search as S
 
     calls, searches = [], []
-    real, lean = P.scheduled_peak, P.ProgramSearch._lean
+    real, lean = P.scheduled_peak, S.ProgramSearch._lean
     monkeypatch.setattr(P, "scheduled_peak", lambda *a, **k: calls.append(1) or real(*a, **k))
-    monkeypatch.setattr(P.ProgramSearch, "_lean", lambda self, *a: searches.append(1) or lean(self, *a))
+    monkeypatch.setattr(S.ProgramSearch, "_lean", lambda self, *a: searches.append(1) or lean(self, *a))
 
     def log_density(mu, tau, theta, y, sigma):
         lp = -0.5 * ((theta - mu) / tau) ** 2 - jnp.log(tau)
@@ -595,7 +596,7 @@ def test_a_lean_pass_that_starts_where_no_program_can_be_leaner_weighs_no_move(m
     is weighed, and the program is the one the walked pass gives (walked here by a ``leaner`` that calls every
     program leaner than nothing, which lets each move reach ``accept``'s real test of its peak)."""
     from rewrite import rewrite
-    from rewrite.extract import program as P
+    from rewrite.extract import search as S
 
     def log_density(mu, tau, theta, y, sigma):
         lp = -0.5 * ((theta - mu) / tau) ** 2 - jnp.log(tau)
@@ -605,7 +606,7 @@ def test_a_lean_pass_that_starts_where_no_program_can_be_leaner_weighs_no_move(m
     x = jnp.linspace(0.1, 1.0, 8)
     args = (1.0, 2.0, x, x, x + 1)
     inside, weighed, passes = [], [], []
-    lean, movable, leaner = P.ProgramSearch._lean, P.ProgramSearch._movable, P.leaner
+    lean, movable, leaner = S.ProgramSearch._lean, S.ProgramSearch._movable, S.leaner
 
     def searching(self, *a):
         inside.append(1)
@@ -615,12 +616,12 @@ def test_a_lean_pass_that_starts_where_no_program_can_be_leaner_weighs_no_move(m
         finally:
             inside.pop()
 
-    monkeypatch.setattr(P.ProgramSearch, "_lean", searching)
-    monkeypatch.setattr(P.ProgramSearch, "_movable", lambda self, *a: weighed.append(bool(inside))
+    monkeypatch.setattr(S.ProgramSearch, "_lean", searching)
+    monkeypatch.setattr(S.ProgramSearch, "_movable", lambda self, *a: weighed.append(bool(inside))
                         or movable(self, *a))
     program = str(rewrite(log_density, rulesets=[rulesets.algebra], cache=False).jaxpr(*args))
     assert passes and not any(weighed), (len(passes), weighed.count(True))
-    monkeypatch.setattr(P, "leaner", lambda p, than: p == 0 or leaner(p, than))
+    monkeypatch.setattr(S, "leaner", lambda p, than: p == 0 or leaner(p, than))
     walked = str(rewrite(log_density, rulesets=[rulesets.algebra], cache=False).jaxpr(*args))
     assert weighed.count(True) > 0 and walked == program
 
@@ -633,9 +634,10 @@ def test_the_lean_search_schedules_no_move_its_floor_shows_is_no_leaner(monkeypa
     its program does, and its peak is scheduled for the starting program alone, not for each of 4 moves."""
     from rewrite import rewrite
     from rewrite.extract import program as P
+    from rewrite.extract import search as S
 
     scheduled, floors, searches = [], [], []
-    real, floor, lean = P.scheduled_peak, P.peak_floor, P.ProgramSearch._lean
+    real, floor, lean = P.scheduled_peak, P.peak_floor, S.ProgramSearch._lean
 
     def searching(self, *a):
         searches.append(1)
@@ -652,7 +654,7 @@ def test_the_lean_search_schedules_no_move_its_floor_shows_is_no_leaner(monkeypa
         return found
 
     monkeypatch.setattr(P, "peak_floor", floored)
-    monkeypatch.setattr(P.ProgramSearch, "_lean", searching)
+    monkeypatch.setattr(S.ProgramSearch, "_lean", searching)
 
     def energy(r):
         d = r[:, None, :] - r[None, :, :]
@@ -679,6 +681,7 @@ def test_a_search_declines_by_floors_what_it_declined_by_prices_and_makes_the_sa
     from rewrite.cost import live as L
     from rewrite.cost import memory as M
     from rewrite.extract import program as P
+    from rewrite.extract import search as S
 
     def attention(q, k, v):
         s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / 8.0
@@ -686,17 +689,17 @@ def test_a_search_declines_by_floors_what_it_declined_by_prices_and_makes_the_sa
 
     q, k, v = (jax.random.normal(jax.random.PRNGKey(i), (2, 512, 2, 32)) for i in range(3))
     runs, scheduled, told = [], [], []
-    run, schedule = P.ProgramSearch.run, M.scheduled_peak
-    monkeypatch.setattr(P.ProgramSearch, "run", lambda self, *a, **kw: (lambda out: runs.append(
+    run, schedule = S.ProgramSearch.run, M.scheduled_peak
+    monkeypatch.setattr(S.ProgramSearch, "run", lambda self, *a, **kw: (lambda out: runs.append(
         (self.pricer.evaluations, out[1])) or out)(run(self, *a, **kw)))
     monkeypatch.setattr(M, "scheduled_peak", lambda *a, **kw: scheduled.append(1) or schedule(*a, **kw))
-    unless, holds = P.LiveProgram.price_unless, P.LiveProgram.holds_over
+    below, holds = S.ProgramSearch._price_below, P.LiveProgram.holds_over
 
-    def checked_unless(self, above):
-        found = unless(self, above)
-        if not self.pricer.priced(self.key()):  # answered by its floor: at most the price, and no cheaper
+    def checked_below(self, above):
+        found = below(self, above)
+        if self._live and not self.pricer.priced(self._live.key()):  # answered by its floor: at most the price
             told.append(found)
-            assert above <= found <= self.fusion.price()
+            assert above <= found <= self._live.fusion.price()
         return found
 
     def checked_holds(self, most):
@@ -712,7 +715,7 @@ def test_a_search_declines_by_floors_what_it_declined_by_prices_and_makes_the_sa
 
     gradient()  # (what a process does once: the rules' kernels traced and rewritten, with searches of their own)
     runs.clear(), scheduled.clear()
-    monkeypatch.setattr(P.LiveProgram, "price_unless", checked_unless)
+    monkeypatch.setattr(S.ProgramSearch, "_price_below", checked_below)
     monkeypatch.setattr(P.LiveProgram, "holds_over", checked_holds)
     program, searched = gradient(), list(runs)
     schedules = len(scheduled) - len(told)  # (the checks' own schedules left out)
@@ -726,13 +729,13 @@ def test_a_search_declines_by_floors_what_it_declined_by_prices_and_makes_the_sa
 
 
 def test_a_node_s_operands_in_another_order_are_told_apart_from_the_classes_not_their_addresses():
-    """``ProgramSearch`` does not price ``b*a`` for ``a*b`` (``program._permuted``). It compared the operands sorted by
+    """``ProgramSearch`` does not price ``b*a`` for ``a*b`` (``search._permuted``). It compared the operands sorted by
     their repr, which for an e-class's value is its address: two reads of one class are two objects, so whether
     ``b*a`` counted as ``a*b`` depended on where they lay in memory, and the programs one extraction priced varied
     from run to run (flax_seq2seq_loss: 250-254; 246 every time now). Operands are compared by their values."""
     from types import SimpleNamespace
 
-    from rewrite.extract.program import _permuted
+    from rewrite.extract.search import _permuted
 
     class Cls:  # an e-class's value as egglog makes it: equal and hashed by contents, its repr an address
         def __init__(self, k, where):

@@ -450,7 +450,7 @@ def test_an_extraction_stops_searching_once_the_rewrites_time_is_spent(monkeypat
     """``Limits.seconds`` bounds the extraction too: once the rewrite's time is spent (here each saturation, done,
     takes all of it), the whole-program searches price no more moves and the program found so far is kept, the
     pass is named (``Budget.cut``) and the user told once; far under the limit the same searches price moves."""
-    from rewrite.extract import program
+    from rewrite.extract import search as program
     from rewrite.records import budget_now
     from rewrite.rules import saturate
 

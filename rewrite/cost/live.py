@@ -455,6 +455,11 @@ class LiveFusion:
                 self.scheduled = int(held)
         return float(cost)
 
+    def held_at_most(self) -> int:
+        """A bound on the temporaries held at once in any order (``memory.scheduled_peak``, scratch held): every
+        kernel's reads, writes and what it holds inside, summed (each buffer at least once)."""
+        return self._temp_sum
+
     def price_floor(self) -> float | None:
         """A floor of :meth:`price` read without scheduling the kernels, where :meth:`price` would schedule them
         (``FusionModel.held_bytes``): the same sums, and the memory charge at nothing held (``memory_price`` never

@@ -38,7 +38,8 @@ from ..cost.model import CostModel
 from ..ir.egraph import Snapshot
 from .extractor import Extractor, _signature, search, shared
 from .lean import lean_band, leaner, leaner_at_most, time_price
-from .program import ProgramPricer, ProgramSearch, prices_programs
+from .program import ProgramPricer, prices_programs
+from .search import ProgramSearch
 
 
 @dataclasses.dataclass
