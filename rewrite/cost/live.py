@@ -466,8 +466,8 @@ class LiveFusion:
         falls as what is held rises, and every float step of the two is monotone, so the floor is at most the
         price, bit for bit). ``None`` where the price schedules nothing, and so costs no more than the floor."""
         model = self.model
-        if not model.prices_peak or model.held is None or not model.fresh or self._temp_sum < model.fresh_at:
-            return None
+        if not model.prices_peak or model.held is None or not model.fresh > 0 or self._temp_sum < model.fresh_at:
+            return None  # (a negative fresh charge would fall as what is held rises)
         cost = math.fsum([*self._cost.values(), *self._views.values()])  # as price sums
         if self._across_count:
             cost -= shared_across(model, self.ops, self._across_count)
