@@ -444,9 +444,7 @@ class LiveFusion:
         keeps their ``memory.scheduled_peak`` (scratch held), which ``extract.program.LiveProgram.held`` reads instead
         of scheduling them again: the model's ``held`` is ``memory.fresh_peak`` (no scratch) and no kernel is an
         attention kernel (none has scratch), so the two are one schedule of the same kernels, ``inner`` and order."""
-        cost = math.fsum([*self._cost.values(), *self._views.values()])  # as FusionModel.__call__ sums
-        if self._across_count:
-            cost -= shared_across(self.model, self.ops, self._across_count)
+        cost = self._kernels_sum()
         self.scheduled = None
         if self.model.prices_peak:
             held = self.model.held_bytes(self, self.kernels, self._temp_sum)
@@ -468,11 +466,15 @@ class LiveFusion:
         model = self.model
         if not model.prices_peak or model.held is None or not model.fresh > 0 or self._temp_sum < model.fresh_at:
             return None  # (a negative fresh charge would fall as what is held rises)
-        cost = math.fsum([*self._cost.values(), *self._views.values()])  # as price sums
+        return float(self._kernels_sum() + model.memory_price(self.peak(), 0.0))
+
+    def _kernels_sum(self) -> float:
+        """The kernels' and views' prices summed, less what the ``SHARED_ACROSS`` groups share: :meth:`price` without
+        the memory charge, as ``FusionModel.__call__`` sums it."""
+        cost = math.fsum([*self._cost.values(), *self._views.values()])
         if self._across_count:
-            cost -= shared_across(model, self.ops, self._across_count)
-        cost += model.memory_price(self.peak(), 0.0)
-        return float(cost)
+            cost -= shared_across(self.model, self.ops, self._across_count)
+        return cost
 
     def _count_across(self, r: Any, keys: set) -> None:
         """Kernel ``r`` now computes members of the ``SHARED_ACROSS`` groups ``keys``: the counts follow."""
