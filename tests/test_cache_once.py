@@ -17,6 +17,8 @@ from rewrite.cache import serialise
 from rewrite.cache.fingerprint import fingerprint
 from rewrite.ir.jaxapi import core
 
+from .threads import in_threads
+
 TOL = Tolerance(1e-3, 1e-4)
 RULES = [rule(lambda x: x * 1.0, lambda x: x, name="mul_one_a"),
          rule(lambda x: x + 0.0, lambda x: x, name="add_zero_a"),
@@ -251,24 +253,14 @@ def test_a_rule_reached_as_a_value_keys_alike_whatever_the_process_traced_or_int
 def test_keys_made_on_several_threads_at_once_are_each_the_digest_made_afresh():
     """Rewrites on several threads key their rules at once: more sets of entries than are kept, each thread's
     digests always the ones made afresh, and no error from the table they share."""
-    import threading
-
     packs = [Ruleset(f"t{i}", RULES, soundness="identity", tolerance=Tolerance(10.0 ** -(i + 2), 1e-4))
              for i in range(12)]
     want = {id(p): _key._rules_fingerprint([(r, p) for r in p]) for p in packs}
-    errors: list = []
 
     def work(k: int) -> None:
-        try:
-            for n in range(200):
-                p = packs[(k + n) % len(packs)]
-                assert _key.rules_fingerprint([(r, p) for r in p]) == want[id(p)]
-        except BaseException as e:  # noqa: BLE001 - reported below
-            errors.append(e)
+        for n in range(200):
+            p = packs[(k + n) % len(packs)]
+            assert _key.rules_fingerprint([(r, p) for r in p]) == want[id(p)]
 
-    threads = [threading.Thread(target=work, args=(k,)) for k in range(6)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    errors = in_threads(work, 6)
     assert not errors, errors[:1]

@@ -3,7 +3,6 @@ shared by two live ones, nodes loaded from rows are the nodes actions would have
 function traced directly is the jaxpr make_jaxpr gives, its function called once."""
 
 import gc
-import threading
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +13,8 @@ from jax._src import core
 from rewrite.ir import egraph as _egraph, loader as _loader_mod, primitives as _primitives, terms as _terms
 from rewrite.jaxpr.trace import trace_at
 from rewrite.ir.intern import PARAMS, TYPES
+
+from .threads import in_threads
 
 F32 = core.ShapedArray((3,), jnp.float32)
 
@@ -118,23 +119,16 @@ def test_two_live_egraphs_never_share_an_instance():
 
 
 def test_egraphs_lent_across_threads_stay_apart():
-    seen, errors = [], []
+    seen = []
 
     def work(i):
-        try:
-            eg = _egraph.EGraph()
-            x = eg.term("Param", [0, i], TYPES.intern_aval(F32))
-            for _ in range(20):
-                x = _mul(eg, x, x)
-            seen.append((_rows(eg)["V"], id(eg.eg)))
-        except Exception as e:  # reported below
-            errors.append(e)
+        eg = _egraph.EGraph()
+        x = eg.term("Param", [0, i], TYPES.intern_aval(F32))
+        for _ in range(20):
+            x = _mul(eg, x, x)
+        seen.append((_rows(eg)["V"], id(eg.eg)))
 
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    errors = in_threads(work, 4)
     assert not errors and [n for n, _ in seen] == [21] * 4
 
 
