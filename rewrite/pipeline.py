@@ -327,7 +327,13 @@ def plain_program(snap: Any, eg: Any, entries: Sequence[tuple[Rule, Ruleset]], r
     pass over the input program's nodes (``extract.policy.same_original_tree``: the nodes they built are none of
     the input's), which the forward's extraction made where it read ``snap`` itself (no ``jointly`` rule barred a
     form, :func:`_run`'s ``unbarred``, and no recomputing rule's node was withheld, ``extract_by_policy``). With its
-    price as extracted (``Result.plain_cost``)."""
+    price as extracted (``Result.plain_cost``).
+
+    No whole-program search refines it (``refine=False``): it is read off to be traced into its joint program, which
+    a pipeline of its own rewrites and extracts again, search and all (``grad/together.py``'s ``rewrite_joints``), and
+    its price only steers which of the two joints is priced or rewritten first there. Those searches were 127 of
+    wholestep_full_linen_cross's 1,410 ms and 88 of equinox_gpt's; without them all 84 programs of
+    ``benchmarks.rewrite_time``'s three sets come out byte for byte the same (2026-12-08, ``log.md``)."""
     jointly = frozenset(r.name for r, owner in entries if getattr(owner, "jointly", False))
     rest = [(r, owner) for r, owner in entries if r.name not in jointly]
     without, made = copy_without(snap, eg, jointly, original)
@@ -335,7 +341,7 @@ def plain_program(snap: Any, eg: Any, entries: Sequence[tuple[Rule, Ruleset]], r
         full, copy = shared(snap, model), shared(without, model)
         copy.share_prices(full)
         same_original_tree(full, copy, made, original)
-    ex = extract_by_policy(without, eg, rest, roots, model, original)
+    ex = extract_by_policy(without, eg, rest, roots, model, original, refine=False)
     ex, after = _held_to_input(ex, closed, emit_choice, model)
     return after, ex.cost
 
@@ -356,18 +362,20 @@ def _held_to_input(ex: Any, closed: core.ClosedJaxpr, emit_choice: Any, model: C
 
 
 def extract_by_policy(snap: Any, eg: Any, entries: Sequence[tuple[Rule, Ruleset]], roots: list, model: CostModel,
-                      original: set, as_loaded: bool = False) -> Any:
+                      original: set, as_loaded: bool = False, refine: bool = True) -> Any:
     """The program from ``roots`` under the extraction policy: the cheapest without the recomputing rules' nodes
     (``extract.policy.withheld``), held to the rulesets' ``min_saving`` (``worth_their_saving``), then with the
     recomputing nodes where they free memory (``recomputations``). A pipeline's extraction, and a VJP's of its
     gradients alone (``grad/vjp.py``), which must hold the same policy. ``as_loaded`` (:func:`run_together`'s joint
     programs): a program that saves less than its floored rules' ``min_saving`` is left as loaded, the program
-    without them not extracted (``extract.policy.floored``)."""
+    without them not extracted (``extract.policy.floored``). ``refine=False``: no whole-program search refines the
+    candidates (``extract.extract``'s ``refine``: :func:`plain_program`'s)."""
     plain, recomputing = withheld(snap, eg, entries, original)
     if plain is not snap:  # one key names one program in both: recomputations prices the copy's program again
         shared(plain, model).share_prices(shared(snap, model))
-    ex = extract(plain, roots, model, original, floor_test(plain, eg, entries, roots, original) if as_loaded else None)
-    ex = worth_their_saving(ex, plain, eg, entries, roots, model, original, as_loaded)
+    ex = extract(plain, roots, model, original, floor_test(plain, eg, entries, roots, original) if as_loaded else None,
+                 refine)
+    ex = worth_their_saving(ex, plain, eg, entries, roots, model, original, as_loaded, refine)
     return recomputations(ex, snap, recomputing, roots, model)
 
 

@@ -428,6 +428,45 @@ def test_the_forward_without_its_jointly_rules_takes_the_forwards_input_tree(mon
     assert same_program(again.plain, res.plain) and str(again.plain) == str(res.plain)
 
 
+def test_the_forward_without_its_jointly_rules_is_not_searched_again(monkeypatch):
+    """``pipeline.plain_program`` reads the forward without the ``jointly`` rules' nodes off without a whole-program
+    search (``extract_by_policy(refine=False)``): its joint program's own pipeline searches again. No
+    ``ProgramSearch`` runs while it is read, where the forward's own extraction is searched; and here the plain
+    forward so read is the program the search would have left (it confirmed its start)."""
+    import rulesets
+    import rewrite.pipeline as pipeline
+    from rewrite.extract import search
+
+    searches: list[bool] = []  # each search run: whether it was one of plain_program's
+    inside, run, read_off = [False], search.ProgramSearch.run, pipeline.plain_program
+
+    def counted(self, *args, **kwargs):
+        searches.append(inside[0])
+        return run(self, *args, **kwargs)
+
+    def plain_program(*args, **kwargs):
+        inside[0] = True
+        try:
+            return read_off(*args, **kwargs)
+        finally:
+            inside[0] = False
+
+    monkeypatch.setattr(search.ProgramSearch, "run", counted)
+    monkeypatch.setattr(pipeline, "plain_program", plain_program)
+    loss, (h, w, y) = lm_head_case(512, 128, 4096)  # the forward takes the head's loop: its plain twin is read off
+    g = rewrite(loss, rulesets=[rulesets.nn], cache=False)
+    closed = jax.make_jaxpr(loss)(h, w, y)
+    res = pipeline.run_pipeline(closed, g.entries, g.cost_model, g.limits, price_input=False, plain=True)
+    assert res.jointly_chosen and res.plain is not None
+    assert searches and not any(searches), searches
+    by_policy = pipeline.extract_by_policy
+    monkeypatch.setattr(pipeline, "extract_by_policy", lambda *a, **k: by_policy(*a, **{**k, "refine": True}))
+    searches.clear()
+    again = pipeline.run_pipeline(closed, g.entries, g.cost_model, g.limits, price_input=False, plain=True)
+    assert any(searches), searches  # searched, as before this change
+    assert str(again.plain) == str(res.plain) and again.plain_cost == res.plain_cost
+
+
 def _count_plain_forwards(monkeypatch) -> list:
     """Every program ``rewrite.grad.vjp`` runs the pipeline on without the ``jointly`` rulesets (the forward rewritten
     again without them), appended to the list returned, as the pipeline is patched to record them."""

@@ -100,14 +100,17 @@ INPUT_START = 1e-3
 
 
 def extract(snap: Snapshot, roots: Sequence[Any], model: CostModel, original: set[tuple] | None,
-            floored: Callable[[Candidate, float], bool] | None = None) -> Extraction:
+            floored: Callable[[Candidate, float], bool] | None = None, refine: bool = True) -> Extraction:
     """Choose the program to emit. ``original`` holds the input program's nodes, canonicalised.
 
     ``floored(candidate, input_cost)``, where given, says whether a rewritten candidate would be left as loaded
     after (``extract.policy.floored``): where the cheapest and every rewritten candidate the lean band could take
     instead would be, the input program is returned, unrewritten, and the band's peaks (``_leanest``) and the
     leaner fallback (``_no_fatter``) are not read: whichever of them they chose, the input is what comes out
-    (where the band would have taken the input itself, the same program, not marked ``lean``)."""
+    (where the band would have taken the input itself, the same program, not marked ``lean``).
+
+    ``refine=False``: the candidates are not refined by :class:`ProgramSearch` (a program read off for another
+    pipeline to rewrite again, which refines its own: ``pipeline.plain_program``)."""
     ex = shared(snap, model)
     _, tree_choice = ex.tree()
     missing = [r for r in roots if r not in tree_choice]
@@ -140,7 +143,7 @@ def extract(snap: Snapshot, roots: Sequence[Any], model: CostModel, original: se
                 starts.append(Candidate({**tree_choice, **orig_choice}, orig.cost, True, orig.signature))
         refined_from: set[frozenset] = set()
         visited: set = set()
-        for start in starts:
+        for start in starts if refine else ():
             if start.signature in refined_from:
                 continue
             refined_from.add(start.signature)

@@ -34,7 +34,7 @@ from .program import ProgramPricer, prices_programs
 
 
 def worth_their_saving(ex: Any, snap: Any, eg: EGraph, entries: Sequence[tuple[Any, Any]], roots: list,
-                        model: CostModel, original: set, as_loaded: bool = False) -> Any:
+                        model: CostModel, original: set, as_loaded: bool = False, refine: bool = True) -> Any:
     """A ruleset's ``min_saving``: if the chosen program uses nodes built by rules of rulesets that ask
     for one, the program is extracted again without any node those rules built, and that program is
     used unless theirs saves at least the largest such fraction of the input program's cost more. Where the
@@ -49,7 +49,8 @@ def worth_their_saving(ex: Any, snap: Any, eg: EGraph, entries: Sequence[tuple[A
     those rules is what is used whatever it is (it prices no less than the chosen one, and the input program is one
     of its candidates), and it saves less than the floor too; it is then not extracted, and the input program is
     kept as loaded (:func:`floored`). A decision for a whole step's joint programs only
-    (:func:`rewrite.pipeline.run_together` with ``as_loaded``, from ``grad/together.py``'s ``rewrite_joints``)."""
+    (:func:`rewrite.pipeline.run_together` with ``as_loaded``, from ``grad/together.py``'s ``rewrite_joints``).
+    ``refine``: as ``extract.extract``'s, for the program without them."""
     floors = _floors(entries)
     if not floors or not ex.rewritten or not (0 < ex.original_cost < float("inf")):
         return ex
@@ -63,7 +64,7 @@ def worth_their_saving(ex: Any, snap: Any, eg: EGraph, entries: Sequence[tuple[A
     full, copy = shared(snap, model), shared(without, model)
     copy.share_prices(full)  # the input program, priced by the first extraction, is a candidate of the second
     same_original_tree(full, copy, made, original)
-    alt = extract(without, roots, model, original)
+    alt = extract(without, roots, model, original, refine=refine)
     if alt.cost - ex.cost < floor * ex.original_cost:
         return alt
     return ex
