@@ -434,7 +434,7 @@ def test_the_forward_without_its_jointly_rules_is_not_searched_again(monkeypatch
     ``ProgramSearch`` runs while it is read, where the forward's own extraction is searched; and here the plain
     forward so read is the program the search would have left (it confirmed its start)."""
     import rulesets
-    import rewrite.pipeline as pipeline
+    from rewrite import pipeline
     from rewrite.extract import search
 
     searches: list[bool] = []  # each search run: whether it was one of plain_program's
