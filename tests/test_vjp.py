@@ -673,6 +673,36 @@ def test_the_splits_uses_are_priced_in_one_load_at_the_floats_each_has_alone(mon
     assert str(again.fwd) == str(built.fwd) and str(again.bwd) == str(built.bwd)
 
 
+def test_a_joint_s_programs_are_priced_in_one_load_at_the_floats_each_has_alone(monkeypatch):
+    """The programs a caller of both halves may run (``uses.joint_as_run``: the joint extraction, the gradients',
+    and the outputs of the one with the gradients of the other), each in the uses that run, are priced in one load
+    (``pipeline.programs_cost``), not one load a program: each at the float ``program_cost`` gives it alone, so the
+    program chosen is the one pricing each alone chooses."""
+    from rewrite import pipeline
+    from rewrite.grad import uses, vjp
+
+    together_cost, alone_cost = uses.programs_cost, pipeline.program_cost
+    batches = []
+
+    def spied(programs, model):
+        prices = together_cost(programs, model)
+        batches.append((list(programs), model, prices))
+        return prices
+
+    monkeypatch.setattr(uses, "programs_cost", spied)
+    x, a = jnp.linspace(-3.0, 3.0, 8 * 64 * 64).reshape(8, 64, 64), jnp.linspace(0.5, 2.0, 64)
+    g = rewrite(seed, rulesets=_every_pack_but_fastmath(), cache=False)
+    closed = jax.make_jaxpr(seed)(x, a)
+    program = vjp.rewrite_joint(closed, g.entries, g.cost_model, g.limits)  # both uses weighted alike
+    loads = [b for b in batches if b[0]]
+    assert len(loads) == 1 and len(loads[0][0]) >= 4, [len(b[0]) for b in loads]  # two programs' uses, or more
+    for programs, model, prices in loads:
+        assert prices == [pipeline.program_cost(p, model) for p in programs]  # bit for bit
+    monkeypatch.setattr(uses, "programs_cost", lambda ps, m: [alone_cost(p, m) for p in ps])
+    again = vjp.rewrite_joint(closed, g.entries, g.cost_model, g.limits)
+    assert str(again) == str(program)
+
+
 def test_a_split_s_gradients_alone_are_its_training_step_without_the_outputs_not_traced_again(monkeypatch):
     """``uses.uses_prices`` traces each split's training step once and reads its gradients alone off it (the outputs
     and what only they read dropped: ``uses.without_outputs``), the program JAX's trace of the gradients alone
