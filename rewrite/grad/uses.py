@@ -151,7 +151,7 @@ def priced_uses(train: core.ClosedJaxpr, alone: core.ClosedJaxpr, model: Any,
     (:func:`rewrite.pipeline.programs_cost`: the same floats as each alone; one e-graph borrowed, not two, and the
     forward both compute loaded once)."""
     train, alone = run_uses(train, alone, value)
-    prices = _priced([train] if value is not None else [train, alone], model, seen)
+    prices = _priced(runs_of(train, alone, value), model, seen)
     return Uses(train, alone, sum(prices), prices[0])
 
 
@@ -169,6 +169,12 @@ def _priced(programs: Sequence[core.ClosedJaxpr], model: Any, seen: list[tuple[c
             unpriced.append(p)
     seen.extend(zip(unpriced, programs_cost(unpriced, model)))  # (one alone is program_cost's; none, no load)
     return [known(p) for p in programs]  # type: ignore[misc]
+
+
+def runs_of(train: core.ClosedJaxpr, alone: core.ClosedJaxpr, value: bool | None) -> list[core.ClosedJaxpr]:
+    """The programs of the uses that run (:func:`run_uses`), each once: what :func:`priced_uses` prices."""
+    train, alone = run_uses(train, alone, value)
+    return [train] if value is not None else [train, alone]
 
 
 def run_uses(train: core.ClosedJaxpr, alone: core.ClosedJaxpr, value: bool | None) -> tuple[Any, Any]:
@@ -263,8 +269,7 @@ def joint_as_run(snap: Any, eg: Any, joint: core.ClosedJaxpr, roots: Sequence[An
     alones = [without_outputs(p, n_out) for p in programs]
     # the uses that run, of every program here, priced in one load (_priced: each the float it has alone), not one
     # load a program (equinox's scanned layer's VJP: its three in 85 ms)
-    _priced([q for p, a in zip(programs, alones) for q in run_uses(p, a, value)[:1 if value is not None else 2]],
-            model, priced)
+    _priced([q for p, a in zip(programs, alones) for q in runs_of(p, a, value)], model, priced)
     uses = [priced_uses(p, a, model, priced, value) for p, a in zip(programs, alones)]
     if seen is not None:  # (priced_uses compares programs by their text: only this call's, as before)
         seen.extend(priced)
